@@ -1,0 +1,38 @@
+"""Builds mooncake_connector._core from csrc/ (C11) against Debian's system
+libraries (libcjson, libcurl). CUDA and RDMA libraries are never linked: they
+are dlopen'ed at run time when first needed."""
+import glob
+import os
+
+from setuptools import Extension, setup
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sources = sorted(
+    os.path.relpath(p, HERE)
+    for p in glob.glob(os.path.join(HERE, "csrc", "**", "*.c"), recursive=True)
+)
+
+extra_compile_args = [
+    "-std=gnu11",
+    "-O2",
+    "-Wall",
+    "-Wextra",
+    "-fvisibility=hidden",
+    "-D_GNU_SOURCE",
+    "-pthread",
+]
+if os.environ.get("MC_WERROR") == "1":
+    extra_compile_args.append("-Werror")
+
+setup(
+    ext_modules=[
+        Extension(
+            "mooncake_connector._core",
+            sources=sources,
+            include_dirs=["csrc"],
+            libraries=["cjson", "curl", "dl", "pthread"],
+            extra_compile_args=extra_compile_args,
+            extra_link_args=["-pthread"],
+        )
+    ],
+)
