@@ -74,7 +74,13 @@ int mc_err_prefix(mc_err_t *err, const char *fmt, ...) {
   vsnprintf(head, sizeof head, fmt, ap);
   va_end(ap);
   memcpy(old, err->msg, sizeof old);
-  snprintf(err->msg, sizeof err->msg, "%s: %s", head, old);
+  size_t hl = strnlen(head, sizeof head - 3);
+  memcpy(err->msg, head, hl);
+  memcpy(err->msg + hl, ": ", 2);
+  size_t room = sizeof err->msg - hl - 3;
+  size_t ol = strnlen(old, room);
+  memcpy(err->msg + hl + 2, old, ol);
+  err->msg[hl + 2 + ol] = '\0';
   return err->code;
 }
 
