@@ -49,8 +49,22 @@ int mc_meta_get(mc_meta_t *m, const char *key, char **val, size_t *len,
 int mc_meta_del(mc_meta_t *m, const char *key, mc_err_t *err);
 void mc_meta_close(mc_meta_t *m);
 
-/* Key layout, defined once (see docs/protocol.md). Write into buf. */
+/* Key layout, defined once (see docs/protocol.md). Write into buf.
+ * Prefix P = "mooncake/", or "mooncake/<MC_METADATA_CLUSTER_ID>/" when that
+ * env var is set and non-empty (a trailing '/' in it is not doubled).
+ *   segment: P + "ram/" + name, or P + name when name contains '/'
+ *            (Mooncake's rule, e.g. "nvmeof/<name>");
+ *   rpc:     P + "rpc_meta/" + name.
+ * Return 0, MC_EINVAL for a NULL/empty name or NULL buf, MC_ETOOBIG when the
+ * key (with its NUL) does not fit in len bytes. */
 int mc_meta_key_segment(const char *segment_name, char *buf, size_t len);
 int mc_meta_key_rpc(const char *segment_name, char *buf, size_t len);
+
+/* Largest value a GET accepts (and the Python server's default PUT cap). */
+#define MC_META_MAX_VALUE ((size_t)16 << 20)
+
+/* Backend constructors, called by mc_meta_open's dispatch (meta.c).
+ * The url is copied; the caller validated the scheme. */
+int mc_meta_http_open(const char *url, mc_meta_t **out, mc_err_t *err);
 
 #endif

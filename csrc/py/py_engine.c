@@ -1,8 +1,868 @@
-/* Placeholder: replaced by the real bindings for engine. */
+/* mooncake_connector.TransferEngine: Mooncake's Python engine API over the
+ * C engine.  Same method names, argument order and meaning; failures raise
+ * exceptions carrying the reason instead of returning -1.  Every call that
+ * can block releases the GIL. */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "engine/engine.h"
 #include "py/py_common.h"
 
+typedef struct {
+  PyObject_HEAD
+  mc_engine_t *eng;
+  pthread_rwlock_t life; /* read: a call in flight without the GIL; write: close */
+  PyObject *batches;     /* dict: batch id -> capsule(mc_batch_t*) */
+  long long next_batch;
+} EngineObject;
+
+#define ST(self) mc_py_state_from_type(Py_TYPE(self))
+
+/* ---- helpers ---- */
+
+static int get_u64(PyObject *o, uint64_t *out, const char *what) {
+  PyObject *idx = PyNumber_Index(o);
+  if (!idx) {
+    PyErr_Format(PyExc_TypeError, "%s must be an int, not %.80s", what, Py_TYPE(o)->tp_name);
+    return -1;
+  }
+  unsigned long long v = PyLong_AsUnsignedLongLong(idx);
+  Py_DECREF(idx);
+  if (v == (unsigned long long)-1 && PyErr_Occurred()) {
+    PyErr_Format(PyExc_ValueError, "%s must be a non-negative 64-bit integer", what);
+    return -1;
+  }
+  *out = v;
+  return 0;
+}
+
+/* Parses a sequence of ints into a malloc'ed array. */
+static int get_u64_list(PyObject *seq, uint64_t **out, Py_ssize_t *n, const char *what) {
+  PyObject *fast = PySequence_Fast(seq, "expected a list of ints");
+  if (!fast)
+    return -1;
+  Py_ssize_t k = PySequence_Fast_GET_SIZE(fast);
+  uint64_t *v = PyMem_RawMalloc((size_t)(k ? k : 1) * sizeof *v);
+  if (!v) {
+    Py_DECREF(fast);
+    PyErr_NoMemory();
+    return -1;
+  }
+  PyObject **items = PySequence_Fast_ITEMS(fast);
+  for (Py_ssize_t i = 0; i < k; i++) {
+    if (get_u64(items[i], &v[i], what) < 0) {
+      PyMem_RawFree(v);
+      Py_DECREF(fast);
+      return -1;
+    }
+  }
+  Py_DECREF(fast);
+  *out = v;
+  *n = k;
+  return 0;
+}
+
+static int ready(EngineObject *self) {
+  if (!self->eng) {
+    mc_err_t err;
+    mc_err_set(&err, MC_ECLOSED,
+               "TransferEngine is not initialized (call initialize()) or was closed");
+    mc_py_raise(ST(self), &err);
+    return 0;
+  }
+  return 1;
+}
+
+/* Takes the life lock for a GIL-free section; fails if closed meanwhile. */
+static int enter(EngineObject *self) {
+  if (!ready(self))
+    return -1;
+  Py_BEGIN_ALLOW_THREADS
+  pthread_rwlock_rdlock(&self->life);
+  Py_END_ALLOW_THREADS
+  if (!self->eng) {
+    pthread_rwlock_unlock(&self->life);
+    ready(self);
+    return -1;
+  }
+  return 0;
+}
+static void leave(EngineObject *self) { pthread_rwlock_unlock(&self->life); }
+
+/* ---- lifecycle ---- */
+
+static PyObject *Engine_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
+  (void)args;
+  (void)kw;
+  EngineObject *self = (EngineObject *)type->tp_alloc(type, 0);
+  if (!self)
+    return NULL;
+  pthread_rwlock_init(&self->life, NULL);
+  self->batches = PyDict_New();
+  if (!self->batches) {
+    Py_DECREF(self);
+    return NULL;
+  }
+  return (PyObject *)self;
+}
+
+static void free_batch_capsule(PyObject *cap) { (void)cap; }
+
+static void close_engine(EngineObject *self) {
+  if (!self->eng)
+    return;
+  mc_engine_t *eng = self->eng;
+  /* Free outstanding batches first (cancels them). */
+  PyObject *key, *val;
+  Py_ssize_t pos = 0;
+  while (self->batches && PyDict_Next(self->batches, &pos, &key, &val)) {
+    mc_batch_t *b = PyCapsule_GetPointer(val, "mc_batch");
+    if (b) {
+      Py_BEGIN_ALLOW_THREADS
+      mc_batch_free(eng, b);
+      Py_END_ALLOW_THREADS
+    }
+  }
+  if (self->batches)
+    PyDict_Clear(self->batches);
+  Py_BEGIN_ALLOW_THREADS
+  pthread_rwlock_wrlock(&self->life);
+  self->eng = NULL;
+  pthread_rwlock_unlock(&self->life);
+  mc_engine_destroy(eng);
+  Py_END_ALLOW_THREADS
+}
+
+static void Engine_dealloc(EngineObject *self) {
+  PyTypeObject *tp = Py_TYPE(self);
+  PyObject_GC_UnTrack(self);
+  close_engine(self);
+  Py_CLEAR(self->batches);
+  pthread_rwlock_destroy(&self->life);
+  tp->tp_free((PyObject *)self);
+  Py_DECREF(tp);
+}
+
+static int Engine_traverse(EngineObject *self, visitproc visit, void *arg) {
+  Py_VISIT(Py_TYPE(self));
+  Py_VISIT(self->batches);
+  return 0;
+}
+
+static int Engine_clear(EngineObject *self) {
+  Py_CLEAR(self->batches);
+  return 0;
+}
+
+PyDoc_STRVAR(initialize_doc,
+"initialize(local_hostname, metadata_server, protocol='tcp', device_name='') -> 0\n\n"
+"Starts the engine. local_hostname is 'host' or 'host:port'; metadata_server is\n"
+"'P2PHANDSHAKE' or 'http://host:port/metadata'. Raises on failure.");
+
+static PyObject *Engine_initialize(EngineObject *self, PyObject *args, PyObject *kw) {
+  static char *kwlist[] = {"local_hostname", "metadata_server", "protocol", "device_name",
+                           "io_threads", "conns_per_peer", NULL};
+  const char *host, *meta, *proto = "tcp", *dev = "";
+  int io_threads = 0, conns = 0;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "ss|zzii:initialize", kwlist, &host, &meta, &proto,
+                                   &dev, &io_threads, &conns))
+    return NULL;
+  if (self->eng) {
+    mc_err_t err;
+    mc_err_set(&err, MC_EBUSY, "TransferEngine is already initialized as segment %s",
+               mc_engine_segment_name(self->eng));
+    return mc_py_raise(ST(self), &err);
+  }
+  mc_engine_opts_t o = {.local_hostname = host, .metadata_server = meta,
+                        .protocol = proto ? proto : "tcp", .device_name = dev ? dev : "",
+                        .io_threads = io_threads, .conns_per_peer = conns};
+  mc_err_t err = {0};
+  mc_engine_t *eng = NULL;
+  int rc;
+  Py_BEGIN_ALLOW_THREADS
+  rc = mc_engine_create(&o, &eng, &err);
+  Py_END_ALLOW_THREADS
+  if (rc < 0)
+    return mc_py_raise(ST(self), &err);
+  self->eng = eng;
+  return PyLong_FromLong(0);
+}
+
+static PyObject *Engine_close(EngineObject *self, PyObject *unused) {
+  (void)unused;
+  close_engine(self);
+  Py_RETURN_NONE;
+}
+
+static PyObject *Engine_enter(EngineObject *self, PyObject *unused) {
+  (void)unused;
+  return Py_NewRef(self);
+}
+
+static PyObject *Engine_exit(EngineObject *self, PyObject *args) {
+  (void)args;
+  close_engine(self);
+  Py_RETURN_FALSE;
+}
+
+static PyObject *Engine_get_rpc_port(EngineObject *self, PyObject *unused) {
+  (void)unused;
+  if (!ready(self))
+    return NULL;
+  return PyLong_FromLong(mc_engine_rpc_port(self->eng));
+}
+
+static PyObject *Engine_get_segment_name(EngineObject *self, PyObject *unused) {
+  (void)unused;
+  if (!ready(self))
+    return NULL;
+  return PyUnicode_FromString(mc_engine_segment_name(self->eng));
+}
+
+static PyObject *Engine_get_metadata(EngineObject *self, PyObject *unused) {
+  (void)unused;
+  if (!ready(self))
+    return NULL;
+  char *d = mc_engine_describe(self->eng);
+  if (!d)
+    return PyErr_NoMemory();
+  PyObject *r = PyUnicode_FromString(d);
+  free(d);
+  return r;
+}
+
+/* ---- memory registration ---- */
+
+static PyObject *Engine_register_memory(EngineObject *self, PyObject *args, PyObject *kw) {
+  static char *kwlist[] = {"addr", "length", "location", NULL};
+  PyObject *a, *l;
+  const char *loc = "cpu";
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|s:register_memory", kwlist, &a, &l, &loc))
+    return NULL;
+  uint64_t addr, len;
+  if (get_u64(a, &addr, "addr") < 0 || get_u64(l, &len, "length") < 0)
+    return NULL;
+  char locbuf[64];
+  snprintf(locbuf, sizeof locbuf, "%s", loc);
+  if (enter(self) < 0)
+    return NULL;
+  mc_err_t err = {0};
+  int rc;
+  Py_BEGIN_ALLOW_THREADS
+  rc = mc_engine_register(self->eng, (void *)(uintptr_t)addr, len, locbuf, &err);
+  Py_END_ALLOW_THREADS
+  leave(self);
+  if (rc < 0)
+    return mc_py_raise(ST(self), &err);
+  return PyLong_FromLong(0);
+}
+
+static PyObject *Engine_batch_register_memory(EngineObject *self, PyObject *args, PyObject *kw) {
+  static char *kwlist[] = {"addrs", "lengths", "location", NULL};
+  PyObject *a, *l;
+  const char *loc = "cpu";
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|s:batch_register_memory", kwlist, &a, &l, &loc))
+    return NULL;
+  uint64_t *addrs = NULL, *lens = NULL;
+  Py_ssize_t na, nl;
+  if (get_u64_list(a, &addrs, &na, "addrs[i]") < 0)
+    return NULL;
+  if (get_u64_list(l, &lens, &nl, "lengths[i]") < 0) {
+    PyMem_RawFree(addrs);
+    return NULL;
+  }
+  if (na != nl) {
+    PyMem_RawFree(addrs);
+    PyMem_RawFree(lens);
+    return PyErr_Format(PyExc_ValueError, "addrs has %zd items but lengths has %zd", na, nl);
+  }
+  char locbuf[64];
+  snprintf(locbuf, sizeof locbuf, "%s", loc);
+  mc_err_t err = {0};
+  int rc = -1;
+  if (enter(self) == 0) {
+    Py_BEGIN_ALLOW_THREADS
+    rc = mc_engine_register_batch(self->eng, (void *const *)addrs, lens, (size_t)na, locbuf,
+                                  &err);
+    Py_END_ALLOW_THREADS
+    leave(self);
+  } else {
+    PyMem_RawFree(addrs);
+    PyMem_RawFree(lens);
+    return NULL;
+  }
+  PyMem_RawFree(addrs);
+  PyMem_RawFree(lens);
+  if (rc < 0)
+    return mc_py_raise(ST(self), &err);
+  return PyLong_FromLong(0);
+}
+
+static PyObject *Engine_unregister_memory(EngineObject *self, PyObject *arg) {
+  uint64_t addr;
+  if (get_u64(arg, &addr, "addr") < 0)
+    return NULL;
+  if (enter(self) < 0)
+    return NULL;
+  mc_err_t err = {0};
+  int rc;
+  Py_BEGIN_ALLOW_THREADS
+  rc = mc_engine_unregister(self->eng, (void *)(uintptr_t)addr, &err);
+  Py_END_ALLOW_THREADS
+  leave(self);
+  if (rc < 0)
+    return mc_py_raise(ST(self), &err);
+  return PyLong_FromLong(0);
+}
+
+static PyObject *Engine_batch_unregister_memory(EngineObject *self, PyObject *arg) {
+  uint64_t *addrs;
+  Py_ssize_t n;
+  if (get_u64_list(arg, &addrs, &n, "addrs[i]") < 0)
+    return NULL;
+  if (enter(self) < 0) {
+    PyMem_RawFree(addrs);
+    return NULL;
+  }
+  mc_err_t err = {0};
+  int rc = 0;
+  Py_BEGIN_ALLOW_THREADS
+  for (Py_ssize_t i = 0; i < n && rc == 0; i++)
+    rc = mc_engine_unregister(self->eng, (void *)(uintptr_t)addrs[i], &err);
+  Py_END_ALLOW_THREADS
+  leave(self);
+  PyMem_RawFree(addrs);
+  if (rc < 0)
+    return mc_py_raise(ST(self), &err);
+  return PyLong_FromLong(0);
+}
+
+/* ---- transfers ---- */
+
+typedef struct {
+  const char *target;
+  mc_request_t *reqs;
+  Py_ssize_t n;
+} xfer_args_t;
+
+static int parse_batch(PyObject *args, PyObject *kw, const char *fmt, int opcode,
+                       xfer_args_t *x, PyObject **target_obj) {
+  static char *kwlist[] = {"target_hostname", "buffers", "peer_buffer_addresses", "lengths",
+                           NULL};
+  PyObject *t, *lo, *ro, *no;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, fmt, kwlist, &t, &lo, &ro, &no))
+    return -1;
+  if (!PyUnicode_Check(t)) {
+    PyErr_SetString(PyExc_TypeError, "target_hostname must be a str (the segment name)");
+    return -1;
+  }
+  uint64_t *l = NULL, *r = NULL, *n = NULL;
+  Py_ssize_t nl, nr, nn;
+  if (get_u64_list(lo, &l, &nl, "buffers[i]") < 0)
+    return -1;
+  if (get_u64_list(ro, &r, &nr, "peer_buffer_addresses[i]") < 0) {
+    PyMem_RawFree(l);
+    return -1;
+  }
+  if (get_u64_list(no, &n, &nn, "lengths[i]") < 0) {
+    PyMem_RawFree(l);
+    PyMem_RawFree(r);
+    return -1;
+  }
+  int rc = 0;
+  if (nl != nr || nl != nn) {
+    PyErr_Format(PyExc_ValueError,
+                 "buffers (%zd), peer_buffer_addresses (%zd) and lengths (%zd) must have the "
+                 "same length",
+                 nl, nr, nn);
+    rc = -1;
+  } else {
+    x->reqs = PyMem_RawMalloc((size_t)(nl ? nl : 1) * sizeof *x->reqs);
+    if (!x->reqs) {
+      PyErr_NoMemory();
+      rc = -1;
+    } else {
+      for (Py_ssize_t i = 0; i < nl; i++)
+        x->reqs[i] = (mc_request_t){.opcode = opcode, .local = (void *)(uintptr_t)l[i],
+                                    .remote = r[i], .len = n[i]};
+      x->n = nl;
+      x->target = PyUnicode_AsUTF8(t);
+      if (!x->target)
+        rc = -1;
+      *target_obj = t;
+    }
+  }
+  PyMem_RawFree(l);
+  PyMem_RawFree(r);
+  PyMem_RawFree(n);
+  return rc;
+}
+
+/* Runs one batch to completion without the GIL. */
+static PyObject *run_sync(EngineObject *self, xfer_args_t *x) {
+  char target[512];
+  snprintf(target, sizeof target, "%s", x->target);
+  if (enter(self) < 0) {
+    PyMem_RawFree(x->reqs);
+    return NULL;
+  }
+  mc_err_t err = {0};
+  int rc;
+  Py_BEGIN_ALLOW_THREADS
+  mc_batch_t *b = mc_batch_new(self->eng, (size_t)x->n);
+  if (!b) {
+    rc = mc_err_set(&err, MC_ENOMEM, "out of memory");
+  } else {
+    rc = mc_batch_submit(self->eng, b, target, x->reqs, (size_t)x->n, &err);
+    if (rc == 0)
+      rc = mc_batch_wait(self->eng, b, -1, &err);
+    mc_batch_free(self->eng, b);
+  }
+  Py_END_ALLOW_THREADS
+  leave(self);
+  PyMem_RawFree(x->reqs);
+  if (rc < 0)
+    return mc_py_raise(ST(self), &err);
+  return PyLong_FromLong(0);
+}
+
+static PyObject *sync_batch(EngineObject *self, PyObject *args, PyObject *kw, int opcode,
+                            const char *fmt) {
+  xfer_args_t x = {0};
+  PyObject *t;
+  if (parse_batch(args, kw, fmt, opcode, &x, &t) < 0)
+    return NULL;
+  return run_sync(self, &x);
+}
+
+static PyObject *Engine_batch_transfer_sync_write(EngineObject *self, PyObject *a, PyObject *k) {
+  return sync_batch(self, a, k, MC_OP_WRITE, "OOOO:batch_transfer_sync_write");
+}
+static PyObject *Engine_batch_transfer_sync_read(EngineObject *self, PyObject *a, PyObject *k) {
+  return sync_batch(self, a, k, MC_OP_READ, "OOOO:batch_transfer_sync_read");
+}
+
+static PyObject *sync_one(EngineObject *self, PyObject *args, PyObject *kw, int opcode,
+                          const char *fmt) {
+  static char *kwlist[] = {"target_hostname", "buffer", "peer_buffer_address", "length", NULL};
+  const char *target;
+  PyObject *lo, *ro, *no;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, fmt, kwlist, &target, &lo, &ro, &no))
+    return NULL;
+  uint64_t l, r, n;
+  if (get_u64(lo, &l, "buffer") < 0 || get_u64(ro, &r, "peer_buffer_address") < 0 ||
+      get_u64(no, &n, "length") < 0)
+    return NULL;
+  xfer_args_t x = {.target = target, .n = 1};
+  x.reqs = PyMem_RawMalloc(sizeof *x.reqs);
+  if (!x.reqs)
+    return PyErr_NoMemory();
+  x.reqs[0] = (mc_request_t){.opcode = opcode, .local = (void *)(uintptr_t)l, .remote = r,
+                             .len = n};
+  return run_sync(self, &x);
+}
+
+static PyObject *Engine_transfer_sync_write(EngineObject *self, PyObject *a, PyObject *k) {
+  return sync_one(self, a, k, MC_OP_WRITE, "sOOO:transfer_sync_write");
+}
+static PyObject *Engine_transfer_sync_read(EngineObject *self, PyObject *a, PyObject *k) {
+  return sync_one(self, a, k, MC_OP_READ, "sOOO:transfer_sync_read");
+}
+
+static PyObject *Engine_transfer_sync(EngineObject *self, PyObject *args, PyObject *kw) {
+  static char *kwlist[] = {"target_hostname", "buffer", "peer_buffer_address", "length",
+                           "opcode", NULL};
+  const char *target;
+  PyObject *lo, *ro, *no, *op;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "sOOOO:transfer_sync", kwlist, &target, &lo, &ro,
+                                   &no, &op))
+    return NULL;
+  uint64_t opc;
+  if (get_u64(op, &opc, "opcode") < 0)
+    return NULL;
+  PyObject *a = Py_BuildValue("(sOOO)", target, lo, ro, no);
+  if (!a)
+    return NULL;
+  PyObject *r = sync_one(self, a, NULL, opc == 1 ? MC_OP_WRITE : MC_OP_READ,
+                         "sOOO:transfer_sync");
+  Py_DECREF(a);
+  return r;
+}
+
+static PyObject *async_batch(EngineObject *self, PyObject *args, PyObject *kw, int opcode,
+                             const char *fmt) {
+  xfer_args_t x = {0};
+  PyObject *t;
+  if (parse_batch(args, kw, fmt, opcode, &x, &t) < 0)
+    return NULL;
+  char target[512];
+  snprintf(target, sizeof target, "%s", x.target);
+  if (enter(self) < 0) {
+    PyMem_RawFree(x.reqs);
+    return NULL;
+  }
+  mc_err_t err = {0};
+  int rc;
+  mc_batch_t *b;
+  Py_BEGIN_ALLOW_THREADS
+  b = mc_batch_new(self->eng, (size_t)x.n);
+  if (!b) {
+    rc = mc_err_set(&err, MC_ENOMEM, "out of memory");
+  } else {
+    rc = mc_batch_submit(self->eng, b, target, x.reqs, (size_t)x.n, &err);
+    if (rc < 0) {
+      mc_batch_free(self->eng, b);
+      b = NULL;
+    }
+  }
+  Py_END_ALLOW_THREADS
+  leave(self);
+  PyMem_RawFree(x.reqs);
+  if (rc < 0)
+    return mc_py_raise(ST(self), &err);
+  PyObject *cap = PyCapsule_New(b, "mc_batch", free_batch_capsule);
+  PyObject *id = cap ? PyLong_FromLongLong(++self->next_batch) : NULL;
+  if (!id || PyDict_SetItem(self->batches, id, cap) < 0) {
+    Py_XDECREF(cap);
+    Py_XDECREF(id);
+    Py_BEGIN_ALLOW_THREADS
+    mc_batch_free(self->eng, b);
+    Py_END_ALLOW_THREADS
+    return NULL;
+  }
+  Py_DECREF(cap);
+  return id;
+}
+
+static PyObject *Engine_batch_transfer_async_write(EngineObject *self, PyObject *a, PyObject *k) {
+  return async_batch(self, a, k, MC_OP_WRITE, "OOOO:batch_transfer_async_write");
+}
+static PyObject *Engine_batch_transfer_async_read(EngineObject *self, PyObject *a, PyObject *k) {
+  return async_batch(self, a, k, MC_OP_READ, "OOOO:batch_transfer_async_read");
+}
+
+/* Removes a batch id from the table; returns the batch or NULL (raised). */
+static mc_batch_t *take_batch(EngineObject *self, PyObject *id) {
+  PyObject *cap = PyDict_GetItemWithError(self->batches, id);
+  if (!cap) {
+    if (!PyErr_Occurred()) {
+      PyObject *r = PyObject_Repr(id);
+      PyErr_Format(PyExc_ValueError,
+                   "unknown batch id %U (already waited for, or never returned by "
+                   "batch_transfer_async_*)",
+                   r ? r : id);
+      Py_XDECREF(r);
+    }
+    return NULL;
+  }
+  mc_batch_t *b = PyCapsule_GetPointer(cap, "mc_batch");
+  if (PyDict_DelItem(self->batches, id) < 0)
+    return NULL;
+  return b;
+}
+
+PyDoc_STRVAR(get_status_doc,
+"get_batch_transfer_status(batch_ids) -> 0\n\n"
+"Waits for every batch in the list and frees them. Raises the first failure.");
+
+static PyObject *Engine_get_batch_transfer_status(EngineObject *self, PyObject *args,
+                                                  PyObject *kw) {
+  static char *kwlist[] = {"batch_ids", "timeout", NULL};
+  PyObject *ids;
+  double timeout = -1;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "O|d:get_batch_transfer_status", kwlist, &ids,
+                                   &timeout))
+    return NULL;
+  if (!ready(self))
+    return NULL;
+  PyObject *fast = PySequence_Fast(ids, "batch_ids must be a list of batch ids");
+  if (!fast)
+    return NULL;
+  Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+  mc_batch_t **bs = PyMem_RawCalloc((size_t)(n ? n : 1), sizeof *bs);
+  if (!bs) {
+    Py_DECREF(fast);
+    return PyErr_NoMemory();
+  }
+  for (Py_ssize_t i = 0; i < n; i++) {
+    bs[i] = take_batch(self, PySequence_Fast_GET_ITEM(fast, i));
+    if (!bs[i]) {
+      /* Put nothing back: ids taken so far are still waited for below. */
+      n = i;
+      break;
+    }
+  }
+  PyObject *et = NULL, *ev = NULL, *tb = NULL;
+  int pending_exc = PyErr_Occurred() != NULL;
+  if (pending_exc)
+    PyErr_Fetch(&et, &ev, &tb);
+  Py_DECREF(fast);
+  mc_err_t err = {0}, e2;
+  int rc = 0;
+  int64_t tmo = timeout < 0 ? -1 : (int64_t)(timeout * 1000.0);
+  pthread_rwlock_rdlock(&self->life);
+  Py_BEGIN_ALLOW_THREADS
+  for (Py_ssize_t i = 0; i < n; i++) {
+    int r = mc_batch_wait(self->eng, bs[i], tmo, &e2);
+    if (r < 0 && rc == 0) {
+      rc = r;
+      err = e2;
+    }
+    mc_batch_free(self->eng, bs[i]);
+  }
+  Py_END_ALLOW_THREADS
+  pthread_rwlock_unlock(&self->life);
+  PyMem_RawFree(bs);
+  if (pending_exc) {
+    PyErr_Restore(et, ev, tb);
+    return NULL;
+  }
+  if (rc < 0)
+    return mc_py_raise(ST(self), &err);
+  return PyLong_FromLong(0);
+}
+
+static const char *state_name(mc_task_state_t s) {
+  switch (s) {
+  case MC_TASK_WAITING: return "waiting";
+  case MC_TASK_PENDING: return "pending";
+  case MC_TASK_INVALID: return "invalid";
+  case MC_TASK_CANCELED: return "canceled";
+  case MC_TASK_COMPLETED: return "completed";
+  case MC_TASK_TIMEOUT: return "timeout";
+  case MC_TASK_FAILED: return "failed";
+  }
+  return "?";
+}
+
+PyDoc_STRVAR(check_doc,
+"transfer_check_status(batch_id) -> int\n\n"
+"Non-blocking: 0 while running, 1 when every request completed (the batch is\n"
+"freed), -1 if one failed (freed; use get_batch_status first for details).");
+
+static PyObject *Engine_transfer_check_status(EngineObject *self, PyObject *id) {
+  if (!ready(self))
+    return NULL;
+  PyObject *cap = PyDict_GetItemWithError(self->batches, id);
+  if (!cap)
+    return PyErr_Occurred() ? NULL : PyErr_Format(PyExc_ValueError, "unknown batch id");
+  mc_batch_t *b = PyCapsule_GetPointer(cap, "mc_batch");
+  if (mc_batch_pending(b) > 0)
+    return PyLong_FromLong(0);
+  long res = 1;
+  size_t n = mc_batch_size(b);
+  for (size_t i = 0; i < n; i++) {
+    mc_task_status_t s;
+    mc_batch_status(b, i, &s);
+    if (s.state != MC_TASK_COMPLETED)
+      res = s.state == MC_TASK_TIMEOUT ? -2 : -1;
+  }
+  b = take_batch(self, id);
+  if (!b)
+    return NULL;
+  Py_BEGIN_ALLOW_THREADS
+  mc_batch_free(self->eng, b);
+  Py_END_ALLOW_THREADS
+  return PyLong_FromLong(res);
+}
+
+static PyObject *Engine_get_batch_status(EngineObject *self, PyObject *id) {
+  if (!ready(self))
+    return NULL;
+  PyObject *cap = PyDict_GetItemWithError(self->batches, id);
+  if (!cap)
+    return PyErr_Occurred() ? NULL : PyErr_Format(PyExc_ValueError, "unknown batch id");
+  mc_batch_t *b = PyCapsule_GetPointer(cap, "mc_batch");
+  size_t n = mc_batch_size(b);
+  PyObject *list = PyList_New((Py_ssize_t)n);
+  if (!list)
+    return NULL;
+  for (size_t i = 0; i < n; i++) {
+    mc_task_status_t s;
+    mc_batch_status(b, i, &s);
+    PyObject *d = Py_BuildValue("{s:s,s:i,s:s,s:K,s:s}", "state", state_name(s.state), "code",
+                                s.code, "code_name", mc_err_name(s.code), "transferred",
+                                (unsigned long long)s.transferred, "message", s.msg);
+    if (!d) {
+      Py_DECREF(list);
+      return NULL;
+    }
+    PyList_SET_ITEM(list, (Py_ssize_t)i, d);
+  }
+  return list;
+}
+
+/* ---- notifications ---- */
+
+static PyObject *Engine_send_notify(EngineObject *self, PyObject *args, PyObject *kw) {
+  static char *kwlist[] = {"target_hostname", "message", "timeout", NULL};
+  const char *target;
+  Py_buffer msg;
+  double timeout = 5.0;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "ss*|d:send_notify", kwlist, &target, &msg,
+                                   &timeout))
+    return NULL;
+  char tbuf[512];
+  snprintf(tbuf, sizeof tbuf, "%s", target);
+  if (enter(self) < 0) {
+    PyBuffer_Release(&msg);
+    return NULL;
+  }
+  mc_err_t err = {0};
+  int rc;
+  Py_BEGIN_ALLOW_THREADS
+  rc = mc_engine_notify(self->eng, tbuf, msg.buf, (size_t)msg.len, (int64_t)(timeout * 1000),
+                        &err);
+  Py_END_ALLOW_THREADS
+  leave(self);
+  PyBuffer_Release(&msg);
+  if (rc < 0)
+    return mc_py_raise(ST(self), &err);
+  return PyLong_FromLong(0);
+}
+
+static void collect_notify(void *arg, const char *from, const void *msg, size_t len) {
+  PyObject *list = arg;
+  PyObject *t = Py_BuildValue("(sy#)", from, (const char *)msg, (Py_ssize_t)len);
+  if (t) {
+    PyList_Append(list, t);
+    Py_DECREF(t);
+  }
+}
+
+static PyObject *Engine_get_notifies(EngineObject *self, PyObject *unused) {
+  (void)unused;
+  if (!ready(self))
+    return NULL;
+  PyObject *list = PyList_New(0);
+  if (!list)
+    return NULL;
+  mc_engine_drain_notifies(self->eng, SIZE_MAX, collect_notify, list);
+  return list;
+}
+
+/* ---- raw memory helpers (as in Mooncake's API; addresses are trusted) ---- */
+
+static PyObject *Engine_write_bytes_to_buffer(EngineObject *self, PyObject *args) {
+  (void)self;
+  PyObject *ao;
+  Py_buffer data;
+  Py_ssize_t len = -1;
+  if (!PyArg_ParseTuple(args, "Oy*|n:write_bytes_to_buffer", &ao, &data, &len))
+    return NULL;
+  uint64_t addr;
+  if (get_u64(ao, &addr, "buffer") < 0 || addr == 0) {
+    PyBuffer_Release(&data);
+    if (!PyErr_Occurred())
+      PyErr_SetString(PyExc_ValueError, "buffer address is 0");
+    return NULL;
+  }
+  if (len < 0 || len > data.len)
+    len = data.len;
+  memcpy((void *)(uintptr_t)addr, data.buf, (size_t)len);
+  PyBuffer_Release(&data);
+  return PyLong_FromLong(0);
+}
+
+static PyObject *Engine_read_bytes_from_buffer(EngineObject *self, PyObject *args) {
+  (void)self;
+  PyObject *ao;
+  Py_ssize_t len;
+  if (!PyArg_ParseTuple(args, "On:read_bytes_from_buffer", &ao, &len))
+    return NULL;
+  uint64_t addr;
+  if (get_u64(ao, &addr, "buffer") < 0)
+    return NULL;
+  if (addr == 0 || len < 0)
+    return PyErr_Format(PyExc_ValueError, "invalid buffer address or length");
+  return PyBytes_FromStringAndSize((const char *)(uintptr_t)addr, len);
+}
+
+static PyMethodDef Engine_methods[] = {
+    {"initialize", (PyCFunction)(void (*)(void))Engine_initialize, METH_VARARGS | METH_KEYWORDS,
+     initialize_doc},
+    {"close", (PyCFunction)Engine_close, METH_NOARGS,
+     "Cancels transfers in flight, unpublishes the segment, stops the engine."},
+    {"__enter__", (PyCFunction)Engine_enter, METH_NOARGS, NULL},
+    {"__exit__", (PyCFunction)Engine_exit, METH_VARARGS, NULL},
+    {"get_rpc_port", (PyCFunction)Engine_get_rpc_port, METH_NOARGS,
+     "The TCP port peers reach this engine on (the port of its segment name)."},
+    {"get_segment_name", (PyCFunction)Engine_get_segment_name, METH_NOARGS,
+     "This engine's segment name, 'host:port'."},
+    {"get_metadata", (PyCFunction)Engine_get_metadata, METH_NOARGS,
+     "The segment descriptor JSON this engine publishes."},
+    {"register_memory", (PyCFunction)(void (*)(void))Engine_register_memory,
+     METH_VARARGS | METH_KEYWORDS, "register_memory(addr, length, location='cpu') -> 0"},
+    {"batch_register_memory", (PyCFunction)(void (*)(void))Engine_batch_register_memory,
+     METH_VARARGS | METH_KEYWORDS, "batch_register_memory(addrs, lengths, location='cpu') -> 0"},
+    {"unregister_memory", (PyCFunction)Engine_unregister_memory, METH_O,
+     "unregister_memory(addr) -> 0; waits for accesses in flight."},
+    {"batch_unregister_memory", (PyCFunction)Engine_batch_unregister_memory, METH_O,
+     "batch_unregister_memory(addrs) -> 0"},
+    {"transfer_sync_write", (PyCFunction)(void (*)(void))Engine_transfer_sync_write,
+     METH_VARARGS | METH_KEYWORDS,
+     "transfer_sync_write(target_hostname, buffer, peer_buffer_address, length) -> 0"},
+    {"transfer_sync_read", (PyCFunction)(void (*)(void))Engine_transfer_sync_read,
+     METH_VARARGS | METH_KEYWORDS,
+     "transfer_sync_read(target_hostname, buffer, peer_buffer_address, length) -> 0"},
+    {"transfer_sync", (PyCFunction)(void (*)(void))Engine_transfer_sync,
+     METH_VARARGS | METH_KEYWORDS,
+     "transfer_sync(target_hostname, buffer, peer_buffer_address, length, opcode) -> 0"},
+    {"batch_transfer_sync_write", (PyCFunction)(void (*)(void))Engine_batch_transfer_sync_write,
+     METH_VARARGS | METH_KEYWORDS,
+     "batch_transfer_sync_write(target_hostname, buffers, peer_buffer_addresses, lengths) -> 0"},
+    {"batch_transfer_sync_read", (PyCFunction)(void (*)(void))Engine_batch_transfer_sync_read,
+     METH_VARARGS | METH_KEYWORDS,
+     "batch_transfer_sync_read(target_hostname, buffers, peer_buffer_addresses, lengths) -> 0"},
+    {"batch_transfer_async_write",
+     (PyCFunction)(void (*)(void))Engine_batch_transfer_async_write, METH_VARARGS | METH_KEYWORDS,
+     "batch_transfer_async_write(...) -> batch_id"},
+    {"batch_transfer_async_read", (PyCFunction)(void (*)(void))Engine_batch_transfer_async_read,
+     METH_VARARGS | METH_KEYWORDS, "batch_transfer_async_read(...) -> batch_id"},
+    {"get_batch_transfer_status",
+     (PyCFunction)(void (*)(void))Engine_get_batch_transfer_status, METH_VARARGS | METH_KEYWORDS,
+     get_status_doc},
+    {"transfer_check_status", (PyCFunction)Engine_transfer_check_status, METH_O, check_doc},
+    {"get_batch_status", (PyCFunction)Engine_get_batch_status, METH_O,
+     "get_batch_status(batch_id) -> list of per-request dicts (non-blocking)."},
+    {"send_notify", (PyCFunction)(void (*)(void))Engine_send_notify, METH_VARARGS | METH_KEYWORDS,
+     "send_notify(target_hostname, message: bytes|str, timeout=5.0) -> 0"},
+    {"get_notifies", (PyCFunction)Engine_get_notifies, METH_NOARGS,
+     "get_notifies() -> list of (from_segment, message_bytes); drains the queue."},
+    {"write_bytes_to_buffer", (PyCFunction)Engine_write_bytes_to_buffer, METH_VARARGS,
+     "write_bytes_to_buffer(addr, data, length=-1) -> 0 (memcpy; the address is trusted)"},
+    {"read_bytes_from_buffer", (PyCFunction)Engine_read_bytes_from_buffer, METH_VARARGS,
+     "read_bytes_from_buffer(addr, length) -> bytes (the address is trusted)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyType_Slot Engine_slots[] = {
+    {Py_tp_new, Engine_new},
+    {Py_tp_dealloc, Engine_dealloc},
+    {Py_tp_traverse, Engine_traverse},
+    {Py_tp_clear, Engine_clear},
+    {Py_tp_methods, Engine_methods},
+    {Py_tp_doc, "TransferEngine(): Mooncake-compatible transfer engine (TCP)."},
+    {0, NULL},
+};
+
+static PyType_Spec Engine_spec = {
+    .name = "mooncake_connector.TransferEngine",
+    .basicsize = sizeof(EngineObject),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_IMMUTABLETYPE,
+    .slots = Engine_slots,
+};
+
 int mc_py_engine_add(PyObject *module, mc_py_state_t *st) {
-  (void)module;
-  (void)st;
+  PyObject *t = PyType_FromModuleAndSpec(module, &Engine_spec, NULL);
+  if (!t)
+    return -1;
+  st->EngineType = (PyTypeObject *)t;
+  if (PyModule_AddObjectRef(module, "TransferEngine", t) < 0)
+    return -1;
+  if (PyModule_AddIntConstant(module, "OPCODE_READ", MC_OP_READ) < 0 ||
+      PyModule_AddIntConstant(module, "OPCODE_WRITE", MC_OP_WRITE) < 0)
+    return -1;
   return 0;
 }

@@ -1,0 +1,395 @@
+/* Batches: splitting requests into wire ops, completion accounting,
+ * waiting with timeouts, cancellation. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "engine/engine_internal.h"
+#include "transport/tcp/wire.h"
+#include "util/clock.h"
+#include "util/log.h"
+
+mc_batch_t *mc_batch_new(mc_engine_t *e, size_t capacity) {
+  (void)e;
+  if (capacity == 0)
+    capacity = 1;
+  mc_batch_t *b = calloc(1, sizeof *b);
+  if (!b)
+    return NULL;
+  b->tasks = calloc(capacity, sizeof *b->tasks);
+  if (!b->tasks) {
+    free(b);
+    return NULL;
+  }
+  b->cap = capacity;
+  pthread_condattr_t ca;
+  pthread_condattr_init(&ca);
+  pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+  pthread_cond_init(&b->cv, &ca);
+  pthread_condattr_destroy(&ca);
+  pthread_mutex_init(&b->mu, NULL);
+  return b;
+}
+
+size_t mc_batch_size(mc_batch_t *b) {
+  pthread_mutex_lock(&b->mu);
+  size_t n = b->n;
+  pthread_mutex_unlock(&b->mu);
+  return n;
+}
+
+size_t mc_batch_pending(mc_batch_t *b) {
+  pthread_mutex_lock(&b->mu);
+  size_t n = b->pending;
+  pthread_mutex_unlock(&b->mu);
+  return n;
+}
+
+static mc_task_state_t state_for(int code) {
+  if (code == 0)
+    return MC_TASK_COMPLETED;
+  if (code == MC_ECANCELED)
+    return MC_TASK_CANCELED;
+  if (code == MC_ETIMEDOUT)
+    return MC_TASK_TIMEOUT;
+  return MC_TASK_FAILED;
+}
+
+/* Records one finished part of task i. Caller holds b->mu. */
+static void part_done(mc_batch_t *b, size_t i, int code, const char *msg, uint64_t bytes) {
+  mc_task_t *t = &b->tasks[i];
+  if (code == 0) {
+    t->done_bytes += bytes;
+  } else if (t->code == 0) {
+    t->code = code;
+    free(t->msg);
+    t->msg = strdup(msg && *msg ? msg : mc_strerror(code));
+  }
+  if (t->parts_left > 0 && --t->parts_left == 0) {
+    t->state = state_for(t->code);
+    b->pending--;
+  }
+}
+
+static void op_done(mc_xfer_op_t *op, int code, const char *msg) {
+  mc_batch_t *b = op->arg;
+  pthread_mutex_lock(&b->mu);
+  for (uint32_t k = 0; k < op->nent; k++)
+    part_done(b, op->ent[k].cookie, code, msg, op->ent[k].len);
+  if (op->nent == 0) /* NOTIFY: one task, index 0 */
+    part_done(b, 0, code, msg, op->ctrl_len);
+  b->ops_inflight--;
+  pthread_cond_broadcast(&b->cv);
+  pthread_mutex_unlock(&b->mu);
+}
+
+static int validate(const mc_request_t *r, size_t i, mc_err_t *err) {
+  if (r->opcode != MC_OP_READ && r->opcode != MC_OP_WRITE)
+    return mc_err_set(err, MC_EINVAL, "request %zu: opcode %d is not READ (0) or WRITE (1)", i,
+                      r->opcode);
+  if (!r->local)
+    return mc_err_set(err, MC_EINVAL, "request %zu: local address is NULL", i);
+  if (r->len == 0)
+    return mc_err_set(err, MC_EINVAL, "request %zu: length is 0", i);
+  if ((uint64_t)(uintptr_t)r->local + r->len < (uint64_t)(uintptr_t)r->local ||
+      r->remote + r->len < r->remote)
+    return mc_err_set(err, MC_EINVAL, "request %zu: address + length wraps around", i);
+  return 0;
+}
+
+/* Same-segment requests: a checked memcpy. */
+static void run_local(mc_engine_t *e, mc_batch_t *b, size_t first, size_t n) {
+  for (size_t i = first; i < first + n; i++) {
+    mc_task_t *t = &b->tasks[i];
+    mc_region_t *reg;
+    mc_err_t err;
+    int rc = mc_regions_acquire(&e->regions, t->req.remote, t->req.len, e->name, &reg, &err);
+    if (rc == 0) {
+      void *remote = (void *)(uintptr_t)t->req.remote;
+      if (t->req.opcode == MC_OP_WRITE)
+        memmove(remote, t->req.local, t->req.len);
+      else
+        memmove(t->req.local, remote, t->req.len);
+      mc_regions_release(&e->regions, reg);
+    }
+    pthread_mutex_lock(&b->mu);
+    part_done(b, i, rc, rc ? err.msg : NULL, t->req.len);
+    pthread_cond_broadcast(&b->cv);
+    pthread_mutex_unlock(&b->mu);
+  }
+}
+
+typedef struct op_builder {
+  mc_xfer_op_t **ops;
+  size_t n, cap;
+  mc_xfer_op_t *cur;
+  uint64_t cur_bytes;
+} op_builder_t;
+
+static int builder_flush(op_builder_t *ob, mc_err_t *err) {
+  if (!ob->cur)
+    return 0;
+  int rc = mc_xfer_op_seal(ob->cur, err);
+  if (rc < 0)
+    return rc;
+  if (ob->n == ob->cap) {
+    size_t nc = ob->cap ? ob->cap * 2 : 16;
+    mc_xfer_op_t **nv = realloc(ob->ops, nc * sizeof *nv);
+    if (!nv)
+      return mc_err_set(err, MC_ENOMEM, "out of memory");
+    ob->ops = nv;
+    ob->cap = nc;
+  }
+  ob->ops[ob->n++] = ob->cur;
+  ob->cur = NULL;
+  ob->cur_bytes = 0;
+  return 0;
+}
+
+static void builder_free(op_builder_t *ob) {
+  for (size_t i = 0; i < ob->n; i++)
+    mc_xfer_op_free(ob->ops[i]);
+  mc_xfer_op_free(ob->cur);
+  free(ob->ops);
+}
+
+int mc_batch_submit(mc_engine_t *e, mc_batch_t *b, const char *segment,
+                    const mc_request_t *reqs, size_t n, mc_err_t *err) {
+  if (!segment || !*segment)
+    return mc_err_set(err, MC_EINVAL, "target segment name is empty");
+  if (n == 0)
+    return 0;
+  for (size_t i = 0; i < n; i++) {
+    int rc = validate(&reqs[i], i, err);
+    if (rc < 0)
+      return rc;
+  }
+  int local = !strcmp(segment, e->name);
+  mc_segment_desc_t d;
+  if (!local) {
+    int rc = mc_engine_resolve(e, segment, &d, err);
+    if (rc < 0)
+      return rc;
+  }
+  pthread_mutex_lock(&b->mu);
+  if (b->n + n > b->cap) {
+    size_t room = b->cap - b->n;
+    pthread_mutex_unlock(&b->mu);
+    return mc_err_set(err, MC_EINVAL,
+                      "batch has room for %zu more requests, %zu submitted; allocate a larger "
+                      "batch",
+                      room, n);
+  }
+  size_t first = b->n;
+  for (size_t i = 0; i < n; i++) {
+    mc_task_t *t = &b->tasks[first + i];
+    memset(t, 0, sizeof *t);
+    t->req = reqs[i];
+    t->state = MC_TASK_PENDING;
+    b->bytes += reqs[i].len;
+  }
+  b->n += n;
+  b->pending += n;
+  snprintf(b->last_segment, sizeof b->last_segment, "%s", segment);
+  if (local) {
+    for (size_t i = 0; i < n; i++)
+      b->tasks[first + i].parts_left = 1;
+    pthread_mutex_unlock(&b->mu);
+    run_local(e, b, first, n);
+    return 0;
+  }
+  /* Slice and pack: an op holds up to op_entries slices of one opcode and
+   * about slice_size bytes; a large request spans several ops. */
+  op_builder_t ob = {0};
+  int rc = 0;
+  for (size_t i = 0; i < n && rc == 0; i++) {
+    const mc_request_t *r = &reqs[i];
+    int type = r->opcode == MC_OP_WRITE ? MC_WIRE_WRITE : MC_WIRE_READ;
+    uint64_t off = 0;
+    while (off < r->len) {
+      if (ob.cur && (ob.cur->type != type || ob.cur_bytes >= e->slice_size ||
+                     ob.cur->nent == e->op_entries)) {
+        if ((rc = builder_flush(&ob, err)) < 0)
+          break;
+      }
+      if (!ob.cur) {
+        ob.cur = mc_xfer_op_new(type, e->op_entries, 0);
+        if (!ob.cur) {
+          rc = mc_err_set(err, MC_ENOMEM, "out of memory");
+          break;
+        }
+        ob.cur->nent = 0;
+        ob.cur->done = op_done;
+        ob.cur->arg = b;
+        ob.cur->cancel = &b->cancel;
+      }
+      uint64_t room = e->slice_size - ob.cur_bytes;
+      uint64_t len = r->len - off < room ? r->len - off : room;
+      mc_xfer_ent_t *ent = &ob.cur->ent[ob.cur->nent++];
+      ent->local = (char *)r->local + off;
+      ent->remote = r->remote + off;
+      ent->len = len;
+      ent->cookie = (uint32_t)(first + i);
+      b->tasks[first + i].parts_left++;
+      ob.cur_bytes += len;
+      off += len;
+    }
+  }
+  if (rc == 0)
+    rc = builder_flush(&ob, err);
+  if (rc < 0) {
+    /* Nothing was handed out: roll the tasks back. */
+    b->n = first;
+    b->pending -= n;
+    pthread_mutex_unlock(&b->mu);
+    builder_free(&ob);
+    return rc;
+  }
+  b->ops_inflight += ob.n;
+  pthread_mutex_unlock(&b->mu);
+  mc_tcp_submit(e->tcp, d.host, d.port, segment, ob.ops, ob.n);
+  free(ob.ops);
+  return 0;
+}
+
+/* Cancels what is left and waits until no transport holds the batch. */
+static void cancel_and_drain(mc_engine_t *e, mc_batch_t *b) {
+  atomic_store(&b->cancel, 1);
+  mc_tcp_cancel_sweep(e->tcp);
+  pthread_mutex_lock(&b->mu);
+  uint64_t next_sweep = mc_now_ns() + 1000000000ull;
+  while (b->ops_inflight > 0) {
+    struct timespec ts = mc_deadline_ts(mc_now_ns() + 100000000ull);
+    pthread_cond_timedwait(&b->cv, &b->mu, &ts);
+    if (b->ops_inflight > 0 && mc_now_ns() > next_sweep) {
+      pthread_mutex_unlock(&b->mu);
+      mc_tcp_cancel_sweep(e->tcp);
+      pthread_mutex_lock(&b->mu);
+      next_sweep = mc_now_ns() + 1000000000ull;
+    }
+  }
+  pthread_mutex_unlock(&b->mu);
+}
+
+int mc_batch_wait(mc_engine_t *e, mc_batch_t *b, int64_t timeout_ms, mc_err_t *err) {
+  pthread_mutex_lock(&b->mu);
+  uint64_t tmo_ns = timeout_ms >= 0 ? (uint64_t)timeout_ms * 1000000ull
+                                    : e->timeout_ms * 1000000ull + b->bytes;
+  uint64_t deadline = mc_now_ns() + tmo_ns;
+  int timed_out = 0;
+  while (b->pending > 0) {
+    struct timespec ts = mc_deadline_ts(deadline);
+    if (pthread_cond_timedwait(&b->cv, &b->mu, &ts) != 0 && mc_now_ns() >= deadline) {
+      timed_out = b->pending > 0;
+      break;
+    }
+  }
+  pthread_mutex_unlock(&b->mu);
+  if (timed_out) {
+    cancel_and_drain(e, b);
+    pthread_mutex_lock(&b->mu);
+    for (size_t i = 0; i < b->n; i++) {
+      mc_task_t *t = &b->tasks[i];
+      if (t->state == MC_TASK_CANCELED || t->state == MC_TASK_PENDING) {
+        if (t->state == MC_TASK_PENDING) /* local parts cannot stay pending */
+          b->pending--;
+        t->state = MC_TASK_TIMEOUT;
+        t->code = MC_ETIMEDOUT;
+        free(t->msg);
+        char m[MC_ERR_MSG_MAX];
+        snprintf(m, sizeof m,
+                 "%s of %llu bytes to segment %s timed out after %llu ms (%llu bytes confirmed)",
+                 t->req.opcode == MC_OP_WRITE ? "WRITE" : "READ",
+                 (unsigned long long)t->req.len, b->last_segment,
+                 (unsigned long long)(tmo_ns / 1000000ull), (unsigned long long)t->done_bytes);
+        t->msg = strdup(m);
+      }
+    }
+    pthread_mutex_unlock(&b->mu);
+  }
+  pthread_mutex_lock(&b->mu);
+  int rc = 0;
+  for (size_t i = 0; i < b->n; i++) {
+    mc_task_t *t = &b->tasks[i];
+    if (t->state != MC_TASK_COMPLETED) {
+      rc = mc_err_set(err, t->code ? t->code : MC_EPROTO, "request %zu of %zu: %s", i, b->n,
+                      t->msg ? t->msg : mc_strerror(t->code));
+      break;
+    }
+  }
+  pthread_mutex_unlock(&b->mu);
+  return rc;
+}
+
+int mc_batch_status(mc_batch_t *b, size_t i, mc_task_status_t *out) {
+  pthread_mutex_lock(&b->mu);
+  if (i >= b->n) {
+    pthread_mutex_unlock(&b->mu);
+    return MC_EINVAL;
+  }
+  mc_task_t *t = &b->tasks[i];
+  out->state = t->state;
+  out->code = t->code;
+  out->transferred = t->done_bytes;
+  snprintf(out->msg, sizeof out->msg, "%s", t->msg ? t->msg : "");
+  pthread_mutex_unlock(&b->mu);
+  return 0;
+}
+
+void mc_batch_free(mc_engine_t *e, mc_batch_t *b) {
+  if (!b)
+    return;
+  pthread_mutex_lock(&b->mu);
+  int busy = b->ops_inflight > 0;
+  pthread_mutex_unlock(&b->mu);
+  if (busy)
+    cancel_and_drain(e, b);
+  for (size_t i = 0; i < b->n; i++)
+    free(b->tasks[i].msg);
+  free(b->tasks);
+  pthread_cond_destroy(&b->cv);
+  pthread_mutex_destroy(&b->mu);
+  free(b);
+}
+
+int mc_engine_notify(mc_engine_t *e, const char *segment, const void *msg, size_t len,
+                     int64_t timeout_ms, mc_err_t *err) {
+  if (len > MC_WIRE_MAX_CTRL)
+    return mc_err_set(err, MC_ETOOBIG, "notification of %zu bytes exceeds %u", len,
+                      MC_WIRE_MAX_CTRL);
+  if (!segment || !*segment)
+    return mc_err_set(err, MC_EINVAL, "target segment name is empty");
+  mc_segment_desc_t d;
+  int rc = mc_engine_resolve(e, segment, &d, err);
+  if (rc < 0)
+    return rc;
+  mc_batch_t *b = mc_batch_new(e, 1);
+  mc_xfer_op_t *op = mc_xfer_op_new(MC_WIRE_NOTIFY, 0, len);
+  if (!b || (len && !op) || !op) {
+    mc_batch_free(e, b);
+    mc_xfer_op_free(op);
+    return mc_err_set(err, MC_ENOMEM, "out of memory");
+  }
+  if (len)
+    memcpy(op->ctrl, msg, len);
+  op->done = op_done;
+  op->arg = b;
+  op->cancel = &b->cancel;
+  if ((rc = mc_xfer_op_seal(op, err)) < 0) {
+    mc_xfer_op_free(op);
+    mc_batch_free(e, b);
+    return rc;
+  }
+  b->n = 1;
+  b->pending = 1;
+  b->ops_inflight = 1;
+  b->tasks[0].state = MC_TASK_PENDING;
+  b->tasks[0].parts_left = 1;
+  b->tasks[0].req.opcode = MC_OP_WRITE;
+  b->tasks[0].req.len = len;
+  snprintf(b->last_segment, sizeof b->last_segment, "%s", segment);
+  mc_tcp_submit(e->tcp, d.host, d.port, segment, &op, 1);
+  rc = mc_batch_wait(e, b, timeout_ms, err);
+  mc_batch_free(e, b);
+  return rc;
+}

@@ -1,0 +1,105 @@
+/* The transfer engine: one local segment (registered memory regions,
+ * addressed by peers through the segment's name "host:port"), batches of
+ * READ/WRITE requests against remote segments, and small notifications.
+ *
+ * Threading: every function may be called from any thread.  Functions that
+ * block say so; the Python bindings release the GIL around them.
+ */
+#ifndef MC_ENGINE_ENGINE_H
+#define MC_ENGINE_ENGINE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "util/errors.h"
+
+typedef struct mc_engine mc_engine_t;
+typedef struct mc_batch mc_batch_t;
+
+typedef struct mc_engine_opts {
+  const char *local_hostname;  /* "host" or "host:port" (port 0/absent: any) */
+  const char *metadata_server; /* "P2PHANDSHAKE" or a metadata URL */
+  const char *protocol;        /* "tcp" ("rdma" arrives with its issue) */
+  const char *device_name;     /* NICs for rdma; ignored for tcp */
+  int io_threads;              /* 0: env MC_TCP_IO_THREADS or 1 */
+  int conns_per_peer;          /* 0: env MC_TCP_CONNS_PER_PEER or 1 */
+} mc_engine_opts_t;
+
+enum { MC_OP_READ = 0, MC_OP_WRITE = 1 };
+
+/* Same numbering as Mooncake's TransferStatusEnum. */
+typedef enum {
+  MC_TASK_WAITING = 0,
+  MC_TASK_PENDING = 1,
+  MC_TASK_INVALID = 2,
+  MC_TASK_CANCELED = 3,
+  MC_TASK_COMPLETED = 4,
+  MC_TASK_TIMEOUT = 5,
+  MC_TASK_FAILED = 6,
+} mc_task_state_t;
+
+typedef struct mc_request {
+  int opcode;      /* MC_OP_READ: remote -> local; MC_OP_WRITE: local -> remote */
+  void *local;     /* local buffer (need not be registered for TCP) */
+  uint64_t remote; /* address inside a region the target registered */
+  uint64_t len;
+} mc_request_t;
+
+typedef struct mc_task_status {
+  mc_task_state_t state;
+  int code;             /* 0 or the MC_E* code of the failure */
+  uint64_t transferred; /* bytes confirmed */
+  char msg[MC_ERR_MSG_MAX];
+} mc_task_status_t;
+
+/* Creates an engine: listens on the TCP port, publishes the segment to the
+ * metadata server (unless P2P).  Blocks (network). */
+int mc_engine_create(const mc_engine_opts_t *opts, mc_engine_t **out, mc_err_t *err);
+/* Cancels what is in flight, unpublishes, stops threads, frees.  Blocks. */
+void mc_engine_destroy(mc_engine_t *e);
+
+const char *mc_engine_segment_name(const mc_engine_t *e); /* "host:port" */
+int mc_engine_rpc_port(const mc_engine_t *e);
+
+/* Registers [addr, addr+len) as remotely accessible.  location: "cpu",
+ * "cuda:N", or NULL/"*" (detect; CPU only for now).  Republishes the segment
+ * descriptor when a metadata server is used (blocks). */
+int mc_engine_register(mc_engine_t *e, void *addr, uint64_t len, const char *location,
+                       mc_err_t *err);
+int mc_engine_register_batch(mc_engine_t *e, void *const *addrs, const uint64_t *lens,
+                             size_t n, const char *location, mc_err_t *err);
+/* Waits for accesses in flight to the region to finish, then removes it. */
+int mc_engine_unregister(mc_engine_t *e, void *addr, mc_err_t *err);
+
+/* Batches. A batch holds up to `capacity` requests to one or more targets. */
+mc_batch_t *mc_batch_new(mc_engine_t *e, size_t capacity);
+/* Submits requests to `segment`.  Asynchronous: returns once queued (may
+ * block briefly on a metadata lookup or DNS for a new peer).  Argument
+ * errors return MC_EINVAL and submit nothing; peer errors show up in the
+ * task statuses. */
+int mc_batch_submit(mc_engine_t *e, mc_batch_t *b, const char *segment,
+                    const mc_request_t *reqs, size_t n, mc_err_t *err);
+/* Tasks not yet finished. Non-blocking. */
+size_t mc_batch_pending(mc_batch_t *b);
+/* Blocks until every task finished or timeout_ms passed (<0: engine default,
+ * MC_TRANSFER_TIMEOUT seconds + 1 ns per byte).  On timeout, cancels what
+ * is left (those tasks become MC_TASK_TIMEOUT) and returns only once no I/O
+ * thread can touch the batch's buffers any more.  Returns 0 if every task
+ * completed, else the code of the first failed task with its message. */
+int mc_batch_wait(mc_engine_t *e, mc_batch_t *b, int64_t timeout_ms, mc_err_t *err);
+size_t mc_batch_size(mc_batch_t *b);
+int mc_batch_status(mc_batch_t *b, size_t i, mc_task_status_t *out);
+/* Cancels unfinished tasks (waits until buffers are released) and frees. */
+void mc_batch_free(mc_engine_t *e, mc_batch_t *b);
+
+/* Sends a small message to a segment and waits for its receipt. Blocks. */
+int mc_engine_notify(mc_engine_t *e, const char *segment, const void *msg, size_t len,
+                     int64_t timeout_ms, mc_err_t *err);
+/* Pops up to `max` received notifications: callback gets (from, msg, len). */
+typedef void (*mc_notify_cb)(void *arg, const char *from, const void *msg, size_t len);
+size_t mc_engine_drain_notifies(mc_engine_t *e, size_t max, mc_notify_cb cb, void *arg);
+
+/* The segment descriptor JSON this engine publishes (malloc'ed). */
+char *mc_engine_describe(mc_engine_t *e);
+
+#endif

@@ -1,0 +1,68 @@
+/* Private state of the engine, shared by engine.c and batch.c. */
+#ifndef MC_ENGINE_INTERNAL_H
+#define MC_ENGINE_INTERNAL_H
+
+#include <pthread.h>
+#include <stdatomic.h>
+
+#include "engine/engine.h"
+#include "engine/regions.h"
+#include "engine/segment_desc.h"
+#include "meta/meta.h"
+#include "transport/tcp/tcp.h"
+
+typedef struct mc_notify_msg {
+  struct mc_notify_msg *next;
+  char *from;
+  char *msg;
+  size_t len;
+} mc_notify_msg_t;
+
+struct mc_engine {
+  char name[320]; /* "host:port" */
+  char host[256];
+  int port;
+  int p2p;
+  mc_meta_t *meta;
+  mc_regions_t regions;
+  mc_tcp_t *tcp;
+  uint64_t slice_size;    /* bytes per wire op */
+  uint32_t op_entries;    /* entries per wire op */
+  uint64_t timeout_ms;    /* MC_TRANSFER_TIMEOUT */
+
+  pthread_mutex_t seg_mu; /* segment cache */
+  mc_segment_desc_t *segs;
+  size_t nsegs, cap_segs;
+
+  pthread_mutex_t notify_mu;
+  mc_notify_msg_t *notify_head, *notify_tail;
+  size_t notify_count;
+};
+
+typedef struct mc_task {
+  mc_request_t req;
+  mc_task_state_t state;
+  int code;
+  uint64_t done_bytes;
+  uint32_t parts_left; /* ops (or local copies) still outstanding */
+  char *msg;           /* first failure, malloc'ed */
+} mc_task_t;
+
+struct mc_batch {
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  mc_task_t *tasks;
+  size_t n, cap;
+  size_t pending;      /* tasks not finished */
+  size_t ops_inflight; /* ops handed to a transport and not done */
+  uint64_t bytes;      /* total requested */
+  atomic_int cancel;
+  char last_segment[320];
+};
+
+/* Resolves a segment name to where it is served (cache, metadata or P2P). */
+int mc_engine_resolve(mc_engine_t *e, const char *segment, mc_segment_desc_t *out,
+                      mc_err_t *err);
+void mc_engine_forget_segment(mc_engine_t *e, const char *segment);
+
+#endif

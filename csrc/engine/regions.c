@@ -1,0 +1,175 @@
+#include "engine/regions.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+int mc_regions_init(mc_regions_t *r) {
+  memset(r, 0, sizeof *r);
+  if (pthread_mutex_init(&r->mu, NULL))
+    return MC_ENOMEM;
+  if (pthread_cond_init(&r->cv, NULL)) {
+    pthread_mutex_destroy(&r->mu);
+    return MC_ENOMEM;
+  }
+  return 0;
+}
+
+void mc_regions_destroy(mc_regions_t *r) {
+  for (size_t i = 0; i < r->n; i++)
+    free(r->v[i]);
+  free(r->v);
+  pthread_cond_destroy(&r->cv);
+  pthread_mutex_destroy(&r->mu);
+}
+
+/* Index of the last region with addr <= a, or -1. Caller holds mu. */
+static long find_le(mc_regions_t *r, uint64_t a) {
+  long lo = 0, hi = (long)r->n - 1, ans = -1;
+  while (lo <= hi) {
+    long mid = lo + (hi - lo) / 2;
+    if (r->v[mid]->addr <= a) {
+      ans = mid;
+      lo = mid + 1;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  return ans;
+}
+
+static int valid_location(const char *loc) {
+  if (!strcmp(loc, "cpu") || !strncmp(loc, "cpu:", 4))
+    return 1;
+  if (!strncmp(loc, "cuda:", 5) && loc[5]) {
+    for (const char *p = loc + 5; *p; p++)
+      if (*p < '0' || *p > '9')
+        return 0;
+    return 1;
+  }
+  return 0;
+}
+
+int mc_regions_add(mc_regions_t *r, uint64_t addr, uint64_t len,
+                   const char *location, mc_err_t *err) {
+  if (len == 0)
+    return mc_err_set(err, MC_EINVAL, "cannot register 0 bytes at 0x%llx",
+                      (unsigned long long)addr);
+  if (addr == 0)
+    return mc_err_set(err, MC_EINVAL, "cannot register address 0 (NULL)");
+  if (addr + len < addr)
+    return mc_err_set(err, MC_EINVAL, "region 0x%llx + %llu wraps around the address space",
+                      (unsigned long long)addr, (unsigned long long)len);
+  if (!location || !*location || !strcmp(location, "*"))
+    location = "cpu";
+  if (strlen(location) >= MC_LOCATION_MAX || !valid_location(location))
+    return mc_err_set(err, MC_EINVAL,
+                      "location \"%.40s\" is not accepted; use \"cpu\" or \"cuda:N\"", location);
+  mc_region_t *reg = calloc(1, sizeof *reg);
+  if (!reg)
+    return mc_err_set(err, MC_ENOMEM, "out of memory registering a region");
+  reg->addr = addr;
+  reg->len = len;
+  snprintf(reg->location, sizeof reg->location, "%s", location);
+
+  pthread_mutex_lock(&r->mu);
+  long i = find_le(r, addr);
+  const mc_region_t *prev = i >= 0 ? r->v[i] : NULL;
+  const mc_region_t *next = (size_t)(i + 1) < r->n ? r->v[i + 1] : NULL;
+  if ((prev && prev->addr + prev->len > addr) || (next && addr + len > next->addr)) {
+    const mc_region_t *o = (prev && prev->addr + prev->len > addr) ? prev : next;
+    int rc = mc_err_set(err, MC_EOVERLAP,
+                        "region [0x%llx, +%llu) overlaps registered region [0x%llx, +%llu); "
+                        "unregister it first",
+                        (unsigned long long)addr, (unsigned long long)len,
+                        (unsigned long long)o->addr, (unsigned long long)o->len);
+    pthread_mutex_unlock(&r->mu);
+    free(reg);
+    return rc;
+  }
+  if (r->n == r->cap) {
+    size_t ncap = r->cap ? r->cap * 2 : 16;
+    mc_region_t **nv = realloc(r->v, ncap * sizeof *nv);
+    if (!nv) {
+      pthread_mutex_unlock(&r->mu);
+      free(reg);
+      return mc_err_set(err, MC_ENOMEM, "out of memory registering a region");
+    }
+    r->v = nv;
+    r->cap = ncap;
+  }
+  size_t pos = (size_t)(i + 1);
+  memmove(r->v + pos + 1, r->v + pos, (r->n - pos) * sizeof *r->v);
+  r->v[pos] = reg;
+  r->n++;
+  r->version++;
+  pthread_mutex_unlock(&r->mu);
+  return 0;
+}
+
+int mc_regions_remove(mc_regions_t *r, uint64_t addr, mc_err_t *err) {
+  pthread_mutex_lock(&r->mu);
+  long i = find_le(r, addr);
+  if (i < 0 || r->v[i]->addr != addr || r->v[i]->dead) {
+    pthread_mutex_unlock(&r->mu);
+    return mc_err_set(err, MC_ENOTFOUND,
+                      "no registered region starts at 0x%llx; pass the address given to "
+                      "register_memory",
+                      (unsigned long long)addr);
+  }
+  mc_region_t *reg = r->v[i];
+  reg->dead = 1;
+  while (reg->refs > 0)
+    pthread_cond_wait(&r->cv, &r->mu);
+  /* The index may have moved while we waited. */
+  i = find_le(r, addr);
+  memmove(r->v + i, r->v + i + 1, (r->n - (size_t)i - 1) * sizeof *r->v);
+  r->n--;
+  r->version++;
+  pthread_mutex_unlock(&r->mu);
+  free(reg);
+  return 0;
+}
+
+int mc_regions_acquire(mc_regions_t *r, uint64_t addr, uint64_t len,
+                       const char *who, mc_region_t **out, mc_err_t *err) {
+  pthread_mutex_lock(&r->mu);
+  long i = find_le(r, addr);
+  mc_region_t *reg = i >= 0 ? r->v[i] : NULL;
+  if (!reg || reg->dead || len == 0 || addr + len < addr ||
+      addr + len > reg->addr + reg->len) {
+    pthread_mutex_unlock(&r->mu);
+    return mc_err_set(err, MC_ERANGE,
+                      "range [0x%llx, +%llu) is not inside any memory region registered by "
+                      "segment %s",
+                      (unsigned long long)addr, (unsigned long long)len, who ? who : "?");
+  }
+  reg->refs++;
+  pthread_mutex_unlock(&r->mu);
+  *out = reg;
+  return 0;
+}
+
+void mc_regions_release(mc_regions_t *r, mc_region_t *reg) {
+  pthread_mutex_lock(&r->mu);
+  if (--reg->refs == 0 && reg->dead)
+    pthread_cond_broadcast(&r->cv);
+  pthread_mutex_unlock(&r->mu);
+}
+
+size_t mc_regions_snapshot(mc_regions_t *r, mc_region_t *out, size_t max) {
+  pthread_mutex_lock(&r->mu);
+  size_t k = 0;
+  for (size_t i = 0; i < r->n && k < max; i++)
+    if (!r->v[i]->dead)
+      out[k++] = *r->v[i];
+  pthread_mutex_unlock(&r->mu);
+  return k;
+}
+
+size_t mc_regions_count(mc_regions_t *r) {
+  pthread_mutex_lock(&r->mu);
+  size_t n = r->n;
+  pthread_mutex_unlock(&r->mu);
+  return n;
+}

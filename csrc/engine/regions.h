@@ -1,0 +1,58 @@
+/* The table of memory regions registered by the local segment.
+ *
+ * Every remote access served by a transport is checked here first: a range
+ * [addr, addr+len) must lie entirely inside one registered region, and the
+ * region stays pinned (refcount) until the access is done, so
+ * mc_regions_remove() returning means no transport will touch it again.
+ * Thread-safe.
+ */
+#ifndef MC_ENGINE_REGIONS_H
+#define MC_ENGINE_REGIONS_H
+
+#include <pthread.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "util/errors.h"
+
+#define MC_LOCATION_MAX 32
+
+typedef struct mc_region {
+  uint64_t addr;
+  uint64_t len;
+  char location[MC_LOCATION_MAX]; /* "cpu" or "cuda:N" */
+  int refs;                       /* active accesses, under the table lock */
+  int dead;                       /* being removed: refuse new accesses */
+} mc_region_t;
+
+typedef struct mc_regions {
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  mc_region_t **v; /* sorted by addr, non-overlapping */
+  size_t n, cap;
+  uint64_t version; /* bumped on every change */
+} mc_regions_t;
+
+int mc_regions_init(mc_regions_t *r);
+void mc_regions_destroy(mc_regions_t *r);
+
+/* Adds [addr, addr+len). MC_EINVAL for len 0 / wraparound / bad location,
+ * MC_EOVERLAP if it overlaps an existing region. */
+int mc_regions_add(mc_regions_t *r, uint64_t addr, uint64_t len,
+                   const char *location, mc_err_t *err);
+
+/* Removes the region starting at addr; waits (blocking) until accesses in
+ * flight finish. MC_ENOTFOUND if no region starts there. */
+int mc_regions_remove(mc_regions_t *r, uint64_t addr, mc_err_t *err);
+
+/* Pins the region containing [addr, addr+len).  MC_ERANGE (message names the
+ * range and `who`) if none does. */
+int mc_regions_acquire(mc_regions_t *r, uint64_t addr, uint64_t len,
+                       const char *who, mc_region_t **out, mc_err_t *err);
+void mc_regions_release(mc_regions_t *r, mc_region_t *reg);
+
+/* Copies up to `max` (addr,len,location) records; returns the count. */
+size_t mc_regions_snapshot(mc_regions_t *r, mc_region_t *out, size_t max);
+size_t mc_regions_count(mc_regions_t *r);
+
+#endif

@@ -1,0 +1,25 @@
+/* Segment descriptors: the JSON value stored under mooncake/ram/<name>. */
+#ifndef MC_ENGINE_SEGMENT_DESC_H
+#define MC_ENGINE_SEGMENT_DESC_H
+
+#include <stddef.h>
+
+#include "engine/regions.h"
+#include "util/errors.h"
+
+typedef struct mc_segment_desc {
+  char name[320];
+  char protocol[16];
+  char host[256];
+  int port; /* tcp data/rpc port */
+} mc_segment_desc_t;
+
+/* Encodes (malloc'ed JSON). */
+char *mc_segment_desc_encode(const char *name, const char *protocol, const char *host,
+                             int port, const mc_region_t *regions, size_t nregions);
+/* Decodes a descriptor fetched from a metadata server; MC_EMETADATA with a
+ * message naming the segment and the bad field when it is not valid. */
+int mc_segment_desc_decode(const char *json, size_t len, const char *name,
+                           mc_segment_desc_t *out, mc_err_t *err);
+
+#endif

@@ -1,0 +1,140 @@
+/* Metadata client front end: picks a backend from the connection string,
+ * validates arguments once for every backend, and owns the key layout. */
+#include "meta/meta.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+
+#define P2P_CONN "P2PHANDSHAKE"
+
+static int has_prefix_ci(const char *s, const char *prefix) {
+  return strncasecmp(s, prefix, strlen(prefix)) == 0;
+}
+
+/* Backends that a later issue adds; the message tells users what works now. */
+static int unavailable(const char *backend, const char *conn, mc_err_t *err) {
+  return mc_err_set(err, MC_EUNAVAIL,
+                    "metadata backend %s is not available in this build yet "
+                    "(metadata server \"%s\"); use an HTTP metadata server "
+                    "(http://host:port/metadata, e.g. `mooncake-metadata-server`) "
+                    "or P2PHANDSHAKE",
+                    backend, conn);
+}
+
+int mc_meta_open(const char *conn, mc_meta_t **out, mc_err_t *err) {
+  if (!out)
+    return mc_err_set(err, MC_EINVAL, "mc_meta_open: out is NULL");
+  *out = NULL;
+  if (!conn || !*conn)
+    return mc_err_set(err, MC_EINVAL,
+                      "empty metadata connection string; expected "
+                      "\"http://host:port/metadata\"");
+  if (strcmp(conn, P2P_CONN) == 0)
+    return mc_err_set(err, MC_EINVAL,
+                      "metadata server \"P2PHANDSHAKE\" means P2P mode, which "
+                      "has no metadata server: peers exchange metadata over "
+                      "the handshake socket, so no metadata client is opened");
+  if (has_prefix_ci(conn, "http://") || has_prefix_ci(conn, "https://"))
+    return mc_meta_http_open(conn, out, err);
+  if (has_prefix_ci(conn, "etcd://"))
+    return unavailable("etcd", conn, err);
+  if (has_prefix_ci(conn, "redis://"))
+    return unavailable("redis", conn, err);
+  const char *sep = strstr(conn, "://");
+  if (sep)
+    return mc_err_set(err, MC_EINVAL,
+                      "metadata connection string \"%s\" has unknown scheme "
+                      "\"%.*s\"; expected http://, https://, etcd://, redis:// "
+                      "or P2PHANDSHAKE",
+                      conn, (int)(sep - conn), conn);
+  /* Mooncake reads a string without a scheme as an etcd endpoint list. */
+  return unavailable("etcd", conn, err);
+}
+
+static int check_key(mc_meta_t *m, const char *key, const char *op,
+                     mc_err_t *err) {
+  if (!m)
+    return mc_err_set(err, MC_EINVAL, "metadata %s: client is NULL", op);
+  if (!key || !*key)
+    return mc_err_set(err, MC_EINVAL, "metadata %s on %s: key is %s", op,
+                      m->url, key ? "empty" : "NULL");
+  return 0;
+}
+
+int mc_meta_put(mc_meta_t *m, const char *key, const char *val, size_t len,
+                mc_err_t *err) {
+  int rc = check_key(m, key, "PUT", err);
+  if (rc)
+    return rc;
+  if (!val && len)
+    return mc_err_set(err, MC_EINVAL,
+                      "metadata PUT key \"%s\": value is NULL but length is %zu",
+                      key, len);
+  return m->ops->put(m, key, val ? val : "", len, err);
+}
+
+int mc_meta_get(mc_meta_t *m, const char *key, char **val, size_t *len,
+                mc_err_t *err) {
+  if (val)
+    *val = NULL;
+  if (len)
+    *len = 0;
+  int rc = check_key(m, key, "GET", err);
+  if (rc)
+    return rc;
+  if (!val)
+    return mc_err_set(err, MC_EINVAL, "metadata GET key \"%s\": val is NULL",
+                      key);
+  size_t dummy;
+  return m->ops->get(m, key, val, len ? len : &dummy, err);
+}
+
+int mc_meta_del(mc_meta_t *m, const char *key, mc_err_t *err) {
+  int rc = check_key(m, key, "DELETE", err);
+  if (rc)
+    return rc;
+  return m->ops->del(m, key, err);
+}
+
+void mc_meta_close(mc_meta_t *m) {
+  if (m)
+    m->ops->close(m);
+}
+
+/* ---- key layout ---- */
+
+/* Writes P + middle + name.  The cluster id is read on every call: keys are
+ * built rarely (register/unregister), and tests change the variable. */
+static int build_key(const char *middle, const char *name, char *buf,
+                     size_t len) {
+  if (!name || !*name || !buf || !len)
+    return MC_EINVAL;
+  const char *cluster = getenv("MC_METADATA_CLUSTER_ID");
+  int n;
+  if (cluster && *cluster) {
+    size_t cl = strlen(cluster);
+    const char *slash = cluster[cl - 1] == '/' ? "" : "/";
+    n = snprintf(buf, len, "mooncake/%s%s%s%s", cluster, slash, middle, name);
+  } else {
+    n = snprintf(buf, len, "mooncake/%s%s", middle, name);
+  }
+  if (n < 0)
+    return MC_EINVAL;
+  if ((size_t)n >= len) {
+    buf[0] = '\0'; /* never hand out a truncated key */
+    return MC_ETOOBIG;
+  }
+  return 0;
+}
+
+int mc_meta_key_segment(const char *segment_name, char *buf, size_t len) {
+  /* Names that already carry a namespace ("nvmeof/x") skip "ram/". */
+  const char *middle = segment_name && strchr(segment_name, '/') ? "" : "ram/";
+  return build_key(middle, segment_name, buf, len);
+}
+
+int mc_meta_key_rpc(const char *segment_name, char *buf, size_t len) {
+  return build_key("rpc_meta/", segment_name, buf, len);
+}

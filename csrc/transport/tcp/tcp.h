@@ -1,0 +1,103 @@
+/* TCP transport: persistent, epoll-driven connections carrying the wire
+ * protocol of wire.h.
+ *
+ * Threads: `io_threads` event loops, each owning its connections.  Other
+ * threads hand work over through a per-connection inbox and an eventfd.
+ * The listener lives on loop 0; accepted connections are spread round-robin.
+ *
+ * Ownership: ops passed to mc_tcp_submit belong to the transport from then
+ * on.  Each op's done() is called exactly once, on an I/O thread (or on the
+ * submitting thread when the connection cannot even be set up), and after
+ * done() returns the transport never touches the op's local buffers again.
+ */
+#ifndef MC_TRANSPORT_TCP_TCP_H
+#define MC_TRANSPORT_TCP_TCP_H
+
+#include <stdatomic.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/uio.h>
+
+#include "engine/regions.h"
+#include "util/errors.h"
+
+typedef struct mc_tcp mc_tcp_t;
+typedef struct mc_xfer_op mc_xfer_op_t;
+
+typedef struct mc_xfer_ent {
+  void *local;     /* source (WRITE) or destination (READ) */
+  uint64_t remote; /* address in the target segment */
+  uint64_t len;
+  uint32_t cookie; /* owner's tag (task index) */
+} mc_xfer_ent_t;
+
+typedef void (*mc_xfer_done_fn)(mc_xfer_op_t *op, int code, const char *msg);
+
+struct mc_xfer_op {
+  /* Filled by the submitter. */
+  int type; /* MC_WIRE_WRITE, MC_WIRE_READ or MC_WIRE_NOTIFY */
+  uint32_t nent;
+  uint64_t total; /* sum of ent[].len, set by mc_xfer_op_seal */
+  mc_xfer_done_fn done;
+  void *arg;
+  atomic_int *cancel; /* optional: non-zero asks to stop (see sweep) */
+  uint8_t *ctrl;      /* NOTIFY body, owned */
+  size_t ctrl_len;
+  /* Transport-private. */
+  mc_xfer_op_t *next;
+  uint64_t req_id;
+  int finalized;
+  int started; /* first byte handed to the kernel */
+  uint8_t hdr[32];
+  uint8_t *table;
+  struct iovec *iov;
+  int niov;
+  int iov_idx;
+  size_t iov_off;
+  mc_xfer_ent_t ent[];
+};
+
+/* Allocates an op with room for nent entries (and ctrl_len body bytes). */
+mc_xfer_op_t *mc_xfer_op_new(int type, uint32_t nent, size_t ctrl_len);
+/* Computes totals and encodes header/table/iovecs. Call after filling ent. */
+int mc_xfer_op_seal(mc_xfer_op_t *op, mc_err_t *err);
+/* Frees an op that was never submitted. */
+void mc_xfer_op_free(mc_xfer_op_t *op);
+
+typedef struct mc_tcp_opts {
+  const char *bind_host; /* NULL -> 0.0.0.0 */
+  int port;              /* 0 -> any free port */
+  int io_threads;        /* >= 1 */
+  int conns_per_peer;    /* >= 1: striping */
+  int connect_timeout_ms;
+} mc_tcp_opts_t;
+
+typedef struct mc_tcp_hooks {
+  void *ctx;
+  const char *local_name; /* segment name; stable for the transport's life */
+  mc_regions_t *regions;  /* the local segment's regions */
+  /* Called on an I/O thread for every NOTIFY received. */
+  void (*on_notify)(void *ctx, const char *from, const void *msg, size_t len);
+} mc_tcp_hooks_t;
+
+int mc_tcp_start(const mc_tcp_opts_t *opts, const mc_tcp_hooks_t *hooks,
+                 mc_tcp_t **out, mc_err_t *err);
+int mc_tcp_port(const mc_tcp_t *t);
+
+/* Queues ops to the target segment reachable at host:port (connecting on
+ * first use and reusing connections afterwards).  Never blocks on the
+ * network except for name resolution of `host`. */
+void mc_tcp_submit(mc_tcp_t *t, const char *host, int port, const char *segment,
+                   mc_xfer_op_t **ops, size_t nops);
+
+/* Asks every I/O thread to resolve ops whose cancel flag is set (done() with
+ * MC_ECANCELED).  Returns at once; completion shows up through done(). */
+void mc_tcp_cancel_sweep(mc_tcp_t *t);
+
+/* Drops every connection to host:port (used after a peer is known dead). */
+void mc_tcp_forget_peer(mc_tcp_t *t, const char *host, int port);
+
+/* Stops the loops, fails everything in flight with MC_ECLOSED, frees. */
+void mc_tcp_stop(mc_tcp_t *t);
+
+#endif

@@ -1,0 +1,136 @@
+/* Private structures of the TCP transport, shared by its .c files. */
+#ifndef MC_TRANSPORT_TCP_INTERNAL_H
+#define MC_TRANSPORT_TCP_INTERNAL_H
+
+#include <pthread.h>
+#include <stdint.h>
+#include <sys/uio.h>
+
+#include "transport/tcp/tcp.h"
+#include "transport/tcp/wire.h"
+
+#define MC_TCP_RBUF (256u * 1024u)
+#define MC_TCP_IOV_BATCH 1024
+
+typedef struct mc_loop mc_loop_t;
+typedef struct mc_conn mc_conn_t;
+
+/* A response queued by the target side. */
+typedef struct mc_resp {
+  struct mc_resp *next;
+  uint8_t hdr[MC_WIRE_HDR_SIZE];
+  struct iovec *iov;
+  int niov, iov_idx;
+  size_t iov_off;
+  mc_region_t **refs; /* regions pinned until sent (READ_DATA) */
+  int nrefs;
+  char *text; /* owned error text / body */
+  struct iovec small[2];
+} mc_resp_t;
+
+enum { CONN_CONNECTING, CONN_OPEN, CONN_DEAD };
+enum { RS_HDR, RS_BODY, RS_PAYLOAD };
+
+struct mc_conn {
+  mc_tcp_t *tcp;
+  mc_loop_t *loop;
+  int fd;
+  int outgoing; /* 1: we are the initiator */
+  int state;
+  char peer[320];     /* "host:port" for messages */
+  char segment[320];  /* target segment name (outgoing) / peer name (incoming) */
+  uint64_t connect_deadline_ns;
+  int want_out; /* EPOLLOUT armed */
+
+  /* Cross-thread inbox, under mu. */
+  pthread_mutex_t mu;
+  mc_xfer_op_t *inbox_head, *inbox_tail;
+  int kick_pending;
+  int dead_flag;
+
+  /* Loop-thread-only state. */
+  mc_xfer_op_t *sendq_head, *sendq_tail; /* requests to send (outgoing) */
+  mc_xfer_op_t *await_head, *await_tail; /* sent, awaiting responses */
+  mc_resp_t *resp_head, *resp_tail;      /* responses to send (incoming) */
+  uint64_t next_req_id;
+  int hello_ok;
+
+  /* Receive side. */
+  uint8_t *rbuf;
+  size_t rpos, rlen;
+  int rstate;
+  mc_wire_hdr_t rh;
+  uint8_t *body; /* control body / entry table being gathered */
+  size_t body_len, body_got;
+  /* Payload scatter target. */
+  struct iovec *piov;
+  int pniov, pidx;
+  size_t poff;
+  uint64_t premain;  /* payload bytes still to read */
+  int pdiscard;      /* drop payload bytes instead of storing */
+  int pstatus;       /* target side: status to answer after a WRITE */
+  char perr[MC_ERR_MSG_MAX];
+  mc_region_t **prefs;
+  int pnrefs;
+
+  int cmd_refs; /* commands queued that name this conn (loop->mu) */
+  mc_conn_t *next_in_loop;
+};
+
+typedef struct mc_cmd {
+  struct mc_cmd *next;
+  int kind; /* CMD_ADD, CMD_KICK, CMD_SWEEP, CMD_FORGET */
+  mc_conn_t *conn;
+} mc_cmd_t;
+
+enum { CMD_ADD = 1, CMD_KICK, CMD_SWEEP };
+
+struct mc_loop {
+  mc_tcp_t *tcp;
+  int idx;
+  int epfd;
+  int evfd;
+  pthread_t thread;
+  pthread_mutex_t mu;
+  mc_cmd_t *cmd_head, *cmd_tail;
+  int stopping;
+  mc_conn_t *conns; /* loop-thread-only list */
+};
+
+typedef struct mc_peer {
+  char host[256];
+  int port;
+  char segment[320];
+  mc_conn_t **conns; /* conns_per_peer slots, NULL when absent */
+  unsigned rr;
+} mc_peer_t;
+
+struct mc_tcp {
+  mc_tcp_opts_t opts;
+  mc_tcp_hooks_t hooks;
+  int listen_fd;
+  int port;
+  mc_loop_t *loops;
+  int nloops;
+  atomic_uint next_loop;
+  pthread_mutex_t peers_mu;
+  mc_peer_t **peers;
+  size_t npeers, cap_peers;
+};
+
+/* tcp_loop.c */
+void mc_loop_post(mc_loop_t *l, int kind, mc_conn_t *c);
+void mc_conn_set_out(mc_conn_t *c, int on);
+void mc_conn_kill(mc_conn_t *c, int code, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+/* tcp_send.c */
+int mc_conn_flush(mc_conn_t *c);
+void mc_op_finalize(mc_xfer_op_t *op, int code, const char *msg);
+
+/* tcp_recv.c */
+int mc_conn_on_readable(mc_conn_t *c);
+void mc_resp_free(mc_tcp_t *t, mc_resp_t *r);
+void mc_conn_free_recv(mc_conn_t *c);
+
+#endif

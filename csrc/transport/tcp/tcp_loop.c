@@ -1,0 +1,730 @@
+/* Event loops, connection lifecycle and the peer table of the TCP
+ * transport. */
+#include <arpa/inet.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include "transport/tcp/tcp_internal.h"
+#include "util/clock.h"
+#include "util/log.h"
+
+void mc_conn_enqueue_op(mc_conn_t *c, mc_xfer_op_t *op);
+
+/* The listener's epoll tag; connections use their mc_conn_t pointer. */
+static char listener_tag;
+static char eventfd_tag;
+
+/* ---- commands ---- */
+
+void mc_loop_post(mc_loop_t *l, int kind, mc_conn_t *c) {
+  mc_cmd_t *cmd = malloc(sizeof *cmd);
+  if (!cmd) {
+    mc_log_error("out of memory posting to I/O thread %d", l->idx);
+    return;
+  }
+  cmd->kind = kind;
+  cmd->conn = c;
+  cmd->next = NULL;
+  pthread_mutex_lock(&l->mu);
+  if (c)
+    c->cmd_refs++;
+  int was_empty = l->cmd_head == NULL;
+  if (l->cmd_tail)
+    l->cmd_tail->next = cmd;
+  else
+    l->cmd_head = cmd;
+  l->cmd_tail = cmd;
+  pthread_mutex_unlock(&l->mu);
+  if (was_empty) {
+    uint64_t one = 1;
+    ssize_t r;
+    do {
+      r = write(l->evfd, &one, sizeof one);
+    } while (r < 0 && errno == EINTR);
+  }
+}
+
+/* ---- connections ---- */
+
+void mc_conn_set_out(mc_conn_t *c, int on) {
+  if (c->want_out == on || c->state == CONN_DEAD)
+    return;
+  struct epoll_event ev = {.events = EPOLLIN | (on ? EPOLLOUT : 0), .data.ptr = c};
+  if (epoll_ctl(c->loop->epfd, EPOLL_CTL_MOD, c->fd, &ev) == 0)
+    c->want_out = on;
+}
+
+static void fail_chain(mc_xfer_op_t *op, int code, const char *msg) {
+  while (op) {
+    mc_xfer_op_t *next = op->next;
+    mc_op_finalize(op, code, msg);
+    mc_xfer_op_free(op);
+    op = next;
+  }
+}
+
+static void peer_remove_conn(mc_tcp_t *t, mc_conn_t *c) {
+  pthread_mutex_lock(&t->peers_mu);
+  for (size_t i = 0; i < t->npeers; i++) {
+    mc_peer_t *p = t->peers[i];
+    for (int k = 0; k < t->opts.conns_per_peer; k++)
+      if (p->conns[k] == c)
+        p->conns[k] = NULL;
+  }
+  pthread_mutex_unlock(&t->peers_mu);
+}
+
+void mc_conn_kill(mc_conn_t *c, int code, const char *fmt, ...) {
+  if (c->state == CONN_DEAD)
+    return;
+  char msg[MC_ERR_MSG_MAX];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(msg, sizeof msg, fmt, ap);
+  va_end(ap);
+  if (code == MC_EPROTO)
+    mc_log_warn("%s", msg);
+  else
+    mc_log_info("%s", msg);
+  if (c->outgoing)
+    peer_remove_conn(c->tcp, c);
+  pthread_mutex_lock(&c->mu);
+  c->dead_flag = 1;
+  mc_xfer_op_t *inbox = c->inbox_head;
+  c->inbox_head = c->inbox_tail = NULL;
+  pthread_mutex_unlock(&c->mu);
+  c->state = CONN_DEAD;
+  epoll_ctl(c->loop->epfd, EPOLL_CTL_DEL, c->fd, NULL);
+  close(c->fd);
+  c->fd = -1;
+  if (code == MC_EPROTO && !c->outgoing)
+    code = MC_EPEERCLOSED;
+  fail_chain(c->await_head, code, msg);
+  fail_chain(c->sendq_head, code, msg);
+  fail_chain(inbox, code, msg);
+  c->await_head = c->await_tail = c->sendq_head = c->sendq_tail = NULL;
+  while (c->resp_head) {
+    mc_resp_t *r = c->resp_head;
+    c->resp_head = r->next;
+    mc_resp_free(c->tcp, r);
+  }
+  c->resp_tail = NULL;
+  mc_conn_free_recv(c);
+}
+
+static mc_conn_t *conn_new(mc_tcp_t *t, int fd, int outgoing, const char *peer,
+                           const char *segment) {
+  mc_conn_t *c = calloc(1, sizeof *c);
+  if (!c)
+    return NULL;
+  c->rbuf = malloc(MC_TCP_RBUF);
+  if (!c->rbuf || pthread_mutex_init(&c->mu, NULL)) {
+    free(c->rbuf);
+    free(c);
+    return NULL;
+  }
+  c->tcp = t;
+  c->fd = fd;
+  c->outgoing = outgoing;
+  c->state = outgoing ? CONN_CONNECTING : CONN_OPEN;
+  snprintf(c->peer, sizeof c->peer, "%s", peer);
+  snprintf(c->segment, sizeof c->segment, "%s", segment ? segment : "");
+  c->loop = &t->loops[atomic_fetch_add(&t->next_loop, 1) % (unsigned)t->nloops];
+  return c;
+}
+
+static void conn_free(mc_conn_t *c) {
+  pthread_mutex_destroy(&c->mu);
+  free(c->rbuf);
+  free(c->body);
+  free(c->piov);
+  free(c->prefs);
+  free(c);
+}
+
+static void set_sock_opts(int fd) {
+  int one = 1;
+  setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+  setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof one);
+  int idle = 10, intvl = 5, cnt = 3;
+  setsockopt(fd, IPPROTO_TCP, TCP_KEEPIDLE, &idle, sizeof idle);
+  setsockopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, &intvl, sizeof intvl);
+  setsockopt(fd, IPPROTO_TCP, TCP_KEEPCNT, &cnt, sizeof cnt);
+  /* Unacknowledged data for this long means the peer is gone. */
+  unsigned uto = 30000;
+  setsockopt(fd, IPPROTO_TCP, TCP_USER_TIMEOUT, &uto, sizeof uto);
+}
+
+static void drain_inbox(mc_conn_t *c) {
+  pthread_mutex_lock(&c->mu);
+  mc_xfer_op_t *op = c->inbox_head;
+  c->inbox_head = c->inbox_tail = NULL;
+  c->kick_pending = 0;
+  pthread_mutex_unlock(&c->mu);
+  while (op) {
+    mc_xfer_op_t *next = op->next;
+    mc_conn_enqueue_op(c, op);
+    op = next;
+  }
+}
+
+static void on_connected(mc_conn_t *c) {
+  int soerr = 0;
+  socklen_t sl = sizeof soerr;
+  if (getsockopt(c->fd, SOL_SOCKET, SO_ERROR, &soerr, &sl) < 0)
+    soerr = errno;
+  if (soerr) {
+    mc_conn_kill(c, MC_ECONNECT, "connect to segment %s at %s failed: %s", c->segment, c->peer,
+                 strerror(soerr));
+    return;
+  }
+  c->state = CONN_OPEN;
+  c->want_out = -1;
+  mc_conn_set_out(c, 0);
+  drain_inbox(c);
+  mc_conn_flush(c);
+}
+
+static void loop_add(mc_loop_t *l, mc_conn_t *c) {
+  c->next_in_loop = l->conns;
+  l->conns = c;
+  struct epoll_event ev = {.events = c->state == CONN_CONNECTING ? EPOLLOUT : EPOLLIN,
+                           .data.ptr = c};
+  c->want_out = c->state == CONN_CONNECTING;
+  if (epoll_ctl(l->epfd, EPOLL_CTL_ADD, c->fd, &ev) < 0) {
+    mc_conn_kill(c, MC_ESYS, "epoll_ctl failed for %s: %s", c->peer, strerror(errno));
+    return;
+  }
+  if (c->state == CONN_OPEN && c->outgoing) {
+    drain_inbox(c);
+    mc_conn_flush(c);
+  }
+}
+
+/* Cancels ops whose flag is set, in every queue of every connection. */
+static void sweep_conn(mc_conn_t *c) {
+  if (c->state == CONN_DEAD)
+    return;
+  /* Not started yet: dropped by flush; started but not finished: the stream
+   * cannot be cut mid-message, so the connection goes. */
+  for (mc_xfer_op_t *op = c->sendq_head; op; op = op->next) {
+    if (op->cancel && atomic_load(op->cancel) && op->started) {
+      mc_conn_kill(c, MC_ECANCELED,
+                   "connection to %s closed to cancel a transfer that was being sent",
+                   c->peer);
+      return;
+    }
+  }
+  /* Sent and awaiting: WRITE data has left, READ data is dropped on arrival. */
+  for (mc_xfer_op_t *op = c->await_head; op; op = op->next) {
+    if (op->cancel && atomic_load(op->cancel) && !op->finalized) {
+      if (op == c->await_head && c->rstate == RS_PAYLOAD)
+        c->pdiscard = 1;
+      mc_op_finalize(op, MC_ECANCELED, "canceled while waiting for the target");
+    }
+  }
+  pthread_mutex_lock(&c->mu);
+  mc_xfer_op_t **pp = &c->inbox_head, *keep_tail = NULL;
+  mc_xfer_op_t *canceled = NULL;
+  while (*pp) {
+    mc_xfer_op_t *op = *pp;
+    if (op->cancel && atomic_load(op->cancel)) {
+      *pp = op->next;
+      op->next = canceled;
+      canceled = op;
+    } else {
+      keep_tail = op;
+      pp = &op->next;
+    }
+  }
+  c->inbox_tail = keep_tail;
+  pthread_mutex_unlock(&c->mu);
+  fail_chain(canceled, MC_ECANCELED, "canceled before it was sent");
+  mc_conn_flush(c);
+}
+
+static void handle_cmds(mc_loop_t *l) {
+  uint64_t v;
+  while (read(l->evfd, &v, sizeof v) < 0 && errno == EINTR) {
+  }
+  pthread_mutex_lock(&l->mu);
+  mc_cmd_t *cmd = l->cmd_head;
+  l->cmd_head = l->cmd_tail = NULL;
+  pthread_mutex_unlock(&l->mu);
+  while (cmd) {
+    mc_cmd_t *next = cmd->next;
+    switch (cmd->kind) {
+    case CMD_ADD:
+      loop_add(l, cmd->conn);
+      break;
+    case CMD_KICK:
+      if (cmd->conn->state == CONN_OPEN) {
+        drain_inbox(cmd->conn);
+        mc_conn_flush(cmd->conn);
+      }
+      break;
+    case CMD_SWEEP:
+      for (mc_conn_t *c = l->conns; c; c = c->next_in_loop)
+        sweep_conn(c);
+      break;
+    }
+    if (cmd->conn) {
+      pthread_mutex_lock(&l->mu);
+      cmd->conn->cmd_refs--;
+      pthread_mutex_unlock(&l->mu);
+    }
+    free(cmd);
+    cmd = next;
+  }
+}
+
+static void accept_all(mc_tcp_t *t) {
+  for (;;) {
+    struct sockaddr_storage ss;
+    socklen_t sl = sizeof ss;
+    int fd = accept4(t->listen_fd, (struct sockaddr *)&ss, &sl, SOCK_NONBLOCK | SOCK_CLOEXEC);
+    if (fd < 0) {
+      if (errno == EINTR)
+        continue;
+      if (errno != EAGAIN && errno != EWOULDBLOCK)
+        mc_log_warn("accept on port %d failed: %s", t->port, strerror(errno));
+      return;
+    }
+    set_sock_opts(fd);
+    char host[INET6_ADDRSTRLEN] = "?", peer[320];
+    int port = 0;
+    if (ss.ss_family == AF_INET) {
+      struct sockaddr_in *a = (struct sockaddr_in *)&ss;
+      inet_ntop(AF_INET, &a->sin_addr, host, sizeof host);
+      port = ntohs(a->sin_port);
+    } else if (ss.ss_family == AF_INET6) {
+      struct sockaddr_in6 *a = (struct sockaddr_in6 *)&ss;
+      inet_ntop(AF_INET6, &a->sin6_addr, host, sizeof host);
+      port = ntohs(a->sin6_port);
+    }
+    snprintf(peer, sizeof peer, "%s:%d", host, port);
+    mc_conn_t *c = conn_new(t, fd, 0, peer, "");
+    if (!c) {
+      close(fd);
+      continue;
+    }
+    mc_loop_post(c->loop, CMD_ADD, c);
+  }
+}
+
+/* Frees dead connections; only safe between event batches. */
+static void reap(mc_loop_t *l) {
+  mc_conn_t **pp = &l->conns;
+  while (*pp) {
+    mc_conn_t *c = *pp;
+    pthread_mutex_lock(&l->mu);
+    int busy = c->cmd_refs > 0;
+    pthread_mutex_unlock(&l->mu);
+    if (c->state == CONN_DEAD && !busy) {
+      *pp = c->next_in_loop;
+      conn_free(c);
+    } else {
+      pp = &c->next_in_loop;
+    }
+  }
+}
+
+static void check_connect_deadlines(mc_loop_t *l) {
+  uint64_t now = mc_now_ns();
+  for (mc_conn_t *c = l->conns; c; c = c->next_in_loop)
+    if (c->state == CONN_CONNECTING && c->connect_deadline_ns && now > c->connect_deadline_ns)
+      mc_conn_kill(c, MC_ECONNECT, "connect to segment %s at %s timed out after %d ms",
+                   c->segment, c->peer, c->tcp->opts.connect_timeout_ms);
+}
+
+static void *loop_main(void *arg) {
+  mc_loop_t *l = arg;
+  struct epoll_event evs[64];
+  while (!l->stopping) {
+    int n = epoll_wait(l->epfd, evs, 64, 100);
+    if (n < 0) {
+      if (errno == EINTR)
+        continue;
+      mc_log_error("epoll_wait failed on I/O thread %d: %s", l->idx, strerror(errno));
+      break;
+    }
+    for (int i = 0; i < n; i++) {
+      void *tag = evs[i].data.ptr;
+      if (tag == &eventfd_tag) {
+        handle_cmds(l);
+        continue;
+      }
+      if (tag == &listener_tag) {
+        accept_all(l->tcp);
+        continue;
+      }
+      mc_conn_t *c = tag;
+      if (c->state == CONN_DEAD)
+        continue;
+      uint32_t e = evs[i].events;
+      if (c->state == CONN_CONNECTING) {
+        on_connected(c);
+        continue;
+      }
+      if (e & (EPOLLIN | EPOLLERR | EPOLLHUP))
+        if (mc_conn_on_readable(c) < 0)
+          continue;
+      if ((e & (EPOLLOUT | EPOLLERR | EPOLLHUP)) && c->state == CONN_OPEN)
+        mc_conn_flush(c);
+    }
+    check_connect_deadlines(l);
+    reap(l);
+  }
+  return NULL;
+}
+
+/* ---- peers and submission ---- */
+
+static mc_peer_t *peer_get(mc_tcp_t *t, const char *host, int port, const char *segment) {
+  for (size_t i = 0; i < t->npeers; i++) {
+    mc_peer_t *p = t->peers[i];
+    if (p->port == port && !strcmp(p->host, host) && !strcmp(p->segment, segment))
+      return p;
+  }
+  if (t->npeers == t->cap_peers) {
+    size_t nc = t->cap_peers ? t->cap_peers * 2 : 8;
+    mc_peer_t **nv = realloc(t->peers, nc * sizeof *nv);
+    if (!nv)
+      return NULL;
+    t->peers = nv;
+    t->cap_peers = nc;
+  }
+  mc_peer_t *p = calloc(1, sizeof *p);
+  if (!p || !(p->conns = calloc((size_t)t->opts.conns_per_peer, sizeof *p->conns))) {
+    free(p);
+    return NULL;
+  }
+  snprintf(p->host, sizeof p->host, "%s", host);
+  p->port = port;
+  snprintf(p->segment, sizeof p->segment, "%s", segment);
+  t->peers[t->npeers++] = p;
+  return p;
+}
+
+/* Starts a non-blocking connect; the HELLO is the first op queued. */
+static mc_conn_t *connect_peer(mc_tcp_t *t, const char *host, int port, const char *segment,
+                               mc_err_t *err) {
+  struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM};
+  struct addrinfo *ai = NULL;
+  char ports[16];
+  snprintf(ports, sizeof ports, "%d", port);
+  int gai = getaddrinfo(host, ports, &hints, &ai);
+  if (gai != 0) {
+    mc_err_set(err, MC_ECONNECT, "cannot resolve host \"%s\" of segment %s: %s", host, segment,
+               gai_strerror(gai));
+    return NULL;
+  }
+  int fd = socket(ai->ai_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+  if (fd < 0) {
+    mc_err_sys(err, MC_ESYS, errno, "socket() failed");
+    freeaddrinfo(ai);
+    return NULL;
+  }
+  set_sock_opts(fd);
+  int rc = connect(fd, ai->ai_addr, ai->ai_addrlen);
+  freeaddrinfo(ai);
+  if (rc < 0 && errno != EINPROGRESS) {
+    mc_err_sys(err, MC_ECONNECT, errno, "connect to segment %s at %s:%d failed", segment, host,
+               port);
+    close(fd);
+    return NULL;
+  }
+  char peer[320];
+  snprintf(peer, sizeof peer, strchr(host, ':') ? "[%s]:%d" : "%s:%d", host, port);
+  mc_conn_t *c = conn_new(t, fd, 1, peer, segment);
+  if (!c) {
+    close(fd);
+    mc_err_set(err, MC_ENOMEM, "out of memory");
+    return NULL;
+  }
+  c->connect_deadline_ns = mc_now_ns() + (uint64_t)t->opts.connect_timeout_ms * 1000000ull;
+  /* HELLO first: names the segment we expect and who we are. */
+  char body[800];
+  int bl = snprintf(body, sizeof body, "{\"version\":1,\"segment\":\"%s\",\"from\":\"%s\"}",
+                    segment, t->hooks.local_name);
+  mc_xfer_op_t *hello = mc_xfer_op_new(MC_WIRE_HELLO, 0, (size_t)bl);
+  if (!hello || (memcpy(hello->ctrl, body, (size_t)bl), mc_xfer_op_seal(hello, err)) < 0) {
+    mc_xfer_op_free(hello);
+    close(fd);
+    conn_free(c);
+    mc_err_set(err, MC_ENOMEM, "out of memory");
+    return NULL;
+  }
+  c->inbox_head = c->inbox_tail = hello;
+  return c;
+}
+
+void mc_tcp_submit(mc_tcp_t *t, const char *host, int port, const char *segment,
+                   mc_xfer_op_t **ops, size_t nops) {
+  mc_err_t err = {0};
+  pthread_mutex_lock(&t->peers_mu);
+  mc_peer_t *p = peer_get(t, host, port, segment);
+  if (!p) {
+    pthread_mutex_unlock(&t->peers_mu);
+    for (size_t i = 0; i < nops; i++) {
+      mc_op_finalize(ops[i], MC_ENOMEM, "out of memory");
+      mc_xfer_op_free(ops[i]);
+    }
+    return;
+  }
+  /* Make sure every stripe has a connection (connect is non-blocking; name
+   * resolution may block, which is why callers release the GIL). */
+  mc_conn_t *fresh[64];
+  int nfresh = 0;
+  for (int k = 0; k < t->opts.conns_per_peer; k++) {
+    if (p->conns[k])
+      continue;
+    mc_conn_t *c = connect_peer(t, host, port, segment, &err);
+    if (!c)
+      break;
+    p->conns[k] = c;
+    if (nfresh < 64)
+      fresh[nfresh++] = c;
+  }
+  int have = 0;
+  for (int k = 0; k < t->opts.conns_per_peer; k++)
+    have += p->conns[k] != NULL;
+  if (!have) {
+    pthread_mutex_unlock(&t->peers_mu);
+    for (size_t i = 0; i < nops; i++) {
+      mc_op_finalize(ops[i], err.code ? err.code : MC_ECONNECT, err.msg);
+      mc_xfer_op_free(ops[i]);
+    }
+    return;
+  }
+  mc_conn_t *kick[64];
+  int nkick = 0;
+  for (size_t i = 0; i < nops; i++) {
+    mc_conn_t *c = NULL;
+    for (int tries = 0; tries < t->opts.conns_per_peer && !c; tries++)
+      c = p->conns[p->rr++ % (unsigned)t->opts.conns_per_peer];
+    ops[i]->next = NULL;
+    pthread_mutex_lock(&c->mu);
+    if (c->inbox_tail)
+      c->inbox_tail->next = ops[i];
+    else
+      c->inbox_head = ops[i];
+    c->inbox_tail = ops[i];
+    int need_kick = !c->kick_pending;
+    c->kick_pending = 1;
+    pthread_mutex_unlock(&c->mu);
+    if (need_kick && nkick < 64)
+      kick[nkick++] = c;
+  }
+  /* New connections are handed to their loop (which drains the inbox once
+   * connected); existing ones get a kick.  Posted under peers_mu: a
+   * connection still in the peer table is not dead, and once a command
+   * names it, its loop will not free it before handling the command. */
+  for (int i = 0; i < nfresh; i++)
+    mc_loop_post(fresh[i]->loop, CMD_ADD, fresh[i]);
+  for (int i = 0; i < nkick; i++) {
+    int is_fresh = 0;
+    for (int k = 0; k < nfresh; k++)
+      is_fresh |= fresh[k] == kick[i];
+    if (!is_fresh)
+      mc_loop_post(kick[i]->loop, CMD_KICK, kick[i]);
+  }
+  pthread_mutex_unlock(&t->peers_mu);
+}
+
+void mc_tcp_cancel_sweep(mc_tcp_t *t) {
+  for (int i = 0; i < t->nloops; i++)
+    mc_loop_post(&t->loops[i], CMD_SWEEP, NULL);
+}
+
+/* ---- start / stop ---- */
+
+static int make_listener(mc_tcp_t *t, mc_err_t *err) {
+  const char *bind_host = t->opts.bind_host && *t->opts.bind_host ? t->opts.bind_host : "0.0.0.0";
+  struct addrinfo hints = {.ai_family = AF_UNSPEC, .ai_socktype = SOCK_STREAM,
+                           .ai_flags = AI_PASSIVE | AI_NUMERICHOST};
+  struct addrinfo *ai = NULL;
+  char ports[16];
+  snprintf(ports, sizeof ports, "%d", t->opts.port);
+  int gai = getaddrinfo(bind_host, ports, &hints, &ai);
+  if (gai)
+    return mc_err_set(err, MC_EINVAL, "bind address \"%s\" is not a numeric IP: %s", bind_host,
+                      gai_strerror(gai));
+  int fd = socket(ai->ai_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+  if (fd < 0) {
+    freeaddrinfo(ai);
+    return mc_err_sys(err, MC_ESYS, errno, "socket() failed");
+  }
+  int one = 1;
+  setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+  if (bind(fd, ai->ai_addr, ai->ai_addrlen) < 0) {
+    int e = errno;
+    freeaddrinfo(ai);
+    close(fd);
+    if (e == EADDRINUSE)
+      return mc_err_sys(err, MC_ESYS, e,
+                        "cannot listen on %s:%d (port in use by another process; pick another "
+                        "port in prefill_url/decode_url or local_hostname)",
+                        bind_host, t->opts.port);
+    return mc_err_sys(err, MC_ESYS, e, "bind to %s:%d failed", bind_host, t->opts.port);
+  }
+  freeaddrinfo(ai);
+  if (listen(fd, 512) < 0) {
+    int e = errno;
+    close(fd);
+    return mc_err_sys(err, MC_ESYS, e, "listen failed");
+  }
+  struct sockaddr_storage ss;
+  socklen_t sl = sizeof ss;
+  getsockname(fd, (struct sockaddr *)&ss, &sl);
+  t->port = ss.ss_family == AF_INET6 ? ntohs(((struct sockaddr_in6 *)&ss)->sin6_port)
+                                     : ntohs(((struct sockaddr_in *)&ss)->sin_port);
+  t->listen_fd = fd;
+  return 0;
+}
+
+static int loop_init(mc_tcp_t *t, mc_loop_t *l, int idx, mc_err_t *err) {
+  l->tcp = t;
+  l->idx = idx;
+  l->epfd = epoll_create1(EPOLL_CLOEXEC);
+  l->evfd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  if (l->epfd < 0 || l->evfd < 0)
+    return mc_err_sys(err, MC_ESYS, errno, "epoll/eventfd creation failed");
+  pthread_mutex_init(&l->mu, NULL);
+  struct epoll_event ev = {.events = EPOLLIN, .data.ptr = &eventfd_tag};
+  if (epoll_ctl(l->epfd, EPOLL_CTL_ADD, l->evfd, &ev) < 0)
+    return mc_err_sys(err, MC_ESYS, errno, "epoll_ctl failed");
+  return 0;
+}
+
+int mc_tcp_start(const mc_tcp_opts_t *opts, const mc_tcp_hooks_t *hooks, mc_tcp_t **out,
+                 mc_err_t *err) {
+  mc_tcp_t *t = calloc(1, sizeof *t);
+  if (!t)
+    return mc_err_set(err, MC_ENOMEM, "out of memory");
+  t->opts = *opts;
+  if (t->opts.io_threads < 1)
+    t->opts.io_threads = 1;
+  if (t->opts.io_threads > 64)
+    t->opts.io_threads = 64;
+  if (t->opts.conns_per_peer < 1)
+    t->opts.conns_per_peer = 1;
+  if (t->opts.conns_per_peer > 64)
+    t->opts.conns_per_peer = 64;
+  if (t->opts.connect_timeout_ms <= 0)
+    t->opts.connect_timeout_ms = 5000;
+  t->hooks = *hooks;
+  t->listen_fd = -1;
+  pthread_mutex_init(&t->peers_mu, NULL);
+  int rc = make_listener(t, err);
+  if (rc < 0) {
+    pthread_mutex_destroy(&t->peers_mu);
+    free(t);
+    return rc;
+  }
+  t->nloops = t->opts.io_threads;
+  t->loops = calloc((size_t)t->nloops, sizeof *t->loops);
+  if (!t->loops) {
+    close(t->listen_fd);
+    free(t);
+    return mc_err_set(err, MC_ENOMEM, "out of memory");
+  }
+  int started = 0;
+  for (int i = 0; i < t->nloops; i++) {
+    t->loops[i].epfd = t->loops[i].evfd = -1;
+    if ((rc = loop_init(t, &t->loops[i], i, err)) < 0)
+      goto fail;
+  }
+  struct epoll_event ev = {.events = EPOLLIN, .data.ptr = &listener_tag};
+  if (epoll_ctl(t->loops[0].epfd, EPOLL_CTL_ADD, t->listen_fd, &ev) < 0) {
+    rc = mc_err_sys(err, MC_ESYS, errno, "epoll_ctl(listener) failed");
+    goto fail;
+  }
+  for (; started < t->nloops; started++) {
+    if (pthread_create(&t->loops[started].thread, NULL, loop_main, &t->loops[started])) {
+      rc = mc_err_set(err, MC_ESYS, "cannot start I/O thread");
+      goto fail;
+    }
+  }
+  *out = t;
+  return 0;
+fail:
+  for (int i = 0; i < started; i++) {
+    t->loops[i].stopping = 1;
+    mc_loop_post(&t->loops[i], CMD_SWEEP, NULL);
+    pthread_join(t->loops[i].thread, NULL);
+  }
+  for (int i = 0; i < t->nloops; i++) {
+    if (t->loops[i].epfd >= 0)
+      close(t->loops[i].epfd);
+    if (t->loops[i].evfd >= 0)
+      close(t->loops[i].evfd);
+  }
+  close(t->listen_fd);
+  free(t->loops);
+  free(t);
+  return rc;
+}
+
+int mc_tcp_port(const mc_tcp_t *t) { return t->port; }
+
+void mc_tcp_forget_peer(mc_tcp_t *t, const char *host, int port) {
+  (void)t;
+  (void)host;
+  (void)port;
+  /* Connections close themselves on errors; nothing cached beyond them. */
+}
+
+void mc_tcp_stop(mc_tcp_t *t) {
+  if (!t)
+    return;
+  for (int i = 0; i < t->nloops; i++) {
+    t->loops[i].stopping = 1;
+    mc_loop_post(&t->loops[i], CMD_SWEEP, NULL);
+  }
+  for (int i = 0; i < t->nloops; i++)
+    pthread_join(t->loops[i].thread, NULL);
+  /* Threads are gone: fail and free whatever is left, on this thread. */
+  for (int i = 0; i < t->nloops; i++) {
+    mc_loop_t *l = &t->loops[i];
+    mc_cmd_t *cmd = l->cmd_head;
+    while (cmd) {
+      mc_cmd_t *next = cmd->next;
+      if (cmd->kind == CMD_ADD) {
+        cmd->conn->next_in_loop = l->conns;
+        l->conns = cmd->conn;
+        /* Not in epoll yet: give the kill path a valid loop. */
+      }
+      if (cmd->conn)
+        cmd->conn->cmd_refs--;
+      free(cmd);
+      cmd = next;
+    }
+    for (mc_conn_t *c = l->conns; c; c = c->next_in_loop)
+      mc_conn_kill(c, MC_ECLOSED, "engine shut down");
+    reap(l);
+    close(l->epfd);
+    close(l->evfd);
+    pthread_mutex_destroy(&l->mu);
+  }
+  close(t->listen_fd);
+  for (size_t i = 0; i < t->npeers; i++) {
+    free(t->peers[i]->conns);
+    free(t->peers[i]);
+  }
+  free(t->peers);
+  pthread_mutex_destroy(&t->peers_mu);
+  free(t->loops);
+  free(t);
+}

@@ -1,0 +1,251 @@
+/* Sending side of a connection: building requests and gathering queued
+ * requests/responses into as few sendmsg() calls as possible. */
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+
+#include "transport/tcp/tcp_internal.h"
+#include "util/log.h"
+
+mc_xfer_op_t *mc_xfer_op_new(int type, uint32_t nent, size_t ctrl_len) {
+  mc_xfer_op_t *op = calloc(1, sizeof *op + (size_t)nent * sizeof(mc_xfer_ent_t));
+  if (!op)
+    return NULL;
+  op->type = type;
+  op->nent = nent;
+  if (ctrl_len) {
+    op->ctrl = malloc(ctrl_len);
+    if (!op->ctrl) {
+      free(op);
+      return NULL;
+    }
+    op->ctrl_len = ctrl_len;
+  }
+  return op;
+}
+
+void mc_xfer_op_free(mc_xfer_op_t *op) {
+  if (!op)
+    return;
+  free(op->ctrl);
+  free(op->table);
+  free(op->iov);
+  free(op);
+}
+
+int mc_xfer_op_seal(mc_xfer_op_t *op, mc_err_t *err) {
+  mc_wire_hdr_t h = {.type = (uint8_t)op->type};
+  int niov = 1;
+  op->total = 0;
+  if (op->type == MC_WIRE_WRITE || op->type == MC_WIRE_READ ||
+      op->type == MC_WIRE_HELLO) {
+    /* HELLO reuses ctrl like NOTIFY; handled below. */
+  }
+  if (op->type == MC_WIRE_WRITE || op->type == MC_WIRE_READ) {
+    if (op->nent == 0 || op->nent > MC_WIRE_MAX_ENTRIES)
+      return mc_err_set(err, MC_EINVAL, "an op must carry 1..%u entries", MC_WIRE_MAX_ENTRIES);
+    op->table = malloc((size_t)op->nent * MC_WIRE_ENT_SIZE);
+    if (!op->table)
+      return mc_err_set(err, MC_ENOMEM, "out of memory");
+    for (uint32_t i = 0; i < op->nent; i++) {
+      mc_put_u64(op->table + 16 * i, op->ent[i].remote);
+      mc_put_u64(op->table + 16 * i + 8, op->ent[i].len);
+      op->total += op->ent[i].len;
+    }
+    h.count = op->nent;
+    h.length = (uint64_t)op->nent * MC_WIRE_ENT_SIZE;
+    niov = 2;
+    if (op->type == MC_WIRE_WRITE) {
+      h.length += op->total;
+      niov += (int)op->nent;
+    }
+  } else {
+    h.length = op->ctrl_len;
+    niov = op->ctrl_len ? 2 : 1;
+  }
+  mc_wire_encode(&h, op->hdr);
+  op->iov = malloc((size_t)niov * sizeof *op->iov);
+  if (!op->iov)
+    return mc_err_set(err, MC_ENOMEM, "out of memory");
+  op->iov[0] = (struct iovec){op->hdr, MC_WIRE_HDR_SIZE};
+  if (op->type == MC_WIRE_WRITE || op->type == MC_WIRE_READ) {
+    op->iov[1] = (struct iovec){op->table, (size_t)op->nent * MC_WIRE_ENT_SIZE};
+    if (op->type == MC_WIRE_WRITE)
+      for (uint32_t i = 0; i < op->nent; i++)
+        op->iov[2 + i] = (struct iovec){op->ent[i].local, op->ent[i].len};
+  } else if (op->ctrl_len) {
+    op->iov[1] = (struct iovec){op->ctrl, op->ctrl_len};
+  }
+  op->niov = niov;
+  return 0;
+}
+
+void mc_op_finalize(mc_xfer_op_t *op, int code, const char *msg) {
+  if (op->finalized)
+    return;
+  op->finalized = 1;
+  if (op->done)
+    op->done(op, code, msg);
+}
+
+/* Request ids are stamped into the header when the op enters the send
+ * queue, so they follow send order. */
+static void stamp_req_id(mc_conn_t *c, mc_xfer_op_t *op) {
+  op->req_id = ++c->next_req_id;
+  mc_put_u64(op->hdr + 16, op->req_id);
+}
+
+/* Gathers iovecs from a chain of (iov, niov, idx, off) items. */
+typedef struct gather {
+  struct iovec v[MC_TCP_IOV_BATCH];
+  int n;
+} gather_t;
+
+static int gather_add(gather_t *g, const struct iovec *iov, int niov, int idx, size_t off) {
+  for (int i = idx; i < niov && g->n < MC_TCP_IOV_BATCH; i++) {
+    size_t o = (i == idx) ? off : 0;
+    if (iov[i].iov_len == o)
+      continue;
+    g->v[g->n++] = (struct iovec){(char *)iov[i].iov_base + o, iov[i].iov_len - o};
+  }
+  return g->n < MC_TCP_IOV_BATCH;
+}
+
+/* Advances (idx, off) over `n` bytes; returns bytes left unconsumed. */
+static size_t advance(const struct iovec *iov, int niov, int *idx, size_t *off, size_t n) {
+  while (*idx < niov) {
+    size_t left = iov[*idx].iov_len - *off;
+    if (n < left) {
+      *off += n;
+      return 0;
+    }
+    n -= left;
+    (*idx)++;
+    *off = 0;
+  }
+  return n;
+}
+
+static ssize_t send_gather(mc_conn_t *c, gather_t *g) {
+  struct msghdr mh = {.msg_iov = g->v, .msg_iovlen = (size_t)g->n};
+  for (;;) {
+    ssize_t n = sendmsg(c->fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (n >= 0)
+      return n;
+    if (errno == EINTR)
+      continue;
+    return -errno;
+  }
+}
+
+/* Outgoing connection: send queued requests. Returns 0 or -1 (conn killed). */
+static int flush_requests(mc_conn_t *c) {
+  for (;;) {
+    /* Drop ops canceled before their first byte left. */
+    while (c->sendq_head && !c->sendq_head->started && c->sendq_head->cancel &&
+           atomic_load(c->sendq_head->cancel)) {
+      mc_xfer_op_t *op = c->sendq_head;
+      c->sendq_head = op->next;
+      if (!c->sendq_head)
+        c->sendq_tail = NULL;
+      mc_op_finalize(op, MC_ECANCELED, "canceled before it was sent");
+      mc_xfer_op_free(op);
+    }
+    if (!c->sendq_head)
+      break;
+    gather_t g;
+    g.n = 0;
+    for (mc_xfer_op_t *op = c->sendq_head; op; op = op->next) {
+      if (op != c->sendq_head && !op->started && op->cancel && atomic_load(op->cancel))
+        break; /* let the loop above drop it */
+      if (!gather_add(&g, op->iov, op->niov, op->iov_idx, op->iov_off))
+        break;
+    }
+    if (g.n == 0)
+      break;
+    ssize_t n = send_gather(c, &g);
+    if (n == -EAGAIN || n == -EWOULDBLOCK) {
+      mc_conn_set_out(c, 1);
+      return 0;
+    }
+    if (n < 0) {
+      mc_conn_kill(c, MC_EPEERCLOSED, "send to %s failed: %s", c->peer, strerror((int)-n));
+      return -1;
+    }
+    size_t left = (size_t)n;
+    while (c->sendq_head) {
+      mc_xfer_op_t *op = c->sendq_head;
+      if (left > 0)
+        op->started = 1;
+      left = advance(op->iov, op->niov, &op->iov_idx, &op->iov_off, left);
+      if (op->iov_idx < op->niov)
+        break;
+      /* Fully sent: now waits for its response. */
+      c->sendq_head = op->next;
+      if (!c->sendq_head)
+        c->sendq_tail = NULL;
+      op->next = NULL;
+      if (c->await_tail)
+        c->await_tail->next = op;
+      else
+        c->await_head = op;
+      c->await_tail = op;
+    }
+  }
+  mc_conn_set_out(c, 0);
+  return 0;
+}
+
+/* Incoming connection: send queued responses. */
+static int flush_responses(mc_conn_t *c) {
+  while (c->resp_head) {
+    gather_t g;
+    g.n = 0;
+    for (mc_resp_t *r = c->resp_head; r; r = r->next)
+      if (!gather_add(&g, r->iov, r->niov, r->iov_idx, r->iov_off))
+        break;
+    if (g.n == 0)
+      break;
+    ssize_t n = send_gather(c, &g);
+    if (n == -EAGAIN || n == -EWOULDBLOCK) {
+      mc_conn_set_out(c, 1);
+      return 0;
+    }
+    if (n < 0) {
+      mc_conn_kill(c, MC_EPEERCLOSED, "send to %s failed: %s", c->peer, strerror((int)-n));
+      return -1;
+    }
+    size_t left = (size_t)n;
+    while (c->resp_head) {
+      mc_resp_t *r = c->resp_head;
+      left = advance(r->iov, r->niov, &r->iov_idx, &r->iov_off, left);
+      if (r->iov_idx < r->niov)
+        break;
+      c->resp_head = r->next;
+      if (!c->resp_head)
+        c->resp_tail = NULL;
+      mc_resp_free(c->tcp, r);
+    }
+  }
+  mc_conn_set_out(c, 0);
+  return 0;
+}
+
+int mc_conn_flush(mc_conn_t *c) {
+  if (c->state != CONN_OPEN)
+    return 0;
+  return c->outgoing ? flush_requests(c) : flush_responses(c);
+}
+
+/* Used by the loop when draining the inbox. */
+void mc_conn_enqueue_op(mc_conn_t *c, mc_xfer_op_t *op);
+void mc_conn_enqueue_op(mc_conn_t *c, mc_xfer_op_t *op) {
+  op->next = NULL;
+  stamp_req_id(c, op);
+  if (c->sendq_tail)
+    c->sendq_tail->next = op;
+  else
+    c->sendq_head = op;
+  c->sendq_tail = op;
+}

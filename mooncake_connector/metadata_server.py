@@ -1,0 +1,407 @@
+"""Embedded metadata server speaking Mooncake's HTTP metadata protocol.
+
+Protocol (what Mooncake's ``HTTPStoragePlugin`` and our C client send)::
+
+    GET    <path>?key=<urlencoded key>   200 + value | 404 when missing
+    PUT    <path>?key=<urlencoded key>   body = JSON value; 200
+    DELETE <path>?key=<urlencoded key>   200 | 404 when missing
+    GET    /health                       200 "ok"
+
+Values live in memory only.  Run it standalone::
+
+    python -m mooncake_connector.metadata_server --host 0.0.0.0 --port 8080
+    mooncake-metadata-server --port 0        # picks a free port and prints it
+
+or in-process (tests, single-node setups)::
+
+    with MetadataServer() as srv:
+        client = MetadataClient(srv.url)
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional
+
+from aiohttp import web
+
+__all__ = [
+    "DEFAULT_MAX_VALUE_SIZE",
+    "DEFAULT_PATH",
+    "MetadataServer",
+    "MetadataStore",
+    "build_app",
+    "main",
+]
+
+log = logging.getLogger("mooncake_connector.metadata_server")
+
+DEFAULT_PATH = "/metadata"
+DEFAULT_PORT = 8080  # Mooncake's servers default to 8080 too
+#: Largest PUT body accepted; equals the C client's GET cap (MC_META_MAX_VALUE).
+DEFAULT_MAX_VALUE_SIZE = 16 << 20
+HEALTH_PATH = "/health"
+
+
+@dataclass
+class _Entry:
+    value: bytes
+    expires_at: Optional[float] = None  # store clock deadline; None = never
+
+
+class MetadataStore:
+    """Thread-safe in-memory key -> bytes map whose entries may expire.
+
+    The HTTP handlers use it from the server's event loop; tests and
+    embedding code may inspect it from other threads, hence the lock.
+    Expiry is lazy (checked on access) plus :meth:`purge_expired`.
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._entries: Dict[str, _Entry] = {}
+
+    def _live(self, key: str) -> Optional[_Entry]:
+        entry = self._entries.get(key)
+        if entry is not None and entry.expires_at is not None:
+            if self._clock() >= entry.expires_at:
+                del self._entries[key]
+                return None
+        return entry
+
+    def get(self, key: str) -> Optional[bytes]:
+        with self._lock:
+            entry = self._live(key)
+            return None if entry is None else entry.value
+
+    def put(self, key: str, value: bytes, ttl: Optional[float] = None) -> None:
+        """Stores value; with ttl (seconds) the entry vanishes afterwards."""
+        if ttl is not None and ttl <= 0:
+            raise ValueError(f"ttl must be positive, got {ttl!r}")
+        expires = None if ttl is None else self._clock() + ttl
+        with self._lock:
+            self._entries[key] = _Entry(bytes(value), expires)
+
+    def delete(self, key: str) -> bool:
+        """Removes key; returns whether it existed (and had not expired)."""
+        with self._lock:
+            existed = self._live(key) is not None
+            self._entries.pop(key, None)
+            return existed
+
+    def purge_expired(self) -> int:
+        with self._lock:
+            now = self._clock()
+            dead = [k for k, e in self._entries.items()
+                    if e.expires_at is not None and now >= e.expires_at]
+            for k in dead:
+                del self._entries[k]
+            return len(dead)
+
+    def keys(self) -> List[str]:
+        with self._lock:
+            return [k for k in list(self._entries) if self._live(k) is not None]
+
+    def __len__(self) -> int:
+        return len(self.keys())
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, str) and self.get(key) is not None
+
+
+def _check_path(path: str) -> str:
+    if not path.startswith("/"):
+        raise ValueError(f"metadata path must start with '/', got {path!r}")
+    if path == HEALTH_PATH:
+        raise ValueError(f"metadata path {HEALTH_PATH!r} is reserved for health checks")
+    return path
+
+
+def build_app(store: MetadataStore, path: str = DEFAULT_PATH,
+              max_value_size: int = DEFAULT_MAX_VALUE_SIZE) -> web.Application:
+    """The aiohttp application: the metadata route, /health, and a 404 for
+    anything else that says which path is served."""
+    _check_path(path)
+    if max_value_size < 1:
+        raise ValueError(f"max_value_size must be >= 1, got {max_value_size}")
+    usage = f"{path}?key=<urlencoded key>"
+
+    def text(status: int, msg: str, **kw) -> web.Response:
+        return web.Response(status=status, text=msg + "\n", **kw)
+
+    async def metadata(request: web.Request) -> web.StreamResponse:
+        key = request.query.get("key")
+        if not key:
+            what = "empty" if key == "" else "missing"
+            return text(400, f"{what} query parameter 'key'; expected {usage}")
+        if request.method == "GET":
+            value = store.get(key)
+            if value is None:
+                return text(404, f"metadata not found: {key}")
+            return web.Response(body=value, content_type="application/json")
+        if request.method == "PUT":
+            # Refuse early on the announced length, before reading the body.
+            length = request.content_length
+            if length is not None and length > max_value_size:
+                return _too_big(key, length, max_value_size)
+            try:
+                body = await request.read()
+            except web.HTTPRequestEntityTooLarge:
+                return _too_big(key, None, max_value_size)
+            if not body:
+                return text(400, f"empty value for key {key!r}; PUT needs a JSON body")
+            store.put(key, body)
+            return text(200, "metadata updated")
+        if request.method == "DELETE":
+            if store.delete(key):
+                return text(200, "metadata deleted")
+            return text(404, f"metadata not found: {key}")
+        return text(405, f"method {request.method} not allowed on {path}; "
+                         "use GET, PUT or DELETE", headers={"Allow": "GET, PUT, DELETE"})
+
+    def _too_big(key: str, length: Optional[int], cap: int) -> web.Response:
+        got = f"{length} bytes" if length is not None else "more"
+        return text(413, f"value for key {key!r} is too large ({got}); "
+                         f"the limit is {cap} bytes")
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def unknown(request: web.Request) -> web.Response:
+        return text(404, f"no such path {request.path!r}; this server serves "
+                         f"{usage} (and {HEALTH_PATH})")
+
+    # client_max_size bounds request.read() even without a Content-Length
+    # (chunked uploads); +1 so a body of exactly the cap still fits.
+    app = web.Application(client_max_size=max_value_size + 1)
+    app.router.add_route("*", path, metadata)
+    app.router.add_get(HEALTH_PATH, health)
+    app.router.add_route("*", "/{tail:.*}", unknown)
+    return app
+
+
+def _format_url(host: str, port: int, path: str) -> str:
+    shown = f"[{host}]" if ":" in host else host
+    return f"http://{shown}:{port}{path}"
+
+
+class _Running:
+    """A started aiohttp runner and the port it actually bound."""
+
+    def __init__(self, runner: web.AppRunner, port: int) -> None:
+        self.runner = runner
+        self.port = port
+
+
+async def _start(app: web.Application, host: str, port: int,
+                 access_log: bool) -> _Running:
+    runner = web.AppRunner(app, handle_signals=False,
+                           access_log=log if access_log else None)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, host, port)
+        await site.start()
+    except BaseException:
+        await runner.cleanup()
+        raise
+    bound = port
+    for addr in runner.addresses:  # (host, port[, ...]) per listening socket
+        if isinstance(addr, tuple) and len(addr) >= 2:
+            bound = addr[1]
+            break
+    return _Running(runner, bound)
+
+
+class MetadataServer:
+    """An in-process metadata server on its own event loop thread.
+
+    ``start()`` returns once the socket listens (port 0 picks a free port,
+    see ``.port`` / ``.url``); ``stop()`` shuts it down.  Usable as a
+    context manager.  ``.store`` is the live :class:`MetadataStore`.
+    """
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0,
+                 path: str = DEFAULT_PATH, *,
+                 max_value_size: int = DEFAULT_MAX_VALUE_SIZE,
+                 store: Optional[MetadataStore] = None,
+                 access_log: bool = False) -> None:
+        self.host = host
+        self.path = _check_path(path)
+        self.max_value_size = max_value_size
+        self.store = store if store is not None else MetadataStore()
+        self._requested_port = port
+        self._access_log = access_log
+        self._port: Optional[int] = None
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._thread: Optional[threading.Thread] = None
+        self._stop_event: Optional[asyncio.Event] = None
+        self._ready = threading.Event()
+        self._error: Optional[BaseException] = None
+
+    @property
+    def port(self) -> int:
+        if self._port is None:
+            raise RuntimeError("MetadataServer is not started")
+        return self._port
+
+    @property
+    def url(self) -> str:
+        return _format_url(self.host, self.port, self.path)
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self, timeout: float = 10.0) -> "MetadataServer":
+        if self._thread is not None:
+            raise RuntimeError("MetadataServer already started")
+        app = build_app(self.store, self.path, self.max_value_size)
+        self._ready.clear()
+        self._error = None
+        self._thread = threading.Thread(target=self._run, args=(app,),
+                                        name="mc-metadata-server", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(timeout):
+            raise TimeoutError(f"metadata server did not start within {timeout} s")
+        if self._error is not None:
+            self._thread.join()
+            self._thread = None
+            raise self._error
+        log.info("metadata server listening on %s", self.url)
+        return self
+
+    def _run(self, app: web.Application) -> None:
+        # asyncio.run also cancels handler tasks of still-open keep-alive
+        # connections before closing the loop (no "Task was destroyed").
+        try:
+            asyncio.run(self._serve(app))
+        except BaseException as e:  # startup errors are re-raised in start()
+            if not self._ready.is_set():
+                self._error = e
+                self._ready.set()
+            else:
+                log.exception("metadata server crashed")
+
+    async def _serve(self, app: web.Application) -> None:
+        self._stop_event = asyncio.Event()
+        running = await _start(app, self.host, self._requested_port,
+                               self._access_log)
+        self._loop = asyncio.get_running_loop()
+        self._port = running.port
+        self._ready.set()
+        try:
+            await self._stop_event.wait()
+        finally:
+            await running.runner.cleanup()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stops serving and joins the thread; idempotent."""
+        thread, loop, ev = self._thread, self._loop, self._stop_event
+        if thread is None:
+            return
+        if loop is not None and ev is not None and thread.is_alive():
+            try:
+                loop.call_soon_threadsafe(ev.set)
+            except RuntimeError:  # loop already closed
+                pass
+        thread.join(timeout)
+        if thread.is_alive():
+            raise TimeoutError(f"metadata server did not stop within {timeout} s")
+        self._thread = None
+        self._loop = None
+        self._stop_event = None
+
+    def __enter__(self) -> "MetadataServer":
+        if self._thread is None:
+            self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        where = self.url if self._port is not None and self.running else "stopped"
+        return f"<MetadataServer {where}>"
+
+
+# ---- command line ----
+
+def _parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="mooncake-metadata-server",
+        description="In-memory metadata server speaking Mooncake's HTTP "
+                    "metadata protocol (GET/PUT/DELETE <path>?key=...).")
+    p.add_argument("--host", default="0.0.0.0",
+                   help="address to listen on (default: %(default)s)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT,
+                   help="TCP port; 0 picks a free one (default: %(default)s)")
+    p.add_argument("--path", default=DEFAULT_PATH,
+                   help="URL path of the metadata endpoint (default: %(default)s)")
+    p.add_argument("--max-value-size", type=int, default=DEFAULT_MAX_VALUE_SIZE,
+                   metavar="BYTES",
+                   help="largest PUT body accepted (default: %(default)s)")
+    p.add_argument("--access-log", action="store_true",
+                   help="log every request")
+    p.add_argument("--log-level", default="info",
+                   choices=["debug", "info", "warning", "error"])
+    args = p.parse_args(argv)
+    if not 0 <= args.port <= 65535:
+        p.error(f"--port {args.port} is out of range 0..65535")
+    if args.max_value_size < 1:
+        p.error("--max-value-size must be at least 1")
+    try:
+        _check_path(args.path)
+    except ValueError as e:
+        p.error(str(e))
+    return args
+
+
+async def _serve_cli(args: argparse.Namespace) -> int:
+    store = MetadataStore()
+    app = build_app(store, args.path, args.max_value_size)
+    try:
+        running = await _start(app, args.host, args.port, args.access_log)
+    except OSError as e:
+        print(f"mooncake-metadata-server: cannot listen on "
+              f"{args.host}:{args.port}: {e}", file=sys.stderr, flush=True)
+        return 1
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    url = _format_url(args.host, running.port, args.path)
+    print(f"metadata server listening on {url}", flush=True)
+    if args.host in ("0.0.0.0", "::", ""):
+        log.info("clients on other hosts use http://<this host's IP>:%d%s",
+                 running.port, args.path)
+    try:
+        await stop.wait()
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+        await running.runner.cleanup()
+    log.info("metadata server stopped (%d keys dropped)", len(store))
+    return 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Entry point of ``mooncake-metadata-server``."""
+    args = _parse_args(argv)
+    logging.basicConfig(
+        level=getattr(logging, args.log_level.upper()),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return asyncio.run(_serve_cli(args))
+    except KeyboardInterrupt:  # SIGINT before the handler was installed
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

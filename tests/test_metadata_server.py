@@ -1,0 +1,445 @@
+"""The embedded metadata server (mooncake_connector.metadata_server) and the C
+metadata client (mooncake_connector.MetadataClient) against each other and
+against misbehaving servers."""
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+import mooncake_connector as mc
+from mooncake_connector.metadata_server import MetadataServer, MetadataStore
+
+pytestmark = pytest.mark.timeout(60)
+
+URL_LINE = re.compile(r"^metadata server listening on (http://\S+)$")
+
+
+@pytest.fixture(autouse=True)
+def _no_proxy(monkeypatch):
+    # An http_proxy in the environment must not capture loopback requests.
+    monkeypatch.setenv("no_proxy", "127.0.0.1,localhost")
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
+
+
+@pytest.fixture(scope="module")
+def server():
+    with MetadataServer() as srv:
+        yield srv
+
+
+@pytest.fixture
+def client(server):
+    with mc.MetadataClient(server.url) as c:
+        yield c
+
+
+def http(method, url, data=None):
+    """(status, body) of one request, without raising on HTTP errors."""
+    req = urllib.request.Request(url, data=data, method=method)
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with opener.open(req, timeout=10) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---- in-process server + C client ----
+
+def test_url_and_port(server):
+    assert server.port > 0
+    assert server.url == f"http://127.0.0.1:{server.port}/metadata"
+    assert server.running
+
+
+def test_round_trip(client, server):
+    key = "mooncake/ram/10.0.0.1:15123"
+    value = b'{"name":"10.0.0.1:15123","protocol":"tcp","buffers":[]}'
+    client.put(key, value)
+    assert client.get(key) == value
+    assert server.store.get(key) == value
+    client.put(key, '{"v":2}')  # str is sent as UTF-8
+    assert client.get(key) == b'{"v":2}'
+    client.delete(key)
+    assert client.get(key) is None
+    assert key not in server.store
+
+
+def test_missing_key_is_none_and_delete_is_idempotent(client):
+    assert client.get("mooncake/ram/never-written") is None
+    client.delete("mooncake/ram/never-written")  # 404 from the server: fine
+
+
+def test_awkward_keys_survive_escaping(client, server):
+    keys = ["mooncake/rpc_meta/a b:c", "k&x=1?y#z%20", "mooncake/ram/ünï/cödé"]
+    for i, key in enumerate(keys):
+        client.put(key, f'{{"i":{i}}}')
+    for i, key in enumerate(keys):
+        assert client.get(key) == f'{{"i":{i}}}'.encode()
+        assert key in server.store  # stored under the decoded key
+        client.delete(key)
+
+
+def test_value_at_cap_round_trips(client):
+    value = b'"' + b"x" * ((16 << 20) - 2) + b'"'
+    client.put("big", value)
+    assert client.get("big") == value
+    client.delete("big")
+
+
+def test_value_over_cap_rejected_by_server(client):
+    with pytest.raises(mc.MetadataError, match=r"HTTP 413 to PUT key \"big\""):
+        client.put("big", b"x" * ((16 << 20) + 1))
+    assert client.get("big") is None
+
+
+def test_client_argument_errors(server):
+    c = mc.MetadataClient(url=server.url)
+    assert c.url == server.url
+    assert "MetadataClient" in repr(c)
+    with pytest.raises(TypeError):
+        c.put("k", 123)
+    with pytest.raises(ValueError):
+        c.get("")  # MC_EINVAL -> ConfigError, a ValueError
+    with pytest.raises(ValueError):
+        c.get("a\0b")
+    c.close()
+    c.close()  # idempotent
+    assert c.closed
+    with pytest.raises(mc.MooncakeError, match="closed"):
+        c.get("k")
+
+
+def test_open_unsupported_backends():
+    with pytest.raises(mc.UnavailableError, match="etcd is not available"):
+        mc.MetadataClient("etcd://127.0.0.1:2379")
+    with pytest.raises(mc.UnavailableError, match="redis"):
+        mc.MetadataClient("redis://127.0.0.1:6379")
+    with pytest.raises(mc.UnavailableError):
+        mc.MetadataClient("127.0.0.1:2379")
+    with pytest.raises(mc.ConfigError, match="P2P"):
+        mc.MetadataClient("P2PHANDSHAKE")
+    with pytest.raises(mc.ConfigError, match="unknown scheme"):
+        mc.MetadataClient("gopher://x/metadata")
+
+
+def test_threads_share_one_client(client):
+    errors = []
+
+    def work(n):
+        try:
+            for i in range(20):
+                key = f"t{n}/{i}"
+                client.put(key, f'"{n}-{i}"')
+                assert client.get(key) == f'"{n}-{i}"'.encode()
+                client.delete(key)
+        except BaseException as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(n,)) for n in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+
+
+def test_close_while_other_thread_waits(monkeypatch):
+    """close() during a call in flight must neither crash nor free early."""
+    monkeypatch.setenv("MC_METADATA_TIMEOUT_MS", "800")
+    with SilentServer() as silent:
+        c = mc.MetadataClient(silent.url)
+        result = {}
+
+        def call():
+            try:
+                c.get("k")
+            except mc.MetadataError as e:
+                result["err"] = e
+
+        t = threading.Thread(target=call)
+        t.start()
+        time.sleep(0.2)
+        c.close()
+        t.join(5)
+        assert not t.is_alive()
+        assert "did not answer" in str(result["err"])
+        assert c.closed
+
+
+# ---- raw HTTP against the server ----
+
+def test_http_errors(server):
+    base = f"http://127.0.0.1:{server.port}"
+    status, body = http("GET", base + "/metadata")
+    assert status == 400 and b"key" in body
+    status, body = http("GET", base + "/metadata?key=")
+    assert status == 400
+    status, body = http("GET", base + "/nope?key=a")
+    assert status == 404 and b"/metadata" in body
+    status, body = http("PUT", base + "/metadata?key=a", data=b"")
+    assert status == 400 and b"empty" in body
+    status, body = http("POST", base + "/metadata?key=a", data=b"{}")
+    assert status == 405
+    assert http("GET", base + "/health") == (200, b"ok")
+    status, _ = http("GET", base + "/metadata?key=absent")
+    assert status == 404
+    status, _ = http("DELETE", base + "/metadata?key=absent")
+    assert status == 404
+
+
+def test_http_put_get_and_413():
+    with MetadataServer(path="/md", max_value_size=1024) as srv:
+        assert srv.url.endswith("/md")
+        assert http("PUT", srv.url + "?key=a%2Fb", data=b"{}")[0] == 200
+        assert http("GET", srv.url + "?key=a%2Fb") == (200, b"{}")
+        assert srv.store.get("a/b") == b"{}"
+        status, body = http("PUT", srv.url + "?key=a", data=b"x" * 1025)
+        assert status == 413 and b"1024" in body
+        assert http("PUT", srv.url + "?key=a", data=b"x" * 1024)[0] == 200
+        # The server stays healthy after refusing a body.
+        assert http("GET", f"http://127.0.0.1:{srv.port}/health") == (200, b"ok")
+
+
+def test_server_restart_and_bad_config():
+    srv = MetadataServer(port=free_port())
+    srv.start()
+    port = srv.port
+    with pytest.raises(RuntimeError):
+        srv.start()
+    srv.stop()
+    srv.stop()  # idempotent
+    with pytest.raises(ValueError):
+        MetadataServer(path="metadata")
+    # A taken port fails start() with the OSError, not a hang.
+    with MetadataServer(port=port):
+        with pytest.raises(OSError):
+            MetadataServer(port=port).start()
+
+
+def test_store_expiry():
+    now = [100.0]
+    store = MetadataStore(clock=lambda: now[0])
+    store.put("a", b"1", ttl=5)
+    store.put("b", b"2")
+    assert store.get("a") == b"1" and len(store) == 2
+    now[0] += 5
+    assert store.get("a") is None
+    assert store.keys() == ["b"]
+    store.put("c", b"3", ttl=1)
+    now[0] += 2
+    assert store.purge_expired() == 1
+    assert not store.delete("c")
+    with pytest.raises(ValueError):
+        store.put("d", b"4", ttl=0)
+
+
+# ---- the CLI as a subprocess ----
+
+class CliServer:
+    def __init__(self, *args):
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "mooncake_connector.metadata_server",
+             "--host", "127.0.0.1", "--port", "0", *args],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        line = self._readline(15)
+        m = URL_LINE.match(line.strip())
+        if not m:
+            self.proc.kill()
+            raise AssertionError(f"unexpected first line {line!r}; stderr: "
+                                 f"{self.proc.stderr.read()}")
+        self.url = m.group(1)
+
+    def _readline(self, timeout):
+        out = []
+        t = threading.Thread(target=lambda: out.append(self.proc.stdout.readline()))
+        t.daemon = True
+        t.start()
+        t.join(timeout)
+        if not out:
+            self.proc.kill()
+            raise AssertionError("metadata server printed no URL in time")
+        return out[0]
+
+    def close(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+        self.proc.stdout.close()
+        self.proc.stderr.close()
+
+
+@pytest.fixture
+def cli_server():
+    srv = CliServer()
+    yield srv
+    srv.close()
+
+
+def test_cli_round_trip_and_sigterm(cli_server):
+    assert re.fullmatch(r"http://127\.0\.0\.1:\d+/metadata", cli_server.url)
+    with mc.MetadataClient(cli_server.url) as c:
+        c.put("mooncake/rpc_meta/n", b'{"ip_or_host_name":"h","rpc_port":1}')
+        assert c.get("mooncake/rpc_meta/n") == b'{"ip_or_host_name":"h","rpc_port":1}'
+        c.delete("mooncake/rpc_meta/n")
+        assert c.get("mooncake/rpc_meta/n") is None
+        # Keep a live keep-alive connection: shutdown must not wait on it.
+        c.put("k", b"{}")
+        t0 = time.monotonic()
+        cli_server.proc.send_signal(signal.SIGTERM)
+        assert cli_server.proc.wait(10) == 0
+        assert time.monotonic() - t0 < 5
+
+
+def test_cli_sigint_and_custom_path():
+    srv = CliServer("--path", "/custom/md")
+    try:
+        assert srv.url.endswith("/custom/md")
+        with mc.MetadataClient(srv.url) as c:
+            c.put("x", b"1")
+            assert c.get("x") == b"1"
+        srv.proc.send_signal(signal.SIGINT)
+        assert srv.proc.wait(10) == 0
+    finally:
+        srv.close()
+
+
+def test_cli_bad_port_in_use():
+    with MetadataServer() as taken:
+        r = subprocess.run(
+            [sys.executable, "-m", "mooncake_connector.metadata_server",
+             "--host", "127.0.0.1", "--port", str(taken.port)],
+            capture_output=True, text=True, timeout=30)
+    assert r.returncode != 0
+    assert "cannot listen" in r.stderr
+
+
+def test_killed_server_gives_metadata_error_quickly(cli_server):
+    c = mc.MetadataClient(cli_server.url)
+    c.put("k", b"{}")
+    cli_server.proc.kill()
+    cli_server.proc.wait(10)
+    t0 = time.monotonic()
+    with pytest.raises(mc.MetadataError) as ei:
+        c.get("k")
+    assert time.monotonic() - t0 < 5
+    assert cli_server.url in str(ei.value)
+    assert '"k"' in str(ei.value)
+    assert ei.value.code_name == "MC_EMETADATA"
+    with pytest.raises(mc.MetadataError, match="unreachable"):
+        c.put("k", b"{}")
+    c.close()
+
+
+# ---- misbehaving servers ----
+
+class SocketServer:
+    """Accepts connections; `behave(conn)` decides what happens on each."""
+
+    def __init__(self, behave):
+        self.behave = behave
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.sock.settimeout(0.1)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}/metadata"
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _loop(self):
+        while not self.stopping.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except socket.timeout:
+                continue
+            except OSError:
+                return
+            with conn:
+                conn.settimeout(5)
+                try:
+                    conn.recv(65536)  # the request
+                    self.behave(conn, self.stopping)
+                except OSError:
+                    pass
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stopping.set()
+        self.thread.join(5)
+        self.sock.close()
+
+
+def SilentServer():
+    return SocketServer(lambda conn, stopping: stopping.wait(10))
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_garbage_server_raises_metadata_error(seed):
+    rng = random.Random(seed)
+    payload = bytes(rng.getrandbits(8) for _ in range(rng.randint(1, 4096)))
+    with SocketServer(lambda conn, stopping: conn.sendall(payload)) as srv:
+        with mc.MetadataClient(srv.url) as c:
+            with pytest.raises(mc.MetadataError) as ei:
+                c.get("mooncake/ram/x")
+            assert srv.url in str(ei.value)
+            with pytest.raises(mc.MetadataError):
+                c.put("mooncake/ram/x", b"{}")
+
+
+def test_garbage_after_status_line():
+    def behave(conn, stopping):
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: zz\r\n\x00\xff\r\n\r\n")
+
+    with SocketServer(behave) as srv, mc.MetadataClient(srv.url) as c:
+        with pytest.raises(mc.MetadataError):
+            c.get("k")
+
+
+def test_endless_body_is_cut_off():
+    def behave(conn, stopping):
+        conn.sendall(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n")
+        chunk = b"x" * 65536
+        while not stopping.is_set():
+            conn.sendall(chunk)
+
+    with SocketServer(behave) as srv, mc.MetadataClient(srv.url) as c:
+        t0 = time.monotonic()
+        with pytest.raises(mc.MooncakeError, match="larger than 16 MiB") as ei:
+            c.get("k")
+        assert ei.value.code_name == "MC_ETOOBIG"
+        assert time.monotonic() - t0 < 3.5
+
+
+def test_silent_server_times_out(monkeypatch):
+    monkeypatch.setenv("MC_METADATA_TIMEOUT_MS", "500")
+    with SilentServer() as srv, mc.MetadataClient(srv.url) as c:
+        t0 = time.monotonic()
+        with pytest.raises(mc.MetadataError, match="within 500 ms"):
+            c.get("k")
+        assert time.monotonic() - t0 < 2
+
+
+def test_default_timeout_is_bounded(monkeypatch):
+    monkeypatch.delenv("MC_METADATA_TIMEOUT_MS", raising=False)
+    with SilentServer() as srv, mc.MetadataClient(srv.url) as c:
+        t0 = time.monotonic()
+        with pytest.raises(mc.MetadataError, match="within 3000 ms"):
+            c.get("k")
+        assert time.monotonic() - t0 < 3.5
