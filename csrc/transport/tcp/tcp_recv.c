@@ -410,7 +410,7 @@ static int on_payload_done(mc_conn_t *c) {
 /* ---- the read loop ---- */
 
 /* Reads more bytes into rbuf. >0 bytes, 0 on EOF, -errno otherwise. */
-static ssize_t fill(mc_conn_t *c) {
+static ssize_t fill(mc_conn_t *c, size_t want) {
   if (c->rpos == c->rlen) {
     c->rpos = c->rlen = 0;
   } else if (c->rpos > 0 && MC_TCP_RBUF - c->rlen < MC_WIRE_HDR_SIZE) {
@@ -418,8 +418,16 @@ static ssize_t fill(mc_conn_t *c) {
     c->rlen -= c->rpos;
     c->rpos = 0;
   }
+  /* Read no more than asked (rounded up to a small chunk) so that payload
+   * bytes mostly land straight in their destination instead of being
+   * copied out of rbuf. */
+  size_t room = MC_TCP_RBUF - c->rlen;
+  if (want < 4096)
+    want = 4096;
+  if (want < room)
+    room = want;
   for (;;) {
-    ssize_t n = read(c->fd, c->rbuf + c->rlen, MC_TCP_RBUF - c->rlen);
+    ssize_t n = read(c->fd, c->rbuf + c->rlen, room);
     if (n > 0)
       c->rlen += (size_t)n;
     if (n >= 0)
@@ -507,7 +515,7 @@ int mc_conn_on_readable(mc_conn_t *c) {
   while (c->state == CONN_OPEN && budget) {
     if (c->rstate == RS_HDR) {
       if (c->rlen - c->rpos < MC_WIRE_HDR_SIZE) {
-        ssize_t n = fill(c);
+        ssize_t n = fill(c, MC_WIRE_HDR_SIZE);
         if (n == -EAGAIN || n == -EWOULDBLOCK)
           break;
         if (n <= 0)
@@ -533,7 +541,7 @@ int mc_conn_on_readable(mc_conn_t *c) {
         c->rpos += k;
         c->body_got += k;
       } else if (want) {
-        ssize_t n = fill(c);
+        ssize_t n = fill(c, want);
         if (n == -EAGAIN || n == -EWOULDBLOCK)
           break;
         if (n <= 0)

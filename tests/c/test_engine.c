@@ -1,0 +1,294 @@
+/* Engine + TCP transport, two engines in one process over loopback. */
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include "engine/engine.h"
+#include "testlib.h"
+#include "transport/tcp/wire.h"
+#include "util/clock.h"
+
+static mc_engine_t *A, *B;
+static uint8_t *abuf, *bbuf;
+#define BUFSZ (64u << 20)
+
+static mc_engine_t *mk(void) {
+  mc_engine_opts_t o = {.local_hostname = "127.0.0.1", .metadata_server = "P2PHANDSHAKE",
+                        .protocol = "tcp"};
+  mc_err_t err = {0};
+  mc_engine_t *e = NULL;
+  if (mc_engine_create(&o, &e, &err) < 0)
+    fprintf(stderr, "create failed: %s\n", err.msg);
+  return e;
+}
+
+static void fill(uint8_t *p, size_t n, uint32_t seed) {
+  uint32_t x = seed * 2654435761u + 1;
+  for (size_t i = 0; i < n; i++) {
+    x ^= x << 13;
+    x ^= x >> 17;
+    x ^= x << 5;
+    p[i] = (uint8_t)x;
+  }
+}
+
+static int xfer(int op, size_t off_local, size_t off_remote, uint64_t len, mc_err_t *err) {
+  mc_request_t r = {.opcode = op, .local = abuf + off_local,
+                    .remote = (uint64_t)(uintptr_t)(bbuf + off_remote), .len = len};
+  mc_batch_t *b = mc_batch_new(A, 1);
+  int rc = mc_batch_submit(A, b, mc_engine_segment_name(B), &r, 1, err);
+  if (rc == 0)
+    rc = mc_batch_wait(A, b, 10000, err);
+  mc_batch_free(A, b);
+  return rc;
+}
+
+static void test_sizes_write_read(void) {
+  static const uint64_t sizes[] = {1, 7, 4096, 65536, 65537, 1u << 20, (4u << 20) + 3, 48u << 20};
+  for (size_t k = 0; k < sizeof sizes / sizeof *sizes; k++) {
+    uint64_t n = sizes[k];
+    mc_err_t err = {0};
+    fill(abuf, n, (uint32_t)k);
+    memset(bbuf, 0, n);
+    CHECK_EQ_INT(xfer(MC_OP_WRITE, 0, 0, n, &err), 0);
+    CHECK(memcmp(abuf, bbuf, n) == 0);
+    memset(abuf, 0, n);
+    CHECK_EQ_INT(xfer(MC_OP_READ, 0, 0, n, &err), 0);
+    CHECK(memcmp(abuf, bbuf, n) == 0);
+  }
+}
+
+static void test_batch_10k_blocks(void) {
+  enum { N = 10000, BLK = 4096 };
+  mc_request_t *r = calloc(N, sizeof *r);
+  fill(abuf, (size_t)N * BLK, 99);
+  memset(bbuf, 0, (size_t)N * BLK);
+  /* Scatter: block i goes to slot (i * 7919) % N. */
+  for (size_t i = 0; i < N; i++)
+    r[i] = (mc_request_t){.opcode = MC_OP_WRITE, .local = abuf + i * BLK,
+                          .remote = (uint64_t)(uintptr_t)(bbuf + ((i * 7919) % N) * BLK),
+                          .len = BLK};
+  mc_err_t err = {0};
+  mc_batch_t *b = mc_batch_new(A, N);
+  CHECK_EQ_INT(mc_batch_submit(A, b, mc_engine_segment_name(B), r, N, &err), 0);
+  CHECK_EQ_INT(mc_batch_wait(A, b, 20000, &err), 0);
+  for (size_t i = 0; i < N; i++) {
+    mc_task_status_t s;
+    mc_batch_status(b, i, &s);
+    CHECK_EQ_INT(s.state, MC_TASK_COMPLETED);
+    CHECK_EQ_INT(s.transferred, BLK);
+    CHECK(memcmp(abuf + i * BLK, bbuf + ((i * 7919) % N) * BLK, BLK) == 0);
+  }
+  mc_batch_free(A, b);
+  free(r);
+}
+
+static void test_out_of_range_refused(void) {
+  mc_err_t err = {0};
+  bbuf[BUFSZ - 1] = 0x5a;
+  memset(abuf, 0xee, 64);
+  /* Straddles the end of the region: refused, nothing written. */
+  int rc = xfer(MC_OP_WRITE, 0, BUFSZ - 1, 64, &err);
+  CHECK_EQ_INT(rc, MC_ERANGE);
+  CHECK_CONTAINS(err.msg, "not inside any memory region");
+  CHECK_EQ_INT(bbuf[BUFSZ - 1], 0x5a);
+  rc = xfer(MC_OP_READ, 0, BUFSZ, 1, &err);
+  CHECK_EQ_INT(rc, MC_ERANGE);
+  /* The connection survives a refusal. */
+  CHECK_EQ_INT(xfer(MC_OP_WRITE, 0, 0, 64, &err), 0);
+}
+
+static void test_mixed_batch_partial_failure(void) {
+  mc_request_t r[3] = {
+      {.opcode = MC_OP_WRITE, .local = abuf, .remote = (uint64_t)(uintptr_t)bbuf, .len = 100},
+      {.opcode = MC_OP_WRITE, .local = abuf, .remote = 16, .len = 100},
+      {.opcode = MC_OP_READ, .local = abuf + 200, .remote = (uint64_t)(uintptr_t)bbuf, .len = 100},
+  };
+  mc_err_t err = {0};
+  mc_batch_t *b = mc_batch_new(A, 3);
+  /* Separate submits so that each request is its own op. */
+  for (int i = 0; i < 3; i++)
+    CHECK_EQ_INT(mc_batch_submit(A, b, mc_engine_segment_name(B), &r[i], 1, &err), 0);
+  CHECK_EQ_INT(mc_batch_wait(A, b, 5000, &err), MC_ERANGE);
+  mc_task_status_t s;
+  mc_batch_status(b, 0, &s);
+  CHECK_EQ_INT(s.state, MC_TASK_COMPLETED);
+  mc_batch_status(b, 1, &s);
+  CHECK_EQ_INT(s.state, MC_TASK_FAILED);
+  CHECK_EQ_INT(s.code, MC_ERANGE);
+  mc_batch_status(b, 2, &s);
+  CHECK_EQ_INT(s.state, MC_TASK_COMPLETED);
+  mc_batch_free(A, b);
+}
+
+static void test_bad_arguments(void) {
+  mc_err_t err = {0};
+  mc_request_t r = {.opcode = 7, .local = abuf, .remote = 1, .len = 1};
+  mc_batch_t *b = mc_batch_new(A, 1);
+  CHECK_EQ_INT(mc_batch_submit(A, b, mc_engine_segment_name(B), &r, 1, &err), MC_EINVAL);
+  CHECK_CONTAINS(err.msg, "opcode");
+  r.opcode = MC_OP_WRITE;
+  r.len = 0;
+  CHECK_EQ_INT(mc_batch_submit(A, b, mc_engine_segment_name(B), &r, 1, &err), MC_EINVAL);
+  r.len = 1;
+  CHECK_EQ_INT(mc_batch_submit(A, b, "not a segment", &r, 1, &err), MC_EINVAL);
+  mc_request_t two[2] = {r, r};
+  CHECK_EQ_INT(mc_batch_submit(A, b, mc_engine_segment_name(B), two, 2, &err), MC_EINVAL);
+  CHECK_CONTAINS(err.msg, "room");
+  mc_batch_free(A, b);
+  CHECK_EQ_INT(mc_engine_register(B, bbuf + 10, 10, "cpu", &err), MC_EOVERLAP);
+  CHECK_EQ_INT(mc_engine_register(B, abuf, 10, "gpu", &err), MC_EINVAL);
+  CHECK_EQ_INT(mc_engine_unregister(B, bbuf + 1, &err), MC_ENOTFOUND);
+}
+
+static void test_unknown_peer(void) {
+  mc_err_t err = {0};
+  mc_request_t r = {.opcode = MC_OP_WRITE, .local = abuf, .remote = 4096, .len = 10};
+  mc_batch_t *b = mc_batch_new(A, 1);
+  CHECK_EQ_INT(mc_batch_submit(A, b, "127.0.0.1:1", &r, 1, &err), 0);
+  uint64_t t0 = mc_now_ns();
+  CHECK_EQ_INT(mc_batch_wait(A, b, 5000, &err), MC_ECONNECT);
+  CHECK(mc_now_ns() - t0 < 2000000000ull);
+  CHECK_CONTAINS(err.msg, "127.0.0.1:1");
+  mc_batch_free(A, b);
+}
+
+static void test_local_segment(void) {
+  mc_err_t err = {0};
+  CHECK_EQ_INT(mc_engine_register(A, abuf + (32u << 20), 1 << 20, "cpu", &err), 0);
+  fill(abuf, 1000, 5);
+  mc_request_t r = {.opcode = MC_OP_WRITE, .local = abuf,
+                    .remote = (uint64_t)(uintptr_t)(abuf + (32u << 20)), .len = 1000};
+  mc_batch_t *b = mc_batch_new(A, 1);
+  CHECK_EQ_INT(mc_batch_submit(A, b, mc_engine_segment_name(A), &r, 1, &err), 0);
+  CHECK_EQ_INT(mc_batch_wait(A, b, 1000, &err), 0);
+  mc_batch_free(A, b);
+  CHECK(memcmp(abuf, abuf + (32u << 20), 1000) == 0);
+  CHECK_EQ_INT(mc_engine_unregister(A, abuf + (32u << 20), &err), 0);
+}
+
+static void collect(void *arg, const char *from, const void *msg, size_t len) {
+  char *out = arg;
+  snprintf(out, 256, "%s|%.*s", from, (int)len, (const char *)msg);
+}
+
+static void test_notify(void) {
+  mc_err_t err = {0};
+  CHECK_EQ_INT(mc_engine_notify(A, mc_engine_segment_name(B), "blocks 1-3 done", 15, 2000, &err),
+               0);
+  char got[256] = "";
+  CHECK_EQ_INT(mc_engine_drain_notifies(B, 10, collect, got), 1);
+  char want[256];
+  snprintf(want, sizeof want, "%s|blocks 1-3 done", mc_engine_segment_name(A));
+  CHECK(strcmp(got, want) == 0);
+}
+
+/* A target that accepts and never answers: the waiter times out, and the
+ * destination buffer is never written afterwards. */
+static int silent_fd;
+static volatile int silent_stop;
+static void *silent_server(void *arg) {
+  (void)arg;
+  int c = accept(silent_fd, NULL, NULL);
+  struct timeval tv = {.tv_sec = 0, .tv_usec = 50000};
+  if (c >= 0)
+    setsockopt(c, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  char buf[65536];
+  while (c >= 0 && !silent_stop && read(c, buf, sizeof buf) != 0) {
+  }
+  if (c >= 0)
+    close(c);
+  return NULL;
+}
+
+static void test_timeout_cancels(void) {
+  silent_fd = socket(AF_INET, SOCK_STREAM, 0);
+  struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+  CHECK(bind(silent_fd, (struct sockaddr *)&sa, sizeof sa) == 0);
+  listen(silent_fd, 4);
+  socklen_t sl = sizeof sa;
+  getsockname(silent_fd, (struct sockaddr *)&sa, &sl);
+  pthread_t th;
+  pthread_create(&th, NULL, silent_server, NULL);
+  char seg[64];
+  snprintf(seg, sizeof seg, "127.0.0.1:%d", ntohs(sa.sin_port));
+  mc_request_t r = {.opcode = MC_OP_READ, .local = abuf, .remote = 4096, .len = 1 << 20};
+  mc_err_t err = {0};
+  mc_batch_t *b = mc_batch_new(A, 1);
+  CHECK_EQ_INT(mc_batch_submit(A, b, seg, &r, 1, &err), 0);
+  uint64_t t0 = mc_now_ns();
+  CHECK_EQ_INT(mc_batch_wait(A, b, 300, &err), MC_ETIMEDOUT);
+  uint64_t dt = mc_now_ns() - t0;
+  CHECK(dt >= 290000000ull && dt < 2000000000ull);
+  CHECK_CONTAINS(err.msg, "timed out");
+  mc_task_status_t s;
+  mc_batch_status(b, 0, &s);
+  CHECK_EQ_INT(s.state, MC_TASK_TIMEOUT);
+  mc_batch_free(A, b);
+  silent_stop = 1;
+  shutdown(silent_fd, SHUT_RDWR);
+  close(silent_fd);
+  pthread_join(th, NULL);
+}
+
+/* Garbage on the data port: that connection is dropped, the engine keeps
+ * serving others. */
+static void test_garbage_connection(void) {
+  int port = mc_engine_rpc_port(B);
+  for (int round = 0; round < 3; round++) {
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port),
+                             .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    CHECK(connect(fd, (struct sockaddr *)&sa, sizeof sa) == 0);
+    uint8_t junk[4096];
+    fill(junk, sizeof junk, 1234u + (uint32_t)round);
+    if (round == 1) { /* a valid magic and version, then an absurd WRITE */
+      mc_wire_hdr_t h = {.type = MC_WIRE_WRITE, .count = 1u << 30, .length = 1};
+      mc_wire_encode(&h, junk);
+    }
+    if (round == 2) { /* truncated header */
+      (void)!write(fd, junk, 10);
+      close(fd);
+      continue;
+    }
+    (void)!write(fd, junk, sizeof junk);
+    char c;
+    ssize_t n = read(fd, &c, 1); /* the engine closes on us */
+    CHECK(n <= 0);
+    close(fd);
+  }
+  mc_err_t err = {0};
+  CHECK_EQ_INT(xfer(MC_OP_WRITE, 0, 0, 4096, &err), 0);
+}
+
+int main(void) {
+  abuf = malloc(BUFSZ);
+  bbuf = malloc(BUFSZ);
+  A = mk();
+  B = mk();
+  if (!A || !B || !abuf || !bbuf)
+    return 1;
+  mc_err_t err = {0};
+  if (mc_engine_register(B, bbuf, BUFSZ, "cpu", &err) < 0) {
+    fprintf(stderr, "%s\n", err.msg);
+    return 1;
+  }
+  RUN(test_sizes_write_read);
+  RUN(test_batch_10k_blocks);
+  RUN(test_out_of_range_refused);
+  RUN(test_mixed_batch_partial_failure);
+  RUN(test_bad_arguments);
+  RUN(test_unknown_peer);
+  RUN(test_local_segment);
+  RUN(test_notify);
+  RUN(test_timeout_cancels);
+  RUN(test_garbage_connection);
+  mc_engine_destroy(A);
+  mc_engine_destroy(B);
+  free(abuf);
+  free(bbuf);
+  TEST_MAIN_END();
+}
