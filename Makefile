@@ -12,7 +12,7 @@ SAN     ?= 0
 WERROR  ?= 0
 BUILD   ?= build$(if $(filter 1,$(SAN)),-san,)
 
-CFLAGS_BASE := -std=gnu11 -O2 -g -Wall -Wextra -fPIC -pthread -Icsrc \
+CFLAGS_BASE := -std=gnu11 -O2 -g -Wall -Wextra -Wno-format-truncation -fPIC -pthread -Icsrc \
                -fvisibility=hidden -D_GNU_SOURCE
 ifeq ($(WERROR),1)
 CFLAGS_BASE += -Werror

@@ -17,6 +17,8 @@ extra_compile_args = [
     "-O2",
     "-Wall",
     "-Wextra",
+    # Messages are cut to fixed buffers on purpose.
+    "-Wno-format-truncation",
     "-fvisibility=hidden",
     "-D_GNU_SOURCE",
     "-pthread",
