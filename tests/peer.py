@@ -1,0 +1,85 @@
+"""A transfer-engine peer in its own OS process, driven over stdin/stdout
+with JSON lines.  Used by the tests to put the two ends of a transfer in
+different processes (and network namespaces).
+
+    python tests/peer.py --hostname 127.0.0.1 --metadata P2PHANDSHAKE --size N
+
+First line printed: {"segment", "addr", "size", "pid"}.  Commands:
+    {"cmd": "fill", "seed": S, "off": O, "len": L}   -> {"crc": ...}
+    {"cmd": "crc", "off": O, "len": L}               -> {"crc": ...}
+    {"cmd": "zero"}                                  -> {}
+    {"cmd": "write"|"read", "target": SEG, "blocks": [[local_off, remote_addr, len], ...],
+     "timeout": T}                                   -> {"ok": true} | {"error": ..., "type": ...}
+    {"cmd": "notifies"}                              -> {"notifies": [[from, msg], ...]}
+    {"cmd": "exit"}
+"""
+import argparse
+import ctypes
+import json
+import os
+import random
+import sys
+import zlib
+
+import mooncake_connector as mc
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--hostname", default="127.0.0.1")
+    ap.add_argument("--metadata", default="P2PHANDSHAKE")
+    ap.add_argument("--size", type=int, default=64 << 20)
+    args = ap.parse_args()
+
+    eng = mc.TransferEngine()
+    eng.initialize(args.hostname, args.metadata, "tcp", "")
+    buf = (ctypes.c_ubyte * args.size)()
+    base = ctypes.addressof(buf)
+    eng.register_memory(base, args.size)
+    view = memoryview(buf).cast("B")
+
+    def out(obj):
+        sys.stdout.write(json.dumps(obj) + "\n")
+        sys.stdout.flush()
+
+    out({"segment": eng.get_segment_name(), "addr": base, "size": args.size,
+         "pid": os.getpid()})
+    for line in sys.stdin:
+        req = json.loads(line)
+        cmd = req["cmd"]
+        if cmd == "exit":
+            break
+        if cmd == "fill":
+            off, n = req.get("off", 0), req.get("len", args.size)
+            rng = random.Random(req["seed"])
+            step = 16 << 20  # randbytes takes at most 2**31 bits at once
+            for o in range(off, off + n, step):
+                k = min(step, off + n - o)
+                view[o:o + k] = rng.randbytes(k)
+            out({"crc": zlib.crc32(view[off:off + n])})
+        elif cmd == "crc":
+            off, n = req["off"], req["len"]
+            out({"crc": zlib.crc32(view[off:off + n])})
+        elif cmd == "zero":
+            ctypes.memset(base, 0, args.size)
+            out({})
+        elif cmd in ("write", "read"):
+            blocks = req["blocks"]
+            fn = (eng.batch_transfer_async_write if cmd == "write"
+                  else eng.batch_transfer_async_read)
+            try:
+                bid = fn(req["target"], [base + b[0] for b in blocks],
+                         [b[1] for b in blocks], [b[2] for b in blocks])
+                eng.get_batch_transfer_status([bid], req.get("timeout", -1))
+                out({"ok": True})
+            except mc.MooncakeError as e:
+                out({"error": str(e), "type": type(e).__name__})
+        elif cmd == "notifies":
+            out({"notifies": [[f, m.decode()] for f, m in eng.get_notifies()]})
+        else:
+            out({"error": f"unknown command {cmd}"})
+    eng.close()
+
+
+if __name__ == "__main__":
+    main()
