@@ -29,6 +29,7 @@ class Peer:
         info = json.loads(line)
         self.segment, self.addr, self.size = info["segment"], info["addr"], info["size"]
         self.pid = info["pid"]
+        self.stderr_text = None
 
     def call(self, **req):
         self.proc.stdin.write(json.dumps(req) + "\n")
@@ -52,6 +53,10 @@ class Peer:
             except Exception:
                 self.proc.kill()
                 self.proc.wait()
+        try:
+            self.stderr_text = self.proc.stderr.read()
+        except Exception:
+            self.stderr_text = ""
         for f in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
             try:
                 f.close()

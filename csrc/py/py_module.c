@@ -117,6 +117,7 @@ PyObject *mc_py_raise(mc_py_state_t *st, const mc_err_t *err) {
   switch (err->code) {
   case MC_ECONFIG:
   case MC_EINVAL:
+  case MC_EOVERLAP:
     type = st->ConfigError;
     break;
   case MC_ETIMEDOUT:
