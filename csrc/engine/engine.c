@@ -113,6 +113,7 @@ int mc_engine_create(const mc_engine_opts_t *o, mc_engine_t **out, mc_err_t *err
   e->slice_size = (uint64_t)env_int("MC_TCP_SLICE_SIZE", 4 << 20, 4096, 1 << 30);
   e->op_entries = (uint32_t)env_int("MC_TCP_OP_ENTRIES", 256, 1, (int)MC_WIRE_MAX_ENTRIES);
   e->timeout_ms = (uint64_t)env_int("MC_TRANSFER_TIMEOUT", 30, 1, 86400) * 1000ull;
+  e->spin_ns = (uint64_t)env_int("MC_WAIT_SPIN_US", 50, 0, 100000) * 1000ull;
 
   e->p2p = !strcmp(o->metadata_server, "P2PHANDSHAKE");
   if (!e->p2p && (rc = mc_meta_open(o->metadata_server, &e->meta, err)) < 0)

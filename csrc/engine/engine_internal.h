@@ -29,6 +29,7 @@ struct mc_engine {
   uint64_t slice_size;    /* bytes per wire op */
   uint32_t op_entries;    /* entries per wire op */
   uint64_t timeout_ms;    /* MC_TRANSFER_TIMEOUT */
+  uint64_t spin_ns;       /* MC_WAIT_SPIN_US: busy-wait before sleeping */
 
   pthread_mutex_t seg_mu; /* segment cache */
   mc_segment_desc_t *segs;
