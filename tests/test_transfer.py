@@ -91,3 +91,21 @@ def test_notifications_between_processes(peers):
     got = b.call(cmd="notifies")["notifies"]
     assert [m for _, m in got] == ["req-1 done", "req-2 done"]
     assert a  # unused second peer keeps the fixture symmetric
+
+
+@pytest.mark.parametrize("env", [{"MC_TCP_CONNS_PER_PEER": "4"},
+                                 {"MC_TCP_IO_THREADS": "3", "MC_TCP_CONNS_PER_PEER": "3"},
+                                 {"MC_TCP_SLICE_SIZE": "65536", "MC_TCP_OP_ENTRIES": "3"}])
+def test_striping_threads_and_slicing(peers, env):
+    """Several connections per peer, several I/O threads, tiny ops: same bytes."""
+    a = peers(size=128 << 20, env=env)
+    b = peers(size=128 << 20, env=env)
+    n = 96 << 20
+    a.call(cmd="fill", seed=42, off=0, len=n)
+    blocks = [[i * BLK, b.addr + i * BLK, BLK] for i in range(n // BLK)]
+    blocks.append([n, b.addr + n, 5 << 20])  # one large request sliced across ops
+    assert a.call(cmd="write", target=b.segment, blocks=blocks) == {"ok": True}
+    assert crc_of(b, 0, n) == crc_of(a, 0, n)
+    a.call(cmd="zero")
+    assert a.call(cmd="read", target=b.segment, blocks=blocks) == {"ok": True}
+    assert crc_of(a, 0, n) == crc_of(b, 0, n)

@@ -5,6 +5,7 @@
 
 #include "engine/engine_internal.h"
 #include "transport/tcp/wire.h"
+#include "util/dynlib.h"
 #include "util/hostport.h"
 #include "util/log.h"
 
@@ -87,11 +88,15 @@ int mc_engine_create(const mc_engine_opts_t *o, mc_engine_t **out, mc_err_t *err
   if (!o || !o->local_hostname || !o->metadata_server)
     return mc_err_set(err, MC_EINVAL, "local_hostname and metadata_server are required");
   const char *proto = o->protocol && *o->protocol ? o->protocol : "tcp";
-  if (!strcmp(proto, "rdma"))
+  if (!strcmp(proto, "rdma")) {
+    /* The verbs libraries are loaded only now, when RDMA is asked for. */
+    if (!mc_dynlib_open(&mc_dynlib_ibverbs, err) || !mc_dynlib_open(&mc_dynlib_rdmacm, err))
+      return err ? err->code : MC_EUNAVAIL;
     return mc_err_set(err, MC_EUNAVAIL,
                       "protocol \"rdma\" is not available in this build yet (device_name "
                       "\"%s\"); use protocol \"tcp\" — there is no silent fallback",
                       o->device_name ? o->device_name : "");
+  }
   if (strcmp(proto, "tcp") != 0)
     return mc_err_set(err, MC_EINVAL, "protocol \"%s\" is not accepted; use \"tcp\" or \"rdma\"",
                       proto);
@@ -203,6 +208,8 @@ char *mc_engine_describe(mc_engine_t *e) {
 }
 
 static int check_location(const char *location, mc_err_t *err) {
+  if (location && !strncmp(location, "cuda", 4) && !mc_dynlib_open(&mc_dynlib_cuda, err))
+    return err ? err->code : MC_EUNAVAIL;
   if (location && !strncmp(location, "cuda", 4))
     return mc_err_set(err, MC_EUNAVAIL,
                       "location \"%s\": GPU memory registration is not available in this "
