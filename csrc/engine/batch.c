@@ -83,6 +83,14 @@ static void op_done(mc_xfer_op_t *op, int code, const char *msg) {
   pthread_mutex_unlock(&b->mu);
 }
 
+static void op_entry_failed(mc_xfer_op_t *op, uint32_t idx, int code, const char *msg) {
+  mc_batch_t *b = op->arg;
+  pthread_mutex_lock(&b->mu);
+  part_done(b, op->ent[idx].cookie, code, msg, 0);
+  pthread_cond_broadcast(&b->cv);
+  pthread_mutex_unlock(&b->mu);
+}
+
 static int validate(const mc_request_t *r, size_t i, mc_err_t *err) {
   if (r->opcode != MC_OP_READ && r->opcode != MC_OP_WRITE)
     return mc_err_set(err, MC_EINVAL, "request %zu: opcode %d is not READ (0) or WRITE (1)", i,
@@ -220,6 +228,7 @@ int mc_batch_submit(mc_engine_t *e, mc_batch_t *b, const char *segment,
         }
         ob.cur->nent = 0;
         ob.cur->done = op_done;
+        ob.cur->entry_failed = op_entry_failed;
         ob.cur->arg = b;
         ob.cur->cancel = &b->cancel;
       }

@@ -14,6 +14,7 @@ typedef struct {
   mc_engine_t *eng;
   pthread_rwlock_t life; /* read: a call in flight without the GIL; write: close */
   PyObject *batches;     /* dict: batch id -> capsule(mc_batch_t*) */
+  PyObject *managed;     /* dict: addr -> length, buffers from allocate_managed_buffer */
   long long next_batch;
 } EngineObject;
 
@@ -100,7 +101,8 @@ static PyObject *Engine_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     return NULL;
   pthread_rwlock_init(&self->life, NULL);
   self->batches = PyDict_New();
-  if (!self->batches) {
+  self->managed = PyDict_New();
+  if (!self->batches || !self->managed) {
     Py_DECREF(self);
     return NULL;
   }
@@ -132,6 +134,12 @@ static void close_engine(EngineObject *self) {
   pthread_rwlock_unlock(&self->life);
   mc_engine_destroy(eng);
   Py_END_ALLOW_THREADS
+  /* Managed buffers outlive nothing: the engine that exposed them is gone. */
+  pos = 0;
+  while (self->managed && PyDict_Next(self->managed, &pos, &key, &val))
+    free((void *)(uintptr_t)PyLong_AsUnsignedLongLong(key));
+  if (self->managed)
+    PyDict_Clear(self->managed);
 }
 
 static void Engine_dealloc(EngineObject *self) {
@@ -139,6 +147,7 @@ static void Engine_dealloc(EngineObject *self) {
   PyObject_GC_UnTrack(self);
   close_engine(self);
   Py_CLEAR(self->batches);
+  Py_CLEAR(self->managed);
   pthread_rwlock_destroy(&self->life);
   tp->tp_free((PyObject *)self);
   Py_DECREF(tp);
@@ -147,11 +156,13 @@ static void Engine_dealloc(EngineObject *self) {
 static int Engine_traverse(EngineObject *self, visitproc visit, void *arg) {
   Py_VISIT(Py_TYPE(self));
   Py_VISIT(self->batches);
+  Py_VISIT(self->managed);
   return 0;
 }
 
 static int Engine_clear(EngineObject *self) {
   Py_CLEAR(self->batches);
+  Py_CLEAR(self->managed);
   return 0;
 }
 
@@ -338,6 +349,86 @@ static PyObject *Engine_batch_unregister_memory(EngineObject *self, PyObject *ar
   return PyLong_FromLong(0);
 }
 
+/* ---- managed buffers: registered host memory owned by the engine ---- */
+
+static PyObject *Engine_allocate_managed_buffer(EngineObject *self, PyObject *arg) {
+  uint64_t len;
+  if (get_u64(arg, &len, "length") < 0)
+    return NULL;
+  if (len == 0 || len > (1ull << 46))
+    return PyErr_Format(PyExc_ValueError, "length must be in 1..2**46 bytes");
+  if (enter(self) < 0)
+    return NULL;
+  void *p = NULL;
+  mc_err_t err = {0};
+  int rc;
+  Py_BEGIN_ALLOW_THREADS
+  rc = posix_memalign(&p, 4096, (size_t)len) ? MC_ENOMEM : 0;
+  if (rc == 0) {
+    memset(p, 0, (size_t)len);
+    rc = mc_engine_register(self->eng, p, len, "cpu", &err);
+    if (rc < 0) {
+      free(p);
+      p = NULL;
+    }
+  } else {
+    mc_err_set(&err, MC_ENOMEM, "cannot allocate a managed buffer of %llu bytes",
+               (unsigned long long)len);
+  }
+  Py_END_ALLOW_THREADS
+  leave(self);
+  if (rc < 0)
+    return mc_py_raise(ST(self), &err);
+  PyObject *k = PyLong_FromUnsignedLongLong((unsigned long long)(uintptr_t)p);
+  PyObject *v = PyLong_FromUnsignedLongLong(len);
+  if (!k || !v || PyDict_SetItem(self->managed, k, v) < 0) {
+    Py_XDECREF(k);
+    Py_XDECREF(v);
+    return NULL; /* the buffer stays registered until close; a leak only on OOM */
+  }
+  Py_DECREF(v);
+  return k;
+}
+
+static PyObject *Engine_free_managed_buffer(EngineObject *self, PyObject *args) {
+  PyObject *ao, *lo;
+  if (!PyArg_ParseTuple(args, "OO:free_managed_buffer", &ao, &lo))
+    return NULL;
+  uint64_t addr, len;
+  if (get_u64(ao, &addr, "buffer") < 0 || get_u64(lo, &len, "length") < 0)
+    return NULL;
+  PyObject *k = PyLong_FromUnsignedLongLong(addr);
+  if (!k)
+    return NULL;
+  PyObject *v = PyDict_GetItemWithError(self->managed, k);
+  if (!v || PyLong_AsUnsignedLongLong(v) != len) {
+    Py_DECREF(k);
+    if (PyErr_Occurred())
+      return NULL;
+    return PyErr_Format(PyExc_ValueError,
+                        "0x%llx (length %llu) is not a buffer from allocate_managed_buffer",
+                        (unsigned long long)addr, (unsigned long long)len);
+  }
+  if (enter(self) < 0) {
+    Py_DECREF(k);
+    return NULL;
+  }
+  mc_err_t err = {0};
+  int rc;
+  Py_BEGIN_ALLOW_THREADS
+  rc = mc_engine_unregister(self->eng, (void *)(uintptr_t)addr, &err);
+  Py_END_ALLOW_THREADS
+  leave(self);
+  if (rc == 0) {
+    PyDict_DelItem(self->managed, k);
+    free((void *)(uintptr_t)addr);
+  }
+  Py_DECREF(k);
+  if (rc < 0)
+    return mc_py_raise(ST(self), &err);
+  return PyLong_FromLong(0);
+}
+
 /* ---- transfers ---- */
 
 typedef struct {
@@ -486,6 +577,79 @@ static PyObject *Engine_transfer_sync(EngineObject *self, PyObject *args, PyObje
     return NULL;
   PyObject *r = sync_one(self, a, NULL, opc == 1 ? MC_OP_WRITE : MC_OP_READ,
                          "sOOO:transfer_sync");
+  Py_DECREF(a);
+  return r;
+}
+
+static PyObject *async_batch(EngineObject *self, PyObject *args, PyObject *kw, int opcode,
+                             const char *fmt);
+
+/* Splits a trailing `opcode` argument off a generic call. */
+static int split_opcode(PyObject *args, PyObject *kw, Py_ssize_t nfixed, PyObject **rest,
+                        int *opcode) {
+  PyObject *op = NULL;
+  if (PyTuple_GET_SIZE(args) > nfixed) {
+    op = PyTuple_GET_ITEM(args, nfixed);
+    *rest = PyTuple_GetSlice(args, 0, nfixed);
+  } else if (kw && (op = PyDict_GetItemString(kw, "opcode"))) {
+    *rest = Py_NewRef(args);
+  } else {
+    PyErr_SetString(PyExc_TypeError, "missing argument: opcode (0 = READ, 1 = WRITE)");
+    return -1;
+  }
+  if (!*rest)
+    return -1;
+  long v = PyLong_AsLong(op);
+  if ((v == -1 && PyErr_Occurred()) || (v != 0 && v != 1)) {
+    Py_DECREF(*rest);
+    PyErr_Clear();
+    PyErr_SetString(PyExc_ValueError, "opcode must be 0 (READ) or 1 (WRITE)");
+    return -1;
+  }
+  *opcode = (int)v;
+  return 0;
+}
+
+static PyObject *Engine_batch_transfer_sync(EngineObject *self, PyObject *args, PyObject *kw) {
+  PyObject *rest;
+  int opc;
+  if (split_opcode(args, kw, 4, &rest, &opc) < 0)
+    return NULL;
+  PyObject *kw2 = kw ? PyDict_Copy(kw) : NULL;
+  if (kw2)
+    PyDict_DelItemString(kw2, "opcode"), PyErr_Clear();
+  PyObject *r = sync_batch(self, rest, kw2, opc, "OOOO:batch_transfer_sync");
+  Py_DECREF(rest);
+  Py_XDECREF(kw2);
+  return r;
+}
+
+static PyObject *Engine_batch_transfer_async(EngineObject *self, PyObject *args, PyObject *kw) {
+  PyObject *rest;
+  int opc;
+  if (split_opcode(args, kw, 4, &rest, &opc) < 0)
+    return NULL;
+  PyObject *kw2 = kw ? PyDict_Copy(kw) : NULL;
+  if (kw2)
+    PyDict_DelItemString(kw2, "opcode"), PyErr_Clear();
+  PyObject *r = async_batch(self, rest, kw2, opc, "OOOO:batch_transfer_async");
+  Py_DECREF(rest);
+  Py_XDECREF(kw2);
+  return r;
+}
+
+/* transfer_submit_write(target, buffer, peer_buffer_address, length) -> batch id */
+static PyObject *Engine_transfer_submit_write(EngineObject *self, PyObject *args,
+                                              PyObject *kw) {
+  static char *kwlist[] = {"target_hostname", "buffer", "peer_buffer_address", "length", NULL};
+  PyObject *t, *lo, *ro, *no;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOO:transfer_submit_write", kwlist, &t, &lo, &ro,
+                                   &no))
+    return NULL;
+  PyObject *a = Py_BuildValue("(O[O][O][O])", t, lo, ro, no);
+  if (!a)
+    return NULL;
+  PyObject *r = async_batch(self, a, NULL, MC_OP_WRITE, "OOOO:transfer_submit_write");
   Py_DECREF(a);
   return r;
 }
@@ -815,6 +979,16 @@ static PyMethodDef Engine_methods[] = {
     {"batch_transfer_sync_read", (PyCFunction)(void (*)(void))Engine_batch_transfer_sync_read,
      METH_VARARGS | METH_KEYWORDS,
      "batch_transfer_sync_read(target_hostname, buffers, peer_buffer_addresses, lengths) -> 0"},
+    {"batch_transfer_sync", (PyCFunction)(void (*)(void))Engine_batch_transfer_sync,
+     METH_VARARGS | METH_KEYWORDS,
+     "batch_transfer_sync(target_hostname, buffers, peer_buffer_addresses, lengths, opcode) -> 0"},
+    {"batch_transfer_async", (PyCFunction)(void (*)(void))Engine_batch_transfer_async,
+     METH_VARARGS | METH_KEYWORDS,
+     "batch_transfer_async(target_hostname, buffers, peer_buffer_addresses, lengths, opcode) "
+     "-> batch_id"},
+    {"transfer_submit_write", (PyCFunction)(void (*)(void))Engine_transfer_submit_write,
+     METH_VARARGS | METH_KEYWORDS,
+     "transfer_submit_write(target_hostname, buffer, peer_buffer_address, length) -> batch_id"},
     {"batch_transfer_async_write",
      (PyCFunction)(void (*)(void))Engine_batch_transfer_async_write, METH_VARARGS | METH_KEYWORDS,
      "batch_transfer_async_write(...) -> batch_id"},
@@ -830,6 +1004,10 @@ static PyMethodDef Engine_methods[] = {
      "send_notify(target_hostname, message: bytes|str, timeout=5.0) -> 0"},
     {"get_notifies", (PyCFunction)Engine_get_notifies, METH_NOARGS,
      "get_notifies() -> list of (from_segment, message_bytes); drains the queue."},
+    {"allocate_managed_buffer", (PyCFunction)Engine_allocate_managed_buffer, METH_O,
+     "allocate_managed_buffer(length) -> addr: zeroed, page-aligned, registered host memory"},
+    {"free_managed_buffer", (PyCFunction)Engine_free_managed_buffer, METH_VARARGS,
+     "free_managed_buffer(addr, length) -> 0: unregisters (waits for accesses) and frees"},
     {"write_bytes_to_buffer", (PyCFunction)Engine_write_bytes_to_buffer, METH_VARARGS,
      "write_bytes_to_buffer(addr, data, length=-1) -> 0 (memcpy; the address is trusted)"},
     {"read_bytes_from_buffer", (PyCFunction)Engine_read_bytes_from_buffer, METH_VARARGS,

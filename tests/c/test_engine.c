@@ -124,6 +124,34 @@ static void test_mixed_batch_partial_failure(void) {
   mc_batch_free(A, b);
 }
 
+/* One wire op carrying a refused entry: only that request fails. */
+static void test_bad_entry_inside_one_op(void) {
+  mc_request_t r[6];
+  fill(abuf, 6 * 1000, 77);
+  memset(bbuf, 0, 6 * 1000);
+  for (int i = 0; i < 6; i++)
+    r[i] = (mc_request_t){.opcode = MC_OP_WRITE, .local = abuf + i * 1000,
+                          .remote = (uint64_t)(uintptr_t)(bbuf + i * 1000), .len = 1000};
+  r[2].remote = 64;             /* not registered */
+  r[4].remote = BUFSZ - 10 + (uint64_t)(uintptr_t)bbuf; /* straddles the end */
+  mc_err_t err = {0};
+  mc_batch_t *b = mc_batch_new(A, 6);
+  CHECK_EQ_INT(mc_batch_submit(A, b, mc_engine_segment_name(B), r, 6, &err), 0);
+  CHECK_EQ_INT(mc_batch_wait(A, b, 5000, &err), MC_ERANGE);
+  for (int i = 0; i < 6; i++) {
+    mc_task_status_t s;
+    mc_batch_status(b, (size_t)i, &s);
+    if (i == 2 || i == 4) {
+      CHECK_EQ_INT(s.state, MC_TASK_FAILED);
+      CHECK_CONTAINS(s.msg, "not inside any memory region");
+    } else {
+      CHECK_EQ_INT(s.state, MC_TASK_COMPLETED);
+      CHECK(memcmp(abuf + i * 1000, bbuf + i * 1000, 1000) == 0);
+    }
+  }
+  mc_batch_free(A, b);
+}
+
 static void test_bad_arguments(void) {
   mc_err_t err = {0};
   mc_request_t r = {.opcode = 7, .local = abuf, .remote = 1, .len = 1};
@@ -280,6 +308,7 @@ int main(void) {
   RUN(test_batch_10k_blocks);
   RUN(test_out_of_range_refused);
   RUN(test_mixed_batch_partial_failure);
+  RUN(test_bad_entry_inside_one_op);
   RUN(test_bad_arguments);
   RUN(test_unknown_peer);
   RUN(test_local_segment);

@@ -39,6 +39,10 @@ struct mc_xfer_op {
   uint32_t nent;
   uint64_t total; /* sum of ent[].len, set by mc_xfer_op_seal */
   mc_xfer_done_fn done;
+  /* Optional: one entry was refused by the target (e.g. out of range).  The
+   * transport drops that entry and resends the rest of the op, so requests
+   * that share a wire op with a bad one still complete. */
+  void (*entry_failed)(mc_xfer_op_t *op, uint32_t idx, int code, const char *msg);
   void *arg;
   atomic_int *cancel; /* optional: non-zero asks to stop (see sweep) */
   uint8_t *ctrl;      /* NOTIFY body, owned */

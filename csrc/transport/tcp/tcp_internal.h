@@ -69,6 +69,7 @@ struct mc_conn {
   uint64_t premain;  /* payload bytes still to read */
   int pdiscard;      /* drop payload bytes instead of storing */
   int pstatus;       /* target side: status to answer after a WRITE */
+  uint32_t pbad;     /* 1 + index of the first refused entry, 0 if none */
   char perr[MC_ERR_MSG_MAX];
   mc_region_t **prefs;
   int pnrefs;
@@ -126,6 +127,7 @@ void mc_conn_kill(mc_conn_t *c, int code, const char *fmt, ...)
 
 /* tcp_send.c */
 int mc_conn_flush(mc_conn_t *c);
+void mc_conn_enqueue_op(mc_conn_t *c, mc_xfer_op_t *op);
 void mc_op_finalize(mc_xfer_op_t *op, int code, const char *msg);
 
 /* tcp_recv.c */

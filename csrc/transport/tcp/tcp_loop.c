@@ -19,8 +19,6 @@
 #include "util/clock.h"
 #include "util/log.h"
 
-void mc_conn_enqueue_op(mc_conn_t *c, mc_xfer_op_t *op);
-
 /* The listener's epoll tag; connections use their mc_conn_t pointer. */
 static char listener_tag;
 static char eventfd_tag;

@@ -80,7 +80,14 @@ static int resp_simple(mc_conn_t *c, int type, int32_t status, char *text) {
 
 static int resp_error(mc_conn_t *c, int type, int code, const char *msg) {
   char *t = strdup(msg && *msg ? msg : mc_strerror(code));
-  return resp_simple(c, type, code, t);
+  if (resp_simple(c, type, code, t) < 0)
+    return -1;
+  if (type == MC_WIRE_WRITE_ACK || type == MC_WIRE_READ_DATA) {
+    /* Name the refused entry so the initiator can fail just that request. */
+    mc_resp_t *r = c->resp_tail;
+    mc_put_u32(r->hdr + 8, c->pbad);
+  }
+  return 0;
 }
 
 /* ---- helpers ---- */
@@ -125,6 +132,7 @@ static int pin_table(mc_conn_t *c, uint64_t *sum_out) {
   uint32_t n = c->rh.count;
   uint64_t sum = 0;
   c->pstatus = 0;
+  c->pbad = 0;
   c->perr[0] = '\0';
   free(c->piov);
   c->piov = malloc((size_t)n * sizeof *c->piov);
@@ -148,6 +156,7 @@ static int pin_table(mc_conn_t *c, uint64_t *sum_out) {
       if (mc_regions_acquire(c->tcp->hooks.regions, addr, len, c->tcp->hooks.local_name,
                              &reg, &e) < 0) {
         c->pstatus = e.code;
+        c->pbad = i + 1;
         snprintf(c->perr, sizeof c->perr, "%s %s", mc_wire_type_name(c->rh.type), e.msg);
         release_prefs(c);
         c->prefs = malloc((size_t)n * sizeof *c->prefs);
@@ -294,6 +303,31 @@ static int on_body_initiator(mc_conn_t *c) {
   char msg[MC_ERR_MSG_MAX];
   snprintf(msg, sizeof msg, "target %s refused: %.400s", c->segment, (char *)c->body);
   pop_await(c);
+  uint32_t bad = c->rh.count;
+  if (bad >= 1 && bad <= op->nent && op->entry_failed && !op->finalized) {
+    /* Fail the one refused entry; resend the others. */
+    op->entry_failed(op, bad - 1, c->rh.status, msg);
+    memmove(op->ent + bad - 1, op->ent + bad, (op->nent - bad) * sizeof *op->ent);
+    op->nent--;
+    free(op->table);
+    free(op->iov);
+    op->table = NULL;
+    op->iov = NULL;
+    op->started = 0;
+    op->iov_idx = 0;
+    op->iov_off = 0;
+    mc_err_t e;
+    if (op->nent == 0) {
+      mc_op_finalize(op, 0, NULL);
+      mc_xfer_op_free(op);
+    } else if (mc_xfer_op_seal(op, &e) < 0) {
+      mc_op_finalize(op, e.code, e.msg);
+      mc_xfer_op_free(op);
+    } else {
+      mc_conn_enqueue_op(c, op);
+    }
+    return 0;
+  }
   mc_op_finalize(op, c->rh.status, msg);
   mc_xfer_op_free(op);
   return 0;

@@ -238,8 +238,7 @@ int mc_conn_flush(mc_conn_t *c) {
   return c->outgoing ? flush_requests(c) : flush_responses(c);
 }
 
-/* Used by the loop when draining the inbox. */
-void mc_conn_enqueue_op(mc_conn_t *c, mc_xfer_op_t *op);
+/* Used by the loop when draining the inbox (and to resend an op). */
 void mc_conn_enqueue_op(mc_conn_t *c, mc_xfer_op_t *op) {
   op->next = NULL;
   stamp_req_id(c, op);

@@ -81,8 +81,14 @@ int mc_wire_decode(const uint8_t in[MC_WIRE_HDR_SIZE], int expect_response,
                         (unsigned long long)h->length, h->count);
     break;
   case MC_WIRE_READ_DATA:
-    if (h->count != 0)
-      return mc_err_set(err, MC_EPROTO, "READ_DATA with count %u", h->count);
+  case MC_WIRE_WRITE_ACK:
+    /* An error response may name the refused entry (count = index + 1). */
+    if (h->count != 0 && (h->status == 0 || h->count > MC_WIRE_MAX_ENTRIES))
+      return mc_err_set(err, MC_EPROTO, "%s with count %u", mc_wire_type_name(h->type),
+                        h->count);
+    if (h->type == MC_WIRE_WRITE_ACK && h->length > MC_WIRE_MAX_CTRL)
+      return mc_err_set(err, MC_EPROTO, "WRITE_ACK body of %llu bytes is too long",
+                        (unsigned long long)h->length);
     if (h->status < 0 && h->length > MC_WIRE_MAX_CTRL)
       return mc_err_set(err, MC_EPROTO, "error text of %llu bytes is too long",
                         (unsigned long long)h->length);
