@@ -1,0 +1,31 @@
+"""Check a mooncake.json and print the configuration it yields.
+
+    python -m mooncake_connector.config [PATH]     (default: $MOONCAKE_CONFIG_PATH)
+
+Exit status 0 when valid; 2 with the parser's message (file, field, value and
+the accepted forms) when not.
+"""
+import json
+import sys
+
+from mooncake_connector import ConfigError, load_config
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in ("-h", "--help"):
+        print(__doc__.strip())
+        return 0
+    try:
+        cfg = load_config(argv[0] if argv else None)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if cfg.get("notes"):
+        print(f"note: {cfg['notes']}", file=sys.stderr)
+    print(json.dumps(cfg, indent=2, sort_keys=True))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
