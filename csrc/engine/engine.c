@@ -131,6 +131,7 @@ int mc_engine_create(const mc_engine_opts_t *o, mc_engine_t **out, mc_err_t *err
       .conns_per_peer =
           o->conns_per_peer ? o->conns_per_peer : env_int("MC_TCP_CONNS_PER_PEER", 1, 1, 64),
       .connect_timeout_ms = env_int("MC_CONNECT_TIMEOUT_MS", 5000, 1, 600000),
+      .busy_poll_us = env_int("MC_TCP_BUSY_POLL_US", 0, 0, 1000000),
   };
   /* The name must exist before the transport starts: HELLO checks it. */
   mc_tcp_hooks_t hooks = {.ctx = e, .local_name = e->name, .regions = &e->regions,

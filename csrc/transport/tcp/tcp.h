@@ -74,6 +74,7 @@ typedef struct mc_tcp_opts {
   int io_threads;        /* >= 1 */
   int conns_per_peer;    /* >= 1: striping */
   int connect_timeout_ms;
+  int busy_poll_us; /* keep polling this long after activity (0: off) */
 } mc_tcp_opts_t;
 
 typedef struct mc_tcp_hooks {

@@ -349,8 +349,15 @@ static void check_connect_deadlines(mc_loop_t *l) {
 static void *loop_main(void *arg) {
   mc_loop_t *l = arg;
   struct epoll_event evs[64];
+  uint64_t poll_ns = (uint64_t)l->tcp->opts.busy_poll_us * 1000ull;
+  uint64_t last_activity = 0;
   while (!l->stopping) {
-    int n = epoll_wait(l->epfd, evs, 64, 100);
+    /* Optionally keep polling for a while after activity: answers to
+     * back-to-back small requests then skip a thread wake-up. */
+    int tmo = poll_ns && mc_now_ns() - last_activity < poll_ns ? 0 : 100;
+    int n = epoll_wait(l->epfd, evs, 64, tmo);
+    if (n > 0)
+      last_activity = mc_now_ns();
     if (n < 0) {
       if (errno == EINTR)
         continue;

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Quick start 1: prepare the environment, then run the demo.
+#   scripts/demo.sh [demo args...]     (arguments go to mooncake_connector.demo)
+set -uo pipefail
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+
+bash "$repo/scripts/env.sh" || exit $?
+
+py="$repo/.venv/bin/python"
+# -P: do not put the current directory first on sys.path, so the installed
+# package (with its compiled _core) is imported even when run from the repo.
+if "$py" -P -c '' 2>/dev/null; then
+    exec "$py" -P -m mooncake_connector.demo "$@"
+fi
+cd "$repo/.cache" && exec "$py" -m mooncake_connector.demo "$@"
