@@ -110,7 +110,7 @@ static int run_initiator(int argc, char **argv) {
       mc_request_t q = {.opcode = op, .local = buf, .remote = raddr, .len = lsize};
       uint64_t t0 = mc_now_ns();
       mc_batch_t *b = mc_batch_new(e, 1);
-      if (mc_batch_submit(e, b, seg, &q, 1, &err) < 0 || mc_batch_wait(e, b, -1, &err) < 0) {
+      if (mc_batch_submit_sync(e, b, seg, &q, 1, &err) < 0 || mc_batch_wait(e, b, -1, &err) < 0) {
         fprintf(stderr, "transfer: %s\n", err.msg);
         return 1;
       }

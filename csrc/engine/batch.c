@@ -131,6 +131,7 @@ typedef struct op_builder {
   mc_xfer_op_t **ops;
   size_t n, cap;
   mc_xfer_op_t *cur;
+  uint32_t cur_cap;
   uint64_t cur_bytes;
 } op_builder_t;
 
@@ -161,8 +162,29 @@ static void builder_free(op_builder_t *ob) {
   free(ob->ops);
 }
 
+static int batch_finished(void *arg) {
+  mc_batch_t *b = arg;
+  return atomic_load_explicit(&b->pending, memory_order_acquire) == 0;
+}
+
+#define MC_POLL_MAX_BYTES (1u << 20)
+#define MC_POLL_MAX_OPS 16
+
+static int submit(mc_engine_t *e, mc_batch_t *b, const char *segment,
+                  const mc_request_t *reqs, size_t n, int poll, mc_err_t *err);
+
 int mc_batch_submit(mc_engine_t *e, mc_batch_t *b, const char *segment,
                     const mc_request_t *reqs, size_t n, mc_err_t *err) {
+  return submit(e, b, segment, reqs, n, 0, err);
+}
+
+int mc_batch_submit_sync(mc_engine_t *e, mc_batch_t *b, const char *segment,
+                         const mc_request_t *reqs, size_t n, mc_err_t *err) {
+  return submit(e, b, segment, reqs, n, 1, err);
+}
+
+static int submit(mc_engine_t *e, mc_batch_t *b, const char *segment,
+                  const mc_request_t *reqs, size_t n, int poll, mc_err_t *err) {
   if (!segment || !*segment)
     return mc_err_set(err, MC_EINVAL, "target segment name is empty");
   if (n == 0)
@@ -210,22 +232,28 @@ int mc_batch_submit(mc_engine_t *e, mc_batch_t *b, const char *segment,
    * about slice_size bytes; a large request spans several ops. */
   op_builder_t ob = {0};
   int rc = 0;
+  /* Slices still to place: sizes each op's entry array to what it needs. */
+  uint64_t slices_left = 0;
+  for (size_t i = 0; i < n; i++)
+    slices_left += (reqs[i].len + e->slice_size - 1) / e->slice_size;
   for (size_t i = 0; i < n && rc == 0; i++) {
     const mc_request_t *r = &reqs[i];
     int type = r->opcode == MC_OP_WRITE ? MC_WIRE_WRITE : MC_WIRE_READ;
     uint64_t off = 0;
     while (off < r->len) {
       if (ob.cur && (ob.cur->type != type || ob.cur_bytes >= e->slice_size ||
-                     ob.cur->nent == e->op_entries)) {
+                     ob.cur->nent == ob.cur_cap)) {
         if ((rc = builder_flush(&ob, err)) < 0)
           break;
       }
       if (!ob.cur) {
-        ob.cur = mc_xfer_op_new(type, e->op_entries, 0);
+        uint32_t cap = slices_left < e->op_entries ? (uint32_t)slices_left : e->op_entries;
+        ob.cur = mc_xfer_op_new(type, cap ? cap : 1, 0);
         if (!ob.cur) {
           rc = mc_err_set(err, MC_ENOMEM, "out of memory");
           break;
         }
+        ob.cur_cap = ob.cur->nent;
         ob.cur->nent = 0;
         ob.cur->done = op_done;
         ob.cur->entry_failed = op_entry_failed;
@@ -242,6 +270,8 @@ int mc_batch_submit(mc_engine_t *e, mc_batch_t *b, const char *segment,
       b->tasks[first + i].parts_left++;
       ob.cur_bytes += len;
       off += len;
+      if (slices_left)
+        slices_left--;
     }
   }
   if (rc == 0)
@@ -255,8 +285,14 @@ int mc_batch_submit(mc_engine_t *e, mc_batch_t *b, const char *segment,
     return rc;
   }
   b->ops_inflight += ob.n;
+  uint64_t bytes = 0;
+  for (size_t i = 0; i < n; i++)
+    bytes += reqs[i].len;
   pthread_mutex_unlock(&b->mu);
-  mc_tcp_submit(e->tcp, d.host, d.port, segment, ob.ops, ob.n);
+  if (!(poll && e->spin_ns && bytes <= MC_POLL_MAX_BYTES && ob.n <= MC_POLL_MAX_OPS &&
+        mc_tcp_submit_poll(e->tcp, d.host, d.port, segment, ob.ops, ob.n, batch_finished, b,
+                           e->spin_ns)))
+    mc_tcp_submit(e->tcp, d.host, d.port, segment, ob.ops, ob.n);
   free(ob.ops);
   return 0;
 }
@@ -285,7 +321,7 @@ int mc_batch_wait(mc_engine_t *e, mc_batch_t *b, int64_t timeout_ms, mc_err_t *e
    * wake-up of a sleeping thread, which dominates round trips on VMs. */
   if (e->spin_ns) {
     uint64_t until = mc_now_ns() + e->spin_ns;
-    while (__atomic_load_n(&b->pending, __ATOMIC_ACQUIRE) > 0 && mc_now_ns() < until)
+    while (atomic_load_explicit(&b->pending, memory_order_acquire) > 0 && mc_now_ns() < until)
       __builtin_ia32_pause();
   }
   pthread_mutex_lock(&b->mu);

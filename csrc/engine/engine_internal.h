@@ -54,7 +54,7 @@ struct mc_batch {
   pthread_cond_t cv;
   mc_task_t *tasks;
   size_t n, cap;
-  size_t pending;      /* tasks not finished */
+  _Atomic size_t pending; /* tasks not finished (read without the lock while spinning) */
   size_t ops_inflight; /* ops handed to a transport and not done */
   uint64_t bytes;      /* total requested */
   atomic_int cancel;

@@ -505,7 +505,7 @@ static PyObject *run_sync(EngineObject *self, xfer_args_t *x) {
   if (!b) {
     rc = mc_err_set(&err, MC_ENOMEM, "out of memory");
   } else {
-    rc = mc_batch_submit(self->eng, b, target, x->reqs, (size_t)x->n, &err);
+    rc = mc_batch_submit_sync(self->eng, b, target, x->reqs, (size_t)x->n, &err);
     if (rc == 0)
       rc = mc_batch_wait(self->eng, b, -1, &err);
     mc_batch_free(self->eng, b);

@@ -2,6 +2,7 @@
 #include <arpa/inet.h>
 #include <netinet/in.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -217,7 +218,7 @@ static void test_notify(void) {
 /* A target that accepts and never answers: the waiter times out, and the
  * destination buffer is never written afterwards. */
 static int silent_fd;
-static volatile int silent_stop;
+static atomic_int silent_stop;
 static void *silent_server(void *arg) {
   (void)arg;
   int c = accept(silent_fd, NULL, NULL);
@@ -292,6 +293,71 @@ static void test_garbage_connection(void) {
   CHECK_EQ_INT(xfer(MC_OP_WRITE, 0, 0, 4096, &err), 0);
 }
 
+/* Callers taking the connection over for small sync requests while other
+ * threads stream large batches through the I/O thread. */
+static void *small_sync_worker(void *arg) {
+  long id = (long)arg;
+  uint8_t *src = abuf + (40u << 20) + (size_t)id * 8192;
+  uint8_t *dst = bbuf + (40u << 20) + (size_t)id * 8192;
+  for (int i = 0; i < 1500; i++) {
+    if (!(i & 1))
+      memset(src, (int)(id * 31 + i) & 0xff, 4096);
+    mc_request_t r = {.opcode = (i & 1) ? MC_OP_READ : MC_OP_WRITE,
+                      .local = (i & 1) ? src + 4096 : src,
+                      .remote = (uint64_t)(uintptr_t)dst, .len = 4096};
+    mc_err_t err = {0};
+    mc_batch_t *b = mc_batch_new(A, 1);
+    int rc = mc_batch_submit_sync(A, b, mc_engine_segment_name(B), &r, 1, &err);
+    if (rc == 0)
+      rc = mc_batch_wait(A, b, 10000, &err);
+    mc_batch_free(A, b);
+    if (rc != 0) {
+      fprintf(stderr, "worker %ld: %s\n", id, err.msg);
+      return (void *)1;
+    }
+    if ((i & 1) && memcmp(src, src + 4096, 4096) != 0)
+      return (void *)2; /* read back what this thread wrote last */
+  }
+  return NULL;
+}
+
+static void *bulk_worker(void *arg) {
+  (void)arg;
+  enum { N = 512, BLK = 65536 };
+  static mc_request_t r[N];
+  for (int rep = 0; rep < 6; rep++) {
+    for (int i = 0; i < N; i++)
+      r[i] = (mc_request_t){.opcode = rep & 1 ? MC_OP_READ : MC_OP_WRITE,
+                            .local = abuf + (size_t)i * BLK,
+                            .remote = (uint64_t)(uintptr_t)(bbuf + (size_t)i * BLK), .len = BLK};
+    mc_err_t err = {0};
+    mc_batch_t *b = mc_batch_new(A, N);
+    int rc = mc_batch_submit(A, b, mc_engine_segment_name(B), r, N, &err);
+    if (rc == 0)
+      rc = mc_batch_wait(A, b, 20000, &err);
+    mc_batch_free(A, b);
+    if (rc != 0) {
+      fprintf(stderr, "bulk: %s\n", err.msg);
+      return (void *)1;
+    }
+  }
+  return NULL;
+}
+
+static void test_fast_path_and_bulk_concurrently(void) {
+  pthread_t th[5];
+  for (long i = 0; i < 4; i++)
+    pthread_create(&th[i], NULL, small_sync_worker, (void *)i);
+  pthread_create(&th[4], NULL, bulk_worker, NULL);
+  int bad = 0;
+  for (int i = 0; i < 5; i++) {
+    void *rv;
+    pthread_join(th[i], &rv);
+    bad |= rv != NULL;
+  }
+  CHECK(!bad);
+}
+
 int main(void) {
   abuf = malloc(BUFSZ);
   bbuf = malloc(BUFSZ);
@@ -313,6 +379,7 @@ int main(void) {
   RUN(test_unknown_peer);
   RUN(test_local_segment);
   RUN(test_notify);
+  RUN(test_fast_path_and_bulk_concurrently);
   RUN(test_timeout_cancels);
   RUN(test_garbage_connection);
   mc_engine_destroy(A);

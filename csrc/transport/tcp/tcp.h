@@ -95,6 +95,17 @@ int mc_tcp_port(const mc_tcp_t *t);
 void mc_tcp_submit(mc_tcp_t *t, const char *host, int port, const char *segment,
                    mc_xfer_op_t **ops, size_t nops);
 
+/* Latency fast path for small synchronous requests.  If the connection to
+ * the target is open and idle, the calling thread takes it over from its
+ * I/O thread, sends the ops itself and polls for the answers for up to
+ * spin_ns (or until finished(arg) is true), then hands the connection back;
+ * whatever is still outstanding completes through the I/O thread as usual.
+ * Returns 1 if it took the ops (done() as usual), 0 if not (the caller then
+ * uses mc_tcp_submit; the ops are untouched). */
+int mc_tcp_submit_poll(mc_tcp_t *t, const char *host, int port, const char *segment,
+                       mc_xfer_op_t **ops, size_t nops, int (*finished)(void *), void *arg,
+                       uint64_t spin_ns);
+
 /* Asks every I/O thread to resolve ops whose cancel flag is set (done() with
  * MC_ECANCELED).  Returns at once; completion shows up through done(). */
 void mc_tcp_cancel_sweep(mc_tcp_t *t);

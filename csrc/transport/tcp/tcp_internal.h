@@ -47,6 +47,13 @@ struct mc_conn {
   mc_xfer_op_t *inbox_head, *inbox_tail;
   int kick_pending;
   int dead_flag;
+  /* Who may touch the loop-thread-only state below (under mu): the loop
+   * sets loop_busy while it works on the connection; a caller thread may
+   * take the connection over (owner_caller) while it is idle, to send and
+   * poll its own small request without two thread hand-offs. */
+  int loop_busy;
+  int owner_caller;
+  int kick_deferred; /* a KICK arrived while caller-owned: redo on hand-back */
 
   /* Loop-thread-only state. */
   mc_xfer_op_t *sendq_head, *sendq_tail; /* requests to send (outgoing) */
@@ -94,7 +101,7 @@ struct mc_loop {
   pthread_t thread;
   pthread_mutex_t mu;
   mc_cmd_t *cmd_head, *cmd_tail;
-  int stopping;
+  atomic_int stopping;
   mc_conn_t *conns; /* loop-thread-only list */
 };
 
@@ -121,6 +128,8 @@ struct mc_tcp {
 
 /* tcp_loop.c */
 void mc_loop_post(mc_loop_t *l, int kind, mc_conn_t *c);
+int mc_conn_loop_acquire(mc_conn_t *c);
+void mc_conn_loop_release(mc_conn_t *c);
 void mc_conn_set_out(mc_conn_t *c, int on);
 void mc_conn_kill(mc_conn_t *c, int code, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));

@@ -55,9 +55,28 @@ void mc_loop_post(mc_loop_t *l, int kind, mc_conn_t *c) {
 
 /* ---- connections ---- */
 
+int mc_conn_loop_acquire(mc_conn_t *c) {
+  pthread_mutex_lock(&c->mu);
+  int ok = !c->owner_caller;
+  if (ok)
+    c->loop_busy = 1;
+  pthread_mutex_unlock(&c->mu);
+  return ok;
+}
+
+void mc_conn_loop_release(mc_conn_t *c) {
+  pthread_mutex_lock(&c->mu);
+  c->loop_busy = 0;
+  pthread_mutex_unlock(&c->mu);
+}
+
 void mc_conn_set_out(mc_conn_t *c, int on) {
   if (c->want_out == on || c->state == CONN_DEAD)
     return;
+  if (c->owner_caller) { /* applied when the caller hands the conn back */
+    c->want_out = on;
+    return;
+  }
   struct epoll_event ev = {.events = EPOLLIN | (on ? EPOLLOUT : 0), .data.ptr = c};
   if (epoll_ctl(c->loop->epfd, EPOLL_CTL_MOD, c->fd, &ev) == 0)
     c->want_out = on;
@@ -264,17 +283,32 @@ static void handle_cmds(mc_loop_t *l) {
     mc_cmd_t *next = cmd->next;
     switch (cmd->kind) {
     case CMD_ADD:
-      loop_add(l, cmd->conn);
+      if (mc_conn_loop_acquire(cmd->conn)) {
+        loop_add(l, cmd->conn);
+        mc_conn_loop_release(cmd->conn);
+      }
       break;
     case CMD_KICK:
-      if (cmd->conn->state == CONN_OPEN) {
-        drain_inbox(cmd->conn);
-        mc_conn_flush(cmd->conn);
+      /* A caller-owned conn is kicked again by its caller on hand-back. */
+      pthread_mutex_lock(&cmd->conn->mu);
+      if (cmd->conn->owner_caller)
+        cmd->conn->kick_deferred = 1;
+      pthread_mutex_unlock(&cmd->conn->mu);
+      if (mc_conn_loop_acquire(cmd->conn)) {
+        if (cmd->conn->state == CONN_OPEN) {
+          drain_inbox(cmd->conn);
+          mc_conn_flush(cmd->conn);
+        }
+        mc_conn_loop_release(cmd->conn);
       }
       break;
     case CMD_SWEEP:
-      for (mc_conn_t *c = l->conns; c; c = c->next_in_loop)
-        sweep_conn(c);
+      for (mc_conn_t *c = l->conns; c; c = c->next_in_loop) {
+        if (mc_conn_loop_acquire(c)) {
+          sweep_conn(c);
+          mc_conn_loop_release(c);
+        }
+      }
       break;
     }
     if (cmd->conn) {
@@ -329,6 +363,9 @@ static void reap(mc_loop_t *l) {
     pthread_mutex_lock(&l->mu);
     int busy = c->cmd_refs > 0;
     pthread_mutex_unlock(&l->mu);
+    pthread_mutex_lock(&c->mu);
+    busy |= c->owner_caller;
+    pthread_mutex_unlock(&c->mu);
     if (c->state == CONN_DEAD && !busy) {
       *pp = c->next_in_loop;
       conn_free(c);
@@ -340,10 +377,14 @@ static void reap(mc_loop_t *l) {
 
 static void check_connect_deadlines(mc_loop_t *l) {
   uint64_t now = mc_now_ns();
-  for (mc_conn_t *c = l->conns; c; c = c->next_in_loop)
+  for (mc_conn_t *c = l->conns; c; c = c->next_in_loop) {
+    if (!mc_conn_loop_acquire(c))
+      continue;
     if (c->state == CONN_CONNECTING && c->connect_deadline_ns && now > c->connect_deadline_ns)
       mc_conn_kill(c, MC_ECONNECT, "connect to segment %s at %s timed out after %d ms",
                    c->segment, c->peer, c->tcp->opts.connect_timeout_ms);
+    mc_conn_loop_release(c);
+  }
 }
 
 static void *loop_main(void *arg) {
@@ -375,18 +416,19 @@ static void *loop_main(void *arg) {
         continue;
       }
       mc_conn_t *c = tag;
-      if (c->state == CONN_DEAD)
-        continue;
+      if (!mc_conn_loop_acquire(c))
+        continue; /* a caller thread is driving it right now */
       uint32_t e = evs[i].events;
       if (c->state == CONN_CONNECTING) {
         on_connected(c);
-        continue;
+      } else if (c->state == CONN_OPEN) {
+        int alive = 1;
+        if (e & (EPOLLIN | EPOLLERR | EPOLLHUP))
+          alive = mc_conn_on_readable(c) == 0;
+        if (alive && (e & (EPOLLOUT | EPOLLERR | EPOLLHUP)) && c->state == CONN_OPEN)
+          mc_conn_flush(c);
       }
-      if (e & (EPOLLIN | EPOLLERR | EPOLLHUP))
-        if (mc_conn_on_readable(c) < 0)
-          continue;
-      if ((e & (EPOLLOUT | EPOLLERR | EPOLLHUP)) && c->state == CONN_OPEN)
-        mc_conn_flush(c);
+      mc_conn_loop_release(c);
     }
     check_connect_deadlines(l);
     reap(l);
@@ -546,6 +588,60 @@ void mc_tcp_submit(mc_tcp_t *t, const char *host, int port, const char *segment,
       mc_loop_post(kick[i]->loop, CMD_KICK, kick[i]);
   }
   pthread_mutex_unlock(&t->peers_mu);
+}
+
+/* The caller-driven fast path: see mc_tcp_submit_poll in tcp.h. */
+int mc_tcp_submit_poll(mc_tcp_t *t, const char *host, int port, const char *segment,
+                       mc_xfer_op_t **ops, size_t nops, int (*finished)(void *), void *arg,
+                       uint64_t spin_ns) {
+  mc_conn_t *c = NULL;
+  pthread_mutex_lock(&t->peers_mu);
+  for (size_t i = 0; i < t->npeers && !c; i++) {
+    mc_peer_t *p = t->peers[i];
+    if (p->port == port && !strcmp(p->host, host) && !strcmp(p->segment, segment))
+      c = p->conns[p->rr % (unsigned)t->opts.conns_per_peer];
+  }
+  int owned = 0;
+  if (c) {
+    pthread_mutex_lock(&c->mu);
+    /* Quiescent: the loop is not in it, nothing queued or outstanding. */
+    owned = !c->owner_caller && !c->loop_busy && !c->dead_flag && c->state == CONN_OPEN &&
+            c->hello_ok && !c->inbox_head && !c->sendq_head && !c->await_head &&
+            c->rstate == RS_HDR && c->rpos == c->rlen && !c->want_out;
+    if (owned)
+      c->owner_caller = 1;
+    pthread_mutex_unlock(&c->mu);
+  }
+  pthread_mutex_unlock(&t->peers_mu);
+  if (!owned)
+    return 0;
+  /* Mute the loop's interest; epoll still reports errors, which it skips. */
+  struct epoll_event ev = {.events = 0, .data.ptr = c};
+  epoll_ctl(c->loop->epfd, EPOLL_CTL_MOD, c->fd, &ev);
+  for (size_t i = 0; i < nops; i++)
+    mc_conn_enqueue_op(c, ops[i]);
+  int alive = mc_conn_flush(c) == 0 && c->state == CONN_OPEN;
+  uint64_t until = mc_now_ns() + spin_ns;
+  while (alive && !finished(arg) && mc_now_ns() < until) {
+    alive = mc_conn_on_readable(c) == 0 && c->state == CONN_OPEN;
+    __builtin_ia32_pause();
+  }
+  /* Hand back: restore interest, and kick the loop if others queued work
+   * meanwhile.  The kick is posted under mu together with the hand-back: a
+   * live connection with a queued command is never freed by its loop. */
+  int dead = c->state == CONN_DEAD;
+  if (!dead) {
+    ev.events = EPOLLIN | (c->want_out ? EPOLLOUT : 0);
+    epoll_ctl(c->loop->epfd, EPOLL_CTL_MOD, c->fd, &ev);
+  }
+  pthread_mutex_lock(&c->mu);
+  c->owner_caller = 0;
+  if (!dead && (c->inbox_head || c->sendq_head || c->kick_deferred)) {
+    c->kick_deferred = 0;
+    mc_loop_post(c->loop, CMD_KICK, c);
+  }
+  pthread_mutex_unlock(&c->mu);
+  return 1;
 }
 
 void mc_tcp_cancel_sweep(mc_tcp_t *t) {
