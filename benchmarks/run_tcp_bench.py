@@ -221,12 +221,12 @@ def bench_raw(iters, repeats, stream_bytes):
 
 # ----------------------------------------------------- (c)/(d) engines
 
-def bench_engine(engine, python, args, env):
+def bench_engine(engine, python, args, env, lowlat_env=None):
     """Run transfer_bench.py bandwidth (64 KiB) and latency (4 KiB) modes."""
     result = {"engine": engine, "python": python, "ok": False}
     common = [python, BENCH, "--engine", engine]
     bw_cmd = common + ["--mode", "bandwidth", "--ops", "write,read",
-                       "--block-sizes", "64K", "--batch-sizes", args.batch_sizes,
+                       "--block-sizes", "4K,64K", "--batch-sizes", args.batch_sizes,
                        "--threads", args.threads, "--buffer-size", str(args.buffer_size),
                        "--total-bytes", str(args.total_bytes),
                        "--max-seconds", str(args.max_seconds)]
@@ -238,14 +238,17 @@ def bench_engine(engine, python, args, env):
     if rc != 0 or not points:
         errors.append("bandwidth run rc=%d: %s" % (rc, tail(err, 3)))
     for op in ("write", "read"):
-        good = [p for p in points if p.get("op") == op and p.get("ok") and p.get("gbps")]
-        if good:
+        for blk, tag in ((4096, "4k"), (65536, "64k")):
+            good = [p for p in points if p.get("op") == op and p.get("ok") and p.get("gbps")
+                    and p.get("block") == blk]
+            if not good:
+                continue
             best = max(good, key=lambda p: p["gbps"])
-            result["%s_64k_gbps" % op] = best["gbps"]
-            result["%s_64k_best" % op] = {k: best.get(k) for k in
-                                          ("batch", "threads", "bytes", "seconds",
-                                           "req_p50_us", "req_p99_us", "time_capped")}
-            if best.get("time_capped"):
+            result["%s_%s_gbps" % (op, tag)] = best["gbps"]
+            result["%s_%s_best" % (op, tag)] = {k: best.get(k) for k in
+                                                ("batch", "threads", "bytes", "seconds",
+                                                 "req_p50_us", "req_p99_us", "time_capped")}
+            if best.get("time_capped") and tag == "64k":
                 errors.append("%s best point moved only %d bytes (time cap)"
                               % (op, best.get("bytes", 0)))
     bad = [p for p in points if not p.get("ok")]
@@ -269,6 +272,24 @@ def bench_engine(engine, python, args, env):
         best = min(runs, key=lambda r: r["p50_us"])
         result["rtt_4k_p50_us"], result["rtt_4k_p99_us"] = best["p50_us"], best["p99_us"]
         result["rtt_4k_p50_median_us"] = round(statistics.median(r["p50_us"] for r in runs), 3)
+    if lowlat_env is not None:
+        # The same round trip with the target's I/O thread busy-polling
+        # (MC_TCP_BUSY_POLL_US): the like-for-like match for a spinning
+        # raw ping-pong.
+        lruns = []
+        for i in range(args.repeats):
+            lat_cmd = common + ["--mode", "latency", "--ops", "write", "--buffer-size", "16M",
+                                "--latency-size", "4K", "--latency-iters", str(args.rtt_iters)]
+            rc, out, err = run(lat_cmd, timeout=args.step_timeout, env=lowlat_env,
+                               logname="%s-latency-lowlat-%d.log" % (engine, i))
+            lat = [r for r in json_lines(out) if r.get("kind") == "latency"]
+            if rc == 0 and lat and lat[0].get("ok"):
+                lruns.append(lat[0])
+        result["rtt_lowlat_runs"] = lruns
+        if lruns:
+            best = min(lruns, key=lambda r: r["p50_us"])
+            result["rtt_4k_lowlat_p50_us"] = best["p50_us"]
+            result["rtt_4k_lowlat_p99_us"] = best["p99_us"]
     result["ok"] = not errors and "write_64k_gbps" in result and "rtt_4k_p50_us" in result
     if errors:
         result["errors"] = errors
@@ -404,11 +425,16 @@ def main(argv=None):
         log("== (c) our engine: skipped (--skip-ours)")
     else:
         log("== (c) our engine (%s)" % args.python)
-        summary["ours"] = ours = bench_engine("ours", args.python, args, None)
-        log("   64K write %s GB/s, read %s GB/s; 4K sync write best p50 %s us (runs: %s)%s" % (
+        summary["ours"] = ours = bench_engine(
+            "ours", args.python, args, None,
+            lowlat_env=dict(os.environ, MC_TCP_BUSY_POLL_US="50"))
+        log("   64K write %s GB/s, read %s GB/s; 4K write %s GB/s, read %s GB/s" % (
             fmt(ours.get("write_64k_gbps")), fmt(ours.get("read_64k_gbps")),
+            fmt(ours.get("write_4k_gbps")), fmt(ours.get("read_4k_gbps"))))
+        log("   4K sync write best p50 %s us (runs: %s); with MC_TCP_BUSY_POLL_US=50: %s us%s" % (
             fmt(ours.get("rtt_4k_p50_us")),
             ", ".join("%.1f" % r["p50_us"] for r in ours.get("rtt_runs", [])),
+            fmt(ours.get("rtt_4k_lowlat_p50_us")),
             "" if ours["ok"] else "  ERROR: " + "; ".join(ours.get("errors", []))[:2000]))
         if not ours["ok"]:
             failures.append("ours")
@@ -427,6 +453,8 @@ def main(argv=None):
         mc["version"] = mver
         mc["env"] = {k: v for k, v in env.items() if k.startswith("MC_")}
         summary["mooncake"] = mc
+        log("   version %s: 4K write %s GB/s, read %s GB/s" % (
+            mver, fmt(mc.get("write_4k_gbps")), fmt(mc.get("read_4k_gbps"))))
         log("   version %s: 64K write %s GB/s, read %s GB/s; 4K sync write best p50 %s us "
             "(runs: %s)%s" % (
             mver, fmt(mc.get("write_64k_gbps")), fmt(mc.get("read_64k_gbps")),
@@ -437,12 +465,18 @@ def main(argv=None):
     ratios = [
         ratio("ours_64k_write_GBps / iperf3_GBps", ours.get("write_64k_gbps"),
               ip.get("gbps"), ">=", 0.9),
-        ratio("ours_4k_p50_us / pingpong_4k_p50_us", ours.get("rtt_4k_p50_us"),
-              pp.get("p50_us"), "<=", 1.3),
+        ratio("ours_4k_p50_us / pingpong_blocking_4k_p50_us", ours.get("rtt_4k_p50_us"),
+              pp.get("blocking", {}).get("p50_us"), "<=", 1.3),
+        ratio("ours_busypoll_4k_p50_us / pingpong_spin_4k_p50_us",
+              ours.get("rtt_4k_lowlat_p50_us"), pp.get("spin", {}).get("p50_us"), "<=", 1.3),
         ratio("ours_64k_write_GBps / mooncake_64k_write_GBps", ours.get("write_64k_gbps"),
               mc.get("write_64k_gbps"), ">=", 2),
         ratio("ours_64k_read_GBps / mooncake_64k_read_GBps", ours.get("read_64k_gbps"),
               mc.get("read_64k_gbps"), ">=", 2),
+        ratio("ours_4k_write_GBps / mooncake_4k_write_GBps", ours.get("write_4k_gbps"),
+              mc.get("write_4k_gbps"), ">=", 2),
+        ratio("ours_4k_read_GBps / mooncake_4k_read_GBps", ours.get("read_4k_gbps"),
+              mc.get("read_4k_gbps"), ">=", 2),
         ratio("mooncake_4k_p50_us / ours_4k_p50_us", mc.get("rtt_4k_p50_us"),
               ours.get("rtt_4k_p50_us"), ">=", 2),
     ]
