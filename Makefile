@@ -23,7 +23,7 @@ CFLAGS_BASE += -O1 -fsanitize=address,undefined -fno-omit-frame-pointer \
 LDFLAGS_SAN := -fsanitize=address,undefined
 endif
 CFLAGS  := $(CFLAGS_BASE) $(EXTRA_CFLAGS)
-LDLIBS  := -lcjson -lcurl -ldl -lpthread -lm
+LDLIBS  := -lcjson -lcurl -lhiredis -lxxhash -ldl -lpthread -lm
 
 CORE_SRC  := $(shell find csrc -name '*.c' -not -path 'csrc/py/*' | sort)
 CORE_OBJ  := $(CORE_SRC:%.c=$(BUILD)/obj/%.o)

@@ -32,7 +32,7 @@ setup(
             "mooncake_connector._core",
             sources=sources,
             include_dirs=["csrc"],
-            libraries=["cjson", "curl", "dl", "pthread"],
+            libraries=["cjson", "curl", "hiredis", "xxhash", "dl", "pthread"],
             extra_compile_args=extra_compile_args,
             extra_link_args=["-pthread"],
         )

@@ -46,7 +46,8 @@ _mc_env_main() {
     # ------------------------------------------------------------ 1. apt
     local pkgs=(build-essential python3 python3-venv python3-dev libcjson-dev
                 libcurl4-openssl-dev libibverbs-dev librdmacm-dev iperf3 iproute2
-                pkg-config)
+                pkg-config libhiredis-dev libxxhash-dev etcd-server etcd-client
+                redis-server)
     local missing=() p
     _mc_step "check Debian packages"
     if command -v dpkg-query >/dev/null 2>&1; then
