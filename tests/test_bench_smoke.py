@@ -1,0 +1,46 @@
+"""The benchmark tools run and verify their data (tiny sizes; numbers are
+not checked here — benchmarks/README.md records them)."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_transfer_bench_smoke():
+    pytest.importorskip("numpy")
+    r = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "transfer_bench.py"), "--engine",
+         "ours", "--mode", "all", "--ops", "write,read", "--block-sizes", "4K,1M",
+         "--batch-sizes", "1,16", "--threads", "1,2", "--buffer-size", "8M",
+         "--total-bytes", "8M", "--latency-iters", "200", "--latency-warmup", "20"],
+        capture_output=True, text=True, timeout=180)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    points = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    measured = [p for p in points if p.get("kind") in ("bandwidth", "latency")]
+    assert measured and all(p.get("ok") for p in measured), [p for p in measured if not p.get("ok")]
+    assert {p.get("kind") for p in points} >= {"bandwidth", "latency"}
+
+
+def test_c_bench_tool_smoke():
+    tool = os.path.join(ROOT, "build", "bench", "mc_bench")
+    if not os.path.exists(tool):
+        pytest.skip("build/bench/mc_bench not built (run `make bench`)")
+    t = subprocess.Popen([tool, "target", "--size", str(16 << 20)], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True)
+    try:
+        _, seg, _, addr = t.stdout.readline().split()
+        r = subprocess.run([tool, "initiator", "--segment", seg, "--addr", addr, "--block",
+                            "65536", "--total", str(16 << 20), "--lat-iters", "100", "--reps",
+                            "1"], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        lines = [json.loads(x) for x in r.stdout.splitlines()]
+        assert lines[0]["GBps"] > 0 and lines[1]["p50_us"] > 0
+    finally:
+        t.stdin.close()
+        t.wait(timeout=10)
+    assert shutil.which("true")
