@@ -47,3 +47,25 @@ def test_public_names():
         assert hasattr(mc, name), name
     assert issubclass(mc.ConfigError, ValueError)
     assert issubclass(mc.TransferTimeout, TimeoutError)
+
+
+def test_type_stubs_match_the_extension():
+    import ast
+    import os
+
+    stub = os.path.join(os.path.dirname(mc.__file__), "_core.pyi")
+    tree = ast.parse(open(stub).read())
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef):
+            assert hasattr(_core, node.name), f"stub class {node.name} not in _core"
+            cls = getattr(_core, node.name)
+            for f in node.body:
+                if isinstance(f, ast.FunctionDef) and not f.name.startswith("__"):
+                    assert hasattr(cls, f.name), f"{node.name}.{f.name} in stub, not in _core"
+        elif isinstance(node, ast.FunctionDef):
+            assert hasattr(_core, node.name), f"stub function {node.name} not in _core"
+    # And the other way round for the engine: every public method is typed.
+    typed = {f.name for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "TransferEngine"
+             for f in n.body if isinstance(f, ast.FunctionDef)}
+    public = {m for m in dir(_core.TransferEngine) if not m.startswith("_")}
+    assert public <= typed, public - typed
