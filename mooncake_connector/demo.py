@@ -40,7 +40,7 @@ def _block_crcs(tensors, block_ids, block_bytes):
 def run_decode(args):
     """The decode side: registers its KV cache, waits, verifies."""
     eng = mc.TransferEngine()
-    eng.initialize(args.hostname, args.metadata, "tcp", "")
+    eng.initialize(args.hostname, args.metadata, args.protocol, args.device_name)
     block_bytes = args.block_kib << 10
     tensors, addrs = _kv_cache(args.layers, args.blocks, block_bytes)
     eng.batch_register_memory(addrs, [args.blocks * block_bytes] * len(addrs))
@@ -54,19 +54,51 @@ def run_decode(args):
     eng.close()
 
 
+class _External:
+    """Stands in for the embedded server when the config names one."""
+
+    def __init__(self, url):
+        self.url = url
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
 def run_prefill(args):
     block_bytes = args.block_kib << 10
-    with MetadataServer(port=0) as meta:
-        print(f"metadata server (embedded): {meta.url}")
+    decode_host = args.hostname
+    if args.config:
+        cfg = mc.load_config(args.config)
+        if cfg.get("notes"):
+            print(f"config note: {cfg['notes']}")
+        args.hostname, decode_host = cfg["prefill_url"], cfg["decode_url"]
+        args.protocol, args.device_name = cfg["protocol"], cfg["device_name"]
+        server = _External(cfg["metadata_server"])
+        print(f"config {cfg['origin']}: prefill {cfg['prefill_url']}, decode {cfg['decode_url']}, "
+              f"metadata {cfg['metadata_server']}, protocol {cfg['protocol']}")
+    else:
+        server = MetadataServer(port=0)
+    with server as meta:
+        if not args.config:
+            print(f"metadata server (embedded): {meta.url}")
         decode = subprocess.Popen(
             [sys.executable, "-m", "mooncake_connector.demo", "--role", "decode",
-             "--metadata", meta.url, "--layers", str(args.layers), "--blocks",
-             str(args.blocks), "--block-kib", str(args.block_kib)],
+             "--metadata", meta.url, "--hostname", decode_host, "--protocol", args.protocol,
+             "--device-name", args.device_name, "--layers", str(args.layers),
+             "--blocks", str(args.blocks), "--block-kib", str(args.block_kib)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         try:
-            info = json.loads(decode.stdout.readline())
+            line = decode.stdout.readline()
+            if not line:
+                decode.wait(timeout=10)
+                print("decode process failed to start (its error is above)", file=sys.stderr)
+                return 1
+            info = json.loads(line)
             eng = mc.TransferEngine()
-            eng.initialize(args.hostname, meta.url, "tcp", "")
+            eng.initialize(args.hostname, meta.url, args.protocol, args.device_name)
             tensors, addrs = _kv_cache(args.layers, args.blocks, block_bytes)
             eng.batch_register_memory(addrs, [args.blocks * block_bytes] * len(addrs))
             print(f"prefill segment {eng.get_segment_name()} -> decode segment "
@@ -127,6 +159,8 @@ def main(argv=None):
     ap.add_argument("--role", choices=["prefill", "decode"], default="prefill")
     ap.add_argument("--hostname", default="127.0.0.1")
     ap.add_argument("--metadata", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--protocol", default="tcp", help=argparse.SUPPRESS)
+    ap.add_argument("--device-name", default="", help=argparse.SUPPRESS)
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--blocks", type=int, default=512, help="blocks per KV tensor")
     ap.add_argument("--block-kib", type=int, default=32, help="bytes per block per tensor")
@@ -134,6 +168,9 @@ def main(argv=None):
                     help="blocks of the prompt to move (default: all)")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--json", action="store_true", help="also print a JSON summary")
+    ap.add_argument("--config", default=None, metavar="PATH",
+                    help="take prefill_url, decode_url and metadata_server from a "
+                         "mooncake.json instead of the embedded default")
     args = ap.parse_args(argv)
     for name in ("layers", "blocks", "block_kib", "repeat"):
         if getattr(args, name) < 1:
@@ -141,9 +178,17 @@ def main(argv=None):
     if args.prompt_blocks > args.blocks:
         ap.error("--prompt-blocks cannot exceed --blocks")
     if args.role == "decode":
-        run_decode(args)
+        try:
+            run_decode(args)
+        except mc.MooncakeError as e:
+            print(f"error (decode side): {e}", file=sys.stderr)
+            return 2
         return 0
-    return run_prefill(args)
+    try:
+        return run_prefill(args)
+    except mc.MooncakeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
