@@ -4,8 +4,15 @@ Protocol (what Mooncake's ``HTTPStoragePlugin`` and our C client send)::
 
     GET    <path>?key=<urlencoded key>   200 + value | 404 when missing
     PUT    <path>?key=<urlencoded key>   body = JSON value; 200
+    PUT    <path>?key=<k>&ttl=<seconds>  same, and the entry expires after ttl
+                                         seconds unless PUT again (liveness)
     DELETE <path>?key=<urlencoded key>   200 | 404 when missing
     GET    /health                       200 "ok"
+
+PUT answers "metadata created" when the key did not exist (or had expired)
+and "metadata updated" otherwise; a client refreshing a TTL uses that to
+notice it re-created an entry the server had lost.  ``request_counts``
+(per HTTP method) lets tests and benchmarks count metadata traffic.
 
 Values live in memory only.  Run it standalone::
 
@@ -81,13 +88,16 @@ class MetadataStore:
             entry = self._live(key)
             return None if entry is None else entry.value
 
-    def put(self, key: str, value: bytes, ttl: Optional[float] = None) -> None:
-        """Stores value; with ttl (seconds) the entry vanishes afterwards."""
+    def put(self, key: str, value: bytes, ttl: Optional[float] = None) -> bool:
+        """Stores value; with ttl (seconds) the entry vanishes afterwards.
+        Returns whether the key was new (absent or expired)."""
         if ttl is not None and ttl <= 0:
             raise ValueError(f"ttl must be positive, got {ttl!r}")
         expires = None if ttl is None else self._clock() + ttl
         with self._lock:
+            created = self._live(key) is None
             self._entries[key] = _Entry(bytes(value), expires)
+            return created
 
     def delete(self, key: str) -> bool:
         """Removes key; returns whether it existed (and had not expired)."""
@@ -124,8 +134,13 @@ def _check_path(path: str) -> str:
     return path
 
 
+#: Largest accepted ``ttl`` query parameter (one day, as the C client).
+MAX_TTL = 86400
+
+
 def build_app(store: MetadataStore, path: str = DEFAULT_PATH,
-              max_value_size: int = DEFAULT_MAX_VALUE_SIZE) -> web.Application:
+              max_value_size: int = DEFAULT_MAX_VALUE_SIZE,
+              request_counts: Optional[Dict[str, int]] = None) -> web.Application:
     """The aiohttp application: the metadata route, /health, and a 404 for
     anything else that says which path is served."""
     _check_path(path)
@@ -136,7 +151,10 @@ def build_app(store: MetadataStore, path: str = DEFAULT_PATH,
     def text(status: int, msg: str, **kw) -> web.Response:
         return web.Response(status=status, text=msg + "\n", **kw)
 
+    counts = request_counts if request_counts is not None else {}
+
     async def metadata(request: web.Request) -> web.StreamResponse:
+        counts[request.method] = counts.get(request.method, 0) + 1
         key = request.query.get("key")
         if not key:
             what = "empty" if key == "" else "missing"
@@ -157,8 +175,18 @@ def build_app(store: MetadataStore, path: str = DEFAULT_PATH,
                 return _too_big(key, None, max_value_size)
             if not body:
                 return text(400, f"empty value for key {key!r}; PUT needs a JSON body")
-            store.put(key, body)
-            return text(200, "metadata updated")
+            ttl = None
+            ttl_s = request.query.get("ttl")
+            if ttl_s is not None:
+                try:
+                    ttl = float(ttl_s)
+                except ValueError:
+                    ttl = -1.0
+                if not 0 < ttl <= MAX_TTL:
+                    return text(400, f"ttl={ttl_s!r} for key {key!r} is not a number of "
+                                     f"seconds in (0, {MAX_TTL}]")
+            created = store.put(key, body, ttl)
+            return text(200, "metadata created" if created else "metadata updated")
         if request.method == "DELETE":
             if store.delete(key):
                 return text(200, "metadata deleted")
@@ -244,6 +272,8 @@ class MetadataServer:
         self._stop_event: Optional[asyncio.Event] = None
         self._ready = threading.Event()
         self._error: Optional[BaseException] = None
+        #: Requests served on the metadata path, per HTTP method.
+        self.request_counts: Dict[str, int] = {}
 
     @property
     def port(self) -> int:
@@ -262,7 +292,8 @@ class MetadataServer:
     def start(self, timeout: float = 10.0) -> "MetadataServer":
         if self._thread is not None:
             raise RuntimeError("MetadataServer already started")
-        app = build_app(self.store, self.path, self.max_value_size)
+        app = build_app(self.store, self.path, self.max_value_size,
+                        self.request_counts)
         self._ready.clear()
         self._error = None
         self._thread = threading.Thread(target=self._run, args=(app,),

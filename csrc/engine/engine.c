@@ -1,7 +1,11 @@
 /* Engine lifecycle, the local segment, segment resolution, notifications. */
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
+
+#include <cjson/cJSON.h>
 
 #include "engine/engine_internal.h"
 #include "transport/tcp/wire.h"
@@ -60,6 +64,41 @@ static void on_notify(void *ctx, const char *from, const void *msg, size_t len) 
   pthread_mutex_unlock(&e->notify_mu);
 }
 
+/* ---- metadata entries and their liveness ---- */
+
+/* Writes our segment descriptor, rpc entry and last-seen record (pub_mu
+ * held).  refresh=0: PUT with the TTL; refresh=1: keep-alive (re-writes what
+ * the server lost).  Returns how many entries had to be re-created, or < 0. */
+static int write_entries(mc_engine_t *e, int refresh, mc_err_t *err) {
+  char key[512];
+  const char *vals[2] = {e->pub_desc, e->pub_rpc};
+  int (*keyfn[2])(const char *, char *, size_t) = {mc_meta_key_segment, mc_meta_key_rpc};
+  int recreated = 0;
+  /* The last-seen record goes first, so it never postdates the refresh of
+   * the entries: "expired N s ago" is then never early. */
+  if (e->meta_ttl_s > 0 && mc_meta_key_last_seen(e->name, key, sizeof key) == 0) {
+    char ls[512];
+    snprintf(ls, sizeof ls, "{\"name\":\"%s\",\"last_seen\":%lld,\"ttl\":%d}", e->name,
+             (long long)time(NULL), e->meta_ttl_s);
+    int rc = mc_meta_put(e->meta, key, ls, strlen(ls), err);
+    if (rc < 0)
+      return rc;
+  }
+  for (int i = 0; i < 2; i++) {
+    if (keyfn[i](e->name, key, sizeof key) < 0)
+      return mc_err_set(err, MC_EINVAL, "segment name %s makes a metadata key too long",
+                        e->name);
+    int rc = refresh ? mc_meta_refresh(e->meta, key, vals[i], strlen(vals[i]), e->meta_ttl_s,
+                                       err)
+                     : mc_meta_put_ttl(e->meta, key, vals[i], strlen(vals[i]), e->meta_ttl_s,
+                                       err);
+    if (rc < 0)
+      return rc;
+    recreated += rc;
+  }
+  return recreated;
+}
+
 static int publish(mc_engine_t *e, mc_err_t *err) {
   if (!e->meta)
     return 0;
@@ -70,18 +109,146 @@ static int publish(mc_engine_t *e, mc_err_t *err) {
   n = mc_regions_snapshot(&e->regions, snap, n);
   char *desc = mc_segment_desc_encode(e->name, "tcp", e->host, e->port, snap, n);
   free(snap);
-  if (!desc)
+  char *rpc = malloc(600);
+  if (!desc || !rpc) {
+    free(desc);
+    free(rpc);
     return mc_err_set(err, MC_ENOMEM, "out of memory encoding the segment descriptor");
+  }
+  snprintf(rpc, 600, "{\"ip_or_host_name\":\"%s\",\"rpc_port\":%d}", e->host, e->port);
+  pthread_mutex_lock(&e->pub_mu);
+  /* Kept even if the PUT fails: the keep-alive then publishes this version. */
+  free(e->pub_desc);
+  free(e->pub_rpc);
+  e->pub_desc = desc;
+  e->pub_rpc = rpc;
+  int rc = write_entries(e, 0, err);
+  pthread_mutex_unlock(&e->pub_mu);
+  return rc < 0 ? rc : 0;
+}
+
+static void *keepalive_main(void *arg) {
+  mc_engine_t *e = arg;
+  long period_ms = e->meta_ttl_s * 1000L / 3;
+  if (period_ms < 100)
+    period_ms = 100;
+  int failing = 0;
+  pthread_mutex_lock(&e->ka_mu);
+  while (!e->ka_stop) {
+    struct timespec dl;
+    clock_gettime(CLOCK_MONOTONIC, &dl);
+    dl.tv_sec += period_ms / 1000;
+    dl.tv_nsec += (period_ms % 1000) * 1000000L;
+    if (dl.tv_nsec >= 1000000000L) {
+      dl.tv_sec++;
+      dl.tv_nsec -= 1000000000L;
+    }
+    while (!e->ka_stop && pthread_cond_timedwait(&e->ka_cv, &e->ka_mu, &dl) != ETIMEDOUT)
+      ;
+    if (e->ka_stop)
+      break;
+    pthread_mutex_unlock(&e->ka_mu);
+    mc_err_t err = {0};
+    pthread_mutex_lock(&e->pub_mu);
+    int rc = write_entries(e, 1, &err);
+    pthread_mutex_unlock(&e->pub_mu);
+    if (rc < 0 && !failing)
+      mc_log_warn("keep-alive of segment %s failed (retrying every %ld ms; transfers to "
+                  "peers already resolved keep working): %s",
+                  e->name, period_ms, err.msg);
+    else if (rc > 0 || (rc == 0 && failing))
+      mc_log_info("segment %s is registered again on metadata server %s", e->name,
+                  e->meta->url);
+    failing = rc < 0;
+    pthread_mutex_lock(&e->ka_mu);
+  }
+  pthread_mutex_unlock(&e->ka_mu);
+  return NULL;
+}
+
+static int keepalive_start(mc_engine_t *e, mc_err_t *err) {
+  pthread_condattr_t ca;
+  pthread_condattr_init(&ca);
+  pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+  pthread_cond_init(&e->ka_cv, &ca);
+  pthread_condattr_destroy(&ca);
+  pthread_mutex_init(&e->ka_mu, NULL);
+  e->ka_stop = 0;
+  int rc = pthread_create(&e->ka_thread, NULL, keepalive_main, e);
+  if (rc) {
+    pthread_cond_destroy(&e->ka_cv);
+    pthread_mutex_destroy(&e->ka_mu);
+    return mc_err_sys(err, MC_ESYS, rc, "cannot start the metadata keep-alive thread");
+  }
+  e->ka_running = 1;
+  return 0;
+}
+
+static void keepalive_stop(mc_engine_t *e) {
+  if (!e->ka_running)
+    return;
+  pthread_mutex_lock(&e->ka_mu);
+  e->ka_stop = 1;
+  pthread_cond_signal(&e->ka_cv);
+  pthread_mutex_unlock(&e->ka_mu);
+  pthread_join(e->ka_thread, NULL);
+  pthread_cond_destroy(&e->ka_cv);
+  pthread_mutex_destroy(&e->ka_mu);
+  e->ka_running = 0;
+}
+
+/* Removes our entries (clean shutdown: no last-seen record is left). */
+static void unpublish(mc_engine_t *e) {
   char key[512];
-  mc_meta_key_segment(e->name, key, sizeof key);
-  int rc = mc_meta_put(e->meta, key, desc, strlen(desc), err);
-  free(desc);
-  if (rc < 0)
-    return rc;
-  char rpc[600];
-  snprintf(rpc, sizeof rpc, "{\"ip_or_host_name\":\"%s\",\"rpc_port\":%d}", e->host, e->port);
-  mc_meta_key_rpc(e->name, key, sizeof key);
-  return mc_meta_put(e->meta, key, rpc, strlen(rpc), err);
+  mc_err_t err;
+  if (mc_meta_key_segment(e->name, key, sizeof key) == 0 &&
+      mc_meta_del(e->meta, key, &err) < 0)
+    mc_log_warn("could not remove segment %s from the metadata server: %s", e->name, err.msg);
+  if (mc_meta_key_rpc(e->name, key, sizeof key) == 0)
+    mc_meta_del(e->meta, key, &err);
+  if (mc_meta_key_last_seen(e->name, key, sizeof key) == 0)
+    mc_meta_del(e->meta, key, &err);
+}
+
+/* The "not registered" error of a lookup, told apart with the last-seen
+ * record: expired N s ago (its engine died), recently refreshed (the server
+ * lost it; re-registration pending), or no record at all. */
+static int not_registered(mc_engine_t *e, const char *segment, mc_err_t *err) {
+  char key[512], *val = NULL;
+  size_t vlen = 0;
+  mc_err_t tmp = {0};
+  double last = -1, ttl = -1;
+  if (mc_meta_key_last_seen(segment, key, sizeof key) == 0 &&
+      mc_meta_get(e->meta, key, &val, &vlen, &tmp) == 0) {
+    cJSON *j = cJSON_ParseWithLength(val, vlen);
+    const cJSON *l = cJSON_GetObjectItemCaseSensitive(j, "last_seen");
+    const cJSON *t = cJSON_GetObjectItemCaseSensitive(j, "ttl");
+    if (cJSON_IsNumber(l) && cJSON_IsNumber(t)) {
+      last = l->valuedouble;
+      ttl = t->valuedouble;
+    }
+    cJSON_Delete(j);
+    free(val);
+  }
+  if (last < 0)
+    return mc_err_set(err, MC_ENOTFOUND,
+                      "segment %s is not registered (never registered, or its engine shut "
+                      "down cleanly) on metadata server %s; is its engine running and using "
+                      "the same metadata_server?",
+                      segment, e->meta->url);
+  long long now = (long long)time(NULL);
+  long long ago = now - (long long)last, expired = now - (long long)(last + ttl);
+  if (expired >= 0)
+    return mc_err_set(err, MC_ENOTFOUND,
+                      "segment %s is not registered (expired %lld s ago: its engine last "
+                      "refreshed it %lld s ago with a TTL of %.0f s, so it died or lost the "
+                      "metadata server) on metadata server %s",
+                      segment, expired, ago, ttl, e->meta->url);
+  return mc_err_set(err, MC_ENOTFOUND,
+                    "segment %s is not registered (last refreshed %lld s ago, TTL %.0f s: "
+                    "the metadata server probably restarted and its engine re-registers "
+                    "within %.0f s) on metadata server %s",
+                    segment, ago, ttl, ttl / 3 + 1, e->meta->url);
 }
 
 int mc_engine_create(const mc_engine_opts_t *o, mc_engine_t **out, mc_err_t *err) {
@@ -111,6 +278,7 @@ int mc_engine_create(const mc_engine_opts_t *o, mc_engine_t **out, mc_err_t *err
   snprintf(e->host, sizeof e->host, "%s", hp.host);
   pthread_mutex_init(&e->seg_mu, NULL);
   pthread_mutex_init(&e->notify_mu, NULL);
+  pthread_mutex_init(&e->pub_mu, NULL);
   if ((rc = mc_regions_init(&e->regions)) < 0) {
     free(e);
     return mc_err_set(err, rc, "out of memory");
@@ -119,6 +287,7 @@ int mc_engine_create(const mc_engine_opts_t *o, mc_engine_t **out, mc_err_t *err
   e->op_entries = (uint32_t)env_int("MC_TCP_OP_ENTRIES", 256, 1, (int)MC_WIRE_MAX_ENTRIES);
   e->timeout_ms = (uint64_t)env_int("MC_TRANSFER_TIMEOUT", 30, 1, 86400) * 1000ull;
   e->spin_ns = (uint64_t)env_int("MC_WAIT_SPIN_US", 50, 0, 100000) * 1000ull;
+  e->meta_ttl_s = env_int("MC_METADATA_TTL", 10, 0, MC_META_TTL_MAX);
 
   e->p2p = !strcmp(o->metadata_server, "P2PHANDSHAKE");
   if (!e->p2p && (rc = mc_meta_open(o->metadata_server, &e->meta, err)) < 0)
@@ -150,6 +319,10 @@ int mc_engine_create(const mc_engine_opts_t *o, mc_engine_t **out, mc_err_t *err
     mc_err_prefix(err, "cannot publish segment %s", e->name);
     goto fail;
   }
+  if (e->meta && e->meta_ttl_s > 0 && (rc = keepalive_start(e, err)) < 0) {
+    unpublish(e);
+    goto fail;
+  }
   mc_log_info("engine %s up (protocol tcp, metadata %s)", e->name, o->metadata_server);
   *out = e;
   return 0;
@@ -161,6 +334,9 @@ fail:
   mc_regions_destroy(&e->regions);
   pthread_mutex_destroy(&e->seg_mu);
   pthread_mutex_destroy(&e->notify_mu);
+  pthread_mutex_destroy(&e->pub_mu);
+  free(e->pub_desc);
+  free(e->pub_rpc);
   free(e);
   return rc;
 }
@@ -168,15 +344,9 @@ fail:
 void mc_engine_destroy(mc_engine_t *e) {
   if (!e)
     return;
-  if (e->meta) {
-    char key[512];
-    mc_err_t err;
-    mc_meta_key_segment(e->name, key, sizeof key);
-    if (mc_meta_del(e->meta, key, &err) < 0)
-      mc_log_warn("could not remove segment %s from the metadata server: %s", e->name, err.msg);
-    mc_meta_key_rpc(e->name, key, sizeof key);
-    mc_meta_del(e->meta, key, &err);
-  }
+  keepalive_stop(e);
+  if (e->meta)
+    unpublish(e);
   mc_tcp_stop(e->tcp);
   if (e->meta)
     mc_meta_close(e->meta);
@@ -191,6 +361,9 @@ void mc_engine_destroy(mc_engine_t *e) {
   free(e->segs);
   pthread_mutex_destroy(&e->seg_mu);
   pthread_mutex_destroy(&e->notify_mu);
+  pthread_mutex_destroy(&e->pub_mu);
+  free(e->pub_desc);
+  free(e->pub_rpc);
   free(e);
 }
 
@@ -288,10 +461,7 @@ int mc_engine_resolve(mc_engine_t *e, const char *segment, mc_segment_desc_t *ou
     mc_meta_key_segment(segment, key, sizeof key);
     int rc = mc_meta_get(e->meta, key, &val, &vlen, err);
     if (rc == MC_ENOTFOUND)
-      return mc_err_set(err, MC_ENOTFOUND,
-                        "segment %s is not registered on metadata server %s (is its engine "
-                        "running and using the same metadata_server?)",
-                        segment, e->meta->url);
+      return not_registered(e, segment, err);
     if (rc < 0)
       return rc;
     rc = mc_segment_desc_decode(val, vlen, segment, &d, err);

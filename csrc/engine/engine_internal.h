@@ -38,6 +38,18 @@ struct mc_engine {
   pthread_mutex_t notify_mu;
   mc_notify_msg_t *notify_head, *notify_tail;
   size_t notify_count;
+
+  /* Metadata liveness (engine.c): our entries carry a TTL that a keep-alive
+   * thread refreshes every TTL/3 s, re-writing them when the server lost
+   * them (restart); see docs/protocol.md "Liveness". */
+  int meta_ttl_s;           /* MC_METADATA_TTL; 0 = entries without TTL */
+  pthread_mutex_t pub_mu;   /* serialises writes of our entries */
+  char *pub_desc, *pub_rpc; /* last published values (pub_mu) */
+  pthread_t ka_thread;
+  int ka_running;
+  pthread_mutex_t ka_mu;
+  pthread_cond_t ka_cv; /* CLOCK_MONOTONIC */
+  int ka_stop;
 };
 
 typedef struct mc_task {

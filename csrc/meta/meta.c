@@ -2,6 +2,7 @@
  * validates arguments once for every backend, and owns the key layout. */
 #include "meta/meta.h"
 
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -13,16 +14,6 @@ static int has_prefix_ci(const char *s, const char *prefix) {
   return strncasecmp(s, prefix, strlen(prefix)) == 0;
 }
 
-/* Backends that a later issue adds; the message tells users what works now. */
-static int unavailable(const char *backend, const char *conn, mc_err_t *err) {
-  return mc_err_set(err, MC_EUNAVAIL,
-                    "metadata backend %s is not available in this build yet "
-                    "(metadata server \"%s\"); use an HTTP metadata server "
-                    "(http://host:port/metadata, e.g. `mooncake-metadata-server`) "
-                    "or P2PHANDSHAKE",
-                    backend, conn);
-}
-
 int mc_meta_open(const char *conn, mc_meta_t **out, mc_err_t *err) {
   if (!out)
     return mc_err_set(err, MC_EINVAL, "mc_meta_open: out is NULL");
@@ -30,18 +21,24 @@ int mc_meta_open(const char *conn, mc_meta_t **out, mc_err_t *err) {
   if (!conn || !*conn)
     return mc_err_set(err, MC_EINVAL,
                       "empty metadata connection string; expected "
-                      "\"http://host:port/metadata\"");
+                      "\"http://host:port/metadata\", \"etcd://host:port\" or "
+                      "\"redis://host:port\"");
   if (strcmp(conn, P2P_CONN) == 0)
     return mc_err_set(err, MC_EINVAL,
                       "metadata server \"P2PHANDSHAKE\" means P2P mode, which "
                       "has no metadata server: peers exchange metadata over "
                       "the handshake socket, so no metadata client is opened");
+  if (strlen(conn) >= sizeof(((mc_meta_t *)0)->url))
+    return mc_err_set(err, MC_EINVAL,
+                      "metadata connection string \"%.64s...\" is longer than "
+                      "%zu characters",
+                      conn, sizeof(((mc_meta_t *)0)->url) - 1);
   if (has_prefix_ci(conn, "http://") || has_prefix_ci(conn, "https://"))
     return mc_meta_http_open(conn, out, err);
   if (has_prefix_ci(conn, "etcd://"))
-    return unavailable("etcd", conn, err);
+    return mc_meta_etcd_open(conn, conn + strlen("etcd://"), out, err);
   if (has_prefix_ci(conn, "redis://"))
-    return unavailable("redis", conn, err);
+    return mc_meta_redis_open(conn, conn + strlen("redis://"), out, err);
   const char *sep = strstr(conn, "://");
   if (sep)
     return mc_err_set(err, MC_EINVAL,
@@ -50,7 +47,42 @@ int mc_meta_open(const char *conn, mc_meta_t **out, mc_err_t *err) {
                       "or P2PHANDSHAKE",
                       conn, (int)(sep - conn), conn);
   /* Mooncake reads a string without a scheme as an etcd endpoint list. */
-  return unavailable("etcd", conn, err);
+  return mc_meta_etcd_open(conn, conn, out, err);
+}
+
+int mc_meta_read_timeouts(long *total_ms, long *connect_ms, mc_err_t *err) {
+  const long dflt = 3000, conn_max = 1500, hi = 600000;
+  const char *s = getenv("MC_METADATA_TIMEOUT_MS");
+  *total_ms = dflt;
+  if (s && *s) {
+    char *end;
+    errno = 0;
+    long v = strtol(s, &end, 10);
+    if (errno || *end || v < 1 || v > hi)
+      return mc_err_set(err, MC_ECONFIG,
+                        "MC_METADATA_TIMEOUT_MS=\"%s\" is not a whole number of "
+                        "milliseconds in 1..%ld",
+                        s, hi);
+    *total_ms = v;
+  }
+  *connect_ms = *total_ms < conn_max ? *total_ms : conn_max;
+  return 0;
+}
+
+void mc_meta_set_url(mc_meta_t *m, const char *conn) {
+  snprintf(m->url, sizeof m->url, "%s", conn);
+  /* Mask a password: "scheme://[user]:secret@host" -> ":***@". */
+  char *scheme = strstr(m->url, "://");
+  if (!scheme)
+    return;
+  char *auth = scheme + 3;
+  char *at = strchr(auth, '@');
+  char *colon = strchr(auth, ':');
+  if (!at || !colon || colon > at)
+    return;
+  char tail[sizeof m->url];
+  snprintf(tail, sizeof tail, "%s", at);
+  snprintf(colon, sizeof m->url - (size_t)(colon - m->url), ":***%s", tail);
 }
 
 static int check_key(mc_meta_t *m, const char *key, const char *op,
@@ -98,6 +130,43 @@ int mc_meta_del(mc_meta_t *m, const char *key, mc_err_t *err) {
   return m->ops->del(m, key, err);
 }
 
+int mc_meta_put_ttl(mc_meta_t *m, const char *key, const char *val, size_t len,
+                    int ttl_s, mc_err_t *err) {
+  if (ttl_s == 0)
+    return mc_meta_put(m, key, val, len, err);
+  int rc = check_key(m, key, "PUT", err);
+  if (rc)
+    return rc;
+  if (ttl_s < 0 || ttl_s > MC_META_TTL_MAX)
+    return mc_err_set(err, MC_EINVAL,
+                      "metadata PUT key \"%s\" on %s: TTL %d s is outside "
+                      "1..%d",
+                      key, m->url, ttl_s, MC_META_TTL_MAX);
+  if (!val && len)
+    return mc_err_set(err, MC_EINVAL,
+                      "metadata PUT key \"%s\": value is NULL but length is %zu",
+                      key, len);
+  return m->ops->put_ttl(m, key, val ? val : "", len, ttl_s, err);
+}
+
+int mc_meta_refresh(mc_meta_t *m, const char *key, const char *val, size_t len,
+                    int ttl_s, mc_err_t *err) {
+  int rc = check_key(m, key, "refresh", err);
+  if (rc)
+    return rc;
+  if (ttl_s < 1 || ttl_s > MC_META_TTL_MAX)
+    return mc_err_set(err, MC_EINVAL,
+                      "metadata refresh of key \"%s\" on %s: TTL %d s is "
+                      "outside 1..%d",
+                      key, m->url, ttl_s, MC_META_TTL_MAX);
+  if (!val && len)
+    return mc_err_set(err, MC_EINVAL,
+                      "metadata refresh key \"%s\": value is NULL but length "
+                      "is %zu",
+                      key, len);
+  return m->ops->refresh(m, key, val ? val : "", len, ttl_s, err);
+}
+
 void mc_meta_close(mc_meta_t *m) {
   if (m)
     m->ops->close(m);
@@ -137,4 +206,8 @@ int mc_meta_key_segment(const char *segment_name, char *buf, size_t len) {
 
 int mc_meta_key_rpc(const char *segment_name, char *buf, size_t len) {
   return build_key("rpc_meta/", segment_name, buf, len);
+}
+
+int mc_meta_key_last_seen(const char *segment_name, char *buf, size_t len) {
+  return build_key("last_seen/", segment_name, buf, len);
 }

@@ -1,6 +1,10 @@
 /* HTTP metadata backend (Mooncake's HTTP metadata protocol) over libcurl:
  *   GET|PUT|DELETE <url>?key=<escaped key>, PUT body = the JSON value,
  *   only HTTP 200 is success (404 = missing key for GET, ignored by DELETE).
+ * TTL extension: PUT <url>?key=<k>&ttl=<seconds>; the embedded server drops
+ * the entry after ttl seconds and answers "metadata created" when the key
+ * did not exist before (so a refresh can tell that it re-created it).  A
+ * server that ignores the parameter keeps the entry until it is deleted.
  *
  * Thread-safety: a CURL easy handle is used by one thread at a time.  Each
  * call takes a handle from a small mutex-protected pool (or makes a new one)
@@ -138,21 +142,23 @@ typedef struct req {
   const char *key;
   const char *val; /* PUT only */
   size_t len;
+  int ttl; /* PUT only: > 0 adds "&ttl=<ttl>" */
 } req_t;
 
-/* Builds "<base>?key=<escaped>" (or "&key=" when base already has a query). */
-static char *build_url(CURL *c, const char *base, const char *key) {
+/* Builds "<base>?key=<escaped>[&ttl=N]" (or "&key=" when base already has a
+ * query). */
+static char *build_url(CURL *c, const char *base, const char *key, int ttl) {
   char *esc = curl_easy_escape(c, key, 0);
   if (!esc)
     return NULL;
   const char *sep = strchr(base, '?') ? "&key=" : "?key=";
-  size_t n = strlen(base) + strlen(sep) + strlen(esc) + 1;
+  char ttlq[32] = "";
+  if (ttl > 0)
+    snprintf(ttlq, sizeof ttlq, "&ttl=%d", ttl);
+  size_t n = strlen(base) + strlen(sep) + strlen(esc) + strlen(ttlq) + 1;
   char *url = malloc(n);
-  if (url) {
-    strcpy(url, base);
-    strcat(url, sep);
-    strcat(url, esc);
-  }
+  if (url)
+    snprintf(url, n, "%s%s%s%s", base, sep, esc, ttlq);
   curl_free(esc);
   return url;
 }
@@ -261,7 +267,7 @@ static int perform(http_meta_t *h, const req_t *r, body_t *b, long *status,
       hdrs = tmp;
     }
   }
-  url = hdrs ? build_url(c, h->base.url, r->key) : NULL;
+  url = hdrs ? build_url(c, h->base.url, r->key, r->ttl) : NULL;
   if (!url) {
     rc = mc_err_set(err, MC_ENOMEM,
                     "out of memory building the request for metadata server "
@@ -322,6 +328,34 @@ static int http_put(mc_meta_t *m, const char *key, const char *val,
   return rc;
 }
 
+static int http_put_ttl(mc_meta_t *m, const char *key, const char *val,
+                        size_t len, int ttl_s, mc_err_t *err) {
+  http_meta_t *h = (http_meta_t *)m;
+  req_t r = {.method = "PUT", .key = key, .val = val, .len = len, .ttl = ttl_s};
+  body_t b;
+  long status;
+  int rc = perform(h, &r, &b, &status, err);
+  if (rc == 0 && status != 200)
+    rc = status_error(h, &r, status, &b, err);
+  /* The embedded server says whether the key existed before. */
+  if (rc == 0 && b.data && strncmp(b.data, "metadata created", 16) == 0)
+    rc = 1;
+  free(b.data);
+  return rc;
+}
+
+/* HTTP has no "extend": the refresh re-sends the value with its TTL. */
+static int http_refresh(mc_meta_t *m, const char *key, const char *val,
+                        size_t len, int ttl_s, mc_err_t *err) {
+  return http_put_ttl(m, key, val, len, ttl_s, err);
+}
+
+static int http_put_ttl0(mc_meta_t *m, const char *key, const char *val,
+                         size_t len, int ttl_s, mc_err_t *err) {
+  int rc = http_put_ttl(m, key, val, len, ttl_s, err);
+  return rc > 0 ? 0 : rc;
+}
+
 static int http_get(mc_meta_t *m, const char *key, char **val, size_t *len,
                     mc_err_t *err) {
   http_meta_t *h = (http_meta_t *)m;
@@ -374,6 +408,8 @@ static const mc_meta_ops_t http_ops = {
     .put = http_put,
     .get = http_get,
     .del = http_del,
+    .put_ttl = http_put_ttl0,
+    .refresh = http_refresh,
     .close = http_close,
 };
 
