@@ -33,5 +33,6 @@ PyObject *mc_py_raise(mc_py_state_t *st, const mc_err_t *err);
 int mc_py_engine_add(PyObject *module, mc_py_state_t *st);
 int mc_py_config_add(PyObject *module, mc_py_state_t *st);
 int mc_py_meta_add(PyObject *module, mc_py_state_t *st);
+int mc_py_lookup_add(PyObject *module, mc_py_state_t *st);
 
 #endif
