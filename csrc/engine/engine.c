@@ -9,6 +9,7 @@
 
 #include "engine/engine_internal.h"
 #include "transport/tcp/wire.h"
+#include "gpu/cuda_driver.h"
 #include "util/dynlib.h"
 #include "util/hostport.h"
 #include "util/log.h"
@@ -27,8 +28,30 @@ static int env_int(const char *name, int dflt, int lo, int hi) {
   return (int)v;
 }
 
+/* A connection to a segment failed to come up or named another segment:
+ * forget the cached address so that the next call resolves it afresh (and,
+ * with a metadata server, learns whether the peer is gone or moved). */
+static void on_peer_failed(void *ctx, const char *segment) {
+  mc_engine_forget_segment(ctx, segment);
+}
+
+void mc_engine_set_notify_handler(mc_engine_t *e, mc_notify_cb cb, void *arg) {
+  pthread_mutex_lock(&e->notify_mu);
+  e->notify_cb = cb;
+  e->notify_arg = arg;
+  pthread_mutex_unlock(&e->notify_mu);
+}
+
 static void on_notify(void *ctx, const char *from, const void *msg, size_t len) {
   mc_engine_t *e = ctx;
+  pthread_mutex_lock(&e->notify_mu);
+  mc_notify_cb cb = e->notify_cb;
+  void *cb_arg = e->notify_arg;
+  pthread_mutex_unlock(&e->notify_mu);
+  if (cb) {
+    cb(cb_arg, from ? from : "", msg, len);
+    return;
+  }
   mc_notify_msg_t *n = calloc(1, sizeof *n);
   if (!n)
     return;
@@ -294,7 +317,10 @@ int mc_engine_create(const mc_engine_opts_t *o, mc_engine_t **out, mc_err_t *err
     goto fail;
 
   mc_tcp_opts_t topts = {
-      .bind_host = getenv("MC_TCP_BIND_ADDRESS"),
+      /* An IPv6 local_hostname listens on "::" (which also takes IPv4). */
+      .bind_host = getenv("MC_TCP_BIND_ADDRESS") ? getenv("MC_TCP_BIND_ADDRESS")
+                   : strchr(hp.host, ':')         ? "::"
+                                                  : NULL,
       .port = hp.port > 0 ? hp.port : 0,
       .io_threads = o->io_threads ? o->io_threads : env_int("MC_TCP_IO_THREADS", 1, 1, 64),
       .conns_per_peer =
@@ -304,7 +330,7 @@ int mc_engine_create(const mc_engine_opts_t *o, mc_engine_t **out, mc_err_t *err
   };
   /* The name must exist before the transport starts: HELLO checks it. */
   mc_tcp_hooks_t hooks = {.ctx = e, .local_name = e->name, .regions = &e->regions,
-                          .on_notify = on_notify};
+                          .on_notify = on_notify, .on_peer_failed = on_peer_failed};
   if (hp.port > 0)
     snprintf(e->name, sizeof e->name, strchr(hp.host, ':') ? "[%s]:%d" : "%s:%d", hp.host,
              hp.port);
@@ -381,23 +407,48 @@ char *mc_engine_describe(mc_engine_t *e) {
   return d;
 }
 
-static int check_location(const char *location, mc_err_t *err) {
-  if (location && !strncmp(location, "cuda", 4) && !mc_dynlib_open(&mc_dynlib_cuda, err))
+/* Checks the claimed location of [addr, addr+len) against where the memory
+ * really is, and resolves "*"/"" to it.  GPU memory is detected through the
+ * CUDA driver when one is installed. */
+static int resolve_location(uint64_t addr, uint64_t len, const char *claim, char *out,
+                            size_t outlen, mc_err_t *err) {
+  int wildcard = !claim || !*claim || !strcmp(claim, "*");
+  int claims_cuda = !wildcard && !strncmp(claim, "cuda", 4);
+  if (claims_cuda && !mc_dynlib_open(&mc_dynlib_cuda, err))
     return err ? err->code : MC_EUNAVAIL;
-  if (location && !strncmp(location, "cuda", 4))
+  int dev = -1;
+  int rc = mc_cuda_locate(addr, len, &dev, err);
+  if (rc < 0)
+    return rc;
+  if (rc == 1) {
+    char want[32];
+    snprintf(want, sizeof want, "cuda:%d", dev);
+    if (!wildcard && strcmp(claim, want) != 0)
+      return mc_err_set(err, MC_EINVAL,
+                        "0x%llx is GPU memory on %s, not \"%s\"; register it with location "
+                        "\"%s\" (or \"*\" to detect it)",
+                        (unsigned long long)addr, want, claim, want);
     return mc_err_set(err, MC_EUNAVAIL,
-                      "location \"%s\": GPU memory registration is not available in this "
-                      "build yet; register host memory (\"cpu\")",
-                      location);
+                      "0x%llx is GPU memory on %s: GPU memory transfers are not available in "
+                      "this build yet; stage it through host memory",
+                      (unsigned long long)addr, want);
+  }
+  if (claims_cuda)
+    return mc_err_set(err, MC_EINVAL,
+                      "0x%llx is host memory, not GPU memory on \"%s\"; register it with "
+                      "location \"cpu\" (or \"*\" to detect it)",
+                      (unsigned long long)addr, claim);
+  snprintf(out, outlen, "%s", wildcard ? "cpu" : claim);
   return 0;
 }
 
 int mc_engine_register(mc_engine_t *e, void *addr, uint64_t len, const char *location,
                        mc_err_t *err) {
-  int rc = check_location(location, err);
+  char loc[MC_LOCATION_MAX];
+  int rc = resolve_location((uint64_t)(uintptr_t)addr, len, location, loc, sizeof loc, err);
   if (rc < 0)
     return rc;
-  rc = mc_regions_add(&e->regions, (uint64_t)(uintptr_t)addr, len, location, err);
+  rc = mc_regions_add(&e->regions, (uint64_t)(uintptr_t)addr, len, loc, err);
   if (rc < 0)
     return rc;
   return publish(e, err);
@@ -405,11 +456,13 @@ int mc_engine_register(mc_engine_t *e, void *addr, uint64_t len, const char *loc
 
 int mc_engine_register_batch(mc_engine_t *e, void *const *addrs, const uint64_t *lens,
                              size_t n, const char *location, mc_err_t *err) {
-  int rc = check_location(location, err);
-  if (rc < 0)
-    return rc;
+  int rc = 0;
   for (size_t i = 0; i < n; i++) {
-    rc = mc_regions_add(&e->regions, (uint64_t)(uintptr_t)addrs[i], lens[i], location, err);
+    char loc[MC_LOCATION_MAX];
+    rc = resolve_location((uint64_t)(uintptr_t)addrs[i], lens[i], location, loc, sizeof loc,
+                          err);
+    if (rc == 0)
+      rc = mc_regions_add(&e->regions, (uint64_t)(uintptr_t)addrs[i], lens[i], loc, err);
     if (rc < 0) {
       mc_err_prefix(err, "buffer %zu of %zu", i, n);
       for (size_t k = 0; k < i; k++) /* all or nothing */

@@ -104,6 +104,11 @@ int mc_engine_notify(mc_engine_t *e, const char *segment, const void *msg, size_
 typedef void (*mc_notify_cb)(void *arg, const char *from, const void *msg, size_t len);
 size_t mc_engine_drain_notifies(mc_engine_t *e, size_t max, mc_notify_cb cb, void *arg);
 
+/* Routes incoming notifications to cb (called on an I/O thread: it must not
+ * block; copy what it needs) instead of the queue drained above.  NULL
+ * restores the queue.  Used by layers built on the engine (lookup buffer). */
+void mc_engine_set_notify_handler(mc_engine_t *e, mc_notify_cb cb, void *arg);
+
 /* The segment descriptor JSON this engine publishes (malloc'ed). */
 char *mc_engine_describe(mc_engine_t *e);
 

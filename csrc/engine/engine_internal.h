@@ -38,6 +38,8 @@ struct mc_engine {
   pthread_mutex_t notify_mu;
   mc_notify_msg_t *notify_head, *notify_tail;
   size_t notify_count;
+  mc_notify_cb notify_cb; /* if set, notifications go here instead of the queue */
+  void *notify_arg;
 
   /* Metadata liveness (engine.c): our entries carry a TTL that a keep-alive
    * thread refreshes every TTL/3 s, re-writing them when the server lost

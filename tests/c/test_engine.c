@@ -215,6 +215,19 @@ static void test_notify(void) {
   CHECK(strcmp(got, want) == 0);
 }
 
+static void test_notify_handler(void) {
+  char got[256] = "";
+  mc_engine_set_notify_handler(B, collect, got);
+  mc_err_t err = {0};
+  CHECK_EQ_INT(mc_engine_notify(A, mc_engine_segment_name(B), "via handler", 11, 2000, &err), 0);
+  mc_engine_set_notify_handler(B, NULL, NULL);
+  char want[256];
+  snprintf(want, sizeof want, "%s|via handler", mc_engine_segment_name(A));
+  CHECK(strcmp(got, want) == 0);
+  char none[256] = "";
+  CHECK_EQ_INT(mc_engine_drain_notifies(B, 10, collect, none), 0); /* not queued */
+}
+
 /* A target that accepts and never answers: the waiter times out, and the
  * destination buffer is never written afterwards. */
 static int silent_fd;
@@ -379,6 +392,7 @@ int main(void) {
   RUN(test_unknown_peer);
   RUN(test_local_segment);
   RUN(test_notify);
+  RUN(test_notify_handler);
   RUN(test_fast_path_and_bulk_concurrently);
   RUN(test_timeout_cancels);
   RUN(test_garbage_connection);

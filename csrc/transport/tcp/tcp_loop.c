@@ -116,6 +116,9 @@ void mc_conn_kill(mc_conn_t *c, int code, const char *fmt, ...) {
     mc_log_info("%s", msg);
   if (c->outgoing)
     peer_remove_conn(c->tcp, c);
+  if (c->outgoing && (code == MC_ECONNECT || code == MC_ENOTFOUND) &&
+      c->tcp->hooks.on_peer_failed)
+    c->tcp->hooks.on_peer_failed(c->tcp->hooks.ctx, c->segment);
   pthread_mutex_lock(&c->mu);
   c->dead_flag = 1;
   mc_xfer_op_t *inbox = c->inbox_head;
@@ -549,6 +552,8 @@ void mc_tcp_submit(mc_tcp_t *t, const char *host, int port, const char *segment,
     have += p->conns[k] != NULL;
   if (!have) {
     pthread_mutex_unlock(&t->peers_mu);
+    if (t->hooks.on_peer_failed)
+      t->hooks.on_peer_failed(t->hooks.ctx, segment);
     for (size_t i = 0; i < nops; i++) {
       mc_op_finalize(ops[i], err.code ? err.code : MC_ECONNECT, err.msg);
       mc_xfer_op_free(ops[i]);
