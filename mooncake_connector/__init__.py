@@ -25,7 +25,7 @@ __all__ = [
     "UnavailableError",
 ]
 
-for _name in ("TransferEngine", "load_config", "parse_config", "MetadataClient", "LookupBuffer", "hash_token_blocks"):
+for _name in ("TransferEngine", "load_config", "parse_config", "MetadataClient", "KVTransfer", "LookupBuffer", "hash_token_blocks"):
     if hasattr(_core, _name):
         globals()[_name] = getattr(_core, _name)
         __all__.append(_name)

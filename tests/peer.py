@@ -37,6 +37,7 @@ def main():
     base = ctypes.addressof(buf)
     eng.register_memory(base, args.size)
     view = memoryview(buf).cast("B")
+    kv = None
 
     def out(obj):
         sys.stdout.write(json.dumps(obj) + "\n")
@@ -74,10 +75,59 @@ def main():
                 out({"ok": True})
             except mc.MooncakeError as e:
                 out({"error": str(e), "type": type(e).__name__})
+        elif cmd == "kv_init":
+            lb = None
+            if req.get("producer", True):
+                lb = mc.LookupBuffer(req.get("capacity", 1 << 30),
+                                     block_size=req.get("block_size", 16),
+                                     mode=req.get("mode", "keep"),
+                                     policy=req.get("policy", "evict"),
+                                     ttl_s=req.get("ttl_s", 0))
+            kv = mc.KVTransfer(eng, lb)
+            out({})
+        elif cmd == "send_kv":
+            bb = req["block_bytes"]
+            try:
+                n = kv.send_kv(req["tokens"], [(base + s_ * bb, bb, s_) for s_ in req["slots"]],
+                               copy=req.get("copy", False))
+                out({"stored": n})
+            except mc.MooncakeError as e:
+                out({"error": str(e), "type": type(e).__name__})
+        elif cmd == "recv_kv":
+            bb = req["block_bytes"]
+            dest = [(base + s_ * bb, req.get("dest_len", bb)) for s_ in req["slots"]]
+            try:
+                out({"matched": kv.recv_kv(req["producer"], req["tokens"], dest,
+                                           timeout=req.get("timeout", 10.0))})
+            except mc.MooncakeError as e:
+                out({"error": str(e), "type": type(e).__name__})
+        elif cmd == "recv_many":
+            import threading
+            bb = req["block_bytes"]
+            results = [None] * len(req["jobs"])
+
+            def one(i, job):
+                dest = [(base + s_ * bb, bb) for s_ in job["slots"]]
+                try:
+                    results[i] = kv.recv_kv(req["producer"], job["tokens"], dest,
+                                            timeout=req.get("timeout", 30.0))
+                except mc.MooncakeError as e:
+                    results[i] = str(e)
+
+            ts = [threading.Thread(target=one, args=(i, j)) for i, j in enumerate(req["jobs"])]
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join()
+            out({"results": results})
+        elif cmd == "kv_stats":
+            out(kv.stats())
         elif cmd == "notifies":
             out({"notifies": [[f, m.decode()] for f, m in eng.get_notifies()]})
         else:
             out({"error": f"unknown command {cmd}"})
+    if kv is not None:
+        kv.close()
     eng.close()
 
 

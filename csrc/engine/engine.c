@@ -36,22 +36,27 @@ static void on_peer_failed(void *ctx, const char *segment) {
 }
 
 void mc_engine_set_notify_handler(mc_engine_t *e, mc_notify_cb cb, void *arg) {
-  pthread_mutex_lock(&e->notify_mu);
+  /* The write lock waits for a handler call in flight to return, so the
+   * old handler's state may be freed once this returns. */
+  pthread_rwlock_wrlock(&e->handler_lock);
   e->notify_cb = cb;
   e->notify_arg = arg;
-  pthread_mutex_unlock(&e->notify_mu);
+  pthread_rwlock_unlock(&e->handler_lock);
 }
 
 static void on_notify(void *ctx, const char *from, const void *msg, size_t len) {
   mc_engine_t *e = ctx;
-  pthread_mutex_lock(&e->notify_mu);
-  mc_notify_cb cb = e->notify_cb;
-  void *cb_arg = e->notify_arg;
-  pthread_mutex_unlock(&e->notify_mu);
-  if (cb) {
-    cb(cb_arg, from ? from : "", msg, len);
+  pthread_rwlock_rdlock(&e->handler_lock);
+  if (e->notify_cb) {
+    e->notify_cb(e->notify_arg, from ? from : "", msg, len);
+    pthread_rwlock_unlock(&e->handler_lock);
     return;
   }
+  pthread_rwlock_unlock(&e->handler_lock);
+  mc_engine_queue_notify(e, from, msg, len);
+}
+
+void mc_engine_queue_notify(mc_engine_t *e, const char *from, const void *msg, size_t len) {
   mc_notify_msg_t *n = calloc(1, sizeof *n);
   if (!n)
     return;
@@ -301,6 +306,7 @@ int mc_engine_create(const mc_engine_opts_t *o, mc_engine_t **out, mc_err_t *err
   snprintf(e->host, sizeof e->host, "%s", hp.host);
   pthread_mutex_init(&e->seg_mu, NULL);
   pthread_mutex_init(&e->notify_mu, NULL);
+  pthread_rwlock_init(&e->handler_lock, NULL);
   pthread_mutex_init(&e->pub_mu, NULL);
   if ((rc = mc_regions_init(&e->regions)) < 0) {
     free(e);
@@ -360,6 +366,7 @@ fail:
   mc_regions_destroy(&e->regions);
   pthread_mutex_destroy(&e->seg_mu);
   pthread_mutex_destroy(&e->notify_mu);
+  pthread_rwlock_destroy(&e->handler_lock);
   pthread_mutex_destroy(&e->pub_mu);
   free(e->pub_desc);
   free(e->pub_rpc);
@@ -387,6 +394,7 @@ void mc_engine_destroy(mc_engine_t *e) {
   free(e->segs);
   pthread_mutex_destroy(&e->seg_mu);
   pthread_mutex_destroy(&e->notify_mu);
+  pthread_rwlock_destroy(&e->handler_lock);
   pthread_mutex_destroy(&e->pub_mu);
   free(e->pub_desc);
   free(e->pub_rpc);

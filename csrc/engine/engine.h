@@ -108,6 +108,9 @@ size_t mc_engine_drain_notifies(mc_engine_t *e, size_t max, mc_notify_cb cb, voi
  * block; copy what it needs) instead of the queue drained above.  NULL
  * restores the queue.  Used by layers built on the engine (lookup buffer). */
 void mc_engine_set_notify_handler(mc_engine_t *e, mc_notify_cb cb, void *arg);
+/* Puts a notification on the queue drained by mc_engine_drain_notifies (for
+ * handlers that pass on messages they do not own). */
+void mc_engine_queue_notify(mc_engine_t *e, const char *from, const void *msg, size_t len);
 
 /* The segment descriptor JSON this engine publishes (malloc'ed). */
 char *mc_engine_describe(mc_engine_t *e);

@@ -38,6 +38,7 @@ struct mc_engine {
   pthread_mutex_t notify_mu;
   mc_notify_msg_t *notify_head, *notify_tail;
   size_t notify_count;
+  pthread_rwlock_t handler_lock; /* guards notify_cb/arg against a call in flight */
   mc_notify_cb notify_cb; /* if set, notifications go here instead of the queue */
   void *notify_arg;
 

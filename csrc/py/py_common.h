@@ -7,6 +7,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include "lookup/lookup_buffer.h"
 #include "util/errors.h"
 
 typedef struct mc_py_state {
@@ -21,6 +22,20 @@ typedef struct mc_py_state {
 
 extern PyModuleDef mc_py_moduledef;
 
+/* Token ids borrowed or converted from a Python object (py_tokens.c). */
+typedef struct mc_py_tokens {
+  Py_buffer view; /* held when has_view */
+  int has_view;
+  int64_t *owned; /* converted from a sequence */
+  const void *ptr;
+  size_t n;
+  int width; /* 4 or 8 */
+} mc_py_tokens_t;
+int mc_py_tokens_get(PyObject *o, mc_py_tokens_t *t);
+void mc_py_tokens_put(mc_py_tokens_t *t);
+/* (addr, length[, tag]) -> extent; TypeError naming what[i] otherwise. */
+int mc_py_get_extent(PyObject *o, mc_lookup_extent_t *x, const char *what, Py_ssize_t i);
+
 mc_py_state_t *mc_py_state_from_module(PyObject *module);
 mc_py_state_t *mc_py_state_from_type(PyTypeObject *type);
 
@@ -28,11 +43,20 @@ mc_py_state_t *mc_py_state_from_type(PyTypeObject *type);
  * The exception gets attributes .code (int) and .code_name (str). */
 PyObject *mc_py_raise(mc_py_state_t *st, const mc_err_t *err);
 
+/* The engine behind a TransferEngine object, for other bindings: checks the
+ * type and that it is initialized, and blocks close() until unborrowed. */
+struct mc_engine;
+struct mc_engine *mc_py_engine_borrow(PyObject *o);
+void mc_py_engine_unborrow(PyObject *o);
+/* The lookup buffer behind a LookupBuffer object (TypeError otherwise). */
+mc_lookup_t *mc_py_lookup_ptr(PyObject *o);
+
 /* Registration hooks, one per binding file; each returns 0 or -1 with an
  * exception set. Called from the module's exec slot. */
 int mc_py_engine_add(PyObject *module, mc_py_state_t *st);
 int mc_py_config_add(PyObject *module, mc_py_state_t *st);
 int mc_py_meta_add(PyObject *module, mc_py_state_t *st);
+int mc_py_kv_add(PyObject *module, mc_py_state_t *st);
 int mc_py_lookup_add(PyObject *module, mc_py_state_t *st);
 
 #endif

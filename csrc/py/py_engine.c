@@ -16,6 +16,7 @@ typedef struct {
   PyObject *batches;     /* dict: batch id -> capsule(mc_batch_t*) */
   PyObject *managed;     /* dict: addr -> length, buffers from allocate_managed_buffer */
   long long next_batch;
+  int users; /* KVTransfer objects bound to this engine (GIL-protected) */
 } EngineObject;
 
 #define ST(self) mc_py_state_from_type(Py_TYPE(self))
@@ -200,11 +201,42 @@ static PyObject *Engine_initialize(EngineObject *self, PyObject *args, PyObject 
   return PyLong_FromLong(0);
 }
 
+static int refuse_if_used(EngineObject *self) {
+  if (self->users > 0) {
+    mc_err_t err;
+    mc_err_set(&err, MC_EBUSY,
+               "TransferEngine is used by %d KVTransfer object(s); close them first", self->users);
+    mc_py_raise(ST(self), &err);
+    return -1;
+  }
+  return 0;
+}
+
 static PyObject *Engine_close(EngineObject *self, PyObject *unused) {
   (void)unused;
+  if (refuse_if_used(self) < 0)
+    return NULL;
   close_engine(self);
   Py_RETURN_NONE;
 }
+
+mc_engine_t *mc_py_engine_borrow(PyObject *o) {
+  PyObject *m = PyType_GetModuleByDef(Py_TYPE(o), &mc_py_moduledef);
+  mc_py_state_t *st = m ? PyModule_GetState(m) : NULL;
+  if (!st || !PyObject_TypeCheck(o, st->EngineType)) {
+    PyErr_Clear();
+    PyErr_Format(PyExc_TypeError, "expected a mooncake_connector.TransferEngine, not %.80s",
+                 Py_TYPE(o)->tp_name);
+    return NULL;
+  }
+  EngineObject *self = (EngineObject *)o;
+  if (!ready(self))
+    return NULL;
+  self->users++;
+  return self->eng;
+}
+
+void mc_py_engine_unborrow(PyObject *o) { ((EngineObject *)o)->users--; }
 
 static PyObject *Engine_enter(EngineObject *self, PyObject *unused) {
   (void)unused;
@@ -213,6 +245,8 @@ static PyObject *Engine_enter(EngineObject *self, PyObject *unused) {
 
 static PyObject *Engine_exit(EngineObject *self, PyObject *args) {
   (void)args;
+  if (refuse_if_used(self) < 0)
+    return NULL;
   close_engine(self);
   Py_RETURN_FALSE;
 }

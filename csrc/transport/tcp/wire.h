@@ -34,7 +34,7 @@
 #define MC_WIRE_HDR_SIZE 32
 #define MC_WIRE_ENT_SIZE 16
 #define MC_WIRE_MAX_ENTRIES 4096u
-#define MC_WIRE_MAX_CTRL (1u << 20)      /* HELLO / NOTIFY / error text */
+#define MC_WIRE_MAX_CTRL (16u << 20)     /* HELLO / NOTIFY / error text */
 #define MC_WIRE_MAX_PAYLOAD (1ull << 40) /* sanity cap on one message */
 
 typedef enum {

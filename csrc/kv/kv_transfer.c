@@ -1,0 +1,440 @@
+/* send_kv / recv_kv over engine notifications; see kv_transfer.h.
+ *
+ * Request (consumer -> producer), little-endian:
+ *   u32 magic "KVRQ", u8 version 1, u8 token width (4|8), u16 extents per
+ *   block, u64 request id, u32 timeout ms, u32 reserved, u32 ntok, u32 ndest,
+ *   token ids, then ndest x {u64 addr, u64 len}.
+ * Answer (producer -> consumer):
+ *   u32 magic "KVRP", u8 version 1, 3 x u8 0, u64 request id, i32 status,
+ *   u32 matched tokens, then (status < 0) UTF-8 error text.
+ */
+#include "kv/kv_transfer.h"
+
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "transport/tcp/wire.h" /* mc_put_* / mc_get_* */
+#include "util/clock.h"
+#include "util/log.h"
+
+#define KV_REQ_MAGIC 0x5152564Bu /* "KVRQ" */
+#define KV_REP_MAGIC 0x5052564Bu /* "KVRP" */
+#define KV_VERSION 1
+#define KV_REQ_HDR 36
+#define KV_REP_HDR 24
+
+typedef struct kv_job {
+  struct kv_job *next;
+  char *from;
+  uint8_t *msg;
+  size_t len;
+  uint64_t received_ns;
+} kv_job_t;
+
+typedef struct kv_waiter {
+  struct kv_waiter *next;
+  uint64_t id;
+  char producer[320];
+  int done;
+  int status;
+  uint32_t matched;
+  char msg[MC_ERR_MSG_MAX];
+} kv_waiter_t;
+
+struct mc_kv {
+  mc_engine_t *e;
+  mc_lookup_t *lb;
+  pthread_mutex_t mu;
+  pthread_cond_t job_cv;  /* workers wait for jobs */
+  pthread_cond_t wait_cv; /* recv_kv callers wait for answers */
+  kv_job_t *jobs_head, *jobs_tail;
+  size_t njobs;
+  kv_waiter_t *waiters;
+  uint64_t next_id;
+  int stopping;
+  pthread_t *threads;
+  int nthreads;
+  mc_kv_stats_t stats;
+};
+
+/* ---- answers ---- */
+
+static void send_answer(mc_kv_t *kv, const char *to, uint64_t id, int status, uint32_t matched,
+                        const char *text) {
+  size_t tl = status < 0 && text ? strlen(text) : 0;
+  uint8_t *buf = malloc(KV_REP_HDR + tl);
+  if (!buf)
+    return;
+  memset(buf, 0, KV_REP_HDR);
+  mc_put_u32(buf, KV_REP_MAGIC);
+  buf[4] = KV_VERSION;
+  mc_put_u64(buf + 8, id);
+  mc_put_u32(buf + 16, (uint32_t)status);
+  mc_put_u32(buf + 20, matched);
+  memcpy(buf + KV_REP_HDR, text, tl);
+  mc_err_t err = {0};
+  if (mc_engine_notify(kv->e, to, buf, KV_REP_HDR + tl, 10000, &err) < 0)
+    mc_log_warn("recv_kv answer to %s (request %llu) not delivered: %s", to,
+                (unsigned long long)id, err.msg);
+  free(buf);
+}
+
+static void on_answer(mc_kv_t *kv, const char *from, const uint8_t *m, size_t len) {
+  if (len < KV_REP_HDR || m[4] != KV_VERSION) {
+    mc_log_warn("malformed recv_kv answer from %s dropped", from);
+    return;
+  }
+  uint64_t id = mc_get_u64(m + 8);
+  pthread_mutex_lock(&kv->mu);
+  for (kv_waiter_t *w = kv->waiters; w; w = w->next) {
+    if (w->id == id && !w->done && !strcmp(w->producer, from)) {
+      w->done = 1;
+      w->status = (int32_t)mc_get_u32(m + 16);
+      w->matched = mc_get_u32(m + 20);
+      size_t tl = len - KV_REP_HDR;
+      if (tl >= sizeof w->msg)
+        tl = sizeof w->msg - 1;
+      memcpy(w->msg, m + KV_REP_HDR, tl);
+      w->msg[tl] = '\0';
+      pthread_cond_broadcast(&kv->wait_cv);
+      break;
+    }
+  }
+  pthread_mutex_unlock(&kv->mu);
+}
+
+/* ---- the notification handler (I/O thread: never blocks) ---- */
+
+static void on_message(void *arg, const char *from, const void *msg, size_t len) {
+  mc_kv_t *kv = arg;
+  const uint8_t *m = msg;
+  uint32_t magic = len >= 4 ? mc_get_u32(m) : 0;
+  if (magic == KV_REP_MAGIC) {
+    on_answer(kv, from, m, len);
+    return;
+  }
+  if (magic != KV_REQ_MAGIC) {
+    mc_engine_queue_notify(kv->e, from, msg, len); /* someone else's */
+    return;
+  }
+  kv_job_t *j = calloc(1, sizeof *j);
+  if (j) {
+    j->from = strdup(from);
+    j->msg = malloc(len ? len : 1);
+    j->len = len;
+    j->received_ns = mc_now_ns();
+  }
+  if (!j || !j->from || !j->msg) {
+    if (j) {
+      free(j->from);
+      free(j->msg);
+      free(j);
+    }
+    mc_log_error("out of memory queueing a recv_kv request from %s", from);
+    return;
+  }
+  memcpy(j->msg, msg, len);
+  pthread_mutex_lock(&kv->mu);
+  if (kv->jobs_tail)
+    kv->jobs_tail->next = j;
+  else
+    kv->jobs_head = j;
+  kv->jobs_tail = j;
+  kv->njobs++;
+  pthread_cond_signal(&kv->job_cv);
+  pthread_mutex_unlock(&kv->mu);
+}
+
+/* ---- serving one request (worker thread) ---- */
+
+/* Returns matched tokens (>= 0) or a negative code with err set. */
+static long serve(mc_kv_t *kv, kv_job_t *j, uint64_t *bytes, mc_err_t *err) {
+  const uint8_t *m = j->msg;
+  if (j->len < KV_REQ_HDR || m[4] != KV_VERSION)
+    return mc_err_set(err, MC_EPROTO, "malformed recv_kv request (version %u, %zu bytes)",
+                      j->len >= 5 ? m[4] : 0, j->len);
+  int width = m[5];
+  uint32_t epb = mc_get_u16(m + 6);
+  uint32_t timeout_ms = mc_get_u32(m + 16);
+  uint64_t ntok = mc_get_u32(m + 24), ndest = mc_get_u32(m + 28);
+  if ((width != 4 && width != 8) || epb == 0 ||
+      j->len != KV_REQ_HDR + ntok * (uint64_t)width + ndest * 16)
+    return mc_err_set(err, MC_EPROTO, "malformed recv_kv request (width %d, %llu tokens, "
+                      "%llu extents, %zu bytes)", width, (unsigned long long)ntok,
+                      (unsigned long long)ndest, j->len);
+  if (!kv->lb)
+    return mc_err_set(err, MC_EINVAL, "segment %s holds no KV (it is not a producer: no lookup "
+                      "buffer)", mc_engine_segment_name(kv->e));
+  if (epb != mc_lookup_extents_per_block(kv->lb))
+    return mc_err_set(err, MC_EINVAL, "the consumer sent %u extents per block; producer %s "
+                      "stores %u", epb, mc_engine_segment_name(kv->e),
+                      mc_lookup_extents_per_block(kv->lb));
+  uint64_t now = mc_now_ns();
+  if (timeout_ms && now - j->received_ns > (uint64_t)timeout_ms * 1000000ull)
+    return mc_err_set(err, MC_ETIMEDOUT, "request waited %llu ms in the producer's queue, past "
+                      "its %u ms timeout; not served", (unsigned long long)((now - j->received_ns) /
+                      1000000ull), timeout_ms);
+  const uint8_t *tokens = m + KV_REQ_HDR;
+  const uint8_t *dest = tokens + ntok * (uint64_t)width;
+  mc_lookup_match_t *match = NULL;
+  long matched = mc_lookup_find(kv->lb, tokens, (size_t)ntok, width, &match, err);
+  if (matched <= 0)
+    return matched;
+  size_t nb = mc_lookup_match_blocks(match);
+  uint32_t bs = mc_lookup_hasher(kv->lb)->block_size;
+  if (nb * epb > ndest) { /* the consumer has room for fewer blocks */
+    nb = ndest / epb;
+    matched = (long)(nb * bs);
+  }
+  long rc = matched;
+  size_t nreq = nb * epb;
+  mc_request_t *reqs = calloc(nreq ? nreq : 1, sizeof *reqs);
+  if (!reqs) {
+    mc_lookup_release(kv->lb, match);
+    return mc_err_set(err, MC_ENOMEM, "out of memory");
+  }
+  for (size_t b = 0; b < nb && rc >= 0; b++) {
+    const mc_lookup_extent_t *src = mc_lookup_match_kv(match, b);
+    for (uint32_t k = 0; k < epb; k++) {
+      size_t i = b * epb + k;
+      uint64_t daddr = mc_get_u64(dest + 16 * i), dlen = mc_get_u64(dest + 16 * i + 8);
+      if (dlen != src[k].len) {
+        rc = mc_err_set(err, MC_EINVAL, "destination extent %zu is %llu bytes but the "
+                        "producer's KV block extent is %llu bytes", i,
+                        (unsigned long long)dlen, (unsigned long long)src[k].len);
+        break;
+      }
+      reqs[i] = (mc_request_t){.opcode = MC_OP_WRITE, .local = (void *)(uintptr_t)src[k].addr,
+                               .remote = daddr, .len = dlen};
+      *bytes += dlen;
+    }
+  }
+  if (rc >= 0 && nreq) {
+    mc_batch_t *batch = mc_batch_new(kv->e, nreq);
+    int64_t left = timeout_ms ? (int64_t)timeout_ms - (int64_t)((mc_now_ns() - j->received_ns) /
+                                                              1000000ull)
+                              : -1;
+    if (!batch) {
+      rc = mc_err_set(err, MC_ENOMEM, "out of memory");
+    } else {
+      int r = mc_batch_submit(kv->e, batch, j->from, reqs, nreq, err);
+      if (r == 0)
+        r = mc_batch_wait(kv->e, batch, left > 0 ? left : (timeout_ms ? 1 : -1), err);
+      if (r < 0)
+        rc = r;
+      mc_batch_free(kv->e, batch);
+    }
+  }
+  free(reqs);
+  mc_lookup_release(kv->lb, match);
+  return rc;
+}
+
+static void *worker_main(void *arg) {
+  mc_kv_t *kv = arg;
+  pthread_mutex_lock(&kv->mu);
+  for (;;) {
+    while (!kv->stopping && !kv->jobs_head)
+      pthread_cond_wait(&kv->job_cv, &kv->mu);
+    if (kv->stopping)
+      break;
+    kv_job_t *j = kv->jobs_head;
+    kv->jobs_head = j->next;
+    if (!kv->jobs_head)
+      kv->jobs_tail = NULL;
+    kv->njobs--;
+    pthread_mutex_unlock(&kv->mu);
+
+    mc_err_t err = {0};
+    uint64_t bytes = 0;
+    long rc = serve(kv, j, &bytes, &err);
+    uint64_t id = j->len >= 16 ? mc_get_u64(j->msg + 8) : 0;
+    pthread_mutex_lock(&kv->mu); /* counted before the asker can see the answer */
+    if (rc < 0) {
+      kv->stats.serve_errors++;
+    } else {
+      kv->stats.requests_served++;
+      kv->stats.tokens_served += (uint64_t)rc;
+      kv->stats.bytes_served += bytes;
+    }
+    pthread_mutex_unlock(&kv->mu);
+    send_answer(kv, j->from, id, rc < 0 ? (int)rc : 0, rc < 0 ? 0 : (uint32_t)rc, err.msg);
+
+    pthread_mutex_lock(&kv->mu);
+    free(j->from);
+    free(j->msg);
+    free(j);
+  }
+  pthread_mutex_unlock(&kv->mu);
+  return NULL;
+}
+
+/* ---- lifecycle ---- */
+
+int mc_kv_create(mc_engine_t *e, mc_lookup_t *lb, int workers, mc_kv_t **out, mc_err_t *err) {
+  if (!e)
+    return mc_err_set(err, MC_EINVAL, "send_kv/recv_kv need an initialized engine");
+  if (workers <= 0) {
+    const char *s = getenv("MC_KV_WORKERS");
+    workers = s && atoi(s) > 0 ? atoi(s) : 2;
+  }
+  if (workers > 64)
+    workers = 64;
+  mc_kv_t *kv = calloc(1, sizeof *kv);
+  if (!kv || !(kv->threads = calloc((size_t)workers, sizeof *kv->threads))) {
+    free(kv);
+    return mc_err_set(err, MC_ENOMEM, "out of memory");
+  }
+  kv->e = e;
+  kv->lb = lb;
+  pthread_mutex_init(&kv->mu, NULL);
+  pthread_cond_init(&kv->job_cv, NULL);
+  pthread_condattr_t ca;
+  pthread_condattr_init(&ca);
+  pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+  pthread_cond_init(&kv->wait_cv, &ca);
+  pthread_condattr_destroy(&ca);
+  if (!lb)
+    workers = 1; /* only to tell askers that this engine holds no KV */
+  for (int i = 0; i < workers; i++) {
+    if (pthread_create(&kv->threads[i], NULL, worker_main, kv)) {
+      mc_kv_destroy(kv);
+      return mc_err_set(err, MC_ESYS, "cannot start send_kv worker threads");
+    }
+    kv->nthreads++;
+  }
+  mc_engine_set_notify_handler(e, on_message, kv);
+  *out = kv;
+  return 0;
+}
+
+void mc_kv_destroy(mc_kv_t *kv) {
+  if (!kv)
+    return;
+  mc_engine_set_notify_handler(kv->e, NULL, NULL); /* waits for a call in flight */
+  pthread_mutex_lock(&kv->mu);
+  kv->stopping = 1;
+  pthread_cond_broadcast(&kv->job_cv);
+  pthread_cond_broadcast(&kv->wait_cv);
+  pthread_mutex_unlock(&kv->mu);
+  for (int i = 0; i < kv->nthreads; i++)
+    pthread_join(kv->threads[i], NULL);
+  /* recv_kv callers leave on `stopping`; wait until none is left. */
+  pthread_mutex_lock(&kv->mu);
+  while (kv->waiters)
+    pthread_cond_wait(&kv->wait_cv, &kv->mu);
+  pthread_mutex_unlock(&kv->mu);
+  while (kv->jobs_head) {
+    kv_job_t *j = kv->jobs_head;
+    kv->jobs_head = j->next;
+    free(j->from);
+    free(j->msg);
+    free(j);
+  }
+  pthread_cond_destroy(&kv->job_cv);
+  pthread_cond_destroy(&kv->wait_cv);
+  pthread_mutex_destroy(&kv->mu);
+  free(kv->threads);
+  free(kv);
+}
+
+void mc_kv_get_stats(mc_kv_t *kv, mc_kv_stats_t *out) {
+  pthread_mutex_lock(&kv->mu);
+  *out = kv->stats;
+  pthread_mutex_unlock(&kv->mu);
+}
+
+/* ---- recv_kv (consumer) ---- */
+
+long mc_kv_recv(mc_kv_t *kv, const char *producer, const void *tokens, size_t ntok, int width,
+                const mc_lookup_extent_t *dest, size_t ndest, uint32_t epb, int timeout_ms,
+                mc_err_t *err) {
+  if (!producer || !*producer)
+    return mc_err_set(err, MC_EINVAL, "recv_kv: the producer segment name is empty");
+  if (width != 4 && width != 8)
+    return mc_err_set(err, MC_EINVAL, "recv_kv: token ids must be 4 or 8 bytes wide");
+  if (epb == 0 || epb > 0xffff)
+    return mc_err_set(err, MC_EINVAL, "recv_kv: extents per block must be 1..65535");
+  if (ntok > 0xffffffffu || ndest > 0xffffffffu)
+    return mc_err_set(err, MC_EINVAL, "recv_kv: too many tokens or extents");
+  if (timeout_ms <= 0)
+    timeout_ms = 30000;
+  size_t len = KV_REQ_HDR + ntok * (size_t)width + ndest * 16;
+  if (len > MC_WIRE_MAX_CTRL)
+    return mc_err_set(err, MC_ETOOBIG, "recv_kv request of %zu bytes (%zu tokens, %zu extents) "
+                      "exceeds %u bytes; split the prompt", len, ntok, ndest, MC_WIRE_MAX_CTRL);
+  uint8_t *buf = malloc(len);
+  kv_waiter_t *w = calloc(1, sizeof *w);
+  if (!buf || !w) {
+    free(buf);
+    free(w);
+    return mc_err_set(err, MC_ENOMEM, "out of memory");
+  }
+  memset(buf, 0, KV_REQ_HDR);
+  mc_put_u32(buf, KV_REQ_MAGIC);
+  buf[4] = KV_VERSION;
+  buf[5] = (uint8_t)width;
+  mc_put_u16(buf + 6, (uint16_t)epb);
+  mc_put_u32(buf + 16, (uint32_t)timeout_ms);
+  mc_put_u32(buf + 24, (uint32_t)ntok);
+  mc_put_u32(buf + 28, (uint32_t)ndest);
+  memcpy(buf + KV_REQ_HDR, tokens, ntok * (size_t)width);
+  uint8_t *d = buf + KV_REQ_HDR + ntok * (size_t)width;
+  for (size_t i = 0; i < ndest; i++) {
+    mc_put_u64(d + 16 * i, dest[i].addr);
+    mc_put_u64(d + 16 * i + 8, dest[i].len);
+  }
+  snprintf(w->producer, sizeof w->producer, "%s", producer);
+  pthread_mutex_lock(&kv->mu);
+  if (kv->stopping) {
+    pthread_mutex_unlock(&kv->mu);
+    free(buf);
+    free(w);
+    return mc_err_set(err, MC_ECLOSED, "recv_kv: shutting down");
+  }
+  w->id = ++kv->next_id;
+  w->next = kv->waiters;
+  kv->waiters = w;
+  kv->stats.recvs++;
+  pthread_mutex_unlock(&kv->mu);
+  mc_put_u64(buf + 8, w->id);
+
+  uint64_t deadline = mc_now_ns() + (uint64_t)timeout_ms * 1000000ull;
+  long rc = mc_engine_notify(kv->e, producer, buf, len, timeout_ms, err);
+  free(buf);
+  pthread_mutex_lock(&kv->mu);
+  while (rc == 0 && !w->done && !kv->stopping) {
+    struct timespec ts = mc_deadline_ts(deadline);
+    if (pthread_cond_timedwait(&kv->wait_cv, &kv->mu, &ts) != 0 && mc_now_ns() >= deadline)
+      break;
+  }
+  if (rc == 0) {
+    if (w->done && w->status < 0)
+      rc = mc_err_set(err, w->status, "recv_kv from %s: %s", producer, w->msg);
+    else if (w->done)
+      rc = w->matched;
+    else if (kv->stopping)
+      rc = mc_err_set(err, MC_ECLOSED, "recv_kv from %s: shutting down", producer);
+    else
+      rc = mc_err_set(err, MC_ETIMEDOUT, "recv_kv from %s: no answer within %d ms (producer "
+                      "busy, stuck or gone)", producer, timeout_ms);
+  }
+  for (kv_waiter_t **pp = &kv->waiters; *pp; pp = &(*pp)->next) {
+    if (*pp == w) {
+      *pp = w->next;
+      break;
+    }
+  }
+  if (rc < 0)
+    kv->stats.recv_errors++;
+  else if (rc > 0) {
+    kv->stats.recv_hits++;
+    kv->stats.recv_tokens += (uint64_t)rc;
+  }
+  pthread_cond_broadcast(&kv->wait_cv); /* destroy may be waiting for us */
+  pthread_mutex_unlock(&kv->mu);
+  free(w);
+  return rc;
+}

@@ -1,0 +1,53 @@
+/* send_kv / recv_kv: KV cache moved by token prefix between engines.
+ *
+ * A producer keeps KV extents in a lookup buffer (lookup/lookup_buffer.h),
+ * keyed by token-block hashes.  A consumer asks a producer for the longest
+ * prefix of its tokens that the producer holds, naming where each block must
+ * land in the consumer's registered memory; the producer WRITEs the matching
+ * blocks straight there (push) and then answers with the number of matched
+ * tokens.  Requests and answers travel as engine notifications; the data
+ * goes through the engine's transports like any other transfer.
+ *
+ * Threads: the engine's I/O threads only queue incoming requests and hand
+ * answers to waiters; `workers` producer threads do the lookups and writes.
+ * Every call is thread-safe; recv_kv blocks (the bindings release the GIL).
+ */
+#ifndef MC_KV_KV_TRANSFER_H
+#define MC_KV_KV_TRANSFER_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "engine/engine.h"
+#include "lookup/lookup_buffer.h"
+#include "util/errors.h"
+
+typedef struct mc_kv mc_kv_t;
+
+/* Binds to an engine (becomes its notification handler; other messages are
+ * still queued for mc_engine_drain_notifies).  `lb` may be NULL for a pure
+ * consumer; with it, this engine also serves recv_kv requests from peers.
+ * workers: producer threads (0 = MC_KV_WORKERS or 2). */
+int mc_kv_create(mc_engine_t *e, mc_lookup_t *lb, int workers, mc_kv_t **out, mc_err_t *err);
+/* Stops the workers, fails waiting recv_kv calls, unbinds from the engine. */
+void mc_kv_destroy(mc_kv_t *kv);
+
+/* Asks `producer` for the longest block-aligned prefix of tokens[0..ntok)
+ * (width 4 or 8 bytes per id).  dest holds, block-major, `epb` extents for
+ * each full block of the query (epb = the producer's extents_per_block);
+ * they must lie in memory this engine registered, and each must be exactly
+ * as long as the producer's block extent.  Returns the number of matched
+ * tokens (0 on a miss) once the bytes have landed, or a negative code:
+ * MC_ETIMEDOUT (no answer within timeout_ms), MC_ECONNECT/MC_EPEERCLOSED
+ * (producer unreachable), MC_EINVAL (bad arguments or extents), ... */
+long mc_kv_recv(mc_kv_t *kv, const char *producer, const void *tokens, size_t ntok, int width,
+                const mc_lookup_extent_t *dest, size_t ndest, uint32_t epb, int timeout_ms,
+                mc_err_t *err);
+
+typedef struct mc_kv_stats {
+  uint64_t requests_served, tokens_served, bytes_served, serve_errors;
+  uint64_t recvs, recv_hits, recv_tokens, recv_errors;
+} mc_kv_stats_t;
+void mc_kv_get_stats(mc_kv_t *kv, mc_kv_stats_t *out);
+
+#endif

@@ -1,0 +1,244 @@
+/* mooncake_connector.KVTransfer: send_kv / recv_kv (csrc/kv/) for Python.
+ *
+ *   kv = KVTransfer(engine, lookup_buffer=None, workers=0)
+ *   kv.send_kv(tokens, extents, hidden=None, copy=False, timeout=0.0) -> int
+ *   kv.recv_kv(producer, tokens, dest, timeout=30.0) -> matched tokens
+ *
+ * send_kv stores KV extents in this engine's lookup buffer (the producer
+ * side); recv_kv asks a producer segment for the longest matching prefix and
+ * returns once the bytes have landed in `dest` (memory registered with this
+ * engine).  The GIL is released while waiting. */
+#include <string.h>
+
+#include "kv/kv_transfer.h"
+#include "py/py_common.h"
+
+typedef struct {
+  PyObject_HEAD
+  mc_kv_t *kv;
+  PyObject *engine; /* TransferEngine, borrowed for our lifetime */
+  PyObject *lookup; /* LookupBuffer or NULL */
+  mc_lookup_t *lb;
+} KVObject;
+
+#define ST(self) mc_py_state_from_type(Py_TYPE(self))
+
+static void kv_close(KVObject *self) {
+  if (self->kv) {
+    mc_kv_t *kv = self->kv;
+    self->kv = NULL;
+    Py_BEGIN_ALLOW_THREADS
+    mc_kv_destroy(kv);
+    Py_END_ALLOW_THREADS
+  }
+  if (self->engine) {
+    mc_py_engine_unborrow(self->engine);
+    Py_CLEAR(self->engine);
+  }
+  Py_CLEAR(self->lookup);
+}
+
+static PyObject *KV_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
+  static char *kwlist[] = {"engine", "lookup_buffer", "workers", NULL};
+  PyObject *eng_obj, *lb_obj = Py_None;
+  int workers = 0;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "O|Oi:KVTransfer", kwlist, &eng_obj, &lb_obj,
+                                   &workers))
+    return NULL;
+  mc_lookup_t *lb = NULL;
+  if (lb_obj != Py_None && !(lb = mc_py_lookup_ptr(lb_obj)))
+    return NULL;
+  mc_engine_t *eng = mc_py_engine_borrow(eng_obj);
+  if (!eng)
+    return NULL;
+  KVObject *self = (KVObject *)type->tp_alloc(type, 0);
+  if (!self) {
+    mc_py_engine_unborrow(eng_obj);
+    return NULL;
+  }
+  self->engine = Py_NewRef(eng_obj);
+  self->lookup = lb_obj == Py_None ? NULL : Py_NewRef(lb_obj);
+  self->lb = lb;
+  mc_err_t err = {0};
+  int rc;
+  mc_kv_t *kv = NULL;
+  Py_BEGIN_ALLOW_THREADS
+  rc = mc_kv_create(eng, lb, workers, &kv, &err);
+  Py_END_ALLOW_THREADS
+  if (rc < 0) {
+    mc_py_raise(mc_py_state_from_type(type), &err);
+    Py_DECREF(self);
+    return NULL;
+  }
+  self->kv = kv;
+  return (PyObject *)self;
+}
+
+static void KV_dealloc(KVObject *self) {
+  PyTypeObject *tp = Py_TYPE(self);
+  PyObject_GC_UnTrack(self);
+  kv_close(self);
+  tp->tp_free((PyObject *)self);
+  Py_DECREF(tp);
+}
+
+static int KV_traverse(KVObject *self, visitproc visit, void *arg) {
+  Py_VISIT(Py_TYPE(self));
+  Py_VISIT(self->engine);
+  Py_VISIT(self->lookup);
+  return 0;
+}
+
+static int live(KVObject *self) {
+  if (!self->kv) {
+    mc_err_t err;
+    mc_err_set(&err, MC_ECLOSED, "KVTransfer is closed");
+    mc_py_raise(ST(self), &err);
+    return 0;
+  }
+  return 1;
+}
+
+static PyObject *KV_recv_kv(KVObject *self, PyObject *args, PyObject *kw) {
+  static char *kwlist[] = {"producer", "tokens", "dest", "timeout", "extents_per_block", NULL};
+  const char *producer;
+  PyObject *tok_obj, *dest_obj;
+  double timeout = 30.0;
+  unsigned int epb = 1;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "sOO|dI:recv_kv", kwlist, &producer, &tok_obj,
+                                   &dest_obj, &timeout, &epb))
+    return NULL;
+  if (!live(self))
+    return NULL;
+  if (timeout <= 0 || timeout > 86400)
+    return PyErr_Format(PyExc_ValueError, "timeout must be in (0, 86400] seconds");
+  PyObject *fast = PySequence_Fast(dest_obj, "dest must be a list of (addr, length) tuples");
+  if (!fast)
+    return NULL;
+  Py_ssize_t nd = PySequence_Fast_GET_SIZE(fast);
+  mc_lookup_extent_t *dest = PyMem_RawMalloc((size_t)(nd ? nd : 1) * sizeof *dest);
+  if (!dest) {
+    Py_DECREF(fast);
+    return PyErr_NoMemory();
+  }
+  for (Py_ssize_t i = 0; i < nd; i++) {
+    if (mc_py_get_extent(PySequence_Fast_GET_ITEM(fast, i), &dest[i], "dest", i) < 0) {
+      PyMem_RawFree(dest);
+      Py_DECREF(fast);
+      return NULL;
+    }
+  }
+  Py_DECREF(fast);
+  mc_py_tokens_t t;
+  if (mc_py_tokens_get(tok_obj, &t) < 0) {
+    PyMem_RawFree(dest);
+    return NULL;
+  }
+  char prod[512];
+  snprintf(prod, sizeof prod, "%s", producer);
+  mc_err_t err = {0};
+  long rc;
+  mc_kv_t *kv = self->kv;
+  Py_BEGIN_ALLOW_THREADS
+  rc = mc_kv_recv(kv, prod, t.ptr, t.n, t.width, dest, (size_t)nd, epb,
+                  (int)(timeout * 1000.0), &err);
+  Py_END_ALLOW_THREADS
+  mc_py_tokens_put(&t);
+  PyMem_RawFree(dest);
+  if (rc < 0)
+    return mc_py_raise(ST(self), &err);
+  return PyLong_FromLong(rc);
+}
+
+static PyObject *KV_send_kv(KVObject *self, PyObject *args, PyObject *kw) {
+  if (!live(self))
+    return NULL;
+  if (!self->lookup) {
+    mc_err_t err;
+    mc_err_set(&err, MC_EINVAL, "send_kv needs a lookup_buffer: KVTransfer(engine, "
+               "LookupBuffer(...))");
+    return mc_py_raise(ST(self), &err);
+  }
+  PyObject *insert = PyObject_GetAttrString(self->lookup, "insert");
+  if (!insert)
+    return NULL;
+  PyObject *r = PyObject_Call(insert, args, kw);
+  Py_DECREF(insert);
+  return r;
+}
+
+static PyObject *KV_stats(KVObject *self, PyObject *unused) {
+  (void)unused;
+  if (!live(self))
+    return NULL;
+  mc_kv_stats_t s;
+  mc_kv_get_stats(self->kv, &s);
+  return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K}", "requests_served",
+                       (unsigned long long)s.requests_served, "tokens_served",
+                       (unsigned long long)s.tokens_served, "bytes_served",
+                       (unsigned long long)s.bytes_served, "serve_errors",
+                       (unsigned long long)s.serve_errors, "recvs", (unsigned long long)s.recvs,
+                       "recv_hits", (unsigned long long)s.recv_hits, "recv_tokens",
+                       (unsigned long long)s.recv_tokens, "recv_errors",
+                       (unsigned long long)s.recv_errors);
+}
+
+static PyObject *KV_close(KVObject *self, PyObject *unused) {
+  (void)unused;
+  kv_close(self);
+  Py_RETURN_NONE;
+}
+
+static PyObject *KV_enter(KVObject *self, PyObject *unused) {
+  (void)unused;
+  return Py_NewRef(self);
+}
+
+static PyObject *KV_exit(KVObject *self, PyObject *args) {
+  (void)args;
+  kv_close(self);
+  Py_RETURN_FALSE;
+}
+
+static PyMethodDef KV_methods[] = {
+    {"recv_kv", (PyCFunction)(void (*)(void))KV_recv_kv, METH_VARARGS | METH_KEYWORDS,
+     "recv_kv(producer, tokens, dest, timeout=30.0, extents_per_block=1) -> matched tokens\n\n"
+     "Asks the producer segment for the longest block-aligned prefix of tokens it holds;\n"
+     "it writes the matching blocks into dest (block-major (addr, length) extents in memory\n"
+     "registered with this engine). Returns once the bytes have landed (0 on a miss)."},
+    {"send_kv", (PyCFunction)(void (*)(void))KV_send_kv, METH_VARARGS | METH_KEYWORDS,
+     "send_kv(tokens, extents, hidden=None, copy=False, timeout=0.0) -> stored tokens\n\n"
+     "Stores the KV of tokens in this producer's lookup buffer (LookupBuffer.insert)."},
+    {"stats", (PyCFunction)KV_stats, METH_NOARGS, "stats() -> dict of counters"},
+    {"close", (PyCFunction)KV_close, METH_NOARGS,
+     "Stops serving, fails waiting recv_kv calls, releases the engine."},
+    {"__enter__", (PyCFunction)KV_enter, METH_NOARGS, NULL},
+    {"__exit__", (PyCFunction)KV_exit, METH_VARARGS, NULL},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyType_Slot KV_slots[] = {
+    {Py_tp_new, KV_new},
+    {Py_tp_dealloc, KV_dealloc},
+    {Py_tp_traverse, KV_traverse},
+    {Py_tp_methods, KV_methods},
+    {Py_tp_doc, "KVTransfer(engine, lookup_buffer=None, workers=0): send_kv / recv_kv."},
+    {0, NULL},
+};
+
+static PyType_Spec KV_spec = {
+    .name = "mooncake_connector.KVTransfer",
+    .basicsize = sizeof(KVObject),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_IMMUTABLETYPE,
+    .slots = KV_slots,
+};
+
+int mc_py_kv_add(PyObject *module, mc_py_state_t *st) {
+  (void)st;
+  PyObject *t = PyType_FromModuleAndSpec(module, &KV_spec, NULL);
+  if (!t)
+    return -1;
+  int rc = PyModule_AddObjectRef(module, "KVTransfer", t);
+  Py_DECREF(t);
+  return rc;
+}

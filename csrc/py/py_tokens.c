@@ -1,0 +1,90 @@
+/* Token ids and (addr, length[, tag]) extents from Python objects, shared by
+ * the lookup-buffer and send_kv/recv_kv bindings.  Token ids come from any
+ * C-contiguous buffer of 4- or 8-byte integers (array.array, numpy, a
+ * memoryview of a CPU tensor) or a sequence of ints; torch is never
+ * imported. */
+#include <stdint.h>
+#include <string.h>
+
+#include "py/py_common.h"
+
+
+static int int_format(const char *f, Py_ssize_t itemsize) {
+  if (!f)
+    return 0; /* unsigned bytes */
+  if (*f == '@' || *f == '=' || *f == '<')
+    f++;
+  if (f[0] == 0 || f[1] != 0)
+    return 0;
+  return strchr("iIlLqQnN", f[0]) != NULL && (itemsize == 4 || itemsize == 8);
+}
+
+int mc_py_tokens_get(PyObject *o, mc_py_tokens_t *t) {
+  memset(t, 0, sizeof *t);
+  if (PyObject_CheckBuffer(o) && !PyBytes_Check(o) && !PyByteArray_Check(o)) {
+    if (PyObject_GetBuffer(o, &t->view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
+      return -1;
+    t->has_view = 1;
+    if (!int_format(t->view.format, t->view.itemsize)) {
+      PyErr_Format(PyExc_TypeError,
+                   "tokens must hold 4- or 8-byte integers (format 'i', 'l' or 'q'), not "
+                   "format '%s' of %zd-byte items",
+                   t->view.format ? t->view.format : "B", t->view.itemsize);
+      PyBuffer_Release(&t->view);
+      t->has_view = 0;
+      return -1;
+    }
+    t->ptr = t->view.buf;
+    t->width = (int)t->view.itemsize;
+    t->n = (size_t)(t->view.len / t->view.itemsize);
+    return 0;
+  }
+  PyObject *fast = PySequence_Fast(o, "tokens must be a buffer of int32/int64 or a list of ints");
+  if (!fast)
+    return -1;
+  Py_ssize_t k = PySequence_Fast_GET_SIZE(fast);
+  t->owned = PyMem_RawMalloc((size_t)(k ? k : 1) * sizeof(int64_t));
+  if (!t->owned) {
+    Py_DECREF(fast);
+    PyErr_NoMemory();
+    return -1;
+  }
+  PyObject **items = PySequence_Fast_ITEMS(fast);
+  for (Py_ssize_t i = 0; i < k; i++) {
+    long long v = PyLong_AsLongLong(items[i]);
+    if (v == -1 && PyErr_Occurred()) {
+      PyMem_RawFree(t->owned);
+      t->owned = NULL;
+      Py_DECREF(fast);
+      PyErr_Format(PyExc_TypeError, "tokens[%zd] must be an int", i);
+      return -1;
+    }
+    t->owned[i] = v;
+  }
+  Py_DECREF(fast);
+  t->ptr = t->owned;
+  t->n = (size_t)k;
+  t->width = 8;
+  return 0;
+}
+
+void mc_py_tokens_put(mc_py_tokens_t *t) {
+  if (t->has_view)
+    PyBuffer_Release(&t->view);
+  PyMem_RawFree(t->owned);
+  memset(t, 0, sizeof *t);
+}
+
+/* (addr, length[, tag]) -> extent */
+int mc_py_get_extent(PyObject *o, mc_lookup_extent_t *x, const char *what, Py_ssize_t i) {
+  unsigned long long a, l, g = 0;
+  if (!PyTuple_Check(o) || !PyArg_ParseTuple(o, "KK|K", &a, &l, &g)) {
+    PyErr_Clear();
+    PyErr_Format(PyExc_TypeError, "%s[%zd] must be a tuple (addr, length[, tag]) of ints", what,
+                 i);
+    return -1;
+  }
+  *x = (mc_lookup_extent_t){.addr = a, .len = l, .tag = g};
+  return 0;
+}
+

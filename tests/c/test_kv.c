@@ -1,0 +1,86 @@
+/* send_kv / recv_kv between two engines in one process (runs under ASan). */
+#include <stdint.h>
+
+#include "engine/engine.h"
+#include "kv/kv_transfer.h"
+#include "lookup/lookup_buffer.h"
+#include "testlib.h"
+
+#define BB 4096
+static mc_engine_t *P, *C;
+static mc_lookup_t *LB;
+static mc_kv_t *KP, *KC;
+static uint8_t *pbuf, *cbuf;
+
+static mc_engine_t *mk(void) {
+  mc_engine_opts_t o = {.local_hostname = "127.0.0.1", .metadata_server = "P2PHANDSHAKE"};
+  mc_err_t err = {0};
+  mc_engine_t *e = NULL;
+  if (mc_engine_create(&o, &e, &err) < 0)
+    fprintf(stderr, "%s\n", err.msg);
+  return e;
+}
+
+static void test_push_longest_prefix(void) {
+  int32_t t[80];
+  for (int i = 0; i < 80; i++)
+    t[i] = 1000 + i * 7;
+  for (size_t i = 0; i < 5 * BB; i++)
+    pbuf[i] = (uint8_t)(i * 13 + 1);
+  mc_lookup_extent_t src[5], dst[5];
+  for (int i = 0; i < 5; i++) {
+    src[i] = (mc_lookup_extent_t){.addr = (uint64_t)(uintptr_t)(pbuf + i * BB), .len = BB};
+    dst[i] = (mc_lookup_extent_t){.addr = (uint64_t)(uintptr_t)(cbuf + (9 - i) * BB), .len = BB};
+  }
+  mc_err_t err = {0};
+  CHECK_EQ_INT(mc_lookup_insert(LB, t, 64, 4, src, NULL, 0, 0, NULL, &err), 4);
+  long n = mc_kv_recv(KC, mc_engine_segment_name(P), t, 80, 4, dst, 5, 1, 5000, &err);
+  CHECK_EQ_INT(n, 64);
+  for (int i = 0; i < 4; i++)
+    CHECK(memcmp(pbuf + i * BB, cbuf + (9 - i) * BB, BB) == 0);
+  t[20] = 3; /* changes block 1: only block 0 matches */
+  CHECK_EQ_INT(mc_kv_recv(KC, mc_engine_segment_name(P), t, 64, 4, dst, 4, 1, 5000, &err), 16);
+  mc_kv_stats_t s;
+  mc_kv_get_stats(KP, &s);
+  CHECK_EQ_INT(s.requests_served, 2);
+  CHECK_EQ_INT(s.bytes_served, 5 * BB);
+}
+
+static void test_errors(void) {
+  int64_t t[32] = {0};
+  mc_lookup_extent_t dst[2] = {{.addr = (uint64_t)(uintptr_t)cbuf, .len = BB},
+                               {.addr = (uint64_t)(uintptr_t)cbuf + BB, .len = BB}};
+  mc_err_t err = {0};
+  /* Asking the consumer, which holds no KV. */
+  long n = mc_kv_recv(KP, mc_engine_segment_name(C), t, 32, 8, dst, 2, 1, 5000, &err);
+  CHECK_EQ_INT(n, MC_EINVAL);
+  CHECK_CONTAINS(err.msg, "not a producer");
+  CHECK_EQ_INT(mc_kv_recv(KC, "", t, 32, 8, dst, 2, 1, 100, &err), MC_EINVAL);
+  CHECK_EQ_INT(mc_kv_recv(KC, mc_engine_segment_name(P), t, 32, 3, dst, 2, 1, 100, &err),
+               MC_EINVAL);
+}
+
+int main(void) {
+  pbuf = calloc(16, BB);
+  cbuf = calloc(16, BB);
+  P = mk();
+  C = mk();
+  mc_err_t err = {0};
+  mc_lookup_opts_t lo = {.capacity_bytes = 64 * BB};
+  if (!P || !C || mc_lookup_create(&lo, &LB, &err) < 0 ||
+      mc_engine_register(C, cbuf, 16 * BB, "cpu", &err) < 0 ||
+      mc_kv_create(P, LB, 2, &KP, &err) < 0 || mc_kv_create(C, NULL, 0, &KC, &err) < 0) {
+    fprintf(stderr, "setup: %s\n", err.msg);
+    return 1;
+  }
+  RUN(test_push_longest_prefix);
+  RUN(test_errors);
+  mc_kv_destroy(KC);
+  mc_kv_destroy(KP);
+  mc_lookup_destroy(LB);
+  mc_engine_destroy(C);
+  mc_engine_destroy(P);
+  free(pbuf);
+  free(cbuf);
+  TEST_MAIN_END();
+}
