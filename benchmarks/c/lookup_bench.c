@@ -34,13 +34,26 @@ int main(int argc, char **argv) {
   int reps = quick ? 20 : 500;
   for (int w = 4; w <= 8; w += 4) {
     const void *src = w == 4 ? (const void *)t32 : (const void *)t64;
-    uint64_t t0 = mc_now_ns();
-    for (int r = 0; r < reps; r++)
+    /* Warm up, then five timed trials: best and median (VM noise). */
+    for (int r = 0; r < reps / 5 + 1; r++)
       mc_token_hash_blocks(&hs, src, ntok, w, h, nb, NULL, NULL);
-    double s = (double)(mc_now_ns() - t0) / 1e9;
+    double gbps[5];
+    for (int trial = 0; trial < 5; trial++) {
+      uint64_t t0 = mc_now_ns();
+      for (int r = 0; r < reps; r++)
+        mc_token_hash_blocks(&hs, src, ntok, w, h, nb, NULL, NULL);
+      double s = (double)(mc_now_ns() - t0) / 1e9;
+      gbps[trial] = (double)ntok * w * reps / s / 1e9;
+    }
+    for (int i = 1; i < 5; i++) /* insertion sort of 5 */
+      for (int k = i; k > 0 && gbps[k] < gbps[k - 1]; k--) {
+        double tmp = gbps[k];
+        gbps[k] = gbps[k - 1];
+        gbps[k - 1] = tmp;
+      }
     printf("{\"bench\":\"hash\",\"token_bytes\":%d,\"tokens\":%zu,\"GBps\":%.2f,"
-           "\"Mtokens_per_s\":%.1f}\n",
-           w, ntok, (double)ntok * w * reps / s / 1e9, (double)ntok * reps / s / 1e6);
+           "\"GBps_median\":%.2f,\"Mtokens_per_s\":%.1f}\n",
+           w, ntok, gbps[4], gbps[2], gbps[4] * 1e3 / w);
   }
 
   /* 2. 128k-token lookup latency (full hit, and a miss at block 0) */

@@ -25,12 +25,17 @@ void mc_block_hash_canonical(mc_block_hash_t h, unsigned char out[16]) {
   memcpy(out, c.digest, 16);
 }
 
-static inline void put_be64(unsigned char *p, uint64_t v) {
-  for (int i = 7; i >= 0; i--) {
-    p[i] = (unsigned char)v;
-    v >>= 8;
-  }
+/* XXH3's mixing primitive: the 128-bit product of a and b, halves xored. */
+static inline uint64_t fold64(uint64_t a, uint64_t b) {
+  __uint128_t p = (__uint128_t)a * b;
+  return (uint64_t)p ^ (uint64_t)(p >> 64);
 }
+
+/* Odd constants for the chain mix (the 64-bit primes of xxHash). */
+#define K1 0x9E3779B185EBCA87ull
+#define K2 0xC2B2AE3D27D4EB4Full
+#define K3 0x165667B19E3779F9ull
+#define K4 0x27D4EB2F165667C5ull
 
 static inline void put_le32(unsigned char *p, uint32_t v) {
 #if __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
@@ -58,11 +63,11 @@ long mc_token_hash_blocks(const mc_token_hasher_t *h, const void *tokens, size_t
   if (n && !tokens)
     return mc_err_set(err, MC_EINVAL, "tokens is NULL");
   const uint64_t mask = h->weak_bits && h->weak_bits < 64 ? (1ull << h->weak_bits) - 1 : 0;
-  unsigned char buf[16 + 4 * MC_LOOKUP_MAX_BLOCK]; /* C(H_{i-1}) || le32 ids */
-  memset(buf, 0, 16);
+  unsigned char buf[16 + 4 * MC_LOOKUP_MAX_BLOCK]; /* le32 ids at buf + 16 */
+  uint64_t prev_lo = 0, prev_hi = 0;
   const size_t len = 16 + 4 * bs;
   for (size_t b = 0; b < n; b++) {
-    unsigned char *tp = buf + 16;
+    const unsigned char *tp = buf + 16;
     if (width == 4) {
       const int32_t *t = (const int32_t *)tokens + b * bs;
       int32_t any = 0;
@@ -74,8 +79,12 @@ long mc_token_hash_blocks(const mc_token_hasher_t *h, const void *tokens, size_t
             return mc_err_set(err, MC_EINVAL, "token id %d at index %zu is negative",
                               (int)t[i], b * bs + i);
       }
+#if __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+      tp = (unsigned char *)t; /* already le32 and validated: hash in place */
+#else
       for (size_t i = 0; i < bs; i++)
-        put_le32(tp + 4 * i, (uint32_t)t[i]);
+        put_le32(buf + 16 + 4 * i, (uint32_t)t[i]);
+#endif
     } else {
       const int64_t *t = (const int64_t *)tokens + b * bs;
       uint64_t any = 0;
@@ -89,19 +98,19 @@ long mc_token_hash_blocks(const mc_token_hasher_t *h, const void *tokens, size_t
                               (long long)t[i], b * bs + i);
       }
       for (size_t i = 0; i < bs; i++)
-        put_le32(tp + 4 * i, (uint32_t)t[i]);
+        put_le32(buf + 16 + 4 * i, (uint32_t)t[i]);
     }
     if (canon)
       memcpy(canon + b * bs, tp, 4 * bs);
-    XXH128_hash_t x = XXH3_128bits_withSeed(buf, len, h->seed);
+    XXH128_hash_t g = XXH3_128bits_withSeed(tp, len - 16, h->seed);
+    uint64_t lo = fold64(prev_lo ^ g.high64 ^ K1, prev_hi ^ g.low64 ^ K2);
+    uint64_t hi = fold64(prev_hi + g.low64 + K3, prev_lo + g.high64 + K4);
     if (mask) {
-      x.low64 &= mask;
-      x.high64 = 0;
+      lo &= mask;
+      hi = 0;
     }
-    out[b].lo = x.low64;
-    out[b].hi = x.high64;
-    put_be64(buf, x.high64);
-    put_be64(buf + 8, x.low64);
+    out[b].lo = prev_lo = lo;
+    out[b].hi = prev_hi = hi;
   }
   return (long)n;
 }

@@ -1,15 +1,22 @@
 /* Chained 128-bit hashes over fixed-size blocks of token ids.
  *
  * Block i of a token sequence (tokens [i*B, (i+1)*B), B = block_size) hashes
- * to
+ * in two steps:
  *
- *     H_i = XXH3_128bits_withSeed(C(H_{i-1}) || le32(t_{iB}) .. le32(t_{iB+B-1}), seed)
+ *     G_i = XXH3_128bits_withSeed(le32(t_{iB}) .. le32(t_{iB+B-1}), seed)
+ *     H_i = mix(H_{i-1}, G_i),   H_{-1} = (0, 0)
  *
- * where C() is xxhash's canonical (big-endian, 16-byte) form of a hash and
- * C(H_{-1}) is 16 zero bytes.  So H_i covers the whole prefix up to the end of
- * block i, and two sides that agree on (block_size, seed) compute the same
- * chain from the same token ids whatever integer width they hold them in.
- * Token ids must lie in [0, 2^32); a trailing partial block is not hashed.
+ * with mix(P, G) = (fold(P.lo ^ G.hi ^ K1, P.hi ^ G.lo ^ K2),
+ *                   fold(P.hi + G.lo + K3, P.lo + G.hi + K4))
+ * where fold(a, b) xors the two halves of the 128-bit product a*b (XXH3's
+ * own mixing step) and K1..K4 are fixed odd constants (token_hash.c).  G_i
+ * does not depend on the chain, so consecutive blocks hash in parallel in
+ * the CPU pipeline; only the cheap mix is sequential.  H_i covers the whole
+ * prefix up to the end of block i, and two sides that agree on (block_size,
+ * seed) compute the same chain from the same token ids whatever integer
+ * width they hold them in.  Token ids must lie in [0, 2^32); a trailing
+ * partial block is not hashed.  Matches are always verified against the
+ * stored token ids, so a collision can never return another prompt's KV.
  *
  * Test hook: weak_bits (1..63) keeps only that many low bits of every hash
  * (the chain then continues from the weakened value), so tests can force
