@@ -88,7 +88,11 @@ def main():
         elif cmd == "send_kv":
             bb = req["block_bytes"]
             try:
+                hid = req.get("hidden_slots")
+                hb = req.get("hidden_bytes", 0)
                 n = kv.send_kv(req["tokens"], [(base + s_ * bb, bb, s_) for s_ in req["slots"]],
+                               hidden=None if hid is None else
+                               [(base + s_ * bb, hb) for s_ in hid],
                                copy=req.get("copy", False))
                 out({"stored": n})
             except mc.MooncakeError as e:
@@ -97,8 +101,12 @@ def main():
             bb = req["block_bytes"]
             dest = [(base + s_ * bb, req.get("dest_len", bb)) for s_ in req["slots"]]
             try:
+                hid = req.get("hidden_slots")
+                hb = req.get("hidden_bytes", 0)
                 out({"matched": kv.recv_kv(req["producer"], req["tokens"], dest,
-                                           timeout=req.get("timeout", 10.0))})
+                                           timeout=req.get("timeout", 10.0),
+                                           hidden_dest=None if hid is None else
+                                           [(base + s_ * bb, hb) for s_ in hid])})
             except mc.MooncakeError as e:
                 out({"error": str(e), "type": type(e).__name__})
         elif cmd == "recv_many":

@@ -166,3 +166,19 @@ def test_producer_killed_mid_recv(peers):
         pytest.skip("recv_kv finished before the kill")
     assert r.get("type") in ("TransferTimeout", "TransferError"), r
     assert time.time() - t0 < 8
+
+
+def test_hidden_states_travel_with_the_blocks(pair):
+    prod, cons = pair
+    init(prod, cons)
+    t = toks(21, 2 * BS)
+    hb = 1024
+    assert prod.call(cmd="send_kv", tokens=t, slots=[0, 1], hidden_slots=[8, 9], hidden_bytes=hb,
+                     block_bytes=BB)["stored"] == 32
+    r = cons.call(cmd="recv_kv", producer=prod.segment, tokens=t, slots=[20, 21],
+                  hidden_slots=[30, 31], hidden_bytes=hb, block_bytes=BB)
+    assert r == {"matched": 32}
+    for src, dst in ((8, 30), (9, 31)):
+        assert (cons.call(cmd="crc", off=dst * BB, len=hb)["crc"]
+                == prod.call(cmd="crc", off=src * BB, len=hb)["crc"])
+    assert crc(cons, 20, 2) == crc(prod, 0, 2)

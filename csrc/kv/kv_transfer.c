@@ -2,8 +2,10 @@
  *
  * Request (consumer -> producer), little-endian:
  *   u32 magic "KVRQ", u8 version 1, u8 token width (4|8), u16 extents per
- *   block, u64 request id, u32 timeout ms, u32 reserved, u32 ntok, u32 ndest,
- *   token ids, then ndest x {u64 addr, u64 len}.
+ *   block, u64 request id, u32 timeout ms, u32 nhidden, u32 ntok, u32 ndest,
+ *   token ids, then ndest x {u64 addr, u64 len} (KV destinations, block-major),
+ *   then nhidden x {u64 addr, u64 len} (hidden-state destinations, one per
+ *   block; blocks stored without hidden states are skipped).
  * Answer (producer -> consumer):
  *   u32 magic "KVRP", u8 version 1, 3 x u8 0, u64 request id, i32 status,
  *   u32 matched tokens, then (status < 0) UTF-8 error text.
@@ -158,9 +160,9 @@ static long serve(mc_kv_t *kv, kv_job_t *j, uint64_t *bytes, mc_err_t *err) {
   int width = m[5];
   uint32_t epb = mc_get_u16(m + 6);
   uint32_t timeout_ms = mc_get_u32(m + 16);
-  uint64_t ntok = mc_get_u32(m + 24), ndest = mc_get_u32(m + 28);
+  uint64_t ntok = mc_get_u32(m + 24), ndest = mc_get_u32(m + 28), nhid = mc_get_u32(m + 20);
   if ((width != 4 && width != 8) || epb == 0 ||
-      j->len != KV_REQ_HDR + ntok * (uint64_t)width + ndest * 16)
+      j->len != KV_REQ_HDR + ntok * (uint64_t)width + (ndest + nhid) * 16)
     return mc_err_set(err, MC_EPROTO, "malformed recv_kv request (width %d, %llu tokens, "
                       "%llu extents, %zu bytes)", width, (unsigned long long)ntok,
                       (unsigned long long)ndest, j->len);
@@ -190,7 +192,9 @@ static long serve(mc_kv_t *kv, kv_job_t *j, uint64_t *bytes, mc_err_t *err) {
   }
   long rc = matched;
   size_t nreq = nb * epb;
-  mc_request_t *reqs = calloc(nreq ? nreq : 1, sizeof *reqs);
+  size_t nh = nhid < nb ? (size_t)nhid : nb; /* blocks whose hidden states are wanted */
+  const uint8_t *hdest = dest + ndest * 16;
+  mc_request_t *reqs = calloc(nreq + nh + 1, sizeof *reqs);
   if (!reqs) {
     mc_lookup_release(kv->lb, match);
     return mc_err_set(err, MC_ENOMEM, "out of memory");
@@ -210,6 +214,21 @@ static long serve(mc_kv_t *kv, kv_job_t *j, uint64_t *bytes, mc_err_t *err) {
                                .remote = daddr, .len = dlen};
       *bytes += dlen;
     }
+  }
+  for (size_t b = 0; b < nh && rc >= 0; b++) {
+    const mc_lookup_extent_t *hx = mc_lookup_match_hidden(match, b);
+    if (!hx || hx->len == 0)
+      continue; /* stored without hidden states */
+    uint64_t daddr = mc_get_u64(hdest + 16 * b), dlen = mc_get_u64(hdest + 16 * b + 8);
+    if (dlen != hx->len) {
+      rc = mc_err_set(err, MC_EINVAL, "hidden-state destination %zu is %llu bytes but the "
+                      "producer's block holds %llu", b, (unsigned long long)dlen,
+                      (unsigned long long)hx->len);
+      break;
+    }
+    reqs[nreq++] = (mc_request_t){.opcode = MC_OP_WRITE, .local = (void *)(uintptr_t)hx->addr,
+                                  .remote = daddr, .len = dlen};
+    *bytes += dlen;
   }
   if (rc >= 0 && nreq) {
     mc_batch_t *batch = mc_batch_new(kv->e, nreq);
@@ -351,17 +370,25 @@ void mc_kv_get_stats(mc_kv_t *kv, mc_kv_stats_t *out) {
 long mc_kv_recv(mc_kv_t *kv, const char *producer, const void *tokens, size_t ntok, int width,
                 const mc_lookup_extent_t *dest, size_t ndest, uint32_t epb, int timeout_ms,
                 mc_err_t *err) {
+  return mc_kv_recv_ex(kv, producer, tokens, ntok, width, dest, ndest, epb, NULL, 0, timeout_ms,
+                       err);
+}
+
+long mc_kv_recv_ex(mc_kv_t *kv, const char *producer, const void *tokens, size_t ntok,
+                   int width, const mc_lookup_extent_t *dest, size_t ndest, uint32_t epb,
+                   const mc_lookup_extent_t *hidden, size_t nhidden, int timeout_ms,
+                   mc_err_t *err) {
   if (!producer || !*producer)
     return mc_err_set(err, MC_EINVAL, "recv_kv: the producer segment name is empty");
   if (width != 4 && width != 8)
     return mc_err_set(err, MC_EINVAL, "recv_kv: token ids must be 4 or 8 bytes wide");
   if (epb == 0 || epb > 0xffff)
     return mc_err_set(err, MC_EINVAL, "recv_kv: extents per block must be 1..65535");
-  if (ntok > 0xffffffffu || ndest > 0xffffffffu)
+  if (ntok > 0xffffffffu || ndest > 0xffffffffu || nhidden > 0xffffffffu)
     return mc_err_set(err, MC_EINVAL, "recv_kv: too many tokens or extents");
   if (timeout_ms <= 0)
     timeout_ms = 30000;
-  size_t len = KV_REQ_HDR + ntok * (size_t)width + ndest * 16;
+  size_t len = KV_REQ_HDR + ntok * (size_t)width + (ndest + nhidden) * 16;
   if (len > MC_WIRE_MAX_CTRL)
     return mc_err_set(err, MC_ETOOBIG, "recv_kv request of %zu bytes (%zu tokens, %zu extents) "
                       "exceeds %u bytes; split the prompt", len, ntok, ndest, MC_WIRE_MAX_CTRL);
@@ -378,6 +405,7 @@ long mc_kv_recv(mc_kv_t *kv, const char *producer, const void *tokens, size_t nt
   buf[5] = (uint8_t)width;
   mc_put_u16(buf + 6, (uint16_t)epb);
   mc_put_u32(buf + 16, (uint32_t)timeout_ms);
+  mc_put_u32(buf + 20, (uint32_t)nhidden);
   mc_put_u32(buf + 24, (uint32_t)ntok);
   mc_put_u32(buf + 28, (uint32_t)ndest);
   memcpy(buf + KV_REQ_HDR, tokens, ntok * (size_t)width);
@@ -385,6 +413,10 @@ long mc_kv_recv(mc_kv_t *kv, const char *producer, const void *tokens, size_t nt
   for (size_t i = 0; i < ndest; i++) {
     mc_put_u64(d + 16 * i, dest[i].addr);
     mc_put_u64(d + 16 * i + 8, dest[i].len);
+  }
+  for (size_t i = 0; i < nhidden; i++) {
+    mc_put_u64(d + 16 * (ndest + i), hidden[i].addr);
+    mc_put_u64(d + 16 * (ndest + i) + 8, hidden[i].len);
   }
   snprintf(w->producer, sizeof w->producer, "%s", producer);
   pthread_mutex_lock(&kv->mu);

@@ -44,6 +44,14 @@ long mc_kv_recv(mc_kv_t *kv, const char *producer, const void *tokens, size_t nt
                 const mc_lookup_extent_t *dest, size_t ndest, uint32_t epb, int timeout_ms,
                 mc_err_t *err);
 
+/* Same, also pulling hidden states: hidden[b] receives the hidden-state
+ * extent stored with matched block b (blocks stored without one are
+ * skipped; lengths must match). */
+long mc_kv_recv_ex(mc_kv_t *kv, const char *producer, const void *tokens, size_t ntok,
+                   int width, const mc_lookup_extent_t *dest, size_t ndest, uint32_t epb,
+                   const mc_lookup_extent_t *hidden, size_t nhidden, int timeout_ms,
+                   mc_err_t *err);
+
 typedef struct mc_kv_stats {
   uint64_t requests_served, tokens_served, bytes_served, serve_errors;
   uint64_t recvs, recv_hits, recv_tokens, recv_errors;

@@ -100,13 +100,14 @@ static int live(KVObject *self) {
 }
 
 static PyObject *KV_recv_kv(KVObject *self, PyObject *args, PyObject *kw) {
-  static char *kwlist[] = {"producer", "tokens", "dest", "timeout", "extents_per_block", NULL};
+  static char *kwlist[] = {"producer", "tokens", "dest", "timeout", "extents_per_block",
+                           "hidden_dest", NULL};
   const char *producer;
-  PyObject *tok_obj, *dest_obj;
+  PyObject *tok_obj, *dest_obj, *hid_obj = Py_None;
   double timeout = 30.0;
   unsigned int epb = 1;
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "sOO|dI:recv_kv", kwlist, &producer, &tok_obj,
-                                   &dest_obj, &timeout, &epb))
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "sOO|dIO:recv_kv", kwlist, &producer, &tok_obj,
+                                   &dest_obj, &timeout, &epb, &hid_obj))
     return NULL;
   if (!live(self))
     return NULL;
@@ -129,9 +130,34 @@ static PyObject *KV_recv_kv(KVObject *self, PyObject *args, PyObject *kw) {
     }
   }
   Py_DECREF(fast);
+  mc_lookup_extent_t *hid = NULL;
+  Py_ssize_t nh = 0;
+  if (hid_obj != Py_None) {
+    fast = PySequence_Fast(hid_obj, "hidden_dest must be a list of (addr, length) tuples");
+    if (!fast) {
+      PyMem_RawFree(dest);
+      return NULL;
+    }
+    nh = PySequence_Fast_GET_SIZE(fast);
+    hid = PyMem_RawMalloc((size_t)(nh ? nh : 1) * sizeof *hid);
+    for (Py_ssize_t i = 0; hid && i < nh; i++) {
+      if (mc_py_get_extent(PySequence_Fast_GET_ITEM(fast, i), &hid[i], "hidden_dest", i) < 0) {
+        PyMem_RawFree(hid);
+        PyMem_RawFree(dest);
+        Py_DECREF(fast);
+        return NULL;
+      }
+    }
+    Py_DECREF(fast);
+    if (!hid) {
+      PyMem_RawFree(dest);
+      return PyErr_NoMemory();
+    }
+  }
   mc_py_tokens_t t;
   if (mc_py_tokens_get(tok_obj, &t) < 0) {
     PyMem_RawFree(dest);
+    PyMem_RawFree(hid);
     return NULL;
   }
   char prod[512];
@@ -140,11 +166,12 @@ static PyObject *KV_recv_kv(KVObject *self, PyObject *args, PyObject *kw) {
   long rc;
   mc_kv_t *kv = self->kv;
   Py_BEGIN_ALLOW_THREADS
-  rc = mc_kv_recv(kv, prod, t.ptr, t.n, t.width, dest, (size_t)nd, epb,
-                  (int)(timeout * 1000.0), &err);
+  rc = mc_kv_recv_ex(kv, prod, t.ptr, t.n, t.width, dest, (size_t)nd, epb, hid, (size_t)nh,
+                     (int)(timeout * 1000.0), &err);
   Py_END_ALLOW_THREADS
   mc_py_tokens_put(&t);
   PyMem_RawFree(dest);
+  PyMem_RawFree(hid);
   if (rc < 0)
     return mc_py_raise(ST(self), &err);
   return PyLong_FromLong(rc);
@@ -202,10 +229,12 @@ static PyObject *KV_exit(KVObject *self, PyObject *args) {
 
 static PyMethodDef KV_methods[] = {
     {"recv_kv", (PyCFunction)(void (*)(void))KV_recv_kv, METH_VARARGS | METH_KEYWORDS,
-     "recv_kv(producer, tokens, dest, timeout=30.0, extents_per_block=1) -> matched tokens\n\n"
+     "recv_kv(producer, tokens, dest, timeout=30.0, extents_per_block=1, hidden_dest=None)\n"
+     "-> matched tokens\n\n"
      "Asks the producer segment for the longest block-aligned prefix of tokens it holds;\n"
      "it writes the matching blocks into dest (block-major (addr, length) extents in memory\n"
-     "registered with this engine). Returns once the bytes have landed (0 on a miss)."},
+     "registered with this engine). hidden_dest (one extent per block) also receives the\n"
+     "hidden states stored with the blocks. Returns once the bytes have landed (0 on a miss)."},
     {"send_kv", (PyCFunction)(void (*)(void))KV_send_kv, METH_VARARGS | METH_KEYWORDS,
      "send_kv(tokens, extents, hidden=None, copy=False, timeout=0.0) -> stored tokens\n\n"
      "Stores the KV of tokens in this producer's lookup buffer (LookupBuffer.insert)."},
