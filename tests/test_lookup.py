@@ -167,3 +167,17 @@ def test_threads_share_one_buffer():
         th.join()
     assert not errors
     assert b.stats()["pinned_blocks"] == 0
+
+
+def test_torch_cpu_tensors_are_read_in_place():
+    torch = pytest.importorskip("torch")
+    import mooncake_connector as mc
+
+    ids = list(range(100, 164))
+    for dtype in (torch.int32, torch.int64):
+        t = torch.tensor(ids, dtype=dtype)
+        assert mc.hash_token_blocks(t) == mc.hash_token_blocks(ids)
+    with pytest.raises(TypeError, match="torch.int32 or torch.int64"):
+        mc.hash_token_blocks(torch.tensor(ids, dtype=torch.float32))
+    with pytest.raises(TypeError, match="contiguous"):
+        mc.hash_token_blocks(torch.tensor(ids + ids, dtype=torch.int64)[::2])

@@ -27,6 +27,7 @@ typedef struct mc_py_tokens {
   Py_buffer view; /* held when has_view */
   int has_view;
   int64_t *owned; /* converted from a sequence */
+  PyObject *hold;  /* a tensor whose memory ptr points into */
   const void *ptr;
   size_t n;
   int width; /* 4 or 8 */

@@ -19,8 +19,72 @@ static int int_format(const char *f, Py_ssize_t itemsize) {
   return strchr("iIlLqQnN", f[0]) != NULL && (itemsize == 4 || itemsize == 8);
 }
 
+/* A torch tensor (or anything with the same duck type) on the CPU: read it
+ * in place through data_ptr() without importing torch. 1 = handled, 0 = not
+ * a tensor, -1 = error set. */
+static int tensor_get(PyObject *o, mc_py_tokens_t *t) {
+  if (!PyObject_HasAttrString(o, "data_ptr") || !PyObject_HasAttrString(o, "element_size") ||
+      !PyObject_HasAttrString(o, "is_contiguous") || !PyObject_HasAttrString(o, "dtype"))
+    return 0;
+  int rc = -1;
+  PyObject *dev = NULL, *devtype = NULL, *dtype = NULL, *contig = NULL, *es = NULL, *n = NULL,
+           *ptr = NULL;
+  dev = PyObject_GetAttrString(o, "device");
+  devtype = dev ? PyObject_GetAttrString(dev, "type") : NULL;
+  if (!devtype || !PyUnicode_Check(devtype))
+    goto done;
+  if (PyUnicode_CompareWithASCIIString(devtype, "cpu") != 0) {
+    PyErr_Format(PyExc_TypeError, "tokens are on device %U; pass them on the CPU "
+                 "(tokens.cpu())", devtype);
+    goto done;
+  }
+  es = PyObject_GetAttrString(o, "dtype"); /* reused below for its str() */
+  dtype = es ? PyObject_Str(es) : NULL;
+  if (!dtype)
+    goto done;
+  int w = PyUnicode_CompareWithASCIIString(dtype, "torch.int32") == 0   ? 4
+          : PyUnicode_CompareWithASCIIString(dtype, "torch.int64") == 0 ? 8
+                                                                        : 0;
+  if (!w) {
+    PyErr_Format(PyExc_TypeError, "tokens must be torch.int32 or torch.int64, not %U", dtype);
+    goto done;
+  }
+  contig = PyObject_CallMethod(o, "is_contiguous", NULL);
+  if (!contig)
+    goto done;
+  if (!PyObject_IsTrue(contig)) {
+    PyErr_SetString(PyExc_TypeError, "tokens tensor must be contiguous (tokens.contiguous())");
+    goto done;
+  }
+  n = PyObject_CallMethod(o, "numel", NULL);
+  ptr = PyObject_CallMethod(o, "data_ptr", NULL);
+  if (!n || !ptr)
+    goto done;
+  t->ptr = (const void *)(uintptr_t)PyLong_AsUnsignedLongLong(ptr);
+  t->n = (size_t)PyLong_AsSsize_t(n);
+  if (PyErr_Occurred())
+    goto done;
+  t->width = w;
+  t->hold = Py_NewRef(o);
+  rc = 1;
+done:
+  Py_XDECREF(dev);
+  Py_XDECREF(devtype);
+  Py_XDECREF(dtype);
+  Py_XDECREF(contig);
+  Py_XDECREF(es);
+  Py_XDECREF(n);
+  Py_XDECREF(ptr);
+  return rc;
+}
+
 int mc_py_tokens_get(PyObject *o, mc_py_tokens_t *t) {
   memset(t, 0, sizeof *t);
+  if (!PyObject_CheckBuffer(o)) {
+    int r = tensor_get(o, t);
+    if (r != 0)
+      return r < 0 ? -1 : 0;
+  }
   if (PyObject_CheckBuffer(o) && !PyBytes_Check(o) && !PyByteArray_Check(o)) {
     if (PyObject_GetBuffer(o, &t->view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) < 0)
       return -1;
@@ -69,6 +133,7 @@ int mc_py_tokens_get(PyObject *o, mc_py_tokens_t *t) {
 }
 
 void mc_py_tokens_put(mc_py_tokens_t *t) {
+  Py_CLEAR(t->hold);
   if (t->has_view)
     PyBuffer_Release(&t->view);
   PyMem_RawFree(t->owned);
