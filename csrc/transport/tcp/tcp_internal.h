@@ -65,6 +65,8 @@ struct mc_conn {
   /* Receive side. */
   uint8_t *rbuf;
   size_t rpos, rlen;
+  int drained;    /* the last read returned less than asked for */
+  int small_msgs; /* the last message was small: read ahead more */
   int rstate;
   mc_wire_hdr_t rh;
   uint8_t *body; /* control body / entry table being gathered */

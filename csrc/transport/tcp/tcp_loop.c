@@ -6,6 +6,7 @@
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <poll.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -628,8 +629,14 @@ int mc_tcp_submit_poll(mc_tcp_t *t, const char *host, int port, const char *segm
   int alive = mc_conn_flush(c) == 0 && c->state == CONN_OPEN;
   uint64_t until = mc_now_ns() + spin_ns;
   while (alive && !finished(arg) && mc_now_ns() < until) {
-    alive = mc_conn_on_readable(c) == 0 && c->state == CONN_OPEN;
-    __builtin_ia32_pause();
+    /* poll() checks the receive queue without taking the socket lock, so
+     * spinning here does not slow down the kernel delivering the answer
+     * (a spinning read() would contend for that lock). */
+    struct pollfd pfd = {.fd = c->fd, .events = POLLIN};
+    if (poll(&pfd, 1, 0) > 0)
+      alive = mc_conn_on_readable(c) == 0 && c->state == CONN_OPEN;
+    else
+      __builtin_ia32_pause();
   }
   /* Hand back: restore interest, and kick the loop if others queued work
    * meanwhile.  The kick is posted under mu together with the hand-back: a

@@ -456,14 +456,19 @@ static ssize_t fill(mc_conn_t *c, size_t want) {
    * bytes mostly land straight in their destination instead of being
    * copied out of rbuf. */
   size_t room = MC_TCP_RBUF - c->rlen;
-  if (want < 4096)
-    want = 4096;
+  /* After small messages, read more at once so that the next small message
+   * (header, table and payload) arrives in one read; during bulk transfers
+   * read little beyond the header, so payloads land in place. */
+  size_t min_read = c->small_msgs ? 16384 : 4096;
+  if (want < min_read)
+    want = min_read;
   if (want < room)
     room = want;
   for (;;) {
     ssize_t n = read(c->fd, c->rbuf + c->rlen, room);
     if (n > 0)
       c->rlen += (size_t)n;
+    c->drained = n >= 0 && (size_t)n < room;
     if (n >= 0)
       return n;
     if (errno == EINTR)
@@ -546,9 +551,12 @@ static int payload_step(mc_conn_t *c, size_t *budget) {
 
 int mc_conn_on_readable(mc_conn_t *c) {
   size_t budget = READ_BUDGET;
+  c->drained = 0; /* we were told there is something to read */
   while (c->state == CONN_OPEN && budget) {
     if (c->rstate == RS_HDR) {
       if (c->rlen - c->rpos < MC_WIRE_HDR_SIZE) {
+        if (c->drained && c->small_msgs && c->rpos == c->rlen)
+          break; /* the last read emptied the socket: wait for epoll */
         ssize_t n = fill(c, MC_WIRE_HDR_SIZE);
         if (n == -EAGAIN || n == -EWOULDBLOCK)
           break;
@@ -563,6 +571,7 @@ int mc_conn_on_readable(mc_conn_t *c) {
         return -1;
       }
       c->rpos += MC_WIRE_HDR_SIZE;
+      c->small_msgs = c->rh.length <= 12288;
       int rc = c->outgoing ? on_header_initiator(c) : on_header_target(c);
       if (rc < 0)
         return -1;
