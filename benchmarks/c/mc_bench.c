@@ -4,6 +4,8 @@
  *       prints "SEGMENT <name> ADDR <addr>" and serves until stdin closes.
  *   mc_bench initiator --segment NAME --addr ADDR [--op write|read]
  *       [--block BYTES] [--total BYTES] [--batch N] [--lat-size BYTES] [--lat-iters N]
+ *       [--ws BYTES]   (working set: block addresses wrap inside the first BYTES of
+ *                       both buffers, as iperf3 reuses one buffer; 0 = all distinct)
  *       prints JSON lines: bandwidth (GB/s, 1e9) and 1-request latency (us).
  */
 #include <stdio.h>
@@ -73,6 +75,7 @@ static int run_initiator(int argc, char **argv) {
   uint64_t lsize = strtoull(arg(argc, argv, "--lat-size", "4096"), NULL, 0);
   int liters = atoi(arg(argc, argv, "--lat-iters", "0"));
   int reps = atoi(arg(argc, argv, "--reps", "3"));
+  uint64_t ws = strtoull(arg(argc, argv, "--ws", "0"), NULL, 0);
   mc_engine_t *e = start(arg(argc, argv, "--host", "127.0.0.1"));
   char *buf = malloc(total);
   memset(buf, 2, total);
@@ -86,9 +89,13 @@ static int run_initiator(int argc, char **argv) {
     uint64_t t0 = mc_now_ns();
     for (size_t start = 0; start < nblk; start += batch) {
       size_t n = nblk - start < batch ? nblk - start : batch;
-      for (size_t i = 0; i < n; i++)
-        r[i] = (mc_request_t){.opcode = op, .local = buf + (start + i) * block,
-                              .remote = raddr + (start + i) * block, .len = block};
+      for (size_t i = 0; i < n; i++) {
+        uint64_t off = (start + i) * block;
+        if (ws >= block)
+          off %= ws - ws % block;
+        r[i] = (mc_request_t){.opcode = op, .local = buf + off, .remote = raddr + off,
+                              .len = block};
+      }
       mc_batch_t *b = mc_batch_new(e, n);
       if (mc_batch_submit(e, b, seg, r, n, &err) < 0 || mc_batch_wait(e, b, -1, &err) < 0) {
         fprintf(stderr, "transfer: %s\n", err.msg);
@@ -101,9 +108,11 @@ static int run_initiator(int argc, char **argv) {
       best = gbps;
   }
   if (block)
-    printf("{\"op\":\"%s\",\"block\":%llu,\"batch\":%zu,\"bytes\":%llu,\"GBps\":%.3f}\n",
+    printf("{\"op\":\"%s\",\"block\":%llu,\"batch\":%zu,\"bytes\":%llu,\"working_set\":%llu,"
+           "\"GBps\":%.3f}\n",
            op == MC_OP_WRITE ? "write" : "read", (unsigned long long)block, batch,
-           (unsigned long long)(nblk * block), best);
+           (unsigned long long)(nblk * block), (unsigned long long)(ws ? ws : nblk * block),
+           best);
   if (liters > 0) {
     uint64_t *lat = calloc((size_t)liters, sizeof *lat);
     for (int i = -100; i < liters; i++) {
