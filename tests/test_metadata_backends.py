@@ -532,3 +532,24 @@ def test_http_ttl_parameter():
         assert put("&ttl=abc")[0] == 400
         assert put("&ttl=-1")[0] == 400
         assert srv.request_counts["PUT"] == 4
+
+
+def test_python_client_put_with_ttl_expires():
+    """MetadataClient.put(..., ttl=N) against the embedded server."""
+    import time as _time
+
+    from mooncake_connector import MetadataClient
+    from mooncake_connector.metadata_server import MetadataServer
+
+    with MetadataServer() as srv:
+        c = MetadataClient(srv.url)
+        c.put("mooncake/test/ttl", b'{"a":1}', ttl=1)
+        c.put("mooncake/test/forever", b'{"b":2}')
+        assert c.get("mooncake/test/ttl") == b'{"a":1}'
+        _time.sleep(1.5)
+        assert c.get("mooncake/test/ttl") is None
+        assert c.get("mooncake/test/forever") == b'{"b":2}'
+        import pytest as _pytest
+        with _pytest.raises(ValueError, match="ttl"):
+            c.put("k", b"v", ttl=-1)
+        c.close()

@@ -78,13 +78,18 @@ static void meta_dealloc(PyObject *op) {
 }
 
 static PyObject *meta_put(PyObject *op, PyObject *args, PyObject *kw) {
-  static char *kwlist[] = {"key", "value", NULL};
+  static char *kwlist[] = {"key", "value", "ttl", NULL};
   meta_obj_t *self = (meta_obj_t *)op;
   const char *key;
   Py_buffer val;
+  int ttl = 0;
   /* s* takes str (as UTF-8) and any bytes-like object. */
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "ss*:put", kwlist, &key, &val))
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "ss*|i:put", kwlist, &key, &val, &ttl))
     return NULL;
+  if (ttl < 0) {
+    PyBuffer_Release(&val);
+    return PyErr_Format(PyExc_ValueError, "ttl must be >= 0 seconds (0: no expiry)");
+  }
   mc_py_state_t *st = state_of(op);
   mc_meta_t *m = st ? enter(self, st) : NULL;
   if (!m) {
@@ -94,7 +99,8 @@ static PyObject *meta_put(PyObject *op, PyObject *args, PyObject *kw) {
   mc_err_t err = {0};
   int rc;
   Py_BEGIN_ALLOW_THREADS
-  rc = mc_meta_put(m, key, val.buf, (size_t)val.len, &err);
+  rc = ttl ? mc_meta_put_ttl(m, key, val.buf, (size_t)val.len, ttl, &err)
+           : mc_meta_put(m, key, val.buf, (size_t)val.len, &err);
   Py_END_ALLOW_THREADS
   leave(self);
   PyBuffer_Release(&val);
@@ -200,7 +206,8 @@ static PyObject *meta_repr(PyObject *op) {
 static PyMethodDef meta_methods[] = {
     {"put", (PyCFunction)(void (*)(void))meta_put,
      METH_VARARGS | METH_KEYWORDS,
-     "put(key: str, value: bytes | str) -> None\n\n"
+     "put(key: str, value: bytes | str, ttl: int = 0) -> None\n\n"
+     "ttl > 0: the entry expires after ttl seconds unless written again.\n"
      "Stores value under key (HTTP PUT). Raises MetadataError naming the "
      "server, key and HTTP status / network error."},
     {"get", (PyCFunction)(void (*)(void))meta_get,
