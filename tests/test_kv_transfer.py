@@ -157,15 +157,16 @@ def test_producer_killed_mid_recv(peers):
     t = toks(15, 2000 * BS)
     prod.call(cmd="send_kv", tokens=t, slots=list(range(2000)), block_bytes=bb)
     cons.send(cmd="recv_kv", producer=prod.segment, tokens=t, slots=list(range(2000)),
-              block_bytes=bb, timeout=4)
+              block_bytes=bb, timeout=30)
     time.sleep(0.05)
     os.kill(prod.pid, signal.SIGKILL)
     t0 = time.time()
     r = cons.call(cmd="kv_stats")  # answered after recv_kv returns
     if "matched" in r:
         pytest.skip("recv_kv finished before the kill")
-    assert r.get("type") in ("TransferTimeout", "TransferError"), r
-    assert time.time() - t0 < 8
+    # Fails as soon as the connection to the producer drops, not at the 30 s timeout.
+    assert r.get("type") == "TransferError" and prod.segment in r["error"], r
+    assert time.time() - t0 < 5
 
 
 def test_hidden_states_travel_with_the_blocks(pair):

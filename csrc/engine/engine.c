@@ -32,7 +32,19 @@ static int env_int(const char *name, int dflt, int lo, int hi) {
  * forget the cached address so that the next call resolves it afresh (and,
  * with a metadata server, learns whether the peer is gone or moved). */
 static void on_peer_failed(void *ctx, const char *segment) {
-  mc_engine_forget_segment(ctx, segment);
+  mc_engine_t *e = ctx;
+  mc_engine_forget_segment(e, segment);
+  pthread_rwlock_rdlock(&e->handler_lock);
+  if (e->peer_lost_cb)
+    e->peer_lost_cb(e->peer_lost_arg, segment);
+  pthread_rwlock_unlock(&e->handler_lock);
+}
+
+void mc_engine_set_peer_lost_handler(mc_engine_t *e, mc_peer_lost_cb cb, void *arg) {
+  pthread_rwlock_wrlock(&e->handler_lock);
+  e->peer_lost_cb = cb;
+  e->peer_lost_arg = arg;
+  pthread_rwlock_unlock(&e->handler_lock);
 }
 
 void mc_engine_set_notify_handler(mc_engine_t *e, mc_notify_cb cb, void *arg) {

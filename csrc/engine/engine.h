@@ -108,6 +108,12 @@ size_t mc_engine_drain_notifies(mc_engine_t *e, size_t max, mc_notify_cb cb, voi
  * block; copy what it needs) instead of the queue drained above.  NULL
  * restores the queue.  Used by layers built on the engine (lookup buffer). */
 void mc_engine_set_notify_handler(mc_engine_t *e, mc_notify_cb cb, void *arg);
+/* Called (on an I/O thread; must not block) when a connection to `segment`
+ * fails or is closed by the peer, so layers waiting on that peer can fail
+ * at once instead of at their timeout.  NULL removes it. */
+typedef void (*mc_peer_lost_cb)(void *arg, const char *segment);
+void mc_engine_set_peer_lost_handler(mc_engine_t *e, mc_peer_lost_cb cb, void *arg);
+
 /* Puts a notification on the queue drained by mc_engine_drain_notifies (for
  * handlers that pass on messages they do not own). */
 void mc_engine_queue_notify(mc_engine_t *e, const char *from, const void *msg, size_t len);

@@ -41,6 +41,8 @@ struct mc_engine {
   pthread_rwlock_t handler_lock; /* guards notify_cb/arg against a call in flight */
   mc_notify_cb notify_cb; /* if set, notifications go here instead of the queue */
   void *notify_arg;
+  mc_peer_lost_cb peer_lost_cb; /* under handler_lock */
+  void *peer_lost_arg;
 
   /* Metadata liveness (engine.c): our entries carry a TTL that a keep-alive
    * thread refreshes every TTL/3 s, re-writing them when the server lost

@@ -107,6 +107,27 @@ static void on_answer(mc_kv_t *kv, const char *from, const uint8_t *m, size_t le
   pthread_mutex_unlock(&kv->mu);
 }
 
+/* A producer's connection went away: its pending recv_kv calls fail now. */
+static void on_peer_lost(void *arg, const char *segment) {
+  mc_kv_t *kv = arg;
+  pthread_mutex_lock(&kv->mu);
+  int hit = 0;
+  for (kv_waiter_t *w = kv->waiters; w; w = w->next) {
+    if (!w->done && !strcmp(w->producer, segment)) {
+      w->done = 1;
+      w->status = MC_EPEERCLOSED;
+      w->matched = 0;
+      snprintf(w->msg, sizeof w->msg,
+               "the connection to producer %s was lost before it answered (producer gone?)",
+               segment);
+      hit = 1;
+    }
+  }
+  if (hit)
+    pthread_cond_broadcast(&kv->wait_cv);
+  pthread_mutex_unlock(&kv->mu);
+}
+
 /* ---- the notification handler (I/O thread: never blocks) ---- */
 
 static void on_message(void *arg, const char *from, const void *msg, size_t len) {
@@ -325,6 +346,7 @@ int mc_kv_create(mc_engine_t *e, mc_lookup_t *lb, int workers, mc_kv_t **out, mc
     kv->nthreads++;
   }
   mc_engine_set_notify_handler(e, on_message, kv);
+  mc_engine_set_peer_lost_handler(e, on_peer_lost, kv);
   *out = kv;
   return 0;
 }
@@ -333,6 +355,7 @@ void mc_kv_destroy(mc_kv_t *kv) {
   if (!kv)
     return;
   mc_engine_set_notify_handler(kv->e, NULL, NULL); /* waits for a call in flight */
+  mc_engine_set_peer_lost_handler(kv->e, NULL, NULL);
   pthread_mutex_lock(&kv->mu);
   kv->stopping = 1;
   pthread_cond_broadcast(&kv->job_cv);

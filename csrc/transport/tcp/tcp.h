@@ -83,8 +83,9 @@ typedef struct mc_tcp_hooks {
   mc_regions_t *regions;  /* the local segment's regions */
   /* Called on an I/O thread for every NOTIFY received. */
   void (*on_notify)(void *ctx, const char *from, const void *msg, size_t len);
-  /* Optional: an outgoing connection to `segment` could not be set up (or
-   * reached another segment); called on the thread that noticed. */
+  /* Optional: an outgoing connection to `segment` could not be set up,
+   * reached another segment, or was closed by the peer; called on the
+   * thread that noticed (an I/O thread, or a caller on the fast path). */
   void (*on_peer_failed)(void *ctx, const char *segment);
 } mc_tcp_hooks_t;
 

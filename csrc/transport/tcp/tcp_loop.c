@@ -117,7 +117,7 @@ void mc_conn_kill(mc_conn_t *c, int code, const char *fmt, ...) {
     mc_log_info("%s", msg);
   if (c->outgoing)
     peer_remove_conn(c->tcp, c);
-  if (c->outgoing && (code == MC_ECONNECT || code == MC_ENOTFOUND) &&
+  if (c->outgoing && (code == MC_ECONNECT || code == MC_ENOTFOUND || code == MC_EPEERCLOSED) &&
       c->tcp->hooks.on_peer_failed)
     c->tcp->hooks.on_peer_failed(c->tcp->hooks.ctx, c->segment);
   pthread_mutex_lock(&c->mu);
