@@ -114,9 +114,6 @@ int mc_tcp_submit_poll(mc_tcp_t *t, const char *host, int port, const char *segm
  * MC_ECANCELED).  Returns at once; completion shows up through done(). */
 void mc_tcp_cancel_sweep(mc_tcp_t *t);
 
-/* Drops every connection to host:port (used after a peer is known dead). */
-void mc_tcp_forget_peer(mc_tcp_t *t, const char *host, int port);
-
 /* Stops the loops, fails everything in flight with MC_ECLOSED, frees. */
 void mc_tcp_stop(mc_tcp_t *t);
 

@@ -792,13 +792,6 @@ fail:
 
 int mc_tcp_port(const mc_tcp_t *t) { return t->port; }
 
-void mc_tcp_forget_peer(mc_tcp_t *t, const char *host, int port) {
-  (void)t;
-  (void)host;
-  (void)port;
-  /* Connections close themselves on errors; nothing cached beyond them. */
-}
-
 void mc_tcp_stop(mc_tcp_t *t) {
   if (!t)
     return;
