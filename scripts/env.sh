@@ -47,7 +47,8 @@ _mc_env_main() {
     local pkgs=(build-essential python3 python3-venv python3-dev libcjson-dev
                 libcurl4-openssl-dev libibverbs-dev librdmacm-dev iperf3 iproute2
                 pkg-config libhiredis-dev libxxhash-dev etcd-server etcd-client
-                redis-server)
+                redis-server qemu-system-x86 busybox-static rdma-core ibverbs-providers
+                kmod cpio)
     local missing=() p
     _mc_step "check Debian packages"
     if command -v dpkg-query >/dev/null 2>&1; then

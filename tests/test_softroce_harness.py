@@ -1,0 +1,46 @@
+"""The SoftRoCE harness: a qemu guest booted from Debian's kernel where
+rdma_rxe gives two real verbs devices (rxe0, rxe1 on a veth pair).  Here it
+runs our verbs smoke test (RC QPs, RDMA WRITE and READ, verified); the RDMA
+transport's tests will run through the same harness."""
+import os
+import shutil
+import subprocess
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RUN = os.path.join(HERE, "softroce", "run-in-guest.sh")
+
+pytestmark = pytest.mark.skipif(
+    os.geteuid() != 0 or not shutil.which("apt-get"),
+    reason="the SoftRoCE harness needs root and apt-get (Debian) to fetch qemu and a kernel")
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    out = tmp_path_factory.mktemp("softroce") / "verbs_smoke"
+    r = subprocess.run(["gcc", "-std=gnu11", "-O2", "-Wall", "-Wextra", "-Werror",
+                        os.path.join(HERE, "softroce", "verbs_smoke.c"), "-o", str(out),
+                        "-libverbs"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    return str(out)
+
+
+def run(*args, timeout=300):
+    return subprocess.run([RUN, *args], capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "TIMEOUT": "240"})
+
+
+@pytest.mark.timeout(600)
+def test_rdma_write_and_read_between_two_rxe_devices(smoke):
+    r = run(smoke, "rxe0", "rxe1", "0", str(4 << 20))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "ok   RDMA WRITE 4194304 bytes rxe0 -> rxe1" in r.stdout
+    assert "ok   RDMA READ  4194304 bytes rxe0 <- rxe1" in r.stdout
+
+
+@pytest.mark.timeout(600)
+def test_a_failing_program_fails_the_harness(smoke):
+    r = run(smoke, "rxe9", "rxe1", "0", "4096")
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "device rxe9 not found" in r.stdout + r.stderr
