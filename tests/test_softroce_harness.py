@@ -44,3 +44,22 @@ def test_a_failing_program_fails_the_harness(smoke):
     r = run(smoke, "rxe9", "rxe1", "0", "4096")
     assert r.returncode == 1, r.stdout + r.stderr
     assert "device rxe9 not found" in r.stdout + r.stderr
+
+
+@pytest.mark.timeout(600)
+def test_rdma_protocol_sees_real_devices_in_the_guest(tmp_path):
+    root = os.path.dirname(HERE)
+    lib = os.path.join(root, "build", "libmcc.a")
+    if not os.path.exists(lib):
+        pytest.skip("build/libmcc.a not built (run `make`)")
+    exe = tmp_path / "rdma_devices_check"
+    r = subprocess.run(["gcc", "-std=gnu11", "-O2", "-Wall", "-Wextra", "-Werror", "-D_GNU_SOURCE",
+                        "-I" + os.path.join(root, "csrc"),
+                        os.path.join(HERE, "softroce", "rdma_devices_check.c"), lib, "-lcjson",
+                        "-lcurl", "-lhiredis", "-lxxhash", "-ldl", "-lpthread", "-lm", "-o",
+                        str(exe)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    r = run(str(exe))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "devices here: rxe0, rxe1" in r.stdout
+    assert r.stdout.count("ok  ") == 4

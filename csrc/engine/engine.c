@@ -10,6 +10,7 @@
 #include "engine/engine_internal.h"
 #include "transport/tcp/wire.h"
 #include "gpu/cuda_driver.h"
+#include "transport/rdma/rdma_devices.h"
 #include "util/dynlib.h"
 #include "util/hostport.h"
 #include "util/log.h"
@@ -296,8 +297,12 @@ int mc_engine_create(const mc_engine_opts_t *o, mc_engine_t **out, mc_err_t *err
     return mc_err_set(err, MC_EINVAL, "local_hostname and metadata_server are required");
   const char *proto = o->protocol && *o->protocol ? o->protocol : "tcp";
   if (!strcmp(proto, "rdma")) {
-    /* The verbs libraries are loaded only now, when RDMA is asked for. */
-    if (!mc_dynlib_open(&mc_dynlib_ibverbs, err) || !mc_dynlib_open(&mc_dynlib_rdmacm, err))
+    /* The verbs libraries are loaded only now, when RDMA is asked for; the
+     * devices named must exist (the error lists those that do). */
+    int rc = mc_rdma_check_devices(o->device_name, err);
+    if (rc < 0)
+      return rc;
+    if (!mc_dynlib_open(&mc_dynlib_rdmacm, err))
       return err ? err->code : MC_EUNAVAIL;
     return mc_err_set(err, MC_EUNAVAIL,
                       "protocol \"rdma\" is not available in this build yet (device_name "

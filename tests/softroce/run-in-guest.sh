@@ -72,6 +72,10 @@ copy_with_libs() {
 copy_with_libs "$(command -v ip)" /usr/sbin/ip
 copy_with_libs "$(command -v rdma)" /usr/sbin/rdma
 copy_with_libs "$bin" /bin/test-program
+# The verbs libraries too: programs may dlopen them rather than link them.
+for lib in /usr/lib/x86_64-linux-gnu/libibverbs.so.1 /usr/lib/x86_64-linux-gnu/librdmacm.so.1; do
+  [ -e "$lib" ] && copy_with_libs "$(readlink -f "$lib")" "$lib"
+done
 provider="$(ls /usr/lib/x86_64-linux-gnu/libibverbs/librxe-rdmav*.so | head -1)"
 copy_with_libs "$provider" "$provider"
 cp /etc/libibverbs.d/rxe.driver "$root/etc/libibverbs.d/"
