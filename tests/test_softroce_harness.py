@@ -27,8 +27,11 @@ def smoke(tmp_path_factory):
 
 
 def run(*args, timeout=300):
-    return subprocess.run([RUN, *args], capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "TIMEOUT": "240"})
+    r = subprocess.run([RUN, *args], capture_output=True, text=True, timeout=timeout,
+                       env={**os.environ, "TIMEOUT": "240"})
+    if r.returncode == 124 and "cannot download the kernel" in r.stderr:
+        pytest.skip(r.stderr.strip())  # Debian's mirror unreachable: nothing to boot
+    return r
 
 
 @pytest.mark.timeout(600)

@@ -2,7 +2,8 @@
 # Runs a program inside a small qemu guest booted from Debian's kernel, where
 # the SoftRoCE driver (rdma_rxe) gives two real verbs devices, rxe0 on v0 and
 # rxe1 on v1 (a veth pair; use port 1, GID index 0).  Exits with the
-# program's exit code (125 if the guest never reported one).
+# program's exit code (125 if the guest never reported one, 124 if the kernel
+# package could not be downloaded).
 #
 #   tests/softroce/run-in-guest.sh BINARY [ARGS...]
 #   TIMEOUT=seconds (default 180)   KEEP_LOG=1 prints the whole console
@@ -34,7 +35,17 @@ kpkg="$(apt-cache depends linux-image-amd64 | awk '/Depends: linux-image-/ {prin
 kv="${kpkg#linux-image-}"
 kdir="$cache/kernel-$kv"
 if [ ! -f "$kdir/boot/vmlinuz-$kv" ]; then
-  (cd "$cache" && apt-get download -q "$kpkg" >/dev/null 2>&1)
+  # Stale package lists may name a kernel the mirror no longer has: refresh once.
+  if ! (cd "$cache" && apt-get download -q "$kpkg" >/dev/null 2>&1); then
+    apt-get update -q >/dev/null 2>&1 || true
+    kpkg="$(apt-cache depends linux-image-amd64 | awk '/Depends: linux-image-/ {print $2; exit}')"
+    kv="${kpkg#linux-image-}"
+    kdir="$cache/kernel-$kv"
+    if ! (cd "$cache" && apt-get download -q "$kpkg" >/dev/null 2>&1); then
+      echo "run-in-guest: cannot download the kernel package $kpkg from Debian's mirror" >&2
+      exit 124
+    fi
+  fi
   rm -rf "$kdir.tmp" && dpkg-deb -x "$cache/${kpkg}"_*.deb "$kdir.tmp"
   depmod -b "$kdir.tmp" "$kv"
   rm -f "$cache/${kpkg}"_*.deb
