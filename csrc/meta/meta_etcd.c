@@ -18,6 +18,7 @@
  *
  * Thread-safety: curl handles come from a small mutex-protected pool; the
  * endpoint cursor, API prefix and lease table are guarded by the same mutex. */
+#include "meta/curl_util.h"
 #include "meta/meta.h"
 
 #include <ctype.h>
@@ -33,7 +34,6 @@
 #include "util/hostport.h"
 #include "util/log.h"
 
-#define ETCD_POOL_MAX 4
 #define ETCD_EP_MAX 16
 #define ETCD_LEASES_MAX 4
 #define ETCD_SNIPPET_MAX 120
@@ -53,19 +53,10 @@ typedef struct etcd_meta {
   pthread_mutex_t mu;
   int cur;         /* endpoint tried first */
   char api[16];    /* "/v3" or "/v3beta" */
-  CURL *idle[ETCD_POOL_MAX];
-  int n_idle;
+  mc_curl_pool_t pool; /* pool.mu = &mu */
   lease_t leases[ETCD_LEASES_MAX];
   int n_leases;
 } etcd_meta_t;
-
-static pthread_once_t curl_once = PTHREAD_ONCE_INIT;
-
-static void curl_init_once(void) {
-  CURLcode rc = curl_global_init(CURL_GLOBAL_DEFAULT);
-  if (rc != CURLE_OK)
-    mc_log_error("curl_global_init failed: %s", curl_easy_strerror(rc));
-}
 
 /* ---- base64 (RFC 4648, with padding) ---- */
 
@@ -130,73 +121,8 @@ static char *b64_decode(const char *s, size_t *len, int *bad) {
 
 /* ---- curl plumbing ---- */
 
-typedef struct body {
-  char *data;
-  size_t len, cap;
-  int too_big, oom;
-} body_t;
+typedef mc_curl_body_t body_t;
 
-static size_t on_write(char *ptr, size_t size, size_t nmemb, void *ud) {
-  body_t *b = ud;
-  size_t n = size * nmemb;
-  if (n > ETCD_BODY_MAX - b->len) {
-    b->too_big = 1;
-    return 0;
-  }
-  if (b->len + n + 1 > b->cap) {
-    size_t nc = b->cap ? b->cap : 4096;
-    while (nc < b->len + n + 1)
-      nc *= 2;
-    char *p = realloc(b->data, nc);
-    if (!p) {
-      b->oom = 1;
-      return 0;
-    }
-    b->data = p;
-    b->cap = nc;
-  }
-  memcpy(b->data + b->len, ptr, n);
-  b->len += n;
-  b->data[b->len] = '\0';
-  return n;
-}
-
-static void snippet(const char *s, size_t n, char *out, size_t outlen) {
-  size_t k = 0;
-  for (size_t i = 0; s && i < n && k + 1 < outlen && k < ETCD_SNIPPET_MAX; i++) {
-    unsigned char ch = (unsigned char)s[i];
-    out[k++] = isprint(ch) ? (char)ch : ' ';
-  }
-  while (k > 0 && out[k - 1] == ' ')
-    k--;
-  out[k] = '\0';
-}
-
-static CURL *handle_take(etcd_meta_t *e) {
-  CURL *c = NULL;
-  pthread_mutex_lock(&e->mu);
-  if (e->n_idle > 0)
-    c = e->idle[--e->n_idle];
-  pthread_mutex_unlock(&e->mu);
-  if (c) {
-    curl_easy_reset(c);
-    return c;
-  }
-  return curl_easy_init();
-}
-
-static void handle_give(etcd_meta_t *e, CURL *c) {
-  pthread_mutex_lock(&e->mu);
-  if (e->n_idle < ETCD_POOL_MAX) {
-    e->idle[e->n_idle++] = c;
-    c = NULL;
-  }
-  pthread_mutex_unlock(&e->mu);
-  if (c)
-    curl_easy_cleanup(c);
-}
-
-/* One POST to one endpoint.  Returns the CURLcode; *status and *b filled. */
 static CURLcode post_once(etcd_meta_t *e, CURL *c, const char *url,
                           const char *json, body_t *b, long *status,
                           char *errbuf) {
@@ -218,7 +144,7 @@ static CURLcode post_once(etcd_meta_t *e, CURL *c, const char *url,
   SET(CURLOPT_CONNECTTIMEOUT_MS, e->connect_timeout_ms);
   SET(CURLOPT_TIMEOUT_MS, e->timeout_ms);
   SET(CURLOPT_ERRORBUFFER, errbuf);
-  SET(CURLOPT_WRITEFUNCTION, on_write);
+  SET(CURLOPT_WRITEFUNCTION, mc_curl_body_write);
   SET(CURLOPT_WRITEDATA, b);
   SET(CURLOPT_MAXFILESIZE_LARGE, (curl_off_t)ETCD_BODY_MAX);
   SET(CURLOPT_HTTPHEADER, hdrs);
@@ -249,7 +175,7 @@ static int is_unreachable(CURLcode cc) {
 static int call(etcd_meta_t *e, const char *op, const char *json,
                 const char *what, const char *key, cJSON **out, mc_err_t *err) {
   *out = NULL;
-  CURL *c = handle_take(e);
+  CURL *c = mc_curl_pool_take(&e->pool);
   if (!c)
     return mc_err_set(err, MC_ENOMEM,
                       "could not create a libcurl handle for etcd %s", e->base.url);
@@ -265,7 +191,7 @@ static int call(etcd_meta_t *e, const char *op, const char *json,
     snprintf(api, sizeof api, "%s", e->api);
     pthread_mutex_unlock(&e->mu);
     snprintf(url, sizeof url, "%s%s/%s", e->eps[idx], api, op);
-    body_t b = {0};
+    body_t b = {.max = ETCD_BODY_MAX};
     long status = 0;
     char errbuf[CURL_ERROR_SIZE] = "";
     if (k > 0)
@@ -311,7 +237,7 @@ static int call(etcd_meta_t *e, const char *op, const char *json,
       continue;
     }
     char snip[ETCD_SNIPPET_MAX + 1];
-    snippet(b.data, b.len, snip, sizeof snip);
+    mc_curl_snippet(b.data, b.len, snip, sizeof snip, ETCD_SNIPPET_MAX);
     free(b.data);
     if (!cJSON_IsObject(j)) {
       cJSON_Delete(j);
@@ -352,7 +278,7 @@ static int call(etcd_meta_t *e, const char *op, const char *json,
                   "failed; last %s)",
                   e->base.url, what, key, e->n_eps, e->n_eps == 1 ? "" : "s", last);
 done:
-  handle_give(e, c);
+  mc_curl_pool_give(&e->pool, c);
   return rc;
 }
 
@@ -595,8 +521,7 @@ static int etcd_refresh(mc_meta_t *m, const char *key, const char *val, size_t l
 
 static void etcd_close(mc_meta_t *m) {
   etcd_meta_t *e = (etcd_meta_t *)m;
-  for (int i = 0; i < e->n_idle; i++)
-    curl_easy_cleanup(e->idle[i]);
+  mc_curl_pool_drain(&e->pool);
   pthread_mutex_destroy(&e->mu);
   free(e);
 }
@@ -616,7 +541,7 @@ static const mc_meta_ops_t etcd_ops = {
 int mc_meta_etcd_open(const char *conn, const char *endpoints, mc_meta_t **out,
                       mc_err_t *err) {
   *out = NULL;
-  pthread_once(&curl_once, curl_init_once);
+  mc_curl_global_init();
   long total, connect;
   int rc = mc_meta_read_timeouts(&total, &connect, err);
   if (rc)
@@ -661,6 +586,7 @@ int mc_meta_etcd_open(const char *conn, const char *endpoints, mc_meta_t **out,
       break;
     s = comma + 1;
   }
+  e->pool.mu = &e->mu;
   int pe = pthread_mutex_init(&e->mu, NULL);
   if (pe) {
     free(e);

@@ -10,6 +10,7 @@
  * call takes a handle from a small mutex-protected pool (or makes a new one)
  * and gives it back afterwards, so concurrent callers never share a handle
  * while sequential calls reuse the kept-alive connection. */
+#include "meta/curl_util.h"
 #include "meta/meta.h"
 
 #include <ctype.h>
@@ -22,7 +23,6 @@
 
 #include "util/log.h"
 
-#define HTTP_POOL_MAX 4
 #define HTTP_CONNECT_TIMEOUT_MS 1500L
 #define HTTP_TOTAL_TIMEOUT_MS 3000L
 #define HTTP_TIMEOUT_MAX_MS 600000L
@@ -33,106 +33,16 @@ typedef struct http_meta {
   long timeout_ms;
   long connect_timeout_ms;
   pthread_mutex_t mu; /* guards idle[] and n_idle */
-  CURL *idle[HTTP_POOL_MAX];
-  int n_idle;
+  mc_curl_pool_t pool; /* pool.mu = &mu */
 } http_meta_t;
 
 /* curl_global_init is not guaranteed thread-safe on every libcurl build;
  * run it exactly once.  If it fails, curl_easy_init fails later and the
  * caller gets a message from there. */
-static pthread_once_t curl_once = PTHREAD_ONCE_INIT;
+typedef mc_curl_body_t body_t;
 
-static void curl_init_once(void) {
-  CURLcode rc = curl_global_init(CURL_GLOBAL_DEFAULT);
-  if (rc != CURLE_OK)
-    mc_log_error("curl_global_init failed: %s", curl_easy_strerror(rc));
-}
-
-static void curl_init(void) { pthread_once(&curl_once, curl_init_once); }
-
-/* ---- handle pool ---- */
-
-static CURL *handle_take(http_meta_t *h) {
-  CURL *c = NULL;
-  pthread_mutex_lock(&h->mu);
-  if (h->n_idle > 0)
-    c = h->idle[--h->n_idle];
-  pthread_mutex_unlock(&h->mu);
-  if (c) {
-    curl_easy_reset(c); /* drops options, keeps live connections */
-    return c;
-  }
-  return curl_easy_init();
-}
-
-static void handle_give(http_meta_t *h, CURL *c) {
-  pthread_mutex_lock(&h->mu);
-  if (h->n_idle < HTTP_POOL_MAX) {
-    h->idle[h->n_idle++] = c;
-    c = NULL;
-  }
-  pthread_mutex_unlock(&h->mu);
-  if (c)
-    curl_easy_cleanup(c);
-}
-
-/* ---- response body ---- */
-
-typedef struct body {
-  char *data; /* NUL-terminated when non-NULL */
-  size_t len;
-  size_t cap;
-  int too_big; /* the server sent more than MC_META_MAX_VALUE */
-  int oom;
-} body_t;
-
-static int body_reserve(body_t *b, size_t need) {
-  if (need <= b->cap)
-    return 0;
-  size_t ncap = b->cap ? b->cap : 4096;
-  while (ncap < need)
-    ncap *= 2;
-  if (ncap > MC_META_MAX_VALUE + 1)
-    ncap = MC_META_MAX_VALUE + 1;
-  char *p = realloc(b->data, ncap);
-  if (!p)
-    return -1;
-  b->data = p;
-  b->cap = ncap;
-  return 0;
-}
-
-/* Returning less than n makes curl abort the transfer (CURLE_WRITE_ERROR);
- * that is how an endless or oversized body is cut off early. */
-static size_t on_write(char *ptr, size_t size, size_t nmemb, void *ud) {
-  body_t *b = ud;
-  size_t n = size * nmemb;
-  if (n > MC_META_MAX_VALUE - b->len) {
-    b->too_big = 1;
-    return 0;
-  }
-  if (body_reserve(b, b->len + n + 1) < 0) {
-    b->oom = 1;
-    return 0;
-  }
-  memcpy(b->data + b->len, ptr, n);
-  b->len += n;
-  b->data[b->len] = '\0';
-  return n;
-}
-
-/* A short printable excerpt of an error body, for messages. */
 static void body_snippet(const body_t *b, char *out, size_t outlen) {
-  size_t n = 0;
-  for (size_t i = 0; b->data && i < b->len && n + 1 < outlen &&
-                     n < HTTP_SNIPPET_MAX;
-       i++) {
-    unsigned char ch = (unsigned char)b->data[i];
-    out[n++] = isprint(ch) ? (char)ch : ' ';
-  }
-  while (n > 0 && out[n - 1] == ' ')
-    n--;
-  out[n] = '\0';
+  mc_curl_snippet(b->data, b->len, out, outlen, HTTP_SNIPPET_MAX);
 }
 
 /* ---- one request ---- */
@@ -219,7 +129,7 @@ static CURLcode setup(CURL *c, const http_meta_t *h, const req_t *r,
   SET(CURLOPT_CONNECTTIMEOUT_MS, h->connect_timeout_ms);
   SET(CURLOPT_TIMEOUT_MS, h->timeout_ms);
   SET(CURLOPT_ERRORBUFFER, errbuf);
-  SET(CURLOPT_WRITEFUNCTION, on_write);
+  SET(CURLOPT_WRITEFUNCTION, mc_curl_body_write);
   SET(CURLOPT_WRITEDATA, b);
   /* Refuses a too-large announced Content-Length before reading it. */
   SET(CURLOPT_MAXFILESIZE_LARGE, (curl_off_t)MC_META_MAX_VALUE);
@@ -246,7 +156,7 @@ static int perform(http_meta_t *h, const req_t *r, body_t *b, long *status,
   memset(b, 0, sizeof *b);
   *status = 0;
 
-  CURL *c = handle_take(h);
+  CURL *c = mc_curl_pool_take(&h->pool);
   if (!c)
     return mc_err_set(err, MC_ENOMEM,
                       "could not create a libcurl handle for metadata server "
@@ -299,7 +209,7 @@ out:
   curl_easy_setopt(c, CURLOPT_ERRORBUFFER, NULL);
   curl_easy_setopt(c, CURLOPT_HTTPHEADER, NULL);
   curl_slist_free_all(hdrs);
-  handle_give(h, c);
+  mc_curl_pool_give(&h->pool, c);
   return rc;
 }
 
@@ -397,8 +307,7 @@ static int http_del(mc_meta_t *m, const char *key, mc_err_t *err) {
 
 static void http_close(mc_meta_t *m) {
   http_meta_t *h = (http_meta_t *)m;
-  for (int i = 0; i < h->n_idle; i++)
-    curl_easy_cleanup(h->idle[i]);
+  mc_curl_pool_drain(&h->pool);
   pthread_mutex_destroy(&h->mu);
   free(h);
 }
@@ -462,7 +371,7 @@ int mc_meta_http_open(const char *url, mc_meta_t **out, mc_err_t *err) {
                       "metadata server URL \"%.64s...\" is longer than %zu "
                       "characters",
                       url, sizeof(((mc_meta_t *)0)->url) - 1);
-  curl_init();
+  mc_curl_global_init();
   long timeout_ms;
   int rc = read_timeout(&timeout_ms, err);
   if (rc)
@@ -473,6 +382,7 @@ int mc_meta_http_open(const char *url, mc_meta_t **out, mc_err_t *err) {
   http_meta_t *h = calloc(1, sizeof *h);
   if (!h)
     return mc_err_set(err, MC_ENOMEM, "out of memory opening %s", url);
+  h->pool.mu = &h->mu;
   int e = pthread_mutex_init(&h->mu, NULL);
   if (e) {
     free(h);
