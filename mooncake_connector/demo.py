@@ -13,6 +13,7 @@ GB/s (1e9 bytes per second).
 import argparse
 import ctypes
 import json
+import os
 import random
 import subprocess
 import sys
@@ -89,7 +90,10 @@ def run_prefill(args):
              "--metadata", meta.url, "--hostname", decode_host, "--protocol", args.protocol,
              "--device-name", args.device_name, "--layers", str(args.layers),
              "--blocks", str(args.blocks), "--block-kib", str(args.block_kib)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            # Run next to the package this process imported, so the child
+            # imports the same (built) one rather than a source tree in cwd.
+            cwd=os.path.dirname(os.path.dirname(os.path.abspath(mc.__file__))))
         try:
             line = decode.stdout.readline()
             if not line:

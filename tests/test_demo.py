@@ -1,5 +1,6 @@
 """The quick-start main job (README command 1) runs and verifies its data."""
 import json
+import os
 import subprocess
 import sys
 
@@ -37,3 +38,20 @@ def test_demo_with_a_mooncake_json(tmp_path):
          "--blocks", "16", "--repeat", "1"], capture_output=True, text=True, timeout=120)
     assert out.returncode != 0
     assert "rdma" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_demo_from_a_directory_holding_another_copy_of_the_package(tmp_path):
+    """The decode child must import the same built package as the parent, not
+    a source tree (without the compiled _core) in the working directory."""
+    import mooncake_connector
+    shadow = tmp_path / "mooncake_connector"
+    shadow.mkdir()
+    (shadow / "__init__.py").write_text("raise ImportError('shadow copy without _core')\n")
+    pkg_parent = os.path.dirname(os.path.dirname(os.path.abspath(mooncake_connector.__file__)))
+    code = ("import sys; sys.path.insert(0, %r); sys.argv = ['demo', '--layers', '2', "
+            "'--blocks', '16', '--repeat', '1']; from mooncake_connector.demo import main; "
+            "sys.exit(main())" % pkg_parent)
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "every block verified" in out.stdout
