@@ -56,7 +56,8 @@ static mc_task_state_t state_for(int code) {
 }
 
 /* Records one finished part of task i. Caller holds b->mu. */
-static void part_done(mc_batch_t *b, size_t i, int code, const char *msg, uint64_t bytes) {
+#define part_done mc_batch_part_done
+void mc_batch_part_done(mc_batch_t *b, size_t i, int code, const char *msg, uint64_t bytes) {
   mc_task_t *t = &b->tasks[i];
   if (code == 0) {
     t->done_bytes += bytes;
@@ -106,7 +107,8 @@ static int validate(const mc_request_t *r, size_t i, mc_err_t *err) {
 }
 
 /* Same-segment requests: a checked memcpy. */
-static void run_local(mc_engine_t *e, mc_batch_t *b, size_t first, size_t n) {
+static void run_local(mc_engine_t *e, mc_batch_t *b, size_t first, size_t n,
+                      const int *ldev) {
   for (size_t i = first; i < first + n; i++) {
     mc_task_t *t = &b->tasks[i];
     mc_region_t *reg;
@@ -114,7 +116,12 @@ static void run_local(mc_engine_t *e, mc_batch_t *b, size_t first, size_t n) {
     int rc = mc_regions_acquire(&e->regions, t->req.remote, t->req.len, e->name, &reg, &err);
     if (rc == 0) {
       void *remote = (void *)(uintptr_t)t->req.remote;
-      if (t->req.opcode == MC_OP_WRITE)
+      int dev = reg->cuda_dev >= 0 ? reg->cuda_dev : ldev ? ldev[i - first] : -1;
+      if (dev >= 0) /* GPU memory on either side: a driver copy */
+        rc = t->req.opcode == MC_OP_WRITE
+                 ? mc_gpu_copy_sync(remote, t->req.local, t->req.len, dev, &err)
+                 : mc_gpu_copy_sync(t->req.local, remote, t->req.len, dev, &err);
+      else if (t->req.opcode == MC_OP_WRITE)
         memmove(remote, t->req.local, t->req.len);
       else
         memmove(t->req.local, remote, t->req.len);
@@ -172,6 +179,10 @@ static int batch_finished(void *arg) {
 
 static int submit(mc_engine_t *e, mc_batch_t *b, const char *segment,
                   const mc_request_t *reqs, size_t n, int poll, mc_err_t *err);
+static int submit_planned(mc_engine_t *e, mc_batch_t *b, const char *segment,
+                          const mc_segment_desc_t *dp, int local, const mc_request_t *reqs,
+                          size_t n, int poll, const int *ldev, const char *via_ipc,
+                          const uint64_t *mapped, size_t nipc, mc_err_t *err);
 
 int mc_batch_submit(mc_engine_t *e, mc_batch_t *b, const char *segment,
                     const mc_request_t *reqs, size_t n, mc_err_t *err) {
@@ -196,11 +207,51 @@ static int submit(mc_engine_t *e, mc_batch_t *b, const char *segment,
   }
   int local = !strcmp(segment, e->name);
   mc_segment_desc_t d;
+  d.host[0] = '\0';
+  d.port = 0;
   if (!local) {
     int rc = mc_engine_resolve(e, segment, &d, err);
     if (rc < 0)
       return rc;
   }
+  /* GPU memory: where the local buffers live (no CUDA call at all unless
+   * this process has loaded CUDA), and which requests can take the
+   * same-host GPU path. */
+  int *ldev = NULL;
+  char *via_ipc = NULL;
+  uint64_t *mapped = NULL;
+  size_t nipc = 0;
+  if (mc_cuda_api_if_loaded()) {
+    ldev = malloc(n * sizeof *ldev);
+    if (!ldev)
+      return mc_err_set(err, MC_ENOMEM, "out of memory");
+    int ngpu = mc_gpu_locate_locals(reqs, n, ldev, err);
+    if (ngpu <= 0) {
+      free(ldev);
+      ldev = NULL;
+      if (ngpu < 0)
+        return ngpu;
+    }
+  }
+  if (ldev && !local) {
+    via_ipc = calloc(n, 1);
+    mapped = calloc(n, sizeof *mapped);
+    if (via_ipc && mapped)
+      nipc = mc_gpu_ipc_plan(e, segment, &d, reqs, n, ldev, mapped, via_ipc);
+  }
+  int rc = submit_planned(e, b, segment, &d, local, reqs, n, poll, ldev, via_ipc, mapped,
+                          nipc, err);
+  free(ldev);
+  free(via_ipc);
+  free(mapped);
+  return rc;
+}
+
+static int submit_planned(mc_engine_t *e, mc_batch_t *b, const char *segment,
+                          const mc_segment_desc_t *dp, int local, const mc_request_t *reqs,
+                          size_t n, int poll, const int *ldev, const char *via_ipc,
+                          const uint64_t *mapped, size_t nipc, mc_err_t *err) {
+  const mc_segment_desc_t *d = dp;
   pthread_mutex_lock(&b->mu);
   if (b->n + n > b->cap) {
     size_t room = b->cap - b->n;
@@ -225,7 +276,7 @@ static int submit(mc_engine_t *e, mc_batch_t *b, const char *segment,
     for (size_t i = 0; i < n; i++)
       b->tasks[first + i].parts_left = 1;
     pthread_mutex_unlock(&b->mu);
-    run_local(e, b, first, n);
+    run_local(e, b, first, n, ldev);
     return 0;
   }
   /* Slice and pack: an op holds up to op_entries slices of one opcode and
@@ -235,9 +286,12 @@ static int submit(mc_engine_t *e, mc_batch_t *b, const char *segment,
   /* Slices still to place: sizes each op's entry array to what it needs. */
   uint64_t slices_left = 0;
   for (size_t i = 0; i < n; i++)
-    slices_left += (reqs[i].len + e->slice_size - 1) / e->slice_size;
+    if (!(via_ipc && via_ipc[i]))
+      slices_left += (reqs[i].len + e->slice_size - 1) / e->slice_size;
   for (size_t i = 0; i < n && rc == 0; i++) {
     const mc_request_t *r = &reqs[i];
+    if (via_ipc && via_ipc[i])
+      continue; /* same-host GPU path */
     int type = r->opcode == MC_OP_WRITE ? MC_WIRE_WRITE : MC_WIRE_READ;
     uint64_t off = 0;
     while (off < r->len) {
@@ -285,14 +339,35 @@ static int submit(mc_engine_t *e, mc_batch_t *b, const char *segment,
     return rc;
   }
   b->ops_inflight += ob.n;
+  mc_gpu_job_t *jobs[16];
+  size_t njobs = nipc ? mc_gpu_ipc_jobs(e, b, first, reqs, n, ldev, mapped, via_ipc, jobs, 16)
+                      : 0;
   uint64_t bytes = 0;
   for (size_t i = 0; i < n; i++)
     bytes += reqs[i].len;
   pthread_mutex_unlock(&b->mu);
-  if (!(poll && e->spin_ns && bytes <= MC_POLL_MAX_BYTES && ob.n <= MC_POLL_MAX_OPS &&
-        mc_tcp_submit_poll(e->tcp, d.host, d.port, segment, ob.ops, ob.n, batch_finished, b,
+  mc_gpu_ipc_submit(e, jobs, njobs);
+  if (ldev) {
+    /* Ops whose local buffers include GPU memory go through staging. */
+    size_t k = 0;
+    for (size_t i = 0; i < ob.n; i++) {
+      mc_xfer_op_t *op = ob.ops[i];
+      int gpu = 0;
+      for (uint32_t x = 0; x < op->nent && !gpu; x++)
+        gpu = ldev[op->ent[x].cookie - first] >= 0;
+      if (gpu)
+        mc_gpu_stage_op(e, op, d->host, d->port, segment, ldev, first);
+      else
+        ob.ops[k++] = op;
+    }
+    ob.n = k;
+    poll = 0;
+  }
+  if (ob.n &&
+      !(poll && e->spin_ns && bytes <= MC_POLL_MAX_BYTES && ob.n <= MC_POLL_MAX_OPS &&
+        mc_tcp_submit_poll(e->tcp, d->host, d->port, segment, ob.ops, ob.n, batch_finished, b,
                            e->spin_ns)))
-    mc_tcp_submit(e->tcp, d.host, d.port, segment, ob.ops, ob.n);
+    mc_tcp_submit(e->tcp, d->host, d->port, segment, ob.ops, ob.n);
   free(ob.ops);
   return 0;
 }

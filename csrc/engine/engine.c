@@ -10,6 +10,7 @@
 #include "engine/engine_internal.h"
 #include "transport/tcp/wire.h"
 #include "gpu/cuda_driver.h"
+#include "gpu/gpu_ipc.h"
 #include "transport/rdma/rdma_devices.h"
 #include "util/dynlib.h"
 #include "util/hostport.h"
@@ -56,6 +57,8 @@ void mc_engine_set_notify_handler(mc_engine_t *e, mc_notify_cb cb, void *arg) {
   e->notify_arg = arg;
   pthread_rwlock_unlock(&e->handler_lock);
 }
+
+static char *describe_hook(void *ctx) { return mc_engine_describe(ctx); }
 
 static void on_notify(void *ctx, const char *from, const void *msg, size_t len) {
   mc_engine_t *e = ctx;
@@ -325,10 +328,19 @@ int mc_engine_create(const mc_engine_opts_t *o, mc_engine_t **out, mc_err_t *err
   pthread_mutex_init(&e->notify_mu, NULL);
   pthread_rwlock_init(&e->handler_lock, NULL);
   pthread_mutex_init(&e->pub_mu, NULL);
+  pthread_mutex_init(&e->gpu_mu, NULL);
   if ((rc = mc_regions_init(&e->regions)) < 0) {
     free(e);
     return mc_err_set(err, rc, "out of memory");
   }
+  /* GPU staging: no CUDA call until GPU memory is used. */
+  if ((rc = mc_gpu_stager_create((size_t)env_int("MC_GPU_STAGING_MB", 64, 4, 65536) << 20,
+                                 &e->gpu, err)) < 0) {
+    mc_regions_destroy(&e->regions);
+    free(e);
+    return rc;
+  }
+  e->gpu_ipc_off = env_int("MC_GPU_IPC", 1, 0, 1) == 0;
   e->slice_size = (uint64_t)env_int("MC_TCP_SLICE_SIZE", 4 << 20, 4096, 1 << 30);
   e->op_entries = (uint32_t)env_int("MC_TCP_OP_ENTRIES", 256, 1, (int)MC_WIRE_MAX_ENTRIES);
   e->timeout_ms = (uint64_t)env_int("MC_TRANSFER_TIMEOUT", 30, 1, 86400) * 1000ull;
@@ -353,7 +365,8 @@ int mc_engine_create(const mc_engine_opts_t *o, mc_engine_t **out, mc_err_t *err
   };
   /* The name must exist before the transport starts: HELLO checks it. */
   mc_tcp_hooks_t hooks = {.ctx = e, .local_name = e->name, .regions = &e->regions,
-                          .on_notify = on_notify, .on_peer_failed = on_peer_failed};
+                          .on_notify = on_notify, .on_peer_failed = on_peer_failed,
+                          .describe = describe_hook, .gpu = e->gpu};
   if (hp.port > 0)
     snprintf(e->name, sizeof e->name, strchr(hp.host, ':') ? "[%s]:%d" : "%s:%d", hp.host,
              hp.port);
@@ -378,6 +391,7 @@ int mc_engine_create(const mc_engine_opts_t *o, mc_engine_t **out, mc_err_t *err
 fail:
   if (e->tcp)
     mc_tcp_stop(e->tcp);
+  mc_gpu_stager_destroy(e->gpu); /* after the transport: it drained the copies */
   if (e->meta)
     mc_meta_close(e->meta);
   mc_regions_destroy(&e->regions);
@@ -385,6 +399,8 @@ fail:
   pthread_mutex_destroy(&e->notify_mu);
   pthread_rwlock_destroy(&e->handler_lock);
   pthread_mutex_destroy(&e->pub_mu);
+  pthread_mutex_destroy(&e->gpu_mu);
+  mc_gpu_stager_destroy(e->gpu);
   free(e->pub_desc);
   free(e->pub_rpc);
   free(e);
@@ -398,6 +414,7 @@ void mc_engine_destroy(mc_engine_t *e) {
   if (e->meta)
     unpublish(e);
   mc_tcp_stop(e->tcp);
+  mc_gpu_stager_destroy(e->gpu); /* after the transport: it drained the copies */
   if (e->meta)
     mc_meta_close(e->meta);
   mc_regions_destroy(&e->regions);
@@ -413,6 +430,9 @@ void mc_engine_destroy(mc_engine_t *e) {
   pthread_mutex_destroy(&e->notify_mu);
   pthread_rwlock_destroy(&e->handler_lock);
   pthread_mutex_destroy(&e->pub_mu);
+  pthread_mutex_destroy(&e->gpu_mu);
+  free(e->gpu_logged);
+  free(e->gpu_peers);
   free(e->pub_desc);
   free(e->pub_rpc);
   free(e);
@@ -434,30 +454,29 @@ char *mc_engine_describe(mc_engine_t *e) {
 
 /* Checks the claimed location of [addr, addr+len) against where the memory
  * really is, and resolves "*"/"" to it.  GPU memory is detected through the
- * CUDA driver when one is installed. */
+ * CUDA driver when one is installed; *dev is its device or -1. */
 static int resolve_location(uint64_t addr, uint64_t len, const char *claim, char *out,
-                            size_t outlen, mc_err_t *err) {
+                            size_t outlen, int *dev, mc_err_t *err) {
   int wildcard = !claim || !*claim || !strcmp(claim, "*");
   int claims_cuda = !wildcard && !strncmp(claim, "cuda", 4);
+  *dev = -1;
   if (claims_cuda && !mc_dynlib_open(&mc_dynlib_cuda, err))
     return err ? err->code : MC_EUNAVAIL;
-  int dev = -1;
-  int rc = mc_cuda_locate(addr, len, &dev, err);
+  int rc = mc_cuda_locate(addr, len, dev, err);
   if (rc < 0)
     return rc;
   if (rc == 1) {
     char want[32];
-    snprintf(want, sizeof want, "cuda:%d", dev);
+    snprintf(want, sizeof want, "cuda:%d", *dev);
     if (!wildcard && strcmp(claim, want) != 0)
       return mc_err_set(err, MC_EINVAL,
                         "0x%llx is GPU memory on %s, not \"%s\"; register it with location "
                         "\"%s\" (or \"*\" to detect it)",
                         (unsigned long long)addr, want, claim, want);
-    return mc_err_set(err, MC_EUNAVAIL,
-                      "0x%llx is GPU memory on %s: GPU memory transfers are not available in "
-                      "this build yet; stage it through host memory",
-                      (unsigned long long)addr, want);
+    snprintf(out, outlen, "%s", want);
+    return 0;
   }
+  *dev = -1;
   if (claims_cuda)
     return mc_err_set(err, MC_EINVAL,
                       "0x%llx is host memory, not GPU memory on \"%s\"; register it with "
@@ -467,13 +486,37 @@ static int resolve_location(uint64_t addr, uint64_t len, const char *claim, char
   return 0;
 }
 
-int mc_engine_register(mc_engine_t *e, void *addr, uint64_t len, const char *location,
-                       mc_err_t *err) {
+/* Adds one region; cuda regions get their IPC export (same-host peers) and,
+ * the first time, the pinned staging pool (so I/O threads never allocate
+ * pinned memory in the common case). */
+static int add_region(mc_engine_t *e, uint64_t addr, uint64_t len, const char *location,
+                      mc_err_t *err) {
   char loc[MC_LOCATION_MAX];
-  int rc = resolve_location((uint64_t)(uintptr_t)addr, len, location, loc, sizeof loc, err);
+  int dev = -1;
+  int rc = resolve_location(addr, len, location, loc, sizeof loc, &dev, err);
   if (rc < 0)
     return rc;
-  rc = mc_regions_add(&e->regions, (uint64_t)(uintptr_t)addr, len, loc, err);
+  char ipc[MC_GPU_IPC_B64_MAX] = "";
+  uint64_t ipc_base = 0;
+  if (dev >= 0) {
+    mc_err_t why = {0};
+    if (mc_gpu_ipc_export(addr, ipc, &ipc_base, &why) < 0) {
+      ipc[0] = '\0';
+      mc_log_info("%s", why.msg);
+    }
+    pthread_mutex_lock(&e->gpu_mu);
+    int first = !e->gpu_reserved;
+    e->gpu_reserved = 1;
+    pthread_mutex_unlock(&e->gpu_mu);
+    if (first && mc_gpu_stager_reserve(e->gpu, dev, 32u << 20, &why) < 0)
+      mc_log_warn("GPU staging pool not pre-allocated: %s", why.msg);
+  }
+  return mc_regions_add_ex(&e->regions, addr, len, loc, ipc, ipc_base, err);
+}
+
+int mc_engine_register(mc_engine_t *e, void *addr, uint64_t len, const char *location,
+                       mc_err_t *err) {
+  int rc = add_region(e, (uint64_t)(uintptr_t)addr, len, location, err);
   if (rc < 0)
     return rc;
   return publish(e, err);
@@ -483,11 +526,7 @@ int mc_engine_register_batch(mc_engine_t *e, void *const *addrs, const uint64_t 
                              size_t n, const char *location, mc_err_t *err) {
   int rc = 0;
   for (size_t i = 0; i < n; i++) {
-    char loc[MC_LOCATION_MAX];
-    rc = resolve_location((uint64_t)(uintptr_t)addrs[i], lens[i], location, loc, sizeof loc,
-                          err);
-    if (rc == 0)
-      rc = mc_regions_add(&e->regions, (uint64_t)(uintptr_t)addrs[i], lens[i], loc, err);
+    rc = add_region(e, (uint64_t)(uintptr_t)addrs[i], lens[i], location, err);
     if (rc < 0) {
       mc_err_prefix(err, "buffer %zu of %zu", i, n);
       for (size_t k = 0; k < i; k++) /* all or nothing */

@@ -8,6 +8,7 @@
 #include "engine/engine.h"
 #include "engine/regions.h"
 #include "engine/segment_desc.h"
+#include "gpu/gpu_staging.h"
 #include "meta/meta.h"
 #include "transport/tcp/tcp.h"
 
@@ -30,6 +31,17 @@ struct mc_engine {
   uint32_t op_entries;    /* entries per wire op */
   uint64_t timeout_ms;    /* MC_TRANSFER_TIMEOUT */
   uint64_t spin_ns;       /* MC_WAIT_SPIN_US: busy-wait before sleeping */
+  mc_gpu_stager_t *gpu;   /* pinned staging + GPU copy thread (gpu_xfer.c) */
+  int gpu_reserved;       /* staging pre-allocated (first cuda region) */
+  int gpu_ipc_off;        /* MC_GPU_IPC=0: never use the same-host path */
+  pthread_mutex_t gpu_mu; /* path choices logged once per peer */
+  char (*gpu_logged)[320];
+  size_t gpu_nlogged;
+  struct {
+    char name[320];
+    int verdict; /* 1 same host, -1 another host */
+  } *gpu_peers;
+  size_t gpu_npeers;
 
   pthread_mutex_t seg_mu; /* segment cache */
   mc_segment_desc_t *segs;
@@ -77,6 +89,36 @@ struct mc_batch {
   atomic_int cancel;
   char last_segment[320];
 };
+
+/* batch.c: records one finished part of task i (caller holds b->mu). */
+void mc_batch_part_done(mc_batch_t *b, size_t i, int code, const char *msg, uint64_t bytes);
+
+/* gpu_xfer.c: GPU memory in transfers. */
+/* Locates each request's local buffer: ldev[i] = cuda device or -1.
+ * Returns how many are GPU memory (0 without touching CUDA when the
+ * process never loaded it), or <0 (a buffer runs past its allocation). */
+int mc_gpu_locate_locals(const mc_request_t *reqs, size_t n, int *ldev, mc_err_t *err);
+/* Same-host path: for requests whose local buffer is GPU memory and whose
+ * remote range lies in a cuda region the peer exported, fills via_ipc[i]=1
+ * and returns how many.  May ask the peer for its descriptor (blocks). */
+size_t mc_gpu_ipc_plan(mc_engine_t *e, const char *segment, const mc_segment_desc_t *d,
+                       const mc_request_t *reqs, size_t n, const int *ldev,
+                       uint64_t *mapped, char *via_ipc);
+/* Queues the device-to-device copies of the planned requests (tasks
+ * first.., one part each; counts one op in flight per job). b->mu held. */
+size_t mc_gpu_ipc_jobs(mc_engine_t *e, mc_batch_t *b, size_t first, const mc_request_t *reqs,
+                       size_t n, const int *ldev, const uint64_t *mapped,
+                       const char *via_ipc, mc_gpu_job_t **jobs, size_t max_jobs);
+void mc_gpu_ipc_submit(mc_engine_t *e, mc_gpu_job_t **jobs, size_t njobs);
+/* Hands a sealed op whose local buffers include GPU memory to the copy
+ * worker: WRITE is staged D2H then sent, READ lands in staging then H2D.
+ * ldev_of(cookie) says which entries are GPU memory. */
+void mc_gpu_stage_op(mc_engine_t *e, mc_xfer_op_t *op, const char *host, int port,
+                     const char *segment, const int *ldev, size_t first);
+/* Synchronous copy for same-segment requests touching GPU memory. */
+int mc_gpu_copy_sync(void *dst, const void *src, uint64_t len, int dev, mc_err_t *err);
+void mc_gpu_log_path_once(mc_engine_t *e, const char *segment, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
 
 /* Resolves a segment name to where it is served (cache, metadata or P2P). */
 int mc_engine_resolve(mc_engine_t *e, const char *segment, mc_segment_desc_t *out,

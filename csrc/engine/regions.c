@@ -52,6 +52,11 @@ static int valid_location(const char *loc) {
 
 int mc_regions_add(mc_regions_t *r, uint64_t addr, uint64_t len,
                    const char *location, mc_err_t *err) {
+  return mc_regions_add_ex(r, addr, len, location, NULL, 0, err);
+}
+
+int mc_regions_add_ex(mc_regions_t *r, uint64_t addr, uint64_t len, const char *location,
+                      const char *ipc, uint64_t ipc_base, mc_err_t *err) {
   if (len == 0)
     return mc_err_set(err, MC_EINVAL, "cannot register 0 bytes at 0x%llx",
                       (unsigned long long)addr);
@@ -71,6 +76,9 @@ int mc_regions_add(mc_regions_t *r, uint64_t addr, uint64_t len,
   reg->addr = addr;
   reg->len = len;
   snprintf(reg->location, sizeof reg->location, "%s", location);
+  reg->cuda_dev = !strncmp(location, "cuda:", 5) ? atoi(location + 5) : -1;
+  snprintf(reg->ipc, sizeof reg->ipc, "%s", ipc ? ipc : "");
+  reg->ipc_base = ipc_base;
 
   pthread_mutex_lock(&r->mu);
   long i = find_le(r, addr);

@@ -21,6 +21,12 @@ typedef struct mc_region {
   uint64_t addr;
   uint64_t len;
   char location[MC_LOCATION_MAX]; /* "cpu" or "cuda:N" */
+  int cuda_dev;                   /* N of "cuda:N", -1 for host memory */
+  /* cuda regions: CUDA IPC handle of the allocation holding it (base64,
+   * "" if it cannot be exported) and where that allocation starts, so a
+   * process on the same host can map it (gpu_ipc.h). */
+  char ipc[96];
+  uint64_t ipc_base;
   int refs;                       /* active accesses, under the table lock */
   int dead;                       /* being removed: refuse new accesses */
 } mc_region_t;
@@ -40,6 +46,9 @@ void mc_regions_destroy(mc_regions_t *r);
  * MC_EOVERLAP if it overlaps an existing region. */
 int mc_regions_add(mc_regions_t *r, uint64_t addr, uint64_t len,
                    const char *location, mc_err_t *err);
+/* Same, with the IPC export of a cuda region (may be NULL/""). */
+int mc_regions_add_ex(mc_regions_t *r, uint64_t addr, uint64_t len, const char *location,
+                      const char *ipc, uint64_t ipc_base, mc_err_t *err);
 
 /* Removes the region starting at addr; waits (blocking) until accesses in
  * flight finish. MC_ENOTFOUND if no region starts there. */

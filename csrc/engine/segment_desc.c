@@ -2,6 +2,10 @@
 
 #include <cjson/cJSON.h>
 #include <stdio.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+#include "gpu/gpu_ipc.h"
 #include <string.h>
 #include <time.h>
 
@@ -19,6 +23,8 @@ char *mc_segment_desc_encode(const char *name, const char *protocol, const char 
   cJSON_AddNumberToObject(j, "tcp_data_port", port);
   cJSON_AddStringToObject(j, "wire", "mooncake-connector/1");
   cJSON_AddNumberToObject(j, "timestamp", (double)time(NULL));
+  cJSON_AddStringToObject(j, "host_id", mc_host_identity());
+  cJSON_AddNumberToObject(j, "pid", (double)getpid());
   for (size_t i = 0; i < nregions; i++) {
     cJSON *b = cJSON_CreateObject();
     if (!b)
@@ -26,6 +32,10 @@ char *mc_segment_desc_encode(const char *name, const char *protocol, const char 
     cJSON_AddStringToObject(b, "name", regions[i].location);
     cJSON_AddNumberToObject(b, "addr", (double)regions[i].addr);
     cJSON_AddNumberToObject(b, "length", (double)regions[i].len);
+    if (regions[i].ipc[0]) {
+      cJSON_AddStringToObject(b, "cuda_ipc", regions[i].ipc);
+      cJSON_AddNumberToObject(b, "cuda_ipc_base", (double)regions[i].ipc_base);
+    }
     cJSON_AddItemToArray(bufs, b);
   }
   cJSON_AddItemToObject(j, "buffers", bufs);
@@ -69,4 +79,60 @@ int mc_segment_desc_decode(const char *json, size_t len, const char *name,
   }
   cJSON_Delete(j);
   return rc;
+}
+
+static int cmp_region(const void *a, const void *b) {
+  const mc_remote_region_t *x = a, *y = b;
+  return x->addr < y->addr ? -1 : x->addr > y->addr;
+}
+
+int mc_segment_desc_decode_regions(const char *json, size_t len, mc_remote_desc_t *out,
+                                   mc_err_t *err) {
+  memset(out, 0, sizeof *out);
+  cJSON *j = cJSON_ParseWithLength(json, len);
+  const cJSON *bufs = j ? cJSON_GetObjectItemCaseSensitive(j, "buffers") : NULL;
+  if (!cJSON_IsArray(bufs)) {
+    cJSON_Delete(j);
+    return mc_err_set(err, MC_EPROTO, "segment descriptor has no \"buffers\" array");
+  }
+  const cJSON *hid = cJSON_GetObjectItemCaseSensitive(j, "host_id");
+  const cJSON *pid = cJSON_GetObjectItemCaseSensitive(j, "pid");
+  if (cJSON_IsString(hid))
+    snprintf(out->host_id, sizeof out->host_id, "%s", hid->valuestring);
+  out->pid = cJSON_IsNumber(pid) ? (long)pid->valuedouble : -1;
+  size_t n = (size_t)cJSON_GetArraySize(bufs);
+  out->regions = calloc(n ? n : 1, sizeof *out->regions);
+  if (!out->regions) {
+    cJSON_Delete(j);
+    return mc_err_set(err, MC_ENOMEM, "out of memory");
+  }
+  const cJSON *b;
+  cJSON_ArrayForEach(b, bufs) {
+    const cJSON *name = cJSON_GetObjectItemCaseSensitive(b, "name");
+    const cJSON *addr = cJSON_GetObjectItemCaseSensitive(b, "addr");
+    const cJSON *length = cJSON_GetObjectItemCaseSensitive(b, "length");
+    const cJSON *ipc = cJSON_GetObjectItemCaseSensitive(b, "cuda_ipc");
+    const cJSON *ipcb = cJSON_GetObjectItemCaseSensitive(b, "cuda_ipc_base");
+    if (!cJSON_IsNumber(addr) || !cJSON_IsNumber(length))
+      continue;
+    mc_remote_region_t *r = &out->regions[out->n++];
+    r->addr = (uint64_t)addr->valuedouble;
+    r->len = (uint64_t)length->valuedouble;
+    r->cuda_dev = cJSON_IsString(name) && !strncmp(name->valuestring, "cuda:", 5)
+                      ? atoi(name->valuestring + 5)
+                      : -1;
+    if (cJSON_IsString(ipc) && cJSON_IsNumber(ipcb)) {
+      snprintf(r->ipc, sizeof r->ipc, "%s", ipc->valuestring);
+      r->ipc_base = (uint64_t)ipcb->valuedouble;
+    }
+  }
+  qsort(out->regions, out->n, sizeof *out->regions, cmp_region);
+  cJSON_Delete(j);
+  return 0;
+}
+
+void mc_remote_desc_free(mc_remote_desc_t *d) {
+  free(d->regions);
+  d->regions = NULL;
+  d->n = 0;
 }

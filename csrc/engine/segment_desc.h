@@ -17,6 +17,26 @@ typedef struct mc_segment_desc {
 /* Encodes (malloc'ed JSON). */
 char *mc_segment_desc_encode(const char *name, const char *protocol, const char *host,
                              int port, const mc_region_t *regions, size_t nregions);
+/* The regions of a peer's descriptor and where the peer runs (for the
+ * same-host GPU path). */
+typedef struct mc_remote_region {
+  uint64_t addr, len;
+  int cuda_dev; /* -1: host memory */
+  char ipc[96]; /* base64 CUDA IPC handle, "" if none */
+  uint64_t ipc_base;
+} mc_remote_region_t;
+
+typedef struct mc_remote_desc {
+  char host_id[320]; /* "" if the peer did not say */
+  long pid;
+  mc_remote_region_t *regions; /* sorted by addr */
+  size_t n;
+} mc_remote_desc_t;
+
+int mc_segment_desc_decode_regions(const char *json, size_t len, mc_remote_desc_t *out,
+                                   mc_err_t *err);
+void mc_remote_desc_free(mc_remote_desc_t *d);
+
 /* Decodes a descriptor fetched from a metadata server; MC_EMETADATA with a
  * message naming the segment and the bad field when it is not valid. */
 int mc_segment_desc_decode(const char *json, size_t len, const char *name,

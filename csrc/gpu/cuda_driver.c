@@ -1,8 +1,12 @@
 #include "gpu/cuda_driver.h"
 
+#include <dlfcn.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "util/dynlib.h"
 
@@ -19,6 +23,11 @@ const char *mc_cuda_strerror(const mc_cuda_api_t *api, mc_cu_result r, char *buf
     api->cuGetErrorString(r, &text);
   snprintf(buf, n, "%s (%d): %s", name ? name : "CUDA error", r, text ? text : "?");
   return buf;
+}
+
+static void *dlsym_quiet(void *h, const char *name) {
+  mc_err_t ignored;
+  return mc_dynlib_sym(h, &mc_dynlib_cuda, name, &ignored);
 }
 
 static void load(void) {
@@ -43,6 +52,23 @@ static void load(void) {
       {"cuCtxSetCurrent", (void **)&g_api.cuCtxSetCurrent},
       {"cuMemcpyHtoD_v2", (void **)&g_api.cuMemcpyHtoD},
       {"cuMemcpyDtoH_v2", (void **)&g_api.cuMemcpyDtoH},
+      {"cuDriverGetVersion", (void **)&g_api.cuDriverGetVersion},
+      {"cuDeviceGetAttribute", (void **)&g_api.cuDeviceGetAttribute},
+      {"cuCtxGetCurrent", (void **)&g_api.cuCtxGetCurrent},
+      {"cuStreamCreate", (void **)&g_api.cuStreamCreate},
+      {"cuStreamDestroy_v2", (void **)&g_api.cuStreamDestroy},
+      {"cuStreamSynchronize", (void **)&g_api.cuStreamSynchronize},
+      {"cuEventCreate", (void **)&g_api.cuEventCreate},
+      {"cuEventDestroy_v2", (void **)&g_api.cuEventDestroy},
+      {"cuEventRecord", (void **)&g_api.cuEventRecord},
+      {"cuEventQuery", (void **)&g_api.cuEventQuery},
+      {"cuEventSynchronize", (void **)&g_api.cuEventSynchronize},
+      {"cuMemHostAlloc", (void **)&g_api.cuMemHostAlloc},
+      {"cuMemFreeHost", (void **)&g_api.cuMemFreeHost},
+      {"cuMemcpy", (void **)&g_api.cuMemcpy},
+      {"cuMemcpyAsync", (void **)&g_api.cuMemcpyAsync},
+      {"cuMemcpyHtoDAsync_v2", (void **)&g_api.cuMemcpyHtoDAsync},
+      {"cuMemcpyDtoHAsync_v2", (void **)&g_api.cuMemcpyDtoHAsync},
   };
   for (size_t i = 0; i < sizeof syms / sizeof *syms; i++) {
     *syms[i].slot = mc_dynlib_sym(h, &mc_dynlib_cuda, syms[i].name, &err);
@@ -52,6 +78,12 @@ static void load(void) {
       return;
     }
   }
+  /* Optional entry points: absent on old drivers, then those paths are off. */
+  *(void **)&g_api.cuIpcGetMemHandle = dlsym_quiet(h, "cuIpcGetMemHandle");
+  *(void **)&g_api.cuIpcOpenMemHandle = dlsym_quiet(h, "cuIpcOpenMemHandle_v2");
+  *(void **)&g_api.cuIpcCloseMemHandle = dlsym_quiet(h, "cuIpcCloseMemHandle");
+  *(void **)&g_api.cuMemGetHandleForAddressRange =
+      dlsym_quiet(h, "cuMemGetHandleForAddressRange");
   mc_cu_result r = g_api.cuInit(0);
   if (r != 0) {
     char b[160];
@@ -63,6 +95,92 @@ static void load(void) {
     return;
   }
   g_api.cuDeviceGetCount(&g_api.device_count);
+  g_api.cuDriverGetVersion(&g_api.driver_version);
+  /* cuMemcpyBatchAsync changed signature in CUDA 13 (failIdx dropped):
+   * ask the driver for the form we declared. */
+  typedef mc_cu_result (*get_proc_fn)(const char *, void **, int, uint64_t, int *);
+  get_proc_fn gp = (get_proc_fn)dlsym_quiet(h, "cuGetProcAddress_v2");
+  if (gp) {
+    void *fn = NULL;
+    int status = 0;
+    if (g_api.driver_version >= 13000 &&
+        gp("cuMemcpyBatchAsync", &fn, 13000, 0, &status) == 0 && fn)
+      *(void **)&g_api.cuMemcpyBatchAsync13 = fn;
+    else if (g_api.driver_version >= 12080 &&
+             gp("cuMemcpyBatchAsync", &fn, 12080, 0, &status) == 0 && fn)
+      *(void **)&g_api.cuMemcpyBatchAsync12 = fn;
+  }
+  if (getenv("MC_GPU_NO_BATCH_COPY")) { /* for comparisons */
+    g_api.cuMemcpyBatchAsync13 = NULL;
+    g_api.cuMemcpyBatchAsync12 = NULL;
+  }
+}
+
+#define MC_CUDA_MAX_DEVICES 64
+static pthread_mutex_t g_ctx_mu = PTHREAD_MUTEX_INITIALIZER;
+static mc_cu_context g_ctx[MC_CUDA_MAX_DEVICES];
+
+int mc_cuda_use_device(int device, mc_err_t *err) {
+  const mc_cuda_api_t *api = mc_cuda_api(err);
+  if (!api)
+    return err ? err->code : MC_EUNAVAIL;
+  if (device < 0 || device >= api->device_count || device >= MC_CUDA_MAX_DEVICES)
+    return mc_err_set(err, MC_EINVAL, "cuda:%d does not exist (this process sees %d GPU(s); "
+                      "check CUDA_VISIBLE_DEVICES)", device, api->device_count);
+  pthread_mutex_lock(&g_ctx_mu);
+  mc_cu_context ctx = g_ctx[device];
+  mc_cu_result r = 0;
+  if (!ctx) {
+    mc_cu_device d;
+    r = api->cuDeviceGet(&d, device);
+    if (r == 0)
+      r = api->cuDevicePrimaryCtxRetain(&ctx, d);
+    if (r == 0)
+      g_ctx[device] = ctx;
+  }
+  pthread_mutex_unlock(&g_ctx_mu);
+  if (r == 0)
+    r = api->cuCtxSetCurrent(ctx);
+  if (r != 0) {
+    char b[160];
+    return mc_err_set(err, MC_EUNAVAIL, "cannot use cuda:%d: %s", device,
+                      mc_cuda_strerror(api, r, b, sizeof b));
+  }
+  return 0;
+}
+
+int mc_cuda_copy_batch(mc_cu_ptr *dsts, mc_cu_ptr *srcs, size_t *sizes, size_t count,
+                       mc_cu_stream stream, mc_err_t *err) {
+  const mc_cuda_api_t *api = mc_cuda_api(err);
+  if (!api)
+    return err ? err->code : MC_EUNAVAIL;
+  if (count == 0)
+    return 0;
+  mc_cu_result r = 0;
+  /* The batch API refuses the legacy NULL stream; fall back there. */
+  if (count > 1 && stream && (api->cuMemcpyBatchAsync13 || api->cuMemcpyBatchAsync12)) {
+    mc_cu_memcpy_attrs_t attr = {.src_access_order = MC_CU_MEMCPY_SRC_ACCESS_ORDER_STREAM};
+    size_t idx = 0, fail = 0;
+    /* Batches are cut so a driver-side limit on one call is never hit. */
+    for (size_t off = 0; off < count && r == 0;) {
+      size_t k = count - off < 4096 ? count - off : 4096;
+      r = api->cuMemcpyBatchAsync13
+              ? api->cuMemcpyBatchAsync13(dsts + off, srcs + off, sizes + off, k, &attr, &idx,
+                                          1, stream)
+              : api->cuMemcpyBatchAsync12(dsts + off, srcs + off, sizes + off, k, &attr, &idx,
+                                          1, &fail, stream);
+      off += k;
+    }
+  } else {
+    for (size_t i = 0; i < count && r == 0; i++)
+      r = api->cuMemcpyAsync(dsts[i], srcs[i], sizes[i], stream);
+  }
+  if (r != 0) {
+    char b[160];
+    return mc_err_set(err, MC_ESYS, "GPU copy of %zu piece(s) failed: %s", count,
+                      mc_cuda_strerror(api, r, b, sizeof b));
+  }
+  return 0;
 }
 
 const mc_cuda_api_t *mc_cuda_api(mc_err_t *err) {
@@ -72,6 +190,29 @@ const mc_cuda_api_t *mc_cuda_api(mc_err_t *err) {
     return NULL;
   }
   return &g_api;
+}
+
+const mc_cuda_api_t *mc_cuda_api_if_loaded(void) {
+  static atomic_int known; /* 1: loaded and usable */
+  static _Atomic uint64_t next_check_ns;
+  if (atomic_load_explicit(&known, memory_order_acquire))
+    return &g_api;
+  /* Not loaded: look again at most every 100 ms (dlopen takes a lock). */
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  uint64_t now = (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+  if (now < atomic_load_explicit(&next_check_ns, memory_order_relaxed))
+    return NULL;
+  void *h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+  if (!h) {
+    atomic_store_explicit(&next_check_ns, now + 100000000ull, memory_order_relaxed);
+    return NULL;
+  }
+  dlclose(h);
+  const mc_cuda_api_t *api = mc_cuda_api(NULL);
+  if (api)
+    atomic_store_explicit(&known, 1, memory_order_release);
+  return api;
 }
 
 int mc_cuda_locate(uint64_t addr, uint64_t len, int *device, mc_err_t *err) {

@@ -18,6 +18,20 @@ typedef uint64_t mc_cu_ptr;  /* CUdeviceptr */
 typedef void *mc_cu_stream;  /* CUstream */
 typedef void *mc_cu_context; /* CUcontext */
 typedef int mc_cu_device;    /* CUdevice */
+typedef void *mc_cu_event;   /* CUevent */
+
+#define MC_CU_IPC_HANDLE_SIZE 64
+typedef struct mc_cu_ipc_handle {
+  unsigned char data[MC_CU_IPC_HANDLE_SIZE];
+} mc_cu_ipc_handle_t; /* CUipcMemHandle */
+
+/* CUmemcpyAttributes (CUDA 12.8+), for cuMemcpyBatchAsync. */
+typedef struct mc_cu_memcpy_attrs {
+  int src_access_order; /* CUmemcpySrcAccessOrder */
+  int src_loc_type, src_loc_id; /* CUmemLocation srcLocHint */
+  int dst_loc_type, dst_loc_id; /* CUmemLocation dstLocHint */
+  unsigned flags;
+} mc_cu_memcpy_attrs_t;
 
 enum {
   MC_CU_POINTER_ATTRIBUTE_CONTEXT = 1,
@@ -28,6 +42,18 @@ enum {
   MC_CU_MEMORYTYPE_HOST = 1,
   MC_CU_MEMORYTYPE_DEVICE = 2,
   MC_CU_MEMORYTYPE_UNIFIED = 4,
+  MC_CU_STREAM_NON_BLOCKING = 1,
+  MC_CU_EVENT_DISABLE_TIMING = 2,
+  MC_CU_MEMHOSTALLOC_PORTABLE = 1,
+  MC_CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 1,
+  MC_CU_ERROR_NOT_READY = 600,
+  MC_CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD = 1,
+  MC_CU_MEMCPY_SRC_ACCESS_ORDER_STREAM = 1,
+  MC_CU_MEMCPY_SRC_ACCESS_ORDER_ANY = 3,
+  MC_CU_DEVICE_ATTRIBUTE_PCI_BUS_ID = 33,
+  MC_CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID = 34,
+  MC_CU_DEVICE_ATTRIBUTE_PCI_DOMAIN_ID = 50,
+  MC_CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED = 124,
 };
 
 typedef struct mc_cuda_api {
@@ -41,6 +67,37 @@ typedef struct mc_cuda_api {
   mc_cu_result (*cuCtxSetCurrent)(mc_cu_context ctx);
   mc_cu_result (*cuMemcpyHtoD)(mc_cu_ptr dst, const void *src, size_t n);
   mc_cu_result (*cuMemcpyDtoH)(void *dst, mc_cu_ptr src, size_t n);
+  mc_cu_result (*cuDriverGetVersion)(int *version);
+  mc_cu_result (*cuDeviceGetAttribute)(int *v, int attrib, mc_cu_device dev);
+  mc_cu_result (*cuCtxGetCurrent)(mc_cu_context *ctx);
+  mc_cu_result (*cuStreamCreate)(mc_cu_stream *s, unsigned flags);
+  mc_cu_result (*cuStreamDestroy)(mc_cu_stream s);
+  mc_cu_result (*cuStreamSynchronize)(mc_cu_stream s);
+  mc_cu_result (*cuEventCreate)(mc_cu_event *e, unsigned flags);
+  mc_cu_result (*cuEventDestroy)(mc_cu_event e);
+  mc_cu_result (*cuEventRecord)(mc_cu_event e, mc_cu_stream s);
+  mc_cu_result (*cuEventQuery)(mc_cu_event e);
+  mc_cu_result (*cuEventSynchronize)(mc_cu_event e);
+  mc_cu_result (*cuMemHostAlloc)(void **p, size_t n, unsigned flags);
+  mc_cu_result (*cuMemFreeHost)(void *p);
+  mc_cu_result (*cuMemcpy)(mc_cu_ptr dst, mc_cu_ptr src, size_t n);
+  mc_cu_result (*cuMemcpyAsync)(mc_cu_ptr dst, mc_cu_ptr src, size_t n, mc_cu_stream s);
+  mc_cu_result (*cuMemcpyHtoDAsync)(mc_cu_ptr dst, const void *src, size_t n, mc_cu_stream s);
+  mc_cu_result (*cuMemcpyDtoHAsync)(void *dst, mc_cu_ptr src, size_t n, mc_cu_stream s);
+  /* Optional (NULL when the driver lacks them). */
+  mc_cu_result (*cuIpcGetMemHandle)(mc_cu_ipc_handle_t *h, mc_cu_ptr p);
+  mc_cu_result (*cuIpcOpenMemHandle)(mc_cu_ptr *p, mc_cu_ipc_handle_t h, unsigned flags);
+  mc_cu_result (*cuIpcCloseMemHandle)(mc_cu_ptr p);
+  mc_cu_result (*cuMemGetHandleForAddressRange)(void *handle, mc_cu_ptr p, size_t n, int type,
+                                                unsigned long long flags);
+  /* cuMemcpyBatchAsync: the CUDA 13 form (no failIdx) or the 12.8 one. */
+  mc_cu_result (*cuMemcpyBatchAsync13)(mc_cu_ptr *dsts, mc_cu_ptr *srcs, size_t *sizes,
+                                       size_t count, mc_cu_memcpy_attrs_t *attrs,
+                                       size_t *attr_idx, size_t nattrs, mc_cu_stream s);
+  mc_cu_result (*cuMemcpyBatchAsync12)(mc_cu_ptr *dsts, mc_cu_ptr *srcs, size_t *sizes,
+                                       size_t count, mc_cu_memcpy_attrs_t *attrs,
+                                       size_t *attr_idx, size_t nattrs, size_t *fail_idx,
+                                       mc_cu_stream s);
   int driver_version;
   int device_count;
 } mc_cuda_api_t;
@@ -50,12 +107,27 @@ typedef struct mc_cuda_api {
  * (not installed) or the driver's error (no usable GPU).  Thread-safe. */
 const mc_cuda_api_t *mc_cuda_api(mc_err_t *err);
 
+/* The table only if libcuda is already loaded in this process (by us or by
+ * a framework such as torch); NULL otherwise, without loading it.  Cheap:
+ * lets CPU-only callers skip pointer checks. */
+const mc_cuda_api_t *mc_cuda_api_if_loaded(void);
+
 /* Where does [addr, addr+len) live?  Returns 1 and sets *device if it is
  * one CUDA device allocation (managed memory counts as device memory of its
  * ordinal), 0 if it is host memory the driver does not know (or no CUDA
  * driver is installed), or a negative code: MC_EINVAL when the range starts
  * in a device allocation but runs past its end. */
 int mc_cuda_locate(uint64_t addr, uint64_t len, int *device, mc_err_t *err);
+
+/* Makes the primary context of `device` current on the calling thread
+ * (retained once per device for the life of the process). */
+int mc_cuda_use_device(int device, mc_err_t *err);
+
+/* Copies `count` (dst, src, size) triples, any mix of host/device memory
+ * (unified addressing), on `stream`: one cuMemcpyBatchAsync when the driver
+ * has it (CUDA 12.8+), else one cuMemcpyAsync each.  Asynchronous. */
+int mc_cuda_copy_batch(mc_cu_ptr *dsts, mc_cu_ptr *srcs, size_t *sizes, size_t count,
+                       mc_cu_stream stream, mc_err_t *err);
 
 /* Formats a CUresult as "CUDA_ERROR_X: text". */
 const char *mc_cuda_strerror(const mc_cuda_api_t *api, mc_cu_result r, char *buf, size_t n);

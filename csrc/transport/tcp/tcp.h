@@ -35,7 +35,8 @@ typedef void (*mc_xfer_done_fn)(mc_xfer_op_t *op, int code, const char *msg);
 
 struct mc_xfer_op {
   /* Filled by the submitter. */
-  int type; /* MC_WIRE_WRITE, MC_WIRE_READ or MC_WIRE_NOTIFY */
+  int type; /* MC_WIRE_WRITE, MC_WIRE_READ, MC_WIRE_NOTIFY or MC_WIRE_DESCRIBE
+             * (whose done() gets the peer's JSON as msg on success) */
   uint32_t nent;
   uint64_t total; /* sum of ent[].len, set by mc_xfer_op_seal */
   mc_xfer_done_fn done;
@@ -45,6 +46,7 @@ struct mc_xfer_op {
   void (*entry_failed)(mc_xfer_op_t *op, uint32_t idx, int code, const char *msg);
   void *arg;
   atomic_int *cancel; /* optional: non-zero asks to stop (see sweep) */
+  void *owner;        /* submitter's, untouched by the transport */
   uint8_t *ctrl;      /* NOTIFY body, owned */
   size_t ctrl_len;
   /* Transport-private. */
@@ -87,6 +89,10 @@ typedef struct mc_tcp_hooks {
    * reached another segment, or was closed by the peer; called on the
    * thread that noticed (an I/O thread, or a caller on the fast path). */
   void (*on_peer_failed)(void *ctx, const char *segment);
+  /* Optional: answers a DESCRIBE (malloc'ed JSON; NULL: refuse). */
+  char *(*describe)(void *ctx);
+  /* Optional: stages cuda regions through pinned host memory (gpu/). */
+  struct mc_gpu_stager *gpu;
 } mc_tcp_hooks_t;
 
 int mc_tcp_start(const mc_tcp_opts_t *opts, const mc_tcp_hooks_t *hooks,

@@ -6,6 +6,7 @@
 #include <stdint.h>
 #include <sys/uio.h>
 
+#include "gpu/gpu_staging.h"
 #include "transport/tcp/tcp.h"
 #include "transport/tcp/wire.h"
 
@@ -26,6 +27,11 @@ typedef struct mc_resp {
   int nrefs;
   char *text; /* owned error text / body */
   struct iovec small[2];
+  /* GPU staging (cuda regions): while gate is 1 a copy is in flight and the
+   * response must not be sent; 2 = its connection died meanwhile and the
+   * copy worker frees it. */
+  atomic_int gate;
+  mc_gpu_buf_t *gbuf;
 } mc_resp_t;
 
 enum { CONN_CONNECTING, CONN_OPEN, CONN_DEAD };
@@ -82,6 +88,7 @@ struct mc_conn {
   char perr[MC_ERR_MSG_MAX];
   mc_region_t **prefs;
   int pnrefs;
+  mc_gpu_job_t *pjob; /* H2D copies of the WRITE payload being staged */
 
   int cmd_refs; /* commands queued that name this conn (loop->mu) */
   mc_conn_t *next_in_loop;
@@ -135,6 +142,10 @@ void mc_conn_loop_release(mc_conn_t *c);
 void mc_conn_set_out(mc_conn_t *c, int on);
 void mc_conn_kill(mc_conn_t *c, int code, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
+/* Keeps a connection's memory alive (like a queued command) for a thread
+ * that will post to it later (the GPU copy worker). */
+void mc_conn_hold(mc_conn_t *c);
+void mc_conn_unhold(mc_conn_t *c);
 
 /* tcp_send.c */
 int mc_conn_flush(mc_conn_t *c);

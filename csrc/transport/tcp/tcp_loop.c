@@ -56,6 +56,18 @@ void mc_loop_post(mc_loop_t *l, int kind, mc_conn_t *c) {
 
 /* ---- connections ---- */
 
+void mc_conn_hold(mc_conn_t *c) {
+  pthread_mutex_lock(&c->loop->mu);
+  c->cmd_refs++;
+  pthread_mutex_unlock(&c->loop->mu);
+}
+
+void mc_conn_unhold(mc_conn_t *c) {
+  pthread_mutex_lock(&c->loop->mu);
+  c->cmd_refs--;
+  pthread_mutex_unlock(&c->loop->mu);
+}
+
 int mc_conn_loop_acquire(mc_conn_t *c) {
   pthread_mutex_lock(&c->mu);
   int ok = !c->owner_caller;
@@ -801,6 +813,8 @@ void mc_tcp_stop(mc_tcp_t *t) {
   }
   for (int i = 0; i < t->nloops; i++)
     pthread_join(t->loops[i].thread, NULL);
+  /* GPU copies still in flight post to connections: let them finish. */
+  mc_gpu_stager_drain(t->hooks.gpu);
   /* Threads are gone: fail and free whatever is left, on this thread. */
   for (int i = 0; i < t->nloops; i++) {
     mc_loop_t *l = &t->loops[i];

@@ -15,7 +15,9 @@
 
 #define READ_BUDGET (64u << 20) /* bytes per readiness event, for fairness */
 
-void mc_resp_free(mc_tcp_t *t, mc_resp_t *r) {
+static void resp_free_now(mc_tcp_t *t, mc_resp_t *r) {
+  if (r->gbuf)
+    mc_gpu_buf_put(t->hooks.gpu, r->gbuf);
   for (int i = 0; i < r->nrefs; i++)
     mc_regions_release(t->hooks.regions, r->refs[i]);
   free(r->refs);
@@ -23,6 +25,13 @@ void mc_resp_free(mc_tcp_t *t, mc_resp_t *r) {
     free(r->iov);
   free(r->text);
   free(r);
+}
+
+void mc_resp_free(mc_tcp_t *t, mc_resp_t *r) {
+  int pending = 1;
+  if (atomic_compare_exchange_strong(&r->gate, &pending, 2))
+    return; /* a GPU copy is in flight: the copy worker frees it */
+  resp_free_now(t, r);
 }
 
 static void release_prefs(mc_conn_t *c) {
@@ -33,7 +42,16 @@ static void release_prefs(mc_conn_t *c) {
   c->pnrefs = 0;
 }
 
+static void drop_pjob(mc_conn_t *c) {
+  if (c->pjob) {
+    mc_gpu_buf_put(c->tcp->hooks.gpu, c->pjob->buf);
+    mc_gpu_job_free(c->pjob);
+    c->pjob = NULL;
+  }
+}
+
 void mc_conn_free_recv(mc_conn_t *c) {
+  drop_pjob(c);
   release_prefs(c);
   free(c->body);
   c->body = NULL;
@@ -122,6 +140,7 @@ static int expected_response(int req_type) {
   case MC_WIRE_WRITE: return MC_WIRE_WRITE_ACK;
   case MC_WIRE_READ: return MC_WIRE_READ_DATA;
   case MC_WIRE_NOTIFY: return MC_WIRE_NOTIFY_ACK;
+  case MC_WIRE_DESCRIBE: return MC_WIRE_DESCRIBE_ACK;
   default: return -1;
   }
 }
@@ -182,6 +201,90 @@ static void start_payload(mc_conn_t *c, uint64_t len, int discard) {
   c->rstate = RS_PAYLOAD;
 }
 
+/* ---- GPU staging of cuda regions (target side) ---- */
+
+/* The copy worker finished the copies a gated response waited for. */
+static void target_job_done(mc_gpu_job_t *j, int code, const char *msg) {
+  mc_resp_t *r = j->arg;
+  mc_conn_t *c = j->arg2;
+  if (code < 0) {
+    /* Answer an error instead of data that never arrived / never left. */
+    mc_log_warn("GPU staging for %s failed: %s", c->peer, msg ? msg : "");
+    mc_put_u32(r->hdr + 12, (uint32_t)MC_EUNAVAIL);
+    mc_put_u64(r->hdr + 24, 0);
+    mc_put_u32(r->hdr + 8, 0);
+    r->niov = 1;
+    r->iov_idx = 0;
+    r->iov_off = 0;
+  }
+  int pending = 1;
+  if (atomic_compare_exchange_strong(&r->gate, &pending, 0))
+    mc_loop_post(c->loop, CMD_KICK, c);
+  else
+    resp_free_now(c->tcp, r); /* the connection died meanwhile */
+  mc_conn_unhold(c);
+  mc_gpu_job_free(j);
+}
+
+/* Points the pinned entries that lie in cuda regions at one staging buffer
+ * and prepares the copies (H2D for a WRITE payload, D2H for READ data).
+ * 0: no cuda entry; 1: staged (c->pjob); <0: no staging possible (*e). */
+static int stage_entries(mc_conn_t *c, int dir, mc_err_t *e) {
+  uint64_t bytes = 0;
+  int dev = -1;
+  for (int i = 0; i < c->pnrefs; i++)
+    if (c->prefs[i]->cuda_dev >= 0) {
+      bytes += c->piov[i].iov_len;
+      if (dev < 0)
+        dev = c->prefs[i]->cuda_dev;
+    }
+  if (bytes == 0)
+    return 0;
+  if (!c->tcp->hooks.gpu)
+    return mc_err_set(e, MC_EUNAVAIL, "segment %s has no GPU staging",
+                      c->tcp->hooks.local_name);
+  mc_gpu_buf_t *b = mc_gpu_buf_get(c->tcp->hooks.gpu, dev, bytes, e);
+  mc_gpu_job_t *j = b ? mc_gpu_job_new(dev, dir) : NULL;
+  if (!j) {
+    mc_gpu_buf_put(c->tcp->hooks.gpu, b);
+    return b ? mc_err_set(e, MC_ENOMEM, "out of memory") : e->code;
+  }
+  j->buf = b;
+  uint64_t off = 0;
+  for (int i = 0; i < c->pnrefs; i++) {
+    if (c->prefs[i]->cuda_dev < 0)
+      continue;
+    char *host = (char *)b->p + off;
+    mc_cu_ptr dptr = (mc_cu_ptr)(uintptr_t)c->piov[i].iov_base;
+    size_t n = c->piov[i].iov_len;
+    int rc = dir == MC_GPU_H2D ? mc_gpu_job_add(j, dptr, (mc_cu_ptr)(uintptr_t)host, n)
+                               : mc_gpu_job_add(j, (mc_cu_ptr)(uintptr_t)host, dptr, n);
+    if (rc < 0) {
+      mc_gpu_buf_put(c->tcp->hooks.gpu, b);
+      mc_gpu_job_free(j);
+      return mc_err_set(e, MC_ENOMEM, "out of memory");
+    }
+    c->piov[i].iov_base = host;
+    off += n;
+  }
+  c->pjob = j;
+  return 1;
+}
+
+/* Hands the staged copies to the worker; `r` goes out once they are done. */
+static void submit_staged(mc_conn_t *c, mc_resp_t *r) {
+  mc_gpu_job_t *j = c->pjob;
+  c->pjob = NULL;
+  r->gbuf = j->buf;
+  j->buf = NULL;
+  atomic_store(&r->gate, 1);
+  j->arg = r;
+  j->arg2 = c;
+  j->complete = target_job_done;
+  mc_conn_hold(c);
+  mc_gpu_stager_submit(c->tcp->hooks.gpu, j);
+}
+
 /* ---- header handling ---- */
 
 static int on_header_initiator(mc_conn_t *c) {
@@ -192,7 +295,8 @@ static int on_header_initiator(mc_conn_t *c) {
                  mc_wire_type_name(c->rh.type), (unsigned long long)c->rh.req_id, c->peer);
     return -1;
   }
-  if (c->rh.status < 0 || c->rh.type == MC_WIRE_HELLO_ACK) {
+  if (c->rh.status < 0 || c->rh.type == MC_WIRE_HELLO_ACK ||
+      c->rh.type == MC_WIRE_DESCRIBE_ACK) {
     if (c->rh.length == 0) {
       if (c->rh.status < 0) {
         pop_await(c);
@@ -260,6 +364,16 @@ static int on_header_target(mc_conn_t *c) {
   case MC_WIRE_WRITE:
   case MC_WIRE_READ:
     return start_body(c, (size_t)c->rh.count * MC_WIRE_ENT_SIZE);
+  case MC_WIRE_DESCRIBE: {
+    if (c->rh.length != 0) {
+      mc_conn_kill(c, MC_EPROTO, "DESCRIBE with a body from %s", c->peer);
+      return -1;
+    }
+    char *d = c->tcp->hooks.describe ? c->tcp->hooks.describe(c->tcp->hooks.ctx) : NULL;
+    if (!d)
+      return resp_error(c, MC_WIRE_DESCRIBE_ACK, MC_EUNAVAIL, "cannot describe the segment");
+    return resp_simple(c, MC_WIRE_DESCRIBE_ACK, 0, d);
+  }
   default:
     mc_conn_kill(c, MC_EPROTO, "unexpected %s from %s", mc_wire_type_name(c->rh.type), c->peer);
     return -1;
@@ -291,6 +405,12 @@ static int on_body_initiator(mc_conn_t *c) {
     }
     c->hello_ok = 1;
     pop_await(c);
+    mc_xfer_op_free(op);
+    return 0;
+  }
+  if (c->rh.type == MC_WIRE_DESCRIBE_ACK && c->rh.status == 0) {
+    pop_await(c);
+    mc_op_finalize(op, 0, (const char *)c->body);
     mc_xfer_op_free(op);
     return 0;
   }
@@ -385,6 +505,15 @@ static int on_body_target(mc_conn_t *c) {
       return -1;
     }
     c->pniov = (int)c->rh.count;
+    if (c->pstatus == 0) {
+      mc_err_t e;
+      if (stage_entries(c, MC_GPU_H2D, &e) < 0) {
+        c->pstatus = e.code;
+        c->pbad = 0; /* the whole message */
+        snprintf(c->perr, sizeof c->perr, "WRITE into GPU memory: %s", e.msg);
+        release_prefs(c);
+      }
+    }
     start_payload(c, sum, c->pstatus != 0);
     if (sum == 0) {
       c->rstate = RS_HDR;
@@ -402,9 +531,16 @@ static int on_body_target(mc_conn_t *c) {
       release_prefs(c);
       return resp_error(c, MC_WIRE_READ_DATA, c->pstatus, c->perr);
     }
+    mc_err_t se;
+    if (stage_entries(c, MC_GPU_D2H, &se) < 0) {
+      release_prefs(c);
+      c->pbad = 0;
+      return resp_error(c, MC_WIRE_READ_DATA, se.code, se.msg);
+    }
     mc_resp_t *r = calloc(1, sizeof *r);
     if (!r || !(r->iov = malloc(((size_t)c->rh.count + 1) * sizeof *r->iov))) {
       free(r);
+      drop_pjob(c);
       mc_conn_kill(c, MC_ENOMEM, "out of memory");
       return -1;
     }
@@ -418,6 +554,8 @@ static int on_body_target(mc_conn_t *c) {
     c->prefs = NULL;
     c->pnrefs = 0;
     queue_resp(c, r);
+    if (c->pjob)
+      submit_staged(c, r); /* sent once the D2H copies are done */
     return 0;
   }
   default:
@@ -435,6 +573,20 @@ static int on_payload_done(mc_conn_t *c) {
     }
     return 0;
   }
+  if (c->pjob && c->pstatus == 0) {
+    /* Payload staged in pinned memory: acknowledge once it is on the GPU;
+     * the regions stay pinned until then. */
+    if (resp_simple(c, MC_WIRE_WRITE_ACK, 0, NULL) < 0)
+      return -1;
+    mc_resp_t *r = c->resp_tail;
+    r->refs = c->prefs;
+    r->nrefs = c->pnrefs;
+    c->prefs = NULL;
+    c->pnrefs = 0;
+    submit_staged(c, r);
+    return 0;
+  }
+  drop_pjob(c);
   release_prefs(c);
   if (c->pstatus)
     return resp_error(c, MC_WIRE_WRITE_ACK, c->pstatus, c->perr);

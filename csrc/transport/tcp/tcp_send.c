@@ -203,7 +203,8 @@ static int flush_responses(mc_conn_t *c) {
     gather_t g;
     g.n = 0;
     for (mc_resp_t *r = c->resp_head; r; r = r->next)
-      if (!gather_add(&g, r->iov, r->niov, r->iov_idx, r->iov_off))
+      if (atomic_load(&r->gate) || /* GPU copy still in flight */
+          !gather_add(&g, r->iov, r->niov, r->iov_idx, r->iov_off))
         break;
     if (g.n == 0)
       break;

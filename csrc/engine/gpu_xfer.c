@@ -1,0 +1,475 @@
+/* GPU memory in transfers (engine side): where local buffers live, the
+ * same-host path (CUDA IPC copies between the two processes' GPUs), and
+ * staging of local GPU buffers through pinned host memory for TCP.  The
+ * target side of TCP stages cuda regions itself (transport/tcp/tcp_recv.c);
+ * both use the engine's copy worker (gpu/gpu_staging.c). */
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "engine/engine_internal.h"
+#include "gpu/cuda_driver.h"
+#include "gpu/gpu_ipc.h"
+#include "transport/tcp/wire.h"
+#include "util/log.h"
+
+int mc_gpu_locate_locals(const mc_request_t *reqs, size_t n, int *ldev, mc_err_t *err) {
+  int k = 0;
+  for (size_t i = 0; i < n; i++) {
+    int dev = -1;
+    int rc = mc_cuda_locate((uint64_t)(uintptr_t)reqs[i].local, reqs[i].len, &dev, err);
+    if (rc < 0)
+      return mc_err_prefix(err, "request %zu (local buffer)", i);
+    ldev[i] = rc == 1 ? dev : -1;
+    k += rc == 1;
+  }
+  return k;
+}
+
+int mc_gpu_copy_sync(void *dst, const void *src, uint64_t len, int dev, mc_err_t *err) {
+  const mc_cuda_api_t *api = mc_cuda_api(err);
+  if (!api)
+    return err ? err->code : MC_EUNAVAIL;
+  int rc = mc_cuda_use_device(dev, err);
+  if (rc < 0)
+    return rc;
+  mc_cu_result r = api->cuMemcpyAsync((mc_cu_ptr)(uintptr_t)dst, (mc_cu_ptr)(uintptr_t)src,
+                                      len, NULL);
+  if (r == 0)
+    r = api->cuStreamSynchronize(NULL);
+  if (r != 0) {
+    char m[160];
+    return mc_err_set(err, MC_ESYS, "GPU copy of %llu bytes failed: %s",
+                      (unsigned long long)len, mc_cuda_strerror(api, r, m, sizeof m));
+  }
+  return 0;
+}
+
+void mc_gpu_log_path_once(mc_engine_t *e, const char *segment, const char *fmt, ...) {
+  char key[320];
+  snprintf(key, sizeof key, "%s", segment);
+  pthread_mutex_lock(&e->gpu_mu);
+  for (size_t i = 0; i < e->gpu_nlogged; i++)
+    if (!strcmp(e->gpu_logged[i], key)) {
+      pthread_mutex_unlock(&e->gpu_mu);
+      return;
+    }
+  char(*v)[320] = realloc(e->gpu_logged, (e->gpu_nlogged + 1) * sizeof *v);
+  if (v) {
+    e->gpu_logged = v;
+    memcpy(v[e->gpu_nlogged++], key, sizeof key);
+  }
+  pthread_mutex_unlock(&e->gpu_mu);
+  char msg[MC_ERR_MSG_MAX];
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(msg, sizeof msg, fmt, ap);
+  va_end(ap);
+  mc_log_info("GPU path to segment %s: %s", segment, msg);
+}
+
+/* ---- same-host path ---- */
+
+static void describe_done(mc_xfer_op_t *op, int code, const char *msg) {
+  mc_batch_t *b = op->arg;
+  pthread_mutex_lock(&b->mu);
+  if (code == 0 && msg) {
+    free(b->tasks[0].msg);
+    b->tasks[0].msg = strdup(msg);
+  }
+  mc_batch_part_done(b, 0, code, msg, 0);
+  b->ops_inflight--;
+  pthread_cond_broadcast(&b->cv);
+  pthread_mutex_unlock(&b->mu);
+}
+
+/* Asks the peer for its descriptor over the data connection (DESCRIBE). */
+static int describe_remote(mc_engine_t *e, const char *segment, const mc_segment_desc_t *d,
+                           mc_remote_desc_t *out, mc_err_t *err) {
+  mc_batch_t *b = mc_batch_new(e, 1);
+  mc_xfer_op_t *op = mc_xfer_op_new(MC_WIRE_DESCRIBE, 0, 0);
+  if (!b || !op) {
+    mc_batch_free(e, b);
+    mc_xfer_op_free(op);
+    return mc_err_set(err, MC_ENOMEM, "out of memory");
+  }
+  op->done = describe_done;
+  op->arg = b;
+  op->cancel = &b->cancel;
+  int rc = mc_xfer_op_seal(op, err);
+  if (rc < 0) {
+    mc_xfer_op_free(op);
+    mc_batch_free(e, b);
+    return rc;
+  }
+  b->n = 1;
+  b->pending = 1;
+  b->ops_inflight = 1;
+  b->tasks[0].state = MC_TASK_PENDING;
+  b->tasks[0].parts_left = 1;
+  snprintf(b->last_segment, sizeof b->last_segment, "%s", segment);
+  mc_tcp_submit(e->tcp, d->host, d->port, segment, &op, 1);
+  rc = mc_batch_wait(e, b, 10000, err);
+  if (rc == 0) {
+    const char *j = b->tasks[0].msg ? b->tasks[0].msg : "";
+    rc = mc_segment_desc_decode_regions(j, strlen(j), out, err);
+  }
+  mc_batch_free(e, b);
+  return rc;
+}
+
+static const mc_remote_region_t *find_region(const mc_remote_desc_t *rd, uint64_t addr,
+                                             uint64_t len) {
+  size_t lo = 0, hi = rd->n;
+  while (lo < hi) { /* first region with addr > a */
+    size_t mid = (lo + hi) / 2;
+    if (rd->regions[mid].addr <= addr)
+      lo = mid + 1;
+    else
+      hi = mid;
+  }
+  if (lo == 0)
+    return NULL;
+  const mc_remote_region_t *r = &rd->regions[lo - 1];
+  return addr + len <= r->addr + r->len ? r : NULL;
+}
+
+/* Per peer: 0 unknown, 1 same host, -1 elsewhere (never asked again). */
+static int peer_verdict(mc_engine_t *e, const char *segment, int set) {
+  pthread_mutex_lock(&e->gpu_mu);
+  int v = 0;
+  size_t i;
+  for (i = 0; i < e->gpu_npeers; i++)
+    if (!strcmp(e->gpu_peers[i].name, segment))
+      break;
+  if (i < e->gpu_npeers) {
+    if (set)
+      e->gpu_peers[i].verdict = set;
+    v = e->gpu_peers[i].verdict;
+  } else if (set) {
+    void *nv = realloc(e->gpu_peers, (e->gpu_npeers + 1) * sizeof *e->gpu_peers);
+    if (nv) {
+      e->gpu_peers = nv;
+      snprintf(e->gpu_peers[e->gpu_npeers].name, sizeof e->gpu_peers[0].name, "%s", segment);
+      e->gpu_peers[e->gpu_npeers++].verdict = set;
+    }
+    v = set;
+  }
+  pthread_mutex_unlock(&e->gpu_mu);
+  return v;
+}
+
+size_t mc_gpu_ipc_plan(mc_engine_t *e, const char *segment, const mc_segment_desc_t *d,
+                       const mc_request_t *reqs, size_t n, const int *ldev,
+                       uint64_t *mapped, char *via_ipc) {
+  if (e->gpu_ipc_off || peer_verdict(e, segment, 0) < 0)
+    return 0;
+  mc_remote_desc_t rd;
+  mc_err_t err = {0};
+  if (describe_remote(e, segment, d, &rd, &err) < 0) {
+    mc_gpu_log_path_once(e, segment, "TCP with pinned staging (the peer's descriptor is not "
+                         "available: %s)", err.msg);
+    return 0;
+  }
+  int same = rd.host_id[0] && !strcmp(rd.host_id, mc_host_identity());
+  if (!same) {
+    peer_verdict(e, segment, -1);
+    mc_gpu_log_path_once(e, segment, "TCP with pinned staging (the peer runs on another "
+                         "host)");
+    mc_remote_desc_free(&rd);
+    return 0;
+  }
+  peer_verdict(e, segment, 1);
+  int same_process = rd.pid == (long)getpid();
+  size_t k = 0;
+  for (size_t i = 0; i < n; i++) {
+    if (ldev[i] < 0)
+      continue;
+    const mc_remote_region_t *r = find_region(&rd, reqs[i].remote, reqs[i].len);
+    if (!r || r->cuda_dev < 0)
+      continue; /* host memory there (or not registered): TCP says which */
+    uint64_t base = 0;
+    if (same_process) {
+      mapped[i] = reqs[i].remote; /* one address space */
+    } else if (r->ipc[0] && mc_gpu_ipc_open(r->ipc, ldev[i], &base, &err) == 0) {
+      mapped[i] = base + (reqs[i].remote - r->ipc_base);
+    } else {
+      mc_gpu_log_path_once(e, segment, "TCP with pinned staging (%s)",
+                           r->ipc[0] ? err.msg : "the peer exported no CUDA IPC handle");
+      continue;
+    }
+    via_ipc[i] = 1;
+    k++;
+  }
+  if (k)
+    mc_gpu_log_path_once(e, segment, "same host: GPU memory moves directly between the GPUs "
+                         "(%s, %s)", same_process ? "same process" : "CUDA IPC",
+                         mc_cuda_api(NULL) && (mc_cuda_api(NULL)->cuMemcpyBatchAsync13 ||
+                                               mc_cuda_api(NULL)->cuMemcpyBatchAsync12)
+                             ? "cuMemcpyBatchAsync"
+                             : "cuMemcpyAsync per block");
+  mc_remote_desc_free(&rd);
+  return k;
+}
+
+typedef struct ipc_ctx {
+  mc_batch_t *b;
+  size_t n;
+  size_t idx[];
+} ipc_ctx_t;
+
+static void ipc_job_done(mc_gpu_job_t *j, int code, const char *msg) {
+  ipc_ctx_t *x = j->arg;
+  mc_batch_t *b = x->b;
+  pthread_mutex_lock(&b->mu);
+  for (size_t i = 0; i < x->n; i++)
+    mc_batch_part_done(b, x->idx[i], code, msg, b->tasks[x->idx[i]].req.len);
+  b->ops_inflight--;
+  pthread_cond_broadcast(&b->cv);
+  pthread_mutex_unlock(&b->mu);
+  free(x);
+  mc_gpu_job_free(j);
+}
+
+size_t mc_gpu_ipc_jobs(mc_engine_t *e, mc_batch_t *b, size_t first, const mc_request_t *reqs,
+                       size_t n, const int *ldev, const uint64_t *mapped,
+                       const char *via_ipc, mc_gpu_job_t **jobs, size_t max_jobs) {
+  (void)e;
+  size_t njobs = 0;
+  char *done = calloc(n, 1);
+  for (size_t i = 0; i < n; i++) {
+    if (!via_ipc[i] || (done && done[i]))
+      continue;
+    int dev = ldev[i];
+    size_t cnt = 0;
+    for (size_t k = i; k < n; k++)
+      cnt += via_ipc[k] && ldev[k] == dev;
+    mc_gpu_job_t *j = njobs < max_jobs && done ? mc_gpu_job_new(dev, MC_GPU_D2D) : NULL;
+    ipc_ctx_t *x = j ? malloc(sizeof *x + cnt * sizeof(size_t)) : NULL;
+    if (x) {
+      x->b = b;
+      x->n = 0;
+    }
+    for (size_t k = i; k < n; k++) {
+      if (!via_ipc[k] || ldev[k] != dev)
+        continue;
+      if (done)
+        done[k] = 1;
+      b->tasks[first + k].parts_left = 1;
+      int rc = MC_ENOMEM;
+      if (x) {
+        mc_cu_ptr loc = (mc_cu_ptr)(uintptr_t)reqs[k].local;
+        rc = reqs[k].opcode == MC_OP_WRITE ? mc_gpu_job_add(j, mapped[k], loc, reqs[k].len)
+                                           : mc_gpu_job_add(j, loc, mapped[k], reqs[k].len);
+      }
+      if (rc == 0)
+        x->idx[x->n++] = first + k;
+      else
+        mc_batch_part_done(b, first + k, MC_ENOMEM, "out of memory queuing a GPU copy", 0);
+    }
+    if (!x) {
+      mc_gpu_job_free(j);
+      continue;
+    }
+    j->arg = x;
+    j->complete = ipc_job_done;
+    b->ops_inflight++;
+    jobs[njobs++] = j;
+  }
+  free(done);
+  return njobs;
+}
+
+void mc_gpu_ipc_submit(mc_engine_t *e, mc_gpu_job_t **jobs, size_t njobs) {
+  for (size_t i = 0; i < njobs; i++)
+    mc_gpu_stager_submit(e->gpu, jobs[i]);
+}
+
+/* ---- local GPU buffers over TCP (initiator side) ---- */
+
+typedef struct staged {
+  mc_engine_t *e;
+  mc_gpu_buf_t *buf;
+  mc_xfer_done_fn done; /* the batch's */
+  char host[256];
+  int port;
+  char segment[320];
+  int dev;
+  const int *ldev_unused;
+  size_t n; /* staged entries: staging offset -> device pointer */
+  uint64_t *soff;
+  mc_cu_ptr *dptr;
+  uint64_t *len;
+  uint8_t *is_gpu; /* per entry at staging time */
+} staged_t;
+
+static void staged_free(staged_t *st) {
+  free(st->soff);
+  free(st->dptr);
+  free(st->len);
+  free(st->is_gpu);
+  free(st);
+}
+
+/* op->done of a staged WRITE (or a failed READ): returns the buffer. */
+static void staged_done(mc_xfer_op_t *op, int code, const char *msg) {
+  staged_t *st = op->owner;
+  mc_gpu_buf_put(st->e->gpu, st->buf);
+  op->done = st->done;
+  staged_free(st);
+  op->done(op, code, msg);
+}
+
+static void read_h2d_done(mc_gpu_job_t *j, int code, const char *msg) {
+  mc_xfer_op_t *op2 = j->arg;
+  staged_t *st = j->arg2;
+  mc_gpu_buf_put(st->e->gpu, st->buf);
+  staged_free(st);
+  op2->done(op2, code, msg);
+  mc_xfer_op_free(op2);
+  mc_gpu_job_free(j);
+}
+
+/* op->done of a staged READ (I/O thread): the data is in staging; copy it
+ * to the GPU on the worker, then complete. */
+static void staged_read_done(mc_xfer_op_t *op, int code, const char *msg) {
+  staged_t *st = op->owner;
+  mc_xfer_op_t *op2 = code == 0 ? mc_xfer_op_new(op->type, op->nent, 0) : NULL;
+  mc_gpu_job_t *j = op2 ? mc_gpu_job_new(st->dev, MC_GPU_H2D) : NULL;
+  if (!j) {
+    mc_xfer_op_free(op2);
+    staged_done(op, code ? code : MC_ENOMEM, code ? msg : "out of memory");
+    return;
+  }
+  memcpy(op2->ent, op->ent, op->nent * sizeof *op->ent);
+  op2->arg = op->arg;
+  op2->done = st->done;
+  char *base = st->buf->p;
+  for (uint32_t i = 0; i < op->nent; i++) {
+    char *p = op->ent[i].local;
+    if (p < base || p >= base + st->buf->size)
+      continue; /* host memory: already in place */
+    uint64_t off = (uint64_t)(p - base);
+    size_t lo = 0, hi = st->n; /* the staged entry at this offset */
+    while (lo < hi) {
+      size_t mid = (lo + hi) / 2;
+      if (st->soff[mid] < off)
+        lo = mid + 1;
+      else
+        hi = mid;
+    }
+    if (lo < st->n && st->soff[lo] == off)
+      mc_gpu_job_add(j, st->dptr[lo], (mc_cu_ptr)(uintptr_t)p, op->ent[i].len);
+  }
+  j->arg = op2;
+  j->arg2 = st;
+  j->complete = read_h2d_done;
+  mc_gpu_stager_submit(st->e->gpu, j);
+}
+
+/* Worker: takes the staging buffer's place in the op's entries. */
+static int stage_prepare(mc_gpu_job_t *j, mc_err_t *err) {
+  mc_xfer_op_t *op = j->arg;
+  staged_t *st = j->arg2;
+  st->buf = j->buf;
+  j->buf = NULL;
+  uint64_t off = 0;
+  st->n = 0;
+  for (uint32_t i = 0; i < op->nent; i++) {
+    if (!st->is_gpu[i])
+      continue;
+    char *host = (char *)st->buf->p + off;
+    mc_cu_ptr dev = (mc_cu_ptr)(uintptr_t)op->ent[i].local;
+    st->soff[st->n] = off;
+    st->dptr[st->n] = dev;
+    st->len[st->n] = op->ent[i].len;
+    st->n++;
+    if (op->type == MC_WIRE_WRITE &&
+        mc_gpu_job_add(j, (mc_cu_ptr)(uintptr_t)host, dev, op->ent[i].len) < 0)
+      return mc_err_set(err, MC_ENOMEM, "out of memory");
+    op->ent[i].local = host;
+    off += op->ent[i].len;
+  }
+  free(op->table);
+  free(op->iov);
+  op->table = NULL;
+  op->iov = NULL;
+  return mc_xfer_op_seal(op, err);
+}
+
+/* Worker: the D2H copies of a WRITE are done (or a READ's buffer is in
+ * place): send it. */
+static void stage_ready(mc_gpu_job_t *j, int code, const char *msg) {
+  mc_xfer_op_t *op = j->arg;
+  staged_t *st = j->arg2;
+  mc_engine_t *e = st->e;
+  if (!st->buf && j->buf) { /* failed before prepare */
+    st->buf = j->buf;
+    j->buf = NULL;
+  }
+  if (code == 0 && op->cancel && atomic_load(op->cancel)) {
+    code = MC_ECANCELED;
+    msg = "canceled before it was sent";
+  }
+  if (code < 0) {
+    op->done = staged_done;
+    if (!st->buf) { /* nothing to return */
+      op->done = st->done;
+      staged_free(st);
+    }
+    op->done(op, code, msg);
+    mc_xfer_op_free(op);
+  } else {
+    mc_tcp_submit(e->tcp, st->host, st->port, st->segment, &op, 1);
+  }
+  mc_gpu_job_free(j);
+}
+
+void mc_gpu_stage_op(mc_engine_t *e, mc_xfer_op_t *op, const char *host, int port,
+                     const char *segment, const int *ldev, size_t first) {
+  staged_t *st = calloc(1, sizeof *st);
+  mc_gpu_job_t *j = NULL;
+  if (st) {
+    st->soff = malloc(op->nent * sizeof *st->soff);
+    st->dptr = malloc(op->nent * sizeof *st->dptr);
+    st->len = malloc(op->nent * sizeof *st->len);
+    st->is_gpu = calloc(op->nent, 1);
+  }
+  uint64_t bytes = 0;
+  int dev = -1;
+  if (st && st->soff && st->dptr && st->len && st->is_gpu) {
+    for (uint32_t i = 0; i < op->nent; i++) {
+      int d = ldev[op->ent[i].cookie - first];
+      if (d < 0)
+        continue;
+      st->is_gpu[i] = 1;
+      bytes += op->ent[i].len;
+      if (dev < 0)
+        dev = d;
+    }
+    j = mc_gpu_job_new(dev, op->type == MC_WIRE_WRITE ? MC_GPU_D2H : MC_GPU_H2D);
+  }
+  if (!j) {
+    if (st)
+      staged_free(st);
+    op->done(op, MC_ENOMEM, "out of memory staging GPU memory");
+    mc_xfer_op_free(op);
+    return;
+  }
+  st->e = e;
+  st->done = op->done;
+  snprintf(st->host, sizeof st->host, "%s", host);
+  st->port = port;
+  snprintf(st->segment, sizeof st->segment, "%s", segment);
+  st->dev = dev;
+  op->owner = st;
+  op->done = op->type == MC_WIRE_WRITE ? staged_done : staged_read_done;
+  j->want_buf = bytes;
+  j->prepare = stage_prepare;
+  j->complete = stage_ready;
+  j->arg = op;
+  j->arg2 = st;
+  mc_gpu_stager_submit(e->gpu, j);
+}

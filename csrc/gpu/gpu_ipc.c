@@ -1,0 +1,170 @@
+#include "gpu/gpu_ipc.h"
+
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "gpu/cuda_driver.h"
+
+static const char b64chars[] =
+    "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+
+static void b64_encode(const unsigned char *in, size_t n, char *out) {
+  size_t o = 0;
+  for (size_t i = 0; i < n; i += 3) {
+    unsigned v = (unsigned)in[i] << 16;
+    if (i + 1 < n)
+      v |= (unsigned)in[i + 1] << 8;
+    if (i + 2 < n)
+      v |= in[i + 2];
+    out[o++] = b64chars[(v >> 18) & 63];
+    out[o++] = b64chars[(v >> 12) & 63];
+    out[o++] = i + 1 < n ? b64chars[(v >> 6) & 63] : '=';
+    out[o++] = i + 2 < n ? b64chars[v & 63] : '=';
+  }
+  out[o] = '\0';
+}
+
+static int b64_val(char c) {
+  const char *p = c ? strchr(b64chars, c) : NULL;
+  return p ? (int)(p - b64chars) : -1;
+}
+
+/* Returns bytes decoded, or -1. */
+static long b64_decode(const char *in, unsigned char *out, size_t cap) {
+  size_t n = strlen(in), o = 0;
+  if (n % 4)
+    return -1;
+  for (size_t i = 0; i < n; i += 4) {
+    int a = b64_val(in[i]), b = b64_val(in[i + 1]);
+    int c = in[i + 2] == '=' ? 0 : b64_val(in[i + 2]);
+    int d = in[i + 3] == '=' ? 0 : b64_val(in[i + 3]);
+    if (a < 0 || b < 0 || c < 0 || d < 0)
+      return -1;
+    unsigned v = (unsigned)a << 18 | (unsigned)b << 12 | (unsigned)c << 6 | (unsigned)d;
+    unsigned char bytes[3] = {(unsigned char)(v >> 16), (unsigned char)(v >> 8),
+                              (unsigned char)v};
+    int k = in[i + 2] == '=' ? 1 : in[i + 3] == '=' ? 2 : 3;
+    for (int j = 0; j < k; j++) {
+      if (o >= cap)
+        return -1;
+      out[o++] = bytes[j];
+    }
+  }
+  return (long)o;
+}
+
+int mc_gpu_ipc_export(uint64_t addr, char out_b64[MC_GPU_IPC_B64_MAX], uint64_t *alloc_base,
+                      mc_err_t *err) {
+  const mc_cuda_api_t *api = mc_cuda_api(err);
+  if (!api)
+    return err ? err->code : MC_EUNAVAIL;
+  if (!api->cuIpcGetMemHandle)
+    return mc_err_set(err, MC_EUNAVAIL, "this CUDA driver has no cuIpcGetMemHandle");
+  mc_cu_ptr base = 0;
+  if (api->cuPointerGetAttribute(&base, MC_CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, addr) != 0)
+    base = addr;
+  mc_cu_ipc_handle_t h;
+  mc_cu_result r = api->cuIpcGetMemHandle(&h, base);
+  if (r != 0) {
+    char m[160];
+    return mc_err_set(err, MC_EUNAVAIL,
+                      "GPU memory at 0x%llx cannot be exported with cuIpcGetMemHandle (%s): "
+                      "same-host peers reach it over TCP instead",
+                      (unsigned long long)addr, mc_cuda_strerror(api, r, m, sizeof m));
+  }
+  b64_encode(h.data, sizeof h.data, out_b64);
+  *alloc_base = base;
+  return 0;
+}
+
+typedef struct opened {
+  char b64[MC_GPU_IPC_B64_MAX];
+  int device;
+  uint64_t mapped;
+} opened_t;
+
+static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
+static opened_t *g_open;
+static size_t g_nopen, g_capopen;
+
+int mc_gpu_ipc_open(const char *b64, int device, uint64_t *mapped, mc_err_t *err) {
+  pthread_mutex_lock(&g_mu);
+  for (size_t i = 0; i < g_nopen; i++)
+    if (g_open[i].device == device && !strcmp(g_open[i].b64, b64)) {
+      *mapped = g_open[i].mapped;
+      pthread_mutex_unlock(&g_mu);
+      return 0;
+    }
+  pthread_mutex_unlock(&g_mu);
+  const mc_cuda_api_t *api = mc_cuda_api(err);
+  if (!api)
+    return err ? err->code : MC_EUNAVAIL;
+  if (!api->cuIpcOpenMemHandle)
+    return mc_err_set(err, MC_EUNAVAIL, "this CUDA driver has no cuIpcOpenMemHandle");
+  mc_cu_ipc_handle_t h;
+  if (strlen(b64) >= MC_GPU_IPC_B64_MAX ||
+      b64_decode(b64, h.data, sizeof h.data) != (long)sizeof h.data)
+    return mc_err_set(err, MC_EINVAL, "malformed CUDA IPC handle \"%.20s...\" in a peer's "
+                      "segment descriptor", b64);
+  int rc = mc_cuda_use_device(device, err);
+  if (rc < 0)
+    return rc;
+  mc_cu_ptr p = 0;
+  pthread_mutex_lock(&g_mu);
+  /* Re-check under the lock: opening one handle twice in a process fails. */
+  for (size_t i = 0; i < g_nopen; i++)
+    if (g_open[i].device == device && !strcmp(g_open[i].b64, b64)) {
+      *mapped = g_open[i].mapped;
+      pthread_mutex_unlock(&g_mu);
+      return 0;
+    }
+  mc_cu_result r = api->cuIpcOpenMemHandle(&p, h, MC_CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS);
+  if (r != 0) {
+    pthread_mutex_unlock(&g_mu);
+    char m[160];
+    return mc_err_set(err, MC_EUNAVAIL,
+                      "cannot open a peer's CUDA IPC handle on cuda:%d (%s); the peer must be "
+                      "on this host with its GPU visible to this process",
+                      device, mc_cuda_strerror(api, r, m, sizeof m));
+  }
+  if (g_nopen == g_capopen) {
+    size_t nc = g_capopen ? g_capopen * 2 : 16;
+    opened_t *v = realloc(g_open, nc * sizeof *v);
+    if (v) {
+      g_open = v;
+      g_capopen = nc;
+    }
+  }
+  if (g_nopen < g_capopen) {
+    snprintf(g_open[g_nopen].b64, sizeof g_open[g_nopen].b64, "%s", b64);
+    g_open[g_nopen].device = device;
+    g_open[g_nopen].mapped = p;
+    g_nopen++;
+  }
+  pthread_mutex_unlock(&g_mu);
+  *mapped = p;
+  return 0;
+}
+
+static pthread_once_t g_id_once = PTHREAD_ONCE_INIT;
+static char g_id[320];
+
+static void make_id(void) {
+  char boot[64] = "", host[256] = "";
+  FILE *f = fopen("/proc/sys/kernel/random/boot_id", "r");
+  if (f) {
+    if (fgets(boot, sizeof boot, f))
+      boot[strcspn(boot, "\n")] = '\0';
+    fclose(f);
+  }
+  gethostname(host, sizeof host - 1);
+  snprintf(g_id, sizeof g_id, "%s/%s", boot, host);
+}
+
+const char *mc_host_identity(void) {
+  pthread_once(&g_id_once, make_id);
+  return g_id;
+}

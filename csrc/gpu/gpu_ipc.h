@@ -1,0 +1,33 @@
+/* Same-host GPU memory sharing between processes: CUDA IPC handles.
+ *
+ * The owner of a cuda region exports the handle of the allocation holding
+ * it (cuIpcGetMemHandle, base64 in the segment descriptor); a process on
+ * the same host opens it once (cuIpcOpenMemHandle with lazy peer access, so
+ * the copy runs over NVLink/PCIe peer-to-peer) and copies with the copy
+ * engines directly between the two GPUs.  Opened mappings are cached per
+ * (handle, device) for the life of the process.
+ */
+#ifndef MC_GPU_GPU_IPC_H
+#define MC_GPU_GPU_IPC_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "util/errors.h"
+
+#define MC_GPU_IPC_B64_MAX 96 /* 64 bytes -> 88 chars + NUL */
+
+/* Exports the allocation holding device address `addr`: its IPC handle as
+ * base64 and the allocation's start.  MC_EUNAVAIL when the memory cannot be
+ * shared this way (e.g. cuMem/VMM or managed memory); callers then use TCP. */
+int mc_gpu_ipc_export(uint64_t addr, char out_b64[MC_GPU_IPC_B64_MAX], uint64_t *alloc_base,
+                      mc_err_t *err);
+
+/* Maps the allocation named by `b64` into this process for use from cuda
+ * device `device`; *mapped is where the allocation's start appears here. */
+int mc_gpu_ipc_open(const char *b64, int device, uint64_t *mapped, mc_err_t *err);
+
+/* "boot_id/hostname": equal for two processes iff they share a kernel. */
+const char *mc_host_identity(void);
+
+#endif

@@ -1,0 +1,461 @@
+#include "gpu/gpu_staging.h"
+
+#include <errno.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "util/log.h"
+
+#define MC_GPU_MAX_DEV 64
+#define MC_GPU_CHUNK (1u << 20) /* buffer sizes are rounded up to this */
+
+struct mc_gpu_stager {
+  pthread_mutex_t mu;
+  pthread_cond_t cv;      /* work for the worker, or room in the pool */
+  pthread_cond_t idle_cv; /* drain waiters */
+  size_t budget;
+  /* Pool (under mu). */
+  mc_gpu_buf_t *free_list;
+  size_t pinned;  /* bytes allocated, free or in use */
+  /* Jobs (under mu). */
+  mc_gpu_job_t *q_head, *q_tail;
+  size_t busy; /* jobs queued or in flight */
+  int stop, started;
+  pthread_t thread;
+  /* Worker-only. */
+  mc_gpu_job_t *fl_head, *fl_tail; /* in flight, submission order */
+  mc_cu_stream streams[MC_GPU_MAX_DEV][3];
+  mc_cu_event *events[MC_GPU_MAX_DEV];
+  size_t nevents[MC_GPU_MAX_DEV], cap_events[MC_GPU_MAX_DEV];
+};
+
+static size_t round_size(size_t n) {
+  return (n + MC_GPU_CHUNK - 1) / MC_GPU_CHUNK * MC_GPU_CHUNK;
+}
+
+mc_gpu_job_t *mc_gpu_job_new(int device, int dir) {
+  mc_gpu_job_t *j = calloc(1, sizeof *j);
+  if (j) {
+    j->device = device;
+    j->dir = dir;
+  }
+  return j;
+}
+
+int mc_gpu_job_add(mc_gpu_job_t *j, mc_cu_ptr dst, mc_cu_ptr src, size_t n) {
+  if (j->n == j->cap) {
+    size_t nc = j->cap ? j->cap * 2 : 16;
+    mc_cu_ptr *d = realloc(j->dsts, nc * sizeof *d);
+    if (d)
+      j->dsts = d;
+    mc_cu_ptr *s = realloc(j->srcs, nc * sizeof *s);
+    if (s)
+      j->srcs = s;
+    size_t *z = realloc(j->sizes, nc * sizeof *z);
+    if (z)
+      j->sizes = z;
+    if (!d || !s || !z)
+      return MC_ENOMEM;
+    j->cap = nc;
+  }
+  /* Adjacent pieces merge into one copy. */
+  if (j->n && j->dsts[j->n - 1] + j->sizes[j->n - 1] == dst &&
+      j->srcs[j->n - 1] + j->sizes[j->n - 1] == src) {
+    j->sizes[j->n - 1] += n;
+    return 0;
+  }
+  j->dsts[j->n] = dst;
+  j->srcs[j->n] = src;
+  j->sizes[j->n] = n;
+  j->n++;
+  return 0;
+}
+
+void mc_gpu_job_free(mc_gpu_job_t *j) {
+  if (!j)
+    return;
+  free(j->dsts);
+  free(j->srcs);
+  free(j->sizes);
+  free(j);
+}
+
+int mc_gpu_stager_create(size_t budget_bytes, mc_gpu_stager_t **out, mc_err_t *err) {
+  mc_gpu_stager_t *s = calloc(1, sizeof *s);
+  if (!s)
+    return mc_err_set(err, MC_ENOMEM, "out of memory");
+  pthread_mutex_init(&s->mu, NULL);
+  pthread_cond_init(&s->cv, NULL);
+  pthread_cond_init(&s->idle_cv, NULL);
+  s->budget = budget_bytes ? budget_bytes : (64u << 20);
+  *out = s;
+  return 0;
+}
+
+/* ---- pinned pool ---- */
+
+static mc_gpu_buf_t *pool_alloc(int device, size_t size, mc_err_t *err) {
+  const mc_cuda_api_t *api = mc_cuda_api(err);
+  if (!api)
+    return NULL;
+  if (mc_cuda_use_device(device, err) < 0)
+    return NULL;
+  mc_gpu_buf_t *b = calloc(1, sizeof *b);
+  if (!b) {
+    mc_err_set(err, MC_ENOMEM, "out of memory");
+    return NULL;
+  }
+  mc_cu_result r = api->cuMemHostAlloc(&b->p, size, MC_CU_MEMHOSTALLOC_PORTABLE);
+  if (r != 0) {
+    char m[160];
+    mc_err_set(err, MC_ENOMEM, "cannot allocate %zu bytes of pinned host memory for GPU "
+               "staging: %s (lower MC_GPU_STAGING_MB or raise the memlock limit)",
+               size, mc_cuda_strerror(api, r, m, sizeof m));
+    free(b);
+    return NULL;
+  }
+  b->size = size;
+  return b;
+}
+
+/* Under mu: a free buffer of >= n bytes (not more than 4x), or NULL. */
+static mc_gpu_buf_t *pool_take(mc_gpu_stager_t *s, size_t n) {
+  for (mc_gpu_buf_t **pp = &s->free_list; *pp; pp = &(*pp)->next) {
+    mc_gpu_buf_t *b = *pp;
+    if (b->size >= n && b->size <= 4 * n + MC_GPU_CHUNK) {
+      *pp = b->next;
+      b->next = NULL;
+      return b;
+    }
+  }
+  return NULL;
+}
+
+mc_gpu_buf_t *mc_gpu_buf_get(mc_gpu_stager_t *s, int device, size_t n, mc_err_t *err) {
+  size_t size = round_size(n ? n : 1);
+  pthread_mutex_lock(&s->mu);
+  mc_gpu_buf_t *b = pool_take(s, size);
+  if (!b)
+    s->pinned += size;
+  pthread_mutex_unlock(&s->mu);
+  if (b)
+    return b;
+  b = pool_alloc(device, size, err);
+  if (!b) {
+    pthread_mutex_lock(&s->mu);
+    s->pinned -= size;
+    pthread_mutex_unlock(&s->mu);
+  }
+  return b;
+}
+
+void mc_gpu_buf_put(mc_gpu_stager_t *s, mc_gpu_buf_t *b) {
+  if (!b)
+    return;
+  pthread_mutex_lock(&s->mu);
+  b->next = s->free_list;
+  s->free_list = b;
+  pthread_cond_broadcast(&s->cv);
+  pthread_mutex_unlock(&s->mu);
+}
+
+int mc_gpu_stager_reserve(mc_gpu_stager_t *s, int device, size_t bytes, mc_err_t *err) {
+  size_t chunk = 4u << 20;
+  for (;;) {
+    pthread_mutex_lock(&s->mu);
+    int enough = s->pinned + chunk > bytes;
+    if (!enough)
+      s->pinned += chunk;
+    pthread_mutex_unlock(&s->mu);
+    if (enough)
+      return 0;
+    mc_gpu_buf_t *b = pool_alloc(device, chunk, err);
+    if (!b) {
+      pthread_mutex_lock(&s->mu);
+      s->pinned -= chunk;
+      pthread_mutex_unlock(&s->mu);
+      return err ? err->code : MC_ENOMEM;
+    }
+    mc_gpu_buf_put(s, b);
+  }
+}
+
+/* Worker, under mu: a buffer for a job that may wait.  Frees idle buffers
+ * of the wrong size to stay within the budget.  NULL = wait. */
+static mc_gpu_buf_t *pool_get_budgeted(mc_gpu_stager_t *s, int device, size_t n,
+                                       mc_err_t *err, int *failed) {
+  size_t size = round_size(n ? n : 1);
+  mc_gpu_buf_t *b = pool_take(s, size);
+  if (b)
+    return b;
+  const mc_cuda_api_t *api = mc_cuda_api(NULL);
+  while (s->pinned + size > s->budget && s->free_list && api) {
+    mc_gpu_buf_t *f = s->free_list; /* a free buffer of a size we cannot use */
+    s->free_list = f->next;
+    s->pinned -= f->size;
+    api->cuMemFreeHost(f->p);
+    free(f);
+  }
+  if (s->pinned + size > s->budget && s->pinned > 0)
+    return NULL; /* wait for buffers in use to come back */
+  s->pinned += size;
+  pthread_mutex_unlock(&s->mu);
+  b = pool_alloc(device, size, err);
+  pthread_mutex_lock(&s->mu);
+  if (!b) {
+    s->pinned -= size;
+    *failed = 1;
+  }
+  return b;
+}
+
+/* ---- the worker ---- */
+
+static mc_cu_event event_get(mc_gpu_stager_t *s, int dev) {
+  if (s->nevents[dev])
+    return s->events[dev][--s->nevents[dev]];
+  mc_cu_event e = NULL;
+  const mc_cuda_api_t *api = mc_cuda_api(NULL);
+  if (api && api->cuEventCreate(&e, MC_CU_EVENT_DISABLE_TIMING) != 0)
+    e = NULL;
+  return e;
+}
+
+static void event_put(mc_gpu_stager_t *s, int dev, mc_cu_event e) {
+  if (s->nevents[dev] == s->cap_events[dev]) {
+    size_t nc = s->cap_events[dev] ? s->cap_events[dev] * 2 : 16;
+    mc_cu_event *v = realloc(s->events[dev], nc * sizeof *v);
+    if (!v) {
+      mc_cuda_api(NULL)->cuEventDestroy(e);
+      return;
+    }
+    s->events[dev] = v;
+    s->cap_events[dev] = nc;
+  }
+  s->events[dev][s->nevents[dev]++] = e;
+}
+
+static void finish(mc_gpu_stager_t *s, mc_gpu_job_t *j, int code, const char *msg) {
+  if (j->complete)
+    j->complete(j, code, msg);
+  else
+    mc_gpu_job_free(j);
+  pthread_mutex_lock(&s->mu);
+  if (--s->busy == 0)
+    pthread_cond_broadcast(&s->idle_cv);
+  pthread_mutex_unlock(&s->mu);
+}
+
+/* Enqueues a job's copies and records its event; completes it on error. */
+static void start_job(mc_gpu_stager_t *s, mc_gpu_job_t *j) {
+  mc_err_t err = {0};
+  const mc_cuda_api_t *api = mc_cuda_api(&err);
+  int dev = j->device;
+  int rc = api ? 0 : err.code;
+  if (rc == 0 && (dev < 0 || dev >= MC_GPU_MAX_DEV))
+    rc = mc_err_set(&err, MC_EINVAL, "GPU copy names device %d", dev);
+  if (rc == 0)
+    rc = mc_cuda_use_device(dev, &err);
+  if (rc == 0 && j->prepare)
+    rc = j->prepare(j, &err);
+  mc_cu_stream *st = rc == 0 ? &s->streams[dev][j->dir] : NULL;
+  if (rc == 0 && !*st) {
+    mc_cu_result r = api->cuStreamCreate(st, MC_CU_STREAM_NON_BLOCKING);
+    if (r != 0) {
+      char m[160];
+      rc = mc_err_set(&err, MC_EUNAVAIL, "cannot create a CUDA stream on cuda:%d: %s", dev,
+                      mc_cuda_strerror(api, r, m, sizeof m));
+      *st = NULL;
+    }
+  }
+  if (rc == 0)
+    rc = mc_cuda_copy_batch(j->dsts, j->srcs, j->sizes, j->n, *st, &err);
+  if (rc == 0) {
+    j->event = event_get(s, dev);
+    j->ev_dev = dev;
+    mc_cu_result r = j->event ? api->cuEventRecord(j->event, *st) : 1;
+    if (r != 0) {
+      /* No event: wait for the stream here (slow path, never expected). */
+      if (j->event)
+        event_put(s, dev, j->event);
+      j->event = NULL;
+      api->cuStreamSynchronize(*st);
+    }
+  }
+  if (rc < 0) {
+    finish(s, j, rc, err.msg);
+    return;
+  }
+  j->next = NULL;
+  if (s->fl_tail)
+    s->fl_tail->next = j;
+  else
+    s->fl_head = j;
+  s->fl_tail = j;
+}
+
+/* Completes finished jobs; returns how many. */
+static int poll_inflight(mc_gpu_stager_t *s) {
+  const mc_cuda_api_t *api = mc_cuda_api(NULL);
+  int done = 0;
+  mc_gpu_job_t **pp = &s->fl_head, *prev = NULL;
+  while (*pp) {
+    mc_gpu_job_t *j = *pp;
+    mc_cu_result r = 0;
+    if (j->event) {
+      mc_cuda_use_device(j->ev_dev, NULL);
+      r = api->cuEventQuery(j->event);
+    }
+    if (r == MC_CU_ERROR_NOT_READY) {
+      prev = j;
+      pp = &j->next;
+      continue;
+    }
+    *pp = j->next;
+    if (s->fl_tail == j)
+      s->fl_tail = prev;
+    if (j->event)
+      event_put(s, j->ev_dev, j->event);
+    j->event = NULL;
+    char m[200] = "";
+    if (r != 0) {
+      char b[160];
+      snprintf(m, sizeof m, "GPU copy failed: %s", mc_cuda_strerror(api, r, b, sizeof b));
+    }
+    finish(s, j, r ? MC_ESYS : 0, r ? m : NULL);
+    done++;
+  }
+  return done;
+}
+
+static void *worker_main(void *arg) {
+  mc_gpu_stager_t *s = arg;
+  pthread_mutex_lock(&s->mu);
+  for (;;) {
+    /* Start what can start.  A job waiting for staging room does not hold
+     * up later jobs that need none (their completion frees room). */
+    int blocked = 0, started = 0;
+    mc_gpu_job_t **pp = &s->q_head, *prev = NULL;
+    while (*pp) {
+      mc_gpu_job_t *j = *pp;
+      int failed = 0;
+      mc_err_t err = {0};
+      if (j->want_buf && !j->buf) {
+        if (!blocked)
+          j->buf = pool_get_budgeted(s, j->device, j->want_buf, &err, &failed);
+        if (!j->buf && !failed) {
+          blocked = 1;
+          prev = j;
+          pp = &j->next;
+          continue;
+        }
+      }
+      *pp = j->next;
+      if (s->q_tail == j)
+        s->q_tail = prev;
+      pthread_mutex_unlock(&s->mu);
+      if (failed)
+        finish(s, j, err.code, err.msg);
+      else
+        start_job(s, j);
+      started++;
+      pthread_mutex_lock(&s->mu);
+      /* The queue may have changed meanwhile: rescan from the head. */
+      pp = &s->q_head;
+      prev = NULL;
+      blocked = 0;
+    }
+    pthread_mutex_unlock(&s->mu);
+    int done = s->fl_head ? poll_inflight(s) : 0;
+    pthread_mutex_lock(&s->mu);
+    if (s->stop && !s->q_head && !s->fl_head)
+      break;
+    if (done || started)
+      continue;
+    if (!s->fl_head) {
+      pthread_cond_wait(&s->cv, &s->mu);
+    } else {
+      /* Copies in flight: look again shortly (or when new work comes). */
+      struct timespec ts;
+      clock_gettime(CLOCK_REALTIME, &ts);
+      ts.tv_nsec += 20000;
+      if (ts.tv_nsec >= 1000000000L) {
+        ts.tv_sec++;
+        ts.tv_nsec -= 1000000000L;
+      }
+      pthread_cond_timedwait(&s->cv, &s->mu, &ts);
+    }
+  }
+  pthread_mutex_unlock(&s->mu);
+  return NULL;
+}
+
+void mc_gpu_stager_submit(mc_gpu_stager_t *s, mc_gpu_job_t *j) {
+  j->next = NULL;
+  pthread_mutex_lock(&s->mu);
+  if (!s->started) {
+    if (pthread_create(&s->thread, NULL, worker_main, s) != 0) {
+      pthread_mutex_unlock(&s->mu);
+      mc_log_error("cannot start the GPU copy thread");
+      if (j->complete)
+        j->complete(j, MC_ESYS, "cannot start the GPU copy thread");
+      else
+        mc_gpu_job_free(j);
+      return;
+    }
+    s->started = 1;
+  }
+  s->busy++;
+  if (s->q_tail)
+    s->q_tail->next = j;
+  else
+    s->q_head = j;
+  s->q_tail = j;
+  pthread_cond_broadcast(&s->cv);
+  pthread_mutex_unlock(&s->mu);
+}
+
+void mc_gpu_stager_drain(mc_gpu_stager_t *s) {
+  if (!s)
+    return;
+  pthread_mutex_lock(&s->mu);
+  while (s->busy > 0)
+    pthread_cond_wait(&s->idle_cv, &s->mu);
+  pthread_mutex_unlock(&s->mu);
+}
+
+void mc_gpu_stager_destroy(mc_gpu_stager_t *s) {
+  if (!s)
+    return;
+  mc_gpu_stager_drain(s);
+  pthread_mutex_lock(&s->mu);
+  s->stop = 1;
+  pthread_cond_broadcast(&s->cv);
+  int started = s->started;
+  pthread_mutex_unlock(&s->mu);
+  if (started)
+    pthread_join(s->thread, NULL);
+  const mc_cuda_api_t *api = mc_cuda_api(NULL);
+  while (s->free_list) {
+    mc_gpu_buf_t *b = s->free_list;
+    s->free_list = b->next;
+    if (api)
+      api->cuMemFreeHost(b->p);
+    free(b);
+  }
+  for (int d = 0; d < MC_GPU_MAX_DEV; d++) {
+    for (size_t i = 0; api && i < s->nevents[d]; i++)
+      api->cuEventDestroy(s->events[d][i]);
+    free(s->events[d]);
+    for (int k = 0; k < 3; k++)
+      if (s->streams[d][k] && api)
+        api->cuStreamDestroy(s->streams[d][k]);
+  }
+  pthread_cond_destroy(&s->cv);
+  pthread_cond_destroy(&s->idle_cv);
+  pthread_mutex_destroy(&s->mu);
+  free(s);
+}

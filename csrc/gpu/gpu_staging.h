@@ -1,0 +1,82 @@
+/* GPU copy engine of the connector: a pool of pinned host staging buffers
+ * and one copy worker thread that runs device<->host (and device<->device)
+ * copies on CUDA streams and reports when they are done.
+ *
+ * Used by the TCP transport for cuda regions (data is staged through pinned
+ * host memory: D2H before sendmsg, readv then H2D on receive) and by the
+ * engine for local GPU buffers and the same-host IPC path.  Nothing here
+ * blocks the thread that submits a job: I/O threads only queue work, the
+ * worker enqueues the copies (one cuMemcpyBatchAsync per job where the
+ * driver has it), records an event and polls it, then calls the job's
+ * complete() on the worker thread.  Copies of one direction run in order on
+ * one stream per device, so a job's copies overlap the network I/O of the
+ * jobs before and after it.
+ */
+#ifndef MC_GPU_GPU_STAGING_H
+#define MC_GPU_GPU_STAGING_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "gpu/cuda_driver.h"
+#include "util/errors.h"
+
+typedef struct mc_gpu_stager mc_gpu_stager_t;
+typedef struct mc_gpu_job mc_gpu_job_t;
+
+typedef struct mc_gpu_buf {
+  struct mc_gpu_buf *next; /* pool-private */
+  void *p;                 /* pinned host memory */
+  size_t size;
+} mc_gpu_buf_t;
+
+enum { MC_GPU_H2D = 0, MC_GPU_D2H = 1, MC_GPU_D2D = 2 };
+
+struct mc_gpu_job {
+  int device; /* whose stream (and context) runs the copies */
+  int dir;    /* MC_GPU_H2D / D2H / D2D */
+  /* Optional: the worker first takes a staging buffer of want_buf bytes
+   * (waiting for room in the pool's budget), stores it in buf and calls
+   * prepare(), which adds the copies (and may submit network work). */
+  uint64_t want_buf;
+  mc_gpu_buf_t *buf;
+  int (*prepare)(mc_gpu_job_t *job, mc_err_t *err);
+  /* Copies, added with mc_gpu_job_add. */
+  mc_cu_ptr *dsts, *srcs;
+  size_t *sizes;
+  size_t n, cap;
+  /* Called once on the worker thread after the copies finished (code 0) or
+   * failed; it owns the job from then on (mc_gpu_job_free). */
+  void (*complete)(mc_gpu_job_t *job, int code, const char *msg);
+  void *arg, *arg2, *arg3;
+  /* Worker-private. */
+  mc_gpu_job_t *next;
+  void *event;
+  int ev_dev;
+};
+
+/* Creates a stager whose pool keeps at most budget_bytes of pinned memory
+ * for jobs that wait for room (want_buf); the worker starts on first use. */
+int mc_gpu_stager_create(size_t budget_bytes, mc_gpu_stager_t **out, mc_err_t *err);
+/* Waits for every job to finish, stops the worker, frees the pool. */
+void mc_gpu_stager_destroy(mc_gpu_stager_t *s);
+/* Waits until no job is queued or in flight. */
+void mc_gpu_stager_drain(mc_gpu_stager_t *s);
+
+/* Pre-allocates `bytes` of staging buffers (blocking; call off I/O threads). */
+int mc_gpu_stager_reserve(mc_gpu_stager_t *s, int device, size_t bytes, mc_err_t *err);
+
+/* Takes a pinned buffer of >= n bytes without waiting: reuses a free one,
+ * else allocates (over the budget if need be). NULL with err on failure. */
+mc_gpu_buf_t *mc_gpu_buf_get(mc_gpu_stager_t *s, int device, size_t n, mc_err_t *err);
+/* Returns a buffer to the pool.  Any thread; never calls CUDA. */
+void mc_gpu_buf_put(mc_gpu_stager_t *s, mc_gpu_buf_t *b);
+
+mc_gpu_job_t *mc_gpu_job_new(int device, int dir);
+int mc_gpu_job_add(mc_gpu_job_t *j, mc_cu_ptr dst, mc_cu_ptr src, size_t n);
+void mc_gpu_job_free(mc_gpu_job_t *j); /* does not return buf */
+
+/* Queues a job.  Never blocks on the GPU. */
+void mc_gpu_stager_submit(mc_gpu_stager_t *s, mc_gpu_job_t *j);
+
+#endif
