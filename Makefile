@@ -32,7 +32,7 @@ TEST_BIN  := $(TEST_SRC:tests/c/%.c=$(BUILD)/tests/%)
 BENCH_SRC := $(wildcard benchmarks/c/*.c)
 BENCH_BIN := $(BENCH_SRC:benchmarks/c/%.c=$(BUILD)/bench/%)
 
-.PHONY: all lib tests bench test-c clean
+.PHONY: all lib tests bench test-c clean ptx
 all: lib tests bench
 lib: $(BUILD)/libmcc.a
 tests: $(TEST_BIN)
@@ -58,6 +58,11 @@ test-c: tests
 	@fail=0; for t in $(TEST_BIN); do \
 	  echo "== $$t"; ASAN_OPTIONS=detect_leaks=1 $$t || { echo "FAILED: $$t"; fail=1; }; \
 	done; exit $$fail
+
+# The same-host copy kernel's PTX is committed; regenerate after editing it.
+NVCC ?= $(or $(wildcard /usr/local/cuda/bin/nvcc),nvcc)
+ptx:
+	python3 scripts/gen_ptx.py $(NVCC) csrc/gpu/copy_kernel.cu csrc/gpu/copy_kernel_ptx.h
 
 clean:
 	rm -rf build build-san

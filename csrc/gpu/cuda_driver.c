@@ -84,6 +84,9 @@ static void load(void) {
   *(void **)&g_api.cuIpcCloseMemHandle = dlsym_quiet(h, "cuIpcCloseMemHandle");
   *(void **)&g_api.cuMemGetHandleForAddressRange =
       dlsym_quiet(h, "cuMemGetHandleForAddressRange");
+  *(void **)&g_api.cuModuleLoadData = dlsym_quiet(h, "cuModuleLoadData");
+  *(void **)&g_api.cuModuleGetFunction = dlsym_quiet(h, "cuModuleGetFunction");
+  *(void **)&g_api.cuLaunchKernel = dlsym_quiet(h, "cuLaunchKernel");
   mc_cu_result r = g_api.cuInit(0);
   if (r != 0) {
     char b[160];
@@ -240,4 +243,28 @@ int mc_cuda_locate(uint64_t addr, uint64_t len, int *device, mc_err_t *err) {
                       (unsigned long long)start);
   *device = ordinal;
   return 1;
+}
+
+int mc_cuda_memcpy_any(void *dst, const void *src, size_t n, mc_err_t *err) {
+  const mc_cuda_api_t *api = n ? mc_cuda_api_if_loaded() : NULL;
+  int ddev = -1, sdev = -1;
+  int dgpu = api && mc_cuda_locate((uint64_t)(uintptr_t)dst, n, &ddev, NULL) == 1;
+  int sgpu = api && mc_cuda_locate((uint64_t)(uintptr_t)src, n, &sdev, NULL) == 1;
+  if (!dgpu && !sgpu) {
+    memcpy(dst, src, n);
+    return 0;
+  }
+  int rc = mc_cuda_use_device(sgpu ? sdev : ddev, err);
+  if (rc < 0)
+    return rc;
+  mc_cu_result r = api->cuMemcpyAsync((mc_cu_ptr)(uintptr_t)dst, (mc_cu_ptr)(uintptr_t)src, n,
+                                      NULL);
+  if (r == 0)
+    r = api->cuStreamSynchronize(NULL);
+  if (r != 0) {
+    char b[160];
+    return mc_err_set(err, MC_ESYS, "GPU copy of %zu bytes failed: %s", n,
+                      mc_cuda_strerror(api, r, b, sizeof b));
+  }
+  return 0;
 }

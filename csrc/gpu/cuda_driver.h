@@ -45,6 +45,7 @@ enum {
   MC_CU_STREAM_NON_BLOCKING = 1,
   MC_CU_EVENT_DISABLE_TIMING = 2,
   MC_CU_MEMHOSTALLOC_PORTABLE = 1,
+  MC_CU_MEMHOSTALLOC_DEVICEMAP = 2,
   MC_CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS = 1,
   MC_CU_ERROR_NOT_READY = 600,
   MC_CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD = 1,
@@ -90,6 +91,11 @@ typedef struct mc_cuda_api {
   mc_cu_result (*cuIpcCloseMemHandle)(mc_cu_ptr p);
   mc_cu_result (*cuMemGetHandleForAddressRange)(void *handle, mc_cu_ptr p, size_t n, int type,
                                                 unsigned long long flags);
+  mc_cu_result (*cuModuleLoadData)(void **module, const void *image);
+  mc_cu_result (*cuModuleGetFunction)(void **fn, void *module, const char *name);
+  mc_cu_result (*cuLaunchKernel)(void *fn, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
+                                 unsigned by, unsigned bz, unsigned smem, mc_cu_stream s,
+                                 void **params, void **extra);
   /* cuMemcpyBatchAsync: the CUDA 13 form (no failIdx) or the 12.8 one. */
   mc_cu_result (*cuMemcpyBatchAsync13)(mc_cu_ptr *dsts, mc_cu_ptr *srcs, size_t *sizes,
                                        size_t count, mc_cu_memcpy_attrs_t *attrs,
@@ -128,6 +134,11 @@ int mc_cuda_use_device(int device, mc_err_t *err);
  * has it (CUDA 12.8+), else one cuMemcpyAsync each.  Asynchronous. */
 int mc_cuda_copy_batch(mc_cu_ptr *dsts, mc_cu_ptr *srcs, size_t *sizes, size_t count,
                        mc_cu_stream stream, mc_err_t *err);
+
+/* memcpy that also works when either side is GPU memory (a synchronous
+ * driver copy then; plain memcpy otherwise, without touching CUDA unless
+ * the process loaded it).  Blocks: never call it on an I/O thread. */
+int mc_cuda_memcpy_any(void *dst, const void *src, size_t n, mc_err_t *err);
 
 /* Formats a CUresult as "CUDA_ERROR_X: text". */
 const char *mc_cuda_strerror(const mc_cuda_api_t *api, mc_cu_result r, char *buf, size_t n);

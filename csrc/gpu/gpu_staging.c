@@ -7,6 +7,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "gpu/gpu_copy_kernel.h"
 #include "util/log.h"
 
 #define MC_GPU_MAX_DEV 64
@@ -17,6 +18,7 @@ struct mc_gpu_stager {
   pthread_cond_t cv;      /* work for the worker, or room in the pool */
   pthread_cond_t idle_cv; /* drain waiters */
   size_t budget;
+  int d2d_mode; /* MC_GPU_D2D_COPY: 0 kernel, 1 batch API, 2 one cuMemcpyAsync each */
   /* Pool (under mu). */
   mc_gpu_buf_t *free_list;
   size_t pinned;  /* bytes allocated, free or in use */
@@ -91,6 +93,8 @@ int mc_gpu_stager_create(size_t budget_bytes, mc_gpu_stager_t **out, mc_err_t *e
   pthread_cond_init(&s->cv, NULL);
   pthread_cond_init(&s->idle_cv, NULL);
   s->budget = budget_bytes ? budget_bytes : (64u << 20);
+  const char *m = getenv("MC_GPU_D2D_COPY");
+  s->d2d_mode = !m || !strcmp(m, "kernel") ? 0 : !strcmp(m, "batch") ? 1 : 2;
   *out = s;
   return 0;
 }
@@ -108,7 +112,8 @@ static mc_gpu_buf_t *pool_alloc(int device, size_t size, mc_err_t *err) {
     mc_err_set(err, MC_ENOMEM, "out of memory");
     return NULL;
   }
-  mc_cu_result r = api->cuMemHostAlloc(&b->p, size, MC_CU_MEMHOSTALLOC_PORTABLE);
+  mc_cu_result r = api->cuMemHostAlloc(&b->p, size,
+                                       MC_CU_MEMHOSTALLOC_PORTABLE | MC_CU_MEMHOSTALLOC_DEVICEMAP);
   if (r != 0) {
     char m[160];
     mc_err_set(err, MC_ENOMEM, "cannot allocate %zu bytes of pinned host memory for GPU "
@@ -239,6 +244,10 @@ static void event_put(mc_gpu_stager_t *s, int dev, mc_cu_event e) {
 }
 
 static void finish(mc_gpu_stager_t *s, mc_gpu_job_t *j, int code, const char *msg) {
+  if (j->kbuf) {
+    mc_gpu_buf_put(s, j->kbuf);
+    j->kbuf = NULL;
+  }
   if (j->complete)
     j->complete(j, code, msg);
   else
@@ -271,8 +280,30 @@ static void start_job(mc_gpu_stager_t *s, mc_gpu_job_t *j) {
       *st = NULL;
     }
   }
-  if (rc == 0)
-    rc = mc_cuda_copy_batch(j->dsts, j->srcs, j->sizes, j->n, *st, &err);
+  int done = 0;
+  if (rc == 0 && j->dir == MC_GPU_D2D && s->d2d_mode == 0 && j->n > 1) {
+    /* Many pieces between GPUs: one kernel launch moves them all. */
+    size_t tb = mc_copy_kernel_table_bytes(j->sizes, j->n);
+    mc_err_t kerr = {0};
+    j->kbuf = mc_gpu_buf_get(s, dev, tb, &kerr);
+    if (j->kbuf && mc_copy_kernel_launch(dev, j->dsts, j->srcs, j->sizes, j->n, j->kbuf->p,
+                                         *st, &kerr) == 0)
+      done = 1;
+    else
+      mc_log_warn("GPU copy kernel not used (%s); using driver copies", kerr.msg);
+  }
+  if (rc == 0 && !done) {
+    const mc_cuda_api_t *a = api;
+    if (j->dir == MC_GPU_D2D && s->d2d_mode == 2) {
+      for (size_t i = 0; i < j->n && rc == 0; i++) {
+        mc_cu_result r = a->cuMemcpyAsync(j->dsts[i], j->srcs[i], j->sizes[i], *st);
+        if (r != 0)
+          rc = mc_err_set(&err, MC_ESYS, "GPU copy failed (CUDA error %d)", r);
+      }
+    } else {
+      rc = mc_cuda_copy_batch(j->dsts, j->srcs, j->sizes, j->n, *st, &err);
+    }
+  }
   if (rc == 0) {
     j->event = event_get(s, dev);
     j->ev_dev = dev;

@@ -53,6 +53,7 @@ struct mc_gpu_job {
   mc_gpu_job_t *next;
   void *event;
   int ev_dev;
+  mc_gpu_buf_t *kbuf; /* copy kernel's piece table */
 };
 
 /* Creates a stager whose pool keeps at most budget_bytes of pinned memory

@@ -5,6 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "gpu/cuda_driver.h"
 #include "util/clock.h"
 
 #define BACKPRESSURE_CAP_MS 60000
@@ -173,13 +174,23 @@ static lk_node_t *node_build(const mc_lookup_t *lb, mc_block_hash_t h, const uin
     nd->staging = p;
     nd->copied = 1;
     for (uint32_t e = 0; e < lb->epb; e++) {
-      if (nd->kv[e].len)
-        memcpy(p, (const void *)(uintptr_t)nd->kv[e].addr, nd->kv[e].len);
+      if (nd->kv[e].len && /* KV extents may be GPU memory */
+          mc_cuda_memcpy_any(p, (const void *)(uintptr_t)nd->kv[e].addr, nd->kv[e].len,
+                             NULL) < 0) {
+        free(nd->staging);
+        free(nd);
+        return NULL;
+      }
       nd->kv[e].addr = (uint64_t)(uintptr_t)p;
       p += nd->kv[e].len;
     }
     if (nd->hidden.len) {
-      memcpy(p, (const void *)(uintptr_t)nd->hidden.addr, nd->hidden.len);
+      if (mc_cuda_memcpy_any(p, (const void *)(uintptr_t)nd->hidden.addr, nd->hidden.len,
+                             NULL) < 0) {
+        free(nd->staging);
+        free(nd);
+        return NULL;
+      }
       nd->hidden.addr = (uint64_t)(uintptr_t)p;
     }
   }

@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "engine/engine.h"
+#include "gpu/cuda_driver.h"
 #include "py/py_common.h"
 
 typedef struct {
@@ -24,7 +25,10 @@ typedef struct {
 /* ---- helpers ---- */
 
 static int get_u64(PyObject *o, uint64_t *out, const char *what) {
-  PyObject *idx = PyNumber_Index(o);
+  /* A tensor (CPU or CUDA) stands for its address: data_ptr(). */
+  PyObject *idx = !PyLong_Check(o) && PyObject_HasAttrString(o, "data_ptr")
+                      ? PyObject_CallMethod(o, "data_ptr", NULL)
+                      : PyNumber_Index(o);
   if (!idx) {
     PyErr_Format(PyExc_TypeError, "%s must be an int, not %.80s", what, Py_TYPE(o)->tp_name);
     return -1;
@@ -943,7 +947,6 @@ static PyObject *Engine_get_notifies(EngineObject *self, PyObject *unused) {
 /* ---- raw memory helpers (as in Mooncake's API; addresses are trusted) ---- */
 
 static PyObject *Engine_write_bytes_to_buffer(EngineObject *self, PyObject *args) {
-  (void)self;
   PyObject *ao;
   Py_buffer data;
   Py_ssize_t len = -1;
@@ -958,13 +961,18 @@ static PyObject *Engine_write_bytes_to_buffer(EngineObject *self, PyObject *args
   }
   if (len < 0 || len > data.len)
     len = data.len;
-  memcpy((void *)(uintptr_t)addr, data.buf, (size_t)len);
+  mc_err_t err = {0};
+  int rc;
+  Py_BEGIN_ALLOW_THREADS
+  rc = mc_cuda_memcpy_any((void *)(uintptr_t)addr, data.buf, (size_t)len, &err);
+  Py_END_ALLOW_THREADS
   PyBuffer_Release(&data);
+  if (rc < 0)
+    return mc_py_raise(ST(self), &err);
   return PyLong_FromLong(0);
 }
 
 static PyObject *Engine_read_bytes_from_buffer(EngineObject *self, PyObject *args) {
-  (void)self;
   PyObject *ao;
   Py_ssize_t len;
   if (!PyArg_ParseTuple(args, "On:read_bytes_from_buffer", &ao, &len))
@@ -974,7 +982,20 @@ static PyObject *Engine_read_bytes_from_buffer(EngineObject *self, PyObject *arg
     return NULL;
   if (addr == 0 || len < 0)
     return PyErr_Format(PyExc_ValueError, "invalid buffer address or length");
-  return PyBytes_FromStringAndSize((const char *)(uintptr_t)addr, len);
+  PyObject *out = PyBytes_FromStringAndSize(NULL, len);
+  if (!out)
+    return NULL;
+  mc_err_t err = {0};
+  int rc;
+  char *dst = PyBytes_AS_STRING(out);
+  Py_BEGIN_ALLOW_THREADS
+  rc = mc_cuda_memcpy_any(dst, (const void *)(uintptr_t)addr, (size_t)len, &err);
+  Py_END_ALLOW_THREADS
+  if (rc < 0) {
+    Py_DECREF(out);
+    return mc_py_raise(ST(self), &err);
+  }
+  return out;
 }
 
 static PyMethodDef Engine_methods[] = {

@@ -34,8 +34,21 @@ static int tensor_get(PyObject *o, mc_py_tokens_t *t) {
   if (!devtype || !PyUnicode_Check(devtype))
     goto done;
   if (PyUnicode_CompareWithASCIIString(devtype, "cpu") != 0) {
-    PyErr_Format(PyExc_TypeError, "tokens are on device %U; pass them on the CPU "
-                 "(tokens.cpu())", devtype);
+    /* Token ids on a GPU (a few KiB): read them through a host copy. */
+    PyObject *cpu = PyObject_CallMethod(o, "cpu", NULL);
+    if (cpu) {
+      PyObject *devc = PyObject_GetAttrString(cpu, "device");
+      PyObject *tc = devc ? PyObject_GetAttrString(devc, "type") : NULL;
+      int is_cpu = tc && PyUnicode_Check(tc) && !PyUnicode_CompareWithASCIIString(tc, "cpu");
+      Py_XDECREF(devc);
+      Py_XDECREF(tc);
+      if (is_cpu)
+        rc = tensor_get(cpu, t);
+      else if (!PyErr_Occurred())
+        PyErr_Format(PyExc_TypeError, "tokens are on device %U; pass them on the CPU "
+                     "(tokens.cpu())", devtype);
+      Py_DECREF(cpu);
+    }
     goto done;
   }
   es = PyObject_GetAttrString(o, "dtype"); /* reused below for its str() */
@@ -140,13 +153,51 @@ void mc_py_tokens_put(mc_py_tokens_t *t) {
   memset(t, 0, sizeof *t);
 }
 
-/* (addr, length[, tag]) -> extent */
+/* A contiguous tensor (CPU or CUDA: anything with data_ptr(), numel(),
+ * element_size()) as one extent: its bytes, tag 0.  1 = handled, 0 = not a
+ * tensor, -1 = error set. */
+static int tensor_extent(PyObject *o, mc_lookup_extent_t *x, const char *what, Py_ssize_t i) {
+  if (PyTuple_Check(o) || !PyObject_HasAttrString(o, "data_ptr") ||
+      !PyObject_HasAttrString(o, "element_size") || !PyObject_HasAttrString(o, "numel"))
+    return 0;
+  PyObject *contig = PyObject_HasAttrString(o, "is_contiguous")
+                         ? PyObject_CallMethod(o, "is_contiguous", NULL)
+                         : Py_NewRef(Py_True);
+  PyObject *ptr = contig ? PyObject_CallMethod(o, "data_ptr", NULL) : NULL;
+  PyObject *n = ptr ? PyObject_CallMethod(o, "numel", NULL) : NULL;
+  PyObject *es = n ? PyObject_CallMethod(o, "element_size", NULL) : NULL;
+  int rc = -1;
+  if (es) {
+    if (!PyObject_IsTrue(contig)) {
+      PyErr_Format(PyExc_TypeError, "%s[%zd]: the tensor must be contiguous (.contiguous()) "
+                   "or given as (addr, length) tuples", what, i);
+    } else {
+      unsigned long long a = PyLong_AsUnsignedLongLong(ptr);
+      long long k = PyLong_AsLongLong(n), w = PyLong_AsLongLong(es);
+      if (!PyErr_Occurred()) {
+        *x = (mc_lookup_extent_t){.addr = a, .len = (uint64_t)(k * w), .tag = 0};
+        rc = 1;
+      }
+    }
+  }
+  Py_XDECREF(contig);
+  Py_XDECREF(ptr);
+  Py_XDECREF(n);
+  Py_XDECREF(es);
+  return rc;
+}
+
+/* (addr, length[, tag]) or a tensor -> extent */
 int mc_py_get_extent(PyObject *o, mc_lookup_extent_t *x, const char *what, Py_ssize_t i) {
+  int tr = tensor_extent(o, x, what, i);
+  if (tr != 0)
+    return tr < 0 ? -1 : 0;
   unsigned long long a, l, g = 0;
   if (!PyTuple_Check(o) || !PyArg_ParseTuple(o, "KK|K", &a, &l, &g)) {
     PyErr_Clear();
-    PyErr_Format(PyExc_TypeError, "%s[%zd] must be a tuple (addr, length[, tag]) of ints", what,
-                 i);
+    PyErr_Format(PyExc_TypeError,
+                 "%s[%zd] must be a tuple (addr, length[, tag]) of ints or a contiguous tensor",
+                 what, i);
     return -1;
   }
   *x = (mc_lookup_extent_t){.addr = a, .len = l, .tag = g};

@@ -1,0 +1,78 @@
+#include "gpu/gpu_copy_kernel.h"
+
+#include <pthread.h>
+#include <stdint.h>
+
+#include "gpu/copy_kernel_ptx.h"
+
+#define MAX_DEV 64
+static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
+static void *g_fn[MAX_DEV];
+static int g_failed[MAX_DEV];
+
+size_t mc_copy_kernel_table_bytes(const size_t *sizes, size_t count) {
+  size_t pieces = 0;
+  for (size_t i = 0; i < count; i++)
+    pieces += (sizes[i] + MC_COPY_PIECE_MAX - 1) / MC_COPY_PIECE_MAX;
+  return pieces * 3 * sizeof(uint64_t);
+}
+
+static void *kernel_for(int device, const mc_cuda_api_t *api, mc_err_t *err) {
+  pthread_mutex_lock(&g_mu);
+  void *fn = g_fn[device];
+  if (!fn && !g_failed[device]) {
+    void *mod = NULL;
+    mc_cu_result r = api->cuModuleLoadData(&mod, mc_copy_kernel_ptx);
+    if (r == 0)
+      r = api->cuModuleGetFunction(&fn, mod, "mc_copy_pieces");
+    if (r != 0) {
+      char b[160];
+      mc_err_set(err, MC_EUNAVAIL, "cannot load the GPU copy kernel on cuda:%d: %s", device,
+                 mc_cuda_strerror(api, r, b, sizeof b));
+      g_failed[device] = 1;
+      fn = NULL;
+    } else {
+      g_fn[device] = fn;
+    }
+  } else if (!fn) {
+    mc_err_set(err, MC_EUNAVAIL, "the GPU copy kernel failed to load on cuda:%d", device);
+  }
+  pthread_mutex_unlock(&g_mu);
+  return fn;
+}
+
+int mc_copy_kernel_launch(int device, const mc_cu_ptr *dsts, const mc_cu_ptr *srcs,
+                          const size_t *sizes, size_t count, void *table, mc_cu_stream stream,
+                          mc_err_t *err) {
+  const mc_cuda_api_t *api = mc_cuda_api(err);
+  if (!api)
+    return err ? err->code : MC_EUNAVAIL;
+  if (!api->cuModuleLoadData || !api->cuModuleGetFunction || !api->cuLaunchKernel ||
+      device < 0 || device >= MAX_DEV)
+    return mc_err_set(err, MC_EUNAVAIL, "this CUDA driver cannot launch the copy kernel");
+  void *fn = kernel_for(device, api, err);
+  if (!fn)
+    return MC_EUNAVAIL;
+  uint64_t *t = table;
+  unsigned n = 0;
+  for (size_t i = 0; i < count; i++)
+    for (size_t off = 0; off < sizes[i]; off += MC_COPY_PIECE_MAX) {
+      size_t k = sizes[i] - off < MC_COPY_PIECE_MAX ? sizes[i] - off : MC_COPY_PIECE_MAX;
+      t[3 * n] = dsts[i] + off;
+      t[3 * n + 1] = srcs[i] + off;
+      t[3 * n + 2] = k;
+      n++;
+    }
+  if (n == 0)
+    return 0;
+  unsigned grid = n < 65535u ? n : 65535u;
+  uint64_t tp = (uint64_t)(uintptr_t)table;
+  void *params[] = {&tp, &n};
+  mc_cu_result r = api->cuLaunchKernel(fn, grid, 1, 1, 512, 1, 1, 0, stream, params, NULL);
+  if (r != 0) {
+    char b[160];
+    return mc_err_set(err, MC_ESYS, "GPU copy kernel launch (%u pieces) failed: %s", n,
+                      mc_cuda_strerror(api, r, b, sizeof b));
+  }
+  return 0;
+}

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# GPU checks on the device machine (issue #7): build, the C GPU tests, the
+# pytest GPU tests (-m gpu) and benchmarks/gpu_bench.py.  Carry .debs and
+# .wheels as for scripts/device-check.sh (see docs/device.md).
+#   OUT=$OUT bash scripts/device-gpu.sh [--no-bench] [--quick-bench] [--full]
+# --full also runs every C test and the whole pytest suite.
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+out="${OUT:-/tmp/device-gpu}"
+mkdir -p "$out"
+bench=1 quick="" full=0
+for a in "$@"; do
+  case "$a" in
+  --no-bench) bench=0 ;;
+  --quick-bench) quick=--quick ;;
+  --full) full=1 ;;
+  esac
+done
+rm -rf /opt/debs build build-san
+mkdir -p /opt/debs
+for f in .debs/*.deb; do dpkg -x "$f" /opt/debs; done
+export CPATH=/opt/debs/usr/include LIBRARY_PATH=/opt/debs/usr/lib/x86_64-linux-gnu
+export LD_LIBRARY_PATH=/opt/debs/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
+export PATH=/opt/debs/usr/bin:$PATH
+sys_curl=$(ls /usr/lib/x86_64-linux-gnu/libcurl.so.4 2>/dev/null || true)
+[ -n "$sys_curl" ] && ln -sf "$sys_curl" /opt/debs/usr/lib/x86_64-linux-gnu/libcurl.so
+python3 -m venv --system-site-packages /tmp/mcvenv >"$out/venv.log" 2>&1
+/tmp/mcvenv/bin/pip install -q --no-index --find-links .wheels aiohttp pytest pytest-timeout \
+    >>"$out/venv.log" 2>&1
+py=/tmp/mcvenv/bin/python
+{ nproc; $py --version; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader;
+  nvidia-smi topo -m; $py -c 'import torch; print(torch.__version__, torch.cuda.device_count())'
+} >"$out/machine.txt" 2>&1
+rc=0
+make -s -j8 WERROR=1 all >"$out/make.log" 2>&1 || rc=1
+{ echo "== test_cuda_driver"; timeout 120 build/tests/test_cuda_driver;
+  echo "== test_gpu"; MC_LOG_LEVEL=info timeout 300 build/tests/test_gpu; } >"$out/test-c.log" 2>&1 || rc=1
+if [ $full = 1 ]; then
+  timeout 400 make -s test-c >>"$out/test-c.log" 2>&1 || rc=1
+fi
+MC_WERROR=1 $py -m pip install -q --no-build-isolation . >"$out/pip.log" 2>&1 || rc=1
+sel=(-m gpu "$PWD/tests/test_gpu.py")
+[ $full = 1 ] && sel=("$PWD/tests")
+(cd /tmp && MC_LOG_LEVEL=info $py -m pytest -q -rs -p no:cacheprovider "${sel[@]}" --timeout 300 \
+    >"$out/pytest.log" 2>&1) || rc=1
+if [ $bench = 1 ]; then
+  (cd /tmp && timeout 420 $py "$OLDPWD/benchmarks/gpu_bench.py" $quick --out "$out/gpu_bench.json" \
+      >"$out/gpu_bench.log" 2>&1) || rc=1
+fi
+{ cat "$out/machine.txt"; tail -30 "$out/test-c.log"; tail -15 "$out/pytest.log";
+  cat "$out/gpu_bench.log" 2>/dev/null; tail -20 "$out/make.log"; } >"$out/summary.txt"
+cat "$out/summary.txt"
+exit $rc

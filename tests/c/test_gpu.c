@@ -1,0 +1,310 @@
+/* GPU memory through the engine: the staging pool and copy worker, TCP with
+ * cuda regions on either or both sides (pinned staging), the same-host
+ * direct path, wrong location claims, DMA-BUF export.  Every test skips
+ * (and says so) where no GPU is visible, so this binary also runs in CI. */
+#include <dlfcn.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+#include "engine/engine.h"
+#include "gpu/cuda_driver.h"
+#include "gpu/gpu_dmabuf.h"
+#include "gpu/gpu_staging.h"
+#include "testlib.h"
+
+typedef int (*mem_alloc_fn)(uint64_t *, size_t);
+typedef int (*mem_free_fn)(uint64_t);
+static mem_alloc_fn cu_alloc;
+static mem_free_fn cu_free;
+static const mc_cuda_api_t *api;
+
+static int have_gpu(void) {
+  if (api)
+    return 1;
+  mc_err_t err = {0};
+  const mc_cuda_api_t *a = mc_cuda_api(&err);
+  if (!a || a->device_count < 1)
+    return 0;
+  void *h = dlopen("libcuda.so.1", RTLD_NOW);
+  cu_alloc = (mem_alloc_fn)dlsym(h, "cuMemAlloc_v2");
+  cu_free = (mem_free_fn)dlsym(h, "cuMemFree_v2");
+  if (!cu_alloc || !cu_free || mc_cuda_use_device(0, &err) < 0)
+    return 0;
+  api = a;
+  return 1;
+}
+
+#define SKIP_NO_GPU()                                                          \
+  do {                                                                         \
+    if (!have_gpu()) {                                                         \
+      fprintf(stderr, "  (skipped: no GPU visible)\n");                        \
+      return;                                                                  \
+    }                                                                          \
+  } while (0)
+
+static void fill(uint8_t *p, size_t n, uint32_t seed) {
+  uint32_t x = seed * 2654435761u + 1;
+  for (size_t i = 0; i < n; i++) {
+    x ^= x << 13;
+    x ^= x >> 17;
+    x ^= x << 5;
+    p[i] = (uint8_t)x;
+  }
+}
+
+static uint64_t dalloc(size_t n) {
+  uint64_t p = 0;
+  mc_cuda_use_device(0, NULL);
+  return cu_alloc(&p, n) == 0 ? p : 0;
+}
+
+static void test_no_gpu_is_clear(void) {
+  if (have_gpu())
+    return;
+  /* Registering as cuda without a driver/GPU: a clear refusal. */
+  mc_engine_opts_t o = {.local_hostname = "127.0.0.1", .metadata_server = "P2PHANDSHAKE"};
+  mc_engine_t *e = NULL;
+  mc_err_t err = {0};
+  CHECK_EQ_INT(mc_engine_create(&o, &e, &err), 0);
+  char *buf = malloc(4096);
+  int rc = mc_engine_register(e, buf, 4096, "cuda:0", &err);
+  CHECK(rc == MC_EUNAVAIL || rc == MC_EINVAL);
+  CHECK(strstr(err.msg, "libcuda") || strstr(err.msg, "host memory"));
+  free(buf);
+  mc_engine_destroy(e);
+}
+
+static void test_stager_roundtrip(void) {
+  SKIP_NO_GPU();
+  size_t n = 8u << 20;
+  uint64_t d = dalloc(n);
+  CHECK(d);
+  uint8_t *src = malloc(n), *back = malloc(n);
+  fill(src, n, 3);
+  CHECK_EQ_INT(api->cuMemcpyHtoD(d, src, n), 0);
+  mc_gpu_stager_t *s = NULL;
+  mc_err_t err = {0};
+  CHECK_EQ_INT(mc_gpu_stager_create(16u << 20, &s, &err), 0);
+  mc_gpu_buf_t *b = mc_gpu_buf_get(s, 0, n, &err);
+  CHECK(b && b->size >= n);
+  /* D2H in 64 KiB pieces (one batch), then H2D back shifted by 1 MiB. */
+  mc_gpu_job_t *j = mc_gpu_job_new(0, MC_GPU_D2H);
+  for (size_t off = 0; off < n; off += 65536)
+    CHECK_EQ_INT(mc_gpu_job_add(j, (mc_cu_ptr)(uintptr_t)((char *)b->p + off), d + off, 65536),
+                 0);
+  CHECK_EQ_INT((int)j->n, 1); /* adjacent pieces merge */
+  mc_gpu_stager_submit(s, j);
+  mc_gpu_stager_drain(s);
+  CHECK(memcmp(b->p, src, n) == 0);
+  j = mc_gpu_job_new(0, MC_GPU_H2D);
+  for (size_t off = 0; off + (1u << 20) < n; off += 3 * 65536) /* gaps: many copies */
+    mc_gpu_job_add(j, d + off + (1u << 20), (mc_cu_ptr)(uintptr_t)((char *)b->p + off), 65536);
+  CHECK(j->n > 1);
+  mc_gpu_stager_submit(s, j);
+  mc_gpu_stager_drain(s);
+  CHECK_EQ_INT(api->cuMemcpyDtoH(back, d, n), 0);
+  int ok = 1;
+  for (size_t off = 0; off + (1u << 20) < n; off += 3 * 65536)
+    ok &= memcmp(back + off + (1u << 20), src + off, 65536) == 0;
+  CHECK(ok);
+  mc_gpu_buf_put(s, b);
+  mc_gpu_stager_destroy(s);
+  cu_free(d);
+  free(src);
+  free(back);
+}
+
+static void test_wrong_claims(void) {
+  SKIP_NO_GPU();
+  mc_engine_opts_t o = {.local_hostname = "127.0.0.1", .metadata_server = "P2PHANDSHAKE"};
+  mc_engine_t *e = NULL;
+  mc_err_t err = {0};
+  CHECK_EQ_INT(mc_engine_create(&o, &e, &err), 0);
+  uint64_t d = dalloc(1 << 20);
+  CHECK_EQ_INT(mc_engine_register(e, (void *)(uintptr_t)d, 1 << 20, "cpu", &err), MC_EINVAL);
+  CHECK_CONTAINS(err.msg, "GPU memory on cuda:0");
+  CHECK_EQ_INT(mc_engine_register(e, (void *)(uintptr_t)d, 1 << 20, "cuda:1", &err), MC_EINVAL);
+  CHECK_CONTAINS(err.msg, "\"cuda:0\"");
+  char *h = malloc(4096);
+  CHECK_EQ_INT(mc_engine_register(e, h, 4096, "cuda:0", &err), MC_EINVAL);
+  CHECK_CONTAINS(err.msg, "host memory");
+  CHECK_EQ_INT(mc_engine_register(e, (void *)(uintptr_t)d, 1 << 20, "*", &err), 0);
+  char *desc = mc_engine_describe(e);
+  CHECK(desc && strstr(desc, "\"cuda:0\"") && strstr(desc, "cuda_ipc"));
+  free(desc);
+  CHECK_EQ_INT(mc_engine_unregister(e, (void *)(uintptr_t)d, &err), 0);
+  mc_engine_destroy(e);
+  cu_free(d);
+  free(h);
+}
+
+/* One pair of engines; local/remote memory chosen per case. */
+static void run_pair(int local_gpu, int remote_gpu, int ipc, size_t total, size_t block) {
+  setenv("MC_GPU_IPC", ipc ? "1" : "0", 1);
+  mc_engine_opts_t o = {.local_hostname = "127.0.0.1", .metadata_server = "P2PHANDSHAKE"};
+  mc_engine_t *A = NULL, *B = NULL;
+  mc_err_t err = {0};
+  CHECK_EQ_INT(mc_engine_create(&o, &A, &err), 0);
+  CHECK_EQ_INT(mc_engine_create(&o, &B, &err), 0);
+  unsetenv("MC_GPU_IPC");
+  uint8_t *ref = malloc(total), *back = malloc(total);
+  fill(ref, total, (uint32_t)(local_gpu * 4 + remote_gpu * 2 + ipc));
+  uint64_t la = local_gpu ? dalloc(total) : (uint64_t)(uintptr_t)calloc(1, total);
+  uint64_t ra = remote_gpu ? dalloc(total) : (uint64_t)(uintptr_t)calloc(1, total);
+  CHECK(la && ra);
+  if (local_gpu)
+    CHECK_EQ_INT(api->cuMemcpyHtoD(la, ref, total), 0);
+  else
+    memcpy((void *)(uintptr_t)la, ref, total);
+  CHECK_EQ_INT(mc_engine_register(B, (void *)(uintptr_t)ra, total, "*", &err), 0);
+  size_t n = total / block;
+  mc_request_t *r = calloc(n, sizeof *r);
+  /* WRITE local -> remote with blocks in reversed order (a scatter). */
+  for (size_t i = 0; i < n; i++)
+    r[i] = (mc_request_t){.opcode = MC_OP_WRITE, .local = (void *)(uintptr_t)(la + i * block),
+                          .remote = ra + (n - 1 - i) * block, .len = block};
+  mc_batch_t *b = mc_batch_new(A, n);
+  int rc = mc_batch_submit(A, b, mc_engine_segment_name(B), r, n, &err);
+  if (rc == 0)
+    rc = mc_batch_wait(A, b, 60000, &err);
+  if (rc)
+    fprintf(stderr, "  write: %s\n", err.msg);
+  CHECK_EQ_INT(rc, 0);
+  mc_batch_free(A, b);
+  if (remote_gpu)
+    CHECK_EQ_INT(api->cuMemcpyDtoH(back, ra, total), 0);
+  else
+    memcpy(back, (void *)(uintptr_t)ra, total);
+  int ok = 1;
+  for (size_t i = 0; i < n; i++)
+    ok &= memcmp(back + (n - 1 - i) * block, ref + i * block, block) == 0;
+  CHECK(ok);
+  /* READ it back into cleared local memory. */
+  if (local_gpu) {
+    memset(back, 0, total);
+    CHECK_EQ_INT(api->cuMemcpyHtoD(la, back, total), 0);
+  } else {
+    memset((void *)(uintptr_t)la, 0, total);
+  }
+  for (size_t i = 0; i < n; i++)
+    r[i].opcode = MC_OP_READ;
+  b = mc_batch_new(A, n);
+  rc = mc_batch_submit(A, b, mc_engine_segment_name(B), r, n, &err);
+  if (rc == 0)
+    rc = mc_batch_wait(A, b, 60000, &err);
+  if (rc)
+    fprintf(stderr, "  read: %s\n", err.msg);
+  CHECK_EQ_INT(rc, 0);
+  mc_batch_free(A, b);
+  if (local_gpu)
+    CHECK_EQ_INT(api->cuMemcpyDtoH(back, la, total), 0);
+  else
+    memcpy(back, (void *)(uintptr_t)la, total);
+  CHECK(memcmp(back, ref, total) == 0);
+  /* An address outside B's regions still fails cleanly. */
+  mc_request_t bad = {.opcode = MC_OP_WRITE, .local = (void *)(uintptr_t)la,
+                      .remote = ra + total, .len = block};
+  b = mc_batch_new(A, 1);
+  CHECK_EQ_INT(mc_batch_submit(A, b, mc_engine_segment_name(B), &bad, 1, &err), 0);
+  CHECK(mc_batch_wait(A, b, 10000, &err) < 0);
+  CHECK_CONTAINS(err.msg, "not inside any memory region");
+  mc_batch_free(A, b);
+  mc_engine_destroy(A);
+  mc_engine_destroy(B);
+  if (local_gpu)
+    cu_free(la);
+  else
+    free((void *)(uintptr_t)la);
+  if (remote_gpu)
+    cu_free(ra);
+  else
+    free((void *)(uintptr_t)ra);
+  free(r);
+  free(ref);
+  free(back);
+}
+
+static void test_tcp_gpu_target_host_initiator(void) {
+  SKIP_NO_GPU();
+  run_pair(0, 1, 0, 32u << 20, 65536);
+}
+static void test_tcp_host_target_gpu_initiator(void) {
+  SKIP_NO_GPU();
+  run_pair(1, 0, 0, 32u << 20, 65536);
+}
+static void test_tcp_gpu_both(void) {
+  SKIP_NO_GPU();
+  run_pair(1, 1, 0, 64u << 20, 65536);
+  run_pair(1, 1, 0, 64u << 20, 2u << 20);
+  run_pair(1, 1, 0, 12345 * 7, 12345); /* odd sizes */
+}
+static void test_same_host_direct(void) {
+  SKIP_NO_GPU();
+  run_pair(1, 1, 1, 64u << 20, 65536);
+  run_pair(1, 1, 1, 64u << 20, 2u << 20);
+}
+static void test_local_segment_gpu(void) {
+  SKIP_NO_GPU();
+  mc_engine_opts_t o = {.local_hostname = "127.0.0.1", .metadata_server = "P2PHANDSHAKE"};
+  mc_engine_t *e = NULL;
+  mc_err_t err = {0};
+  CHECK_EQ_INT(mc_engine_create(&o, &e, &err), 0);
+  size_t n = 1 << 20;
+  uint64_t d = dalloc(n);
+  uint8_t *src = malloc(n), *back = malloc(n);
+  fill(src, n, 9);
+  CHECK_EQ_INT(mc_engine_register(e, (void *)(uintptr_t)d, n, "cuda:0", &err), 0);
+  mc_request_t r = {.opcode = MC_OP_WRITE, .local = src, .remote = d, .len = n};
+  mc_batch_t *b = mc_batch_new(e, 1);
+  CHECK_EQ_INT(mc_batch_submit(e, b, mc_engine_segment_name(e), &r, 1, &err), 0);
+  CHECK_EQ_INT(mc_batch_wait(e, b, 10000, &err), 0);
+  mc_batch_free(e, b);
+  CHECK_EQ_INT(api->cuMemcpyDtoH(back, d, n), 0);
+  CHECK(memcmp(back, src, n) == 0);
+  mc_engine_destroy(e);
+  cu_free(d);
+  free(src);
+  free(back);
+}
+
+static void test_dmabuf_export(void) {
+  SKIP_NO_GPU();
+  uint64_t d = dalloc(4u << 20);
+  int fd = -1;
+  uint64_t off = 0, span = 0;
+  mc_err_t err = {0};
+  int rc = mc_gpu_dmabuf_fd(d + 4096 + 100, 65536, &fd, &off, &span, &err);
+  if (rc == 0) {
+    fprintf(stderr, "  (DMA-BUF fd %d, offset %llu, span %llu)\n", fd, (unsigned long long)off,
+            (unsigned long long)span);
+    CHECK(fd >= 0);
+    CHECK_EQ_INT(off, 100);
+    CHECK(span >= 65536 + 100);
+    close(fd);
+  } else {
+    fprintf(stderr, "  (DMA-BUF unavailable here: %s)\n", err.msg);
+    CHECK_EQ_INT(rc, MC_EUNAVAIL);
+    CHECK(strstr(err.msg, "DMA-BUF") || strstr(err.msg, "cuMemGetHandleForAddressRange"));
+  }
+  /* Host memory is refused with a reason. */
+  char *h = malloc(4096);
+  CHECK_EQ_INT(mc_gpu_dmabuf_fd((uint64_t)(uintptr_t)h, 4096, &fd, &off, &span, &err),
+               MC_EINVAL);
+  CHECK_CONTAINS(err.msg, "not GPU memory");
+  free(h);
+  cu_free(d);
+}
+
+int main(void) {
+  RUN(test_no_gpu_is_clear);
+  RUN(test_stager_roundtrip);
+  RUN(test_wrong_claims);
+  RUN(test_local_segment_gpu);
+  RUN(test_tcp_gpu_target_host_initiator);
+  RUN(test_tcp_host_target_gpu_initiator);
+  RUN(test_tcp_gpu_both);
+  RUN(test_same_host_direct);
+  RUN(test_dmabuf_export);
+  TEST_MAIN_END();
+}
