@@ -500,6 +500,7 @@ static int add_region(mc_engine_t *e, uint64_t addr, uint64_t len, const char *l
   uint64_t ipc_base = 0;
   if (dev >= 0) {
     mc_err_t why = {0};
+    mc_cuda_use_device(dev, NULL); /* the default for our threads' pointer queries */
     if (mc_gpu_ipc_export(addr, ipc, &ipc_base, &why) < 0) {
       ipc[0] = '\0';
       mc_log_info("%s", why.msg);

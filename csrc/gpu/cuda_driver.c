@@ -122,6 +122,7 @@ static void load(void) {
 #define MC_CUDA_MAX_DEVICES 64
 static pthread_mutex_t g_ctx_mu = PTHREAD_MUTEX_INITIALIZER;
 static mc_cu_context g_ctx[MC_CUDA_MAX_DEVICES];
+static atomic_int g_last_dev; /* the device last made current by us */
 
 int mc_cuda_use_device(int device, mc_err_t *err) {
   const mc_cuda_api_t *api = mc_cuda_api(err);
@@ -144,6 +145,8 @@ int mc_cuda_use_device(int device, mc_err_t *err) {
   pthread_mutex_unlock(&g_ctx_mu);
   if (r == 0)
     r = api->cuCtxSetCurrent(ctx);
+  if (r == 0)
+    atomic_store_explicit(&g_last_dev, device, memory_order_relaxed);
   if (r != 0) {
     char b[160];
     return mc_err_set(err, MC_EUNAVAIL, "cannot use cuda:%d: %s", device,
@@ -223,6 +226,11 @@ int mc_cuda_locate(uint64_t addr, uint64_t len, int *device, mc_err_t *err) {
   const mc_cuda_api_t *api = mc_cuda_api(&ignored);
   if (!api)
     return 0; /* no driver: the driver cannot have allocated it */
+  /* Pointer queries want a current context: threads of ours (I/O, kv
+   * workers) may have none yet. */
+  mc_cu_context cur = NULL;
+  if (api->cuCtxGetCurrent(&cur) != 0 || !cur)
+    mc_cuda_use_device(atomic_load_explicit(&g_last_dev, memory_order_relaxed), NULL);
   unsigned int type = 0;
   if (api->cuPointerGetAttribute(&type, MC_CU_POINTER_ATTRIBUTE_MEMORY_TYPE, addr) != 0 ||
       (type != MC_CU_MEMORYTYPE_DEVICE && type != MC_CU_MEMORYTYPE_UNIFIED))

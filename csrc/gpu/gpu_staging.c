@@ -18,6 +18,7 @@ struct mc_gpu_stager {
   pthread_cond_t cv;      /* work for the worker, or room in the pool */
   pthread_cond_t idle_cv; /* drain waiters */
   size_t budget;
+  int kernel_warned;
   int d2d_mode; /* MC_GPU_D2D_COPY: 0 kernel, 1 batch API, 2 one cuMemcpyAsync each */
   /* Pool (under mu). */
   mc_gpu_buf_t *free_list;
@@ -289,7 +290,7 @@ static void start_job(mc_gpu_stager_t *s, mc_gpu_job_t *j) {
     if (j->kbuf && mc_copy_kernel_launch(dev, j->dsts, j->srcs, j->sizes, j->n, j->kbuf->p,
                                          *st, &kerr) == 0)
       done = 1;
-    else
+    else if (!s->kernel_warned++)
       mc_log_warn("GPU copy kernel not used (%s); using driver copies", kerr.msg);
   }
   if (rc == 0 && !done) {
