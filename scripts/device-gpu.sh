@@ -25,6 +25,12 @@ export PATH=/opt/debs/usr/bin:$PATH
 sys_curl=$(ls /usr/lib/x86_64-linux-gnu/libcurl.so.4 2>/dev/null || true)
 [ -n "$sys_curl" ] && ln -sf "$sys_curl" /opt/debs/usr/lib/x86_64-linux-gnu/libcurl.so
 python3 -m venv --system-site-packages /tmp/mcvenv >"$out/venv.log" 2>&1
+# python3 there may itself be a venv (torch lives in it): make its packages
+# visible in ours too.
+tsite=$(python3 -c 'import torch, os; print(os.path.dirname(os.path.dirname(torch.__file__)))' 2>/dev/null)
+if [ -n "$tsite" ]; then
+  echo "$tsite" >"$(/tmp/mcvenv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/zz-torch-site.pth"
+fi
 /tmp/mcvenv/bin/pip install -q --no-index --find-links .wheels aiohttp pytest pytest-timeout \
     >>"$out/venv.log" 2>&1
 py=/tmp/mcvenv/bin/python

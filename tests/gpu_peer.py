@@ -100,6 +100,8 @@ def main():
                     t0 = time.perf_counter()
                     fn(req["target"], loc_a, rem_a, lens)
                     secs.append(time.perf_counter() - t0)
+                if os.environ.get("MC_GPU_TRACE") == "1":
+                    sys.stderr.write(f"gpu_peer: xfer {len(lens)} blocks: {secs}\n")
                 out({"secs": secs, "bytes": L * B * BB})
             elif cmd == "kv_init":
                 lb = None

@@ -221,6 +221,10 @@ static int submit(mc_engine_t *e, mc_batch_t *b, const char *segment,
   char *via_ipc = NULL;
   uint64_t *mapped = NULL;
   size_t nipc = 0;
+  static int trace = -1; /* MC_GPU_TRACE=1: time the GPU planning steps */
+  if (trace < 0)
+    trace = getenv("MC_GPU_TRACE") && getenv("MC_GPU_TRACE")[0] == '1';
+  uint64_t t0 = trace ? mc_now_ns() : 0, t1 = 0, t2 = 0;
   if (mc_cuda_api_if_loaded()) {
     ldev = malloc(n * sizeof *ldev);
     if (!ldev)
@@ -233,14 +237,22 @@ static int submit(mc_engine_t *e, mc_batch_t *b, const char *segment,
         return ngpu;
     }
   }
+  if (trace)
+    t1 = mc_now_ns();
   if (ldev && !local) {
     via_ipc = calloc(n, 1);
     mapped = calloc(n, sizeof *mapped);
     if (via_ipc && mapped)
       nipc = mc_gpu_ipc_plan(e, segment, &d, reqs, n, ldev, mapped, via_ipc);
   }
+  if (trace)
+    t2 = mc_now_ns();
   int rc = submit_planned(e, b, segment, &d, local, reqs, n, poll, ldev, via_ipc, mapped,
                           nipc, err);
+  if (trace && ldev)
+    mc_log_info("gpu trace: %zu requests: locate %.1f us, plan (describe, ipc) %.1f us, "
+                "submit %.1f us, %zu same-host", n, (t1 - t0) / 1e3, (t2 - t1) / 1e3,
+                (mc_now_ns() - t2) / 1e3, nipc);
   free(ldev);
   free(via_ipc);
   free(mapped);

@@ -17,13 +17,29 @@
 
 int mc_gpu_locate_locals(const mc_request_t *reqs, size_t n, int *ldev, mc_err_t *err) {
   int k = 0;
+  /* KV blocks come in runs from a few allocations: answer from the last
+   * allocation seen while the buffers stay inside it. */
+  uint64_t lo = 0, hi = 0;
+  int last = -1;
   for (size_t i = 0; i < n; i++) {
+    uint64_t a = (uint64_t)(uintptr_t)reqs[i].local;
+    if (last >= 0 && a >= lo && a + reqs[i].len <= hi) {
+      ldev[i] = last;
+      k++;
+      continue;
+    }
     int dev = -1;
-    int rc = mc_cuda_locate((uint64_t)(uintptr_t)reqs[i].local, reqs[i].len, &dev, err);
+    uint64_t start = 0, size = 0;
+    int rc = mc_cuda_locate_range(a, reqs[i].len, &dev, &start, &size, err);
     if (rc < 0)
       return mc_err_prefix(err, "request %zu (local buffer)", i);
     ldev[i] = rc == 1 ? dev : -1;
     k += rc == 1;
+    if (rc == 1) {
+      last = dev;
+      lo = start;
+      hi = start + size;
+    }
   }
   return k;
 }
@@ -184,17 +200,32 @@ size_t mc_gpu_ipc_plan(mc_engine_t *e, const char *segment, const mc_segment_des
   peer_verdict(e, segment, 1);
   int same_process = rd.pid == (long)getpid();
   size_t k = 0;
+  /* Each remote region's mapping, opened once per call (and cached by
+   * gpu_ipc across calls); 1 = cannot be opened. */
+  uint64_t *rmap = calloc(rd.n ? rd.n : 1, sizeof *rmap);
+  int *rdev = calloc(rd.n ? rd.n : 1, sizeof *rdev);
+  if (!rmap || !rdev) {
+    free(rmap);
+    free(rdev);
+    mc_remote_desc_free(&rd);
+    return 0;
+  }
   for (size_t i = 0; i < n; i++) {
     if (ldev[i] < 0)
       continue;
     const mc_remote_region_t *r = find_region(&rd, reqs[i].remote, reqs[i].len);
     if (!r || r->cuda_dev < 0)
       continue; /* host memory there (or not registered): TCP says which */
-    uint64_t base = 0;
+    size_t ri = (size_t)(r - rd.regions);
+    if (!same_process && r->ipc[0] && (!rmap[ri] || rdev[ri] != ldev[i] + 1)) {
+      uint64_t base = 0;
+      rmap[ri] = mc_gpu_ipc_open(r->ipc, ldev[i], &base, &err) == 0 ? base : 1;
+      rdev[ri] = ldev[i] + 1;
+    }
     if (same_process) {
       mapped[i] = reqs[i].remote; /* one address space */
-    } else if (r->ipc[0] && mc_gpu_ipc_open(r->ipc, ldev[i], &base, &err) == 0) {
-      mapped[i] = base + (reqs[i].remote - r->ipc_base);
+    } else if (r->ipc[0] && rmap[ri] > 1) {
+      mapped[i] = rmap[ri] + (reqs[i].remote - r->ipc_base);
     } else {
       mc_gpu_log_path_once(e, segment, "TCP with pinned staging (%s)",
                            r->ipc[0] ? err.msg : "the peer exported no CUDA IPC handle");
@@ -203,13 +234,12 @@ size_t mc_gpu_ipc_plan(mc_engine_t *e, const char *segment, const mc_segment_des
     via_ipc[i] = 1;
     k++;
   }
+  free(rmap);
+  free(rdev);
   if (k)
     mc_gpu_log_path_once(e, segment, "same host: GPU memory moves directly between the GPUs "
-                         "(%s, %s)", same_process ? "same process" : "CUDA IPC",
-                         mc_cuda_api(NULL) && (mc_cuda_api(NULL)->cuMemcpyBatchAsync13 ||
-                                               mc_cuda_api(NULL)->cuMemcpyBatchAsync12)
-                             ? "cuMemcpyBatchAsync"
-                             : "cuMemcpyAsync per block");
+                         "(%s; copies by %s)", same_process ? "same process" : "CUDA IPC",
+                         mc_gpu_d2d_copy_name());
   mc_remote_desc_free(&rd);
   return k;
 }

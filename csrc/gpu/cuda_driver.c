@@ -84,6 +84,7 @@ static void load(void) {
   *(void **)&g_api.cuIpcCloseMemHandle = dlsym_quiet(h, "cuIpcCloseMemHandle");
   *(void **)&g_api.cuMemGetHandleForAddressRange =
       dlsym_quiet(h, "cuMemGetHandleForAddressRange");
+  *(void **)&g_api.cuPointerGetAttributes = dlsym_quiet(h, "cuPointerGetAttributes");
   *(void **)&g_api.cuModuleLoadData = dlsym_quiet(h, "cuModuleLoadData");
   *(void **)&g_api.cuModuleGetFunction = dlsym_quiet(h, "cuModuleGetFunction");
   *(void **)&g_api.cuLaunchKernel = dlsym_quiet(h, "cuLaunchKernel");
@@ -222,6 +223,12 @@ const mc_cuda_api_t *mc_cuda_api_if_loaded(void) {
 }
 
 int mc_cuda_locate(uint64_t addr, uint64_t len, int *device, mc_err_t *err) {
+  uint64_t start, size;
+  return mc_cuda_locate_range(addr, len, device, &start, &size, err);
+}
+
+int mc_cuda_locate_range(uint64_t addr, uint64_t len, int *device, uint64_t *start_out,
+                         uint64_t *size_out, mc_err_t *err) {
   mc_err_t ignored;
   const mc_cuda_api_t *api = mc_cuda_api(&ignored);
   if (!api)
@@ -232,17 +239,31 @@ int mc_cuda_locate(uint64_t addr, uint64_t len, int *device, mc_err_t *err) {
   if (api->cuCtxGetCurrent(&cur) != 0 || !cur)
     mc_cuda_use_device(atomic_load_explicit(&g_last_dev, memory_order_relaxed), NULL);
   unsigned int type = 0;
-  if (api->cuPointerGetAttribute(&type, MC_CU_POINTER_ATTRIBUTE_MEMORY_TYPE, addr) != 0 ||
-      (type != MC_CU_MEMORYTYPE_DEVICE && type != MC_CU_MEMORYTYPE_UNIFIED))
-    return 0; /* plain (or pinned) host memory */
   int ordinal = -1;
   mc_cu_ptr start = 0;
   size_t size = 0;
-  if (api->cuPointerGetAttribute(&ordinal, MC_CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, addr) != 0 ||
-      api->cuPointerGetAttribute(&start, MC_CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, addr) != 0 ||
-      api->cuPointerGetAttribute(&size, MC_CU_POINTER_ATTRIBUTE_RANGE_SIZE, addr) != 0)
-    return mc_err_set(err, MC_EINVAL, "cannot query the CUDA allocation holding 0x%llx",
-                      (unsigned long long)addr);
+  int ok = 0;
+  if (api->cuPointerGetAttributes) { /* one driver call instead of four */
+    int attrs[4] = {MC_CU_POINTER_ATTRIBUTE_MEMORY_TYPE, MC_CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+                    MC_CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
+                    MC_CU_POINTER_ATTRIBUTE_RANGE_SIZE};
+    void *data[4] = {&type, &ordinal, &start, &size};
+    if (api->cuPointerGetAttributes(4, attrs, data, addr) != 0)
+      return 0;
+    if (type != MC_CU_MEMORYTYPE_DEVICE && type != MC_CU_MEMORYTYPE_UNIFIED)
+      return 0; /* plain (or pinned) host memory */
+    ok = ordinal >= 0 && size > 0;
+  }
+  if (!ok) {
+    if (api->cuPointerGetAttribute(&type, MC_CU_POINTER_ATTRIBUTE_MEMORY_TYPE, addr) != 0 ||
+        (type != MC_CU_MEMORYTYPE_DEVICE && type != MC_CU_MEMORYTYPE_UNIFIED))
+      return 0; /* plain (or pinned) host memory */
+    if (api->cuPointerGetAttribute(&ordinal, MC_CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, addr) != 0 ||
+        api->cuPointerGetAttribute(&start, MC_CU_POINTER_ATTRIBUTE_RANGE_START_ADDR, addr) != 0 ||
+        api->cuPointerGetAttribute(&size, MC_CU_POINTER_ATTRIBUTE_RANGE_SIZE, addr) != 0)
+      return mc_err_set(err, MC_EINVAL, "cannot query the CUDA allocation holding 0x%llx",
+                        (unsigned long long)addr);
+  }
   if (addr + len > start + size)
     return mc_err_set(err, MC_EINVAL,
                       "range [0x%llx, +%llu) starts in a cuda:%d allocation of %zu bytes at "
@@ -250,6 +271,8 @@ int mc_cuda_locate(uint64_t addr, uint64_t len, int *device, mc_err_t *err) {
                       (unsigned long long)addr, (unsigned long long)len, ordinal, size,
                       (unsigned long long)start);
   *device = ordinal;
+  *start_out = start;
+  *size_out = size;
   return 1;
 }
 

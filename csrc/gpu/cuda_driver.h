@@ -91,6 +91,7 @@ typedef struct mc_cuda_api {
   mc_cu_result (*cuIpcCloseMemHandle)(mc_cu_ptr p);
   mc_cu_result (*cuMemGetHandleForAddressRange)(void *handle, mc_cu_ptr p, size_t n, int type,
                                                 unsigned long long flags);
+  mc_cu_result (*cuPointerGetAttributes)(unsigned n, int *attrs, void **data, mc_cu_ptr p);
   mc_cu_result (*cuModuleLoadData)(void **module, const void *image);
   mc_cu_result (*cuModuleGetFunction)(void **fn, void *module, const char *name);
   mc_cu_result (*cuLaunchKernel)(void *fn, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
@@ -139,6 +140,11 @@ int mc_cuda_copy_batch(mc_cu_ptr *dsts, mc_cu_ptr *srcs, size_t *sizes, size_t c
  * driver copy then; plain memcpy otherwise, without touching CUDA unless
  * the process loaded it).  Blocks: never call it on an I/O thread. */
 int mc_cuda_memcpy_any(void *dst, const void *src, size_t n, mc_err_t *err);
+
+/* Like mc_cuda_locate, also giving the allocation [*start, *start+*size)
+ * so callers can answer later queries inside it without the driver. */
+int mc_cuda_locate_range(uint64_t addr, uint64_t len, int *device, uint64_t *start,
+                         uint64_t *size, mc_err_t *err);
 
 /* Formats a CUresult as "CUDA_ERROR_X: text". */
 const char *mc_cuda_strerror(const mc_cuda_api_t *api, mc_cu_result r, char *buf, size_t n);

@@ -2,6 +2,7 @@
 
 #include <errno.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -34,6 +35,17 @@ struct mc_gpu_stager {
   mc_cu_event *events[MC_GPU_MAX_DEV];
   size_t nevents[MC_GPU_MAX_DEV], cap_events[MC_GPU_MAX_DEV];
 };
+
+static int d2d_mode(void) {
+  const char *m = getenv("MC_GPU_D2D_COPY");
+  return !m || !*m || !strcmp(m, "kernel") ? 0 : !strcmp(m, "batch") ? 1 : 2;
+}
+
+const char *mc_gpu_d2d_copy_name(void) {
+  static const char *const names[] = {"one copy-kernel launch per batch",
+                                      "cuMemcpyBatchAsync", "one cuMemcpyAsync per block"};
+  return names[d2d_mode()];
+}
 
 static size_t round_size(size_t n) {
   return (n + MC_GPU_CHUNK - 1) / MC_GPU_CHUNK * MC_GPU_CHUNK;
@@ -94,8 +106,7 @@ int mc_gpu_stager_create(size_t budget_bytes, mc_gpu_stager_t **out, mc_err_t *e
   pthread_cond_init(&s->cv, NULL);
   pthread_cond_init(&s->idle_cv, NULL);
   s->budget = budget_bytes ? budget_bytes : (64u << 20);
-  const char *m = getenv("MC_GPU_D2D_COPY");
-  s->d2d_mode = !m || !strcmp(m, "kernel") ? 0 : !strcmp(m, "batch") ? 1 : 2;
+  s->d2d_mode = d2d_mode();
   *out = s;
   return 0;
 }
@@ -365,6 +376,7 @@ static int poll_inflight(mc_gpu_stager_t *s) {
 
 static void *worker_main(void *arg) {
   mc_gpu_stager_t *s = arg;
+  int spins = 0;
   pthread_mutex_lock(&s->mu);
   for (;;) {
     /* Start what can start.  A job waiting for staging room does not hold
@@ -405,8 +417,19 @@ static void *worker_main(void *arg) {
     pthread_mutex_lock(&s->mu);
     if (s->stop && !s->q_head && !s->fl_head)
       break;
-    if (done || started)
+    if (done || started) {
+      spins = 0;
       continue;
+    }
+    if (s->fl_head && spins < 2000) {
+      /* Copies in flight: poll closely for a while (completion latency
+       * matters for small transfers), then back off. */
+      spins++;
+      pthread_mutex_unlock(&s->mu);
+      sched_yield();
+      pthread_mutex_lock(&s->mu);
+      continue;
+    }
     if (!s->fl_head) {
       pthread_cond_wait(&s->cv, &s->mu);
     } else {

@@ -77,6 +77,9 @@ mc_gpu_job_t *mc_gpu_job_new(int device, int dir);
 int mc_gpu_job_add(mc_gpu_job_t *j, mc_cu_ptr dst, mc_cu_ptr src, size_t n);
 void mc_gpu_job_free(mc_gpu_job_t *j); /* does not return buf */
 
+/* How device-to-device jobs copy (MC_GPU_D2D_COPY), for logs. */
+const char *mc_gpu_d2d_copy_name(void);
+
 /* Queues a job.  Never blocks on the GPU. */
 void mc_gpu_stager_submit(mc_gpu_stager_t *s, mc_gpu_job_t *j);
 
