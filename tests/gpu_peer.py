@@ -19,6 +19,7 @@ Commands (one JSON object per line, one answer each):
     {"cmd": "exit"}
 """
 import argparse
+import array
 import json
 import os
 import sys
@@ -92,7 +93,10 @@ def main():
                     for b in range(B):
                         loc_a.append(base + b * BB)
                         rem_a.append(rbase + ((b * m + a) % B) * BB)
-                lens = [BB] * len(loc_a)
+                # Address lists as 8-byte buffers (as a connector holding numpy
+                # block tables would pass them): no per-item parsing.
+                loc_a, rem_a = array.array("Q", loc_a), array.array("Q", rem_a)
+                lens = array.array("Q", [BB] * len(loc_a))
                 fn = (eng.batch_transfer_sync_write if req["op"] == "write"
                       else eng.batch_transfer_sync_read)
                 secs = []

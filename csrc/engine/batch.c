@@ -182,7 +182,7 @@ static int submit(mc_engine_t *e, mc_batch_t *b, const char *segment,
 static int submit_planned(mc_engine_t *e, mc_batch_t *b, const char *segment,
                           const mc_segment_desc_t *dp, int local, const mc_request_t *reqs,
                           size_t n, int poll, const int *ldev, const char *via_ipc,
-                          const uint64_t *mapped, size_t nipc, mc_err_t *err);
+                          mc_gpu_plan_t *plan, mc_err_t *err);
 
 int mc_batch_submit(mc_engine_t *e, mc_batch_t *b, const char *segment,
                     const mc_request_t *reqs, size_t n, mc_err_t *err) {
@@ -219,8 +219,7 @@ static int submit(mc_engine_t *e, mc_batch_t *b, const char *segment,
    * same-host GPU path. */
   int *ldev = NULL;
   char *via_ipc = NULL;
-  uint64_t *mapped = NULL;
-  size_t nipc = 0;
+  mc_gpu_plan_t *plan = NULL;
   static int trace = -1; /* MC_GPU_TRACE=1: time the GPU planning steps */
   if (trace < 0)
     trace = getenv("MC_GPU_TRACE") && getenv("MC_GPU_TRACE")[0] == '1';
@@ -241,33 +240,33 @@ static int submit(mc_engine_t *e, mc_batch_t *b, const char *segment,
     t1 = mc_now_ns();
   if (ldev && !local) {
     via_ipc = calloc(n, 1);
-    mapped = calloc(n, sizeof *mapped);
-    if (via_ipc && mapped)
-      nipc = mc_gpu_ipc_plan(e, segment, &d, reqs, n, ldev, mapped, via_ipc);
+    if (via_ipc)
+      plan = mc_gpu_ipc_plan(e, segment, &d, reqs, n, ldev, via_ipc);
   }
   if (trace)
     t2 = mc_now_ns();
-  int rc = submit_planned(e, b, segment, &d, local, reqs, n, poll, ldev, via_ipc, mapped,
-                          nipc, err);
+  int same_host = plan != NULL;
+  int rc = submit_planned(e, b, segment, &d, local, reqs, n, poll, ldev, plan ? via_ipc : NULL,
+                          plan, err);
   if (trace && ldev)
     mc_log_info("gpu trace: %zu requests: locate %.1f us, plan (describe, ipc) %.1f us, "
-                "submit %.1f us, %zu same-host", n, (t1 - t0) / 1e3, (t2 - t1) / 1e3,
-                (mc_now_ns() - t2) / 1e3, nipc);
+                "submit %.1f us, same-host path %s", n, (t1 - t0) / 1e3, (t2 - t1) / 1e3,
+                (mc_now_ns() - t2) / 1e3, same_host ? "yes" : "no");
   free(ldev);
   free(via_ipc);
-  free(mapped);
   return rc;
 }
 
 static int submit_planned(mc_engine_t *e, mc_batch_t *b, const char *segment,
                           const mc_segment_desc_t *dp, int local, const mc_request_t *reqs,
                           size_t n, int poll, const int *ldev, const char *via_ipc,
-                          const uint64_t *mapped, size_t nipc, mc_err_t *err) {
+                          mc_gpu_plan_t *plan, mc_err_t *err) {
   const mc_segment_desc_t *d = dp;
   pthread_mutex_lock(&b->mu);
   if (b->n + n > b->cap) {
     size_t room = b->cap - b->n;
     pthread_mutex_unlock(&b->mu);
+    mc_gpu_ipc_plan_free(plan);
     return mc_err_set(err, MC_EINVAL,
                       "batch has room for %zu more requests, %zu submitted; allocate a larger "
                       "batch",
@@ -348,17 +347,17 @@ static int submit_planned(mc_engine_t *e, mc_batch_t *b, const char *segment,
     b->pending -= n;
     pthread_mutex_unlock(&b->mu);
     builder_free(&ob);
+    mc_gpu_ipc_plan_free(plan);
     return rc;
   }
   b->ops_inflight += ob.n;
-  mc_gpu_job_t *jobs[16];
-  size_t njobs = nipc ? mc_gpu_ipc_jobs(e, b, first, reqs, n, ldev, mapped, via_ipc, jobs, 16)
-                      : 0;
+  if (plan)
+    mc_gpu_ipc_prepare(plan, b, first, reqs);
   uint64_t bytes = 0;
   for (size_t i = 0; i < n; i++)
     bytes += reqs[i].len;
   pthread_mutex_unlock(&b->mu);
-  mc_gpu_ipc_submit(e, jobs, njobs);
+  mc_gpu_ipc_start(e, plan);
   if (ldev) {
     /* Ops whose local buffers include GPU memory go through staging. */
     size_t k = 0;

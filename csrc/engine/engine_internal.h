@@ -40,6 +40,8 @@ struct mc_engine {
   struct {
     char name[320];
     int verdict; /* 1 same host, -1 another host */
+    int have;    /* desc holds the peer's last descriptor */
+    mc_remote_desc_t desc;
   } *gpu_peers;
   size_t gpu_npeers;
 
@@ -98,18 +100,19 @@ void mc_batch_part_done(mc_batch_t *b, size_t i, int code, const char *msg, uint
  * Returns how many are GPU memory (0 without touching CUDA when the
  * process never loaded it), or <0 (a buffer runs past its allocation). */
 int mc_gpu_locate_locals(const mc_request_t *reqs, size_t n, int *ldev, mc_err_t *err);
-/* Same-host path: for requests whose local buffer is GPU memory and whose
- * remote range lies in a cuda region the peer exported, fills via_ipc[i]=1
- * and returns how many.  May ask the peer for its descriptor (blocks). */
-size_t mc_gpu_ipc_plan(mc_engine_t *e, const char *segment, const mc_segment_desc_t *d,
-                       const mc_request_t *reqs, size_t n, const int *ldev,
-                       uint64_t *mapped, char *via_ipc);
-/* Queues the device-to-device copies of the planned requests (tasks
- * first.., one part each; counts one op in flight per job). b->mu held. */
-size_t mc_gpu_ipc_jobs(mc_engine_t *e, mc_batch_t *b, size_t first, const mc_request_t *reqs,
-                       size_t n, const int *ldev, const uint64_t *mapped,
-                       const char *via_ipc, mc_gpu_job_t **jobs, size_t max_jobs);
-void mc_gpu_ipc_submit(mc_engine_t *e, mc_gpu_job_t **jobs, size_t njobs);
+/* Same-host path.  mc_gpu_ipc_plan picks the requests whose local buffer
+ * is GPU memory and whose remote range lies in a cuda region of a peer on
+ * this host (via_ipc[i] = 1); NULL if none.  The peer's descriptor comes
+ * from a cache, checked by a DESCRIBE that runs alongside the copies (the
+ * first call to a peer asks synchronously).  prepare (b->mu held) sets up
+ * the tasks and copy jobs; start (after unlocking) queues them. */
+typedef struct mc_gpu_plan mc_gpu_plan_t;
+mc_gpu_plan_t *mc_gpu_ipc_plan(mc_engine_t *e, const char *segment, const mc_segment_desc_t *d,
+                               const mc_request_t *reqs, size_t n, int *ldev, char *via_ipc);
+void mc_gpu_ipc_prepare(mc_gpu_plan_t *p, mc_batch_t *b, size_t first, const mc_request_t *reqs);
+void mc_gpu_ipc_start(mc_engine_t *e, mc_gpu_plan_t *p);
+void mc_gpu_ipc_plan_free(mc_gpu_plan_t *p);
+void mc_gpu_forget_peers(mc_engine_t *e);
 /* Hands a sealed op whose local buffers include GPU memory to the copy
  * worker: WRITE is staged D2H then sent, READ lands in staging then H2D.
  * ldev_of(cookie) says which entries are GPU memory. */

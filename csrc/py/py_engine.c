@@ -25,6 +25,14 @@ typedef struct {
 /* ---- helpers ---- */
 
 static int get_u64(PyObject *o, uint64_t *out, const char *what) {
+  if (PyLong_CheckExact(o)) { /* the common case, without PyNumber_Index */
+    unsigned long long v = PyLong_AsUnsignedLongLong(o);
+    if (!(v == (unsigned long long)-1 && PyErr_Occurred())) {
+      *out = v;
+      return 0;
+    }
+    PyErr_Clear();
+  }
   /* A tensor (CPU or CUDA) stands for its address: data_ptr(). */
   PyObject *idx = !PyLong_Check(o) && PyObject_HasAttrString(o, "data_ptr")
                       ? PyObject_CallMethod(o, "data_ptr", NULL)
@@ -45,6 +53,32 @@ static int get_u64(PyObject *o, uint64_t *out, const char *what) {
 
 /* Parses a sequence of ints into a malloc'ed array. */
 static int get_u64_list(PyObject *seq, uint64_t **out, Py_ssize_t *n, const char *what) {
+  /* Fast path: a buffer of 8-byte integers (numpy uint64/int64 array,
+   * array.array('Q')): copied as is, no per-item Python work. */
+  if (PyObject_CheckBuffer(seq) && !PyBytes_Check(seq) && !PyByteArray_Check(seq)) {
+    Py_buffer v;
+    if (PyObject_GetBuffer(seq, &v, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) == 0) {
+      const char *f = v.format ? v.format : "B";
+      if (*f == '@' || *f == '=' || *f == '<')
+        f++;
+      if (v.itemsize == 8 && f[0] && !f[1] && strchr("QqLlNn", f[0])) {
+        Py_ssize_t k = v.len / 8;
+        uint64_t *a = PyMem_RawMalloc((size_t)(k ? k : 1) * sizeof *a);
+        if (!a) {
+          PyBuffer_Release(&v);
+          PyErr_NoMemory();
+          return -1;
+        }
+        memcpy(a, v.buf, (size_t)k * 8);
+        PyBuffer_Release(&v);
+        *out = a;
+        *n = k;
+        return 0;
+      }
+      PyBuffer_Release(&v);
+    }
+    PyErr_Clear();
+  }
   PyObject *fast = PySequence_Fast(seq, "expected a list of ints");
   if (!fast)
     return -1;
