@@ -1,5 +1,6 @@
 /* Batches: splitting requests into wire ops, completion accounting,
  * waiting with timeouts, cancellation. */
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -238,16 +239,29 @@ static int submit(mc_engine_t *e, mc_batch_t *b, const char *segment,
   }
   if (trace)
     t1 = mc_now_ns();
+  size_t chunk = (size_t)e->gpu_chunk;
+  int rc = 0, same_host = 0;
   if (ldev && !local) {
+    /* Large GPU batches go in chunks: planning and queuing chunk k+1 on
+     * this thread overlaps the copies of chunk k on the GPU (host work per
+     * request would otherwise add up before the first copy starts). */
     via_ipc = calloc(n, 1);
-    if (via_ipc)
-      plan = mc_gpu_ipc_plan(e, segment, &d, reqs, n, ldev, via_ipc);
+    if (b->n + n > b->cap)
+      chunk = n; /* let submit_planned report the size error */
+    for (size_t off = 0; off < n && rc == 0; off += chunk) {
+      size_t k = n - off < chunk ? n - off : chunk;
+      plan = via_ipc ? mc_gpu_ipc_plan(e, segment, &d, reqs + off, k, ldev + off, via_ipc + off)
+                     : NULL;
+      same_host |= plan != NULL;
+      if (trace && off == 0)
+        t2 = mc_now_ns();
+      rc = submit_planned(e, b, segment, &d, 0, reqs + off, k, poll, ldev + off,
+                          plan ? via_ipc + off : NULL, plan, err);
+    }
+  } else {
+    t2 = trace ? mc_now_ns() : 0;
+    rc = submit_planned(e, b, segment, &d, local, reqs, n, poll, ldev, NULL, NULL, err);
   }
-  if (trace)
-    t2 = mc_now_ns();
-  int same_host = plan != NULL;
-  int rc = submit_planned(e, b, segment, &d, local, reqs, n, poll, ldev, plan ? via_ipc : NULL,
-                          plan, err);
   if (trace && ldev)
     mc_log_info("gpu trace: %zu requests: locate %.1f us, plan (describe, ipc) %.1f us, "
                 "submit %.1f us, same-host path %s", n, (t1 - t0) / 1e3, (t2 - t1) / 1e3,
@@ -409,6 +423,13 @@ int mc_batch_wait(mc_engine_t *e, mc_batch_t *b, int64_t timeout_ms, mc_err_t *e
     uint64_t until = mc_now_ns() + e->spin_ns;
     while (atomic_load_explicit(&b->pending, memory_order_acquire) > 0 && mc_now_ns() < until)
       __builtin_ia32_pause();
+  }
+  if (b->gpu) {
+    /* Same-host GPU copies finish within milliseconds: yield-poll for a
+     * while rather than pay a sleeping thread's wake-up. */
+    uint64_t until = mc_now_ns() + 20000000ull;
+    while (atomic_load_explicit(&b->pending, memory_order_acquire) > 0 && mc_now_ns() < until)
+      sched_yield();
   }
   pthread_mutex_lock(&b->mu);
   uint64_t tmo_ns = timeout_ms >= 0 ? (uint64_t)timeout_ms * 1000000ull

@@ -34,6 +34,7 @@ struct mc_engine {
   mc_gpu_stager_t *gpu;   /* pinned staging + GPU copy thread (gpu_xfer.c) */
   int gpu_reserved;       /* staging pre-allocated (first cuda region) */
   int gpu_ipc_off;        /* MC_GPU_IPC=0: never use the same-host path */
+  int gpu_chunk;          /* MC_GPU_CHUNK: requests planned per step */
   pthread_mutex_t gpu_mu; /* path choices logged once per peer */
   char (*gpu_logged)[320];
   size_t gpu_nlogged;
@@ -89,6 +90,7 @@ struct mc_batch {
   size_t ops_inflight; /* ops handed to a transport and not done */
   uint64_t bytes;      /* total requested */
   atomic_int cancel;
+  int gpu;             /* has same-host GPU copies: wait polls closely */
   char last_segment[320];
 };
 

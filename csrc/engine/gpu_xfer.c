@@ -491,6 +491,7 @@ void mc_gpu_ipc_prepare(mc_gpu_plan_t *p, mc_batch_t *b, size_t first, const mc_
   if (!g)
     return;
   g->remaining = (int)p->njobs + (p->validate ? 1 : 0);
+  b->gpu = 1;
   b->ops_inflight += (size_t)g->remaining;
   if (p->validate) {
     g->used = p->used;

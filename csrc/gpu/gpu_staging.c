@@ -36,6 +36,12 @@ struct mc_gpu_stager {
   size_t nevents[MC_GPU_MAX_DEV], cap_events[MC_GPU_MAX_DEV];
 };
 
+static uint64_t now_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
 static int d2d_mode(void) {
   const char *m = getenv("MC_GPU_D2D_COPY");
   return !m || !*m || !strcmp(m, "kernel") ? 0 : !strcmp(m, "batch") ? 1 : 2;
@@ -377,6 +383,7 @@ static int poll_inflight(mc_gpu_stager_t *s) {
 static void *worker_main(void *arg) {
   mc_gpu_stager_t *s = arg;
   int spins = 0;
+  uint64_t idle_since = 0;
   pthread_mutex_lock(&s->mu);
   for (;;) {
     /* Start what can start.  A job waiting for staging room does not hold
@@ -421,10 +428,13 @@ static void *worker_main(void *arg) {
       spins = 0;
       continue;
     }
-    if (s->fl_head && spins < 2000) {
-      /* Copies in flight: poll closely for a while (completion latency
-       * matters for small transfers), then back off. */
-      spins++;
+    if (spins == 0)
+      idle_since = now_ns();
+    spins++;
+    if (now_ns() - idle_since < (s->fl_head ? 20000000ull : 1000000ull)) {
+      /* Copies in flight (up to 20 ms) or just finished (1 ms: the next
+       * batch often follows): poll closely instead of sleeping, since a
+       * wake-up costs tens of microseconds.  Then back off. */
       pthread_mutex_unlock(&s->mu);
       sched_yield();
       pthread_mutex_lock(&s->mu);
