@@ -94,6 +94,7 @@ def main():
     ap.add_argument("--out", default="")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="fewer variants")
+    ap.add_argument("--same-host-only", action="store_true", help="skip the TCP cases")
     args = ap.parse_args()
     ngpu = torch.cuda.device_count()
     res = {"gpu": torch.cuda.get_device_name(0), "gpus": ngpu, "torch": torch.__version__,
@@ -130,6 +131,11 @@ def main():
                 rec(f"engine same-host {mode} 1 GiB as {label} blocks, READ scattered",
                     engine_xfer("cuda:0", db, bb, args.reps, 7, 3, env, op="read",
                                 check=False))
+    if args.same_host_only:
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(res, f, indent=1)
+        return
     tcp = {"MC_GPU_IPC": "0"}
     reps = max(2, args.reps // 2)
     host = engine_xfer("cpu", "cpu", 65536, reps, 7, 3, tcp)

@@ -8,12 +8,13 @@ set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 out="${OUT:-/tmp/device-gpu}"
 mkdir -p "$out"
-bench=1 quick="" full=0
+bench=1 quick="" full=0 pytest=1
 for a in "$@"; do
   case "$a" in
   --no-bench) bench=0 ;;
   --quick-bench) quick=--quick ;;
   --full) full=1 ;;
+  --no-pytest) pytest=0 ;;
   esac
 done
 rm -rf /opt/debs build build-san
@@ -47,7 +48,7 @@ fi
 MC_WERROR=1 $py -m pip install -q --no-build-isolation . >"$out/pip.log" 2>&1 || rc=1
 sel=(-m gpu "$PWD/tests/test_gpu.py")
 [ $full = 1 ] && sel=("$PWD/tests")
-(cd /tmp && MC_LOG_LEVEL=info $py -m pytest -q -rs -p no:cacheprovider "${sel[@]}" --timeout 300 \
+[ $pytest = 1 ] && (cd /tmp && MC_LOG_LEVEL=info $py -m pytest -q -rs -p no:cacheprovider "${sel[@]}" --timeout 300 \
     >"$out/pytest.log" 2>&1) || rc=1
 if [ $bench = 1 ]; then
   (cd /tmp && timeout 420 $py "$OLDPWD/benchmarks/gpu_bench.py" $quick --out "$out/gpu_bench.json" \
