@@ -246,10 +246,13 @@ static int submit(mc_engine_t *e, mc_batch_t *b, const char *segment,
      * this thread overlaps the copies of chunk k on the GPU (host work per
      * request would otherwise add up before the first copy starts). */
     via_ipc = calloc(n, 1);
+    /* The first chunk is small so the GPU starts early; they then double
+     * up to MC_GPU_CHUNK. */
+    size_t step = chunk < 256 ? chunk : 256;
     if (b->n + n > b->cap)
-      chunk = n; /* let submit_planned report the size error */
-    for (size_t off = 0; off < n && rc == 0; off += chunk) {
-      size_t k = n - off < chunk ? n - off : chunk;
+      step = chunk = n; /* let submit_planned report the size error */
+    for (size_t off = 0, k; off < n && rc == 0; off += k, step = step * 2 < chunk ? step * 2 : chunk) {
+      k = n - off < step ? n - off : step;
       plan = via_ipc ? mc_gpu_ipc_plan(e, segment, &d, reqs + off, k, ldev + off, via_ipc + off)
                      : NULL;
       same_host |= plan != NULL;
