@@ -8,13 +8,14 @@ set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 out="${OUT:-/tmp/device-gpu}"
 mkdir -p "$out"
-bench=1 quick="" full=0 pytest=1
+bench=1 quick="" full=0 pytest=1 allc=0
 for a in "$@"; do
   case "$a" in
   --no-bench) bench=0 ;;
   --quick-bench) quick=--quick ;;
   --full) full=1 ;;
   --no-pytest) pytest=0 ;;
+  --all-c) allc=1 ;;
   esac
 done
 rm -rf /opt/debs build build-san
@@ -42,7 +43,7 @@ rc=0
 make -s -j8 WERROR=1 all >"$out/make.log" 2>&1 || rc=1
 { echo "== test_cuda_driver"; timeout 120 build/tests/test_cuda_driver;
   echo "== test_gpu"; MC_LOG_LEVEL=info timeout 300 build/tests/test_gpu; } >"$out/test-c.log" 2>&1 || rc=1
-if [ $full = 1 ]; then
+if [ $full = 1 ] || [ $allc = 1 ]; then
   timeout 400 make -s test-c >>"$out/test-c.log" 2>&1 || rc=1
 fi
 MC_WERROR=1 $py -m pip install -q --no-build-isolation . >"$out/pip.log" 2>&1 || rc=1

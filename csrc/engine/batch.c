@@ -251,8 +251,9 @@ static int submit(mc_engine_t *e, mc_batch_t *b, const char *segment,
     size_t step = chunk < 256 ? chunk : 256;
     if (b->n + n > b->cap)
       step = chunk = n; /* let submit_planned report the size error */
-    for (size_t off = 0, k; off < n && rc == 0; off += k, step = step * 2 < chunk ? step * 2 : chunk) {
+    for (size_t off = 0, k; off < n && rc == 0; off += k) {
       k = n - off < step ? n - off : step;
+      step = step * 2 < chunk ? step * 2 : chunk;
       plan = via_ipc ? mc_gpu_ipc_plan(e, segment, &d, reqs + off, k, ldev + off, via_ipc + off)
                      : NULL;
       same_host |= plan != NULL;
