@@ -246,13 +246,18 @@ static int submit(mc_engine_t *e, mc_batch_t *b, const char *segment,
      * this thread overlaps the copies of chunk k on the GPU (host work per
      * request would otherwise add up before the first copy starts). */
     via_ipc = calloc(n, 1);
-    /* The first chunk is small so the GPU starts early; they then double
-     * up to MC_GPU_CHUNK. */
+    /* The first chunk is small so the GPU starts early; chunks then double
+     * up to MC_GPU_CHUNK, and shrink again towards the end (at most half
+     * of what is left) so little completion work remains after the last
+     * copy. */
     size_t step = chunk < 256 ? chunk : 256;
     if (b->n + n > b->cap)
       step = chunk = n; /* let submit_planned report the size error */
     for (size_t off = 0, k; off < n && rc == 0; off += k) {
-      k = n - off < step ? n - off : step;
+      size_t left = n - off, half = left / 2 > 256 ? left / 2 : 256;
+      k = step < half ? step : half;
+      if (k > left)
+        k = left;
       step = step * 2 < chunk ? step * 2 : chunk;
       plan = via_ipc ? mc_gpu_ipc_plan(e, segment, &d, reqs + off, k, ldev + off, via_ipc + off)
                      : NULL;
