@@ -40,7 +40,7 @@ typedef enum {
 
 typedef struct mc_request {
   int opcode;      /* MC_OP_READ: remote -> local; MC_OP_WRITE: local -> remote */
-  void *local;     /* local buffer (need not be registered for TCP) */
+  void *local;     /* local buffer, host or GPU memory (need not be registered) */
   uint64_t remote; /* address inside a region the target registered */
   uint64_t len;
 } mc_request_t;
@@ -62,8 +62,11 @@ const char *mc_engine_segment_name(const mc_engine_t *e); /* "host:port" */
 int mc_engine_rpc_port(const mc_engine_t *e);
 
 /* Registers [addr, addr+len) as remotely accessible.  location: "cpu",
- * "cuda:N", or NULL/"*" (detect; CPU only for now).  Republishes the segment
- * descriptor when a metadata server is used (blocks). */
+ * "cuda:N", or NULL/"*" (detect); a claim that does not match where the
+ * memory is fails with MC_EINVAL naming the right one.  GPU regions are
+ * served over TCP through pinned staging and, to peers on the same host,
+ * directly between the GPUs (docs/architecture.md).  Republishes the
+ * segment descriptor when a metadata server is used (blocks). */
 int mc_engine_register(mc_engine_t *e, void *addr, uint64_t len, const char *location,
                        mc_err_t *err);
 int mc_engine_register_batch(mc_engine_t *e, void *const *addrs, const uint64_t *lens,
