@@ -13,7 +13,9 @@ class MetadataError(MooncakeError): ...
 class TransferTimeout(MooncakeError, TimeoutError): ...
 class UnavailableError(MooncakeError): ...
 
-_Addr = int
+# An address: an int, or a tensor (CPU or CUDA) standing for its data_ptr().
+# Address lists may also be 8-byte integer buffers (numpy uint64/int64, array('Q')).
+_Addr = Any
 _Buffer = Union[bytes, bytearray, memoryview]
 
 class TransferEngine:
