@@ -21,7 +21,8 @@ class LayoutError(ValueError):
 class LayerLayout:
     name: str
     base: int          # data_ptr
-    nbytes: int        # whole tensor, for registration
+    reg_base: int      # the storage this view lives in (layers may share one)
+    nbytes: int        # bytes of that storage, for registration
     device: str        # "cpu" or "cuda:N"
     outer: list        # byte offsets of each outer slice (K, V, ...)
     block_stride: int  # bytes between consecutive blocks
@@ -54,8 +55,12 @@ def _layer(name, t, num_blocks):
         outer = [o + i * strides[k] * esize for o in outer for i in range(shape[k])]
     dev = t.device
     device = "cpu" if dev.type == "cpu" else f"{dev.type}:{dev.index or 0}"
-    return LayerLayout(name=name, base=t.data_ptr(), nbytes=t.untyped_storage().nbytes()
-                       if hasattr(t, "untyped_storage") else t.numel() * esize,
+    if hasattr(t, "untyped_storage"):
+        st = t.untyped_storage()
+        reg_base, nbytes = st.data_ptr(), st.nbytes()
+    else:
+        reg_base, nbytes = t.data_ptr(), t.numel() * esize
+    return LayerLayout(name=name, base=t.data_ptr(), reg_base=reg_base, nbytes=nbytes,
                        device=device, outer=outer, block_stride=strides[d] * esize,
                        block_bytes=inner * esize)
 
@@ -73,12 +78,12 @@ class KVLayout:
         self.devices = sorted({L.device for L in self.layers})
 
     def regions(self):
-        """(addr, length, device) to register: each tensor's storage once."""
+        """(addr, length, device) to register: each storage once."""
         seen, out = set(), []
         for L in self.layers:
-            if L.base not in seen:
-                seen.add(L.base)
-                out.append((L.base, L.nbytes, L.device))
+            if L.reg_base not in seen:
+                seen.add(L.reg_base)
+                out.append((L.reg_base, L.nbytes, L.device))
         return out
 
     def block_extents(self, block_id, tag=0):

@@ -1,8 +1,10 @@
 """KVConnectorStats for vLLM's stat logger and Prometheus (both sides)."""
+from dataclasses import dataclass
+
 try:
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 except ImportError:  # vLLM absent
-    from dataclasses import dataclass, field
+    from dataclasses import field
 
     @dataclass
     class KVConnectorStats:  # type: ignore[no-redef]
@@ -13,6 +15,7 @@ COUNTERS = ("loads", "loads_failed", "load_bytes", "load_tokens", "load_tokens_m
             "sends_expired")
 
 
+@dataclass
 class MooncakeKVConnectorStats(KVConnectorStats):
     """data: counters (COUNTERS) plus load_time_s, a list of per-load seconds."""
 
@@ -26,6 +29,9 @@ class MooncakeKVConnectorStats(KVConnectorStats):
 
     def add(self, key, value=1):
         self.data[key] = self.data.get(key, 0) + value
+
+    def add_time(self, secs):
+        self.data.setdefault("load_time_s", []).append(secs)
 
     def aggregate(self, other):
         if other is None or not getattr(other, "data", None):

@@ -208,7 +208,7 @@ class WorkerSide:
             self.stats.add("loads")
             self.stats.add("load_bytes", nbytes)
             self.stats.add("load_tokens", loaded * self.block_size)
-            self.stats.data["load_time_s"].append(secs)
+            self.stats.add_time(secs)
             if loaded < len(spec.block_ids):
                 self._invalid.update(spec.block_ids[loaded:])
                 self.stats.add("load_tokens_missed",
