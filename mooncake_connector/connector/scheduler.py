@@ -34,6 +34,7 @@ class SchedulerSide:
         self._published = {}      # req_id -> published tokens
         self._reqs = {}           # producer: req_id -> Request while it runs
         self._blocks = {}         # producer: req_id -> block ids (when no cache manager)
+        self._tried = set()       # consumer: requests that had their one load
         self.producer_base = None
         if settings.is_producer:
             url = settings.local_hostname or settings.mooncake.get("prefill_url")
@@ -65,8 +66,8 @@ class SchedulerSide:
         return n
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
-        if self._source(request) is None:
-            return 0, False
+        if self._source(request) is None or request.request_id in self._tried:
+            return 0, False  # one load per request: after a miss or failure, compute
         ext = self._full_tokens(request) - num_computed_tokens
         if ext <= 0:
             return 0, False
@@ -80,6 +81,7 @@ class SchedulerSide:
         src = self._source(request)
         if src is None:
             return
+        self._tried.add(request.request_id)
         n_full = self._full_tokens(request)
         local = n_full - num_external_tokens
         skip = max(local, 0) // self.block_size
@@ -154,6 +156,7 @@ class SchedulerSide:
         self._reqs.pop(rid, None)
         self._blocks.pop(rid, None)
         self._loads.pop(rid, None)
+        self._tried.discard(rid)
         n = self._published.pop(rid, None)
         if n is None:
             return False, None

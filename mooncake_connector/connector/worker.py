@@ -47,7 +47,8 @@ class WorkerSide:
         self._loading = {}        # req_id -> (future, LoadSpec)
         self._invalid = set()     # block ids that failed to load, reported once
         self._tag_next = 1
-        self._tag_req = {}        # extent tag -> req_id
+        self._tag_req = {}        # extent tag (one per published block) -> req_id
+        self._req_tags = {}       # req_id -> its tags
         self._outstanding = {}    # req_id -> extents the lookup buffer still references
         self._pub_tokens = {}     # req_id -> published tokens (for unpublish)
         self._held = {}           # req_id -> monotonic time vLLM started holding it for us
@@ -146,6 +147,7 @@ class WorkerSide:
             ext = self.layout.extents(p.block_ids, tags)
             for t in tags:
                 self._tag_req[t] = p.req_id
+            self._req_tags[p.req_id] = tags
             self._outstanding[p.req_id] = len(ext)
             try:
                 self.kv.send_kv(p.tokens, ext)
@@ -158,8 +160,8 @@ class WorkerSide:
                 self.stats.add("publish_failed")
                 self._forget_tags(p.req_id, tags)
 
-    def _forget_tags(self, rid, tags):
-        for t in tags:
+    def _forget_tags(self, rid, tags=None):
+        for t in tags if tags is not None else self._req_tags.pop(rid, ()):
             self._tag_req.pop(t, None)
         self._outstanding[rid] = 0
 
@@ -182,6 +184,7 @@ class WorkerSide:
                 logger.warning("MooncakeConnector: preempted request %s: %d KV extents still "
                                "shared with other published prompts", rid,
                                self._outstanding[rid])
+            self._forget_tags(rid)
             self._outstanding.pop(rid, None)
             self._held.pop(rid, None)
 
@@ -190,7 +193,7 @@ class WorkerSide:
             return
         self.lb.expire()
         for _addr, _len, tag in self.lb.take_freed():
-            rid = self._tag_req.pop(tag, None)
+            rid = self._tag_req.get(tag)  # one tag per block: extents_per_block reports
             if rid is not None and rid in self._outstanding:
                 self._outstanding[rid] -= 1
 
@@ -225,6 +228,7 @@ class WorkerSide:
                 if rid in self._finished_seen and self._outstanding.get(rid, 0) <= 0:
                     del self._held[rid]
                     self._finished_seen.discard(rid)
+                    self._forget_tags(rid)
                     self._outstanding.pop(rid, None)
                     self._pub_tokens.pop(rid, None)
                     done_send.add(rid)
