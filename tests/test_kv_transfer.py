@@ -34,25 +34,64 @@ def init(prod, cons, **kw):
     cons.call(cmd="kv_init", producer=False)
 
 
-def test_full_partial_and_miss(pair):
+@pytest.mark.parametrize("pull", [False, True], ids=["push", "pull"])
+def test_full_partial_and_miss(pair, pull):
     prod, cons = pair
     init(prod, cons)
     t = toks(1, 4 * BS + 5)  # 4 full blocks + a partial one (never stored)
     assert prod.call(cmd="send_kv", tokens=t, slots=[3, 1, 4, 0], block_bytes=BB) == {"stored": 64}
     r = cons.call(cmd="recv_kv", producer=prod.segment, tokens=t, slots=[10, 11, 12, 13],
-                  block_bytes=BB)
+                  block_bytes=BB, pull=pull)
     assert r == {"matched": 64}
     for src, dst in zip([3, 1, 4, 0], [10, 11, 12, 13]):
         assert crc(cons, dst) == crc(prod, src)
     # Same first 3 blocks, different 4th: 48 tokens, the 4th slot untouched.
     t2 = t[:3 * BS] + toks(2, BS)
     r = cons.call(cmd="recv_kv", producer=prod.segment, tokens=t2, slots=[20, 21, 22, 23],
-                  block_bytes=BB)
+                  block_bytes=BB, pull=pull)
     assert r == {"matched": 48}
     assert crc(cons, 22) == crc(prod, 4) and crc(cons, 23) == crc(cons, 30)  # 30: still zero
+    # Room for fewer blocks than match: only those move.
+    r = cons.call(cmd="recv_kv", producer=prod.segment, tokens=t, slots=[24, 25],
+                  block_bytes=BB, pull=pull)
+    assert r == {"matched": 32}
+    assert crc(cons, 25) == crc(prod, 1) and crc(cons, 26) == crc(cons, 30)
     # A miss writes nothing.
     assert cons.call(cmd="recv_kv", producer=prod.segment, tokens=toks(3, 64), slots=[40, 41],
-                     block_bytes=BB) == {"matched": 0}
+                     block_bytes=BB, pull=pull) == {"matched": 0}
+    if pull:
+        st = prod.call(cmd="kv_stats")
+        assert st["leases_granted"] == 3 and st["leases_released"] == 3, st
+        assert st["leases_expired"] == 0, st
+        cst = cons.call(cmd="kv_stats")
+        assert cst["pull_hits"] == 3 and cst["pull_bytes"] == (4 + 3 + 2) * BB, cst
+
+
+def test_pull_consume_frees_blocks_after_the_read(pair):
+    """Consume mode + track_freed: a pulled entry's extents come back from
+    take_freed (the owner may reuse its blocks); blocks shared with an entry
+    inserted earlier are reported at insert time, exactly once."""
+    prod, cons = pair
+    init(prod, cons, mode="consume", track_freed=True)
+    a = toks(5, 3 * BS)
+    b = a[:2 * BS] + toks(6, BS)  # shares 2 blocks with a
+    assert prod.call(cmd="send_kv", tokens=a, slots=[0, 1, 2], block_bytes=BB) == {"stored": 48}
+    assert prod.call(cmd="take_freed") == {"tags": []}
+    assert prod.call(cmd="send_kv", tokens=b, slots=[5, 6, 7], block_bytes=BB) == {"stored": 48}
+    assert prod.call(cmd="take_freed") == {"tags": [5, 6]}  # a's blocks 0, 1 serve b too
+    r = cons.call(cmd="recv_kv", producer=prod.segment, tokens=a, slots=[10, 11, 12],
+                  block_bytes=BB, pull=True)
+    assert r == {"matched": 48}
+    assert [crc(cons, s) for s in (10, 11, 12)] == [crc(prod, s) for s in (0, 1, 2)]
+    # a consumed: its own block 2 is free; 0 and 1 still serve b.
+    assert prod.call(cmd="take_freed") == {"tags": [2]}
+    r = cons.call(cmd="recv_kv", producer=prod.segment, tokens=b, slots=[20, 21, 22],
+                  block_bytes=BB, pull=True)
+    assert r == {"matched": 48}
+    assert crc(cons, 22) == crc(prod, 7)
+    assert prod.call(cmd="take_freed") == {"tags": [0, 1, 7]}
+    assert cons.call(cmd="recv_kv", producer=prod.segment, tokens=a, slots=[30, 31, 32],
+                     block_bytes=BB, pull=True) == {"matched": 0}
 
 
 def test_shared_prefix_and_consume_once(pair):
@@ -98,6 +137,20 @@ def test_copy_mode_survives_overwrite_of_the_source(pair):
     assert cons.call(cmd="recv_kv", producer=prod.segment, tokens=t, slots=[5, 6],
                      block_bytes=BB) == {"matched": 32}
     assert crc(cons, 5, 2) == want
+
+
+def test_pull_from_a_producer_killed_mid_lease_fails_fast(peers):
+    prod = peers(size=64 << 20)
+    cons = peers(size=64 << 20)
+    init(prod, cons)
+    t = toks(9, 2 * BS)
+    assert prod.call(cmd="send_kv", tokens=t, slots=[0, 1], block_bytes=BB) == {"stored": 32}
+    os.kill(prod.proc.pid, signal.SIGKILL)
+    prod.proc.wait()
+    t0 = time.monotonic()
+    r = cons.call(cmd="recv_kv", producer=prod.segment, tokens=t, slots=[2, 3], block_bytes=BB,
+                  pull=True, timeout=20.0)
+    assert "error" in r and time.monotonic() - t0 < 10, r
 
 
 def test_100_concurrent_recv_kv(pair):

@@ -11,6 +11,7 @@
  *   u32 matched tokens, then (status < 0) UTF-8 error text.
  */
 #include "kv/kv_transfer.h"
+#include "kv/kv_internal.h"
 
 #include <pthread.h>
 #include <stdio.h>
@@ -20,46 +21,6 @@
 #include "transport/tcp/wire.h" /* mc_put_* / mc_get_* */
 #include "util/clock.h"
 #include "util/log.h"
-
-#define KV_REQ_MAGIC 0x5152564Bu /* "KVRQ" */
-#define KV_REP_MAGIC 0x5052564Bu /* "KVRP" */
-#define KV_VERSION 1
-#define KV_REQ_HDR 36
-#define KV_REP_HDR 24
-
-typedef struct kv_job {
-  struct kv_job *next;
-  char *from;
-  uint8_t *msg;
-  size_t len;
-  uint64_t received_ns;
-} kv_job_t;
-
-typedef struct kv_waiter {
-  struct kv_waiter *next;
-  uint64_t id;
-  char producer[320];
-  int done;
-  int status;
-  uint32_t matched;
-  char msg[MC_ERR_MSG_MAX];
-} kv_waiter_t;
-
-struct mc_kv {
-  mc_engine_t *e;
-  mc_lookup_t *lb;
-  pthread_mutex_t mu;
-  pthread_cond_t job_cv;  /* workers wait for jobs */
-  pthread_cond_t wait_cv; /* recv_kv callers wait for answers */
-  kv_job_t *jobs_head, *jobs_tail;
-  size_t njobs;
-  kv_waiter_t *waiters;
-  uint64_t next_id;
-  int stopping;
-  pthread_t *threads;
-  int nthreads;
-  mc_kv_stats_t stats;
-};
 
 /* ---- answers ---- */
 
@@ -125,6 +86,8 @@ static void on_peer_lost(void *arg, const char *segment) {
   }
   if (hit)
     pthread_cond_broadcast(&kv->wait_cv);
+  /* A consumer that is gone reads nothing more: its leases end now. */
+  kv_pull_expire_locked(kv, mc_now_ns(), segment, 0);
   pthread_mutex_unlock(&kv->mu);
 }
 
@@ -138,7 +101,15 @@ static void on_message(void *arg, const char *from, const void *msg, size_t len)
     on_answer(kv, from, m, len);
     return;
   }
-  if (magic != KV_REQ_MAGIC) {
+  if (magic == KV_PANS_MAGIC) {
+    kv_pull_on_answer(kv, from, m, len);
+    return;
+  }
+  if (magic == KV_PREL_MAGIC) {
+    kv_pull_on_release(kv, from, m, len);
+    return;
+  }
+  if (magic != KV_REQ_MAGIC && magic != KV_PULL_MAGIC) {
     mc_engine_queue_notify(kv->e, from, msg, len); /* someone else's */
     return;
   }
@@ -276,8 +247,16 @@ static void *worker_main(void *arg) {
   mc_kv_t *kv = arg;
   pthread_mutex_lock(&kv->mu);
   for (;;) {
-    while (!kv->stopping && !kv->jobs_head)
-      pthread_cond_wait(&kv->job_cv, &kv->mu);
+    while (!kv->stopping && !kv->jobs_head) {
+      /* Leases expire even when no request comes: wake at the next deadline. */
+      uint64_t next = kv_pull_expire_locked(kv, mc_now_ns(), NULL, 0);
+      if (next) {
+        struct timespec ts = mc_deadline_ts(next);
+        pthread_cond_timedwait(&kv->job_cv, &kv->mu, &ts);
+      } else {
+        pthread_cond_wait(&kv->job_cv, &kv->mu);
+      }
+    }
     if (kv->stopping)
       break;
     kv_job_t *j = kv->jobs_head;
@@ -287,6 +266,14 @@ static void *worker_main(void *arg) {
     kv->njobs--;
     pthread_mutex_unlock(&kv->mu);
 
+    if (j->len >= 4 && mc_get_u32(j->msg) == KV_PULL_MAGIC) {
+      kv_pull_serve(kv, j);
+      pthread_mutex_lock(&kv->mu);
+      free(j->from);
+      free(j->msg);
+      free(j);
+      continue;
+    }
     mc_err_t err = {0};
     uint64_t bytes = 0;
     long rc = serve(kv, j, &bytes, &err);
@@ -330,10 +317,10 @@ int mc_kv_create(mc_engine_t *e, mc_lookup_t *lb, int workers, mc_kv_t **out, mc
   kv->e = e;
   kv->lb = lb;
   pthread_mutex_init(&kv->mu, NULL);
-  pthread_cond_init(&kv->job_cv, NULL);
   pthread_condattr_t ca;
   pthread_condattr_init(&ca);
   pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+  pthread_cond_init(&kv->job_cv, &ca);
   pthread_cond_init(&kv->wait_cv, &ca);
   pthread_condattr_destroy(&ca);
   if (!lb)
@@ -367,6 +354,9 @@ void mc_kv_destroy(mc_kv_t *kv) {
   pthread_mutex_lock(&kv->mu);
   while (kv->waiters)
     pthread_cond_wait(&kv->wait_cv, &kv->mu);
+  pthread_mutex_unlock(&kv->mu);
+  pthread_mutex_lock(&kv->mu);
+  kv_pull_expire_locked(kv, 0, NULL, 1); /* before the owner frees the buffer */
   pthread_mutex_unlock(&kv->mu);
   while (kv->jobs_head) {
     kv_job_t *j = kv->jobs_head;
@@ -476,12 +466,7 @@ long mc_kv_recv_ex(mc_kv_t *kv, const char *producer, const void *tokens, size_t
       rc = mc_err_set(err, MC_ETIMEDOUT, "recv_kv from %s: no answer within %d ms (producer "
                       "busy, stuck or gone)", producer, timeout_ms);
   }
-  for (kv_waiter_t **pp = &kv->waiters; *pp; pp = &(*pp)->next) {
-    if (*pp == w) {
-      *pp = w->next;
-      break;
-    }
-  }
+  kv_waiter_unlink_locked(kv, w);
   if (rc < 0)
     kv->stats.recv_errors++;
   else if (rc > 0) {
@@ -492,4 +477,13 @@ long mc_kv_recv_ex(mc_kv_t *kv, const char *producer, const void *tokens, size_t
   pthread_mutex_unlock(&kv->mu);
   free(w);
   return rc;
+}
+
+void kv_waiter_unlink_locked(mc_kv_t *kv, kv_waiter_t *w) {
+  for (kv_waiter_t **pp = &kv->waiters; *pp; pp = &(*pp)->next) {
+    if (*pp == w) {
+      *pp = w->next;
+      break;
+    }
+  }
 }

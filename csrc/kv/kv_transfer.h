@@ -52,9 +52,31 @@ long mc_kv_recv_ex(mc_kv_t *kv, const char *producer, const void *tokens, size_t
                    const mc_lookup_extent_t *hidden, size_t nhidden, int timeout_ms,
                    mc_err_t *err);
 
+/* Pull: the consumer READs the blocks itself.  Asks `producer` to lease the
+ * longest block-aligned prefix of tokens it holds (the producer pins those
+ * blocks and, in consume mode, takes the entry out of its buffer), READs the
+ * leased extents into dest (same layout rules as mc_kv_recv), then releases
+ * the lease.  Every byte that lands in dest is moved by this engine's own
+ * batch, so when the call returns -- hit, miss, error or timeout -- nothing
+ * more can be written into dest on behalf of this call (the fence a caller
+ * needs before it reuses dest).  The producer keeps the lease for timeout_ms
+ * plus a margin, so its blocks cannot be reused while the READ may still
+ * run.  Returns matched tokens (0 on a miss) or a negative code. */
+long mc_kv_pull(mc_kv_t *kv, const char *producer, const void *tokens, size_t ntok, int width,
+                const mc_lookup_extent_t *dest, size_t ndest, uint32_t epb, int timeout_ms,
+                mc_err_t *err);
+/* Same; the first `skip` blocks are the consumer's already (matching still
+ * starts at block 0 and the result counts them), dest holds extents for the
+ * blocks from `skip` on. */
+long mc_kv_pull_ex(mc_kv_t *kv, const char *producer, const void *tokens, size_t ntok,
+                   int width, uint32_t skip, const mc_lookup_extent_t *dest, size_t ndest,
+                   uint32_t epb, int timeout_ms, mc_err_t *err);
+
 typedef struct mc_kv_stats {
   uint64_t requests_served, tokens_served, bytes_served, serve_errors;
   uint64_t recvs, recv_hits, recv_tokens, recv_errors;
+  uint64_t leases_granted, leases_released, leases_expired;
+  uint64_t pulls, pull_hits, pull_tokens, pull_bytes, pull_errors;
 } mc_kv_stats_t;
 void mc_kv_get_stats(mc_kv_t *kv, mc_kv_stats_t *out);
 

@@ -507,6 +507,7 @@ long mc_lookup_insert(mc_lookup_t *lb, const void *tokens, size_t ntok, int widt
   }
   lk_node_t **pre = path + n;
   const int copy = (flags & MC_LOOKUP_COPY) != 0;
+  size_t nre = 0; /* blocks already present: their given extents are ignored */
   uint64_t deadline = 0;
   int waited = 0;
   long rc = 0;
@@ -538,8 +539,7 @@ long mc_lookup_insert(mc_lookup_t *lb, const void *tokens, size_t ntok, int widt
       age_push(lb, e);
       lb->st.inserts++;
       lb->st.insert_reused_blocks += n;
-      if (reused)
-        *reused = n;
+      nre = n;
       rc = (long)n;
       break;
     }
@@ -612,8 +612,7 @@ long mc_lookup_insert(mc_lookup_t *lb, const void *tokens, size_t ntok, int widt
       lb->st.entries++;
       lb->st.inserts++;
       lb->st.insert_reused_blocks += k;
-      if (reused)
-        *reused = k;
+      nre = k;
       rc = (long)n;
       break;
     }
@@ -651,8 +650,21 @@ long mc_lookup_insert(mc_lookup_t *lb, const void *tokens, size_t ntok, int widt
     pthread_cond_timedwait(&lb->room, &lb->mu, &ts);
   }
 out_locked:
+  if (rc > 0 && lb->track_freed && !copy) {
+    /* The extents given for blocks already present are not referenced: tell
+     * the owner right away, so every zero-copy extent handed to a successful
+     * insert is reported by take_freed exactly once. */
+    for (size_t i = 0; i < nre; i++) {
+      for (uint32_t e = 0; e < lb->epb; e++)
+        queue_freed(lb, &kv[i * lb->epb + e]);
+      if (hidden && hidden[i].len)
+        queue_freed(lb, &hidden[i]);
+    }
+  }
   pthread_mutex_unlock(&lb->mu);
 out_nolock:
+  if (reused)
+    *reused = nre;
   for (size_t i = 0; i < n; i++)
     node_discard(pre[i]);
   free(path);

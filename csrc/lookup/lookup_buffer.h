@@ -136,7 +136,10 @@ size_t mc_lookup_expire(mc_lookup_t *lb);
 void mc_lookup_get_stats(mc_lookup_t *lb, mc_lookup_stats_t *st);
 
 /* Moves up to `max` freed extents (KV and hidden, of blocks no longer
- * referenced or pinned) into out; returns the count.  Only with track_freed. */
+ * referenced or pinned) into out; returns the count.  Only with track_freed.
+ * Every zero-copy extent given to a successful insert is reported exactly
+ * once: those of blocks that were already present (ignored by the insert)
+ * right away, the others when their block is freed. */
 size_t mc_lookup_take_freed(mc_lookup_t *lb, mc_lookup_extent_t *out, size_t max);
 
 #endif

@@ -101,18 +101,25 @@ static int live(KVObject *self) {
 
 static PyObject *KV_recv_kv(KVObject *self, PyObject *args, PyObject *kw) {
   static char *kwlist[] = {"producer", "tokens", "dest", "timeout", "extents_per_block",
-                           "hidden_dest", NULL};
+                           "hidden_dest", "pull", "skip_blocks", NULL};
   const char *producer;
   PyObject *tok_obj, *dest_obj, *hid_obj = Py_None;
   double timeout = 30.0;
   unsigned int epb = 1;
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "sOO|dIO:recv_kv", kwlist, &producer, &tok_obj,
-                                   &dest_obj, &timeout, &epb, &hid_obj))
+  int pull = 0;
+  unsigned int skip = 0;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "sOO|dIOpI:recv_kv", kwlist, &producer, &tok_obj,
+                                   &dest_obj, &timeout, &epb, &hid_obj, &pull, &skip))
     return NULL;
   if (!live(self))
     return NULL;
   if (timeout <= 0 || timeout > 86400)
     return PyErr_Format(PyExc_ValueError, "timeout must be in (0, 86400] seconds");
+  if (pull && hid_obj != Py_None)
+    return PyErr_Format(PyExc_ValueError, "recv_kv(pull=True) does not move hidden states; "
+                        "leave hidden_dest out or use pull=False");
+  if (skip && !pull)
+    return PyErr_Format(PyExc_ValueError, "recv_kv: skip_blocks needs pull=True");
   PyObject *fast = PySequence_Fast(dest_obj, "dest must be a list of (addr, length) tuples");
   if (!fast)
     return NULL;
@@ -166,8 +173,12 @@ static PyObject *KV_recv_kv(KVObject *self, PyObject *args, PyObject *kw) {
   long rc;
   mc_kv_t *kv = self->kv;
   Py_BEGIN_ALLOW_THREADS
-  rc = mc_kv_recv_ex(kv, prod, t.ptr, t.n, t.width, dest, (size_t)nd, epb, hid, (size_t)nh,
-                     (int)(timeout * 1000.0), &err);
+  if (pull)
+    rc = mc_kv_pull_ex(kv, prod, t.ptr, t.n, t.width, skip, dest, (size_t)nd, epb,
+                       (int)(timeout * 1000.0), &err);
+  else
+    rc = mc_kv_recv_ex(kv, prod, t.ptr, t.n, t.width, dest, (size_t)nd, epb, hid, (size_t)nh,
+                       (int)(timeout * 1000.0), &err);
   Py_END_ALLOW_THREADS
   mc_py_tokens_put(&t);
   PyMem_RawFree(dest);
@@ -200,14 +211,28 @@ static PyObject *KV_stats(KVObject *self, PyObject *unused) {
     return NULL;
   mc_kv_stats_t s;
   mc_kv_get_stats(self->kv, &s);
-  return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K}", "requests_served",
-                       (unsigned long long)s.requests_served, "tokens_served",
-                       (unsigned long long)s.tokens_served, "bytes_served",
-                       (unsigned long long)s.bytes_served, "serve_errors",
-                       (unsigned long long)s.serve_errors, "recvs", (unsigned long long)s.recvs,
-                       "recv_hits", (unsigned long long)s.recv_hits, "recv_tokens",
-                       (unsigned long long)s.recv_tokens, "recv_errors",
-                       (unsigned long long)s.recv_errors);
+  const struct {
+    const char *k;
+    uint64_t v;
+  } f[] = {{"requests_served", s.requests_served}, {"tokens_served", s.tokens_served},
+           {"bytes_served", s.bytes_served},       {"serve_errors", s.serve_errors},
+           {"recvs", s.recvs},                     {"recv_hits", s.recv_hits},
+           {"recv_tokens", s.recv_tokens},         {"recv_errors", s.recv_errors},
+           {"leases_granted", s.leases_granted},   {"leases_released", s.leases_released},
+           {"leases_expired", s.leases_expired},   {"pulls", s.pulls},
+           {"pull_hits", s.pull_hits},             {"pull_tokens", s.pull_tokens},
+           {"pull_bytes", s.pull_bytes},           {"pull_errors", s.pull_errors}};
+  PyObject *d = PyDict_New();
+  for (size_t i = 0; d && i < sizeof f / sizeof f[0]; i++) {
+    PyObject *v = PyLong_FromUnsignedLongLong((unsigned long long)f[i].v);
+    if (!v || PyDict_SetItemString(d, f[i].k, v) < 0) {
+      Py_XDECREF(v);
+      Py_CLEAR(d);
+      break;
+    }
+    Py_DECREF(v);
+  }
+  return d;
 }
 
 static PyObject *KV_close(KVObject *self, PyObject *unused) {
@@ -229,8 +254,11 @@ static PyObject *KV_exit(KVObject *self, PyObject *args) {
 
 static PyMethodDef KV_methods[] = {
     {"recv_kv", (PyCFunction)(void (*)(void))KV_recv_kv, METH_VARARGS | METH_KEYWORDS,
-     "recv_kv(producer, tokens, dest, timeout=30.0, extents_per_block=1, hidden_dest=None)\n"
-     "-> matched tokens\n\n"
+     "recv_kv(producer, tokens, dest, timeout=30.0, extents_per_block=1, hidden_dest=None,\n"
+     "        pull=False) -> matched tokens\n\n"
+     "pull=True: the producer leases the matching blocks and this engine READs them itself,\n"
+     "so nothing can land in dest after the call returns, even on a timeout. skip_blocks\n"
+     "(pull only): the first blocks are here already; dest starts at block skip_blocks.\n"
      "Asks the producer segment for the longest block-aligned prefix of tokens it holds;\n"
      "it writes the matching blocks into dest (block-major (addr, length) extents in memory\n"
      "registered with this engine). hidden_dest (one extent per block) also receives the\n"

@@ -1,0 +1,86 @@
+/* Shared state of send_kv/recv_kv (kv_transfer.c) and the pull protocol
+ * (kv_pull.c).  Not part of the public API. */
+#ifndef MC_KV_KV_INTERNAL_H
+#define MC_KV_KV_INTERNAL_H
+
+#include <pthread.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kv/kv_transfer.h"
+
+#define KV_REQ_MAGIC 0x5152564Bu  /* "KVRQ" recv_kv request (push) */
+#define KV_REP_MAGIC 0x5052564Bu  /* "KVRP" its answer */
+#define KV_PULL_MAGIC 0x5150564Bu /* "KVPQ" lease request (pull) */
+#define KV_PANS_MAGIC 0x5050564Bu /* "KVPP" its answer: extents + lease id */
+#define KV_PREL_MAGIC 0x5250564Bu /* "KVPR" lease release */
+#define KV_VERSION 1
+#define KV_REQ_HDR 36
+#define KV_REP_HDR 24
+#define KV_PULL_HDR 28
+#define KV_PANS_HDR 40
+#define KV_PREL_LEN 16
+
+typedef struct kv_job {
+  struct kv_job *next;
+  char *from;
+  uint8_t *msg;
+  size_t len;
+  uint64_t received_ns;
+} kv_job_t;
+
+typedef struct kv_waiter {
+  struct kv_waiter *next;
+  uint64_t id;
+  char producer[320];
+  int done;
+  int status;
+  uint32_t matched;
+  char msg[MC_ERR_MSG_MAX];
+  /* pull answers only: */
+  uint64_t lease_id;
+  uint32_t nblocks, epb;
+  uint8_t *extents; /* nblocks * epb * {u64 addr, u64 len}, malloc'ed */
+} kv_waiter_t;
+
+/* A producer-side lease: blocks pinned for one consumer until it releases
+ * them or the deadline passes. */
+typedef struct kv_lease {
+  struct kv_lease *next;
+  uint64_t id;
+  char from[320];
+  uint64_t deadline_ns;
+  mc_lookup_match_t *match;
+} kv_lease_t;
+
+struct mc_kv {
+  mc_engine_t *e;
+  mc_lookup_t *lb;
+  pthread_mutex_t mu;
+  pthread_cond_t job_cv;  /* workers wait for jobs */
+  pthread_cond_t wait_cv; /* recv_kv callers wait for answers */
+  kv_job_t *jobs_head, *jobs_tail;
+  size_t njobs;
+  kv_waiter_t *waiters;
+  uint64_t next_id;
+  int stopping;
+  pthread_t *threads;
+  int nthreads;
+  mc_kv_stats_t stats;
+  kv_lease_t *leases; /* guarded by mu */
+  uint64_t next_lease;
+};
+
+/* kv_pull.c */
+/* Worker thread: serves a KVPQ job (answers it). */
+void kv_pull_serve(mc_kv_t *kv, kv_job_t *j);
+/* I/O thread: a KVPP answer or a KVPR release arrived. */
+void kv_pull_on_answer(mc_kv_t *kv, const char *from, const uint8_t *m, size_t len);
+void kv_pull_on_release(mc_kv_t *kv, const char *from, const uint8_t *m, size_t len);
+/* Releases expired leases (or all of them, or those of one peer); caller
+ * holds kv->mu. Returns the next deadline (0 = none). */
+uint64_t kv_pull_expire_locked(mc_kv_t *kv, uint64_t now_ns, const char *only_from, int all);
+/* Unlinks and frees a waiter; caller holds kv->mu. */
+void kv_waiter_unlink_locked(mc_kv_t *kv, kv_waiter_t *w);
+
+#endif

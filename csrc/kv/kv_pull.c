@@ -1,0 +1,403 @@
+/* The pull protocol of send_kv/recv_kv; see mc_kv_pull in kv_transfer.h.
+ *
+ * Lease request (consumer -> producer), little-endian:
+ *   u32 magic "KVPQ", u8 version 1, u8 token width (4|8), u16 extents per
+ *   block, u64 request id, u32 lease ms, u32 ntok, u32 skip blocks, token ids.
+ *   Matching always starts at block 0; only blocks from `skip` on are leased.
+ * Answer (producer -> consumer):
+ *   u32 magic "KVPP", u8 version 1, 3 x u8 0, u64 request id, i32 status,
+ *   u32 matched tokens (from block 0), u64 lease id (0 = none), u32 nblocks
+ *   (leased: matched blocks past skip), u32 extents per block, then
+ *   nblocks x epb x {u64 addr, u64 len} (the producer's
+ *   registered memory), or (status < 0) UTF-8 error text.
+ * Release (consumer -> producer): u32 magic "KVPR", u8 version 1, 3 x u8 0,
+ *   u64 lease id.  Only the consumer that got the lease can release it.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kv/kv_internal.h"
+#include "transport/tcp/wire.h" /* mc_put_* / mc_get_* */
+#include "util/clock.h"
+#include "util/log.h"
+
+#define LEASE_MARGIN_MS 5000u   /* producer keeps a lease this much past the consumer's timeout */
+#define LEASE_MAX_MS 600000u    /* and never longer than this */
+
+/* ---- producer ---- */
+
+static void send_lease_answer(mc_kv_t *kv, const char *to, uint64_t id, int status,
+                              uint32_t matched, uint64_t lease_id, const mc_lookup_match_t *match,
+                              size_t skip, size_t nb, uint32_t epb, const char *text) {
+  size_t tl = status < 0 && text ? strlen(text) : 0;
+  size_t nx = status < 0 ? 0 : nb * epb;
+  size_t len = KV_PANS_HDR + nx * 16 + tl;
+  uint8_t *buf = calloc(1, len);
+  if (!buf) {
+    mc_log_error("out of memory answering a KV lease request from %s", to);
+    return;
+  }
+  mc_put_u32(buf, KV_PANS_MAGIC);
+  buf[4] = KV_VERSION;
+  mc_put_u64(buf + 8, id);
+  mc_put_u32(buf + 16, (uint32_t)status);
+  mc_put_u32(buf + 20, matched);
+  mc_put_u64(buf + 24, lease_id);
+  mc_put_u32(buf + 32, (uint32_t)(status < 0 ? 0 : nb));
+  mc_put_u32(buf + 36, epb);
+  uint8_t *p = buf + KV_PANS_HDR;
+  for (size_t b = 0; b < nb && nx; b++) {
+    const mc_lookup_extent_t *x = mc_lookup_match_kv(match, skip + b);
+    for (uint32_t k = 0; k < epb; k++, p += 16) {
+      mc_put_u64(p, x[k].addr);
+      mc_put_u64(p + 8, x[k].len);
+    }
+  }
+  memcpy(p, text, tl);
+  mc_err_t err = {0};
+  if (mc_engine_notify(kv->e, to, buf, len, 10000, &err) < 0)
+    mc_log_warn("KV lease answer to %s (request %llu) not delivered: %s", to,
+                (unsigned long long)id, err.msg);
+  free(buf);
+}
+
+void kv_pull_serve(mc_kv_t *kv, kv_job_t *j) {
+  const uint8_t *m = j->msg;
+  uint64_t id = j->len >= 16 ? mc_get_u64(m + 8) : 0;
+  mc_err_t err = {0};
+  long rc = 0;
+  mc_lookup_match_t *match = NULL;
+  uint32_t epb = kv->lb ? mc_lookup_extents_per_block(kv->lb) : 0;
+  uint32_t lease_ms = 0, skip = 0;
+  if (j->len < KV_PULL_HDR || m[4] != KV_VERSION) {
+    rc = mc_err_set(&err, MC_EPROTO, "malformed KV lease request (%zu bytes)", j->len);
+  } else {
+    int width = m[5];
+    uint32_t want_epb = mc_get_u16(m + 6);
+    lease_ms = mc_get_u32(m + 16);
+    uint64_t ntok = mc_get_u32(m + 20);
+    skip = mc_get_u32(m + 24);
+    if ((width != 4 && width != 8) || j->len != KV_PULL_HDR + ntok * (uint64_t)width)
+      rc = mc_err_set(&err, MC_EPROTO, "malformed KV lease request (width %d, %llu tokens, "
+                      "%zu bytes)", width, (unsigned long long)ntok, j->len);
+    else if (!kv->lb)
+      rc = mc_err_set(&err, MC_EINVAL, "segment %s holds no KV (it is not a producer: no "
+                      "lookup buffer)", mc_engine_segment_name(kv->e));
+    else if (want_epb != epb)
+      rc = mc_err_set(&err, MC_EINVAL, "the consumer expects %u extents per block; producer %s "
+                      "stores %u (do both sides run the same model and parallel layout?)",
+                      want_epb, mc_engine_segment_name(kv->e), epb);
+    else
+      rc = mc_lookup_find(kv->lb, m + KV_PULL_HDR, (size_t)ntok, width, &match, &err);
+  }
+  size_t total = rc > 0 ? mc_lookup_match_blocks(match) : 0;
+  size_t nb = total > skip ? total - skip : 0; /* blocks to lease */
+  if (nb && KV_PANS_HDR + nb * epb * 16 > MC_WIRE_MAX_CTRL) {
+    /* Answer with as many blocks as one message holds; the rest is a miss. */
+    nb = (MC_WIRE_MAX_CTRL - KV_PANS_HDR) / (16 * (size_t)epb);
+    rc = (long)((skip + nb) * mc_lookup_hasher(kv->lb)->block_size);
+  }
+  uint64_t lease_id = 0;
+  if (rc > 0 && nb == 0) { /* nothing past the consumer's own blocks: no lease */
+    mc_lookup_release(kv->lb, match);
+    match = NULL;
+  } else if (rc > 0) {
+    kv_lease_t *l = calloc(1, sizeof *l);
+    if (!l) {
+      mc_lookup_release(kv->lb, match);
+      match = NULL;
+      rc = mc_err_set(&err, MC_ENOMEM, "out of memory leasing KV blocks");
+    } else {
+      uint64_t ms = (uint64_t)lease_ms + LEASE_MARGIN_MS;
+      if (ms > LEASE_MAX_MS)
+        ms = LEASE_MAX_MS;
+      snprintf(l->from, sizeof l->from, "%s", j->from);
+      l->match = match;
+      l->deadline_ns = mc_now_ns() + ms * 1000000ull;
+      pthread_mutex_lock(&kv->mu);
+      l->id = lease_id = ++kv->next_lease;
+      l->next = kv->leases;
+      kv->leases = l;
+      kv->stats.leases_granted++;
+      kv->stats.requests_served++;
+      kv->stats.tokens_served += (uint64_t)rc;
+      pthread_cond_broadcast(&kv->job_cv); /* a new deadline for the sleeping workers */
+      pthread_mutex_unlock(&kv->mu);
+    }
+  } else if (rc < 0) {
+    pthread_mutex_lock(&kv->mu);
+    kv->stats.serve_errors++;
+    pthread_mutex_unlock(&kv->mu);
+  }
+  /* The lease holds the pin; the answer only reads the match's extents, which
+   * stay valid until the lease ends (release or expiry, both after this). */
+  send_lease_answer(kv, j->from, id, rc < 0 ? (int)rc : 0, rc > 0 ? (uint32_t)rc : 0, lease_id,
+                    match, skip, nb, epb, err.msg);
+}
+
+uint64_t kv_pull_expire_locked(mc_kv_t *kv, uint64_t now_ns, const char *only_from, int all) {
+  uint64_t next = 0;
+  for (kv_lease_t **pp = &kv->leases; *pp;) {
+    kv_lease_t *l = *pp;
+    int drop = all || (only_from ? !strcmp(l->from, only_from) : now_ns >= l->deadline_ns);
+    if (drop) {
+      *pp = l->next;
+      if (!all)
+        mc_log_warn("KV lease %llu of %s ended without a release (%s); its blocks are free "
+                    "again", (unsigned long long)l->id, l->from,
+                    only_from ? "the consumer's connection was lost" : "deadline passed");
+      kv->stats.leases_expired++;
+      mc_lookup_release(kv->lb, l->match);
+      free(l);
+      continue;
+    }
+    if (!next || l->deadline_ns < next)
+      next = l->deadline_ns;
+    pp = &l->next;
+  }
+  return next;
+}
+
+void kv_pull_on_release(mc_kv_t *kv, const char *from, const uint8_t *m, size_t len) {
+  if (len != KV_PREL_LEN || m[4] != KV_VERSION) {
+    mc_log_warn("malformed KV lease release from %s dropped", from);
+    return;
+  }
+  uint64_t id = mc_get_u64(m + 8);
+  kv_lease_t *found = NULL;
+  pthread_mutex_lock(&kv->mu);
+  for (kv_lease_t **pp = &kv->leases; *pp; pp = &(*pp)->next) {
+    if ((*pp)->id == id && !strcmp((*pp)->from, from)) {
+      found = *pp;
+      *pp = found->next;
+      kv->stats.leases_released++;
+      break;
+    }
+  }
+  pthread_mutex_unlock(&kv->mu);
+  if (found) {
+    mc_lookup_release(kv->lb, found->match);
+    free(found);
+  } else {
+    mc_log_debug("KV lease release %llu from %s: no such lease (expired?)",
+                 (unsigned long long)id, from);
+  }
+}
+
+/* ---- consumer ---- */
+
+void kv_pull_on_answer(mc_kv_t *kv, const char *from, const uint8_t *m, size_t len) {
+  if (len < KV_PANS_HDR || m[4] != KV_VERSION) {
+    mc_log_warn("malformed KV lease answer from %s dropped", from);
+    return;
+  }
+  uint64_t id = mc_get_u64(m + 8);
+  int32_t status = (int32_t)mc_get_u32(m + 16);
+  uint32_t nb = mc_get_u32(m + 32), epb = mc_get_u32(m + 36);
+  size_t nx = (size_t)nb * epb;
+  int bad = status >= 0 && (epb == 0 || nx > (len - KV_PANS_HDR) / 16 ||
+                            len != KV_PANS_HDR + nx * 16);
+  pthread_mutex_lock(&kv->mu);
+  for (kv_waiter_t *w = kv->waiters; w; w = w->next) {
+    if (w->id != id || w->done || strcmp(w->producer, from))
+      continue;
+    w->done = 1;
+    w->lease_id = mc_get_u64(m + 24);
+    if (bad) {
+      w->status = MC_EPROTO;
+      snprintf(w->msg, sizeof w->msg, "malformed lease answer (%u blocks x %u extents in %zu "
+               "bytes)", nb, epb, len);
+    } else if (status < 0) {
+      w->status = status;
+      size_t tl = len - KV_PANS_HDR;
+      if (tl >= sizeof w->msg)
+        tl = sizeof w->msg - 1;
+      memcpy(w->msg, m + KV_PANS_HDR, tl);
+      w->msg[tl] = '\0';
+    } else {
+      w->status = 0;
+      w->matched = mc_get_u32(m + 20);
+      w->nblocks = nb;
+      w->epb = epb;
+      if (nx && !(w->extents = malloc(nx * 16))) {
+        w->status = MC_ENOMEM;
+        snprintf(w->msg, sizeof w->msg, "out of memory");
+      } else if (nx) {
+        memcpy(w->extents, m + KV_PANS_HDR, nx * 16);
+      }
+    }
+    pthread_cond_broadcast(&kv->wait_cv);
+    break;
+  }
+  pthread_mutex_unlock(&kv->mu);
+}
+
+static void send_release(mc_kv_t *kv, const char *producer, uint64_t lease_id) {
+  uint8_t buf[KV_PREL_LEN] = {0};
+  mc_put_u32(buf, KV_PREL_MAGIC);
+  buf[4] = KV_VERSION;
+  mc_put_u64(buf + 8, lease_id);
+  mc_err_t err = {0};
+  if (mc_engine_notify(kv->e, producer, buf, sizeof buf, 5000, &err) < 0)
+    mc_log_warn("KV lease %llu: release to %s not delivered (%s); it ends at its deadline",
+                (unsigned long long)lease_id, producer, err.msg);
+}
+
+/* Sends the lease request and waits for the answer; fills w. */
+static long ask_lease(mc_kv_t *kv, kv_waiter_t *w, const char *producer, const void *tokens,
+                      size_t ntok, int width, uint32_t epb, uint32_t skip, int timeout_ms,
+                      uint64_t deadline, mc_err_t *err) {
+  size_t len = KV_PULL_HDR + ntok * (size_t)width;
+  if (len > MC_WIRE_MAX_CTRL)
+    return mc_err_set(err, MC_ETOOBIG, "recv_kv (pull) request of %zu tokens exceeds %u bytes; "
+                      "split the prompt", ntok, MC_WIRE_MAX_CTRL);
+  uint8_t *buf = calloc(1, len);
+  if (!buf)
+    return mc_err_set(err, MC_ENOMEM, "out of memory");
+  mc_put_u32(buf, KV_PULL_MAGIC);
+  buf[4] = KV_VERSION;
+  buf[5] = (uint8_t)width;
+  mc_put_u16(buf + 6, (uint16_t)epb);
+  mc_put_u64(buf + 8, w->id);
+  mc_put_u32(buf + 16, (uint32_t)timeout_ms);
+  mc_put_u32(buf + 20, (uint32_t)ntok);
+  mc_put_u32(buf + 24, skip);
+  memcpy(buf + KV_PULL_HDR, tokens, ntok * (size_t)width);
+  long rc = mc_engine_notify(kv->e, producer, buf, len, timeout_ms, err);
+  free(buf);
+  pthread_mutex_lock(&kv->mu);
+  while (rc == 0 && !w->done && !kv->stopping) {
+    struct timespec ts = mc_deadline_ts(deadline);
+    if (pthread_cond_timedwait(&kv->wait_cv, &kv->mu, &ts) != 0 && mc_now_ns() >= deadline)
+      break;
+  }
+  if (rc == 0) {
+    if (w->done && w->status < 0)
+      rc = mc_err_set(err, w->status, "recv_kv (pull) from %s: %s", producer, w->msg);
+    else if (w->done)
+      rc = w->matched;
+    else if (kv->stopping)
+      rc = mc_err_set(err, MC_ECLOSED, "recv_kv (pull) from %s: shutting down", producer);
+    else
+      rc = mc_err_set(err, MC_ETIMEDOUT, "recv_kv (pull) from %s: no answer within %d ms "
+                      "(producer busy, stuck or gone)", producer, timeout_ms);
+  }
+  kv_waiter_unlink_locked(kv, w);
+  pthread_cond_broadcast(&kv->wait_cv); /* destroy may be waiting for us */
+  pthread_mutex_unlock(&kv->mu);
+  return rc;
+}
+
+/* READs the leased extents into dest; returns bytes moved or a negative code. */
+static long read_leased(mc_kv_t *kv, const char *producer, const kv_waiter_t *w,
+                        const mc_lookup_extent_t *dest, size_t nb, uint32_t epb,
+                        uint64_t deadline, mc_err_t *err) {
+  size_t n = nb * epb;
+  mc_request_t *reqs = calloc(n ? n : 1, sizeof *reqs);
+  if (!reqs)
+    return mc_err_set(err, MC_ENOMEM, "out of memory");
+  uint64_t bytes = 0;
+  for (size_t i = 0; i < n; i++) {
+    uint64_t saddr = mc_get_u64(w->extents + 16 * i), slen = mc_get_u64(w->extents + 16 * i + 8);
+    if (slen != dest[i].len) {
+      free(reqs);
+      return mc_err_set(err, MC_EINVAL, "destination extent %zu is %llu bytes but producer %s's "
+                        "KV block extent is %llu bytes (same model, dtype, block size and "
+                        "tensor-parallel layout on both sides?)", i,
+                        (unsigned long long)dest[i].len, producer, (unsigned long long)slen);
+    }
+    reqs[i] = (mc_request_t){.opcode = MC_OP_READ, .local = (void *)(uintptr_t)dest[i].addr,
+                             .remote = saddr, .len = slen};
+    bytes += slen;
+  }
+  mc_batch_t *batch = mc_batch_new(kv->e, n);
+  if (!batch) {
+    free(reqs);
+    return mc_err_set(err, MC_ENOMEM, "out of memory");
+  }
+  int r = mc_batch_submit(kv->e, batch, producer, reqs, n, err);
+  if (r == 0) {
+    uint64_t now = mc_now_ns();
+    int64_t left = deadline > now ? (int64_t)((deadline - now) / 1000000ull) : 0;
+    r = mc_batch_wait(kv->e, batch, left > 0 ? left : 1, err); /* cancels on timeout */
+  }
+  mc_batch_free(kv->e, batch);
+  free(reqs);
+  return r < 0 ? r : (long)bytes;
+}
+
+long mc_kv_pull(mc_kv_t *kv, const char *producer, const void *tokens, size_t ntok, int width,
+                const mc_lookup_extent_t *dest, size_t ndest, uint32_t epb, int timeout_ms,
+                mc_err_t *err) {
+  return mc_kv_pull_ex(kv, producer, tokens, ntok, width, 0, dest, ndest, epb, timeout_ms, err);
+}
+
+long mc_kv_pull_ex(mc_kv_t *kv, const char *producer, const void *tokens, size_t ntok,
+                   int width, uint32_t skip, const mc_lookup_extent_t *dest, size_t ndest,
+                   uint32_t epb, int timeout_ms, mc_err_t *err) {
+  if (!producer || !*producer)
+    return mc_err_set(err, MC_EINVAL, "recv_kv: the producer segment name is empty");
+  if (width != 4 && width != 8)
+    return mc_err_set(err, MC_EINVAL, "recv_kv: token ids must be 4 or 8 bytes wide");
+  if (epb == 0 || epb > 0xffff)
+    return mc_err_set(err, MC_EINVAL, "recv_kv: extents per block must be 1..65535");
+  if (ntok > 0xffffffffu || ndest > 0xffffffffu)
+    return mc_err_set(err, MC_EINVAL, "recv_kv: too many tokens or extents");
+  if (timeout_ms <= 0)
+    timeout_ms = 30000;
+  uint64_t deadline = mc_now_ns() + (uint64_t)timeout_ms * 1000000ull;
+  kv_waiter_t *w = calloc(1, sizeof *w);
+  if (!w)
+    return mc_err_set(err, MC_ENOMEM, "out of memory");
+  snprintf(w->producer, sizeof w->producer, "%s", producer);
+  pthread_mutex_lock(&kv->mu);
+  if (kv->stopping) {
+    pthread_mutex_unlock(&kv->mu);
+    free(w);
+    return mc_err_set(err, MC_ECLOSED, "recv_kv: shutting down");
+  }
+  w->id = ++kv->next_id;
+  w->next = kv->waiters;
+  kv->waiters = w;
+  kv->stats.pulls++;
+  pthread_mutex_unlock(&kv->mu);
+
+  long rc = ask_lease(kv, w, producer, tokens, ntok, width, epb, skip, timeout_ms, deadline,
+                      err);
+  uint64_t bytes = 0;
+  if (rc > 0) {
+    if (w->epb != epb) {
+      rc = mc_err_set(err, MC_EPROTO, "recv_kv (pull) from %s: answer has %u extents per block, "
+                      "asked for %u", producer, w->epb, epb);
+    } else {
+      size_t nb = w->nblocks;
+      uint32_t bs = (uint32_t)(w->matched / (skip + (uint64_t)nb ? skip + (uint64_t)nb : 1));
+      if (nb * epb > ndest) { /* room for fewer blocks */
+        nb = ndest / epb;
+        rc = (long)((skip + nb) * bs);
+      }
+      if (nb) {
+        long r = read_leased(kv, producer, w, dest, nb, epb, deadline, err);
+        if (r < 0)
+          rc = r;
+        else
+          bytes = (uint64_t)r;
+      }
+    }
+  }
+  if (w->lease_id)
+    send_release(kv, producer, w->lease_id); /* after the READ: nothing reads the blocks now */
+  pthread_mutex_lock(&kv->mu);
+  if (rc < 0) {
+    kv->stats.pull_errors++;
+  } else if (rc > 0) {
+    kv->stats.pull_hits++;
+    kv->stats.pull_tokens += (uint64_t)rc;
+    kv->stats.pull_bytes += bytes;
+  }
+  pthread_mutex_unlock(&kv->mu);
+  free(w->extents);
+  free(w);
+  return rc;
+}

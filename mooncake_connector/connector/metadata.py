@@ -1,0 +1,36 @@
+"""What the scheduler-side connector tells the worker-side connector, once per
+step (pickled inside vLLM's SchedulerOutput)."""
+from dataclasses import dataclass, field
+
+try:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+except ImportError:  # vLLM absent: the dataclasses still work (unit tests, tools)
+    class KVConnectorMetadata:  # type: ignore[no-redef]
+        pass
+
+
+@dataclass
+class LoadSpec:
+    """Consumer: pull the prompt's full blocks [skip_blocks, n) from a producer."""
+    req_id: str
+    tokens: list          # the prompt's first n full blocks of token ids
+    block_ids: list       # local block ids for blocks skip_blocks..n-1
+    skip_blocks: int      # blocks already computed locally (prefix cache)
+    producer: str | None  # producer base engine name; None = the configured prefill_url
+    flow: str = "A"       # "A" (token hashes, configured producer) or "B" (kv_transfer_params)
+
+
+@dataclass
+class PublishSpec:
+    """Producer: the prompt's full blocks are computed; make them available."""
+    req_id: str
+    tokens: list          # token ids of the full blocks
+    block_ids: list       # local block ids of those blocks
+
+
+@dataclass
+class MooncakeConnectorMetadata(KVConnectorMetadata):
+    loads: list = field(default_factory=list)        # LoadSpec
+    publishes: list = field(default_factory=list)    # PublishSpec
+    held: list = field(default_factory=list)         # req ids whose blocks the connector holds
+    unpublish: list = field(default_factory=list)    # req ids preempted after publishing

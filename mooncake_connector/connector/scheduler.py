@@ -1,0 +1,185 @@
+"""Scheduler-side half of MooncakeConnector: decides what each step's
+workers load and publish.  Pure Python: it never imports the extension and
+never touches a GPU, so vLLM's engine-core process needs neither.
+
+Flows (docs/connector.md):
+  A  consumer, request without kv_transfer_params: the prompt's full blocks
+     are looked up by token hashes at the configured producer (prefill_url).
+  B  kv_transfer_params {"do_remote_prefill": true, "remote_engine_id": ...}:
+     the same lookup at the named producer; a producer answering a request
+     with {"do_remote_decode": true} returns these params in its response.
+Both load asynchronously: get_num_new_matched_tokens claims the prompt's full
+blocks, the worker pulls them, blocks it could not fill are reported as load
+errors and vLLM computes them locally.
+"""
+import logging
+
+from mooncake_connector.connector.metadata import (LoadSpec, MooncakeConnectorMetadata,
+                                                   PublishSpec)
+from mooncake_connector.connector.settings import shift_port
+
+logger = logging.getLogger("vllm.mooncake_connector")
+
+
+class SchedulerSide:
+    def __init__(self, settings, block_size, tp_size, kv_cache_manager_getter):
+        self.s = settings
+        self.block_size = block_size
+        self.tp_size = tp_size
+        self._kvm = kv_cache_manager_getter  # () -> KVCacheManager | None
+        self._loads = {}          # req_id -> LoadSpec, sent with the next metadata
+        self._publishes = []      # PublishSpec, sent with the next metadata
+        self._held = []           # req ids newly held, sent with the next metadata
+        self._unpublish = []
+        self._published = {}      # req_id -> published tokens
+        self._reqs = {}           # producer: req_id -> Request while it runs
+        self._blocks = {}         # producer: req_id -> block ids (when no cache manager)
+        self._tried = set()       # consumer: requests that had their one load
+        self.producer_base = None
+        if settings.is_producer:
+            url = settings.local_hostname or settings.mooncake.get("prefill_url")
+            self.producer_base = url or None
+
+    # ---- consumer ----
+
+    def _source(self, request):
+        """(flow, producer base name or None) if this request loads, else None."""
+        if not self.s.is_consumer:
+            return None
+        params = getattr(request, "kv_transfer_params", None) or {}
+        if params.get("do_remote_prefill"):
+            producer = params.get("remote_engine_id")
+            if not producer and params.get("remote_host") and params.get("remote_port"):
+                producer = f"{params['remote_host']}:{params['remote_port']}"
+            return "B", producer or None
+        if self.s.role == "kv_consumer" and self.s.flow_a:
+            return "A", None
+        return None
+
+    def _full_tokens(self, request):
+        prompt = request.prompt_token_ids or []
+        n = (len(prompt) // self.block_size) * self.block_size
+        params = getattr(request, "kv_transfer_params", None) or {}
+        published = params.get("num_tokens") if params.get("do_remote_prefill") else None
+        if isinstance(published, int) and 0 <= published < n:
+            n = (published // self.block_size) * self.block_size
+        return n
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        if self._source(request) is None or request.request_id in self._tried:
+            return 0, False  # one load per request: after a miss or failure, compute
+        ext = self._full_tokens(request) - num_computed_tokens
+        if ext <= 0:
+            return 0, False
+        return ext, True
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens):
+        if self.s.is_producer and request.request_id not in self._reqs:
+            self._reqs[request.request_id] = request
+        if num_external_tokens <= 0:
+            return
+        src = self._source(request)
+        if src is None:
+            return
+        self._tried.add(request.request_id)
+        n_full = self._full_tokens(request)
+        local = n_full - num_external_tokens
+        skip = max(local, 0) // self.block_size
+        ids = list(blocks.get_block_ids()[0])[skip:n_full // self.block_size]
+        self._loads[request.request_id] = LoadSpec(
+            req_id=request.request_id, tokens=list(request.prompt_token_ids[:n_full]),
+            block_ids=ids, skip_blocks=skip, producer=src[1], flow=src[0])
+
+    # ---- producer ----
+
+    def _should_publish(self, request):
+        params = getattr(request, "kv_transfer_params", None) or {}
+        if self.s.role == "kv_producer":
+            return params.get("do_remote_decode", True) is not False
+        return self.s.role == "kv_both" and bool(params.get("do_remote_decode"))
+
+    def _block_ids(self, req_id):
+        kvm = self._kvm()
+        if kvm is not None:
+            try:
+                return list(kvm.get_block_ids(req_id)[0])
+            except Exception:  # an older vLLM: fall back to what we tracked
+                pass
+        return self._blocks.get(req_id, [])
+
+    def _track_blocks(self, so):
+        if self._kvm() is not None:
+            return
+        for nr in so.scheduled_new_reqs:
+            if nr.req_id in self._reqs:
+                self._blocks[nr.req_id] = list(nr.block_ids[0])
+        cached = so.scheduled_cached_reqs
+        resumed = getattr(cached, "resumed_req_ids", set()) or set()
+        for i, rid in enumerate(cached.req_ids):
+            new = cached.new_block_ids[i]
+            if rid not in self._reqs or new is None:
+                continue
+            if rid in resumed:
+                self._blocks[rid] = list(new[0])
+            else:
+                self._blocks.setdefault(rid, []).extend(new[0])
+
+    def build_connector_meta(self, so):
+        meta = MooncakeConnectorMetadata(loads=list(self._loads.values()))
+        self._loads.clear()
+        if self.s.is_producer:
+            self._track_blocks(so)
+            for rid in getattr(so, "preempted_req_ids", None) or ():
+                if self._published.pop(rid, None) is not None:
+                    self._unpublish.append(rid)
+            for rid, n_sched in so.num_scheduled_tokens.items():
+                req = self._reqs.get(rid)
+                if req is None or rid in self._published or not self._should_publish(req):
+                    continue
+                n_prompt = len(req.prompt_token_ids or [])
+                if req.num_computed_tokens + n_sched < n_prompt:
+                    continue  # the prompt is not complete after this step
+                n_full = (n_prompt // self.block_size) * self.block_size
+                ids = self._block_ids(rid)[:n_full // self.block_size]
+                if n_full == 0 or len(ids) * self.block_size < n_full:
+                    continue
+                self._publishes.append(PublishSpec(rid, list(req.prompt_token_ids[:n_full]),
+                                                   ids))
+                self._published[rid] = n_full
+        meta.publishes, self._publishes = self._publishes, []
+        meta.held, self._held = self._held, []
+        meta.unpublish, self._unpublish = self._unpublish, []
+        return meta
+
+    def request_finished(self, request, block_ids):
+        rid = request.request_id
+        self._reqs.pop(rid, None)
+        self._blocks.pop(rid, None)
+        self._loads.pop(rid, None)
+        self._tried.discard(rid)
+        n = self._published.pop(rid, None)
+        if n is None:
+            return False, None
+        self._held.append(rid)
+        params = getattr(request, "kv_transfer_params", None) or {}
+        if not params.get("do_remote_decode"):
+            return True, None
+        host, _, port = (self.producer_base or ":").rpartition(":")
+        out = {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": self.producer_base,
+            "remote_host": host,
+            "remote_port": int(port) if port.isdigit() else None,
+            "remote_block_ids": list(block_ids),
+            "remote_request_id": rid,
+            "num_tokens": n,
+            "tp_size": self.tp_size,
+        }
+        if params.get("transfer_id") is not None:
+            out["transfer_id"] = params["transfer_id"]
+        return True, out
+
+
+def producer_for_rank(base, tp_rank):
+    return shift_port(base, tp_rank)

@@ -1,0 +1,175 @@
+"""Effective connector configuration.
+
+Sources, later ones win: mooncake.json (``MOONCAKE_CONFIG_PATH``, or
+``kv_connector_extra_config["mooncake_config_path"]``), then the same fields
+in ``kv_connector_extra_config``.  The seed's ``kv_rank``,
+``kv_parallel_size`` and ``kv_buffer_size`` arrive in the extra config (the
+plugin moves them there, since vLLM's own config has no such fields).
+
+Pure Python (no extension): the scheduler process uses it too.  The worker
+validates mooncake.json strictly with the C parser when it starts its engine.
+"""
+import json
+import logging
+import os
+from dataclasses import asdict, dataclass, field
+
+logger = logging.getLogger("vllm.mooncake_connector")
+
+ROLES = ("kv_producer", "kv_consumer", "kv_both")
+MOONCAKE_FIELDS = ("prefill_url", "decode_url", "metadata_server", "protocol", "device_name",
+                   "metadata_backend")
+KNOBS = {  # extra-config key: (type, default, meaning)
+    "hold_timeout_s": (float, 120.0, "producer: how long a finished request's KV stays "
+                       "available for a consumer before its blocks are freed"),
+    "load_timeout_s": (float, 30.0, "consumer: how long one KV load may take before the "
+                       "request falls back to computing its prompt locally"),
+    "flow_a": (bool, True, "consumer: look prompts up by token hashes at the configured "
+               "producer when a request carries no kv_transfer_params"),
+    "load_failure_policy": (str, "recompute", "what vLLM does when a load fails: 'recompute' "
+                            "(compute the prompt locally) or 'fail' (the request errors)"),
+    "local_hostname": (str, "", "this instance's engine name host:port (default: prefill_url "
+                       "for producers, decode_url for consumers); TP rank r adds r to the port"),
+    "load_workers": (int, 4, "consumer: concurrent KV loads per worker"),
+}
+
+
+class SettingsError(ValueError):
+    """A configuration value is wrong; the message says which and how to fix it."""
+
+
+@dataclass
+class Settings:
+    role: str
+    kv_rank: int | None = None
+    kv_parallel_size: int | None = None
+    kv_buffer_size: int = 2_000_000_000
+    mooncake: dict = field(default_factory=dict)  # mooncake.json fields (after overrides)
+    config_path: str | None = None
+    hold_timeout_s: float = 120.0
+    load_timeout_s: float = 30.0
+    flow_a: bool = True
+    load_failure_policy: str = "recompute"
+    local_hostname: str = ""
+    load_workers: int = 4
+
+    @property
+    def is_producer(self):
+        return self.role in ("kv_producer", "kv_both")
+
+    @property
+    def is_consumer(self):
+        return self.role in ("kv_consumer", "kv_both")
+
+    def summary(self):
+        d = asdict(self)
+        return json.dumps(d, sort_keys=True, default=str)
+
+
+def _read_json(path, what):
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        raise SettingsError(f"{what} {path!r} cannot be read ({e.strerror}); set "
+                            "MOONCAKE_CONFIG_PATH to a readable mooncake.json") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise SettingsError(f"{what} {path!r} is not valid JSON: {e.msg} at line {e.lineno} "
+                            f"column {e.colno}") from None
+    if not isinstance(data, dict):
+        raise SettingsError(f"{what} {path!r} must hold a JSON object, not "
+                            f"{type(data).__name__}")
+    return data
+
+
+def _coerce(key, typ, value):
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("1", "true", "yes", "0", "false", "no"):
+            return value.lower() in ("1", "true", "yes")
+        raise SettingsError(f"kv_connector_extra_config.{key} must be true or false, not "
+                            f"{value!r}")
+    try:
+        out = typ(value)
+    except (TypeError, ValueError):
+        raise SettingsError(f"kv_connector_extra_config.{key} must be a {typ.__name__}, not "
+                            f"{value!r}") from None
+    if typ in (int, float) and out < 0:
+        raise SettingsError(f"kv_connector_extra_config.{key} must be >= 0, not {value!r}")
+    return out
+
+
+def _int_field(name, value, lo=None):
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
+        raise SettingsError(f"{name} must be an integer, not {value!r}")
+    value = int(value)
+    if lo is not None and value < lo:
+        raise SettingsError(f"{name} must be >= {lo}, not {value}")
+    return value
+
+
+def resolve(kv_transfer_config, env=None):
+    """Settings from vLLM's KVTransferConfig (duck-typed: kv_role,
+    kv_connector_extra_config)."""
+    env = os.environ if env is None else env
+    role = getattr(kv_transfer_config, "kv_role", None)
+    if role not in ROLES:
+        raise SettingsError(f"kv_role is {role!r}; MooncakeConnector needs one of "
+                            f"{', '.join(ROLES)} in --kv-transfer-config")
+    extra = dict(getattr(kv_transfer_config, "kv_connector_extra_config", None) or {})
+    s = Settings(role=role)
+    s.config_path = extra.pop("mooncake_config_path", None) or env.get("MOONCAKE_CONFIG_PATH")
+    if s.config_path:
+        s.mooncake = {k: v for k, v in _read_json(s.config_path, "mooncake config").items()}
+    for k in MOONCAKE_FIELDS:
+        if k in extra:
+            s.mooncake[k] = extra.pop(k)
+    s.kv_rank = _int_field("kv_rank", extra.pop("kv_rank", None), lo=0)
+    s.kv_parallel_size = _int_field("kv_parallel_size", extra.pop("kv_parallel_size", None),
+                                    lo=1)
+    buf = extra.pop("kv_buffer_size", None)
+    if buf is not None:
+        s.kv_buffer_size = _int_field("kv_buffer_size", buf, lo=1)
+    if s.kv_rank is not None and s.kv_parallel_size is not None and \
+            s.kv_rank >= s.kv_parallel_size:
+        raise SettingsError(f"kv_rank {s.kv_rank} must be below kv_parallel_size "
+                            f"{s.kv_parallel_size}")
+    for key, (typ, _default, _doc) in KNOBS.items():
+        if key in extra:
+            setattr(s, key, _coerce(key, typ, extra.pop(key)))
+    if s.load_failure_policy not in ("recompute", "fail"):
+        raise SettingsError("kv_connector_extra_config.load_failure_policy must be 'recompute' "
+                            f"or 'fail', not {s.load_failure_policy!r}")
+    if extra:
+        known = sorted(set(KNOBS) | set(MOONCAKE_FIELDS) |
+                       {"kv_rank", "kv_parallel_size", "kv_buffer_size", "mooncake_config_path"})
+        raise SettingsError(f"unknown kv_connector_extra_config key(s) {sorted(extra)}; known: "
+                            f"{', '.join(known)}")
+    return s
+
+
+def engine_name(s, tp_rank):
+    """host:port of this worker's engine: the role's URL, port + TP rank."""
+    base = s.local_hostname or (s.mooncake.get("prefill_url") if s.role != "kv_consumer"
+                                else s.mooncake.get("decode_url"))
+    if not base:
+        need = "prefill_url" if s.role != "kv_consumer" else "decode_url"
+        raise SettingsError(f"no engine address: set {need} in mooncake.json "
+                            "(MOONCAKE_CONFIG_PATH) or local_hostname in "
+                            "kv_connector_extra_config")
+    return shift_port(base, tp_rank)
+
+
+def shift_port(hostport, delta):
+    host, sep, port = str(hostport).rpartition(":")
+    if not sep or not port.isdigit():
+        raise SettingsError(f"{hostport!r} is not host:port")
+    p = int(port) + delta
+    if not 0 < p < 65536:
+        raise SettingsError(f"{hostport!r} + TP rank {delta} is not a valid port")
+    return f"{host}:{p}"

@@ -1,0 +1,260 @@
+"""Worker-side half of MooncakeConnector: owns this rank's transfer engine,
+the registered paged KV cache, the producer's lookup buffer, the consumer's
+pulls.
+
+Producer: when a prompt's last chunk has been computed (wait_for_save of that
+step, before the response can leave the server) its full blocks are
+inserted, zero-copy, into the lookup buffer keyed by token hashes.  vLLM
+keeps the blocks (request_finished returned True) until the buffer reports
+every extent free: a consumer pulled them (consume mode), they expired
+(hold_timeout_s) or were evicted (kv_buffer_size); then get_finished reports
+the request in finished_sending and vLLM frees them.
+
+Consumer: start_load_kv hands each load to a thread that calls
+KVTransfer.recv_kv(pull=True): the producer leases the matching blocks and
+this engine READs them straight into the request's blocks.  The call returns
+only when nothing more can land (its own batch is done or cancelled), so a
+request aborted mid-load gets finished_recving only after that: vLLM never
+reuses a block a late write could still hit.  Blocks not filled (miss,
+shorter match, error) are reported by get_block_ids_with_load_errors and
+vLLM computes them.
+"""
+import json
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from mooncake_connector.connector.layout import KVLayout
+from mooncake_connector.connector.settings import SettingsError, shift_port
+from mooncake_connector.connector.stats import MooncakeKVConnectorStats
+
+logger = logging.getLogger("vllm.mooncake_connector")
+
+
+class WorkerSide:
+    def __init__(self, settings, block_size, tp_rank, tp_size, num_blocks=None):
+        self.s = settings
+        self.block_size = block_size
+        self.tp_rank = tp_rank
+        self.tp_size = tp_size
+        self.num_blocks = num_blocks
+        self.engine = self.kv = self.lb = self.layout = None
+        self.name = None
+        self.default_producer = None
+        self._pool = None
+        self._lock = threading.Lock()
+        self._loading = {}        # req_id -> (future, LoadSpec)
+        self._invalid = set()     # block ids that failed to load, reported once
+        self._tag_next = 1
+        self._tag_req = {}        # extent tag (one per published block) -> req_id
+        self._req_tags = {}       # req_id -> its tags
+        self._outstanding = {}    # req_id -> extents the lookup buffer still references
+        self._pub_tokens = {}     # req_id -> published tokens (for unpublish)
+        self._held = {}           # req_id -> monotonic time vLLM started holding it for us
+        self._finished_seen = set()
+        self._cuda_sync = None
+        self.stats = MooncakeKVConnectorStats()
+
+    # ---- setup ----
+
+    def register_kv_caches(self, kv_caches):
+        from mooncake_connector import _core  # the extension: workers only
+
+        self.layout = KVLayout(kv_caches, self.num_blocks)
+        text = json.dumps({k: v for k, v in self.s.mooncake.items() if v is not None})
+        cfg = _core.parse_config(text, self.s.config_path or "kv_connector_extra_config")
+        if self.s.local_hostname:
+            base = self.s.local_hostname
+        elif self.s.role == "kv_consumer":
+            base = f"{cfg['decode_host']}:{cfg['decode_port']}"
+        else:
+            base = f"{cfg['prefill_host']}:{cfg['prefill_port']}"
+        self.name = shift_port(base, self.tp_rank)
+        self.default_producer = f"{cfg['prefill_host']}:{cfg['prefill_port']}"
+        eng = _core.TransferEngine()
+        eng.initialize(self.name, cfg["metadata_server"], cfg["protocol"], cfg["device_name"])
+        for addr, n, dev in self.layout.regions():
+            eng.register_memory(addr, n, dev)
+        self.engine = eng
+        if self.s.is_producer:
+            self.lb = _core.LookupBuffer(self.s.kv_buffer_size, block_size=self.block_size,
+                                         mode="consume", policy="evict",
+                                         ttl_s=self.s.hold_timeout_s,
+                                         extents_per_block=self.layout.extents_per_block,
+                                         track_freed=True)
+        self.kv = _core.KVTransfer(eng, self.lb)
+        if self.s.is_consumer:
+            self._pool = ThreadPoolExecutor(max(1, self.s.load_workers),
+                                            thread_name_prefix="mooncake-load")
+        if any(d.startswith("cuda") for d in self.layout.devices):
+            import torch
+            self._cuda_sync = torch.cuda.current_stream().synchronize
+        if self.tp_rank == 0:
+            logger.info("MooncakeConnector worker: engine %s (%s, metadata %s), %d layers, %d "
+                        "extents x %d bytes per block, %d blocks on %s", self.name,
+                        cfg["protocol"], cfg["metadata_server"], len(self.layout.layers),
+                        self.layout.extents_per_block, self.layout.layers[0].block_bytes,
+                        self.layout.num_blocks, ",".join(self.layout.devices))
+
+    # ---- per step ----
+
+    def on_metadata(self, meta):
+        now = time.monotonic()
+        for rid in meta.held:
+            self._held.setdefault(rid, now)
+
+    def start_load(self, meta):
+        for spec in meta.loads:
+            if spec.req_id in self._loading:
+                continue
+            fut = self._pool.submit(self._pull, spec)
+            self._loading[spec.req_id] = (fut, spec)
+
+    def _pull(self, spec):
+        from mooncake_connector import MooncakeError
+
+        base = spec.producer or self.default_producer
+        t0 = time.monotonic()
+        deadline = t0 + self.s.load_timeout_s
+        try:
+            producer = shift_port(base, self.tp_rank)
+            dest = [(a, n) for a, n, _t in self.layout.extents(spec.block_ids)]
+            while True:
+                left = deadline - time.monotonic()
+                matched = self.kv.recv_kv(producer, spec.tokens, dest, timeout=max(left, 0.001),
+                                          extents_per_block=self.layout.extents_per_block,
+                                          pull=True, skip_blocks=spec.skip_blocks)
+                # Flow B names a producer that will have the KV (a proxy may
+                # ask both sides at once): a miss means "not yet".
+                if matched or spec.flow != "B" or time.monotonic() + 0.005 >= deadline:
+                    break
+                time.sleep(0.005)
+            return matched, None, time.monotonic() - t0
+        except (MooncakeError, SettingsError, ValueError) as e:
+            return 0, str(e), time.monotonic() - t0
+
+    def publish(self, meta):
+        if not meta.publishes or self.lb is None:
+            return
+        if self._cuda_sync is not None:
+            self._cuda_sync()  # the step's KV writes must be done before anyone reads
+        from mooncake_connector import MooncakeError
+
+        for p in meta.publishes:
+            tags = list(range(self._tag_next, self._tag_next + len(p.block_ids)))
+            self._tag_next += len(p.block_ids)
+            ext = self.layout.extents(p.block_ids, tags)
+            for t in tags:
+                self._tag_req[t] = p.req_id
+            self._req_tags[p.req_id] = tags
+            self._outstanding[p.req_id] = len(ext)
+            try:
+                self.kv.send_kv(p.tokens, ext)
+                self._pub_tokens[p.req_id] = p.tokens
+                self.stats.add("publishes")
+                self.stats.add("publish_bytes", len(p.block_ids) * self.layout.bytes_per_block())
+            except MooncakeError as e:
+                logger.warning("MooncakeConnector: KV of request %s not published (%s); a "
+                               "consumer will compute it", p.req_id, e)
+                self.stats.add("publish_failed")
+                self._forget_tags(p.req_id, tags)
+
+    def _forget_tags(self, rid, tags=None):
+        for t in tags if tags is not None else self._req_tags.pop(rid, ()):
+            self._tag_req.pop(t, None)
+        self._outstanding[rid] = 0
+
+    def unpublish(self, meta):
+        """Preempted after publishing: its blocks are about to be reused."""
+        if self.lb is None:
+            return
+        for rid in meta.unpublish:
+            tokens = self._pub_tokens.pop(rid, None)
+            if tokens is None:
+                continue
+            self.lb.remove(tokens)
+            # A consumer may be reading the blocks under a lease: wait for it.
+            deadline = time.monotonic() + self.s.load_timeout_s + 6
+            while self._outstanding.get(rid, 0) > 0 and time.monotonic() < deadline:
+                self._drain_freed()
+                if self._outstanding.get(rid, 0) > 0:
+                    time.sleep(0.001)
+            if self._outstanding.get(rid, 0) > 0:
+                logger.warning("MooncakeConnector: preempted request %s: %d KV extents still "
+                               "shared with other published prompts", rid,
+                               self._outstanding[rid])
+            self._forget_tags(rid)
+            self._outstanding.pop(rid, None)
+            self._held.pop(rid, None)
+
+    def _drain_freed(self):
+        if self.lb is None:
+            return
+        self.lb.expire()
+        for _addr, _len, tag in self.lb.take_freed():
+            rid = self._tag_req.get(tag)  # one tag per block: extents_per_block reports
+            if rid is not None and rid in self._outstanding:
+                self._outstanding[rid] -= 1
+
+    def get_finished(self, finished_req_ids):
+        self._finished_seen.update(finished_req_ids)
+        done_recv = set()
+        for rid, (fut, spec) in list(self._loading.items()):
+            if not fut.done():
+                continue
+            del self._loading[rid]
+            matched, err, secs = fut.result()
+            loaded = max(0, min(matched // self.block_size - spec.skip_blocks,
+                                len(spec.block_ids)))
+            nbytes = loaded * self.layout.bytes_per_block()
+            self.stats.add("loads")
+            self.stats.add("load_bytes", nbytes)
+            self.stats.add("load_tokens", loaded * self.block_size)
+            self.stats.add_time(secs)
+            if loaded < len(spec.block_ids):
+                self._invalid.update(spec.block_ids[loaded:])
+                self.stats.add("load_tokens_missed",
+                               (len(spec.block_ids) - loaded) * self.block_size)
+                if err:
+                    self.stats.add("loads_failed")
+                    logger.warning("MooncakeConnector: loading request %s failed (%s); its "
+                                   "prompt is computed locally", rid, err)
+            done_recv.add(rid)
+        done_send = set()
+        if self.lb is not None:
+            self._drain_freed()
+            for rid in list(self._held):
+                if rid in self._finished_seen and self._outstanding.get(rid, 0) <= 0:
+                    del self._held[rid]
+                    self._finished_seen.discard(rid)
+                    self._forget_tags(rid)
+                    self._outstanding.pop(rid, None)
+                    self._pub_tokens.pop(rid, None)
+                    done_send.add(rid)
+                    self.stats.add("sends_finished")
+        # Requests that finished without us holding them need no tracking.
+        self._finished_seen.intersection_update(self._held)
+        return (done_send or None), (done_recv or None)
+
+    def take_invalid_blocks(self):
+        out, self._invalid = self._invalid, set()
+        return out
+
+    def take_stats(self):
+        if self.stats.is_empty():
+            return None
+        out, self.stats = self.stats, MooncakeKVConnectorStats()
+        return out
+
+    def shutdown(self):
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)  # pulls end by their timeout
+            self._pool = None
+        for obj in (self.kv, self.engine):
+            if obj is not None:
+                try:
+                    obj.close()
+                except Exception:  # already closed
+                    pass
+        self.kv = self.engine = None
