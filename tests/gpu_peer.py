@@ -14,7 +14,7 @@ Commands (one JSON object per line, one answer each):
         -> {"secs": [...], "bytes": N} | {"error": ...}
     {"cmd": "kv_init", "producer": bool}                            -> {}
     {"cmd": "send_kv", "tokens": [...], "blocks": [...]}            -> {"stored": n}
-    {"cmd": "recv_kv", "producer": SEG, "tokens": [...], "blocks": [...]}
+    {"cmd": "recv_kv", "producer": SEG, "tokens": [...], "blocks": [...], "pull": bool}
                                                         -> {"matched": n, "secs": s}
     {"cmd": "exit"}
 """
@@ -121,7 +121,7 @@ def main():
                 dest = [(kv[li][b].data_ptr(), BB) for b in req["blocks"] for li in range(L)]
                 t0 = time.perf_counter()
                 n = kvx.recv_kv(req["producer"], req["tokens"], dest, timeout=120.0,
-                                extents_per_block=L)
+                                extents_per_block=L, pull=req.get("pull", False))
                 out({"matched": n, "secs": time.perf_counter() - t0})
             else:
                 out({"error": f"unknown command {cmd}"})

@@ -118,8 +118,10 @@ def test_gpu_cpu_mixed(gpu_peers, da, db):
     roundtrip(a, b)
 
 
-@pytest.mark.parametrize("ipc", ["1", "0"])
-def test_send_recv_kv_gpu(gpu_peers, ipc):
+@pytest.mark.parametrize("ipc,pull", [("1", False), ("0", False), ("1", True), ("0", True)])
+def test_send_recv_kv_gpu(gpu_peers, ipc, pull):
+    """Push (the producer WRITEs) and pull (the consumer READs), each over the
+    same-host path and over TCP with staging."""
     env = {"MC_GPU_IPC": ipc}
     nb = 1000 if ipc == "1" else 200
     prod = gpu_peers(DEV_A, blocks=nb, env=env)
@@ -135,9 +137,9 @@ def test_send_recv_kv_gpu(gpu_peers, ipc):
     rng.shuffle(src)
     dst = [(i * 7 + 3) % nb for i in range(nb)]
     assert prod.call(cmd="send_kv", tokens=tokens, blocks=src)["stored"] == nb * 16
-    r = cons.call(cmd="recv_kv", producer=prod.segment, tokens=tokens, blocks=dst)
+    r = cons.call(cmd="recv_kv", producer=prod.segment, tokens=tokens, blocks=dst, pull=pull)
     assert r["matched"] == nb * 16
-    sys.stderr.write(f"recv_kv of {nb} blocks x 32 layers (ipc={ipc}): "
+    sys.stderr.write(f"recv_kv of {nb} blocks x 32 layers (ipc={ipc}, pull={pull}): "
                      f"{nb * 32 * 65536 / r['secs'] / 1e9:.1f} GB/s\n")
     sp, sc = prod.call(cmd="sums")["sums"], cons.call(cmd="sums")["sums"]
     bad = [(li, i) for li in range(32) for i in range(nb) if sc[li][dst[i]] != sp[li][src[i]]]
