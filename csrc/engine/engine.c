@@ -401,7 +401,6 @@ fail:
   pthread_rwlock_destroy(&e->handler_lock);
   pthread_mutex_destroy(&e->pub_mu);
   pthread_mutex_destroy(&e->gpu_mu);
-  mc_gpu_stager_destroy(e->gpu);
   free(e->pub_desc);
   free(e->pub_rpc);
   free(e);
