@@ -203,3 +203,116 @@ def test_flow_b_kv_transfer_params(sides):
     assert d.computed["q"] == 5 + 1
     assert p.run_until(lambda: p.is_empty())
 
+
+
+SEED = ('{"kv_connector":"MooncakeConnector","kv_role":"kv_producer","kv_rank":0,'
+        '"kv_parallel_size":2,"kv_buffer_size":2e9}')
+PROBE = r'''
+import json, sys
+from vllm.plugins import load_general_plugins
+from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser())   # loads the plugins
+try:
+    args = parser.parse_args(["--kv-transfer-config", sys.argv[1]])
+    ktc = args.kv_transfer_config
+    cls = KVConnectorFactory.get_connector_class(ktc)
+    print(json.dumps({"cls": cls.__module__ + "." + cls.__name__,
+                      "extra": ktc.kv_connector_extra_config}))
+except SystemExit:
+    print(json.dumps({"error": "rejected"}))
+'''
+
+
+def _probe(arg, **env):
+    e = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", **env}
+    r = subprocess.run([sys.executable, "-c", PROBE, arg], capture_output=True, text=True,
+                       env=e, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    import json
+    return json.loads(r.stdout.strip().splitlines()[-1]), r.stderr
+
+
+def test_plugin_makes_the_seed_command_line_work():
+    out, err = _probe(SEED)
+    assert out.get("cls") == "mooncake_connector.connector.connector.MooncakeConnector", out
+    assert out["extra"] == {"kv_rank": 0, "kv_parallel_size": 2, "kv_buffer_size": 2e9}
+    assert "resolves to mooncake_connector.MooncakeConnector" in err
+
+
+def test_plugin_opt_out_restores_vllms_connector():
+    out, err = _probe(SEED, MOONCAKE_CONNECTOR_DISABLE_PLUGIN="1")
+    # vLLM's own config rejects the seed's extra fields, and the name is its own class.
+    assert out == {"error": "rejected"}, out
+    plain = '{"kv_connector":"MooncakeConnector","kv_role":"kv_producer"}'
+    out, _ = _probe(plain, MOONCAKE_CONNECTOR_DISABLE_PLUGIN="1")
+    assert out["cls"].startswith("vllm.distributed.kv_transfer"), out
+
+
+def test_module_path_form_needs_no_plugin():
+    arg = ('{"kv_connector":"MooncakeConnector","kv_connector_module_path":"mooncake_connector",'
+           '"kv_role":"kv_consumer","kv_connector_extra_config":{"kv_rank":1}}')
+    out, _ = _probe(arg, MOONCAKE_CONNECTOR_DISABLE_PLUGIN="1")
+    assert out["cls"] == "mooncake_connector.connector.connector.MooncakeConnector", out
+
+
+def test_scheduler_side_needs_no_extension(model_dir):
+    code = (
+        "import sys, builtins\n"
+        "real = builtins.__import__\n"
+        "def guard(name, *a, **k):\n"
+        "    if name.endswith('_core') and 'mooncake' in name:\n"
+        "        raise ImportError('extension imported by the scheduler side')\n"
+        "    return real(name, *a, **k)\n"
+        "builtins.__import__ = guard\n"
+        "sys.path.insert(0, sys.argv[2])\n"
+        "from vllm_harness import make_config\n"
+        "from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole\n"
+        "from mooncake_connector import MooncakeConnector\n"
+        "c = MooncakeConnector(make_config(sys.argv[1], 'kv_consumer', {'prefill_url': "
+        "'h:1', 'decode_url': 'h:100'}), KVConnectorRole.SCHEDULER, None)\n"
+        "assert 'mooncake_connector._core' not in sys.modules\n"
+        "print('ok')\n")
+    r = subprocess.run([sys.executable, "-c", code, model_dir, os.path.dirname(__file__)],
+                       capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"})
+    assert r.stdout.strip().endswith("ok"), r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("extra, msg", [
+    ({"kv_rank": 2, "kv_parallel_size": 2}, "kv_rank 2 must be below kv_parallel_size 2"),
+    ({"kv_buffer_size": "lots"}, "kv_buffer_size must be an integer"),
+    ({"hold_timeout": 3}, "unknown kv_connector_extra_config key(s) ['hold_timeout']"),
+    ({"load_failure_policy": "retry"}, "must be 'recompute' or 'fail'"),
+    ({"mooncake_config_path": "/nonexistent/mooncake.json"}, "cannot be read"),
+])
+def test_bad_settings_say_what_is_wrong(extra, msg):
+    from types import SimpleNamespace
+    from mooncake_connector.connector.settings import SettingsError, resolve
+    with pytest.raises(SettingsError) as ei:
+        resolve(SimpleNamespace(kv_role="kv_consumer", kv_connector_extra_config=extra), env={})
+    assert msg in str(ei.value)
+
+
+def test_bad_role_and_bad_json(tmp_path):
+    from types import SimpleNamespace
+    from mooncake_connector.connector.settings import SettingsError, resolve
+    with pytest.raises(SettingsError, match="kv_role is 'kv_both_ways'"):
+        resolve(SimpleNamespace(kv_role="kv_both_ways", kv_connector_extra_config={}), env={})
+    p = tmp_path / "mooncake.json"
+    p.write_text('{"prefill_url": "a:1",\n "decode_url": }')
+    with pytest.raises(SettingsError, match="not valid JSON: .* line 2"):
+        resolve(SimpleNamespace(kv_role="kv_consumer", kv_connector_extra_config={}),
+                env={"MOONCAKE_CONFIG_PATH": str(p)})
+
+
+def test_extra_config_wins_over_mooncake_json(tmp_path):
+    from types import SimpleNamespace
+    from mooncake_connector.connector.settings import resolve
+    p = tmp_path / "mooncake.json"
+    p.write_text('{"prefill_url": "a:1", "decode_url": "b:2", "metadata_server": "P2PHANDSHAKE"}')
+    s = resolve(SimpleNamespace(kv_role="kv_producer",
+                                kv_connector_extra_config={"prefill_url": "c:3"}),
+                env={"MOONCAKE_CONFIG_PATH": str(p)})
+    assert s.mooncake["prefill_url"] == "c:3" and s.mooncake["decode_url"] == "b:2"
