@@ -35,7 +35,7 @@ typedef void (*mc_xfer_done_fn)(mc_xfer_op_t *op, int code, const char *msg);
 
 struct mc_xfer_op {
   /* Filled by the submitter. */
-  int type; /* MC_WIRE_WRITE, MC_WIRE_READ or MC_WIRE_NOTIFY */
+  int type; /* MC_WIRE_WRITE, MC_WIRE_READ, MC_WIRE_NOTIFY or MC_WIRE_RPC */
   uint32_t nent;
   uint64_t total; /* sum of ent[].len, set by mc_xfer_op_seal */
   mc_xfer_done_fn done;
@@ -45,8 +45,12 @@ struct mc_xfer_op {
   void (*entry_failed)(mc_xfer_op_t *op, uint32_t idx, int code, const char *msg);
   void *arg;
   atomic_int *cancel; /* optional: non-zero asks to stop (see sweep) */
-  uint8_t *ctrl;      /* NOTIFY body, owned */
+  uint8_t *ctrl;      /* NOTIFY / RPC body, owned */
   size_t ctrl_len;
+  /* RPC: the reply text (NUL-terminated, owned by the op; done() may take
+   * it by setting resp to NULL). */
+  char *resp;
+  size_t resp_len;
   /* Transport-private. */
   mc_xfer_op_t *next;
   uint64_t req_id;
@@ -87,6 +91,11 @@ typedef struct mc_tcp_hooks {
    * reached another segment, or was closed by the peer; called on the
    * thread that noticed (an I/O thread, or a caller on the fast path). */
   void (*on_peer_failed)(void *ctx, const char *segment);
+  /* Optional: answers an RPC (called on an I/O thread; must not block on
+   * the network).  Returns 0 with *reply a malloc'ed NUL-terminated text,
+   * or < 0 with err set (sent back as the error text). */
+  int (*on_rpc)(void *ctx, const char *from, const char *req, size_t len, char **reply,
+                mc_err_t *err);
 } mc_tcp_hooks_t;
 
 int mc_tcp_start(const mc_tcp_opts_t *opts, const mc_tcp_hooks_t *hooks,
