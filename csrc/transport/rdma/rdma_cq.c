@@ -1,0 +1,108 @@
+/* The completion thread: polls every NIC's CQ, spins briefly after
+ * activity, then sleeps on the completion channels (epoll) so an idle
+ * engine costs no CPU. */
+#include <errno.h>
+#include <fcntl.h>
+#include <stdint.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include "transport/rdma/rdma_internal.h"
+#include "util/clock.h"
+#include "util/log.h"
+
+int mc_rdma_cq_poll_all(mc_rdma_t *t) {
+  int total = 0;
+  struct ibv_wc wc[32];
+  for (int i = 0; i < t->nnic; i++) {
+    int k;
+    do {
+      k = ibv_poll_cq(t->nics[i].cq, 32, wc);
+      if (k < 0) {
+        mc_log_error("rdma: ibv_poll_cq on %s failed (%d)", t->nics[i].name, k);
+        break;
+      }
+      for (int j = 0; j < k; j++)
+        mc_rdma_wc(t, &wc[j]);
+      total += k;
+    } while (k == 32);
+  }
+  return total;
+}
+
+static void *cq_main(void *arg) {
+  mc_rdma_t *t = arg;
+  uint64_t last = mc_now_ns();
+  while (!atomic_load(&t->stop)) {
+    if (mc_rdma_cq_poll_all(t) > 0) {
+      last = mc_now_ns();
+      continue;
+    }
+    if (mc_now_ns() - last < t->o.poll_spin_ns) {
+      __builtin_ia32_pause();
+      continue;
+    }
+    for (int i = 0; i < t->nnic; i++)
+      ibv_req_notify_cq(t->nics[i].cq, 0);
+    if (mc_rdma_cq_poll_all(t) > 0) { /* raced with the arming */
+      last = mc_now_ns();
+      continue;
+    }
+    struct epoll_event ev[MC_RDMA_MAX_NICS + 1];
+    int n = epoll_wait(t->epfd, ev, MC_RDMA_MAX_NICS + 1, 100);
+    for (int i = 0; i < n; i++) {
+      mc_rdma_nic_t *nic = ev[i].data.ptr;
+      if (!nic) {
+        uint64_t x;
+        if (read(t->efd, &x, sizeof x) < 0) { /* drained */
+        }
+        continue;
+      }
+      struct ibv_cq *cq;
+      void *ctx;
+      while (t->v->get_cq_event(nic->ch, &cq, &ctx) == 0)
+        t->v->ack_cq_events(cq, 1);
+    }
+    last = mc_now_ns();
+  }
+  return NULL;
+}
+
+int mc_rdma_cq_start(mc_rdma_t *t, mc_err_t *err) {
+  t->epfd = epoll_create1(EPOLL_CLOEXEC);
+  t->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  if (t->epfd < 0 || t->efd < 0)
+    return mc_err_sys(err, MC_ESYS, errno, "cannot create the RDMA completion thread's epoll");
+  struct epoll_event ev = {.events = EPOLLIN, .data.ptr = NULL};
+  epoll_ctl(t->epfd, EPOLL_CTL_ADD, t->efd, &ev);
+  for (int i = 0; i < t->nnic; i++) {
+    int fd = t->nics[i].ch->fd;
+    fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
+    ev.data.ptr = &t->nics[i];
+    if (epoll_ctl(t->epfd, EPOLL_CTL_ADD, fd, &ev) < 0)
+      return mc_err_sys(err, MC_ESYS, errno, "epoll_ctl on %s's completion channel",
+                        t->nics[i].name);
+  }
+  int rc = pthread_create(&t->cq_thread, NULL, cq_main, t);
+  if (rc)
+    return mc_err_sys(err, MC_ESYS, rc, "cannot start the RDMA completion thread");
+  t->cq_running = 1;
+  return 0;
+}
+
+void mc_rdma_cq_stop(mc_rdma_t *t) {
+  if (t->cq_running) {
+    atomic_store(&t->stop, 1);
+    uint64_t one = 1;
+    if (write(t->efd, &one, sizeof one) < 0) { /* the thread wakes within 100 ms anyway */
+    }
+    pthread_join(t->cq_thread, NULL);
+    t->cq_running = 0;
+  }
+  if (t->epfd >= 0)
+    close(t->epfd);
+  if (t->efd >= 0)
+    close(t->efd);
+  t->epfd = t->efd = -1;
+}
