@@ -289,6 +289,11 @@ static int submit(mc_engine_t *e, mc_batch_t *b, const char *segment,
   for (size_t i = 0; i < n; i++)
     bytes += reqs[i].len;
   pthread_mutex_unlock(&b->mu);
+  if (e->rdma) {
+    mc_rdma_submit(e->rdma, segment, ob.ops, ob.n);
+    free(ob.ops);
+    return 0;
+  }
   if (!(poll && e->spin_ns && bytes <= MC_POLL_MAX_BYTES && ob.n <= MC_POLL_MAX_OPS &&
         mc_tcp_submit_poll(e->tcp, d.host, d.port, segment, ob.ops, ob.n, batch_finished, b,
                            e->spin_ns)))
@@ -301,6 +306,8 @@ static int submit(mc_engine_t *e, mc_batch_t *b, const char *segment,
 static void cancel_and_drain(mc_engine_t *e, mc_batch_t *b) {
   atomic_store(&b->cancel, 1);
   mc_tcp_cancel_sweep(e->tcp);
+  if (e->rdma)
+    mc_rdma_cancel_sweep(e->rdma);
   pthread_mutex_lock(&b->mu);
   uint64_t next_sweep = mc_now_ns() + 1000000000ull;
   while (b->ops_inflight > 0) {
@@ -309,6 +316,8 @@ static void cancel_and_drain(mc_engine_t *e, mc_batch_t *b) {
     if (b->ops_inflight > 0 && mc_now_ns() > next_sweep) {
       pthread_mutex_unlock(&b->mu);
       mc_tcp_cancel_sweep(e->tcp);
+      if (e->rdma)
+        mc_rdma_cancel_sweep(e->rdma);
       pthread_mutex_lock(&b->mu);
       next_sweep = mc_now_ns() + 1000000000ull;
     }

@@ -9,6 +9,7 @@
 #include "engine/regions.h"
 #include "engine/segment_desc.h"
 #include "meta/meta.h"
+#include "transport/rdma/rdma.h"
 #include "transport/tcp/tcp.h"
 
 typedef struct mc_notify_msg {
@@ -25,7 +26,9 @@ struct mc_engine {
   int p2p;
   mc_meta_t *meta;
   mc_regions_t regions;
-  mc_tcp_t *tcp;
+  mc_tcp_t *tcp;   /* data (protocol tcp) and always the control channel */
+  mc_rdma_t *rdma; /* data for protocol rdma, else NULL */
+  char protocol[8];
   uint64_t slice_size;    /* bytes per wire op */
   uint32_t op_entries;    /* entries per wire op */
   uint64_t timeout_ms;    /* MC_TRANSFER_TIMEOUT */
