@@ -4,6 +4,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
@@ -31,6 +32,32 @@ int mc_rdma_cq_poll_all(mc_rdma_t *t) {
   return total;
 }
 
+enum { EV_COMP = 1, EV_ASYNC = 2 };
+
+/* Device events: a port going down fails its QPs at once instead of at
+ * the transport retry timeout. */
+static void async_events(mc_rdma_t *t, mc_rdma_nic_t *nic) {
+  struct ibv_async_event ev;
+  while (t->v->get_async_event(nic->ctx, &ev) == 0) {
+    enum ibv_event_type ty = ev.event_type;
+    t->v->ack_async_event(&ev);
+    if (ty == IBV_EVENT_PORT_ERR || ty == IBV_EVENT_DEVICE_FATAL) {
+      char msg[MC_ERR_MSG_MAX];
+      snprintf(msg, sizeof msg, "port %u of %s went down (verbs event \"%s\": link down, "
+               "cable or switch port?); RDMA requests on it were flushed", nic->port, nic->name,
+               t->v->event_type_str(ty));
+      mc_log_warn("rdma: %s", msg);
+      atomic_store(&nic->down, 1);
+      mc_rdma_nic_down(t, nic, msg);
+    } else if (ty == IBV_EVENT_PORT_ACTIVE) {
+      mc_log_info("rdma: port %u of %s is active again", nic->port, nic->name);
+      atomic_store(&nic->down, 0);
+    } else {
+      mc_log_info("rdma: %s on %s", t->v->event_type_str(ty), nic->name);
+    }
+  }
+}
+
 static void *cq_main(void *arg) {
   mc_rdma_t *t = arg;
   uint64_t last = mc_now_ns();
@@ -52,11 +79,16 @@ static void *cq_main(void *arg) {
     struct epoll_event ev[MC_RDMA_MAX_NICS + 1];
     int n = epoll_wait(t->epfd, ev, MC_RDMA_MAX_NICS + 1, 100);
     for (int i = 0; i < n; i++) {
-      mc_rdma_nic_t *nic = ev[i].data.ptr;
-      if (!nic) {
+      uint64_t tag = ev[i].data.u64;
+      if (tag == 0) {
         uint64_t x;
         if (read(t->efd, &x, sizeof x) < 0) { /* drained */
         }
+        continue;
+      }
+      mc_rdma_nic_t *nic = &t->nics[(tag & 0xffff) - 1];
+      if (tag >> 16 == EV_ASYNC) {
+        async_events(t, nic);
         continue;
       }
       struct ibv_cq *cq;
@@ -74,15 +106,17 @@ int mc_rdma_cq_start(mc_rdma_t *t, mc_err_t *err) {
   t->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   if (t->epfd < 0 || t->efd < 0)
     return mc_err_sys(err, MC_ESYS, errno, "cannot create the RDMA completion thread's epoll");
-  struct epoll_event ev = {.events = EPOLLIN, .data.ptr = NULL};
+  struct epoll_event ev = {.events = EPOLLIN, .data.u64 = 0};
   epoll_ctl(t->epfd, EPOLL_CTL_ADD, t->efd, &ev);
   for (int i = 0; i < t->nnic; i++) {
-    int fd = t->nics[i].ch->fd;
-    fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
-    ev.data.ptr = &t->nics[i];
-    if (epoll_ctl(t->epfd, EPOLL_CTL_ADD, fd, &ev) < 0)
-      return mc_err_sys(err, MC_ESYS, errno, "epoll_ctl on %s's completion channel",
-                        t->nics[i].name);
+    int fds[2] = {t->nics[i].ch->fd, t->nics[i].ctx->async_fd};
+    for (int k = 0; k < 2; k++) {
+      fcntl(fds[k], F_SETFL, fcntl(fds[k], F_GETFL) | O_NONBLOCK);
+      ev.data.u64 = ((uint64_t)(k ? EV_ASYNC : EV_COMP) << 16) | (uint64_t)(i + 1);
+      if (epoll_ctl(t->epfd, EPOLL_CTL_ADD, fds[k], &ev) < 0)
+        return mc_err_sys(err, MC_ESYS, errno, "epoll_ctl on %s's %s channel", t->nics[i].name,
+                          k ? "async event" : "completion");
+    }
   }
   int rc = pthread_create(&t->cq_thread, NULL, cq_main, t);
   if (rc)

@@ -65,6 +65,11 @@ static void local_nics(mc_rdma_t *t, mc_rdma_record_t *r) {
 
 /* Initiator: create QPs, exchange records, bring QPs to RTS. */
 static int ep_connect(mc_rdma_t *t, mc_rdma_ep_t *ep, mc_err_t *err) {
+  for (int i = 0; i < t->nnic; i++)
+    if (atomic_load(&t->nics[i].down))
+      return mc_err_set(err, MC_ECONNECT, "RDMA connection to segment %s: port %u of %s is "
+                        "down (link down?); check `ibv_devinfo -d %s`", ep->segment,
+                        t->nics[i].port, t->nics[i].name, t->nics[i].name);
   uint32_t nqp = (uint32_t)(t->nnic * t->o.qps_per_nic);
   if (nqp > MC_RDMA_MAX_QPS)
     nqp = MC_RDMA_MAX_QPS;
@@ -196,6 +201,39 @@ void mc_rdma_ep_break(mc_rdma_t *t, mc_rdma_ep_t *ep, int code, const char *msg,
       mc_rdma_qp_set_error(t, q);
     pthread_mutex_unlock(&q->mu);
     mc_rdma_post_some(t, q); /* fails what was not posted */
+  }
+}
+
+void mc_rdma_nic_down(mc_rdma_t *t, mc_rdma_nic_t *nic, const char *msg) {
+  mc_rdma_ep_t *eps[256];
+  size_t n = 0;
+  pthread_mutex_lock(&t->mu);
+  for (mc_rdma_ep_t *ep = t->eps; ep && n < 256; ep = ep->next) {
+    ep->refs++;
+    eps[n++] = ep;
+  }
+  pthread_mutex_unlock(&t->mu);
+  for (size_t i = 0; i < n; i++) {
+    mc_rdma_ep_t *ep = eps[i];
+    int hit = 0;
+    for (uint32_t k = 0; k < ep->nqp; k++) {
+      mc_rdma_qp_t *q = &ep->qps[k];
+      if (q->nic != nic)
+        continue;
+      hit = 1;
+      pthread_mutex_lock(&q->mu);
+      if (q->state == QP_UP) {
+        q->state = QP_BROKEN;
+        q->fail_code = MC_EPEERCLOSED;
+        snprintf(q->fail_msg, sizeof q->fail_msg, "%s", msg);
+      }
+      mc_rdma_qp_set_error(t, q);
+      pthread_mutex_unlock(&q->mu);
+      mc_rdma_post_some(t, q);
+    }
+    if (hit)
+      mc_rdma_ep_mark_broken(t, ep);
+    mc_rdma_ep_put(t, ep);
   }
 }
 

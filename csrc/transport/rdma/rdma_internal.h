@@ -23,6 +23,7 @@ typedef struct mc_rdma_nic {
   mc_rdma_nic_info_t info; /* what peers need: lid, gid, mtu, link layer */
   int max_rd_atomic;
   int numa_node; /* sysfs; -1 unknown */
+  atomic_int down; /* the port reported PORT_ERR (async event) and not yet ACTIVE */
 } mc_rdma_nic_t;
 
 /* One registered region: an MR on every NIC (the MR cache). */
@@ -143,6 +144,9 @@ void mc_rdma_ep_break(mc_rdma_t *t, mc_rdma_ep_t *ep, int code, const char *msg,
 void mc_rdma_ep_mark_broken(mc_rdma_t *t, mc_rdma_ep_t *ep);
 int mc_rdma_ep_refresh_regions(mc_rdma_t *t, mc_rdma_ep_t *ep, mc_err_t *err);
 void mc_rdma_ep_free_all(mc_rdma_t *t);
+/* The port of `nic` went down: flush every QP on it now (their requests
+ * fail with msg) and mark their endpoints for reconnection. */
+void mc_rdma_nic_down(mc_rdma_t *t, mc_rdma_nic_t *nic, const char *msg);
 
 /* rdma_mr.c: the MR cache.  lookup: the region containing [addr,len), with
  * mr_lock read-held by the caller. */

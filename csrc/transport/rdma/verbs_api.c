@@ -49,6 +49,9 @@ const mc_verbs_t *mc_verbs_load(mc_err_t *err) {
   SYM(modify_qp, "ibv_modify_qp");
   SYM(destroy_qp, "ibv_destroy_qp");
   SYM(wc_status_str, "ibv_wc_status_str");
+  SYM(get_async_event, "ibv_get_async_event");
+  SYM(ack_async_event, "ibv_ack_async_event");
+  SYM(event_type_str, "ibv_event_type_str");
   table = t;
   loaded = 1;
   pthread_mutex_unlock(&mu);

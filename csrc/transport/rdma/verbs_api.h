@@ -34,6 +34,9 @@ typedef struct mc_verbs {
   int (*modify_qp)(struct ibv_qp *qp, struct ibv_qp_attr *attr, int mask);
   int (*destroy_qp)(struct ibv_qp *qp);
   const char *(*wc_status_str)(enum ibv_wc_status status);
+  int (*get_async_event)(struct ibv_context *ctx, struct ibv_async_event *ev);
+  void (*ack_async_event)(struct ibv_async_event *ev);
+  const char *(*event_type_str)(enum ibv_event_type type);
 } mc_verbs_t;
 
 /* Loads libibverbs and every symbol above (once; thread-safe).  NULL with
