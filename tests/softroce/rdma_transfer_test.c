@@ -228,8 +228,9 @@ static double perftest_bw(uint64_t bs, int iters) {
     return -1;
   char cmdline[512];
   snprintf(cmdline, sizeof cmdline,
-           "/usr/bin/ib_write_bw -d rxe1 -x 0 -s %llu -n %d -F >/dev/null 2>&1 & sleep 1; "
-           "/usr/bin/ib_write_bw -d rxe0 -x 0 -s %llu -n %d -F 127.0.0.1 2>&1; wait",
+           "timeout 150 /usr/bin/ib_write_bw -d rxe1 -x 0 -s %llu -n %d -F >/dev/null 2>&1 & "
+           "sleep 3; timeout 120 /usr/bin/ib_write_bw -d rxe0 -x 0 -s %llu -n %d -F 127.0.0.1 "
+           "2>&1; wait",
            (unsigned long long)bs, iters, (unsigned long long)bs, iters);
   FILE *p = popen(cmdline, "r");
   if (!p)
@@ -240,8 +241,12 @@ static double perftest_bw(uint64_t bs, int iters) {
     unsigned long long b;
     int it;
     double peak, avg;
-    if (sscanf(line, " %llu %d %lf %lf", &b, &it, &peak, &avg) == 4 && b == bs)
+    if (sscanf(line, " %llu %d %lf %lf", &b, &it, &peak, &avg) == 4 && b == bs) {
       bw = avg * 1.048576; /* perftest's MB is MiB */
+      printf("     ib_write_bw: %s", line);
+    } else if (strstr(line, "rror") || strstr(line, "ailed") || strstr(line, "annot")) {
+      printf("     ib_write_bw: %s", line);
+    }
   }
   pclose(p);
   return bw;

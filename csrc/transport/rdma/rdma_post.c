@@ -424,15 +424,12 @@ void mc_rdma_wc(mc_rdma_t *t, const struct ibv_wc *wc) {
   }
   pthread_mutex_unlock(&q->mu);
   atomic_fetch_sub(&t->inflight, 1);
-  mc_rdma_ep_t *ep = q->ep;
-  pthread_mutex_lock(&t->mu);
-  ep->refs++; /* the request's reference may go with it */
-  pthread_mutex_unlock(&t->mu);
+  /* w's request keeps the endpoint (and q) alive until w completes, so
+   * refill the send queue first, then complete w. */
   if (first) {
     mc_log_warn("rdma: %s; the endpoint will be reconnected", msg);
-    mc_rdma_ep_mark_broken(t, ep);
+    mc_rdma_ep_mark_broken(t, q->ep);
   }
-  mc_rdma_wr_complete(t, w, code, msg);
   mc_rdma_post_some(t, q);
-  mc_rdma_ep_put(t, ep);
+  mc_rdma_wr_complete(t, w, code, msg);
 }
