@@ -73,6 +73,7 @@ struct mc_rdma_qp {
   mc_rdma_wr_t *pend_head, *pend_tail; /* not posted yet */
   mc_rdma_wr_t *post_head, *post_tail; /* posted, not completed */
   int outstanding;
+  uint64_t inflight_bytes; /* posted, not completed (capped: opts.qp_inflight_bytes) */
   struct ibv_send_wr *wrbuf; /* max_wr, for chaining */
   struct ibv_sge *sgebuf;
   uint32_t remote_qpn;

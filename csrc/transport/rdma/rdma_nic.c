@@ -182,9 +182,10 @@ int mc_rdma_start(const mc_rdma_opts_t *o, const mc_rdma_hooks_t *h, mc_rdma_t *
   }
   char d[1024];
   mc_rdma_describe(t, d, sizeof d);
-  mc_log_info("rdma: %s; %d QPs per NIC per peer, %u-byte slices, send queue %d, timeout "
-              "exponent %d, retry %d",
-              d, t->o.qps_per_nic, t->o.slice_size, t->o.max_wr, t->o.timeout, t->o.retry_cnt);
+  mc_log_info("rdma: %s; %d QPs per NIC per peer, %u-byte slices, send queue %d, %llu KiB in "
+              "flight per QP, timeout exponent %d, retry %d",
+              d, t->o.qps_per_nic, t->o.slice_size, t->o.max_wr,
+              (unsigned long long)(t->o.qp_inflight_bytes >> 10), t->o.timeout, t->o.retry_cnt);
   *out = t;
   return 0;
 }

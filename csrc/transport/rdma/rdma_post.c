@@ -77,8 +77,14 @@ void mc_rdma_post_some(mc_rdma_t *t, mc_rdma_qp_t *q) {
   } else {
     int room = t->o.max_wr - q->outstanding, n = 0;
     mc_rdma_wr_t *first = q->pend_head;
-    while (q->pend_head && n < room) {
+    uint64_t bytes = q->inflight_bytes;
+    /* Bounded by the send queue and by the bytes in flight: enough for the
+     * bandwidth-delay product of a fast NIC, without flooding a slow path
+     * into drops and retransmissions. */
+    while (q->pend_head && n < room &&
+           (bytes + q->pend_head->len <= t->o.qp_inflight_bytes || (n == 0 && bytes == 0))) {
       mc_rdma_wr_t *w = q->pend_head;
+      bytes += w->len;
       list_remove(&q->pend_head, &q->pend_tail, w);
       struct ibv_send_wr *s = &q->wrbuf[n];
       struct ibv_sge *g = &q->sgebuf[n];
@@ -107,6 +113,7 @@ void mc_rdma_post_some(mc_rdma_t *t, mc_rdma_qp_t *q) {
         /* The WRs from `bad` on were not posted: fail them. */
         for (int i = posted; i < n; i++) {
           mc_rdma_wr_t *w = (mc_rdma_wr_t *)(uintptr_t)q->wrbuf[i].wr_id;
+          bytes -= w->len;
           list_remove(&q->post_head, &q->post_tail, w);
           list_push(&fail, &fail_tail, w);
         }
@@ -125,6 +132,7 @@ void mc_rdma_post_some(mc_rdma_t *t, mc_rdma_qp_t *q) {
         }
       }
       q->outstanding += posted;
+      q->inflight_bytes = bytes;
       atomic_fetch_add(&t->inflight, posted);
     }
   }
@@ -390,6 +398,7 @@ void mc_rdma_wc(mc_rdma_t *t, const struct ibv_wc *wc) {
   pthread_mutex_lock(&q->mu);
   list_remove(&q->post_head, &q->post_tail, w);
   q->outstanding--;
+  q->inflight_bytes -= w->len;
   if (wc->status != IBV_WC_SUCCESS) {
     if (wc->status == IBV_WC_WR_FLUSH_ERR && q->state != QP_UP) {
       code = q->fail_code;
