@@ -93,7 +93,8 @@ def test_rdma_transport_in_the_guest():
                  "endpoint reconnects and WRITE works",
                  "went down (verbs event",
                  "after the link is back a new endpoint works",
-                 "target killed mid-batch: fails"):
+                 "target killed mid-batch: fails",
+                 "closed its control connection; freed the 1 QP set(s)"):
         assert line in out, (line, out)
     # Faults are reported quickly, not at the 30 s batch timeout.
     for m in re.finditer(r"fails (\d+\.\d+) s after", out):

@@ -42,6 +42,13 @@ static void on_peer_failed(void *ctx, const char *segment) {
   pthread_rwlock_unlock(&e->handler_lock);
 }
 
+/* A peer's control connection to us closed: drop the QPs it connected. */
+static void on_incoming_closed(void *ctx, const char *segment) {
+  mc_engine_t *e = ctx;
+  if (e->rdma)
+    mc_rdma_peer_closed(e->rdma, segment);
+}
+
 /* RPCs on the control channel: the RDMA handshake. */
 static int on_rpc(void *ctx, const char *from, const char *req, size_t len, char **reply,
                   mc_err_t *err) {
@@ -386,7 +393,7 @@ int mc_engine_create(const mc_engine_opts_t *o, mc_engine_t **out, mc_err_t *err
   /* The name must exist before the transport starts: HELLO checks it. */
   mc_tcp_hooks_t hooks = {.ctx = e, .local_name = e->name, .regions = &e->regions,
                           .on_notify = on_notify, .on_peer_failed = on_peer_failed,
-                          .on_rpc = on_rpc};
+                          .on_rpc = on_rpc, .on_incoming_closed = on_incoming_closed};
   if (hp.port > 0)
     snprintf(e->name, sizeof e->name, strchr(hp.host, ':') ? "[%s]:%d" : "%s:%d", hp.host,
              hp.port);

@@ -370,6 +370,7 @@ int main(int argc, char **argv) {
   const char *mode = argc > 1 ? argv[1] : "all";
   setenv("MC_GID_INDEX", "0", 0); /* fe80 GIDs: rxe0<->rxe1 in one guest (see README) */
   setvbuf(stdout, NULL, _IOLBF, 0);
+  signal(SIGPIPE, SIG_IGN);
   int to_t[2], from_t[2];
   if (pipe(to_t) || pipe(from_t))
     return 2;
@@ -416,6 +417,13 @@ int main(int argc, char **argv) {
           "WRITE from an unregistered local buffer (temporary MR) byte-exact%s%s",
           rc || r2 ? ": " : "", rc || r2 ? err.msg : "");
     free(tmp);
+    /* A second initiator connects, writes and goes away: the target frees
+     * the QPs it had accepted from it (logged by the target). */
+    mc_engine_t *e2 = make_engine("rxe0");
+    rc = e2 ? xfer(e2, seg, MC_OP_WRITE, src, raddr, 4096, 20000, &err) : -1;
+    CHECK(rc == 0, "a second initiator engine writes%s%s", rc ? ": " : "", rc ? err.msg : "");
+    mc_engine_destroy(e2);
+    usleep(500000);
     test_faults(e, seg, raddr, src, to_t[1], from_t[0], pid);
   }
   double t1 = now_s();

@@ -91,6 +91,10 @@ void mc_rdma_cancel_sweep(mc_rdma_t *t);
  * rather than at their retry timeout. */
 void mc_rdma_peer_lost(mc_rdma_t *t, const char *segment);
 
+/* `segment`'s control connection to us closed: free the QPs it connected
+ * to us (they only serve its one-sided READs/WRITEs). */
+void mc_rdma_peer_closed(mc_rdma_t *t, const char *segment);
+
 /* Serves the handshake RPC (target side); reply is malloc'ed. */
 int mc_rdma_serve_rpc(mc_rdma_t *t, const char *from, const char *req, size_t len,
                       char **reply, mc_err_t *err);

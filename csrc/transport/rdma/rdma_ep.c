@@ -325,12 +325,19 @@ static int serve_connect(mc_rdma_t *t, mc_rdma_record_t *rq, char **reply, mc_er
     ep_destroy(t, ep);
     return rc;
   }
-  /* Older endpoints of the same initiator are replaced by this one. */
+  /* Older endpoints of the same initiator are replaced by this one; the
+   * newest of them is kept, since the initiator may still be finishing
+   * requests on its predecessor (an endpoint is replaced while its healthy
+   * QPs drain). */
   mc_rdma_ep_t *old = NULL;
   pthread_mutex_lock(&t->mu);
+  uint64_t keep = 0;
+  for (mc_rdma_ep_t *e = t->accepted; e; e = e->next)
+    if (!strcmp(e->segment, rq->from) && e->epoch < rq->epoch && e->epoch > keep)
+      keep = e->epoch;
   for (mc_rdma_ep_t **p = &t->accepted; *p;) {
     mc_rdma_ep_t *e = *p;
-    if (!strcmp(e->segment, rq->from) && e->epoch <= rq->epoch) {
+    if (!strcmp(e->segment, rq->from) && e->epoch != keep) {
       *p = e->next;
       e->next = old;
       old = e;
@@ -376,6 +383,32 @@ int mc_rdma_serve_rpc(mc_rdma_t *t, const char *from, const char *req, size_t le
   }
   mc_rdma_record_free(&rq);
   return rc;
+}
+
+void mc_rdma_peer_closed(mc_rdma_t *t, const char *segment) {
+  mc_rdma_ep_t *old = NULL;
+  pthread_mutex_lock(&t->mu);
+  for (mc_rdma_ep_t **p = &t->accepted; *p;) {
+    mc_rdma_ep_t *e = *p;
+    if (!strcmp(e->segment, segment)) {
+      *p = e->next;
+      e->next = old;
+      old = e;
+    } else {
+      p = &e->next;
+    }
+  }
+  pthread_mutex_unlock(&t->mu);
+  int n = 0;
+  while (old) {
+    mc_rdma_ep_t *nx = old->next;
+    ep_destroy(t, old);
+    old = nx;
+    n++;
+  }
+  if (n)
+    mc_log_info("rdma: segment %s closed its control connection; freed the %d QP set(s) it "
+                "had connected to us", segment, n);
 }
 
 /* ---- shutdown ---- */

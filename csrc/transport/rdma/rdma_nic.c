@@ -4,6 +4,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
@@ -141,6 +142,11 @@ int mc_rdma_start(const mc_rdma_opts_t *o, const mc_rdma_hooks_t *h, mc_rdma_t *
   t->o = *o;
   t->hooks = *h;
   t->epfd = t->efd = -1;
+  /* Endpoint generations grow across restarts of a process that keeps its
+   * segment name, so a peer can tell a new connection from a stale one. */
+  struct timespec now;
+  clock_gettime(CLOCK_REALTIME, &now);
+  t->next_epoch = (uint64_t)now.tv_sec * 1000000ull + (uint64_t)now.tv_nsec / 1000;
   pthread_mutex_init(&t->mu, NULL);
   pthread_condattr_t ca;
   pthread_condattr_init(&ca);

@@ -43,6 +43,9 @@ typedef struct mc_tcp_hooks {
    * reached another segment, or was closed by the peer; called on the
    * thread that noticed (an I/O thread, or a caller on the fast path). */
   void (*on_peer_failed)(void *ctx, const char *segment);
+  /* Optional: an incoming connection from `segment` (named in its HELLO)
+   * closed; called on its I/O thread. */
+  void (*on_incoming_closed)(void *ctx, const char *segment);
   /* Optional: answers an RPC (called on an I/O thread; must not block on
    * the network).  Returns 0 with *reply a malloc'ed NUL-terminated text,
    * or < 0 with err set (sent back as the error text). */
