@@ -369,6 +369,7 @@ static void test_faults(mc_engine_t *e, const char *seg, uint64_t raddr, uint8_t
 int main(int argc, char **argv) {
   const char *mode = argc > 1 ? argv[1] : "all";
   setenv("MC_GID_INDEX", "0", 0); /* fe80 GIDs: rxe0<->rxe1 in one guest (see README) */
+  setenv("MC_LOG_LEVEL", "info", 0); /* connects, GID choice, freed QPs */
   setvbuf(stdout, NULL, _IOLBF, 0);
   signal(SIGPIPE, SIG_IGN);
   int to_t[2], from_t[2];
