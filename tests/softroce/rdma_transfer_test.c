@@ -337,9 +337,15 @@ static void test_faults(mc_engine_t *e, const char *seg, uint64_t raddr, uint8_t
           "the link went down: %s", waited, rc ? err.msg : "(completed?)");
     if (system("/usr/sbin/ip link set v1 up") != 0)
       printf("     (ip link set v1 up failed)\n");
-    usleep(500000);
+    /* The ports come back after a moment; a caller retries. */
     t0 = now_s();
-    rc = xfer(e, seg, MC_OP_WRITE, src, raddr, 1 << 20, 30000, &err);
+    int tries = 0;
+    do {
+      usleep(500000);
+      rc = xfer(e, seg, MC_OP_WRITE, src, raddr, 1 << 20, 30000, &err);
+      if (rc)
+        printf("     (try %d: %s)\n", tries + 1, err.msg);
+    } while (rc && ++tries < 10);
     CHECK(rc == 0, "after the link is back a new endpoint works (%.2f s)%s%s", now_s() - t0,
           rc ? ": " : "", rc ? err.msg : "");
   }

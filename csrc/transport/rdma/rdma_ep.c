@@ -65,11 +65,19 @@ static void local_nics(mc_rdma_t *t, mc_rdma_record_t *r) {
 
 /* Initiator: create QPs, exchange records, bring QPs to RTS. */
 static int ep_connect(mc_rdma_t *t, mc_rdma_ep_t *ep, mc_err_t *err) {
-  for (int i = 0; i < t->nnic; i++)
+  for (int i = 0; i < t->nnic; i++) {
+    /* Down since an async event said so: ask the port again (the
+     * PORT_ACTIVE event may still be on its way). */
+    struct ibv_port_attr pa;
+    if (atomic_load(&t->nics[i].down) &&
+        t->v->query_port(t->nics[i].ctx, t->nics[i].port, &pa) == 0 &&
+        pa.state == IBV_PORT_ACTIVE)
+      atomic_store(&t->nics[i].down, 0);
     if (atomic_load(&t->nics[i].down))
       return mc_err_set(err, MC_ECONNECT, "RDMA connection to segment %s: port %u of %s is "
                         "down (link down?); check `ibv_devinfo -d %s`", ep->segment,
                         t->nics[i].port, t->nics[i].name, t->nics[i].name);
+  }
   uint32_t nqp = (uint32_t)(t->nnic * t->o.qps_per_nic);
   if (nqp > MC_RDMA_MAX_QPS)
     nqp = MC_RDMA_MAX_QPS;
