@@ -2,7 +2,7 @@
  * two processes (fork), a target on rxe1 and an initiator on rxe0, P2P
  * mode (no metadata server), the engine API with protocol "rdma".
  *
- *   rdma_transfer_test [all|bench]
+ *   rdma_transfer_test [all | bench [MiB per point, default 64]]
  *
  * all:   READ and WRITE of 1 B .. 64 MiB and a batch of 10,000 blocks,
  *        byte-exact; then faults: an address outside the target's regions,
@@ -264,12 +264,11 @@ static double perftest_bw(uint64_t bs, int iters, int tx_depth, double *cpu_per_
   return bw;
 }
 
+static int bench_mb = 64; /* bytes per point: `bench MB` */
+
 static void bench(mc_engine_t *e, const char *seg, uint64_t raddr, uint8_t *src) {
   static const uint64_t sizes[] = {65536, 262144, 1 << 20};
-  uint64_t total = 64ull << 20;
-  const char *v = getenv("MC_BENCH_MB");
-  if (v && atoi(v) > 0)
-    total = (uint64_t)atoi(v) << 20;
+  uint64_t total = (uint64_t)bench_mb << 20;
   for (size_t i = 0; i < 3; i++) {
     uint64_t bs = sizes[i];
     int iters = (int)(total / bs);
@@ -374,6 +373,8 @@ static void test_faults(mc_engine_t *e, const char *seg, uint64_t raddr, uint8_t
 
 int main(int argc, char **argv) {
   const char *mode = argc > 1 ? argv[1] : "all";
+  if (argc > 2 && atoi(argv[2]) > 0)
+    bench_mb = atoi(argv[2]);
   setenv("MC_GID_INDEX", "0", 0); /* fe80 GIDs: rxe0<->rxe1 in one guest (see README) */
   setenv("MC_LOG_LEVEL", "info", 0); /* connects, GID choice, freed QPs */
   setvbuf(stdout, NULL, _IOLBF, 0);
