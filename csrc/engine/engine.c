@@ -70,7 +70,7 @@ static int start_rdma(mc_engine_t *e, const mc_engine_opts_t *o, mc_err_t *err) 
       .qps_per_nic = env_int("MC_RDMA_QPS_PER_NIC", 2, 1, 16),
       .slice_size = (uint32_t)env_int("MC_RDMA_SLICE_SIZE", 65536, 4096, 1 << 30),
       .max_wr = env_int("MC_RDMA_MAX_WR", 256, 8, 16384),
-      .qp_inflight_bytes = (uint64_t)env_int("MC_RDMA_QP_INFLIGHT_KB", 4096, 64, 1 << 20) * 1024,
+      .qp_inflight_bytes = (uint64_t)env_int("MC_RDMA_QP_INFLIGHT_KB", 1024, 64, 1 << 20) * 1024,
       .gid_index = env_int("MC_GID_INDEX", -1, -1, 255),
       .timeout = env_int("MC_RDMA_TIMEOUT", 14, 1, 31),
       .retry_cnt = env_int("MC_RDMA_RETRY_CNT", 7, 0, 7),

@@ -2,7 +2,7 @@
  * two processes (fork), a target on rxe1 and an initiator on rxe0, P2P
  * mode (no metadata server), the engine API with protocol "rdma".
  *
- *   rdma_transfer_test [all | bench [MiB per point, default 64]]
+ *   rdma_transfer_test [all | bench [MiB per point, default 64]] [NAME=VALUE...]
  *
  * all:   READ and WRITE of 1 B .. 64 MiB and a batch of 10,000 blocks,
  *        byte-exact; then faults: an address outside the target's regions,
@@ -375,6 +375,9 @@ int main(int argc, char **argv) {
   const char *mode = argc > 1 ? argv[1] : "all";
   if (argc > 2 && atoi(argv[2]) > 0)
     bench_mb = atoi(argv[2]);
+  for (int i = 2; i < argc; i++) /* NAME=VALUE: engine settings for this run */
+    if (strchr(argv[i], '='))
+      putenv(argv[i]);
   setenv("MC_GID_INDEX", "0", 0); /* fe80 GIDs: rxe0<->rxe1 in one guest (see README) */
   setenv("MC_LOG_LEVEL", "info", 0); /* connects, GID choice, freed QPs */
   setvbuf(stdout, NULL, _IOLBF, 0);

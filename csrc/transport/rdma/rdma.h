@@ -32,7 +32,7 @@ typedef struct mc_rdma_opts {
   int qps_per_nic;         /* QPs per peer per local NIC (MC_RDMA_QPS_PER_NIC, 2) */
   uint32_t slice_size;     /* bytes per work request (MC_RDMA_SLICE_SIZE, 64 KiB) */
   int max_wr;              /* send queue depth (MC_RDMA_MAX_WR, 256) */
-  uint64_t qp_inflight_bytes; /* bytes posted and unacknowledged per QP (MC_RDMA_QP_INFLIGHT_KB, 4 MiB) */
+  uint64_t qp_inflight_bytes; /* bytes posted and unacknowledged per QP (MC_RDMA_QP_INFLIGHT_KB, 1 MiB) */
   int gid_index;           /* MC_GID_INDEX; -1: choose (rdma_gid.h) */
   int timeout;             /* local ACK timeout exponent: 4.096 us * 2^t (MC_RDMA_TIMEOUT, 14) */
   int retry_cnt;           /* transport retries (MC_RDMA_RETRY_CNT, 7) */
