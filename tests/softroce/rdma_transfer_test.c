@@ -77,7 +77,8 @@ static mc_engine_t *make_engine(const char *dev) {
 
 /* ---- target: serves its region; commands on a pipe ---- */
 static int target_main(int cmd_fd, int ans_fd) {
-  mc_engine_t *e = make_engine("rxe1");
+  /* Two NICs: peers stripe over both, each with its own rkey. */
+  mc_engine_t *e = make_engine("rxe1,rxe0");
   if (!e)
     return 1;
   uint8_t *buf = aligned_alloc(4096, TBUF);
@@ -428,13 +429,27 @@ int main(int argc, char **argv) {
           "WRITE from an unregistered local buffer (temporary MR) byte-exact%s%s",
           rc || r2 ? ": " : "", rc || r2 ? err.msg : "");
     free(tmp);
-    /* A second initiator connects, writes and goes away: the target frees
-     * the QPs it had accepted from it (logged by the target). */
-    mc_engine_t *e2 = make_engine("rxe0");
-    rc = e2 ? xfer(e2, seg, MC_OP_WRITE, src, raddr, 4096, 20000, &err) : -1;
-    CHECK(rc == 0, "a second initiator engine writes%s%s", rc ? ": " : "", rc ? err.msg : "");
-    mc_engine_destroy(e2);
-    usleep(500000);
+    /* A second initiator on both NICs (QPs alternate rxe0 / rxe1, slices
+     * striped over them; lkeys from MRs on each NIC) connects, moves 4 MiB
+     * both ways and goes away: the target frees the QPs it had accepted
+     * from it (logged by the target). */
+    {
+      mc_engine_t *e2 = make_engine("rxe0,rxe1");
+      uint8_t *s2 = aligned_alloc(4096, 8 << 20);
+      fill(s2, 4 << 20, 77);
+      memset(s2 + (4 << 20), 0, 4 << 20);
+      rc = e2 ? mc_engine_register(e2, s2, 8 << 20, "cpu", &err) : -1;
+      if (rc == 0)
+        rc = xfer(e2, seg, MC_OP_WRITE, s2, raddr + 8192, 4 << 20, 30000, &err);
+      if (rc == 0)
+        rc = xfer(e2, seg, MC_OP_READ, s2 + (4 << 20), raddr + 8192, 4 << 20, 30000, &err);
+      CHECK(rc == 0 && !memcmp(s2, s2 + (4 << 20), 4 << 20),
+            "an initiator on two NICs (rxe0,rxe1) WRITEs and READs 4 MiB striped over both, "
+            "byte-exact%s%s", rc ? ": " : "", rc ? err.msg : "");
+      mc_engine_destroy(e2);
+      free(s2);
+      usleep(500000);
+    }
     test_faults(e, seg, raddr, src, to_t[1], from_t[0], pid);
   }
   double t1 = now_s();

@@ -58,10 +58,41 @@ static void async_events(mc_rdma_t *t, mc_rdma_nic_t *nic) {
   }
 }
 
+/* Handles what epoll reports: wake-ups, async events, CQ events (acked;
+ * the CQs themselves are polled by the loop). */
+static void handle_events(mc_rdma_t *t, int timeout_ms) {
+  struct epoll_event ev[2 * MC_RDMA_MAX_NICS + 1];
+  int n = epoll_wait(t->epfd, ev, 2 * MC_RDMA_MAX_NICS + 1, timeout_ms);
+  for (int i = 0; i < n; i++) {
+    uint64_t tag = ev[i].data.u64;
+    if (tag == 0) {
+      uint64_t x;
+      if (read(t->efd, &x, sizeof x) < 0) { /* drained */
+      }
+      continue;
+    }
+    mc_rdma_nic_t *nic = &t->nics[(tag & 0xffff) - 1];
+    if (tag >> 16 == EV_ASYNC) {
+      async_events(t, nic);
+      continue;
+    }
+    struct ibv_cq *cq;
+    void *ctx;
+    while (t->v->get_cq_event(nic->ch, &cq, &ctx) == 0)
+      t->v->ack_cq_events(cq, 1);
+  }
+}
+
 static void *cq_main(void *arg) {
   mc_rdma_t *t = arg;
-  uint64_t last = mc_now_ns();
+  uint64_t last = mc_now_ns(), last_events = last;
   while (!atomic_load(&t->stop)) {
+    uint64_t now = mc_now_ns();
+    /* A busy CQ must not starve device events (a port going down). */
+    if (now - last_events > 5000000ull) {
+      handle_events(t, 0);
+      last_events = now;
+    }
     if (mc_rdma_cq_poll_all(t) > 0) {
       last = mc_now_ns();
       continue;
@@ -76,27 +107,8 @@ static void *cq_main(void *arg) {
       last = mc_now_ns();
       continue;
     }
-    struct epoll_event ev[MC_RDMA_MAX_NICS + 1];
-    int n = epoll_wait(t->epfd, ev, MC_RDMA_MAX_NICS + 1, 100);
-    for (int i = 0; i < n; i++) {
-      uint64_t tag = ev[i].data.u64;
-      if (tag == 0) {
-        uint64_t x;
-        if (read(t->efd, &x, sizeof x) < 0) { /* drained */
-        }
-        continue;
-      }
-      mc_rdma_nic_t *nic = &t->nics[(tag & 0xffff) - 1];
-      if (tag >> 16 == EV_ASYNC) {
-        async_events(t, nic);
-        continue;
-      }
-      struct ibv_cq *cq;
-      void *ctx;
-      while (t->v->get_cq_event(nic->ch, &cq, &ctx) == 0)
-        t->v->ack_cq_events(cq, 1);
-    }
-    last = mc_now_ns();
+    handle_events(t, 100);
+    last = last_events = mc_now_ns();
   }
   return NULL;
 }
