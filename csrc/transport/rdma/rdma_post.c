@@ -76,7 +76,6 @@ void mc_rdma_post_some(mc_rdma_t *t, mc_rdma_qp_t *q) {
     snprintf(fmsg, sizeof fmsg, "%s", q->fail_msg[0] ? q->fail_msg : "the QP is not connected");
   } else {
     int room = t->o.max_wr - q->outstanding, n = 0;
-    mc_rdma_wr_t *first = q->pend_head;
     uint64_t bytes = q->inflight_bytes;
     /* Bounded by the send queue and by the bytes in flight: enough for the
      * bandwidth-delay product of a fast NIC, without flooding a slow path
@@ -103,7 +102,6 @@ void mc_rdma_post_some(mc_rdma_t *t, mc_rdma_qp_t *q) {
       list_push(&q->post_head, &q->post_tail, w);
       n++;
     }
-    (void)first;
     if (n) {
       struct ibv_send_wr *bad = NULL;
       int rc = ibv_post_send(q->qp, q->wrbuf, &bad);
@@ -156,8 +154,9 @@ static long find_remote(mc_rdma_ep_t *ep, uint64_t addr, uint64_t len) {
   return -1;
 }
 
-/* Builds the WRs of one op and queues them on their QPs.  Returns the
- * request, or NULL when the op finished already (failed or emptied). */
+/* Builds the WRs of one op and queues them on their QPs (marked in
+ * *touched); an op that fails here, or whose every entry was refused, is
+ * finished at once. */
 static void queue_op(mc_rdma_t *t, mc_rdma_ep_t *ep, mc_xfer_op_t *op, int *refreshed,
                      uint64_t *touched) {
   const char *what = op->type == MC_WIRE_WRITE ? "WRITE" : "READ";
