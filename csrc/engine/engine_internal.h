@@ -9,6 +9,7 @@
 #include "engine/regions.h"
 #include "engine/segment_desc.h"
 #include "meta/meta.h"
+#include "transport/rdma/rdma.h"
 #include "transport/tcp/tcp.h"
 
 typedef struct mc_notify_msg {
@@ -25,7 +26,9 @@ struct mc_engine {
   int p2p;
   mc_meta_t *meta;
   mc_regions_t regions;
-  mc_tcp_t *tcp;
+  mc_tcp_t *tcp;   /* data (protocol tcp) and always the control channel */
+  mc_rdma_t *rdma; /* data for protocol rdma, else NULL */
+  char protocol[8];
   uint64_t slice_size;    /* bytes per wire op */
   uint32_t op_entries;    /* entries per wire op */
   uint64_t timeout_ms;    /* MC_TRANSFER_TIMEOUT */
@@ -76,11 +79,18 @@ struct mc_batch {
   uint64_t bytes;      /* total requested */
   atomic_int cancel;
   char last_segment[320];
+  char *rpc_reply; /* mc_engine_rpc: the reply text (malloc'ed) */
 };
 
 /* Resolves a segment name to where it is served (cache, metadata or P2P). */
 int mc_engine_resolve(mc_engine_t *e, const char *segment, mc_segment_desc_t *out,
                       mc_err_t *err);
 void mc_engine_forget_segment(mc_engine_t *e, const char *segment);
+
+/* Sends an RPC (a transport's control request, e.g. the RDMA handshake) to
+ * a segment over its TCP control connection and waits for the reply text
+ * (*reply, malloc'ed).  Blocks up to timeout_ms (<0: engine default). */
+int mc_engine_rpc(mc_engine_t *e, const char *segment, const char *req, size_t len,
+                  int64_t timeout_ms, char **reply, mc_err_t *err);
 
 #endif
