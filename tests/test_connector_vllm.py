@@ -398,3 +398,20 @@ def test_kv_both_publishes_only_when_asked(model_dir, urls):
     finally:
         d.close()
         b.close()
+
+
+def test_flow_b_short_prompt_still_gets_params(sides):
+    """Shorter than one block: nothing to move, but the producer still answers
+    with kv_transfer_params (num_tokens 0) so a proxy can go on to decode."""
+    p, d = sides("kv_producer"), sides("kv_consumer", flow_a=False)
+    t = toks(41, BS - 3)
+    p.add(make_request("s", t, max_tokens=1, params={"do_remote_decode": True}))
+    p.step()
+    got = p.last_params.get("s")
+    assert got and got["do_remote_prefill"] is True and got["num_tokens"] == 0, got
+    assert p.is_empty()  # nothing held
+    d.add(make_request("s", t, max_tokens=2, params=got))
+    d.step()
+    assert status(d, "s") != RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert d.run_until(lambda: not d.sched.requests)
+    assert d.computed["s"] == len(t) + 1
