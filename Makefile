@@ -6,6 +6,8 @@
 #   make test-c     -> run every C test
 #   make SAN=1 test-c   -> same under ASan+UBSan (separate build dir)
 #   make WERROR=1   -> warnings are errors (CI)
+#   make test-rdma  -> the RDMA transport's tests inside the SoftRoCE guest
+#   make bench-rdma -> our RDMA WRITE bandwidth vs ib_write_bw in the guest
 
 CC      ?= cc
 SAN     ?= 0
@@ -32,8 +34,8 @@ TEST_BIN  := $(TEST_SRC:tests/c/%.c=$(BUILD)/tests/%)
 BENCH_SRC := $(wildcard benchmarks/c/*.c)
 BENCH_BIN := $(BENCH_SRC:benchmarks/c/%.c=$(BUILD)/bench/%)
 
-.PHONY: all lib tests bench test-c clean ptx
-all: lib tests bench
+.PHONY: all lib tests bench test-c clean softroce test-rdma bench-rdma ptx
+all: lib tests bench softroce
 lib: $(BUILD)/libmcc.a
 tests: $(TEST_BIN)
 bench: $(BENCH_BIN)
@@ -53,6 +55,18 @@ $(BUILD)/tests/%: tests/c/%.c tests/c/testlib.h $(BUILD)/libmcc.a
 $(BUILD)/bench/%: benchmarks/c/%.c $(BUILD)/libmcc.a
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) $< -o $@ $(BUILD)/libmcc.a $(LDLIBS) $(LDFLAGS_SAN)
+
+# Programs for the SoftRoCE guest (tests/softroce), linked against the core.
+SOFTROCE_BIN := $(BUILD)/softroce/rdma_transfer_test
+softroce: $(SOFTROCE_BIN)
+$(BUILD)/softroce/%: tests/softroce/%.c $(BUILD)/libmcc.a
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) $< -o $@ $(BUILD)/libmcc.a $(LDLIBS) $(LDFLAGS_SAN)
+
+test-rdma: $(SOFTROCE_BIN)
+	TIMEOUT=300 tests/softroce/run-in-guest.sh $(SOFTROCE_BIN) all
+bench-rdma: $(SOFTROCE_BIN)
+	TIMEOUT=600 MC_GUEST_PERFTEST=1 tests/softroce/run-in-guest.sh $(SOFTROCE_BIN) bench
 
 test-c: tests
 	@fail=0; for t in $(TEST_BIN); do \

@@ -203,3 +203,215 @@ def test_flow_b_kv_transfer_params(sides):
     assert d.computed["q"] == 5 + 1
     assert p.run_until(lambda: p.is_empty())
 
+
+
+SEED = ('{"kv_connector":"MooncakeConnector","kv_role":"kv_producer","kv_rank":0,'
+        '"kv_parallel_size":2,"kv_buffer_size":2e9}')
+PLAIN = '{"kv_connector":"MooncakeConnector","kv_role":"kv_producer"}'
+MODPATH = ('{"kv_connector":"MooncakeConnector","kv_connector_module_path":"mooncake_connector",'
+           '"kv_role":"kv_consumer","kv_connector_extra_config":{"kv_rank":1}}')
+# One Python per plugin setting (importing vLLM is the slow part): parse each
+# --kv-transfer-config with vLLM's own argument parser, resolve the class with
+# vLLM's factory; then build a scheduler-side connector with the extension
+# made unimportable.
+PROBE = r'''
+import builtins, json, sys
+from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser())   # loads the plugins
+out = []
+for arg in json.loads(sys.argv[1]):
+    try:
+        ktc = parser.parse_args(["--kv-transfer-config", arg]).kv_transfer_config
+        cls = KVConnectorFactory.get_connector_class(ktc)
+        out.append({"cls": cls.__module__ + "." + cls.__name__,
+                    "extra": ktc.kv_connector_extra_config})
+    except SystemExit:
+        out.append({"error": "rejected"})
+real = builtins.__import__
+def guard(name, *a, **k):
+    if "mooncake" in name and name.endswith("_core"):
+        raise ImportError("extension imported by the scheduler side")
+    return real(name, *a, **k)
+builtins.__import__ = guard
+sys.path.insert(0, sys.argv[3])
+from vllm_harness import make_config
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from mooncake_connector import MooncakeConnector
+MooncakeConnector(make_config(sys.argv[2], "kv_consumer", {"prefill_url": "h:1",
+                  "decode_url": "h:100"}), KVConnectorRole.SCHEDULER, None)
+out.append({"scheduler_side_core": "mooncake_connector._core" in sys.modules})
+print(json.dumps(out))
+'''
+
+
+def _probe(model_dir, args, **env):
+    import json
+    e = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", **env}
+    e.pop("_MOONCAKE_CONNECTOR_ANNOUNCED", None)
+    r = subprocess.run([sys.executable, "-c", PROBE, json.dumps(args), model_dir,
+                        os.path.dirname(os.path.abspath(__file__))],
+                       capture_output=True, text=True, env=e, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1]), r.stderr
+
+
+OURS = "mooncake_connector.connector.connector.MooncakeConnector"
+
+
+def test_plugin_makes_the_seed_command_line_work(model_dir):
+    (seed, modpath, sched), err = _probe(model_dir, [SEED, MODPATH])
+    assert seed.get("cls") == OURS, seed
+    assert seed["extra"] == {"kv_rank": 0, "kv_parallel_size": 2, "kv_buffer_size": 2e9}
+    assert modpath["cls"] == OURS and modpath["extra"] == {"kv_rank": 1}
+    assert "resolves to mooncake_connector.MooncakeConnector" in err
+    # The scheduler-side half never imports the extension.
+    assert sched == {"scheduler_side_core": False}
+
+
+def test_plugin_opt_out_restores_vllms_connector(model_dir):
+    (seed, plain, modpath, _), _err = _probe(model_dir, [SEED, PLAIN, MODPATH],
+                                             MOONCAKE_CONNECTOR_DISABLE_PLUGIN="1")
+    # vLLM's own config rejects the seed's extra fields; the bare name is vLLM's class;
+    # the module-path form still gives ours.
+    assert seed == {"error": "rejected"}, seed
+    assert plain["cls"].startswith("vllm.distributed.kv_transfer"), plain
+    assert modpath["cls"] == OURS
+
+
+@pytest.mark.parametrize("extra, msg", [
+    ({"kv_rank": 2, "kv_parallel_size": 2}, "kv_rank 2 must be below kv_parallel_size 2"),
+    ({"kv_buffer_size": "lots"}, "kv_buffer_size must be an integer"),
+    ({"hold_timeout": 3}, "unknown kv_connector_extra_config key(s) ['hold_timeout']"),
+    ({"load_failure_policy": "retry"}, "must be 'recompute' or 'fail'"),
+    ({"mooncake_config_path": "/nonexistent/mooncake.json"}, "cannot be read"),
+])
+def test_bad_settings_say_what_is_wrong(extra, msg):
+    from types import SimpleNamespace
+    from mooncake_connector.connector.settings import SettingsError, resolve
+    with pytest.raises(SettingsError) as ei:
+        resolve(SimpleNamespace(kv_role="kv_consumer", kv_connector_extra_config=extra), env={})
+    assert msg in str(ei.value)
+
+
+def test_bad_role_and_bad_json(tmp_path):
+    from types import SimpleNamespace
+    from mooncake_connector.connector.settings import SettingsError, resolve
+    with pytest.raises(SettingsError, match="kv_role is 'kv_both_ways'"):
+        resolve(SimpleNamespace(kv_role="kv_both_ways", kv_connector_extra_config={}), env={})
+    p = tmp_path / "mooncake.json"
+    p.write_text('{"prefill_url": "a:1",\n "decode_url": }')
+    with pytest.raises(SettingsError, match="not valid JSON: .* line 2"):
+        resolve(SimpleNamespace(kv_role="kv_consumer", kv_connector_extra_config={}),
+                env={"MOONCAKE_CONFIG_PATH": str(p)})
+
+
+def test_extra_config_wins_over_mooncake_json(tmp_path):
+    from types import SimpleNamespace
+    from mooncake_connector.connector.settings import resolve
+    p = tmp_path / "mooncake.json"
+    p.write_text('{"prefill_url": "a:1", "decode_url": "b:2", "metadata_server": "P2PHANDSHAKE"}')
+    s = resolve(SimpleNamespace(kv_role="kv_producer",
+                                kv_connector_extra_config={"prefill_url": "c:3"}),
+                env={"MOONCAKE_CONFIG_PATH": str(p)})
+    assert s.mooncake["prefill_url"] == "c:3" and s.mooncake["decode_url"] == "b:2"
+
+
+def test_unequal_tp_sizes_are_a_clear_startup_error(model_dir, urls, metadata_server):
+    import mooncake_connector as mc
+    from mooncake_connector.connector.settings import SettingsError
+    u = {**urls, "metadata_server": metadata_server.url}
+    p = Side(model_dir, "kv_producer", u, block_size=BS)
+    try:
+        # The prefill instance runs with TP 2 (its rank-0 worker says so).
+        with mc.MetadataClient(metadata_server.url) as m:
+            key = f"mooncake/kvconnector/{u['prefill_url']}"
+            rec = __import__("json").loads(m.get(key))
+            assert rec["tp_size"] == 1 and rec["role"] == "kv_producer"
+            rec["tp_size"] = 2
+            m.put(key, __import__("json").dumps(rec))
+        with pytest.raises(SettingsError, match=r"cannot start: .*tp_size=2 but this instance "
+                           r"has tp_size=1: start both instances with the same "
+                           r"--tensor-parallel-size"):
+            Side(model_dir, "kv_consumer", u, block_size=BS)
+    finally:
+        p.close()
+
+
+def test_metadata_server_mode_moves_kv(sides, urls, metadata_server):
+    u = {"metadata_server": metadata_server.url}
+    p, d = sides("kv_producer", **u), sides("kv_consumer", **u)
+    t = toks(11, 4 * BS + 2)
+    prefill(p, "ms", t)
+    d.add(make_request("ms", t, max_tokens=2))
+    assert d.run_until(lambda: "ms" not in d.sched.requests)
+    assert d.computed["ms"] == 2 + 1 and not d.invalid
+
+
+def test_preempted_after_load_is_recomputed_not_reloaded(model_dir, urls):
+    p = Side(model_dir, "kv_producer", urls, block_size=BS)
+    d = Side(model_dir, "kv_consumer", urls, block_size=BS, num_blocks=11)  # 10 usable
+    try:
+        ta, tb = toks(21, 4 * BS), toks(22, 4 * BS)
+        prefill(p, "A", ta)
+        prefill(p, "B", tb)
+        # Each grows to 4 + 3 blocks: both cannot stay resident -> one is preempted.
+        d.add(make_request("A", ta, max_tokens=40))
+        d.add(make_request("B", tb, max_tokens=40))
+        preempted = []
+        orig = d.sched._preempt_request
+
+        def spy(req, *a, **k):
+            preempted.append(req.request_id)
+            return orig(req, *a, **k)
+        d.sched._preempt_request = spy
+        assert d.run_until(lambda: not d.sched.requests, steps=4000)
+        assert preempted, "the scenario did not preempt"
+        assert d.recvd >= {"A", "B"}
+        victim = preempted[0]
+        # The victim's prompt was loaded once, then computed after preemption
+        # (its KV left the producer when it was pulled).
+        assert d.computed[victim] >= len(ta), d.computed
+        assert d.is_empty() and p.run_until(lambda: p.is_empty())
+    finally:
+        d.close()
+        p.close()
+
+
+def test_kv_both_publishes_only_when_asked(model_dir, urls):
+    b = Side(model_dir, "kv_both", urls, block_size=BS)
+    d = Side(model_dir, "kv_consumer", {**urls, "flow_a": False}, block_size=BS)
+    try:
+        t = toks(31, 3 * BS)
+        b.add(make_request("plain", t, max_tokens=1))
+        b.step()
+        assert "plain" not in b.sched.requests and b.is_empty()  # nothing held
+        b.add(make_request("pd", t, max_tokens=1, params={"do_remote_decode": True}))
+        b.step()
+        params = b.last_params["pd"]
+        assert not b.is_empty()
+        d.add(make_request("pd", t, max_tokens=1, params=params))
+        assert d.run_until(lambda: not d.sched.requests)
+        assert d.computed["pd"] == 1 and not d.invalid
+        assert b.run_until(lambda: b.is_empty())
+    finally:
+        d.close()
+        b.close()
+
+
+def test_flow_b_short_prompt_still_gets_params(sides):
+    """Shorter than one block: nothing to move, but the producer still answers
+    with kv_transfer_params (num_tokens 0) so a proxy can go on to decode."""
+    p, d = sides("kv_producer"), sides("kv_consumer", flow_a=False)
+    t = toks(41, BS - 3)
+    p.add(make_request("s", t, max_tokens=1, params={"do_remote_decode": True}))
+    p.step()
+    got = p.last_params.get("s")
+    assert got and got["do_remote_prefill"] is True and got["num_tokens"] == 0, got
+    assert p.is_empty()  # nothing held
+    d.add(make_request("s", t, max_tokens=2, params=got))
+    d.step()
+    assert status(d, "s") != RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert d.run_until(lambda: not d.sched.requests)
+    assert d.computed["s"] == len(t) + 1

@@ -381,6 +381,14 @@ static int submit_planned(mc_engine_t *e, mc_batch_t *b, const char *segment,
     bytes += reqs[i].len;
   pthread_mutex_unlock(&b->mu);
   mc_gpu_ipc_start(e, plan);
+  if (e->rdma) {
+    /* RDMA moves GPU memory itself (its regions are registered with
+     * GPUDirect); only the same-host path above bypasses it. */
+    if (ob.n)
+      mc_rdma_submit(e->rdma, segment, ob.ops, ob.n);
+    free(ob.ops);
+    return 0;
+  }
   if (ldev) {
     /* Ops whose local buffers include GPU memory go through staging. */
     size_t k = 0;
@@ -410,6 +418,8 @@ static int submit_planned(mc_engine_t *e, mc_batch_t *b, const char *segment,
 static void cancel_and_drain(mc_engine_t *e, mc_batch_t *b) {
   atomic_store(&b->cancel, 1);
   mc_tcp_cancel_sweep(e->tcp);
+  if (e->rdma)
+    mc_rdma_cancel_sweep(e->rdma);
   pthread_mutex_lock(&b->mu);
   uint64_t next_sweep = mc_now_ns() + 1000000000ull;
   while (b->ops_inflight > 0) {
@@ -418,6 +428,8 @@ static void cancel_and_drain(mc_engine_t *e, mc_batch_t *b) {
     if (b->ops_inflight > 0 && mc_now_ns() > next_sweep) {
       pthread_mutex_unlock(&b->mu);
       mc_tcp_cancel_sweep(e->tcp);
+      if (e->rdma)
+        mc_rdma_cancel_sweep(e->rdma);
       pthread_mutex_lock(&b->mu);
       next_sweep = mc_now_ns() + 1000000000ull;
     }
@@ -514,17 +526,30 @@ void mc_batch_free(mc_engine_t *e, mc_batch_t *b) {
     cancel_and_drain(e, b);
   for (size_t i = 0; i < b->n; i++)
     free(b->tasks[i].msg);
+  free(b->rpc_reply);
   free(b->tasks);
   pthread_cond_destroy(&b->cv);
   pthread_mutex_destroy(&b->mu);
   free(b);
 }
 
-int mc_engine_notify(mc_engine_t *e, const char *segment, const void *msg, size_t len,
-                     int64_t timeout_ms, mc_err_t *err) {
+/* RPC: the reply text is moved into the batch before the op is freed. */
+static void rpc_done(mc_xfer_op_t *op, int code, const char *msg) {
+  mc_batch_t *b = op->arg;
+  pthread_mutex_lock(&b->mu);
+  free(b->rpc_reply);
+  b->rpc_reply = op->resp;
+  op->resp = NULL;
+  pthread_mutex_unlock(&b->mu);
+  op_done(op, code, msg);
+}
+
+/* One control message (NOTIFY or RPC) to a segment, waited for. */
+static int ctrl_call(mc_engine_t *e, const char *segment, int type, const void *msg,
+                     size_t len, int64_t timeout_ms, char **reply, mc_err_t *err) {
   if (len > MC_WIRE_MAX_CTRL)
-    return mc_err_set(err, MC_ETOOBIG, "notification of %zu bytes exceeds %u", len,
-                      MC_WIRE_MAX_CTRL);
+    return mc_err_set(err, MC_ETOOBIG, "%s of %zu bytes exceeds %u",
+                      type == MC_WIRE_RPC ? "RPC" : "notification", len, MC_WIRE_MAX_CTRL);
   if (!segment || !*segment)
     return mc_err_set(err, MC_EINVAL, "target segment name is empty");
   mc_segment_desc_t d;
@@ -532,15 +557,15 @@ int mc_engine_notify(mc_engine_t *e, const char *segment, const void *msg, size_
   if (rc < 0)
     return rc;
   mc_batch_t *b = mc_batch_new(e, 1);
-  mc_xfer_op_t *op = mc_xfer_op_new(MC_WIRE_NOTIFY, 0, len);
-  if (!b || (len && !op) || !op) {
+  mc_xfer_op_t *op = mc_xfer_op_new(type, 0, len);
+  if (!b || !op) {
     mc_batch_free(e, b);
     mc_xfer_op_free(op);
     return mc_err_set(err, MC_ENOMEM, "out of memory");
   }
   if (len)
     memcpy(op->ctrl, msg, len);
-  op->done = op_done;
+  op->done = type == MC_WIRE_RPC ? rpc_done : op_done;
   op->arg = b;
   op->cancel = &b->cancel;
   if ((rc = mc_xfer_op_seal(op, err)) < 0) {
@@ -558,6 +583,27 @@ int mc_engine_notify(mc_engine_t *e, const char *segment, const void *msg, size_
   snprintf(b->last_segment, sizeof b->last_segment, "%s", segment);
   mc_tcp_submit(e->tcp, d.host, d.port, segment, &op, 1);
   rc = mc_batch_wait(e, b, timeout_ms, err);
+  if (rc == 0 && reply) {
+    pthread_mutex_lock(&b->mu);
+    *reply = b->rpc_reply;
+    b->rpc_reply = NULL;
+    pthread_mutex_unlock(&b->mu);
+    if (!*reply)
+      *reply = strdup("");
+    if (!*reply)
+      rc = mc_err_set(err, MC_ENOMEM, "out of memory");
+  }
   mc_batch_free(e, b);
   return rc;
+}
+
+int mc_engine_notify(mc_engine_t *e, const char *segment, const void *msg, size_t len,
+                     int64_t timeout_ms, mc_err_t *err) {
+  return ctrl_call(e, segment, MC_WIRE_NOTIFY, msg, len, timeout_ms, NULL, err);
+}
+
+int mc_engine_rpc(mc_engine_t *e, const char *segment, const char *req, size_t len,
+                  int64_t timeout_ms, char **reply, mc_err_t *err) {
+  *reply = NULL;
+  return ctrl_call(e, segment, MC_WIRE_RPC, req, len, timeout_ms, reply, err);
 }

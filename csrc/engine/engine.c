@@ -10,8 +10,8 @@
 #include "engine/engine_internal.h"
 #include "transport/tcp/wire.h"
 #include "gpu/cuda_driver.h"
+#include "gpu/gpu_dmabuf.h"
 #include "gpu/gpu_ipc.h"
-#include "transport/rdma/rdma_devices.h"
 #include "util/dynlib.h"
 #include "util/hostport.h"
 #include "util/log.h"
@@ -36,10 +36,72 @@ static int env_int(const char *name, int dflt, int lo, int hi) {
 static void on_peer_failed(void *ctx, const char *segment) {
   mc_engine_t *e = ctx;
   mc_engine_forget_segment(e, segment);
+  if (e->rdma)
+    mc_rdma_peer_lost(e->rdma, segment);
   pthread_rwlock_rdlock(&e->handler_lock);
   if (e->peer_lost_cb)
     e->peer_lost_cb(e->peer_lost_arg, segment);
   pthread_rwlock_unlock(&e->handler_lock);
+}
+
+/* A peer's control connection to us closed: drop the QPs it connected. */
+static void on_incoming_closed(void *ctx, const char *segment) {
+  mc_engine_t *e = ctx;
+  if (e->rdma)
+    mc_rdma_peer_closed(e->rdma, segment);
+}
+
+/* RPCs on the control channel: the RDMA handshake, and DESCRIBE. */
+static int on_rpc(void *ctx, const char *from, const char *req, size_t len, char **reply,
+                  mc_err_t *err) {
+  mc_engine_t *e = ctx;
+  if (len == strlen(MC_RPC_DESCRIBE) && !memcmp(req, MC_RPC_DESCRIBE, len)) {
+    /* The same-host GPU path asks for our regions (gpu_same_host.c). */
+    *reply = mc_engine_describe(e);
+    return *reply ? 0 : mc_err_set(err, MC_ENOMEM, "out of memory describing segment %s",
+                                   e->name);
+  }
+  if (!e->rdma)
+    return mc_err_set(err, MC_EUNAVAIL, "segment %s speaks protocol \"tcp\", not \"rdma\": "
+                      "use the same protocol on both sides", e->name);
+  return mc_rdma_serve_rpc(e->rdma, from, req, len, reply, err);
+}
+
+static int rdma_rpc(void *ctx, const char *segment, const char *req, size_t len,
+                    int64_t timeout_ms, char **reply, mc_err_t *err) {
+  return mc_engine_rpc(ctx, segment, req, len, timeout_ms, reply, err);
+}
+
+static struct ibv_mr *gpu_reg_mr(void *arg, struct ibv_pd *pd, void *addr, size_t len,
+                                 int access, const char *location, mc_err_t *err) {
+  (void)arg;
+  const char *how = NULL;
+  struct ibv_mr *mr = mc_gpu_rdma_reg_mr(pd, (uint64_t)(uintptr_t)addr, len, access, &how, err);
+  if (mr)
+    mc_log_info("%s memory 0x%llx+%zu registered for RDMA through %s", location,
+                (unsigned long long)(uintptr_t)addr, len, how);
+  return mr;
+}
+
+static int start_rdma(mc_engine_t *e, const mc_engine_opts_t *o, mc_err_t *err) {
+  mc_rdma_opts_t ro = {
+      .device_name = o->device_name,
+      .qps_per_nic = env_int("MC_RDMA_QPS_PER_NIC", 2, 1, 16),
+      .slice_size = (uint32_t)env_int("MC_RDMA_SLICE_SIZE", 65536, 4096, 1 << 30),
+      .max_wr = env_int("MC_RDMA_MAX_WR", 256, 8, 16384),
+      .qp_inflight_bytes = (uint64_t)env_int("MC_RDMA_QP_INFLIGHT_KB", 1024, 64, 1 << 20) * 1024,
+      .gid_index = env_int("MC_GID_INDEX", -1, -1, 255),
+      .timeout = env_int("MC_RDMA_TIMEOUT", 14, 1, 31),
+      .retry_cnt = env_int("MC_RDMA_RETRY_CNT", 7, 0, 7),
+      .rnr_retry = env_int("MC_RDMA_RNR_RETRY", 7, 0, 7),
+      .connect_timeout_ms = env_int("MC_CONNECT_TIMEOUT_MS", 5000, 1, 600000),
+      .poll_spin_ns = (uint64_t)env_int("MC_RDMA_POLL_SPIN_US", 50, 0, 1000000) * 1000ull,
+  };
+  mc_rdma_hooks_t rh = {.ctx = e, .local_name = e->name, .rpc = rdma_rpc};
+  /* GPU regions: GPUDirect registration (DMA-BUF, then nvidia-peermem). */
+  static const mc_rdma_mem_hook_t gpu_hook = {.reg = gpu_reg_mr};
+  mc_rdma_set_mem_hook(&gpu_hook);
+  return mc_rdma_start(&ro, &rh, &e->rdma, err);
 }
 
 void mc_engine_set_peer_lost_handler(mc_engine_t *e, mc_peer_lost_cb cb, void *arg) {
@@ -57,8 +119,6 @@ void mc_engine_set_notify_handler(mc_engine_t *e, mc_notify_cb cb, void *arg) {
   e->notify_arg = arg;
   pthread_rwlock_unlock(&e->handler_lock);
 }
-
-static char *describe_hook(void *ctx) { return mc_engine_describe(ctx); }
 
 static void on_notify(void *ctx, const char *from, const void *msg, size_t len) {
   mc_engine_t *e = ctx;
@@ -151,7 +211,7 @@ static int publish(mc_engine_t *e, mc_err_t *err) {
   if (!snap)
     return mc_err_set(err, MC_ENOMEM, "out of memory");
   n = mc_regions_snapshot(&e->regions, snap, n);
-  char *desc = mc_segment_desc_encode(e->name, "tcp", e->host, e->port, snap, n);
+  char *desc = mc_segment_desc_encode(e->name, e->protocol, e->host, e->port, snap, n);
   free(snap);
   char *rpc = malloc(600);
   if (!desc || !rpc) {
@@ -299,20 +359,7 @@ int mc_engine_create(const mc_engine_opts_t *o, mc_engine_t **out, mc_err_t *err
   if (!o || !o->local_hostname || !o->metadata_server)
     return mc_err_set(err, MC_EINVAL, "local_hostname and metadata_server are required");
   const char *proto = o->protocol && *o->protocol ? o->protocol : "tcp";
-  if (!strcmp(proto, "rdma")) {
-    /* The verbs libraries are loaded only now, when RDMA is asked for; the
-     * devices named must exist (the error lists those that do). */
-    int rc = mc_rdma_check_devices(o->device_name, err);
-    if (rc < 0)
-      return rc;
-    if (!mc_dynlib_open(&mc_dynlib_rdmacm, err))
-      return err ? err->code : MC_EUNAVAIL;
-    return mc_err_set(err, MC_EUNAVAIL,
-                      "protocol \"rdma\" is not available in this build yet (device_name "
-                      "\"%s\"); use protocol \"tcp\" — there is no silent fallback",
-                      o->device_name ? o->device_name : "");
-  }
-  if (strcmp(proto, "tcp") != 0)
+  if (strcmp(proto, "tcp") != 0 && strcmp(proto, "rdma") != 0)
     return mc_err_set(err, MC_EINVAL, "protocol \"%s\" is not accepted; use \"tcp\" or \"rdma\"",
                       proto);
   mc_hostport_t hp;
@@ -324,6 +371,7 @@ int mc_engine_create(const mc_engine_opts_t *o, mc_engine_t **out, mc_err_t *err
   if (!e)
     return mc_err_set(err, MC_ENOMEM, "out of memory");
   snprintf(e->host, sizeof e->host, "%s", hp.host);
+  snprintf(e->protocol, sizeof e->protocol, "%s", proto);
   pthread_mutex_init(&e->seg_mu, NULL);
   pthread_mutex_init(&e->notify_mu, NULL);
   pthread_rwlock_init(&e->handler_lock, NULL);
@@ -348,6 +396,16 @@ int mc_engine_create(const mc_engine_opts_t *o, mc_engine_t **out, mc_err_t *err
   e->spin_ns = (uint64_t)env_int("MC_WAIT_SPIN_US", 50, 0, 100000) * 1000ull;
   e->meta_ttl_s = env_int("MC_METADATA_TTL", 10, 0, MC_META_TTL_MAX);
 
+  if (!strcmp(proto, "rdma") && (rc = start_rdma(e, o, err)) < 0) {
+    /* Never a silent fallback: only when asked for, and logged. */
+    const char *fb = getenv("MC_RDMA_FALLBACK_TCP");
+    if (!fb || strcmp(fb, "1") != 0)
+      goto fail;
+    mc_log_warn("protocol \"rdma\" is unavailable (%s); falling back to TCP because "
+                "MC_RDMA_FALLBACK_TCP=1", err ? err->msg : "");
+    snprintf(e->protocol, sizeof e->protocol, "tcp");
+    mc_err_clear(err);
+  }
   e->p2p = !strcmp(o->metadata_server, "P2PHANDSHAKE");
   if (!e->p2p && (rc = mc_meta_open(o->metadata_server, &e->meta, err)) < 0)
     goto fail;
@@ -367,7 +425,8 @@ int mc_engine_create(const mc_engine_opts_t *o, mc_engine_t **out, mc_err_t *err
   /* The name must exist before the transport starts: HELLO checks it. */
   mc_tcp_hooks_t hooks = {.ctx = e, .local_name = e->name, .regions = &e->regions,
                           .on_notify = on_notify, .on_peer_failed = on_peer_failed,
-                          .describe = describe_hook, .gpu = e->gpu};
+                          .on_rpc = on_rpc, .on_incoming_closed = on_incoming_closed,
+                          .gpu = e->gpu};
   if (hp.port > 0)
     snprintf(e->name, sizeof e->name, strchr(hp.host, ':') ? "[%s]:%d" : "%s:%d", hp.host,
              hp.port);
@@ -386,12 +445,14 @@ int mc_engine_create(const mc_engine_opts_t *o, mc_engine_t **out, mc_err_t *err
     unpublish(e);
     goto fail;
   }
-  mc_log_info("engine %s up (protocol tcp, metadata %s)", e->name, o->metadata_server);
+  mc_log_info("engine %s up (protocol %s, metadata %s)", e->name, e->protocol,
+              o->metadata_server);
   *out = e;
   return 0;
 fail:
   if (e->tcp)
     mc_tcp_stop(e->tcp);
+  mc_rdma_stop(e->rdma);
   mc_gpu_stager_destroy(e->gpu); /* after the transport: it drained the copies */
   if (e->meta)
     mc_meta_close(e->meta);
@@ -413,7 +474,8 @@ void mc_engine_destroy(mc_engine_t *e) {
   keepalive_stop(e);
   if (e->meta)
     unpublish(e);
-  mc_tcp_stop(e->tcp);
+  mc_tcp_stop(e->tcp); /* first: no handshake RPC reaches the RDMA transport after this */
+  mc_rdma_stop(e->rdma);
   mc_gpu_stager_destroy(e->gpu); /* after the transport: it drained the copies */
   if (e->meta)
     mc_meta_close(e->meta);
@@ -447,7 +509,7 @@ char *mc_engine_describe(mc_engine_t *e) {
   if (!snap)
     return NULL;
   n = mc_regions_snapshot(&e->regions, snap, n);
-  char *d = mc_segment_desc_encode(e->name, "tcp", e->host, e->port, snap, n);
+  char *d = mc_segment_desc_encode(e->name, e->protocol, e->host, e->port, snap, n);
   free(snap);
   return d;
 }
@@ -490,10 +552,9 @@ static int resolve_location(uint64_t addr, uint64_t len, const char *claim, char
  * the first time, the pinned staging pool (so I/O threads never allocate
  * pinned memory in the common case). */
 static int add_region(mc_engine_t *e, uint64_t addr, uint64_t len, const char *location,
-                      mc_err_t *err) {
-  char loc[MC_LOCATION_MAX];
+                      char loc[MC_LOCATION_MAX], mc_err_t *err) {
   int dev = -1;
-  int rc = resolve_location(addr, len, location, loc, sizeof loc, &dev, err);
+  int rc = resolve_location(addr, len, location, loc, MC_LOCATION_MAX, &dev, err);
   if (rc < 0)
     return rc;
   char ipc[MC_GPU_IPC_B64_MAX] = "";
@@ -517,9 +578,14 @@ static int add_region(mc_engine_t *e, uint64_t addr, uint64_t len, const char *l
 
 int mc_engine_register(mc_engine_t *e, void *addr, uint64_t len, const char *location,
                        mc_err_t *err) {
-  int rc = add_region(e, (uint64_t)(uintptr_t)addr, len, location, err);
+  char loc[MC_LOCATION_MAX];
+  int rc = add_region(e, (uint64_t)(uintptr_t)addr, len, location, loc, err);
   if (rc < 0)
     return rc;
+  if (e->rdma && (rc = mc_rdma_register(e->rdma, addr, len, loc, err)) < 0) {
+    mc_regions_remove(&e->regions, (uint64_t)(uintptr_t)addr, NULL);
+    return rc;
+  }
   return publish(e, err);
 }
 
@@ -527,11 +593,17 @@ int mc_engine_register_batch(mc_engine_t *e, void *const *addrs, const uint64_t 
                              size_t n, const char *location, mc_err_t *err) {
   int rc = 0;
   for (size_t i = 0; i < n; i++) {
-    rc = add_region(e, (uint64_t)(uintptr_t)addrs[i], lens[i], location, err);
+    char loc[MC_LOCATION_MAX];
+    rc = add_region(e, (uint64_t)(uintptr_t)addrs[i], lens[i], location, loc, err);
+    if (rc == 0 && e->rdma && (rc = mc_rdma_register(e->rdma, addrs[i], lens[i], loc, err)) < 0)
+      mc_regions_remove(&e->regions, (uint64_t)(uintptr_t)addrs[i], NULL);
     if (rc < 0) {
       mc_err_prefix(err, "buffer %zu of %zu", i, n);
-      for (size_t k = 0; k < i; k++) /* all or nothing */
+      for (size_t k = 0; k < i; k++) { /* all or nothing */
         mc_regions_remove(&e->regions, (uint64_t)(uintptr_t)addrs[k], NULL);
+        if (e->rdma)
+          mc_rdma_unregister(e->rdma, addrs[k]);
+      }
       return rc;
     }
   }
@@ -542,6 +614,8 @@ int mc_engine_unregister(mc_engine_t *e, void *addr, mc_err_t *err) {
   int rc = mc_regions_remove(&e->regions, (uint64_t)(uintptr_t)addr, err);
   if (rc < 0)
     return rc;
+  if (e->rdma) /* deregistering the MRs revokes remote access */
+    mc_rdma_unregister(e->rdma, addr);
   return publish(e, err);
 }
 
@@ -572,7 +646,7 @@ int mc_engine_resolve(mc_engine_t *e, const char *segment, mc_segment_desc_t *ou
     snprintf(d.name, sizeof d.name, "%s", segment);
     snprintf(d.host, sizeof d.host, "%s", hp.host);
     d.port = hp.port;
-    snprintf(d.protocol, sizeof d.protocol, "tcp");
+    snprintf(d.protocol, sizeof d.protocol, "%s", e->protocol);
   } else {
     char key[512], *val = NULL;
     size_t vlen = 0;
@@ -586,9 +660,10 @@ int mc_engine_resolve(mc_engine_t *e, const char *segment, mc_segment_desc_t *ou
     free(val);
     if (rc < 0)
       return rc;
-    if (strcmp(d.protocol, "tcp") != 0)
+    if (strcmp(d.protocol, e->protocol) != 0)
       return mc_err_set(err, MC_EUNAVAIL, "segment %s speaks protocol \"%s\"; this engine "
-                        "speaks \"tcp\"", segment, d.protocol);
+                        "speaks \"%s\" (use the same protocol on both sides)", segment,
+                        d.protocol, e->protocol);
   }
   pthread_mutex_lock(&e->seg_mu);
   if (e->nsegs == e->cap_segs) {

@@ -10,6 +10,7 @@
 #include "engine/segment_desc.h"
 #include "gpu/gpu_staging.h"
 #include "meta/meta.h"
+#include "transport/rdma/rdma.h"
 #include "transport/tcp/tcp.h"
 
 typedef struct mc_notify_msg {
@@ -26,7 +27,9 @@ struct mc_engine {
   int p2p;
   mc_meta_t *meta;
   mc_regions_t regions;
-  mc_tcp_t *tcp;
+  mc_tcp_t *tcp;   /* data (protocol tcp) and always the control channel */
+  mc_rdma_t *rdma; /* data for protocol rdma, else NULL */
+  char protocol[8];
   uint64_t slice_size;    /* bytes per wire op */
   uint32_t op_entries;    /* entries per wire op */
   uint64_t timeout_ms;    /* MC_TRANSFER_TIMEOUT */
@@ -92,7 +95,13 @@ struct mc_batch {
   atomic_int cancel;
   int gpu;             /* has same-host GPU copies: wait polls closely */
   char last_segment[320];
+  char *rpc_reply; /* mc_engine_rpc: the reply text (malloc'ed) */
 };
+
+/* The RPC (wire type RPC, docs/protocol.md) that asks a peer for its
+ * segment descriptor: regions with location and CUDA IPC handles, host
+ * identity, pid.  The reply is the descriptor JSON. */
+#define MC_RPC_DESCRIBE "mc.describe"
 
 /* batch.c: records one finished part of task i (caller holds b->mu). */
 void mc_batch_part_done(mc_batch_t *b, size_t i, int code, const char *msg, uint64_t bytes);
@@ -129,5 +138,11 @@ void mc_gpu_log_path_once(mc_engine_t *e, const char *segment, const char *fmt, 
 int mc_engine_resolve(mc_engine_t *e, const char *segment, mc_segment_desc_t *out,
                       mc_err_t *err);
 void mc_engine_forget_segment(mc_engine_t *e, const char *segment);
+
+/* Sends an RPC (a transport's control request, e.g. the RDMA handshake) to
+ * a segment over its TCP control connection and waits for the reply text
+ * (*reply, malloc'ed).  Blocks up to timeout_ms (<0: engine default). */
+int mc_engine_rpc(mc_engine_t *e, const char *segment, const char *req, size_t len,
+                  int64_t timeout_ms, char **reply, mc_err_t *err);
 
 #endif

@@ -14,51 +14,16 @@
 
 /* ---- same-host path ---- */
 
-static void describe_done(mc_xfer_op_t *op, int code, const char *msg) {
-  mc_batch_t *b = op->arg;
-  pthread_mutex_lock(&b->mu);
-  if (code == 0 && msg) {
-    free(b->tasks[0].msg);
-    b->tasks[0].msg = strdup(msg);
-  }
-  mc_batch_part_done(b, 0, code, msg, 0);
-  b->ops_inflight--;
-  pthread_cond_broadcast(&b->cv);
-  pthread_mutex_unlock(&b->mu);
-}
-
-/* Asks the peer for its descriptor over the data connection (DESCRIBE). */
+/* Asks the peer for its descriptor (an RPC on the data connection). */
 static int describe_remote(mc_engine_t *e, const char *segment, const mc_segment_desc_t *d,
                            mc_remote_desc_t *out, mc_err_t *err) {
-  mc_batch_t *b = mc_batch_new(e, 1);
-  mc_xfer_op_t *op = mc_xfer_op_new(MC_WIRE_DESCRIBE, 0, 0);
-  if (!b || !op) {
-    mc_batch_free(e, b);
-    mc_xfer_op_free(op);
-    return mc_err_set(err, MC_ENOMEM, "out of memory");
-  }
-  op->done = describe_done;
-  op->arg = b;
-  op->cancel = &b->cancel;
-  int rc = mc_xfer_op_seal(op, err);
-  if (rc < 0) {
-    mc_xfer_op_free(op);
-    mc_batch_free(e, b);
-    return rc;
-  }
-  b->n = 1;
-  b->pending = 1;
-  b->ops_inflight = 1;
-  b->tasks[0].state = MC_TASK_PENDING;
-  b->tasks[0].parts_left = 1;
-  snprintf(b->last_segment, sizeof b->last_segment, "%s", segment);
-  mc_tcp_submit(e->tcp, d->host, d->port, segment, &op, 1);
-  rc = mc_batch_wait(e, b, 10000, err);
-  if (rc == 0) {
-    const char *j = b->tasks[0].msg ? b->tasks[0].msg : "";
-    rc = mc_segment_desc_decode_regions(j, strlen(j), out, err);
-  }
-  mc_batch_free(e, b);
+  (void)d;
+  char *reply = NULL;
+  int rc = mc_engine_rpc(e, segment, MC_RPC_DESCRIBE, strlen(MC_RPC_DESCRIBE), 10000, &reply,
+                         err);
+  if (rc == 0)
+    rc = mc_segment_desc_decode_regions(reply ? reply : "", reply ? strlen(reply) : 0, out, err);
+  free(reply);
   return rc;
 }
 
@@ -196,7 +161,8 @@ static void validate_done(mc_xfer_op_t *op, int code, const char *msg) {
   if (code == 0) {
     mc_remote_desc_t fresh;
     mc_err_t err = {0};
-    if (mc_segment_desc_decode_regions(msg ? msg : "", msg ? strlen(msg) : 0, &fresh, &err) < 0) {
+    const char *json = op->resp ? op->resp : "";
+    if (mc_segment_desc_decode_regions(json, strlen(json), &fresh, &err) < 0) {
       code = err.code;
       snprintf(why, sizeof why, "%s", err.msg);
     } else {
@@ -444,8 +410,11 @@ void mc_gpu_ipc_start(mc_engine_t *e, mc_gpu_plan_t *p) {
     mc_gpu_stager_submit(e->gpu, p->jobs[i]);
   p->njobs = 0;
   if (validate) {
-    mc_xfer_op_t *op = mc_xfer_op_new(MC_WIRE_DESCRIBE, 0, 0);
+    size_t rl = strlen(MC_RPC_DESCRIBE);
+    mc_xfer_op_t *op = mc_xfer_op_new(MC_WIRE_RPC, 0, rl);
     mc_err_t err = {0};
+    if (op)
+      memcpy(op->ctrl, MC_RPC_DESCRIBE, rl);
     if (!op || mc_xfer_op_seal(op, &err) < 0) {
       mc_xfer_op_free(op);
       pthread_mutex_lock(&g->b->mu);

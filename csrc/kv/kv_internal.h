@@ -77,6 +77,8 @@ void kv_pull_serve(mc_kv_t *kv, kv_job_t *j);
 /* I/O thread: a KVPP answer or a KVPR release arrived. */
 void kv_pull_on_answer(mc_kv_t *kv, const char *from, const uint8_t *m, size_t len);
 void kv_pull_on_release(mc_kv_t *kv, const char *from, const uint8_t *m, size_t len);
+/* Worker thread: delivers a release this engine queued (kv_pull.c). */
+void kv_pull_send_release(mc_kv_t *kv, const char *producer, const uint8_t *msg, size_t len);
 /* Releases expired leases (or all of them, or those of one peer); caller
  * holds kv->mu. Returns the next deadline (0 = none). */
 uint64_t kv_pull_expire_locked(mc_kv_t *kv, uint64_t now_ns, const char *only_from, int all);

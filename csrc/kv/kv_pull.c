@@ -233,15 +233,54 @@ void kv_pull_on_answer(mc_kv_t *kv, const char *from, const uint8_t *m, size_t l
   pthread_mutex_unlock(&kv->mu);
 }
 
+void kv_pull_send_release(mc_kv_t *kv, const char *producer, const uint8_t *msg, size_t len) {
+  mc_err_t err = {0};
+  if (mc_engine_notify(kv->e, producer, msg, len, 5000, &err) < 0)
+    mc_log_warn("KV lease %llu: release to %s not delivered (%s); it ends at its deadline",
+                (unsigned long long)mc_get_u64(msg + 8), producer, err.msg);
+}
+
+/* The READ is done: nothing reads the leased blocks any more.  The release
+ * goes out from a KV worker thread, so the caller does not wait for its
+ * round trip; if it cannot be queued it is sent right here. */
 static void send_release(mc_kv_t *kv, const char *producer, uint64_t lease_id) {
   uint8_t buf[KV_PREL_LEN] = {0};
   mc_put_u32(buf, KV_PREL_MAGIC);
   buf[4] = KV_VERSION;
   mc_put_u64(buf + 8, lease_id);
-  mc_err_t err = {0};
-  if (mc_engine_notify(kv->e, producer, buf, sizeof buf, 5000, &err) < 0)
-    mc_log_warn("KV lease %llu: release to %s not delivered (%s); it ends at its deadline",
-                (unsigned long long)lease_id, producer, err.msg);
+  kv_job_t *j = calloc(1, sizeof *j);
+  if (j) {
+    j->from = strdup(producer);
+    j->msg = malloc(sizeof buf);
+    j->len = sizeof buf;
+  }
+  if (!j || !j->from || !j->msg) {
+    if (j) {
+      free(j->from);
+      free(j->msg);
+      free(j);
+    }
+    kv_pull_send_release(kv, producer, buf, sizeof buf);
+    return;
+  }
+  memcpy(j->msg, buf, sizeof buf);
+  pthread_mutex_lock(&kv->mu);
+  if (kv->stopping) {
+    pthread_mutex_unlock(&kv->mu);
+    free(j->from);
+    free(j->msg);
+    free(j);
+    kv_pull_send_release(kv, producer, buf, sizeof buf);
+    return;
+  }
+  if (kv->jobs_tail)
+    kv->jobs_tail->next = j;
+  else
+    kv->jobs_head = j;
+  kv->jobs_tail = j;
+  kv->njobs++;
+  pthread_cond_signal(&kv->job_cv);
+  pthread_mutex_unlock(&kv->mu);
 }
 
 /* Sends the lease request and waits for the answer; fills w. */
@@ -387,7 +426,7 @@ long mc_kv_pull_ex(mc_kv_t *kv, const char *producer, const void *tokens, size_t
     }
   }
   if (w->lease_id)
-    send_release(kv, producer, w->lease_id); /* after the READ: nothing reads the blocks now */
+    send_release(kv, producer, w->lease_id);
   pthread_mutex_lock(&kv->mu);
   if (rc < 0) {
     kv->stats.pull_errors++;

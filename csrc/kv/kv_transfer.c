@@ -266,8 +266,12 @@ static void *worker_main(void *arg) {
     kv->njobs--;
     pthread_mutex_unlock(&kv->mu);
 
-    if (j->len >= 4 && mc_get_u32(j->msg) == KV_PULL_MAGIC) {
-      kv_pull_serve(kv, j);
+    uint32_t jm = j->len >= 4 ? mc_get_u32(j->msg) : 0;
+    if (jm == KV_PULL_MAGIC || jm == KV_PREL_MAGIC) {
+      if (jm == KV_PULL_MAGIC)
+        kv_pull_serve(kv, j);
+      else /* queued by this engine's own pull: deliver the release */
+        kv_pull_send_release(kv, j->from, j->msg, j->len);
       pthread_mutex_lock(&kv->mu);
       free(j->from);
       free(j->msg);

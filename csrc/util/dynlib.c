@@ -6,14 +6,11 @@
 #include <string.h>
 
 static const char *const ibverbs_names[] = {"libibverbs.so.1", "libibverbs.so", NULL};
-static const char *const rdmacm_names[] = {"librdmacm.so.1", "librdmacm.so", NULL};
 static const char *const cuda_names[] = {"libcuda.so.1", "libcuda.so", NULL};
 
 const mc_dynlib_spec_t mc_dynlib_ibverbs = {"RDMA (protocol \"rdma\")", ibverbs_names,
                                             "libibverbs1 (rdma-core) plus a provider such as "
                                             "ibverbs-providers"};
-const mc_dynlib_spec_t mc_dynlib_rdmacm = {"RDMA connection management", rdmacm_names,
-                                           "librdmacm1"};
 const mc_dynlib_spec_t mc_dynlib_cuda = {"GPU memory (location \"cuda:N\")", cuda_names,
                                          "the NVIDIA driver (libcuda1 / nvidia-driver)"};
 

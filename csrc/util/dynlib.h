@@ -1,6 +1,8 @@
-/* Run-time loading of optional system libraries (CUDA driver, ibverbs,
- * rdmacm).  The extension links none of them, so one build imports on hosts
- * with or without GPUs and RDMA; they are opened on first use. */
+/* Run-time loading of optional system libraries (CUDA driver, ibverbs;
+ * the RDMA transport exchanges connection data over its own control
+ * channel, so it needs no librdmacm).  The extension links none of them,
+ * so one build imports on hosts with or without GPUs and RDMA; they are
+ * opened on first use. */
 #ifndef MC_UTIL_DYNLIB_H
 #define MC_UTIL_DYNLIB_H
 
@@ -13,7 +15,6 @@ typedef struct mc_dynlib_spec {
 } mc_dynlib_spec_t;
 
 extern const mc_dynlib_spec_t mc_dynlib_ibverbs;
-extern const mc_dynlib_spec_t mc_dynlib_rdmacm;
 extern const mc_dynlib_spec_t mc_dynlib_cuda;
 
 /* dlopen()s the first loadable soname.  Returns a handle, or NULL with

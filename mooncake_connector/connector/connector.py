@@ -125,6 +125,12 @@ class MooncakeConnector(KVConnectorBase_V1):
         return self._worker.take_stats() if self._worker else None
 
     @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config):
+        """vLLM >= 0.33: the engine has the KV cache registered at fixed
+        addresses; it does not follow a sleep-mode remap."""
+        return False
+
+    @classmethod
     def build_kv_connector_stats(cls, data=None):
         return MooncakeKVConnectorStats(data=data) if data is not None else \
             MooncakeKVConnectorStats()

@@ -20,7 +20,25 @@ _done = False
 
 def _ours():
     from mooncake_connector.connector.connector import MooncakeConnector
+    _announce()
     return MooncakeConnector
+
+
+def _announce():
+    """Once per deployment: the first process that resolves the name logs it
+    (vLLM's logging is set up by then); the processes it starts inherit the
+    marker and stay quiet."""
+    if os.environ.get("_MOONCAKE_CONNECTOR_ANNOUNCED"):
+        return
+    os.environ["_MOONCAKE_CONNECTOR_ANNOUNCED"] = "1"
+    msg = ("mooncake-connector: \"MooncakeConnector\" resolves to "
+           "mooncake_connector.MooncakeConnector (set MOONCAKE_CONNECTOR_DISABLE_PLUGIN=1 for "
+           "vLLM's in-tree one)")
+    if logger.hasHandlers():
+        logger.info(msg)
+    else:
+        import sys
+        print(msg, file=sys.stderr)
 
 
 def _move_seed_fields(text):
@@ -73,9 +91,3 @@ def register():
         logger.warning("mooncake-connector: seed fields kv_rank/kv_parallel_size/kv_buffer_size "
                        "will not be accepted on the command line (%s); put them in "
                        "kv_connector_extra_config", e)
-    if not os.environ.get("_MOONCAKE_CONNECTOR_PLUGIN_LOGGED"):
-        os.environ["_MOONCAKE_CONNECTOR_PLUGIN_LOGGED"] = "1"  # children inherit: log once
-        logger.info("mooncake-connector: \"MooncakeConnector\" now resolves to "
-                    "mooncake_connector.MooncakeConnector (set "
-                    "MOONCAKE_CONNECTOR_DISABLE_PLUGIN=1 for vLLM's in-tree one)")
-

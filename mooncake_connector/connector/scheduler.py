@@ -158,12 +158,14 @@ class SchedulerSide:
         self._loads.pop(rid, None)
         self._tried.discard(rid)
         n = self._published.pop(rid, None)
-        if n is None:
-            return False, None
-        self._held.append(rid)
         params = getattr(request, "kv_transfer_params", None) or {}
+        if n is not None:
+            self._held.append(rid)
         if not params.get("do_remote_decode"):
-            return True, None
+            return n is not None, None
+        # Flow B: always answer with params, so the proxy can go on to decode;
+        # num_tokens 0 (prompt shorter than a block, or aborted before its
+        # prompt completed) tells the decode side to compute the prompt.
         host, _, port = (self.producer_base or ":").rpartition(":")
         out = {
             "do_remote_prefill": True,
@@ -173,12 +175,12 @@ class SchedulerSide:
             "remote_port": int(port) if port.isdigit() else None,
             "remote_block_ids": list(block_ids),
             "remote_request_id": rid,
-            "num_tokens": n,
+            "num_tokens": n or 0,
             "tp_size": self.tp_size,
         }
         if params.get("transfer_id") is not None:
             out["transfer_id"] = params["transfer_id"]
-        return True, out
+        return n is not None, out
 
 
 def producer_for_rank(base, tp_rank):

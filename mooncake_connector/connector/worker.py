@@ -25,6 +25,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from mooncake_connector.connector import peer_record
 from mooncake_connector.connector.layout import KVLayout
 from mooncake_connector.connector.settings import SettingsError, shift_port
 from mooncake_connector.connector.stats import MooncakeKVConnectorStats
@@ -87,6 +88,7 @@ class WorkerSide:
         if self.s.is_consumer:
             self._pool = ThreadPoolExecutor(max(1, self.s.load_workers),
                                             thread_name_prefix="mooncake-load")
+        self._check_peer_at_start(_core, cfg)
         if any(d.startswith("cuda") for d in self.layout.devices):
             import torch
             self._cuda_sync = torch.cuda.current_stream().synchronize
@@ -96,6 +98,40 @@ class WorkerSide:
                         cfg["protocol"], cfg["metadata_server"], len(self.layout.layers),
                         self.layout.extents_per_block, self.layout.layers[0].block_bytes,
                         self.layout.num_blocks, ",".join(self.layout.devices))
+
+    def _check_peer_at_start(self, core, cfg):
+        """Publish this worker's layout record; a consumer compares it with its
+        producer's, if that one is up already (else at the first load)."""
+        self._record = peer_record.make(self.s.role, self.tp_rank, self.tp_size, self.layout,
+                                        self.block_size)
+        self._meta = None
+        self._peer_ok = set()
+        if cfg.get("metadata_backend") == "p2p":
+            return
+        try:
+            self._meta = core.MetadataClient(cfg["metadata_server"])
+            peer_record.publish(self._meta, self.name, self._record)
+        except core.MooncakeError as e:
+            logger.warning("MooncakeConnector: layout record not published (%s)", e)
+            self._meta = None
+            return
+        if self.s.role == "kv_consumer":
+            self._check_peer(shift_port(self.default_producer, self.tp_rank), at_start=True)
+
+    def _check_peer(self, producer, at_start=False):
+        """Raise SettingsError if `producer` published a layout we cannot use."""
+        if self._meta is None or producer in self._peer_ok:
+            return
+        from mooncake_connector import MooncakeError
+        try:
+            theirs = peer_record.fetch(self._meta, producer)
+        except MooncakeError:
+            return  # metadata trouble is reported by the transfer itself
+        why = peer_record.mismatch(self._record, theirs, producer)
+        if why:
+            raise SettingsError(("cannot start: " if at_start else "") + why)
+        if theirs:
+            self._peer_ok.add(producer)
 
     # ---- per step ----
 
@@ -119,6 +155,7 @@ class WorkerSide:
         deadline = t0 + self.s.load_timeout_s
         try:
             producer = shift_port(base, self.tp_rank)
+            self._check_peer(producer)
             dest = [(a, n) for a, n, _t in self.layout.extents(spec.block_ids)]
             while True:
                 left = deadline - time.monotonic()
@@ -251,7 +288,7 @@ class WorkerSide:
         if self._pool is not None:
             self._pool.shutdown(wait=True)  # pulls end by their timeout
             self._pool = None
-        for obj in (self.kv, self.engine):
+        for obj in (self.kv, self.engine, getattr(self, "_meta", None)):
             if obj is not None:
                 try:
                     obj.close()

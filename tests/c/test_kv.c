@@ -1,5 +1,7 @@
 /* send_kv / recv_kv between two engines in one process (runs under ASan). */
 #include <stdint.h>
+#include <string.h>
+#include <unistd.h>
 
 #include "engine/engine.h"
 #include "kv/kv_transfer.h"
@@ -60,6 +62,49 @@ static void test_errors(void) {
                MC_EINVAL);
 }
 
+static void test_pull_with_skip_and_release(void) {
+  int32_t t[64];
+  for (int i = 0; i < 64; i++)
+    t[i] = 5000 + i * 3;
+  for (size_t i = 0; i < 4 * BB; i++)
+    pbuf[8 * BB + i] = (uint8_t)(i * 7 + 5);
+  mc_lookup_extent_t src[4], dst[4];
+  for (int i = 0; i < 4; i++) {
+    src[i] = (mc_lookup_extent_t){.addr = (uint64_t)(uintptr_t)(pbuf + (8 + i) * BB), .len = BB};
+    dst[i] = (mc_lookup_extent_t){.addr = (uint64_t)(uintptr_t)(cbuf + (12 + i) * BB), .len = BB};
+  }
+  mc_err_t err = {0};
+  CHECK_EQ_INT(mc_lookup_insert(LB, t, 64, 4, src, NULL, 0, 0, NULL, &err), 4);
+  memset(cbuf + 12 * BB, 0, 4 * BB);
+  /* The consumer has block 0 already: dst starts at block 1. */
+  long n = mc_kv_pull_ex(KC, mc_engine_segment_name(P), t, 64, 4, 1, dst + 1, 3, 1, 5000, &err);
+  CHECK_EQ_INT(n, 64);
+  for (int i = 1; i < 4; i++)
+    CHECK(memcmp(pbuf + (8 + i) * BB, cbuf + (12 + i) * BB, BB) == 0);
+  CHECK(cbuf[12 * BB] == 0 && cbuf[13 * BB - 1] == 0); /* block 0 untouched */
+  /* A destination of the wrong length: an error naming it, lease released. */
+  mc_lookup_extent_t bad = {.addr = (uint64_t)(uintptr_t)cbuf, .len = BB / 2};
+  CHECK(mc_kv_pull(KC, mc_engine_segment_name(P), t, 16, 4, &bad, 1, 1, 5000, &err) < 0);
+  CHECK_CONTAINS(err.msg, "destination extent 0 is 2048 bytes");
+  /* A miss leases nothing. */
+  t[0] = 1;
+  CHECK_EQ_INT(mc_kv_pull(KC, mc_engine_segment_name(P), t, 64, 4, dst, 4, 1, 5000, &err), 0);
+  mc_kv_stats_t s;
+  for (int i = 0; i < 500; i++) { /* releases go out in the background */
+    mc_kv_get_stats(KP, &s);
+    if (s.leases_released == 2)
+      break;
+    usleep(2000);
+  }
+  CHECK_EQ_INT(s.leases_granted, 2);
+  CHECK_EQ_INT(s.leases_released, 2);
+  CHECK_EQ_INT(s.leases_expired, 0);
+  mc_kv_get_stats(KC, &s);
+  CHECK_EQ_INT(s.pull_hits, 1);
+  CHECK_EQ_INT(s.pull_bytes, 3 * BB);
+  CHECK_EQ_INT(s.pull_errors, 1);
+}
+
 int main(void) {
   pbuf = calloc(16, BB);
   cbuf = calloc(16, BB);
@@ -69,12 +114,14 @@ int main(void) {
   mc_lookup_opts_t lo = {.capacity_bytes = 64 * BB};
   if (!P || !C || mc_lookup_create(&lo, &LB, &err) < 0 ||
       mc_engine_register(C, cbuf, 16 * BB, "cpu", &err) < 0 ||
+      mc_engine_register(P, pbuf, 16 * BB, "cpu", &err) < 0 ||
       mc_kv_create(P, LB, 2, &KP, &err) < 0 || mc_kv_create(C, NULL, 0, &KC, &err) < 0) {
     fprintf(stderr, "setup: %s\n", err.msg);
     return 1;
   }
   RUN(test_push_longest_prefix);
   RUN(test_errors);
+  RUN(test_pull_with_skip_and_release);
   mc_kv_destroy(KC);
   mc_kv_destroy(KP);
   mc_lookup_destroy(LB);

@@ -301,6 +301,27 @@ static void test_copy_hidden_and_freed(void) {
   CHECK_EQ_INT(mc_lookup_take_freed(lb, fr, 8), 0); /* still pinned */
   mc_lookup_release(lb, m);
   CHECK_EQ_INT(mc_lookup_take_freed(lb, fr, 8), 4);
+  /* A second entry sharing block 0: the extents given for that block are
+   * not stored, so they are reported at once (each extent exactly once). */
+  mc_lookup_extent_t y[4];
+  for (int i = 0; i < 4; i++)
+    y[i] = (mc_lookup_extent_t){(uint64_t)(uintptr_t)kvbuf[i], 32, 10 + (uint64_t)i};
+  int64_t u[32];
+  memcpy(u, t, sizeof u);
+  u[20] = 999; /* block 1 differs */
+  size_t reused = 0;
+  CHECK_EQ_INT(mc_lookup_insert(lb, t, 32, 8, x, NULL, 0, 0, NULL, &err), 2);
+  CHECK_EQ_INT(mc_lookup_take_freed(lb, fr, 8), 0);
+  CHECK_EQ_INT(mc_lookup_insert(lb, u, 32, 8, y, NULL, 0, 0, &reused, &err), 2);
+  CHECK_EQ_INT(reused, 1);
+  CHECK_EQ_INT(mc_lookup_take_freed(lb, fr, 8), 2);
+  CHECK_EQ_INT(fr[0].tag, 10);
+  CHECK_EQ_INT(fr[1].tag, 11);
+  CHECK_EQ_INT(mc_lookup_expire(lb), 0);
+  CHECK_EQ_INT(mc_lookup_remove(lb, t, 32, 8, &err), 1);
+  CHECK_EQ_INT(mc_lookup_take_freed(lb, fr, 8), 2); /* t's block 1; block 0 serves u */
+  CHECK_EQ_INT(mc_lookup_remove(lb, u, 32, 8, &err), 1);
+  CHECK_EQ_INT(mc_lookup_take_freed(lb, fr, 8), 4);
   CHECK_EQ_INT(mc_lookup_insert(lb, t, 8, 8, x, NULL, 0, 0, NULL, &err), MC_EINVAL);
   CHECK_CONTAINS(err.msg, "do not fill one block");
   mc_lookup_destroy(lb);

@@ -7,6 +7,8 @@
 #
 #   tests/softroce/run-in-guest.sh BINARY [ARGS...]
 #   TIMEOUT=seconds (default 180)   KEEP_LOG=1 prints the whole console
+#   MC_GUEST_PERFTEST=1 also puts perftest's ib_write_bw in the guest
+#   (/usr/bin; installs the perftest package on the host if missing)
 #
 # Needs root for apt-get the first time.  The kernel package is downloaded
 # once into .cache/softroce (about 70 MB; ~400 MB unpacked).  No KVM needed:
@@ -20,6 +22,7 @@ timeout_s="${TIMEOUT:-180}"
 bin="$(readlink -f "$1")"; shift
 
 pkgs=(qemu-system-x86 busybox-static rdma-core ibverbs-providers iproute2 kmod cpio)
+[ "${MC_GUEST_PERFTEST:-0}" = 1 ] && pkgs+=(perftest)
 missing=()
 for p in "${pkgs[@]}"; do
   [ "$(dpkg-query -W -f='${db:Status-Status}' "$p" 2>/dev/null)" = installed ] || missing+=("$p")
@@ -83,6 +86,9 @@ copy_with_libs() {
 copy_with_libs "$(command -v ip)" /usr/sbin/ip
 copy_with_libs "$(command -v rdma)" /usr/sbin/rdma
 copy_with_libs "$bin" /bin/test-program
+if [ "${MC_GUEST_PERFTEST:-0}" = 1 ]; then
+  copy_with_libs "$(command -v ib_write_bw)" /usr/bin/ib_write_bw
+fi
 # The verbs libraries too: programs may dlopen them rather than link them.
 for lib in /usr/lib/x86_64-linux-gnu/libibverbs.so.1 /usr/lib/x86_64-linux-gnu/librdmacm.so.1; do
   [ -e "$lib" ] && copy_with_libs "$(readlink -f "$lib")" "$lib"

@@ -22,53 +22,7 @@
 #include "util/errors.h"
 
 typedef struct mc_tcp mc_tcp_t;
-typedef struct mc_xfer_op mc_xfer_op_t;
-
-typedef struct mc_xfer_ent {
-  void *local;     /* source (WRITE) or destination (READ) */
-  uint64_t remote; /* address in the target segment */
-  uint64_t len;
-  uint32_t cookie; /* owner's tag (task index) */
-} mc_xfer_ent_t;
-
-typedef void (*mc_xfer_done_fn)(mc_xfer_op_t *op, int code, const char *msg);
-
-struct mc_xfer_op {
-  /* Filled by the submitter. */
-  int type; /* MC_WIRE_WRITE, MC_WIRE_READ, MC_WIRE_NOTIFY or MC_WIRE_DESCRIBE
-             * (whose done() gets the peer's JSON as msg on success) */
-  uint32_t nent;
-  uint64_t total; /* sum of ent[].len, set by mc_xfer_op_seal */
-  mc_xfer_done_fn done;
-  /* Optional: one entry was refused by the target (e.g. out of range).  The
-   * transport drops that entry and resends the rest of the op, so requests
-   * that share a wire op with a bad one still complete. */
-  void (*entry_failed)(mc_xfer_op_t *op, uint32_t idx, int code, const char *msg);
-  void *arg;
-  atomic_int *cancel; /* optional: non-zero asks to stop (see sweep) */
-  void *owner;        /* submitter's, untouched by the transport */
-  uint8_t *ctrl;      /* NOTIFY body, owned */
-  size_t ctrl_len;
-  /* Transport-private. */
-  mc_xfer_op_t *next;
-  uint64_t req_id;
-  int finalized;
-  int started; /* first byte handed to the kernel */
-  uint8_t hdr[32];
-  uint8_t *table;
-  struct iovec *iov;
-  int niov;
-  int iov_idx;
-  size_t iov_off;
-  mc_xfer_ent_t ent[];
-};
-
-/* Allocates an op with room for nent entries (and ctrl_len body bytes). */
-mc_xfer_op_t *mc_xfer_op_new(int type, uint32_t nent, size_t ctrl_len);
-/* Computes totals and encodes header/table/iovecs. Call after filling ent. */
-int mc_xfer_op_seal(mc_xfer_op_t *op, mc_err_t *err);
-/* Frees an op that was never submitted. */
-void mc_xfer_op_free(mc_xfer_op_t *op);
+#include "transport/xfer_op.h"
 
 typedef struct mc_tcp_opts {
   const char *bind_host; /* NULL -> 0.0.0.0 */
@@ -89,10 +43,16 @@ typedef struct mc_tcp_hooks {
    * reached another segment, or was closed by the peer; called on the
    * thread that noticed (an I/O thread, or a caller on the fast path). */
   void (*on_peer_failed)(void *ctx, const char *segment);
-  /* Optional: answers a DESCRIBE (malloc'ed JSON; NULL: refuse). */
-  char *(*describe)(void *ctx);
   /* Optional: stages cuda regions through pinned host memory (gpu/). */
   struct mc_gpu_stager *gpu;
+  /* Optional: an incoming connection from `segment` (named in its HELLO)
+   * closed; called on its I/O thread. */
+  void (*on_incoming_closed)(void *ctx, const char *segment);
+  /* Optional: answers an RPC (called on an I/O thread; must not block on
+   * the network).  Returns 0 with *reply a malloc'ed NUL-terminated text,
+   * or < 0 with err set (sent back as the error text). */
+  int (*on_rpc)(void *ctx, const char *from, const char *req, size_t len, char **reply,
+                mc_err_t *err);
 } mc_tcp_hooks_t;
 
 int mc_tcp_start(const mc_tcp_opts_t *opts, const mc_tcp_hooks_t *hooks,

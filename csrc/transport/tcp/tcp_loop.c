@@ -132,6 +132,8 @@ void mc_conn_kill(mc_conn_t *c, int code, const char *fmt, ...) {
   if (c->outgoing && (code == MC_ECONNECT || code == MC_ENOTFOUND || code == MC_EPEERCLOSED) &&
       c->tcp->hooks.on_peer_failed)
     c->tcp->hooks.on_peer_failed(c->tcp->hooks.ctx, c->segment);
+  if (!c->outgoing && c->hello_ok && c->segment[0] && c->tcp->hooks.on_incoming_closed)
+    c->tcp->hooks.on_incoming_closed(c->tcp->hooks.ctx, c->segment);
   pthread_mutex_lock(&c->mu);
   c->dead_flag = 1;
   mc_xfer_op_t *inbox = c->inbox_head;

@@ -140,7 +140,7 @@ static int expected_response(int req_type) {
   case MC_WIRE_WRITE: return MC_WIRE_WRITE_ACK;
   case MC_WIRE_READ: return MC_WIRE_READ_DATA;
   case MC_WIRE_NOTIFY: return MC_WIRE_NOTIFY_ACK;
-  case MC_WIRE_DESCRIBE: return MC_WIRE_DESCRIBE_ACK;
+  case MC_WIRE_RPC: return MC_WIRE_RPC_REPLY;
   default: return -1;
   }
 }
@@ -295,8 +295,13 @@ static int on_header_initiator(mc_conn_t *c) {
                  mc_wire_type_name(c->rh.type), (unsigned long long)c->rh.req_id, c->peer);
     return -1;
   }
-  if (c->rh.status < 0 || c->rh.type == MC_WIRE_HELLO_ACK ||
-      c->rh.type == MC_WIRE_DESCRIBE_ACK) {
+  if (c->rh.status < 0 || c->rh.type == MC_WIRE_HELLO_ACK || c->rh.type == MC_WIRE_RPC_REPLY) {
+    if (c->rh.length == 0 && c->rh.type == MC_WIRE_RPC_REPLY && c->rh.status == 0) {
+      pop_await(c);
+      mc_op_finalize(op, 0, NULL);
+      mc_xfer_op_free(op);
+      return 0;
+    }
     if (c->rh.length == 0) {
       if (c->rh.status < 0) {
         pop_await(c);
@@ -355,6 +360,9 @@ static int on_header_target(mc_conn_t *c) {
   switch (c->rh.type) {
   case MC_WIRE_HELLO:
   case MC_WIRE_NOTIFY:
+  case MC_WIRE_RPC:
+    if (c->rh.length == 0 && c->rh.type == MC_WIRE_RPC)
+      return resp_error(c, MC_WIRE_RPC_REPLY, MC_EPROTO, "empty RPC request");
     if (c->rh.length == 0 && c->rh.type == MC_WIRE_NOTIFY) {
       if (c->tcp->hooks.on_notify)
         c->tcp->hooks.on_notify(c->tcp->hooks.ctx, c->segment, "", 0);
@@ -364,16 +372,6 @@ static int on_header_target(mc_conn_t *c) {
   case MC_WIRE_WRITE:
   case MC_WIRE_READ:
     return start_body(c, (size_t)c->rh.count * MC_WIRE_ENT_SIZE);
-  case MC_WIRE_DESCRIBE: {
-    if (c->rh.length != 0) {
-      mc_conn_kill(c, MC_EPROTO, "DESCRIBE with a body from %s", c->peer);
-      return -1;
-    }
-    char *d = c->tcp->hooks.describe ? c->tcp->hooks.describe(c->tcp->hooks.ctx) : NULL;
-    if (!d)
-      return resp_error(c, MC_WIRE_DESCRIBE_ACK, MC_EUNAVAIL, "cannot describe the segment");
-    return resp_simple(c, MC_WIRE_DESCRIBE_ACK, 0, d);
-  }
   default:
     mc_conn_kill(c, MC_EPROTO, "unexpected %s from %s", mc_wire_type_name(c->rh.type), c->peer);
     return -1;
@@ -408,9 +406,12 @@ static int on_body_initiator(mc_conn_t *c) {
     mc_xfer_op_free(op);
     return 0;
   }
-  if (c->rh.type == MC_WIRE_DESCRIBE_ACK && c->rh.status == 0) {
+  if (c->rh.type == MC_WIRE_RPC_REPLY && c->rh.status == 0) {
     pop_await(c);
-    mc_op_finalize(op, 0, (const char *)c->body);
+    op->resp = (char *)c->body; /* NUL-terminated above */
+    op->resp_len = c->body_len;
+    c->body = NULL;
+    mc_op_finalize(op, 0, NULL);
     mc_xfer_op_free(op);
     return 0;
   }
@@ -493,6 +494,18 @@ static int on_body_target(mc_conn_t *c) {
     if (c->tcp->hooks.on_notify)
       c->tcp->hooks.on_notify(c->tcp->hooks.ctx, c->segment, c->body, c->body_len);
     return resp_simple(c, MC_WIRE_NOTIFY_ACK, 0, NULL);
+  case MC_WIRE_RPC: {
+    c->body[c->body_len] = '\0';
+    if (!c->tcp->hooks.on_rpc)
+      return resp_error(c, MC_WIRE_RPC_REPLY, MC_EUNAVAIL,
+                        "this engine serves no RPCs (is it running the same protocol?)");
+    char *reply = NULL;
+    mc_err_t e = {0};
+    if (c->tcp->hooks.on_rpc(c->tcp->hooks.ctx, c->segment, (const char *)c->body,
+                             c->body_len, &reply, &e) < 0)
+      return resp_error(c, MC_WIRE_RPC_REPLY, e.code ? e.code : MC_EPROTO, e.msg);
+    return resp_simple(c, MC_WIRE_RPC_REPLY, 0, reply);
+  }
   case MC_WIRE_WRITE: {
     uint64_t sum;
     if (pin_table(c, &sum) < 0)

@@ -29,6 +29,7 @@ void mc_xfer_op_free(mc_xfer_op_t *op) {
   if (!op)
     return;
   free(op->ctrl);
+  free(op->resp);
   free(op->table);
   free(op->iov);
   free(op);

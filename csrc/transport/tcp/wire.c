@@ -21,8 +21,8 @@ const char *mc_wire_type_name(int type) {
   case MC_WIRE_READ_DATA: return "READ_DATA";
   case MC_WIRE_NOTIFY: return "NOTIFY";
   case MC_WIRE_NOTIFY_ACK: return "NOTIFY_ACK";
-  case MC_WIRE_DESCRIBE: return "DESCRIBE";
-  case MC_WIRE_DESCRIBE_ACK: return "DESCRIBE_ACK";
+  case MC_WIRE_RPC: return "RPC";
+  case MC_WIRE_RPC_REPLY: return "RPC_REPLY";
   default: return "UNKNOWN";
   }
 }
@@ -30,7 +30,7 @@ const char *mc_wire_type_name(int type) {
 static int is_response(int type) {
   return type == MC_WIRE_HELLO_ACK || type == MC_WIRE_WRITE_ACK ||
          type == MC_WIRE_READ_DATA || type == MC_WIRE_NOTIFY_ACK ||
-         type == MC_WIRE_DESCRIBE_ACK;
+         type == MC_WIRE_RPC_REPLY;
 }
 
 int mc_wire_decode(const uint8_t in[MC_WIRE_HDR_SIZE], int expect_response,
@@ -52,7 +52,7 @@ int mc_wire_decode(const uint8_t in[MC_WIRE_HDR_SIZE], int expect_response,
                       "peer speaks wire version %u, this build speaks %u; "
                       "upgrade both sides to the same mooncake-connector release",
                       h->version, MC_WIRE_VERSION);
-  if (h->type < MC_WIRE_HELLO || h->type > MC_WIRE_DESCRIBE_ACK)
+  if (h->type < MC_WIRE_HELLO || h->type > MC_WIRE_RPC_REPLY)
     return mc_err_set(err, MC_EPROTO, "unknown message type %u", h->type);
   if (is_response(h->type) != !!expect_response)
     return mc_err_set(err, MC_EPROTO, "unexpected %s message on a %s connection",

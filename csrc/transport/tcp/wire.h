@@ -17,9 +17,9 @@
  * HELLO:      header, JSON {"version":1,"segment":"<expected target>","from":"<name>"}.
  * HELLO_ACK:  header, status 0: JSON {"segment":"<name>"}; else error text.
  * NOTIFY:     header, bytes of the message.  NOTIFY_ACK: header (status).
- * DESCRIBE:   header.  DESCRIBE_ACK: header, JSON segment descriptor (the
- *             regions with their location, host identity and CUDA IPC
- *             handles; used to pick the same-host GPU path).
+ * RPC:        header, a request for a transport's control service (e.g. the
+ *             RDMA connection handshake).  RPC_REPLY: status 0: the reply
+ *             text; else error text.
  *
  * A connection carries requests in one direction (initiator -> target) and
  * responses in the other, and the target answers in request order.
@@ -49,8 +49,8 @@ typedef enum {
   MC_WIRE_READ_DATA = 6,
   MC_WIRE_NOTIFY = 7,
   MC_WIRE_NOTIFY_ACK = 8,
-  MC_WIRE_DESCRIBE = 9,
-  MC_WIRE_DESCRIBE_ACK = 10,
+  MC_WIRE_RPC = 9,
+  MC_WIRE_RPC_REPLY = 10,
 } mc_wire_type;
 
 typedef struct mc_wire_hdr {
