@@ -8,6 +8,8 @@
 #include <unistd.h>
 
 #include "engine/engine.h"
+#include "engine/engine_internal.h"
+#include "gpu/gpu_ipc.h"
 #include "gpu/cuda_driver.h"
 #include "gpu/gpu_dmabuf.h"
 #include "gpu/gpu_staging.h"
@@ -73,6 +75,34 @@ static void test_no_gpu_is_clear(void) {
   CHECK(strstr(err.msg, "libcuda") || strstr(err.msg, "host memory"));
   free(buf);
   mc_engine_destroy(e);
+}
+
+/* The same-host path asks a peer for its descriptor with the RPC
+ * mc.describe; this part needs no GPU. */
+static void test_describe_rpc(void) {
+  mc_engine_opts_t o = {.local_hostname = "127.0.0.1", .metadata_server = "P2PHANDSHAKE"};
+  mc_engine_t *A = NULL, *B = NULL;
+  mc_err_t err = {0};
+  CHECK_EQ_INT(mc_engine_create(&o, &A, &err), 0);
+  CHECK_EQ_INT(mc_engine_create(&o, &B, &err), 0);
+  char *buf = malloc(1 << 16);
+  CHECK_EQ_INT(mc_engine_register(B, buf, 1 << 16, "cpu", &err), 0);
+  char *reply = NULL;
+  CHECK_EQ_INT(mc_engine_rpc(A, mc_engine_segment_name(B), MC_RPC_DESCRIBE,
+                             strlen(MC_RPC_DESCRIBE), 5000, &reply, &err), 0);
+  CHECK(reply);
+  mc_remote_desc_t rd;
+  CHECK_EQ_INT(mc_segment_desc_decode_regions(reply, strlen(reply), &rd, &err), 0);
+  CHECK_EQ_INT(rd.n, 1);
+  CHECK_EQ_INT(rd.regions[0].addr, (uint64_t)(uintptr_t)buf);
+  CHECK_EQ_INT(rd.regions[0].cuda_dev, -1);
+  CHECK(strcmp(rd.host_id, mc_host_identity()) == 0);
+  CHECK_EQ_INT(rd.pid, getpid());
+  mc_remote_desc_free(&rd);
+  free(reply);
+  mc_engine_destroy(A);
+  mc_engine_destroy(B);
+  free(buf);
 }
 
 static void test_stager_roundtrip(void) {
@@ -298,6 +328,7 @@ static void test_dmabuf_export(void) {
 
 int main(void) {
   RUN(test_no_gpu_is_clear);
+  RUN(test_describe_rpc);
   RUN(test_stager_roundtrip);
   RUN(test_wrong_claims);
   RUN(test_local_segment_gpu);
