@@ -51,7 +51,7 @@ static void on_incoming_closed(void *ctx, const char *segment) {
     mc_rdma_peer_closed(e->rdma, segment);
 }
 
-/* RPCs on the control channel: the RDMA handshake, and DESCRIBE. */
+/* RPCs on the control channel: the RDMA handshake, and mc.describe (same-host GPU path). */
 static int on_rpc(void *ctx, const char *from, const char *req, size_t len, char **reply,
                   mc_err_t *err) {
   mc_engine_t *e = ctx;

@@ -114,7 +114,7 @@ int mc_gpu_locate_locals(const mc_request_t *reqs, size_t n, int *ldev, mc_err_t
 /* Same-host path.  mc_gpu_ipc_plan picks the requests whose local buffer
  * is GPU memory and whose remote range lies in a cuda region of a peer on
  * this host (via_ipc[i] = 1); NULL if none.  The peer's descriptor comes
- * from a cache, checked by a DESCRIBE that runs alongside the copies (the
+ * from a cache, checked by an mc.describe RPC that runs alongside the copies (the
  * first call to a peer asks synchronously).  prepare (b->mu held) sets up
  * the tasks and copy jobs; start (after unlocking) queues them. */
 typedef struct mc_gpu_plan mc_gpu_plan_t;

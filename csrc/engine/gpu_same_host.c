@@ -1,4 +1,4 @@
-/* The same-host GPU path: the peer's descriptor (DESCRIBE, cached and
+/* The same-host GPU path: the peer's descriptor (the mc.describe RPC, cached and
  * checked alongside the copies), CUDA IPC mappings of its regions, and one
  * copy job per local GPU for a batch's requests (docs/architecture.md). */
 #include <stdio.h>
@@ -110,7 +110,7 @@ struct mc_gpu_plan {
 };
 
 /* Completion of one same-host batch: the copy jobs and, with a cached
- * descriptor, the DESCRIBE that checks it; the last one completes the
+ * descriptor, the mc.describe RPC that checks it; the last one completes the
  * tasks (b->mu). */
 typedef struct ipc_group {
   mc_batch_t *b;
