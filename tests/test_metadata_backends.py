@@ -253,7 +253,9 @@ def test_metadata_server_restart(server, mpeers):
         "engines did not re-register within 5 s"
     took = time.time() - t0
     assert took < TTL + 1, took
-    assert client.get("mooncake/rpc_meta/" + b.segment) is not None
+    # The rpc entry is written right after the descriptor (same keep-alive pass).
+    assert wait_until(lambda: client.get("mooncake/rpc_meta/" + b.segment) is not None,
+                      timeout=2, step=0.05)
     # A new peer finds b through the restarted server.
     c = mpeers(server.url)
     assert write(c, b) == {"ok": True}
