@@ -156,7 +156,7 @@ class Deployment:
               *self.proxies.values()]
         return [p for p in ps if p is not None]
 
-    def start(self, timeout=240.0):
+    def start(self, timeout=600.0):
         """Starts everything in parallel and waits until all are healthy."""
         # The metadata server first: the connectors register with it on start.
         if self.metadata is not None:
@@ -167,7 +167,7 @@ class Deployment:
     def stop(self):
         serving.stop_all(self.processes)
 
-    def restart_prefill(self, timeout=240.0):
+    def restart_prefill(self, timeout=600.0):
         self.prefill.stop()
         serving.start_all([self.prefill], timeout)
 

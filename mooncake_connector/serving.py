@@ -21,18 +21,23 @@ import urllib.request
 #: comparisons), eager mode (30-100 s start-up instead of minutes), KV block
 #: size 32 (the CPU backend needs a multiple of 32), an explicit KV cache size,
 #: no prefix caching (every prompt token is either computed or transferred:
-#: the stats then say which) and per-request cached-token counts.
+#: the stats then say which), per-request cached-token counts, and the worker
+#: inside the engine-core process (uni executor; see VLLM_ENV).
 BASE_VLLM_ARGS = ("--dtype", "float32", "--enforce-eager", "--block-size", "32",
                   "--no-enable-prefix-caching", "--enable-prompt-tokens-details",
-                  "--disable-uvicorn-access-log")
+                  "--disable-uvicorn-access-log", "--distributed-executor-backend", "uni")
 
 #: Offline, CPU, no telemetry.  OpenMP: vLLM's default ("auto") pins each
 #: server's worker to the same core (core 0, the others "reserved"), so three
 #: servers on one host would share one core; "nobind" and one thread each
 #: lets the kernel spread them (the tiny model gains nothing from more).
+#: VLLM_ENABLE_V1_MULTIPROCESSING=0: otherwise the CPU platform turns the uni
+#: executor back into mp, and each server is three processes (API server,
+#: engine core, worker) instead of two, each importing torch and vLLM.
 VLLM_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_TARGET_DEVICE": "cpu",
             "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "TOKENIZERS_PARALLELISM": "false",
-            "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
+            "VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1",
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 class StartError(RuntimeError):

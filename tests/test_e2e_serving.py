@@ -166,34 +166,19 @@ def test_serving_demo_against_the_session_servers(deployment):
     assert s["ttft_disaggregated_ms_p50"] > 0 and s["ttft_colocated_ms_p50"] > 0
 
 
-def test_decode_alone_after_prefill_is_gone(deployment, references):
-    """Prefill computed a prompt's KV and then died before decode ran: decode
-    either recomputes (same tokens) or fails clearly; it never hangs.  Runs
-    before the proxy fault test, which restarts the prefill server."""
-    cid, path, base = next(c for c in _cases_for(deployment, references)
-                           if c[0].startswith("cmpl-long"))
-    pre = request(deployment.prefill.url, path, dict(_body(base), max_tokens=1),
-                  timeout=REQ_TIMEOUT)
-    assert pre.status == 200, pre.error
-    deployment.prefill.kill()
-    t0 = time.monotonic()
-    r = request(deployment.decode.url, path, _body(base), timeout=REQ_TIMEOUT)
-    took = time.monotonic() - t0
-    assert took < 90, f"decode took {took:.0f} s with the prefill server gone"
-    if r.status == 200:
-        assert r.token_ids == references[cid].token_ids
-    else:
-        assert r.status >= 400 and r.error and "Traceback" not in r.error, r
-
-
 def test_prefill_killed_mid_run_then_restarted(deployment, references):
     """Requests keep flowing while the prefill server is SIGKILLed: every one
-    ends (an answer or a clear error) without hanging, the proxy stays up,
-    and after a restart requests succeed and match again."""
+    ends (an answer or a clear error) without hanging and the proxy stays up.
+    A prompt prefilled before the kill, sent to decode afterwards, is either
+    recomputed (same tokens) or refused clearly.  After a restart requests
+    succeed and match again.  (Last in this module: it restarts a server.)"""
     dep = deployment
-    if not dep.prefill.alive:
-        dep.restart_prefill()
-    streamed = [c for c in _cases_for(dep, references) if c[0].endswith("-stream")]
+    cases = _cases_for(dep, references)
+    streamed = [c for c in cases if c[0].endswith("-stream")]
+    orphan_id, orphan_path, orphan_base = next(c for c in cases if c[0].startswith("cmpl-long"))
+    pre = request(dep.prefill.url, orphan_path, dict(_body(orphan_base), max_tokens=1),
+                  timeout=REQ_TIMEOUT)
+    assert pre.status == 200, pre.error
     results, stop = [], threading.Event()
 
     def client():
@@ -226,12 +211,24 @@ def test_prefill_killed_mid_run_then_restarted(deployment, references):
         assert took < REQ_TIMEOUT, (cid, took)
         if r.status == 200:
             assert r.token_ids == references[cid].token_ids, cid
-    # The proxy reports the dead instance.
     status, body = http_get(dep.proxies["a"].url + "/health")
     assert status == 503 and "degraded" in body, (status, body)
 
+    # Decode on its own, for a prompt whose prefill finished before the kill.
+    t0 = time.monotonic()
+    r = request(dep.decode.url, orphan_path, _body(orphan_base), timeout=REQ_TIMEOUT)
+    took = time.monotonic() - t0
+    assert took < 90, f"decode took {took:.0f} s with the prefill server gone"
+    if r.status == 200:
+        assert r.token_ids == references[orphan_id].token_ids
+    else:
+        assert r.status >= 400 and r.error and "Traceback" not in r.error, r
+    assert dep.decode.alive, "the decode server died"
+
     dep.restart_prefill()
-    for cid, path, base in _cases_for(dep, references)[:6]:
+    for cid, path, base in cases[:6]:
         r = request(dep.proxies["a"].url, path, _body(base), timeout=REQ_TIMEOUT)
         assert r.status == 200, (cid, r.error)
         assert r.token_ids == references[cid].token_ids, cid
+    status, body = http_get(dep.proxies["a"].url + "/health")
+    assert status == 200, (status, body)
