@@ -7,6 +7,7 @@ its output in a log file.  Waits have timeouts and fail with the log's tail;
 stop() kills the whole process group (vLLM's API server, engine core and
 worker processes) and waits for it.
 """
+import ctypes
 import json
 import os
 import signal
@@ -95,7 +96,7 @@ class Process:
         try:
             self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, env=self.env, cwd=self.cwd,
-                                         start_new_session=True)
+                                         start_new_session=True, preexec_fn=_die_with_parent)
         finally:
             log.close()
         self.started_at = time.monotonic()
@@ -150,6 +151,21 @@ class Process:
     def kill(self):
         """SIGKILL to the whole group at once (a crash, for fault tests)."""
         self.stop(grace=0.0, sig=signal.SIGKILL)
+
+
+try:
+    _prctl = ctypes.CDLL(None, use_errno=True).prctl
+except (OSError, AttributeError):  # not Linux
+    _prctl = None
+
+
+def _die_with_parent():
+    """In the child before exec: SIGTERM it when the process that started it
+    dies (Linux PR_SET_PDEATHSIG), so a killed test run or demo leaves no
+    servers behind although each server has its own session (vLLM's engine
+    processes follow their API server).  Nothing here may import or lock."""
+    if _prctl is not None:
+        _prctl(1, signal.SIGTERM, 0, 0, 0)
 
 
 def _killpg(pgid, sig):
@@ -223,7 +239,13 @@ def start_all(processes, timeout):
 
 
 def stop_all(processes):
-    for p in reversed(list(processes)):
+    """SIGTERM to every group first (they shut down in parallel), then each
+    is waited for (and SIGKILLed after its grace period)."""
+    processes = [p for p in processes if p.proc is not None]
+    for p in processes:
+        if p.proc.poll() is None:
+            _killpg(p.proc.pid, signal.SIGTERM)
+    for p in reversed(processes):
         try:
             p.stop()
         except Exception as e:  # keep stopping the others

@@ -11,6 +11,7 @@ in-tree stand-in), default mooncake_connector.deployment.DEFAULT_CONNECTOR.
 """
 import importlib.util
 import os
+import tempfile
 
 import pytest
 
@@ -32,10 +33,13 @@ def tiny_model_dir():
 
 
 @pytest.fixture(scope="session")
-def deployment(tiny_model_dir, tmp_path_factory):
+def deployment(tiny_model_dir):
     from mooncake_connector.deployment import Deployment
 
-    dep = Deployment(tmp_path_factory.mktemp("e2e"), tiny_model_dir, flows=("a", "b"))
+    # Not under pytest's basetemp: a concurrent pytest run on the same host
+    # prunes old /tmp/pytest-of-USER/pytest-N dirs, logs and configs included.
+    workdir = tempfile.mkdtemp(prefix="mc-e2e-")
+    dep = Deployment(workdir, tiny_model_dir, flows=("a", "b"))
     try:
         dep.start(timeout=START_TIMEOUT_S)
     except Exception:
