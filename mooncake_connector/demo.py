@@ -31,10 +31,12 @@ def _prompt(n_words, seed):
     return " ".join(out)
 
 
-def run_requests(dep, n_requests=8, max_tokens=16, lengths=(100, 400, 1000), out=print):
+def run_requests(dep, n_requests=8, max_tokens=16, lengths=(100, 400, 1000), out=print,
+                 wait_connector_stats=True):
     """Sends n_requests streamed completions through the proxy (flow a) and
     to the colocated server; returns a summary dict."""
-    from mooncake_connector.deployment import prompt_tokens_by_source
+    from mooncake_connector.deployment import (connector_log_stats, log_size,
+                                               prompt_tokens_by_source)
     from mooncake_connector.openai_client import request
     from mooncake_connector.tiny_model import kv_bytes_per_token
 
@@ -49,6 +51,7 @@ def run_requests(dep, n_requests=8, max_tokens=16, lengths=(100, 400, 1000), out
         if r.status != 200:
             raise RuntimeError(f"warm-up request to {url} failed: {r.status} {r.error}")
     before = prompt_tokens_by_source(dep.decode.url)
+    log_mark = log_size(dep.decode.log_path)
     rows = []
     for i in range(n_requests):
         prompt = _prompt(lengths[i % len(lengths)], i)
@@ -68,8 +71,17 @@ def run_requests(dep, n_requests=8, max_tokens=16, lengths=(100, 400, 1000), out
             f"ms; output {'identical' if same else 'DIFFERS'}")
     after = prompt_tokens_by_source(dep.decode.url)
     ext = after.get("external_kv_transfer", 0) - before.get("external_kv_transfer", 0)
+    # The connector's own counters reach the log with vLLM's next stats line
+    # (every 10 s); ours reports load_bytes, the ExampleConnector nothing.
+    conn = {}
+    if wait_connector_stats and dep.connector == "mooncake":
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and not conn.get("load_bytes"):
+            time.sleep(1)
+            conn = connector_log_stats(dep.decode.log_path, log_mark)
     local = after.get("local_compute", 0) - before.get("local_compute", 0)
     return {"requests": rows, "kv_tokens_moved": ext, "kv_bytes_per_token": per_token,
+            "connector_stats": conn,
             "kv_bytes_moved": ext * per_token, "decode_prompt_tokens_computed": local,
             "ttft_colocated_ms_p50": statistics.median(r["ttft_colocated_ms"] for r in rows),
             "ttft_disaggregated_ms_p50": statistics.median(
@@ -132,8 +144,14 @@ def main(argv=None):
         print(f"TTFT p50: colocated {s['ttft_colocated_ms_p50']:.1f} ms, disaggregated "
               f"{s['ttft_disaggregated_ms_p50']:.1f} ms")
         print(f"KV cache moved prefill -> decode: {s['kv_bytes_moved']:,} bytes "
-              f"({s['kv_tokens_moved']:,} tokens x {s['kv_bytes_per_token']:,} B); decode "
-              f"computed {s['decode_prompt_tokens_computed']:,} prompt tokens itself")
+              f"({s['kv_tokens_moved']:,} tokens x {s['kv_bytes_per_token']:,} B, by vLLM's "
+              f"counters); decode computed {s['decode_prompt_tokens_computed']:,} prompt "
+              f"tokens itself")
+        c = s["connector_stats"]
+        if c:
+            print(f"connector's own stats (decode): {c.get('loads', 0)} loads, "
+                  f"{c.get('load_bytes', 0):,} bytes, {c.get('load_tokens', 0):,} tokens, "
+                  f"{c.get('loads_failed', 0)} failed")
         ok = s["all_identical"] and s["all_loaded"]
         print(("OK: disaggregated output is token-identical to colocated and the prompt KV "
                "was loaded remotely") if ok else

@@ -27,7 +27,7 @@ from mooncake_connector import serving
 
 CONNECTORS = ("mooncake", "example")
 #: The connector used when nothing else is asked for ($MC_E2E_CONNECTOR overrides).
-DEFAULT_CONNECTOR = "example"
+DEFAULT_CONNECTOR = "mooncake"
 
 
 def default_connector():
@@ -105,6 +105,35 @@ def prompt_tokens_by_source(url, timeout=10.0):
             src = dict(labels).get("source")
             out[src] = out.get(src, 0) + int(v)
     return out
+
+
+def connector_log_stats(log_path, since=0):
+    """Sums the connector's own counters over the "KV Transfer metrics:"
+    lines vLLM's stat logger writes (every ~10 s, each for its interval) to a
+    server's log, from byte offset `since`.  {} when there are none (vLLM's
+    ExampleConnector reports no stats)."""
+    totals = {}
+    try:
+        with open(log_path, "rb") as f:
+            f.seek(since)
+            text = f.read().decode("utf-8", "replace")
+    except OSError:
+        return totals
+    for line in text.splitlines():
+        if "KV Transfer metrics:" not in line:
+            continue
+        for key, val in re.findall(r"(\w+)=([0-9.]+)", line.split("KV Transfer metrics:", 1)[1]):
+            if key.endswith(("_ms", "_GBps")):
+                continue  # per-interval averages do not add up
+            totals[key] = totals.get(key, 0) + (float(val) if "." in val else int(val))
+    return totals
+
+
+def log_size(path):
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
 
 
 class Deployment:
