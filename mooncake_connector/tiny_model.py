@@ -107,8 +107,8 @@ def _build_into(out, spec):
                       num_hidden_layers=spec["layers"], num_attention_heads=spec["heads"],
                       num_key_value_heads=spec["kv_heads"], vocab_size=tok.get_vocab_size(),
                       max_position_embeddings=spec["max_positions"], bos_token_id=1,
-                      eos_token_id=2, pad_token_id=3, tie_word_embeddings=False)
-    cfg.torch_dtype = "float32"
+                      eos_token_id=2, pad_token_id=3, tie_word_embeddings=False,
+                      dtype="float32")
     model = LlamaForCausalLM(cfg)
     model.save_pretrained(out, safe_serialization=True)
     with open(os.path.join(out, "tiny_model.json"), "w") as f:
