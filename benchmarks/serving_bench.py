@@ -82,7 +82,10 @@ def measure(dep, lengths, n_requests, max_tokens, log):
     proxy = dep.proxies["a"].url
 
     def one(url, prompt, **kw):
-        r = request(url, "/v1/completions", dict(body, prompt=prompt, **kw), timeout=600)
+        b = dict(body, prompt=prompt, **kw)
+        if not b["stream"]:
+            del b["stream_options"]
+        r = request(url, "/v1/completions", b, timeout=600)
         if r.status != 200:
             raise RuntimeError(f"{url}: {r.status} {r.error}")
         return r
@@ -162,14 +165,13 @@ def plot(summary, path, title):
     rows = summary["rows"]
     x = [r["prompt_tokens"] for r in rows]
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for key, label, style in (("colocated", "colocated", "o-"),
-                              ("disaggregated", "disaggregated (proxy)", "s-")):
-        a.plot(x, [r[f"ttft_{key}_ms_p50"] for r in rows], style, label=f"{label} p50")
-        a.plot(x, [r[f"ttft_{key}_ms_p99"] for r in rows], style, alpha=0.35,
-               label=f"{label} p99")
-        b.plot(x, [r[f"itl_{key}_ms_p50"] for r in rows], style, label=f"{label} p50")
-        b.plot(x, [r[f"itl_{key}_ms_p99"] for r in rows], style, alpha=0.35,
-               label=f"{label} p99")
+    for key, label, color in (("colocated", "colocated", "tab:blue"),
+                              ("disaggregated", "disaggregated (proxy)", "tab:orange")):
+        for ax, what in ((a, "ttft"), (b, "itl")):
+            ax.plot(x, [r[f"{what}_{key}_ms_p50"] for r in rows], "o-", color=color,
+                    label=f"{label} p50")
+            ax.plot(x, [r[f"{what}_{key}_ms_p99"] for r in rows], "o:", color=color,
+                    alpha=0.6, label=f"{label} p99")
     a.plot(x, [r["ttft_bar_ms"] for r in rows], "k--", label="bar: colocated + 1.1 x KV xfer")
     a.set(xlabel="prompt tokens", ylabel="TTFT (ms)", title="time to first token")
     b.set(xlabel="prompt tokens", ylabel="ITL (ms)", title="inter-token latency")
