@@ -203,7 +203,7 @@ def main(argv=None):
         ap.error("prompt lengths must stay below --max-model-len 2048")
 
     from mooncake_connector import tiny_model
-    from mooncake_connector.deployment import Deployment
+    from mooncake_connector.deployment import Deployment, connector_log_stats, log_size
 
     model = tiny_model.build(**BENCH_SPEC)
     spec = tiny_model.spec_with(**BENCH_SPEC)
@@ -215,8 +215,11 @@ def main(argv=None):
     try:
         dep.start(timeout=args.start_timeout)
         print(f"servers up in {time.monotonic() - t0:.0f} s; measuring", flush=True)
+        mark = log_size(dep.decode.log_path)
         results, fixed = measure(dep, lengths, args.requests, args.max_tokens,
                                  lambda s: print(s, flush=True))
+        time.sleep(11)  # vLLM logs the connector's stats every 10 s
+        conn_stats = connector_log_stats(dep.decode.log_path, mark)
     finally:
         dep.stop()
     xfer = {}
@@ -225,6 +228,7 @@ def main(argv=None):
         xfer[r["prompt_words"]] = {"seconds": secs, "bytes": nbytes}
     summary = summarize(results, fixed, xfer)
     summary.update({"connector": dep.connector, "model_spec": spec,
+                    "connector_stats_decode": conn_stats,
                     "kv_bytes_per_token": tiny_model.kv_bytes_per_token(spec),
                     "requests_per_length": args.requests, "max_tokens": args.max_tokens,
                     "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
@@ -246,6 +250,8 @@ def main(argv=None):
     print(f"connector fixed per-request cost (decode vs colocated TTFT, ~40-token prompt "
           f"missing at the producer, p50): {summary['fixed_overhead_ms_p50']:.2f} ms "
           f"({'ok' if summary['fixed_overhead_ok'] else 'FAIL'}, bar 1 ms)")
+    if conn_stats:
+        print(f"connector's own stats on decode during the run: {conn_stats}")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(summary, f, indent=1)

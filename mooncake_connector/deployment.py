@@ -119,13 +119,19 @@ def connector_log_stats(log_path, since=0):
             text = f.read().decode("utf-8", "replace")
     except OSError:
         return totals
+    weighted = 0.0
     for line in text.splitlines():
         if "KV Transfer metrics:" not in line:
             continue
-        for key, val in re.findall(r"(\w+)=([0-9.]+)", line.split("KV Transfer metrics:", 1)[1]):
+        fields = dict(re.findall(r"(\w+)=([0-9.]+)", line.split("KV Transfer metrics:", 1)[1]))
+        for key, val in fields.items():
             if key.endswith(("_ms", "_GBps")):
                 continue  # per-interval averages do not add up
             totals[key] = totals.get(key, 0) + (float(val) if "." in val else int(val))
+        if "load_time_avg_ms" in fields and fields.get("loads"):
+            weighted += float(fields["load_time_avg_ms"]) * int(fields["loads"])
+    if weighted and totals.get("loads"):
+        totals["load_time_avg_ms"] = weighted / totals["loads"]  # over all loads
     return totals
 
 
