@@ -149,7 +149,8 @@ def main(argv=None):
               f"tokens itself")
         c = s["connector_stats"]
         if c:
-            print(f"connector's own stats (decode, since the warm-up's stats line): {c.get('loads', 0)} loads, "
+            print(f"connector's own stats (decode; may include the warm-up): "
+                  f"{c.get('loads', 0)} loads, "
                   f"{c.get('load_bytes', 0):,} bytes, {c.get('load_tokens', 0):,} tokens, "
                   f"{c.get('loads_failed', 0)} failed")
         ok = s["all_identical"] and s["all_loaded"]
