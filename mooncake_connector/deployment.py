@@ -200,7 +200,10 @@ class Deployment:
         return self
 
     def stop(self):
-        serving.stop_all(self.processes)
+        # The metadata server last: the connectors unregister on shutdown.
+        serving.stop_all([p for p in self.processes if p is not self.metadata])
+        if self.metadata is not None:
+            serving.stop_all([self.metadata])
 
     def restart_prefill(self, timeout=600.0):
         self.prefill.stop()
