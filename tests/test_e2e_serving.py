@@ -99,11 +99,15 @@ def _cases_for(dep, references):
 
 
 def _check_flow(dep, flow, references):
-    before = prompt_tokens_by_source(dep.decode.url)
-    mismatches, not_loaded, loaded = [], [], 0
+    """Sends every case through the proxy, one at a time; each answer must
+    equal the colocated one, and vLLM's counters on the decode server must
+    show the prompt's KV came through the connector (per request: the
+    external_kv_transfer delta), not from local compute."""
+    start = before = prompt_tokens_by_source(dep.decode.url)
+    mismatches, not_loaded, short_without_params = [], [], []
+    loaded = 0
     cases = _cases_for(dep, references)
     assert len(cases) >= 20
-    short_without_params = []
     for cid, path, base in cases:
         ref = references[cid]
         r = request(dep.proxies[flow].url, path, _body(base), timeout=REQ_TIMEOUT)
@@ -112,27 +116,32 @@ def _check_flow(dep, flow, references):
             short_without_params.append(f"{cid} ({ref.usage['prompt_tokens']} tokens)")
             continue
         assert r.status == 200, f"{cid} via proxy flow {flow}: {r.status} {r.error}"
+        after = prompt_tokens_by_source(dep.decode.url)
+        ext = after.get("external_kv_transfer", 0) - before.get("external_kv_transfer", 0)
+        before = after
         if r.token_ids != ref.token_ids:
             mismatches.append(f"{cid}: colocated {ref.token_ids} vs disaggregated {r.token_ids}")
         n = r.usage["prompt_tokens"]
         assert n == ref.usage["prompt_tokens"], cid
-        # The decode server must have taken every full block before the last
-        # prompt token from the connector (it recomputes at most the rest; a
-        # connector may also supply all n, vLLM then recomputes the last).
+        # Every full block before the last prompt token must have come from the
+        # connector (decode recomputes at most the rest; a connector may also
+        # supply all n, vLLM then recomputes the last token).
         need = (n - 1) // BLOCK * BLOCK
-        if r.cached_tokens < need or r.cached_tokens > n:
-            not_loaded.append(f"{cid}: {n} prompt tokens, {r.cached_tokens} loaded remotely "
+        if ext < need or ext > n:
+            not_loaded.append(f"{cid}: {n} prompt tokens, {ext} loaded remotely "
                               f"(expected >= {need})")
-        loaded += r.cached_tokens
-    after = prompt_tokens_by_source(dep.decode.url)
+        # Flow a: the answer's usage says the same.  (Flow b: vLLM reports
+        # cached_tokens 0 for requests with do_remote_prefill params although
+        # its counters show the load; docs/vllm-cpu.md.)
+        if flow == "a" and r.cached_tokens != ext:
+            not_loaded.append(f"{cid}: usage says {r.cached_tokens} cached, counters {ext}")
+        loaded += ext
+    end = prompt_tokens_by_source(dep.decode.url)
     assert not mismatches, "disaggregated output differs from colocated:\n" + "\n".join(
         mismatches)
     assert not not_loaded, "prompt KV not loaded remotely on decode:\n" + "\n".join(not_loaded)
-    # vLLM's own counters agree: those tokens came from KV transfer, not local compute.
-    ext = after.get("external_kv_transfer", 0) - before.get("external_kv_transfer", 0)
-    local = after.get("local_compute", 0) - before.get("local_compute", 0)
-    assert ext == loaded, (before, after, loaded)
-    assert local < ext / 4, f"decode computed {local} prompt tokens locally vs {ext} loaded"
+    local = end.get("local_compute", 0) - start.get("local_compute", 0)
+    assert local < loaded / 4, f"decode computed {local} prompt tokens locally vs {loaded} loaded"
     if short_without_params:
         # Known (issue #5): for a prompt shorter than one KV block the producer
         # publishes nothing and answers without kv_transfer_params, which the
