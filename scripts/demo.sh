@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
-# Quick start 1: prepare the environment, then run the demo.
+# Quick start 1: prepare the environment, then run the demo: disaggregated
+# serving with real vLLM servers (metadata server, prefill, decode, colocated
+# reference, proxy), TTFT both ways and KV bytes moved; everything stopped at
+# the end.  A few minutes: vLLM servers take 30-150 s to start on a small CPU.
 #   scripts/demo.sh [demo args...]     (arguments go to mooncake_connector.demo)
+#   scripts/demo.sh --transfer-only    the two-process KV transfer demo (no vLLM)
 set -uo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 

@@ -67,9 +67,9 @@ stage "C tests (ASan+UBSan)" 0 "${MC_T_SAN:-1200}" make -C "$repo" SAN=1 WERROR=
 # ./mooncake_connector, which has no compiled _core in a fresh clone.
 if "$py" -P -c '' 2>/dev/null; then
     export PYTHONSAFEPATH=1
-    stage "pytest" 0 "${MC_T_PYTEST:-1800}" "$py" -P -m pytest -q tests "$@"
+    stage "pytest" 0 "${MC_T_PYTEST:-2700}" "$py" -P -m pytest -q tests "$@"
 else
-    stage "pytest" 0 "${MC_T_PYTEST:-1800}" "$repo/.venv/bin/pytest" -q tests "$@"
+    stage "pytest" 0 "${MC_T_PYTEST:-2700}" "$repo/.venv/bin/pytest" -q tests "$@"
 fi
 
 summary

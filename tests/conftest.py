@@ -100,3 +100,7 @@ def wait_until(pred, timeout=5.0, step=0.02):
 def have_netns():
     return (os.geteuid() == 0 and shutil.which("ip") is not None
             and subprocess.run(["ip", "netns", "list"], capture_output=True).returncode == 0)
+
+
+# Session fixtures of the end-to-end serving tests (tests/test_e2e_*.py).
+from e2e_fixtures import deployment, tiny_model_dir  # noqa: E402,F401

@@ -1,4 +1,5 @@
-"""The quick-start main job (README command 1) runs and verifies its data."""
+"""The transfer demo (`python -m mooncake_connector.demo --transfer-only`, or
+`python -m mooncake_connector.transfer_demo`) runs and verifies its data."""
 import json
 import os
 import subprocess
@@ -7,8 +8,8 @@ import sys
 
 def test_demo_runs_and_verifies():
     out = subprocess.run(
-        [sys.executable, "-m", "mooncake_connector.demo", "--layers", "4", "--blocks", "64",
-         "--block-kib", "16", "--repeat", "1", "--json"],
+        [sys.executable, "-m", "mooncake_connector.demo", "--transfer-only", "--layers", "4",
+         "--blocks", "64", "--block-kib", "16", "--repeat", "1", "--json"],
         capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     summary = json.loads(out.stdout.strip().splitlines()[-1])
@@ -23,7 +24,8 @@ def test_demo_with_a_mooncake_json(tmp_path):
                                "metadata_server": "P2PHANDSHAKE", "protocol": "tcp",
                                "device_name": ""}))
     out = subprocess.run(
-        [sys.executable, "-m", "mooncake_connector.demo", "--config", str(cfg), "--layers", "2",
+        [sys.executable, "-m", "mooncake_connector.transfer_demo", "--config", str(cfg),
+         "--layers", "2",
          "--blocks", "16", "--repeat", "1", "--json"],
         capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -34,7 +36,8 @@ def test_demo_with_a_mooncake_json(tmp_path):
                                "metadata_server": "P2PHANDSHAKE", "protocol": "rdma",
                                "device_name": "mlx5_0"}))
     out = subprocess.run(
-        [sys.executable, "-m", "mooncake_connector.demo", "--config", str(cfg), "--layers", "2",
+        [sys.executable, "-m", "mooncake_connector.transfer_demo", "--config", str(cfg),
+         "--layers", "2",
          "--blocks", "16", "--repeat", "1"], capture_output=True, text=True, timeout=120)
     assert out.returncode != 0
     assert "rdma" in out.stderr and "Traceback" not in out.stderr
@@ -49,9 +52,22 @@ def test_demo_from_a_directory_holding_another_copy_of_the_package(tmp_path):
     (shadow / "__init__.py").write_text("raise ImportError('shadow copy without _core')\n")
     pkg_parent = os.path.dirname(os.path.dirname(os.path.abspath(mooncake_connector.__file__)))
     code = ("import sys; sys.path.insert(0, %r); sys.argv = ['demo', '--layers', '2', "
-            "'--blocks', '16', '--repeat', '1']; from mooncake_connector.demo import main; "
-            "sys.exit(main())" % pkg_parent)
+            "'--blocks', '16', '--repeat', '1']; "
+            "from mooncake_connector.transfer_demo import main; sys.exit(main())" % pkg_parent)
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "every block verified" in out.stdout
+
+
+def test_serving_demo_help_names_its_options():
+    """The serving demo itself (README command 1) runs in tests/test_e2e_serving.py
+    against the session's servers; here only its command line."""
+    out = subprocess.run([sys.executable, "-m", "mooncake_connector.demo", "--help"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    for opt in ("--transfer-only", "--connector", "--requests", "--keep-running"):
+        assert opt in out.stdout
+    bad = subprocess.run([sys.executable, "-m", "mooncake_connector.demo", "--requests", "0"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--requests must be >= 1" in bad.stderr

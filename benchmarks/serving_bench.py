@@ -1,0 +1,269 @@
+"""Serving benchmark: disaggregated (prefill + decode behind the proxy) vs colocated.
+
+    .venv/bin/python benchmarks/serving_bench.py [--lengths 128,512,1024,1900] [--requests 10]
+        [--connector mooncake|example] [--out build/serving_bench.json] [--plot build/serving_bench.png]
+
+One run starts the metadata server, the prefill, decode and colocated vLLM
+servers and the proxy (mooncake_connector.deployment), then for each prompt
+length sends the same streamed greedy requests one at a time to the colocated
+server and through the proxy (flow a), and measures per request:
+
+* TTFT: time from sending the request to the first generated token arriving;
+* ITL: gaps between later tokens (every streamed token);
+* the decomposition of a disaggregated request: the prefill leg (max_tokens=1
+  straight to the prefill server) and the decode leg (straight to the decode
+  server, KV loaded remotely), so proxy and connector costs show;
+* the KV transfer time of the same bytes in the same block layout with our
+  transfer engine (mooncake_connector.transfer_demo, best of --xfer-repeat), the
+  "measured KV transfer time" of the bar.
+
+Bars: disaggregated TTFT p50 <= colocated TTFT p50 + 1.1 x KV transfer time,
+per prompt length; and the connector's fixed per-request cost (decode-server TTFT of
+a ~40-token prompt the prefill server never saw — lookup, miss, local compute
+— minus the colocated TTFT of the same prompt, p50) <= 1 ms.  Results go to --out (JSON) and --plot (PNG).
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+BLOCK = 32
+
+#: Larger than the tests' model so that KV sizes matter: 4 layers, head size
+#: 64, 4 KV heads -> 8 KiB of KV per token (fp32).
+BENCH_SPEC = {"layers": 4, "hidden": 256, "heads": 4, "kv_heads": 4, "intermediate": 512}
+
+
+def pct(xs, q):
+    xs = sorted(xs)
+    if not xs:
+        return None
+    k = (len(xs) - 1) * q / 100.0
+    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def prompt_of(n_words, seed):
+    from mooncake_connector.demo import _prompt
+    return _prompt(n_words, seed)
+
+
+def xfer_time(spec, n_tokens, repeat, python):
+    """Best time (s) our engine takes to move n_tokens' KV between two
+    processes in vLLM's CPU layout: per layer one tensor whose block holds K and
+    V of all KV heads (block_size x kv_heads x 2 x head_size x 4 B)."""
+    head = spec["hidden"] // spec["heads"]
+    block_kib = BLOCK * spec["kv_heads"] * 2 * head * 4 // 1024
+    n_blocks = max(1, n_tokens // BLOCK)
+    # transfer_demo has a K and a V tensor per "layer": layers/2 of them make
+    # one tensor per model layer.
+    layers = max(1, spec["layers"] // 2)
+    out = subprocess.run(
+        [python, "-m", "mooncake_connector.transfer_demo", "--layers", str(layers),
+         "--blocks", str(n_blocks + 8), "--block-kib", str(block_kib), "--prompt-blocks",
+         str(n_blocks), "--repeat", str(repeat), "--json"],
+        capture_output=True, text=True, timeout=300)
+    if out.returncode != 0:
+        raise RuntimeError(f"transfer_demo failed: {out.stderr[-2000:]}")
+    s = json.loads(out.stdout.strip().splitlines()[-1])
+    return s["best_seconds"], s["bytes"]
+
+
+def measure(dep, lengths, n_requests, max_tokens, log):
+    from mooncake_connector.openai_client import request
+
+    body = {"model": "tiny", "temperature": 0.0, "max_tokens": max_tokens, "ignore_eos": True,
+            "return_token_ids": True, "stream": True, "stream_options": {"include_usage": True}}
+    proxy = dep.proxies["a"].url
+
+    def one(url, prompt, **kw):
+        b = dict(body, prompt=prompt, **kw)
+        if not b["stream"]:
+            del b["stream_options"]
+        r = request(url, "/v1/completions", b, timeout=600)
+        if r.status != 200:
+            raise RuntimeError(f"{url}: {r.status} {r.error}")
+        return r
+
+    for url in (dep.colocated.url, proxy, dep.prefill.url, dep.decode.url):  # warm-up
+        for i in range(3):
+            one(url, prompt_of(max(lengths), 10_000 + i))
+    results = []
+    for n in lengths:
+        row = {"prompt_words": n, "colocated": [], "disaggregated": [], "prefill_leg": [],
+               "decode_leg": [], "itl_colocated": [], "itl_disaggregated": [],
+               "identical": 0, "loaded_tokens": []}
+        for i in range(n_requests):
+            p = prompt_of(n, 1000 * n + i)
+            col = one(dep.colocated.url, p)
+            dis = one(proxy, p)
+            row["colocated"].append(col.ttft_s)
+            row["disaggregated"].append(dis.ttft_s)
+            row["itl_colocated"] += col.itl_s
+            row["itl_disaggregated"] += dis.itl_s
+            row["identical"] += col.token_ids == dis.token_ids
+            row["loaded_tokens"].append(dis.cached_tokens)
+            row["prompt_tokens"] = dis.usage["prompt_tokens"]
+            # The two legs on their own, with a fresh prompt (nothing cached).
+            q = prompt_of(n, 7 * n + i + 500_000)
+            pre = one(dep.prefill.url, q, max_tokens=1, stream=False)
+            dec = one(dep.decode.url, q)
+            row["prefill_leg"].append(pre.total_s)
+            row["decode_leg"].append(dec.ttft_s)
+        log(f"  {row['prompt_tokens']:5d} tokens: TTFT p50 colocated "
+            f"{pct(row['colocated'], 50) * 1e3:7.1f} ms, disaggregated "
+            f"{pct(row['disaggregated'], 50) * 1e3:7.1f} ms (prefill leg "
+            f"{pct(row['prefill_leg'], 50) * 1e3:.1f} + decode leg "
+            f"{pct(row['decode_leg'], 50) * 1e3:.1f}); identical {row['identical']}/{n_requests}")
+        results.append(row)
+    # Fixed per-request cost of the connector: a prompt of about one block
+    # that the prefill server never saw, sent straight to the decode server
+    # (its connector looks the prompt up at the producer, misses, and the
+    # prompt is computed locally) vs the colocated server computing the same.
+    fixed = {"colocated": [], "decode": []}
+    for i in range(max(20, n_requests)):
+        p = prompt_of(40, 900_000 + i)
+        fixed["colocated"].append(one(dep.colocated.url, p, max_tokens=1).ttft_s)
+        fixed["decode"].append(one(dep.decode.url, p, max_tokens=1).ttft_s)
+    return results, fixed
+
+
+def summarize(results, fixed, xfer, bars_factor=1.1):
+    rows = []
+    for r in results:
+        t = xfer[r["prompt_words"]]
+        s = {"prompt_tokens": r["prompt_tokens"],
+             "kv_bytes": t["bytes"], "kv_transfer_ms": t["seconds"] * 1e3,
+             "identical": r["identical"], "requests": len(r["colocated"]),
+             "loaded_tokens_p50": pct(r["loaded_tokens"], 50)}
+        for k in ("colocated", "disaggregated", "prefill_leg", "decode_leg"):
+            s[f"ttft_{k}_ms_p50"] = pct(r[k], 50) * 1e3
+            s[f"ttft_{k}_ms_p99"] = pct(r[k], 99) * 1e3
+        for k in ("colocated", "disaggregated"):
+            itl = r[f"itl_{k}"]
+            s[f"itl_{k}_ms_p50"] = pct(itl, 50) * 1e3 if itl else None
+            s[f"itl_{k}_ms_p99"] = pct(itl, 99) * 1e3 if itl else None
+        s["ttft_bar_ms"] = s["ttft_colocated_ms_p50"] + bars_factor * s["kv_transfer_ms"]
+        s["ttft_bar_ok"] = s["ttft_disaggregated_ms_p50"] <= s["ttft_bar_ms"]
+        s["proxy_and_hop_ms_p50"] = (s["ttft_disaggregated_ms_p50"] - s["ttft_prefill_leg_ms_p50"]
+                                     - s["ttft_decode_leg_ms_p50"])
+        rows.append(s)
+    fixed_ms = (statistics.median(fixed["decode"]) - statistics.median(fixed["colocated"])) * 1e3
+    return {"rows": rows, "fixed_overhead_ms_p50": fixed_ms, "fixed_overhead_ok": fixed_ms <= 1.0}
+
+
+def plot(summary, path, title):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = summary["rows"]
+    x = [r["prompt_tokens"] for r in rows]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for key, label, color in (("colocated", "colocated", "tab:blue"),
+                              ("disaggregated", "disaggregated (proxy)", "tab:orange")):
+        for ax, what in ((a, "ttft"), (b, "itl")):
+            ax.plot(x, [r[f"{what}_{key}_ms_p50"] for r in rows], "o-", color=color,
+                    label=f"{label} p50")
+            ax.plot(x, [r[f"{what}_{key}_ms_p99"] for r in rows], "o:", color=color,
+                    alpha=0.6, label=f"{label} p99")
+    a.plot(x, [r["ttft_bar_ms"] for r in rows], "k--", label="bar: colocated + 1.1 x KV xfer")
+    a.set(xlabel="prompt tokens", ylabel="TTFT (ms)", title="time to first token")
+    b.set(xlabel="prompt tokens", ylabel="ITL (ms)", title="inter-token latency")
+    for ax in (a, b):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--lengths", default="128,512,1024,1900",
+                    help="prompt lengths in words (about one token each)")
+    ap.add_argument("--requests", type=int, default=10, help="per length and mode")
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--connector", default=None, help="mooncake or example")
+    ap.add_argument("--xfer-repeat", type=int, default=5)
+    ap.add_argument("--out", default="build/serving_bench.json")
+    ap.add_argument("--plot", default="build/serving_bench.png")
+    ap.add_argument("--workdir", default=None)
+    ap.add_argument("--start-timeout", type=float, default=600)
+    ap.add_argument("--enforce-bars", action="store_true", help="exit 3 if a bar fails")
+    args = ap.parse_args(argv)
+    lengths = [int(x) for x in args.lengths.split(",")]
+    if max(lengths) > 2000:
+        ap.error("prompt lengths must stay below --max-model-len 2048")
+
+    from mooncake_connector import tiny_model
+    from mooncake_connector.deployment import Deployment, connector_log_stats, log_size
+
+    model = tiny_model.build(**BENCH_SPEC)
+    spec = tiny_model.spec_with(**BENCH_SPEC)
+    workdir = args.workdir or tempfile.mkdtemp(prefix="mc-serving-bench-")
+    dep = Deployment(workdir, model, connector=args.connector, flows=("a",))
+    print(f"model {model} ({tiny_model.kv_bytes_per_token(spec)} B of KV per token); "
+          f"connector {dep.connector}; logs {dep.logs}", flush=True)
+    t0 = time.monotonic()
+    try:
+        dep.start(timeout=args.start_timeout)
+        print(f"servers up in {time.monotonic() - t0:.0f} s; measuring", flush=True)
+        mark = log_size(dep.decode.log_path)
+        results, fixed = measure(dep, lengths, args.requests, args.max_tokens,
+                                 lambda s: print(s, flush=True))
+        time.sleep(11)  # vLLM logs the connector's stats every 10 s
+        conn_stats = connector_log_stats(dep.decode.log_path, mark)
+    finally:
+        dep.stop()
+    xfer = {}
+    for r in results:
+        secs, nbytes = xfer_time(spec, r["prompt_tokens"] - 1, args.xfer_repeat, sys.executable)
+        xfer[r["prompt_words"]] = {"seconds": secs, "bytes": nbytes}
+    summary = summarize(results, fixed, xfer)
+    summary.update({"connector": dep.connector, "model_spec": spec,
+                    "connector_stats_decode": conn_stats,
+                    "kv_bytes_per_token": tiny_model.kv_bytes_per_token(spec),
+                    "requests_per_length": args.requests, "max_tokens": args.max_tokens,
+                    "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+                    "cpus": os.cpu_count(), "load_avg": os.getloadavg()})
+    print(f"\n{'tokens':>6} {'KV bytes':>10} {'xfer ms':>8} | {'TTFT col p50/p99':>17} "
+          f"{'TTFT dis p50/p99':>17} {'bar':>7} | {'ITL col p50/p99':>15} "
+          f"{'ITL dis p50/p99':>15} | same")
+    for s in summary["rows"]:
+        print(f"{s['prompt_tokens']:6d} {s['kv_bytes']:10,d} {s['kv_transfer_ms']:8.2f} | "
+              f"{s['ttft_colocated_ms_p50']:7.1f}/{s['ttft_colocated_ms_p99']:7.1f}   "
+              f"{s['ttft_disaggregated_ms_p50']:7.1f}/{s['ttft_disaggregated_ms_p99']:7.1f}   "
+              f"{'ok' if s['ttft_bar_ok'] else 'FAIL':>5} | "
+              f"{s['itl_colocated_ms_p50']:6.1f}/{s['itl_colocated_ms_p99']:6.1f}   "
+              f"{s['itl_disaggregated_ms_p50']:6.1f}/{s['itl_disaggregated_ms_p99']:6.1f}   | "
+              f"{s['identical']}/{s['requests']}")
+        print(f"{'':6} disaggregated = prefill leg {s['ttft_prefill_leg_ms_p50']:.1f} + decode "
+              f"leg {s['ttft_decode_leg_ms_p50']:.1f} + proxy/hop "
+              f"{s['proxy_and_hop_ms_p50']:.1f} ms (p50)")
+    print(f"connector fixed per-request cost (decode vs colocated TTFT, ~40-token prompt "
+          f"missing at the producer, p50): {summary['fixed_overhead_ms_p50']:.2f} ms "
+          f"({'ok' if summary['fixed_overhead_ok'] else 'FAIL'}, bar 1 ms)")
+    if conn_stats:
+        print(f"connector's own stats on decode during the run: {conn_stats}")
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(summary, f, indent=1)
+    plot(summary, args.plot, f"{dep.connector} connector, {spec['layers']} layers, "
+         f"{summary['kv_bytes_per_token']} B KV/token, {os.cpu_count()} CPUs, "
+         f"{args.requests} req/length, {summary['date']}")
+    print(f"wrote {args.out} and {args.plot}")
+    ok = all(s["ttft_bar_ok"] for s in summary["rows"]) and summary["fixed_overhead_ok"]
+    if args.enforce_bars and not ok:
+        return 3
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,228 @@
+"""A whole disaggregated deployment on one host, as a user would run it.
+
+    dep = Deployment(workdir, model_dir, connector="mooncake", flows=("a", "b"))
+    dep.start()          # metadata server, prefill, decode, colocated, proxies
+    dep.proxies["a"].url, dep.colocated.url, dep.external_kv_tokens()
+    dep.stop()
+
+The prefill and decode servers are started with the seed's command-line
+shape: `MOONCAKE_CONFIG_PATH=mooncake.json python -m
+vllm.entrypoints.openai.api_server ... --kv-transfer-config '{...kv_producer /
+kv_consumer...}'`.  The connector is one switch (`connector`):
+
+* "mooncake": ours, `mooncake_connector.MooncakeConnector`, with a
+  mooncake.json pointing at the embedded metadata server;
+* "example": vLLM's in-tree ExampleConnector (KV through files in a shared
+  directory), a stand-in that validates the harness itself.
+
+A colocated server (no connector) serves as the reference for outputs and
+latency.
+"""
+import json
+import os
+import re
+import socket
+
+from mooncake_connector import serving
+
+CONNECTORS = ("mooncake", "example")
+#: The connector used when nothing else is asked for ($MC_E2E_CONNECTOR overrides).
+DEFAULT_CONNECTOR = "mooncake"
+
+
+def default_connector():
+    kind = os.environ.get("MC_E2E_CONNECTOR", DEFAULT_CONNECTOR)
+    if kind not in CONNECTORS:
+        raise ValueError(f"MC_E2E_CONNECTOR={kind!r}: expected one of {', '.join(CONNECTORS)}")
+    return kind
+
+
+def _port_pair(gap=100):
+    """Two free ports `gap` apart (mooncake.json wants >= 50 between them)."""
+    for _ in range(50):
+        p = serving.free_port()
+        if p + gap > 65535:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", p + gap))
+            except OSError:
+                continue
+        return p, p + gap
+    raise RuntimeError("no pair of free ports found")
+
+
+def kv_transfer_configs(kind, workdir, metadata_url=None):
+    """(prefill config, decode config, extra env) for connector `kind`."""
+    if kind == "mooncake":
+        p, d = _port_pair()
+        cfg_path = os.path.join(workdir, "mooncake.json")
+        with open(cfg_path, "w") as f:
+            json.dump({"prefill_url": f"127.0.0.1:{p}", "decode_url": f"127.0.0.1:{d}",
+                       "metadata_server": metadata_url, "protocol": "tcp",
+                       "device_name": ""}, f, indent=1)
+        common = {"kv_connector": "MooncakeConnector",
+                  "kv_connector_module_path": "mooncake_connector",
+                  "kv_parallel_size": 2, "kv_buffer_size": 2e9}
+        return (dict(common, kv_role="kv_producer", kv_rank=0),
+                dict(common, kv_role="kv_consumer", kv_rank=1),
+                {"MOONCAKE_CONFIG_PATH": cfg_path})
+    if kind == "example":
+        store = os.path.join(workdir, "kv-store")
+        os.makedirs(store, exist_ok=True)
+        common = {"kv_connector": "ExampleConnector",
+                  "kv_connector_extra_config": {"shared_storage_path": store}}
+        return (dict(common, kv_role="kv_producer"), dict(common, kv_role="kv_consumer"), {})
+    raise ValueError(f"unknown connector {kind!r}; expected one of {', '.join(CONNECTORS)}")
+
+
+def parse_metrics(text):
+    """Prometheus text -> {(name, frozenset(labels)): value}."""
+    out = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        m = re.match(r'^([a-zA-Z_:][\w:]*)(\{([^}]*)\})?\s+(\S+)', line)
+        if not m:
+            continue
+        labels = frozenset(re.findall(r'(\w+)="([^"]*)"', m.group(3) or ""))
+        try:
+            out[(m.group(1), labels)] = float(m.group(4))
+        except ValueError:
+            pass
+    return out
+
+
+def prompt_tokens_by_source(url, timeout=10.0):
+    """{source: tokens} from a vLLM server's /metrics (local_compute,
+    local_cache_hit, external_kv_transfer), summed over engines."""
+    status, body = serving.http_get(url + "/metrics", timeout=timeout)
+    if status != 200:
+        raise RuntimeError(f"GET {url}/metrics answered {status}: {body[:300]}")
+    out = {}
+    for (name, labels), v in parse_metrics(body).items():
+        if name == "vllm:prompt_tokens_by_source_total":
+            src = dict(labels).get("source")
+            out[src] = out.get(src, 0) + int(v)
+    return out
+
+
+def connector_log_stats(log_path, since=0):
+    """Sums the connector's own counters over the "KV Transfer metrics:"
+    lines vLLM's stat logger writes (every ~10 s, each for its interval) to a
+    server's log, from byte offset `since`.  {} when there are none (vLLM's
+    ExampleConnector reports no stats)."""
+    totals = {}
+    try:
+        with open(log_path, "rb") as f:
+            f.seek(since)
+            text = f.read().decode("utf-8", "replace")
+    except OSError:
+        return totals
+    weighted = 0.0
+    for line in text.splitlines():
+        if "KV Transfer metrics:" not in line:
+            continue
+        fields = dict(re.findall(r"(\w+)=([0-9.]+)", line.split("KV Transfer metrics:", 1)[1]))
+        for key, val in fields.items():
+            if key.endswith(("_ms", "_GBps")):
+                continue  # per-interval averages do not add up
+            totals[key] = totals.get(key, 0) + (float(val) if "." in val else int(val))
+        if "load_time_avg_ms" in fields and fields.get("loads"):
+            weighted += float(fields["load_time_avg_ms"]) * int(fields["loads"])
+    if weighted and totals.get("loads"):
+        totals["load_time_avg_ms"] = weighted / totals["loads"]  # over all loads
+    return totals
+
+
+def log_size(path):
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
+
+
+class Deployment:
+    def __init__(self, workdir, model, connector=None, flows=("a",), colocated=True,
+                 max_model_len=2048, kv_cache_bytes=64 << 20, python=None, extra_vllm_args=(),
+                 env=None):
+        self.workdir = os.path.abspath(workdir)
+        os.makedirs(self.workdir, exist_ok=True)
+        self.model = model
+        self.connector = connector or default_connector()
+        self.python = python
+        logs = os.path.join(self.workdir, "logs")
+        self.logs = logs
+        # (--distributed-executor-backend uni would save a process, but vLLM's
+        # CPU platform turns it back into "mp": docs/vllm-cpu.md.)
+        common = dict(model=model, max_model_len=max_model_len, kv_cache_bytes=kv_cache_bytes,
+                      extra_args=list(extra_vllm_args), python=python)
+        env = dict(env or {})
+
+        self.metadata = None
+        meta_url = None
+        if self.connector == "mooncake":
+            self.metadata = serving.metadata_server(serving.free_port(),
+                                                    os.path.join(logs, "metadata.log"), python)
+            meta_url = self.metadata.url
+        pre_cfg, dec_cfg, kv_env = kv_transfer_configs(self.connector, self.workdir, meta_url)
+        self.kv_configs = {"prefill": pre_cfg, "decode": dec_cfg}
+        self.prefill = serving.vllm_server("prefill", port=serving.free_port(),
+                                           log_path=os.path.join(logs, "prefill.log"),
+                                           kv_transfer_config=pre_cfg, env=dict(env, **kv_env),
+                                           **common)
+        self.decode = serving.vllm_server("decode", port=serving.free_port(),
+                                          log_path=os.path.join(logs, "decode.log"),
+                                          kv_transfer_config=dec_cfg, env=dict(env, **kv_env),
+                                          **common)
+        self.colocated = None
+        if colocated:
+            self.colocated = serving.vllm_server("colocated", port=serving.free_port(),
+                                                 log_path=os.path.join(logs, "colocated.log"),
+                                                 env=env, **common)
+        self.proxies = {f: serving.proxy([self.prefill.url], [self.decode.url],
+                                         serving.free_port(),
+                                         os.path.join(logs, f"proxy-{f}.log"), flow=f,
+                                         python=python) for f in flows}
+
+    @property
+    def processes(self):
+        ps = [self.metadata, self.prefill, self.decode, self.colocated,
+              *self.proxies.values()]
+        return [p for p in ps if p is not None]
+
+    def start(self, timeout=600.0):
+        """Starts everything in parallel and waits until all are healthy."""
+        # The metadata server first: the connectors register with it on start.
+        if self.metadata is not None:
+            serving.start_all([self.metadata], 30.0)
+        serving.start_all(self.processes, timeout)
+        return self
+
+    def stop(self):
+        # The metadata server last: the connectors unregister on shutdown.
+        serving.stop_all([p for p in self.processes if p is not self.metadata])
+        if self.metadata is not None:
+            serving.stop_all([self.metadata])
+
+    def restart_prefill(self, timeout=600.0):
+        self.prefill.stop()
+        serving.start_all([self.prefill], timeout)
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+        return False
+
+    def external_kv_tokens(self):
+        """Prompt tokens the decode server loaded through the connector."""
+        return prompt_tokens_by_source(self.decode.url).get("external_kv_transfer", 0)
+
+    def describe(self):
+        lines = [f"connector: {self.connector}  (workdir {self.workdir})"]
+        for p in self.processes:
+            ready = f"ready in {p.ready_s:.0f} s" if p.ready_s is not None else "not started"
+            lines.append(f"  {p.name:<16} {getattr(p, 'url', '')}  {ready}  log {p.log_path}")
+        return "\n".join(lines)

@@ -1,0 +1,163 @@
+"""A tiny random-weight Llama with a locally trained tokenizer, built offline.
+
+    python -m mooncake_connector.tiny_model [DIR]      # prints the directory
+
+vLLM needs a model directory; the end-to-end tests, the serving demo and the
+serving benchmark use this one so that nothing is fetched from a hub.  The
+build is deterministic (fixed seeds, fixed corpus): the same spec gives the
+same weights, so outputs can be compared across servers and runs.
+
+Constraints of vLLM's CPU attention backend (docs/vllm-cpu.md): head size
+>= 32 (hidden / heads) and a KV block size that is a multiple of 32.
+
+torch, transformers and tokenizers are imported only when a model is built.
+"""
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+
+#: The default spec: 2 layers, hidden 128, 4 heads (head size 32), 2 KV heads.
+DEFAULT_SPEC = {
+    "layers": 2,
+    "hidden": 128,
+    "heads": 4,
+    "kv_heads": 2,
+    "intermediate": 256,
+    "vocab": 512,
+    "max_positions": 4096,
+    "seed": 0,
+}
+
+# A small chat template (the tokenizer has none of its own); vLLM's chat
+# endpoint needs one.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant:{% endif %}"
+)
+
+_CORPUS = [
+    "the quick brown fox jumps over the lazy dog",
+    "hello world this is a tiny model for testing vllm",
+    "disaggregated prefill and decode with a kv connector",
+    "one two three four five six seven eight nine ten",
+    "a prompt is prefilled on one server and decoded on another",
+    "the key value cache moves over tcp between the two servers",
+]
+
+_BUILD_VERSION = 1  # bump when the build procedure changes
+
+
+def spec_with(**overrides):
+    unknown = set(overrides) - set(DEFAULT_SPEC)
+    if unknown:
+        raise ValueError(f"unknown tiny-model field(s) {sorted(unknown)}; "
+                         f"known: {sorted(DEFAULT_SPEC)}")
+    spec = dict(DEFAULT_SPEC, **overrides)
+    if spec["hidden"] % spec["heads"] or spec["heads"] % spec["kv_heads"]:
+        raise ValueError(f"hidden must divide by heads and heads by kv_heads: {spec}")
+    if spec["hidden"] // spec["heads"] < 32:
+        raise ValueError(f"head size {spec['hidden'] // spec['heads']} < 32: vLLM's CPU "
+                         "attention backend rejects it")
+    return spec
+
+
+def spec_id(spec):
+    blob = json.dumps({"v": _BUILD_VERSION, **spec}, sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()[:12]
+
+
+def kv_bytes_per_token(spec, dtype_bytes=4):
+    """Bytes of K and V per token over all layers (float32 by default)."""
+    head = spec["hidden"] // spec["heads"]
+    return spec["layers"] * 2 * spec["kv_heads"] * head * dtype_bytes
+
+
+def default_cache_root():
+    root = os.environ.get("MC_MODEL_CACHE")
+    if root:
+        return root
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "mooncake_connector")
+
+
+def _build_into(out, spec):
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=spec["vocab"],
+                                  special_tokens=["<unk>", "<s>", "</s>", "<pad>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(_CORPUS * 10, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+                                   eos_token="</s>", pad_token="<pad>")
+    fast.model_max_length = spec["max_positions"]
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(out)
+
+    torch.manual_seed(spec["seed"])
+    cfg = LlamaConfig(hidden_size=spec["hidden"], intermediate_size=spec["intermediate"],
+                      num_hidden_layers=spec["layers"], num_attention_heads=spec["heads"],
+                      num_key_value_heads=spec["kv_heads"], vocab_size=tok.get_vocab_size(),
+                      max_position_embeddings=spec["max_positions"], bos_token_id=1,
+                      eos_token_id=2, pad_token_id=3, tie_word_embeddings=False,
+                      dtype="float32")
+    model = LlamaForCausalLM(cfg)
+    model.save_pretrained(out, safe_serialization=True)
+    with open(os.path.join(out, "tiny_model.json"), "w") as f:
+        json.dump({"spec": spec, "id": spec_id(spec),
+                   "kv_bytes_per_token": kv_bytes_per_token(spec)}, f, indent=1)
+
+
+def build(out_dir=None, **overrides):
+    """Returns a directory holding the model for this spec, building it once.
+
+    Without out_dir the model is cached under $MC_MODEL_CACHE (default
+    ~/.cache/mooncake_connector) in tiny-llama-<spec hash>.  The build goes to
+    a temporary sibling and is renamed into place, so concurrent builders and
+    interrupted builds never leave a half-written model behind.
+    """
+    spec = spec_with(**overrides)
+    if out_dir is None:
+        out_dir = os.path.join(default_cache_root(), f"tiny-llama-{spec_id(spec)}")
+    out_dir = os.path.abspath(out_dir)
+    marker = os.path.join(out_dir, "tiny_model.json")
+    if os.path.exists(marker):
+        with open(marker) as f:
+            if json.load(f).get("id") == spec_id(spec):
+                return out_dir
+        raise RuntimeError(f"{out_dir} holds a different tiny model; remove it or pick another "
+                           "directory")
+    parent = os.path.dirname(out_dir)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".tiny-build-", dir=parent)
+    try:
+        _build_into(tmp, spec)
+        try:
+            os.rename(tmp, out_dir)
+        except OSError:
+            if not os.path.exists(marker):  # not a concurrent builder that won
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out_dir
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in ("-h", "--help"):
+        print(__doc__.split("\n\n")[0])
+        return 0
+    print(build(argv[0] if argv else None))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+"""The offline tiny model: deterministic, within vLLM's CPU limits, cached."""
+import hashlib
+import importlib.util
+import json
+import os
+
+import pytest
+
+from mooncake_connector import tiny_model
+
+needs_stack = pytest.mark.skipif(
+    any(importlib.util.find_spec(m) is None for m in ("torch", "transformers", "tokenizers")),
+    reason="torch/transformers/tokenizers not installed (scripts/env.sh installs them with vLLM)")
+
+
+def _sha(path):
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+def test_spec_checks_without_building():
+    assert tiny_model.spec_with()["hidden"] // tiny_model.spec_with()["heads"] >= 32
+    with pytest.raises(ValueError, match="head size 16 < 32"):
+        tiny_model.spec_with(hidden=64)
+    with pytest.raises(ValueError, match="unknown tiny-model field"):
+        tiny_model.spec_with(hiden=128)
+    assert tiny_model.spec_id(tiny_model.spec_with()) != tiny_model.spec_id(
+        tiny_model.spec_with(layers=3))
+    # 2 layers x K,V x 2 KV heads x head size 32 x 4 bytes
+    assert tiny_model.kv_bytes_per_token(tiny_model.spec_with()) == 1024
+
+
+@needs_stack
+def test_build_is_deterministic_and_cached(tmp_path):
+    a = tiny_model.build(str(tmp_path / "a"))
+    b = tiny_model.build(str(tmp_path / "b"))
+    for name in ("model.safetensors", "tokenizer.json"):
+        assert _sha(os.path.join(a, name)) == _sha(os.path.join(b, name)), name
+    cfg = json.load(open(os.path.join(a, "config.json")))
+    assert cfg["hidden_size"] // cfg["num_attention_heads"] >= 32
+    tok = json.load(open(os.path.join(a, "tokenizer.json")))
+    assert cfg["vocab_size"] >= len(tok["model"]["vocab"])  # every token id has an embedding
+    assert os.path.exists(os.path.join(a, "chat_template.jinja")) or "chat_template" in open(
+        os.path.join(a, "tokenizer_config.json")).read()
+    # Cached: a second call returns at once without rebuilding.
+    mtime = os.path.getmtime(os.path.join(a, "model.safetensors"))
+    assert tiny_model.build(str(tmp_path / "a")) == a
+    assert os.path.getmtime(os.path.join(a, "model.safetensors")) == mtime
+    # A different spec in the same directory is refused, not silently reused.
+    with pytest.raises(RuntimeError, match="different tiny model"):
+        tiny_model.build(str(tmp_path / "a"), layers=3)
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".tiny-build-")]
