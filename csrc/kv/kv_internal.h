@@ -53,6 +53,9 @@ typedef struct kv_lease {
   mc_lookup_match_t *match;
 } kv_lease_t;
 
+typedef struct kv_pull_op kv_pull_op_t; /* kv_pull_async.c */
+#define KV_MAX_PULL_THREADS 16
+
 struct mc_kv {
   mc_engine_t *e;
   mc_lookup_t *lb;
@@ -69,6 +72,12 @@ struct mc_kv {
   mc_kv_stats_t stats;
   kv_lease_t *leases; /* guarded by mu */
   uint64_t next_lease;
+  /* asynchronous pulls (kv_pull_async.c), guarded by mu */
+  kv_pull_op_t *pulls;
+  uint64_t next_pull;
+  pthread_cond_t pull_cv;
+  pthread_t pull_threads[KV_MAX_PULL_THREADS];
+  int npull_threads, pull_pool, pull_stopping;
 };
 
 /* kv_pull.c */
@@ -82,6 +91,9 @@ void kv_pull_send_release(mc_kv_t *kv, const char *producer, const uint8_t *msg,
 /* Releases expired leases (or all of them, or those of one peer); caller
  * holds kv->mu. Returns the next deadline (0 = none). */
 uint64_t kv_pull_expire_locked(mc_kv_t *kv, uint64_t now_ns, const char *only_from, int all);
+/* kv_pull_async.c: stop and join the pull threads; free what is left. */
+void kv_pull_async_stop(mc_kv_t *kv);
+void kv_pull_async_free(mc_kv_t *kv);
 /* Unlinks and frees a waiter; caller holds kv->mu. */
 void kv_waiter_unlink_locked(mc_kv_t *kv, kv_waiter_t *w);
 

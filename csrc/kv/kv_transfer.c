@@ -325,6 +325,8 @@ int mc_kv_create(mc_engine_t *e, mc_lookup_t *lb, int workers, mc_kv_t **out, mc
   pthread_condattr_init(&ca);
   pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
   pthread_cond_init(&kv->job_cv, &ca);
+  pthread_cond_init(&kv->pull_cv, NULL);
+  kv->pull_pool = workers > KV_MAX_PULL_THREADS ? KV_MAX_PULL_THREADS : workers;
   pthread_cond_init(&kv->wait_cv, &ca);
   pthread_condattr_destroy(&ca);
   if (!lb)
@@ -345,6 +347,7 @@ int mc_kv_create(mc_engine_t *e, mc_lookup_t *lb, int workers, mc_kv_t **out, mc
 void mc_kv_destroy(mc_kv_t *kv) {
   if (!kv)
     return;
+  kv_pull_async_stop(kv); /* before the handler goes: running pulls need answers */
   mc_engine_set_notify_handler(kv->e, NULL, NULL); /* waits for a call in flight */
   mc_engine_set_peer_lost_handler(kv->e, NULL, NULL);
   pthread_mutex_lock(&kv->mu);
@@ -369,6 +372,8 @@ void mc_kv_destroy(mc_kv_t *kv) {
     free(j->msg);
     free(j);
   }
+  kv_pull_async_free(kv);
+  pthread_cond_destroy(&kv->pull_cv);
   pthread_cond_destroy(&kv->job_cv);
   pthread_cond_destroy(&kv->wait_cv);
   pthread_mutex_destroy(&kv->mu);

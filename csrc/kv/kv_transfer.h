@@ -72,6 +72,16 @@ long mc_kv_pull_ex(mc_kv_t *kv, const char *producer, const void *tokens, size_t
                    int width, uint32_t skip, const mc_lookup_extent_t *dest, size_t ndest,
                    uint32_t epb, int timeout_ms, mc_err_t *err);
 
+/* Asynchronous mc_kv_pull_ex: copies the arguments, runs the pull on one of
+ * the engine's pull threads (a pool of up to `workers`, separate from the
+ * threads serving peers) and returns at once with an id.  mc_kv_pull_poll
+ * returns 0 while it runs; once done it returns 1 with *result (matched
+ * tokens or a negative code, err set) and *seconds, and forgets the id. */
+int mc_kv_pull_start(mc_kv_t *kv, const char *producer, const void *tokens, size_t ntok,
+                     int width, uint32_t skip, const mc_lookup_extent_t *dest, size_t ndest,
+                     uint32_t epb, int timeout_ms, uint64_t *id, mc_err_t *err);
+int mc_kv_pull_poll(mc_kv_t *kv, uint64_t id, long *result, double *seconds, mc_err_t *err);
+
 typedef struct mc_kv_stats {
   uint64_t requests_served, tokens_served, bytes_served, serve_errors;
   uint64_t recvs, recv_hits, recv_tokens, recv_errors;

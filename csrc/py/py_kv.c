@@ -188,6 +188,84 @@ static PyObject *KV_recv_kv(KVObject *self, PyObject *args, PyObject *kw) {
   return PyLong_FromLong(rc);
 }
 
+/* Extents list -> malloc'ed array (PyMem_Raw); NULL with an exception set. */
+static mc_lookup_extent_t *extents_from(PyObject *obj, const char *what, Py_ssize_t *n) {
+  PyObject *fast = PySequence_Fast(obj, "dest must be a list of (addr, length) tuples");
+  if (!fast)
+    return NULL;
+  *n = PySequence_Fast_GET_SIZE(fast);
+  mc_lookup_extent_t *x = PyMem_RawMalloc((size_t)(*n ? *n : 1) * sizeof *x);
+  if (!x) {
+    Py_DECREF(fast);
+    PyErr_NoMemory();
+    return NULL;
+  }
+  for (Py_ssize_t i = 0; i < *n; i++) {
+    if (mc_py_get_extent(PySequence_Fast_GET_ITEM(fast, i), &x[i], what, i) < 0) {
+      PyMem_RawFree(x);
+      Py_DECREF(fast);
+      return NULL;
+    }
+  }
+  Py_DECREF(fast);
+  return x;
+}
+
+static PyObject *KV_pull_start(KVObject *self, PyObject *args, PyObject *kw) {
+  static char *kwlist[] = {"producer", "tokens", "dest", "timeout", "extents_per_block",
+                           "skip_blocks", NULL};
+  const char *producer;
+  PyObject *tok_obj, *dest_obj;
+  double timeout = 30.0;
+  unsigned int epb = 1, skip = 0;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "sOO|dII:pull_start", kwlist, &producer,
+                                   &tok_obj, &dest_obj, &timeout, &epb, &skip))
+    return NULL;
+  if (!live(self))
+    return NULL;
+  if (timeout <= 0 || timeout > 86400)
+    return PyErr_Format(PyExc_ValueError, "timeout must be in (0, 86400] seconds");
+  if (epb == 0 || epb > 0xffff)
+    return PyErr_Format(PyExc_ValueError, "extents_per_block must be 1..65535");
+  Py_ssize_t nd = 0;
+  mc_lookup_extent_t *dest = extents_from(dest_obj, "dest", &nd);
+  if (!dest)
+    return NULL;
+  mc_py_tokens_t t;
+  if (mc_py_tokens_get(tok_obj, &t) < 0) {
+    PyMem_RawFree(dest);
+    return NULL;
+  }
+  mc_err_t err = {0};
+  uint64_t id = 0;
+  int rc = mc_kv_pull_start(self->kv, producer, t.ptr, t.n, t.width, skip, dest, (size_t)nd,
+                            epb, (int)(timeout * 1000.0), &id, &err);
+  mc_py_tokens_put(&t);
+  PyMem_RawFree(dest);
+  if (rc < 0)
+    return mc_py_raise(ST(self), &err);
+  return PyLong_FromUnsignedLongLong((unsigned long long)id);
+}
+
+static PyObject *KV_pull_poll(KVObject *self, PyObject *arg) {
+  if (!live(self))
+    return NULL;
+  unsigned long long id = PyLong_AsUnsignedLongLong(arg);
+  if (PyErr_Occurred())
+    return NULL;
+  long result = 0;
+  double secs = 0;
+  mc_err_t err = {0};
+  int rc = mc_kv_pull_poll(self->kv, id, &result, &secs, &err);
+  if (rc < 0)
+    return mc_py_raise(ST(self), &err);
+  if (rc == 0)
+    Py_RETURN_NONE;
+  if (result < 0)
+    return Py_BuildValue("(isd)", 0, err.msg, secs);
+  return Py_BuildValue("(lOd)", result, Py_None, secs);
+}
+
 static PyObject *KV_send_kv(KVObject *self, PyObject *args, PyObject *kw) {
   if (!live(self))
     return NULL;
@@ -263,6 +341,14 @@ static PyMethodDef KV_methods[] = {
      "it writes the matching blocks into dest (block-major (addr, length) extents in memory\n"
      "registered with this engine). hidden_dest (one extent per block) also receives the\n"
      "hidden states stored with the blocks. Returns once the bytes have landed (0 on a miss)."},
+    {"pull_start", (PyCFunction)(void (*)(void))KV_pull_start, METH_VARARGS | METH_KEYWORDS,
+     "pull_start(producer, tokens, dest, timeout=30.0, extents_per_block=1, skip_blocks=0)\n"
+     "-> pull id\n\n"
+     "recv_kv(pull=True) in the background on the engine's pull threads; returns at once.\n"
+     "Poll with pull_poll(id)."},
+    {"pull_poll", (PyCFunction)KV_pull_poll, METH_O,
+     "pull_poll(id) -> None while running, else (matched tokens, error text or None,\n"
+     "seconds); a finished pull is reported once. Never blocks."},
     {"send_kv", (PyCFunction)(void (*)(void))KV_send_kv, METH_VARARGS | METH_KEYWORDS,
      "send_kv(tokens, extents, hidden=None, copy=False, timeout=0.0) -> stored tokens\n\n"
      "Stores the KV of tokens in this producer's lookup buffer (LookupBuffer.insert)."},

@@ -10,12 +10,13 @@ every extent free: a consumer pulled them (consume mode), they expired
 (hold_timeout_s) or were evicted (kv_buffer_size); then get_finished reports
 the request in finished_sending and vLLM frees them.
 
-Consumer: start_load_kv hands each load to a thread that calls
-KVTransfer.recv_kv(pull=True): the producer leases the matching blocks and
-this engine READs them straight into the request's blocks.  The call returns
-only when nothing more can land (its own batch is done or cancelled), so a
-request aborted mid-load gets finished_recving only after that: vLLM never
-reuses a block a late write could still hit.  Blocks not filled (miss,
+Consumer: start_load_kv queues each load on the engine's pull threads
+(KVTransfer.pull_start: recv_kv(pull=True) in C, no Python thread): the
+producer leases the matching blocks and this engine READs them straight into
+the request's blocks.  A pull is reported done only when nothing more can
+land (its own batch completed or was cancelled), so a request aborted
+mid-load gets finished_recving only after that: vLLM never reuses a block a
+late write could still hit.  Blocks not filled (miss,
 shorter match, error) are reported by get_block_ids_with_load_errors and
 vLLM computes them.
 """
@@ -23,7 +24,6 @@ import json
 import logging
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 from mooncake_connector.connector import peer_record
 from mooncake_connector.connector.layout import KVLayout
@@ -43,9 +43,8 @@ class WorkerSide:
         self.engine = self.kv = self.lb = self.layout = None
         self.name = None
         self.default_producer = None
-        self._pool = None
         self._lock = threading.Lock()
-        self._loading = {}        # req_id -> (future, LoadSpec)
+        self._loading = {}        # req_id -> [pull id, LoadSpec, start time, early result]
         self._invalid = set()     # block ids that failed to load, reported once
         self._tag_next = 1
         self._tag_req = {}        # extent tag (one per published block) -> req_id
@@ -84,10 +83,7 @@ class WorkerSide:
                                          ttl_s=self.s.hold_timeout_s,
                                          extents_per_block=self.layout.extents_per_block,
                                          track_freed=True)
-        self.kv = _core.KVTransfer(eng, self.lb)
-        if self.s.is_consumer:
-            self._pool = ThreadPoolExecutor(max(1, self.s.load_workers),
-                                            thread_name_prefix="mooncake-load")
+        self.kv = _core.KVTransfer(eng, self.lb, workers=max(2, self.s.load_workers))
         self._check_peer_at_start(_core, cfg)
         if any(d.startswith("cuda") for d in self.layout.devices):
             import torch
@@ -141,35 +137,49 @@ class WorkerSide:
             self._held.setdefault(rid, now)
 
     def start_load(self, meta):
+        """Queue each load on the engine's pull threads (C, no Python thread:
+        nothing waits for the GIL while the step loop runs)."""
         for spec in meta.loads:
             if spec.req_id in self._loading:
                 continue
-            fut = self._pool.submit(self._pull, spec)
-            self._loading[spec.req_id] = (fut, spec)
+            t0 = time.monotonic()
+            self._loading[spec.req_id] = [None, spec, t0, None]
+            self._start_pull(spec.req_id)
 
-    def _pull(self, spec):
+    def _start_pull(self, rid):
         from mooncake_connector import MooncakeError
 
-        base = spec.producer or self.default_producer
-        t0 = time.monotonic()
-        deadline = t0 + self.s.load_timeout_s
+        entry = self._loading[rid]
+        spec = entry[1]
         try:
-            producer = shift_port(base, self.tp_rank)
+            producer = shift_port(spec.producer or self.default_producer, self.tp_rank)
             self._check_peer(producer)
             dest = [(a, n) for a, n, _t in self.layout.extents(spec.block_ids)]
-            while True:
-                left = deadline - time.monotonic()
-                matched = self.kv.recv_kv(producer, spec.tokens, dest, timeout=max(left, 0.001),
+            left = self.s.load_timeout_s - (time.monotonic() - entry[2])
+            entry[0] = self.kv.pull_start(producer, spec.tokens, dest,
+                                          timeout=max(left, 0.001),
                                           extents_per_block=self.layout.extents_per_block,
-                                          pull=True, skip_blocks=spec.skip_blocks)
-                # Flow B names a producer that will have the KV (a proxy may
-                # ask both sides at once): a miss means "not yet".
-                if matched or spec.flow != "B" or time.monotonic() + 0.005 >= deadline:
-                    break
-                time.sleep(0.005)
-            return matched, None, time.monotonic() - t0
+                                          skip_blocks=spec.skip_blocks)
         except (MooncakeError, SettingsError, ValueError) as e:
-            return 0, str(e), time.monotonic() - t0
+            entry[0], entry[3] = None, (0, str(e))
+
+    def _poll_load(self, rid):
+        """(matched, error) once the load is over, else None."""
+        entry = self._loading[rid]
+        if entry[0] is None:
+            return entry[3]
+        r = self.kv.pull_poll(entry[0])
+        if r is None:
+            return None
+        matched, err, _secs = r
+        spec = entry[1]
+        # Flow B names a producer that will have the KV (a proxy may ask both
+        # sides at once): a miss there means "not yet"; ask again.
+        if (not matched and not err and spec.flow == "B" and
+                time.monotonic() - entry[2] + 0.005 < self.s.load_timeout_s):
+            self._start_pull(rid)
+            return self._poll_load(rid) if entry[0] is None else None
+        return matched, err
 
     def publish(self, meta):
         if not meta.publishes or self.lb is None:
@@ -237,11 +247,13 @@ class WorkerSide:
     def get_finished(self, finished_req_ids):
         self._finished_seen.update(finished_req_ids)
         done_recv = set()
-        for rid, (fut, spec) in list(self._loading.items()):
-            if not fut.done():
+        for rid in list(self._loading):
+            res = self._poll_load(rid)
+            if res is None:
                 continue
-            del self._loading[rid]
-            matched, err, secs = fut.result()
+            spec, t0 = self._loading.pop(rid)[1:3]
+            matched, err = res
+            secs = time.monotonic() - t0
             loaded = max(0, min(matched // self.block_size - spec.skip_blocks,
                                 len(spec.block_ids)))
             nbytes = loaded * self.layout.bytes_per_block()
@@ -285,9 +297,6 @@ class WorkerSide:
         return out
 
     def shutdown(self):
-        if self._pool is not None:
-            self._pool.shutdown(wait=True)  # pulls end by their timeout
-            self._pool = None
         for obj in (self.kv, self.engine, getattr(self, "_meta", None)):
             if obj is not None:
                 try:

@@ -1,0 +1,170 @@
+/* Asynchronous pulls: mc_kv_pull_start queues a pull, a small pool of pull
+ * threads runs mc_kv_pull_ex, mc_kv_pull_poll reports and frees it.  A
+ * caller (the vLLM connector) starts a load and checks it once per step
+ * without any thread of its own, so no Python thread has to win the GIL for
+ * a load to start or finish.  The pool is separate from the serving workers,
+ * so an engine that pulls and serves (kv_both) never starves its peers. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "kv/kv_internal.h"
+#include "util/clock.h"
+#include "util/log.h"
+
+struct kv_pull_op {
+  struct kv_pull_op *next; /* queue, then the done list */
+  uint64_t id;
+  char producer[320];
+  void *tokens;
+  size_t ntok;
+  int width;
+  uint32_t skip, epb;
+  mc_lookup_extent_t *dest;
+  size_t ndest;
+  int timeout_ms;
+  int started, done;
+  long result;
+  mc_err_t err;
+  uint64_t t0_ns, t1_ns;
+};
+
+static void op_free(kv_pull_op_t *op) {
+  if (!op)
+    return;
+  free(op->tokens);
+  free(op->dest);
+  free(op);
+}
+
+static void *pull_main(void *arg) {
+  mc_kv_t *kv = arg;
+  pthread_mutex_lock(&kv->mu);
+  for (;;) {
+    kv_pull_op_t *op = NULL;
+    for (kv_pull_op_t *o = kv->pulls; o; o = o->next)
+      if (!o->started) {
+        op = o;
+        break;
+      }
+    if (!op) {
+      if (kv->pull_stopping)
+        break;
+      pthread_cond_wait(&kv->pull_cv, &kv->mu);
+      continue;
+    }
+    op->started = 1;
+    pthread_mutex_unlock(&kv->mu);
+    mc_err_t err = {0};
+    long r = mc_kv_pull_ex(kv, op->producer, op->tokens, op->ntok, op->width, op->skip,
+                           op->dest, op->ndest, op->epb, op->timeout_ms, &err);
+    pthread_mutex_lock(&kv->mu);
+    op->result = r;
+    op->err = err;
+    op->t1_ns = mc_now_ns();
+    op->done = 1;
+  }
+  pthread_mutex_unlock(&kv->mu);
+  return NULL;
+}
+
+int mc_kv_pull_start(mc_kv_t *kv, const char *producer, const void *tokens, size_t ntok,
+                     int width, uint32_t skip, const mc_lookup_extent_t *dest, size_t ndest,
+                     uint32_t epb, int timeout_ms, uint64_t *id, mc_err_t *err) {
+  if (width != 4 && width != 8)
+    return mc_err_set(err, MC_EINVAL, "recv_kv: token ids must be 4 or 8 bytes wide");
+  if (!producer || strlen(producer) >= sizeof(((kv_pull_op_t *)0)->producer))
+    return mc_err_set(err, MC_EINVAL, "recv_kv: bad producer segment name");
+  kv_pull_op_t *op = calloc(1, sizeof *op);
+  if (op) {
+    op->tokens = malloc(ntok ? ntok * (size_t)width : 1);
+    op->dest = malloc((ndest ? ndest : 1) * sizeof *dest);
+  }
+  if (!op || !op->tokens || !op->dest) {
+    op_free(op);
+    return mc_err_set(err, MC_ENOMEM, "out of memory queueing a pull");
+  }
+  memcpy(op->tokens, tokens, ntok * (size_t)width);
+  memcpy(op->dest, dest, ndest * sizeof *dest);
+  strcpy(op->producer, producer);
+  op->ntok = ntok;
+  op->width = width;
+  op->skip = skip;
+  op->ndest = ndest;
+  op->epb = epb;
+  op->timeout_ms = timeout_ms;
+  op->t0_ns = mc_now_ns();
+  pthread_mutex_lock(&kv->mu);
+  if (kv->stopping || kv->pull_stopping) {
+    pthread_mutex_unlock(&kv->mu);
+    op_free(op);
+    return mc_err_set(err, MC_ECLOSED, "recv_kv: shutting down");
+  }
+  /* Pull threads start on demand, up to the pool size. */
+  if (kv->npull_threads < kv->pull_pool) {
+    if (pthread_create(&kv->pull_threads[kv->npull_threads], NULL, pull_main, kv) == 0) {
+      kv->npull_threads++;
+    } else if (kv->npull_threads == 0) {
+      pthread_mutex_unlock(&kv->mu);
+      op_free(op);
+      return mc_err_set(err, MC_ESYS, "cannot start a pull thread");
+    }
+  }
+  op->id = *id = ++kv->next_pull;
+  op->next = kv->pulls;
+  kv->pulls = op;
+  pthread_cond_signal(&kv->pull_cv);
+  pthread_mutex_unlock(&kv->mu);
+  return 0;
+}
+
+int mc_kv_pull_poll(mc_kv_t *kv, uint64_t id, long *result, double *seconds, mc_err_t *err) {
+  pthread_mutex_lock(&kv->mu);
+  kv_pull_op_t **pp = &kv->pulls;
+  while (*pp && (*pp)->id != id)
+    pp = &(*pp)->next;
+  kv_pull_op_t *op = *pp;
+  if (!op) {
+    pthread_mutex_unlock(&kv->mu);
+    return mc_err_set(err, MC_EINVAL, "no pull %llu (already reported?)",
+                      (unsigned long long)id);
+  }
+  if (!op->done) {
+    pthread_mutex_unlock(&kv->mu);
+    return 0;
+  }
+  *pp = op->next;
+  pthread_mutex_unlock(&kv->mu);
+  *result = op->result;
+  if (seconds)
+    *seconds = (double)(op->t1_ns - op->t0_ns) / 1e9;
+  if (op->result < 0 && err)
+    *err = op->err;
+  op_free(op);
+  return 1;
+}
+
+void kv_pull_async_stop(mc_kv_t *kv) {
+  pthread_mutex_lock(&kv->mu);
+  kv->pull_stopping = 1;
+  kv->stopping = 1; /* pulls waiting for an answer give up now */
+  pthread_cond_broadcast(&kv->wait_cv);
+  /* Pulls not started yet never run. */
+  for (kv_pull_op_t *o = kv->pulls; o; o = o->next)
+    if (!o->started) {
+      o->started = o->done = 1;
+      o->result = mc_err_set(&o->err, MC_ECLOSED, "recv_kv: shutting down");
+    }
+  pthread_cond_broadcast(&kv->pull_cv);
+  pthread_mutex_unlock(&kv->mu);
+  for (int i = 0; i < kv->npull_threads; i++)
+    pthread_join(kv->pull_threads[i], NULL); /* running pulls end by their timeout */
+  kv->npull_threads = 0;
+}
+
+void kv_pull_async_free(mc_kv_t *kv) {
+  while (kv->pulls) {
+    kv_pull_op_t *o = kv->pulls;
+    kv->pulls = o->next;
+    op_free(o);
+  }
+}
