@@ -80,7 +80,11 @@ class Process:
         self.name, self.cmd, self.log_path = name, list(cmd), log_path
         self.health_url = health_url
         self.env = dict(os.environ, **(env or {}))
-        self.cwd = cwd
+        self.env.setdefault("PYTHONSAFEPATH", "1")
+        # Never the caller's directory: from a source checkout `python -m ...`
+        # would import ./mooncake_connector (no compiled _core) instead of the
+        # installed package.
+        self.cwd = cwd or os.path.dirname(os.path.abspath(log_path))
         self.proc = None
         self.started_at = None
         self.ready_s = None
