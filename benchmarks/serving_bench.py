@@ -64,7 +64,7 @@ def xfer_time(spec, n_tokens, repeat, python):
     # one tensor per model layer.
     layers = max(1, spec["layers"] // 2)
     out = subprocess.run(
-        [python, "-m", "mooncake_connector.transfer_demo", "--layers", str(layers),
+        [python, "-P", "-m", "mooncake_connector.transfer_demo", "--layers", str(layers),
          "--blocks", str(n_blocks + 8), "--block-kib", str(block_kib), "--prompt-blocks",
          str(n_blocks), "--repeat", str(repeat), "--json"],
         capture_output=True, text=True, timeout=300)
