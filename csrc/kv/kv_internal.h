@@ -94,6 +94,15 @@ uint64_t kv_pull_expire_locked(mc_kv_t *kv, uint64_t now_ns, const char *only_fr
 /* kv_pull_async.c: stop and join the pull threads; free what is left. */
 void kv_pull_async_stop(mc_kv_t *kv);
 void kv_pull_async_free(mc_kv_t *kv);
+/* kv_transfer.c: queues a job for the worker threads (a copy of msg);
+ * MC_ENOMEM or MC_ECLOSED (shutting down) if it cannot. */
+int kv_queue_job(mc_kv_t *kv, const char *from, const void *msg, size_t len);
+/* Sends msg to producer, waits for w's answer until deadline; returns the
+ * answer's matched tokens or a negative code (err says "<what> from ...").
+ * Returns with kv->mu held and w unlinked (the caller counts, unlocks). */
+long kv_ask_locked(mc_kv_t *kv, kv_waiter_t *w, const char *producer, const void *msg,
+                   size_t len, int timeout_ms, uint64_t deadline, const char *what,
+                   mc_err_t *err);
 /* Unlinks and frees a waiter; caller holds kv->mu. */
 void kv_waiter_unlink_locked(mc_kv_t *kv, kv_waiter_t *w);
 

@@ -248,39 +248,8 @@ static void send_release(mc_kv_t *kv, const char *producer, uint64_t lease_id) {
   mc_put_u32(buf, KV_PREL_MAGIC);
   buf[4] = KV_VERSION;
   mc_put_u64(buf + 8, lease_id);
-  kv_job_t *j = calloc(1, sizeof *j);
-  if (j) {
-    j->from = strdup(producer);
-    j->msg = malloc(sizeof buf);
-    j->len = sizeof buf;
-  }
-  if (!j || !j->from || !j->msg) {
-    if (j) {
-      free(j->from);
-      free(j->msg);
-      free(j);
-    }
+  if (kv_queue_job(kv, producer, buf, sizeof buf) < 0) /* no memory, or shutting down */
     kv_pull_send_release(kv, producer, buf, sizeof buf);
-    return;
-  }
-  memcpy(j->msg, buf, sizeof buf);
-  pthread_mutex_lock(&kv->mu);
-  if (kv->stopping) {
-    pthread_mutex_unlock(&kv->mu);
-    free(j->from);
-    free(j->msg);
-    free(j);
-    kv_pull_send_release(kv, producer, buf, sizeof buf);
-    return;
-  }
-  if (kv->jobs_tail)
-    kv->jobs_tail->next = j;
-  else
-    kv->jobs_head = j;
-  kv->jobs_tail = j;
-  kv->njobs++;
-  pthread_cond_signal(&kv->job_cv);
-  pthread_mutex_unlock(&kv->mu);
 }
 
 /* Sends the lease request and waits for the answer; fills w. */
@@ -303,27 +272,9 @@ static long ask_lease(mc_kv_t *kv, kv_waiter_t *w, const char *producer, const v
   mc_put_u32(buf + 20, (uint32_t)ntok);
   mc_put_u32(buf + 24, skip);
   memcpy(buf + KV_PULL_HDR, tokens, ntok * (size_t)width);
-  long rc = mc_engine_notify(kv->e, producer, buf, len, timeout_ms, err);
+  long rc = kv_ask_locked(kv, w, producer, buf, len, timeout_ms, deadline, "recv_kv (pull)",
+                          err);
   free(buf);
-  pthread_mutex_lock(&kv->mu);
-  while (rc == 0 && !w->done && !kv->stopping) {
-    struct timespec ts = mc_deadline_ts(deadline);
-    if (pthread_cond_timedwait(&kv->wait_cv, &kv->mu, &ts) != 0 && mc_now_ns() >= deadline)
-      break;
-  }
-  if (rc == 0) {
-    if (w->done && w->status < 0)
-      rc = mc_err_set(err, w->status, "recv_kv (pull) from %s: %s", producer, w->msg);
-    else if (w->done)
-      rc = w->matched;
-    else if (kv->stopping)
-      rc = mc_err_set(err, MC_ECLOSED, "recv_kv (pull) from %s: shutting down", producer);
-    else
-      rc = mc_err_set(err, MC_ETIMEDOUT, "recv_kv (pull) from %s: no answer within %d ms "
-                      "(producer busy, stuck or gone)", producer, timeout_ms);
-  }
-  kv_waiter_unlink_locked(kv, w);
-  pthread_cond_broadcast(&kv->wait_cv); /* destroy may be waiting for us */
   pthread_mutex_unlock(&kv->mu);
   return rc;
 }

@@ -113,6 +113,11 @@ static void on_message(void *arg, const char *from, const void *msg, size_t len)
     mc_engine_queue_notify(kv->e, from, msg, len); /* someone else's */
     return;
   }
+  if (kv_queue_job(kv, from, msg, len) == MC_ENOMEM)
+    mc_log_error("out of memory queueing a recv_kv request from %s", from);
+}
+
+int kv_queue_job(mc_kv_t *kv, const char *from, const void *msg, size_t len) {
   kv_job_t *j = calloc(1, sizeof *j);
   if (j) {
     j->from = strdup(from);
@@ -126,11 +131,17 @@ static void on_message(void *arg, const char *from, const void *msg, size_t len)
       free(j->msg);
       free(j);
     }
-    mc_log_error("out of memory queueing a recv_kv request from %s", from);
-    return;
+    return MC_ENOMEM;
   }
   memcpy(j->msg, msg, len);
   pthread_mutex_lock(&kv->mu);
+  if (kv->stopping) {
+    pthread_mutex_unlock(&kv->mu);
+    free(j->from);
+    free(j->msg);
+    free(j);
+    return MC_ECLOSED;
+  }
   if (kv->jobs_tail)
     kv->jobs_tail->next = j;
   else
@@ -139,6 +150,33 @@ static void on_message(void *arg, const char *from, const void *msg, size_t len)
   kv->njobs++;
   pthread_cond_signal(&kv->job_cv);
   pthread_mutex_unlock(&kv->mu);
+  return 0;
+}
+
+long kv_ask_locked(mc_kv_t *kv, kv_waiter_t *w, const char *producer, const void *msg,
+                   size_t len, int timeout_ms, uint64_t deadline, const char *what,
+                   mc_err_t *err) {
+  long rc = mc_engine_notify(kv->e, producer, msg, len, timeout_ms, err);
+  pthread_mutex_lock(&kv->mu);
+  while (rc == 0 && !w->done && !kv->stopping) {
+    struct timespec ts = mc_deadline_ts(deadline);
+    if (pthread_cond_timedwait(&kv->wait_cv, &kv->mu, &ts) != 0 && mc_now_ns() >= deadline)
+      break;
+  }
+  if (rc == 0) {
+    if (w->done && w->status < 0)
+      rc = mc_err_set(err, w->status, "%s from %s: %s", what, producer, w->msg);
+    else if (w->done)
+      rc = w->matched;
+    else if (kv->stopping)
+      rc = mc_err_set(err, MC_ECLOSED, "%s from %s: shutting down", what, producer);
+    else
+      rc = mc_err_set(err, MC_ETIMEDOUT, "%s from %s: no answer within %d ms (producer "
+                      "busy, stuck or gone)", what, producer, timeout_ms);
+  }
+  kv_waiter_unlink_locked(kv, w);
+  pthread_cond_broadcast(&kv->wait_cv); /* destroy may be waiting for us */
+  return rc;
 }
 
 /* ---- serving one request (worker thread) ---- */
@@ -456,33 +494,14 @@ long mc_kv_recv_ex(mc_kv_t *kv, const char *producer, const void *tokens, size_t
   mc_put_u64(buf + 8, w->id);
 
   uint64_t deadline = mc_now_ns() + (uint64_t)timeout_ms * 1000000ull;
-  long rc = mc_engine_notify(kv->e, producer, buf, len, timeout_ms, err);
+  long rc = kv_ask_locked(kv, w, producer, buf, len, timeout_ms, deadline, "recv_kv", err);
   free(buf);
-  pthread_mutex_lock(&kv->mu);
-  while (rc == 0 && !w->done && !kv->stopping) {
-    struct timespec ts = mc_deadline_ts(deadline);
-    if (pthread_cond_timedwait(&kv->wait_cv, &kv->mu, &ts) != 0 && mc_now_ns() >= deadline)
-      break;
-  }
-  if (rc == 0) {
-    if (w->done && w->status < 0)
-      rc = mc_err_set(err, w->status, "recv_kv from %s: %s", producer, w->msg);
-    else if (w->done)
-      rc = w->matched;
-    else if (kv->stopping)
-      rc = mc_err_set(err, MC_ECLOSED, "recv_kv from %s: shutting down", producer);
-    else
-      rc = mc_err_set(err, MC_ETIMEDOUT, "recv_kv from %s: no answer within %d ms (producer "
-                      "busy, stuck or gone)", producer, timeout_ms);
-  }
-  kv_waiter_unlink_locked(kv, w);
   if (rc < 0)
     kv->stats.recv_errors++;
   else if (rc > 0) {
     kv->stats.recv_hits++;
     kv->stats.recv_tokens += (uint64_t)rc;
   }
-  pthread_cond_broadcast(&kv->wait_cv); /* destroy may be waiting for us */
   pthread_mutex_unlock(&kv->mu);
   free(w);
   return rc;
