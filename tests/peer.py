@@ -19,6 +19,7 @@ import json
 import os
 import random
 import sys
+import time
 import zlib
 
 import mooncake_connector as mc
@@ -109,6 +110,26 @@ def main():
                                            pull=req.get("pull", False),
                                            hidden_dest=None if hid is None else
                                            [(base + s_ * bb, hb) for s_ in hid])})
+            except mc.MooncakeError as e:
+                out({"error": str(e), "type": type(e).__name__})
+        elif cmd == "probe":
+            try:
+                t0 = time.perf_counter()
+                n = kv.probe(req["producer"], req["tokens"], timeout=req.get("timeout", 1.0),
+                             extents_per_block=req.get("epb", 0))
+                out({"matched": n, "secs": time.perf_counter() - t0})
+            except mc.MooncakeError as e:
+                out({"error": str(e), "type": type(e).__name__})
+        elif cmd == "pull_wait":  # pull_start, then block in pull_wait, then pull_poll
+            bb = req["block_bytes"]
+            dest = [(base + s_ * bb, bb) for s_ in req["slots"]]
+            try:
+                pid = kv.pull_start(req["producer"], req["tokens"], dest,
+                                    timeout=req.get("timeout", 10.0))
+                done = kv.pull_wait([pid], timeout=req.get("wait", 10.0))
+                r = kv.pull_poll(pid)
+                out({"done": done, "matched": r[0] if r else None,
+                     "error": r[1] if r else None})
             except mc.MooncakeError as e:
                 out({"error": str(e), "type": type(e).__name__})
         elif cmd == "recv_many":

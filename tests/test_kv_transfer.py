@@ -248,3 +248,40 @@ def test_hidden_states_travel_with_the_blocks(pair):
         assert (cons.call(cmd="crc", off=dst * BB, len=hb)["crc"]
                 == prod.call(cmd="crc", off=src * BB, len=hb)["crc"])
     assert crc(cons, 20, 2) == crc(prod, 0, 2)
+
+
+def test_probe_counts_without_taking(pair, peers):
+    """probe answers how much of a prompt the producer holds; it pins and
+    consumes nothing (a consume-mode entry is still there to pull after it)."""
+    prod, cons = pair
+    init(prod, cons, mode="consume", track_freed=True)
+    t = toks(31, 3 * BS + 7)
+    assert prod.call(cmd="send_kv", tokens=t, slots=[0, 1, 2], block_bytes=BB) == {"stored": 48}
+    for _ in range(3):
+        r = cons.call(cmd="probe", producer=prod.segment, tokens=t)
+        assert r["matched"] == 48, r
+    # A longer or diverging query counts the common full blocks only.
+    r = cons.call(cmd="probe", producer=prod.segment, tokens=t[:2 * BS] + toks(32, 2 * BS))
+    assert r["matched"] == 32
+    assert cons.call(cmd="probe", producer=prod.segment, tokens=toks(33, 4 * BS))["matched"] == 0
+    assert cons.call(cmd="probe", producer=prod.segment, tokens=t[:BS - 1])["matched"] == 0
+    st = prod.call(cmd="kv_stats")
+    assert st["probes_served"] == 6 and st["leases_granted"] == 0, st
+    assert prod.call(cmd="take_freed") == {"tags": []}  # nothing consumed or freed
+    # The entry is still whole: a pull takes it, then a probe finds nothing.
+    r = cons.call(cmd="pull_wait", producer=prod.segment, tokens=t, slots=[10, 11, 12],
+                  block_bytes=BB)
+    assert r == {"done": True, "matched": 48, "error": None}
+    assert [crc(cons, s) for s in (10, 11, 12)] == [crc(prod, s) for s in (0, 1, 2)]
+    assert cons.call(cmd="probe", producer=prod.segment, tokens=t)["matched"] == 0
+    # The layout check is optional: a wrong extents-per-block is named.
+    cons.call(cmd="probe", producer=prod.segment, tokens=t, epb=0)
+    r = cons.call(cmd="probe", producer=prod.segment, tokens=t, epb=3)
+    assert "expects 3 extents per block" in r["error"], r
+    # A dead producer: a clear error, quickly (not the whole timeout).
+    r = cons.call(cmd="probe", producer="127.0.0.1:1", tokens=t, timeout=2.0)
+    assert r["type"] == "TransferError" and "127.0.0.1:1" in r["error"], r
+    # A non-producer says so.
+    r = prod.call(cmd="probe", producer=cons.segment, tokens=t)
+    assert "not a producer" in r["error"], r
+

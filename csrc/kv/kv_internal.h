@@ -76,6 +76,7 @@ struct mc_kv {
   kv_pull_op_t *pulls;
   uint64_t next_pull;
   pthread_cond_t pull_cv;
+  pthread_cond_t pull_done_cv; /* mc_kv_pull_wait callers */
   pthread_t pull_threads[KV_MAX_PULL_THREADS];
   int npull_threads, pull_pool, pull_stopping;
 };

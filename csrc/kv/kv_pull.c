@@ -4,6 +4,9 @@
  *   u32 magic "KVPQ", u8 version 1, u8 token width (4|8), u16 extents per
  *   block, u64 request id, u32 lease ms, u32 ntok, u32 skip blocks, token ids.
  *   Matching always starts at block 0; only blocks from `skip` on are leased.
+ *   Lease ms 0 asks for a probe: the answer carries the matched tokens, no
+ *   lease and no extents, and nothing is pinned or consumed (extents per
+ *   block 0 = not checked).
  * Answer (producer -> consumer):
  *   u32 magic "KVPP", u8 version 1, 3 x u8 0, u64 request id, i32 status,
  *   u32 matched tokens (from block 0), u64 lease id (0 = none), u32 nblocks
@@ -84,12 +87,24 @@ void kv_pull_serve(mc_kv_t *kv, kv_job_t *j) {
     else if (!kv->lb)
       rc = mc_err_set(&err, MC_EINVAL, "segment %s holds no KV (it is not a producer: no "
                       "lookup buffer)", mc_engine_segment_name(kv->e));
-    else if (want_epb != epb)
+    else if (want_epb != epb && (lease_ms || want_epb))
       rc = mc_err_set(&err, MC_EINVAL, "the consumer expects %u extents per block; producer %s "
                       "stores %u (do both sides run the same model and parallel layout?)",
                       want_epb, mc_engine_segment_name(kv->e), epb);
+    else if (lease_ms == 0)
+      rc = mc_lookup_count(kv->lb, m + KV_PULL_HDR, (size_t)ntok, width, &err);
     else
       rc = mc_lookup_find(kv->lb, m + KV_PULL_HDR, (size_t)ntok, width, &match, &err);
+  }
+  if (lease_ms == 0 && j->len >= KV_PULL_HDR && m[4] == KV_VERSION) {
+    pthread_mutex_lock(&kv->mu);
+    kv->stats.probes_served++;
+    if (rc < 0)
+      kv->stats.serve_errors++;
+    pthread_mutex_unlock(&kv->mu);
+    send_lease_answer(kv, j->from, id, rc < 0 ? (int)rc : 0, rc > 0 ? (uint32_t)rc : 0, 0, NULL,
+                      0, 0, epb, err.msg);
+    return;
   }
   size_t total = rc > 0 ? mc_lookup_match_blocks(match) : 0;
   size_t nb = total > skip ? total - skip : 0; /* blocks to lease */
@@ -254,8 +269,8 @@ static void send_release(mc_kv_t *kv, const char *producer, uint64_t lease_id) {
 
 /* Sends the lease request and waits for the answer; fills w. */
 static long ask_lease(mc_kv_t *kv, kv_waiter_t *w, const char *producer, const void *tokens,
-                      size_t ntok, int width, uint32_t epb, uint32_t skip, int timeout_ms,
-                      uint64_t deadline, mc_err_t *err) {
+                      size_t ntok, int width, uint32_t epb, uint32_t skip, uint32_t lease_ms,
+                      int timeout_ms, uint64_t deadline, mc_err_t *err) {
   size_t len = KV_PULL_HDR + ntok * (size_t)width;
   if (len > MC_WIRE_MAX_CTRL)
     return mc_err_set(err, MC_ETOOBIG, "recv_kv (pull) request of %zu tokens exceeds %u bytes; "
@@ -268,12 +283,12 @@ static long ask_lease(mc_kv_t *kv, kv_waiter_t *w, const char *producer, const v
   buf[5] = (uint8_t)width;
   mc_put_u16(buf + 6, (uint16_t)epb);
   mc_put_u64(buf + 8, w->id);
-  mc_put_u32(buf + 16, (uint32_t)timeout_ms);
+  mc_put_u32(buf + 16, lease_ms);
   mc_put_u32(buf + 20, (uint32_t)ntok);
   mc_put_u32(buf + 24, skip);
   memcpy(buf + KV_PULL_HDR, tokens, ntok * (size_t)width);
-  long rc = kv_ask_locked(kv, w, producer, buf, len, timeout_ms, deadline, "recv_kv (pull)",
-                          err);
+  long rc = kv_ask_locked(kv, w, producer, buf, len, timeout_ms, deadline,
+                          lease_ms ? "recv_kv (pull)" : "KV probe", err);
   free(buf);
   pthread_mutex_unlock(&kv->mu);
   return rc;
@@ -353,8 +368,8 @@ long mc_kv_pull_ex(mc_kv_t *kv, const char *producer, const void *tokens, size_t
   kv->stats.pulls++;
   pthread_mutex_unlock(&kv->mu);
 
-  long rc = ask_lease(kv, w, producer, tokens, ntok, width, epb, skip, timeout_ms, deadline,
-                      err);
+  long rc = ask_lease(kv, w, producer, tokens, ntok, width, epb, skip, (uint32_t)timeout_ms,
+                      timeout_ms, deadline, err);
   uint64_t bytes = 0;
   if (rc > 0) {
     if (w->epb != epb) {
@@ -387,6 +402,41 @@ long mc_kv_pull_ex(mc_kv_t *kv, const char *producer, const void *tokens, size_t
     kv->stats.pull_bytes += bytes;
   }
   pthread_mutex_unlock(&kv->mu);
+  free(w->extents);
+  free(w);
+  return rc;
+}
+
+long mc_kv_probe(mc_kv_t *kv, const char *producer, const void *tokens, size_t ntok, int width,
+                 uint32_t epb, int timeout_ms, mc_err_t *err) {
+  if (!producer || !*producer)
+    return mc_err_set(err, MC_EINVAL, "KV probe: the producer segment name is empty");
+  if (width != 4 && width != 8)
+    return mc_err_set(err, MC_EINVAL, "KV probe: token ids must be 4 or 8 bytes wide");
+  if (epb > 0xffff || ntok > 0xffffffffu)
+    return mc_err_set(err, MC_EINVAL, "KV probe: too many tokens or extents per block");
+  if (timeout_ms <= 0)
+    timeout_ms = 1000;
+  uint64_t deadline = mc_now_ns() + (uint64_t)timeout_ms * 1000000ull;
+  kv_waiter_t *w = calloc(1, sizeof *w);
+  if (!w)
+    return mc_err_set(err, MC_ENOMEM, "out of memory");
+  snprintf(w->producer, sizeof w->producer, "%s", producer);
+  pthread_mutex_lock(&kv->mu);
+  if (kv->stopping) {
+    pthread_mutex_unlock(&kv->mu);
+    free(w);
+    return mc_err_set(err, MC_ECLOSED, "KV probe: shutting down");
+  }
+  w->id = ++kv->next_id;
+  w->next = kv->waiters;
+  kv->waiters = w;
+  kv->stats.probes++;
+  pthread_mutex_unlock(&kv->mu);
+  long rc = ask_lease(kv, w, producer, tokens, ntok, width, epb, 0, 0, timeout_ms, deadline,
+                      err);
+  if (w->lease_id) /* a producer that leased anyway: give it back */
+    send_release(kv, producer, w->lease_id);
   free(w->extents);
   free(w);
   return rc;

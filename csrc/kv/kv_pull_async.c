@@ -62,6 +62,7 @@ static void *pull_main(void *arg) {
     op->err = err;
     op->t1_ns = mc_now_ns();
     op->done = 1;
+    pthread_cond_broadcast(&kv->pull_done_cv);
   }
   pthread_mutex_unlock(&kv->mu);
   return NULL;
@@ -143,6 +144,35 @@ int mc_kv_pull_poll(mc_kv_t *kv, uint64_t id, long *result, double *seconds, mc_
   return 1;
 }
 
+int mc_kv_pull_wait(mc_kv_t *kv, const uint64_t *ids, size_t n, int timeout_ms, mc_err_t *err) {
+  uint64_t deadline = mc_now_ns() + (uint64_t)(timeout_ms > 0 ? timeout_ms : 0) * 1000000ull;
+  pthread_mutex_lock(&kv->mu);
+  for (;;) {
+    size_t left = 0;
+    for (size_t i = 0; i < n; i++) {
+      kv_pull_op_t *op = kv->pulls;
+      while (op && op->id != ids[i])
+        op = op->next;
+      if (!op) {
+        pthread_mutex_unlock(&kv->mu);
+        return mc_err_set(err, MC_EINVAL, "no pull %llu (already reported?)",
+                          (unsigned long long)ids[i]);
+      }
+      left += !op->done;
+    }
+    if (!left) {
+      pthread_mutex_unlock(&kv->mu);
+      return 1;
+    }
+    if (mc_now_ns() >= deadline)
+      break;
+    struct timespec ts = mc_deadline_ts(deadline);
+    pthread_cond_timedwait(&kv->pull_done_cv, &kv->mu, &ts);
+  }
+  pthread_mutex_unlock(&kv->mu);
+  return 0;
+}
+
 void kv_pull_async_stop(mc_kv_t *kv) {
   pthread_mutex_lock(&kv->mu);
   kv->pull_stopping = 1;
@@ -155,6 +185,7 @@ void kv_pull_async_stop(mc_kv_t *kv) {
       o->result = mc_err_set(&o->err, MC_ECLOSED, "recv_kv: shutting down");
     }
   pthread_cond_broadcast(&kv->pull_cv);
+  pthread_cond_broadcast(&kv->pull_done_cv);
   pthread_mutex_unlock(&kv->mu);
   for (int i = 0; i < kv->npull_threads; i++)
     pthread_join(kv->pull_threads[i], NULL); /* running pulls end by their timeout */

@@ -364,6 +364,7 @@ int mc_kv_create(mc_engine_t *e, mc_lookup_t *lb, int workers, mc_kv_t **out, mc
   pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
   pthread_cond_init(&kv->job_cv, &ca);
   pthread_cond_init(&kv->pull_cv, NULL);
+  pthread_cond_init(&kv->pull_done_cv, NULL);
   kv->pull_pool = workers > KV_MAX_PULL_THREADS ? KV_MAX_PULL_THREADS : workers;
   pthread_cond_init(&kv->wait_cv, &ca);
   pthread_condattr_destroy(&ca);
@@ -412,6 +413,7 @@ void mc_kv_destroy(mc_kv_t *kv) {
   }
   kv_pull_async_free(kv);
   pthread_cond_destroy(&kv->pull_cv);
+  pthread_cond_destroy(&kv->pull_done_cv);
   pthread_cond_destroy(&kv->job_cv);
   pthread_cond_destroy(&kv->wait_cv);
   pthread_mutex_destroy(&kv->mu);

@@ -81,12 +81,25 @@ int mc_kv_pull_start(mc_kv_t *kv, const char *producer, const void *tokens, size
                      int width, uint32_t skip, const mc_lookup_extent_t *dest, size_t ndest,
                      uint32_t epb, int timeout_ms, uint64_t *id, mc_err_t *err);
 int mc_kv_pull_poll(mc_kv_t *kv, uint64_t id, long *result, double *seconds, mc_err_t *err);
+/* Blocks until every pull in ids[0..n) is done (mc_kv_pull_poll would
+ * report it) or timeout_ms passes.  Returns 1 if all are done, 0 on timeout,
+ * a negative code for an unknown id. */
+int mc_kv_pull_wait(mc_kv_t *kv, const uint64_t *ids, size_t n, int timeout_ms, mc_err_t *err);
+
+/* Probe: how many tokens of the longest block-aligned prefix of tokens does
+ * `producer` hold right now?  Nothing is leased, pinned or consumed, so the
+ * answer may be stale when the caller acts on it (a later pull decides).
+ * epb 0 skips the extents-per-block check.  Returns matched tokens (0 on a
+ * miss) or a negative code (MC_ETIMEDOUT, MC_ECONNECT, ...). */
+long mc_kv_probe(mc_kv_t *kv, const char *producer, const void *tokens, size_t ntok, int width,
+                 uint32_t epb, int timeout_ms, mc_err_t *err);
 
 typedef struct mc_kv_stats {
   uint64_t requests_served, tokens_served, bytes_served, serve_errors;
   uint64_t recvs, recv_hits, recv_tokens, recv_errors;
   uint64_t leases_granted, leases_released, leases_expired;
   uint64_t pulls, pull_hits, pull_tokens, pull_bytes, pull_errors;
+  uint64_t probes, probes_served;
 } mc_kv_stats_t;
 void mc_kv_get_stats(mc_kv_t *kv, mc_kv_stats_t *out);
 

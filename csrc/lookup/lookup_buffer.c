@@ -721,6 +721,29 @@ long mc_lookup_find(mc_lookup_t *lb, const void *tokens, size_t ntok, int width,
   return (long)(k * lb->hasher.block_size);
 }
 
+long mc_lookup_count(mc_lookup_t *lb, const void *tokens, size_t ntok, int width,
+                     mc_err_t *err) {
+  mc_block_hash_t *h;
+  uint32_t *canon;
+  long rn = hash_query(lb, tokens, ntok, width, &h, &canon, err);
+  if (rn <= 0)
+    return rn;
+  size_t n = (size_t)rn;
+  lk_node_t **path = malloc(n * sizeof *path);
+  if (!path) {
+    free(h);
+    return mc_err_set(err, MC_ENOMEM, "out of memory looking up %zu tokens", ntok);
+  }
+  pthread_mutex_lock(&lb->mu);
+  expire_locked(lb);
+  size_t k = walk(lb, h, canon, n, path);
+  lb->st.probes++;
+  pthread_mutex_unlock(&lb->mu);
+  free(path);
+  free(h);
+  return (long)(k * lb->hasher.block_size);
+}
+
 size_t mc_lookup_match_blocks(const mc_lookup_match_t *m) { return m ? m->n : 0; }
 
 const mc_lookup_extent_t *mc_lookup_match_kv(const mc_lookup_match_t *m, size_t i) {

@@ -83,7 +83,7 @@ typedef struct mc_lookup_stats {
   uint64_t capacity_bytes, used_bytes, pinned_bytes;
   uint64_t entries, blocks, pinned_blocks;
   uint64_t inserts, insert_reused_blocks, lookups, hits, misses, matched_blocks;
-  uint64_t consumed, evicted, expired, removed, busy, collisions;
+  uint64_t consumed, evicted, expired, removed, busy, collisions, probes;
 } mc_lookup_stats_t;
 
 /* A pinned match: blocks[0..nblocks) of the query.  Read with the accessors
@@ -116,6 +116,13 @@ long mc_lookup_insert(mc_lookup_t *lb, const void *tokens, size_t ntok, int widt
  * On a hit *out holds the pinned match. */
 long mc_lookup_find(mc_lookup_t *lb, const void *tokens, size_t ntok, int width,
                     mc_lookup_match_t **out, mc_err_t *err);
+
+/* How many tokens of the longest block-aligned prefix match are present,
+ * without pinning, consuming or touching LRU order (a probe: the answer may
+ * be stale by the time the caller acts on it).  Returns matched tokens or a
+ * negative code. */
+long mc_lookup_count(mc_lookup_t *lb, const void *tokens, size_t ntok, int width,
+                     mc_err_t *err);
 
 size_t mc_lookup_match_blocks(const mc_lookup_match_t *m);
 /* The extents_per_block KV extents of matched block i. */

@@ -266,6 +266,79 @@ static PyObject *KV_pull_poll(KVObject *self, PyObject *arg) {
   return Py_BuildValue("(lOd)", result, Py_None, secs);
 }
 
+static PyObject *KV_pull_wait(KVObject *self, PyObject *args, PyObject *kw) {
+  static char *kwlist[] = {"ids", "timeout", NULL};
+  PyObject *ids_obj;
+  double timeout = 30.0;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "O|d:pull_wait", kwlist, &ids_obj, &timeout))
+    return NULL;
+  if (!live(self))
+    return NULL;
+  if (timeout < 0 || timeout > 86400)
+    return PyErr_Format(PyExc_ValueError, "timeout must be in [0, 86400] seconds");
+  PyObject *fast = PySequence_Fast(ids_obj, "ids must be a sequence of pull ids");
+  if (!fast)
+    return NULL;
+  Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+  uint64_t *ids = PyMem_RawMalloc((size_t)(n ? n : 1) * sizeof *ids);
+  if (!ids) {
+    Py_DECREF(fast);
+    return PyErr_NoMemory();
+  }
+  for (Py_ssize_t i = 0; i < n; i++) {
+    ids[i] = PyLong_AsUnsignedLongLong(PySequence_Fast_GET_ITEM(fast, i));
+    if (PyErr_Occurred()) {
+      PyMem_RawFree(ids);
+      Py_DECREF(fast);
+      return NULL;
+    }
+  }
+  Py_DECREF(fast);
+  mc_err_t err = {0};
+  int rc;
+  mc_kv_t *kv = self->kv;
+  Py_BEGIN_ALLOW_THREADS
+  rc = mc_kv_pull_wait(kv, ids, (size_t)n, (int)(timeout * 1000.0), &err);
+  Py_END_ALLOW_THREADS
+  PyMem_RawFree(ids);
+  if (rc < 0)
+    return mc_py_raise(ST(self), &err);
+  return PyBool_FromLong(rc);
+}
+
+static PyObject *KV_probe(KVObject *self, PyObject *args, PyObject *kw) {
+  static char *kwlist[] = {"producer", "tokens", "timeout", "extents_per_block", NULL};
+  const char *producer;
+  PyObject *tok_obj;
+  double timeout = 1.0;
+  unsigned int epb = 0;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "sO|dI:probe", kwlist, &producer, &tok_obj,
+                                   &timeout, &epb))
+    return NULL;
+  if (!live(self))
+    return NULL;
+  if (timeout <= 0 || timeout > 86400)
+    return PyErr_Format(PyExc_ValueError, "timeout must be in (0, 86400] seconds");
+  if (epb > 0xffff)
+    return PyErr_Format(PyExc_ValueError, "extents_per_block must be 0..65535");
+  mc_py_tokens_t t;
+  if (mc_py_tokens_get(tok_obj, &t) < 0)
+    return NULL;
+  char prod[512];
+  snprintf(prod, sizeof prod, "%s", producer);
+  mc_err_t err = {0};
+  long rc;
+  mc_kv_t *kv = self->kv;
+  int ms = (int)(timeout * 1000.0);
+  Py_BEGIN_ALLOW_THREADS
+  rc = mc_kv_probe(kv, prod, t.ptr, t.n, t.width, epb, ms > 0 ? ms : 1, &err);
+  Py_END_ALLOW_THREADS
+  mc_py_tokens_put(&t);
+  if (rc < 0)
+    return mc_py_raise(ST(self), &err);
+  return PyLong_FromLong(rc);
+}
+
 static PyObject *KV_send_kv(KVObject *self, PyObject *args, PyObject *kw) {
   if (!live(self))
     return NULL;
@@ -299,7 +372,8 @@ static PyObject *KV_stats(KVObject *self, PyObject *unused) {
            {"leases_granted", s.leases_granted},   {"leases_released", s.leases_released},
            {"leases_expired", s.leases_expired},   {"pulls", s.pulls},
            {"pull_hits", s.pull_hits},             {"pull_tokens", s.pull_tokens},
-           {"pull_bytes", s.pull_bytes},           {"pull_errors", s.pull_errors}};
+           {"pull_bytes", s.pull_bytes},           {"pull_errors", s.pull_errors},
+           {"probes", s.probes},                   {"probes_served", s.probes_served}};
   PyObject *d = PyDict_New();
   for (size_t i = 0; d && i < sizeof f / sizeof f[0]; i++) {
     PyObject *v = PyLong_FromUnsignedLongLong((unsigned long long)f[i].v);
@@ -349,6 +423,14 @@ static PyMethodDef KV_methods[] = {
     {"pull_poll", (PyCFunction)KV_pull_poll, METH_O,
      "pull_poll(id) -> None while running, else (matched tokens, error text or None,\n"
      "seconds); a finished pull is reported once. Never blocks."},
+    {"pull_wait", (PyCFunction)(void (*)(void))KV_pull_wait, METH_VARARGS | METH_KEYWORDS,
+     "pull_wait(ids, timeout=30.0) -> True once every pull in ids is done (pull_poll then\n"
+     "reports it), False if timeout passed first. Releases the GIL while it waits."},
+    {"probe", (PyCFunction)(void (*)(void))KV_probe, METH_VARARGS | METH_KEYWORDS,
+     "probe(producer, tokens, timeout=1.0, extents_per_block=0) -> matched tokens\n\n"
+     "Asks the producer how many tokens of the longest block-aligned prefix of tokens it\n"
+     "holds now. Nothing is leased, pinned or consumed: the answer can be stale by the time\n"
+     "a pull runs. extents_per_block 0 skips the layout check."},
     {"send_kv", (PyCFunction)(void (*)(void))KV_send_kv, METH_VARARGS | METH_KEYWORDS,
      "send_kv(tokens, extents, hidden=None, copy=False, timeout=0.0) -> stored tokens\n\n"
      "Stores the KV of tokens in this producer's lookup buffer (LookupBuffer.insert)."},

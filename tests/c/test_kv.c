@@ -138,6 +138,45 @@ static void test_async_pull(void) {
   CHECK_EQ_INT(mc_kv_pull_start(KC, "127.0.0.1:1", t, 32, 4, 0, dst, 2, 1, 200, &id2, &err), 0);
 }
 
+static void test_probe_and_pull_wait(void) {
+  int32_t t[48];
+  for (int i = 0; i < 48; i++)
+    t[i] = 12000 + i * 5;
+  mc_lookup_extent_t src[2], dst[2];
+  for (int i = 0; i < 2; i++) {
+    src[i] = (mc_lookup_extent_t){.addr = (uint64_t)(uintptr_t)(pbuf + (6 + i) * BB), .len = BB};
+    dst[i] = (mc_lookup_extent_t){.addr = (uint64_t)(uintptr_t)(cbuf + (8 + i) * BB), .len = BB};
+  }
+  memset(pbuf + 6 * BB, 0x3c, 2 * BB);
+  mc_err_t err = {0};
+  CHECK_EQ_INT(mc_lookup_insert(LB, t, 32, 4, src, NULL, 0, 0, NULL, &err), 2);
+  const char *prod = mc_engine_segment_name(P);
+  /* 48 tokens asked, 2 blocks held: 32; nothing pinned by the probe. */
+  CHECK_EQ_INT(mc_kv_probe(KC, prod, t, 48, 4, 0, 2000, &err), 32);
+  CHECK_EQ_INT(mc_kv_probe(KC, prod, t, 48, 4, 1, 2000, &err), 32);
+  CHECK_EQ_INT(mc_kv_probe(KC, prod, t, 48, 4, 2, 2000, &err), MC_EINVAL);
+  CHECK_CONTAINS(err.msg, "expects 2 extents per block");
+  mc_lookup_stats_t ls;
+  mc_lookup_get_stats(LB, &ls);
+  CHECK_EQ_INT(ls.pinned_blocks, 0);
+  CHECK(mc_kv_probe(KC, "", t, 48, 4, 0, 100, &err) == MC_EINVAL);
+  /* pull_wait: blocks until the pull is done; poll then reports it. */
+  uint64_t id = 0;
+  memset(cbuf + 8 * BB, 0, 2 * BB);
+  CHECK_EQ_INT(mc_kv_pull_start(KC, prod, t, 32, 4, 0, dst, 2, 1, 5000, &id, &err), 0);
+  CHECK_EQ_INT(mc_kv_pull_wait(KC, &id, 1, 5000, &err), 1);
+  long res = -1;
+  CHECK_EQ_INT(mc_kv_pull_poll(KC, id, &res, NULL, &err), 1);
+  CHECK_EQ_INT(res, 32);
+  CHECK(memcmp(pbuf + 6 * BB, cbuf + 8 * BB, 2 * BB) == 0);
+  CHECK_EQ_INT(mc_kv_pull_wait(KC, &id, 1, 10, &err), MC_EINVAL); /* reported already */
+  mc_kv_stats_t s;
+  mc_kv_get_stats(KP, &s);
+  CHECK_EQ_INT(s.probes_served, 3);
+  mc_kv_get_stats(KC, &s);
+  CHECK_EQ_INT(s.probes, 3);
+}
+
 int main(void) {
   pbuf = calloc(16, BB);
   cbuf = calloc(16, BB);
@@ -156,6 +195,7 @@ int main(void) {
   RUN(test_errors);
   RUN(test_pull_with_skip_and_release);
   RUN(test_async_pull);
+  RUN(test_probe_and_pull_wait);
   mc_kv_destroy(KC);
   mc_kv_destroy(KP);
   mc_lookup_destroy(LB);
