@@ -24,6 +24,7 @@ from vllm_harness import RequestStatus, Side, make_request, status, tiny_model_d
 
 pytestmark = pytest.mark.vllm
 BS = 16
+ASYNC = {"sync_load_max_bytes": 0}  # every load in the background (WAITING_FOR_REMOTE_KVS)
 
 
 def free_port():
@@ -76,7 +77,7 @@ def prefill(p, rid, tokens, params=None):
 
 
 def test_remote_hit_loads_async_then_runs_and_producer_frees(sides):
-    p, d = sides("kv_producer"), sides("kv_consumer")
+    p, d = sides("kv_producer"), sides("kv_consumer", **ASYNC)
     t = toks(1, 5 * BS + 3)           # 5 full blocks + 3 tokens
     prefill(p, "a", t)
     held = p.block_ids("a")           # held for the consumer, not freed
@@ -101,7 +102,7 @@ def test_remote_hit_loads_async_then_runs_and_producer_frees(sides):
 
 
 def test_loaded_bytes_are_the_producers(sides):
-    p, d = sides("kv_producer"), sides("kv_consumer")
+    p, d = sides("kv_producer"), sides("kv_consumer", **ASYNC)
     t = toks(2, 4 * BS)
     prefill(p, "x", t)
     d.add(make_request("x", t, max_tokens=5))
@@ -125,6 +126,81 @@ def test_miss_computes_locally(sides):
     assert d.is_empty() and p.is_empty()
 
 
+def _stats(side):
+    st = {}
+    for s in side.stats:
+        for k, v in s.reduce().items():
+            st[k] = st.get(k, 0) + v
+    return st
+
+
+def test_remote_hit_loads_in_the_step_without_extra_steps(sides):
+    """Flow A: the scheduler probes the producer, the load runs inside the
+    step that schedules the request; no WAITING_FOR_REMOTE_KVS round."""
+    p, d = sides("kv_producer"), sides("kv_consumer")
+    t = toks(51, 5 * BS + 3)
+    prefill(p, "i", t)
+    d.add(make_request("i", t, max_tokens=3))
+    so = d.step()
+    assert status(d, "i") == RequestStatus.RUNNING
+    assert so.num_scheduled_tokens["i"] == 3          # only the tail, in the first step
+    assert d.computed["i"] == 3 and not d.invalid and "i" not in d.recvd
+    assert d.block_matches_pattern("i", t, 5)          # the producer's bytes
+    assert d.run_until(lambda: "i" not in d.sched.requests)
+    assert d.computed["i"] == 3 + 2
+    st = _stats(d)
+    assert st["loads"] == 1 and st["loads_in_step"] == 1 and st["load_tokens"] == 5 * BS, st
+    assert p.run_until(lambda: p.is_empty())
+    assert p.worker._worker.kv.stats()["probes_served"] == 1
+
+
+def test_miss_is_decided_before_scheduling(sides):
+    """A prompt the producer does not hold: one probe, no load, the whole
+    prompt computed in the first step."""
+    p, d = sides("kv_producer"), sides("kv_consumer")
+    t = toks(52, 4 * BS + 1)
+    d.add(make_request("n", t, max_tokens=2))
+    so = d.step()
+    assert so.num_scheduled_tokens["n"] == len(t) and status(d, "n") == RequestStatus.RUNNING
+    assert d.run_until(lambda: "n" not in d.sched.requests)
+    assert _stats(d).get("loads", 0) == 0
+    assert p.worker._worker.kv.stats()["probes_served"] == 1
+
+
+def test_dead_producer_probe_computes_locally(sides):
+    """Flow A with the producer gone: one failed probe, then probing pauses;
+    every request computes its prompt, none waits for a load."""
+    dead = f"127.0.0.1:{free_port()}"
+    d = sides("kv_consumer", prefill_url=dead)
+    for i in range(3):
+        d.add(make_request(f"z{i}", toks(60 + i, 2 * BS + 1), max_tokens=1))
+    so = d.step()
+    assert set(so.num_scheduled_tokens) == {"z0", "z1", "z2"}
+    assert all(n == 2 * BS + 1 for n in so.num_scheduled_tokens.values())
+    probe = d.sched.connector._scheduler._probe
+    assert probe.failures == 1 and probe.probes == 1  # the others skipped: backing off
+    assert d.run_until(lambda: not d.sched.requests)
+    assert _stats(d).get("loads", 0) == 0 and d.is_empty()
+
+
+def test_in_step_load_that_finds_nothing_is_recomputed(sides):
+    """The probe said hit, the KV was gone by the time the worker pulled
+    (consumed by someone else): the blocks are reported, vLLM recomputes."""
+    p, d = sides("kv_producer"), sides("kv_consumer")
+    t = toks(53, 3 * BS + 2)
+    prefill(p, "g", t)
+    d.before_load = lambda so: p.worker._worker.lb.remove(t[:3 * BS])
+    d.add(make_request("g", t, max_tokens=2))
+    d.step()
+    d.before_load = None
+    assert len(d.invalid) == 3
+    assert d.run_until(lambda: "g" not in d.sched.requests)
+    # The first step's 2 tail tokens were wasted; then the whole prompt + 1 decode.
+    assert d.computed["g"] == 2 + len(t) + 1
+    st = _stats(d)
+    assert st["loads_in_step"] == 1 and st["load_tokens_missed"] == 3 * BS, st
+
+
 def test_producer_frees_blocks_after_hold_timeout(sides):
     p = sides("kv_producer", hold_timeout_s=0.5)
     prefill(p, "h", toks(4, 2 * BS))
@@ -134,15 +210,25 @@ def test_producer_frees_blocks_after_hold_timeout(sides):
     assert 0.4 < time.monotonic() - t0 < 10
 
 
-def test_failed_load_recomputes(sides, urls):
+@pytest.mark.parametrize("in_step", [True, False], ids=["in-step", "async"])
+def test_failed_load_recomputes(sides, urls, in_step):
+    """The params name a producer that is gone (flow B: no probe first)."""
     dead = f"127.0.0.1:{free_port()}"   # nothing listens there
-    d = sides("kv_consumer", prefill_url=dead, load_timeout_s=5)
+    d = sides("kv_consumer", load_timeout_s=5, flow_a=False)
     t = toks(5, 3 * BS)
-    d.add(make_request("f", t, max_tokens=2))
+    params = {"do_remote_prefill": True, "remote_engine_id": dead}
+    if in_step:
+        params["num_tokens"] = 3 * BS  # size known: loaded inside the step
+    d.add(make_request("f", t, max_tokens=2, params=params))
     d.step()
-    assert status(d, "f") == RequestStatus.WAITING_FOR_REMOTE_KVS
+    if in_step:  # the step waited for the load, which failed: vLLM recomputes
+        assert status(d, "f") in (RequestStatus.RUNNING, RequestStatus.WAITING), status(d, "f")
+    else:
+        assert status(d, "f") == RequestStatus.WAITING_FOR_REMOTE_KVS
     assert d.run_until(lambda: "f" not in d.sched.requests)
-    assert d.computed["f"] == len(t) + 1
+    # In-step: the first step computed the aligned prompt's last block on top
+    # of the (failed) load; vLLM then recomputed the whole prompt.
+    assert d.computed["f"] == len(t) + 1 + (BS if in_step else 0)
     assert d.invalid, "the unloaded blocks were not reported"
     failed = sum(s.data.get("loads_failed", 0) for s in d.stats)
     assert failed == 1
@@ -162,7 +248,7 @@ def test_abort_before_load(sides):
 
 
 def test_abort_during_load_frees_blocks_only_after_the_load(sides):
-    p, d = sides("kv_producer"), sides("kv_consumer")
+    p, d = sides("kv_producer"), sides("kv_consumer", **ASYNC)
     t = toks(7, 6 * BS)
     prefill(p, "c", t)
     d.add(make_request("c", t, max_tokens=2))
@@ -178,8 +264,9 @@ def test_abort_during_load_frees_blocks_only_after_the_load(sides):
     assert p.run_until(lambda: p.is_empty())
 
 
-def test_flow_b_kv_transfer_params(sides):
-    p, d = sides("kv_producer"), sides("kv_consumer", flow_a=False)
+@pytest.mark.parametrize("in_step", [True, False], ids=["in-step", "async"])
+def test_flow_b_kv_transfer_params(sides, in_step):
+    p, d = sides("kv_producer"), sides("kv_consumer", flow_a=False, **({} if in_step else ASYNC))
     t = toks(8, 3 * BS + 5)
     r = make_request("q", t, max_tokens=1, params={"do_remote_decode": True,
                                                    "do_remote_prefill": False,
@@ -198,7 +285,10 @@ def test_flow_b_kv_transfer_params(sides):
     # ... and loads from the producer the params name.
     d.add(make_request("q", t, max_tokens=2, params=got))
     d.step()
-    assert status(d, "q") == RequestStatus.WAITING_FOR_REMOTE_KVS
+    if in_step:  # num_tokens told the size: loaded inside the first step
+        assert status(d, "q") == RequestStatus.RUNNING and d.computed["q"] == 5
+    else:
+        assert status(d, "q") == RequestStatus.WAITING_FOR_REMOTE_KVS
     assert d.run_until(lambda: "q" not in d.sched.requests)
     assert d.computed["q"] == 5 + 1
     assert p.run_until(lambda: p.is_empty())
@@ -351,7 +441,8 @@ def test_metadata_server_mode_moves_kv(sides, urls, metadata_server):
 
 def test_preempted_after_load_is_recomputed_not_reloaded(model_dir, urls):
     p = Side(model_dir, "kv_producer", urls, block_size=BS)
-    d = Side(model_dir, "kv_consumer", urls, block_size=BS, num_blocks=11)  # 10 usable
+    d = Side(model_dir, "kv_consumer", {**urls, **ASYNC}, block_size=BS,
+             num_blocks=11)  # 10 usable
     try:
         ta, tb = toks(21, 4 * BS), toks(22, 4 * BS)
         prefill(p, "A", ta)
@@ -393,7 +484,9 @@ def test_kv_both_publishes_only_when_asked(model_dir, urls):
         assert not b.is_empty()
         d.add(make_request("pd", t, max_tokens=1, params=params))
         assert d.run_until(lambda: not d.sched.requests)
-        assert d.computed["pd"] == 1 and not d.invalid
+        # Loaded in the step; a block-aligned prompt's last block is computed
+        # here (an in-step load must leave the step >= 1 token to compute).
+        assert d.computed["pd"] == BS and not d.invalid
         assert b.run_until(lambda: b.is_empty())
     finally:
         d.close()

@@ -92,6 +92,7 @@ class Side:
         self.stats = []
         self.sent, self.recvd, self.invalid = set(), set(), set()
         self.last_params = {}  # req_id -> kv_transfer_params the engine returned
+        self.before_load = None  # called with the SchedulerOutput before start_load_kv
 
     def add(self, req):
         self.sched.add_request(req)
@@ -118,6 +119,8 @@ class Side:
         meta = so.kv_connector_metadata
         w.handle_preemptions(meta)
         w.bind_connector_metadata(meta)
+        if self.before_load is not None:
+            self.before_load(so)
         w.start_load_kv(None)
         self._forward(so)
         w.wait_for_save()
@@ -172,6 +175,9 @@ class Side:
 
     def close(self):
         self.worker.shutdown()
+        conn = getattr(self.sched, "connector", None)
+        if conn is not None:
+            conn.shutdown()  # the scheduler side's probe engine
 
 
 def status(side, rid):

@@ -61,9 +61,15 @@ class MooncakeConnector(KVConnectorBase_V1):
                   s.summary())
         self._scheduler = self._worker = None
         if role == KVConnectorRole.SCHEDULER:
-            from mooncake_connector.connector.scheduler import SchedulerSide
+            from mooncake_connector.connector.scheduler import SchedulerSide, bytes_per_block
+            probe = None
+            if s.role == "kv_consumer" and s.flow_a:
+                from mooncake_connector.connector.probe import ProducerProbe
+                probe = ProducerProbe(s)  # starts its engine at the first probe
             self._scheduler = SchedulerSide(s, self.block_size, self.tp_size,
-                                            lambda: getattr(self, "_kv_cache_manager", None))
+                                            lambda: getattr(self, "_kv_cache_manager", None),
+                                            block_bytes=bytes_per_block(kv_cache_config),
+                                            probe=probe)
         else:
             from mooncake_connector.connector.worker import WorkerSide
             nb = getattr(kv_cache_config, "num_blocks", None) if kv_cache_config else None
@@ -105,7 +111,7 @@ class MooncakeConnector(KVConnectorBase_V1):
             self._worker.start_load(meta)
 
     def wait_for_layer_load(self, layer_name):
-        return  # loads are whole-request and asynchronous (get_finished)
+        return  # in-step loads are done when start_load_kv returns; others: get_finished
 
     def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs):
         return  # published once per prompt, in wait_for_save
@@ -138,3 +144,5 @@ class MooncakeConnector(KVConnectorBase_V1):
     def shutdown(self):
         if self._worker is not None:
             self._worker.shutdown()
+        if self._scheduler is not None:
+            self._scheduler.shutdown()

@@ -18,6 +18,7 @@ class LoadSpec:
     skip_blocks: int      # blocks already computed locally (prefix cache)
     producer: str | None  # producer base engine name; None = the configured prefill_url
     flow: str = "A"       # "A" (token hashes, configured producer) or "B" (kv_transfer_params)
+    sync: bool = False    # load inside this step (vLLM schedules the request now)
 
 
 @dataclass

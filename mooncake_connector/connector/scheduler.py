@@ -8,9 +8,14 @@ Flows (docs/connector.md):
   B  kv_transfer_params {"do_remote_prefill": true, "remote_engine_id": ...}:
      the same lookup at the named producer; a producer answering a request
      with {"do_remote_decode": true} returns these params in its response.
-Both load asynchronously: get_num_new_matched_tokens claims the prompt's full
-blocks, the worker pulls them, blocks it could not fill are reported as load
-errors and vLLM computes them locally.
+How much to load is known before the request is scheduled: flow B's params
+carry num_tokens (what the producer published); in flow A the scheduler
+probes the producer (probe.py, one round trip; a miss costs nothing more).
+Loads up to sync_load_max_bytes run inside the step that schedules the
+request (vLLM's synchronous load: no extra scheduler steps); larger ones, and
+flow B loads whose size is not known yet, run asynchronously (the request
+waits in WAITING_FOR_REMOTE_KVS).  Blocks a worker could not fill are
+reported as load errors and vLLM computes them locally.
 """
 import logging
 
@@ -21,12 +26,25 @@ from mooncake_connector.connector.settings import shift_port
 logger = logging.getLogger("vllm.mooncake_connector")
 
 
+def bytes_per_block(kv_cache_config):
+    """KV bytes one block holds on one worker (all layers), or None."""
+    try:
+        return sum(g.kv_cache_spec.page_size_bytes * len(g.layer_names)
+                   for g in kv_cache_config.kv_cache_groups) or None
+    except (AttributeError, TypeError):
+        return None
+
+
 class SchedulerSide:
-    def __init__(self, settings, block_size, tp_size, kv_cache_manager_getter):
+    def __init__(self, settings, block_size, tp_size, kv_cache_manager_getter,
+                 block_bytes=None, probe=None):
         self.s = settings
         self.block_size = block_size
         self.tp_size = tp_size
+        self.block_bytes = block_bytes  # per worker; None = unknown (loads go async)
         self._kvm = kv_cache_manager_getter  # () -> KVCacheManager | None
+        self._probe = probe       # ProducerProbe (flow A consumers) or None
+        self._claims = {}         # req_id -> (tokens claimed through, sync)
         self._loads = {}          # req_id -> LoadSpec, sent with the next metadata
         self._publishes = []      # PublishSpec, sent with the next metadata
         self._held = []           # req ids newly held, sent with the next metadata
@@ -65,13 +83,42 @@ class SchedulerSide:
             n = (published // self.block_size) * self.block_size
         return n
 
+    def _known_size(self, request, src):
+        """Tokens the producer holds (from block 0), None if not known yet."""
+        n_full = self._full_tokens(request)
+        if src[0] == "B":
+            params = getattr(request, "kv_transfer_params", None) or {}
+            return n_full if isinstance(params.get("num_tokens"), int) else None
+        if self._probe is None:
+            return None
+        held = self._probe.held_tokens(src[1], request.prompt_token_ids[:n_full])
+        return None if held is None else min(held, n_full)
+
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
-        if self._source(request) is None or request.request_id in self._tried:
+        src = self._source(request)
+        if src is None or request.request_id in self._tried:
             return 0, False  # one load per request: after a miss or failure, compute
-        ext = self._full_tokens(request) - num_computed_tokens
+        n_full = self._full_tokens(request)
+        if n_full - num_computed_tokens <= 0:
+            return 0, False
+        held = self._known_size(request, src)
+        if held is None:  # not known before the load: claim it all, load in the background
+            self._claims[request.request_id] = (n_full, False)
+            return n_full - num_computed_tokens, True
+        nbytes = None if self.block_bytes is None else \
+            (held - num_computed_tokens) // self.block_size * self.block_bytes
+        sync = nbytes is not None and nbytes <= self.s.sync_load_max_bytes
+        if sync:
+            # The step must compute >= 1 token: a block-aligned prompt leaves
+            # its last block to local compute (an async load would recompute
+            # its last token instead, for two more scheduler steps).
+            last = len(request.prompt_token_ids) - 1
+            held = min(held, last // self.block_size * self.block_size)
+        ext = held - num_computed_tokens
         if ext <= 0:
             return 0, False
-        return ext, True
+        self._claims[request.request_id] = (held, sync)
+        return ext, not sync
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens):
         if self.s.is_producer and request.request_id not in self._reqs:
@@ -82,13 +129,13 @@ class SchedulerSide:
         if src is None:
             return
         self._tried.add(request.request_id)
-        n_full = self._full_tokens(request)
-        local = n_full - num_external_tokens
+        end, sync = self._claims.pop(request.request_id, (self._full_tokens(request), False))
+        local = end - num_external_tokens
         skip = max(local, 0) // self.block_size
-        ids = list(blocks.get_block_ids()[0])[skip:n_full // self.block_size]
+        ids = list(blocks.get_block_ids()[0])[skip:end // self.block_size]
         self._loads[request.request_id] = LoadSpec(
-            req_id=request.request_id, tokens=list(request.prompt_token_ids[:n_full]),
-            block_ids=ids, skip_blocks=skip, producer=src[1], flow=src[0])
+            req_id=request.request_id, tokens=list(request.prompt_token_ids[:end]),
+            block_ids=ids, skip_blocks=skip, producer=src[1], flow=src[0], sync=sync)
 
     # ---- producer ----
 
@@ -156,6 +203,7 @@ class SchedulerSide:
         self._reqs.pop(rid, None)
         self._blocks.pop(rid, None)
         self._loads.pop(rid, None)
+        self._claims.pop(rid, None)
         self._tried.discard(rid)
         n = self._published.pop(rid, None)
         params = getattr(request, "kv_transfer_params", None) or {}
@@ -181,6 +229,10 @@ class SchedulerSide:
         if params.get("transfer_id") is not None:
             out["transfer_id"] = params["transfer_id"]
         return n is not None, out
+
+    def shutdown(self):
+        if self._probe is not None:
+            self._probe.close()
 
 
 def producer_for_rank(base, tp_rank):

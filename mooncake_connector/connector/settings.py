@@ -31,6 +31,15 @@ KNOBS = {  # extra-config key: (type, default, meaning)
     "local_hostname": (str, "", "this instance's engine name host:port (default: prefill_url "
                        "for producers, decode_url for consumers); TP rank r adds r to the port"),
     "load_workers": (int, 4, "consumer: concurrent KV loads per worker"),
+    "lookup_timeout_s": (float, 0.25, "consumer, flow a: how long the scheduler waits for the "
+                         "producer to say how much of a prompt it holds (one round trip); "
+                         "on timeout the prompt is computed locally"),
+    "sync_load_max_bytes": (int, 8 << 20, "consumer: loads up to this many bytes (per worker) "
+                            "run inside the step that schedules the request, which waits for "
+                            "them (no extra scheduler steps); larger ones in the background. "
+                            "0: always in the background"),
+    "sync_load_timeout_s": (float, 2.0, "consumer: how long a step may wait for an in-step "
+                            "load before the request computes its prompt locally"),
 }
 
 
@@ -52,6 +61,9 @@ class Settings:
     load_failure_policy: str = "recompute"
     local_hostname: str = ""
     load_workers: int = 4
+    lookup_timeout_s: float = 0.25
+    sync_load_max_bytes: int = 8 << 20
+    sync_load_timeout_s: float = 2.0
 
     @property
     def is_producer(self):
@@ -142,6 +154,9 @@ def resolve(kv_transfer_config, env=None):
     for key, (typ, _default, _doc) in KNOBS.items():
         if key in extra:
             setattr(s, key, _coerce(key, typ, extra.pop(key)))
+    for key in ("lookup_timeout_s", "sync_load_timeout_s", "load_timeout_s"):
+        if getattr(s, key) <= 0:
+            raise SettingsError(f"kv_connector_extra_config.{key} must be > 0 seconds")
     if s.load_failure_policy not in ("recompute", "fail"):
         raise SettingsError("kv_connector_extra_config.load_failure_policy must be 'recompute' "
                             f"or 'fail', not {s.load_failure_policy!r}")

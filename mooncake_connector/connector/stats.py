@@ -10,7 +10,7 @@ except ImportError:  # vLLM absent
     class KVConnectorStats:  # type: ignore[no-redef]
         data: dict = field(default_factory=dict)
 
-COUNTERS = ("loads", "loads_failed", "load_bytes", "load_tokens", "load_tokens_missed",
+COUNTERS = ("loads", "loads_in_step", "loads_failed", "load_bytes", "load_tokens", "load_tokens_missed",
             "publishes", "publish_failed", "publish_bytes", "sends_finished",
             "sends_expired")
 

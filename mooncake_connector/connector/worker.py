@@ -138,13 +138,30 @@ class WorkerSide:
 
     def start_load(self, meta):
         """Queue each load on the engine's pull threads (C, no Python thread:
-        nothing waits for the GIL while the step loop runs)."""
+        nothing waits for the GIL while the step loop runs).  In-step (sync)
+        loads are waited for here, before the forward reads their blocks."""
+        sync = []
         for spec in meta.loads:
             if spec.req_id in self._loading:
                 continue
             t0 = time.monotonic()
             self._loading[spec.req_id] = [None, spec, t0, None]
             self._start_pull(spec.req_id)
+            if spec.sync:
+                sync.append(spec.req_id)
+        if sync:
+            self._wait_sync(sync)
+
+    def _wait_sync(self, rids):
+        ids = [self._loading[r][0] for r in rids if self._loading[r][0] is not None]
+        # A pull ends by its own timeout (sync_load_timeout_s), fenced: only
+        # then may the forward run, or a late write could land after it.
+        while ids and not self.kv.pull_wait(ids, timeout=self.s.sync_load_timeout_s + 5):
+            logger.warning("MooncakeConnector: in-step KV loads still running after %.0f s",
+                           self.s.sync_load_timeout_s + 5)
+        for rid in rids:
+            res = self._poll_load(rid)
+            self._finish_load(rid, res if res is not None else (0, "load did not finish"))
 
     def _start_pull(self, rid):
         from mooncake_connector import MooncakeError
@@ -155,7 +172,8 @@ class WorkerSide:
             producer = shift_port(spec.producer or self.default_producer, self.tp_rank)
             self._check_peer(producer)
             dest = [(a, n) for a, n, _t in self.layout.extents(spec.block_ids)]
-            left = self.s.load_timeout_s - (time.monotonic() - entry[2])
+            limit = self.s.sync_load_timeout_s if spec.sync else self.s.load_timeout_s
+            left = limit - (time.monotonic() - entry[2])
             entry[0] = self.kv.pull_start(producer, spec.tokens, dest,
                                           timeout=max(left, 0.001),
                                           extents_per_block=self.layout.extents_per_block,
@@ -175,11 +193,31 @@ class WorkerSide:
         spec = entry[1]
         # Flow B names a producer that will have the KV (a proxy may ask both
         # sides at once): a miss there means "not yet"; ask again.
-        if (not matched and not err and spec.flow == "B" and
+        if (not matched and not err and spec.flow == "B" and not spec.sync and
                 time.monotonic() - entry[2] + 0.005 < self.s.load_timeout_s):
             self._start_pull(rid)
             return self._poll_load(rid) if entry[0] is None else None
         return matched, err
+
+    def _finish_load(self, rid, res):
+        """Counts a finished load; blocks it did not fill become load errors."""
+        spec, t0 = self._loading.pop(rid)[1:3]
+        matched, err = res
+        secs = time.monotonic() - t0
+        loaded = max(0, min(matched // self.block_size - spec.skip_blocks, len(spec.block_ids)))
+        self.stats.add("loads")
+        if spec.sync:
+            self.stats.add("loads_in_step")
+        self.stats.add("load_bytes", loaded * self.layout.bytes_per_block())
+        self.stats.add("load_tokens", loaded * self.block_size)
+        self.stats.add_time(secs)
+        if loaded < len(spec.block_ids):
+            self._invalid.update(spec.block_ids[loaded:])
+            self.stats.add("load_tokens_missed", (len(spec.block_ids) - loaded) * self.block_size)
+            if err:
+                self.stats.add("loads_failed")
+                logger.warning("MooncakeConnector: loading request %s failed (%s); its "
+                               "prompt is computed locally", rid, err)
 
     def publish(self, meta):
         if not meta.publishes or self.lb is None:
@@ -251,24 +289,7 @@ class WorkerSide:
             res = self._poll_load(rid)
             if res is None:
                 continue
-            spec, t0 = self._loading.pop(rid)[1:3]
-            matched, err = res
-            secs = time.monotonic() - t0
-            loaded = max(0, min(matched // self.block_size - spec.skip_blocks,
-                                len(spec.block_ids)))
-            nbytes = loaded * self.layout.bytes_per_block()
-            self.stats.add("loads")
-            self.stats.add("load_bytes", nbytes)
-            self.stats.add("load_tokens", loaded * self.block_size)
-            self.stats.add_time(secs)
-            if loaded < len(spec.block_ids):
-                self._invalid.update(spec.block_ids[loaded:])
-                self.stats.add("load_tokens_missed",
-                               (len(spec.block_ids) - loaded) * self.block_size)
-                if err:
-                    self.stats.add("loads_failed")
-                    logger.warning("MooncakeConnector: loading request %s failed (%s); its "
-                                   "prompt is computed locally", rid, err)
+            self._finish_load(rid, res)
             done_recv.add(rid)
         done_send = set()
         if self.lb is not None:

@@ -1,0 +1,87 @@
+"""Scheduler-side probe: asks a producer how much of a prompt it holds, so the
+scheduler decides hit or miss before it schedules the request (flow A).
+
+One small engine per scheduler process, started on the first probe (the
+extension is imported then, not before), speaking only the control channel:
+a probe is one round trip (KVTransfer.probe; nothing is pinned or consumed
+at the producer, the worker's pull decides).  A failed or slow probe counts
+as a miss (the prompt is computed locally) and probing that producer pauses
+for BACKOFF_S, so a dead producer costs one timeout, not one per request.
+"""
+import json
+import logging
+import time
+
+from mooncake_connector.connector.settings import shift_port
+
+logger = logging.getLogger("vllm.mooncake_connector")
+
+BACKOFF_S = 1.0
+
+
+class ProducerProbe:
+    def __init__(self, settings):
+        self.s = settings
+        self.kv = self.engine = None
+        self.default_producer = None
+        self._broken = None        # why the probe engine cannot start (then: unknown)
+        self._down_until = {}      # producer -> monotonic time probing resumes
+        self.probes = self.failures = 0
+
+    def _start(self):
+        from mooncake_connector import _core  # first probe only
+
+        text = json.dumps({k: v for k, v in self.s.mooncake.items() if v is not None})
+        cfg = _core.parse_config(text, self.s.config_path or "kv_connector_extra_config")
+        host = (self.s.local_hostname.rpartition(":")[0] if self.s.local_hostname
+                else cfg["decode_host"])
+        self.default_producer = f"{cfg['prefill_host']}:{cfg['prefill_port']}"
+        eng = _core.TransferEngine()
+        # No port: any free one; the control channel is TCP whatever the
+        # workers' protocol, and no memory is registered here.
+        eng.initialize(host, cfg["metadata_server"], "tcp", "")
+        self.engine = eng
+        self.kv = _core.KVTransfer(eng, None, workers=1)
+        logger.info("MooncakeConnector scheduler: probing producers from %s",
+                    eng.get_segment_name())
+
+    def held_tokens(self, producer, tokens):
+        """Tokens of the longest block-aligned prefix `producer` (base name,
+        None = configured prefill_url) holds now; 0 when it cannot say in
+        time; None if this process cannot probe at all (then the caller
+        loads asynchronously and lets the worker find out)."""
+        if self._broken is not None:
+            return None
+        if self.kv is None:
+            try:
+                self._start()
+            except Exception as e:  # noqa: BLE001 - any failure: fall back, say why once
+                self._broken = str(e)
+                logger.warning("MooncakeConnector scheduler: cannot probe producers (%s); "
+                               "loads are decided by the workers instead", e)
+                return None
+        name = shift_port(producer or self.default_producer, 0)
+        now = time.monotonic()
+        if self._down_until.get(name, 0) > now:
+            return 0
+        from mooncake_connector import MooncakeError
+
+        self.probes += 1
+        try:
+            return self.kv.probe(name, tokens, timeout=self.s.lookup_timeout_s)
+        except MooncakeError as e:
+            self.failures += 1
+            self._down_until[name] = now + BACKOFF_S
+            logger.warning("MooncakeConnector: producer %s did not answer a lookup (%s); "
+                           "prompts are computed locally for the next %.0f s", name, e,
+                           BACKOFF_S)
+            return 0
+
+    def close(self):
+        for obj in (self.kv, self.engine):
+            if obj is not None:
+                try:
+                    obj.close()
+                except Exception:  # noqa: BLE001 - already closed
+                    pass
+        self.kv = self.engine = None
