@@ -1,6 +1,6 @@
 """Scheduler-side half of MooncakeConnector: decides what each step's
-workers load and publish.  Pure Python: it never imports the extension and
-never touches a GPU, so vLLM's engine-core process needs neither.
+workers load and publish.  Pure Python and never touches a GPU; only a
+flow-a consumer's probe (probe.py) imports the extension, at its first probe.
 
 Flows (docs/connector.md):
   A  consumer, request without kv_transfer_params: the prompt's full blocks
