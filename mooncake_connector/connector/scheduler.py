@@ -18,12 +18,15 @@ waits in WAITING_FOR_REMOTE_KVS).  Blocks a worker could not fill are
 reported as load errors and vLLM computes them locally.
 """
 import logging
+import time
 
 from mooncake_connector.connector.metadata import (LoadSpec, MooncakeConnectorMetadata,
                                                    PublishSpec)
 from mooncake_connector.connector.settings import shift_port
 
 logger = logging.getLogger("vllm.mooncake_connector")
+
+PROBE_REUSE_S = 0.5  # a probe's answer serves the same waiting request this long
 
 
 def bytes_per_block(kv_cache_config):
@@ -45,6 +48,7 @@ class SchedulerSide:
         self._kvm = kv_cache_manager_getter  # () -> KVCacheManager | None
         self._probe = probe       # ProducerProbe (flow A consumers) or None
         self._claims = {}         # req_id -> (tokens claimed through, sync)
+        self._probed = {}         # req_id -> (held tokens or None, monotonic time)
         self._loads = {}          # req_id -> LoadSpec, sent with the next metadata
         self._publishes = []      # PublishSpec, sent with the next metadata
         self._held = []           # req ids newly held, sent with the next metadata
@@ -91,8 +95,16 @@ class SchedulerSide:
             return n_full if isinstance(params.get("num_tokens"), int) else None
         if self._probe is None:
             return None
+        # A request vLLM could not schedule yet (no free blocks) is offered
+        # again every step: reuse a fresh answer instead of asking again.
+        now = time.monotonic()
+        cached = self._probed.get(request.request_id)
+        if cached is not None and now - cached[1] < PROBE_REUSE_S:
+            return cached[0]
         held = self._probe.held_tokens(src[1], request.prompt_token_ids[:n_full])
-        return None if held is None else min(held, n_full)
+        held = None if held is None else min(held, n_full)
+        self._probed[request.request_id] = (held, now)
+        return held
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
         src = self._source(request)
@@ -121,6 +133,7 @@ class SchedulerSide:
         return ext, not sync
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens):
+        self._probed.pop(request.request_id, None)
         if self.s.is_producer and request.request_id not in self._reqs:
             self._reqs[request.request_id] = request
         if num_external_tokens <= 0:
@@ -204,6 +217,7 @@ class SchedulerSide:
         self._blocks.pop(rid, None)
         self._loads.pop(rid, None)
         self._claims.pop(rid, None)
+        self._probed.pop(rid, None)
         self._tried.discard(rid)
         n = self._published.pop(rid, None)
         params = getattr(request, "kv_transfer_params", None) or {}
