@@ -5,7 +5,7 @@
     python -m mooncake_connector.proxy --passthrough http://C:8300 [...] --port 8001
 
 Serves POST /v1/completions and /v1/chat/completions (streaming or not),
-GET /v1/models and GET /health.  Each request goes to one prefill instance
+GET /v1/models, GET /health and GET /stats (the proxy's counters).  Each request goes to one prefill instance
 and then one decode instance, each picked round-robin.
 
 Flow a (the seed's): the prefill instance gets the request with
@@ -251,12 +251,16 @@ class Proxy:
                                   "instances": state, "counts": self.counts},
                                  status=200 if healthy else 503)
 
+    async def stats(self, request):
+        return web.json_response(self.counts)
+
     def app(self):
         app = web.Application(client_max_size=64 << 20)
         for route in ROUTES:
             app.router.add_post(route, self.handle)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
+        app.router.add_get("/stats", self.stats)
         app.on_startup.append(self.start)
         app.on_cleanup.append(self.stop)
         return app
