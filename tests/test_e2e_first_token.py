@@ -145,6 +145,9 @@ class BrokenDecode:
         async def models(request):
             return web.json_response({"data": [{"id": "tiny", "max_model_len": 2048}]})
 
+        async def health(request):
+            return web.Response(text="ok")
+
         async def complete(request):
             self.calls += 1
             await request.read()
@@ -162,6 +165,7 @@ class BrokenDecode:
             asyncio.set_event_loop(self.loop)
             app = web.Application()
             app.router.add_get("/v1/models", models)
+            app.router.add_get("/health", health)
             app.router.add_post("/v1/completions", complete)
             self.runner = web.AppRunner(app)
             self.loop.run_until_complete(self.runner.setup())
