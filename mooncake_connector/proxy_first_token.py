@@ -231,8 +231,14 @@ class Plan:
             return None
         u = ev.get("usage")
         if u:
-            u = self._usage(max(0, u.get("prompt_tokens", 1) - 1),
-                            u.get("completion_tokens", 0) + 1, u)
+            n = max(0, u.get("prompt_tokens", 1) - 1)
+            u = self._usage(n, u.get("completion_tokens", 0) + 1, u)
+            details = u.get("prompt_tokens_details")
+            if isinstance(details, dict) and (details.get("cached_tokens") or 0) > n:
+                # decode may report the first token's slot as cached (a prompt
+                # of 31 mod 32 tokens claims one more block): the client's
+                # prompt is n tokens
+                u["prompt_tokens_details"] = dict(details, cached_tokens=n)
         choices = []
         for c in ev.get("choices") or []:
             if self.chat:
@@ -250,6 +256,17 @@ class Plan:
         if u:
             extra["usage"] = u
         return self._chunk(choices, **extra)
+
+
+class ClientGone(Exception):
+    """Writing to the client failed: it disconnected."""
+
+
+async def _write(resp, data):
+    try:
+        await resp.write(data)
+    except (ConnectionResetError, aiohttp.ClientConnectionError) as e:
+        raise ClientGone() from e
 
 
 def sse(obj):
@@ -271,29 +288,35 @@ async def stream(proxy, request, plan, dec_url, headers, rid):
     counts = proxy.counts
     counts["first_token_from_prefill"] += 1
     try:
-        await resp.write(plan.first_chunks())
-    except (ConnectionResetError, aiohttp.ClientConnectionError):
-        return resp  # the client left
+        await _write(resp, plan.first_chunks())
+    except ClientGone:
+        return resp
     if plan.done:
         counts["finished_at_prefill"] += 1
-        await resp.write_eof()
-        return resp
+        return await _eof(resp)
     where = f"decode instance {dec_url}"
     try:
         err = await _relay_decode(proxy, resp, plan, dec_url, headers)
-    except ConnectionResetError:
+    except ClientGone:
         return resp  # the client left (leaving the block closed the decode request)
-    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
         err = f"{where} failed after the first token was sent: {e!r}"
     if err:
         counts["decode_errors"] += 1
         counts["stream_errors_after_first_token"] += 1
         proxy.log.warning("%s (request %s)", err, rid)
         try:
-            await resp.write(error_event(err))
-        except (ConnectionResetError, aiohttp.ClientConnectionError):
+            await _write(resp, error_event(err))
+        except ClientGone:
             return resp
-    await resp.write_eof()
+    return await _eof(resp)
+
+
+async def _eof(resp):
+    try:
+        await resp.write_eof()
+    except (ConnectionResetError, aiohttp.ClientConnectionError):
+        pass  # the client left after the last event
     return resp
 
 
@@ -321,7 +344,7 @@ async def _relay_decode(proxy, resp, plan, dec_url, headers):
                 payload = line[5:].strip()
                 if payload == b"[DONE]":
                     out.append(b"data: [DONE]\n\n")
-                    await resp.write(b"".join(out))
+                    await _write(resp, b"".join(out))
                     return None
                 try:
                     ev = json.loads(payload)
@@ -334,5 +357,5 @@ async def _relay_decode(proxy, resp, plan, dec_url, headers):
                     return f"{where} failed after the first token was sent: {msg}"
                 out.append(chunk)
             if out:
-                await resp.write(b"".join(out))
+                await _write(resp, b"".join(out))
         return f"{where} closed the stream before [DONE] (after the first token was sent)"
