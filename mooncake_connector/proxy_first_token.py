@@ -59,7 +59,7 @@ DEFAULTS = {
     "parallel_tool_calls": (True, False), "response_format": ({"type": "text"},),
     "structured_outputs": (), "guided_json": (), "guided_regex": (), "guided_choice": (),
     "guided_grammar": (), "truncate_prompt_tokens": (), "truncation_side": (),
-    "bad_words": ([],), "kv_transfer_params": (), "vllm_xargs": ({},), "echo_prompt": (False,),
+    "bad_words": ([],), "kv_transfer_params": (), "vllm_xargs": ({},),
     "include_reasoning": (True,), "reasoning_effort": (), "thinking_token_budget": (),
     "return_tokens_as_token_ids": (False, True), "return_prompt_text": (False,),
     "return_token_offsets": (False,), "logprob_token_ids": ([],), "prompt_embeds": (),
