@@ -117,8 +117,8 @@ def measure(dep, lengths, n_requests, max_tokens, log):
             row[k], row[f"itl_{k}"], row[f"gap12_{k}"] = [], [], []
         for i in range(n_requests):
             p = prompt_of(n, 1000 * n + i)
-            # Rotate the order per request: the first request after the
-            # legs below finds its server idle (measured: 7-12 ms slower).
+            # Rotate the order of the modes per request, so that none always
+            # runs first after the leg probes below.
             keys = [k for k, _ in MODES]
             got = {k: one(urls[k], p) for k in keys[i % 4:] + keys[:i % 4]}
             for k, r in got.items():
