@@ -48,7 +48,7 @@ def run_requests(dep, n_requests=8, max_tokens=16, lengths=(100, 400, 1000), out
     # Warm-up (first requests pay one-time costs on every server).
     for url in (dep.colocated.url, proxy.url):
         r = request(url, "/v1/completions", dict(body, prompt=_prompt(40, 999)), timeout=300)
-        if r.status != 200:
+        if r.status != 200 or r.error:
             raise RuntimeError(f"warm-up request to {url} failed: {r.status} {r.error}")
     before = prompt_tokens_by_source(dep.decode.url)
     log_mark = log_size(dep.decode.log_path)
@@ -59,7 +59,7 @@ def run_requests(dep, n_requests=8, max_tokens=16, lengths=(100, 400, 1000), out
                       timeout=300)
         dis = request(proxy.url, "/v1/completions", dict(body, prompt=prompt), timeout=300)
         for name, r in (("colocated", col), ("disaggregated", dis)):
-            if r.status != 200:
+            if r.status != 200 or r.error:
                 raise RuntimeError(f"request {i} ({name}) failed: {r.status} {r.error}")
         same = col.token_ids == dis.token_ids
         n = dis.usage["prompt_tokens"]

@@ -107,6 +107,14 @@ def prompt_tokens_by_source(url, timeout=10.0):
     return out
 
 
+def proxy_stats(url, timeout=10.0):
+    """Our proxy's counters (GET /stats)."""
+    status, body = serving.http_get(url + "/stats", timeout=timeout)
+    if status != 200:
+        raise RuntimeError(f"GET {url}/stats answered {status}: {body[:300]}")
+    return json.loads(body)
+
+
 def connector_log_stats(log_path, since=0):
     """Sums the connector's own counters over the "KV Transfer metrics:"
     lines vLLM's stat logger writes (every ~10 s, each for its interval) to a
@@ -145,7 +153,12 @@ def log_size(path):
 class Deployment:
     def __init__(self, workdir, model, connector=None, flows=("a",), colocated=True,
                  max_model_len=2048, kv_cache_bytes=64 << 20, python=None, extra_vllm_args=(),
-                 env=None):
+                 env=None, extra_proxies=None, colocated_proxy=False):
+        """flows: one proxy per flow, named by it (first token from prefill);
+        extra_proxies: {name: serving.proxy keyword arguments, e.g.
+        {"flow": "a", "first_token": "decode"}}; colocated_proxy: also a
+        pass-through proxy in front of the colocated server
+        (self.colocated_proxy)."""
         self.workdir = os.path.abspath(workdir)
         os.makedirs(self.workdir, exist_ok=True)
         self.model = model
@@ -184,11 +197,23 @@ class Deployment:
                                          serving.free_port(),
                                          os.path.join(logs, f"proxy-{f}.log"), flow=f,
                                          python=python) for f in flows}
+        for name, kw in (extra_proxies or {}).items():
+            self.proxies[name] = serving.proxy([self.prefill.url], [self.decode.url],
+                                               serving.free_port(),
+                                               os.path.join(logs, f"proxy-{name}.log"),
+                                               python=python, name=f"proxy {name}", **kw)
+        self.colocated_proxy = None
+        if colocated_proxy:
+            if self.colocated is None:
+                raise ValueError("colocated_proxy needs colocated=True")
+            self.colocated_proxy = serving.proxy(
+                [], [], serving.free_port(), os.path.join(logs, "proxy-colocated.log"),
+                python=python, passthrough=[self.colocated.url])
 
     @property
     def processes(self):
         ps = [self.metadata, self.prefill, self.decode, self.colocated,
-              *self.proxies.values()]
+              *self.proxies.values(), self.colocated_proxy]
         return [p for p in ps if p is not None]
 
     def start(self, timeout=600.0):

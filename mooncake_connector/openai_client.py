@@ -7,6 +7,9 @@ has a timeout.
     r = request("http://127.0.0.1:8000", "/v1/completions",
                 {"model": "tiny", "prompt": "hello", "max_tokens": 8, "stream": True})
     r.status, r.token_ids, r.text, r.ttft_s, r.itl_s, r.usage
+
+A stream that ends with an SSE error event (status 200 already sent) has
+status 200 and r.error set to the event's message.
 """
 import http.client
 import json
@@ -21,7 +24,8 @@ class Result:
 
     def __init__(self):
         self.status = 0
-        self.error = None       # error body / message when status != 200
+        self.error = None       # error body / message when status != 200, or the
+                                # message of an SSE error event that ended a stream
         self.body = None        # parsed JSON (non-streamed)
         self.events = []        # parsed SSE events (streamed)
         self.text = ""
@@ -86,6 +90,10 @@ def request(base_url, path, body, timeout=120.0, headers=None):
             ev = json.loads(data)
             now = time.perf_counter()
             res.events.append(ev)
+            if ev.get("error"):
+                err = ev["error"]
+                res.error = err.get("message") if isinstance(err, dict) else str(err)
+                continue
             if ev.get("usage"):
                 res.usage = ev["usage"]
             for choice in ev.get("choices") or []:

@@ -1,10 +1,11 @@
 """The disaggregated-serving proxy: prefill first, then decode.
 
     python -m mooncake_connector.proxy --prefill http://P1:8100 [http://P2:8100 ...] \\
-        --decode http://D1:8200 [...] --port 8000 [--flow a|b]
+        --decode http://D1:8200 [...] --port 8000 [--flow a|b] [--first-token prefill|decode]
+    python -m mooncake_connector.proxy --passthrough http://C:8300 [...] --port 8001
 
 Serves POST /v1/completions and /v1/chat/completions (streaming or not),
-GET /v1/models and GET /health.  Each request goes to one prefill instance
+GET /v1/models, GET /health and GET /stats (the proxy's counters).  Each request goes to one prefill instance
 and then one decode instance, each picked round-robin.
 
 Flow a (the seed's): the prefill instance gets the request with
@@ -18,9 +19,20 @@ Unlike the seed's proxy, errors reach the client: a prefill or decode answer
 other than 200 is returned with its status and body, an unreachable instance
 gives 502 naming it, and a client's Authorization header is passed through
 (else $OPENAI_API_KEY, if set).
+
+First token from prefill (default for streamed requests; --first-token
+decode turns it off): the client gets the prefill's token as the first
+chunk at once and the decode instance continues from it
+(mooncake_connector.proxy_first_token).  Non-streamed requests, and streamed
+ones that path cannot represent faithfully, take the path above.
+
+Pass-through mode (--passthrough URL ...): no prefill step, every request
+goes to one upstream (round-robin) and its answer is relayed as is: the same
+proxy code in front of a colocated server, a reference for benchmarks.
 """
 import argparse
 import asyncio
+import collections
 import copy
 import itertools
 import json
@@ -33,6 +45,8 @@ import uuid
 import aiohttp
 from aiohttp import web
 
+from mooncake_connector import proxy_first_token as ft
+
 logger = logging.getLogger("mooncake_connector.proxy")
 
 ROUTES = ("/v1/completions", "/v1/chat/completions")
@@ -44,18 +58,31 @@ def _error(status, message, kind="proxy_error"):
 
 
 class Proxy:
-    def __init__(self, prefill, decode, flow="a", timeout=6 * 3600, api_key=None):
-        if not prefill or not decode:
-            raise ValueError("need at least one --prefill and one --decode URL")
+    def __init__(self, prefill=(), decode=(), flow="a", timeout=6 * 3600, api_key=None,
+                 first_token="prefill", passthrough=()):
+        self.passthrough = [u.rstrip("/") for u in passthrough]
+        if self.passthrough and (prefill or decode):
+            raise ValueError("--passthrough takes no --prefill/--decode")
+        if not self.passthrough and (not prefill or not decode):
+            raise ValueError("need at least one --prefill and one --decode URL "
+                             "(or --passthrough URL)")
+        if first_token not in ("prefill", "decode"):
+            raise ValueError(f"first_token={first_token!r}: expected 'prefill' or 'decode'")
         self.prefill = [u.rstrip("/") for u in prefill]
-        self.decode = [u.rstrip("/") for u in decode]
+        self.decode = [u.rstrip("/") for u in decode] or self.passthrough
         self.flow = flow
+        self.first_token = first_token
         self.api_key = api_key
         self._p = itertools.cycle(self.prefill)
         self._d = itertools.cycle(self.decode)
         self._timeout = aiohttp.ClientTimeout(total=timeout, sock_connect=10)
         self.session = None
-        self.counts = {"requests": 0, "prefill_errors": 0, "decode_errors": 0}
+        self.log = logger
+        self._max_model_len = {}  # decode URL -> max_model_len from its /v1/models
+        self.counts = {"requests": 0, "prefill_errors": 0, "decode_errors": 0,
+                       "first_token_from_prefill": 0, "finished_at_prefill": 0,
+                       "stream_errors_after_first_token": 0,
+                       "first_token_fallbacks": collections.Counter()}
 
     async def start(self, app):
         self.session = aiohttp.ClientSession(timeout=self._timeout)
@@ -85,6 +112,25 @@ class Proxy:
                                        "remote_host": None, "remote_port": None}
         return p
 
+    async def max_model_len(self, url, headers):
+        """The instance's context length (its /v1/models), cached; None if unknown."""
+        if url not in self._max_model_len:
+            try:
+                async with self.session.get(url + "/v1/models", headers=headers,
+                                            timeout=aiohttp.ClientTimeout(total=10)) as r:
+                    data = (await r.json(content_type=None))["data"]
+                    self._max_model_len[url] = int(data[0]["max_model_len"])
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError,
+                    IndexError, TypeError) as e:
+                logger.warning("max_model_len of %s unknown (%r): first token from decode",
+                               url, e)
+                return None
+        return self._max_model_len[url]
+
+    def _fallback(self, reason, rid):
+        self.counts["first_token_fallbacks"][reason] += 1
+        logger.info("request %s: first token from decode: %s", rid, reason)
+
     async def handle(self, request):
         self.counts["requests"] += 1
         try:
@@ -96,12 +142,22 @@ class Proxy:
         chat = request.path.endswith("/chat/completions")
         rid = request.headers.get("X-Request-Id") or f"mc-{uuid.uuid4().hex}"
         headers = self._headers(request, rid)
+        if self.passthrough:
+            return await self._relay(request, next(self._d), body, headers, rid)
         pre_url, dec_url = next(self._p), next(self._d)
+        fast = None
+        if body.get("stream") and self.first_token == "prefill":
+            fast = ft.refusal(body, chat)
+            if fast is not None:
+                self._fallback(fast, rid)
+            fast = fast is None
 
         # 1. prefill
+        pre_body = (ft.prefill_body(body, chat, self.flow == "b") if fast
+                    else self._prefill_body(body, chat))
         try:
-            async with self.session.post(pre_url + request.path, json=self._prefill_body(
-                    body, chat), headers=headers) as r:
+            async with self.session.post(pre_url + request.path, json=pre_body,
+                                         headers=headers) as r:
                 pre_text = await r.read()
                 if r.status != 200:
                     self.counts["prefill_errors"] += 1
@@ -111,26 +167,46 @@ class Proxy:
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             self.counts["prefill_errors"] += 1
             return _error(502, f"prefill instance {pre_url} unreachable: {e!r}", "upstream_error")
-        dec_body = body
-        if self.flow == "b":
-            try:
-                params = json.loads(pre_text).get("kv_transfer_params")
-            except (ValueError, AttributeError):
-                params = None
-            if params is None:
-                self.counts["prefill_errors"] += 1
-                return _error(502, f"prefill instance {pre_url} returned no kv_transfer_params "
-                              "(is it started with --kv-transfer-config kv_role kv_producer?)",
-                              "upstream_error")
-            dec_body = dict(body, kv_transfer_params=params)
-
-        # 2. decode, streamed through as it comes
         try:
-            async with self.session.post(dec_url + request.path, json=dec_body,
+            pre = json.loads(pre_text)
+        except ValueError:
+            pre = None
+        params = pre.get("kv_transfer_params") if isinstance(pre, dict) else None
+        if self.flow == "b" and params is None:
+            self.counts["prefill_errors"] += 1
+            return _error(502, f"prefill instance {pre_url} returned no kv_transfer_params "
+                          "(is it started with --kv-transfer-config kv_role kv_producer?)",
+                          "upstream_error")
+
+        # 2a. first token from prefill, then decode continues from it
+        if fast:
+            plan, why = None, None
+            mml = await self.max_model_len(dec_url, headers)
+            if mml is None:
+                why = "decode instance's max_model_len unknown"
+            else:
+                try:
+                    plan = ft.Plan(body, chat, pre, mml)
+                    why = plan.unusable()
+                except (KeyError, IndexError, TypeError, AttributeError) as e:
+                    why = f"prefill answer not understood ({e!r})"
+            if why is None:
+                return await ft.stream(self, request, plan, dec_url, headers, rid)
+            self._fallback(why, rid)
+
+        # 2b. decode answers the original request, streamed through as it comes
+        dec_body = body if self.flow != "b" else dict(body, kv_transfer_params=params)
+        return await self._relay(request, dec_url, dec_body, headers, rid, "decode")
+
+    async def _relay(self, request, url, body, headers, rid, role="upstream"):
+        """Sends body to url and relays its answer (streamed through when
+        the request streams)."""
+        try:
+            async with self.session.post(url + request.path, json=body,
                                          headers=headers) as r:
                 if r.status != 200:
                     self.counts["decode_errors"] += 1
-                    logger.warning("decode %s answered %d for %s", dec_url, r.status, rid)
+                    logger.warning("%s %s answered %d for %s", role, url, r.status, rid)
                     return web.Response(status=r.status, body=await r.read(),
                                         content_type=r.content_type or "application/json")
                 if not body.get("stream"):
@@ -146,7 +222,7 @@ class Proxy:
                 return resp
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             self.counts["decode_errors"] += 1
-            return _error(502, f"decode instance {dec_url} unreachable: {e!r}", "upstream_error")
+            return _error(502, f"{role} instance {url} unreachable: {e!r}", "upstream_error")
 
     async def models(self, request):
         url = self.decode[0] + "/v1/models"
@@ -169,10 +245,14 @@ class Proxy:
         urls = self.prefill + self.decode
         ok = await asyncio.gather(*(probe(u) for u in urls))
         state = dict(zip(urls, ok))
-        healthy = any(state[u] for u in self.prefill) and any(state[u] for u in self.decode)
+        healthy = (not self.prefill or any(state[u] for u in self.prefill)) and any(
+            state[u] for u in self.decode)
         return web.json_response({"status": "ok" if healthy else "degraded",
                                   "instances": state, "counts": self.counts},
                                  status=200 if healthy else 503)
+
+    async def stats(self, request):
+        return web.json_response(self.counts)
 
     def app(self):
         app = web.Application(client_max_size=64 << 20)
@@ -180,29 +260,57 @@ class Proxy:
             app.router.add_post(route, self.handle)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
+        app.router.add_get("/stats", self.stats)
         app.on_startup.append(self.start)
         app.on_cleanup.append(self.stop)
         return app
 
 
+def _event_loop(kind):
+    """(runner for asyncio.run-like use, name): uvloop when importable
+    (--loop auto) or asked for, else asyncio's own loop."""
+    if kind in ("auto", "uvloop"):
+        try:
+            import uvloop
+            return uvloop.run, "uvloop"
+        except ImportError:
+            if kind == "uvloop":
+                raise SystemExit("--loop uvloop: uvloop is not installed (pip install uvloop)")
+    return asyncio.run, "asyncio"
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m mooncake_connector.proxy",
                                  description=__doc__.split("\n\n")[0])
-    ap.add_argument("--prefill", nargs="+", required=True, metavar="URL")
-    ap.add_argument("--decode", nargs="+", required=True, metavar="URL")
+    ap.add_argument("--prefill", nargs="+", default=[], metavar="URL")
+    ap.add_argument("--decode", nargs="+", default=[], metavar="URL")
+    ap.add_argument("--passthrough", nargs="+", default=[], metavar="URL",
+                    help="no prefill step: relay every request to one of these (a colocated "
+                         "server behind the same proxy code; a benchmark reference)")
     ap.add_argument("--host", default="0.0.0.0")
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--flow", choices=["a", "b"], default="a",
                     help="a: max_tokens=1 prefill then decode (the seed's); "
                          "b: kv_transfer_params relayed from prefill to decode")
+    ap.add_argument("--first-token", choices=["prefill", "decode"], default="prefill",
+                    help="streamed requests: prefill (default) streams the prefill's token at "
+                         "once and decode continues from it; decode waits for the decode "
+                         "instance's stream (the seed's way)")
+    ap.add_argument("--loop", choices=["auto", "uvloop", "asyncio"], default="auto",
+                    help="event loop (auto: uvloop when importable)")
     ap.add_argument("--timeout", type=float, default=6 * 3600, help="per upstream request, s")
     args = ap.parse_args(argv)
-    for u in args.prefill + args.decode:
+    if args.passthrough and (args.prefill or args.decode):
+        ap.error("--passthrough relays to one upstream; it takes no --prefill/--decode")
+    if not args.passthrough and not (args.prefill and args.decode):
+        ap.error("give --prefill URL... and --decode URL... (or --passthrough URL...)")
+    for u in args.prefill + args.decode + args.passthrough:
         if not u.startswith(("http://", "https://")):
             ap.error(f"{u!r} is not a URL; write http://host:port")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     proxy = Proxy(args.prefill, args.decode, args.flow, args.timeout,
-                  os.environ.get("OPENAI_API_KEY"))
+                  os.environ.get("OPENAI_API_KEY"), args.first_token, args.passthrough)
+    run_loop, loop_name = _event_loop(args.loop)
 
     async def run():
         runner = web.AppRunner(proxy.app())
@@ -210,8 +318,12 @@ def main(argv=None):
         site = web.TCPSite(runner, args.host, args.port)
         await site.start()
         port = site._server.sockets[0].getsockname()[1]
-        print(f"proxy listening on http://{args.host}:{port} (flow {args.flow}; prefill "
-              f"{' '.join(proxy.prefill)}; decode {' '.join(proxy.decode)})", flush=True)
+        if proxy.passthrough:
+            what = f"pass-through to {' '.join(proxy.passthrough)}"
+        else:
+            what = (f"flow {args.flow}; first token from {args.first_token}; prefill "
+                    f"{' '.join(proxy.prefill)}; decode {' '.join(proxy.decode)}")
+        print(f"proxy listening on http://{args.host}:{port} ({what}; {loop_name})", flush=True)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -219,7 +331,7 @@ def main(argv=None):
         await stop.wait()
         await runner.cleanup()
 
-    asyncio.run(run())
+    run_loop(run())
     return 0
 
 

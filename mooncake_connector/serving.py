@@ -216,11 +216,18 @@ def metadata_server(port, log_path, python=None):
     return p
 
 
-def proxy(prefill_urls, decode_urls, port, log_path, flow="a", timeout_s=600, python=None):
-    p = Process(f"proxy (flow {flow})",
-                [python or sys.executable, "-m", "mooncake_connector.proxy", "--host",
-                 "127.0.0.1", "--port", str(port), "--flow", flow, "--timeout", str(timeout_s),
-                 "--prefill", *prefill_urls, "--decode", *decode_urls],
+def proxy(prefill_urls, decode_urls, port, log_path, flow="a", timeout_s=600, python=None,
+          first_token="prefill", passthrough=None, name=None):
+    """Our proxy in front of prefill/decode servers, or (passthrough: a list
+    of URLs) in front of one upstream with no prefill step."""
+    if passthrough:
+        args, name = ["--passthrough", *passthrough], name or "proxy (pass-through)"
+    else:
+        args = ["--flow", flow, "--first-token", first_token, "--prefill", *prefill_urls,
+                "--decode", *decode_urls]
+        name = name or f"proxy (flow {flow})"
+    p = Process(name, [python or sys.executable, "-m", "mooncake_connector.proxy", "--host",
+                       "127.0.0.1", "--port", str(port), "--timeout", str(timeout_s), *args],
                 log_path, health_url=f"http://127.0.0.1:{port}/health")
     p.url = f"http://127.0.0.1:{port}"
     return p

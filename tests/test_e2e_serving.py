@@ -4,7 +4,10 @@ Prefill (kv_producer) and decode (kv_consumer) vLLM servers behind our proxy
 must give token-identical greedy output to a colocated server, for
 completions and chat, streamed or not, short and long prompts with shared
 prefixes, in both proxy flows; the decode server must have loaded the prompt's
-KV through the connector rather than recomputed it.  The fault test (last in
+KV through the connector rather than recomputed it.  Streamed requests take
+the proxy's first-token-from-prefill path (the decode server must see the
+prompt plus that token); test_e2e_first_token.py covers that path's own
+cases (sampling, failures after the first chunk, fallbacks).  The fault test (last in
 this file: it restarts the prefill server) kills the prefill server mid-run.
 """
 import concurrent.futures
@@ -13,7 +16,7 @@ import time
 
 import pytest
 
-from mooncake_connector.deployment import prompt_tokens_by_source
+from mooncake_connector.deployment import prompt_tokens_by_source, proxy_stats
 from mooncake_connector.openai_client import request
 from mooncake_connector.serving import http_get
 
@@ -104,35 +107,56 @@ def _check_flow(dep, flow, references):
     show the prompt's KV came through the connector (per request: the
     external_kv_transfer delta), not from local compute."""
     start = before = prompt_tokens_by_source(dep.decode.url)
-    mismatches, not_loaded = [], []
+    stats0 = proxy_stats(dep.proxies[flow].url)
+    mismatches, not_loaded, wrong_path = [], [], []
     loaded = 0
     cases = _cases_for(dep, references)
     assert len(cases) >= 20
     for cid, path, base in cases:
         ref = references[cid]
         r = request(dep.proxies[flow].url, path, _body(base), timeout=REQ_TIMEOUT)
-        assert r.status == 200, f"{cid} via proxy flow {flow}: {r.status} {r.error}"
+        assert r.status == 200 and r.error is None, (
+            f"{cid} via proxy flow {flow}: {r.status} {r.error}")
         after = prompt_tokens_by_source(dep.decode.url)
         ext = after.get("external_kv_transfer", 0) - before.get("external_kv_transfer", 0)
+        seen = sum(after.values()) - sum(before.values())
         before = after
         if r.token_ids != ref.token_ids:
             mismatches.append(f"{cid}: colocated {ref.token_ids} vs disaggregated {r.token_ids}")
         n = r.usage["prompt_tokens"]
         assert n == ref.usage["prompt_tokens"], cid
+        # First token from prefill: a streamed request's decode leg is the
+        # prompt plus the token the client already has (n + 1 prompt tokens
+        # on the decode server); a non-streamed one is the original (n).
+        want = n + 1 if base.get("stream") else n
+        if seen != want:
+            wrong_path.append(f"{cid}: decode server saw a {seen}-token prompt, expected "
+                              f"{want} ({n} + the prefill's token)" if base.get("stream")
+                              else f"{cid}: decode saw {seen} prompt tokens, expected {n}")
         # Every full block before the last prompt token must have come from the
         # connector (decode recomputes at most the rest; a connector may also
         # supply all n, vLLM then recomputes the last token).
+        # (A streamed request's decode prompt is n + 1 tokens: the first
+        # token's slot may be claimed too and is then computed, docs/connector.md.)
         need = (n - 1) // BLOCK * BLOCK
-        if ext < need or ext > n:
+        if ext < need or ext > (n + 1 if base.get("stream") else n):
             not_loaded.append(f"{cid}: {n} prompt tokens, {ext} loaded remotely "
                               f"(expected >= {need})")
         # Flow a: the answer's usage says the same.  (Flow b: vLLM reports
         # cached_tokens 0 for requests with do_remote_prefill params although
         # its counters show the load; docs/vllm-cpu.md.)
-        if flow == "a" and r.cached_tokens != ext:
+        if flow == "a" and r.cached_tokens != min(ext, n):
             not_loaded.append(f"{cid}: usage says {r.cached_tokens} cached, counters {ext}")
         loaded += ext
     end = prompt_tokens_by_source(dep.decode.url)
+    stats1 = proxy_stats(dep.proxies[flow].url)
+    streamed = sum(1 for c in cases if c[2].get("stream"))
+    served = stats1["first_token_from_prefill"] - stats0["first_token_from_prefill"]
+    assert served == streamed, (f"proxy flow {flow} served {served} of {streamed} streamed "
+                                f"requests' first token from prefill; fallbacks "
+                                f"{stats1['first_token_fallbacks']}")
+    assert not wrong_path, "decode leg not continuing from the first token:\n" + "\n".join(
+        wrong_path)
     assert not mismatches, "disaggregated output differs from colocated:\n" + "\n".join(
         mismatches)
     assert not not_loaded, "prompt KV not loaded remotely on decode:\n" + "\n".join(not_loaded)

@@ -97,9 +97,11 @@ def upstreams():
 def proxy():
     procs = []
 
-    def start(prefill, decode, flow="a", env=None):
+    def start(prefill, decode, flow="a", env=None, extra=()):
         cmd = [sys.executable, "-m", "mooncake_connector.proxy", "--host", "127.0.0.1",
-               "--port", "0", "--flow", flow, "--prefill", *prefill, "--decode", *decode]
+               "--port", "0", *extra]
+        if prefill or decode:
+            cmd += ["--flow", flow, "--prefill", *prefill, "--decode", *decode]
         p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                              env=env)
         procs.append(p)
@@ -216,3 +218,206 @@ def test_bad_arguments_are_refused():
     r = subprocess.run([sys.executable, "-m", "mooncake_connector.proxy", "--prefill", "p:1",
                         "--decode", "http://d:2"], capture_output=True, text=True)
     assert r.returncode == 2 and "is not a URL" in r.stderr
+
+
+# ---- first token from prefill, against vLLM-shaped fakes ----
+
+def _vllm_app(u):
+    async def models(request):
+        return web.json_response({"data": [{"id": "m", "max_model_len": 100}]})
+
+    async def complete(request):
+        body = await request.json()
+        u.seen.append({"path": request.path, "body": body})
+        if "messages" in body:
+            prompt = list(range(1, 3 + sum(len(m["content"].split()) for m in body["messages"])))
+        elif isinstance(body["prompt"], list):
+            prompt = body["prompt"]
+        else:
+            prompt = list(range(1, 1 + len(body["prompt"].split())))
+        mt = body.get("max_tokens", 16)
+        start = len(prompt)
+        out = [100 + start + i for i in range(mt)]
+        chat = request.path.endswith("chat/completions")
+        if not body.get("stream"):
+            c = {"index": 0, "finish_reason": u.finish if mt == 1 else "length",
+                 "stop_reason": None, "token_ids": out}
+            if chat:
+                c["message"] = {"role": "assistant", "content": "".join(f"t{t} " for t in out)}
+            else:
+                c["text"] = "".join(f"t{t} " for t in out)
+                c["prompt_token_ids"] = prompt
+            ans = {"id": "pre-1", "created": 7, "model": "m", "choices": [c],
+                   "usage": {"prompt_tokens": len(prompt), "completion_tokens": mt,
+                             "total_tokens": len(prompt) + mt}}
+            if chat:
+                ans["prompt_token_ids"] = prompt
+            return web.json_response(ans)
+        if u.decode_fail == "status":
+            return web.json_response({"error": {"message": "decode overloaded"}}, status=503)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for i, t in enumerate(out):
+            c = {"index": 0, "text": f"t{t} ", "token_ids": [t], "logprobs": None,
+                 "finish_reason": "length" if i == mt - 1 else None, "stop_reason": None,
+                 "prompt_token_ids": prompt if i == 0 else None}
+            await resp.write(b"data: " + json.dumps({"id": "dec", "object": "text_completion",
+                                                      "created": 9, "model": "m",
+                                                      "choices": [c]}).encode() + b"\n\n")
+            if u.decode_fail == "drop":
+                request.transport.close()
+                return resp
+        if (body.get("stream_options") or {}).get("include_usage"):
+            await resp.write(b"data: " + json.dumps({"id": "dec", "choices": [], "usage": {
+                "prompt_tokens": len(prompt), "completion_tokens": mt,
+                "total_tokens": len(prompt) + mt}}).encode() + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    return models, complete
+
+
+@pytest.fixture
+def vllm_like():
+    made = []
+
+    def make(name, **kw):
+        u = Upstream.__new__(Upstream)
+        u.name, u.status, u.kv_params, u.seen = name, 200, False, []
+        u.finish, u.decode_fail = kw.get("finish", "length"), kw.get("decode_fail")
+        u.loop = asyncio.new_event_loop()
+        started = threading.Event()
+        models, complete = _vllm_app(u)
+
+        def run():
+            asyncio.set_event_loop(u.loop)
+            app = web.Application()
+            app.router.add_post("/v1/completions", complete)
+            app.router.add_post("/v1/chat/completions", complete)
+            app.router.add_get("/v1/models", models)
+            u.runner = web.AppRunner(app)
+            u.loop.run_until_complete(u.runner.setup())
+            site = web.TCPSite(u.runner, "127.0.0.1", 0)
+            u.loop.run_until_complete(site.start())
+            u.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+            started.set()
+            u.loop.run_forever()
+
+        u.thread = threading.Thread(target=run, daemon=True)
+        u.thread.start()
+        started.wait(10)
+        made.append(u)
+        return u
+
+    yield make
+    for u in made:
+        u.close()
+
+
+def sse_events(data):
+    out = []
+    for e in data.decode().split("\n\n"):
+        if e.startswith("data: "):
+            out.append(e[6:] if e[6:] == "[DONE]" else json.loads(e[6:]))
+    return out
+
+
+def get_stats(url):
+    with urllib.request.urlopen(url + "/stats", timeout=10) as r:
+        return json.loads(r.read())
+
+
+def test_first_token_from_prefill_completions(vllm_like, proxy):
+    p, d = vllm_like("prefill"), vllm_like("decode")
+    url = proxy([p.url], [d.url])
+    body = {"model": "m", "prompt": "a b c", "max_tokens": 4, "stream": True, "seed": 3,
+            "temperature": 0.7, "min_tokens": 2, "return_token_ids": True,
+            "stream_options": {"include_usage": True}}
+    status, data = post(url + "/v1/completions", body, raw=True)
+    ev = sse_events(data)
+    assert status == 200 and ev[-1] == "[DONE]"
+    pre, dec = p.seen[0]["body"], d.seen[0]["body"]
+    assert pre["max_tokens"] == 1 and pre["return_token_ids"] and pre["min_tokens"] == 1
+    # decode continues from the prefill's token (103) with the same sampling
+    assert dec["prompt"] == [1, 2, 3, 103] and dec["max_tokens"] == 3 and dec["stream"]
+    assert dec["seed"] == 3 and dec["temperature"] == 0.7 and dec["min_tokens"] == 1
+    first = ev[0]["choices"][0]
+    assert first["token_ids"] == [103] and first["prompt_token_ids"] == [1, 2, 3]
+    ids = [t for e in ev[:-1] for c in e["choices"] for t in c.get("token_ids") or []]
+    assert ids == [103, 104, 105, 106]
+    assert all(e["id"] == "pre-1" for e in ev[:-1])  # one id for the whole answer
+    assert all(c.get("prompt_token_ids") is None for e in ev[1:-1] for c in e["choices"])
+    assert ev[-2]["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+    assert get_stats(url)["first_token_from_prefill"] == 1
+
+
+def test_first_token_from_prefill_chat_is_rewrapped(vllm_like, proxy):
+    p, d = vllm_like("prefill"), vllm_like("decode")
+    url = proxy([p.url], [d.url], flow="a")
+    body = {"model": "m", "messages": [{"role": "user", "content": "x y"}],
+            "max_completion_tokens": 3, "stream": True}
+    status, data = post(url + "/v1/chat/completions", body, raw=True)
+    ev = sse_events(data)
+    assert status == 200 and d.seen[0]["path"] == "/v1/completions"
+    assert d.seen[0]["body"]["prompt"] == [1, 2, 3, 4, 104] and d.seen[0]["body"]["max_tokens"] == 2
+    assert ev[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    text = "".join(c["delta"].get("content") or "" for e in ev[:-1] for c in e["choices"])
+    assert text == "t104 t105 t106 "
+    assert all(e["object"] == "chat.completion.chunk" for e in ev[:-1])
+    assert ev[-2]["choices"][0]["finish_reason"] == "length"
+
+
+def test_prefill_finished_answer_skips_decode(vllm_like, proxy):
+    p, d = vllm_like("prefill", finish="stop"), vllm_like("decode")
+    url = proxy([p.url], [d.url])
+    for body in ({"prompt": "a b", "max_tokens": 5, "stream": True},   # EOS/stop
+                 {"prompt": "a b", "max_tokens": 1, "stream": True}):
+        status, data = post(url + "/v1/completions", dict(body, model="m"), raw=True)
+        ev = sse_events(data)
+        assert status == 200 and ev[-1] == "[DONE]"
+        assert ev[-2]["choices"][0]["finish_reason"] in ("stop", "length")
+    assert d.seen == [] and get_stats(url)["finished_at_prefill"] == 2
+
+
+def test_unrepresentable_requests_and_opt_out_take_the_seeds_path(vllm_like, proxy):
+    p, d = vllm_like("prefill"), vllm_like("decode")
+    url = proxy([p.url], [d.url])
+    for extra in ({"stop": ["x"]}, {"logprobs": 0}, {"n": 2}, {"echo": True},
+                  {"presence_penalty": 0.5}, {"some_new_field": 1}):
+        body = dict({"model": "m", "prompt": "a b", "max_tokens": 3, "stream": True}, **extra)
+        assert post(url + "/v1/completions", body, raw=True)[0] == 200
+        assert d.seen[-1]["body"] == body, extra  # the original request
+    st = get_stats(url)
+    assert st["first_token_from_prefill"] == 0 and sum(st["first_token_fallbacks"].values()) == 6
+    off = proxy([p.url], [d.url], extra=["--first-token", "decode"])
+    body = {"model": "m", "prompt": "a b", "max_tokens": 3, "stream": True}
+    assert post(off + "/v1/completions", body, raw=True)[0] == 200
+    assert d.seen[-1]["body"] == body and get_stats(off)["first_token_from_prefill"] == 0
+
+
+@pytest.mark.parametrize("mode", ["status", "drop"])
+def test_decode_failure_after_first_chunk_is_an_error_event(vllm_like, proxy, mode):
+    p, d = vllm_like("prefill"), vllm_like("decode", decode_fail=mode)
+    url = proxy([p.url], [d.url])
+    t = time.time()
+    status, data = post(url + "/v1/completions", {"model": "m", "prompt": "a b",
+                                                  "max_tokens": 4, "stream": True}, raw=True)
+    ev = sse_events(data)
+    assert status == 200 and time.time() - t < 10
+    assert ev[0]["choices"][0]["text"] == "t102 "
+    err = ev[-2]["error"]["message"]
+    assert f"decode instance {d.url}" in err and ev[-1] == "[DONE]", ev
+    assert ("503" in err and "decode overloaded" in err) if mode == "status" else \
+        "before [DONE]" in err or "failed" in err, err
+
+
+def test_passthrough_mode(upstreams, proxy):
+    c = upstreams("colocated")
+    url = proxy([], [], extra=["--passthrough", c.url])
+    status, out = post(url + "/v1/completions", {"prompt": "x", "max_tokens": 5})
+    assert status == 200 and out["by"] == "colocated" and c.seen[0]["body"]["max_tokens"] == 5
+    status, data = post(url + "/v1/completions", {"prompt": "x", "stream": True}, raw=True)
+    assert status == 200 and data.decode().split("\n\n")[-2] == "data: [DONE]"
+    r = subprocess.run([sys.executable, "-m", "mooncake_connector.proxy", "--passthrough",
+                        c.url, "--prefill", c.url], capture_output=True, text=True)
+    assert r.returncode == 2 and "takes no --prefill" in r.stderr

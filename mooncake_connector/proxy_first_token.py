@@ -1,0 +1,361 @@
+"""First token from prefill: the proxy's fast path for streamed requests.
+
+The prefill instance computes the prompt and samples the first token anyway
+(the proxy asks it for max_tokens=1).  Instead of throwing that token away
+and waiting for the decode instance to produce it again, the proxy streams it
+to the client at once and asks the decode instance to continue FROM it:
+
+* prefill: the client's request with max_tokens=1, not streamed, with
+  return_token_ids=true (vLLM >= 0.10: the answer carries the prompt's token
+  ids, after the chat template, and the sampled token's id);
+* client: the first chunk(s), built from that answer, in vLLM's own chunk
+  format (chat: the role chunk and the first content chunk);
+* decode: a /v1/completions request whose prompt is the token ids
+  prompt_token_ids + [first token] (no re-tokenisation, no chat template),
+  max_tokens one less, the same sampling parameters (seed included), streamed;
+  its chunks are re-stamped with the first chunk's id, wrapped into
+  chat.completion.chunk objects for chat requests, and its usage is counted
+  as the client's request (prompt_tokens - 1, completion_tokens + 1).
+
+The decode prompt starts with the same token ids as the prefill prompt, so
+the decode instance finds the prompt's KV by token-block hashes (flow a) or
+through the relayed kv_transfer_params (flow b) exactly as before; it
+computes the first token's KV itself (one more token in its last step).
+
+If the prefill already ended the answer (EOS or a stop token: finish_reason
+"stop"; max_tokens 1; or the model's context is full) the decode instance is
+never asked.  If the decode leg fails after the first chunk went out (the
+response already has status 200), the stream ends with an SSE error event
+naming the decode instance, then [DONE].
+
+Requests the fast path cannot represent faithfully take the seed's path
+(decode gets the original request): see `refusal()`.
+"""
+import asyncio
+import copy
+import json
+
+import aiohttp
+from aiohttp import web
+
+#: Fields the fast path carries over, unchanged, to the decode leg.
+SAMPLING = ("model", "temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty",
+            "stop_token_ids", "ignore_eos", "skip_special_tokens",
+            "spaces_between_special_tokens", "logit_bias", "allowed_token_ids", "user",
+            "priority", "cache_salt", "return_token_ids", "include_stop_str_in_output",
+            "stream_interval", "request_id")
+#: Fields that only shape the prefill's prompt (tokenisation, chat template).
+PROMPT_ONLY = {"prompt", "messages", "add_special_tokens", "add_generation_prompt",
+               "continue_final_message", "chat_template", "chat_template_kwargs", "documents"}
+HANDLED = {"max_tokens", "max_completion_tokens", "min_tokens", "stream", "stream_options"}
+KNOWN = set(SAMPLING) | PROMPT_ONLY | HANDLED
+#: Fields fine at these (default) values; any other value takes the seed's path.
+DEFAULTS = {
+    "n": (1,), "best_of": (1,), "echo": (False,), "logprobs": (False,),
+    "top_logprobs": (0,), "prompt_logprobs": (), "frequency_penalty": (0, 0.0),
+    "presence_penalty": (0, 0.0), "stop": ([], ""), "suffix": ("",),
+    "use_beam_search": (False,), "length_penalty": (1, 1.0), "tools": ([],),
+    "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
+    "parallel_tool_calls": (True, False), "response_format": ({"type": "text"},),
+    "structured_outputs": (), "guided_json": (), "guided_regex": (), "guided_choice": (),
+    "guided_grammar": (), "truncate_prompt_tokens": (), "truncation_side": (),
+    "bad_words": ([],), "kv_transfer_params": (), "vllm_xargs": ({},),
+    "include_reasoning": (True,), "reasoning_effort": (), "thinking_token_budget": (),
+    "return_tokens_as_token_ids": (False, True), "return_prompt_text": (False,),
+    "return_token_offsets": (False,), "logprob_token_ids": ([],), "prompt_embeds": (),
+    "mm_processor_kwargs": ({},), "media_io_kwargs": ({},), "session_id": (),
+}
+
+WHY = {  # why a field's non-default value keeps the seed's path
+    "n": "several choices", "best_of": "several candidates", "echo": "echo",
+    "logprobs": "logprobs", "top_logprobs": "logprobs", "prompt_logprobs": "prompt logprobs",
+    "frequency_penalty": "frequency/presence penalties count the first token as output",
+    "presence_penalty": "frequency/presence penalties count the first token as output",
+    "stop": "stop strings may span the first token and the next",
+    "bad_words": "bad_words match across the first token",
+    "tools": "tool calls", "tool_choice": "tool calls", "response_format": "structured output",
+    "structured_outputs": "structured output", "kv_transfer_params": "client's own "
+    "kv_transfer_params", "truncate_prompt_tokens": "prompt truncation",
+    "include_reasoning": "reasoning output", "reasoning_effort": "reasoning output",
+}
+
+
+def refusal(body, chat):
+    """None if the fast path can serve this (streamed) request faithfully,
+    else a short reason.  Unknown fields are refused too (vLLM may give them
+    a meaning the proxy does not know)."""
+    for key, value in body.items():
+        if value is None or key in KNOWN:
+            continue
+        if key not in DEFAULTS:
+            return f"field {key!r}"
+        if not any(type(value) is type(d) and value == d for d in DEFAULTS[key]):
+            return f"{key} ({WHY.get(key, 'not representable')})"
+    if chat:
+        for m in body.get("messages") or []:
+            content = m.get("content") if isinstance(m, dict) else None
+            if isinstance(content, list) and any(
+                    not isinstance(p, dict) or p.get("type") != "text" for p in content):
+                return "non-text message content"
+    else:
+        p = body.get("prompt")
+        if not (isinstance(p, str) or (isinstance(p, list) and p
+                                       and all(isinstance(t, int) for t in p))):
+            return "batched or non-text prompt"
+    if body.get("min_tokens") is not None and not isinstance(body["min_tokens"], int):
+        return "min_tokens"
+    return None
+
+
+def max_tokens_of(body, chat):
+    """The client's output budget; None = up to the context length."""
+    if chat:
+        mt = body.get("max_completion_tokens")
+        return mt if mt is not None else body.get("max_tokens")
+    if "max_tokens" not in body:
+        return 16  # vLLM's CompletionRequest default
+    return body["max_tokens"]
+
+
+def prefill_body(body, chat, flow_b):
+    p = copy.deepcopy(body)
+    p["max_tokens"] = 1
+    if chat and "max_completion_tokens" in p:
+        p["max_completion_tokens"] = 1
+    if p.get("min_tokens"):
+        p["min_tokens"] = 1
+    p["stream"] = False
+    p.pop("stream_options", None)
+    p["return_token_ids"] = True
+    if flow_b:
+        p["kv_transfer_params"] = {"do_remote_decode": True, "do_remote_prefill": False,
+                                   "remote_engine_id": None, "remote_block_ids": None,
+                                   "remote_host": None, "remote_port": None}
+    return p
+
+
+class Plan:
+    """What the prefill answered, and the decode request that continues it."""
+
+    def __init__(self, body, chat, pre, max_model_len):
+        c = pre["choices"][0]
+        self.chat = chat
+        self.id, self.created, self.model = pre.get("id"), pre.get("created"), pre.get("model")
+        self.prompt_ids = pre.get("prompt_token_ids") or c.get("prompt_token_ids")
+        self.first_ids = c.get("token_ids") or []
+        if chat:
+            msg = c.get("message") or {}
+            self.text, self.role = msg.get("content") or "", msg.get("role") or "assistant"
+            self.parsed = bool(msg.get("reasoning") or msg.get("reasoning_content")
+                               or msg.get("tool_calls"))
+        else:
+            self.text, self.role, self.parsed = c.get("text") or "", None, False
+        self.finish, self.stop_reason = c.get("finish_reason"), c.get("stop_reason")
+        self.usage = pre.get("usage") or {}
+        self.want_ids = bool(body.get("return_token_ids"))
+        so = body.get("stream_options") or {}
+        self.include_usage = bool(so.get("include_usage"))
+        self.continuous = self.include_usage and bool(so.get("continuous_usage_stats"))
+        n = len(self.prompt_ids or [])
+        mt = max_tokens_of(body, chat)
+        self.remaining = (max_model_len - n) if mt is None else min(mt, max_model_len - n)
+        self.done = self.finish not in (None, "length") or self.remaining <= 1
+        if self.done and self.finish is None:
+            self.finish = "length"
+        self.decode = None
+        if not self.done:
+            d = {k: body[k] for k in SAMPLING if body.get(k) is not None}
+            d.update(prompt=list(self.prompt_ids) + list(self.first_ids),
+                     max_tokens=self.remaining - 1, stream=True)
+            if body.get("min_tokens"):
+                d["min_tokens"] = max(0, body["min_tokens"] - 1)
+            if so:
+                d["stream_options"] = so
+            if pre.get("kv_transfer_params") is not None:
+                d["kv_transfer_params"] = pre["kv_transfer_params"]
+            self.decode = d
+
+    def unusable(self):
+        """Why this answer cannot start a fast-path stream (None if it can)."""
+        if not self.prompt_ids or len(self.first_ids) != 1:
+            return ("prefill answer has no prompt_token_ids/token_ids (return_token_ids: "
+                    "vLLM >= 0.10)")
+        if self.parsed:
+            return "prefill answer has reasoning or tool calls (a server-side parser)"
+        return None
+
+    # ---- chunks sent to the client ----
+
+    def _chunk(self, choices, **extra):
+        ev = {"id": self.id, "object": "chat.completion.chunk" if self.chat
+              else "text_completion", "created": self.created, "model": self.model,
+              "choices": choices}
+        ev.update(extra)
+        return sse(ev)
+
+    def _usage(self, prompt_tokens, completion_tokens, base=None):
+        u = dict(base or {})
+        u.update(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                 total_tokens=prompt_tokens + completion_tokens)
+        return u
+
+    def first_chunks(self):
+        n = len(self.prompt_ids)
+        ids = list(self.first_ids) if self.want_ids else None
+        prompt_ids = list(self.prompt_ids) if self.want_ids else None
+        fin = self.finish if self.done else None
+        extra = {"usage": self._usage(n, 1)} if self.continuous else {}
+        if self.chat:
+            out = self._chunk([{"index": 0, "delta": {"role": self.role, "content": ""},
+                                "logprobs": None, "finish_reason": None}],
+                              prompt_token_ids=prompt_ids, prompt_text=None,
+                              **({"usage": self._usage(n, 0)} if self.continuous else {}))
+            choice = {"index": 0, "delta": {"content": self.text}, "logprobs": None,
+                      "finish_reason": fin, "token_ids": ids}
+        else:
+            out = b""
+            choice = {"index": 0, "text": self.text, "logprobs": None, "finish_reason": fin,
+                      "stop_reason": None, "prompt_token_ids": prompt_ids, "token_ids": ids}
+        if fin is not None:
+            choice["stop_reason"] = self.stop_reason
+        out += self._chunk([choice], **extra)
+        if self.done:
+            if self.include_usage:
+                out += self._chunk([], usage=self._usage(n, 1, self.usage))
+            out += b"data: [DONE]\n\n"
+        return out
+
+    def rewrite(self, ev):
+        """A decode-leg chunk (a completions chunk) as the client's chunk."""
+        if "error" in ev:
+            return None
+        u = ev.get("usage")
+        if u:
+            n = max(0, u.get("prompt_tokens", 1) - 1)
+            u = self._usage(n, u.get("completion_tokens", 0) + 1, u)
+            details = u.get("prompt_tokens_details")
+            if isinstance(details, dict) and (details.get("cached_tokens") or 0) > n:
+                # decode may report the first token's slot as cached (a prompt
+                # of 31 mod 32 tokens claims one more block): the client's
+                # prompt is n tokens
+                u["prompt_tokens_details"] = dict(details, cached_tokens=n)
+        choices = []
+        for c in ev.get("choices") or []:
+            if self.chat:
+                nc = {"index": c.get("index", 0), "delta": {"content": c.get("text") or ""},
+                      "logprobs": None, "finish_reason": c.get("finish_reason")}
+                if c.get("finish_reason") is not None:
+                    nc["stop_reason"] = c.get("stop_reason")
+                nc["token_ids"] = c.get("token_ids")
+            else:
+                nc = dict(c)
+                if "prompt_token_ids" in nc:
+                    nc["prompt_token_ids"] = None  # the client got the prompt's ids first
+            choices.append(nc)
+        extra = {k: ev[k] for k in ("system_fingerprint",) if k in ev}
+        if u:
+            extra["usage"] = u
+        return self._chunk(choices, **extra)
+
+
+class ClientGone(Exception):
+    """Writing to the client failed: it disconnected."""
+
+
+async def _write(resp, data):
+    try:
+        await resp.write(data)
+    except (ConnectionResetError, aiohttp.ClientConnectionError) as e:
+        raise ClientGone() from e
+
+
+def sse(obj):
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+def error_event(message, code=502):
+    return sse({"error": {"message": message, "type": "upstream_error", "param": None,
+                          "code": code}}) + b"data: [DONE]\n\n"
+
+
+async def stream(proxy, request, plan, dec_url, headers, rid):
+    """Sends the first chunk(s) now, then relays the decode leg.  Always
+    returns a finished StreamResponse (an error event ends a failed one)."""
+    resp = web.StreamResponse(status=200, headers={
+        "Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache",
+        "X-Request-Id": rid})
+    await resp.prepare(request)
+    counts = proxy.counts
+    counts["first_token_from_prefill"] += 1
+    try:
+        await _write(resp, plan.first_chunks())
+    except ClientGone:
+        return resp
+    if plan.done:
+        counts["finished_at_prefill"] += 1
+        return await _eof(resp)
+    where = f"decode instance {dec_url}"
+    try:
+        err = await _relay_decode(proxy, resp, plan, dec_url, headers)
+    except ClientGone:
+        return resp  # the client left (leaving the block closed the decode request)
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+        err = f"{where} failed after the first token was sent: {e!r}"
+    if err:
+        counts["decode_errors"] += 1
+        counts["stream_errors_after_first_token"] += 1
+        proxy.log.warning("%s (request %s)", err, rid)
+        try:
+            await _write(resp, error_event(err))
+        except ClientGone:
+            return resp
+    return await _eof(resp)
+
+
+async def _eof(resp):
+    try:
+        await resp.write_eof()
+    except (ConnectionResetError, aiohttp.ClientConnectionError):
+        pass  # the client left after the last event
+    return resp
+
+
+async def _relay_decode(proxy, resp, plan, dec_url, headers):
+    """Relays the decode leg's SSE events; returns an error message or None."""
+    where = f"decode instance {dec_url}"
+    async with proxy.session.post(dec_url + "/v1/completions", json=plan.decode,
+                                  headers=headers) as r:
+        if r.status != 200:
+            text = (await r.read()).decode("utf-8", "replace")
+            try:
+                text = json.loads(text)["error"]["message"]
+            except (ValueError, KeyError, TypeError):
+                pass
+            return f"{where} answered {r.status} after the first token was sent: {text[:500]}"
+        buf = b""
+        async for data in r.content.iter_any():
+            buf += data
+            out = []
+            while b"\n\n" in buf:
+                event, buf = buf.split(b"\n\n", 1)
+                line = event.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                payload = line[5:].strip()
+                if payload == b"[DONE]":
+                    out.append(b"data: [DONE]\n\n")
+                    await _write(resp, b"".join(out))
+                    return None
+                try:
+                    ev = json.loads(payload)
+                except ValueError:
+                    return f"{where} sent an event that is not JSON: {payload[:200]!r}"
+                chunk = plan.rewrite(ev)
+                if chunk is None:
+                    e = ev.get("error") or {}
+                    msg = e.get("message") if isinstance(e, dict) else e
+                    return f"{where} failed after the first token was sent: {msg}"
+                out.append(chunk)
+            if out:
+                await _write(resp, b"".join(out))
+        return f"{where} closed the stream before [DONE] (after the first token was sent)"

@@ -1,0 +1,219 @@
+"""The proxy's first-token-from-prefill path with real vLLM servers (pytest -m e2e).
+
+Streamed requests: the client's first chunk is the prefill server's token and
+the decode server continues from it (its prompt is the prompt's token ids plus
+that token).  Greedy token identity for every case is in test_e2e_serving.py;
+here: sampled requests continue from the client's first token, answers the
+prefill already finished never reach decode, requests the path cannot
+represent take the seed's path, and a decode leg failing after the first
+chunk ends the stream with an error event naming the decode instance.
+(Runs before test_e2e_serving.py, whose last test restarts the prefill server.)
+"""
+import asyncio
+import json
+import threading
+import time
+
+import pytest
+from aiohttp import web
+
+from mooncake_connector import serving
+from mooncake_connector.deployment import prompt_tokens_by_source, proxy_stats
+from mooncake_connector.openai_client import request
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+
+REQ_TIMEOUT = 120
+PROMPT = " ".join(["the quick brown fox jumps over the lazy dog"] * 12)
+CHAT = [{"role": "system", "content": PROMPT}, {"role": "user", "content": "and then?"}]
+
+
+def _stream(body):
+    return dict(body, model="tiny", stream=True, return_token_ids=True,
+                stream_options={"include_usage": True})
+
+
+def _full(body):
+    return dict(body, model="tiny", stream=False, return_token_ids=True)
+
+
+def _ok(r, what):
+    assert r.status == 200 and r.error is None, f"{what}: {r.status} {r.error}"
+    return r
+
+
+def _decode_prompt_tokens(dep):
+    return sum(prompt_tokens_by_source(dep.decode.url).values())
+
+
+@pytest.mark.parametrize("flow", ["a", "b"])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_sampled_request_continues_from_the_clients_first_token(deployment, flow, path):
+    """temperature > 0 with a seed: the first token is what the prefill
+    server samples for that seed, and the rest is what a server samples for
+    the same seed continuing from prompt + that token.  Dropping the decode
+    server's own first token instead would give the colocated seeded answer;
+    the test checks at least one seed tells the two apart."""
+    dep = deployment
+    if flow == "b" and dep.connector == "example":
+        pytest.skip("vLLM's ExampleConnector returns no kv_transfer_params")
+    key = "messages" if "chat" in path else "prompt"
+    told_apart = 0
+    for seed in (11, 22, 33):
+        base = {key: CHAT if key == "messages" else PROMPT, "temperature": 0.9, "seed": seed,
+                "max_tokens": 8, "ignore_eos": True}
+        got = _ok(request(dep.proxies[flow].url, path, _stream(base), timeout=REQ_TIMEOUT),
+                  f"proxy {flow} seed {seed}")
+        assert len(got.token_ids) == 8, got.token_ids
+        first = _ok(request(dep.colocated.url, path, _full(dict(base, max_tokens=1)),
+                            timeout=REQ_TIMEOUT), "colocated first token")
+        assert got.token_ids[:1] == first.token_ids, (seed, got.token_ids, first.token_ids)
+        prompt_ids = got.prompt_token_ids
+        assert prompt_ids == first.prompt_token_ids, "prompt ids sent to the client differ"
+        cont = _ok(request(dep.colocated.url, "/v1/completions", _full(dict(
+            {k: v for k, v in base.items() if k != key}, prompt=prompt_ids + got.token_ids[:1],
+            max_tokens=7)), timeout=REQ_TIMEOUT), "colocated continuation")
+        assert got.token_ids[1:] == cont.token_ids, (
+            f"seed {seed}: the decode leg did not continue from the client's first token: "
+            f"got {got.token_ids}, continuation of {got.token_ids[:1]} is {cont.token_ids}")
+        whole = _ok(request(dep.colocated.url, path, _full(base), timeout=REQ_TIMEOUT),
+                    "colocated seeded")
+        told_apart += whole.token_ids != got.token_ids
+        assert got.usage["prompt_tokens"] == len(prompt_ids)
+        assert got.usage["completion_tokens"] == 8
+    assert told_apart, ("for every seed, continuing from the first token gave the same "
+                        "tokens as a fresh seeded request: this test cannot tell the two apart")
+
+
+def test_answer_finished_by_prefill_never_reaches_decode(deployment):
+    """max_tokens=1, and a stop token as the first token: the prefill's answer
+    is the whole answer, identical to colocated, and decode is not asked."""
+    dep = deployment
+    url = dep.proxies["a"].url
+    ref = _ok(request(dep.colocated.url, "/v1/completions", _full(
+        {"prompt": PROMPT, "temperature": 0.0, "max_tokens": 4}), timeout=REQ_TIMEOUT), "ref")
+    stats0, seen0 = proxy_stats(url), _decode_prompt_tokens(dep)
+    for extra in ({"max_tokens": 1}, {"max_tokens": 4, "stop_token_ids": ref.token_ids[:1]}):
+        body = dict({"prompt": PROMPT, "temperature": 0.0}, **extra)
+        col = _ok(request(dep.colocated.url, "/v1/completions", _stream(body),
+                          timeout=REQ_TIMEOUT), f"colocated {extra}")
+        got = _ok(request(url, "/v1/completions", _stream(body), timeout=REQ_TIMEOUT),
+                  f"proxy {extra}")
+        assert got.token_ids == col.token_ids, (extra, got.token_ids, col.token_ids)
+        if "stop_token_ids" not in extra:
+            assert got.token_ids == ref.token_ids[:1], (extra, got.token_ids)
+        fin = [c.get("finish_reason") for e in got.events for c in e.get("choices") or []]
+        want = [c.get("finish_reason") for e in col.events for c in e.get("choices") or []]
+        assert fin[-1] == want[-1] and fin[-1] in ("length", "stop"), (fin, want)
+        assert got.usage["completion_tokens"] == col.usage["completion_tokens"], (got.usage,
+                                                                                   col.usage)
+    stats1 = proxy_stats(url)
+    assert stats1["finished_at_prefill"] - stats0["finished_at_prefill"] == 2, stats1
+    assert _decode_prompt_tokens(dep) == seen0, "decode was asked for a finished answer"
+
+
+def test_requests_the_fast_path_cannot_represent_take_the_seeds_path(deployment):
+    """Stop strings (they may span the first token and the next) and logprobs
+    go the seed's way: the decode server answers the original request."""
+    dep = deployment
+    url = dep.proxies["a"].url
+    stats0 = proxy_stats(url)
+    for extra in ({"stop": ["zzz-never"]}, {"logprobs": 1}):
+        body = dict({"prompt": PROMPT, "temperature": 0.0, "max_tokens": 6, "ignore_eos": True},
+                    **extra)
+        col = _ok(request(dep.colocated.url, "/v1/completions", _stream(body),
+                          timeout=REQ_TIMEOUT), "colocated")
+        seen0 = _decode_prompt_tokens(dep)
+        got = _ok(request(url, "/v1/completions", _stream(body), timeout=REQ_TIMEOUT), "proxy")
+        assert got.token_ids == col.token_ids, extra
+        assert _decode_prompt_tokens(dep) - seen0 == got.usage["prompt_tokens"], extra
+    stats1 = proxy_stats(url)
+    assert stats1["first_token_from_prefill"] == stats0["first_token_from_prefill"]
+    fb = stats1["first_token_fallbacks"]
+    assert any(k.startswith("stop") for k in fb) and any(k.startswith("logprobs") for k in fb), fb
+
+
+class BrokenDecode:
+    """A decode instance that knows its max_model_len but fails its request:
+    mode "drop" streams one chunk then closes the connection; "status" answers 503."""
+
+    def __init__(self, mode):
+        self.mode, self.calls = mode, 0
+        self.loop = asyncio.new_event_loop()
+        ready = threading.Event()
+
+        async def models(request):
+            return web.json_response({"data": [{"id": "tiny", "max_model_len": 2048}]})
+
+        async def health(request):
+            return web.Response(text="ok")
+
+        async def complete(request):
+            self.calls += 1
+            await request.read()
+            if self.mode == "status":
+                return web.json_response({"error": {"message": "decode overloaded"}},
+                                         status=503)
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            await resp.write(b'data: {"id":"x","object":"text_completion","choices":[{"index":0,'
+                             b'"text":"a","token_ids":[5],"finish_reason":null}]}\n\n')
+            request.transport.close()  # mid-stream: no [DONE]
+            return resp
+
+        def run():
+            asyncio.set_event_loop(self.loop)
+            app = web.Application()
+            app.router.add_get("/v1/models", models)
+            app.router.add_get("/health", health)
+            app.router.add_post("/v1/completions", complete)
+            self.runner = web.AppRunner(app)
+            self.loop.run_until_complete(self.runner.setup())
+            site = web.TCPSite(self.runner, "127.0.0.1", 0)
+            self.loop.run_until_complete(site.start())
+            self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+            ready.set()
+            self.loop.run_forever()
+
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+        assert ready.wait(10)
+
+    def close(self):
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+@pytest.mark.parametrize("mode", ["drop", "status"])
+def test_decode_failing_after_the_first_chunk_ends_the_stream_with_an_error(deployment,
+                                                                          tmp_path, mode):
+    """Real prefill server, broken decode instance: the client gets the
+    prefill's token (status 200 is already sent), then an SSE error event
+    naming the decode instance, then the end of the stream — no hang."""
+    dep = deployment
+    broken = BrokenDecode(mode)
+    proxy = serving.proxy([dep.prefill.url], [broken.url], serving.free_port(),
+                          str(tmp_path / "proxy.log"))
+    try:
+        serving.start_all([proxy], 60)
+        body = {"prompt": PROMPT, "temperature": 0.0, "max_tokens": 6, "ignore_eos": True}
+        ref = _ok(request(dep.colocated.url, "/v1/completions", _full(body),
+                          timeout=REQ_TIMEOUT), "ref")
+        t0 = time.monotonic()
+        got = request(proxy.url, "/v1/completions", _stream(body), timeout=REQ_TIMEOUT)
+        took = time.monotonic() - t0
+        assert took < 30, f"stream took {took:.0f} s to end after the decode failure"
+        assert got.status == 200, (got.status, got.error)
+        assert broken.calls == 1
+        assert got.token_ids[:1] == ref.token_ids[:1], "first chunk is not the prefill's token"
+        assert got.error and f"decode instance {broken.url}" in got.error, got.error
+        assert ("503" in got.error and "decode overloaded" in got.error) if mode == "status" \
+            else "before [DONE]" in got.error or "failed" in got.error, got.error
+        assert "error" in got.events[-1], got.events[-1]
+        stats = proxy_stats(proxy.url)
+        assert stats["stream_errors_after_first_token"] == 1, stats
+    finally:
+        serving.stop_all([proxy])
+        broken.close()
+    print(json.dumps({"mode": mode, "error": got.error}))
