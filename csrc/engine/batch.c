@@ -17,7 +17,10 @@ mc_batch_t *mc_batch_new(mc_engine_t *e, size_t capacity) {
   mc_batch_t *b = calloc(1, sizeof *b);
   if (!b)
     return NULL;
-  b->tasks = calloc(capacity, sizeof *b->tasks);
+  /* Not zeroed: tasks are initialised as requests are submitted (a large
+   * batch's pages are then first touched chunk by chunk, while earlier
+   * chunks are already moving). */
+  b->tasks = malloc(capacity * sizeof *b->tasks);
   if (!b->tasks) {
     free(b);
     return NULL;
@@ -66,6 +69,7 @@ void mc_batch_part_done(mc_batch_t *b, size_t i, int code, const char *msg, uint
     t->code = code;
     free(t->msg);
     t->msg = strdup(msg && *msg ? msg : mc_strerror(code));
+    b->any_msg = 1;
   }
   if (t->parts_left > 0 && --t->parts_left == 0) {
     t->state = state_for(t->code);
@@ -502,13 +506,16 @@ int mc_batch_wait(mc_engine_t *e, mc_batch_t *b, int64_t timeout_ms, mc_err_t *e
                  (unsigned long long)t->req.len, b->last_segment,
                  (unsigned long long)(tmo_ns / 1000000ull), (unsigned long long)t->done_bytes);
         t->msg = strdup(m);
+        b->any_msg = 1;
       }
     }
     pthread_mutex_unlock(&b->mu);
   }
   pthread_mutex_lock(&b->mu);
   int rc = 0;
-  for (size_t i = 0; i < b->n; i++) {
+  /* Every task finished (pending 0): one that did not complete has a
+   * message.  Without any, nothing to scan. */
+  for (size_t i = 0; (b->any_msg || b->pending) && i < b->n; i++) {
     mc_task_t *t = &b->tasks[i];
     if (t->state != MC_TASK_COMPLETED) {
       rc = mc_err_set(err, t->code ? t->code : MC_EPROTO, "request %zu of %zu: %s", i, b->n,
@@ -543,7 +550,7 @@ void mc_batch_free(mc_engine_t *e, mc_batch_t *b) {
   pthread_mutex_unlock(&b->mu);
   if (busy)
     cancel_and_drain(e, b);
-  for (size_t i = 0; i < b->n; i++)
+  for (size_t i = 0; b->any_msg && i < b->n; i++)
     free(b->tasks[i].msg);
   free(b->rpc_reply);
   free(b->tasks);
@@ -592,6 +599,7 @@ static int ctrl_call(mc_engine_t *e, const char *segment, int type, const void *
     mc_batch_free(e, b);
     return rc;
   }
+  memset(&b->tasks[0], 0, sizeof b->tasks[0]);
   b->n = 1;
   b->pending = 1;
   b->ops_inflight = 1;

@@ -94,6 +94,7 @@ struct mc_batch {
   uint64_t bytes;      /* total requested */
   atomic_int cancel;
   int gpu;             /* has same-host GPU copies: wait polls closely */
+  int any_msg;         /* some task has a message (failed): else none to scan or free */
   char last_segment[320];
   char *rpc_reply; /* mc_engine_rpc: the reply text (malloc'ed) */
 };
