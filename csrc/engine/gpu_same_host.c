@@ -103,6 +103,8 @@ void mc_gpu_forget_peers(mc_engine_t *e) {
 
 typedef struct ipc_group ipc_group_t;
 
+#define RUN_HINTS 4096
+
 struct mc_gpu_run {
   mc_engine_t *e;
   mc_batch_t *b;
@@ -113,6 +115,7 @@ struct mc_gpu_run {
   char *region_used;     /* per used.regions: some request maps into it */
   uint64_t *rmap;        /* per region: mapped base, 1 = cannot be opened */
   int *rdev;             /* per region: local device + 1 it was opened on */
+  uint32_t hint[RUN_HINTS]; /* 2 MiB page of a remote address -> region + 1 */
   int same_process;
   int validate;          /* cached descriptor: checked by one RPC alongside */
   int rpc_sent;          /* submitter only */
@@ -274,8 +277,17 @@ static size_t map_requests(mc_gpu_run_t *run, mc_gpu_plan_t *p, const mc_request
     if (ldev[i] < 0)
       continue;
     uint64_t ra = reqs[i].remote, rl = reqs[i].len;
-    if (!r || ra < r->addr || ra + rl > r->addr + r->len)
-      r = find_region(rd, ra, rl);
+    if (!r || ra < r->addr || ra + rl > r->addr + r->len) {
+      /* Scattered blocks: the region last found in this 2 MiB page, then
+       * a binary search. */
+      uint32_t *hp = &run->hint[(ra >> 21) % RUN_HINTS];
+      r = *hp && *hp <= rd->n ? &rd->regions[*hp - 1] : NULL;
+      if (!r || ra < r->addr || ra + rl > r->addr + r->len) {
+        r = find_region(rd, ra, rl);
+        if (r)
+          *hp = (uint32_t)(r - rd->regions) + 1;
+      }
+    }
     if (!r || r->cuda_dev < 0) {
       *miss = 1; /* host memory there, or not (yet) known: TCP says which */
       r = NULL;
