@@ -1,13 +1,18 @@
 """GPU benchmarks (issue #7), references measured in the same run:
 
   * same-host GPU->GPU through the engine (two processes, one per GPU),
-    1 GiB as 64 KiB blocks and as 2 MiB blocks, scattered (block i -> block
-    (7i+3) mod n) and in order, against torch's peer copy of one contiguous
-    1 GiB tensor (y.copy_(x), cuda:0 -> cuda:1);
+    1 GiB as 64 KiB blocks and as 2 MiB blocks against torch's peer copy of
+    one contiguous 1 GiB tensor (y.copy_(x), cuda:0 -> cuda:1).  "shuffled"
+    (the number that counts): each layer's blocks go to a random permutation
+    of the peer's, requests in random order over all layers, so no two
+    consecutive requests are adjacent on either side; "scattered": block i ->
+    block (7i+3) mod n; "in order": block i -> block i (adjacent blocks merge
+    into one copy, shown for comparison only);
   * GPU memory over TCP loopback (pinned staging on both ends) against host
-    memory over TCP, 1 GiB as 64 KiB blocks.
+    memory over TCP, 1 GiB as 64 KiB blocks, shuffled.
 
-    python benchmarks/gpu_bench.py [--out results.json] [--reps 5]
+    python benchmarks/gpu_bench.py [--out results.json] [--reps 5] [--quick]
+        [--same-host-only] [--sizes 64k,2m] [--env K=V ...]
 """
 import argparse
 import json
@@ -20,7 +25,11 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PEER = os.path.join(HERE, "..", "tests", "gpu_peer.py")
+sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+from gpu_peer import block_pairs  # noqa: E402
+
 GiB = 1 << 30
+REF = "torch peer copy 1 GiB cuda:0->cuda:1"
 
 
 class Peer:
@@ -67,23 +76,30 @@ def torch_peer_copy(reps):
     return GiB / best / 1e9
 
 
-def engine_xfer(da, db, bb, reps, mult, add, env=None, op="write", check=True):
+def engine_cases(da, db, bb, reps, cases, env=None):
+    """One pair of peers (one process per GPU), several transfers: each case
+    (name, op, mult, add, shuffle) is timed (best of reps after a warm-up)
+    and its bytes checked block by block.  Returns {name: GB/s}."""
     layers = 32
     blocks = GiB // (layers * bb)
     a = Peer(da, layers, blocks, bb, env)
     b = Peer(db, layers, blocks, bb, env)
+    out = {}
     try:
-        a.call(cmd="fill", seed=3)
-        b.call(cmd="zero")
-        a.call(cmd="xfer", op=op, target=b.segment, raddrs=b.addrs, mult=mult, add=add, reps=1)
-        r = a.call(cmd="xfer", op=op, target=b.segment, raddrs=b.addrs, mult=mult, add=add,
-                   reps=reps)
-        if check and op == "write":
+        for seed, (name, op, mult, add, shuffle) in enumerate(cases, 1):
+            src, dst = (a, b) if op == "write" else (b, a)
+            src.call(cmd="fill", seed=seed)
+            dst.call(cmd="zero")
+            kw = dict(cmd="xfer", op=op, target=b.segment, raddrs=b.addrs, mult=mult, add=add,
+                      shuffle=shuffle)
+            a.call(**kw, reps=1)
+            r = a.call(**kw, reps=reps)
             sa, sb = a.call(cmd="sums")["sums"], b.call(cmd="sums")["sums"]
-            ok = all(sb[li][(i * mult + add) % blocks] == sa[li][i]
-                     for li in range(layers) for i in range(blocks))
-            assert ok, "bytes differ"
-        return r["bytes"] / min(r["secs"]) / 1e9
+            bad = sum(sa[li][lb] != sb[li][rb]
+                      for li, lb, rb in block_pairs(layers, blocks, mult, add, shuffle))
+            assert bad == 0, f"{name}: {bad} blocks differ"
+            out[name] = r["bytes"] / min(r["secs"]) / 1e9
+        return out
     finally:
         a.close()
         b.close()
@@ -95,19 +111,25 @@ def main():
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="fewer variants")
     ap.add_argument("--same-host-only", action="store_true", help="skip the TCP cases")
+    ap.add_argument("--sizes", default="64k,2m", help="block sizes of the same-host cases")
+    ap.add_argument("--env", action="append", default=[], metavar="K=V",
+                    help="environment of the engine processes (repeatable)")
     args = ap.parse_args()
+    extra = dict(kv.split("=", 1) for kv in args.env)
     ngpu = torch.cuda.device_count()
     res = {"gpu": torch.cuda.get_device_name(0), "gpus": ngpu, "torch": torch.__version__,
-           "results": {}}
+           "env": extra, "results": {}}
     R = res["results"]
 
     def rec(name, v):
         R[name] = round(v, 2)
-        print(f"{name:60s} {v:9.2f} GB/s", flush=True)
+        ref = R.get(REF)
+        rel = f"  {v / ref:5.3f}x" if ref and name != REF and "TCP" not in name else ""
+        print(f"{name:66s} {v:9.2f} GB/s{rel}", flush=True)
 
     db = "cuda:1" if ngpu > 1 else "cuda:0"
     if ngpu > 1:
-        rec("torch peer copy 1 GiB cuda:0->cuda:1", torch_peer_copy(args.reps))
+        rec(REF, torch_peer_copy(args.reps))
     else:
         x = torch.empty(GiB, dtype=torch.uint8, device="cuda:0")
         y = torch.empty_like(x)
@@ -120,32 +142,30 @@ def main():
         del x, y
         torch.cuda.empty_cache()
     modes = ["kernel"] if args.quick else ["kernel", "batch", "async"]
+    sizes = [(bb, label) for bb, label, key in ((65536, "64 KiB", "64k"), (2 << 20, "2 MiB", "2m"))
+             if key in args.sizes.split(",")]
     for mode in modes:
-        env = {"MC_GPU_D2D_COPY": mode}
-        for bb, label in ((65536, "64 KiB"), (2 << 20, "2 MiB")):
-            rec(f"engine same-host {mode} 1 GiB as {label} blocks, scattered",
-                engine_xfer("cuda:0", db, bb, args.reps, 7, 3, env))
+        env = {**extra, "MC_GPU_D2D_COPY": mode}
+        for bb, label in sizes:
+            pre = f"engine same-host {mode} 1 GiB as {label} blocks,"
+            cases = [(f"{pre} shuffled WRITE", "write", 1, 0, 11),
+                     (f"{pre} shuffled READ", "read", 1, 0, 12)]
             if mode == "kernel":
-                rec(f"engine same-host {mode} 1 GiB as {label} blocks, in order",
-                    engine_xfer("cuda:0", db, bb, args.reps, 1, 0, env))
-                rec(f"engine same-host {mode} 1 GiB as {label} blocks, READ scattered",
-                    engine_xfer("cuda:0", db, bb, args.reps, 7, 3, env, op="read",
-                                check=False))
-    if args.same_host_only:
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(res, f, indent=1)
-        return
-    tcp = {"MC_GPU_IPC": "0"}
-    reps = max(2, args.reps // 2)
-    host = engine_xfer("cpu", "cpu", 65536, reps, 7, 3, tcp)
-    rec("TCP loopback host->host 1 GiB as 64 KiB blocks", host)
-    gpu = engine_xfer("cuda:0", db, 65536, reps, 7, 3, tcp)
-    rec("TCP loopback GPU->GPU (staged) 1 GiB as 64 KiB blocks", gpu)
-    rec("TCP loopback GPU->GPU READ (staged) 1 GiB as 64 KiB blocks",
-        engine_xfer("cuda:0", db, 65536, reps, 7, 3, tcp, op="read", check=False))
-    res["tcp_gpu_over_host"] = round(gpu / host, 3)
-    print(f"TCP GPU/host ratio: {gpu / host:.3f}")
+                cases += [(f"{pre} scattered (7i+3) WRITE", "write", 7, 3, 0),
+                          (f"{pre} in order WRITE (adjacent blocks merge)", "write", 1, 0, 0)]
+            for name, v in engine_cases("cuda:0", db, bb, args.reps, cases, env).items():
+                rec(name, v)
+    if not args.same_host_only:
+        tcp = {**extra, "MC_GPU_IPC": "0"}
+        reps = max(2, args.reps // 2)
+        shuf = [("w", "write", 1, 0, 11)]
+        host = engine_cases("cpu", "cpu", 65536, reps, shuf, tcp)["w"]
+        rec("TCP loopback host->host 1 GiB as 64 KiB blocks, shuffled", host)
+        g = engine_cases("cuda:0", db, 65536, reps, shuf + [("r", "read", 1, 0, 12)], tcp)
+        rec("TCP loopback GPU->GPU (staged) 1 GiB as 64 KiB blocks, shuffled WRITE", g["w"])
+        rec("TCP loopback GPU->GPU (staged) 1 GiB as 64 KiB blocks, shuffled READ", g["r"])
+        res["tcp_gpu_over_host"] = round(g["w"] / host, 3)
+        print(f"TCP GPU/host ratio: {g['w'] / host:.3f}")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)

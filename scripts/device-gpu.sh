@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# GPU checks on the device machine (issue #7): build, the C GPU tests, the
-# pytest GPU tests (-m gpu) and benchmarks/gpu_bench.py.  Carry .debs and
+# GPU checks on the device machine (issue #7): build, the C GPU tests
+# (test_cuda_driver, test_gpu*), the pytest GPU tests (-m gpu: the engine and
+# the connector's worker half) and benchmarks/gpu_bench.py.  Carry .debs and
 # .wheels as for scripts/device-check.sh (see docs/device.md).
 #   OUT=$OUT bash scripts/device-gpu.sh [--no-bench] [--quick-bench] [--full]
 # --full also runs every C test and the whole pytest suite.
@@ -41,13 +42,15 @@ py=/tmp/mcvenv/bin/python
 } >"$out/machine.txt" 2>&1
 rc=0
 make -s -j8 WERROR=1 all >"$out/make.log" 2>&1 || rc=1
-{ echo "== test_cuda_driver"; timeout 120 build/tests/test_cuda_driver;
-  echo "== test_gpu"; MC_LOG_LEVEL=info timeout 300 build/tests/test_gpu; } >"$out/test-c.log" 2>&1 || rc=1
+{ echo "== test_cuda_driver"; timeout 120 build/tests/test_cuda_driver || exit 1
+  for t in build/tests/test_gpu*; do
+    echo "== $(basename "$t")"; MC_LOG_LEVEL=info timeout 300 "$t" || exit 1
+  done; } >"$out/test-c.log" 2>&1 || rc=1
 if [ $full = 1 ] || [ $allc = 1 ]; then
   timeout 400 make -s test-c >>"$out/test-c.log" 2>&1 || rc=1
 fi
 MC_WERROR=1 $py -m pip install -q --no-build-isolation . >"$out/pip.log" 2>&1 || rc=1
-sel=(-m gpu "$PWD/tests/test_gpu.py")
+sel=(-m gpu "$PWD/tests/test_gpu.py" "$PWD/tests/test_gpu_worker.py")
 [ $full = 1 ] && sel=("$PWD/tests")
 [ $pytest = 1 ] && (cd /tmp && MC_LOG_LEVEL=info $py -m pytest -q -rs -p no:cacheprovider "${sel[@]}" --timeout 300 \
     >"$out/pytest.log" 2>&1) || rc=1

@@ -9,8 +9,10 @@ Commands (one JSON object per line, one answer each):
     {"cmd": "fill", "seed": S} / {"cmd": "zero"}                    -> {}
     {"cmd": "sums"}       -> {"sums": [[per-block checksum] per layer]}
     {"cmd": "xfer", "op": "write"|"read", "target": SEG, "raddrs": [...],
-     "mult": M, "add": A, "reps": R}
-        local block b of layer l <-> remote block (b*M+A) % blocks of layer l
+     "mult": M, "add": A, "shuffle": S, "reps": R}
+        local block b of layer l <-> remote block (b*M+A) % blocks of layer l;
+        with shuffle S != 0 instead a random permutation per layer (seed S)
+        and the requests in random order over all layers (block_pairs())
         -> {"secs": [...], "bytes": N} | {"error": ...}
     {"cmd": "kv_init", "producer": bool}                            -> {}
     {"cmd": "send_kv", "tokens": [...], "blocks": [...]}            -> {"stored": n}
@@ -22,12 +24,30 @@ import argparse
 import array
 import json
 import os
+import random
 import sys
 import time
 
 import torch
 
 import mooncake_connector as mc
+
+
+def block_pairs(layers, blocks, mult=1, add=0, shuffle=0):
+    """The (layer, local block, remote block) of each request, in request
+    order.  shuffle != 0: neither side's consecutive requests are adjacent
+    (a paged KV cache's scattered block table), so nothing can be merged."""
+    if not shuffle:
+        return [(li, b, (b * mult + add) % blocks) for li in range(layers)
+                for b in range(blocks)]
+    rng = random.Random(shuffle)
+    pairs = []
+    for li in range(layers):
+        perm = list(range(blocks))
+        rng.shuffle(perm)
+        pairs += [(li, b, perm[b]) for b in range(blocks)]
+    rng.shuffle(pairs)
+    return pairs
 
 
 def main():
@@ -86,13 +106,11 @@ def main():
                 sums = [(t.view(torch.int64).view(B, nw) * w).sum(dim=1).tolist() for t in kv]
                 out({"sums": sums})
             elif cmd == "xfer":
-                m, a = req.get("mult", 1), req.get("add", 0)
-                loc_a, rem_a = [], []
-                for li, t in enumerate(kv):
-                    base, rbase = t.data_ptr(), req["raddrs"][li]
-                    for b in range(B):
-                        loc_a.append(base + b * BB)
-                        rem_a.append(rbase + ((b * m + a) % B) * BB)
+                pairs = block_pairs(L, B, req.get("mult", 1), req.get("add", 0),
+                                    req.get("shuffle", 0))
+                bases, rbases = [t.data_ptr() for t in kv], req["raddrs"]
+                loc_a = [bases[li] + b * BB for li, b, _ in pairs]
+                rem_a = [rbases[li] + rb * BB for li, _, rb in pairs]
                 # Address lists as 8-byte buffers (as a connector holding numpy
                 # block tables would pass them): no per-item parsing.
                 loc_a, rem_a = array.array("Q", loc_a), array.array("Q", rem_a)

@@ -17,7 +17,10 @@ mc_batch_t *mc_batch_new(mc_engine_t *e, size_t capacity) {
   mc_batch_t *b = calloc(1, sizeof *b);
   if (!b)
     return NULL;
-  b->tasks = calloc(capacity, sizeof *b->tasks);
+  /* Not zeroed: tasks are initialised as requests are submitted (a large
+   * batch's pages are then first touched chunk by chunk, while earlier
+   * chunks are already moving). */
+  b->tasks = malloc(capacity * sizeof *b->tasks);
   if (!b->tasks) {
     free(b);
     return NULL;
@@ -66,6 +69,7 @@ void mc_batch_part_done(mc_batch_t *b, size_t i, int code, const char *msg, uint
     t->code = code;
     free(t->msg);
     t->msg = strdup(msg && *msg ? msg : mc_strerror(code));
+    b->any_msg = 1;
   }
   if (t->parts_left > 0 && --t->parts_left == 0) {
     t->state = state_for(t->code);
@@ -195,8 +199,22 @@ int mc_batch_submit_sync(mc_engine_t *e, mc_batch_t *b, const char *segment,
   return submit(e, b, segment, reqs, n, 1, err);
 }
 
+/* MC_GPU_TRACE=1: time the GPU planning steps and the wait (absolute
+ * times in us, comparable with the copy worker's job lines). */
+static int gpu_trace(void) {
+  static int trace = -1;
+  if (trace < 0)
+    trace = getenv("MC_GPU_TRACE") && getenv("MC_GPU_TRACE")[0] == '1';
+  return trace;
+}
+
+static double trace_us(uint64_t ns) {
+  return (double)(ns / 1000 % 100000000);
+}
+
 static int submit(mc_engine_t *e, mc_batch_t *b, const char *segment,
                   const mc_request_t *reqs, size_t n, int poll, mc_err_t *err) {
+  uint64_t t_in = gpu_trace() ? mc_now_ns() : 0;
   if (!segment || !*segment)
     return mc_err_set(err, MC_EINVAL, "target segment name is empty");
   if (n == 0)
@@ -221,9 +239,7 @@ static int submit(mc_engine_t *e, mc_batch_t *b, const char *segment,
   int *ldev = NULL;
   char *via_ipc = NULL;
   mc_gpu_plan_t *plan = NULL;
-  static int trace = -1; /* MC_GPU_TRACE=1: time the GPU planning steps */
-  if (trace < 0)
-    trace = getenv("MC_GPU_TRACE") && getenv("MC_GPU_TRACE")[0] == '1';
+  int trace = gpu_trace();
   uint64_t t0 = trace ? mc_now_ns() : 0, t1 = 0, t2 = 0;
   if (mc_cuda_api_if_loaded()) {
     ldev = malloc(n * sizeof *ldev);
@@ -241,6 +257,7 @@ static int submit(mc_engine_t *e, mc_batch_t *b, const char *segment,
     t1 = mc_now_ns();
   size_t chunk = (size_t)e->gpu_chunk;
   int rc = 0, same_host = 0;
+  mc_gpu_run_t *run = NULL; /* shared by the chunks (gpu_same_host.c) */
   if (ldev && !local) {
     /* Large GPU batches go in chunks: planning and queuing chunk k+1 on
      * this thread overlaps the copies of chunk k on the GPU (host work per
@@ -259,7 +276,8 @@ static int submit(mc_engine_t *e, mc_batch_t *b, const char *segment,
       if (k > left)
         k = left;
       step = step * 2 < chunk ? step * 2 : chunk;
-      plan = via_ipc ? mc_gpu_ipc_plan(e, segment, &d, reqs + off, k, ldev + off, via_ipc + off)
+      plan = via_ipc ? mc_gpu_ipc_plan(e, b, segment, &d, &run, reqs + off, k, ldev + off,
+                                       via_ipc + off)
                      : NULL;
       same_host |= plan != NULL;
       if (trace && off == 0)
@@ -267,13 +285,15 @@ static int submit(mc_engine_t *e, mc_batch_t *b, const char *segment,
       rc = submit_planned(e, b, segment, &d, 0, reqs + off, k, poll, ldev + off,
                           plan ? via_ipc + off : NULL, plan, err);
     }
+    mc_gpu_run_release(run);
   } else {
     t2 = trace ? mc_now_ns() : 0;
     rc = submit_planned(e, b, segment, &d, local, reqs, n, poll, ldev, NULL, NULL, err);
   }
   if (trace && ldev)
-    mc_log_info("gpu trace: %zu requests: locate %.1f us, plan (describe, ipc) %.1f us, "
-                "submit %.1f us, same-host path %s", n, (t1 - t0) / 1e3, (t2 - t1) / 1e3,
+    mc_log_info("gpu trace: %zu requests at %.1f us: validate %.1f us, locate %.1f us, first "
+                "plan (describe, ipc) %.1f us, submit all %.1f us, same-host path %s", n,
+                trace_us(t_in), (t0 - t_in) / 1e3, (t1 - t0) / 1e3, (t2 - t1) / 1e3,
                 (mc_now_ns() - t2) / 1e3, same_host ? "yes" : "no");
   free(ldev);
   free(via_ipc);
@@ -451,6 +471,9 @@ int mc_batch_wait(mc_engine_t *e, mc_batch_t *b, int64_t timeout_ms, mc_err_t *e
     uint64_t until = mc_now_ns() + 20000000ull;
     while (atomic_load_explicit(&b->pending, memory_order_acquire) > 0 && mc_now_ns() < until)
       sched_yield();
+    if (gpu_trace())
+      mc_log_info("gpu trace: wait: %zu pending at %.1f us", mc_batch_pending(b),
+                  trace_us(mc_now_ns()));
   }
   pthread_mutex_lock(&b->mu);
   uint64_t tmo_ns = timeout_ms >= 0 ? (uint64_t)timeout_ms * 1000000ull
@@ -483,13 +506,16 @@ int mc_batch_wait(mc_engine_t *e, mc_batch_t *b, int64_t timeout_ms, mc_err_t *e
                  (unsigned long long)t->req.len, b->last_segment,
                  (unsigned long long)(tmo_ns / 1000000ull), (unsigned long long)t->done_bytes);
         t->msg = strdup(m);
+        b->any_msg = 1;
       }
     }
     pthread_mutex_unlock(&b->mu);
   }
   pthread_mutex_lock(&b->mu);
   int rc = 0;
-  for (size_t i = 0; i < b->n; i++) {
+  /* Every task finished (pending 0): one that did not complete has a
+   * message.  Without any, nothing to scan. */
+  for (size_t i = 0; (b->any_msg || b->pending) && i < b->n; i++) {
     mc_task_t *t = &b->tasks[i];
     if (t->state != MC_TASK_COMPLETED) {
       rc = mc_err_set(err, t->code ? t->code : MC_EPROTO, "request %zu of %zu: %s", i, b->n,
@@ -524,7 +550,7 @@ void mc_batch_free(mc_engine_t *e, mc_batch_t *b) {
   pthread_mutex_unlock(&b->mu);
   if (busy)
     cancel_and_drain(e, b);
-  for (size_t i = 0; i < b->n; i++)
+  for (size_t i = 0; b->any_msg && i < b->n; i++)
     free(b->tasks[i].msg);
   free(b->rpc_reply);
   free(b->tasks);
@@ -573,6 +599,7 @@ static int ctrl_call(mc_engine_t *e, const char *segment, int type, const void *
     mc_batch_free(e, b);
     return rc;
   }
+  memset(&b->tasks[0], 0, sizeof b->tasks[0]);
   b->n = 1;
   b->pending = 1;
   b->ops_inflight = 1;

@@ -94,6 +94,7 @@ struct mc_batch {
   uint64_t bytes;      /* total requested */
   atomic_int cancel;
   int gpu;             /* has same-host GPU copies: wait polls closely */
+  int any_msg;         /* some task has a message (failed): else none to scan or free */
   char last_segment[320];
   char *rpc_reply; /* mc_engine_rpc: the reply text (malloc'ed) */
 };
@@ -111,18 +112,25 @@ void mc_batch_part_done(mc_batch_t *b, size_t i, int code, const char *msg, uint
  * Returns how many are GPU memory (0 without touching CUDA when the
  * process never loaded it), or <0 (a buffer runs past its allocation). */
 int mc_gpu_locate_locals(const mc_request_t *reqs, size_t n, int *ldev, mc_err_t *err);
-/* Same-host path.  mc_gpu_ipc_plan picks the requests whose local buffer
- * is GPU memory and whose remote range lies in a cuda region of a peer on
- * this host (via_ipc[i] = 1); NULL if none.  The peer's descriptor comes
- * from a cache, checked by an mc.describe RPC that runs alongside the copies (the
- * first call to a peer asks synchronously).  prepare (b->mu held) sets up
- * the tasks and copy jobs; start (after unlocking) queues them. */
+/* Same-host path.  One submit call is one run (mc_gpu_run_t, created by
+ * the first plan, released by the caller with mc_gpu_run_release after the
+ * last chunk): the peer's descriptor (from a cache, or asked synchronously
+ * on first contact or when a request falls outside it), the IPC mappings of
+ * its regions, and, for a cached descriptor, one mc.describe RPC that checks
+ * it alongside all of the run's copies.  mc_gpu_ipc_plan picks the requests
+ * of one chunk whose local buffer is GPU memory and whose remote range lies
+ * in a cuda region of a peer on this host (via_ipc[i] = 1); NULL if none.
+ * prepare (b->mu held) sets up the tasks and copy jobs; start (after
+ * unlocking) queues them. */
 typedef struct mc_gpu_plan mc_gpu_plan_t;
-mc_gpu_plan_t *mc_gpu_ipc_plan(mc_engine_t *e, const char *segment, const mc_segment_desc_t *d,
+typedef struct mc_gpu_run mc_gpu_run_t;
+mc_gpu_plan_t *mc_gpu_ipc_plan(mc_engine_t *e, mc_batch_t *b, const char *segment,
+                               const mc_segment_desc_t *d, mc_gpu_run_t **run,
                                const mc_request_t *reqs, size_t n, int *ldev, char *via_ipc);
 void mc_gpu_ipc_prepare(mc_gpu_plan_t *p, mc_batch_t *b, size_t first, const mc_request_t *reqs);
 void mc_gpu_ipc_start(mc_engine_t *e, mc_gpu_plan_t *p);
 void mc_gpu_ipc_plan_free(mc_gpu_plan_t *p);
+void mc_gpu_run_release(mc_gpu_run_t *run);
 void mc_gpu_forget_peers(mc_engine_t *e);
 /* Hands a sealed op whose local buffers include GPU memory to the copy
  * worker: WRITE is staged D2H then sent, READ lands in staging then H2D.

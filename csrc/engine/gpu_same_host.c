@@ -92,38 +92,112 @@ void mc_gpu_forget_peers(mc_engine_t *e) {
   e->gpu_npeers = 0;
 }
 
-struct mc_gpu_plan {
+/* ---- runs, plans, groups ----
+ *
+ * A run is what one submit call shares across its chunks: the peer
+ * descriptor the mappings come from, the IPC mappings of its regions
+ * (opened once per run), the regions used so far and, when the descriptor
+ * came from the cache, the one mc.describe check that runs alongside all
+ * of the run's copies.  Each chunk is a plan; its copies complete as a
+ * group, which also waits for the run's check.  Refcounted under b->mu. */
+
+typedef struct ipc_group ipc_group_t;
+
+#define RUN_HINTS 4096
+
+struct mc_gpu_run {
   mc_engine_t *e;
+  mc_batch_t *b;
   char segment[320];
   char host[256];
   int port;
   mc_remote_desc_t used; /* the descriptor the mappings came from */
   char *region_used;     /* per used.regions: some request maps into it */
-  int validate;          /* used came from the cache: check it alongside */
+  uint64_t *rmap;        /* per region: mapped base, 1 = cannot be opened */
+  int *rdev;             /* per region: local device + 1 it was opened on */
+  uint32_t hint[RUN_HINTS]; /* 2 MiB page of a remote address -> region + 1 */
+  int same_process;
+  int validate;          /* cached descriptor: checked by one RPC alongside */
+  int rpc_sent;          /* submitter only */
+  /* Under b->mu. */
+  int checked;           /* the check's answer is in */
+  int check_code;
+  char check_msg[MC_ERR_MSG_MAX];
+  mc_remote_desc_t fresh; /* the descriptor the check fetched */
+  ipc_group_t *waiting;   /* groups waiting for the check */
+  int refs;
+};
+
+struct mc_gpu_plan {
+  mc_gpu_run_t *run; /* borrowed: the submitter holds a reference */
   size_t n;
   int *ldev;         /* borrowed until prepare */
   uint64_t *mapped;  /* per request */
   const char *via_ipc;
   mc_gpu_job_t *jobs[16];
   size_t njobs;
-  struct ipc_group *group;
 };
 
-/* Completion of one same-host batch: the copy jobs and, with a cached
- * descriptor, the mc.describe RPC that checks it; the last one completes the
- * tasks (b->mu). */
-typedef struct ipc_group {
+/* Completion of one chunk: its copy jobs and, with a cached descriptor,
+ * the run's check; the last one completes the tasks (b->mu). */
+struct ipc_group {
   mc_batch_t *b;
-  mc_engine_t *e;
-  char segment[320];
-  mc_remote_desc_t used;
-  char *region_used;
+  mc_gpu_run_t *run;
+  ipc_group_t *next_waiting;
   int remaining;
   int code;
   char msg[MC_ERR_MSG_MAX];
   size_t nidx;
   size_t idx[];
-} ipc_group_t;
+};
+
+static void run_free(mc_gpu_run_t *r) {
+  mc_remote_desc_free(&r->used);
+  mc_remote_desc_free(&r->fresh);
+  free(r->region_used);
+  free(r->rmap);
+  free(r->rdev);
+  free(r);
+}
+
+/* Caller holds b->mu. */
+static void run_unref(mc_gpu_run_t *r) {
+  if (r && --r->refs == 0)
+    run_free(r);
+}
+
+void mc_gpu_run_release(mc_gpu_run_t *r) {
+  if (!r)
+    return;
+  mc_batch_t *b = r->b;
+  pthread_mutex_lock(&b->mu);
+  run_unref(r);
+  pthread_mutex_unlock(&b->mu);
+}
+
+/* Caller holds b->mu and the check is in: 0 if every region the run used
+ * is still registered with the same IPC export, else the failure. */
+static int run_verdict(mc_gpu_run_t *r, char *why, size_t cap) {
+  if (r->check_code < 0) {
+    snprintf(why, cap, "%s", r->check_msg);
+    return r->check_code;
+  }
+  for (size_t i = 0; i < r->used.n; i++) {
+    if (!r->region_used[i])
+      continue;
+    const mc_remote_region_t *u = &r->used.regions[i];
+    const mc_remote_region_t *f = find_region(&r->fresh, u->addr, u->len);
+    if (!f || f->addr != u->addr || f->len != u->len || strcmp(f->ipc, u->ipc) != 0 ||
+        f->ipc_base != u->ipc_base) {
+      snprintf(why, cap,
+               "segment %s unregistered or re-registered its GPU memory [0x%llx, +%llu) "
+               "while this transfer used it; the data may not have landed - retry",
+               r->segment, (unsigned long long)u->addr, (unsigned long long)u->len);
+      return MC_ERANGE;
+    }
+  }
+  return 0;
+}
 
 /* Caller holds b->mu. */
 static void group_part_done(ipc_group_t *g, int code, const char *msg) {
@@ -139,8 +213,7 @@ static void group_part_done(ipc_group_t *g, int code, const char *msg) {
     mc_batch_part_done(b, g->idx[i], g->code, g->code ? g->msg : NULL,
                        b->tasks[g->idx[i]].req.len);
   pthread_cond_broadcast(&b->cv);
-  mc_remote_desc_free(&g->used);
-  free(g->region_used);
+  run_unref(g->run);
   free(g);
 }
 
@@ -154,166 +227,201 @@ static void ipc_job_done(mc_gpu_job_t *j, int code, const char *msg) {
 }
 
 /* The peer's current descriptor arrived (I/O thread): every region the
- * copies used must still be registered with the same IPC export. */
+ * run's copies used must still be registered with the same IPC export. */
 static void validate_done(mc_xfer_op_t *op, int code, const char *msg) {
-  ipc_group_t *g = op->arg;
+  mc_gpu_run_t *r = op->arg;
+  mc_remote_desc_t fresh = {0};
   char why[MC_ERR_MSG_MAX] = "";
   if (code == 0) {
-    mc_remote_desc_t fresh;
     mc_err_t err = {0};
     const char *json = op->resp ? op->resp : "";
     if (mc_segment_desc_decode_regions(json, strlen(json), &fresh, &err) < 0) {
       code = err.code;
       snprintf(why, sizeof why, "%s", err.msg);
     } else {
-      for (size_t i = 0; i < g->used.n && code == 0; i++) {
-        if (!g->region_used[i])
-          continue;
-        const mc_remote_region_t *u = &g->used.regions[i];
-        const mc_remote_region_t *f = find_region(&fresh, u->addr, u->len);
-        if (!f || f->addr != u->addr || f->len != u->len || strcmp(f->ipc, u->ipc) != 0 ||
-            f->ipc_base != u->ipc_base) {
-          code = MC_ERANGE;
-          snprintf(why, sizeof why,
-                   "segment %s unregistered or re-registered its GPU memory [0x%llx, +%llu) "
-                   "while this transfer used it; the data may not have landed - retry",
-                   g->segment, (unsigned long long)u->addr, (unsigned long long)u->len);
-        }
-      }
-      peer_store(g->e, g->segment, 1, &fresh);
-      mc_remote_desc_free(&fresh);
+      peer_store(r->e, r->segment, 1, &fresh);
     }
   } else {
     snprintf(why, sizeof why, "%s", msg ? msg : mc_strerror(code));
   }
-  mc_batch_t *b = g->b;
+  mc_batch_t *b = r->b;
   pthread_mutex_lock(&b->mu);
-  group_part_done(g, code, why);
+  r->fresh = fresh;
+  r->check_code = code;
+  snprintf(r->check_msg, sizeof r->check_msg, "%s", why);
+  r->checked = 1;
+  code = run_verdict(r, why, sizeof why);
+  while (r->waiting) {
+    ipc_group_t *g = r->waiting;
+    r->waiting = g->next_waiting;
+    group_part_done(g, code, why);
+  }
+  b->ops_inflight--; /* the check itself */
+  pthread_cond_broadcast(&b->cv);
+  run_unref(r);
   pthread_mutex_unlock(&b->mu);
 }
 
-/* Maps each GPU request into the peer's regions per `rd`.  Returns how
- * many map; *miss: some GPU request found no cuda region there. */
-static size_t map_requests(mc_gpu_plan_t *p, const mc_remote_desc_t *rd,
-                           const mc_request_t *reqs, const int *ldev, char *via_ipc,
-                           int *miss) {
-  int same_process = rd->pid == (long)getpid();
+/* Maps each GPU request into the peer's regions per the run's descriptor.
+ * Returns how many map; *miss: some GPU request found no cuda region
+ * there. */
+static size_t map_requests(mc_gpu_run_t *run, mc_gpu_plan_t *p, const mc_request_t *reqs,
+                           const int *ldev, char *via_ipc, int *miss) {
+  const mc_remote_desc_t *rd = &run->used;
   size_t k = 0;
   mc_err_t err = {0};
-  /* Each region's mapping opened once per call (gpu_ipc caches across
-   * calls); 1 = cannot be opened. */
-  uint64_t *rmap = calloc(rd->n ? rd->n : 1, sizeof *rmap);
-  int *rdev = calloc(rd->n ? rd->n : 1, sizeof *rdev);
+  const mc_remote_region_t *r = NULL; /* KV blocks come in runs: try the last region first */
   *miss = 0;
-  if (!rmap || !rdev) {
-    free(rmap);
-    free(rdev);
-    return 0;
-  }
   for (size_t i = 0; i < p->n; i++) {
     via_ipc[i] = 0;
     if (ldev[i] < 0)
       continue;
-    const mc_remote_region_t *r = find_region(rd, reqs[i].remote, reqs[i].len);
+    uint64_t ra = reqs[i].remote, rl = reqs[i].len;
+    if (!r || ra < r->addr || ra + rl > r->addr + r->len) {
+      /* Scattered blocks: the region last found in this 2 MiB page, then
+       * a binary search. */
+      uint32_t *hp = &run->hint[(ra >> 21) % RUN_HINTS];
+      r = *hp && *hp <= rd->n ? &rd->regions[*hp - 1] : NULL;
+      if (!r || ra < r->addr || ra + rl > r->addr + r->len) {
+        r = find_region(rd, ra, rl);
+        if (r)
+          *hp = (uint32_t)(r - rd->regions) + 1;
+      }
+    }
     if (!r || r->cuda_dev < 0) {
       *miss = 1; /* host memory there, or not (yet) known: TCP says which */
+      r = NULL;
       continue;
     }
     size_t ri = (size_t)(r - rd->regions);
-    if (!same_process && r->ipc[0] && (!rmap[ri] || rdev[ri] != ldev[i] + 1)) {
-      uint64_t base = 0;
-      rmap[ri] = mc_gpu_ipc_open(r->ipc, ldev[i], &base, &err) == 0 ? base : 1;
-      rdev[ri] = ldev[i] + 1;
-    }
-    if (same_process) {
-      p->mapped[i] = reqs[i].remote; /* one address space */
-    } else if (r->ipc[0] && rmap[ri] > 1) {
-      p->mapped[i] = rmap[ri] + (reqs[i].remote - r->ipc_base);
+    if (run->same_process) {
+      p->mapped[i] = ra; /* one address space */
     } else {
-      mc_gpu_log_path_once(p->e, p->segment, "TCP with pinned staging (%s)",
-                           r->ipc[0] ? err.msg : "the peer exported no CUDA IPC handle");
-      continue;
+      if (r->ipc[0] && run->rdev[ri] != ldev[i] + 1) {
+        uint64_t base = 0;
+        run->rmap[ri] = mc_gpu_ipc_open(r->ipc, ldev[i], &base, &err) == 0 ? base : 1;
+        run->rdev[ri] = ldev[i] + 1;
+      }
+      if (!r->ipc[0] || run->rmap[ri] <= 1) {
+        mc_gpu_log_path_once(run->e, run->segment, "TCP with pinned staging (%s)",
+                             !r->ipc[0] ? "the peer exported no CUDA IPC handle"
+                             : err.msg[0] ? err.msg
+                                          : "a peer's CUDA IPC handle cannot be opened here");
+        continue;
+      }
+      p->mapped[i] = run->rmap[ri] + (ra - r->ipc_base);
     }
-    p->region_used[ri] = 1;
+    run->region_used[ri] = 1;
     via_ipc[i] = 1;
     k++;
   }
-  free(rmap);
-  free(rdev);
   return k;
 }
 
-mc_gpu_plan_t *mc_gpu_ipc_plan(mc_engine_t *e, const char *segment, const mc_segment_desc_t *d,
-                               const mc_request_t *reqs, size_t n, int *ldev, char *via_ipc) {
-  if (e->gpu_ipc_off)
+/* A run over descriptor `rd` (taken over); NULL when out of memory. */
+static mc_gpu_run_t *run_new(mc_engine_t *e, mc_batch_t *b, const char *segment,
+                             const mc_segment_desc_t *d, mc_remote_desc_t *rd, int validate) {
+  mc_gpu_run_t *r = calloc(1, sizeof *r);
+  size_t nr = rd->n ? rd->n : 1;
+  if (r) {
+    r->region_used = calloc(nr, 1);
+    r->rmap = calloc(nr, sizeof *r->rmap);
+    r->rdev = calloc(nr, sizeof *r->rdev);
+  }
+  if (!r || !r->region_used || !r->rmap || !r->rdev) {
+    if (r)
+      run_free(r);
+    mc_remote_desc_free(rd);
     return NULL;
+  }
+  r->e = e;
+  r->b = b;
+  snprintf(r->segment, sizeof r->segment, "%s", segment);
+  snprintf(r->host, sizeof r->host, "%s", d->host);
+  r->port = d->port;
+  r->used = *rd;
+  rd->regions = NULL;
+  rd->n = 0;
+  r->same_process = r->used.pid == (long)getpid();
+  r->validate = validate;
+  r->refs = 1; /* the submitter's */
+  return r;
+}
+
+/* Starts a run: the cached descriptor (checked alongside) or, with
+ * `fresh` or no cache, the peer's answer now.  NULL: not same host (or no
+ * descriptor), logged. */
+static mc_gpu_run_t *run_start(mc_engine_t *e, mc_batch_t *b, const char *segment,
+                               const mc_segment_desc_t *d, int fresh) {
   mc_remote_desc_t rd = {0};
   int have = 0;
   pthread_mutex_lock(&e->gpu_mu);
   ssize_t pi = peer_find(e, segment, 0);
   int verdict = pi >= 0 ? e->gpu_peers[pi].verdict : 0;
-  if (pi >= 0 && verdict > 0 && e->gpu_peers[pi].have)
+  if (!fresh && pi >= 0 && verdict > 0 && e->gpu_peers[pi].have)
     have = desc_copy(&rd, &e->gpu_peers[pi].desc) == 0;
   pthread_mutex_unlock(&e->gpu_mu);
   if (verdict < 0)
     return NULL;
+  if (!have) { /* first contact (or the cache missed): ask the peer now */
+    mc_err_t err = {0};
+    if (describe_remote(e, segment, d, &rd, &err) < 0) {
+      mc_gpu_log_path_once(e, segment, "TCP with pinned staging (the peer's descriptor is "
+                           "not available: %s)", err.msg);
+      return NULL;
+    }
+    int same = rd.host_id[0] && !strcmp(rd.host_id, mc_host_identity());
+    peer_store(e, segment, same ? 1 : -1, same ? &rd : NULL);
+    if (!same) {
+      mc_remote_desc_free(&rd);
+      mc_gpu_log_path_once(e, segment, "TCP with pinned staging (the peer runs on another "
+                           "host)");
+      return NULL;
+    }
+  }
+  return run_new(e, b, segment, d, &rd, have);
+}
+
+mc_gpu_plan_t *mc_gpu_ipc_plan(mc_engine_t *e, mc_batch_t *b, const char *segment,
+                               const mc_segment_desc_t *d, mc_gpu_run_t **runp,
+                               const mc_request_t *reqs, size_t n, int *ldev, char *via_ipc) {
+  if (e->gpu_ipc_off)
+    return NULL;
   mc_gpu_plan_t *p = calloc(1, sizeof *p);
-  if (!p) {
-    mc_remote_desc_free(&rd);
+  if (p) {
+    p->n = n;
+    p->ldev = ldev;
+    p->mapped = calloc(n, sizeof *p->mapped);
+  }
+  if (!p || !p->mapped) {
+    free(p);
+    memset(via_ipc, 0, n);
     return NULL;
   }
-  p->e = e;
-  p->n = n;
-  p->ldev = ldev;
-  snprintf(p->segment, sizeof p->segment, "%s", segment);
-  snprintf(p->host, sizeof p->host, "%s", d->host);
-  p->port = d->port;
-  p->mapped = calloc(n, sizeof *p->mapped);
   size_t k = 0;
-  for (int attempt = 0; attempt < 2 && p->mapped; attempt++) {
-    if (!have) { /* first contact (or the cache missed): ask the peer now */
-      mc_err_t err = {0};
-      if (describe_remote(e, segment, d, &rd, &err) < 0) {
-        mc_gpu_log_path_once(e, segment, "TCP with pinned staging (the peer's descriptor is "
-                             "not available: %s)", err.msg);
-        break;
-      }
-      int same = rd.host_id[0] && !strcmp(rd.host_id, mc_host_identity());
-      peer_store(e, segment, same ? 1 : -1, same ? &rd : NULL);
-      if (!same) {
-        mc_gpu_log_path_once(e, segment, "TCP with pinned staging (the peer runs on another "
-                             "host)");
-        break;
-      }
-      have = 1;
-      p->validate = 0;
-    } else {
-      p->validate = 1; /* cached: checked concurrently with the copies */
-    }
-    free(p->region_used);
-    p->region_used = calloc(rd.n ? rd.n : 1, 1);
-    if (!p->region_used)
+  for (int attempt = 0; attempt < 2; attempt++) {
+    if (!*runp && !(*runp = run_start(e, b, segment, d, attempt > 0)))
       break;
     int miss = 0;
-    k = map_requests(p, &rd, reqs, ldev, via_ipc, &miss);
-    if (!(miss && p->validate))
+    k = map_requests(*runp, p, reqs, ldev, via_ipc, &miss);
+    if (!(miss && (*runp)->validate))
       break;
-    /* A GPU request fell outside the cached regions: refresh once. */
-    mc_remote_desc_free(&rd);
-    have = 0;
+    /* A GPU request fell outside the cached regions: this and later
+     * chunks go with a fresh descriptor (the old run lives on until its
+     * copies are done). */
+    mc_gpu_run_release(*runp);
+    *runp = NULL;
     k = 0;
   }
   if (k == 0) {
     memset(via_ipc, 0, n);
-    mc_remote_desc_free(&rd);
-    free(p->region_used);
     free(p->mapped);
     free(p);
     return NULL;
   }
-  p->used = rd;
+  p->run = *runp;
   mc_gpu_log_path_once(e, segment, "same host: GPU memory moves directly between the GPUs "
-                       "(%s; copies by %s)", rd.pid == (long)getpid() ? "same process" : "CUDA IPC",
+                       "(%s; copies by %s)", p->run->same_process ? "same process" : "CUDA IPC",
                        mc_gpu_d2d_copy_name());
   p->via_ipc = via_ipc;
   return p;
@@ -324,13 +432,13 @@ void mc_gpu_ipc_plan_free(mc_gpu_plan_t *p) {
     return;
   for (size_t i = 0; i < p->njobs; i++)
     mc_gpu_job_free(p->jobs[i]);
-  mc_remote_desc_free(&p->used);
-  free(p->region_used);
   free(p->mapped);
   free(p);
 }
 
+/* Caller holds b->mu.  Queues nothing on failure: the tasks fail. */
 void mc_gpu_ipc_prepare(mc_gpu_plan_t *p, mc_batch_t *b, size_t first, const mc_request_t *reqs) {
+  mc_gpu_run_t *run = p->run;
   size_t cnt = 0;
   for (size_t i = 0; i < p->n; i++)
     cnt += p->via_ipc[i] != 0;
@@ -338,8 +446,8 @@ void mc_gpu_ipc_prepare(mc_gpu_plan_t *p, mc_batch_t *b, size_t first, const mc_
   if (g) {
     memset(g, 0, sizeof *g);
     g->b = b;
-    g->e = p->e;
-    snprintf(g->segment, sizeof g->segment, "%s", p->segment);
+    g->run = run;
+    run->refs++;
   }
   /* One copy job per local device. */
   char *seen = calloc(p->n, 1);
@@ -382,51 +490,59 @@ void mc_gpu_ipc_prepare(mc_gpu_plan_t *p, mc_batch_t *b, size_t first, const mc_
   free(seen);
   if (!g)
     return;
-  g->remaining = (int)p->njobs + (p->validate ? 1 : 0);
+  g->remaining = (int)p->njobs;
+  if (run->validate && !run->checked && g->remaining > 0) {
+    g->remaining++; /* the run's check completes it too */
+    g->next_waiting = run->waiting;
+    run->waiting = g;
+  } else if (run->validate && run->checked && g->code == 0) {
+    g->code = run_verdict(run, g->msg, sizeof g->msg);
+  }
   b->gpu = 1;
   b->ops_inflight += (size_t)g->remaining;
-  if (p->validate) {
-    g->used = p->used;
-    g->region_used = p->region_used;
-    p->used.regions = NULL;
-    p->used.n = 0;
-    p->region_used = NULL;
+  if (run->validate && !run->rpc_sent && g->remaining > 0) {
+    run->rpc_sent = 1; /* mc_gpu_ipc_start sends it */
+    run->refs++;
+    b->ops_inflight++;
   }
-  if (g->remaining == 0) { /* nothing could be queued */
+  if (p->njobs == 0) { /* nothing could be queued */
     g->remaining = 1;
     b->ops_inflight++;
     group_part_done(g, g->code ? g->code : MC_ENOMEM, g->msg);
-    g = NULL;
   }
-  p->group = g;
+}
+
+/* Sends the run's check (once, with its first chunk): the reference and the
+ * ops_inflight count prepare took for it pass to validate_done. */
+static void send_check(mc_engine_t *e, mc_gpu_run_t *run) {
+  size_t rl = strlen(MC_RPC_DESCRIBE);
+  mc_xfer_op_t *op = mc_xfer_op_new(MC_WIRE_RPC, 0, rl);
+  mc_err_t err = {0};
+  if (op)
+    memcpy(op->ctrl, MC_RPC_DESCRIBE, rl);
+  if (!op || mc_xfer_op_seal(op, &err) < 0) {
+    mc_xfer_op_free(op);
+    mc_xfer_op_t fake = {0};
+    fake.arg = run;
+    validate_done(&fake, MC_ENOMEM, "out of memory checking the peer's GPU regions");
+    return;
+  }
+  op->done = validate_done;
+  op->arg = run;
+  op->cancel = &run->b->cancel;
+  mc_tcp_submit(e->tcp, run->host, run->port, run->segment, &op, 1);
 }
 
 void mc_gpu_ipc_start(mc_engine_t *e, mc_gpu_plan_t *p) {
   if (!p)
     return;
-  ipc_group_t *g = p->group;
-  int validate = g && p->validate;
+  mc_gpu_run_t *run = p->run;
   for (size_t i = 0; i < p->njobs; i++)
     mc_gpu_stager_submit(e->gpu, p->jobs[i]);
   p->njobs = 0;
-  if (validate) {
-    size_t rl = strlen(MC_RPC_DESCRIBE);
-    mc_xfer_op_t *op = mc_xfer_op_new(MC_WIRE_RPC, 0, rl);
-    mc_err_t err = {0};
-    if (op)
-      memcpy(op->ctrl, MC_RPC_DESCRIBE, rl);
-    if (!op || mc_xfer_op_seal(op, &err) < 0) {
-      mc_xfer_op_free(op);
-      pthread_mutex_lock(&g->b->mu);
-      group_part_done(g, MC_ENOMEM, "out of memory checking the peer's GPU regions");
-      pthread_mutex_unlock(&g->b->mu);
-    } else {
-      op->done = validate_done;
-      op->arg = g;
-      op->cancel = &g->b->cancel;
-      mc_tcp_submit(e->tcp, p->host, p->port, p->segment, &op, 1);
-    }
+  if (run->rpc_sent == 1) {
+    run->rpc_sent = 2;
+    send_check(e, run);
   }
   mc_gpu_ipc_plan_free(p);
 }
-

@@ -13,16 +13,45 @@
 #include "gpu/cuda_driver.h"
 #include "util/log.h"
 
+/* Allocations already seen in one locate pass (KV blocks come from a few
+ * allocations, e.g. one per layer, in any order). */
+#define LOCATE_CACHE 64
+#define LOCATE_HINTS 4096
+
 int mc_gpu_locate_locals(const mc_request_t *reqs, size_t n, int *ldev, mc_err_t *err) {
   int k = 0;
-  /* KV blocks come in runs from a few allocations: answer from the last
-   * allocation seen while the buffers stay inside it. */
-  uint64_t lo = 0, hi = 0;
-  int last = -1;
+  /* Answer from the allocations already seen while the buffers stay inside
+   * one: a driver query per allocation, not per request (a shuffled block
+   * order over 32 layers would otherwise ask the driver for every block). */
+  struct {
+    uint64_t lo, hi;
+    int dev;
+  } seen[LOCATE_CACHE];
+  size_t nseen = 0, last = 0;
+  /* 2 MiB page of an address -> the allocation last found there (+1): a
+   * shuffled order finds its allocation in one probe, not a scan. */
+  unsigned char hint[LOCATE_HINTS];
+  memset(hint, 0, sizeof hint);
   for (size_t i = 0; i < n; i++) {
-    uint64_t a = (uint64_t)(uintptr_t)reqs[i].local;
-    if (last >= 0 && a >= lo && a + reqs[i].len <= hi) {
-      ldev[i] = last;
+    uint64_t a = (uint64_t)(uintptr_t)reqs[i].local, end = a + reqs[i].len;
+    size_t h = (size_t)(a >> 21) % LOCATE_HINTS;
+    int hit = -1;
+    if (nseen && a >= seen[last].lo && end <= seen[last].hi) {
+      hit = (int)last;
+    } else if (hint[h] && a >= seen[hint[h] - 1].lo && end <= seen[hint[h] - 1].hi) {
+      hit = hint[h] - 1;
+      last = (size_t)hit;
+    } else {
+      for (size_t j = 0; j < nseen; j++)
+        if (a >= seen[j].lo && end <= seen[j].hi) {
+          hit = (int)j;
+          last = j;
+          hint[h] = (unsigned char)(j + 1);
+          break;
+        }
+    }
+    if (hit >= 0) {
+      ldev[i] = seen[hit].dev;
       k++;
       continue;
     }
@@ -34,9 +63,11 @@ int mc_gpu_locate_locals(const mc_request_t *reqs, size_t n, int *ldev, mc_err_t
     ldev[i] = rc == 1 ? dev : -1;
     k += rc == 1;
     if (rc == 1) {
-      last = dev;
-      lo = start;
-      hi = start + size;
+      last = nseen < LOCATE_CACHE ? nseen++ : (last + 1) % LOCATE_CACHE;
+      seen[last].lo = start;
+      seen[last].hi = start + size;
+      seen[last].dev = dev;
+      hint[h] = (unsigned char)(last + 1);
     }
   }
   return k;

@@ -13,6 +13,11 @@
 
 #define MC_GPU_MAX_DEV 64
 #define MC_GPU_CHUNK (1u << 20) /* buffer sizes are rounded up to this */
+/* D2D jobs of one device go round-robin to this many streams: one chunk's
+ * copy kernel can start while the previous one drains its last pieces
+ * (copies of different requests have no order among them). */
+#define MC_GPU_D2D_STREAMS 2
+#define MC_GPU_NSTREAMS (2 + MC_GPU_D2D_STREAMS)
 
 struct mc_gpu_stager {
   pthread_mutex_t mu;
@@ -21,6 +26,7 @@ struct mc_gpu_stager {
   size_t budget;
   int kernel_warned;
   int d2d_mode; /* MC_GPU_D2D_COPY: 0 kernel, 1 batch API, 2 one cuMemcpyAsync each */
+  int trace;    /* MC_GPU_TRACE=1: log each D2D job's timeline */
   /* Pool (under mu). */
   mc_gpu_buf_t *free_list;
   size_t pinned;  /* bytes allocated, free or in use */
@@ -31,7 +37,8 @@ struct mc_gpu_stager {
   pthread_t thread;
   /* Worker-only. */
   mc_gpu_job_t *fl_head, *fl_tail; /* in flight, submission order */
-  mc_cu_stream streams[MC_GPU_MAX_DEV][3];
+  mc_cu_stream streams[MC_GPU_MAX_DEV][MC_GPU_NSTREAMS];
+  unsigned d2d_next[MC_GPU_MAX_DEV]; /* round-robin over the D2D streams */
   mc_cu_event *events[MC_GPU_MAX_DEV];
   size_t nevents[MC_GPU_MAX_DEV], cap_events[MC_GPU_MAX_DEV];
 };
@@ -113,6 +120,7 @@ int mc_gpu_stager_create(size_t budget_bytes, mc_gpu_stager_t **out, mc_err_t *e
   pthread_cond_init(&s->idle_cv, NULL);
   s->budget = budget_bytes ? budget_bytes : (64u << 20);
   s->d2d_mode = d2d_mode();
+  s->trace = getenv("MC_GPU_TRACE") && getenv("MC_GPU_TRACE")[0] == '1';
   *out = s;
   return 0;
 }
@@ -262,6 +270,10 @@ static void event_put(mc_gpu_stager_t *s, int dev, mc_cu_event e) {
 }
 
 static void finish(mc_gpu_stager_t *s, mc_gpu_job_t *j, int code, const char *msg) {
+  if (s->trace && j->dir == MC_GPU_D2D)
+    mc_log_info("gpu trace: D2D job cuda:%d, %zu copies: queued at %.1f us, launched +%.1f us, "
+                "done seen +%.1f us", j->device, j->n, (double)(j->t_queued / 1000 % 100000000),
+                (j->t_launched - j->t_queued) / 1e3, (now_ns() - j->t_queued) / 1e3);
   if (j->kbuf) {
     mc_gpu_buf_put(s, j->kbuf);
     j->kbuf = NULL;
@@ -288,7 +300,10 @@ static void start_job(mc_gpu_stager_t *s, mc_gpu_job_t *j) {
     rc = mc_cuda_use_device(dev, &err);
   if (rc == 0 && j->prepare)
     rc = j->prepare(j, &err);
-  mc_cu_stream *st = rc == 0 ? &s->streams[dev][j->dir] : NULL;
+  int si = j->dir;
+  if (j->dir == MC_GPU_D2D)
+    si += (int)(s->d2d_next[dev]++ % MC_GPU_D2D_STREAMS);
+  mc_cu_stream *st = rc == 0 ? &s->streams[dev][si] : NULL;
   if (rc == 0 && !*st) {
     mc_cu_result r = api->cuStreamCreate(st, MC_CU_STREAM_NON_BLOCKING);
     if (r != 0) {
@@ -334,6 +349,8 @@ static void start_job(mc_gpu_stager_t *s, mc_gpu_job_t *j) {
       api->cuStreamSynchronize(*st);
     }
   }
+  if (s->trace)
+    j->t_launched = now_ns();
   if (rc < 0) {
     finish(s, j, rc, err.msg);
     return;
@@ -460,6 +477,8 @@ static void *worker_main(void *arg) {
 
 void mc_gpu_stager_submit(mc_gpu_stager_t *s, mc_gpu_job_t *j) {
   j->next = NULL;
+  if (s->trace)
+    j->t_queued = now_ns();
   pthread_mutex_lock(&s->mu);
   if (!s->started) {
     if (pthread_create(&s->thread, NULL, worker_main, s) != 0) {
@@ -515,7 +534,7 @@ void mc_gpu_stager_destroy(mc_gpu_stager_t *s) {
     for (size_t i = 0; api && i < s->nevents[d]; i++)
       api->cuEventDestroy(s->events[d][i]);
     free(s->events[d]);
-    for (int k = 0; k < 3; k++)
+    for (int k = 0; k < MC_GPU_NSTREAMS; k++)
       if (s->streams[d][k] && api)
         api->cuStreamDestroy(s->streams[d][k]);
   }

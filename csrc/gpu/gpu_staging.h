@@ -54,6 +54,7 @@ struct mc_gpu_job {
   void *event;
   int ev_dev;
   mc_gpu_buf_t *kbuf; /* copy kernel's piece table */
+  uint64_t t_queued, t_launched; /* MC_GPU_TRACE=1 only */
 };
 
 /* Creates a stager whose pool keeps at most budget_bytes of pinned memory

@@ -509,6 +509,53 @@ typedef struct {
   Py_ssize_t n;
 } xfer_args_t;
 
+/* One address/length argument: a borrowed view of an 8-byte integer buffer
+ * (numpy uint64/int64, array('Q')), read in place, or a copied list. */
+typedef struct {
+  const char *p; /* 8-byte items (maybe unaligned: read with memcpy) */
+  uint64_t *owned;
+  Py_buffer view;
+  int has_view;
+  Py_ssize_t n;
+} u64_arg_t;
+
+static int u64_arg_get(PyObject *seq, u64_arg_t *a, const char *what) {
+  memset(a, 0, sizeof *a);
+  if (PyObject_CheckBuffer(seq) && !PyBytes_Check(seq) && !PyByteArray_Check(seq)) {
+    if (PyObject_GetBuffer(seq, &a->view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) == 0) {
+      const char *f = a->view.format ? a->view.format : "B";
+      if (*f == '@' || *f == '=' || *f == '<')
+        f++;
+      if (a->view.itemsize == 8 && f[0] && !f[1] && strchr("QqLlNn", f[0])) {
+        a->has_view = 1;
+        a->p = a->view.buf;
+        a->n = a->view.len / 8;
+        return 0;
+      }
+      PyBuffer_Release(&a->view);
+    }
+    PyErr_Clear();
+  }
+  if (get_u64_list(seq, &a->owned, &a->n, what) < 0)
+    return -1;
+  a->p = (const char *)a->owned;
+  return 0;
+}
+
+static void u64_arg_release(u64_arg_t *a) {
+  if (a->has_view)
+    PyBuffer_Release(&a->view);
+  PyMem_RawFree(a->owned);
+  a->has_view = 0;
+  a->owned = NULL;
+}
+
+static uint64_t u64_at(const u64_arg_t *a, Py_ssize_t i) {
+  uint64_t v;
+  memcpy(&v, a->p + 8 * i, 8);
+  return v;
+}
+
 static int parse_batch(PyObject *args, PyObject *kw, const char *fmt, int opcode,
                        xfer_args_t *x, PyObject **target_obj) {
   static char *kwlist[] = {"target_hostname", "buffers", "peer_buffer_addresses", "lengths",
@@ -520,25 +567,25 @@ static int parse_batch(PyObject *args, PyObject *kw, const char *fmt, int opcode
     PyErr_SetString(PyExc_TypeError, "target_hostname must be a str (the segment name)");
     return -1;
   }
-  uint64_t *l = NULL, *r = NULL, *n = NULL;
-  Py_ssize_t nl, nr, nn;
-  if (get_u64_list(lo, &l, &nl, "buffers[i]") < 0)
+  u64_arg_t l, r, n;
+  if (u64_arg_get(lo, &l, "buffers[i]") < 0)
     return -1;
-  if (get_u64_list(ro, &r, &nr, "peer_buffer_addresses[i]") < 0) {
-    PyMem_RawFree(l);
+  if (u64_arg_get(ro, &r, "peer_buffer_addresses[i]") < 0) {
+    u64_arg_release(&l);
     return -1;
   }
-  if (get_u64_list(no, &n, &nn, "lengths[i]") < 0) {
-    PyMem_RawFree(l);
-    PyMem_RawFree(r);
+  if (u64_arg_get(no, &n, "lengths[i]") < 0) {
+    u64_arg_release(&l);
+    u64_arg_release(&r);
     return -1;
   }
   int rc = 0;
-  if (nl != nr || nl != nn) {
+  Py_ssize_t nl = l.n;
+  if (nl != r.n || nl != n.n) {
     PyErr_Format(PyExc_ValueError,
                  "buffers (%zd), peer_buffer_addresses (%zd) and lengths (%zd) must have the "
                  "same length",
-                 nl, nr, nn);
+                 nl, r.n, n.n);
     rc = -1;
   } else {
     x->reqs = PyMem_RawMalloc((size_t)(nl ? nl : 1) * sizeof *x->reqs);
@@ -547,8 +594,8 @@ static int parse_batch(PyObject *args, PyObject *kw, const char *fmt, int opcode
       rc = -1;
     } else {
       for (Py_ssize_t i = 0; i < nl; i++)
-        x->reqs[i] = (mc_request_t){.opcode = opcode, .local = (void *)(uintptr_t)l[i],
-                                    .remote = r[i], .len = n[i]};
+        x->reqs[i] = (mc_request_t){.opcode = opcode, .local = (void *)(uintptr_t)u64_at(&l, i),
+                                    .remote = u64_at(&r, i), .len = u64_at(&n, i)};
       x->n = nl;
       x->target = PyUnicode_AsUTF8(t);
       if (!x->target)
@@ -556,9 +603,9 @@ static int parse_batch(PyObject *args, PyObject *kw, const char *fmt, int opcode
       *target_obj = t;
     }
   }
-  PyMem_RawFree(l);
-  PyMem_RawFree(r);
-  PyMem_RawFree(n);
+  u64_arg_release(&l);
+  u64_arg_release(&r);
+  u64_arg_release(&n);
   return rc;
 }
 

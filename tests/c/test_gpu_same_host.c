@@ -1,0 +1,165 @@
+/* The same-host GPU path across chunks of one batch: one submit call shares
+ * the peer's descriptor and one check (mc.describe) among its chunks.
+ *   - a batch whose later chunks reach a region the peer registered after
+ *     the descriptor was cached gets a fresh descriptor for them and lands
+ *     byte-exact (scattered blocks);
+ *   - a batch using a cached descriptor whose region the peer has since
+ *     unregistered fails, in every chunk, with the "re-registered" error
+ *     (the check runs alongside the copies).
+ * Two engines in one process (same address space).  Skips without a GPU. */
+#include <dlfcn.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "engine/engine.h"
+#include "gpu/cuda_driver.h"
+#include "testlib.h"
+
+typedef int (*mem_alloc_fn)(uint64_t *, size_t);
+typedef int (*mem_free_fn)(uint64_t);
+static mem_alloc_fn cu_alloc;
+static mem_free_fn cu_free;
+static const mc_cuda_api_t *api;
+
+static int have_gpu(void) {
+  if (api)
+    return 1;
+  mc_err_t err = {0};
+  const mc_cuda_api_t *a = mc_cuda_api(&err);
+  if (!a || a->device_count < 1)
+    return 0;
+  void *h = dlopen("libcuda.so.1", RTLD_NOW);
+  cu_alloc = h ? (mem_alloc_fn)dlsym(h, "cuMemAlloc_v2") : NULL;
+  cu_free = h ? (mem_free_fn)dlsym(h, "cuMemFree_v2") : NULL;
+  if (!cu_alloc || !cu_free || mc_cuda_use_device(0, &err) < 0)
+    return 0;
+  api = a;
+  return 1;
+}
+
+#define SKIP_NO_GPU()                                                          \
+  do {                                                                         \
+    if (!have_gpu()) {                                                         \
+      fprintf(stderr, "  (skipped: no GPU visible)\n");                        \
+      return;                                                                  \
+    }                                                                          \
+  } while (0)
+
+#define BLK 4096u
+#define NBLK 2048u /* 8 MiB per region: several chunks of the batch */
+
+static uint64_t dalloc(size_t n) {
+  uint64_t p = 0;
+  return cu_alloc(&p, n) == 0 ? p : 0;
+}
+
+static int xfer(mc_engine_t *A, mc_engine_t *B, const mc_request_t *r, size_t n,
+                mc_err_t *err) {
+  mc_batch_t *b = mc_batch_new(A, n);
+  int rc = mc_batch_submit(A, b, mc_engine_segment_name(B), r, n, err);
+  if (rc == 0)
+    rc = mc_batch_wait(A, b, 60000, err);
+  mc_batch_free(A, b);
+  return rc;
+}
+
+/* Block i of src goes to block perm(i) of the destination: a scatter. */
+static size_t perm(size_t i) {
+  return (i * 7 + 3) % NBLK;
+}
+
+static void test_later_chunks_fresh_descriptor(void) {
+  SKIP_NO_GPU();
+  mc_engine_opts_t o = {.local_hostname = "127.0.0.1", .metadata_server = "P2PHANDSHAKE"};
+  mc_engine_t *A = NULL, *B = NULL;
+  mc_err_t err = {0};
+  CHECK_EQ_INT(mc_engine_create(&o, &A, &err), 0);
+  CHECK_EQ_INT(mc_engine_create(&o, &B, &err), 0);
+  size_t sz = (size_t)NBLK * BLK;
+  uint64_t src = dalloc(2 * sz), r1 = dalloc(sz), r2 = dalloc(sz);
+  CHECK(src && r1 && r2);
+  uint8_t *ref = malloc(2 * sz), *back = malloc(2 * sz);
+  for (size_t i = 0; i < 2 * sz; i++)
+    ref[i] = (uint8_t)(i * 131 + (i >> 12) * 7);
+  CHECK_EQ_INT(api->cuMemcpyHtoD(src, ref, 2 * sz), 0);
+  CHECK_EQ_INT(mc_engine_register(B, (void *)(uintptr_t)r1, sz, "cuda:0", &err), 0);
+  /* First contact: A caches B's descriptor (r1 only). */
+  mc_request_t one = {.opcode = MC_OP_WRITE, .local = (void *)(uintptr_t)src, .remote = r1,
+                      .len = BLK};
+  CHECK_EQ_INT(xfer(A, B, &one, 1, &err), 0);
+  /* B registers r2; one batch writes r1 then r2, blocks scattered: the
+   * requests into r2 come in later chunks and miss the cached descriptor. */
+  CHECK_EQ_INT(mc_engine_register(B, (void *)(uintptr_t)r2, sz, "cuda:0", &err), 0);
+  size_t n = 2 * NBLK;
+  mc_request_t *r = calloc(n, sizeof *r);
+  for (size_t i = 0; i < n; i++) {
+    uint64_t dst = (i < NBLK ? r1 : r2) + perm(i % NBLK) * BLK;
+    r[i] = (mc_request_t){.opcode = MC_OP_WRITE, .local = (void *)(uintptr_t)(src + i * BLK),
+                          .remote = dst, .len = BLK};
+  }
+  int rc = xfer(A, B, r, n, &err);
+  if (rc)
+    fprintf(stderr, "  write: %s\n", err.msg);
+  CHECK_EQ_INT(rc, 0);
+  CHECK_EQ_INT(api->cuMemcpyDtoH(back, r1, sz), 0);
+  CHECK_EQ_INT(api->cuMemcpyDtoH(back + sz, r2, sz), 0);
+  size_t bad = 0;
+  for (size_t i = 0; i < n; i++)
+    bad += memcmp(back + (i / NBLK) * sz + perm(i % NBLK) * BLK, ref + i * BLK, BLK) != 0;
+  CHECK_EQ_INT(bad, 0);
+  mc_engine_destroy(A);
+  mc_engine_destroy(B);
+  cu_free(src);
+  cu_free(r1);
+  cu_free(r2);
+  free(r);
+  free(ref);
+  free(back);
+}
+
+static void test_unregistered_since_cached_fails(void) {
+  SKIP_NO_GPU();
+  mc_engine_opts_t o = {.local_hostname = "127.0.0.1", .metadata_server = "P2PHANDSHAKE"};
+  mc_engine_t *A = NULL, *B = NULL;
+  mc_err_t err = {0};
+  CHECK_EQ_INT(mc_engine_create(&o, &A, &err), 0);
+  CHECK_EQ_INT(mc_engine_create(&o, &B, &err), 0);
+  size_t sz = (size_t)NBLK * BLK;
+  uint64_t src = dalloc(sz), dst = dalloc(sz);
+  CHECK(src && dst);
+  CHECK_EQ_INT(mc_engine_register(B, (void *)(uintptr_t)dst, sz, "cuda:0", &err), 0);
+  mc_request_t *r = calloc(NBLK, sizeof *r);
+  for (size_t i = 0; i < NBLK; i++)
+    r[i] = (mc_request_t){.opcode = MC_OP_WRITE, .local = (void *)(uintptr_t)(src + i * BLK),
+                          .remote = dst + perm(i) * BLK, .len = BLK};
+  CHECK_EQ_INT(xfer(A, B, r, NBLK, &err), 0); /* caches the descriptor */
+  /* B drops the region (the memory stays allocated here, so the copies
+   * themselves are harmless): the check must fail the whole batch. */
+  CHECK_EQ_INT(mc_engine_unregister(B, (void *)(uintptr_t)dst, &err), 0);
+  mc_batch_t *b = mc_batch_new(A, NBLK);
+  CHECK_EQ_INT(mc_batch_submit(A, b, mc_engine_segment_name(B), r, NBLK, &err), 0);
+  CHECK(mc_batch_wait(A, b, 60000, &err) < 0);
+  CHECK_CONTAINS(err.msg, "re-registered its GPU memory");
+  size_t failed = 0;
+  for (size_t i = 0; i < NBLK; i++) {
+    mc_task_status_t st;
+    CHECK_EQ_INT(mc_batch_status(b, i, &st), 0);
+    failed += st.state == MC_TASK_FAILED;
+  }
+  CHECK_EQ_INT(failed, NBLK); /* every chunk, not only the first */
+  mc_batch_free(A, b);
+  /* With the cache refreshed by that check, the next batch is refused up
+   * front (no region there) rather than copied. */
+  CHECK(xfer(A, B, r, NBLK, &err) < 0);
+  mc_engine_destroy(A);
+  mc_engine_destroy(B);
+  cu_free(src);
+  cu_free(dst);
+  free(r);
+}
+
+int main(void) {
+  RUN(test_later_chunks_fresh_descriptor);
+  RUN(test_unregistered_since_cached_fails);
+  TEST_MAIN_END();
+}

@@ -1,0 +1,115 @@
+"""One vLLM worker's half of MooncakeConnector (connector/worker.py's
+WorkerSide, the real class vLLM's worker process drives) holding CUDA KV
+caches in vLLM's FlashAttention layout, one tensor per layer of shape
+(2, num_blocks, block_size, num_kv_heads, head_size), driven over stdin/stdout
+with JSON lines.  Stands in for vLLM's worker process where vLLM itself is
+not installed (the GPU machine): the hooks are called as vLLM calls them,
+with the connector metadata the scheduler half would send.
+
+    python tests/gpu_worker_peer.py --role kv_producer --device cuda:0 --urls JSON
+
+First line printed: {"ready": true, "extents_per_block": n}.  Commands:
+    {"cmd": "fill", "seed": S} / {"cmd": "sums"} -> {"sums": [layer][k/v][block]}
+    {"cmd": "publish", "req_id", "tokens", "block_ids"}        (producer)
+    {"cmd": "finished", "req_ids": [...]} -> {"sending": [...], "recving": [...]}
+    {"cmd": "load", "req_id", "tokens", "block_ids"}           (consumer)
+        -> {"secs", "invalid": [...], "stats": {...}}
+    {"cmd": "exit"}
+"""
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+from mooncake_connector.connector.metadata import (LoadSpec, MooncakeConnectorMetadata,
+                                                   PublishSpec)
+from mooncake_connector.connector.settings import Settings
+from mooncake_connector.connector.worker import WorkerSide
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--role", required=True)
+    ap.add_argument("--device", default="cuda:0")
+    ap.add_argument("--urls", required=True, help="mooncake.json fields as JSON")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--blocks", type=int, default=256)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--head-size", type=int, default=128)
+    a = ap.parse_args()
+    dev = torch.device(a.device)
+    torch.cuda.set_device(dev)
+    shape = (2, a.blocks, a.block_size, a.kv_heads, a.head_size)
+    kv = {f"model.layers.{i}.self_attn.attn": torch.zeros(shape, dtype=torch.bfloat16, device=dev)
+          for i in range(a.layers)}
+    s = Settings(role=a.role, mooncake=json.loads(a.urls), hold_timeout_s=60.0,
+                 load_timeout_s=60.0)
+    w = WorkerSide(s, a.block_size, tp_rank=0, tp_size=1, num_blocks=a.blocks)
+    w.register_kv_caches(kv)
+
+    def out(obj):
+        sys.stdout.write(json.dumps(obj) + "\n")
+        sys.stdout.flush()
+
+    out({"ready": True, "extents_per_block": w.layout.extents_per_block})
+    for line in sys.stdin:
+        req = json.loads(line)
+        cmd = req["cmd"]
+        if cmd == "exit":
+            break
+        if cmd == "fill":
+            g = torch.Generator(device=dev)
+            g.manual_seed(req["seed"])
+            for t in kv.values():
+                raw = t.view(torch.int16)
+                raw.copy_(torch.randint(-32768, 32768, raw.shape, dtype=torch.int16, device=dev,
+                                        generator=g))
+            torch.cuda.synchronize(dev)
+            out({})
+        elif cmd == "sums":
+            # Per (layer, K/V, block): position-weighted sum of its 8-byte words.
+            res = []
+            for t in kv.values():
+                words = t.view(torch.int64).reshape(2, a.blocks, -1)
+                wts = (torch.arange(1, words.shape[2] + 1, dtype=torch.int64, device=dev)
+                       * 2654435761) | 1
+                res.append((words * wts).sum(dim=2).tolist())
+            out({"sums": res})
+        elif cmd == "publish":
+            meta = MooncakeConnectorMetadata(publishes=[PublishSpec(
+                req["req_id"], req["tokens"], req["block_ids"])], held=[req["req_id"]])
+            w.on_metadata(meta)
+            w.publish(meta)
+            out({})
+        elif cmd == "finished":
+            snd, rcv = w.get_finished(set(req.get("req_ids", [])))
+            out({"sending": sorted(snd or []), "recving": sorted(rcv or [])})
+        elif cmd == "load":
+            rid = req["req_id"]
+            meta = MooncakeConnectorMetadata(loads=[LoadSpec(
+                rid, req["tokens"], req["block_ids"], 0, None)])
+            t0 = time.monotonic()
+            w.on_metadata(meta)
+            w.start_load(meta)
+            done = False
+            while not done and time.monotonic() - t0 < 90:  # vLLM polls once per step
+                _snd, rcv = w.get_finished(set())
+                done = bool(rcv and rid in rcv)
+                if not done:
+                    time.sleep(0.0005)
+            if not done:
+                out({"error": "load did not finish in 90 s"})
+                continue
+            stats = w.take_stats()
+            out({"secs": time.monotonic() - t0, "invalid": sorted(w.take_invalid_blocks()),
+                 "stats": stats.data if stats is not None and hasattr(stats, "data") else {}})
+        else:
+            out({"error": f"unknown command {cmd}"})
+    w.shutdown()
+
+
+if __name__ == "__main__":
+    main()

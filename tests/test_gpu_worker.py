@@ -1,0 +1,122 @@
+"""The vLLM connector's worker half (connector/worker.py, WorkerSide) with
+CUDA KV caches: two processes, one per GPU where two are visible, each
+holding 8 layers of vLLM's FlashAttention layout (2, num_blocks, block_size,
+num_kv_heads, head_size) in bf16 and registering them through
+register_kv_caches as vLLM's worker does.  The producer publishes a prompt's
+blocks (publish, as in wait_for_save); the consumer loads them into other,
+scattered block ids (start_load + get_finished polling, as vLLM's step
+loop); every K and V block must arrive byte-exact, no other block may
+change, and the producer must report the request finished sending once it
+was pulled.  Over the same-host GPU path and over TCP with staging.  vLLM
+itself is not needed (the GPU machine has none): the metadata objects are
+the ones the scheduler half sends.  `pytest -m gpu`."""
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+torch = pytest.importorskip("torch", reason="GPU tests need torch")
+if not torch.cuda.is_available():
+    pytest.skip("GPU tests need a CUDA GPU (torch.cuda.is_available() is False)",
+                allow_module_level=True)
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+NGPU = torch.cuda.device_count()
+BS, NB, LAYERS = 16, 256, 8
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class WorkerPeer:
+    def __init__(self, role, device, urls, env):
+        self.proc = subprocess.Popen(
+            [sys.executable, os.path.join(HERE, "gpu_worker_peer.py"), "--role", role,
+             "--device", device, "--urls", json.dumps(urls), "--layers", str(LAYERS),
+             "--blocks", str(NB), "--block-size", str(BS)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env={**os.environ, **env})
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"{role} worker failed to start: " + self.proc.stderr.read())
+        self.info = json.loads(line)
+
+    def call(self, **req):
+        self.proc.stdin.write(json.dumps(req) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError("worker exited: " + self.proc.stderr.read())
+        r = json.loads(line)
+        assert "error" not in r, r
+        return r
+
+    def close(self):
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write('{"cmd":"exit"}\n')
+                self.proc.stdin.flush()
+                self.proc.wait(timeout=30)
+            except Exception:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.stderr.read()
+
+
+@pytest.mark.parametrize("ipc", ["1", "0"], ids=["same-host", "tcp"])
+def test_worker_cuda_kv_caches_between_gpus(ipc):
+    p, d = free_port(), free_port()
+    while abs(d - p) < 50:
+        d = free_port()
+    urls = {"prefill_url": f"127.0.0.1:{p}", "decode_url": f"127.0.0.1:{d}",
+            "metadata_server": "P2PHANDSHAKE", "protocol": "tcp"}
+    env = {"MC_GPU_IPC": ipc}
+    made = []
+    try:
+        prod = WorkerPeer("kv_producer", "cuda:0", urls, env)
+        made.append(prod)
+        cons = WorkerPeer("kv_consumer", "cuda:1" if NGPU > 1 else "cuda:0", urls, env)
+        made.append(cons)
+        assert prod.info["extents_per_block"] == 2 * LAYERS  # K and V of every layer
+        prod.call(cmd="fill", seed=7)
+        rng = random.Random(3)
+        nblk = 100
+        tokens = [rng.randrange(32000) for _ in range(nblk * BS)]
+        src = rng.sample(range(NB), nblk)  # scattered on both sides
+        dst = rng.sample(range(NB), nblk)
+        prod.call(cmd="publish", req_id="r1", tokens=tokens, block_ids=src)
+        assert prod.call(cmd="finished", req_ids=[])["sending"] == []
+        r = cons.call(cmd="load", req_id="r1", tokens=tokens, block_ids=dst)
+        assert r["invalid"] == [], r
+        sp, sc = prod.call(cmd="sums")["sums"], cons.call(cmd="sums")["sums"]
+        bad = [(li, kv, i) for li in range(LAYERS) for kv in (0, 1) for i in range(nblk)
+               if sc[li][kv][dst[i]] != sp[li][kv][src[i]]]
+        assert not bad, f"{len(bad)} K/V blocks differ, first {bad[:5]}"
+        assert all(sp[li][kv][src[0]] != 0 for li in range(LAYERS) for kv in (0, 1))
+        others = set(range(NB)) - set(dst)
+        touched = [(li, kv, b) for li in range(LAYERS) for kv in (0, 1) for b in others
+                   if sc[li][kv][b] != 0]
+        assert not touched, f"{len(touched)} blocks outside the load changed"
+        # The request finished on the producer: once the consumer pulled the
+        # blocks (consume mode), vLLM may free them.
+        deadline, sending = time.monotonic() + 20, []
+        while time.monotonic() < deadline and "r1" not in sending:
+            sending = prod.call(cmd="finished", req_ids=["r1"])["sending"]
+            time.sleep(0.01)
+        assert "r1" in sending
+        mb = nblk * 2 * LAYERS * BS * 8 * 128 * 2 / 1e6
+        sys.stderr.write(f"worker load ({'same-host' if ipc == '1' else 'TCP'}): {mb:.1f} MB "
+                         f"in {r['secs'] * 1e3:.1f} ms\n")
+    finally:
+        for m in made:
+            sys.stderr.write(m.close())
