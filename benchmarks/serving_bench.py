@@ -32,6 +32,7 @@ a ~40-token prompt the prefill server never saw — lookup, miss, local compute
 import argparse
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -43,6 +44,7 @@ BLOCK = 32
 
 #: Larger than the tests' model so that KV sizes matter: 4 layers, head size
 #: 64, 4 KV heads -> 8 KiB of KV per token (fp32).
+SETTLE_S = 0.05  # pause before each measured request
 BENCH_SPEC = {"layers": 4, "hidden": 256, "heads": 4, "kv_heads": 4, "intermediate": 512}
 
 
@@ -110,6 +112,7 @@ def measure(dep, lengths, n_requests, max_tokens, log):
         for i in range(3):
             one(url, prompt_of(max(lengths), 10_000 + i))
     results = []
+    order = random.Random(7)
     for n in lengths:
         row = {"prompt_words": n, "prefill_leg": [], "decode_leg": [], "identical": 0,
                "loaded_tokens": []}
@@ -117,10 +120,17 @@ def measure(dep, lengths, n_requests, max_tokens, log):
             row[k], row[f"itl_{k}"], row[f"gap12_{k}"] = [], [], []
         for i in range(n_requests):
             p = prompt_of(n, 1000 * n + i)
-            # Rotate the order of the modes per request, so that none always
-            # runs first after the leg probes below.
+            # A fresh random order of the modes per request (a rotation would
+            # keep each mode right behind the same other one), and a short
+            # pause before each: every request meets idle servers, not the
+            # tail of the previous one (a producer steps every ms until its
+            # KV is pulled and released).
             keys = [k for k, _ in MODES]
-            got = {k: one(urls[k], p) for k in keys[i % 4:] + keys[:i % 4]}
+            order.shuffle(keys)
+            got = {}
+            for k in keys:
+                time.sleep(SETTLE_S)
+                got[k] = one(urls[k], p)
             for k, r in got.items():
                 row[k].append(r.ttft_s)
                 row[f"itl_{k}"] += r.itl_s
@@ -131,7 +141,9 @@ def measure(dep, lengths, n_requests, max_tokens, log):
             row["prompt_tokens"] = got["disaggregated"].usage["prompt_tokens"]
             # The two legs on their own, with a fresh prompt (nothing cached).
             q = prompt_of(n, 7 * n + i + 500_000)
+            time.sleep(SETTLE_S)
             pre = one(dep.prefill.url, q, max_tokens=1, stream=False)
+            time.sleep(SETTLE_S)
             dec = one(dep.decode.url, q)
             row["prefill_leg"].append(pre.total_s)
             row["decode_leg"].append(dec.ttft_s)
@@ -151,7 +163,9 @@ def measure(dep, lengths, n_requests, max_tokens, log):
     fixed = {"colocated": [], "decode": []}
     for i in range(max(20, n_requests)):
         p = prompt_of(40, 900_000 + i)
+        time.sleep(SETTLE_S)
         fixed["colocated"].append(one(dep.colocated.url, p, max_tokens=1).ttft_s)
+        time.sleep(SETTLE_S)
         fixed["decode"].append(one(dep.decode.url, p, max_tokens=1).ttft_s)
     return results, fixed
 
