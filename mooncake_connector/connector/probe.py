@@ -7,6 +7,9 @@ a probe is one round trip (KVTransfer.probe; nothing is pinned or consumed
 at the producer, the worker's pull decides).  A failed or slow probe counts
 as a miss (the prompt is computed locally) and probing that producer pauses
 for BACKOFF_S, so a dead producer costs one timeout, not one per request.
+If the probe engine itself cannot start (e.g. the metadata server is down),
+loads go the asynchronous way (the workers find out) and the start is tried
+again after RESTART_S.
 """
 import json
 import logging
@@ -17,6 +20,7 @@ from mooncake_connector.connector.settings import shift_port
 logger = logging.getLogger("vllm.mooncake_connector")
 
 BACKOFF_S = 1.0
+RESTART_S = 10.0  # after the probe engine failed to start, try again this much later
 
 
 class ProducerProbe:
@@ -24,7 +28,8 @@ class ProducerProbe:
         self.s = settings
         self.kv = self.engine = None
         self.default_producer = None
-        self._broken = None        # why the probe engine cannot start (then: unknown)
+        self._broken_until = 0.0   # the probe engine failed to start: not before then
+        self.start_failures = 0
         self._down_until = {}      # producer -> monotonic time probing resumes
         self.probes = self.failures = 0
 
@@ -50,18 +55,21 @@ class ProducerProbe:
         None = configured prefill_url) holds now; 0 when it cannot say in
         time; None if this process cannot probe at all (then the caller
         loads asynchronously and lets the worker find out)."""
-        if self._broken is not None:
-            return None
+        now = time.monotonic()
         if self.kv is None:
+            if now < self._broken_until:
+                return None
             try:
                 self._start()
-            except Exception as e:  # noqa: BLE001 - any failure: fall back, say why once
-                self._broken = str(e)
+            except Exception as e:  # noqa: BLE001 - any failure: fall back, say why
+                self.close()
+                self.start_failures += 1
+                self._broken_until = now + RESTART_S
                 logger.warning("MooncakeConnector scheduler: cannot probe producers (%s); "
-                               "loads are decided by the workers instead", e)
+                               "loads are decided by the workers for the next %.0f s", e,
+                               RESTART_S)
                 return None
         name = shift_port(producer or self.default_producer, 0)
-        now = time.monotonic()
         if self._down_until.get(name, 0) > now:
             return 0
         from mooncake_connector import MooncakeError

@@ -1,0 +1,67 @@
+"""The scheduler-side probe (connector/probe.py) against a real producer
+engine in this process: how much of a prompt is held, a dead producer, and
+a probe engine that cannot start (metadata server down)."""
+import ctypes
+from types import SimpleNamespace
+
+import mooncake_connector as mc
+from mooncake_connector.connector import probe as probe_mod
+from mooncake_connector.connector import settings
+
+BS = 16
+
+
+def consumer_settings(**extra):
+    ktc = SimpleNamespace(kv_role="kv_consumer", kv_connector_extra_config=dict(
+        {"decode_url": "127.0.0.1:400", "protocol": "tcp",
+         "metadata_server": "P2PHANDSHAKE"}, **extra))
+    return settings.resolve(ktc, env={})
+
+
+def test_probe_counts_what_the_producer_holds():
+    buf = ctypes.create_string_buffer(8 * 4096)
+    with mc.TransferEngine() as eng:
+        eng.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
+        eng.register_memory(ctypes.addressof(buf), len(buf))
+        lb = mc.LookupBuffer(1 << 20, block_size=BS)
+        with mc.KVTransfer(eng, lb) as kv:
+            toks = list(range(1000, 1000 + 3 * BS + 5))
+            kv.send_kv(toks, [(ctypes.addressof(buf) + i * 4096, 4096, i) for i in range(3)])
+            p = probe_mod.ProducerProbe(consumer_settings(
+                prefill_url=eng.get_segment_name()))
+            try:
+                assert p.held_tokens(None, toks) == 3 * BS
+                assert p.held_tokens(None, toks[:2 * BS] + [7] * BS) == 2 * BS
+                assert p.held_tokens(None, [5] * (4 * BS)) == 0
+                assert p.probes == 3 and p.failures == 0
+                assert kv.stats()["probes_served"] == 3
+                # Nothing was taken: the entry is still whole.
+                assert lb.stats()["entries"] == 1 and lb.stats()["pinned_blocks"] == 0
+            finally:
+                p.close()
+
+
+def test_dead_producer_is_a_miss_and_backs_off():
+    p = probe_mod.ProducerProbe(consumer_settings(prefill_url="127.0.0.1:1",
+                                                  lookup_timeout_s=2.0))
+    try:
+        assert p.held_tokens(None, list(range(64))) == 0
+        assert p.held_tokens(None, list(range(64))) == 0
+        assert p.probes == 1 and p.failures == 1  # the second one did not ask
+    finally:
+        p.close()
+
+
+def test_probe_engine_that_cannot_start_falls_back_then_retries(monkeypatch):
+    p = probe_mod.ProducerProbe(consumer_settings(
+        prefill_url="127.0.0.1:1", metadata_server="http://127.0.0.1:1/metadata"))
+    try:
+        assert p.held_tokens(None, list(range(64))) is None  # unknown: load asynchronously
+        assert p.held_tokens(None, list(range(64))) is None
+        assert p.start_failures == 1                         # not retried at once
+        monkeypatch.setattr(probe_mod, "RESTART_S", 0.0)
+        p._broken_until = 0.0
+        assert p.held_tokens(None, list(range(64))) is None
+        assert p.start_failures == 2
+    finally:
+        p.close()
