@@ -235,9 +235,8 @@ class Plan:
             u = self._usage(n, u.get("completion_tokens", 0) + 1, u)
             details = u.get("prompt_tokens_details")
             if isinstance(details, dict) and (details.get("cached_tokens") or 0) > n:
-                # decode may report the first token's slot as cached (a prompt
-                # of 31 mod 32 tokens claims one more block): the client's
-                # prompt is n tokens
+                # never report more cached tokens than the client's prompt
+                # has (decode's prompt is one token longer)
                 u["prompt_tokens_details"] = dict(details, cached_tokens=n)
         choices = []
         for c in ev.get("choices") or []:
