@@ -59,7 +59,7 @@ def _error(status, message, kind="proxy_error"):
 
 class Proxy:
     def __init__(self, prefill=(), decode=(), flow="a", timeout=6 * 3600, api_key=None,
-                 first_token="prefill", passthrough=()):
+                 first_token="prefill", passthrough=(), idle_timeout=300.0):
         self.passthrough = [u.rstrip("/") for u in passthrough]
         if self.passthrough and (prefill or decode):
             raise ValueError("--passthrough takes no --prefill/--decode")
@@ -75,7 +75,11 @@ class Proxy:
         self.api_key = api_key
         self._p = itertools.cycle(self.prefill)
         self._d = itertools.cycle(self.decode)
-        self._timeout = aiohttp.ClientTimeout(total=timeout, sock_connect=10)
+        # idle_timeout: an upstream that sends nothing for this long (a stalled
+        # stream, a request stuck in a queue) fails the request (0 = never).
+        self.idle_timeout = idle_timeout or None
+        self._timeout = aiohttp.ClientTimeout(total=timeout, sock_connect=10,
+                                              sock_read=self.idle_timeout)
         self.session = None
         self.log = logger
         self._max_model_len = {}  # decode URL -> max_model_len from its /v1/models
@@ -216,13 +220,34 @@ class Proxy:
                     "Content-Type": r.headers.get("Content-Type", "text/event-stream"),
                     "Cache-Control": "no-cache", "X-Request-Id": rid})
                 await resp.prepare(request)
-                async for chunk in r.content.iter_any():
-                    await resp.write(chunk)
-                await resp.write_eof()
+                try:
+                    async for chunk in r.content.iter_any():
+                        await resp.write(chunk)
+                except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                    # Status 200 is out: end the stream with an error event.
+                    self.counts["decode_errors"] += 1
+                    msg = self.upstream_failure(f"{role} instance {url}", e, "mid-stream")
+                    logger.warning("%s (request %s)", msg, rid)
+                    try:
+                        await resp.write(ft.error_event(msg))
+                    except (ConnectionResetError, aiohttp.ClientConnectionError):
+                        return resp  # the client left too
+                try:
+                    await resp.write_eof()
+                except (ConnectionResetError, aiohttp.ClientConnectionError):
+                    pass
                 return resp
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             self.counts["decode_errors"] += 1
-            return _error(502, f"{role} instance {url} unreachable: {e!r}", "upstream_error")
+            return _error(502, self.upstream_failure(f"{role} instance {url}", e, "unreachable"),
+                          "upstream_error")
+
+    def upstream_failure(self, where, exc, what):
+        """The message for an upstream that failed: a stall names the idle timeout."""
+        if isinstance(exc, asyncio.TimeoutError) and self.idle_timeout:
+            return (f"{where} sent nothing for {self.idle_timeout:g} s (the proxy's "
+                    "--idle-timeout; raise it if requests queue that long)")
+        return f"{where} {what}: {exc!r}"
 
     async def models(self, request):
         url = self.decode[0] + "/v1/models"
@@ -299,6 +324,9 @@ def main(argv=None):
     ap.add_argument("--loop", choices=["auto", "uvloop", "asyncio"], default="auto",
                     help="event loop (auto: uvloop when importable)")
     ap.add_argument("--timeout", type=float, default=6 * 3600, help="per upstream request, s")
+    ap.add_argument("--idle-timeout", type=float, default=300.0,
+                    help="fail a request whose upstream sends nothing for this long, s "
+                         "(a stalled stream ends with an error event; 0 = never)")
     args = ap.parse_args(argv)
     if args.passthrough and (args.prefill or args.decode):
         ap.error("--passthrough relays to one upstream; it takes no --prefill/--decode")
@@ -308,8 +336,11 @@ def main(argv=None):
         if not u.startswith(("http://", "https://")):
             ap.error(f"{u!r} is not a URL; write http://host:port")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if args.idle_timeout < 0 or args.timeout <= 0:
+        ap.error("--timeout must be > 0 and --idle-timeout >= 0 (seconds)")
     proxy = Proxy(args.prefill, args.decode, args.flow, args.timeout,
-                  os.environ.get("OPENAI_API_KEY"), args.first_token, args.passthrough)
+                  os.environ.get("OPENAI_API_KEY"), args.first_token, args.passthrough,
+                  args.idle_timeout)
     run_loop, loop_name = _event_loop(args.loop)
 
     async def run():

@@ -299,7 +299,7 @@ async def stream(proxy, request, plan, dec_url, headers, rid):
     except ClientGone:
         return resp  # the client left (leaving the block closed the decode request)
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-        err = f"{where} failed after the first token was sent: {e!r}"
+        err = proxy.upstream_failure(where, e, "failed after the first token was sent")
     if err:
         counts["decode_errors"] += 1
         counts["stream_errors_after_first_token"] += 1

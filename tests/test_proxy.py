@@ -267,6 +267,8 @@ def _vllm_app(u):
             if u.decode_fail == "drop":
                 request.transport.close()
                 return resp
+            if u.decode_fail == "stall":
+                await asyncio.sleep(4)
         if (body.get("stream_options") or {}).get("include_usage"):
             await resp.write(b"data: " + json.dumps({"id": "dec", "choices": [], "usage": {
                 "prompt_tokens": len(prompt), "completion_tokens": mt,
@@ -421,3 +423,19 @@ def test_passthrough_mode(upstreams, proxy):
     r = subprocess.run([sys.executable, "-m", "mooncake_connector.proxy", "--passthrough",
                         c.url, "--prefill", c.url], capture_output=True, text=True)
     assert r.returncode == 2 and "takes no --prefill" in r.stderr
+
+
+def test_stalled_decode_stream_ends_with_an_error_event(vllm_like, proxy):
+    """A decode instance that stops sending mid-stream: after --idle-timeout
+    the client gets an error event naming it, not a stream open forever."""
+    p, d = vllm_like("prefill"), vllm_like("decode", decode_fail="stall")
+    body = {"model": "m", "prompt": "a b", "max_tokens": 4, "stream": True}
+    for extra in ([], ["--first-token", "decode"]):  # first token from prefill / relay
+        url = proxy([p.url], [d.url], extra=["--idle-timeout", "1", *extra])
+        t = time.time()
+        status, data = post(url + "/v1/completions", body, raw=True)
+        ev = sse_events(data)
+        assert status == 200 and time.time() - t < 10, extra
+        err = ev[-2]["error"]["message"]
+        assert f"decode instance {d.url}" in err and "sent nothing for 1 s" in err, (extra, ev)
+        assert ev[-1] == "[DONE]"
