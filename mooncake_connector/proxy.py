@@ -75,11 +75,14 @@ class Proxy:
         self.api_key = api_key
         self._p = itertools.cycle(self.prefill)
         self._d = itertools.cycle(self.decode)
-        # idle_timeout: an upstream that sends nothing for this long (a stalled
-        # stream, a request stuck in a queue) fails the request (0 = never).
+        # idle_timeout: a streamed upstream answer that sends nothing for this
+        # long (a stalled stream, a request stuck in a queue) fails the
+        # request (0 = never).  Not for non-streamed answers: they send
+        # nothing until the whole generation is done.
         self.idle_timeout = idle_timeout or None
-        self._timeout = aiohttp.ClientTimeout(total=timeout, sock_connect=10,
-                                              sock_read=self.idle_timeout)
+        self._timeout = aiohttp.ClientTimeout(total=timeout, sock_connect=10)
+        self.stream_timeout = aiohttp.ClientTimeout(total=timeout, sock_connect=10,
+                                                    sock_read=self.idle_timeout)
         self.session = None
         self.log = logger
         self._max_model_len = {}  # decode URL -> max_model_len from its /v1/models
@@ -206,8 +209,9 @@ class Proxy:
         """Sends body to url and relays its answer (streamed through when
         the request streams)."""
         try:
-            async with self.session.post(url + request.path, json=body,
-                                         headers=headers) as r:
+            async with self.session.post(url + request.path, json=body, headers=headers,
+                                         timeout=self.stream_timeout if body.get("stream")
+                                         else self._timeout) as r:
                 if r.status != 200:
                     self.counts["decode_errors"] += 1
                     logger.warning("%s %s answered %d for %s", role, url, r.status, rid)
@@ -325,7 +329,7 @@ def main(argv=None):
                     help="event loop (auto: uvloop when importable)")
     ap.add_argument("--timeout", type=float, default=6 * 3600, help="per upstream request, s")
     ap.add_argument("--idle-timeout", type=float, default=300.0,
-                    help="fail a request whose upstream sends nothing for this long, s "
+                    help="end a streamed request whose upstream sends nothing for this long, s "
                          "(a stalled stream ends with an error event; 0 = never)")
     args = ap.parse_args(argv)
     if args.passthrough and (args.prefill or args.decode):

@@ -323,7 +323,7 @@ async def _relay_decode(proxy, resp, plan, dec_url, headers):
     """Relays the decode leg's SSE events; returns an error message or None."""
     where = f"decode instance {dec_url}"
     async with proxy.session.post(dec_url + "/v1/completions", json=plan.decode,
-                                  headers=headers) as r:
+                                  headers=headers, timeout=proxy.stream_timeout) as r:
         if r.status != 200:
             text = (await r.read()).decode("utf-8", "replace")
             try:

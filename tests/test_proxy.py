@@ -240,6 +240,7 @@ def _vllm_app(u):
         out = [100 + start + i for i in range(mt)]
         chat = request.path.endswith("chat/completions")
         if not body.get("stream"):
+            await asyncio.sleep(getattr(u, "slow", 0))
             c = {"index": 0, "finish_reason": u.finish if mt == 1 else "length",
                  "stop_reason": None, "token_ids": out}
             if chat:
@@ -287,6 +288,7 @@ def vllm_like():
         u = Upstream.__new__(Upstream)
         u.name, u.status, u.kv_params, u.seen = name, 200, False, []
         u.finish, u.decode_fail = kw.get("finish", "length"), kw.get("decode_fail")
+        u.slow = kw.get("slow", 0)  # seconds before a non-streamed answer
         u.loop = asyncio.new_event_loop()
         started = threading.Event()
         models, complete = _vllm_app(u)
@@ -439,3 +441,13 @@ def test_stalled_decode_stream_ends_with_an_error_event(vllm_like, proxy):
         err = ev[-2]["error"]["message"]
         assert f"decode instance {d.url}" in err and "sent nothing for 1 s" in err, (extra, ev)
         assert ev[-1] == "[DONE]"
+
+
+def test_idle_timeout_spares_non_streamed_answers(vllm_like, proxy):
+    """A non-streamed answer sends nothing until it is complete: only
+    --timeout bounds it, not --idle-timeout."""
+    p, d = vllm_like("prefill", slow=2), vllm_like("decode", slow=2)
+    url = proxy([p.url], [d.url], extra=["--idle-timeout", "1"])
+    status, out = post(url + "/v1/completions", {"model": "m", "prompt": "a b",
+                                                 "max_tokens": 3})
+    assert status == 200 and out["choices"][0]["text"] == "t102 t103 t104 ", out
