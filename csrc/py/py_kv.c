@@ -99,6 +99,31 @@ static int live(KVObject *self) {
   return 1;
 }
 
+/* Extents list -> malloc'ed array (PyMem_Raw); NULL with an exception set. */
+static mc_lookup_extent_t *extents_from(PyObject *obj, const char *what, Py_ssize_t *n) {
+  char msg[96];
+  snprintf(msg, sizeof msg, "%s must be a list of (addr, length) tuples", what);
+  PyObject *fast = PySequence_Fast(obj, msg);
+  if (!fast)
+    return NULL;
+  *n = PySequence_Fast_GET_SIZE(fast);
+  mc_lookup_extent_t *x = PyMem_RawMalloc((size_t)(*n ? *n : 1) * sizeof *x);
+  if (!x) {
+    Py_DECREF(fast);
+    PyErr_NoMemory();
+    return NULL;
+  }
+  for (Py_ssize_t i = 0; i < *n; i++) {
+    if (mc_py_get_extent(PySequence_Fast_GET_ITEM(fast, i), &x[i], what, i) < 0) {
+      PyMem_RawFree(x);
+      Py_DECREF(fast);
+      return NULL;
+    }
+  }
+  Py_DECREF(fast);
+  return x;
+}
+
 static PyObject *KV_recv_kv(KVObject *self, PyObject *args, PyObject *kw) {
   static char *kwlist[] = {"producer", "tokens", "dest", "timeout", "extents_per_block",
                            "hidden_dest", "pull", "skip_blocks", NULL};
@@ -120,46 +145,13 @@ static PyObject *KV_recv_kv(KVObject *self, PyObject *args, PyObject *kw) {
                         "leave hidden_dest out or use pull=False");
   if (skip && !pull)
     return PyErr_Format(PyExc_ValueError, "recv_kv: skip_blocks needs pull=True");
-  PyObject *fast = PySequence_Fast(dest_obj, "dest must be a list of (addr, length) tuples");
-  if (!fast)
+  Py_ssize_t nd = 0, nh = 0;
+  mc_lookup_extent_t *dest = extents_from(dest_obj, "dest", &nd), *hid = NULL;
+  if (!dest)
     return NULL;
-  Py_ssize_t nd = PySequence_Fast_GET_SIZE(fast);
-  mc_lookup_extent_t *dest = PyMem_RawMalloc((size_t)(nd ? nd : 1) * sizeof *dest);
-  if (!dest) {
-    Py_DECREF(fast);
-    return PyErr_NoMemory();
-  }
-  for (Py_ssize_t i = 0; i < nd; i++) {
-    if (mc_py_get_extent(PySequence_Fast_GET_ITEM(fast, i), &dest[i], "dest", i) < 0) {
-      PyMem_RawFree(dest);
-      Py_DECREF(fast);
-      return NULL;
-    }
-  }
-  Py_DECREF(fast);
-  mc_lookup_extent_t *hid = NULL;
-  Py_ssize_t nh = 0;
-  if (hid_obj != Py_None) {
-    fast = PySequence_Fast(hid_obj, "hidden_dest must be a list of (addr, length) tuples");
-    if (!fast) {
-      PyMem_RawFree(dest);
-      return NULL;
-    }
-    nh = PySequence_Fast_GET_SIZE(fast);
-    hid = PyMem_RawMalloc((size_t)(nh ? nh : 1) * sizeof *hid);
-    for (Py_ssize_t i = 0; hid && i < nh; i++) {
-      if (mc_py_get_extent(PySequence_Fast_GET_ITEM(fast, i), &hid[i], "hidden_dest", i) < 0) {
-        PyMem_RawFree(hid);
-        PyMem_RawFree(dest);
-        Py_DECREF(fast);
-        return NULL;
-      }
-    }
-    Py_DECREF(fast);
-    if (!hid) {
-      PyMem_RawFree(dest);
-      return PyErr_NoMemory();
-    }
+  if (hid_obj != Py_None && !(hid = extents_from(hid_obj, "hidden_dest", &nh))) {
+    PyMem_RawFree(dest);
+    return NULL;
   }
   mc_py_tokens_t t;
   if (mc_py_tokens_get(tok_obj, &t) < 0) {
@@ -186,29 +178,6 @@ static PyObject *KV_recv_kv(KVObject *self, PyObject *args, PyObject *kw) {
   if (rc < 0)
     return mc_py_raise(ST(self), &err);
   return PyLong_FromLong(rc);
-}
-
-/* Extents list -> malloc'ed array (PyMem_Raw); NULL with an exception set. */
-static mc_lookup_extent_t *extents_from(PyObject *obj, const char *what, Py_ssize_t *n) {
-  PyObject *fast = PySequence_Fast(obj, "dest must be a list of (addr, length) tuples");
-  if (!fast)
-    return NULL;
-  *n = PySequence_Fast_GET_SIZE(fast);
-  mc_lookup_extent_t *x = PyMem_RawMalloc((size_t)(*n ? *n : 1) * sizeof *x);
-  if (!x) {
-    Py_DECREF(fast);
-    PyErr_NoMemory();
-    return NULL;
-  }
-  for (Py_ssize_t i = 0; i < *n; i++) {
-    if (mc_py_get_extent(PySequence_Fast_GET_ITEM(fast, i), &x[i], what, i) < 0) {
-      PyMem_RawFree(x);
-      Py_DECREF(fast);
-      return NULL;
-    }
-  }
-  Py_DECREF(fast);
-  return x;
 }
 
 static PyObject *KV_pull_start(KVObject *self, PyObject *args, PyObject *kw) {
