@@ -452,7 +452,8 @@ static long hash_query(const mc_lookup_t *lb, const void *tokens, size_t ntok, i
   return r;
 }
 
-/* Walks the indexed prefix of a hashed query; path[i] = node of block i. */
+/* Walks the indexed prefix of a hashed query; path[i] = node of block i
+ * (path NULL: only count). */
 static size_t walk(mc_lookup_t *lb, const mc_block_hash_t *h, const uint32_t *canon, size_t n,
                    lk_node_t **path) {
   size_t bs = lb->hasher.block_size, k = 0;
@@ -461,7 +462,9 @@ static size_t walk(mc_lookup_t *lb, const mc_block_hash_t *h, const uint32_t *ca
     lk_node_t *nd = table_find(lb, h[k], prev, canon + k * bs);
     if (!nd)
       break;
-    path[k] = prev = nd;
+    prev = nd;
+    if (path)
+      path[k] = nd;
   }
   return k;
 }
@@ -728,18 +731,11 @@ long mc_lookup_count(mc_lookup_t *lb, const void *tokens, size_t ntok, int width
   long rn = hash_query(lb, tokens, ntok, width, &h, &canon, err);
   if (rn <= 0)
     return rn;
-  size_t n = (size_t)rn;
-  lk_node_t **path = malloc(n * sizeof *path);
-  if (!path) {
-    free(h);
-    return mc_err_set(err, MC_ENOMEM, "out of memory looking up %zu tokens", ntok);
-  }
   pthread_mutex_lock(&lb->mu);
   expire_locked(lb);
-  size_t k = walk(lb, h, canon, n, path);
+  size_t k = walk(lb, h, canon, (size_t)rn, NULL);
   lb->st.probes++;
   pthread_mutex_unlock(&lb->mu);
-  free(path);
   free(h);
   return (long)(k * lb->hasher.block_size);
 }
