@@ -64,6 +64,19 @@ static void local_nics(mc_rdma_t *t, mc_rdma_record_t *r) {
 }
 
 /* Initiator: create QPs, exchange records, bring QPs to RTS. */
+/* Sends an RDMA record to the endpoint's peer over the engine's RPC hook;
+ * *reply (malloc'ed) gets the answer. */
+static int ask_peer(mc_rdma_t *t, mc_rdma_ep_t *ep, const mc_rdma_record_t *req, char **reply,
+                    mc_err_t *err) {
+  char *txt = mc_rdma_record_encode(req);
+  if (!txt)
+    return mc_err_set(err, MC_ENOMEM, "out of memory");
+  int rc = t->hooks.rpc(t->hooks.ctx, ep->segment, txt, strlen(txt), t->o.connect_timeout_ms,
+                        reply, err);
+  free(txt);
+  return rc;
+}
+
 static int ep_connect(mc_rdma_t *t, mc_rdma_ep_t *ep, mc_err_t *err) {
   for (int i = 0; i < t->nnic; i++) {
     /* Down since an async event said so: ask the port again (the
@@ -95,12 +108,8 @@ static int ep_connect(mc_rdma_t *t, mc_rdma_ep_t *ep, mc_err_t *err) {
                                      .psn = ep->qps[i].psn};
   }
   ep->nqp = nqp;
-  char *txt = mc_rdma_record_encode(&req), *reply = NULL;
-  if (!txt)
-    return mc_err_set(err, MC_ENOMEM, "out of memory");
-  int rc = t->hooks.rpc(t->hooks.ctx, ep->segment, txt, strlen(txt), t->o.connect_timeout_ms,
-                        &reply, err);
-  free(txt);
+  char *reply = NULL;
+  int rc = ask_peer(t, ep, &req, &reply, err);
   if (rc < 0)
     return mc_err_prefix(err, "RDMA handshake with segment %s (over its TCP control port)",
                          ep->segment);
@@ -212,15 +221,28 @@ void mc_rdma_ep_break(mc_rdma_t *t, mc_rdma_ep_t *ep, int code, const char *msg,
   }
 }
 
-void mc_rdma_nic_down(mc_rdma_t *t, mc_rdma_nic_t *nic, const char *msg) {
-  mc_rdma_ep_t *eps[256];
-  size_t n = 0;
+mc_rdma_ep_t **mc_rdma_eps_hold(mc_rdma_t *t, size_t *n) {
+  *n = 0;
   pthread_mutex_lock(&t->mu);
-  for (mc_rdma_ep_t *ep = t->eps; ep && n < 256; ep = ep->next) {
-    ep->refs++;
-    eps[n++] = ep;
+  size_t count = 0;
+  for (mc_rdma_ep_t *ep = t->eps; ep; ep = ep->next)
+    count++;
+  mc_rdma_ep_t **eps = count ? malloc(count * sizeof *eps) : NULL;
+  if (eps) {
+    for (mc_rdma_ep_t *ep = t->eps; ep; ep = ep->next) {
+      ep->refs++;
+      eps[(*n)++] = ep;
+    }
+  } else if (count) {
+    mc_log_error("out of memory listing %zu RDMA endpoints", count);
   }
   pthread_mutex_unlock(&t->mu);
+  return eps;
+}
+
+void mc_rdma_nic_down(mc_rdma_t *t, mc_rdma_nic_t *nic, const char *msg) {
+  size_t n;
+  mc_rdma_ep_t **eps = mc_rdma_eps_hold(t, &n);
   for (size_t i = 0; i < n; i++) {
     mc_rdma_ep_t *ep = eps[i];
     int hit = 0;
@@ -243,6 +265,7 @@ void mc_rdma_nic_down(mc_rdma_t *t, mc_rdma_nic_t *nic, const char *msg) {
       mc_rdma_ep_mark_broken(t, ep);
     mc_rdma_ep_put(t, ep);
   }
+  free(eps);
 }
 
 void mc_rdma_peer_lost(mc_rdma_t *t, const char *segment) {
@@ -269,12 +292,8 @@ int mc_rdma_ep_refresh_regions(mc_rdma_t *t, mc_rdma_ep_t *ep, mc_err_t *err) {
   mc_rdma_record_t req = {.kind = MC_RDMA_REC_REGIONS, .epoch = ep->epoch};
   snprintf(req.from, sizeof req.from, "%s", t->hooks.local_name);
   snprintf(req.to, sizeof req.to, "%s", ep->segment);
-  char *txt = mc_rdma_record_encode(&req), *reply = NULL;
-  if (!txt)
-    return mc_err_set(err, MC_ENOMEM, "out of memory");
-  int rc = t->hooks.rpc(t->hooks.ctx, ep->segment, txt, strlen(txt), t->o.connect_timeout_ms,
-                        &reply, err);
-  free(txt);
+  char *reply = NULL;
+  int rc = ask_peer(t, ep, &req, &reply, err);
   if (rc < 0)
     return rc;
   mc_rdma_record_t acc;

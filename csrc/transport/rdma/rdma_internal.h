@@ -138,6 +138,10 @@ void mc_rdma_qp_destroy(mc_rdma_t *t, mc_rdma_qp_t *q);
 /* rdma_ep.c: endpoints. */
 mc_rdma_ep_t *mc_rdma_ep_get(mc_rdma_t *t, const char *segment, mc_err_t *err);
 void mc_rdma_ep_put(mc_rdma_t *t, mc_rdma_ep_t *ep);
+/* Every live endpoint, each with a reference taken (give each back with
+ * mc_rdma_ep_put, then free the array); NULL with *n 0 when there are none
+ * or no memory. */
+mc_rdma_ep_t **mc_rdma_eps_hold(mc_rdma_t *t, size_t *n);
 /* Marks the endpoint broken (replaced on the next transfer) and, with
  * flush, moves its QPs to the error state so posted WRs complete now. */
 void mc_rdma_ep_break(mc_rdma_t *t, mc_rdma_ep_t *ep, int code, const char *msg, int flush);

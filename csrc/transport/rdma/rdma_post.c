@@ -344,14 +344,8 @@ static int canceled(const mc_rdma_wr_t *w) {
 }
 
 void mc_rdma_cancel_sweep(mc_rdma_t *t) {
-  mc_rdma_ep_t *eps[256];
-  size_t n = 0;
-  pthread_mutex_lock(&t->mu);
-  for (mc_rdma_ep_t *ep = t->eps; ep && n < 256; ep = ep->next) {
-    ep->refs++;
-    eps[n++] = ep;
-  }
-  pthread_mutex_unlock(&t->mu);
+  size_t n;
+  mc_rdma_ep_t **eps = mc_rdma_eps_hold(t, &n);
   for (size_t i = 0; i < n; i++) {
     mc_rdma_ep_t *ep = eps[i];
     for (uint32_t k = 0; k < ep->nqp; k++) {
@@ -387,6 +381,7 @@ void mc_rdma_cancel_sweep(mc_rdma_t *t) {
     }
     mc_rdma_ep_put(t, ep);
   }
+  free(eps);
 }
 
 void mc_rdma_wc(mc_rdma_t *t, const struct ibv_wc *wc) {
