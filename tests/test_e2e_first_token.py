@@ -9,13 +9,12 @@ represent take the seed's path, and a decode leg failing after the first
 chunk ends the stream with an error event naming the decode instance.
 (Runs before test_e2e_serving.py, whose last test restarts the prefill server.)
 """
-import asyncio
 import json
-import threading
 import time
 
 import pytest
 from aiohttp import web
+from app_thread import AppThread
 
 from mooncake_connector import serving
 from mooncake_connector.deployment import prompt_tokens_by_source, proxy_stats
@@ -133,14 +132,12 @@ def test_requests_the_fast_path_cannot_represent_take_the_seeds_path(deployment)
     assert any(k.startswith("stop") for k in fb) and any(k.startswith("logprobs") for k in fb), fb
 
 
-class BrokenDecode:
+class BrokenDecode(AppThread):
     """A decode instance that knows its max_model_len but fails its request:
     mode "drop" streams one chunk then closes the connection; "status" answers 503."""
 
     def __init__(self, mode):
         self.mode, self.calls = mode, 0
-        self.loop = asyncio.new_event_loop()
-        ready = threading.Event()
 
         async def models(request):
             return web.json_response({"data": [{"id": "tiny", "max_model_len": 2048}]})
@@ -161,28 +158,8 @@ class BrokenDecode:
             request.transport.close()  # mid-stream: no [DONE]
             return resp
 
-        def run():
-            asyncio.set_event_loop(self.loop)
-            app = web.Application()
-            app.router.add_get("/v1/models", models)
-            app.router.add_get("/health", health)
-            app.router.add_post("/v1/completions", complete)
-            self.runner = web.AppRunner(app)
-            self.loop.run_until_complete(self.runner.setup())
-            site = web.TCPSite(self.runner, "127.0.0.1", 0)
-            self.loop.run_until_complete(site.start())
-            self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
-            ready.set()
-            self.loop.run_forever()
-
-        self.thread = threading.Thread(target=run, daemon=True)
-        self.thread.start()
-        assert ready.wait(10)
-
-    def close(self):
-        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
+        super().__init__([("GET", "/v1/models", models), ("GET", "/health", health),
+                          ("POST", "/v1/completions", complete)])
 
 
 @pytest.mark.parametrize("mode", ["drop", "status"])

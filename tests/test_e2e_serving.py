@@ -16,6 +16,7 @@ import time
 
 import pytest
 
+from mooncake_connector.demo import _prompt
 from mooncake_connector.deployment import prompt_tokens_by_source, proxy_stats
 from mooncake_connector.openai_client import request
 from mooncake_connector.serving import http_get
@@ -27,14 +28,7 @@ REQ_TIMEOUT = 120   # s, per request
 
 
 def _words(seed, n):
-    vocab = ("the quick brown fox jumps over lazy dog hello world prefill decode kv cache "
-             "one two three four five six seven eight nine ten tiny model server").split()
-    x = seed * 7919 + 17
-    out = []
-    for _ in range(n):
-        x = (x * 1103515245 + 12345) % (1 << 31)
-        out.append(vocab[x % len(vocab)])
-    return " ".join(out)
+    return _prompt(n, seed)  # the demo's deterministic words
 
 
 SHARED = _words(1, 300)  # a long shared prefix (system-prompt-like)

@@ -9,7 +9,7 @@ import re
 import socket
 import subprocess
 import sys
-import threading
+import types
 import time
 import urllib.error
 import urllib.request
@@ -17,13 +17,13 @@ import urllib.request
 import pytest
 from aiohttp import web
 
+from app_thread import AppThread
 
-class Upstream:
+
+class Upstream(AppThread):
     def __init__(self, name, status=200, kv_params=True):
         self.name, self.status, self.kv_params = name, status, kv_params
         self.seen = []
-        self.loop = asyncio.new_event_loop()
-        started = threading.Event()
 
         async def complete(request):
             body = await request.json()
@@ -49,34 +49,12 @@ class Upstream:
         async def health(request):
             return web.Response(text="ok")
 
-        def run():
-            asyncio.set_event_loop(self.loop)
-            app = web.Application()
-            app.router.add_post("/v1/completions", complete)
-            app.router.add_post("/v1/chat/completions", complete)
-            app.router.add_get("/health", health)
-            async def models(request):
-                return web.json_response({"data": [self.name]})
+        async def models(request):
+            return web.json_response({"data": [self.name]})
 
-            app.router.add_get("/v1/models", models)
-            self.runner = web.AppRunner(app)
-            self.loop.run_until_complete(self.runner.setup())
-            site = web.TCPSite(self.runner, "127.0.0.1", 0)
-            self.loop.run_until_complete(site.start())
-            self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
-            started.set()
-            self.loop.run_forever()
-
-        self.thread = threading.Thread(target=run, daemon=True)
-        self.thread.start()
-        started.wait(10)
-
-    def close(self):
-        async def stop():
-            await self.runner.cleanup()
-        asyncio.run_coroutine_threadsafe(stop(), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
+        super().__init__([("POST", "/v1/completions", complete),
+                          ("POST", "/v1/chat/completions", complete),
+                          ("GET", "/health", health), ("GET", "/v1/models", models)])
 
 
 @pytest.fixture
@@ -285,31 +263,15 @@ def vllm_like():
     made = []
 
     def make(name, **kw):
-        u = Upstream.__new__(Upstream)
-        u.name, u.status, u.kv_params, u.seen = name, 200, False, []
-        u.finish, u.decode_fail = kw.get("finish", "length"), kw.get("decode_fail")
-        u.slow = kw.get("slow", 0)  # seconds before a non-streamed answer
-        u.loop = asyncio.new_event_loop()
-        started = threading.Event()
+        u = types.SimpleNamespace(name=name, status=200, kv_params=False, seen=[],
+                                  finish=kw.get("finish", "length"),
+                                  decode_fail=kw.get("decode_fail"),
+                                  slow=kw.get("slow", 0))  # s before a non-streamed answer
         models, complete = _vllm_app(u)
-
-        def run():
-            asyncio.set_event_loop(u.loop)
-            app = web.Application()
-            app.router.add_post("/v1/completions", complete)
-            app.router.add_post("/v1/chat/completions", complete)
-            app.router.add_get("/v1/models", models)
-            u.runner = web.AppRunner(app)
-            u.loop.run_until_complete(u.runner.setup())
-            site = web.TCPSite(u.runner, "127.0.0.1", 0)
-            u.loop.run_until_complete(site.start())
-            u.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
-            started.set()
-            u.loop.run_forever()
-
-        u.thread = threading.Thread(target=run, daemon=True)
-        u.thread.start()
-        started.wait(10)
+        u.app = AppThread([("POST", "/v1/completions", complete),
+                           ("POST", "/v1/chat/completions", complete),
+                           ("GET", "/v1/models", models)])
+        u.url, u.close = u.app.url, u.app.close
         made.append(u)
         return u
 

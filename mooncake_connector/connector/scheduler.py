@@ -87,9 +87,8 @@ class SchedulerSide:
             n = (published // self.block_size) * self.block_size
         return n
 
-    def _known_size(self, request, src):
+    def _known_size(self, request, src, n_full):
         """Tokens the producer holds (from block 0), None if not known yet."""
-        n_full = self._full_tokens(request)
         if src[0] == "B":
             params = getattr(request, "kv_transfer_params", None) or {}
             return n_full if isinstance(params.get("num_tokens"), int) else None
@@ -113,7 +112,7 @@ class SchedulerSide:
         n_full = self._full_tokens(request)
         if n_full - num_computed_tokens <= 0:
             return 0, False
-        held = self._known_size(request, src)
+        held = self._known_size(request, src, n_full)
         if held is None:  # not known before the load: claim it all, load in the background
             self._claims[request.request_id] = (n_full, False)
             return n_full - num_computed_tokens, True
