@@ -4,10 +4,10 @@ per GPU where two are visible): KV-cache-shaped tensors (layers x blocks x
 `pytest -m gpu`; skipped with the reason where torch or a GPU is missing."""
 import json
 import os
-import subprocess
 import sys
 
 import pytest
+from line_peer import LinePeer
 
 pytestmark = pytest.mark.gpu
 
@@ -24,43 +24,13 @@ DEV_A = "cuda:0"
 DEV_B = "cuda:1" if NGPU > 1 else "cuda:0"
 
 
-class GpuPeer:
+class GpuPeer(LinePeer):
     def __init__(self, device, layers=32, blocks=1000, block_bytes=65536, env=None):
         self.layers, self.blocks, self.bb = layers, blocks, block_bytes
-        self.proc = subprocess.Popen(
-            [sys.executable, os.path.join(HERE, "gpu_peer.py"), "--device", device,
-             "--layers", str(layers), "--blocks", str(blocks), "--block-bytes", str(block_bytes)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            env={**os.environ, **(env or {})})
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError("gpu peer failed to start: " + self.proc.stderr.read())
-        info = json.loads(line)
-        self.segment, self.addrs = info["segment"], info["addrs"]
-
-    def call(self, **req):
-        self.proc.stdin.write(json.dumps(req) + "\n")
-        self.proc.stdin.flush()
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError("gpu peer exited: " + self.proc.stderr.read())
-        r = json.loads(line)
-        assert "error" not in r, r
-        return r
-
-    def close(self):
-        if self.proc.poll() is None:
-            try:
-                self.proc.stdin.write('{"cmd":"exit"}\n')
-                self.proc.stdin.flush()
-                self.proc.wait(timeout=30)
-            except Exception:
-                self.proc.kill()
-                self.proc.wait()
-        err = self.proc.stderr.read()
-        for f in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
-            f.close()
-        return err
+        super().__init__(os.path.join(HERE, "gpu_peer.py"),
+                         ["--device", device, "--layers", str(layers), "--blocks", str(blocks),
+                          "--block-bytes", str(block_bytes)], env, "gpu peer")
+        self.segment, self.addrs = self.info["segment"], self.info["addrs"]
 
 
 @pytest.fixture

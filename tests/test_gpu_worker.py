@@ -14,11 +14,11 @@ import json
 import os
 import random
 import socket
-import subprocess
 import sys
 import time
 
 import pytest
+from line_peer import LinePeer
 
 pytestmark = pytest.mark.gpu
 
@@ -38,39 +38,12 @@ def free_port():
         return s.getsockname()[1]
 
 
-class WorkerPeer:
+class WorkerPeer(LinePeer):
     def __init__(self, role, device, urls, env):
-        self.proc = subprocess.Popen(
-            [sys.executable, os.path.join(HERE, "gpu_worker_peer.py"), "--role", role,
-             "--device", device, "--urls", json.dumps(urls), "--layers", str(LAYERS),
-             "--blocks", str(NB), "--block-size", str(BS)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            env={**os.environ, **env})
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"{role} worker failed to start: " + self.proc.stderr.read())
-        self.info = json.loads(line)
-
-    def call(self, **req):
-        self.proc.stdin.write(json.dumps(req) + "\n")
-        self.proc.stdin.flush()
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError("worker exited: " + self.proc.stderr.read())
-        r = json.loads(line)
-        assert "error" not in r, r
-        return r
-
-    def close(self):
-        if self.proc.poll() is None:
-            try:
-                self.proc.stdin.write('{"cmd":"exit"}\n')
-                self.proc.stdin.flush()
-                self.proc.wait(timeout=30)
-            except Exception:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.stderr.read()
+        super().__init__(os.path.join(HERE, "gpu_worker_peer.py"),
+                         ["--role", role, "--device", device, "--urls", json.dumps(urls),
+                          "--layers", str(LAYERS), "--blocks", str(NB), "--block-size", str(BS)],
+                         env, f"{role} worker")
 
 
 @pytest.mark.parametrize("ipc", ["1", "0"], ids=["same-host", "tcp"])
