@@ -9,7 +9,8 @@
 //   nvcc -O3 -arch=sm_90 -std=c++17 -o gpu_copy_kernels benchmarks/gpu/gpu_copy_kernels.cu
 //   ./gpu_copy_kernels        (needs two GPUs with peer access)
 //
-// Results: benchmarks/README.md, "Copy-kernel ceiling".
+// Results (with torch's peer copy measured in the same run as the reference):
+// benchmarks/README.md, "Copy-kernel ceiling".
 #include <cstdio>
 #include <cstdlib>
 #include <cstdint>
