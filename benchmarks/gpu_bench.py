@@ -11,7 +11,13 @@
   * GPU memory over TCP loopback (pinned staging on both ends) against host
     memory over TCP, 1 GiB as 64 KiB blocks, shuffled.
 
-    python benchmarks/gpu_bench.py [--out results.json] [--reps 5] [--quick]
+Each same-host transfer is paired with a reference copy right before it:
+"paired median" is the median over the pairs of (reference time / transfer
+time), so a drift of the machine between measurements (torch's own copy
+moves 378-395 GB/s from run to run here) cancels out; the GB/s columns are
+the best of each.
+
+    python benchmarks/gpu_bench.py [--out results.json] [--reps 9] [--quick]
         [--same-host-only] [--sizes 64k,2m] [--env K=V ...]
 """
 import argparse
@@ -56,30 +62,46 @@ class Peer:
         self.p.wait(timeout=60)
 
 
-def torch_peer_copy(reps):
-    x = torch.randint(0, 255, (GiB,), dtype=torch.uint8, device="cuda:0")
-    y = torch.empty(GiB, dtype=torch.uint8, device="cuda:1")
-    for _ in range(3):
-        y.copy_(x)
-    torch.cuda.synchronize("cuda:0")
-    torch.cuda.synchronize("cuda:1")
-    best = 1e9
-    for _ in range(reps):
+class PeerCopy:
+    """The reference: torch's peer copy of one contiguous 1 GiB tensor,
+    y.copy_(x) cuda:0 -> cuda:1 plus synchronize of both devices."""
+
+    def __init__(self, src="cuda:0", dst="cuda:1"):
+        self.x = torch.randint(0, 255, (GiB,), dtype=torch.uint8, device=src)
+        self.y = torch.empty(GiB, dtype=torch.uint8, device=dst)
+        self.devs = (src, dst)
+        for _ in range(3):
+            self.once()
+        assert torch.equal(self.x[:1 << 20].cpu(), self.y[:1 << 20].cpu())
+
+    def once(self):
         t0 = time.perf_counter()
-        y.copy_(x)
-        torch.cuda.synchronize("cuda:0")
-        torch.cuda.synchronize("cuda:1")
-        best = min(best, time.perf_counter() - t0)
-    assert torch.equal(x.cpu()[:1 << 20], y.cpu()[:1 << 20])
-    del x, y
-    torch.cuda.empty_cache()
-    return GiB / best / 1e9
+        self.y.copy_(self.x)
+        for d in self.devs:
+            torch.cuda.synchronize(d)
+        return time.perf_counter() - t0
+
+    def best_gbps(self, reps):
+        return GiB / min(self.once() for _ in range(reps)) / 1e9
+
+    def close(self):
+        del self.x, self.y
+        torch.cuda.empty_cache()
 
 
-def engine_cases(da, db, bb, reps, cases, env=None):
+def median(xs):
+    xs = sorted(xs)
+    n = len(xs)
+    return xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
+
+
+def engine_cases(da, db, bb, reps, cases, env=None, ref=None):
     """One pair of peers (one process per GPU), several transfers: each case
     (name, op, mult, add, shuffle) is timed (best of reps after a warm-up)
-    and its bytes checked block by block.  Returns {name: GB/s}."""
+    and its bytes checked block by block.  Returns {name: GB/s}; with `ref`
+    (a PeerCopy) each timed transfer is paired with a reference copy right
+    before it and {name: (GB/s, [per-pair ratios])} comes back instead, so
+    a drift of the machine between measurements cancels out."""
     layers = 32
     blocks = GiB // (layers * bb)
     a = Peer(da, layers, blocks, bb, env)
@@ -93,12 +115,22 @@ def engine_cases(da, db, bb, reps, cases, env=None):
             kw = dict(cmd="xfer", op=op, target=b.segment, raddrs=b.addrs, mult=mult, add=add,
                       shuffle=shuffle)
             a.call(**kw, reps=1)
-            r = a.call(**kw, reps=reps)
+            if ref is None:
+                r = a.call(**kw, reps=reps)
+                secs, ratios = r["secs"], None
+            else:
+                secs, ratios = [], []
+                for _ in range(reps):
+                    t_ref = ref.once()
+                    r = a.call(**kw, reps=1)
+                    secs.append(r["secs"][0])
+                    ratios.append(t_ref / r["secs"][0])
             sa, sb = a.call(cmd="sums")["sums"], b.call(cmd="sums")["sums"]
             bad = sum(sa[li][lb] != sb[li][rb]
                       for li, lb, rb in block_pairs(layers, blocks, mult, add, shuffle))
             assert bad == 0, f"{name}: {bad} blocks differ"
-            out[name] = r["bytes"] / min(r["secs"]) / 1e9
+            gbps = r["bytes"] / min(secs) / 1e9
+            out[name] = gbps if ratios is None else (gbps, ratios)
         return out
     finally:
         a.close()
@@ -108,7 +140,8 @@ def engine_cases(da, db, bb, reps, cases, env=None):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="")
-    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=9,
+                    help="timed transfers per case, each paired with a reference copy")
     ap.add_argument("--quick", action="store_true", help="fewer variants")
     ap.add_argument("--same-host-only", action="store_true", help="skip the TCP cases")
     ap.add_argument("--sizes", default="64k,2m", help="block sizes of the same-host cases")
@@ -120,16 +153,24 @@ def main():
     res = {"gpu": torch.cuda.get_device_name(0), "gpus": ngpu, "torch": torch.__version__,
            "env": extra, "results": {}}
     R = res["results"]
+    P = res["paired"] = {}  # per case: each transfer / the reference copy right before it
 
-    def rec(name, v):
+    def rec(name, v, ratios=None):
         R[name] = round(v, 2)
         ref = R.get(REF)
         rel = f"  {v / ref:5.3f}x" if ref and name != REF and "TCP" not in name else ""
+        if ratios:
+            m = median(ratios)
+            P[name] = {"median": round(m, 4), "min": round(min(ratios), 4),
+                       "max": round(max(ratios), 4), "ratios": [round(x, 4) for x in ratios]}
+            rel += f"  paired median {m:5.3f}x ({min(ratios):5.3f}-{max(ratios):5.3f})"
         print(f"{name:66s} {v:9.2f} GB/s{rel}", flush=True)
 
     db = "cuda:1" if ngpu > 1 else "cuda:0"
+    ref = None
     if ngpu > 1:
-        rec(REF, torch_peer_copy(args.reps))
+        ref = PeerCopy("cuda:0", db)
+        rec(REF, ref.best_gbps(args.reps))
     else:
         x = torch.empty(GiB, dtype=torch.uint8, device="cuda:0")
         y = torch.empty_like(x)
@@ -153,8 +194,11 @@ def main():
             if mode == "kernel":
                 cases += [(f"{pre} scattered (7i+3) WRITE", "write", 7, 3, 0),
                           (f"{pre} in order WRITE (adjacent blocks merge)", "write", 1, 0, 0)]
-            for name, v in engine_cases("cuda:0", db, bb, args.reps, cases, env).items():
-                rec(name, v)
+            got = engine_cases("cuda:0", db, bb, args.reps, cases, env, ref)
+            for name, v in got.items():
+                rec(name, *v) if ref else rec(name, v)
+    if ref:
+        ref.close()
     if not args.same_host_only:
         tcp = {**extra, "MC_GPU_IPC": "0"}
         reps = max(2, args.reps // 2)

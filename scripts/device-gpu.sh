@@ -52,8 +52,10 @@ fi
 MC_WERROR=1 $py -m pip install -q --no-build-isolation . >"$out/pip.log" 2>&1 || rc=1
 sel=(-m gpu "$PWD/tests/test_gpu.py" "$PWD/tests/test_gpu_worker.py")
 [ $full = 1 ] && sel=("$PWD/tests")
-[ $pytest = 1 ] && (cd /tmp && MC_LOG_LEVEL=info $py -m pytest -q -rs -p no:cacheprovider "${sel[@]}" --timeout 300 \
-    >"$out/pytest.log" 2>&1) || rc=1
+if [ $pytest = 1 ]; then
+  (cd /tmp && MC_LOG_LEVEL=info $py -m pytest -q -rs -p no:cacheprovider "${sel[@]}" --timeout 300 \
+      >"$out/pytest.log" 2>&1) || rc=1
+fi
 if [ $bench = 1 ]; then
   (cd /tmp && timeout 420 $py "$OLDPWD/benchmarks/gpu_bench.py" $quick --out "$out/gpu_bench.json" \
       >"$out/gpu_bench.log" 2>&1) || rc=1

@@ -38,6 +38,7 @@ struct mc_engine {
   int gpu_reserved;       /* staging pre-allocated (first cuda region) */
   int gpu_ipc_off;        /* MC_GPU_IPC=0: never use the same-host path */
   int gpu_chunk;          /* MC_GPU_CHUNK: requests planned per step */
+  int gpu_first_chunk;    /* MC_GPU_FIRST_CHUNK: the first step's (then doubling) */
   pthread_mutex_t gpu_mu; /* path choices logged once per peer */
   char (*gpu_logged)[320];
   size_t gpu_nlogged;
@@ -108,10 +109,28 @@ struct mc_batch {
 void mc_batch_part_done(mc_batch_t *b, size_t i, int code, const char *msg, uint64_t bytes);
 
 /* gpu_xfer.c: GPU memory in transfers. */
-/* Locates each request's local buffer: ldev[i] = cuda device or -1.
- * Returns how many are GPU memory (0 without touching CUDA when the
- * process never loaded it), or <0 (a buffer runs past its allocation). */
-int mc_gpu_locate_locals(const mc_request_t *reqs, size_t n, int *ldev, mc_err_t *err);
+/* Where local buffers live: inside a region this engine registered (its
+ * location was checked then), else as the CUDA driver says.  A locator
+ * remembers the regions and allocations it found (and maps a 2 MiB page to
+ * the one last found there), so a batch located in pieces looks each up
+ * once. */
+#define MC_LOCATE_CACHE 64
+#define MC_LOCATE_HINTS 4096
+typedef struct mc_gpu_locator {
+  struct {
+    uint64_t lo, hi;
+    int dev;
+  } seen[MC_LOCATE_CACHE];
+  size_t nseen, last;
+  unsigned char hint[MC_LOCATE_HINTS]; /* page -> seen index + 1 */
+  mc_regions_t *regions;               /* the engine's own, or NULL */
+} mc_gpu_locator_t;
+void mc_gpu_locator_init(mc_gpu_locator_t *lc, mc_regions_t *regions);
+/* Locates the local buffers of reqs[from, to): ldev[i] = cuda device or
+ * -1.  Returns how many are GPU memory, or <0 (a buffer runs past its
+ * allocation). */
+int mc_gpu_locate_locals(mc_gpu_locator_t *lc, const mc_request_t *reqs, size_t from,
+                         size_t to, int *ldev, mc_err_t *err);
 /* Same-host path.  One submit call is one run (mc_gpu_run_t, created by
  * the first plan, released by the caller with mc_gpu_run_release after the
  * last chunk): the peer's descriptor (from a cache, or asked synchronously

@@ -10,6 +10,7 @@
 #include "gpu/cuda_driver.h"
 #include "gpu/gpu_ipc.h"
 #include "transport/tcp/wire.h"
+#include "util/clock.h"
 #include "util/log.h"
 
 /* ---- same-host path ---- */
@@ -402,11 +403,20 @@ mc_gpu_plan_t *mc_gpu_ipc_plan(mc_engine_t *e, mc_batch_t *b, const char *segmen
     return NULL;
   }
   size_t k = 0;
+  static int trace = -1;
+  if (trace < 0)
+    trace = getenv("MC_GPU_TRACE") && getenv("MC_GPU_TRACE")[0] == '1';
+  uint64_t t0 = trace ? mc_now_ns() : 0, t1 = 0;
   for (int attempt = 0; attempt < 2; attempt++) {
     if (!*runp && !(*runp = run_start(e, b, segment, d, attempt > 0)))
       break;
+    if (trace)
+      t1 = mc_now_ns();
     int miss = 0;
     k = map_requests(*runp, p, reqs, ldev, via_ipc, &miss);
+    if (trace)
+      mc_log_info("gpu trace: plan of %zu requests: run %.1f us, map %.1f us", n,
+                  (t1 - t0) / 1e3, (mc_now_ns() - t1) / 1e3);
     if (!(miss && (*runp)->validate))
       break;
     /* A GPU request fell outside the cached regions: this and later

@@ -13,66 +13,72 @@
 #include "gpu/cuda_driver.h"
 #include "util/log.h"
 
-/* Allocations already seen in one locate pass (KV blocks come from a few
- * allocations, e.g. one per layer, in any order). */
-#define LOCATE_CACHE 64
-#define LOCATE_HINTS 4096
+void mc_gpu_locator_init(mc_gpu_locator_t *lc, mc_regions_t *regions) {
+  lc->regions = regions;
+  lc->nseen = 0;
+  lc->last = 0;
+  memset(lc->hint, 0, sizeof lc->hint);
+}
 
-int mc_gpu_locate_locals(const mc_request_t *reqs, size_t n, int *ldev, mc_err_t *err) {
+int mc_gpu_locate_locals(mc_gpu_locator_t *lc, const mc_request_t *reqs, size_t from,
+                         size_t to, int *ldev, mc_err_t *err) {
   int k = 0;
   /* Answer from the allocations already seen while the buffers stay inside
    * one: a driver query per allocation, not per request (a shuffled block
-   * order over 32 layers would otherwise ask the driver for every block). */
-  struct {
-    uint64_t lo, hi;
-    int dev;
-  } seen[LOCATE_CACHE];
-  size_t nseen = 0, last = 0;
-  /* 2 MiB page of an address -> the allocation last found there (+1): a
-   * shuffled order finds its allocation in one probe, not a scan. */
-  unsigned char hint[LOCATE_HINTS];
-  memset(hint, 0, sizeof hint);
-  for (size_t i = 0; i < n; i++) {
+   * order over 32 layers would otherwise ask the driver for every block).
+   * The locator keeps them across calls, so one batch located chunk by
+   * chunk asks the driver no more often than located at once. */
+  size_t nseen = lc->nseen, last = lc->last;
+  for (size_t i = from; i < to; i++) {
     uint64_t a = (uint64_t)(uintptr_t)reqs[i].local, end = a + reqs[i].len;
-    size_t h = (size_t)(a >> 21) % LOCATE_HINTS;
-    int hit = -1, c = hint[h] - 1;
+    size_t h = (size_t)(a >> 21) % MC_LOCATE_HINTS;
+    int hit = -1, c = lc->hint[h] - 1;
     /* The page hint first: checking the last allocation first costs a
      * mispredicted branch per request when blocks alternate between
      * allocations at random (4-7x slower over a shuffled block table). */
-    if (c >= 0 && a >= seen[c].lo && end <= seen[c].hi) {
+    if (c >= 0 && a >= lc->seen[c].lo && end <= lc->seen[c].hi) {
       hit = c;
-    } else if (nseen && a >= seen[last].lo && end <= seen[last].hi) {
+    } else if (nseen && a >= lc->seen[last].lo && end <= lc->seen[last].hi) {
       hit = (int)last;
-      hint[h] = (unsigned char)(last + 1);
+      lc->hint[h] = (unsigned char)(last + 1);
     } else {
       for (size_t j = 0; j < nseen; j++)
-        if (a >= seen[j].lo && end <= seen[j].hi) {
+        if (a >= lc->seen[j].lo && end <= lc->seen[j].hi) {
           hit = (int)j;
           last = j;
-          hint[h] = (unsigned char)(j + 1);
+          lc->hint[h] = (unsigned char)(j + 1);
           break;
         }
     }
     if (hit >= 0) {
-      ldev[i] = seen[hit].dev;
-      k++;
+      ldev[i] = lc->seen[hit].dev;
+      k += ldev[i] >= 0;
       continue;
     }
-    int dev = -1;
-    uint64_t start = 0, size = 0;
-    int rc = mc_cuda_locate_range(a, reqs[i].len, &dev, &start, &size, err);
-    if (rc < 0)
+    /* A registered region (no driver call; host regions are remembered
+     * too), else the driver (GPU allocations only). */
+    uint64_t start = 0, size = 0, hi = 0;
+    int dev = lc->regions ? mc_regions_device_of(lc->regions, a, reqs[i].len, &start, &hi) : -2;
+    int rc = 1;
+    if (dev >= -1)
+      size = hi - start;
+    else if ((rc = mc_cuda_locate_range(a, reqs[i].len, &dev, &start, &size, err)) < 0) {
+      lc->nseen = nseen;
+      lc->last = last;
       return mc_err_prefix(err, "request %zu (local buffer)", i);
+    }
     ldev[i] = rc == 1 ? dev : -1;
-    k += rc == 1;
+    k += rc == 1 && dev >= 0;
     if (rc == 1) {
-      last = nseen < LOCATE_CACHE ? nseen++ : (last + 1) % LOCATE_CACHE;
-      seen[last].lo = start;
-      seen[last].hi = start + size;
-      seen[last].dev = dev;
-      hint[h] = (unsigned char)(last + 1);
+      last = nseen < MC_LOCATE_CACHE ? nseen++ : (last + 1) % MC_LOCATE_CACHE;
+      lc->seen[last].lo = start;
+      lc->seen[last].hi = start + size;
+      lc->seen[last].dev = dev;
+      lc->hint[h] = (unsigned char)(last + 1);
     }
   }
+  lc->nseen = nseen;
+  lc->last = last;
   return k;
 }
 

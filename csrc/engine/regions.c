@@ -165,6 +165,21 @@ void mc_regions_release(mc_regions_t *r, mc_region_t *reg) {
   pthread_mutex_unlock(&r->mu);
 }
 
+int mc_regions_device_of(mc_regions_t *r, uint64_t addr, uint64_t len, uint64_t *lo,
+                         uint64_t *hi) {
+  int dev = -2;
+  pthread_mutex_lock(&r->mu);
+  long i = find_le(r, addr);
+  const mc_region_t *reg = i >= 0 ? r->v[i] : NULL;
+  if (reg && !reg->dead && len > 0 && addr + len >= addr && addr + len <= reg->addr + reg->len) {
+    dev = reg->cuda_dev >= 0 ? reg->cuda_dev : -1;
+    *lo = reg->addr;
+    *hi = reg->addr + reg->len;
+  }
+  pthread_mutex_unlock(&r->mu);
+  return dev;
+}
+
 size_t mc_regions_snapshot(mc_regions_t *r, mc_region_t *out, size_t max) {
   pthread_mutex_lock(&r->mu);
   size_t k = 0;

@@ -60,6 +60,12 @@ int mc_regions_acquire(mc_regions_t *r, uint64_t addr, uint64_t len,
                        const char *who, mc_region_t **out, mc_err_t *err);
 void mc_regions_release(mc_regions_t *r, mc_region_t *reg);
 
+/* Where [addr, addr+len) lives if a live region holds it: its cuda device,
+ * or -1 for host memory (locations are checked at registration), with the
+ * region's bounds in *lo, *hi.  -2 if no region holds it. */
+int mc_regions_device_of(mc_regions_t *r, uint64_t addr, uint64_t len, uint64_t *lo,
+                         uint64_t *hi);
+
 /* Copies up to `max` (addr,len,location) records; returns the count. */
 size_t mc_regions_snapshot(mc_regions_t *r, mc_region_t *out, size_t max);
 size_t mc_regions_count(mc_regions_t *r);

@@ -82,6 +82,7 @@ int mc_gpu_ipc_export(uint64_t addr, char out_b64[MC_GPU_IPC_B64_MAX], uint64_t 
 
 typedef struct opened {
   char b64[MC_GPU_IPC_B64_MAX];
+  uint64_t hash; /* of b64: handles of one exporter share long prefixes */
   int device;
   uint64_t mapped;
 } opened_t;
@@ -90,14 +91,30 @@ static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
 static opened_t *g_open;
 static size_t g_nopen, g_capopen;
 
-int mc_gpu_ipc_open(const char *b64, int device, uint64_t *mapped, mc_err_t *err) {
-  pthread_mutex_lock(&g_mu);
+static uint64_t fnv1a(const char *s) {
+  uint64_t h = 1469598103934665603ull;
+  for (; *s; s++)
+    h = (h ^ (unsigned char)*s) * 1099511628211ull;
+  return h;
+}
+
+/* Caller holds g_mu.  The mapping of (b64, device) opened before, or NULL. */
+static const opened_t *find_opened(const char *b64, uint64_t hash, int device) {
   for (size_t i = 0; i < g_nopen; i++)
-    if (g_open[i].device == device && !strcmp(g_open[i].b64, b64)) {
-      *mapped = g_open[i].mapped;
-      pthread_mutex_unlock(&g_mu);
-      return 0;
-    }
+    if (g_open[i].hash == hash && g_open[i].device == device && !strcmp(g_open[i].b64, b64))
+      return &g_open[i];
+  return NULL;
+}
+
+int mc_gpu_ipc_open(const char *b64, int device, uint64_t *mapped, mc_err_t *err) {
+  uint64_t hash = fnv1a(b64);
+  pthread_mutex_lock(&g_mu);
+  const opened_t *o = find_opened(b64, hash, device);
+  if (o) {
+    *mapped = o->mapped;
+    pthread_mutex_unlock(&g_mu);
+    return 0;
+  }
   pthread_mutex_unlock(&g_mu);
   const mc_cuda_api_t *api = mc_cuda_api(err);
   if (!api)
@@ -115,12 +132,11 @@ int mc_gpu_ipc_open(const char *b64, int device, uint64_t *mapped, mc_err_t *err
   mc_cu_ptr p = 0;
   pthread_mutex_lock(&g_mu);
   /* Re-check under the lock: opening one handle twice in a process fails. */
-  for (size_t i = 0; i < g_nopen; i++)
-    if (g_open[i].device == device && !strcmp(g_open[i].b64, b64)) {
-      *mapped = g_open[i].mapped;
-      pthread_mutex_unlock(&g_mu);
-      return 0;
-    }
+  if ((o = find_opened(b64, hash, device))) {
+    *mapped = o->mapped;
+    pthread_mutex_unlock(&g_mu);
+    return 0;
+  }
   mc_cu_result r = api->cuIpcOpenMemHandle(&p, h, MC_CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS);
   if (r != 0) {
     pthread_mutex_unlock(&g_mu);
@@ -140,6 +156,7 @@ int mc_gpu_ipc_open(const char *b64, int device, uint64_t *mapped, mc_err_t *err
   }
   if (g_nopen < g_capopen) {
     snprintf(g_open[g_nopen].b64, sizeof g_open[g_nopen].b64, "%s", b64);
+    g_open[g_nopen].hash = hash;
     g_open[g_nopen].device = device;
     g_open[g_nopen].mapped = p;
     g_nopen++;

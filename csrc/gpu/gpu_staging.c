@@ -34,6 +34,7 @@ struct mc_gpu_stager {
   mc_gpu_job_t *q_head, *q_tail;
   size_t busy; /* jobs queued or in flight */
   int stop, started;
+  int poked; /* mc_gpu_stager_poke: poll again before sleeping */
   pthread_t thread;
   /* Worker-only. */
   mc_gpu_job_t *fl_head, *fl_tail; /* in flight, submission order */
@@ -441,8 +442,9 @@ static void *worker_main(void *arg) {
     pthread_mutex_lock(&s->mu);
     if (s->stop && !s->q_head && !s->fl_head)
       break;
-    if (done || started) {
+    if (done || started || s->poked) {
       spins = 0;
+      s->poked = 0;
       continue;
     }
     if (spins == 0)
@@ -499,6 +501,17 @@ void mc_gpu_stager_submit(mc_gpu_stager_t *s, mc_gpu_job_t *j) {
     s->q_head = j;
   s->q_tail = j;
   pthread_cond_broadcast(&s->cv);
+  pthread_mutex_unlock(&s->mu);
+}
+
+void mc_gpu_stager_poke(mc_gpu_stager_t *s) {
+  if (!s)
+    return;
+  pthread_mutex_lock(&s->mu);
+  if (s->started) {
+    s->poked = 1;
+    pthread_cond_broadcast(&s->cv);
+  }
   pthread_mutex_unlock(&s->mu);
 }
 

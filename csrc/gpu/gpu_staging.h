@@ -83,5 +83,10 @@ const char *mc_gpu_d2d_copy_name(void);
 
 /* Queues a job.  Never blocks on the GPU. */
 void mc_gpu_stager_submit(mc_gpu_stager_t *s, mc_gpu_job_t *j);
+/* A batch with GPU copies is being planned: a copy thread that went to
+ * sleep polls again for a while, so the first job finds it awake (a
+ * sleeping thread's wake-up costs tens of microseconds).  No-op before the
+ * first job. */
+void mc_gpu_stager_poke(mc_gpu_stager_t *s);
 
 #endif

@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include "engine/engine.h"
+#include "engine/regions.h"
 #include "testlib.h"
 #include "transport/tcp/wire.h"
 #include "util/clock.h"
@@ -371,6 +372,28 @@ static void test_fast_path_and_bulk_concurrently(void) {
   CHECK(!bad);
 }
 
+/* Where a local buffer lives, from the regions table (the GPU locate pass
+ * asks it before the driver): the region's device, -1 for host memory,
+ * -2 outside every region or straddling its end. */
+static void test_regions_device_of(void) {
+  mc_regions_t r;
+  mc_err_t err = {0};
+  CHECK_EQ_INT(mc_regions_init(&r), 0);
+  CHECK_EQ_INT(mc_regions_add(&r, 0x10000, 0x1000, "cpu", &err), 0);
+  CHECK_EQ_INT(mc_regions_add(&r, 0x40000, 0x4000, "cuda:3", &err), 0);
+  uint64_t lo = 0, hi = 0;
+  CHECK_EQ_INT(mc_regions_device_of(&r, 0x10800, 0x100, &lo, &hi), -1);
+  CHECK(lo == 0x10000 && hi == 0x11000);
+  CHECK_EQ_INT(mc_regions_device_of(&r, 0x42000, 0x2000, &lo, &hi), 3);
+  CHECK(lo == 0x40000 && hi == 0x44000);
+  CHECK_EQ_INT(mc_regions_device_of(&r, 0x43000, 0x2000, &lo, &hi), -2); /* past the end */
+  CHECK_EQ_INT(mc_regions_device_of(&r, 0x20000, 0x10, &lo, &hi), -2);
+  CHECK_EQ_INT(mc_regions_device_of(&r, 0x10000, 0, &lo, &hi), -2);
+  CHECK_EQ_INT(mc_regions_remove(&r, 0x40000, &err), 0);
+  CHECK_EQ_INT(mc_regions_device_of(&r, 0x42000, 0x10, &lo, &hi), -2);
+  mc_regions_destroy(&r);
+}
+
 int main(void) {
   abuf = malloc(BUFSZ);
   bbuf = malloc(BUFSZ);
@@ -383,6 +406,7 @@ int main(void) {
     fprintf(stderr, "%s\n", err.msg);
     return 1;
   }
+  RUN(test_regions_device_of);
   RUN(test_sizes_write_read);
   RUN(test_batch_10k_blocks);
   RUN(test_out_of_range_refused);

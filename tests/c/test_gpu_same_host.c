@@ -5,7 +5,10 @@
  *     byte-exact (scattered blocks);
  *   - a batch using a cached descriptor whose region the peer has since
  *     unregistered fails, in every chunk, with the "re-registered" error
- *     (the check runs alongside the copies).
+ *     (the check runs alongside the copies);
+ *   - a local buffer that runs past its CUDA allocation in a later chunk
+ *     (located chunk by chunk) fails the submit naming that request, and
+ *     freeing the batch waits for the chunks already started.
  * Two engines in one process (same address space).  Skips without a GPU. */
 #include <dlfcn.h>
 #include <stdint.h>
@@ -158,8 +161,44 @@ static void test_unregistered_since_cached_fails(void) {
   free(r);
 }
 
+static void test_later_chunk_runs_past_allocation(void) {
+  SKIP_NO_GPU();
+  mc_engine_opts_t o = {.local_hostname = "127.0.0.1", .metadata_server = "P2PHANDSHAKE"};
+  mc_engine_t *A = NULL, *B = NULL;
+  mc_err_t err = {0};
+  CHECK_EQ_INT(mc_engine_create(&o, &A, &err), 0);
+  CHECK_EQ_INT(mc_engine_create(&o, &B, &err), 0);
+  size_t sz = (size_t)NBLK * BLK;
+  uint64_t src = dalloc(sz), dst = dalloc(sz);
+  CHECK(src && dst);
+  CHECK_EQ_INT(mc_engine_register(B, (void *)(uintptr_t)dst, sz, "cuda:0", &err), 0);
+  size_t n = NBLK, badi = NBLK - 5;
+  mc_request_t *r = calloc(n, sizeof *r);
+  for (size_t i = 0; i < n; i++)
+    r[i] = (mc_request_t){.opcode = MC_OP_WRITE, .local = (void *)(uintptr_t)(src + i * BLK),
+                          .remote = dst + perm(i) * BLK, .len = BLK};
+  r[badi].local = (void *)(uintptr_t)(src + sz - BLK / 2); /* half past the end */
+  mc_batch_t *b = mc_batch_new(A, n);
+  int rc = mc_batch_submit(A, b, mc_engine_segment_name(B), r, n, &err);
+  CHECK_EQ_INT(rc, MC_EINVAL);
+  char want[64];
+  snprintf(want, sizeof want, "request %zu", badi);
+  CHECK(strstr(err.msg, want) != NULL);
+  CHECK(strstr(err.msg, "runs past its end") != NULL);
+  mc_batch_free(A, b); /* waits for the chunks already started */
+  /* The engine still works afterwards. */
+  r[badi].local = (void *)(uintptr_t)(src + badi * BLK);
+  CHECK_EQ_INT(xfer(A, B, r, n, &err), 0);
+  mc_engine_destroy(A);
+  mc_engine_destroy(B);
+  cu_free(src);
+  cu_free(dst);
+  free(r);
+}
+
 int main(void) {
   RUN(test_later_chunks_fresh_descriptor);
   RUN(test_unregistered_since_cached_fails);
+  RUN(test_later_chunk_runs_past_allocation);
   TEST_MAIN_END();
 }
