@@ -210,6 +210,44 @@ def test_producer_frees_blocks_after_hold_timeout(sides):
     assert 0.4 < time.monotonic() - t0 < 10
 
 
+def test_idle_producer_waits_for_the_release_instead_of_spinning(sides):
+    """A step with nothing to compute while the producer holds KV waits (up
+    to idle_wait_ms) for a consumer's release, and returns as soon as it
+    comes with the send finished; idle_wait_ms 0 never waits."""
+    import threading
+    p = sides("kv_producer", idle_wait_ms=400)
+    t = toks(11, 3 * BS)
+    prefill(p, "w", t)
+    t0 = time.monotonic()
+    p.step()                            # idle: nothing released, waits it out
+    assert time.monotonic() - t0 >= 0.35 and "w" not in p.sent
+    d = sides("kv_consumer")
+
+    def consume():
+        time.sleep(0.1)
+        d.add(make_request("w", t, max_tokens=2))
+        d.step()                        # in-step load: pulls and releases
+
+    th = threading.Thread(target=consume)
+    th.start()
+    t0 = time.monotonic()
+    p.step()                            # woken by the release, not by the timeout
+    took = time.monotonic() - t0
+    th.join()
+    assert "w" in d.recvd or d.computed.get("w", 0) < len(t), "consumer did not load"
+    assert "w" in p.sent and took < 0.35, (took, p.sent)
+    assert p.run_until(lambda: p.is_empty())
+
+
+def test_idle_wait_zero_never_waits(sides):
+    p = sides("kv_producer", idle_wait_ms=0)
+    prefill(p, "z", toks(12, 2 * BS))
+    t0 = time.monotonic()
+    for _ in range(5):
+        p.step()
+    assert time.monotonic() - t0 < 0.3 and "z" not in p.sent
+
+
 @pytest.mark.parametrize("in_step", [True, False], ids=["in-step", "async"])
 def test_failed_load_recomputes(sides, urls, in_step):
     """The params name a producer that is gone (flow B: no probe first)."""

@@ -129,6 +129,18 @@ def test_expiry_and_freed_tags():
     assert b.take_freed() == []
 
 
+def test_wait_freed_returns_on_expiry_or_timeout():
+    b = mc.LookupBuffer(1 << 20, ttl_s=0.15, track_freed=True)
+    t0 = time.monotonic()
+    assert b.wait_freed(0.05) is False                 # nothing held: the timeout
+    assert 0.04 < time.monotonic() - t0 < 2
+    b.insert(list(range(32)), ext(2, 4))
+    assert b.wait_freed(0.5) is True                   # the entry expired meanwhile
+    assert sorted(t for _, _, t in b.take_freed()) == [4000, 4001]
+    with pytest.raises(ValueError, match="timeout_s"):
+        b.wait_freed(-1)
+
+
 def test_collisions_with_weak_hash_never_return_wrong_kv():
     b = mc.LookupBuffer(1 << 24, _test_weak_hash_bits=3)
     seqs = []

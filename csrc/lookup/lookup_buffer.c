@@ -822,6 +822,21 @@ void mc_lookup_get_stats(mc_lookup_t *lb, mc_lookup_stats_t *st) {
   pthread_mutex_unlock(&lb->mu);
 }
 
+int mc_lookup_wait_freed(mc_lookup_t *lb, int64_t timeout_ms) {
+  uint64_t deadline = mc_now_ns() + (uint64_t)(timeout_ms > 0 ? timeout_ms : 0) * 1000000ull;
+  pthread_mutex_lock(&lb->mu);
+  expire_locked(lb);
+  while (lb->nfreed == 0 && mc_now_ns() < deadline) {
+    struct timespec ts = mc_deadline_ts(deadline);
+    pthread_cond_timedwait(&lb->room, &lb->mu, &ts);
+  }
+  if (lb->nfreed == 0)
+    expire_locked(lb);
+  int any = lb->nfreed > 0;
+  pthread_mutex_unlock(&lb->mu);
+  return any;
+}
+
 size_t mc_lookup_take_freed(mc_lookup_t *lb, mc_lookup_extent_t *out, size_t max) {
   pthread_mutex_lock(&lb->mu);
   size_t n = lb->nfreed < max ? lb->nfreed : max;

@@ -149,4 +149,10 @@ void mc_lookup_get_stats(mc_lookup_t *lb, mc_lookup_stats_t *st);
  * right away, the others when their block is freed. */
 size_t mc_lookup_take_freed(mc_lookup_t *lb, mc_lookup_extent_t *out, size_t max);
 
+/* Blocks until take_freed has something to give or timeout_ms passed (an
+ * entry's expiry is noticed then, too).  Returns 1 if freed extents are
+ * queued, else 0.  Lets an otherwise idle owner wait for its consumers'
+ * releases instead of polling. */
+int mc_lookup_wait_freed(mc_lookup_t *lb, int64_t timeout_ms);
+
 #endif

@@ -354,6 +354,21 @@ static PyObject *Lookup_stats(LookupObject *self, PyObject *unused) {
 #undef F
 }
 
+static PyObject *Lookup_wait_freed(LookupObject *self, PyObject *args) {
+  double timeout_s;
+  if (!PyArg_ParseTuple(args, "d:wait_freed", &timeout_s))
+    return NULL;
+  if (!(timeout_s >= 0.0) || timeout_s > 3600.0) {
+    PyErr_SetString(PyExc_ValueError, "wait_freed: timeout_s must be between 0 and 3600");
+    return NULL;
+  }
+  int any;
+  Py_BEGIN_ALLOW_THREADS
+  any = mc_lookup_wait_freed(self->lb, (int64_t)(timeout_s * 1000.0 + 0.5));
+  Py_END_ALLOW_THREADS
+  return PyBool_FromLong(any);
+}
+
 static PyObject *Lookup_take_freed(LookupObject *self, PyObject *unused) {
   (void)unused;
   PyObject *out = PyList_New(0);
@@ -398,6 +413,9 @@ static PyMethodDef Lookup_methods[] = {
     {"expire", (PyCFunction)Lookup_expire, METH_NOARGS,
      "expire() -> int: drops entries older than ttl_s now (every call also does)."},
     {"stats", (PyCFunction)Lookup_stats, METH_NOARGS, "stats() -> dict of counters."},
+    {"wait_freed", (PyCFunction)Lookup_wait_freed, METH_VARARGS,
+     "wait_freed(timeout_s) -> bool: blocks (without the GIL) until take_freed() has "
+     "extents to give or timeout_s passed; True if it has."},
     {"take_freed", (PyCFunction)Lookup_take_freed, METH_NOARGS,
      "take_freed() -> list of (addr, length, tag) of zero-copy extents no longer referenced "
      "(track_freed=True)."},

@@ -35,3 +35,4 @@ class MooncakeConnectorMetadata(KVConnectorMetadata):
     publishes: list = field(default_factory=list)    # PublishSpec
     held: list = field(default_factory=list)         # req ids whose blocks the connector holds
     unpublish: list = field(default_factory=list)    # req ids preempted after publishing
+    idle: bool = False  # the step schedules no tokens (producer: may wait for releases)

@@ -208,6 +208,7 @@ class SchedulerSide:
         meta.publishes, self._publishes = self._publishes, []
         meta.held, self._held = self._held, []
         meta.unpublish, self._unpublish = self._unpublish, []
+        meta.idle = not getattr(so, "total_num_scheduled_tokens", 1) and not meta.loads
         return meta
 
     def request_finished(self, request, block_ids):

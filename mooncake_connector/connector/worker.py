@@ -53,6 +53,7 @@ class WorkerSide:
         self._pub_tokens = {}     # req_id -> published tokens (for unpublish)
         self._held = {}           # req_id -> monotonic time vLLM started holding it for us
         self._finished_seen = set()
+        self._idle = False        # this step schedules nothing (may wait for releases)
         self._cuda_sync = None
         self.stats = MooncakeKVConnectorStats()
 
@@ -132,6 +133,7 @@ class WorkerSide:
     # ---- per step ----
 
     def on_metadata(self, meta):
+        self._idle = bool(getattr(meta, "idle", False))
         now = time.monotonic()
         for rid in meta.held:
             self._held.setdefault(rid, now)
@@ -291,21 +293,39 @@ class WorkerSide:
                 continue
             self._finish_load(rid, res)
             done_recv.add(rid)
-        done_send = set()
-        if self.lb is not None:
-            self._drain_freed()
-            for rid in list(self._held):
-                if rid in self._finished_seen and self._outstanding.get(rid, 0) <= 0:
-                    del self._held[rid]
-                    self._finished_seen.discard(rid)
-                    self._forget_tags(rid)
-                    self._outstanding.pop(rid, None)
-                    self._pub_tokens.pop(rid, None)
-                    done_send.add(rid)
-                    self.stats.add("sends_finished")
+        done_send = self._finished_sends()
+        # A step with nothing to compute while we hold finished requests'
+        # KV: vLLM runs such steps back to back until every hold ends, so
+        # wait (GIL released) for a consumer's release instead, briefly.
+        if (self._idle and self._held and not done_send and not done_recv
+                and not self._loading and self.s.idle_wait_ms > 0):
+            deadline = time.monotonic() + self.s.idle_wait_ms / 1000.0
+            while not done_send:  # a release may free a request's blocks in pieces
+                left = deadline - time.monotonic()
+                if left <= 0 or not self.lb.wait_freed(left):
+                    break
+                done_send = self._finished_sends()
+        self._idle = False
         # Requests that finished without us holding them need no tracking.
         self._finished_seen.intersection_update(self._held)
         return (done_send or None), (done_recv or None)
+
+    def _finished_sends(self):
+        """Held requests whose blocks no consumer references any more."""
+        done = set()
+        if self.lb is None:
+            return done
+        self._drain_freed()
+        for rid in list(self._held):
+            if rid in self._finished_seen and self._outstanding.get(rid, 0) <= 0:
+                del self._held[rid]
+                self._finished_seen.discard(rid)
+                self._forget_tags(rid)
+                self._outstanding.pop(rid, None)
+                self._pub_tokens.pop(rid, None)
+                done.add(rid)
+                self.stats.add("sends_finished")
+        return done
 
     def take_invalid_blocks(self):
         out, self._invalid = self._invalid, set()

@@ -327,6 +327,55 @@ static void test_copy_hidden_and_freed(void) {
   mc_lookup_destroy(lb);
 }
 
+/* wait_freed: times out with nothing freed; returns as soon as another
+ * thread's release frees a zero-copy block (not at the timeout). */
+typedef struct {
+  mc_lookup_t *lb;
+  mc_lookup_match_t *m;
+} release_arg_t;
+
+static void *release_later(void *p) {
+  release_arg_t *a = p;
+  struct timespec ts = {0, 100 * 1000000L};
+  nanosleep(&ts, NULL);
+  mc_lookup_release(a->lb, a->m);
+  return NULL;
+}
+
+static void test_wait_freed(void) {
+  mc_lookup_opts_t o = {.capacity_bytes = 1 << 20, .extents_per_block = 1, .track_freed = 1,
+                        .mode = MC_LOOKUP_CONSUME};
+  mc_lookup_t *lb = NULL;
+  CHECK(mc_lookup_create(&o, &lb, NULL) == 0);
+  static char kvbuf[2][32];
+  mc_lookup_extent_t x[2];
+  for (int i = 0; i < 2; i++)
+    x[i] = (mc_lookup_extent_t){(uint64_t)(uintptr_t)kvbuf[i], 32, (uint64_t)i};
+  int64_t t[32];
+  for (int i = 0; i < 32; i++)
+    t[i] = 500 + i;
+  mc_err_t err = {0};
+  CHECK_EQ_INT(mc_lookup_insert(lb, t, 32, 8, x, NULL, 0, 0, NULL, &err), 2);
+  uint64_t t0 = mc_now_ns();
+  CHECK_EQ_INT(mc_lookup_wait_freed(lb, 80), 0); /* nothing freed: the timeout */
+  uint64_t waited = mc_now_ns() - t0;
+  CHECK(waited >= 75000000ull && waited < 2000000000ull);
+  mc_lookup_match_t *m;
+  CHECK_EQ_INT(mc_lookup_find(lb, t, 32, 8, &m, &err), 32); /* consumed, still pinned */
+  release_arg_t a = {lb, m};
+  pthread_t th;
+  t0 = mc_now_ns();
+  pthread_create(&th, NULL, release_later, &a);
+  CHECK_EQ_INT(mc_lookup_wait_freed(lb, 5000), 1);
+  waited = mc_now_ns() - t0;
+  CHECK(waited >= 90000000ull && waited < 3000000000ull); /* woken by the release */
+  pthread_join(th, NULL);
+  mc_lookup_extent_t fr[4];
+  CHECK_EQ_INT(mc_lookup_take_freed(lb, fr, 4), 2);
+  CHECK_EQ_INT(mc_lookup_wait_freed(lb, 0), 0); /* taken: nothing queued */
+  mc_lookup_destroy(lb);
+}
+
 /* Weakened 4-bit hashes: many distinct blocks share a key.  Every match
  * must still return exactly the stored sequence's own KV. */
 static void test_collisions_never_return_wrong_kv(void) {
@@ -417,6 +466,7 @@ int main(void) {
   RUN(test_expiry);
   RUN(test_consume_vs_keep);
   RUN(test_copy_hidden_and_freed);
+  RUN(test_wait_freed);
   RUN(test_collisions_never_return_wrong_kv);
   RUN(test_threads);
   TEST_MAIN_END();
