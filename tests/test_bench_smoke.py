@@ -44,3 +44,30 @@ def test_c_bench_tool_smoke():
         t.stdin.close()
         t.wait(timeout=10)
     assert shutil.which("true")
+
+
+def test_serving_bench_paired_statistics():
+    """The serving benchmark's bars from synthetic timings: per-prompt paired
+    differences (not differences of medians) decide the paired bars."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import serving_bench as sb
+    finally:
+        sys.path.pop(0)
+    n = 5
+    col = [0.020, 0.030, 0.040, 0.050, 0.060]
+    row = {"prompt_words": 128, "prompt_tokens": 130, "identical": n, "loaded_tokens": [128] * n,
+           "colocated": col, "colocated_proxy": [c + 0.001 for c in col],
+           "disaggregated": [c + 0.0005 for c in col],
+           "disaggregated_decode_first": [c + 0.010 for c in col],
+           "prefill_leg": col, "decode_leg": col}
+    for k, _ in sb.MODES:
+        row[f"itl_{k}"], row[f"gap12_{k}"] = [0.004], [0.004]
+    fixed = {"colocated": [0.010, 0.020, 0.030], "decode": [0.0103, 0.0202, 0.0304]}
+    s = sb.summarize([row], fixed, {128: {"seconds": 0.001, "bytes": 1 << 20}})
+    r = s["rows"][0]
+    assert abs(r["ttft_paired_diff_vs_colocated_ms_p50"] - 0.5) < 1e-6
+    assert r["ttft_paired_bar_vs_colocated_ok"]              # 0.5 <= 1.1 x 1 ms
+    assert abs(r["ttft_paired_diff_vs_colocated_proxy_ms_p50"] + 0.5) < 1e-6
+    assert abs(s["fixed_overhead_paired_ms_p50"] - 0.3) < 1e-6 and s["fixed_overhead_paired_ok"]
+    assert r["ttft_ms_per_request"]["colocated"] == [20.0, 30.0, 40.0, 50.0, 60.0]
