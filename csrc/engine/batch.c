@@ -326,8 +326,9 @@ static int submit(mc_engine_t *e, mc_batch_t *b, const char *segment,
     rc = submit_planned(e, b, segment, &d, local, reqs, n, poll, ldev, NULL, NULL, err);
   }
   if (trace && ldev)
-    mc_log_info("gpu trace: %zu requests at %.1f us: validate %.1f us, locate (first chunk) %.1f us, first "
-                "plan (describe, ipc) %.1f us, submit all %.1f us, same-host path %s", n,
+    mc_log_info("gpu trace: %zu requests at %.1f us: validate %.1f us, locate (first chunk) "
+                "%.1f us, first plan (describe, ipc) %.1f us, submit all %.1f us, same-host "
+                "path %s", n,
                 trace_us(t_in), (t0 - t_in) / 1e3, (t1 - t0) / 1e3, (t2 - t1) / 1e3,
                 (mc_now_ns() - t2) / 1e3, same_host ? "yes" : "no");
   free(ldev);
