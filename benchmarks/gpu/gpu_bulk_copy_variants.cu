@@ -15,17 +15,9 @@
 #define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e)); exit(1);} } while (0)
 typedef unsigned long long u64;
 
-extern "C" __global__ void __launch_bounds__(512) k0(const u64 *__restrict__ table, unsigned n) {
-  for (unsigned i = blockIdx.x; i < n; i += gridDim.x) {
-    char *d = (char *)table[3 * i]; const char *s = (const char *)table[3 * i + 1]; u64 len = table[3 * i + 2];
-    u64 nv = len >> 4; uint4 *dv = (uint4 *)d; const uint4 *sv = (const uint4 *)s; u64 k = threadIdx.x;
-    for (; k + 3 * blockDim.x < nv; k += 4 * blockDim.x) {
-      uint4 a = sv[k], b = sv[k + blockDim.x], c = sv[k + 2 * blockDim.x], e = sv[k + 3 * blockDim.x];
-      dv[k] = a; dv[k + blockDim.x] = b; dv[k + 2 * blockDim.x] = c; dv[k + 3 * blockDim.x] = e;
-    }
-    for (; k < nv; k += blockDim.x) dv[k] = sv[k];
-  }
-}
+// k0: the engine's own copy kernel (csrc/gpu/copy_kernel.cu), built in.
+#include "../../csrc/gpu/copy_kernel.cu"
+#define k0 mc_copy_pieces
 
 __device__ __forceinline__ unsigned sa(const void *p) { return (unsigned)__cvta_generic_to_shared(p); }
 __device__ __forceinline__ void mbar_init(u64 *b) { asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(sa(b)) : "memory"); }

@@ -120,28 +120,52 @@ static void test_later_chunks_fresh_descriptor(void) {
   free(back);
 }
 
+/* Engines A and B; src (A's) and dst (registered by B), NBLK blocks each;
+ * r: block i of src written to block perm(i) of dst. */
+typedef struct {
+  mc_engine_t *A, *B;
+  uint64_t src, dst;
+  mc_request_t *r;
+} scatter_pair_t;
+
+static void pair_open(scatter_pair_t *p) {
+  mc_engine_opts_t o = {.local_hostname = "127.0.0.1", .metadata_server = "P2PHANDSHAKE"};
+  mc_err_t err = {0};
+  memset(p, 0, sizeof *p);
+  CHECK_EQ_INT(mc_engine_create(&o, &p->A, &err), 0);
+  CHECK_EQ_INT(mc_engine_create(&o, &p->B, &err), 0);
+  size_t sz = (size_t)NBLK * BLK;
+  p->src = dalloc(sz);
+  p->dst = dalloc(sz);
+  CHECK(p->src && p->dst);
+  CHECK_EQ_INT(mc_engine_register(p->B, (void *)(uintptr_t)p->dst, sz, "cuda:0", &err), 0);
+  p->r = calloc(NBLK, sizeof *p->r);
+  for (size_t i = 0; i < NBLK; i++)
+    p->r[i] = (mc_request_t){.opcode = MC_OP_WRITE,
+                             .local = (void *)(uintptr_t)(p->src + i * BLK),
+                             .remote = p->dst + perm(i) * BLK, .len = BLK};
+}
+
+static void pair_close(scatter_pair_t *p) {
+  mc_engine_destroy(p->A);
+  mc_engine_destroy(p->B);
+  cu_free(p->src);
+  cu_free(p->dst);
+  free(p->r);
+}
+
 static void test_unregistered_since_cached_fails(void) {
   SKIP_NO_GPU();
-  mc_engine_opts_t o = {.local_hostname = "127.0.0.1", .metadata_server = "P2PHANDSHAKE"};
-  mc_engine_t *A = NULL, *B = NULL;
+  scatter_pair_t p;
+  pair_open(&p);
   mc_err_t err = {0};
-  CHECK_EQ_INT(mc_engine_create(&o, &A, &err), 0);
-  CHECK_EQ_INT(mc_engine_create(&o, &B, &err), 0);
-  size_t sz = (size_t)NBLK * BLK;
-  uint64_t src = dalloc(sz), dst = dalloc(sz);
-  CHECK(src && dst);
-  CHECK_EQ_INT(mc_engine_register(B, (void *)(uintptr_t)dst, sz, "cuda:0", &err), 0);
-  mc_request_t *r = calloc(NBLK, sizeof *r);
-  for (size_t i = 0; i < NBLK; i++)
-    r[i] = (mc_request_t){.opcode = MC_OP_WRITE, .local = (void *)(uintptr_t)(src + i * BLK),
-                          .remote = dst + perm(i) * BLK, .len = BLK};
-  CHECK_EQ_INT(xfer(A, B, r, NBLK, &err), 0); /* caches the descriptor */
+  CHECK_EQ_INT(xfer(p.A, p.B, p.r, NBLK, &err), 0); /* caches the descriptor */
   /* B drops the region (the memory stays allocated here, so the copies
    * themselves are harmless): the check must fail the whole batch. */
-  CHECK_EQ_INT(mc_engine_unregister(B, (void *)(uintptr_t)dst, &err), 0);
-  mc_batch_t *b = mc_batch_new(A, NBLK);
-  CHECK_EQ_INT(mc_batch_submit(A, b, mc_engine_segment_name(B), r, NBLK, &err), 0);
-  CHECK(mc_batch_wait(A, b, 60000, &err) < 0);
+  CHECK_EQ_INT(mc_engine_unregister(p.B, (void *)(uintptr_t)p.dst, &err), 0);
+  mc_batch_t *b = mc_batch_new(p.A, NBLK);
+  CHECK_EQ_INT(mc_batch_submit(p.A, b, mc_engine_segment_name(p.B), p.r, NBLK, &err), 0);
+  CHECK(mc_batch_wait(p.A, b, 60000, &err) < 0);
   CHECK_CONTAINS(err.msg, "re-registered its GPU memory");
   size_t failed = 0;
   for (size_t i = 0; i < NBLK; i++) {
@@ -150,50 +174,32 @@ static void test_unregistered_since_cached_fails(void) {
     failed += st.state == MC_TASK_FAILED;
   }
   CHECK_EQ_INT(failed, NBLK); /* every chunk, not only the first */
-  mc_batch_free(A, b);
+  mc_batch_free(p.A, b);
   /* With the cache refreshed by that check, the next batch is refused up
    * front (no region there) rather than copied. */
-  CHECK(xfer(A, B, r, NBLK, &err) < 0);
-  mc_engine_destroy(A);
-  mc_engine_destroy(B);
-  cu_free(src);
-  cu_free(dst);
-  free(r);
+  CHECK(xfer(p.A, p.B, p.r, NBLK, &err) < 0);
+  pair_close(&p);
 }
 
 static void test_later_chunk_runs_past_allocation(void) {
   SKIP_NO_GPU();
-  mc_engine_opts_t o = {.local_hostname = "127.0.0.1", .metadata_server = "P2PHANDSHAKE"};
-  mc_engine_t *A = NULL, *B = NULL;
+  scatter_pair_t p;
+  pair_open(&p);
   mc_err_t err = {0};
-  CHECK_EQ_INT(mc_engine_create(&o, &A, &err), 0);
-  CHECK_EQ_INT(mc_engine_create(&o, &B, &err), 0);
-  size_t sz = (size_t)NBLK * BLK;
-  uint64_t src = dalloc(sz), dst = dalloc(sz);
-  CHECK(src && dst);
-  CHECK_EQ_INT(mc_engine_register(B, (void *)(uintptr_t)dst, sz, "cuda:0", &err), 0);
-  size_t n = NBLK, badi = NBLK - 5;
-  mc_request_t *r = calloc(n, sizeof *r);
-  for (size_t i = 0; i < n; i++)
-    r[i] = (mc_request_t){.opcode = MC_OP_WRITE, .local = (void *)(uintptr_t)(src + i * BLK),
-                          .remote = dst + perm(i) * BLK, .len = BLK};
-  r[badi].local = (void *)(uintptr_t)(src + sz - BLK / 2); /* half past the end */
-  mc_batch_t *b = mc_batch_new(A, n);
-  int rc = mc_batch_submit(A, b, mc_engine_segment_name(B), r, n, &err);
-  CHECK_EQ_INT(rc, MC_EINVAL);
+  size_t badi = NBLK - 5;
+  p.r[badi].local = (void *)(uintptr_t)(p.src + (size_t)NBLK * BLK - BLK / 2); /* half past */
+  mc_batch_t *b = mc_batch_new(p.A, NBLK);
+  CHECK_EQ_INT(mc_batch_submit(p.A, b, mc_engine_segment_name(p.B), p.r, NBLK, &err),
+               MC_EINVAL);
   char want[64];
   snprintf(want, sizeof want, "request %zu", badi);
-  CHECK(strstr(err.msg, want) != NULL);
-  CHECK(strstr(err.msg, "runs past its end") != NULL);
-  mc_batch_free(A, b); /* waits for the chunks already started */
+  CHECK_CONTAINS(err.msg, want);
+  CHECK_CONTAINS(err.msg, "runs past its end");
+  mc_batch_free(p.A, b); /* waits for the chunks already started */
   /* The engine still works afterwards. */
-  r[badi].local = (void *)(uintptr_t)(src + badi * BLK);
-  CHECK_EQ_INT(xfer(A, B, r, n, &err), 0);
-  mc_engine_destroy(A);
-  mc_engine_destroy(B);
-  cu_free(src);
-  cu_free(dst);
-  free(r);
+  p.r[badi].local = (void *)(uintptr_t)(p.src + badi * BLK);
+  CHECK_EQ_INT(xfer(p.A, p.B, p.r, NBLK, &err), 0);
+  pair_close(&p);
 }
 
 int main(void) {
