@@ -414,6 +414,8 @@ def test_plugin_opt_out_restores_vllms_connector(model_dir):
     ({"hold_timeout": 3}, "unknown kv_connector_extra_config key(s) ['hold_timeout']"),
     ({"load_failure_policy": "retry"}, "must be 'recompute' or 'fail'"),
     ({"mooncake_config_path": "/nonexistent/mooncake.json"}, "cannot be read"),
+    ({"idle_wait_ms": -1}, "idle_wait_ms must be >= 0"),
+    ({"idle_wait_ms": 5000}, "idle_wait_ms must be <= 1000"),
 ])
 def test_bad_settings_say_what_is_wrong(extra, msg):
     from types import SimpleNamespace
