@@ -298,6 +298,12 @@ def main(argv=None):
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--start-timeout", type=float, default=600)
     ap.add_argument("--enforce-bars", action="store_true", help="exit 3 if a bar fails")
+    ap.add_argument("--spec", default="",
+                    help="model overrides, e.g. layers=8,hidden=512,heads=8,kv_heads=8 "
+                         f"(default {BENCH_SPEC}); more KV per token makes the transfer "
+                         "weigh more against compute")
+    ap.add_argument("--kv-cache-mib", type=int, default=64,
+                    help="each vLLM server's KV cache (raise it with --spec)")
     args = ap.parse_args(argv)
     lengths = [int(x) for x in args.lengths.split(",")]
     if max(lengths) > 2000:
@@ -306,12 +312,21 @@ def main(argv=None):
     from mooncake_connector import tiny_model
     from mooncake_connector.deployment import Deployment, connector_log_stats, log_size
 
-    model = tiny_model.build(**BENCH_SPEC)
-    spec = tiny_model.spec_with(**BENCH_SPEC)
+    overrides = dict(BENCH_SPEC)
+    for kv in filter(None, args.spec.split(",")):
+        k, _, v = kv.partition("=")
+        if not v.isdigit():
+            ap.error(f"--spec: {kv!r} is not key=integer")
+        overrides[k.strip()] = int(v)
+    try:
+        spec = tiny_model.spec_with(**overrides)
+    except ValueError as e:
+        ap.error(f"--spec: {e}")
+    model = tiny_model.build(**overrides)
     workdir = args.workdir or tempfile.mkdtemp(prefix="mc-serving-bench-")
     dep = Deployment(workdir, model, connector=args.connector, flows=("a",),
                      extra_proxies={"a-decode-first": {"flow": "a", "first_token": "decode"}},
-                     colocated_proxy=True)
+                     colocated_proxy=True, kv_cache_bytes=args.kv_cache_mib << 20)
     print(f"model {model} ({tiny_model.kv_bytes_per_token(spec)} B of KV per token); "
           f"connector {dep.connector}; logs {dep.logs}", flush=True)
     t0 = time.monotonic()
