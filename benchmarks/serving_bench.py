@@ -310,7 +310,8 @@ def main(argv=None):
         ap.error("prompt lengths must stay below --max-model-len 2048")
 
     from mooncake_connector import tiny_model
-    from mooncake_connector.deployment import Deployment, connector_log_stats, log_size
+    from mooncake_connector.deployment import (Deployment, connector_log_stats, log_size,
+                                               proxy_stats)
 
     overrides = dict(BENCH_SPEC)
     for kv in filter(None, args.spec.split(",")):
@@ -338,6 +339,7 @@ def main(argv=None):
                                  lambda s: print(s, flush=True))
         time.sleep(11)  # vLLM logs the connector's stats every 10 s
         conn_stats = connector_log_stats(dep.decode.log_path, mark)
+        proxy_lat = proxy_stats(dep.proxies["a"].url).get("latency_ms", {})
     finally:
         dep.stop()
     xfer = {}
@@ -346,7 +348,7 @@ def main(argv=None):
         xfer[r["prompt_words"]] = {"seconds": secs, "bytes": nbytes}
     summary = summarize(results, fixed, xfer)
     summary.update({"connector": dep.connector, "model_spec": spec,
-                    "connector_stats_decode": conn_stats,
+                    "connector_stats_decode": conn_stats, "proxy_latency_ms": proxy_lat,
                     "kv_bytes_per_token": tiny_model.kv_bytes_per_token(spec),
                     "requests_per_length": args.requests, "max_tokens": args.max_tokens,
                     "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
@@ -359,6 +361,8 @@ def main(argv=None):
           f"({'ok' if summary['fixed_overhead_paired_ok'] else 'FAIL'})")
     if conn_stats:
         print(f"connector's own stats on decode during the run: {conn_stats}")
+    if proxy_lat:
+        print(f"the first-token proxy's own timings (all lengths, ms): {proxy_lat}")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(summary, f, indent=1)

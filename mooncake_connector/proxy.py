@@ -40,6 +40,7 @@ import logging
 import os
 import signal
 import sys
+import time
 import uuid
 
 import aiohttp
@@ -90,6 +91,12 @@ class Proxy:
                        "first_token_from_prefill": 0, "finished_at_prefill": 0,
                        "stream_errors_after_first_token": 0,
                        "first_token_fallbacks": collections.Counter()}
+        # The proxy's own timings of recent fast-path requests (/stats):
+        # client request in -> prefill answer parsed (mostly the prefill
+        # server), and prefill answer parsed -> first chunk written (the
+        # proxy's own step).
+        self._lat = {k: collections.deque(maxlen=1000)
+                     for k in ("to_prefill_answer_ms", "prefill_answer_to_first_chunk_ms")}
 
     async def start(self, app):
         self.session = aiohttp.ClientSession(timeout=self._timeout)
@@ -140,6 +147,7 @@ class Proxy:
 
     async def handle(self, request):
         self.counts["requests"] += 1
+        t_in = time.perf_counter()
         try:
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -198,7 +206,9 @@ class Proxy:
                 except (KeyError, IndexError, TypeError, AttributeError) as e:
                     why = f"prefill answer not understood ({e!r})"
             if why is None:
-                return await ft.stream(self, request, plan, dec_url, headers, rid)
+                t_pre = time.perf_counter()
+                self.note_latency("to_prefill_answer_ms", t_pre - t_in)
+                return await ft.stream(self, request, plan, dec_url, headers, rid, t_pre)
             self._fallback(why, rid)
 
         # 2b. decode answers the original request, streamed through as it comes
@@ -280,8 +290,20 @@ class Proxy:
                                   "instances": state, "counts": self.counts},
                                  status=200 if healthy else 503)
 
+    def note_latency(self, key, seconds):
+        self._lat[key].append(seconds * 1e3)
+
+    def latency_summary(self):
+        out = {}
+        for k, v in self._lat.items():
+            xs = sorted(v)
+            if xs:
+                out[k] = {"n": len(xs), "p50": round(xs[len(xs) // 2], 3),
+                          "p99": round(xs[min(len(xs) - 1, int(0.99 * len(xs)))], 3)}
+        return out
+
     async def stats(self, request):
-        return web.json_response(self.counts)
+        return web.json_response(dict(self.counts, latency_ms=self.latency_summary()))
 
     def app(self):
         app = web.Application(client_max_size=64 << 20)

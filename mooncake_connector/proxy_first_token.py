@@ -34,6 +34,7 @@ Requests the fast path cannot represent faithfully take the seed's path
 import asyncio
 import copy
 import json
+import time
 
 import aiohttp
 from aiohttp import web
@@ -277,9 +278,10 @@ def error_event(message, code=502):
                           "code": code}}) + b"data: [DONE]\n\n"
 
 
-async def stream(proxy, request, plan, dec_url, headers, rid):
+async def stream(proxy, request, plan, dec_url, headers, rid, t_pre=None):
     """Sends the first chunk(s) now, then relays the decode leg.  Always
-    returns a finished StreamResponse (an error event ends a failed one)."""
+    returns a finished StreamResponse (an error event ends a failed one).
+    t_pre: when the prefill answer was in (perf_counter), for /stats."""
     resp = web.StreamResponse(status=200, headers={
         "Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache",
         "X-Request-Id": rid})
@@ -290,6 +292,8 @@ async def stream(proxy, request, plan, dec_url, headers, rid):
         await _write(resp, plan.first_chunks())
     except ClientGone:
         return resp
+    if t_pre is not None:
+        proxy.note_latency("prefill_answer_to_first_chunk_ms", time.perf_counter() - t_pre)
     if plan.done:
         counts["finished_at_prefill"] += 1
         return await _eof(resp)

@@ -314,7 +314,12 @@ def test_first_token_from_prefill_completions(vllm_like, proxy):
     assert all(e["id"] == "pre-1" for e in ev[:-1])  # one id for the whole answer
     assert all(c.get("prompt_token_ids") is None for e in ev[1:-1] for c in e["choices"])
     assert ev[-2]["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
-    assert get_stats(url)["first_token_from_prefill"] == 1
+    st = get_stats(url)
+    assert st["first_token_from_prefill"] == 1
+    lat = st["latency_ms"]  # the proxy's own timings of the fast path
+    assert lat["to_prefill_answer_ms"]["n"] == 1 and lat["to_prefill_answer_ms"]["p50"] > 0
+    step = lat["prefill_answer_to_first_chunk_ms"]
+    assert step["n"] == 1 and 0 < step["p50"] < lat["to_prefill_answer_ms"]["p50"] + 1000
 
 
 def test_first_token_from_prefill_chat_is_rewrapped(vllm_like, proxy):
