@@ -13,37 +13,8 @@
 #include "gpu/cuda_driver.h"
 #include "gpu/gpu_dmabuf.h"
 #include "gpu/gpu_staging.h"
+#include "gpu_testlib.h"
 #include "testlib.h"
-
-typedef int (*mem_alloc_fn)(uint64_t *, size_t);
-typedef int (*mem_free_fn)(uint64_t);
-static mem_alloc_fn cu_alloc;
-static mem_free_fn cu_free;
-static const mc_cuda_api_t *api;
-
-static int have_gpu(void) {
-  if (api)
-    return 1;
-  mc_err_t err = {0};
-  const mc_cuda_api_t *a = mc_cuda_api(&err);
-  if (!a || a->device_count < 1)
-    return 0;
-  void *h = dlopen("libcuda.so.1", RTLD_NOW);
-  cu_alloc = (mem_alloc_fn)dlsym(h, "cuMemAlloc_v2");
-  cu_free = (mem_free_fn)dlsym(h, "cuMemFree_v2");
-  if (!cu_alloc || !cu_free || mc_cuda_use_device(0, &err) < 0)
-    return 0;
-  api = a;
-  return 1;
-}
-
-#define SKIP_NO_GPU()                                                          \
-  do {                                                                         \
-    if (!have_gpu()) {                                                         \
-      fprintf(stderr, "  (skipped: no GPU visible)\n");                        \
-      return;                                                                  \
-    }                                                                          \
-  } while (0)
 
 static void fill(uint8_t *p, size_t n, uint32_t seed) {
   uint32_t x = seed * 2654435761u + 1;
@@ -53,12 +24,6 @@ static void fill(uint8_t *p, size_t n, uint32_t seed) {
     x ^= x << 5;
     p[i] = (uint8_t)x;
   }
-}
-
-static uint64_t dalloc(size_t n) {
-  uint64_t p = 0;
-  mc_cuda_use_device(0, NULL);
-  return cu_alloc(&p, n) == 0 ? p : 0;
 }
 
 static void test_no_gpu_is_clear(void) {

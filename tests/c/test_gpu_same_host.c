@@ -16,45 +16,11 @@
 
 #include "engine/engine.h"
 #include "gpu/cuda_driver.h"
+#include "gpu_testlib.h"
 #include "testlib.h"
-
-typedef int (*mem_alloc_fn)(uint64_t *, size_t);
-typedef int (*mem_free_fn)(uint64_t);
-static mem_alloc_fn cu_alloc;
-static mem_free_fn cu_free;
-static const mc_cuda_api_t *api;
-
-static int have_gpu(void) {
-  if (api)
-    return 1;
-  mc_err_t err = {0};
-  const mc_cuda_api_t *a = mc_cuda_api(&err);
-  if (!a || a->device_count < 1)
-    return 0;
-  void *h = dlopen("libcuda.so.1", RTLD_NOW);
-  cu_alloc = h ? (mem_alloc_fn)dlsym(h, "cuMemAlloc_v2") : NULL;
-  cu_free = h ? (mem_free_fn)dlsym(h, "cuMemFree_v2") : NULL;
-  if (!cu_alloc || !cu_free || mc_cuda_use_device(0, &err) < 0)
-    return 0;
-  api = a;
-  return 1;
-}
-
-#define SKIP_NO_GPU()                                                          \
-  do {                                                                         \
-    if (!have_gpu()) {                                                         \
-      fprintf(stderr, "  (skipped: no GPU visible)\n");                        \
-      return;                                                                  \
-    }                                                                          \
-  } while (0)
 
 #define BLK 4096u
 #define NBLK 2048u /* 8 MiB per region: several chunks of the batch */
-
-static uint64_t dalloc(size_t n) {
-  uint64_t p = 0;
-  return cu_alloc(&p, n) == 0 ? p : 0;
-}
 
 static int xfer(mc_engine_t *A, mc_engine_t *B, const mc_request_t *r, size_t n,
                 mc_err_t *err) {
