@@ -22,7 +22,6 @@ Commands (one JSON object per line, one answer each):
 """
 import argparse
 import array
-import json
 import os
 import random
 import sys
@@ -31,6 +30,7 @@ import time
 import torch
 
 import mooncake_connector as mc
+from line_peer import answer as out, requests
 
 
 def block_pairs(layers, blocks, mult=1, add=0, shuffle=0):
@@ -73,9 +73,6 @@ def main():
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
 
-    def out(obj):
-        sys.stdout.write(json.dumps(obj) + "\n")
-        sys.stdout.flush()
 
     # Per-block checksum: position-weighted sum of 8-byte words (wraps).
     nw = BB // 8
@@ -83,12 +80,9 @@ def main():
 
     out({"segment": eng.get_segment_name(), "addrs": [t.data_ptr() for t in kv],
          "pid": os.getpid()})
-    for line in sys.stdin:
-        req = json.loads(line)
+    for req in requests():
         cmd = req["cmd"]
         try:
-            if cmd == "exit":
-                break
             if cmd == "fill":
                 g = torch.Generator(device=dev)
                 g.manual_seed(req["seed"])

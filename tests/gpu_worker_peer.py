@@ -18,7 +18,6 @@ First line printed: {"ready": true, "extents_per_block": n}.  Commands:
 """
 import argparse
 import json
-import sys
 import time
 
 import torch
@@ -27,6 +26,7 @@ from mooncake_connector.connector.metadata import (LoadSpec, MooncakeConnectorMe
                                                    PublishSpec)
 from mooncake_connector.connector.settings import Settings
 from mooncake_connector.connector.worker import WorkerSide
+from line_peer import answer as out, requests
 
 
 def main():
@@ -50,16 +50,10 @@ def main():
     w = WorkerSide(s, a.block_size, tp_rank=0, tp_size=1, num_blocks=a.blocks)
     w.register_kv_caches(kv)
 
-    def out(obj):
-        sys.stdout.write(json.dumps(obj) + "\n")
-        sys.stdout.flush()
 
     out({"ready": True, "extents_per_block": w.layout.extents_per_block})
-    for line in sys.stdin:
-        req = json.loads(line)
+    for req in requests():
         cmd = req["cmd"]
-        if cmd == "exit":
-            break
         if cmd == "fill":
             g = torch.Generator(device=dev)
             g.manual_seed(req["seed"])

@@ -1,11 +1,29 @@
 """A helper process driven by one JSON request per line on stdin, one JSON
-answer per line on stdout (tests/gpu_peer.py, tests/gpu_worker_peer.py).
-The first line it prints describes it (.info); an answer with "error" fails
-the test; close() asks it to exit and returns its stderr."""
+answer per line on stdout (tests/peer.py, tests/gpu_peer.py,
+tests/gpu_worker_peer.py).  Parent side: LinePeer; the first line the
+helper prints describes it (.info); an answer with "error" fails the test;
+close() asks it to exit and returns its stderr.  Helper side: requests()
+and answer()."""
 import json
 import os
 import subprocess
 import sys
+
+
+def answer(obj):
+    """Helper side: one JSON answer line on stdout."""
+    sys.stdout.write(json.dumps(obj) + "\n")
+    sys.stdout.flush()
+
+
+def requests():
+    """Helper side: the requests read from stdin, one JSON object per line,
+    until {"cmd": "exit"} or the end of input."""
+    for line in sys.stdin:
+        req = json.loads(line)
+        if req.get("cmd") == "exit":
+            return
+        yield req
 
 
 class LinePeer:

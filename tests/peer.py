@@ -15,14 +15,13 @@ First line printed: {"segment", "addr", "size", "pid"}.  Commands:
 """
 import argparse
 import ctypes
-import json
 import os
 import random
-import sys
 import time
 import zlib
 
 import mooncake_connector as mc
+from line_peer import answer as out, requests
 
 
 def main():
@@ -40,17 +39,11 @@ def main():
     view = memoryview(buf).cast("B")
     kv = None
 
-    def out(obj):
-        sys.stdout.write(json.dumps(obj) + "\n")
-        sys.stdout.flush()
 
     out({"segment": eng.get_segment_name(), "addr": base, "size": args.size,
          "pid": os.getpid()})
-    for line in sys.stdin:
-        req = json.loads(line)
+    for req in requests():
         cmd = req["cmd"]
-        if cmd == "exit":
-            break
         if cmd == "fill":
             off, n = req.get("off", 0), req.get("len", args.size)
             rng = random.Random(req["seed"])
