@@ -209,22 +209,15 @@ int mc_batch_submit_sync(mc_engine_t *e, mc_batch_t *b, const char *segment,
   return submit(e, b, segment, reqs, n, 1, err);
 }
 
-/* MC_GPU_TRACE=1: time the GPU planning steps and the wait (absolute
- * times in us, comparable with the copy worker's job lines). */
-static int gpu_trace(void) {
-  static int trace = -1;
-  if (trace < 0)
-    trace = getenv("MC_GPU_TRACE") && getenv("MC_GPU_TRACE")[0] == '1';
-  return trace;
-}
-
+/* e->gpu_trace (MC_GPU_TRACE=1) times the GPU planning steps and the wait,
+ * in absolute us comparable with the copy worker's job lines. */
 static double trace_us(uint64_t ns) {
   return (double)(ns / 1000 % 100000000);
 }
 
 static int submit(mc_engine_t *e, mc_batch_t *b, const char *segment,
                   const mc_request_t *reqs, size_t n, int poll, mc_err_t *err) {
-  uint64_t t_in = gpu_trace() ? mc_now_ns() : 0;
+  uint64_t t_in = e->gpu_trace ? mc_now_ns() : 0;
   if (!segment || !*segment)
     return mc_err_set(err, MC_EINVAL, "target segment name is empty");
   if (n == 0)
@@ -255,7 +248,7 @@ static int submit(mc_engine_t *e, mc_batch_t *b, const char *segment,
   mc_gpu_plan_t *plan = NULL;
   mc_gpu_locator_t loc;
   size_t located = n;
-  int trace = gpu_trace();
+  int trace = e->gpu_trace;
   uint64_t t0 = trace ? mc_now_ns() : 0, t1 = 0, t2 = 0;
   if (mc_cuda_api_if_loaded()) {
     ldev = malloc(n * sizeof *ldev);
@@ -507,7 +500,7 @@ int mc_batch_wait(mc_engine_t *e, mc_batch_t *b, int64_t timeout_ms, mc_err_t *e
     uint64_t until = mc_now_ns() + 20000000ull;
     while (atomic_load_explicit(&b->pending, memory_order_acquire) > 0 && mc_now_ns() < until)
       sched_yield();
-    if (gpu_trace())
+    if (e->gpu_trace)
       mc_log_info("gpu trace: wait: %zu pending at %.1f us", mc_batch_pending(b),
                   trace_us(mc_now_ns()));
   }

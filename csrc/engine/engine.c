@@ -391,6 +391,7 @@ int mc_engine_create(const mc_engine_opts_t *o, mc_engine_t **out, mc_err_t *err
   e->gpu_ipc_off = env_int("MC_GPU_IPC", 1, 0, 1) == 0;
   e->gpu_chunk = env_int("MC_GPU_CHUNK", 4096, 1, 1 << 30);
   e->gpu_first_chunk = env_int("MC_GPU_FIRST_CHUNK", 256, 1, 1 << 30);
+  e->gpu_trace = env_int("MC_GPU_TRACE", 0, 0, 1);
   e->slice_size = (uint64_t)env_int("MC_TCP_SLICE_SIZE", 4 << 20, 4096, 1 << 30);
   e->op_entries = (uint32_t)env_int("MC_TCP_OP_ENTRIES", 256, 1, (int)MC_WIRE_MAX_ENTRIES);
   e->timeout_ms = (uint64_t)env_int("MC_TRANSFER_TIMEOUT", 30, 1, 86400) * 1000ull;

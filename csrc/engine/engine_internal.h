@@ -39,6 +39,7 @@ struct mc_engine {
   int gpu_ipc_off;        /* MC_GPU_IPC=0: never use the same-host path */
   int gpu_chunk;          /* MC_GPU_CHUNK: requests planned per step */
   int gpu_first_chunk;    /* MC_GPU_FIRST_CHUNK: the first step's (then doubling) */
+  int gpu_trace;          /* MC_GPU_TRACE=1: log planning times (docs/device.md) */
   pthread_mutex_t gpu_mu; /* path choices logged once per peer */
   char (*gpu_logged)[320];
   size_t gpu_nlogged;

@@ -403,9 +403,7 @@ mc_gpu_plan_t *mc_gpu_ipc_plan(mc_engine_t *e, mc_batch_t *b, const char *segmen
     return NULL;
   }
   size_t k = 0;
-  static int trace = -1;
-  if (trace < 0)
-    trace = getenv("MC_GPU_TRACE") && getenv("MC_GPU_TRACE")[0] == '1';
+  int trace = e->gpu_trace;
   uint64_t t0 = trace ? mc_now_ns() : 0, t1 = 0;
   for (int attempt = 0; attempt < 2; attempt++) {
     if (!*runp && !(*runp = run_start(e, b, segment, d, attempt > 0)))
