@@ -43,7 +43,7 @@ KNOBS = {  # extra-config key: (type, default, meaning)
     "idle_wait_ms": (float, 2.0, "producer: a step with nothing scheduled while the connector "
                      "holds finished requests' KV waits up to this long for a consumer's "
                      "release (vLLM otherwise runs empty steps back to back until then: "
-                     "~40% of a core on a 2-vCPU host); a new request may wait as long. "
+                     "~30% of a core on a 2-vCPU host); a new request may wait as long. "
                      "0: never wait"),
 }
 

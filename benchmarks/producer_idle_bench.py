@@ -1,0 +1,102 @@
+"""CPU a prefill (kv_producer) vLLM server burns while it holds a prompt's KV
+that no consumer pulls, for each idle_wait_ms, against idle_wait_ms 0
+(vLLM's own back-to-back empty steps) measured in the same run.
+
+    .venv/bin/python benchmarks/producer_idle_bench.py [--waits 0,2,10] [--seconds 3]
+
+Per setting: a fresh deployment (metadata server, prefill and decode
+servers, tiny model), the prefill server's CPU (all its processes, from
+/proc) while idle, then after one 500-word request whose KV it keeps
+(nothing pulls it), over --seconds each.
+"""
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+
+def tree_cpu_ticks(pid):
+    """utime + stime of pid and all its descendants."""
+    kids = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    st = f.read().rsplit(")", 1)[1].split()
+                kids.setdefault(int(st[1]), []).append((int(d), int(st[11]) + int(st[12])))
+            except OSError:
+                pass
+    total, todo = 0, [pid]
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            st = f.read().rsplit(")", 1)[1].split()
+        total = int(st[11]) + int(st[12])
+    except OSError:
+        pass
+    while todo:
+        for child, ticks in kids.get(todo.pop(), ()):
+            total += ticks
+            todo.append(child)
+    return total
+
+
+def cpu_percent(pid, seconds):
+    c0 = tree_cpu_ticks(pid)
+    time.sleep(seconds)
+    return 100.0 * (tree_cpu_ticks(pid) - c0) / os.sysconf("SC_CLK_TCK") / seconds
+
+
+def measure(wait_ms, seconds):
+    import serving_bench as sb
+    from mooncake_connector import tiny_model
+    from mooncake_connector.deployment import Deployment
+    from mooncake_connector.openai_client import request
+
+    model = tiny_model.build(**sb.BENCH_SPEC)
+    dep = Deployment(tempfile.mkdtemp(prefix="mc-idle-bench-"), model, flows=("a",),
+                     colocated=False)
+    cmd = dep.prefill.cmd
+    i = cmd.index("--kv-transfer-config") + 1
+    cfg = json.loads(cmd[i])
+    cfg.setdefault("kv_connector_extra_config", {})["idle_wait_ms"] = wait_ms
+    cmd[i] = json.dumps(cfg)
+    dep.start()
+    try:
+        pid = dep.prefill.proc.pid
+        time.sleep(1)
+        idle = cpu_percent(pid, seconds)
+        body = {"model": "tiny", "prompt": sb.prompt_of(500, 4242 + int(wait_ms)), "max_tokens": 1,
+                "temperature": 0.0}
+        r = request(dep.prefill.url, "/v1/completions", body, timeout=120)
+        if r.status != 200:
+            raise RuntimeError(f"prefill answered {r.status}: {r.error}")
+        holding = cpu_percent(pid, seconds)
+    finally:
+        dep.stop()
+    return idle, holding
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--waits", default="0,2,10", help="idle_wait_ms values; 0 is the reference")
+    ap.add_argument("--seconds", type=float, default=3.0)
+    args = ap.parse_args(argv)
+    waits = [float(x) for x in args.waits.split(",")]
+    if 0 not in waits:
+        waits.insert(0, 0.0)
+    res = {w: measure(w, args.seconds) for w in waits}
+    ref = res[0][1]
+    for w, (idle, holding) in res.items():
+        print(f"idle_wait_ms {w:5g}: prefill server idle {idle:5.1f}% of a core, holding "
+              f"unpulled KV {holding:5.1f}%  ({holding / ref:4.2f}x of idle_wait_ms 0)")
+    print(f"({os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
