@@ -30,7 +30,11 @@ import time
 import torch
 
 import mooncake_connector as mc
-from line_peer import answer as out, requests
+
+# The helper protocol lives beside this script (CI runs with PYTHONSAFEPATH,
+# which keeps a script's own directory off sys.path).
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from line_peer import answer as out, requests  # noqa: E402
 
 
 def block_pairs(layers, blocks, mult=1, add=0, shuffle=0):

@@ -18,6 +18,8 @@ First line printed: {"ready": true, "extents_per_block": n}.  Commands:
 """
 import argparse
 import json
+import os
+import sys
 import time
 
 import torch
@@ -26,7 +28,11 @@ from mooncake_connector.connector.metadata import (LoadSpec, MooncakeConnectorMe
                                                    PublishSpec)
 from mooncake_connector.connector.settings import Settings
 from mooncake_connector.connector.worker import WorkerSide
-from line_peer import answer as out, requests
+
+# The helper protocol lives beside this script (CI runs with PYTHONSAFEPATH,
+# which keeps a script's own directory off sys.path).
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from line_peer import answer as out, requests  # noqa: E402
 
 
 def main():

@@ -17,11 +17,16 @@ import argparse
 import ctypes
 import os
 import random
+import sys
 import time
 import zlib
 
 import mooncake_connector as mc
-from line_peer import answer as out, requests
+
+# The helper protocol lives beside this script (CI runs with PYTHONSAFEPATH,
+# which keeps a script's own directory off sys.path).
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from line_peer import answer as out, requests  # noqa: E402
 
 
 def main():
