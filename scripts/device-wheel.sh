@@ -14,7 +14,7 @@ rm -rf "$venv"
   echo "== machine"; nproc; python3 --version; uname -r
   grep PRETTY_NAME /etc/os-release; ldd --version | head -1
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-  echo "== system copies of the libraries the wheel vendors (expected: none)"
+  echo "== system copies of the libraries the wheel vendors (not used: ldd in install.log shows its own)"
   ldconfig -p | grep -E 'libcjson|libhiredis|libxxhash' || echo "none"
 } >"$out/machine.txt" 2>&1
 python3 -m venv --system-site-packages "$venv" >"$out/install.log" 2>&1
