@@ -69,6 +69,8 @@ def doctor(*args, env=None, timeout=60):
     assert r.returncode in (0, 1), r.stderr
     out = json.loads(r.stdout)
     assert out["ok"] == (r.returncode == 0)
+    for x in out["rows"]:  # every failure says how to fix it
+        assert x["status"] != "fail" or x["fix"], x
     return r.returncode, out["rows"]
 
 
@@ -159,7 +161,7 @@ def test_metadata_wrong_kind(servers, tmp_path, written, actual, want):
            "bare": hp}[written]
     rc, rows = doctor("--config", write_cfg(tmp_path, metadata_server=url))
     fix = failed(rows, "metadata")["fix"]
-    assert rc == 1 and f'"{want}' in fix or f"{hp}{want}" in fix, fix
+    assert rc == 1 and (f'"{want}' in fix or f"{hp}{want}" in fix), fix
     assert f"is {'a Redis' if actual == 'redis' else 'an etcd' if actual == 'etcd' else 'an HTTP'}" \
         in fix, fix
 

@@ -1,13 +1,15 @@
 """The binary wheel (scripts/build-wheel.sh) on a host with no compiler and no
 -dev packages: a minimal Debian root made by debootstrap (--variant=minbase,
-plus python3 and python3-venv only), cached under .cache/debootstrap/.
+plus python3 and python3-venv only), cached in
+~/.cache/mooncake-connector/debootstrap/ (outside the checkout, so CI's fresh
+clones reuse it; MC_TEST_CACHE moves it).
 
 One wheel build (about a minute) and, the first time, one debootstrap (a few
 minutes, then cached). Inside the root, in a private mount namespace with
 /dev and /proc bound: a fresh venv, `pip install --no-index` of the wheel (its
 dependencies from a wheelhouse downloaded here), then the transfer-only demo
 and `doctor`. Skipped, saying why, without root, debootstrap or unshare.
-Also: the sdist builds and carries every source the extension needs.
+Also: the sdist carries every source and header the extension needs.
 """
 import glob
 import os
@@ -22,7 +24,10 @@ import pytest
 from test_doctor import two_ports
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CACHE = os.path.join(REPO, ".cache")
+# Outside the checkout, so CI's fresh clones reuse it: the root takes minutes
+# to make and never changes (MC_TEST_CACHE moves it).
+CACHE = os.environ.get("MC_TEST_CACHE") or os.path.join(os.path.expanduser("~"), ".cache",
+                                                         "mooncake-connector")
 ROOT = os.path.join(CACHE, "debootstrap", "bookworm")
 STAMP = os.path.join(ROOT, ".mc-complete")
 DEBIAN_PY = (3, 11)  # bookworm's python3
@@ -80,8 +85,10 @@ def debroot():
         tmp = ROOT + ".tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(os.path.dirname(ROOT), exist_ok=True)
+        debs = os.path.join(CACHE, "debootstrap", "debs")  # downloads kept for a remake
+        os.makedirs(debs, exist_ok=True)
         r = subprocess.run(["debootstrap", "--variant=minbase", "--include=python3,python3-venv",
-                            "bookworm", tmp, os.environ.get("MC_DEBIAN_MIRROR",
+                            f"--cache-dir={debs}", "bookworm", tmp, os.environ.get("MC_DEBIAN_MIRROR",
                                                             "http://deb.debian.org/debian")],
                            capture_output=True, text=True, timeout=1800)
         if r.returncode != 0:
