@@ -503,6 +503,10 @@ def check_rdma(rep, cfg):
         rep.add("rdma", "libibverbs", OK, "libibverbs.so.1 loads")
     base = os.path.join(_sysfs(), "class", "infiniband")
     gid_override = os.environ.get("MC_GID_INDEX")
+    if gid_override is not None and not gid_override.strip().isdigit():
+        rep.add("rdma", "MC_GID_INDEX", FAIL, f"MC_GID_INDEX={gid_override!r} is not a number",
+                "unset MC_GID_INDEX (the engine chooses) or set it to a GID index like 3")
+        gid_override = None
     for dev in [d for d in cfg["device_name"].split(",") if d]:
         if dev not in present:
             rep.add("rdma", dev, FAIL, "no such RDMA device"
@@ -512,8 +516,10 @@ def check_rdma(rep, cfg):
                     'no RDMA NIC here: load its driver (`rdma link`, `ibv_devices`), or use '
                     '"protocol": "tcp"')
             continue
-        ports = sorted(os.listdir(os.path.join(base, dev, "ports")), key=int)
-        active = []
+        try:
+            ports = sorted(os.listdir(os.path.join(base, dev, "ports")), key=int)
+        except (OSError, ValueError):
+            ports = []
         for p in ports:
             pdir = os.path.join(base, dev, "ports", p)
             state = _read(os.path.join(pdir, "state"))
@@ -554,7 +560,6 @@ def check_rdma(rep, cfg):
             else:
                 mtu = f", {len(gids)} GIDs"
             rep.add("rdma", item, OK, f"{layer}, ACTIVE{mtu}")
-            active.append(p)
         if not ports:
             rep.add("rdma", dev, FAIL, "device has no ports", "check the driver (`rdma link`)")
 
@@ -823,16 +828,26 @@ def run(argv=None, out=sys.stdout):
             print(rep.table(), file=out)
             return 1
         listen = args.listen or _default_listen(cfg, args.role)
-        return serve(listen, cfg, args.seconds, out)
+        try:
+            return serve(listen, cfg, args.seconds, out)
+        except Exception as e:  # MooncakeError: bad --listen, port taken, no NIC...
+            print(f"doctor --serve: cannot serve at {listen}: {e}", file=sys.stderr)
+            return 1
     origin = cfg["origin"] if cfg else ""
+    checks = []
     if cfg:
-        check_metadata(rep, cfg, origin)
-        check_engine(rep, cfg, args.role, args.tp)
-        check_rdma(rep, cfg)
-    check_gpu(rep, cfg)
-    check_vllm(rep)
+        checks += [("metadata", lambda: check_metadata(rep, cfg, origin)),
+                   ("engine", lambda: check_engine(rep, cfg, args.role, args.tp)),
+                   ("rdma", lambda: check_rdma(rep, cfg))]
+    checks += [("gpu", lambda: check_gpu(rep, cfg)), ("vllm", lambda: check_vllm(rep))]
     if args.peer:
-        check_peer(rep, args.peer, cfg, args.timeout)
+        checks.append(("peer", lambda: check_peer(rep, args.peer, cfg, args.timeout)))
+    for name, check in checks:
+        try:
+            check()
+        except Exception as e:  # one broken check must not hide the others' results
+            rep.add(name, "-", FAIL, f"the check itself failed: {e!r}",
+                    "report this with the output of `mooncake-connector doctor --json`")
     print(rep.as_json() if args.json else rep.table(), file=out, flush=True)
     return 1 if rep.failed else 0
 

@@ -337,3 +337,14 @@ def test_peer_not_serving(tmp_path):
     rc, rows = doctor("--config", write_cfg(tmp_path), "--peer", f"127.0.0.1:{port}",
                       "--timeout", "3")
     assert rc == 1 and "doctor --serve" in failed(rows, "peer")["fix"]
+
+
+def test_serve_port_taken():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        port = s.getsockname()[1]
+        r = subprocess.run([sys.executable, "-m", "mooncake_connector", "doctor", "--serve",
+                            "--listen", f"127.0.0.1:{port}", "--seconds", "5"],
+                           capture_output=True, text=True, timeout=60, cwd="/")
+    assert r.returncode == 1 and f"cannot serve at 127.0.0.1:{port}" in r.stderr, r.stderr

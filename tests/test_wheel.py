@@ -11,6 +11,7 @@ dependencies from a wheelhouse downloaded here), then the transfer-only demo
 and `doctor`. Skipped, saying why, without root, debootstrap or unshare.
 Also: the sdist carries every source and header the extension needs.
 """
+import fcntl
 import glob
 import os
 import shutil
@@ -81,6 +82,14 @@ def _need_root():
 def debroot():
     """bookworm minbase + python3 + python3-venv, made once and cached."""
     _need_root()
+    os.makedirs(os.path.dirname(ROOT), exist_ok=True)
+    with open(ROOT + ".lock", "w") as lock:  # one maker at a time on this machine
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        _make_root()
+    return ROOT
+
+
+def _make_root():
     if not os.path.exists(STAMP):
         tmp = ROOT + ".tmp"
         shutil.rmtree(tmp, ignore_errors=True)
@@ -98,7 +107,6 @@ def debroot():
         os.rename(tmp, ROOT)
         with open(STAMP, "w") as f:
             f.write("debootstrap --variant=minbase --include=python3,python3-venv bookworm\n")
-    return ROOT
 
 
 @pytest.fixture(scope="module")
