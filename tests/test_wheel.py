@@ -150,12 +150,17 @@ venv/bin/python -c 'import mooncake_connector._core as c; print("imported", c.__
 venv/bin/python -m mooncake_connector.transfer_demo --layers 2 --blocks 64 --block-kib 16
 echo '{{"prefill_url": "127.0.0.1:{p}", "decode_url": "127.0.0.1:{d}", "metadata_server": "P2PHANDSHAKE"}}' > mc.json
 venv/bin/mooncake-connector doctor --config mc.json
+# RDMA stays a run-time dlopen: without libibverbs (none here) doctor says so
+echo '{{"prefill_url": "127.0.0.1:{p}", "decode_url": "127.0.0.1:{d}", "metadata_server": "P2PHANDSHAKE", "protocol": "rdma", "device_name": "mlx5_0"}}' > rdma.json
+if venv/bin/mooncake-connector doctor --config rdma.json > rdma.out; then echo 'doctor passed without libibverbs'; exit 4; fi
+cat rdma.out
 """
         r = in_root(debroot, script)
         out = r.stdout + r.stderr
         assert r.returncode == 0, out[-4000:]
         assert f"/tmp/{job}/venv/lib/python3.11/site-packages/mooncake_connector/_core" in out, out
         assert "GB/s" in out and "0 failed" in out, out[-3000:]
+        assert "cannot load libibverbs.so.1" in out and "apt-get install libibverbs1" in out, out
     finally:
         shutil.rmtree(stage, ignore_errors=True)
 
