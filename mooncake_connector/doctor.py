@@ -168,6 +168,27 @@ def _endpoints(kind, url):
     return out
 
 
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # probes never use a proxy
+
+
+def curl_proxy(url):
+    """The proxy libcurl (the C metadata clients) would send url through,
+    from the same environment variables it reads, or None."""
+    scheme = "https" if url.startswith("https") else "http"
+    env = os.environ
+    proxy = (env.get(f"{scheme}_proxy") or (env.get("HTTPS_PROXY") if scheme == "https" else None)
+             or env.get("all_proxy") or env.get("ALL_PROXY"))
+    if not proxy:
+        return None
+    eps = _endpoints("http", url if "://" in url else "http://" + url)
+    host = eps[0][0] if eps else ""
+    for entry in (env.get("no_proxy") or env.get("NO_PROXY") or "").split(","):
+        entry = entry.strip().lstrip(".")
+        if entry == "*" or (entry and (host == entry or host.endswith("." + entry))):
+            return None
+    return proxy
+
+
 def sniff(host, port, timeout=1.5):
     """What listens at host:port: 'refused', 'timeout', 'unresolved',
     'redis', 'etcd', 'http' (ours), 'http-other', 'silent' or 'unknown'."""
@@ -176,7 +197,7 @@ def sniff(host, port, timeout=1.5):
     except socket.gaierror:
         return "unresolved"
     try:
-        with urllib.request.urlopen(f"http://{_hp(host, port)}/health", timeout=timeout) as r:
+        with _DIRECT.open(f"http://{_hp(host, port)}/health", timeout=timeout) as r:
             body = r.read(256)
         if body.strip() == b"ok":
             return "http"
@@ -232,6 +253,11 @@ def diagnose_metadata(kind, url, err, origin):
     low = msg.lower()
     eps = _endpoints(kind, url)
     where = f"metadata_server in {origin}"
+    proxy = curl_proxy(url) if kind in ("http", "etcd") else None
+    if proxy:
+        return (f"the request went through the proxy {proxy} (from http_proxy/all_proxy): add "
+                f"{eps[0][0]} to no_proxy (export no_proxy={eps[0][0]},$no_proxy) for the engine "
+                "and doctor, or unset the proxy variables")
     if kind == "redis" and ("noauth" in low or "wrongpass" in low or "password" in low
                             or "auth" in low):
         return (f"the Redis server wants a password: write metadata_server as "
@@ -270,7 +296,7 @@ _WHAT = {"etcd": "an etcd server", "redis": "a Redis server",
 
 def _served_path(url):
     try:
-        urllib.request.urlopen(url + "?key=mooncake-doctor-probe", timeout=1.5).close()
+        _DIRECT.open(url + "?key=mooncake-doctor-probe", timeout=1.5).close()
     except urllib.error.HTTPError as e:
         m = re.search(rb"serves (/\S*?)[?\s;,]", e.read(512))
         return m.group(1).decode() if m else None
@@ -316,7 +342,12 @@ def check_metadata(rep, cfg, origin):
         return
     detail = ", ".join(f"{k} {v:.1f} ms" for k, v in times.items() if k != "get after delete")
     worst = max(times.values())
-    if worst > SLOW_METADATA_MS:
+    proxy = curl_proxy(url) if kind in ("http", "etcd") else None
+    if proxy:
+        host = _endpoints(kind, url)[0][0]
+        rep.add("metadata", shown, WARN, f"{kind}: {detail}, through the proxy {proxy}",
+                f"metadata traffic goes through a proxy: add {host} to no_proxy unless meant")
+    elif worst > SLOW_METADATA_MS:
         rep.add("metadata", shown, WARN, f"{kind}: {detail}",
                 f"a metadata call took {worst:.0f} ms: run the server near the engines "
                 "(each new peer costs a lookup)")

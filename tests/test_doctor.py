@@ -61,7 +61,8 @@ def write_cfg(tmp_path, **fields):
 
 
 def doctor(*args, env=None, timeout=60):
-    e = {k: v for k, v in os.environ.items() if k != "MOONCAKE_CONFIG_PATH"}
+    e = {k: v for k, v in os.environ.items() if k != "MOONCAKE_CONFIG_PATH"
+         and k.lower() not in ("http_proxy", "https_proxy", "all_proxy", "no_proxy")}
     for k, v in (env or {}).items():
         e[k] = v + os.pathsep + e[k] if k == "PYTHONPATH" and e.get(k) else v
     r = subprocess.run([sys.executable, "-m", "mooncake_connector", "doctor", "--json", *args],
@@ -193,6 +194,20 @@ def test_metadata_host_unresolvable(tmp_path):
     rc, rows = doctor("--config", write_cfg(
         tmp_path, metadata_server="http://no-such-host.invalid:8080/metadata"))
     assert rc == 1 and "does not resolve" in failed(rows, "metadata")["fix"]
+
+
+@pytest.mark.parametrize("kind", ["etcd", "http"])
+def test_proxy_in_the_environment(servers, tmp_path, kind):
+    """libcurl (the HTTP and etcd clients) sends through http_proxy, even to
+    127.0.0.1; here the proxy is a port with nothing behind it."""
+    srv = need(servers, kind)
+    cfg = write_cfg(tmp_path, metadata_server=srv.url)
+    proxy = {"http_proxy": f"http://127.0.0.1:{free_port()}", "no_proxy": ""}
+    rc, rows = doctor("--config", cfg, env=proxy)
+    fix = failed(rows, "metadata")["fix"]
+    assert rc == 1 and "no_proxy" in fix and proxy["http_proxy"] in fix, fix
+    rc, rows = doctor("--config", cfg, env={**proxy, "no_proxy": "localhost,127.0.0.1"})
+    assert rc == 0 and row(rows, "metadata", status="ok")
 
 
 # ------------------------------------------------------------ 9-12: engine address
