@@ -472,12 +472,16 @@ def check_engine(rep, cfg, role, tp):
 
 
 def _check_bind(rep, side, addr, port, rank, tp):
+    """Binds the way the engine's TCP transport will: MC_TCP_BIND_ADDRESS, else
+    "::" for an IPv6 engine address, else 0.0.0.0 (every interface)."""
     item = f"{side} port {port}" + (f" (TP rank {rank})" if tp > 1 else "")
-    fam = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    bind = os.environ.get("MC_TCP_BIND_ADDRESS") or ("::" if ":" in addr else "0.0.0.0")
+    fam = socket.AF_INET6 if ":" in bind else socket.AF_INET
+    addr = bind
     try:
         with socket.socket(fam, socket.SOCK_STREAM) as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            s.bind((addr, port))
+            s.bind((bind, port))
             s.listen(1)
     except OSError as e:
         if e.errno == errno.EADDRINUSE:

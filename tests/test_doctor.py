@@ -212,9 +212,12 @@ def test_proxy_in_the_environment(servers, tmp_path, kind):
 
 # ------------------------------------------------------------ 9-12: engine address
 
-def test_engine_port_in_use(tmp_path):
+@pytest.mark.parametrize("holder", ["127.0.0.1", "127.0.0.2"])
+def test_engine_port_in_use(tmp_path, holder):
+    """The engine listens on 0.0.0.0:port, so a listener on another local
+    address (127.0.0.2) blocks it too; doctor binds the same way."""
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((holder, 0))
         s.listen(1)
         port = s.getsockname()[1]
         rc, rows = doctor("--config", write_cfg(tmp_path, prefill_url=f"127.0.0.1:{port}"))
