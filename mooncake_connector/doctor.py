@@ -107,7 +107,9 @@ def check_config(rep, path):
         msg = str(e)
         m = re.search(r'field "([^"]+)"', msg)
         acc = re.search(r"accepted: (.*)$", msg)
-        if m and acc:
+        if m and acc and "unknown field" in msg:
+            fix = f'edit {where}: remove "{m.group(1)}"; mooncake.json takes {acc.group(1)}'
+        elif m and acc:
             fix = f'edit {where}: set "{m.group(1)}" to {acc.group(1)}'
         elif "No such file" in msg or "cannot read" in msg or "cannot open" in msg:
             fix = f"create {where} or point --config / MOONCAKE_CONFIG_PATH at the real file"

@@ -138,6 +138,7 @@ def test_vllm_kv_transfer_config_pasted(tmp_path):
     rc, rows = doctor("--config", str(p))
     r = failed(rows, "config")
     assert rc == 1 and "kv_connector" in r["detail"], r
+    assert 'remove "kv_connector"' in r["fix"] and "prefill_url" in r["fix"], r
 
 
 # ------------------------------------------------------------ 4-8: metadata
