@@ -5,6 +5,17 @@ import glob
 import os
 
 from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+
+class ParallelBuildExt(build_ext):
+    """Compiles the ~50 C files on every core (MC_BUILD_JOBS overrides), as
+    `make -j` does; setuptools' default is one file at a time."""
+
+    def finalize_options(self):
+        super().finalize_options()
+        if not self.parallel:
+            self.parallel = int(os.environ.get("MC_BUILD_JOBS") or os.cpu_count() or 1)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sources = sorted(
@@ -27,6 +38,7 @@ if os.environ.get("MC_WERROR") == "1":
     extra_compile_args.append("-Werror")
 
 setup(
+    cmdclass={"build_ext": ParallelBuildExt},
     ext_modules=[
         Extension(
             "mooncake_connector._core",

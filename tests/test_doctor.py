@@ -1,0 +1,369 @@
+"""mooncake-connector doctor against real servers: each misconfiguration in
+docs/doctor.md's table is made for real (etcd, Redis and the HTTP metadata
+server started here, ports taken by real listeners, a peer `doctor --serve`
+process) and doctor must fail it with a fix that names what to do.
+
+The servers are started once for the module (about 2 s); each doctor run is
+its own process (`python -m mooncake_connector doctor --json`), so the
+entry point is tested too.
+"""
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from test_metadata_backends import REDIS_PASSWORD, EtcdServer, HttpServer, RedisServer, free_port
+
+mc = pytest.importorskip("mooncake_connector")
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    made = {}
+    for kind, cls, binary in (("etcd", EtcdServer, "etcd"), ("redis", RedisServer, "redis-server"),
+                              ("http", HttpServer, None)):
+        if binary and shutil.which(binary) is None:
+            continue
+        made[kind] = cls(tmp_path_factory.mktemp(f"doctor-{kind}")).start()
+    yield made
+    for s in made.values():
+        s.stop()
+
+
+def need(servers, kind):
+    if kind not in servers:
+        pytest.skip(f"{kind} server not installed (scripts/env.sh installs it)")
+    return servers[kind]
+
+
+def two_ports():
+    """Two free ports at least 50 apart (the config's rule for one host)."""
+    a = free_port()
+    while True:
+        b = free_port()
+        if abs(a - b) >= 50:
+            return a, b
+
+
+def write_cfg(tmp_path, **fields):
+    p, d = two_ports()
+    cfg = {"prefill_url": f"127.0.0.1:{p}", "decode_url": f"127.0.0.1:{d}",
+           "metadata_server": "P2PHANDSHAKE", "protocol": "tcp", "device_name": ""}
+    cfg.update(fields)
+    cfg = {k: v for k, v in cfg.items() if v is not None}
+    p = tmp_path / "mooncake.json"
+    p.write_text(json.dumps(cfg) if isinstance(cfg, dict) else cfg)
+    return str(p)
+
+
+def doctor(*args, env=None, timeout=60):
+    e = {k: v for k, v in os.environ.items() if k != "MOONCAKE_CONFIG_PATH"
+         and k.lower() not in ("http_proxy", "https_proxy", "all_proxy", "no_proxy")}
+    for k, v in (env or {}).items():
+        e[k] = v + os.pathsep + e[k] if k == "PYTHONPATH" and e.get(k) else v
+    r = subprocess.run([sys.executable, "-m", "mooncake_connector", "doctor", "--json", *args],
+                       capture_output=True, text=True, env=e, timeout=timeout, cwd="/")
+    assert r.returncode in (0, 1), r.stderr
+    out = json.loads(r.stdout)
+    assert out["ok"] == (r.returncode == 0)
+    for x in out["rows"]:  # every failure says how to fix it
+        assert x["status"] != "fail" or x["fix"], x
+    return r.returncode, out["rows"]
+
+
+def row(rows, check, item=None, status=None):
+    hits = [r for r in rows if r["check"] == check and (item is None or item in r["item"])
+            and (status is None or r["status"] == status)]
+    assert hits, f"no {check}/{item}/{status} row in {json.dumps(rows, indent=1)}"
+    return hits[0]
+
+
+def failed(rows, check, item=None):
+    r = row(rows, check, item, "fail")
+    assert r["fix"], r
+    return r
+
+
+# ------------------------------------------------------------ healthy setups
+
+@pytest.mark.parametrize("kind", ["etcd", "redis", "http"])
+def test_healthy_metadata(servers, tmp_path, kind):
+    srv = need(servers, kind)
+    rc, rows = doctor("--config", write_cfg(tmp_path, metadata_server=srv.url))
+    r = row(rows, "metadata", status="ok")
+    assert f"{kind} reachable" in r["detail"] and "put " in r["detail"] and " ms" in r["detail"]
+    assert row(rows, "engine", "prefill_url")["status"] == "ok"
+    assert row(rows, "engine", "prefill port", "ok")
+    assert rc == 0, rows
+    if kind == "redis":
+        assert REDIS_PASSWORD not in json.dumps(rows)  # masked
+
+
+def test_p2p_table_and_console_script(tmp_path):
+    cfg = write_cfg(tmp_path)
+    exe = os.path.join(os.path.dirname(sys.executable), "mooncake-connector")
+    if not os.path.exists(exe):
+        pytest.skip("console script not installed next to this python")
+    r = subprocess.run([exe, "doctor", "--config", cfg], capture_output=True, text=True, cwd="/")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "CHECK" in r.stdout and "P2PHANDSHAKE" in r.stdout and "0 failed" in r.stdout
+
+
+# ------------------------------------------------------------ 1-3: the file
+
+def test_no_config_given():
+    rc, rows = doctor()
+    assert rc == 1
+    assert "MOONCAKE_CONFIG_PATH" in failed(rows, "config", "file")["fix"]
+
+
+def test_config_file_missing(tmp_path):
+    rc, rows = doctor("--config", str(tmp_path / "nope.json"))
+    assert rc == 1 and "create" in failed(rows, "config")["fix"]
+
+
+def test_bad_field_value(tmp_path):
+    rc, rows = doctor("--config", write_cfg(tmp_path, protocol="udp"))
+    r = failed(rows, "config")
+    assert rc == 1 and '"protocol"' in r["fix"] and '"rdma"' in r["fix"]
+
+
+def test_vllm_kv_transfer_config_pasted(tmp_path):
+    p = tmp_path / "mooncake.json"
+    p.write_text(json.dumps({"kv_connector": "MooncakeConnector", "kv_role": "kv_producer"}))
+    rc, rows = doctor("--config", str(p))
+    r = failed(rows, "config")
+    assert rc == 1 and "kv_connector" in r["detail"], r
+    assert 'remove "kv_connector"' in r["fix"] and "prefill_url" in r["fix"], r
+
+
+# ------------------------------------------------------------ 4-8: metadata
+
+@pytest.mark.parametrize("kind", ["etcd", "redis", "http"])
+def test_metadata_server_not_running(tmp_path, kind):
+    port = free_port()
+    url = {"etcd": f"etcd://127.0.0.1:{port}", "redis": f"redis://127.0.0.1:{port}",
+           "http": f"http://127.0.0.1:{port}/metadata"}[kind]
+    rc, rows = doctor("--config", write_cfg(tmp_path, metadata_server=url))
+    fix = failed(rows, "metadata")["fix"]
+    assert rc == 1 and f"nothing listens on 127.0.0.1:{port}" in fix and kind in fix, fix
+
+
+@pytest.mark.parametrize("written,actual,want", [
+    ("http", "etcd", "etcd://"), ("etcd", "redis", "redis://"), ("redis", "http", "http://"),
+    ("bare", "http", "/metadata"), ("http", "redis", "redis://"), ("etcd", "http", "http://")])
+def test_metadata_wrong_kind(servers, tmp_path, written, actual, want):
+    srv = need(servers, actual)
+    hp = f"127.0.0.1:{srv.port}"
+    url = {"http": f"http://{hp}/metadata", "etcd": f"etcd://{hp}", "redis": f"redis://{hp}",
+           "bare": hp}[written]
+    rc, rows = doctor("--config", write_cfg(tmp_path, metadata_server=url))
+    fix = failed(rows, "metadata")["fix"]
+    assert rc == 1 and (f'"{want}' in fix or f"{hp}{want}" in fix), fix
+    assert f"is {'a Redis' if actual == 'redis' else 'an etcd' if actual == 'etcd' else 'an HTTP'}" \
+        in fix, fix
+
+
+def test_redis_password_missing(servers, tmp_path):
+    srv = need(servers, "redis")
+    rc, rows = doctor("--config", write_cfg(tmp_path, metadata_server=f"redis://127.0.0.1:{srv.port}"))
+    fix = failed(rows, "metadata")["fix"]
+    assert rc == 1 and "redis://:PASSWORD@" in fix and "MC_REDIS_PASSWORD" in fix, fix
+
+
+def test_redis_password_wrong(servers, tmp_path):
+    srv = need(servers, "redis")
+    rc, rows = doctor("--config", write_cfg(
+        tmp_path, metadata_server=f"redis://:wrong@127.0.0.1:{srv.port}"))
+    assert rc == 1 and "redis://:PASSWORD@" in failed(rows, "metadata")["fix"]
+    assert "wrong" not in row(rows, "config", "metadata_server")["detail"]  # masked
+
+
+def test_http_wrong_path(servers, tmp_path):
+    srv = need(servers, "http")
+    rc, rows = doctor("--config", write_cfg(
+        tmp_path, metadata_server=f"http://127.0.0.1:{srv.port}/meta"))
+    fix = failed(rows, "metadata")["fix"]
+    assert rc == 1 and f"http://127.0.0.1:{srv.port}/metadata" in fix, fix
+
+
+def test_metadata_host_unresolvable(tmp_path):
+    rc, rows = doctor("--config", write_cfg(
+        tmp_path, metadata_server="http://no-such-host.invalid:8080/metadata"))
+    assert rc == 1 and "does not resolve" in failed(rows, "metadata")["fix"]
+
+
+@pytest.mark.parametrize("kind", ["etcd", "http"])
+def test_proxy_in_the_environment(servers, tmp_path, kind):
+    """libcurl (the HTTP and etcd clients) sends through http_proxy, even to
+    127.0.0.1; here the proxy is a port with nothing behind it."""
+    srv = need(servers, kind)
+    cfg = write_cfg(tmp_path, metadata_server=srv.url)
+    proxy = {"http_proxy": f"http://127.0.0.1:{free_port()}", "no_proxy": ""}
+    rc, rows = doctor("--config", cfg, env=proxy)
+    fix = failed(rows, "metadata")["fix"]
+    assert rc == 1 and "no_proxy" in fix and proxy["http_proxy"] in fix, fix
+    rc, rows = doctor("--config", cfg, env={**proxy, "no_proxy": "localhost,127.0.0.1"})
+    assert rc == 0 and row(rows, "metadata", status="ok")
+
+
+# ------------------------------------------------------------ 9-12: engine address
+
+@pytest.mark.parametrize("holder", ["127.0.0.1", "127.0.0.2"])
+def test_engine_port_in_use(tmp_path, holder):
+    """The engine listens on 0.0.0.0:port, so a listener on another local
+    address (127.0.0.2) blocks it too; doctor binds the same way."""
+    with socket.socket() as s:
+        s.bind((holder, 0))
+        s.listen(1)
+        port = s.getsockname()[1]
+        rc, rows = doctor("--config", write_cfg(tmp_path, prefill_url=f"127.0.0.1:{port}"))
+    r = failed(rows, "engine", f"prefill port {port}")
+    assert rc == 1 and f"sport = :{port}" in r["fix"] and "in use" in r["detail"].lower()
+
+
+def test_tp_rank_port_in_use(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        port = s.getsockname()[1]
+        rc, rows = doctor("--tp", "2", "--config",
+                          write_cfg(tmp_path, prefill_url=f"127.0.0.1:{port - 1}"))
+    assert rc == 1 and "TP ranks" in failed(rows, "engine", f"prefill port {port} (TP rank 1)")["fix"]
+
+
+def not_local(n):
+    """n documentation addresses (RFC 5737) that are not on this host;
+    nothing is ever sent to them."""
+    from mooncake_connector.doctor import _local_addrs
+
+    here = _local_addrs()
+    out = [f"{net}.{i}" for net in ("198.51.100", "203.0.113", "192.0.2") for i in range(1, 9)
+           if f"{net}.{i}" not in here]
+    return out[:n]
+
+
+def test_engine_address_not_on_this_host(tmp_path):
+    a, b = not_local(2)
+    rc, rows = doctor("--config", write_cfg(tmp_path, prefill_url=f"{a}:15000",
+                                            decode_url=f"{b}:15000"))
+    r = failed(rows, "engine", "address")
+    assert rc == 1 and "addresses here" in r["fix"] and "127.0.0.1" not in r["fix"].split("(")[1]
+
+
+def test_engine_loopback_with_remote_peer(tmp_path):
+    rc, rows = doctor("--config", write_cfg(tmp_path, prefill_url=f"127.0.0.1:{free_port()}",
+                                            decode_url=f"{not_local(1)[0]}:15000"))
+    r = failed(rows, "engine", "prefill_url")
+    assert rc == 1 and "loopback" in r["detail"] and "prefill_url" in r["fix"]
+
+
+# ------------------------------------------------------------ 13-15: RDMA
+
+def test_rdma_device_missing(tmp_path):
+    rc, rows = doctor("--config", write_cfg(tmp_path, protocol="rdma", device_name="mlx5_9"))
+    r = failed(rows, "rdma", "mlx5_9")
+    assert rc == 1 and ("device_name" in r["fix"] or '"protocol": "tcp"' in r["fix"])
+
+
+def _sysfs(tmp_path, state="4: ACTIVE", gids=("fe80:0000:0000:0000:0000:0000:0000:0001",)):
+    """A sysfs-shaped tree for one RoCE device (no RDMA NIC on CI hosts)."""
+    port = tmp_path / "sys" / "class" / "infiniband" / "rxe0" / "ports" / "1"
+    (port / "gids").mkdir(parents=True)
+    (port / "gid_attrs" / "types").mkdir(parents=True)
+    (port / "gid_attrs" / "ndevs").mkdir(parents=True)
+    (port / "state").write_text(state + "\n")
+    (port / "phys_state").write_text("5: LinkUp\n")
+    (port / "link_layer").write_text("Ethernet\n")
+    for i in range(4):
+        g = gids[i] if i < len(gids) else "0000:0000:0000:0000:0000:0000:0000:0000"
+        (port / "gids" / str(i)).write_text(g + "\n")
+        (port / "gid_attrs" / "types" / str(i)).write_text("RoCE v2\n")
+        (port / "gid_attrs" / "ndevs" / str(i)).write_text("veth0\n")
+    net = tmp_path / "sys" / "class" / "net" / "veth0"
+    net.mkdir(parents=True)
+    (net / "mtu").write_text("1500\n")
+    return str(tmp_path / "sys")
+
+
+@pytest.mark.parametrize("case", ["ok", "down", "no-gid", "bad-gid-index"])
+def test_rdma_port_states(tmp_path, case):
+    root = _sysfs(tmp_path, state="1: DOWN" if case == "down" else "4: ACTIVE",
+                  gids=() if case == "no-gid" else ("fe80:0000:0000:0000:0000:0000:0000:0001",))
+    env = {"MC_DOCTOR_SYSFS": root}
+    if case == "bad-gid-index":
+        env["MC_GID_INDEX"] = "3"
+    rc, rows = doctor("--config", write_cfg(tmp_path, protocol="rdma", device_name="rxe0"), env=env)
+    if case == "ok":
+        assert "RoCE MTU 1024" in row(rows, "rdma", "rxe0 port 1", "ok")["detail"]
+        return
+    r = failed(rows, "rdma", "rxe0 port 1")
+    assert rc == 1
+    assert {"down": "not ACTIVE", "no-gid": "IP address", "bad-gid-index": "MC_GID_INDEX"}[case] \
+        in r["fix"], r
+
+
+# ------------------------------------------------------------ 16-17: vLLM
+
+def test_vllm_outside_supported_range(tmp_path):
+    # A real installed-distribution record of an old vLLM, first on the path.
+    d = tmp_path / "site" / "vllm-0.20.0.dist-info"
+    d.mkdir(parents=True)
+    (d / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.20.0\n")
+    rc, rows = doctor("--config", write_cfg(tmp_path), env={"PYTHONPATH": str(tmp_path / "site")})
+    r = failed(rows, "vllm", "version")
+    assert rc == 1 and "0.20.0" in r["detail"] and "pip install 'vllm>=0.32" in r["fix"], r
+
+
+def test_vllm_plugin_filtered_out(tmp_path):
+    rc, rows = doctor("--config", write_cfg(tmp_path), env={"VLLM_PLUGINS": "lora_filesystem"})
+    assert rc == 1 and "VLLM_PLUGINS" in failed(rows, "vllm", "plugin")["fix"]
+
+
+def test_vllm_version_in_range_and_plugin_registered(tmp_path):
+    rc, rows = doctor("--config", write_cfg(tmp_path))
+    assert row(rows, "vllm", "plugin", "ok")
+    v = row(rows, "vllm", "version")
+    assert v["status"] in ("ok", "skip"), v
+
+
+# ------------------------------------------------------------ 18-19: peer
+
+def test_peer_transfer_each_way(tmp_path):
+    port = free_port()
+    srv = subprocess.Popen([sys.executable, "-m", "mooncake_connector", "doctor", "--serve",
+                            "--listen", f"127.0.0.1:{port}", "--seconds", "60"],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd="/")
+    try:
+        line = srv.stdout.readline()
+        assert f"doctor --peer 127.0.0.1:{port}" in line, line + srv.stderr.read()
+        rc, rows = doctor("--config", write_cfg(tmp_path), "--peer", f"127.0.0.1:{port}")
+        for op in ("write", "read"):
+            assert "GB/s" in row(rows, "peer", f"{op} 64 MiB", "ok")["detail"]
+        assert row(rows, "peer", "data", "ok")
+        assert rc == 0, rows
+    finally:
+        srv.terminate()
+        srv.wait(10)
+
+
+def test_peer_not_serving(tmp_path):
+    port = free_port()
+    rc, rows = doctor("--config", write_cfg(tmp_path), "--peer", f"127.0.0.1:{port}",
+                      "--timeout", "3")
+    assert rc == 1 and "doctor --serve" in failed(rows, "peer")["fix"]
+
+
+def test_serve_port_taken():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        port = s.getsockname()[1]
+        r = subprocess.run([sys.executable, "-m", "mooncake_connector", "doctor", "--serve",
+                            "--listen", f"127.0.0.1:{port}", "--seconds", "5"],
+                           capture_output=True, text=True, timeout=60, cwd="/")
+    assert r.returncode == 1 and f"cannot serve at 127.0.0.1:{port}" in r.stderr, r.stderr
