@@ -29,7 +29,7 @@ KEYS = {
     "origin", "prefill_url", "decode_url", "prefill_host", "prefill_port",
     "decode_host", "decode_port", "metadata_server", "metadata_server_raw",
     "metadata_backend", "metadata_backend_given", "protocol", "device_name",
-    "decode_port_adjusted", "notes",
+    "decode_port_adjusted", "notes", "auth_secret",
 }
 
 

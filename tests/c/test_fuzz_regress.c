@@ -1,9 +1,17 @@
 /* Regression tests for findings of the fuzz harnesses (tests/fuzz,
  * docs/fuzzing.md): each case is the input shape a harness found, checked
  * through the same public function. */
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdatomic.h>
 #include <stdint.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include "engine/segment_desc.h"
+#include "meta/meta.h"
 #include "testlib.h"
 #include "transport/rdma/rdma_record.h"
 
@@ -70,8 +78,58 @@ static void test_record_out_of_range_numbers(void) {
   mc_rdma_record_free(&r);
 }
 
+/* fuzz_meta: a Redis server that drops the connection while a command is
+ * being written raised SIGPIPE in the client (hiredis uses write(2)), which
+ * kills any process that does not ignore SIGPIPE.  The server here accepts
+ * and closes at once; the 4 MiB PUT's writes then hit a reset connection. */
+static int closer_fd;
+static atomic_int closer_stop;
+static void *closer(void *arg) {
+  (void)arg;
+  while (!atomic_load(&closer_stop)) {
+    int c = accept(closer_fd, NULL, NULL);
+    if (c >= 0)
+      close(c);
+  }
+  return NULL;
+}
+
+static void test_redis_peer_reset_no_sigpipe(void) {
+  signal(SIGPIPE, SIG_DFL); /* as in a C program: SIGPIPE kills */
+  struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+  socklen_t al = sizeof a;
+  closer_fd = socket(AF_INET, SOCK_STREAM, 0);
+  CHECK(bind(closer_fd, (struct sockaddr *)&a, sizeof a) == 0 && listen(closer_fd, 16) == 0 &&
+        getsockname(closer_fd, (struct sockaddr *)&a, &al) == 0);
+  pthread_t th;
+  pthread_create(&th, NULL, closer, NULL);
+  char url[64];
+  snprintf(url, sizeof url, "redis://127.0.0.1:%d", ntohs(a.sin_port));
+  mc_meta_t *m = NULL;
+  mc_err_t err = {0};
+  CHECK_EQ_INT(mc_meta_open(url, &m, &err), 0);
+  size_t n = 4u << 20;
+  char *val = malloc(n);
+  memset(val, 'v', n);
+  for (int i = 0; i < 3; i++) {
+    err = (mc_err_t){0};
+    CHECK(mc_meta_put(m, "mooncake/ram/x", val, n, &err) < 0);
+    CHECK(err.msg[0]);
+  }
+  free(val);
+  mc_meta_close(m);
+  atomic_store(&closer_stop, 1);
+  shutdown(closer_fd, SHUT_RDWR);
+  int wake = socket(AF_INET, SOCK_STREAM, 0); /* unblocks accept() */
+  connect(wake, (struct sockaddr *)&a, sizeof a);
+  close(wake);
+  pthread_join(th, NULL);
+  close(closer_fd);
+}
+
 int main(void) {
   RUN(test_desc_out_of_range_numbers);
   RUN(test_record_out_of_range_numbers);
+  RUN(test_redis_peer_reset_no_sigpipe);
   TEST_MAIN_END();
 }

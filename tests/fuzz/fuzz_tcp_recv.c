@@ -10,7 +10,8 @@
  * of calls: a parser that neither progresses nor fails is a finding.
  *
  * Input: byte 0 = flags (bit 0: initiator, bit 1: the HELLO exchange is
- * already done), then the bytes the peer sends.  The target owns a 64 KiB
+ * already done, bit 2: peer authentication on, with secret "fuzz-secret"),
+ * then the bytes the peer sends.  The target owns a 64 KiB
  * region at FUZZ_REG (seeds use it); the initiator has ops in flight with
  * request ids 1..6: HELLO, WRITE, READ, NOTIFY, RPC, READ. */
 #include "fuzz_common.h"
@@ -164,6 +165,11 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   c->outgoing = flags & 1;
   c->state = CONN_OPEN;
   c->hello_ok = (flags >> 1) & 1;
+  T.hooks.auth_secret = flags & 4 ? "fuzz-secret" : NULL;
+  if (c->outgoing && !c->hello_ok && (flags & 4)) {
+    c->auth_state = 1; /* as mc_auth_hello leaves it (nonce: zeros) */
+    c->auth_hold = 1;
+  }
   snprintf(c->peer, sizeof c->peer, "fuzz-peer:1");
   snprintf(c->segment, sizeof c->segment, "%s", c->outgoing ? "fuzz-target" : "");
   if (c->outgoing)

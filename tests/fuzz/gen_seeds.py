@@ -65,6 +65,17 @@ def tcp_seeds():
     put("tcp_recv", "i_errors", b"\x03" + ctrl(4, b"refused", 2, status=-5)
         + hdr(6, count=2, status=-5, req_id=3, length=4) + b"nope" + ctrl(8, b"x", 4, status=-3)
         + ctrl(10, b"bad rpc", 5, status=-7))
+    # Authentication on (flag 4): challenge answers / proofs (never valid:
+    # the nonces are random), and an initiator seeing a target's proof.
+    nonce = "00" * 32
+    put("tcp_recv", "t_auth_hello", b"\x04" + ctrl(1, ('{"segment":"fuzz-target","from":"p",'
+                                                      '"nonce":"%s"}' % nonce).encode(), 1)
+        + ctrl(1, ('{"segment":"fuzz-target","proof":"%s"}' % ("ab" * 32)).encode(), 2)
+        + write([(REG, 8)], 3))
+    put("tcp_recv", "t_auth_missing", b"\x04" + hello() + write([(REG, 8)], 2))
+    put("tcp_recv", "i_auth_ack", b"\x05" + ctrl(2, ('{"segment":"fuzz-target","nonce":"%s",'
+                                                    '"proof":"%s"}' % (nonce, "cd" * 32)).encode(), 1))
+    put("tcp_recv", "i_auth_noproof", b"\x05" + ctrl(2, ack, 1) + hdr(4, req_id=2))
     put("tcp_recv", "i_hello_refused", b"\x01" + ctrl(2, b"go away", 1, status=-10))
 
 
