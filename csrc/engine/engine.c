@@ -432,6 +432,10 @@ int mc_engine_create(const mc_engine_opts_t *o, mc_engine_t **out, mc_err_t *err
     goto fail;
   }
   snprintf(e->auth_secret, sizeof e->auth_secret, "%s", secret ? secret : "");
+  if (e->auth_secret[0] && strlen(e->auth_secret) < 16)
+    mc_log_warn("the peer authentication secret is only %zu characters; a host that talks to "
+                "this engine can test guesses offline, so use a random one of 32 or more (e.g. "
+                "`openssl rand -hex 32`)", strlen(e->auth_secret));
   /* The name must exist before the transport starts: HELLO checks it. */
   mc_tcp_hooks_t hooks = {.ctx = e, .local_name = e->name, .regions = &e->regions,
                           .on_notify = on_notify, .on_peer_failed = on_peer_failed,

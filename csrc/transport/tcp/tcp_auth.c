@@ -200,12 +200,9 @@ int mc_auth_initiator_ack(mc_conn_t *c, const cJSON *j, const char *target, mc_e
                       "target %s (segment %s) did not authenticate itself: it has no shared "
                       "secret configured, and this engine (%s) requires one; " FIX_HINT,
                       c->peer, target, c->tcp->hooks.local_name);
-  if (unhex(cJSON_GetObjectItemCaseSensitive(j, "nonce"), c->auth_nt, MC_AUTH_NONCE) < 0 ||
-      check_proof(c, j, "target", target, c->tcp->hooks.local_name) < 0)
-    return mc_err_set(err, MC_EAUTH,
-                      "target %s (segment %s) failed authentication: its shared secret differs "
-                      "from this engine's (%s); " FIX_HINT,
-                      c->peer, target, c->tcp->hooks.local_name);
+  if (unhex(cJSON_GetObjectItemCaseSensitive(j, "nonce"), c->auth_nt, MC_AUTH_NONCE) < 0)
+    return mc_err_set(err, MC_EPROTO, "malformed authentication challenge from %s", c->peer);
+  int bad = check_proof(c, j, "target", target, c->tcp->hooks.local_name) < 0;
   uint8_t p[MC_SHA256_LEN];
   char ph[2 * MC_SHA256_LEN + 1];
   proof(c, "initiator", target, c->tcp->hooks.local_name, p);
@@ -222,6 +219,16 @@ int mc_auth_initiator_ack(mc_conn_t *c, const cJSON *j, const char *target, mc_e
   c->sendq_head = op;
   if (!c->sendq_tail)
     c->sendq_tail = op;
+  if (bad) {
+    /* Our proof goes out anyway (requests stay held), so that the target
+     * too logs which peer failed and why; then the caller drops the
+     * connection. */
+    mc_conn_flush(c);
+    return mc_err_set(err, MC_EAUTH,
+                      "target %s (segment %s) failed authentication: its shared secret differs "
+                      "from this engine's (%s); " FIX_HINT,
+                      c->peer, target, c->tcp->hooks.local_name);
+  }
   c->auth_state = 2;
   c->auth_hold = 0;
   return 0;
