@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include "engine/engine.h"
+#include "engine/engine_internal.h" /* mc_engine_rpc */
 #include "testlib.h"
 #include "transport/tcp/wire.h"
 #include "util/sha256.h"
@@ -150,6 +151,12 @@ static void test_same_secret(void) {
   CHECK(b.buf[DST] == 0x5a && b.buf[DST + 4095] == 0x5a);
   CHECK_EQ_INT(write_to(&b, &a, &err), 0);
   CHECK_EQ_INT(mc_engine_notify(a.e, mc_engine_segment_name(b.e), "hi", 2, 2000, &err), 0);
+  char *reply = NULL;
+  CHECK_EQ_INT(mc_engine_rpc(a.e, mc_engine_segment_name(b.e), "mc.describe", 11, 2000, &reply,
+                             &err),
+               0);
+  CHECK(reply && strstr(reply, "\"buffers\""));
+  free(reply);
   rm(&a);
   rm(&b);
 }
@@ -180,6 +187,13 @@ static void test_wrong_or_missing_secret(void) {
    * handshake. */
   err = (mc_err_t){0};
   CHECK(mc_engine_notify(none.e, mc_engine_segment_name(a.e), "x", 1, 2000, &err) == MC_EAUTH);
+  /* RPCs (RDMA connection setup, mc.describe) too: refused before served. */
+  char *reply = NULL;
+  err = (mc_err_t){0};
+  CHECK_EQ_INT(mc_engine_rpc(wrong.e, mc_engine_segment_name(a.e), "mc.describe", 11, 2000,
+                             &reply, &err),
+               MC_EAUTH);
+  CHECK(reply == NULL);
   rm(&a);
   rm(&wrong);
   rm(&none);
