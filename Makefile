@@ -8,6 +8,9 @@
 #   make WERROR=1   -> warnings are errors (CI)
 #   make test-rdma  -> the RDMA transport's tests inside the SoftRoCE guest
 #   make bench-rdma -> our RDMA WRITE bandwidth vs ib_write_bw in the guest
+#   make fuzz       -> libFuzzer harnesses (tests/fuzz, clang) in build-fuzz/
+#   make fuzz-run FUZZ_SECONDS=N -> each harness N s from its seed corpus;
+#                      fails on any finding (docs/fuzzing.md)
 
 CC      ?= cc
 SAN     ?= 0
@@ -34,7 +37,7 @@ TEST_BIN  := $(TEST_SRC:tests/c/%.c=$(BUILD)/tests/%)
 BENCH_SRC := $(wildcard benchmarks/c/*.c)
 BENCH_BIN := $(BENCH_SRC:benchmarks/c/%.c=$(BUILD)/bench/%)
 
-.PHONY: all lib tests bench test-c clean softroce test-rdma bench-rdma ptx
+.PHONY: all lib tests bench test-c clean softroce test-rdma bench-rdma ptx fuzz fuzz-run
 all: lib tests bench softroce
 lib: $(BUILD)/libmcc.a
 tests: $(TEST_BIN)
@@ -78,5 +81,47 @@ NVCC ?= $(or $(wildcard /usr/local/cuda/bin/nvcc),nvcc)
 ptx:
 	python3 scripts/gen_ptx.py $(NVCC) csrc/gpu/copy_kernel.cu csrc/gpu/copy_kernel_ptx.h
 
+# ---- fuzzing (docs/fuzzing.md) ----
+# The core is rebuilt with clang under ASan+UBSan and libFuzzer's coverage
+# instrumentation; each tests/fuzz/fuzz_*.c is one harness.
+comma        := ,
+FUZZ_CC      ?= $(or $(shell command -v clang-14 2>/dev/null),clang)
+FUZZ_BUILD   := build-fuzz
+FUZZ_SECONDS ?= 10
+FUZZ_SAN     := -fsanitize=address,undefined -fno-sanitize-recover=undefined
+FUZZ_DROP    := -O2 -O1 -fsanitize=address$(comma)undefined -fno-sanitize-recover=undefined
+FUZZ_CFLAGS  := $(filter-out $(FUZZ_DROP),$(CFLAGS_BASE)) -Wno-unknown-warning-option -O1 -fno-omit-frame-pointer \
+                $(FUZZ_SAN) -fsanitize=fuzzer-no-link
+FUZZ_SRC     := $(wildcard tests/fuzz/fuzz_*.c)
+FUZZ_BIN     := $(FUZZ_SRC:tests/fuzz/%.c=$(FUZZ_BUILD)/%)
+FUZZ_OBJ     := $(CORE_SRC:%.c=$(FUZZ_BUILD)/obj/%.o)
+
+fuzz: $(FUZZ_BIN)
+
+$(FUZZ_BUILD)/obj/%.o: %.c $(shell find csrc -name '*.h')
+	@mkdir -p $(dir $@)
+	$(FUZZ_CC) $(FUZZ_CFLAGS) -c $< -o $@
+
+$(FUZZ_BUILD)/libmcc.a: $(FUZZ_OBJ)
+	rm -f $@ && ar rcs $@ $^
+
+$(FUZZ_BUILD)/fuzz_%: tests/fuzz/fuzz_%.c tests/fuzz/fuzz_common.h $(FUZZ_BUILD)/libmcc.a
+	$(FUZZ_CC) $(FUZZ_CFLAGS) -fsanitize=fuzzer -Itests/fuzz $< -o $@ \
+	  $(FUZZ_BUILD)/libmcc.a $(LDLIBS)
+
+# Each harness runs FUZZ_SECONDS from its committed seeds (new inputs go to
+# build-fuzz/corpus/, findings to build-fuzz/artifacts/); any crash, leak,
+# sanitizer report or timeout fails the target.
+fuzz-run: $(FUZZ_BIN)
+	@mkdir -p $(FUZZ_BUILD)/artifacts; fail=0; for b in $(FUZZ_BIN); do \
+	  n=$${b#$(FUZZ_BUILD)/fuzz_}; mkdir -p $(FUZZ_BUILD)/corpus/$$n; \
+	  echo "== $$b ($(FUZZ_SECONDS) s)"; \
+	  $$b -max_total_time=$(FUZZ_SECONDS) -timeout=20 -rss_limit_mb=2048 -print_final_stats=1 \
+	    -artifact_prefix=$(FUZZ_BUILD)/artifacts/$$n- $(FUZZ_BUILD)/corpus/$$n \
+	    tests/fuzz/corpus/$$n > $(FUZZ_BUILD)/$$n.log 2>&1 \
+	    && grep -h 'stat::number_of_executed_units' $(FUZZ_BUILD)/$$n.log \
+	    || { tail -60 $(FUZZ_BUILD)/$$n.log; echo "FUZZ FINDING: $$n (log $(FUZZ_BUILD)/$$n.log)"; fail=1; }; \
+	done; exit $$fail
+
 clean:
-	rm -rf build build-san
+	rm -rf build build-san build-fuzz

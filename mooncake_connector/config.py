@@ -23,6 +23,8 @@ def main(argv=None):
         return 2
     if cfg.get("notes"):
         print(f"note: {cfg['notes']}", file=sys.stderr)
+    if cfg.get("auth_secret"):
+        cfg["auth_secret"] = "(set, not shown)"
     print(json.dumps(cfg, indent=2, sort_keys=True))
     return 0
 

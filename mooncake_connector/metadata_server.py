@@ -14,6 +14,11 @@ and "metadata updated" otherwise; a client refreshing a TTL uses that to
 notice it re-created an entry the server had lost.  ``request_counts``
 (per HTTP method) lets tests and benchmarks count metadata traffic.
 
+Authentication (optional, docs/security.md): with a token (``token=`` /
+``--token-file`` / env ``MC_METADATA_TOKEN``) every request on the metadata
+path must carry ``Authorization: Bearer <token>``; others get 401 with a
+message naming the fix.  ``/health`` stays open (it reveals nothing).
+
 Values live in memory only.  Run it standalone::
 
     python -m mooncake_connector.metadata_server --host 0.0.0.0 --port 8080
@@ -28,7 +33,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hmac
 import logging
+import os
 import signal
 import sys
 import threading
@@ -138,12 +145,26 @@ def _check_path(path: str) -> str:
 MAX_TTL = 86400
 
 
+def _check_token(token: Optional[str]) -> Optional[str]:
+    """'' and None mean no authentication; a token is printable ASCII."""
+    if not token:
+        return None
+    if len(token) > 4096 or any(not 0x21 <= ord(ch) <= 0x7e for ch in token):
+        raise ValueError("metadata token must be 1..4096 printable ASCII characters "
+                         "without spaces")
+    return token
+
+
 def build_app(store: MetadataStore, path: str = DEFAULT_PATH,
               max_value_size: int = DEFAULT_MAX_VALUE_SIZE,
-              request_counts: Optional[Dict[str, int]] = None) -> web.Application:
+              request_counts: Optional[Dict[str, int]] = None,
+              token: Optional[str] = None) -> web.Application:
     """The aiohttp application: the metadata route, /health, and a 404 for
-    anything else that says which path is served."""
+    anything else that says which path is served.  With ``token`` the
+    metadata route requires ``Authorization: Bearer <token>``."""
     _check_path(path)
+    token = _check_token(token)
+    want = f"Bearer {token}".encode() if token else b""
     if max_value_size < 1:
         raise ValueError(f"max_value_size must be >= 1, got {max_value_size}")
     usage = f"{path}?key=<urlencoded key>"
@@ -155,6 +176,15 @@ def build_app(store: MetadataStore, path: str = DEFAULT_PATH,
 
     async def metadata(request: web.Request) -> web.StreamResponse:
         counts[request.method] = counts.get(request.method, 0) + 1
+        if token:
+            got = request.headers.get("Authorization", "").encode("utf-8", "replace")
+            if not hmac.compare_digest(got, want):
+                why = "wrong bearer token" if got else "missing bearer token"
+                log.warning("metadata request from %s refused: %s", request.remote, why)
+                return text(401, f"{why}: this metadata server requires "
+                                 "'Authorization: Bearer <token>'; set MC_METADATA_TOKEN on the "
+                                 "client to the server's token",
+                            headers={"WWW-Authenticate": "Bearer"})
         key = request.query.get("key")
         if not key:
             what = "empty" if key == "" else "missing"
@@ -259,8 +289,10 @@ class MetadataServer:
                  path: str = DEFAULT_PATH, *,
                  max_value_size: int = DEFAULT_MAX_VALUE_SIZE,
                  store: Optional[MetadataStore] = None,
-                 access_log: bool = False) -> None:
+                 access_log: bool = False, token: Optional[str] = None) -> None:
         self.host = host
+        #: Bearer token required on the metadata path (None: open).
+        self.token = _check_token(token)
         self.path = _check_path(path)
         self.max_value_size = max_value_size
         self.store = store if store is not None else MetadataStore()
@@ -293,7 +325,7 @@ class MetadataServer:
         if self._thread is not None:
             raise RuntimeError("MetadataServer already started")
         app = build_app(self.store, self.path, self.max_value_size,
-                        self.request_counts)
+                        self.request_counts, token=self.token)
         self._ready.clear()
         self._error = None
         self._thread = threading.Thread(target=self._run, args=(app,),
@@ -378,6 +410,9 @@ def _parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     p.add_argument("--max-value-size", type=int, default=DEFAULT_MAX_VALUE_SIZE,
                    metavar="BYTES",
                    help="largest PUT body accepted (default: %(default)s)")
+    p.add_argument("--token-file", metavar="PATH",
+                   help="require 'Authorization: Bearer <token>' with the token read from "
+                        "PATH (default: env MC_METADATA_TOKEN; unset = no authentication)")
     p.add_argument("--access-log", action="store_true",
                    help="log every request")
     p.add_argument("--log-level", default="info",
@@ -391,12 +426,22 @@ def _parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
         _check_path(args.path)
     except ValueError as e:
         p.error(str(e))
+    try:
+        if args.token_file:
+            with open(args.token_file, encoding="utf-8") as f:
+                args.token = _check_token(f.read().strip())
+            if not args.token:
+                p.error(f"--token-file {args.token_file} is empty")
+        else:
+            args.token = _check_token(os.environ.get("MC_METADATA_TOKEN"))
+    except (OSError, ValueError) as e:
+        p.error(f"token: {e}")
     return args
 
 
 async def _serve_cli(args: argparse.Namespace) -> int:
     store = MetadataStore()
-    app = build_app(store, args.path, args.max_value_size)
+    app = build_app(store, args.path, args.max_value_size, token=args.token)
     try:
         running = await _start(app, args.host, args.port, args.access_log)
     except OSError as e:
@@ -408,7 +453,8 @@ async def _serve_cli(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     url = _format_url(args.host, running.port, args.path)
-    print(f"metadata server listening on {url}", flush=True)
+    print(f"metadata server listening on {url}"
+          f"{' (bearer token required)' if args.token else ''}", flush=True)
     if args.host in ("0.0.0.0", "::", ""):
         log.info("clients on other hosts use http://<this host's IP>:%d%s",
                  running.port, args.path)

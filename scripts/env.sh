@@ -49,7 +49,7 @@ _mc_env_main() {
                 libcurl4-openssl-dev libibverbs-dev librdmacm-dev iperf3 iproute2
                 pkg-config libhiredis-dev libxxhash-dev etcd-server etcd-client
                 redis-server qemu-system-x86 busybox-static rdma-core ibverbs-providers
-                kmod cpio libnuma1 debootstrap)
+                kmod cpio libnuma1 debootstrap clang)
     local missing=() p
     _mc_step "check Debian packages"
     if command -v dpkg-query >/dev/null 2>&1; then

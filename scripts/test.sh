@@ -61,6 +61,10 @@ stage "env (scripts/env.sh --ci)" 1 "${MC_T_ENV:-1500}" bash "$repo/scripts/env.
 stage "make all" 1 "${MC_T_MAKE:-900}" make -C "$repo" WERROR=1 all
 stage "C tests" 0 "${MC_T_CTEST:-900}" make -C "$repo" WERROR=1 test-c
 stage "C tests (ASan+UBSan)" 0 "${MC_T_SAN:-1200}" make -C "$repo" SAN=1 WERROR=1 test-c
+# Each libFuzzer harness (tests/fuzz) for MC_FUZZ_SECONDS from its seeds;
+# any finding fails the stage (docs/fuzzing.md).
+stage "fuzz (libFuzzer)" 0 "${MC_T_FUZZ:-600}" make -C "$repo" -j2 WERROR=1 \
+    FUZZ_SECONDS="${MC_FUZZ_SECONDS:-6}" fuzz-run
 # -P / PYTHONSAFEPATH=1 (Python >= 3.11) keep the current directory off
 # sys.path, here and in every Python the tests start (python -m ...): they
 # import the installed package (the one env.sh built with pip), not

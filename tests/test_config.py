@@ -1,6 +1,8 @@
 """mooncake.json through the Python API: load_config / parse_config."""
 import json
 import os
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -29,7 +31,7 @@ KEYS = {
     "origin", "prefill_url", "decode_url", "prefill_host", "prefill_port",
     "decode_host", "decode_port", "metadata_server", "metadata_server_raw",
     "metadata_backend", "metadata_backend_given", "protocol", "device_name",
-    "decode_port_adjusted", "notes",
+    "decode_port_adjusted", "notes", "auth_secret",
 }
 
 
@@ -289,3 +291,25 @@ def test_parallel_threads(write):
     for t in threads:
         t.join()
     assert results == {i: 1000 + i for i in range(8)}
+
+
+# ---- auth_secret (docs/security.md) ------------------------------------------
+
+def test_auth_secret_is_parsed_and_never_echoed():
+    assert parse_config(cfg())["auth_secret"] == ""
+    assert parse_config(cfg(auth_secret="s3cr3t-value"))["auth_secret"] == "s3cr3t-value"
+    with pytest.raises(ConfigError, match='field "auth_secret".*expected a string') as ei:
+        parse_config(cfg(auth_secret=982451653))
+    assert "982451653" not in str(ei.value)
+    with pytest.raises(ConfigError, match='field "auth_secret": is 2000 bytes long') as ei:
+        parse_config(cfg(auth_secret="q" * 2000))
+    assert "qqqq" not in str(ei.value)
+
+
+def test_config_cli_does_not_print_the_secret(write):
+    p = write(cfg(auth_secret="s3cr3t-value"))
+    r = subprocess.run([sys.executable, "-m", "mooncake_connector.config", str(p)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "s3cr3t-value" not in r.stdout + r.stderr
+    assert '"auth_secret": "(set, not shown)"' in r.stdout

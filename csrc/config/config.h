@@ -47,6 +47,7 @@ typedef struct mc_config {
   char device_name[MC_CFG_STR_MAX]; /* "" for tcp */
   bool decode_port_adjusted;        /* the +100 rule applied */
   char notes[MC_CFG_STR_MAX];       /* human-readable notes to log, "" if none */
+  char auth_secret[MC_CFG_STR_MAX]; /* peer authentication secret, "" = off */
 } mc_config_t;
 
 /* Parses JSON text.  `origin` names the source in error messages (a path or

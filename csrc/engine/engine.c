@@ -424,11 +424,23 @@ int mc_engine_create(const mc_engine_opts_t *o, mc_engine_t **out, mc_err_t *err
       .connect_timeout_ms = env_int("MC_CONNECT_TIMEOUT_MS", 5000, 1, 600000),
       .busy_poll_us = env_int("MC_TCP_BUSY_POLL_US", 0, 0, 1000000),
   };
+  const char *secret = o->auth_secret ? o->auth_secret : getenv("MC_AUTH_SECRET");
+  if (secret && strlen(secret) > MC_AUTH_SECRET_MAX) {
+    rc = mc_err_set(err, MC_ECONFIG, "the peer authentication secret (%s) is %zu bytes long; at "
+                    "most %d are accepted", o->auth_secret ? "auth_secret" : "MC_AUTH_SECRET",
+                    strlen(secret), MC_AUTH_SECRET_MAX);
+    goto fail;
+  }
+  snprintf(e->auth_secret, sizeof e->auth_secret, "%s", secret ? secret : "");
+  if (e->auth_secret[0] && strlen(e->auth_secret) < 16)
+    mc_log_warn("the peer authentication secret is only %zu characters; a host that talks to "
+                "this engine can test guesses offline, so use a random one of 32 or more (e.g. "
+                "`openssl rand -hex 32`)", strlen(e->auth_secret));
   /* The name must exist before the transport starts: HELLO checks it. */
   mc_tcp_hooks_t hooks = {.ctx = e, .local_name = e->name, .regions = &e->regions,
                           .on_notify = on_notify, .on_peer_failed = on_peer_failed,
                           .on_rpc = on_rpc, .on_incoming_closed = on_incoming_closed,
-                          .gpu = e->gpu};
+                          .gpu = e->gpu, .auth_secret = e->auth_secret};
   if (hp.port > 0)
     snprintf(e->name, sizeof e->name, strchr(hp.host, ':') ? "[%s]:%d" : "%s:%d", hp.host,
              hp.port);

@@ -23,7 +23,13 @@ typedef struct mc_engine_opts {
   const char *device_name;     /* NICs for rdma; ignored for tcp */
   int io_threads;              /* 0: env MC_TCP_IO_THREADS or 1 */
   int conns_per_peer;          /* 0: env MC_TCP_CONNS_PER_PEER or 1 */
+  /* Peer authentication (docs/security.md): the shared secret every peer
+   * must prove it knows in the TCP handshake, at most MC_AUTH_SECRET_MAX
+   * bytes.  NULL: env MC_AUTH_SECRET; NULL/"" there too: off. */
+  const char *auth_secret;
 } mc_engine_opts_t;
+
+#define MC_AUTH_SECRET_MAX 1024
 
 enum { MC_OP_READ = 0, MC_OP_WRITE = 1 };
 

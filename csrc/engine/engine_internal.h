@@ -22,6 +22,7 @@ typedef struct mc_notify_msg {
 
 struct mc_engine {
   char name[320]; /* "host:port" */
+  char auth_secret[MC_AUTH_SECRET_MAX + 1]; /* "" = peer authentication off */
   char host[256];
   int port;
   int p2p;

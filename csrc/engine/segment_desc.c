@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include "gpu/gpu_ipc.h"
+#include "util/json_num.h"
 #include <string.h>
 #include <time.h>
 
@@ -99,7 +100,8 @@ int mc_segment_desc_decode_regions(const char *json, size_t len, mc_remote_desc_
   const cJSON *pid = cJSON_GetObjectItemCaseSensitive(j, "pid");
   if (cJSON_IsString(hid))
     snprintf(out->host_id, sizeof out->host_id, "%s", hid->valuestring);
-  out->pid = cJSON_IsNumber(pid) ? (long)pid->valuedouble : -1;
+  uint64_t v;
+  out->pid = mc_json_u64(pid, 0, INT32_MAX, &v) == 0 ? (long)v : -1;
   size_t n = (size_t)cJSON_GetArraySize(bufs);
   out->regions = calloc(n ? n : 1, sizeof *out->regions);
   if (!out->regions) {
@@ -107,23 +109,36 @@ int mc_segment_desc_decode_regions(const char *json, size_t len, mc_remote_desc_
     return mc_err_set(err, MC_ENOMEM, "out of memory");
   }
   const cJSON *b;
+  size_t idx = 0;
   cJSON_ArrayForEach(b, bufs) {
     const cJSON *name = cJSON_GetObjectItemCaseSensitive(b, "name");
     const cJSON *addr = cJSON_GetObjectItemCaseSensitive(b, "addr");
     const cJSON *length = cJSON_GetObjectItemCaseSensitive(b, "length");
     const cJSON *ipc = cJSON_GetObjectItemCaseSensitive(b, "cuda_ipc");
     const cJSON *ipcb = cJSON_GetObjectItemCaseSensitive(b, "cuda_ipc_base");
+    idx++;
     if (!cJSON_IsNumber(addr) || !cJSON_IsNumber(length))
       continue;
-    mc_remote_region_t *r = &out->regions[out->n++];
-    r->addr = (uint64_t)addr->valuedouble;
-    r->len = (uint64_t)length->valuedouble;
-    r->cuda_dev = cJSON_IsString(name) && !strncmp(name->valuestring, "cuda:", 5)
-                      ? atoi(name->valuestring + 5)
-                      : -1;
+    mc_remote_region_t *r = &out->regions[out->n];
+    if (mc_json_u64(addr, 0, UINT64_MAX, &r->addr) < 0 ||
+        mc_json_u64(length, 0, UINT64_MAX - r->addr, &r->len) < 0) {
+      cJSON_Delete(j);
+      mc_remote_desc_free(out);
+      return mc_err_set(err, MC_EPROTO, "segment descriptor buffer %zu: \"addr\"/\"length\" "
+                        "are not integers of a range within 0..2^64-1", idx);
+    }
+    out->n++;
+    r->cuda_dev = -1;
+    if (cJSON_IsString(name) && !strncmp(name->valuestring, "cuda:", 5)) {
+      char *end;
+      long dev = strtol(name->valuestring + 5, &end, 10);
+      if (end != name->valuestring + 5 && !*end && dev >= 0 && dev < 1024)
+        r->cuda_dev = (int)dev;
+    }
     if (cJSON_IsString(ipc) && cJSON_IsNumber(ipcb)) {
       snprintf(r->ipc, sizeof r->ipc, "%s", ipc->valuestring);
-      r->ipc_base = (uint64_t)ipcb->valuedouble;
+      if (mc_json_u64(ipcb, 0, UINT64_MAX, &r->ipc_base) < 0)
+        r->ipc[0] = '\0'; /* no usable export */
     }
   }
   qsort(out->regions, out->n, sizeof *out->regions, cmp_region);

@@ -486,14 +486,12 @@ long mc_lookup_insert(mc_lookup_t *lb, const void *tokens, size_t ntok, int widt
   if (rn < 0)
     return rn;
   size_t n = (size_t)rn;
-  uint64_t total = 0;
   for (size_t i = 0; i < n * lb->epb; i++) {
     if (kv[i].len && !kv[i].addr) {
       free(h);
       return mc_err_set(err, MC_EINVAL, "KV extent %zu (block %zu) has length %llu at address 0",
                         i, i / lb->epb, (unsigned long long)kv[i].len);
     }
-    total += kv[i].len;
   }
   for (size_t i = 0; hidden && i < n; i++) {
     if (hidden[i].len && !hidden[i].addr) {
@@ -501,7 +499,6 @@ long mc_lookup_insert(mc_lookup_t *lb, const void *tokens, size_t ntok, int widt
       return mc_err_set(err, MC_EINVAL, "hidden extent %zu has length %llu at address 0", i,
                         (unsigned long long)hidden[i].len);
     }
-    total += hidden[i].len;
   }
   lk_node_t **path = calloc(2 * n, sizeof *path); /* [0,n): path, [n,2n): prebuilt */
   if (!path) {

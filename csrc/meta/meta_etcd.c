@@ -457,7 +457,7 @@ static int lease_keepalive(etcd_meta_t *e, const char *id, const char *key, mc_e
   if (cJSON_IsString(ttl))
     left = strtol(ttl->valuestring, NULL, 10);
   else if (cJSON_IsNumber(ttl))
-    left = (long)ttl->valuedouble;
+    left = ttl->valuedouble >= 1; /* any number: no (long) of 1e300 */
   cJSON_Delete(j);
   return left > 0 ? 0 : 1; /* a lost lease comes back without TTL */
 }

@@ -6,6 +6,10 @@
  * did not exist before (so a refresh can tell that it re-created it).  A
  * server that ignores the parameter keeps the entry until it is deleted.
  *
+ * Authentication: with MC_METADATA_TOKEN set (non-empty) every request
+ * carries "Authorization: Bearer <token>" (docs/security.md); a 401 answer
+ * says to set it.
+ *
  * Thread-safety: a CURL easy handle is used by one thread at a time.  Each
  * call takes a handle from a small mutex-protected pool (or makes a new one)
  * and gives it back afterwards, so concurrent callers never share a handle
@@ -34,7 +38,10 @@ typedef struct http_meta {
   long connect_timeout_ms;
   pthread_mutex_t mu; /* guards idle[] and n_idle */
   mc_curl_pool_t pool; /* pool.mu = &mu */
+  char *auth_header;   /* "Authorization: Bearer <token>" or NULL */
 } http_meta_t;
+
+#define HTTP_TOKEN_MAX 4096
 
 /* curl_global_init is not guaranteed thread-safe on every libcurl build;
  * run it exactly once.  If it fails, curl_easy_init fails later and the
@@ -168,6 +175,12 @@ static int perform(http_meta_t *h, const req_t *r, body_t *b, long *status,
   struct curl_slist *hdrs = NULL, *tmp;
   /* "Expect:" stops curl from waiting for 100-continue on large PUTs. */
   hdrs = curl_slist_append(NULL, "Expect:");
+  if (hdrs && h->auth_header) {
+    tmp = curl_slist_append(hdrs, h->auth_header);
+    if (!tmp)
+      curl_slist_free_all(hdrs);
+    hdrs = tmp;
+  }
   if (hdrs && strcmp(r->method, "PUT") == 0) {
     tmp = curl_slist_append(hdrs, "Content-Type: application/json");
     if (!tmp) {
@@ -217,6 +230,12 @@ static int status_error(const http_meta_t *h, const req_t *r, long status,
                         const body_t *b, mc_err_t *err) {
   char snip[HTTP_SNIPPET_MAX + 1];
   body_snippet(b, snip, sizeof snip);
+  if (status == 401)
+    return mc_err_set(err, MC_EMETADATA,
+                      "metadata server %s refused %s key \"%s\" (HTTP 401): %s; set "
+                      "MC_METADATA_TOKEN to the server's token (docs/security.md)",
+                      h->base.url, r->method, r->key,
+                      h->auth_header ? "wrong bearer token" : "it requires a bearer token");
   return mc_err_set(err, MC_EMETADATA,
                     "metadata server %s answered HTTP %ld to %s key \"%s\"%s%s",
                     h->base.url, status, r->method, r->key, snip[0] ? ": " : "",
@@ -309,6 +328,7 @@ static void http_close(mc_meta_t *m) {
   http_meta_t *h = (http_meta_t *)m;
   mc_curl_pool_drain(&h->pool);
   pthread_mutex_destroy(&h->mu);
+  free(h->auth_header);
   free(h);
 }
 
@@ -363,6 +383,29 @@ static int check_url(const char *url, mc_err_t *err) {
   return rc;
 }
 
+/* MC_METADATA_TOKEN -> the Authorization header (NULL when unset). */
+static int read_token(char **out, mc_err_t *err) {
+  const char *t = getenv("MC_METADATA_TOKEN");
+  *out = NULL;
+  if (!t || !*t)
+    return 0;
+  size_t n = strlen(t);
+  if (n > HTTP_TOKEN_MAX)
+    return mc_err_set(err, MC_ECONFIG, "MC_METADATA_TOKEN is %zu bytes long; at most %d are "
+                      "accepted", n, HTTP_TOKEN_MAX);
+  for (size_t i = 0; i < n; i++)
+    if ((unsigned char)t[i] < 0x21 || (unsigned char)t[i] > 0x7e)
+      return mc_err_set(err, MC_ECONFIG, "MC_METADATA_TOKEN has a space or control character "
+                        "at offset %zu; a bearer token is printable ASCII without spaces", i);
+  static const char pre[] = "Authorization: Bearer ";
+  *out = malloc(sizeof pre + n);
+  if (!*out)
+    return mc_err_set(err, MC_ENOMEM, "out of memory");
+  memcpy(*out, pre, sizeof pre - 1);
+  memcpy(*out + sizeof pre - 1, t, n + 1);
+  return 0;
+}
+
 int mc_meta_http_open(const char *url, mc_meta_t **out, mc_err_t *err) {
   *out = NULL;
   size_t n = strlen(url);
@@ -379,12 +422,19 @@ int mc_meta_http_open(const char *url, mc_meta_t **out, mc_err_t *err) {
   rc = check_url(url, err);
   if (rc)
     return rc;
+  char *auth;
+  if ((rc = read_token(&auth, err)) < 0)
+    return rc;
   http_meta_t *h = calloc(1, sizeof *h);
-  if (!h)
+  if (!h) {
+    free(auth);
     return mc_err_set(err, MC_ENOMEM, "out of memory opening %s", url);
+  }
+  h->auth_header = auth;
   h->pool.mu = &h->mu;
   int e = pthread_mutex_init(&h->mu, NULL);
   if (e) {
+    free(h->auth_header);
     free(h);
     return mc_err_sys(err, MC_ESYS, e, "pthread_mutex_init");
   }

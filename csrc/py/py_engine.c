@@ -206,17 +206,20 @@ static int Engine_clear(EngineObject *self) {
 }
 
 PyDoc_STRVAR(initialize_doc,
-"initialize(local_hostname, metadata_server, protocol='tcp', device_name='') -> 0\n\n"
+"initialize(local_hostname, metadata_server, protocol='tcp', device_name='',\n"
+"           io_threads=0, conns_per_peer=0, auth_secret=None) -> 0\n\n"
 "Starts the engine. local_hostname is 'host' or 'host:port'; metadata_server is\n"
-"'P2PHANDSHAKE' or 'http://host:port/metadata'. Raises on failure.");
+"'P2PHANDSHAKE' or 'http://host:port/metadata'. auth_secret: the shared secret\n"
+"every peer must prove it knows (docs/security.md); None reads MC_AUTH_SECRET,\n"
+"'' turns authentication off. Raises on failure.");
 
 static PyObject *Engine_initialize(EngineObject *self, PyObject *args, PyObject *kw) {
   static char *kwlist[] = {"local_hostname", "metadata_server", "protocol", "device_name",
-                           "io_threads", "conns_per_peer", NULL};
-  const char *host, *meta, *proto = "tcp", *dev = "";
+                           "io_threads", "conns_per_peer", "auth_secret", NULL};
+  const char *host, *meta, *proto = "tcp", *dev = "", *secret = NULL;
   int io_threads = 0, conns = 0;
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "ss|zzii:initialize", kwlist, &host, &meta, &proto,
-                                   &dev, &io_threads, &conns))
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "ss|zziiz:initialize", kwlist, &host, &meta, &proto,
+                                   &dev, &io_threads, &conns, &secret))
     return NULL;
   if (self->eng) {
     mc_err_t err;
@@ -226,7 +229,8 @@ static PyObject *Engine_initialize(EngineObject *self, PyObject *args, PyObject 
   }
   mc_engine_opts_t o = {.local_hostname = host, .metadata_server = meta,
                         .protocol = proto ? proto : "tcp", .device_name = dev ? dev : "",
-                        .io_threads = io_threads, .conns_per_peer = conns};
+                        .io_threads = io_threads, .conns_per_peer = conns,
+                        .auth_secret = secret};
   mc_err_t err = {0};
   mc_engine_t *eng = NULL;
   int rc;

@@ -140,6 +140,7 @@ PyObject *mc_py_raise(mc_py_state_t *st, const mc_err_t *err) {
   case MC_ERANGE:
   case MC_ENOTFOUND:
   case MC_ECANCELED:
+  case MC_EAUTH:
     type = st->TransferError;
     break;
   default:

@@ -28,7 +28,8 @@
   X(EBUSY, -14, "busy")                                                       \
   X(EOVERLAP, -15, "address range overlaps a registered region")              \
   X(ECLOSED, -16, "engine is shut down")                                      \
-  X(ETOOBIG, -17, "too large")
+  X(ETOOBIG, -17, "too large")                                                \
+  X(EAUTH, -18, "peer authentication failed")
 
 enum {
   MC_OK = 0,

@@ -44,7 +44,8 @@ class ProducerProbe:
         eng = _core.TransferEngine()
         # No port: any free one; the control channel is TCP whatever the
         # workers' protocol, and no memory is registered here.
-        eng.initialize(host, cfg["metadata_server"], "tcp", "")
+        eng.initialize(host, cfg["metadata_server"], "tcp", "",
+                       auth_secret=cfg["auth_secret"] or None)
         self.engine = eng
         self.kv = _core.KVTransfer(eng, None, workers=1)
         logger.info("MooncakeConnector scheduler: probing producers from %s",

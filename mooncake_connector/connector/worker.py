@@ -74,7 +74,9 @@ class WorkerSide:
         self.name = shift_port(base, self.tp_rank)
         self.default_producer = f"{cfg['prefill_host']}:{cfg['prefill_port']}"
         eng = _core.TransferEngine()
-        eng.initialize(self.name, cfg["metadata_server"], cfg["protocol"], cfg["device_name"])
+        # auth_secret None: the engine reads MC_AUTH_SECRET (docs/security.md).
+        eng.initialize(self.name, cfg["metadata_server"], cfg["protocol"], cfg["device_name"],
+                       auth_secret=cfg["auth_secret"] or None)
         for addr, n, dev in self.layout.regions():
             eng.register_memory(addr, n, dev)
         self.engine = eng

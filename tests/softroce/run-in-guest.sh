@@ -119,7 +119,9 @@ timeout "$timeout_s" qemu-system-x86_64 -accel "$accel" -cpu max -m 2048 -smp 2 
     < /dev/null > "$log" 2>&1
 set -e
 rm -f "$root.cpio.gz"
-rc="$(grep -ao 'MC_GUEST_EXIT=[0-9]*' "$log" | tail -1 | cut -d= -f2)"
+# No marker (the guest ran out of TIMEOUT): print the console, exit 125 --
+# not a silent exit 1 from grep under pipefail.
+rc="$( (grep -ao 'MC_GUEST_EXIT=[0-9]*' "$log" || true) | tail -1 | cut -d= -f2)"
 if [ -n "${KEEP_LOG:-}" ] || [ -z "$rc" ]; then
   tr -d '\r' < "$log"
 else

@@ -5,6 +5,7 @@
 #include <string.h>
 
 #include "transport/rdma/rdma_gid.h"
+#include "util/json_num.h"
 
 static const char *const kinds[] = {"", "connect", "accept", "regions"};
 
@@ -55,13 +56,8 @@ done:
 }
 
 /* An integer field in [lo, hi]. */
-static int get_num(const cJSON *o, const char *name, double lo, double hi, double *v) {
-  const cJSON *x = cJSON_GetObjectItemCaseSensitive(o, name);
-  if (!cJSON_IsNumber(x) || x->valuedouble < lo || x->valuedouble > hi ||
-      x->valuedouble != (double)(uint64_t)x->valuedouble)
-    return -1;
-  *v = x->valuedouble;
-  return 0;
+static int get_num(const cJSON *o, const char *name, uint64_t lo, uint64_t hi, uint64_t *v) {
+  return mc_json_u64(cJSON_GetObjectItemCaseSensitive(o, name), lo, hi, v);
 }
 
 static int get_str(const cJSON *o, const char *name, char *out, size_t len) {
@@ -81,7 +77,7 @@ static int get_str(const cJSON *o, const char *name, char *out, size_t len) {
 int mc_rdma_record_decode(const char *txt, size_t len, mc_rdma_record_t *r, mc_err_t *err) {
   memset(r, 0, sizeof *r);
   int rc = 0;
-  double v;
+  uint64_t v;
   cJSON *j = cJSON_ParseWithLength(txt, len);
   if (!cJSON_IsObject(j))
     BAD("not a JSON object");
@@ -93,17 +89,17 @@ int mc_rdma_record_decode(const char *txt, size_t len, mc_rdma_record_t *r, mc_e
       r->kind = k;
   if (!r->kind)
     BAD("unknown kind \"%s\" (connect, accept, regions)", kind);
-  if (get_num(j, "version", 1, 1e6, &v) < 0)
+  if (get_num(j, "version", 1, 1000000, &v) < 0)
     BAD("no \"version\"");
   if (v != MC_RDMA_RECORD_VERSION)
-    BAD("version %.0f, this build speaks %d; run the same mooncake-connector release on both "
-        "sides", v, MC_RDMA_RECORD_VERSION);
+    BAD("version %llu, this build speaks %d; run the same mooncake-connector release on both "
+        "sides", (unsigned long long)v, MC_RDMA_RECORD_VERSION);
   if (get_str(j, "from", r->from, sizeof r->from) < 0 ||
       get_str(j, "to", r->to, sizeof r->to) < 0)
     BAD("\"from\"/\"to\" missing or too long");
-  if (get_num(j, "epoch", 0, 9007199254740992.0, &v) < 0)
+  if (get_num(j, "epoch", 0, 1ull << 53, &v) < 0)
     BAD("no \"epoch\"");
-  r->epoch = (uint64_t)v;
+  r->epoch = v;
   const cJSON *nics = cJSON_GetObjectItemCaseSensitive(j, "nics");
   const cJSON *qps = cJSON_GetObjectItemCaseSensitive(j, "qps");
   const cJSON *regs = cJSON_GetObjectItemCaseSensitive(j, "regions");
@@ -154,21 +150,21 @@ int mc_rdma_record_decode(const char *txt, size_t len, mc_rdma_record_t *r, mc_e
   }
   cJSON_ArrayForEach(x, regs) {
     mc_rdma_region_info_t *g = &r->regions[r->nregions];
-    if (get_num(x, "addr", 0, 18446744073709551615.0, &v) < 0)
+    if (get_num(x, "addr", 0, UINT64_MAX, &v) < 0)
       BAD("region %zu: bad \"addr\"", r->nregions);
-    g->addr = (uint64_t)v;
-    if (get_num(x, "len", 1, 18446744073709551615.0, &v) < 0)
-      BAD("region %zu: bad \"len\"", r->nregions);
-    g->len = (uint64_t)v;
+    g->addr = v;
+    if (get_num(x, "len", 1, UINT64_MAX - g->addr, &v) < 0)
+      BAD("region %zu: bad \"len\" (1.., within 2^64 from \"addr\")", r->nregions);
+    g->len = v;
     const cJSON *rk = cJSON_GetObjectItemCaseSensitive(x, "rkey");
     if (!cJSON_IsArray(rk) || (uint32_t)cJSON_GetArraySize(rk) != r->nnics)
       BAD("region %zu: \"rkey\" needs one key per NIC (%u)", r->nregions, r->nnics);
     uint32_t k = 0;
     const cJSON *e;
     cJSON_ArrayForEach(e, rk) {
-      if (!cJSON_IsNumber(e) || e->valuedouble < 0 || e->valuedouble > 4294967295.0)
+      if (mc_json_u64(e, 0, UINT32_MAX, &v) < 0)
         BAD("region %zu: bad rkey", r->nregions);
-      g->rkey[k++] = (uint32_t)e->valuedouble;
+      g->rkey[k++] = (uint32_t)v;
     }
     r->nregions++;
   }

@@ -53,6 +53,9 @@ typedef struct mc_tcp_hooks {
    * or < 0 with err set (sent back as the error text). */
   int (*on_rpc)(void *ctx, const char *from, const char *req, size_t len, char **reply,
                 mc_err_t *err);
+  /* Optional: the shared secret of peer authentication (tcp_auth.c); NULL
+   * or "" = off.  Stable for the transport's life. */
+  const char *auth_secret;
 } mc_tcp_hooks_t;
 
 int mc_tcp_start(const mc_tcp_opts_t *opts, const mc_tcp_hooks_t *hooks,

@@ -11,6 +11,7 @@
 #include "transport/tcp/wire.h"
 
 #define MC_TCP_RBUF (256u * 1024u)
+#define MC_AUTH_NONCE 32
 #define MC_TCP_IOV_BATCH 1024
 
 typedef struct mc_loop mc_loop_t;
@@ -67,6 +68,11 @@ struct mc_conn {
   mc_resp_t *resp_head, *resp_tail;      /* responses to send (incoming) */
   uint64_t next_req_id;
   int hello_ok;
+  /* Peer authentication (tcp_auth.c).  Initiator: 1 HELLO sent, 2 proof
+   * sent, 3 done; target: 1 challenged, 2 done, 3 failed. */
+  int auth_state;
+  int auth_hold; /* initiator: requests wait until the target proved itself */
+  uint8_t auth_ni[MC_AUTH_NONCE], auth_nt[MC_AUTH_NONCE];
 
   /* Receive side. */
   uint8_t *rbuf;
@@ -151,6 +157,21 @@ void mc_conn_unhold(mc_conn_t *c);
 int mc_conn_flush(mc_conn_t *c);
 void mc_conn_enqueue_op(mc_conn_t *c, mc_xfer_op_t *op);
 void mc_op_finalize(mc_xfer_op_t *op, int code, const char *msg);
+
+/* tcp_auth.c */
+struct cJSON;
+/* The initiator's first HELLO (with its nonce) for connection c. */
+mc_xfer_op_t *mc_auth_hello(mc_conn_t *c, mc_err_t *err);
+/* Target: a HELLO arrived (j: its JSON) and the engine has a secret.
+ * 0 with *reply the HELLO_ACK body (malloc'ed), or < 0 (err: send it back
+ * as the error answer). */
+int mc_auth_target_hello(mc_conn_t *c, const struct cJSON *j, char **reply, mc_err_t *err);
+/* Target without a secret: warns when the peer offers authentication. */
+void mc_auth_target_plain(const mc_conn_t *c, const struct cJSON *j);
+/* Initiator: a HELLO_ACK from `target` arrived.  Checks the target's proof
+ * and queues ours ahead of the held requests.  0 or < 0 (err). */
+int mc_auth_initiator_ack(mc_conn_t *c, const struct cJSON *j, const char *target,
+                          mc_err_t *err);
 
 /* tcp_recv.c */
 int mc_conn_on_readable(mc_conn_t *c);

@@ -519,16 +519,12 @@ static mc_conn_t *connect_peer(mc_tcp_t *t, const char *host, int port, const ch
     return NULL;
   }
   c->connect_deadline_ns = mc_now_ns() + (uint64_t)t->opts.connect_timeout_ms * 1000000ull;
-  /* HELLO first: names the segment we expect and who we are. */
-  char body[800];
-  int bl = snprintf(body, sizeof body, "{\"version\":1,\"segment\":\"%s\",\"from\":\"%s\"}",
-                    segment, t->hooks.local_name);
-  mc_xfer_op_t *hello = mc_xfer_op_new(MC_WIRE_HELLO, 0, (size_t)bl);
-  if (!hello || (memcpy(hello->ctrl, body, (size_t)bl), mc_xfer_op_seal(hello, err)) < 0) {
-    mc_xfer_op_free(hello);
+  /* HELLO first: names the segment we expect and who we are, and starts
+   * peer authentication (tcp_auth.c). */
+  mc_xfer_op_t *hello = mc_auth_hello(c, err);
+  if (!hello) {
     close(fd);
     conn_free(c);
-    mc_err_set(err, MC_ENOMEM, "out of memory");
     return NULL;
   }
   c->inbox_head = c->inbox_tail = hello;

@@ -353,6 +353,9 @@ static int on_header_initiator(mc_conn_t *c) {
 
 static int on_header_target(mc_conn_t *c) {
   if (!c->hello_ok && c->rh.type != MC_WIRE_HELLO) {
+    /* The HELLO's refusal (wrong segment, authentication) goes out first:
+     * the peer learns why, not just that the connection closed. */
+    mc_conn_flush(c);
     mc_conn_kill(c, MC_EPROTO, "first message from %s is %s, not HELLO; dropping",
                  c->peer, mc_wire_type_name(c->rh.type));
     return -1;
@@ -395,10 +398,16 @@ static int on_body_initiator(mc_conn_t *c) {
     int same = strcmp(seg->valuestring, c->segment) == 0;
     char got[320];
     snprintf(got, sizeof got, "%s", seg->valuestring);
+    mc_err_t ae = {0};
+    int arc = same || !c->segment[0] ? mc_auth_initiator_ack(c, j, got, &ae) : 0;
     cJSON_Delete(j);
     if (!same && c->segment[0]) {
       mc_conn_kill(c, MC_ENOTFOUND, "%s serves segment \"%s\", not \"%s\"", c->peer, got,
                    c->segment);
+      return -1;
+    }
+    if (arc < 0) {
+      mc_conn_kill(c, ae.code, "%s", ae.msg);
       return -1;
     }
     c->hello_ok = 1;
@@ -467,7 +476,7 @@ static int on_body_target(mc_conn_t *c) {
       mc_conn_kill(c, MC_EPROTO, "malformed HELLO from %s", c->peer);
       return -1;
     }
-    if (cJSON_IsString(from))
+    if (cJSON_IsString(from) && !c->auth_state)
       snprintf(c->segment, sizeof c->segment, "%s", from->valuestring);
     const char *local = c->tcp->hooks.local_name;
     if (seg->valuestring[0] && strcmp(seg->valuestring, local) != 0) {
@@ -477,6 +486,18 @@ static int on_body_target(mc_conn_t *c) {
       cJSON_Delete(j);
       return resp_error(c, MC_WIRE_HELLO_ACK, MC_ENOTFOUND, msg);
     }
+    if (c->tcp->hooks.auth_secret && c->tcp->hooks.auth_secret[0]) {
+      char *txt;
+      mc_err_t ae = {0};
+      int arc = mc_auth_target_hello(c, j, &txt, &ae);
+      cJSON_Delete(j);
+      if (arc < 0) {
+        mc_log_warn("%s", ae.msg);
+        return resp_error(c, MC_WIRE_HELLO_ACK, ae.code, ae.msg);
+      }
+      return resp_simple(c, MC_WIRE_HELLO_ACK, 0, txt);
+    }
+    mc_auth_target_plain(c, j);
     cJSON_Delete(j);
     c->hello_ok = 1;
     cJSON *r = cJSON_CreateObject();

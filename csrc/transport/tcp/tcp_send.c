@@ -160,6 +160,8 @@ static int flush_requests(mc_conn_t *c) {
     for (mc_xfer_op_t *op = c->sendq_head; op; op = op->next) {
       if (op != c->sendq_head && !op->started && op->cancel && atomic_load(op->cancel))
         break; /* let the loop above drop it */
+      if (c->auth_hold && op->type != MC_WIRE_HELLO)
+        break; /* not before the target proved it knows the secret */
       if (!gather_add(&g, op->iov, op->niov, op->iov_idx, op->iov_off))
         break;
     }
