@@ -15,6 +15,7 @@
 #include "util/dynlib.h"
 #include "util/hostport.h"
 #include "util/log.h"
+#include "util/mapped.h"
 
 static int env_int(const char *name, int dflt, int lo, int hi) {
   const char *s = getenv(name);
@@ -392,6 +393,9 @@ int mc_engine_create(const mc_engine_opts_t *o, mc_engine_t **out, mc_err_t *err
   e->gpu_chunk = env_int("MC_GPU_CHUNK", 4096, 1, 1 << 30);
   e->gpu_first_chunk = env_int("MC_GPU_FIRST_CHUNK", 256, 1, 1 << 30);
   e->gpu_trace = env_int("MC_GPU_TRACE", 0, 0, 1);
+  /* MC_LOCAL_CHECK=0 exists only to measure what the check costs
+   * (benchmarks/run_tcp_bench.py --local-check-off); never turn it off. */
+  e->local_check = env_int("MC_LOCAL_CHECK", 1, 0, 1);
   e->slice_size = (uint64_t)env_int("MC_TCP_SLICE_SIZE", 4 << 20, 4096, 1 << 30);
   e->op_entries = (uint32_t)env_int("MC_TCP_OP_ENTRIES", 256, 1, (int)MC_WIRE_MAX_ENTRIES);
   e->timeout_ms = (uint64_t)env_int("MC_TRANSFER_TIMEOUT", 30, 1, 86400) * 1000ull;
@@ -553,12 +557,21 @@ static int resolve_location(uint64_t addr, uint64_t len, const char *claim, char
 /* Adds one region; cuda regions get their IPC export (same-host peers) and,
  * the first time, the pinned staging pool (so I/O threads never allocate
  * pinned memory in the common case). */
+/* *maps: the process's mappings, read on the first host region of a call
+ * (the caller frees them).  GPU regions are checked by the driver instead
+ * (resolve_location asks it where the range lives). */
 static int add_region(mc_engine_t *e, uint64_t addr, uint64_t len, const char *location,
-                      char loc[MC_LOCATION_MAX], mc_err_t *err) {
+                      char loc[MC_LOCATION_MAX], mc_maps_t **maps, mc_err_t *err) {
   int dev = -1;
   int rc = resolve_location(addr, len, location, loc, MC_LOCATION_MAX, &dev, err);
   if (rc < 0)
     return rc;
+  if (dev < 0 && len > 0 && addr + len > addr) {
+    if (!*maps && !(*maps = mc_maps_load(err)))
+      return err ? err->code : MC_ESYS;
+    if ((rc = mc_maps_check(*maps, addr, len, err)) < 0)
+      return rc;
+  }
   char ipc[MC_GPU_IPC_B64_MAX] = "";
   uint64_t ipc_base = 0;
   if (dev >= 0) {
@@ -581,7 +594,9 @@ static int add_region(mc_engine_t *e, uint64_t addr, uint64_t len, const char *l
 int mc_engine_register(mc_engine_t *e, void *addr, uint64_t len, const char *location,
                        mc_err_t *err) {
   char loc[MC_LOCATION_MAX];
-  int rc = add_region(e, (uint64_t)(uintptr_t)addr, len, location, loc, err);
+  mc_maps_t *maps = NULL;
+  int rc = add_region(e, (uint64_t)(uintptr_t)addr, len, location, loc, &maps, err);
+  mc_maps_free(maps);
   if (rc < 0)
     return rc;
   if (e->rdma && (rc = mc_rdma_register(e->rdma, addr, len, loc, err)) < 0) {
@@ -594,12 +609,14 @@ int mc_engine_register(mc_engine_t *e, void *addr, uint64_t len, const char *loc
 int mc_engine_register_batch(mc_engine_t *e, void *const *addrs, const uint64_t *lens,
                              size_t n, const char *location, mc_err_t *err) {
   int rc = 0;
+  mc_maps_t *maps = NULL;
   for (size_t i = 0; i < n; i++) {
     char loc[MC_LOCATION_MAX];
-    rc = add_region(e, (uint64_t)(uintptr_t)addrs[i], lens[i], location, loc, err);
+    rc = add_region(e, (uint64_t)(uintptr_t)addrs[i], lens[i], location, loc, &maps, err);
     if (rc == 0 && e->rdma && (rc = mc_rdma_register(e->rdma, addrs[i], lens[i], loc, err)) < 0)
       mc_regions_remove(&e->regions, (uint64_t)(uintptr_t)addrs[i], NULL);
     if (rc < 0) {
+      mc_maps_free(maps);
       mc_err_prefix(err, "buffer %zu of %zu", i, n);
       for (size_t k = 0; k < i; k++) { /* all or nothing */
         mc_regions_remove(&e->regions, (uint64_t)(uintptr_t)addrs[k], NULL);
@@ -609,6 +626,7 @@ int mc_engine_register_batch(mc_engine_t *e, void *const *addrs, const uint64_t 
       return rc;
     }
   }
+  mc_maps_free(maps);
   return publish(e, err);
 }
 

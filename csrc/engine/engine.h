@@ -40,7 +40,8 @@ typedef enum {
 
 typedef struct mc_request {
   int opcode;      /* MC_OP_READ: remote -> local; MC_OP_WRITE: local -> remote */
-  void *local;     /* local buffer, host or GPU memory (need not be registered) */
+  void *local;     /* local buffer, host or GPU memory, inside a region registered
+                    * with this engine (else the submit fails naming it) */
   uint64_t remote; /* address inside a region the target registered */
   uint64_t len;
 } mc_request_t;
@@ -71,6 +72,9 @@ int mc_engine_register(mc_engine_t *e, void *addr, uint64_t len, const char *loc
                        mc_err_t *err);
 int mc_engine_register_batch(mc_engine_t *e, void *const *addrs, const uint64_t *lens,
                              size_t n, const char *location, mc_err_t *err);
+/* 0 if [addr, addr+len) lies inside one region registered with this
+ * engine, else MC_EINVAL naming the range (matches mc_lookup_check_fn). */
+int mc_engine_check_local(void *engine, uint64_t addr, uint64_t len, mc_err_t *err);
 /* Waits for accesses in flight to the region to finish, then removes it. */
 int mc_engine_unregister(mc_engine_t *e, void *addr, mc_err_t *err);
 
@@ -87,6 +91,11 @@ int mc_batch_submit(mc_engine_t *e, mc_batch_t *b, const char *segment,
  * saving two thread hand-offs per round trip. */
 int mc_batch_submit_sync(mc_engine_t *e, mc_batch_t *b, const char *segment,
                          const mc_request_t *reqs, size_t n, mc_err_t *err);
+/* For layers that checked their local buffers themselves or own them (the
+ * KV producer pushes from extents send_kv checked against this engine's
+ * regions, or from copies its lookup buffer holds): submits to this batch
+ * skip the check that local buffers lie in registered memory. */
+void mc_batch_trust_locals(mc_batch_t *b);
 /* Tasks not yet finished. Non-blocking. */
 size_t mc_batch_pending(mc_batch_t *b);
 /* Blocks until every task finished or timeout_ms passed (<0: engine default,

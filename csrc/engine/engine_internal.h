@@ -40,6 +40,7 @@ struct mc_engine {
   int gpu_chunk;          /* MC_GPU_CHUNK: requests planned per step */
   int gpu_first_chunk;    /* MC_GPU_FIRST_CHUNK: the first step's (then doubling) */
   int gpu_trace;          /* MC_GPU_TRACE=1: log planning times (docs/device.md) */
+  int local_check;        /* local buffers must lie in our regions (MC_LOCAL_CHECK) */
   pthread_mutex_t gpu_mu; /* path choices logged once per peer */
   char (*gpu_logged)[320];
   size_t gpu_nlogged;
@@ -97,6 +98,7 @@ struct mc_batch {
   atomic_int cancel;
   int gpu;             /* has same-host GPU copies: wait polls closely */
   int any_msg;         /* some task has a message (failed): else none to scan or free */
+  int trusted_locals;  /* mc_batch_trust_locals: skip the local-address check */
   char last_segment[320];
   char *rpc_reply; /* mc_engine_rpc: the reply text (malloc'ed) */
 };

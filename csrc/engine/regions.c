@@ -180,6 +180,24 @@ int mc_regions_device_of(mc_regions_t *r, uint64_t addr, uint64_t len, uint64_t 
   return dev;
 }
 
+void mc_regions_lock(mc_regions_t *r) { pthread_mutex_lock(&r->mu); }
+void mc_regions_unlock(mc_regions_t *r) { pthread_mutex_unlock(&r->mu); }
+
+const mc_region_t *mc_regions_find_locked(mc_regions_t *r, uint64_t addr, uint64_t len) {
+  long i = find_le(r, addr);
+  const mc_region_t *reg = i >= 0 ? r->v[i] : NULL;
+  if (!reg || reg->dead || len == 0 || addr + len < addr || addr + len > reg->addr + reg->len)
+    return NULL;
+  return reg;
+}
+
+int mc_regions_contains(mc_regions_t *r, uint64_t addr, uint64_t len) {
+  pthread_mutex_lock(&r->mu);
+  int ok = mc_regions_find_locked(r, addr, len) != NULL;
+  pthread_mutex_unlock(&r->mu);
+  return ok;
+}
+
 size_t mc_regions_snapshot(mc_regions_t *r, mc_region_t *out, size_t max) {
   pthread_mutex_lock(&r->mu);
   size_t k = 0;

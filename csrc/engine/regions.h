@@ -66,6 +66,15 @@ void mc_regions_release(mc_regions_t *r, mc_region_t *reg);
 int mc_regions_device_of(mc_regions_t *r, uint64_t addr, uint64_t len, uint64_t *lo,
                          uint64_t *hi);
 
+/* For checking many ranges under one lock: the live region holding
+ * [addr, addr+len), or NULL (len 0 and wrap-around hold nowhere).  The
+ * pointer is valid only while the lock is held. */
+void mc_regions_lock(mc_regions_t *r);
+void mc_regions_unlock(mc_regions_t *r);
+const mc_region_t *mc_regions_find_locked(mc_regions_t *r, uint64_t addr, uint64_t len);
+/* 1 if a live region holds [addr, addr+len). */
+int mc_regions_contains(mc_regions_t *r, uint64_t addr, uint64_t len);
+
 /* Copies up to `max` (addr,len,location) records; returns the count. */
 size_t mc_regions_snapshot(mc_regions_t *r, mc_region_t *out, size_t max);
 size_t mc_regions_count(mc_regions_t *r);

@@ -268,6 +268,9 @@ static long serve(mc_kv_t *kv, kv_job_t *j, uint64_t *bytes, mc_err_t *err) {
     if (!batch) {
       rc = mc_err_set(err, MC_ENOMEM, "out of memory");
     } else {
+      /* Sources are lookup-buffer extents: checked against this engine's
+       * regions by send_kv, or copies the buffer owns. */
+      mc_batch_trust_locals(batch);
       int r = mc_batch_submit(kv->e, batch, j->from, reqs, nreq, err);
       if (r == 0)
         r = mc_batch_wait(kv->e, batch, left > 0 ? left : (timeout_ms ? 1 : -1), err);
@@ -379,6 +382,8 @@ int mc_kv_create(mc_engine_t *e, mc_lookup_t *lb, int workers, mc_kv_t **out, mc
   }
   mc_engine_set_notify_handler(e, on_message, kv);
   mc_engine_set_peer_lost_handler(e, on_peer_lost, kv);
+  if (lb) /* peers are served from these extents: they must be registered */
+    mc_lookup_set_extent_check(lb, mc_engine_check_local, e);
   *out = kv;
   return 0;
 }
@@ -387,6 +392,8 @@ void mc_kv_destroy(mc_kv_t *kv) {
   if (!kv)
     return;
   kv_pull_async_stop(kv); /* before the handler goes: running pulls need answers */
+  if (kv->lb)
+    mc_lookup_set_extent_check(kv->lb, NULL, NULL);
   mc_engine_set_notify_handler(kv->e, NULL, NULL); /* waits for a call in flight */
   mc_engine_set_peer_lost_handler(kv->e, NULL, NULL);
   pthread_mutex_lock(&kv->mu);

@@ -138,8 +138,8 @@ static PyObject *KV_recv_kv(KVObject *self, PyObject *args, PyObject *kw) {
     return NULL;
   if (!live(self))
     return NULL;
-  if (timeout <= 0 || timeout > 86400)
-    return PyErr_Format(PyExc_ValueError, "timeout must be in (0, 86400] seconds");
+  if (mc_py_check_timeout(timeout, 0, 1, 86400, "timeout") < 0)
+    return NULL;
   if (pull && hid_obj != Py_None)
     return PyErr_Format(PyExc_ValueError, "recv_kv(pull=True) does not move hidden states; "
                         "leave hidden_dest out or use pull=False");
@@ -192,8 +192,8 @@ static PyObject *KV_pull_start(KVObject *self, PyObject *args, PyObject *kw) {
     return NULL;
   if (!live(self))
     return NULL;
-  if (timeout <= 0 || timeout > 86400)
-    return PyErr_Format(PyExc_ValueError, "timeout must be in (0, 86400] seconds");
+  if (mc_py_check_timeout(timeout, 0, 1, 86400, "timeout") < 0)
+    return NULL;
   if (epb == 0 || epb > 0xffff)
     return PyErr_Format(PyExc_ValueError, "extents_per_block must be 1..65535");
   Py_ssize_t nd = 0;
@@ -243,8 +243,8 @@ static PyObject *KV_pull_wait(KVObject *self, PyObject *args, PyObject *kw) {
     return NULL;
   if (!live(self))
     return NULL;
-  if (timeout < 0 || timeout > 86400)
-    return PyErr_Format(PyExc_ValueError, "timeout must be in [0, 86400] seconds");
+  if (mc_py_check_timeout(timeout, 0, 0, 86400, "timeout") < 0)
+    return NULL;
   PyObject *fast = PySequence_Fast(ids_obj, "ids must be a sequence of pull ids");
   if (!fast)
     return NULL;
@@ -286,8 +286,8 @@ static PyObject *KV_probe(KVObject *self, PyObject *args, PyObject *kw) {
     return NULL;
   if (!live(self))
     return NULL;
-  if (timeout <= 0 || timeout > 86400)
-    return PyErr_Format(PyExc_ValueError, "timeout must be in (0, 86400] seconds");
+  if (mc_py_check_timeout(timeout, 0, 1, 86400, "timeout") < 0)
+    return NULL;
   if (epb > 0xffff)
     return PyErr_Format(PyExc_ValueError, "extents_per_block must be 0..65535");
   mc_py_tokens_t t;

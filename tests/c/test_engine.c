@@ -171,6 +171,20 @@ static void test_bad_arguments(void) {
   mc_batch_free(A, b);
   CHECK_EQ_INT(mc_engine_register(B, bbuf + 10, 10, "cpu", &err), MC_EOVERLAP);
   CHECK_EQ_INT(mc_engine_register(B, abuf, 10, "gpu", &err), MC_EINVAL);
+  /* Local buffers outside A's regions, and unmapped or read-only memory. */
+  uint8_t *stray = malloc(4096);
+  mc_request_t loose = {.opcode = MC_OP_READ, .local = stray, .remote = (uintptr_t)bbuf, .len = 8};
+  b = mc_batch_new(A, 1);
+  CHECK_EQ_INT(mc_batch_submit(A, b, mc_engine_segment_name(B), &loose, 1, &err), MC_EINVAL);
+  CHECK_CONTAINS(err.msg, "not inside any memory region registered with this engine");
+  loose.local = abuf + BUFSZ - 4; /* runs 4 bytes past a region */
+  CHECK_EQ_INT(mc_batch_submit(A, b, mc_engine_segment_name(B), &loose, 1, &err), MC_EINVAL);
+  mc_batch_free(A, b);
+  free(stray);
+  CHECK_EQ_INT(mc_engine_register(B, (void *)(1ull << 44), 4096, "cpu", &err), MC_EINVAL);
+  CHECK_CONTAINS(err.msg, "not mapped at 0x100000000000");
+  CHECK_EQ_INT(mc_engine_register(B, (void *)"read-only text", 8, "cpu", &err), MC_EINVAL);
+  CHECK_CONTAINS(err.msg, "not writable");
   CHECK_EQ_INT(mc_engine_unregister(B, bbuf + 1, &err), MC_ENOTFOUND);
 }
 
@@ -188,16 +202,18 @@ static void test_unknown_peer(void) {
 
 static void test_local_segment(void) {
   mc_err_t err = {0};
-  CHECK_EQ_INT(mc_engine_register(A, abuf + (32u << 20), 1 << 20, "cpu", &err), 0);
+  uint8_t *tgt = malloc(1 << 20);
+  CHECK_EQ_INT(mc_engine_register(A, tgt, 1 << 20, "cpu", &err), 0);
   fill(abuf, 1000, 5);
-  mc_request_t r = {.opcode = MC_OP_WRITE, .local = abuf,
-                    .remote = (uint64_t)(uintptr_t)(abuf + (32u << 20)), .len = 1000};
+  mc_request_t r = {.opcode = MC_OP_WRITE, .local = abuf, .remote = (uint64_t)(uintptr_t)tgt,
+                    .len = 1000};
   mc_batch_t *b = mc_batch_new(A, 1);
   CHECK_EQ_INT(mc_batch_submit(A, b, mc_engine_segment_name(A), &r, 1, &err), 0);
   CHECK_EQ_INT(mc_batch_wait(A, b, 1000, &err), 0);
   mc_batch_free(A, b);
-  CHECK(memcmp(abuf, abuf + (32u << 20), 1000) == 0);
-  CHECK_EQ_INT(mc_engine_unregister(A, abuf + (32u << 20), &err), 0);
+  CHECK(memcmp(abuf, tgt, 1000) == 0);
+  CHECK_EQ_INT(mc_engine_unregister(A, tgt, &err), 0);
+  free(tgt);
 }
 
 static void collect(void *arg, const char *from, const void *msg, size_t len) {
@@ -402,7 +418,9 @@ int main(void) {
   if (!A || !B || !abuf || !bbuf)
     return 1;
   mc_err_t err = {0};
-  if (mc_engine_register(B, bbuf, BUFSZ, "cpu", &err) < 0) {
+  /* A's buffer holds local buffers of its transfers: registered too. */
+  if (mc_engine_register(B, bbuf, BUFSZ, "cpu", &err) < 0 ||
+      mc_engine_register(A, abuf, BUFSZ, "cpu", &err) < 0) {
     fprintf(stderr, "%s\n", err.msg);
     return 1;
   }
