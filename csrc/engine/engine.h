@@ -118,8 +118,12 @@ size_t mc_engine_drain_notifies(mc_engine_t *e, size_t max, mc_notify_cb cb, voi
 
 /* Routes incoming notifications to cb (called on an I/O thread: it must not
  * block; copy what it needs) instead of the queue drained above.  NULL
- * restores the queue.  Used by layers built on the engine (lookup buffer). */
-void mc_engine_set_notify_handler(mc_engine_t *e, mc_notify_cb cb, void *arg);
+ * restores the queue.  Used by layers built on the engine (lookup buffer).
+ * A handler returning < 0 (err set) refuses the message: the sender's
+ * notify fails with that error (budgets: nothing is dropped silently). */
+typedef int (*mc_notify_handler_fn)(void *arg, const char *from, const void *msg, size_t len,
+                                    mc_err_t *err);
+void mc_engine_set_notify_handler(mc_engine_t *e, mc_notify_handler_fn cb, void *arg);
 /* Called (on an I/O thread; must not block) when a connection to `segment`
  * fails or is closed by the peer, so layers waiting on that peer can fail
  * at once instead of at their timeout.  NULL removes it. */
@@ -127,8 +131,20 @@ typedef void (*mc_peer_lost_cb)(void *arg, const char *segment);
 void mc_engine_set_peer_lost_handler(mc_engine_t *e, mc_peer_lost_cb cb, void *arg);
 
 /* Puts a notification on the queue drained by mc_engine_drain_notifies (for
- * handlers that pass on messages they do not own). */
-void mc_engine_queue_notify(mc_engine_t *e, const char *from, const void *msg, size_t len);
+ * handlers that pass on messages they do not own).  The queue is bounded:
+ * MC_NOTIFY_QUEUE_MB bytes (default 64) and 65536 messages; beyond that it
+ * refuses (MC_EBUSY, err names the budget) and the sender sees the error. */
+int mc_engine_queue_notify(mc_engine_t *e, const char *from, const void *msg, size_t len,
+                           mc_err_t *err);
+
+/* Current use of the engine's budgets (docs/connector.md "Budgets"). */
+typedef struct mc_engine_stats {
+  uint64_t notify_queue_bytes, notify_queue_limit, notify_queue_msgs, notify_refused;
+  uint64_t reply_queue_bytes, reply_queue_conn_limit, reply_queue_total_limit;
+  uint64_t paused_conns, prehandshake_conns, prehandshake_limit, prehandshake_refused;
+  uint64_t prehandshake_bytes_each; /* what one such connection may hold */
+} mc_engine_stats_t;
+void mc_engine_get_stats(mc_engine_t *e, mc_engine_stats_t *out);
 
 /* The segment descriptor JSON this engine publishes (malloc'ed). */
 char *mc_engine_describe(mc_engine_t *e);

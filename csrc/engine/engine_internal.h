@@ -28,6 +28,7 @@ struct mc_engine {
   mc_meta_t *meta;
   mc_regions_t regions;
   mc_tcp_t *tcp;   /* data (protocol tcp) and always the control channel */
+  mc_tcp_opts_t tcp_opts; /* as started (budgets for stats) */
   mc_rdma_t *rdma; /* data for protocol rdma, else NULL */
   char protocol[8];
   uint64_t slice_size;    /* bytes per wire op */
@@ -59,8 +60,9 @@ struct mc_engine {
   pthread_mutex_t notify_mu;
   mc_notify_msg_t *notify_head, *notify_tail;
   size_t notify_count;
+  uint64_t notify_bytes, notify_limit, notify_refused; /* MC_NOTIFY_QUEUE_MB */
   pthread_rwlock_t handler_lock; /* guards notify_cb/arg against a call in flight */
-  mc_notify_cb notify_cb; /* if set, notifications go here instead of the queue */
+  mc_notify_handler_fn notify_cb; /* if set, notifications go here instead of the queue */
   void *notify_arg;
   mc_peer_lost_cb peer_lost_cb; /* under handler_lock */
   void *peer_lost_arg;

@@ -64,6 +64,7 @@ struct mc_kv {
   pthread_cond_t wait_cv; /* recv_kv callers wait for answers */
   kv_job_t *jobs_head, *jobs_tail;
   size_t njobs;
+  uint64_t queued_bytes, queue_limit; /* MC_KV_QUEUE_MB: what queued jobs hold */
   kv_waiter_t *waiters;
   uint64_t next_id;
   int stopping;
@@ -97,7 +98,7 @@ void kv_pull_async_stop(mc_kv_t *kv);
 void kv_pull_async_free(mc_kv_t *kv);
 /* kv_transfer.c: queues a job for the worker threads (a copy of msg);
  * MC_ENOMEM or MC_ECLOSED (shutting down) if it cannot. */
-int kv_queue_job(mc_kv_t *kv, const char *from, const void *msg, size_t len);
+int kv_queue_job(mc_kv_t *kv, const char *from, const void *msg, size_t len, mc_err_t *err);
 /* Sends msg to producer, waits for w's answer until deadline; returns the
  * answer's matched tokens or a negative code (err says "<what> from ...").
  * Returns with kv->mu held and w unlinked (the caller counts, unlocks). */

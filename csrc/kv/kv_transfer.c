@@ -93,31 +93,49 @@ static void on_peer_lost(void *arg, const char *segment) {
 
 /* ---- the notification handler (I/O thread: never blocks) ---- */
 
-static void on_message(void *arg, const char *from, const void *msg, size_t len) {
+static int on_message(void *arg, const char *from, const void *msg, size_t len, mc_err_t *err) {
   mc_kv_t *kv = arg;
   const uint8_t *m = msg;
   uint32_t magic = len >= 4 ? mc_get_u32(m) : 0;
   if (magic == KV_REP_MAGIC) {
     on_answer(kv, from, m, len);
-    return;
+    return 0;
   }
   if (magic == KV_PANS_MAGIC) {
     kv_pull_on_answer(kv, from, m, len);
-    return;
+    return 0;
   }
   if (magic == KV_PREL_MAGIC) {
     kv_pull_on_release(kv, from, m, len);
-    return;
+    return 0;
   }
-  if (magic != KV_REQ_MAGIC && magic != KV_PULL_MAGIC) {
-    mc_engine_queue_notify(kv->e, from, msg, len); /* someone else's */
-    return;
-  }
-  if (kv_queue_job(kv, from, msg, len) == MC_ENOMEM)
-    mc_log_error("out of memory queueing a recv_kv request from %s", from);
+  if (magic != KV_REQ_MAGIC && magic != KV_PULL_MAGIC)
+    return mc_engine_queue_notify(kv->e, from, msg, len, err); /* someone else's */
+  return kv_queue_job(kv, from, msg, len, err);
 }
 
-int kv_queue_job(mc_kv_t *kv, const char *from, const void *msg, size_t len) {
+static uint64_t job_cost(const char *from, size_t len) {
+  return (uint64_t)len + strlen(from) + 1 + sizeof(kv_job_t);
+}
+
+int kv_queue_job(mc_kv_t *kv, const char *from, const void *msg, size_t len, mc_err_t *err) {
+  /* Bounded in bytes (MC_KV_QUEUE_MB): refused before anything is copied;
+   * the asker's recv_kv fails at once with this error instead of waiting. */
+  uint64_t cost = job_cost(from, len);
+  pthread_mutex_lock(&kv->mu);
+  if (kv->queued_bytes + cost > kv->queue_limit) {
+    uint64_t used = kv->queued_bytes;
+    size_t n = kv->njobs;
+    kv->stats.queue_refused++;
+    pthread_mutex_unlock(&kv->mu);
+    return mc_err_set(err, MC_EBUSY,
+                      "producer %s has %zu queued KV requests (%llu bytes; budget %llu bytes, "
+                      "MC_KV_QUEUE_MB): refused a %zu-byte request; retry later",
+                      mc_engine_segment_name(kv->e), n, (unsigned long long)used,
+                      (unsigned long long)kv->queue_limit, len);
+  }
+  kv->queued_bytes += cost; /* reserved */
+  pthread_mutex_unlock(&kv->mu);
   kv_job_t *j = calloc(1, sizeof *j);
   if (j) {
     j->from = strdup(from);
@@ -131,16 +149,20 @@ int kv_queue_job(mc_kv_t *kv, const char *from, const void *msg, size_t len) {
       free(j->msg);
       free(j);
     }
-    return MC_ENOMEM;
+    pthread_mutex_lock(&kv->mu);
+    kv->queued_bytes -= cost;
+    pthread_mutex_unlock(&kv->mu);
+    return mc_err_set(err, MC_ENOMEM, "out of memory queueing a KV request");
   }
   memcpy(j->msg, msg, len);
   pthread_mutex_lock(&kv->mu);
   if (kv->stopping) {
+    kv->queued_bytes -= cost;
     pthread_mutex_unlock(&kv->mu);
     free(j->from);
     free(j->msg);
     free(j);
-    return MC_ECLOSED;
+    return mc_err_set(err, MC_ECLOSED, "shutting down");
   }
   if (kv->jobs_tail)
     kv->jobs_tail->next = j;
@@ -305,6 +327,7 @@ static void *worker_main(void *arg) {
     if (!kv->jobs_head)
       kv->jobs_tail = NULL;
     kv->njobs--;
+    kv->queued_bytes -= job_cost(j->from, j->len);
     pthread_mutex_unlock(&kv->mu);
 
     uint32_t jm = j->len >= 4 ? mc_get_u32(j->msg) : 0;
@@ -361,6 +384,11 @@ int mc_kv_create(mc_engine_t *e, mc_lookup_t *lb, int workers, mc_kv_t **out, mc
   }
   kv->e = e;
   kv->lb = lb;
+  {
+    const char *s = getenv("MC_KV_QUEUE_MB");
+    long mb = s && atol(s) > 0 ? atol(s) : 64;
+    kv->queue_limit = (uint64_t)(mb > (1l << 20) ? (1l << 20) : mb) << 20;
+  }
   pthread_mutex_init(&kv->mu, NULL);
   pthread_condattr_t ca;
   pthread_condattr_init(&ca);
@@ -431,6 +459,9 @@ void mc_kv_destroy(mc_kv_t *kv) {
 void mc_kv_get_stats(mc_kv_t *kv, mc_kv_stats_t *out) {
   pthread_mutex_lock(&kv->mu);
   *out = kv->stats;
+  out->queue_bytes = kv->queued_bytes;
+  out->queue_limit = kv->queue_limit;
+  out->queue_jobs = kv->njobs;
   pthread_mutex_unlock(&kv->mu);
 }
 

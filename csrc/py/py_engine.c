@@ -1116,6 +1116,27 @@ static PyObject *Engine_read_bytes_from_buffer(EngineObject *self, PyObject *arg
   return out;
 }
 
+static PyObject *Engine_get_stats(EngineObject *self, PyObject *unused) {
+  (void)unused;
+  if (!ready(self))
+    return NULL;
+  mc_engine_stats_t s;
+  mc_engine_get_stats(self->eng, &s);
+  return Py_BuildValue(
+      "{sKsKsKsKsKsKsKsKsKsKsKsK}", "notify_queue_bytes", (unsigned long long)s.notify_queue_bytes,
+      "notify_queue_limit", (unsigned long long)s.notify_queue_limit, "notify_queue_msgs",
+      (unsigned long long)s.notify_queue_msgs, "notify_refused",
+      (unsigned long long)s.notify_refused, "reply_queue_bytes",
+      (unsigned long long)s.reply_queue_bytes, "reply_queue_conn_limit",
+      (unsigned long long)s.reply_queue_conn_limit, "reply_queue_total_limit",
+      (unsigned long long)s.reply_queue_total_limit, "paused_conns",
+      (unsigned long long)s.paused_conns, "prehandshake_conns",
+      (unsigned long long)s.prehandshake_conns, "prehandshake_limit",
+      (unsigned long long)s.prehandshake_limit, "prehandshake_refused",
+      (unsigned long long)s.prehandshake_refused, "prehandshake_bytes_each",
+      (unsigned long long)s.prehandshake_bytes_each);
+}
+
 static PyMethodDef Engine_methods[] = {
     {"initialize", (PyCFunction)(void (*)(void))Engine_initialize, METH_VARARGS | METH_KEYWORDS,
      initialize_doc},
@@ -1175,6 +1196,10 @@ static PyMethodDef Engine_methods[] = {
      "get_batch_status(batch_id) -> list of per-request dicts (non-blocking)."},
     {"send_notify", (PyCFunction)(void (*)(void))Engine_send_notify, METH_VARARGS | METH_KEYWORDS,
      "send_notify(target_hostname, message: bytes|str, timeout=5.0) -> 0"},
+    {"get_stats", (PyCFunction)Engine_get_stats, METH_NOARGS,
+     "get_stats() -> dict: current use of the engine's budgets (unread notifications,\n"
+     "queued replies, connections before their handshake) and their limits\n"
+     "(docs/connector.md, Budgets)."},
     {"get_notifies", (PyCFunction)Engine_get_notifies, METH_NOARGS,
      "get_notifies() -> list of (from_segment, message_bytes); drains the queue."},
     {"allocate_managed_buffer", (PyCFunction)Engine_allocate_managed_buffer, METH_O,

@@ -232,9 +232,54 @@ static void test_notify(void) {
   CHECK(strcmp(got, want) == 0);
 }
 
+static int collect_h(void *arg, const char *from, const void *msg, size_t len, mc_err_t *err) {
+  (void)err;
+  collect(arg, from, msg, len);
+  return 0;
+}
+
+static int refuse_h(void *arg, const char *from, const void *msg, size_t len, mc_err_t *err) {
+  (void)arg, (void)from, (void)msg, (void)len;
+  return mc_err_set(err, MC_EBUSY, "handler budget full");
+}
+
+static void count_only(void *arg, const char *from, const void *msg, size_t len) {
+  (void)from, (void)msg;
+  *(size_t *)arg += len;
+}
+
+/* Unread notifications are bounded in bytes (MC_NOTIFY_QUEUE_MB=1 here):
+ * the sender gets the refusal, nothing is dropped; draining makes room. */
+static void test_notify_budget(void) {
+  size_t n = 600 << 10;
+  char *big = calloc(1, n);
+  mc_err_t err = {0};
+  const char *bs = mc_engine_segment_name(B);
+  CHECK_EQ_INT(mc_engine_notify(A, bs, big, n, 5000, &err), 0);
+  CHECK(mc_engine_notify(A, bs, big, n, 5000, &err) < 0);
+  CHECK_CONTAINS(err.msg, "MC_NOTIFY_QUEUE_MB");
+  mc_engine_stats_t st;
+  mc_engine_get_stats(B, &st);
+  CHECK(st.notify_queue_bytes > n && st.notify_queue_bytes <= st.notify_queue_limit);
+  CHECK_EQ_INT(st.notify_refused, 1);
+  size_t got = 0;
+  CHECK_EQ_INT(mc_engine_drain_notifies(B, 10, count_only, &got), 1);
+  CHECK_EQ_INT(got, n);
+  CHECK_EQ_INT(mc_engine_notify(A, bs, big, n, 5000, &err), 0);
+  CHECK_EQ_INT(mc_engine_drain_notifies(B, 10, count_only, &got), 1);
+  mc_engine_get_stats(B, &st);
+  CHECK_EQ_INT(st.notify_queue_bytes, 0);
+  /* A handler's refusal reaches the sender too. */
+  mc_engine_set_notify_handler(B, refuse_h, NULL);
+  CHECK(mc_engine_notify(A, bs, "x", 1, 5000, &err) < 0);
+  CHECK_CONTAINS(err.msg, "handler budget full");
+  mc_engine_set_notify_handler(B, NULL, NULL);
+  free(big);
+}
+
 static void test_notify_handler(void) {
   char got[256] = "";
-  mc_engine_set_notify_handler(B, collect, got);
+  mc_engine_set_notify_handler(B, collect_h, got);
   mc_err_t err = {0};
   CHECK_EQ_INT(mc_engine_notify(A, mc_engine_segment_name(B), "via handler", 11, 2000, &err), 0);
   mc_engine_set_notify_handler(B, NULL, NULL);
@@ -411,6 +456,7 @@ static void test_regions_device_of(void) {
 }
 
 int main(void) {
+  setenv("MC_NOTIFY_QUEUE_MB", "1", 1); /* test_notify_budget */
   abuf = malloc(BUFSZ);
   bbuf = malloc(BUFSZ);
   A = mk();
@@ -435,6 +481,7 @@ int main(void) {
   RUN(test_local_segment);
   RUN(test_notify);
   RUN(test_notify_handler);
+  RUN(test_notify_budget);
   RUN(test_fast_path_and_bulk_concurrently);
   RUN(test_timeout_cancels);
   RUN(test_garbage_connection);
