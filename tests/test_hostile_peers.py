@@ -1,0 +1,174 @@
+"""Hostile peers (issue 14): raw sockets at an engine's port, floods of
+notifications and unread replies.  After each case the target process is
+alive, a legitimate 1 MiB transfer is byte-exact, and its RSS grew by no
+more than the budgets that case can fill (docs/connector.md, Budgets) plus
+a fixed slack for allocator and socket overhead; once the hostile peers
+leave, RSS is back within 10% of the baseline."""
+import os
+import socket
+import struct
+import time
+
+import pytest
+
+import mooncake_connector as mc
+from conftest import wait_until
+
+MAGIC = 0x564B434D
+HELLO, WRITE, READ, NOTIFY, RPC = 1, 3, 5, 7, 9
+MIB = 1 << 20
+SLACK = 24 * MIB  # allocator arenas, socket buffers, Python in the target
+# Small budgets so the cases run quickly; the docs state the defaults.
+BUDGET_ENV = {"MC_LOG_LEVEL": "error", "MC_NOTIFY_QUEUE_MB": "32",
+              "MC_TCP_REPLY_QUEUE_MB": "4", "MC_TCP_REPLY_TOTAL_MB": "16",
+              "MC_TCP_MAX_PREHANDSHAKE": "16", "MC_TCP_HELLO_TIMEOUT_MS": "1000"}
+
+
+def hdr(typ, length=0, count=0, req_id=1, status=0):
+    return struct.pack("<IBBHIiQQ", MAGIC, 1, typ, 0, count, status, req_id, length)
+
+
+def rss(pid):
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def connect(port):
+    s = socket.create_connection(("127.0.0.1", port), timeout=5)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a peer that reads nothing
+    return s
+
+
+def hello(s, target_seg, me="hostile:1"):
+    body = ('{"version":1,"segment":"%s","from":"%s"}' % (target_seg, me)).encode()
+    s.sendall(hdr(HELLO, len(body)) + body)
+    h = s.recv(32, socket.MSG_WAITALL)
+    n = struct.unpack("<IBBHIiQQ", h)[7]
+    s.recv(n, socket.MSG_WAITALL)
+
+
+@pytest.fixture(scope="module")
+def arena():
+    """Target T (its own process, 64 MiB registered) and a legitimate
+    initiator here with a 1 MiB managed buffer."""
+    from conftest import Peer
+    t = Peer(size=64 << 20, env=BUDGET_ENV)
+    eng = mc.TransferEngine()
+    eng.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
+    buf = eng.allocate_managed_buffer(1 << 20)
+    port = int(t.segment.rsplit(":", 1)[1])
+    legit(eng, buf, t)
+    base = rss(t.pid)
+    yield eng, buf, t, port, base
+    eng.close()
+    t.close()
+
+
+def legit(eng, buf, t, seed=[0]):
+    seed[0] += 1
+    data = os.urandom(1 << 20)
+    eng.write_bytes_to_buffer(buf, data)
+    eng.transfer_sync_write(t.segment, buf, t.addr, 1 << 20)
+    eng.write_bytes_to_buffer(buf, b"\0" * (1 << 20))
+    eng.transfer_sync_read(t.segment, buf, t.addr, 1 << 20)
+    assert eng.read_bytes_from_buffer(buf, 1 << 20) == data
+
+
+def check(arena, budget):
+    eng, buf, t, port, base = arena
+    assert t.proc.poll() is None, "target died"
+    legit(eng, buf, t)
+    grown = rss(t.pid) - base
+    assert grown <= budget + SLACK, f"RSS grew {grown >> 20} MiB, budget {budget >> 20} MiB"
+    return grown
+
+
+def test_unread_replies_are_backpressured(arena):
+    eng, buf, t, port, base = arena
+    socks = []
+    # Four peers each send RPC and READ requests and never read a reply: the
+    # target stops reading them once their replies pass 4 MiB each / 16 MiB
+    # in all, so their sends stall instead of the target's memory growing.
+    rpc = b"mc.describe"
+    read = hdr(READ, 16 * 16, count=16) + b"".join(
+        struct.pack("<QQ", t.addr + i * 65536, 65536) for i in range(16))
+    sent = 0
+    for k in range(4):
+        s = connect(port)
+        hello(s, t.segment, f"hostile:{k}")
+        s.setblocking(False)
+        socks.append(s)
+        msg = (hdr(RPC, len(rpc)) + rpc) * 64 + read * 4
+        t0 = time.time()
+        while time.time() - t0 < 1.5:
+            try:
+                sent += s.send(msg)
+            except BlockingIOError:
+                time.sleep(0.01)
+    assert sent > 4 * MIB
+    grown = check(arena, 16 * MIB)
+    print(f"sent {sent >> 20} MiB of requests; target RSS +{grown >> 20} MiB")
+    for s in socks:
+        s.close()
+
+
+def test_notification_flood_is_refused_past_its_budget(arena):
+    eng, buf, t, port, base = arena
+    big = b"n" * (16 * MIB - 64)
+    refused = 0
+    for _ in range(8):  # 128 MiB against a 32 MiB budget
+        try:
+            eng.send_notify(t.segment, big, timeout=20)
+        except mc.MooncakeError as e:
+            assert "MC_NOTIFY_QUEUE_MB" in str(e)
+            refused += 1
+    assert refused >= 6
+    check(arena, 32 * MIB)
+    t.call(cmd="notifies")  # the receiver drains: memory goes back
+
+
+def test_connections_before_the_handshake_are_bounded(arena):
+    eng, buf, t, port, base = arena
+    socks = []
+    for i in range(100):  # silent, half headers, and oversized HELLOs
+        try:
+            s = socket.create_connection(("127.0.0.1", port), timeout=2)
+        except OSError:
+            continue
+        if i % 3 == 1:
+            s.sendall(hdr(HELLO, 16 * MIB)[:20])
+        elif i % 3 == 2:
+            s.sendall(hdr(HELLO, 16 * MIB) + b"{" * 65536)
+        socks.append(s)
+    check(arena, 16 * (256 << 10) + 16 * 4096)
+    # The oversized HELLOs were dropped; the silent ones time out (1 s here).
+    for s in socks:
+        s.close()
+
+
+@pytest.mark.parametrize("claim", [1 << 40, (1 << 40) - 1, 1 << 63])
+def test_huge_claimed_lengths(arena, claim):
+    eng, buf, t, port, base = arena
+    s = connect(port)
+    hello(s, t.segment)
+    # One entry inside the region claiming `claim` bytes, and an entry table
+    # claiming 4096 entries with no bytes following.
+    try:
+        s.sendall(hdr(WRITE, min(16 + claim, (1 << 64) - 1), count=1) +
+                  struct.pack("<QQ", t.addr, claim) + b"x" * 65536)
+        s.sendall(hdr(READ, 4096 * 16, count=4096, req_id=2))
+    except OSError:
+        pass  # dropped at once: fine
+    s.close()
+    check(arena, 0)
+
+
+def test_rss_returns_to_baseline_after_the_hostile_peers_leave(arena):
+    eng, buf, t, port, base = arena
+    t.call(cmd="notifies")
+    assert wait_until(lambda: rss(t.pid) <= base * 1.10, timeout=10), \
+        f"RSS {rss(t.pid) >> 20} MiB, baseline {base >> 20} MiB"
+    check(arena, 0)
