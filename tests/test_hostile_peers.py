@@ -172,3 +172,36 @@ def test_rss_returns_to_baseline_after_the_hostile_peers_leave(arena):
     assert wait_until(lambda: rss(t.pid) <= base * 1.10, timeout=10), \
         f"RSS {rss(t.pid) >> 20} MiB, baseline {base >> 20} MiB"
     check(arena, 0)
+
+
+def test_free_waits_for_a_silent_reader_only_so_long(monkeypatch):
+    # A peer READs 16 MiB of a managed buffer and never reads the answer: the
+    # buffer stays pinned, so free_managed_buffer fails after the bounded
+    # wait naming that peer (instead of blocking for as long as it trickles),
+    # and succeeds once the peer is gone.
+    monkeypatch.setenv("MC_UNREGISTER_WAIT_MS", "300")
+    e = mc.TransferEngine()
+    e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
+    try:
+        buf = e.allocate_managed_buffer(16 * MIB)
+        s = connect(e.get_rpc_port())
+        hello(s, e.get_segment_name(), "slow:1")
+        s.sendall(hdr(READ, 4 * 16, count=4) + b"".join(
+            struct.pack("<QQ", buf + i * 4 * MIB, 4 * MIB) for i in range(4)))
+        time.sleep(0.2)
+        t0 = time.time()
+        with pytest.raises(mc.MooncakeError, match=r"still in use.*127\.0\.0\.1:%d" %
+                           s.getsockname()[1]):
+            e.free_managed_buffer(buf, 16 * MIB)
+        assert time.time() - t0 < 3
+        s.close()
+        assert wait_until(lambda: _freed(e, buf), timeout=5)
+    finally:
+        e.close()
+
+
+def _freed(e, buf):
+    try:
+        return e.free_managed_buffer(buf, 16 * MIB) == 0
+    except mc.MooncakeError:
+        return False

@@ -419,6 +419,7 @@ int mc_engine_create(const mc_engine_opts_t *o, mc_engine_t **out, mc_err_t *err
    * (benchmarks/run_tcp_bench.py --local-check-off); never turn it off. */
   e->local_check = env_int("MC_LOCAL_CHECK", 1, 0, 1);
   e->notify_limit = (uint64_t)env_int("MC_NOTIFY_QUEUE_MB", 64, 1, 1 << 20) << 20;
+  e->unregister_wait_ms = env_int("MC_UNREGISTER_WAIT_MS", 10000, 1, 86400000);
   e->slice_size = (uint64_t)env_int("MC_TCP_SLICE_SIZE", 4 << 20, 4096, 1 << 30);
   e->op_entries = (uint32_t)env_int("MC_TCP_OP_ENTRIES", 256, 1, (int)MC_WIRE_MAX_ENTRIES);
   e->timeout_ms = (uint64_t)env_int("MC_TRANSFER_TIMEOUT", 30, 1, 86400) * 1000ull;
@@ -628,7 +629,7 @@ int mc_engine_register(mc_engine_t *e, void *addr, uint64_t len, const char *loc
   if (rc < 0)
     return rc;
   if (e->rdma && (rc = mc_rdma_register(e->rdma, addr, len, loc, err)) < 0) {
-    mc_regions_remove(&e->regions, (uint64_t)(uintptr_t)addr, NULL);
+    mc_regions_remove(&e->regions, (uint64_t)(uintptr_t)addr, -1, NULL);
     return rc;
   }
   return publish(e, err);
@@ -642,12 +643,12 @@ int mc_engine_register_batch(mc_engine_t *e, void *const *addrs, const uint64_t 
     char loc[MC_LOCATION_MAX];
     rc = add_region(e, (uint64_t)(uintptr_t)addrs[i], lens[i], location, loc, &maps, err);
     if (rc == 0 && e->rdma && (rc = mc_rdma_register(e->rdma, addrs[i], lens[i], loc, err)) < 0)
-      mc_regions_remove(&e->regions, (uint64_t)(uintptr_t)addrs[i], NULL);
+      mc_regions_remove(&e->regions, (uint64_t)(uintptr_t)addrs[i], -1, NULL);
     if (rc < 0) {
       mc_maps_free(maps);
       mc_err_prefix(err, "buffer %zu of %zu", i, n);
       for (size_t k = 0; k < i; k++) { /* all or nothing */
-        mc_regions_remove(&e->regions, (uint64_t)(uintptr_t)addrs[k], NULL);
+        mc_regions_remove(&e->regions, (uint64_t)(uintptr_t)addrs[k], -1, NULL);
         if (e->rdma)
           mc_rdma_unregister(e->rdma, addrs[k]);
       }
@@ -659,7 +660,7 @@ int mc_engine_register_batch(mc_engine_t *e, void *const *addrs, const uint64_t 
 }
 
 int mc_engine_unregister(mc_engine_t *e, void *addr, mc_err_t *err) {
-  int rc = mc_regions_remove(&e->regions, (uint64_t)(uintptr_t)addr, err);
+  int rc = mc_regions_remove(&e->regions, (uint64_t)(uintptr_t)addr, e->unregister_wait_ms, err);
   if (rc < 0)
     return rc;
   if (e->rdma) /* deregistering the MRs revokes remote access */

@@ -450,7 +450,17 @@ static void test_regions_device_of(void) {
   CHECK_EQ_INT(mc_regions_device_of(&r, 0x43000, 0x2000, &lo, &hi), -2); /* past the end */
   CHECK_EQ_INT(mc_regions_device_of(&r, 0x20000, 0x10, &lo, &hi), -2);
   CHECK_EQ_INT(mc_regions_device_of(&r, 0x10000, 0, &lo, &hi), -2);
-  CHECK_EQ_INT(mc_regions_remove(&r, 0x40000, &err), 0);
+  CHECK_EQ_INT(mc_regions_remove(&r, 0x40000, -1, &err), 0);
+  /* A pinned region: the bounded wait fails naming the holder; the region
+   * refuses new accesses meanwhile and a later remove finishes. */
+  mc_region_t *pin;
+  static const char who[] = "10.0.0.9:4242";
+  CHECK_EQ_INT(mc_regions_acquire_by(&r, 0x10000, 16, "me", who, &pin, &err), 0);
+  CHECK_EQ_INT(mc_regions_remove(&r, 0x10000, 50, &err), MC_EBUSY);
+  CHECK_CONTAINS(err.msg, "10.0.0.9:4242");
+  CHECK_EQ_INT(mc_regions_device_of(&r, 0x10000, 16, &lo, &hi), -2);
+  mc_regions_release(&r, pin);
+  CHECK_EQ_INT(mc_regions_remove(&r, 0x10000, 50, &err), 0);
   CHECK_EQ_INT(mc_regions_device_of(&r, 0x42000, 0x10, &lo, &hi), -2);
   mc_regions_destroy(&r);
 }

@@ -198,8 +198,8 @@ static int pin_table(mc_conn_t *c, uint64_t *sum_out) {
     if (c->pstatus == 0) {
       mc_err_t e;
       mc_region_t *reg;
-      if (mc_regions_acquire(c->tcp->hooks.regions, addr, len, c->tcp->hooks.local_name,
-                             &reg, &e) < 0) {
+      if (mc_regions_acquire_by(c->tcp->hooks.regions, addr, len, c->tcp->hooks.local_name,
+                                c->peer, &reg, &e) < 0) {
         c->pstatus = e.code;
         c->pbad = i + 1;
         snprintf(c->perr, sizeof c->perr, "%s %s", mc_wire_type_name(c->rh.type), e.msg);
