@@ -205,3 +205,76 @@ def _freed(e, buf):
         return e.free_managed_buffer(buf, 16 * MIB) == 0
     except mc.MooncakeError:
         return False
+
+
+def _http(method, url, data=None):
+    import urllib.error
+    import urllib.request
+    req = urllib.request.Request(url, data=data, method=method)
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def _garbage_at(port):
+    """Raw-socket abuse of an HTTP port: binary junk, an endless header
+    line, a body far shorter than its Content-Length, idle connections."""
+    socks = []
+    for junk in (os.urandom(65536), b"GET /" + b"a" * (1 << 20),
+                 b"PUT /metadata?key=x HTTP/1.1\r\nContent-Length: 1000000000\r\n\r\n" +
+                 b"x" * 65536, b""):
+        for _ in range(8):
+            s = socket.create_connection(("127.0.0.1", port), timeout=5)
+            try:
+                s.sendall(junk)
+            except OSError:
+                pass
+            socks.append(s)
+    return socks
+
+
+def test_metadata_server_store_is_bounded():
+    from mooncake_connector.metadata_server import MetadataServer, MetadataStore
+    store = MetadataStore(max_bytes=8 * MIB)
+    with MetadataServer(store=store) as srv:
+        codes = [_http("PUT", f"{srv.url}?key=flood{i}", b"v" * MIB)[0] for i in range(16)]
+        assert codes.count(200) == 7 and codes.count(507) == 9, codes
+        status, body = _http("PUT", f"{srv.url}?key=one-more", b"v" * MIB)
+        assert status == 507 and b"MC_METADATA_STORE_MB" in body
+        assert store.bytes_used <= store.max_bytes
+        socks = _garbage_at(srv.port)
+        assert _http("GET", f"http://127.0.0.1:{srv.port}/health")[0] == 200
+        for s in socks:
+            s.close()
+        for i in range(16):  # deleting makes room again
+            _http("DELETE", f"{srv.url}?key=flood{i}")
+        assert store.bytes_used == 0
+        assert _http("PUT", f"{srv.url}?key=after", b"v" * MIB)[0] == 200
+
+
+def test_proxy_survives_raw_garbage():
+    import re
+    import subprocess
+    import sys
+    p = subprocess.Popen([sys.executable, "-P", "-m", "mooncake_connector.proxy", "--host",
+                          "127.0.0.1", "--port", "0", "--passthrough", "http://127.0.0.1:1"],
+                         stdout=subprocess.PIPE,
+                         stderr=subprocess.DEVNULL, text=True)
+    try:
+        m = re.search(r"http://127\.0\.0\.1:(\d+)", p.stdout.readline())
+        assert m
+        port = int(m.group(1))
+        base = rss(p.pid)
+        socks = _garbage_at(port)
+        time.sleep(0.5)
+        assert p.poll() is None
+        assert _http("GET", f"http://127.0.0.1:{port}/health")[0] in (200, 502, 503)
+        # aiohttp caps a request body at client_max_size (64 MiB) per request.
+        assert rss(p.pid) - base <= 64 * MIB + SLACK
+        for s in socks:
+            s.close()
+    finally:
+        p.terminate()
+        p.wait(10)
