@@ -278,3 +278,42 @@ def test_proxy_survives_raw_garbage():
     finally:
         p.terminate()
         p.wait(10)
+
+
+def test_silent_consumer_does_not_block_other_consumers():
+    # A peer sends recv_kv requests naming a listener that never answers as
+    # their sender: the producer's answers to it hang until their timeout.
+    # One consumer holds at most one producer worker (and is skipped once
+    # found unreachable), so a legitimate consumer is served meanwhile.
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(64)
+    fake = "127.0.0.1:%d" % silent.getsockname()[1]
+    p, c = mc.TransferEngine(), mc.TransferEngine()
+    p.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
+    c.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
+    kvp = mc.KVTransfer(p, mc.LookupBuffer(1 << 20, block_size=16), workers=2)
+    kvc = mc.KVTransfer(c)
+    s = None
+    try:
+        dst = c.allocate_managed_buffer(1 << 16)
+        s = connect(p.get_rpc_port())
+        hello(s, p.get_segment_name(), fake)
+        toks = struct.pack("<16I", *range(16))
+        for i in range(8):
+            body = struct.pack("<IBBHQIIII", 0x5152564B, 1, 4, 1, 100 + i, 0, 0, 16, 1) + \
+                toks + struct.pack("<QQ", 4096, 4096)
+            s.sendall(hdr(NOTIFY, len(body), req_id=2 + i) + body)
+        time.sleep(0.3)
+        t0 = time.time()
+        assert kvc.recv_kv(p.get_segment_name(), list(range(16)), [(dst, 4096)],
+                           timeout=4) == 0
+        assert time.time() - t0 < 3
+    finally:
+        if s:
+            s.close()
+        kvc.close()
+        kvp.close()
+        p.close()
+        c.close()
+        silent.close()

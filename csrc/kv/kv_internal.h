@@ -55,6 +55,8 @@ typedef struct kv_lease {
 
 typedef struct kv_pull_op kv_pull_op_t; /* kv_pull_async.c */
 #define KV_MAX_PULL_THREADS 16
+#define KV_MAX_SERVING 64 /* = the most workers mc_kv_create starts */
+#define KV_DEAD_PEERS 64
 
 struct mc_kv {
   mc_engine_t *e;
@@ -65,6 +67,15 @@ struct mc_kv {
   kv_job_t *jobs_head, *jobs_tail;
   size_t njobs;
   uint64_t queued_bytes, queue_limit; /* MC_KV_QUEUE_MB: what queued jobs hold */
+  /* Fairness (kv_transfer.c): the sender each worker serves, and consumers
+   * found unreachable recently. */
+  const char *serving[KV_MAX_SERVING];
+  int nserving_slots;
+  struct {
+    char name[320];
+    uint64_t until;
+  } dead[KV_DEAD_PEERS];
+  uint64_t next_dead;
   kv_waiter_t *waiters;
   uint64_t next_id;
   int stopping;

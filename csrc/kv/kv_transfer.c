@@ -24,8 +24,19 @@
 
 /* ---- answers ---- */
 
-static void send_answer(mc_kv_t *kv, const char *to, uint64_t id, int status, uint32_t matched,
-                        const char *text) {
+static void mark_unreachable(mc_kv_t *kv, const char *from, int code);
+
+/* Answers job j.  The wait for the receipt is bounded by what is left of the
+ * asker's timeout (it has given up after that), at most 10 s. */
+static void send_answer(mc_kv_t *kv, const kv_job_t *j, uint64_t id, int status,
+                        uint32_t matched, const char *text) {
+  const char *to = j->from;
+  uint32_t tmo = j->len >= 20 ? mc_get_u32(j->msg + 16) : 0;
+  int64_t left = 10000;
+  if (tmo) {
+    left = (int64_t)tmo - (int64_t)((mc_now_ns() - j->received_ns) / 1000000ull);
+    left = left < 100 ? 100 : left > 10000 ? 10000 : left;
+  }
   size_t tl = status < 0 && text ? strlen(text) : 0;
   uint8_t *buf = malloc(KV_REP_HDR + tl);
   if (!buf)
@@ -38,9 +49,11 @@ static void send_answer(mc_kv_t *kv, const char *to, uint64_t id, int status, ui
   mc_put_u32(buf + 20, matched);
   memcpy(buf + KV_REP_HDR, text, tl);
   mc_err_t err = {0};
-  if (mc_engine_notify(kv->e, to, buf, KV_REP_HDR + tl, 10000, &err) < 0)
+  if (mc_engine_notify(kv->e, to, buf, KV_REP_HDR + tl, left, &err) < 0) {
     mc_log_warn("recv_kv answer to %s (request %llu) not delivered: %s", to,
                 (unsigned long long)id, err.msg);
+    mark_unreachable(kv, to, err.code);
+  }
   free(buf);
 }
 
@@ -306,11 +319,65 @@ static long serve(mc_kv_t *kv, kv_job_t *j, uint64_t *bytes, mc_err_t *err) {
   return rc;
 }
 
+/* ---- fairness between consumers (caller holds kv->mu) ----
+ * One consumer never holds more than one producer worker: a worker takes
+ * the first queued job whose sender no other worker is serving, so a slow
+ * or silent consumer delays only its own requests.  A consumer that could
+ * not be reached recently (its answer or push failed to connect or timed
+ * out) has its queued requests dropped without another network wait. */
+
+static int serving_locked(const mc_kv_t *kv, const char *from) {
+  for (int i = 0; i < KV_MAX_SERVING; i++)
+    if (kv->serving[i] && !strcmp(kv->serving[i], from))
+      return 1;
+  return 0;
+}
+
+static int unreachable_locked(mc_kv_t *kv, const char *from, uint64_t now) {
+  for (int i = 0; i < KV_DEAD_PEERS; i++)
+    if (kv->dead[i].until > now && !strcmp(kv->dead[i].name, from))
+      return 1;
+  return 0;
+}
+
+
+static void mark_unreachable(mc_kv_t *kv, const char *from, int code) {
+  if (code != MC_ECONNECT && code != MC_ETIMEDOUT && code != MC_EPEERCLOSED)
+    return;
+  pthread_mutex_lock(&kv->mu);
+  int k = (int)(kv->next_dead++ % KV_DEAD_PEERS);
+  snprintf(kv->dead[k].name, sizeof kv->dead[k].name, "%s", from);
+  kv->dead[k].until = mc_now_ns() + 5000000000ull; /* 5 s */
+  pthread_mutex_unlock(&kv->mu);
+}
+
+/* Unlinks the first job a worker may take now (NULL: none). */
+static kv_job_t *take_job_locked(mc_kv_t *kv) {
+  uint64_t now = mc_now_ns();
+  for (kv_job_t **pp = &kv->jobs_head, *prev = NULL; *pp; prev = *pp, pp = &(*pp)->next) {
+    kv_job_t *j = *pp;
+    uint32_t jm = j->len >= 4 ? mc_get_u32(j->msg) : 0;
+    if (jm != KV_PREL_MAGIC && serving_locked(kv, j->from) &&
+        !unreachable_locked(kv, j->from, now))
+      continue;
+    *pp = j->next;
+    if (kv->jobs_tail == j)
+      kv->jobs_tail = prev;
+    j->next = NULL;
+    kv->njobs--;
+    kv->queued_bytes -= job_cost(j->from, j->len);
+    return j;
+  }
+  return NULL;
+}
+
 static void *worker_main(void *arg) {
   mc_kv_t *kv = arg;
   pthread_mutex_lock(&kv->mu);
+  int slot = kv->nserving_slots++ % KV_MAX_SERVING;
   for (;;) {
-    while (!kv->stopping && !kv->jobs_head) {
+    kv_job_t *j = NULL;
+    while (!kv->stopping && !(j = take_job_locked(kv))) {
       /* Leases expire even when no request comes: wake at the next deadline. */
       uint64_t next = kv_pull_expire_locked(kv, mc_now_ns(), NULL, 0);
       if (next) {
@@ -320,14 +387,27 @@ static void *worker_main(void *arg) {
         pthread_cond_wait(&kv->job_cv, &kv->mu);
       }
     }
-    if (kv->stopping)
+    if (kv->stopping) {
+      if (j) { /* taken just now: freed with the rest by mc_kv_destroy's sweep */
+        j->next = kv->jobs_head;
+        kv->jobs_head = j;
+        if (!kv->jobs_tail)
+          kv->jobs_tail = j;
+        kv->njobs++;
+        kv->queued_bytes += job_cost(j->from, j->len);
+      }
       break;
-    kv_job_t *j = kv->jobs_head;
-    kv->jobs_head = j->next;
-    if (!kv->jobs_head)
-      kv->jobs_tail = NULL;
-    kv->njobs--;
-    kv->queued_bytes -= job_cost(j->from, j->len);
+    }
+    if (unreachable_locked(kv, j->from, mc_now_ns())) {
+      kv->stats.serve_errors++;
+      pthread_mutex_unlock(&kv->mu);
+      free(j->from);
+      free(j->msg);
+      free(j);
+      pthread_mutex_lock(&kv->mu);
+      continue;
+    }
+    kv->serving[slot] = j->from;
     pthread_mutex_unlock(&kv->mu);
 
     uint32_t jm = j->len >= 4 ? mc_get_u32(j->msg) : 0;
@@ -337,6 +417,7 @@ static void *worker_main(void *arg) {
       else /* queued by this engine's own pull: deliver the release */
         kv_pull_send_release(kv, j->from, j->msg, j->len);
       pthread_mutex_lock(&kv->mu);
+      kv->serving[slot] = NULL;
       free(j->from);
       free(j->msg);
       free(j);
@@ -355,9 +436,13 @@ static void *worker_main(void *arg) {
       kv->stats.bytes_served += bytes;
     }
     pthread_mutex_unlock(&kv->mu);
-    send_answer(kv, j->from, id, rc < 0 ? (int)rc : 0, rc < 0 ? 0 : (uint32_t)rc, err.msg);
+    if (rc == MC_ECONNECT) /* the push could not reach it: nor would the answer */
+      mark_unreachable(kv, j->from, (int)rc);
+    else
+      send_answer(kv, j, id, rc < 0 ? (int)rc : 0, rc < 0 ? 0 : (uint32_t)rc, err.msg);
 
     pthread_mutex_lock(&kv->mu);
+    kv->serving[slot] = NULL;
     free(j->from);
     free(j->msg);
     free(j);
