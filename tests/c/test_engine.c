@@ -181,8 +181,10 @@ static void test_bad_arguments(void) {
   CHECK_EQ_INT(mc_batch_submit(A, b, mc_engine_segment_name(B), &loose, 1, &err), MC_EINVAL);
   mc_batch_free(A, b);
   free(stray);
-  CHECK_EQ_INT(mc_engine_register(B, (void *)(1ull << 44), 4096, "cpu", &err), MC_EINVAL);
-  CHECK_CONTAINS(err.msg, "not mapped at 0x100000000000");
+  /* 1 TiB: unmapped in a plain process, ASan's no-access shadow gap under SAN=1. */
+  CHECK_EQ_INT(mc_engine_register(B, (void *)(1ull << 40), 4096, "cpu", &err), MC_EINVAL);
+  CHECK(strstr(err.msg, "not mapped at 0x10000000000") ||
+        strstr(err.msg, "not writable at 0x10000000000"));
   CHECK_EQ_INT(mc_engine_register(B, (void *)"read-only text", 8, "cpu", &err), MC_EINVAL);
   CHECK_CONTAINS(err.msg, "not writable");
   CHECK_EQ_INT(mc_engine_unregister(B, bbuf + 1, &err), MC_ENOTFOUND);
