@@ -194,8 +194,12 @@ def test_free_waits_for_a_silent_reader_only_so_long(monkeypatch):
                            s.getsockname()[1]):
             e.free_managed_buffer(buf, 16 * MIB)
         assert time.time() - t0 < 3
+        st = e.get_stats()
+        assert st["reply_queue_bytes"] >= 16 * MIB  # the READ answer it does not read
+        assert st["prehandshake_limit"] == 64 and st["notify_queue_limit"] == 64 * MIB
         s.close()
         assert wait_until(lambda: _freed(e, buf), timeout=5)
+        assert wait_until(lambda: e.get_stats()["reply_queue_bytes"] == 0, timeout=5)
     finally:
         e.close()
 
@@ -309,6 +313,8 @@ def test_silent_consumer_does_not_block_other_consumers():
         assert kvc.recv_kv(p.get_segment_name(), list(range(16)), [(dst, 4096)],
                            timeout=4) == 0
         assert time.time() - t0 < 3
+        st = kvp.stats()
+        assert st["queue_limit"] == 64 * MIB and st["queue_bytes"] <= st["queue_limit"]
     finally:
         if s:
             s.close()
