@@ -367,6 +367,9 @@ def main(argv=None):
                    help="install: create/fill .cache/mooncake-venv if needed (default); "
                         "auto: only use it if present (default with --quick); skip")
     p.add_argument("--skip-ours", action="store_true", help="do not run our engine")
+    p.add_argument("--local-check-ab", action="store_true",
+                   help="also run our engine with MC_LOCAL_CHECK=0 (the local-address check "
+                        "off) and report check-on / check-off ratios (benchmarks/README.md)")
     p.add_argument("--mooncake-env", action="append", default=[], metavar="K=V",
                    help="extra env for Mooncake runs (MC_FORCE_TCP=1 is always set)")
     p.add_argument("--repeats", type=int, default=None,
@@ -438,6 +441,21 @@ def main(argv=None):
             "" if ours["ok"] else "  ERROR: " + "; ".join(ours.get("errors", []))[:2000]))
         if not ours["ok"]:
             failures.append("ours")
+        if args.local_check_ab:
+            log("== (c') our engine with MC_LOCAL_CHECK=0 (the local-address check off)")
+            off = bench_engine("ours", args.python, args, dict(os.environ, MC_LOCAL_CHECK="0"),
+                               lowlat_env=dict(os.environ, MC_TCP_BUSY_POLL_US="50",
+                                               MC_LOCAL_CHECK="0"))
+            summary["ours_local_check_off"] = off
+            ab = {}
+            for k in ("write_64k_gbps", "read_64k_gbps", "rtt_4k_p50_us"):
+                if ours.get(k) and off.get(k):
+                    ab[k + "_on_over_off"] = round(ours[k] / off[k], 4)
+            summary["local_check_ab"] = ab
+            log("   check off: 64K write %s GB/s, read %s GB/s; 4K p50 %s us" % (
+                fmt(off.get("write_64k_gbps")), fmt(off.get("read_64k_gbps")),
+                fmt(off.get("rtt_4k_p50_us"))))
+            log("   check on / off: %s" % json.dumps(ab))
 
     log("== (d) Mooncake %s (TCP, MC_FORCE_TCP=1)" % MOONCAKE_PKG)
     mpy, mver, why = prepare_mooncake(args.mooncake)

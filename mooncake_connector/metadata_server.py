@@ -46,8 +46,10 @@ from typing import Callable, Dict, List, Optional
 from aiohttp import web
 
 __all__ = [
+    "DEFAULT_MAX_STORE_BYTES",
     "DEFAULT_MAX_VALUE_SIZE",
     "DEFAULT_PATH",
+    "StoreFull",
     "MetadataServer",
     "MetadataStore",
     "build_app",
@@ -60,6 +62,8 @@ DEFAULT_PATH = "/metadata"
 DEFAULT_PORT = 8080  # Mooncake's servers default to 8080 too
 #: Largest PUT body accepted; equals the C client's GET cap (MC_META_MAX_VALUE).
 DEFAULT_MAX_VALUE_SIZE = 16 << 20
+#: Budget for all keys and values held (MC_METADATA_STORE_MB overrides it).
+DEFAULT_MAX_STORE_BYTES = 256 << 20
 HEALTH_PATH = "/health"
 
 
@@ -69,24 +73,55 @@ class _Entry:
     expires_at: Optional[float] = None  # store clock deadline; None = never
 
 
+class StoreFull(Exception):
+    """A PUT would take the store past its byte budget (HTTP 507)."""
+
+
+def _default_max_bytes() -> int:
+    mb = os.environ.get("MC_METADATA_STORE_MB")
+    if mb:
+        try:
+            if int(mb) >= 1:
+                return int(mb) << 20
+        except ValueError:
+            pass
+        raise ValueError(f"MC_METADATA_STORE_MB={mb!r} is not a whole number of MiB >= 1")
+    return DEFAULT_MAX_STORE_BYTES
+
+
 class MetadataStore:
     """Thread-safe in-memory key -> bytes map whose entries may expire.
 
     The HTTP handlers use it from the server's event loop; tests and
     embedding code may inspect it from other threads, hence the lock.
     Expiry is lazy (checked on access) plus :meth:`purge_expired`.
+    Keys and values together hold at most ``max_bytes`` (a budget: a PUT
+    past it raises :class:`StoreFull`; :attr:`bytes_used` is the current use).
     """
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic,
+                 max_bytes: Optional[int] = None) -> None:
         self._clock = clock
         self._lock = threading.Lock()
         self._entries: Dict[str, _Entry] = {}
+        self.max_bytes = _default_max_bytes() if max_bytes is None else max_bytes
+        self._bytes = 0
+
+    @property
+    def bytes_used(self) -> int:
+        with self._lock:
+            return self._bytes
+
+    def _pop(self, key: str) -> None:
+        entry = self._entries.pop(key, None)
+        if entry is not None:
+            self._bytes -= len(key) + len(entry.value)
 
     def _live(self, key: str) -> Optional[_Entry]:
         entry = self._entries.get(key)
         if entry is not None and entry.expires_at is not None:
             if self._clock() >= entry.expires_at:
-                del self._entries[key]
+                self._pop(key)
                 return None
         return entry
 
@@ -102,15 +137,22 @@ class MetadataStore:
             raise ValueError(f"ttl must be positive, got {ttl!r}")
         expires = None if ttl is None else self._clock() + ttl
         with self._lock:
-            created = self._live(key) is None
+            old = self._live(key)
+            created = old is None
+            grow = len(value) - (len(old.value) if old else -len(key))
+            if self._bytes + grow > self.max_bytes:
+                raise StoreFull(f"the store holds {self._bytes} bytes; storing {len(value)} "
+                                f"more for key {key!r} would pass its budget of "
+                                f"{self.max_bytes} bytes (MC_METADATA_STORE_MB)")
             self._entries[key] = _Entry(bytes(value), expires)
+            self._bytes += grow
             return created
 
     def delete(self, key: str) -> bool:
         """Removes key; returns whether it existed (and had not expired)."""
         with self._lock:
             existed = self._live(key) is not None
-            self._entries.pop(key, None)
+            self._pop(key)
             return existed
 
     def purge_expired(self) -> int:
@@ -119,7 +161,7 @@ class MetadataStore:
             dead = [k for k, e in self._entries.items()
                     if e.expires_at is not None and now >= e.expires_at]
             for k in dead:
-                del self._entries[k]
+                self._pop(k)
             return len(dead)
 
     def keys(self) -> List[str]:
@@ -215,7 +257,10 @@ def build_app(store: MetadataStore, path: str = DEFAULT_PATH,
                 if not 0 < ttl <= MAX_TTL:
                     return text(400, f"ttl={ttl_s!r} for key {key!r} is not a number of "
                                      f"seconds in (0, {MAX_TTL}]")
-            created = store.put(key, body, ttl)
+            try:
+                created = store.put(key, body, ttl)
+            except StoreFull as e:
+                return text(507, str(e))
             return text(200, "metadata created" if created else "metadata updated")
         if request.method == "DELETE":
             if store.delete(key):

@@ -13,6 +13,9 @@ def test_failures_become_codes_with_the_reason_logged(caplog):
         assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
         assert e.last_error is None
         assert e.transfer_sync_write("127.0.0.1:1", 4096, 4096, 10) == -1
+        assert "not inside any memory region registered" in str(e.last_error)
+        src = e.allocate_managed_buffer(4096)
+        assert e.transfer_sync_write("127.0.0.1:1", src, 4096, 10) == -1
         assert "refused" in str(e.last_error)
         assert e.batch_transfer_async_write("nonsense", [1], [2], [3]) == 0
         assert e.get_batch_transfer_status([999]) == -1

@@ -300,6 +300,53 @@ static int json_check(ctx_t *c, const char *text, size_t len) {
   return off == MC_JSON_OK ? 0 : json_err(c, text, len, off, why);
 }
 
+/* cJSON decodes "\u0000" into a NUL that silently ends the C string
+ * ("mlx5\u0000_0" would read as "mlx5"), so such a string is refused here,
+ * naming the key it belongs to.  text is valid JSON (json_check passed). */
+static int nul_escape_check(ctx_t *c, const char *text, size_t len) {
+  char key[MC_CFG_STR_MAX] = "", last[MC_CFG_STR_MAX] = "";
+  size_t i = 0;
+  while (i < len) {
+    if (text[i] == ':') {
+      snprintf(key, sizeof key, "%s", last);
+      i++;
+      continue;
+    }
+    if (text[i] != '"') {
+      i++;
+      continue;
+    }
+    size_t start = ++i, k = 0;
+    int has_nul = 0;
+    while (i < len && text[i] != '"') {
+      if (text[i] == '\\' && i + 1 < len) {
+        if (text[i + 1] == 'u' && i + 5 < len && !memcmp(text + i + 2, "0000", 4))
+          has_nul = 1;
+        i += 2;
+      } else {
+        i++;
+      }
+    }
+    k = i - start < sizeof last - 1 ? i - start : sizeof last - 1;
+    memcpy(last, text + start, k);
+    last[k] = '\0';
+    i++; /* the closing quote */
+    size_t j = i;
+    while (j < len && (text[j] == ' ' || text[j] == '\t' || text[j] == '\r' || text[j] == '\n'))
+      j++;
+    int is_key = j < len && text[j] == ':';
+    if (has_nul) {
+      char shown[SHOW_VALUE_MAX * 4 + 8];
+      show(is_key ? last : key, false, shown, sizeof shown, SHOW_VALUE_MAX);
+      return cfg_err(c->err, MC_ECONFIG,
+                     "%s: field \"%s\": %s contains a NUL character (\\u0000), which would "
+                     "cut it short; remove it",
+                     c->origin, shown, is_key ? "the key" : "the value");
+    }
+  }
+  return 0;
+}
+
 /* ---- small utilities --------------------------------------------------- */
 
 static int edit_distance(const char *a, const char *b) {
@@ -819,7 +866,7 @@ int mc_config_parse(const char *json, size_t len, const char *origin, mc_config_
   if (nul)
     return json_err(&c, json, len, (size_t)(nul - json), "NUL byte (binary data?)");
   int rc = json_check(&c, json, len);
-  if (rc < 0)
+  if (rc < 0 || (rc = nul_escape_check(&c, json, len)) < 0)
     return rc;
 
   /* The text is valid JSON, so a failure here is cJSON running out of

@@ -121,6 +121,47 @@ static int validate_all(const mc_request_t *reqs, size_t n, mc_err_t *err) {
   return 0;
 }
 
+void mc_batch_trust_locals(mc_batch_t *b) { b->trusted_locals = 1; }
+
+int mc_engine_check_local(void *engine, uint64_t addr, uint64_t len, mc_err_t *err) {
+  mc_engine_t *e = engine;
+  if (mc_regions_contains(&e->regions, addr, len))
+    return 0;
+  return mc_err_set(err, MC_EINVAL,
+                    "range [0x%llx, +%llu) is not inside any memory region registered with "
+                    "this engine (segment %s); register the buffer first (register_memory)",
+                    (unsigned long long)addr, (unsigned long long)len, e->name);
+}
+
+/* Every local buffer inside a region registered with this engine?  One lock
+ * for the batch; consecutive requests in the same region cost two compares
+ * (benchmarks/README.md: local-address check). */
+static int check_locals(mc_engine_t *e, const mc_batch_t *b, const mc_request_t *reqs,
+                        size_t n, mc_err_t *err) {
+  if (!e->local_check || b->trusted_locals)
+    return 0;
+  uint64_t lo = 1, hi = 0; /* the last region hit: [lo, hi) */
+  mc_regions_lock(&e->regions);
+  for (size_t i = 0; i < n; i++) {
+    uint64_t a = (uint64_t)(uintptr_t)reqs[i].local, end = a + reqs[i].len;
+    if (a >= lo && end <= hi && end > a)
+      continue;
+    const mc_region_t *reg = mc_regions_find_locked(&e->regions, a, reqs[i].len);
+    if (!reg) {
+      mc_regions_unlock(&e->regions);
+      return mc_err_set(err, MC_EINVAL,
+                        "request %zu: local range [0x%llx, +%llu) is not inside any memory "
+                        "region registered with this engine (segment %s); register the buffer "
+                        "first (register_memory / allocate_managed_buffer)",
+                        i, (unsigned long long)a, (unsigned long long)reqs[i].len, e->name);
+    }
+    lo = reg->addr;
+    hi = reg->addr + reg->len;
+  }
+  mc_regions_unlock(&e->regions);
+  return 0;
+}
+
 /* Same-segment requests: a checked memcpy. */
 static void run_local(mc_engine_t *e, mc_batch_t *b, size_t first, size_t n,
                       const int *ldev) {
@@ -227,7 +268,7 @@ static int submit(mc_engine_t *e, mc_batch_t *b, const char *segment,
   if (mc_cuda_api_if_loaded())
     mc_gpu_stager_poke(e->gpu);
   int rc = validate_all(reqs, n, err);
-  if (rc < 0)
+  if (rc < 0 || (rc = check_locals(e, b, reqs, n, err)) < 0)
     return rc;
   int local = !strcmp(segment, e->name);
   mc_segment_desc_t d;

@@ -15,6 +15,7 @@
 #include "util/dynlib.h"
 #include "util/hostport.h"
 #include "util/log.h"
+#include "util/mapped.h"
 
 static int env_int(const char *name, int dflt, int lo, int hi) {
   const char *s = getenv(name);
@@ -111,7 +112,7 @@ void mc_engine_set_peer_lost_handler(mc_engine_t *e, mc_peer_lost_cb cb, void *a
   pthread_rwlock_unlock(&e->handler_lock);
 }
 
-void mc_engine_set_notify_handler(mc_engine_t *e, mc_notify_cb cb, void *arg) {
+void mc_engine_set_notify_handler(mc_engine_t *e, mc_notify_handler_fn cb, void *arg) {
   /* The write lock waits for a handler call in flight to return, so the
    * old handler's state may be freed once this returns. */
   pthread_rwlock_wrlock(&e->handler_lock);
@@ -120,52 +121,74 @@ void mc_engine_set_notify_handler(mc_engine_t *e, mc_notify_cb cb, void *arg) {
   pthread_rwlock_unlock(&e->handler_lock);
 }
 
-static void on_notify(void *ctx, const char *from, const void *msg, size_t len) {
+static int on_notify(void *ctx, const char *from, const void *msg, size_t len, mc_err_t *err) {
   mc_engine_t *e = ctx;
   pthread_rwlock_rdlock(&e->handler_lock);
   if (e->notify_cb) {
-    e->notify_cb(e->notify_arg, from ? from : "", msg, len);
+    int rc = e->notify_cb(e->notify_arg, from ? from : "", msg, len, err);
     pthread_rwlock_unlock(&e->handler_lock);
-    return;
+    return rc;
   }
   pthread_rwlock_unlock(&e->handler_lock);
-  mc_engine_queue_notify(e, from, msg, len);
+  return mc_engine_queue_notify(e, from, msg, len, err);
 }
 
-void mc_engine_queue_notify(mc_engine_t *e, const char *from, const void *msg, size_t len) {
+#define NOTIFY_MAX_MSGS 65536
+
+/* What one queued message costs (its copy, the sender's name, the node). */
+static uint64_t notify_cost(const char *from, size_t len) {
+  return (uint64_t)len + 1 + strlen(from) + 1 + sizeof(mc_notify_msg_t);
+}
+
+int mc_engine_queue_notify(mc_engine_t *e, const char *from, const void *msg, size_t len,
+                           mc_err_t *err) {
+  from = from ? from : "";
+  uint64_t cost = notify_cost(from, len);
+  /* Refuse before copying: the budget bounds what unread messages hold. */
+  pthread_mutex_lock(&e->notify_mu);
+  if (e->notify_count >= NOTIFY_MAX_MSGS || e->notify_bytes + cost > e->notify_limit) {
+    uint64_t used = e->notify_bytes;
+    size_t cnt = e->notify_count;
+    e->notify_refused++;
+    pthread_mutex_unlock(&e->notify_mu);
+    return mc_err_set(err, MC_EBUSY,
+                      "segment %s has %zu unread notifications (%llu bytes; budget %llu "
+                      "bytes, MC_NOTIFY_QUEUE_MB, and %d messages): refused a %zu-byte "
+                      "notification; the receiver must call get_notifies()",
+                      e->name, cnt, (unsigned long long)used,
+                      (unsigned long long)e->notify_limit, NOTIFY_MAX_MSGS, len);
+  }
+  e->notify_bytes += cost; /* reserved; given back below on failure */
+  e->notify_count++;
+  pthread_mutex_unlock(&e->notify_mu);
   mc_notify_msg_t *n = calloc(1, sizeof *n);
-  if (!n)
-    return;
-  n->from = strdup(from ? from : "");
-  n->msg = malloc(len + 1);
-  if (!n->from || !n->msg) {
-    free(n->from);
-    free(n->msg);
-    free(n);
-    return;
+  if (n) {
+    n->from = strdup(from);
+    n->msg = malloc(len + 1);
+  }
+  if (!n || !n->from || !n->msg) {
+    if (n) {
+      free(n->from);
+      free(n->msg);
+      free(n);
+    }
+    pthread_mutex_lock(&e->notify_mu);
+    e->notify_bytes -= cost;
+    e->notify_count--;
+    pthread_mutex_unlock(&e->notify_mu);
+    return mc_err_set(err, MC_ENOMEM, "out of memory queueing a notification");
   }
   memcpy(n->msg, msg, len);
   n->msg[len] = '\0';
   n->len = len;
   pthread_mutex_lock(&e->notify_mu);
-  if (e->notify_count >= 65536) { /* bounded: drop the oldest */
-    mc_notify_msg_t *old = e->notify_head;
-    e->notify_head = old->next;
-    if (!e->notify_head)
-      e->notify_tail = NULL;
-    e->notify_count--;
-    free(old->from);
-    free(old->msg);
-    free(old);
-    mc_log_warn("notification queue full; dropped the oldest message");
-  }
   if (e->notify_tail)
     e->notify_tail->next = n;
   else
     e->notify_head = n;
   e->notify_tail = n;
-  e->notify_count++;
   pthread_mutex_unlock(&e->notify_mu);
+  return 0;
 }
 
 /* ---- metadata entries and their liveness ---- */
@@ -392,6 +415,11 @@ int mc_engine_create(const mc_engine_opts_t *o, mc_engine_t **out, mc_err_t *err
   e->gpu_chunk = env_int("MC_GPU_CHUNK", 4096, 1, 1 << 30);
   e->gpu_first_chunk = env_int("MC_GPU_FIRST_CHUNK", 256, 1, 1 << 30);
   e->gpu_trace = env_int("MC_GPU_TRACE", 0, 0, 1);
+  /* MC_LOCAL_CHECK=0 exists only to measure what the check costs
+   * (benchmarks/run_tcp_bench.py --local-check-off); never turn it off. */
+  e->local_check = env_int("MC_LOCAL_CHECK", 1, 0, 1);
+  e->notify_limit = (uint64_t)env_int("MC_NOTIFY_QUEUE_MB", 64, 1, 1 << 20) << 20;
+  e->unregister_wait_ms = env_int("MC_UNREGISTER_WAIT_MS", 10000, 1, 86400000);
   e->slice_size = (uint64_t)env_int("MC_TCP_SLICE_SIZE", 4 << 20, 4096, 1 << 30);
   e->op_entries = (uint32_t)env_int("MC_TCP_OP_ENTRIES", 256, 1, (int)MC_WIRE_MAX_ENTRIES);
   e->timeout_ms = (uint64_t)env_int("MC_TRANSFER_TIMEOUT", 30, 1, 86400) * 1000ull;
@@ -423,6 +451,10 @@ int mc_engine_create(const mc_engine_opts_t *o, mc_engine_t **out, mc_err_t *err
           o->conns_per_peer ? o->conns_per_peer : env_int("MC_TCP_CONNS_PER_PEER", 1, 1, 64),
       .connect_timeout_ms = env_int("MC_CONNECT_TIMEOUT_MS", 5000, 1, 600000),
       .busy_poll_us = env_int("MC_TCP_BUSY_POLL_US", 0, 0, 1000000),
+      .reply_conn_limit = (uint64_t)env_int("MC_TCP_REPLY_QUEUE_MB", 16, 1, 1 << 20) << 20,
+      .reply_total_limit = (uint64_t)env_int("MC_TCP_REPLY_TOTAL_MB", 256, 1, 1 << 20) << 20,
+      .max_prehandshake = env_int("MC_TCP_MAX_PREHANDSHAKE", 64, 1, 1 << 20),
+      .hello_timeout_ms = env_int("MC_TCP_HELLO_TIMEOUT_MS", 5000, 1, 600000),
   };
   const char *secret = o->auth_secret ? o->auth_secret : getenv("MC_AUTH_SECRET");
   if (secret && strlen(secret) > MC_AUTH_SECRET_MAX) {
@@ -444,6 +476,7 @@ int mc_engine_create(const mc_engine_opts_t *o, mc_engine_t **out, mc_err_t *err
   if (hp.port > 0)
     snprintf(e->name, sizeof e->name, strchr(hp.host, ':') ? "[%s]:%d" : "%s:%d", hp.host,
              hp.port);
+  e->tcp_opts = topts;
   if ((rc = mc_tcp_start(&topts, &hooks, &e->tcp, err)) < 0)
     goto fail;
   e->port = mc_tcp_port(e->tcp);
@@ -565,12 +598,21 @@ static int resolve_location(uint64_t addr, uint64_t len, const char *claim, char
 /* Adds one region; cuda regions get their IPC export (same-host peers) and,
  * the first time, the pinned staging pool (so I/O threads never allocate
  * pinned memory in the common case). */
+/* *maps: the process's mappings, read on the first host region of a call
+ * (the caller frees them).  GPU regions are checked by the driver instead
+ * (resolve_location asks it where the range lives). */
 static int add_region(mc_engine_t *e, uint64_t addr, uint64_t len, const char *location,
-                      char loc[MC_LOCATION_MAX], mc_err_t *err) {
+                      char loc[MC_LOCATION_MAX], mc_maps_t **maps, mc_err_t *err) {
   int dev = -1;
   int rc = resolve_location(addr, len, location, loc, MC_LOCATION_MAX, &dev, err);
   if (rc < 0)
     return rc;
+  if (dev < 0 && len > 0 && addr + len > addr) {
+    if (!*maps && !(*maps = mc_maps_load(err)))
+      return err ? err->code : MC_ESYS;
+    if ((rc = mc_maps_check(*maps, addr, len, err)) < 0)
+      return rc;
+  }
   char ipc[MC_GPU_IPC_B64_MAX] = "";
   uint64_t ipc_base = 0;
   if (dev >= 0) {
@@ -593,11 +635,13 @@ static int add_region(mc_engine_t *e, uint64_t addr, uint64_t len, const char *l
 int mc_engine_register(mc_engine_t *e, void *addr, uint64_t len, const char *location,
                        mc_err_t *err) {
   char loc[MC_LOCATION_MAX];
-  int rc = add_region(e, (uint64_t)(uintptr_t)addr, len, location, loc, err);
+  mc_maps_t *maps = NULL;
+  int rc = add_region(e, (uint64_t)(uintptr_t)addr, len, location, loc, &maps, err);
+  mc_maps_free(maps);
   if (rc < 0)
     return rc;
   if (e->rdma && (rc = mc_rdma_register(e->rdma, addr, len, loc, err)) < 0) {
-    mc_regions_remove(&e->regions, (uint64_t)(uintptr_t)addr, NULL);
+    mc_regions_remove(&e->regions, (uint64_t)(uintptr_t)addr, -1, NULL);
     return rc;
   }
   return publish(e, err);
@@ -606,26 +650,29 @@ int mc_engine_register(mc_engine_t *e, void *addr, uint64_t len, const char *loc
 int mc_engine_register_batch(mc_engine_t *e, void *const *addrs, const uint64_t *lens,
                              size_t n, const char *location, mc_err_t *err) {
   int rc = 0;
+  mc_maps_t *maps = NULL;
   for (size_t i = 0; i < n; i++) {
     char loc[MC_LOCATION_MAX];
-    rc = add_region(e, (uint64_t)(uintptr_t)addrs[i], lens[i], location, loc, err);
+    rc = add_region(e, (uint64_t)(uintptr_t)addrs[i], lens[i], location, loc, &maps, err);
     if (rc == 0 && e->rdma && (rc = mc_rdma_register(e->rdma, addrs[i], lens[i], loc, err)) < 0)
-      mc_regions_remove(&e->regions, (uint64_t)(uintptr_t)addrs[i], NULL);
+      mc_regions_remove(&e->regions, (uint64_t)(uintptr_t)addrs[i], -1, NULL);
     if (rc < 0) {
+      mc_maps_free(maps);
       mc_err_prefix(err, "buffer %zu of %zu", i, n);
       for (size_t k = 0; k < i; k++) { /* all or nothing */
-        mc_regions_remove(&e->regions, (uint64_t)(uintptr_t)addrs[k], NULL);
+        mc_regions_remove(&e->regions, (uint64_t)(uintptr_t)addrs[k], -1, NULL);
         if (e->rdma)
           mc_rdma_unregister(e->rdma, addrs[k]);
       }
       return rc;
     }
   }
+  mc_maps_free(maps);
   return publish(e, err);
 }
 
 int mc_engine_unregister(mc_engine_t *e, void *addr, mc_err_t *err) {
-  int rc = mc_regions_remove(&e->regions, (uint64_t)(uintptr_t)addr, err);
+  int rc = mc_regions_remove(&e->regions, (uint64_t)(uintptr_t)addr, e->unregister_wait_ms, err);
   if (rc < 0)
     return rc;
   if (e->rdma) /* deregistering the MRs revokes remote access */
@@ -708,6 +755,28 @@ void mc_engine_forget_segment(mc_engine_t *e, const char *segment) {
 
 /* ---- notifications ---- */
 
+void mc_engine_get_stats(mc_engine_t *e, mc_engine_stats_t *out) {
+  memset(out, 0, sizeof *out);
+  pthread_mutex_lock(&e->notify_mu);
+  out->notify_queue_bytes = e->notify_bytes;
+  out->notify_queue_limit = e->notify_limit;
+  out->notify_queue_msgs = e->notify_count;
+  out->notify_refused = e->notify_refused;
+  pthread_mutex_unlock(&e->notify_mu);
+  if (e->tcp) {
+    mc_tcp_stats_t t;
+    mc_tcp_get_stats(e->tcp, &t);
+    out->reply_queue_bytes = t.reply_bytes;
+    out->paused_conns = t.paused_conns;
+    out->prehandshake_conns = t.prehandshake;
+    out->prehandshake_refused = t.prehandshake_refused;
+    out->prehandshake_bytes_each = t.conn_bytes_each;
+  }
+  out->reply_queue_conn_limit = e->tcp_opts.reply_conn_limit;
+  out->reply_queue_total_limit = e->tcp_opts.reply_total_limit;
+  out->prehandshake_limit = (uint64_t)e->tcp_opts.max_prehandshake;
+}
+
 size_t mc_engine_drain_notifies(mc_engine_t *e, size_t max, mc_notify_cb cb, void *arg) {
   size_t k = 0;
   while (k < max) {
@@ -718,6 +787,7 @@ size_t mc_engine_drain_notifies(mc_engine_t *e, size_t max, mc_notify_cb cb, voi
       if (!e->notify_head)
         e->notify_tail = NULL;
       e->notify_count--;
+      e->notify_bytes -= notify_cost(n->from, n->len);
     }
     pthread_mutex_unlock(&e->notify_mu);
     if (!n)

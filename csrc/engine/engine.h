@@ -46,7 +46,8 @@ typedef enum {
 
 typedef struct mc_request {
   int opcode;      /* MC_OP_READ: remote -> local; MC_OP_WRITE: local -> remote */
-  void *local;     /* local buffer, host or GPU memory (need not be registered) */
+  void *local;     /* local buffer, host or GPU memory, inside a region registered
+                    * with this engine (else the submit fails naming it) */
   uint64_t remote; /* address inside a region the target registered */
   uint64_t len;
 } mc_request_t;
@@ -77,6 +78,9 @@ int mc_engine_register(mc_engine_t *e, void *addr, uint64_t len, const char *loc
                        mc_err_t *err);
 int mc_engine_register_batch(mc_engine_t *e, void *const *addrs, const uint64_t *lens,
                              size_t n, const char *location, mc_err_t *err);
+/* 0 if [addr, addr+len) lies inside one region registered with this
+ * engine, else MC_EINVAL naming the range (matches mc_lookup_check_fn). */
+int mc_engine_check_local(void *engine, uint64_t addr, uint64_t len, mc_err_t *err);
 /* Waits for accesses in flight to the region to finish, then removes it. */
 int mc_engine_unregister(mc_engine_t *e, void *addr, mc_err_t *err);
 
@@ -93,6 +97,11 @@ int mc_batch_submit(mc_engine_t *e, mc_batch_t *b, const char *segment,
  * saving two thread hand-offs per round trip. */
 int mc_batch_submit_sync(mc_engine_t *e, mc_batch_t *b, const char *segment,
                          const mc_request_t *reqs, size_t n, mc_err_t *err);
+/* For layers that checked their local buffers themselves or own them (the
+ * KV producer pushes from extents send_kv checked against this engine's
+ * regions, or from copies its lookup buffer holds): submits to this batch
+ * skip the check that local buffers lie in registered memory. */
+void mc_batch_trust_locals(mc_batch_t *b);
 /* Tasks not yet finished. Non-blocking. */
 size_t mc_batch_pending(mc_batch_t *b);
 /* Blocks until every task finished or timeout_ms passed (<0: engine default,
@@ -115,8 +124,12 @@ size_t mc_engine_drain_notifies(mc_engine_t *e, size_t max, mc_notify_cb cb, voi
 
 /* Routes incoming notifications to cb (called on an I/O thread: it must not
  * block; copy what it needs) instead of the queue drained above.  NULL
- * restores the queue.  Used by layers built on the engine (lookup buffer). */
-void mc_engine_set_notify_handler(mc_engine_t *e, mc_notify_cb cb, void *arg);
+ * restores the queue.  Used by layers built on the engine (lookup buffer).
+ * A handler returning < 0 (err set) refuses the message: the sender's
+ * notify fails with that error (budgets: nothing is dropped silently). */
+typedef int (*mc_notify_handler_fn)(void *arg, const char *from, const void *msg, size_t len,
+                                    mc_err_t *err);
+void mc_engine_set_notify_handler(mc_engine_t *e, mc_notify_handler_fn cb, void *arg);
 /* Called (on an I/O thread; must not block) when a connection to `segment`
  * fails or is closed by the peer, so layers waiting on that peer can fail
  * at once instead of at their timeout.  NULL removes it. */
@@ -124,8 +137,20 @@ typedef void (*mc_peer_lost_cb)(void *arg, const char *segment);
 void mc_engine_set_peer_lost_handler(mc_engine_t *e, mc_peer_lost_cb cb, void *arg);
 
 /* Puts a notification on the queue drained by mc_engine_drain_notifies (for
- * handlers that pass on messages they do not own). */
-void mc_engine_queue_notify(mc_engine_t *e, const char *from, const void *msg, size_t len);
+ * handlers that pass on messages they do not own).  The queue is bounded:
+ * MC_NOTIFY_QUEUE_MB bytes (default 64) and 65536 messages; beyond that it
+ * refuses (MC_EBUSY, err names the budget) and the sender sees the error. */
+int mc_engine_queue_notify(mc_engine_t *e, const char *from, const void *msg, size_t len,
+                           mc_err_t *err);
+
+/* Current use of the engine's budgets (docs/connector.md "Budgets"). */
+typedef struct mc_engine_stats {
+  uint64_t notify_queue_bytes, notify_queue_limit, notify_queue_msgs, notify_refused;
+  uint64_t reply_queue_bytes, reply_queue_conn_limit, reply_queue_total_limit;
+  uint64_t paused_conns, prehandshake_conns, prehandshake_limit, prehandshake_refused;
+  uint64_t prehandshake_bytes_each; /* what one such connection may hold */
+} mc_engine_stats_t;
+void mc_engine_get_stats(mc_engine_t *e, mc_engine_stats_t *out);
 
 /* The segment descriptor JSON this engine publishes (malloc'ed). */
 char *mc_engine_describe(mc_engine_t *e);

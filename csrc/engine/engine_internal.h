@@ -29,6 +29,7 @@ struct mc_engine {
   mc_meta_t *meta;
   mc_regions_t regions;
   mc_tcp_t *tcp;   /* data (protocol tcp) and always the control channel */
+  mc_tcp_opts_t tcp_opts; /* as started (budgets for stats) */
   mc_rdma_t *rdma; /* data for protocol rdma, else NULL */
   char protocol[8];
   uint64_t slice_size;    /* bytes per wire op */
@@ -41,6 +42,8 @@ struct mc_engine {
   int gpu_chunk;          /* MC_GPU_CHUNK: requests planned per step */
   int gpu_first_chunk;    /* MC_GPU_FIRST_CHUNK: the first step's (then doubling) */
   int gpu_trace;          /* MC_GPU_TRACE=1: log planning times (docs/device.md) */
+  int local_check;        /* local buffers must lie in our regions (MC_LOCAL_CHECK) */
+  int unregister_wait_ms; /* MC_UNREGISTER_WAIT_MS: bound on waiting for pins */
   pthread_mutex_t gpu_mu; /* path choices logged once per peer */
   char (*gpu_logged)[320];
   size_t gpu_nlogged;
@@ -59,8 +62,9 @@ struct mc_engine {
   pthread_mutex_t notify_mu;
   mc_notify_msg_t *notify_head, *notify_tail;
   size_t notify_count;
+  uint64_t notify_bytes, notify_limit, notify_refused; /* MC_NOTIFY_QUEUE_MB */
   pthread_rwlock_t handler_lock; /* guards notify_cb/arg against a call in flight */
-  mc_notify_cb notify_cb; /* if set, notifications go here instead of the queue */
+  mc_notify_handler_fn notify_cb; /* if set, notifications go here instead of the queue */
   void *notify_arg;
   mc_peer_lost_cb peer_lost_cb; /* under handler_lock */
   void *peer_lost_arg;
@@ -98,6 +102,7 @@ struct mc_batch {
   atomic_int cancel;
   int gpu;             /* has same-host GPU copies: wait polls closely */
   int any_msg;         /* some task has a message (failed): else none to scan or free */
+  int trusted_locals;  /* mc_batch_trust_locals: skip the local-address check */
   char last_segment[320];
   char *rpc_reply; /* mc_engine_rpc: the reply text (malloc'ed) */
 };

@@ -1,8 +1,10 @@
 #include "engine/regions.h"
 
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 int mc_regions_init(mc_regions_t *r) {
   memset(r, 0, sizeof *r);
@@ -115,10 +117,16 @@ int mc_regions_add_ex(mc_regions_t *r, uint64_t addr, uint64_t len, const char *
   return 0;
 }
 
-int mc_regions_remove(mc_regions_t *r, uint64_t addr, mc_err_t *err) {
+int mc_regions_remove(mc_regions_t *r, uint64_t addr, int64_t timeout_ms, mc_err_t *err) {
   pthread_mutex_lock(&r->mu);
   long i = find_le(r, addr);
-  if (i < 0 || r->v[i]->addr != addr || r->v[i]->dead) {
+  if (i >= 0 && r->v[i]->addr == addr && r->v[i]->removing) {
+    pthread_mutex_unlock(&r->mu);
+    return mc_err_set(err, MC_EBUSY, "region 0x%llx is being unregistered by another thread",
+                      (unsigned long long)addr);
+  }
+  /* A dead region left by a remove that timed out may be removed again. */
+  if (i < 0 || r->v[i]->addr != addr) {
     pthread_mutex_unlock(&r->mu);
     return mc_err_set(err, MC_ENOTFOUND,
                       "no registered region starts at 0x%llx; pass the address given to "
@@ -127,8 +135,33 @@ int mc_regions_remove(mc_regions_t *r, uint64_t addr, mc_err_t *err) {
   }
   mc_region_t *reg = r->v[i];
   reg->dead = 1;
-  while (reg->refs > 0)
-    pthread_cond_wait(&r->cv, &r->mu);
+  reg->removing = 1;
+  struct timespec dl;
+  clock_gettime(CLOCK_REALTIME, &dl);
+  if (timeout_ms >= 0) {
+    dl.tv_sec += timeout_ms / 1000;
+    dl.tv_nsec += (long)(timeout_ms % 1000) * 1000000l;
+    if (dl.tv_nsec >= 1000000000l) {
+      dl.tv_sec++;
+      dl.tv_nsec -= 1000000000l;
+    }
+  }
+  while (reg->refs > 0) {
+    if (timeout_ms < 0) {
+      pthread_cond_wait(&r->cv, &r->mu);
+    } else if (pthread_cond_timedwait(&r->cv, &r->mu, &dl) == ETIMEDOUT && reg->refs > 0) {
+      int refs = reg->refs;
+      char holder[sizeof reg->holder];
+      snprintf(holder, sizeof holder, "%s", reg->holder[0] ? reg->holder : "a local copy");
+      reg->removing = 0;
+      pthread_mutex_unlock(&r->mu);
+      return mc_err_set(err, MC_EBUSY,
+                        "region 0x%llx is still in use after %lld ms: %d access(es) in flight, "
+                        "last pinned by peer %s (e.g. a READ it does not read out); it now "
+                        "refuses new accesses; retry later (MC_UNREGISTER_WAIT_MS)",
+                        (unsigned long long)addr, (long long)timeout_ms, refs, holder);
+    }
+  }
   /* The index may have moved while we waited. */
   i = find_le(r, addr);
   memmove(r->v + i, r->v + i + 1, (r->n - (size_t)i - 1) * sizeof *r->v);
@@ -141,6 +174,11 @@ int mc_regions_remove(mc_regions_t *r, uint64_t addr, mc_err_t *err) {
 
 int mc_regions_acquire(mc_regions_t *r, uint64_t addr, uint64_t len,
                        const char *who, mc_region_t **out, mc_err_t *err) {
+  return mc_regions_acquire_by(r, addr, len, who, NULL, out, err);
+}
+
+int mc_regions_acquire_by(mc_regions_t *r, uint64_t addr, uint64_t len, const char *who,
+                          const char *peer, mc_region_t **out, mc_err_t *err) {
   pthread_mutex_lock(&r->mu);
   long i = find_le(r, addr);
   mc_region_t *reg = i >= 0 ? r->v[i] : NULL;
@@ -153,6 +191,10 @@ int mc_regions_acquire(mc_regions_t *r, uint64_t addr, uint64_t len,
                       (unsigned long long)addr, (unsigned long long)len, who ? who : "?");
   }
   reg->refs++;
+  if (peer != reg->holder_key) { /* copied only when the holder changes */
+    reg->holder_key = peer;
+    snprintf(reg->holder, sizeof reg->holder, "%s", peer ? peer : "");
+  }
   pthread_mutex_unlock(&r->mu);
   *out = reg;
   return 0;
@@ -178,6 +220,24 @@ int mc_regions_device_of(mc_regions_t *r, uint64_t addr, uint64_t len, uint64_t 
   }
   pthread_mutex_unlock(&r->mu);
   return dev;
+}
+
+void mc_regions_lock(mc_regions_t *r) { pthread_mutex_lock(&r->mu); }
+void mc_regions_unlock(mc_regions_t *r) { pthread_mutex_unlock(&r->mu); }
+
+const mc_region_t *mc_regions_find_locked(mc_regions_t *r, uint64_t addr, uint64_t len) {
+  long i = find_le(r, addr);
+  const mc_region_t *reg = i >= 0 ? r->v[i] : NULL;
+  if (!reg || reg->dead || len == 0 || addr + len < addr || addr + len > reg->addr + reg->len)
+    return NULL;
+  return reg;
+}
+
+int mc_regions_contains(mc_regions_t *r, uint64_t addr, uint64_t len) {
+  pthread_mutex_lock(&r->mu);
+  int ok = mc_regions_find_locked(r, addr, len) != NULL;
+  pthread_mutex_unlock(&r->mu);
+  return ok;
 }
 
 size_t mc_regions_snapshot(mc_regions_t *r, mc_region_t *out, size_t max) {

@@ -29,6 +29,9 @@ typedef struct mc_region {
   uint64_t ipc_base;
   int refs;                       /* active accesses, under the table lock */
   int dead;                       /* being removed: refuse new accesses */
+  int removing;                   /* a remove is waiting for refs to drop */
+  const void *holder_key;         /* who pinned it last (for error messages) */
+  char holder[64];
 } mc_region_t;
 
 typedef struct mc_regions {
@@ -51,20 +54,36 @@ int mc_regions_add_ex(mc_regions_t *r, uint64_t addr, uint64_t len, const char *
                       const char *ipc, uint64_t ipc_base, mc_err_t *err);
 
 /* Removes the region starting at addr; waits (blocking) until accesses in
- * flight finish. MC_ENOTFOUND if no region starts there. */
-int mc_regions_remove(mc_regions_t *r, uint64_t addr, mc_err_t *err);
+ * flight finish, at most timeout_ms (< 0: no limit).  MC_ENOTFOUND if no
+ * region starts there; MC_EBUSY (naming the peer that pinned it last) if
+ * accesses are still in flight at the deadline: the region then stays
+ * registered but refuses new accesses, and a later call may finish the job. */
+int mc_regions_remove(mc_regions_t *r, uint64_t addr, int64_t timeout_ms, mc_err_t *err);
 
 /* Pins the region containing [addr, addr+len).  MC_ERANGE (message names the
  * range and `who`) if none does. */
 int mc_regions_acquire(mc_regions_t *r, uint64_t addr, uint64_t len,
                        const char *who, mc_region_t **out, mc_err_t *err);
 void mc_regions_release(mc_regions_t *r, mc_region_t *reg);
+/* Same as mc_regions_acquire, remembering `peer` (a stable string whose
+ * address identifies it) as the region's last holder. */
+int mc_regions_acquire_by(mc_regions_t *r, uint64_t addr, uint64_t len, const char *who,
+                          const char *peer, mc_region_t **out, mc_err_t *err);
 
 /* Where [addr, addr+len) lives if a live region holds it: its cuda device,
  * or -1 for host memory (locations are checked at registration), with the
  * region's bounds in *lo, *hi.  -2 if no region holds it. */
 int mc_regions_device_of(mc_regions_t *r, uint64_t addr, uint64_t len, uint64_t *lo,
                          uint64_t *hi);
+
+/* For checking many ranges under one lock: the live region holding
+ * [addr, addr+len), or NULL (len 0 and wrap-around hold nowhere).  The
+ * pointer is valid only while the lock is held. */
+void mc_regions_lock(mc_regions_t *r);
+void mc_regions_unlock(mc_regions_t *r);
+const mc_region_t *mc_regions_find_locked(mc_regions_t *r, uint64_t addr, uint64_t len);
+/* 1 if a live region holds [addr, addr+len). */
+int mc_regions_contains(mc_regions_t *r, uint64_t addr, uint64_t len);
 
 /* Copies up to `max` (addr,len,location) records; returns the count. */
 size_t mc_regions_snapshot(mc_regions_t *r, mc_region_t *out, size_t max);

@@ -55,6 +55,8 @@ typedef struct kv_lease {
 
 typedef struct kv_pull_op kv_pull_op_t; /* kv_pull_async.c */
 #define KV_MAX_PULL_THREADS 16
+#define KV_MAX_SERVING 64 /* = the most workers mc_kv_create starts */
+#define KV_DEAD_PEERS 64
 
 struct mc_kv {
   mc_engine_t *e;
@@ -64,6 +66,16 @@ struct mc_kv {
   pthread_cond_t wait_cv; /* recv_kv callers wait for answers */
   kv_job_t *jobs_head, *jobs_tail;
   size_t njobs;
+  uint64_t queued_bytes, queue_limit; /* MC_KV_QUEUE_MB: what queued jobs hold */
+  /* Fairness (kv_transfer.c): the sender each worker serves, and consumers
+   * found unreachable recently. */
+  const char *serving[KV_MAX_SERVING];
+  int nserving_slots;
+  struct {
+    char name[320];
+    uint64_t until;
+  } dead[KV_DEAD_PEERS];
+  uint64_t next_dead;
   kv_waiter_t *waiters;
   uint64_t next_id;
   int stopping;
@@ -97,7 +109,7 @@ void kv_pull_async_stop(mc_kv_t *kv);
 void kv_pull_async_free(mc_kv_t *kv);
 /* kv_transfer.c: queues a job for the worker threads (a copy of msg);
  * MC_ENOMEM or MC_ECLOSED (shutting down) if it cannot. */
-int kv_queue_job(mc_kv_t *kv, const char *from, const void *msg, size_t len);
+int kv_queue_job(mc_kv_t *kv, const char *from, const void *msg, size_t len, mc_err_t *err);
 /* Sends msg to producer, waits for w's answer until deadline; returns the
  * answer's matched tokens or a negative code (err says "<what> from ...").
  * Returns with kv->mu held and w unlinked (the caller counts, unlocks). */

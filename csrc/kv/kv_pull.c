@@ -263,7 +263,7 @@ static void send_release(mc_kv_t *kv, const char *producer, uint64_t lease_id) {
   mc_put_u32(buf, KV_PREL_MAGIC);
   buf[4] = KV_VERSION;
   mc_put_u64(buf + 8, lease_id);
-  if (kv_queue_job(kv, producer, buf, sizeof buf) < 0) /* no memory, or shutting down */
+  if (kv_queue_job(kv, producer, buf, sizeof buf, NULL) < 0) /* full, no memory, closing */
     kv_pull_send_release(kv, producer, buf, sizeof buf);
 }
 

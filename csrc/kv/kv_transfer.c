@@ -24,8 +24,19 @@
 
 /* ---- answers ---- */
 
-static void send_answer(mc_kv_t *kv, const char *to, uint64_t id, int status, uint32_t matched,
-                        const char *text) {
+static void mark_unreachable(mc_kv_t *kv, const char *from, int code);
+
+/* Answers job j.  The wait for the receipt is bounded by what is left of the
+ * asker's timeout (it has given up after that), at most 10 s. */
+static void send_answer(mc_kv_t *kv, const kv_job_t *j, uint64_t id, int status,
+                        uint32_t matched, const char *text) {
+  const char *to = j->from;
+  uint32_t tmo = j->len >= 20 ? mc_get_u32(j->msg + 16) : 0;
+  int64_t left = 10000;
+  if (tmo) {
+    left = (int64_t)tmo - (int64_t)((mc_now_ns() - j->received_ns) / 1000000ull);
+    left = left < 100 ? 100 : left > 10000 ? 10000 : left;
+  }
   size_t tl = status < 0 && text ? strlen(text) : 0;
   uint8_t *buf = malloc(KV_REP_HDR + tl);
   if (!buf)
@@ -38,9 +49,11 @@ static void send_answer(mc_kv_t *kv, const char *to, uint64_t id, int status, ui
   mc_put_u32(buf + 20, matched);
   memcpy(buf + KV_REP_HDR, text, tl);
   mc_err_t err = {0};
-  if (mc_engine_notify(kv->e, to, buf, KV_REP_HDR + tl, 10000, &err) < 0)
+  if (mc_engine_notify(kv->e, to, buf, KV_REP_HDR + tl, left, &err) < 0) {
     mc_log_warn("recv_kv answer to %s (request %llu) not delivered: %s", to,
                 (unsigned long long)id, err.msg);
+    mark_unreachable(kv, to, err.code);
+  }
   free(buf);
 }
 
@@ -93,31 +106,49 @@ static void on_peer_lost(void *arg, const char *segment) {
 
 /* ---- the notification handler (I/O thread: never blocks) ---- */
 
-static void on_message(void *arg, const char *from, const void *msg, size_t len) {
+static int on_message(void *arg, const char *from, const void *msg, size_t len, mc_err_t *err) {
   mc_kv_t *kv = arg;
   const uint8_t *m = msg;
   uint32_t magic = len >= 4 ? mc_get_u32(m) : 0;
   if (magic == KV_REP_MAGIC) {
     on_answer(kv, from, m, len);
-    return;
+    return 0;
   }
   if (magic == KV_PANS_MAGIC) {
     kv_pull_on_answer(kv, from, m, len);
-    return;
+    return 0;
   }
   if (magic == KV_PREL_MAGIC) {
     kv_pull_on_release(kv, from, m, len);
-    return;
+    return 0;
   }
-  if (magic != KV_REQ_MAGIC && magic != KV_PULL_MAGIC) {
-    mc_engine_queue_notify(kv->e, from, msg, len); /* someone else's */
-    return;
-  }
-  if (kv_queue_job(kv, from, msg, len) == MC_ENOMEM)
-    mc_log_error("out of memory queueing a recv_kv request from %s", from);
+  if (magic != KV_REQ_MAGIC && magic != KV_PULL_MAGIC)
+    return mc_engine_queue_notify(kv->e, from, msg, len, err); /* someone else's */
+  return kv_queue_job(kv, from, msg, len, err);
 }
 
-int kv_queue_job(mc_kv_t *kv, const char *from, const void *msg, size_t len) {
+static uint64_t job_cost(const char *from, size_t len) {
+  return (uint64_t)len + strlen(from) + 1 + sizeof(kv_job_t);
+}
+
+int kv_queue_job(mc_kv_t *kv, const char *from, const void *msg, size_t len, mc_err_t *err) {
+  /* Bounded in bytes (MC_KV_QUEUE_MB): refused before anything is copied;
+   * the asker's recv_kv fails at once with this error instead of waiting. */
+  uint64_t cost = job_cost(from, len);
+  pthread_mutex_lock(&kv->mu);
+  if (kv->queued_bytes + cost > kv->queue_limit) {
+    uint64_t used = kv->queued_bytes;
+    size_t n = kv->njobs;
+    kv->stats.queue_refused++;
+    pthread_mutex_unlock(&kv->mu);
+    return mc_err_set(err, MC_EBUSY,
+                      "producer %s has %zu queued KV requests (%llu bytes; budget %llu bytes, "
+                      "MC_KV_QUEUE_MB): refused a %zu-byte request; retry later",
+                      mc_engine_segment_name(kv->e), n, (unsigned long long)used,
+                      (unsigned long long)kv->queue_limit, len);
+  }
+  kv->queued_bytes += cost; /* reserved */
+  pthread_mutex_unlock(&kv->mu);
   kv_job_t *j = calloc(1, sizeof *j);
   if (j) {
     j->from = strdup(from);
@@ -131,16 +162,20 @@ int kv_queue_job(mc_kv_t *kv, const char *from, const void *msg, size_t len) {
       free(j->msg);
       free(j);
     }
-    return MC_ENOMEM;
+    pthread_mutex_lock(&kv->mu);
+    kv->queued_bytes -= cost;
+    pthread_mutex_unlock(&kv->mu);
+    return mc_err_set(err, MC_ENOMEM, "out of memory queueing a KV request");
   }
   memcpy(j->msg, msg, len);
   pthread_mutex_lock(&kv->mu);
   if (kv->stopping) {
+    kv->queued_bytes -= cost;
     pthread_mutex_unlock(&kv->mu);
     free(j->from);
     free(j->msg);
     free(j);
-    return MC_ECLOSED;
+    return mc_err_set(err, MC_ECLOSED, "shutting down");
   }
   if (kv->jobs_tail)
     kv->jobs_tail->next = j;
@@ -268,6 +303,9 @@ static long serve(mc_kv_t *kv, kv_job_t *j, uint64_t *bytes, mc_err_t *err) {
     if (!batch) {
       rc = mc_err_set(err, MC_ENOMEM, "out of memory");
     } else {
+      /* Sources are lookup-buffer extents: checked against this engine's
+       * regions by send_kv, or copies the buffer owns. */
+      mc_batch_trust_locals(batch);
       int r = mc_batch_submit(kv->e, batch, j->from, reqs, nreq, err);
       if (r == 0)
         r = mc_batch_wait(kv->e, batch, left > 0 ? left : (timeout_ms ? 1 : -1), err);
@@ -281,11 +319,65 @@ static long serve(mc_kv_t *kv, kv_job_t *j, uint64_t *bytes, mc_err_t *err) {
   return rc;
 }
 
+/* ---- fairness between consumers (caller holds kv->mu) ----
+ * One consumer never holds more than one producer worker: a worker takes
+ * the first queued job whose sender no other worker is serving, so a slow
+ * or silent consumer delays only its own requests.  A consumer that could
+ * not be reached recently (its answer or push failed to connect or timed
+ * out) has its queued requests dropped without another network wait. */
+
+static int serving_locked(const mc_kv_t *kv, const char *from) {
+  for (int i = 0; i < KV_MAX_SERVING; i++)
+    if (kv->serving[i] && !strcmp(kv->serving[i], from))
+      return 1;
+  return 0;
+}
+
+static int unreachable_locked(mc_kv_t *kv, const char *from, uint64_t now) {
+  for (int i = 0; i < KV_DEAD_PEERS; i++)
+    if (kv->dead[i].until > now && !strcmp(kv->dead[i].name, from))
+      return 1;
+  return 0;
+}
+
+
+static void mark_unreachable(mc_kv_t *kv, const char *from, int code) {
+  if (code != MC_ECONNECT && code != MC_ETIMEDOUT && code != MC_EPEERCLOSED)
+    return;
+  pthread_mutex_lock(&kv->mu);
+  int k = (int)(kv->next_dead++ % KV_DEAD_PEERS);
+  snprintf(kv->dead[k].name, sizeof kv->dead[k].name, "%s", from);
+  kv->dead[k].until = mc_now_ns() + 5000000000ull; /* 5 s */
+  pthread_mutex_unlock(&kv->mu);
+}
+
+/* Unlinks the first job a worker may take now (NULL: none). */
+static kv_job_t *take_job_locked(mc_kv_t *kv) {
+  uint64_t now = mc_now_ns();
+  for (kv_job_t **pp = &kv->jobs_head, *prev = NULL; *pp; prev = *pp, pp = &(*pp)->next) {
+    kv_job_t *j = *pp;
+    uint32_t jm = j->len >= 4 ? mc_get_u32(j->msg) : 0;
+    if (jm != KV_PREL_MAGIC && serving_locked(kv, j->from) &&
+        !unreachable_locked(kv, j->from, now))
+      continue;
+    *pp = j->next;
+    if (kv->jobs_tail == j)
+      kv->jobs_tail = prev;
+    j->next = NULL;
+    kv->njobs--;
+    kv->queued_bytes -= job_cost(j->from, j->len);
+    return j;
+  }
+  return NULL;
+}
+
 static void *worker_main(void *arg) {
   mc_kv_t *kv = arg;
   pthread_mutex_lock(&kv->mu);
+  int slot = kv->nserving_slots++ % KV_MAX_SERVING;
   for (;;) {
-    while (!kv->stopping && !kv->jobs_head) {
+    kv_job_t *j = NULL;
+    while (!kv->stopping && !(j = take_job_locked(kv))) {
       /* Leases expire even when no request comes: wake at the next deadline. */
       uint64_t next = kv_pull_expire_locked(kv, mc_now_ns(), NULL, 0);
       if (next) {
@@ -295,13 +387,27 @@ static void *worker_main(void *arg) {
         pthread_cond_wait(&kv->job_cv, &kv->mu);
       }
     }
-    if (kv->stopping)
+    if (kv->stopping) {
+      if (j) { /* taken just now: freed with the rest by mc_kv_destroy's sweep */
+        j->next = kv->jobs_head;
+        kv->jobs_head = j;
+        if (!kv->jobs_tail)
+          kv->jobs_tail = j;
+        kv->njobs++;
+        kv->queued_bytes += job_cost(j->from, j->len);
+      }
       break;
-    kv_job_t *j = kv->jobs_head;
-    kv->jobs_head = j->next;
-    if (!kv->jobs_head)
-      kv->jobs_tail = NULL;
-    kv->njobs--;
+    }
+    if (unreachable_locked(kv, j->from, mc_now_ns())) {
+      kv->stats.serve_errors++;
+      pthread_mutex_unlock(&kv->mu);
+      free(j->from);
+      free(j->msg);
+      free(j);
+      pthread_mutex_lock(&kv->mu);
+      continue;
+    }
+    kv->serving[slot] = j->from;
     pthread_mutex_unlock(&kv->mu);
 
     uint32_t jm = j->len >= 4 ? mc_get_u32(j->msg) : 0;
@@ -311,6 +417,7 @@ static void *worker_main(void *arg) {
       else /* queued by this engine's own pull: deliver the release */
         kv_pull_send_release(kv, j->from, j->msg, j->len);
       pthread_mutex_lock(&kv->mu);
+      kv->serving[slot] = NULL;
       free(j->from);
       free(j->msg);
       free(j);
@@ -329,9 +436,13 @@ static void *worker_main(void *arg) {
       kv->stats.bytes_served += bytes;
     }
     pthread_mutex_unlock(&kv->mu);
-    send_answer(kv, j->from, id, rc < 0 ? (int)rc : 0, rc < 0 ? 0 : (uint32_t)rc, err.msg);
+    if (rc == MC_ECONNECT) /* the push could not reach it: nor would the answer */
+      mark_unreachable(kv, j->from, (int)rc);
+    else
+      send_answer(kv, j, id, rc < 0 ? (int)rc : 0, rc < 0 ? 0 : (uint32_t)rc, err.msg);
 
     pthread_mutex_lock(&kv->mu);
+    kv->serving[slot] = NULL;
     free(j->from);
     free(j->msg);
     free(j);
@@ -358,6 +469,11 @@ int mc_kv_create(mc_engine_t *e, mc_lookup_t *lb, int workers, mc_kv_t **out, mc
   }
   kv->e = e;
   kv->lb = lb;
+  {
+    const char *s = getenv("MC_KV_QUEUE_MB");
+    long mb = s && atol(s) > 0 ? atol(s) : 64;
+    kv->queue_limit = (uint64_t)(mb > (1l << 20) ? (1l << 20) : mb) << 20;
+  }
   pthread_mutex_init(&kv->mu, NULL);
   pthread_condattr_t ca;
   pthread_condattr_init(&ca);
@@ -379,6 +495,8 @@ int mc_kv_create(mc_engine_t *e, mc_lookup_t *lb, int workers, mc_kv_t **out, mc
   }
   mc_engine_set_notify_handler(e, on_message, kv);
   mc_engine_set_peer_lost_handler(e, on_peer_lost, kv);
+  if (lb) /* peers are served from these extents: they must be registered */
+    mc_lookup_set_extent_check(lb, mc_engine_check_local, e);
   *out = kv;
   return 0;
 }
@@ -387,6 +505,8 @@ void mc_kv_destroy(mc_kv_t *kv) {
   if (!kv)
     return;
   kv_pull_async_stop(kv); /* before the handler goes: running pulls need answers */
+  if (kv->lb)
+    mc_lookup_set_extent_check(kv->lb, NULL, NULL);
   mc_engine_set_notify_handler(kv->e, NULL, NULL); /* waits for a call in flight */
   mc_engine_set_peer_lost_handler(kv->e, NULL, NULL);
   pthread_mutex_lock(&kv->mu);
@@ -424,6 +544,9 @@ void mc_kv_destroy(mc_kv_t *kv) {
 void mc_kv_get_stats(mc_kv_t *kv, mc_kv_stats_t *out) {
   pthread_mutex_lock(&kv->mu);
   *out = kv->stats;
+  out->queue_bytes = kv->queued_bytes;
+  out->queue_limit = kv->queue_limit;
+  out->queue_jobs = kv->njobs;
   pthread_mutex_unlock(&kv->mu);
 }
 

@@ -100,6 +100,8 @@ typedef struct mc_kv_stats {
   uint64_t leases_granted, leases_released, leases_expired;
   uint64_t pulls, pull_hits, pull_tokens, pull_bytes, pull_errors;
   uint64_t probes, probes_served;
+  /* budget: queued requests (filled in by mc_kv_get_stats) */
+  uint64_t queue_bytes, queue_limit, queue_jobs, queue_refused;
 } mc_kv_stats_t;
 void mc_kv_get_stats(mc_kv_t *kv, mc_kv_stats_t *out);
 

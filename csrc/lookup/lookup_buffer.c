@@ -67,7 +67,30 @@ struct mc_lookup {
   size_t nfreed, freed_cap;
 
   mc_lookup_stats_t st;
+  mc_lookup_check_fn check; /* under mu: extents must pass it to be inserted */
+  void *check_arg;
 };
+
+void mc_lookup_set_extent_check(mc_lookup_t *lb, mc_lookup_check_fn fn, void *arg) {
+  pthread_mutex_lock(&lb->mu);
+  lb->check = fn;
+  lb->check_arg = arg;
+  pthread_mutex_unlock(&lb->mu);
+}
+
+/* Every non-empty extent passes lb->check (the engine's regions when a
+ * KVTransfer serves this buffer)?  Called before anything is built. */
+static int check_extents(mc_lookup_t *lb, const mc_lookup_extent_t *x, size_t n,
+                         const char *what, mc_err_t *err) {
+  pthread_mutex_lock(&lb->mu);
+  mc_lookup_check_fn fn = lb->check;
+  void *arg = lb->check_arg;
+  pthread_mutex_unlock(&lb->mu);
+  for (size_t i = 0; fn && x && i < n; i++)
+    if (x[i].len && fn(arg, x[i].addr, x[i].len, err) < 0)
+      return mc_err_prefix(err, "%s extent %zu", what, i);
+  return 0;
+}
 
 static uint64_t now_ns(mc_lookup_t *lb) {
   return lb->clock ? lb->clock(lb->clock_ctx) : mc_now_ns();
@@ -499,6 +522,13 @@ long mc_lookup_insert(mc_lookup_t *lb, const void *tokens, size_t ntok, int widt
       return mc_err_set(err, MC_EINVAL, "hidden extent %zu has length %llu at address 0", i,
                         (unsigned long long)hidden[i].len);
     }
+  }
+  int crc = check_extents(lb, kv, n * lb->epb, "KV", err);
+  if (crc == 0)
+    crc = check_extents(lb, hidden, hidden ? n : 0, "hidden", err);
+  if (crc < 0) {
+    free(h);
+    return crc;
   }
   lk_node_t **path = calloc(2 * n, sizeof *path); /* [0,n): path, [n,2n): prebuilt */
   if (!path) {

@@ -95,6 +95,11 @@ int mc_lookup_create(const mc_lookup_opts_t *opts, mc_lookup_t **out, mc_err_t *
 void mc_lookup_destroy(mc_lookup_t *lb);
 
 const mc_token_hasher_t *mc_lookup_hasher(const mc_lookup_t *lb);
+/* An extent check every insert applies to its extents (non-empty ones)
+ * before storing anything: returns 0, or a negative code with err set.  The
+ * KV layer installs one that demands memory registered with its engine. */
+typedef int (*mc_lookup_check_fn)(void *arg, uint64_t addr, uint64_t len, mc_err_t *err);
+void mc_lookup_set_extent_check(mc_lookup_t *lb, mc_lookup_check_fn fn, void *arg);
 uint32_t mc_lookup_extents_per_block(const mc_lookup_t *lb);
 
 /* Inserts the ntok/block_size full blocks of `tokens` (width 4 or 8 bytes).

@@ -37,6 +37,10 @@ void mc_py_tokens_put(mc_py_tokens_t *t);
 /* (addr, length[, tag]) -> extent; TypeError naming what[i] otherwise. */
 int mc_py_get_extent(PyObject *o, mc_lookup_extent_t *x, const char *what, Py_ssize_t i);
 
+/* Checks a timeout argument in seconds: finite (NaN and inf raise) and in
+ * [lo, hi] (lo excluded when lo_open).  0, or -1 with ValueError set. */
+int mc_py_check_timeout(double t, double lo, int lo_open, double hi, const char *name);
+
 mc_py_state_t *mc_py_state_from_module(PyObject *module);
 mc_py_state_t *mc_py_state_from_type(PyTypeObject *type);
 

@@ -471,7 +471,7 @@ static PyObject *Engine_free_managed_buffer(EngineObject *self, PyObject *args) 
   if (!PyArg_ParseTuple(args, "OO:free_managed_buffer", &ao, &lo))
     return NULL;
   uint64_t addr, len;
-  if (get_u64(ao, &addr, "buffer") < 0 || get_u64(lo, &len, "length") < 0)
+  if (get_u64(ao, &addr, "buffer") < 0 || get_u64(lo, &len, "length") < 0 || !ready(self))
     return NULL;
   PyObject *k = PyLong_FromUnsignedLongLong(addr);
   if (!k)
@@ -481,9 +481,12 @@ static PyObject *Engine_free_managed_buffer(EngineObject *self, PyObject *args) 
     Py_DECREF(k);
     if (PyErr_Occurred())
       return NULL;
-    return PyErr_Format(PyExc_ValueError,
-                        "0x%llx (length %llu) is not a buffer from allocate_managed_buffer",
-                        (unsigned long long)addr, (unsigned long long)len);
+    char msg[160];
+    snprintf(msg, sizeof msg,
+             "0x%llx (length %llu) is not a buffer from allocate_managed_buffer",
+             (unsigned long long)addr, (unsigned long long)len);
+    PyErr_SetString(PyExc_ValueError, msg);
+    return NULL;
   }
   if (enter(self) < 0) {
     Py_DECREF(k);
@@ -698,6 +701,11 @@ static PyObject *Engine_transfer_sync(EngineObject *self, PyObject *args, PyObje
   PyObject *a = Py_BuildValue("(sOOO)", target, lo, ro, no);
   if (!a)
     return NULL;
+  if (opc > 1) {
+    Py_DECREF(a);
+    return PyErr_Format(PyExc_ValueError, "opcode must be 0 (READ) or 1 (WRITE), not %llu",
+                        (unsigned long long)opc);
+  }
   PyObject *r = sync_one(self, a, NULL, opc == 1 ? MC_OP_WRITE : MC_OP_READ,
                          "sOOO:transfer_sync");
   Py_DECREF(a);
@@ -861,7 +869,9 @@ static PyObject *Engine_get_batch_transfer_status(EngineObject *self, PyObject *
   if (!PyArg_ParseTupleAndKeywords(args, kw, "O|d:get_batch_transfer_status", kwlist, &ids,
                                    &timeout))
     return NULL;
-  if (!ready(self))
+  if (timeout < 0 && timeout == timeout && timeout > -1e300)
+    timeout = -1; /* any negative: the engine default */
+  if (mc_py_check_timeout(timeout, -1, 0, 86400, "timeout") < 0 || !ready(self))
     return NULL;
   PyObject *fast = PySequence_Fast(ids, "batch_ids must be a list of batch ids");
   if (!fast)
@@ -992,7 +1002,7 @@ static PyObject *Engine_send_notify(EngineObject *self, PyObject *args, PyObject
     return NULL;
   char tbuf[512];
   snprintf(tbuf, sizeof tbuf, "%s", target);
-  if (enter(self) < 0) {
+  if (mc_py_check_timeout(timeout, 0, 1, 86400, "timeout") < 0 || enter(self) < 0) {
     PyBuffer_Release(&msg);
     return NULL;
   }
@@ -1029,7 +1039,23 @@ static PyObject *Engine_get_notifies(EngineObject *self, PyObject *unused) {
   return list;
 }
 
-/* ---- raw memory helpers (as in Mooncake's API; addresses are trusted) ---- */
+/* ---- raw memory helpers (as in Mooncake's API) ----
+ * The range must lie in memory registered with this engine (managed buffers
+ * included), so a stale or wrong address raises instead of crashing, and
+ * close() (which frees managed buffers) cannot race a copy: the life lock is
+ * held across it. */
+
+static int raw_enter(EngineObject *self, uint64_t addr, uint64_t len) {
+  if (enter(self) < 0)
+    return -1;
+  mc_err_t err = {0};
+  if (len > 0 && mc_engine_check_local(self->eng, addr, len, &err) < 0) {
+    leave(self);
+    mc_py_raise(ST(self), &err);
+    return -1;
+  }
+  return 0;
+}
 
 static PyObject *Engine_write_bytes_to_buffer(EngineObject *self, PyObject *args) {
   PyObject *ao;
@@ -1046,11 +1072,16 @@ static PyObject *Engine_write_bytes_to_buffer(EngineObject *self, PyObject *args
   }
   if (len < 0 || len > data.len)
     len = data.len;
+  if (raw_enter(self, addr, (uint64_t)len) < 0) {
+    PyBuffer_Release(&data);
+    return NULL;
+  }
   mc_err_t err = {0};
   int rc;
   Py_BEGIN_ALLOW_THREADS
   rc = mc_cuda_memcpy_any((void *)(uintptr_t)addr, data.buf, (size_t)len, &err);
   Py_END_ALLOW_THREADS
+  leave(self);
   PyBuffer_Release(&data);
   if (rc < 0)
     return mc_py_raise(ST(self), &err);
@@ -1067,20 +1098,47 @@ static PyObject *Engine_read_bytes_from_buffer(EngineObject *self, PyObject *arg
     return NULL;
   if (addr == 0 || len < 0)
     return PyErr_Format(PyExc_ValueError, "invalid buffer address or length");
-  PyObject *out = PyBytes_FromStringAndSize(NULL, len);
-  if (!out)
+  /* Checked before allocating: a claimed length beyond the region raises. */
+  if (raw_enter(self, addr, (uint64_t)len) < 0)
     return NULL;
+  PyObject *out = PyBytes_FromStringAndSize(NULL, len);
+  if (!out) {
+    leave(self);
+    return NULL;
+  }
   mc_err_t err = {0};
   int rc;
   char *dst = PyBytes_AS_STRING(out);
   Py_BEGIN_ALLOW_THREADS
   rc = mc_cuda_memcpy_any(dst, (const void *)(uintptr_t)addr, (size_t)len, &err);
   Py_END_ALLOW_THREADS
+  leave(self);
   if (rc < 0) {
     Py_DECREF(out);
     return mc_py_raise(ST(self), &err);
   }
   return out;
+}
+
+static PyObject *Engine_get_stats(EngineObject *self, PyObject *unused) {
+  (void)unused;
+  if (!ready(self))
+    return NULL;
+  mc_engine_stats_t s;
+  mc_engine_get_stats(self->eng, &s);
+  return Py_BuildValue(
+      "{sKsKsKsKsKsKsKsKsKsKsKsK}", "notify_queue_bytes", (unsigned long long)s.notify_queue_bytes,
+      "notify_queue_limit", (unsigned long long)s.notify_queue_limit, "notify_queue_msgs",
+      (unsigned long long)s.notify_queue_msgs, "notify_refused",
+      (unsigned long long)s.notify_refused, "reply_queue_bytes",
+      (unsigned long long)s.reply_queue_bytes, "reply_queue_conn_limit",
+      (unsigned long long)s.reply_queue_conn_limit, "reply_queue_total_limit",
+      (unsigned long long)s.reply_queue_total_limit, "paused_conns",
+      (unsigned long long)s.paused_conns, "prehandshake_conns",
+      (unsigned long long)s.prehandshake_conns, "prehandshake_limit",
+      (unsigned long long)s.prehandshake_limit, "prehandshake_refused",
+      (unsigned long long)s.prehandshake_refused, "prehandshake_bytes_each",
+      (unsigned long long)s.prehandshake_bytes_each);
 }
 
 static PyMethodDef Engine_methods[] = {
@@ -1142,6 +1200,10 @@ static PyMethodDef Engine_methods[] = {
      "get_batch_status(batch_id) -> list of per-request dicts (non-blocking)."},
     {"send_notify", (PyCFunction)(void (*)(void))Engine_send_notify, METH_VARARGS | METH_KEYWORDS,
      "send_notify(target_hostname, message: bytes|str, timeout=5.0) -> 0"},
+    {"get_stats", (PyCFunction)Engine_get_stats, METH_NOARGS,
+     "get_stats() -> dict: current use of the engine's budgets (unread notifications,\n"
+     "queued replies, connections before their handshake) and their limits\n"
+     "(docs/connector.md, Budgets)."},
     {"get_notifies", (PyCFunction)Engine_get_notifies, METH_NOARGS,
      "get_notifies() -> list of (from_segment, message_bytes); drains the queue."},
     {"allocate_managed_buffer", (PyCFunction)Engine_allocate_managed_buffer, METH_O,

@@ -138,8 +138,8 @@ static PyObject *KV_recv_kv(KVObject *self, PyObject *args, PyObject *kw) {
     return NULL;
   if (!live(self))
     return NULL;
-  if (timeout <= 0 || timeout > 86400)
-    return PyErr_Format(PyExc_ValueError, "timeout must be in (0, 86400] seconds");
+  if (mc_py_check_timeout(timeout, 0, 1, 86400, "timeout") < 0)
+    return NULL;
   if (pull && hid_obj != Py_None)
     return PyErr_Format(PyExc_ValueError, "recv_kv(pull=True) does not move hidden states; "
                         "leave hidden_dest out or use pull=False");
@@ -192,8 +192,8 @@ static PyObject *KV_pull_start(KVObject *self, PyObject *args, PyObject *kw) {
     return NULL;
   if (!live(self))
     return NULL;
-  if (timeout <= 0 || timeout > 86400)
-    return PyErr_Format(PyExc_ValueError, "timeout must be in (0, 86400] seconds");
+  if (mc_py_check_timeout(timeout, 0, 1, 86400, "timeout") < 0)
+    return NULL;
   if (epb == 0 || epb > 0xffff)
     return PyErr_Format(PyExc_ValueError, "extents_per_block must be 1..65535");
   Py_ssize_t nd = 0;
@@ -243,8 +243,8 @@ static PyObject *KV_pull_wait(KVObject *self, PyObject *args, PyObject *kw) {
     return NULL;
   if (!live(self))
     return NULL;
-  if (timeout < 0 || timeout > 86400)
-    return PyErr_Format(PyExc_ValueError, "timeout must be in [0, 86400] seconds");
+  if (mc_py_check_timeout(timeout, 0, 0, 86400, "timeout") < 0)
+    return NULL;
   PyObject *fast = PySequence_Fast(ids_obj, "ids must be a sequence of pull ids");
   if (!fast)
     return NULL;
@@ -286,8 +286,8 @@ static PyObject *KV_probe(KVObject *self, PyObject *args, PyObject *kw) {
     return NULL;
   if (!live(self))
     return NULL;
-  if (timeout <= 0 || timeout > 86400)
-    return PyErr_Format(PyExc_ValueError, "timeout must be in (0, 86400] seconds");
+  if (mc_py_check_timeout(timeout, 0, 1, 86400, "timeout") < 0)
+    return NULL;
   if (epb > 0xffff)
     return PyErr_Format(PyExc_ValueError, "extents_per_block must be 0..65535");
   mc_py_tokens_t t;
@@ -342,7 +342,9 @@ static PyObject *KV_stats(KVObject *self, PyObject *unused) {
            {"leases_expired", s.leases_expired},   {"pulls", s.pulls},
            {"pull_hits", s.pull_hits},             {"pull_tokens", s.pull_tokens},
            {"pull_bytes", s.pull_bytes},           {"pull_errors", s.pull_errors},
-           {"probes", s.probes},                   {"probes_served", s.probes_served}};
+           {"probes", s.probes},                   {"probes_served", s.probes_served},
+           {"queue_bytes", s.queue_bytes},         {"queue_limit", s.queue_limit},
+           {"queue_jobs", s.queue_jobs},           {"queue_refused", s.queue_refused}};
   PyObject *d = PyDict_New();
   for (size_t i = 0; d && i < sizeof f / sizeof f[0]; i++) {
     PyObject *v = PyLong_FromUnsignedLongLong((unsigned long long)f[i].v);

@@ -194,6 +194,8 @@ static PyObject *Lookup_insert(LookupObject *self, PyObject *args, PyObject *kw)
   if (!PyArg_ParseTupleAndKeywords(args, kw, "OO|Opd:insert", kwlist, &to, &eo, &ho, &copy,
                                    &timeout))
     return NULL;
+  if (mc_py_check_timeout(timeout, 0, 0, 86400, "timeout") < 0)
+    return NULL;
   tokens_t t;
   if (tokens_get(to, &t) < 0)
     return NULL;

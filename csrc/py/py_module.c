@@ -106,6 +106,18 @@ PyModuleDef mc_py_moduledef = {
 
 PyMODINIT_FUNC PyInit__core(void) { return PyModuleDef_Init(&mc_py_moduledef); }
 
+int mc_py_check_timeout(double t, double lo, int lo_open, double hi, const char *name) {
+  if (t != t || t > hi || t < lo || (lo_open && t == lo)) {
+    PyObject *v = PyFloat_FromDouble(t);
+    if (v)
+      PyErr_Format(PyExc_ValueError, "%s must be a number of seconds in %c%g, %g], not %R",
+                   name, lo_open ? '(' : '[', lo, hi, v);
+    Py_XDECREF(v);
+    return -1;
+  }
+  return 0;
+}
+
 mc_py_state_t *mc_py_state_from_module(PyObject *module) {
   return PyModule_GetState(module);
 }

@@ -171,6 +171,22 @@ static void test_bad_arguments(void) {
   mc_batch_free(A, b);
   CHECK_EQ_INT(mc_engine_register(B, bbuf + 10, 10, "cpu", &err), MC_EOVERLAP);
   CHECK_EQ_INT(mc_engine_register(B, abuf, 10, "gpu", &err), MC_EINVAL);
+  /* Local buffers outside A's regions, and unmapped or read-only memory. */
+  uint8_t *stray = malloc(4096);
+  mc_request_t loose = {.opcode = MC_OP_READ, .local = stray, .remote = (uintptr_t)bbuf, .len = 8};
+  b = mc_batch_new(A, 1);
+  CHECK_EQ_INT(mc_batch_submit(A, b, mc_engine_segment_name(B), &loose, 1, &err), MC_EINVAL);
+  CHECK_CONTAINS(err.msg, "not inside any memory region registered with this engine");
+  loose.local = abuf + BUFSZ - 4; /* runs 4 bytes past a region */
+  CHECK_EQ_INT(mc_batch_submit(A, b, mc_engine_segment_name(B), &loose, 1, &err), MC_EINVAL);
+  mc_batch_free(A, b);
+  free(stray);
+  /* 1 TiB: unmapped in a plain process, ASan's no-access shadow gap under SAN=1. */
+  CHECK_EQ_INT(mc_engine_register(B, (void *)(1ull << 40), 4096, "cpu", &err), MC_EINVAL);
+  CHECK(strstr(err.msg, "not mapped at 0x10000000000") ||
+        strstr(err.msg, "not writable at 0x10000000000"));
+  CHECK_EQ_INT(mc_engine_register(B, (void *)"read-only text", 8, "cpu", &err), MC_EINVAL);
+  CHECK_CONTAINS(err.msg, "not writable");
   CHECK_EQ_INT(mc_engine_unregister(B, bbuf + 1, &err), MC_ENOTFOUND);
 }
 
@@ -188,16 +204,18 @@ static void test_unknown_peer(void) {
 
 static void test_local_segment(void) {
   mc_err_t err = {0};
-  CHECK_EQ_INT(mc_engine_register(A, abuf + (32u << 20), 1 << 20, "cpu", &err), 0);
+  uint8_t *tgt = malloc(1 << 20);
+  CHECK_EQ_INT(mc_engine_register(A, tgt, 1 << 20, "cpu", &err), 0);
   fill(abuf, 1000, 5);
-  mc_request_t r = {.opcode = MC_OP_WRITE, .local = abuf,
-                    .remote = (uint64_t)(uintptr_t)(abuf + (32u << 20)), .len = 1000};
+  mc_request_t r = {.opcode = MC_OP_WRITE, .local = abuf, .remote = (uint64_t)(uintptr_t)tgt,
+                    .len = 1000};
   mc_batch_t *b = mc_batch_new(A, 1);
   CHECK_EQ_INT(mc_batch_submit(A, b, mc_engine_segment_name(A), &r, 1, &err), 0);
   CHECK_EQ_INT(mc_batch_wait(A, b, 1000, &err), 0);
   mc_batch_free(A, b);
-  CHECK(memcmp(abuf, abuf + (32u << 20), 1000) == 0);
-  CHECK_EQ_INT(mc_engine_unregister(A, abuf + (32u << 20), &err), 0);
+  CHECK(memcmp(abuf, tgt, 1000) == 0);
+  CHECK_EQ_INT(mc_engine_unregister(A, tgt, &err), 0);
+  free(tgt);
 }
 
 static void collect(void *arg, const char *from, const void *msg, size_t len) {
@@ -216,9 +234,54 @@ static void test_notify(void) {
   CHECK(strcmp(got, want) == 0);
 }
 
+static int collect_h(void *arg, const char *from, const void *msg, size_t len, mc_err_t *err) {
+  (void)err;
+  collect(arg, from, msg, len);
+  return 0;
+}
+
+static int refuse_h(void *arg, const char *from, const void *msg, size_t len, mc_err_t *err) {
+  (void)arg, (void)from, (void)msg, (void)len;
+  return mc_err_set(err, MC_EBUSY, "handler budget full");
+}
+
+static void count_only(void *arg, const char *from, const void *msg, size_t len) {
+  (void)from, (void)msg;
+  *(size_t *)arg += len;
+}
+
+/* Unread notifications are bounded in bytes (MC_NOTIFY_QUEUE_MB=1 here):
+ * the sender gets the refusal, nothing is dropped; draining makes room. */
+static void test_notify_budget(void) {
+  size_t n = 600 << 10;
+  char *big = calloc(1, n);
+  mc_err_t err = {0};
+  const char *bs = mc_engine_segment_name(B);
+  CHECK_EQ_INT(mc_engine_notify(A, bs, big, n, 5000, &err), 0);
+  CHECK(mc_engine_notify(A, bs, big, n, 5000, &err) < 0);
+  CHECK_CONTAINS(err.msg, "MC_NOTIFY_QUEUE_MB");
+  mc_engine_stats_t st;
+  mc_engine_get_stats(B, &st);
+  CHECK(st.notify_queue_bytes > n && st.notify_queue_bytes <= st.notify_queue_limit);
+  CHECK_EQ_INT(st.notify_refused, 1);
+  size_t got = 0;
+  CHECK_EQ_INT(mc_engine_drain_notifies(B, 10, count_only, &got), 1);
+  CHECK_EQ_INT(got, n);
+  CHECK_EQ_INT(mc_engine_notify(A, bs, big, n, 5000, &err), 0);
+  CHECK_EQ_INT(mc_engine_drain_notifies(B, 10, count_only, &got), 1);
+  mc_engine_get_stats(B, &st);
+  CHECK_EQ_INT(st.notify_queue_bytes, 0);
+  /* A handler's refusal reaches the sender too. */
+  mc_engine_set_notify_handler(B, refuse_h, NULL);
+  CHECK(mc_engine_notify(A, bs, "x", 1, 5000, &err) < 0);
+  CHECK_CONTAINS(err.msg, "handler budget full");
+  mc_engine_set_notify_handler(B, NULL, NULL);
+  free(big);
+}
+
 static void test_notify_handler(void) {
   char got[256] = "";
-  mc_engine_set_notify_handler(B, collect, got);
+  mc_engine_set_notify_handler(B, collect_h, got);
   mc_err_t err = {0};
   CHECK_EQ_INT(mc_engine_notify(A, mc_engine_segment_name(B), "via handler", 11, 2000, &err), 0);
   mc_engine_set_notify_handler(B, NULL, NULL);
@@ -389,12 +452,23 @@ static void test_regions_device_of(void) {
   CHECK_EQ_INT(mc_regions_device_of(&r, 0x43000, 0x2000, &lo, &hi), -2); /* past the end */
   CHECK_EQ_INT(mc_regions_device_of(&r, 0x20000, 0x10, &lo, &hi), -2);
   CHECK_EQ_INT(mc_regions_device_of(&r, 0x10000, 0, &lo, &hi), -2);
-  CHECK_EQ_INT(mc_regions_remove(&r, 0x40000, &err), 0);
+  CHECK_EQ_INT(mc_regions_remove(&r, 0x40000, -1, &err), 0);
+  /* A pinned region: the bounded wait fails naming the holder; the region
+   * refuses new accesses meanwhile and a later remove finishes. */
+  mc_region_t *pin;
+  static const char who[] = "10.0.0.9:4242";
+  CHECK_EQ_INT(mc_regions_acquire_by(&r, 0x10000, 16, "me", who, &pin, &err), 0);
+  CHECK_EQ_INT(mc_regions_remove(&r, 0x10000, 50, &err), MC_EBUSY);
+  CHECK_CONTAINS(err.msg, "10.0.0.9:4242");
+  CHECK_EQ_INT(mc_regions_device_of(&r, 0x10000, 16, &lo, &hi), -2);
+  mc_regions_release(&r, pin);
+  CHECK_EQ_INT(mc_regions_remove(&r, 0x10000, 50, &err), 0);
   CHECK_EQ_INT(mc_regions_device_of(&r, 0x42000, 0x10, &lo, &hi), -2);
   mc_regions_destroy(&r);
 }
 
 int main(void) {
+  setenv("MC_NOTIFY_QUEUE_MB", "1", 1); /* test_notify_budget */
   abuf = malloc(BUFSZ);
   bbuf = malloc(BUFSZ);
   A = mk();
@@ -402,7 +476,9 @@ int main(void) {
   if (!A || !B || !abuf || !bbuf)
     return 1;
   mc_err_t err = {0};
-  if (mc_engine_register(B, bbuf, BUFSZ, "cpu", &err) < 0) {
+  /* A's buffer holds local buffers of its transfers: registered too. */
+  if (mc_engine_register(B, bbuf, BUFSZ, "cpu", &err) < 0 ||
+      mc_engine_register(A, abuf, BUFSZ, "cpu", &err) < 0) {
     fprintf(stderr, "%s\n", err.msg);
     return 1;
   }
@@ -417,6 +493,7 @@ int main(void) {
   RUN(test_local_segment);
   RUN(test_notify);
   RUN(test_notify_handler);
+  RUN(test_notify_budget);
   RUN(test_fast_path_and_bulk_concurrently);
   RUN(test_timeout_cancels);
   RUN(test_garbage_connection);

@@ -153,6 +153,8 @@ static void run_pair(int local_gpu, int remote_gpu, int ipc, size_t total, size_
   else
     memcpy((void *)(uintptr_t)la, ref, total);
   CHECK_EQ_INT(mc_engine_register(B, (void *)(uintptr_t)ra, total, "*", &err), 0);
+  /* Local buffers must be registered with their engine too. */
+  CHECK_EQ_INT(mc_engine_register(A, (void *)(uintptr_t)la, total, "*", &err), 0);
   size_t n = total / block;
   mc_request_t *r = calloc(n, sizeof *r);
   /* WRITE local -> remote with blocks in reversed order (a scatter). */
@@ -250,6 +252,7 @@ static void test_local_segment_gpu(void) {
   uint8_t *src = malloc(n), *back = malloc(n);
   fill(src, n, 9);
   CHECK_EQ_INT(mc_engine_register(e, (void *)(uintptr_t)d, n, "cuda:0", &err), 0);
+  CHECK_EQ_INT(mc_engine_register(e, src, n, "cpu", &err), 0);
   mc_request_t r = {.opcode = MC_OP_WRITE, .local = src, .remote = d, .len = n};
   mc_batch_t *b = mc_batch_new(e, 1);
   CHECK_EQ_INT(mc_batch_submit(e, b, mc_engine_segment_name(e), &r, 1, &err), 0);

@@ -52,6 +52,7 @@ static void test_later_chunks_fresh_descriptor(void) {
     ref[i] = (uint8_t)(i * 131 + (i >> 12) * 7);
   CHECK_EQ_INT(api->cuMemcpyHtoD(src, ref, 2 * sz), 0);
   CHECK_EQ_INT(mc_engine_register(B, (void *)(uintptr_t)r1, sz, "cuda:0", &err), 0);
+  CHECK_EQ_INT(mc_engine_register(A, (void *)(uintptr_t)src, 2 * sz, "cuda:0", &err), 0);
   /* First contact: A caches B's descriptor (r1 only). */
   mc_request_t one = {.opcode = MC_OP_WRITE, .local = (void *)(uintptr_t)src, .remote = r1,
                       .len = BLK};
@@ -105,6 +106,7 @@ static void pair_open(scatter_pair_t *p) {
   p->dst = dalloc(sz);
   CHECK(p->src && p->dst);
   CHECK_EQ_INT(mc_engine_register(p->B, (void *)(uintptr_t)p->dst, sz, "cuda:0", &err), 0);
+  CHECK_EQ_INT(mc_engine_register(p->A, (void *)(uintptr_t)p->src, sz, "cuda:0", &err), 0);
   p->r = calloc(NBLK, sizeof *p->r);
   for (size_t i = 0; i < NBLK; i++)
     p->r[i] = (mc_request_t){.opcode = MC_OP_WRITE,
@@ -160,8 +162,10 @@ static void test_later_chunk_runs_past_allocation(void) {
   char want[64];
   snprintf(want, sizeof want, "request %zu", badi);
   CHECK_CONTAINS(err.msg, want);
-  CHECK_CONTAINS(err.msg, "runs past its end");
-  mc_batch_free(p.A, b); /* waits for the chunks already started */
+  /* Local buffers must lie in registered memory: refused before any chunk
+   * starts (the locator's "runs past its end" can no longer be reached). */
+  CHECK_CONTAINS(err.msg, "not inside any memory region registered with this engine");
+  mc_batch_free(p.A, b);
   /* The engine still works afterwards. */
   p.r[badi].local = (void *)(uintptr_t)(p.src + badi * BLK);
   CHECK_EQ_INT(xfer(p.A, p.B, p.r, NBLK, &err), 0);

@@ -31,14 +31,34 @@ typedef struct mc_tcp_opts {
   int conns_per_peer;    /* >= 1: striping */
   int connect_timeout_ms;
   int busy_poll_us; /* keep polling this long after activity (0: off) */
+  /* Budgets (0: defaults).  Replies queued for a peer that does not read
+   * them: past reply_conn_limit bytes on one connection (or reply_total_limit
+   * over all of them) that connection is not read until it drains
+   * (backpressure: nothing is dropped).  Connections that have not completed
+   * their HELLO: at most max_prehandshake at once, each with hello_timeout_ms
+   * to do so and a HELLO of at most MC_TCP_HELLO_MAX bytes. */
+  uint64_t reply_conn_limit, reply_total_limit;
+  int max_prehandshake, hello_timeout_ms;
 } mc_tcp_opts_t;
+
+#define MC_TCP_HELLO_MAX 4096
+
+typedef struct mc_tcp_stats {
+  uint64_t reply_bytes;   /* queued replies, all connections */
+  uint64_t paused_conns;  /* connections not read because of their replies */
+  uint64_t prehandshake;  /* connections before their HELLO */
+  uint64_t prehandshake_refused;
+  uint64_t conn_bytes_each; /* receive buffer of one connection */
+} mc_tcp_stats_t;
+void mc_tcp_get_stats(mc_tcp_t *t, mc_tcp_stats_t *out);
 
 typedef struct mc_tcp_hooks {
   void *ctx;
   const char *local_name; /* segment name; stable for the transport's life */
   mc_regions_t *regions;  /* the local segment's regions */
-  /* Called on an I/O thread for every NOTIFY received. */
-  void (*on_notify)(void *ctx, const char *from, const void *msg, size_t len);
+  /* Called on an I/O thread for every NOTIFY received; < 0 (err set)
+   * refuses it: the sender's NOTIFY fails with that error. */
+  int (*on_notify)(void *ctx, const char *from, const void *msg, size_t len, mc_err_t *err);
   /* Optional: an outgoing connection to `segment` could not be set up,
    * reached another segment, or was closed by the peer; called on the
    * thread that noticed (an I/O thread, or a caller on the fast path). */

@@ -33,6 +33,7 @@ typedef struct mc_resp {
    * copy worker frees it. */
   atomic_int gate;
   mc_gpu_buf_t *gbuf;
+  uint64_t cost; /* counted against the reply budgets while queued */
 } mc_resp_t;
 
 enum { CONN_CONNECTING, CONN_OPEN, CONN_DEAD };
@@ -96,6 +97,12 @@ struct mc_conn {
   int pnrefs;
   mc_gpu_job_t *pjob; /* H2D copies of the WRITE payload being staged */
 
+  /* Budgets (loop-thread-only): bytes of queued responses; reading paused
+   * because of them; the loop should read again (buffered requests). */
+  uint64_t resp_bytes;
+  int rx_paused, rx_resume;
+  int prehandshake; /* counted in tcp->prehandshake until its HELLO */
+
   int cmd_refs; /* commands queued that name this conn (loop->mu) */
   mc_conn_t *next_in_loop;
 };
@@ -139,6 +146,8 @@ struct mc_tcp {
   pthread_mutex_t peers_mu;
   mc_peer_t **peers;
   size_t npeers, cap_peers;
+  atomic_ullong reply_bytes, prehandshake_refused;
+  atomic_int paused_conns, prehandshake;
 };
 
 /* tcp_loop.c */
@@ -146,6 +155,12 @@ void mc_loop_post(mc_loop_t *l, int kind, mc_conn_t *c);
 int mc_conn_loop_acquire(mc_conn_t *c);
 void mc_conn_loop_release(mc_conn_t *c);
 void mc_conn_set_out(mc_conn_t *c, int on);
+/* Re-applies epoll interest: EPOLLIN unless reading is paused, EPOLLOUT if
+ * armed. */
+void mc_conn_update_events(mc_conn_t *c);
+/* The peer finished (or failed) its handshake: it no longer counts against
+ * the pre-handshake budget. */
+void mc_conn_prehandshake_done(mc_conn_t *c);
 void mc_conn_kill(mc_conn_t *c, int code, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 /* Keeps a connection's memory alive (like a queued command) for a thread
@@ -176,6 +191,9 @@ int mc_auth_initiator_ack(mc_conn_t *c, const struct cJSON *j, const char *targe
 /* tcp_recv.c */
 int mc_conn_on_readable(mc_conn_t *c);
 void mc_resp_free(mc_tcp_t *t, mc_resp_t *r);
+/* Takes a sent (or abandoned) response off the connection's budget, frees
+ * it, and resumes reading when the queue has drained. */
+void mc_conn_resp_done(mc_conn_t *c, mc_resp_t *r);
 void mc_conn_free_recv(mc_conn_t *c);
 
 #endif

@@ -90,9 +90,33 @@ void mc_conn_set_out(mc_conn_t *c, int on) {
     c->want_out = on;
     return;
   }
-  struct epoll_event ev = {.events = EPOLLIN | (on ? EPOLLOUT : 0), .data.ptr = c};
+  struct epoll_event ev = {.events = (c->rx_paused ? 0 : EPOLLIN) | (on ? EPOLLOUT : 0),
+                           .data.ptr = c};
   if (epoll_ctl(c->loop->epfd, EPOLL_CTL_MOD, c->fd, &ev) == 0)
     c->want_out = on;
+}
+
+void mc_conn_update_events(mc_conn_t *c) {
+  if (c->state == CONN_DEAD || c->owner_caller)
+    return;
+  struct epoll_event ev = {.events = (c->rx_paused ? 0 : EPOLLIN) | (c->want_out ? EPOLLOUT : 0),
+                           .data.ptr = c};
+  epoll_ctl(c->loop->epfd, EPOLL_CTL_MOD, c->fd, &ev);
+}
+
+void mc_conn_prehandshake_done(mc_conn_t *c) {
+  if (c->prehandshake) {
+    c->prehandshake = 0;
+    atomic_fetch_sub(&c->tcp->prehandshake, 1);
+  }
+}
+
+void mc_tcp_get_stats(mc_tcp_t *t, mc_tcp_stats_t *out) {
+  out->reply_bytes = atomic_load(&t->reply_bytes);
+  out->paused_conns = (uint64_t)atomic_load(&t->paused_conns);
+  out->prehandshake = (uint64_t)atomic_load(&t->prehandshake);
+  out->prehandshake_refused = atomic_load(&t->prehandshake_refused);
+  out->conn_bytes_each = MC_TCP_RBUF + MC_TCP_HELLO_MAX + sizeof(mc_conn_t);
 }
 
 static void fail_chain(mc_xfer_op_t *op, int code, const char *msg) {
@@ -152,9 +176,14 @@ void mc_conn_kill(mc_conn_t *c, int code, const char *fmt, ...) {
   while (c->resp_head) {
     mc_resp_t *r = c->resp_head;
     c->resp_head = r->next;
-    mc_resp_free(c->tcp, r);
+    mc_conn_resp_done(c, r);
   }
   c->resp_tail = NULL;
+  if (c->rx_paused) {
+    c->rx_paused = 0;
+    atomic_fetch_sub(&c->tcp->paused_conns, 1);
+  }
+  mc_conn_prehandshake_done(c);
   mc_conn_free_recv(c);
 }
 
@@ -364,11 +393,22 @@ static void accept_all(mc_tcp_t *t) {
       port = ntohs(a->sin6_port);
     }
     snprintf(peer, sizeof peer, "%s:%d", host, port);
+    /* Budget: connections that have not said HELLO yet. */
+    if (atomic_load(&t->prehandshake) >= t->opts.max_prehandshake) {
+      if (atomic_fetch_add(&t->prehandshake_refused, 1) % 1000 == 0)
+        mc_log_warn("refused a connection from %s: %d connections have not completed their "
+                    "handshake (MC_TCP_MAX_PREHANDSHAKE)", peer, t->opts.max_prehandshake);
+      close(fd);
+      continue;
+    }
     mc_conn_t *c = conn_new(t, fd, 0, peer, "");
     if (!c) {
       close(fd);
       continue;
     }
+    c->prehandshake = 1;
+    atomic_fetch_add(&t->prehandshake, 1);
+    c->connect_deadline_ns = mc_now_ns() + (uint64_t)t->opts.hello_timeout_ms * 1000000ull;
     mc_loop_post(c->loop, CMD_ADD, c);
   }
 }
@@ -401,6 +441,9 @@ static void check_connect_deadlines(mc_loop_t *l) {
     if (c->state == CONN_CONNECTING && c->connect_deadline_ns && now > c->connect_deadline_ns)
       mc_conn_kill(c, MC_ECONNECT, "connect to segment %s at %s timed out after %d ms",
                    c->segment, c->peer, c->tcp->opts.connect_timeout_ms);
+    else if (c->state == CONN_OPEN && c->prehandshake && now > c->connect_deadline_ns)
+      mc_conn_kill(c, MC_EPROTO, "%s sent no HELLO within %d ms (MC_TCP_HELLO_TIMEOUT_MS); "
+                   "dropping the connection", c->peer, c->tcp->opts.hello_timeout_ms);
     mc_conn_loop_release(c);
   }
 }
@@ -444,7 +487,12 @@ static void *loop_main(void *arg) {
         if (e & (EPOLLIN | EPOLLERR | EPOLLHUP))
           alive = mc_conn_on_readable(c) == 0;
         if (alive && (e & (EPOLLOUT | EPOLLERR | EPOLLHUP)) && c->state == CONN_OPEN)
-          mc_conn_flush(c);
+          alive = mc_conn_flush(c) == 0;
+        /* Its replies drained: read the requests it sent meanwhile. */
+        while (alive && c->rx_resume && c->state == CONN_OPEN) {
+          c->rx_resume = 0;
+          alive = mc_conn_on_readable(c) == 0;
+        }
       }
       mc_conn_loop_release(c);
     }
@@ -747,6 +795,14 @@ int mc_tcp_start(const mc_tcp_opts_t *opts, const mc_tcp_hooks_t *hooks, mc_tcp_
     t->opts.conns_per_peer = 64;
   if (t->opts.connect_timeout_ms <= 0)
     t->opts.connect_timeout_ms = 5000;
+  if (!t->opts.reply_conn_limit)
+    t->opts.reply_conn_limit = 16ull << 20;
+  if (!t->opts.reply_total_limit)
+    t->opts.reply_total_limit = 256ull << 20;
+  if (t->opts.max_prehandshake <= 0)
+    t->opts.max_prehandshake = 64;
+  if (t->opts.hello_timeout_ms <= 0)
+    t->opts.hello_timeout_ms = 5000;
   t->hooks = *hooks;
   t->listen_fd = -1;
   pthread_mutex_init(&t->peers_mu, NULL);

@@ -27,6 +27,26 @@ static void resp_free_now(mc_tcp_t *t, mc_resp_t *r) {
   free(r);
 }
 
+/* Past the reply budget: this connection has replies queued and either
+ * they alone or all connections' together exceed their limits. */
+static int over_reply_budget(const mc_conn_t *c) {
+  const mc_tcp_opts_t *o = &c->tcp->opts;
+  return c->resp_bytes > 0 && (c->resp_bytes > o->reply_conn_limit ||
+                               atomic_load(&c->tcp->reply_bytes) > o->reply_total_limit);
+}
+
+void mc_conn_resp_done(mc_conn_t *c, mc_resp_t *r) {
+  c->resp_bytes -= r->cost;
+  atomic_fetch_sub(&c->tcp->reply_bytes, r->cost);
+  mc_resp_free(c->tcp, r);
+  if (c->rx_paused && c->state == CONN_OPEN && !over_reply_budget(c)) {
+    c->rx_paused = 0;
+    c->rx_resume = 1;
+    atomic_fetch_sub(&c->tcp->paused_conns, 1);
+    mc_conn_update_events(c);
+  }
+}
+
 void mc_resp_free(mc_tcp_t *t, mc_resp_t *r) {
   int pending = 1;
   if (atomic_compare_exchange_strong(&r->gate, &pending, 2))
@@ -63,7 +83,13 @@ void mc_conn_free_recv(mc_conn_t *c) {
 
 /* ---- responses (target side) ---- */
 
+/* What a queued response holds: its node, its iovec array, and the bytes it
+ * will send (text bodies are ours; READ data pins registered memory). */
 static void queue_resp(mc_conn_t *c, mc_resp_t *r) {
+  r->cost = sizeof *r + (r->iov != r->small ? (uint64_t)r->niov * sizeof *r->iov : 0) +
+            mc_get_u64(r->hdr + 24);
+  c->resp_bytes += r->cost;
+  atomic_fetch_add(&c->tcp->reply_bytes, r->cost);
   r->next = NULL;
   if (c->resp_tail)
     c->resp_tail->next = r;
@@ -172,8 +198,8 @@ static int pin_table(mc_conn_t *c, uint64_t *sum_out) {
     if (c->pstatus == 0) {
       mc_err_t e;
       mc_region_t *reg;
-      if (mc_regions_acquire(c->tcp->hooks.regions, addr, len, c->tcp->hooks.local_name,
-                             &reg, &e) < 0) {
+      if (mc_regions_acquire_by(c->tcp->hooks.regions, addr, len, c->tcp->hooks.local_name,
+                                c->peer, &reg, &e) < 0) {
         c->pstatus = e.code;
         c->pbad = i + 1;
         snprintf(c->perr, sizeof c->perr, "%s %s", mc_wire_type_name(c->rh.type), e.msg);
@@ -285,6 +311,18 @@ static void submit_staged(mc_conn_t *c, mc_resp_t *r) {
   mc_gpu_stager_submit(c->tcp->hooks.gpu, j);
 }
 
+/* Hands a NOTIFY to the engine; a refusal (a budget is full) goes back to
+ * the sender as the ACK's error. */
+static int deliver_notify(mc_conn_t *c, const void *body) {
+  mc_err_t e = {0};
+  if (c->tcp->hooks.on_notify &&
+      c->tcp->hooks.on_notify(c->tcp->hooks.ctx, c->segment, body, c->body_len, &e) < 0) {
+    c->pbad = 0;
+    return resp_error(c, MC_WIRE_NOTIFY_ACK, e.code ? e.code : MC_EBUSY, e.msg);
+  }
+  return resp_simple(c, MC_WIRE_NOTIFY_ACK, 0, NULL);
+}
+
 /* ---- header handling ---- */
 
 static int on_header_initiator(mc_conn_t *c) {
@@ -360,6 +398,11 @@ static int on_header_target(mc_conn_t *c) {
                  c->peer, mc_wire_type_name(c->rh.type));
     return -1;
   }
+  if (!c->hello_ok && c->rh.length > MC_TCP_HELLO_MAX) {
+    mc_conn_kill(c, MC_EPROTO, "HELLO of %llu bytes from %s (at most %d); dropping",
+                 (unsigned long long)c->rh.length, c->peer, MC_TCP_HELLO_MAX);
+    return -1;
+  }
   switch (c->rh.type) {
   case MC_WIRE_HELLO:
   case MC_WIRE_NOTIFY:
@@ -367,9 +410,8 @@ static int on_header_target(mc_conn_t *c) {
     if (c->rh.length == 0 && c->rh.type == MC_WIRE_RPC)
       return resp_error(c, MC_WIRE_RPC_REPLY, MC_EPROTO, "empty RPC request");
     if (c->rh.length == 0 && c->rh.type == MC_WIRE_NOTIFY) {
-      if (c->tcp->hooks.on_notify)
-        c->tcp->hooks.on_notify(c->tcp->hooks.ctx, c->segment, "", 0);
-      return resp_simple(c, MC_WIRE_NOTIFY_ACK, 0, NULL);
+      c->body_len = 0;
+      return deliver_notify(c, "");
     }
     return start_body(c, c->rh.length);
   case MC_WIRE_WRITE:
@@ -500,6 +542,7 @@ static int on_body_target(mc_conn_t *c) {
     mc_auth_target_plain(c, j);
     cJSON_Delete(j);
     c->hello_ok = 1;
+    mc_conn_prehandshake_done(c);
     cJSON *r = cJSON_CreateObject();
     char *txt = NULL;
     if (r && cJSON_AddStringToObject(r, "segment", local))
@@ -512,9 +555,7 @@ static int on_body_target(mc_conn_t *c) {
     return resp_simple(c, MC_WIRE_HELLO_ACK, 0, txt);
   }
   case MC_WIRE_NOTIFY:
-    if (c->tcp->hooks.on_notify)
-      c->tcp->hooks.on_notify(c->tcp->hooks.ctx, c->segment, c->body, c->body_len);
-    return resp_simple(c, MC_WIRE_NOTIFY_ACK, 0, NULL);
+    return deliver_notify(c, c->body);
   case MC_WIRE_RPC: {
     c->body[c->body_len] = '\0';
     if (!c->tcp->hooks.on_rpc)
@@ -740,7 +781,17 @@ int mc_conn_on_readable(mc_conn_t *c) {
   c->drained = 0; /* we were told there is something to read */
   while (c->state == CONN_OPEN && budget) {
     if (c->rstate == RS_HDR) {
-      if (c->rlen - c->rpos < MC_WIRE_HDR_SIZE) {
+      if (!c->outgoing && over_reply_budget(c)) {
+      /* Backpressure: stop reading a peer that does not read its replies
+       * (resumed by mc_conn_resp_done once they drain). */
+      if (!c->rx_paused) {
+        c->rx_paused = 1;
+        atomic_fetch_add(&c->tcp->paused_conns, 1);
+        mc_conn_update_events(c);
+      }
+      break;
+    }
+    if (c->rlen - c->rpos < MC_WIRE_HDR_SIZE) {
         if (c->drained && c->small_msgs && c->rpos == c->rlen)
           break; /* the last read emptied the socket: wait for epoll */
         ssize_t n = fill(c, MC_WIRE_HDR_SIZE);

@@ -229,7 +229,7 @@ static int flush_responses(mc_conn_t *c) {
       c->resp_head = r->next;
       if (!c->resp_head)
         c->resp_tail = NULL;
-      mc_resp_free(c->tcp, r);
+      mc_conn_resp_done(c, r);
     }
   }
   mc_conn_set_out(c, 0);
