@@ -36,6 +36,24 @@ def test_same_secret_moves_1mib_byte_exact(peers):
     assert crc_of(a, 0, MIB) == crc_of(b, 4096, MIB)
 
 
+def test_authenticated_connection_outlives_the_hello_deadline(peers):
+    """A connection that finished its challenge-response is out of the
+    pre-handshake budget: the target's HELLO deadline (here 300 ms) must not
+    drop it, and it must not keep a pre-handshake slot."""
+    env = {"MC_AUTH_SECRET": S1, "MC_TCP_HELLO_TIMEOUT_MS": "300"}
+    a = peers(size=4 * MIB, env=env)
+    b = peers(size=4 * MIB, env=env)
+    a.call(cmd="fill", seed=7, off=0, len=MIB)
+    for i in range(3):
+        b.call(cmd="zero")
+        assert a.call(cmd="write", target=b.segment, blocks=[[0, b.addr, MIB]],
+                      timeout=10) == {"ok": True}
+        assert crc_of(b, 0, MIB) == crc_of(a, 0, MIB)
+        time.sleep(0.8)
+    b.close()
+    assert "dropping the connection" not in b.stderr_text, b.stderr_text
+
+
 def test_wrong_secret_is_refused_on_both_sides(peers):
     a = peers(size=4 * MIB, env={"MC_AUTH_SECRET": S1})
     b = peers(size=4 * MIB, env={"MC_AUTH_SECRET": S2})
