@@ -305,16 +305,21 @@ static long read_leased(mc_kv_t *kv, const char *producer, const kv_waiter_t *w,
   uint64_t bytes = 0;
   for (size_t i = 0; i < n; i++) {
     uint64_t saddr = mc_get_u64(w->extents + 16 * i), slen = mc_get_u64(w->extents + 16 * i + 8);
-    if (slen != dest[i].len) {
+    uint64_t off = 0, dlen = dest[i].len;
+    int slice = (dest[i].tag & MC_KV_DEST_SLICE) != 0;
+    if (slice)
+      off = dest[i].tag & ~MC_KV_DEST_SLICE;
+    if (slice ? (dlen == 0 || off > slen || dlen > slen - off) : slen != dlen) {
       free(reqs);
-      return mc_err_set(err, MC_EINVAL, "destination extent %zu is %llu bytes but producer %s's "
-                        "KV block extent is %llu bytes (same model, dtype, block size and "
-                        "tensor-parallel layout on both sides?)", i,
-                        (unsigned long long)dest[i].len, producer, (unsigned long long)slen);
+      return mc_err_set(err, MC_EINVAL, "destination extent %zu is %llu bytes (at offset %llu) "
+                        "but producer %s's KV block extent is %llu bytes (same model, dtype, "
+                        "block size and tensor-parallel layout on both sides?)", i,
+                        (unsigned long long)dlen, (unsigned long long)off, producer,
+                        (unsigned long long)slen);
     }
     reqs[i] = (mc_request_t){.opcode = MC_OP_READ, .local = (void *)(uintptr_t)dest[i].addr,
-                             .remote = saddr, .len = slen};
-    bytes += slen;
+                             .remote = saddr + off, .len = dlen};
+    bytes += dlen;
   }
   mc_batch_t *batch = mc_batch_new(kv->e, n);
   if (!batch) {
