@@ -448,23 +448,85 @@ def test_extra_config_wins_over_mooncake_json(tmp_path):
     assert s.mooncake["prefill_url"] == "c:3" and s.mooncake["decode_url"] == "b:2"
 
 
-def test_unequal_tp_sizes_are_a_clear_startup_error(model_dir, urls, metadata_server):
+@pytest.mark.parametrize("p_tp,d_tp", [(2, 1), (1, 2), (2, 2)])
+@pytest.mark.parametrize("flow", ["a", "b"])
+def test_different_tp_sizes_map_kv_heads(model_dir, urls, metadata_server, p_tp, d_tp, flow):
+    """Prefill TP p_tp, decode TP d_tp (2 KV heads): each decode rank gets
+    exactly its heads (a per-head pattern), from the producer ranks the TP
+    map names; producers free their blocks once every pull is done."""
+    u = {**urls, "metadata_server": metadata_server.url}
+    p = Side(model_dir, "kv_producer", u, block_size=BS, tp=p_tp)
+    d = Side(model_dir, "kv_consumer", {**u, **ASYNC, "flow_a": flow == "a"}, block_size=BS,
+             tp=d_tp)
+    try:
+        t = toks(7, 4 * BS + 3)
+        params = {"do_remote_decode": True} if flow == "b" else None
+        prefill(p, "r", t, params=params)
+        dparams = p.last_params.get("r") if flow == "b" else None
+        if flow == "b":
+            assert dparams["tp_size"] == p_tp and dparams["num_tokens"] == 4 * BS
+        d.add(make_request("r", t, max_tokens=2, params=dparams))
+        assert d.run_until(lambda: "r" in d.recvd)
+        assert not d.invalid
+        assert d.block_matches_pattern("r", t, 4)
+        assert d.run_until(lambda: "r" not in d.sched.requests)
+        assert d.computed["r"] == 3 + 1  # the partial block + one decode step
+        assert p.run_until(lambda: p.is_empty())  # every copy pulled, blocks freed
+        loaded = sum(st.data.get("load_bytes", 0) for st in d.stats)
+        assert loaded == 4 * d.workers[0]._worker.layout.bytes_per_block() * d_tp
+    finally:
+        d.close()
+        p.close()
+
+
+def test_unmappable_peer_is_a_clear_startup_error(model_dir, urls, metadata_server):
+    import json
+
     import mooncake_connector as mc
     from mooncake_connector.connector.settings import SettingsError
     u = {**urls, "metadata_server": metadata_server.url}
     p = Side(model_dir, "kv_producer", u, block_size=BS)
     try:
-        # The prefill instance runs with TP 2 (its rank-0 worker says so).
         with mc.MetadataClient(metadata_server.url) as m:
             key = f"mooncake/kvconnector/{u['prefill_url']}"
-            rec = __import__("json").loads(m.get(key))
+            rec = json.loads(m.get(key))
             assert rec["tp_size"] == 1 and rec["role"] == "kv_producer"
-            rec["tp_size"] = 2
-            m.put(key, __import__("json").dumps(rec))
-        with pytest.raises(SettingsError, match=r"cannot start: .*tp_size=2 but this instance "
-                           r"has tp_size=1: start both instances with the same "
-                           r"--tensor-parallel-size"):
-            Side(model_dir, "kv_consumer", u, block_size=BS)
+            assert rec["kv_heads"] == 2 and rec["layout"] == "heads_outer", rec
+            # TP 3 cannot shard 2 KV heads; a different block size cannot be mapped.
+            for change, frag in [({"tp_size": 3}, r"cannot exchange KV with this instance: "
+                                                  r"prefill --tensor-parallel-size 3 is not a "
+                                                  r"multiple of the 2 KV heads"),
+                                 ({"block_size": 32}, r"has block_size=32 but this instance "
+                                                      r"has block_size=16: start both "
+                                                      r"instances with the same --block-size "
+                                                      r"\(prefill: TP 1")]:
+                m.put(key, json.dumps({**rec, **change}))
+                with pytest.raises(SettingsError, match="cannot start: .*" + frag):
+                    Side(model_dir, "kv_consumer", u, block_size=BS)
+    finally:
+        p.close()
+
+
+def test_producer_refuses_to_publish_for_an_unfit_consumer(model_dir, urls, metadata_server,
+                                                           caplog):
+    """The fingerprint is checked on the prefill side too: a consumer whose
+    record cannot fit gets nothing published (an error in the log), and the
+    producer frees the request's blocks at once."""
+    import json
+
+    import mooncake_connector as mc
+    u = {**urls, "metadata_server": metadata_server.url}
+    p = Side(model_dir, "kv_producer", u, block_size=BS)
+    try:
+        with mc.MetadataClient(metadata_server.url) as m:
+            rec = json.loads(m.get(f"mooncake/kvconnector/{u['prefill_url']}"))
+            m.put(f"mooncake/kvconnector/{u['decode_url']}",
+                  json.dumps({**rec, "role": "kv_consumer", "kv_dtype": "torch.float16"}))
+        with caplog.at_level("ERROR", logger="vllm.mooncake_connector"):
+            prefill(p, "x", toks(8, 2 * BS))
+        assert any("nothing is published for consumer" in r.getMessage() and
+                   "kv_dtype=torch.float16" in r.getMessage() for r in caplog.records)
+        assert p.run_until(lambda: p.is_empty(), steps=50)
     finally:
         p.close()
 

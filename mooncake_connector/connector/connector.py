@@ -41,6 +41,34 @@ def _tp(vllm_config):
     return rank, size
 
 
+def model_facts(vllm_config):
+    """What the fingerprint (peer_record) says about the model and the
+    parallel setup; missing pieces are None (checked only when both know)."""
+    mc = getattr(vllm_config, "model_config", None)
+    pc = getattr(vllm_config, "parallel_config", None)
+    cc = getattr(vllm_config, "cache_config", None)
+    facts = {"pp_size": getattr(pc, "pipeline_parallel_size", 1) or 1}
+    try:
+        from importlib.metadata import version
+        facts["connector"] = version("mooncake-connector")
+    except Exception:  # noqa: BLE001 - not installed as a distribution (source tree)
+        facts["connector"] = None
+    if mc is None:
+        return facts
+    for key, fn in (("kv_heads", lambda: mc.get_total_num_kv_heads()),
+                    ("head_size", lambda: mc.get_head_size()),
+                    ("mla", lambda: bool(mc.use_mla)),
+                    ("model", lambda: str(mc.model))):
+        try:
+            facts[key] = fn()
+        except Exception:  # noqa: BLE001 - a config without it
+            facts[key] = None
+    cache_dtype = getattr(cc, "cache_dtype", "auto") or "auto"
+    facts["kv_dtype"] = str(getattr(mc, "dtype", "")) if cache_dtype == "auto" else \
+        str(cache_dtype)
+    return facts
+
+
 class MooncakeConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config, role, kv_cache_config=None):
         try:
@@ -73,7 +101,8 @@ class MooncakeConnector(KVConnectorBase_V1):
         else:
             from mooncake_connector.connector.worker import WorkerSide
             nb = getattr(kv_cache_config, "num_blocks", None) if kv_cache_config else None
-            self._worker = WorkerSide(s, self.block_size, self.tp_rank, self.tp_size, nb)
+            self._worker = WorkerSide(s, self.block_size, self.tp_rank, self.tp_size, nb,
+                                      facts=model_facts(vllm_config))
 
     # ---------------- scheduler side ----------------
 

@@ -27,6 +27,7 @@ class LayerLayout:
     outer: list        # byte offsets of each outer slice (K, V, ...)
     block_stride: int  # bytes between consecutive blocks
     block_bytes: int   # bytes of one block in one outer slice
+    inner: tuple = ()  # the dimensions of one block after the block dimension
 
 
 def _layer(name, t, num_blocks):
@@ -62,11 +63,34 @@ def _layer(name, t, num_blocks):
         reg_base, nbytes = t.data_ptr(), t.numel() * esize
     return LayerLayout(name=name, base=t.data_ptr(), reg_base=reg_base, nbytes=nbytes,
                        device=device, outer=outer, block_stride=strides[d] * esize,
-                       block_bytes=inner * esize)
+                       block_bytes=inner * esize, inner=tuple(shape[d + 1:]))
+
+
+def head_order(layers, heads, block_size):
+    """tp_map.HEADS_OUTER if each block extent holds its KV heads one after
+    the other (vLLM's CPU layout (blocks, heads, block_size, 2*head_size)),
+    TOKENS_OUTER if tokens come first (blocks, block_size, heads, head_size),
+    else UNKNOWN (then only whole extents can move between TP sizes)."""
+    from mooncake_connector.connector import tp_map
+
+    if not heads or not block_size:
+        return tp_map.UNKNOWN
+    if heads == 1:
+        return tp_map.HEADS_OUTER  # one head: the whole extent
+    orders = set()
+    for L in layers:
+        dims = [n for n in L.inner if n > 1]
+        if dims and dims[0] == heads and heads != block_size:
+            orders.add(tp_map.HEADS_OUTER)
+        elif dims and dims[0] == block_size and heads in dims[1:] and heads != block_size:
+            orders.add(tp_map.TOKENS_OUTER)
+        else:
+            orders.add(tp_map.UNKNOWN)
+    return orders.pop() if len(orders) == 1 else tp_map.UNKNOWN
 
 
 class KVLayout:
-    def __init__(self, kv_caches, num_blocks=None):
+    def __init__(self, kv_caches, num_blocks=None, heads=None, block_size=None):
         if not kv_caches:
             raise LayoutError("no KV cache tensors to register")
         items = list(kv_caches.items())
@@ -76,6 +100,7 @@ class KVLayout:
         self.layers = [_layer(n, t, num_blocks) for n, t in items]
         self.extents_per_block = sum(len(L.outer) for L in self.layers)
         self.devices = sorted({L.device for L in self.layers})
+        self.head_order = head_order(self.layers, heads, block_size)
 
     def regions(self):
         """(addr, length, device) to register: each storage once."""
@@ -95,6 +120,19 @@ class KVLayout:
             off = L.base + block_id * L.block_stride
             for o in L.outer:
                 out.append((off + o, L.block_bytes, tag))
+        return out
+
+    def mapped_extents(self, block_ids, per_layer):
+        """Dest extents of one pull for these blocks: per_layer[i] is the
+        tp_map.Piece of layer i (the same for each of its outer slices)."""
+        out = []
+        for b in block_ids:
+            if not 0 <= b < self.num_blocks:
+                raise LayoutError(f"block id {b} is outside 0..{self.num_blocks - 1}")
+            for L, pc in zip(self.layers, per_layer):
+                off = L.base + b * L.block_stride
+                for o in L.outer:
+                    out.append(pc.dest(off + o))
         return out
 
     def extents(self, block_ids, tags=None):

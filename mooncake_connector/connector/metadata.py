@@ -19,6 +19,7 @@ class LoadSpec:
     producer: str | None  # producer base engine name; None = the configured prefill_url
     flow: str = "A"       # "A" (token hashes, configured producer) or "B" (kv_transfer_params)
     sync: bool = False    # load inside this step (vLLM schedules the request now)
+    producer_tp: int | None = None  # flow B: the producer's TP size from its params
 
 
 @dataclass

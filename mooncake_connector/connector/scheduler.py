@@ -147,7 +147,9 @@ class SchedulerSide:
         ids = list(blocks.get_block_ids()[0])[skip:end // self.block_size]
         self._loads[request.request_id] = LoadSpec(
             req_id=request.request_id, tokens=list(request.prompt_token_ids[:end]),
-            block_ids=ids, skip_blocks=skip, producer=src[1], flow=src[0], sync=sync)
+            block_ids=ids, skip_blocks=skip, producer=src[1], flow=src[0], sync=sync,
+            producer_tp=_int_or_none((getattr(request, "kv_transfer_params", None) or {})
+                                     .get("tp_size")))
 
     # ---- producer ----
 
@@ -247,6 +249,10 @@ class SchedulerSide:
     def shutdown(self):
         if self._probe is not None:
             self._probe.close()
+
+
+def _int_or_none(v):
+    return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
 
 
 def producer_for_rank(base, tp_rank):
