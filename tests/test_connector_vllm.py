@@ -610,3 +610,39 @@ def test_flow_b_short_prompt_still_gets_params(sides):
     assert status(d, "s") != RequestStatus.WAITING_FOR_REMOTE_KVS
     assert d.run_until(lambda: not d.sched.requests)
     assert d.computed["s"] == len(t) + 1
+
+
+@pytest.mark.parametrize("p_tp,d_tp", [(1, 1), (2, 1)])
+def test_hybrid_groups_move_full_and_window_blocks_only(model_dir, urls, metadata_server,
+                                                        p_tp, d_tp):
+    """SupportsHMA: layer 0 full attention, layer 1 a 2-block sliding window
+    (its own KV-cache group).  The decode side gets every full-attention
+    block and only the window's blocks of the other group (vLLM gives it
+    null blocks for the rest, and nothing is written there)."""
+    from mooncake_connector.connector.connector import MooncakeConnector as MC
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import supports_hma
+    assert supports_hma(MC)
+    u = {**urls, "metadata_server": metadata_server.url}
+    win = 2 * BS
+    p = Side(model_dir, "kv_producer", u, block_size=BS, tp=p_tp, sliding_window=win)
+    d = Side(model_dir, "kv_consumer", {**u, **ASYNC}, block_size=BS, tp=d_tp,
+             sliding_window=win)
+    try:
+        assert len(d.sched.kv_cache_config.kv_cache_groups) == 2
+        t = toks(9, 6 * BS + 5)
+        prefill(p, "h", t)
+        for kv in d.kvs:  # a marker the load must not overwrite in the null block
+            kv["layer1"][0].fill_(-1.0)
+        d.add(make_request("h", t, max_tokens=2))
+        assert d.run_until(lambda: "h" in d.recvd)
+        assert not d.invalid
+        sw = d.block_ids("h", group=1)
+        assert sw[:3] == [0, 0, 0] and all(b != 0 for b in sw[4:6]), sw  # window: nulls first
+        assert d.block_matches_pattern("h", t, 6)
+        assert all(float(kv["layer1"][0].max()) == -1.0 for kv in d.kvs)
+        assert d.run_until(lambda: "h" not in d.sched.requests)
+        assert d.computed["h"] == 5 + 1
+        assert p.run_until(lambda: p.is_empty())
+    finally:
+        d.close()
+        p.close()

@@ -314,10 +314,15 @@ def test_pull_slices_and_merges_for_different_tp(pair):
                   block_bytes=BB, pull=True)
     assert r == {"matched": 32}
     assert crc(cons, 21) == crc(prod, 2) and crc(cons, 23) == crc(prod, 5)
-    # A slice past the producer's extent, an empty one, and a plain dest of
-    # the wrong size are refused, naming the sizes.
-    for bad in ([[40 * BB, half, SLICE | (half + 1)]] * 2, [[40 * BB, 0, SLICE]] * 2,
-                [[40 * BB, half]] * 2):
+    # A slice of length 0 skips its extent (a sliding-window block outside
+    # the window): only the other block moves.
+    r = cons.call(cmd="recv_kv", producer=prod.segment, tokens=t, slots=[],
+                  dest=[[40 * BB, 0, SLICE], [41 * BB, BB]], block_bytes=BB, pull=True)
+    assert r == {"matched": 32}
+    assert crc(cons, 40) == crc(cons, 30) and crc(cons, 41) == crc(prod, 5)
+    # A slice past the producer's extent and a plain dest of the wrong size
+    # are refused, naming the sizes.
+    for bad in ([[40 * BB, half, SLICE | (half + 1)]] * 2, [[40 * BB, half]] * 2):
         r = cons.call(cmd="recv_kv", producer=prod.segment, tokens=t, slots=[], dest=bad,
                       block_bytes=BB, pull=True)
         assert "KV block extent is 16384 bytes" in r.get("error", ""), r

@@ -18,7 +18,7 @@ from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfi
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig,  # noqa: E402
-                                        KVCacheGroupSpec)
+                                        KVCacheGroupSpec, SlidingWindowSpec)
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
@@ -79,16 +79,26 @@ def rank_heads(rank, tp, total=HEADS):
 class Side:
     """One vLLM instance: scheduler + one worker connector + a paged KV cache."""
 
-    def __init__(self, model_dir, role, extra, num_blocks=64, block_size=16, tp=1):
+    def __init__(self, model_dir, role, extra, num_blocks=64, block_size=16, tp=1,
+                 sliding_window=None):
+        """sliding_window: layer 1 is a sliding-window layer in its own
+        KV-cache group (vLLM's hybrid KV-cache manager, SupportsHMA)."""
         self.cfg = make_config(model_dir, role, extra, block_size)
         self.cfg.parallel_config.tensor_parallel_size = tp
         self.tp = tp
         self.block_size = block_size
         self.num_blocks = num_blocks
-        kcc = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[
-            KVCacheGroupSpec([f"layer{i}" for i in range(LAYERS)],
-                             FullAttentionSpec(block_size=block_size, num_kv_heads=HEADS,
-                                               head_size=HEAD, dtype=torch.float32))])
+        spec = dict(block_size=block_size, num_kv_heads=HEADS, head_size=HEAD,
+                    dtype=torch.float32)
+        if sliding_window:
+            groups = [KVCacheGroupSpec(["layer0"], FullAttentionSpec(**spec)),
+                      KVCacheGroupSpec(["layer1"], SlidingWindowSpec(
+                          **spec, sliding_window=sliding_window))]
+        else:
+            groups = [KVCacheGroupSpec([f"layer{i}" for i in range(LAYERS)],
+                                       FullAttentionSpec(**spec))]
+        self.layer_group = {n: gi for gi, g in enumerate(groups) for n in g.layer_names}
+        kcc = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
         self.cfg.cache_config.num_gpu_blocks = num_blocks
         self.sched = Scheduler(vllm_config=self.cfg, kv_cache_config=kcc, log_stats=True,
                                structured_output_manager=StructuredOutputManager(self.cfg),
@@ -121,20 +131,23 @@ class Side:
     def add(self, req):
         self.sched.add_request(req)
 
-    def block_ids(self, rid):
-        return list(self.sched.kv_cache_manager.get_block_ids(rid)[0])
+    def block_ids(self, rid, group=0):
+        return list(self.sched.kv_cache_manager.get_block_ids(rid)[group])
 
     def _forward(self, so):
         for rid, n in so.num_scheduled_tokens.items():
             req = self.sched.requests[rid]
             start = req.num_computed_tokens - n
             toks = req.all_token_ids[start:start + n]
-            ids = self.block_ids(rid)
+            gids = self.sched.kv_cache_manager.get_block_ids(rid)
             for k, tok in enumerate(toks):
                 pos = start + k
-                b, j = ids[pos // self.block_size], pos % self.block_size
+                j = pos % self.block_size
                 for kv, heads in zip(self.kvs, self.heads):
                     for li, name in enumerate(kv):
+                        b = gids[self.layer_group[name]][pos // self.block_size]
+                        if b == 0:
+                            continue  # the null block: outside a sliding window
                         for hi, h in enumerate(heads):
                             kv[name][b, hi, j, :] = kv_value(li, tok, pos, h)
             self.computed[rid] = self.computed.get(rid, 0) + n
@@ -204,11 +217,16 @@ class Side:
         return cond()
 
     def block_matches_pattern(self, rid, tokens, nblocks):
-        ids = self.block_ids(rid)
+        """Every block the request holds (null ones of a sliding window
+        excepted) has the KV of its tokens, for every head of every rank."""
+        gids = self.sched.kv_cache_manager.get_block_ids(rid)
         for pos in range(nblocks * self.block_size):
-            b, j = ids[pos // self.block_size], pos % self.block_size
+            j = pos % self.block_size
             for kv, heads in zip(self.kvs, self.heads):
                 for li, name in enumerate(kv):
+                    b = gids[self.layer_group[name]][pos // self.block_size]
+                    if b == 0:
+                        continue
                     for hi, h in enumerate(heads):
                         x = kv[name][b, hi, j]
                         if float(x.min()) != float(x.max()) or \

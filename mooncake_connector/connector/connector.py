@@ -14,6 +14,12 @@ import logging
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1,
                                                                KVConnectorRole)
 
+try:  # hybrid KV-cache groups (full attention + sliding window, ...)
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
+except ImportError:  # a vLLM without HMA: a plain mixin
+    class SupportsHMA:  # type: ignore[no-redef]
+        pass
+
 from mooncake_connector.connector import settings as settings_mod
 from mooncake_connector.connector.metadata import MooncakeConnectorMetadata
 from mooncake_connector.connector.stats import MooncakeKVConnectorStats
@@ -41,7 +47,13 @@ def _tp(vllm_config):
     return rank, size
 
 
-def model_facts(vllm_config):
+def layer_groups(kv_cache_config):
+    """{layer name: KV-cache group index} ({} with no config: one group)."""
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
+    return {name: gi for gi, g in enumerate(groups) for name in g.layer_names}
+
+
+def model_facts(vllm_config, kv_cache_config=None):
     """What the fingerprint (peer_record) says about the model and the
     parallel setup; missing pieces are None (checked only when both know)."""
     mc = getattr(vllm_config, "model_config", None)
@@ -63,13 +75,18 @@ def model_facts(vllm_config):
             facts[key] = fn()
         except Exception:  # noqa: BLE001 - a config without it
             facts[key] = None
+    kcc = kv_cache_config
+    if kcc is not None:  # the KV-cache groups: kind, layers, window
+        facts["groups"] = [[type(g.kv_cache_spec).__name__, len(g.layer_names),
+                            getattr(g.kv_cache_spec, "sliding_window", None)]
+                           for g in getattr(kcc, "kv_cache_groups", None) or ()] or None
     cache_dtype = getattr(cc, "cache_dtype", "auto") or "auto"
     facts["kv_dtype"] = str(getattr(mc, "dtype", "")) if cache_dtype == "auto" else \
         str(cache_dtype)
     return facts
 
 
-class MooncakeConnector(KVConnectorBase_V1):
+class MooncakeConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config, role, kv_cache_config=None):
         try:
             super().__init__(vllm_config, role, kv_cache_config)
@@ -102,7 +119,8 @@ class MooncakeConnector(KVConnectorBase_V1):
             from mooncake_connector.connector.worker import WorkerSide
             nb = getattr(kv_cache_config, "num_blocks", None) if kv_cache_config else None
             self._worker = WorkerSide(s, self.block_size, self.tp_rank, self.tp_size, nb,
-                                      facts=model_facts(vllm_config))
+                                      facts=model_facts(vllm_config, kv_cache_config),
+                                      layer_groups=layer_groups(kv_cache_config))
 
     # ---------------- scheduler side ----------------
 
@@ -117,6 +135,20 @@ class MooncakeConnector(KVConnectorBase_V1):
 
     def request_finished(self, request, block_ids):
         return self._scheduler.request_finished(request, block_ids)
+
+    def request_finished_all_groups(self, request, block_ids):
+        """SupportsHMA: block_ids has one list per KV-cache group; every
+        group's blocks stay with vLLM until get_finished reports the request."""
+        return self._scheduler.request_finished(request, block_ids)
+
+    def get_loaded_kv_cache_group_ids(self, request):
+        """A load moves the request's own blocks of every transfer group
+        (sliding-window ones inside the window), not only prefix-cacheable ones."""
+        kcc = getattr(self, "_kv_cache_config", None)
+        ids = getattr(kcc, "transfer_group_ids", None)
+        if ids is None:
+            ids = tuple(range(len(getattr(kcc, "kv_cache_groups", None) or [0])))
+        return tuple(ids)
 
     # ---------------- worker side ----------------
 

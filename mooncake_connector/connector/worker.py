@@ -26,11 +26,18 @@ import threading
 import time
 
 from mooncake_connector.connector import peer_record, tp_map
-from mooncake_connector.connector.layout import KVLayout
+from mooncake_connector.connector.layout import NULL_BLOCK, KVLayout
 from mooncake_connector.connector.settings import SettingsError, shift_port
 from mooncake_connector.connector.stats import MooncakeKVConnectorStats
 
 logger = logging.getLogger("vllm.mooncake_connector")
+
+
+def _rows(spec):
+    """Block rows of a Load/PublishSpec: one id per KV-cache group."""
+    if not spec.more_groups:
+        return spec.block_ids
+    return list(zip(spec.block_ids, *spec.more_groups))
 
 
 class _Load:
@@ -47,9 +54,11 @@ class _Load:
 
 
 class WorkerSide:
-    def __init__(self, settings, block_size, tp_rank, tp_size, num_blocks=None, facts=None):
+    def __init__(self, settings, block_size, tp_rank, tp_size, num_blocks=None, facts=None,
+                 layer_groups=None):
         self.s = settings
         self.facts = dict(facts or {})  # model facts (connector.model_facts) for the fingerprint
+        self.layer_groups = dict(layer_groups or {})  # layer name -> KV-cache group (HMA)
         self.block_size = block_size
         self.tp_rank = tp_rank
         self.tp_size = tp_size
@@ -80,7 +89,7 @@ class WorkerSide:
         if heads and not self.facts.get("mla"):
             heads = tp_map.heads_per_rank(heads, self.tp_size)
         self.layout = KVLayout(kv_caches, self.num_blocks, heads=heads,
-                               block_size=self.block_size)
+                               block_size=self.block_size, layer_groups=self.layer_groups)
         text = json.dumps({k: v for k, v in self.s.mooncake.items() if v is not None})
         cfg = _core.parse_config(text, self.s.config_path or "kv_connector_extra_config")
         if self.s.local_hostname:
@@ -266,7 +275,7 @@ class WorkerSide:
             ld.pulls[name] = None
             ld.results.pop(name, None)
             try:
-                dest = self.layout.mapped_extents(spec.block_ids, pieces)
+                dest = self.layout.mapped_extents(_rows(spec), pieces)
                 left = limit - (time.monotonic() - ld.t0)
                 ld.pulls[name] = self.kv.pull_start(
                     name, spec.tokens, dest, timeout=max(left, 0.001),
@@ -316,6 +325,8 @@ class WorkerSide:
         self.stats.add_time(secs)
         if loaded < len(spec.block_ids):
             self._invalid.update(spec.block_ids[loaded:])
+            for g in spec.more_groups:  # HMA: the other groups' blocks, less null ones
+                self._invalid.update(b for b in g[loaded:] if b != NULL_BLOCK)
             self.stats.add("load_tokens_missed", (len(spec.block_ids) - loaded) * self.block_size)
             if err:
                 self.stats.add("loads_failed")
@@ -337,7 +348,7 @@ class WorkerSide:
                 continue
             tags = list(range(self._tag_next, self._tag_next + len(p.block_ids)))
             self._tag_next += len(p.block_ids)
-            ext = self.layout.extents(p.block_ids, tags)
+            ext = self.layout.extents(_rows(p), tags)
             for t in tags:
                 self._tag_req[t] = p.req_id
             self._req_tags[p.req_id] = tags
