@@ -646,3 +646,57 @@ def test_hybrid_groups_move_full_and_window_blocks_only(model_dir, urls, metadat
     finally:
         d.close()
         p.close()
+
+
+@pytest.mark.parametrize("p_tp,d_tp", [(1, 1), (2, 1)])
+def test_pipeline_stages_pair_stage_by_stage(model_dir, urls, metadata_server, p_tp, d_tp):
+    """--pipeline-parallel-size 2 on both sides (stage s holds layer s): each
+    stage's ranks have their own engines (port + s * tp_size + r) and pull
+    from the same stage on the other side; unequal PP is refused."""
+    from mooncake_connector.connector.settings import SettingsError
+    u = {**urls, "metadata_server": metadata_server.url}
+    p = Side(model_dir, "kv_producer", u, block_size=BS, tp=p_tp, pp=2)
+    d = None
+    try:
+        names = sorted(w._worker.name for w in p.workers)
+        assert len(set(names)) == 2 * p_tp
+        t = toks(12, 3 * BS + 1)
+        prefill(p, "pp", t)
+        d = Side(model_dir, "kv_consumer", {**u, **ASYNC}, block_size=BS, tp=d_tp, pp=2)
+        d.add(make_request("pp", t, max_tokens=2))
+        assert d.run_until(lambda: "pp" in d.recvd)
+        assert not d.invalid and d.block_matches_pattern("pp", t, 3)
+        assert d.run_until(lambda: "pp" not in d.sched.requests)
+        assert d.computed["pp"] == 1 + 1
+        assert p.run_until(lambda: p.is_empty())
+        d.close()
+        d = None
+        with pytest.raises(SettingsError, match=r"has pp_size=2 but this instance has "
+                                                r"pp_size=1: start both instances with the "
+                                                r"same --pipeline-parallel-size"):
+            d = Side(model_dir, "kv_consumer", u, block_size=BS)
+    finally:
+        if d is not None:
+            d.close()
+        p.close()
+
+
+def test_ssm_kv_cache_groups_are_refused_at_start(model_dir, urls):
+    """A hybrid attention/SSM model's Mamba group cannot be looked up by token
+    hashes: a clear start-up error, not a silent wrong load."""
+    import torch
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec,
+                                            MambaSpec)
+
+    from mooncake_connector.connector.connector import MooncakeConnector
+    from mooncake_connector.connector.settings import SettingsError
+    from vllm_harness import make_config
+    cfg = make_config(model_dir, "kv_consumer", urls, block_size=BS)
+    kcc = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec(["layer0"], FullAttentionSpec(block_size=BS, num_kv_heads=2,
+                                                       head_size=8, dtype=torch.float32)),
+        KVCacheGroupSpec(["layer1"], MambaSpec(block_size=BS, shapes=((4, 4),),
+                                               dtypes=(torch.float32,)))])
+    with pytest.raises(SettingsError, match=r"KV-cache group 1 \(MambaSpec.*cannot move SSM"):
+        MooncakeConnector(cfg, KVConnectorRole.WORKER, kcc)

@@ -8,6 +8,9 @@ show the prompts' KV loaded remotely.  The cells:
   tp2-tp1   prefill --tensor-parallel-size 2, decode 1  (KV heads merged)   CI
   tp1-tp2   prefill 1, decode 2                        (KV heads split)    opt-in
   tp2-tp2   both 2                                     (rank r -> rank r)  opt-in
+  hma-sw    a tiny Llama whose layer 0 is sliding-window attention (64
+            tokens) and layer 1 full: vLLM's hybrid KV-cache manager stays on
+            (SupportsHMA), two KV-cache groups move                        CI
   tp1-tp1   is tests/test_e2e_serving.py's session deployment.
 
 A TP 2 server is four processes on this 2-core machine (API server, engine
@@ -29,10 +32,12 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(2400)]
 BLOCK = 32
 REQ_TIMEOUT = 180
 TP2 = ["--tensor-parallel-size", "2", "--distributed-executor-backend", "mp"]
+SW = 64  # the hybrid model's sliding window (tokens): 2 blocks of 32
 CELLS = {"tp2-tp1": {"prefill": TP2},
+         "hma-sw": {"model": {"sliding_window": SW}, "colocated": []},
          "tp1-tp2": {"decode": TP2, "colocated": TP2},
          "tp2-tp2": {"prefill": TP2, "decode": TP2, "colocated": TP2}}
-CI_CELLS = ("tp2-tp1",)
+CI_CELLS = ("tp2-tp1", "hma-sw")
 
 
 def _selected():
@@ -64,13 +69,17 @@ def cell(request, tiny_model_dir):
     name = request.param
     if name not in CELLS:
         pytest.fail(f"MC_E2E_PARALLEL names unknown cell {name!r}; cells: {', '.join(CELLS)}")
-    args = CELLS[name]
+    args = dict(CELLS[name])
+    model = tiny_model_dir
+    if "model" in args:  # a tiny model of its own (e.g. with sliding-window layers)
+        from mooncake_connector import tiny_model
+        model = tiny_model.build(**args.pop("model"))
     # MC_E2E_OWN_REFERENCE=1: a colocated server of the cell's own even when
     # decode is TP 1 (running this file alone: cheaper than the session's
     # three servers).
     own_reference = "colocated" in args or os.environ.get("MC_E2E_OWN_REFERENCE") == "1"
     workdir = tempfile.mkdtemp(prefix=f"mc-e2e-{name}-")
-    dep = Deployment(workdir, tiny_model_dir, flows=("a", "b"), colocated=own_reference,
+    dep = Deployment(workdir, model, flows=("a", "b"), colocated=own_reference,
                      side_args=args)
     try:
         dep.start(timeout=START_TIMEOUT_S)
@@ -120,8 +129,13 @@ def test_cell_logs_its_tp_map_and_no_load_failures(cell):
     name, dep, _ = cell
     with open(dep.decode.log_path, encoding="utf-8", errors="replace") as f:
         log = f.read()
-    p_tp, d_tp = (int(x[2:]) for x in name.split("-"))
-    assert f"TP {p_tp} -> {d_tp}" in log, f"no TP map line in {dep.decode.log_path}"
+    if name.startswith("tp"):
+        p_tp, d_tp = (int(x[2:]) for x in name.split("-"))
+        assert f"TP {p_tp} -> {d_tp}" in log, f"no TP map line in {dep.decode.log_path}"
+    if name == "hma-sw":  # SupportsHMA: vLLM keeps its hybrid KV-cache manager
+        assert "Turning off hybrid kv cache manager" not in log
+        assert "SlidingWindowSpec" in log and "FullAttentionSpec" in log, \
+            "the decode worker did not log two KV-cache groups"
     stats = connector_log_stats(dep.decode.log_path)
     if stats:  # the stat logger writes every ~10 s; a fast cell may have none yet
         assert stats.get("loads", 0) > 0 and stats.get("loads_failed", 0) == 0, stats

@@ -80,12 +80,14 @@ class Side:
     """One vLLM instance: scheduler + one worker connector + a paged KV cache."""
 
     def __init__(self, model_dir, role, extra, num_blocks=64, block_size=16, tp=1,
-                 sliding_window=None):
+                 sliding_window=None, pp=1):
         """sliding_window: layer 1 is a sliding-window layer in its own
-        KV-cache group (vLLM's hybrid KV-cache manager, SupportsHMA)."""
+        KV-cache group (vLLM's hybrid KV-cache manager, SupportsHMA).
+        pp: pipeline stages; stage s holds layer s (LAYERS == 2)."""
         self.cfg = make_config(model_dir, role, extra, block_size)
         self.cfg.parallel_config.tensor_parallel_size = tp
-        self.tp = tp
+        self.cfg.parallel_config.pipeline_parallel_size = pp
+        self.tp = tp * pp  # workers that must all report a request finished
         self.block_size = block_size
         self.num_blocks = num_blocks
         spec = dict(block_size=block_size, num_kv_heads=HEADS, head_size=HEAD,
@@ -107,17 +109,21 @@ class Side:
         # in the CPU backend's layout (num_blocks, kv_heads, block_size, 2 * head_size).
         from mooncake_connector.connector import connector as conn_mod
         self.workers, self.kvs, self.heads = [], [], []
-        orig = conn_mod._tp
+        orig = conn_mod._tp, conn_mod._pp
         try:
-            for r in range(tp):
-                conn_mod._tp = lambda _cfg, r=r: (r, tp)
-                self.workers.append(MooncakeConnector(self.cfg, KVConnectorRole.WORKER, kcc))
-                self.heads.append(rank_heads(r, tp))
-                self.kvs.append({f"layer{i}": torch.zeros(num_blocks, len(self.heads[r]),
-                                                          block_size, 2 * HEAD)
-                                 for i in range(LAYERS)})
+            for st in range(pp):
+                for r in range(tp):
+                    conn_mod._tp = lambda _cfg, r=r: (r, tp)
+                    conn_mod._pp = lambda _cfg, st=st: (st, pp)
+                    self.workers.append(MooncakeConnector(self.cfg, KVConnectorRole.WORKER,
+                                                          kcc))
+                    self.heads.append(rank_heads(r, tp))
+                    layers = range(LAYERS) if pp == 1 else [st]
+                    self.kvs.append({f"layer{i}": torch.zeros(num_blocks, len(self.heads[-1]),
+                                                              block_size, 2 * HEAD)
+                                     for i in layers})
         finally:
-            conn_mod._tp = orig
+            conn_mod._tp, conn_mod._pp = orig
         for w, kv in zip(self.workers, self.kvs):
             w.register_kv_caches(kv)
         self.worker, self.kv = self.workers[0], self.kvs[0]
@@ -144,7 +150,8 @@ class Side:
                 pos = start + k
                 j = pos % self.block_size
                 for kv, heads in zip(self.kvs, self.heads):
-                    for li, name in enumerate(kv):
+                    for name in kv:
+                        li = int(name[len("layer"):])
                         b = gids[self.layer_group[name]][pos // self.block_size]
                         if b == 0:
                             continue  # the null block: outside a sliding window
@@ -223,7 +230,8 @@ class Side:
         for pos in range(nblocks * self.block_size):
             j = pos % self.block_size
             for kv, heads in zip(self.kvs, self.heads):
-                for li, name in enumerate(kv):
+                for name in kv:
+                    li = int(name[len("layer"):])
                     b = gids[self.layer_group[name]][pos // self.block_size]
                     if b == 0:
                         continue

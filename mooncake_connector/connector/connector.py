@@ -86,6 +86,37 @@ def model_facts(vllm_config, kv_cache_config=None):
     return facts
 
 
+def _check_groups(kv_cache_config):
+    """Attention KV-cache groups only (full, sliding window, MLA, ...): an
+    SSM group's state is not paged by token blocks, so it cannot be looked
+    up by a prompt's token hashes."""
+    try:
+        from vllm.v1.kv_cache_interface import AttentionSpec
+    except ImportError:
+        return
+    for gi, g in enumerate(getattr(kv_cache_config, "kv_cache_groups", None) or ()):
+        if not isinstance(g.kv_cache_spec, AttentionSpec):
+            raise settings_mod.SettingsError(
+                f"KV-cache group {gi} ({type(g.kv_cache_spec).__name__}, layers "
+                f"{list(g.layer_names)[:3]}...) is not attention KV: MooncakeConnector moves "
+                "paged attention KV by token blocks and cannot move SSM state; serve this "
+                "hybrid attention/SSM model without a KV connector")
+
+
+def _pp(vllm_config):
+    """(pipeline-parallel rank, size) of this worker."""
+    pc = getattr(vllm_config, "parallel_config", None)
+    size = getattr(pc, "pipeline_parallel_size", 1) or 1
+    rank = 0
+    if size > 1:
+        try:
+            from vllm.distributed.parallel_state import get_pp_group
+            rank = get_pp_group().rank_in_group
+        except Exception:  # not initialized (scheduler process)
+            rank = 0
+    return rank, size
+
+
 class MooncakeConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config, role, kv_cache_config=None):
         try:
@@ -105,6 +136,7 @@ class MooncakeConnector(KVConnectorBase_V1, SupportsHMA):
                   s.role, "scheduler" if role == KVConnectorRole.SCHEDULER else "worker",
                   s.summary())
         self._scheduler = self._worker = None
+        _check_groups(kv_cache_config)
         if role == KVConnectorRole.SCHEDULER:
             from mooncake_connector.connector.scheduler import SchedulerSide, bytes_per_block
             probe = None
@@ -120,7 +152,8 @@ class MooncakeConnector(KVConnectorBase_V1, SupportsHMA):
             nb = getattr(kv_cache_config, "num_blocks", None) if kv_cache_config else None
             self._worker = WorkerSide(s, self.block_size, self.tp_rank, self.tp_size, nb,
                                       facts=model_facts(vllm_config, kv_cache_config),
-                                      layer_groups=layer_groups(kv_cache_config))
+                                      layer_groups=layer_groups(kv_cache_config),
+                                      pp_rank=_pp(vllm_config)[0])
 
     # ---------------- scheduler side ----------------
 

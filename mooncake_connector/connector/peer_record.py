@@ -18,6 +18,7 @@ VERSION = 2  # the record's format; 1 had no fingerprint (tp_size, block layout 
 
 # field: how to make the two sides agree
 _SAME = {
+    "pp_size": "start both instances with the same --pipeline-parallel-size",
     "block_size": "start both instances with the same --block-size",
     "kv_dtype": "use the same --dtype / --kv-cache-dtype on both sides",
     "mla": "serve the same model on both sides (one uses MLA, the other does not)",
@@ -26,7 +27,6 @@ _SAME = {
     "layers": "serve the same model on both sides",
     "groups": "serve the same model with the same hybrid KV-cache setting on both sides "
               "(--disable-hybrid-kv-cache-manager on both or neither)",
-    "pp_size": "start both instances with the same --pipeline-parallel-size",
 }
 
 

@@ -55,8 +55,11 @@ class _Load:
 
 class WorkerSide:
     def __init__(self, settings, block_size, tp_rank, tp_size, num_blocks=None, facts=None,
-                 layer_groups=None):
+                 layer_groups=None, pp_rank=0):
         self.s = settings
+        # Pipeline parallel: stage s's TP rank r is engine port + s * tp_size + r
+        # on both sides (equal PP sizes: the fingerprint checks it).
+        self.pp_rank = pp_rank
         self.facts = dict(facts or {})  # model facts (connector.model_facts) for the fingerprint
         self.layer_groups = dict(layer_groups or {})  # layer name -> KV-cache group (HMA)
         self.block_size = block_size
@@ -98,7 +101,7 @@ class WorkerSide:
             base = f"{cfg['decode_host']}:{cfg['decode_port']}"
         else:
             base = f"{cfg['prefill_host']}:{cfg['prefill_port']}"
-        self.name = shift_port(base, self.tp_rank)
+        self.name = shift_port(base, self.pp_rank * self.tp_size + self.tp_rank)
         self.default_producer = f"{cfg['prefill_host']}:{cfg['prefill_port']}"
         eng = _core.TransferEngine()
         eng.initialize(self.name, cfg["metadata_server"], cfg["protocol"], cfg["device_name"])
@@ -116,12 +119,16 @@ class WorkerSide:
         if any(d.startswith("cuda") for d in self.layout.devices):
             import torch
             self._cuda_sync = torch.cuda.current_stream().synchronize
-        if self.tp_rank == 0:
+        if self.tp_rank == 0 and self.pp_rank == 0:
             logger.info("MooncakeConnector worker: engine %s (%s, metadata %s), %d layers, %d "
                         "extents x %d bytes per block, %d blocks on %s", self.name,
                         cfg["protocol"], cfg["metadata_server"], len(self.layout.layers),
                         self.layout.extents_per_block, self.layout.layers[0].block_bytes,
                         self.layout.num_blocks, ",".join(self.layout.devices))
+            if self.layout.num_groups > 1:
+                logger.info("MooncakeConnector worker: %d KV-cache groups %s (sliding-window "
+                            "blocks outside the window are not moved)",
+                            self.layout.num_groups, self.facts.get("groups"))
 
     def _check_peer_at_start(self, core, cfg):
         """Publish this worker's fingerprint; a consumer checks its producer's
@@ -181,7 +188,8 @@ class WorkerSide:
                                             if theirs.get("layout") == self.layout.head_order
                                             else tp_map.UNKNOWN):
                 per.setdefault(p_rank, []).append(pc)
-        route = [(shift_port(base, p), pcs) for p, pcs in sorted(per.items())]
+        first = self.pp_rank * theirs["tp_size"]  # the producer's ranks of our PP stage
+        route = [(shift_port(base, first + p), pcs) for p, pcs in sorted(per.items())]
         if known:
             self._routes[base] = route
             if not pl.identity or self.tp_rank == 0:
