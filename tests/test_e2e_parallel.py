@@ -16,7 +16,9 @@ show the prompts' KV loaded remotely.  The cells:
 A TP 2 server is four processes on this 2-core machine (API server, engine
 core, two workers) and needs ~90-300 s to start, so CI runs one
 different-TP cell (its reference is the session's colocated TP 1 server);
-MC_E2E_PARALLEL=all runs every cell (scripts/e2e_parallel.sh).
+MC_E2E_PARALLEL=all (or a comma-separated list of cells) runs more:
+  MC_E2E_PARALLEL=all MC_E2E_OWN_REFERENCE=1 .venv/bin/python -P -m pytest \
+      -q tests/test_e2e_parallel.py
 """
 import os
 import tempfile
