@@ -153,8 +153,11 @@ def log_size(path):
 class Deployment:
     def __init__(self, workdir, model, connector=None, flows=("a",), colocated=True,
                  max_model_len=2048, kv_cache_bytes=64 << 20, python=None, extra_vllm_args=(),
-                 env=None, extra_proxies=None, colocated_proxy=False):
+                 env=None, extra_proxies=None, colocated_proxy=False, side_args=None):
         """flows: one proxy per flow, named by it (first token from prefill);
+        side_args: {"prefill"|"decode"|"colocated": [vLLM args]} for one side
+        only (e.g. --tensor-parallel-size; the colocated reference should
+        get the decode side's);
         extra_proxies: {name: serving.proxy keyword arguments, e.g.
         {"flow": "a", "first_token": "decode"}}; colocated_proxy: also a
         pass-through proxy in front of the colocated server
@@ -171,6 +174,13 @@ class Deployment:
         common = dict(model=model, max_model_len=max_model_len, kv_cache_bytes=kv_cache_bytes,
                       extra_args=list(extra_vllm_args), python=python)
         env = dict(env or {})
+        side = {k: list(v) for k, v in (side_args or {}).items()}
+        unknown = set(side) - {"prefill", "decode", "colocated"}
+        if unknown:
+            raise ValueError(f"side_args: unknown side(s) {sorted(unknown)}")
+
+        def args_for(name):
+            return dict(common, extra_args=common["extra_args"] + side.get(name, []))
 
         self.metadata = None
         meta_url = None
@@ -183,16 +193,16 @@ class Deployment:
         self.prefill = serving.vllm_server("prefill", port=serving.free_port(),
                                            log_path=os.path.join(logs, "prefill.log"),
                                            kv_transfer_config=pre_cfg, env=dict(env, **kv_env),
-                                           **common)
+                                           **args_for("prefill"))
         self.decode = serving.vllm_server("decode", port=serving.free_port(),
                                           log_path=os.path.join(logs, "decode.log"),
                                           kv_transfer_config=dec_cfg, env=dict(env, **kv_env),
-                                          **common)
+                                          **args_for("decode"))
         self.colocated = None
         if colocated:
             self.colocated = serving.vllm_server("colocated", port=serving.free_port(),
                                                  log_path=os.path.join(logs, "colocated.log"),
-                                                 env=env, **common)
+                                                 env=env, **args_for("colocated"))
         self.proxies = {f: serving.proxy([self.prefill.url], [self.decode.url],
                                          serving.free_port(),
                                          os.path.join(logs, f"proxy-{f}.log"), flow=f,

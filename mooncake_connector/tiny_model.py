@@ -29,6 +29,10 @@ DEFAULT_SPEC = {
     "vocab": 512,
     "max_positions": 4096,
     "seed": 0,
+    # > 0: every other layer (0, 2, ...) is sliding-window attention over this
+    # many tokens (config layer_types, as Gemma/Qwen-style hybrids have it):
+    # vLLM's hybrid KV-cache manager then keeps two KV-cache groups.
+    "sliding_window": 0,
 }
 
 # A small chat template (the tokenizer has none of its own); vLLM's chat
@@ -58,6 +62,8 @@ def spec_with(**overrides):
     spec = dict(DEFAULT_SPEC, **overrides)
     if spec["hidden"] % spec["heads"] or spec["heads"] % spec["kv_heads"]:
         raise ValueError(f"hidden must divide by heads and heads by kv_heads: {spec}")
+    if spec["sliding_window"] and spec["layers"] < 2:
+        raise ValueError("a sliding-window tiny model needs >= 2 layers (one of each kind)")
     if spec["hidden"] // spec["heads"] < 32:
         raise ValueError(f"head size {spec['hidden'] // spec['heads']} < 32: vLLM's CPU "
                          "attention backend rejects it")
@@ -65,6 +71,7 @@ def spec_with(**overrides):
 
 
 def spec_id(spec):
+    spec = {k: v for k, v in spec.items() if not (k == "sliding_window" and not v)}
     blob = json.dumps({"v": _BUILD_VERSION, **spec}, sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:12]
 
@@ -108,12 +115,21 @@ def _build_into(out, spec):
                       num_key_value_heads=spec["kv_heads"], vocab_size=tok.get_vocab_size(),
                       max_position_embeddings=spec["max_positions"], bos_token_id=1,
                       eos_token_id=2, pad_token_id=3, tie_word_embeddings=False,
-                      dtype="float32")
+                      dtype="float32", **_window_fields(spec))
     model = LlamaForCausalLM(cfg)
     model.save_pretrained(out, safe_serialization=True)
     with open(os.path.join(out, "tiny_model.json"), "w") as f:
         json.dump({"spec": spec, "id": spec_id(spec),
                    "kv_bytes_per_token": kv_bytes_per_token(spec)}, f, indent=1)
+
+
+def _window_fields(spec):
+    w = spec.get("sliding_window") or 0
+    if not w:
+        return {}
+    types = ["sliding_attention" if i % 2 == 0 else "full_attention"
+             for i in range(spec["layers"])]
+    return {"sliding_window": w, "layer_types": types}
 
 
 def build(out_dir=None, **overrides):

@@ -100,6 +100,8 @@ def main():
         elif cmd == "recv_kv":
             bb = req["block_bytes"]
             dest = [(base + s_ * bb, req.get("dest_len", bb)) for s_ in req["slots"]]
+            if "dest" in req:  # explicit [offset, length(, tag)] extents
+                dest = [(base + x[0], *x[1:]) for x in req["dest"]]
             try:
                 hid = req.get("hidden_slots")
                 hb = req.get("hidden_bytes", 0)

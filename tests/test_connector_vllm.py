@@ -448,23 +448,85 @@ def test_extra_config_wins_over_mooncake_json(tmp_path):
     assert s.mooncake["prefill_url"] == "c:3" and s.mooncake["decode_url"] == "b:2"
 
 
-def test_unequal_tp_sizes_are_a_clear_startup_error(model_dir, urls, metadata_server):
+@pytest.mark.parametrize("p_tp,d_tp", [(2, 1), (1, 2), (2, 2)])
+@pytest.mark.parametrize("flow", ["a", "b"])
+def test_different_tp_sizes_map_kv_heads(model_dir, urls, metadata_server, p_tp, d_tp, flow):
+    """Prefill TP p_tp, decode TP d_tp (2 KV heads): each decode rank gets
+    exactly its heads (a per-head pattern), from the producer ranks the TP
+    map names; producers free their blocks once every pull is done."""
+    u = {**urls, "metadata_server": metadata_server.url}
+    p = Side(model_dir, "kv_producer", u, block_size=BS, tp=p_tp)
+    d = Side(model_dir, "kv_consumer", {**u, **ASYNC, "flow_a": flow == "a"}, block_size=BS,
+             tp=d_tp)
+    try:
+        t = toks(7, 4 * BS + 3)
+        params = {"do_remote_decode": True} if flow == "b" else None
+        prefill(p, "r", t, params=params)
+        dparams = p.last_params.get("r") if flow == "b" else None
+        if flow == "b":
+            assert dparams["tp_size"] == p_tp and dparams["num_tokens"] == 4 * BS
+        d.add(make_request("r", t, max_tokens=2, params=dparams))
+        assert d.run_until(lambda: "r" in d.recvd)
+        assert not d.invalid
+        assert d.block_matches_pattern("r", t, 4)
+        assert d.run_until(lambda: "r" not in d.sched.requests)
+        assert d.computed["r"] == 3 + 1  # the partial block + one decode step
+        assert p.run_until(lambda: p.is_empty())  # every copy pulled, blocks freed
+        loaded = sum(st.data.get("load_bytes", 0) for st in d.stats)
+        assert loaded == 4 * d.workers[0]._worker.layout.bytes_per_block() * d_tp
+    finally:
+        d.close()
+        p.close()
+
+
+def test_unmappable_peer_is_a_clear_startup_error(model_dir, urls, metadata_server):
+    import json
+
     import mooncake_connector as mc
     from mooncake_connector.connector.settings import SettingsError
     u = {**urls, "metadata_server": metadata_server.url}
     p = Side(model_dir, "kv_producer", u, block_size=BS)
     try:
-        # The prefill instance runs with TP 2 (its rank-0 worker says so).
         with mc.MetadataClient(metadata_server.url) as m:
             key = f"mooncake/kvconnector/{u['prefill_url']}"
-            rec = __import__("json").loads(m.get(key))
+            rec = json.loads(m.get(key))
             assert rec["tp_size"] == 1 and rec["role"] == "kv_producer"
-            rec["tp_size"] = 2
-            m.put(key, __import__("json").dumps(rec))
-        with pytest.raises(SettingsError, match=r"cannot start: .*tp_size=2 but this instance "
-                           r"has tp_size=1: start both instances with the same "
-                           r"--tensor-parallel-size"):
-            Side(model_dir, "kv_consumer", u, block_size=BS)
+            assert rec["kv_heads"] == 2 and rec["layout"] == "heads_outer", rec
+            # TP 3 cannot shard 2 KV heads; a different block size cannot be mapped.
+            for change, frag in [({"tp_size": 3}, r"cannot exchange KV with this instance: "
+                                                  r"prefill --tensor-parallel-size 3 is not a "
+                                                  r"multiple of the 2 KV heads"),
+                                 ({"block_size": 32}, r"has block_size=32 but this instance "
+                                                      r"has block_size=16: start both "
+                                                      r"instances with the same --block-size "
+                                                      r"\(prefill: TP 1")]:
+                m.put(key, json.dumps({**rec, **change}))
+                with pytest.raises(SettingsError, match="cannot start: .*" + frag):
+                    Side(model_dir, "kv_consumer", u, block_size=BS)
+    finally:
+        p.close()
+
+
+def test_producer_refuses_to_publish_for_an_unfit_consumer(model_dir, urls, metadata_server,
+                                                           caplog):
+    """The fingerprint is checked on the prefill side too: a consumer whose
+    record cannot fit gets nothing published (an error in the log), and the
+    producer frees the request's blocks at once."""
+    import json
+
+    import mooncake_connector as mc
+    u = {**urls, "metadata_server": metadata_server.url}
+    p = Side(model_dir, "kv_producer", u, block_size=BS)
+    try:
+        with mc.MetadataClient(metadata_server.url) as m:
+            rec = json.loads(m.get(f"mooncake/kvconnector/{u['prefill_url']}"))
+            m.put(f"mooncake/kvconnector/{u['decode_url']}",
+                  json.dumps({**rec, "role": "kv_consumer", "kv_dtype": "torch.float16"}))
+        with caplog.at_level("ERROR", logger="vllm.mooncake_connector"):
+            prefill(p, "x", toks(8, 2 * BS))
+        assert any("nothing is published for consumer" in r.getMessage() and
+                   "kv_dtype=torch.float16" in r.getMessage() for r in caplog.records)
+        assert p.run_until(lambda: p.is_empty(), steps=50)
     finally:
         p.close()
 
@@ -548,3 +610,93 @@ def test_flow_b_short_prompt_still_gets_params(sides):
     assert status(d, "s") != RequestStatus.WAITING_FOR_REMOTE_KVS
     assert d.run_until(lambda: not d.sched.requests)
     assert d.computed["s"] == len(t) + 1
+
+
+@pytest.mark.parametrize("p_tp,d_tp", [(1, 1), (2, 1)])
+def test_hybrid_groups_move_full_and_window_blocks_only(model_dir, urls, metadata_server,
+                                                        p_tp, d_tp):
+    """SupportsHMA: layer 0 full attention, layer 1 a 2-block sliding window
+    (its own KV-cache group).  The decode side gets every full-attention
+    block and only the window's blocks of the other group (vLLM gives it
+    null blocks for the rest, and nothing is written there)."""
+    from mooncake_connector.connector.connector import MooncakeConnector as MC
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import supports_hma
+    assert supports_hma(MC)
+    u = {**urls, "metadata_server": metadata_server.url}
+    win = 2 * BS
+    p = Side(model_dir, "kv_producer", u, block_size=BS, tp=p_tp, sliding_window=win)
+    d = Side(model_dir, "kv_consumer", {**u, **ASYNC}, block_size=BS, tp=d_tp,
+             sliding_window=win)
+    try:
+        assert len(d.sched.kv_cache_config.kv_cache_groups) == 2
+        t = toks(9, 6 * BS + 5)
+        prefill(p, "h", t)
+        for kv in d.kvs:  # a marker the load must not overwrite in the null block
+            kv["layer1"][0].fill_(-1.0)
+        d.add(make_request("h", t, max_tokens=2))
+        assert d.run_until(lambda: "h" in d.recvd)
+        assert not d.invalid
+        sw = d.block_ids("h", group=1)
+        assert sw[:3] == [0, 0, 0] and all(b != 0 for b in sw[4:6]), sw  # window: nulls first
+        assert d.block_matches_pattern("h", t, 6)
+        assert all(float(kv["layer1"][0].max()) == -1.0 for kv in d.kvs)
+        assert d.run_until(lambda: "h" not in d.sched.requests)
+        assert d.computed["h"] == 5 + 1
+        assert p.run_until(lambda: p.is_empty())
+    finally:
+        d.close()
+        p.close()
+
+
+@pytest.mark.parametrize("p_tp,d_tp", [(1, 1), (2, 1)])
+def test_pipeline_stages_pair_stage_by_stage(model_dir, urls, metadata_server, p_tp, d_tp):
+    """--pipeline-parallel-size 2 on both sides (stage s holds layer s): each
+    stage's ranks have their own engines (port + s * tp_size + r) and pull
+    from the same stage on the other side; unequal PP is refused."""
+    from mooncake_connector.connector.settings import SettingsError
+    u = {**urls, "metadata_server": metadata_server.url}
+    p = Side(model_dir, "kv_producer", u, block_size=BS, tp=p_tp, pp=2)
+    d = None
+    try:
+        names = sorted(w._worker.name for w in p.workers)
+        assert len(set(names)) == 2 * p_tp
+        t = toks(12, 3 * BS + 1)
+        prefill(p, "pp", t)
+        d = Side(model_dir, "kv_consumer", {**u, **ASYNC}, block_size=BS, tp=d_tp, pp=2)
+        d.add(make_request("pp", t, max_tokens=2))
+        assert d.run_until(lambda: "pp" in d.recvd)
+        assert not d.invalid and d.block_matches_pattern("pp", t, 3)
+        assert d.run_until(lambda: "pp" not in d.sched.requests)
+        assert d.computed["pp"] == 1 + 1
+        assert p.run_until(lambda: p.is_empty())
+        d.close()
+        d = None
+        with pytest.raises(SettingsError, match=r"has pp_size=2 but this instance has "
+                                                r"pp_size=1: start both instances with the "
+                                                r"same --pipeline-parallel-size"):
+            d = Side(model_dir, "kv_consumer", u, block_size=BS)
+    finally:
+        if d is not None:
+            d.close()
+        p.close()
+
+
+def test_ssm_kv_cache_groups_are_refused_at_start(model_dir, urls):
+    """A hybrid attention/SSM model's Mamba group cannot be looked up by token
+    hashes: a clear start-up error, not a silent wrong load."""
+    import torch
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec,
+                                            MambaSpec)
+
+    from mooncake_connector.connector.connector import MooncakeConnector
+    from mooncake_connector.connector.settings import SettingsError
+    from vllm_harness import make_config
+    cfg = make_config(model_dir, "kv_consumer", urls, block_size=BS)
+    kcc = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec(["layer0"], FullAttentionSpec(block_size=BS, num_kv_heads=2,
+                                                       head_size=8, dtype=torch.float32)),
+        KVCacheGroupSpec(["layer1"], MambaSpec(block_size=BS, shapes=((4, 4),),
+                                               dtypes=(torch.float32,)))])
+    with pytest.raises(SettingsError, match=r"KV-cache group 1 \(MambaSpec.*cannot move SSM"):
+        MooncakeConnector(cfg, KVConnectorRole.WORKER, kcc)

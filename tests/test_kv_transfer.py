@@ -285,3 +285,45 @@ def test_probe_counts_without_taking(pair, peers):
     r = prod.call(cmd="probe", producer=cons.segment, tokens=t)
     assert "not a producer" in r["error"], r
 
+
+
+def test_pull_slices_and_merges_for_different_tp(pair):
+    """A consumer with more TP ranks reads a part of each producer extent
+    (dest tag SLICE | offset, tp_map.Piece); one with fewer ranks puts whole
+    producer extents side by side.  Bad slices are refused before any READ."""
+    from mooncake_connector.connector.tp_map import SLICE
+
+    prod, cons = pair
+    init(prod, cons, mode="keep")
+    t = toks(11, 2 * BS)
+    assert prod.call(cmd="send_kv", tokens=t, slots=[2, 5], block_bytes=BB) == {"stored": 32}
+    half = BB // 2
+    # Split: the second half of each producer block into one consumer slot each.
+    dest = [[10 * BB, half, SLICE | half], [11 * BB, half, SLICE | half]]
+    r = cons.call(cmd="recv_kv", producer=prod.segment, tokens=t, slots=[], dest=dest,
+                  block_bytes=BB, pull=True)
+    assert r == {"matched": 32}
+    for src, dst in [(2, 10), (5, 11)]:
+        assert cons.call(cmd="crc", off=dst * BB, len=half)["crc"] == \
+            prod.call(cmd="crc", off=src * BB + half, len=half)["crc"]
+    assert cons.call(cmd="crc", off=10 * BB + half, len=half)["crc"] == \
+        cons.call(cmd="crc", off=30 * BB, len=half)["crc"]  # rest untouched (zero)
+    # Merge: whole producer blocks at an offset inside a double-size consumer block.
+    dest = [[20 * BB + BB, BB], [22 * BB + BB, BB]]
+    r = cons.call(cmd="recv_kv", producer=prod.segment, tokens=t, slots=[], dest=dest,
+                  block_bytes=BB, pull=True)
+    assert r == {"matched": 32}
+    assert crc(cons, 21) == crc(prod, 2) and crc(cons, 23) == crc(prod, 5)
+    # A slice of length 0 skips its extent (a sliding-window block outside
+    # the window): only the other block moves.
+    r = cons.call(cmd="recv_kv", producer=prod.segment, tokens=t, slots=[],
+                  dest=[[40 * BB, 0, SLICE], [41 * BB, BB]], block_bytes=BB, pull=True)
+    assert r == {"matched": 32}
+    assert crc(cons, 40) == crc(cons, 30) and crc(cons, 41) == crc(prod, 5)
+    # A slice past the producer's extent and a plain dest of the wrong size
+    # are refused, naming the sizes.
+    for bad in ([[40 * BB, half, SLICE | (half + 1)]] * 2, [[40 * BB, half]] * 2):
+        r = cons.call(cmd="recv_kv", producer=prod.segment, tokens=t, slots=[], dest=bad,
+                      block_bytes=BB, pull=True)
+        assert "KV block extent is 16384 bytes" in r.get("error", ""), r
+    assert crc(cons, 40) == crc(cons, 30)

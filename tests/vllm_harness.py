@@ -18,7 +18,7 @@ from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfi
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig,  # noqa: E402
-                                        KVCacheGroupSpec)
+                                        KVCacheGroupSpec, SlidingWindowSpec)
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
@@ -64,30 +64,70 @@ def make_request(rid, tokens, max_tokens=1, params=None):
     return req
 
 
-def kv_value(layer, token, pos):
-    return float((layer * 1000003 + token * 7919 + pos * 31) % 100003)
+def kv_value(layer, token, pos, head=0):
+    """head: the global KV head (a TP rank holds a share of them)."""
+    return float((layer * 1000003 + token * 7919 + pos * 31) % 100003) + head * 0.25
+
+
+def rank_heads(rank, tp, total=HEADS):
+    """vLLM's sharding: contiguous shares, or one replicated head per rank."""
+    if total >= tp:
+        return list(range(rank * total // tp, (rank + 1) * total // tp))
+    return [rank // (tp // total)]
 
 
 class Side:
     """One vLLM instance: scheduler + one worker connector + a paged KV cache."""
 
-    def __init__(self, model_dir, role, extra, num_blocks=64, block_size=16):
+    def __init__(self, model_dir, role, extra, num_blocks=64, block_size=16, tp=1,
+                 sliding_window=None, pp=1):
+        """sliding_window: layer 1 is a sliding-window layer in its own
+        KV-cache group (vLLM's hybrid KV-cache manager, SupportsHMA).
+        pp: pipeline stages; stage s holds layer s (LAYERS == 2)."""
         self.cfg = make_config(model_dir, role, extra, block_size)
+        self.cfg.parallel_config.tensor_parallel_size = tp
+        self.cfg.parallel_config.pipeline_parallel_size = pp
+        self.tp = tp * pp  # workers that must all report a request finished
         self.block_size = block_size
         self.num_blocks = num_blocks
-        kcc = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[
-            KVCacheGroupSpec([f"layer{i}" for i in range(LAYERS)],
-                             FullAttentionSpec(block_size=block_size, num_kv_heads=HEADS,
-                                               head_size=HEAD, dtype=torch.float32))])
+        spec = dict(block_size=block_size, num_kv_heads=HEADS, head_size=HEAD,
+                    dtype=torch.float32)
+        if sliding_window:
+            groups = [KVCacheGroupSpec(["layer0"], FullAttentionSpec(**spec)),
+                      KVCacheGroupSpec(["layer1"], SlidingWindowSpec(
+                          **spec, sliding_window=sliding_window))]
+        else:
+            groups = [KVCacheGroupSpec([f"layer{i}" for i in range(LAYERS)],
+                                       FullAttentionSpec(**spec))]
+        self.layer_group = {n: gi for gi, g in enumerate(groups) for n in g.layer_names}
+        kcc = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
         self.cfg.cache_config.num_gpu_blocks = num_blocks
         self.sched = Scheduler(vllm_config=self.cfg, kv_cache_config=kcc, log_stats=True,
                                structured_output_manager=StructuredOutputManager(self.cfg),
                                block_size=block_size)
-        self.worker = MooncakeConnector(self.cfg, KVConnectorRole.WORKER, kcc)
-        # The CPU backend's layout: (num_blocks, kv_heads, block_size, 2 * head_size).
-        self.kv = {f"layer{i}": torch.zeros(num_blocks, HEADS, block_size, 2 * HEAD)
-                   for i in range(LAYERS)}
-        self.worker.register_kv_caches(self.kv)
+        # One worker connector per TP rank, each with its share of the KV heads
+        # in the CPU backend's layout (num_blocks, kv_heads, block_size, 2 * head_size).
+        from mooncake_connector.connector import connector as conn_mod
+        self.workers, self.kvs, self.heads = [], [], []
+        orig = conn_mod._tp, conn_mod._pp
+        try:
+            for st in range(pp):
+                for r in range(tp):
+                    conn_mod._tp = lambda _cfg, r=r: (r, tp)
+                    conn_mod._pp = lambda _cfg, st=st: (st, pp)
+                    self.workers.append(MooncakeConnector(self.cfg, KVConnectorRole.WORKER,
+                                                          kcc))
+                    self.heads.append(rank_heads(r, tp))
+                    layers = range(LAYERS) if pp == 1 else [st]
+                    self.kvs.append({f"layer{i}": torch.zeros(num_blocks, len(self.heads[-1]),
+                                                              block_size, 2 * HEAD)
+                                     for i in layers})
+        finally:
+            conn_mod._tp, conn_mod._pp = orig
+        for w, kv in zip(self.workers, self.kvs):
+            w.register_kv_caches(kv)
+        self.worker, self.kv = self.workers[0], self.kvs[0]
+        self._fin = {}  # (kind, req_id) -> TP ranks that reported it (vLLM aggregates)
         self.computed = {}     # req_id -> tokens computed locally (by the stand-in forward)
         self.stats = []
         self.sent, self.recvd, self.invalid = set(), set(), set()
@@ -97,37 +137,62 @@ class Side:
     def add(self, req):
         self.sched.add_request(req)
 
-    def block_ids(self, rid):
-        return list(self.sched.kv_cache_manager.get_block_ids(rid)[0])
+    def block_ids(self, rid, group=0):
+        return list(self.sched.kv_cache_manager.get_block_ids(rid)[group])
 
     def _forward(self, so):
         for rid, n in so.num_scheduled_tokens.items():
             req = self.sched.requests[rid]
             start = req.num_computed_tokens - n
             toks = req.all_token_ids[start:start + n]
-            ids = self.block_ids(rid)
+            gids = self.sched.kv_cache_manager.get_block_ids(rid)
             for k, tok in enumerate(toks):
                 pos = start + k
-                b, j = ids[pos // self.block_size], pos % self.block_size
-                for li, name in enumerate(self.kv):
-                    self.kv[name][b, :, j, :] = kv_value(li, tok, pos)
+                j = pos % self.block_size
+                for kv, heads in zip(self.kvs, self.heads):
+                    for name in kv:
+                        li = int(name[len("layer"):])
+                        b = gids[self.layer_group[name]][pos // self.block_size]
+                        if b == 0:
+                            continue  # the null block: outside a sliding window
+                        for hi, h in enumerate(heads):
+                            kv[name][b, hi, j, :] = kv_value(li, tok, pos, h)
             self.computed[rid] = self.computed.get(rid, 0) + n
+
+    def _all_ranks(self, kind, got):
+        """vLLM reports a request finished once every TP rank has."""
+        out = set()
+        for rid in got or ():
+            seen = self._fin.setdefault((kind, rid), set())
+            seen.add(len(seen))
+            if len(seen) == self.tp:
+                out.add(rid)
+                del self._fin[(kind, rid)]
+        return out or None
 
     def step(self):
         so = self.sched.schedule()
-        w = self.worker
         meta = so.kv_connector_metadata
-        w.handle_preemptions(meta)
-        w.bind_connector_metadata(meta)
+        for w in self.workers:
+            w.handle_preemptions(meta)
+            w.bind_connector_metadata(meta)
         if self.before_load is not None:
             self.before_load(so)
-        w.start_load_kv(None)
+        for w in self.workers:
+            w.start_load_kv(None)
         self._forward(so)
-        w.wait_for_save()
-        sending, recving = w.get_finished(so.finished_req_ids)
-        invalid = w.get_block_ids_with_load_errors()
-        stats = w.get_kv_connector_stats()
-        w.clear_connector_metadata()
+        sending, recving, invalid, stats = set(), set(), set(), None
+        for w in self.workers:
+            w.wait_for_save()
+            s_, r_ = w.get_finished(so.finished_req_ids)
+            sending |= self._all_ranks("send", s_) or set()
+            recving |= self._all_ranks("recv", r_) or set()
+            invalid |= w.get_block_ids_with_load_errors()
+            st = w.get_kv_connector_stats()
+            if st is not None:
+                stats = st if stats is None else stats.aggregate(st)
+            w.clear_connector_metadata()
+        sending, recving = sending or None, recving or None
         if stats is not None:
             self.stats.append(stats)
         self.sent |= sending or set()
@@ -159,12 +224,22 @@ class Side:
         return cond()
 
     def block_matches_pattern(self, rid, tokens, nblocks):
-        ids = self.block_ids(rid)
+        """Every block the request holds (null ones of a sliding window
+        excepted) has the KV of its tokens, for every head of every rank."""
+        gids = self.sched.kv_cache_manager.get_block_ids(rid)
         for pos in range(nblocks * self.block_size):
-            b, j = ids[pos // self.block_size], pos % self.block_size
-            for li, name in enumerate(self.kv):
-                if float(self.kv[name][b, 0, j, 0]) != kv_value(li, tokens[pos], pos):
-                    return False
+            j = pos % self.block_size
+            for kv, heads in zip(self.kvs, self.heads):
+                for name in kv:
+                    li = int(name[len("layer"):])
+                    b = gids[self.layer_group[name]][pos // self.block_size]
+                    if b == 0:
+                        continue
+                    for hi, h in enumerate(heads):
+                        x = kv[name][b, hi, j]
+                        if float(x.min()) != float(x.max()) or \
+                                float(x[0]) != kv_value(li, tokens[pos], pos, h):
+                            return False
         return True
 
     def is_empty(self):
@@ -174,7 +249,8 @@ class Side:
                 pool.get_num_free_blocks() == pool.num_gpu_blocks - 1)
 
     def close(self):
-        self.worker.shutdown()
+        for w in self.workers:
+            w.shutdown()
         conn = getattr(self.sched, "connector", None)
         if conn is not None:
             conn.shutdown()  # the scheduler side's probe engine

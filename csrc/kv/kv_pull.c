@@ -303,25 +303,37 @@ static long read_leased(mc_kv_t *kv, const char *producer, const kv_waiter_t *w,
   if (!reqs)
     return mc_err_set(err, MC_ENOMEM, "out of memory");
   uint64_t bytes = 0;
+  size_t m = 0; /* requests built: slices of length 0 are skipped */
   for (size_t i = 0; i < n; i++) {
     uint64_t saddr = mc_get_u64(w->extents + 16 * i), slen = mc_get_u64(w->extents + 16 * i + 8);
-    if (slen != dest[i].len) {
+    uint64_t off = 0, dlen = dest[i].len;
+    int slice = (dest[i].tag & MC_KV_DEST_SLICE) != 0;
+    if (slice)
+      off = dest[i].tag & ~MC_KV_DEST_SLICE;
+    if (slice && dlen == 0)
+      continue;
+    if (slice ? (off > slen || dlen > slen - off) : slen != dlen) {
       free(reqs);
-      return mc_err_set(err, MC_EINVAL, "destination extent %zu is %llu bytes but producer %s's "
-                        "KV block extent is %llu bytes (same model, dtype, block size and "
-                        "tensor-parallel layout on both sides?)", i,
-                        (unsigned long long)dest[i].len, producer, (unsigned long long)slen);
+      return mc_err_set(err, MC_EINVAL, "destination extent %zu is %llu bytes (at offset %llu) "
+                        "but producer %s's KV block extent is %llu bytes (same model, dtype, "
+                        "block size and tensor-parallel layout on both sides?)", i,
+                        (unsigned long long)dlen, (unsigned long long)off, producer,
+                        (unsigned long long)slen);
     }
-    reqs[i] = (mc_request_t){.opcode = MC_OP_READ, .local = (void *)(uintptr_t)dest[i].addr,
-                             .remote = saddr, .len = slen};
-    bytes += slen;
+    reqs[m++] = (mc_request_t){.opcode = MC_OP_READ, .local = (void *)(uintptr_t)dest[i].addr,
+                               .remote = saddr + off, .len = dlen};
+    bytes += dlen;
   }
-  mc_batch_t *batch = mc_batch_new(kv->e, n);
+  if (m == 0) {
+    free(reqs);
+    return 0;
+  }
+  mc_batch_t *batch = mc_batch_new(kv->e, m);
   if (!batch) {
     free(reqs);
     return mc_err_set(err, MC_ENOMEM, "out of memory");
   }
-  int r = mc_batch_submit(kv->e, batch, producer, reqs, n, err);
+  int r = mc_batch_submit(kv->e, batch, producer, reqs, m, err);
   if (r == 0) {
     uint64_t now = mc_now_ns();
     int64_t left = deadline > now ? (int64_t)((deadline - now) / 1000000ull) : 0;

@@ -62,6 +62,13 @@ long mc_kv_recv_ex(mc_kv_t *kv, const char *producer, const void *tokens, size_t
  * needs before it reuses dest).  The producer keeps the lease for timeout_ms
  * plus a margin, so its blocks cannot be reused while the READ may still
  * run.  Returns matched tokens (0 on a miss) or a negative code. */
+/* A pull dest extent whose tag has this bit set reads only part of the
+ * producer's extent: `len` bytes from byte (tag & ~MC_KV_DEST_SLICE) of it
+ * (a consumer with more tensor-parallel ranks than the producer takes its
+ * share of the KV heads); length 0 skips the extent (a sliding-window
+ * block outside the window).  Without the bit, dest and producer extents
+ * must be the same length. */
+#define MC_KV_DEST_SLICE (1ull << 63)
 long mc_kv_pull(mc_kv_t *kv, const char *producer, const void *tokens, size_t ntok, int width,
                 const mc_lookup_extent_t *dest, size_t ndest, uint32_t epb, int timeout_ms,
                 mc_err_t *err);

@@ -390,7 +390,8 @@ static PyMethodDef KV_methods[] = {
      "pull_start(producer, tokens, dest, timeout=30.0, extents_per_block=1, skip_blocks=0)\n"
      "-> pull id\n\n"
      "recv_kv(pull=True) in the background on the engine's pull threads; returns at once.\n"
-     "Poll with pull_poll(id)."},
+     "Poll with pull_poll(id). A dest extent (addr, length, (1 << 63) | offset) reads only\n"
+     "length bytes from byte offset of the producer's extent (a share of its KV heads)."},
     {"pull_poll", (PyCFunction)KV_pull_poll, METH_O,
      "pull_poll(id) -> None while running, else (matched tokens, error text or None,\n"
      "seconds); a finished pull is reported once. Never blocks."},

@@ -14,6 +14,12 @@ import logging
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1,
                                                                KVConnectorRole)
 
+try:  # hybrid KV-cache groups (full attention + sliding window, ...)
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
+except ImportError:  # a vLLM without HMA: a plain mixin
+    class SupportsHMA:  # type: ignore[no-redef]
+        pass
+
 from mooncake_connector.connector import settings as settings_mod
 from mooncake_connector.connector.metadata import MooncakeConnectorMetadata
 from mooncake_connector.connector.stats import MooncakeKVConnectorStats
@@ -41,7 +47,77 @@ def _tp(vllm_config):
     return rank, size
 
 
-class MooncakeConnector(KVConnectorBase_V1):
+def layer_groups(kv_cache_config):
+    """{layer name: KV-cache group index} ({} with no config: one group)."""
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
+    return {name: gi for gi, g in enumerate(groups) for name in g.layer_names}
+
+
+def model_facts(vllm_config, kv_cache_config=None):
+    """What the fingerprint (peer_record) says about the model and the
+    parallel setup; missing pieces are None (checked only when both know)."""
+    mc = getattr(vllm_config, "model_config", None)
+    pc = getattr(vllm_config, "parallel_config", None)
+    cc = getattr(vllm_config, "cache_config", None)
+    facts = {"pp_size": getattr(pc, "pipeline_parallel_size", 1) or 1}
+    try:
+        from importlib.metadata import version
+        facts["connector"] = version("mooncake-connector")
+    except Exception:  # noqa: BLE001 - not installed as a distribution (source tree)
+        facts["connector"] = None
+    if mc is None:
+        return facts
+    for key, fn in (("kv_heads", lambda: mc.get_total_num_kv_heads()),
+                    ("head_size", lambda: mc.get_head_size()),
+                    ("mla", lambda: bool(mc.use_mla)),
+                    ("model", lambda: str(mc.model))):
+        try:
+            facts[key] = fn()
+        except Exception:  # noqa: BLE001 - a config without it
+            facts[key] = None
+    kcc = kv_cache_config
+    if kcc is not None:  # the KV-cache groups: kind, layers, window
+        facts["groups"] = [[type(g.kv_cache_spec).__name__, len(g.layer_names),
+                            getattr(g.kv_cache_spec, "sliding_window", None)]
+                           for g in getattr(kcc, "kv_cache_groups", None) or ()] or None
+    cache_dtype = getattr(cc, "cache_dtype", "auto") or "auto"
+    facts["kv_dtype"] = str(getattr(mc, "dtype", "")) if cache_dtype == "auto" else \
+        str(cache_dtype)
+    return facts
+
+
+def _check_groups(kv_cache_config):
+    """Attention KV-cache groups only (full, sliding window, MLA, ...): an
+    SSM group's state is not paged by token blocks, so it cannot be looked
+    up by a prompt's token hashes."""
+    try:
+        from vllm.v1.kv_cache_interface import AttentionSpec
+    except ImportError:
+        return
+    for gi, g in enumerate(getattr(kv_cache_config, "kv_cache_groups", None) or ()):
+        if not isinstance(g.kv_cache_spec, AttentionSpec):
+            raise settings_mod.SettingsError(
+                f"KV-cache group {gi} ({type(g.kv_cache_spec).__name__}, layers "
+                f"{list(g.layer_names)[:3]}...) is not attention KV: MooncakeConnector moves "
+                "paged attention KV by token blocks and cannot move SSM state; serve this "
+                "hybrid attention/SSM model without a KV connector")
+
+
+def _pp(vllm_config):
+    """(pipeline-parallel rank, size) of this worker."""
+    pc = getattr(vllm_config, "parallel_config", None)
+    size = getattr(pc, "pipeline_parallel_size", 1) or 1
+    rank = 0
+    if size > 1:
+        try:
+            from vllm.distributed.parallel_state import get_pp_group
+            rank = get_pp_group().rank_in_group
+        except Exception:  # not initialized (scheduler process)
+            rank = 0
+    return rank, size
+
+
+class MooncakeConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config, role, kv_cache_config=None):
         try:
             super().__init__(vllm_config, role, kv_cache_config)
@@ -60,6 +136,7 @@ class MooncakeConnector(KVConnectorBase_V1):
                   s.role, "scheduler" if role == KVConnectorRole.SCHEDULER else "worker",
                   s.summary())
         self._scheduler = self._worker = None
+        _check_groups(kv_cache_config)
         if role == KVConnectorRole.SCHEDULER:
             from mooncake_connector.connector.scheduler import SchedulerSide, bytes_per_block
             probe = None
@@ -73,7 +150,10 @@ class MooncakeConnector(KVConnectorBase_V1):
         else:
             from mooncake_connector.connector.worker import WorkerSide
             nb = getattr(kv_cache_config, "num_blocks", None) if kv_cache_config else None
-            self._worker = WorkerSide(s, self.block_size, self.tp_rank, self.tp_size, nb)
+            self._worker = WorkerSide(s, self.block_size, self.tp_rank, self.tp_size, nb,
+                                      facts=model_facts(vllm_config, kv_cache_config),
+                                      layer_groups=layer_groups(kv_cache_config),
+                                      pp_rank=_pp(vllm_config)[0])
 
     # ---------------- scheduler side ----------------
 
@@ -88,6 +168,20 @@ class MooncakeConnector(KVConnectorBase_V1):
 
     def request_finished(self, request, block_ids):
         return self._scheduler.request_finished(request, block_ids)
+
+    def request_finished_all_groups(self, request, block_ids):
+        """SupportsHMA: block_ids has one list per KV-cache group; every
+        group's blocks stay with vLLM until get_finished reports the request."""
+        return self._scheduler.request_finished(request, block_ids)
+
+    def get_loaded_kv_cache_group_ids(self, request):
+        """A load moves the request's own blocks of every transfer group
+        (sliding-window ones inside the window), not only prefix-cacheable ones."""
+        kcc = getattr(self, "_kv_cache_config", None)
+        ids = getattr(kcc, "transfer_group_ids", None)
+        if ids is None:
+            ids = tuple(range(len(getattr(kcc, "kv_cache_groups", None) or [0])))
+        return tuple(ids)
 
     # ---------------- worker side ----------------
 

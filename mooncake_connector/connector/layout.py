@@ -17,6 +17,9 @@ class LayoutError(ValueError):
     pass
 
 
+NULL_BLOCK = 0  # vLLM's block pool reserves block 0 as the null (placeholder) block
+
+
 @dataclass
 class LayerLayout:
     name: str
@@ -27,6 +30,8 @@ class LayerLayout:
     outer: list        # byte offsets of each outer slice (K, V, ...)
     block_stride: int  # bytes between consecutive blocks
     block_bytes: int   # bytes of one block in one outer slice
+    inner: tuple = ()  # the dimensions of one block after the block dimension
+    group: int = 0     # KV-cache group (HMA): which of a block row's ids is this layer's
 
 
 def _layer(name, t, num_blocks):
@@ -62,11 +67,35 @@ def _layer(name, t, num_blocks):
         reg_base, nbytes = t.data_ptr(), t.numel() * esize
     return LayerLayout(name=name, base=t.data_ptr(), reg_base=reg_base, nbytes=nbytes,
                        device=device, outer=outer, block_stride=strides[d] * esize,
-                       block_bytes=inner * esize)
+                       block_bytes=inner * esize, inner=tuple(shape[d + 1:]))
+
+
+def head_order(layers, heads, block_size):
+    """tp_map.HEADS_OUTER if each block extent holds its KV heads one after
+    the other (vLLM's CPU layout (blocks, heads, block_size, 2*head_size)),
+    TOKENS_OUTER if tokens come first (blocks, block_size, heads, head_size),
+    else UNKNOWN (then only whole extents can move between TP sizes)."""
+    from mooncake_connector.connector import tp_map
+
+    if not heads or not block_size:
+        return tp_map.UNKNOWN
+    if heads == 1:
+        return tp_map.HEADS_OUTER  # one head: the whole extent
+    orders = set()
+    for L in layers:
+        dims = [n for n in L.inner if n > 1]
+        if dims and dims[0] == heads and heads != block_size:
+            orders.add(tp_map.HEADS_OUTER)
+        elif dims and dims[0] == block_size and heads in dims[1:] and heads != block_size:
+            orders.add(tp_map.TOKENS_OUTER)
+        else:
+            orders.add(tp_map.UNKNOWN)
+    return orders.pop() if len(orders) == 1 else tp_map.UNKNOWN
 
 
 class KVLayout:
-    def __init__(self, kv_caches, num_blocks=None):
+    def __init__(self, kv_caches, num_blocks=None, heads=None, block_size=None,
+                 layer_groups=None):
         if not kv_caches:
             raise LayoutError("no KV cache tensors to register")
         items = list(kv_caches.items())
@@ -74,8 +103,12 @@ class KVLayout:
             num_blocks = _guess_num_blocks([t for _, t in items])
         self.num_blocks = num_blocks
         self.layers = [_layer(n, t, num_blocks) for n, t in items]
+        for L in self.layers:
+            L.group = (layer_groups or {}).get(L.name, 0)
+        self.num_groups = 1 + max(L.group for L in self.layers)
         self.extents_per_block = sum(len(L.outer) for L in self.layers)
         self.devices = sorted({L.device for L in self.layers})
+        self.head_order = head_order(self.layers, heads, block_size)
 
     def regions(self):
         """(addr, length, device) to register: each storage once."""
@@ -86,15 +119,42 @@ class KVLayout:
                 out.append((L.reg_base, L.nbytes, L.device))
         return out
 
+    def _row(self, block):
+        """A block row: one id per KV-cache group (an int: the same for all)."""
+        row = (block,) * self.num_groups if isinstance(block, int) else tuple(block)
+        if len(row) < self.num_groups:
+            raise LayoutError(f"block row {row} has {len(row)} ids for {self.num_groups} "
+                              f"KV-cache groups")
+        for b in row:
+            if not 0 <= b < self.num_blocks:
+                raise LayoutError(f"block id {b} is outside 0..{self.num_blocks - 1}")
+        return row
+
     def block_extents(self, block_id, tag=0):
-        """The extents of one block, layer-major: [(addr, len, tag), ...]."""
-        if not 0 <= block_id < self.num_blocks:
-            raise LayoutError(f"block id {block_id} is outside 0..{self.num_blocks - 1}")
+        """The extents of one block (row), layer-major: [(addr, len, tag), ...]."""
+        row = self._row(block_id)
         out = []
         for L in self.layers:
-            off = L.base + block_id * L.block_stride
+            off = L.base + row[L.group] * L.block_stride
             for o in L.outer:
                 out.append((off + o, L.block_bytes, tag))
+        return out
+
+    def mapped_extents(self, block_ids, per_layer):
+        """Dest extents of one pull for these blocks: per_layer[i] is the
+        tp_map.Piece of layer i (the same for each of its outer slices)."""
+        from mooncake_connector.connector.tp_map import SLICE
+
+        out = []
+        for b in block_ids:
+            row = self._row(b)
+            for L, pc in zip(self.layers, per_layer):
+                off = L.base + row[L.group] * L.block_stride
+                # HMA: a group's null block (id 0, vLLM's placeholder for a
+                # sliding-window block outside the window) is not moved.
+                skip = self.num_groups > 1 and row[L.group] == NULL_BLOCK
+                for o in L.outer:
+                    out.append((off + o, 0, SLICE) if skip else pc.dest(off + o))
         return out
 
     def extents(self, block_ids, tags=None):

@@ -19,6 +19,8 @@ class LoadSpec:
     producer: str | None  # producer base engine name; None = the configured prefill_url
     flow: str = "A"       # "A" (token hashes, configured producer) or "B" (kv_transfer_params)
     sync: bool = False    # load inside this step (vLLM schedules the request now)
+    producer_tp: int | None = None  # flow B: the producer's TP size from its params
+    more_groups: list = field(default_factory=list)  # HMA: block ids of KV-cache groups 1..
 
 
 @dataclass
@@ -27,6 +29,7 @@ class PublishSpec:
     req_id: str
     tokens: list          # token ids of the full blocks
     block_ids: list       # local block ids of those blocks
+    more_groups: list = field(default_factory=list)  # HMA: block ids of KV-cache groups 1..
 
 
 @dataclass

@@ -144,10 +144,13 @@ class SchedulerSide:
         end, sync = self._claims.pop(request.request_id, (self._full_tokens(request), False))
         local = end - num_external_tokens
         skip = max(local, 0) // self.block_size
-        ids = list(blocks.get_block_ids()[0])[skip:end // self.block_size]
+        groups = [list(g)[skip:end // self.block_size] for g in blocks.get_block_ids()]
         self._loads[request.request_id] = LoadSpec(
             req_id=request.request_id, tokens=list(request.prompt_token_ids[:end]),
-            block_ids=ids, skip_blocks=skip, producer=src[1], flow=src[0], sync=sync)
+            block_ids=groups[0], skip_blocks=skip, producer=src[1], flow=src[0], sync=sync,
+            more_groups=groups[1:],
+            producer_tp=_int_or_none((getattr(request, "kv_transfer_params", None) or {})
+                                     .get("tp_size")))
 
     # ---- producer ----
 
@@ -158,30 +161,32 @@ class SchedulerSide:
         return self.s.role == "kv_both" and bool(params.get("do_remote_decode"))
 
     def _block_ids(self, req_id):
+        """The request's block ids, one list per KV-cache group."""
         kvm = self._kvm()
         if kvm is not None:
             try:
-                return list(kvm.get_block_ids(req_id)[0])
+                return [list(g) for g in kvm.get_block_ids(req_id)]
             except Exception:  # an older vLLM: fall back to what we tracked
                 pass
-        return self._blocks.get(req_id, [])
+        return self._blocks.get(req_id, [[]])
 
     def _track_blocks(self, so):
         if self._kvm() is not None:
             return
         for nr in so.scheduled_new_reqs:
             if nr.req_id in self._reqs:
-                self._blocks[nr.req_id] = list(nr.block_ids[0])
+                self._blocks[nr.req_id] = [list(g) for g in nr.block_ids]
         cached = so.scheduled_cached_reqs
         resumed = getattr(cached, "resumed_req_ids", set()) or set()
         for i, rid in enumerate(cached.req_ids):
             new = cached.new_block_ids[i]
             if rid not in self._reqs or new is None:
                 continue
-            if rid in resumed:
-                self._blocks[rid] = list(new[0])
+            if rid in resumed or rid not in self._blocks:
+                self._blocks[rid] = [list(g) for g in new]
             else:
-                self._blocks.setdefault(rid, []).extend(new[0])
+                for have, more in zip(self._blocks[rid], new):
+                    have.extend(more)
 
     def build_connector_meta(self, so):
         meta = MooncakeConnectorMetadata(loads=list(self._loads.values()))
@@ -199,11 +204,12 @@ class SchedulerSide:
                 if req.num_computed_tokens + n_sched < n_prompt:
                     continue  # the prompt is not complete after this step
                 n_full = (n_prompt // self.block_size) * self.block_size
-                ids = self._block_ids(rid)[:n_full // self.block_size]
-                if n_full == 0 or len(ids) * self.block_size < n_full:
+                nb = n_full // self.block_size
+                groups = [g[:nb] for g in self._block_ids(rid)]
+                if n_full == 0 or any(len(g) < nb for g in groups):
                     continue
                 self._publishes.append(PublishSpec(rid, list(req.prompt_token_ids[:n_full]),
-                                                   ids))
+                                                   groups[0], more_groups=groups[1:]))
                 self._published[rid] = n_full
         meta.publishes, self._publishes = self._publishes, []
         meta.held, self._held = self._held, []
@@ -212,6 +218,10 @@ class SchedulerSide:
         return meta
 
     def request_finished(self, request, block_ids):
+        """block_ids: the request's blocks, one list per KV-cache group (HMA)
+        or one list (a single group)."""
+        if block_ids and isinstance(block_ids[0], (list, tuple)):
+            block_ids = block_ids[0]
         rid = request.request_id
         self._reqs.pop(rid, None)
         self._blocks.pop(rid, None)
@@ -247,6 +257,10 @@ class SchedulerSide:
     def shutdown(self):
         if self._probe is not None:
             self._probe.close()
+
+
+def _int_or_none(v):
+    return v if isinstance(v, int) and not isinstance(v, bool) and v > 0 else None
 
 
 def producer_for_rank(base, tp_rank):

@@ -25,17 +25,43 @@ import logging
 import threading
 import time
 
-from mooncake_connector.connector import peer_record
-from mooncake_connector.connector.layout import KVLayout
+from mooncake_connector.connector import peer_record, tp_map
+from mooncake_connector.connector.layout import NULL_BLOCK, KVLayout
 from mooncake_connector.connector.settings import SettingsError, shift_port
 from mooncake_connector.connector.stats import MooncakeKVConnectorStats
 
 logger = logging.getLogger("vllm.mooncake_connector")
 
 
+def _rows(spec):
+    """Block rows of a Load/PublishSpec: one id per KV-cache group."""
+    if not spec.more_groups:
+        return spec.block_ids
+    return list(zip(spec.block_ids, *spec.more_groups))
+
+
+class _Load:
+    """One request's load: a pull per producer engine the TP map names."""
+
+    def __init__(self, spec, t0):
+        self.spec, self.t0 = spec, t0
+        self.pulls = {}    # producer engine name -> pull id (None: not started)
+        self.results = {}  # producer engine name -> (matched tokens, error or None)
+        self.error = None  # the load could not start at all
+
+    def running(self):
+        return [i for n, i in self.pulls.items() if i is not None and n not in self.results]
+
+
 class WorkerSide:
-    def __init__(self, settings, block_size, tp_rank, tp_size, num_blocks=None):
+    def __init__(self, settings, block_size, tp_rank, tp_size, num_blocks=None, facts=None,
+                 layer_groups=None, pp_rank=0):
         self.s = settings
+        # Pipeline parallel: stage s's TP rank r is engine port + s * tp_size + r
+        # on both sides (equal PP sizes: the fingerprint checks it).
+        self.pp_rank = pp_rank
+        self.facts = dict(facts or {})  # model facts (connector.model_facts) for the fingerprint
+        self.layer_groups = dict(layer_groups or {})  # layer name -> KV-cache group (HMA)
         self.block_size = block_size
         self.tp_rank = tp_rank
         self.tp_size = tp_size
@@ -44,7 +70,7 @@ class WorkerSide:
         self.name = None
         self.default_producer = None
         self._lock = threading.Lock()
-        self._loading = {}        # req_id -> [pull id, LoadSpec, start time, early result]
+        self._loading = {}        # req_id -> _Load
         self._invalid = set()     # block ids that failed to load, reported once
         self._tag_next = 1
         self._tag_req = {}        # extent tag (one per published block) -> req_id
@@ -62,7 +88,11 @@ class WorkerSide:
     def register_kv_caches(self, kv_caches):
         from mooncake_connector import _core  # the extension: workers only
 
-        self.layout = KVLayout(kv_caches, self.num_blocks)
+        heads = self.facts.get("kv_heads")
+        if heads and not self.facts.get("mla"):
+            heads = tp_map.heads_per_rank(heads, self.tp_size)
+        self.layout = KVLayout(kv_caches, self.num_blocks, heads=heads,
+                               block_size=self.block_size, layer_groups=self.layer_groups)
         text = json.dumps({k: v for k, v in self.s.mooncake.items() if v is not None})
         cfg = _core.parse_config(text, self.s.config_path or "kv_connector_extra_config")
         if self.s.local_hostname:
@@ -71,7 +101,7 @@ class WorkerSide:
             base = f"{cfg['decode_host']}:{cfg['decode_port']}"
         else:
             base = f"{cfg['prefill_host']}:{cfg['prefill_port']}"
-        self.name = shift_port(base, self.tp_rank)
+        self.name = shift_port(base, self.pp_rank * self.tp_size + self.tp_rank)
         self.default_producer = f"{cfg['prefill_host']}:{cfg['prefill_port']}"
         eng = _core.TransferEngine()
         # auth_secret None: the engine reads MC_AUTH_SECRET (docs/security.md).
@@ -91,20 +121,27 @@ class WorkerSide:
         if any(d.startswith("cuda") for d in self.layout.devices):
             import torch
             self._cuda_sync = torch.cuda.current_stream().synchronize
-        if self.tp_rank == 0:
+        if self.tp_rank == 0 and self.pp_rank == 0:
             logger.info("MooncakeConnector worker: engine %s (%s, metadata %s), %d layers, %d "
                         "extents x %d bytes per block, %d blocks on %s", self.name,
                         cfg["protocol"], cfg["metadata_server"], len(self.layout.layers),
                         self.layout.extents_per_block, self.layout.layers[0].block_bytes,
                         self.layout.num_blocks, ",".join(self.layout.devices))
+            if self.layout.num_groups > 1:
+                logger.info("MooncakeConnector worker: %d KV-cache groups %s (sliding-window "
+                            "blocks outside the window are not moved)",
+                            self.layout.num_groups, self.facts.get("groups"))
 
     def _check_peer_at_start(self, core, cfg):
-        """Publish this worker's layout record; a consumer compares it with its
-        producer's, if that one is up already (else at the first load)."""
+        """Publish this worker's fingerprint; a consumer checks its producer's
+        (if that one is up already, else at the first load) and a producer
+        its consumer's (at its first publish), before any block moves."""
         self._record = peer_record.make(self.s.role, self.tp_rank, self.tp_size, self.layout,
-                                        self.block_size)
+                                        self.block_size, self.facts)
         self._meta = None
-        self._peer_ok = set()
+        self._routes = {}         # producer base -> [(engine name, [Piece per layer])]
+        self._consumer = None     # producer: (consumer record or None, checked at, fanout)
+        self.consumer_base = f"{cfg['decode_host']}:{cfg['decode_port']}"
         if cfg.get("metadata_backend") == "p2p":
             return
         try:
@@ -115,22 +152,85 @@ class WorkerSide:
             self._meta = None
             return
         if self.s.role == "kv_consumer":
-            self._check_peer(shift_port(self.default_producer, self.tp_rank), at_start=True)
+            self._route(self.default_producer, at_start=True)
 
-    def _check_peer(self, producer, at_start=False):
-        """Raise SettingsError if `producer` published a layout we cannot use."""
-        if self._meta is None or producer in self._peer_ok:
-            return
-        from mooncake_connector import MooncakeError
-        try:
-            theirs = peer_record.fetch(self._meta, producer)
-        except MooncakeError:
-            return  # metadata trouble is reported by the transfer itself
-        why = peer_record.mismatch(self._record, theirs, producer)
+    def _route(self, base, at_start=False, producer_tp=None):
+        """[(producer engine name, [tp_map.Piece per layer])]: the pulls this
+        rank makes for one load from producer `base`.  Raises SettingsError
+        if the producer's fingerprint does not fit ours."""
+        got = self._routes.get(base)
+        if got is not None:
+            return got
+        theirs = None
+        if self._meta is not None:
+            from mooncake_connector import MooncakeError
+            try:
+                theirs = peer_record.fetch(self._meta, shift_port(base, 0))
+            except MooncakeError:
+                theirs = None  # metadata trouble is reported by the transfer itself
+        if theirs is None:  # not up yet / P2P: assume what flow B says, else our own TP
+            p_tp = producer_tp or self.tp_size
+            theirs = dict(self._record, role="kv_producer", tp_size=p_tp,
+                          tp_rank=0, connector=self._record.get("connector"))
+            if p_tp != self.tp_size and self.facts.get("kv_heads") is not None:
+                heads = self.facts["kv_heads"]
+                theirs["extent_bytes"] = [
+                    n * tp_map.heads_per_rank(heads, self.tp_size) //
+                    tp_map.heads_per_rank(heads, p_tp) if not self.facts.get("mla") else n
+                    for n in self._record["extent_bytes"]]
+            known = False
+        else:
+            known = True
+        why, pl = peer_record.check(self._record, theirs, shift_port(base, 0), self.tp_rank)
         if why:
             raise SettingsError(("cannot start: " if at_start else "") + why)
-        if theirs:
-            self._peer_ok.add(producer)
+        per = {}
+        for L_i, (a, b) in enumerate(zip(theirs["extent_bytes"], self._record["extent_bytes"])):
+            for p_rank, pc in tp_map.pieces(pl, self.tp_rank, a, b, self.layout.head_order
+                                            if theirs.get("layout") == self.layout.head_order
+                                            else tp_map.UNKNOWN):
+                per.setdefault(p_rank, []).append(pc)
+        first = self.pp_rank * theirs["tp_size"]  # the producer's ranks of our PP stage
+        route = [(shift_port(base, first + p), pcs) for p, pcs in sorted(per.items())]
+        if known:
+            self._routes[base] = route
+            if not pl.identity or self.tp_rank == 0:
+                logger.info("MooncakeConnector: producer %s fits (%s)", base,
+                            tp_map.describe(pl))
+        return route
+
+    def _fanout(self):
+        """Producer: how many pulls of this rank's blocks one prompt gets (the
+        decode_url consumer's TP size decides; unknown: 1, i.e. equal TP).
+        The consumer's fingerprint is checked here too: one that cannot
+        fit is an error in this log, and nothing is published for it."""
+        now = time.monotonic()
+        c = self._consumer
+        if c is not None and now - c[1] < (10.0 if c[0] is not None else 1.0):
+            return c[2]
+        theirs = None
+        if self._meta is not None:
+            from mooncake_connector import MooncakeError
+            try:
+                theirs = peer_record.fetch(self._meta, shift_port(self.consumer_base, 0))
+            except MooncakeError:
+                theirs = None
+        fanout = 1
+        if theirs is not None and theirs.get("role") == "kv_consumer":
+            why, pl = peer_record.check(self._record, theirs, shift_port(self.consumer_base, 0))
+            if why:
+                if c is None or c[0] != theirs:
+                    logger.error("MooncakeConnector: nothing is published for consumer %s: %s",
+                                 self.consumer_base, why)
+                fanout = 0
+            else:
+                fanout = pl.fanout[self.tp_rank]
+                if c is None or c[0] != theirs:
+                    logger.info("MooncakeConnector: consumer %s fits (%s); this rank serves "
+                                "%d pull(s) per prompt", self.consumer_base,
+                                tp_map.describe(pl), fanout)
+        self._consumer = (theirs, now, fanout)
+        return fanout
 
     # ---- per step ----
 
@@ -142,22 +242,22 @@ class WorkerSide:
 
     def start_load(self, meta):
         """Queue each load on the engine's pull threads (C, no Python thread:
-        nothing waits for the GIL while the step loop runs).  In-step (sync)
-        loads are waited for here, before the forward reads their blocks."""
+        nothing waits for the GIL while the step loop runs): one pull per
+        producer rank the TP map names.  In-step (sync) loads are waited for
+        here, before the forward reads their blocks."""
         sync = []
         for spec in meta.loads:
             if spec.req_id in self._loading:
                 continue
-            t0 = time.monotonic()
-            self._loading[spec.req_id] = [None, spec, t0, None]
-            self._start_pull(spec.req_id)
+            ld = self._loading[spec.req_id] = _Load(spec, time.monotonic())
+            self._start_pulls(ld)
             if spec.sync:
                 sync.append(spec.req_id)
         if sync:
             self._wait_sync(sync)
 
     def _wait_sync(self, rids):
-        ids = [self._loading[r][0] for r in rids if self._loading[r][0] is not None]
+        ids = [i for r in rids for i in self._loading[r].running()]
         # A pull ends by its own timeout (sync_load_timeout_s), fenced: only
         # then may the forward run, or a late write could land after it.
         while ids and not self.kv.pull_wait(ids, timeout=self.s.sync_load_timeout_s + 5):
@@ -167,45 +267,63 @@ class WorkerSide:
             res = self._poll_load(rid)
             self._finish_load(rid, res if res is not None else (0, "load did not finish"))
 
-    def _start_pull(self, rid):
+    def _start_pulls(self, ld, only=None):
+        """Start the load's pulls (or those to the engines in `only`)."""
         from mooncake_connector import MooncakeError
 
-        entry = self._loading[rid]
-        spec = entry[1]
+        spec = ld.spec
         try:
-            producer = shift_port(spec.producer or self.default_producer, self.tp_rank)
-            self._check_peer(producer)
-            dest = [(a, n) for a, n, _t in self.layout.extents(spec.block_ids)]
-            limit = self.s.sync_load_timeout_s if spec.sync else self.s.load_timeout_s
-            left = limit - (time.monotonic() - entry[2])
-            entry[0] = self.kv.pull_start(producer, spec.tokens, dest,
-                                          timeout=max(left, 0.001),
-                                          extents_per_block=self.layout.extents_per_block,
-                                          skip_blocks=spec.skip_blocks)
+            route = self._route(spec.producer or self.default_producer,
+                                producer_tp=getattr(spec, "producer_tp", None))
         except (MooncakeError, SettingsError, ValueError) as e:
-            entry[0], entry[3] = None, (0, str(e))
+            ld.error = str(e)
+            return
+        limit = self.s.sync_load_timeout_s if spec.sync else self.s.load_timeout_s
+        for name, pieces in route:
+            if only is not None and name not in only:
+                continue
+            ld.pulls[name] = None
+            ld.results.pop(name, None)
+            try:
+                dest = self.layout.mapped_extents(_rows(spec), pieces)
+                left = limit - (time.monotonic() - ld.t0)
+                ld.pulls[name] = self.kv.pull_start(
+                    name, spec.tokens, dest, timeout=max(left, 0.001),
+                    extents_per_block=self.layout.extents_per_block,
+                    skip_blocks=spec.skip_blocks)
+            except (MooncakeError, SettingsError, ValueError) as e:
+                ld.results[name] = (0, str(e))
 
     def _poll_load(self, rid):
-        """(matched, error) once the load is over, else None."""
-        entry = self._loading[rid]
-        if entry[0] is None:
-            return entry[3]
-        r = self.kv.pull_poll(entry[0])
-        if r is None:
+        """(matched, error) once every pull of the load is over, else None."""
+        ld = self._loading[rid]
+        if ld.error is not None:
+            return 0, ld.error
+        for name, pid in ld.pulls.items():
+            if name in ld.results or pid is None:
+                continue
+            r = self.kv.pull_poll(pid)
+            if r is not None:
+                ld.results[name] = (r[0], r[1])
+        if len(ld.results) < len(ld.pulls):
             return None
-        matched, err, _secs = r
-        spec = entry[1]
+        spec = ld.spec
         # Flow B names a producer that will have the KV (a proxy may ask both
-        # sides at once): a miss there means "not yet"; ask again.
-        if (not matched and not err and spec.flow == "B" and not spec.sync and
-                time.monotonic() - entry[2] + 0.005 < self.s.load_timeout_s):
-            self._start_pull(rid)
-            return self._poll_load(rid) if entry[0] is None else None
-        return matched, err
+        # sides at once): a miss there means "not yet"; ask again (only the
+        # ranks that missed: a hit consumed its entry).
+        missed = [n for n, (m, err) in ld.results.items() if not m and not err]
+        if (missed and spec.flow == "B" and not spec.sync and
+                time.monotonic() - ld.t0 + 0.005 < self.s.load_timeout_s):
+            self._start_pulls(ld, only=set(missed))
+            return None
+        matched = min(m for m, _ in ld.results.values()) if ld.results else 0
+        errs = [e for _, e in ld.results.values() if e]
+        return matched, (errs[0] if errs else None)
 
     def _finish_load(self, rid, res):
         """Counts a finished load; blocks it did not fill become load errors."""
-        spec, t0 = self._loading.pop(rid)[1:3]
+        ld = self._loading.pop(rid)
+        spec, t0 = ld.spec, ld.t0
         matched, err = res
         secs = time.monotonic() - t0
         loaded = max(0, min(matched // self.block_size - spec.skip_blocks, len(spec.block_ids)))
@@ -217,6 +335,8 @@ class WorkerSide:
         self.stats.add_time(secs)
         if loaded < len(spec.block_ids):
             self._invalid.update(spec.block_ids[loaded:])
+            for g in spec.more_groups:  # HMA: the other groups' blocks, less null ones
+                self._invalid.update(b for b in g[loaded:] if b != NULL_BLOCK)
             self.stats.add("load_tokens_missed", (len(spec.block_ids) - loaded) * self.block_size)
             if err:
                 self.stats.add("loads_failed")
@@ -230,24 +350,38 @@ class WorkerSide:
             self._cuda_sync()  # the step's KV writes must be done before anyone reads
         from mooncake_connector import MooncakeError
 
+        copies = self._fanout()
         for p in meta.publishes:
+            if copies <= 0:  # no consumer rank reads this rank (or none fits)
+                self._pub_tokens[p.req_id] = p.tokens
+                self._outstanding[p.req_id] = 0
+                continue
             tags = list(range(self._tag_next, self._tag_next + len(p.block_ids)))
             self._tag_next += len(p.block_ids)
-            ext = self.layout.extents(p.block_ids, tags)
+            ext = self.layout.extents(_rows(p), tags)
             for t in tags:
                 self._tag_req[t] = p.req_id
             self._req_tags[p.req_id] = tags
-            self._outstanding[p.req_id] = len(ext)
+            # One entry per pull it will serve (consume mode: each pull takes
+            # one); the blocks are shared, so their extents come back from
+            # take_freed once per extra copy at once, and once at the end.
+            done = 0
             try:
-                self.kv.send_kv(p.tokens, ext)
-                self._pub_tokens[p.req_id] = p.tokens
-                self.stats.add("publishes")
-                self.stats.add("publish_bytes", len(p.block_ids) * self.layout.bytes_per_block())
+                for _ in range(copies):
+                    self.kv.send_kv(p.tokens, ext)
+                    done += 1
             except MooncakeError as e:
-                logger.warning("MooncakeConnector: KV of request %s not published (%s); a "
-                               "consumer will compute it", p.req_id, e)
+                logger.warning("MooncakeConnector: KV of request %s published for %d of %d "
+                               "consumer pulls (%s); the others compute it", p.req_id, done,
+                               copies, e)
                 self.stats.add("publish_failed")
+            if done == 0:
                 self._forget_tags(p.req_id, tags)
+                continue
+            self._outstanding[p.req_id] = len(ext) * done
+            self._pub_tokens[p.req_id] = p.tokens
+            self.stats.add("publishes")
+            self.stats.add("publish_bytes", len(p.block_ids) * self.layout.bytes_per_block())
 
     def _forget_tags(self, rid, tags=None):
         for t in tags if tags is not None else self._req_tags.pop(rid, ()):

@@ -105,6 +105,36 @@ static void test_pull_with_skip_and_release(void) {
   CHECK_EQ_INT(s.pull_errors, 1);
 }
 
+/* Different TP sizes / sliding windows: a dest tagged MC_KV_DEST_SLICE | off
+ * READs len bytes from byte off of the producer's extent; length 0 skips it;
+ * a slice past the extent is refused before any READ. */
+static void test_pull_slices_and_skips(void) {
+  int32_t t[32];
+  for (int i = 0; i < 32; i++)
+    t[i] = 7000 + i * 5;
+  for (size_t i = 0; i < 2 * BB; i++)
+    pbuf[10 * BB + i] = (uint8_t)(i * 13 + 1);
+  mc_lookup_extent_t src[2];
+  for (int i = 0; i < 2; i++)
+    src[i] = (mc_lookup_extent_t){.addr = (uint64_t)(uintptr_t)(pbuf + (10 + i) * BB), .len = BB};
+  mc_err_t err = {0};
+  CHECK_EQ_INT(mc_lookup_insert(LB, t, 32, 4, src, NULL, 0, 0, NULL, &err), 2);
+  memset(cbuf + 4 * BB, 0, 2 * BB);
+  mc_lookup_extent_t dst[2] = {
+      {.addr = (uint64_t)(uintptr_t)(cbuf + 4 * BB), .len = BB / 2,
+       .tag = MC_KV_DEST_SLICE | (BB / 2)},
+      {.addr = (uint64_t)(uintptr_t)(cbuf + 5 * BB), .len = 0, .tag = MC_KV_DEST_SLICE}};
+  CHECK_EQ_INT(mc_kv_pull(KC, mc_engine_segment_name(P), t, 32, 4, dst, 2, 1, 5000, &err), 32);
+  CHECK(memcmp(pbuf + 10 * BB + BB / 2, cbuf + 4 * BB, BB / 2) == 0);
+  CHECK(cbuf[4 * BB + BB / 2] == 0 && cbuf[5 * BB] == 0 && cbuf[6 * BB - 1] == 0);
+  CHECK_EQ_INT(mc_lookup_insert(LB, t, 32, 4, src, NULL, 0, 0, NULL, &err), 2);
+  dst[1] = (mc_lookup_extent_t){.addr = (uint64_t)(uintptr_t)(cbuf + 5 * BB), .len = BB / 2,
+                                .tag = MC_KV_DEST_SLICE | (BB / 2 + 1)};
+  CHECK(mc_kv_pull(KC, mc_engine_segment_name(P), t, 32, 4, dst, 2, 1, 5000, &err) < 0);
+  CHECK_CONTAINS(err.msg, "destination extent 1 is 2048 bytes (at offset 2049)");
+  CHECK(cbuf[5 * BB] == 0);
+}
+
 static void test_async_pull(void) {
   int32_t t[32];
   for (int i = 0; i < 32; i++)
@@ -194,6 +224,7 @@ int main(void) {
   RUN(test_push_longest_prefix);
   RUN(test_errors);
   RUN(test_pull_with_skip_and_release);
+  RUN(test_pull_slices_and_skips);
   RUN(test_async_pull);
   RUN(test_probe_and_pull_wait);
   mc_kv_destroy(KC);
