@@ -418,3 +418,29 @@ def test_idle_timeout_spares_non_streamed_answers(vllm_like, proxy):
     status, out = post(url + "/v1/completions", {"model": "m", "prompt": "a b",
                                                  "max_tokens": 3})
     assert status == 200 and out["choices"][0]["text"] == "t102 t103 t104 ", out
+
+
+def test_metrics_in_prometheus_text_format(upstreams, proxy):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    p, d, d_bad = upstreams("prefill"), upstreams("decode"), upstreams("decode2", status=503)
+    url = proxy([p.url], [d.url, d_bad.url])
+    assert post(url + "/v1/completions", {"prompt": "x"})[0] == 200
+    assert post(url + "/v1/completions", {"prompt": "x"})[0] == 503
+    assert post(url + "/v1/chat/completions", {"messages": [], "stream": True}, raw=True)[0] == 200
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        assert r.status == 200 and r.headers["Content-Type"].startswith("text/plain")
+        text = r.read().decode()
+    fams = {f.name: f for f in text_string_to_metric_families(text)}  # parses, or raises
+    got = {(s.labels.get("route"), s.labels.get("status")): s.value
+           for s in fams["mooncake_proxy_responses"].samples}
+    assert got == {("/v1/completions", "200"): 1, ("/v1/completions", "503"): 1,
+                   ("/v1/chat/completions", "200"): 1}, got
+    assert [s.value for s in fams["mooncake_proxy_requests"].samples
+            if s.name.endswith("_total")] == [3]
+    assert [s.value for s in fams["mooncake_proxy_decode_errors"].samples
+            if s.name.endswith("_total")] == [1]
+    counts = {s.labels["route"]: s.value for s in fams["mooncake_proxy_request_seconds"].samples
+              if s.name.endswith("_count")}
+    assert counts == {"/v1/completions": 2, "/v1/chat/completions": 1}
+    assert [s.value for s in fams["mooncake_proxy_requests_in_flight"].samples] == [0]

@@ -28,7 +28,7 @@ import time
 from mooncake_connector.connector import peer_record
 from mooncake_connector.connector.layout import KVLayout
 from mooncake_connector.connector.settings import SettingsError, shift_port
-from mooncake_connector.connector.stats import MooncakeKVConnectorStats
+from mooncake_connector.connector.stats import MooncakeKVConnectorStats, recompute_reason
 
 logger = logging.getLogger("vllm.mooncake_connector")
 
@@ -180,7 +180,9 @@ class WorkerSide:
                                           timeout=max(left, 0.001),
                                           extents_per_block=self.layout.extents_per_block,
                                           skip_blocks=spec.skip_blocks)
-        except (MooncakeError, SettingsError, ValueError) as e:
+        except SettingsError as e:  # the producer's layout differs from ours
+            entry[0], entry[3] = None, (0, f"layout mismatch: {e}")
+        except (MooncakeError, ValueError) as e:
             entry[0], entry[3] = None, (0, str(e))
 
     def _poll_load(self, rid):
@@ -216,10 +218,19 @@ class WorkerSide:
         if loaded < len(spec.block_ids):
             self._invalid.update(spec.block_ids[loaded:])
             self.stats.add("load_tokens_missed", (len(spec.block_ids) - loaded) * self.block_size)
+            # No silent recompute: one warning and one count, by reason.
+            reason = recompute_reason(err)
+            self.stats.add(f"recompute_{reason}")
             if err:
                 self.stats.add("loads_failed")
-                logger.warning("MooncakeConnector: loading request %s failed (%s); its "
-                               "prompt is computed locally", rid, err)
+                logger.warning("MooncakeConnector: loading request %s failed (%s: %s); its "
+                               "prompt is computed locally", rid, reason, err)
+            else:
+                logger.warning("MooncakeConnector: request %s: producer %s held %d of %d "
+                               "blocks (not_held: never published, consumed or evicted); the "
+                               "rest of its prompt is computed locally", rid,
+                               spec.producer or self.default_producer, loaded,
+                               len(spec.block_ids))
 
     def publish(self, meta):
         if not meta.publishes or self.lb is None:
@@ -331,7 +342,17 @@ class WorkerSide:
         out, self._invalid = self._invalid, set()
         return out
 
+    def gauges(self):
+        lb = self.lb.stats() if self.lb is not None else {}
+        return {"held_bytes": int(lb.get("used_bytes", 0)),
+                "lookup_entries": int(lb.get("entries", 0)),
+                "loads_in_flight": len(self._loading)}
+
     def take_stats(self):
+        g = self.gauges() if self.kv is not None else None
+        if g is not None and g != getattr(self, "_last_gauges", None):
+            self.stats.set_gauges(self.tp_rank, g)  # reported when they change
+            self._last_gauges = g
         if self.stats.is_empty():
             return None
         out, self.stats = self.stats, MooncakeKVConnectorStats()
