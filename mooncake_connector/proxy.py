@@ -236,7 +236,10 @@ class Proxy:
                 resp = web.StreamResponse(status=200, headers={
                     "Content-Type": r.headers.get("Content-Type", "text/event-stream"),
                     "Cache-Control": "no-cache", "X-Request-Id": rid})
-                await resp.prepare(request)
+                try:
+                    await resp.prepare(request)
+                except (ConnectionResetError, aiohttp.ClientConnectionError):
+                    return resp  # the client left before its first byte
                 try:
                     async for chunk in r.content.iter_any():
                         await resp.write(chunk)

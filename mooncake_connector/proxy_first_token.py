@@ -285,7 +285,10 @@ async def stream(proxy, request, plan, dec_url, headers, rid, t_pre=None):
     resp = web.StreamResponse(status=200, headers={
         "Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache",
         "X-Request-Id": rid})
-    await resp.prepare(request)
+    try:
+        await resp.prepare(request)
+    except (ConnectionResetError, aiohttp.ClientConnectionError):
+        return resp  # the client left before its first byte
     counts = proxy.counts
     counts["first_token_from_prefill"] += 1
     try:
