@@ -450,6 +450,7 @@ class Load:
     def __init__(self, proxies, pool, refs, args, t0):
         self.proxies, self.pool, self.refs, self.args, self.t0 = proxies, pool, refs, args, t0
         self.records = []   # one per request
+        self.sink = open(args.json + ".records.jsonl", "w") if args.json else None
         self.stop = False
         self.rnd = random.Random(args.seed + 1)
 
@@ -517,6 +518,9 @@ class Load:
         rec["outcome"] = outcome
         rec["secs"] = round(time.monotonic() - t, 3)
         self.records.append(rec)
+        if self.sink is not None:  # as they end: a long soak can be watched
+            self.sink.write(json.dumps(rec) + "\n")
+            self.sink.flush()
 
     async def client(self, session, k):
         n = k
@@ -891,10 +895,8 @@ def main(argv=None):
                                if r["outcome"] in ("wrong", "truncated", "hung", "unclear")][:20]
         if args.png:
             plot(args.png, load, mon, faults, t_load_end, drained_at)
-        if args.json:
-            with open(args.json + ".records.jsonl", "w") as f:
-                for r in load.records:
-                    f.write(json.dumps(r) + "\n")
+        if load.sink is not None:
+            load.sink.close()
     finally:
         cluster.stop()
         net.down()
