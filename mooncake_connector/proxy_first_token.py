@@ -183,11 +183,11 @@ class Plan:
                     "vLLM >= 0.10)")
         if self.parsed:
             return "prefill answer has reasoning or tool calls (a server-side parser)"
-        if "\ufffd" in self.text and not self.done:
-            # A token that ends inside a UTF-8 character: a normal stream holds
-            # it back until the character completes, and a decode prompt that
-            # ends with it makes vLLM's detokenizer (tokenizers' DecodeStream
-            # primed with the prompt) emit the whole prompt text again.
+        if (not self.text or "\ufffd" in self.text) and not self.done:
+            # A token that ends inside a UTF-8 character (vLLM holds its text
+            # back: "", or shows U+FFFD): a decode prompt that ends with it
+            # makes vLLM's detokenizer (tokenizers' DecodeStream primed with
+            # the prompt) emit the whole prompt text again.
             return "first token is an incomplete UTF-8 character"
         return None
 

@@ -450,13 +450,16 @@ def test_metrics_in_prometheus_text_format(upstreams, proxy):
     assert [s.value for s in fams["mooncake_proxy_requests_in_flight"].samples] == [0]
 
 
-@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
-def test_first_token_inside_a_utf8_character_takes_the_seeds_path(vllm_like, proxy, chat):
+@pytest.mark.parametrize("chat,text", [(False, "\ufffd"), (True, "\ufffd"), (False, ""),
+                                       (True, "")], ids=["completions", "chat",
+                                                         "completions-held-back",
+                                                         "chat-held-back"])
+def test_first_token_inside_a_utf8_character_takes_the_seeds_path(vllm_like, proxy, chat, text):
     """Found by the soak: a first token that ends inside a UTF-8 character
     (its text ends with U+FFFD) appended to the decode prompt made vLLM's
     detokenizer stream the whole prompt text before the answer.  Such a
     stream goes the seed's way: decode gets the original request."""
-    p, d = vllm_like("prefill", first_text="\ufffd"), vllm_like("decode")
+    p, d = vllm_like("prefill", first_text=text), vllm_like("decode")
     url = proxy([p.url], [d.url])
     body = {"model": "m", "max_tokens": 4, "stream": True}
     body.update({"messages": [{"role": "user", "content": "a b"}]} if chat else {"prompt": "a b"})
