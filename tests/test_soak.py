@@ -77,9 +77,11 @@ def test_prometheus_metrics_from_real_servers(soak):
     reasons = {k for k in dec if k.startswith("vllm:mooncake_recomputes_total{")}
     assert len(reasons) == 5, reasons
     assert sum(dec[k] for k in reasons) > 0
+    # P1 was killed and restarted (its counters restart); P2 served throughout.
+    assert c["P2"]["vllm:mooncake_publishes_total"] > 0, c["P2"]
     for p in ("P1", "P2"):
-        assert c[p]["vllm:mooncake_publishes_total"] > 0, c[p]
-        assert c[p]["vllm:mooncake_held_bytes"] == 0 and c[p]["vllm:mooncake_lookup_entries"] == 0
+        assert c[p].get("vllm:mooncake_held_bytes", 0) == 0, c[p]
+        assert c[p].get("vllm:mooncake_lookup_entries", 0) == 0, c[p]
     # P2's small buffer evicted (or refused) prompts: decodes found some not held.
     assert dec["vllm:mooncake_recomputes_total{not_held}"] > 0
     for flow in ("a", "b"):
