@@ -621,10 +621,17 @@ class Monitor(threading.Thread):
 
 def rss_slope(samples, server, t_from, t_to):
     """MiB/min by least squares for each lifetime (pid) of server within
-    [t_from, t_to]; the steepest of the lifetimes with >= 8 samples."""
+    [t_from, t_to] that began before t_from; the steepest of those with >= 8
+    samples (None: no such lifetime, e.g. restarted inside the window)."""
+    born = {}
+    for s in samples:
+        if s["server"] == server and s["rss"]:
+            born.setdefault(s["pid"], s["t"])
     by_pid = {}
     for s in samples:
-        if s["server"] == server and s["rss"] and t_from <= s["t"] <= t_to:
+        # A process restarted inside the window is warming up, not trending.
+        if (s["server"] == server and s["rss"] and t_from <= s["t"] <= t_to
+                and born[s["pid"]] <= t_from):
             by_pid.setdefault(s["pid"], []).append((s["t"], s["rss"] / 2**20))
     slopes = []
     for pts in by_pid.values():

@@ -54,7 +54,8 @@ def test_invariants_hold(soak):
     assert soak["load_s"] >= 120
     assert s["hung"] == s["wrong"] == s["truncated"] == s["unclear"] == 0
     assert s["ok"] >= 50, s
-    assert all(v is not None for v in soak["rss_slope_mib_per_min"].values())
+    # P1 is restarted during the load: its slope may be None (warming up).
+    assert all(soak["rss_slope_mib_per_min"][n] is not None for n in ("P2", "D1", "D2"))
     assert soak["drain_s"] is not None
     assert soak["_png"].stat().st_size > 10_000
 
