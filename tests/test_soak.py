@@ -9,7 +9,9 @@ connector's and the proxy's Prometheus metrics were scraped from the real
 servers.
 
 CI cost: ~2 min of load plus the servers' start (four vLLM servers at once:
-1-4 min on a 2-core host) and P1's restart, which overlaps the load."""
+2-4 min on an idle 2-core host, 11-15 min on the shared development VM) and
+P1's restart (overlaps the load when the host is not overloaded), ~6-9 min
+in all on an idle CI host."""
 import json
 import os
 import subprocess
