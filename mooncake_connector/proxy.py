@@ -5,7 +5,9 @@
     python -m mooncake_connector.proxy --passthrough http://C:8300 [...] --port 8001
 
 Serves POST /v1/completions and /v1/chat/completions (streaming or not),
-GET /v1/models, GET /health and GET /stats (the proxy's counters).  Each request goes to one prefill instance
+GET /v1/models, GET /health, GET /stats (the proxy's counters) and GET
+/metrics (the same in Prometheus text format, plus answers by status and a
+request-duration histogram).  Each request goes to one prefill instance
 and then one decode instance, each picked round-robin.
 
 Flow a (the seed's): the prefill instance gets the request with
@@ -97,6 +99,7 @@ class Proxy:
         # proxy's own step).
         self._lat = {k: collections.deque(maxlen=1000)
                      for k in ("to_prefill_answer_ms", "prefill_answer_to_first_chunk_ms")}
+        self.prom = PromCounters()
 
     async def start(self, app):
         self.session = aiohttp.ClientSession(timeout=self._timeout)
@@ -233,7 +236,10 @@ class Proxy:
                 resp = web.StreamResponse(status=200, headers={
                     "Content-Type": r.headers.get("Content-Type", "text/event-stream"),
                     "Cache-Control": "no-cache", "X-Request-Id": rid})
-                await resp.prepare(request)
+                try:
+                    await resp.prepare(request)
+                except (ConnectionResetError, aiohttp.ClientConnectionError):
+                    return resp  # the client left before its first byte
                 try:
                     async for chunk in r.content.iter_any():
                         await resp.write(chunk)
@@ -305,16 +311,107 @@ class Proxy:
     async def stats(self, request):
         return web.json_response(dict(self.counts, latency_ms=self.latency_summary()))
 
+    async def metrics(self, request):
+        return web.Response(text=self.prom.render(self.counts),
+                            content_type="text/plain", charset="utf-8",
+                            headers={"X-Prometheus-Format": "0.0.4"})
+
+    @web.middleware
+    async def _observe(self, request, handler):
+        """Counts every answer to a completion route by status (a streamed
+        one once it has ended) and its duration."""
+        if request.path not in ROUTES:
+            return await handler(request)
+        self.prom.in_flight += 1
+        t0 = time.perf_counter()
+        status = 500
+        try:
+            resp = await handler(request)
+            status = resp.status
+            return resp
+        except web.HTTPException as e:
+            status = e.status
+            raise
+        except asyncio.CancelledError:
+            status = 499  # the client went away (nginx's convention)
+            raise
+        finally:
+            self.prom.in_flight -= 1
+            self.prom.observe(request.path, status, time.perf_counter() - t0)
+
     def app(self):
-        app = web.Application(client_max_size=64 << 20)
+        app = web.Application(client_max_size=64 << 20, middlewares=[self._observe])
         for route in ROUTES:
             app.router.add_post(route, self.handle)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/stats", self.stats)
+        app.router.add_get("/metrics", self.metrics)
         app.on_startup.append(self.start)
         app.on_cleanup.append(self.stop)
         return app
+
+
+class PromCounters:
+    """The proxy's /metrics in Prometheus text format (no client library)."""
+    BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+    def __init__(self):
+        self.answers = collections.Counter()    # (route, status) -> n
+        self.hist = {}                          # route -> [bucket counts..., +Inf], sum
+        self.in_flight = 0
+
+    def observe(self, route, status, secs):
+        self.answers[(route, int(status))] += 1
+        counts, total = self.hist.get(route, ([0] * (len(self.BUCKETS) + 1), 0.0))
+        for i, b in enumerate(self.BUCKETS):
+            if secs <= b:
+                counts[i] += 1
+        counts[-1] += 1
+        self.hist[route] = (counts, total + secs)
+
+    def render(self, counts):
+        out = []
+
+        def metric(name, kind, doc, samples):
+            out.append(f"# HELP {name} {doc}")
+            out.append(f"# TYPE {name} {kind}")
+            for labels, v in samples:
+                lab = ",".join(f'{k}="{_esc(x)}"' for k, x in labels)
+                out.append(f"{name}{{{lab}}} {v}" if lab else f"{name} {v}")
+
+        metric("mooncake_proxy_requests_total", "counter", "Completion requests received",
+               [((), counts["requests"])])
+        metric("mooncake_proxy_responses_total", "counter",
+               "Completion answers by route and HTTP status (499: the client left)",
+               [((("route", r), ("status", str(st))), n)
+                for (r, st), n in sorted(self.answers.items())])
+        for key, doc in (("prefill_errors", "Prefill instances that failed or were unreachable"),
+                         ("decode_errors", "Decode instances that failed or were unreachable"),
+                         ("stream_errors_after_first_token",
+                          "Streams that failed after their first token"),
+                         ("first_token_from_prefill", "Streams whose first token came from the "
+                          "prefill instance"),
+                         ("finished_at_prefill", "Requests the prefill instance finished")):
+            metric(f"mooncake_proxy_{key}_total", "counter", doc, [((), counts.get(key, 0))])
+        metric("mooncake_proxy_first_token_fallbacks_total", "counter",
+               "Streams whose first token came from decode, by reason",
+               [((("reason", r),), n) for r, n in sorted(counts["first_token_fallbacks"].items())])
+        metric("mooncake_proxy_requests_in_flight", "gauge", "Completion requests not answered "
+               "yet", [((), self.in_flight)])
+        out.append("# HELP mooncake_proxy_request_seconds Time from a request to the end of its "
+                   "answer")
+        out.append("# TYPE mooncake_proxy_request_seconds histogram")
+        for r, (hc, total) in sorted(self.hist.items()):
+            for b, n in zip((*map(str, self.BUCKETS), "+Inf"), hc):
+                out.append(f'mooncake_proxy_request_seconds_bucket{{route="{r}",le="{b}"}} {n}')
+            out.append(f'mooncake_proxy_request_seconds_sum{{route="{r}"}} {total}')
+            out.append(f'mooncake_proxy_request_seconds_count{{route="{r}"}} {hc[-1]}')
+        return "\n".join(out) + "\n"
+
+
+def _esc(v):
+    return str(v).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
 def _event_loop(kind):

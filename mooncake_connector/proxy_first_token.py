@@ -183,6 +183,12 @@ class Plan:
                     "vLLM >= 0.10)")
         if self.parsed:
             return "prefill answer has reasoning or tool calls (a server-side parser)"
+        if (not self.text or "\ufffd" in self.text) and not self.done:
+            # A token that ends inside a UTF-8 character (vLLM holds its text
+            # back: "", or shows U+FFFD): a decode prompt that ends with it
+            # makes vLLM's detokenizer (tokenizers' DecodeStream primed with
+            # the prompt) emit the whole prompt text again.
+            return "first token is an incomplete UTF-8 character"
         return None
 
     # ---- chunks sent to the client ----
@@ -285,7 +291,10 @@ async def stream(proxy, request, plan, dec_url, headers, rid, t_pre=None):
     resp = web.StreamResponse(status=200, headers={
         "Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache",
         "X-Request-Id": rid})
-    await resp.prepare(request)
+    try:
+        await resp.prepare(request)
+    except (ConnectionResetError, aiohttp.ClientConnectionError):
+        return resp  # the client left before its first byte
     counts = proxy.counts
     counts["first_token_from_prefill"] += 1
     try:

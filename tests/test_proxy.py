@@ -221,10 +221,13 @@ def _vllm_app(u):
             await asyncio.sleep(getattr(u, "slow", 0))
             c = {"index": 0, "finish_reason": u.finish if mt == 1 else "length",
                  "stop_reason": None, "token_ids": out}
+            text = "".join(f"t{t} " for t in out)
+            if mt == 1 and getattr(u, "first_text", None) is not None:
+                text = u.first_text
             if chat:
-                c["message"] = {"role": "assistant", "content": "".join(f"t{t} " for t in out)}
+                c["message"] = {"role": "assistant", "content": text}
             else:
-                c["text"] = "".join(f"t{t} " for t in out)
+                c["text"] = text
                 c["prompt_token_ids"] = prompt
             ans = {"id": "pre-1", "created": 7, "model": "m", "choices": [c],
                    "usage": {"prompt_tokens": len(prompt), "completion_tokens": mt,
@@ -266,7 +269,8 @@ def vllm_like():
         u = types.SimpleNamespace(name=name, status=200, kv_params=False, seen=[],
                                   finish=kw.get("finish", "length"),
                                   decode_fail=kw.get("decode_fail"),
-                                  slow=kw.get("slow", 0))  # s before a non-streamed answer
+                                  slow=kw.get("slow", 0),  # s before a non-streamed answer
+                                  first_text=kw.get("first_text"))  # a max_tokens=1 answer's
         models, complete = _vllm_app(u)
         u.app = AppThread([("POST", "/v1/completions", complete),
                            ("POST", "/v1/chat/completions", complete),
@@ -418,3 +422,51 @@ def test_idle_timeout_spares_non_streamed_answers(vllm_like, proxy):
     status, out = post(url + "/v1/completions", {"model": "m", "prompt": "a b",
                                                  "max_tokens": 3})
     assert status == 200 and out["choices"][0]["text"] == "t102 t103 t104 ", out
+
+
+def test_metrics_in_prometheus_text_format(upstreams, proxy):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    p, d, d_bad = upstreams("prefill"), upstreams("decode"), upstreams("decode2", status=503)
+    url = proxy([p.url], [d.url, d_bad.url])
+    assert post(url + "/v1/completions", {"prompt": "x"})[0] == 200
+    assert post(url + "/v1/completions", {"prompt": "x"})[0] == 503
+    assert post(url + "/v1/chat/completions", {"messages": [], "stream": True}, raw=True)[0] == 200
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        assert r.status == 200 and r.headers["Content-Type"].startswith("text/plain")
+        text = r.read().decode()
+    fams = {f.name: f for f in text_string_to_metric_families(text)}  # parses, or raises
+    got = {(s.labels.get("route"), s.labels.get("status")): s.value
+           for s in fams["mooncake_proxy_responses"].samples}
+    assert got == {("/v1/completions", "200"): 1, ("/v1/completions", "503"): 1,
+                   ("/v1/chat/completions", "200"): 1}, got
+    assert [s.value for s in fams["mooncake_proxy_requests"].samples
+            if s.name.endswith("_total")] == [3]
+    assert [s.value for s in fams["mooncake_proxy_decode_errors"].samples
+            if s.name.endswith("_total")] == [1]
+    counts = {s.labels["route"]: s.value for s in fams["mooncake_proxy_request_seconds"].samples
+              if s.name.endswith("_count")}
+    assert counts == {"/v1/completions": 2, "/v1/chat/completions": 1}
+    assert [s.value for s in fams["mooncake_proxy_requests_in_flight"].samples] == [0]
+
+
+@pytest.mark.parametrize("chat,text", [(False, "\ufffd"), (True, "\ufffd"), (False, ""),
+                                       (True, "")], ids=["completions", "chat",
+                                                         "completions-held-back",
+                                                         "chat-held-back"])
+def test_first_token_inside_a_utf8_character_takes_the_seeds_path(vllm_like, proxy, chat, text):
+    """Found by the soak: a first token that ends inside a UTF-8 character
+    (its text ends with U+FFFD) appended to the decode prompt made vLLM's
+    detokenizer stream the whole prompt text before the answer.  Such a
+    stream goes the seed's way: decode gets the original request."""
+    p, d = vllm_like("prefill", first_text=text), vllm_like("decode")
+    url = proxy([p.url], [d.url])
+    body = {"model": "m", "max_tokens": 4, "stream": True}
+    body.update({"messages": [{"role": "user", "content": "a b"}]} if chat else {"prompt": "a b"})
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    status, data = post(url + path, body, raw=True)
+    assert status == 200 and sse_events(data)[-1] == "[DONE]"
+    assert d.seen[-1]["body"] == body  # the original request, not prompt ids + first token
+    st = get_stats(url)
+    assert st["first_token_from_prefill"] == 0
+    assert st["first_token_fallbacks"] == {"first token is an incomplete UTF-8 character": 1}

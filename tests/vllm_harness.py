@@ -130,6 +130,7 @@ class Side:
         self._fin = {}  # (kind, req_id) -> TP ranks that reported it (vLLM aggregates)
         self.computed = {}     # req_id -> tokens computed locally (by the stand-in forward)
         self.stats = []
+        self.sched_stats = []  # kv_connector_stats in the scheduler's stats (both halves)
         self.sent, self.recvd, self.invalid = set(), set(), set()
         self.last_params = {}  # req_id -> kv_transfer_params the engine returned
         self.before_load = None  # called with the SchedulerOutput before start_load_kv
@@ -209,6 +210,9 @@ class Side:
                                 sampled_token_ids=sampled, kv_connector_output=out)
         res = self.sched.update_from_output(so, mro)
         for eco in (res or {}).values():
+            ss = getattr(eco, "scheduler_stats", None)
+            if ss is not None and ss.kv_connector_stats:
+                self.sched_stats.append(ss.kv_connector_stats)
             for o in getattr(eco, "outputs", None) or ():
                 if getattr(o, "kv_transfer_params", None):
                     self.last_params[o.request_id] = o.kv_transfer_params
@@ -261,4 +265,14 @@ def status(side, rid):
     return None if r is None else r.status
 
 
-__all__ = ["Side", "make_request", "tiny_model_dir", "status", "RequestStatus", "kv_value"]
+def recomputes(side):
+    """{reason: n} counted by both halves of the connector, as vLLM saw them."""
+    out = {}
+    for data in side.sched_stats:
+        for k, v in data.items():
+            if k.startswith("recompute_") and v:
+                out[k[len("recompute_"):]] = out.get(k[len("recompute_"):], 0) + v
+    return out
+
+
+__all__ = ["Side", "recomputes", "make_request", "tiny_model_dir", "status", "RequestStatus", "kv_value"]

@@ -222,7 +222,9 @@ class MooncakeConnector(KVConnectorBase_V1, SupportsHMA):
         return self._worker.take_invalid_blocks() if self._worker else set()
 
     def get_kv_connector_stats(self):
-        return self._worker.take_stats() if self._worker else None
+        if self._worker is not None:
+            return self._worker.take_stats()
+        return self._scheduler.take_stats() if self._scheduler is not None else None
 
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config):
@@ -234,6 +236,13 @@ class MooncakeConnector(KVConnectorBase_V1, SupportsHMA):
     def build_kv_connector_stats(cls, data=None):
         return MooncakeKVConnectorStats(data=data) if data is not None else \
             MooncakeKVConnectorStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        """The connector's counters, gauges and load-latency histogram in
+        vLLM's /metrics (vllm:mooncake_*; stats.py)."""
+        from mooncake_connector.connector.stats import build_prom_metrics
+        return build_prom_metrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self):
         if self._worker is not None:

@@ -32,6 +32,7 @@ class ProducerProbe:
         self.start_failures = 0
         self._down_until = {}      # producer -> monotonic time probing resumes
         self.probes = self.failures = 0
+        self.last_unreachable = None  # why the last held_tokens answered 0 without asking
 
     def _start(self):
         from mooncake_connector import _core  # first probe only
@@ -71,7 +72,9 @@ class ProducerProbe:
                                RESTART_S)
                 return None
         name = shift_port(producer or self.default_producer, 0)
+        self.last_unreachable = None
         if self._down_until.get(name, 0) > now:
+            self.last_unreachable = f"producer {name} did not answer a lookup lately"
             return 0
         from mooncake_connector import MooncakeError
 
@@ -81,6 +84,7 @@ class ProducerProbe:
         except MooncakeError as e:
             self.failures += 1
             self._down_until[name] = now + BACKOFF_S
+            self.last_unreachable = f"producer {name} did not answer a lookup ({e})"
             logger.warning("MooncakeConnector: producer %s did not answer a lookup (%s); "
                            "prompts are computed locally for the next %.0f s", name, e,
                            BACKOFF_S)

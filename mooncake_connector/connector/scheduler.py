@@ -23,6 +23,7 @@ import time
 from mooncake_connector.connector.metadata import (LoadSpec, MooncakeConnectorMetadata,
                                                    PublishSpec)
 from mooncake_connector.connector.settings import shift_port
+from mooncake_connector.connector.stats import MooncakeKVConnectorStats, recompute_reason
 
 logger = logging.getLogger("vllm.mooncake_connector")
 
@@ -57,6 +58,8 @@ class SchedulerSide:
         self._reqs = {}           # producer: req_id -> Request while it runs
         self._blocks = {}         # producer: req_id -> block ids (when no cache manager)
         self._tried = set()       # consumer: requests that had their one load
+        self._recomputed = set()  # consumer: requests counted as recomputed (once each)
+        self.stats = MooncakeKVConnectorStats()
         self.producer_base = None
         if settings.is_producer:
             url = settings.local_hostname or settings.mooncake.get("prefill_url")
@@ -105,14 +108,54 @@ class SchedulerSide:
         self._probed[request.request_id] = (held, now)
         return held
 
+    def _recompute(self, request, reason, why):
+        """No silent recompute: a prompt this consumer was meant to load is
+        computed here; one warning and one count (by reason) per request."""
+        rid = request.request_id
+        if rid in self._recomputed:
+            return
+        self._recomputed.add(rid)
+        self.stats.add(f"recompute_{reason}")
+        logger.warning("MooncakeConnector: request %s: its prompt (%d tokens) is computed "
+                       "locally, not loaded (%s: %s)", rid, len(request.prompt_token_ids or ()),
+                       reason, why)
+
+    def _check_unloadable(self, request, src):
+        """Counts requests a consumer was meant to load but cannot (decided
+        before any load: no params, or the producer published nothing)."""
+        if len(request.prompt_token_ids or ()) < self.block_size:
+            return  # no full block: nothing to load anyway
+        if src is None:
+            if self.s.role == "kv_consumer" and not self.s.flow_a:
+                self._recompute(request, "no_kv_transfer_params",
+                                "the request came without kv_transfer_params (flow A is off: "
+                                "send it through the proxy with --flow b)")
+            return
+        params = getattr(request, "kv_transfer_params", None) or {}
+        if src[0] == "B" and params.get("num_tokens") == 0:
+            self._recompute(request, "not_held", f"producer {src[1]} published no KV for it "
+                            "(aborted or failed there)")
+
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
         src = self._source(request)
         if src is None or request.request_id in self._tried:
+            if src is None and self.s.is_consumer:
+                self._check_unloadable(request, src)
             return 0, False  # one load per request: after a miss or failure, compute
         n_full = self._full_tokens(request)
         if n_full - num_computed_tokens <= 0:
+            if num_computed_tokens == 0:
+                self._check_unloadable(request, src)
             return 0, False
         held = self._known_size(request, src, n_full)
+        if held == 0 and num_computed_tokens == 0:
+            probe = self._probe
+            if probe is not None and getattr(probe, "last_unreachable", None):
+                self._recompute(request, recompute_reason(probe.last_unreachable),
+                                probe.last_unreachable)
+            else:
+                self._recompute(request, "not_held", "the producer does not hold its first "
+                                "block (never published, consumed or evicted)")
         if held is None:  # not known before the load: claim it all, load in the background
             self._claims[request.request_id] = (n_full, False)
             return n_full - num_computed_tokens, True
@@ -229,6 +272,7 @@ class SchedulerSide:
         self._claims.pop(rid, None)
         self._probed.pop(rid, None)
         self._tried.discard(rid)
+        self._recomputed.discard(rid)
         n = self._published.pop(rid, None)
         params = getattr(request, "kv_transfer_params", None) or {}
         if n is not None:
@@ -253,6 +297,12 @@ class SchedulerSide:
         if params.get("transfer_id") is not None:
             out["transfer_id"] = params["transfer_id"]
         return n is not None, out
+
+    def take_stats(self):
+        if self.stats.is_empty():
+            return None
+        out, self.stats = self.stats, MooncakeKVConnectorStats()
+        return out
 
     def shutdown(self):
         if self._probe is not None:

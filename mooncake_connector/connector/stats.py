@@ -1,4 +1,12 @@
-"""KVConnectorStats for vLLM's stat logger and Prometheus (both sides)."""
+"""KVConnectorStats for vLLM's stat logger and Prometheus (both sides).
+
+Counters (COUNTERS) add up over workers and over time.  recompute_<reason>
+counts prompts a consumer computed although it was meant to load them, by
+RECOMPUTE_REASONS.  Gauges (held bytes, lookup entries, loads in flight) are
+kept per worker under "gauges": {"r<tp_rank>": {name: value}}; aggregating
+keeps each worker's latest value, so the sum over workers is the current one.
+MooncakePromMetrics exports all of it in vLLM's /metrics (build_prom_metrics).
+"""
 from dataclasses import dataclass
 
 try:
@@ -10,14 +18,33 @@ except ImportError:  # vLLM absent
     class KVConnectorStats:  # type: ignore[no-redef]
         data: dict = field(default_factory=dict)
 
-COUNTERS = ("loads", "loads_in_step", "loads_failed", "load_bytes", "load_tokens", "load_tokens_missed",
-            "publishes", "publish_failed", "publish_bytes", "sends_finished",
-            "sends_expired")
+#: Why a consumer computed a prompt it was meant to load (docs/connector.md).
+RECOMPUTE_REASONS = ("producer_unreachable", "not_held", "timed_out", "layout_mismatch",
+                     "no_kv_transfer_params")
+COUNTERS = ("loads", "loads_in_step", "loads_failed", "load_bytes", "load_tokens",
+            "load_tokens_missed", "publishes", "publish_failed", "publish_bytes",
+            "sends_finished", "sends_expired",
+            *(f"recompute_{r}" for r in RECOMPUTE_REASONS))
+GAUGES = ("held_bytes", "lookup_entries", "loads_in_flight")
+
+
+def recompute_reason(err):
+    """RECOMPUTE_REASONS entry for a load that filled nothing: err is the
+    load's error text (None/"" = the producer answered, holding less)."""
+    if not err:
+        return "not_held"
+    low = err.lower()
+    if "layout" in low or "mismatch" in low or "cannot use" in low:
+        return "layout_mismatch"
+    if "timed out" in low or "timeout" in low:
+        return "timed_out"
+    return "producer_unreachable"
 
 
 @dataclass
 class MooncakeKVConnectorStats(KVConnectorStats):
-    """data: counters (COUNTERS) plus load_time_s, a list of per-load seconds."""
+    """data: counters (COUNTERS), load_time_s (a list of per-load seconds),
+    gauges ({"r<rank>": {GAUGES name: value}})."""
 
     def __post_init__(self):
         if not self.data:
@@ -33,18 +60,32 @@ class MooncakeKVConnectorStats(KVConnectorStats):
     def add_time(self, secs):
         self.data.setdefault("load_time_s", []).append(secs)
 
+    def set_gauges(self, rank, values):
+        self.data.setdefault("gauges", {})[f"r{rank}"] = dict(values)
+
     def aggregate(self, other):
         if other is None or not getattr(other, "data", None):
             return self
         for k, v in other.data.items():
-            if isinstance(v, list):
+            if k == "gauges":
+                self.data.setdefault("gauges", {}).update(v)  # latest per worker
+            elif isinstance(v, list):
                 self.data.setdefault(k, []).extend(v)
             else:
                 self.data[k] = self.data.get(k, 0) + v
         return self
 
+    def gauge_totals(self):
+        out = {}
+        for vals in (self.data.get("gauges") or {}).values():
+            for k, v in vals.items():
+                out[k] = out.get(k, 0) + v
+        return out
+
     def reduce(self):
-        out = {k: self.data.get(k, 0) for k in COUNTERS}
+        out = {k: self.data.get(k, 0) for k in COUNTERS
+               if not k.startswith("recompute_") or self.data.get(k)}
+        out.update(self.gauge_totals())
         times = sorted(self.data.get("load_time_s", []))
         if times:
             total = sum(times)
@@ -57,4 +98,85 @@ class MooncakeKVConnectorStats(KVConnectorStats):
         return out
 
     def is_empty(self):
-        return not any(self.data.get(k) for k in COUNTERS) and not self.data.get("load_time_s")
+        return (not any(self.data.get(k) for k in COUNTERS) and not self.data.get("load_time_s")
+                and not self.data.get("gauges"))
+
+
+#: Prometheus names (vLLM's "vllm:" prefix) for the counters.
+PROM_COUNTERS = {
+    "loads": ("vllm:mooncake_loads_total", "KV loads finished (hit, miss or failed)"),
+    "loads_failed": ("vllm:mooncake_load_failures_total", "KV loads that failed with an error"),
+    "load_bytes": ("vllm:mooncake_load_bytes_total", "KV bytes loaded from producers"),
+    "load_tokens": ("vllm:mooncake_load_tokens_total", "Prompt tokens loaded from producers"),
+    "load_tokens_missed": ("vllm:mooncake_load_tokens_missed_total",
+                           "Prompt tokens a load was meant to fill but did not"),
+    "publishes": ("vllm:mooncake_publishes_total", "Prompts published for consumers"),
+    "publish_failed": ("vllm:mooncake_publish_failures_total", "Prompts not published"),
+    "publish_bytes": ("vllm:mooncake_publish_bytes_total", "KV bytes published"),
+    "sends_finished": ("vllm:mooncake_sends_finished_total",
+                       "Held requests whose blocks were released back to vLLM"),
+}
+PROM_GAUGES = {
+    "held_bytes": ("vllm:mooncake_held_bytes",
+                   "Producer: KV bytes in the lookup buffer (held for consumers)"),
+    "lookup_entries": ("vllm:mooncake_lookup_entries",
+                       "Producer: prompts in the lookup buffer"),
+    "loads_in_flight": ("vllm:mooncake_loads_in_flight", "Consumer: loads not finished yet"),
+}
+LOAD_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+                30.0)
+
+
+def build_prom_metrics(vllm_config, metric_types, labelnames, per_engine_labelvalues):
+    """MooncakeConnector.build_prom_metrics: None without vLLM."""
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
+    except ImportError:
+        return None
+
+    class MooncakePromMetrics(KVConnectorPromMetrics):
+        def __init__(self):
+            super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+            eng = per_engine_labelvalues
+
+            def per_engine(metric, extra=()):
+                return {i: metric.labels(*lv, *extra) for i, lv in eng.items()}
+
+            self.counters = {k: per_engine(self._counter_cls(name=n, documentation=d,
+                                                             labelnames=labelnames))
+                             for k, (n, d) in PROM_COUNTERS.items()}
+            rec = self._counter_cls(
+                name="vllm:mooncake_recomputes_total",
+                documentation="Prompts a consumer computed although it was meant to load "
+                              "them, by reason", labelnames=labelnames + ["reason"])
+            self.recomputes = {r: per_engine(rec, (r,)) for r in RECOMPUTE_REASONS}
+            self.gauges = {k: per_engine(self._gauge_cls(name=n, documentation=d,
+                                                         labelnames=labelnames,
+                                                         multiprocess_mode="mostrecent"))
+                           for k, (n, d) in PROM_GAUGES.items()}
+            self._latest = {}  # engine -> {worker: gauges}
+            self.load_seconds = per_engine(self._histogram_cls(
+                name="vllm:mooncake_load_seconds",
+                documentation="Time from a load's start to its end (hit, miss or failure)",
+                labelnames=labelnames, buckets=LOAD_BUCKETS))
+
+        def observe(self, transfer_stats_data, engine_idx=0):
+            data = transfer_stats_data or {}
+            for k, per in self.counters.items():
+                if data.get(k):
+                    per[engine_idx].inc(data[k])
+            for r, per in self.recomputes.items():
+                if data.get(f"recompute_{r}"):
+                    per[engine_idx].inc(data[f"recompute_{r}"])
+            for secs in data.get("load_time_s") or ():
+                self.load_seconds[engine_idx].observe(secs)
+            if data.get("gauges"):
+                # Each observation has the workers whose gauges changed.
+                latest = self._latest.setdefault(engine_idx, {})
+                latest.update(data["gauges"])
+                totals = MooncakeKVConnectorStats(data={"gauges": latest}).gauge_totals()
+                for k, per in self.gauges.items():
+                    if k in totals:
+                        per[engine_idx].set(totals[k])
+
+    return MooncakePromMetrics()

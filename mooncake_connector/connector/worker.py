@@ -28,7 +28,7 @@ import time
 from mooncake_connector.connector import peer_record, tp_map
 from mooncake_connector.connector.layout import NULL_BLOCK, KVLayout
 from mooncake_connector.connector.settings import SettingsError, shift_port
-from mooncake_connector.connector.stats import MooncakeKVConnectorStats
+from mooncake_connector.connector.stats import MooncakeKVConnectorStats, recompute_reason
 
 logger = logging.getLogger("vllm.mooncake_connector")
 
@@ -275,7 +275,10 @@ class WorkerSide:
         try:
             route = self._route(spec.producer or self.default_producer,
                                 producer_tp=getattr(spec, "producer_tp", None))
-        except (MooncakeError, SettingsError, ValueError) as e:
+        except SettingsError as e:  # the producer's layout/parallelism cannot map to ours
+            ld.error = f"layout mismatch: {e}"
+            return
+        except (MooncakeError, ValueError) as e:
             ld.error = str(e)
             return
         limit = self.s.sync_load_timeout_s if spec.sync else self.s.load_timeout_s
@@ -291,7 +294,9 @@ class WorkerSide:
                     name, spec.tokens, dest, timeout=max(left, 0.001),
                     extents_per_block=self.layout.extents_per_block,
                     skip_blocks=spec.skip_blocks)
-            except (MooncakeError, SettingsError, ValueError) as e:
+            except SettingsError as e:
+                ld.results[name] = (0, f"layout mismatch: {e}")
+            except (MooncakeError, ValueError) as e:
                 ld.results[name] = (0, str(e))
 
     def _poll_load(self, rid):
@@ -338,10 +343,19 @@ class WorkerSide:
             for g in spec.more_groups:  # HMA: the other groups' blocks, less null ones
                 self._invalid.update(b for b in g[loaded:] if b != NULL_BLOCK)
             self.stats.add("load_tokens_missed", (len(spec.block_ids) - loaded) * self.block_size)
+            # No silent recompute: one warning and one count, by reason.
+            reason = recompute_reason(err)
+            self.stats.add(f"recompute_{reason}")
             if err:
                 self.stats.add("loads_failed")
-                logger.warning("MooncakeConnector: loading request %s failed (%s); its "
-                               "prompt is computed locally", rid, err)
+                logger.warning("MooncakeConnector: loading request %s failed (%s: %s); its "
+                               "prompt is computed locally", rid, reason, err)
+            else:
+                logger.warning("MooncakeConnector: request %s: producer %s held %d of %d "
+                               "blocks (not_held: never published, consumed or evicted); the "
+                               "rest of its prompt is computed locally", rid,
+                               spec.producer or self.default_producer, loaded,
+                               len(spec.block_ids))
 
     def publish(self, meta):
         if not meta.publishes or self.lb is None:
@@ -467,7 +481,17 @@ class WorkerSide:
         out, self._invalid = self._invalid, set()
         return out
 
+    def gauges(self):
+        lb = self.lb.stats() if self.lb is not None else {}
+        return {"held_bytes": int(lb.get("used_bytes", 0)),
+                "lookup_entries": int(lb.get("entries", 0)),
+                "loads_in_flight": len(self._loading)}
+
     def take_stats(self):
+        g = self.gauges() if self.kv is not None else None
+        if g is not None and g != getattr(self, "_last_gauges", None):
+            self.stats.set_gauges(self.tp_rank, g)  # reported when they change
+            self._last_gauges = g
         if self.stats.is_empty():
             return None
         out, self.stats = self.stats, MooncakeKVConnectorStats()

@@ -1,0 +1,927 @@
+"""Chaos soak: many clients through our proxy while faults happen on a schedule.
+
+    .venv/bin/python -P benchmarks/soak.py --duration 1800 --json soak.json --png soak.png
+    .venv/bin/python -P benchmarks/soak.py --ci            # the short version CI runs
+
+Deployment (all on this host, CPU backend, the tiny random-weight model):
+etcd (the connectors' metadata server), two prefill servers (kv_producer; P2
+with a small kv_buffer_size: eviction pressure) inside a network namespace
+joined to the host by a veth pair, two decode servers (kv_consumer, flow A
+pairs D1->P1 and D2->P2), and two of our proxies (flow a, flow b).  The
+proxies, decode servers and etcd reach the prefill servers only over the
+veth link, so cutting it or putting `tc netem` loss/delay on it hits the
+prefill<->decode KV traffic (and the proxy's prefill leg).
+
+Clients (asyncio, --clients at once): prompts from a pool with shared
+prefixes and mixed lengths, completions and chat, streamed and not, greedy;
+some disconnect mid-stream, some abort before the answer.  Each prompt's
+reference output comes from a server computing it all itself (prefill P1
+asked directly, kv_transfer_params do_remote_decode false: no connector
+involved), before the load starts.
+
+Faults (--faults, in turn every --fault-period s): SIGKILL of prefill P1 and
+its restart, SIGSTOP/SIGCONT of decode D2, an etcd restart, a cut veth link,
+netem loss+delay on it.
+
+Invariants (each violation is listed in the JSON):
+  hung       no request takes longer than --bound-s (the proxy's own limits are lower)
+  wrong      every complete greedy answer equals the reference
+  truncated  no 200 answer with an incomplete body (JSON that does not parse,
+             a stream without [DONE] and without an error event)
+  unclear    every non-200 answer carries a JSON error message
+  leaked     after the load stops and faults are healed, every server's
+             running/waiting requests, vLLM KV usage, our held bytes, lookup
+             entries and loads in flight return to their baseline within
+             hold_timeout_s + --drain-margin-s
+  rss        no server's RSS grows faster than --rss-slope-max MiB/min
+             (least squares over the second half of the load, per process
+             lifetime)
+Exit status 0 when all hold.  Output: a progress line, --json results, a
+--png timeline (requests, latency, RSS, held bytes, fault spans).
+"""
+import argparse
+import asyncio
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+
+from mooncake_connector import serving
+from mooncake_connector.deployment import _port_pair, parse_metrics
+
+FAULTS = ("kill_prefill", "stop_decode", "etcd_restart", "link_cut", "netem")
+WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi "
+         "rho sigma tau upsilon phi chi psi omega red green blue yellow house river stone tree "
+         "cloud light night day water fire earth wind north south east west one two three four "
+         "five six seven eight nine ten").split()
+
+
+def log(msg):
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def sh(*args, check=True):
+    r = subprocess.run(args, capture_output=True, text=True)
+    if check and r.returncode:
+        raise RuntimeError(f"{' '.join(args)}: {r.stderr.strip()}")
+    return r
+
+
+# ---------------------------------------------------------------- network
+
+class Net:
+    """A namespace for the prefill servers, joined to the host by a veth pair:
+    host side HOST_IP, namespace side NS_IP (/30)."""
+
+    def __init__(self, tag, enabled=True):
+        self.enabled = enabled
+        self.ns = f"mcsoak{tag}"
+        self.veth, self.peer = f"mcsk{tag}h", f"mcsk{tag}n"
+        octet = 16 + os.getpid() % 200
+        self.host_ip, self.ns_ip = f"10.219.{octet}.1", f"10.219.{octet}.2"
+        if not enabled:
+            self.host_ip = self.ns_ip = "127.0.0.1"
+        self.netem_on = False
+
+    def up(self):
+        if not self.enabled:
+            return
+        self.down()
+        try:
+            sh("ip", "netns", "add", self.ns)
+            sh("ip", "link", "add", self.veth, "type", "veth", "peer", "name", self.peer)
+            sh("ip", "link", "set", self.peer, "netns", self.ns)
+            sh("ip", "addr", "add", f"{self.host_ip}/30", "dev", self.veth)
+            sh("ip", "-n", self.ns, "addr", "add", f"{self.ns_ip}/30", "dev", self.peer)
+            sh("ip", "link", "set", self.veth, "up")
+            sh("ip", "-n", self.ns, "link", "set", self.peer, "up")
+            sh("ip", "-n", self.ns, "link", "set", "lo", "up")
+        except RuntimeError:
+            self.down()
+            raise
+
+    def down(self):
+        if not self.enabled:
+            return
+        sh("ip", "link", "del", self.veth, check=False)
+        sh("ip", "netns", "del", self.ns, check=False)
+
+    def prefix(self):
+        return ["ip", "netns", "exec", self.ns] if self.enabled else []
+
+    def cut(self):
+        sh("ip", "link", "set", self.veth, "down")
+
+    def heal(self):
+        sh("ip", "link", "set", self.veth, "up")
+
+    def netem(self, delay_ms, loss_pct):
+        """Loss and delay on the link, both directions: `tc netem`, or where
+        the kernel has no sch_netem (this development VM's has not), a token
+        bucket with a short queue (tbf: queueing delay, tail-drop loss).
+        Returns what was set."""
+        for dev, ns in ((self.veth, []), (self.peer, ["-n", self.ns])):
+            r = sh("tc", *ns, "qdisc", "replace", "dev", dev, "root", "netem", "delay",
+                   f"{delay_ms}ms", "loss", f"{loss_pct}%", check=False)
+            if r.returncode:
+                if "unknown" not in r.stderr:
+                    raise RuntimeError(f"tc netem on {dev}: {r.stderr.strip()}")
+                sh("tc", *ns, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", "4mbit",
+                   "burst", "8kb", "latency", f"{delay_ms}ms")
+                what = f"tbf rate 4mbit burst 8kb latency {delay_ms}ms (no sch_netem here)"
+            else:
+                what = f"netem delay {delay_ms}ms loss {loss_pct}%"
+        self.netem_on = True
+        return what
+
+    def clear_netem(self):
+        sh("tc", "qdisc", "del", "dev", self.veth, "root", check=False)
+        sh("tc", "-n", self.ns, "qdisc", "del", "dev", self.peer, "root", check=False)
+        self.netem_on = False
+
+
+def have_netns():
+    return (os.geteuid() == 0 and shutil.which("ip") and shutil.which("tc")
+            and subprocess.run(["ip", "netns", "list"], capture_output=True).returncode == 0)
+
+
+# ---------------------------------------------------------------- servers
+
+def rss_of_group(pgid):
+    """Resident bytes of every process in group pgid (a server and its children)."""
+    total = 0
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                st = f.read()
+            fields = st[st.rindex(")") + 2:].split()
+            if int(fields[2]) == pgid:  # pgrp
+                total += int(fields[21]) * 4096  # rss pages
+        except (OSError, ValueError, IndexError):
+            continue
+    return total
+
+
+class Launcher:
+    """Starts processes from one thread that lives as long as the soak:
+    serving.Process sets PR_SET_PDEATHSIG, which fires when the *thread*
+    that forked the child exits, so a server restarted from a short-lived
+    thread would get SIGTERM when that thread ends."""
+
+    def __init__(self):
+        import concurrent.futures
+        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=1,
+                                                          thread_name_prefix="launcher")
+
+    def start_all(self, procs, timeout):
+        def start():
+            for p in procs:
+                if not p.alive:
+                    p.start()
+        self.pool.submit(start).result()
+        serving.start_all(procs, timeout)  # only waits now: every one is alive
+
+    def close(self):
+        self.pool.shutdown(wait=True)
+
+
+class Cluster:
+    def __init__(self, workdir, model, net, args):
+        self.launcher = Launcher()
+        self.workdir, self.net, self.args = workdir, net, args
+        logs = os.path.join(workdir, "logs")
+        os.makedirs(logs, exist_ok=True)
+        self.etcd_dir = os.path.join(workdir, "etcd-data")
+        ep, pp = serving.free_port(), serving.free_port()
+        eu = f"http://{net.host_ip}:{ep}"
+        self.etcd = serving.Process("etcd", [
+            "etcd", "--name", "mc-soak", "--data-dir", self.etcd_dir,
+            "--listen-client-urls", eu, "--advertise-client-urls", eu,
+            "--listen-peer-urls", f"http://127.0.0.1:{pp}",
+            "--initial-advertise-peer-urls", f"http://127.0.0.1:{pp}",
+            "--initial-cluster", f"mc-soak=http://127.0.0.1:{pp}", "--log-level", "error"],
+            os.path.join(logs, "etcd.log"), health_url=f"{eu}/health")
+        meta = f"etcd://{net.host_ip}:{ep}"
+        self.servers = {}
+        engines = {}
+        for i in (1, 2):
+            p, d = _port_pair()
+            engines[i] = (f"{net.ns_ip}:{p}", f"{net.host_ip}:{d}")
+        common = {"kv_connector": "MooncakeConnector",
+                  "kv_connector_module_path": "mooncake_connector"}
+        knobs = {"hold_timeout_s": args.hold_timeout_s, "load_timeout_s": args.load_timeout_s}
+        for role, i in (("prefill", 1), ("prefill", 2), ("decode", 1), ("decode", 2)):
+            name = f"{role[0].upper()}{i}"
+            cfg_path = os.path.join(workdir, f"mooncake-{name}.json")
+            pre, dec = engines[i]
+            with open(cfg_path, "w") as f:
+                json.dump({"prefill_url": pre, "decode_url": dec, "metadata_server": meta,
+                           "protocol": "tcp", "device_name": ""}, f, indent=1)
+            buf = args.small_kv_buffer if name == "P2" else 2e9
+            ktc = dict(common, kv_role="kv_producer" if role == "prefill" else "kv_consumer",
+                       kv_buffer_size=buf, kv_connector_extra_config=dict(knobs))
+            port = serving.free_port()
+            host = net.ns_ip if role == "prefill" else "127.0.0.1"
+            srv = serving.vllm_server(name, model, port, os.path.join(logs, f"{name}.log"),
+                                      kv_transfer_config=ktc,
+                                      env={"MOONCAKE_CONFIG_PATH": cfg_path},
+                                      kv_cache_bytes=args.kv_cache_bytes)
+            srv.cmd[srv.cmd.index("--host") + 1] = host
+            if role == "prefill":
+                srv.cmd = net.prefix() + srv.cmd
+            srv.url = f"http://{host}:{port}"
+            srv.health_url = srv.url + "/health"
+            srv.role = role
+            self.servers[name] = srv
+        pre = [self.servers["P1"].url, self.servers["P2"].url]
+        self.proxies = {
+            # flow a: the proxy's two round robins move together: P1+D1, P2+D2
+            # (each decode's prefill_url); flow b crosses them: P1+D2, P2+D1.
+            "a": serving.proxy(pre, [self.servers["D1"].url, self.servers["D2"].url],
+                               serving.free_port(), os.path.join(logs, "proxy-a.log"), flow="a",
+                               timeout_s=args.proxy_timeout_s),
+            "b": serving.proxy(pre, [self.servers["D2"].url, self.servers["D1"].url],
+                               serving.free_port(), os.path.join(logs, "proxy-b.log"), flow="b",
+                               timeout_s=args.proxy_timeout_s),
+        }
+        for p in self.proxies.values():
+            p.cmd += ["--idle-timeout", str(args.proxy_idle_timeout_s)]
+        self.restarting = set()
+
+    def all(self):
+        return [self.etcd, *self.servers.values(), *self.proxies.values()]
+
+    def start(self, timeout):
+        self.launcher.start_all([self.etcd], 60)
+        self.launcher.start_all(list(self.servers.values()) + list(self.proxies.values()),
+                                timeout)
+
+    def stop(self):
+        for s in self.servers.values():
+            if s.proc is not None:
+                serving._killpg(s.proc.pid, signal.SIGCONT)
+        serving.stop_all([*self.proxies.values(), *self.servers.values()])
+        serving.stop_all([self.etcd])
+        self.launcher.close()
+
+
+# ---------------------------------------------------------------- faults
+
+class Faults(threading.Thread):
+    def __init__(self, cluster, net, args, t0):
+        super().__init__(daemon=True)
+        self.c, self.net, self.args, self.t0 = cluster, net, args, t0
+        self.events = []       # {"fault", "start", "end", "detail"}
+        self.stop_evt = threading.Event()
+        self.errors = []
+        kinds = [f for f in args.faults.split(",") if f]
+        if not net.enabled:
+            kinds = [f for f in kinds if f not in ("link_cut", "netem")]
+        self.kinds = kinds
+        self.restart_threads = []
+
+    def now(self):
+        return time.monotonic() - self.t0
+
+    def _event(self, name, detail):
+        ev = {"fault": name, "start": round(self.now(), 2), "end": None, "detail": detail}
+        self.events.append(ev)
+        log(f"fault {name}: {detail}")
+        return ev
+
+    def _sleep(self, s):
+        return self.stop_evt.wait(s)
+
+    def run(self):
+        i = 0
+        if self._sleep(self.args.first_fault_s):
+            return
+        while not self.stop_evt.is_set() and self.kinds:
+            kind = self.kinds[i % len(self.kinds)]
+            i += 1
+            t = time.monotonic()
+            try:
+                getattr(self, kind)()
+            except Exception as e:  # noqa: BLE001 - a fault that cannot be injected is reported
+                self.errors.append(f"{kind}: {e!r}")
+                log(f"fault {kind} could not be injected: {e!r}")
+            if self._sleep(max(0.0, self.args.fault_period - (time.monotonic() - t))):
+                return
+
+    def kill_prefill(self):
+        srv = self.c.servers["P1"]
+        if "P1" in self.c.restarting:
+            return
+        ev = self._event("kill_prefill", "SIGKILL to P1's process group, then restart")
+        srv.kill()
+        self.c.restarting.add("P1")
+
+        def restart():
+            try:
+                self.c.launcher.start_all([srv], self.args.start_timeout)
+                ev["detail"] += f" (ready again after {srv.ready_s:.0f} s)"
+            except Exception as e:  # noqa: BLE001
+                self.errors.append(f"P1 restart: {e}")
+            finally:
+                ev["end"] = round(self.now(), 2)
+                self.c.restarting.discard("P1")
+        th = threading.Thread(target=restart, daemon=True)
+        th.start()
+        self.restart_threads.append(th)
+
+    def stop_decode(self):
+        srv = self.c.servers["D2"]
+        ev = self._event("stop_decode", f"SIGSTOP D2 for {self.args.stop_s} s")
+        serving._killpg(srv.proc.pid, signal.SIGSTOP)
+        try:
+            time.sleep(self.args.stop_s)
+        finally:
+            serving._killpg(srv.proc.pid, signal.SIGCONT)
+            ev["end"] = round(self.now(), 2)
+
+    def etcd_restart(self):
+        ev = self._event("etcd_restart", "SIGTERM etcd, down 3 s, restart (same data dir)")
+        self.c.etcd.stop(grace=10)
+        time.sleep(3)
+        self.c.launcher.start_all([self.c.etcd], 60)
+        ev["end"] = round(self.now(), 2)
+
+    def link_cut(self):
+        ev = self._event("link_cut", f"veth down for {self.args.cut_s} s")
+        self.net.cut()
+        try:
+            time.sleep(self.args.cut_s)
+        finally:
+            self.net.heal()
+            ev["end"] = round(self.now(), 2)
+
+    def netem(self):
+        ev = self._event("netem", f"loss+delay on the link for {self.args.netem_s} s")
+        ev["detail"] += ": " + self.net.netem(40, 3)
+        try:
+            time.sleep(self.args.netem_s)
+        finally:
+            self.net.clear_netem()
+            ev["end"] = round(self.now(), 2)
+
+    def heal_all(self):
+        self.stop_evt.set()
+        if self.is_alive():
+            self.join(timeout=self.args.stop_s + self.args.netem_s + 90)
+        if self.net.enabled:
+            self.net.heal()
+            self.net.clear_netem()
+        for srv in self.c.servers.values():
+            if srv.proc is not None:
+                serving._killpg(srv.proc.pid, signal.SIGCONT)
+        for th in self.restart_threads:
+            th.join(timeout=self.args.start_timeout + 30)
+        if not self.c.etcd.alive:
+            self.c.launcher.start_all([self.c.etcd], 60)
+
+
+# ---------------------------------------------------------------- load
+
+def make_pool(seed, n_prefix, n_suffix, max_words):
+    rnd = random.Random(seed)
+    prefixes = [" ".join(rnd.choice(WORDS) for _ in range(rnd.choice((0, 40, 120, max_words))))
+                for _ in range(n_prefix)]
+    pool = []
+    for pi, pre in enumerate(prefixes):
+        for si in range(n_suffix):
+            n = rnd.randrange(3, max_words // 2)
+            text = (pre + " " if pre else "") + " ".join(rnd.choice(WORDS) for _ in range(n))
+            pool.append({"id": f"p{pi}s{si}", "text": text, "max_tokens": 3 + rnd.randrange(12)})
+    return pool
+
+
+def body_for(item, chat, stream):
+    b = {"model": "tiny", "temperature": 0, "max_tokens": item["max_tokens"], "stream": stream}
+    if chat:
+        b["messages"] = [{"role": "user", "content": item["text"]}]
+    else:
+        b["prompt"] = item["text"]
+    return b
+
+
+def answer_text(obj, chat):
+    c = obj["choices"][0]
+    return c["message"]["content"] if chat else c["text"]
+
+
+def parse_stream(raw, chat):
+    """(text, state) with state "complete", "error" (an error event), or
+    "truncated" (no [DONE])."""
+    text, err, done = [], None, False
+    for ev in raw.decode("utf-8", "replace").split("\n\n"):
+        ev = ev.strip()
+        if not ev.startswith("data:"):
+            continue
+        data = ev[5:].strip()
+        if data == "[DONE]":
+            done = True
+            continue
+        try:
+            obj = json.loads(data)
+        except ValueError:
+            return "".join(text), "truncated"
+        if "error" in obj:
+            err = obj["error"]
+            continue
+        for c in obj.get("choices") or ():
+            piece = (c.get("delta") or {}).get("content") if chat else c.get("text")
+            if piece:
+                text.append(piece)
+    if err is not None:
+        return "".join(text), "error"
+    return "".join(text), "complete" if done else "truncated"
+
+
+class Load:
+    def __init__(self, proxies, pool, refs, args, t0):
+        self.proxies, self.pool, self.refs, self.args, self.t0 = proxies, pool, refs, args, t0
+        self.records = []   # one per request
+        self.sink = open(args.json + ".records.jsonl", "w") if args.json else None
+        self.stop = False
+        self.rnd = random.Random(args.seed + 1)
+
+    async def one(self, session, n):
+        import aiohttp
+        r = self.rnd
+        item = r.choice(self.pool)
+        flow = r.choice(sorted(self.proxies))
+        chat, stream = r.random() < 0.4, r.random() < 0.5
+        u = r.random()
+        behaviour = ("disconnect" if stream and u < self.args.disconnect_frac else
+                     "abort" if u > 1 - self.args.abort_frac else "normal")
+        rec = {"n": n, "prompt": item["id"], "flow": flow, "chat": chat, "stream": stream,
+               "behaviour": behaviour, "start": round(time.monotonic() - self.t0, 3)}
+        url = self.proxies[flow] + ("/v1/chat/completions" if chat else "/v1/completions")
+        t = time.monotonic()
+
+        async def go():
+            async with session.post(url, json=body_for(item, chat, stream)) as resp:
+                rec["status"] = resp.status
+                if behaviour == "disconnect" and resp.status == 200:
+                    await resp.content.readany()
+                    resp.close()
+                    return "client_abort", None
+                raw = await resp.read()
+            if rec["status"] != 200:
+                try:
+                    msg = json.loads(raw)["error"]["message"]
+                    rec["error"] = str(msg)[:300]
+                    return "error", None
+                except (ValueError, KeyError, TypeError):
+                    rec["error"] = raw[:300].decode("utf-8", "replace")
+                    return "unclear", None
+            if stream:
+                text, state = parse_stream(raw, chat)
+                if state == "error":
+                    rec["error"] = "error event in a 200 stream"
+                    return "error", None
+                if state == "truncated":
+                    return "truncated", None
+                return "done", text
+            try:
+                return "done", answer_text(json.loads(raw), chat)
+            except (ValueError, KeyError, IndexError, TypeError):
+                return "truncated", None
+
+        try:
+            if behaviour == "abort":
+                try:
+                    outcome, text = await asyncio.wait_for(go(), r.uniform(0.05, 1.5))
+                except asyncio.TimeoutError:
+                    outcome, text = "client_abort", None
+            else:
+                outcome, text = await asyncio.wait_for(go(), self.args.bound_s)
+        except asyncio.TimeoutError:
+            outcome, text = "hung", None
+        except (aiohttp.ClientError, OSError) as e:
+            outcome, text = "error", None   # the connection failed: a clear client-side error
+            rec["error"] = f"connection: {e!r}"[:300]
+        if outcome == "done":
+            ref = self.refs[(item["id"], chat)]
+            outcome = "ok" if text == ref else "wrong"
+            if outcome == "wrong":
+                rec["got"], rec["want"] = text, ref
+        rec["outcome"] = outcome
+        rec["secs"] = round(time.monotonic() - t, 3)
+        self.records.append(rec)
+        if self.sink is not None:  # as they end: a long soak can be watched
+            self.sink.write(json.dumps(rec) + "\n")
+            self.sink.flush()
+
+    async def client(self, session, k):
+        n = k
+        while not self.stop:
+            await self.one(session, n)
+            n += self.args.clients
+            await asyncio.sleep(self.rnd.uniform(0, self.args.think_s))
+
+    async def run(self, duration, progress):
+        import aiohttp
+        conn = aiohttp.TCPConnector(limit=0, force_close=True)
+        async with aiohttp.ClientSession(connector=conn,
+                                         timeout=aiohttp.ClientTimeout(total=None)) as session:
+            tasks = [asyncio.create_task(self.client(session, k))
+                     for k in range(self.args.clients)]
+            end = time.monotonic() + duration
+            while time.monotonic() < end:
+                await asyncio.sleep(1)
+                progress()
+            self.stop = True
+            await asyncio.gather(*tasks)
+
+
+async def references(url, pool, concurrency=4):
+    """Each prompt's greedy answer from a server that computes it itself."""
+    import aiohttp
+    sem = asyncio.Semaphore(concurrency)
+    out = {}
+
+    async def one(session, item, chat):
+        body = dict(body_for(item, chat, False),
+                    kv_transfer_params={"do_remote_decode": False})
+        async with sem:
+            async with session.post(url + ("/v1/chat/completions" if chat else
+                                           "/v1/completions"), json=body) as r:
+                raw = await r.read()
+                if r.status != 200:
+                    raise RuntimeError(f"reference for {item['id']}: {r.status} {raw[:300]}")
+                out[(item["id"], chat)] = answer_text(json.loads(raw), chat)
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as s:
+        await asyncio.gather(*(one(s, it, c) for it in pool for c in (False, True)))
+    return out
+
+
+# ---------------------------------------------------------------- monitoring
+
+GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+          "vllm:mooncake_held_bytes", "vllm:mooncake_lookup_entries",
+          "vllm:mooncake_loads_in_flight")
+
+
+def scrape(url, timeout=3.0):
+    status, body = serving.http_get(url + "/metrics", timeout=timeout)
+    if status != 200:
+        return None
+    vals = {}
+    for (name, labels), v in parse_metrics(body).items():
+        key = name
+        reason = dict(labels).get("reason")
+        if reason:
+            key = f"{name}{{{reason}}}"
+        vals[key] = vals.get(key, 0) + v
+    return vals
+
+
+class Monitor(threading.Thread):
+    def __init__(self, cluster, t0, period=2.0):
+        super().__init__(daemon=True)
+        self.c, self.t0, self.period = cluster, t0, period
+        self.samples = []   # {"t", "server", "pid", "rss", gauges...}
+        self.stop_evt = threading.Event()
+
+    def sample(self):
+        t = round(time.monotonic() - self.t0, 2)
+        out = {}
+
+        def one(name, srv):
+            row = {"t": t, "server": name, "pid": None, "rss": None}
+            if srv.alive:
+                m = scrape(srv.url)
+                if m is not None:  # RSS of serving servers only (not while starting)
+                    row["pid"], row["rss"] = srv.proc.pid, rss_of_group(srv.proc.pid)
+                    row.update({g: m.get(g) for g in GAUGES if g in m})
+            out[name] = row
+        ths = [threading.Thread(target=one, args=(n, s)) for n, s in self.c.servers.items()]
+        for th in ths:
+            th.start()
+        for th in ths:
+            th.join()
+        self.samples.extend(out.values())
+        return out
+
+    def run(self):
+        while not self.stop_evt.wait(self.period):
+            self.sample()
+
+
+def rss_slope(samples, server, t_from, t_to):
+    """MiB/min by least squares for each lifetime (pid) of server within
+    [t_from, t_to] that began before t_from; the steepest of those with >= 8
+    samples (None: no such lifetime, e.g. restarted inside the window)."""
+    born = {}
+    for s in samples:
+        if s["server"] == server and s["rss"]:
+            born.setdefault(s["pid"], s["t"])
+    by_pid = {}
+    for s in samples:
+        # A process restarted inside the window is warming up, not trending.
+        if (s["server"] == server and s["rss"] and t_from <= s["t"] <= t_to
+                and born[s["pid"]] <= t_from):
+            by_pid.setdefault(s["pid"], []).append((s["t"], s["rss"] / 2**20))
+    slopes = []
+    for pts in by_pid.values():
+        if len(pts) < 8:
+            continue
+        n = len(pts)
+        mx = sum(p[0] for p in pts) / n
+        my = sum(p[1] for p in pts) / n
+        sxx = sum((p[0] - mx) ** 2 for p in pts)
+        if sxx > 0:
+            slopes.append(60 * sum((p[0] - mx) * (p[1] - my) for p in pts) / sxx)
+    return round(max(slopes), 3) if slopes else None
+
+
+# ---------------------------------------------------------------- report
+
+def summarize(load, t_load):
+    recs = load.records
+    out = {"requests": len(recs)}
+    for k in ("ok", "wrong", "error", "unclear", "truncated", "hung", "client_abort"):
+        out[k] = sum(1 for r in recs if r["outcome"] == k)
+    done = sorted(r["secs"] for r in recs if r["outcome"] in ("ok", "wrong"))
+    if done:
+        out["latency_s"] = {"p50": done[len(done) // 2],
+                            "p99": done[min(len(done) - 1, int(0.99 * len(done)))],
+                            "max": done[-1]}
+    out["max_request_s"] = max((r["secs"] for r in recs), default=0)
+    out["by_flow"] = {f: {"requests": sum(1 for r in recs if r["flow"] == f),
+                          "ok": sum(1 for r in recs if r["flow"] == f and r["outcome"] == "ok")}
+                      for f in sorted({r["flow"] for r in recs})}
+    errs = {}
+    for r in recs:
+        if r["outcome"] == "error":
+            key = r.get("error", "")[:90]
+            errs[key] = errs.get(key, 0) + 1
+    out["errors_by_message"] = dict(sorted(errs.items(), key=lambda kv: -kv[1])[:15])
+    out["requests_per_s"] = round(len(recs) / t_load, 2) if t_load else None
+    return out
+
+
+def plot(path, load, monitor, faults, t_load_end, drained_at):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(4, 1, figsize=(13, 11), sharex=True)
+    colors = {"ok": "tab:green", "error": "tab:orange", "client_abort": "tab:gray",
+              "wrong": "red", "truncated": "magenta", "hung": "black", "unclear": "brown"}
+    ax = axes[0]
+    for outcome, col in colors.items():
+        pts = [(r["start"] + r["secs"], r["secs"]) for r in load.records
+               if r["outcome"] == outcome]
+        if pts:
+            ax.scatter(*zip(*pts), s=6, color=col, label=f"{outcome} ({len(pts)})")
+    ax.set_ylabel("request s (at its end)")
+    ax.set_yscale("log")
+    ax.legend(loc="upper left", fontsize=7, ncol=4)
+    ax = axes[1]
+    bins = {}
+    for r in load.records:
+        b = int((r["start"] + r["secs"]) // 10) * 10
+        bins.setdefault(r["outcome"], {}).setdefault(b, 0)
+        bins[r["outcome"]][b] += 1
+    for outcome, per in bins.items():
+        xs = sorted(per)
+        ax.plot(xs, [per[x] / 10 for x in xs], color=colors.get(outcome), label=outcome)
+    ax.set_ylabel("answers/s (10 s bins)")
+    ax.legend(loc="upper left", fontsize=7, ncol=4)
+    for ax, key, label, scale in ((axes[2], "rss", "RSS MiB", 2**20),
+                                  (axes[3], "vllm:mooncake_held_bytes", "held KiB (producers)",
+                                   1024)):
+        for name in sorted({s["server"] for s in monitor.samples}):
+            pts = [(s["t"], s[key] / scale) for s in monitor.samples
+                   if s["server"] == name and s.get(key) is not None]
+            if pts and (key == "rss" or name.startswith("P")):
+                ax.plot(*zip(*pts), label=name, lw=1)
+        ax.set_ylabel(label)
+        ax.legend(loc="upper left", fontsize=7, ncol=4)
+    fcol = {"kill_prefill": "red", "stop_decode": "orange", "etcd_restart": "purple",
+            "link_cut": "black", "netem": "blue"}
+    for ev in faults.events:
+        end = ev["end"] if ev["end"] is not None else ev["start"] + 1
+        for ax in axes:
+            ax.axvspan(ev["start"], max(end, ev["start"] + 0.5), color=fcol.get(ev["fault"]),
+                       alpha=0.12)
+        axes[0].annotate(ev["fault"], (ev["start"], 1), xycoords=("data", "axes fraction"),
+                         fontsize=6, rotation=90, va="top")
+    for ax in axes:
+        ax.axvline(t_load_end, color="k", ls="--", lw=0.8)
+        if drained_at is not None:
+            ax.axvline(drained_at, color="g", ls=":", lw=0.8)
+    axes[-1].set_xlabel("s since load start (dashed: load stops; dotted: back to baseline)")
+    fig.suptitle("mooncake-connector chaos soak")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def at_baseline(row, base):
+    """[(gauge, value, baseline)] that are not back at the baseline."""
+    bad = []
+    for g in GAUGES:
+        v, b = row.get(g), base.get(g, 0) or 0
+        if v is None:
+            continue
+        if v > b + 1e-9:
+            bad.append((g, v, b))
+    return bad
+
+
+# ---------------------------------------------------------------- main
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--duration", type=float, default=1800, help="seconds of load")
+    ap.add_argument("--ci", action="store_true",
+                    help="the short version CI runs: --duration 130, every fault once, fewer "
+                         "clients")
+    ap.add_argument("--clients", type=int, default=12)
+    ap.add_argument("--think-s", type=float, default=0.5, help="max pause between a client's "
+                    "requests")
+    ap.add_argument("--faults", default=",".join(FAULTS), help=f"subset of {','.join(FAULTS)}")
+    ap.add_argument("--fault-period", type=float, default=60.0)
+    ap.add_argument("--first-fault-s", type=float, default=20.0)
+    ap.add_argument("--stop-s", type=float, default=6.0, help="SIGSTOP length")
+    ap.add_argument("--cut-s", type=float, default=6.0, help="link cut length")
+    ap.add_argument("--netem-s", type=float, default=20.0)
+    ap.add_argument("--disconnect-frac", type=float, default=0.1)
+    ap.add_argument("--abort-frac", type=float, default=0.07)
+    ap.add_argument("--bound-s", type=float, default=180.0,
+                    help="a request longer than this is hung (the proxy's limits are lower)")
+    ap.add_argument("--proxy-timeout-s", type=float, default=120.0)
+    ap.add_argument("--proxy-idle-timeout-s", type=float, default=60.0)
+    ap.add_argument("--hold-timeout-s", type=float, default=30.0)
+    ap.add_argument("--load-timeout-s", type=float, default=10.0)
+    ap.add_argument("--drain-margin-s", type=float, default=60.0)
+    ap.add_argument("--small-kv-buffer", type=float, default=1 << 20,
+                    help="P2's kv_buffer_size (bytes): eviction pressure")
+    ap.add_argument("--kv-cache-bytes", type=int, default=64 << 20)
+    ap.add_argument("--rss-slope-max", type=float, default=None,
+                    help="MiB/min; default 8 (30 min soak), 100 with --ci (2 minutes of a "
+                         "warming server are noisy: a gross leak only)")
+    ap.add_argument("--start-timeout", type=float, default=900.0,
+                    help="vLLM servers: 30-150 s each alone, several at once on a shared 2-core "
+                         "host take minutes")
+    ap.add_argument("--prompts", type=int, default=48)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--no-netns", action="store_true", help="no network namespace (no link "
+                    "faults); also the default when not root")
+    ap.add_argument("--workdir")
+    ap.add_argument("--json", help="results file")
+    ap.add_argument("--png", help="timeline image")
+    args = ap.parse_args(argv)
+    if args.ci:
+        args.duration = min(args.duration, 130)
+        args.clients = min(args.clients, 8)
+        args.fault_period = 22.0
+        args.first_fault_s = 5.0
+        args.netem_s = 10.0
+        args.stop_s = args.cut_s = 5.0
+        args.hold_timeout_s = min(args.hold_timeout_s, 20.0)
+        args.prompts = min(args.prompts, 24)
+    if args.rss_slope_max is None:
+        args.rss_slope_max = 100.0 if args.ci else 8.0
+
+    from mooncake_connector import tiny_model
+    tag = f"{os.getpid() % 100000}"
+    workdir = args.workdir or tempfile.mkdtemp(prefix="mc-soak-")
+    use_netns = not args.no_netns and have_netns()
+    net = Net(tag, enabled=use_netns)
+    results = {"args": vars(args), "workdir": workdir, "netns": use_netns, "violations": []}
+    model = tiny_model.build()
+    net.up()
+    cluster = Cluster(workdir, model, net, args)
+    t_start = time.monotonic()
+    try:
+        log(f"starting etcd, P1 P2 (netns {net.ns if use_netns else 'off'}), D1 D2, proxies; "
+            f"logs in {workdir}/logs")
+        cluster.start(args.start_timeout)
+        results["startup_s"] = round(time.monotonic() - t_start, 1)
+        log(f"all up in {results['startup_s']} s")
+        pool = make_pool(args.seed, max(2, args.prompts // 8), 8, 300)[:args.prompts]
+        refs = asyncio.run(references(cluster.servers["P1"].url, pool))
+        log(f"{len(refs)} reference answers (P1, computed locally)")
+        t0 = time.monotonic()
+        mon = Monitor(cluster, t0)
+        base = {n: r for n, r in mon.sample().items()}
+        results["baseline"] = base
+        mon.start()
+        faults = Faults(cluster, net, args, t0)
+        faults.start()
+        load = Load({f: p.url for f, p in cluster.proxies.items()}, pool, refs, args, t0)
+        last = [0]
+
+        def progress():
+            el = time.monotonic() - t0
+            recs = load.records
+            bad = sum(1 for r in recs if r["outcome"] in ("wrong", "truncated", "hung",
+                                                            "unclear"))
+            frac = min(1.0, el / args.duration)
+            bar = "#" * int(30 * frac) + "-" * (30 - int(30 * frac))
+            line = (f"\r[{bar}] {el:6.0f}/{args.duration:.0f} s  {len(recs)} req  "
+                    f"ok {sum(1 for r in recs if r['outcome'] == 'ok')}  "
+                    f"err {sum(1 for r in recs if r['outcome'] == 'error')}  "
+                    f"violations {bad}  faults {len(faults.events)}")
+            if sys.stdout.isatty():
+                sys.stdout.write(line)
+                sys.stdout.flush()
+            elif el - last[0] >= 30:
+                last[0] = el
+                log(line.strip())
+        asyncio.run(load.run(args.duration, progress))
+        t_load_end = time.monotonic() - t0
+        print()
+        log(f"load stopped after {t_load_end:.0f} s; healing faults")
+        faults.heal_all()
+        # Back to baseline within hold_timeout_s (+ margin) of the heal.
+        t_heal = time.monotonic() - t0
+        deadline = time.monotonic() + args.hold_timeout_s + args.drain_margin_s
+        drained_at, left = None, {}
+        while True:
+            rows = mon.sample()
+            left = {n: at_baseline(rows[n], base.get(n, {})) for n in rows}
+            left = {n: v for n, v in left.items() if v}
+            missing = [n for n, r in rows.items() if r.get("vllm:kv_cache_usage_perc") is None]
+            if not left and not missing:
+                drained_at = time.monotonic() - t0
+                break
+            if time.monotonic() > deadline:
+                left.update({n: "no /metrics answer" for n in missing})
+                break
+            time.sleep(2)
+        mon.stop_evt.set()
+        mon.join(timeout=10)
+        results["load_s"] = round(t_load_end, 1)
+        results["drain_s"] = None if drained_at is None else round(drained_at - t_heal, 1)
+        results["faults"] = faults.events
+        results["fault_counts"] = {k: sum(1 for e in faults.events if e["fault"] == k)
+                                   for k in FAULTS}
+        results["fault_errors"] = faults.errors
+        results["summary"] = summarize(load, t_load_end)
+        results["final"] = {n: rows[n] for n in rows}
+        results["rss_slope_mib_per_min"] = {
+            n: rss_slope(mon.samples, n, t_load_end / 2, t_load_end) for n in cluster.servers}
+        results["connector"] = {n: {k: v for k, v in (scrape(s.url) or {}).items()
+                                    if k.startswith("vllm:mooncake_") and "bucket" not in k}
+                                for n, s in cluster.servers.items()}
+        results["proxy_metrics"] = {f: {k: v for k, v in (scrape(p.url) or {}).items()
+                                        if k.startswith("mooncake_proxy_responses")
+                                        or k.endswith("_errors_total")}
+                                    for f, p in cluster.proxies.items()}
+        s = results["summary"]
+        v = results["violations"]
+        for k in ("hung", "wrong", "truncated", "unclear"):
+            if s[k]:
+                v.append(f"{s[k]} {k} requests")
+        if left:
+            v.append(f"not back at baseline within hold_timeout_s+{args.drain_margin_s:g} s: "
+                     f"{left}")
+        for n, sl in results["rss_slope_mib_per_min"].items():
+            if sl is not None and sl > args.rss_slope_max:
+                v.append(f"{n}: RSS grows {sl} MiB/min (> {args.rss_slope_max})")
+        if faults.errors:
+            v.append(f"faults not injected: {faults.errors}")
+        if not s["ok"]:
+            v.append("no request succeeded")
+        results["examples"] = [r for r in load.records
+                               if r["outcome"] in ("wrong", "truncated", "hung", "unclear")][:20]
+        if args.png:
+            plot(args.png, load, mon, faults, t_load_end, drained_at)
+        if load.sink is not None:
+            load.sink.close()
+    finally:
+        cluster.stop()
+        net.down()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1, default=str)
+    s = results.get("summary", {})
+    log(f"requests {s.get('requests')}  ok {s.get('ok')}  errors {s.get('error')}  client "
+        f"aborts {s.get('client_abort')}  hung {s.get('hung')}  wrong {s.get('wrong')}  "
+        f"truncated {s.get('truncated')}  faults {results.get('fault_counts')}")
+    log(f"RSS slope MiB/min {results.get('rss_slope_mib_per_min')}; drained in "
+        f"{results.get('drain_s')} s")
+    if results["violations"]:
+        log("VIOLATIONS:\n  " + "\n  ".join(results["violations"]))
+        return 1
+    log("all invariants hold")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
