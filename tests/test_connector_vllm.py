@@ -386,21 +386,57 @@ def _probe(model_dir, args, **env):
 
 
 OURS = "mooncake_connector.connector.connector.MooncakeConnector"
+INTREE = ('{"kv_connector":"MooncakeConnector","kv_role":"kv_producer",'
+          '"kv_connector_extra_config":{"mooncake_protocol":"tcp"}}')
+OURS_KEY = ('{"kv_connector":"MooncakeConnector","kv_role":"kv_consumer",'
+            '"kv_connector_extra_config":{"mooncake_config_path":"/x/mooncake.json"}}')
 
 
-def test_plugin_makes_the_seed_command_line_work(model_dir):
-    (seed, modpath, sched), err = _probe(model_dir, [SEED, MODPATH])
+def test_plugin_makes_the_seed_command_line_work(model_dir, tmp_path):
+    cfg = tmp_path / "mooncake.json"
+    cfg.write_text("{}")
+    (seed, modpath, plain, intree, sched), err = _probe(
+        model_dir, [SEED, MODPATH, PLAIN, INTREE], MOONCAKE_CONFIG_PATH=str(cfg))
     assert seed.get("cls") == OURS, seed
     assert seed["extra"] == {"kv_rank": 0, "kv_parallel_size": 2, "kv_buffer_size": 2e9}
     assert modpath["cls"] == OURS and modpath["extra"] == {"kv_rank": 1}
-    assert "resolves to mooncake_connector.MooncakeConnector" in err
+    assert plain["cls"] == OURS, plain  # MOONCAKE_CONFIG_PATH set: ours
+    # Keys only the in-tree connector knows keep vLLM's class, env or not.
+    assert intree["cls"].startswith("vllm.distributed.kv_transfer"), intree
+    assert ("resolves to mooncake_connector.MooncakeConnector (this package): "
+            "kv_connector_extra_config has ['kv_buffer_size', 'kv_parallel_size', "
+            "'kv_rank']") in err
+    assert "resolves to mooncake_connector.MooncakeConnector (this package): " \
+        "MOONCAKE_CONFIG_PATH is set" in err
+    assert "resolves to vLLM's in-tree MooncakeConnector: kv_connector_extra_config has " \
+        "only keys this package does not know ['mooncake_protocol']" in err
+    # One line per decision, however often vLLM resolves the class.
+    assert err.count("MOONCAKE_CONFIG_PATH is set") == 1, err[-3000:]
     # The scheduler-side half never imports the extension.
     assert sched == {"scheduler_side_core": False}
 
 
-def test_plugin_opt_out_restores_vllms_connector(model_dir):
+def test_plugin_keeps_vllms_connector_for_the_in_tree_shape(model_dir):
+    """Installing this package must not break a deployment of vLLM's in-tree
+    MooncakeConnector (configured the in-tree way, no MOONCAKE_CONFIG_PATH)."""
+    (intree, plain, seed, ours_key, _), err = _probe(model_dir, [INTREE, PLAIN, SEED, OURS_KEY],
+                                                     MOONCAKE_CONFIG_PATH="")
+    assert intree["cls"].startswith("vllm.distributed.kv_transfer"), intree
+    assert intree["extra"] == {"mooncake_protocol": "tcp"}
+    assert plain["cls"].startswith("vllm.distributed.kv_transfer"), plain
+    assert "resolves to vLLM's in-tree MooncakeConnector: kv_connector_extra_config " \
+        "['mooncake_protocol'] is in the in-tree connector's shape" in err
+    assert "resolves to vLLM's in-tree MooncakeConnector: neither MOONCAKE_CONFIG_PATH" in err
+    # The seed's fields and our own keys still choose ours without the variable.
+    assert seed["cls"] == OURS and ours_key["cls"] == OURS, (seed, ours_key)
+
+
+def test_plugin_opt_out_restores_vllms_connector(model_dir, tmp_path):
+    cfg = tmp_path / "mooncake.json"
+    cfg.write_text("{}")
     (seed, plain, modpath, _), _err = _probe(model_dir, [SEED, PLAIN, MODPATH],
-                                             MOONCAKE_CONNECTOR_DISABLE_PLUGIN="1")
+                                             MOONCAKE_CONNECTOR_DISABLE_PLUGIN="1",
+                                             MOONCAKE_CONFIG_PATH=str(cfg))
     # vLLM's own config rejects the seed's extra fields; the bare name is vLLM's class;
     # the module-path form still gives ours.
     assert seed == {"error": "rejected"}, seed
