@@ -39,7 +39,6 @@ DEFAULT_OK = {
     "bind_gpu_block_pool": "does not touch the block pool",
     "get_loaded_kv_cache_group_ids": "loads every KV cache group (no HMA split yet)",
     "get_external_cache_hit_sources": "one source (the producer); vLLM's default label",
-    "on_new_request": "state is created when vLLM asks get_num_new_matched_tokens",
     "update_connector_output": "finished sets are per worker; nothing to aggregate",
     "register_finished_partial_tail": "partial tail blocks are never published",
     "take_events": "publishes no KV cache events",

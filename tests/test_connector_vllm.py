@@ -183,6 +183,67 @@ def test_dead_producer_probe_computes_locally(sides):
     assert _stats(d).get("loads", 0) == 0 and d.is_empty()
 
 
+@pytest.fixture
+def silent_producer():
+    """A producer that never answers (like a SIGSTOPped one: the kernel
+    still accepts its connections)."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(64)
+    yield "127.0.0.1:%d" % srv.getsockname()[1]
+    srv.close()
+
+
+def test_flow_a_scheduler_never_waits_for_a_silent_producer(sides, silent_producer):
+    """Flow A with a producer that does not answer: every step returns at
+    once (get_num_new_matched_tokens says "not known yet"), a running
+    request decodes in each of them, and after lookup_timeout_s the new
+    request computes its prompt locally."""
+    timeout = 1.5
+    d = sides("kv_consumer", prefill_url=silent_producer, lookup_timeout_s=timeout)
+    d.add(make_request("r", toks(70, 5), max_tokens=400))  # shorter than a block: no probe
+    d.step()
+    assert status(d, "r") == RequestStatus.RUNNING
+    t = toks(71, 3 * BS + 1)
+    t0 = time.monotonic()
+    d.add(make_request("s", t, max_tokens=2), settle=False)
+    d.add(make_request("gone", toks(72, 2 * BS + 1), max_tokens=2), settle=False)
+    d.sched.finish_requests("gone", RequestStatus.FINISHED_ABORTED)  # aborted while asked
+    probe = d.probe()
+    steps, slowest = 0, 0.0
+    while status(d, "s") == RequestStatus.WAITING:
+        a = time.monotonic()
+        so = d.step()
+        slowest = max(slowest, time.monotonic() - a)
+        steps += 1
+        assert "r" in so.num_scheduled_tokens, "the running request was not scheduled"
+        if "s" in so.num_scheduled_tokens:
+            assert so.num_scheduled_tokens["s"] == len(t)  # computed locally, no load
+            break
+        assert time.monotonic() - t0 < timeout + 5, "the request never ran"
+        time.sleep(0.005)
+    waited = time.monotonic() - t0
+    assert waited >= timeout, waited                 # it did wait for the answer ...
+    assert slowest < timeout / 3, slowest           # ... but no step did
+    assert steps > 5, steps
+    assert probe.failures == 1 and not probe.pending("gone") and not probe._answers
+    assert "gone" not in d.sched.connector._scheduler._asked
+    assert d.run_until(lambda: "s" not in d.sched.requests)
+    assert _stats(d).get("loads", 0) == 0
+
+
+def test_flow_a_answer_that_comes_later_still_loads_in_the_step(sides):
+    p, d = sides("kv_producer"), sides("kv_consumer")
+    t = toks(73, 4 * BS + 3)
+    prefill(p, "l", t)
+    d.add(make_request("l", t, max_tokens=2), settle=False)
+    assert d.run_until(lambda: status(d, "l") != RequestStatus.WAITING, steps=500)
+    assert status(d, "l") == RequestStatus.RUNNING
+    assert d.computed["l"] == 3 and not d.invalid and d.block_matches_pattern("l", t, 4)
+    assert d.run_until(lambda: "l" not in d.sched.requests)
+    assert _stats(d)["loads_in_step"] == 1
+
+
 def test_in_step_load_that_finds_nothing_is_recomputed(sides):
     """The probe said hit, the KV was gone by the time the worker pulled
     (consumed by someone else): the blocks are reported, vLLM recomputes."""

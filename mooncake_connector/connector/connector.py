@@ -77,6 +77,9 @@ class MooncakeConnector(KVConnectorBase_V1):
 
     # ---------------- scheduler side ----------------
 
+    def on_new_request(self, request):
+        self._scheduler.on_new_request(request)
+
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
