@@ -183,6 +183,55 @@ def test_dead_producer_probe_computes_locally(sides):
     assert _stats(d).get("loads", 0) == 0 and d.is_empty()
 
 
+def test_sleep_mode_hooks_register_the_new_addresses_and_peers_follow(sides, monkeypatch):
+    """vLLM >= 0.33 sleep mode: unregister_kv_caches drops the published
+    prompts (their requests finish, vLLM frees the blocks) and the engine;
+    after the KV cache moved, restore_kv_caches registers the new addresses
+    and a consumer that talked to the producer before loads from them."""
+    import torch
+    from mooncake_connector import MooncakeConnector
+    from mooncake_connector.connector import probe
+    assert MooncakeConnector.supports_sleep_mode(None) is True
+    monkeypatch.setattr(probe, "BACKOFF_S", 0.05)  # the asleep producer's refusal
+    p, d = sides("kv_producer"), sides("kv_consumer")
+    t1 = toks(80, 3 * BS + 1)
+    prefill(p, "a", t1)
+    d.add(make_request("a", t1, max_tokens=1))
+    d.step()
+    assert d.computed["a"] == 1 and not d.invalid  # loaded before sleep
+    t2 = toks(81, 2 * BS + 1)
+    prefill(p, "b", t2)                            # published, never pulled
+    w = p.worker._worker
+    old = sorted(a for a, _n, _d in w.layout.regions())
+    p.worker.unregister_kv_caches()
+    p.worker.unregister_kv_caches()                # idempotent
+    assert w.engine is None and w.lb is None
+    assert p.run_until(lambda: p.is_empty()), "the dropped prompt's blocks were not freed"
+    assert "b" in p.sent
+    # A consumer asking now: a miss (computed locally), not a read of freed memory.
+    d.add(make_request("b", t2, max_tokens=1))
+    assert d.run_until(lambda: "b" not in d.sched.requests)
+    assert d.computed["b"] == len(t2) and not d.invalid
+    # Wake up somewhere else: the same tensors, new memory.
+    fresh = {n: torch.zeros_like(t) for n, t in p.kv.items()}
+    for n, t in p.kv.items():
+        t.set_(fresh[n])
+    p.worker.restore_kv_caches()
+    p.worker.restore_kv_caches()                   # idempotent
+    time.sleep(0.1)                                # the consumer's probe backoff
+    new = sorted(a for a, _n, _d in w.layout.regions())
+    assert new and not set(new) & set(old), (old, new)
+    assert w.engine is not None
+    t3 = toks(82, 3 * BS + 1)
+    prefill(p, "c", t3)
+    d.add(make_request("c", t3, max_tokens=3))
+    d.step()
+    assert d.computed["c"] == 1 and not d.invalid
+    assert d.block_matches_pattern("c", t3, 3)     # the producer's bytes, from the new memory
+    assert d.run_until(lambda: "c" not in d.sched.requests)
+    assert p.run_until(lambda: p.is_empty())
+
+
 @pytest.fixture
 def silent_producer():
     """A producer that never answers (like a SIGSTOPped one: the kernel
