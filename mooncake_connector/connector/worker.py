@@ -361,10 +361,11 @@ class WorkerSide:
         ids = [e[0] for e in self._loading.values() if e[0] is not None]
         while ids and not self.kv.pull_wait(ids, timeout=self.s.load_timeout_s + 5):
             logger.warning("MooncakeConnector: KV loads still running before sleep")
-        for rid, entry in self._loading.items():
+        for entry in self._loading.values():  # reported by the next get_finished
             if entry[0] is not None:
-                entry[3] = self._poll_load(rid) or (0, "the KV cache was unregistered for "
-                                                    "sleep mode")
+                r = self.kv.pull_poll(entry[0])  # over (waited above): no retry now
+                entry[3] = (r[0], r[1]) if r is not None else \
+                    (0, "the KV cache was unregistered for sleep mode")
                 entry[0] = None
         dropped = len(self._pub_tokens)
         # Every published request is reported in finished_sending once vLLM
