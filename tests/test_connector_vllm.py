@@ -183,6 +183,116 @@ def test_dead_producer_probe_computes_locally(sides):
     assert _stats(d).get("loads", 0) == 0 and d.is_empty()
 
 
+def test_sleep_mode_hooks_register_the_new_addresses_and_peers_follow(sides, monkeypatch):
+    """vLLM >= 0.33 sleep mode: unregister_kv_caches drops the published
+    prompts (their requests finish, vLLM frees the blocks) and the engine;
+    after the KV cache moved, restore_kv_caches registers the new addresses
+    and a consumer that talked to the producer before loads from them."""
+    import torch
+    from mooncake_connector import MooncakeConnector
+    from mooncake_connector.connector import probe
+    assert MooncakeConnector.supports_sleep_mode(None) is True
+    monkeypatch.setattr(probe, "BACKOFF_S", 0.05)  # the asleep producer's refusal
+    p, d = sides("kv_producer"), sides("kv_consumer")
+    t1 = toks(80, 3 * BS + 1)
+    prefill(p, "a", t1)
+    d.add(make_request("a", t1, max_tokens=1))
+    d.step()
+    assert d.computed["a"] == 1 and not d.invalid  # loaded before sleep
+    t2 = toks(81, 2 * BS + 1)
+    prefill(p, "b", t2)                            # published, never pulled
+    w = p.worker._worker
+    old = sorted(a for a, _n, _d in w.layout.regions())
+    p.worker.unregister_kv_caches()
+    p.worker.unregister_kv_caches()                # idempotent
+    assert w.engine is None and w.lb is None
+    assert p.run_until(lambda: p.is_empty()), "the dropped prompt's blocks were not freed"
+    assert "b" in p.sent
+    # A consumer asking now: a miss (computed locally), not a read of freed memory.
+    d.add(make_request("b", t2, max_tokens=1))
+    assert d.run_until(lambda: "b" not in d.sched.requests)
+    assert d.computed["b"] == len(t2) and not d.invalid
+    # Wake up somewhere else: the same tensors, new memory.
+    fresh = {n: torch.zeros_like(t) for n, t in p.kv.items()}
+    for n, t in p.kv.items():
+        t.set_(fresh[n])
+    p.worker.restore_kv_caches()
+    p.worker.restore_kv_caches()                   # idempotent
+    time.sleep(0.1)                                # the consumer's probe backoff
+    new = sorted(a for a, _n, _d in w.layout.regions())
+    assert new and not set(new) & set(old), (old, new)
+    assert w.engine is not None
+    t3 = toks(82, 3 * BS + 1)
+    prefill(p, "c", t3)
+    d.add(make_request("c", t3, max_tokens=3))
+    d.step()
+    assert d.computed["c"] == 1 and not d.invalid
+    assert d.block_matches_pattern("c", t3, 3)     # the producer's bytes, from the new memory
+    assert d.run_until(lambda: "c" not in d.sched.requests)
+    assert p.run_until(lambda: p.is_empty())
+
+
+@pytest.fixture
+def silent_producer():
+    """A producer that never answers (like a SIGSTOPped one: the kernel
+    still accepts its connections)."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(64)
+    yield "127.0.0.1:%d" % srv.getsockname()[1]
+    srv.close()
+
+
+def test_flow_a_scheduler_never_waits_for_a_silent_producer(sides, silent_producer):
+    """Flow A with a producer that does not answer: every step returns at
+    once (get_num_new_matched_tokens says "not known yet"), a running
+    request decodes in each of them, and after lookup_timeout_s the new
+    request computes its prompt locally."""
+    timeout = 1.5
+    d = sides("kv_consumer", prefill_url=silent_producer, lookup_timeout_s=timeout)
+    d.add(make_request("r", toks(70, 5), max_tokens=400))  # shorter than a block: no probe
+    d.step()
+    assert status(d, "r") == RequestStatus.RUNNING
+    t = toks(71, 3 * BS + 1)
+    t0 = time.monotonic()
+    d.add(make_request("s", t, max_tokens=2), settle=False)
+    d.add(make_request("gone", toks(72, 2 * BS + 1), max_tokens=2), settle=False)
+    d.sched.finish_requests("gone", RequestStatus.FINISHED_ABORTED)  # aborted while asked
+    probe = d.probe()
+    steps, slowest = 0, 0.0
+    while status(d, "s") == RequestStatus.WAITING:
+        a = time.monotonic()
+        so = d.step()
+        slowest = max(slowest, time.monotonic() - a)
+        steps += 1
+        assert "r" in so.num_scheduled_tokens, "the running request was not scheduled"
+        if "s" in so.num_scheduled_tokens:
+            assert so.num_scheduled_tokens["s"] == len(t)  # computed locally, no load
+            break
+        assert time.monotonic() - t0 < timeout + 5, "the request never ran"
+        time.sleep(0.005)
+    waited = time.monotonic() - t0
+    assert waited >= timeout, waited                 # it did wait for the answer ...
+    assert slowest < timeout / 3, slowest           # ... but no step did
+    assert steps > 5, steps
+    assert probe.failures == 1 and not probe.pending("gone") and not probe._answers
+    assert "gone" not in d.sched.connector._scheduler._asked
+    assert d.run_until(lambda: "s" not in d.sched.requests)
+    assert _stats(d).get("loads", 0) == 0
+
+
+def test_flow_a_answer_that_comes_later_still_loads_in_the_step(sides):
+    p, d = sides("kv_producer"), sides("kv_consumer")
+    t = toks(73, 4 * BS + 3)
+    prefill(p, "l", t)
+    d.add(make_request("l", t, max_tokens=2), settle=False)
+    assert d.run_until(lambda: status(d, "l") != RequestStatus.WAITING, steps=500)
+    assert status(d, "l") == RequestStatus.RUNNING
+    assert d.computed["l"] == 3 and not d.invalid and d.block_matches_pattern("l", t, 4)
+    assert d.run_until(lambda: "l" not in d.sched.requests)
+    assert _stats(d)["loads_in_step"] == 1
+
+
 def test_in_step_load_that_finds_nothing_is_recomputed(sides):
     """The probe said hit, the KV was gone by the time the worker pulled
     (consumed by someone else): the blocks are reported, vLLM recomputes."""
@@ -386,21 +496,57 @@ def _probe(model_dir, args, **env):
 
 
 OURS = "mooncake_connector.connector.connector.MooncakeConnector"
+INTREE = ('{"kv_connector":"MooncakeConnector","kv_role":"kv_producer",'
+          '"kv_connector_extra_config":{"mooncake_protocol":"tcp"}}')
+OURS_KEY = ('{"kv_connector":"MooncakeConnector","kv_role":"kv_consumer",'
+            '"kv_connector_extra_config":{"mooncake_config_path":"/x/mooncake.json"}}')
 
 
-def test_plugin_makes_the_seed_command_line_work(model_dir):
-    (seed, modpath, sched), err = _probe(model_dir, [SEED, MODPATH])
+def test_plugin_makes_the_seed_command_line_work(model_dir, tmp_path):
+    cfg = tmp_path / "mooncake.json"
+    cfg.write_text("{}")
+    (seed, modpath, plain, intree, sched), err = _probe(
+        model_dir, [SEED, MODPATH, PLAIN, INTREE], MOONCAKE_CONFIG_PATH=str(cfg))
     assert seed.get("cls") == OURS, seed
     assert seed["extra"] == {"kv_rank": 0, "kv_parallel_size": 2, "kv_buffer_size": 2e9}
     assert modpath["cls"] == OURS and modpath["extra"] == {"kv_rank": 1}
-    assert "resolves to mooncake_connector.MooncakeConnector" in err
+    assert plain["cls"] == OURS, plain  # MOONCAKE_CONFIG_PATH set: ours
+    # Keys only the in-tree connector knows keep vLLM's class, env or not.
+    assert intree["cls"].startswith("vllm.distributed.kv_transfer"), intree
+    assert ("resolves to mooncake_connector.MooncakeConnector (this package): "
+            "kv_connector_extra_config has ['kv_buffer_size', 'kv_parallel_size', "
+            "'kv_rank']") in err
+    assert "resolves to mooncake_connector.MooncakeConnector (this package): " \
+        "MOONCAKE_CONFIG_PATH is set" in err
+    assert "resolves to vLLM's in-tree MooncakeConnector: kv_connector_extra_config has " \
+        "only keys this package does not know ['mooncake_protocol']" in err
+    # One line per decision, however often vLLM resolves the class.
+    assert err.count("MOONCAKE_CONFIG_PATH is set") == 1, err[-3000:]
     # The scheduler-side half never imports the extension.
     assert sched == {"scheduler_side_core": False}
 
 
-def test_plugin_opt_out_restores_vllms_connector(model_dir):
+def test_plugin_keeps_vllms_connector_for_the_in_tree_shape(model_dir):
+    """Installing this package must not break a deployment of vLLM's in-tree
+    MooncakeConnector (configured the in-tree way, no MOONCAKE_CONFIG_PATH)."""
+    (intree, plain, seed, ours_key, _), err = _probe(model_dir, [INTREE, PLAIN, SEED, OURS_KEY],
+                                                     MOONCAKE_CONFIG_PATH="")
+    assert intree["cls"].startswith("vllm.distributed.kv_transfer"), intree
+    assert intree["extra"] == {"mooncake_protocol": "tcp"}
+    assert plain["cls"].startswith("vllm.distributed.kv_transfer"), plain
+    assert "resolves to vLLM's in-tree MooncakeConnector: kv_connector_extra_config " \
+        "['mooncake_protocol'] is in the in-tree connector's shape" in err
+    assert "resolves to vLLM's in-tree MooncakeConnector: neither MOONCAKE_CONFIG_PATH" in err
+    # The seed's fields and our own keys still choose ours without the variable.
+    assert seed["cls"] == OURS and ours_key["cls"] == OURS, (seed, ours_key)
+
+
+def test_plugin_opt_out_restores_vllms_connector(model_dir, tmp_path):
+    cfg = tmp_path / "mooncake.json"
+    cfg.write_text("{}")
     (seed, plain, modpath, _), _err = _probe(model_dir, [SEED, PLAIN, MODPATH],
-                                             MOONCAKE_CONNECTOR_DISABLE_PLUGIN="1")
+                                             MOONCAKE_CONNECTOR_DISABLE_PLUGIN="1",
+                                             MOONCAKE_CONFIG_PATH=str(cfg))
     # vLLM's own config rejects the seed's extra fields; the bare name is vLLM's class;
     # the module-path form still gives ours.
     assert seed == {"error": "rejected"}, seed

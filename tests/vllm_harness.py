@@ -135,8 +135,27 @@ class Side:
         self.last_params = {}  # req_id -> kv_transfer_params the engine returned
         self.before_load = None  # called with the SchedulerOutput before start_load_kv
 
-    def add(self, req):
+    def add(self, req, settle=True):
+        """Add a request.  A flow-A consumer's scheduler starts probing the
+        producer now, on its own thread; with settle (the default) this waits
+        for the answer, so the next step() decides as if it had been quick
+        (tests of the not-yet-answered path pass settle=False)."""
         self.sched.add_request(req)
+        if settle:
+            self.settle_probe(req.request_id)
+
+    def probe(self):
+        conn = getattr(self.sched, "connector", None)
+        side = getattr(conn, "_scheduler", None)
+        return getattr(side, "_probe", None)
+
+    def settle_probe(self, rid, timeout=10.0):
+        import time
+        probe = self.probe()
+        end = time.monotonic() + timeout
+        while probe is not None and probe.pending(rid):
+            assert time.monotonic() < end, f"the probe for {rid} never answered"
+            time.sleep(0.001)
 
     def block_ids(self, rid, group=0):
         return list(self.sched.kv_cache_manager.get_block_ids(rid)[group])

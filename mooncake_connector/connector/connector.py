@@ -157,6 +157,9 @@ class MooncakeConnector(KVConnectorBase_V1, SupportsHMA):
 
     # ---------------- scheduler side ----------------
 
+    def on_new_request(self, request):
+        self._scheduler.on_new_request(request)
+
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
@@ -226,11 +229,22 @@ class MooncakeConnector(KVConnectorBase_V1, SupportsHMA):
             return self._worker.take_stats()
         return self._scheduler.take_stats() if self._scheduler is not None else None
 
+    def unregister_kv_caches(self):
+        """vLLM >= 0.33, before sleep frees the KV cache (worker.py)."""
+        if self._worker is not None:
+            self._worker.unregister_kv_caches()
+
+    def restore_kv_caches(self):
+        """vLLM >= 0.33, after wake-up remapped the KV cache (worker.py)."""
+        if self._worker is not None:
+            self._worker.restore_kv_caches()
+
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config):
-        """vLLM >= 0.33: the engine has the KV cache registered at fixed
-        addresses; it does not follow a sleep-mode remap."""
-        return False
+        """vLLM >= 0.33: yes; the two hooks above drop the registrations and
+        register the remapped KV cache under a new engine (peers reconnect,
+        so they learn the new regions before their first transfer)."""
+        return True
 
     @classmethod
     def build_kv_connector_stats(cls, data=None):

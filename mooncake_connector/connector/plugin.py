@@ -1,8 +1,15 @@
 """vLLM general plugin (entry point ``vllm.general_plugins``).
 
-Makes the seed's command line work unchanged once this package is installed:
+Makes the seed's command line work unchanged once this package is installed,
+without breaking deployments of vLLM's in-tree connector of the same name:
   * ``"kv_connector": "MooncakeConnector"`` without ``kv_connector_module_path``
-    resolves to this package's connector instead of vLLM's in-tree one;
+    resolves to this package's connector only for OUR shape of configuration
+    (``choose()``): ``MOONCAKE_CONFIG_PATH`` set, or the seed's ``kv_rank`` /
+    ``kv_parallel_size`` / ``kv_buffer_size``, or ``mooncake_config_path`` or
+    another key only this connector knows in ``kv_connector_extra_config``.
+    A configuration in the in-tree connector's shape (e.g.
+    ``{"mooncake_protocol": "tcp"}``, or nothing at all) keeps vLLM's class.
+    One log line per process says which class was chosen and why;
   * the seed's ``kv_rank``, ``kv_parallel_size`` and ``kv_buffer_size`` (which
     vLLM's KVTransferConfig does not accept) are moved into
     ``kv_connector_extra_config`` when the connector is ours.
@@ -12,33 +19,87 @@ The plugin never raises: vLLM's start-up must not fail because of it.
 import json
 import logging
 import os
+import sys
 
 logger = logging.getLogger("vllm.mooncake_connector")
+NAME = "MooncakeConnector"
 SEED_FIELDS = ("kv_rank", "kv_parallel_size", "kv_buffer_size")
+OUR_MODULES = (None, "mooncake_connector", "mooncake_connector.connector.connector")
 _done = False
+_said = set()
 
 
-def _ours():
-    from mooncake_connector.connector.connector import MooncakeConnector
-    _announce()
-    return MooncakeConnector
+def _our_keys():
+    from mooncake_connector.connector.settings import KNOBS, MOONCAKE_FIELDS
+    return set(SEED_FIELDS) | {"mooncake_config_path"} | set(MOONCAKE_FIELDS) | set(KNOBS)
 
 
-def _announce():
-    """Once per deployment: the first process that resolves the name logs it
-    (vLLM's logging is set up by then); the processes it starts inherit the
-    marker and stay quiet."""
-    if os.environ.get("_MOONCAKE_CONNECTOR_ANNOUNCED"):
+def choose(extra, env=None):
+    """(ours: bool, reason) for a bare "MooncakeConnector" whose
+    kv_connector_extra_config is `extra`.  Keys in the extra config decide
+    first (they name one connector or the other); then MOONCAKE_CONFIG_PATH."""
+    env = os.environ if env is None else env
+    extra = extra if isinstance(extra, dict) else {}
+    ours = sorted(set(extra) & _our_keys())
+    if ours:
+        return True, f"kv_connector_extra_config has {ours}"
+    if env.get("MOONCAKE_CONFIG_PATH"):
+        others = sorted(extra)
+        if others:  # only keys we do not know: the in-tree connector's config
+            return False, (f"kv_connector_extra_config has only keys this package does not "
+                           f"know {others}, so it is vLLM's connector's configuration "
+                           f"(MOONCAKE_CONFIG_PATH is ignored for the choice)")
+        return True, "MOONCAKE_CONFIG_PATH is set"
+    if extra:
+        return False, (f"kv_connector_extra_config {sorted(extra)} is in the in-tree "
+                       f"connector's shape and MOONCAKE_CONFIG_PATH is not set")
+    return False, ("neither MOONCAKE_CONFIG_PATH nor mooncake-connector keys "
+                   "(kv_rank/kv_parallel_size/kv_buffer_size, mooncake_config_path) are set")
+
+
+def _say(ours, reason):
+    """One line per process and decision; the processes a server starts
+    inherit the marker and stay quiet when they decide the same."""
+    what = ("mooncake_connector.MooncakeConnector (this package)" if ours
+            else "vLLM's in-tree MooncakeConnector")
+    msg = f"mooncake-connector: \"{NAME}\" resolves to {what}: {reason}"
+    if msg in _said:
         return
-    os.environ["_MOONCAKE_CONNECTOR_ANNOUNCED"] = "1"
-    msg = ("mooncake-connector: \"MooncakeConnector\" resolves to "
-           "mooncake_connector.MooncakeConnector (set MOONCAKE_CONNECTOR_DISABLE_PLUGIN=1 for "
-           "vLLM's in-tree one)")
+    _said.add(msg)
+    key = "1:" + reason if ours else "0:" + reason
+    if os.environ.get("_MOONCAKE_CONNECTOR_ANNOUNCED") == key:
+        return
+    os.environ["_MOONCAKE_CONNECTOR_ANNOUNCED"] = key
+    if ours:
+        msg += " (MOONCAKE_CONNECTOR_DISABLE_PLUGIN=1 keeps vLLM's class)"
+    else:
+        msg += (" (for this package's connector set MOONCAKE_CONFIG_PATH or "
+                "\"kv_connector_module_path\": \"mooncake_connector\")")
     if logger.hasHandlers():
         logger.info(msg)
     else:
-        import sys
         print(msg, file=sys.stderr)
+
+
+def _wrap_factory(factory):
+    orig = factory.__dict__["get_connector_class"].__func__
+    if getattr(orig, "_mooncake", False):
+        return
+
+    def get_connector_class(cls, kv_transfer_config):
+        if getattr(kv_transfer_config, "kv_connector", None) == NAME and \
+                not getattr(kv_transfer_config, "kv_connector_module_path", None):
+            ours, reason = choose(getattr(kv_transfer_config, "kv_connector_extra_config",
+                                          None))
+            _say(ours, reason)
+            if ours:
+                from mooncake_connector.connector.connector import MooncakeConnector
+                return MooncakeConnector
+        return orig(cls, kv_transfer_config)
+
+    get_connector_class._mooncake = True
+    get_connector_class.__doc__ = orig.__doc__
+    factory.get_connector_class = classmethod(get_connector_class)
 
 
 def _move_seed_fields(text):
@@ -48,10 +109,9 @@ def _move_seed_fields(text):
         d = json.loads(text)
     except (TypeError, ValueError):
         return text
-    if not isinstance(d, dict) or d.get("kv_connector") != "MooncakeConnector":
+    if not isinstance(d, dict) or d.get("kv_connector") != NAME:
         return text
-    if d.get("kv_connector_module_path") not in (None, "mooncake_connector",
-                                                 "mooncake_connector.connector.connector"):
+    if d.get("kv_connector_module_path") not in OUR_MODULES:
         return text
     moved = {k: d.pop(k) for k in SEED_FIELDS if k in d}
     if not moved:
@@ -74,10 +134,10 @@ def register():
         return
     try:
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-        KVConnectorFactory._registry["MooncakeConnector"] = _ours
+        _wrap_factory(KVConnectorFactory)
     except Exception as e:  # never break vLLM's start-up
-        logger.warning("mooncake-connector: could not register MooncakeConnector with vLLM "
-                       "(%s); use \"kv_connector_module_path\": \"mooncake_connector\"", e)
+        logger.warning("mooncake-connector: could not hook vLLM's connector factory (%s); "
+                       "use \"kv_connector_module_path\": \"mooncake_connector\"", e)
         return
     try:
         import vllm.engine.arg_utils as au

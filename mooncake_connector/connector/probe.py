@@ -10,9 +10,17 @@ for BACKOFF_S, so a dead producer costs one timeout, not one per request.
 If the probe engine itself cannot start (e.g. the metadata server is down),
 loads go the asynchronous way (the workers find out) and the start is tried
 again after RESTART_S.
+
+The scheduler never waits on the network: ask() queues a question and
+returns at once; one thread (started with the first question) starts the
+engine and asks the producers, one round trip at a time (the C call releases
+the GIL); answer() says whether the answer is in.  Until it is, the
+scheduler tells vLLM "not known yet" and vLLM asks again next step.
 """
+import collections
 import json
 import logging
+import threading
 import time
 
 from mooncake_connector.connector.settings import shift_port
@@ -32,7 +40,17 @@ class ProducerProbe:
         self.start_failures = 0
         self._down_until = {}      # producer -> monotonic time probing resumes
         self.probes = self.failures = 0
-        self.last_unreachable = None  # why the last held_tokens answered 0 without asking
+        # Why the last answer handed to the scheduler (answer()) was 0 without
+        # asking the producer (unreachable lately / did not answer), else None.
+        self.last_unreachable = None
+        self._why = None           # the probe thread's: why held_tokens just said 0
+        self._whys = {}            # key -> _why for that answer
+        self._cv = threading.Condition()
+        self._queue = collections.deque()  # (key, producer, tokens) to ask, in order
+        self._answers = {}         # key -> held tokens or None (see held_tokens)
+        self._asked = set()        # keys queued or being asked
+        self._thread = None
+        self._closing = False
 
     def _start(self):
         from mooncake_connector import _core  # first probe only
@@ -56,7 +74,8 @@ class ProducerProbe:
         """Tokens of the longest block-aligned prefix `producer` (base name,
         None = configured prefill_url) holds now; 0 when it cannot say in
         time; None if this process cannot probe at all (then the caller
-        loads asynchronously and lets the worker find out)."""
+        loads asynchronously and lets the worker find out).  Blocks up to
+        lookup_timeout_s: only the probe thread (or a test) calls it."""
         now = time.monotonic()
         if self.kv is None:
             if now < self._broken_until:
@@ -72,9 +91,9 @@ class ProducerProbe:
                                RESTART_S)
                 return None
         name = shift_port(producer or self.default_producer, 0)
-        self.last_unreachable = None
+        self._why = None
         if self._down_until.get(name, 0) > now:
-            self.last_unreachable = f"producer {name} did not answer a lookup lately"
+            self._why = f"producer {name} did not answer a lookup lately"
             return 0
         from mooncake_connector import MooncakeError
 
@@ -84,13 +103,82 @@ class ProducerProbe:
         except MooncakeError as e:
             self.failures += 1
             self._down_until[name] = now + BACKOFF_S
-            self.last_unreachable = f"producer {name} did not answer a lookup ({e})"
+            self._why = f"producer {name} did not answer a lookup ({e})"
             logger.warning("MooncakeConnector: producer %s did not answer a lookup (%s); "
                            "prompts are computed locally for the next %.0f s", name, e,
                            BACKOFF_S)
             return 0
 
+    # ---- non-blocking interface (the scheduler's) ----
+
+    def ask(self, key, producer, tokens):
+        """Queue the question "how much of `tokens` does `producer` hold" for
+        `key` (a request id) unless it is already asked or answered.  Never
+        blocks on the network."""
+        with self._cv:
+            if self._closing or key in self._asked or key in self._answers:
+                return
+            self._asked.add(key)
+            self._queue.append((key, producer, list(tokens)))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, daemon=True,
+                                                name="mooncake-probe")
+                self._thread.start()
+            self._cv.notify()
+
+    def answer(self, key):
+        """(True, held) once the answer for `key` is in (held as held_tokens
+        returns it: tokens, 0, or None), else (False, None).  Taking it
+        forgets it."""
+        with self._cv:
+            if key in self._answers:
+                self.last_unreachable = self._whys.pop(key, None)
+                return True, self._answers.pop(key)
+            return False, None
+
+    def pending(self, key):
+        with self._cv:
+            return key in self._asked
+
+    def forget(self, key):
+        """The request is gone: drop its answer (a late one is dropped too)."""
+        with self._cv:
+            self._answers.pop(key, None)
+            self._whys.pop(key, None)
+            if key in self._asked:
+                self._asked.discard(key)
+                self._queue = collections.deque(q for q in self._queue if q[0] != key)
+
+    def _run(self):
+        while True:
+            with self._cv:
+                while not self._queue and not self._closing:
+                    self._cv.wait()
+                if self._closing:
+                    return
+                key, producer, tokens = self._queue.popleft()
+            try:
+                self._why = None
+                held = self.held_tokens(producer, tokens)
+            except Exception as e:  # noqa: BLE001 - a bug must not kill the thread: miss
+                logger.warning("MooncakeConnector: probing %s failed (%s); the prompt is "
+                               "computed locally", producer or self.default_producer, e)
+                held = 0
+            with self._cv:
+                if key in self._asked:  # not forgotten meanwhile
+                    self._asked.discard(key)
+                    self._answers[key] = held
+                    self._whys[key] = self._why
+
     def close(self):
+        with self._cv:
+            self._closing = True
+            self._queue.clear()
+            self._cv.notify_all()
+            t = self._thread
+        if t is not None and t is not threading.current_thread():
+            # At most one probe is in flight; it ends by its own timeout.
+            t.join(self.s.lookup_timeout_s + 5.0)
         for obj in (self.kv, self.engine):
             if obj is not None:
                 try:

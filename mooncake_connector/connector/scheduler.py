@@ -11,6 +11,11 @@ Flows (docs/connector.md):
 How much to load is known before the request is scheduled: flow B's params
 carry num_tokens (what the producer published); in flow A the scheduler
 probes the producer (probe.py, one round trip; a miss costs nothing more).
+The probe runs on its own thread, started when the request arrives
+(on_new_request): until its answer is in, get_num_new_matched_tokens says
+"not known yet" (None) and vLLM asks again next step, so the scheduler,
+and every running request with it, never waits on the network.  An answer
+later than lookup_timeout_s + PROBE_GRACE_S counts as a miss.
 Loads up to sync_load_max_bytes run inside the step that schedules the
 request (vLLM's synchronous load: no extra scheduler steps); larger ones, and
 flow B loads whose size is not known yet, run asynchronously (the request
@@ -28,6 +33,8 @@ from mooncake_connector.connector.stats import MooncakeKVConnectorStats, recompu
 logger = logging.getLogger("vllm.mooncake_connector")
 
 PROBE_REUSE_S = 0.5  # a probe's answer serves the same waiting request this long
+PROBE_GRACE_S = 0.1  # a probe pending this much past lookup_timeout_s is a miss
+PENDING = object()   # _known_size: the producer's answer is not in yet
 
 
 def bytes_per_block(kv_cache_config):
@@ -50,6 +57,7 @@ class SchedulerSide:
         self._probe = probe       # ProducerProbe (flow A consumers) or None
         self._claims = {}         # req_id -> (tokens claimed through, sync)
         self._probed = {}         # req_id -> (held tokens or None, monotonic time)
+        self._asked = {}          # req_id -> monotonic time its probe was asked
         self._loads = {}          # req_id -> LoadSpec, sent with the next metadata
         self._publishes = []      # PublishSpec, sent with the next metadata
         self._held = []           # req ids newly held, sent with the next metadata
@@ -100,12 +108,26 @@ class SchedulerSide:
         # A request vLLM could not schedule yet (no free blocks) is offered
         # again every step: reuse a fresh answer instead of asking again.
         now = time.monotonic()
-        cached = self._probed.get(request.request_id)
+        rid = request.request_id
+        cached = self._probed.get(rid)
         if cached is not None and now - cached[1] < PROBE_REUSE_S:
             return cached[0]
-        held = self._probe.held_tokens(src[1], request.prompt_token_ids[:n_full])
+        done, held = self._probe.answer(rid)
+        if not done:
+            asked = self._asked.get(rid)
+            if asked is None:
+                self._ask(request, src, n_full, now)
+                return PENDING
+            if now - asked < self.s.lookup_timeout_s + PROBE_GRACE_S:
+                return PENDING
+            self._probe.forget(rid)  # too late: compute the prompt, drop a late answer
+            self._probe.last_unreachable = (
+                f"producer {src[1] or 'prefill_url'} did not answer the lookup within "
+                f"lookup_timeout_s={self.s.lookup_timeout_s} s (timed out)")
+            held = 0
+        self._asked.pop(rid, None)
         held = None if held is None else min(held, n_full)
-        self._probed[request.request_id] = (held, now)
+        self._probed[rid] = (held, now)
         return held
 
     def _recompute(self, request, reason, why):
@@ -136,6 +158,22 @@ class SchedulerSide:
             self._recompute(request, "not_held", f"producer {src[1]} published no KV for it "
                             "(aborted or failed there)")
 
+    def _ask(self, request, src, n_full, now):
+        self._asked[request.request_id] = now
+        self._probe.ask(request.request_id, src[1], request.prompt_token_ids[:n_full])
+
+    def on_new_request(self, request):
+        """vLLM calls this when a request arrives: a flow-A probe starts now,
+        so its answer is usually in when the scheduler first asks."""
+        if self._probe is None:
+            return
+        src = self._source(request)
+        if src is None or src[0] != "A" or request.request_id in self._tried:
+            return
+        n_full = self._full_tokens(request)
+        if n_full > 0 and request.request_id not in self._asked:
+            self._ask(request, src, n_full, time.monotonic())
+
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
         src = self._source(request)
         if src is None or request.request_id in self._tried:
@@ -148,6 +186,8 @@ class SchedulerSide:
                 self._check_unloadable(request, src)
             return 0, False
         held = self._known_size(request, src, n_full)
+        if held is PENDING:
+            return None, False  # vLLM skips the request this step and asks again
         if held == 0 and num_computed_tokens == 0:
             probe = self._probe
             if probe is not None and getattr(probe, "last_unreachable", None):
@@ -271,6 +311,8 @@ class SchedulerSide:
         self._loads.pop(rid, None)
         self._claims.pop(rid, None)
         self._probed.pop(rid, None)
+        if self._asked.pop(rid, None) is not None:
+            self._probe.forget(rid)
         self._tried.discard(rid)
         self._recomputed.discard(rid)
         n = self._published.pop(rid, None)

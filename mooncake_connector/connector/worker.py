@@ -86,12 +86,18 @@ class WorkerSide:
     # ---- setup ----
 
     def register_kv_caches(self, kv_caches):
+        self._kv_caches = kv_caches
+        self._start_engine()
+
+    def _start_engine(self):
+        """Engine, registered KV regions, lookup buffer (producer), KVTransfer,
+        for the addresses the KV cache tensors have now."""
         from mooncake_connector import _core  # the extension: workers only
 
         heads = self.facts.get("kv_heads")
         if heads and not self.facts.get("mla"):
             heads = tp_map.heads_per_rank(heads, self.tp_size)
-        self.layout = KVLayout(kv_caches, self.num_blocks, heads=heads,
+        self.layout = KVLayout(self._kv_caches, self.num_blocks, heads=heads,
                                block_size=self.block_size, layer_groups=self.layer_groups)
         text = json.dumps({k: v for k, v in self.s.mooncake.items() if v is not None})
         cfg = _core.parse_config(text, self.s.config_path or "kv_connector_extra_config")
@@ -273,6 +279,8 @@ class WorkerSide:
 
         spec = ld.spec
         try:
+            if self.kv is None:
+                raise ValueError("the KV cache is unregistered (sleep mode)")
             route = self._route(spec.producer or self.default_producer,
                                 producer_tp=getattr(spec, "producer_tp", None))
         except SettingsError as e:  # the producer's layout/parallelism cannot map to ours
@@ -448,7 +456,7 @@ class WorkerSide:
         # KV: vLLM runs such steps back to back until every hold ends, so
         # wait (GIL released) for a consumer's release instead, briefly.
         if (self._idle and self._held and not done_send and not done_recv
-                and not self._loading and self.s.idle_wait_ms > 0):
+                and not self._loading and self.s.idle_wait_ms > 0 and self.lb is not None):
             deadline = time.monotonic() + self.s.idle_wait_ms / 1000.0
             while not done_send:  # a release may free a request's blocks in pieces
                 left = deadline - time.monotonic()
@@ -463,7 +471,7 @@ class WorkerSide:
     def _finished_sends(self):
         """Held requests whose blocks no consumer references any more."""
         done = set()
-        if self.lb is None:
+        if self.lb is None and not self._held:
             return done
         self._drain_freed()
         for rid in list(self._held):
@@ -497,11 +505,59 @@ class WorkerSide:
         out, self.stats = self.stats, MooncakeKVConnectorStats()
         return out
 
-    def shutdown(self):
+    # ---- sleep mode (vLLM >= 0.33: the KV cache memory is freed, then remapped) ----
+
+    def unregister_kv_caches(self):
+        """Before vLLM frees the KV cache memory.  Every load is over (vLLM
+        drained them; any left are waited for, fenced), every published
+        prompt is dropped and its request reported finished (its KV is about
+        to be gone), and the engine is closed: its regions are unregistered,
+        its segment unpublished, its connections closed, so every peer drops
+        what it cached about our regions (address, RDMA keys, GPU IPC
+        handles) and can only reach us again through a new connection, which
+        carries the regions registered at wake-up.  Idempotent."""
+        if self.engine is None:
+            return
+        ids = [i for ld in self._loading.values() for i in ld.running()]
+        while ids and not self.kv.pull_wait(ids, timeout=self.s.load_timeout_s + 5):
+            logger.warning("MooncakeConnector: KV loads still running before sleep")
+        for ld in self._loading.values():  # reported by the next get_finished
+            for name, pid in ld.pulls.items():
+                if pid is None or name in ld.results:
+                    continue
+                r = self.kv.pull_poll(pid)  # over (waited above): no flow-b retry now
+                ld.results[name] = (r[0], r[1]) if r is not None else \
+                    (0, "the KV cache was unregistered for sleep mode")
+            ld.pulls = {n: None for n in ld.pulls}  # no pull id outlives this engine
+        dropped = len(self._pub_tokens)
+        # Every published request is reported in finished_sending once vLLM
+        # holds it for us (now or after its finish reaches this worker).
+        for rid in list(self._outstanding):
+            self._forget_tags(rid)
+        self._pub_tokens.clear()
+        name = self.name
+        self._stop_engine()
+        logger.info("MooncakeConnector worker: KV cache unregistered for sleep mode (engine %s "
+                    "closed, %d published prompts dropped)", name, dropped)
+
+    def restore_kv_caches(self):
+        """After vLLM remapped the KV cache: register it where it is now, with a
+        new engine under the same name (peers reconnect and learn these
+        regions before their first transfer).  Idempotent."""
+        if self.engine is not None or getattr(self, "_kv_caches", None) is None:
+            return
+        self._start_engine()
+        logger.info("MooncakeConnector worker: KV cache registered again after sleep mode "
+                    "(engine %s, %d regions)", self.name, len(self.layout.regions()))
+
+    def _stop_engine(self):
         for obj in (self.kv, self.engine, getattr(self, "_meta", None)):
             if obj is not None:
                 try:
                     obj.close()
                 except Exception:  # already closed
                     pass
-        self.kv = self.engine = None
+        self.kv = self.lb = self.engine = self._meta = None
+
+    def shutdown(self):
+        self._stop_engine()
