@@ -125,7 +125,8 @@ def test_layout_mismatch_found_at_load(model_dir, urls, metadata_server, warning
         assert d.run_until(lambda: "lm" not in d.sched.requests)
         assert recomputes(d) == {"layout_mismatch": 1}
         (msg,) = warnings("lm")
-        assert "tp_size=2" in msg
+        # The warning names both sides' parallel settings (tp_map's check).
+        assert "prefill --tensor-parallel-size 2" in msg, msg
     finally:
         d.close()
         p.close()
