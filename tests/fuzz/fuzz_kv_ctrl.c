@@ -76,8 +76,11 @@ int LLVMFuzzerInitialize(int *argc, char ***argv) {
 
 static void deliver(mc_engine_t *e, const char *from, const void *msg, size_t len) {
   pthread_rwlock_rdlock(&e->handler_lock);
-  if (e->notify_cb)
-    e->notify_cb(e->notify_arg, from, msg, len);
+  if (e->notify_cb) {
+    mc_err_t err = {0};
+    /* A refusal (budget, bad message) is an error code, not a finding. */
+    (void)e->notify_cb(e->notify_arg, from, msg, len, &err);
+  }
   pthread_rwlock_unlock(&e->handler_lock);
 }
 

@@ -35,11 +35,13 @@ static mc_loop_t L;
 static mc_regions_t R;
 static uint8_t local_src[8192], local_dst[8192];
 
-static void on_notify(void *ctx, const char *from, const void *msg, size_t len) {
+static int on_notify(void *ctx, const char *from, const void *msg, size_t len, mc_err_t *err) {
   (void)ctx;
   (void)from;
   (void)msg;
   (void)len;
+  (void)err;
+  return 0;
 }
 
 static int on_rpc(void *ctx, const char *from, const char *req, size_t len, char **reply,
@@ -65,6 +67,11 @@ int LLVMFuzzerInitialize(int *argc, char ***argv) {
   }
   T.opts.conns_per_peer = 1;
   T.opts.io_threads = 1;
+  /* The budgets mc_tcp_start would default (this harness builds T itself). */
+  T.opts.reply_conn_limit = 16ull << 20;
+  T.opts.reply_total_limit = 256ull << 20;
+  T.opts.max_prehandshake = 64;
+  T.opts.hello_timeout_ms = 5000;
   T.hooks.local_name = "fuzz-target";
   T.hooks.regions = &R;
   T.hooks.on_notify = on_notify;
