@@ -318,6 +318,16 @@ static void sweep_conn(mc_conn_t *c) {
   mc_conn_flush(c);
 }
 
+/* Its replies drained (mc_conn_resp_done set rx_resume): read the requests
+ * it sent meanwhile, some of which may already sit in its receive buffer. */
+static void resume_reading(mc_conn_t *c) {
+  int alive = 1;
+  while (alive && c->rx_resume && c->state == CONN_OPEN) {
+    c->rx_resume = 0;
+    alive = mc_conn_on_readable(c) == 0;
+  }
+}
+
 static void handle_cmds(mc_loop_t *l) {
   uint64_t v;
   while (read(l->evfd, &v, sizeof v) < 0 && errno == EINTR) {
@@ -344,7 +354,12 @@ static void handle_cmds(mc_loop_t *l) {
       if (mc_conn_loop_acquire(cmd->conn)) {
         if (cmd->conn->state == CONN_OPEN) {
           drain_inbox(cmd->conn);
-          mc_conn_flush(cmd->conn);
+          /* A flush here can drain the replies a paused connection waited
+           * for (GPU-staged READ data is sent after its copy, on a kick):
+           * the requests already in its receive buffer are read now, or
+           * nothing would ever wake them. */
+          if (mc_conn_flush(cmd->conn) == 0)
+            resume_reading(cmd->conn);
         }
         mc_conn_loop_release(cmd->conn);
       }
@@ -488,11 +503,8 @@ static void *loop_main(void *arg) {
           alive = mc_conn_on_readable(c) == 0;
         if (alive && (e & (EPOLLOUT | EPOLLERR | EPOLLHUP)) && c->state == CONN_OPEN)
           alive = mc_conn_flush(c) == 0;
-        /* Its replies drained: read the requests it sent meanwhile. */
-        while (alive && c->rx_resume && c->state == CONN_OPEN) {
-          c->rx_resume = 0;
-          alive = mc_conn_on_readable(c) == 0;
-        }
+        if (alive)
+          resume_reading(c);
       }
       mc_conn_loop_release(c);
     }
