@@ -80,6 +80,11 @@ static int run_initiator(int argc, char **argv) {
   char *buf = malloc(total);
   memset(buf, 2, total);
   mc_err_t err = {0};
+  /* A transfer's local buffers must lie in memory registered with the engine. */
+  if (!buf || mc_engine_register(e, buf, total, "cpu", &err) < 0) {
+    fprintf(stderr, "register: %s\n", buf ? err.msg : "out of memory");
+    return 1;
+  }
   size_t nblk = block ? total / block : 0;
   if (!batch)
     batch = nblk ? nblk : 1;
