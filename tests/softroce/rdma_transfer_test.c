@@ -394,7 +394,11 @@ static void test_auth(mc_engine_t *e, const char *seg, uint64_t raddr, uint8_t *
     mc_engine_t *x = make_engine_auth("rxe0", others[i]);
     err = (mc_err_t){0};
     double t0 = now_s();
-    rc = x ? xfer(x, seg, MC_OP_WRITE, src, raddr, 4096, 20000, &err) : -1;
+    /* The engine refuses unregistered local buffers before any handshake:
+     * register src with x, so the refusal tested is the target's. */
+    rc = x ? mc_engine_register(x, src, 4096, "cpu", &err) : -1;
+    if (rc == 0)
+      rc = xfer(x, seg, MC_OP_WRITE, src, raddr, 4096, 20000, &err);
     CHECK(rc == MC_EAUTH && strstr(err.msg, i ? "requires peer authentication"
                                                 : "failed authentication"),
           "%s secret: refused with MC_EAUTH in %.2f s: %s", i ? "no" : "a wrong", now_s() - t0,
