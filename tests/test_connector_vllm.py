@@ -27,10 +27,21 @@ BS = 16
 ASYNC = {"sync_load_max_bytes": 0}  # every load in the background (WAITING_FOR_REMOTE_KVS)
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port(span=4):
+    """A port whose next span-1 neighbours are free too: TP/PP ranks listen
+    at port + rank (on 0.0.0.0, as the engine binds)."""
+    for _ in range(200):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        try:
+            for k in range(span):
+                with socket.socket() as t:
+                    t.bind(("0.0.0.0", base + k))
+            return base
+        except (OSError, OverflowError):
+            continue
+    raise RuntimeError(f"no run of {span} free ports found")
 
 
 @pytest.fixture(scope="module")
