@@ -10,6 +10,9 @@ Checks, in order (docs/doctor.md lists what each catches and the fix):
   metadata  the metadata server: reach, put/get/delete of a scratch key, latency;
             on failure, what actually listens there (etcd, Redis, an HTTP
             metadata server, nothing) and the URL that would work
+  auth      peer authentication: on or off, where the secret comes from, a short
+            secret, a secret in both mooncake.json and MC_AUTH_SECRET that differ,
+            engines on non-loopback addresses without a secret
   engine    this host's engine address (prefill_url or decode_url, whichever is
             an address here): an address of this host, on which interface, the
             port (and the next --tp - 1 ports) free to bind, reachable by the peer
@@ -264,6 +267,10 @@ def diagnose_metadata(kind, url, err, origin):
                             or "auth" in low):
         return (f"the Redis server wants a password: write metadata_server as "
                 f"redis://:PASSWORD@{_hp(*eps[0])} (or export MC_REDIS_PASSWORD)")
+    if kind == "http" and "http 401" in low:
+        return ("the metadata server requires a bearer token and refused this one (or none): "
+                "export MC_METADATA_TOKEN=<the token the server was started with> for the engines "
+                "and doctor (docs/security.md)")
     if kind == "redis" and ("db index" in low or "select" in low):
         return "use a database index the server has (redis://h:p/N, N below its `databases`)"
     for host, port in eps:
@@ -355,6 +362,54 @@ def check_metadata(rep, cfg, origin):
                 "(each new peer costs a lookup)")
     else:
         rep.add("metadata", shown, OK, f"{kind} reachable; scratch key {detail}")
+
+
+# ---------------------------------------------------------------- auth
+
+MIN_SECRET_BYTES = 16
+
+
+def _secret(cfg):
+    """(secret, where it comes from) as the engine picks it: mooncake.json's
+    auth_secret, else MC_AUTH_SECRET, else off (docs/security.md)."""
+    if cfg and cfg.get("auth_secret"):
+        return cfg["auth_secret"], "auth_secret in " + cfg["origin"]
+    env = os.environ.get("MC_AUTH_SECRET", "")
+    if env:
+        return env, "environment MC_AUTH_SECRET"
+    return "", ""
+
+
+def check_auth(rep, cfg):
+    secret, where = _secret(cfg)
+    env = os.environ.get("MC_AUTH_SECRET", "")
+    hosts = [_split_hp(cfg[f"{s}_url"])[0] for s in ("prefill", "decode")]
+    exposed = [h for h in hosts if not all(_is_loopback(a) for a in _resolve(h) or [h])]
+    if not secret:
+        if exposed:
+            rep.add("auth", "peer authentication", WARN,
+                    f"off: any host that reaches the engine ports on {', '.join(exposed)} can "
+                    "read and write the registered KV memory",
+                    'set the same "auth_secret" in mooncake.json on every host (or export '
+                    "MC_AUTH_SECRET), e.g. the output of `python3 -c 'import secrets; "
+                    "print(secrets.token_hex(16))'` (docs/security.md)")
+        else:
+            rep.add("auth", "peer authentication", OK, "off (both engines on loopback addresses)")
+        return
+    n = len(secret.encode())
+    if n < MIN_SECRET_BYTES:
+        rep.add("auth", "peer authentication", WARN,
+                f"on ({where}), but the secret is {n} bytes: short secrets can be guessed",
+                f"use at least {MIN_SECRET_BYTES} random bytes, e.g. `python3 -c 'import secrets; "
+                "print(secrets.token_hex(16))'`, the same on every host")
+    else:
+        rep.add("auth", "peer authentication", OK, f"on ({where}, {n} bytes)")
+    if env and cfg.get("auth_secret") and env != cfg["auth_secret"]:
+        rep.add("auth", "MC_AUTH_SECRET", WARN,
+                f"differs from auth_secret in {cfg['origin']}; the file's secret is used and the "
+                "environment's is ignored",
+                "unset MC_AUTH_SECRET or make it equal to the file's auth_secret, so every "
+                "process on this host uses one secret")
 
 
 # ---------------------------------------------------------------- engine address
@@ -720,7 +775,7 @@ def _engine(host, cfg):
     eng = mc.TransferEngine()
     proto = cfg["protocol"] if cfg else "tcp"
     dev = cfg["device_name"] if cfg else ""
-    eng.initialize(host, "P2PHANDSHAKE", proto, dev)
+    eng.initialize(host, "P2PHANDSHAKE", proto, dev, auth_secret=_secret(cfg)[0] or None)
     return eng
 
 
@@ -784,6 +839,12 @@ def check_peer(rep, peer, cfg, timeout):
             if reply is None:
                 raise mc.TransferTimeout(f"no answer from {peer} within {timeout:.0f} s")
         except mc.MooncakeError as e:
+            if getattr(e, "code_name", "") == "MC_EAUTH" or "authenticat" in str(e).lower():
+                rep.add("peer", peer, FAIL, f"handshake: {e}",
+                        "the two hosts use different shared secrets (or only one has one): set "
+                        'the same "auth_secret" in mooncake.json (or MC_AUTH_SECRET) on both, and '
+                        "restart `doctor --serve`")
+                return
             rep.add("peer", peer, FAIL, f"handshake: {e}",
                     f"run `mooncake-connector doctor --serve --listen {peer}` on {host} and open "
                     f"TCP port {peer.rsplit(':', 1)[1]} (and the engine's ports) between the hosts")
@@ -873,7 +934,8 @@ def run(argv=None, out=sys.stdout):
     origin = cfg["origin"] if cfg else ""
     checks = []
     if cfg:
-        checks += [("metadata", lambda: check_metadata(rep, cfg, origin)),
+        checks += [("auth", lambda: check_auth(rep, cfg)),
+                   ("metadata", lambda: check_metadata(rep, cfg, origin)),
                    ("engine", lambda: check_engine(rep, cfg, args.role, args.tp)),
                    ("rdma", lambda: check_rdma(rep, cfg))]
     checks += [("gpu", lambda: check_gpu(rep, cfg)), ("vllm", lambda: check_vllm(rep))]

@@ -13,6 +13,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import urllib.error
 
 import pytest
 
@@ -367,3 +368,107 @@ def test_serve_port_taken():
                             "--listen", f"127.0.0.1:{port}", "--seconds", "5"],
                            capture_output=True, text=True, timeout=60, cwd="/")
     assert r.returncode == 1 and f"cannot serve at 127.0.0.1:{port}" in r.stderr, r.stderr
+
+
+# ------------------------------------------------------------ peer authentication
+
+def _outward_addr():
+    """This host's address towards the outside (not loopback), or None."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("10.255.255.254", 9))
+            a = s.getsockname()[0]
+        except OSError:
+            return None
+    return None if a.startswith("127.") else a
+
+
+def test_auth_off_on_loopback_is_ok(tmp_path):
+    rc, rows = doctor("--config", write_cfg(tmp_path))
+    assert "off" in row(rows, "auth", "peer authentication", "ok")["detail"]
+
+
+def test_auth_off_on_a_network_address_warns(tmp_path):
+    addr = _outward_addr()
+    if not addr:
+        pytest.skip("this host has no non-loopback IPv4 address")
+    p, d = two_ports()
+    rc, rows = doctor("--config", write_cfg(tmp_path, prefill_url=f"{addr}:{p}",
+                                            decode_url=f"{addr}:{d}"))
+    r = row(rows, "auth", "peer authentication", "warn")
+    assert addr in r["detail"] and "auth_secret" in r["fix"], r
+
+
+def test_auth_short_secret_warns_and_long_one_is_ok(tmp_path):
+    rc, rows = doctor("--config", write_cfg(tmp_path, auth_secret="abc"))
+    r = row(rows, "auth", "peer authentication", "warn")
+    assert "3 bytes" in r["detail"] and "token_hex" in r["fix"], r
+    rc, rows = doctor("--config", write_cfg(tmp_path, auth_secret="x" * 32))
+    assert "32 bytes" in row(rows, "auth", "peer authentication", "ok")["detail"]
+    rc, rows = doctor("--config", write_cfg(tmp_path), env={"MC_AUTH_SECRET": "y" * 20})
+    assert "MC_AUTH_SECRET" in row(rows, "auth", "peer authentication", "ok")["detail"]
+
+
+def test_auth_file_and_environment_differ(tmp_path):
+    rc, rows = doctor("--config", write_cfg(tmp_path, auth_secret="a" * 20),
+                      env={"MC_AUTH_SECRET": "b" * 20})
+    r = row(rows, "auth", "MC_AUTH_SECRET", "warn")
+    assert "ignored" in r["detail"], r
+
+
+@pytest.mark.parametrize("serve_secret,mine,ok", [("s" * 20, "s" * 20, True),
+                                                  ("s" * 20, "t" * 20, False),
+                                                  ("s" * 20, None, False),
+                                                  (None, "t" * 20, False)])
+def test_peer_with_shared_secrets(tmp_path, serve_secret, mine, ok):
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k != "MC_AUTH_SECRET"}
+    if serve_secret:
+        env["MC_AUTH_SECRET"] = serve_secret
+    srv = subprocess.Popen([sys.executable, "-m", "mooncake_connector", "doctor", "--serve",
+                            "--listen", f"127.0.0.1:{port}", "--seconds", "60"], env=env,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd="/")
+    try:
+        line = srv.stdout.readline()
+        assert f"doctor --peer 127.0.0.1:{port}" in line, line + srv.stderr.read()
+        rc, rows = doctor("--config", write_cfg(tmp_path, auth_secret=mine), "--peer",
+                          f"127.0.0.1:{port}", "--timeout", "5")
+        if ok:
+            assert rc == 0 and row(rows, "peer", "data", "ok"), rows
+        else:
+            r = failed(rows, "peer")
+            assert "auth_secret" in r["fix"] and "same" in r["fix"], r
+    finally:
+        srv.terminate()
+        srv.wait(10)
+
+
+def test_metadata_server_token(tmp_path):
+    import time
+    import urllib.request
+    port = free_port()
+    env = dict(os.environ, MC_METADATA_TOKEN="tok-" + "z" * 20)
+    srv = subprocess.Popen([sys.executable, "-m", "mooncake_connector.metadata_server", "--host",
+                            "127.0.0.1", "--port", str(port), "--log-level", "warning"], env=env,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd="/")
+    try:
+        end = time.monotonic() + 30
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1).close()
+                break
+            except urllib.error.HTTPError:
+                break  # answering (health may want the token too)
+            except OSError:
+                assert time.monotonic() < end and srv.poll() is None, srv.stderr.read()
+                time.sleep(0.1)
+        cfg = write_cfg(tmp_path, metadata_server=f"http://127.0.0.1:{port}/metadata")
+        rc, rows = doctor("--config", cfg)
+        assert rc == 1 and "MC_METADATA_TOKEN" in failed(rows, "metadata")["fix"], rows
+        rc, rows = doctor("--config", cfg, env={"MC_METADATA_TOKEN": "wrong-" + "z" * 20})
+        assert rc == 1 and "MC_METADATA_TOKEN" in failed(rows, "metadata")["fix"], rows
+        rc, rows = doctor("--config", cfg, env={"MC_METADATA_TOKEN": "tok-" + "z" * 20})
+        assert row(rows, "metadata", None, "ok"), rows
+    finally:
+        srv.terminate()
+        srv.wait(10)
