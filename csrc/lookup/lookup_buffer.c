@@ -12,15 +12,24 @@
 #define WAIT_SLICE_NS 50000000ull /* re-check expiry at least this often */
 
 typedef struct lk_node lk_node_t;
+typedef struct lk_entry lk_entry_t;
 
-typedef struct lk_entry {
+typedef struct lk_link {
+  lk_entry_t *prev, *next;
+} lk_link_t;
+
+typedef struct lk_list {
+  lk_entry_t *head, *tail;
+} lk_list_t;
+
+struct lk_entry {
   lk_node_t *leaf;
   uint32_t nblocks;
   uint64_t born_ns;
-  struct lk_entry *lru_prev, *lru_next; /* head = least recently used */
-  struct lk_entry *age_prev, *age_next; /* head = oldest insert */
-  struct lk_entry *leaf_next;           /* other entries ending at leaf */
-} lk_entry_t;
+  lk_link_t lru; /* in lb->lru: head = least recently used */
+  lk_link_t age; /* in lb->age: head = oldest insert */
+  lk_entry_t *leaf_next; /* other entries ending at leaf */
+};
 
 struct lk_node {
   mc_block_hash_t h;
@@ -61,7 +70,7 @@ struct mc_lookup {
   lk_slot_t *slots; /* linear probing, power-of-two size */
   size_t nslots, nused;
   lk_node_t *roots; /* children of the virtual root (block 0 nodes) */
-  lk_entry_t *lru_head, *lru_tail, *age_head, *age_tail;
+  lk_list_t lru, age; /* of lk_entry_t, linked through their lru / age links */
 
   mc_lookup_extent_t *freed;
   size_t nfreed, freed_cap;
@@ -300,49 +309,38 @@ static void path_unref(mc_lookup_t *lb, lk_node_t *nd) {
     pthread_cond_broadcast(&lb->room);
 }
 
-static void lru_unlink(mc_lookup_t *lb, lk_entry_t *e) {
-  if (e->lru_prev)
-    e->lru_prev->lru_next = e->lru_next;
+/* An entry is on two lists at once (LRU order and insert order): each list
+ * links entries through its own link field, found at `off` in the entry. */
+#define LK_LINK(e, off) ((lk_link_t *)((char *)(e) + (off)))
+
+static void list_unlink(lk_list_t *l, size_t off, lk_entry_t *e) {
+  lk_link_t *k = LK_LINK(e, off);
+  if (k->prev)
+    LK_LINK(k->prev, off)->next = k->next;
   else
-    lb->lru_head = e->lru_next;
-  if (e->lru_next)
-    e->lru_next->lru_prev = e->lru_prev;
+    l->head = k->next;
+  if (k->next)
+    LK_LINK(k->next, off)->prev = k->prev;
   else
-    lb->lru_tail = e->lru_prev;
-  e->lru_prev = e->lru_next = NULL;
+    l->tail = k->prev;
+  k->prev = k->next = NULL;
 }
 
-static void lru_push(mc_lookup_t *lb, lk_entry_t *e) {
-  e->lru_prev = lb->lru_tail;
-  e->lru_next = NULL;
-  if (lb->lru_tail)
-    lb->lru_tail->lru_next = e;
+static void list_push(lk_list_t *l, size_t off, lk_entry_t *e) {
+  lk_link_t *k = LK_LINK(e, off);
+  k->prev = l->tail;
+  k->next = NULL;
+  if (l->tail)
+    LK_LINK(l->tail, off)->next = e;
   else
-    lb->lru_head = e;
-  lb->lru_tail = e;
+    l->head = e;
+  l->tail = e;
 }
 
-static void age_unlink(mc_lookup_t *lb, lk_entry_t *e) {
-  if (e->age_prev)
-    e->age_prev->age_next = e->age_next;
-  else
-    lb->age_head = e->age_next;
-  if (e->age_next)
-    e->age_next->age_prev = e->age_prev;
-  else
-    lb->age_tail = e->age_prev;
-  e->age_prev = e->age_next = NULL;
-}
-
-static void age_push(mc_lookup_t *lb, lk_entry_t *e) {
-  e->age_prev = lb->age_tail;
-  e->age_next = NULL;
-  if (lb->age_tail)
-    lb->age_tail->age_next = e;
-  else
-    lb->age_head = e;
-  lb->age_tail = e;
-}
+#define lru_unlink(lb, e) list_unlink(&(lb)->lru, offsetof(lk_entry_t, lru), (e))
+#define lru_push(lb, e) list_push(&(lb)->lru, offsetof(lk_entry_t, lru), (e))
+#define age_unlink(lb, e) list_unlink(&(lb)->age, offsetof(lk_entry_t, age), (e))
+#define age_push(lb, e) list_push(&(lb)->age, offsetof(lk_entry_t, age), (e))
 
 static void entry_remove(mc_lookup_t *lb, lk_entry_t *e) {
   lru_unlink(lb, e);
@@ -363,8 +361,8 @@ static size_t expire_locked(mc_lookup_t *lb) {
     return 0;
   uint64_t now = now_ns(lb);
   size_t n = 0;
-  while (lb->age_head && now - lb->age_head->born_ns >= lb->ttl_ns) {
-    entry_remove(lb, lb->age_head);
+  while (lb->age.head && now - lb->age.head->born_ns >= lb->ttl_ns) {
+    entry_remove(lb, lb->age.head);
     n++;
   }
   lb->st.expired += n;
@@ -440,8 +438,8 @@ int mc_lookup_create(const mc_lookup_opts_t *o, mc_lookup_t **out, mc_err_t *err
 void mc_lookup_destroy(mc_lookup_t *lb) {
   if (!lb)
     return;
-  while (lb->age_head)
-    entry_remove(lb, lb->age_head);
+  while (lb->age.head)
+    entry_remove(lb, lb->age.head);
   free(lb->slots);
   free(lb->freed);
   pthread_cond_destroy(&lb->room);
@@ -590,8 +588,8 @@ long mc_lookup_insert(mc_lookup_t *lb, const void *tokens, size_t ntok, int widt
     for (size_t i = 0; i < k; i++)
       path[i]->refs++;
     if (lb->policy == MC_LOOKUP_EVICT) {
-      while (lb->st.used_bytes + need > lb->capacity && lb->lru_head) {
-        entry_remove(lb, lb->lru_head);
+      while (lb->st.used_bytes + need > lb->capacity && lb->lru.head) {
+        entry_remove(lb, lb->lru.head);
         lb->st.evicted++;
       }
     }
