@@ -24,6 +24,16 @@ static inline void fuzz_quiet(void) {
     mc_log_set_level(MC_LOG_ERROR);
 }
 
+/* The whole LLVMFuzzerInitialize of a harness that needs nothing but quiet
+ * logs. */
+#define FUZZ_INIT_QUIET()                                                                          \
+  int LLVMFuzzerInitialize(int *argc, char ***argv) {                                              \
+    (void)argc;                                                                                    \
+    (void)argv;                                                                                    \
+    fuzz_quiet();                                                                                  \
+    return 0;                                                                                      \
+  }
+
 /* Memory at a fixed address, so that seeds (and the fuzzer) can name it in
  * transfer requests across runs.  Exits (harness setup, not library code)
  * when the address is taken. */

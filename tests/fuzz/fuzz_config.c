@@ -4,12 +4,7 @@
 
 #include "config/config.h"
 
-int LLVMFuzzerInitialize(int *argc, char ***argv) {
-  (void)argc;
-  (void)argv;
-  fuzz_quiet();
-  return 0;
-}
+FUZZ_INIT_QUIET()
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   mc_config_t cfg;

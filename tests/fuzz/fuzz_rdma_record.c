@@ -5,12 +5,7 @@
 
 #include "transport/rdma/rdma_record.h"
 
-int LLVMFuzzerInitialize(int *argc, char ***argv) {
-  (void)argc;
-  (void)argv;
-  fuzz_quiet();
-  return 0;
-}
+FUZZ_INIT_QUIET()
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   mc_rdma_record_t r;

@@ -4,12 +4,7 @@
 
 #include "engine/segment_desc.h"
 
-int LLVMFuzzerInitialize(int *argc, char ***argv) {
-  (void)argc;
-  (void)argv;
-  fuzz_quiet();
-  return 0;
-}
+FUZZ_INIT_QUIET()
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   mc_segment_desc_t d;
