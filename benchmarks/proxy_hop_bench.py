@@ -24,6 +24,9 @@ import subprocess
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_stats import pct  # noqa: E402
+
 UPSTREAM = r'''
 import json, sys
 from aiohttp import web
@@ -103,11 +106,6 @@ asyncio.run(main())
 '''
 
 
-def pct(xs, q):
-    xs = sorted(xs)
-    k = (len(xs) - 1) * q / 100.0
-    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
 def wait_up(url, timeout=30):

@@ -40,6 +40,8 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from bench_stats import pct  # noqa: E402
 BLOCK = 32
 
 #: Larger than the tests' model so that KV sizes matter: 4 layers, head size
@@ -48,13 +50,6 @@ SETTLE_S = 0.05  # pause before each measured request
 BENCH_SPEC = {"layers": 4, "hidden": 256, "heads": 4, "kv_heads": 4, "intermediate": 512}
 
 
-def pct(xs, q):
-    xs = sorted(xs)
-    if not xs:
-        return None
-    k = (len(xs) - 1) * q / 100.0
-    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
 def prompt_of(n_words, seed):
