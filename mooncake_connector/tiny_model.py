@@ -33,7 +33,15 @@ DEFAULT_SPEC = {
     # many tokens (config layer_types, as Gemma/Qwen-style hybrids have it):
     # vLLM's hybrid KV-cache manager then keeps two KV-cache groups.
     "sliding_window": 0,
+    # "mla": a DeepSeek-V2-style model instead (multi-head latent attention:
+    # one latent KV of MLA_LATENT values per token and layer, the same on
+    # every TP rank; no MoE layer).  vLLM's CPU MLA kernel takes only a
+    # 512-wide latent with 64 rope dims and forces 16-token blocks.
+    "attention": "gqa",
 }
+
+MLA_KV_LORA_RANK, MLA_ROPE_DIM = 512, 64
+MLA_LATENT = MLA_KV_LORA_RANK + MLA_ROPE_DIM
 
 # A small chat template (the tokenizer has none of its own); vLLM's chat
 # endpoint needs one.
@@ -62,6 +70,10 @@ def spec_with(**overrides):
     spec = dict(DEFAULT_SPEC, **overrides)
     if spec["hidden"] % spec["heads"] or spec["heads"] % spec["kv_heads"]:
         raise ValueError(f"hidden must divide by heads and heads by kv_heads: {spec}")
+    if spec["attention"] not in ("gqa", "mla"):
+        raise ValueError(f"attention must be 'gqa' or 'mla', not {spec['attention']!r}")
+    if spec["attention"] == "mla" and spec["sliding_window"]:
+        raise ValueError("the MLA tiny model has no sliding-window layers")
     if spec["sliding_window"] and spec["layers"] < 2:
         raise ValueError("a sliding-window tiny model needs >= 2 layers (one of each kind)")
     if spec["hidden"] // spec["heads"] < 32:
@@ -71,13 +83,16 @@ def spec_with(**overrides):
 
 
 def spec_id(spec):
-    spec = {k: v for k, v in spec.items() if not (k == "sliding_window" and not v)}
+    spec = {k: v for k, v in spec.items() if not (k == "sliding_window" and not v)
+            and not (k == "attention" and v == "gqa")}
     blob = json.dumps({"v": _BUILD_VERSION, **spec}, sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:12]
 
 
 def kv_bytes_per_token(spec, dtype_bytes=4):
     """Bytes of K and V per token over all layers (float32 by default)."""
+    if spec.get("attention") == "mla":
+        return spec["layers"] * MLA_LATENT * dtype_bytes
     head = spec["hidden"] // spec["heads"]
     return spec["layers"] * 2 * spec["kv_heads"] * head * dtype_bytes
 
@@ -110,17 +125,38 @@ def _build_into(out, spec):
     fast.save_pretrained(out)
 
     torch.manual_seed(spec["seed"])
-    cfg = LlamaConfig(hidden_size=spec["hidden"], intermediate_size=spec["intermediate"],
-                      num_hidden_layers=spec["layers"], num_attention_heads=spec["heads"],
-                      num_key_value_heads=spec["kv_heads"], vocab_size=tok.get_vocab_size(),
-                      max_position_embeddings=spec["max_positions"], bos_token_id=1,
-                      eos_token_id=2, pad_token_id=3, tie_word_embeddings=False,
-                      dtype="float32", **_window_fields(spec))
-    model = LlamaForCausalLM(cfg)
+    if spec["attention"] == "mla":
+        model = _mla_model(spec, tok.get_vocab_size())
+    else:
+        model = LlamaForCausalLM(LlamaConfig(
+            hidden_size=spec["hidden"], intermediate_size=spec["intermediate"],
+            num_hidden_layers=spec["layers"], num_attention_heads=spec["heads"],
+            num_key_value_heads=spec["kv_heads"], vocab_size=tok.get_vocab_size(),
+            max_position_embeddings=spec["max_positions"], bos_token_id=1, eos_token_id=2,
+            pad_token_id=3, tie_word_embeddings=False, dtype="float32",
+            **_window_fields(spec)))
     model.save_pretrained(out, safe_serialization=True)
     with open(os.path.join(out, "tiny_model.json"), "w") as f:
         json.dump({"spec": spec, "id": spec_id(spec),
                    "kv_bytes_per_token": kv_bytes_per_token(spec)}, f, indent=1)
+
+
+def _mla_model(spec, vocab):
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    # first_k_dense_replace = layers: every layer a dense MLP (transformers
+    # still wants expert counts).
+    cfg = DeepseekV2Config(
+        hidden_size=spec["hidden"], intermediate_size=spec["intermediate"],
+        num_hidden_layers=spec["layers"], num_attention_heads=spec["heads"],
+        num_key_value_heads=spec["heads"], vocab_size=vocab,
+        max_position_embeddings=spec["max_positions"], q_lora_rank=None,
+        kv_lora_rank=MLA_KV_LORA_RANK, qk_rope_head_dim=MLA_ROPE_DIM, qk_nope_head_dim=32,
+        v_head_dim=32, first_k_dense_replace=spec["layers"], n_routed_experts=4,
+        n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=64,
+        bos_token_id=1, eos_token_id=2, pad_token_id=3, tie_word_embeddings=False,
+        dtype="float32")
+    return DeepseekV2ForCausalLM(cfg)
 
 
 def _window_fields(spec):
@@ -142,7 +178,8 @@ def build(out_dir=None, **overrides):
     """
     spec = spec_with(**overrides)
     if out_dir is None:
-        out_dir = os.path.join(default_cache_root(), f"tiny-llama-{spec_id(spec)}")
+        kind = "deepseek-v2" if spec["attention"] == "mla" else "llama"
+        out_dir = os.path.join(default_cache_root(), f"tiny-{kind}-{spec_id(spec)}")
     out_dir = os.path.abspath(out_dir)
     marker = os.path.join(out_dir, "tiny_model.json")
     if os.path.exists(marker):

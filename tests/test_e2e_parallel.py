@@ -1,9 +1,10 @@
 """Parallel and model-coverage cells with real vLLM servers (pytest -m e2e).
 
 Each cell is a prefill and a decode server (our connector, both proxy flows)
-with its own parallel config; its outputs must be greedy token-identical to a
-colocated server with the decode side's config, and decode's /metrics must
-show the prompts' KV loaded remotely.  The cells:
+with its own parallel config; its outputs must be greedy token-identical to
+a server with the decode side's parallel config computing the prompt
+itself, and decode's /metrics must show the prompts' KV loaded remotely.
+The cells:
 
   tp2-tp1   prefill --tensor-parallel-size 2, decode 1  (KV heads merged)   CI
   tp1-tp2   prefill 1, decode 2                        (KV heads split)    opt-in
@@ -11,17 +12,32 @@ show the prompts' KV loaded remotely.  The cells:
   hma-sw    a tiny Llama whose layer 0 is sliding-window attention (64
             tokens) and layer 1 full: vLLM's hybrid KV-cache manager stays on
             (SupportsHMA), two KV-cache groups move                        CI
+  mla       a tiny DeepSeek-V2-style model (MLA: one 576-wide latent per
+            token and layer; vLLM's CPU MLA backend forces 16-token blocks)  opt-in
+  mla-tp1-tp2  the same, decode TP 2 (each decode rank reads whole latent
+            blocks from prefill rank 0)                                  opt-in
   tp1-tp1   is tests/test_e2e_serving.py's session deployment.
 
-A TP 2 server is four processes on this 2-core machine (API server, engine
-core, two workers) and needs ~90-300 s to start, so CI runs one
-different-TP cell (its reference is the session's colocated TP 1 server);
+The reference is the cell's own decode server: before any request goes
+through a proxy, each prompt is sent to it directly (no kv_transfer_params;
+flow A's probe finds nothing at the producer, so decode computes the prompt
+itself with its own parallel config; prefix caching is off, so nothing of it
+is reused later), and the test checks that these requests loaded nothing.
+That costs no server of its own.  MC_E2E_OWN_REFERENCE=1 adds independent
+colocated servers instead, one per (model, decode config), shared by the
+cells that have that decode config.
+
+Every selected cell's servers start at once (vLLM's start-up waits on much
+besides the CPU), and the cells share nothing else: a producer serves one
+consumer TP size, and flow A's consumer asks the one producer its
+configuration names.  A TP 2 server is four processes on this 2-core
+machine and needs ~90-350 s to start, so CI runs one different-TP cell;
 MC_E2E_PARALLEL=all (or a comma-separated list of cells) runs more:
-  MC_E2E_PARALLEL=all MC_E2E_OWN_REFERENCE=1 .venv/bin/python -P -m pytest \
-      -q tests/test_e2e_parallel.py
+  MC_E2E_PARALLEL=all .venv/bin/python -P -m pytest -q tests/test_e2e_parallel.py
 """
 import os
 import tempfile
+import time
 
 import pytest
 
@@ -32,13 +48,17 @@ from mooncake_connector.openai_client import request
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(2400)]
 
 BLOCK = 32
-REQ_TIMEOUT = 180
+# Generous: a TP 2 server's first requests took minutes when the shared host had
+# a load average of 80-150 (2026-12-01: a 180 s limit timed out).
+REQ_TIMEOUT = float(os.environ.get("MC_E2E_REQ_TIMEOUT", "900"))
 TP2 = ["--tensor-parallel-size", "2", "--distributed-executor-backend", "mp"]
 SW = 64  # the hybrid model's sliding window (tokens): 2 blocks of 32
 CELLS = {"tp2-tp1": {"prefill": TP2},
-         "hma-sw": {"model": {"sliding_window": SW}, "colocated": []},
-         "tp1-tp2": {"decode": TP2, "colocated": TP2},
-         "tp2-tp2": {"prefill": TP2, "decode": TP2, "colocated": TP2}}
+         "hma-sw": {"model": {"sliding_window": SW}},
+         "tp1-tp2": {"decode": TP2},
+         "tp2-tp2": {"prefill": TP2, "decode": TP2},
+         "mla": {"model": {"attention": "mla"}},
+         "mla-tp1-tp2": {"model": {"attention": "mla"}, "decode": TP2}}
 CI_CELLS = ("tp2-tp1", "hma-sw")
 
 
@@ -63,53 +83,89 @@ def _body(prompt, stream=False):
     return b
 
 
-@pytest.fixture(scope="module", params=_selected())
-def cell(request, tiny_model_dir):
+def _references(url, decode_url=None):
+    """Greedy token ids of every prompt from `url`; with decode_url (the
+    reference is the decode server itself) also checks none was loaded."""
+    before = prompt_tokens_by_source(decode_url) if decode_url else None
+    refs = {}
+    for pid, prompt in PROMPTS:
+        r = request(url, "/v1/completions", _body(prompt), timeout=REQ_TIMEOUT)
+        assert r.status == 200 and r.token_ids, (url, pid, r.status, r.error)
+        refs[pid] = r.token_ids
+    if decode_url:
+        after = prompt_tokens_by_source(decode_url)
+        ext = after.get("external_kv_transfer", 0) - before.get("external_kv_transfer", 0)
+        assert ext == 0, (f"the reference requests sent to decode directly loaded {ext} "
+                          "prompt tokens remotely: they are no local reference")
+    return refs
+
+
+@pytest.fixture(scope="module")
+def cells(tiny_model_dir):
+    """{name: (Deployment, {prompt id: reference token ids})} for every
+    selected cell, all started together."""
+    from mooncake_connector import serving, tiny_model
     from mooncake_connector.deployment import Deployment
     from e2e_fixtures import START_TIMEOUT_S
 
-    name = request.param
-    if name not in CELLS:
-        pytest.fail(f"MC_E2E_PARALLEL names unknown cell {name!r}; cells: {', '.join(CELLS)}")
-    args = dict(CELLS[name])
-    model = tiny_model_dir
-    if "model" in args:  # a tiny model of its own (e.g. with sliding-window layers)
-        from mooncake_connector import tiny_model
-        model = tiny_model.build(**args.pop("model"))
-    # MC_E2E_OWN_REFERENCE=1: a colocated server of the cell's own even when
-    # decode is TP 1 (running this file alone: cheaper than the session's
-    # three servers).
-    own_reference = "colocated" in args or os.environ.get("MC_E2E_OWN_REFERENCE") == "1"
-    workdir = tempfile.mkdtemp(prefix=f"mc-e2e-{name}-")
-    dep = Deployment(workdir, model, flows=("a", "b"), colocated=own_reference,
-                     side_args=args)
+    names = _selected()
+    unknown = [n for n in names if n not in CELLS]
+    if unknown:
+        pytest.fail(f"MC_E2E_PARALLEL names unknown cell(s) {unknown}; cells: {', '.join(CELLS)}")
+    own_reference = os.environ.get("MC_E2E_OWN_REFERENCE") == "1"
+    deps, colocated = {}, {}  # colocated: (model, decode args) -> server
+    for name in names:
+        args = dict(CELLS[name])
+        model = tiny_model.build(**args.pop("model")) if "model" in args else tiny_model_dir
+        workdir = tempfile.mkdtemp(prefix=f"mc-e2e-{name}-")
+        deps[name] = Deployment(workdir, model, flows=("a", "b"), colocated=False,
+                                side_args=args)
+        key = (model, tuple(args.get("decode", ())))
+        if own_reference and key not in colocated:
+            colocated[key] = serving.vllm_server(
+                f"colocated {name}", model, serving.free_port(),
+                os.path.join(workdir, "logs", "colocated.log"), extra_args=list(key[1]))
+    procs = [p for d in deps.values() for p in d.processes] + list(colocated.values())
+    t0 = time.monotonic()
     try:
-        dep.start(timeout=START_TIMEOUT_S)
-    except Exception:
-        dep.stop()
+        serving.start_all([d.metadata for d in deps.values() if d.metadata is not None], 60.0)
+        serving.start_all(procs, START_TIMEOUT_S)
+    except BaseException:
+        serving.stop_all(procs)
         raise
-    print("\n" + dep.describe())
-    # A decode side with TP 1 compares with the session's colocated server.
-    ref = dep.colocated.url if own_reference else request.getfixturevalue("deployment") \
-        .colocated.url
-    yield name, dep, ref
-    dep.stop()
+    print(f"\n{len(deps)} cell(s) up in {time.monotonic() - t0:.0f} s "
+          f"(+{len(colocated)} colocated reference(s))")
+    try:
+        out = {}
+        for name, dep in deps.items():
+            print(dep.describe())
+            args = CELLS[name]
+            model = dep.model
+            key = (model, tuple(args.get("decode", ())))
+            if own_reference:
+                out[name] = (dep, _references(colocated[key].url))
+            else:
+                out[name] = (dep, _references(dep.decode.url, dep.decode.url))
+        yield out
+    finally:
+        for dep in deps.values():
+            dep.stop()
+        serving.stop_all(list(colocated.values()))
 
 
 @pytest.mark.parametrize("flow", ["a", "b"])
-def test_cell_matches_colocated_and_loads_remotely(cell, flow):
-    name, dep, ref_url = cell
+@pytest.mark.parametrize("name", _selected())
+def test_cell_matches_reference_and_loads_remotely(cells, name, flow):
+    dep, refs = cells[name]
     mismatches, not_loaded = [], []
     before = prompt_tokens_by_source(dep.decode.url)
     for pid, prompt in PROMPTS:
         for stream in (False, True):
-            ref = request(ref_url, "/v1/completions", _body(prompt), timeout=REQ_TIMEOUT)
-            assert ref.status == 200 and ref.token_ids, (pid, ref.error)
             r = request(dep.proxies[flow].url, "/v1/completions", _body(prompt, stream),
                         timeout=REQ_TIMEOUT)
             assert r.status == 200 and r.error is None, (name, flow, pid, r.status, r.error)
-            if r.token_ids != ref.token_ids:
-                mismatches.append(f"{pid} stream={stream}: colocated {ref.token_ids} vs "
+            if r.token_ids != refs[pid]:
+                mismatches.append(f"{pid} stream={stream}: reference {refs[pid]} vs "
                                   f"{r.token_ids}")
             after = prompt_tokens_by_source(dep.decode.url)
             ext = after.get("external_kv_transfer", 0) - before.get("external_kv_transfer", 0)
@@ -119,20 +175,21 @@ def test_cell_matches_colocated_and_loads_remotely(cell, flow):
             if ext < need:
                 not_loaded.append(f"{pid} stream={stream}: {n} prompt tokens, {ext} loaded "
                                   f"remotely (expected >= {need})")
-    assert not mismatches, f"{name} flow {flow}: output differs from colocated:\n" + \
+    assert not mismatches, f"{name} flow {flow}: output differs from the reference:\n" + \
         "\n".join(mismatches)
     assert not not_loaded, f"{name} flow {flow}: prompt KV not loaded remotely:\n" + \
         "\n".join(not_loaded)
 
 
-def test_cell_logs_its_tp_map_and_no_load_failures(cell):
+@pytest.mark.parametrize("name", _selected())
+def test_cell_logs_its_tp_map_and_no_load_failures(cells, name):
     """The decode log names the mapping it uses; the connector's own counters
     (vLLM's stat logger lines) show loads and no failed one."""
-    name, dep, _ = cell
+    dep, _ = cells[name]
     with open(dep.decode.log_path, encoding="utf-8", errors="replace") as f:
         log = f.read()
-    if name.startswith("tp"):
-        p_tp, d_tp = (int(x[2:]) for x in name.split("-"))
+    if "tp" in name:
+        p_tp, d_tp = (int(x[2:]) for x in name.split("-")[-2:])
         assert f"TP {p_tp} -> {d_tp}" in log, f"no TP map line in {dep.decode.log_path}"
     if name == "hma-sw":  # SupportsHMA: vLLM keeps its hybrid KV-cache manager
         assert "Turning off hybrid kv cache manager" not in log

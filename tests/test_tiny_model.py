@@ -50,3 +50,28 @@ def test_build_is_deterministic_and_cached(tmp_path):
     with pytest.raises(RuntimeError, match="different tiny model"):
         tiny_model.build(str(tmp_path / "a"), layers=3)
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".tiny-build-")]
+
+
+def test_mla_spec_checks_without_building():
+    with pytest.raises(ValueError, match="attention must be 'gqa' or 'mla'"):
+        tiny_model.spec_with(attention="mha")
+    with pytest.raises(ValueError, match="no sliding-window"):
+        tiny_model.spec_with(attention="mla", sliding_window=64)
+    # The default model keeps its id (its cache directory) with the new field.
+    assert tiny_model.spec_id(tiny_model.spec_with()) == tiny_model.spec_id(
+        tiny_model.spec_with(attention="gqa"))
+    assert tiny_model.spec_id(tiny_model.spec_with(attention="mla")) != tiny_model.spec_id(
+        tiny_model.spec_with())
+    # 2 layers x one 576-wide latent (512 + 64 rope) x 4 bytes
+    assert tiny_model.kv_bytes_per_token(tiny_model.spec_with(attention="mla")) == 4608
+
+
+@needs_stack
+def test_mla_build_is_deepseek_v2_shaped_for_vllms_cpu_mla(tmp_path):
+    d = tiny_model.build(str(tmp_path / "mla"), attention="mla")
+    cfg = json.load(open(os.path.join(d, "config.json")))
+    assert cfg["architectures"] == ["DeepseekV2ForCausalLM"]
+    # vLLM's CPU MLA decode kernel: latent 512 + rope 64 = head size 576
+    assert cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"] == 576
+    assert cfg["first_k_dense_replace"] == cfg["num_hidden_layers"]  # no MoE layer
+    assert os.path.exists(os.path.join(d, "tokenizer.json"))
