@@ -6,8 +6,9 @@
 #include <string.h>
 
 #include "engine/engine_internal.h"
-#include "transport/tcp/wire.h"
 #include "util/clock.h"
+
+_Static_assert(MC_ENGINE_MAX_MSG == MC_XFER_MAX_CTRL, "message cap");
 #include "util/log.h"
 
 mc_batch_t *mc_batch_new(mc_engine_t *e, size_t capacity) {
@@ -416,7 +417,7 @@ static int submit_planned(mc_engine_t *e, mc_batch_t *b, const char *segment,
     const mc_request_t *r = &reqs[i];
     if (via_ipc && via_ipc[i])
       continue; /* same-host GPU path */
-    int type = r->opcode == MC_OP_WRITE ? MC_WIRE_WRITE : MC_WIRE_READ;
+    int type = r->opcode == MC_OP_WRITE ? MC_XFER_WRITE : MC_XFER_READ;
     uint64_t off = 0;
     while (off < r->len) {
       if (ob.cur && (ob.cur->type != type || ob.cur_bytes >= e->slice_size ||
@@ -643,9 +644,9 @@ static void rpc_done(mc_xfer_op_t *op, int code, const char *msg) {
 /* One control message (NOTIFY or RPC) to a segment, waited for. */
 static int ctrl_call(mc_engine_t *e, const char *segment, int type, const void *msg,
                      size_t len, int64_t timeout_ms, char **reply, mc_err_t *err) {
-  if (len > MC_WIRE_MAX_CTRL)
+  if (len > MC_XFER_MAX_CTRL)
     return mc_err_set(err, MC_ETOOBIG, "%s of %zu bytes exceeds %u",
-                      type == MC_WIRE_RPC ? "RPC" : "notification", len, MC_WIRE_MAX_CTRL);
+                      type == MC_XFER_RPC ? "RPC" : "notification", len, MC_XFER_MAX_CTRL);
   if (!segment || !*segment)
     return mc_err_set(err, MC_EINVAL, "target segment name is empty");
   mc_segment_desc_t d;
@@ -661,7 +662,7 @@ static int ctrl_call(mc_engine_t *e, const char *segment, int type, const void *
   }
   if (len)
     memcpy(op->ctrl, msg, len);
-  op->done = type == MC_WIRE_RPC ? rpc_done : op_done;
+  op->done = type == MC_XFER_RPC ? rpc_done : op_done;
   op->arg = b;
   op->cancel = &b->cancel;
   if ((rc = mc_xfer_op_seal(op, err)) < 0) {
@@ -696,11 +697,11 @@ static int ctrl_call(mc_engine_t *e, const char *segment, int type, const void *
 
 int mc_engine_notify(mc_engine_t *e, const char *segment, const void *msg, size_t len,
                      int64_t timeout_ms, mc_err_t *err) {
-  return ctrl_call(e, segment, MC_WIRE_NOTIFY, msg, len, timeout_ms, NULL, err);
+  return ctrl_call(e, segment, MC_XFER_NOTIFY, msg, len, timeout_ms, NULL, err);
 }
 
 int mc_engine_rpc(mc_engine_t *e, const char *segment, const char *req, size_t len,
                   int64_t timeout_ms, char **reply, mc_err_t *err) {
   *reply = NULL;
-  return ctrl_call(e, segment, MC_WIRE_RPC, req, len, timeout_ms, reply, err);
+  return ctrl_call(e, segment, MC_XFER_RPC, req, len, timeout_ms, reply, err);
 }

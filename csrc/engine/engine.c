@@ -8,7 +8,6 @@
 #include <cjson/cJSON.h>
 
 #include "engine/engine_internal.h"
-#include "transport/tcp/wire.h"
 #include "gpu/cuda_driver.h"
 #include "gpu/gpu_dmabuf.h"
 #include "gpu/gpu_ipc.h"
@@ -421,7 +420,7 @@ int mc_engine_create(const mc_engine_opts_t *o, mc_engine_t **out, mc_err_t *err
   e->notify_limit = (uint64_t)env_int("MC_NOTIFY_QUEUE_MB", 64, 1, 1 << 20) << 20;
   e->unregister_wait_ms = env_int("MC_UNREGISTER_WAIT_MS", 10000, 1, 86400000);
   e->slice_size = (uint64_t)env_int("MC_TCP_SLICE_SIZE", 4 << 20, 4096, 1 << 30);
-  e->op_entries = (uint32_t)env_int("MC_TCP_OP_ENTRIES", 256, 1, (int)MC_WIRE_MAX_ENTRIES);
+  e->op_entries = (uint32_t)env_int("MC_TCP_OP_ENTRIES", 256, 1, (int)MC_XFER_MAX_ENTRIES);
   e->timeout_ms = (uint64_t)env_int("MC_TRANSFER_TIMEOUT", 30, 1, 86400) * 1000ull;
   e->spin_ns = (uint64_t)env_int("MC_WAIT_SPIN_US", 50, 0, 100000) * 1000ull;
   e->meta_ttl_s = env_int("MC_METADATA_TTL", 10, 0, MC_META_TTL_MAX);

@@ -6,7 +6,7 @@
 #include <stdatomic.h>
 
 #include "engine/engine.h"
-#include "engine/regions.h"
+#include "mem/regions.h"
 #include "engine/segment_desc.h"
 #include "gpu/gpu_staging.h"
 #include "meta/meta.h"

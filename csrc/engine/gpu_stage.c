@@ -6,7 +6,6 @@
 #include <string.h>
 
 #include "engine/engine_internal.h"
-#include "transport/tcp/wire.h"
 
 /* ---- local GPU buffers over TCP (initiator side) ---- */
 
@@ -106,16 +105,13 @@ static int stage_prepare(mc_gpu_job_t *j, mc_err_t *err) {
     st->dptr[st->n] = dev;
     st->len[st->n] = op->ent[i].len;
     st->n++;
-    if (op->type == MC_WIRE_WRITE &&
+    if (op->type == MC_XFER_WRITE &&
         mc_gpu_job_add(j, (mc_cu_ptr)(uintptr_t)host, dev, op->ent[i].len) < 0)
       return mc_err_set(err, MC_ENOMEM, "out of memory");
     op->ent[i].local = host;
     off += op->ent[i].len;
   }
-  free(op->table);
-  free(op->iov);
-  op->table = NULL;
-  op->iov = NULL;
+  mc_xfer_op_drop_tp(op); /* the transport encodes the new entries */
   return mc_xfer_op_seal(op, err);
 }
 
@@ -169,7 +165,7 @@ void mc_gpu_stage_op(mc_engine_t *e, mc_xfer_op_t *op, const char *host, int por
       if (dev < 0)
         dev = d;
     }
-    j = mc_gpu_job_new(dev, op->type == MC_WIRE_WRITE ? MC_GPU_D2H : MC_GPU_H2D);
+    j = mc_gpu_job_new(dev, op->type == MC_XFER_WRITE ? MC_GPU_D2H : MC_GPU_H2D);
   }
   if (!j) {
     if (st)
@@ -185,7 +181,7 @@ void mc_gpu_stage_op(mc_engine_t *e, mc_xfer_op_t *op, const char *host, int por
   snprintf(st->segment, sizeof st->segment, "%s", segment);
   st->dev = dev;
   op->owner = st;
-  op->done = op->type == MC_WIRE_WRITE ? staged_done : staged_read_done;
+  op->done = op->type == MC_XFER_WRITE ? staged_done : staged_read_done;
   j->want_buf = bytes;
   j->prepare = stage_prepare;
   j->complete = stage_ready;

@@ -115,7 +115,7 @@ static mc_xfer_op_t *make_op(int type, const char *ctrl) {
   op->done = op_done;
   op->entry_failed = op_entry_failed;
   mc_err_t e;
-  if (mc_xfer_op_seal(op, &e) < 0)
+  if (mc_xfer_op_seal(op, &e) < 0 || mc_tcp_op_encode(op, &e) < 0)
     abort();
   return op;
 }
@@ -131,8 +131,8 @@ static void add_awaiting(mc_conn_t *c) {
                                          : types[i] == MC_WIRE_RPC    ? "{}"
                                                                       : NULL);
     op->req_id = i + 1;
-    mc_put_u64(op->hdr + 16, op->req_id);
-    op->iov_idx = op->niov; /* already sent */
+    mc_put_u64(MC_OPW(op)->hdr + 16, op->req_id);
+    MC_OPW(op)->iov_idx = MC_OPW(op)->niov; /* already sent */
     op->started = 1;
     if (c->await_tail)
       c->await_tail->next = op;

@@ -18,7 +18,7 @@
 #include <stdint.h>
 #include <sys/uio.h>
 
-#include "engine/regions.h"
+#include "mem/regions.h"
 #include "util/errors.h"
 
 typedef struct mc_tcp mc_tcp_t;
