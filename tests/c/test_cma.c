@@ -7,6 +7,7 @@
 #include <signal.h>
 #include <stdatomic.h>
 #include <sys/mman.h>
+#include <sys/uio.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -15,7 +16,6 @@
 #include "transport/cma/cma.h"
 #include "transport/cma/cma_hello.h"
 #include "transport/cma/cma_table.h"
-#include "transport/tcp/wire.h"
 
 static void hello_roundtrip(void) {
   mc_cma_hello_t h, g;
@@ -244,7 +244,7 @@ static int one_op(void *impl, const mc_peer_t *peer, int type, void *local, uint
   mc_xfer_op_t *op = mc_xfer_op_new(type, 1, 0);
   if (!op)
     return -1;
-  op->ent[0] = (mc_xfer_ent_t){local, remote, len, 0};
+  op->ent[0] = (mc_xfer_ent_t){local, remote, len, 0, -1};
   op->nent = 1;
   op->done = on_done;
   op->entry_failed = on_entry;
@@ -270,18 +270,18 @@ static void two_processes(void) {
     buf[i] = (char)(i * 7 + 1);
   res_t r;
   uint64_t base = (uint64_t)(uintptr_t)c.shared;
-  CHECK_EQ_INT(one_op(impl, &peer, MC_WIRE_WRITE, buf, base, sizeof buf, &r), 0);
+  CHECK_EQ_INT(one_op(impl, &peer, MC_XFER_WRITE, buf, base, sizeof buf, &r), 0);
   CHECK_EQ_INT(r.code, 0);
   CHECK(memcmp(c.shared, buf, sizeof buf) == 0);
   static char back[4096];
-  CHECK_EQ_INT(one_op(impl, &peer, MC_WIRE_READ, back, base + 4096, 4096, &r), 0);
+  CHECK_EQ_INT(one_op(impl, &peer, MC_XFER_READ, back, base + 4096, 4096, &r), 0);
   CHECK_EQ_INT(r.code, 0);
   CHECK(memcmp(back, buf + 4096, 4096) == 0);
   /* Outside the target's regions: the TCP path's words, nothing written. */
-  CHECK_EQ_INT(one_op(impl, &peer, MC_WIRE_WRITE, buf, base + (1 << 20) - 100, 200, &r), 0);
+  CHECK_EQ_INT(one_op(impl, &peer, MC_XFER_WRITE, buf, base + (1 << 20) - 100, 200, &r), 0);
   CHECK_EQ_INT(r.failed_entries, 1);
   CHECK_CONTAINS(r.entry_msg, "is not inside any memory region registered by segment target:1");
-  CHECK_EQ_INT(one_op(impl, &peer, MC_WIRE_READ, back, 0x1000, 16, &r), 0);
+  CHECK_EQ_INT(one_op(impl, &peer, MC_XFER_READ, back, 0x1000, 16, &r), 0);
   CHECK_EQ_INT(r.failed_entries, 1);
   mc_cma_stats_t st;
   mc_cma_get_stats(impl, &st);
@@ -291,12 +291,12 @@ static void two_processes(void) {
   char b = 'u';
   CHECK_EQ_INT(write(c.cmd, &b, 1), 1);
   CHECK_EQ_INT(read(ack, &b, 1), 1);
-  CHECK_EQ_INT(one_op(impl, &peer, MC_WIRE_WRITE, buf, base, 64, &r), 0);
+  CHECK_EQ_INT(one_op(impl, &peer, MC_XFER_WRITE, buf, base, 64, &r), 0);
   CHECK_EQ_INT(r.failed_entries, 1);
   /* The target dies: a clear error, no crash, no hang. */
   kill(c.pid, SIGKILL);
   waitpid(c.pid, NULL, 0);
-  CHECK_EQ_INT(one_op(impl, &peer, MC_WIRE_WRITE, buf, base, 64, &r), 0);
+  CHECK_EQ_INT(one_op(impl, &peer, MC_XFER_WRITE, buf, base, 64, &r), 0);
   CHECK_EQ_INT(r.code, MC_EPEERCLOSED);
   CHECK_CONTAINS(r.msg, "exited");
   /* First contact with a dead pid: reaches() says why. */

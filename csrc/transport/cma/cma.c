@@ -12,7 +12,6 @@
 
 #include "transport/cma/cma_hello.h"
 #include "transport/cma/cma_table.h"
-#include "transport/tcp/wire.h"
 #include "util/log.h"
 
 #define CMA_IOV 1024 /* iovecs per process_vm_* call (UIO_MAXIOV) */
@@ -232,7 +231,7 @@ static void refuse(mc_xfer_op_t *op, uint32_t k, int code, const char *msg, int 
 }
 
 static void run_op(cma_t *c, cma_peer_t *p, mc_xfer_op_t *op, cma_run_t *run) {
-  int write = op->type != MC_WIRE_READ;
+  int write = op->type != MC_XFER_READ;
   mc_err_t err;
   int code = 0;
   char msg[MC_ERR_MSG_MAX] = "";
