@@ -36,8 +36,7 @@ static int env_int(const char *name, int dflt, int lo, int hi) {
 static void on_peer_failed(void *ctx, const char *segment) {
   mc_engine_t *e = ctx;
   mc_engine_forget_segment(e, segment);
-  if (e->rdma)
-    mc_rdma_peer_lost(e->rdma, segment);
+  mc_transports_peer_lost(e, segment);
   pthread_rwlock_rdlock(&e->handler_lock);
   if (e->peer_lost_cb)
     e->peer_lost_cb(e->peer_lost_arg, segment);
@@ -47,8 +46,7 @@ static void on_peer_failed(void *ctx, const char *segment) {
 /* A peer's control connection to us closed: drop the QPs it connected. */
 static void on_incoming_closed(void *ctx, const char *segment) {
   mc_engine_t *e = ctx;
-  if (e->rdma)
-    mc_rdma_peer_closed(e->rdma, segment);
+  mc_transports_peer_closed(e, segment);
 }
 
 /* RPCs on the control channel: the RDMA handshake, and mc.describe (same-host GPU path). */
@@ -61,10 +59,7 @@ static int on_rpc(void *ctx, const char *from, const char *req, size_t len, char
     return *reply ? 0 : mc_err_set(err, MC_ENOMEM, "out of memory describing segment %s",
                                    e->name);
   }
-  if (!e->rdma)
-    return mc_err_set(err, MC_EUNAVAIL, "segment %s speaks protocol \"tcp\", not \"rdma\": "
-                      "use the same protocol on both sides", e->name);
-  return mc_rdma_serve_rpc(e->rdma, from, req, len, reply, err);
+  return mc_transports_serve_rpc(e, from, req, len, reply, err);
 }
 
 static int rdma_rpc(void *ctx, const char *segment, const char *req, size_t len,
@@ -101,7 +96,11 @@ static int start_rdma(mc_engine_t *e, const mc_engine_opts_t *o, mc_err_t *err) 
   /* GPU regions: GPUDirect registration (DMA-BUF, then nvidia-peermem). */
   static const mc_rdma_mem_hook_t gpu_hook = {.reg = gpu_reg_mr};
   mc_rdma_set_mem_hook(&gpu_hook);
-  return mc_rdma_start(&ro, &rh, &e->rdma, err);
+  mc_rdma_t *rdma = NULL;
+  int rc = mc_rdma_start(&ro, &rh, &rdma, err);
+  if (rc == 0)
+    mc_rdma_transport(rdma, &e->tr[MC_TRANSPORT_RDMA]);
+  return rc;
 }
 
 void mc_engine_set_peer_lost_handler(mc_engine_t *e, mc_peer_lost_cb cb, void *arg) {
@@ -399,6 +398,7 @@ int mc_engine_create(const mc_engine_opts_t *o, mc_engine_t **out, mc_err_t *err
   pthread_rwlock_init(&e->handler_lock, NULL);
   pthread_mutex_init(&e->pub_mu, NULL);
   pthread_mutex_init(&e->gpu_mu, NULL);
+  pthread_mutex_init(&e->route_mu, NULL);
   if ((rc = mc_regions_init(&e->regions)) < 0) {
     free(e);
     return mc_err_set(err, rc, "out of memory");
@@ -478,11 +478,14 @@ int mc_engine_create(const mc_engine_opts_t *o, mc_engine_t **out, mc_err_t *err
   e->tcp_opts = topts;
   if ((rc = mc_tcp_start(&topts, &hooks, &e->tcp, err)) < 0)
     goto fail;
+  mc_tcp_transport(e->tcp, &e->tr[MC_TRANSPORT_TCP]);
   e->port = mc_tcp_port(e->tcp);
   /* With port 0 the name is only known now; the loops read it on their
    * first HELLO, after this write (posted through their command queues). */
   snprintf(e->name, sizeof e->name, strchr(hp.host, ':') ? "[%s]:%d" : "%s:%d", hp.host,
            e->port);
+  if ((rc = mc_transports_start(e, err)) < 0)
+    goto fail;
   if ((rc = publish(e, err)) < 0) {
     mc_err_prefix(err, "cannot publish segment %s", e->name);
     goto fail;
@@ -496,9 +499,9 @@ int mc_engine_create(const mc_engine_opts_t *o, mc_engine_t **out, mc_err_t *err
   *out = e;
   return 0;
 fail:
-  if (e->tcp)
+  if (e->tcp && !e->tr[MC_TRANSPORT_TCP].ops)
     mc_tcp_stop(e->tcp);
-  mc_rdma_stop(e->rdma);
+  mc_transports_stop(e);
   mc_gpu_stager_destroy(e->gpu); /* after the transport: it drained the copies */
   if (e->meta)
     mc_meta_close(e->meta);
@@ -508,6 +511,7 @@ fail:
   pthread_rwlock_destroy(&e->handler_lock);
   pthread_mutex_destroy(&e->pub_mu);
   pthread_mutex_destroy(&e->gpu_mu);
+  pthread_mutex_destroy(&e->route_mu);
   free(e->pub_desc);
   free(e->pub_rpc);
   free(e);
@@ -520,8 +524,7 @@ void mc_engine_destroy(mc_engine_t *e) {
   keepalive_stop(e);
   if (e->meta)
     unpublish(e);
-  mc_tcp_stop(e->tcp); /* first: no handshake RPC reaches the RDMA transport after this */
-  mc_rdma_stop(e->rdma);
+  mc_transports_stop(e); /* TCP first: no handshake RPC reaches the others after */
   mc_gpu_stager_destroy(e->gpu); /* after the transport: it drained the copies */
   if (e->meta)
     mc_meta_close(e->meta);
@@ -539,6 +542,7 @@ void mc_engine_destroy(mc_engine_t *e) {
   pthread_rwlock_destroy(&e->handler_lock);
   pthread_mutex_destroy(&e->pub_mu);
   pthread_mutex_destroy(&e->gpu_mu);
+  pthread_mutex_destroy(&e->route_mu);
   free(e->gpu_logged);
   mc_gpu_forget_peers(e);
   free(e->pub_desc);
@@ -639,7 +643,7 @@ int mc_engine_register(mc_engine_t *e, void *addr, uint64_t len, const char *loc
   mc_maps_free(maps);
   if (rc < 0)
     return rc;
-  if (e->rdma && (rc = mc_rdma_register(e->rdma, addr, len, loc, err)) < 0) {
+  if ((rc = mc_transports_register(e, addr, len, loc, err)) < 0) {
     mc_regions_remove(&e->regions, (uint64_t)(uintptr_t)addr, -1, NULL);
     return rc;
   }
@@ -653,15 +657,14 @@ int mc_engine_register_batch(mc_engine_t *e, void *const *addrs, const uint64_t 
   for (size_t i = 0; i < n; i++) {
     char loc[MC_LOCATION_MAX];
     rc = add_region(e, (uint64_t)(uintptr_t)addrs[i], lens[i], location, loc, &maps, err);
-    if (rc == 0 && e->rdma && (rc = mc_rdma_register(e->rdma, addrs[i], lens[i], loc, err)) < 0)
+    if (rc == 0 && (rc = mc_transports_register(e, addrs[i], lens[i], loc, err)) < 0)
       mc_regions_remove(&e->regions, (uint64_t)(uintptr_t)addrs[i], -1, NULL);
     if (rc < 0) {
       mc_maps_free(maps);
       mc_err_prefix(err, "buffer %zu of %zu", i, n);
       for (size_t k = 0; k < i; k++) { /* all or nothing */
         mc_regions_remove(&e->regions, (uint64_t)(uintptr_t)addrs[k], -1, NULL);
-        if (e->rdma)
-          mc_rdma_unregister(e->rdma, addrs[k]);
+        mc_transports_unregister(e, addrs[k]);
       }
       return rc;
     }
@@ -674,8 +677,7 @@ int mc_engine_unregister(mc_engine_t *e, void *addr, mc_err_t *err) {
   int rc = mc_regions_remove(&e->regions, (uint64_t)(uintptr_t)addr, e->unregister_wait_ms, err);
   if (rc < 0)
     return rc;
-  if (e->rdma) /* deregistering the MRs revokes remote access */
-    mc_rdma_unregister(e->rdma, addr);
+  mc_transports_unregister(e, addr); /* e.g. deregistering RDMA MRs revokes access */
   return publish(e, err);
 }
 

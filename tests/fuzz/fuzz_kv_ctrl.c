@@ -20,6 +20,7 @@
 #include <unistd.h>
 
 #include "engine/engine.h"
+#include "util/bytes.h"
 #include "engine/engine_internal.h"
 #include "kv/kv_internal.h"
 #include "lookup/lookup_buffer.h"

@@ -1,16 +1,17 @@
 /* Local GPU buffers over TCP (initiator side): an op whose entries include
- * GPU memory is staged through a pinned buffer by the copy worker -- D2H
- * before a WRITE is sent, H2D after a READ's data arrived. */
+ * GPU memory (ent.dev >= 0) is staged through a pinned buffer by the copy
+ * worker -- D2H before a WRITE is sent, H2D after a READ's data arrived. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "engine/engine_internal.h"
+#include "transport/tcp/tcp_internal.h"
 
 /* ---- local GPU buffers over TCP (initiator side) ---- */
 
 typedef struct staged {
-  mc_engine_t *e;
+  mc_tcp_t *t;
+  mc_gpu_stager_t *gpu;
   mc_gpu_buf_t *buf;
   mc_xfer_done_fn done; /* the batch's */
   char host[256];
@@ -35,7 +36,7 @@ static void staged_free(staged_t *st) {
 /* op->done of a staged WRITE (or a failed READ): returns the buffer. */
 static void staged_done(mc_xfer_op_t *op, int code, const char *msg) {
   staged_t *st = op->owner;
-  mc_gpu_buf_put(st->e->gpu, st->buf);
+  mc_gpu_buf_put(st->gpu, st->buf);
   op->done = st->done;
   staged_free(st);
   op->done(op, code, msg);
@@ -44,7 +45,7 @@ static void staged_done(mc_xfer_op_t *op, int code, const char *msg) {
 static void read_h2d_done(mc_gpu_job_t *j, int code, const char *msg) {
   mc_xfer_op_t *op2 = j->arg;
   staged_t *st = j->arg2;
-  mc_gpu_buf_put(st->e->gpu, st->buf);
+  mc_gpu_buf_put(st->gpu, st->buf);
   staged_free(st);
   op2->done(op2, code, msg);
   mc_xfer_op_free(op2);
@@ -85,7 +86,7 @@ static void staged_read_done(mc_xfer_op_t *op, int code, const char *msg) {
   j->arg = op2;
   j->arg2 = st;
   j->complete = read_h2d_done;
-  mc_gpu_stager_submit(st->e->gpu, j);
+  mc_gpu_stager_submit(st->gpu, j);
 }
 
 /* Worker: takes the staging buffer's place in the op's entries. */
@@ -120,7 +121,6 @@ static int stage_prepare(mc_gpu_job_t *j, mc_err_t *err) {
 static void stage_ready(mc_gpu_job_t *j, int code, const char *msg) {
   mc_xfer_op_t *op = j->arg;
   staged_t *st = j->arg2;
-  mc_engine_t *e = st->e;
   if (!st->buf && j->buf) { /* failed before prepare */
     st->buf = j->buf;
     j->buf = NULL;
@@ -138,13 +138,13 @@ static void stage_ready(mc_gpu_job_t *j, int code, const char *msg) {
     op->done(op, code, msg);
     mc_xfer_op_free(op);
   } else {
-    mc_tcp_submit(e->tcp, st->host, st->port, st->segment, &op, 1);
+    mc_tcp_submit(st->t, st->host, st->port, st->segment, &op, 1);
   }
   mc_gpu_job_free(j);
 }
 
-void mc_gpu_stage_op(mc_engine_t *e, mc_xfer_op_t *op, const char *host, int port,
-                     const char *segment, const int *ldev, size_t first) {
+void mc_tcp_stage_op(mc_tcp_t *t, mc_xfer_op_t *op, const char *host, int port,
+                     const char *segment) {
   staged_t *st = calloc(1, sizeof *st);
   mc_gpu_job_t *j = NULL;
   if (st) {
@@ -157,7 +157,7 @@ void mc_gpu_stage_op(mc_engine_t *e, mc_xfer_op_t *op, const char *host, int por
   int dev = -1;
   if (st && st->soff && st->dptr && st->len && st->is_gpu) {
     for (uint32_t i = 0; i < op->nent; i++) {
-      int d = ldev[op->ent[i].cookie - first];
+      int d = op->ent[i].dev;
       if (d < 0)
         continue;
       st->is_gpu[i] = 1;
@@ -174,7 +174,8 @@ void mc_gpu_stage_op(mc_engine_t *e, mc_xfer_op_t *op, const char *host, int por
     mc_xfer_op_free(op);
     return;
   }
-  st->e = e;
+  st->t = t;
+  st->gpu = t->hooks.gpu;
   st->done = op->done;
   snprintf(st->host, sizeof st->host, "%s", host);
   st->port = port;
@@ -187,5 +188,5 @@ void mc_gpu_stage_op(mc_engine_t *e, mc_xfer_op_t *op, const char *host, int por
   j->complete = stage_ready;
   j->arg = op;
   j->arg2 = st;
-  mc_gpu_stager_submit(e->gpu, j);
+  mc_gpu_stager_submit(t->hooks.gpu, j);
 }
