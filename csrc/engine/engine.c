@@ -8,6 +8,7 @@
 #include <cjson/cJSON.h>
 
 #include "engine/engine_internal.h"
+#include "transport/cma/cma.h"
 #include "gpu/cuda_driver.h"
 #include "gpu/gpu_dmabuf.h"
 #include "gpu/gpu_ipc.h"
@@ -776,6 +777,15 @@ void mc_engine_get_stats(mc_engine_t *e, mc_engine_stats_t *out) {
   out->reply_queue_conn_limit = e->tcp_opts.reply_conn_limit;
   out->reply_queue_total_limit = e->tcp_opts.reply_total_limit;
   out->prehandshake_limit = (uint64_t)e->tcp_opts.max_prehandshake;
+  const mc_transport_t *c = &e->tr[MC_TRANSPORT_SAME_HOST_CPU];
+  if (c->ops == &mc_cma_transport_ops) {
+    mc_cma_stats_t cs;
+    mc_cma_get_stats(c->impl, &cs);
+    out->same_host_cpu_bytes_written = cs.bytes_written;
+    out->same_host_cpu_bytes_read = cs.bytes_read;
+    out->same_host_cpu_ops = cs.ops;
+    out->same_host_cpu_peers = cs.peers;
+  }
 }
 
 size_t mc_engine_drain_notifies(mc_engine_t *e, size_t max, mc_notify_cb cb, void *arg) {

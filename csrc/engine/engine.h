@@ -151,6 +151,10 @@ typedef struct mc_engine_stats {
   uint64_t reply_queue_bytes, reply_queue_conn_limit, reply_queue_total_limit;
   uint64_t paused_conns, prehandshake_conns, prehandshake_limit, prehandshake_refused;
   uint64_t prehandshake_bytes_each; /* what one such connection may hold */
+  /* The same-host CPU path (transport/cma): bytes this engine copied into
+   * (WRITE) and out of (READ) peers' memory, ops, peers reached. */
+  uint64_t same_host_cpu_bytes_written, same_host_cpu_bytes_read, same_host_cpu_ops;
+  uint64_t same_host_cpu_peers;
 } mc_engine_stats_t;
 void mc_engine_get_stats(mc_engine_t *e, mc_engine_stats_t *out);
 

@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "engine/engine_internal.h"
+#include "transport/cma/cma.h"
 #include "util/log.h"
 
 /* Transports the engine starts through ops->start (no options of their
@@ -15,7 +16,7 @@
  * THE SAME-HOST CPU TRANSPORT PLUGS IN HERE: its ops table in the
  * MC_TRANSPORT_SAME_HOST_CPU slot. */
 static const mc_transport_ops_t *const started_here[MC_TRANSPORT_COUNT] = {
-    [MC_TRANSPORT_SAME_HOST_CPU] = NULL,
+    [MC_TRANSPORT_SAME_HOST_CPU] = &mc_cma_transport_ops,
 };
 
 /* Preference per local memory kind, best first (-1 ends a row). */

@@ -39,15 +39,15 @@ static void hello_rejects(void) {
   static const char *bad[] = {
       "",
       "cma2 boot=x",
-      "cma1 boot=x pidns=1 userns=1 uid=0 pid=5 fd=3 addr=10",   /* token missing */
-      "cma1 boot=x pidns=1 userns=1 uid=0 pid=5 fd=3 addr=zz token=1",
-      "cma1 boot=x pidns=1 userns=1 uid=0 pid=5 pid=5 fd=3 addr=1 token=1",
-      "cma1 boot=x pidns=1 userns=1 uid=0 pid=0 fd=3 addr=1 token=1",
-      "cma1 boot=x pidns=1 userns=1 uid=0 pid=99999999999 fd=3 addr=1 token=1",
-      "cma1 boot=x pidns=1 userns=1 uid=0 pid=5 fd=3 addr=11111111111111111 token=1",
-      "cma1 boot=x pidns=1 userns=1 uid=0 pid=5 fd=3 addr=1 token=1 extra=2",
-      "cma1 boot= pidns=1 userns=1 uid=0 pid=5 fd=3 addr=1 token=1",
-      "cma1 boot=x pidns=1 userns=1 uid=0 pid=5 fd=3 addr=1 token",
+      "cma1 boot=x pidns=1 userns=1 netns=1 uid=0 pid=5 fd=3 addr=10",   /* token missing */
+      "cma1 boot=x pidns=1 userns=1 netns=1 uid=0 pid=5 fd=3 addr=zz token=1",
+      "cma1 boot=x pidns=1 userns=1 netns=1 uid=0 pid=5 pid=5 fd=3 addr=1 token=1",
+      "cma1 boot=x pidns=1 userns=1 netns=1 uid=0 pid=0 fd=3 addr=1 token=1",
+      "cma1 boot=x pidns=1 userns=1 netns=1 uid=0 pid=99999999999 fd=3 addr=1 token=1",
+      "cma1 boot=x pidns=1 userns=1 netns=1 uid=0 pid=5 fd=3 addr=11111111111111111 token=1",
+      "cma1 boot=x pidns=1 userns=1 netns=1 uid=0 pid=5 fd=3 addr=1 token=1 extra=2",
+      "cma1 boot= pidns=1 userns=1 netns=1 uid=0 pid=5 fd=3 addr=1 token=1",
+      "cma1 boot=x pidns=1 userns=1 netns=1 uid=0 pid=5 fd=3 addr=1 token",
   };
   for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
     mc_cma_hello_t g;

@@ -110,7 +110,7 @@ static int cma_reaches(void *impl, const mc_peer_t *peer, mc_mem_kind_t kind, ch
                                 "or \"same_host_cpu\": false)");
     return 0;
   }
-  if (peer->same_host != 1) {
+  if (peer->same_host < 0) { /* unknown (0) is settled by the hello's boot id */
     snprintf(why, why_len, "the peer runs on another host");
     return 0;
   }
@@ -144,6 +144,11 @@ static int cma_reaches(void *impl, const mc_peer_t *peer, mc_mem_kind_t kind, ch
   }
   if (h.userns != c->self.userns) {
     snprintf(why, why_len, "the peer runs in another user namespace (a container?)");
+    return 0;
+  }
+  if (h.netns != c->self.netns) {
+    snprintf(why, why_len, "the peer runs in another network namespace (isolated on purpose: "
+             "its traffic stays on the network path)");
     return 0;
   }
   if (h.uid != c->self.uid && geteuid() != 0) {

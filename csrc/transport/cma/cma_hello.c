@@ -23,6 +23,7 @@ void mc_cma_hello_self(mc_cma_hello_t *h) {
   }
   h->pidns = ns_inode("pid");
   h->userns = ns_inode("user");
+  h->netns = ns_inode("net");
   h->uid = (uint64_t)geteuid();
   h->pid = (uint64_t)getpid();
 }
@@ -33,10 +34,10 @@ size_t mc_cma_hello_encode(const mc_cma_hello_t *h, char *buf, size_t cap) {
     n = snprintf(buf, cap, "off %s", h->why);
   else
     n = snprintf(buf, cap,
-                 "cma1 boot=%s pidns=%llu userns=%llu uid=%llu pid=%llu fd=%llu addr=%llx "
-                 "token=%llx",
+                 "cma1 boot=%s pidns=%llu userns=%llu netns=%llu uid=%llu pid=%llu fd=%llu "
+                 "addr=%llx token=%llx",
                  h->boot[0] ? h->boot : "-", (unsigned long long)h->pidns,
-                 (unsigned long long)h->userns, (unsigned long long)h->uid,
+                 (unsigned long long)h->userns, (unsigned long long)h->netns, (unsigned long long)h->uid,
                  (unsigned long long)h->pid, (unsigned long long)h->fd,
                  (unsigned long long)h->addr, (unsigned long long)h->token);
   return n < 0 ? 0 : (size_t)n >= cap ? cap - 1 : (size_t)n;
@@ -77,8 +78,9 @@ int mc_cma_hello_parse(const char *s, size_t len, mc_cma_hello_t *out, mc_err_t 
   }
   if (len < 5 || memcmp(s, "cma1 ", 5) != 0)
     return mc_err_set(err, MC_EPROTO, "same-host hello: does not start with \"cma1 \"");
-  static const char *keys[] = {"boot", "pidns", "userns", "uid", "pid", "fd", "addr", "token"};
-  uint64_t *dst[] = {NULL,      &out->pidns, &out->userns, &out->uid,
+  static const char *keys[] = {"boot", "pidns", "userns", "netns", "uid",
+                               "pid",  "fd",    "addr",   "token"};
+  uint64_t *dst[] = {NULL,      &out->pidns, &out->userns, &out->netns, &out->uid,
                      &out->pid, &out->fd,    &out->addr,   &out->token};
   unsigned seen = 0;
   size_t i = 5;
@@ -108,7 +110,7 @@ int mc_cma_hello_parse(const char *s, size_t len, mc_cma_hello_t *out, mc_err_t 
           return mc_err_set(err, MC_EPROTO, "same-host hello: boot id is not printable");
       memcpy(out->boot, val, vlen);
       out->boot[vlen] = '\0';
-    } else if (num(val, vlen, k >= 6, dst[k]) < 0) {
+    } else if (num(val, vlen, k >= 7, dst[k]) < 0) {
       return mc_err_set(err, MC_EPROTO, "same-host hello: field %s is not a number", keys[k]);
     }
     i = j + 1;

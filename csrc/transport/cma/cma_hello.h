@@ -2,7 +2,7 @@
  * what a target tells an initiator so it can map the target's region table
  * and check that both really share a host, a pid namespace and a user.
  *
- *   cma1 boot=<boot id> pidns=<inode> userns=<inode> uid=<n> pid=<n> fd=<n>
+ *   cma1 boot=<boot id> pidns=<inode> userns=<inode> netns=<inode> uid=<n> pid=<n> fd=<n>
  *        addr=<hex> token=<hex>
  *   off <reason>          (the target switched the path off)
  *
@@ -21,7 +21,7 @@ typedef struct mc_cma_hello {
   int off;          /* 1: "off", reason in why */
   char why[128];
   char boot[64];    /* /proc/sys/kernel/random/boot_id */
-  uint64_t pidns, userns, uid, pid, fd, addr, token;
+  uint64_t pidns, userns, netns, uid, pid, fd, addr, token;
 } mc_cma_hello_t;
 
 /* This process's identity (boot id, namespace inodes, uid). */
