@@ -27,8 +27,9 @@ def pair(request, monkeypatch):
     a.close()
     b.close()
     # The parametrization is real: bytes took the path it names.
-    assert (moved > 0) == (request.param == "same-host-cpu") or request.node.name.startswith(
-        "test_metadata_descriptor")
+    # (Counted by the initiator: skip the tests that close it or move nothing.)
+    if not request.node.name.startswith(("test_metadata_descriptor", "test_close_while")):
+        assert (moved > 0) == (request.param == "same-host-cpu")
 
 
 def test_managed_buffers_and_bytes_helpers(pair):
