@@ -286,7 +286,8 @@ void mc_cma_view_refresh(mc_cma_view_t *v, int force) {
       continue;
     v->ents[v->n++] = (mc_cma_ent_t){a, l, w1, i, cuda};
   }
-  qsort(v->ents, v->n, sizeof *v->ents, cmp_ent);
+  if (v->n > 1)
+    qsort(v->ents, v->n, sizeof *v->ents, cmp_ent);
   v->seen_version = ver;
 }
 
