@@ -12,13 +12,16 @@
  *   mc_transport_env_t below.
  *
  * How the engine chooses one, per (peer, memory kind)
- *   The choice table (engine/route.c) lists, for each memory kind of the
+ *   The choice table (engine/route.c; transports with ops->start are listed
+ *   there in started_here[]) lists, for each memory kind of the
  *   LOCAL buffer (host, cuda), the transports in order of preference:
  *       host: SAME_HOST_CPU, RDMA, TCP
  *       cuda: SAME_HOST_GPU, RDMA, TCP (TCP stages through pinned memory)
  *   The first started transport whose caps include that memory kind, that
- *   is not MC_TCAP_SAME_HOST or whose peer is on this host, and whose
- *   reaches() (if set) says yes, takes the requests.  TCP is always there
+ *   is not MC_TCAP_SAME_HOST with a peer known to be elsewhere
+ *   (peer->same_host == -1), and whose reaches() (if set) says yes, takes
+ *   the requests.  The engine does not learn a peer's host before choosing
+ *   (same_host is 0 today): a same-host transport decides in reaches().  TCP is always there
  *   and always last, so a choice always exists.  The engine remembers the
  *   answer per peer (reaches() is asked once per peer and kind, again after
  *   the peer was lost); reaches() that says no writes one sentence into

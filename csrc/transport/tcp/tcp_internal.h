@@ -185,6 +185,10 @@ void mc_conn_unhold(mc_conn_t *c);
 int mc_conn_flush(mc_conn_t *c);
 void mc_conn_enqueue_op(mc_conn_t *c, mc_xfer_op_t *op);
 void mc_op_finalize(mc_xfer_op_t *op, int code, const char *msg);
+/* tcp_loop.c: fills t (options with defaults, hooks, peers lock; no
+ * listener, no loops) and sets up loop l's epoll and eventfd. */
+void mc_tcp_init(mc_tcp_t *t, const mc_tcp_opts_t *opts, const mc_tcp_hooks_t *hooks);
+int mc_tcp_loop_init(mc_tcp_t *t, mc_loop_t *l, int idx, mc_err_t *err);
 
 /* tcp_auth.c */
 struct cJSON;

@@ -804,7 +804,7 @@ static int make_listener(mc_tcp_t *t, mc_err_t *err) {
   return 0;
 }
 
-static int loop_init(mc_tcp_t *t, mc_loop_t *l, int idx, mc_err_t *err) {
+int mc_tcp_loop_init(mc_tcp_t *t, mc_loop_t *l, int idx, mc_err_t *err) {
   l->tcp = t;
   l->idx = idx;
   l->epfd = epoll_create1(EPOLL_CLOEXEC);
@@ -818,11 +818,9 @@ static int loop_init(mc_tcp_t *t, mc_loop_t *l, int idx, mc_err_t *err) {
   return 0;
 }
 
-int mc_tcp_start(const mc_tcp_opts_t *opts, const mc_tcp_hooks_t *hooks, mc_tcp_t **out,
-                 mc_err_t *err) {
-  mc_tcp_t *t = calloc(1, sizeof *t);
-  if (!t)
-    return mc_err_set(err, MC_ENOMEM, "out of memory");
+/* Options with their defaults filled in, hooks, no listener, no loops
+ * (shared with the receive-path fuzz harness, which builds its own loop). */
+void mc_tcp_init(mc_tcp_t *t, const mc_tcp_opts_t *opts, const mc_tcp_hooks_t *hooks) {
   t->opts = *opts;
   if (t->opts.io_threads < 1)
     t->opts.io_threads = 1;
@@ -845,6 +843,14 @@ int mc_tcp_start(const mc_tcp_opts_t *opts, const mc_tcp_hooks_t *hooks, mc_tcp_
   t->hooks = *hooks;
   t->listen_fd = -1;
   pthread_mutex_init(&t->peers_mu, NULL);
+}
+
+int mc_tcp_start(const mc_tcp_opts_t *opts, const mc_tcp_hooks_t *hooks, mc_tcp_t **out,
+                 mc_err_t *err) {
+  mc_tcp_t *t = calloc(1, sizeof *t);
+  if (!t)
+    return mc_err_set(err, MC_ENOMEM, "out of memory");
+  mc_tcp_init(t, opts, hooks);
   int rc = make_listener(t, err);
   if (rc < 0) {
     pthread_mutex_destroy(&t->peers_mu);
@@ -861,7 +867,7 @@ int mc_tcp_start(const mc_tcp_opts_t *opts, const mc_tcp_hooks_t *hooks, mc_tcp_
   int started = 0;
   for (int i = 0; i < t->nloops; i++) {
     t->loops[i].epfd = t->loops[i].evfd = -1;
-    if ((rc = loop_init(t, &t->loops[i], i, err)) < 0)
+    if ((rc = mc_tcp_loop_init(t, &t->loops[i], i, err)) < 0)
       goto fail;
   }
   struct epoll_event ev = {.events = EPOLLIN, .data.ptr = &listener_tag};
