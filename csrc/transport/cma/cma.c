@@ -106,8 +106,7 @@ static int cma_reaches(void *impl, const mc_peer_t *peer, mc_mem_kind_t kind, ch
   if (!c->table) {
     snprintf(why, why_len,
              mc_cma_enabled() ? "the same-host CPU path could not start here (see the WARN above)"
-                              : "the same-host CPU path is switched off here (MC_SAME_HOST_CPU=0 "
-                                "or \"same_host_cpu\": false)");
+                              : "the same-host CPU path is switched off here (MC_SAME_HOST_CPU=0)");
     return 0;
   }
   if (peer->same_host < 0) { /* unknown (0) is settled by the hello's boot id */
@@ -380,7 +379,7 @@ static int cma_serve_rpc(void *impl, const char *from, const char *req, size_t l
   if (!c->table) {
     h.off = 1;
     snprintf(h.why, sizeof h.why, "%s",
-             mc_cma_enabled() ? "could not start" : "MC_SAME_HOST_CPU=0 or same_host_cpu false");
+             mc_cma_enabled() ? "could not start" : "MC_SAME_HOST_CPU=0");
   } else {
     h.fd = (uint64_t)mc_cma_table_fd(c->table);
     h.addr = (uint64_t)(uintptr_t)mc_cma_table_addr(c->table);

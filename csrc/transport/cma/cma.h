@@ -8,9 +8,7 @@
  * Chosen at first contact (reaches(): RPC "mc.shm.hello" over the TCP
  * control channel, namespace/uid/boot checks, a real probe read); anything
  * that rules it out is one sentence the engine logs once per peer.  Off
- * with MC_SAME_HOST_CPU=0 (or mooncake.json "same_host_cpu": false, which
- * the Python layer maps onto the same variable).  docs/architecture.md,
- * "Same-host CPU path". */
+ * with MC_SAME_HOST_CPU=0.  docs/architecture.md, "Same-host CPU path". */
 #ifndef MC_TRANSPORT_CMA_CMA_H
 #define MC_TRANSPORT_CMA_CMA_H
 
