@@ -8,6 +8,35 @@ import time
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+
+# Transports a byte-moving test can run on (the `transport` fixture).  By
+# default every test keeps the TCP path, so the TCP-specific tests (budgets,
+# hostile peers, network faults) test TCP: engines on one host would
+# otherwise take the same-host CPU path (docs/architecture.md).  Tests opt
+# in with @pytest.mark.parametrize("transport", TRANSPORTS, indirect=True).
+os.environ.setdefault("MC_SAME_HOST_CPU", "0")
+TRANSPORTS = ["tcp", "same-host-cpu"]
+TRANSPORT_ENV = {"tcp": {"MC_SAME_HOST_CPU": "0"}, "same-host-cpu": {"MC_SAME_HOST_CPU": "1"}}
+
+
+@pytest.fixture
+def transport(request):
+    """The transport the test's engines use: "tcp" unless parametrized."""
+    return getattr(request, "param", "tcp")
+
+
+@pytest.fixture
+def transport_env(transport, monkeypatch):
+    """Sets this process's environment for `transport` (engines started in
+    the test, and children) and returns the variables."""
+    env = TRANSPORT_ENV[transport]
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    return env
+
+
+def same_host_bytes(stats):
+    return stats["same_host_cpu_bytes_written"] + stats["same_host_cpu_bytes_read"]
 PEER = os.path.join(HERE, "peer.py")
 
 
@@ -65,17 +94,32 @@ class Peer:
 
 
 @pytest.fixture
-def peers():
+def peers(transport):
+    """Peer processes on `transport`.  At the end, a same-host-cpu test's
+    peers must have moved bytes on that path (and a tcp test's none)."""
     made = []
 
     def make(**kw):
+        kw["env"] = {**TRANSPORT_ENV[transport], **(kw.get("env") or {})}
         p = Peer(**kw)
         made.append(p)
         return p
 
     yield make
+    moved = 0
+    killed = any(p.proc.poll() is not None for p in made)  # its counters went with it
+    for p in made:
+        if p.proc.poll() is None:
+            try:
+                moved += same_host_bytes(p.call(cmd="engine_stats"))
+            except Exception:
+                pass
     for p in made:
         p.close()
+    if transport == "tcp":
+        assert moved == 0, "a tcp test moved bytes on the same-host CPU path"
+    elif made and not killed:
+        assert moved > 0, "a same-host-cpu test moved no bytes on the same-host CPU path"
 
 
 @pytest.fixture

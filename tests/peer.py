@@ -11,6 +11,7 @@ First line printed: {"segment", "addr", "size", "pid"}.  Commands:
     {"cmd": "write"|"read", "target": SEG, "blocks": [[local_off, remote_addr, len], ...],
      "timeout": T}                                   -> {"ok": true} | {"error": ..., "type": ...}
     {"cmd": "notifies"}                              -> {"notifies": [[from, msg], ...]}
+    {"cmd": "engine_stats"}                          -> TransferEngine.get_stats()
     {"cmd": "exit"}
 """
 import argparse
@@ -152,6 +153,8 @@ def main():
             for t in ts:
                 t.join()
             out({"results": results})
+        elif cmd == "engine_stats":
+            out(eng.get_stats())
         elif cmd == "kv_stats":
             out(kv.stats())
         elif cmd == "take_freed":

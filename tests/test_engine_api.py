@@ -6,14 +6,30 @@ import pytest
 import mooncake_connector as mc
 
 
-@pytest.fixture
-def pair():
+from conftest import TRANSPORTS  # noqa: E402
+
+
+# Engines read MC_SAME_HOST_CPU at start: the pair runs on `transport`.
+@pytest.fixture(params=TRANSPORTS)
+def pair(request, monkeypatch):
+    monkeypatch.setenv("MC_SAME_HOST_CPU", "1" if request.param == "same-host-cpu" else "0")
     a, b = mc.TransferEngine(), mc.TransferEngine()
     a.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
     b.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
     yield a, b
+    moved = 0
+    for e in (a, b):
+        try:
+            st = e.get_stats()
+        except Exception:  # closed by the test
+            continue
+        moved += st["same_host_cpu_bytes_written"] + st["same_host_cpu_bytes_read"]
     a.close()
     b.close()
+    # The parametrization is real: bytes took the path it names.
+    # (Counted by the initiator: skip the tests that close it or move nothing.)
+    if not request.node.name.startswith(("test_metadata_descriptor", "test_close_while")):
+        assert (moved > 0) == (request.param == "same-host-cpu")
 
 
 def test_managed_buffers_and_bytes_helpers(pair):

@@ -6,7 +6,9 @@ import signal
 import time
 
 import pytest
+from conftest import TRANSPORTS
 
+on_every_transport = pytest.mark.parametrize("transport", TRANSPORTS, indirect=True)
 BB = 16 << 10  # bytes per KV block in these tests
 BS = 16        # tokens per block
 
@@ -34,6 +36,7 @@ def init(prod, cons, **kw):
     cons.call(cmd="kv_init", producer=False)
 
 
+@on_every_transport
 @pytest.mark.parametrize("pull", [False, True], ids=["push", "pull"])
 def test_full_partial_and_miss(pair, pull):
     prod, cons = pair
@@ -78,6 +81,7 @@ def freed_soon(prod, timeout=5.0):
     return got
 
 
+@on_every_transport
 def test_pull_consume_frees_blocks_after_the_read(pair):
     """Consume mode + track_freed: a pulled entry's extents come back from
     take_freed (the owner may reuse its blocks); blocks shared with an entry
@@ -106,6 +110,7 @@ def test_pull_consume_frees_blocks_after_the_read(pair):
                      block_bytes=BB, pull=True) == {"matched": 0}
 
 
+@on_every_transport
 def test_shared_prefix_and_consume_once(pair):
     prod, cons = pair
     init(prod, cons, mode="consume")
@@ -139,6 +144,7 @@ def test_eviction_and_expiry(pair):
                      block_bytes=BB)["matched"] == 0
 
 
+@on_every_transport
 def test_copy_mode_survives_overwrite_of_the_source(pair):
     prod, cons = pair
     init(prod, cons)
@@ -165,6 +171,7 @@ def test_pull_from_a_producer_killed_mid_lease_fails_fast(peers):
     assert "error" in r and time.monotonic() - t0 < 10, r
 
 
+@on_every_transport
 def test_100_concurrent_recv_kv(pair):
     prod, cons = pair
     init(prod, cons)
@@ -214,6 +221,7 @@ def test_errors_are_clear(pair, peers):
     assert r["type"] == "TransferError" and "127.0.0.1:1" in r["error"]
 
 
+@on_every_transport
 def test_producer_killed_mid_recv(peers):
     prod, cons = peers(size=512 << 20), peers(size=512 << 20)
     bb = 256 << 10
@@ -234,6 +242,7 @@ def test_producer_killed_mid_recv(peers):
     assert time.time() - t0 < 5
 
 
+@on_every_transport
 def test_hidden_states_travel_with_the_blocks(pair):
     prod, cons = pair
     init(prod, cons)
@@ -287,6 +296,7 @@ def test_probe_counts_without_taking(pair, peers):
 
 
 
+@on_every_transport
 def test_pull_slices_and_merges_for_different_tp(pair):
     """A consumer with more TP ranks reads a part of each producer extent
     (dest tag SLICE | offset, tp_map.Piece); one with fewer ranks puts whole

@@ -4,14 +4,18 @@ import random
 import zlib
 
 import pytest
+from conftest import TRANSPORTS
 
 BLK = 64 << 10
+# The byte-moving cores run on every transport that runs here (conftest.py).
+on_every_transport = pytest.mark.parametrize("transport", TRANSPORTS, indirect=True)
 
 
 def crc_of(peer, off, n):
     return peer.call(cmd="crc", off=off, len=n)["crc"]
 
 
+@on_every_transport
 @pytest.mark.parametrize("size", [1, 7, 4095, 65536, 65537, 1 << 20, (4 << 20) + 5, 48 << 20])
 def test_write_then_read_sizes(peers, size):
     a = peers(size=64 << 20)
@@ -31,6 +35,7 @@ def test_write_then_read_sizes(peers, size):
     assert crc_of(a, 777, size) == want
 
 
+@on_every_transport
 def test_one_gib_as_64k_blocks_write_and_read(peers):
     n = 1 << 30
     a = peers(size=n)
@@ -46,6 +51,7 @@ def test_one_gib_as_64k_blocks_write_and_read(peers):
     assert crc_of(a, 0, n) == want
 
 
+@on_every_transport
 @pytest.mark.parametrize("op", ["write", "read"])
 def test_batch_of_10000_scattered_blocks(peers, op):
     nblk, bs = 10000, 4096
@@ -66,6 +72,7 @@ def test_batch_of_10000_scattered_blocks(peers, op):
         assert crc_of(dst, perm[i] * bs, bs) == crc_of(src, i * bs, bs)
 
 
+@on_every_transport
 def test_through_embedded_metadata_server(peers, metadata_server):
     a = peers(metadata=metadata_server.url)
     b = peers(metadata=metadata_server.url)

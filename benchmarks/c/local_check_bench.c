@@ -15,7 +15,7 @@
 #include <string.h>
 
 #include "engine/engine.h"
-#include "engine/regions.h"
+#include "mem/regions.h"
 #include "util/clock.h"
 
 enum { NREG = 32, NREQ = 16384, BLK = 65536 };

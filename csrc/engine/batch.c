@@ -6,8 +6,9 @@
 #include <string.h>
 
 #include "engine/engine_internal.h"
-#include "transport/tcp/wire.h"
 #include "util/clock.h"
+
+_Static_assert(MC_ENGINE_MAX_MSG == MC_XFER_MAX_CTRL, "message cap");
 #include "util/log.h"
 
 mc_batch_t *mc_batch_new(mc_engine_t *e, size_t capacity) {
@@ -404,8 +405,13 @@ static int submit_planned(mc_engine_t *e, mc_batch_t *b, const char *segment,
     return 0;
   }
   /* Slice and pack: an op holds up to op_entries slices of one opcode and
-   * about slice_size bytes; a large request spans several ops. */
-  op_builder_t ob = {0};
+   * about slice_size bytes; a large request spans several ops.  Each
+   * request goes to the transport chosen for the peer and the memory kind
+   * of its local buffer (route.c), one set of ops per transport. */
+  mc_peer_t peer = {.segment = segment, .host = d->host, .port = d->port};
+  int via[MC_MEM_KINDS] = {-1, -1};
+  op_builder_t ob[MC_TRANSPORT_COUNT];
+  memset(ob, 0, sizeof ob);
   int rc = 0;
   /* Slices still to place: sizes each op's entry array to what it needs. */
   uint64_t slices_left = 0;
@@ -416,54 +422,64 @@ static int submit_planned(mc_engine_t *e, mc_batch_t *b, const char *segment,
     const mc_request_t *r = &reqs[i];
     if (via_ipc && via_ipc[i])
       continue; /* same-host GPU path */
-    int type = r->opcode == MC_OP_WRITE ? MC_WIRE_WRITE : MC_WIRE_READ;
+    int dev = ldev ? ldev[i] : -1;
+    mc_mem_kind_t kind = dev >= 0 ? MC_MEM_CUDA : MC_MEM_HOST;
+    if (via[kind] < 0)
+      via[kind] = mc_transport_choose(e, &peer, kind);
+    op_builder_t *bd = &ob[via[kind]];
+    int type = r->opcode == MC_OP_WRITE ? MC_XFER_WRITE : MC_XFER_READ;
     uint64_t off = 0;
     while (off < r->len) {
-      if (ob.cur && (ob.cur->type != type || ob.cur_bytes >= e->slice_size ||
-                     ob.cur->nent == ob.cur_cap)) {
-        if ((rc = builder_flush(&ob, err)) < 0)
+      if (bd->cur && (bd->cur->type != type || bd->cur_bytes >= e->slice_size ||
+                      bd->cur->nent == bd->cur_cap)) {
+        if ((rc = builder_flush(bd, err)) < 0)
           break;
       }
-      if (!ob.cur) {
+      if (!bd->cur) {
         uint32_t cap = slices_left < e->op_entries ? (uint32_t)slices_left : e->op_entries;
-        ob.cur = mc_xfer_op_new(type, cap ? cap : 1, 0);
-        if (!ob.cur) {
+        bd->cur = mc_xfer_op_new(type, cap ? cap : 1, 0);
+        if (!bd->cur) {
           rc = mc_err_set(err, MC_ENOMEM, "out of memory");
           break;
         }
-        ob.cur_cap = ob.cur->nent;
-        ob.cur->nent = 0;
-        ob.cur->done = op_done;
-        ob.cur->entry_failed = op_entry_failed;
-        ob.cur->arg = b;
-        ob.cur->cancel = &b->cancel;
+        bd->cur_cap = bd->cur->nent;
+        bd->cur->nent = 0;
+        bd->cur->done = op_done;
+        bd->cur->entry_failed = op_entry_failed;
+        bd->cur->arg = b;
+        bd->cur->cancel = &b->cancel;
       }
-      uint64_t room = e->slice_size - ob.cur_bytes;
+      uint64_t room = e->slice_size - bd->cur_bytes;
       uint64_t len = r->len - off < room ? r->len - off : room;
-      mc_xfer_ent_t *ent = &ob.cur->ent[ob.cur->nent++];
+      mc_xfer_ent_t *ent = &bd->cur->ent[bd->cur->nent++];
       ent->local = (char *)r->local + off;
       ent->remote = r->remote + off;
       ent->len = len;
       ent->cookie = (uint32_t)(first + i);
+      ent->dev = dev;
       b->tasks[first + i].parts_left++;
-      ob.cur_bytes += len;
+      bd->cur_bytes += len;
       off += len;
       if (slices_left)
         slices_left--;
     }
   }
-  if (rc == 0)
-    rc = builder_flush(&ob, err);
+  size_t nops = 0;
+  for (int k = 0; k < MC_TRANSPORT_COUNT && rc == 0; k++) {
+    rc = builder_flush(&ob[k], err);
+    nops += ob[k].n;
+  }
   if (rc < 0) {
     /* Nothing was handed out: roll the tasks back. */
     b->n = first;
     b->pending -= n;
     pthread_mutex_unlock(&b->mu);
-    builder_free(&ob);
+    for (int k = 0; k < MC_TRANSPORT_COUNT; k++)
+      builder_free(&ob[k]);
     mc_gpu_ipc_plan_free(plan);
     return rc;
   }
-  b->ops_inflight += ob.n;
+  b->ops_inflight += nops;
   if (plan)
     mc_gpu_ipc_prepare(plan, b, first, reqs);
   uint64_t bytes = 0;
@@ -471,45 +487,25 @@ static int submit_planned(mc_engine_t *e, mc_batch_t *b, const char *segment,
     bytes += reqs[i].len;
   pthread_mutex_unlock(&b->mu);
   mc_gpu_ipc_start(e, plan);
-  if (e->rdma) {
-    /* RDMA moves GPU memory itself (its regions are registered with
-     * GPUDirect); only the same-host path above bypasses it. */
-    if (ob.n)
-      mc_rdma_submit(e->rdma, segment, ob.ops, ob.n);
-    free(ob.ops);
-    return 0;
+  for (int k = 0; k < MC_TRANSPORT_COUNT; k++) {
+    const mc_transport_t *t = &e->tr[k];
+    if (!ob[k].n)
+      continue;
+    /* Small synchronous batches: the caller drives the transport itself. */
+    if (!(poll && e->spin_ns && bytes <= MC_POLL_MAX_BYTES && ob[k].n <= MC_POLL_MAX_OPS &&
+          t->ops->submit_poll &&
+          t->ops->submit_poll(t->impl, &peer, ob[k].ops, ob[k].n, batch_finished, b,
+                              e->spin_ns)))
+      t->ops->submit(t->impl, &peer, ob[k].ops, ob[k].n);
+    free(ob[k].ops);
   }
-  if (ldev) {
-    /* Ops whose local buffers include GPU memory go through staging. */
-    size_t k = 0;
-    for (size_t i = 0; i < ob.n; i++) {
-      mc_xfer_op_t *op = ob.ops[i];
-      int gpu = 0;
-      for (uint32_t x = 0; x < op->nent && !gpu; x++)
-        gpu = ldev[op->ent[x].cookie - first] >= 0;
-      if (gpu)
-        mc_gpu_stage_op(e, op, d->host, d->port, segment, ldev, first);
-      else
-        ob.ops[k++] = op;
-    }
-    ob.n = k;
-    poll = 0;
-  }
-  if (ob.n &&
-      !(poll && e->spin_ns && bytes <= MC_POLL_MAX_BYTES && ob.n <= MC_POLL_MAX_OPS &&
-        mc_tcp_submit_poll(e->tcp, d->host, d->port, segment, ob.ops, ob.n, batch_finished, b,
-                           e->spin_ns)))
-    mc_tcp_submit(e->tcp, d->host, d->port, segment, ob.ops, ob.n);
-  free(ob.ops);
   return 0;
 }
 
 /* Cancels what is left and waits until no transport holds the batch. */
 static void cancel_and_drain(mc_engine_t *e, mc_batch_t *b) {
   atomic_store(&b->cancel, 1);
-  mc_tcp_cancel_sweep(e->tcp);
-  if (e->rdma)
-    mc_rdma_cancel_sweep(e->rdma);
+  mc_transports_cancel_sweep(e);
   pthread_mutex_lock(&b->mu);
   uint64_t next_sweep = mc_now_ns() + 1000000000ull;
   while (b->ops_inflight > 0) {
@@ -517,9 +513,7 @@ static void cancel_and_drain(mc_engine_t *e, mc_batch_t *b) {
     pthread_cond_timedwait(&b->cv, &b->mu, &ts);
     if (b->ops_inflight > 0 && mc_now_ns() > next_sweep) {
       pthread_mutex_unlock(&b->mu);
-      mc_tcp_cancel_sweep(e->tcp);
-      if (e->rdma)
-        mc_rdma_cancel_sweep(e->rdma);
+      mc_transports_cancel_sweep(e);
       pthread_mutex_lock(&b->mu);
       next_sweep = mc_now_ns() + 1000000000ull;
     }
@@ -643,9 +637,9 @@ static void rpc_done(mc_xfer_op_t *op, int code, const char *msg) {
 /* One control message (NOTIFY or RPC) to a segment, waited for. */
 static int ctrl_call(mc_engine_t *e, const char *segment, int type, const void *msg,
                      size_t len, int64_t timeout_ms, char **reply, mc_err_t *err) {
-  if (len > MC_WIRE_MAX_CTRL)
+  if (len > MC_XFER_MAX_CTRL)
     return mc_err_set(err, MC_ETOOBIG, "%s of %zu bytes exceeds %u",
-                      type == MC_WIRE_RPC ? "RPC" : "notification", len, MC_WIRE_MAX_CTRL);
+                      type == MC_XFER_RPC ? "RPC" : "notification", len, MC_XFER_MAX_CTRL);
   if (!segment || !*segment)
     return mc_err_set(err, MC_EINVAL, "target segment name is empty");
   mc_segment_desc_t d;
@@ -661,7 +655,7 @@ static int ctrl_call(mc_engine_t *e, const char *segment, int type, const void *
   }
   if (len)
     memcpy(op->ctrl, msg, len);
-  op->done = type == MC_WIRE_RPC ? rpc_done : op_done;
+  op->done = type == MC_XFER_RPC ? rpc_done : op_done;
   op->arg = b;
   op->cancel = &b->cancel;
   if ((rc = mc_xfer_op_seal(op, err)) < 0) {
@@ -678,7 +672,9 @@ static int ctrl_call(mc_engine_t *e, const char *segment, int type, const void *
   b->tasks[0].req.opcode = MC_OP_WRITE;
   b->tasks[0].req.len = len;
   snprintf(b->last_segment, sizeof b->last_segment, "%s", segment);
-  mc_tcp_submit(e->tcp, d.host, d.port, segment, &op, 1);
+  /* Control messages always go over TCP (the control channel). */
+  mc_peer_t peer = {.segment = segment, .host = d.host, .port = d.port};
+  e->tr[MC_TRANSPORT_TCP].ops->submit(e->tr[MC_TRANSPORT_TCP].impl, &peer, &op, 1);
   rc = mc_batch_wait(e, b, timeout_ms, err);
   if (rc == 0 && reply) {
     pthread_mutex_lock(&b->mu);
@@ -696,11 +692,11 @@ static int ctrl_call(mc_engine_t *e, const char *segment, int type, const void *
 
 int mc_engine_notify(mc_engine_t *e, const char *segment, const void *msg, size_t len,
                      int64_t timeout_ms, mc_err_t *err) {
-  return ctrl_call(e, segment, MC_WIRE_NOTIFY, msg, len, timeout_ms, NULL, err);
+  return ctrl_call(e, segment, MC_XFER_NOTIFY, msg, len, timeout_ms, NULL, err);
 }
 
 int mc_engine_rpc(mc_engine_t *e, const char *segment, const char *req, size_t len,
                   int64_t timeout_ms, char **reply, mc_err_t *err) {
   *reply = NULL;
-  return ctrl_call(e, segment, MC_WIRE_RPC, req, len, timeout_ms, reply, err);
+  return ctrl_call(e, segment, MC_XFER_RPC, req, len, timeout_ms, reply, err);
 }

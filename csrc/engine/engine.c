@@ -8,7 +8,7 @@
 #include <cjson/cJSON.h>
 
 #include "engine/engine_internal.h"
-#include "transport/tcp/wire.h"
+#include "transport/cma/cma.h"
 #include "gpu/cuda_driver.h"
 #include "gpu/gpu_dmabuf.h"
 #include "gpu/gpu_ipc.h"
@@ -37,8 +37,7 @@ static int env_int(const char *name, int dflt, int lo, int hi) {
 static void on_peer_failed(void *ctx, const char *segment) {
   mc_engine_t *e = ctx;
   mc_engine_forget_segment(e, segment);
-  if (e->rdma)
-    mc_rdma_peer_lost(e->rdma, segment);
+  mc_transports_peer_lost(e, segment);
   pthread_rwlock_rdlock(&e->handler_lock);
   if (e->peer_lost_cb)
     e->peer_lost_cb(e->peer_lost_arg, segment);
@@ -48,8 +47,7 @@ static void on_peer_failed(void *ctx, const char *segment) {
 /* A peer's control connection to us closed: drop the QPs it connected. */
 static void on_incoming_closed(void *ctx, const char *segment) {
   mc_engine_t *e = ctx;
-  if (e->rdma)
-    mc_rdma_peer_closed(e->rdma, segment);
+  mc_transports_peer_closed(e, segment);
 }
 
 /* RPCs on the control channel: the RDMA handshake, and mc.describe (same-host GPU path). */
@@ -62,10 +60,7 @@ static int on_rpc(void *ctx, const char *from, const char *req, size_t len, char
     return *reply ? 0 : mc_err_set(err, MC_ENOMEM, "out of memory describing segment %s",
                                    e->name);
   }
-  if (!e->rdma)
-    return mc_err_set(err, MC_EUNAVAIL, "segment %s speaks protocol \"tcp\", not \"rdma\": "
-                      "use the same protocol on both sides", e->name);
-  return mc_rdma_serve_rpc(e->rdma, from, req, len, reply, err);
+  return mc_transports_serve_rpc(e, from, req, len, reply, err);
 }
 
 static int rdma_rpc(void *ctx, const char *segment, const char *req, size_t len,
@@ -102,7 +97,11 @@ static int start_rdma(mc_engine_t *e, const mc_engine_opts_t *o, mc_err_t *err) 
   /* GPU regions: GPUDirect registration (DMA-BUF, then nvidia-peermem). */
   static const mc_rdma_mem_hook_t gpu_hook = {.reg = gpu_reg_mr};
   mc_rdma_set_mem_hook(&gpu_hook);
-  return mc_rdma_start(&ro, &rh, &e->rdma, err);
+  mc_rdma_t *rdma = NULL;
+  int rc = mc_rdma_start(&ro, &rh, &rdma, err);
+  if (rc == 0)
+    mc_rdma_transport(rdma, &e->tr[MC_TRANSPORT_RDMA]);
+  return rc;
 }
 
 void mc_engine_set_peer_lost_handler(mc_engine_t *e, mc_peer_lost_cb cb, void *arg) {
@@ -400,6 +399,7 @@ int mc_engine_create(const mc_engine_opts_t *o, mc_engine_t **out, mc_err_t *err
   pthread_rwlock_init(&e->handler_lock, NULL);
   pthread_mutex_init(&e->pub_mu, NULL);
   pthread_mutex_init(&e->gpu_mu, NULL);
+  pthread_mutex_init(&e->route_mu, NULL);
   if ((rc = mc_regions_init(&e->regions)) < 0) {
     free(e);
     return mc_err_set(err, rc, "out of memory");
@@ -421,7 +421,7 @@ int mc_engine_create(const mc_engine_opts_t *o, mc_engine_t **out, mc_err_t *err
   e->notify_limit = (uint64_t)env_int("MC_NOTIFY_QUEUE_MB", 64, 1, 1 << 20) << 20;
   e->unregister_wait_ms = env_int("MC_UNREGISTER_WAIT_MS", 10000, 1, 86400000);
   e->slice_size = (uint64_t)env_int("MC_TCP_SLICE_SIZE", 4 << 20, 4096, 1 << 30);
-  e->op_entries = (uint32_t)env_int("MC_TCP_OP_ENTRIES", 256, 1, (int)MC_WIRE_MAX_ENTRIES);
+  e->op_entries = (uint32_t)env_int("MC_TCP_OP_ENTRIES", 256, 1, (int)MC_XFER_MAX_ENTRIES);
   e->timeout_ms = (uint64_t)env_int("MC_TRANSFER_TIMEOUT", 30, 1, 86400) * 1000ull;
   e->spin_ns = (uint64_t)env_int("MC_WAIT_SPIN_US", 50, 0, 100000) * 1000ull;
   e->meta_ttl_s = env_int("MC_METADATA_TTL", 10, 0, MC_META_TTL_MAX);
@@ -479,11 +479,14 @@ int mc_engine_create(const mc_engine_opts_t *o, mc_engine_t **out, mc_err_t *err
   e->tcp_opts = topts;
   if ((rc = mc_tcp_start(&topts, &hooks, &e->tcp, err)) < 0)
     goto fail;
+  mc_tcp_transport(e->tcp, &e->tr[MC_TRANSPORT_TCP]);
   e->port = mc_tcp_port(e->tcp);
   /* With port 0 the name is only known now; the loops read it on their
    * first HELLO, after this write (posted through their command queues). */
   snprintf(e->name, sizeof e->name, strchr(hp.host, ':') ? "[%s]:%d" : "%s:%d", hp.host,
            e->port);
+  if ((rc = mc_transports_start(e, err)) < 0)
+    goto fail;
   if ((rc = publish(e, err)) < 0) {
     mc_err_prefix(err, "cannot publish segment %s", e->name);
     goto fail;
@@ -497,9 +500,9 @@ int mc_engine_create(const mc_engine_opts_t *o, mc_engine_t **out, mc_err_t *err
   *out = e;
   return 0;
 fail:
-  if (e->tcp)
+  if (e->tcp && !e->tr[MC_TRANSPORT_TCP].ops)
     mc_tcp_stop(e->tcp);
-  mc_rdma_stop(e->rdma);
+  mc_transports_stop(e);
   mc_gpu_stager_destroy(e->gpu); /* after the transport: it drained the copies */
   if (e->meta)
     mc_meta_close(e->meta);
@@ -509,6 +512,7 @@ fail:
   pthread_rwlock_destroy(&e->handler_lock);
   pthread_mutex_destroy(&e->pub_mu);
   pthread_mutex_destroy(&e->gpu_mu);
+  pthread_mutex_destroy(&e->route_mu);
   free(e->pub_desc);
   free(e->pub_rpc);
   free(e);
@@ -521,8 +525,7 @@ void mc_engine_destroy(mc_engine_t *e) {
   keepalive_stop(e);
   if (e->meta)
     unpublish(e);
-  mc_tcp_stop(e->tcp); /* first: no handshake RPC reaches the RDMA transport after this */
-  mc_rdma_stop(e->rdma);
+  mc_transports_stop(e); /* TCP first: no handshake RPC reaches the others after */
   mc_gpu_stager_destroy(e->gpu); /* after the transport: it drained the copies */
   if (e->meta)
     mc_meta_close(e->meta);
@@ -540,6 +543,7 @@ void mc_engine_destroy(mc_engine_t *e) {
   pthread_rwlock_destroy(&e->handler_lock);
   pthread_mutex_destroy(&e->pub_mu);
   pthread_mutex_destroy(&e->gpu_mu);
+  pthread_mutex_destroy(&e->route_mu);
   free(e->gpu_logged);
   mc_gpu_forget_peers(e);
   free(e->pub_desc);
@@ -640,7 +644,7 @@ int mc_engine_register(mc_engine_t *e, void *addr, uint64_t len, const char *loc
   mc_maps_free(maps);
   if (rc < 0)
     return rc;
-  if (e->rdma && (rc = mc_rdma_register(e->rdma, addr, len, loc, err)) < 0) {
+  if ((rc = mc_transports_register(e, addr, len, loc, err)) < 0) {
     mc_regions_remove(&e->regions, (uint64_t)(uintptr_t)addr, -1, NULL);
     return rc;
   }
@@ -654,15 +658,14 @@ int mc_engine_register_batch(mc_engine_t *e, void *const *addrs, const uint64_t 
   for (size_t i = 0; i < n; i++) {
     char loc[MC_LOCATION_MAX];
     rc = add_region(e, (uint64_t)(uintptr_t)addrs[i], lens[i], location, loc, &maps, err);
-    if (rc == 0 && e->rdma && (rc = mc_rdma_register(e->rdma, addrs[i], lens[i], loc, err)) < 0)
+    if (rc == 0 && (rc = mc_transports_register(e, addrs[i], lens[i], loc, err)) < 0)
       mc_regions_remove(&e->regions, (uint64_t)(uintptr_t)addrs[i], -1, NULL);
     if (rc < 0) {
       mc_maps_free(maps);
       mc_err_prefix(err, "buffer %zu of %zu", i, n);
       for (size_t k = 0; k < i; k++) { /* all or nothing */
         mc_regions_remove(&e->regions, (uint64_t)(uintptr_t)addrs[k], -1, NULL);
-        if (e->rdma)
-          mc_rdma_unregister(e->rdma, addrs[k]);
+        mc_transports_unregister(e, addrs[k]);
       }
       return rc;
     }
@@ -675,8 +678,7 @@ int mc_engine_unregister(mc_engine_t *e, void *addr, mc_err_t *err) {
   int rc = mc_regions_remove(&e->regions, (uint64_t)(uintptr_t)addr, e->unregister_wait_ms, err);
   if (rc < 0)
     return rc;
-  if (e->rdma) /* deregistering the MRs revokes remote access */
-    mc_rdma_unregister(e->rdma, addr);
+  mc_transports_unregister(e, addr); /* e.g. deregistering RDMA MRs revokes access */
   return publish(e, err);
 }
 
@@ -775,6 +777,15 @@ void mc_engine_get_stats(mc_engine_t *e, mc_engine_stats_t *out) {
   out->reply_queue_conn_limit = e->tcp_opts.reply_conn_limit;
   out->reply_queue_total_limit = e->tcp_opts.reply_total_limit;
   out->prehandshake_limit = (uint64_t)e->tcp_opts.max_prehandshake;
+  const mc_transport_t *c = &e->tr[MC_TRANSPORT_SAME_HOST_CPU];
+  if (c->ops == &mc_cma_transport_ops) {
+    mc_cma_stats_t cs;
+    mc_cma_get_stats(c->impl, &cs);
+    out->same_host_cpu_bytes_written = cs.bytes_written;
+    out->same_host_cpu_bytes_read = cs.bytes_read;
+    out->same_host_cpu_ops = cs.ops;
+    out->same_host_cpu_peers = cs.peers;
+  }
 }
 
 size_t mc_engine_drain_notifies(mc_engine_t *e, size_t max, mc_notify_cb cb, void *arg) {

@@ -115,7 +115,9 @@ int mc_batch_status(mc_batch_t *b, size_t i, mc_task_status_t *out);
 /* Cancels unfinished tasks (waits until buffers are released) and frees. */
 void mc_batch_free(mc_engine_t *e, mc_batch_t *b);
 
-/* Sends a small message to a segment and waits for its receipt. Blocks. */
+/* Sends a small message (at most MC_ENGINE_MAX_MSG bytes) to a segment and
+ * waits for its receipt. Blocks. */
+#define MC_ENGINE_MAX_MSG (16u << 20) /* = MC_XFER_MAX_CTRL (batch.c checks) */
 int mc_engine_notify(mc_engine_t *e, const char *segment, const void *msg, size_t len,
                      int64_t timeout_ms, mc_err_t *err);
 /* Pops up to `max` received notifications: callback gets (from, msg, len). */
@@ -149,6 +151,10 @@ typedef struct mc_engine_stats {
   uint64_t reply_queue_bytes, reply_queue_conn_limit, reply_queue_total_limit;
   uint64_t paused_conns, prehandshake_conns, prehandshake_limit, prehandshake_refused;
   uint64_t prehandshake_bytes_each; /* what one such connection may hold */
+  /* The same-host CPU path (transport/cma): bytes this engine copied into
+   * (WRITE) and out of (READ) peers' memory, ops, peers reached. */
+  uint64_t same_host_cpu_bytes_written, same_host_cpu_bytes_read, same_host_cpu_ops;
+  uint64_t same_host_cpu_peers;
 } mc_engine_stats_t;
 void mc_engine_get_stats(mc_engine_t *e, mc_engine_stats_t *out);
 

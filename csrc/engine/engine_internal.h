@@ -6,12 +6,13 @@
 #include <stdatomic.h>
 
 #include "engine/engine.h"
-#include "engine/regions.h"
+#include "mem/regions.h"
 #include "engine/segment_desc.h"
 #include "gpu/gpu_staging.h"
 #include "meta/meta.h"
 #include "transport/rdma/rdma.h"
 #include "transport/tcp/tcp.h"
+#include "transport/transport.h"
 
 typedef struct mc_notify_msg {
   struct mc_notify_msg *next;
@@ -28,9 +29,17 @@ struct mc_engine {
   int p2p;
   mc_meta_t *meta;
   mc_regions_t regions;
-  mc_tcp_t *tcp;   /* data (protocol tcp) and always the control channel */
+  /* Transports by slot (transport.h; route.c chooses).  TCP is always
+   * there: also the control channel (NOTIFY, RPC). */
+  mc_transport_t tr[MC_TRANSPORT_COUNT];
+  mc_tcp_t *tcp;          /* = tr[MC_TRANSPORT_TCP].impl */
   mc_tcp_opts_t tcp_opts; /* as started (budgets for stats) */
-  mc_rdma_t *rdma; /* data for protocol rdma, else NULL */
+  pthread_mutex_t route_mu; /* reaches() answers per peer (route.c) */
+  struct {
+    char name[320];
+    signed char v[MC_TRANSPORT_COUNT][MC_MEM_KINDS];
+  } *routes;
+  size_t nroutes;
   char protocol[8];
   uint64_t slice_size;    /* bytes per wire op */
   uint32_t op_entries;    /* entries per wire op */
@@ -167,6 +176,20 @@ void mc_gpu_stage_op(mc_engine_t *e, mc_xfer_op_t *op, const char *host, int por
 int mc_gpu_copy_sync(void *dst, const void *src, uint64_t len, int dev, mc_err_t *err);
 void mc_gpu_log_path_once(mc_engine_t *e, const char *segment, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
+
+/* route.c: the transports.  choose returns the slot that moves `kind`
+ * memory to `peer` (TCP when nothing better reaches it). */
+int mc_transports_start(mc_engine_t *e, mc_err_t *err);
+void mc_transports_stop(mc_engine_t *e);
+int mc_transport_choose(mc_engine_t *e, const mc_peer_t *peer, mc_mem_kind_t kind);
+void mc_transports_cancel_sweep(mc_engine_t *e);
+void mc_transports_peer_lost(mc_engine_t *e, const char *segment);
+void mc_transports_peer_closed(mc_engine_t *e, const char *segment);
+int mc_transports_serve_rpc(mc_engine_t *e, const char *from, const char *req, size_t len,
+                            char **reply, mc_err_t *err);
+int mc_transports_register(mc_engine_t *e, void *addr, uint64_t len, const char *location,
+                           mc_err_t *err);
+void mc_transports_unregister(mc_engine_t *e, void *addr);
 
 /* Resolves a segment name to where it is served (cache, metadata or P2P). */
 int mc_engine_resolve(mc_engine_t *e, const char *segment, mc_segment_desc_t *out,

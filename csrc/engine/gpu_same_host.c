@@ -9,7 +9,6 @@
 #include "engine/engine_internal.h"
 #include "gpu/cuda_driver.h"
 #include "gpu/gpu_ipc.h"
-#include "transport/tcp/wire.h"
 #include "util/clock.h"
 #include "util/log.h"
 
@@ -527,7 +526,7 @@ void mc_gpu_ipc_prepare(mc_gpu_plan_t *p, mc_batch_t *b, size_t first, const mc_
  * ops_inflight count prepare took for it pass to validate_done. */
 static void send_check(mc_engine_t *e, mc_gpu_run_t *run) {
   size_t rl = strlen(MC_RPC_DESCRIBE);
-  mc_xfer_op_t *op = mc_xfer_op_new(MC_WIRE_RPC, 0, rl);
+  mc_xfer_op_t *op = mc_xfer_op_new(MC_XFER_RPC, 0, rl);
   mc_err_t err = {0};
   if (op)
     memcpy(op->ctrl, MC_RPC_DESCRIBE, rl);

@@ -4,7 +4,7 @@
 
 #include <stddef.h>
 
-#include "engine/regions.h"
+#include "mem/regions.h"
 #include "util/errors.h"
 
 typedef struct mc_segment_desc {

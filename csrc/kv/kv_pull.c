@@ -21,7 +21,7 @@
 #include <string.h>
 
 #include "kv/kv_internal.h"
-#include "transport/tcp/wire.h" /* mc_put_* / mc_get_* */
+#include "util/bytes.h"
 #include "util/clock.h"
 #include "util/log.h"
 
@@ -108,9 +108,9 @@ void kv_pull_serve(mc_kv_t *kv, kv_job_t *j) {
   }
   size_t total = rc > 0 ? mc_lookup_match_blocks(match) : 0;
   size_t nb = total > skip ? total - skip : 0; /* blocks to lease */
-  if (nb && KV_PANS_HDR + nb * epb * 16 > MC_WIRE_MAX_CTRL) {
+  if (nb && KV_PANS_HDR + nb * epb * 16 > MC_ENGINE_MAX_MSG) {
     /* Answer with as many blocks as one message holds; the rest is a miss. */
-    nb = (MC_WIRE_MAX_CTRL - KV_PANS_HDR) / (16 * (size_t)epb);
+    nb = (MC_ENGINE_MAX_MSG - KV_PANS_HDR) / (16 * (size_t)epb);
     rc = (long)((skip + nb) * mc_lookup_hasher(kv->lb)->block_size);
   }
   uint64_t lease_id = 0;
@@ -272,9 +272,9 @@ static long ask_lease(mc_kv_t *kv, kv_waiter_t *w, const char *producer, const v
                       size_t ntok, int width, uint32_t epb, uint32_t skip, uint32_t lease_ms,
                       int timeout_ms, uint64_t deadline, mc_err_t *err) {
   size_t len = KV_PULL_HDR + ntok * (size_t)width;
-  if (len > MC_WIRE_MAX_CTRL)
+  if (len > MC_ENGINE_MAX_MSG)
     return mc_err_set(err, MC_ETOOBIG, "recv_kv (pull) request of %zu tokens exceeds %u bytes; "
-                      "split the prompt", ntok, MC_WIRE_MAX_CTRL);
+                      "split the prompt", ntok, MC_ENGINE_MAX_MSG);
   uint8_t *buf = calloc(1, len);
   if (!buf)
     return mc_err_set(err, MC_ENOMEM, "out of memory");

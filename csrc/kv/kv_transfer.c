@@ -18,7 +18,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "transport/tcp/wire.h" /* mc_put_* / mc_get_* */
+#include "util/bytes.h"
 #include "util/clock.h"
 #include "util/log.h"
 
@@ -574,9 +574,9 @@ long mc_kv_recv_ex(mc_kv_t *kv, const char *producer, const void *tokens, size_t
   if (timeout_ms <= 0)
     timeout_ms = 30000;
   size_t len = KV_REQ_HDR + ntok * (size_t)width + (ndest + nhidden) * 16;
-  if (len > MC_WIRE_MAX_CTRL)
+  if (len > MC_ENGINE_MAX_MSG)
     return mc_err_set(err, MC_ETOOBIG, "recv_kv request of %zu bytes (%zu tokens, %zu extents) "
-                      "exceeds %u bytes; split the prompt", len, ntok, ndest, MC_WIRE_MAX_CTRL);
+                      "exceeds %u bytes; split the prompt", len, ntok, ndest, MC_ENGINE_MAX_MSG);
   uint8_t *buf = malloc(len);
   kv_waiter_t *w = calloc(1, sizeof *w);
   if (!buf || !w) {

@@ -1,18 +1,29 @@
-/* The unit of work the engine hands to a transport (TCP or RDMA): one op of
- * up to a few thousand (local, remote, len) entries of one opcode, or one
- * control message.  Each op's done() runs exactly once; after it returns
- * the transport never touches the op's local buffers.  Implemented in
- * transport/tcp/tcp_send.c (the TCP wire encoding lives in the same
- * struct). */
+/* The unit of work the engine hands to a transport (transport/transport.h):
+ * one op of up to a few thousand (local, remote, len) entries of one
+ * opcode, or one control message.  Each op's done() runs exactly once;
+ * after it returns the transport never touches the op's local buffers.
+ * Independent of any transport: a transport keeps its own per-op state
+ * (e.g. TCP's encoded header and iovecs) behind `tp`.  Implemented in
+ * transport/xfer_op.c. */
 #ifndef MC_TRANSPORT_XFER_OP_H
 #define MC_TRANSPORT_XFER_OP_H
 
 #include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
-#include <sys/uio.h>
 
 #include "util/errors.h"
+
+/* Op types.  The values are the TCP wire's message types (tcp/wire.h checks
+ * that they match) but mean the same to every transport. */
+enum {
+  MC_XFER_WRITE = 3,
+  MC_XFER_READ = 5,
+  MC_XFER_NOTIFY = 7,
+  MC_XFER_RPC = 9,
+};
+#define MC_XFER_MAX_ENTRIES 4096u     /* entries in one op */
+#define MC_XFER_MAX_CTRL (16u << 20)  /* NOTIFY / RPC body, reply text */
 
 typedef struct mc_xfer_op mc_xfer_op_t;
 
@@ -21,13 +32,14 @@ typedef struct mc_xfer_ent {
   uint64_t remote; /* address in the target segment */
   uint64_t len;
   uint32_t cookie; /* owner's tag (task index) */
+  int32_t dev;     /* local memory: cuda device, or -1 for host memory */
 } mc_xfer_ent_t;
 
 typedef void (*mc_xfer_done_fn)(mc_xfer_op_t *op, int code, const char *msg);
 
 struct mc_xfer_op {
   /* Filled by the submitter. */
-  int type; /* MC_WIRE_WRITE, MC_WIRE_READ, MC_WIRE_NOTIFY or MC_WIRE_RPC */
+  int type; /* MC_XFER_WRITE, MC_XFER_READ, MC_XFER_NOTIFY or MC_XFER_RPC */
   uint32_t nent;
   uint64_t total; /* sum of ent[].len, set by mc_xfer_op_seal */
   mc_xfer_done_fn done;
@@ -44,24 +56,22 @@ struct mc_xfer_op {
    * it by setting resp to NULL). */
   char *resp;
   size_t resp_len;
-  /* Transport-private. */
-  mc_xfer_op_t *next;
+  /* For the transport holding the op. */
+  mc_xfer_op_t *next; /* its queues */
   uint64_t req_id;
   int finalized;
-  int started; /* first byte handed to the kernel */
-  uint8_t hdr[32];
-  uint8_t *table;
-  struct iovec *iov;
-  int niov;
-  int iov_idx;
-  size_t iov_off;
+  int started; /* first byte handed to the kernel / posted */
+  void *tp;    /* its per-op state, freed by tp_free (mc_xfer_op_free) */
+  void (*tp_free)(void *tp);
   mc_xfer_ent_t ent[];
 };
 
 /* Allocates an op with room for nent entries (and ctrl_len body bytes). */
 mc_xfer_op_t *mc_xfer_op_new(int type, uint32_t nent, size_t ctrl_len);
-/* Computes totals and encodes header/table/iovecs. Call after filling ent. */
+/* Checks the entry count and computes total.  Call after filling ent. */
 int mc_xfer_op_seal(mc_xfer_op_t *op, mc_err_t *err);
+/* Frees a transport's per-op state (entries changed: it encodes again). */
+void mc_xfer_op_drop_tp(mc_xfer_op_t *op);
 /* Frees an op that was never submitted. */
 void mc_xfer_op_free(mc_xfer_op_t *op);
 

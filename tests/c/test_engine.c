@@ -8,7 +8,7 @@
 #include <unistd.h>
 
 #include "engine/engine.h"
-#include "engine/regions.h"
+#include "mem/regions.h"
 #include "testlib.h"
 #include "transport/tcp/wire.h"
 #include "util/clock.h"

@@ -20,10 +20,10 @@
 #include <unistd.h>
 
 #include "engine/engine.h"
+#include "util/bytes.h"
 #include "engine/engine_internal.h"
 #include "kv/kv_internal.h"
 #include "lookup/lookup_buffer.h"
-#include "transport/tcp/wire.h"
 
 #define FUZZ_P 0x50000000ul
 #define FUZZ_C 0x40000000ul
@@ -146,7 +146,7 @@ static void to_consumer(const uint8_t *m, size_t len, int with_waiter) {
 }
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
-  if (size < 1 || size > MC_WIRE_MAX_CTRL)
+  if (size < 1 || size > MC_ENGINE_MAX_MSG)
     return 0;
   int flags = data[0];
   /* An exact-size copy: reads past the message are caught. */

@@ -65,25 +65,17 @@ int LLVMFuzzerInitialize(int *argc, char ***argv) {
     fprintf(stderr, "fuzz_tcp_recv: setup failed\n");
     exit(2);
   }
-  T.opts.conns_per_peer = 1;
-  T.opts.io_threads = 1;
-  /* The budgets mc_tcp_start would default (this harness builds T itself). */
-  T.opts.reply_conn_limit = 16ull << 20;
-  T.opts.reply_total_limit = 256ull << 20;
-  T.opts.max_prehandshake = 64;
-  T.opts.hello_timeout_ms = 5000;
-  T.hooks.local_name = "fuzz-target";
-  T.hooks.regions = &R;
-  T.hooks.on_notify = on_notify;
-  T.hooks.on_rpc = on_rpc;
+  /* Defaults and setup as mc_tcp_start does them, minus listener and threads. */
+  mc_tcp_opts_t o = {.conns_per_peer = 1, .io_threads = 1};
+  mc_tcp_hooks_t h = {.local_name = "fuzz-target", .regions = &R, .on_notify = on_notify,
+                      .on_rpc = on_rpc};
+  mc_tcp_init(&T, &o, &h);
   T.loops = &L;
   T.nloops = 1;
-  T.listen_fd = -1;
-  pthread_mutex_init(&T.peers_mu, NULL);
-  L.tcp = &T;
-  L.epfd = epoll_create1(EPOLL_CLOEXEC);
-  L.evfd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-  pthread_mutex_init(&L.mu, NULL);
+  if (mc_tcp_loop_init(&T, &L, 0, &e) < 0) {
+    fprintf(stderr, "fuzz_tcp_recv: %s\n", e.msg);
+    exit(2);
+  }
   return 0;
 }
 
@@ -115,7 +107,7 @@ static mc_xfer_op_t *make_op(int type, const char *ctrl) {
   op->done = op_done;
   op->entry_failed = op_entry_failed;
   mc_err_t e;
-  if (mc_xfer_op_seal(op, &e) < 0)
+  if (mc_xfer_op_seal(op, &e) < 0 || mc_tcp_op_encode(op, &e) < 0)
     abort();
   return op;
 }
@@ -131,8 +123,8 @@ static void add_awaiting(mc_conn_t *c) {
                                          : types[i] == MC_WIRE_RPC    ? "{}"
                                                                       : NULL);
     op->req_id = i + 1;
-    mc_put_u64(op->hdr + 16, op->req_id);
-    op->iov_idx = op->niov; /* already sent */
+    mc_put_u64(MC_OPW(op)->hdr + 16, op->req_id);
+    MC_OPW(op)->iov_idx = MC_OPW(op)->niov; /* already sent */
     op->started = 1;
     if (c->await_tail)
       c->await_tail->next = op;

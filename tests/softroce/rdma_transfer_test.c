@@ -414,6 +414,7 @@ int main(int argc, char **argv) {
   for (int i = 2; i < argc; i++) /* NAME=VALUE: engine settings for this run */
     if (strchr(argv[i], '='))
       putenv(argv[i]);
+  setenv("MC_SAME_HOST_CPU", "0", 0); /* both engines share this guest: keep the bytes on RDMA */
   setenv("MC_GID_INDEX", "0", 0); /* fe80 GIDs: rxe0<->rxe1 in one guest (see README) */
   setenv("MC_LOG_LEVEL", "info", 0); /* connects, GID choice, freed QPs */
   setvbuf(stdout, NULL, _IOLBF, 0);

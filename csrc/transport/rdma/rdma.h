@@ -20,6 +20,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "transport/transport.h"
 #include "transport/xfer_op.h"
 #include "util/errors.h"
 
@@ -98,6 +99,9 @@ void mc_rdma_peer_closed(mc_rdma_t *t, const char *segment);
 /* Serves the handshake RPC (target side); reply is malloc'ed. */
 int mc_rdma_serve_rpc(mc_rdma_t *t, const char *from, const char *req, size_t len,
                       char **reply, mc_err_t *err);
+
+/* The transport interface over a started RDMA transport (rdma_transport.c). */
+void mc_rdma_transport(mc_rdma_t *t, mc_transport_t *out);
 
 /* "rxe0 (port 1, GID 1 RoCE v2 IPv4 GID, MTU 1024), ..." for logs. */
 void mc_rdma_describe(mc_rdma_t *t, char *buf, size_t len);

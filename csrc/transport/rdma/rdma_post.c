@@ -8,7 +8,6 @@
 
 #include "transport/rdma/rdma_internal.h"
 #include "transport/rdma/rdma_plan.h"
-#include "transport/tcp/wire.h"
 #include "util/log.h"
 
 static void fail_op(mc_xfer_op_t *op, int code, const char *msg) {
@@ -92,7 +91,7 @@ void mc_rdma_post_some(mc_rdma_t *t, mc_rdma_qp_t *q) {
       s->wr_id = (uint64_t)(uintptr_t)w;
       s->sg_list = g;
       s->num_sge = 1;
-      s->opcode = w->req->op->type == MC_WIRE_WRITE ? IBV_WR_RDMA_WRITE : IBV_WR_RDMA_READ;
+      s->opcode = w->req->op->type == MC_XFER_WRITE ? IBV_WR_RDMA_WRITE : IBV_WR_RDMA_READ;
       s->send_flags = IBV_SEND_SIGNALED;
       s->wr.rdma.remote_addr = w->remote;
       s->wr.rdma.rkey = w->rkey;
@@ -159,7 +158,7 @@ static long find_remote(mc_rdma_ep_t *ep, uint64_t addr, uint64_t len) {
  * finished at once. */
 static void queue_op(mc_rdma_t *t, mc_rdma_ep_t *ep, mc_xfer_op_t *op, int *refreshed,
                      uint64_t *touched) {
-  const char *what = op->type == MC_WIRE_WRITE ? "WRITE" : "READ";
+  const char *what = op->type == MC_XFER_WRITE ? "WRITE" : "READ";
   /* Remote keys: entries outside the peer's regions fail alone. */
   uint32_t *rkeys = malloc((size_t)(op->nent ? op->nent : 1) * MC_RDMA_MAX_NICS * sizeof *rkeys);
   if (!rkeys) {
@@ -413,7 +412,7 @@ void mc_rdma_wc(mc_rdma_t *t, const struct ibv_wc *wc) {
       snprintf(msg, sizeof msg,
                "RDMA %s of %u bytes to segment %s (remote 0x%llx, rkey 0x%x) via %s QP %u -> "
                "%s QP %u failed: %s (wc status %d, vendor error 0x%x)%s",
-               w->req->op->type == MC_WIRE_WRITE ? "WRITE" : "READ", w->len,
+               w->req->op->type == MC_XFER_WRITE ? "WRITE" : "READ", w->len,
                q->ep->segment, (unsigned long long)w->remote, w->rkey, q->nic->name,
                q->qp->qp_num, q->remote_nic, q->remote_qpn, t->v->wc_status_str(s), (int)s,
                wc->vendor_err, hint);

@@ -18,7 +18,8 @@
 #include <stdint.h>
 #include <sys/uio.h>
 
-#include "engine/regions.h"
+#include "mem/regions.h"
+#include "transport/transport.h"
 #include "util/errors.h"
 
 typedef struct mc_tcp mc_tcp_t;
@@ -105,5 +106,13 @@ void mc_tcp_cancel_sweep(mc_tcp_t *t);
 
 /* Stops the loops, fails everything in flight with MC_ECLOSED, frees. */
 void mc_tcp_stop(mc_tcp_t *t);
+
+/* The transport interface over a started TCP transport (tcp_transport.c).
+ * Ops whose entries include cuda memory (ent.dev >= 0) are staged through
+ * hooks.gpu. */
+void mc_tcp_transport(mc_tcp_t *t, mc_transport_t *out);
+/* tcp_gpu_stage.c: stages one such op, then sends it (done() as usual). */
+void mc_tcp_stage_op(mc_tcp_t *t, mc_xfer_op_t *op, const char *host, int port,
+                     const char *segment);
 
 #endif

@@ -112,7 +112,7 @@ static mc_xfer_op_t *hello_op(const char *body, mc_err_t *err) {
     return NULL;
   }
   memcpy(op->ctrl, body, bl);
-  if (mc_xfer_op_seal(op, err) < 0) {
+  if (mc_xfer_op_seal(op, err) < 0 || mc_tcp_op_encode(op, err) < 0) {
     mc_xfer_op_free(op);
     return NULL;
   }
@@ -215,7 +215,7 @@ int mc_auth_initiator_ack(mc_conn_t *c, const cJSON *j, const char *target, mc_e
     return err->code ? err->code : mc_err_set(err, MC_ENOMEM, "out of memory");
   /* Ahead of the held requests: the target checks it before serving them. */
   op->req_id = ++c->next_req_id;
-  mc_put_u64(op->hdr + 16, op->req_id);
+  mc_put_u64(MC_OPW(op)->hdr + 16, op->req_id);
   op->next = c->sendq_head;
   c->sendq_head = op;
   if (!c->sendq_tail)

@@ -14,6 +14,19 @@
 #define MC_AUTH_NONCE 32
 #define MC_TCP_IOV_BATCH 1024
 
+/* TCP's per-op state (op->tp): the op encoded for the wire -- header,
+ * entry table, and the iovecs still to send.  One allocation. */
+typedef struct mc_tcp_opw {
+  uint8_t hdr[MC_WIRE_HDR_SIZE];
+  uint8_t *table;
+  struct iovec *iov;
+  int niov, iov_idx;
+  size_t iov_off;
+} mc_tcp_opw_t;
+#define MC_OPW(op) ((mc_tcp_opw_t *)(op)->tp)
+/* (Re-)encodes a sealed op for the wire (replacing any earlier encoding). */
+int mc_tcp_op_encode(mc_xfer_op_t *op, mc_err_t *err);
+
 typedef struct mc_loop mc_loop_t;
 typedef struct mc_conn mc_conn_t;
 
@@ -127,13 +140,13 @@ struct mc_loop {
   mc_conn_t *conns; /* loop-thread-only list */
 };
 
-typedef struct mc_peer {
+typedef struct mc_tcp_peer {
   char host[256];
   int port;
   char segment[320];
   mc_conn_t **conns; /* conns_per_peer slots, NULL when absent */
   unsigned rr;
-} mc_peer_t;
+} mc_tcp_peer_t;
 
 struct mc_tcp {
   mc_tcp_opts_t opts;
@@ -144,7 +157,7 @@ struct mc_tcp {
   int nloops;
   atomic_uint next_loop;
   pthread_mutex_t peers_mu;
-  mc_peer_t **peers;
+  mc_tcp_peer_t **peers;
   size_t npeers, cap_peers;
   atomic_ullong reply_bytes, prehandshake_refused;
   atomic_int paused_conns, prehandshake;
@@ -172,6 +185,10 @@ void mc_conn_unhold(mc_conn_t *c);
 int mc_conn_flush(mc_conn_t *c);
 void mc_conn_enqueue_op(mc_conn_t *c, mc_xfer_op_t *op);
 void mc_op_finalize(mc_xfer_op_t *op, int code, const char *msg);
+/* tcp_loop.c: fills t (options with defaults, hooks, peers lock; no
+ * listener, no loops) and sets up loop l's epoll and eventfd. */
+void mc_tcp_init(mc_tcp_t *t, const mc_tcp_opts_t *opts, const mc_tcp_hooks_t *hooks);
+int mc_tcp_loop_init(mc_tcp_t *t, mc_loop_t *l, int idx, mc_err_t *err);
 
 /* tcp_auth.c */
 struct cJSON;

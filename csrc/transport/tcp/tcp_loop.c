@@ -131,7 +131,7 @@ static void fail_chain(mc_xfer_op_t *op, int code, const char *msg) {
 static void peer_remove_conn(mc_tcp_t *t, mc_conn_t *c) {
   pthread_mutex_lock(&t->peers_mu);
   for (size_t i = 0; i < t->npeers; i++) {
-    mc_peer_t *p = t->peers[i];
+    mc_tcp_peer_t *p = t->peers[i];
     for (int k = 0; k < t->opts.conns_per_peer; k++)
       if (p->conns[k] == c)
         p->conns[k] = NULL;
@@ -516,21 +516,21 @@ static void *loop_main(void *arg) {
 
 /* ---- peers and submission ---- */
 
-static mc_peer_t *peer_get(mc_tcp_t *t, const char *host, int port, const char *segment) {
+static mc_tcp_peer_t *peer_get(mc_tcp_t *t, const char *host, int port, const char *segment) {
   for (size_t i = 0; i < t->npeers; i++) {
-    mc_peer_t *p = t->peers[i];
+    mc_tcp_peer_t *p = t->peers[i];
     if (p->port == port && !strcmp(p->host, host) && !strcmp(p->segment, segment))
       return p;
   }
   if (t->npeers == t->cap_peers) {
     size_t nc = t->cap_peers ? t->cap_peers * 2 : 8;
-    mc_peer_t **nv = realloc(t->peers, nc * sizeof *nv);
+    mc_tcp_peer_t **nv = realloc(t->peers, nc * sizeof *nv);
     if (!nv)
       return NULL;
     t->peers = nv;
     t->cap_peers = nc;
   }
-  mc_peer_t *p = calloc(1, sizeof *p);
+  mc_tcp_peer_t *p = calloc(1, sizeof *p);
   if (!p || !(p->conns = calloc((size_t)t->opts.conns_per_peer, sizeof *p->conns))) {
     free(p);
     return NULL;
@@ -591,14 +591,35 @@ static mc_conn_t *connect_peer(mc_tcp_t *t, const char *host, int port, const ch
   return c;
 }
 
+/* Encodes ops not yet encoded; one that cannot be fails (done) and its slot
+ * becomes NULL when `fail`, else returns -1 with nothing failed. */
+static int encode_ops(mc_xfer_op_t **ops, size_t nops, int fail) {
+  for (size_t i = 0; i < nops; i++) {
+    mc_err_t e;
+    if (!ops[i] || ops[i]->tp)
+      continue;
+    if (mc_tcp_op_encode(ops[i], &e) < 0) {
+      if (!fail)
+        return -1;
+      mc_op_finalize(ops[i], e.code, e.msg);
+      mc_xfer_op_free(ops[i]);
+      ops[i] = NULL;
+    }
+  }
+  return 0;
+}
+
 void mc_tcp_submit(mc_tcp_t *t, const char *host, int port, const char *segment,
                    mc_xfer_op_t **ops, size_t nops) {
   mc_err_t err = {0};
+  encode_ops(ops, nops, 1);
   pthread_mutex_lock(&t->peers_mu);
-  mc_peer_t *p = peer_get(t, host, port, segment);
+  mc_tcp_peer_t *p = peer_get(t, host, port, segment);
   if (!p) {
     pthread_mutex_unlock(&t->peers_mu);
     for (size_t i = 0; i < nops; i++) {
+      if (!ops[i])
+        continue;
       mc_op_finalize(ops[i], MC_ENOMEM, "out of memory");
       mc_xfer_op_free(ops[i]);
     }
@@ -626,6 +647,8 @@ void mc_tcp_submit(mc_tcp_t *t, const char *host, int port, const char *segment,
     if (t->hooks.on_peer_failed)
       t->hooks.on_peer_failed(t->hooks.ctx, segment);
     for (size_t i = 0; i < nops; i++) {
+      if (!ops[i])
+        continue;
       mc_op_finalize(ops[i], err.code ? err.code : MC_ECONNECT, err.msg);
       mc_xfer_op_free(ops[i]);
     }
@@ -634,6 +657,8 @@ void mc_tcp_submit(mc_tcp_t *t, const char *host, int port, const char *segment,
   mc_conn_t *kick[64];
   int nkick = 0;
   for (size_t i = 0; i < nops; i++) {
+    if (!ops[i])
+      continue;
     mc_conn_t *c = NULL;
     for (int tries = 0; tries < t->opts.conns_per_peer && !c; tries++)
       c = p->conns[p->rr++ % (unsigned)t->opts.conns_per_peer];
@@ -670,10 +695,12 @@ void mc_tcp_submit(mc_tcp_t *t, const char *host, int port, const char *segment,
 int mc_tcp_submit_poll(mc_tcp_t *t, const char *host, int port, const char *segment,
                        mc_xfer_op_t **ops, size_t nops, int (*finished)(void *), void *arg,
                        uint64_t spin_ns) {
+  if (encode_ops(ops, nops, 0) < 0)
+    return 0; /* mc_tcp_submit fails them */
   mc_conn_t *c = NULL;
   pthread_mutex_lock(&t->peers_mu);
   for (size_t i = 0; i < t->npeers && !c; i++) {
-    mc_peer_t *p = t->peers[i];
+    mc_tcp_peer_t *p = t->peers[i];
     if (p->port == port && !strcmp(p->host, host) && !strcmp(p->segment, segment))
       c = p->conns[p->rr % (unsigned)t->opts.conns_per_peer];
   }
@@ -777,7 +804,7 @@ static int make_listener(mc_tcp_t *t, mc_err_t *err) {
   return 0;
 }
 
-static int loop_init(mc_tcp_t *t, mc_loop_t *l, int idx, mc_err_t *err) {
+int mc_tcp_loop_init(mc_tcp_t *t, mc_loop_t *l, int idx, mc_err_t *err) {
   l->tcp = t;
   l->idx = idx;
   l->epfd = epoll_create1(EPOLL_CLOEXEC);
@@ -791,11 +818,9 @@ static int loop_init(mc_tcp_t *t, mc_loop_t *l, int idx, mc_err_t *err) {
   return 0;
 }
 
-int mc_tcp_start(const mc_tcp_opts_t *opts, const mc_tcp_hooks_t *hooks, mc_tcp_t **out,
-                 mc_err_t *err) {
-  mc_tcp_t *t = calloc(1, sizeof *t);
-  if (!t)
-    return mc_err_set(err, MC_ENOMEM, "out of memory");
+/* Options with their defaults filled in, hooks, no listener, no loops
+ * (shared with the receive-path fuzz harness, which builds its own loop). */
+void mc_tcp_init(mc_tcp_t *t, const mc_tcp_opts_t *opts, const mc_tcp_hooks_t *hooks) {
   t->opts = *opts;
   if (t->opts.io_threads < 1)
     t->opts.io_threads = 1;
@@ -818,6 +843,14 @@ int mc_tcp_start(const mc_tcp_opts_t *opts, const mc_tcp_hooks_t *hooks, mc_tcp_
   t->hooks = *hooks;
   t->listen_fd = -1;
   pthread_mutex_init(&t->peers_mu, NULL);
+}
+
+int mc_tcp_start(const mc_tcp_opts_t *opts, const mc_tcp_hooks_t *hooks, mc_tcp_t **out,
+                 mc_err_t *err) {
+  mc_tcp_t *t = calloc(1, sizeof *t);
+  if (!t)
+    return mc_err_set(err, MC_ENOMEM, "out of memory");
+  mc_tcp_init(t, opts, hooks);
   int rc = make_listener(t, err);
   if (rc < 0) {
     pthread_mutex_destroy(&t->peers_mu);
@@ -834,7 +867,7 @@ int mc_tcp_start(const mc_tcp_opts_t *opts, const mc_tcp_hooks_t *hooks, mc_tcp_
   int started = 0;
   for (int i = 0; i < t->nloops; i++) {
     t->loops[i].epfd = t->loops[i].evfd = -1;
-    if ((rc = loop_init(t, &t->loops[i], i, err)) < 0)
+    if ((rc = mc_tcp_loop_init(t, &t->loops[i], i, err)) < 0)
       goto fail;
   }
   struct epoll_event ev = {.events = EPOLLIN, .data.ptr = &listener_tag};

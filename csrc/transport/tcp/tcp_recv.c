@@ -481,18 +481,12 @@ static int on_body_initiator(mc_conn_t *c) {
     op->entry_failed(op, bad - 1, c->rh.status, msg);
     memmove(op->ent + bad - 1, op->ent + bad, (op->nent - bad) * sizeof *op->ent);
     op->nent--;
-    free(op->table);
-    free(op->iov);
-    op->table = NULL;
-    op->iov = NULL;
     op->started = 0;
-    op->iov_idx = 0;
-    op->iov_off = 0;
     mc_err_t e;
     if (op->nent == 0) {
       mc_op_finalize(op, 0, NULL);
       mc_xfer_op_free(op);
-    } else if (mc_xfer_op_seal(op, &e) < 0) {
+    } else if (mc_xfer_op_seal(op, &e) < 0 || mc_tcp_op_encode(op, &e) < 0) {
       mc_op_finalize(op, e.code, e.msg);
       mc_xfer_op_free(op);
     } else {

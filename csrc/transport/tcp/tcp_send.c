@@ -8,54 +8,20 @@
 #include "transport/tcp/tcp_internal.h"
 #include "util/log.h"
 
-mc_xfer_op_t *mc_xfer_op_new(int type, uint32_t nent, size_t ctrl_len) {
-  mc_xfer_op_t *op = calloc(1, sizeof *op + (size_t)nent * sizeof(mc_xfer_ent_t));
-  if (!op)
-    return NULL;
-  op->type = type;
-  op->nent = nent;
-  if (ctrl_len) {
-    op->ctrl = malloc(ctrl_len);
-    if (!op->ctrl) {
-      free(op);
-      return NULL;
-    }
-    op->ctrl_len = ctrl_len;
-  }
-  return op;
-}
+static void opw_free(void *w) { free(w); }
 
-void mc_xfer_op_free(mc_xfer_op_t *op) {
-  if (!op)
-    return;
-  free(op->ctrl);
-  free(op->resp);
-  free(op->table);
-  free(op->iov);
-  free(op);
-}
-
-int mc_xfer_op_seal(mc_xfer_op_t *op, mc_err_t *err) {
+int mc_tcp_op_encode(mc_xfer_op_t *op, mc_err_t *err) {
+  mc_xfer_op_drop_tp(op);
   mc_wire_hdr_t h = {.type = (uint8_t)op->type};
   int niov = 1;
-  op->total = 0;
-  if (op->type == MC_WIRE_WRITE || op->type == MC_WIRE_READ ||
-      op->type == MC_WIRE_HELLO) {
-    /* HELLO reuses ctrl like NOTIFY; handled below. */
-  }
-  if (op->type == MC_WIRE_WRITE || op->type == MC_WIRE_READ) {
+  size_t tlen = 0;
+  int data = op->type == MC_WIRE_WRITE || op->type == MC_WIRE_READ;
+  if (data) {
     if (op->nent == 0 || op->nent > MC_WIRE_MAX_ENTRIES)
       return mc_err_set(err, MC_EINVAL, "an op must carry 1..%u entries", MC_WIRE_MAX_ENTRIES);
-    op->table = malloc((size_t)op->nent * MC_WIRE_ENT_SIZE);
-    if (!op->table)
-      return mc_err_set(err, MC_ENOMEM, "out of memory");
-    for (uint32_t i = 0; i < op->nent; i++) {
-      mc_put_u64(op->table + 16 * i, op->ent[i].remote);
-      mc_put_u64(op->table + 16 * i + 8, op->ent[i].len);
-      op->total += op->ent[i].len;
-    }
+    tlen = (size_t)op->nent * MC_WIRE_ENT_SIZE;
     h.count = op->nent;
-    h.length = (uint64_t)op->nent * MC_WIRE_ENT_SIZE;
+    h.length = tlen;
     niov = 2;
     if (op->type == MC_WIRE_WRITE) {
       h.length += op->total;
@@ -65,20 +31,31 @@ int mc_xfer_op_seal(mc_xfer_op_t *op, mc_err_t *err) {
     h.length = op->ctrl_len;
     niov = op->ctrl_len ? 2 : 1;
   }
-  mc_wire_encode(&h, op->hdr);
-  op->iov = malloc((size_t)niov * sizeof *op->iov);
-  if (!op->iov)
+  /* One allocation: the state, the iovecs, then the table. */
+  mc_tcp_opw_t *w = malloc(sizeof *w + (size_t)niov * sizeof(struct iovec) + tlen);
+  if (!w)
     return mc_err_set(err, MC_ENOMEM, "out of memory");
-  op->iov[0] = (struct iovec){op->hdr, MC_WIRE_HDR_SIZE};
-  if (op->type == MC_WIRE_WRITE || op->type == MC_WIRE_READ) {
-    op->iov[1] = (struct iovec){op->table, (size_t)op->nent * MC_WIRE_ENT_SIZE};
+  w->iov = (struct iovec *)(w + 1);
+  w->table = tlen ? (uint8_t *)(w->iov + niov) : NULL;
+  w->niov = niov;
+  w->iov_idx = 0;
+  w->iov_off = 0;
+  mc_wire_encode(&h, w->hdr);
+  w->iov[0] = (struct iovec){w->hdr, MC_WIRE_HDR_SIZE};
+  if (data) {
+    for (uint32_t i = 0; i < op->nent; i++) {
+      mc_put_u64(w->table + 16 * i, op->ent[i].remote);
+      mc_put_u64(w->table + 16 * i + 8, op->ent[i].len);
+    }
+    w->iov[1] = (struct iovec){w->table, tlen};
     if (op->type == MC_WIRE_WRITE)
       for (uint32_t i = 0; i < op->nent; i++)
-        op->iov[2 + i] = (struct iovec){op->ent[i].local, op->ent[i].len};
+        w->iov[2 + i] = (struct iovec){op->ent[i].local, op->ent[i].len};
   } else if (op->ctrl_len) {
-    op->iov[1] = (struct iovec){op->ctrl, op->ctrl_len};
+    w->iov[1] = (struct iovec){op->ctrl, op->ctrl_len};
   }
-  op->niov = niov;
+  op->tp = w;
+  op->tp_free = opw_free;
   return 0;
 }
 
@@ -94,7 +71,7 @@ void mc_op_finalize(mc_xfer_op_t *op, int code, const char *msg) {
  * queue, so they follow send order. */
 static void stamp_req_id(mc_conn_t *c, mc_xfer_op_t *op) {
   op->req_id = ++c->next_req_id;
-  mc_put_u64(op->hdr + 16, op->req_id);
+  mc_put_u64(MC_OPW(op)->hdr + 16, op->req_id);
 }
 
 /* Gathers iovecs from a chain of (iov, niov, idx, off) items. */
@@ -162,7 +139,8 @@ static int flush_requests(mc_conn_t *c) {
         break; /* let the loop above drop it */
       if (c->auth_hold && op->type != MC_WIRE_HELLO)
         break; /* not before the target proved it knows the secret */
-      if (!gather_add(&g, op->iov, op->niov, op->iov_idx, op->iov_off))
+      if (!gather_add(&g, MC_OPW(op)->iov, MC_OPW(op)->niov, MC_OPW(op)->iov_idx,
+                      MC_OPW(op)->iov_off))
         break;
     }
     if (g.n == 0)
@@ -181,8 +159,9 @@ static int flush_requests(mc_conn_t *c) {
       mc_xfer_op_t *op = c->sendq_head;
       if (left > 0)
         op->started = 1;
-      left = advance(op->iov, op->niov, &op->iov_idx, &op->iov_off, left);
-      if (op->iov_idx < op->niov)
+      mc_tcp_opw_t *w = MC_OPW(op);
+      left = advance(w->iov, w->niov, &w->iov_idx, &w->iov_off, left);
+      if (w->iov_idx < w->niov)
         break;
       /* Fully sent: now waits for its response. */
       c->sendq_head = op->next;

@@ -1,5 +1,12 @@
 #include "transport/tcp/wire.h"
 
+/* Op types travel as the wire's message types. */
+_Static_assert((int)MC_XFER_WRITE == (int)MC_WIRE_WRITE &&
+                   (int)MC_XFER_READ == (int)MC_WIRE_READ &&
+                   (int)MC_XFER_NOTIFY == (int)MC_WIRE_NOTIFY &&
+                   (int)MC_XFER_RPC == (int)MC_WIRE_RPC,
+               "op types must match the TCP wire types");
+
 void mc_wire_encode(const mc_wire_hdr_t *h, uint8_t out[MC_WIRE_HDR_SIZE]) {
   mc_put_u32(out, MC_WIRE_MAGIC);
   out[4] = MC_WIRE_VERSION;

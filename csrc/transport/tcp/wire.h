@@ -30,14 +30,16 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "transport/xfer_op.h"
+#include "util/bytes.h"
 #include "util/errors.h"
 
 #define MC_WIRE_MAGIC 0x564B434Du
 #define MC_WIRE_VERSION 1
 #define MC_WIRE_HDR_SIZE 32
 #define MC_WIRE_ENT_SIZE 16
-#define MC_WIRE_MAX_ENTRIES 4096u
-#define MC_WIRE_MAX_CTRL (16u << 20)     /* HELLO / NOTIFY / error text */
+#define MC_WIRE_MAX_ENTRIES MC_XFER_MAX_ENTRIES
+#define MC_WIRE_MAX_CTRL MC_XFER_MAX_CTRL /* HELLO / NOTIFY / error text */
 #define MC_WIRE_MAX_PAYLOAD (1ull << 40) /* sanity cap on one message */
 
 typedef enum {
@@ -62,34 +64,6 @@ typedef struct mc_wire_hdr {
   uint64_t req_id;
   uint64_t length;
 } mc_wire_hdr_t;
-
-static inline void mc_put_u16(uint8_t *p, uint16_t v) {
-  p[0] = (uint8_t)v;
-  p[1] = (uint8_t)(v >> 8);
-}
-static inline void mc_put_u32(uint8_t *p, uint32_t v) {
-  for (int i = 0; i < 4; i++)
-    p[i] = (uint8_t)(v >> (8 * i));
-}
-static inline void mc_put_u64(uint8_t *p, uint64_t v) {
-  for (int i = 0; i < 8; i++)
-    p[i] = (uint8_t)(v >> (8 * i));
-}
-static inline uint16_t mc_get_u16(const uint8_t *p) {
-  return (uint16_t)(p[0] | (p[1] << 8));
-}
-static inline uint32_t mc_get_u32(const uint8_t *p) {
-  uint32_t v = 0;
-  for (int i = 3; i >= 0; i--)
-    v = (v << 8) | p[i];
-  return v;
-}
-static inline uint64_t mc_get_u64(const uint8_t *p) {
-  uint64_t v = 0;
-  for (int i = 7; i >= 0; i--)
-    v = (v << 8) | p[i];
-  return v;
-}
 
 void mc_wire_encode(const mc_wire_hdr_t *h, uint8_t out[MC_WIRE_HDR_SIZE]);
 

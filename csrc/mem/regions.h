@@ -6,8 +6,8 @@
  * mc_regions_remove() returning means no transport will touch it again.
  * Thread-safe.
  */
-#ifndef MC_ENGINE_REGIONS_H
-#define MC_ENGINE_REGIONS_H
+#ifndef MC_MEM_REGIONS_H
+#define MC_MEM_REGIONS_H
 
 #include <pthread.h>
 #include <stddef.h>

@@ -1,4 +1,4 @@
-#include "engine/regions.h"
+#include "mem/regions.h"
 
 #include <errno.h>
 #include <stdio.h>

@@ -1,17 +1,17 @@
 /* Local GPU buffers over TCP (initiator side): an op whose entries include
- * GPU memory is staged through a pinned buffer by the copy worker -- D2H
- * before a WRITE is sent, H2D after a READ's data arrived. */
+ * GPU memory (ent.dev >= 0) is staged through a pinned buffer by the copy
+ * worker -- D2H before a WRITE is sent, H2D after a READ's data arrived. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "engine/engine_internal.h"
-#include "transport/tcp/wire.h"
+#include "transport/tcp/tcp_internal.h"
 
 /* ---- local GPU buffers over TCP (initiator side) ---- */
 
 typedef struct staged {
-  mc_engine_t *e;
+  mc_tcp_t *t;
+  mc_gpu_stager_t *gpu;
   mc_gpu_buf_t *buf;
   mc_xfer_done_fn done; /* the batch's */
   char host[256];
@@ -36,7 +36,7 @@ static void staged_free(staged_t *st) {
 /* op->done of a staged WRITE (or a failed READ): returns the buffer. */
 static void staged_done(mc_xfer_op_t *op, int code, const char *msg) {
   staged_t *st = op->owner;
-  mc_gpu_buf_put(st->e->gpu, st->buf);
+  mc_gpu_buf_put(st->gpu, st->buf);
   op->done = st->done;
   staged_free(st);
   op->done(op, code, msg);
@@ -45,7 +45,7 @@ static void staged_done(mc_xfer_op_t *op, int code, const char *msg) {
 static void read_h2d_done(mc_gpu_job_t *j, int code, const char *msg) {
   mc_xfer_op_t *op2 = j->arg;
   staged_t *st = j->arg2;
-  mc_gpu_buf_put(st->e->gpu, st->buf);
+  mc_gpu_buf_put(st->gpu, st->buf);
   staged_free(st);
   op2->done(op2, code, msg);
   mc_xfer_op_free(op2);
@@ -86,7 +86,7 @@ static void staged_read_done(mc_xfer_op_t *op, int code, const char *msg) {
   j->arg = op2;
   j->arg2 = st;
   j->complete = read_h2d_done;
-  mc_gpu_stager_submit(st->e->gpu, j);
+  mc_gpu_stager_submit(st->gpu, j);
 }
 
 /* Worker: takes the staging buffer's place in the op's entries. */
@@ -106,16 +106,13 @@ static int stage_prepare(mc_gpu_job_t *j, mc_err_t *err) {
     st->dptr[st->n] = dev;
     st->len[st->n] = op->ent[i].len;
     st->n++;
-    if (op->type == MC_WIRE_WRITE &&
+    if (op->type == MC_XFER_WRITE &&
         mc_gpu_job_add(j, (mc_cu_ptr)(uintptr_t)host, dev, op->ent[i].len) < 0)
       return mc_err_set(err, MC_ENOMEM, "out of memory");
     op->ent[i].local = host;
     off += op->ent[i].len;
   }
-  free(op->table);
-  free(op->iov);
-  op->table = NULL;
-  op->iov = NULL;
+  mc_xfer_op_drop_tp(op); /* the transport encodes the new entries */
   return mc_xfer_op_seal(op, err);
 }
 
@@ -124,7 +121,6 @@ static int stage_prepare(mc_gpu_job_t *j, mc_err_t *err) {
 static void stage_ready(mc_gpu_job_t *j, int code, const char *msg) {
   mc_xfer_op_t *op = j->arg;
   staged_t *st = j->arg2;
-  mc_engine_t *e = st->e;
   if (!st->buf && j->buf) { /* failed before prepare */
     st->buf = j->buf;
     j->buf = NULL;
@@ -142,13 +138,13 @@ static void stage_ready(mc_gpu_job_t *j, int code, const char *msg) {
     op->done(op, code, msg);
     mc_xfer_op_free(op);
   } else {
-    mc_tcp_submit(e->tcp, st->host, st->port, st->segment, &op, 1);
+    mc_tcp_submit(st->t, st->host, st->port, st->segment, &op, 1);
   }
   mc_gpu_job_free(j);
 }
 
-void mc_gpu_stage_op(mc_engine_t *e, mc_xfer_op_t *op, const char *host, int port,
-                     const char *segment, const int *ldev, size_t first) {
+void mc_tcp_stage_op(mc_tcp_t *t, mc_xfer_op_t *op, const char *host, int port,
+                     const char *segment) {
   staged_t *st = calloc(1, sizeof *st);
   mc_gpu_job_t *j = NULL;
   if (st) {
@@ -161,7 +157,7 @@ void mc_gpu_stage_op(mc_engine_t *e, mc_xfer_op_t *op, const char *host, int por
   int dev = -1;
   if (st && st->soff && st->dptr && st->len && st->is_gpu) {
     for (uint32_t i = 0; i < op->nent; i++) {
-      int d = ldev[op->ent[i].cookie - first];
+      int d = op->ent[i].dev;
       if (d < 0)
         continue;
       st->is_gpu[i] = 1;
@@ -169,7 +165,7 @@ void mc_gpu_stage_op(mc_engine_t *e, mc_xfer_op_t *op, const char *host, int por
       if (dev < 0)
         dev = d;
     }
-    j = mc_gpu_job_new(dev, op->type == MC_WIRE_WRITE ? MC_GPU_D2H : MC_GPU_H2D);
+    j = mc_gpu_job_new(dev, op->type == MC_XFER_WRITE ? MC_GPU_D2H : MC_GPU_H2D);
   }
   if (!j) {
     if (st)
@@ -178,18 +174,19 @@ void mc_gpu_stage_op(mc_engine_t *e, mc_xfer_op_t *op, const char *host, int por
     mc_xfer_op_free(op);
     return;
   }
-  st->e = e;
+  st->t = t;
+  st->gpu = t->hooks.gpu;
   st->done = op->done;
   snprintf(st->host, sizeof st->host, "%s", host);
   st->port = port;
   snprintf(st->segment, sizeof st->segment, "%s", segment);
   st->dev = dev;
   op->owner = st;
-  op->done = op->type == MC_WIRE_WRITE ? staged_done : staged_read_done;
+  op->done = op->type == MC_XFER_WRITE ? staged_done : staged_read_done;
   j->want_buf = bytes;
   j->prepare = stage_prepare;
   j->complete = stage_ready;
   j->arg = op;
   j->arg2 = st;
-  mc_gpu_stager_submit(e->gpu, j);
+  mc_gpu_stager_submit(t->hooks.gpu, j);
 }

@@ -1,0 +1,148 @@
+/* One interface for every transport (TCP, RDMA, same-host GPU, same-host
+ * CPU): an ops table the engine calls and nothing else.
+ *
+ * How a transport plugs in
+ *   A transport fills one static mc_transport_ops_t and, when started, an
+ *   mc_transport_t {ops, impl}.  The engine keeps its transports in an array
+ *   indexed by mc_transport_id_t (a fixed slot per transport; an empty slot
+ *   is ops == NULL) and never looks inside impl.  Transports the engine
+ *   configures itself (TCP, RDMA) are wrapped by a constructor next to their
+ *   code (mc_tcp_transport, mc_rdma_transport); a transport with no options
+ *   of its own may instead implement ops->start, called with the
+ *   mc_transport_env_t below.
+ *
+ * How the engine chooses one, per (peer, memory kind)
+ *   The choice table (engine/route.c; transports with ops->start are listed
+ *   there in started_here[]) lists, for each memory kind of the
+ *   LOCAL buffer (host, cuda), the transports in order of preference:
+ *       host: SAME_HOST_CPU, RDMA, TCP
+ *       cuda: SAME_HOST_GPU, RDMA, TCP (TCP stages through pinned memory)
+ *   The first started transport whose caps include that memory kind, that
+ *   is not MC_TCAP_SAME_HOST with a peer known to be elsewhere
+ *   (peer->same_host == -1), and whose reaches() (if set) says yes, takes
+ *   the requests.  The engine does not learn a peer's host before choosing
+ *   (same_host is 0 today): a same-host transport decides in reaches().  TCP is always there
+ *   and always last, so a choice always exists.  The engine remembers the
+ *   answer per peer (reaches() is asked once per peer and kind, again after
+ *   the peer was lost); reaches() that says no writes one sentence into
+ *   `why`, which the engine logs once per peer.
+ *
+ * Ops and threading
+ *   - submit() is called on the submitting (Python) thread with the GIL
+ *     released; it may block (connect, handshake) but never fails as a
+ *     call: every error goes to the ops' done().  Ownership of each op
+ *     passes to the transport at submit(); the transport frees it (with
+ *     mc_xfer_op_free) right after its done() returned.  done() runs exactly
+ *     once per op, on any thread (an I/O or completion thread, or the
+ *     submitting thread itself), never with a transport lock held that
+ *     submit() could need; after done() the transport touches none of the
+ *     op's local buffers.  entry_failed() (optional on the op) may run before
+ *     done() for single refused entries.
+ *   - Ops handed to one submit() carry one opcode per op (WRITE or READ)
+ *     and entries of ONE memory kind (the kind the transport was chosen
+ *     for); NOTIFY / RPC ops only go to a transport with MC_TCAP_CTRL.
+ *   - cancel_sweep(): finish (done() with MC_ECANCELED) every op whose
+ *     *op->cancel is non-zero, soon; called from any thread, repeatedly.
+ *   - peer_lost(): the control connection to `segment` broke; fail its ops
+ *     now.  peer_closed(): `segment`'s connection to us closed; free what
+ *     served it.  Both optional, any thread.
+ *   - mem_register()/mem_unregister(): called for every region the engine
+ *     registers (location "cpu" or "cuda:N"), optional.  The region table
+ *     (mem/regions.h) stays the authority on what a peer may touch.
+ *   - stop(): fail everything in flight with MC_ECLOSED, join threads, free
+ *     impl.  Called once, after the engine stopped submitting.
+ */
+#ifndef MC_TRANSPORT_TRANSPORT_H
+#define MC_TRANSPORT_TRANSPORT_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "transport/xfer_op.h"
+#include "util/errors.h"
+
+struct mc_regions;
+
+/* Where a local buffer lives. */
+typedef enum mc_mem_kind { MC_MEM_HOST = 0, MC_MEM_CUDA = 1, MC_MEM_KINDS } mc_mem_kind_t;
+
+/* Fixed slots of the engine's transport array, highest preference first
+ * within a memory kind (see the table above). */
+typedef enum mc_transport_id {
+  MC_TRANSPORT_SAME_HOST_CPU = 0, /* slot for the same-host CPU transport */
+  MC_TRANSPORT_SAME_HOST_GPU,
+  MC_TRANSPORT_RDMA,
+  MC_TRANSPORT_TCP,
+  MC_TRANSPORT_COUNT
+} mc_transport_id_t;
+
+/* Capabilities. */
+#define MC_TCAP_HOST_MEM (1u << 0)  /* moves host memory */
+#define MC_TCAP_CUDA_MEM (1u << 1)  /* moves cuda memory (itself or staged) */
+#define MC_TCAP_SAME_HOST (1u << 2) /* reaches peers on this host only */
+#define MC_TCAP_POLL (1u << 3)      /* submit_poll implemented */
+#define MC_TCAP_CTRL (1u << 4)      /* carries NOTIFY and RPC ops */
+
+/* A peer as the engine knows it (from its descriptor).  Strings live for
+ * the duration of the call only: copy what you keep. */
+typedef struct mc_peer {
+  const char *segment; /* "host:port", the peer's name */
+  const char *host;    /* where its TCP listener is */
+  int port;
+  int same_host; /* 1: same host (host identity in its descriptor matches
+                    ours), -1: another host, 0: not known yet */
+  int pid;       /* the peer's process id (0 if not known) */
+} mc_peer_t;
+
+/* What a transport started through ops->start gets from the engine. */
+typedef struct mc_transport_env {
+  const char *local_name;     /* our segment name; stable for the engine's life */
+  struct mc_regions *regions; /* our registered regions (authoritative) */
+  void *ctx;                  /* for rpc() */
+  /* Sends an RPC to `segment` over the TCP control connection and waits for
+   * the reply (*reply malloc'ed).  For handshakes; any thread but an I/O
+   * thread; may block up to timeout_ms (<0: engine default). */
+  int (*rpc)(void *ctx, const char *segment, const char *req, size_t len, int64_t timeout_ms,
+             char **reply, mc_err_t *err);
+} mc_transport_env_t;
+
+typedef struct mc_transport_ops {
+  const char *name; /* "tcp", "rdma", "gpu-ipc", "shm-cpu": for logs */
+  unsigned caps;    /* MC_TCAP_* */
+  /* Optional (see above): starts the transport, *impl its state. */
+  int (*start)(const mc_transport_env_t *env, void **impl, mc_err_t *err);
+  void (*stop)(void *impl);
+  /* Optional: can this transport move `kind` memory to/from `peer`?  1 yes;
+   * 0 no, with one sentence in why (logged once per peer). */
+  int (*reaches)(void *impl, const mc_peer_t *peer, mc_mem_kind_t kind, char *why,
+                 size_t why_len);
+  void (*submit)(void *impl, const mc_peer_t *peer, mc_xfer_op_t **ops, size_t nops);
+  /* Optional (MC_TCAP_POLL): latency fast path for small synchronous
+   * batches: drive the ops on the calling thread until finished(arg) or
+   * spin_ns pass.  Returns 1 if it took the ops, 0 if not (nothing sent:
+   * the caller then uses submit). */
+  int (*submit_poll)(void *impl, const mc_peer_t *peer, mc_xfer_op_t **ops, size_t nops,
+                     int (*finished)(void *), void *arg, uint64_t spin_ns);
+  void (*cancel_sweep)(void *impl);
+  void (*peer_lost)(void *impl, const char *segment);   /* optional */
+  void (*peer_closed)(void *impl, const char *segment); /* optional */
+  /* Optional: an RPC whose text starts with rpc_prefix (e.g. "mc.shm.")
+   * arrived from `from` on the TCP control channel; answer it (*reply
+   * malloc'ed, NUL-terminated).  rpc_prefix NULL: this transport gets the
+   * RPCs no prefix matched (RDMA's handshake; one such transport at most).
+   * Called on a TCP I/O thread: must not block on the network. */
+  const char *rpc_prefix;
+  int (*serve_rpc)(void *impl, const char *from, const char *req, size_t len, char **reply,
+                   mc_err_t *err);
+  /* Optional: a region was registered / is being unregistered. */
+  int (*mem_register)(void *impl, void *addr, uint64_t len, const char *location,
+                      mc_err_t *err);
+  void (*mem_unregister)(void *impl, void *addr);
+} mc_transport_ops_t;
+
+typedef struct mc_transport {
+  const mc_transport_ops_t *ops; /* NULL: slot empty */
+  void *impl;
+} mc_transport_t;
+
+#endif

@@ -1,0 +1,379 @@
+/* The same-host CPU transport (csrc/transport/cma): the hello parser, the
+ * target-owned region table (pins vs unregister), and real copies between
+ * two processes through the transport's ops table (WRITE, READ, ranges
+ * outside the target's regions, a target that died, a pid that is not the
+ * engine it claims to be). */
+#include <pthread.h>
+#include <signal.h>
+#include <stdatomic.h>
+#include <sys/mman.h>
+#include <sys/uio.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "testlib.h"
+#include "transport/cma/cma.h"
+#include "transport/cma/cma_hello.h"
+#include "transport/cma/cma_table.h"
+
+static void hello_roundtrip(void) {
+  mc_cma_hello_t h, g;
+  mc_cma_hello_self(&h);
+  h.fd = 7;
+  h.addr = 0x7f0012345000ull;
+  h.token = 0xdeadbeefcafef00dull;
+  char buf[512];
+  size_t n = mc_cma_hello_encode(&h, buf, sizeof buf);
+  mc_err_t err;
+  CHECK_EQ_INT(mc_cma_hello_parse(buf, n, &g, &err), 0);
+  CHECK(!strcmp(g.boot, h.boot));
+  CHECK_EQ_INT(g.pid, h.pid);
+  CHECK_EQ_INT(g.fd, 7);
+  CHECK(g.addr == h.addr && g.token == h.token && g.pidns == h.pidns && g.uid == h.uid);
+  CHECK_EQ_INT(mc_cma_hello_parse("off tired", 9, &g, &err), 0);
+  CHECK(g.off && !strcmp(g.why, "tired"));
+}
+
+static void hello_rejects(void) {
+  static const char *bad[] = {
+      "",
+      "cma2 boot=x",
+      "cma1 boot=x pidns=1 userns=1 netns=1 uid=0 pid=5 fd=3 addr=10",   /* token missing */
+      "cma1 boot=x pidns=1 userns=1 netns=1 uid=0 pid=5 fd=3 addr=zz token=1",
+      "cma1 boot=x pidns=1 userns=1 netns=1 uid=0 pid=5 pid=5 fd=3 addr=1 token=1",
+      "cma1 boot=x pidns=1 userns=1 netns=1 uid=0 pid=0 fd=3 addr=1 token=1",
+      "cma1 boot=x pidns=1 userns=1 netns=1 uid=0 pid=99999999999 fd=3 addr=1 token=1",
+      "cma1 boot=x pidns=1 userns=1 netns=1 uid=0 pid=5 fd=3 addr=11111111111111111 token=1",
+      "cma1 boot=x pidns=1 userns=1 netns=1 uid=0 pid=5 fd=3 addr=1 token=1 extra=2",
+      "cma1 boot= pidns=1 userns=1 netns=1 uid=0 pid=5 fd=3 addr=1 token=1",
+      "cma1 boot=x pidns=1 userns=1 netns=1 uid=0 pid=5 fd=3 addr=1 token",
+  };
+  for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
+    mc_cma_hello_t g;
+    mc_err_t err = {0};
+    int rc = mc_cma_hello_parse(bad[i], strlen(bad[i]), &g, &err);
+    if (rc != MC_EPROTO)
+      fprintf(stderr, "  accepted: %s\n", bad[i]);
+    CHECK_EQ_INT(rc, MC_EPROTO);
+    CHECK_CONTAINS(err.msg, "same-host hello");
+  }
+}
+
+/* The table seen by this very process (process_vm_* on ourselves works). */
+static void table_pins_block_remove(void) {
+  mc_cma_table_t *t;
+  mc_err_t err;
+  CHECK_EQ_INT(mc_cma_table_create(&t, &err), 0);
+  static char region[8192];
+  CHECK_EQ_INT(mc_cma_table_add(t, (uint64_t)(uintptr_t)region, sizeof region, 0, &err), 0);
+  mc_cma_view_t v;
+  CHECK_EQ_INT(mc_cma_view_open(&v, getpid(), mc_cma_table_fd(t), mc_cma_table_token(t),
+                                (uint64_t)(uintptr_t)mc_cma_table_addr(t), &err),
+               0);
+  const mc_cma_ent_t *e = mc_cma_view_find(&v, (uint64_t)(uintptr_t)region + 100, 200);
+  CHECK(e != NULL);
+  CHECK(mc_cma_view_find(&v, (uint64_t)(uintptr_t)region + 8000, 200) == NULL);
+  CHECK_EQ_INT(mc_cma_view_pin(&v, e), 0);
+  uint32_t idx = e->idx;
+  CHECK_EQ_INT(mc_cma_table_remove(t, (uint64_t)(uintptr_t)region, 50, &err), MC_EBUSY);
+  CHECK_CONTAINS(err.msg, "still being copied by process");
+  /* Dead: a new pin is refused, the cached entry is stale. */
+  mc_cma_view_refresh(&v, 0);
+  CHECK(mc_cma_view_find(&v, (uint64_t)(uintptr_t)region, 1) == NULL);
+  mc_cma_view_unpin(&v, idx);
+  CHECK_EQ_INT(mc_cma_table_remove(t, (uint64_t)(uintptr_t)region, 50, &err), 0);
+  CHECK_EQ_INT(mc_cma_table_remove(t, (uint64_t)(uintptr_t)region, 50, &err), MC_ENOTFOUND);
+  /* A wrong token is refused (a pid reused by another engine). */
+  mc_cma_view_t w;
+  CHECK(mc_cma_view_open(&w, getpid(), mc_cma_table_fd(t), mc_cma_table_token(t) ^ 2,
+                         (uint64_t)(uintptr_t)mc_cma_table_addr(t), &err) < 0);
+  CHECK_CONTAINS(err.msg, "pid reused");
+  /* Closing the table: the view says so. */
+  mc_cma_table_destroy(t);
+  CHECK(mc_cma_view_alive(&v, "seg", &err) < 0);
+  CHECK_CONTAINS(err.msg, "closed its engine");
+  mc_cma_view_close(&v);
+}
+
+/* A copier pins, copies, unpins in a loop while the main thread removes the
+ * region: after remove() returns, not one more byte lands. */
+typedef struct race {
+  mc_cma_view_t *v;
+  char *dst;
+  atomic_int stop;
+  atomic_long copies;
+} race_t;
+
+static void *copier(void *arg) {
+  race_t *r = arg;
+  char src[4096];
+  memset(src, 'x', sizeof src);
+  while (!atomic_load(&r->stop)) {
+    mc_cma_view_refresh(r->v, 0);
+    const mc_cma_ent_t *e = mc_cma_view_find(r->v, (uint64_t)(uintptr_t)r->dst, sizeof src);
+    if (!e || mc_cma_view_pin(r->v, e) < 0)
+      continue;
+    struct iovec l = {src, sizeof src}, rr = {r->dst, sizeof src};
+    process_vm_writev(getpid(), &l, 1, &rr, 1, 0);
+    mc_cma_view_unpin(r->v, e->idx);
+    atomic_fetch_add(&r->copies, 1);
+  }
+  return NULL;
+}
+
+static void table_remove_races_copies(void) {
+  mc_cma_table_t *t;
+  mc_err_t err;
+  CHECK_EQ_INT(mc_cma_table_create(&t, &err), 0);
+  char *dst = mmap(NULL, 4096, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  CHECK(dst != MAP_FAILED);
+  mc_cma_view_t v;
+  CHECK_EQ_INT(mc_cma_view_open(&v, getpid(), mc_cma_table_fd(t), mc_cma_table_token(t),
+                                (uint64_t)(uintptr_t)mc_cma_table_addr(t), &err),
+               0);
+  for (int round = 0; round < 200; round++) {
+    CHECK_EQ_INT(mc_cma_table_add(t, (uint64_t)(uintptr_t)dst, 4096, 0, &err), 0);
+    race_t r = {.v = &v, .dst = dst};
+    pthread_t th;
+    pthread_create(&th, NULL, copier, &r);
+    while (atomic_load(&r.copies) < 3)
+      sched_yield();
+    CHECK_EQ_INT(mc_cma_table_remove(t, (uint64_t)(uintptr_t)dst, 5000, &err), 0);
+    memset(dst, 0, 4096);
+    for (int k = 0; k < 50; k++)
+      sched_yield();
+    atomic_store(&r.stop, 1);
+    pthread_join(th, NULL);
+    for (int k = 0; k < 4096; k++)
+      if (dst[k]) {
+        fprintf(stderr, "  round %d: byte %d written after remove\n", round, k);
+        CHECK(0);
+      }
+  }
+  mc_cma_view_close(&v);
+  mc_cma_table_destroy(t);
+  munmap(dst, 4096);
+}
+
+/* ---- two processes through the ops table ---- */
+
+typedef struct child {
+  pid_t pid;
+  char hello[512];
+  char *shared; /* the child's registered region (MAP_SHARED: we can check it) */
+  size_t len;
+  int cmd; /* write end: closing it ends the child */
+} child_t;
+
+static int fake_rpc(void *ctx, const char *segment, const char *req, size_t len,
+                    int64_t timeout_ms, char **reply, mc_err_t *err) {
+  (void)segment, (void)req, (void)len, (void)timeout_ms, (void)err;
+  *reply = strdup(((child_t *)ctx)->hello);
+  return 0;
+}
+
+/* The target: a started transport with `shared` registered; its hello goes
+ * up a pipe (in the engine it is the answer to the mc.shm.hello RPC). */
+static int start_child(child_t *c, size_t len) {
+  c->len = len;
+  c->shared = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+  int up[2], down[2];
+  if (c->shared == MAP_FAILED || pipe(up) || pipe(down))
+    return -1;
+  c->pid = fork();
+  if (c->pid == 0) {
+    close(up[0]);
+    close(down[1]);
+    mc_transport_env_t env = {.local_name = "target"};
+    void *impl;
+    mc_err_t err;
+    if (mc_cma_transport_ops.start(&env, &impl, &err) < 0 ||
+        mc_cma_transport_ops.mem_register(impl, c->shared, len, "cpu", &err) < 0)
+      _exit(2);
+    char *reply = NULL;
+    mc_cma_transport_ops.serve_rpc(impl, "x", MC_CMA_RPC_HELLO, strlen(MC_CMA_RPC_HELLO), &reply,
+                                   &err);
+    if (write(up[1], reply, strlen(reply) + 1) < 0)
+      _exit(3);
+    free(reply);
+    char b;
+    while (read(down[0], &b, 1) == 1)
+      if (b == 'u') /* unregister, then say done */
+        mc_cma_transport_ops.mem_unregister(impl, c->shared), (void)!write(up[1], "u", 1);
+    mc_cma_transport_ops.stop(impl);
+    _exit(0);
+  }
+  close(up[1]);
+  close(down[0]);
+  c->cmd = down[1];
+  ssize_t n = read(up[0], c->hello, sizeof c->hello - 1);
+  c->hello[n > 0 ? n : 0] = '\0';
+  c->cmd = down[1];
+  c->shared[0] = 0;
+  /* keep up[0] for 'u' acks */
+  c->len = len;
+  return up[0];
+}
+
+typedef struct res {
+  int code;
+  char msg[512];
+  int failed_entries;
+  char entry_msg[512];
+  int done;
+} res_t;
+
+static void on_done(mc_xfer_op_t *op, int code, const char *msg) {
+  res_t *r = op->arg;
+  r->code = code;
+  snprintf(r->msg, sizeof r->msg, "%s", msg ? msg : "");
+  r->done++;
+}
+
+static void on_entry(mc_xfer_op_t *op, uint32_t idx, int code, const char *msg) {
+  (void)idx, (void)code;
+  res_t *r = op->arg;
+  r->failed_entries++;
+  snprintf(r->entry_msg, sizeof r->entry_msg, "%s", msg);
+}
+
+static int one_op(void *impl, const mc_peer_t *peer, int type, void *local, uint64_t remote,
+                  uint64_t len, res_t *r) {
+  memset(r, 0, sizeof *r);
+  mc_xfer_op_t *op = mc_xfer_op_new(type, 1, 0);
+  if (!op)
+    return -1;
+  op->ent[0] = (mc_xfer_ent_t){local, remote, len, 0, -1};
+  op->nent = 1;
+  op->done = on_done;
+  op->entry_failed = on_entry;
+  op->arg = r;
+  mc_cma_transport_ops.submit(impl, peer, &op, 1);
+  return r->done == 1 ? 0 : -1;
+}
+
+static void two_processes(void) {
+  child_t c = {0};
+  int ack = start_child(&c, 1 << 20);
+  CHECK(ack >= 0);
+  mc_transport_env_t env = {.local_name = "initiator", .ctx = &c, .rpc = fake_rpc};
+  void *impl;
+  mc_err_t err;
+  CHECK_EQ_INT(mc_cma_transport_ops.start(&env, &impl, &err), 0);
+  mc_peer_t peer = {.segment = "target:1", .host = "127.0.0.1", .port = 1, .same_host = 1,
+                    .pid = c.pid};
+  char why[256] = "";
+  CHECK_EQ_INT(mc_cma_transport_ops.reaches(impl, &peer, MC_MEM_HOST, why, sizeof why), 1);
+  static char buf[1 << 20];
+  for (size_t i = 0; i < sizeof buf; i++)
+    buf[i] = (char)(i * 7 + 1);
+  res_t r;
+  uint64_t base = (uint64_t)(uintptr_t)c.shared;
+  CHECK_EQ_INT(one_op(impl, &peer, MC_XFER_WRITE, buf, base, sizeof buf, &r), 0);
+  CHECK_EQ_INT(r.code, 0);
+  CHECK(memcmp(c.shared, buf, sizeof buf) == 0);
+  static char back[4096];
+  CHECK_EQ_INT(one_op(impl, &peer, MC_XFER_READ, back, base + 4096, 4096, &r), 0);
+  CHECK_EQ_INT(r.code, 0);
+  CHECK(memcmp(back, buf + 4096, 4096) == 0);
+  /* Outside the target's regions: the TCP path's words, nothing written. */
+  CHECK_EQ_INT(one_op(impl, &peer, MC_XFER_WRITE, buf, base + (1 << 20) - 100, 200, &r), 0);
+  CHECK_EQ_INT(r.failed_entries, 1);
+  CHECK_CONTAINS(r.entry_msg, "is not inside any memory region registered by segment target:1");
+  CHECK_EQ_INT(one_op(impl, &peer, MC_XFER_READ, back, 0x1000, 16, &r), 0);
+  CHECK_EQ_INT(r.failed_entries, 1);
+  mc_cma_stats_t st;
+  mc_cma_get_stats(impl, &st);
+  CHECK_EQ_INT(st.bytes_written, 1 << 20);
+  CHECK_EQ_INT(st.bytes_read, 4096);
+  /* The target unregisters: the next copy is refused like any other range. */
+  char b = 'u';
+  CHECK_EQ_INT(write(c.cmd, &b, 1), 1);
+  CHECK_EQ_INT(read(ack, &b, 1), 1);
+  CHECK_EQ_INT(one_op(impl, &peer, MC_XFER_WRITE, buf, base, 64, &r), 0);
+  CHECK_EQ_INT(r.failed_entries, 1);
+  /* The target dies: a clear error, no crash, no hang. */
+  kill(c.pid, SIGKILL);
+  waitpid(c.pid, NULL, 0);
+  CHECK_EQ_INT(one_op(impl, &peer, MC_XFER_WRITE, buf, base, 64, &r), 0);
+  CHECK_EQ_INT(r.code, MC_EPEERCLOSED);
+  CHECK_CONTAINS(r.msg, "exited");
+  /* First contact with a dead pid: reaches() says why. */
+  CHECK_EQ_INT(mc_cma_transport_ops.reaches(impl, &peer, MC_MEM_HOST, why, sizeof why), 0);
+  CHECK(why[0] != '\0');
+  mc_cma_transport_ops.stop(impl);
+  close(c.cmd);
+  close(ack);
+  munmap(c.shared, c.len);
+}
+
+/* A hello naming a process that is not that engine (pid reused). */
+static void pid_not_the_engine(void) {
+  pid_t p = fork();
+  if (p == 0) {
+    pause();
+    _exit(0);
+  }
+  child_t c = {0};
+  mc_cma_hello_t h;
+  mc_cma_hello_self(&h);
+  h.pid = (uint64_t)p;
+  h.fd = 0;
+  h.addr = 0x1000;
+  h.token = 42;
+  mc_cma_hello_encode(&h, c.hello, sizeof c.hello);
+  mc_transport_env_t env = {.local_name = "initiator", .ctx = &c, .rpc = fake_rpc};
+  void *impl;
+  mc_err_t err;
+  CHECK_EQ_INT(mc_cma_transport_ops.start(&env, &impl, &err), 0);
+  mc_peer_t peer = {.segment = "t:2", .host = "h", .port = 2, .same_host = 1, .pid = p};
+  char why[256] = "";
+  CHECK_EQ_INT(mc_cma_transport_ops.reaches(impl, &peer, MC_MEM_HOST, why, sizeof why), 0);
+  CHECK_CONTAINS(why, "reused");
+  /* Another pid namespace / host: no attempt at all. */
+  h.pidns ^= 1;
+  mc_cma_hello_encode(&h, c.hello, sizeof c.hello);
+  CHECK_EQ_INT(mc_cma_transport_ops.reaches(impl, &peer, MC_MEM_HOST, why, sizeof why), 0);
+  CHECK_CONTAINS(why, "pid namespace");
+  snprintf(c.hello, sizeof c.hello, "off switched off by its owner");
+  CHECK_EQ_INT(mc_cma_transport_ops.reaches(impl, &peer, MC_MEM_HOST, why, sizeof why), 0);
+  CHECK_CONTAINS(why, "switched the same-host CPU path off");
+  peer.same_host = -1;
+  CHECK_EQ_INT(mc_cma_transport_ops.reaches(impl, &peer, MC_MEM_HOST, why, sizeof why), 0);
+  CHECK_CONTAINS(why, "another host");
+  mc_cma_transport_ops.stop(impl);
+  kill(p, SIGKILL);
+  waitpid(p, NULL, 0);
+}
+
+static void switched_off(void) {
+  setenv("MC_SAME_HOST_CPU", "0", 1);
+  mc_transport_env_t env = {.local_name = "x"};
+  void *impl;
+  mc_err_t err;
+  CHECK_EQ_INT(mc_cma_transport_ops.start(&env, &impl, &err), 0);
+  mc_peer_t peer = {.segment = "t:2", .host = "h", .port = 2, .same_host = 1};
+  char why[256] = "";
+  CHECK_EQ_INT(mc_cma_transport_ops.reaches(impl, &peer, MC_MEM_HOST, why, sizeof why), 0);
+  CHECK_CONTAINS(why, "switched off here");
+  char *reply = NULL;
+  CHECK_EQ_INT(mc_cma_transport_ops.serve_rpc(impl, "p", MC_CMA_RPC_HELLO,
+                                              strlen(MC_CMA_RPC_HELLO), &reply, &err),
+               0);
+  CHECK(!strncmp(reply, "off ", 4));
+  free(reply);
+  mc_cma_transport_ops.stop(impl);
+  unsetenv("MC_SAME_HOST_CPU");
+}
+
+int main(void) {
+  RUN(hello_roundtrip);
+  RUN(hello_rejects);
+  RUN(table_pins_block_remove);
+  RUN(table_remove_races_copies);
+  RUN(two_processes);
+  RUN(pid_not_the_engine);
+  RUN(switched_off);
+  TEST_MAIN_END();
+}
