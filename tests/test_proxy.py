@@ -470,3 +470,41 @@ def test_first_token_inside_a_utf8_character_takes_the_seeds_path(vllm_like, pro
     st = get_stats(url)
     assert st["first_token_from_prefill"] == 0
     assert st["first_token_fallbacks"] == {"first token is an incomplete UTF-8 character": 1}
+
+
+def test_dead_prefill_fails_over_to_a_live_one(upstreams, proxy):
+    """A prefill instance that refuses connections: the request goes on to
+    the next one (bounded: each tried once), counted as a failover; the dead
+    one is tried last for a while; in flow a the decode follows the prefill
+    that answered (by index); with every prefill dead, 502 naming them."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    s.close()
+    p = upstreams("p-live")
+    ds = [upstreams("d0"), upstreams("d1")]
+    url = proxy([dead, p.url], [d.url for d in ds], extra=("--prefill-down-s", "30"))
+    for chat in (False, True):
+        for _ in range(2):
+            body = ({"messages": [{"role": "user", "content": "x"}]} if chat
+                    else {"prompt": "x"})
+            path = "/v1/chat/completions" if chat else "/v1/completions"
+            status, out = post(url + path, body)
+            assert status == 200 and out["by"] == "d1", out
+    assert len(p.seen) == 4 and len(ds[0].seen) == 0
+    st = get_stats(url)
+    # Only the first request paid a connection attempt: then the dead one is tried last.
+    assert st["prefill_failovers"] == 1 and st["prefill_errors"] == 1, st
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        assert "mooncake_proxy_prefill_failovers_total 1" in r.read().decode()
+    # Flow b: kv_transfer_params from the live prefill reach the decode.
+    url_b = proxy([dead, p.url], [ds[0].url], flow="b")
+    status, out = post(url_b + "/v1/completions", {"prompt": "x"})
+    assert status == 200 and ds[0].seen[-1]["body"]["kv_transfer_params"]["remote_host"] == "p"
+    assert get_stats(url_b)["prefill_failovers"] == 1
+    # Every prefill dead: a clear 502 naming what was tried, without delay.
+    url_c = proxy([dead, dead.replace("127.0.0.1", "127.0.0.2")], [ds[0].url])
+    t = time.time()
+    status, out = post(url_c + "/v1/completions", {"prompt": "x"})
+    assert status == 502 and "tried every prefill instance" in out["error"]["message"], out
+    assert dead in out["error"]["message"] and time.time() - t < 5
