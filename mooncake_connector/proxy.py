@@ -62,6 +62,7 @@ from mooncake_connector import proxy_first_token as ft
 logger = logging.getLogger("mooncake_connector.proxy")
 
 ROUTES = ("/v1/completions", "/v1/chat/completions")
+KEEPALIVE_S = 4.0
 
 
 def _error(status, message, kind="proxy_error"):
@@ -102,7 +103,7 @@ class Proxy:
         self.log = logger
         self._max_model_len = {}  # decode URL -> max_model_len from its /v1/models
         self.counts = {"requests": 0, "prefill_errors": 0, "prefill_failovers": 0,
-                       "decode_errors": 0,
+                       "prefill_retries": 0, "decode_errors": 0,
                        "first_token_from_prefill": 0, "finished_at_prefill": 0,
                        "stream_errors_after_first_token": 0,
                        "first_token_fallbacks": collections.Counter()}
@@ -115,7 +116,12 @@ class Proxy:
         self.prom = PromCounters()
 
     async def start(self, app):
-        self.session = aiohttp.ClientSession(timeout=self._timeout)
+        # Idle upstream connections are dropped after 4 s, before vLLM's
+        # uvicorn closes its side (5 s, VLLM_HTTP_TIMEOUT_KEEP_ALIVE): else a
+        # request sent on a connection the server is closing gets a reset.
+        self.session = aiohttp.ClientSession(
+            timeout=self._timeout,
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S))
 
     async def stop(self, app):
         await self.session.close()
@@ -198,7 +204,10 @@ class Proxy:
         # 1. prefill
         pre_body = (ft.prefill_body(body, chat, self.flow == "b") if fast
                     else self._prefill_body(body, chat))
-        for attempt, idx in enumerate(order):
+        retried = False
+        attempt = 0
+        while attempt < len(order):
+            idx = order[attempt]
             pre_url = self.prefill[idx]
             try:
                 async with self.session.post(pre_url + request.path, json=pre_body,
@@ -222,6 +231,21 @@ class Proxy:
                 self.counts["prefill_failovers"] += 1
                 logger.warning("prefill %s unreachable for %s (%r): trying %s", pre_url, rid, e,
                                self.prefill[order[attempt + 1]])
+                attempt += 1
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as e:
+                # A kept-alive connection the instance closed or reset (an
+                # idle timeout, a restart, a SIGSTOPped server resuming):
+                # sent once more, once per request (the prefill leg computes
+                # one token; at worst it runs twice, and in flow b the first
+                # run's KV is held until hold_timeout_s).
+                self.counts["prefill_errors"] += 1
+                if retried:
+                    return _error(502, f"prefill instance {pre_url} unreachable: {e!r}",
+                                  "upstream_error")
+                retried = True
+                self.counts["prefill_retries"] += 1
+                logger.warning("prefill %s dropped the connection for %s (%r): once more",
+                               pre_url, rid, e)
             except (aiohttp.ClientError, asyncio.TimeoutError) as e:
                 self.counts["prefill_errors"] += 1
                 return _error(502, f"prefill instance {pre_url} unreachable: {e!r}",
@@ -287,7 +311,9 @@ class Proxy:
                     return resp  # the client left before its first byte
                 try:
                     async for chunk in r.content.iter_any():
-                        await resp.write(chunk)
+                        await ft._write(resp, chunk)
+                except ft.ClientGone:
+                    return resp  # the client left: not the decode instance's failure
                 except (aiohttp.ClientError, asyncio.TimeoutError) as e:
                     # Status 200 is out: end the stream with an error event.
                     self.counts["decode_errors"] += 1
@@ -434,6 +460,8 @@ class PromCounters:
         for key, doc in (("prefill_errors", "Prefill instances that failed or were unreachable"),
                          ("prefill_failovers", "Requests sent on to the next prefill instance "
                           "because one could not be connected to"),
+                         ("prefill_retries", "Prefill legs sent again on a new connection "
+                          "after the instance dropped a kept-alive one"),
                          ("decode_errors", "Decode instances that failed or were unreachable"),
                          ("stream_errors_after_first_token",
                           "Streams that failed after their first token"),
