@@ -103,7 +103,7 @@ class Proxy:
         self.log = logger
         self._max_model_len = {}  # decode URL -> max_model_len from its /v1/models
         self.counts = {"requests": 0, "prefill_errors": 0, "prefill_failovers": 0,
-                       "prefill_retries": 0, "decode_errors": 0,
+                       "prefill_retries": 0, "decode_retries": 0, "decode_errors": 0,
                        "first_token_from_prefill": 0, "finished_at_prefill": 0,
                        "stream_errors_after_first_token": 0,
                        "first_token_fallbacks": collections.Counter()}
@@ -173,6 +173,20 @@ class Proxy:
         now = time.monotonic()
         up = [i for i in order if self._down_until.get(self.prefill[i], 0.0) <= now]
         return up + [i for i in order if i not in up]
+
+    async def post_once_more(self, url, rid, counter, **kw):
+        """self.session.post (awaited: the answer's head is in), sent once
+        more when the instance drops or resets the connection before
+        answering: a kept-alive connection it was closing (an idle timeout,
+        a SIGSTOPped server resuming).  counter: the count of such resends."""
+        try:
+            return await self.session.post(url, **kw)
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as e:
+            if isinstance(e, aiohttp.ClientConnectorError):
+                raise
+            self.counts[counter] += 1
+            logger.warning("%s dropped the connection for %s (%r): once more", url, rid, e)
+        return await self.session.post(url, **kw)
 
     def _fallback(self, reason, rid):
         self.counts["first_token_fallbacks"][reason] += 1
@@ -291,9 +305,10 @@ class Proxy:
         """Sends body to url and relays its answer (streamed through when
         the request streams)."""
         try:
-            async with self.session.post(url + request.path, json=body, headers=headers,
-                                         timeout=self.stream_timeout if body.get("stream")
-                                         else self._timeout) as r:
+            r = await self.post_once_more(
+                url + request.path, rid, "decode_retries", json=body, headers=headers,
+                timeout=self.stream_timeout if body.get("stream") else self._timeout)
+            async with r:
                 if r.status != 200:
                     self.counts["decode_errors"] += 1
                     logger.warning("%s %s answered %d for %s", role, url, r.status, rid)
@@ -460,8 +475,10 @@ class PromCounters:
         for key, doc in (("prefill_errors", "Prefill instances that failed or were unreachable"),
                          ("prefill_failovers", "Requests sent on to the next prefill instance "
                           "because one could not be connected to"),
-                         ("prefill_retries", "Prefill legs sent again on a new connection "
-                          "after the instance dropped a kept-alive one"),
+                         ("prefill_retries", "Prefill legs sent once more after the instance "
+                          "dropped or reset the connection"),
+                         ("decode_retries", "Decode legs sent once more after the instance "
+                          "dropped or reset the connection before answering"),
                          ("decode_errors", "Decode instances that failed or were unreachable"),
                          ("stream_errors_after_first_token",
                           "Streams that failed after their first token"),

@@ -603,3 +603,20 @@ def test_client_leaving_a_relayed_stream_is_not_a_decode_error(upstreams, proxy)
         assert st["decode_errors"] == 0, st
     finally:
         d.close()
+
+
+def test_decode_connection_reset_is_sent_once_more(upstreams, proxy):
+    """The decode leg, reset before any answer (a SIGSTOPped decode server
+    resuming closes its idle kept-alive connections: 8 502s in the 30-minute
+    soak), is sent once more and counted."""
+    p, d = upstreams("prefill"), ResetOnce()
+    try:
+        url = proxy([p.url], [d.url])
+        status, out = post(url + "/v1/completions", {"prompt": "x"})
+        assert status == 200 and out["choices"][0]["text"] == "p", out
+        st = get_stats(url)
+        assert st["decode_retries"] == 1 and d.requests == 2, (st, d.requests)
+        with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+            assert "mooncake_proxy_decode_retries_total 1" in r.read().decode()
+    finally:
+        d.close()
