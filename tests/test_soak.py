@@ -1,6 +1,7 @@
 """The chaos soak in CI, two ways.
 
-test_short_soak_on_the_session_servers (default CI, ~2.5 min): the e2e
+test_short_soak_on_the_session_servers (default CI; 175 s and 208 s
+measured on the shared VM, of which waiting for the drain 46 and 86 s): the e2e
 session's servers (tests/e2e_fixtures.py: one prefill, one decode, the
 colocated reference, proxies for flow a and flow b; already started for the
 other e2e tests, so this costs only its own load) get benchmarks/soak.py's
@@ -144,7 +145,7 @@ def test_short_soak_on_the_session_servers(deployment, tmp_path):
     assert moved > 0, (before["decode"], after["decode"])
     assert any(k.startswith("vllm:mooncake_recomputes_total{") for k in after["decode"])
     # RSS: reported (-s, and the JSON); 2 minutes cannot tell a warm-up from a
-    # slow leak (a fresh server grew 45-67 MiB/min here), so only a gross leak
+    # slow leak (fresh servers grew 35-155 MiB/min here), so only a gross leak
     # fails (the 30-minute soak judges the trend: benchmarks/README.md).
     for n, sl in rss.items():
         assert sl is None or sl < 250, (n, sl, report)
