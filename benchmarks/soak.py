@@ -82,7 +82,7 @@ class Net:
 
     def __init__(self, tag, enabled=True):
         self.enabled = enabled
-        self.ns = f"mcsoak{tag}"
+        self.ns = f"soakh-{tag}"
         self.veth, self.peer = f"mcsk{tag}h", f"mcsk{tag}n"
         octet = 16 + os.getpid() % 200
         self.host_ip, self.ns_ip = f"10.219.{octet}.1", f"10.219.{octet}.2"
@@ -876,12 +876,22 @@ def main(argv=None):
         results["final"] = {n: rows[n] for n in rows}
         results["rss_slope_mib_per_min"] = {
             n: rss_slope(mon.samples, n, t_load_end / 2, t_load_end) for n in cluster.servers}
+        # Warm-up or leak: the slope in each quarter of the load (a warm-up
+        # flattens, a leak does not), and the samples themselves.
+        t_first = min((x["t"] for x in mon.samples), default=0.0)
+        results["rss_slope_by_quarter"] = {
+            n: [rss_slope(mon.samples, n, max(t_first, q * t_load_end / 4),
+                          (q + 1) * t_load_end / 4) for q in range(4)]
+            for n in cluster.servers}
+        results["rss_samples"] = [[x["t"], x["server"], x["pid"],
+                                   round(x["rss"] / 2**20, 1)]
+                                  for x in mon.samples if x["rss"]]
         results["connector"] = {n: {k: v for k, v in (scrape(s.url) or {}).items()
                                     if k.startswith("vllm:mooncake_") and "bucket" not in k}
                                 for n, s in cluster.servers.items()}
         results["proxy_metrics"] = {f: {k: v for k, v in (scrape(p.url) or {}).items()
                                         if k.startswith("mooncake_proxy_responses")
-                                        or k.endswith("_errors_total")}
+                                        or k.endswith(("_errors_total", "_failovers_total"))}
                                     for f, p in cluster.proxies.items()}
         s = results["summary"]
         v = results["violations"]

@@ -22,6 +22,15 @@ other than 200 is returned with its status and body, an unreachable instance
 gives 502 naming it, and a client's Authorization header is passed through
 (else $OPENAI_API_KEY, if set).
 
+Prefill failover: a prefill instance that cannot be connected to (refused,
+or no connection within 10 s; nothing was sent, so nothing is held there)
+is marked down for --prefill-down-s seconds and the request goes to the
+next instance, each instance tried at most once per request; instances
+marked down are tried last.  Counted in /stats and /metrics
+(prefill_failovers).  In flow a, with as many decode as prefill instances,
+the decode instance follows the prefill's index (the round robins pair
+them: each decode's mooncake.json names its prefill), so the KV is found.
+
 First token from prefill (default for streamed requests; --first-token
 decode turns it off): the client gets the prefill's token as the first
 chunk at once and the decode instance continues from it
@@ -53,6 +62,7 @@ from mooncake_connector import proxy_first_token as ft
 logger = logging.getLogger("mooncake_connector.proxy")
 
 ROUTES = ("/v1/completions", "/v1/chat/completions")
+KEEPALIVE_S = 4.0
 
 
 def _error(status, message, kind="proxy_error"):
@@ -62,7 +72,8 @@ def _error(status, message, kind="proxy_error"):
 
 class Proxy:
     def __init__(self, prefill=(), decode=(), flow="a", timeout=6 * 3600, api_key=None,
-                 first_token="prefill", passthrough=(), idle_timeout=300.0):
+                 first_token="prefill", passthrough=(), idle_timeout=300.0,
+                 prefill_down_s=5.0):
         self.passthrough = [u.rstrip("/") for u in passthrough]
         if self.passthrough and (prefill or decode):
             raise ValueError("--passthrough takes no --prefill/--decode")
@@ -76,7 +87,9 @@ class Proxy:
         self.flow = flow
         self.first_token = first_token
         self.api_key = api_key
-        self._p = itertools.cycle(self.prefill)
+        self._p = itertools.cycle(range(len(self.prefill)))
+        self.prefill_down_s = float(prefill_down_s)
+        self._down_until = {}  # prefill URL -> time.monotonic() it is tried first again
         self._d = itertools.cycle(self.decode)
         # idle_timeout: a streamed upstream answer that sends nothing for this
         # long (a stalled stream, a request stuck in a queue) fails the
@@ -89,7 +102,8 @@ class Proxy:
         self.session = None
         self.log = logger
         self._max_model_len = {}  # decode URL -> max_model_len from its /v1/models
-        self.counts = {"requests": 0, "prefill_errors": 0, "decode_errors": 0,
+        self.counts = {"requests": 0, "prefill_errors": 0, "prefill_failovers": 0,
+                       "prefill_retries": 0, "decode_retries": 0, "decode_errors": 0,
                        "first_token_from_prefill": 0, "finished_at_prefill": 0,
                        "stream_errors_after_first_token": 0,
                        "first_token_fallbacks": collections.Counter()}
@@ -102,7 +116,12 @@ class Proxy:
         self.prom = PromCounters()
 
     async def start(self, app):
-        self.session = aiohttp.ClientSession(timeout=self._timeout)
+        # Idle upstream connections are dropped after 4 s, before vLLM's
+        # uvicorn closes its side (5 s, VLLM_HTTP_TIMEOUT_KEEP_ALIVE): else a
+        # request sent on a connection the server is closing gets a reset.
+        self.session = aiohttp.ClientSession(
+            timeout=self._timeout,
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S))
 
     async def stop(self, app):
         await self.session.close()
@@ -144,6 +163,31 @@ class Proxy:
                 return None
         return self._max_model_len[url]
 
+    def _prefill_order(self):
+        """This request's prefill instance indexes in the order to try: the
+        round robin's pick, then the others in turn; those marked down go
+        last (still tried: all may be back)."""
+        first = next(self._p)
+        n = len(self.prefill)
+        order = [(first + k) % n for k in range(n)]
+        now = time.monotonic()
+        up = [i for i in order if self._down_until.get(self.prefill[i], 0.0) <= now]
+        return up + [i for i in order if i not in up]
+
+    async def post_once_more(self, url, rid, counter, **kw):
+        """self.session.post (awaited: the answer's head is in), sent once
+        more when the instance drops or resets the connection before
+        answering: a kept-alive connection it was closing (an idle timeout,
+        a SIGSTOPped server resuming).  counter: the count of such resends."""
+        try:
+            return await self.session.post(url, **kw)
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as e:
+            if isinstance(e, aiohttp.ClientConnectorError):
+                raise
+            self.counts[counter] += 1
+            logger.warning("%s dropped the connection for %s (%r): once more", url, rid, e)
+        return await self.session.post(url, **kw)
+
     def _fallback(self, reason, rid):
         self.counts["first_token_fallbacks"][reason] += 1
         logger.info("request %s: first token from decode: %s", rid, reason)
@@ -162,7 +206,8 @@ class Proxy:
         headers = self._headers(request, rid)
         if self.passthrough:
             return await self._relay(request, next(self._d), body, headers, rid)
-        pre_url, dec_url = next(self._p), next(self._d)
+        order, dec_url = self._prefill_order(), next(self._d)
+        pre_url = self.prefill[order[0]]
         fast = None
         if body.get("stream") and self.first_token == "prefill":
             fast = ft.refusal(body, chat)
@@ -173,18 +218,56 @@ class Proxy:
         # 1. prefill
         pre_body = (ft.prefill_body(body, chat, self.flow == "b") if fast
                     else self._prefill_body(body, chat))
-        try:
-            async with self.session.post(pre_url + request.path, json=pre_body,
-                                         headers=headers) as r:
-                pre_text = await r.read()
-                if r.status != 200:
-                    self.counts["prefill_errors"] += 1
-                    logger.warning("prefill %s answered %d for %s", pre_url, r.status, rid)
-                    return web.Response(status=r.status, body=pre_text,
-                                        content_type=r.content_type or "application/json")
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-            self.counts["prefill_errors"] += 1
-            return _error(502, f"prefill instance {pre_url} unreachable: {e!r}", "upstream_error")
+        retried = False
+        attempt = 0
+        while attempt < len(order):
+            idx = order[attempt]
+            pre_url = self.prefill[idx]
+            try:
+                async with self.session.post(pre_url + request.path, json=pre_body,
+                                             headers=headers) as r:
+                    pre_text = await r.read()
+                    if r.status != 200:
+                        self.counts["prefill_errors"] += 1
+                        logger.warning("prefill %s answered %d for %s", pre_url, r.status, rid)
+                        return web.Response(status=r.status, body=pre_text,
+                                            content_type=r.content_type or "application/json")
+                self._down_until.pop(pre_url, None)
+                break
+            except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as e:
+                # Not connected: nothing was sent, the next instance may take it.
+                self.counts["prefill_errors"] += 1
+                self._down_until[pre_url] = time.monotonic() + self.prefill_down_s
+                if attempt + 1 == len(order):
+                    tried = ", ".join(self.prefill[i] for i in order)
+                    return _error(502, f"prefill instance {pre_url} unreachable: {e!r} (tried "
+                                  f"every prefill instance: {tried})", "upstream_error")
+                self.counts["prefill_failovers"] += 1
+                logger.warning("prefill %s unreachable for %s (%r): trying %s", pre_url, rid, e,
+                               self.prefill[order[attempt + 1]])
+                attempt += 1
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as e:
+                # A kept-alive connection the instance closed or reset (an
+                # idle timeout, a restart, a SIGSTOPped server resuming):
+                # sent once more, once per request (the prefill leg computes
+                # one token; at worst it runs twice, and in flow b the first
+                # run's KV is held until hold_timeout_s).
+                self.counts["prefill_errors"] += 1
+                if retried:
+                    return _error(502, f"prefill instance {pre_url} unreachable: {e!r}",
+                                  "upstream_error")
+                retried = True
+                self.counts["prefill_retries"] += 1
+                logger.warning("prefill %s dropped the connection for %s (%r): once more",
+                               pre_url, rid, e)
+            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                self.counts["prefill_errors"] += 1
+                return _error(502, f"prefill instance {pre_url} unreachable: {e!r}",
+                              "upstream_error")
+        if self.flow == "a" and len(self.decode) == len(self.prefill):
+            # Flow a: the decode paired with this prefill by index (what the two
+            # round robins give anyway, and after a failover still the pair).
+            dec_url = self.decode[idx]
         try:
             pre = json.loads(pre_text)
         except ValueError:
@@ -222,9 +305,10 @@ class Proxy:
         """Sends body to url and relays its answer (streamed through when
         the request streams)."""
         try:
-            async with self.session.post(url + request.path, json=body, headers=headers,
-                                         timeout=self.stream_timeout if body.get("stream")
-                                         else self._timeout) as r:
+            r = await self.post_once_more(
+                url + request.path, rid, "decode_retries", json=body, headers=headers,
+                timeout=self.stream_timeout if body.get("stream") else self._timeout)
+            async with r:
                 if r.status != 200:
                     self.counts["decode_errors"] += 1
                     logger.warning("%s %s answered %d for %s", role, url, r.status, rid)
@@ -242,7 +326,9 @@ class Proxy:
                     return resp  # the client left before its first byte
                 try:
                     async for chunk in r.content.iter_any():
-                        await resp.write(chunk)
+                        await ft._write(resp, chunk)
+                except ft.ClientGone:
+                    return resp  # the client left: not the decode instance's failure
                 except (aiohttp.ClientError, asyncio.TimeoutError) as e:
                     # Status 200 is out: end the stream with an error event.
                     self.counts["decode_errors"] += 1
@@ -387,6 +473,12 @@ class PromCounters:
                [((("route", r), ("status", str(st))), n)
                 for (r, st), n in sorted(self.answers.items())])
         for key, doc in (("prefill_errors", "Prefill instances that failed or were unreachable"),
+                         ("prefill_failovers", "Requests sent on to the next prefill instance "
+                          "because one could not be connected to"),
+                         ("prefill_retries", "Prefill legs sent once more after the instance "
+                          "dropped or reset the connection"),
+                         ("decode_retries", "Decode legs sent once more after the instance "
+                          "dropped or reset the connection before answering"),
                          ("decode_errors", "Decode instances that failed or were unreachable"),
                          ("stream_errors_after_first_token",
                           "Streams that failed after their first token"),
@@ -450,6 +542,9 @@ def main(argv=None):
     ap.add_argument("--idle-timeout", type=float, default=300.0,
                     help="end a streamed request whose upstream sends nothing for this long, s "
                          "(a stalled stream ends with an error event; 0 = never)")
+    ap.add_argument("--prefill-down-s", type=float, default=5.0,
+                    help="a prefill instance that could not be connected to is tried after "
+                         "the others for this long, s (each request still tries every one)")
     args = ap.parse_args(argv)
     if args.passthrough and (args.prefill or args.decode):
         ap.error("--passthrough relays to one upstream; it takes no --prefill/--decode")
@@ -459,11 +554,11 @@ def main(argv=None):
         if not u.startswith(("http://", "https://")):
             ap.error(f"{u!r} is not a URL; write http://host:port")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    if args.idle_timeout < 0 or args.timeout <= 0:
-        ap.error("--timeout must be > 0 and --idle-timeout >= 0 (seconds)")
+    if args.idle_timeout < 0 or args.timeout <= 0 or args.prefill_down_s < 0:
+        ap.error("--timeout must be > 0, --idle-timeout and --prefill-down-s >= 0 (seconds)")
     proxy = Proxy(args.prefill, args.decode, args.flow, args.timeout,
                   os.environ.get("OPENAI_API_KEY"), args.first_token, args.passthrough,
-                  args.idle_timeout)
+                  args.idle_timeout, args.prefill_down_s)
     run_loop, loop_name = _event_loop(args.loop)
 
     async def run():

@@ -335,8 +335,10 @@ async def _eof(resp):
 async def _relay_decode(proxy, resp, plan, dec_url, headers):
     """Relays the decode leg's SSE events; returns an error message or None."""
     where = f"decode instance {dec_url}"
-    async with proxy.session.post(dec_url + "/v1/completions", json=plan.decode,
-                                  headers=headers, timeout=proxy.stream_timeout) as r:
+    r = await proxy.post_once_more(dec_url + "/v1/completions", headers.get("X-Request-Id"),
+                                   "decode_retries", json=plan.decode, headers=headers,
+                                   timeout=proxy.stream_timeout)
+    async with r:
         if r.status != 200:
             text = (await r.read()).decode("utf-8", "replace")
             try:

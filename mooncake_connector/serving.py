@@ -10,6 +10,7 @@ worker processes) and waits for it.
 import ctypes
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -46,6 +47,25 @@ class StartError(RuntimeError):
 
 
 def free_port():
+    """A port free now on 127.0.0.1: the kernel's pick, or with MC_PORT_RANGE
+    (`LO-HI`, e.g. 43000-45999: several people sharing one host) a random
+    free one in that range."""
+    rng = os.environ.get("MC_PORT_RANGE")
+    if rng:
+        try:
+            lo, hi = (int(x) for x in rng.split("-"))
+            if not 0 < lo <= hi < 65536:
+                raise ValueError
+        except ValueError:
+            raise ValueError(f"MC_PORT_RANGE={rng!r}: expected LO-HI, e.g. 43000-45999") from None
+        for port in random.sample(range(lo, hi + 1), min(hi - lo + 1, 2000)):
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+                return port
+        raise RuntimeError(f"MC_PORT_RANGE={rng}: no free port in it")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -470,3 +470,153 @@ def test_first_token_inside_a_utf8_character_takes_the_seeds_path(vllm_like, pro
     st = get_stats(url)
     assert st["first_token_from_prefill"] == 0
     assert st["first_token_fallbacks"] == {"first token is an incomplete UTF-8 character": 1}
+
+
+def test_dead_prefill_fails_over_to_a_live_one(upstreams, proxy):
+    """A prefill instance that refuses connections: the request goes on to
+    the next one (bounded: each tried once), counted as a failover; the dead
+    one is tried last for a while; in flow a the decode follows the prefill
+    that answered (by index); with every prefill dead, 502 naming them."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    s.close()
+    p = upstreams("p-live")
+    ds = [upstreams("d0"), upstreams("d1")]
+    url = proxy([dead, p.url], [d.url for d in ds], extra=("--prefill-down-s", "30"))
+    for chat in (False, True):
+        for _ in range(2):
+            body = ({"messages": [{"role": "user", "content": "x"}]} if chat
+                    else {"prompt": "x"})
+            path = "/v1/chat/completions" if chat else "/v1/completions"
+            status, out = post(url + path, body)
+            assert status == 200 and out["by"] == "d1", out
+    assert len(p.seen) == 4 and len(ds[0].seen) == 0
+    st = get_stats(url)
+    # Only the first request paid a connection attempt: then the dead one is tried last.
+    assert st["prefill_failovers"] == 1 and st["prefill_errors"] == 1, st
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        assert "mooncake_proxy_prefill_failovers_total 1" in r.read().decode()
+    # Flow b: kv_transfer_params from the live prefill reach the decode.
+    url_b = proxy([dead, p.url], [ds[0].url], flow="b")
+    status, out = post(url_b + "/v1/completions", {"prompt": "x"})
+    assert status == 200 and ds[0].seen[-1]["body"]["kv_transfer_params"]["remote_host"] == "p"
+    assert get_stats(url_b)["prefill_failovers"] == 1
+    # Every prefill dead: a clear 502 naming what was tried, without delay.
+    url_c = proxy([dead, dead.replace("127.0.0.1", "127.0.0.2")], [ds[0].url])
+    t = time.time()
+    status, out = post(url_c + "/v1/completions", {"prompt": "x"})
+    assert status == 502 and "tried every prefill instance" in out["error"]["message"], out
+    assert dead in out["error"]["message"] and time.time() - t < 5
+
+
+class ResetOnce:
+    """A prefill stand-in on a raw socket: it resets the first request's
+    connection (what a kept-alive connection closed by the server meets),
+    then answers each request with a small completion."""
+
+    def __init__(self):
+        import threading
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.requests = 0
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self):
+        import struct
+        while True:
+            try:
+                c, _ = self.sock.accept()
+            except OSError:
+                return
+            data = b""
+            while b"\r\n\r\n" not in data:
+                chunk = c.recv(65536)
+                if not chunk:
+                    break
+                data += chunk
+            self.requests += 1
+            if self.requests == 1:
+                c.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                c.close()  # RST
+                continue
+            body = b'{"choices": [{"text": "p"}]}'
+            c.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: "
+                      + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n" + body)
+            c.close()
+
+    def close(self):
+        self.sock.close()
+
+
+def test_prefill_connection_reset_is_sent_once_more(upstreams, proxy):
+    """A reset prefill leg (a kept-alive connection the server dropped: the
+    soak's SIGSTOPped prefill resuming closed them all) is sent once more and
+    counted, instead of a 502."""
+    p, d = ResetOnce(), upstreams("decode")
+    try:
+        url = proxy([p.url], [d.url])
+        status, out = post(url + "/v1/completions", {"prompt": "x"})
+        assert status == 200 and out["by"] == "decode", out
+        st = get_stats(url)
+        assert st["prefill_retries"] == 1 and p.requests == 2, (st, p.requests)
+    finally:
+        p.close()
+
+
+def test_client_leaving_a_relayed_stream_is_not_a_decode_error(upstreams, proxy):
+    """A client that disconnects from a stream relayed from decode (the
+    seed's path) ends that request quietly: no decode error is counted and
+    no error blames the decode instance (the soak's logs had one per
+    client disconnect)."""
+    import asyncio as aio
+
+    class Slow(AppThread):
+        def __init__(self):
+            async def complete(request):
+                await request.json()
+                resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+                await resp.prepare(request)
+                for i in range(100):
+                    await resp.write(f"data: {json.dumps({'n': i})}\n\n".encode())
+                    await aio.sleep(0.02)
+                await resp.write(b"data: [DONE]\n\n")
+                return resp
+            super().__init__([("POST", "/v1/completions", complete)])
+
+    p, d = upstreams("prefill"), Slow()
+    try:
+        url = proxy([p.url], [d.url], extra=("--first-token", "decode"))
+        host, port = url.rsplit("/", 1)[-1].split(":")
+        for _ in range(3):
+            s = socket.create_connection((host, int(port)))
+            body = json.dumps({"prompt": "x", "stream": True}).encode()
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                      b"application/json\r\nContent-Length: " + str(len(body)).encode()
+                      + b"\r\n\r\n" + body)
+            assert b"data:" in s.recv(65536) or b"data:" in s.recv(65536)
+            s.close()
+        time.sleep(3)  # the relay meets the closed client on its next writes
+        st = get_stats(url)
+        assert st["decode_errors"] == 0, st
+    finally:
+        d.close()
+
+
+def test_decode_connection_reset_is_sent_once_more(upstreams, proxy):
+    """The decode leg, reset before any answer (a SIGSTOPped decode server
+    resuming closes its idle kept-alive connections: 8 502s in the 30-minute
+    soak), is sent once more and counted."""
+    p, d = upstreams("prefill"), ResetOnce()
+    try:
+        url = proxy([p.url], [d.url])
+        status, out = post(url + "/v1/completions", {"prompt": "x"})
+        assert status == 200 and out["choices"][0]["text"] == "p", out
+        st = get_stats(url)
+        assert st["decode_retries"] == 1 and d.requests == 2, (st, d.requests)
+        with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+            assert "mooncake_proxy_decode_retries_total 1" in r.read().decode()
+    finally:
+        d.close()

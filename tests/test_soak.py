@@ -1,17 +1,31 @@
-"""The chaos soak's short version (benchmarks/soak.py --ci): etcd, two
-prefill and two decode vLLM servers, both proxies, many clients for ~2
-minutes while every fault happens once (prefill SIGKILL + restart, decode
-SIGSTOP/SIGCONT, etcd restart, and with root: a cut link and netem
-loss/delay between prefill and decode).  Asserts the soak's invariants from
-its JSON: no hung request, no wrong output, no truncated 200, every error
-explained, KV and held bytes back at baseline, no RSS trend; and that the
-connector's and the proxy's Prometheus metrics were scraped from the real
-servers.
+"""The chaos soak in CI, two ways.
 
-CI cost: ~2 min of load plus the servers' start (four vLLM servers at once:
-2-4 min on an idle 2-core host, 11-15 min on the shared development VM) and
-P1's restart (overlaps the load when the host is not overloaded), ~6-9 min
-in all on an idle CI host."""
+test_short_soak_on_the_session_servers (default CI; 175 s and 208 s
+measured on the shared VM, of which waiting for the drain 46 and 86 s): the e2e
+session's servers (tests/e2e_fixtures.py: one prefill, one decode, the
+colocated reference, proxies for flow a and flow b; already started for the
+other e2e tests, so this costs only its own load) get benchmarks/soak.py's
+clients for 120 s -- shared prefixes, mixed lengths, completions and chat,
+streamed or not, greedy, ~10 % of streams disconnecting after their first
+chunk, ~7 % aborting -- while the cheap faults happen: the decode server
+SIGSTOPped for 5 s and the prefill server SIGSTOPped for 5 s (a producer
+that stops answering: the stand-in for a cut link here; the real link cut,
+loss/delay, etcd restart and prefill SIGKILL+restart need a network
+namespace, etcd and a vLLM restart: the opt-in version below and the
+30-minute soak).  It asserts the issue's invariants: every request ends
+within BOUND_S, complete or with a clear error status; every complete
+answer equals the colocated server's; no 200 with a truncated body; after
+the load, both servers' running/waiting requests, vLLM KV usage, our held
+bytes, the producer's lookup entries and loads in flight back at their
+baseline within hold_timeout_s (+30 s); KV really moved; RSS slope reported
+(a gross leak fails).  Last of the e2e modules that use the session servers
+(alphabetical): a stopped server is always continued.
+
+test_invariants_hold & co. (MC_SOAK=1, opt-in): benchmarks/soak.py --ci, its
+own etcd, two prefill servers in a network namespace and two decode
+servers, every fault kind once.  Cost: four vLLM servers' start (2-4 min on
+an idle 2-core host, 11-15 min on the shared development VM) plus ~2 min
+of load and P1's restart: too dear for default CI."""
 import json
 import os
 import subprocess
@@ -23,6 +37,118 @@ from e2e_fixtures import have_vllm
 
 pytestmark = pytest.mark.e2e
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+BOUND_S = 90.0        # the stated bound: no request may take longer (hung)
+LOAD_S = 120.0
+HOLD_TIMEOUT_S = 120.0  # the session servers' hold_timeout_s (the default)
+
+
+def _load_soak_module():
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import soak as soak_mod
+    finally:
+        sys.path.pop(0)
+    return soak_mod
+
+
+def test_short_soak_on_the_session_servers(deployment, tmp_path):
+    import asyncio
+    import signal
+    import threading
+    import time
+    import types
+
+    from mooncake_connector import serving
+
+    sk = _load_soak_module()
+    dep = deployment
+    if dep.connector != "mooncake":
+        pytest.skip("the soak's connector invariants (held bytes, lookup entries) are ours")
+    servers = {"prefill": dep.prefill, "decode": dep.decode}
+    assert all(s.alive for s in servers.values()), "a session server is down before the soak"
+    pool = sk.make_pool(7, 3, 4, 160)           # 12 prompts, 3 shared prefixes (0-160 words)
+    refs = asyncio.run(sk.references(dep.colocated.url, pool))
+    args = types.SimpleNamespace(clients=6, think_s=0.3, disconnect_frac=0.1, abort_frac=0.07,
+                                 bound_s=BOUND_S, seed=3, json=None)
+    t0 = time.monotonic()
+    mon = sk.Monitor(types.SimpleNamespace(servers=servers), t0)
+    base = mon.sample()
+    before = {n: sk.scrape(s.url) or {} for n, s in servers.items()}
+    mon.start()
+    faults, stop = [], threading.Event()
+
+    def inject():
+        # (start s, server, seconds stopped): decode, prefill, decode, prefill
+        for at, name, secs in ((10, "decode", 5), (40, "prefill", 5), (70, "decode", 5),
+                               (100, "prefill", 5)):
+            if stop.wait(max(0.0, at - (time.monotonic() - t0))):
+                return
+            pid = servers[name].proc.pid
+            serving._killpg(pid, signal.SIGSTOP)
+            try:
+                time.sleep(secs)
+            finally:
+                serving._killpg(pid, signal.SIGCONT)
+            faults.append((at, name, secs))
+
+    th = threading.Thread(target=inject, daemon=True)
+    th.start()
+    load = sk.Load({f: dep.proxies[f].url for f in ("a", "b")}, pool, refs, args, t0)
+    try:
+        asyncio.run(load.run(LOAD_S, lambda: None))
+    finally:
+        stop.set()
+        th.join(timeout=30)
+        for s in servers.values():
+            serving._killpg(s.proc.pid, signal.SIGCONT)
+    t_load = time.monotonic() - t0
+    # Back at the baseline within hold_timeout_s (+ margin) of the load's end.
+    deadline, left = time.monotonic() + HOLD_TIMEOUT_S + 30, None
+    while True:
+        rows = mon.sample()
+        left = {n: sk.at_baseline(rows[n], base[n]) for n in rows}
+        left = {n: v for n, v in left.items() if v}
+        missing = [n for n, r in rows.items() if r.get("vllm:kv_cache_usage_perc") is None]
+        if (not left and not missing) or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    drain_s = time.monotonic() - t0 - t_load
+    mon.stop_evt.set()
+    mon.join(timeout=10)
+    after = {n: sk.scrape(s.url) or {} for n, s in servers.items()}
+    summ = sk.summarize(load, t_load)
+    rss = {n: sk.rss_slope(mon.samples, n, min(x["t"] for x in mon.samples), t_load)
+           for n in servers}
+    report = {"summary": summ, "faults": faults, "drain_s": round(drain_s, 1),
+              "rss_slope_mib_per_min": rss, "load_s": round(t_load, 1),
+              "examples": [r for r in load.records
+                           if r["outcome"] in ("wrong", "truncated", "hung", "unclear")][:10]}
+    (tmp_path / "short-soak.json").write_text(json.dumps(report, indent=1))
+    print(f"\nshort soak: {json.dumps(report)}")
+
+    assert len(faults) == 4, faults
+    assert summ["hung"] == 0 and summ["max_request_s"] < BOUND_S, report
+    assert summ["wrong"] == 0 and summ["truncated"] == 0 and summ["unclear"] == 0, report
+    assert summ["ok"] >= 30, report
+    for f in ("a", "b"):
+        assert summ["by_flow"][f]["ok"] > 0, report
+    assert not missing and not left, (f"not back at baseline {HOLD_TIMEOUT_S + 30:g} s after "
+                                      f"the load: {left or missing}", report)
+    assert after["prefill"].get("vllm:mooncake_lookup_entries", 0) == 0, after["prefill"]
+    assert after["prefill"].get("vllm:mooncake_held_bytes", 0) == 0, after["prefill"]
+    # KV really moved during the soak (not all recomputed), and the decode
+    # side's recomputes are exported by reason.
+    moved = (after["decode"].get("vllm:mooncake_loads_total", 0)
+             - before["decode"].get("vllm:mooncake_loads_total", 0))
+    assert moved > 0, (before["decode"], after["decode"])
+    assert any(k.startswith("vllm:mooncake_recomputes_total{") for k in after["decode"])
+    # RSS: reported (-s, and the JSON); 2 minutes cannot tell a warm-up from a
+    # slow leak (fresh servers grew 35-155 MiB/min here), so only a gross leak
+    # fails (the 30-minute soak judges the trend: benchmarks/README.md).
+    for n, sl in rss.items():
+        assert sl is None or sl < 250, (n, sl, report)
 
 
 @pytest.fixture(scope="module")
