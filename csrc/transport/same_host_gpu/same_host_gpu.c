@@ -591,6 +591,7 @@ static void shg_submit_plan(void *impl, void *plan, mc_xfer_op_t **ops, size_t n
   for (size_t o = 0; o < nops; o++) {
     mc_gpu_job_t *jobs[16];
     size_t nj = 0;
+    atomic_int *cancel = ops[o]->cancel; /* the op may be done once its jobs are queued */
     group_t *g = op_prepare(run, ops[o], jobs, &nj);
     if (!g)
       continue;
@@ -619,7 +620,7 @@ static void shg_submit_plan(void *impl, void *plan, mc_xfer_op_t **ops, size_t n
     for (size_t i = 0; i < nj; i++)
       mc_gpu_stager_submit(t->gpu, jobs[i]);
     if (send)
-      send_check(t, run, ops[o]->cancel);
+      send_check(t, run, cancel);
   }
   call_unref(run); /* the plan's */
 }
