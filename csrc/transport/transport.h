@@ -92,7 +92,7 @@ typedef enum mc_mem_kind { MC_MEM_HOST = 0, MC_MEM_CUDA = 1, MC_MEM_KINDS } mc_m
  * within a memory kind (see the table above). */
 typedef enum mc_transport_id {
   MC_TRANSPORT_SAME_HOST_CPU = 0, /* slot for the same-host CPU transport */
-  MC_TRANSPORT_SAME_HOST_GPU,
+  MC_TRANSPORT_SAME_HOST_GPU, /* transport/same_host_gpu/ (CUDA IPC) */
   MC_TRANSPORT_RDMA,
   MC_TRANSPORT_TCP,
   MC_TRANSPORT_COUNT
