@@ -236,10 +236,18 @@ static int batch_finished(void *arg) {
 
 static int submit(mc_engine_t *e, mc_batch_t *b, const char *segment,
                   const mc_request_t *reqs, size_t n, int poll, mc_err_t *err);
+/* What a planning transport (transport.h: plan) took of one chunk. */
+typedef struct planned {
+  int slot;            /* its slot, -1: none */
+  void *plan;          /* its plan, NULL: it took nothing */
+  const char *take;    /* per request of the chunk */
+  const mc_xfer_ent_t *ents; /* per request of the chunk (remote rewritten) */
+} planned_t;
+
 static int submit_planned(mc_engine_t *e, mc_batch_t *b, const char *segment,
                           const mc_segment_desc_t *dp, int local, const mc_request_t *reqs,
-                          size_t n, int poll, const int *ldev, const char *via_ipc,
-                          mc_gpu_plan_t *plan, mc_err_t *err);
+                          size_t n, int poll, const int *ldev, const planned_t *pl,
+                          mc_err_t *err);
 
 int mc_batch_submit(mc_engine_t *e, mc_batch_t *b, const char *segment,
                     const mc_request_t *reqs, size_t n, mc_err_t *err) {
@@ -281,13 +289,10 @@ static int submit(mc_engine_t *e, mc_batch_t *b, const char *segment,
       return rc;
   }
   /* GPU memory: where the local buffers live (no CUDA call at all unless
-   * this process has loaded CUDA), and which requests can take the
-   * same-host GPU path. */
+   * this process has loaded CUDA). */
   size_t chunk = (size_t)e->gpu_chunk;
   size_t first_step = chunk < (size_t)e->gpu_first_chunk ? chunk : (size_t)e->gpu_first_chunk;
   int *ldev = NULL;
-  char *via_ipc = NULL;
-  mc_gpu_plan_t *plan = NULL;
   mc_gpu_locator_t loc;
   size_t located = n;
   int trace = e->gpu_trace;
@@ -317,7 +322,13 @@ static int submit(mc_engine_t *e, mc_batch_t *b, const char *segment,
   if (trace)
     t1 = mc_now_ns();
   int same_host = 0;
-  mc_gpu_run_t *run = NULL; /* shared by the chunks (gpu_same_host.c) */
+  /* The transport chosen for GPU memory to this peer may plan per request
+   * (the same-host GPU transport, transport.h "plan"): it is offered each
+   * chunk's GPU requests first; *call is its state across the chunks. */
+  mc_peer_t peer = {.segment = segment, .host = d.host, .port = d.port};
+  int pslot = ldev && !local ? mc_transport_choose(e, &peer, MC_MEM_CUDA, 0) : -1;
+  const mc_transport_t *pt = pslot >= 0 && e->tr[pslot].ops->plan ? &e->tr[pslot] : NULL;
+  void *call = NULL;
   if (ldev && !local) {
     /* Large GPU batches go in chunks: locating, planning and queuing chunk
      * k+1 on this thread overlaps the copies of chunk k on the GPU (host
@@ -325,7 +336,6 @@ static int submit(mc_engine_t *e, mc_batch_t *b, const char *segment,
      * starts).  A buffer found running past its allocation in a later
      * chunk fails the submit with earlier chunks already started; the
      * caller's mc_batch_free waits for them. */
-    via_ipc = calloc(n, 1);
     /* The first chunk is small so the GPU starts early; chunks then double
      * up to MC_GPU_CHUNK, and shrink again towards the end (at most half
      * of what is left) so little completion work remains after the last
@@ -333,6 +343,11 @@ static int submit(mc_engine_t *e, mc_batch_t *b, const char *segment,
     size_t step = first_step;
     if (b->n + n > b->cap)
       step = chunk = n; /* let submit_planned report the size error */
+    size_t most = chunk < n ? chunk : n;
+    char *take = pt ? malloc(most) : NULL;
+    mc_xfer_ent_t *ents = pt ? malloc(most * sizeof *ents) : NULL;
+    if (pt && (!take || !ents))
+      pt = NULL; /* out of memory: the next choice moves them */
     for (size_t off = 0, k; off < n && rc == 0; off += k) {
       size_t left = n - off, half = left / 2 > 256 ? left / 2 : 256;
       k = step < half ? step : half;
@@ -346,19 +361,29 @@ static int submit(mc_engine_t *e, mc_batch_t *b, const char *segment,
         rc = 0;
         located = off + k;
       }
-      plan = via_ipc ? mc_gpu_ipc_plan(e, b, segment, &d, &run, reqs + off, k, ldev + off,
-                                       via_ipc + off)
-                     : NULL;
-      same_host |= plan != NULL;
+      planned_t pl = {.slot = -1};
+      if (pt) {
+        for (size_t i = 0; i < k; i++) {
+          const mc_request_t *r = &reqs[off + i];
+          ents[i] = (mc_xfer_ent_t){.local = r->local, .remote = r->remote, .len = r->len,
+                                    .cookie = (uint32_t)i, .dev = ldev[off + i]};
+        }
+        pl = (planned_t){.slot = pslot, .take = take, .ents = ents};
+        pl.plan = pt->ops->plan(pt->impl, &peer, &call, ents, k, take);
+      }
+      same_host |= pl.plan != NULL;
       if (trace && off == 0)
         t2 = mc_now_ns();
       rc = submit_planned(e, b, segment, &d, 0, reqs + off, k, poll, ldev + off,
-                          plan ? via_ipc + off : NULL, plan, err);
+                          pl.plan ? &pl : NULL, err);
     }
-    mc_gpu_run_release(run);
+    if (pt && pt->ops->call_end)
+      pt->ops->call_end(pt->impl, call);
+    free(take);
+    free(ents);
   } else {
     t2 = trace ? mc_now_ns() : 0;
-    rc = submit_planned(e, b, segment, &d, local, reqs, n, poll, ldev, NULL, NULL, err);
+    rc = submit_planned(e, b, segment, &d, local, reqs, n, poll, ldev, NULL, err);
   }
   if (trace && ldev)
     mc_log_info("gpu trace: %zu requests at %.1f us: validate %.1f us, locate (first chunk) "
@@ -367,20 +392,63 @@ static int submit(mc_engine_t *e, mc_batch_t *b, const char *segment,
                 trace_us(t_in), (t0 - t_in) / 1e3, (t1 - t0) / 1e3, (t2 - t1) / 1e3,
                 (mc_now_ns() - t2) / 1e3, same_host ? "yes" : "no");
   free(ldev);
-  free(via_ipc);
+  return rc;
+}
+
+/* The requests a planning transport took (caller holds b->mu): whole, one
+ * entry each, an op per opcode of up to MC_XFER_MAX_ENTRIES (WRITE ops
+ * first), entries as plan() left them. */
+static int build_planned(mc_batch_t *b, size_t first, const mc_request_t *reqs, size_t n,
+                         const planned_t *pl, op_builder_t *pb, mc_err_t *err) {
+  int rc = 0;
+  for (int pass = 0; pass < 2 && rc == 0; pass++) {
+    int type = pass == 0 ? MC_XFER_WRITE : MC_XFER_READ;
+    size_t left = 0;
+    for (size_t i = 0; i < n; i++)
+      left += pl->take[i] && (reqs[i].opcode == MC_OP_WRITE) == (pass == 0);
+    for (size_t i = 0; i < n && rc == 0; i++) {
+      if (!pl->take[i] || (reqs[i].opcode == MC_OP_WRITE) != (pass == 0))
+        continue;
+      if (pb->cur && pb->cur->nent == pb->cur_cap && (rc = builder_flush(pb, err)) < 0)
+        break;
+      if (!pb->cur) {
+        uint32_t cap = left < MC_XFER_MAX_ENTRIES ? (uint32_t)left : MC_XFER_MAX_ENTRIES;
+        if (!(pb->cur = mc_xfer_op_new(type, cap, 0))) {
+          rc = mc_err_set(err, MC_ENOMEM, "out of memory");
+          break;
+        }
+        pb->cur_cap = cap;
+        pb->cur->nent = 0;
+        pb->cur->done = op_done;
+        pb->cur->entry_failed = op_entry_failed;
+        pb->cur->arg = b;
+        pb->cur->cancel = &b->cancel;
+      }
+      mc_xfer_ent_t *ent = &pb->cur->ent[pb->cur->nent++];
+      *ent = pl->ents[i];
+      ent->cookie = (uint32_t)(first + i);
+      b->tasks[first + i].parts_left++;
+      left--;
+    }
+    if (rc == 0)
+      rc = builder_flush(pb, err);
+  }
   return rc;
 }
 
 static int submit_planned(mc_engine_t *e, mc_batch_t *b, const char *segment,
                           const mc_segment_desc_t *dp, int local, const mc_request_t *reqs,
-                          size_t n, int poll, const int *ldev, const char *via_ipc,
-                          mc_gpu_plan_t *plan, mc_err_t *err) {
+                          size_t n, int poll, const int *ldev, const planned_t *pl,
+                          mc_err_t *err) {
   const mc_segment_desc_t *d = dp;
+  const mc_transport_t *pt = pl ? &e->tr[pl->slot] : NULL;
+  const char *via_plan = pl ? pl->take : NULL;
   pthread_mutex_lock(&b->mu);
   if (b->n + n > b->cap) {
     size_t room = b->cap - b->n;
     pthread_mutex_unlock(&b->mu);
-    mc_gpu_ipc_plan_free(plan);
+    if (pt)
+      pt->ops->submit_plan(pt->impl, pl->plan, NULL, 0);
     return mc_err_set(err, MC_EINVAL,
                       "batch has room for %zu more requests, %zu submitted; allocate a larger "
                       "batch",
@@ -413,19 +481,22 @@ static int submit_planned(mc_engine_t *e, mc_batch_t *b, const char *segment,
   op_builder_t ob[MC_TRANSPORT_COUNT];
   memset(ob, 0, sizeof ob);
   int rc = 0;
+  op_builder_t pb = {0};
+  if (pl)
+    rc = build_planned(b, first, reqs, n, pl, &pb, err);
   /* Slices still to place: sizes each op's entry array to what it needs. */
   uint64_t slices_left = 0;
   for (size_t i = 0; i < n; i++)
-    if (!(via_ipc && via_ipc[i]))
+    if (!(via_plan && via_plan[i]))
       slices_left += (reqs[i].len + e->slice_size - 1) / e->slice_size;
   for (size_t i = 0; i < n && rc == 0; i++) {
     const mc_request_t *r = &reqs[i];
-    if (via_ipc && via_ipc[i])
-      continue; /* same-host GPU path */
+    if (via_plan && via_plan[i])
+      continue; /* the planning transport's */
     int dev = ldev ? ldev[i] : -1;
     mc_mem_kind_t kind = dev >= 0 ? MC_MEM_CUDA : MC_MEM_HOST;
-    if (via[kind] < 0)
-      via[kind] = mc_transport_choose(e, &peer, kind);
+    if (via[kind] < 0) /* a planning transport takes only what it planned */
+      via[kind] = mc_transport_choose(e, &peer, kind, 1);
     op_builder_t *bd = &ob[via[kind]];
     int type = r->opcode == MC_OP_WRITE ? MC_XFER_WRITE : MC_XFER_READ;
     uint64_t off = 0;
@@ -476,17 +547,22 @@ static int submit_planned(mc_engine_t *e, mc_batch_t *b, const char *segment,
     pthread_mutex_unlock(&b->mu);
     for (int k = 0; k < MC_TRANSPORT_COUNT; k++)
       builder_free(&ob[k]);
-    mc_gpu_ipc_plan_free(plan);
+    builder_free(&pb);
+    if (pt)
+      pt->ops->submit_plan(pt->impl, pl->plan, NULL, 0);
     return rc;
   }
-  b->ops_inflight += nops;
-  if (plan)
-    mc_gpu_ipc_prepare(plan, b, first, reqs);
+  b->ops_inflight += nops + pb.n;
+  if (pb.n)
+    b->gpu = 1;
   uint64_t bytes = 0;
   for (size_t i = 0; i < n; i++)
     bytes += reqs[i].len;
   pthread_mutex_unlock(&b->mu);
-  mc_gpu_ipc_start(e, plan);
+  if (pt) { /* first: its copies start while the others are sent */
+    pt->ops->submit_plan(pt->impl, pl->plan, pb.ops, pb.n);
+    free(pb.ops);
+  }
   for (int k = 0; k < MC_TRANSPORT_COUNT; k++) {
     const mc_transport_t *t = &e->tr[k];
     if (!ob[k].n)

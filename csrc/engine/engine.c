@@ -544,8 +544,6 @@ void mc_engine_destroy(mc_engine_t *e) {
   pthread_mutex_destroy(&e->pub_mu);
   pthread_mutex_destroy(&e->gpu_mu);
   pthread_mutex_destroy(&e->route_mu);
-  free(e->gpu_logged);
-  mc_gpu_forget_peers(e);
   free(e->pub_desc);
   free(e->pub_rpc);
   free(e);

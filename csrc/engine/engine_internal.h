@@ -7,7 +7,7 @@
 
 #include "engine/engine.h"
 #include "mem/regions.h"
-#include "engine/segment_desc.h"
+#include "meta/segment_desc.h"
 #include "gpu/gpu_staging.h"
 #include "meta/meta.h"
 #include "transport/rdma/rdma.h"
@@ -47,22 +47,13 @@ struct mc_engine {
   uint64_t spin_ns;       /* MC_WAIT_SPIN_US: busy-wait before sleeping */
   mc_gpu_stager_t *gpu;   /* pinned staging + GPU copy thread (gpu_xfer.c) */
   int gpu_reserved;       /* staging pre-allocated (first cuda region) */
-  int gpu_ipc_off;        /* MC_GPU_IPC=0: never use the same-host path */
+  int gpu_ipc_off;        /* MC_GPU_IPC=0: the same-host GPU transport is not started */
   int gpu_chunk;          /* MC_GPU_CHUNK: requests planned per step */
   int gpu_first_chunk;    /* MC_GPU_FIRST_CHUNK: the first step's (then doubling) */
   int gpu_trace;          /* MC_GPU_TRACE=1: log planning times (docs/device.md) */
   int local_check;        /* local buffers must lie in our regions (MC_LOCAL_CHECK) */
   int unregister_wait_ms; /* MC_UNREGISTER_WAIT_MS: bound on waiting for pins */
-  pthread_mutex_t gpu_mu; /* path choices logged once per peer */
-  char (*gpu_logged)[320];
-  size_t gpu_nlogged;
-  struct {
-    char name[320];
-    int verdict; /* 1 same host, -1 another host */
-    int have;    /* desc holds the peer's last descriptor */
-    mc_remote_desc_t desc;
-  } *gpu_peers;
-  size_t gpu_npeers;
+  pthread_mutex_t gpu_mu; /* gpu_reserved */
 
   pthread_mutex_t seg_mu; /* segment cache */
   mc_segment_desc_t *segs;
@@ -109,17 +100,12 @@ struct mc_batch {
   size_t ops_inflight; /* ops handed to a transport and not done */
   uint64_t bytes;      /* total requested */
   atomic_int cancel;
-  int gpu;             /* has same-host GPU copies: wait polls closely */
+  int gpu;             /* a planning transport (same-host GPU copies) took some: wait polls closely */
   int any_msg;         /* some task has a message (failed): else none to scan or free */
   int trusted_locals;  /* mc_batch_trust_locals: skip the local-address check */
   char last_segment[320];
   char *rpc_reply; /* mc_engine_rpc: the reply text (malloc'ed) */
 };
-
-/* The RPC (wire type RPC, docs/protocol.md) that asks a peer for its
- * segment descriptor: regions with location and CUDA IPC handles, host
- * identity, pid.  The reply is the descriptor JSON. */
-#define MC_RPC_DESCRIBE "mc.describe"
 
 /* batch.c: records one finished part of task i (caller holds b->mu). */
 void mc_batch_part_done(mc_batch_t *b, size_t i, int code, const char *msg, uint64_t bytes);
@@ -147,41 +133,16 @@ void mc_gpu_locator_init(mc_gpu_locator_t *lc, mc_regions_t *regions);
  * allocation). */
 int mc_gpu_locate_locals(mc_gpu_locator_t *lc, const mc_request_t *reqs, size_t from,
                          size_t to, int *ldev, mc_err_t *err);
-/* Same-host path.  One submit call is one run (mc_gpu_run_t, created by
- * the first plan, released by the caller with mc_gpu_run_release after the
- * last chunk): the peer's descriptor (from a cache, or asked synchronously
- * on first contact or when a request falls outside it), the IPC mappings of
- * its regions, and, for a cached descriptor, one mc.describe RPC that checks
- * it alongside all of the run's copies.  mc_gpu_ipc_plan picks the requests
- * of one chunk whose local buffer is GPU memory and whose remote range lies
- * in a cuda region of a peer on this host (via_ipc[i] = 1); NULL if none.
- * prepare (b->mu held) sets up the tasks and copy jobs; start (after
- * unlocking) queues them. */
-typedef struct mc_gpu_plan mc_gpu_plan_t;
-typedef struct mc_gpu_run mc_gpu_run_t;
-mc_gpu_plan_t *mc_gpu_ipc_plan(mc_engine_t *e, mc_batch_t *b, const char *segment,
-                               const mc_segment_desc_t *d, mc_gpu_run_t **run,
-                               const mc_request_t *reqs, size_t n, int *ldev, char *via_ipc);
-void mc_gpu_ipc_prepare(mc_gpu_plan_t *p, mc_batch_t *b, size_t first, const mc_request_t *reqs);
-void mc_gpu_ipc_start(mc_engine_t *e, mc_gpu_plan_t *p);
-void mc_gpu_ipc_plan_free(mc_gpu_plan_t *p);
-void mc_gpu_run_release(mc_gpu_run_t *run);
-void mc_gpu_forget_peers(mc_engine_t *e);
-/* Hands a sealed op whose local buffers include GPU memory to the copy
- * worker: WRITE is staged D2H then sent, READ lands in staging then H2D.
- * ldev_of(cookie) says which entries are GPU memory. */
-void mc_gpu_stage_op(mc_engine_t *e, mc_xfer_op_t *op, const char *host, int port,
-                     const char *segment, const int *ldev, size_t first);
 /* Synchronous copy for same-segment requests touching GPU memory. */
 int mc_gpu_copy_sync(void *dst, const void *src, uint64_t len, int dev, mc_err_t *err);
-void mc_gpu_log_path_once(mc_engine_t *e, const char *segment, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
 
 /* route.c: the transports.  choose returns the slot that moves `kind`
- * memory to `peer` (TCP when nothing better reaches it). */
+ * memory to `peer` (TCP when nothing better reaches it); no_plan: the best
+ * after planning transports (for the requests a plan() did not take). */
 int mc_transports_start(mc_engine_t *e, mc_err_t *err);
 void mc_transports_stop(mc_engine_t *e);
-int mc_transport_choose(mc_engine_t *e, const mc_peer_t *peer, mc_mem_kind_t kind);
+int mc_transport_choose(mc_engine_t *e, const mc_peer_t *peer, mc_mem_kind_t kind,
+                        int no_plan);
 void mc_transports_cancel_sweep(mc_engine_t *e);
 void mc_transports_peer_lost(mc_engine_t *e, const char *segment);
 void mc_transports_peer_closed(mc_engine_t *e, const char *segment);

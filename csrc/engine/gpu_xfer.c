@@ -1,10 +1,8 @@
-/* GPU memory in transfers (engine side), common helpers: where local
- * buffers live, synchronous copies for same-segment requests, the once-per-
- * peer log of the chosen path.  The same-host path is gpu_same_host.c, the
- * staging of local GPU buffers for TCP gpu_stage.c; the target side of TCP
- * stages cuda regions itself (transport/tcp/tcp_recv.c).  All use the
+/* GPU memory in transfers (engine side): where local buffers live, and
+ * synchronous copies for same-segment requests.  The same-host path is a
+ * transport (transport/same_host_gpu/), the staging of GPU buffers for TCP
+ * lives in the TCP transport (tcp_gpu_stage.c, tcp_recv.c).  All use the
  * engine's copy worker (gpu/gpu_staging.c). */
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -100,27 +98,3 @@ int mc_gpu_copy_sync(void *dst, const void *src, uint64_t len, int dev, mc_err_t
   }
   return 0;
 }
-
-void mc_gpu_log_path_once(mc_engine_t *e, const char *segment, const char *fmt, ...) {
-  char key[320];
-  snprintf(key, sizeof key, "%s", segment);
-  pthread_mutex_lock(&e->gpu_mu);
-  for (size_t i = 0; i < e->gpu_nlogged; i++)
-    if (!strcmp(e->gpu_logged[i], key)) {
-      pthread_mutex_unlock(&e->gpu_mu);
-      return;
-    }
-  char(*v)[320] = realloc(e->gpu_logged, (e->gpu_nlogged + 1) * sizeof *v);
-  if (v) {
-    e->gpu_logged = v;
-    memcpy(v[e->gpu_nlogged++], key, sizeof key);
-  }
-  pthread_mutex_unlock(&e->gpu_mu);
-  char msg[MC_ERR_MSG_MAX];
-  va_list ap;
-  va_start(ap, fmt);
-  vsnprintf(msg, sizeof msg, fmt, ap);
-  va_end(ap);
-  mc_log_info("GPU path to segment %s: %s", segment, msg);
-}
-

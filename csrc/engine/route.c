@@ -9,14 +9,17 @@
 
 #include "engine/engine_internal.h"
 #include "transport/cma/cma.h"
+#include "transport/same_host_gpu/same_host_gpu.h"
 #include "util/log.h"
 
 /* Transports the engine starts through ops->start (no options of their
  * own), by slot.  TCP and RDMA are started in engine.c with their options.
- * THE SAME-HOST CPU TRANSPORT PLUGS IN HERE: its ops table in the
- * MC_TRANSPORT_SAME_HOST_CPU slot. */
+ * The same-host CPU transport (cma) and the same-host GPU transport start
+ * here; each is left unstarted by its off switch (MC_SAME_HOST_CPU=0,
+ * MC_GPU_IPC=0). */
 static const mc_transport_ops_t *const started_here[MC_TRANSPORT_COUNT] = {
     [MC_TRANSPORT_SAME_HOST_CPU] = &mc_cma_transport_ops,
+    [MC_TRANSPORT_SAME_HOST_GPU] = &mc_same_host_gpu_ops,
 };
 
 /* Preference per local memory kind, best first (-1 ends a row). */
@@ -30,13 +33,22 @@ static int env_rpc(void *ctx, const char *segment, const char *req, size_t len,
   return mc_engine_rpc(ctx, segment, req, len, timeout_ms, reply, err);
 }
 
+/* An RPC op to the control channel (TCP), not waited for. */
+static void env_rpc_async(void *ctx, const mc_peer_t *peer, mc_xfer_op_t *op) {
+  mc_engine_t *e = ctx;
+  e->tr[MC_TRANSPORT_TCP].ops->submit(e->tr[MC_TRANSPORT_TCP].impl, peer, &op, 1);
+}
+
 int mc_transports_start(mc_engine_t *e, mc_err_t *err) {
   mc_transport_env_t env = {.local_name = e->name, .regions = &e->regions, .ctx = e,
-                            .rpc = env_rpc};
+                            .rpc = env_rpc, .rpc_async = env_rpc_async, .gpu = e->gpu,
+                            .gpu_trace = e->gpu_trace};
   for (int i = 0; i < MC_TRANSPORT_COUNT; i++) {
     const mc_transport_ops_t *ops = started_here[i];
     if (!ops || !ops->start || e->tr[i].ops)
       continue;
+    if (i == MC_TRANSPORT_SAME_HOST_GPU && e->gpu_ipc_off)
+      continue; /* MC_GPU_IPC=0 */
     void *impl = NULL;
     int rc = ops->start(&env, &impl, err);
     if (rc < 0) {
@@ -105,11 +117,14 @@ static int ask_reaches(mc_engine_t *e, int id, const mc_peer_t *peer, mc_mem_kin
   return yes;
 }
 
-int mc_transport_choose(mc_engine_t *e, const mc_peer_t *peer, mc_mem_kind_t kind) {
+int mc_transport_choose(mc_engine_t *e, const mc_peer_t *peer, mc_mem_kind_t kind,
+                        int no_plan) {
   unsigned need = kind == MC_MEM_CUDA ? MC_TCAP_CUDA_MEM : MC_TCAP_HOST_MEM;
   for (const int *p = prefs[kind]; *p >= 0; p++) {
     const mc_transport_t *t = &e->tr[*p];
-    if (!t->ops || !t->ops->submit || !(t->ops->caps & need))
+    if (!t->ops || !(t->ops->caps & need))
+      continue;
+    if (t->ops->plan ? no_plan || !t->ops->submit_plan : !t->ops->submit)
       continue;
     if ((t->ops->caps & MC_TCAP_SAME_HOST) && peer->same_host < 0)
       continue;

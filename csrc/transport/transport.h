@@ -51,6 +51,28 @@
  *     (mem/regions.h) stays the authority on what a peer may touch.
  *   - stop(): fail everything in flight with MC_ECLOSED, join threads, free
  *     impl.  Called once, after the engine stopped submitting.
+ *
+ * Transports that decide per request (plan / submit_plan / call_end)
+ *   A transport that moves some requests to a peer and not others (the
+ *   same-host GPU transport: only requests whose remote range lies in a
+ *   CUDA region of the peer whose IPC handle opens here) implements plan()
+ *   instead of taking everything submit() gets.  The engine then, for each
+ *   chunk of a submit call (it locates local buffers chunk by chunk so the
+ *   first copies start early), offers the chunk's requests to plan() as
+ *   whole-request entries (ent.dev: the local cuda device, -1 for host
+ *   memory, which it must not take), outside its locks;
+ *   plan() marks take[i] for those it moves, may rewrite a taken entry's
+ *   `remote` into its own form (e.g. the mapped address; the engine copies
+ *   taken entries verbatim into the ops it hands back and never reads
+ *   remote again), and returns its plan (NULL: it takes none).  The engine
+ *   routes the untaken requests to its next choice for that memory kind
+ *   and hands the taken ones back as ops (one entry per request, at most
+ *   MC_XFER_MAX_ENTRIES per op, one opcode per op) through
+ *   submit_plan(plan, ops): from there on the ops follow the rules of
+ *   submit() above (done() once each).  submit_plan(plan, NULL, 0) drops a
+ *   plan unused.  *call is the transport's state shared by the chunks of
+ *   one submit call (NULL before the first plan(); the engine passes it to
+ *   call_end() after the last chunk).
  */
 #ifndef MC_TRANSPORT_TRANSPORT_H
 #define MC_TRANSPORT_TRANSPORT_H
@@ -70,7 +92,7 @@ typedef enum mc_mem_kind { MC_MEM_HOST = 0, MC_MEM_CUDA = 1, MC_MEM_KINDS } mc_m
  * within a memory kind (see the table above). */
 typedef enum mc_transport_id {
   MC_TRANSPORT_SAME_HOST_CPU = 0, /* slot for the same-host CPU transport */
-  MC_TRANSPORT_SAME_HOST_GPU,
+  MC_TRANSPORT_SAME_HOST_GPU, /* transport/same_host_gpu/ (CUDA IPC) */
   MC_TRANSPORT_RDMA,
   MC_TRANSPORT_TCP,
   MC_TRANSPORT_COUNT
@@ -85,6 +107,8 @@ typedef enum mc_transport_id {
 
 /* A peer as the engine knows it (from its descriptor).  Strings live for
  * the duration of the call only: copy what you keep. */
+struct mc_gpu_stager;
+
 typedef struct mc_peer {
   const char *segment; /* "host:port", the peer's name */
   const char *host;    /* where its TCP listener is */
@@ -104,6 +128,14 @@ typedef struct mc_transport_env {
    * thread; may block up to timeout_ms (<0: engine default). */
   int (*rpc)(void *ctx, const char *segment, const char *req, size_t len, int64_t timeout_ms,
              char **reply, mc_err_t *err);
+  /* Hands a sealed RPC op (MC_XFER_RPC) for `peer` to the TCP control
+   * channel without waiting: its done() reports the reply (op->resp).  For
+   * checks that run alongside a transport's own copies. */
+  void (*rpc_async)(void *ctx, const mc_peer_t *peer, mc_xfer_op_t *op);
+  /* The engine's GPU copy worker (gpu/gpu_staging.h), shared with TCP's
+   * staging; NULL if none. */
+  struct mc_gpu_stager *gpu;
+  int gpu_trace; /* MC_GPU_TRACE=1: log planning times */
 } mc_transport_env_t;
 
 typedef struct mc_transport_ops {
@@ -134,6 +166,13 @@ typedef struct mc_transport_ops {
   const char *rpc_prefix;
   int (*serve_rpc)(void *impl, const char *from, const char *req, size_t len, char **reply,
                    mc_err_t *err);
+  /* Optional: per-request planning (see "Transports that decide per
+   * request" above).  A transport with plan() gets its requests only
+   * through submit_plan(), never through submit(). */
+  void *(*plan)(void *impl, const mc_peer_t *peer, void **call, mc_xfer_ent_t *ents, size_t n,
+                char *take);
+  void (*submit_plan)(void *impl, void *plan, mc_xfer_op_t **ops, size_t nops);
+  void (*call_end)(void *impl, void *call);
   /* Optional: a region was registered / is being unregistered. */
   int (*mem_register)(void *impl, void *addr, uint64_t len, const char *location,
                       mc_err_t *err);

@@ -10,7 +10,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
-#include "engine/segment_desc.h"
+#include "meta/segment_desc.h"
 #include "meta/meta.h"
 #include "testlib.h"
 #include "transport/rdma/rdma_record.h"

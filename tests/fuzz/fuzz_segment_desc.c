@@ -2,7 +2,7 @@
  * decoders over arbitrary bytes. */
 #include "fuzz_common.h"
 
-#include "engine/segment_desc.h"
+#include "meta/segment_desc.h"
 
 FUZZ_INIT_QUIET()
 

@@ -1,4 +1,4 @@
-#include "engine/segment_desc.h"
+#include "meta/segment_desc.h"
 
 #include <cjson/cJSON.h>
 #include <stdio.h>

@@ -1,11 +1,17 @@
 /* Segment descriptors: the JSON value stored under mooncake/ram/<name>. */
-#ifndef MC_ENGINE_SEGMENT_DESC_H
-#define MC_ENGINE_SEGMENT_DESC_H
+#ifndef MC_META_SEGMENT_DESC_H
+#define MC_META_SEGMENT_DESC_H
 
 #include <stddef.h>
 
 #include "mem/regions.h"
 #include "util/errors.h"
+
+/* The RPC (wire type RPC, docs/protocol.md) that asks a peer for its
+ * segment descriptor: regions with location and CUDA IPC handles, host
+ * identity, pid.  The reply is the descriptor JSON (the engine answers it;
+ * the same-host GPU transport asks it). */
+#define MC_RPC_DESCRIBE "mc.describe"
 
 typedef struct mc_segment_desc {
   char name[320];
