@@ -3,7 +3,8 @@
 
 The JSON / text seeds are committed as written by hand; the binary ones (wire
 messages, KV control messages) are generated here from the formats in
-csrc/transport/tcp/wire.h and csrc/kv/kv_transfer.c so that they stay
+csrc/transport/tcp/wire.h and docs/protocol.md "KV control messages"
+(csrc/kv/kv_msg.h) so that they stay
 readable.  Run from the repository root: python3 tests/fuzz/gen_seeds.py
 """
 import os
