@@ -224,6 +224,12 @@ uint64_t kv_msg_lease_ans_size(const kv_msg_lease_ans_t *a) {
   return KV_PANS_HDR + nx * KV_EXT_LEN + rep_text_len(a->status, a->text, a->text_len);
 }
 
+size_t kv_msg_lease_ans_max_blocks(uint32_t epb, size_t max_len) {
+  if (epb == 0 || max_len < KV_PANS_HDR)
+    return 0;
+  return (max_len - KV_PANS_HDR) / ((size_t)KV_EXT_LEN * epb);
+}
+
 long kv_msg_lease_ans_encode(const kv_msg_lease_ans_t *a, uint8_t *buf, size_t cap,
                              mc_err_t *err) {
   uint64_t nx = lease_ans_nx(a);

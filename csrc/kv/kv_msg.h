@@ -112,6 +112,9 @@ typedef struct kv_msg_lease_ans {
   int hdr_ok; /* decode: as in kv_msg_lease_req_t (id valid) */
 } kv_msg_lease_ans_t;
 uint64_t kv_msg_lease_ans_size(const kv_msg_lease_ans_t *a);
+/* The most blocks of epb (>= 1) extents a lease answer of at most max_len
+ * bytes carries. */
+size_t kv_msg_lease_ans_max_blocks(uint32_t epb, size_t max_len);
 long kv_msg_lease_ans_encode(const kv_msg_lease_ans_t *a, uint8_t *buf, size_t cap,
                              mc_err_t *err);
 int kv_msg_lease_ans_decode(const void *m, size_t len, kv_msg_lease_ans_t *out, mc_err_t *err);

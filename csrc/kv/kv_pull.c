@@ -91,9 +91,10 @@ void kv_pull_serve(mc_kv_t *kv, kv_job_t *j) {
   }
   size_t total = rc > 0 ? mc_lookup_match_blocks(match) : 0;
   size_t nb = total > skip ? total - skip : 0; /* blocks to lease */
-  if (nb && KV_PANS_HDR + nb * epb * KV_EXT_LEN > MC_ENGINE_MAX_MSG) {
+  size_t most = kv_msg_lease_ans_max_blocks(epb, MC_ENGINE_MAX_MSG);
+  if (nb > most) {
     /* Answer with as many blocks as one message holds; the rest is a miss. */
-    nb = (MC_ENGINE_MAX_MSG - KV_PANS_HDR) / (KV_EXT_LEN * (size_t)epb);
+    nb = most;
     rc = (long)((skip + nb) * mc_lookup_hasher(kv->lb)->block_size);
   }
   uint64_t lease_id = 0;

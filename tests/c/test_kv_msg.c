@@ -278,6 +278,15 @@ static void test_encode_checks(void) {
   CHECK(kv_msg_lease_ans_size(&a) == UINT64_MAX); /* does not wrap */
   CHECK_EQ_INT(kv_msg_lease_ans_encode(&a, buf, sizeof buf, &err), MC_ETOOBIG);
   CHECK_EQ_INT(kv_msg_release_encode(1, buf, KV_PREL_LEN - 1, &err), MC_ETOOBIG);
+  /* how many blocks one answer holds (the producer caps its lease with it) */
+  CHECK_EQ_INT(kv_msg_lease_ans_max_blocks(2, KV_PANS_HDR + 64), 2);
+  CHECK_EQ_INT(kv_msg_lease_ans_max_blocks(2, KV_PANS_HDR + 63), 1);
+  CHECK_EQ_INT(kv_msg_lease_ans_max_blocks(1, KV_PANS_HDR - 1), 0);
+  CHECK_EQ_INT(kv_msg_lease_ans_max_blocks(0, 1 << 20), 0);
+  a = (kv_msg_lease_ans_t){.nb = (uint32_t)kv_msg_lease_ans_max_blocks(3, 16u << 20), .epb = 3};
+  CHECK(kv_msg_lease_ans_size(&a) <= 16u << 20);
+  a.nb++;
+  CHECK(kv_msg_lease_ans_size(&a) > 16u << 20);
 }
 
 /* ---- malformed input ---- */
