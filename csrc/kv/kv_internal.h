@@ -7,19 +7,9 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "kv/kv_msg.h" /* the wire format: all byte work is there */
 #include "kv/kv_transfer.h"
 
-#define KV_REQ_MAGIC 0x5152564Bu  /* "KVRQ" recv_kv request (push) */
-#define KV_REP_MAGIC 0x5052564Bu  /* "KVRP" its answer */
-#define KV_PULL_MAGIC 0x5150564Bu /* "KVPQ" lease request (pull) */
-#define KV_PANS_MAGIC 0x5050564Bu /* "KVPP" its answer: extents + lease id */
-#define KV_PREL_MAGIC 0x5250564Bu /* "KVPR" lease release */
-#define KV_VERSION 1
-#define KV_REQ_HDR 36
-#define KV_REP_HDR 24
-#define KV_PULL_HDR 28
-#define KV_PANS_HDR 40
-#define KV_PREL_LEN 16
 
 typedef struct kv_job {
   struct kv_job *next;

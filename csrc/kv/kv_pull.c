@@ -1,27 +1,20 @@
 /* The pull protocol of send_kv/recv_kv; see mc_kv_pull in kv_transfer.h.
  *
- * Lease request (consumer -> producer), little-endian:
- *   u32 magic "KVPQ", u8 version 1, u8 token width (4|8), u16 extents per
- *   block, u64 request id, u32 lease ms, u32 ntok, u32 skip blocks, token ids.
+ * Lease request (KVPQ, consumer -> producer): token ids, lease ms, skip.
  *   Matching always starts at block 0; only blocks from `skip` on are leased.
  *   Lease ms 0 asks for a probe: the answer carries the matched tokens, no
  *   lease and no extents, and nothing is pinned or consumed (extents per
  *   block 0 = not checked).
- * Answer (producer -> consumer):
- *   u32 magic "KVPP", u8 version 1, 3 x u8 0, u64 request id, i32 status,
- *   u32 matched tokens (from block 0), u64 lease id (0 = none), u32 nblocks
- *   (leased: matched blocks past skip), u32 extents per block, then
- *   nblocks x epb x {u64 addr, u64 len} (the producer's
- *   registered memory), or (status < 0) UTF-8 error text.
- * Release (consumer -> producer): u32 magic "KVPR", u8 version 1, 3 x u8 0,
- *   u64 lease id.  Only the consumer that got the lease can release it.
- */
+ * Answer (KVPP): matched tokens (from block 0), lease id (0 = none), the
+ *   leased blocks' extents (the producer's registered memory), or an error.
+ * Release (KVPR): the lease id.  Only the consumer that got the lease can
+ *   release it.
+ * The wire format is kv_msg.[ch] (docs/protocol.md). */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "kv/kv_internal.h"
-#include "util/bytes.h"
 #include "util/clock.h"
 #include "util/log.h"
 
@@ -30,61 +23,51 @@
 
 /* ---- producer ---- */
 
+/* The leased blocks of a match, from block `skip` on (kv_msg_lease_ans_t.block). */
+typedef struct leased {
+  const mc_lookup_match_t *match;
+  size_t skip;
+} leased_t;
+
+static const mc_lookup_extent_t *leased_block(const void *ctx, size_t b) {
+  const leased_t *l = ctx;
+  return mc_lookup_match_kv(l->match, l->skip + b);
+}
+
 static void send_lease_answer(mc_kv_t *kv, const char *to, uint64_t id, int status,
                               uint32_t matched, uint64_t lease_id, const mc_lookup_match_t *match,
                               size_t skip, size_t nb, uint32_t epb, const char *text) {
-  size_t tl = status < 0 && text ? strlen(text) : 0;
-  size_t nx = status < 0 ? 0 : nb * epb;
-  size_t len = KV_PANS_HDR + nx * 16 + tl;
-  uint8_t *buf = calloc(1, len);
+  leased_t l = {.match = match, .skip = skip};
+  kv_msg_lease_ans_t a = {.id = id, .lease_id = lease_id, .status = status, .matched = matched,
+                          .nb = (uint32_t)nb, .epb = epb, .block = leased_block, .ctx = &l,
+                          .text = text, .text_len = text ? strlen(text) : 0};
+  size_t len = (size_t)kv_msg_lease_ans_size(&a); /* nb was capped to MC_ENGINE_MAX_MSG */
+  uint8_t *buf = malloc(len);
   if (!buf) {
     mc_log_error("out of memory answering a KV lease request from %s", to);
     return;
   }
-  mc_put_u32(buf, KV_PANS_MAGIC);
-  buf[4] = KV_VERSION;
-  mc_put_u64(buf + 8, id);
-  mc_put_u32(buf + 16, (uint32_t)status);
-  mc_put_u32(buf + 20, matched);
-  mc_put_u64(buf + 24, lease_id);
-  mc_put_u32(buf + 32, (uint32_t)(status < 0 ? 0 : nb));
-  mc_put_u32(buf + 36, epb);
-  uint8_t *p = buf + KV_PANS_HDR;
-  for (size_t b = 0; b < nb && nx; b++) {
-    const mc_lookup_extent_t *x = mc_lookup_match_kv(match, skip + b);
-    for (uint32_t k = 0; k < epb; k++, p += 16) {
-      mc_put_u64(p, x[k].addr);
-      mc_put_u64(p + 8, x[k].len);
-    }
-  }
-  memcpy(p, text, tl);
   mc_err_t err = {0};
-  if (mc_engine_notify(kv->e, to, buf, len, 10000, &err) < 0)
+  if (kv_msg_lease_ans_encode(&a, buf, len, &err) < 0 ||
+      mc_engine_notify(kv->e, to, buf, len, 10000, &err) < 0)
     mc_log_warn("KV lease answer to %s (request %llu) not delivered: %s", to,
                 (unsigned long long)id, err.msg);
   free(buf);
 }
 
 void kv_pull_serve(mc_kv_t *kv, kv_job_t *j) {
-  const uint8_t *m = j->msg;
-  uint64_t id = j->len >= 16 ? mc_get_u64(m + 8) : 0;
+  uint64_t id = kv_msg_peek_id(j->msg, j->len); /* a malformed request is answered too */
   mc_err_t err = {0};
   long rc = 0;
   mc_lookup_match_t *match = NULL;
   uint32_t epb = kv->lb ? mc_lookup_extents_per_block(kv->lb) : 0;
-  uint32_t lease_ms = 0, skip = 0;
-  if (j->len < KV_PULL_HDR || m[4] != KV_VERSION) {
-    rc = mc_err_set(&err, MC_EPROTO, "malformed KV lease request (%zu bytes)", j->len);
-  } else {
-    int width = m[5];
-    uint32_t want_epb = mc_get_u16(m + 6);
-    lease_ms = mc_get_u32(m + 16);
-    uint64_t ntok = mc_get_u32(m + 20);
-    skip = mc_get_u32(m + 24);
-    if ((width != 4 && width != 8) || j->len != KV_PULL_HDR + ntok * (uint64_t)width)
-      rc = mc_err_set(&err, MC_EPROTO, "malformed KV lease request (width %d, %llu tokens, "
-                      "%zu bytes)", width, (unsigned long long)ntok, j->len);
-    else if (!kv->lb)
+  kv_msg_lease_req_t q;
+  rc = kv_msg_lease_req_decode(j->msg, j->len, &q, &err);
+  uint32_t lease_ms = q.lease_ms, skip = q.skip, want_epb = q.epb;
+  int width = q.width;
+  uint64_t ntok = q.ntok;
+  if (rc == 0) {
+    if (!kv->lb)
       rc = mc_err_set(&err, MC_EINVAL, "segment %s holds no KV (it is not a producer: no "
                       "lookup buffer)", mc_engine_segment_name(kv->e));
     else if (want_epb != epb && (lease_ms || want_epb))
@@ -92,11 +75,11 @@ void kv_pull_serve(mc_kv_t *kv, kv_job_t *j) {
                       "stores %u (do both sides run the same model and parallel layout?)",
                       want_epb, mc_engine_segment_name(kv->e), epb);
     else if (lease_ms == 0)
-      rc = mc_lookup_count(kv->lb, m + KV_PULL_HDR, (size_t)ntok, width, &err);
+      rc = mc_lookup_count(kv->lb, q.tokens, (size_t)ntok, width, &err);
     else
-      rc = mc_lookup_find(kv->lb, m + KV_PULL_HDR, (size_t)ntok, width, &match, &err);
+      rc = mc_lookup_find(kv->lb, q.tokens, (size_t)ntok, width, &match, &err);
   }
-  if (lease_ms == 0 && j->len >= KV_PULL_HDR && m[4] == KV_VERSION) {
+  if (lease_ms == 0 && q.hdr_ok) {
     pthread_mutex_lock(&kv->mu);
     kv->stats.probes_served++;
     if (rc < 0)
@@ -108,9 +91,10 @@ void kv_pull_serve(mc_kv_t *kv, kv_job_t *j) {
   }
   size_t total = rc > 0 ? mc_lookup_match_blocks(match) : 0;
   size_t nb = total > skip ? total - skip : 0; /* blocks to lease */
-  if (nb && KV_PANS_HDR + nb * epb * 16 > MC_ENGINE_MAX_MSG) {
+  size_t most = kv_msg_lease_ans_max_blocks(epb, MC_ENGINE_MAX_MSG);
+  if (nb > most) {
     /* Answer with as many blocks as one message holds; the rest is a miss. */
-    nb = (MC_ENGINE_MAX_MSG - KV_PANS_HDR) / (16 * (size_t)epb);
+    nb = most;
     rc = (long)((skip + nb) * mc_lookup_hasher(kv->lb)->block_size);
   }
   uint64_t lease_id = 0;
@@ -175,11 +159,12 @@ uint64_t kv_pull_expire_locked(mc_kv_t *kv, uint64_t now_ns, const char *only_fr
 }
 
 void kv_pull_on_release(mc_kv_t *kv, const char *from, const uint8_t *m, size_t len) {
-  if (len != KV_PREL_LEN || m[4] != KV_VERSION) {
-    mc_log_warn("malformed KV lease release from %s dropped", from);
+  uint64_t id;
+  mc_err_t err = {0};
+  if (kv_msg_release_decode(m, len, &id, &err) < 0) {
+    mc_log_warn("%s from %s: dropped", err.msg, from);
     return;
   }
-  uint64_t id = mc_get_u64(m + 8);
   kv_lease_t *found = NULL;
   pthread_mutex_lock(&kv->mu);
   for (kv_lease_t **pp = &kv->leases; *pp; pp = &(*pp)->next) {
@@ -203,43 +188,40 @@ void kv_pull_on_release(mc_kv_t *kv, const char *from, const uint8_t *m, size_t 
 /* ---- consumer ---- */
 
 void kv_pull_on_answer(mc_kv_t *kv, const char *from, const uint8_t *m, size_t len) {
-  if (len < KV_PANS_HDR || m[4] != KV_VERSION) {
-    mc_log_warn("malformed KV lease answer from %s dropped", from);
+  kv_msg_lease_ans_t a;
+  mc_err_t err = {0};
+  int bad = kv_msg_lease_ans_decode(m, len, &a, &err) < 0;
+  if (!a.hdr_ok) { /* no id to answer to */
+    mc_log_warn("%s from %s: dropped", err.msg, from);
     return;
   }
-  uint64_t id = mc_get_u64(m + 8);
-  int32_t status = (int32_t)mc_get_u32(m + 16);
-  uint32_t nb = mc_get_u32(m + 32), epb = mc_get_u32(m + 36);
-  size_t nx = (size_t)nb * epb;
-  int bad = status >= 0 && (epb == 0 || nx > (len - KV_PANS_HDR) / 16 ||
-                            len != KV_PANS_HDR + nx * 16);
+  size_t nx = bad ? 0 : (size_t)a.nb * a.epb;
   pthread_mutex_lock(&kv->mu);
   for (kv_waiter_t *w = kv->waiters; w; w = w->next) {
-    if (w->id != id || w->done || strcmp(w->producer, from))
+    if (w->id != a.id || w->done || strcmp(w->producer, from))
       continue;
     w->done = 1;
-    w->lease_id = mc_get_u64(m + 24);
+    w->lease_id = a.lease_id; /* released even when the answer is bad */
     if (bad) {
       w->status = MC_EPROTO;
-      snprintf(w->msg, sizeof w->msg, "malformed lease answer (%u blocks x %u extents in %zu "
-               "bytes)", nb, epb, len);
-    } else if (status < 0) {
-      w->status = status;
-      size_t tl = len - KV_PANS_HDR;
+      snprintf(w->msg, sizeof w->msg, "%s", err.msg);
+    } else if (a.status < 0) {
+      w->status = a.status;
+      size_t tl = a.text_len;
       if (tl >= sizeof w->msg)
         tl = sizeof w->msg - 1;
-      memcpy(w->msg, m + KV_PANS_HDR, tl);
+      memcpy(w->msg, a.text, tl);
       w->msg[tl] = '\0';
     } else {
       w->status = 0;
-      w->matched = mc_get_u32(m + 20);
-      w->nblocks = nb;
-      w->epb = epb;
-      if (nx && !(w->extents = malloc(nx * 16))) {
+      w->matched = a.matched;
+      w->nblocks = a.nb;
+      w->epb = a.epb;
+      if (nx && !(w->extents = malloc(nx * KV_EXT_LEN))) {
         w->status = MC_ENOMEM;
         snprintf(w->msg, sizeof w->msg, "out of memory");
       } else if (nx) {
-        memcpy(w->extents, m + KV_PANS_HDR, nx * 16);
+        memcpy(w->extents, a.ext, nx * KV_EXT_LEN); /* kv_msg_extent reads them */
       }
     }
     pthread_cond_broadcast(&kv->wait_cv);
@@ -252,17 +234,15 @@ void kv_pull_send_release(mc_kv_t *kv, const char *producer, const uint8_t *msg,
   mc_err_t err = {0};
   if (mc_engine_notify(kv->e, producer, msg, len, 5000, &err) < 0)
     mc_log_warn("KV lease %llu: release to %s not delivered (%s); it ends at its deadline",
-                (unsigned long long)mc_get_u64(msg + 8), producer, err.msg);
+                (unsigned long long)kv_msg_peek_id(msg, len), producer, err.msg);
 }
 
 /* The READ is done: nothing reads the leased blocks any more.  The release
  * goes out from a KV worker thread, so the caller does not wait for its
  * round trip; if it cannot be queued it is sent right here. */
 static void send_release(mc_kv_t *kv, const char *producer, uint64_t lease_id) {
-  uint8_t buf[KV_PREL_LEN] = {0};
-  mc_put_u32(buf, KV_PREL_MAGIC);
-  buf[4] = KV_VERSION;
-  mc_put_u64(buf + 8, lease_id);
+  uint8_t buf[KV_PREL_LEN];
+  kv_msg_release_encode(lease_id, buf, sizeof buf, NULL); /* fits: cannot fail */
   if (kv_queue_job(kv, producer, buf, sizeof buf, NULL) < 0) /* full, no memory, closing */
     kv_pull_send_release(kv, producer, buf, sizeof buf);
 }
@@ -271,24 +251,29 @@ static void send_release(mc_kv_t *kv, const char *producer, uint64_t lease_id) {
 static long ask_lease(mc_kv_t *kv, kv_waiter_t *w, const char *producer, const void *tokens,
                       size_t ntok, int width, uint32_t epb, uint32_t skip, uint32_t lease_ms,
                       int timeout_ms, uint64_t deadline, mc_err_t *err) {
-  size_t len = KV_PULL_HDR + ntok * (size_t)width;
+  kv_msg_lease_req_t q = {.id = w->id, .width = (uint8_t)width, .epb = (uint16_t)epb,
+                          .lease_ms = lease_ms, .ntok = (uint32_t)ntok, .skip = skip,
+                          .tokens = tokens};
+  uint64_t len = kv_msg_lease_req_size(&q);
+  uint8_t *buf = NULL;
+  long rc;
   if (len > MC_ENGINE_MAX_MSG)
-    return mc_err_set(err, MC_ETOOBIG, "recv_kv (pull) request of %zu tokens exceeds %u bytes; "
-                      "split the prompt", ntok, MC_ENGINE_MAX_MSG);
-  uint8_t *buf = calloc(1, len);
-  if (!buf)
-    return mc_err_set(err, MC_ENOMEM, "out of memory");
-  mc_put_u32(buf, KV_PULL_MAGIC);
-  buf[4] = KV_VERSION;
-  buf[5] = (uint8_t)width;
-  mc_put_u16(buf + 6, (uint16_t)epb);
-  mc_put_u64(buf + 8, w->id);
-  mc_put_u32(buf + 16, lease_ms);
-  mc_put_u32(buf + 20, (uint32_t)ntok);
-  mc_put_u32(buf + 24, skip);
-  memcpy(buf + KV_PULL_HDR, tokens, ntok * (size_t)width);
-  long rc = kv_ask_locked(kv, w, producer, buf, len, timeout_ms, deadline,
-                          lease_ms ? "recv_kv (pull)" : "KV probe", err);
+    rc = mc_err_set(err, MC_ETOOBIG, "recv_kv (pull) request of %zu tokens exceeds %u bytes; "
+                    "split the prompt", ntok, MC_ENGINE_MAX_MSG);
+  else if (!(buf = malloc((size_t)len)))
+    rc = mc_err_set(err, MC_ENOMEM, "out of memory");
+  else
+    rc = kv_msg_lease_req_encode(&q, buf, (size_t)len, err);
+  if (rc < 0) { /* never sent: w leaves the waiter list here (the caller frees it) */
+    free(buf);
+    pthread_mutex_lock(&kv->mu);
+    kv_waiter_unlink_locked(kv, w);
+    pthread_cond_broadcast(&kv->wait_cv);
+    pthread_mutex_unlock(&kv->mu);
+    return rc;
+  }
+  rc = kv_ask_locked(kv, w, producer, buf, (size_t)len, timeout_ms, deadline,
+                     lease_ms ? "recv_kv (pull)" : "KV probe", err);
   free(buf);
   pthread_mutex_unlock(&kv->mu);
   return rc;
@@ -305,7 +290,8 @@ static long read_leased(mc_kv_t *kv, const char *producer, const kv_waiter_t *w,
   uint64_t bytes = 0;
   size_t m = 0; /* requests built: slices of length 0 are skipped */
   for (size_t i = 0; i < n; i++) {
-    uint64_t saddr = mc_get_u64(w->extents + 16 * i), slen = mc_get_u64(w->extents + 16 * i + 8);
+    kv_ext_t s = kv_msg_extent(w->extents, i);
+    uint64_t saddr = s.addr, slen = s.len;
     uint64_t off = 0, dlen = dest[i].len;
     int slice = (dest[i].tag & MC_KV_DEST_SLICE) != 0;
     if (slice)

@@ -1,15 +1,9 @@
 /* send_kv / recv_kv over engine notifications; see kv_transfer.h.
  *
- * Request (consumer -> producer), little-endian:
- *   u32 magic "KVRQ", u8 version 1, u8 token width (4|8), u16 extents per
- *   block, u64 request id, u32 timeout ms, u32 nhidden, u32 ntok, u32 ndest,
- *   token ids, then ndest x {u64 addr, u64 len} (KV destinations, block-major),
- *   then nhidden x {u64 addr, u64 len} (hidden-state destinations, one per
- *   block; blocks stored without hidden states are skipped).
- * Answer (producer -> consumer):
- *   u32 magic "KVRP", u8 version 1, 3 x u8 0, u64 request id, i32 status,
- *   u32 matched tokens, then (status < 0) UTF-8 error text.
- */
+ * Push: the consumer's request (KVRQ) names token ids and its destination
+ * extents; the producer WRITEs the matched blocks there and answers (KVRP).
+ * Hidden-state destinations are one per block; blocks stored without hidden
+ * states are skipped.  The wire format is kv_msg.[ch] (docs/protocol.md). */
 #include "kv/kv_transfer.h"
 #include "kv/kv_internal.h"
 
@@ -18,7 +12,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "util/bytes.h"
 #include "util/clock.h"
 #include "util/log.h"
 
@@ -28,28 +21,23 @@ static void mark_unreachable(mc_kv_t *kv, const char *from, int code);
 
 /* Answers job j.  The wait for the receipt is bounded by what is left of the
  * asker's timeout (it has given up after that), at most 10 s. */
-static void send_answer(mc_kv_t *kv, const kv_job_t *j, uint64_t id, int status,
-                        uint32_t matched, const char *text) {
+static void send_answer(mc_kv_t *kv, const kv_job_t *j, uint64_t id, uint32_t tmo,
+                        int status, uint32_t matched, const char *text) {
   const char *to = j->from;
-  uint32_t tmo = j->len >= 20 ? mc_get_u32(j->msg + 16) : 0;
   int64_t left = 10000;
   if (tmo) {
     left = (int64_t)tmo - (int64_t)((mc_now_ns() - j->received_ns) / 1000000ull);
     left = left < 100 ? 100 : left > 10000 ? 10000 : left;
   }
-  size_t tl = status < 0 && text ? strlen(text) : 0;
-  uint8_t *buf = malloc(KV_REP_HDR + tl);
+  kv_msg_rep_t r = {.id = id, .status = status, .matched = matched, .text = text,
+                    .text_len = text ? strlen(text) : 0};
+  size_t len = (size_t)kv_msg_rep_size(&r);
+  uint8_t *buf = malloc(len);
   if (!buf)
     return;
-  memset(buf, 0, KV_REP_HDR);
-  mc_put_u32(buf, KV_REP_MAGIC);
-  buf[4] = KV_VERSION;
-  mc_put_u64(buf + 8, id);
-  mc_put_u32(buf + 16, (uint32_t)status);
-  mc_put_u32(buf + 20, matched);
-  memcpy(buf + KV_REP_HDR, text, tl);
   mc_err_t err = {0};
-  if (mc_engine_notify(kv->e, to, buf, KV_REP_HDR + tl, left, &err) < 0) {
+  if (kv_msg_rep_encode(&r, buf, len, &err) < 0 ||
+      mc_engine_notify(kv->e, to, buf, len, left, &err) < 0) {
     mc_log_warn("recv_kv answer to %s (request %llu) not delivered: %s", to,
                 (unsigned long long)id, err.msg);
     mark_unreachable(kv, to, err.code);
@@ -58,21 +46,22 @@ static void send_answer(mc_kv_t *kv, const kv_job_t *j, uint64_t id, int status,
 }
 
 static void on_answer(mc_kv_t *kv, const char *from, const uint8_t *m, size_t len) {
-  if (len < KV_REP_HDR || m[4] != KV_VERSION) {
-    mc_log_warn("malformed recv_kv answer from %s dropped", from);
+  kv_msg_rep_t r;
+  mc_err_t err = {0};
+  if (kv_msg_rep_decode(m, len, &r, &err) < 0) {
+    mc_log_warn("%s from %s: dropped", err.msg, from);
     return;
   }
-  uint64_t id = mc_get_u64(m + 8);
   pthread_mutex_lock(&kv->mu);
   for (kv_waiter_t *w = kv->waiters; w; w = w->next) {
-    if (w->id == id && !w->done && !strcmp(w->producer, from)) {
+    if (w->id == r.id && !w->done && !strcmp(w->producer, from)) {
       w->done = 1;
-      w->status = (int32_t)mc_get_u32(m + 16);
-      w->matched = mc_get_u32(m + 20);
-      size_t tl = len - KV_REP_HDR;
+      w->status = r.status;
+      w->matched = r.matched;
+      size_t tl = r.text_len;
       if (tl >= sizeof w->msg)
         tl = sizeof w->msg - 1;
-      memcpy(w->msg, m + KV_REP_HDR, tl);
+      memcpy(w->msg, r.text, tl);
       w->msg[tl] = '\0';
       pthread_cond_broadcast(&kv->wait_cv);
       break;
@@ -109,7 +98,7 @@ static void on_peer_lost(void *arg, const char *segment) {
 static int on_message(void *arg, const char *from, const void *msg, size_t len, mc_err_t *err) {
   mc_kv_t *kv = arg;
   const uint8_t *m = msg;
-  uint32_t magic = len >= 4 ? mc_get_u32(m) : 0;
+  uint32_t magic = kv_msg_magic(m, len);
   if (magic == KV_REP_MAGIC) {
     on_answer(kv, from, m, len);
     return 0;
@@ -216,21 +205,18 @@ long kv_ask_locked(mc_kv_t *kv, kv_waiter_t *w, const char *producer, const void
 
 /* ---- serving one request (worker thread) ---- */
 
-/* Returns matched tokens (>= 0) or a negative code with err set. */
-static long serve(mc_kv_t *kv, kv_job_t *j, uint64_t *bytes, mc_err_t *err) {
-  const uint8_t *m = j->msg;
-  if (j->len < KV_REQ_HDR || m[4] != KV_VERSION)
-    return mc_err_set(err, MC_EPROTO, "malformed recv_kv request (version %u, %zu bytes)",
-                      j->len >= 5 ? m[4] : 0, j->len);
-  int width = m[5];
-  uint32_t epb = mc_get_u16(m + 6);
-  uint32_t timeout_ms = mc_get_u32(m + 16);
-  uint64_t ntok = mc_get_u32(m + 24), ndest = mc_get_u32(m + 28), nhid = mc_get_u32(m + 20);
-  if ((width != 4 && width != 8) || epb == 0 ||
-      j->len != KV_REQ_HDR + ntok * (uint64_t)width + (ndest + nhid) * 16)
-    return mc_err_set(err, MC_EPROTO, "malformed recv_kv request (width %d, %llu tokens, "
-                      "%llu extents, %zu bytes)", width, (unsigned long long)ntok,
-                      (unsigned long long)ndest, j->len);
+/* Returns matched tokens (>= 0) or a negative code with err set; *tmo =
+ * the request's timeout (0 if it could not be read). */
+static long serve(mc_kv_t *kv, kv_job_t *j, uint64_t *bytes, uint32_t *tmo, mc_err_t *err) {
+  kv_msg_req_t q;
+  int drc = kv_msg_req_decode(j->msg, j->len, &q, err);
+  if (drc < 0)
+    return drc;
+  *tmo = q.timeout_ms;
+  int width = q.width;
+  uint32_t epb = q.epb;
+  uint32_t timeout_ms = q.timeout_ms;
+  uint64_t ntok = q.ntok, ndest = q.ndest, nhid = q.nhid;
   if (!kv->lb)
     return mc_err_set(err, MC_EINVAL, "segment %s holds no KV (it is not a producer: no lookup "
                       "buffer)", mc_engine_segment_name(kv->e));
@@ -243,10 +229,8 @@ static long serve(mc_kv_t *kv, kv_job_t *j, uint64_t *bytes, mc_err_t *err) {
     return mc_err_set(err, MC_ETIMEDOUT, "request waited %llu ms in the producer's queue, past "
                       "its %u ms timeout; not served", (unsigned long long)((now - j->received_ns) /
                       1000000ull), timeout_ms);
-  const uint8_t *tokens = m + KV_REQ_HDR;
-  const uint8_t *dest = tokens + ntok * (uint64_t)width;
   mc_lookup_match_t *match = NULL;
-  long matched = mc_lookup_find(kv->lb, tokens, (size_t)ntok, width, &match, err);
+  long matched = mc_lookup_find(kv->lb, q.tokens, (size_t)ntok, width, &match, err);
   if (matched <= 0)
     return matched;
   size_t nb = mc_lookup_match_blocks(match);
@@ -258,7 +242,6 @@ static long serve(mc_kv_t *kv, kv_job_t *j, uint64_t *bytes, mc_err_t *err) {
   long rc = matched;
   size_t nreq = nb * epb;
   size_t nh = nhid < nb ? (size_t)nhid : nb; /* blocks whose hidden states are wanted */
-  const uint8_t *hdest = dest + ndest * 16;
   mc_request_t *reqs = calloc(nreq + nh + 1, sizeof *reqs);
   if (!reqs) {
     mc_lookup_release(kv->lb, match);
@@ -268,7 +251,8 @@ static long serve(mc_kv_t *kv, kv_job_t *j, uint64_t *bytes, mc_err_t *err) {
     const mc_lookup_extent_t *src = mc_lookup_match_kv(match, b);
     for (uint32_t k = 0; k < epb; k++) {
       size_t i = b * epb + k;
-      uint64_t daddr = mc_get_u64(dest + 16 * i), dlen = mc_get_u64(dest + 16 * i + 8);
+      kv_ext_t d = kv_msg_extent(q.ext, i);
+      uint64_t daddr = d.addr, dlen = d.len;
       if (dlen != src[k].len) {
         rc = mc_err_set(err, MC_EINVAL, "destination extent %zu is %llu bytes but the "
                         "producer's KV block extent is %llu bytes", i,
@@ -284,7 +268,8 @@ static long serve(mc_kv_t *kv, kv_job_t *j, uint64_t *bytes, mc_err_t *err) {
     const mc_lookup_extent_t *hx = mc_lookup_match_hidden(match, b);
     if (!hx || hx->len == 0)
       continue; /* stored without hidden states */
-    uint64_t daddr = mc_get_u64(hdest + 16 * b), dlen = mc_get_u64(hdest + 16 * b + 8);
+    kv_ext_t d = kv_msg_extent(q.ext, ndest + b);
+    uint64_t daddr = d.addr, dlen = d.len;
     if (dlen != hx->len) {
       rc = mc_err_set(err, MC_EINVAL, "hidden-state destination %zu is %llu bytes but the "
                       "producer's block holds %llu", b, (unsigned long long)dlen,
@@ -356,7 +341,7 @@ static kv_job_t *take_job_locked(mc_kv_t *kv) {
   uint64_t now = mc_now_ns();
   for (kv_job_t **pp = &kv->jobs_head, *prev = NULL; *pp; prev = *pp, pp = &(*pp)->next) {
     kv_job_t *j = *pp;
-    uint32_t jm = j->len >= 4 ? mc_get_u32(j->msg) : 0;
+    uint32_t jm = kv_msg_magic(j->msg, j->len);
     if (jm != KV_PREL_MAGIC && serving_locked(kv, j->from) &&
         !unreachable_locked(kv, j->from, now))
       continue;
@@ -410,7 +395,7 @@ static void *worker_main(void *arg) {
     kv->serving[slot] = j->from;
     pthread_mutex_unlock(&kv->mu);
 
-    uint32_t jm = j->len >= 4 ? mc_get_u32(j->msg) : 0;
+    uint32_t jm = kv_msg_magic(j->msg, j->len);
     if (jm == KV_PULL_MAGIC || jm == KV_PREL_MAGIC) {
       if (jm == KV_PULL_MAGIC)
         kv_pull_serve(kv, j);
@@ -425,8 +410,9 @@ static void *worker_main(void *arg) {
     }
     mc_err_t err = {0};
     uint64_t bytes = 0;
-    long rc = serve(kv, j, &bytes, &err);
-    uint64_t id = j->len >= 16 ? mc_get_u64(j->msg + 8) : 0;
+    uint32_t tmo = 0;
+    long rc = serve(kv, j, &bytes, &tmo, &err);
+    uint64_t id = kv_msg_peek_id(j->msg, j->len); /* a malformed request is answered too */
     pthread_mutex_lock(&kv->mu); /* counted before the asker can see the answer */
     if (rc < 0) {
       kv->stats.serve_errors++;
@@ -439,7 +425,7 @@ static void *worker_main(void *arg) {
     if (rc == MC_ECONNECT) /* the push could not reach it: nor would the answer */
       mark_unreachable(kv, j->from, (int)rc);
     else
-      send_answer(kv, j, id, rc < 0 ? (int)rc : 0, rc < 0 ? 0 : (uint32_t)rc, err.msg);
+      send_answer(kv, j, id, tmo, rc < 0 ? (int)rc : 0, rc < 0 ? 0 : (uint32_t)rc, err.msg);
 
     pthread_mutex_lock(&kv->mu);
     kv->serving[slot] = NULL;
@@ -573,8 +559,13 @@ long mc_kv_recv_ex(mc_kv_t *kv, const char *producer, const void *tokens, size_t
     return mc_err_set(err, MC_EINVAL, "recv_kv: too many tokens or extents");
   if (timeout_ms <= 0)
     timeout_ms = 30000;
-  size_t len = KV_REQ_HDR + ntok * (size_t)width + (ndest + nhidden) * 16;
-  if (len > MC_ENGINE_MAX_MSG)
+  kv_msg_req_t q = {.width = (uint8_t)width, .epb = (uint16_t)epb,
+                    .timeout_ms = (uint32_t)timeout_ms, .ntok = (uint32_t)ntok,
+                    .ndest = (uint32_t)ndest, .nhid = (uint32_t)nhidden, .tokens = tokens,
+                    .dest = dest, .hidden = hidden};
+  uint64_t len64 = kv_msg_req_size(&q);
+  size_t len = (size_t)len64;
+  if (len64 > MC_ENGINE_MAX_MSG)
     return mc_err_set(err, MC_ETOOBIG, "recv_kv request of %zu bytes (%zu tokens, %zu extents) "
                       "exceeds %u bytes; split the prompt", len, ntok, ndest, MC_ENGINE_MAX_MSG);
   uint8_t *buf = malloc(len);
@@ -583,25 +574,6 @@ long mc_kv_recv_ex(mc_kv_t *kv, const char *producer, const void *tokens, size_t
     free(buf);
     free(w);
     return mc_err_set(err, MC_ENOMEM, "out of memory");
-  }
-  memset(buf, 0, KV_REQ_HDR);
-  mc_put_u32(buf, KV_REQ_MAGIC);
-  buf[4] = KV_VERSION;
-  buf[5] = (uint8_t)width;
-  mc_put_u16(buf + 6, (uint16_t)epb);
-  mc_put_u32(buf + 16, (uint32_t)timeout_ms);
-  mc_put_u32(buf + 20, (uint32_t)nhidden);
-  mc_put_u32(buf + 24, (uint32_t)ntok);
-  mc_put_u32(buf + 28, (uint32_t)ndest);
-  memcpy(buf + KV_REQ_HDR, tokens, ntok * (size_t)width);
-  uint8_t *d = buf + KV_REQ_HDR + ntok * (size_t)width;
-  for (size_t i = 0; i < ndest; i++) {
-    mc_put_u64(d + 16 * i, dest[i].addr);
-    mc_put_u64(d + 16 * i + 8, dest[i].len);
-  }
-  for (size_t i = 0; i < nhidden; i++) {
-    mc_put_u64(d + 16 * (ndest + i), hidden[i].addr);
-    mc_put_u64(d + 16 * (ndest + i) + 8, hidden[i].len);
   }
   snprintf(w->producer, sizeof w->producer, "%s", producer);
   pthread_mutex_lock(&kv->mu);
@@ -616,7 +588,17 @@ long mc_kv_recv_ex(mc_kv_t *kv, const char *producer, const void *tokens, size_t
   kv->waiters = w;
   kv->stats.recvs++;
   pthread_mutex_unlock(&kv->mu);
-  mc_put_u64(buf + 8, w->id);
+  q.id = w->id;
+  long erc = kv_msg_req_encode(&q, buf, len, err); /* checked above: cannot fail */
+  if (erc < 0) {
+    pthread_mutex_lock(&kv->mu);
+    kv_waiter_unlink_locked(kv, w);
+    pthread_cond_broadcast(&kv->wait_cv);
+    pthread_mutex_unlock(&kv->mu);
+    free(buf);
+    free(w);
+    return erc;
+  }
 
   uint64_t deadline = mc_now_ns() + (uint64_t)timeout_ms * 1000000ull;
   long rc = kv_ask_locked(kv, w, producer, buf, len, timeout_ms, deadline, "recv_kv", err);

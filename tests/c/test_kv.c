@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include "engine/engine.h"
+#include "kv/kv_internal.h" /* test_errors looks at the waiter list */
 #include "kv/kv_transfer.h"
 #include "lookup/lookup_buffer.h"
 #include "testlib.h"
@@ -207,6 +208,28 @@ static void test_probe_and_pull_wait(void) {
   CHECK_EQ_INT(s.probes, 3);
 }
 
+/* Last: it moves the pull/probe counters the tests above check. */
+static void test_too_big_leaves_no_waiter(void) {
+  int64_t t[32] = {0};
+  mc_lookup_extent_t dst[2] = {{.addr = (uint64_t)(uintptr_t)cbuf, .len = BB},
+                               {.addr = (uint64_t)(uintptr_t)cbuf + BB, .len = BB}};
+  mc_err_t err = {0};
+  /* Requests too big for one message are refused before sending (the
+   * tokens are not read) and leave no waiter behind. */
+  size_t huge = (MC_ENGINE_MAX_MSG / 8) + 1;
+  CHECK_EQ_INT(mc_kv_pull(KC, mc_engine_segment_name(P), t, huge, 8, dst, 2, 1, 100, &err),
+               MC_ETOOBIG);
+  CHECK_EQ_INT(mc_kv_probe(KC, mc_engine_segment_name(P), t, huge, 8, 1, 100, &err),
+               MC_ETOOBIG);
+  CHECK_CONTAINS(err.msg, "split the prompt");
+  CHECK_EQ_INT(mc_kv_recv(KC, mc_engine_segment_name(P), t, huge, 8, dst, 2, 1, 100, &err),
+               MC_ETOOBIG);
+  pthread_mutex_lock(&KC->mu);
+  int left = KC->waiters != NULL;
+  pthread_mutex_unlock(&KC->mu);
+  CHECK(!left);
+}
+
 int main(void) {
   pbuf = calloc(16, BB);
   cbuf = calloc(16, BB);
@@ -227,6 +250,7 @@ int main(void) {
   RUN(test_pull_slices_and_skips);
   RUN(test_async_pull);
   RUN(test_probe_and_pull_wait);
+  RUN(test_too_big_leaves_no_waiter);
   mc_kv_destroy(KC);
   mc_kv_destroy(KP);
   mc_lookup_destroy(LB);

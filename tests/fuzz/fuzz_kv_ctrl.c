@@ -12,7 +12,9 @@
  *
  * Input: byte 0 = flags (bit 0: deliver to C as an answer from P, else to P
  * as a request from C; bit 1: C has a recv_kv/pull waiter with id 7 pending
- * for P), then the message. */
+ * for P), then the message.  Every input also goes through each decoder of
+ * kv_msg.c directly (cheap, no engine): what they accept must lie inside the
+ * message and encode back to the same length. */
 #include "fuzz_common.h"
 
 #include <pthread.h>
@@ -20,7 +22,6 @@
 #include <unistd.h>
 
 #include "engine/engine.h"
-#include "util/bytes.h"
 #include "engine/engine_internal.h"
 #include "kv/kv_internal.h"
 #include "lookup/lookup_buffer.h"
@@ -99,21 +100,71 @@ static uint64_t probes_served(void) {
 
 /* Mirrors kv_pull_serve: which messages it counts as probes served. */
 static int counts_as_probe(const uint8_t *m, size_t len) {
-  return len >= KV_PULL_HDR && mc_get_u32(m) == KV_PULL_MAGIC && m[4] == KV_VERSION &&
-         mc_get_u32(m + 16) == 0;
+  kv_msg_lease_req_t q;
+  kv_msg_lease_req_decode(m, len, &q, NULL);
+  return q.hdr_ok && q.lease_ms == 0;
+}
+
+static void must(int cond, const char *what) {
+  if (!cond) {
+    fprintf(stderr, "fuzz_kv_ctrl: decoder invariant broken: %s\n", what);
+    abort();
+  }
+}
+
+static const mc_lookup_extent_t *no_block(const void *ctx, size_t b) {
+  (void)b;
+  return ctx;
+}
+
+/* The decoders alone, on the raw bytes. */
+static void decode_all(const uint8_t *m, size_t len) {
+  static uint8_t out[MC_ENGINE_MAX_MSG];
+  mc_err_t err = {0};
+  kv_msg_req_t q;
+  if (kv_msg_req_decode(m, len, &q, &err) == 0) {
+    size_t next = (size_t)(q.ext - m) + ((size_t)q.ndest + q.nhid) * KV_EXT_LEN;
+    must(next == len && (const uint8_t *)q.tokens == m + KV_REQ_HDR, "KVRQ extents");
+    for (size_t i = 0; i < (size_t)q.ndest + q.nhid; i++)
+      (void)kv_msg_extent(q.ext, i); /* ASan: inside the message */
+  } else {
+    must(err.code == MC_EPROTO && err.msg[0], "KVRQ error");
+  }
+  kv_msg_rep_t r;
+  if (kv_msg_rep_decode(m, len, &r, &err) == 0) {
+    must((const uint8_t *)r.text + r.text_len == m + len, "KVRP text");
+    must(kv_msg_rep_encode(&r, out, sizeof out, &err) ==
+             (long)(r.status < 0 ? len : KV_REP_HDR), "KVRP re-encode");
+  }
+  kv_msg_lease_req_t l;
+  if (kv_msg_lease_req_decode(m, len, &l, &err) == 0)
+    must(kv_msg_lease_req_encode(&l, out, sizeof out, &err) == (long)len, "KVPQ re-encode");
+  kv_msg_lease_ans_t a;
+  if (kv_msg_lease_ans_decode(m, len, &a, &err) == 0) {
+    must(a.hdr_ok, "KVPP header");
+    if (a.status >= 0) {
+      must(a.ext + (size_t)a.nb * a.epb * KV_EXT_LEN == m + len, "KVPP extents");
+      for (size_t i = 0; i < (size_t)a.nb * a.epb; i++)
+        (void)kv_msg_extent(a.ext, i);
+    }
+    kv_msg_lease_ans_t b = a;
+    b.nb = 0; /* length check only: the extents themselves were read above */
+    b.block = no_block;
+    must(kv_msg_lease_ans_encode(&b, out, sizeof out, &err) ==
+             (long)(a.status < 0 ? len : KV_PANS_HDR), "KVPP re-encode");
+  }
+  uint64_t lease;
+  if (kv_msg_release_decode(m, len, &lease, &err) == 0)
+    must(len == KV_PREL_LEN && lease == kv_msg_peek_id(m, len), "KVPR");
 }
 
 static void to_producer(const uint8_t *m, size_t len) {
   uint64_t want = probes_served() + 1 + (uint64_t)counts_as_probe(m, len);
   deliver(P, cname, m, len);
-  uint8_t probe[KV_PULL_HDR + 4] = {0};
-  mc_put_u32(probe, KV_PULL_MAGIC);
-  probe[4] = KV_VERSION;
-  probe[5] = 4;
-  mc_put_u16(probe + 6, 1);
-  mc_put_u64(probe + 8, 0xfeed);
-  mc_put_u32(probe + 20, 1);
-  mc_put_u32(probe + KV_PULL_HDR, 1);
+  static const int32_t one = 1;
+  kv_msg_lease_req_t q = {.id = 0xfeed, .width = 4, .epb = 1, .ntok = 1, .tokens = &one};
+  uint8_t probe[KV_PULL_HDR + 4];
+  kv_msg_lease_req_encode(&q, probe, sizeof probe, NULL);
   deliver(P, cname, probe, sizeof probe);
   for (int i = 0; i < 20000 && probes_served() < want; i++)
     usleep(100);
@@ -154,6 +205,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   if (!m)
     abort();
   memcpy(m, data + 1, size - 1);
+  decode_all(m, size - 1);
   if (flags & 1)
     to_consumer(m, size - 1, flags & 2);
   else

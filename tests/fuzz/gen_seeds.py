@@ -3,7 +3,8 @@
 
 The JSON / text seeds are committed as written by hand; the binary ones (wire
 messages, KV control messages) are generated here from the formats in
-csrc/transport/tcp/wire.h and csrc/kv/kv_transfer.c so that they stay
+csrc/transport/tcp/wire.h and docs/protocol.md "KV control messages"
+(csrc/kv/kv_msg.h) so that they stay
 readable.  Run from the repository root: python3 tests/fuzz/gen_seeds.py
 """
 import os
@@ -85,9 +86,9 @@ KV_C = 0x40000000  # fuzz_kv_ctrl: the consumer's registered 64 KiB
 def kv_seeds():
     toks = struct.pack("<16i", *range(1, 17))
     dests = b"".join(struct.pack("<QQ", KV_C + 4096 * i, 4096) for i in range(4))
-    req = struct.pack("<IBBHQIIII", 0x5152564B, 1, 4, 1, 11, 2000, 0, 16, 4) + toks + dests
+    req = struct.pack("<IBBHQIIII4x", 0x5152564B, 1, 4, 1, 11, 2000, 0, 16, 4) + toks + dests
     put("kv_ctrl", "p_recv_kv", b"\x00" + req)
-    bad = struct.pack("<IBBHQIIII", 0x5152564B, 1, 4, 1, 12, 2000, 1, 16, 4) + toks + dests \
+    bad = struct.pack("<IBBHQIIII4x", 0x5152564B, 1, 4, 1, 12, 2000, 1, 16, 4) + toks + dests \
         + struct.pack("<QQ", 0x1000, 64)
     put("kv_ctrl", "p_recv_kv_hidden", b"\x00" + bad)
     lease = struct.pack("<IBBHQIII", 0x5150564B, 1, 4, 1, 13, 1000, 16, 1) + toks
