@@ -195,6 +195,14 @@ def test_cell_logs_its_tp_map_and_no_load_failures(cells, name):
         assert "Turning off hybrid kv cache manager" not in log
         assert "SlidingWindowSpec" in log and "FullAttentionSpec" in log, \
             "the decode worker did not log two KV-cache groups"
+    # The stat logger writes a line per ~10 s interval.  The decode server
+    # answered the reference requests (no loads) before the proxied ones, so
+    # the lines written so far may all predate the loads: wait for the
+    # interval that holds them.
     stats = connector_log_stats(dep.decode.log_path)
-    if stats:  # the stat logger writes every ~10 s; a fast cell may have none yet
+    end = time.monotonic() + 30
+    while stats and not stats.get("loads") and time.monotonic() < end:
+        time.sleep(1)
+        stats = connector_log_stats(dep.decode.log_path)
+    if stats:  # a fast cell may have no line at all yet
         assert stats.get("loads", 0) > 0 and stats.get("loads_failed", 0) == 0, stats

@@ -63,6 +63,10 @@ void mc_op_finalize(mc_xfer_op_t *op, int code, const char *msg) {
   if (op->finalized)
     return;
   op->finalized = 1;
+  /* The flag lives in the submitter's memory, which may be freed as soon as
+   * done() returns, while a finalized op can stay queued (a reply still to
+   * be read past): nothing may look at it after this point. */
+  op->cancel = NULL;
   if (op->done)
     op->done(op, code, msg);
 }
