@@ -426,7 +426,10 @@ static int submit_planned(mc_engine_t *e, mc_batch_t *b, const char *segment,
     mc_mem_kind_t kind = dev >= 0 ? MC_MEM_CUDA : MC_MEM_HOST;
     if (via[kind] < 0)
       via[kind] = mc_transport_choose(e, &peer, kind);
-    op_builder_t *bd = &ob[via[kind]];
+    /* The chosen transport may decline this remote range (a peer's GPU
+     * region on the same-host CPU path): the next one takes it. */
+    op_builder_t *bd =
+        &ob[mc_transport_for_request(e, &peer, kind, via[kind], r->remote, r->len)];
     int type = r->opcode == MC_OP_WRITE ? MC_XFER_WRITE : MC_XFER_READ;
     uint64_t off = 0;
     while (off < r->len) {

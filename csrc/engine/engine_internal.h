@@ -182,6 +182,10 @@ void mc_gpu_log_path_once(mc_engine_t *e, const char *segment, const char *fmt, 
 int mc_transports_start(mc_engine_t *e, mc_err_t *err);
 void mc_transports_stop(mc_engine_t *e);
 int mc_transport_choose(mc_engine_t *e, const mc_peer_t *peer, mc_mem_kind_t kind);
+/* The transport that moves one request: `chosen` (from choose) unless its
+ * takes() declines [remote, remote+len), then the next one that can. */
+int mc_transport_for_request(mc_engine_t *e, const mc_peer_t *peer, mc_mem_kind_t kind,
+                             int chosen, uint64_t remote, uint64_t len);
 void mc_transports_cancel_sweep(mc_engine_t *e);
 void mc_transports_peer_lost(mc_engine_t *e, const char *segment);
 void mc_transports_peer_closed(mc_engine_t *e, const char *segment);
@@ -189,7 +193,9 @@ int mc_transports_serve_rpc(mc_engine_t *e, const char *from, const char *req, s
                             char **reply, mc_err_t *err);
 int mc_transports_register(mc_engine_t *e, void *addr, uint64_t len, const char *location,
                            mc_err_t *err);
-void mc_transports_unregister(mc_engine_t *e, void *addr);
+/* Before the region leaves e->regions: <0 (e.g. MC_EBUSY, copies in
+ * flight past timeout_ms) fails the engine's unregister. */
+int mc_transports_unregister(mc_engine_t *e, void *addr, int64_t timeout_ms, mc_err_t *err);
 
 /* Resolves a segment name to where it is served (cache, metadata or P2P). */
 int mc_engine_resolve(mc_engine_t *e, const char *segment, mc_segment_desc_t *out,

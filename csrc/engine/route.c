@@ -105,9 +105,11 @@ static int ask_reaches(mc_engine_t *e, int id, const mc_peer_t *peer, mc_mem_kin
   return yes;
 }
 
-int mc_transport_choose(mc_engine_t *e, const mc_peer_t *peer, mc_mem_kind_t kind) {
+/* First transport of kind's row from position `from` on that can move it. */
+static int choose_from(mc_engine_t *e, const mc_peer_t *peer, mc_mem_kind_t kind,
+                       const int *from) {
   unsigned need = kind == MC_MEM_CUDA ? MC_TCAP_CUDA_MEM : MC_TCAP_HOST_MEM;
-  for (const int *p = prefs[kind]; *p >= 0; p++) {
+  for (const int *p = from; *p >= 0; p++) {
     const mc_transport_t *t = &e->tr[*p];
     if (!t->ops || !t->ops->submit || !(t->ops->caps & need))
       continue;
@@ -117,6 +119,26 @@ int mc_transport_choose(mc_engine_t *e, const mc_peer_t *peer, mc_mem_kind_t kin
       return *p;
   }
   return MC_TRANSPORT_TCP;
+}
+
+int mc_transport_choose(mc_engine_t *e, const mc_peer_t *peer, mc_mem_kind_t kind) {
+  return choose_from(e, peer, kind, prefs[kind]);
+}
+
+int mc_transport_for_request(mc_engine_t *e, const mc_peer_t *peer, mc_mem_kind_t kind,
+                             int chosen, uint64_t remote, uint64_t len) {
+  while (chosen != MC_TRANSPORT_TCP) {
+    const mc_transport_t *t = &e->tr[chosen];
+    if (!t->ops || !t->ops->takes || t->ops->takes(t->impl, peer, remote, len))
+      return chosen;
+    const int *p = prefs[kind];
+    while (*p >= 0 && *p != chosen)
+      p++;
+    if (*p < 0)
+      return MC_TRANSPORT_TCP;
+    chosen = choose_from(e, peer, kind, p + 1);
+  }
+  return chosen;
 }
 
 /* ---- calls every transport gets ---- */
@@ -174,17 +196,26 @@ int mc_transports_register(mc_engine_t *e, void *addr, uint64_t len, const char 
       continue;
     int rc = t->ops->mem_register(t->impl, addr, len, location, err);
     if (rc < 0) {
-      for (int k = 0; k < i; k++) /* all or none */
+      mc_err_t ignored; /* all or none: nobody knew of it yet */
+      for (int k = 0; k < i; k++)
         if (e->tr[k].ops && e->tr[k].ops->mem_register && e->tr[k].ops->mem_unregister)
-          e->tr[k].ops->mem_unregister(e->tr[k].impl, addr);
+          e->tr[k].ops->mem_unregister(e->tr[k].impl, addr, e->unregister_wait_ms, &ignored);
       return rc;
     }
   }
   return 0;
 }
 
-void mc_transports_unregister(mc_engine_t *e, void *addr) {
-  for (int i = 0; i < MC_TRANSPORT_COUNT; i++)
-    if (e->tr[i].ops && e->tr[i].ops->mem_unregister)
-      e->tr[i].ops->mem_unregister(e->tr[i].impl, addr);
+int mc_transports_unregister(mc_engine_t *e, void *addr, int64_t timeout_ms, mc_err_t *err) {
+  /* Slot order: the same-host CPU path (which may refuse: copies in
+   * flight) before RDMA (which cannot). */
+  for (int i = 0; i < MC_TRANSPORT_COUNT; i++) {
+    const mc_transport_t *t = &e->tr[i];
+    int rc = t->ops && t->ops->mem_unregister
+                 ? t->ops->mem_unregister(t->impl, addr, timeout_ms, err)
+                 : 0;
+    if (rc < 0)
+      return rc;
+  }
+  return 0;
 }

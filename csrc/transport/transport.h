@@ -47,7 +47,10 @@
  *     now.  peer_closed(): `segment`'s connection to us closed; free what
  *     served it.  Both optional, any thread.
  *   - mem_register()/mem_unregister(): called for every region the engine
- *     registers (location "cpu" or "cuda:N"), optional.  The region table
+ *     registers (location "cpu" or "cuda:N"), optional; an unregister that
+ *     times out on accesses in flight fails the engine's unregister.
+ *   - takes(): optional per-request veto after the choice (the remote
+ *     range's kind may rule a transport out: the next one takes it).  The region table
  *     (mem/regions.h) stays the authority on what a peer may touch.
  *   - stop(): fail everything in flight with MC_ECLOSED, join threads, free
  *     impl.  Called once, after the engine stopped submitting.
@@ -134,10 +137,22 @@ typedef struct mc_transport_ops {
   const char *rpc_prefix;
   int (*serve_rpc)(void *impl, const char *from, const char *req, size_t len, char **reply,
                    mc_err_t *err);
-  /* Optional: a region was registered / is being unregistered. */
+  /* Optional: a region was registered / is being unregistered.
+   * mem_unregister runs BEFORE the engine drops the region: it waits up to
+   * timeout_ms (<0: no limit) for accesses in flight through this
+   * transport and fails (MC_EBUSY, naming who holds it) past it; the
+   * engine's unregister then fails too and the region stays registered
+   * (a later unregister may finish).  An address it does not know is 0. */
   int (*mem_register)(void *impl, void *addr, uint64_t len, const char *location,
                       mc_err_t *err);
-  void (*mem_unregister)(void *impl, void *addr);
+  int (*mem_unregister)(void *impl, void *addr, int64_t timeout_ms, mc_err_t *err);
+  /* Optional: does this transport take the request [remote, remote+len) to
+   * `peer` (after reaches() said yes for its memory kind)?  1 yes; 0 no:
+   * the engine gives that request to the next transport in preference
+   * order (e.g. the same-host CPU path declines a peer's GPU region, which
+   * TCP stages).  Submitting thread, GIL released, per request: keep it
+   * cheap. */
+  int (*takes)(void *impl, const mc_peer_t *peer, uint64_t remote, uint64_t len);
 } mc_transport_ops_t;
 
 typedef struct mc_transport {
