@@ -137,8 +137,14 @@ def run_prefill(args):
             decode.stdin.flush()
             got = json.loads(decode.stdout.readline())
             ok = got == want
+            shc = int(eng.get_stats().get("same_host_cpu_bytes_written", 0))
             summary = {"bytes": total, "blocks": len(lens), "best_seconds": best,
-                       "best_GBps": total / best / 1e9, "verified": ok}
+                       "best_GBps": total / best / 1e9, "verified": ok,
+                       "same_host_cpu_bytes": shc}
+            print(f"  {shc:,} of {total * args.repeat:,} bytes went through the same-host CPU "
+                  "path (cross-memory attach; the rest over the network path"
+                  + (", MC_SAME_HOST_CPU=0)" if os.environ.get("MC_SAME_HOST_CPU") == "0"
+                     else ")"))
             print(("OK" if ok else "MISMATCH") +
                   f": {total / 2**20:.0f} MiB of KV cache ({args.layers} layers x K,V x {n} "
                   f"blocks of {args.block_kib} KiB) moved prefill -> decode; best "

@@ -5,8 +5,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+from conftest import TRANSPORTS
 
-def test_demo_runs_and_verifies():
+
+@pytest.mark.parametrize("transport", TRANSPORTS, indirect=True)
+def test_demo_runs_and_verifies(transport, transport_env):
     out = subprocess.run(
         [sys.executable, "-m", "mooncake_connector.demo", "--transfer-only", "--layers", "4",
          "--blocks", "64", "--block-kib", "16", "--repeat", "1", "--json"],
@@ -16,6 +20,12 @@ def test_demo_runs_and_verifies():
     assert summary["verified"] is True
     assert summary["bytes"] == 4 * 2 * 64 * 16 * 1024
     assert "GB/s" in out.stdout and "metadata server (embedded)" in out.stdout
+    # The demo reports the bytes that took the same-host CPU path: all of
+    # them when it is on (both processes on this host), none when off.
+    want = summary["bytes"] if transport == "same-host-cpu" else 0
+    assert summary["same_host_cpu_bytes"] == want, out.stdout
+    assert f"{want:,} of {summary['bytes']:,} bytes went through the same-host CPU path" \
+        in out.stdout
 
 
 def test_demo_with_a_mooncake_json(tmp_path):
