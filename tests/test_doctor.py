@@ -367,3 +367,17 @@ def test_serve_port_taken():
                             "--listen", f"127.0.0.1:{port}", "--seconds", "5"],
                            capture_output=True, text=True, timeout=60, cwd="/")
     assert r.returncode == 1 and f"cannot serve at 127.0.0.1:{port}" in r.stderr, r.stderr
+
+
+# ------------------------------------------------------------ the same-host CPU path
+
+def test_same_host_cpu_path_row(tmp_path):
+    """A real process_vm_readv from another process (this host allows it: the
+    engine tests on same-host-cpu run here); each off switch says which."""
+    env = {"MC_SAME_HOST_CPU": "1"}
+    rc, rows = doctor("--config", write_cfg(tmp_path), env=env)
+    assert "cross-memory attach works" in row(rows, "same-host", "cpu", "ok")["detail"]
+    rc, rows = doctor("--config", write_cfg(tmp_path), env={"MC_SAME_HOST_CPU": "0"})
+    assert "MC_SAME_HOST_CPU=0" in row(rows, "same-host", "cpu", "skip")["detail"]
+    rc, rows = doctor("--config", write_cfg(tmp_path, same_host_cpu=False), env=env)
+    assert '"same_host_cpu": false' in row(rows, "same-host", "cpu", "skip")["detail"]

@@ -464,6 +464,7 @@ int mc_engine_create(const mc_engine_opts_t *o, mc_engine_t **out, mc_err_t *err
     goto fail;
   }
   snprintf(e->auth_secret, sizeof e->auth_secret, "%s", secret ? secret : "");
+  e->same_host_cpu_off = o->same_host_cpu_off != 0;
   if (e->auth_secret[0] && strlen(e->auth_secret) < 16)
     mc_log_warn("the peer authentication secret is only %zu characters; a host that talks to "
                 "this engine can test guesses offline, so use a random one of 32 or more (e.g. "

@@ -53,6 +53,7 @@ struct mc_engine {
   int gpu_trace;          /* MC_GPU_TRACE=1: log planning times (docs/device.md) */
   int local_check;        /* local buffers must lie in our regions (MC_LOCAL_CHECK) */
   int unregister_wait_ms; /* MC_UNREGISTER_WAIT_MS: bound on waiting for pins */
+  int same_host_cpu_off;  /* opts.same_host_cpu_off (mooncake.json same_host_cpu) */
   pthread_mutex_t gpu_mu; /* path choices logged once per peer */
   char (*gpu_logged)[320];
   size_t gpu_nlogged;

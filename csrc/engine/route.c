@@ -38,6 +38,7 @@ int mc_transports_start(mc_engine_t *e, mc_err_t *err) {
     if (!ops || !ops->start || e->tr[i].ops)
       continue;
     void *impl = NULL;
+    env.off = i == MC_TRANSPORT_SAME_HOST_CPU && e->same_host_cpu_off;
     int rc = ops->start(&env, &impl, err);
     if (rc < 0) {
       mc_err_prefix(err, "transport %s", ops->name);

@@ -101,6 +101,8 @@ typedef struct mc_peer {
 typedef struct mc_transport_env {
   const char *local_name;     /* our segment name; stable for the engine's life */
   struct mc_regions *regions; /* our registered regions (authoritative) */
+  int off; /* the engine's configuration switched this transport off: start
+              it anyway, to tell peers why (e.g. a hello saying "off") */
   void *ctx;                  /* for rpc() */
   /* Sends an RPC to `segment` over the TCP control connection and waits for
    * the reply (*reply malloc'ed).  For handshakes; any thread but an I/O

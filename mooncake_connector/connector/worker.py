@@ -112,7 +112,8 @@ class WorkerSide:
         eng = _core.TransferEngine()
         # auth_secret None: the engine reads MC_AUTH_SECRET (docs/security.md).
         eng.initialize(self.name, cfg["metadata_server"], cfg["protocol"], cfg["device_name"],
-                       auth_secret=cfg["auth_secret"] or None)
+                       auth_secret=cfg["auth_secret"] or None,
+                       same_host_cpu=cfg["same_host_cpu"])
         for addr, n, dev in self.layout.regions():
             eng.register_memory(addr, n, dev)
         self.engine = eng

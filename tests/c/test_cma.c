@@ -401,6 +401,18 @@ static void switched_off(void) {
   free(reply);
   mc_cma_transport_ops.stop(impl);
   unsetenv("MC_SAME_HOST_CPU");
+  /* Off by the engine's configuration (mooncake.json "same_host_cpu": false). */
+  env.off = 1;
+  CHECK_EQ_INT(mc_cma_transport_ops.start(&env, &impl, &err), 0);
+  CHECK_EQ_INT(mc_cma_transport_ops.reaches(impl, &peer, MC_MEM_HOST, why, sizeof why), 0);
+  CHECK_CONTAINS(why, "\"same_host_cpu\": false");
+  CHECK_EQ_INT(mc_cma_transport_ops.serve_rpc(impl, "p", MC_CMA_RPC_HELLO,
+                                              strlen(MC_CMA_RPC_HELLO), &reply, &err),
+               0);
+  CHECK(!strncmp(reply, "off ", 4));
+  CHECK_CONTAINS(reply, "mooncake.json");
+  free(reply);
+  mc_cma_transport_ops.stop(impl);
 }
 
 int main(void) {

@@ -27,6 +27,7 @@ typedef struct cma {
   mc_transport_env_t env;
   mc_cma_table_t *table; /* NULL when switched off */
   mc_cma_hello_t self;
+  int off_by_config;  /* mooncake.json "same_host_cpu": false */
   pthread_mutex_t mu; /* peers[] */
   cma_peer_t **peers;
   size_t npeers;
@@ -45,7 +46,8 @@ static int cma_start(const mc_transport_env_t *env, void **impl, mc_err_t *err) 
   c->env = *env;
   pthread_mutex_init(&c->mu, NULL);
   mc_cma_hello_self(&c->self);
-  if (mc_cma_enabled()) {
+  c->off_by_config = env->off;
+  if (mc_cma_enabled() && !c->off_by_config) {
     mc_err_t e2;
     if (mc_cma_table_create(&c->table, &e2) < 0) /* not fatal: peers use TCP */
       mc_log_warn("same-host CPU path unavailable: %s", e2.msg);
@@ -101,9 +103,11 @@ static int cma_reaches(void *impl, const mc_peer_t *peer, mc_mem_kind_t kind, ch
     return 0;
   }
   if (!c->table) {
-    snprintf(why, why_len,
-             mc_cma_enabled() ? "the same-host CPU path could not start here (see the WARN above)"
-                              : "the same-host CPU path is switched off here (MC_SAME_HOST_CPU=0)");
+    snprintf(why, why_len, "%s",
+             c->off_by_config ? "the same-host CPU path is switched off here (mooncake.json "
+                                "\"same_host_cpu\": false)"
+             : mc_cma_enabled() ? "the same-host CPU path could not start here (see the WARN above)"
+                                : "the same-host CPU path is switched off here (MC_SAME_HOST_CPU=0)");
     return 0;
   }
   if (peer->same_host < 0) { /* unknown (0) is settled by the hello's boot id */
@@ -376,7 +380,9 @@ static int cma_serve_rpc(void *impl, const char *from, const char *req, size_t l
   if (!c->table) {
     h.off = 1;
     snprintf(h.why, sizeof h.why, "%s",
-             mc_cma_enabled() ? "could not start" : "MC_SAME_HOST_CPU=0");
+             c->off_by_config      ? "same_host_cpu false in its mooncake.json"
+             : mc_cma_enabled() ? "could not start"
+                                : "MC_SAME_HOST_CPU=0");
   } else {
     h.fd = (uint64_t)mc_cma_table_fd(c->table);
     h.addr = (uint64_t)(uintptr_t)mc_cma_table_addr(c->table);
