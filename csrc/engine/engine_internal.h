@@ -184,9 +184,14 @@ int mc_transports_start(mc_engine_t *e, mc_err_t *err);
 void mc_transports_stop(mc_engine_t *e);
 int mc_transport_choose(mc_engine_t *e, const mc_peer_t *peer, mc_mem_kind_t kind);
 /* The transport that moves one request: `chosen` (from choose) unless its
- * takes() declines [remote, remote+len), then the next one that can. */
+ * takes() declines [remote, remote+len), then the next one that can.
+ * `memo` (zeroed per submit and kind) remembers the last answer's range. */
+typedef struct mc_takes_memo {
+  uint64_t lo, hi;
+  int id;
+} mc_takes_memo_t;
 int mc_transport_for_request(mc_engine_t *e, const mc_peer_t *peer, mc_mem_kind_t kind,
-                             int chosen, uint64_t remote, uint64_t len);
+                             int chosen, uint64_t remote, uint64_t len, mc_takes_memo_t *memo);
 void mc_transports_cancel_sweep(mc_engine_t *e);
 void mc_transports_peer_lost(mc_engine_t *e, const char *segment);
 void mc_transports_peer_closed(mc_engine_t *e, const char *segment);

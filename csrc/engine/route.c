@@ -127,18 +127,36 @@ int mc_transport_choose(mc_engine_t *e, const mc_peer_t *peer, mc_mem_kind_t kin
 }
 
 int mc_transport_for_request(mc_engine_t *e, const mc_peer_t *peer, mc_mem_kind_t kind,
-                             int chosen, uint64_t remote, uint64_t len) {
+                             int chosen, uint64_t remote, uint64_t len, mc_takes_memo_t *memo) {
+  if (memo->hi > memo->lo && remote >= memo->lo && remote < memo->hi &&
+      len <= memo->hi - remote)
+    return memo->id; /* same answer as an earlier request in this range */
+  int asked = 0;
+  uint64_t lo = 0, hi = 0;
   while (chosen != MC_TRANSPORT_TCP) {
     const mc_transport_t *t = &e->tr[chosen];
-    if (!t->ops || !t->ops->takes || t->ops->takes(t->impl, peer, remote, len))
-      return chosen;
+    if (!t->ops || !t->ops->takes)
+      break;
+    uint64_t l = remote, h = remote;
+    int yes = t->ops->takes(t->impl, peer, remote, len, &l, &h);
+    if (asked++ == 0 && l <= remote && h > remote && len <= h - remote) {
+      lo = l;
+      hi = h;
+    }
+    if (yes)
+      break;
     const int *p = prefs[kind];
     while (*p >= 0 && *p != chosen)
       p++;
-    if (*p < 0)
-      return MC_TRANSPORT_TCP;
+    if (*p < 0) {
+      chosen = MC_TRANSPORT_TCP;
+      break;
+    }
     chosen = choose_from(e, peer, kind, p + 1);
   }
+  /* Remembered only when one transport's answer decided it. */
+  if (asked == 1 && hi > lo)
+    *memo = (mc_takes_memo_t){lo, hi, chosen};
   return chosen;
 }
 

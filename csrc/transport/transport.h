@@ -152,9 +152,12 @@ typedef struct mc_transport_ops {
    * `peer` (after reaches() said yes for its memory kind)?  1 yes; 0 no:
    * the engine gives that request to the next transport in preference
    * order (e.g. the same-host CPU path declines a peer's GPU region, which
-   * TCP stages).  Submitting thread, GIL released, per request: keep it
-   * cheap. */
-  int (*takes)(void *impl, const mc_peer_t *peer, uint64_t remote, uint64_t len);
+   * TCP stages).  Submitting thread, GIL released.  It sets [*lo, *hi) to
+   * a remote range holding [remote, remote+len) that gets the same answer
+   * (e.g. the whole region): the engine does not ask again for requests
+   * inside it during this submit (so it is asked about once per region). */
+  int (*takes)(void *impl, const mc_peer_t *peer, uint64_t remote, uint64_t len, uint64_t *lo,
+               uint64_t *hi);
 } mc_transport_ops_t;
 
 typedef struct mc_transport {

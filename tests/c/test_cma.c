@@ -302,9 +302,14 @@ static void two_processes(void) {
   /* The target's GPU region: this path declines it (the engine sends it
    * over TCP, which stages it); host memory and unknown ranges it takes. */
   uint64_t gbase = (uint64_t)(uintptr_t)c.gpu;
-  CHECK_EQ_INT(mc_cma_transport_ops.takes(impl, &peer, gbase + 4096, 4096), 0);
-  CHECK_EQ_INT(mc_cma_transport_ops.takes(impl, &peer, base, 4096), 1);
-  CHECK_EQ_INT(mc_cma_transport_ops.takes(impl, &peer, 0x1000, 16), 1);
+  uint64_t lo = 0, hi = 0;
+  CHECK_EQ_INT(mc_cma_transport_ops.takes(impl, &peer, gbase + 4096, 4096, &lo, &hi), 0);
+  CHECK(lo == gbase && hi == gbase + 65536); /* the answer holds for the region */
+  CHECK_EQ_INT(mc_cma_transport_ops.takes(impl, &peer, base, 4096, &lo, &hi), 1);
+  CHECK(lo == base && hi == base + (1 << 20));
+  lo = hi = 0x1000;
+  CHECK_EQ_INT(mc_cma_transport_ops.takes(impl, &peer, 0x1000, 16, &lo, &hi), 1);
+  CHECK(lo == 0x1000 && hi == 0x1000); /* no region: no range to remember */
   /* A copy in flight (a pin held past the wait) fails the unregister
    * with MC_EBUSY; once it finished, the unregister succeeds. */
   mc_cma_view_t v = {.pidfd = -1};

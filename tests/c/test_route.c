@@ -19,9 +19,15 @@ static int f_reaches(void *impl, const mc_peer_t *peer, mc_mem_kind_t kind, char
   (void)impl, (void)peer, (void)kind, (void)why, (void)why_len;
   return 1;
 }
-/* The fake same-host path: remote addresses from 0x10000 on are "GPU". */
-static int f_takes(void *impl, const mc_peer_t *peer, uint64_t remote, uint64_t len) {
+/* The fake same-host path: remote addresses from 0x10000 on are "GPU";
+ * its answer holds for [0, 0x10000) or [0x10000, 0x20000). */
+static int takes_calls;
+static int f_takes(void *impl, const mc_peer_t *peer, uint64_t remote, uint64_t len,
+                   uint64_t *lo, uint64_t *hi) {
   (void)impl, (void)peer, (void)len;
+  takes_calls++;
+  *lo = remote < 0x10000 ? 0 : 0x10000;
+  *hi = remote < 0x10000 ? 0x10000 : 0x20000;
   return remote < 0x10000;
 }
 static int shm_unreg(void *impl, void *addr, int64_t timeout_ms, mc_err_t *err) {
@@ -72,10 +78,23 @@ static void declined_request_goes_to_next(void) {
     CHECK(e != NULL);
     int via = mc_transport_choose(e, &peer, MC_MEM_HOST);
     CHECK_EQ_INT(via, MC_TRANSPORT_SAME_HOST_CPU);
-    CHECK_EQ_INT(mc_transport_for_request(e, &peer, MC_MEM_HOST, via, 0x1000, 64),
+    mc_takes_memo_t memo = {0};
+    takes_calls = 0;
+    CHECK_EQ_INT(mc_transport_for_request(e, &peer, MC_MEM_HOST, via, 0x1000, 64, &memo),
                  MC_TRANSPORT_SAME_HOST_CPU);
     int next = with_rdma ? MC_TRANSPORT_RDMA : MC_TRANSPORT_TCP;
-    CHECK_EQ_INT(mc_transport_for_request(e, &peer, MC_MEM_HOST, via, 0x20000, 64), next);
+    CHECK_EQ_INT(mc_transport_for_request(e, &peer, MC_MEM_HOST, via, 0x18000, 64, &memo),
+                 next);
+    /* Inside the range just answered: not asked again; outside it: asked. */
+    CHECK_EQ_INT(mc_transport_for_request(e, &peer, MC_MEM_HOST, via, 0x1f000, 0x1000, &memo),
+                 next);
+    CHECK_EQ_INT(takes_calls, 2);
+    CHECK_EQ_INT(mc_transport_for_request(e, &peer, MC_MEM_HOST, via, 0x1f000, 0x2000, &memo),
+                 next); /* crosses 0x20000: asked (the fake says GPU) */
+    CHECK_EQ_INT(takes_calls, 3);
+    CHECK_EQ_INT(mc_transport_for_request(e, &peer, MC_MEM_HOST, via, 0x2000, 64, &memo),
+                 MC_TRANSPORT_SAME_HOST_CPU);
+    CHECK_EQ_INT(takes_calls, 4);
     /* A peer known to be elsewhere never gets the same-host path. */
     peer.same_host = -1;
     mc_engine_t *e2 = fake_engine(with_rdma);

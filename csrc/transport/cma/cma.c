@@ -419,7 +419,8 @@ static int cma_mem_unregister(void *impl, void *addr, int64_t timeout_ms, mc_err
 /* Declines a request to a peer's GPU region: the engine hands it to the
  * next transport (TCP stages it).  Anything else is ours (a range in no
  * region is refused by run_op with the region check's words). */
-static int cma_takes(void *impl, const mc_peer_t *peer, uint64_t remote, uint64_t len) {
+static int cma_takes(void *impl, const mc_peer_t *peer, uint64_t remote, uint64_t len,
+                     uint64_t *lo, uint64_t *hi) {
   cma_t *c = impl;
   cma_peer_t *p = peer_get(c, peer->segment, 0);
   if (!p)
@@ -432,6 +433,10 @@ static int cma_takes(void *impl, const mc_peer_t *peer, uint64_t remote, uint64_
     if (!ce) {
       mc_cma_view_refresh(&p->v, 1);
       ce = mc_cma_view_find(&p->v, remote, len);
+    }
+    if (ce) { /* the same answer for the whole region */
+      *lo = ce->addr;
+      *hi = ce->addr + ce->len;
     }
     cuda = ce && ce->cuda;
   }
