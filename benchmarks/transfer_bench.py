@@ -104,6 +104,8 @@ class Buffer:
     def __init__(self, size):
         self.size = size
         self.mm = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        if os.environ.get("MC_BENCH_HUGEPAGES") == "1":  # same_host_cpu_bench --hugepages
+            self.mm.madvise(mmap.MADV_HUGEPAGE)
         self._anchor = ctypes.c_char.from_buffer(self.mm)
         self.addr = ctypes.addressof(self._anchor)
         self.view = memoryview(self.mm)

@@ -152,7 +152,9 @@ def main(argv=None):
             print(f"connector's own stats (decode; may include the warm-up): "
                   f"{c.get('loads', 0)} loads, "
                   f"{c.get('load_bytes', 0):,} bytes, {c.get('load_tokens', 0):,} tokens, "
-                  f"{c.get('loads_failed', 0)} failed")
+                  f"{c.get('loads_failed', 0)} failed; "
+                  f"{c.get('load_bytes_same_host_cpu', 0):,} bytes through the same-host CPU "
+                  f"path (cross-memory attach; the rest over TCP)")
         ok = s["all_identical"] and s["all_loaded"]
         print(("OK: disaggregated output is token-identical to colocated and the prompt KV "
                "was loaded remotely") if ok else

@@ -72,12 +72,14 @@ class _External:
 def run_prefill(args):
     block_bytes = args.block_kib << 10
     decode_host = args.hostname
+    same_host_cpu = True
     if args.config:
         cfg = mc.load_config(args.config)
         if cfg.get("notes"):
             print(f"config note: {cfg['notes']}")
         args.hostname, decode_host = cfg["prefill_url"], cfg["decode_url"]
         args.protocol, args.device_name = cfg["protocol"], cfg["device_name"]
+        same_host_cpu = cfg["same_host_cpu"]  # the prefill (initiator) side decides
         server = _External(cfg["metadata_server"])
         print(f"config {cfg['origin']}: prefill {cfg['prefill_url']}, decode {cfg['decode_url']}, "
               f"metadata {cfg['metadata_server']}, protocol {cfg['protocol']}")
@@ -103,7 +105,8 @@ def run_prefill(args):
                 return 1
             info = json.loads(line)
             eng = mc.TransferEngine()
-            eng.initialize(args.hostname, meta.url, args.protocol, args.device_name)
+            eng.initialize(args.hostname, meta.url, args.protocol, args.device_name,
+                           same_host_cpu=same_host_cpu)
             tensors, addrs = _kv_cache(args.layers, args.blocks, block_bytes)
             eng.batch_register_memory(addrs, [args.blocks * block_bytes] * len(addrs))
             print(f"prefill segment {eng.get_segment_name()} -> decode segment "
@@ -137,8 +140,14 @@ def run_prefill(args):
             decode.stdin.flush()
             got = json.loads(decode.stdout.readline())
             ok = got == want
+            shc = int(eng.get_stats().get("same_host_cpu_bytes_written", 0))
             summary = {"bytes": total, "blocks": len(lens), "best_seconds": best,
-                       "best_GBps": total / best / 1e9, "verified": ok}
+                       "best_GBps": total / best / 1e9, "verified": ok,
+                       "same_host_cpu_bytes": shc}
+            print(f"  {shc:,} of {total * args.repeat:,} bytes went through the same-host CPU "
+                  "path (cross-memory attach; the rest over the network path"
+                  + (", MC_SAME_HOST_CPU=0)" if os.environ.get("MC_SAME_HOST_CPU") == "0"
+                     else ", \"same_host_cpu\": false)" if not same_host_cpu else ")"))
             print(("OK" if ok else "MISMATCH") +
                   f": {total / 2**20:.0f} MiB of KV cache ({args.layers} layers x K,V x {n} "
                   f"blocks of {args.block_kib} KiB) moved prefill -> decode; best "

@@ -31,7 +31,7 @@ KEYS = {
     "origin", "prefill_url", "decode_url", "prefill_host", "prefill_port",
     "decode_host", "decode_port", "metadata_server", "metadata_server_raw",
     "metadata_backend", "metadata_backend_given", "protocol", "device_name",
-    "decode_port_adjusted", "notes", "auth_secret",
+    "decode_port_adjusted", "notes", "auth_secret", "same_host_cpu",
 }
 
 
@@ -291,6 +291,15 @@ def test_parallel_threads(write):
     for t in threads:
         t.join()
     assert results == {i: 1000 + i for i in range(8)}
+
+
+# ---- same_host_cpu (docs/connector.md) --------------------------------------
+def test_same_host_cpu_switch():
+    assert parse_config(cfg())["same_host_cpu"] is True
+    assert parse_config(cfg(same_host_cpu=False))["same_host_cpu"] is False
+    with pytest.raises(ConfigError, match=r'field "same_host_cpu": value "off" is a string; '
+                                          r'expected true or false'):
+        parse_config(cfg(same_host_cpu="off"))
 
 
 # ---- auth_secret (docs/security.md) ------------------------------------------

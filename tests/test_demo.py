@@ -5,8 +5,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+from conftest import TRANSPORTS
 
-def test_demo_runs_and_verifies():
+
+@pytest.mark.parametrize("transport", TRANSPORTS, indirect=True)
+def test_demo_runs_and_verifies(transport, transport_env):
     out = subprocess.run(
         [sys.executable, "-m", "mooncake_connector.demo", "--transfer-only", "--layers", "4",
          "--blocks", "64", "--block-kib", "16", "--repeat", "1", "--json"],
@@ -16,6 +20,12 @@ def test_demo_runs_and_verifies():
     assert summary["verified"] is True
     assert summary["bytes"] == 4 * 2 * 64 * 16 * 1024
     assert "GB/s" in out.stdout and "metadata server (embedded)" in out.stdout
+    # The demo reports the bytes that took the same-host CPU path: all of
+    # them when it is on (both processes on this host), none when off.
+    want = summary["bytes"] if transport == "same-host-cpu" else 0
+    assert summary["same_host_cpu_bytes"] == want, out.stdout
+    assert f"{want:,} of {summary['bytes']:,} bytes went through the same-host CPU path" \
+        in out.stdout
 
 
 def test_demo_with_a_mooncake_json(tmp_path):
@@ -31,6 +41,20 @@ def test_demo_with_a_mooncake_json(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "127.0.0.1:23111" in out.stdout  # decode port moved by the seed's +100 rule
     assert json.loads(out.stdout.strip().splitlines()[-1])["verified"] is True
+    # "same_host_cpu": false keeps the bytes off the same-host CPU path even
+    # where the environment allows it.
+    cfg.write_text(json.dumps({"prefill_url": "127.0.0.1:23011", "decode_url": "127.0.0.1:23111",
+                               "metadata_server": "P2PHANDSHAKE", "protocol": "tcp",
+                               "same_host_cpu": False}))
+    out = subprocess.run(
+        [sys.executable, "-m", "mooncake_connector.transfer_demo", "--config", str(cfg),
+         "--layers", "2", "--blocks", "16", "--repeat", "1", "--json"],
+        capture_output=True, text=True, timeout=120,
+        env={**os.environ, "MC_SAME_HOST_CPU": "1"})
+    assert out.returncode == 0, out.stderr
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert summary["verified"] is True and summary["same_host_cpu_bytes"] == 0, out.stdout
+    assert '"same_host_cpu": false)' in out.stdout
     # rdma is refused clearly, never silently replaced by tcp
     cfg.write_text(json.dumps({"prefill_url": "127.0.0.1:23011", "decode_url": "127.0.0.1:23111",
                                "metadata_server": "P2PHANDSHAKE", "protocol": "rdma",

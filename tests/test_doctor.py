@@ -472,3 +472,15 @@ def test_metadata_server_token(tmp_path):
     finally:
         srv.terminate()
         srv.wait(10)
+# ------------------------------------------------------------ the same-host CPU path
+
+def test_same_host_cpu_path_row(tmp_path):
+    """A real process_vm_readv from another process (this host allows it: the
+    engine tests on same-host-cpu run here); each off switch says which."""
+    env = {"MC_SAME_HOST_CPU": "1"}
+    rc, rows = doctor("--config", write_cfg(tmp_path), env=env)
+    assert "cross-memory attach works" in row(rows, "same-host", "cpu", "ok")["detail"]
+    rc, rows = doctor("--config", write_cfg(tmp_path), env={"MC_SAME_HOST_CPU": "0"})
+    assert "MC_SAME_HOST_CPU=0" in row(rows, "same-host", "cpu", "skip")["detail"]
+    rc, rows = doctor("--config", write_cfg(tmp_path, same_host_cpu=False), env=env)
+    assert '"same_host_cpu": false' in row(rows, "same-host", "cpu", "skip")["detail"]

@@ -136,3 +136,24 @@ def test_metadata_descriptor_lists_registered_buffers(pair):
     assert d["name"] == a.get_segment_name()
     assert d["tcp_data_port"] == a.get_rpc_port()
     assert {"name": "cpu", "addr": addr, "length": 8192} in d["buffers"]
+
+
+@pytest.mark.parametrize("off", ["initiator", "target"])
+def test_same_host_cpu_off_by_option(monkeypatch, off):
+    """initialize(..., same_host_cpu=False) (mooncake.json "same_host_cpu":
+    false) keeps the bytes off the same-host CPU path, on either side, even
+    with MC_SAME_HOST_CPU=1; the bytes still arrive (over TCP)."""
+    monkeypatch.setenv("MC_SAME_HOST_CPU", "1")
+    a, b = mc.TransferEngine(), mc.TransferEngine()
+    a.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "", same_host_cpu=off != "initiator")
+    b.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "", same_host_cpu=off != "target")
+    try:
+        src = a.allocate_managed_buffer(64 << 10)
+        dst = b.allocate_managed_buffer(64 << 10)
+        a.write_bytes_to_buffer(src, b"off-path" * 8192)
+        assert a.transfer_sync_write(b.get_segment_name(), src, dst, 65536) == 0
+        assert b.read_bytes_from_buffer(dst, 65536) == b"off-path" * 8192
+        assert a.get_stats()["same_host_cpu_bytes_written"] == 0
+    finally:
+        a.close()
+        b.close()

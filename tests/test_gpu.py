@@ -83,9 +83,14 @@ def test_tcp_gpu_both_sides(gpu_peers):
     sys.stderr.write(f"TCP GPU->GPU write: {gbps:.2f} GB/s\n")
 
 
+@pytest.mark.parametrize("shc", ["0", "1"])
 @pytest.mark.parametrize("da,db", [(DEV_A, "cpu"), ("cpu", DEV_B)])
-def test_gpu_cpu_mixed(gpu_peers, da, db):
-    a, b = gpu_peers(da, blocks=200), gpu_peers(db, blocks=200)
+def test_gpu_cpu_mixed(gpu_peers, da, db, shc):
+    """shc=1: the same-host CPU path is on; a host buffer to the peer's GPU
+    region (and back) must still work: that path declines GPU regions and
+    the engine sends those requests over TCP (which stages them)."""
+    env = {"MC_SAME_HOST_CPU": shc}
+    a, b = gpu_peers(da, blocks=200, env=env), gpu_peers(db, blocks=200, env=env)
     roundtrip(a, b)
 
 

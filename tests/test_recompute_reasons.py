@@ -146,6 +146,7 @@ def test_prometheus_metrics_from_stats(model_dir, urls):  # noqa: F811
     a = MooncakeKVConnectorStats()
     a.add("loads", 2)
     a.add("load_bytes", 4096)
+    a.add("load_bytes_same_host_cpu", 1024)
     a.add("recompute_timed_out")
     a.add_time(0.003)
     a.add_time(0.2)
@@ -166,6 +167,7 @@ def test_prometheus_metrics_from_stats(model_dir, urls):  # noqa: F811
                 got[(smp.name, extra)] = smp.value
     assert got[("vllm:mooncake_loads_total", ())] == 2
     assert got[("vllm:mooncake_load_bytes_total", ())] == 4096
+    assert got[("vllm:mooncake_load_bytes_same_host_cpu_total", ())] == 1024
     assert got[("vllm:mooncake_recomputes_total", (("reason", "timed_out"),))] == 1
     assert got[("vllm:mooncake_recomputes_total", (("reason", "not_held"),))] == 0
     assert got[("vllm:mooncake_load_seconds_count", ())] == 2

@@ -29,11 +29,11 @@
 #define SHOW_ORIGIN_MAX 120 /* origin excerpt length in messages */
 #define NIC_NAME_MAX 63     /* IBV_SYSFS_NAME_MAX - 1 */
 
-enum { F_PREFILL, F_DECODE, F_META, F_BACKEND, F_PROTO, F_DEVICE, F_AUTH, F_COUNT };
+enum { F_PREFILL, F_DECODE, F_META, F_BACKEND, F_PROTO, F_DEVICE, F_AUTH, F_SHC, F_COUNT };
 
 static const char *const k_field[F_COUNT] = {
     "prefill_url", "decode_url",  "metadata_server", "metadata_backend",
-    "protocol",    "device_name", "auth_secret",
+    "protocol",    "device_name", "auth_secret",     "same_host_cpu",
 };
 
 #define ACC_URL "\"host:port\" with a port in 1..65535, e.g. \"192.168.0.137:13003\""
@@ -47,10 +47,12 @@ static const char *const k_accepted[F_COUNT] = {
     "comma-separated RDMA NIC names of [A-Za-z0-9_.-], e.g. \"erdma_0\" or "
     "\"mlx5_0,mlx5_1\"",
     "the peer authentication secret, the same on every engine (docs/security.md); \"\" = off",
+    "true (default: peers on this host use the same-host CPU path when the OS allows it) or "
+    "false (they use protocol's path); a JSON boolean",
 };
 #define ACC_FIELDS                                                                                 \
   "prefill_url, decode_url, metadata_server, metadata_backend, protocol, "                         \
-  "device_name, auth_secret"
+  "device_name, auth_secret, same_host_cpu"
 #define JSON_HINT                                                                                  \
   "expected a JSON object like {\"prefill_url\": \"host:port\", "                                  \
   "\"decode_url\": \"host:port\", \"metadata_server\": \"...\"}"
@@ -804,6 +806,17 @@ static int check_object(ctx_t *c, const cJSON *root, const char *val[F_COUNT]) {
     }
     if (val[f])
       return ferr_acc(c, f, NULL, "each field once", "appears more than once");
+    if (f == F_SHC) { /* the one boolean field */
+      if (!cJSON_IsBool(it)) {
+        char *txt = cJSON_PrintUnformatted(it);
+        int rc = ferr_raw(c, f, txt ? txt : "?", "is %s; expected true or false",
+                          json_type_name(it));
+        cJSON_free(txt);
+        return rc;
+      }
+      val[f] = cJSON_IsTrue(it) ? "true" : "false";
+      continue;
+    }
     if (!cJSON_IsString(it) || !it->valuestring) {
       /* Show the JSON text unquoted: quoting 5 as "5" would hide the bug
        * (never the secret's). */
@@ -833,6 +846,7 @@ static int parse_fields(ctx_t *c, const char *val[F_COUNT], mc_config_t *cfg) {
   snprintf(cfg->metadata_server_raw, sizeof cfg->metadata_server_raw, "%s", val[F_META]);
   cfg->metadata_backend_given = val[F_BACKEND] != NULL;
   snprintf(cfg->auth_secret, sizeof cfg->auth_secret, "%s", val[F_AUTH] ? val[F_AUTH] : "");
+  cfg->same_host_cpu = !(val[F_SHC] && strcmp(val[F_SHC], "false") == 0);
 
   if ((rc = parse_url(c, F_PREFILL, val[F_PREFILL], &cfg->prefill)) < 0 ||
       (rc = parse_url(c, F_DECODE, val[F_DECODE], &cfg->decode)) < 0 ||

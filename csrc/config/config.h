@@ -48,6 +48,8 @@ typedef struct mc_config {
   bool decode_port_adjusted;        /* the +100 rule applied */
   char notes[MC_CFG_STR_MAX];       /* human-readable notes to log, "" if none */
   char auth_secret[MC_CFG_STR_MAX]; /* peer authentication secret, "" = off */
+  bool same_host_cpu;               /* "same_host_cpu" (default true): false keeps
+                                       same-host peers off the same-host CPU path */
 } mc_config_t;
 
 /* Parses JSON text.  `origin` names the source in error messages (a path or

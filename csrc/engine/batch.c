@@ -478,6 +478,8 @@ static int submit_planned(mc_engine_t *e, mc_batch_t *b, const char *segment,
    * of its local buffer (route.c), one set of ops per transport. */
   mc_peer_t peer = {.segment = segment, .host = d->host, .port = d->port};
   int via[MC_MEM_KINDS] = {-1, -1};
+  mc_takes_memo_t memo[MC_MEM_KINDS];
+  memset(memo, 0, sizeof memo);
   op_builder_t ob[MC_TRANSPORT_COUNT];
   memset(ob, 0, sizeof ob);
   int rc = 0;
@@ -497,7 +499,10 @@ static int submit_planned(mc_engine_t *e, mc_batch_t *b, const char *segment,
     mc_mem_kind_t kind = dev >= 0 ? MC_MEM_CUDA : MC_MEM_HOST;
     if (via[kind] < 0) /* a planning transport takes only what it planned */
       via[kind] = mc_transport_choose(e, &peer, kind, 1);
-    op_builder_t *bd = &ob[via[kind]];
+    /* The chosen transport may decline this remote range (a peer's GPU
+     * region on the same-host CPU path): the next one takes it. */
+    op_builder_t *bd = &ob[mc_transport_for_request(e, &peer, kind, via[kind], r->remote,
+                                                    r->len, &memo[kind])];
     int type = r->opcode == MC_OP_WRITE ? MC_XFER_WRITE : MC_XFER_READ;
     uint64_t off = 0;
     while (off < r->len) {

@@ -464,6 +464,7 @@ int mc_engine_create(const mc_engine_opts_t *o, mc_engine_t **out, mc_err_t *err
     goto fail;
   }
   snprintf(e->auth_secret, sizeof e->auth_secret, "%s", secret ? secret : "");
+  e->same_host_cpu_off = o->same_host_cpu_off != 0;
   if (e->auth_secret[0] && strlen(e->auth_secret) < 16)
     mc_log_warn("the peer authentication secret is only %zu characters; a host that talks to "
                 "this engine can test guesses offline, so use a random one of 32 or more (e.g. "
@@ -662,8 +663,8 @@ int mc_engine_register_batch(mc_engine_t *e, void *const *addrs, const uint64_t 
       mc_maps_free(maps);
       mc_err_prefix(err, "buffer %zu of %zu", i, n);
       for (size_t k = 0; k < i; k++) { /* all or nothing */
+        mc_transports_unregister(e, addrs[k], e->unregister_wait_ms, NULL);
         mc_regions_remove(&e->regions, (uint64_t)(uintptr_t)addrs[k], -1, NULL);
-        mc_transports_unregister(e, addrs[k]);
       }
       return rc;
     }
@@ -673,10 +674,15 @@ int mc_engine_register_batch(mc_engine_t *e, void *const *addrs, const uint64_t 
 }
 
 int mc_engine_unregister(mc_engine_t *e, void *addr, mc_err_t *err) {
-  int rc = mc_regions_remove(&e->regions, (uint64_t)(uintptr_t)addr, e->unregister_wait_ms, err);
+  /* The transports first (same-host copies in flight may refuse it: the
+   * region then stays registered), e.g. RDMA MRs deregistered revoke
+   * access; then the region table waits for the TCP path's pins (and
+   * names an address that starts no region). */
+  int rc = mc_transports_unregister(e, addr, e->unregister_wait_ms, err);
+  if (rc == 0)
+    rc = mc_regions_remove(&e->regions, (uint64_t)(uintptr_t)addr, e->unregister_wait_ms, err);
   if (rc < 0)
     return rc;
-  mc_transports_unregister(e, addr); /* e.g. deregistering RDMA MRs revokes access */
   return publish(e, err);
 }
 

@@ -27,6 +27,9 @@ typedef struct mc_engine_opts {
    * must prove it knows in the TCP handshake, at most MC_AUTH_SECRET_MAX
    * bytes.  NULL: env MC_AUTH_SECRET; NULL/"" there too: off. */
   const char *auth_secret;
+  /* 1: the same-host CPU path stays off (mooncake.json "same_host_cpu":
+   * false); MC_SAME_HOST_CPU=0 switches it off too. */
+  int same_host_cpu_off;
 } mc_engine_opts_t;
 
 #define MC_AUTH_SECRET_MAX 1024

@@ -53,6 +53,7 @@ struct mc_engine {
   int gpu_trace;          /* MC_GPU_TRACE=1: log planning times (docs/device.md) */
   int local_check;        /* local buffers must lie in our regions (MC_LOCAL_CHECK) */
   int unregister_wait_ms; /* MC_UNREGISTER_WAIT_MS: bound on waiting for pins */
+  int same_host_cpu_off;  /* opts.same_host_cpu_off (mooncake.json same_host_cpu) */
   pthread_mutex_t gpu_mu; /* gpu_reserved */
 
   pthread_mutex_t seg_mu; /* segment cache */
@@ -143,6 +144,15 @@ int mc_transports_start(mc_engine_t *e, mc_err_t *err);
 void mc_transports_stop(mc_engine_t *e);
 int mc_transport_choose(mc_engine_t *e, const mc_peer_t *peer, mc_mem_kind_t kind,
                         int no_plan);
+/* The transport that moves one request: `chosen` (from choose) unless its
+ * takes() declines [remote, remote+len), then the next one that can.
+ * `memo` (zeroed per submit and kind) remembers the last answer's range. */
+typedef struct mc_takes_memo {
+  uint64_t lo, hi;
+  int id;
+} mc_takes_memo_t;
+int mc_transport_for_request(mc_engine_t *e, const mc_peer_t *peer, mc_mem_kind_t kind,
+                             int chosen, uint64_t remote, uint64_t len, mc_takes_memo_t *memo);
 void mc_transports_cancel_sweep(mc_engine_t *e);
 void mc_transports_peer_lost(mc_engine_t *e, const char *segment);
 void mc_transports_peer_closed(mc_engine_t *e, const char *segment);
@@ -150,7 +160,9 @@ int mc_transports_serve_rpc(mc_engine_t *e, const char *from, const char *req, s
                             char **reply, mc_err_t *err);
 int mc_transports_register(mc_engine_t *e, void *addr, uint64_t len, const char *location,
                            mc_err_t *err);
-void mc_transports_unregister(mc_engine_t *e, void *addr);
+/* Before the region leaves e->regions: <0 (e.g. MC_EBUSY, copies in
+ * flight past timeout_ms) fails the engine's unregister. */
+int mc_transports_unregister(mc_engine_t *e, void *addr, int64_t timeout_ms, mc_err_t *err);
 
 /* Resolves a segment name to where it is served (cache, metadata or P2P). */
 int mc_engine_resolve(mc_engine_t *e, const char *segment, mc_segment_desc_t *out,

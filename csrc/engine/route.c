@@ -50,6 +50,7 @@ int mc_transports_start(mc_engine_t *e, mc_err_t *err) {
     if (i == MC_TRANSPORT_SAME_HOST_GPU && e->gpu_ipc_off)
       continue; /* MC_GPU_IPC=0 */
     void *impl = NULL;
+    env.off = i == MC_TRANSPORT_SAME_HOST_CPU && e->same_host_cpu_off;
     int rc = ops->start(&env, &impl, err);
     if (rc < 0) {
       mc_err_prefix(err, "transport %s", ops->name);
@@ -117,10 +118,12 @@ static int ask_reaches(mc_engine_t *e, int id, const mc_peer_t *peer, mc_mem_kin
   return yes;
 }
 
-int mc_transport_choose(mc_engine_t *e, const mc_peer_t *peer, mc_mem_kind_t kind,
-                        int no_plan) {
+/* First transport of kind's row from position `from` on that can move it
+ * (no_plan: skipping transports that plan per request). */
+static int choose_from(mc_engine_t *e, const mc_peer_t *peer, mc_mem_kind_t kind,
+                       const int *from, int no_plan) {
   unsigned need = kind == MC_MEM_CUDA ? MC_TCAP_CUDA_MEM : MC_TCAP_HOST_MEM;
-  for (const int *p = prefs[kind]; *p >= 0; p++) {
+  for (const int *p = from; *p >= 0; p++) {
     const mc_transport_t *t = &e->tr[*p];
     if (!t->ops || !(t->ops->caps & need))
       continue;
@@ -132,6 +135,45 @@ int mc_transport_choose(mc_engine_t *e, const mc_peer_t *peer, mc_mem_kind_t kin
       return *p;
   }
   return MC_TRANSPORT_TCP;
+}
+
+int mc_transport_choose(mc_engine_t *e, const mc_peer_t *peer, mc_mem_kind_t kind,
+                        int no_plan) {
+  return choose_from(e, peer, kind, prefs[kind], no_plan);
+}
+
+int mc_transport_for_request(mc_engine_t *e, const mc_peer_t *peer, mc_mem_kind_t kind,
+                             int chosen, uint64_t remote, uint64_t len, mc_takes_memo_t *memo) {
+  if (memo->hi > memo->lo && remote >= memo->lo && remote < memo->hi &&
+      len <= memo->hi - remote)
+    return memo->id; /* same answer as an earlier request in this range */
+  int asked = 0;
+  uint64_t lo = 0, hi = 0;
+  while (chosen != MC_TRANSPORT_TCP) {
+    const mc_transport_t *t = &e->tr[chosen];
+    if (!t->ops || !t->ops->takes)
+      break;
+    uint64_t l = remote, h = remote;
+    int yes = t->ops->takes(t->impl, peer, remote, len, &l, &h);
+    if (asked++ == 0 && l <= remote && h > remote && len <= h - remote) {
+      lo = l;
+      hi = h;
+    }
+    if (yes)
+      break;
+    const int *p = prefs[kind];
+    while (*p >= 0 && *p != chosen)
+      p++;
+    if (*p < 0) {
+      chosen = MC_TRANSPORT_TCP;
+      break;
+    }
+    chosen = choose_from(e, peer, kind, p + 1, 1); /* submit() path: no planners */
+  }
+  /* Remembered only when one transport's answer decided it. */
+  if (asked == 1 && hi > lo)
+    *memo = (mc_takes_memo_t){lo, hi, chosen};
+  return chosen;
 }
 
 /* ---- calls every transport gets ---- */
@@ -189,17 +231,26 @@ int mc_transports_register(mc_engine_t *e, void *addr, uint64_t len, const char 
       continue;
     int rc = t->ops->mem_register(t->impl, addr, len, location, err);
     if (rc < 0) {
-      for (int k = 0; k < i; k++) /* all or none */
+      mc_err_t ignored; /* all or none: nobody knew of it yet */
+      for (int k = 0; k < i; k++)
         if (e->tr[k].ops && e->tr[k].ops->mem_register && e->tr[k].ops->mem_unregister)
-          e->tr[k].ops->mem_unregister(e->tr[k].impl, addr);
+          e->tr[k].ops->mem_unregister(e->tr[k].impl, addr, e->unregister_wait_ms, &ignored);
       return rc;
     }
   }
   return 0;
 }
 
-void mc_transports_unregister(mc_engine_t *e, void *addr) {
-  for (int i = 0; i < MC_TRANSPORT_COUNT; i++)
-    if (e->tr[i].ops && e->tr[i].ops->mem_unregister)
-      e->tr[i].ops->mem_unregister(e->tr[i].impl, addr);
+int mc_transports_unregister(mc_engine_t *e, void *addr, int64_t timeout_ms, mc_err_t *err) {
+  /* Slot order: the same-host CPU path (which may refuse: copies in
+   * flight) before RDMA (which cannot). */
+  for (int i = 0; i < MC_TRANSPORT_COUNT; i++) {
+    const mc_transport_t *t = &e->tr[i];
+    int rc = t->ops && t->ops->mem_unregister
+                 ? t->ops->mem_unregister(t->impl, addr, timeout_ms, err)
+                 : 0;
+    if (rc < 0)
+      return rc;
+  }
+  return 0;
 }

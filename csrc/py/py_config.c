@@ -70,7 +70,8 @@ static PyObject *config_to_dict(const mc_config_t *cfg) {
       set_text(d, "protocol", mc_protocol_name(cfg->protocol)) < 0 ||
       set_text(d, "device_name", cfg->device_name) < 0 ||
       set_new(d, "decode_port_adjusted", PyBool_FromLong(cfg->decode_port_adjusted)) < 0 ||
-      set_text(d, "notes", cfg->notes) < 0 || set_text(d, "auth_secret", cfg->auth_secret) < 0) {
+      set_text(d, "notes", cfg->notes) < 0 || set_text(d, "auth_secret", cfg->auth_secret) < 0 ||
+      set_new(d, "same_host_cpu", PyBool_FromLong(cfg->same_host_cpu)) < 0) {
     Py_DECREF(d);
     return NULL;
   }
@@ -165,7 +166,7 @@ PyDoc_STRVAR(load_config_doc,
              "prefill_url, decode_url, prefill_host, prefill_port, decode_host,\n"
              "decode_port, metadata_server (normalised), metadata_server_raw,\n"
              "metadata_backend (p2p|etcd|redis|http), metadata_backend_given,\n"
-             "protocol, device_name, decode_port_adjusted, notes and auth_secret.\n"
+             "protocol, device_name, decode_port_adjusted, notes, auth_secret and same_host_cpu.\n"
              "Raises ConfigError naming the file, field, value and accepted forms.");
 
 PyDoc_STRVAR(parse_config_doc,

@@ -207,19 +207,21 @@ static int Engine_clear(EngineObject *self) {
 
 PyDoc_STRVAR(initialize_doc,
 "initialize(local_hostname, metadata_server, protocol='tcp', device_name='',\n"
-"           io_threads=0, conns_per_peer=0, auth_secret=None) -> 0\n\n"
+"           io_threads=0, conns_per_peer=0, auth_secret=None, same_host_cpu=True) -> 0\n\n"
 "Starts the engine. local_hostname is 'host' or 'host:port'; metadata_server is\n"
 "'P2PHANDSHAKE' or 'http://host:port/metadata'. auth_secret: the shared secret\n"
 "every peer must prove it knows (docs/security.md); None reads MC_AUTH_SECRET,\n"
-"'' turns authentication off. Raises on failure.");
+"'' turns authentication off. same_host_cpu=False keeps peers on this host off the\n"
+"same-host CPU path (as MC_SAME_HOST_CPU=0 does). Raises on failure.");
 
 static PyObject *Engine_initialize(EngineObject *self, PyObject *args, PyObject *kw) {
   static char *kwlist[] = {"local_hostname", "metadata_server", "protocol", "device_name",
-                           "io_threads", "conns_per_peer", "auth_secret", NULL};
+                           "io_threads", "conns_per_peer", "auth_secret", "same_host_cpu",
+                           NULL};
   const char *host, *meta, *proto = "tcp", *dev = "", *secret = NULL;
-  int io_threads = 0, conns = 0;
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "ss|zziiz:initialize", kwlist, &host, &meta, &proto,
-                                   &dev, &io_threads, &conns, &secret))
+  int io_threads = 0, conns = 0, shc = 1;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "ss|zziizp:initialize", kwlist, &host, &meta,
+                                   &proto, &dev, &io_threads, &conns, &secret, &shc))
     return NULL;
   if (self->eng) {
     mc_err_t err;
@@ -230,7 +232,7 @@ static PyObject *Engine_initialize(EngineObject *self, PyObject *args, PyObject 
   mc_engine_opts_t o = {.local_hostname = host, .metadata_server = meta,
                         .protocol = proto ? proto : "tcp", .device_name = dev ? dev : "",
                         .io_threads = io_threads, .conns_per_peer = conns,
-                        .auth_secret = secret};
+                        .auth_secret = secret, .same_host_cpu_off = !shc};
   mc_err_t err = {0};
   mc_engine_t *eng = NULL;
   int rc;

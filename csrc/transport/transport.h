@@ -47,7 +47,10 @@
  *     now.  peer_closed(): `segment`'s connection to us closed; free what
  *     served it.  Both optional, any thread.
  *   - mem_register()/mem_unregister(): called for every region the engine
- *     registers (location "cpu" or "cuda:N"), optional.  The region table
+ *     registers (location "cpu" or "cuda:N"), optional; an unregister that
+ *     times out on accesses in flight fails the engine's unregister.
+ *   - takes(): optional per-request veto after the choice (the remote
+ *     range's kind may rule a transport out: the next one takes it).  The region table
  *     (mem/regions.h) stays the authority on what a peer may touch.
  *   - stop(): fail everything in flight with MC_ECLOSED, join threads, free
  *     impl.  Called once, after the engine stopped submitting.
@@ -122,6 +125,8 @@ typedef struct mc_peer {
 typedef struct mc_transport_env {
   const char *local_name;     /* our segment name; stable for the engine's life */
   struct mc_regions *regions; /* our registered regions (authoritative) */
+  int off; /* the engine's configuration switched this transport off: start
+              it anyway, to tell peers why (e.g. a hello saying "off") */
   void *ctx;                  /* for rpc() */
   /* Sends an RPC to `segment` over the TCP control connection and waits for
    * the reply (*reply malloc'ed).  For handshakes; any thread but an I/O
@@ -173,10 +178,25 @@ typedef struct mc_transport_ops {
                 char *take);
   void (*submit_plan)(void *impl, void *plan, mc_xfer_op_t **ops, size_t nops);
   void (*call_end)(void *impl, void *call);
-  /* Optional: a region was registered / is being unregistered. */
+  /* Optional: a region was registered / is being unregistered.
+   * mem_unregister runs BEFORE the engine drops the region: it waits up to
+   * timeout_ms (<0: no limit) for accesses in flight through this
+   * transport and fails (MC_EBUSY, naming who holds it) past it; the
+   * engine's unregister then fails too and the region stays registered
+   * (a later unregister may finish).  An address it does not know is 0. */
   int (*mem_register)(void *impl, void *addr, uint64_t len, const char *location,
                       mc_err_t *err);
-  void (*mem_unregister)(void *impl, void *addr);
+  int (*mem_unregister)(void *impl, void *addr, int64_t timeout_ms, mc_err_t *err);
+  /* Optional: does this transport take the request [remote, remote+len) to
+   * `peer` (after reaches() said yes for its memory kind)?  1 yes; 0 no:
+   * the engine gives that request to the next transport in preference
+   * order (e.g. the same-host CPU path declines a peer's GPU region, which
+   * TCP stages).  Submitting thread, GIL released.  It sets [*lo, *hi) to
+   * a remote range holding [remote, remote+len) that gets the same answer
+   * (e.g. the whole region): the engine does not ask again for requests
+   * inside it during this submit (so it is asked about once per region). */
+  int (*takes)(void *impl, const mc_peer_t *peer, uint64_t remote, uint64_t len, uint64_t *lo,
+               uint64_t *hi);
 } mc_transport_ops_t;
 
 typedef struct mc_transport {

@@ -18,7 +18,7 @@ logger = logging.getLogger("vllm.mooncake_connector")
 
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
 MOONCAKE_FIELDS = ("prefill_url", "decode_url", "metadata_server", "protocol", "device_name",
-                   "metadata_backend", "auth_secret")
+                   "metadata_backend", "auth_secret", "same_host_cpu")
 KNOBS = {  # extra-config key: (type, default, meaning)
     "hold_timeout_s": (float, 120.0, "producer: how long a finished request's KV stays "
                        "available for a consumer before its blocks are freed"),

@@ -21,7 +21,8 @@ except ImportError:  # vLLM absent
 #: Why a consumer computed a prompt it was meant to load (docs/connector.md).
 RECOMPUTE_REASONS = ("producer_unreachable", "not_held", "timed_out", "layout_mismatch",
                      "no_kv_transfer_params")
-COUNTERS = ("loads", "loads_in_step", "loads_failed", "load_bytes", "load_tokens",
+COUNTERS = ("loads", "loads_in_step", "loads_failed", "load_bytes", "load_bytes_same_host_cpu",
+            "load_tokens",
             "load_tokens_missed", "publishes", "publish_failed", "publish_bytes",
             "sends_finished", "sends_expired",
             *(f"recompute_{r}" for r in RECOMPUTE_REASONS))
@@ -107,6 +108,9 @@ PROM_COUNTERS = {
     "loads": ("vllm:mooncake_loads_total", "KV loads finished (hit, miss or failed)"),
     "loads_failed": ("vllm:mooncake_load_failures_total", "KV loads that failed with an error"),
     "load_bytes": ("vllm:mooncake_load_bytes_total", "KV bytes loaded from producers"),
+    "load_bytes_same_host_cpu": ("vllm:mooncake_load_bytes_same_host_cpu_total",
+                                 "KV bytes loaded through the same-host CPU path "
+                                 "(cross-memory attach, no socket)"),
     "load_tokens": ("vllm:mooncake_load_tokens_total", "Prompt tokens loaded from producers"),
     "load_tokens_missed": ("vllm:mooncake_load_tokens_missed_total",
                            "Prompt tokens a load was meant to fill but did not"),

@@ -112,7 +112,8 @@ class WorkerSide:
         eng = _core.TransferEngine()
         # auth_secret None: the engine reads MC_AUTH_SECRET (docs/security.md).
         eng.initialize(self.name, cfg["metadata_server"], cfg["protocol"], cfg["device_name"],
-                       auth_secret=cfg["auth_secret"] or None)
+                       auth_secret=cfg["auth_secret"] or None,
+                       same_host_cpu=cfg["same_host_cpu"])
         for addr, n, dev in self.layout.regions():
             eng.register_memory(addr, n, dev)
         self.engine = eng
@@ -344,6 +345,7 @@ class WorkerSide:
         if spec.sync:
             self.stats.add("loads_in_step")
         self.stats.add("load_bytes", loaded * self.layout.bytes_per_block())
+        self.stats.add("load_bytes_same_host_cpu", self._same_host_cpu_read_delta())
         self.stats.add("load_tokens", loaded * self.block_size)
         self.stats.add_time(secs)
         if loaded < len(spec.block_ids):
@@ -364,6 +366,15 @@ class WorkerSide:
                                "rest of its prompt is computed locally", rid,
                                spec.producer or self.default_producer, loaded,
                                len(spec.block_ids))
+
+    def _same_host_cpu_read_delta(self):
+        """Bytes this engine READ through the same-host CPU path since the
+        last call (the engine's counter; loads are this engine's READs)."""
+        if self.engine is None:
+            return 0
+        now = int(self.engine.get_stats().get("same_host_cpu_bytes_read", 0))
+        last, self._shc_read = getattr(self, "_shc_read", 0), now
+        return max(0, now - last)
 
     def publish(self, meta):
         if not meta.publishes or self.lb is None:
@@ -558,6 +569,7 @@ class WorkerSide:
                 except Exception:  # already closed
                     pass
         self.kv = self.lb = self.engine = self._meta = None
+        self._shc_read = 0  # a new engine counts from 0
 
     def shutdown(self):
         self._stop_engine()

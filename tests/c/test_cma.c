@@ -163,6 +163,8 @@ typedef struct child {
   char hello[512];
   char *shared; /* the child's registered region (MAP_SHARED: we can check it) */
   size_t len;
+  char *gpu; /* 64 KiB the child registers with location "cuda:0" (a claim
+                this transport only records: no GPU needed) */
   int cmd; /* write end: closing it ends the child */
 } child_t;
 
@@ -178,8 +180,9 @@ static int fake_rpc(void *ctx, const char *segment, const char *req, size_t len,
 static int start_child(child_t *c, size_t len) {
   c->len = len;
   c->shared = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+  c->gpu = mmap(NULL, 65536, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
   int up[2], down[2];
-  if (c->shared == MAP_FAILED || pipe(up) || pipe(down))
+  if (c->shared == MAP_FAILED || c->gpu == MAP_FAILED || pipe(up) || pipe(down))
     return -1;
   c->pid = fork();
   if (c->pid == 0) {
@@ -189,7 +192,8 @@ static int start_child(child_t *c, size_t len) {
     void *impl;
     mc_err_t err;
     if (mc_cma_transport_ops.start(&env, &impl, &err) < 0 ||
-        mc_cma_transport_ops.mem_register(impl, c->shared, len, "cpu", &err) < 0)
+        mc_cma_transport_ops.mem_register(impl, c->shared, len, "cpu", &err) < 0 ||
+        mc_cma_transport_ops.mem_register(impl, c->gpu, 65536, "cuda:0", &err) < 0)
       _exit(2);
     char *reply = NULL;
     mc_cma_transport_ops.serve_rpc(impl, "x", MC_CMA_RPC_HELLO, strlen(MC_CMA_RPC_HELLO), &reply,
@@ -198,9 +202,17 @@ static int start_child(child_t *c, size_t len) {
       _exit(3);
     free(reply);
     char b;
-    while (read(down[0], &b, 1) == 1)
-      if (b == 'u') /* unregister, then say done */
-        mc_cma_transport_ops.mem_unregister(impl, c->shared), (void)!write(up[1], "u", 1);
+    while (read(down[0], &b, 1) == 1) {
+      if (b != 'u')
+        continue;
+      /* unregister (waiting 200 ms at most), then say how it went:
+       * 'u' done, 'B' refused as busy (the message names the pinner) */
+      int rc = mc_cma_transport_ops.mem_unregister(impl, c->shared, 200, &err);
+      char ans = rc == 0 ? 'u' : rc == MC_EBUSY && strstr(err.msg, "still being copied") ? 'B'
+                                                                                        : 'X';
+      if (write(up[1], &ans, 1) < 0)
+        _exit(3);
+    }
     mc_cma_transport_ops.stop(impl);
     _exit(0);
   }
@@ -287,10 +299,38 @@ static void two_processes(void) {
   mc_cma_get_stats(impl, &st);
   CHECK_EQ_INT(st.bytes_written, 1 << 20);
   CHECK_EQ_INT(st.bytes_read, 4096);
-  /* The target unregisters: the next copy is refused like any other range. */
+  /* The target's GPU region: this path declines it (the engine sends it
+   * over TCP, which stages it); host memory and unknown ranges it takes. */
+  uint64_t gbase = (uint64_t)(uintptr_t)c.gpu;
+  uint64_t lo = 0, hi = 0;
+  CHECK_EQ_INT(mc_cma_transport_ops.takes(impl, &peer, gbase + 4096, 4096, &lo, &hi), 0);
+  CHECK(lo == gbase && hi == gbase + 65536); /* the answer holds for the region */
+  CHECK_EQ_INT(mc_cma_transport_ops.takes(impl, &peer, base, 4096, &lo, &hi), 1);
+  CHECK(lo == base && hi == base + (1 << 20));
+  lo = hi = 0x1000;
+  CHECK_EQ_INT(mc_cma_transport_ops.takes(impl, &peer, 0x1000, 16, &lo, &hi), 1);
+  CHECK(lo == 0x1000 && hi == 0x1000); /* no region: no range to remember */
+  /* A copy in flight (a pin held past the wait) fails the unregister
+   * with MC_EBUSY; once it finished, the unregister succeeds. */
+  mc_cma_view_t v = {.pidfd = -1};
+  mc_cma_hello_t h;
+  CHECK_EQ_INT(mc_cma_hello_parse(c.hello, strlen(c.hello), &h, &err), 0);
+  CHECK_EQ_INT(mc_cma_view_open(&v, (pid_t)h.pid, (int)h.fd, h.token, h.addr, &err), 0);
+  mc_cma_view_refresh(&v, 1);
+  const mc_cma_ent_t *ce = mc_cma_view_find(&v, base, 64);
+  CHECK(ce != NULL);
+  CHECK_EQ_INT(mc_cma_view_pin(&v, ce), 0);
   char b = 'u';
   CHECK_EQ_INT(write(c.cmd, &b, 1), 1);
   CHECK_EQ_INT(read(ack, &b, 1), 1);
+  CHECK_EQ_INT(b, 'B');
+  mc_cma_view_unpin(&v, ce->idx);
+  mc_cma_view_close(&v);
+  /* The target unregisters: the next copy is refused like any other range. */
+  b = 'u';
+  CHECK_EQ_INT(write(c.cmd, &b, 1), 1);
+  CHECK_EQ_INT(read(ack, &b, 1), 1);
+  CHECK_EQ_INT(b, 'u');
   CHECK_EQ_INT(one_op(impl, &peer, MC_XFER_WRITE, buf, base, 64, &r), 0);
   CHECK_EQ_INT(r.failed_entries, 1);
   /* The target dies: a clear error, no crash, no hang. */
@@ -306,6 +346,7 @@ static void two_processes(void) {
   close(c.cmd);
   close(ack);
   munmap(c.shared, c.len);
+  munmap(c.gpu, 65536);
 }
 
 /* A hello naming a process that is not that engine (pid reused). */
@@ -365,6 +406,18 @@ static void switched_off(void) {
   free(reply);
   mc_cma_transport_ops.stop(impl);
   unsetenv("MC_SAME_HOST_CPU");
+  /* Off by the engine's configuration (mooncake.json "same_host_cpu": false). */
+  env.off = 1;
+  CHECK_EQ_INT(mc_cma_transport_ops.start(&env, &impl, &err), 0);
+  CHECK_EQ_INT(mc_cma_transport_ops.reaches(impl, &peer, MC_MEM_HOST, why, sizeof why), 0);
+  CHECK_CONTAINS(why, "\"same_host_cpu\": false");
+  CHECK_EQ_INT(mc_cma_transport_ops.serve_rpc(impl, "p", MC_CMA_RPC_HELLO,
+                                              strlen(MC_CMA_RPC_HELLO), &reply, &err),
+               0);
+  CHECK(!strncmp(reply, "off ", 4));
+  CHECK_CONTAINS(reply, "mooncake.json");
+  free(reply);
+  mc_cma_transport_ops.stop(impl);
 }
 
 int main(void) {

@@ -142,6 +142,26 @@ static void test_minimal_defaults(void) {
   CHECK(!cfg.metadata_backend_given);
   CHECK(strcmp(cfg.notes, "") == 0);
   CHECK(strcmp(cfg.device_name, "") == 0);
+  CHECK(cfg.same_host_cpu); /* on unless the file says false */
+}
+
+static void test_same_host_cpu_switch(void) {
+  mc_config_t cfg;
+  mc_err_t err;
+  CHECK_EQ_INT(parse_extra(", \"same_host_cpu\": false", &cfg, &err), 0);
+  CHECK(!cfg.same_host_cpu);
+  CHECK_EQ_INT(parse_extra(", \"same_host_cpu\": true", &cfg, &err), 0);
+  CHECK(cfg.same_host_cpu);
+  CHECK_EQ_INT(parse_extra(", \"same_host_cpu\": \"false\"", &cfg, &err), MC_ECONFIG);
+  CHECK_CONTAINS(err.msg, ORIGIN ": field \"same_host_cpu\": value \"false\" is a string; "
+                          "expected true or false");
+  CHECK_EQ_INT(parse_extra(", \"same_host_cpu\": 0", &cfg, &err), MC_ECONFIG);
+  CHECK_CONTAINS(err.msg, "is a number; expected true or false");
+  CHECK_EQ_INT(parse_extra(", \"same_host_cpu\": false, \"same_host_cpu\": true", &cfg, &err),
+               MC_ECONFIG);
+  CHECK_CONTAINS(err.msg, "appears more than once");
+  CHECK_EQ_INT(parse_extra(", \"same_host_pcu\": false", &cfg, &err), MC_ECONFIG);
+  CHECK_CONTAINS(err.msg, "did you mean \"same_host_cpu\"?");
 }
 
 static void test_tcp_device_ignored(void) {
@@ -838,6 +858,7 @@ int main(void) {
   RUN(test_seed_tcp);
   RUN(test_seed_rdma_from_file);
   RUN(test_minimal_defaults);
+  RUN(test_same_host_cpu_switch);
   RUN(test_tcp_device_ignored);
   RUN(test_names);
   RUN(test_meta_p2p);

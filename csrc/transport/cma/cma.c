@@ -27,7 +27,7 @@ typedef struct cma {
   mc_transport_env_t env;
   mc_cma_table_t *table; /* NULL when switched off */
   mc_cma_hello_t self;
-  int64_t unregister_wait_ms;
+  int off_by_config;  /* mooncake.json "same_host_cpu": false */
   pthread_mutex_t mu; /* peers[] */
   cma_peer_t **peers;
   size_t npeers;
@@ -46,9 +46,8 @@ static int cma_start(const mc_transport_env_t *env, void **impl, mc_err_t *err) 
   c->env = *env;
   pthread_mutex_init(&c->mu, NULL);
   mc_cma_hello_self(&c->self);
-  const char *w = getenv("MC_UNREGISTER_WAIT_MS");
-  c->unregister_wait_ms = w && atol(w) > 0 ? atol(w) : 10000;
-  if (mc_cma_enabled()) {
+  c->off_by_config = env->off;
+  if (mc_cma_enabled() && !c->off_by_config) {
     mc_err_t e2;
     if (mc_cma_table_create(&c->table, &e2) < 0) /* not fatal: peers use TCP */
       mc_log_warn("same-host CPU path unavailable: %s", e2.msg);
@@ -104,9 +103,11 @@ static int cma_reaches(void *impl, const mc_peer_t *peer, mc_mem_kind_t kind, ch
     return 0;
   }
   if (!c->table) {
-    snprintf(why, why_len,
-             mc_cma_enabled() ? "the same-host CPU path could not start here (see the WARN above)"
-                              : "the same-host CPU path is switched off here (MC_SAME_HOST_CPU=0)");
+    snprintf(why, why_len, "%s",
+             c->off_by_config ? "the same-host CPU path is switched off here (mooncake.json "
+                                "\"same_host_cpu\": false)"
+             : mc_cma_enabled() ? "the same-host CPU path could not start here (see the WARN above)"
+                                : "the same-host CPU path is switched off here (MC_SAME_HOST_CPU=0)");
     return 0;
   }
   if (peer->same_host < 0) { /* unknown (0) is settled by the hello's boot id */
@@ -297,8 +298,8 @@ static void run_op(cma_t *c, cma_peer_t *p, mc_xfer_op_t *op, cma_run_t *run) {
       if (ce && ce->cuda)
         snprintf(m, sizeof m,
                  "range [0x%llx, +%llu) of segment %s is GPU memory: the same-host CPU path "
-                 "moves host memory only (switch it off with MC_SAME_HOST_CPU=0 to stage it "
-                 "over TCP)",
+                 "moves host memory only (it became GPU memory after the request was routed; "
+                 "retry: the engine sends requests to GPU regions over TCP)",
                  (unsigned long long)en->remote, (unsigned long long)en->len, p->segment);
       else
         snprintf(m, sizeof m,
@@ -379,7 +380,9 @@ static int cma_serve_rpc(void *impl, const char *from, const char *req, size_t l
   if (!c->table) {
     h.off = 1;
     snprintf(h.why, sizeof h.why, "%s",
-             mc_cma_enabled() ? "could not start" : "MC_SAME_HOST_CPU=0");
+             c->off_by_config      ? "same_host_cpu false in its mooncake.json"
+             : mc_cma_enabled() ? "could not start"
+                                : "MC_SAME_HOST_CPU=0");
   } else {
     h.fd = (uint64_t)mc_cma_table_fd(c->table);
     h.addr = (uint64_t)(uintptr_t)mc_cma_table_addr(c->table);
@@ -400,14 +403,45 @@ static int cma_mem_register(void *impl, void *addr, uint64_t len, const char *lo
                           strncmp(location, "cpu", 3) != 0, err);
 }
 
-static void cma_mem_unregister(void *impl, void *addr) {
+static int cma_mem_unregister(void *impl, void *addr, int64_t timeout_ms, mc_err_t *err) {
   cma_t *c = impl;
-  mc_err_t err;
-  if (c->table &&
-      mc_cma_table_remove(c->table, (uint64_t)(uintptr_t)addr, c->unregister_wait_ms, &err) <
-          0 &&
-      err.code != MC_ENOTFOUND)
-    mc_log_warn("unregister: %s", err.msg);
+  mc_err_t e2;
+  if (!c->table)
+    return 0;
+  int rc = mc_cma_table_remove(c->table, (uint64_t)(uintptr_t)addr, timeout_ms, &e2);
+  if (rc == MC_ENOTFOUND)
+    return 0; /* not one of ours: the engine's table names a bad address */
+  if (rc < 0)
+    return mc_err_set(err, rc, "%s", e2.msg);
+  return 0;
+}
+
+/* Declines a request to a peer's GPU region: the engine hands it to the
+ * next transport (TCP stages it).  Anything else is ours (a range in no
+ * region is refused by run_op with the region check's words). */
+static int cma_takes(void *impl, const mc_peer_t *peer, uint64_t remote, uint64_t len,
+                     uint64_t *lo, uint64_t *hi) {
+  cma_t *c = impl;
+  cma_peer_t *p = peer_get(c, peer->segment, 0);
+  if (!p)
+    return 1;
+  pthread_mutex_lock(&p->mu);
+  int cuda = 0;
+  if (p->open) {
+    mc_cma_view_refresh(&p->v, 0);
+    const mc_cma_ent_t *ce = mc_cma_view_find(&p->v, remote, len);
+    if (!ce) {
+      mc_cma_view_refresh(&p->v, 1);
+      ce = mc_cma_view_find(&p->v, remote, len);
+    }
+    if (ce) { /* the same answer for the whole region */
+      *lo = ce->addr;
+      *hi = ce->addr + ce->len;
+    }
+    cuda = ce && ce->cuda;
+  }
+  pthread_mutex_unlock(&p->mu);
+  return !cuda;
 }
 
 void mc_cma_get_stats(void *impl, mc_cma_stats_t *out) {
@@ -434,4 +468,5 @@ const mc_transport_ops_t mc_cma_transport_ops = {
     .serve_rpc = cma_serve_rpc,
     .mem_register = cma_mem_register,
     .mem_unregister = cma_mem_unregister,
+    .takes = cma_takes,
 };

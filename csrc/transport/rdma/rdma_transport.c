@@ -16,7 +16,11 @@ static int rdma_t_register(void *impl, void *addr, uint64_t len, const char *loc
                            mc_err_t *err) {
   return mc_rdma_register(impl, addr, len, location, err);
 }
-static void rdma_t_unregister(void *impl, void *addr) { mc_rdma_unregister(impl, addr); }
+static int rdma_t_unregister(void *impl, void *addr, int64_t timeout_ms, mc_err_t *err) {
+  (void)timeout_ms, (void)err; /* one-sided accesses: deregistering revokes them */
+  mc_rdma_unregister(impl, addr);
+  return 0;
+}
 static int rdma_t_serve_rpc(void *impl, const char *from, const char *req, size_t len,
                             char **reply, mc_err_t *err) {
   return mc_rdma_serve_rpc(impl, from, req, len, reply, err);

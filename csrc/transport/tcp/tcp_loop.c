@@ -292,6 +292,7 @@ static void sweep_conn(mc_conn_t *c) {
   }
   /* Sent and awaiting: WRITE data has left, READ data is dropped on arrival. */
   for (mc_xfer_op_t *op = c->await_head; op; op = op->next) {
+    /* finalized first: a finalized op's batch (and *op->cancel) may be gone */
     if (!op->finalized && op->cancel && atomic_load(op->cancel)) {
       if (op == c->await_head && c->rstate == RS_PAYLOAD)
         c->pdiscard = 1;
