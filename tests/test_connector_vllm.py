@@ -365,6 +365,32 @@ def test_idle_producer_waits_for_the_release_instead_of_spinning(sides):
     assert p.run_until(lambda: p.is_empty())
 
 
+def test_idle_waits_double_up_to_the_cap(sides):
+    """Consecutive idle steps that free nothing wait idle_wait_ms, then twice
+    as long each time up to idle_wait_max_ms (with TP > 1 every step keeps
+    vLLM's workers busy-polling); a step with work starts the ramp over."""
+    p = sides("kv_producer", idle_wait_ms=10, idle_wait_max_ms=80)
+    prefill(p, "r", toks(13, 2 * BS))
+
+    def idle_steps(n):
+        out = []
+        for _ in range(n):
+            t0 = time.monotonic()
+            p.step()
+            out.append(time.monotonic() - t0)
+        return out
+
+    took = idle_steps(6)
+    assert "r" not in p.sent
+    # ~10, 20, 40, 80, 80, 80 ms (lower bounds only: a loaded host is slower)
+    for got, want in zip(took, (0.010, 0.020, 0.040, 0.080, 0.080, 0.080)):
+        assert got >= want * 0.9, took
+    assert sum(took[3:]) < 3 * 0.080 + 1.0, took  # capped: no 160, 320 ms
+    prefill(p, "r2", toks(14, 2 * BS))          # a step with work resets the ramp
+    took = idle_steps(1)
+    assert took[0] < 0.060, took
+
+
 def test_idle_wait_zero_never_waits(sides):
     p = sides("kv_producer", idle_wait_ms=0)
     prefill(p, "z", toks(12, 2 * BS))

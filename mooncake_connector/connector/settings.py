@@ -45,6 +45,12 @@ KNOBS = {  # extra-config key: (type, default, meaning)
                      "release (vLLM otherwise runs empty steps back to back until then: "
                      "~30% of a core on a 2-vCPU host); a new request may wait as long. "
                      "0: never wait"),
+    "idle_wait_max_ms": (float, 50.0, "producer: consecutive such steps that free nothing "
+                         "wait twice as long each time, from idle_wait_ms up to this (every "
+                         "step resets vLLM's 1 s busy-poll of its worker queues: with TP > 1 "
+                         "back-to-back empty steps keep every worker process at 100% of a "
+                         "core); a new request may wait as long; at most 1000; below "
+                         "idle_wait_ms it is idle_wait_ms (no growth)"),
 }
 
 
@@ -70,6 +76,7 @@ class Settings:
     sync_load_max_bytes: int = 8 << 20
     sync_load_timeout_s: float = 2.0
     idle_wait_ms: float = 2.0
+    idle_wait_max_ms: float = 50.0
 
     @property
     def is_producer(self):
@@ -163,9 +170,11 @@ def resolve(kv_transfer_config, env=None):
     for key in ("lookup_timeout_s", "sync_load_timeout_s", "load_timeout_s"):
         if getattr(s, key) <= 0:
             raise SettingsError(f"kv_connector_extra_config.{key} must be > 0 seconds")
-    if s.idle_wait_ms > 1000:
-        raise SettingsError("kv_connector_extra_config.idle_wait_ms must be <= 1000 (it delays "
-                            f"new requests as long), not {s.idle_wait_ms!r}")
+    for key in ("idle_wait_ms", "idle_wait_max_ms"):
+        v = getattr(s, key)
+        if v > 1000 or v != v:
+            raise SettingsError(f"kv_connector_extra_config.{key} must be <= 1000 (it delays "
+                                f"new requests as long), not {v!r}")
     if s.load_failure_policy not in ("recompute", "fail"):
         raise SettingsError("kv_connector_extra_config.load_failure_policy must be 'recompute' "
                             f"or 'fail', not {s.load_failure_policy!r}")

@@ -80,6 +80,7 @@ class WorkerSide:
         self._held = {}           # req_id -> monotonic time vLLM started holding it for us
         self._finished_seen = set()
         self._idle = False        # this step schedules nothing (may wait for releases)
+        self._idle_streak = 0     # consecutive idle steps that freed nothing
         self._cuda_sync = None
         self.stats = MooncakeKVConnectorStats()
 
@@ -465,15 +466,21 @@ class WorkerSide:
         done_send = self._finished_sends()
         # A step with nothing to compute while we hold finished requests'
         # KV: vLLM runs such steps back to back until every hold ends, so
-        # wait (GIL released) for a consumer's release instead, briefly.
+        # wait (GIL released) for a consumer's release instead: idle_wait_ms,
+        # doubling while such steps free nothing, up to idle_wait_max_ms.
         if (self._idle and self._held and not done_send and not done_recv
                 and not self._loading and self.s.idle_wait_ms > 0 and self.lb is not None):
-            deadline = time.monotonic() + self.s.idle_wait_ms / 1000.0
+            wait_ms = min(self.s.idle_wait_ms * (1 << min(self._idle_streak, 16)),
+                          max(self.s.idle_wait_max_ms, self.s.idle_wait_ms))
+            deadline = time.monotonic() + wait_ms / 1000.0
             while not done_send:  # a release may free a request's blocks in pieces
                 left = deadline - time.monotonic()
                 if left <= 0 or not self.lb.wait_freed(left):
                     break
                 done_send = self._finished_sends()
+            self._idle_streak = 0 if done_send else self._idle_streak + 1
+        else:
+            self._idle_streak = 0
         self._idle = False
         # Requests that finished without us holding them need no tracking.
         self._finished_seen.intersection_update(self._held)
