@@ -10,6 +10,7 @@
 #include <sys/uio.h>
 #include <unistd.h>
 
+#include "transport/cma/cma_copy.h"
 #include "transport/cma/cma_hello.h"
 #include "transport/cma/cma_table.h"
 #include "util/log.h"
@@ -26,6 +27,7 @@ typedef struct cma_peer {
 typedef struct cma {
   mc_transport_env_t env;
   mc_cma_table_t *table; /* NULL when switched off */
+  mc_cma_copier_t *copier; /* NULL: copies on the submitting thread only */
   mc_cma_hello_t self;
   int off_by_config;  /* mooncake.json "same_host_cpu": false */
   pthread_mutex_t mu; /* peers[] */
@@ -51,6 +53,8 @@ static int cma_start(const mc_transport_env_t *env, void **impl, mc_err_t *err) 
     mc_err_t e2;
     if (mc_cma_table_create(&c->table, &e2) < 0) /* not fatal: peers use TCP */
       mc_log_warn("same-host CPU path unavailable: %s", e2.msg);
+    else
+      c->copier = mc_cma_copier_new();
   }
   *impl = c;
   return 0;
@@ -67,6 +71,7 @@ static void cma_stop(void *impl) {
     free(c->peers[i]);
   }
   free(c->peers);
+  mc_cma_copier_free(c->copier);
   mc_cma_table_destroy(c->table);
   pthread_mutex_destroy(&c->mu);
   free(c);
@@ -187,42 +192,22 @@ typedef struct cma_run {
   uint64_t bytes;
 } cma_run_t;
 
-static int flush(cma_peer_t *p, int write, cma_run_t *run, mc_err_t *err) {
-  int i = 0;
-  while (i < run->n) {
-    ssize_t got = write ? process_vm_writev(p->v.pid, run->l + i, (unsigned long)(run->n - i),
-                                            run->r + i, (unsigned long)(run->n - i), 0)
-                        : process_vm_readv(p->v.pid, run->l + i, (unsigned long)(run->n - i),
-                                           run->r + i, (unsigned long)(run->n - i), 0);
-    if (got <= 0) {
-      int e = got < 0 ? errno : EFAULT;
-      if (e == ESRCH)
-        return mc_err_set(err, MC_EPEERCLOSED,
-                          "process %d serving segment %s exited (same-host CPU path)",
-                          (int)p->v.pid, p->segment);
-      return mc_err_set(err, MC_ESYS, "%s of %llu bytes from/to segment %s (process %d): %s",
-                        write ? "process_vm_writev" : "process_vm_readv",
-                        (unsigned long long)run->bytes, p->segment, (int)p->v.pid,
-                        e == EFAULT ? "a local or remote page is not mapped" : strerror(e));
-    }
-    /* Partial: skip what was copied (local and remote lengths match). */
-    size_t left = (size_t)got;
-    while (left > 0 && i < run->n) {
-      if (left >= run->l[i].iov_len) {
-        left -= run->l[i].iov_len;
-        i++;
-      } else {
-        run->l[i].iov_base = (char *)run->l[i].iov_base + left;
-        run->l[i].iov_len -= left;
-        run->r[i].iov_base = (char *)run->r[i].iov_base + left;
-        run->r[i].iov_len -= left;
-        left = 0;
-      }
-    }
-  }
+static int flush(mc_cma_copier_t *cp, cma_peer_t *p, int write, cma_run_t *run,
+                 mc_err_t *err) {
+  int e = run->n ? mc_cma_copy(cp, p->v.pid, write, run->l, run->r, run->n, run->bytes) : 0;
+  uint64_t bytes = run->bytes;
   run->n = 0;
   run->bytes = 0;
-  return 0;
+  if (e == 0)
+    return 0;
+  if (e == ESRCH)
+    return mc_err_set(err, MC_EPEERCLOSED,
+                      "process %d serving segment %s exited (same-host CPU path)",
+                      (int)p->v.pid, p->segment);
+  return mc_err_set(err, MC_ESYS, "%s of %llu bytes from/to segment %s (process %d): %s",
+                    write ? "process_vm_writev" : "process_vm_readv",
+                    (unsigned long long)bytes, p->segment, (int)p->v.pid,
+                    e == EFAULT ? "a local or remote page is not mapped" : strerror(e));
 }
 
 static void refuse(mc_xfer_op_t *op, uint32_t k, int code, const char *msg, int *op_code,
@@ -274,7 +259,7 @@ static void run_op(cma_t *c, cma_peer_t *p, mc_xfer_op_t *op, cma_run_t *run) {
           break;
       }
       if (pinned >= 0) {
-        if (flush(p, write, run, &err) < 0) {
+        if (flush(c->copier, p, write, run, &err) < 0) {
           code = err.code;
           snprintf(msg, sizeof msg, "%s", err.msg);
         }
@@ -316,12 +301,12 @@ static void run_op(cma_t *c, cma_peer_t *p, mc_xfer_op_t *op, cma_run_t *run) {
     run->n++;
     run->bytes += en->len;
     moved += en->len;
-    if (run->n == CMA_IOV && flush(p, write, run, &err) < 0) {
+    if (run->n == CMA_IOV && flush(c->copier, p, write, run, &err) < 0) {
       code = err.code;
       snprintf(msg, sizeof msg, "%s", err.msg);
     }
   }
-  if (code == 0 && run->n > 0 && flush(p, write, run, &err) < 0) {
+  if (code == 0 && run->n > 0 && flush(c->copier, p, write, run, &err) < 0) {
     code = err.code;
     snprintf(msg, sizeof msg, "%s", err.msg);
   }

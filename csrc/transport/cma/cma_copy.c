@@ -1,0 +1,228 @@
+/* process_vm_readv/writev over iovec lists, split across copy threads
+ * (see cma_copy.h). */
+#include "transport/cma/cma_copy.h"
+
+#include <errno.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "util/log.h"
+
+#define SPLIT_MIN (256u << 10) /* a slice is at least this many bytes */
+#define MAX_THREADS 16
+#define IOV_PER_CALL 1024 /* UIO_MAXIOV */
+
+typedef struct latch {
+  int left; /* slices not yet copied */
+  int rc;   /* the first helper's errno */
+} latch_t;
+
+typedef struct slice {
+  struct slice *next;
+  pid_t pid;
+  int write;
+  struct iovec *l, *r;
+  int n;
+  latch_t *latch;
+} slice_t;
+
+struct mc_cma_copier {
+  pthread_mutex_t mu;
+  pthread_cond_t work_cv, done_cv;
+  slice_t *head, *tail; /* slices waiting for a helper */
+  pthread_t th[MAX_THREADS];
+  int nth;  /* helpers started */
+  int want; /* threads per copy, the caller included */
+  int stopping;
+};
+
+/* One thread's copy of n pairs; 0 or an errno. */
+static int copy_run(pid_t pid, int write, struct iovec *l, struct iovec *r, int n) {
+  int i = 0;
+  while (i < n) {
+    unsigned long m = (unsigned long)(n - i > IOV_PER_CALL ? IOV_PER_CALL : n - i);
+    ssize_t got = write ? process_vm_writev(pid, l + i, m, r + i, m, 0)
+                        : process_vm_readv(pid, l + i, m, r + i, m, 0);
+    if (got <= 0)
+      return got < 0 ? errno : EFAULT;
+    /* Partial: skip what was copied (local and remote lengths match). */
+    size_t left = (size_t)got;
+    while (left > 0 && i < n) {
+      if (left >= l[i].iov_len) {
+        left -= l[i].iov_len;
+        i++;
+      } else {
+        l[i].iov_base = (char *)l[i].iov_base + left;
+        l[i].iov_len -= left;
+        r[i].iov_base = (char *)r[i].iov_base + left;
+        r[i].iov_len -= left;
+        left = 0;
+      }
+    }
+    while (i < n && l[i].iov_len == 0) /* nothing to move: not a failure */
+      i++;
+  }
+  return 0;
+}
+
+static void *helper_main(void *arg) {
+  mc_cma_copier_t *cp = arg;
+  pthread_mutex_lock(&cp->mu);
+  for (;;) {
+    while (!cp->head && !cp->stopping)
+      pthread_cond_wait(&cp->work_cv, &cp->mu);
+    slice_t *s = cp->head;
+    if (!s)
+      break; /* stopping, nothing queued */
+    cp->head = s->next;
+    if (!cp->head)
+      cp->tail = NULL;
+    pthread_mutex_unlock(&cp->mu);
+    int rc = copy_run(s->pid, s->write, s->l, s->r, s->n);
+    pthread_mutex_lock(&cp->mu);
+    if (rc && !s->latch->rc)
+      s->latch->rc = rc;
+    if (--s->latch->left == 0)
+      pthread_cond_broadcast(&cp->done_cv);
+  }
+  pthread_mutex_unlock(&cp->mu);
+  return NULL;
+}
+
+static int threads_from_env(void) {
+  long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
+  int dflt = ncpu < 1 ? 1 : ncpu > 4 ? 4 : (int)ncpu;
+  const char *s = getenv("MC_CMA_THREADS");
+  if (!s || !*s)
+    return dflt;
+  char *end;
+  errno = 0;
+  long v = strtol(s, &end, 10);
+  if (errno || *end || v < 1 || v > MAX_THREADS) {
+    mc_log_warn("ignoring MC_CMA_THREADS=\"%s\": expected an integer in 1..%d; using %d", s,
+                MAX_THREADS, dflt);
+    return dflt;
+  }
+  return (int)v;
+}
+
+mc_cma_copier_t *mc_cma_copier_new(void) {
+  mc_cma_copier_t *cp = calloc(1, sizeof *cp);
+  if (!cp)
+    return NULL;
+  pthread_mutex_init(&cp->mu, NULL);
+  pthread_cond_init(&cp->work_cv, NULL);
+  pthread_cond_init(&cp->done_cv, NULL);
+  cp->want = threads_from_env();
+  return cp;
+}
+
+void mc_cma_copier_free(mc_cma_copier_t *cp) {
+  if (!cp)
+    return;
+  pthread_mutex_lock(&cp->mu);
+  cp->stopping = 1;
+  pthread_cond_broadcast(&cp->work_cv);
+  pthread_mutex_unlock(&cp->mu);
+  for (int i = 0; i < cp->nth; i++)
+    pthread_join(cp->th[i], NULL);
+  pthread_cond_destroy(&cp->work_cv);
+  pthread_cond_destroy(&cp->done_cv);
+  pthread_mutex_destroy(&cp->mu);
+  free(cp);
+}
+
+int mc_cma_copier_threads(mc_cma_copier_t *cp) {
+  if (!cp)
+    return 1;
+  pthread_mutex_lock(&cp->mu);
+  int k = cp->want;
+  pthread_mutex_unlock(&cp->mu);
+  return k;
+}
+
+/* Helpers up to want - 1 (started on first use); returns how many run. */
+static int start_helpers_locked(mc_cma_copier_t *cp) {
+  while (cp->nth < cp->want - 1 && !cp->stopping) {
+    if (pthread_create(&cp->th[cp->nth], NULL, helper_main, cp) != 0) {
+      mc_log_warn("same-host CPU path: cannot start a copy thread (%s); copying with %d",
+                  strerror(errno), cp->nth + 1);
+      cp->want = cp->nth + 1;
+      break;
+    }
+    cp->nth++;
+  }
+  return cp->nth;
+}
+
+int mc_cma_copy(mc_cma_copier_t *cp, pid_t pid, int write, struct iovec *l, struct iovec *r,
+                int n, uint64_t bytes) {
+  if (!cp || bytes / SPLIT_MIN < 2)
+    return copy_run(pid, write, l, r, n);
+  pthread_mutex_lock(&cp->mu);
+  int k = cp->want, helpers = k > 1 ? start_helpers_locked(cp) : 0;
+  pthread_mutex_unlock(&cp->mu);
+  if (bytes / SPLIT_MIN < (uint64_t)k)
+    k = (int)(bytes / SPLIT_MIN);
+  if (k > helpers + 1)
+    k = helpers + 1;
+  size_t cap = (size_t)n + (size_t)k; /* a cut splits at most one pair per slice */
+  struct iovec *buf = k > 1 ? malloc(2 * cap * sizeof *buf) : NULL;
+  if (!buf)
+    return copy_run(pid, write, l, r, n);
+  /* Slices of ~bytes/k each, cut inside pairs where needed. */
+  slice_t sl[MAX_THREADS];
+  struct iovec *L = buf, *R = buf + cap;
+  uint64_t per = (bytes + (uint64_t)k - 1) / (uint64_t)k;
+  size_t pos = 0, off = 0;
+  int idx = 0, ns = 0;
+  for (int s = 0; s < k && idx < n; s++) {
+    slice_t *x = &sl[ns];
+    x->l = L + pos;
+    x->r = R + pos;
+    x->n = 0;
+    uint64_t need = s == k - 1 ? UINT64_MAX : per;
+    while (need > 0 && idx < n) {
+      size_t avail = l[idx].iov_len - off;
+      size_t take = avail < need ? avail : (size_t)need;
+      if (take) {
+        L[pos] = (struct iovec){(char *)l[idx].iov_base + off, take};
+        R[pos] = (struct iovec){(char *)r[idx].iov_base + off, take};
+        pos++;
+        x->n++;
+        need -= take;
+        off += take;
+      }
+      if (off == l[idx].iov_len) {
+        idx++;
+        off = 0;
+      }
+    }
+    if (x->n)
+      ns++;
+  }
+  latch_t latch = {.left = ns - 1, .rc = 0};
+  pthread_mutex_lock(&cp->mu);
+  for (int s = 1; s < ns; s++) {
+    sl[s] = (slice_t){.next = NULL, .pid = pid, .write = write, .l = sl[s].l, .r = sl[s].r,
+                      .n = sl[s].n, .latch = &latch};
+    if (cp->tail)
+      cp->tail->next = &sl[s];
+    else
+      cp->head = &sl[s];
+    cp->tail = &sl[s];
+  }
+  pthread_cond_broadcast(&cp->work_cv);
+  pthread_mutex_unlock(&cp->mu);
+  int rc = ns > 0 ? copy_run(pid, write, sl[0].l, sl[0].r, sl[0].n) : 0;
+  pthread_mutex_lock(&cp->mu);
+  while (latch.left > 0)
+    pthread_cond_wait(&cp->done_cv, &cp->mu);
+  if (!rc)
+    rc = latch.rc;
+  pthread_mutex_unlock(&cp->mu);
+  free(buf);
+  return rc;
+}
