@@ -27,34 +27,34 @@ sys.path.insert(0, HERE)
 
 
 def tree_cpu_ticks(pid):
-    """utime + stime of pid and all its descendants."""
-    kids = {}
+    """{pid: utime + stime} of pid and all its descendants."""
+    kids, ticks = {}, {}
     for d in os.listdir("/proc"):
         if d.isdigit():
             try:
                 with open(f"/proc/{d}/stat") as f:
                     st = f.read().rsplit(")", 1)[1].split()
-                kids.setdefault(int(st[1]), []).append((int(d), int(st[11]) + int(st[12])))
+                kids.setdefault(int(st[1]), []).append(int(d))
+                ticks[int(d)] = int(st[11]) + int(st[12])
             except OSError:
                 pass
-    total, todo = 0, [pid]
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            st = f.read().rsplit(")", 1)[1].split()
-        total = int(st[11]) + int(st[12])
-    except OSError:
-        pass
+    out, todo = {}, [pid]
     while todo:
-        for child, ticks in kids.get(todo.pop(), ()):
-            total += ticks
-            todo.append(child)
-    return total
+        p = todo.pop()
+        if p in ticks:
+            out[p] = ticks[p]
+        todo.extend(kids.get(p, ()))
+    return out
 
 
 def cpu_percent(pid, seconds):
+    """CPU of the tree over `seconds`: per process, ticks at the end minus
+    ticks at the start (a process started meanwhile counts from 0)."""
     c0 = tree_cpu_ticks(pid)
     time.sleep(seconds)
-    return 100.0 * (tree_cpu_ticks(pid) - c0) / os.sysconf("SC_CLK_TCK") / seconds
+    c1 = tree_cpu_ticks(pid)
+    used = sum(max(0, t - c0.get(p, 0)) for p, t in c1.items())
+    return 100.0 * used / os.sysconf("SC_CLK_TCK") / seconds
 
 
 def measure(wait_ms, seconds, max_ms=None, tp=1):

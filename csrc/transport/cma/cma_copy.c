@@ -10,7 +10,7 @@
 
 #include "util/log.h"
 
-#define SPLIT_MIN (256u << 10) /* a slice is at least this many bytes */
+#define SPLIT_MIN (512u << 10) /* a slice is at least this many bytes */
 #define MAX_THREADS 16
 #define IOV_PER_CALL 1024 /* UIO_MAXIOV */
 

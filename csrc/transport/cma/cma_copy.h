@@ -2,7 +2,8 @@
  * (local, remote) iovec pairs, split by bytes across a small pool of copy
  * threads when the list is large.  With 4 KiB pages the kernel pins and
  * copies the target's pages one by one, so one thread reaches 0.3-0.6x of
- * a memcpy; several threads (one list, disjoint byte ranges) add up.
+ * a memcpy; several threads (one list, disjoint byte ranges, lists of
+ * 1 MiB or more, at least 512 KiB a thread) add up.
  *
  * The caller keeps whatever makes the remote ranges valid (the target's
  * region pin, cma_table.h) for the whole call: helpers touch nothing but
