@@ -35,7 +35,14 @@ Invariants (each violation is listed in the JSON):
              hold_timeout_s + --drain-margin-s
   rss        no server's RSS grows faster than --rss-slope-max MiB/min
              (least squares over the second half of the load, per process
-             lifetime)
+             lifetime); with --reference, faster than the reference server's
+             slope in the same run plus --rss-over-reference MiB/min
+
+--reference adds R, a plain vLLM server with no KV connector on the same
+model, and sends it a copy of every client request (--reference-frac of
+them) while the load runs: vLLM's own allocator warm-up on this backend
+grows a server's RSS for tens of minutes, so a connector server is judged
+against R's growth, not against zero.
 Exit status 0 when all hold.  Output: a progress line, --json results, a
 --png timeline (requests, latency, RSS, held bytes, fault spans).
 """
@@ -242,6 +249,12 @@ class Cluster:
             srv.health_url = srv.url + "/health"
             srv.role = role
             self.servers[name] = srv
+        if args.reference:  # no connector: the RSS reference
+            port = serving.free_port()
+            srv = serving.vllm_server("R", model, port, os.path.join(logs, "R.log"),
+                                      kv_cache_bytes=args.kv_cache_bytes)
+            srv.role = "reference"
+            self.servers["R"] = srv
         pre = [self.servers["P1"].url, self.servers["P2"].url]
         self.proxies = {
             # flow a: the proxy's two round robins move together: P1+D1, P2+D2
@@ -453,6 +466,9 @@ class Load:
         self.sink = open(args.json + ".records.jsonl", "w") if args.json else None
         self.stop = False
         self.rnd = random.Random(args.seed + 1)
+        self.reference = None       # R's base URL: each request is mirrored there
+        self.mirror = {"sent": 0, "ok": 0, "failed": 0}
+        self._mirrors = set()
 
     async def one(self, session, n):
         import aiohttp
@@ -467,6 +483,10 @@ class Load:
                "behaviour": behaviour, "start": round(time.monotonic() - self.t0, 3)}
         url = self.proxies[flow] + ("/v1/chat/completions" if chat else "/v1/completions")
         t = time.monotonic()
+        if self.reference and r.random() < self.args.reference_frac:
+            task = asyncio.create_task(self.mirror_to_reference(session, item, chat, stream))
+            self._mirrors.add(task)
+            task.add_done_callback(self._mirrors.discard)
 
         async def go():
             async with session.post(url, json=body_for(item, chat, stream)) as resp:
@@ -522,6 +542,18 @@ class Load:
             self.sink.write(json.dumps(rec) + "\n")
             self.sink.flush()
 
+    async def mirror_to_reference(self, session, item, chat, stream):
+        """The same request to R (whole answer read; only counted)."""
+        import aiohttp
+        self.mirror["sent"] += 1
+        url = self.reference + ("/v1/chat/completions" if chat else "/v1/completions")
+        try:
+            async with session.post(url, json=body_for(item, chat, stream)) as resp:
+                await asyncio.wait_for(resp.read(), self.args.bound_s)
+                self.mirror["ok" if resp.status == 200 else "failed"] += 1
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
+            self.mirror["failed"] += 1
+
     async def client(self, session, k):
         n = k
         while not self.stop:
@@ -542,6 +574,8 @@ class Load:
                 progress()
             self.stop = True
             await asyncio.gather(*tasks)
+            if self._mirrors:
+                await asyncio.gather(*list(self._mirrors), return_exceptions=True)
 
 
 async def references(url, pool, concurrency=4):
@@ -774,6 +808,13 @@ def main(argv=None):
     ap.add_argument("--rss-slope-max", type=float, default=None,
                     help="MiB/min; default 8 (30 min soak), 100 with --ci (2 minutes of a "
                          "warming server are noisy: a gross leak only)")
+    ap.add_argument("--reference", action="store_true",
+                    help="add R, a vLLM server without a connector, sent a copy of the load: "
+                         "the RSS invariant compares each server's slope with R's")
+    ap.add_argument("--reference-frac", type=float, default=1.0,
+                    help="share of the client requests mirrored to R")
+    ap.add_argument("--rss-over-reference", type=float, default=4.0,
+                    help="MiB/min a server's RSS may grow beyond R's (with --reference)")
     ap.add_argument("--start-timeout", type=float, default=900.0,
                     help="vLLM servers: 30-150 s each alone, several at once on a shared 2-core "
                          "host take minutes")
@@ -824,6 +865,8 @@ def main(argv=None):
         faults = Faults(cluster, net, args, t0)
         faults.start()
         load = Load({f: p.url for f, p in cluster.proxies.items()}, pool, refs, args, t0)
+        if "R" in cluster.servers:
+            load.reference = cluster.servers["R"].url
         last = [0]
 
         def progress():
@@ -901,9 +944,19 @@ def main(argv=None):
         if left:
             v.append(f"not back at baseline within hold_timeout_s+{args.drain_margin_s:g} s: "
                      f"{left}")
+        ref = results["rss_slope_mib_per_min"].get("R")
+        results["mirror"] = dict(load.mirror) if load.reference else None
         for n, sl in results["rss_slope_mib_per_min"].items():
-            if sl is not None and sl > args.rss_slope_max:
+            if sl is None or n == "R":
+                continue
+            if ref is not None:
+                if sl > ref + args.rss_over_reference:
+                    v.append(f"{n}: RSS grows {sl} MiB/min (> the reference server R's "
+                             f"{ref} + {args.rss_over_reference})")
+            elif sl > args.rss_slope_max:
                 v.append(f"{n}: RSS grows {sl} MiB/min (> {args.rss_slope_max})")
+        if args.reference and ref is None:
+            v.append("the reference server R has no RSS slope (down during the load?)")
         if faults.errors:
             v.append(f"faults not injected: {faults.errors}")
         if not s["ok"]:
