@@ -37,18 +37,25 @@ def default_connector():
     return kind
 
 
-def _port_pair(gap=100):
-    """Two free ports `gap` apart (mooncake.json wants >= 50 between them)."""
+def _port_pair(gap=100, span=4):
+    """Two free ports `gap` apart (mooncake.json wants >= 50 between them),
+    each the first of `span` free ones (a TP or PP side listens on port +
+    rank)."""
+    def free_run(p):
+        for q in range(p, p + span):
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", q))
+                except OSError:
+                    return False
+        return True
+
     for _ in range(50):
         p = serving.free_port()
-        if p + gap > 65535:
+        if p + gap + span > 65535:
             continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", p + gap))
-            except OSError:
-                continue
-        return p, p + gap
+        if free_run(p) and free_run(p + gap):
+            return p, p + gap
     raise RuntimeError("no pair of free ports found")
 
 

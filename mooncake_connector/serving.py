@@ -46,10 +46,24 @@ class StartError(RuntimeError):
     """A server did not become healthy; the message has its log's tail."""
 
 
+def _ephemeral_low():
+    """The lowest port the kernel hands out to unbound sockets (connect(),
+    bind to 0): /proc/sys/net/ipv4/ip_local_port_range, else Linux's 32768."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port():
-    """A port free now on 127.0.0.1: the kernel's pick, or with MC_PORT_RANGE
-    (`LO-HI`, e.g. 43000-45999: several people sharing one host) a random
-    free one in that range."""
+    """A port free now on 127.0.0.1, for a server started later: with
+    MC_PORT_RANGE (`LO-HI`, e.g. 43000-45999: several people sharing one
+    host) a random free one in that range; else a random free one just
+    below the kernel's ephemeral range, so that no outgoing connection or
+    bind(0) of another process (gloo, zmq, our own clients) takes it
+    between now and the server's listen; the kernel's pick as a last
+    resort."""
     rng = os.environ.get("MC_PORT_RANGE")
     if rng:
         try:
@@ -58,17 +72,29 @@ def free_port():
                 raise ValueError
         except ValueError:
             raise ValueError(f"MC_PORT_RANGE={rng!r}: expected LO-HI, e.g. 43000-45999") from None
-        for port in random.sample(range(lo, hi + 1), min(hi - lo + 1, 2000)):
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", port))
-                except OSError:
-                    continue
-                return port
-        raise RuntimeError(f"MC_PORT_RANGE={rng}: no free port in it")
+        port = _free_in(lo, hi)
+        if port is None:
+            raise RuntimeError(f"MC_PORT_RANGE={rng}: no free port in it")
+        return port
+    eph = _ephemeral_low()
+    if eph > 3000:
+        port = _free_in(max(1024, eph - 12000), eph - 200)
+        if port is not None:
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _free_in(lo, hi):
+    for port in random.sample(range(lo, hi + 1), min(hi - lo + 1, 2000)):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    return None
 
 
 def log_tail(path, lines=40):

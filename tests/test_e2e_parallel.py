@@ -53,12 +53,17 @@ BLOCK = 32
 REQ_TIMEOUT = float(os.environ.get("MC_E2E_REQ_TIMEOUT", "900"))
 TP2 = ["--tensor-parallel-size", "2", "--distributed-executor-backend", "mp"]
 SW = 64  # the hybrid model's sliding window (tokens): 2 blocks of 32
+# vLLM's CPU MLA backend packs its absorbed weights with a kernel that takes
+# bf16/fp16/int8 only where the CPU has AMX ("expect weight to be bfloat16,
+# float16, int8 ..." at start-up with --dtype float32): the MLA cells run in
+# bfloat16 on every host (the reference is the cell's own decode server).
+BF16 = ["--dtype", "bfloat16"]
 CELLS = {"tp2-tp1": {"prefill": TP2},
          "hma-sw": {"model": {"sliding_window": SW}},
          "tp1-tp2": {"decode": TP2},
          "tp2-tp2": {"prefill": TP2, "decode": TP2},
-         "mla": {"model": {"attention": "mla"}},
-         "mla-tp1-tp2": {"model": {"attention": "mla"}, "decode": TP2}}
+         "mla": {"model": {"attention": "mla"}, "prefill": BF16, "decode": BF16},
+         "mla-tp1-tp2": {"model": {"attention": "mla"}, "prefill": BF16, "decode": TP2 + BF16}}
 CI_CELLS = ("tp2-tp1", "hma-sw")
 
 
