@@ -110,13 +110,22 @@ class Net:
             sh("ip", "link", "set", self.veth, "up")
             sh("ip", "-n", self.ns, "link", "set", self.peer, "up")
             sh("ip", "-n", self.ns, "link", "set", "lo", "up")
+            # A cut link must leave the namespace unreachable: without this
+            # route, traffic to it follows the default route once the link's
+            # own route goes with the link (on this VM to a gateway that
+            # answered the proxy's prefill leg with an empty 404).
+            sh("ip", "route", "add", "blackhole", self.net(), "metric", "4242")
         except RuntimeError:
             self.down()
             raise
 
+    def net(self):
+        return self.ns_ip.rsplit(".", 1)[0] + ".0/30"
+
     def down(self):
         if not self.enabled:
             return
+        sh("ip", "route", "del", "blackhole", self.net(), "metric", "4242", check=False)
         sh("ip", "link", "del", self.veth, check=False)
         sh("ip", "netns", "del", self.ns, check=False)
 

@@ -70,6 +70,24 @@ def _error(status, message, kind="proxy_error"):
                              status=status)
 
 
+def _upstream_error(role, url, status, raw, content_type):
+    """An upstream's non-200 answer for the client: passed through when it is
+    an OpenAI-style JSON error with a message, else (an empty body, HTML, a
+    router's or another proxy's page) our own JSON error naming the upstream,
+    its status and the start of what it sent, with the same status."""
+    try:
+        msg = json.loads(raw)["error"]["message"]
+        if isinstance(msg, str) and msg.strip():
+            return web.Response(status=status, body=raw,
+                                content_type=content_type or "application/json")
+    except (ValueError, KeyError, TypeError, IndexError):
+        pass
+    text = raw[:300].decode("utf-8", "replace").strip()
+    return _error(status, f"{role} {url} answered {status} with "
+                  + (f"no OpenAI error message: {text!r}" if text else "an empty body")
+                  + " (is that URL a vLLM server of this deployment?)", "upstream_error")
+
+
 class Proxy:
     def __init__(self, prefill=(), decode=(), flow="a", timeout=6 * 3600, api_key=None,
                  first_token="prefill", passthrough=(), idle_timeout=300.0,
@@ -230,8 +248,8 @@ class Proxy:
                     if r.status != 200:
                         self.counts["prefill_errors"] += 1
                         logger.warning("prefill %s answered %d for %s", pre_url, r.status, rid)
-                        return web.Response(status=r.status, body=pre_text,
-                                            content_type=r.content_type or "application/json")
+                        return _upstream_error("prefill", pre_url, r.status, pre_text,
+                                               r.content_type)
                 self._down_until.pop(pre_url, None)
                 break
             except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as e:
@@ -312,8 +330,8 @@ class Proxy:
                 if r.status != 200:
                     self.counts["decode_errors"] += 1
                     logger.warning("%s %s answered %d for %s", role, url, r.status, rid)
-                    return web.Response(status=r.status, body=await r.read(),
-                                        content_type=r.content_type or "application/json")
+                    return _upstream_error(role, url, r.status, await r.read(),
+                                           r.content_type)
                 if not body.get("stream"):
                     return web.Response(status=200, body=await r.read(),
                                         content_type=r.content_type or "application/json")

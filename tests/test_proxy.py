@@ -21,8 +21,9 @@ from app_thread import AppThread
 
 
 class Upstream(AppThread):
-    def __init__(self, name, status=200, kv_params=True):
+    def __init__(self, name, status=200, kv_params=True, error_body=None):
         self.name, self.status, self.kv_params = name, status, kv_params
+        self.error_body = error_body  # bytes: a non-200 answer that is no OpenAI error
         self.seen = []
 
         async def complete(request):
@@ -30,6 +31,9 @@ class Upstream(AppThread):
             self.seen.append({"path": request.path, "body": body,
                               "auth": request.headers.get("Authorization"),
                               "rid": request.headers.get("X-Request-Id")})
+            if self.status != 200 and self.error_body is not None:
+                return web.Response(status=self.status, body=self.error_body,
+                                    content_type="text/html")
             if self.status != 200:
                 return web.json_response({"error": {"message": f"{self.name} says no"}},
                                          status=self.status)
@@ -620,3 +624,32 @@ def test_decode_connection_reset_is_sent_once_more(upstreams, proxy):
             assert "mooncake_proxy_decode_retries_total 1" in r.read().decode()
     finally:
         d.close()
+
+
+@pytest.mark.parametrize("side", ["prefill", "decode"])
+@pytest.mark.parametrize("error_body", [b"", b"<html><body>404 Not Found</body></html>"],
+                         ids=["empty", "html"])
+def test_upstream_error_that_is_no_openai_error_gets_a_clear_message(upstreams, proxy, side,
+                                                                     error_body):
+    """The chaos soak's link cut sent the proxy's prefill leg to the host's
+    default gateway, which answered 404 with an empty body, and the proxy
+    passed that on: the client got a 404 with nothing to read.  Now such an
+    answer becomes a JSON error naming the upstream, with the same status."""
+    bad = upstreams(side, status=404, error_body=error_body)
+    good = upstreams("prefill" if side == "decode" else "decode")
+    p, d = (bad, good) if side == "prefill" else (good, bad)
+    url = proxy([p.url], [d.url])
+    for stream in (False, True):
+        body = {"model": "m", "prompt": "x", "max_tokens": 4, "stream": stream}
+        status, out = post(url + "/v1/completions", body)
+        assert status == 404, (status, out)
+        msg = out["error"]["message"]
+        assert f"{side} {bad.url}" in msg and "answered 404" in msg, msg
+        assert ("an empty body" in msg) if not error_body else ("404 Not Found" in msg), msg
+
+
+def test_upstream_openai_error_passes_through(upstreams, proxy):
+    p, d = upstreams("prefill", status=400), upstreams("decode")
+    url = proxy([p.url], [d.url])
+    status, out = post(url + "/v1/completions", {"model": "m", "prompt": "x", "max_tokens": 4})
+    assert status == 400 and out == {"error": {"message": "prefill says no"}}
