@@ -665,7 +665,10 @@ class Monitor(threading.Thread):
 def rss_slope(samples, server, t_from, t_to):
     """MiB/min by least squares for each lifetime (pid) of server within
     [t_from, t_to] that began before t_from; the steepest of those with >= 8
-    samples (None: no such lifetime, e.g. restarted inside the window)."""
+    samples spanning at least a quarter of the window (None: no such
+    lifetime, e.g. restarted inside the window).  (The 30-minute reference
+    soak counted a P1 lifetime that began before the window and was killed
+    20 s into it: 14 MiB/min of start-up growth, read as a trend.)"""
     born = {}
     for s in samples:
         if s["server"] == server and s["rss"]:
@@ -678,7 +681,7 @@ def rss_slope(samples, server, t_from, t_to):
             by_pid.setdefault(s["pid"], []).append((s["t"], s["rss"] / 2**20))
     slopes = []
     for pts in by_pid.values():
-        if len(pts) < 8:
+        if len(pts) < 8 or pts[-1][0] - pts[0][0] < (t_to - t_from) / 4:
             continue
         n = len(pts)
         mx = sum(p[0] for p in pts) / n

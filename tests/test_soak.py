@@ -218,3 +218,21 @@ def test_prometheus_metrics_from_real_servers(soak):
     assert dec["vllm:mooncake_recomputes_total{not_held}"] > 0
     for flow in ("a", "b"):
         assert soak["proxy_metrics"][flow].get("mooncake_proxy_responses_total", 0) > 0
+
+
+def test_rss_slope_ignores_a_short_lifetime_inside_the_window():
+    """rss_slope (no servers): a steady 5 MiB/min lifetime is measured; one
+    that began before the window but died 20 s into a 900 s window is not
+    (it is start-up growth, not a trend); nothing left gives None."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(
+        "soak_mod", os.path.join(os.path.dirname(__file__), "..", "benchmarks", "soak.py"))
+    sk = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sk)
+    steady = [{"t": float(t), "server": "S", "pid": 1, "rss": (1000 + t / 60 * 5) * 2**20}
+              for t in range(0, 1800, 10)]
+    assert abs(sk.rss_slope(steady, "S", 900, 1800) - 5.0) < 0.01
+    short = [{"t": float(t), "server": "P", "pid": 2, "rss": (900 + t) * 2**20}
+             for t in range(880, 922, 2)]
+    assert sk.rss_slope(short, "P", 900, 1800) is None
+    assert sk.rss_slope(steady + short, "S", 900, 1800) is not None
