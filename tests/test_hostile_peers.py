@@ -323,3 +323,47 @@ def test_silent_consumer_does_not_block_other_consumers():
         p.close()
         c.close()
         silent.close()
+
+
+def test_consumers_slow_to_take_lease_answers_do_not_hold_the_producers_workers():
+    # Two peers ask for leases naming listeners that never answer as their
+    # senders, one per producer worker.  The answers to them go out without
+    # the workers waiting for a receipt (they end at their own deadline), so
+    # a legitimate probe right after is answered within its 0.5 s timeout;
+    # before, both workers sat up to 10 s in those deliveries and the probe
+    # timed out (flow a computed such prompts locally).
+    silent = [socket.socket() for _ in range(2)]
+    for s in silent:
+        s.bind(("127.0.0.1", 0))
+        s.listen(64)
+    p, c = mc.TransferEngine(), mc.TransferEngine()
+    p.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
+    c.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
+    kvp = mc.KVTransfer(p, mc.LookupBuffer(1 << 20, block_size=16), workers=2)
+    kvc = mc.KVTransfer(c)
+    socks = []
+    try:
+        toks = struct.pack("<16I", *range(16))
+        for i, ls in enumerate(silent):
+            s = connect(p.get_rpc_port())
+            socks.append(s)
+            hello(s, p.get_segment_name(), "127.0.0.1:%d" % ls.getsockname()[1])
+            for k in range(4):  # pull requests (lease 2 s), then probes
+                body = struct.pack("<IBBHQIII", 0x5150564B, 1, 4, 1, 10 * i + k,
+                                   2000 if k < 2 else 0, 16, 0) + toks
+                s.sendall(hdr(NOTIFY, len(body), req_id=2 + k) + body)
+        time.sleep(0.3)  # both workers took a job
+        t0 = time.time()
+        for _ in range(3):
+            assert kvc.probe(p.get_segment_name(), list(range(16)), timeout=0.5) == 0
+        assert time.time() - t0 < 1.5
+        assert kvp.stats()["probes_served"] >= 3
+    finally:
+        for s in socks:
+            s.close()
+        kvc.close()
+        kvp.close()
+        p.close()
+        c.close()
+        for s in silent:
+            s.close()

@@ -715,16 +715,17 @@ static void rpc_done(mc_xfer_op_t *op, int code, const char *msg) {
   op_done(op, code, msg);
 }
 
-/* One control message (NOTIFY or RPC) to a segment, waited for. */
-static int ctrl_call(mc_engine_t *e, const char *segment, int type, const void *msg,
-                     size_t len, int64_t timeout_ms, char **reply, mc_err_t *err) {
+/* Builds one control message (NOTIFY or RPC) to a segment as a batch of
+ * one task: *bp and *opp to hand to ctrl_submit.  The op's done is `done`. */
+static int ctrl_prepare(mc_engine_t *e, const char *segment, int type, const void *msg,
+                        size_t len, mc_xfer_done_fn done, mc_segment_desc_t *d,
+                        mc_batch_t **bp, mc_xfer_op_t **opp, mc_err_t *err) {
   if (len > MC_XFER_MAX_CTRL)
     return mc_err_set(err, MC_ETOOBIG, "%s of %zu bytes exceeds %u",
                       type == MC_XFER_RPC ? "RPC" : "notification", len, MC_XFER_MAX_CTRL);
   if (!segment || !*segment)
     return mc_err_set(err, MC_EINVAL, "target segment name is empty");
-  mc_segment_desc_t d;
-  int rc = mc_engine_resolve(e, segment, &d, err);
+  int rc = mc_engine_resolve(e, segment, d, err);
   if (rc < 0)
     return rc;
   mc_batch_t *b = mc_batch_new(e, 1);
@@ -736,7 +737,7 @@ static int ctrl_call(mc_engine_t *e, const char *segment, int type, const void *
   }
   if (len)
     memcpy(op->ctrl, msg, len);
-  op->done = type == MC_XFER_RPC ? rpc_done : op_done;
+  op->done = done;
   op->arg = b;
   op->cancel = &b->cancel;
   if ((rc = mc_xfer_op_seal(op, err)) < 0) {
@@ -753,9 +754,29 @@ static int ctrl_call(mc_engine_t *e, const char *segment, int type, const void *
   b->tasks[0].req.opcode = MC_OP_WRITE;
   b->tasks[0].req.len = len;
   snprintf(b->last_segment, sizeof b->last_segment, "%s", segment);
-  /* Control messages always go over TCP (the control channel). */
-  mc_peer_t peer = {.segment = segment, .host = d.host, .port = d.port};
+  *bp = b;
+  *opp = op;
+  return 0;
+}
+
+/* Control messages always go over TCP (the control channel). */
+static void ctrl_submit(mc_engine_t *e, const char *segment, const mc_segment_desc_t *d,
+                        mc_xfer_op_t *op) {
+  mc_peer_t peer = {.segment = segment, .host = d->host, .port = d->port};
   e->tr[MC_TRANSPORT_TCP].ops->submit(e->tr[MC_TRANSPORT_TCP].impl, &peer, &op, 1);
+}
+
+/* One control message (NOTIFY or RPC) to a segment, waited for. */
+static int ctrl_call(mc_engine_t *e, const char *segment, int type, const void *msg,
+                     size_t len, int64_t timeout_ms, char **reply, mc_err_t *err) {
+  mc_segment_desc_t d;
+  mc_batch_t *b;
+  mc_xfer_op_t *op;
+  int rc = ctrl_prepare(e, segment, type, msg, len, type == MC_XFER_RPC ? rpc_done : op_done,
+                        &d, &b, &op, err);
+  if (rc < 0)
+    return rc;
+  ctrl_submit(e, segment, &d, op);
   rc = mc_batch_wait(e, b, timeout_ms, err);
   if (rc == 0 && reply) {
     pthread_mutex_lock(&b->mu);
@@ -774,6 +795,82 @@ static int ctrl_call(mc_engine_t *e, const char *segment, int type, const void *
 int mc_engine_notify(mc_engine_t *e, const char *segment, const void *msg, size_t len,
                      int64_t timeout_ms, mc_err_t *err) {
   return ctrl_call(e, segment, MC_XFER_NOTIFY, msg, len, timeout_ms, NULL, err);
+}
+
+/* ---- detached notifications ----
+ * Each is a batch of one on e->det_head, owned by the engine.  The next
+ * detached call (and mc_engine_reap_detached at close, after the transports
+ * stopped) frees the finished ones and cancels those past their deadline:
+ * nothing waits on a receipt, and what is in flight is bounded. */
+
+static void detached_done(mc_xfer_op_t *op, int code, const char *msg) {
+  mc_batch_t *b = op->arg;
+  if (code)
+    mc_log_warn("%s to segment %s not delivered: %s", b->det_what, b->last_segment,
+                msg && *msg ? msg : mc_strerror(code));
+  op_done(op, code, msg);
+}
+
+void mc_engine_reap_detached(mc_engine_t *e, int all) {
+  uint64_t now = mc_now_ns();
+  int sweep = 0;
+  mc_batch_t *dead = NULL;
+  pthread_mutex_lock(&e->det_mu);
+  for (mc_batch_t **pp = &e->det_head; *pp;) {
+    mc_batch_t *b = *pp;
+    pthread_mutex_lock(&b->mu);
+    int busy = b->ops_inflight > 0;
+    pthread_mutex_unlock(&b->mu);
+    if (!busy || all) { /* all: the transports stopped, every op is done */
+      *pp = b->det_next;
+      e->ndet--;
+      e->det_bytes -= b->tasks[0].req.len;
+      b->det_next = dead;
+      dead = b;
+      continue;
+    }
+    if (now >= b->det_deadline_ns && !atomic_load(&b->cancel)) {
+      atomic_store(&b->cancel, 1);
+      sweep = 1;
+    }
+    pp = &b->det_next;
+  }
+  pthread_mutex_unlock(&e->det_mu);
+  if (sweep && !all)
+    mc_transports_cancel_sweep(e);
+  while (dead) {
+    mc_batch_t *b = dead;
+    dead = b->det_next;
+    mc_batch_free(e, b);
+  }
+}
+
+int mc_engine_notify_detached(mc_engine_t *e, const char *segment, const void *msg, size_t len,
+                              int64_t timeout_ms, const char *what, mc_err_t *err) {
+  mc_engine_reap_detached(e, 0);
+  pthread_mutex_lock(&e->det_mu);
+  int full = e->ndet >= MC_ENGINE_DETACHED_MAX ||
+             e->det_bytes + len > MC_ENGINE_DETACHED_BYTES;
+  pthread_mutex_unlock(&e->det_mu);
+  if (full) /* back-pressure: this one waits for its receipt */
+    return mc_engine_notify(e, segment, msg, len, timeout_ms, err);
+  mc_segment_desc_t d;
+  mc_batch_t *b;
+  mc_xfer_op_t *op;
+  int rc = ctrl_prepare(e, segment, MC_XFER_NOTIFY, msg, len, detached_done, &d, &b, &op, err);
+  if (rc < 0)
+    return rc;
+  uint64_t tmo_ns = (uint64_t)(timeout_ms > 0 ? timeout_ms : (int64_t)e->timeout_ms) * 1000000ull;
+  b->det_deadline_ns = mc_now_ns() + tmo_ns;
+  b->det_what = what && *what ? what : "notification";
+  pthread_mutex_lock(&e->det_mu);
+  b->det_next = e->det_head;
+  e->det_head = b;
+  e->ndet++;
+  e->det_bytes += len;
+  pthread_mutex_unlock(&e->det_mu);
+  ctrl_submit(e, segment, &d, op); /* may be done before it returns: the list owns b */
+  return 0;
 }
 
 int mc_engine_rpc(mc_engine_t *e, const char *segment, const char *req, size_t len,

@@ -396,6 +396,7 @@ int mc_engine_create(const mc_engine_opts_t *o, mc_engine_t **out, mc_err_t *err
   snprintf(e->protocol, sizeof e->protocol, "%s", proto);
   pthread_mutex_init(&e->seg_mu, NULL);
   pthread_mutex_init(&e->notify_mu, NULL);
+  pthread_mutex_init(&e->det_mu, NULL);
   pthread_rwlock_init(&e->handler_lock, NULL);
   pthread_mutex_init(&e->pub_mu, NULL);
   pthread_mutex_init(&e->gpu_mu, NULL);
@@ -504,12 +505,14 @@ fail:
   if (e->tcp && !e->tr[MC_TRANSPORT_TCP].ops)
     mc_tcp_stop(e->tcp);
   mc_transports_stop(e);
+  mc_engine_reap_detached(e, 1);
   mc_gpu_stager_destroy(e->gpu); /* after the transport: it drained the copies */
   if (e->meta)
     mc_meta_close(e->meta);
   mc_regions_destroy(&e->regions);
   pthread_mutex_destroy(&e->seg_mu);
   pthread_mutex_destroy(&e->notify_mu);
+  pthread_mutex_destroy(&e->det_mu);
   pthread_rwlock_destroy(&e->handler_lock);
   pthread_mutex_destroy(&e->pub_mu);
   pthread_mutex_destroy(&e->gpu_mu);
@@ -527,6 +530,7 @@ void mc_engine_destroy(mc_engine_t *e) {
   if (e->meta)
     unpublish(e);
   mc_transports_stop(e); /* TCP first: no handshake RPC reaches the others after */
+  mc_engine_reap_detached(e, 1); /* every op is done now */
   mc_gpu_stager_destroy(e->gpu); /* after the transport: it drained the copies */
   if (e->meta)
     mc_meta_close(e->meta);
@@ -541,6 +545,7 @@ void mc_engine_destroy(mc_engine_t *e) {
   free(e->segs);
   pthread_mutex_destroy(&e->seg_mu);
   pthread_mutex_destroy(&e->notify_mu);
+  pthread_mutex_destroy(&e->det_mu);
   pthread_rwlock_destroy(&e->handler_lock);
   pthread_mutex_destroy(&e->pub_mu);
   pthread_mutex_destroy(&e->gpu_mu);

@@ -123,6 +123,17 @@ void mc_batch_free(mc_engine_t *e, mc_batch_t *b);
 #define MC_ENGINE_MAX_MSG (16u << 20) /* = MC_XFER_MAX_CTRL (batch.c checks) */
 int mc_engine_notify(mc_engine_t *e, const char *segment, const void *msg, size_t len,
                      int64_t timeout_ms, mc_err_t *err);
+/* Sends the same without waiting: the message is copied and the engine owns
+ * its delivery, which ends by the receipt, an error (logged as a warning
+ * naming `what` and the segment) or timeout_ms, whichever comes first.
+ * Returns 0 once handed to the transport, or <0 when it cannot be sent at
+ * all (no such segment, too big).  At most MC_ENGINE_DETACHED_MAX messages
+ * (MC_ENGINE_DETACHED_BYTES bytes) are in flight at once; past that the
+ * call waits for this one's receipt, like mc_engine_notify. */
+#define MC_ENGINE_DETACHED_MAX 1024
+#define MC_ENGINE_DETACHED_BYTES (64ull << 20)
+int mc_engine_notify_detached(mc_engine_t *e, const char *segment, const void *msg, size_t len,
+                              int64_t timeout_ms, const char *what, mc_err_t *err);
 /* Pops up to `max` received notifications: callback gets (from, msg, len). */
 typedef void (*mc_notify_cb)(void *arg, const char *from, const void *msg, size_t len);
 size_t mc_engine_drain_notifies(mc_engine_t *e, size_t max, mc_notify_cb cb, void *arg);

@@ -60,6 +60,12 @@ struct mc_engine {
   mc_segment_desc_t *segs;
   size_t nsegs, cap_segs;
 
+  /* Detached notifications in flight (batch.c, mc_engine_notify_detached). */
+  pthread_mutex_t det_mu;
+  mc_batch_t *det_head;
+  size_t ndet;
+  uint64_t det_bytes;
+
   pthread_mutex_t notify_mu;
   mc_notify_msg_t *notify_head, *notify_tail;
   size_t notify_count;
@@ -106,6 +112,10 @@ struct mc_batch {
   int trusted_locals;  /* mc_batch_trust_locals: skip the local-address check */
   char last_segment[320];
   char *rpc_reply; /* mc_engine_rpc: the reply text (malloc'ed) */
+  /* mc_engine_notify_detached: owned by the engine's list (det_*). */
+  mc_batch_t *det_next;
+  uint64_t det_deadline_ns;
+  const char *det_what;
 };
 
 /* batch.c: records one finished part of task i (caller holds b->mu). */
@@ -142,6 +152,9 @@ int mc_gpu_copy_sync(void *dst, const void *src, uint64_t len, int dev, mc_err_t
  * after planning transports (for the requests a plan() did not take). */
 int mc_transports_start(mc_engine_t *e, mc_err_t *err);
 void mc_transports_stop(mc_engine_t *e);
+/* batch.c: frees finished detached notifications and cancels those past
+ * their deadline; all: frees every one (after mc_transports_stop). */
+void mc_engine_reap_detached(mc_engine_t *e, int all);
 int mc_transport_choose(mc_engine_t *e, const mc_peer_t *peer, mc_mem_kind_t kind,
                         int no_plan);
 /* The transport that moves one request: `chosen` (from choose) unless its

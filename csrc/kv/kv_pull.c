@@ -47,9 +47,12 @@ static void send_lease_answer(mc_kv_t *kv, const char *to, uint64_t id, int stat
     mc_log_error("out of memory answering a KV lease request from %s", to);
     return;
   }
+  /* Detached: the worker does not wait for the receipt (a consumer that is
+   * slow to take it would hold the worker, and every probe queued behind it,
+   * for up to 10 s); a lease not taken ends at its own deadline. */
   mc_err_t err = {0};
   if (kv_msg_lease_ans_encode(&a, buf, len, &err) < 0 ||
-      mc_engine_notify(kv->e, to, buf, len, 10000, &err) < 0)
+      mc_engine_notify_detached(kv->e, to, buf, len, 10000, "KV lease answer", &err) < 0)
     mc_log_warn("KV lease answer to %s (request %llu) not delivered: %s", to,
                 (unsigned long long)id, err.msg);
   free(buf);
@@ -232,7 +235,7 @@ void kv_pull_on_answer(mc_kv_t *kv, const char *from, const uint8_t *m, size_t l
 
 void kv_pull_send_release(mc_kv_t *kv, const char *producer, const uint8_t *msg, size_t len) {
   mc_err_t err = {0};
-  if (mc_engine_notify(kv->e, producer, msg, len, 5000, &err) < 0)
+  if (mc_engine_notify_detached(kv->e, producer, msg, len, 5000, "KV lease release", &err) < 0)
     mc_log_warn("KV lease %llu: release to %s not delivered (%s); it ends at its deadline",
                 (unsigned long long)kv_msg_peek_id(msg, len), producer, err.msg);
 }
