@@ -358,6 +358,11 @@ def test_consumers_slow_to_take_lease_answers_do_not_hold_the_producers_workers(
             assert kvc.probe(p.get_segment_name(), list(range(16)), timeout=0.5) == 0
         assert time.time() - t0 < 1.5
         assert kvp.stats()["probes_served"] >= 3
+        # The undelivered answers are in flight, bounded, and end at their
+        # deadline (the silent peers' handshake timeout or 10 s): none left.
+        assert p.get_stats()["detached_msgs"] >= 1
+        assert wait_until(lambda: p.get_stats()["detached_msgs"] == 0, timeout=15)
+        assert p.get_stats()["detached_bytes"] == 0
     finally:
         for s in socks:
             s.close()

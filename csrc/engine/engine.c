@@ -774,6 +774,11 @@ void mc_engine_get_stats(mc_engine_t *e, mc_engine_stats_t *out) {
   out->notify_queue_msgs = e->notify_count;
   out->notify_refused = e->notify_refused;
   pthread_mutex_unlock(&e->notify_mu);
+  mc_engine_reap_detached(e, 0);
+  pthread_mutex_lock(&e->det_mu);
+  out->detached_msgs = e->ndet;
+  out->detached_bytes = e->det_bytes;
+  pthread_mutex_unlock(&e->det_mu);
   if (e->tcp) {
     mc_tcp_stats_t t;
     mc_tcp_get_stats(e->tcp, &t);

@@ -1129,7 +1129,7 @@ static PyObject *Engine_get_stats(EngineObject *self, PyObject *unused) {
   mc_engine_stats_t s;
   mc_engine_get_stats(self->eng, &s);
   return Py_BuildValue(
-      "{sKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsK}", "notify_queue_bytes", (unsigned long long)s.notify_queue_bytes,
+      "{sKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsK}", "notify_queue_bytes", (unsigned long long)s.notify_queue_bytes,
       "notify_queue_limit", (unsigned long long)s.notify_queue_limit, "notify_queue_msgs",
       (unsigned long long)s.notify_queue_msgs, "notify_refused",
       (unsigned long long)s.notify_refused, "reply_queue_bytes",
@@ -1144,7 +1144,9 @@ static PyObject *Engine_get_stats(EngineObject *self, PyObject *unused) {
       (unsigned long long)s.same_host_cpu_bytes_written, "same_host_cpu_bytes_read",
       (unsigned long long)s.same_host_cpu_bytes_read, "same_host_cpu_ops",
       (unsigned long long)s.same_host_cpu_ops, "same_host_cpu_peers",
-      (unsigned long long)s.same_host_cpu_peers);
+      (unsigned long long)s.same_host_cpu_peers, "detached_msgs",
+      (unsigned long long)s.detached_msgs, "detached_bytes",
+      (unsigned long long)s.detached_bytes);
 }
 
 static PyMethodDef Engine_methods[] = {
