@@ -7,7 +7,10 @@ vs TCP loopback, same run, two processes (benchmarks/transfer_bench.py).
 
 For each transport (MC_SAME_HOST_CPU=1, then =0 i.e. TCP) it runs
 transfer_bench.py: WRITE and READ of --total-bytes in 64 KiB and 4 KiB
-blocks (batches of --batch, one thread), and the 4 KiB sync round trip.
+blocks (batches of --batch, one thread), and the 4 KiB sync round trip;
+then the same blocks scattered (transfer_bench.py --scatter: a batch's
+blocks at random slots, so none can be merged with its neighbour: each is
+moved on its own, like KV blocks spread over a paged cache).
 The reference is one thread's memcpy of the same bytes (libc memcpy of
 --total-bytes between two buffers made like the transfer's: same page size,
 pre-faulted; best of 3), measured in this run.
@@ -49,14 +52,32 @@ def memcpy_gbps(n, hugepages):
     return best
 
 
-def run(transport, args):
+ROOT = os.path.dirname(HERE)
+MEMCPY_REF = os.path.join(ROOT, "build", "bench", "memcpy_ref")
+
+
+def memcpy_blocks_gbps(n, block, hugepages, scatter):
+    """One thread's memcpy of n bytes in `block`-byte blocks, in order or
+    scattered like --scatter (build/bench/memcpy_ref, benchmarks/c); None
+    if it cannot be built."""
+    r = subprocess.run(["make", "-s", "-C", ROOT, "build/bench/memcpy_ref"],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        print("# cannot build memcpy_ref: %s" % r.stderr[-500:], file=sys.stderr)
+        return None
+    out = subprocess.run([MEMCPY_REF, str(n), str(block), "1" if hugepages else "0",
+                          "1" if scatter else "0"], capture_output=True, text=True, timeout=600)
+    return float(out.stdout) if out.returncode == 0 else None
+
+
+def run(transport, args, scatter):
     env = {**os.environ, "MC_SAME_HOST_CPU": "1" if transport == "same-host-cpu" else "0",
            "MC_BENCH_HUGEPAGES": "1" if args.hugepages else "0"}
     cmd = [sys.executable, os.path.join(HERE, "transfer_bench.py"), "--engine", "ours",
-           "--mode", "all", "--ops", "write,read", "--block-sizes", "64K,4K",
-           "--batch-sizes", str(args.batch), "--threads", "1",
+           "--mode", "bandwidth" if scatter else "all", "--ops", "write,read",
+           "--block-sizes", "64K,4K", "--batch-sizes", str(args.batch), "--threads", "1",
            "--total-bytes", args.total_bytes, "--buffer-size", args.total_bytes,
-           "--latency-iters", "3000", "--max-seconds", "60"]
+           "--latency-iters", "3000", "--max-seconds", "60"] + (["--scatter"] if scatter else [])
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
     rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     if out.returncode != 0:
@@ -77,11 +98,22 @@ def main():
     n = parse_size(args.total_bytes)
     print("# load average before: %s" % open("/proc/loadavg").read().strip())
     ref = memcpy_gbps(n, args.hugepages)
-    print("# memcpy (one thread, %d MiB, %s pages): %.2f GB/s" % (
-        n >> 20, "huge" if args.hugepages else "4 KiB", ref))
+    thp = open("/sys/kernel/mm/transparent_hugepage/enabled").read().strip() \
+        if os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled") else "?"
+    print("# memcpy (one thread, %d MiB, %s; THP %s): %.2f GB/s" % (
+        n >> 20, "MADV_HUGEPAGE" if args.hugepages else "default pages", thp, ref))
+    # The same blocks copied one by one (in order / scattered like
+    # --scatter): what a local copy of that layout costs, a second ratio.
+    bref = {}
+    for bs in (65536, 4096):
+        for sc in (False, True):
+            bref[(bs, sc)] = memcpy_blocks_gbps(n, bs, args.hugepages, sc)
+            if bref[(bs, sc)]:
+                print("# memcpy of %dK blocks %s (one thread): %.2f GB/s" % (
+                    bs >> 10, "scattered" if sc else "in order", bref[(bs, sc)]))
     status = 0
-    for tr in args.transports.split(","):
-        rows, rc = run(tr, args)
+    for tr, scatter in [(t, sc) for t in args.transports.split(",") for sc in (False, True)]:
+        rows, rc = run(tr, args, scatter)
         status |= rc
         for r in rows:
             if r.get("kind") == "latency":
@@ -91,9 +123,12 @@ def main():
             elif r.get("gbps"):
                 bs = r.get("block")
                 bar = {65536: 0.8, 4096: 0.5}.get(bs)
-                print("%-14s %-5s %6s blocks x%-4d %7.2f GB/s  %.2fx memcpy%s" % (
-                    tr, r["op"], "%dK" % (bs >> 10), r.get("batch", 0), r["gbps"],
-                    r["gbps"] / ref, "  (bar >= %.1fx)" % bar if bar and tr != "tcp" else ""))
+                b = bref.get((bs, bool(r.get("scatter"))))
+                print("%-14s %-5s %6s blocks x%-4d %-9s %7.2f GB/s  %.2fx memcpy%s%s" % (
+                    tr, r["op"], "%dK" % (bs >> 10), r.get("batch", 0),
+                    "scattered" if r.get("scatter") else "adjacent", r["gbps"],
+                    r["gbps"] / ref, "  (bar >= %.1fx)" % bar if bar and tr != "tcp" else "",
+                    "  %.2fx block memcpy" % (r["gbps"] / b) if b else ""))
     print("# load average after: %s" % open("/proc/loadavg").read().strip())
     return 1 if status else 0
 

@@ -302,6 +302,40 @@ static void two_processes(void) {
   mc_cma_get_stats(impl, &st);
   CHECK_EQ_INT(st.bytes_written, 1 << 20);
   CHECK_EQ_INT(st.bytes_read, 4096);
+  /* One op of entries adjacent on both sides (merged into one pair), adjacent
+   * on one side only (not merged), and one outside the regions (refused,
+   * the others still land): every entry reads exactly its own bytes. */
+  {
+    for (size_t i = 0; i < sizeof buf; i++) /* a pattern that differs page by page */
+      buf[i] = (char)(i * 7 + 1 + (i >> 12) * 13);
+    CHECK_EQ_INT(one_op(impl, &peer, MC_XFER_WRITE, buf, base, sizeof buf, &r), 0);
+    CHECK_EQ_INT(r.code, 0);
+    static char rb[6 * 4096];
+    memset(rb, 0, sizeof rb);
+    mc_xfer_op_t *op = mc_xfer_op_new(MC_XFER_READ, 6, 0);
+    CHECK(op != NULL);
+    /* local offsets, remote offsets (pages) */
+    static const int lo_pg[6] = {0, 1, 2, 3, 5, 4}, re_pg[6] = {10, 11, 12, 20, 21, -1};
+    for (int k = 0; k < 6; k++)
+      op->ent[k] = (mc_xfer_ent_t){rb + lo_pg[k] * 4096,
+                                   re_pg[k] < 0 ? 0x1000 : base + (uint64_t)re_pg[k] * 4096,
+                                   4096, (uint32_t)k, -1};
+    op->nent = 6;
+    op->done = on_done;
+    op->entry_failed = on_entry;
+    op->arg = &r;
+    memset(&r, 0, sizeof r);
+    mc_cma_transport_ops.submit(impl, &peer, &op, 1);
+    CHECK_EQ_INT(r.done, 1);
+    CHECK_EQ_INT(r.code, 0);
+    CHECK_EQ_INT(r.failed_entries, 1);
+    for (int k = 0; k < 5; k++)
+      CHECK(memcmp(rb + lo_pg[k] * 4096, buf + re_pg[k] * 4096, 4096) == 0);
+    static const char zero[4096];
+    CHECK(memcmp(rb + 4 * 4096, zero, 4096) == 0); /* the refused entry's */
+    mc_cma_get_stats(impl, &st);
+    CHECK_EQ_INT(st.bytes_read, 4096 + 5 * 4096);
+  }
   /* The target's GPU region: this path declines it (the engine sends it
    * over TCP, which stages it); host memory and unknown ranges it takes. */
   uint64_t gbase = (uint64_t)(uintptr_t)c.gpu;

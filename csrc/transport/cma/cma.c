@@ -296,11 +296,21 @@ static void run_op(cma_t *c, cma_peer_t *p, mc_xfer_op_t *op, cma_run_t *run) {
         break;
       continue;
     }
+    moved += en->len;
+    run->bytes += en->len;
+    if (run->n > 0 && (char *)run->l[run->n - 1].iov_base + run->l[run->n - 1].iov_len ==
+                          (char *)en->local &&
+        (char *)run->r[run->n - 1].iov_base + run->r[run->n - 1].iov_len ==
+            (char *)(uintptr_t)en->remote) {
+      /* Adjacent on both sides (consecutive blocks): one pair, which the
+       * kernel pins and copies in runs of pages instead of page by page. */
+      run->l[run->n - 1].iov_len += en->len;
+      run->r[run->n - 1].iov_len += en->len;
+      continue;
+    }
     run->l[run->n] = (struct iovec){en->local, en->len};
     run->r[run->n] = (struct iovec){(void *)(uintptr_t)en->remote, en->len};
     run->n++;
-    run->bytes += en->len;
-    moved += en->len;
     if (run->n == CMA_IOV && flush(c->copier, p, write, run, &err) < 0) {
       code = err.code;
       snprintf(msg, sizeof msg, "%s", err.msg);

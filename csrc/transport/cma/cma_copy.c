@@ -10,7 +10,13 @@
 
 #include "util/log.h"
 
-#define SPLIT_MIN (512u << 10) /* a slice is at least this many bytes */
+/* A slice is worth a helper from SPLIT_MIN_KB of work (MC_CMA_SPLIT_KB),
+ * counting IOV_COST bytes for each pair on top of its length: the kernel's
+ * per-pair work (pin, look up, unpin the target's pages) costs about what
+ * copying a 4 KiB page does, so a list of small blocks splits sooner than
+ * one large block of the same bytes. */
+#define SPLIT_MIN_KB 256
+#define IOV_COST 4096u
 #define MAX_THREADS 16
 #define IOV_PER_CALL 1024 /* UIO_MAXIOV */
 
@@ -35,6 +41,7 @@ struct mc_cma_copier {
   pthread_t th[MAX_THREADS];
   int nth;  /* helpers started */
   int want; /* threads per copy, the caller included */
+  uint64_t split_min; /* work per slice, bytes (see SPLIT_MIN_KB) */
   int stopping;
 };
 
@@ -91,6 +98,21 @@ static void *helper_main(void *arg) {
   return NULL;
 }
 
+static uint64_t split_from_env(void) {
+  const char *s = getenv("MC_CMA_SPLIT_KB");
+  if (!s || !*s)
+    return SPLIT_MIN_KB << 10;
+  char *end;
+  errno = 0;
+  long v = strtol(s, &end, 10);
+  if (errno || *end || v < 16 || v > (1 << 20)) {
+    mc_log_warn("ignoring MC_CMA_SPLIT_KB=\"%s\": expected an integer in 16..1048576 (KiB); "
+                "using %d", s, SPLIT_MIN_KB);
+    return SPLIT_MIN_KB << 10;
+  }
+  return (uint64_t)v << 10;
+}
+
 static int threads_from_env(void) {
   long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
   int dflt = ncpu < 1 ? 1 : ncpu > 4 ? 4 : (int)ncpu;
@@ -116,6 +138,7 @@ mc_cma_copier_t *mc_cma_copier_new(void) {
   pthread_cond_init(&cp->work_cv, NULL);
   pthread_cond_init(&cp->done_cv, NULL);
   cp->want = threads_from_env();
+  cp->split_min = split_from_env();
   return cp;
 }
 
@@ -159,13 +182,14 @@ static int start_helpers_locked(mc_cma_copier_t *cp) {
 
 int mc_cma_copy(mc_cma_copier_t *cp, pid_t pid, int write, struct iovec *l, struct iovec *r,
                 int n, uint64_t bytes) {
-  if (!cp || bytes / SPLIT_MIN < 2)
+  uint64_t work = bytes + (uint64_t)n * IOV_COST;
+  if (!cp || work / cp->split_min < 2)
     return copy_run(pid, write, l, r, n);
   pthread_mutex_lock(&cp->mu);
   int k = cp->want, helpers = k > 1 ? start_helpers_locked(cp) : 0;
   pthread_mutex_unlock(&cp->mu);
-  if (bytes / SPLIT_MIN < (uint64_t)k)
-    k = (int)(bytes / SPLIT_MIN);
+  if (work / cp->split_min < (uint64_t)k)
+    k = (int)(work / cp->split_min);
   if (k > helpers + 1)
     k = helpers + 1;
   size_t cap = (size_t)n + (size_t)k; /* a cut splits at most one pair per slice */
