@@ -15,7 +15,7 @@
  * per-pair work (pin, look up, unpin the target's pages) costs about what
  * copying a 4 KiB page does, so a list of small blocks splits sooner than
  * one large block of the same bytes. */
-#define SPLIT_MIN_KB 256
+#define SPLIT_MIN_KB 128
 #define IOV_COST 4096u
 #define MAX_THREADS 16
 #define IOV_PER_CALL 1024 /* UIO_MAXIOV */
@@ -115,7 +115,7 @@ static uint64_t split_from_env(void) {
 
 static int threads_from_env(void) {
   long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
-  int dflt = ncpu < 1 ? 1 : ncpu > 4 ? 4 : (int)ncpu;
+  int dflt = ncpu < 1 ? 1 : ncpu > 8 ? 8 : (int)ncpu;
   const char *s = getenv("MC_CMA_THREADS");
   if (!s || !*s)
     return dflt;

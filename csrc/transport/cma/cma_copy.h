@@ -2,13 +2,14 @@
  * (local, remote) iovec pairs, split by bytes across a small pool of copy
  * threads when the list is large.  With 4 KiB pages the kernel pins and
  * copies the target's pages one by one, so one thread reaches 0.3-0.6x of
- * a memcpy; several threads (one list, disjoint byte ranges, lists of
- * 1 MiB or more, at least 512 KiB a thread) add up.
+ * a memcpy; several threads (one list, disjoint byte ranges, at least
+ * MC_CMA_SPLIT_KB = 128 KiB of work a thread, a pair counting 4 KiB on top
+ * of its bytes) add up.
  *
  * The caller keeps whatever makes the remote ranges valid (the target's
  * region pin, cma_table.h) for the whole call: helpers touch nothing but
  * the iovecs they are handed.  Threads: MC_CMA_THREADS (1..16; default
- * min(online CPUs, 4)), started on the first large copy. */
+ * min(online CPUs, 8)), started on the first large copy. */
 #ifndef MC_TRANSPORT_CMA_CMA_COPY_H
 #define MC_TRANSPORT_CMA_CMA_COPY_H
 
