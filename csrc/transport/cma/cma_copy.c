@@ -3,8 +3,6 @@
 #include "transport/cma/cma_copy.h"
 
 #include <errno.h>
-#include <stdatomic.h>
-#include <time.h>
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
@@ -20,12 +18,11 @@
 #define SPLIT_MIN_KB 128
 #define IOV_COST 4096u
 #define MAX_THREADS 16
-#define SPIN_US 50 /* MC_CMA_SPIN_US */
 #define IOV_PER_CALL 1024 /* UIO_MAXIOV */
 
 typedef struct latch {
-  _Atomic int left; /* slices not yet copied (changed under the copier's mu) */
-  int rc;           /* the first helper's errno */
+  int left; /* slices not yet copied */
+  int rc;   /* the first helper's errno */
 } latch_t;
 
 typedef struct slice {
@@ -43,8 +40,6 @@ struct mc_cma_copier {
   slice_t *head, *tail; /* slices waiting for a helper */
   pthread_t th[MAX_THREADS];
   int nth;  /* helpers started */
-  _Atomic int queued; /* slices on the queue (read without mu while spinning) */
-  uint64_t spin_ns;    /* MC_CMA_SPIN_US: how long a thread polls before sleeping */
   int want; /* threads per copy, the caller included */
   uint64_t split_min; /* work per slice, bytes (see SPLIT_MIN_KB) */
   int stopping;
@@ -79,58 +74,24 @@ static int copy_run(pid_t pid, int write, struct iovec *l, struct iovec *r, int 
   return 0;
 }
 
-static uint64_t now_ns(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
-
-/* Polls *v until it is `until_zero` ? 0 : non-zero, for at most ns. */
-static int spin_for(_Atomic int *v, int until_zero, uint64_t ns) {
-  if (!ns)
-    return 0;
-  uint64_t end = now_ns() + ns;
-  for (int i = 0;; i++) {
-    int x = atomic_load_explicit(v, memory_order_acquire);
-    if (until_zero ? x == 0 : x != 0)
-      return 1;
-    if ((i & 63) == 63 && now_ns() >= end)
-      return 0;
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_ia32_pause();
-#endif
-  }
-}
-
-/* Copy threads: a thread that just finished a slice polls the queue for
- * spin_ns before it sleeps, so a stream of copies (one batch after
- * another) does not pay a sleeping thread's wake-up for every slice, which
- * on an idle many-core host costs more than copying a 128 KiB slice. */
 static void *helper_main(void *arg) {
   mc_cma_copier_t *cp = arg;
   pthread_mutex_lock(&cp->mu);
   for (;;) {
-    while (!cp->head && !cp->stopping) {
-      pthread_mutex_unlock(&cp->mu);
-      int got = spin_for(&cp->queued, 0, cp->spin_ns);
-      pthread_mutex_lock(&cp->mu);
-      if (!got && !cp->head && !cp->stopping)
-        pthread_cond_wait(&cp->work_cv, &cp->mu);
-    }
+    while (!cp->head && !cp->stopping)
+      pthread_cond_wait(&cp->work_cv, &cp->mu);
     slice_t *s = cp->head;
     if (!s)
       break; /* stopping, nothing queued */
     cp->head = s->next;
     if (!cp->head)
       cp->tail = NULL;
-    atomic_fetch_sub(&cp->queued, 1);
     pthread_mutex_unlock(&cp->mu);
     int rc = copy_run(s->pid, s->write, s->l, s->r, s->n);
     pthread_mutex_lock(&cp->mu);
-    latch_t *lt = s->latch; /* s lives on the waiter's stack: not touched after this */
-    if (rc && !lt->rc)
-      lt->rc = rc;
-    if (atomic_fetch_sub(&lt->left, 1) == 1)
+    if (rc && !s->latch->rc)
+      s->latch->rc = rc;
+    if (--s->latch->left == 0)
       pthread_cond_broadcast(&cp->done_cv);
   }
   pthread_mutex_unlock(&cp->mu);
@@ -150,21 +111,6 @@ static uint64_t split_from_env(void) {
     return SPLIT_MIN_KB << 10;
   }
   return (uint64_t)v << 10;
-}
-
-static uint64_t spin_from_env(void) {
-  const char *s = getenv("MC_CMA_SPIN_US");
-  if (!s || !*s)
-    return SPIN_US * 1000ull;
-  char *end;
-  errno = 0;
-  long v = strtol(s, &end, 10);
-  if (errno || *end || v < 0 || v > 100000) {
-    mc_log_warn("ignoring MC_CMA_SPIN_US=\"%s\": expected an integer in 0..100000 (us); "
-                "using %d", s, SPIN_US);
-    return SPIN_US * 1000ull;
-  }
-  return (uint64_t)v * 1000ull;
 }
 
 static int threads_from_env(void) {
@@ -193,7 +139,6 @@ mc_cma_copier_t *mc_cma_copier_new(void) {
   pthread_cond_init(&cp->done_cv, NULL);
   cp->want = threads_from_env();
   cp->split_min = split_from_env();
-  cp->spin_ns = spin_from_env();
   return cp;
 }
 
@@ -282,8 +227,7 @@ int mc_cma_copy(mc_cma_copier_t *cp, pid_t pid, int write, struct iovec *l, stru
     if (x->n)
       ns++;
   }
-  latch_t latch = {.rc = 0};
-  atomic_init(&latch.left, ns - 1);
+  latch_t latch = {.left = ns - 1, .rc = 0};
   pthread_mutex_lock(&cp->mu);
   for (int s = 1; s < ns; s++) {
     sl[s] = (slice_t){.next = NULL, .pid = pid, .write = write, .l = sl[s].l, .r = sl[s].r,
@@ -293,15 +237,12 @@ int mc_cma_copy(mc_cma_copier_t *cp, pid_t pid, int write, struct iovec *l, stru
     else
       cp->head = &sl[s];
     cp->tail = &sl[s];
-    atomic_fetch_add(&cp->queued, 1);
   }
   pthread_cond_broadcast(&cp->work_cv);
   pthread_mutex_unlock(&cp->mu);
   int rc = ns > 0 ? copy_run(pid, write, sl[0].l, sl[0].r, sl[0].n) : 0;
-  /* The helpers finish about when this thread does: poll before sleeping. */
-  spin_for(&latch.left, 1, cp->spin_ns);
   pthread_mutex_lock(&cp->mu);
-  while (atomic_load(&latch.left) > 0)
+  while (latch.left > 0)
     pthread_cond_wait(&cp->done_cv, &cp->mu);
   if (!rc)
     rc = latch.rc;
