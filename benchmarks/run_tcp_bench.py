@@ -18,6 +18,8 @@ In one invocation, on loopback:
 
 Ratios and bars (verdict PASS / FAIL-BAR / N/A):
   ours_64k_write_GBps / iperf3_GBps          >= 0.9
+  (also printed: ours_64k_write_8MiB_buffer_GBps / iperf3_GBps, the same
+  WRITE into an 8 MiB buffer, cache-resident like iperf3's reused one)
   ours_4k_p50_us / pingpong_4k_p50_us        <= 1.3
   ours / mooncake (64 KiB write and read GB/s; 4 KiB p50 as mooncake/ours) >= 2
 
@@ -255,6 +257,21 @@ def bench_engine(engine, python, args, env, lowlat_env=None):
     if bad:
         errors.append("point failed: %s" % bad[0].get("error"))
 
+    # The same 64 KiB WRITE into an 8 MiB buffer, reused like iperf3's
+    # 128 KiB one: the receiver's copy lands in cache, as iperf3's does, while
+    # the headline spreads 1 GiB over distinct memory.  A second ratio, not
+    # the bar's.
+    cached_cmd = common + ["--mode", "bandwidth", "--ops", "write", "--block-sizes", "64K",
+                           "--batch-sizes", args.batch_sizes, "--threads", args.threads,
+                           "--buffer-size", "8M", "--total-bytes", str(args.total_bytes),
+                           "--max-seconds", str(args.max_seconds)]
+    rc, out, err = run(cached_cmd, timeout=args.step_timeout, env=env,
+                       logname="%s-bandwidth-cached.log" % engine)
+    cached = [r for r in json_lines(out) if r.get("kind") == "bandwidth" and r.get("ok")
+              and r.get("gbps")]
+    if cached:
+        result["write_64k_cached_gbps"] = max(r["gbps"] for r in cached)
+
     runs = []
     for i in range(args.repeats):
         lat_cmd = common + ["--mode", "latency", "--ops", "write", "--buffer-size", "16M",
@@ -431,9 +448,11 @@ def main(argv=None):
         summary["ours"] = ours = bench_engine(
             "ours", args.python, args, None,
             lowlat_env=dict(os.environ, MC_TCP_BUSY_POLL_US="50"))
-        log("   64K write %s GB/s, read %s GB/s; 4K write %s GB/s, read %s GB/s" % (
-            fmt(ours.get("write_64k_gbps")), fmt(ours.get("read_64k_gbps")),
-            fmt(ours.get("write_4k_gbps")), fmt(ours.get("read_4k_gbps"))))
+        log("   64K write %s GB/s, read %s GB/s; 4K write %s GB/s, read %s GB/s; "
+            "64K write into an 8 MiB buffer (cache-resident, like iperf3's) %s GB/s" % (
+                fmt(ours.get("write_64k_gbps")), fmt(ours.get("read_64k_gbps")),
+                fmt(ours.get("write_4k_gbps")), fmt(ours.get("read_4k_gbps")),
+                fmt(ours.get("write_64k_cached_gbps"))))
         log("   4K sync write best p50 %s us (runs: %s); with MC_TCP_BUSY_POLL_US=50: %s us%s" % (
             fmt(ours.get("rtt_4k_p50_us")),
             ", ".join("%.1f" % r["p50_us"] for r in ours.get("rtt_runs", [])),
@@ -483,6 +502,8 @@ def main(argv=None):
     ratios = [
         ratio("ours_64k_write_GBps / iperf3_GBps", ours.get("write_64k_gbps"),
               ip.get("gbps"), ">=", 0.9),
+        ratio("ours_64k_write_8MiB_buffer_GBps / iperf3_GBps",
+              ours.get("write_64k_cached_gbps"), ip.get("gbps"), ">=", 0.9),
         ratio("ours_4k_p50_us / pingpong_blocking_4k_p50_us", ours.get("rtt_4k_p50_us"),
               pp.get("blocking", {}).get("p50_us"), "<=", 1.3),
         ratio("ours_busypoll_4k_p50_us / pingpong_spin_4k_p50_us",
