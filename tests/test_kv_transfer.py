@@ -337,3 +337,42 @@ def test_pull_slices_and_merges_for_different_tp(pair):
                       block_bytes=BB, pull=True)
         assert "KV block extent is 16384 bytes" in r.get("error", ""), r
     assert crc(cons, 40) == crc(cons, 30)
+
+
+def test_a_queued_pull_keeps_its_deadline():
+    # One pull thread (workers=1), held by a pull to a producer that never
+    # answers (a listener that accepts and stays silent) for its 3 s timeout.
+    # A second pull, 0.4 s timeout, queued behind it, reports a timeout
+    # within its own deadline, saying it never got a thread; before, its
+    # 0.4 s only began when the thread came free (3.4 s in all).
+    import socket
+
+    import mooncake_connector as mc
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    prod = "127.0.0.1:%d" % silent.getsockname()[1]
+    c = mc.TransferEngine()
+    c.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
+    kv = mc.KVTransfer(c, workers=1)
+    try:
+        dst = c.allocate_managed_buffer(1 << 16)
+        a = kv.pull_start(prod, list(range(16)), [(dst, 4096)], timeout=3.0)
+        time.sleep(0.1)
+        t0 = time.monotonic()
+        b = kv.pull_start(prod, list(range(16)), [(dst + 4096, 4096)], timeout=0.4)
+        got = None
+        while got is None and time.monotonic() - t0 < 5:
+            got = kv.pull_poll(b)
+            time.sleep(0.01)
+        took = time.monotonic() - t0
+        assert got is not None and took < 1.2, took
+        matched, err, _ = got
+        assert matched == 0 or matched < 0 or err
+        assert "before it started" in (err or ""), err
+        assert kv.pull_wait([a], timeout=6.0)
+        assert kv.pull_poll(a)[1]  # the silent producer's pull failed too
+    finally:
+        kv.close()
+        c.close()
+        silent.close()

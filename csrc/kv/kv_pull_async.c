@@ -36,16 +36,46 @@ static void op_free(kv_pull_op_t *op) {
   free(op);
 }
 
+static long queued_too_long(mc_kv_t *kv, const kv_pull_op_t *op, mc_err_t *err) {
+  return mc_err_set(err, MC_ETIMEDOUT,
+                    "recv_kv (pull) from %s timed out after %d ms before it started: all %d "
+                    "pull threads were busy with other pulls (raise the number of load "
+                    "workers or the load timeout)",
+                    op->producer, op->timeout_ms, kv->pull_pool);
+}
+
+/* Queued pulls past their deadline are done (timed out) without a thread;
+ * returns the earliest deadline of those still queued (0: none). */
+static uint64_t expire_queued_locked(mc_kv_t *kv, uint64_t now) {
+  uint64_t next = 0;
+  for (kv_pull_op_t *o = kv->pulls; o; o = o->next) {
+    if (o->started)
+      continue;
+    uint64_t dl = o->t0_ns + (uint64_t)o->timeout_ms * 1000000ull;
+    if (now >= dl) {
+      o->started = o->done = 1;
+      o->result = queued_too_long(kv, o, &o->err);
+      o->t1_ns = now;
+      kv->stats.pull_errors++;
+    } else if (!next || dl < next) {
+      next = dl;
+    }
+  }
+  return next;
+}
+
+/* Pulls run oldest first (the list is newest first), and a pull's timeout
+ * counts from mc_kv_pull_start: time spent queued behind busy pull threads
+ * is part of it, so a pull never reports later than its caller's deadline
+ * (plus one READ's cancellation). */
 static void *pull_main(void *arg) {
   mc_kv_t *kv = arg;
   pthread_mutex_lock(&kv->mu);
   for (;;) {
     kv_pull_op_t *op = NULL;
     for (kv_pull_op_t *o = kv->pulls; o; o = o->next)
-      if (!o->started) {
+      if (!o->started)
         op = o;
-        break;
-      }
     if (!op) {
       if (kv->pull_stopping)
         break;
@@ -55,8 +85,16 @@ static void *pull_main(void *arg) {
     op->started = 1;
     pthread_mutex_unlock(&kv->mu);
     mc_err_t err = {0};
-    long r = mc_kv_pull_ex(kv, op->producer, op->tokens, op->ntok, op->width, op->skip,
-                           op->dest, op->ndest, op->epb, op->timeout_ms, &err);
+    long r;
+    uint64_t waited_ms = (mc_now_ns() - op->t0_ns) / 1000000ull;
+    if (waited_ms + 1 >= (uint64_t)op->timeout_ms) {
+      r = queued_too_long(kv, op, &err);
+      pthread_mutex_lock(&kv->mu);
+      kv->stats.pull_errors++;
+      pthread_mutex_unlock(&kv->mu);
+    } else
+      r = mc_kv_pull_ex(kv, op->producer, op->tokens, op->ntok, op->width, op->skip,
+                        op->dest, op->ndest, op->epb, op->timeout_ms - (int)waited_ms, &err);
     pthread_mutex_lock(&kv->mu);
     op->result = r;
     op->err = err;
@@ -92,7 +130,7 @@ int mc_kv_pull_start(mc_kv_t *kv, const char *producer, const void *tokens, size
   op->skip = skip;
   op->ndest = ndest;
   op->epb = epb;
-  op->timeout_ms = timeout_ms;
+  op->timeout_ms = timeout_ms > 0 ? timeout_ms : 30000; /* mc_kv_pull_ex's default */
   op->t0_ns = mc_now_ns();
   pthread_mutex_lock(&kv->mu);
   if (kv->stopping || kv->pull_stopping) {
@@ -120,6 +158,7 @@ int mc_kv_pull_start(mc_kv_t *kv, const char *producer, const void *tokens, size
 
 int mc_kv_pull_poll(mc_kv_t *kv, uint64_t id, long *result, double *seconds, mc_err_t *err) {
   pthread_mutex_lock(&kv->mu);
+  expire_queued_locked(kv, mc_now_ns());
   kv_pull_op_t **pp = &kv->pulls;
   while (*pp && (*pp)->id != id)
     pp = &(*pp)->next;
@@ -148,6 +187,8 @@ int mc_kv_pull_wait(mc_kv_t *kv, const uint64_t *ids, size_t n, int timeout_ms, 
   uint64_t deadline = mc_now_ns() + (uint64_t)(timeout_ms > 0 ? timeout_ms : 0) * 1000000ull;
   pthread_mutex_lock(&kv->mu);
   for (;;) {
+    uint64_t now = mc_now_ns();
+    uint64_t next = expire_queued_locked(kv, now);
     size_t left = 0;
     for (size_t i = 0; i < n; i++) {
       kv_pull_op_t *op = kv->pulls;
@@ -164,9 +205,9 @@ int mc_kv_pull_wait(mc_kv_t *kv, const uint64_t *ids, size_t n, int timeout_ms, 
       pthread_mutex_unlock(&kv->mu);
       return 1;
     }
-    if (mc_now_ns() >= deadline)
+    if (now >= deadline)
       break;
-    struct timespec ts = mc_deadline_ts(deadline);
+    struct timespec ts = mc_deadline_ts(next && next < deadline ? next : deadline);
     pthread_cond_timedwait(&kv->pull_done_cv, &kv->mu, &ts);
   }
   pthread_mutex_unlock(&kv->mu);

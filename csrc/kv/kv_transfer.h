@@ -83,7 +83,10 @@ long mc_kv_pull_ex(mc_kv_t *kv, const char *producer, const void *tokens, size_t
  * the engine's pull threads (a pool of up to `workers`, separate from the
  * threads serving peers) and returns at once with an id.  mc_kv_pull_poll
  * returns 0 while it runs; once done it returns 1 with *result (matched
- * tokens or a negative code, err set) and *seconds, and forgets the id. */
+ * tokens or a negative code, err set) and *seconds, and forgets the id.
+ * Pulls start oldest first; timeout_ms counts from this call, time queued
+ * behind busy pull threads included (one that never got a thread in time
+ * fails with MC_ETIMEDOUT saying so). */
 int mc_kv_pull_start(mc_kv_t *kv, const char *producer, const void *tokens, size_t ntok,
                      int width, uint32_t skip, const mc_lookup_extent_t *dest, size_t ndest,
                      uint32_t epb, int timeout_ms, uint64_t *id, mc_err_t *err);
