@@ -167,7 +167,7 @@ def test_remote_hit_loads_in_the_step_without_extra_steps(sides):
     st = _stats(d)
     assert st["loads"] == 1 and st["loads_in_step"] == 1 and st["load_tokens"] == 5 * BS, st
     assert p.run_until(lambda: p.is_empty())
-    assert p.worker._worker.kv.stats()["probes_served"] == 1
+    assert p.worker._worker.kv.stats()["probes_served"] == 2  # warm-up at start + this one
 
 
 def test_miss_is_decided_before_scheduling(sides):
@@ -180,7 +180,7 @@ def test_miss_is_decided_before_scheduling(sides):
     assert so.num_scheduled_tokens["n"] == len(t) and status(d, "n") == RequestStatus.RUNNING
     assert d.run_until(lambda: "n" not in d.sched.requests)
     assert _stats(d).get("loads", 0) == 0
-    assert p.worker._worker.kv.stats()["probes_served"] == 1
+    assert p.worker._worker.kv.stats()["probes_served"] == 2  # warm-up at start + this one
 
 
 def test_dead_producer_probe_computes_locally(sides):
@@ -262,11 +262,14 @@ def silent_producer():
 def test_flow_a_scheduler_never_waits_for_a_silent_producer(sides, silent_producer):
     """Flow A with a producer that does not answer: every step returns at
     once (get_num_new_matched_tokens says "not known yet"), a running
-    request decodes in each of them, and after lookup_timeout_s the new
-    request computes its prompt locally."""
-    timeout = 1.5
-    d = sides("kv_consumer", prefill_url=silent_producer, lookup_timeout_s=timeout)
-    d.add(make_request("r", toks(70, 5), max_tokens=400))  # shorter than a block: no probe
+    request decodes in each of them, and once the probe's time is up (a
+    producer that never answered gets a first contact's FIRST_CONTACT_S,
+    more than lookup_timeout_s) the new request computes its prompt
+    locally."""
+    from mooncake_connector.connector import probe as probe_mod
+    timeout = probe_mod.FIRST_CONTACT_S
+    d = sides("kv_consumer", prefill_url=silent_producer, lookup_timeout_s=1.5)
+    d.add(make_request("r", toks(70, 5), max_tokens=1800))  # shorter than a block: no probe
     d.step()
     assert status(d, "r") == RequestStatus.RUNNING
     t = toks(71, 3 * BS + 1)
@@ -291,7 +294,10 @@ def test_flow_a_scheduler_never_waits_for_a_silent_producer(sides, silent_produc
     assert waited >= timeout, waited                 # it did wait for the answer ...
     assert slowest < timeout / 3, slowest           # ... but no step did
     assert steps > 5, steps
-    assert probe.failures == 1 and not probe.pending("gone") and not probe._answers
+    # The warm-up held the probe thread for its first contact; "s" was asked
+    # behind it and given up on by the scheduler (then dropped), or asked
+    # and failed: at most one failure, nothing left behind.
+    assert probe.failures <= 1 and not probe.pending("gone") and not probe._answers
     assert "gone" not in d.sched.connector._scheduler._asked
     assert d.run_until(lambda: "s" not in d.sched.requests)
     assert _stats(d).get("loads", 0) == 0

@@ -142,7 +142,10 @@ class MooncakeConnector(KVConnectorBase_V1, SupportsHMA):
             probe = None
             if s.role == "kv_consumer" and s.flow_a:
                 from mooncake_connector.connector.probe import ProducerProbe
-                probe = ProducerProbe(s)  # starts its engine at the first probe
+                probe = ProducerProbe(s)
+                # Its engine and the first contact with prefill_url start now,
+                # in the background, before any request needs an answer.
+                probe.warm()
             self._scheduler = SchedulerSide(s, self.block_size, self.tp_size,
                                             lambda: getattr(self, "_kv_cache_manager", None),
                                             block_bytes=bytes_per_block(kv_cache_config),

@@ -29,6 +29,12 @@ logger = logging.getLogger("vllm.mooncake_connector")
 
 BACKOFF_S = 1.0
 RESTART_S = 10.0  # after the probe engine failed to start, try again this much later
+# The first probe to a producer also sets up the connections both ways
+# (metadata lookups, TCP handshakes, the producer's HELLO to our probe
+# engine): it gets this long, lookup_timeout_s only once that producer has
+# answered.  A warm-up probe at start-up usually pays it before any request.
+FIRST_CONTACT_S = 3.0
+WARM = object()  # the warm-up question's key
 
 
 class ProducerProbe:
@@ -51,6 +57,7 @@ class ProducerProbe:
         self._asked = set()        # keys queued or being asked
         self._thread = None
         self._closing = False
+        self._answered = set()     # producers (base names) that answered a probe
 
     def _start(self):
         from mooncake_connector import _core  # first probe only
@@ -70,6 +77,24 @@ class ProducerProbe:
         logger.info("MooncakeConnector scheduler: probing producers from %s",
                     eng.get_segment_name())
 
+    def _ensure_engine(self, now):
+        """Starts the probe engine if needed; False if it cannot run now."""
+        if self.kv is not None:
+            return True
+        if now < self._broken_until:
+            return False
+        try:
+            self._start()
+            return True
+        except Exception as e:  # noqa: BLE001 - any failure: fall back, say why
+            self._close_engine()
+            self.start_failures += 1
+            self._broken_until = now + RESTART_S
+            logger.warning("MooncakeConnector scheduler: cannot probe producers (%s); "
+                           "loads are decided by the workers for the next %.0f s", e,
+                           RESTART_S)
+            return False
+
     def held_tokens(self, producer, tokens):
         """Tokens of the longest block-aligned prefix `producer` (base name,
         None = configured prefill_url) holds now; 0 when it cannot say in
@@ -77,19 +102,8 @@ class ProducerProbe:
         loads asynchronously and lets the worker find out).  Blocks up to
         lookup_timeout_s: only the probe thread (or a test) calls it."""
         now = time.monotonic()
-        if self.kv is None:
-            if now < self._broken_until:
-                return None
-            try:
-                self._start()
-            except Exception as e:  # noqa: BLE001 - any failure: fall back, say why
-                self.close()
-                self.start_failures += 1
-                self._broken_until = now + RESTART_S
-                logger.warning("MooncakeConnector scheduler: cannot probe producers (%s); "
-                               "loads are decided by the workers for the next %.0f s", e,
-                               RESTART_S)
-                return None
+        if not self._ensure_engine(now):
+            return None
         name = shift_port(producer or self.default_producer, 0)
         self._why = None
         if self._down_until.get(name, 0) > now:
@@ -99,7 +113,9 @@ class ProducerProbe:
 
         self.probes += 1
         try:
-            return self.kv.probe(name, tokens, timeout=self.s.lookup_timeout_s)
+            held = self.kv.probe(name, tokens, timeout=self.timeout_for(name))
+            self._answered.add(name)
+            return held
         except MooncakeError as e:
             self.failures += 1
             self._down_until[name] = now + BACKOFF_S
@@ -108,6 +124,48 @@ class ProducerProbe:
                            "prompts are computed locally for the next %.0f s", name, e,
                            BACKOFF_S)
             return 0
+
+    def timeout_for(self, producer):
+        """How long a probe to `producer` may take: lookup_timeout_s once it
+        has answered one, else the first contact's FIRST_CONTACT_S."""
+        name = shift_port(producer or self.default_producer, 0) if (
+            producer or self.default_producer) else None
+        if name in self._answered:
+            return self.s.lookup_timeout_s
+        return max(self.s.lookup_timeout_s, FIRST_CONTACT_S)
+
+    def _warm_up(self):
+        """Starts the probe engine and makes first contact with the configured
+        producer (an empty probe) before any request needs it.  A producer not
+        up yet is no failure: no back-off, no warning."""
+        from mooncake_connector import MooncakeError
+        if not self._ensure_engine(time.monotonic()):
+            return
+        name = shift_port(self.default_producer, 0)
+        if name in self._answered:
+            return
+        try:
+            self.kv.probe(name, [], timeout=FIRST_CONTACT_S)
+            self._answered.add(name)
+            logger.info("MooncakeConnector scheduler: producer %s answers probes", name)
+        except MooncakeError as e:
+            logger.debug("MooncakeConnector scheduler: warm-up probe of %s: %s", name, e)
+
+    def warm(self):
+        """Queues the warm-up (see _warm_up); never blocks."""
+        with self._cv:
+            if self._closing or self._thread is not None:
+                return
+            self._asked.add(WARM)
+            self._queue.append((WARM, None, []))
+            self._start_thread_locked()
+
+    def _start_thread_locked(self):
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, daemon=True,
+                                            name="mooncake-probe")
+            self._thread.start()
+        self._cv.notify()
 
     # ---- non-blocking interface (the scheduler's) ----
 
@@ -120,11 +178,7 @@ class ProducerProbe:
                 return
             self._asked.add(key)
             self._queue.append((key, producer, list(tokens)))
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, daemon=True,
-                                                name="mooncake-probe")
-                self._thread.start()
-            self._cv.notify()
+            self._start_thread_locked()
 
     def answer(self, key):
         """(True, held) once the answer for `key` is in (held as held_tokens
@@ -157,6 +211,14 @@ class ProducerProbe:
                 if self._closing:
                     return
                 key, producer, tokens = self._queue.popleft()
+            if key is WARM:
+                try:
+                    self._warm_up()
+                except Exception as e:  # noqa: BLE001 - never fatal
+                    logger.debug("MooncakeConnector scheduler: warm-up failed: %s", e)
+                with self._cv:
+                    self._asked.discard(WARM)
+                continue
             try:
                 self._why = None
                 held = self.held_tokens(producer, tokens)
@@ -178,7 +240,10 @@ class ProducerProbe:
             t = self._thread
         if t is not None and t is not threading.current_thread():
             # At most one probe is in flight; it ends by its own timeout.
-            t.join(self.s.lookup_timeout_s + 5.0)
+            t.join(max(self.s.lookup_timeout_s, FIRST_CONTACT_S) + 5.0)
+        self._close_engine()
+
+    def _close_engine(self):
         for obj in (self.kv, self.engine):
             if obj is not None:
                 try:

@@ -118,12 +118,14 @@ class SchedulerSide:
             if asked is None:
                 self._ask(request, src, n_full, now)
                 return PENDING
-            if now - asked < self.s.lookup_timeout_s + PROBE_GRACE_S:
+            patience = self._probe.timeout_for(src[1])  # longer for a first contact
+            if now - asked < patience + PROBE_GRACE_S:
                 return PENDING
             self._probe.forget(rid)  # too late: compute the prompt, drop a late answer
             self._probe.last_unreachable = (
                 f"producer {src[1] or 'prefill_url'} did not answer the lookup within "
-                f"lookup_timeout_s={self.s.lookup_timeout_s} s (timed out)")
+                f"{patience:g} s (lookup_timeout_s={self.s.lookup_timeout_s}, or longer for a "
+                f"first contact) (timed out)")
             held = 0
         self._asked.pop(rid, None)
         held = None if held is None else min(held, n_full)
