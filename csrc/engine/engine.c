@@ -14,21 +14,12 @@
 #include "gpu/gpu_ipc.h"
 #include "util/dynlib.h"
 #include "util/hostport.h"
+#include "util/env.h"
 #include "util/log.h"
 #include "util/mapped.h"
 
 static int env_int(const char *name, int dflt, int lo, int hi) {
-  const char *s = getenv(name);
-  if (!s || !*s)
-    return dflt;
-  char *end;
-  long v = strtol(s, &end, 10);
-  if (*end || v < lo || v > hi) {
-    mc_log_warn("ignoring %s=\"%s\": expected an integer in %d..%d; using %d", name, s, lo, hi,
-                dflt);
-    return dflt;
-  }
-  return (int)v;
+  return (int)mc_env_long(name, dflt, lo, hi);
 }
 
 /* A connection to a segment failed to come up or named another segment:

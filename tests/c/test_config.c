@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include "config/config.h"
+#include "util/env.h"
 #include "testlib.h"
 
 #define ORIGIN "test.json"
@@ -853,7 +854,23 @@ static void test_long_origin_keeps_tail(void) {
   CHECK_CONTAINS(err.msg, "/mooncake.json: top-level");
 }
 
+/* Environment knobs: a value in range is taken, anything else (junk,
+ * trailing text, out of range, empty, unset) gives the default. */
+static void test_env_knobs(void) {
+  unsetenv("MC_TEST_KNOB");
+  CHECK_EQ_INT(mc_env_long("MC_TEST_KNOB", 7, 1, 10), 7);
+  static const struct { const char *v; long want; } cases[] = {
+      {"3", 3}, {"10", 10}, {"1", 1}, {"0", 7}, {"11", 7}, {"-2", 7}, {"3x", 7},
+      {"abc", 7}, {"", 7}, {"99999999999999999999", 7}};
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    setenv("MC_TEST_KNOB", cases[i].v, 1);
+    CHECK_EQ_INT(mc_env_long("MC_TEST_KNOB", 7, 1, 10), cases[i].want);
+  }
+  unsetenv("MC_TEST_KNOB");
+}
+
 int main(void) {
+  RUN(test_env_knobs);
   RUN(test_seed_rdma);
   RUN(test_seed_tcp);
   RUN(test_seed_rdma_from_file);

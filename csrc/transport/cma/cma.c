@@ -13,6 +13,7 @@
 #include "transport/cma/cma_copy.h"
 #include "transport/cma/cma_hello.h"
 #include "transport/cma/cma_table.h"
+#include "util/env.h"
 #include "util/log.h"
 
 #define CMA_IOV 1024 /* iovecs per process_vm_* call (UIO_MAXIOV) */
@@ -51,18 +52,7 @@ int mc_cma_enabled(void) {
 #define MERGE_KB 64
 
 static uint64_t merge_from_env(void) {
-  const char *s = getenv("MC_CMA_MERGE_KB");
-  if (!s || !*s)
-    return MERGE_KB << 10;
-  char *end;
-  errno = 0;
-  long v = strtol(s, &end, 10);
-  if (errno || *end || v < 0 || v > (1 << 20)) {
-    mc_log_warn("ignoring MC_CMA_MERGE_KB=\"%s\": expected an integer in 0..1048576 (KiB); "
-                "using %d", s, MERGE_KB);
-    return MERGE_KB << 10;
-  }
-  return (uint64_t)v << 10;
+  return (uint64_t)mc_env_long("MC_CMA_MERGE_KB", MERGE_KB, 0, 1 << 20) << 10;
 }
 
 static int cma_start(const mc_transport_env_t *env, void **impl, mc_err_t *err) {

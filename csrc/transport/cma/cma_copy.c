@@ -8,6 +8,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "util/env.h"
 #include "util/log.h"
 
 /* A slice is worth a helper from SPLIT_MIN_KB of work (MC_CMA_SPLIT_KB),
@@ -99,35 +100,13 @@ static void *helper_main(void *arg) {
 }
 
 static uint64_t split_from_env(void) {
-  const char *s = getenv("MC_CMA_SPLIT_KB");
-  if (!s || !*s)
-    return SPLIT_MIN_KB << 10;
-  char *end;
-  errno = 0;
-  long v = strtol(s, &end, 10);
-  if (errno || *end || v < 16 || v > (1 << 20)) {
-    mc_log_warn("ignoring MC_CMA_SPLIT_KB=\"%s\": expected an integer in 16..1048576 (KiB); "
-                "using %d", s, SPLIT_MIN_KB);
-    return SPLIT_MIN_KB << 10;
-  }
-  return (uint64_t)v << 10;
+  return (uint64_t)mc_env_long("MC_CMA_SPLIT_KB", SPLIT_MIN_KB, 16, 1 << 20) << 10;
 }
 
 static int threads_from_env(void) {
   long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
   int dflt = ncpu < 1 ? 1 : ncpu > 8 ? 8 : (int)ncpu;
-  const char *s = getenv("MC_CMA_THREADS");
-  if (!s || !*s)
-    return dflt;
-  char *end;
-  errno = 0;
-  long v = strtol(s, &end, 10);
-  if (errno || *end || v < 1 || v > MAX_THREADS) {
-    mc_log_warn("ignoring MC_CMA_THREADS=\"%s\": expected an integer in 1..%d; using %d", s,
-                MAX_THREADS, dflt);
-    return dflt;
-  }
-  return (int)v;
+  return (int)mc_env_long("MC_CMA_THREADS", dflt, 1, MAX_THREADS);
 }
 
 mc_cma_copier_t *mc_cma_copier_new(void) {
