@@ -5,6 +5,7 @@ import ctypes
 from types import SimpleNamespace
 
 import mooncake_connector as mc
+from conftest import wait_until
 from mooncake_connector.connector import probe as probe_mod
 from mooncake_connector.connector import settings
 
@@ -67,16 +68,6 @@ def test_probe_engine_that_cannot_start_falls_back_then_retries(monkeypatch):
         p.close()
 
 
-def _wait(pred, timeout=10.0):
-    import time
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if pred():
-            return True
-        time.sleep(0.02)
-    return False
-
-
 def test_warm_up_makes_first_contact_and_a_first_contact_gets_longer():
     with mc.TransferEngine() as eng:
         eng.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
@@ -88,12 +79,13 @@ def test_warm_up_makes_first_contact_and_a_first_contact_gets_longer():
                 # Before any answer a probe may take the first contact's time.
                 assert p.timeout_for(None) == probe_mod.FIRST_CONTACT_S
                 p.warm()  # returns at once; the probe thread does the rest
-                assert _wait(lambda: kv.stats()["probes_served"] == 1)
-                assert _wait(lambda: p.timeout_for(None) == 0.25)
+                assert wait_until(lambda: kv.stats()["probes_served"] == 1)
+                assert wait_until(lambda: p.timeout_for(None) == 0.25)
                 assert p.failures == 0
                 # Questions still work after the warm-up.
                 p.ask("r1", None, list(range(2 * BS)))
-                assert _wait(lambda: p.answer("r1")[0] or False) or True
+                assert wait_until(lambda: not p.pending("r1"))
+                assert p.answer("r1") == (True, 0)  # nothing published: holds 0
             finally:
                 p.close()
 
@@ -102,7 +94,7 @@ def test_warm_up_of_a_producer_not_up_yet_is_no_failure():
     p = probe_mod.ProducerProbe(consumer_settings(prefill_url="127.0.0.1:1"))
     try:
         p.warm()
-        assert _wait(lambda: not p.pending(probe_mod.WARM))
+        assert wait_until(lambda: not p.pending(probe_mod.WARM))
         # No back-off and no failure: the first request asks for real.
         assert p.failures == 0 and not p._down_until
         assert p.timeout_for(None) == probe_mod.FIRST_CONTACT_S
@@ -119,12 +111,12 @@ def test_probe_thread_survives_an_engine_that_cannot_start(monkeypatch):
         prefill_url="127.0.0.1:1", metadata_server="http://127.0.0.1:1/metadata"))
     try:
         p.ask("a", None, list(range(64)))
-        assert _wait(lambda: p.pending("a") is False)
+        assert wait_until(lambda: p.pending("a") is False)
         assert p.answer("a") == (True, None)
         monkeypatch.setattr(probe_mod, "RESTART_S", 0.0)
         p._broken_until = 0.0
         p.ask("b", None, list(range(64)))
-        assert _wait(lambda: p.pending("b") is False, timeout=15)
+        assert wait_until(lambda: p.pending("b") is False, timeout=15)
         assert p.answer("b") == (True, None)
         assert p.start_failures == 2
     finally:

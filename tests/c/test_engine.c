@@ -340,6 +340,55 @@ static void test_timeout_cancels(void) {
   pthread_join(th, NULL);
 }
 
+/* Detached notifications to a peer that never answers (a listener that
+ * never accepts: its HELLO never comes): the first MC_ENGINE_DETACHED_MAX
+ * return at once and are held, the next one waits for its receipt (the
+ * bound: nothing grows past it), and every held one is canceled at its
+ * deadline (300 ms; the handshake timeout would be 5 s) and freed. */
+static void test_detached_notifications_are_bounded(void) {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+  CHECK(bind(fd, (struct sockaddr *)&sa, sizeof sa) == 0);
+  listen(fd, 16);
+  socklen_t sl = sizeof sa;
+  getsockname(fd, (struct sockaddr *)&sa, &sl);
+  char seg[64];
+  snprintf(seg, sizeof seg, "127.0.0.1:%d", ntohs(sa.sin_port));
+  mc_engine_t *e = mk();
+  CHECK(e != NULL);
+  mc_err_t err = {0};
+  char msg[16] = "hello";
+  uint64_t t0 = mc_now_ns();
+  for (int i = 0; i < MC_ENGINE_DETACHED_MAX; i++)
+    CHECK_EQ_INT(mc_engine_notify_detached(e, seg, msg, sizeof msg, 300, "test", &err), 0);
+  CHECK(mc_now_ns() - t0 < 2000000000ull); /* none waited for a receipt */
+  mc_engine_stats_t st;
+  mc_engine_get_stats(e, &st);
+  CHECK(st.detached_msgs > 0 && st.detached_msgs <= MC_ENGINE_DETACHED_MAX);
+  CHECK(st.detached_bytes == st.detached_msgs * sizeof msg);
+  /* Full (or nearly: reaping may have freed some): one more call past the
+   * budget waits for its own receipt and fails at its timeout. */
+  uint64_t t1 = mc_now_ns();
+  int rc = 0;
+  for (int i = 0; i < 64 && rc == 0; i++)
+    rc = mc_engine_notify_detached(e, seg, msg, sizeof msg, 300, "test", &err);
+  CHECK(rc < 0);
+  CHECK(mc_now_ns() - t1 >= 250000000ull);
+  mc_engine_get_stats(e, &st);
+  CHECK(st.detached_msgs <= MC_ENGINE_DETACHED_MAX);
+  /* Past their deadline: canceled and freed (reaped when stats are read). */
+  uint64_t until = mc_now_ns() + 3000000000ull;
+  do {
+    struct timespec ts = {0, 20000000};
+    nanosleep(&ts, NULL);
+    mc_engine_get_stats(e, &st);
+  } while (st.detached_msgs > 0 && mc_now_ns() < until);
+  CHECK_EQ_INT(st.detached_msgs, 0);
+  CHECK_EQ_INT(st.detached_bytes, 0);
+  mc_engine_destroy(e);
+  close(fd);
+}
+
 /* Garbage on the data port: that connection is dropped, the engine keeps
  * serving others. */
 static void test_garbage_connection(void) {
@@ -496,6 +545,7 @@ int main(void) {
   RUN(test_notify_budget);
   RUN(test_fast_path_and_bulk_concurrently);
   RUN(test_timeout_cancels);
+  RUN(test_detached_notifications_are_bounded);
   RUN(test_garbage_connection);
   mc_engine_destroy(A);
   mc_engine_destroy(B);
