@@ -3,7 +3,7 @@
 vs TCP loopback, same run, two processes (benchmarks/transfer_bench.py).
 
     .venv/bin/python benchmarks/same_host_cpu_bench.py [--total-bytes 1G] [--batch 128]
-        [--hugepages] [--transports same-host-cpu,tcp]
+        [--hugepages] [--transports same-host-cpu,tcp] [--cold]
 
 For each transport (MC_SAME_HOST_CPU=1, then =0 i.e. TCP) it runs
 transfer_bench.py: WRITE and READ of --total-bytes in 64 KiB and 4 KiB
@@ -11,6 +11,9 @@ blocks (batches of --batch, one thread), and the 4 KiB sync round trip;
 then the same blocks scattered (transfer_bench.py --scatter: a batch's
 blocks at random slots, so none can be merged with its neighbour: each is
 moved on its own, like KV blocks spread over a paged cache).
+Each point is timed after one untimed pass over the same bytes (warm, like
+the reference; --cold times the first copies into the target's pages,
+which cost the kernel more once per page).
 The reference is one thread's memcpy of the same bytes (libc memcpy of
 --total-bytes between two buffers made like the transfer's: same page size,
 pre-faulted; best of 3), measured in this run.
@@ -74,7 +77,8 @@ def run(transport, args, scatter):
            "--mode", "bandwidth" if scatter else "all", "--ops", "write,read",
            "--block-sizes", "64K,4K", "--batch-sizes", str(args.batch), "--threads", "1",
            "--total-bytes", args.total_bytes, "--buffer-size", args.total_bytes,
-           "--latency-iters", "3000", "--max-seconds", "60"] + (["--scatter"] if scatter else [])
+           "--latency-iters", "3000", "--max-seconds", "60"] + (["--scatter"] if scatter else []) \
+        + ([] if args.cold else ["--warmup"])
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
     rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     if out.returncode != 0:
@@ -90,10 +94,16 @@ def main():
                     help="madvise(MADV_HUGEPAGE) every buffer (transfers and memcpy alike): "
                          "process_vm_* pins the target's pages, cheaper on huge pages")
     ap.add_argument("--transports", default="same-host-cpu,tcp")
+    ap.add_argument("--cold", action="store_true",
+                    help="time the first copy into each page (no untimed pass before the "
+                         "clock); by default each point is timed after one untimed pass, "
+                         "warm like the memcpy reference (best of 3 on pre-faulted buffers)")
     args = ap.parse_args()
     from transfer_bench import parse_size  # noqa: E402
     n = parse_size(args.total_bytes)
     print("# load average before: %s" % open("/proc/loadavg").read().strip())
+    print("# transfers timed %s" % ("cold: the first copy into each page" if args.cold else
+                                    "warm: after one untimed pass over the same bytes"))
     ref = memcpy_gbps(n, args.hugepages)
     thp = open("/sys/kernel/mm/transparent_hugepage/enabled").read().strip() \
         if os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled") else "?"

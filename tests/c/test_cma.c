@@ -561,6 +561,87 @@ static void copy_splits(void) {
   munmap(mine, N);
 }
 
+/* Several threads copy through one copier at once (more slices than idle
+ * helpers: a slice waits for a helper busy with another caller's copy, and
+ * the helpers' idle stack changes under them); every caller gets its own
+ * bytes, and freeing the copier afterwards joins every helper. */
+typedef struct co_caller {
+  mc_cma_copier_t *cp;
+  pid_t kid;
+  const uint8_t *src; /* the child's view: same pages as ours */
+  uint8_t *dst;
+  size_t len;
+  int bad;
+} co_caller_t;
+
+static void *co_main(void *arg) {
+  co_caller_t *c = arg;
+  for (int round = 0; round < 40 && !c->bad; round++) {
+    memset(c->dst, 0, c->len);
+    /* 4 KiB pairs, remote order shifted by the round */
+    size_t n = c->len / 4096;
+    struct iovec *l = calloc(n, sizeof *l), *r = calloc(n, sizeof *r);
+    if (!l || !r) {
+      c->bad = 1;
+      break;
+    }
+    for (size_t i = 0; i < n; i++) {
+      size_t j = (i + (size_t)round) % n;
+      l[i] = (struct iovec){c->dst + i * 4096, 4096};
+      r[i] = (struct iovec){(void *)(c->src + j * 4096), 4096};
+    }
+    if (mc_cma_copy(c->cp, c->kid, 0, l, r, (int)n, c->len) != 0)
+      c->bad = 1;
+    for (size_t i = 0; i < n && !c->bad; i++)
+      if (memcmp(c->dst + i * 4096, c->src + ((i + (size_t)round) % n) * 4096, 4096) != 0)
+        c->bad = 1;
+    free(l);
+    free(r);
+  }
+  return NULL;
+}
+
+static void copy_concurrent_callers(void) {
+  const size_t per = 1u << 20, ncall = 4;
+  uint8_t *shared = mmap(NULL, per * ncall, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS,
+                         -1, 0);
+  uint8_t *mine = mmap(NULL, per * ncall, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
+                       -1, 0);
+  CHECK(shared != MAP_FAILED && mine != MAP_FAILED);
+  for (size_t i = 0; i < per * ncall; i++)
+    shared[i] = (uint8_t)(i * 7 + (i >> 12) * 13);
+  int pipefd[2];
+  CHECK(pipe(pipefd) == 0);
+  pid_t kid = fork();
+  if (kid == 0) {
+    char ch;
+    close(pipefd[1]);
+    (void)!read(pipefd[0], &ch, 1);
+    _exit(0);
+  }
+  close(pipefd[0]);
+  setenv("MC_CMA_THREADS", "8", 1);
+  mc_cma_copier_t *cp = mc_cma_copier_new();
+  CHECK(cp && mc_cma_copier_threads(cp) == 8);
+  co_caller_t c[4];
+  pthread_t th[4];
+  for (size_t i = 0; i < ncall; i++) {
+    c[i] = (co_caller_t){.cp = cp, .kid = kid, .src = shared + i * per, .dst = mine + i * per,
+                         .len = per};
+    CHECK(pthread_create(&th[i], NULL, co_main, &c[i]) == 0);
+  }
+  for (size_t i = 0; i < ncall; i++) {
+    pthread_join(th[i], NULL);
+    CHECK(!c[i].bad);
+  }
+  mc_cma_copier_free(cp);
+  unsetenv("MC_CMA_THREADS");
+  close(pipefd[1]);
+  waitpid(kid, NULL, 0);
+  munmap(shared, per * ncall);
+  munmap(mine, per * ncall);
+}
+
 int main(void) {
   RUN(hello_roundtrip);
   RUN(hello_rejects);
@@ -570,5 +651,6 @@ int main(void) {
   RUN(pid_not_the_engine);
   RUN(switched_off);
   RUN(copy_splits);
+  RUN(copy_concurrent_callers);
   TEST_MAIN_END();
 }

@@ -35,11 +35,29 @@ typedef struct slice {
   latch_t *latch;
 } slice_t;
 
+/* A copy thread.  Each sleeps on its own condition variable so that the
+ * one woken is the one that went idle last (a stack), not whichever glibc
+ * picks from a shared one (about arrival order, so the 3 helpers a 512 KiB
+ * copy needs rotated over all 7 started): a thread that has just gone idle
+ * wakes fastest (on a VM its vCPU is still polling rather than halted by
+ * the host).  Measured on the 16-core host before this change: 4 KiB
+ * blocks adjacent, 8 threads 5.1 GB/s, 4 threads 6.3 GB/s (the same 4
+ * slices); after it, on another instance of that host, 4.6 vs 4.9 GB/s
+ * (instances differ by ~20%, so the gain is not measured cleanly). */
+typedef struct helper {
+  struct mc_cma_copier *cp;
+  pthread_cond_t cv;
+  int idle; /* on cp->idle[] */
+} helper_t;
+
 struct mc_cma_copier {
   pthread_mutex_t mu;
-  pthread_cond_t work_cv, done_cv;
+  pthread_cond_t done_cv;
   slice_t *head, *tail; /* slices waiting for a helper */
   pthread_t th[MAX_THREADS];
+  helper_t h[MAX_THREADS];
+  int idle[MAX_THREADS]; /* sleeping helpers, the last to sleep on top */
+  int nidle;
   int nth;  /* helpers started */
   int want; /* threads per copy, the caller included */
   uint64_t split_min; /* work per slice, bytes (see SPLIT_MIN_KB) */
@@ -75,12 +93,42 @@ static int copy_run(pid_t pid, int write, struct iovec *l, struct iovec *r, int 
   return 0;
 }
 
+/* Takes helper i off the idle stack (caller holds mu). */
+static void unidle_locked(mc_cma_copier_t *cp, int i) {
+  for (int k = 0; k < cp->nidle; k++)
+    if (cp->idle[k] == i) {
+      memmove(&cp->idle[k], &cp->idle[k + 1], (size_t)(cp->nidle - k - 1) * sizeof *cp->idle);
+      cp->nidle--;
+      break;
+    }
+  cp->h[i].idle = 0;
+}
+
+/* Wakes the helper that went idle last (caller holds mu); 0 if none. */
+static int wake_one_locked(mc_cma_copier_t *cp) {
+  if (cp->nidle == 0)
+    return 0;
+  int i = cp->idle[--cp->nidle];
+  cp->h[i].idle = 0;
+  pthread_cond_signal(&cp->h[i].cv);
+  return 1;
+}
+
 static void *helper_main(void *arg) {
-  mc_cma_copier_t *cp = arg;
+  helper_t *h = arg;
+  mc_cma_copier_t *cp = h->cp;
+  int me = (int)(h - cp->h);
   pthread_mutex_lock(&cp->mu);
   for (;;) {
-    while (!cp->head && !cp->stopping)
-      pthread_cond_wait(&cp->work_cv, &cp->mu);
+    while (!cp->head && !cp->stopping) {
+      if (!h->idle) {
+        cp->idle[cp->nidle++] = me;
+        h->idle = 1;
+      }
+      pthread_cond_wait(&h->cv, &cp->mu);
+    }
+    if (h->idle) /* found work without being woken for it */
+      unidle_locked(cp, me);
     slice_t *s = cp->head;
     if (!s)
       break; /* stopping, nothing queued */
@@ -114,8 +162,11 @@ mc_cma_copier_t *mc_cma_copier_new(void) {
   if (!cp)
     return NULL;
   pthread_mutex_init(&cp->mu, NULL);
-  pthread_cond_init(&cp->work_cv, NULL);
   pthread_cond_init(&cp->done_cv, NULL);
+  for (int i = 0; i < MAX_THREADS; i++) {
+    cp->h[i].cp = cp;
+    pthread_cond_init(&cp->h[i].cv, NULL);
+  }
   cp->want = threads_from_env();
   cp->split_min = split_from_env();
   return cp;
@@ -126,11 +177,13 @@ void mc_cma_copier_free(mc_cma_copier_t *cp) {
     return;
   pthread_mutex_lock(&cp->mu);
   cp->stopping = 1;
-  pthread_cond_broadcast(&cp->work_cv);
+  for (int i = 0; i < cp->nth; i++)
+    pthread_cond_signal(&cp->h[i].cv);
   pthread_mutex_unlock(&cp->mu);
   for (int i = 0; i < cp->nth; i++)
     pthread_join(cp->th[i], NULL);
-  pthread_cond_destroy(&cp->work_cv);
+  for (int i = 0; i < MAX_THREADS; i++)
+    pthread_cond_destroy(&cp->h[i].cv);
   pthread_cond_destroy(&cp->done_cv);
   pthread_mutex_destroy(&cp->mu);
   free(cp);
@@ -148,7 +201,7 @@ int mc_cma_copier_threads(mc_cma_copier_t *cp) {
 /* Helpers up to want - 1 (started on first use); returns how many run. */
 static int start_helpers_locked(mc_cma_copier_t *cp) {
   while (cp->nth < cp->want - 1 && !cp->stopping) {
-    if (pthread_create(&cp->th[cp->nth], NULL, helper_main, cp) != 0) {
+    if (pthread_create(&cp->th[cp->nth], NULL, helper_main, &cp->h[cp->nth]) != 0) {
       mc_log_warn("same-host CPU path: cannot start a copy thread (%s); copying with %d",
                   strerror(errno), cp->nth + 1);
       cp->want = cp->nth + 1;
@@ -217,7 +270,11 @@ int mc_cma_copy(mc_cma_copier_t *cp, pid_t pid, int write, struct iovec *l, stru
       cp->head = &sl[s];
     cp->tail = &sl[s];
   }
-  pthread_cond_broadcast(&cp->work_cv);
+  /* One wake-up per slice, the most recently idle helper first (see
+   * helper_t).  A helper busy elsewhere takes what is left when it comes
+   * back to the queue. */
+  for (int s = 1; s < ns && wake_one_locked(cp); s++)
+    ;
   pthread_mutex_unlock(&cp->mu);
   int rc = ns > 0 ? copy_run(pid, write, sl[0].l, sl[0].r, sl[0].n) : 0;
   pthread_mutex_lock(&cp->mu);
