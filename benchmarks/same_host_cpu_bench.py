@@ -78,7 +78,7 @@ def run(transport, args, scatter):
            "--block-sizes", "64K,4K", "--batch-sizes", str(args.batch), "--threads", "1",
            "--total-bytes", args.total_bytes, "--buffer-size", args.total_bytes,
            "--latency-iters", "3000", "--max-seconds", "60"] + (["--scatter"] if scatter else []) \
-        + ([] if args.cold else ["--warmup"])
+        + ([] if args.cold else ["--warmup", str(args.warmup_passes)])
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
     rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     if out.returncode != 0:
@@ -94,6 +94,10 @@ def main():
                     help="madvise(MADV_HUGEPAGE) every buffer (transfers and memcpy alike): "
                          "process_vm_* pins the target's pages, cheaper on huge pages")
     ap.add_argument("--transports", default="same-host-cpu,tcp")
+    ap.add_argument("--warmup-passes", type=int, default=1,
+                    help="untimed passes before each point (default 1, as the recorded runs; "
+                         "the second pass was still slower than later ones on the "
+                         "development VM: benchmarks/README.md)")
     ap.add_argument("--cold", action="store_true",
                     help="time the first copy into each page (no untimed pass before the "
                          "clock); by default each point is timed after one untimed pass, "
@@ -103,7 +107,8 @@ def main():
     n = parse_size(args.total_bytes)
     print("# load average before: %s" % open("/proc/loadavg").read().strip())
     print("# transfers timed %s" % ("cold: the first copy into each page" if args.cold else
-                                    "warm: after one untimed pass over the same bytes"))
+                                    "warm: after %d untimed pass(es) over the same bytes"
+                                    % args.warmup_passes))
     ref = memcpy_gbps(n, args.hugepages)
     thp = open("/sys/kernel/mm/transparent_hugepage/enabled").read().strip() \
         if os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled") else "?"
