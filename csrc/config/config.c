@@ -777,6 +777,14 @@ static int apply_port_rules(ctx_t *c, const char *pv, const char *dv, mc_config_
 
 /* ---- top level ---------------------------------------------------------- */
 
+/* Settings of Mooncake Store's mooncake.json (vLLM's MooncakeStore
+ * connector), which users carry over: refused with a pointer, not a typo
+ * hint.  The engine address comes from prefill_url / decode_url here. */
+static const char *const k_store_keys[] = {
+    "local_hostname", "global_segment_size", "local_buffer_size", "master_server_address",
+    "replica_num", "transfer_timeout",
+};
+
 static int check_object(ctx_t *c, const cJSON *root, const char *val[F_COUNT]) {
   for (const cJSON *it = root->child; it; it = it->next) {
     const char *key = it->string ? it->string : "";
@@ -801,6 +809,10 @@ static int check_object(ctx_t *c, const cJSON *root, const char *val[F_COUNT]) {
         if (strcmp(key, k_vllm_keys[i]) == 0)
           snprintf(hint, sizeof hint,
                    " (it belongs in vLLM's --kv-transfer-config, not mooncake.json)");
+      for (size_t i = 0; i < sizeof k_store_keys / sizeof k_store_keys[0]; i++)
+        if (strcmp(key, k_store_keys[i]) == 0)
+          snprintf(hint, sizeof hint,
+                   " (a Mooncake Store setting; this connector does not use it: remove it)");
       return cfg_err(c->err, MC_ECONFIG, "%s: field \"%s\": unknown field%s; accepted: " ACC_FIELDS,
                      c->origin, kshown, hint);
     }

@@ -533,6 +533,12 @@ static void test_unknown_field(void) {
 
   CHECK_EQ_INT(parse_extra(", \"kv_role\": \"kv_producer\"", &cfg, &err), MC_ECONFIG);
   CHECK_CONTAINS(err.msg, "--kv-transfer-config");
+
+  /* Mooncake Store's fields, carried over from its mooncake.json */
+  CHECK_EQ_INT(parse_extra(", \"local_hostname\": \"10.0.0.1\"", &cfg, &err), MC_ECONFIG);
+  CHECK_CONTAINS(err.msg, "Mooncake Store setting");
+  CHECK_EQ_INT(parse_extra(", \"global_segment_size\": 3355443200", &cfg, &err), MC_ECONFIG);
+  CHECK_CONTAINS(err.msg, "remove it");
 }
 
 static void test_wrong_type(void) {
