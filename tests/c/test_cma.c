@@ -457,6 +457,25 @@ static void switched_off(void) {
   mc_cma_transport_ops.stop(impl);
 }
 
+/* A child that only waits: the target of a test's copies (a MAP_SHARED
+ * mapping made before the fork is the same pages in both).  Closing
+ * *release lets it exit. */
+static pid_t fork_target(int *release) {
+  int pipefd[2];
+  if (pipe(pipefd) != 0)
+    return -1;
+  pid_t kid = fork();
+  if (kid == 0) {
+    char c;
+    close(pipefd[1]);
+    (void)!read(pipefd[0], &c, 1);
+    _exit(0);
+  }
+  close(pipefd[0]);
+  *release = pipefd[1];
+  return kid;
+}
+
 /* The splitter: a child process holds a patterned buffer; lists of pairs
  * of many shapes (one huge pair, many small ones, zero-length ones, runs
  * that cut pairs at slice boundaries) are read and written back with 1..4
@@ -469,16 +488,9 @@ static void copy_splits(void) {
   CHECK(shared != MAP_FAILED && mine != MAP_FAILED);
   for (size_t i = 0; i < N; i++)
     shared[i] = (uint8_t)(i * 131 + (i >> 12));
-  int pipefd[2];
-  CHECK(pipe(pipefd) == 0);
-  pid_t kid = fork();
-  if (kid == 0) { /* the target: its copy of `shared` is the same pages */
-    char c;
-    close(pipefd[1]);
-    (void)!read(pipefd[0], &c, 1);
-    _exit(0);
-  }
-  close(pipefd[0]);
+  int release;
+  pid_t kid = fork_target(&release); /* its copy of `shared` is the same pages */
+  CHECK(kid > 0);
   static const char *threads[] = {"1", "2", "3", "4"};
   for (size_t t = 0; t < 4; t++) {
     setenv("MC_CMA_THREADS", threads[t], 1);
@@ -554,7 +566,7 @@ static void copy_splits(void) {
     mc_cma_copier_free(cp);
   }
   unsetenv("MC_CMA_THREADS");
-  close(pipefd[1]);
+  close(release);
   int st;
   waitpid(kid, &st, 0);
   munmap(shared, N);
@@ -610,16 +622,9 @@ static void copy_concurrent_callers(void) {
   CHECK(shared != MAP_FAILED && mine != MAP_FAILED);
   for (size_t i = 0; i < per * ncall; i++)
     shared[i] = (uint8_t)(i * 7 + (i >> 12) * 13);
-  int pipefd[2];
-  CHECK(pipe(pipefd) == 0);
-  pid_t kid = fork();
-  if (kid == 0) {
-    char ch;
-    close(pipefd[1]);
-    (void)!read(pipefd[0], &ch, 1);
-    _exit(0);
-  }
-  close(pipefd[0]);
+  int release;
+  pid_t kid = fork_target(&release);
+  CHECK(kid > 0);
   setenv("MC_CMA_THREADS", "8", 1);
   mc_cma_copier_t *cp = mc_cma_copier_new();
   CHECK(cp && mc_cma_copier_threads(cp) == 8);
@@ -636,7 +641,7 @@ static void copy_concurrent_callers(void) {
   }
   mc_cma_copier_free(cp);
   unsetenv("MC_CMA_THREADS");
-  close(pipefd[1]);
+  close(release);
   waitpid(kid, NULL, 0);
   munmap(shared, per * ncall);
   munmap(mine, per * ncall);
