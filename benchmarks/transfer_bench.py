@@ -412,35 +412,11 @@ class Verifier:
         return [spans[i] for i in range(len(spans)) if src[i] != dst[i]]
 
 
-def warm_up(eng, op, segment, local_base, remote_base, layout, block, batch, threads,
-            total_reqs):
-    """--warmup: one untimed pass of the timed run's requests, before the
-    destination is poisoned (so the verification still sees the timed run's
-    bytes).  The first copies into a page cost the kernel more than later
-    ones (on the same-host CPU path the first pinned write marks each
-    target page dirty, and on the development VM the second pass was still
-    slower than later ones: --warmup 2 for steady state);
-    the memcpy reference is measured warm (best of 3), and a KV cache's
-    blocks are written again and again, so warm against warm compares like
-    with like.  Without --warmup the run includes those first copies."""
-    per_thread = -(-total_reqs // threads)
-    for t in range(threads):
-        for k in range(0, min(per_thread, layout.slots), batch):
-            n = min(batch, per_thread - k, layout.slots - k)
-            offs = [layout.offset(t, k + i) for i in range(n)]
-            eng.batch_sync(op, segment, [local_base + o for o in offs],
-                           [remote_base + o for o in offs], [block] * n)
-
-
 def run_point(eng, args, verifier, segment, local_base, remote_base, op, block, batch,
               threads, rng):
     layout = Layout(args.buffer_size, block, threads, args.scatter, args.seed)
     total_reqs = max(1, -(-args.total_bytes // block))
     cands = pick_candidates(layout, threads, total_reqs, rng)
-    for _ in range(args.warmup):
-        warm_up(eng, op, segment, local_base, remote_base, layout, block, batch, threads,
-                total_reqs)
-    verifier.poison_dest(op, [sp for _, _, spans in cands for sp in spans])
 
     lock = threading.Lock()
     state = {"issued": 0, "stop": False}
@@ -475,6 +451,20 @@ def run_point(eng, args, verifier, segment, local_base, remote_base, op, block, 
                 break  # wrapped around: the rest repeats
             batch_lists(t, k, n)
             k += n
+
+    # --warmup: the prepared batches (every request the timed run makes, up
+    # to where its offsets wrap) moved PASSES times untimed, then the
+    # destination is poisoned, so the check still sees the timed run's
+    # bytes.  The first copies into a page cost the kernel more than later
+    # ones (on the same-host CPU path the first pinned write marks each
+    # target page dirty; on the development VM the second pass was still
+    # slower than later ones: --warmup 2 for steady state); the memcpy
+    # reference is measured warm (best of 3) and a KV cache's blocks are
+    # written again and again, so warm against warm compares like with like.
+    for _ in range(args.warmup):
+        for loc_l, rem_l, lens in lists.values():
+            eng.batch_sync(op, segment, loc_l, rem_l, lens)
+    verifier.poison_dest(op, [sp for _, _, spans in cands for sp in spans])
 
     def worker(t):
         k = 0
@@ -715,7 +705,7 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=12345)
     p.add_argument("--warmup", type=int, nargs="?", const=1, default=0, metavar="PASSES",
                    help="move the bytes PASSES times (default 1), untimed, before each "
-                        "bandwidth point (first copies into a page cost more: see warm_up)")
+                        "bandwidth point (first copies into a page cost more: see run_point)")
     p.add_argument("--scatter", action="store_true",
                    help="blocks of a batch at random, never adjacent slots (no merging)")
     p.add_argument("--json-out", help="append JSON lines here too")
