@@ -249,11 +249,20 @@ def test_sleep_mode_hooks_register_the_new_addresses_and_peers_follow(sides, mon
 
 
 @pytest.fixture
-def silent_producer():
+def silent_producer(urls):
     """A producer that never answers (like a SIGSTOPped one: the kernel
-    still accepts its connections)."""
-    srv = socket.socket()
-    srv.bind(("127.0.0.1", 0))
+    still accepts its connections).  Its port is at least 50 away from the
+    decode side's (the config refuses closer ports on one host)."""
+    decode_port = int(urls["decode_url"].rsplit(":", 1)[1])
+    tried = []
+    while True:
+        srv = socket.socket()
+        srv.bind(("127.0.0.1", 0))
+        if abs(srv.getsockname()[1] - decode_port) >= 50:
+            break
+        tried.append(srv)  # held until one fits, so the kernel picks another
+    for t in tried:
+        t.close()
     srv.listen(64)
     yield "127.0.0.1:%d" % srv.getsockname()[1]
     srv.close()
