@@ -12,7 +12,6 @@ _Static_assert(MC_ENGINE_MAX_MSG == MC_XFER_MAX_CTRL, "message cap");
 #include "util/log.h"
 
 mc_batch_t *mc_batch_new(mc_engine_t *e, size_t capacity) {
-  (void)e;
   if (capacity == 0)
     capacity = 1;
   mc_batch_t *b = calloc(1, sizeof *b);
@@ -27,6 +26,7 @@ mc_batch_t *mc_batch_new(mc_engine_t *e, size_t capacity) {
     return NULL;
   }
   b->cap = capacity;
+  b->eng = e;
   pthread_condattr_t ca;
   pthread_condattr_init(&ca);
   pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
@@ -78,6 +78,144 @@ void mc_batch_part_done(mc_batch_t *b, size_t i, int code, const char *msg, uint
   }
 }
 
+/* ---- local pins ----
+ * A region holding a local buffer of a batch is pinned (its refs) from the
+ * submit until no op of the batch is in flight: unregister waits for it (or
+ * cancels the batch, mc_engine_cancel_local_users), so no transport writes
+ * into (or sends from) memory that was unregistered and freed. */
+typedef struct pinset {
+  mc_regions_t *regions;
+  mc_region_t **v;
+  size_t n;
+} pinset_t;
+
+/* The batch's pins if it is idle (caller holds b->mu), to release after
+ * unlocking (pins_release): b may be freed by then. */
+static pinset_t pins_take_if_idle(mc_batch_t *b) {
+  pinset_t p = {0};
+  if (b->npins && b->ops_inflight == 0 && b->submitting == 0) {
+    p.regions = &b->eng->regions;
+    p.v = b->pins;
+    p.n = b->npins;
+    b->pins = NULL;
+    b->npins = b->cap_pins = 0;
+  }
+  return p;
+}
+
+static void pins_release(pinset_t *p) {
+  for (size_t i = 0; i < p->n; i++)
+    mc_regions_release(p->regions, p->v[i]);
+  free(p->v);
+}
+
+static void pin_list_add(mc_engine_t *e, mc_batch_t *b) {
+  pthread_mutex_lock(&e->pin_mu);
+  if (!b->on_pin_list) {
+    b->on_pin_list = 1;
+    b->pin_prev = NULL;
+    b->pin_next = e->pin_head;
+    if (e->pin_head)
+      e->pin_head->pin_prev = b;
+    e->pin_head = b;
+  }
+  pthread_mutex_unlock(&e->pin_mu);
+}
+
+static void pin_list_remove(mc_engine_t *e, mc_batch_t *b) {
+  pthread_mutex_lock(&e->pin_mu);
+  if (b->on_pin_list) {
+    if (b->pin_prev)
+      b->pin_prev->pin_next = b->pin_next;
+    else
+      e->pin_head = b->pin_next;
+    if (b->pin_next)
+      b->pin_next->pin_prev = b->pin_prev;
+    b->on_pin_list = 0;
+  }
+  pthread_mutex_unlock(&e->pin_mu);
+}
+
+/* Pins the regions holding the local buffers of reqs (those that lie in
+ * one) and marks a submit in progress.  Call submit_end after the ops are
+ * handed out. */
+static int submit_begin(mc_engine_t *e, mc_batch_t *b, const mc_request_t *reqs, size_t n,
+                        mc_err_t *err) {
+  pthread_mutex_lock(&b->mu);
+  b->submitting++;
+  int rc = 0, added = 0;
+  uint64_t lo = 1, hi = 0; /* the last region seen: [lo, hi) */
+  mc_regions_lock(&e->regions);
+  for (size_t i = 0; i < n; i++) {
+    uint64_t a = (uint64_t)(uintptr_t)reqs[i].local, end = a + reqs[i].len;
+    if (a >= lo && end <= hi && end > a)
+      continue;
+    const mc_region_t *f = mc_regions_find_locked(&e->regions, a, reqs[i].len);
+    if (!f && e->local_check && !b->trusted_locals) { /* unregistered since check_locals */
+      rc = mc_err_set(err, MC_EINVAL,
+                      "request %zu: local range [0x%llx, +%llu) is no longer inside a memory "
+                      "region registered with this engine (segment %s): it was unregistered",
+                      i, (unsigned long long)a, (unsigned long long)reqs[i].len, e->name);
+      break;
+    }
+    if (!f)
+      continue; /* not registered (MC_LOCAL_CHECK=0 or trusted): nothing to pin */
+    lo = f->addr;
+    hi = f->addr + f->len;
+    size_t k = 0;
+    while (k < b->npins && b->pins[k] != f)
+      k++;
+    if (k < b->npins)
+      continue;
+    if (b->npins == b->cap_pins) {
+      size_t nc = b->cap_pins ? b->cap_pins * 2 : 4;
+      mc_region_t **nv = realloc(b->pins, nc * sizeof *nv);
+      if (!nv) {
+        rc = mc_err_set(err, MC_ENOMEM, "out of memory");
+        break;
+      }
+      b->pins = nv;
+      b->cap_pins = nc;
+    }
+    b->pins[b->npins++] = mc_regions_pin_local_locked(&e->regions, a, reqs[i].len);
+    added = 1;
+  }
+  mc_regions_unlock(&e->regions);
+  int listed = b->on_pin_list;
+  pthread_mutex_unlock(&b->mu);
+  if (added && !listed)
+    pin_list_add(e, b);
+  return rc;
+}
+
+static void submit_end(mc_batch_t *b) {
+  pthread_mutex_lock(&b->mu);
+  b->submitting--;
+  pinset_t p = pins_take_if_idle(b);
+  pthread_mutex_unlock(&b->mu);
+  pins_release(&p);
+}
+
+size_t mc_engine_cancel_local_users(mc_engine_t *e, const mc_region_t *reg) {
+  size_t n = 0;
+  pthread_mutex_lock(&e->pin_mu);
+  for (mc_batch_t *b = e->pin_head; b; b = b->pin_next) {
+    pthread_mutex_lock(&b->mu);
+    for (size_t k = 0; k < b->npins; k++) {
+      if (b->pins[k] == reg) {
+        atomic_store(&b->cancel, 1);
+        n++;
+        break;
+      }
+    }
+    pthread_mutex_unlock(&b->mu);
+  }
+  pthread_mutex_unlock(&e->pin_mu);
+  if (n)
+    mc_transports_cancel_sweep(e);
+  return n;
+}
+
 static void op_done(mc_xfer_op_t *op, int code, const char *msg) {
   mc_batch_t *b = op->arg;
   pthread_mutex_lock(&b->mu);
@@ -86,8 +224,10 @@ static void op_done(mc_xfer_op_t *op, int code, const char *msg) {
   if (op->nent == 0) /* NOTIFY: one task, index 0 */
     part_done(b, 0, code, msg, op->ctrl_len);
   b->ops_inflight--;
+  pinset_t p = pins_take_if_idle(b);
   pthread_cond_broadcast(&b->cv);
   pthread_mutex_unlock(&b->mu);
+  pins_release(&p);
 }
 
 static void op_entry_failed(mc_xfer_op_t *op, uint32_t idx, int code, const char *msg) {
@@ -236,6 +376,9 @@ static int batch_finished(void *arg) {
 
 static int submit(mc_engine_t *e, mc_batch_t *b, const char *segment,
                   const mc_request_t *reqs, size_t n, int poll, mc_err_t *err);
+static int submit_pinned(mc_engine_t *e, mc_batch_t *b, const char *segment,
+                         const mc_request_t *reqs, size_t n, int poll, uint64_t t_in,
+                         mc_err_t *err);
 /* What a planning transport (transport.h: plan) took of one chunk. */
 typedef struct planned {
   int slot;            /* its slot, -1: none */
@@ -279,6 +422,16 @@ static int submit(mc_engine_t *e, mc_batch_t *b, const char *segment,
   int rc = validate_all(reqs, n, err);
   if (rc < 0 || (rc = check_locals(e, b, reqs, n, err)) < 0)
     return rc;
+  if ((rc = submit_begin(e, b, reqs, n, err)) == 0)
+    rc = submit_pinned(e, b, segment, reqs, n, poll, t_in, err);
+  submit_end(b);
+  return rc;
+}
+
+static int submit_pinned(mc_engine_t *e, mc_batch_t *b, const char *segment,
+                         const mc_request_t *reqs, size_t n, int poll, uint64_t t_in,
+                         mc_err_t *err) {
+  int rc = 0;
   int local = !strcmp(segment, e->name);
   mc_segment_desc_t d;
   d.host[0] = '\0';
@@ -695,6 +848,11 @@ void mc_batch_free(mc_engine_t *e, mc_batch_t *b) {
   pthread_mutex_unlock(&b->mu);
   if (busy)
     cancel_and_drain(e, b);
+  pin_list_remove(e, b);
+  pthread_mutex_lock(&b->mu);
+  pinset_t p = pins_take_if_idle(b); /* idle now: nothing is in flight */
+  pthread_mutex_unlock(&b->mu);
+  pins_release(&p);
   for (size_t i = 0; b->any_msg && i < b->n; i++)
     free(b->tasks[i].msg);
   free(b->rpc_reply);

@@ -240,8 +240,42 @@ static int publish(mc_engine_t *e, mc_err_t *err) {
   e->pub_desc = desc;
   e->pub_rpc = rpc;
   int rc = write_entries(e, 0, err);
+  e->pub_dirty = rc < 0;
   pthread_mutex_unlock(&e->pub_mu);
   return rc < 0 ? rc : 0;
+}
+
+/* The regions unregistered here whose descriptor update is pending (pub_mu). */
+static int unpub_find(mc_engine_t *e, uint64_t addr) {
+  for (size_t i = 0; i < e->nunpub; i++)
+    if (e->unpub[i] == addr)
+      return (int)i;
+  return -1;
+}
+
+static void unpub_drop(mc_engine_t *e, uint64_t addr) {
+  pthread_mutex_lock(&e->pub_mu);
+  int i = unpub_find(e, addr);
+  if (i >= 0)
+    e->unpub[i] = e->unpub[--e->nunpub];
+  pthread_mutex_unlock(&e->pub_mu);
+}
+
+static void unpub_add(mc_engine_t *e, uint64_t addr) {
+  pthread_mutex_lock(&e->pub_mu);
+  if (unpub_find(e, addr) < 0) {
+    if (e->nunpub == e->cap_unpub) {
+      size_t nc = e->cap_unpub ? e->cap_unpub * 2 : 8;
+      uint64_t *nv = realloc(e->unpub, nc * sizeof *nv);
+      if (nv) {
+        e->unpub = nv;
+        e->cap_unpub = nc;
+      }
+    }
+    if (e->nunpub < e->cap_unpub) /* else: the retry reports "not registered" */
+      e->unpub[e->nunpub++] = addr;
+  }
+  pthread_mutex_unlock(&e->pub_mu);
 }
 
 static void *keepalive_main(void *arg) {
@@ -267,7 +301,14 @@ static void *keepalive_main(void *arg) {
     pthread_mutex_unlock(&e->ka_mu);
     mc_err_t err = {0};
     pthread_mutex_lock(&e->pub_mu);
-    int rc = write_entries(e, 1, &err);
+    /* A failed publish left the server with an older descriptor (maybe
+     * still naming a region unregistered since): PUT ours again. */
+    int dirty = e->pub_dirty;
+    int rc = write_entries(e, !dirty, &err);
+    if (dirty && rc >= 0) {
+      e->pub_dirty = 0;
+      rc = 1;
+    }
     pthread_mutex_unlock(&e->pub_mu);
     if (rc < 0 && !failing)
       mc_log_warn("keep-alive of segment %s failed (retrying every %ld ms; transfers to "
@@ -392,6 +433,7 @@ int mc_engine_create(const mc_engine_opts_t *o, mc_engine_t **out, mc_err_t *err
   pthread_mutex_init(&e->pub_mu, NULL);
   pthread_mutex_init(&e->gpu_mu, NULL);
   pthread_mutex_init(&e->route_mu, NULL);
+  pthread_mutex_init(&e->pin_mu, NULL);
   if ((rc = mc_regions_init(&e->regions)) < 0) {
     free(e);
     return mc_err_set(err, rc, "out of memory");
@@ -412,6 +454,7 @@ int mc_engine_create(const mc_engine_opts_t *o, mc_engine_t **out, mc_err_t *err
   e->local_check = env_int("MC_LOCAL_CHECK", 1, 0, 1);
   e->notify_limit = (uint64_t)env_int("MC_NOTIFY_QUEUE_MB", 64, 1, 1 << 20) << 20;
   e->unregister_wait_ms = env_int("MC_UNREGISTER_WAIT_MS", 10000, 1, 86400000);
+  e->unregister_grace_ms = env_int("MC_UNREGISTER_GRACE_MS", 1000, 0, 86400000);
   e->slice_size = (uint64_t)env_int("MC_TCP_SLICE_SIZE", 4 << 20, 4096, 1 << 30);
   e->op_entries = (uint32_t)env_int("MC_TCP_OP_ENTRIES", 256, 1, (int)MC_XFER_MAX_ENTRIES);
   e->timeout_ms = (uint64_t)env_int("MC_TRANSFER_TIMEOUT", 30, 1, 86400) * 1000ull;
@@ -508,8 +551,10 @@ fail:
   pthread_mutex_destroy(&e->pub_mu);
   pthread_mutex_destroy(&e->gpu_mu);
   pthread_mutex_destroy(&e->route_mu);
+  pthread_mutex_destroy(&e->pin_mu);
   free(e->pub_desc);
   free(e->pub_rpc);
+  free(e->unpub);
   free(e);
   return rc;
 }
@@ -541,8 +586,10 @@ void mc_engine_destroy(mc_engine_t *e) {
   pthread_mutex_destroy(&e->pub_mu);
   pthread_mutex_destroy(&e->gpu_mu);
   pthread_mutex_destroy(&e->route_mu);
+  pthread_mutex_destroy(&e->pin_mu);
   free(e->pub_desc);
   free(e->pub_rpc);
+  free(e->unpub);
   free(e);
 }
 
@@ -631,6 +678,47 @@ static int add_region(mc_engine_t *e, uint64_t addr, uint64_t len, const char *l
   return mc_regions_add_ex(&e->regions, addr, len, loc, ipc, ipc_base, err);
 }
 
+/* An unregister waited its grace period (MC_UNREGISTER_GRACE_MS): this
+ * engine's own transfers that use the region as their local buffer are
+ * canceled (they end MC_ECANCELED), so freeing it never waits on them long. */
+static void on_unregister_stall(void *arg, mc_region_t *reg) {
+  mc_engine_t *e = arg;
+  size_t n = mc_engine_cancel_local_users(e, reg);
+  if (n)
+    mc_log_warn("unregistering region 0x%llx (%llu bytes): canceled %zu batch(es) of this "
+                "engine still using it as their local buffer after %d ms",
+                (unsigned long long)reg->addr, (unsigned long long)reg->len, n,
+                e->unregister_grace_ms);
+}
+
+/* Takes the region starting at addr out of the transports and the table,
+ * waiting for (then cutting) accesses in flight.  After 0 nothing reaches
+ * the memory any more; the metadata is not touched. */
+static int unregister_local(mc_engine_t *e, void *addr, mc_err_t *err) {
+  int rc = mc_transports_unregister(e, addr, e->unregister_wait_ms, err);
+  if (rc == 0)
+    rc = mc_regions_remove_cb(&e->regions, (uint64_t)(uintptr_t)addr, e->unregister_wait_ms,
+                              e->unregister_grace_ms, on_unregister_stall, e, err);
+  return rc;
+}
+
+/* A registration whose publish failed is undone: nothing of it stays
+ * registered or (once the metadata server answers again) published. */
+static int register_undo(mc_engine_t *e, void *addr, mc_err_t *err) {
+  mc_err_t why = {0};
+  if (unregister_local(e, addr, &why) < 0) {
+    mc_log_warn("registration of 0x%llx failed and could not be undone: %s",
+                (unsigned long long)(uintptr_t)addr, why.msg);
+    return mc_err_prefix(err, "region 0x%llx stays registered (undo failed: %s)",
+                         (unsigned long long)(uintptr_t)addr, why.msg);
+  }
+  /* Our descriptor without it; if this PUT fails too, the keep-alive
+   * re-PUTs it (pub_dirty), replacing a descriptor that did reach the server. */
+  publish(e, &why);
+  return mc_err_prefix(err, "registration of 0x%llx undone (nothing registered)",
+                       (unsigned long long)(uintptr_t)addr);
+}
+
 int mc_engine_register(mc_engine_t *e, void *addr, uint64_t len, const char *location,
                        mc_err_t *err) {
   char loc[MC_LOCATION_MAX];
@@ -643,7 +731,13 @@ int mc_engine_register(mc_engine_t *e, void *addr, uint64_t len, const char *loc
     mc_regions_remove(&e->regions, (uint64_t)(uintptr_t)addr, -1, NULL);
     return rc;
   }
-  return publish(e, err);
+  unpub_drop(e, (uint64_t)(uintptr_t)addr);
+  if ((rc = publish(e, err)) < 0) {
+    int code = rc;
+    register_undo(e, addr, err);
+    return code;
+  }
+  return 0;
 }
 
 int mc_engine_register_batch(mc_engine_t *e, void *const *addrs, const uint64_t *lens,
@@ -666,20 +760,67 @@ int mc_engine_register_batch(mc_engine_t *e, void *const *addrs, const uint64_t 
     }
   }
   mc_maps_free(maps);
-  return publish(e, err);
+  for (size_t i = 0; i < n; i++)
+    unpub_drop(e, (uint64_t)(uintptr_t)addrs[i]);
+  if ((rc = publish(e, err)) < 0) {
+    int code = rc;
+    mc_err_t why = {0};
+    size_t kept = 0;
+    for (size_t k = 0; k < n; k++)
+      kept += unregister_local(e, addrs[k], &why) < 0;
+    publish(e, &why);
+    if (kept)
+      mc_err_prefix(err, "registration of %zu buffers undone except %zu still in use", n, kept);
+    else
+      mc_err_prefix(err, "registration of %zu buffers undone (nothing registered)", n);
+    return code;
+  }
+  return 0;
+}
+
+int mc_engine_is_registered(mc_engine_t *e, void *addr) {
+  uint64_t a = (uint64_t)(uintptr_t)addr;
+  mc_regions_lock(&e->regions);
+  int found = 0;
+  for (size_t i = 0; i < e->regions.n && !found; i++)
+    found = e->regions.v[i]->addr == a;
+  mc_regions_unlock(&e->regions);
+  return found;
 }
 
 int mc_engine_unregister(mc_engine_t *e, void *addr, mc_err_t *err) {
   /* The transports first (same-host copies in flight may refuse it: the
    * region then stays registered), e.g. RDMA MRs deregistered revoke
-   * access; then the region table waits for the TCP path's pins (and
+   * access; then the region table waits for the TCP path's pins, cancels
+   * this engine's transfers still using it after the grace period (and
    * names an address that starts no region). */
-  int rc = mc_transports_unregister(e, addr, e->unregister_wait_ms, err);
-  if (rc == 0)
-    rc = mc_regions_remove(&e->regions, (uint64_t)(uintptr_t)addr, e->unregister_wait_ms, err);
-  if (rc < 0)
+  uint64_t a = (uint64_t)(uintptr_t)addr;
+  mc_err_t nf = {0};
+  int rc = unregister_local(e, addr, &nf);
+  if (rc == MC_ENOTFOUND) {
+    /* Unregistered before, its descriptor update failed: retry that. */
+    pthread_mutex_lock(&e->pub_mu);
+    int pending = unpub_find(e, a) >= 0;
+    pthread_mutex_unlock(&e->pub_mu);
+    if (!pending) {
+      if (err)
+        *err = nf;
+      return rc;
+    }
+  } else if (rc < 0) {
+    if (err)
+      *err = nf;
     return rc;
-  return publish(e, err);
+  }
+  if ((rc = publish(e, err)) < 0) {
+    unpub_add(e, a);
+    return mc_err_prefix(err, "region 0x%llx is unregistered here (no peer can reach it any "
+                         "more) but its removal from the published descriptor failed; call "
+                         "unregister again (free_managed_buffer) to retry",
+                         (unsigned long long)a);
+  }
+  unpub_drop(e, a);
+  return 0;
 }
 
 /* ---- segment resolution ---- */

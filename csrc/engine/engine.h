@@ -86,6 +86,9 @@ int mc_engine_register_batch(mc_engine_t *e, void *const *addrs, const uint64_t 
 int mc_engine_check_local(void *engine, uint64_t addr, uint64_t len, mc_err_t *err);
 /* Waits for accesses in flight to the region to finish, then removes it. */
 int mc_engine_unregister(mc_engine_t *e, void *addr, mc_err_t *err);
+/* 1 if a region (even one being removed) starts at addr: a failed register
+ * or unregister that left it there means the memory must not be freed. */
+int mc_engine_is_registered(mc_engine_t *e, void *addr);
 
 /* Batches. A batch holds up to `capacity` requests to one or more targets. */
 mc_batch_t *mc_batch_new(mc_engine_t *e, size_t capacity);

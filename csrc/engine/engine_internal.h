@@ -55,6 +55,13 @@ struct mc_engine {
   int unregister_wait_ms; /* MC_UNREGISTER_WAIT_MS: bound on waiting for pins */
   int same_host_cpu_off;  /* opts.same_host_cpu_off (mooncake.json same_host_cpu) */
   pthread_mutex_t gpu_mu; /* gpu_reserved */
+  int unregister_grace_ms; /* MC_UNREGISTER_GRACE_MS: then transfers holding it are cut */
+
+  /* Batches that have pinned local regions (batch.c), so an unregister can
+   * cancel the transfers using the region.  Lock order: pin_mu, b->mu,
+   * regions. */
+  pthread_mutex_t pin_mu;
+  mc_batch_t *pin_head;
 
   pthread_mutex_t seg_mu; /* segment cache */
   mc_segment_desc_t *segs;
@@ -82,6 +89,11 @@ struct mc_engine {
   int meta_ttl_s;           /* MC_METADATA_TTL; 0 = entries without TTL */
   pthread_mutex_t pub_mu;   /* serialises writes of our entries */
   char *pub_desc, *pub_rpc; /* last published values (pub_mu) */
+  int pub_dirty;            /* the last PUT of them failed: the keep-alive re-PUTs (pub_mu) */
+  /* Regions unregistered here whose new descriptor did not reach the
+   * metadata server (pub_mu): unregistering one again retries the publish. */
+  uint64_t *unpub;
+  size_t nunpub, cap_unpub;
   pthread_t ka_thread;
   int ka_running;
   pthread_mutex_t ka_mu;
@@ -111,12 +123,25 @@ struct mc_batch {
   int any_msg;         /* some task has a message (failed): else none to scan or free */
   int trusted_locals;  /* mc_batch_trust_locals: skip the local-address check */
   char last_segment[320];
+  /* Local regions pinned while ops of this batch are in flight (a region
+   * appears once); released when the batch goes idle. */
+  mc_engine_t *eng;
+  mc_region_t **pins;
+  size_t npins, cap_pins;
+  int submitting;       /* submits between pinning and handing out their ops */
+  int on_pin_list;      /* linked on eng->pin_head (until mc_batch_free) */
+  mc_batch_t *pin_next, *pin_prev;
   char *rpc_reply; /* mc_engine_rpc: the reply text (malloc'ed) */
   /* mc_engine_notify_detached: owned by the engine's list (det_*). */
   mc_batch_t *det_next;
   uint64_t det_deadline_ns;
   const char *det_what;
 };
+
+/* batch.c: cancels the transfers of this engine whose local buffers lie in
+ * reg (an unregister that waited past its grace period); returns how many
+ * batches were canceled. */
+size_t mc_engine_cancel_local_users(mc_engine_t *e, const mc_region_t *reg);
 
 /* batch.c: records one finished part of task i (caller holds b->mu). */
 void mc_batch_part_done(mc_batch_t *b, size_t i, int code, const char *msg, uint64_t bytes);

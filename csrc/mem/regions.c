@@ -118,6 +118,37 @@ int mc_regions_add_ex(mc_regions_t *r, uint64_t addr, uint64_t len, const char *
 }
 
 int mc_regions_remove(mc_regions_t *r, uint64_t addr, int64_t timeout_ms, mc_err_t *err) {
+  return mc_regions_remove_cb(r, addr, timeout_ms, -1, NULL, NULL, err);
+}
+
+static struct timespec deadline_after(int64_t ms) {
+  struct timespec dl;
+  clock_gettime(CLOCK_REALTIME, &dl);
+  dl.tv_sec += ms / 1000;
+  dl.tv_nsec += (long)(ms % 1000) * 1000000l;
+  if (dl.tv_nsec >= 1000000000l) {
+    dl.tv_sec++;
+    dl.tv_nsec -= 1000000000l;
+  }
+  return dl;
+}
+
+static const char local_holder[] = "a transfer of this engine (its local buffer)";
+
+mc_region_t *mc_regions_pin_local_locked(mc_regions_t *r, uint64_t addr, uint64_t len) {
+  mc_region_t *reg = (mc_region_t *)mc_regions_find_locked(r, addr, len);
+  if (!reg)
+    return NULL;
+  reg->refs++;
+  if (reg->holder_key != local_holder) {
+    reg->holder_key = local_holder;
+    snprintf(reg->holder, sizeof reg->holder, "%s", local_holder);
+  }
+  return reg;
+}
+
+int mc_regions_remove_cb(mc_regions_t *r, uint64_t addr, int64_t timeout_ms, int64_t grace_ms,
+                         mc_regions_stall_fn stall, void *arg, mc_err_t *err) {
   pthread_mutex_lock(&r->mu);
   long i = find_le(r, addr);
   if (i >= 0 && r->v[i]->addr == addr && r->v[i]->removing) {
@@ -136,14 +167,15 @@ int mc_regions_remove(mc_regions_t *r, uint64_t addr, int64_t timeout_ms, mc_err
   mc_region_t *reg = r->v[i];
   reg->dead = 1;
   reg->removing = 1;
-  struct timespec dl;
-  clock_gettime(CLOCK_REALTIME, &dl);
-  if (timeout_ms >= 0) {
-    dl.tv_sec += timeout_ms / 1000;
-    dl.tv_nsec += (long)(timeout_ms % 1000) * 1000000l;
-    if (dl.tv_nsec >= 1000000000l) {
-      dl.tv_sec++;
-      dl.tv_nsec -= 1000000000l;
+  struct timespec dl = deadline_after(timeout_ms >= 0 ? timeout_ms : 0);
+  if (stall && grace_ms >= 0 && (timeout_ms < 0 || grace_ms < timeout_ms)) {
+    struct timespec gdl = deadline_after(grace_ms);
+    while (reg->refs > 0 && pthread_cond_timedwait(&r->cv, &r->mu, &gdl) != ETIMEDOUT)
+      ;
+    if (reg->refs > 0) {
+      pthread_mutex_unlock(&r->mu);
+      stall(arg, reg); /* reg stays: removing keeps other removers off it */
+      pthread_mutex_lock(&r->mu);
     }
   }
   while (reg->refs > 0) {
@@ -152,14 +184,16 @@ int mc_regions_remove(mc_regions_t *r, uint64_t addr, int64_t timeout_ms, mc_err
     } else if (pthread_cond_timedwait(&r->cv, &r->mu, &dl) == ETIMEDOUT && reg->refs > 0) {
       int refs = reg->refs;
       char holder[sizeof reg->holder];
+      const char *pre = reg->holder[0] && reg->holder_key != local_holder ? "peer " : "";
       snprintf(holder, sizeof holder, "%s", reg->holder[0] ? reg->holder : "a local copy");
       reg->removing = 0;
       pthread_mutex_unlock(&r->mu);
       return mc_err_set(err, MC_EBUSY,
                         "region 0x%llx is still in use after %lld ms: %d access(es) in flight, "
-                        "last pinned by peer %s (e.g. a READ it does not read out); it now "
+                        "last pinned by %s%s (e.g. a READ it does not read out); it now "
                         "refuses new accesses; retry later (MC_UNREGISTER_WAIT_MS)",
-                        (unsigned long long)addr, (long long)timeout_ms, refs, holder);
+                        (unsigned long long)addr, (long long)timeout_ms, refs,
+                        pre, holder);
     }
   }
   /* The index may have moved while we waited. */

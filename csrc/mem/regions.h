@@ -59,6 +59,19 @@ int mc_regions_add_ex(mc_regions_t *r, uint64_t addr, uint64_t len, const char *
  * accesses are still in flight at the deadline: the region then stays
  * registered but refuses new accesses, and a later call may finish the job. */
 int mc_regions_remove(mc_regions_t *r, uint64_t addr, int64_t timeout_ms, mc_err_t *err);
+/* Same; if accesses are still in flight after grace_ms, calls
+ * stall(arg, reg) once (without the lock; reg stays valid) so the caller
+ * can cut them short (cancel its own transfers, revoke peers), then waits
+ * for the rest of timeout_ms. */
+typedef void (*mc_regions_stall_fn)(void *arg, mc_region_t *reg);
+int mc_regions_remove_cb(mc_regions_t *r, uint64_t addr, int64_t timeout_ms, int64_t grace_ms,
+                         mc_regions_stall_fn stall, void *arg, mc_err_t *err);
+
+/* This engine's own transfers pin the regions their local buffers lie in
+ * (batch.c), so a region cannot be freed under them: the live region
+ * holding [addr, addr+len) gets one more ref (holder "a local transfer"),
+ * or NULL if none holds it.  Caller holds the lock (mc_regions_lock). */
+mc_region_t *mc_regions_pin_local_locked(mc_regions_t *r, uint64_t addr, uint64_t len);
 
 /* Pins the region containing [addr, addr+len).  MC_ERANGE (message names the
  * range and `who`) if none does. */

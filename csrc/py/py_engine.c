@@ -445,7 +445,9 @@ static PyObject *Engine_allocate_managed_buffer(EngineObject *self, PyObject *ar
   if (rc == 0) {
     memset(p, 0, (size_t)len);
     rc = mc_engine_register(self->eng, p, len, "cpu", &err);
-    if (rc < 0) {
+    /* A failed registration is undone (engine.c); only if that failed too
+     * (a peer still holds the region) is the memory kept, freed at close. */
+    if (rc < 0 && !mc_engine_is_registered(self->eng, p)) {
       free(p);
       p = NULL;
     }
@@ -455,6 +457,15 @@ static PyObject *Engine_allocate_managed_buffer(EngineObject *self, PyObject *ar
   }
   Py_END_ALLOW_THREADS
   leave(self);
+  if (rc < 0 && p) { /* still registered: freed at close, never under a peer */
+    PyObject *k = PyLong_FromUnsignedLongLong((unsigned long long)(uintptr_t)p);
+    PyObject *v = PyLong_FromUnsignedLongLong(0); /* length 0: no free_managed_buffer matches */
+    if (k && v)
+      PyDict_SetItem(self->managed, k, v);
+    Py_XDECREF(k);
+    Py_XDECREF(v);
+    PyErr_Clear();
+  }
   if (rc < 0)
     return mc_py_raise(ST(self), &err);
   PyObject *k = PyLong_FromUnsignedLongLong((unsigned long long)(uintptr_t)p);
@@ -497,6 +508,9 @@ static PyObject *Engine_free_managed_buffer(EngineObject *self, PyObject *args) 
   mc_err_t err = {0};
   int rc;
   Py_BEGIN_ALLOW_THREADS
+  /* A failure keeps the buffer (and its entry): a peer may still hold it,
+   * or its removal from the published descriptor is pending; calling
+   * again retries (engine.c mc_engine_unregister). */
   rc = mc_engine_unregister(self->eng, (void *)(uintptr_t)addr, &err);
   Py_END_ALLOW_THREADS
   leave(self);

@@ -1,0 +1,167 @@
+"""No write into freed memory, whatever the order of calls (issue 28).
+
+- A local buffer that a running transfer writes into cannot be freed under
+  it: free_managed_buffer waits for the transfer, then (after
+  MC_UNREGISTER_GRACE_MS) cancels it; the late answer is dropped.
+- With the metadata server stopped, a failed allocation/registration
+  leaves nothing registered, and a free that failed to publish can be
+  retried until it succeeds (no leak, no peer access meanwhile).
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+import mooncake_connector as mc
+
+from conftest import Peer, wait_until  # noqa: E402
+
+MIB = 1 << 20
+
+# The initiator runs in its own process: the bug killed it with SIGSEGV.
+INITIATOR = r"""
+import json, os, signal, sys, time
+import mooncake_connector as mc
+seg, addr, pid = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+n = 64 << 20
+e = mc.TransferEngine()
+e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
+dst = e.allocate_managed_buffer(n)
+assert e.transfer_sync_read(seg, dst, addr, 4096) == 0  # connection up
+os.kill(pid, signal.SIGSTOP)  # the target answers only after the free
+try:
+    bid = e.batch_transfer_async_read(seg, [dst], [addr], [n])
+    time.sleep(0.2)
+    t0 = time.time()
+    rc = e.free_managed_buffer(dst, n)
+    took = time.time() - t0
+finally:
+    os.kill(pid, signal.SIGCONT)
+time.sleep(1.0)  # the 64 MiB answer arrives now: it must go nowhere
+states = [s["state"] for s in e.get_batch_status(bid)]
+buf = e.allocate_managed_buffer(1 << 20)
+ok = e.transfer_sync_read(seg, buf, addr, 1 << 20)
+print(json.dumps({"rc": rc, "took": took, "states": states, "after": ok}), flush=True)
+e.close()
+"""
+
+
+def test_free_of_a_local_buffer_under_a_running_read_cancels_it():
+    env = {**os.environ, "MC_SAME_HOST_CPU": "0", "MC_UNREGISTER_GRACE_MS": "300"}
+    p = Peer(env={"MC_SAME_HOST_CPU": "0"})
+    try:
+        r = subprocess.run([sys.executable, "-c", INITIATOR, p.segment, str(p.addr),
+                            str(p.pid)], env=env, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
+        out = json.loads(r.stdout.strip().splitlines()[-1])
+        assert out["rc"] == 0
+        # waited the grace period, then canceled (not the 10 s bound)
+        assert 0.25 <= out["took"] < 3, out
+        assert out["states"] in (["canceled"], ["failed"]), out
+        assert out["after"] == 0
+        assert "canceled 1 batch(es)" in r.stderr
+    finally:
+        try:
+            os.kill(p.pid, signal.SIGCONT)
+        except OSError:
+            pass
+        p.close()
+
+
+def test_free_waits_for_a_local_transfer_that_finishes(monkeypatch):
+    # Within the grace period the transfer just finishes: nothing canceled.
+    monkeypatch.setenv("MC_SAME_HOST_CPU", "0")
+    a, b = mc.TransferEngine(), mc.TransferEngine()
+    a.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
+    b.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
+    try:
+        n = 32 * MIB
+        src = b.allocate_managed_buffer(n)
+        b.write_bytes_to_buffer(src, b"\x5a" * 4096)
+        dst = a.allocate_managed_buffer(n)
+        seg = b.get_segment_name()
+        bid = a.batch_transfer_async_read(seg, [dst], [src], [n])
+        assert a.free_managed_buffer(dst, n) == 0
+        assert a.get_batch_status(bid)[0]["state"] == "completed"
+    finally:
+        a.close()
+        b.close()
+
+
+# ---- metadata server stopped ----
+
+@pytest.fixture
+def meta_proc():
+    p = subprocess.Popen([sys.executable, "-m", "mooncake_connector.metadata_server",
+                          "--host", "127.0.0.1", "--port", "0", "--log-level", "warning"],
+                         stdout=subprocess.PIPE, text=True)
+    line = p.stdout.readline()
+    url = line.split("listening on ")[1].split()[0]
+    yield p, url
+    try:
+        os.kill(p.pid, signal.SIGCONT)
+    except OSError:
+        pass
+    p.terminate()
+    p.wait(10)
+
+
+def _published(url, seg):
+    with urllib.request.urlopen(f"{url}?key=mooncake/ram/{seg}", timeout=5) as r:
+        return json.loads(r.read())
+
+
+def _addrs(desc):
+    return {int(b["addr"]) for b in desc.get("buffers", [])}
+
+
+def test_metadata_stop_leaves_nothing_registered_and_free_is_retriable(meta_proc, monkeypatch):
+    srv, url = meta_proc
+    monkeypatch.setenv("MC_SAME_HOST_CPU", "0")
+    monkeypatch.setenv("MC_METADATA_TIMEOUT_MS", "800")
+    a, b = mc.TransferEngine(), mc.TransferEngine()
+    a.initialize("127.0.0.1", url, "tcp", "")
+    b.initialize("127.0.0.1", url, "tcp", "")
+    import ctypes
+    raw = (ctypes.c_ubyte * MIB)()
+    raw_addr = ctypes.addressof(raw)
+    stopped = False
+    try:
+        seg = a.get_segment_name()
+        kept = a.allocate_managed_buffer(MIB)
+        src = b.allocate_managed_buffer(MIB)
+        assert b.transfer_sync_write(seg, src, kept, 4096) == 0  # b knows a
+        before = _addrs(json.loads(a.get_metadata()))
+        os.kill(srv.pid, signal.SIGSTOP)
+        stopped = True
+        with pytest.raises(mc.MooncakeError, match="undone"):
+            a.allocate_managed_buffer(MIB)
+        with pytest.raises(mc.MooncakeError, match="undone"):
+            a.register_memory(raw_addr, MIB)
+        # nothing of them stays registered: a peer's WRITE there is refused
+        assert _addrs(json.loads(a.get_metadata())) == before
+        with pytest.raises(mc.TransferError, match="not inside any memory region"):
+            b.transfer_sync_write(seg, src, raw_addr, 4096)
+        # a free that cannot publish: unregistered here at once, retriable
+        with pytest.raises(mc.MooncakeError, match="call unregister again"):
+            a.free_managed_buffer(kept, MIB)
+        with pytest.raises(mc.TransferError, match="not inside any memory region"):
+            b.transfer_sync_write(seg, src, kept, 4096)
+        os.kill(srv.pid, signal.SIGCONT)
+        stopped = False
+        assert a.free_managed_buffer(kept, MIB) == 0  # the retry succeeds
+        with pytest.raises(ValueError, match="not a buffer"):
+            a.free_managed_buffer(kept, MIB)  # and it is gone
+        # the published descriptor names neither the failed nor the freed ones
+        assert wait_until(lambda: not (_addrs(_published(url, seg)) &
+                                       {raw_addr, kept}), timeout=5)
+    finally:
+        if stopped:
+            os.kill(srv.pid, signal.SIGCONT)
+        a.close()
+        b.close()
