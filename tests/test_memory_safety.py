@@ -165,3 +165,73 @@ def test_metadata_stop_leaves_nothing_registered_and_free_is_retriable(meta_proc
             os.kill(srv.pid, signal.SIGCONT)
         a.close()
         b.close()
+
+
+# ---- a peer that stalls on a region being unregistered ----
+
+def test_free_revokes_a_peer_that_does_not_read_its_answer(monkeypatch, capfd):
+    from test_hostile_peers import READ, connect, hdr, hello
+    import socket
+    import struct
+    monkeypatch.setenv("MC_UNREGISTER_GRACE_MS", "300")  # MC_UNREGISTER_WAIT_MS: 10 s
+    e = mc.TransferEngine()
+    e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
+    try:
+        seg, port = e.get_segment_name(), e.get_rpc_port()
+        buf = e.allocate_managed_buffer(16 * MIB)
+        s = connect(port)  # reads nothing: the 16 MiB answer stays queued, pinned
+        hello(s, seg, "slow:1")
+        s.sendall(hdr(READ, 4 * 16, count=4) + b"".join(
+            struct.pack("<QQ", buf + i * 4 * MIB, 4 * MIB) for i in range(4)))
+        assert wait_until(lambda: e.get_stats()["reply_queue_bytes"] >= 8 * MIB)
+        t0 = time.time()
+        assert e.free_managed_buffer(buf, 16 * MIB) == 0
+        took = time.time() - t0
+        assert 0.25 <= took < 3, took
+        assert e.get_stats()["reply_queue_bytes"] == 0
+        err = capfd.readouterr().err
+        assert "revoked peer 127.0.0.1:%d's access to region 0x%x" % (
+            s.getsockname()[1], buf) in err, err[-2000:]
+        # (its socket still drains what the kernel had buffered, then EOF)
+        s.close()
+        # its next access fails cleanly: an error answer naming the range
+        s2 = socket.create_connection(("127.0.0.1", port), timeout=5)
+        hello(s2, seg, "slow:1")
+        s2.sendall(hdr(READ, 16, count=1) + struct.pack("<QQ", buf, 4096))
+        h = s2.recv(32, socket.MSG_WAITALL)
+        status, n = struct.unpack("<IBBHIiQQ", h)[5], struct.unpack("<IBBHIiQQ", h)[7]
+        body = s2.recv(n, socket.MSG_WAITALL) if n else b""
+        assert status != 0 and b"not inside any memory region" in body, (status, body)
+        s2.close()
+    finally:
+        e.close()
+
+
+def test_revoke_off_keeps_the_bounded_wait(monkeypatch):
+    from test_hostile_peers import READ, connect, hdr, hello
+    import struct
+    monkeypatch.setenv("MC_UNREGISTER_GRACE_MS", "100")
+    monkeypatch.setenv("MC_UNREGISTER_WAIT_MS", "600")
+    monkeypatch.setenv("MC_UNREGISTER_REVOKE", "0")
+    e = mc.TransferEngine()
+    e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
+    try:
+        buf = e.allocate_managed_buffer(16 * MIB)
+        s = connect(e.get_rpc_port())
+        hello(s, e.get_segment_name(), "slow:1")
+        s.sendall(hdr(READ, 4 * 16, count=4) + b"".join(
+            struct.pack("<QQ", buf + i * 4 * MIB, 4 * MIB) for i in range(4)))
+        assert wait_until(lambda: e.get_stats()["reply_queue_bytes"] >= 8 * MIB)
+        with pytest.raises(mc.MooncakeError, match="still in use"):
+            e.free_managed_buffer(buf, 16 * MIB)
+        s.close()
+        assert wait_until(lambda: _freed(e, buf), timeout=5)
+    finally:
+        e.close()
+
+
+def _freed(e, buf):
+    try:
+        return e.free_managed_buffer(buf, 16 * MIB) == 0
+    except mc.MooncakeError:
+        return False

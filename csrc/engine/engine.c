@@ -455,6 +455,7 @@ int mc_engine_create(const mc_engine_opts_t *o, mc_engine_t **out, mc_err_t *err
   e->notify_limit = (uint64_t)env_int("MC_NOTIFY_QUEUE_MB", 64, 1, 1 << 20) << 20;
   e->unregister_wait_ms = env_int("MC_UNREGISTER_WAIT_MS", 10000, 1, 86400000);
   e->unregister_grace_ms = env_int("MC_UNREGISTER_GRACE_MS", 1000, 0, 86400000);
+  e->unregister_revoke = env_int("MC_UNREGISTER_REVOKE", 1, 0, 1);
   e->slice_size = (uint64_t)env_int("MC_TCP_SLICE_SIZE", 4 << 20, 4096, 1 << 30);
   e->op_entries = (uint32_t)env_int("MC_TCP_OP_ENTRIES", 256, 1, (int)MC_XFER_MAX_ENTRIES);
   e->timeout_ms = (uint64_t)env_int("MC_TRANSFER_TIMEOUT", 30, 1, 86400) * 1000ull;
@@ -689,6 +690,22 @@ static void on_unregister_stall(void *arg, mc_region_t *reg) {
                 "engine still using it as their local buffer after %d ms",
                 (unsigned long long)reg->addr, (unsigned long long)reg->len, n,
                 e->unregister_grace_ms);
+  /* Peers still holding it (a READ answer they do not read out, a WRITE
+   * payload they stopped sending) lose their connection: the TCP loops
+   * close it at the sweep (tcp_loop.c), which releases their pins. */
+  if (e->unregister_revoke) {
+    char holder[sizeof reg->holder];
+    mc_regions_lock(&e->regions);
+    snprintf(holder, sizeof holder, "%s", reg->holder);
+    __atomic_store_n(&reg->revoked, 1, __ATOMIC_RELEASE);
+    mc_regions_unlock(&e->regions);
+    mc_log_warn("unregistering region 0x%llx (%llu bytes): still in use after %d ms (last "
+                "pinned by %s): revoking the peers' accesses to it (MC_UNREGISTER_REVOKE=0 "
+                "waits instead)",
+                (unsigned long long)reg->addr, (unsigned long long)reg->len,
+                e->unregister_grace_ms, holder[0] ? holder : "?");
+    mc_transports_cancel_sweep(e);
+  }
 }
 
 /* Takes the region starting at addr out of the transports and the table,

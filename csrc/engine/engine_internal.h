@@ -56,6 +56,7 @@ struct mc_engine {
   int same_host_cpu_off;  /* opts.same_host_cpu_off (mooncake.json same_host_cpu) */
   pthread_mutex_t gpu_mu; /* gpu_reserved */
   int unregister_grace_ms; /* MC_UNREGISTER_GRACE_MS: then transfers holding it are cut */
+  int unregister_revoke;   /* MC_UNREGISTER_REVOKE: peers holding it past grace are cut */
 
   /* Batches that have pinned local regions (batch.c), so an unregister can
    * cancel the transfers using the region.  Lock order: pin_mu, b->mu,

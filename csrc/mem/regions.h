@@ -30,6 +30,8 @@ typedef struct mc_region {
   int refs;                       /* active accesses, under the table lock */
   int dead;                       /* being removed: refuse new accesses */
   int removing;                   /* a remove is waiting for refs to drop */
+  int revoked; /* unregister revokes the peers still holding it: transports drop their
+                  accesses (read/written with __atomic builtins) */
   const void *holder_key;         /* who pinned it last (for error messages) */
   char holder[64];
 } mc_region_t;

@@ -212,5 +212,8 @@ void mc_resp_free(mc_tcp_t *t, mc_resp_t *r);
  * it, and resumes reading when the queue has drained. */
 void mc_conn_resp_done(mc_conn_t *c, mc_resp_t *r);
 void mc_conn_free_recv(mc_conn_t *c);
+/* A region this incoming connection holds (a READ answer queued, a WRITE
+ * payload being received) that an unregister revoked, or NULL. */
+const mc_region_t *mc_conn_revoked_region(const mc_conn_t *c);
 
 #endif

@@ -280,6 +280,19 @@ static void loop_add(mc_loop_t *l, mc_conn_t *c) {
 static void sweep_conn(mc_conn_t *c) {
   if (c->state == CONN_DEAD)
     return;
+  /* A peer holding a region being unregistered past the grace period
+   * (MC_UNREGISTER_GRACE_MS) loses its connection: its accesses end, its
+   * next one finds the region gone (engine.c, on_unregister_stall). */
+  const mc_region_t *rv = c->outgoing ? NULL : mc_conn_revoked_region(c);
+  if (rv) {
+    mc_log_warn("revoked peer %s's access to region 0x%llx (%llu bytes), which is being "
+                "unregistered: it held it past the grace period (MC_UNREGISTER_GRACE_MS); "
+                "its connection is closed",
+                c->peer, (unsigned long long)rv->addr, (unsigned long long)rv->len);
+    mc_conn_kill(c, MC_ECANCELED, "connection from %s closed: region 0x%llx revoked", c->peer,
+                 (unsigned long long)rv->addr);
+    return;
+  }
   /* Not started yet: dropped by flush; started but not finished: the stream
    * cannot be cut mid-message, so the connection goes. */
   for (mc_xfer_op_t *op = c->sendq_head; op; op = op->next) {

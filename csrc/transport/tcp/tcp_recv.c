@@ -839,3 +839,14 @@ int mc_conn_on_readable(mc_conn_t *c) {
     return -1;
   return mc_conn_flush(c);
 }
+
+const mc_region_t *mc_conn_revoked_region(const mc_conn_t *c) {
+  for (const mc_resp_t *r = c->resp_head; r; r = r->next)
+    for (int i = 0; i < r->nrefs; i++)
+      if (__atomic_load_n(&r->refs[i]->revoked, __ATOMIC_ACQUIRE))
+        return r->refs[i];
+  for (int i = 0; i < c->pnrefs; i++)
+    if (__atomic_load_n(&c->prefs[i]->revoked, __ATOMIC_ACQUIRE))
+      return c->prefs[i];
+  return NULL;
+}
