@@ -487,6 +487,55 @@ static void test_fast_path_and_bulk_concurrently(void) {
 /* Where a local buffer lives, from the regions table (the GPU locate pass
  * asks it before the driver): the region's device, -1 for host memory,
  * -2 outside every region or straddling its end. */
+/* An unregister that waited its grace period calls the stall hook once
+ * (which may cut the holders short), then waits out the rest. */
+typedef struct stall_ctx {
+  mc_regions_t *r;
+  mc_region_t *pin;
+  int calls, release;
+} stall_ctx_t;
+
+static void stall_hook(void *arg, mc_region_t *reg) {
+  stall_ctx_t *s = arg;
+  s->calls++;
+  CHECK(reg == s->pin);
+  if (s->release)
+    mc_regions_release(s->r, s->pin);
+}
+
+static void test_regions_remove_stall(void) {
+  mc_regions_t r;
+  mc_err_t err = {0};
+  CHECK_EQ_INT(mc_regions_init(&r), 0);
+  CHECK_EQ_INT(mc_regions_add(&r, 0x10000, 0x1000, "cpu", &err), 0);
+  stall_ctx_t s = {.r = &r, .release = 1};
+  mc_regions_lock(&r);
+  s.pin = mc_regions_pin_local_locked(&r, 0x10100, 16);
+  CHECK(mc_regions_pin_local_locked(&r, 0x20000, 16) == NULL); /* no region there */
+  mc_regions_unlock(&r);
+  CHECK(s.pin != NULL);
+  CHECK_EQ_INT(mc_regions_remove_cb(&r, 0x10000, 5000, 20, stall_hook, &s, &err), 0);
+  CHECK_EQ_INT(s.calls, 1);
+  CHECK_EQ_INT((int)mc_regions_count(&r), 0);
+  /* A hook that cannot cut it: the bounded wait fails, naming the holder. */
+  CHECK_EQ_INT(mc_regions_add(&r, 0x10000, 0x1000, "cpu", &err), 0);
+  s = (stall_ctx_t){.r = &r, .release = 0};
+  mc_regions_lock(&r);
+  s.pin = mc_regions_pin_local_locked(&r, 0x10000, 0x1000);
+  mc_regions_unlock(&r);
+  CHECK_EQ_INT(mc_regions_remove_cb(&r, 0x10000, 100, 20, stall_hook, &s, &err), MC_EBUSY);
+  CHECK_EQ_INT(s.calls, 1);
+  CHECK(strstr(err.msg, "last pinned by a transfer of this engine") != NULL);
+  /* No grace shorter than the wait: no hook. */
+  s.calls = 0;
+  CHECK_EQ_INT(mc_regions_remove_cb(&r, 0x10000, 30, 30, stall_hook, &s, &err), MC_EBUSY);
+  CHECK_EQ_INT(s.calls, 0);
+  mc_regions_release(&r, s.pin);
+  CHECK_EQ_INT(mc_regions_remove_cb(&r, 0x10000, 100, 20, stall_hook, &s, &err), 0);
+  CHECK_EQ_INT(s.calls, 0);
+  mc_regions_destroy(&r);
+}
+
 static void test_regions_device_of(void) {
   mc_regions_t r;
   mc_err_t err = {0};
@@ -532,6 +581,7 @@ int main(void) {
     return 1;
   }
   RUN(test_regions_device_of);
+  RUN(test_regions_remove_stall);
   RUN(test_sizes_write_read);
   RUN(test_batch_10k_blocks);
   RUN(test_out_of_range_refused);
