@@ -83,30 +83,14 @@ void mc_batch_part_done(mc_batch_t *b, size_t i, int code, const char *msg, uint
  * submit until no op of the batch is in flight: unregister waits for it (or
  * cancels the batch, mc_engine_cancel_local_users), so no transport writes
  * into (or sends from) memory that was unregistered and freed. */
-typedef struct pinset {
-  mc_regions_t *regions;
-  mc_region_t **v;
-  size_t n;
-} pinset_t;
-
-/* The batch's pins if it is idle (caller holds b->mu), to release after
- * unlocking (pins_release): b may be freed by then. */
-static pinset_t pins_take_if_idle(mc_batch_t *b) {
-  pinset_t p = {0};
+/* Releases the batch's pins if it is idle (caller holds b->mu; lock order
+ * b->mu, then the regions lock).  The array stays for the next submit. */
+static void pins_release_if_idle(mc_batch_t *b) {
   if (b->npins && b->ops_inflight == 0 && b->submitting == 0) {
-    p.regions = &b->eng->regions;
-    p.v = b->pins;
-    p.n = b->npins;
-    b->pins = NULL;
-    b->npins = b->cap_pins = 0;
+    for (size_t i = 0; i < b->npins; i++)
+      mc_regions_release(&b->eng->regions, b->pins[i]);
+    b->npins = 0;
   }
-  return p;
-}
-
-static void pins_release(pinset_t *p) {
-  for (size_t i = 0; i < p->n; i++)
-    mc_regions_release(p->regions, p->v[i]);
-  free(p->v);
 }
 
 static void pin_list_add(mc_engine_t *e, mc_batch_t *b) {
@@ -151,10 +135,11 @@ static int submit_begin(mc_engine_t *e, mc_batch_t *b, const mc_request_t *reqs,
     if (a >= lo && end <= hi && end > a)
       continue;
     const mc_region_t *f = mc_regions_find_locked(&e->regions, a, reqs[i].len);
-    if (!f && e->local_check && !b->trusted_locals) { /* unregistered since check_locals */
+    if (!f && e->local_check && !b->trusted_locals) {
       rc = mc_err_set(err, MC_EINVAL,
-                      "request %zu: local range [0x%llx, +%llu) is no longer inside a memory "
-                      "region registered with this engine (segment %s): it was unregistered",
+                      "request %zu: local range [0x%llx, +%llu) is not inside any memory "
+                      "region registered with this engine (segment %s); register the buffer "
+                      "first (register_memory / allocate_managed_buffer)",
                       i, (unsigned long long)a, (unsigned long long)reqs[i].len, e->name);
       break;
     }
@@ -191,9 +176,8 @@ static int submit_begin(mc_engine_t *e, mc_batch_t *b, const mc_request_t *reqs,
 static void submit_end(mc_batch_t *b) {
   pthread_mutex_lock(&b->mu);
   b->submitting--;
-  pinset_t p = pins_take_if_idle(b);
+  pins_release_if_idle(b);
   pthread_mutex_unlock(&b->mu);
-  pins_release(&p);
 }
 
 size_t mc_engine_cancel_local_users(mc_engine_t *e, const mc_region_t *reg) {
@@ -224,10 +208,9 @@ static void op_done(mc_xfer_op_t *op, int code, const char *msg) {
   if (op->nent == 0) /* NOTIFY: one task, index 0 */
     part_done(b, 0, code, msg, op->ctrl_len);
   b->ops_inflight--;
-  pinset_t p = pins_take_if_idle(b);
+  pins_release_if_idle(b);
   pthread_cond_broadcast(&b->cv);
   pthread_mutex_unlock(&b->mu);
-  pins_release(&p);
 }
 
 static void op_entry_failed(mc_xfer_op_t *op, uint32_t idx, int code, const char *msg) {
@@ -272,35 +255,6 @@ int mc_engine_check_local(void *engine, uint64_t addr, uint64_t len, mc_err_t *e
                     "range [0x%llx, +%llu) is not inside any memory region registered with "
                     "this engine (segment %s); register the buffer first (register_memory)",
                     (unsigned long long)addr, (unsigned long long)len, e->name);
-}
-
-/* Every local buffer inside a region registered with this engine?  One lock
- * for the batch; consecutive requests in the same region cost two compares
- * (benchmarks/README.md: local-address check). */
-static int check_locals(mc_engine_t *e, const mc_batch_t *b, const mc_request_t *reqs,
-                        size_t n, mc_err_t *err) {
-  if (!e->local_check || b->trusted_locals)
-    return 0;
-  uint64_t lo = 1, hi = 0; /* the last region hit: [lo, hi) */
-  mc_regions_lock(&e->regions);
-  for (size_t i = 0; i < n; i++) {
-    uint64_t a = (uint64_t)(uintptr_t)reqs[i].local, end = a + reqs[i].len;
-    if (a >= lo && end <= hi && end > a)
-      continue;
-    const mc_region_t *reg = mc_regions_find_locked(&e->regions, a, reqs[i].len);
-    if (!reg) {
-      mc_regions_unlock(&e->regions);
-      return mc_err_set(err, MC_EINVAL,
-                        "request %zu: local range [0x%llx, +%llu) is not inside any memory "
-                        "region registered with this engine (segment %s); register the buffer "
-                        "first (register_memory / allocate_managed_buffer)",
-                        i, (unsigned long long)a, (unsigned long long)reqs[i].len, e->name);
-    }
-    lo = reg->addr;
-    hi = reg->addr + reg->len;
-  }
-  mc_regions_unlock(&e->regions);
-  return 0;
 }
 
 /* Same-segment requests: a checked memcpy. */
@@ -420,8 +374,9 @@ static int submit(mc_engine_t *e, mc_batch_t *b, const char *segment,
   if (mc_cuda_api_if_loaded())
     mc_gpu_stager_poke(e->gpu);
   int rc = validate_all(reqs, n, err);
-  if (rc < 0 || (rc = check_locals(e, b, reqs, n, err)) < 0)
+  if (rc < 0)
     return rc;
+  /* Checks the local buffers (MC_LOCAL_CHECK) and pins their regions. */
   if ((rc = submit_begin(e, b, reqs, n, err)) == 0)
     rc = submit_pinned(e, b, segment, reqs, n, poll, t_in, err);
   submit_end(b);
@@ -850,9 +805,9 @@ void mc_batch_free(mc_engine_t *e, mc_batch_t *b) {
     cancel_and_drain(e, b);
   pin_list_remove(e, b);
   pthread_mutex_lock(&b->mu);
-  pinset_t p = pins_take_if_idle(b); /* idle now: nothing is in flight */
+  pins_release_if_idle(b); /* idle now: nothing is in flight */
   pthread_mutex_unlock(&b->mu);
-  pins_release(&p);
+  free(b->pins);
   for (size_t i = 0; b->any_msg && i < b->n; i++)
     free(b->tasks[i].msg);
   free(b->rpc_reply);
