@@ -58,6 +58,7 @@ import aiohttp
 from aiohttp import web
 
 from mooncake_connector import proxy_first_token as ft
+from mooncake_connector import request_check
 
 logger = logging.getLogger("mooncake_connector.proxy")
 
@@ -120,7 +121,8 @@ class Proxy:
         self.session = None
         self.log = logger
         self._max_model_len = {}  # decode URL -> max_model_len from its /v1/models
-        self.counts = {"requests": 0, "prefill_errors": 0, "prefill_failovers": 0,
+        self.counts = {"requests": 0, "bad_requests": 0, "prefill_errors": 0,
+                       "prefill_failovers": 0,
                        "prefill_retries": 0, "decode_retries": 0, "decode_errors": 0,
                        "first_token_from_prefill": 0, "finished_at_prefill": 0,
                        "stream_errors_after_first_token": 0,
@@ -213,13 +215,13 @@ class Proxy:
     async def handle(self, request):
         self.counts["requests"] += 1
         t_in = time.perf_counter()
-        try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            return _error(400, f"request body is not valid JSON: {e}", "invalid_request_error")
-        if not isinstance(body, dict):
-            return _error(400, "request body must be a JSON object", "invalid_request_error")
         chat = request.path.endswith("/chat/completions")
+        try:
+            body = request_check.parse(await request.read())
+            request_check.check(body, chat)
+        except request_check.BadRequest as e:
+            self.counts["bad_requests"] += 1
+            return _error(400, str(e), "invalid_request_error")
         rid = request.headers.get("X-Request-Id") or f"mc-{uuid.uuid4().hex}"
         headers = self._headers(request, rid)
         if self.passthrough:
@@ -497,6 +499,7 @@ class PromCounters:
                           "dropped or reset the connection"),
                          ("decode_retries", "Decode legs sent once more after the instance "
                           "dropped or reset the connection before answering"),
+                         ("bad_requests", "Requests refused as malformed (400)"),
                          ("decode_errors", "Decode instances that failed or were unreachable"),
                          ("stream_errors_after_first_token",
                           "Streams that failed after their first token"),

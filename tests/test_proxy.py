@@ -653,3 +653,59 @@ def test_upstream_openai_error_passes_through(upstreams, proxy):
     url = proxy([p.url], [d.url])
     status, out = post(url + "/v1/completions", {"model": "m", "prompt": "x", "max_tokens": 4})
     assert status == 400 and out == {"error": {"message": "prefill says no"}}
+
+
+# Hostile and careless bodies: each must get a 400 naming what is wrong, and
+# the proxy must keep serving; none reaches an instance.
+_DEEP = b"[" * 100_000 + b"]" * 100_000
+_NESTED_PROMPT = json.dumps({"model": "m", "prompt": json.loads("[" * 600 + "1" + "]" * 600),
+                             "max_tokens": 2}).encode()
+BAD_BODIES = [
+    ("/v1/completions", b'{"model": "m", "prompt": ' + _DEEP + b'}', "too deep"),
+    ("/v1/completions", _DEEP, "too deep"),
+    ("/v1/completions", _NESTED_PROMPT, "levels deep"),
+    ("/v1/chat/completions", json.dumps({"model": "m", "messages": 5, "stream": True}).encode(),
+     "'messages'"),
+    ("/v1/chat/completions", json.dumps({"model": "m", "messages": ["hi"]}).encode(),
+     "messages[0]"),
+    ("/v1/chat/completions", json.dumps({"model": "m", "messages": [{"role": 1}]}).encode(),
+     "messages[0].role"),
+    ("/v1/chat/completions", json.dumps({"model": "m", "messages": [
+        {"role": "user", "content": 7}]}).encode(), "messages[0].content"),
+    ("/v1/chat/completions", json.dumps({"model": "m", "messages": [
+        {"role": "user", "content": ["x"]}], "stream": True}).encode(), "content[0]"),
+    ("/v1/completions", json.dumps({"model": "m"}).encode(), "'prompt' is required"),
+    ("/v1/completions", json.dumps({"model": "m", "prompt": {"a": 1}}).encode(), "'prompt'"),
+    ("/v1/completions", json.dumps({"model": "m", "prompt": [1, "a"]}).encode(), "'prompt'"),
+    ("/v1/completions", json.dumps({"model": "m", "prompt": "x", "max_tokens": "5"}).encode(),
+     "'max_tokens'"),
+    ("/v1/completions", json.dumps({"model": "m", "prompt": "x", "max_tokens": True}).encode(),
+     "'max_tokens'"),
+    ("/v1/completions", json.dumps({"model": "m", "prompt": "x", "stream": "yes"}).encode(),
+     "'stream'"),
+    ("/v1/completions", json.dumps({"model": "m", "prompt": "x", "stream": True,
+                                    "stream_options": 3}).encode(), "'stream_options'"),
+    ("/v1/completions", json.dumps({"model": "m", "prompt": "x",
+                                    "kv_transfer_params": [1]}).encode(), "'kv_transfer_params'"),
+    ("/v1/completions", b'"just a string"', "JSON object"),
+    ("/v1/completions", b"\xff\xfe{}", "not valid JSON"),
+]
+
+
+@pytest.mark.parametrize("flow", ["a", "b"])
+def test_malformed_requests_get_400_naming_the_field(upstreams, proxy, flow):
+    p, d = upstreams("prefill"), upstreams("decode")
+    url = proxy([p.url], [d.url], flow=flow)
+    for path, raw, expect in BAD_BODIES:
+        req = urllib.request.Request(url + path, data=raw, method="POST",
+                                     headers={"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as ei:
+            urllib.request.urlopen(req, timeout=20)
+        msg = json.loads(ei.value.read())["error"]["message"]
+        assert ei.value.code == 400, (path, raw[:80], ei.value.code, msg)
+        assert expect in msg, (raw[:80], msg)
+    assert p.seen == [] and d.seen == []
+    # Still serving, and the refusals are counted.
+    status, _ = post(url + "/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 2})
+    assert status == 200
+    assert get_stats(url)["bad_requests"] == len(BAD_BODIES)
