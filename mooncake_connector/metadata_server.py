@@ -303,13 +303,52 @@ class _Running:
         self.port = port
 
 
+# A cluster of engines starting together opens this many connections at
+# once (each engine's PUTs and GETs); the listen queue and the open-file
+# limit are sized for it.  The kernel caps the queue at net.core.somaxconn.
+BURST_CONNECTIONS = 4096
+
+
+def _raise_nofile_limit(want: int) -> None:
+    """Raises this process's soft limit of open files towards want (up to
+    the hard limit): a shell's usual 1024 would make accept() fail with
+    EMFILE under a burst, and connections would hang unanswered."""
+    try:
+        import resource
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        target = want if hard == resource.RLIM_INFINITY else min(want, hard)
+        if soft != resource.RLIM_INFINITY and soft < target:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            log.debug("open-file limit raised from %d to %d", soft, target)
+        if hard != resource.RLIM_INFINITY and hard < want:
+            log.warning("open-file hard limit is %d: fewer than %d clients can connect at "
+                        "once (raise it: ulimit -Hn / LimitNOFILE=)", hard, want)
+    except (ImportError, ValueError, OSError) as e:
+        log.warning("could not raise the open-file limit (%s)", e)
+
+
+def _somaxconn() -> Optional[int]:
+    try:
+        with open("/proc/sys/net/core/somaxconn") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return None
+
+
 async def _start(app: web.Application, host: str, port: int,
                  access_log: bool) -> _Running:
+    _raise_nofile_limit(2 * BURST_CONNECTIONS + 256)
+    cap = _somaxconn()
+    if cap is not None and cap < BURST_CONNECTIONS:
+        log.warning("net.core.somaxconn is %d: the listen queue holds fewer than %d "
+                    "connections; under a burst some clients retry their connect "
+                    "(sysctl -w net.core.somaxconn=%d)", cap, BURST_CONNECTIONS,
+                    BURST_CONNECTIONS)
     runner = web.AppRunner(app, handle_signals=False,
                            access_log=log if access_log else None)
     await runner.setup()
     try:
-        site = web.TCPSite(runner, host, port)
+        site = web.TCPSite(runner, host, port, backlog=BURST_CONNECTIONS)
         await site.start()
     except BaseException:
         await runner.cleanup()

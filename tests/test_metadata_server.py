@@ -249,11 +249,11 @@ def test_store_expiry():
 # ---- the CLI as a subprocess ----
 
 class CliServer:
-    def __init__(self, *args):
+    def __init__(self, *args, preexec_fn=None):
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "mooncake_connector.metadata_server",
              "--host", "127.0.0.1", "--port", "0", *args],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=preexec_fn)
         line = self._readline(15)
         m = URL_LINE.match(line.strip())
         if not m:
@@ -441,3 +441,72 @@ def test_default_timeout_is_bounded(monkeypatch):
         with pytest.raises(mc.MetadataError, match="within 3000 ms"):
             c.get("k")
         assert time.monotonic() - t0 < 3.5
+
+
+def _burst(url, n):
+    """n clients at once, each on its own new connection: PUT its key, then
+    GET it back.  Returns the failures (client index, what went wrong)."""
+    import asyncio
+    import urllib.parse
+
+    u = urllib.parse.urlsplit(url)
+    host, port, path = u.hostname, u.port, u.path
+
+    async def connect(i):
+        try:
+            return await asyncio.wait_for(asyncio.open_connection(host, port), 60)
+        except (OSError, asyncio.TimeoutError) as e:
+            return e
+
+    async def one(i, conn):
+        if isinstance(conn, BaseException):
+            return (i, f"connect: {conn!r}")
+        r, w = conn
+        key, val = f"burst/{i}", b'{"i":%d}' % i
+        try:
+            req = (f"PUT {path}?key={key} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(val)}\r\n"
+                   f"\r\n").encode() + val
+            req += f"GET {path}?key={key} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode()
+            w.write(req)
+            data = await asyncio.wait_for(r.read(), 60)
+        except (OSError, asyncio.TimeoutError) as e:
+            return (i, repr(e))
+        finally:
+            w.close()
+        if data.count(b"HTTP/1.1 200") != 2 or not data.endswith(val):
+            return (i, data[-200:])
+        return None
+
+    async def run():
+        # Every connection open at once (held by the server together), then
+        # every request sent at once.
+        conns = await asyncio.gather(*(connect(i) for i in range(n)))
+        return [x for x in await asyncio.gather(*(one(i, c) for i, c in enumerate(conns)))
+                if x is not None]
+
+    return asyncio.run(run())
+
+
+def test_burst_of_4096_new_connections_all_answered():
+    """Many engines starting together: 4096 clients each open a connection
+    and PUT+GET at once; every one is answered (none reset or dropped).
+    The server starts with the usual default soft limit of 1024 open files
+    (a user's shell): it must raise its own limit."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = 4096 + 512
+    if soft < want:
+        if hard != resource.RLIM_INFINITY and hard < want:
+            pytest.skip(f"RLIMIT_NOFILE hard limit {hard} < {want}")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    def low_nofile():
+        resource.setrlimit(resource.RLIMIT_NOFILE, (1024, hard))
+
+    srv = CliServer(preexec_fn=low_nofile)
+    try:
+        failures = _burst(srv.url, 4096)
+        assert not failures, f"{len(failures)} of 4096 failed, e.g. {failures[:3]}"
+    finally:
+        srv.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
