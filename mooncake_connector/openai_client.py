@@ -30,6 +30,10 @@ class Result:
         self.events = []        # parsed SSE events (streamed)
         self.text = ""
         self.token_ids = []
+        # Per generated token, its top logprobs (largest first), when the
+        # request asked for logprobs (completions: "logprobs": k; chat:
+        # "logprobs": true, "top_logprobs": k).
+        self.top_logprobs = []
         self.prompt_token_ids = None
         self.usage = None
         self.kv_transfer_params = None
@@ -54,6 +58,23 @@ def _delta(choice):
     return delta.get("content") or ""
 
 
+def _top_logprobs(choice):
+    """[[logprob, ...] largest first, per token] of one choice, [] if none."""
+    lp = choice.get("logprobs")
+    if not isinstance(lp, dict):
+        return []
+    out = []
+    if isinstance(lp.get("top_logprobs"), list):          # completions
+        for d in lp["top_logprobs"]:
+            out.append(sorted((v for v in (d or {}).values() if isinstance(v, (int, float))),
+                              reverse=True))
+    elif isinstance(lp.get("content"), list):             # chat
+        for t in lp["content"]:
+            out.append(sorted((x.get("logprob") for x in t.get("top_logprobs") or []
+                               if isinstance(x.get("logprob"), (int, float))), reverse=True))
+    return out
+
+
 def request(base_url, path, body, timeout=120.0, headers=None):
     """POSTs body (a dict) to base_url + path; streams when body["stream"]."""
     u = urllib.parse.urlsplit(base_url)
@@ -74,6 +95,7 @@ def request(base_url, path, body, timeout=120.0, headers=None):
             choice = res.body["choices"][0]
             res.text = _delta(choice)
             res.token_ids = list(choice.get("token_ids") or [])
+            res.top_logprobs = _top_logprobs(choice)
             res.prompt_token_ids = res.body.get("prompt_token_ids") or choice.get(
                 "prompt_token_ids")
             res.usage = res.body.get("usage")
@@ -108,6 +130,7 @@ def request(base_url, path, body, timeout=120.0, headers=None):
                 if not ids and not text:
                     continue
                 res.token_ids.extend(ids)
+                res.top_logprobs.extend(_top_logprobs(choice))
                 res.text += text
                 if last is None:
                     res.ttft_s = now - t0
