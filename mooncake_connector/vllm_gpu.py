@@ -9,8 +9,13 @@ Its KV cache is (blocks, kv_heads, block_size, 2*head_size) stored
 tokens-first, which connector/layout.py reads as one extent per block.
 """
 
-#: The environment every GPU server gets on top of serving.VLLM_ENV.
-GPU_ENV = {"VLLM_TARGET_DEVICE": "cuda"}
+#: The environment every GPU server gets on top of serving.VLLM_ENV:
+#: VLLM_USE_FLASHINFER_SAMPLER=0: vLLM 0.26 otherwise imports FlashInfer
+#: (not carried) when it builds the sampler; VLLM_USE_V2_MODEL_RUNNER=0: the
+#: V1 GPU model runner, whose KV-connector path is the one vLLM's CPU
+#: backend (the CPU end-to-end tests) also runs.
+GPU_ENV = {"VLLM_TARGET_DEVICE": "cuda", "VLLM_USE_FLASHINFER_SAMPLER": "0",
+           "VLLM_USE_V2_MODEL_RUNNER": "0"}
 
 
 def gpu_vllm_args(memory_fraction=0.2, attention_backend="TRITON_ATTN"):

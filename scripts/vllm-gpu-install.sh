@@ -37,12 +37,15 @@ install)
       --target "$target" "$stage"/*.whl || die "pip install of the dependency wheels failed"
   xz -dc "$stage/vllm-py.tar.xz" | tar -xf - -C "$target" || die "unpacking vllm-py.tar.xz"
   xz -dc "$stage/vllm-C.so.xz" >"$target/vllm/_C_stable_libtorch.abi3.so" || die "unpacking vllm-C.so.xz"
+  xz -dc "$stage/vllm-fa3.so.xz" >"$target/vllm/vllm_flash_attn/_vllm_fa3_C.abi3.so" \
+      || die "unpacking vllm-fa3.so.xz"
   echo "vllm-gpu-install: installed into $target ($(du -sh "$target" | cut -f1))"
   PYTHONPATH="$target${PYTHONPATH:+:$PYTHONPATH}" "$py" - <<'PY' || die "import check failed (above)"
 import importlib.metadata as md
 import torch
 import vllm
 import vllm._C_stable_libtorch  # noqa: F401  the CUDA kernels, against this torch
+import vllm.vllm_flash_attn  # noqa: F401  needs FA3 (vLLM's model code imports it)
 from vllm.platforms import current_platform
 print(f"vllm-gpu-install: import vllm {vllm.__version__} from {vllm.__file__}")
 print(f"vllm-gpu-install: torch {torch.__version__}, CUDA {torch.version.cuda}, "

@@ -12,10 +12,11 @@
 #   bash .vllm-gpu/partN/vllm-gpu-install.sh stage .vllm-gpu/partN
 # and after the last one
 #   bash .vllm-gpu/partN/vllm-gpu-install.sh install      (docs/device.md)
-# Trimmed away (see docs/vllm-gpu.md): FlashAttention 2 and 3 (the servers
-# use the TRITON_ATTN backend), _moe_C (dense models only; vLLM imports it
-# optionally), FlashMLA, QuTLASS, the vllm-rs frontend binary and the C++
-# headers under third_party/.  Needs python3 with pip, unzip, xz, sha256sum.
+# Trimmed away (see docs/vllm-gpu.md): FlashAttention 2 (FlashAttention 3,
+# Hopper's, stays: vLLM 0.26's model code imports vllm_flash_attn, which
+# needs FA2 or FA3; the servers use TRITON_ATTN for fp32), _moe_C (dense models only; vLLM imports it
+# optionally), FlashMLA, QuTLASS, the vllm-rs frontend binary, the C++
+# headers and prebuilt extensions under third_party/.  Needs python3 with pip, unzip, xz, sha256sum.
 # Env: MC_VLLM_GPU_PART_MB (57: each part, MiB; a call carries 64 MiB,
 # the checkout itself ~6), MC_VLLM_GPU_CACHE (downloads, <repo>/.cache/vllm-gpu).
 set -euo pipefail
@@ -41,14 +42,21 @@ echo "vllm-gpu-prepare: downloading vllm==$ver and $(grep -c '==' "$repo/scripts
 whl=$(ls "$cache"/wheel/vllm-$ver-*.whl)
 tree="$cache/tree"
 rm -rf "$tree" && mkdir -p "$tree"
-unzip -q "$whl" -d "$tree" -x 'vllm/third_party/*' 'vllm/vllm_flash_attn/_vllm_fa*_C*.so' \
+# third_party/: its Python stays (pynvml: vLLM's CUDA platform detection), its
+# C++ headers and prebuilt extensions go.
+unzip -q "$whl" -d "$tree" -x 'vllm/third_party/*/include/*' 'vllm/third_party/*.hpp' \
+    'vllm/third_party/*.h' 'vllm/third_party/*.cuh' 'vllm/third_party/*.cu' \
+    'vllm/third_party/*.cpp' 'vllm/third_party/*.so' 'vllm/third_party/fmha_sm100/cutlass/*' \
+    'vllm/vllm_flash_attn/_vllm_fa2_C*.so' \
     'vllm/_moe_C*.so' 'vllm/_flashmla*.so' 'vllm/_qutlass_C*.so' 'vllm/vllm-rs'
 test -f "$tree/vllm/_C_stable_libtorch.abi3.so"
 work="$cache/pack"
 rm -rf "$work" && mkdir -p "$work"
 echo "vllm-gpu-prepare: compressing (xz -9, one thread; a few minutes)"
 xz -9 -T1 -c "$tree/vllm/_C_stable_libtorch.abi3.so" >"$work/vllm-C.so.xz"
-tar -C "$tree" -cf - --exclude=vllm/_C_stable_libtorch.abi3.so vllm "vllm-$ver.dist-info" \
+fa3=$(cd "$tree" && ls vllm/vllm_flash_attn/_vllm_fa3_C*.so)
+xz -9 -T1 -c "$tree/$fa3" >"$work/vllm-fa3.so.xz"
+tar -C "$tree" -cf - --exclude=vllm/_C_stable_libtorch.abi3.so --exclude="$fa3" vllm "vllm-$ver.dist-info" \
     | xz -9 -T1 >"$work/vllm-py.tar.xz"
 # The deps list must resolve to exactly one wheel per line.
 n_deps=$(grep -c '==' "$repo/scripts/vllm-gpu-deps.txt")

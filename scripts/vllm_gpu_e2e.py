@@ -125,7 +125,7 @@ def run_flows(dep, ps, max_tokens, reference=None, out=print):
                                             - before.get("external_kv_transfer", 0))
             r["flow_local_tokens"] = (after.get("local_compute", 0)
                                       - before.get("local_compute", 0))
-        deadline = time.monotonic() + 15
+        deadline = time.monotonic() + 12
         conn = {}
         while time.monotonic() < deadline and not conn.get("load_bytes"):
             time.sleep(1)
@@ -281,6 +281,7 @@ def main(argv=None):
             ok &= s["all_identical"] and s["all_loaded"]
             print(json.dumps({k: v for k, v in s.items() if k != "flows"}, default=str))
             print(json.dumps(s["flows"], default=str), flush=True)
+            dump()
             if "3" in phases:
                 print("phase 3: prefill SIGKILLed mid-run", flush=True)
                 k = kill_test(dep, ps, args.max_tokens)
