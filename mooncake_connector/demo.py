@@ -122,6 +122,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.requests < 1:
         ap.error("--requests must be >= 1")
+    if args.device not in ("cpu", "cuda"):  # a bad $MC_DEMO_DEVICE (argparse checks --device)
+        ap.error(f"MC_DEMO_DEVICE={args.device!r}: expected cpu or cuda")
     try:
         import vllm  # noqa: F401
     except ImportError as e:

@@ -44,10 +44,8 @@ tree="$cache/tree"
 rm -rf "$tree" && mkdir -p "$tree"
 # third_party/: its Python stays (pynvml: vLLM's CUDA platform detection), its
 # C++ headers and prebuilt extensions go.
-unzip -q "$whl" -d "$tree" -x 'vllm/third_party/*/include/*' 'vllm/third_party/*.hpp' \
-    'vllm/third_party/*.h' 'vllm/third_party/*.cuh' 'vllm/third_party/*.cu' \
-    'vllm/third_party/*.cpp' 'vllm/third_party/*.so' 'vllm/third_party/fmha_sm100/cutlass/*' \
-    'vllm/vllm_flash_attn/_vllm_fa2_C*.so' \
+unzip -q "$whl" -d "$tree" -x 'vllm/third_party/*/include/*' 'vllm/third_party/*.h' \
+    'vllm/third_party/*.cu' 'vllm/third_party/*.so' 'vllm/vllm_flash_attn/_vllm_fa2_C*.so' \
     'vllm/_moe_C*.so' 'vllm/_flashmla*.so' 'vllm/_qutlass_C*.so' 'vllm/vllm-rs'
 test -f "$tree/vllm/_C_stable_libtorch.abi3.so"
 work="$cache/pack"
