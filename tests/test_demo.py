@@ -95,3 +95,8 @@ def test_serving_demo_help_names_its_options():
     bad = subprocess.run([sys.executable, "-m", "mooncake_connector.demo", "--requests", "0"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--requests must be >= 1" in bad.stderr
+    assert "--device" in out.stdout
+    env = dict(os.environ, MC_DEMO_DEVICE="tpu")
+    dev = subprocess.run([sys.executable, "-m", "mooncake_connector.demo"], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert dev.returncode == 2 and "MC_DEMO_DEVICE='tpu': expected cpu or cuda" in dev.stderr

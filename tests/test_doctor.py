@@ -317,7 +317,7 @@ def test_vllm_outside_supported_range(tmp_path):
     (d / "METADATA").write_text("Metadata-Version: 2.1\nName: vllm\nVersion: 0.20.0\n")
     rc, rows = doctor("--config", write_cfg(tmp_path), env={"PYTHONPATH": str(tmp_path / "site")})
     r = failed(rows, "vllm", "version")
-    assert rc == 1 and "0.20.0" in r["detail"] and "pip install 'vllm>=0.32" in r["fix"], r
+    assert rc == 1 and "0.20.0" in r["detail"] and "pip install 'vllm>=0.26" in r["fix"], r
 
 
 def test_vllm_plugin_filtered_out(tmp_path):

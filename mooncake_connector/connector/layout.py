@@ -45,13 +45,22 @@ def _layer(name, t, num_blocks):
     inner = 1
     for n in shape[d + 1:]:
         inner *= n
-    # The part of one block after the block dimension must be contiguous.
+    # The part of one block after the block dimension must be one dense run.
+    # Its dimensions may be a permuted view (vLLM's TRITON_ATTN hands out its
+    # (blocks, heads, block_size, 2*head_size) cache stored tokens-first:
+    # get_kv_cache_stride_order), so they are checked, and described in
+    # `inner`, in memory order (largest stride first).
+    in_mem = sorted((k for k in range(d + 1, len(shape)) if shape[k] > 1),
+                    key=lambda k: strides[k], reverse=True)
     expect = 1
-    for k in range(len(shape) - 1, d, -1):
-        if shape[k] > 1 and strides[k] != expect:
+    for k in reversed(in_mem):
+        if strides[k] != expect:
             raise LayoutError(f"KV cache tensor {name!r} (shape {tuple(shape)}, strides "
                               f"{tuple(strides)}) is not contiguous within a block")
         expect *= shape[k]
+    inner_dims = tuple(shape[d + 1:])
+    if in_mem != [k for k in range(d + 1, len(shape)) if shape[k] > 1]:
+        inner_dims = tuple(shape[k] for k in in_mem)
     if strides[d] < inner:
         raise LayoutError(f"KV cache tensor {name!r}: blocks overlap (stride {strides[d]} < "
                           f"{inner} elements per block)")
@@ -67,7 +76,7 @@ def _layer(name, t, num_blocks):
         reg_base, nbytes = t.data_ptr(), t.numel() * esize
     return LayerLayout(name=name, base=t.data_ptr(), reg_base=reg_base, nbytes=nbytes,
                        device=device, outer=outer, block_stride=strides[d] * esize,
-                       block_bytes=inner * esize, inner=tuple(shape[d + 1:]))
+                       block_bytes=inner * esize, inner=inner_dims)
 
 
 def head_order(layers, heads, block_size):

@@ -1,0 +1,42 @@
+"""vLLM servers on one CUDA GPU: what the demo (`--device cuda`) and
+scripts/vllm_gpu_e2e.py add to serving.py's CPU defaults (docs/vllm-gpu.md).
+
+Tested with vLLM 0.26.0 on an H200 (the newest vLLM that pins that
+machine's torch 2.11), trimmed by scripts/vllm-gpu-prepare.sh: no
+FlashAttention, so the servers ask for vLLM's TRITON_ATTN backend, which
+also runs fp32 (the tiny model's dtype: exact comparisons) and head size 32.
+Its KV cache is (blocks, kv_heads, block_size, 2*head_size) stored
+tokens-first, which connector/layout.py reads as one extent per block.
+"""
+
+#: The environment every GPU server gets on top of serving.VLLM_ENV:
+#: VLLM_USE_FLASHINFER_SAMPLER=0: vLLM 0.26 otherwise imports FlashInfer
+#: (not carried) when it builds the sampler; VLLM_USE_V2_MODEL_RUNNER=0: the
+#: V1 GPU model runner, whose KV-connector path is the one vLLM's CPU
+#: backend (the CPU end-to-end tests) also runs.
+GPU_ENV = {"VLLM_TARGET_DEVICE": "cuda", "VLLM_USE_FLASHINFER_SAMPLER": "0",
+           "VLLM_USE_V2_MODEL_RUNNER": "0"}
+
+
+def gpu_vllm_args(memory_fraction=0.2, attention_backend="TRITON_ATTN"):
+    """vLLM flags for one of several servers sharing a GPU: each may take
+    memory_fraction of it (vLLM checks that much is free at start; the KV
+    cache itself is the explicit --kv-cache-memory-bytes serving.py sets)."""
+    if not 0.0 < memory_fraction <= 1.0:
+        raise ValueError(f"memory_fraction must be in (0, 1], not {memory_fraction!r}")
+    args = ["--gpu-memory-utilization", f"{memory_fraction:g}"]
+    if attention_backend:
+        args += ["--attention-backend", attention_backend]
+    return args
+
+
+def device_settings(device, servers=3):
+    """(env, extra vLLM args) for `device` ("cpu" or "cuda"), with `servers`
+    vLLM servers sharing the one GPU."""
+    if device == "cpu":
+        return {}, []
+    if device == "cuda":
+        if servers < 1:
+            raise ValueError("servers must be >= 1")
+        return dict(GPU_ENV), gpu_vllm_args(min(0.9, 0.75 / servers))
+    raise ValueError(f"device must be 'cpu' or 'cuda', not {device!r}")

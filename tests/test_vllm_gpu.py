@@ -1,0 +1,31 @@
+"""vllm_gpu.py: the flags and environment the GPU servers get (the GPU
+end-to-end run itself: scripts/vllm_gpu_e2e.py on the GPU machine,
+docs/vllm-gpu.md)."""
+import pytest
+
+from mooncake_connector.vllm_gpu import GPU_ENV, device_settings, gpu_vllm_args
+
+
+def test_cpu_adds_nothing():
+    assert device_settings("cpu") == ({}, [])
+
+
+def test_cuda_splits_the_gpu_between_the_servers():
+    env, args = device_settings("cuda", servers=3)
+    assert env == GPU_ENV and env["VLLM_TARGET_DEVICE"] == "cuda"
+    assert env["VLLM_USE_FLASHINFER_SAMPLER"] == "0"
+    i = args.index("--gpu-memory-utilization")
+    assert float(args[i + 1]) == pytest.approx(0.25)
+    assert args[args.index("--attention-backend") + 1] == "TRITON_ATTN"
+    _, one = device_settings("cuda", servers=1)
+    assert float(one[one.index("--gpu-memory-utilization") + 1]) == pytest.approx(0.75)
+
+
+def test_bad_values_are_refused_with_the_reason():
+    with pytest.raises(ValueError, match="device must be 'cpu' or 'cuda'"):
+        device_settings("rocm")
+    with pytest.raises(ValueError, match="servers must be >= 1"):
+        device_settings("cuda", servers=0)
+    with pytest.raises(ValueError, match=r"memory_fraction must be in \(0, 1\]"):
+        gpu_vllm_args(1.5)
+    assert "--attention-backend" not in gpu_vllm_args(0.5, attention_backend=None)
