@@ -508,6 +508,21 @@ long mc_lookup_insert(mc_lookup_t *lb, const void *tokens, size_t ntok, int widt
     return rn;
   size_t n = (size_t)rn;
   for (size_t i = 0; i < n * lb->epb; i++) {
+    if (kv[i].len == 0) {
+      free(h);
+      return mc_err_set(err, MC_EINVAL,
+                        "KV extent %zu (block %zu, extent %zu of the block) has length 0: every "
+                        "KV extent must hold the block's bytes",
+                        i, i / lb->epb, i % lb->epb);
+    }
+    if (kv[i].len != kv[i % lb->epb].len) { /* the layout: block 0's extent lengths */
+      free(h);
+      return mc_err_set(err, MC_EINVAL,
+                        "KV extent %zu (block %zu, extent %zu of the block) has length %llu but "
+                        "extent %zu of block 0 has %llu: every block must have the same layout",
+                        i, i / lb->epb, i % lb->epb, (unsigned long long)kv[i].len, i % lb->epb,
+                        (unsigned long long)kv[i % lb->epb].len);
+    }
     if (kv[i].len && !kv[i].addr) {
       free(h);
       return mc_err_set(err, MC_EINVAL, "KV extent %zu (block %zu) has length %llu at address 0",
