@@ -33,3 +33,98 @@ def test_send_kv_refuses_zero_length_and_short_extents(pair):
         assert kv.send_kv(list(range(16)), [(buf + 1024 * i, 512) for i in range(8)]) == 16
     finally:
         kv.close()
+
+
+# ---- raw-socket peers (wire format: docs/protocol.md) ----
+import socket  # noqa: E402
+import struct  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+
+MAGIC = 0x564B434D
+HELLO, HELLO_ACK, WRITE, WRITE_ACK, NOTIFY, NOTIFY_ACK = 1, 2, 3, 4, 7, 8
+H = struct.Struct("<IBBHIiQQ")
+
+
+def hdr(typ, length=0, count=0, req_id=1, status=0):
+    return H.pack(MAGIC, 1, typ, 0, count, status, req_id, length)
+
+
+def read_msg(s):
+    h = s.recv(32, socket.MSG_WAITALL)
+    assert len(h) == 32, h
+    _, _, typ, _, count, status, req_id, n = H.unpack(h)
+    body = s.recv(n, socket.MSG_WAITALL) if n else b""
+    return typ, status, req_id, body
+
+
+def raw_hello(port, target_seg, me):
+    s = socket.create_connection(("127.0.0.1", port), timeout=5)
+    body = b'{"version":1,"segment":"' + target_seg.encode() + b'","from":"' + me + b'"}'
+    s.sendall(hdr(HELLO, len(body)) + body)
+    typ, status, _, _ = read_msg(s)
+    assert typ == HELLO_ACK and status == 0
+    return s
+
+
+def test_non_utf8_hello_name_loses_no_notification(pair):
+    a, b = pair
+    port = a.get_rpc_port()
+    b.send_notify(a.get_segment_name(), b"legit-1")
+    s = raw_hello(port, a.get_segment_name(), b"evil\xff\xfe\x80:1")
+    for i in range(3):
+        msg = b"hostile-%d" % i
+        s.sendall(hdr(NOTIFY, len(msg), req_id=10 + i) + msg)
+        typ, status, _, _ = read_msg(s)
+        assert typ == NOTIFY_ACK and status == 0
+    b.send_notify(a.get_segment_name(), b"legit-2")
+    got = a.get_notifies()
+    msgs = [m for _, m in got]
+    assert b"legit-1" in msgs and b"legit-2" in msgs, got
+    hostile = [f for f, m in got if m.startswith(b"hostile")]
+    assert hostile == ["evil\\xff\\xfe\\x80:1"] * 3, got
+    assert a.get_notifies() == []
+    s.close()
+
+
+def _fake_target(answer_status, answer_body):
+    """A listener that answers every HELLO with (status, body): a peer whose
+    error text is not UTF-8."""
+    ls = socket.socket()
+    ls.bind(("127.0.0.1", 0))
+    ls.listen(8)
+    stop = []
+
+    def run():
+        ls.settimeout(0.2)
+        while not stop:
+            try:
+                c, _ = ls.accept()
+            except socket.timeout:
+                continue
+            try:
+                c.settimeout(5)
+                typ, _, rid, _ = read_msg(c)
+                c.sendall(hdr(HELLO_ACK, len(answer_body), req_id=rid, status=answer_status)
+                          + answer_body)
+                time.sleep(0.2)
+            except OSError:
+                pass
+            c.close()
+        ls.close()
+
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+    return ls.getsockname()[1], lambda: (stop.append(1), th.join(5))
+
+
+def test_non_utf8_error_text_from_a_peer_is_a_mooncake_error(pair):
+    a, _ = pair
+    buf = a.allocate_managed_buffer(4096)
+    port, stop = _fake_target(-5, b"refused \xff\xfe\xc3 by peer")
+    try:
+        with pytest.raises(mc.MooncakeError) as ei:
+            a.transfer_sync_write("127.0.0.1:%d" % port, buf, buf, 16)
+        assert "\\xff\\xfe" in str(ei.value), str(ei.value)
+    finally:
+        stop()

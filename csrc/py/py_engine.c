@@ -980,9 +980,9 @@ static PyObject *Engine_get_batch_status(EngineObject *self, PyObject *id) {
   for (size_t i = 0; i < n; i++) {
     mc_task_status_t s;
     mc_batch_status(b, i, &s);
-    PyObject *d = Py_BuildValue("{s:s,s:i,s:s,s:K,s:s}", "state", state_name(s.state), "code",
+    PyObject *d = Py_BuildValue("{s:s,s:i,s:s,s:K,s:N}", "state", state_name(s.state), "code",
                                 s.code, "code_name", mc_err_name(s.code), "transferred",
-                                (unsigned long long)s.transferred, "message", s.msg);
+                                (unsigned long long)s.transferred, "message", mc_py_peer_str(s.msg));
     if (!d) {
       Py_DECREF(list);
       return NULL;
@@ -1021,13 +1021,22 @@ static PyObject *Engine_send_notify(EngineObject *self, PyObject *args, PyObject
   return PyLong_FromLong(0);
 }
 
+/* `from` is the name the peer gave in its HELLO: any bytes (escaped, never
+ * an exception).  A notification that cannot be appended (out of memory) is
+ * counted in *lost; the others are still returned. */
+typedef struct notify_sink {
+  PyObject *list;
+  size_t lost;
+} notify_sink_t;
+
 static void collect_notify(void *arg, const char *from, const void *msg, size_t len) {
-  PyObject *list = arg;
-  PyObject *t = Py_BuildValue("(sy#)", from, (const char *)msg, (Py_ssize_t)len);
-  if (t) {
-    PyList_Append(list, t);
-    Py_DECREF(t);
+  notify_sink_t *sink = arg;
+  PyObject *t = Py_BuildValue("(Ny#)", mc_py_peer_str(from), (const char *)msg, (Py_ssize_t)len);
+  if (!t || PyList_Append(sink->list, t) < 0) {
+    PyErr_Clear();
+    sink->lost++;
   }
+  Py_XDECREF(t);
 }
 
 static PyObject *Engine_get_notifies(EngineObject *self, PyObject *unused) {
@@ -1037,7 +1046,12 @@ static PyObject *Engine_get_notifies(EngineObject *self, PyObject *unused) {
   PyObject *list = PyList_New(0);
   if (!list)
     return NULL;
-  mc_engine_drain_notifies(self->eng, SIZE_MAX, collect_notify, list);
+  notify_sink_t sink = {list, 0};
+  mc_engine_drain_notifies(self->eng, SIZE_MAX, collect_notify, &sink);
+  if (sink.lost && PyErr_WarnFormat(PyExc_ResourceWarning, 1,
+                                    "get_notifies: %zu notification(s) dropped: out of memory",
+                                    sink.lost) < 0)
+    PyErr_Clear();
   return list;
 }
 
