@@ -1,6 +1,9 @@
 """Hostile peers and careless callers, second round (issue 28): a relayed
 same-host hello, undecodable peer bytes, log floods, pre-handshake floods,
 malformed KV extents, index memory outside the lookup buffer's budget."""
+import json
+import os
+
 import pytest
 
 import mooncake_connector as mc
@@ -128,3 +131,38 @@ def test_non_utf8_error_text_from_a_peer_is_a_mooncake_error(pair):
         assert "\\xff\\xfe" in str(ei.value), str(ei.value)
     finally:
         stop()
+
+
+def test_relayed_same_host_hello_does_not_redirect_a_write(monkeypatch, capfd):
+    """Engine E (another process) holds 1 MiB; a relaying peer R answers our
+    same-host hello with E's.  Our WRITE to R must not land in E: the
+    same-host path is refused (logged, counted) and the write goes to R
+    over TCP."""
+    import subprocess
+    import sys
+    import zlib
+    from conftest import Peer
+    monkeypatch.setenv("MC_SAME_HOST_CPU", "1")
+    e = Peer(size=1 << 20, env={"MC_SAME_HOST_CPU": "1"})
+    relay = subprocess.Popen([sys.executable, os.path.join(os.path.dirname(__file__),
+                                                          "relay_peer.py"), e.segment],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    a = mc.TransferEngine()
+    try:
+        port = json.loads(relay.stdout.readline())["port"]
+        before = e.call(cmd="crc", off=0, len=1 << 20)["crc"]
+        a.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
+        buf = a.allocate_managed_buffer(1 << 20)
+        a.write_bytes_to_buffer(buf, b"\x5a" * (1 << 20))
+        a.transfer_sync_write("127.0.0.1:%d" % port, buf, e.addr, 1 << 20)
+        assert e.call(cmd="crc", off=0, len=1 << 20)["crc"] == before  # nothing landed in E
+        assert before != zlib.crc32(b"\x5a" * (1 << 20))
+        st = a.get_stats()
+        assert st["same_host_cpu_bytes_written"] == 0, st
+        assert st["same_host_cpu_refused_unbound"] == 1, st
+        assert "does not hold the other end of this engine's connection" in capfd.readouterr().err
+    finally:
+        a.close()
+        relay.stdin.close()
+        relay.wait(10)
+        e.close()

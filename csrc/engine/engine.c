@@ -790,6 +790,7 @@ void mc_engine_get_stats(mc_engine_t *e, mc_engine_stats_t *out) {
     out->same_host_cpu_bytes_read = cs.bytes_read;
     out->same_host_cpu_ops = cs.ops;
     out->same_host_cpu_peers = cs.peers;
+    out->same_host_cpu_refused_unbound = cs.refused_unbound;
   }
 }
 

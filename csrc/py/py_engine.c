@@ -1136,13 +1136,32 @@ static PyObject *Engine_read_bytes_from_buffer(EngineObject *self, PyObject *arg
   return out;
 }
 
+/* Counters added after the first set (kept apart so the list above stays
+ * readable); consumes d. */
+static PyObject *add_more_stats(PyObject *d, const mc_engine_stats_t *s) {
+  const struct {
+    const char *k;
+    uint64_t v;
+  } more[] = {{"same_host_cpu_refused_unbound", s->same_host_cpu_refused_unbound}};
+  for (size_t i = 0; i < sizeof more / sizeof more[0]; i++) {
+    PyObject *v = PyLong_FromUnsignedLongLong(more[i].v);
+    if (!v || PyDict_SetItemString(d, more[i].k, v) < 0) {
+      Py_XDECREF(v);
+      Py_DECREF(d);
+      return NULL;
+    }
+    Py_DECREF(v);
+  }
+  return d;
+}
+
 static PyObject *Engine_get_stats(EngineObject *self, PyObject *unused) {
   (void)unused;
   if (!ready(self))
     return NULL;
   mc_engine_stats_t s;
   mc_engine_get_stats(self->eng, &s);
-  return Py_BuildValue(
+  PyObject *d = Py_BuildValue(
       "{sKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsK}", "notify_queue_bytes", (unsigned long long)s.notify_queue_bytes,
       "notify_queue_limit", (unsigned long long)s.notify_queue_limit, "notify_queue_msgs",
       (unsigned long long)s.notify_queue_msgs, "notify_refused",
@@ -1161,6 +1180,7 @@ static PyObject *Engine_get_stats(EngineObject *self, PyObject *unused) {
       (unsigned long long)s.same_host_cpu_peers, "detached_msgs",
       (unsigned long long)s.detached_msgs, "detached_bytes",
       (unsigned long long)s.detached_bytes);
+  return d ? add_more_stats(d, &s) : NULL;
 }
 
 static PyMethodDef Engine_methods[] = {

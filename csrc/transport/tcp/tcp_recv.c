@@ -12,6 +12,7 @@
 
 #include "transport/tcp/tcp_internal.h"
 #include "util/log.h"
+#include "util/rpc_conn.h"
 
 #define READ_BUDGET (64u << 20) /* bytes per readiness event, for fairness */
 
@@ -557,8 +558,11 @@ static int on_body_target(mc_conn_t *c) {
                         "this engine serves no RPCs (is it running the same protocol?)");
     char *reply = NULL;
     mc_err_t e = {0};
-    if (c->tcp->hooks.on_rpc(c->tcp->hooks.ctx, c->segment, (const char *)c->body,
-                             c->body_len, &reply, &e) < 0)
+    mc_rpc_conn_set(c->fd); /* the handler may bind its answer to this connection */
+    int rrc = c->tcp->hooks.on_rpc(c->tcp->hooks.ctx, c->segment, (const char *)c->body,
+                                   c->body_len, &reply, &e);
+    mc_rpc_conn_set(-1);
+    if (rrc < 0)
       return resp_error(c, MC_WIRE_RPC_REPLY, e.code ? e.code : MC_EPROTO, e.msg);
     return resp_simple(c, MC_WIRE_RPC_REPLY, 0, reply);
   }
