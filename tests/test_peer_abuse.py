@@ -166,3 +166,58 @@ def test_relayed_same_host_hello_does_not_redirect_a_write(monkeypatch, capfd):
         relay.stdin.close()
         relay.wait(10)
         e.close()
+
+
+TARGET = """
+import sys, mooncake_connector as mc
+e = mc.TransferEngine()
+e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
+buf = e.allocate_managed_buffer(1 << 20)
+print(e.get_segment_name(), buf, flush=True)
+sys.stdin.read()
+e.close()
+"""
+
+
+def _target(tmp_path, env=None):
+    import subprocess
+    import sys
+    log = open(tmp_path / "target.log", "wb")
+    p = subprocess.Popen([sys.executable, "-P", "-c", TARGET], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, stderr=log, text=True,
+                         env={**os.environ, **(env or {})})
+    seg, addr = p.stdout.readline().split()
+    return p, seg, int(addr), tmp_path / "target.log"
+
+
+def test_a_flood_of_failed_handshakes_logs_a_bounded_number_of_bytes(tmp_path):
+    p, seg, addr, log = _target(tmp_path)
+    port = int(seg.rsplit(":", 1)[1])
+    try:
+        n, t0 = 0, time.time()
+        while time.time() - t0 < 3:
+            s = socket.create_connection(("127.0.0.1", port), timeout=5)
+            s.sendall(hdr(HELLO, 5) + b"{bad}")  # a malformed HELLO: the engine drops us
+            try:
+                s.recv(1)
+            except OSError:
+                pass
+            s.close()
+            n += 1
+        a = mc.TransferEngine()
+        a.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
+        buf = a.allocate_managed_buffer(4096)
+        a.transfer_sync_write(seg, buf, addr, 4096)  # still serves
+        a.close()
+        time.sleep(0.2)
+        size = log.stat().st_size
+        text = log.read_text(errors="replace")
+        print(f"{n} failed handshakes in 3 s -> {size} bytes of log")
+        assert n > 200, n
+        assert "malformed HELLO" in text
+        # 10 lines a kind per 10 s (MC_LOG_BURST, MC_LOG_INTERVAL_S): ~1.5 KB,
+        # where each failed handshake used to log one line (n x ~100 bytes).
+        assert size < 4096, text[-2000:]
+    finally:
+        p.stdin.close()
+        p.wait(10)

@@ -207,7 +207,7 @@ static int cma_reaches(void *impl, const mc_peer_t *peer, mc_mem_kind_t kind, ch
   pthread_mutex_unlock(&p->mu);
   if (!bound) {
     atomic_fetch_add(&c->nunbound, 1);
-    mc_log_warn("same-host CPU path to segment %s refused, its transfers go over TCP: %s",
+    mc_log_warn_rated("same-host CPU path to segment %s refused, its transfers go over TCP: %s",
                 peer->segment, why);
     return 0;
   }

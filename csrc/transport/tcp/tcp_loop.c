@@ -147,8 +147,12 @@ void mc_conn_kill(mc_conn_t *c, int code, const char *fmt, ...) {
   va_start(ap, fmt);
   vsnprintf(msg, sizeof msg, fmt, ap);
   va_end(ap);
-  if (code == MC_EPROTO)
+  if (code == MC_EPROTO && !c->outgoing) /* a peer can repeat these at will */
+    mc_log_warn_rated("%s", msg);
+  else if (code == MC_EPROTO)
     mc_log_warn("%s", msg);
+  else if (!c->outgoing)
+    mc_log_info_rated("%s", msg);
   else
     mc_log_info("%s", msg);
   if (c->outgoing)
@@ -411,8 +415,8 @@ static void accept_all(mc_tcp_t *t) {
     snprintf(peer, sizeof peer, "%s:%d", host, port);
     /* Budget: connections that have not said HELLO yet. */
     if (atomic_load(&t->prehandshake) >= t->opts.max_prehandshake) {
-      if (atomic_fetch_add(&t->prehandshake_refused, 1) % 1000 == 0)
-        mc_log_warn("refused a connection from %s: %d connections have not completed their "
+      atomic_fetch_add(&t->prehandshake_refused, 1);
+      mc_log_warn_rated("refused a connection from %s: %d connections have not completed their "
                     "handshake (MC_TCP_MAX_PREHANDSHAKE)", peer, t->opts.max_prehandshake);
       close(fd);
       continue;

@@ -529,7 +529,7 @@ static int on_body_target(mc_conn_t *c) {
       int arc = mc_auth_target_hello(c, j, &txt, &ae);
       cJSON_Delete(j);
       if (arc < 0) {
-        mc_log_warn("%s", ae.msg);
+        mc_log_warn_rated("%s", ae.msg); /* any host can fail a handshake at will */
         return resp_error(c, MC_WIRE_HELLO_ACK, ae.code, ae.msg);
       }
       return resp_simple(c, MC_WIRE_HELLO_ACK, 0, txt);
