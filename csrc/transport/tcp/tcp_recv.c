@@ -12,6 +12,7 @@
 
 #include "transport/tcp/tcp_internal.h"
 #include "util/log.h"
+#include "util/clock.h"
 #include "util/rpc_conn.h"
 
 #define READ_BUDGET (64u << 20) /* bytes per readiness event, for fairness */
@@ -404,6 +405,8 @@ static int on_header_target(mc_conn_t *c) {
                  (unsigned long long)c->rh.length, c->peer, MC_TCP_HELLO_MAX);
     return -1;
   }
+  if (c->prehandshake && !atomic_load(&c->pre_hello_ns)) /* a HELLO is being read: */
+    atomic_store(&c->pre_hello_ns, mc_now_ns());        /* not evicted for a while */
   switch (c->rh.type) {
   case MC_WIRE_HELLO:
   case MC_WIRE_NOTIFY:
