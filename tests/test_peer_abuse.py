@@ -265,3 +265,33 @@ def test_a_flood_of_idle_sockets_does_not_keep_a_peer_out(tmp_path):
             a.close()
         p.stdin.close()
         p.wait(10)
+
+
+def _rss():
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+
+
+def test_lookup_index_memory_counts_against_the_budget():
+    import array
+    cap = 4 << 20
+    lb = mc.LookupBuffer(cap, block_size=16)
+    # 2,000,000 tokens in 125,000 blocks of 16-byte extents: 2 MB of KV (inside
+    # the budget) but ~30 MB of index: refused before anything is built.
+    toks = array.array("i", range(2_000_000))
+    ext = [(0x10000 + 16 * i, 16) for i in range(125_000)]
+    before = _rss()
+    with pytest.raises(mc.MooncakeError, match=r"125000 new blocks need \d+ bytes of index"):
+        lb.insert(toks, ext)
+    assert _rss() - before < 8 << 20
+    st = lb.stats()
+    assert st["blocks"] == 0 and st["index_bytes"] == 0
+    # Many small calls: older entries are evicted so the index stays in budget.
+    for k in range(200):
+        t = array.array("i", range(k * 1_000_000, k * 1_000_000 + 16 * 100))
+        lb.insert(t, [(0x10000 + 16 * i, 16) for i in range(100)])
+    st = lb.stats()
+    assert 0 < st["index_bytes"] <= cap and st["used_bytes"] <= cap, st
+    assert st["evicted"] > 0, st
