@@ -38,6 +38,15 @@ static void hello_roundtrip(void) {
   CHECK_EQ_INT(g.pid, h.pid);
   CHECK_EQ_INT(g.fd, 7);
   CHECK(g.addr == h.addr && g.token == h.token && g.pidns == h.pidns && g.uid == h.uid);
+  CHECK_EQ_INT(g.has_sock, 0); /* an older target's hello: no sock */
+  h.has_sock = 1;
+  h.sock = 17;
+  n = mc_cma_hello_encode(&h, buf, sizeof buf);
+  CHECK_EQ_INT(mc_cma_hello_parse(buf, n, &g, &err), 0);
+  CHECK(g.has_sock == 1 && g.sock == 17);
+  CHECK_EQ_INT(mc_cma_hello_parse("cma1 boot=b pidns=1 userns=1 netns=1 uid=0 pid=2 fd=3 addr=4 "
+                                  "token=5 sock=x", 75, &g, &err), MC_EPROTO);
+  CHECK_CONTAINS(err.msg, "sock");
   CHECK_EQ_INT(mc_cma_hello_parse("off tired", 9, &g, &err), 0);
   CHECK(g.off && !strcmp(g.why, "tired"));
 }
