@@ -9,8 +9,8 @@ import pytest
 import mooncake_connector as mc
 
 
-def ext(n, base):
-    return [(0x10000 + base * 0x1000 + i * 0x100, 100, base * 1000 + i) for i in range(n)]
+def ext(n, base, size=100):
+    return [(0x10000 + base * 0x1000 + i * 0x100, size, base * 1000 + i) for i in range(n)]
 
 
 def test_hash_token_blocks_inputs_agree_and_chain():
@@ -93,23 +93,25 @@ def test_copy_into_staging_and_hidden():
 
 
 def test_eviction_backpressure_and_errors():
-    ev = mc.LookupBuffer(1000, policy="evict")
+    # Extents of 10 KB: large next to a block's index memory (which counts
+    # against the capacity too), so the KV bytes decide here.
+    ev = mc.LookupBuffer(100_000, policy="evict")
     for i in range(3):
-        ev.insert([i * 1000 + j for j in range(64)], ext(4, i))
+        ev.insert([i * 1000 + j for j in range(64)], ext(4, i, 10_000))
     assert ev.stats()["evicted"] == 1 and ev.lookup(list(range(64)))[0] == 0
-    with pytest.raises(mc.MooncakeError, match="holds only 1000") as e:
-        ev.insert(list(range(176)), ext(11, 1))
+    with pytest.raises(mc.MooncakeError, match="holds only 100000") as e:
+        ev.insert(list(range(176)), ext(11, 1, 10_000))
     assert e.value.code_name == "MC_ETOOBIG"
-    bp = mc.LookupBuffer(700, policy="backpressure", mode="consume")
+    bp = mc.LookupBuffer(70_000, policy="backpressure", mode="consume")
     a, c = list(range(64)), list(range(100, 164))
-    bp.insert(a, ext(4, 1))
+    bp.insert(a, ext(4, 1, 10_000))
     with pytest.raises(mc.MooncakeError, match="full") as e:
-        bp.insert(c, ext(4, 2))
+        bp.insert(c, ext(4, 2, 10_000))
     assert e.value.code_name == "MC_EBUSY"
     with pytest.raises(mc.TransferTimeout, match="after waiting"):
-        bp.insert(c, ext(4, 2), timeout=0.05)
+        bp.insert(c, ext(4, 2, 10_000), timeout=0.05)
     threading.Timer(0.1, lambda: bp.lookup(a)).start()
-    assert bp.insert(c, ext(4, 2), timeout=5) == 64  # the consumer made room
+    assert bp.insert(c, ext(4, 2, 10_000), timeout=5) == 64  # the consumer made room
     with pytest.raises(ValueError, match="extents has 3 items"):
         bp.insert(a, ext(3, 1))
     with pytest.raises(mc.ConfigError, match="mode"):

@@ -935,6 +935,7 @@ void mc_engine_get_stats(mc_engine_t *e, mc_engine_stats_t *out) {
     out->paused_conns = t.paused_conns;
     out->prehandshake_conns = t.prehandshake;
     out->prehandshake_refused = t.prehandshake_refused;
+    out->prehandshake_evicted = t.prehandshake_evicted;
     out->prehandshake_bytes_each = t.conn_bytes_each;
   }
   out->reply_queue_conn_limit = e->tcp_opts.reply_conn_limit;
@@ -948,6 +949,7 @@ void mc_engine_get_stats(mc_engine_t *e, mc_engine_stats_t *out) {
     out->same_host_cpu_bytes_read = cs.bytes_read;
     out->same_host_cpu_ops = cs.ops;
     out->same_host_cpu_peers = cs.peers;
+    out->same_host_cpu_refused_unbound = cs.refused_unbound;
   }
 }
 

@@ -53,7 +53,7 @@ static void send_lease_answer(mc_kv_t *kv, const char *to, uint64_t id, int stat
   mc_err_t err = {0};
   if (kv_msg_lease_ans_encode(&a, buf, len, &err) < 0 ||
       mc_engine_notify_detached(kv->e, to, buf, len, 10000, "KV lease answer", &err) < 0)
-    mc_log_warn("KV lease answer to %s (request %llu) not delivered: %s", to,
+    mc_log_warn_rated("KV lease answer to %s (request %llu) not delivered: %s", to,
                 (unsigned long long)id, err.msg);
   free(buf);
 }
@@ -165,7 +165,7 @@ void kv_pull_on_release(mc_kv_t *kv, const char *from, const uint8_t *m, size_t 
   uint64_t id;
   mc_err_t err = {0};
   if (kv_msg_release_decode(m, len, &id, &err) < 0) {
-    mc_log_warn("%s from %s: dropped", err.msg, from);
+    mc_log_warn_rated("%s from %s: dropped", err.msg, from); /* a peer repeats these at will */
     return;
   }
   kv_lease_t *found = NULL;
@@ -195,7 +195,7 @@ void kv_pull_on_answer(mc_kv_t *kv, const char *from, const uint8_t *m, size_t l
   mc_err_t err = {0};
   int bad = kv_msg_lease_ans_decode(m, len, &a, &err) < 0;
   if (!a.hdr_ok) { /* no id to answer to */
-    mc_log_warn("%s from %s: dropped", err.msg, from);
+    mc_log_warn_rated("%s from %s: dropped", err.msg, from); /* a peer repeats these at will */
     return;
   }
   size_t nx = bad ? 0 : (size_t)a.nb * a.epb;

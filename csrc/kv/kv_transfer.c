@@ -38,7 +38,7 @@ static void send_answer(mc_kv_t *kv, const kv_job_t *j, uint64_t id, uint32_t tm
   mc_err_t err = {0};
   if (kv_msg_rep_encode(&r, buf, len, &err) < 0 ||
       mc_engine_notify(kv->e, to, buf, len, left, &err) < 0) {
-    mc_log_warn("recv_kv answer to %s (request %llu) not delivered: %s", to,
+    mc_log_warn_rated("recv_kv answer to %s (request %llu) not delivered: %s", to,
                 (unsigned long long)id, err.msg);
     mark_unreachable(kv, to, err.code);
   }
@@ -49,7 +49,7 @@ static void on_answer(mc_kv_t *kv, const char *from, const uint8_t *m, size_t le
   kv_msg_rep_t r;
   mc_err_t err = {0};
   if (kv_msg_rep_decode(m, len, &r, &err) < 0) {
-    mc_log_warn("%s from %s: dropped", err.msg, from);
+    mc_log_warn_rated("%s from %s: dropped", err.msg, from); /* a peer repeats these at will */
     return;
   }
   pthread_mutex_lock(&kv->mu);

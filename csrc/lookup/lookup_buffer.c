@@ -178,6 +178,27 @@ static lk_node_t *table_find(mc_lookup_t *lb, mc_block_hash_t h, const lk_node_t
 
 /* ---- nodes and entries (caller holds mu unless noted) ---- */
 
+/* What one block costs in index memory: its node (with its extents and
+ * token ids), malloc's header, and two hash slots (the table stays at most
+ * half full).  Charged against capacity_bytes next to the KV bytes. */
+static uint64_t block_index_bytes(const mc_lookup_t *lb) {
+  return sizeof(lk_node_t) + lb->epb * sizeof(mc_lookup_extent_t) +
+         (uint64_t)lb->hasher.block_size * sizeof(uint32_t) + 16 + 2 * sizeof(lk_slot_t);
+}
+
+/* MC_ETOOBIG if the index of `nb` new blocks alone exceeds the capacity. */
+static int index_too_big(const mc_lookup_t *lb, size_t nb, mc_err_t *err) {
+  uint64_t need = (uint64_t)nb * block_index_bytes(lb);
+  if (need <= lb->capacity)
+    return 0;
+  return mc_err_set(err, MC_ETOOBIG,
+                    "%zu new blocks need %llu bytes of index (%llu a block: token ids, hash "
+                    "chain, extents) but the lookup buffer holds only %llu (kv_buffer_size): "
+                    "store fewer tokens per call, or use larger blocks or a larger buffer",
+                    nb, (unsigned long long)need, (unsigned long long)block_index_bytes(lb),
+                    (unsigned long long)lb->capacity);
+}
+
 /* Builds an unlinked node; no lock needed.  Copies bytes when `copy`. */
 static lk_node_t *node_build(const mc_lookup_t *lb, mc_block_hash_t h, const uint32_t *toks,
                              const mc_lookup_extent_t *kv, const mc_lookup_extent_t *hidden,
@@ -251,6 +272,7 @@ static void queue_freed(mc_lookup_t *lb, const mc_lookup_extent_t *x) {
 /* Frees a node that is neither referenced nor pinned. */
 static void node_free(mc_lookup_t *lb, lk_node_t *nd) {
   lb->st.used_bytes -= nd->bytes;
+  lb->st.index_bytes -= block_index_bytes(lb);
   if (lb->track_freed && !nd->copied) {
     for (uint32_t e = 0; e < lb->epb; e++)
       queue_freed(lb, &nd->kv[e]);
@@ -272,6 +294,7 @@ static void node_link(mc_lookup_t *lb, lk_node_t *nd, lk_node_t *parent) {
   nd->indexed = 1;
   lb->st.blocks++;
   lb->st.used_bytes += nd->bytes;
+  lb->st.index_bytes += block_index_bytes(lb);
 }
 
 static void node_unlink(mc_lookup_t *lb, lk_node_t *nd) {
@@ -508,6 +531,21 @@ long mc_lookup_insert(mc_lookup_t *lb, const void *tokens, size_t ntok, int widt
     return rn;
   size_t n = (size_t)rn;
   for (size_t i = 0; i < n * lb->epb; i++) {
+    if (kv[i].len == 0) {
+      free(h);
+      return mc_err_set(err, MC_EINVAL,
+                        "KV extent %zu (block %zu, extent %zu of the block) has length 0: every "
+                        "KV extent must hold the block's bytes",
+                        i, i / lb->epb, i % lb->epb);
+    }
+    if (kv[i].len != kv[i % lb->epb].len) { /* the layout: block 0's extent lengths */
+      free(h);
+      return mc_err_set(err, MC_EINVAL,
+                        "KV extent %zu (block %zu, extent %zu of the block) has length %llu but "
+                        "extent %zu of block 0 has %llu: every block must have the same layout",
+                        i, i / lb->epb, i % lb->epb, (unsigned long long)kv[i].len, i % lb->epb,
+                        (unsigned long long)kv[i % lb->epb].len);
+    }
     if (kv[i].len && !kv[i].addr) {
       free(h);
       return mc_err_set(err, MC_EINVAL, "KV extent %zu (block %zu) has length %llu at address 0",
@@ -545,6 +583,8 @@ long mc_lookup_insert(mc_lookup_t *lb, const void *tokens, size_t ntok, int widt
   pthread_mutex_lock(&lb->mu);
   size_t k0 = walk(lb, h, canon, n, path);
   pthread_mutex_unlock(&lb->mu);
+  if ((rc = index_too_big(lb, n - k0, err)) < 0) /* before building anything */
+    goto out_nolock;
   for (size_t i = k0; i < n; i++) {
     pre[i] = node_build(lb, h[i], canon + i * bs, kv + i * lb->epb, hidden ? hidden + i : NULL,
                         copy);
@@ -577,6 +617,9 @@ long mc_lookup_insert(mc_lookup_t *lb, const void *tokens, size_t ntok, int widt
         need += kv[i * lb->epb + e].len;
       need += hidden ? hidden[i].len : 0;
     }
+    uint64_t need_index = (uint64_t)(n - k) * block_index_bytes(lb);
+    if ((rc = index_too_big(lb, n - k, err)) < 0)
+      break;
     if (need > lb->capacity) {
       rc = mc_err_set(err, MC_ETOOBIG,
                       "entry needs %llu bytes but the lookup buffer holds only %llu "
@@ -588,12 +631,14 @@ long mc_lookup_insert(mc_lookup_t *lb, const void *tokens, size_t ntok, int widt
     for (size_t i = 0; i < k; i++)
       path[i]->refs++;
     if (lb->policy == MC_LOOKUP_EVICT) {
-      while (lb->st.used_bytes + need > lb->capacity && lb->lru.head) {
+      while ((lb->st.used_bytes + need > lb->capacity ||
+              lb->st.index_bytes + need_index > lb->capacity) && lb->lru.head) {
         entry_remove(lb, lb->lru.head);
         lb->st.evicted++;
       }
     }
-    if (lb->st.used_bytes + need <= lb->capacity) {
+    if (lb->st.used_bytes + need <= lb->capacity &&
+        lb->st.index_bytes + need_index <= lb->capacity) {
       lk_node_t *prev = k ? path[k - 1] : NULL;
       if (lb->nused + (n - k) > lb->nslots / 2) {
         size_t want = lb->nused + (n - k);

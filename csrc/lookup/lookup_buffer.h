@@ -19,7 +19,12 @@
  * staging allocation the buffer owns and frees with the block.
  *
  * Capacity: the sum of the lengths of the extents of live blocks (including
- * blocks unlinked but still pinned by a match) is kept <= capacity_bytes.
+ * blocks unlinked but still pinned by a match) is kept <= capacity_bytes,
+ * and so is their index memory (node, token ids, extents, hash slots: a
+ * fixed cost per block, stats index_bytes): whatever the shape of the
+ * input, the buffer holds at most twice capacity_bytes.  An insert whose
+ * new blocks' index alone exceeds it is refused (MC_ETOOBIG) before
+ * anything is built.
  * When an insert does not fit, policy EVICT drops least-recently-used
  * entries (entries still pinned by a match free their bytes only when
  * released); policy BACKPRESSURE waits up to the insert's timeout for room,
@@ -81,6 +86,7 @@ typedef struct mc_lookup mc_lookup_t;
 
 typedef struct mc_lookup_stats {
   uint64_t capacity_bytes, used_bytes, pinned_bytes;
+  uint64_t index_bytes; /* index memory of live blocks (also <= capacity_bytes) */
   uint64_t entries, blocks, pinned_blocks;
   uint64_t inserts, insert_reused_blocks, lookups, hits, misses, matched_blocks;
   uint64_t consumed, evicted, expired, removed, busy, collisions, probes;

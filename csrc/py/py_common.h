@@ -48,6 +48,12 @@ mc_py_state_t *mc_py_state_from_type(PyTypeObject *type);
  * The exception gets attributes .code (int) and .code_name (str). */
 PyObject *mc_py_raise(mc_py_state_t *st, const mc_err_t *err);
 
+/* A C string that may carry a peer's bytes (a segment name from a HELLO, an
+ * error text from a peer's ACK, a descriptor field) as str: UTF-8 with
+ * every undecodable byte escaped (\xNN), so no peer can make a call raise
+ * UnicodeDecodeError.  NULL gives "".  New reference, NULL only on OOM. */
+PyObject *mc_py_peer_str(const char *s);
+
 /* The engine behind a TransferEngine object, for other bindings: checks the
  * type and that it is initialized, and blocks close() until unborrowed. */
 struct mc_engine;

@@ -994,9 +994,9 @@ static PyObject *Engine_get_batch_status(EngineObject *self, PyObject *id) {
   for (size_t i = 0; i < n; i++) {
     mc_task_status_t s;
     mc_batch_status(b, i, &s);
-    PyObject *d = Py_BuildValue("{s:s,s:i,s:s,s:K,s:s}", "state", state_name(s.state), "code",
+    PyObject *d = Py_BuildValue("{s:s,s:i,s:s,s:K,s:N}", "state", state_name(s.state), "code",
                                 s.code, "code_name", mc_err_name(s.code), "transferred",
-                                (unsigned long long)s.transferred, "message", s.msg);
+                                (unsigned long long)s.transferred, "message", mc_py_peer_str(s.msg));
     if (!d) {
       Py_DECREF(list);
       return NULL;
@@ -1035,13 +1035,22 @@ static PyObject *Engine_send_notify(EngineObject *self, PyObject *args, PyObject
   return PyLong_FromLong(0);
 }
 
+/* `from` is the name the peer gave in its HELLO: any bytes (escaped, never
+ * an exception).  A notification that cannot be appended (out of memory) is
+ * counted in *lost; the others are still returned. */
+typedef struct notify_sink {
+  PyObject *list;
+  size_t lost;
+} notify_sink_t;
+
 static void collect_notify(void *arg, const char *from, const void *msg, size_t len) {
-  PyObject *list = arg;
-  PyObject *t = Py_BuildValue("(sy#)", from, (const char *)msg, (Py_ssize_t)len);
-  if (t) {
-    PyList_Append(list, t);
-    Py_DECREF(t);
+  notify_sink_t *sink = arg;
+  PyObject *t = Py_BuildValue("(Ny#)", mc_py_peer_str(from), (const char *)msg, (Py_ssize_t)len);
+  if (!t || PyList_Append(sink->list, t) < 0) {
+    PyErr_Clear();
+    sink->lost++;
   }
+  Py_XDECREF(t);
 }
 
 static PyObject *Engine_get_notifies(EngineObject *self, PyObject *unused) {
@@ -1051,7 +1060,12 @@ static PyObject *Engine_get_notifies(EngineObject *self, PyObject *unused) {
   PyObject *list = PyList_New(0);
   if (!list)
     return NULL;
-  mc_engine_drain_notifies(self->eng, SIZE_MAX, collect_notify, list);
+  notify_sink_t sink = {list, 0};
+  mc_engine_drain_notifies(self->eng, SIZE_MAX, collect_notify, &sink);
+  if (sink.lost && PyErr_WarnFormat(PyExc_ResourceWarning, 1,
+                                    "get_notifies: %zu notification(s) dropped: out of memory",
+                                    sink.lost) < 0)
+    PyErr_Clear();
   return list;
 }
 
@@ -1136,13 +1150,33 @@ static PyObject *Engine_read_bytes_from_buffer(EngineObject *self, PyObject *arg
   return out;
 }
 
+/* Counters added after the first set (kept apart so the list above stays
+ * readable); consumes d. */
+static PyObject *add_more_stats(PyObject *d, const mc_engine_stats_t *s) {
+  const struct {
+    const char *k;
+    uint64_t v;
+  } more[] = {{"same_host_cpu_refused_unbound", s->same_host_cpu_refused_unbound},
+              {"prehandshake_evicted", s->prehandshake_evicted}};
+  for (size_t i = 0; i < sizeof more / sizeof more[0]; i++) {
+    PyObject *v = PyLong_FromUnsignedLongLong(more[i].v);
+    if (!v || PyDict_SetItemString(d, more[i].k, v) < 0) {
+      Py_XDECREF(v);
+      Py_DECREF(d);
+      return NULL;
+    }
+    Py_DECREF(v);
+  }
+  return d;
+}
+
 static PyObject *Engine_get_stats(EngineObject *self, PyObject *unused) {
   (void)unused;
   if (!ready(self))
     return NULL;
   mc_engine_stats_t s;
   mc_engine_get_stats(self->eng, &s);
-  return Py_BuildValue(
+  PyObject *d = Py_BuildValue(
       "{sKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsK}", "notify_queue_bytes", (unsigned long long)s.notify_queue_bytes,
       "notify_queue_limit", (unsigned long long)s.notify_queue_limit, "notify_queue_msgs",
       (unsigned long long)s.notify_queue_msgs, "notify_refused",
@@ -1161,6 +1195,7 @@ static PyObject *Engine_get_stats(EngineObject *self, PyObject *unused) {
       (unsigned long long)s.same_host_cpu_peers, "detached_msgs",
       (unsigned long long)s.detached_msgs, "detached_bytes",
       (unsigned long long)s.detached_bytes);
+  return d ? add_more_stats(d, &s) : NULL;
 }
 
 static PyMethodDef Engine_methods[] = {

@@ -231,7 +231,7 @@ static PyObject *KV_pull_poll(KVObject *self, PyObject *arg) {
   if (rc == 0)
     Py_RETURN_NONE;
   if (result < 0)
-    return Py_BuildValue("(isd)", 0, err.msg, secs);
+    return Py_BuildValue("(iNd)", 0, mc_py_peer_str(err.msg), secs);
   return Py_BuildValue("(lOd)", result, Py_None, secs);
 }
 

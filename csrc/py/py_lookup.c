@@ -349,7 +349,8 @@ static PyObject *Lookup_stats(LookupObject *self, PyObject *unused) {
   Py_END_ALLOW_THREADS
 #define F(name) #name, (unsigned long long)s.name
   return Py_BuildValue(
-      "{sKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsK}", F(capacity_bytes), F(used_bytes),
+      "{sKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsK}", F(capacity_bytes), F(used_bytes),
+      F(index_bytes),
       F(pinned_bytes), F(entries), F(blocks), F(pinned_blocks), F(inserts),
       F(insert_reused_blocks), F(lookups), F(hits), F(misses), F(matched_blocks), F(consumed),
       F(evicted), F(expired), F(removed), F(busy), F(collisions), F(probes));

@@ -127,6 +127,12 @@ mc_py_state_t *mc_py_state_from_type(PyTypeObject *type) {
   return m ? PyModule_GetState(m) : NULL;
 }
 
+PyObject *mc_py_peer_str(const char *s) {
+  if (!s)
+    s = "";
+  return PyUnicode_DecodeUTF8(s, (Py_ssize_t)strlen(s), "backslashreplace");
+}
+
 PyObject *mc_py_raise(mc_py_state_t *st, const mc_err_t *err) {
   PyObject *type;
   switch (err->code) {
@@ -160,7 +166,11 @@ PyObject *mc_py_raise(mc_py_state_t *st, const mc_err_t *err) {
     break;
   }
   const char *msg = err->msg[0] ? err->msg : mc_strerror(err->code);
-  PyObject *exc = PyObject_CallFunction(type, "s", msg);
+  PyObject *text = mc_py_peer_str(msg);
+  if (!text)
+    return NULL;
+  PyObject *exc = PyObject_CallOneArg(type, text);
+  Py_DECREF(text);
   if (!exc)
     return NULL;
   PyObject *code = PyLong_FromLong(err->code);

@@ -4,7 +4,10 @@
  * outside the target's regions, a target that died, a pid that is not the
  * engine it claims to be), and the copy splitter (cma_copy.c: byte ranges
  * cut inside iovecs across copy threads, checked byte for byte). */
+#include <arpa/inet.h>
 #include <errno.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <pthread.h>
 #include <signal.h>
 #include <stdatomic.h>
@@ -19,6 +22,7 @@
 #include "transport/cma/cma_copy.h"
 #include "transport/cma/cma_hello.h"
 #include "transport/cma/cma_table.h"
+#include "util/rpc_conn.h"
 
 static void hello_roundtrip(void) {
   mc_cma_hello_t h, g;
@@ -34,6 +38,15 @@ static void hello_roundtrip(void) {
   CHECK_EQ_INT(g.pid, h.pid);
   CHECK_EQ_INT(g.fd, 7);
   CHECK(g.addr == h.addr && g.token == h.token && g.pidns == h.pidns && g.uid == h.uid);
+  CHECK_EQ_INT(g.has_sock, 0); /* an older target's hello: no sock */
+  h.has_sock = 1;
+  h.sock = 17;
+  n = mc_cma_hello_encode(&h, buf, sizeof buf);
+  CHECK_EQ_INT(mc_cma_hello_parse(buf, n, &g, &err), 0);
+  CHECK(g.has_sock == 1 && g.sock == 17);
+  CHECK_EQ_INT(mc_cma_hello_parse("cma1 boot=b pidns=1 userns=1 netns=1 uid=0 pid=2 fd=3 addr=4 "
+                                  "token=5 sock=x", 75, &g, &err), MC_EPROTO);
+  CHECK_CONTAINS(err.msg, "sock");
   CHECK_EQ_INT(mc_cma_hello_parse("off tired", 9, &g, &err), 0);
   CHECK(g.off && !strcmp(g.why, "tired"));
 }
@@ -169,7 +182,27 @@ typedef struct child {
   char *gpu; /* 64 KiB the child registers with location "cuda:0" (a claim
                 this transport only records: no GPU needed) */
   int cmd; /* write end: closing it ends the child */
+  int port; /* the "connection" the hello was asked on: 127.0.0.1:port */
+  int conn; /* our end of it */
 } child_t;
+
+/* A loopback TCP connection: *ours connected to *theirs (accepted on a
+ * listener at 127.0.0.1:*port, closed again). */
+static int loop_conn(int *ours, int *theirs, int *port) {
+  struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+  socklen_t al = sizeof a;
+  int l = socket(AF_INET, SOCK_STREAM, 0);
+  if (l < 0 || bind(l, (struct sockaddr *)&a, sizeof a) || listen(l, 1) ||
+      getsockname(l, (struct sockaddr *)&a, &al))
+    return -1;
+  *ours = socket(AF_INET, SOCK_STREAM, 0);
+  if (*ours < 0 || connect(*ours, (struct sockaddr *)&a, sizeof a))
+    return -1;
+  *theirs = accept(l, NULL, NULL);
+  close(l);
+  *port = ntohs(a.sin_port);
+  return *theirs < 0 ? -1 : 0;
+}
 
 static int fake_rpc(void *ctx, const char *segment, const char *req, size_t len,
                     int64_t timeout_ms, char **reply, mc_err_t *err) {
@@ -184,13 +217,16 @@ static int start_child(child_t *c, size_t len) {
   c->len = len;
   c->shared = mmap(NULL, len, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
   c->gpu = mmap(NULL, 65536, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
-  int up[2], down[2];
-  if (c->shared == MAP_FAILED || c->gpu == MAP_FAILED || pipe(up) || pipe(down))
+  int up[2], down[2], theirs;
+  if (c->shared == MAP_FAILED || c->gpu == MAP_FAILED || pipe(up) || pipe(down) ||
+      loop_conn(&c->conn, &theirs, &c->port))
     return -1;
   c->pid = fork();
   if (c->pid == 0) {
     close(up[0]);
     close(down[1]);
+    close(c->conn);
+    mc_rpc_conn_set(theirs); /* as the TCP transport does around an RPC */
     mc_transport_env_t env = {.local_name = "target"};
     void *impl;
     mc_err_t err;
@@ -221,6 +257,7 @@ static int start_child(child_t *c, size_t len) {
   }
   close(up[1]);
   close(down[0]);
+  close(theirs);
   c->cmd = down[1];
   ssize_t n = read(up[0], c->hello, sizeof c->hello - 1);
   c->hello[n > 0 ? n : 0] = '\0';
@@ -279,6 +316,14 @@ static void two_processes(void) {
   mc_peer_t peer = {.segment = "target:1", .host = "127.0.0.1", .port = 1, .same_host = 1,
                     .pid = c.pid};
   char why[256] = "";
+  /* The hello was asked on a connection to 127.0.0.1:c.port, not :1 (a
+   * relayed hello): refused, nothing opened. */
+  CHECK_EQ_INT(mc_cma_transport_ops.reaches(impl, &peer, MC_MEM_HOST, why, sizeof why), 0);
+  CHECK_CONTAINS(why, "does not hold the other end of this engine's connection");
+  mc_cma_stats_t cs;
+  mc_cma_get_stats(impl, &cs);
+  CHECK_EQ_INT(cs.refused_unbound, 1);
+  peer.port = c.port;
   CHECK_EQ_INT(mc_cma_transport_ops.reaches(impl, &peer, MC_MEM_HOST, why, sizeof why), 1);
   static char buf[1 << 20];
   for (size_t i = 0; i < sizeof buf; i++)
@@ -400,6 +445,7 @@ static void pid_not_the_engine(void) {
   h.fd = 0;
   h.addr = 0x1000;
   h.token = 42;
+  h.has_sock = 1;
   mc_cma_hello_encode(&h, c.hello, sizeof c.hello);
   mc_transport_env_t env = {.local_name = "initiator", .ctx = &c, .rpc = fake_rpc};
   void *impl;

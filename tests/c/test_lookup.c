@@ -25,14 +25,17 @@ static mc_lookup_t *mk(uint64_t cap, int mode, int policy, uint32_t weak) {
   return lb;
 }
 
-/* tokens[i] = base + i; extents tagged base*1000 + block, 100 bytes each. */
+/* tokens[i] = base + i; extents tagged base*1000 + block, EXT bytes each
+ * (large next to a block's index memory, which counts against capacity too:
+ * capacities below are in EXTs). */
+#define EXT 10000
 static void seq(int32_t *t, size_t n, int32_t base) {
   for (size_t i = 0; i < n; i++)
     t[i] = base + (int32_t)i;
 }
 static void exts(mc_lookup_extent_t *x, size_t nb, uint64_t base) {
   for (size_t i = 0; i < nb; i++)
-    x[i] = (mc_lookup_extent_t){.addr = 0x10000 + base * 0x1000 + i * 0x100, .len = 100,
+    x[i] = (mc_lookup_extent_t){.addr = 0x10000 + base * 0x1000 + i * 0x100, .len = EXT,
                                 .tag = base * 1000 + i};
 }
 
@@ -90,7 +93,7 @@ static void test_prefix_sharing_and_partial(void) {
   mc_lookup_stats_t st;
   mc_lookup_get_stats(lb, &st);
   CHECK_EQ_INT(st.blocks, 6); /* 2 shared + 2 + 2 */
-  CHECK_EQ_INT(st.used_bytes, 600);
+  CHECK_EQ_INT(st.used_bytes, 6 * EXT);
   mc_lookup_match_t *m;
   /* partial: query = a's first 50 tokens -> 3 blocks (48 tokens) */
   CHECK_EQ_INT(mc_lookup_find(lb, a, 50, 4, &m, &err), 48);
@@ -125,7 +128,7 @@ static void test_prefix_sharing_and_partial(void) {
 }
 
 static void test_eviction_lru(void) {
-  mc_lookup_t *lb = mk(1000, MC_LOOKUP_KEEP, MC_LOOKUP_EVICT, 0); /* 10 blocks */
+  mc_lookup_t *lb = mk(10 * EXT, MC_LOOKUP_KEEP, MC_LOOKUP_EVICT, 0); /* 10 blocks */
   CHECK(lb);
   int32_t t[3][64];
   mc_err_t err = {0};
@@ -144,14 +147,14 @@ static void test_eviction_lru(void) {
   mc_lookup_stats_t st;
   mc_lookup_get_stats(lb, &st);
   CHECK_EQ_INT(st.evicted, 1);
-  CHECK(st.used_bytes <= 1000);
+  CHECK(st.used_bytes <= 10 * EXT);
   /* too big for the whole buffer */
   int32_t big[256];
   seq(big, 176, 9000);
   mc_lookup_extent_t x[11];
   exts(x, 11, 9);
   CHECK_EQ_INT(mc_lookup_insert(lb, big, 176, 4, x, NULL, 0, 0, NULL, &err), MC_ETOOBIG);
-  CHECK_CONTAINS(err.msg, "1100 bytes");
+  CHECK_CONTAINS(err.msg, "110000 bytes");
   /* pinned blocks are not freed by eviction: the match stays readable */
   CHECK_EQ_INT(mc_lookup_find(lb, t[0], 64, 4, &m, &err), 64);
   seq(big, 160, 9000);
@@ -178,7 +181,7 @@ static void *consumer(void *p) {
 }
 
 static void test_backpressure(void) {
-  mc_lookup_t *lb = mk(700, MC_LOOKUP_CONSUME, MC_LOOKUP_BACKPRESSURE, 0);
+  mc_lookup_t *lb = mk(7 * EXT, MC_LOOKUP_CONSUME, MC_LOOKUP_BACKPRESSURE, 0);
   CHECK(lb);
   int32_t a[64], b[64];
   seq(a, 64, 1);
@@ -435,7 +438,7 @@ static void *worker(void *p) {
 
 static void test_threads(void) {
   for (int mode = 0; mode < 2; mode++) {
-    mc_lookup_t *lb = mk(3000, mode, MC_LOOKUP_EVICT, 0); /* forces eviction */
+    mc_lookup_t *lb = mk(30 * EXT, mode, MC_LOOKUP_EVICT, 0); /* forces eviction */
     CHECK(lb);
     pthread_t th[THREADS];
     th_arg_t arg[THREADS];
@@ -451,7 +454,7 @@ static void test_threads(void) {
     CHECK_EQ_INT(bad, 0);
     mc_lookup_stats_t st;
     mc_lookup_get_stats(lb, &st);
-    CHECK(st.used_bytes <= 3000);
+    CHECK(st.used_bytes <= 30 * EXT);
     CHECK_EQ_INT(st.pinned_blocks, 0);
     CHECK(st.hits > 0);
     mc_lookup_destroy(lb);

@@ -10,11 +10,13 @@
 #include <sys/uio.h>
 #include <unistd.h>
 
+#include "transport/cma/cma_bind.h"
 #include "transport/cma/cma_copy.h"
 #include "transport/cma/cma_hello.h"
 #include "transport/cma/cma_table.h"
 #include "util/env.h"
 #include "util/log.h"
+#include "util/rpc_conn.h"
 
 #define CMA_IOV 1024 /* iovecs per process_vm_* call (UIO_MAXIOV) */
 
@@ -35,7 +37,7 @@ typedef struct cma {
   pthread_mutex_t mu; /* peers[] */
   cma_peer_t **peers;
   size_t npeers;
-  _Atomic uint64_t wbytes, rbytes, nops, npeers_ok;
+  _Atomic uint64_t wbytes, rbytes, nops, npeers_ok, nunbound;
 } cma_t;
 
 int mc_cma_enabled(void) {
@@ -177,6 +179,13 @@ static int cma_reaches(void *impl, const mc_peer_t *peer, mc_mem_kind_t kind, ch
              (unsigned long long)c->self.uid);
     return 0;
   }
+  if (!h.has_sock) {
+    atomic_fetch_add(&c->nunbound, 1);
+    snprintf(why, why_len, "the peer's same-host hello does not name its end of the connection "
+             "(an older version?): the path is used only where the kernel confirms the process "
+             "on the connection");
+    return 0;
+  }
   cma_peer_t *p = peer_get(c, peer->segment, 1);
   if (!p) {
     snprintf(why, why_len, "out of memory");
@@ -187,9 +196,21 @@ static int cma_reaches(void *impl, const mc_peer_t *peer, mc_mem_kind_t kind, ch
     mc_cma_view_close(&p->v);
   p->open = 0;
   rc = mc_cma_view_open(&p->v, (pid_t)h.pid, (int)h.fd, h.token, h.addr, &err);
-  if (rc == 0)
+  int bound = 1;
+  if (rc == 0 && mc_cma_bind_check(p->v.pidfd, (int)h.pid, (int)h.sock, peer->host, peer->port,
+                                   c->self.netns, why, why_len) < 0) {
+    mc_cma_view_close(&p->v); /* nothing was copied: only the table was read */
+    bound = 0;
+  } else if (rc == 0) {
     p->open = 1;
+  }
   pthread_mutex_unlock(&p->mu);
+  if (!bound) {
+    atomic_fetch_add(&c->nunbound, 1);
+    mc_log_warn_rated("same-host CPU path to segment %s refused, its transfers go over TCP: %s",
+                peer->segment, why);
+    return 0;
+  }
   if (rc < 0) {
     snprintf(why, why_len, "%s", err.msg);
     return 0;
@@ -398,6 +419,9 @@ static int cma_serve_rpc(void *impl, const char *from, const char *req, size_t l
     h.fd = (uint64_t)mc_cma_table_fd(c->table);
     h.addr = (uint64_t)(uintptr_t)mc_cma_table_addr(c->table);
     h.token = mc_cma_table_token(c->table);
+    int sock = mc_rpc_conn_fd(); /* the connection that asked: cma_bind.h */
+    h.has_sock = sock >= 0;
+    h.sock = sock >= 0 ? (uint64_t)sock : 0;
   }
   char buf[512];
   mc_cma_hello_encode(&h, buf, sizeof buf);
@@ -464,6 +488,7 @@ void mc_cma_get_stats(void *impl, mc_cma_stats_t *out) {
   out->bytes_read = atomic_load(&c->rbytes);
   out->ops = atomic_load(&c->nops);
   out->peers = atomic_load(&c->npeers_ok);
+  out->refused_unbound = atomic_load(&c->nunbound);
 }
 
 const mc_transport_ops_t mc_cma_transport_ops = {

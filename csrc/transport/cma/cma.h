@@ -23,6 +23,7 @@ typedef struct mc_cma_stats {
   uint64_t bytes_read;    /* READ bytes this engine copied from peers */
   uint64_t ops;           /* ops finished through this path */
   uint64_t peers;         /* peers reached through this path */
+  uint64_t refused_unbound; /* peers refused: hello not bound to the connection */
 } mc_cma_stats_t;
 
 /* impl as returned by ops->start (NULL: all zero). */

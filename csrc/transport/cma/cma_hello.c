@@ -32,6 +32,15 @@ size_t mc_cma_hello_encode(const mc_cma_hello_t *h, char *buf, size_t cap) {
   int n;
   if (h->off)
     n = snprintf(buf, cap, "off %s", h->why);
+  else if (h->has_sock)
+    n = snprintf(buf, cap,
+                 "cma1 boot=%s pidns=%llu userns=%llu netns=%llu uid=%llu pid=%llu fd=%llu "
+                 "addr=%llx token=%llx sock=%llu",
+                 h->boot[0] ? h->boot : "-", (unsigned long long)h->pidns,
+                 (unsigned long long)h->userns, (unsigned long long)h->netns, (unsigned long long)h->uid,
+                 (unsigned long long)h->pid, (unsigned long long)h->fd,
+                 (unsigned long long)h->addr, (unsigned long long)h->token,
+                 (unsigned long long)h->sock);
   else
     n = snprintf(buf, cap,
                  "cma1 boot=%s pidns=%llu userns=%llu netns=%llu uid=%llu pid=%llu fd=%llu "
@@ -79,9 +88,10 @@ int mc_cma_hello_parse(const char *s, size_t len, mc_cma_hello_t *out, mc_err_t 
   if (len < 5 || memcmp(s, "cma1 ", 5) != 0)
     return mc_err_set(err, MC_EPROTO, "same-host hello: does not start with \"cma1 \"");
   static const char *keys[] = {"boot", "pidns", "userns", "netns", "uid",
-                               "pid",  "fd",    "addr",   "token"};
+                               "pid",  "fd",    "addr",   "token", "sock"};
   uint64_t *dst[] = {NULL,      &out->pidns, &out->userns, &out->netns, &out->uid,
-                     &out->pid, &out->fd,    &out->addr,   &out->token};
+                     &out->pid, &out->fd,    &out->addr,   &out->token, &out->sock};
+  const unsigned required = (1u << 9) - 1; /* all but sock (optional) */
   unsigned seen = 0;
   size_t i = 5;
   while (i < len) {
@@ -110,14 +120,15 @@ int mc_cma_hello_parse(const char *s, size_t len, mc_cma_hello_t *out, mc_err_t 
           return mc_err_set(err, MC_EPROTO, "same-host hello: boot id is not printable");
       memcpy(out->boot, val, vlen);
       out->boot[vlen] = '\0';
-    } else if (num(val, vlen, k >= 7, dst[k]) < 0) {
+    } else if (num(val, vlen, k == 7 || k == 8, dst[k]) < 0) {
       return mc_err_set(err, MC_EPROTO, "same-host hello: field %s is not a number", keys[k]);
     }
     i = j + 1;
   }
-  if (seen != (1u << (sizeof keys / sizeof *keys)) - 1)
+  if ((seen & required) != required)
     return mc_err_set(err, MC_EPROTO, "same-host hello: fields missing");
-  if (out->pid == 0 || out->pid > 0x7fffffff || out->fd > 0x7fffffff)
+  out->has_sock = (seen >> 9) & 1;
+  if (out->pid == 0 || out->pid > 0x7fffffff || out->fd > 0x7fffffff || out->sock > 0x7fffffff)
     return mc_err_set(err, MC_EPROTO, "same-host hello: pid or fd out of range");
   return 0;
 }

@@ -3,7 +3,11 @@
  * and check that both really share a host, a pid namespace and a user.
  *
  *   cma1 boot=<boot id> pidns=<inode> userns=<inode> netns=<inode> uid=<n> pid=<n> fd=<n>
- *        addr=<hex> token=<hex>
+ *        addr=<hex> token=<hex> [sock=<n>]
+ *   sock: the target's fd of the TCP connection the hello was asked on; the
+ *   initiator checks with the kernel that this process holds the other end
+ *   of ITS connection (cma_bind.h), so a peer relaying a third engine's
+ *   hello cannot redirect transfers there.  Without it the path is refused.
  *   off <reason>          (the target switched the path off)
  *
  * Parsed from a peer's bytes: strict, bounded, fuzzed (tests/fuzz). */
@@ -22,6 +26,8 @@ typedef struct mc_cma_hello {
   char why[128];
   char boot[64];    /* /proc/sys/kernel/random/boot_id */
   uint64_t pidns, userns, netns, uid, pid, fd, addr, token;
+  int has_sock;     /* sock given */
+  uint64_t sock;
 } mc_cma_hello_t;
 
 /* This process's identity (boot id, namespace inodes, uid). */

@@ -182,7 +182,7 @@ int mc_auth_target_hello(mc_conn_t *c, const cJSON *j, char **reply, mc_err_t *e
 
 void mc_auth_target_plain(const mc_conn_t *c, const cJSON *j) {
   if (cJSON_GetObjectItemCaseSensitive(j, "nonce"))
-    mc_log_warn("peer %s (%s) authenticates with a shared secret but this engine (segment %s) "
+    mc_log_warn_rated("peer %s (%s) authenticates with a shared secret but this engine (segment %s) "
                 "has none, so that peer will refuse it; " FIX_HINT,
                 c->peer, c->segment, c->tcp->hooks.local_name);
 }

@@ -115,6 +115,11 @@ struct mc_conn {
   uint64_t resp_bytes;
   int rx_paused, rx_resume;
   int prehandshake; /* counted in tcp->prehandshake until its HELLO */
+  /* While prehandshake: in tcp's FIFO of such connections (pre_mu), or
+   * evicted from it (its socket shut down to make room for a newer one). */
+  mc_conn_t *pre_prev, *pre_next;
+  int pre_evicted;
+  _Atomic uint64_t pre_hello_ns; /* when its HELLO's header arrived (0: not yet) */
 
   int cmd_refs; /* commands queued that name this conn (loop->mu) */
   mc_conn_t *next_in_loop;
@@ -161,6 +166,12 @@ struct mc_tcp {
   size_t npeers, cap_peers;
   atomic_ullong reply_bytes, prehandshake_refused;
   atomic_int paused_conns, prehandshake;
+  /* Connections before their HELLO, oldest first: when the budget is full
+   * a new one evicts the oldest (an idle flood cannot keep peers out). */
+  pthread_mutex_t pre_mu;
+  mc_conn_t *pre_head, *pre_tail;
+  atomic_int pre_evicting; /* evicted, not yet reaped by their loop */
+  atomic_ullong prehandshake_evicted;
 };
 
 /* tcp_loop.c */

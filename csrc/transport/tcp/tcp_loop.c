@@ -13,6 +13,7 @@
 #include <string.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
+#include <sys/ioctl.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -104,10 +105,30 @@ void mc_conn_update_events(mc_conn_t *c) {
   epoll_ctl(c->loop->epfd, EPOLL_CTL_MOD, c->fd, &ev);
 }
 
+static void pre_unlink(mc_tcp_t *t, mc_conn_t *c) {
+  if (c->pre_prev)
+    c->pre_prev->pre_next = c->pre_next;
+  else
+    t->pre_head = c->pre_next;
+  if (c->pre_next)
+    c->pre_next->pre_prev = c->pre_prev;
+  else
+    t->pre_tail = c->pre_prev;
+  c->pre_prev = c->pre_next = NULL;
+}
+
 void mc_conn_prehandshake_done(mc_conn_t *c) {
   if (c->prehandshake) {
+    mc_tcp_t *t = c->tcp;
+    pthread_mutex_lock(&t->pre_mu);
+    if (c->pre_evicted) {
+      atomic_fetch_sub(&t->pre_evicting, 1);
+    } else {
+      pre_unlink(t, c);
+      atomic_fetch_sub(&t->prehandshake, 1);
+    }
+    pthread_mutex_unlock(&t->pre_mu);
     c->prehandshake = 0;
-    atomic_fetch_sub(&c->tcp->prehandshake, 1);
   }
 }
 
@@ -116,6 +137,7 @@ void mc_tcp_get_stats(mc_tcp_t *t, mc_tcp_stats_t *out) {
   out->paused_conns = (uint64_t)atomic_load(&t->paused_conns);
   out->prehandshake = (uint64_t)atomic_load(&t->prehandshake);
   out->prehandshake_refused = atomic_load(&t->prehandshake_refused);
+  out->prehandshake_evicted = atomic_load(&t->prehandshake_evicted);
   out->conn_bytes_each = MC_TCP_RBUF + MC_TCP_HELLO_MAX + sizeof(mc_conn_t);
 }
 
@@ -147,8 +169,12 @@ void mc_conn_kill(mc_conn_t *c, int code, const char *fmt, ...) {
   va_start(ap, fmt);
   vsnprintf(msg, sizeof msg, fmt, ap);
   va_end(ap);
-  if (code == MC_EPROTO)
+  if (code == MC_EPROTO && !c->outgoing) /* a peer can repeat these at will */
+    mc_log_warn_rated("%s", msg);
+  else if (code == MC_EPROTO)
     mc_log_warn("%s", msg);
+  else if (!c->outgoing)
+    mc_log_info_rated("%s", msg);
   else
     mc_log_info("%s", msg);
   if (c->outgoing)
@@ -165,6 +191,7 @@ void mc_conn_kill(mc_conn_t *c, int code, const char *fmt, ...) {
   pthread_mutex_unlock(&c->mu);
   c->state = CONN_DEAD;
   epoll_ctl(c->loop->epfd, EPOLL_CTL_DEL, c->fd, NULL);
+  mc_conn_prehandshake_done(c); /* before close: the acceptor may shut its fd down */
   close(c->fd);
   c->fd = -1;
   if (code == MC_EPROTO && !c->outgoing)
@@ -397,8 +424,45 @@ static void handle_cmds(mc_loop_t *l) {
   }
 }
 
+/* At most ACCEPT_BATCH connections per wake-up (the listener is level-
+ * triggered: the rest wait for the next turn), so under a flood this loop
+ * also gets to reap the connections it evicted. */
+#define ACCEPT_BATCH 16
+#define EVICTING_MAX(t) ((t)->opts.max_prehandshake)
+/* A connection whose HELLO header arrived is safe from eviction this long
+ * (a peer that sends a header and stalls is not). */
+#define HELLO_GRACE_NS 500000000ull
+
+/* A whole HELLO waits in the kernel's buffer of this socket (read without
+ * taking it): its loop is about to handshake it, so it is not evicted. */
+static int hello_waiting(int fd) {
+  unsigned char h[MC_WIRE_HDR_SIZE];
+  if (recv(fd, h, sizeof h, MSG_PEEK | MSG_DONTWAIT) != (ssize_t)sizeof h)
+    return 0;
+  uint32_t magic;
+  uint64_t len;
+  memcpy(&magic, h, 4);
+  memcpy(&len, h + 24, 8);
+  int avail = 0;
+  return magic == MC_WIRE_MAGIC && h[5] == MC_WIRE_HELLO && len <= MC_TCP_HELLO_MAX &&
+         ioctl(fd, FIONREAD, &avail) == 0 && (uint64_t)avail >= sizeof h + len;
+}
+
+/* The oldest pre-handshake connection that has no whole HELLO waiting
+ * (pre_mu held), or NULL. */
+static mc_conn_t *evict_candidate(mc_tcp_t *t) {
+  int looked = 0;
+  uint64_t now = mc_now_ns();
+  for (mc_conn_t *c = t->pre_head; c && looked < 2 * ACCEPT_BATCH; c = c->pre_next, looked++) {
+    uint64_t seen = atomic_load(&c->pre_hello_ns); /* its loop is reading a HELLO */
+    if ((!seen || now - seen > HELLO_GRACE_NS) && !hello_waiting(c->fd))
+      return c;
+  }
+  return NULL;
+}
+
 static void accept_all(mc_tcp_t *t) {
-  for (;;) {
+  for (int batch = 0; batch < ACCEPT_BATCH; batch++) {
     struct sockaddr_storage ss;
     socklen_t sl = sizeof ss;
     int fd = accept4(t->listen_fd, (struct sockaddr *)&ss, &sl, SOCK_NONBLOCK | SOCK_CLOEXEC);
@@ -422,11 +486,37 @@ static void accept_all(mc_tcp_t *t) {
       port = ntohs(a->sin6_port);
     }
     snprintf(peer, sizeof peer, "%s:%d", host, port);
-    /* Budget: connections that have not said HELLO yet. */
-    if (atomic_load(&t->prehandshake) >= t->opts.max_prehandshake) {
-      if (atomic_fetch_add(&t->prehandshake_refused, 1) % 1000 == 0)
-        mc_log_warn("refused a connection from %s: %d connections have not completed their "
-                    "handshake (MC_TCP_MAX_PREHANDSHAKE)", peer, t->opts.max_prehandshake);
+    /* Budget: connections that have not said HELLO yet.  When it is full
+     * the oldest of them makes room (its socket is shut down; its loop reaps
+     * it): a flood of idle sockets then only ever holds the newest slots,
+     * and a peer that sends its HELLO at once gets in.  Refused only while
+     * as many evicted ones still wait for their loops (the bound: twice
+     * MC_TCP_MAX_PREHANDSHAKE connections at most). */
+    pthread_mutex_lock(&t->pre_mu);
+    int admit = atomic_load(&t->prehandshake) < t->opts.max_prehandshake;
+    char old_peer[320] = "";
+    mc_conn_t *old = NULL;
+    if (!admit && atomic_load(&t->pre_evicting) < EVICTING_MAX(t) &&
+        (old = evict_candidate(t)) != NULL) {
+      pre_unlink(t, old);
+      old->pre_evicted = 1;
+      shutdown(old->fd, SHUT_RDWR);
+      snprintf(old_peer, sizeof old_peer, "%s", old->peer);
+      atomic_fetch_sub(&t->prehandshake, 1);
+      atomic_fetch_add(&t->pre_evicting, 1);
+      atomic_fetch_add(&t->prehandshake_evicted, 1);
+      admit = 1;
+    }
+    pthread_mutex_unlock(&t->pre_mu);
+    if (old_peer[0])
+      mc_log_warn_rated("%d connections have not completed their handshake "
+                        "(MC_TCP_MAX_PREHANDSHAKE): dropped the oldest, from %s, to admit %s",
+                        t->opts.max_prehandshake, old_peer, peer);
+    if (!admit) {
+      atomic_fetch_add(&t->prehandshake_refused, 1);
+      mc_log_warn_rated("refused a connection from %s: %d connections have not completed their "
+                        "handshake and as many are being dropped (MC_TCP_MAX_PREHANDSHAKE)",
+                        peer, t->opts.max_prehandshake);
       close(fd);
       continue;
     }
@@ -436,7 +526,15 @@ static void accept_all(mc_tcp_t *t) {
       continue;
     }
     c->prehandshake = 1;
+    pthread_mutex_lock(&t->pre_mu);
+    c->pre_prev = t->pre_tail;
+    if (t->pre_tail)
+      t->pre_tail->pre_next = c;
+    else
+      t->pre_head = c;
+    t->pre_tail = c;
     atomic_fetch_add(&t->prehandshake, 1);
+    pthread_mutex_unlock(&t->pre_mu);
     c->connect_deadline_ns = mc_now_ns() + (uint64_t)t->opts.hello_timeout_ms * 1000000ull;
     mc_loop_post(c->loop, CMD_ADD, c);
   }
@@ -857,6 +955,7 @@ void mc_tcp_init(mc_tcp_t *t, const mc_tcp_opts_t *opts, const mc_tcp_hooks_t *h
   t->hooks = *hooks;
   t->listen_fd = -1;
   pthread_mutex_init(&t->peers_mu, NULL);
+  pthread_mutex_init(&t->pre_mu, NULL);
 }
 
 int mc_tcp_start(const mc_tcp_opts_t *opts, const mc_tcp_hooks_t *hooks, mc_tcp_t **out,
@@ -958,6 +1057,7 @@ void mc_tcp_stop(mc_tcp_t *t) {
   }
   free(t->peers);
   pthread_mutex_destroy(&t->peers_mu);
+  pthread_mutex_destroy(&t->pre_mu);
   free(t->loops);
   free(t);
 }

@@ -12,6 +12,8 @@
 
 #include "transport/tcp/tcp_internal.h"
 #include "util/log.h"
+#include "util/clock.h"
+#include "util/rpc_conn.h"
 
 #define READ_BUDGET (64u << 20) /* bytes per readiness event, for fairness */
 
@@ -403,6 +405,8 @@ static int on_header_target(mc_conn_t *c) {
                  (unsigned long long)c->rh.length, c->peer, MC_TCP_HELLO_MAX);
     return -1;
   }
+  if (c->prehandshake && !atomic_load(&c->pre_hello_ns)) /* a HELLO is being read: */
+    atomic_store(&c->pre_hello_ns, mc_now_ns());        /* not evicted for a while */
   switch (c->rh.type) {
   case MC_WIRE_HELLO:
   case MC_WIRE_NOTIFY:
@@ -528,7 +532,7 @@ static int on_body_target(mc_conn_t *c) {
       int arc = mc_auth_target_hello(c, j, &txt, &ae);
       cJSON_Delete(j);
       if (arc < 0) {
-        mc_log_warn("%s", ae.msg);
+        mc_log_warn_rated("%s", ae.msg); /* any host can fail a handshake at will */
         return resp_error(c, MC_WIRE_HELLO_ACK, ae.code, ae.msg);
       }
       return resp_simple(c, MC_WIRE_HELLO_ACK, 0, txt);
@@ -557,8 +561,11 @@ static int on_body_target(mc_conn_t *c) {
                         "this engine serves no RPCs (is it running the same protocol?)");
     char *reply = NULL;
     mc_err_t e = {0};
-    if (c->tcp->hooks.on_rpc(c->tcp->hooks.ctx, c->segment, (const char *)c->body,
-                             c->body_len, &reply, &e) < 0)
+    mc_rpc_conn_set(c->fd); /* the handler may bind its answer to this connection */
+    int rrc = c->tcp->hooks.on_rpc(c->tcp->hooks.ctx, c->segment, (const char *)c->body,
+                                   c->body_len, &reply, &e);
+    mc_rpc_conn_set(-1);
+    if (rrc < 0)
       return resp_error(c, MC_WIRE_RPC_REPLY, e.code ? e.code : MC_EPROTO, e.msg);
     return resp_simple(c, MC_WIRE_RPC_REPLY, 0, reply);
   }
