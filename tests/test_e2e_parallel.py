@@ -81,16 +81,20 @@ PROMPTS = [("short", "hello world, here we go again"), ("medium", _prompt(60, 21
            ("long", _prompt(400, 22)), ("long2", _prompt(250, 23))]
 
 
-def _many_prompts(n):
-    """n prompts of 5 to ~1,900 words (about as many tokens), every third
-    one sharing a prefix with an earlier one (prefix-cache hits on both
-    sides): the opt-in wide run, MC_E2E_PROMPTS=N."""
+def _many_prompts(n, max_words=1800):
+    """n prompts of 5 to 1,800 words (one word is one or two tokens of the
+    tiny model's tokenizer: the longest stay under its 2,048-token context
+    with the 8 generated), every third one extending an earlier one (shared
+    prefixes: prefix-cache hits on both sides): the opt-in wide run,
+    MC_E2E_PROMPTS=N."""
     out = []
     for i in range(n):
-        length = 5 + (i * 797) % 1900
+        length = 5 + (i * 797) % (max_words - 5)
         if i % 3 == 2 and out:
-            base = out[i // 2][1]
-            out.append((f"p{i}", base + " " + _prompt(max(5, length // 4), 1000 + i)))
+            base = out[i // 2][1].split()
+            ext = _prompt(max(5, length // 4), 1000 + i).split()
+            words = (base + ext)[:max_words]
+            out.append((f"p{i}", " ".join(words)))
         else:
             out.append((f"p{i}", _prompt(length, 1000 + i)))
     return out
