@@ -617,7 +617,7 @@ static int add_region(mc_engine_t *e, uint64_t addr, uint64_t len, const char *l
   if (dev >= 0) {
     mc_err_t why = {0};
     mc_cuda_use_device(dev, NULL); /* the default for our threads' pointer queries */
-    if (mc_gpu_ipc_export(addr, ipc, &ipc_base, &why) < 0) {
+    if (mc_gpu_ipc_export_range(addr, len, dev, ipc, &ipc_base, &why) < 0) {
       ipc[0] = '\0';
       mc_log_info("%s", why.msg);
     }
