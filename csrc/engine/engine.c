@@ -12,6 +12,7 @@
 #include "gpu/cuda_driver.h"
 #include "gpu/gpu_dmabuf.h"
 #include "gpu/gpu_ipc.h"
+#include "gpu/gpu_vmm.h"
 #include "util/dynlib.h"
 #include "util/hostport.h"
 #include "util/env.h"
@@ -70,6 +71,17 @@ static struct ibv_mr *gpu_reg_mr(void *arg, struct ibv_pd *pd, void *addr, size_
   return mr;
 }
 
+/* Driver-mapped GPU memory: an MR per physical chunk (gpu_vmm.h). */
+static long gpu_pieces(void *arg, uint64_t addr, uint64_t len, uint64_t **pairs,
+                       mc_err_t *err) {
+  (void)arg;
+  long n = mc_gpu_vmm_pieces(addr, len, pairs, err);
+  if (n > 1)
+    mc_log_info("GPU memory 0x%llx+%llu is %ld driver-mapped chunks: one RDMA registration "
+                "each", (unsigned long long)addr, (unsigned long long)len, n);
+  return n;
+}
+
 static int start_rdma(mc_engine_t *e, const mc_engine_opts_t *o, mc_err_t *err) {
   mc_rdma_opts_t ro = {
       .device_name = o->device_name,
@@ -86,7 +98,7 @@ static int start_rdma(mc_engine_t *e, const mc_engine_opts_t *o, mc_err_t *err) 
   };
   mc_rdma_hooks_t rh = {.ctx = e, .local_name = e->name, .rpc = rdma_rpc};
   /* GPU regions: GPUDirect registration (DMA-BUF, then nvidia-peermem). */
-  static const mc_rdma_mem_hook_t gpu_hook = {.reg = gpu_reg_mr};
+  static const mc_rdma_mem_hook_t gpu_hook = {.reg = gpu_reg_mr, .pieces = gpu_pieces};
   mc_rdma_set_mem_hook(&gpu_hook);
   mc_rdma_t *rdma = NULL;
   int rc = mc_rdma_start(&ro, &rh, &rdma, err);

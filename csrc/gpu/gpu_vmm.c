@@ -134,6 +134,38 @@ int mc_gpu_vmm_chunks(uint64_t addr, uint64_t len, mc_gpu_chunk_t **out, size_t 
   return mc_gpu_vmm_walk(real_range_at, &c, addr, len, out, n, err);
 }
 
+long mc_gpu_chunks_clip(const mc_gpu_chunk_t *ch, size_t n, uint64_t addr, uint64_t len,
+                        uint64_t **pairs) {
+  uint64_t *p = malloc((n ? n : 1) * 2 * sizeof *p);
+  if (!p)
+    return MC_ENOMEM;
+  uint64_t end = addr + len;
+  for (size_t i = 0; i < n; i++) {
+    uint64_t lo = ch[i].base > addr ? ch[i].base : addr;
+    uint64_t hi = ch[i].base + ch[i].size < end ? ch[i].base + ch[i].size : end;
+    p[2 * i] = lo;
+    p[2 * i + 1] = hi > lo ? hi - lo : 0;
+  }
+  *pairs = p;
+  return (long)n;
+}
+
+long mc_gpu_vmm_pieces(uint64_t addr, uint64_t len, uint64_t **pairs, mc_err_t *err) {
+  *pairs = NULL;
+  if (!mc_gpu_vmm_is_mapped(addr))
+    return 0;
+  mc_gpu_chunk_t *ch = NULL;
+  size_t n = 0;
+  int rc = mc_gpu_vmm_chunks(addr, len, &ch, &n, err);
+  if (rc < 0)
+    return rc;
+  long k = n > 1 ? mc_gpu_chunks_clip(ch, n, addr, len, pairs) : 0;
+  free(ch);
+  if (k < 0)
+    return mc_err_set(err, MC_ENOMEM, "out of memory splitting GPU memory into chunks");
+  return k;
+}
+
 /* ---- export: the fd server -------------------------------------------- */
 
 typedef struct export_ent {

@@ -51,6 +51,17 @@ typedef int (*mc_gpu_range_fn)(void *ctx, uint64_t a, uint64_t *base, uint64_t *
 int mc_gpu_vmm_walk(mc_gpu_range_fn range_at, void *ctx, uint64_t addr, uint64_t len,
                     mc_gpu_chunk_t **out, size_t *n, mc_err_t *err);
 
+/* The pieces of [addr, addr+len) that lie in one physical chunk each, as
+ * (start, len) pairs (malloc'ed into *pairs): what RDMA registers one MR per
+ * (DMA-BUF export covers one physical allocation).  Returns the count, 0
+ * when the range is not driver-mapped memory or lies in one chunk (one MR as
+ * before), or a negative code (a hole, another device) with err set. */
+long mc_gpu_vmm_pieces(uint64_t addr, uint64_t len, uint64_t **pairs, mc_err_t *err);
+/* Pure part of it: clips chunks (from a walk of [addr, addr+len)) to the
+ * range.  Returns n, or MC_ENOMEM. */
+long mc_gpu_chunks_clip(const mc_gpu_chunk_t *ch, size_t n, uint64_t addr, uint64_t len,
+                        uint64_t **pairs);
+
 /* Exports [addr, addr+len) of driver-mapped memory on cuda:`device` for
  * same-host peers: checks every chunk can be exported as a POSIX fd, starts
  * the fd server (once per process) and writes the export's name (at most

@@ -81,6 +81,23 @@ static void test_walk_fake(void) {
   free(ch);
 }
 
+/* The per-chunk RDMA pieces of a range: clipped to it, tiling it. */
+static void test_clip_fake(void) {
+  fake_t f = {.base = {0x100000, 0x300000, 0x500000},
+              .size = {0x200000, 0x200000, 0x200000}, .n = 3};
+  mc_gpu_chunk_t *ch = NULL;
+  size_t n = 0;
+  mc_err_t err = {0};
+  CHECK_EQ_INT(mc_gpu_vmm_walk(fake_range, &f, 0x180000, 0x480000, &ch, &n, &err), 0);
+  uint64_t *p = NULL;
+  CHECK_EQ_INT(mc_gpu_chunks_clip(ch, n, 0x180000, 0x480000, &p), 3);
+  CHECK(p[0] == 0x180000 && p[1] == 0x180000);
+  CHECK(p[2] == 0x300000 && p[3] == 0x200000);
+  CHECK(p[4] == 0x500000 && p[5] == 0x100000);
+  free(p);
+  free(ch);
+}
+
 /* ---- driver-mapped memory ---------------------------------------------- */
 
 typedef int (*create_fn)(mc_cu_mem_handle *, size_t, const mc_cu_mem_alloc_prop_t *,
@@ -315,9 +332,18 @@ static void test_walk_driver(void) {
   free(ch);
   CHECK_EQ_INT(mc_gpu_vmm_chunks(g_local + 8, TOTAL, &ch, &n, &err), MC_EINVAL);
   CHECK_CONTAINS(err.msg, "not driver-mapped memory of one GPU throughout");
+  /* RDMA pieces: one per chunk, tiling the range. */
+  uint64_t *p = NULL;
+  CHECK_EQ_INT(mc_gpu_vmm_pieces(g_local + 4096, TOTAL - 8192, &p, &err), NCHUNK);
+  CHECK(p[0] == g_local + 4096 && p[1] == CHUNK - 4096);
+  CHECK(p[2] == g_local + CHUNK && p[3] == CHUNK);
+  CHECK(p[2 * (NCHUNK - 1) + 1] == CHUNK - 4096);
+  free(p);
+  CHECK_EQ_INT(mc_gpu_vmm_pieces(g_local + 4096, 8192, &p, &err), 0); /* one chunk */
   uint64_t d = dalloc(1 << 20);
   CHECK(d);
   CHECK_EQ_INT(mc_gpu_vmm_is_mapped(d), 0);
+  CHECK_EQ_INT(mc_gpu_vmm_pieces(d, 4096, &p, &err), 0);
   CHECK_EQ_INT(mc_gpu_vmm_is_mapped(g_local + TOTAL - 1), 1);
   cu_free(d);
 }
@@ -374,9 +400,13 @@ static void test_import_refusals(void) {
 
 int main(void) {
   RUN(test_walk_fake);
+  RUN(test_clip_fake);
+  signal(SIGPIPE, SIG_IGN); /* a target that exited early: write fails, no signal */
   int to_child[2], from_child[2];
   if (pipe(to_child) || pipe(from_child))
     return 1;
+  fflush(stdout);
+  fflush(stderr);
   g_child = fork();
   if (g_child == 0) {
     close(to_child[1]);
