@@ -98,6 +98,25 @@ static void test_clip_fake(void) {
   free(ch);
 }
 
+/* Export names come from peers' descriptors: malformed ones are refused
+ * before anything else (no driver needed). */
+static void test_import_name_parse(void) {
+  static const char *bad[] = {
+      "vmm1:", "vmm1:12", "vmm1:12:abc:1", "vmm1:0:00000000000000000000000000000000:1",
+      "vmm1:-5:00000000000000000000000000000000:1",
+      "vmm1:12:0000000000000000000000000000000g:1",
+      "vmm1:12:00000000000000000000000000000000:1x",
+      "vmm1:12:000000000000000000000000000000000:1", /* 33 hex digits */
+      "vmm2:12:00000000000000000000000000000000:1", "",
+  };
+  for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
+    uint64_t m = 0;
+    mc_err_t err = {0};
+    CHECK_EQ_INT(mc_gpu_vmm_import(bad[i], 0, &m, &err), MC_EINVAL);
+    CHECK_CONTAINS(err.msg, "malformed GPU memory export");
+  }
+}
+
 /* ---- driver-mapped memory ---------------------------------------------- */
 
 typedef int (*create_fn)(mc_cu_mem_handle *, size_t, const mc_cu_mem_alloc_prop_t *,
@@ -401,6 +420,7 @@ static void test_import_refusals(void) {
 int main(void) {
   RUN(test_walk_fake);
   RUN(test_clip_fake);
+  RUN(test_import_name_parse);
   signal(SIGPIPE, SIG_IGN); /* a target that exited early: write fails, no signal */
   int to_child[2], from_child[2];
   if (pipe(to_child) || pipe(from_child))
