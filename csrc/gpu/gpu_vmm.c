@@ -178,7 +178,8 @@ static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
 static export_ent_t *g_ex;
 static size_t g_nex, g_capex;
 static pid_t g_srv_pid; /* the process whose server runs (fork: a child starts its own) */
-static char g_nonce[33];
+static char g_nonce[33]; /* the secret importers present */
+static char g_tag[17];   /* names the socket: abstract names are world-readable */
 
 #define VMM_MAGIC "MCVMM1"
 
@@ -190,10 +191,10 @@ typedef struct {
   char msg[240];
 } vmm_hdr_t;
 
-static void sock_name(struct sockaddr_un *sa, socklen_t *len, long pid, const char *nonce) {
+static void sock_name(struct sockaddr_un *sa, socklen_t *len, long pid, const char *tag) {
   memset(sa, 0, sizeof *sa);
   sa->sun_family = AF_UNIX;
-  int k = snprintf(sa->sun_path + 1, sizeof sa->sun_path - 1, "mc-gpu-vmm-%ld-%s", pid, nonce);
+  int k = snprintf(sa->sun_path + 1, sizeof sa->sun_path - 1, "mc-gpu-vmm-%ld-%s", pid, tag);
   *len = (socklen_t)(offsetof(struct sockaddr_un, sun_path) + 1 + (size_t)k);
 }
 
@@ -341,17 +342,19 @@ static void *serve(void *arg) {
 static int start_server(mc_err_t *err) {
   if (g_srv_pid == getpid())
     return 0;
-  unsigned char rnd[16];
+  unsigned char rnd[24];
   if (getrandom(rnd, sizeof rnd, 0) != (ssize_t)sizeof rnd)
     return mc_err_set(err, MC_ESYS, "getrandom: %s", strerror(errno));
   for (int i = 0; i < 16; i++)
     snprintf(g_nonce + 2 * i, 3, "%02x", rnd[i]);
+  for (int i = 0; i < 8; i++)
+    snprintf(g_tag + 2 * i, 3, "%02x", rnd[16 + i]);
   int ls = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (ls < 0)
     return mc_err_set(err, MC_ESYS, "GPU memory export: socket: %s", strerror(errno));
   struct sockaddr_un sa;
   socklen_t sl;
-  sock_name(&sa, &sl, (long)getpid(), g_nonce);
+  sock_name(&sa, &sl, (long)getpid(), g_tag);
   if (bind(ls, (struct sockaddr *)&sa, sl) != 0 || listen(ls, 64) != 0) {
     int en = errno;
     close(ls);
@@ -451,8 +454,8 @@ int mc_gpu_vmm_export(uint64_t addr, uint64_t len, int device, char *name, size_
         g_ex[g_nex++] = e;
     }
   }
-  if (rc == 0 && (size_t)snprintf(name, cap, MC_GPU_VMM_PREFIX "%ld:%s:%zu", (long)getpid(),
-                                  g_nonce, idx) >= cap)
+  if (rc == 0 && (size_t)snprintf(name, cap, MC_GPU_VMM_PREFIX "%ld:%s:%s:%zu", (long)getpid(),
+                                  g_tag, g_nonce, idx) >= cap)
     rc = mc_err_set(err, MC_EINVAL, "GPU memory export name too long");
   pthread_mutex_unlock(&g_mu);
   if (rc == 0)
@@ -505,14 +508,14 @@ static int recv_chunk(int s, uint64_t *size, int *fd) {
 
 int mc_gpu_vmm_import(const char *name, int device, uint64_t *mapped, mc_err_t *err) {
   long pid = 0;
-  char nonce[40] = "";
+  char nonce[40] = "", tag[24] = "";
   unsigned long idx = 0;
   int used = 0;
   if (strncmp(name, MC_GPU_VMM_PREFIX, strlen(MC_GPU_VMM_PREFIX)) != 0 ||
-      sscanf(name + strlen(MC_GPU_VMM_PREFIX), "%ld:%32[0-9a-f]:%lu%n", &pid, nonce, &idx,
-             &used) != 3 ||
+      sscanf(name + strlen(MC_GPU_VMM_PREFIX), "%ld:%16[0-9a-f]:%32[0-9a-f]:%lu%n", &pid, tag,
+             nonce, &idx, &used) != 4 ||
       name[strlen(MC_GPU_VMM_PREFIX) + (size_t)used] != '\0' || pid <= 0 ||
-      strlen(nonce) != 32)
+      strlen(nonce) != 32 || strlen(tag) != 16)
     return mc_err_set(err, MC_EINVAL, "malformed GPU memory export \"%.40s\" in a peer's "
                       "segment descriptor", name);
   const mc_cuda_api_t *api = vmm_api(err);
@@ -532,7 +535,7 @@ int mc_gpu_vmm_import(const char *name, int device, uint64_t *mapped, mc_err_t *
   setsockopt(s, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
   struct sockaddr_un sa;
   socklen_t sl;
-  sock_name(&sa, &sl, pid, nonce);
+  sock_name(&sa, &sl, pid, tag);
   char req[96];
   int rl = snprintf(req, sizeof req, VMM_MAGIC " %s %lu\n", nonce, idx);
   vmm_hdr_t h;

@@ -9,7 +9,9 @@
  *  - same-host sharing: the owner exports each chunk as a POSIX file
  *    descriptor (cuMemExportToShareableHandle) on demand and passes the fds
  *    over a Unix domain socket (abstract namespace, SCM_RIGHTS) to a peer
- *    that presents the export's secret and runs under the same uid; the peer
+ *    that presents the export's secret and runs under the same uid.  The
+ *    name "vmm1:<pid>:<tag>:<secret>:<index>" travels in the segment
+ *    descriptor (the tag names the socket; the secret is not in it); the peer
  *    imports them (cuMemImportFromShareableHandle) and maps them back to back
  *    into a range it reserved (cuMemAddressReserve, cuMemMap,
  *    cuMemSetAccess), so offsets inside the export are the same on both
