@@ -435,24 +435,23 @@ int mc_gpu_vmm_export(uint64_t addr, uint64_t len, int device, char *name, size_
   rc = start_server(err);
   size_t idx = 0;
   if (rc == 0) {
-    for (idx = 0; idx < g_nex; idx++) /* a re-registration reuses its entry */
-      if (g_ex[idx].addr == e.addr && g_ex[idx].len == e.len && g_ex[idx].base == e.base &&
-          g_ex[idx].span == e.span && g_ex[idx].device == e.device)
-        break;
-    if (idx == g_nex) {
-      if (g_nex == g_capex) {
-        size_t nc = g_capex ? g_capex * 2 : 16;
-        export_ent_t *v = realloc(g_ex, nc * sizeof *v);
-        if (!v)
-          rc = mc_err_set(err, MC_ENOMEM, "out of memory exporting GPU memory");
-        else {
-          g_ex = v;
-          g_capex = nc;
-        }
+    /* Every export gets a new name, never a reused one: after vLLM's sleep
+     * or weight update re-commits the cache, the same addresses hold new
+     * physical chunks, and a peer that mapped the old name (cached per
+     * name) must see a changed descriptor and import afresh. */
+    idx = g_nex;
+    if (g_nex == g_capex) {
+      size_t nc = g_capex ? g_capex * 2 : 16;
+      export_ent_t *v = realloc(g_ex, nc * sizeof *v);
+      if (!v)
+        rc = mc_err_set(err, MC_ENOMEM, "out of memory exporting GPU memory");
+      else {
+        g_ex = v;
+        g_capex = nc;
       }
-      if (rc == 0)
-        g_ex[g_nex++] = e;
     }
+    if (rc == 0)
+      g_ex[g_nex++] = e;
   }
   if (rc == 0 && (size_t)snprintf(name, cap, MC_GPU_VMM_PREFIX "%ld:%s:%s:%zu", (long)getpid(),
                                   g_tag, g_nonce, idx) >= cap)

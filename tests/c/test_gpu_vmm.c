@@ -178,6 +178,7 @@ typedef struct {
   char segment[256];
   uint64_t addr[NREG];
   char export_name[MC_GPU_IPC_B64_MAX];
+  char export_again[MC_GPU_IPC_B64_MAX]; /* the same range exported once more */
   char nofd_why[400];
   size_t walk_n;
   uint64_t walk_base0, walk_size1;
@@ -215,6 +216,8 @@ static void child(int wfd, int rfd) {
   uint64_t b = 0;
   if (mc_gpu_ipc_export_range(in.addr[R_FD], TOTAL, 0, in.export_name, &b, &err) < 0)
     snprintf(in.export_name, sizeof in.export_name, "export failed: %s", err.msg);
+  if (mc_gpu_ipc_export_range(in.addr[R_FD], TOTAL, 0, in.export_again, &b, &err) < 0)
+    snprintf(in.export_again, sizeof in.export_again, "export failed");
   if (mc_gpu_ipc_export_range(in.addr[R_NOFD], TOTAL, 0, (char[MC_GPU_IPC_B64_MAX]){0}, &b,
                               &err) == 0)
     snprintf(in.nofd_why, sizeof in.nofd_why, "(exported)");
@@ -375,6 +378,10 @@ static void test_walk_driver(void) {
 static void test_same_host_fd(void) {
   SKIP_NO_GPU();
   CHECK(!strncmp(g_in.export_name, MC_GPU_VMM_PREFIX, strlen(MC_GPU_VMM_PREFIX)));
+  /* A re-export (vLLM re-registers after re-committing new chunks at the
+   * same addresses) gets a new name: peers never reuse a stale mapping. */
+  CHECK(!strncmp(g_in.export_again, MC_GPU_VMM_PREFIX, strlen(MC_GPU_VMM_PREFIX)));
+  CHECK(strcmp(g_in.export_name, g_in.export_again) != 0);
   one_case(g_local, R_FD, 1, "same host: GPU memory moves directly",
            "cuMem 4 chunks, POSIX fd, same-host GPU");
 }
