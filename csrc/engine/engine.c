@@ -403,6 +403,7 @@ int mc_engine_create(const mc_engine_opts_t *o, mc_engine_t **out, mc_err_t *err
   pthread_rwlock_init(&e->handler_lock, NULL);
   pthread_mutex_init(&e->pub_mu, NULL);
   pthread_mutex_init(&e->gpu_mu, NULL);
+  pthread_mutex_init(&e->desc_mu, NULL);
   pthread_mutex_init(&e->route_mu, NULL);
   if ((rc = mc_regions_init(&e->regions)) < 0) {
     free(e);
@@ -520,6 +521,8 @@ fail:
   pthread_mutex_destroy(&e->pub_mu);
   pthread_mutex_destroy(&e->gpu_mu);
   pthread_mutex_destroy(&e->route_mu);
+  pthread_mutex_destroy(&e->desc_mu);
+  free(e->desc_cache);
   free(e->pub_desc);
   free(e->pub_rpc);
   free(e);
@@ -553,6 +556,8 @@ void mc_engine_destroy(mc_engine_t *e) {
   pthread_mutex_destroy(&e->pub_mu);
   pthread_mutex_destroy(&e->gpu_mu);
   pthread_mutex_destroy(&e->route_mu);
+  pthread_mutex_destroy(&e->desc_mu);
+  free(e->desc_cache);
   free(e->pub_desc);
   free(e->pub_rpc);
   free(e);
@@ -561,14 +566,41 @@ void mc_engine_destroy(mc_engine_t *e) {
 const char *mc_engine_segment_name(const mc_engine_t *e) { return e->name; }
 int mc_engine_rpc_port(const mc_engine_t *e) { return e->port; }
 
+static uint64_t regions_version(mc_regions_t *r) {
+  pthread_mutex_lock(&r->mu);
+  uint64_t v = r->version;
+  pthread_mutex_unlock(&r->mu);
+  return v;
+}
+
+/* Same-host peers ask for this with every GPU transfer (the check): the
+ * text is kept for the regions' version (bumped on every change, a region
+ * starting to be removed included) and built again only after a change. */
 char *mc_engine_describe(mc_engine_t *e) {
+  uint64_t v = regions_version(&e->regions);
+  pthread_mutex_lock(&e->desc_mu);
+  char *d = e->desc_cache && e->desc_cache_ver == v ? strdup(e->desc_cache) : NULL;
+  pthread_mutex_unlock(&e->desc_mu);
+  if (d)
+    return d;
   size_t n = mc_regions_count(&e->regions);
   mc_region_t *snap = calloc(n ? n : 1, sizeof *snap);
   if (!snap)
     return NULL;
   n = mc_regions_snapshot(&e->regions, snap, n);
-  char *d = mc_segment_desc_encode(e->name, e->protocol, e->host, e->port, snap, n);
+  d = mc_segment_desc_encode(e->name, e->protocol, e->host, e->port, snap, n);
   free(snap);
+  /* Unchanged around the snapshot: the text belongs to version v. */
+  if (d && e->port && regions_version(&e->regions) == v) {
+    char *keep = strdup(d);
+    pthread_mutex_lock(&e->desc_mu);
+    if (keep) {
+      free(e->desc_cache);
+      e->desc_cache = keep;
+      e->desc_cache_ver = v;
+    }
+    pthread_mutex_unlock(&e->desc_mu);
+  }
   return d;
 }
 

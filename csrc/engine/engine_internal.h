@@ -82,6 +82,9 @@ struct mc_engine {
   int meta_ttl_s;           /* MC_METADATA_TTL; 0 = entries without TTL */
   pthread_mutex_t pub_mu;   /* serialises writes of our entries */
   char *pub_desc, *pub_rpc; /* last published values (pub_mu) */
+  pthread_mutex_t desc_mu;  /* desc_cache */
+  char *desc_cache;         /* mc.describe's reply for regions.version desc_cache_ver */
+  uint64_t desc_cache_ver;
   pthread_t ka_thread;
   int ka_running;
   pthread_mutex_t ka_mu;

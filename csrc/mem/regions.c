@@ -136,6 +136,7 @@ int mc_regions_remove(mc_regions_t *r, uint64_t addr, int64_t timeout_ms, mc_err
   mc_region_t *reg = r->v[i];
   reg->dead = 1;
   reg->removing = 1;
+  r->version++; /* snapshots no longer list it */
   struct timespec dl;
   clock_gettime(CLOCK_REALTIME, &dl);
   if (timeout_ms >= 0) {
