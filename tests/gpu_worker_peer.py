@@ -35,6 +35,46 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from line_peer import answer as out, requests  # noqa: E402
 
 
+def load_vllm034_allocator():
+    """vLLM 0.34's own allocator code (vllm/utils/extensible_tensor.py and
+    vmm_driver.py, unchanged, from $VLLM034_SRC: the wheel's files) without
+    importing the rest of vLLM: only `vllm.logger` is stood in for."""
+    import importlib
+    import logging
+    import types
+    src = os.environ["VLLM034_SRC"]
+    if "vllm" not in sys.modules:
+        pkg = types.ModuleType("vllm")
+        pkg.__path__ = [os.path.join(src, "vllm")]
+        utils = types.ModuleType("vllm.utils")
+        utils.__path__ = [os.path.join(src, "vllm", "utils")]
+        logger = types.ModuleType("vllm.logger")
+        logger.init_logger = logging.getLogger
+        sys.modules.update({"vllm": pkg, "vllm.utils": utils, "vllm.logger": logger})
+    return importlib.import_module("vllm.utils.extensible_tensor")
+
+
+def vllm034_kv(a, dev, shape, handle_types):
+    """One ExtensibleTensor with a segment per layer, as vLLM 0.34's
+    ExtensibleKVCache builds it; each segment committed in two steps (two
+    physical chunks per layer, mapped back to back), then viewed as the
+    layers' FlashAttention tensors."""
+    et = load_vllm034_allocator()
+    per = 2 * a.blocks * a.block_size * a.kv_heads * a.head_size * 2  # bf16
+    gran = et.granule_size(dev.index or 0)
+    per_padded = (per + 2 * gran - 1) // (2 * gran) * (2 * gran)
+    buf = et.ExtensibleTensor(per_padded * a.layers, device=dev,
+                              segment_capacities=[per_padded] * a.layers,
+                              export_handle_types=handle_types)
+    buf.resize_per_segment_(per_padded // 2, zero_new=True)
+    buf.resize_per_segment_(per_padded, zero_new=True)
+    full = buf.full_view()
+    kv = {f"model.layers.{i}.self_attn.attn":
+          full[i * per_padded:i * per_padded + per].view(torch.bfloat16).view(shape)
+          for i in range(a.layers)}
+    return buf, kv
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--role", required=True)
@@ -45,12 +85,21 @@ def main():
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--head-size", type=int, default=128)
+    ap.add_argument("--alloc", default="torch", choices=["torch", "vllm034-fd", "vllm034-none"],
+                    help="vllm034-*: vLLM 0.34's extensible KV cache allocator (its wheel's "
+                         "Python files under $VLLM034_SRC), with POSIX fd handles (what "
+                         "KVCacheAccess.EXPORTS_FD requests) or none (IN_PROCESS)")
     a = ap.parse_args()
     dev = torch.device(a.device)
     torch.cuda.set_device(dev)
     shape = (2, a.blocks, a.block_size, a.kv_heads, a.head_size)
-    kv = {f"model.layers.{i}.self_attn.attn": torch.zeros(shape, dtype=torch.bfloat16, device=dev)
-          for i in range(a.layers)}
+    keep = None
+    if a.alloc == "torch":
+        kv = {f"model.layers.{i}.self_attn.attn": torch.zeros(shape, dtype=torch.bfloat16,
+                                                              device=dev)
+              for i in range(a.layers)}
+    else:
+        keep, kv = vllm034_kv(a, dev, shape, 1 if a.alloc == "vllm034-fd" else 0)
     s = Settings(role=a.role, mooncake=json.loads(a.urls), hold_timeout_s=60.0,
                  load_timeout_s=60.0)
     w = WorkerSide(s, a.block_size, tp_rank=0, tp_size=1, num_blocks=a.blocks)
@@ -109,6 +158,7 @@ def main():
         else:
             out({"error": f"unknown command {cmd}"})
     w.shutdown()
+    del keep
 
 
 if __name__ == "__main__":

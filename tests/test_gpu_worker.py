@@ -39,26 +39,57 @@ def free_port():
 
 
 class WorkerPeer(LinePeer):
-    def __init__(self, role, device, urls, env):
+    def __init__(self, role, device, urls, env, alloc="torch"):
         super().__init__(os.path.join(HERE, "gpu_worker_peer.py"),
                          ["--role", role, "--device", device, "--urls", json.dumps(urls),
-                          "--layers", str(LAYERS), "--blocks", str(NB), "--block-size", str(BS)],
+                          "--layers", str(LAYERS), "--blocks", str(NB), "--block-size", str(BS),
+                          "--alloc", alloc],
                          env, f"{role} worker")
 
 
 @pytest.mark.parametrize("ipc", ["1", "0"], ids=["same-host", "tcp"])
 def test_worker_cuda_kv_caches_between_gpus(ipc):
+    run_worker_pair(ipc)
+
+
+VLLM034 = os.environ.get("VLLM034_SRC", "")
+
+
+@pytest.mark.skipif(not os.path.isfile(os.path.join(VLLM034, "vllm/utils/extensible_tensor.py")),
+                    reason="set VLLM034_SRC to vLLM 0.34.0's unpacked wheel (its Python files)")
+@pytest.mark.parametrize("alloc,ipc,path", [
+    ("vllm034-fd", "1", "same host: GPU memory moves directly"),
+    ("vllm034-fd", "0", None),
+    ("vllm034-none", "1", "TCP with pinned staging"),
+], ids=["fd-same-host", "fd-tcp", "no-handle-tcp-fallback"])
+def test_worker_vllm034_extensible_kv_cache(alloc, ipc, path):
+    """Both workers' KV caches allocated by vLLM 0.34's own extensible KV
+    cache allocator (driver-mapped, two physical chunks per layer): with
+    POSIX fd handles (KVCacheAccess.EXPORTS_FD) the same-host GPU path maps
+    them; without, TCP with staging (and the producer says why); byte-exact
+    every time."""
+    logs = run_worker_pair(ipc, alloc)
+    if path:
+        assert path in logs
+    if ipc == "0":
+        assert "moves directly" not in logs
+    if alloc == "vllm034-none":
+        assert "KVCacheAccess.EXPORTS_FD" in logs
+
+
+def run_worker_pair(ipc, alloc="torch"):
     p, d = free_port(), free_port()
     while abs(d - p) < 50:
         d = free_port()
     urls = {"prefill_url": f"127.0.0.1:{p}", "decode_url": f"127.0.0.1:{d}",
             "metadata_server": "P2PHANDSHAKE", "protocol": "tcp"}
-    env = {"MC_GPU_IPC": ipc}
+    env = {"MC_GPU_IPC": ipc, "MC_LOG_LEVEL": "info"}
     made = []
+    logs = ""
     try:
-        prod = WorkerPeer("kv_producer", "cuda:0", urls, env)
+        prod = WorkerPeer("kv_producer", "cuda:0", urls, env, alloc)
         made.append(prod)
-        cons = WorkerPeer("kv_consumer", "cuda:1" if NGPU > 1 else "cuda:0", urls, env)
+        cons = WorkerPeer("kv_consumer", "cuda:1" if NGPU > 1 else "cuda:0", urls, env, alloc)
         made.append(cons)
         assert prod.info["extents_per_block"] == 2 * LAYERS  # K and V of every layer
         prod.call(cmd="fill", seed=7)
@@ -88,8 +119,11 @@ def test_worker_cuda_kv_caches_between_gpus(ipc):
             time.sleep(0.01)
         assert "r1" in sending
         mb = nblk * 2 * LAYERS * BS * 8 * 128 * 2 / 1e6
-        sys.stderr.write(f"worker load ({'same-host' if ipc == '1' else 'TCP'}): {mb:.1f} MB "
-                         f"in {r['secs'] * 1e3:.1f} ms\n")
+        sys.stderr.write(f"worker load ({'same-host' if ipc == '1' else 'TCP'}, {alloc}): "
+                         f"{mb:.1f} MB in {r['secs'] * 1e3:.1f} ms\n")
     finally:
         for m in made:
-            sys.stderr.write(m.close())
+            err = m.close()
+            logs += err
+            sys.stderr.write(err)
+    return logs

@@ -12,6 +12,7 @@
 #include "gpu/cuda_driver.h"
 #include "gpu/gpu_dmabuf.h"
 #include "gpu/gpu_ipc.h"
+#include "gpu/gpu_vmm.h"
 #include "util/dynlib.h"
 #include "util/hostport.h"
 #include "util/env.h"
@@ -70,6 +71,17 @@ static struct ibv_mr *gpu_reg_mr(void *arg, struct ibv_pd *pd, void *addr, size_
   return mr;
 }
 
+/* Driver-mapped GPU memory: an MR per physical chunk (gpu_vmm.h). */
+static long gpu_pieces(void *arg, uint64_t addr, uint64_t len, uint64_t **pairs,
+                       mc_err_t *err) {
+  (void)arg;
+  long n = mc_gpu_vmm_pieces(addr, len, pairs, err);
+  if (n > 1)
+    mc_log_info("GPU memory 0x%llx+%llu is %ld driver-mapped chunks: one RDMA registration "
+                "each", (unsigned long long)addr, (unsigned long long)len, n);
+  return n;
+}
+
 static int start_rdma(mc_engine_t *e, const mc_engine_opts_t *o, mc_err_t *err) {
   mc_rdma_opts_t ro = {
       .device_name = o->device_name,
@@ -86,7 +98,7 @@ static int start_rdma(mc_engine_t *e, const mc_engine_opts_t *o, mc_err_t *err) 
   };
   mc_rdma_hooks_t rh = {.ctx = e, .local_name = e->name, .rpc = rdma_rpc};
   /* GPU regions: GPUDirect registration (DMA-BUF, then nvidia-peermem). */
-  static const mc_rdma_mem_hook_t gpu_hook = {.reg = gpu_reg_mr};
+  static const mc_rdma_mem_hook_t gpu_hook = {.reg = gpu_reg_mr, .pieces = gpu_pieces};
   mc_rdma_set_mem_hook(&gpu_hook);
   mc_rdma_t *rdma = NULL;
   int rc = mc_rdma_start(&ro, &rh, &rdma, err);
@@ -432,6 +444,7 @@ int mc_engine_create(const mc_engine_opts_t *o, mc_engine_t **out, mc_err_t *err
   pthread_rwlock_init(&e->handler_lock, NULL);
   pthread_mutex_init(&e->pub_mu, NULL);
   pthread_mutex_init(&e->gpu_mu, NULL);
+  pthread_mutex_init(&e->desc_mu, NULL);
   pthread_mutex_init(&e->route_mu, NULL);
   pthread_mutex_init(&e->pin_mu, NULL);
   if ((rc = mc_regions_init(&e->regions)) < 0) {
@@ -553,6 +566,8 @@ fail:
   pthread_mutex_destroy(&e->gpu_mu);
   pthread_mutex_destroy(&e->route_mu);
   pthread_mutex_destroy(&e->pin_mu);
+  pthread_mutex_destroy(&e->desc_mu);
+  free(e->desc_cache);
   free(e->pub_desc);
   free(e->pub_rpc);
   free(e->unpub);
@@ -588,6 +603,8 @@ void mc_engine_destroy(mc_engine_t *e) {
   pthread_mutex_destroy(&e->gpu_mu);
   pthread_mutex_destroy(&e->route_mu);
   pthread_mutex_destroy(&e->pin_mu);
+  pthread_mutex_destroy(&e->desc_mu);
+  free(e->desc_cache);
   free(e->pub_desc);
   free(e->pub_rpc);
   free(e->unpub);
@@ -597,14 +614,41 @@ void mc_engine_destroy(mc_engine_t *e) {
 const char *mc_engine_segment_name(const mc_engine_t *e) { return e->name; }
 int mc_engine_rpc_port(const mc_engine_t *e) { return e->port; }
 
+static uint64_t regions_version(mc_regions_t *r) {
+  pthread_mutex_lock(&r->mu);
+  uint64_t v = r->version;
+  pthread_mutex_unlock(&r->mu);
+  return v;
+}
+
+/* Same-host peers ask for this with every GPU transfer (the check): the
+ * text is kept for the regions' version (bumped on every change, a region
+ * starting to be removed included) and built again only after a change. */
 char *mc_engine_describe(mc_engine_t *e) {
+  uint64_t v = regions_version(&e->regions);
+  pthread_mutex_lock(&e->desc_mu);
+  char *d = e->desc_cache && e->desc_cache_ver == v ? strdup(e->desc_cache) : NULL;
+  pthread_mutex_unlock(&e->desc_mu);
+  if (d)
+    return d;
   size_t n = mc_regions_count(&e->regions);
   mc_region_t *snap = calloc(n ? n : 1, sizeof *snap);
   if (!snap)
     return NULL;
   n = mc_regions_snapshot(&e->regions, snap, n);
-  char *d = mc_segment_desc_encode(e->name, e->protocol, e->host, e->port, snap, n);
+  d = mc_segment_desc_encode(e->name, e->protocol, e->host, e->port, snap, n);
   free(snap);
+  /* Unchanged around the snapshot: the text belongs to version v. */
+  if (d && e->port && regions_version(&e->regions) == v) {
+    char *keep = strdup(d);
+    pthread_mutex_lock(&e->desc_mu);
+    if (keep) {
+      free(e->desc_cache);
+      e->desc_cache = keep;
+      e->desc_cache_ver = v;
+    }
+    pthread_mutex_unlock(&e->desc_mu);
+  }
   return d;
 }
 
@@ -665,7 +709,7 @@ static int add_region(mc_engine_t *e, uint64_t addr, uint64_t len, const char *l
   if (dev >= 0) {
     mc_err_t why = {0};
     mc_cuda_use_device(dev, NULL); /* the default for our threads' pointer queries */
-    if (mc_gpu_ipc_export(addr, ipc, &ipc_base, &why) < 0) {
+    if (mc_gpu_ipc_export_range(addr, len, dev, ipc, &ipc_base, &why) < 0) {
       ipc[0] = '\0';
       mc_log_info("%s", why.msg);
     }

@@ -95,6 +95,9 @@ struct mc_engine {
    * metadata server (pub_mu): unregistering one again retries the publish. */
   uint64_t *unpub;
   size_t nunpub, cap_unpub;
+  pthread_mutex_t desc_mu;  /* desc_cache */
+  char *desc_cache;         /* mc.describe's reply for regions.version desc_cache_ver */
+  uint64_t desc_cache_ver;
   pthread_t ka_thread;
   int ka_running;
   pthread_mutex_t ka_mu;

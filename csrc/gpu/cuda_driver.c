@@ -8,6 +8,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "gpu/gpu_vmm.h"
 #include "util/dynlib.h"
 
 static pthread_once_t g_once = PTHREAD_ONCE_INIT;
@@ -88,6 +89,23 @@ static void load(void) {
   *(void **)&g_api.cuModuleLoadData = dlsym_quiet(h, "cuModuleLoadData");
   *(void **)&g_api.cuModuleGetFunction = dlsym_quiet(h, "cuModuleGetFunction");
   *(void **)&g_api.cuLaunchKernel = dlsym_quiet(h, "cuLaunchKernel");
+  *(void **)&g_api.cuMemGetAddressRange = dlsym_quiet(h, "cuMemGetAddressRange_v2");
+  *(void **)&g_api.cuMemRetainAllocationHandle = dlsym_quiet(h, "cuMemRetainAllocationHandle");
+  *(void **)&g_api.cuMemRelease = dlsym_quiet(h, "cuMemRelease");
+  *(void **)&g_api.cuMemExportToShareableHandle =
+      dlsym_quiet(h, "cuMemExportToShareableHandle");
+  *(void **)&g_api.cuMemImportFromShareableHandle =
+      dlsym_quiet(h, "cuMemImportFromShareableHandle");
+  *(void **)&g_api.cuMemGetAllocationPropertiesFromHandle =
+      dlsym_quiet(h, "cuMemGetAllocationPropertiesFromHandle");
+  *(void **)&g_api.cuMemAddressReserve = dlsym_quiet(h, "cuMemAddressReserve");
+  *(void **)&g_api.cuMemAddressFree = dlsym_quiet(h, "cuMemAddressFree");
+  *(void **)&g_api.cuMemMap = dlsym_quiet(h, "cuMemMap");
+  *(void **)&g_api.cuMemUnmap = dlsym_quiet(h, "cuMemUnmap");
+  *(void **)&g_api.cuMemSetAccess = dlsym_quiet(h, "cuMemSetAccess");
+  *(void **)&g_api.cuMemCreate = dlsym_quiet(h, "cuMemCreate");
+  *(void **)&g_api.cuMemGetAllocationGranularity =
+      dlsym_quiet(h, "cuMemGetAllocationGranularity");
   mc_cu_result r = g_api.cuInit(0);
   if (r != 0) {
     char b[160];
@@ -263,6 +281,18 @@ int mc_cuda_locate_range(uint64_t addr, uint64_t len, int *device, uint64_t *sta
         api->cuPointerGetAttribute(&size, MC_CU_POINTER_ATTRIBUTE_RANGE_SIZE, addr) != 0)
       return mc_err_set(err, MC_EINVAL, "cannot query the CUDA allocation holding 0x%llx",
                         (unsigned long long)addr);
+  }
+  if (addr + len > start + size) {
+    /* Driver-mapped memory: one range may be several physical chunks mapped
+     * back to back (vLLM's extensible KV cache); the query answers per chunk. */
+    mc_gpu_chunk_t *ch = NULL;
+    size_t n = 0;
+    mc_err_t ignored2;
+    if (mc_gpu_vmm_is_mapped(addr) && mc_gpu_vmm_chunks(addr, len, &ch, &n, &ignored2) == 0) {
+      start = ch[0].base;
+      size = (size_t)(ch[n - 1].base + ch[n - 1].size - ch[0].base);
+      free(ch);
+    }
   }
   if (addr + len > start + size)
     return mc_err_set(err, MC_EINVAL,

@@ -33,6 +33,40 @@ typedef struct mc_cu_memcpy_attrs {
   unsigned flags;
 } mc_cu_memcpy_attrs_t;
 
+/* CUmemGenericAllocationHandle and the cuMem* structures (stable ABI). */
+typedef unsigned long long mc_cu_mem_handle;
+typedef struct mc_cu_mem_location {
+  int type; /* CUmemLocationType: 1 = device */
+  int id;
+} mc_cu_mem_location_t;
+typedef struct mc_cu_mem_alloc_prop {
+  int type;                  /* CUmemAllocationType: 1 = pinned */
+  int requested_handle_types; /* CUmemAllocationHandleType bits */
+  mc_cu_mem_location_t location;
+  void *win32_handle_meta_data;
+  struct {
+    unsigned char compression_type;
+    unsigned char gpu_direct_rdma_capable;
+    unsigned short usage;
+    unsigned char reserved[4];
+  } alloc_flags;
+} mc_cu_mem_alloc_prop_t; /* CUmemAllocationProp */
+typedef struct mc_cu_mem_access_desc {
+  mc_cu_mem_location_t location;
+  int flags; /* CUmemAccess_flags: 3 = read/write */
+} mc_cu_mem_access_desc_t;
+
+enum {
+  MC_CU_MEM_ALLOCATION_TYPE_PINNED = 1,
+  MC_CU_MEM_LOCATION_TYPE_DEVICE = 1,
+  MC_CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 1,
+  MC_CU_MEM_HANDLE_TYPE_FABRIC = 8,
+  MC_CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 3,
+  MC_CU_MEM_ALLOC_GRANULARITY_MINIMUM = 0,
+  MC_CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE = 10,
+  MC_CU_POINTER_ATTRIBUTE_MAPPED = 13,
+};
+
 enum {
   MC_CU_POINTER_ATTRIBUTE_CONTEXT = 1,
   MC_CU_POINTER_ATTRIBUTE_MEMORY_TYPE = 2,
@@ -105,6 +139,28 @@ typedef struct mc_cuda_api {
                                        size_t count, mc_cu_memcpy_attrs_t *attrs,
                                        size_t *attr_idx, size_t nattrs, size_t *fail_idx,
                                        mc_cu_stream s);
+  /* Virtual memory management (cuMem*): driver-mapped memory such as
+   * vLLM's extensible KV cache; optional (NULL on drivers without them). */
+  mc_cu_result (*cuMemGetAddressRange)(mc_cu_ptr *base, size_t *size, mc_cu_ptr p);
+  mc_cu_result (*cuMemRetainAllocationHandle)(mc_cu_mem_handle *h, void *addr);
+  mc_cu_result (*cuMemRelease)(mc_cu_mem_handle h);
+  mc_cu_result (*cuMemExportToShareableHandle)(void *shareable, mc_cu_mem_handle h, int type,
+                                               unsigned long long flags);
+  mc_cu_result (*cuMemImportFromShareableHandle)(mc_cu_mem_handle *h, void *shareable, int type);
+  mc_cu_result (*cuMemGetAllocationPropertiesFromHandle)(mc_cu_mem_alloc_prop_t *prop,
+                                                         mc_cu_mem_handle h);
+  mc_cu_result (*cuMemAddressReserve)(mc_cu_ptr *p, size_t size, size_t align, mc_cu_ptr addr,
+                                      unsigned long long flags);
+  mc_cu_result (*cuMemAddressFree)(mc_cu_ptr p, size_t size);
+  mc_cu_result (*cuMemMap)(mc_cu_ptr p, size_t size, size_t offset, mc_cu_mem_handle h,
+                           unsigned long long flags);
+  mc_cu_result (*cuMemUnmap)(mc_cu_ptr p, size_t size);
+  mc_cu_result (*cuMemSetAccess)(mc_cu_ptr p, size_t size, const mc_cu_mem_access_desc_t *desc,
+                                 size_t count);
+  mc_cu_result (*cuMemCreate)(mc_cu_mem_handle *h, size_t size,
+                              const mc_cu_mem_alloc_prop_t *prop, unsigned long long flags);
+  mc_cu_result (*cuMemGetAllocationGranularity)(size_t *g, const mc_cu_mem_alloc_prop_t *prop,
+                                                int option);
   int driver_version;
   int device_count;
 } mc_cuda_api_t;

@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include "gpu/cuda_driver.h"
+#include "gpu/gpu_vmm.h"
 
 static const char b64chars[] =
     "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
@@ -80,6 +81,15 @@ int mc_gpu_ipc_export(uint64_t addr, char out_b64[MC_GPU_IPC_B64_MAX], uint64_t 
   return 0;
 }
 
+int mc_gpu_ipc_export_range(uint64_t addr, uint64_t len, int device,
+                            char out[MC_GPU_IPC_B64_MAX], uint64_t *alloc_base, mc_err_t *err) {
+  /* Driver-mapped memory: cuIpcGetMemHandle cannot export it; its chunks
+   * go as POSIX file descriptors (gpu_vmm.h). */
+  if (mc_gpu_vmm_is_mapped(addr))
+    return mc_gpu_vmm_export(addr, len, device, out, MC_GPU_IPC_B64_MAX, alloc_base, err);
+  return mc_gpu_ipc_export(addr, out, alloc_base, err);
+}
+
 typedef struct opened {
   char b64[MC_GPU_IPC_B64_MAX];
   uint64_t hash; /* of b64: handles of one exporter share long prefixes */
@@ -106,6 +116,45 @@ static const opened_t *find_opened(const char *b64, uint64_t hash, int device) {
   return NULL;
 }
 
+/* Caller holds g_mu; remembers an opened mapping (kept if out of memory:
+ * the next open maps it again). */
+static void remember(const char *b64, uint64_t hash, int device, uint64_t p) {
+  if (g_nopen == g_capopen) {
+    size_t nc = g_capopen ? g_capopen * 2 : 16;
+    opened_t *v = realloc(g_open, nc * sizeof *v);
+    if (v) {
+      g_open = v;
+      g_capopen = nc;
+    }
+  }
+  if (g_nopen < g_capopen) {
+    snprintf(g_open[g_nopen].b64, sizeof g_open[g_nopen].b64, "%s", b64);
+    g_open[g_nopen].hash = hash;
+    g_open[g_nopen].device = device;
+    g_open[g_nopen].mapped = p;
+    g_nopen++;
+  }
+}
+
+/* A driver-mapped export: imported once per (export, device), under the
+ * lock so two threads never import it twice. */
+static int open_vmm(const char *name, uint64_t hash, int device, uint64_t *mapped,
+                    mc_err_t *err) {
+  if (strlen(name) >= MC_GPU_IPC_B64_MAX)
+    return mc_err_set(err, MC_EINVAL, "malformed GPU memory export \"%.40s...\" in a peer's "
+                      "segment descriptor", name);
+  pthread_mutex_lock(&g_mu);
+  const opened_t *o = find_opened(name, hash, device);
+  int rc = 0;
+  if (o) {
+    *mapped = o->mapped;
+  } else if ((rc = mc_gpu_vmm_import(name, device, mapped, err)) == 0) {
+    remember(name, hash, device, *mapped);
+  }
+  pthread_mutex_unlock(&g_mu);
+  return rc;
+}
+
 int mc_gpu_ipc_open(const char *b64, int device, uint64_t *mapped, mc_err_t *err) {
   uint64_t hash = fnv1a(b64);
   pthread_mutex_lock(&g_mu);
@@ -116,6 +165,8 @@ int mc_gpu_ipc_open(const char *b64, int device, uint64_t *mapped, mc_err_t *err
     return 0;
   }
   pthread_mutex_unlock(&g_mu);
+  if (!strncmp(b64, MC_GPU_VMM_PREFIX, strlen(MC_GPU_VMM_PREFIX)))
+    return open_vmm(b64, hash, device, mapped, err);
   const mc_cuda_api_t *api = mc_cuda_api(err);
   if (!api)
     return err ? err->code : MC_EUNAVAIL;
@@ -146,21 +197,7 @@ int mc_gpu_ipc_open(const char *b64, int device, uint64_t *mapped, mc_err_t *err
                       "on this host with its GPU visible to this process",
                       device, mc_cuda_strerror(api, r, m, sizeof m));
   }
-  if (g_nopen == g_capopen) {
-    size_t nc = g_capopen ? g_capopen * 2 : 16;
-    opened_t *v = realloc(g_open, nc * sizeof *v);
-    if (v) {
-      g_open = v;
-      g_capopen = nc;
-    }
-  }
-  if (g_nopen < g_capopen) {
-    snprintf(g_open[g_nopen].b64, sizeof g_open[g_nopen].b64, "%s", b64);
-    g_open[g_nopen].hash = hash;
-    g_open[g_nopen].device = device;
-    g_open[g_nopen].mapped = p;
-    g_nopen++;
-  }
+  remember(b64, hash, device, p);
   pthread_mutex_unlock(&g_mu);
   *mapped = p;
   return 0;

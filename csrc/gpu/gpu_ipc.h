@@ -23,7 +23,15 @@
 int mc_gpu_ipc_export(uint64_t addr, char out_b64[MC_GPU_IPC_B64_MAX], uint64_t *alloc_base,
                       mc_err_t *err);
 
-/* Maps the allocation named by `b64` into this process for use from cuda
+/* Exports [addr, addr+len) of cuda:`device` memory for same-host peers:
+ * driver-mapped (cuMem) memory as POSIX fds of its physical chunks
+ * (gpu_vmm.h: `out` is then "vmm1:...", *alloc_base the first chunk's
+ * base), classic allocations as above.  MC_EUNAVAIL with the reason and the
+ * fix when neither works. */
+int mc_gpu_ipc_export_range(uint64_t addr, uint64_t len, int device,
+                            char out[MC_GPU_IPC_B64_MAX], uint64_t *alloc_base, mc_err_t *err);
+
+/* Maps the allocation named by `b64` (or a "vmm1:" export) into this process for use from cuda
  * device `device`; *mapped is where the allocation's start appears here. */
 int mc_gpu_ipc_open(const char *b64, int device, uint64_t *mapped, mc_err_t *err);
 

@@ -167,6 +167,7 @@ int mc_regions_remove_cb(mc_regions_t *r, uint64_t addr, int64_t timeout_ms, int
   mc_region_t *reg = r->v[i];
   reg->dead = 1;
   reg->removing = 1;
+  r->version++; /* snapshots no longer list it */
   struct timespec dl = deadline_after(timeout_ms >= 0 ? timeout_ms : 0);
   if (stall && grace_ms >= 0 && (timeout_ms < 0 || grace_ms < timeout_ms)) {
     struct timespec gdl = deadline_after(grace_ms);

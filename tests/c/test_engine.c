@@ -565,6 +565,38 @@ static void test_regions_device_of(void) {
   mc_regions_destroy(&r);
 }
 
+/* mc.describe's reply (what same-host GPU peers fetch with every transfer)
+ * is kept between changes and rebuilt after each: registering, and
+ * unregistering, show at once. */
+static void test_describe_follows_changes(void) {
+  mc_engine_opts_t o = {.local_hostname = "127.0.0.1", .metadata_server = "P2PHANDSHAKE"};
+  mc_engine_t *e = NULL;
+  mc_err_t err = {0};
+  CHECK_EQ_INT(mc_engine_create(&o, &e, &err), 0);
+  char *x = malloc(8192), *y = malloc(8192);
+  char ax[32], ay[32];
+  snprintf(ax, sizeof ax, "%llu", (unsigned long long)(uintptr_t)x);
+  snprintf(ay, sizeof ay, "%llu", (unsigned long long)(uintptr_t)y);
+  CHECK_EQ_INT(mc_engine_register(e, x, 8192, "cpu", &err), 0);
+  char *d1 = mc_engine_describe(e), *d2 = mc_engine_describe(e);
+  CHECK(d1 && d2 && strstr(d1, ax) && !strstr(d1, ay));
+  CHECK(!strcmp(d1, d2)); /* unchanged: the same text */
+  CHECK_EQ_INT(mc_engine_register(e, y, 8192, "cpu", &err), 0);
+  char *d3 = mc_engine_describe(e);
+  CHECK(d3 && strstr(d3, ax) && strstr(d3, ay));
+  CHECK_EQ_INT(mc_engine_unregister(e, x, &err), 0);
+  char *d4 = mc_engine_describe(e);
+  CHECK(d4 && !strstr(d4, ax) && strstr(d4, ay));
+  CHECK_EQ_INT(mc_engine_unregister(e, y, &err), 0);
+  free(d1);
+  free(d2);
+  free(d3);
+  free(d4);
+  mc_engine_destroy(e);
+  free(x);
+  free(y);
+}
+
 int main(void) {
   setenv("MC_NOTIFY_QUEUE_MB", "1", 1); /* test_notify_budget */
   abuf = malloc(BUFSZ);
@@ -597,6 +629,7 @@ int main(void) {
   RUN(test_timeout_cancels);
   RUN(test_detached_notifications_are_bounded);
   RUN(test_garbage_connection);
+  RUN(test_describe_follows_changes);
   mc_engine_destroy(A);
   mc_engine_destroy(B);
   free(abuf);

@@ -62,6 +62,12 @@ typedef struct mc_rdma_mem_hook {
   struct ibv_mr *(*reg)(void *arg, struct ibv_pd *pd, void *addr, size_t len, int access,
                         const char *location, mc_err_t *err);
   int (*preferred_nic)(void *arg, const char *location, const char *const *nics, int nnics);
+  /* Optional: the physical pieces of [addr, addr+len) that need an MR each
+   * (driver-mapped GPU memory: one per cuMemCreate chunk, as DMA-BUF export
+   * covers one physical allocation), as malloc'ed (start, len) pairs in
+   * address order tiling the range; returns the count (0: one MR for the
+   * whole range), or a negative code with err set. */
+  long (*pieces)(void *arg, uint64_t addr, uint64_t len, uint64_t **pairs, mc_err_t *err);
 } mc_rdma_mem_hook_t;
 void mc_rdma_set_mem_hook(const mc_rdma_mem_hook_t *hook); /* NULL removes it */
 

@@ -29,6 +29,7 @@ typedef struct mc_rdma_nic {
 /* One registered region: an MR on every NIC (the MR cache). */
 typedef struct mc_rdma_mr {
   uint64_t addr, len;
+  uint64_t region; /* the registered range's start (several MRs: one per GPU chunk) */
   struct ibv_mr *mr[MC_RDMA_MAX_NICS];
   int pref_nic; /* NIC on the memory's NUMA node / PCIe switch, or -1 */
 } mc_rdma_mr_t;

@@ -43,9 +43,44 @@ static void dereg_all(mc_rdma_t *t, mc_rdma_mr_t *m) {
       t->v->dereg_mr(m->mr[i]);
 }
 
+static int register_one(mc_rdma_t *t, void *addr, uint64_t len, uint64_t region,
+                        const char *location, mc_err_t *err);
+
 int mc_rdma_register(mc_rdma_t *t, void *addr, uint64_t len, const char *location,
                      mc_err_t *err) {
-  mc_rdma_mr_t m = {.addr = (uint64_t)(uintptr_t)addr, .len = len, .pref_nic = -1};
+  int gpu = location && !strncmp(location, "cuda", 4);
+  mc_rdma_mem_hook_t h;
+  pthread_mutex_lock(&hook_mu);
+  int hooked = have_hook;
+  h = hook;
+  pthread_mutex_unlock(&hook_mu);
+  uint64_t *pairs = NULL;
+  long np = gpu && hooked && h.pieces ? h.pieces(h.arg, (uint64_t)(uintptr_t)addr, len, &pairs,
+                                                  err)
+                                      : 0;
+  if (np < 0)
+    return (int)np;
+  if (np <= 1) {
+    free(pairs);
+    return register_one(t, addr, len, (uint64_t)(uintptr_t)addr, location, err);
+  }
+  /* Driver-mapped GPU memory of several physical chunks: an MR per chunk,
+   * all under this region (unregistered together). */
+  int rc = 0;
+  long i = 0;
+  for (; i < np && rc == 0; i++)
+    rc = register_one(t, (void *)(uintptr_t)pairs[2 * i], pairs[2 * i + 1],
+                      (uint64_t)(uintptr_t)addr, location, err);
+  free(pairs);
+  if (rc < 0)
+    mc_rdma_unregister(t, addr);
+  return rc;
+}
+
+static int register_one(mc_rdma_t *t, void *addr, uint64_t len, uint64_t region,
+                        const char *location, mc_err_t *err) {
+  mc_rdma_mr_t m = {.addr = (uint64_t)(uintptr_t)addr, .len = len, .pref_nic = -1,
+                    .region = region};
   int gpu = location && !strncmp(location, "cuda", 4);
   mc_rdma_mem_hook_t h;
   pthread_mutex_lock(&hook_mu);
@@ -113,12 +148,13 @@ int mc_rdma_register(mc_rdma_t *t, void *addr, uint64_t len, const char *locatio
 
 void mc_rdma_unregister(mc_rdma_t *t, void *addr) {
   pthread_rwlock_wrlock(&t->mr_lock);
-  for (size_t i = 0; i < t->nmr; i++) {
-    if (t->mrs[i].addr == (uint64_t)(uintptr_t)addr) {
+  for (size_t i = 0; i < t->nmr;) { /* every MR of the region (one per GPU chunk) */
+    if (t->mrs[i].region == (uint64_t)(uintptr_t)addr) {
       dereg_all(t, &t->mrs[i]);
       memmove(t->mrs + i, t->mrs + i + 1, (t->nmr - i - 1) * sizeof *t->mrs);
       t->nmr--;
-      break;
+    } else {
+      i++;
     }
   }
   pthread_rwlock_unlock(&t->mr_lock);

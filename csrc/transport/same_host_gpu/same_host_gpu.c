@@ -24,6 +24,7 @@ typedef struct peer_entry {
   int have;    /* desc holds the peer's last descriptor */
   int fresh;   /* desc was fetched by reaches() and not used yet */
   mc_remote_desc_t desc;
+  char *raw; /* the reply desc was decoded from (NULL if unknown) */
 } peer_entry_t;
 
 typedef struct shg {
@@ -69,13 +70,17 @@ static void log_path_once(shg_t *t, const char *segment, const char *fmt, ...) {
 /* ---- the peer's descriptor ---- */
 
 /* Asks the peer for its descriptor (an RPC on the control connection). */
-static int describe_remote(shg_t *t, const char *segment, mc_remote_desc_t *out,
+static int describe_remote(shg_t *t, const char *segment, mc_remote_desc_t *out, char **raw,
                            mc_err_t *err) {
   char *reply = NULL;
   int rc = t->rpc(t->ctx, segment, MC_RPC_DESCRIBE, strlen(MC_RPC_DESCRIBE), 10000, &reply,
                   err);
   if (rc == 0)
     rc = mc_segment_desc_decode_regions(reply ? reply : "", reply ? strlen(reply) : 0, out, err);
+  if (rc == 0 && raw) {
+    *raw = reply; /* the caller keeps the text: an identical later reply needs no decode */
+    reply = NULL;
+  }
   free(reply);
   return rc;
 }
@@ -126,11 +131,13 @@ static int desc_copy(mc_remote_desc_t *dst, const mc_remote_desc_t *src) {
 
 /* Stores a fresh descriptor of `segment` (verdict 1 = same host). */
 static void peer_store(shg_t *t, const char *segment, int verdict, const mc_remote_desc_t *rd,
-                       int fresh) {
+                       int fresh, const char *raw) {
   pthread_mutex_lock(&t->mu);
   ssize_t i = peer_find(t, segment, 1);
   if (i >= 0) {
     t->peers[i].verdict = verdict;
+    free(t->peers[i].raw);
+    t->peers[i].raw = rd && raw ? strdup(raw) : NULL;
     mc_remote_desc_free(&t->peers[i].desc);
     t->peers[i].have = rd && desc_copy(&t->peers[i].desc, rd) == 0;
     t->peers[i].fresh = fresh && t->peers[i].have;
@@ -155,10 +162,12 @@ static int shg_reaches(void *impl, const mc_peer_t *peer, mc_mem_kind_t kind, ch
   if (verdict == 0) {
     mc_remote_desc_t rd = {0};
     mc_err_t err = {0};
-    if (describe_remote(t, peer->segment, &rd, &err) < 0)
+    char *raw = NULL;
+    if (describe_remote(t, peer->segment, &rd, &raw, &err) < 0)
       return 1; /* plan() asks again and logs why it cannot */
     verdict = rd.host_id[0] && !strcmp(rd.host_id, mc_host_identity()) ? 1 : -1;
-    peer_store(t, peer->segment, verdict, verdict > 0 ? &rd : NULL, 1);
+    peer_store(t, peer->segment, verdict, verdict > 0 ? &rd : NULL, 1, raw);
+    free(raw);
     mc_remote_desc_free(&rd);
   }
   if (verdict < 0) {
@@ -189,6 +198,8 @@ typedef struct call {
   char host[256];
   int port;
   mc_remote_desc_t used; /* the descriptor the mappings came from */
+  char *used_raw;        /* the reply `used` was decoded from, or NULL */
+  int same_raw;          /* the check's reply was byte-identical to used_raw */
   char *region_used;     /* per used.regions: some request maps into it */
   uint64_t *rmap;        /* per region: mapped base, 1 = cannot be opened */
   int *rdev;             /* per region: local device + 1 it was opened on */
@@ -221,6 +232,7 @@ struct group {
 };
 
 static void call_free(call_t *r) {
+  free(r->used_raw);
   mc_remote_desc_free(&r->used);
   mc_remote_desc_free(&r->fresh);
   free(r->region_used);
@@ -247,6 +259,8 @@ static int call_verdict(call_t *r, char *why, size_t cap) {
     snprintf(why, cap, "%s", r->check_msg);
     return r->check_code;
   }
+  if (r->same_raw)
+    return 0; /* the same descriptor, byte for byte: every region is unchanged */
   for (size_t i = 0; i < r->used.n; i++) {
     if (!r->region_used[i])
       continue;
@@ -299,14 +313,20 @@ static void validate_done(mc_xfer_op_t *op, int code, const char *msg) {
   call_t *r = op->arg;
   mc_remote_desc_t fresh = {0};
   char why[MC_ERR_MSG_MAX] = "";
+  int same_raw = 0;
   if (code == 0) {
     mc_err_t err = {0};
     const char *json = op->resp ? op->resp : "";
-    if (mc_segment_desc_decode_regions(json, strlen(json), &fresh, &err) < 0) {
+    /* The common case: nothing changed, the reply is the text the call's
+     * descriptor came from (the peer caches it): no decode, no compare of
+     * regions, the cache stays as it is. */
+    same_raw = r->used_raw && !strcmp(json, r->used_raw);
+    if (same_raw) {
+    } else if (mc_segment_desc_decode_regions(json, strlen(json), &fresh, &err) < 0) {
       code = err.code;
       snprintf(why, sizeof why, "%s", err.msg);
     } else {
-      peer_store(r->t, r->segment, 1, &fresh, 0);
+      peer_store(r->t, r->segment, 1, &fresh, 0, json);
     }
   } else {
     snprintf(why, sizeof why, "%s", msg ? msg : mc_strerror(code));
@@ -314,6 +334,7 @@ static void validate_done(mc_xfer_op_t *op, int code, const char *msg) {
   group_t *done = NULL;
   pthread_mutex_lock(&r->mu);
   r->fresh = fresh;
+  r->same_raw = same_raw;
   r->check_code = code;
   snprintf(r->check_msg, sizeof r->check_msg, "%s", why);
   r->checked = 1;
@@ -430,6 +451,7 @@ static call_t *call_new(shg_t *t, const mc_peer_t *peer, mc_remote_desc_t *rd, i
 static call_t *call_start(shg_t *t, const mc_peer_t *peer, int refetch) {
   mc_remote_desc_t rd = {0};
   int have = 0, fresh = 0;
+  char *raw = NULL;
   pthread_mutex_lock(&t->mu);
   ssize_t pi = peer_find(t, peer->segment, 0);
   int verdict = pi >= 0 ? t->peers[pi].verdict : 0;
@@ -437,27 +459,37 @@ static call_t *call_start(shg_t *t, const mc_peer_t *peer, int refetch) {
     have = desc_copy(&rd, &t->peers[pi].desc) == 0;
     fresh = have && t->peers[pi].fresh;
     t->peers[pi].fresh = 0;
+    if (have && t->peers[pi].raw)
+      raw = strdup(t->peers[pi].raw);
   }
   pthread_mutex_unlock(&t->mu);
   if (verdict < 0)
     return NULL;
   if (!have) { /* first contact (or the cache missed): ask the peer now */
     mc_err_t err = {0};
-    if (describe_remote(t, peer->segment, &rd, &err) < 0) {
+    free(raw);
+    raw = NULL;
+    if (describe_remote(t, peer->segment, &rd, &raw, &err) < 0) {
       log_path_once(t, peer->segment, "TCP with pinned staging (the peer's descriptor is "
                     "not available: %s)", err.msg);
       return NULL;
     }
     int same = rd.host_id[0] && !strcmp(rd.host_id, mc_host_identity());
-    peer_store(t, peer->segment, same ? 1 : -1, same ? &rd : NULL, 0);
+    peer_store(t, peer->segment, same ? 1 : -1, same ? &rd : NULL, 0, raw);
     if (!same) {
+      free(raw);
       mc_remote_desc_free(&rd);
       log_path_once(t, peer->segment, "TCP with pinned staging (the peer runs on another "
                     "host)");
       return NULL;
     }
   }
-  return call_new(t, peer, &rd, have && !fresh);
+  call_t *r = call_new(t, peer, &rd, have && !fresh);
+  if (r)
+    r->used_raw = raw;
+  else
+    free(raw);
+  return r;
 }
 
 static void *shg_plan(void *impl, const mc_peer_t *peer, void **callp, mc_xfer_ent_t *ents,
@@ -658,8 +690,10 @@ static void shg_stop(void *impl) {
   shg_t *t = impl;
   if (!t)
     return;
-  for (size_t i = 0; i < t->npeers; i++)
+  for (size_t i = 0; i < t->npeers; i++) {
     mc_remote_desc_free(&t->peers[i].desc);
+    free(t->peers[i].raw);
+  }
   free(t->peers);
   free(t->logged);
   pthread_mutex_destroy(&t->mu);
