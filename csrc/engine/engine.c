@@ -185,8 +185,10 @@ int mc_engine_queue_notify(mc_engine_t *e, const char *from, const void *msg, si
 
 /* Writes our segment descriptor, rpc entry and last-seen record (pub_mu
  * held).  refresh=0: PUT with the TTL; refresh=1: keep-alive (re-writes what
- * the server lost).  Returns how many entries had to be re-created, or < 0. */
-static int write_entries(mc_engine_t *e, int refresh, mc_err_t *err) {
+ * the server lost).  The rpc entry is PUT once per engine lifetime and
+ * afterwards only kept alive (from_publish: not touched at all).  Returns
+ * how many entries had to be re-created, or < 0. */
+static int write_entries(mc_engine_t *e, int refresh, int from_publish, mc_err_t *err) {
   char key[512];
   const char *vals[2] = {e->pub_desc, e->pub_rpc};
   int (*keyfn[2])(const char *, char *, size_t) = {mc_meta_key_segment, mc_meta_key_rpc};
@@ -202,15 +204,24 @@ static int write_entries(mc_engine_t *e, int refresh, mc_err_t *err) {
       return rc;
   }
   for (int i = 0; i < 2; i++) {
+    /* The rpc entry (host and port) never changes while the engine lives:
+     * PUT once, then only keep-alives.  Mooncake's own HTTP metadata
+     * server refuses a second PUT of a rpc_meta key (HTTP 400). */
+    int rpc = keyfn[i] == mc_meta_key_rpc;
+    if (rpc && from_publish && e->rpc_written)
+      continue;
+    int ka = refresh || (rpc && e->rpc_written);
     if (keyfn[i](e->name, key, sizeof key) < 0)
       return mc_err_set(err, MC_EINVAL, "segment name %s makes a metadata key too long",
                         e->name);
-    int rc = refresh ? mc_meta_refresh(e->meta, key, vals[i], strlen(vals[i]), e->meta_ttl_s,
-                                       err)
-                     : mc_meta_put_ttl(e->meta, key, vals[i], strlen(vals[i]), e->meta_ttl_s,
-                                       err);
+    int rc = ka ? mc_meta_refresh(e->meta, key, vals[i], strlen(vals[i]), e->meta_ttl_s,
+                                  err)
+                : mc_meta_put_ttl(e->meta, key, vals[i], strlen(vals[i]), e->meta_ttl_s,
+                                  err);
     if (rc < 0)
       return rc;
+    if (rpc)
+      e->rpc_written = 1;
     recreated += rc;
   }
   return recreated;
@@ -239,7 +250,7 @@ static int publish(mc_engine_t *e, mc_err_t *err) {
   free(e->pub_rpc);
   e->pub_desc = desc;
   e->pub_rpc = rpc;
-  int rc = write_entries(e, 0, err);
+  int rc = write_entries(e, 0, 1, err);
   e->pub_dirty = rc < 0;
   pthread_mutex_unlock(&e->pub_mu);
   return rc < 0 ? rc : 0;
@@ -304,7 +315,7 @@ static void *keepalive_main(void *arg) {
     /* A failed publish left the server with an older descriptor (maybe
      * still naming a region unregistered since): PUT ours again. */
     int dirty = e->pub_dirty;
-    int rc = write_entries(e, !dirty, &err);
+    int rc = write_entries(e, !dirty, 0, &err);
     if (dirty && rc >= 0) {
       e->pub_dirty = 0;
       rc = 1;
