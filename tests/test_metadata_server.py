@@ -441,3 +441,24 @@ def test_default_timeout_is_bounded(monkeypatch):
         with pytest.raises(mc.MetadataError, match="within 3000 ms"):
             c.get("k")
         assert time.monotonic() - t0 < 3.5
+
+
+def test_http_edges_match_mooncakes_server(server):
+    """JSON error bodies, blank key refused, keys stripped (as Mooncake's
+    mooncake_http_metadata_server)."""
+    import json
+    import urllib.request
+    base = f"http://127.0.0.1:{server.port}/metadata"
+    for q in ("", "?key=", "?key=%20%20", "?key=%09"):
+        status, body = http("GET", base + q)
+        err = json.loads(body)
+        assert status == 400 and err["status"] == 400 and "key is required" in err["error"], q
+    assert http("PUT", base + "?key=%20blank%20", data=b"{}")[0] == 200
+    assert server.store.get("blank") == b"{}" and server.store.get(" blank ") is None
+    assert http("GET", base + "?key=blank") == (200, b"{}")
+    status, body = http("GET", base + "?key=absent")
+    assert status == 404 and json.loads(body)["error"].startswith("metadata not found")
+    with urllib.request.urlopen(base + "?key=blank") as r:
+        assert r.headers["Content-Type"].startswith("application/json")
+    assert http("DELETE", base + "?key=%20blank")[0] == 200
+    assert server.store.get("blank") is None
