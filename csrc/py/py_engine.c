@@ -1252,7 +1252,7 @@ static PyType_Slot Engine_slots[] = {
 static PyType_Spec Engine_spec = {
     .name = "mooncake_connector.TransferEngine",
     .basicsize = sizeof(EngineObject),
-    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_IMMUTABLETYPE,
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_IMMUTABLETYPE | Py_TPFLAGS_BASETYPE,
     .slots = Engine_slots,
 };
 
