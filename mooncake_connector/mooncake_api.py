@@ -164,10 +164,13 @@ class TransferEngine(_core.TransferEngine):
             return json.loads(self.get_metadata())
         conn = self._metadata_conn
         if not conn or conn == P2PHANDSHAKE:
-            raise _core.UnavailableError(
-                f"the buffers of segment {segment_name!r} are not known here: in P2P mode "
-                "only the engine's own segment descriptor is at hand; run a metadata "
-                "server (http/etcd/redis) to look up other segments")
+            # P2P: asked from the peer itself over the control channel.
+            raw = self.describe_segment(segment_name)
+            try:
+                return json.loads(raw)
+            except ValueError as e:
+                raise _core.TransferError(f"segment {segment_name!r} answered a descriptor "
+                                          f"that is not JSON ({e})") from None
         key = _key_prefix() + (segment_name if "/" in segment_name else "ram/" + segment_name)
         with _core.MetadataClient(conn) as client:
             raw = client.get(key)

@@ -37,6 +37,9 @@ def test_opcode_notify_and_transport_hint():
         bid = a.batch_transfer_async(seg, [src], [dst], [8], TransferOpcode.Write,
                                      transport_hint="")
         assert a.get_batch_transfer_status([bid]) == 0
+        # P2P: the peer's own descriptor, asked from the peer.
+        assert a.get_first_buffer_address(seg) == dst
+        assert json.loads(a.describe_segment(seg))["name"] == seg
         with pytest.raises(ValueError, match="unknown transport_hint 'warp'"):
             a.transfer_sync_write(seg, src, dst, 8, transport_hint="warp")
         with pytest.raises(TypeError, match="TransferNotify"):
@@ -91,7 +94,7 @@ def test_compat_codes_for_the_new_methods():
         assert c.initialize_ext("127.0.0.1", "P2PHANDSHAKE", "tcp", "", "") == 0
         assert c.send_probe("127.0.0.1:1") == -1 and "refused" in str(c.last_error)
         assert c.get_first_buffer_address("127.0.0.1:1") == 0
-        assert isinstance(c.last_error, mc.UnavailableError)
+        assert isinstance(c.last_error, mc.TransferError)
         own = c.get_segment_name()
         assert c.get_first_buffer_address(own) == 0  # no buffer yet: Mooncake's 0
         src = c.allocate_managed_buffer(4096)

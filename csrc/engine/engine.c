@@ -624,6 +624,19 @@ char *mc_engine_describe(mc_engine_t *e) {
   return d;
 }
 
+int mc_engine_describe_peer(mc_engine_t *e, const char *segment, int64_t timeout_ms,
+                            char **out, mc_err_t *err) {
+  *out = NULL;
+  if (!segment || !*segment)
+    return mc_err_set(err, MC_EINVAL, "segment name is empty");
+  if (!strcmp(segment, e->name)) {
+    *out = mc_engine_describe(e);
+    return *out ? 0 : mc_err_set(err, MC_ENOMEM, "out of memory describing segment %s", e->name);
+  }
+  return mc_engine_rpc(e, segment, MC_RPC_DESCRIBE, strlen(MC_RPC_DESCRIBE), timeout_ms, out,
+                       err);
+}
+
 /* Checks the claimed location of [addr, addr+len) against where the memory
  * really is, and resolves "*"/"" to it.  GPU memory is detected through the
  * CUDA driver when one is installed; *dev is its device or -1. */
