@@ -280,7 +280,7 @@ static int http_put_ttl_dup(mc_meta_t *m, const char *key, const char *val,
   long status;
   int rc = perform(h, &r, &b, &status, err);
   if (rc == 0 && status != 200) {
-    if (is_duplicate(status, &b)) {
+    if (strstr(key, "rpc_meta") && is_duplicate(status, &b)) {
       __atomic_store_n(&h->refuses_dup, 1, __ATOMIC_RELAXED);
       if (dup)
         *dup = 1;
