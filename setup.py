@@ -6,6 +6,7 @@ import os
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
+from setuptools.command.build_py import build_py
 
 
 class ParallelBuildExt(build_ext):
@@ -16,6 +17,17 @@ class ParallelBuildExt(build_ext):
         super().finalize_options()
         if not self.parallel:
             self.parallel = int(os.environ.get("MC_BUILD_JOBS") or os.cpu_count() or 1)
+
+class BuildPyWithShimPth(build_py):
+    """Puts mooncake_connector_shim.pth at the top of the wheel (site-packages):
+    with MC_MOONCAKE_SHIM=1 it makes `import mooncake.engine` work when no
+    Mooncake is installed (mooncake_connector/mooncake_shim.py)."""
+
+    def run(self):
+        super().run()
+        self.copy_file(os.path.join(HERE, "mooncake_connector_shim.pth"),
+                       os.path.join(self.build_lib, "mooncake_connector_shim.pth"))
+
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sources = sorted(
@@ -38,7 +50,7 @@ if os.environ.get("MC_WERROR") == "1":
     extra_compile_args.append("-Werror")
 
 setup(
-    cmdclass={"build_ext": ParallelBuildExt},
+    cmdclass={"build_ext": ParallelBuildExt, "build_py": BuildPyWithShimPth},
     ext_modules=[
         Extension(
             "mooncake_connector._core",

@@ -13,10 +13,12 @@ import importlib
 __version__ = "0.1.0"
 
 _CORE_NAMES = ("ConfigError", "MetadataError", "MooncakeError", "TransferError",
-               "TransferTimeout", "UnavailableError", "TransferEngine", "load_config",
+               "TransferTimeout", "UnavailableError", "load_config",
                "parse_config", "MetadataClient", "KVTransfer", "LookupBuffer",
                "hash_token_blocks")
-_LAZY = {"MooncakeConnector": "mooncake_connector.connector.connector"}
+_LAZY = {"MooncakeConnector": "mooncake_connector.connector.connector",
+         # the C engine plus the rest of Mooncake's Python API (docs/compat.md)
+         "TransferEngine": "mooncake_connector.mooncake_api"}
 
 __all__ = list(_CORE_NAMES) + list(_LAZY)
 

@@ -13,7 +13,8 @@ import functools
 import logging
 
 from mooncake_connector import MooncakeError
-from mooncake_connector import _core
+from mooncake_connector import mooncake_api
+from mooncake_connector.mooncake_api import TransferNotify, TransferOpcode  # noqa: F401
 
 logger = logging.getLogger("mooncake_connector")
 
@@ -23,16 +24,17 @@ _MINUS_ONE = (
     "batch_unregister_memory", "transfer_sync_write", "transfer_sync_read", "transfer_sync",
     "batch_transfer_sync_write", "batch_transfer_sync_read", "batch_transfer_sync",
     "get_batch_transfer_status", "free_managed_buffer", "send_notify",
+    "initialize_ext", "send_probe", "transfer_check_status",
 )
 # ... and those whose failure value is 0 (an invalid batch id / address).
 _ZERO = (
     "batch_transfer_async_write", "batch_transfer_async_read", "batch_transfer_async",
-    "transfer_submit_write", "allocate_managed_buffer",
+    "transfer_submit_write", "allocate_managed_buffer", "get_first_buffer_address",
 )
 
 
 def _wrap(name, failure):
-    method = getattr(_core.TransferEngine, name)
+    method = getattr(mooncake_api.TransferEngine, name)
 
     @functools.wraps(method)
     def call(self, *args, **kwargs):
@@ -54,11 +56,19 @@ class TransferEngine:
     engine's own."""
 
     def __init__(self):
-        self._engine = _core.TransferEngine()
+        self._engine = mooncake_api.TransferEngine()
         self.last_error = None
 
     def __getattr__(self, name):
         return getattr(self._engine, name)
+
+    def get_engine(self):
+        return self
+
+    def get_notifies(self):
+        """Mooncake's items: TransferNotify with .name and .msg (a str)."""
+        return [TransferNotify(n, m.decode("utf-8", "replace") if isinstance(m, bytes) else m)
+                for n, m in self._engine.get_notifies()]
 
     def __enter__(self):
         return self
@@ -74,4 +84,4 @@ for _name in _ZERO:
     setattr(TransferEngine, _name, _wrap(_name, 0))
 del _name
 
-__all__ = ["TransferEngine"]
+__all__ = ["TransferEngine", "TransferOpcode", "TransferNotify"]

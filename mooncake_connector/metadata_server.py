@@ -9,6 +9,9 @@ Protocol (what Mooncake's ``HTTPStoragePlugin`` and our C client send)::
     DELETE <path>?key=<urlencoded key>   200 | 404 when missing
     GET    /health                       200 "ok"
 
+Keys are stripped of surrounding whitespace and a blank key is refused (400),
+as Mooncake's ``mooncake_http_metadata_server`` does; every answer is
+``application/json``, errors a JSON object ``{"error": "<why>", "status": N}``.
 PUT answers "metadata created" when the key did not exist (or had expired)
 and "metadata updated" otherwise; a client refreshing a TTL uses that to
 notice it re-created an entry the server had lost.  ``request_counts``
@@ -212,7 +215,11 @@ def build_app(store: MetadataStore, path: str = DEFAULT_PATH,
     usage = f"{path}?key=<urlencoded key>"
 
     def text(status: int, msg: str, **kw) -> web.Response:
-        return web.Response(status=status, text=msg + "\n", **kw)
+        # As Mooncake's server: every answer is application/json; errors
+        # carry a JSON object {"error": <message>, "status": <code>}.
+        if status >= 400:
+            return web.json_response({"error": msg, "status": status}, status=status, **kw)
+        return web.Response(status=status, text=msg, content_type="application/json", **kw)
 
     counts = request_counts if request_counts is not None else {}
 
@@ -227,10 +234,14 @@ def build_app(store: MetadataStore, path: str = DEFAULT_PATH,
                                  "'Authorization: Bearer <token>'; set MC_METADATA_TOKEN on the "
                                  "client to the server's token",
                             headers={"WWW-Authenticate": "Bearer"})
-        key = request.query.get("key")
+        # Keys are stripped of surrounding whitespace, as Mooncake's server
+        # does; a missing, empty or blank key is refused.
+        raw = request.query.get("key")
+        key = raw.strip() if raw is not None else ""
         if not key:
-            what = "empty" if key == "" else "missing"
-            return text(400, f"{what} query parameter 'key'; expected {usage}")
+            what = "missing" if raw is None else "empty" if raw == "" else "blank"
+            return text(400, f"metadata key is required: {what} query parameter 'key'; "
+                             f"expected {usage}")
         if request.method == "GET":
             value = store.get(key)
             if value is None:

@@ -143,6 +143,14 @@ _mc_env_main() {
             >>"$log" 2>&1 || status=1
     fi
 
+    if [ "$status" = 0 ]; then
+        # Mooncake's own HTTP metadata server program (tests/test_mooncake_
+        # metadata_server.py); best effort: offline, that test skips.
+        _mc_step "fetch Mooncake's metadata server into the test cache (optional)"
+        "$vpy" "$repo/tests/mooncake_wheel.py" >>"$log" 2>&1 || \
+            echo "(not fetched; its test will skip)" >>"$log"
+    fi
+
     [ -n "$lockfd" ] && exec {lockfd}>&-
 
     if [ "$status" != 0 ]; then

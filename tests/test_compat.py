@@ -1,6 +1,8 @@
 """mooncake_connector.compat.TransferEngine keeps Mooncake's return codes."""
 import logging
 
+import pytest
+
 import mooncake_connector as mc
 from mooncake_connector.compat import TransferEngine
 
@@ -37,3 +39,29 @@ def test_success_paths_return_mooncake_values():
         bid = a.batch_transfer_async_read(seg, [src], [dst], [4096])
         assert bid > 0 and a.get_batch_transfer_status([bid]) == 0
         assert b.read_bytes_from_buffer(dst, 4) == b"xxxx"
+
+
+def _dead_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]  # closed again: nothing listens there
+
+
+def test_p2p_async_submit_to_unknown_peer_fails_at_submit():
+    """Mooncake's P2P mode fails the submit (batch id 0) for a peer that does
+    not answer the handshake; ours raises there, not at the status."""
+    seg = f"127.0.0.1:{_dead_port()}"
+    with TransferEngine() as c, mc.TransferEngine() as e:
+        assert c.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+        e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
+        src = c.allocate_managed_buffer(4096)
+        assert c.batch_transfer_async_write(seg, [src], [4096], [64]) == 0
+        assert "P2P handshake with segment" in str(c.last_error)
+        assert c.transfer_submit_write(seg, src, 4096, 64) == 0
+        s2 = e.allocate_managed_buffer(4096)
+        with pytest.raises(mc.MooncakeError, match="P2P handshake.*" + seg):
+            e.batch_transfer_async_write(seg, [s2], [4096], [64])
+        # A live peer still takes async submits.
+        ok = c.batch_transfer_async_write(e.get_segment_name(), [src], [s2], [64])
+        assert ok > 0 and c.get_batch_transfer_status([ok]) == 0

@@ -510,3 +510,24 @@ def test_burst_of_4096_new_connections_all_answered():
     finally:
         srv.close()
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_http_edges_match_mooncakes_server(server):
+    """JSON error bodies, blank key refused, keys stripped (as Mooncake's
+    mooncake_http_metadata_server)."""
+    import json
+    import urllib.request
+    base = f"http://127.0.0.1:{server.port}/metadata"
+    for q in ("", "?key=", "?key=%20%20", "?key=%09"):
+        status, body = http("GET", base + q)
+        err = json.loads(body)
+        assert status == 400 and err["status"] == 400 and "key is required" in err["error"], q
+    assert http("PUT", base + "?key=%20blank%20", data=b"{}")[0] == 200
+    assert server.store.get("blank") == b"{}" and server.store.get(" blank ") is None
+    assert http("GET", base + "?key=blank") == (200, b"{}")
+    status, body = http("GET", base + "?key=absent")
+    assert status == 404 and json.loads(body)["error"].startswith("metadata not found")
+    with urllib.request.urlopen(base + "?key=blank") as r:
+        assert r.headers["Content-Type"].startswith("application/json")
+    assert http("DELETE", base + "?key=%20blank")[0] == 200
+    assert server.store.get("blank") is None

@@ -1,9 +1,14 @@
 /* Engine lifecycle, the local segment, segment resolution, notifications. */
 #include <errno.h>
+#include <fcntl.h>
+#include <netdb.h>
+#include <poll.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
+#include <sys/socket.h>
 
 #include <cjson/cJSON.h>
 
@@ -197,8 +202,10 @@ int mc_engine_queue_notify(mc_engine_t *e, const char *from, const void *msg, si
 
 /* Writes our segment descriptor, rpc entry and last-seen record (pub_mu
  * held).  refresh=0: PUT with the TTL; refresh=1: keep-alive (re-writes what
- * the server lost).  Returns how many entries had to be re-created, or < 0. */
-static int write_entries(mc_engine_t *e, int refresh, mc_err_t *err) {
+ * the server lost).  The rpc entry is PUT once per engine lifetime and
+ * afterwards only kept alive (from_publish: not touched at all).  Returns
+ * how many entries had to be re-created, or < 0. */
+static int write_entries(mc_engine_t *e, int refresh, int from_publish, mc_err_t *err) {
   char key[512];
   const char *vals[2] = {e->pub_desc, e->pub_rpc};
   int (*keyfn[2])(const char *, char *, size_t) = {mc_meta_key_segment, mc_meta_key_rpc};
@@ -214,15 +221,24 @@ static int write_entries(mc_engine_t *e, int refresh, mc_err_t *err) {
       return rc;
   }
   for (int i = 0; i < 2; i++) {
+    /* The rpc entry (host and port) never changes while the engine lives:
+     * PUT once, then only keep-alives.  Mooncake's own HTTP metadata
+     * server refuses a second PUT of a rpc_meta key (HTTP 400). */
+    int rpc = keyfn[i] == mc_meta_key_rpc;
+    if (rpc && from_publish && e->rpc_written)
+      continue;
+    int ka = refresh || (rpc && e->rpc_written);
     if (keyfn[i](e->name, key, sizeof key) < 0)
       return mc_err_set(err, MC_EINVAL, "segment name %s makes a metadata key too long",
                         e->name);
-    int rc = refresh ? mc_meta_refresh(e->meta, key, vals[i], strlen(vals[i]), e->meta_ttl_s,
-                                       err)
-                     : mc_meta_put_ttl(e->meta, key, vals[i], strlen(vals[i]), e->meta_ttl_s,
-                                       err);
+    int rc = ka ? mc_meta_refresh(e->meta, key, vals[i], strlen(vals[i]), e->meta_ttl_s,
+                                  err)
+                : mc_meta_put_ttl(e->meta, key, vals[i], strlen(vals[i]), e->meta_ttl_s,
+                                  err);
     if (rc < 0)
       return rc;
+    if (rpc)
+      e->rpc_written = 1;
     recreated += rc;
   }
   return recreated;
@@ -251,7 +267,7 @@ static int publish(mc_engine_t *e, mc_err_t *err) {
   free(e->pub_rpc);
   e->pub_desc = desc;
   e->pub_rpc = rpc;
-  int rc = write_entries(e, 0, err);
+  int rc = write_entries(e, 0, 1, err);
   e->pub_dirty = rc < 0;
   pthread_mutex_unlock(&e->pub_mu);
   return rc < 0 ? rc : 0;
@@ -316,7 +332,7 @@ static void *keepalive_main(void *arg) {
     /* A failed publish left the server with an older descriptor (maybe
      * still naming a region unregistered since): PUT ours again. */
     int dirty = e->pub_dirty;
-    int rc = write_entries(e, !dirty, &err);
+    int rc = write_entries(e, !dirty, 0, &err);
     if (dirty && rc >= 0) {
       e->pub_dirty = 0;
       rc = 1;
@@ -652,6 +668,19 @@ char *mc_engine_describe(mc_engine_t *e) {
   return d;
 }
 
+int mc_engine_describe_peer(mc_engine_t *e, const char *segment, int64_t timeout_ms,
+                            char **out, mc_err_t *err) {
+  *out = NULL;
+  if (!segment || !*segment)
+    return mc_err_set(err, MC_EINVAL, "segment name is empty");
+  if (!strcmp(segment, e->name)) {
+    *out = mc_engine_describe(e);
+    return *out ? 0 : mc_err_set(err, MC_ENOMEM, "out of memory describing segment %s", e->name);
+  }
+  return mc_engine_rpc(e, segment, MC_RPC_DESCRIBE, strlen(MC_RPC_DESCRIBE), timeout_ms, out,
+                       err);
+}
+
 /* Checks the claimed location of [addr, addr+len) against where the memory
  * really is, and resolves "*"/"" to it.  GPU memory is detected through the
  * CUDA driver when one is installed; *dev is its device or -1. */
@@ -886,6 +915,59 @@ int mc_engine_unregister(mc_engine_t *e, void *addr, mc_err_t *err) {
 
 /* ---- segment resolution ---- */
 
+/* P2P handshake: a peer not yet known must accept a connection on its rpc
+ * port before a submit to it is accepted (as Mooncake's P2P mode fails the
+ * submit, not the later status, for an unknown peer).  One connect, closed
+ * at once; bounded by MC_P2P_HANDSHAKE_TIMEOUT_MS (default 2000). */
+static int p2p_handshake(const char *segment, const char *host, int port, mc_err_t *err) {
+  int timeout_ms = (int)env_int("MC_P2P_HANDSHAKE_TIMEOUT_MS", 2000, 1, 600000);
+  char ports[16];
+  snprintf(ports, sizeof ports, "%d", port);
+  struct addrinfo hints = {.ai_socktype = SOCK_STREAM}, *ai = NULL;
+  int gai = getaddrinfo(host, ports, &hints, &ai);
+  if (gai)
+    return mc_err_set(err, MC_ECONNECT, "P2P handshake with segment %s failed: cannot resolve "
+                      "host %s: %s", segment, host, gai_strerror(gai));
+  int why = ETIMEDOUT;
+  for (struct addrinfo *a = ai; a; a = a->ai_next) {
+    int fd = socket(a->ai_family, a->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC, a->ai_protocol);
+    if (fd < 0) {
+      why = errno;
+      continue;
+    }
+    int rc = connect(fd, a->ai_addr, a->ai_addrlen);
+    if (rc < 0 && errno == EINPROGRESS) {
+      struct pollfd p = {.fd = fd, .events = POLLOUT};
+      int pr;
+      do
+        pr = poll(&p, 1, timeout_ms);
+      while (pr < 0 && errno == EINTR);
+      if (pr == 1) {
+        int so = 0;
+        socklen_t sl = sizeof so;
+        getsockopt(fd, SOL_SOCKET, SO_ERROR, &so, &sl);
+        rc = so ? -1 : 0;
+        errno = so;
+      } else {
+        errno = pr == 0 ? ETIMEDOUT : errno;
+        rc = -1;
+      }
+    }
+    if (rc < 0)
+      why = errno;
+    close(fd);
+    if (rc == 0) {
+      freeaddrinfo(ai);
+      return 0;
+    }
+  }
+  freeaddrinfo(ai);
+  return mc_err_sys(err, MC_ECONNECT, why, "P2P handshake with segment %s failed: no engine "
+                    "accepts connections at %s:%d within %d ms (MC_P2P_HANDSHAKE_TIMEOUT_MS); "
+                    "is the peer initialized with that rpc port (get_rpc_port())?",
+                    segment, host, port, timeout_ms);
+}
+
 int mc_engine_resolve(mc_engine_t *e, const char *segment, mc_segment_desc_t *out,
                       mc_err_t *err) {
   pthread_mutex_lock(&e->seg_mu);
@@ -912,6 +994,9 @@ int mc_engine_resolve(mc_engine_t *e, const char *segment, mc_segment_desc_t *ou
     snprintf(d.host, sizeof d.host, "%s", hp.host);
     d.port = hp.port;
     snprintf(d.protocol, sizeof d.protocol, "%s", e->protocol);
+    int rc = p2p_handshake(segment, d.host, d.port, err);
+    if (rc < 0)
+      return rc;
   } else {
     char key[512], *val = NULL;
     size_t vlen = 0;

@@ -181,5 +181,10 @@ void mc_engine_get_stats(mc_engine_t *e, mc_engine_stats_t *out);
 
 /* The segment descriptor JSON this engine publishes (malloc'ed). */
 char *mc_engine_describe(mc_engine_t *e);
+/* The descriptor JSON of segment (malloc'ed into *out, caller frees): the
+ * own one directly, a peer's asked from the peer over the control channel
+ * (MC_RPC_DESCRIBE; also in P2P mode).  0 or an MC_E* code. */
+int mc_engine_describe_peer(mc_engine_t *e, const char *segment, int64_t timeout_ms,
+                            char **out, mc_err_t *err);
 
 #endif

@@ -91,6 +91,7 @@ struct mc_engine {
   pthread_mutex_t pub_mu;   /* serialises writes of our entries */
   char *pub_desc, *pub_rpc; /* last published values (pub_mu) */
   int pub_dirty;            /* the last PUT of them failed: the keep-alive re-PUTs (pub_mu) */
+  int rpc_written;          /* rpc entry PUT once; Mooncake's server refuses a second (pub_mu) */
   /* Regions unregistered here whose new descriptor did not reach the
    * metadata server (pub_mu): unregistering one again retries the publish. */
   uint64_t *unpub;

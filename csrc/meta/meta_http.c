@@ -39,6 +39,7 @@ typedef struct http_meta {
   pthread_mutex_t mu; /* guards idle[] and n_idle */
   mc_curl_pool_t pool; /* pool.mu = &mu */
   char *auth_header;   /* "Authorization: Bearer <token>" or NULL */
+  int refuses_dup;     /* the server refused a second PUT of a rpc_meta key (atomic) */
 } http_meta_t;
 
 #define HTTP_TOKEN_MAX 4096
@@ -257,15 +258,35 @@ static int http_put(mc_meta_t *m, const char *key, const char *val,
   return rc;
 }
 
-static int http_put_ttl(mc_meta_t *m, const char *key, const char *val,
-                        size_t len, int ttl_s, mc_err_t *err) {
+/* Mooncake's HTTP metadata server answers a second PUT of a rpc_meta key
+ * with HTTP 400 "Duplicate rpc_meta key not allowed". */
+static int is_duplicate(long status, const body_t *b) {
+  static const char tag[] = "Duplicate rpc_meta key";
+  if (status != 400 || !b->data || b->len < sizeof tag - 1)
+    return 0;
+  for (size_t i = 0; i + sizeof tag - 1 <= b->len && i < HTTP_SNIPPET_MAX; i++)
+    if (memcmp(b->data + i, tag, sizeof tag - 1) == 0)
+      return 1;
+  return 0;
+}
+
+/* PUT with TTL; *dup (when not NULL) is set when the server refused the PUT
+ * as a duplicate key (then the error is set as well). */
+static int http_put_ttl_dup(mc_meta_t *m, const char *key, const char *val,
+                            size_t len, int ttl_s, int *dup, mc_err_t *err) {
   http_meta_t *h = (http_meta_t *)m;
   req_t r = {.method = "PUT", .key = key, .val = val, .len = len, .ttl = ttl_s};
   body_t b;
   long status;
   int rc = perform(h, &r, &b, &status, err);
-  if (rc == 0 && status != 200)
+  if (rc == 0 && status != 200) {
+    if (strstr(key, "rpc_meta") && is_duplicate(status, &b)) {
+      __atomic_store_n(&h->refuses_dup, 1, __ATOMIC_RELAXED);
+      if (dup)
+        *dup = 1;
+    }
     rc = status_error(h, &r, status, &b, err);
+  }
   /* The embedded server says whether the key existed before. */
   if (rc == 0 && b.data && strncmp(b.data, "metadata created", 16) == 0)
     rc = 1;
@@ -273,15 +294,50 @@ static int http_put_ttl(mc_meta_t *m, const char *key, const char *val,
   return rc;
 }
 
-/* HTTP has no "extend": the refresh re-sends the value with its TTL. */
-static int http_refresh(mc_meta_t *m, const char *key, const char *val,
+static int http_put_ttl(mc_meta_t *m, const char *key, const char *val,
                         size_t len, int ttl_s, mc_err_t *err) {
-  return http_put_ttl(m, key, val, len, ttl_s, err);
+  return http_put_ttl_dup(m, key, val, len, ttl_s, NULL, err);
 }
 
+static int http_del(mc_meta_t *m, const char *key, mc_err_t *err);
+static int http_get(mc_meta_t *m, const char *key, char **val, size_t *len,
+                    mc_err_t *err);
+
+/* HTTP has no "extend": the refresh re-sends the value with its TTL.
+ * Mooncake's server keeps entries forever and refuses a second PUT of a
+ * rpc_meta key: that refusal means the entry is still there (kept). */
+static int http_refresh(mc_meta_t *m, const char *key, const char *val,
+                        size_t len, int ttl_s, mc_err_t *err) {
+  http_meta_t *h = (http_meta_t *)m;
+  if (__atomic_load_n(&h->refuses_dup, __ATOMIC_RELAXED) && strstr(key, "rpc_meta")) {
+    /* That server has no TTL either: a GET tells whether the entry is
+     * still there, without a refused PUT on every keep-alive. */
+    char *cur = NULL;
+    size_t n = 0;
+    int rc = http_get(m, key, &cur, &n, err);
+    free(cur);
+    if (rc != MC_ENOTFOUND)
+      return rc;
+    rc = http_put_ttl(m, key, val, len, ttl_s, err);
+    return rc < 0 ? rc : 1;
+  }
+  int dup = 0;
+  int rc = http_put_ttl_dup(m, key, val, len, ttl_s, &dup, err);
+  return dup ? 0 : rc;
+}
+
+/* A first PUT refused as a duplicate (Mooncake's server, a stale entry of an
+ * earlier engine of the same name): DELETE it and PUT ours. */
 static int http_put_ttl0(mc_meta_t *m, const char *key, const char *val,
                          size_t len, int ttl_s, mc_err_t *err) {
-  int rc = http_put_ttl(m, key, val, len, ttl_s, err);
+  int dup = 0;
+  int rc = http_put_ttl_dup(m, key, val, len, ttl_s, &dup, err);
+  if (dup) {
+    mc_log_info("metadata server %s already had key \"%s\" and refuses to overwrite it; "
+                "replacing it (DELETE, then PUT)", m->url, key);
+    if ((rc = http_del(m, key, err)) == 0)
+      rc = http_put_ttl(m, key, val, len, ttl_s, err);
+  }
   return rc > 0 ? 0 : rc;
 }
 

@@ -1035,6 +1035,34 @@ static PyObject *Engine_send_notify(EngineObject *self, PyObject *args, PyObject
   return PyLong_FromLong(0);
 }
 
+/* A peer's segment descriptor (its registered buffers) asked from the peer
+ * itself over the control channel (also in P2P mode). */
+static PyObject *Engine_describe_segment(EngineObject *self, PyObject *args, PyObject *kw) {
+  static char *kwlist[] = {"segment_name", "timeout", NULL};
+  const char *target;
+  double timeout = 5.0;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "s|d:describe_segment", kwlist, &target, &timeout))
+    return NULL;
+  if (!*target)
+    return PyErr_Format(PyExc_ValueError, "describe_segment: segment_name is empty");
+  char tbuf[512];
+  snprintf(tbuf, sizeof tbuf, "%s", target);
+  if (mc_py_check_timeout(timeout, 0, 1, 86400, "timeout") < 0 || enter(self) < 0)
+    return NULL;
+  mc_err_t err = {0};
+  char *reply = NULL;
+  int rc;
+  Py_BEGIN_ALLOW_THREADS
+  rc = mc_engine_describe_peer(self->eng, tbuf, (int64_t)(timeout * 1000), &reply, &err);
+  Py_END_ALLOW_THREADS
+  leave(self);
+  if (rc < 0)
+    return mc_py_raise(ST(self), &err);
+  PyObject *r = PyUnicode_DecodeUTF8(reply, (Py_ssize_t)strlen(reply), "replace");
+  free(reply);
+  return r;
+}
+
 /* `from` is the name the peer gave in its HELLO: any bytes (escaped, never
  * an exception).  A notification that cannot be appended (out of memory) is
  * counted in *lost; the others are still returned. */
@@ -1209,6 +1237,12 @@ static PyMethodDef Engine_methods[] = {
      "The TCP port peers reach this engine on (the port of its segment name)."},
     {"get_segment_name", (PyCFunction)Engine_get_segment_name, METH_NOARGS,
      "This engine's segment name, 'host:port'."},
+    {"describe_segment", (PyCFunction)(void (*)(void))Engine_describe_segment,
+     METH_VARARGS | METH_KEYWORDS,
+     "describe_segment(segment_name, timeout=5.0) -> str\n\n"
+     "The segment descriptor (JSON: its registered buffers) of a peer, asked from the\n"
+     "peer itself over the control channel (also in P2P mode); the own segment's\n"
+     "without a request."},
     {"get_metadata", (PyCFunction)Engine_get_metadata, METH_NOARGS,
      "The segment descriptor JSON this engine publishes."},
     {"register_memory", (PyCFunction)(void (*)(void))Engine_register_memory,
@@ -1287,7 +1321,7 @@ static PyType_Slot Engine_slots[] = {
 static PyType_Spec Engine_spec = {
     .name = "mooncake_connector.TransferEngine",
     .basicsize = sizeof(EngineObject),
-    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_IMMUTABLETYPE,
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_IMMUTABLETYPE | Py_TPFLAGS_BASETYPE,
     .slots = Engine_slots,
 };
 

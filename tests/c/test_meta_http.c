@@ -344,6 +344,34 @@ static void test_put_non_200_is_error(void) {
   CHECK_CONTAINS(err.msg, "duplicate rpc_meta key!");
 }
 
+/* Mooncake's own metadata server refuses a second PUT of a rpc_meta key
+ * (400 "Duplicate rpc_meta key not allowed"): a keep-alive takes that as
+ * "still there"; after it, keep-alives of rpc_meta keys check with a GET. */
+static void test_refresh_tolerates_mooncakes_duplicate_refusal(void) {
+  responder_t r;
+  CHECK(responder_start(&r, R_CANNED,
+                        "HTTP/1.1 400 Bad Request\r\nContent-Length: 34\r\n"
+                        "Connection: close\r\n\r\nDuplicate rpc_meta key not allowed",
+                        0) == 0);
+  mc_meta_t *m = NULL;
+  mc_err_t err = {0};
+  int rc = open_on(&r, &m, &err), rc2 = -1, rc3 = -1;
+  if (!rc) {
+    rc = mc_meta_refresh(m, "mooncake/rpc_meta/a", "{}", 2, 5, &err);
+    /* Now a GET, which this canned server answers 400 as well. */
+    rc2 = mc_meta_refresh(m, "mooncake/rpc_meta/a", "{}", 2, 5, &err);
+    mc_err_t e3 = {0};
+    /* Other keys: a refused PUT stays an error. */
+    rc3 = mc_meta_refresh(m, "mooncake/ram/a", "{}", 2, 5, &e3);
+  }
+  mc_meta_close(m);
+  responder_stop(&r);
+  CHECK_EQ_INT(rc, 0);
+  CHECK_EQ_INT(rc2, MC_EMETADATA);
+  CHECK_CONTAINS(err.msg, "HTTP 400 to GET");
+  CHECK_EQ_INT(rc3, MC_EMETADATA);
+}
+
 static void test_delete_200_404_ok_500_error(void) {
   static const char *heads[3] = {
       "HTTP/1.1 200 OK\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
@@ -777,6 +805,7 @@ int main(void) {
   RUN(test_get_500_names_status);
   RUN(test_put_sends_json_body);
   RUN(test_put_non_200_is_error);
+  RUN(test_refresh_tolerates_mooncakes_duplicate_refusal);
   RUN(test_delete_200_404_ok_500_error);
   RUN(test_garbage_is_error);
   RUN(test_oversized_with_length);

@@ -1,0 +1,349 @@
+"""The rest of Mooncake's Python ``TransferEngine`` API on our engine.
+
+``mooncake_connector.TransferEngine`` is this module's ``TransferEngine``: the
+C engine (``_core.TransferEngine``) plus the methods of Mooncake's binding
+(``mooncake.engine.TransferEngine``) that are not in C, each with Mooncake's
+argument order and meaning, raising an exception that says what went wrong
+(``mooncake_connector.compat`` turns these into Mooncake's return codes).
+docs/compat.md has the table.
+"""
+import collections
+import ctypes
+import ctypes.util
+import enum
+import json
+import os
+import socket
+from typing import Any, List, Optional, Sequence
+
+from mooncake_connector import _core
+
+P2PHANDSHAKE = "P2PHANDSHAKE"
+
+# Transport names Mooncake's binding accepts as transport_hint (its TENT
+# build; the classic build ignores the hint).  Ours: advisory, like the
+# classic build; an unknown name is refused as Mooncake's TENT build does.
+TRANSPORT_HINTS = frozenset({"", "unspec", "rdma", "mnnvl", "shm", "nvlink", "gds", "io_uring",
+                             "tcp", "ascend", "sunrise_link"})
+
+
+class TransferOpcode(enum.IntEnum):
+    """Mooncake's ``TransferOpcode`` (Read = 0, Write = 1), usable wherever
+    an opcode int is taken."""
+    Read = _core.OPCODE_READ
+    Write = _core.OPCODE_WRITE
+
+
+Read = TransferOpcode.Read
+Write = TransferOpcode.Write
+
+
+class TransferNotify:
+    """Mooncake's ``TransferNotify(name, msg)``: the ``notify`` argument of
+    ``transfer_sync`` / ``batch_transfer_sync``."""
+    __slots__ = ("name", "msg")
+
+    def __init__(self, name: str = "", msg: Any = ""):
+        self.name = name
+        self.msg = msg
+
+    def __repr__(self):
+        return f"TransferNotify(name={self.name!r}, msg={self.msg!r})"
+
+
+# get_notifies() items: still (name, message) tuples, with .name / .msg.
+Notify = collections.namedtuple("Notify", ["name", "msg"])
+
+
+def _check_hint(transport_hint) -> None:
+    if transport_hint is None:
+        return
+    if not isinstance(transport_hint, str):
+        raise TypeError(f"transport_hint must be a str, got {type(transport_hint).__name__}")
+    if transport_hint not in TRANSPORT_HINTS:
+        raise ValueError(f"unknown transport_hint {transport_hint!r} (valid: "
+                         f"{', '.join(sorted(h for h in TRANSPORT_HINTS if h))}, or '' for none)")
+
+
+def _key_prefix() -> str:
+    cid = os.environ.get("MC_METADATA_CLUSTER_ID", "")
+    return f"mooncake/{cid.rstrip('/')}/" if cid else "mooncake/"
+
+
+def _cuda():
+    """libcuda (driver API) or None."""
+    name = ctypes.util.find_library("cuda") or "libcuda.so.1"
+    try:
+        lib = ctypes.CDLL(name)
+    except OSError:
+        return None
+    return lib if lib.cuInit(0) == 0 else None
+
+
+class TransferEngine(_core.TransferEngine):
+    """Our engine with Mooncake's whole Python API (exceptions on failure)."""
+
+    _metadata_conn = None
+
+    # ---- set-up ----
+    def initialize(self, local_hostname, metadata_server, protocol="tcp", device_name="",
+                   *args, **kwargs):
+        rc = super().initialize(local_hostname, metadata_server, protocol, device_name,
+                                *args, **kwargs)
+        self._metadata_conn = metadata_server
+        return rc
+
+    def initialize_ext(self, local_hostname: str, metadata_server: str, protocol: str,
+                       device_name: str, metadata_type: str) -> int:
+        """Mooncake's ``initialize_ext``: the metadata server given without a
+        scheme plus its type ("etcd", "http", "redis"), e.g.
+        ``initialize_ext(h, "127.0.0.1:2379", "tcp", "", "etcd")``."""
+        if not isinstance(metadata_server, str) or not isinstance(metadata_type, str):
+            raise TypeError("metadata_server and metadata_type must be str")
+        conn = metadata_server
+        if conn != P2PHANDSHAKE and "://" not in conn:
+            if not metadata_type:
+                raise _core.ConfigError(
+                    f"initialize_ext: metadata server {metadata_server!r} has no scheme and "
+                    "metadata_type is empty; give metadata_type \"etcd\", \"http\" or \"redis\"")
+            conn = f"{metadata_type}://{metadata_server}"
+        return self.initialize(local_hostname, conn, protocol, device_name)
+
+    def get_engine(self) -> "TransferEngine":
+        """Mooncake returns its C++ engine object; ours is this object."""
+        return self
+
+    def get_engine_ptr(self) -> int:
+        raise _core.UnavailableError(
+            "get_engine_ptr() gives C++ extensions (Mooncake's EP/PG buffers) a pointer to "
+            "Mooncake's C++ TransferEngine; this engine is not that C++ class, so no such "
+            "pointer exists. Use Mooncake itself for those extensions")
+
+    def get_local_topology(self, device_name: Optional[str] = None) -> str:
+        """Mooncake's topology JSON: ``{"cpu:<numa>": [[preferred NICs],
+        [other NICs]], ...}``.  RDMA NICs are those in /sys/class/infiniband
+        (filtered by the comma-separated device_name); GPUs are not listed
+        (ours moves GPU memory through the TCP/same-host paths)."""
+        want = [d for d in (device_name or "").split(",") if d]
+        try:
+            nics = sorted(os.listdir("/sys/class/infiniband"))
+        except OSError:
+            nics = []
+        if want:
+            nics = [n for n in nics if n in want]
+        try:
+            nodes = sorted(int(n[4:]) for n in os.listdir("/sys/devices/system/node")
+                           if n.startswith("node") and n[4:].isdigit())
+        except OSError:
+            nodes = []
+        topo = {}
+        for node in nodes or [0]:
+            pref = []
+            for n in nics:
+                try:
+                    with open(f"/sys/class/infiniband/{n}/device/numa_node") as f:
+                        if int(f.read().strip()) in (node, -1):
+                            pref.append(n)
+                except (OSError, ValueError):
+                    pref.append(n)
+            topo[f"cpu:{node}"] = [pref, [n for n in nics if n not in pref]]
+        return json.dumps(topo)
+
+    def warmup_efa_segment(self, segment_name: str) -> int:
+        """Mooncake: pre-connects EFA; a no-op returning 0 without EFA (ours
+        has no EFA transport)."""
+        if not isinstance(segment_name, str) or not segment_name:
+            raise ValueError("warmup_efa_segment: segment_name must be a non-empty str")
+        return 0
+
+    # ---- segments ----
+    def _segment_desc(self, segment_name: str) -> dict:
+        if not isinstance(segment_name, str) or not segment_name:
+            raise ValueError("segment_name must be a non-empty str")
+        if segment_name == self.get_segment_name():
+            return json.loads(self.get_metadata())
+        conn = self._metadata_conn
+        if not conn or conn == P2PHANDSHAKE:
+            # P2P: asked from the peer itself over the control channel.
+            raw = self.describe_segment(segment_name)
+            try:
+                return json.loads(raw)
+            except ValueError as e:
+                raise _core.TransferError(f"segment {segment_name!r} answered a descriptor "
+                                          f"that is not JSON ({e})") from None
+        key = _key_prefix() + (segment_name if "/" in segment_name else "ram/" + segment_name)
+        with _core.MetadataClient(conn) as client:
+            raw = client.get(key)
+        if raw is None:
+            raise _core.MetadataError(f"segment {segment_name!r} is not registered on metadata "
+                                      f"server {conn} (no key {key!r})")
+        try:
+            return json.loads(raw)
+        except ValueError as e:
+            raise _core.MetadataError(f"segment {segment_name!r}: its descriptor on {conn} is "
+                                      f"not JSON ({e})") from None
+
+    def get_first_buffer_address(self, segment_name: str) -> int:
+        """Address of the first buffer in the segment's published descriptor,
+        0 when it has none (as Mooncake)."""
+        bufs = self._segment_desc(segment_name).get("buffers") or []
+        return int(bufs[0]["addr"]) if bufs else 0
+
+    def send_probe(self, peer_server_name: str, timeout: float = 2.0) -> int:
+        """Mooncake's liveness probe of a peer engine: 0 when the peer's rpc
+        port accepts a connection; raises TransferError (compat: -1)."""
+        if not isinstance(peer_server_name, str) or not peer_server_name:
+            raise ValueError("send_probe: peer_server_name must be a non-empty str")
+        host, port = self._peer_addr(peer_server_name)
+        try:
+            with socket.create_connection((host, port), timeout=timeout):
+                pass
+        except OSError as e:
+            raise _core.TransferError(f"probe of {peer_server_name} ({host}:{port}) failed: "
+                                      f"{e}; is its engine running?") from None
+        return 0
+
+    def _peer_addr(self, name: str):
+        conn = self._metadata_conn
+        if conn and conn != P2PHANDSHAKE:
+            with _core.MetadataClient(conn) as client:
+                raw = client.get(_key_prefix() + "rpc_meta/" + name)
+            if raw is None:
+                raise _core.TransferError(f"probe of {name}: not registered on metadata "
+                                          f"server {conn}")
+            d = json.loads(raw)
+            return d["ip_or_host_name"], int(d["rpc_port"])
+        host, sep, port = name.rpartition(":")
+        if not sep or not port.isdigit():
+            raise ValueError(f"send_probe: {name!r} is not \"host:port\" (P2P mode names a "
+                             "peer by its host and rpc port)")
+        return host.strip("[]"), int(port)
+
+    # ---- transfers with transport_hint / notify ----
+    def transfer_sync_write(self, target_hostname, buffer, peer_buffer_address, length,
+                            transport_hint=""):
+        _check_hint(transport_hint)
+        return super().transfer_sync_write(target_hostname, buffer, peer_buffer_address, length)
+
+    def transfer_sync_read(self, target_hostname, buffer, peer_buffer_address, length,
+                           transport_hint=""):
+        _check_hint(transport_hint)
+        return super().transfer_sync_read(target_hostname, buffer, peer_buffer_address, length)
+
+    def batch_transfer_sync_write(self, target_hostname, buffers, peer_buffer_addresses,
+                                  lengths, transport_hint=""):
+        _check_hint(transport_hint)
+        return super().batch_transfer_sync_write(target_hostname, buffers,
+                                                 peer_buffer_addresses, lengths)
+
+    def batch_transfer_sync_read(self, target_hostname, buffers, peer_buffer_addresses,
+                                 lengths, transport_hint=""):
+        _check_hint(transport_hint)
+        return super().batch_transfer_sync_read(target_hostname, buffers,
+                                                peer_buffer_addresses, lengths)
+
+    def batch_transfer_async_write(self, target_hostname, buffers, peer_buffer_addresses,
+                                   lengths, transport_hint=""):
+        _check_hint(transport_hint)
+        return super().batch_transfer_async_write(target_hostname, buffers,
+                                                  peer_buffer_addresses, lengths)
+
+    def batch_transfer_async_read(self, target_hostname, buffers, peer_buffer_addresses,
+                                  lengths, transport_hint=""):
+        _check_hint(transport_hint)
+        return super().batch_transfer_async_read(target_hostname, buffers,
+                                                 peer_buffer_addresses, lengths)
+
+    def batch_transfer_async(self, target_hostname, buffers, peer_buffer_addresses, lengths,
+                             opcode, transport_hint=""):
+        _check_hint(transport_hint)
+        return super().batch_transfer_async(target_hostname, buffers, peer_buffer_addresses,
+                                            lengths, int(opcode))
+
+    def transfer_submit_write(self, target_hostname, buffer, peer_buffer_address, length,
+                              transport_hint=""):
+        _check_hint(transport_hint)
+        return super().transfer_submit_write(target_hostname, buffer, peer_buffer_address,
+                                             length)
+
+    def _notify_after(self, target_hostname, notify) -> None:
+        if notify is None:
+            return
+        msg = notify.msg if isinstance(notify, TransferNotify) else None
+        if msg is None:
+            raise TypeError("notify must be a TransferNotify(name, msg)")
+        self.send_notify(target_hostname, msg)
+
+    def transfer_sync(self, target_hostname, buffer, peer_buffer_address, length, opcode,
+                      notify=None, transport_hint=""):
+        """Mooncake's transfer_sync; with ``notify`` the peer gets notify.msg
+        (get_notifies) once the bytes have landed.  The receiver sees this
+        engine's segment name as the name (not notify.name: ours names the
+        sender from the authenticated connection)."""
+        _check_hint(transport_hint)
+        if notify is not None and not isinstance(notify, TransferNotify):
+            raise TypeError("notify must be a TransferNotify(name, msg)")
+        rc = super().transfer_sync(target_hostname, buffer, peer_buffer_address, length,
+                                   int(opcode))
+        self._notify_after(target_hostname, notify)
+        return rc
+
+    def batch_transfer_sync(self, target_hostname, buffers, peer_buffer_addresses, lengths,
+                            opcode, notify=None, transport_hint=""):
+        _check_hint(transport_hint)
+        if notify is not None and not isinstance(notify, TransferNotify):
+            raise TypeError("notify must be a TransferNotify(name, msg)")
+        rc = super().batch_transfer_sync(target_hostname, buffers, peer_buffer_addresses,
+                                         lengths, int(opcode))
+        self._notify_after(target_hostname, notify)
+        return rc
+
+    def get_notifies(self) -> List[Notify]:
+        """(name, message) items that also have ``.name`` / ``.msg``."""
+        return [Notify(n, m) for n, m in super().get_notifies()]
+
+    # ---- CUDA-stream-ordered transfers ----
+    def _on_cuda(self, what, target_hostname, buffers, peer_buffer_addresses, lengths,
+                 opcode, stream_ptr, transport_hint):
+        _check_hint(transport_hint)
+        if not isinstance(stream_ptr, int) or stream_ptr < 0:
+            raise ValueError(f"{what}: stream_ptr must be a cudaStream_t as an int (0: the "
+                             "default stream)")
+        cuda = _cuda()
+        if cuda is None:
+            raise _core.UnavailableError(
+                f"{what} orders a transfer after the work queued on a CUDA stream; this host "
+                "has no usable CUDA driver (libcuda). Use batch_transfer_sync_* instead")
+        # Ours runs the transfer once the stream's queued work is done
+        # (Mooncake enqueues a host callback; both order the bytes after it).
+        rc = cuda.cuStreamSynchronize(ctypes.c_void_p(stream_ptr))
+        if rc != 0:
+            raise _core.TransferError(f"{what}: cuStreamSynchronize(0x{stream_ptr:x}) failed "
+                                      f"with CUDA error {rc}")
+        super().batch_transfer_sync(target_hostname, buffers, peer_buffer_addresses, lengths,
+                                    int(opcode))
+
+    def transfer_write_on_cuda(self, target_hostname, buffer, peer_buffer_address, length,
+                               stream_ptr=0, transport_hint="") -> None:
+        self._on_cuda("transfer_write_on_cuda", target_hostname, [buffer],
+                      [peer_buffer_address], [length], Write, stream_ptr, transport_hint)
+
+    def transfer_read_on_cuda(self, target_hostname, buffer, peer_buffer_address, length,
+                              stream_ptr=0, transport_hint="") -> None:
+        self._on_cuda("transfer_read_on_cuda", target_hostname, [buffer],
+                      [peer_buffer_address], [length], Read, stream_ptr, transport_hint)
+
+    def batch_transfer_write_on_cuda(self, target_hostname, buffers: Sequence,
+                                     peer_buffer_addresses: Sequence, lengths: Sequence,
+                                     stream_ptr=0, transport_hint="") -> None:
+        self._on_cuda("batch_transfer_write_on_cuda", target_hostname, buffers,
+                      peer_buffer_addresses, lengths, Write, stream_ptr, transport_hint)
+
+    def batch_transfer_read_on_cuda(self, target_hostname, buffers: Sequence,
+                                    peer_buffer_addresses: Sequence, lengths: Sequence,
+                                    stream_ptr=0, transport_hint="") -> None:
+        self._on_cuda("batch_transfer_read_on_cuda", target_hostname, buffers,
+                      peer_buffer_addresses, lengths, Read, stream_ptr, transport_hint)
+
+
+__all__ = ["TransferEngine", "TransferOpcode", "TransferNotify", "Notify", "P2PHANDSHAKE"]

@@ -1,0 +1,80 @@
+"""``mooncake.engine`` from our package, for code written for Mooncake
+(vLLM's in-tree MooncakeConnector, SGLang's Mooncake backend) when no Mooncake
+package is installed.
+
+Opt-in: set ``MC_MOONCAKE_SHIM=1`` in the environment (the
+``mooncake_connector_shim.pth`` file our wheel installs then calls
+``install()`` at interpreter start, also in vLLM's worker processes), or call
+``mooncake_connector.mooncake_shim.install()`` before importing Mooncake.
+
+``install()`` appends an import finder to the END of ``sys.meta_path``: it is
+asked only after every other finder found no ``mooncake``, so a real Mooncake
+install always wins and is never shadowed.  It provides exactly two modules:
+``mooncake`` (empty package) and ``mooncake.engine`` with ``TransferEngine``
+(``mooncake_connector.compat.TransferEngine``: Mooncake's return codes),
+``TransferOpcode``, ``TransferNotify`` and the ``SUPPORT_*`` flags.  When
+``mooncake.engine`` is first imported from here, one warning is logged (logger
+``mooncake_connector``) saying so.  docs/compat.md.
+"""
+import importlib.abc
+import importlib.machinery
+import logging
+import os
+import sys
+
+log = logging.getLogger("mooncake_connector")
+ENV = "MC_MOONCAKE_SHIM"
+_MARK = "__mooncake_connector_shim__"
+
+
+def _fill_engine(mod) -> None:
+    from mooncake_connector import compat
+    from mooncake_connector.mooncake_api import TransferNotify, TransferOpcode
+    mod.TransferEngine = compat.TransferEngine
+    mod.TransferOpcode = TransferOpcode
+    mod.TransferNotify = TransferNotify
+    mod.Read, mod.Write = TransferOpcode.Read, TransferOpcode.Write
+    for flag in ("SUPPORT_EFA", "SUPPORT_HIP", "SUPPORT_MNNVL", "SUPPORT_INTRA_NVLINK",
+                 "SUPPORT_CUDA"):
+        setattr(mod, flag, False)
+    mod.__all__ = ["TransferEngine", "TransferOpcode", "TransferNotify"]
+    log.warning("mooncake.engine is provided by mooncake_connector (%s; no Mooncake package "
+                "is installed): TransferEngine is mooncake_connector.compat.TransferEngine",
+                "MC_MOONCAKE_SHIM=1" if os.environ.get(ENV) == "1" else "mooncake_shim.install()")
+
+
+class _Loader(importlib.abc.Loader):
+    def create_module(self, spec):
+        return None
+
+    def exec_module(self, module):
+        setattr(module, _MARK, True)
+        module.__doc__ = ("Provided by mooncake_connector (docs/compat.md); not Mooncake.")
+        if module.__name__ == "mooncake.engine":
+            _fill_engine(module)
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname == "mooncake":
+            spec = importlib.machinery.ModuleSpec("mooncake", _Loader(), is_package=True)
+            spec.submodule_search_locations = []
+            return spec
+        if fullname == "mooncake.engine":
+            # Only inside our own "mooncake", never inside a real one that
+            # happens to lack an engine module.
+            parent = sys.modules.get("mooncake")
+            if parent is not None and getattr(parent, _MARK, False):
+                return importlib.machinery.ModuleSpec("mooncake.engine", _Loader())
+        return None
+
+
+def installed() -> bool:
+    return any(isinstance(f, _Finder) for f in sys.meta_path)
+
+
+def install() -> None:
+    """Makes ``import mooncake.engine`` work when no Mooncake is installed
+    (idempotent; a real Mooncake still wins)."""
+    if not installed():
+        sys.meta_path.append(_Finder())
