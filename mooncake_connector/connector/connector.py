@@ -117,6 +117,53 @@ def _pp(vllm_config):
     return rank, size
 
 
+# The same-host GPU path exports driver-mapped (cuMem) KV memory as POSIX
+# file descriptors (csrc/transport/same_host_gpu).  If that export is not
+# available, set this to False: kv_cache_access() then declares LEGACY_IPC
+# and vLLM allocates the KV cache classically (one log line says why).
+SAME_HOST_GPU_EXPORTS_FD = True
+
+
+def kv_cache_access_for(flags, is_cuda):
+    """What this connector needs from vLLM's device KV allocation (vLLM >= 0.34's
+    KVCacheAccess flags), and why, as (flags, reason).
+
+    The engine registers every KV region with its transports (RDMA, TCP with
+    GPU staging), which needs one physical allocation per segment: REGISTERS,
+    as vLLM's in-tree MooncakeConnector declares.  On CUDA the same-host GPU
+    path also hands the region to the peer process: EXPORTS_FD when it exports
+    driver-mapped memory as POSIX fds (SAME_HOST_GPU_EXPORTS_FD), else
+    LEGACY_IPC, which makes vLLM keep its extensible KV cache off (legacy CUDA
+    IPC cannot export driver-mapped memory).  Off CUDA (CPU KV cache) there is
+    no extensible cache and no export: REGISTERS only (EXPORTS_FD would make
+    vLLM refuse a non-CUDA platform).
+    """
+    if not is_cuda:
+        return flags.REGISTERS, "the engine registers the KV cache (not CUDA: no GPU export)"
+    if SAME_HOST_GPU_EXPORTS_FD:
+        return (flags.REGISTERS | flags.EXPORTS_FD,
+                "the engine registers the KV cache and the same-host GPU path exports "
+                "driver-mapped KV memory to the peer as POSIX file descriptors")
+    return (flags.REGISTERS | flags.LEGACY_IPC,
+            "the same-host GPU path shares KV memory through legacy CUDA IPC, which "
+            "cannot export driver-mapped memory: vLLM's extensible KV cache is turned off")
+
+
+def declared_kv_cache_access():
+    """(flags, reason) on this host's vLLM, or (None, reason) where vLLM has no
+    KVCacheAccess (< 0.34).  For doctor and kv_cache_access()."""
+    try:
+        from vllm.config.kv_transfer import KVCacheAccess
+    except ImportError:
+        return None, "this vLLM has no KVCacheAccess (< 0.34): it allocates classically"
+    try:
+        from vllm.platforms import current_platform
+        is_cuda = bool(current_platform.is_cuda())
+    except Exception:  # noqa: BLE001  platform detection failing means not CUDA here
+        is_cuda = False
+    return kv_cache_access_for(KVCacheAccess, is_cuda)
+
+
 class MooncakeConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config, role, kv_cache_config=None):
         try:
@@ -248,6 +295,27 @@ class MooncakeConnector(KVConnectorBase_V1, SupportsHMA):
         register the remapped KV cache under a new engine (peers reconnect,
         so they learn the new regions before their first transfer)."""
         return True
+
+    @classmethod
+    def kv_cache_access(cls, kv_transfer_config):
+        """vLLM >= 0.34: how the workers reach the KV cache (kv_cache_access_for)."""
+        flags, why = declared_kv_cache_access()
+        if flags is not None and flags.LEGACY_IPC in flags:
+            _log_once("kv_cache_access", "MooncakeConnector: declares %s: %s", flags, why)
+        return flags
+
+    def may_load_async(self, request):
+        """vLLM >= 0.34 (--max-num-inflight-kv-loads): True for a request this
+        consumer will try to load, flow A (no kv_transfer_params) as well as B."""
+        return self._scheduler is not None and self._scheduler.may_load_async(request)
+
+    @property
+    def requires_kv_delivery(self):
+        """vLLM >= 0.34: a producer (kv_producer, kv_both) holds a finished
+        request's blocks until the consumer has read them (request_finished
+        returns delay_free): a request preempted before that hand-off must be
+        recomputed, not finished on blocks the preemption freed."""
+        return bool(self.settings.is_producer)
 
     @classmethod
     def build_kv_connector_stats(cls, data=None):
