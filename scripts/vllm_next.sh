@@ -19,7 +19,7 @@ repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 ver="${MC_VLLM_NEXT:-0.34.0}"
 py="$repo/.venv/bin/python"
 overlay="$repo/.cache/vllm-$ver"
-tests=(tests/test_connector_vllm.py tests/test_connector_api.py)
+tests=(tests/test_connector_vllm.py tests/test_connector_api.py tests/test_connector_v034.py)
 
 if [ ! -f "$overlay/.complete" ]; then
     t0=$SECONDS

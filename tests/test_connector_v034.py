@@ -29,7 +29,8 @@ def test_kv_cache_access_decision(monkeypatch):
     flags, why = conn_mod.kv_cache_access_for(KVCacheAccess, is_cuda=True)
     assert flags == KVCacheAccess.REGISTERS | KVCacheAccess.EXPORTS_FD, flags
     assert flags.needs_single_chunk() and KVCacheAccess.LEGACY_IPC not in flags
-    monkeypatch.setattr(conn_mod, "SAME_HOST_GPU_EXPORTS_FD", False)
+    from mooncake_connector.connector import access
+    monkeypatch.setattr(access, "SAME_HOST_GPU_EXPORTS_FD", False)
     flags, why = conn_mod.kv_cache_access_for(KVCacheAccess, is_cuda=True)
     assert KVCacheAccess.LEGACY_IPC in flags and "extensible KV cache is turned off" in why
 
@@ -104,3 +105,22 @@ def test_requires_kv_delivery_follows_the_producer_role(sides):
     assert p.sched.connector.requires_kv_delivery is True
     assert p.sched.requires_kv_delivery is True  # the scheduler read it
     assert d.sched.connector.requires_kv_delivery is False
+
+
+def test_doctor_reports_the_declared_access_and_why(monkeypatch):
+    from mooncake_connector import doctor
+    from mooncake_connector.connector import access
+    rep = doctor.Report()
+    doctor.check_kv_cache_access(rep, "0.34.0", is_cuda=False)
+    doctor.check_kv_cache_access(rep, "0.34.0", is_cuda=True)
+    monkeypatch.setattr(access, "SAME_HOST_GPU_EXPORTS_FD", False)
+    doctor.check_kv_cache_access(rep, "0.34.0", is_cuda=True)
+    doctor.check_kv_cache_access(rep, "0.33.0", is_cuda=True)
+    d = [(r.status, r.detail) for r in rep.rows]
+    assert d[0][0] == doctor.OK and d[0][1].startswith("declares REGISTERS: the engine"), d
+    assert d[1][1].startswith("declares REGISTERS|EXPORTS_FD: ") and "POSIX" in d[1][1], d
+    assert d[2][1].startswith("declares REGISTERS|LEGACY_IPC: ") and "extensible" in d[2][1], d
+    assert d[3][0] == doctor.SKIP and "< 0.34" in d[3][1], d
+    # doctor's names and decision are the connector's, against vLLM's own flags
+    assert conn_mod.kv_cache_access_for(KVCacheAccess, True)[0] == \
+        KVCacheAccess.REGISTERS | KVCacheAccess.LEGACY_IPC
