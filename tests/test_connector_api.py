@@ -1,5 +1,5 @@
 """API conformance: MooncakeConnector against the installed vLLM's connector
-base class (vLLM 0.32 in the main CI stage, 0.33's Python code in the
+base class (vLLM 0.32 in the main CI stage, 0.34's Python code in the
 scripts/vllm_next.sh stage).
 
 Every public hook of KVConnectorBase_V1 is either implemented by us or
@@ -24,7 +24,6 @@ pytestmark = pytest.mark.vllm
 DEFAULT_OK = {
     "role": "property of the base class",
     "supports_divergent_local_hybrid_hits": "no hybrid local/remote hit splitting",
-    "requires_kv_delivery": "a preempted request's in-flight output may be kept",
     "get_mem_pool_context": "KV cache tensors come from vLLM's normal allocator",
     "clear_connector_metadata": "base stores/clears the metadata; nothing of ours to reset",
     "has_connector_metadata": "base bookkeeping",
@@ -44,7 +43,10 @@ DEFAULT_OK = {
     "take_events": "publishes no KV cache events",
     "has_pending_block_frees": "frees go through finished_sending",
     "has_pending_push_work": "consumer pulls; the producer never pushes on its own",
-    "get_required_kvcache_layout": "layout.py reads whatever layout vLLM gives",
+    "get_required_kvcache_layout": "layout.py reads whatever layout vLLM gives; LBHNC not "
+                                   "asked for (not measured yet, docs/connector.md)",
+    "supports_lookahead_block_hashes": "vLLM >= 0.34: False (default); lookups hash the "
+                                       "prompt's own full blocks (docs/connector.md)",
     # vLLM 0.26 (removed later): one tensor of all layers per block, opt-in.
     "prefer_cross_layer_blocks": "per-layer KV tensors (vLLM's default False)",
     "register_cross_layers_kv_cache": "never called: prefer_cross_layer_blocks is False",

@@ -25,6 +25,25 @@ from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
 from mooncake_connector.connector.connector import MooncakeConnector  # noqa: E402
 
+# vLLM >= 0.34's CPU platform refuses a VllmConfig on x86 without triton-cpu
+# (its CPU model runner needs it).  No model runner runs here (the stand-in
+# forward below), and the .venv's torch has no triton-cpu: the scheduler and
+# connector code under test do not use it, so that one platform check is
+# told it is present (scripts/vllm_next.sh, vLLM 0.34.0 overlay).
+try:
+    import vllm.triton_utils as _triton_utils  # noqa: E402
+    if not getattr(_triton_utils, "HAS_TRITON", True):
+        from vllm.platforms.cpu import CpuPlatform  # noqa: E402
+        import inspect as _inspect  # noqa: E402
+        if "requires Triton" in _inspect.getsource(CpuPlatform.check_and_update_config):
+            _triton_utils.HAS_TRITON = True
+except (ImportError, OSError, TypeError):
+    pass
+
+# vLLM >= 0.34's ModelRunnerOutput dropped req_id_to_index (req_ids' order).
+_MRO_NO_INDEX = "req_id_to_index" not in getattr(ModelRunnerOutput, "__dataclass_fields__",
+                                                 {"req_id_to_index": None})
+
 EOS = 2
 LAYERS = 2
 HEADS = 2
@@ -225,8 +244,9 @@ class Side:
             sampled.append([7] if req.num_computed_tokens >= req.num_tokens else [])
         out = KVConnectorOutput(finished_sending=sending, finished_recving=recving,
                                 invalid_block_ids=invalid, kv_connector_stats=stats)
-        mro = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-                                sampled_token_ids=sampled, kv_connector_output=out)
+        extra = {} if _MRO_NO_INDEX else {"req_id_to_index": {r: i for i, r in enumerate(ids)}}
+        mro = ModelRunnerOutput(req_ids=ids, sampled_token_ids=sampled, kv_connector_output=out,
+                                **extra)
         res = self.sched.update_from_output(so, mro)
         for eco in (res or {}).values():
             ss = getattr(eco, "scheduler_stats", None)

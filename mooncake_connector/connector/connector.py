@@ -117,6 +117,25 @@ def _pp(vllm_config):
     return rank, size
 
 
+from mooncake_connector.connector import access as access_mod  # noqa: E402
+from mooncake_connector.connector.access import kv_cache_access_for  # noqa: E402,F401
+
+
+def declared_kv_cache_access():
+    """(flags, reason) on this host's vLLM, or (None, reason) where vLLM has no
+    KVCacheAccess (< 0.34).  For doctor and kv_cache_access()."""
+    try:
+        from vllm.config.kv_transfer import KVCacheAccess
+    except ImportError:
+        return None, "this vLLM has no KVCacheAccess (< 0.34): it allocates classically"
+    try:
+        from vllm.platforms import current_platform
+        is_cuda = bool(current_platform.is_cuda())
+    except Exception:  # noqa: BLE001  platform detection failing means not CUDA here
+        is_cuda = False
+    return access_mod.kv_cache_access_for(KVCacheAccess, is_cuda)
+
+
 class MooncakeConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config, role, kv_cache_config=None):
         try:
@@ -248,6 +267,27 @@ class MooncakeConnector(KVConnectorBase_V1, SupportsHMA):
         register the remapped KV cache under a new engine (peers reconnect,
         so they learn the new regions before their first transfer)."""
         return True
+
+    @classmethod
+    def kv_cache_access(cls, kv_transfer_config):
+        """vLLM >= 0.34: how the workers reach the KV cache (kv_cache_access_for)."""
+        flags, why = declared_kv_cache_access()
+        if flags is not None and flags.LEGACY_IPC in flags:
+            _log_once("kv_cache_access", "MooncakeConnector: declares %s: %s", flags, why)
+        return flags
+
+    def may_load_async(self, request):
+        """vLLM >= 0.34 (--max-num-inflight-kv-loads): True for a request this
+        consumer will try to load, flow A (no kv_transfer_params) as well as B."""
+        return self._scheduler is not None and self._scheduler.may_load_async(request)
+
+    @property
+    def requires_kv_delivery(self):
+        """vLLM >= 0.34: a producer (kv_producer, kv_both) holds a finished
+        request's blocks until the consumer has read them (request_finished
+        returns delay_free): a request preempted before that hand-off must be
+        recomputed, not finished on blocks the preemption freed."""
+        return bool(self.settings.is_producer)
 
     @classmethod
     def build_kv_connector_stats(cls, data=None):

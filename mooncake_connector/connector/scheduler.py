@@ -176,6 +176,16 @@ class SchedulerSide:
         if n_full > 0 and request.request_id not in self._asked:
             self._ask(request, src, n_full, time.monotonic())
 
+    def may_load_async(self, request):
+        """vLLM >= 0.34: whether get_num_new_matched_tokens may answer
+        load_kv_async=True for this request.  Cheap (no probe, no network):
+        True for every request this consumer would load (flow B's
+        do_remote_prefill, and flow A's parameterless requests, which vLLM's
+        default misses) and has not tried yet.  A flow-A load that turns out
+        synchronous or a miss is a false positive: it only holds another
+        async load back until a slot frees."""
+        return self._source(request) is not None and request.request_id not in self._tried
+
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
         src = self._source(request)
         if src is None or request.request_id in self._tried:

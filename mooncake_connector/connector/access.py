@@ -1,0 +1,33 @@
+"""What MooncakeConnector declares to vLLM >= 0.34 about its KV cache access
+(KVCacheAccess flags); no vLLM import, so doctor can ask it cheaply."""
+
+# The same-host GPU path exports driver-mapped (cuMem) KV memory as POSIX
+# file descriptors (csrc/transport/same_host_gpu).  If that export is not
+# available, set this to False: kv_cache_access() then declares LEGACY_IPC
+# and vLLM allocates the KV cache classically (one log line says why).
+SAME_HOST_GPU_EXPORTS_FD = True
+
+
+def kv_cache_access_for(flags, is_cuda):
+    """What this connector needs from vLLM's device KV allocation (vLLM >= 0.34's
+    KVCacheAccess flags), and why, as (flags, reason).
+
+    The engine registers every KV region with its transports (RDMA, TCP with
+    GPU staging), which needs one physical allocation per segment: REGISTERS,
+    as vLLM's in-tree MooncakeConnector declares.  On CUDA the same-host GPU
+    path also hands the region to the peer process: EXPORTS_FD when it exports
+    driver-mapped memory as POSIX fds (SAME_HOST_GPU_EXPORTS_FD), else
+    LEGACY_IPC, which makes vLLM keep its extensible KV cache off (legacy CUDA
+    IPC cannot export driver-mapped memory).  Off CUDA (CPU KV cache) there is
+    no extensible cache and no export: REGISTERS only (EXPORTS_FD would make
+    vLLM refuse a non-CUDA platform).
+    """
+    if not is_cuda:
+        return flags.REGISTERS, "the engine registers the KV cache (not CUDA: no GPU export)"
+    if SAME_HOST_GPU_EXPORTS_FD:
+        return (flags.REGISTERS | flags.EXPORTS_FD,
+                "the engine registers the KV cache and the same-host GPU path exports "
+                "driver-mapped KV memory to the peer as POSIX file descriptors")
+    return (flags.REGISTERS | flags.LEGACY_IPC,
+            "the same-host GPU path shares KV memory through legacy CUDA IPC, which "
+            "cannot export driver-mapped memory: vLLM's extensible KV cache is turned off")
