@@ -35,6 +35,25 @@ def test_kv_cache_access_decision(monkeypatch):
     assert KVCacheAccess.LEGACY_IPC in flags and "extensible KV cache is turned off" in why
 
 
+def test_kv_cache_access_mode_from_extra_config():
+    """kv_connector_extra_config "kv_cache_access": legacy_ipc for deployments
+    where vLLM cannot keep its extensible cache on; a bad value is refused
+    naming the key."""
+    flags, why = conn_mod.kv_cache_access_for(KVCacheAccess, True, "legacy_ipc")
+    assert flags == KVCacheAccess.REGISTERS | KVCacheAccess.LEGACY_IPC and "legacy_ipc" in why
+    flags, _ = conn_mod.kv_cache_access_for(KVCacheAccess, False, "legacy_ipc")
+    assert flags == KVCacheAccess.REGISTERS  # no CUDA: nothing to share
+    with pytest.raises(ValueError, match="kv_cache_access must be one of"):
+        conn_mod.kv_cache_access_for(KVCacheAccess, True, "fabric")
+    from mooncake_connector.connector import settings
+
+    class Ktc:
+        kv_role = "kv_consumer"
+        kv_connector_extra_config = {"kv_cache_access": "nope", "decode_url": "127.0.0.1:1"}
+    with pytest.raises(settings.SettingsError, match="kv_cache_access"):
+        settings.resolve(Ktc, env={})
+
+
 def test_vllm_reads_our_declaration(model_dir, urls):
     """vLLM's own factory path (what VllmConfig asks) gets REGISTERS on this
     CPU host, and the config builds (EXPORTS_FD here would be refused)."""

@@ -121,9 +121,10 @@ from mooncake_connector.connector import access as access_mod  # noqa: E402
 from mooncake_connector.connector.access import kv_cache_access_for  # noqa: E402,F401
 
 
-def declared_kv_cache_access():
+def declared_kv_cache_access(mode="auto"):
     """(flags, reason) on this host's vLLM, or (None, reason) where vLLM has no
-    KVCacheAccess (< 0.34).  For doctor and kv_cache_access()."""
+    KVCacheAccess (< 0.34).  For doctor and kv_cache_access(); mode is
+    kv_connector_extra_config's "kv_cache_access"."""
     try:
         from vllm.config.kv_transfer import KVCacheAccess
     except ImportError:
@@ -133,7 +134,7 @@ def declared_kv_cache_access():
         is_cuda = bool(current_platform.is_cuda())
     except Exception:  # noqa: BLE001  platform detection failing means not CUDA here
         is_cuda = False
-    return access_mod.kv_cache_access_for(KVCacheAccess, is_cuda)
+    return access_mod.kv_cache_access_for(KVCacheAccess, is_cuda, mode)
 
 
 class MooncakeConnector(KVConnectorBase_V1, SupportsHMA):
@@ -271,7 +272,9 @@ class MooncakeConnector(KVConnectorBase_V1, SupportsHMA):
     @classmethod
     def kv_cache_access(cls, kv_transfer_config):
         """vLLM >= 0.34: how the workers reach the KV cache (kv_cache_access_for)."""
-        flags, why = declared_kv_cache_access()
+        extra = getattr(kv_transfer_config, "kv_connector_extra_config", None) or {}
+        mode = extra.get("kv_cache_access", "auto") if isinstance(extra, dict) else "auto"
+        flags, why = declared_kv_cache_access(mode)
         if flags is not None and flags.LEGACY_IPC in flags:
             _log_once("kv_cache_access", "MooncakeConnector: declares %s: %s", flags, why)
         return flags

@@ -45,6 +45,11 @@ KNOBS = {  # extra-config key: (type, default, meaning)
                      "release (vLLM otherwise runs empty steps back to back until then: "
                      "~30% of a core on a 2-vCPU host); a new request may wait as long. "
                      "0: never wait"),
+    "kv_cache_access": (str, "auto", "vLLM >= 0.34 on CUDA: 'auto' (the engine registers the "
+                        "KV cache and exports driver-mapped memory as POSIX fds: vLLM keeps "
+                        "its extensible KV cache), 'legacy_ipc' (classic allocation, for "
+                        "--kv-cache-memory-bytes / --num-gpu-blocks-override, with which vLLM "
+                        "refuses the fd export) or 'exports_fd'"),
     "idle_wait_max_ms": (float, 50.0, "producer: consecutive such steps that free nothing "
                          "wait twice as long each time, from idle_wait_ms up to this (every "
                          "step resets vLLM's 1 s busy-poll of its worker queues: with TP > 1 "
@@ -77,6 +82,7 @@ class Settings:
     sync_load_timeout_s: float = 2.0
     idle_wait_ms: float = 2.0
     idle_wait_max_ms: float = 50.0
+    kv_cache_access: str = "auto"
 
     @property
     def is_producer(self):
@@ -178,6 +184,10 @@ def resolve(kv_transfer_config, env=None):
     if s.load_failure_policy not in ("recompute", "fail"):
         raise SettingsError("kv_connector_extra_config.load_failure_policy must be 'recompute' "
                             f"or 'fail', not {s.load_failure_policy!r}")
+    from mooncake_connector.connector.access import MODES as ACCESS_MODES
+    if s.kv_cache_access not in ACCESS_MODES:
+        raise SettingsError("kv_connector_extra_config.kv_cache_access must be one of "
+                            f"{', '.join(ACCESS_MODES)}, not {s.kv_cache_access!r}")
     if extra:
         known = sorted(set(KNOBS) | set(MOONCAKE_FIELDS) |
                        {"kv_rank", "kv_parallel_size", "kv_buffer_size", "mooncake_config_path"})
