@@ -295,3 +295,85 @@ def test_lookup_index_memory_counts_against_the_budget():
     st = lb.stats()
     assert 0 < st["index_bytes"] <= cap and st["used_bytes"] <= cap, st
     assert st["evicted"] > 0, st
+
+
+def _flood(port, stop, held_max=1500):
+    """Opens one-byte sockets to `port` as fast as it can until stop is
+    set, keeping at most held_max open (closing the oldest)."""
+    held, n = [], [0]
+
+    def run():
+        while not stop.is_set():
+            try:
+                s = socket.create_connection(("127.0.0.1", port), timeout=2)
+                s.sendall(b"M")
+            except OSError:
+                continue
+            held.append(s)
+            n[0] += 1
+            if len(held) > held_max:
+                held.pop(0).close()
+        for s in held:
+            s.close()
+
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+    return th, n
+
+
+def test_a_continuous_flood_of_idle_sockets_does_not_keep_peers_out(tmp_path):
+    """A thread keeps opening one-byte sockets (at most 1500 open) during the
+    whole legitimate phase: the target keeps evicting the oldest to admit new
+    ones, so a new engine's connection can be dropped before its HELLO
+    arrives (without dialing again, about 1 engine in 8 failed its first
+    write with "Connection reset by peer" / "Broken pipe").  Its initiator
+    now dials again (stats: handshake_redials): 10 fresh engines write and
+    read back 1 MiB byte-exact, none fails; throughput during the flood is
+    printed."""
+    p, seg, addr, log = _target(tmp_path)
+    port = int(seg.rsplit(":", 1)[1])
+    stop = threading.Event()
+    engines = []
+    th, opened = _flood(port, stop)
+    try:
+        t0 = time.time()
+        while opened[0] < 300 and time.time() - t0 < 10:  # the flood is on
+            time.sleep(0.05)
+        data = os.urandom(1 << 20)
+        redials = 0
+        n, dt = 0, 0.0
+        for k in range(10):  # each a fresh engine: new connections during the flood
+            a = mc.TransferEngine()
+            engines.append(a)
+            a.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
+            buf = a.allocate_managed_buffer(1 << 20)
+            a.write_bytes_to_buffer(buf, data)
+            t1 = time.time()
+            a.transfer_sync_write(seg, buf, addr, 1 << 20)
+            a.write_bytes_to_buffer(buf, b"\0" * (1 << 20))
+            a.transfer_sync_read(seg, buf, addr, 1 << 20)
+            dt += time.time() - t1
+            n += 2
+            assert a.read_bytes_from_buffer(buf, 1 << 20) == data
+            redials += a.get_stats()["handshake_redials"]
+            if k < 9:
+                a.close()
+                engines.remove(a)
+        t1 = time.time()
+        while time.time() - t1 < 1.0:
+            a.transfer_sync_write(seg, buf, addr, 1 << 20)
+            n += 1
+        dt += time.time() - t1
+        flooded = opened[0]
+        print(f"during a flood of {flooded} idle sockets in {time.time() - t0:.1f} s: "
+              f"{n} MiB moved in {dt:.2f} s = {n / dt:.0f} MiB/s; handshakes dialed "
+              f"again: {redials}")
+        assert flooded > 1000, flooded  # it really was a flood
+        assert n >= 6
+    finally:
+        stop.set()
+        th.join(10)
+        for a in engines:
+            a.close()
+        p.stdin.close()
+        p.wait(10)
