@@ -377,3 +377,105 @@ def test_a_continuous_flood_of_idle_sockets_does_not_keep_peers_out(tmp_path):
             a.close()
         p.stdin.close()
         p.wait(10)
+
+
+def _resetting_target(resets):
+    """A target that resets (RST) its first `resets` connections as soon as
+    their HELLO arrived, then serves WRITEs on the next ones, keeping what
+    each WRITE carried."""
+    ls = socket.socket()
+    ls.bind(("127.0.0.1", 0))
+    ls.listen(64)
+    seen = {"conns": 0, "writes": []}
+    stop = []
+
+    def serve(c, k):
+        c.settimeout(5)
+        typ, _, rid, body = read_msg(c)
+        assert typ == HELLO
+        if k < resets:
+            c.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            return
+        seg = json.loads(body)["segment"].encode()
+        ack = b'{"segment":"' + seg + b'"}'
+        c.sendall(hdr(HELLO_ACK, len(ack), req_id=rid) + ack)
+        c.settimeout(0.1)
+
+        def exact(n):
+            got = b""
+            while len(got) < n:
+                try:
+                    more = c.recv(n - len(got))
+                except socket.timeout:
+                    if stop:
+                        return None
+                    continue
+                if not more:
+                    return None
+                got += more
+            return got
+
+        while True:
+            h = exact(32)
+            if h is None:
+                return
+            _, _, typ, _, count, _, rid, n = H.unpack(h)
+            rest = exact(n)
+            if rest is None:
+                return
+            assert typ == WRITE, typ
+            seen["writes"].append(rest[16 * count:])
+            c.sendall(hdr(WRITE_ACK, req_id=rid))
+
+    def run():
+        ls.settimeout(0.2)
+        while not stop:
+            try:
+                c, _ = ls.accept()
+            except socket.timeout:
+                continue
+            k = seen["conns"]
+            seen["conns"] += 1
+            try:
+                serve(c, k)
+            except (OSError, AssertionError):
+                pass
+            c.close()
+        ls.close()
+
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+    return ls.getsockname()[1], seen, lambda: (stop.append(1), th.join(10))
+
+
+def test_a_reset_before_hello_ack_is_dialed_again(pair):
+    """Deterministic: a target resets the first 3 connections after their
+    HELLO; the write still lands once, byte-exact, on the 4th."""
+    a, _ = pair
+    buf = a.allocate_managed_buffer(1 << 16)
+    data = os.urandom(1 << 16)
+    a.write_bytes_to_buffer(buf, data)
+    port, seen, stop = _resetting_target(3)
+    try:
+        a.transfer_sync_write("127.0.0.1:%d" % port, buf, 0x1000, 1 << 16)
+        assert seen["conns"] == 4 and seen["writes"] == [data], (seen["conns"],
+                                                                 len(seen["writes"]))
+        assert a.get_stats()["handshake_redials"] == 3
+    finally:
+        stop()
+
+
+def test_a_target_that_always_resets_fails_after_bounded_attempts(pair):
+    """Bounded: 1 + 8 attempts, then the reset is the caller's error."""
+    a, _ = pair
+    buf = a.allocate_managed_buffer(4096)
+    port, seen, stop = _resetting_target(1000)
+    try:
+        t0 = time.time()
+        with pytest.raises(mc.MooncakeError, match=r"127\.0\.0\.1:%d.*the last of 9 handshakes" % port):
+            a.transfer_sync_write("127.0.0.1:%d" % port, buf, 0x1000, 4096)
+        assert time.time() - t0 < 5
+        assert seen["conns"] == 9 and seen["writes"] == [], seen
+        assert a.get_stats()["handshake_redials"] == 8
+    finally:
+        stop()

@@ -178,6 +178,11 @@ void mc_conn_kill(mc_conn_t *c, int code, const char *fmt, ...) {
   va_start(ap, fmt);
   vsnprintf(msg, sizeof msg, fmt, ap);
   va_end(ap);
+  if (c->outgoing && !c->hello_ok && c->redials && code == MC_EPEERCLOSED) {
+    size_t l = strlen(msg);
+    snprintf(msg + l, sizeof msg - l, " (the last of %d handshakes, each cut before the "
+             "target's HELLO_ACK; is the target overloaded or flooded?)", c->redials + 1);
+  }
   if (redial(c, code, msg)) /* its requests now wait on a fresh connection */
     code = MC_ECLOSED;
   else if (code == MC_EPROTO && !c->outgoing) /* a peer can repeat these at will */
