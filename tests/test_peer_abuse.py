@@ -295,3 +295,202 @@ def test_lookup_index_memory_counts_against_the_budget():
     st = lb.stats()
     assert 0 < st["index_bytes"] <= cap and st["used_bytes"] <= cap, st
     assert st["evicted"] > 0, st
+
+
+def _flood(port, stop, held_max=1500):
+    """Opens one-byte sockets to `port` as fast as it can until stop is
+    set, keeping at most held_max open (closing the oldest)."""
+    held, n = [], [0]
+
+    def run():
+        while not stop.is_set():
+            try:
+                s = socket.create_connection(("127.0.0.1", port), timeout=2)
+                s.sendall(b"M")
+            except OSError:
+                continue
+            held.append(s)
+            n[0] += 1
+            if len(held) > held_max:
+                held.pop(0).close()
+        for s in held:
+            s.close()
+
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+    return th, n
+
+
+ENGINES = 30
+
+
+def test_a_continuous_flood_of_idle_sockets_does_not_keep_peers_out(tmp_path):
+    """A thread keeps opening one-byte sockets (at most 1500 open) during the
+    whole legitimate phase: the target keeps evicting the oldest to admit new
+    ones, so a new engine's connection can be dropped before its HELLO
+    arrives (without dialing again, about 1 engine in 8 failed its first
+    write with "Connection reset by peer" / "Broken pipe").  Its initiator
+    now dials again (stats: handshake_redials): 30 fresh engines write and
+    read back 1 MiB byte-exact, none fails; throughput during the flood is
+    printed."""
+    p, seg, addr, log = _target(tmp_path)
+    port = int(seg.rsplit(":", 1)[1])
+    stop = threading.Event()
+    engines = []
+
+    def mib_per_s(a, buf):
+        t1, m = time.time(), 0
+        while time.time() - t1 < 0.5:
+            a.transfer_sync_write(seg, buf, addr, 1 << 20)
+            m += 1
+        return m / (time.time() - t1)
+
+    ref = mc.TransferEngine()  # the same writes without a flood: the reference
+    ref.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
+    ref_rate = mib_per_s(ref, ref.allocate_managed_buffer(1 << 20))
+    ref.close()
+    th, opened = _flood(port, stop)
+    try:
+        t0 = time.time()
+        while opened[0] < 300 and time.time() - t0 < 10:  # the flood is on
+            time.sleep(0.05)
+        data = os.urandom(1 << 20)
+        redials = 0
+        n, dt = 0, 0.0
+        for k in range(ENGINES):  # each a fresh engine: new connections during the flood
+            a = mc.TransferEngine()
+            engines.append(a)
+            a.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
+            buf = a.allocate_managed_buffer(1 << 20)
+            a.write_bytes_to_buffer(buf, data)
+            t1 = time.time()
+            a.transfer_sync_write(seg, buf, addr, 1 << 20)
+            a.write_bytes_to_buffer(buf, b"\0" * (1 << 20))
+            a.transfer_sync_read(seg, buf, addr, 1 << 20)
+            dt += time.time() - t1
+            n += 2
+            assert a.read_bytes_from_buffer(buf, 1 << 20) == data
+            redials += a.get_stats()["handshake_redials"]
+            if k < ENGINES - 1:
+                a.close()
+                engines.remove(a)
+        rate = mib_per_s(a, buf)
+        flooded = opened[0]
+        print(f"during a flood of {flooded} idle sockets in {time.time() - t0:.1f} s: "
+              f"{ENGINES} new engines moved {n} MiB (connect, write, read back) in "
+              f"{dt:.2f} s; handshakes dialed again: {redials}; then 1 MiB writes at "
+              f"{rate:.0f} MiB/s, {rate / ref_rate:.2f}x the {ref_rate:.0f} MiB/s "
+              f"without the flood")
+        assert flooded > 1000, flooded  # it really was a flood
+        assert rate >= 5
+    finally:
+        stop.set()
+        th.join(10)
+        for a in engines:
+            a.close()
+        p.stdin.close()
+        p.wait(10)
+
+
+def _resetting_target(resets):
+    """A target that resets (RST) its first `resets` connections as soon as
+    their HELLO arrived, then serves WRITEs on the next ones, keeping what
+    each WRITE carried."""
+    ls = socket.socket()
+    ls.bind(("127.0.0.1", 0))
+    ls.listen(64)
+    seen = {"conns": 0, "writes": []}
+    stop = []
+
+    def serve(c, k):
+        c.settimeout(5)
+        typ, _, rid, body = read_msg(c)
+        assert typ == HELLO
+        if k < resets:
+            c.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            return
+        seg = json.loads(body)["segment"].encode()
+        ack = b'{"segment":"' + seg + b'"}'
+        c.sendall(hdr(HELLO_ACK, len(ack), req_id=rid) + ack)
+        c.settimeout(0.1)
+
+        def exact(n):
+            got = b""
+            while len(got) < n:
+                try:
+                    more = c.recv(n - len(got))
+                except socket.timeout:
+                    if stop:
+                        return None
+                    continue
+                if not more:
+                    return None
+                got += more
+            return got
+
+        while True:
+            h = exact(32)
+            if h is None:
+                return
+            _, _, typ, _, count, _, rid, n = H.unpack(h)
+            rest = exact(n)
+            if rest is None:
+                return
+            assert typ == WRITE, typ
+            seen["writes"].append(rest[16 * count:])
+            c.sendall(hdr(WRITE_ACK, req_id=rid))
+
+    def run():
+        ls.settimeout(0.2)
+        while not stop:
+            try:
+                c, _ = ls.accept()
+            except socket.timeout:
+                continue
+            k = seen["conns"]
+            seen["conns"] += 1
+            try:
+                serve(c, k)
+            except (OSError, AssertionError):
+                pass
+            c.close()
+        ls.close()
+
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+    return ls.getsockname()[1], seen, lambda: (stop.append(1), th.join(10))
+
+
+def test_a_reset_before_hello_ack_is_dialed_again(pair):
+    """Deterministic: a target resets the first 3 connections after their
+    HELLO; the write still lands once, byte-exact, on the 4th."""
+    a, _ = pair
+    buf = a.allocate_managed_buffer(1 << 16)
+    data = os.urandom(1 << 16)
+    a.write_bytes_to_buffer(buf, data)
+    port, seen, stop = _resetting_target(3)
+    try:
+        a.transfer_sync_write("127.0.0.1:%d" % port, buf, 0x1000, 1 << 16)
+        assert seen["conns"] == 4 and seen["writes"] == [data], (seen["conns"],
+                                                                 len(seen["writes"]))
+        assert a.get_stats()["handshake_redials"] == 3
+    finally:
+        stop()
+
+
+def test_a_target_that_always_resets_fails_after_bounded_attempts(pair):
+    """Bounded: 1 + 8 attempts, then the reset is the caller's error."""
+    a, _ = pair
+    buf = a.allocate_managed_buffer(4096)
+    port, seen, stop = _resetting_target(1000)
+    try:
+        t0 = time.time()
+        with pytest.raises(mc.MooncakeError, match=r"127\.0\.0\.1:%d.*the last of 9 handshakes" % port):
+            a.transfer_sync_write("127.0.0.1:%d" % port, buf, 0x1000, 4096)
+        assert time.time() - t0 < 5
+        # 9 handshakes for the write (the engine may dial the segment for an
+        # RPC of its own too, counted alike)
+        assert seen["conns"] >= 9 and seen["writes"] == [], seen
+        assert a.get_stats()["handshake_redials"] >= 8
+    finally:
+        stop()

@@ -1065,6 +1065,7 @@ void mc_engine_get_stats(mc_engine_t *e, mc_engine_stats_t *out) {
     out->prehandshake_conns = t.prehandshake;
     out->prehandshake_refused = t.prehandshake_refused;
     out->prehandshake_evicted = t.prehandshake_evicted;
+    out->handshake_redials = t.redials;
     out->prehandshake_bytes_each = t.conn_bytes_each;
   }
   out->reply_queue_conn_limit = e->tcp_opts.reply_conn_limit;

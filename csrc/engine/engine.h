@@ -173,7 +173,8 @@ typedef struct mc_engine_stats {
   uint64_t same_host_cpu_bytes_written, same_host_cpu_bytes_read, same_host_cpu_ops;
   uint64_t same_host_cpu_peers;
   uint64_t same_host_cpu_refused_unbound;
-  uint64_t prehandshake_evicted; /* oldest pre-handshake connections dropped for newer ones */ /* hello not from the peer on the connection */
+  uint64_t prehandshake_evicted; /* oldest pre-handshake connections dropped for newer ones */
+  uint64_t handshake_redials; /* our connections dialed again after a reset before HELLO_ACK */ /* hello not from the peer on the connection */
   /* Detached notifications not yet freed (mc_engine_notify_detached). */
   uint64_t detached_msgs, detached_bytes;
 } mc_engine_stats_t;

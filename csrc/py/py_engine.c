@@ -1185,7 +1185,8 @@ static PyObject *add_more_stats(PyObject *d, const mc_engine_stats_t *s) {
     const char *k;
     uint64_t v;
   } more[] = {{"same_host_cpu_refused_unbound", s->same_host_cpu_refused_unbound},
-              {"prehandshake_evicted", s->prehandshake_evicted}};
+              {"prehandshake_evicted", s->prehandshake_evicted},
+              {"handshake_redials", s->handshake_redials}};
   for (size_t i = 0; i < sizeof more / sizeof more[0]; i++) {
     PyObject *v = PyLong_FromUnsignedLongLong(more[i].v);
     if (!v || PyDict_SetItemString(d, more[i].k, v) < 0) {

@@ -4,6 +4,7 @@
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
+#include <string.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -342,6 +343,127 @@ static void test_timeout_cancels(void) {
   pthread_join(th, NULL);
 }
 
+/* A target that resets (RST) its first `resets` connections once their
+ * HELLO arrived, then answers HELLO and WRITEs, keeping the last payload. */
+static struct {
+  int fd, resets, conns;
+  atomic_int stop;
+  uint8_t payload[65536];
+  size_t got;
+  char seg[64];
+} rs;
+
+static int read_full(int fd, void *p, size_t n) {
+  size_t off = 0;
+  while (off < n) {
+    ssize_t k = read(fd, (char *)p + off, n - off);
+    if (k <= 0)
+      return -1;
+    off += (size_t)k;
+  }
+  return 0;
+}
+
+static void *resetting_server(void *arg) {
+  (void)arg;
+  while (!rs.stop) {
+    int c = accept(rs.fd, NULL, NULL);
+    if (c < 0)
+      break;
+    int k = rs.conns++;
+    struct timeval tv = {.tv_sec = 0, .tv_usec = 500000}; /* idle: closed, so join ends */
+    setsockopt(c, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    uint8_t h[MC_WIRE_HDR_SIZE], body[8192];
+    uint64_t len, rid;
+    uint32_t count;
+    if (read_full(c, h, sizeof h) < 0 || (memcpy(&len, h + 24, 8), len > sizeof body) ||
+        read_full(c, body, len) < 0 || h[5] != MC_WIRE_HELLO) {
+      close(c);
+      continue;
+    }
+    memcpy(&rid, h + 16, 8);
+    if (k < rs.resets) {
+      struct linger lg = {1, 0};
+      setsockopt(c, SOL_SOCKET, SO_LINGER, &lg, sizeof lg);
+      close(c);
+      continue;
+    }
+    char ack[128];
+    int al = snprintf(ack, sizeof ack, "{\"segment\":\"%s\"}", rs.seg);
+    mc_wire_hdr_t ah = {.type = MC_WIRE_HELLO_ACK, .req_id = rid, .length = (uint64_t)al};
+    uint8_t out[MC_WIRE_HDR_SIZE + 128];
+    mc_wire_encode(&ah, out);
+    memcpy(out + MC_WIRE_HDR_SIZE, ack, (size_t)al);
+    (void)!write(c, out, MC_WIRE_HDR_SIZE + (size_t)al);
+    while (read_full(c, h, sizeof h) == 0 && h[5] == MC_WIRE_WRITE) {
+      memcpy(&len, h + 24, 8);
+      memcpy(&rid, h + 16, 8);
+      memcpy(&count, h + 8, 4);
+      uint64_t table = (uint64_t)count * MC_WIRE_ENT_SIZE;
+      if (table > sizeof body || len < table || len - table > sizeof rs.payload ||
+          read_full(c, body, table) < 0 || read_full(c, rs.payload, len - table) < 0)
+        break;
+      rs.got = len - table;
+      mc_wire_hdr_t wh = {.type = MC_WIRE_WRITE_ACK, .req_id = rid};
+      mc_wire_encode(&wh, out);
+      (void)!write(c, out, MC_WIRE_HDR_SIZE);
+    }
+    close(c);
+  }
+  return NULL;
+}
+
+/* Our connection reset before the target's HELLO_ACK is dialed again with
+ * the same requests (at most 8 times); a target that always resets fails
+ * the write after 9 handshakes, saying so. */
+static void test_reset_before_hello_ack_redials(void) {
+  for (int round = 0; round < 2; round++) {
+    memset(&rs, 0, sizeof rs);
+    rs.resets = round == 0 ? 3 : 1000;
+    rs.fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    CHECK(bind(rs.fd, (struct sockaddr *)&sa, sizeof sa) == 0);
+    listen(rs.fd, 16);
+    socklen_t sl = sizeof sa;
+    getsockname(rs.fd, (struct sockaddr *)&sa, &sl);
+    snprintf(rs.seg, sizeof rs.seg, "127.0.0.1:%d", ntohs(sa.sin_port));
+    pthread_t th;
+    pthread_create(&th, NULL, resetting_server, NULL);
+    mc_engine_stats_t st0, st1;
+    mc_engine_get_stats(A, &st0);
+    fill(abuf, 65536, 77u + (uint32_t)round);
+    mc_request_t r = {.opcode = MC_OP_WRITE, .local = abuf, .remote = 4096, .len = 65536};
+    mc_err_t err = {0};
+    mc_batch_t *b = mc_batch_new(A, 1);
+    CHECK_EQ_INT(mc_batch_submit(A, b, rs.seg, &r, 1, &err), 0);
+    int rc = mc_batch_wait(A, b, 10000, &err);
+    mc_batch_free(A, b);
+    mc_engine_get_stats(A, &st1);
+    if (round == 0) {
+      CHECK_EQ_INT(rc, 0);
+      CHECK(rs.conns >= 4); /* a 5th: the engine's RPC after the write, which it refuses */
+      CHECK(rs.got == 65536 && memcmp(rs.payload, abuf, 65536) == 0);
+      /* 3 reset handshakes: all redials of the write, or one of them the
+       * P2P reachability check that a first submit to an unknown segment
+       * makes (a plain connect, closed at once) */
+      CHECK(st1.handshake_redials - st0.handshake_redials >= 2 &&
+            st1.handshake_redials - st0.handshake_redials <= 3);
+    } else {
+      CHECK_EQ_INT(rc, MC_EPEERCLOSED);
+      CHECK_CONTAINS(err.msg, "the last of 9 handshakes");
+      CHECK(rs.got == 0);
+      /* 9 handshakes for the write (the engine's route may dial the segment
+       * for an RPC of its own too, counted alike) */
+      CHECK(rs.conns >= 9);
+      CHECK(st1.handshake_redials - st0.handshake_redials >= 8);
+    }
+    rs.stop = 1;
+    shutdown(rs.fd, SHUT_RDWR);
+    close(rs.fd);
+    pthread_join(th, NULL);
+  }
+}
+
 /* Detached notifications to a peer that never answers (a listener that
  * never accepts: its HELLO never comes): the first MC_ENGINE_DETACHED_MAX
  * return at once and are held, the next one waits for its receipt (the
@@ -632,6 +754,7 @@ int main(void) {
   RUN(test_detached_notifications_are_bounded);
   RUN(test_garbage_connection);
   RUN(test_describe_follows_changes);
+  RUN(test_reset_before_hello_ack_redials);
   mc_engine_destroy(A);
   mc_engine_destroy(B);
   free(abuf);

@@ -163,9 +163,11 @@ int mc_auth_target_hello(mc_conn_t *c, const cJSON *j, char **reply, mc_err_t *e
     return *reply ? 0 : mc_err_set(err, MC_ENOMEM, "out of memory");
   }
   if (c->auth_state == 1 && check_proof(c, j, "initiator", local, c->segment) == 0) {
+    if (mc_conn_prehandshake_done(c)) /* evicted meanwhile: serve nothing on it */
+      return mc_err_set(err, MC_EPEERCLOSED, "the proof from %s arrived after its connection "
+                        "was dropped (MC_TCP_MAX_PREHANDSHAKE)", c->peer);
     c->auth_state = 2;
     c->hello_ok = 1;
-    mc_conn_prehandshake_done(c); /* no longer a pre-handshake connection */
     *reply = json3(local, NULL, NULL, NULL, NULL);
     return *reply ? 0 : mc_err_set(err, MC_ENOMEM, "out of memory");
   }

@@ -120,6 +120,11 @@ struct mc_conn {
   mc_conn_t *pre_prev, *pre_next;
   int pre_evicted;
   _Atomic uint64_t pre_hello_ns; /* when its HELLO's header arrived (0: not yet) */
+  /* Initiator: a connection reset before the target's HELLO_ACK is dialed
+   * again (its requests moved to the new one) up to MC_TCP_REDIALS times
+   * while now < redial_until_ns (the first dial's connect deadline). */
+  int redials;
+  uint64_t redial_until_ns;
 
   int cmd_refs; /* commands queued that name this conn (loop->mu) */
   mc_conn_t *next_in_loop;
@@ -172,6 +177,7 @@ struct mc_tcp {
   mc_conn_t *pre_head, *pre_tail;
   atomic_int pre_evicting; /* evicted, not yet reaped by their loop */
   atomic_ullong prehandshake_evicted;
+  atomic_ullong redials; /* initiator: handshakes dialed again after a reset */
 };
 
 /* tcp_loop.c */
@@ -184,7 +190,7 @@ void mc_conn_set_out(mc_conn_t *c, int on);
 void mc_conn_update_events(mc_conn_t *c);
 /* The peer finished (or failed) its handshake: it no longer counts against
  * the pre-handshake budget. */
-void mc_conn_prehandshake_done(mc_conn_t *c);
+int mc_conn_prehandshake_done(mc_conn_t *c);
 void mc_conn_kill(mc_conn_t *c, int code, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 /* Keeps a connection's memory alive (like a queued command) for a thread

@@ -117,12 +117,17 @@ static void pre_unlink(mc_tcp_t *t, mc_conn_t *c) {
   c->pre_prev = c->pre_next = NULL;
 }
 
-void mc_conn_prehandshake_done(mc_conn_t *c) {
+/* Returns 1 when the connection had been evicted (its socket shut down):
+ * a HELLO that arrives on it must not be answered, nor anything after it
+ * served, so that its initiator may dial again and resend all of it. */
+int mc_conn_prehandshake_done(mc_conn_t *c) {
+  int evicted = 0;
   if (c->prehandshake) {
     mc_tcp_t *t = c->tcp;
     pthread_mutex_lock(&t->pre_mu);
     if (c->pre_evicted) {
       atomic_fetch_sub(&t->pre_evicting, 1);
+      evicted = 1;
     } else {
       pre_unlink(t, c);
       atomic_fetch_sub(&t->prehandshake, 1);
@@ -130,6 +135,7 @@ void mc_conn_prehandshake_done(mc_conn_t *c) {
     pthread_mutex_unlock(&t->pre_mu);
     c->prehandshake = 0;
   }
+  return evicted;
 }
 
 void mc_tcp_get_stats(mc_tcp_t *t, mc_tcp_stats_t *out) {
@@ -138,6 +144,7 @@ void mc_tcp_get_stats(mc_tcp_t *t, mc_tcp_stats_t *out) {
   out->prehandshake = (uint64_t)atomic_load(&t->prehandshake);
   out->prehandshake_refused = atomic_load(&t->prehandshake_refused);
   out->prehandshake_evicted = atomic_load(&t->prehandshake_evicted);
+  out->redials = atomic_load(&t->redials);
   out->conn_bytes_each = MC_TCP_RBUF + MC_TCP_HELLO_MAX + sizeof(mc_conn_t);
 }
 
@@ -161,6 +168,8 @@ static void peer_remove_conn(mc_tcp_t *t, mc_conn_t *c) {
   pthread_mutex_unlock(&t->peers_mu);
 }
 
+static int redial(mc_conn_t *c, int code, const char *why);
+
 void mc_conn_kill(mc_conn_t *c, int code, const char *fmt, ...) {
   if (c->state == CONN_DEAD)
     return;
@@ -169,7 +178,14 @@ void mc_conn_kill(mc_conn_t *c, int code, const char *fmt, ...) {
   va_start(ap, fmt);
   vsnprintf(msg, sizeof msg, fmt, ap);
   va_end(ap);
-  if (code == MC_EPROTO && !c->outgoing) /* a peer can repeat these at will */
+  if (c->outgoing && !c->hello_ok && c->redials && code == MC_EPEERCLOSED) {
+    size_t l = strlen(msg);
+    snprintf(msg + l, sizeof msg - l, " (the last of %d handshakes, each cut before the "
+             "target's HELLO_ACK; is the target overloaded or flooded?)", c->redials + 1);
+  }
+  if (redial(c, code, msg)) /* its requests now wait on a fresh connection */
+    code = MC_ECLOSED;
+  else if (code == MC_EPROTO && !c->outgoing) /* a peer can repeat these at will */
     mc_log_warn_rated("%s", msg);
   else if (code == MC_EPROTO)
     mc_log_warn("%s", msg);
@@ -691,6 +707,7 @@ static mc_conn_t *connect_peer(mc_tcp_t *t, const char *host, int port, const ch
     return NULL;
   }
   c->connect_deadline_ns = mc_now_ns() + (uint64_t)t->opts.connect_timeout_ms * 1000000ull;
+  c->redial_until_ns = c->connect_deadline_ns;
   /* HELLO first: names the segment we expect and who we are, and starts
    * peer authentication (tcp_auth.c). */
   mc_xfer_op_t *hello = mc_auth_hello(c, err);
@@ -701,6 +718,76 @@ static mc_conn_t *connect_peer(mc_tcp_t *t, const char *host, int port, const ch
   }
   c->inbox_head = c->inbox_tail = hello;
   return c;
+}
+
+/* Initiator: the target reset or closed the connection before its
+ * HELLO_ACK (e.g. it evicted the connection to admit newer ones while the
+ * HELLO was still on its way: docs/security.md).  The target answers
+ * nothing on a connection before its HELLO and serves nothing on one it
+ * evicted, so no request on it took effect: they all move, unsent, to a
+ * fresh connection in the same peer slot.  Bounded: MC_TCP_REDIALS times,
+ * and only before the first dial's connect deadline.  No timer between
+ * attempts: each one is paced by the target's reset of the one before.
+ * Returns 1 when the requests moved (c then holds none). */
+#define MC_TCP_REDIALS 8
+static int redial(mc_conn_t *c, int code, const char *why) {
+  mc_tcp_t *t = c->tcp;
+  if (!c->outgoing || c->hello_ok || code != MC_EPEERCLOSED || c->state != CONN_OPEN ||
+      c->redials >= MC_TCP_REDIALS || mc_now_ns() >= c->redial_until_ns || c->loop->stopping)
+    return 0;
+  pthread_mutex_lock(&t->peers_mu);
+  mc_tcp_peer_t *p = NULL;
+  int slot = -1;
+  for (size_t i = 0; i < t->npeers && slot < 0; i++)
+    for (int k = 0; k < t->opts.conns_per_peer; k++)
+      if (t->peers[i]->conns[k] == c) {
+        p = t->peers[i];
+        slot = k;
+        break;
+      }
+  mc_err_t err = {0};
+  mc_conn_t *n = slot >= 0 ? connect_peer(t, p->host, p->port, p->segment, &err) : NULL;
+  if (!n) {
+    pthread_mutex_unlock(&t->peers_mu);
+    return 0;
+  }
+  n->redials = c->redials + 1;
+  n->redial_until_ns = c->redial_until_ns;
+  /* Everything c holds, in order: sent and awaiting an answer, queued,
+   * and not yet taken from its inbox.  Its HELLO is dropped (n has its own);
+   * the rest is sent again from its first byte. */
+  pthread_mutex_lock(&c->mu);
+  mc_xfer_op_t *inbox = c->inbox_head;
+  c->inbox_head = c->inbox_tail = NULL;
+  pthread_mutex_unlock(&c->mu);
+  mc_xfer_op_t *chains[3] = {c->await_head, c->sendq_head, inbox};
+  c->await_head = c->await_tail = c->sendq_head = c->sendq_tail = NULL;
+  mc_xfer_op_t *tail = n->inbox_tail;
+  for (int ch = 0; ch < 3; ch++) {
+    for (mc_xfer_op_t *op = chains[ch], *next; op; op = next) {
+      next = op->next;
+      op->next = NULL;
+      if (op->type == MC_WIRE_HELLO) {
+        mc_xfer_op_free(op);
+        continue;
+      }
+      op->started = 0;
+      if (op->tp) {
+        MC_OPW(op)->iov_idx = 0;
+        MC_OPW(op)->iov_off = 0;
+      }
+      tail->next = op;
+      tail = op;
+    }
+  }
+  n->inbox_tail = tail;
+  p->conns[slot] = n;
+  atomic_fetch_add(&t->redials, 1);
+  mc_log_info_rated("%s before the handshake completed; dialing %s again (attempt %d of %d)", why,
+                    n->peer, n->redials + 1, MC_TCP_REDIALS + 1);
+  mc_loop_post(n->loop, CMD_ADD, n); /* under peers_mu, as in mc_tcp_submit */
+  pthread_mutex_unlock(&t->peers_mu);
+  return 1;
 }
 
 /* Encodes ops not yet encoded; one that cannot be fails (done) and its slot

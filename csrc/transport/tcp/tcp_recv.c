@@ -539,8 +539,12 @@ static int on_body_target(mc_conn_t *c) {
     }
     mc_auth_target_plain(c, j);
     cJSON_Delete(j);
+    if (mc_conn_prehandshake_done(c)) { /* evicted: its initiator dials again */
+      mc_conn_kill(c, MC_EPEERCLOSED, "a HELLO from %s arrived after its connection was "
+                   "dropped (MC_TCP_MAX_PREHANDSHAKE)", c->peer);
+      return -1;
+    }
     c->hello_ok = 1;
-    mc_conn_prehandshake_done(c);
     cJSON *r = cJSON_CreateObject();
     char *txt = NULL;
     if (r && cJSON_AddStringToObject(r, "segment", local))
