@@ -32,7 +32,7 @@ def _run(code, env_extra=None, path_extra=None):
     env = dict(os.environ)
     env.pop("MC_MOONCAKE_SHIM", None)
     env.update(env_extra or {})
-    pp = [WT] + ([path_extra] if path_extra else []) + [env.get("PYTHONPATH", "")]
+    pp = ([path_extra] if path_extra else []) + [env.get("PYTHONPATH", "")]
     env["PYTHONPATH"] = os.pathsep.join(p for p in pp if p)
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           env=env, timeout=60, cwd="/")

@@ -37,6 +37,12 @@ def recompute_reason(err):
     low = err.lower()
     if "layout" in low or "mismatch" in low or "cannot use" in low:
         return "layout_mismatch"
+    # Refused or unresolvable first: such a text may name a timeout knob
+    # (e.g. "... within 2000 ms (MC_P2P_HANDSHAKE_TIMEOUT_MS) ...: Connection
+    # refused") without anything having timed out.
+    if any(w in low for w in ("connection refused", "no engine accepts", "cannot resolve",
+                              "unreachable")):
+        return "producer_unreachable"
     if "timed out" in low or "timeout" in low:
         return "timed_out"
     return "producer_unreachable"
