@@ -105,12 +105,14 @@ def _reachability_check(c):
     return True
 
 
-def _fake_target(answer_status, answer_body):
-    """A listener that answers every HELLO with (status, body): a peer whose
-    error text is not UTF-8."""
+def _listener(backlog, handle, join_s=5):
+    """A loopback listener whose thread calls handle(conn) for each
+    connection (the P2P reachability check's empty ones skipped; OSError and
+    AssertionError in handle end only that connection).  Returns (port,
+    stop)."""
     ls = socket.socket()
     ls.bind(("127.0.0.1", 0))
-    ls.listen(8)
+    ls.listen(backlog)
     stop = []
 
     def run():
@@ -123,19 +125,28 @@ def _fake_target(answer_status, answer_body):
             if _reachability_check(c):
                 continue
             try:
-                c.settimeout(5)
-                typ, _, rid, _ = read_msg(c)
-                c.sendall(hdr(HELLO_ACK, len(answer_body), req_id=rid, status=answer_status)
-                          + answer_body)
-                time.sleep(0.2)
-            except OSError:
+                handle(c, stop)
+            except (OSError, AssertionError):
                 pass
             c.close()
         ls.close()
 
     th = threading.Thread(target=run, daemon=True)
     th.start()
-    return ls.getsockname()[1], lambda: (stop.append(1), th.join(5))
+    return ls.getsockname()[1], lambda: (stop.append(1), th.join(join_s))
+
+
+def _fake_target(answer_status, answer_body):
+    """A listener that answers every HELLO with (status, body): a peer whose
+    error text is not UTF-8."""
+    def answer(c, _stop):
+        c.settimeout(5)
+        typ, _, rid, _ = read_msg(c)
+        c.sendall(hdr(HELLO_ACK, len(answer_body), req_id=rid, status=answer_status)
+                  + answer_body)
+        time.sleep(0.2)
+
+    return _listener(8, answer)
 
 
 def test_non_utf8_error_text_from_a_peer_is_a_mooncake_error(pair):
@@ -413,13 +424,11 @@ def _resetting_target(resets):
     """A target that resets (RST) its first `resets` connections as soon as
     their HELLO arrived, then serves WRITEs on the next ones, keeping what
     each WRITE carried."""
-    ls = socket.socket()
-    ls.bind(("127.0.0.1", 0))
-    ls.listen(64)
     seen = {"conns": 0, "writes": []}
-    stop = []
 
-    def serve(c, k):
+    def serve(c, stop):
+        k = seen["conns"]
+        seen["conns"] += 1
         c.settimeout(5)
         typ, _, rid, body = read_msg(c)
         assert typ == HELLO
@@ -457,27 +466,8 @@ def _resetting_target(resets):
             seen["writes"].append(rest[16 * count:])
             c.sendall(hdr(WRITE_ACK, req_id=rid))
 
-    def run():
-        ls.settimeout(0.2)
-        while not stop:
-            try:
-                c, _ = ls.accept()
-            except socket.timeout:
-                continue
-            if _reachability_check(c):
-                continue
-            k = seen["conns"]
-            seen["conns"] += 1
-            try:
-                serve(c, k)
-            except (OSError, AssertionError):
-                pass
-            c.close()
-        ls.close()
-
-    th = threading.Thread(target=run, daemon=True)
-    th.start()
-    return ls.getsockname()[1], seen, lambda: (stop.append(1), th.join(10))
+    port, stop = _listener(64, serve, join_s=10)
+    return port, seen, stop
 
 
 def test_a_reset_before_hello_ack_is_dialed_again(pair):
