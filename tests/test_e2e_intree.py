@@ -19,7 +19,7 @@ prompt as loaded from the peer ("p2p") and none computed; and the prefill's
 log has our engine's line for each push (MC_MOONCAKE_SHIM_STATS=1), from
 the prefill's engine to the decode's (the segments our C engine logged at
 start-up in each server), whose bytes add up to exactly the prompt's blocks
-x layers x block bytes.
+x layers x block bytes, as the engine's own same-host byte counter says.
 
 One test-side shim is needed (tests/intree_cpu/sitecustomize.py): vLLM's
 MooncakeConnectorWorker.__init__ asks torch.accelerator for a device index,
@@ -149,10 +149,12 @@ def intree(tiny_model_dir):
     boot = serving.free_port()
     env = {"MC_MOONCAKE_SHIM": "1", "MC_MOONCAKE_SHIM_STATS": "1",
            "MC_INTREE_CPU_ACCEL_INDEX": "1", "VLLM_HOST_IP": "127.0.0.1", "MC_LOG_LEVEL": "info",
-           # The TCP transport the configuration names ("mooncake_protocol": "tcp"),
-           # not the same-host CPU path our engine would take between two
-           # processes of one host (tests/conftest.py keeps tests on TCP too).
-           "MC_SAME_HOST_CPU": "0",
+           # Our engine's default between two processes of one host: the
+           # same-host CPU path (tests/conftest.py turns it off for tests),
+           # whose own byte counter the push lines carry.  TCP, the protocol
+           # the configuration names, is the in-process cell's
+           # (tests/test_intree_worker.py); MC_INTREE_E2E_TCP=1 runs this on it.
+           "MC_SAME_HOST_CPU": "0" if os.environ.get("MC_INTREE_E2E_TCP") == "1" else "1",
            "VLLM_MOONCAKE_BOOTSTRAP_PORT": str(boot),
            "PYTHONPATH": os.pathsep.join(p for p in (site, os.environ.get("PYTHONPATH"))
                                          if p)}
@@ -218,6 +220,8 @@ def test_disaggregated_tokens_identical_and_kv_moved_by_our_engine(intree):
         segs[side] = found[0]
     d = dict(d, prefill_seg=segs["prefill"], decode_seg=segs["decode"])
     log = d["prefill"].log_path
+    same_host = d["prefill"].env["MC_SAME_HOST_CPU"] == "1"
+    total = 0
     mismatches, report = [], []
     for pid, prompt in PROMPTS:
         for stream in (False, True):
@@ -250,7 +254,15 @@ def test_disaggregated_tokens_identical_and_kv_moved_by_our_engine(intree):
                           f"{moved} bytes in {len(lines)} call(s)")
             assert loaded == lens[pid] and computed == 0, (report[-1], delta)
             assert moved == want, (report[-1], f"want {want} bytes", lines)
+            total += moved
+            # The engine's own counter: on the same-host CPU path it counted
+            # every byte pushed so far; over TCP it has nothing to count.
+            assert int(lines[-1][3]) == (total if same_host else 0), (lines, total)
             # Pushed by the prefill's engine to the decode server's engine.
             assert {(x[0], x[1]) for x in lines} == {(d["prefill_seg"], d["decode_seg"])}, lines
+    if same_host:
+        with open(log, encoding="utf-8", errors="replace") as f:
+            assert f"same-host CPU path to segment {d['decode_seg']}: cross-memory attach" \
+                in f.read()
     print("\n" + "\n".join(report))
     assert not mismatches, mismatches

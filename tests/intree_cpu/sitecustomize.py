@@ -27,7 +27,7 @@ _TARGET = "vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connec
 site.addsitedir(_HERE)
 
 
-def _patch_accelerator_index():
+def patch_accelerator_index():
     import torch
     acc = getattr(torch, "accelerator", None)
     if acc is None or getattr(acc.current_device_index, "_intree_cpu", False):
@@ -49,7 +49,7 @@ def _patch_accelerator_index():
 class _OnImport(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname, path=None, target=None):
         if fullname == _TARGET:
-            _patch_accelerator_index()
+            patch_accelerator_index()
         return None
 
 
