@@ -207,6 +207,38 @@ def main():
                 assert torch.equal(kv_c[n][d], kv_p[n][s]), ("after restore", n, s, d)
         out["sleep_mode"] = "unregister + restore + move ok"
         out["bytes_expected"] += len(src) * len(LAYERS) * out["block_bytes"]
+    # The consumer's KV no longer registered with its engine (vLLM >= 0.33's
+    # sleep mode; on 0.32 the same engine call): our engine must refuse the
+    # push (Mooncake's -1 to vLLM), vLLM's consumer must see the load fail
+    # for exactly those blocks, and not one byte may land there.
+    if hasattr(cons, "unregister_kv_caches"):
+        cons.unregister_kv_caches()
+    else:
+        assert cw.engine.batch_unregister_memory(cw.seen_base_addresses) == 0
+    src, dst = [13, 14], [46, 47]
+    m = mc.MooncakeConnectorMetadata()
+    m.add_new_req("p-f", [], {"do_remote_decode": True, "transfer_id": "xfer-f"},
+                  load_remote_cache=False)
+    step(prod, m)
+    m = mc.MooncakeConnectorMetadata()
+    m.add_new_req("d-f", [list(dst)], {"do_remote_prefill": True, "transfer_id": "xfer-f",
+                                       "remote_engine_id": pe, "remote_bootstrap_addr": boot})
+    step(cons, m)
+    m = mc.MooncakeConnectorMetadata()
+    m.add_new_req("p-f", [list(src)], {"do_remote_decode": True, "transfer_id": "xfer-f"},
+                  load_remote_cache=False)
+    step(prod, m)
+    wait(lambda: (poll(), "d-f" in recvd)[1], "the refused push to be reported")
+    errs = cons.get_block_ids_with_load_errors()
+    assert errs == set(dst), errs
+    for n in LAYERS:
+        for d in dst:
+            assert not kv_c[n][d].any(), ("bytes landed in unregistered memory", n, d)
+    assert pw.engine.last_error is not None, "our engine reported no error"
+    out["refused"] = str(pw.engine.last_error)
+    st = prod.get_kv_connector_stats()
+    out["failed_transfers"] = st.reduce()["Num failed transfers"] if st is not None else 0
+
     out["engine_stats_end"] = {k: v for k, v in pw.engine.get_stats().items() if "bytes" in k}
 
     prod.shutdown()

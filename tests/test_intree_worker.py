@@ -11,7 +11,9 @@ and scattered runs), no other block changed; our engine logged pushes
 consumer, over TCP (its same-host byte counter stays 0; on the same-host CPU
 path, MC_INTREE_TRANSPORTS=tcp,same-host-cpu, that counter says the bytes); with vLLM >= 0.33 the consumer's KV unregistered
 and restored (sleep mode: batch_unregister_memory, batch_register_memory)
-still receives.
+still receives; with the consumer's KV unregistered our engine refuses the
+push, vLLM's consumer reports exactly those blocks as failed loads, and no
+byte lands in them.
 """
 import json
 import os
@@ -72,6 +74,12 @@ def test_intree_worker_pair_moves_blocks_through_our_engine(transport):
     assert sum(int(n) for _, _, n in pushes) == res["bytes_expected"], (pushes, res)
     cs = res["connector_stats"]
     assert cs["Num failed transfers"] == 0 and cs["Num failed recvs"] == 0, cs
+    # The push into the consumer's unregistered KV: refused by our engine
+    # (the script checked vLLM saw the load fail for exactly those blocks and
+    # that they stayed untouched).
+    assert ("is not inside any memory region registered by segment "
+            + res["consumer_segment"]) in res["refused"], res["refused"]
+    assert res["failed_transfers"] == 1, res
     written = res["engine_stats_end"]["same_host_cpu_bytes_written"]
     if transport == "same-host-cpu":
         assert written == res["bytes_expected"], res
