@@ -11,9 +11,9 @@ and scattered runs), no other block changed; our engine logged pushes
 consumer, over TCP (its same-host byte counter stays 0; on the same-host CPU
 path, MC_INTREE_TRANSPORTS=tcp,same-host-cpu, that counter says the bytes);
 with vLLM >= 0.33 the consumer's KV unregistered and restored (sleep mode:
-batch_unregister_memory, batch_register_memory) still receives; with the consumer's KV unregistered our engine refuses the
-push, vLLM's consumer reports exactly those blocks as failed loads, and no
-byte lands in them.
+batch_unregister_memory, batch_register_memory) still receives; with the
+consumer's KV unregistered our engine refuses the push, vLLM's consumer
+reports exactly those blocks as failed loads, and no byte lands in them.
 """
 import json
 import os
