@@ -130,6 +130,18 @@ def _stats_lines(log_path, since):
     return [m.groups() for m in STATS_RE.finditer(text)]
 
 
+def _path(log_path, segment):
+    """True if the engine's first-contact line (MC_LOG_LEVEL=info) says it
+    reaches `segment` by the same-host CPU path, False if it says TCP (e.g.
+    switched off, or no ptrace rights in a container: the reason is logged)."""
+    with open(log_path, encoding="utf-8", errors="replace") as f:
+        text = f.read()
+    shc = f"same-host CPU path to segment {segment}: cross-memory attach" in text
+    tcp = f"segment {segment}: not via same-host-cpu" in text
+    assert shc != tcp, f"the engine logged neither or both paths to {segment}"
+    return shc
+
+
 def _size(path):
     return os.path.getsize(path) if os.path.exists(path) else 0
 
@@ -220,7 +232,7 @@ def test_disaggregated_tokens_identical_and_kv_moved_by_our_engine(intree):
         segs[side] = found[0]
     d = dict(d, prefill_seg=segs["prefill"], decode_seg=segs["decode"])
     log = d["prefill"].log_path
-    same_host = d["prefill"].env["MC_SAME_HOST_CPU"] == "1"
+    same_host = None  # which path the engine took: its first-contact line says
     total = 0
     mismatches, report = [], []
     for pid, prompt in PROMPTS:
@@ -255,14 +267,16 @@ def test_disaggregated_tokens_identical_and_kv_moved_by_our_engine(intree):
             assert loaded == lens[pid] and computed == 0, (report[-1], delta)
             assert moved == want, (report[-1], f"want {want} bytes", lines)
             total += moved
+            if same_host is None:
+                same_host = _path(log, d["decode_seg"])
+                if d["prefill"].env["MC_SAME_HOST_CPU"] == "0":
+                    assert not same_host, "MC_SAME_HOST_CPU=0 and still the same-host path"
+                report.append(f"our engine's path to the decode: "
+                              f"{'same-host CPU' if same_host else 'TCP'}")
             # The engine's own counter: on the same-host CPU path it counted
             # every byte pushed so far; over TCP it has nothing to count.
             assert int(lines[-1][3]) == (total if same_host else 0), (lines, total)
             # Pushed by the prefill's engine to the decode server's engine.
             assert {(x[0], x[1]) for x in lines} == {(d["prefill_seg"], d["decode_seg"])}, lines
-    if same_host:
-        with open(log, encoding="utf-8", errors="replace") as f:
-            assert f"same-host CPU path to segment {d['decode_seg']}: cross-memory attach" \
-                in f.read()
     print("\n" + "\n".join(report))
     assert not mismatches, mismatches
