@@ -25,6 +25,8 @@ import pytest
 
 from e2e_fixtures import have_vllm
 
+pytestmark = pytest.mark.vllm
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 LINE = re.compile(r"engine (\S+) \(mooncake_connector, served as mooncake\.engine\): "
                   r"batch_transfer_sync_write to (\S+) ok, (\d+) bytes")
