@@ -14,8 +14,9 @@ engine id; per request one transfer_id; the prefill leg
 remote_bootstrap_addr, remote_engine_id, transfer_id) are sent at once.
 
 Checked per request: greedy tokens identical to the decode server computing
-the prompt itself (token_match.judge); the decode's /metrics count the
-prompt as loaded from the peer ("p2p") and none computed; and the prefill's
+the prompt itself (token_match.judge; MC_E2E_OWN_REFERENCE=1: to a third,
+colocated server without any connector); the decode's /metrics count the
+whole prompt as loaded from the peer (external_kv_transfer) and none computed; and the prefill's
 log has our engine's line for each push (MC_MOONCAKE_SHIM_STATS=1), from
 the prefill's engine to the decode's (the segments our C engine logged at
 start-up in each server), whose bytes add up to exactly the prompt's blocks
@@ -177,19 +178,26 @@ def intree(tiny_model_dir):
     decode = serving.vllm_server("decode (in-tree MooncakeConnector)", tiny_model_dir,
                                  serving.free_port(), os.path.join(logs, "decode.log"),
                                  _config("kv_consumer"), env=env)
+    procs = [prefill, decode]
+    colocated = None
+    if os.environ.get("MC_E2E_OWN_REFERENCE") == "1":  # an independent colocated server
+        colocated = serving.vllm_server("colocated (no connector)", tiny_model_dir,
+                                        serving.free_port(), os.path.join(logs, "colocated.log"))
+        procs.append(colocated)
     t0 = time.monotonic()
-    serving.start_all([prefill, decode], START_TIMEOUT_S)
+    serving.start_all(procs, START_TIMEOUT_S)
     try:
         print(f"\nin-tree cell up in {time.monotonic() - t0:.0f} s; logs in {logs}")
         q = _query(boot)
         assert list(q) == ["0"] and list(q["0"]["worker_addr"]) == ["0"], q
         spec = tiny_model.spec_with()
-        yield {"prefill": prefill, "decode": decode, "boot": boot, "query": q,
+        yield {"prefill": prefill, "decode": decode, "colocated": colocated, "boot": boot,
+               "query": q,
                "engine_id": q["0"]["engine_id"], "bootstrap_addr": f"http://127.0.0.1:{boot}",
                "layers": spec["layers"],
                "block_bytes": BLOCK * tiny_model.kv_bytes_per_token(spec) // spec["layers"]}
     finally:
-        serving.stop_all([prefill, decode])
+        serving.stop_all(procs)
 
 
 def test_servers_run_vllms_class_on_our_engine(intree):
@@ -212,11 +220,14 @@ def test_servers_run_vllms_class_on_our_engine(intree):
 
 def test_disaggregated_tokens_identical_and_kv_moved_by_our_engine(intree):
     d = intree
-    # References: the decode server computing each prompt itself.
+    # References: the decode server computing each prompt itself (no
+    # kv_transfer_params: its connector does nothing), or with
+    # MC_E2E_OWN_REFERENCE=1 a colocated server without any connector.
+    ref_url = (d["colocated"] or d["decode"]).url
     refs, lens = {}, {}
     before = prompt_tokens_by_source(d["decode"].url)
     for pid, prompt in PROMPTS:
-        r = request(d["decode"].url, "/v1/completions", _body(prompt, logprobs=True),
+        r = request(ref_url, "/v1/completions", _body(prompt, logprobs=True),
                     timeout=REQ_TIMEOUT)
         assert r.status == 200 and r.token_ids, (pid, r.status, r.error)
         refs[pid] = (r.token_ids, r.top_logprobs)
