@@ -22,7 +22,6 @@ import glob
 import hashlib
 import os
 import re
-import site
 import socket
 import subprocess
 import sys
@@ -33,11 +32,11 @@ import pytest
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from mooncake_wheel import find_server  # noqa: E402
+from mooncake_shim_env import no_real_mooncake, shim_env  # noqa: E402
 
 TP = os.path.join(HERE, "third_party", "mooncake")
 WHEEL_TESTS = os.path.join(TP, "mooncake-wheel", "tests")
 FAULT = os.path.join(TP, "mooncake-transfer-engine", "tests", "fault-tolerant")
-PTH = "mooncake_connector_shim.pth"
 INITIATOR_TESTS = ("test_async_batch_write_read", "test_async_submit_to_unknown_peer_returns_zero",
                    "test_batch_write_read", "test_random_write_circle_times",
                    "test_send_probe_reachable_peer", "test_send_probe_unknown_peer")
@@ -62,39 +61,9 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _shim_env(tmp_path, **extra):
-    """The environment Mooncake's programs run in: MC_MOONCAKE_SHIM=1 and
-    our package's .pth.  An installed wheel has the .pth in site-packages;
-    a source checkout (PYTHONPATH=checkout) gets the checkout's .pth through a
-    site dir of its own, processed by a sitecustomize (the same line runs)."""
-    env = dict(os.environ)
-    # Mooncake's programs are run as `python prog.py`: their own directory on
-    # sys.path (the fault-tolerant ones import their transfer_engine.py).
-    env.pop("PYTHONSAFEPATH", None)
-    env.update(MC_MOONCAKE_SHIM="1", PYTHONUNBUFFERED="1", MC_FORCE_TCP="1")
-    env.update(extra)
-    dirs = site.getsitepackages() + [site.getusersitepackages()]
-    if not any(os.path.isfile(os.path.join(d, PTH)) for d in dirs):
-        import mooncake_connector
-        src = os.path.join(os.path.dirname(os.path.dirname(mooncake_connector.__file__)), PTH)
-        if not os.path.isfile(src):
-            pytest.skip(f"{PTH} is neither installed nor next to {mooncake_connector.__file__}")
-        sdir = tmp_path / "shim-site"
-        sdir.mkdir(exist_ok=True)
-        with open(src) as f:
-            (sdir / PTH).write_text(f.read())
-        (sdir / "sitecustomize.py").write_text(f"import site\nsite.addsitedir({str(sdir)!r})\n")
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(sdir), env.get("PYTHONPATH")) if p)
-    return env
-
-
 @pytest.fixture(scope="module", autouse=True)
 def _no_real_mooncake():
-    r = subprocess.run([sys.executable, "-c",
-                        "import importlib.util as u; print(u.find_spec('mooncake') is None)"],
-                       capture_output=True, text=True, timeout=60)
-    if r.stdout.strip() != "True":
-        pytest.skip("a real Mooncake package is installed here: the shim never shadows it")
+    no_real_mooncake()
 
 
 def _unittest_results(err):
@@ -137,7 +106,7 @@ def mooncake_metadata_server(tmp_path):
 
 def _run_pair(tmp_path, metadata, extra=None):
     tname, iname = f"127.0.0.1:{_free_port()}", f"127.0.0.1:{_free_port()}"
-    env = _shim_env(tmp_path, TARGET_SERVER_NAME=tname, INITIATOR_SERVER_NAME=iname,
+    env = shim_env(tmp_path, TARGET_SERVER_NAME=tname, INITIATOR_SERVER_NAME=iname,
                     MC_METADATA_SERVER=metadata, PROTOCOL="tcp", **(extra or {}))
     tlog = open(tmp_path / "target.log", "w+")
     # The target ends in `while True: pass` (it spins a core): killed as soon
@@ -192,7 +161,7 @@ def test_import_structure(tmp_path):
     without its store).  The third imports mooncake.store (Mooncake Store's
     distributed object store), which our package does not provide."""
     r = subprocess.run([sys.executable, "test_import_structure.py", "-v"], cwd=WHEEL_TESTS,
-                       env=_shim_env(tmp_path), capture_output=True, text=True, timeout=60)
+                       env=shim_env(tmp_path), capture_output=True, text=True, timeout=60)
     out = r.stdout + r.stderr
     assert _unittest_results(r.stderr) == {"test_direct_import": "ok",
                                       "test_top_level_buffer_pool_alias": "ok",
@@ -224,7 +193,7 @@ def test_fault_tolerant_server_and_client(tmp_path):
     for port in (5555, 10010, 10011):  # fixed in the programs
         if not _port_free(port):
             pytest.skip(f"port {port}, fixed in Mooncake's fault-tolerant tests, is in use")
-    env = _shim_env(tmp_path)
+    env = shim_env(tmp_path)
     slog = open(tmp_path / "server.log", "w+")
     server = subprocess.Popen([sys.executable, "server_test.py"], cwd=FAULT, env=env,
                               stdin=subprocess.PIPE, stdout=slog, stderr=subprocess.STDOUT)
