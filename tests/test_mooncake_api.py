@@ -148,3 +148,23 @@ def test_mc_force_tcp_as_mooncake(monkeypatch, caplog):
     finally:
         for e in (a, b, c):
             e.close()
+
+
+def test_notify_envelope_parser_takes_any_bytes(caplog):
+    """get_notifies() parses bodies a peer chose: any bytes give a Notify,
+    never an exception; round trip of the envelope."""
+    import random
+    from mooncake_connector import mooncake_api as m
+    env = m._notify_envelope(TransferNotify("név", "msg"))
+    n = m._notify_unwrap("peer:1", env)
+    assert (n.name, n.msg, n.sender) == ("név", b"msg", "peer:1")
+    rnd = random.Random(26)
+    for i in range(3000):
+        body = bytes(rnd.randrange(256) for _ in range(rnd.randrange(12)))
+        if i % 2:
+            body = m.NOTIFY_MAGIC + body
+        n = m._notify_unwrap("peer:1", body)
+        assert isinstance(n, m.Notify) and n.sender == "peer:1"
+        assert n.msg == body or body.startswith(m.NOTIFY_MAGIC)
+    with pytest.raises(ValueError, match="at most 65535"):
+        m._notify_envelope(TransferNotify("x" * 65536, ""))
