@@ -198,7 +198,15 @@ def test_fault_tolerant_server_and_client(tmp_path):
     server = subprocess.Popen([sys.executable, "server_test.py"], cwd=FAULT, env=env,
                               stdin=subprocess.PIPE, stdout=slog, stderr=subprocess.STDOUT)
     try:
-        time.sleep(0.5)
+        end = time.time() + 30
+        while True:  # its engine up (then it waits for the client on port 5555)
+            slog.seek(0)
+            sout = slog.read()
+            if "Server initialized with session ID" in sout:
+                break
+            assert server.poll() is None, f"the server exited:\n{sout}"
+            assert time.time() < end, f"the server did not start:\n{sout}"
+            time.sleep(0.05)
         client = subprocess.run([sys.executable, "client_test.py"], cwd=FAULT, env=env,
                                 capture_output=True, text=True, timeout=60)
         cout = client.stdout + client.stderr
