@@ -32,7 +32,8 @@ def shim_env(tmp_path, **extra):
     # Mooncake's programs are run as `python prog.py`: their own directory on
     # sys.path (the fault-tolerant ones import their transfer_engine.py).
     env.pop("PYTHONSAFEPATH", None)
-    env.update(MC_MOONCAKE_SHIM="1", PYTHONUNBUFFERED="1", MC_FORCE_TCP="1")
+    env.update(MC_MOONCAKE_SHIM="1", PYTHONUNBUFFERED="1", MC_FORCE_TCP="1",
+               PYTHONDONTWRITEBYTECODE="1")  # no __pycache__ in tests/third_party
     for k, v in extra.items():  # None: unset
         if v is None:
             env.pop(k, None)
