@@ -66,9 +66,12 @@ class TransferEngine:
         return self
 
     def get_notifies(self):
-        """Mooncake's items: TransferNotify with .name and .msg (a str)."""
-        return [TransferNotify(n, m.decode("utf-8", "replace") if isinstance(m, bytes) else m)
-                for n, m in self._engine.get_notifies()]
+        """Mooncake's items: TransferNotify with .name and .msg (a str) as
+        the sender's TransferNotify gave them (.sender: the sending
+        segment)."""
+        return [TransferNotify(n.name, n.msg.decode("utf-8", "replace")
+                               if isinstance(n.msg, bytes) else n.msg, n.sender)
+                for n in self._engine.get_notifies()]
 
     def __enter__(self):
         return self

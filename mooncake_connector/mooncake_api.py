@@ -12,13 +12,16 @@ import ctypes
 import ctypes.util
 import enum
 import json
+import logging
 import os
 import socket
+import struct
 from typing import Any, List, Optional, Sequence
 
 from mooncake_connector import _core
 
 P2PHANDSHAKE = "P2PHANDSHAKE"
+_log = logging.getLogger("mooncake_connector")
 
 # Transport names Mooncake's binding accepts as transport_hint (its TENT
 # build; the classic build ignores the hint).  Ours: advisory, like the
@@ -40,19 +43,75 @@ Write = TransferOpcode.Write
 
 class TransferNotify:
     """Mooncake's ``TransferNotify(name, msg)``: the ``notify`` argument of
-    ``transfer_sync`` / ``batch_transfer_sync``."""
-    __slots__ = ("name", "msg")
+    ``transfer_sync`` / ``batch_transfer_sync``, and compat's
+    ``get_notifies()`` items.  ``sender`` (ours, not Mooncake's) is the
+    segment the notification came from, as our engine authenticated it;
+    ``name`` is what the sender put in its ``TransferNotify``."""
+    __slots__ = ("name", "msg", "sender")
 
-    def __init__(self, name: str = "", msg: Any = ""):
+    def __init__(self, name: str = "", msg: Any = "", sender: Optional[str] = None):
         self.name = name
         self.msg = msg
+        self.sender = sender
 
     def __repr__(self):
         return f"TransferNotify(name={self.name!r}, msg={self.msg!r})"
 
 
-# get_notifies() items: still (name, message) tuples, with .name / .msg.
-Notify = collections.namedtuple("Notify", ["name", "msg"])
+class Notify(collections.namedtuple("Notify", ["name", "msg"])):
+    """get_notifies() items: still (name, message) tuples, with .name /
+    .msg; ``.sender`` is the sending segment (for a notification sent with
+    Mooncake's ``notify=TransferNotify(name, msg)``, ``name`` is that name)."""
+
+    def __new__(cls, name, msg, sender=None):
+        self = super().__new__(cls, name, msg)
+        self.sender = name if sender is None else sender
+        return self
+
+
+# Mooncake's notify carries (name, msg) as the sender chose them; ours names
+# a notification's sender from the connection.  transfer_sync(notify=...)
+# sends this envelope as the NOTIFY body (docs/protocol.md): u32 magic
+# "MKNT", u8 version 1, u8 0, u16 name length (little-endian), the name
+# (UTF-8), then the message.  get_notifies() unwraps it.
+NOTIFY_MAGIC = b"MKNT"
+_NOTIFY_HDR = struct.Struct("<4sBBH")
+
+
+def _notify_envelope(notify: "TransferNotify") -> bytes:
+    name, msg = notify.name, notify.msg
+    if not isinstance(name, str):
+        raise TypeError(f"TransferNotify.name must be a str, got {type(name).__name__}")
+    if isinstance(msg, str):
+        msg = msg.encode("utf-8")
+    elif isinstance(msg, (bytes, bytearray, memoryview)):
+        msg = bytes(msg)
+    else:
+        raise TypeError(f"TransferNotify.msg must be a str or bytes, got {type(msg).__name__}")
+    raw = name.encode("utf-8")
+    if len(raw) > 0xFFFF:
+        raise ValueError(f"TransferNotify.name is {len(raw)} bytes; at most 65535")
+    return _NOTIFY_HDR.pack(NOTIFY_MAGIC, 1, 0, len(raw)) + raw + msg
+
+
+def _notify_unwrap(sender: str, body: bytes) -> "Notify":
+    """A received NOTIFY body as a Notify: the envelope's (name, msg), or
+    (sender, body) for a plain send_notify()."""
+    if body[:4] != NOTIFY_MAGIC:
+        return Notify(sender, body)
+    if len(body) >= _NOTIFY_HDR.size:
+        _, ver, _, n = _NOTIFY_HDR.unpack_from(body)
+        if ver == 1 and len(body) >= _NOTIFY_HDR.size + n:
+            try:
+                name = body[_NOTIFY_HDR.size:_NOTIFY_HDR.size + n].decode("utf-8")
+            except UnicodeDecodeError:
+                name = None
+            if name is not None:
+                return Notify(name, body[_NOTIFY_HDR.size + n:], sender)
+    _log.warning("notification from %s starts with the notify envelope's magic %r but is "
+                 "not a valid envelope (version 1, name length within the body, UTF-8 "
+                 "name); delivered as is, named by its sender", sender, NOTIFY_MAGIC)
+    return Notify(sender, body)
 
 
 def _check_hint(transport_hint) -> None:
@@ -80,6 +139,14 @@ def _cuda():
     return lib if lib.cuInit(0) == 0 else None
 
 
+def _check_notify(notify) -> Optional[bytes]:
+    if notify is None:
+        return None
+    if not isinstance(notify, TransferNotify):
+        raise TypeError("notify must be a TransferNotify(name, msg)")
+    return _notify_envelope(notify)
+
+
 class TransferEngine(_core.TransferEngine):
     """Our engine with Mooncake's whole Python API (exceptions on failure)."""
 
@@ -88,6 +155,14 @@ class TransferEngine(_core.TransferEngine):
     # ---- set-up ----
     def initialize(self, local_hostname, metadata_server, protocol="tcp", device_name="",
                    *args, **kwargs):
+        """Mooncake's initialize.  ``MC_FORCE_TCP`` set (to anything non-empty)
+        makes it use TCP whatever ``protocol`` says, as Mooncake's engine does
+        (its switch for hosts without RDMA NICs, which SGLang documents)."""
+        force = os.environ.get("MC_FORCE_TCP")
+        if force and protocol != "tcp":
+            _log.info("MC_FORCE_TCP=%s: protocol %r replaced by \"tcp\" (Mooncake's meaning: "
+                      "TCP transport only)", force, protocol)
+            protocol = "tcp"
         rc = super().initialize(local_hostname, metadata_server, protocol, device_name,
                                 *args, **kwargs)
         self._metadata_conn = metadata_server
@@ -266,41 +341,36 @@ class TransferEngine(_core.TransferEngine):
         return super().transfer_submit_write(target_hostname, buffer, peer_buffer_address,
                                              length)
 
-    def _notify_after(self, target_hostname, notify) -> None:
-        if notify is None:
-            return
-        msg = notify.msg if isinstance(notify, TransferNotify) else None
-        if msg is None:
-            raise TypeError("notify must be a TransferNotify(name, msg)")
-        self.send_notify(target_hostname, msg)
+    def _notify_after(self, target_hostname, envelope) -> None:
+        if envelope is not None:
+            self.send_notify(target_hostname, envelope)
 
     def transfer_sync(self, target_hostname, buffer, peer_buffer_address, length, opcode,
                       notify=None, transport_hint=""):
-        """Mooncake's transfer_sync; with ``notify`` the peer gets notify.msg
-        (get_notifies) once the bytes have landed.  The receiver sees this
-        engine's segment name as the name (not notify.name: ours names the
-        sender from the authenticated connection)."""
+        """Mooncake's transfer_sync; with ``notify`` the peer gets
+        (notify.name, notify.msg) from get_notifies() once the bytes have
+        landed (its ``.sender``: this engine's segment)."""
         _check_hint(transport_hint)
-        if notify is not None and not isinstance(notify, TransferNotify):
-            raise TypeError("notify must be a TransferNotify(name, msg)")
+        envelope = _check_notify(notify)
         rc = super().transfer_sync(target_hostname, buffer, peer_buffer_address, length,
                                    int(opcode))
-        self._notify_after(target_hostname, notify)
+        self._notify_after(target_hostname, envelope)
         return rc
 
     def batch_transfer_sync(self, target_hostname, buffers, peer_buffer_addresses, lengths,
                             opcode, notify=None, transport_hint=""):
         _check_hint(transport_hint)
-        if notify is not None and not isinstance(notify, TransferNotify):
-            raise TypeError("notify must be a TransferNotify(name, msg)")
+        envelope = _check_notify(notify)
         rc = super().batch_transfer_sync(target_hostname, buffers, peer_buffer_addresses,
                                          lengths, int(opcode))
-        self._notify_after(target_hostname, notify)
+        self._notify_after(target_hostname, envelope)
         return rc
 
     def get_notifies(self) -> List[Notify]:
-        """(name, message) items that also have ``.name`` / ``.msg``."""
-        return [Notify(n, m) for n, m in super().get_notifies()]
+        """(name, message) items that also have ``.name`` / ``.msg`` and
+        ``.sender``: name and message as the sender's TransferNotify gave
+        them, or (sending segment, message) for a plain send_notify()."""
+        return [_notify_unwrap(n, m) for n, m in super().get_notifies()]
 
     # ---- CUDA-stream-ordered transfers ----
     def _on_cuda(self, what, target_hostname, buffers, peer_buffer_addresses, lengths,

@@ -10,7 +10,8 @@ Opt-in: set ``MC_MOONCAKE_SHIM=1`` in the environment (the
 ``install()`` appends an import finder to the END of ``sys.meta_path``: it is
 asked only after every other finder found no ``mooncake``, so a real Mooncake
 install always wins and is never shadowed.  It provides exactly two modules:
-``mooncake`` (empty package) and ``mooncake.engine`` with ``TransferEngine``
+``mooncake`` (a package whose ``BufferPool`` / ``RegisteredBufferPool`` are
+``None``, as in a Mooncake without its store) and ``mooncake.engine`` with ``TransferEngine``
 (``mooncake_connector.compat.TransferEngine``: Mooncake's return codes),
 ``TransferOpcode``, ``TransferNotify`` and the ``SUPPORT_*`` flags.  When
 ``mooncake.engine`` is first imported from here, one warning is logged (logger
@@ -106,6 +107,12 @@ class _Loader(importlib.abc.Loader):
         module.__doc__ = ("Provided by mooncake_connector (docs/compat.md); not Mooncake.")
         if module.__name__ == "mooncake.engine":
             _fill_engine(module)
+        else:
+            # Mooncake's top-level names: its buffer pools come from Mooncake
+            # Store (mooncake.store), which is not provided, so they are None
+            # exactly as in a Mooncake install without the store extension.
+            module.BufferPool = module.RegisteredBufferPool = None
+            module.__all__ = ["BufferPool", "RegisteredBufferPool"]
 
 
 class _Finder(importlib.abc.MetaPathFinder):

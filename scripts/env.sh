@@ -149,6 +149,11 @@ _mc_env_main() {
         _mc_step "fetch Mooncake's metadata server into the test cache (optional)"
         "$vpy" "$repo/tests/mooncake_wheel.py" >>"$log" 2>&1 || \
             echo "(not fetched; its test will skip)" >>"$log"
+        # SGLang's package (pip --target a cache dir, never the venv) for
+        # tests/test_sglang_mooncake.py; best effort: offline, it skips.
+        _mc_step "fetch SGLang into the test cache (optional)"
+        "$vpy" "$repo/tests/sglang_pkg.py" >>"$log" 2>&1 || \
+            echo "(not fetched; its test will skip)" >>"$log"
     fi
 
     [ -n "$lockfd" ] && exec {lockfd}>&-

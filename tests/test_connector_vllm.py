@@ -913,3 +913,48 @@ def test_ssm_kv_cache_groups_are_refused_at_start(model_dir, urls):
                                                dtypes=(torch.float32,)))])
     with pytest.raises(SettingsError, match=r"KV-cache group 1 \(MambaSpec.*cannot move SSM"):
         MooncakeConnector(cfg, KVConnectorRole.WORKER, kcc)
+
+
+def test_producer_preempted_while_its_hand_off_is_pending_republishes(model_dir, urls):
+    """requires_kv_delivery (True for a producer, which vLLM reads): a
+    request preempted after its prompt was published is unpublished, its
+    prompt recomputed and published again, and the consumer loads the
+    producer's bytes, never those of blocks the preemption freed."""
+    # 12 usable blocks: both running (7 + 7) do not fit, one held (4) + one running do
+    p = Side(model_dir, "kv_producer", urls, block_size=BS, num_blocks=13)
+    d = Side(model_dir, "kv_consumer", {**urls, **ASYNC}, block_size=BS)
+    try:
+        assert p.sched.requires_kv_delivery is True and d.sched.requires_kv_delivery is False
+        ta, tb = toks(31, 4 * BS), toks(32, 4 * BS)
+        p.add(make_request("A", ta, max_tokens=40))
+        p.add(make_request("B", tb, max_tokens=40))
+        preempted, unpublished = [], []
+        orig = p.sched._preempt_request
+
+        def spy(req, *a, **k):
+            preempted.append(req.request_id)
+            return orig(req, *a, **k)
+        p.sched._preempt_request = spy
+        p.before_load = lambda so: unpublished.extend(so.kv_connector_metadata.unpublish)
+
+        def fin(rid):
+            r = p.sched.requests.get(rid)
+            return r is None or r.is_finished()  # finished: its KV held for the consumer
+
+        def load(rid, t):
+            d.add(make_request(rid, t, max_tokens=1))
+            assert d.run_until(lambda: rid in d.recvd), f"{rid} never loaded"
+            assert d.block_matches_pattern(rid, t, 4)  # the producer's bytes
+        assert p.run_until(lambda: preempted and (fin("A") or fin("B")), steps=400)
+        victim = preempted[0]
+        assert victim in unpublished  # its pending hand-off was withdrawn
+        assert victim not in p.worker._worker._pub_tokens  # and its blocks left the lookup buffer
+        first, second = ("B", "A") if victim == "A" else ("A", "B")
+        load(first, ta if first == "A" else tb)  # frees the producer's blocks for the victim
+        assert p.run_until(lambda: fin(second), steps=2000), "the victim never finished"
+        load(second, ta if second == "A" else tb)  # recomputed, published again
+        assert not d.invalid
+        assert p.run_until(lambda: p.is_empty())
+    finally:
+        d.close()
+        p.close()

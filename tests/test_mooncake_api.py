@@ -28,11 +28,27 @@ def test_opcode_notify_and_transport_hint():
                                TransferNotify("req-1", "done"), transport_hint="tcp") == 0
         assert b.read_bytes_from_buffer(dst, 4) == b"abcd"
         got = b.get_notifies()
-        assert len(got) == 1 and got[0].msg == b"done" and got[0].name == a.get_segment_name()
+        # Mooncake's meaning: the receiver sees notify.name as the sender set
+        # it; ours adds the sending segment as .sender.
+        assert len(got) == 1 and got[0].msg == b"done" and got[0].name == "req-1"
+        assert got[0].sender == a.get_segment_name()
         name, msg = got[0]  # still a (name, message) tuple
+        assert (name, msg) == ("req-1", b"done")
         assert a.batch_transfer_sync(seg, [src], [dst], [8], TransferOpcode.Read,
                                      notify=TransferNotify("x", "read")) == 0
-        assert [n.msg for n in b.get_notifies()] == [b"read"]
+        assert [(n.name, n.msg) for n in b.get_notifies()] == [("x", b"read")]
+        # A plain send_notify is named by its sender; a body that merely
+        # starts with the envelope's magic but is not one arrives as is.
+        a.send_notify(seg, b"plain")
+        a.send_notify(seg, b"MKNT\x01\x00\xff\x00short")
+        a.send_notify(seg, b"MKNT\x01\x00\x00\x00")  # empty name, empty msg
+        got = b.get_notifies()
+        assert [(n.name, n.msg) for n in got] == [
+            (a.get_segment_name(), b"plain"),
+            (a.get_segment_name(), b"MKNT\x01\x00\xff\x00short"), ("", b"")]
+        assert all(n.sender == a.get_segment_name() for n in got)
+        with pytest.raises(TypeError, match="msg must be a str or bytes"):
+            a.transfer_sync(seg, src, dst, 8, TransferOpcode.Write, TransferNotify("n", 5))
         assert a.batch_transfer_sync_write(seg, [src], [dst], [8], transport_hint="rdma") == 0
         bid = a.batch_transfer_async(seg, [src], [dst], [8], TransferOpcode.Write,
                                      transport_hint="")
@@ -103,6 +119,52 @@ def test_compat_codes_for_the_new_methods():
         assert c.transfer_sync(own, src, src + 8, 8, compat.TransferOpcode.Write,
                                compat.TransferNotify("n", "hi")) == 0
         items = c.get_notifies()
-        assert [(type(i).__name__, i.msg) for i in items] == [("TransferNotify", "hi")]
+        assert [(type(i).__name__, i.name, i.msg, i.sender) for i in items] == [
+            ("TransferNotify", "n", "hi", own)]
         assert c.transfer_sync_write(own, src, src, 8, transport_hint="bogus") == -1
         assert c.get_engine() is c
+
+
+def test_mc_force_tcp_as_mooncake(monkeypatch, caplog):
+    """MC_FORCE_TCP (Mooncake's switch, set by its CI and documented by SGLang
+    for hosts without RDMA NICs) makes any protocol TCP; unset, "rdma" means
+    RDMA (no fallback)."""
+    import os
+    monkeypatch.delenv("MC_FORCE_TCP", raising=False)
+    if not os.path.isdir("/sys/class/infiniband"):
+        with pytest.raises(mc.UnavailableError, match="no RDMA device"):
+            mc.TransferEngine().initialize("127.0.0.1", "P2PHANDSHAKE", "rdma", "")
+    monkeypatch.setenv("MC_FORCE_TCP", "true")
+    a, b = _pair()
+    c = compat.TransferEngine()
+    try:
+        with caplog.at_level("INFO", logger="mooncake_connector"):
+            assert c.initialize("127.0.0.1", "P2PHANDSHAKE", "rdma", "") == 0
+        assert "MC_FORCE_TCP=true: protocol 'rdma' replaced by \"tcp\"" in caplog.text
+        src, dst = c.allocate_managed_buffer(4096), b.allocate_managed_buffer(4096)
+        c.write_bytes_to_buffer(src, b"tcp!" * 1024)
+        assert c.transfer_sync_write(b.get_segment_name(), src, dst, 4096) == 0
+        assert b.read_bytes_from_buffer(dst, 4) == b"tcp!"
+    finally:
+        for e in (a, b, c):
+            e.close()
+
+
+def test_notify_envelope_parser_takes_any_bytes(caplog):
+    """get_notifies() parses bodies a peer chose: any bytes give a Notify,
+    never an exception; round trip of the envelope."""
+    import random
+    from mooncake_connector import mooncake_api as m
+    env = m._notify_envelope(TransferNotify("név", "msg"))
+    n = m._notify_unwrap("peer:1", env)
+    assert (n.name, n.msg, n.sender) == ("név", b"msg", "peer:1")
+    rnd = random.Random(26)
+    for i in range(3000):
+        body = bytes(rnd.randrange(256) for _ in range(rnd.randrange(12)))
+        if i % 2:
+            body = m.NOTIFY_MAGIC + body
+        n = m._notify_unwrap("peer:1", body)
+        assert isinstance(n, m.Notify) and n.sender == "peer:1"
+        assert n.msg == body or body.startswith(m.NOTIFY_MAGIC)
+    with pytest.raises(ValueError, match="at most 65535"):
+        m._notify_envelope(TransferNotify("x" * 65536, ""))
