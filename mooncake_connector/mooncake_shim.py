@@ -16,6 +16,12 @@ install always wins and is never shadowed.  It provides exactly two modules:
 ``TransferOpcode``, ``TransferNotify`` and the ``SUPPORT_*`` flags.  When
 ``mooncake.engine`` is first imported from here, one warning is logged (logger
 ``mooncake_connector``) saying so.  docs/compat.md.
+
+``MC_MOONCAKE_SHIM_STATS=1`` in addition logs one line (logger
+``mooncake_connector.shim``, INFO, to stderr when nothing else handles it) per
+successful synchronous transfer of the engines served here: the bytes, and
+the engine's own counters (``get_stats()``), so a deployment of code written
+for Mooncake can show that the bytes went through this engine.
 """
 import importlib.abc
 import importlib.machinery
@@ -25,13 +31,61 @@ import sys
 
 log = logging.getLogger("mooncake_connector")
 ENV = "MC_MOONCAKE_SHIM"
+STATS_ENV = "MC_MOONCAKE_SHIM_STATS"
 _MARK = "__mooncake_connector_shim__"
+
+
+_SYNC_TRANSFERS = ("transfer_sync_write", "transfer_sync_read", "transfer_sync",
+                   "batch_transfer_sync_write", "batch_transfer_sync_read", "batch_transfer_sync")
+
+
+def _stats_engine_class(base):
+    """``base`` (compat.TransferEngine) whose successful synchronous
+    transfers each log a line with the bytes and the engine's counters."""
+    slog = logging.getLogger("mooncake_connector.shim")
+    if not slog.handlers and not logging.getLogger().handlers:
+        h = logging.StreamHandler(sys.stderr)
+        h.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        slog.addHandler(h)
+    if slog.level == logging.NOTSET:
+        slog.setLevel(logging.INFO)
+
+    def counted(name):
+        method = getattr(base, name)
+
+        def call(self, target, *args, **kwargs):
+            rc = method(self, target, *args, **kwargs)
+            if rc == 0:
+                length = args[2] if len(args) > 2 else kwargs.get("length", kwargs.get("lengths"))
+                nbytes = sum(length) if isinstance(length, (list, tuple)) else int(length or 0)
+                self._shim_calls = getattr(self, "_shim_calls", 0) + 1
+                self._shim_bytes = getattr(self, "_shim_bytes", 0) + nbytes
+                try:
+                    st, seg = self._engine.get_stats(), self._engine.get_segment_name()
+                except Exception as e:  # never fail a transfer for a log line
+                    st, seg = {"stats_error": str(e)}, "?"
+                slog.info("engine %s (mooncake_connector, served as mooncake.engine): %s to %s "
+                          "ok, %d bytes; this engine so far %d transfers, %d bytes; counters "
+                          "same_host_cpu_bytes_written=%s same_host_cpu_bytes_read=%s "
+                          "same_host_cpu_ops=%s", seg, name, target, nbytes, self._shim_calls,
+                          self._shim_bytes, st.get("same_host_cpu_bytes_written"),
+                          st.get("same_host_cpu_bytes_read"), st.get("same_host_cpu_ops"))
+            return rc
+
+        call.__name__ = call.__qualname__ = name
+        call.__doc__ = method.__doc__
+        return call
+
+    return type("TransferEngine", (base,), {n: counted(n) for n in _SYNC_TRANSFERS})
 
 
 def _fill_engine(mod) -> None:
     from mooncake_connector import compat
     from mooncake_connector.mooncake_api import TransferNotify, TransferOpcode
     mod.TransferEngine = compat.TransferEngine
+    if os.environ.get(STATS_ENV) == "1":
+        mod.TransferEngine = _stats_engine_class(compat.TransferEngine)
+        mod.TransferEngine.__module__ = compat.__name__
     mod.TransferOpcode = TransferOpcode
     mod.TransferNotify = TransferNotify
     mod.Read, mod.Write = TransferOpcode.Read, TransferOpcode.Write

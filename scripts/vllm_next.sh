@@ -12,7 +12,8 @@
 # Everything that imports without CUDA runs: vLLM's scheduler, config,
 # connector factory and base class with our scheduler- and worker-side
 # connector (tests/test_connector_vllm.py's harness), the plugin's factory
-# resolution, the API conformance test and the sleep-mode hooks.
+# resolution, the API conformance test and the sleep-mode hooks, and vLLM's
+# own in-tree MooncakeConnector worker pair on our engine (test_intree_worker.py).
 # Not here: real vLLM servers (the e2e tests; 0.34 has no CPU build on PyPI).
 # MC_VLLM_NEXT=0.26.0 runs the same tests on the low end of the supported
 # range (real 0.26 servers: scripts/vllm-gpu-run.sh on the GPU machine).
@@ -21,7 +22,8 @@ repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 ver="${MC_VLLM_NEXT:-0.34.0}"
 py="$repo/.venv/bin/python"
 overlay="$repo/.cache/vllm-$ver"
-tests=(tests/test_connector_vllm.py tests/test_connector_api.py tests/test_connector_v034.py)
+tests=(tests/test_connector_vllm.py tests/test_connector_api.py tests/test_connector_v034.py
+       tests/test_intree_worker.py)
 
 if [ ! -f "$overlay/.complete" ]; then
     t0=$SECONDS

@@ -83,3 +83,23 @@ def test_real_mooncake_is_never_shadowed(tmp_path):
     (real / "engine.py").unlink()
     r = _run(code, path_extra=str(tmp_path / "real"))
     assert r.returncode != 0 and "No module named 'mooncake.engine'" in r.stderr
+
+
+def test_stats_switch_logs_each_sync_transfer():
+    """MC_MOONCAKE_SHIM_STATS=1: one line per successful synchronous transfer
+    of an engine served as mooncake.engine (bytes, the engine's counters);
+    none for a failed one, none without the switch."""
+    _no_real_mooncake()
+    code = TRANSFER.format(setup="import mooncake_connector.mooncake_shim as s; s.install()")
+    code += ("assert a.batch_transfer_sync_write(seg, [src, src + 100], [dst, dst + 200], "
+             "[100, 300]) == 0\n")
+    r = _run(code, {"MC_MOONCAKE_SHIM_STATS": "1"})
+    assert r.returncode == 0, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if "served as mooncake.engine" in ln]
+    assert len(lines) == 2, r.stderr  # transfer_sync and the batch; not the failed write
+    assert "transfer_sync to " in lines[0] and " ok, 4096 bytes" in lines[0], lines
+    assert "batch_transfer_sync_write to " in lines[1] and " ok, 400 bytes; this engine so " \
+        "far 2 transfers, 4496 bytes" in lines[1], lines
+    assert "same_host_cpu_bytes_written=" in lines[1], lines
+    r = _run(code)
+    assert r.returncode == 0 and "served as mooncake.engine" not in r.stderr, r.stderr
