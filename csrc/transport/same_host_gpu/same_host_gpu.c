@@ -4,19 +4,40 @@
  * engine's copy worker.  docs/architecture.md "Same-host path". */
 #include "transport/same_host_gpu/same_host_gpu.h"
 
+#include <errno.h>
+#include <fcntl.h>
 #include <pthread.h>
 #include <stdarg.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <sys/random.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "gpu/cuda_driver.h"
 #include "gpu/gpu_ipc.h"
 #include "gpu/gpu_staging.h"
+#include "mem/regions.h"
 #include "meta/segment_desc.h"
 #include "util/clock.h"
 #include "util/log.h"
+
+/* A peer's published regions version (mem/regions.h mc_regions_pub_t),
+ * mapped read-only here.  Refcounted: the peer's cache entry and each call
+ * that relies on it. */
+typedef struct gen_map {
+  atomic_int refs;
+  const uint64_t *page;
+  long pid;
+  int fd;
+  uint64_t token;
+} gen_map_t;
+
+#define GEN_PAGE 4096
+#define GEN_MEMFD_NAME "mc-regions-gen"
 
 typedef struct peer_entry {
   char name[320];
@@ -25,6 +46,10 @@ typedef struct peer_entry {
   int fresh;   /* desc was fetched by reaches() and not used yet */
   mc_remote_desc_t desc;
   char *raw; /* the reply desc was decoded from (NULL if unknown) */
+  gen_map_t *gm; /* the peer's version page, NULL if it cannot be mapped */
+  long gm_tried_pid; /* the (pid, fd, token) whose page failed to map */
+  int gm_tried_fd;
+  uint64_t gm_tried_token;
 } peer_entry_t;
 
 typedef struct shg {
@@ -39,7 +64,125 @@ typedef struct shg {
   size_t npeers;
   char (*logged)[320];
   size_t nlogged;
+  int no_gen; /* MC_GPU_GEN=0: every call checks the descriptor by RPC */
+  mc_regions_t *regions; /* ours: their version published in pub_page */
+  uint64_t *pub_page;
+  int pub_fd;
 } shg_t;
+
+/* ---- the regions version page ----
+ *
+ * Every submit call that uses a cached descriptor of a peer must learn
+ * whether the regions it used were unregistered (or re-registered) before
+ * its copies landed.  The peer publishes its regions table's version in a
+ * sealed memfd page (word 0; word 1 a random token) and names it in its
+ * descriptor ("gen": version, fd, token).  We map that page once per peer
+ * (/proc/<pid>/fd/<fd>, checked: a sealed memfd of ours, the token) and
+ * read the version: equal to the descriptor's at the start of a call, the
+ * cached descriptor is the peer's current one; still equal once the copies
+ * are complete, no region was unregistered meanwhile (the peer bumps it
+ * before an unregister waits and returns).  Anything else - no page, a
+ * different version - takes the mc.describe RPC check as before. */
+
+static void gen_map_unref(gen_map_t *m) {
+  if (m && atomic_fetch_sub(&m->refs, 1) == 1) {
+    munmap((void *)m->page, GEN_PAGE);
+    free(m);
+  }
+}
+
+static uint64_t gen_read(const gen_map_t *m) {
+  return __atomic_load_n(&m->page[0], __ATOMIC_SEQ_CST);
+}
+
+/* Maps peer `pid`'s page `fd` read-only; NULL when it cannot be had (not
+ * our memfd, no access, unsealed, the token differs). */
+static gen_map_t *gen_map_open(long pid, int fd, uint64_t token) {
+  char path[64], link[128];
+  snprintf(path, sizeof path, "/proc/%ld/fd/%d", pid, fd);
+  ssize_t ln = readlink(path, link, sizeof link - 1);
+  if (ln <= 0)
+    return NULL;
+  link[ln] = '\0';
+  if (strncmp(link, "/memfd:" GEN_MEMFD_NAME, strlen("/memfd:" GEN_MEMFD_NAME)) != 0)
+    return NULL;
+  int f = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
+  if (f < 0)
+    return NULL;
+  struct stat st;
+  int seals = fcntl(f, F_GET_SEALS);
+  void *p = MAP_FAILED;
+  /* Sealed against shrinking: the mapping can never fault (SIGBUS). */
+  if (fstat(f, &st) == 0 && S_ISREG(st.st_mode) && st.st_size >= GEN_PAGE && seals >= 0 &&
+      (seals & F_SEAL_SHRINK))
+    p = mmap(NULL, GEN_PAGE, PROT_READ, MAP_SHARED, f, 0);
+  close(f);
+  if (p == MAP_FAILED)
+    return NULL;
+  const uint64_t *w = p;
+  gen_map_t *m = __atomic_load_n(&w[1], __ATOMIC_SEQ_CST) == token ? calloc(1, sizeof *m)
+                                                                   : NULL;
+  if (!m) {
+    munmap(p, GEN_PAGE);
+    return NULL;
+  }
+  atomic_init(&m->refs, 1);
+  m->page = w;
+  m->pid = pid;
+  m->fd = fd;
+  m->token = token;
+  return m;
+}
+
+/* Under t->mu: the entry's page follows its descriptor's "gen". */
+static void peer_gen_update(shg_t *t, peer_entry_t *pe) {
+  const mc_remote_desc_t *d = &pe->desc;
+  if (t->no_gen || !pe->have || !d->has_gen || d->pid <= 0) {
+    gen_map_unref(pe->gm);
+    pe->gm = NULL;
+    return;
+  }
+  if (pe->gm && pe->gm->pid == d->pid && pe->gm->fd == d->gen_fd &&
+      pe->gm->token == d->gen_token)
+    return;
+  gen_map_unref(pe->gm);
+  pe->gm = NULL;
+  if (pe->gm_tried_pid == d->pid && pe->gm_tried_fd == d->gen_fd &&
+      pe->gm_tried_token == d->gen_token)
+    return; /* failed before: not again per call */
+  pe->gm = gen_map_open(d->pid, d->gen_fd, d->gen_token);
+  if (!pe->gm) {
+    pe->gm_tried_pid = d->pid;
+    pe->gm_tried_fd = d->gen_fd;
+    pe->gm_tried_token = d->gen_token;
+    mc_log_debug("segment %s: its regions version page cannot be mapped here; every GPU "
+                 "transfer checks its descriptor by RPC", pe->name);
+  }
+}
+
+/* Ours: a sealed memfd page holding the regions' version. */
+static int gen_publish(shg_t *t, mc_regions_t *regions) {
+  int fd = memfd_create(GEN_MEMFD_NAME, MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  if (fd < 0)
+    return -1;
+  void *p = MAP_FAILED;
+  uint64_t token = 0;
+  if (ftruncate(fd, GEN_PAGE) == 0 &&
+      fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) == 0 &&
+      getrandom(&token, sizeof token, 0) == (ssize_t)sizeof token)
+    p = mmap(NULL, GEN_PAGE, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (p == MAP_FAILED) {
+    close(fd);
+    return -1;
+  }
+  t->pub_page = p;
+  t->pub_fd = fd;
+  t->regions = regions;
+  __atomic_store_n(&t->pub_page[1], token, __ATOMIC_SEQ_CST);
+  mc_regions_pub_t pub = {.page = t->pub_page, .fd = fd, .token = token};
+  mc_regions_set_pub(regions, &pub);
+  return 0;
+}
 
 /* One line per peer: which path its GPU memory takes. */
 static void log_path_once(shg_t *t, const char *segment, const char *fmt, ...)
@@ -141,6 +284,7 @@ static void peer_store(shg_t *t, const char *segment, int verdict, const mc_remo
     mc_remote_desc_free(&t->peers[i].desc);
     t->peers[i].have = rd && desc_copy(&t->peers[i].desc, rd) == 0;
     t->peers[i].fresh = fresh && t->peers[i].have;
+    peer_gen_update(t, &t->peers[i]);
   }
   pthread_mutex_unlock(&t->mu);
 }
@@ -189,6 +333,12 @@ static int shg_reaches(void *impl, const mc_peer_t *peer, mc_mem_kind_t kind, ch
 
 typedef struct group group_t;
 
+/* How a call over a cached descriptor learns that it is still good:
+ * V_RPC: one mc.describe check sent alongside its copies, every op waits
+ * for it; V_GEN: the peer's version page read when each op's copies are
+ * complete (unchanged: done; changed: the V_RPC check then). */
+enum { V_NONE = 0, V_RPC = 1, V_GEN = 2 };
+
 #define RUN_HINTS 4096
 
 typedef struct call {
@@ -205,8 +355,9 @@ typedef struct call {
   int *rdev;             /* per region: local device + 1 it was opened on */
   uint32_t hint[RUN_HINTS]; /* 2 MiB page of a remote address -> region + 1 */
   int same_process;
-  int validate; /* cached descriptor: checked by one RPC alongside */
-  int rpc_sent; /* submitter only */
+  int validate; /* cached descriptor: V_RPC or V_GEN (see below), else 0 */
+  gen_map_t *gm; /* V_GEN: the peer's version page (a reference) */
+  int rpc_sent; /* under mu */
   /* Under mu. */
   int checked; /* the check's answer is in */
   int check_code;
@@ -232,6 +383,7 @@ struct group {
 };
 
 static void call_free(call_t *r) {
+  gen_map_unref(r->gm);
   free(r->used_raw);
   mc_remote_desc_free(&r->used);
   mc_remote_desc_free(&r->fresh);
@@ -297,12 +449,33 @@ static void group_finish(group_t *g) {
   free(g);
 }
 
+static void send_check(shg_t *t, call_t *run, atomic_int *cancel);
+
 static void ipc_job_done(mc_gpu_job_t *j, int code, const char *msg) {
   group_t *g = j->arg;
+  call_t *r = g->call;
   mc_gpu_job_free(j);
-  pthread_mutex_lock(&g->call->mu);
-  int fin = group_part_done(g, code, msg);
-  pthread_mutex_unlock(&g->call->mu);
+  pthread_mutex_lock(&r->mu);
+  int fin = group_part_done(g, code, msg), send = 0;
+  if (fin && r->validate == V_GEN && gen_read(r->gm) != r->used.gen) {
+    /* The peer's regions changed since the descriptor: whether the ones
+     * this op used are still there, its current descriptor says. */
+    if (!r->checked) {
+      g->remaining = 1;
+      g->next_waiting = r->waiting;
+      r->waiting = g;
+      fin = 0;
+      if (!r->rpc_sent) {
+        send = r->rpc_sent = 1;
+        r->refs++; /* the check's */
+      }
+    } else if (g->code == 0) {
+      g->code = call_verdict(r, g->msg, sizeof g->msg);
+    }
+  }
+  pthread_mutex_unlock(&r->mu);
+  if (send)
+    send_check(r->t, r, g->op->cancel);
   if (fin)
     group_finish(g);
 }
@@ -452,15 +625,23 @@ static call_t *call_start(shg_t *t, const mc_peer_t *peer, int refetch) {
   mc_remote_desc_t rd = {0};
   int have = 0, fresh = 0;
   char *raw = NULL;
+  gen_map_t *gm = NULL;
   pthread_mutex_lock(&t->mu);
   ssize_t pi = peer_find(t, peer->segment, 0);
   int verdict = pi >= 0 ? t->peers[pi].verdict : 0;
   if (!refetch && pi >= 0 && verdict > 0 && t->peers[pi].have) {
-    have = desc_copy(&rd, &t->peers[pi].desc) == 0;
-    fresh = have && t->peers[pi].fresh;
-    t->peers[pi].fresh = 0;
-    if (have && t->peers[pi].raw)
-      raw = strdup(t->peers[pi].raw);
+    peer_entry_t *pe = &t->peers[pi];
+    have = desc_copy(&rd, &pe->desc) == 0;
+    fresh = have && pe->fresh;
+    pe->fresh = 0;
+    /* The peer's regions are as the descriptor says right now: checked
+     * again once the copies are complete, no RPC (no text kept). */
+    if (have && !fresh && pe->gm && gen_read(pe->gm) == pe->desc.gen) {
+      gm = pe->gm;
+      atomic_fetch_add(&gm->refs, 1);
+    } else if (have && pe->raw) {
+      raw = strdup(pe->raw);
+    }
   }
   pthread_mutex_unlock(&t->mu);
   if (verdict < 0)
@@ -484,11 +665,14 @@ static call_t *call_start(shg_t *t, const mc_peer_t *peer, int refetch) {
       return NULL;
     }
   }
-  call_t *r = call_new(t, peer, &rd, have && !fresh);
-  if (r)
+  call_t *r = call_new(t, peer, &rd, !have || fresh ? V_NONE : gm ? V_GEN : V_RPC);
+  if (r) {
     r->used_raw = raw;
-  else
+    r->gm = gm;
+  } else {
     free(raw);
+    gen_map_unref(gm);
+  }
   return r;
 }
 
@@ -630,14 +814,15 @@ static void shg_submit_plan(void *impl, void *plan, mc_xfer_op_t **ops, size_t n
     pthread_mutex_lock(&run->mu);
     run->refs++; /* the group's */
     g->remaining = (int)nj;
-    if (run->validate && !run->checked && nj > 0) {
+    int rpc = run->validate == V_RPC;
+    if (rpc && !run->checked && nj > 0) {
       g->remaining++; /* the call's check completes it too */
       g->next_waiting = run->waiting;
       run->waiting = g;
-    } else if (run->validate && run->checked && g->code == 0) {
+    } else if (rpc && run->checked && g->code == 0) {
       g->code = call_verdict(run, g->msg, sizeof g->msg);
     }
-    int send = run->validate && !run->rpc_sent && nj > 0;
+    int send = rpc && !run->rpc_sent && nj > 0;
     if (send) {
       run->rpc_sent = 1;
       run->refs++; /* the check's */
@@ -679,6 +864,13 @@ static int shg_start(const mc_transport_env_t *env, void **impl, mc_err_t *err) 
   t->gpu = env->gpu;
   t->trace = env->gpu_trace;
   pthread_mutex_init(&t->mu, NULL);
+  t->pub_fd = -1;
+  const char *g = getenv("MC_GPU_GEN");
+  t->no_gen = g && !strcmp(g, "0");
+  /* Without the page peers check every call by RPC: slower, not wrong. */
+  if (!t->no_gen && env->regions && gen_publish(t, env->regions) < 0)
+    mc_log_warn("cannot publish this engine's regions version to same-host peers (%s): "
+                "their GPU transfers check the descriptor by RPC", strerror(errno));
   *impl = t;
   return 0;
 }
@@ -693,6 +885,12 @@ static void shg_stop(void *impl) {
   for (size_t i = 0; i < t->npeers; i++) {
     mc_remote_desc_free(&t->peers[i].desc);
     free(t->peers[i].raw);
+    gen_map_unref(t->peers[i].gm);
+  }
+  if (t->pub_page) {
+    mc_regions_set_pub(t->regions, NULL);
+    munmap(t->pub_page, GEN_PAGE);
+    close(t->pub_fd);
   }
   free(t->peers);
   free(t->logged);
