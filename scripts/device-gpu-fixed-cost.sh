@@ -39,8 +39,11 @@ if [ $before = 1 ]; then
   MC_GPU_GEN=0 timeout 400 python3 benchmarks/gpu_fixed_cost_bench.py \
       --out "$out/gfc_gen0.json" 2>&1 | tee "$out/gfc_gen0.log" || rc=1
 fi
-echo "== traced 4 KiB WRITEs (MC_GPU_TRACE=1)"
-MC_GPU_TRACE=1 MC_LOG_LEVEL=info GPU_FIXED_COST_ONLY=small timeout 60 \
-    build/bench/gpu_fixed_cost /tmp 20 1 >"$out/trace.log" 2>&1
-grep -E "gpu trace" "$out/trace.log" | tail -24
+# Traced runs (MC_GPU_TRACE=1): the stages of each transfer, medians.
+for only in small row:65536:128:seq row:65536:128:pipe; do
+  echo "== traced: ${only}"
+  MC_GPU_TRACE=1 MC_LOG_LEVEL=info GPU_FIXED_COST_ONLY=$only timeout 120 \
+      build/bench/gpu_fixed_cost /tmp 200 2 >"$out/trace-${only//:/_}.log" 2>&1
+  python3 scripts/gpu_trace_summary.py "$out/trace-${only//:/_}.log"
+done
 exit $rc

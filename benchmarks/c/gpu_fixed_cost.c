@@ -262,7 +262,14 @@ static void fill_local(uint32_t seed) {
   free(h);
 }
 
+/* GPU_FIXED_COST_ONLY=row:<block>:<batch>:<seq|pipe>: that WRITE row only
+ * (for traced runs). */
+static size_t only_bb, only_batch;
+static int only_pipe = -1;
+
 static void bulk_rows(const char *dir, size_t bb, int passes) {
+  if (only_bb && only_bb != bb)
+    return;
   size_t nblk = GIB / bb;
   uint32_t *perm = malloc(nblk * sizeof *perm);
   for (size_t i = 0; i < nblk; i++)
@@ -284,10 +291,13 @@ static void bulk_rows(const char *dir, size_t bb, int passes) {
   static const size_t batches[] = {128, 1024};
   for (size_t bi = 0; bi < 2; bi++) {
     size_t batch = batches[bi];
-    if (batch > nblk)
+    if (batch > nblk || (only_batch && batch != only_batch))
       continue;
     for (int pipe = 0; pipe < 2; pipe++) {
-      for (int op = MC_OP_WRITE; op >= 0; op = op == MC_OP_WRITE ? MC_OP_READ : -1) {
+      if (only_pipe >= 0 && pipe != only_pipe)
+        continue;
+      for (int op = MC_OP_WRITE; op >= 0;
+           op = op == MC_OP_WRITE && only_pipe < 0 ? MC_OP_READ : -1) {
         /* A fresh pattern, the other side zeroed; one warm-up pass. */
         fill_local(0x1234u + (uint32_t)(bb + batch + (size_t)pipe * 7 + (size_t)op));
         char c = 'z';
@@ -358,8 +368,14 @@ int main(int argc, char **argv) {
     fprintf(stderr, "setup: %s\n", err.msg);
     return 1;
   }
-  const char *only = getenv("GPU_FIXED_COST_ONLY"); /* "small": the 4 KiB rows only */
-  small_rows(iters);
+  /* "small": the 4 KiB rows only; "row:<block>:<batch>:<seq|pipe>": one
+   * WRITE row only. */
+  const char *only = getenv("GPU_FIXED_COST_ONLY");
+  char mode[8] = "";
+  if (only && sscanf(only, "row:%zu:%zu:%7s", &only_bb, &only_batch, mode) == 3)
+    only_pipe = !strcmp(mode, "pipe");
+  else
+    small_rows(iters);
   if (!only || strcmp(only, "small")) {
     bulk_rows(dir, 65536, passes);
     bulk_rows(dir, 2u << 20, passes);

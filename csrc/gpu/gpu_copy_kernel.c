@@ -7,7 +7,7 @@
 
 #define MAX_DEV 64
 static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
-static void *g_fn[MAX_DEV];
+static void *g_fn[MAX_DEV], *g_fn_p[MAX_DEV];
 static int g_failed[MAX_DEV];
 
 size_t mc_copy_kernel_table_bytes(const size_t *sizes, size_t count) {
@@ -17,7 +17,7 @@ size_t mc_copy_kernel_table_bytes(const size_t *sizes, size_t count) {
   return pieces * 3 * sizeof(uint64_t);
 }
 
-static void *kernel_for(int device, const mc_cuda_api_t *api, mc_err_t *err) {
+static void *kernel_for(int device, const mc_cuda_api_t *api, void **fn_p, mc_err_t *err) {
   pthread_mutex_lock(&g_mu);
   void *fn = g_fn[device];
   if (!fn && !g_failed[device]) {
@@ -25,6 +25,10 @@ static void *kernel_for(int device, const mc_cuda_api_t *api, mc_err_t *err) {
     mc_cu_result r = api->cuModuleLoadData(&mod, mc_copy_kernel_ptx);
     if (r == 0)
       r = api->cuModuleGetFunction(&fn, mod, "mc_copy_pieces");
+    /* The parameter-table variant is optional (older PTX JIT): without it
+     * every launch reads its table from pinned host memory. */
+    if (r == 0 && api->cuModuleGetFunction(&g_fn_p[device], mod, "mc_copy_pieces_p") != 0)
+      g_fn_p[device] = NULL;
     if (r != 0) {
       char b[160];
       mc_err_set(err, MC_EUNAVAIL, "cannot load the GPU copy kernel on cuda:%d: %s", device,
@@ -37,9 +41,24 @@ static void *kernel_for(int device, const mc_cuda_api_t *api, mc_err_t *err) {
   } else if (!fn) {
     mc_err_set(err, MC_EUNAVAIL, "the GPU copy kernel failed to load on cuda:%d", device);
   }
+  *fn_p = fn ? g_fn_p[device] : NULL;
   pthread_mutex_unlock(&g_mu);
   return fn;
 }
+
+size_t mc_copy_kernel_pieces(const size_t *sizes, size_t count) {
+  size_t pieces = 0;
+  for (size_t i = 0; i < count; i++)
+    pieces += (sizes[i] + MC_COPY_PIECE_MAX - 1) / MC_COPY_PIECE_MAX;
+  return pieces;
+}
+
+/* The kernel parameters of mc_copy_pieces_p (copy_kernel.cu). */
+typedef struct {
+  uint64_t t[3 * MC_COPY_PARAM_PIECES];
+  uint32_t n;
+  uint32_t pad;
+} param_table_t;
 
 int mc_copy_kernel_launch(int device, const mc_cu_ptr *dsts, const mc_cu_ptr *srcs,
                           const size_t *sizes, size_t count, void *table, mc_cu_stream stream,
@@ -50,10 +69,16 @@ int mc_copy_kernel_launch(int device, const mc_cu_ptr *dsts, const mc_cu_ptr *sr
   if (!api->cuModuleLoadData || !api->cuModuleGetFunction || !api->cuLaunchKernel ||
       device < 0 || device >= MAX_DEV)
     return mc_err_set(err, MC_EUNAVAIL, "this CUDA driver cannot launch the copy kernel");
-  void *fn = kernel_for(device, api, err);
+  void *fn_p = NULL;
+  void *fn = kernel_for(device, api, &fn_p, err);
   if (!fn)
     return MC_EUNAVAIL;
-  uint64_t *t = table;
+  param_table_t pt;
+  int in_params = fn_p && mc_copy_kernel_pieces(sizes, count) <= MC_COPY_PARAM_PIECES;
+  if (!in_params && !table)
+    return mc_err_set(err, MC_EINVAL, "GPU copy kernel: more than %u pieces need a table",
+                      MC_COPY_PARAM_PIECES);
+  uint64_t *t = in_params ? pt.t : table;
   unsigned n = 0;
   for (size_t i = 0; i < count; i++)
     for (size_t off = 0; off < sizes[i]; off += MC_COPY_PIECE_MAX) {
@@ -68,7 +93,11 @@ int mc_copy_kernel_launch(int device, const mc_cu_ptr *dsts, const mc_cu_ptr *sr
   unsigned grid = n < 65535u ? n : 65535u;
   uint64_t tp = (uint64_t)(uintptr_t)table;
   void *params[] = {&tp, &n};
-  mc_cu_result r = api->cuLaunchKernel(fn, grid, 1, 1, 512, 1, 1, 0, stream, params, NULL);
+  pt.n = n;
+  pt.pad = 0;
+  void *params_p[] = {&pt};
+  mc_cu_result r = api->cuLaunchKernel(in_params ? fn_p : fn, grid, 1, 1, 512, 1, 1, 0, stream,
+                                       in_params ? params_p : params, NULL);
   if (r != 0) {
     char b[160];
     return mc_err_set(err, MC_ESYS, "GPU copy kernel launch (%u pieces) failed: %s", n,

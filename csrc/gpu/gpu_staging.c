@@ -74,22 +74,27 @@ mc_gpu_job_t *mc_gpu_job_new(int device, int dir) {
   return j;
 }
 
+int mc_gpu_job_reserve(mc_gpu_job_t *j, size_t nc) {
+  if (nc <= j->cap)
+    return 0;
+  mc_cu_ptr *d = realloc(j->dsts, nc * sizeof *d);
+  if (d)
+    j->dsts = d;
+  mc_cu_ptr *s = realloc(j->srcs, nc * sizeof *s);
+  if (s)
+    j->srcs = s;
+  size_t *z = realloc(j->sizes, nc * sizeof *z);
+  if (z)
+    j->sizes = z;
+  if (!d || !s || !z)
+    return MC_ENOMEM;
+  j->cap = nc;
+  return 0;
+}
+
 int mc_gpu_job_add(mc_gpu_job_t *j, mc_cu_ptr dst, mc_cu_ptr src, size_t n) {
-  if (j->n == j->cap) {
-    size_t nc = j->cap ? j->cap * 2 : 16;
-    mc_cu_ptr *d = realloc(j->dsts, nc * sizeof *d);
-    if (d)
-      j->dsts = d;
-    mc_cu_ptr *s = realloc(j->srcs, nc * sizeof *s);
-    if (s)
-      j->srcs = s;
-    size_t *z = realloc(j->sizes, nc * sizeof *z);
-    if (z)
-      j->sizes = z;
-    if (!d || !s || !z)
-      return MC_ENOMEM;
-    j->cap = nc;
-  }
+  if (j->n == j->cap && mc_gpu_job_reserve(j, j->cap ? j->cap * 2 : 16) < 0)
+    return MC_ENOMEM;
   /* Adjacent pieces merge into one copy. */
   if (j->n && j->dsts[j->n - 1] + j->sizes[j->n - 1] == dst &&
       j->srcs[j->n - 1] + j->sizes[j->n - 1] == src) {
@@ -273,8 +278,9 @@ static void event_put(mc_gpu_stager_t *s, int dev, mc_cu_event e) {
 static void finish(mc_gpu_stager_t *s, mc_gpu_job_t *j, int code, const char *msg) {
   if (s->trace && j->dir == MC_GPU_D2D)
     mc_log_info("gpu trace: D2D job cuda:%d, %zu copies: queued at %.1f us, launched +%.1f us, "
-                "done seen +%.1f us", j->device, j->n, (double)(j->t_queued / 1000 % 100000000),
-                (j->t_launched - j->t_queued) / 1e3, (now_ns() - j->t_queued) / 1e3);
+                "done seen +%.1f us, picked up +%.1f us", j->device, j->n,
+                (double)(j->t_queued / 1000 % 100000000), (j->t_launched - j->t_queued) / 1e3,
+                (now_ns() - j->t_queued) / 1e3, (j->t_picked - j->t_queued) / 1e3);
   if (j->kbuf) {
     mc_gpu_buf_put(s, j->kbuf);
     j->kbuf = NULL;
@@ -291,6 +297,8 @@ static void finish(mc_gpu_stager_t *s, mc_gpu_job_t *j, int code, const char *ms
 
 /* Enqueues a job's copies and records its event; completes it on error. */
 static void start_job(mc_gpu_stager_t *s, mc_gpu_job_t *j) {
+  if (s->trace)
+    j->t_picked = now_ns();
   mc_err_t err = {0};
   const mc_cuda_api_t *api = mc_cuda_api(&err);
   int dev = j->device;
@@ -316,14 +324,21 @@ static void start_job(mc_gpu_stager_t *s, mc_gpu_job_t *j) {
   }
   int done = 0;
   if (rc == 0 && j->dir == MC_GPU_D2D && s->d2d_mode == 0 && j->n > 1) {
-    /* Many pieces between GPUs: one kernel launch moves them all. */
-    size_t tb = mc_copy_kernel_table_bytes(j->sizes, j->n);
+    /* Many pieces between GPUs: one kernel launch moves them all; a few
+     * travel in its parameters, more in a pinned table. */
     mc_err_t kerr = {0};
-    j->kbuf = mc_gpu_buf_get(s, dev, tb, &kerr);
-    if (j->kbuf && mc_copy_kernel_launch(dev, j->dsts, j->srcs, j->sizes, j->n, j->kbuf->p,
-                                         *st, &kerr) == 0)
+    if (mc_copy_kernel_pieces(j->sizes, j->n) <= MC_COPY_PARAM_PIECES &&
+        mc_copy_kernel_launch(dev, j->dsts, j->srcs, j->sizes, j->n, NULL, *st, &kerr) == 0) {
       done = 1;
-    else if (!s->kernel_warned++)
+    } else {
+      size_t tb = mc_copy_kernel_table_bytes(j->sizes, j->n);
+      kerr.msg[0] = '\0';
+      j->kbuf = mc_gpu_buf_get(s, dev, tb, &kerr);
+      if (j->kbuf && mc_copy_kernel_launch(dev, j->dsts, j->srcs, j->sizes, j->n, j->kbuf->p,
+                                           *st, &kerr) == 0)
+        done = 1;
+    }
+    if (!done && !s->kernel_warned++)
       mc_log_warn("GPU copy kernel not used (%s); using driver copies", kerr.msg);
   }
   if (rc == 0 && !done) {
@@ -341,6 +356,7 @@ static void start_job(mc_gpu_stager_t *s, mc_gpu_job_t *j) {
   if (rc == 0) {
     j->event = event_get(s, dev);
     j->ev_dev = dev;
+    j->ev_stream = si;
     mc_cu_result r = j->event ? api->cuEventRecord(j->event, *st) : 1;
     if (r != 0) {
       /* No event: wait for the stream here (slow path, never expected). */
@@ -364,17 +380,27 @@ static void start_job(mc_gpu_stager_t *s, mc_gpu_job_t *j) {
   s->fl_tail = j;
 }
 
-/* Completes finished jobs; returns how many. */
+/* Completes finished jobs; returns how many.  Events of one stream
+ * complete in order: after one that is not ready, the later ones of its
+ * stream are not asked (many jobs in flight would otherwise cost a driver
+ * call each per pass). */
 static int poll_inflight(mc_gpu_stager_t *s) {
   const mc_cuda_api_t *api = mc_cuda_api(NULL);
-  int done = 0;
+  int done = 0, cur_dev = -1;
+  unsigned char busy[MC_GPU_MAX_DEV][MC_GPU_NSTREAMS];
+  memset(busy, 0, sizeof busy);
   mc_gpu_job_t **pp = &s->fl_head, *prev = NULL;
   while (*pp) {
     mc_gpu_job_t *j = *pp;
     mc_cu_result r = 0;
-    if (j->event) {
-      mc_cuda_use_device(j->ev_dev, NULL);
+    if (j->event && busy[j->ev_dev][j->ev_stream]) {
+      r = MC_CU_ERROR_NOT_READY;
+    } else if (j->event) {
+      if (j->ev_dev != cur_dev)
+        mc_cuda_use_device(cur_dev = j->ev_dev, NULL);
       r = api->cuEventQuery(j->event);
+      if (r == MC_CU_ERROR_NOT_READY)
+        busy[j->ev_dev][j->ev_stream] = 1;
     }
     if (r == MC_CU_ERROR_NOT_READY) {
       prev = j;

@@ -769,6 +769,10 @@ static group_t *op_prepare(call_t *run, mc_xfer_op_t *op, mc_gpu_job_t **jobs, s
       continue;
     int dev = op->ent[i].dev;
     mc_gpu_job_t *j = nj < 16 ? mc_gpu_job_new(dev, MC_GPU_D2D) : NULL;
+    if (j && mc_gpu_job_reserve(j, op->nent - i) < 0) {
+      mc_gpu_job_free(j);
+      j = NULL;
+    }
     for (uint32_t k = i; k < op->nent; k++) {
       if (op->ent[k].dev != dev)
         continue;
