@@ -39,6 +39,9 @@ if [ $before = 1 ]; then
   MC_GPU_GEN=0 timeout 400 python3 benchmarks/gpu_fixed_cost_bench.py \
       --out "$out/gfc_gen0.json" 2>&1 | tee "$out/gfc_gen0.log" || rc=1
 fi
+echo "== 4 KiB, a single copy by the copy engine (MC_GPU_SINGLE_COPY=driver)"
+MC_GPU_SINGLE_COPY=driver GPU_FIXED_COST_ONLY=small timeout 60 \
+    build/bench/gpu_fixed_cost /tmp 2000 1 2>&1 | tee "$out/gfc_single_driver.log"
 # Traced runs (MC_GPU_TRACE=1): the stages of each transfer, medians.
 for only in small row:65536:128:seq row:65536:128:pipe; do
   echo "== traced: ${only}"

@@ -18,6 +18,10 @@
  * (copies of different requests have no order among them). */
 #define MC_GPU_D2D_STREAMS 2
 #define MC_GPU_NSTREAMS (2 + MC_GPU_D2D_STREAMS)
+/* A single D2D copy up to this size goes through the copy kernel too: its
+ * launch and completion are quicker than a copy engine's for a few KiB;
+ * larger single copies stay with the copy engine. */
+#define MC_GPU_SINGLE_MAX (256u << 10)
 
 struct mc_gpu_stager {
   pthread_mutex_t mu;
@@ -26,6 +30,8 @@ struct mc_gpu_stager {
   size_t budget;
   int kernel_warned;
   int d2d_mode; /* MC_GPU_D2D_COPY: 0 kernel, 1 batch API, 2 one cuMemcpyAsync each */
+  int single_kernel; /* a single D2D copy of <= MC_COPY_PARAM_PIECES pieces: the kernel
+                        too (MC_GPU_SINGLE_COPY=driver: cuMemcpyAsync) */
   int trace;    /* MC_GPU_TRACE=1: log each D2D job's timeline */
   /* Pool (under mu). */
   mc_gpu_buf_t *free_list;
@@ -126,6 +132,8 @@ int mc_gpu_stager_create(size_t budget_bytes, mc_gpu_stager_t **out, mc_err_t *e
   pthread_cond_init(&s->idle_cv, NULL);
   s->budget = budget_bytes ? budget_bytes : (64u << 20);
   s->d2d_mode = d2d_mode();
+  const char *sc = getenv("MC_GPU_SINGLE_COPY");
+  s->single_kernel = !(sc && !strcmp(sc, "driver"));
   s->trace = getenv("MC_GPU_TRACE") && getenv("MC_GPU_TRACE")[0] == '1';
   *out = s;
   return 0;
@@ -323,7 +331,8 @@ static void start_job(mc_gpu_stager_t *s, mc_gpu_job_t *j) {
     }
   }
   int done = 0;
-  if (rc == 0 && j->dir == MC_GPU_D2D && s->d2d_mode == 0 && j->n > 1) {
+  if (rc == 0 && j->dir == MC_GPU_D2D && s->d2d_mode == 0 &&
+      (j->n > 1 || (j->n == 1 && s->single_kernel && j->sizes[0] <= MC_GPU_SINGLE_MAX))) {
     /* Many pieces between GPUs: one kernel launch moves them all; a few
      * travel in its parameters, more in a pinned table. */
     mc_err_t kerr = {0};
