@@ -2,16 +2,19 @@
 // path).  Built to PTX once by `make ptx` (nvcc) into copy_kernel_ptx.h and
 // JIT-loaded by the driver at run time (cuModuleLoadData), so the extension
 // needs no CUDA toolkit at build time.  One CTA copies one piece of at most
-// 64 KiB (the host splits larger copies).  mc_copy_pieces reads the pieces
+// 64 KiB.  mc_copy_pieces reads the pieces (the host splits larger copies)
 // from a table in pinned host memory (mapped, reached through unified
-// addressing); mc_copy_pieces_p takes up to MC_PARAM_PIECES of them in its
-// kernel parameters (no read across the bus before the first byte moves).
+// addressing); mc_copy_reqs_p takes up to MC_PARAM_REQS copies of any size
+// in its kernel parameters (no read across the bus before the first byte
+// moves) and finds its piece of them itself.
 #include <stdint.h>
 
-#define MC_PARAM_PIECES 160
+#define MC_PARAM_REQS 128
+#define MC_PIECE (64ull << 10)
 
-struct mc_piece_params {
-  unsigned long long t[3 * MC_PARAM_PIECES];
+struct mc_req_params {
+  unsigned long long dst[MC_PARAM_REQS], src[MC_PARAM_REQS], len[MC_PARAM_REQS];
+  unsigned int first[MC_PARAM_REQS + 1]; // piece index where copy i starts; [n] = total
   unsigned int n;
 };
 
@@ -48,7 +51,21 @@ mc_copy_pieces(const unsigned long long *__restrict__ table, unsigned int n) {
 }
 
 extern "C" __global__ void __launch_bounds__(512)
-mc_copy_pieces_p(const __grid_constant__ mc_piece_params p) {
-  for (unsigned int i = blockIdx.x; i < p.n; i += gridDim.x)
-    copy_piece((char *)p.t[3 * i], (const char *)p.t[3 * i + 1], p.t[3 * i + 2]);
+mc_copy_reqs_p(const __grid_constant__ mc_req_params p) {
+  unsigned int total = p.first[p.n];
+  for (unsigned int b = blockIdx.x; b < total; b += gridDim.x) {
+    // The copy holding piece b: first[lo] <= b < first[hi].
+    unsigned int lo = 0, hi = p.n;
+    while (hi - lo > 1) {
+      unsigned int mid = (lo + hi) / 2;
+      if (p.first[mid] <= b)
+        lo = mid;
+      else
+        hi = mid;
+    }
+    unsigned long long off = (unsigned long long)(b - p.first[lo]) * MC_PIECE;
+    unsigned long long len = p.len[lo] - off;
+    copy_piece((char *)p.dst[lo] + off, (const char *)p.src[lo] + off,
+               len < MC_PIECE ? len : MC_PIECE);
+  }
 }

@@ -27,7 +27,7 @@ static void *kernel_for(int device, const mc_cuda_api_t *api, void **fn_p, mc_er
       r = api->cuModuleGetFunction(&fn, mod, "mc_copy_pieces");
     /* The parameter-table variant is optional (older PTX JIT): without it
      * every launch reads its table from pinned host memory. */
-    if (r == 0 && api->cuModuleGetFunction(&g_fn_p[device], mod, "mc_copy_pieces_p") != 0)
+    if (r == 0 && api->cuModuleGetFunction(&g_fn_p[device], mod, "mc_copy_reqs_p") != 0)
       g_fn_p[device] = NULL;
     if (r != 0) {
       char b[160];
@@ -53,12 +53,14 @@ size_t mc_copy_kernel_pieces(const size_t *sizes, size_t count) {
   return pieces;
 }
 
-/* The kernel parameters of mc_copy_pieces_p (copy_kernel.cu). */
+/* The kernel parameters of mc_copy_reqs_p (copy_kernel.cu). */
 typedef struct {
-  uint64_t t[3 * MC_COPY_PARAM_PIECES];
+  uint64_t dst[MC_COPY_PARAM_REQS], src[MC_COPY_PARAM_REQS], len[MC_COPY_PARAM_REQS];
+  uint32_t first[MC_COPY_PARAM_REQS + 1];
   uint32_t n;
-  uint32_t pad;
-} param_table_t;
+} param_reqs_t;
+
+_Static_assert(sizeof(param_reqs_t) <= 4096, "kernel parameters fit the portable 4 KiB");
 
 int mc_copy_kernel_launch(int device, const mc_cu_ptr *dsts, const mc_cu_ptr *srcs,
                           const size_t *sizes, size_t count, void *table, mc_cu_stream stream,
@@ -73,12 +75,36 @@ int mc_copy_kernel_launch(int device, const mc_cu_ptr *dsts, const mc_cu_ptr *sr
   void *fn = kernel_for(device, api, &fn_p, err);
   if (!fn)
     return MC_EUNAVAIL;
-  param_table_t pt;
-  int in_params = fn_p && mc_copy_kernel_pieces(sizes, count) <= MC_COPY_PARAM_PIECES;
+  size_t pieces = mc_copy_kernel_pieces(sizes, count);
+  int in_params = fn_p && count <= MC_COPY_PARAM_REQS && pieces < UINT32_MAX;
   if (!in_params && !table)
-    return mc_err_set(err, MC_EINVAL, "GPU copy kernel: more than %u pieces need a table",
-                      MC_COPY_PARAM_PIECES);
-  uint64_t *t = in_params ? pt.t : table;
+    return mc_err_set(err, MC_EINVAL, "GPU copy kernel: more than %u copies need a table",
+                      MC_COPY_PARAM_REQS);
+  if (in_params) {
+    param_reqs_t pr;
+    uint32_t first = 0;
+    for (size_t i = 0; i < count; i++) {
+      pr.dst[i] = dsts[i];
+      pr.src[i] = srcs[i];
+      pr.len[i] = sizes[i];
+      pr.first[i] = first;
+      first += (uint32_t)((sizes[i] + MC_COPY_PIECE_MAX - 1) / MC_COPY_PIECE_MAX);
+    }
+    pr.first[count] = first;
+    pr.n = (uint32_t)count;
+    if (first == 0)
+      return 0;
+    void *params_p[] = {&pr};
+    unsigned grid = first < 65535u ? first : 65535u;
+    mc_cu_result r = api->cuLaunchKernel(fn_p, grid, 1, 1, 512, 1, 1, 0, stream, params_p, NULL);
+    if (r != 0) {
+      char b[160];
+      return mc_err_set(err, MC_ESYS, "GPU copy kernel launch (%zu copies) failed: %s", count,
+                        mc_cuda_strerror(api, r, b, sizeof b));
+    }
+    return 0;
+  }
+  uint64_t *t = table;
   unsigned n = 0;
   for (size_t i = 0; i < count; i++)
     for (size_t off = 0; off < sizes[i]; off += MC_COPY_PIECE_MAX) {
@@ -93,11 +119,7 @@ int mc_copy_kernel_launch(int device, const mc_cu_ptr *dsts, const mc_cu_ptr *sr
   unsigned grid = n < 65535u ? n : 65535u;
   uint64_t tp = (uint64_t)(uintptr_t)table;
   void *params[] = {&tp, &n};
-  pt.n = n;
-  pt.pad = 0;
-  void *params_p[] = {&pt};
-  mc_cu_result r = api->cuLaunchKernel(in_params ? fn_p : fn, grid, 1, 1, 512, 1, 1, 0, stream,
-                                       in_params ? params_p : params, NULL);
+  mc_cu_result r = api->cuLaunchKernel(fn, grid, 1, 1, 512, 1, 1, 0, stream, params, NULL);
   if (r != 0) {
     char b[160];
     return mc_err_set(err, MC_ESYS, "GPU copy kernel launch (%u pieces) failed: %s", n,

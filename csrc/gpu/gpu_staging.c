@@ -336,7 +336,7 @@ static void start_job(mc_gpu_stager_t *s, mc_gpu_job_t *j) {
     /* Many pieces between GPUs: one kernel launch moves them all; a few
      * travel in its parameters, more in a pinned table. */
     mc_err_t kerr = {0};
-    if (mc_copy_kernel_pieces(j->sizes, j->n) <= MC_COPY_PARAM_PIECES &&
+    if (j->n <= MC_COPY_PARAM_REQS &&
         mc_copy_kernel_launch(dev, j->dsts, j->srcs, j->sizes, j->n, NULL, *st, &kerr) == 0) {
       done = 1;
     } else {

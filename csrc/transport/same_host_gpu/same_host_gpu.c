@@ -340,6 +340,7 @@ typedef struct group group_t;
 enum { V_NONE = 0, V_RPC = 1, V_GEN = 2 };
 
 #define RUN_HINTS 4096
+#define HINT_MIN 64
 
 typedef struct call {
   shg_t *t;
@@ -353,7 +354,10 @@ typedef struct call {
   char *region_used;     /* per used.regions: some request maps into it */
   uint64_t *rmap;        /* per region: mapped base, 1 = cannot be opened */
   int *rdev;             /* per region: local device + 1 it was opened on */
-  uint32_t hint[RUN_HINTS]; /* 2 MiB page of a remote address -> region + 1 */
+  /* 2 MiB page of a remote address -> region + 1; allocated by the first
+   * chunk of more than HINT_MIN requests (a small call does without: the
+   * zeroing would cost it more than the hints save). */
+  uint32_t *hint;
   int same_process;
   int validate; /* cached descriptor: V_RPC or V_GEN (see below), else 0 */
   gen_map_t *gm; /* V_GEN: the peer's version page (a reference) */
@@ -387,6 +391,7 @@ static void call_free(call_t *r) {
   free(r->used_raw);
   mc_remote_desc_free(&r->used);
   mc_remote_desc_free(&r->fresh);
+  free(r->hint);
   free(r->region_used);
   free(r->rmap);
   free(r->rdev);
@@ -538,7 +543,10 @@ static size_t map_entries(call_t *run, const mc_xfer_ent_t *ents, size_t n, char
   size_t k = 0;
   mc_err_t err = {0};
   const mc_remote_region_t *r = NULL; /* the region of the previous request */
+  uint32_t none = 0;
   *miss = 0;
+  if (!run->hint && n > HINT_MIN)
+    run->hint = calloc(RUN_HINTS, sizeof *run->hint);
   for (size_t i = 0; i < n; i++) {
     take[i] = 0;
     if (ents[i].dev < 0)
@@ -547,7 +555,7 @@ static size_t map_entries(call_t *run, const mc_xfer_ent_t *ents, size_t n, char
     /* The region last found in this 2 MiB page first (checking the last
      * region first mispredicts a branch per request over a shuffled block
      * table), then the last region, then a binary search. */
-    uint32_t *hp = &run->hint[(ra >> 21) % RUN_HINTS];
+    uint32_t *hp = run->hint ? &run->hint[(ra >> 21) % RUN_HINTS] : &none;
     const mc_remote_region_t *c = *hp && *hp <= rd->n ? &rd->regions[*hp - 1] : NULL;
     if (c && ra >= c->addr && ra + rl <= c->addr + c->len) {
       r = c;
@@ -753,9 +761,12 @@ static void send_check(shg_t *t, call_t *run, atomic_int *cancel) {
  * Returns the group, NULL when it failed at once (the op is done). */
 static group_t *op_prepare(call_t *run, mc_xfer_op_t *op, mc_gpu_job_t **jobs, size_t *njobs) {
   group_t *g = calloc(1, sizeof *g);
-  char *seen = calloc(op->nent ? op->nent : 1, 1);
+  int one_dev = 1; /* the common case: no per-entry bookkeeping */
+  for (uint32_t i = 1; i < op->nent && one_dev; i++)
+    one_dev = op->ent[i].dev == op->ent[0].dev;
+  char *seen = one_dev ? NULL : calloc(op->nent ? op->nent : 1, 1);
   size_t nj = 0;
-  if (!g || !seen) {
+  if (!g || (!one_dev && !seen)) {
     free(g);
     free(seen);
     op->done(op, MC_ENOMEM, "out of memory queuing a GPU copy");
@@ -765,7 +776,7 @@ static group_t *op_prepare(call_t *run, mc_xfer_op_t *op, mc_gpu_job_t **jobs, s
   g->call = run;
   g->op = op;
   for (uint32_t i = 0; i < op->nent; i++) {
-    if (seen[i])
+    if (one_dev ? i > 0 : seen[i])
       continue;
     int dev = op->ent[i].dev;
     mc_gpu_job_t *j = nj < 16 ? mc_gpu_job_new(dev, MC_GPU_D2D) : NULL;
@@ -776,7 +787,8 @@ static group_t *op_prepare(call_t *run, mc_xfer_op_t *op, mc_gpu_job_t **jobs, s
     for (uint32_t k = i; k < op->nent; k++) {
       if (op->ent[k].dev != dev)
         continue;
-      seen[k] = 1;
+      if (seen)
+        seen[k] = 1;
       mc_cu_ptr loc = (mc_cu_ptr)(uintptr_t)op->ent[k].local;
       mc_cu_ptr mapped = (mc_cu_ptr)op->ent[k].remote;
       if (j && (op->type == MC_XFER_WRITE ? mc_gpu_job_add(j, mapped, loc, op->ent[k].len)
