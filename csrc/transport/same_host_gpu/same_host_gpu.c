@@ -1,7 +1,8 @@
 /* The same-host GPU transport (same_host_gpu.h): the peer's descriptor (the
- * mc.describe RPC, cached and checked alongside the copies), CUDA IPC
- * mappings of its regions, and one copy job per local GPU and op on the
- * engine's copy worker.  docs/architecture.md "Same-host path". */
+ * mc.describe RPC, cached; kept honest by the peer's regions version page,
+ * or else checked by the RPC alongside the copies), CUDA IPC mappings of its
+ * regions, and one copy job per local GPU and op on the engine's copy
+ * worker.  docs/architecture.md "Same-host path". */
 #include "transport/same_host_gpu/same_host_gpu.h"
 
 #include <errno.h>
