@@ -42,6 +42,9 @@ fi
 echo "== 4 KiB, a single copy by the copy engine (MC_GPU_SINGLE_COPY=driver)"
 MC_GPU_SINGLE_COPY=driver GPU_FIXED_COST_ONLY=small timeout 60 \
     build/bench/gpu_fixed_cost /tmp 2000 1 2>&1 | tee "$out/gfc_single_driver.log"
+echo "== 4 KiB, an event recorded per job (MC_GPU_LAZY_EVENTS=0)"
+MC_GPU_LAZY_EVENTS=0 GPU_FIXED_COST_ONLY=small timeout 60 \
+    build/bench/gpu_fixed_cost /tmp 2000 1 2>&1 | tee "$out/gfc_events.log"
 # Traced runs (MC_GPU_TRACE=1): the stages of each transfer, medians.
 for only in small row:65536:128:seq row:65536:128:pipe; do
   echo "== traced: ${only}"

@@ -46,6 +46,11 @@ struct mc_gpu_stager {
   mc_gpu_job_t *fl_head, *fl_tail; /* in flight, submission order */
   mc_cu_stream streams[MC_GPU_MAX_DEV][MC_GPU_NSTREAMS];
   unsigned d2d_next[MC_GPU_MAX_DEV]; /* round-robin over the D2D streams */
+  /* Per stream: the job in flight last launched on it when that job has
+   * no event yet (lazy_events): its completion is the stream's.  A job
+   * launched behind it first records the event it then needs. */
+  mc_gpu_job_t *unmarked[MC_GPU_MAX_DEV][MC_GPU_NSTREAMS];
+  int lazy_events; /* cuStreamQuery exists and MC_GPU_LAZY_EVENTS != 0 */
   mc_cu_event *events[MC_GPU_MAX_DEV];
   size_t nevents[MC_GPU_MAX_DEV], cap_events[MC_GPU_MAX_DEV];
 };
@@ -132,6 +137,8 @@ int mc_gpu_stager_create(size_t budget_bytes, mc_gpu_stager_t **out, mc_err_t *e
   pthread_cond_init(&s->idle_cv, NULL);
   s->budget = budget_bytes ? budget_bytes : (64u << 20);
   s->d2d_mode = d2d_mode();
+  const char *le = getenv("MC_GPU_LAZY_EVENTS");
+  s->lazy_events = !(le && !strcmp(le, "0")); /* and cuStreamQuery: checked per job */
   const char *sc = getenv("MC_GPU_SINGLE_COPY");
   s->single_kernel = !(sc && !strcmp(sc, "driver"));
   s->trace = getenv("MC_GPU_TRACE") && getenv("MC_GPU_TRACE")[0] == '1';
@@ -321,6 +328,7 @@ static void start_job(mc_gpu_stager_t *s, mc_gpu_job_t *j) {
   if (j->dir == MC_GPU_D2D)
     si += (int)(s->d2d_next[dev]++ % MC_GPU_D2D_STREAMS);
   mc_cu_stream *st = rc == 0 ? &s->streams[dev][si] : NULL;
+  int lazy = s->lazy_events && api && api->cuStreamQuery;
   if (rc == 0 && !*st) {
     mc_cu_result r = api->cuStreamCreate(st, MC_CU_STREAM_NON_BLOCKING);
     if (r != 0) {
@@ -328,6 +336,20 @@ static void start_job(mc_gpu_stager_t *s, mc_gpu_job_t *j) {
       rc = mc_err_set(&err, MC_EUNAVAIL, "cannot create a CUDA stream on cuda:%d: %s", dev,
                       mc_cuda_strerror(api, r, m, sizeof m));
       *st = NULL;
+    }
+  }
+  mc_gpu_job_t *prev = rc == 0 ? s->unmarked[dev][si] : NULL;
+  if (prev) {
+    /* The job before this one on the stream completes with its own event,
+     * recorded here, before this job's copies: exactly where it ends. */
+    s->unmarked[dev][si] = NULL;
+    prev->event = event_get(s, dev);
+    if (!prev->event || api->cuEventRecord(prev->event, *st) != 0) {
+      if (prev->event)
+        event_put(s, dev, prev->event);
+      prev->event = NULL;
+      api->cuStreamSynchronize(*st); /* slow path, never expected */
+      prev->synced = 1;
     }
   }
   int done = 0;
@@ -362,10 +384,19 @@ static void start_job(mc_gpu_stager_t *s, mc_gpu_job_t *j) {
       rc = mc_cuda_copy_batch(j->dsts, j->srcs, j->sizes, j->n, *st, &err);
     }
   }
-  if (rc == 0) {
+  if (rc == 0 && lazy) {
+    /* No event until a later job needs one (see unmarked): the common
+     * single job in flight costs one driver call less. */
+    j->event = NULL;
+    j->ev_dev = dev;
+    j->ev_stream = si;
+    j->synced = 0;
+    s->unmarked[dev][si] = j;
+  } else if (rc == 0) {
     j->event = event_get(s, dev);
     j->ev_dev = dev;
     j->ev_stream = si;
+    j->synced = 1; /* no event: synchronized below */
     mc_cu_result r = j->event ? api->cuEventRecord(j->event, *st) : 1;
     if (r != 0) {
       /* No event: wait for the stream here (slow path, never expected). */
@@ -402,12 +433,14 @@ static int poll_inflight(mc_gpu_stager_t *s) {
   while (*pp) {
     mc_gpu_job_t *j = *pp;
     mc_cu_result r = 0;
-    if (j->event && busy[j->ev_dev][j->ev_stream]) {
+    int waits = j->event || !j->synced; /* an event, or the stream (unmarked) */
+    if (waits && busy[j->ev_dev][j->ev_stream]) {
       r = MC_CU_ERROR_NOT_READY;
-    } else if (j->event) {
+    } else if (waits) {
       if (j->ev_dev != cur_dev)
         mc_cuda_use_device(cur_dev = j->ev_dev, NULL);
-      r = api->cuEventQuery(j->event);
+      r = j->event ? api->cuEventQuery(j->event)
+                   : api->cuStreamQuery(s->streams[j->ev_dev][j->ev_stream]);
       if (r == MC_CU_ERROR_NOT_READY)
         busy[j->ev_dev][j->ev_stream] = 1;
     }
@@ -419,6 +452,8 @@ static int poll_inflight(mc_gpu_stager_t *s) {
     *pp = j->next;
     if (s->fl_tail == j)
       s->fl_tail = prev;
+    if (!j->event && s->unmarked[j->ev_dev][j->ev_stream] == j)
+      s->unmarked[j->ev_dev][j->ev_stream] = NULL;
     if (j->event)
       event_put(s, j->ev_dev, j->event);
     j->event = NULL;

@@ -53,6 +53,7 @@ struct mc_gpu_job {
   mc_gpu_job_t *next;
   void *event;
   int ev_dev, ev_stream;
+  int synced; /* no event and none needed: done when started */
   mc_gpu_buf_t *kbuf; /* copy kernel's piece table */
   uint64_t t_queued, t_picked, t_launched; /* MC_GPU_TRACE=1 only */
 };
