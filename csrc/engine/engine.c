@@ -652,7 +652,8 @@ char *mc_engine_describe(mc_engine_t *e) {
   if (!snap)
     return NULL;
   n = mc_regions_snapshot(&e->regions, snap, n);
-  d = mc_segment_desc_encode(e->name, e->protocol, e->host, e->port, snap, n);
+  d = mc_segment_desc_encode_live(e->name, e->protocol, e->host, e->port, snap, n, &e->regions,
+                                  v);
   free(snap);
   /* Unchanged around the snapshot: the text belongs to version v. */
   if (d && e->port && regions_version(&e->regions) == v) {

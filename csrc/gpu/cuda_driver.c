@@ -106,6 +106,7 @@ static void load(void) {
   *(void **)&g_api.cuMemCreate = dlsym_quiet(h, "cuMemCreate");
   *(void **)&g_api.cuMemGetAllocationGranularity =
       dlsym_quiet(h, "cuMemGetAllocationGranularity");
+  *(void **)&g_api.cuStreamQuery = dlsym_quiet(h, "cuStreamQuery");
   mc_cu_result r = g_api.cuInit(0);
   if (r != 0) {
     char b[160];

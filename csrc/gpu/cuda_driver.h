@@ -161,6 +161,7 @@ typedef struct mc_cuda_api {
                               const mc_cu_mem_alloc_prop_t *prop, unsigned long long flags);
   mc_cu_result (*cuMemGetAllocationGranularity)(size_t *g, const mc_cu_mem_alloc_prop_t *prop,
                                                 int option);
+  mc_cu_result (*cuStreamQuery)(mc_cu_stream s); /* optional */
   int driver_version;
   int device_count;
 } mc_cuda_api_t;

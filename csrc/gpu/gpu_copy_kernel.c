@@ -7,7 +7,7 @@
 
 #define MAX_DEV 64
 static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
-static void *g_fn[MAX_DEV];
+static void *g_fn[MAX_DEV], *g_fn_p[MAX_DEV];
 static int g_failed[MAX_DEV];
 
 size_t mc_copy_kernel_table_bytes(const size_t *sizes, size_t count) {
@@ -17,7 +17,7 @@ size_t mc_copy_kernel_table_bytes(const size_t *sizes, size_t count) {
   return pieces * 3 * sizeof(uint64_t);
 }
 
-static void *kernel_for(int device, const mc_cuda_api_t *api, mc_err_t *err) {
+static void *kernel_for(int device, const mc_cuda_api_t *api, void **fn_p, mc_err_t *err) {
   pthread_mutex_lock(&g_mu);
   void *fn = g_fn[device];
   if (!fn && !g_failed[device]) {
@@ -25,6 +25,10 @@ static void *kernel_for(int device, const mc_cuda_api_t *api, mc_err_t *err) {
     mc_cu_result r = api->cuModuleLoadData(&mod, mc_copy_kernel_ptx);
     if (r == 0)
       r = api->cuModuleGetFunction(&fn, mod, "mc_copy_pieces");
+    /* The parameter-table variant is optional (older PTX JIT): without it
+     * every launch reads its table from pinned host memory. */
+    if (r == 0 && api->cuModuleGetFunction(&g_fn_p[device], mod, "mc_copy_reqs_p") != 0)
+      g_fn_p[device] = NULL;
     if (r != 0) {
       char b[160];
       mc_err_set(err, MC_EUNAVAIL, "cannot load the GPU copy kernel on cuda:%d: %s", device,
@@ -37,9 +41,26 @@ static void *kernel_for(int device, const mc_cuda_api_t *api, mc_err_t *err) {
   } else if (!fn) {
     mc_err_set(err, MC_EUNAVAIL, "the GPU copy kernel failed to load on cuda:%d", device);
   }
+  *fn_p = fn ? g_fn_p[device] : NULL;
   pthread_mutex_unlock(&g_mu);
   return fn;
 }
+
+size_t mc_copy_kernel_pieces(const size_t *sizes, size_t count) {
+  size_t pieces = 0;
+  for (size_t i = 0; i < count; i++)
+    pieces += (sizes[i] + MC_COPY_PIECE_MAX - 1) / MC_COPY_PIECE_MAX;
+  return pieces;
+}
+
+/* The kernel parameters of mc_copy_reqs_p (copy_kernel.cu). */
+typedef struct {
+  uint64_t dst[MC_COPY_PARAM_REQS], src[MC_COPY_PARAM_REQS], len[MC_COPY_PARAM_REQS];
+  uint32_t first[MC_COPY_PARAM_REQS + 1];
+  uint32_t n;
+} param_reqs_t;
+
+_Static_assert(sizeof(param_reqs_t) <= 4096, "kernel parameters fit the portable 4 KiB");
 
 int mc_copy_kernel_launch(int device, const mc_cu_ptr *dsts, const mc_cu_ptr *srcs,
                           const size_t *sizes, size_t count, void *table, mc_cu_stream stream,
@@ -50,9 +71,39 @@ int mc_copy_kernel_launch(int device, const mc_cu_ptr *dsts, const mc_cu_ptr *sr
   if (!api->cuModuleLoadData || !api->cuModuleGetFunction || !api->cuLaunchKernel ||
       device < 0 || device >= MAX_DEV)
     return mc_err_set(err, MC_EUNAVAIL, "this CUDA driver cannot launch the copy kernel");
-  void *fn = kernel_for(device, api, err);
+  void *fn_p = NULL;
+  void *fn = kernel_for(device, api, &fn_p, err);
   if (!fn)
     return MC_EUNAVAIL;
+  size_t pieces = mc_copy_kernel_pieces(sizes, count);
+  int in_params = fn_p && count <= MC_COPY_PARAM_REQS && pieces < UINT32_MAX;
+  if (!in_params && !table)
+    return mc_err_set(err, MC_EINVAL, "GPU copy kernel: more than %u copies need a table",
+                      MC_COPY_PARAM_REQS);
+  if (in_params) {
+    param_reqs_t pr;
+    uint32_t first = 0;
+    for (size_t i = 0; i < count; i++) {
+      pr.dst[i] = dsts[i];
+      pr.src[i] = srcs[i];
+      pr.len[i] = sizes[i];
+      pr.first[i] = first;
+      first += (uint32_t)((sizes[i] + MC_COPY_PIECE_MAX - 1) / MC_COPY_PIECE_MAX);
+    }
+    pr.first[count] = first;
+    pr.n = (uint32_t)count;
+    if (first == 0)
+      return 0;
+    void *params_p[] = {&pr};
+    unsigned grid = first < 65535u ? first : 65535u;
+    mc_cu_result r = api->cuLaunchKernel(fn_p, grid, 1, 1, 512, 1, 1, 0, stream, params_p, NULL);
+    if (r != 0) {
+      char b[160];
+      return mc_err_set(err, MC_ESYS, "GPU copy kernel launch (%zu copies) failed: %s", count,
+                        mc_cuda_strerror(api, r, b, sizeof b));
+    }
+    return 0;
+  }
   uint64_t *t = table;
   unsigned n = 0;
   for (size_t i = 0; i < count; i++)

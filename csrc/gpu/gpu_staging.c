@@ -18,6 +18,10 @@
  * (copies of different requests have no order among them). */
 #define MC_GPU_D2D_STREAMS 2
 #define MC_GPU_NSTREAMS (2 + MC_GPU_D2D_STREAMS)
+/* A single D2D copy up to this size goes through the copy kernel too: its
+ * launch and completion are quicker than a copy engine's for a few KiB;
+ * larger single copies stay with the copy engine. */
+#define MC_GPU_SINGLE_MAX (256u << 10)
 
 struct mc_gpu_stager {
   pthread_mutex_t mu;
@@ -26,6 +30,8 @@ struct mc_gpu_stager {
   size_t budget;
   int kernel_warned;
   int d2d_mode; /* MC_GPU_D2D_COPY: 0 kernel, 1 batch API, 2 one cuMemcpyAsync each */
+  int single_kernel; /* a single D2D copy of <= MC_COPY_PARAM_PIECES pieces: the kernel
+                        too (MC_GPU_SINGLE_COPY=driver: cuMemcpyAsync) */
   int trace;    /* MC_GPU_TRACE=1: log each D2D job's timeline */
   /* Pool (under mu). */
   mc_gpu_buf_t *free_list;
@@ -40,6 +46,11 @@ struct mc_gpu_stager {
   mc_gpu_job_t *fl_head, *fl_tail; /* in flight, submission order */
   mc_cu_stream streams[MC_GPU_MAX_DEV][MC_GPU_NSTREAMS];
   unsigned d2d_next[MC_GPU_MAX_DEV]; /* round-robin over the D2D streams */
+  /* Per stream: the job in flight last launched on it when that job has
+   * no event yet (lazy_events): its completion is the stream's.  A job
+   * launched behind it first records the event it then needs. */
+  mc_gpu_job_t *unmarked[MC_GPU_MAX_DEV][MC_GPU_NSTREAMS];
+  int lazy_events; /* cuStreamQuery exists and MC_GPU_LAZY_EVENTS != 0 */
   mc_cu_event *events[MC_GPU_MAX_DEV];
   size_t nevents[MC_GPU_MAX_DEV], cap_events[MC_GPU_MAX_DEV];
 };
@@ -74,22 +85,27 @@ mc_gpu_job_t *mc_gpu_job_new(int device, int dir) {
   return j;
 }
 
+int mc_gpu_job_reserve(mc_gpu_job_t *j, size_t nc) {
+  if (nc <= j->cap)
+    return 0;
+  mc_cu_ptr *d = realloc(j->dsts, nc * sizeof *d);
+  if (d)
+    j->dsts = d;
+  mc_cu_ptr *s = realloc(j->srcs, nc * sizeof *s);
+  if (s)
+    j->srcs = s;
+  size_t *z = realloc(j->sizes, nc * sizeof *z);
+  if (z)
+    j->sizes = z;
+  if (!d || !s || !z)
+    return MC_ENOMEM;
+  j->cap = nc;
+  return 0;
+}
+
 int mc_gpu_job_add(mc_gpu_job_t *j, mc_cu_ptr dst, mc_cu_ptr src, size_t n) {
-  if (j->n == j->cap) {
-    size_t nc = j->cap ? j->cap * 2 : 16;
-    mc_cu_ptr *d = realloc(j->dsts, nc * sizeof *d);
-    if (d)
-      j->dsts = d;
-    mc_cu_ptr *s = realloc(j->srcs, nc * sizeof *s);
-    if (s)
-      j->srcs = s;
-    size_t *z = realloc(j->sizes, nc * sizeof *z);
-    if (z)
-      j->sizes = z;
-    if (!d || !s || !z)
-      return MC_ENOMEM;
-    j->cap = nc;
-  }
+  if (j->n == j->cap && mc_gpu_job_reserve(j, j->cap ? j->cap * 2 : 16) < 0)
+    return MC_ENOMEM;
   /* Adjacent pieces merge into one copy. */
   if (j->n && j->dsts[j->n - 1] + j->sizes[j->n - 1] == dst &&
       j->srcs[j->n - 1] + j->sizes[j->n - 1] == src) {
@@ -121,6 +137,10 @@ int mc_gpu_stager_create(size_t budget_bytes, mc_gpu_stager_t **out, mc_err_t *e
   pthread_cond_init(&s->idle_cv, NULL);
   s->budget = budget_bytes ? budget_bytes : (64u << 20);
   s->d2d_mode = d2d_mode();
+  const char *le = getenv("MC_GPU_LAZY_EVENTS");
+  s->lazy_events = !(le && !strcmp(le, "0")); /* and cuStreamQuery: checked per job */
+  const char *sc = getenv("MC_GPU_SINGLE_COPY");
+  s->single_kernel = !(sc && !strcmp(sc, "driver"));
   s->trace = getenv("MC_GPU_TRACE") && getenv("MC_GPU_TRACE")[0] == '1';
   *out = s;
   return 0;
@@ -273,8 +293,9 @@ static void event_put(mc_gpu_stager_t *s, int dev, mc_cu_event e) {
 static void finish(mc_gpu_stager_t *s, mc_gpu_job_t *j, int code, const char *msg) {
   if (s->trace && j->dir == MC_GPU_D2D)
     mc_log_info("gpu trace: D2D job cuda:%d, %zu copies: queued at %.1f us, launched +%.1f us, "
-                "done seen +%.1f us", j->device, j->n, (double)(j->t_queued / 1000 % 100000000),
-                (j->t_launched - j->t_queued) / 1e3, (now_ns() - j->t_queued) / 1e3);
+                "done seen +%.1f us, picked up +%.1f us", j->device, j->n,
+                (double)(j->t_queued / 1000 % 100000000), (j->t_launched - j->t_queued) / 1e3,
+                (now_ns() - j->t_queued) / 1e3, (j->t_picked - j->t_queued) / 1e3);
   if (j->kbuf) {
     mc_gpu_buf_put(s, j->kbuf);
     j->kbuf = NULL;
@@ -291,6 +312,8 @@ static void finish(mc_gpu_stager_t *s, mc_gpu_job_t *j, int code, const char *ms
 
 /* Enqueues a job's copies and records its event; completes it on error. */
 static void start_job(mc_gpu_stager_t *s, mc_gpu_job_t *j) {
+  if (s->trace)
+    j->t_picked = now_ns();
   mc_err_t err = {0};
   const mc_cuda_api_t *api = mc_cuda_api(&err);
   int dev = j->device;
@@ -305,6 +328,7 @@ static void start_job(mc_gpu_stager_t *s, mc_gpu_job_t *j) {
   if (j->dir == MC_GPU_D2D)
     si += (int)(s->d2d_next[dev]++ % MC_GPU_D2D_STREAMS);
   mc_cu_stream *st = rc == 0 ? &s->streams[dev][si] : NULL;
+  int lazy = s->lazy_events && api && api->cuStreamQuery;
   if (rc == 0 && !*st) {
     mc_cu_result r = api->cuStreamCreate(st, MC_CU_STREAM_NON_BLOCKING);
     if (r != 0) {
@@ -314,16 +338,38 @@ static void start_job(mc_gpu_stager_t *s, mc_gpu_job_t *j) {
       *st = NULL;
     }
   }
+  mc_gpu_job_t *prev = rc == 0 ? s->unmarked[dev][si] : NULL;
+  if (prev) {
+    /* The job before this one on the stream completes with its own event,
+     * recorded here, before this job's copies: exactly where it ends. */
+    s->unmarked[dev][si] = NULL;
+    prev->event = event_get(s, dev);
+    if (!prev->event || api->cuEventRecord(prev->event, *st) != 0) {
+      if (prev->event)
+        event_put(s, dev, prev->event);
+      prev->event = NULL;
+      api->cuStreamSynchronize(*st); /* slow path, never expected */
+      prev->synced = 1;
+    }
+  }
   int done = 0;
-  if (rc == 0 && j->dir == MC_GPU_D2D && s->d2d_mode == 0 && j->n > 1) {
-    /* Many pieces between GPUs: one kernel launch moves them all. */
-    size_t tb = mc_copy_kernel_table_bytes(j->sizes, j->n);
+  if (rc == 0 && j->dir == MC_GPU_D2D && s->d2d_mode == 0 &&
+      (j->n > 1 || (j->n == 1 && s->single_kernel && j->sizes[0] <= MC_GPU_SINGLE_MAX))) {
+    /* Many pieces between GPUs: one kernel launch moves them all; a few
+     * travel in its parameters, more in a pinned table. */
     mc_err_t kerr = {0};
-    j->kbuf = mc_gpu_buf_get(s, dev, tb, &kerr);
-    if (j->kbuf && mc_copy_kernel_launch(dev, j->dsts, j->srcs, j->sizes, j->n, j->kbuf->p,
-                                         *st, &kerr) == 0)
+    if (j->n <= MC_COPY_PARAM_REQS &&
+        mc_copy_kernel_launch(dev, j->dsts, j->srcs, j->sizes, j->n, NULL, *st, &kerr) == 0) {
       done = 1;
-    else if (!s->kernel_warned++)
+    } else {
+      size_t tb = mc_copy_kernel_table_bytes(j->sizes, j->n);
+      kerr.msg[0] = '\0';
+      j->kbuf = mc_gpu_buf_get(s, dev, tb, &kerr);
+      if (j->kbuf && mc_copy_kernel_launch(dev, j->dsts, j->srcs, j->sizes, j->n, j->kbuf->p,
+                                           *st, &kerr) == 0)
+        done = 1;
+    }
+    if (!done && !s->kernel_warned++)
       mc_log_warn("GPU copy kernel not used (%s); using driver copies", kerr.msg);
   }
   if (rc == 0 && !done) {
@@ -338,9 +384,19 @@ static void start_job(mc_gpu_stager_t *s, mc_gpu_job_t *j) {
       rc = mc_cuda_copy_batch(j->dsts, j->srcs, j->sizes, j->n, *st, &err);
     }
   }
-  if (rc == 0) {
+  if (rc == 0 && lazy) {
+    /* No event until a later job needs one (see unmarked): the common
+     * single job in flight costs one driver call less. */
+    j->event = NULL;
+    j->ev_dev = dev;
+    j->ev_stream = si;
+    j->synced = 0;
+    s->unmarked[dev][si] = j;
+  } else if (rc == 0) {
     j->event = event_get(s, dev);
     j->ev_dev = dev;
+    j->ev_stream = si;
+    j->synced = 1; /* no event: synchronized below */
     mc_cu_result r = j->event ? api->cuEventRecord(j->event, *st) : 1;
     if (r != 0) {
       /* No event: wait for the stream here (slow path, never expected). */
@@ -364,17 +420,29 @@ static void start_job(mc_gpu_stager_t *s, mc_gpu_job_t *j) {
   s->fl_tail = j;
 }
 
-/* Completes finished jobs; returns how many. */
+/* Completes finished jobs; returns how many.  Events of one stream
+ * complete in order: after one that is not ready, the later ones of its
+ * stream are not asked (many jobs in flight would otherwise cost a driver
+ * call each per pass). */
 static int poll_inflight(mc_gpu_stager_t *s) {
   const mc_cuda_api_t *api = mc_cuda_api(NULL);
-  int done = 0;
+  int done = 0, cur_dev = -1;
+  unsigned char busy[MC_GPU_MAX_DEV][MC_GPU_NSTREAMS];
+  memset(busy, 0, sizeof busy);
   mc_gpu_job_t **pp = &s->fl_head, *prev = NULL;
   while (*pp) {
     mc_gpu_job_t *j = *pp;
     mc_cu_result r = 0;
-    if (j->event) {
-      mc_cuda_use_device(j->ev_dev, NULL);
-      r = api->cuEventQuery(j->event);
+    int waits = j->event || !j->synced; /* an event, or the stream (unmarked) */
+    if (waits && busy[j->ev_dev][j->ev_stream]) {
+      r = MC_CU_ERROR_NOT_READY;
+    } else if (waits) {
+      if (j->ev_dev != cur_dev)
+        mc_cuda_use_device(cur_dev = j->ev_dev, NULL);
+      r = j->event ? api->cuEventQuery(j->event)
+                   : api->cuStreamQuery(s->streams[j->ev_dev][j->ev_stream]);
+      if (r == MC_CU_ERROR_NOT_READY)
+        busy[j->ev_dev][j->ev_stream] = 1;
     }
     if (r == MC_CU_ERROR_NOT_READY) {
       prev = j;
@@ -384,6 +452,8 @@ static int poll_inflight(mc_gpu_stager_t *s) {
     *pp = j->next;
     if (s->fl_tail == j)
       s->fl_tail = prev;
+    if (!j->event && s->unmarked[j->ev_dev][j->ev_stream] == j)
+      s->unmarked[j->ev_dev][j->ev_stream] = NULL;
     if (j->event)
       event_put(s, j->ev_dev, j->event);
     j->event = NULL;

@@ -52,9 +52,10 @@ struct mc_gpu_job {
   /* Worker-private. */
   mc_gpu_job_t *next;
   void *event;
-  int ev_dev;
+  int ev_dev, ev_stream;
+  int synced; /* no event and none needed: done when started */
   mc_gpu_buf_t *kbuf; /* copy kernel's piece table */
-  uint64_t t_queued, t_launched; /* MC_GPU_TRACE=1 only */
+  uint64_t t_queued, t_picked, t_launched; /* MC_GPU_TRACE=1 only */
 };
 
 /* Creates a stager whose pool keeps at most budget_bytes of pinned memory
@@ -76,6 +77,8 @@ void mc_gpu_buf_put(mc_gpu_stager_t *s, mc_gpu_buf_t *b);
 
 mc_gpu_job_t *mc_gpu_job_new(int device, int dir);
 int mc_gpu_job_add(mc_gpu_job_t *j, mc_cu_ptr dst, mc_cu_ptr src, size_t n);
+/* Room for n copies (fewer reallocations while adding). */
+int mc_gpu_job_reserve(mc_gpu_job_t *j, size_t n);
 void mc_gpu_job_free(mc_gpu_job_t *j); /* does not return buf */
 
 /* How device-to-device jobs copy (MC_GPU_D2D_COPY), for logs. */

@@ -25,6 +25,34 @@ void mc_regions_destroy(mc_regions_t *r) {
   pthread_mutex_destroy(&r->mu);
 }
 
+/* Caller holds mu: a change (peers holding the old descriptor see it in
+ * the published page before the change takes effect). */
+static void bump(mc_regions_t *r) {
+  r->version++;
+  if (r->pub.page)
+    __atomic_store_n(&r->pub.page[0], r->version, __ATOMIC_SEQ_CST);
+}
+
+void mc_regions_set_pub(mc_regions_t *r, const mc_regions_pub_t *pub) {
+  pthread_mutex_lock(&r->mu);
+  if (pub && pub->page) {
+    r->pub = *pub;
+    __atomic_store_n(&r->pub.page[0], r->version, __ATOMIC_SEQ_CST);
+  } else {
+    memset(&r->pub, 0, sizeof r->pub);
+  }
+  pthread_mutex_unlock(&r->mu);
+}
+
+int mc_regions_pub_info(mc_regions_t *r, int *fd, uint64_t *token) {
+  pthread_mutex_lock(&r->mu);
+  int ok = r->pub.page != NULL;
+  *fd = r->pub.fd;
+  *token = r->pub.token;
+  pthread_mutex_unlock(&r->mu);
+  return ok;
+}
+
 /* Index of the last region with addr <= a, or -1. Caller holds mu. */
 static long find_le(mc_regions_t *r, uint64_t a) {
   long lo = 0, hi = (long)r->n - 1, ans = -1;
@@ -112,7 +140,7 @@ int mc_regions_add_ex(mc_regions_t *r, uint64_t addr, uint64_t len, const char *
   memmove(r->v + pos + 1, r->v + pos, (r->n - pos) * sizeof *r->v);
   r->v[pos] = reg;
   r->n++;
-  r->version++;
+  bump(r);
   pthread_mutex_unlock(&r->mu);
   return 0;
 }
@@ -167,7 +195,7 @@ int mc_regions_remove_cb(mc_regions_t *r, uint64_t addr, int64_t timeout_ms, int
   mc_region_t *reg = r->v[i];
   reg->dead = 1;
   reg->removing = 1;
-  r->version++; /* snapshots no longer list it */
+  bump(r); /* snapshots no longer list it */
   struct timespec dl = deadline_after(timeout_ms >= 0 ? timeout_ms : 0);
   if (stall && grace_ms >= 0 && (timeout_ms < 0 || grace_ms < timeout_ms)) {
     struct timespec gdl = deadline_after(grace_ms);
@@ -201,7 +229,7 @@ int mc_regions_remove_cb(mc_regions_t *r, uint64_t addr, int64_t timeout_ms, int
   i = find_le(r, addr);
   memmove(r->v + i, r->v + i + 1, (r->n - (size_t)i - 1) * sizeof *r->v);
   r->n--;
-  r->version++;
+  bump(r);
   pthread_mutex_unlock(&r->mu);
   free(reg);
   return 0;

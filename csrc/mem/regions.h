@@ -36,12 +36,25 @@ typedef struct mc_region {
   char holder[64];
 } mc_region_t;
 
+/* Where the table's version is published to same-host peers: a page of
+ * shared memory (the same-host GPU transport creates it, see
+ * transport/same_host_gpu/): word 0 holds `version`, stored at every bump
+ * (under the lock, before the change is acted on: a region being removed
+ * bumps it before the remove waits and returns); word 1 a random token.
+ * Peers open it as /proc/<pid>/fd/<fd>. */
+typedef struct mc_regions_pub {
+  uint64_t *page; /* NULL: not published */
+  int fd;
+  uint64_t token;
+} mc_regions_pub_t;
+
 typedef struct mc_regions {
   pthread_mutex_t mu;
   pthread_cond_t cv;
   mc_region_t **v; /* sorted by addr, non-overlapping */
   size_t n, cap;
   uint64_t version; /* bumped on every change */
+  mc_regions_pub_t pub;
 } mc_regions_t;
 
 int mc_regions_init(mc_regions_t *r);
@@ -99,6 +112,12 @@ void mc_regions_unlock(mc_regions_t *r);
 const mc_region_t *mc_regions_find_locked(mc_regions_t *r, uint64_t addr, uint64_t len);
 /* 1 if a live region holds [addr, addr+len). */
 int mc_regions_contains(mc_regions_t *r, uint64_t addr, uint64_t len);
+
+/* Publishes the version in `pub` from now on (page == NULL: stops; the
+ * caller unmaps the old page after this returns). */
+void mc_regions_set_pub(mc_regions_t *r, const mc_regions_pub_t *pub);
+/* The published page's fd and token; 0 if not published. */
+int mc_regions_pub_info(mc_regions_t *r, int *fd, uint64_t *token);
 
 /* Copies up to `max` (addr,len,location) records; returns the count. */
 size_t mc_regions_snapshot(mc_regions_t *r, mc_region_t *out, size_t max);

@@ -10,8 +10,9 @@
 #include <string.h>
 #include <time.h>
 
-char *mc_segment_desc_encode(const char *name, const char *protocol, const char *host,
-                             int port, const mc_region_t *regions, size_t nregions) {
+static char *encode(const char *name, const char *protocol, const char *host, int port,
+                    const mc_region_t *regions, size_t nregions, mc_regions_t *table,
+                    uint64_t ver) {
   cJSON *j = cJSON_CreateObject();
   cJSON *bufs = cJSON_CreateArray();
   char *out = NULL;
@@ -26,6 +27,16 @@ char *mc_segment_desc_encode(const char *name, const char *protocol, const char 
   cJSON_AddNumberToObject(j, "timestamp", (double)time(NULL));
   cJSON_AddStringToObject(j, "host_id", mc_host_identity());
   cJSON_AddNumberToObject(j, "pid", (double)getpid());
+  int fd = -1;
+  uint64_t token = 0;
+  if (table && mc_regions_pub_info(table, &fd, &token) && ver < (1ull << 53)) {
+    cJSON *g = cJSON_AddObjectToObject(j, "gen");
+    char tok[24];
+    snprintf(tok, sizeof tok, "%016llx", (unsigned long long)token);
+    if (!g || !cJSON_AddNumberToObject(g, "v", (double)ver) ||
+        !cJSON_AddNumberToObject(g, "fd", fd) || !cJSON_AddStringToObject(g, "token", tok))
+      goto done;
+  }
   for (size_t i = 0; i < nregions; i++) {
     cJSON *b = cJSON_CreateObject();
     if (!b)
@@ -46,6 +57,41 @@ done:
   cJSON_Delete(bufs);
   cJSON_Delete(j);
   return out;
+}
+
+char *mc_segment_desc_encode(const char *name, const char *protocol, const char *host,
+                             int port, const mc_region_t *regions, size_t nregions) {
+  return encode(name, protocol, host, port, regions, nregions, NULL, 0);
+}
+
+char *mc_segment_desc_encode_live(const char *name, const char *protocol, const char *host,
+                                  int port, const mc_region_t *regions, size_t nregions,
+                                  mc_regions_t *table, uint64_t ver) {
+  return encode(name, protocol, host, port, regions, nregions, table, ver);
+}
+
+/* The descriptor's "gen" object, if any: 0, or MC_EPROTO naming the bad
+ * field. */
+static int decode_gen(const cJSON *g, mc_remote_desc_t *out, mc_err_t *err) {
+  if (!g)
+    return 0;
+  const cJSON *v = cJSON_GetObjectItemCaseSensitive(g, "v");
+  const cJSON *fd = cJSON_GetObjectItemCaseSensitive(g, "fd");
+  const cJSON *tok = cJSON_GetObjectItemCaseSensitive(g, "token");
+  uint64_t fv = 0;
+  int ok = cJSON_IsObject(g) && mc_json_u64(v, 0, 1ull << 53, &out->gen) == 0 &&
+           mc_json_u64(fd, 0, INT32_MAX, &fv) == 0 && cJSON_IsString(tok) &&
+           strlen(tok->valuestring) == 16 &&
+           strspn(tok->valuestring, "0123456789abcdef") == 16;
+  if (ok)
+    out->gen_token = strtoull(tok->valuestring, NULL, 16);
+  if (!ok)
+    return mc_err_set(err, MC_EPROTO, "segment descriptor \"gen\" is not an object "
+                      "{\"v\": integer 0..2^53, \"fd\": integer 0..2^31-1, \"token\": 16 "
+                      "lowercase hex digits}");
+  out->gen_fd = (int)fv;
+  out->has_gen = 1;
+  return 0;
 }
 
 int mc_segment_desc_decode(const char *json, size_t len, const char *name,
@@ -102,6 +148,11 @@ int mc_segment_desc_decode_regions(const char *json, size_t len, mc_remote_desc_
     snprintf(out->host_id, sizeof out->host_id, "%s", hid->valuestring);
   uint64_t v;
   out->pid = mc_json_u64(pid, 0, INT32_MAX, &v) == 0 ? (long)v : -1;
+  int grc = decode_gen(cJSON_GetObjectItemCaseSensitive(j, "gen"), out, err);
+  if (grc < 0) {
+    cJSON_Delete(j);
+    return grc;
+  }
   size_t n = (size_t)cJSON_GetArraySize(bufs);
   out->regions = calloc(n ? n : 1, sizeof *out->regions);
   if (!out->regions) {

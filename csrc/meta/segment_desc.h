@@ -23,6 +23,13 @@ typedef struct mc_segment_desc {
 /* Encodes (malloc'ed JSON). */
 char *mc_segment_desc_encode(const char *name, const char *protocol, const char *host,
                              int port, const mc_region_t *regions, size_t nregions);
+/* Same, answering mc.describe: also the regions' version `ver` (read
+ * before the snapshot was taken) and, when the table publishes it
+ * (mc_regions_set_pub), where same-host peers can watch it change:
+ * "gen": {"v": ver, "fd": N, "token": "16 hex digits"}. */
+char *mc_segment_desc_encode_live(const char *name, const char *protocol, const char *host,
+                                  int port, const mc_region_t *regions, size_t nregions,
+                                  mc_regions_t *table, uint64_t ver);
 /* The regions of a peer's descriptor and where the peer runs (for the
  * same-host GPU path). */
 typedef struct mc_remote_region {
@@ -35,6 +42,11 @@ typedef struct mc_remote_region {
 typedef struct mc_remote_desc {
   char host_id[320]; /* "" if the peer did not say */
   long pid;
+  /* The descriptor's "gen" (mc_segment_desc_encode_live); has_gen 0: none. */
+  int has_gen;
+  uint64_t gen;
+  int gen_fd;
+  uint64_t gen_token;
   mc_remote_region_t *regions; /* sorted by addr */
   size_t n;
 } mc_remote_desc_t;

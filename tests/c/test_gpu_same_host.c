@@ -1,5 +1,13 @@
 /* The same-host GPU path across chunks of one batch: one submit call shares
- * the peer's descriptor and one check (mc.describe) among its chunks.
+ * the peer's descriptor and one check among its chunks.
+ *   - (no GPU needed) the regions version page a peer names in its
+ *     descriptor: sealed, token as named, the version bumped by register
+ *     and unregister (before unregister returns), equal to the descriptor's
+ *     "gen"; a malformed "gen" is refused naming the field;
+ *   - a cached descriptor whose peer unregistered the region while the
+ *     copies ran (the version moved between submit and completion) fails
+ *     with the "re-registered" error (the RPC check the changed version
+ *     falls back to);
  *   - a batch whose later chunks reach a region the peer registered after
  *     the descriptor was cached gets a fresh descriptor for them and lands
  *     byte-exact (scattered blocks);
@@ -11,11 +19,17 @@
  *     freeing the batch waits for the chunks already started.
  * Two engines in one process (same address space).  Skips without a GPU. */
 #include <dlfcn.h>
+#include <fcntl.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include "engine/engine.h"
+#include "engine/engine_internal.h"
 #include "gpu/cuda_driver.h"
+#include "meta/segment_desc.h"
 #include "gpu_testlib.h"
 #include "testlib.h"
 
@@ -172,7 +186,171 @@ static void test_later_chunk_runs_past_allocation(void) {
   pair_close(&p);
 }
 
+/* B's descriptor as A's RPC gets it. */
+static void describe(mc_engine_t *A, mc_engine_t *B, mc_remote_desc_t *rd) {
+  char *reply = NULL;
+  mc_err_t err = {0};
+  CHECK_EQ_INT(mc_engine_rpc(A, mc_engine_segment_name(B), MC_RPC_DESCRIBE,
+                             strlen(MC_RPC_DESCRIBE), 5000, &reply, &err), 0);
+  CHECK(reply);
+  CHECK_EQ_INT(mc_segment_desc_decode_regions(reply ? reply : "", reply ? strlen(reply) : 0, rd,
+                                              &err), 0);
+  free(reply);
+}
+
+static void test_gen_page(void) {
+  mc_engine_opts_t o = {.local_hostname = "127.0.0.1", .metadata_server = "P2PHANDSHAKE"};
+  mc_engine_t *A = NULL, *B = NULL;
+  mc_err_t err = {0};
+  CHECK_EQ_INT(mc_engine_create(&o, &A, &err), 0);
+  CHECK_EQ_INT(mc_engine_create(&o, &B, &err), 0);
+  char *buf = malloc(1 << 16), *buf2 = malloc(1 << 16);
+  CHECK_EQ_INT(mc_engine_register(B, buf, 1 << 16, "cpu", &err), 0);
+  mc_remote_desc_t rd;
+  describe(A, B, &rd);
+  CHECK_EQ_INT(rd.has_gen, 1);
+  CHECK_EQ_INT(rd.pid, getpid());
+  char path[64], link[128];
+  snprintf(path, sizeof path, "/proc/%ld/fd/%d", rd.pid, rd.gen_fd);
+  ssize_t ln = readlink(path, link, sizeof link - 1);
+  CHECK(ln > 0);
+  link[ln > 0 ? ln : 0] = '\0';
+  CHECK_CONTAINS(link, "memfd:mc-regions-gen");
+  int f = open(path, O_RDONLY);
+  CHECK(f >= 0);
+  CHECK(fcntl(f, F_GET_SEALS) & F_SEAL_SHRINK); /* mapping it can never fault */
+  const volatile uint64_t *w = mmap(NULL, 4096, PROT_READ, MAP_SHARED, f, 0);
+  close(f);
+  CHECK(w != MAP_FAILED);
+  CHECK(w[1] == rd.gen_token);
+  CHECK(w[0] == rd.gen);
+  uint64_t g0 = w[0];
+  /* A change moves the version; the next descriptor names the new one. */
+  CHECK_EQ_INT(mc_engine_register(B, buf2, 1 << 16, "cpu", &err), 0);
+  CHECK(w[0] > g0);
+  mc_remote_desc_free(&rd);
+  describe(A, B, &rd);
+  CHECK(rd.gen == w[0]);
+  uint64_t g1 = w[0];
+  CHECK_EQ_INT(mc_engine_unregister(B, buf2, &err), 0);
+  CHECK(w[0] > g1); /* bumped by the time unregister returned */
+  mc_remote_desc_free(&rd);
+  /* The other engine's page is another one. */
+  describe(B, A, &rd);
+  CHECK(rd.has_gen);
+  mc_remote_desc_free(&rd);
+  munmap((void *)w, 4096);
+  /* A malformed "gen" is refused, naming it. */
+  const char *bad[] = {
+      "{\"buffers\":[],\"gen\":{\"v\":1,\"fd\":3,\"token\":\"xyz\"}}",
+      "{\"buffers\":[],\"gen\":{\"v\":-1,\"fd\":3,\"token\":\"0123456789abcdef\"}}",
+      "{\"buffers\":[],\"gen\":{\"v\":1,\"fd\":1e12,\"token\":\"0123456789abcdef\"}}",
+      "{\"buffers\":[],\"gen\":{\"v\":1,\"fd\":3,\"token\":\"0123456789ABCDEF\"}}",
+      "{\"buffers\":[],\"gen\":7}"};
+  for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
+    mc_err_t e2 = {0};
+    CHECK_EQ_INT(mc_segment_desc_decode_regions(bad[i], strlen(bad[i]), &rd, &e2), MC_EPROTO);
+    CHECK_CONTAINS(e2.msg, "\"gen\"");
+  }
+  const char *good = "{\"buffers\":[],\"gen\":{\"v\":9,\"fd\":3,\"token\":\"00000000000000ff\"}}";
+  CHECK_EQ_INT(mc_segment_desc_decode_regions(good, strlen(good), &rd, &err), 0);
+  CHECK(rd.has_gen && rd.gen == 9 && rd.gen_fd == 3 && rd.gen_token == 0xff);
+  mc_remote_desc_free(&rd);
+  mc_engine_destroy(A);
+  mc_engine_destroy(B);
+  free(buf);
+  free(buf2);
+}
+
+/* The version moves while the copies run (B unregisters the region right
+ * after the submit returned; one 1 GiB request keeps the GPU busy for
+ * ~1 ms): the op's completion sees it and falls back to the RPC check,
+ * which fails it. */
+static void test_unregistered_during_copies_fails(void) {
+  SKIP_NO_GPU();
+  mc_engine_opts_t o = {.local_hostname = "127.0.0.1", .metadata_server = "P2PHANDSHAKE"};
+  mc_engine_t *A = NULL, *B = NULL;
+  mc_err_t err = {0};
+  CHECK_EQ_INT(mc_engine_create(&o, &A, &err), 0);
+  CHECK_EQ_INT(mc_engine_create(&o, &B, &err), 0);
+  size_t sz = 1ull << 30;
+  uint64_t src = dalloc(sz), dst = dalloc(sz);
+  CHECK(src && dst);
+  CHECK_EQ_INT(mc_engine_register(B, (void *)(uintptr_t)dst, sz, "cuda:0", &err), 0);
+  CHECK_EQ_INT(mc_engine_register(A, (void *)(uintptr_t)src, sz, "cuda:0", &err), 0);
+  mc_request_t small = {.opcode = MC_OP_WRITE, .local = (void *)(uintptr_t)src, .remote = dst,
+                        .len = BLK};
+  CHECK_EQ_INT(xfer(A, B, &small, 1, &err), 0); /* first contact */
+  CHECK_EQ_INT(xfer(A, B, &small, 1, &err), 0); /* the cached descriptor, version unchanged */
+  mc_request_t big = {.opcode = MC_OP_WRITE, .local = (void *)(uintptr_t)src, .remote = dst,
+                      .len = sz};
+  mc_batch_t *b = mc_batch_new(A, 1);
+  CHECK_EQ_INT(mc_batch_submit(A, b, mc_engine_segment_name(B), &big, 1, &err), 0);
+  CHECK_EQ_INT(mc_engine_unregister(B, (void *)(uintptr_t)dst, &err), 0);
+  CHECK(mc_batch_wait(A, b, 60000, &err) < 0);
+  CHECK_CONTAINS(err.msg, "re-registered its GPU memory");
+  mc_batch_free(A, b);
+  mc_engine_destroy(A);
+  mc_engine_destroy(B);
+  cu_free(src);
+  cu_free(dst);
+}
+
+/* Copies of mixed sizes and alignments in one launch of the copy kernel
+ * (up to 128 travel in its parameters, each cut into 64 KiB pieces on the
+ * GPU; more go through the pinned table): 1, 128 and 129 requests, every
+ * byte checked, and nothing written outside them. */
+static void test_mixed_sizes_kernel(void) {
+  SKIP_NO_GPU();
+  mc_engine_opts_t o = {.local_hostname = "127.0.0.1", .metadata_server = "P2PHANDSHAKE"};
+  mc_engine_t *A = NULL, *B = NULL;
+  mc_err_t err = {0};
+  CHECK_EQ_INT(mc_engine_create(&o, &A, &err), 0);
+  CHECK_EQ_INT(mc_engine_create(&o, &B, &err), 0);
+  size_t slot = 320u << 10, nmax = 129, sz = slot * nmax;
+  uint64_t src = dalloc(sz), dst = dalloc(sz);
+  CHECK(src && dst);
+  uint8_t *ref = malloc(sz), *back = malloc(sz), *want = malloc(sz);
+  for (size_t i = 0; i < sz; i++)
+    ref[i] = (uint8_t)(i * 131 + (i >> 13) * 7 + 1);
+  CHECK_EQ_INT(api->cuMemcpyHtoD(src, ref, sz), 0);
+  CHECK_EQ_INT(mc_engine_register(B, (void *)(uintptr_t)dst, sz, "cuda:0", &err), 0);
+  CHECK_EQ_INT(mc_engine_register(A, (void *)(uintptr_t)src, sz, "cuda:0", &err), 0);
+  mc_request_t *r = calloc(nmax, sizeof *r);
+  static const size_t counts[] = {1, 128, 129};
+  for (size_t c = 0; c < 3; c++) {
+    size_t n = counts[c];
+    memset(want, 0, sz);
+    CHECK_EQ_INT(api->cuMemcpyHtoD(dst, want, sz), 0);
+    for (size_t i = 0; i < n; i++) {
+      /* 1 byte .. ~300 KiB, odd offsets on either side, slots scattered. */
+      size_t len = 1 + (i * 7919u * 13u + c * 4099u) % (300u << 10);
+      size_t lo = i * slot + (i % 5) * 3, ro = ((i * 37 + 11) % nmax) * slot + (i % 7);
+      r[i] = (mc_request_t){.opcode = MC_OP_WRITE, .local = (void *)(uintptr_t)(src + lo),
+                            .remote = dst + ro, .len = len};
+      memcpy(want + ro, ref + lo, len);
+    }
+    int rc = xfer(A, B, r, n, &err);
+    if (rc)
+      fprintf(stderr, "  %zu requests: %s\n", n, err.msg);
+    CHECK_EQ_INT(rc, 0);
+    CHECK_EQ_INT(api->cuMemcpyDtoH(back, dst, sz), 0);
+    CHECK(memcmp(back, want, sz) == 0);
+  }
+  mc_engine_destroy(A);
+  mc_engine_destroy(B);
+  cu_free(src);
+  cu_free(dst);
+  free(r);
+  free(ref);
+  free(back);
+  free(want);
+}
+
 int main(void) {
+  RUN(test_gen_page);
+  RUN(test_mixed_sizes_kernel);
+  RUN(test_unregistered_during_copies_fails);
   RUN(test_later_chunks_fresh_descriptor);
   RUN(test_unregistered_since_cached_fails);
   RUN(test_later_chunk_runs_past_allocation);

@@ -1,22 +1,44 @@
 /* The same-host GPU transport (same_host_gpu.h): the peer's descriptor (the
- * mc.describe RPC, cached and checked alongside the copies), CUDA IPC
- * mappings of its regions, and one copy job per local GPU and op on the
- * engine's copy worker.  docs/architecture.md "Same-host path". */
+ * mc.describe RPC, cached; kept honest by the peer's regions version page,
+ * or else checked by the RPC alongside the copies), CUDA IPC mappings of its
+ * regions, and one copy job per local GPU and op on the engine's copy
+ * worker.  docs/architecture.md "Same-host path". */
 #include "transport/same_host_gpu/same_host_gpu.h"
 
+#include <errno.h>
+#include <fcntl.h>
 #include <pthread.h>
 #include <stdarg.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <sys/random.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "gpu/cuda_driver.h"
 #include "gpu/gpu_ipc.h"
 #include "gpu/gpu_staging.h"
+#include "mem/regions.h"
 #include "meta/segment_desc.h"
 #include "util/clock.h"
 #include "util/log.h"
+
+/* A peer's published regions version (mem/regions.h mc_regions_pub_t),
+ * mapped read-only here.  Refcounted: the peer's cache entry and each call
+ * that relies on it. */
+typedef struct gen_map {
+  atomic_int refs;
+  const uint64_t *page;
+  long pid;
+  int fd;
+  uint64_t token;
+} gen_map_t;
+
+#define GEN_PAGE 4096
+#define GEN_MEMFD_NAME "mc-regions-gen"
 
 typedef struct peer_entry {
   char name[320];
@@ -25,6 +47,10 @@ typedef struct peer_entry {
   int fresh;   /* desc was fetched by reaches() and not used yet */
   mc_remote_desc_t desc;
   char *raw; /* the reply desc was decoded from (NULL if unknown) */
+  gen_map_t *gm; /* the peer's version page, NULL if it cannot be mapped */
+  long gm_tried_pid; /* the (pid, fd, token) whose page failed to map */
+  int gm_tried_fd;
+  uint64_t gm_tried_token;
 } peer_entry_t;
 
 typedef struct shg {
@@ -39,7 +65,125 @@ typedef struct shg {
   size_t npeers;
   char (*logged)[320];
   size_t nlogged;
+  int no_gen; /* MC_GPU_GEN=0: every call checks the descriptor by RPC */
+  mc_regions_t *regions; /* ours: their version published in pub_page */
+  uint64_t *pub_page;
+  int pub_fd;
 } shg_t;
+
+/* ---- the regions version page ----
+ *
+ * Every submit call that uses a cached descriptor of a peer must learn
+ * whether the regions it used were unregistered (or re-registered) before
+ * its copies landed.  The peer publishes its regions table's version in a
+ * sealed memfd page (word 0; word 1 a random token) and names it in its
+ * descriptor ("gen": version, fd, token).  We map that page once per peer
+ * (/proc/<pid>/fd/<fd>, checked: a sealed memfd of ours, the token) and
+ * read the version: equal to the descriptor's at the start of a call, the
+ * cached descriptor is the peer's current one; still equal once the copies
+ * are complete, no region was unregistered meanwhile (the peer bumps it
+ * before an unregister waits and returns).  Anything else - no page, a
+ * different version - takes the mc.describe RPC check as before. */
+
+static void gen_map_unref(gen_map_t *m) {
+  if (m && atomic_fetch_sub(&m->refs, 1) == 1) {
+    munmap((void *)m->page, GEN_PAGE);
+    free(m);
+  }
+}
+
+static uint64_t gen_read(const gen_map_t *m) {
+  return __atomic_load_n(&m->page[0], __ATOMIC_SEQ_CST);
+}
+
+/* Maps peer `pid`'s page `fd` read-only; NULL when it cannot be had (not
+ * our memfd, no access, unsealed, the token differs). */
+static gen_map_t *gen_map_open(long pid, int fd, uint64_t token) {
+  char path[64], link[128];
+  snprintf(path, sizeof path, "/proc/%ld/fd/%d", pid, fd);
+  ssize_t ln = readlink(path, link, sizeof link - 1);
+  if (ln <= 0)
+    return NULL;
+  link[ln] = '\0';
+  if (strncmp(link, "/memfd:" GEN_MEMFD_NAME, strlen("/memfd:" GEN_MEMFD_NAME)) != 0)
+    return NULL;
+  int f = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
+  if (f < 0)
+    return NULL;
+  struct stat st;
+  int seals = fcntl(f, F_GET_SEALS);
+  void *p = MAP_FAILED;
+  /* Sealed against shrinking: the mapping can never fault (SIGBUS). */
+  if (fstat(f, &st) == 0 && S_ISREG(st.st_mode) && st.st_size >= GEN_PAGE && seals >= 0 &&
+      (seals & F_SEAL_SHRINK))
+    p = mmap(NULL, GEN_PAGE, PROT_READ, MAP_SHARED, f, 0);
+  close(f);
+  if (p == MAP_FAILED)
+    return NULL;
+  const uint64_t *w = p;
+  gen_map_t *m = __atomic_load_n(&w[1], __ATOMIC_SEQ_CST) == token ? calloc(1, sizeof *m)
+                                                                   : NULL;
+  if (!m) {
+    munmap(p, GEN_PAGE);
+    return NULL;
+  }
+  atomic_init(&m->refs, 1);
+  m->page = w;
+  m->pid = pid;
+  m->fd = fd;
+  m->token = token;
+  return m;
+}
+
+/* Under t->mu: the entry's page follows its descriptor's "gen". */
+static void peer_gen_update(shg_t *t, peer_entry_t *pe) {
+  const mc_remote_desc_t *d = &pe->desc;
+  if (t->no_gen || !pe->have || !d->has_gen || d->pid <= 0) {
+    gen_map_unref(pe->gm);
+    pe->gm = NULL;
+    return;
+  }
+  if (pe->gm && pe->gm->pid == d->pid && pe->gm->fd == d->gen_fd &&
+      pe->gm->token == d->gen_token)
+    return;
+  gen_map_unref(pe->gm);
+  pe->gm = NULL;
+  if (pe->gm_tried_pid == d->pid && pe->gm_tried_fd == d->gen_fd &&
+      pe->gm_tried_token == d->gen_token)
+    return; /* failed before: not again per call */
+  pe->gm = gen_map_open(d->pid, d->gen_fd, d->gen_token);
+  if (!pe->gm) {
+    pe->gm_tried_pid = d->pid;
+    pe->gm_tried_fd = d->gen_fd;
+    pe->gm_tried_token = d->gen_token;
+    mc_log_debug("segment %s: its regions version page cannot be mapped here; every GPU "
+                 "transfer checks its descriptor by RPC", pe->name);
+  }
+}
+
+/* Ours: a sealed memfd page holding the regions' version. */
+static int gen_publish(shg_t *t, mc_regions_t *regions) {
+  int fd = memfd_create(GEN_MEMFD_NAME, MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  if (fd < 0)
+    return -1;
+  void *p = MAP_FAILED;
+  uint64_t token = 0;
+  if (ftruncate(fd, GEN_PAGE) == 0 &&
+      fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) == 0 &&
+      getrandom(&token, sizeof token, 0) == (ssize_t)sizeof token)
+    p = mmap(NULL, GEN_PAGE, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (p == MAP_FAILED) {
+    close(fd);
+    return -1;
+  }
+  t->pub_page = p;
+  t->pub_fd = fd;
+  t->regions = regions;
+  __atomic_store_n(&t->pub_page[1], token, __ATOMIC_SEQ_CST);
+  mc_regions_pub_t pub = {.page = t->pub_page, .fd = fd, .token = token};
+  mc_regions_set_pub(regions, &pub);
+  return 0;
+}
 
 /* One line per peer: which path its GPU memory takes. */
 static void log_path_once(shg_t *t, const char *segment, const char *fmt, ...)
@@ -141,6 +285,7 @@ static void peer_store(shg_t *t, const char *segment, int verdict, const mc_remo
     mc_remote_desc_free(&t->peers[i].desc);
     t->peers[i].have = rd && desc_copy(&t->peers[i].desc, rd) == 0;
     t->peers[i].fresh = fresh && t->peers[i].have;
+    peer_gen_update(t, &t->peers[i]);
   }
   pthread_mutex_unlock(&t->mu);
 }
@@ -189,7 +334,14 @@ static int shg_reaches(void *impl, const mc_peer_t *peer, mc_mem_kind_t kind, ch
 
 typedef struct group group_t;
 
+/* How a call over a cached descriptor learns that it is still good:
+ * V_RPC: one mc.describe check sent alongside its copies, every op waits
+ * for it; V_GEN: the peer's version page read when each op's copies are
+ * complete (unchanged: done; changed: the V_RPC check then). */
+enum { V_NONE = 0, V_RPC = 1, V_GEN = 2 };
+
 #define RUN_HINTS 4096
+#define HINT_MIN 64
 
 typedef struct call {
   shg_t *t;
@@ -203,10 +355,14 @@ typedef struct call {
   char *region_used;     /* per used.regions: some request maps into it */
   uint64_t *rmap;        /* per region: mapped base, 1 = cannot be opened */
   int *rdev;             /* per region: local device + 1 it was opened on */
-  uint32_t hint[RUN_HINTS]; /* 2 MiB page of a remote address -> region + 1 */
+  /* 2 MiB page of a remote address -> region + 1; allocated by the first
+   * chunk of more than HINT_MIN requests (a small call does without: the
+   * zeroing would cost it more than the hints save). */
+  uint32_t *hint;
   int same_process;
-  int validate; /* cached descriptor: checked by one RPC alongside */
-  int rpc_sent; /* submitter only */
+  int validate; /* cached descriptor: V_RPC or V_GEN (see below), else 0 */
+  gen_map_t *gm; /* V_GEN: the peer's version page (a reference) */
+  int rpc_sent; /* under mu */
   /* Under mu. */
   int checked; /* the check's answer is in */
   int check_code;
@@ -232,9 +388,11 @@ struct group {
 };
 
 static void call_free(call_t *r) {
+  gen_map_unref(r->gm);
   free(r->used_raw);
   mc_remote_desc_free(&r->used);
   mc_remote_desc_free(&r->fresh);
+  free(r->hint);
   free(r->region_used);
   free(r->rmap);
   free(r->rdev);
@@ -297,12 +455,33 @@ static void group_finish(group_t *g) {
   free(g);
 }
 
+static void send_check(shg_t *t, call_t *run, atomic_int *cancel);
+
 static void ipc_job_done(mc_gpu_job_t *j, int code, const char *msg) {
   group_t *g = j->arg;
+  call_t *r = g->call;
   mc_gpu_job_free(j);
-  pthread_mutex_lock(&g->call->mu);
-  int fin = group_part_done(g, code, msg);
-  pthread_mutex_unlock(&g->call->mu);
+  pthread_mutex_lock(&r->mu);
+  int fin = group_part_done(g, code, msg), send = 0;
+  if (fin && r->validate == V_GEN && gen_read(r->gm) != r->used.gen) {
+    /* The peer's regions changed since the descriptor: whether the ones
+     * this op used are still there, its current descriptor says. */
+    if (!r->checked) {
+      g->remaining = 1;
+      g->next_waiting = r->waiting;
+      r->waiting = g;
+      fin = 0;
+      if (!r->rpc_sent) {
+        send = r->rpc_sent = 1;
+        r->refs++; /* the check's */
+      }
+    } else if (g->code == 0) {
+      g->code = call_verdict(r, g->msg, sizeof g->msg);
+    }
+  }
+  pthread_mutex_unlock(&r->mu);
+  if (send)
+    send_check(r->t, r, g->op->cancel);
   if (fin)
     group_finish(g);
 }
@@ -365,7 +544,10 @@ static size_t map_entries(call_t *run, const mc_xfer_ent_t *ents, size_t n, char
   size_t k = 0;
   mc_err_t err = {0};
   const mc_remote_region_t *r = NULL; /* the region of the previous request */
+  uint32_t none = 0;
   *miss = 0;
+  if (!run->hint && n > HINT_MIN)
+    run->hint = calloc(RUN_HINTS, sizeof *run->hint);
   for (size_t i = 0; i < n; i++) {
     take[i] = 0;
     if (ents[i].dev < 0)
@@ -374,7 +556,7 @@ static size_t map_entries(call_t *run, const mc_xfer_ent_t *ents, size_t n, char
     /* The region last found in this 2 MiB page first (checking the last
      * region first mispredicts a branch per request over a shuffled block
      * table), then the last region, then a binary search. */
-    uint32_t *hp = &run->hint[(ra >> 21) % RUN_HINTS];
+    uint32_t *hp = run->hint ? &run->hint[(ra >> 21) % RUN_HINTS] : &none;
     const mc_remote_region_t *c = *hp && *hp <= rd->n ? &rd->regions[*hp - 1] : NULL;
     if (c && ra >= c->addr && ra + rl <= c->addr + c->len) {
       r = c;
@@ -452,15 +634,23 @@ static call_t *call_start(shg_t *t, const mc_peer_t *peer, int refetch) {
   mc_remote_desc_t rd = {0};
   int have = 0, fresh = 0;
   char *raw = NULL;
+  gen_map_t *gm = NULL;
   pthread_mutex_lock(&t->mu);
   ssize_t pi = peer_find(t, peer->segment, 0);
   int verdict = pi >= 0 ? t->peers[pi].verdict : 0;
   if (!refetch && pi >= 0 && verdict > 0 && t->peers[pi].have) {
-    have = desc_copy(&rd, &t->peers[pi].desc) == 0;
-    fresh = have && t->peers[pi].fresh;
-    t->peers[pi].fresh = 0;
-    if (have && t->peers[pi].raw)
-      raw = strdup(t->peers[pi].raw);
+    peer_entry_t *pe = &t->peers[pi];
+    have = desc_copy(&rd, &pe->desc) == 0;
+    fresh = have && pe->fresh;
+    pe->fresh = 0;
+    /* The peer's regions are as the descriptor says right now: checked
+     * again once the copies are complete, no RPC (no text kept). */
+    if (have && !fresh && pe->gm && gen_read(pe->gm) == pe->desc.gen) {
+      gm = pe->gm;
+      atomic_fetch_add(&gm->refs, 1);
+    } else if (have && pe->raw) {
+      raw = strdup(pe->raw);
+    }
   }
   pthread_mutex_unlock(&t->mu);
   if (verdict < 0)
@@ -484,11 +674,14 @@ static call_t *call_start(shg_t *t, const mc_peer_t *peer, int refetch) {
       return NULL;
     }
   }
-  call_t *r = call_new(t, peer, &rd, have && !fresh);
-  if (r)
+  call_t *r = call_new(t, peer, &rd, !have || fresh ? V_NONE : gm ? V_GEN : V_RPC);
+  if (r) {
     r->used_raw = raw;
-  else
+    r->gm = gm;
+  } else {
     free(raw);
+    gen_map_unref(gm);
+  }
   return r;
 }
 
@@ -569,9 +762,12 @@ static void send_check(shg_t *t, call_t *run, atomic_int *cancel) {
  * Returns the group, NULL when it failed at once (the op is done). */
 static group_t *op_prepare(call_t *run, mc_xfer_op_t *op, mc_gpu_job_t **jobs, size_t *njobs) {
   group_t *g = calloc(1, sizeof *g);
-  char *seen = calloc(op->nent ? op->nent : 1, 1);
+  int one_dev = 1; /* the common case: no per-entry bookkeeping */
+  for (uint32_t i = 1; i < op->nent && one_dev; i++)
+    one_dev = op->ent[i].dev == op->ent[0].dev;
+  char *seen = one_dev ? NULL : calloc(op->nent ? op->nent : 1, 1);
   size_t nj = 0;
-  if (!g || !seen) {
+  if (!g || (!one_dev && !seen)) {
     free(g);
     free(seen);
     op->done(op, MC_ENOMEM, "out of memory queuing a GPU copy");
@@ -581,14 +777,19 @@ static group_t *op_prepare(call_t *run, mc_xfer_op_t *op, mc_gpu_job_t **jobs, s
   g->call = run;
   g->op = op;
   for (uint32_t i = 0; i < op->nent; i++) {
-    if (seen[i])
+    if (one_dev ? i > 0 : seen[i])
       continue;
     int dev = op->ent[i].dev;
     mc_gpu_job_t *j = nj < 16 ? mc_gpu_job_new(dev, MC_GPU_D2D) : NULL;
+    if (j && mc_gpu_job_reserve(j, op->nent - i) < 0) {
+      mc_gpu_job_free(j);
+      j = NULL;
+    }
     for (uint32_t k = i; k < op->nent; k++) {
       if (op->ent[k].dev != dev)
         continue;
-      seen[k] = 1;
+      if (seen)
+        seen[k] = 1;
       mc_cu_ptr loc = (mc_cu_ptr)(uintptr_t)op->ent[k].local;
       mc_cu_ptr mapped = (mc_cu_ptr)op->ent[k].remote;
       if (j && (op->type == MC_XFER_WRITE ? mc_gpu_job_add(j, mapped, loc, op->ent[k].len)
@@ -630,14 +831,15 @@ static void shg_submit_plan(void *impl, void *plan, mc_xfer_op_t **ops, size_t n
     pthread_mutex_lock(&run->mu);
     run->refs++; /* the group's */
     g->remaining = (int)nj;
-    if (run->validate && !run->checked && nj > 0) {
+    int rpc = run->validate == V_RPC;
+    if (rpc && !run->checked && nj > 0) {
       g->remaining++; /* the call's check completes it too */
       g->next_waiting = run->waiting;
       run->waiting = g;
-    } else if (run->validate && run->checked && g->code == 0) {
+    } else if (rpc && run->checked && g->code == 0) {
       g->code = call_verdict(run, g->msg, sizeof g->msg);
     }
-    int send = run->validate && !run->rpc_sent && nj > 0;
+    int send = rpc && !run->rpc_sent && nj > 0;
     if (send) {
       run->rpc_sent = 1;
       run->refs++; /* the check's */
@@ -679,6 +881,13 @@ static int shg_start(const mc_transport_env_t *env, void **impl, mc_err_t *err) 
   t->gpu = env->gpu;
   t->trace = env->gpu_trace;
   pthread_mutex_init(&t->mu, NULL);
+  t->pub_fd = -1;
+  const char *g = getenv("MC_GPU_GEN");
+  t->no_gen = g && !strcmp(g, "0");
+  /* Without the page peers check every call by RPC: slower, not wrong. */
+  if (!t->no_gen && env->regions && gen_publish(t, env->regions) < 0)
+    mc_log_warn("cannot publish this engine's regions version to same-host peers (%s): "
+                "their GPU transfers check the descriptor by RPC", strerror(errno));
   *impl = t;
   return 0;
 }
@@ -693,6 +902,12 @@ static void shg_stop(void *impl) {
   for (size_t i = 0; i < t->npeers; i++) {
     mc_remote_desc_free(&t->peers[i].desc);
     free(t->peers[i].raw);
+    gen_map_unref(t->peers[i].gm);
+  }
+  if (t->pub_page) {
+    mc_regions_set_pub(t->regions, NULL);
+    munmap(t->pub_page, GEN_PAGE);
+    close(t->pub_fd);
   }
   free(t->peers);
   free(t->logged);

@@ -1,0 +1,387 @@
+/* Issue 30: the same-host GPU path's fixed cost, our half of
+ * benchmarks/gpu_fixed_cost_bench.py (which runs torch's reference in the
+ * same run and prints the ratios).  Two processes on cuda:0 (the target
+ * forked before CUDA starts), classic cuMemAlloc memory, 1 GiB each; the
+ * target also registers 63 more regions of 16 MiB (a vLLM worker registers
+ * one per layer).  Prints one JSON object per line:
+ *   - 4 KiB WRITE / READ through the engine, submit + wait, p50/p90/p99, and
+ *     when mc_batch_submit returned (p50);
+ *   - 1 GiB as shuffled blocks (local block i -> remote block perm[i]) of
+ *     64 KiB and 2 MiB, in batches of B requests: "seq" submits a batch and
+ *     waits for it before the next, "pipe" submits every batch of the pass
+ *     and then waits for all; best and median of the passes; the bytes are
+ *     checked block by block (the target hashes its memory);
+ *   - the permutations, written to <dir>/perm_<block bytes>.u32 for the
+ *     torch reference.
+ *     build/bench/gpu_fixed_cost <dir> [iterations] [passes]   (needs a GPU) */
+#include <dlfcn.h>
+#include <signal.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+#include <xxhash.h>
+
+#include "engine/engine.h"
+#include "gpu/cuda_driver.h"
+
+#define GIB (1ull << 30)
+#define NEXTRA 63
+#define EXTRA (16ull << 20)
+
+typedef int (*alloc_fn)(uint64_t *, size_t);
+static alloc_fn cu_alloc;
+static const mc_cuda_api_t *api;
+
+static int gpu_up(void) {
+  mc_err_t err = {0};
+  api = mc_cuda_api(&err);
+  if (!api || api->device_count < 1 || mc_cuda_use_device(0, &err) < 0)
+    return 0;
+  void *h = dlopen("libcuda.so.1", RTLD_NOW);
+  cu_alloc = h ? (alloc_fn)dlsym(h, "cuMemAlloc_v2") : NULL;
+  return cu_alloc != NULL;
+}
+
+static double now_us(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return (double)ts.tv_sec * 1e6 + (double)ts.tv_nsec * 1e-3;
+}
+
+static int cmp_d(const void *a, const void *b) {
+  double x = *(const double *)a, y = *(const double *)b;
+  return x < y ? -1 : x > y;
+}
+
+static double pct(double *v, int n, double p) {
+  qsort(v, (size_t)n, sizeof *v, cmp_d);
+  return v[(int)(p * (n - 1) + 0.5)];
+}
+
+static int read_full(int fd, void *p, size_t n) {
+  for (size_t got = 0; got < n;) {
+    ssize_t r = read(fd, (char *)p + got, n - got);
+    if (r <= 0)
+      return -1;
+    got += (size_t)r;
+  }
+  return 0;
+}
+
+static int write_full(int fd, const void *p, size_t n) {
+  for (size_t put = 0; put < n;) {
+    ssize_t r = write(fd, (const char *)p + put, n - put);
+    if (r <= 0)
+      return -1;
+    put += (size_t)r;
+  }
+  return 0;
+}
+
+/* Hash of each bb-byte block of a device buffer of n bytes. */
+static uint64_t *hash_blocks(uint64_t dev, size_t n, size_t bb) {
+  uint8_t *h = malloc(n);
+  uint64_t *out = malloc(n / bb * sizeof *out);
+  if (!h || !out || api->cuMemcpyDtoH(h, dev, n) != 0) {
+    free(h);
+    free(out);
+    return NULL;
+  }
+  for (size_t i = 0; i < n / bb; i++)
+    out[i] = XXH3_64bits(h + i * bb, bb);
+  free(h);
+  return out;
+}
+
+static int zero_dev(uint64_t dev, size_t n) {
+  void *z = calloc(1, n);
+  int rc = z ? api->cuMemcpyHtoD(dev, z, n) : -1;
+  free(z);
+  return rc;
+}
+
+typedef struct {
+  char segment[256];
+  uint64_t addr;
+  int ok;
+} info_t;
+
+static void child(int wfd, int rfd) {
+  info_t in;
+  memset(&in, 0, sizeof in);
+  mc_engine_opts_t o = {.local_hostname = "127.0.0.1", .metadata_server = "P2PHANDSHAKE"};
+  mc_engine_t *B = NULL;
+  mc_err_t err = {0};
+  if (!gpu_up() || mc_engine_create(&o, &B, &err) < 0 || cu_alloc(&in.addr, GIB) != 0 ||
+      mc_engine_register(B, (void *)(uintptr_t)in.addr, GIB, "cuda:0", &err) < 0) {
+    (void)!write(wfd, &in, sizeof in);
+    _exit(0);
+  }
+  for (int i = 0; i < NEXTRA; i++) {
+    uint64_t a = 0;
+    if (cu_alloc(&a, EXTRA) != 0 ||
+        mc_engine_register(B, (void *)(uintptr_t)a, EXTRA, "cuda:0", &err) < 0)
+      _exit(3);
+  }
+  snprintf(in.segment, sizeof in.segment, "%s", mc_engine_segment_name(B));
+  in.ok = 1;
+  (void)!write(wfd, &in, sizeof in);
+  /* 'h' + block size (u64): the hashes of our region's blocks; 'z': zero it. */
+  char c;
+  while (read(rfd, &c, 1) == 1) {
+    if (c == 'h') {
+      uint64_t bb = 0;
+      if (read_full(rfd, &bb, sizeof bb) < 0)
+        break;
+      uint64_t *h = hash_blocks(in.addr, GIB, bb);
+      if (!h || write_full(wfd, h, GIB / bb * sizeof *h) < 0)
+        _exit(5);
+      free(h);
+    } else if (c == 'z') {
+      zero_dev(in.addr, GIB);
+      (void)!write(wfd, &c, 1);
+    }
+  }
+  mc_engine_destroy(B);
+  _exit(0);
+}
+
+static info_t g_in;
+static mc_engine_t *A;
+static uint64_t g_local;
+static int to_c, from_c;
+
+static int xfer1(int op, uint64_t loc, uint64_t rem, size_t len, double *t_submit) {
+  mc_request_t r = {.opcode = op, .local = (void *)(uintptr_t)loc, .remote = rem, .len = len};
+  mc_err_t err = {0};
+  double t0 = now_us();
+  mc_batch_t *b = mc_batch_new(A, 1);
+  int rc = mc_batch_submit(A, b, g_in.segment, &r, 1, &err);
+  if (t_submit)
+    *t_submit = now_us() - t0;
+  if (rc == 0)
+    rc = mc_batch_wait(A, b, 10000, &err);
+  mc_batch_free(A, b);
+  if (rc)
+    fprintf(stderr, "transfer failed: %s\n", err.msg);
+  return rc;
+}
+
+static void small_rows(int iters) {
+  double *t = malloc(sizeof(double) * (size_t)iters), *ts = malloc(sizeof(double) * (size_t)iters);
+  for (int op = 0; op < 2; op++) {
+    int code = op ? MC_OP_READ : MC_OP_WRITE;
+    for (int i = 0; i < 200; i++)
+      xfer1(code, g_local, g_in.addr + 8192, 4096, NULL);
+    for (int i = 0; i < iters; i++) {
+      double t0 = now_us();
+      if (xfer1(code, g_local, g_in.addr + 8192, 4096, &ts[i]) < 0)
+        exit(1);
+      t[i] = now_us() - t0;
+    }
+    double p50 = pct(t, iters, 0.5), p90 = pct(t, iters, 0.9), p99 = pct(t, iters, 0.99);
+    printf("{\"row\": \"4k_%s\", \"p50_us\": %.2f, \"p90_us\": %.2f, \"p99_us\": %.2f, "
+           "\"submit_p50_us\": %.2f, \"iters\": %d}\n",
+           op ? "read" : "write", p50, p90, p99, pct(ts, iters, 0.5), iters);
+    fflush(stdout);
+  }
+  free(t);
+  free(ts);
+}
+
+static uint32_t rng_state = 12345;
+static uint32_t rng(void) {
+  uint32_t x = rng_state;
+  x ^= x << 13;
+  x ^= x >> 17;
+  x ^= x << 5;
+  return rng_state = x;
+}
+
+/* One pass: 1 GiB of bb-byte blocks, batches of `batch`; seq or pipelined.
+ * Returns seconds, < 0 on failure. */
+static double pass(const uint32_t *perm, size_t bb, size_t batch, int pipe, int op) {
+  size_t nblk = GIB / bb, nb = (nblk + batch - 1) / batch;
+  mc_request_t *r = malloc(nblk * sizeof *r);
+  mc_batch_t **bs = calloc(nb, sizeof *bs);
+  for (size_t i = 0; i < nblk; i++)
+    r[i] = (mc_request_t){.opcode = op, .local = (void *)(uintptr_t)(g_local + i * bb),
+                          .remote = g_in.addr + (uint64_t)perm[i] * bb, .len = bb};
+  for (size_t k = 0; k < nb; k++)
+    bs[k] = mc_batch_new(A, batch);
+  mc_err_t err = {0};
+  int rc = 0;
+  double t0 = now_us();
+  for (size_t k = 0; k < nb && rc == 0; k++) {
+    size_t n = nblk - k * batch < batch ? nblk - k * batch : batch;
+    rc = mc_batch_submit(A, bs[k], g_in.segment, r + k * batch, n, &err);
+    if (rc == 0 && !pipe)
+      rc = mc_batch_wait(A, bs[k], 30000, &err);
+  }
+  for (size_t k = 0; k < nb && rc == 0 && pipe; k++)
+    rc = mc_batch_wait(A, bs[k], 30000, &err);
+  double secs = (now_us() - t0) / 1e6;
+  for (size_t k = 0; k < nb; k++)
+    mc_batch_free(A, bs[k]);
+  free(bs);
+  free(r);
+  if (rc) {
+    fprintf(stderr, "pass failed: %s\n", err.msg);
+    return -1;
+  }
+  return secs;
+}
+
+static int verify(const uint32_t *perm, size_t bb, int op) {
+  size_t nblk = GIB / bb;
+  uint64_t *mine = hash_blocks(g_local, GIB, bb), *theirs = malloc(nblk * sizeof *theirs);
+  char c = 'h';
+  uint64_t b64 = bb;
+  if (!mine || !theirs || write_full(to_c, &c, 1) < 0 || write_full(to_c, &b64, 8) < 0 ||
+      read_full(from_c, theirs, nblk * sizeof *theirs) < 0)
+    return -1;
+  size_t bad = 0;
+  for (size_t i = 0; i < nblk; i++)
+    bad += mine[i] != theirs[perm[i]];
+  free(mine);
+  free(theirs);
+  (void)op;
+  return (int)(bad > 0x7fffffff ? 0x7fffffff : bad);
+}
+
+static void fill_local(uint32_t seed) {
+  /* Every 4-byte word distinct per block: a misplaced block shows. */
+  uint32_t *h = malloc(GIB);
+  for (size_t i = 0; i < GIB / 4; i++)
+    h[i] = (uint32_t)i * 2654435761u + seed;
+  api->cuMemcpyHtoD(g_local, h, GIB);
+  free(h);
+}
+
+/* GPU_FIXED_COST_ONLY=row:<block>:<batch>:<seq|pipe>: that WRITE row only
+ * (for traced runs). */
+static size_t only_bb, only_batch;
+static int only_pipe = -1;
+
+static void bulk_rows(const char *dir, size_t bb, int passes) {
+  if (only_bb && only_bb != bb)
+    return;
+  size_t nblk = GIB / bb;
+  uint32_t *perm = malloc(nblk * sizeof *perm);
+  for (size_t i = 0; i < nblk; i++)
+    perm[i] = (uint32_t)i;
+  for (size_t i = nblk - 1; i > 0; i--) { /* Fisher-Yates */
+    size_t j = rng() % (i + 1);
+    uint32_t x = perm[i];
+    perm[i] = perm[j];
+    perm[j] = x;
+  }
+  char path[512];
+  snprintf(path, sizeof path, "%s/perm_%zu.u32", dir, bb);
+  FILE *f = fopen(path, "wb");
+  if (!f || fwrite(perm, sizeof *perm, nblk, f) != nblk) {
+    fprintf(stderr, "cannot write %s\n", path);
+    exit(1);
+  }
+  fclose(f);
+  static const size_t batches[] = {128, 1024};
+  for (size_t bi = 0; bi < 2; bi++) {
+    size_t batch = batches[bi];
+    if (batch > nblk || (only_batch && batch != only_batch))
+      continue;
+    for (int pipe = 0; pipe < 2; pipe++) {
+      if (only_pipe >= 0 && pipe != only_pipe)
+        continue;
+      for (int op = MC_OP_WRITE; op >= 0;
+           op = op == MC_OP_WRITE && only_pipe < 0 ? MC_OP_READ : -1) {
+        /* A fresh pattern, the other side zeroed; one warm-up pass. */
+        fill_local(0x1234u + (uint32_t)(bb + batch + (size_t)pipe * 7 + (size_t)op));
+        char c = 'z';
+        if (op == MC_OP_WRITE &&
+            (write_full(to_c, &c, 1) < 0 || read_full(from_c, &c, 1) < 0))
+          exit(1);
+        if (op == MC_OP_READ) { /* the target holds the pattern: write it there first */
+          if (pass(perm, bb, 1024 < nblk ? 1024 : nblk, 1, MC_OP_WRITE) < 0)
+            exit(1);
+          zero_dev(g_local, GIB);
+        }
+        double *s = malloc(sizeof(double) * (size_t)(passes + 1));
+        for (int p = 0; p <= passes; p++)
+          if ((s[p] = pass(perm, bb, batch, pipe, op)) < 0)
+            exit(1);
+        int bad = verify(perm, bb, op);
+        double best = s[1];
+        for (int p = 2; p <= passes; p++)
+          best = s[p] < best ? s[p] : best;
+        double med = pct(s + 1, passes, 0.5);
+        printf("{\"row\": \"%s_%zu_b%zu_%s\", \"block\": %zu, \"batch\": %zu, \"mode\": "
+               "\"%s\", \"op\": \"%s\", \"best_gbps\": %.2f, \"median_gbps\": %.2f, "
+               "\"best_s\": %.6f, \"median_s\": %.6f, \"per_batch_us\": %.2f, "
+               "\"bad_blocks\": %d}\n",
+               op == MC_OP_WRITE ? "write" : "read", bb, batch, pipe ? "pipe" : "seq", bb,
+               batch, pipe ? "pipe" : "seq", op == MC_OP_WRITE ? "write" : "read",
+               GIB / best / 1e9, GIB / med / 1e9, best, med,
+               med * 1e6 / (double)((nblk + batch - 1) / batch), bad);
+        fflush(stdout);
+        free(s);
+      }
+    }
+  }
+  free(perm);
+}
+
+int main(int argc, char **argv) {
+  const char *dir = argc > 1 ? argv[1] : ".";
+  int iters = argc > 2 ? atoi(argv[2]) : 2000;
+  int passes = argc > 3 ? atoi(argv[3]) : 5;
+  if (iters < 20)
+    iters = 20;
+  if (passes < 1)
+    passes = 1;
+  signal(SIGPIPE, SIG_IGN);
+  int a[2], b[2];
+  if (pipe(a) || pipe(b))
+    return 1;
+  fflush(stdout);
+  pid_t pid = fork();
+  if (pid == 0) {
+    close(a[1]);
+    close(b[0]);
+    child(b[1], a[0]);
+  }
+  close(a[0]);
+  close(b[1]);
+  to_c = a[1];
+  from_c = b[0];
+  if (read_full(from_c, &g_in, sizeof g_in) < 0 || !g_in.ok || !gpu_up()) {
+    printf("{\"row\": \"skipped\", \"why\": \"no GPU visible\"}\n");
+    return 0;
+  }
+  mc_engine_opts_t o = {.local_hostname = "127.0.0.1", .metadata_server = "P2PHANDSHAKE"};
+  mc_err_t err = {0};
+  if (mc_engine_create(&o, &A, &err) < 0 || cu_alloc(&g_local, GIB) != 0 ||
+      mc_engine_register(A, (void *)(uintptr_t)g_local, GIB, "cuda:0", &err) < 0) {
+    fprintf(stderr, "setup: %s\n", err.msg);
+    return 1;
+  }
+  /* "small": the 4 KiB rows only; "row:<block>:<batch>:<seq|pipe>": one
+   * WRITE row only. */
+  const char *only = getenv("GPU_FIXED_COST_ONLY");
+  char mode[8] = "";
+  if (only && sscanf(only, "row:%zu:%zu:%7s", &only_bb, &only_batch, mode) == 3)
+    only_pipe = !strcmp(mode, "pipe");
+  else
+    small_rows(iters);
+  if (!only || strcmp(only, "small")) {
+    bulk_rows(dir, 65536, passes);
+    bulk_rows(dir, 2u << 20, passes);
+  }
+  mc_engine_destroy(A);
+  close(to_c);
+  waitpid(pid, NULL, 0);
+  return 0;
+}

@@ -1,0 +1,36 @@
+"""Medians of the MC_GPU_TRACE=1 lines of one run (scripts/device-gpu-fixed-cost.sh):
+the submit call's stages and each copy job's queue -> launch -> done."""
+import re
+import statistics
+import sys
+
+pats = {
+    "submit": re.compile(r"(\d+) requests at ([\d.]+) us: validate ([\d.]+) us, locate \(first "
+                         r"chunk\) ([\d.]+) us, first plan \(describe, ipc\) ([\d.]+) us, submit "
+                         r"all ([\d.]+) us"),
+    "plan": re.compile(r"plan of (\d+) requests: run ([\d.]+) us, map ([\d.]+) us"),
+    "job": re.compile(r"D2D job cuda:\d+, (\d+) copies: queued at ([\d.]+) us, launched \+([\d.]+)"
+                      r" us, done seen \+([\d.]+) us(?:, picked up \+([\d.]+) us)?"),
+    "wait": re.compile(r"wait: (\d+) pending at ([\d.]+) us"),
+}
+rows = {k: [] for k in pats}
+for line in open(sys.argv[1], errors="replace"):
+    for k, p in pats.items():
+        m = p.search(line)
+        if m:
+            rows[k].append([float(x) if x is not None else float("nan") for x in m.groups()])
+
+
+def med(vals, i):
+    return statistics.median(v[i] for v in vals) if vals else float("nan")
+
+
+s, pl, j = rows["submit"][-200:], rows["plan"][-200:], rows["job"][-200:]
+print(f"  submit calls {len(s)}: validate {med(s, 2):.1f}, locate {med(s, 3):.1f}, plan "
+      f"{med(s, 4):.1f} (call start {med(pl, 1):.1f}, map {med(pl, 2):.1f}), queue ops "
+      f"{med(s, 5):.1f} us (medians)")
+print(f"  copy jobs {len(j)} ({med(j, 0):.0f} copies): queued -> picked up {med(j, 4):.1f} us, "
+      f"-> launched {med(j, 2):.1f} us, -> done seen {med(j, 3):.1f} us")
+if len(s) > 1:
+    gaps = [b[1] - a[1] for a, b in zip(s, s[1:])]
+    print(f"  submit call start to the next: median {statistics.median(gaps):.1f} us")
