@@ -75,6 +75,24 @@ def test_same_host_gpu_to_gpu_32x1000x64k(gpu_peers):
     sys.stderr.write(f"same-host GPU->GPU write: {gbps:.1f} GB/s\n")
 
 
+def test_same_host_gpu_write_to_a_dead_peer_fails(gpu_peers):
+    """The descriptor cached and kept current by the peer's regions version
+    page: after the peer is SIGKILLed (its page outlives it in our mapping,
+    unchanged) the next write must fail, not complete into memory nobody
+    owns any more."""
+    a = gpu_peers(DEV_A, layers=2, blocks=64)
+    b = gpu_peers(DEV_B, layers=2, blocks=64)
+    a.call(cmd="fill", seed=5)
+    for _ in range(3):  # the first call describes; later ones use the page
+        r = a.call(cmd="xfer", op="write", target=b.segment, raddrs=b.addrs, mult=3, add=1)
+        assert "error" not in r, r
+    check_moved(a, b, 3, 1)
+    b.proc.kill()
+    b.proc.wait()
+    r = a.call(cmd="xfer", op="write", target=b.segment, raddrs=b.addrs, mult=3, add=1)
+    assert "error" in r, f"a write to a dead peer's GPU memory completed: {r}"
+
+
 def test_tcp_gpu_both_sides(gpu_peers):
     off = {"MC_GPU_IPC": "0"}  # force TCP with pinned staging on both ends
     a = gpu_peers(DEV_A, blocks=250, env=off)

@@ -7,6 +7,7 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <poll.h>
 #include <pthread.h>
 #include <stdarg.h>
 #include <stdatomic.h>
@@ -16,6 +17,7 @@
 #include <sys/mman.h>
 #include <sys/random.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include "gpu/cuda_driver.h"
@@ -35,6 +37,7 @@ typedef struct gen_map {
   long pid;
   int fd;
   uint64_t token;
+  int pidfd; /* the peer process (-1: the kernel has no pidfd_open) */
 } gen_map_t;
 
 #define GEN_PAGE 4096
@@ -88,6 +91,8 @@ typedef struct shg {
 static void gen_map_unref(gen_map_t *m) {
   if (m && atomic_fetch_sub(&m->refs, 1) == 1) {
     munmap((void *)m->page, GEN_PAGE);
+    if (m->pidfd >= 0)
+      close(m->pidfd);
     free(m);
   }
 }
@@ -96,20 +101,43 @@ static uint64_t gen_read(const gen_map_t *m) {
   return __atomic_load_n(&m->page[0], __ATOMIC_SEQ_CST);
 }
 
+/* The page outlives its process (our mapping holds it), so an unchanged
+ * version alone would let a call into a dead peer's memory succeed: its
+ * pidfd says whether the process still runs (one poll, no blocking). */
+static int gen_alive(const gen_map_t *m) {
+  if (m->pidfd < 0)
+    return 1;
+  struct pollfd pf = {.fd = m->pidfd, .events = POLLIN};
+  return poll(&pf, 1, 0) == 0;
+}
+
+/* The version is `v` and its process alive: the descriptor is current. */
+static int gen_current(const gen_map_t *m, uint64_t v) {
+  return gen_read(m) == v && gen_alive(m);
+}
+
 /* Maps peer `pid`'s page `fd` read-only; NULL when it cannot be had (not
  * our memfd, no access, unsealed, the token differs). */
 static gen_map_t *gen_map_open(long pid, int fd, uint64_t token) {
   char path[64], link[128];
+  /* Opened first: the process found below under /proc (its token checked)
+   * is then the one this pidfd watches, never a successor reusing the pid. */
+  int pidfd = (int)syscall(SYS_pidfd_open, (pid_t)pid, 0);
+  if (pidfd < 0 && errno != ENOSYS)
+    return NULL; /* gone already (ESRCH) or not ours to watch */
   snprintf(path, sizeof path, "/proc/%ld/fd/%d", pid, fd);
   ssize_t ln = readlink(path, link, sizeof link - 1);
-  if (ln <= 0)
+  int f = -1;
+  if (ln > 0) {
+    link[ln] = '\0';
+    if (strncmp(link, "/memfd:" GEN_MEMFD_NAME, strlen("/memfd:" GEN_MEMFD_NAME)) == 0)
+      f = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
+  }
+  if (f < 0) {
+    if (pidfd >= 0)
+      close(pidfd);
     return NULL;
-  link[ln] = '\0';
-  if (strncmp(link, "/memfd:" GEN_MEMFD_NAME, strlen("/memfd:" GEN_MEMFD_NAME)) != 0)
-    return NULL;
-  int f = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
-  if (f < 0)
-    return NULL;
+  }
   struct stat st;
   int seals = fcntl(f, F_GET_SEALS);
   void *p = MAP_FAILED;
@@ -118,16 +146,22 @@ static gen_map_t *gen_map_open(long pid, int fd, uint64_t token) {
       (seals & F_SEAL_SHRINK))
     p = mmap(NULL, GEN_PAGE, PROT_READ, MAP_SHARED, f, 0);
   close(f);
-  if (p == MAP_FAILED)
+  if (p == MAP_FAILED) {
+    if (pidfd >= 0)
+      close(pidfd);
     return NULL;
+  }
   const uint64_t *w = p;
   gen_map_t *m = __atomic_load_n(&w[1], __ATOMIC_SEQ_CST) == token ? calloc(1, sizeof *m)
                                                                    : NULL;
   if (!m) {
     munmap(p, GEN_PAGE);
+    if (pidfd >= 0)
+      close(pidfd);
     return NULL;
   }
   atomic_init(&m->refs, 1);
+  m->pidfd = pidfd;
   m->page = w;
   m->pid = pid;
   m->fd = fd;
@@ -463,7 +497,7 @@ static void ipc_job_done(mc_gpu_job_t *j, int code, const char *msg) {
   mc_gpu_job_free(j);
   pthread_mutex_lock(&r->mu);
   int fin = group_part_done(g, code, msg), send = 0;
-  if (fin && r->validate == V_GEN && gen_read(r->gm) != r->used.gen) {
+  if (fin && r->validate == V_GEN && !gen_current(r->gm, r->used.gen)) {
     /* The peer's regions changed since the descriptor: whether the ones
      * this op used are still there, its current descriptor says. */
     if (!r->checked) {
@@ -645,7 +679,7 @@ static call_t *call_start(shg_t *t, const mc_peer_t *peer, int refetch) {
     pe->fresh = 0;
     /* The peer's regions are as the descriptor says right now: checked
      * again once the copies are complete, no RPC (no text kept). */
-    if (have && !fresh && pe->gm && gen_read(pe->gm) == pe->desc.gen) {
+    if (have && !fresh && pe->gm && gen_current(pe->gm, pe->desc.gen)) {
       gm = pe->gm;
       atomic_fetch_add(&gm->refs, 1);
     } else if (have && pe->raw) {
