@@ -435,7 +435,7 @@ static int submit_pinned(mc_engine_t *e, mc_batch_t *b, const char *segment,
    * chunk's GPU requests first; *call is its state across the chunks. */
   mc_peer_t peer = {.segment = segment, .host = d.host, .port = d.port};
   int pslot = ldev && !local ? mc_transport_choose(e, &peer, MC_MEM_CUDA, 0) : -1;
-  const mc_transport_t *pt = pslot >= 0 && e->tr[pslot].ops->plan ? &e->tr[pslot] : NULL;
+  int pt = mc_tr_plans(e, pslot) ? pslot : -1;
   void *call = NULL;
   if (ldev && !local) {
     /* Large GPU batches go in chunks: locating, planning and queuing chunk
@@ -452,10 +452,10 @@ static int submit_pinned(mc_engine_t *e, mc_batch_t *b, const char *segment,
     if (b->n + n > b->cap)
       step = chunk = n; /* let submit_planned report the size error */
     size_t most = chunk < n ? chunk : n;
-    char *take = pt ? malloc(most) : NULL;
-    mc_xfer_ent_t *ents = pt ? malloc(most * sizeof *ents) : NULL;
-    if (pt && (!take || !ents))
-      pt = NULL; /* out of memory: the next choice moves them */
+    char *take = pt >= 0 ? malloc(most) : NULL;
+    mc_xfer_ent_t *ents = pt >= 0 ? malloc(most * sizeof *ents) : NULL;
+    if (pt >= 0 && (!take || !ents))
+      pt = -1; /* out of memory: the next choice moves them */
     for (size_t off = 0, k; off < n && rc == 0; off += k) {
       size_t left = n - off, half = left / 2 > 256 ? left / 2 : 256;
       k = step < half ? step : half;
@@ -470,14 +470,14 @@ static int submit_pinned(mc_engine_t *e, mc_batch_t *b, const char *segment,
         located = off + k;
       }
       planned_t pl = {.slot = -1};
-      if (pt) {
+      if (pt >= 0) {
         for (size_t i = 0; i < k; i++) {
           const mc_request_t *r = &reqs[off + i];
           ents[i] = (mc_xfer_ent_t){.local = r->local, .remote = r->remote, .len = r->len,
                                     .cookie = (uint32_t)i, .dev = ldev[off + i]};
         }
         pl = (planned_t){.slot = pslot, .take = take, .ents = ents};
-        pl.plan = pt->ops->plan(pt->impl, &peer, &call, ents, k, take);
+        pl.plan = mc_tr_plan(e, pt, &peer, &call, ents, k, take);
       }
       same_host |= pl.plan != NULL;
       if (trace && off == 0)
@@ -485,8 +485,8 @@ static int submit_pinned(mc_engine_t *e, mc_batch_t *b, const char *segment,
       rc = submit_planned(e, b, segment, &d, 0, reqs + off, k, poll, ldev + off,
                           pl.plan ? &pl : NULL, err);
     }
-    if (pt && pt->ops->call_end)
-      pt->ops->call_end(pt->impl, call);
+    if (pt >= 0)
+      mc_tr_call_end(e, pt, call);
     free(take);
     free(ents);
   } else {
@@ -549,14 +549,14 @@ static int submit_planned(mc_engine_t *e, mc_batch_t *b, const char *segment,
                           size_t n, int poll, const int *ldev, const planned_t *pl,
                           mc_err_t *err) {
   const mc_segment_desc_t *d = dp;
-  const mc_transport_t *pt = pl ? &e->tr[pl->slot] : NULL;
+  int pt = pl ? pl->slot : -1;
   const char *via_plan = pl ? pl->take : NULL;
   pthread_mutex_lock(&b->mu);
   if (b->n + n > b->cap) {
     size_t room = b->cap - b->n;
     pthread_mutex_unlock(&b->mu);
-    if (pt)
-      pt->ops->submit_plan(pt->impl, pl->plan, NULL, 0);
+    if (pt >= 0)
+      mc_tr_submit_plan(e, pt, pl->plan, NULL, 0);
     return mc_err_set(err, MC_EINVAL,
                       "batch has room for %zu more requests, %zu submitted; allocate a larger "
                       "batch",
@@ -588,7 +588,7 @@ static int submit_planned(mc_engine_t *e, mc_batch_t *b, const char *segment,
   int via[MC_MEM_KINDS] = {-1, -1};
   mc_takes_memo_t memo[MC_MEM_KINDS];
   memset(memo, 0, sizeof memo);
-  op_builder_t ob[MC_TRANSPORT_COUNT];
+  op_builder_t ob[MC_TRANSPORT_MAX];
   memset(ob, 0, sizeof ob);
   int rc = 0;
   op_builder_t pb = {0};
@@ -649,7 +649,7 @@ static int submit_planned(mc_engine_t *e, mc_batch_t *b, const char *segment,
     }
   }
   size_t nops = 0;
-  for (int k = 0; k < MC_TRANSPORT_COUNT && rc == 0; k++) {
+  for (int k = 0; k < MC_TRANSPORT_MAX && rc == 0; k++) {
     rc = builder_flush(&ob[k], err);
     nops += ob[k].n;
   }
@@ -658,11 +658,11 @@ static int submit_planned(mc_engine_t *e, mc_batch_t *b, const char *segment,
     b->n = first;
     b->pending -= n;
     pthread_mutex_unlock(&b->mu);
-    for (int k = 0; k < MC_TRANSPORT_COUNT; k++)
+    for (int k = 0; k < MC_TRANSPORT_MAX; k++)
       builder_free(&ob[k]);
     builder_free(&pb);
-    if (pt)
-      pt->ops->submit_plan(pt->impl, pl->plan, NULL, 0);
+    if (pt >= 0)
+      mc_tr_submit_plan(e, pt, pl->plan, NULL, 0);
     return rc;
   }
   b->ops_inflight += nops + pb.n;
@@ -672,20 +672,17 @@ static int submit_planned(mc_engine_t *e, mc_batch_t *b, const char *segment,
   for (size_t i = 0; i < n; i++)
     bytes += reqs[i].len;
   pthread_mutex_unlock(&b->mu);
-  if (pt) { /* first: its copies start while the others are sent */
-    pt->ops->submit_plan(pt->impl, pl->plan, pb.ops, pb.n);
+  if (pt >= 0) { /* first: its copies start while the others are sent */
+    mc_tr_submit_plan(e, pt, pl->plan, pb.ops, pb.n);
     free(pb.ops);
   }
-  for (int k = 0; k < MC_TRANSPORT_COUNT; k++) {
-    const mc_transport_t *t = &e->tr[k];
+  for (int k = 0; k < MC_TRANSPORT_MAX; k++) {
     if (!ob[k].n)
       continue;
     /* Small synchronous batches: the caller drives the transport itself. */
     if (!(poll && e->spin_ns && bytes <= MC_POLL_MAX_BYTES && ob[k].n <= MC_POLL_MAX_OPS &&
-          t->ops->submit_poll &&
-          t->ops->submit_poll(t->impl, &peer, ob[k].ops, ob[k].n, batch_finished, b,
-                              e->spin_ns)))
-      t->ops->submit(t->impl, &peer, ob[k].ops, ob[k].n);
+          mc_tr_submit_poll(e, k, &peer, ob[k].ops, ob[k].n, batch_finished, b, e->spin_ns)))
+      mc_tr_submit(e, k, &peer, ob[k].ops, ob[k].n);
     free(ob[k].ops);
   }
   return 0;
@@ -872,11 +869,11 @@ static int ctrl_prepare(mc_engine_t *e, const char *segment, int type, const voi
   return 0;
 }
 
-/* Control messages always go over TCP (the control channel). */
+/* Control messages go over the control channel. */
 static void ctrl_submit(mc_engine_t *e, const char *segment, const mc_segment_desc_t *d,
                         mc_xfer_op_t *op) {
   mc_peer_t peer = {.segment = segment, .host = d->host, .port = d->port};
-  e->tr[MC_TRANSPORT_TCP].ops->submit(e->tr[MC_TRANSPORT_TCP].impl, &peer, &op, 1);
+  mc_tr_ctrl_submit(e, &peer, op);
 }
 
 /* One control message (NOTIFY or RPC) to a segment, waited for. */

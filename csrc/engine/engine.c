@@ -13,11 +13,8 @@
 #include <cjson/cJSON.h>
 
 #include "engine/engine_internal.h"
-#include "transport/cma/cma.h"
 #include "gpu/cuda_driver.h"
-#include "gpu/gpu_dmabuf.h"
 #include "gpu/gpu_ipc.h"
-#include "gpu/gpu_vmm.h"
 #include "util/dynlib.h"
 #include "util/hostport.h"
 #include "util/env.h"
@@ -26,90 +23,6 @@
 
 static int env_int(const char *name, int dflt, int lo, int hi) {
   return (int)mc_env_long(name, dflt, lo, hi);
-}
-
-/* A connection to a segment failed to come up or named another segment:
- * forget the cached address so that the next call resolves it afresh (and,
- * with a metadata server, learns whether the peer is gone or moved). */
-static void on_peer_failed(void *ctx, const char *segment) {
-  mc_engine_t *e = ctx;
-  mc_engine_forget_segment(e, segment);
-  mc_transports_peer_lost(e, segment);
-  pthread_rwlock_rdlock(&e->handler_lock);
-  if (e->peer_lost_cb)
-    e->peer_lost_cb(e->peer_lost_arg, segment);
-  pthread_rwlock_unlock(&e->handler_lock);
-}
-
-/* A peer's control connection to us closed: drop the QPs it connected. */
-static void on_incoming_closed(void *ctx, const char *segment) {
-  mc_engine_t *e = ctx;
-  mc_transports_peer_closed(e, segment);
-}
-
-/* RPCs on the control channel: the RDMA handshake, and mc.describe (same-host GPU path). */
-static int on_rpc(void *ctx, const char *from, const char *req, size_t len, char **reply,
-                  mc_err_t *err) {
-  mc_engine_t *e = ctx;
-  if (len == strlen(MC_RPC_DESCRIBE) && !memcmp(req, MC_RPC_DESCRIBE, len)) {
-    /* The same-host GPU path asks for our regions (gpu_same_host.c). */
-    *reply = mc_engine_describe(e);
-    return *reply ? 0 : mc_err_set(err, MC_ENOMEM, "out of memory describing segment %s",
-                                   e->name);
-  }
-  return mc_transports_serve_rpc(e, from, req, len, reply, err);
-}
-
-static int rdma_rpc(void *ctx, const char *segment, const char *req, size_t len,
-                    int64_t timeout_ms, char **reply, mc_err_t *err) {
-  return mc_engine_rpc(ctx, segment, req, len, timeout_ms, reply, err);
-}
-
-static struct ibv_mr *gpu_reg_mr(void *arg, struct ibv_pd *pd, void *addr, size_t len,
-                                 int access, const char *location, mc_err_t *err) {
-  (void)arg;
-  const char *how = NULL;
-  struct ibv_mr *mr = mc_gpu_rdma_reg_mr(pd, (uint64_t)(uintptr_t)addr, len, access, &how, err);
-  if (mr)
-    mc_log_info("%s memory 0x%llx+%zu registered for RDMA through %s", location,
-                (unsigned long long)(uintptr_t)addr, len, how);
-  return mr;
-}
-
-/* Driver-mapped GPU memory: an MR per physical chunk (gpu_vmm.h). */
-static long gpu_pieces(void *arg, uint64_t addr, uint64_t len, uint64_t **pairs,
-                       mc_err_t *err) {
-  (void)arg;
-  long n = mc_gpu_vmm_pieces(addr, len, pairs, err);
-  if (n > 1)
-    mc_log_info("GPU memory 0x%llx+%llu is %ld driver-mapped chunks: one RDMA registration "
-                "each", (unsigned long long)addr, (unsigned long long)len, n);
-  return n;
-}
-
-static int start_rdma(mc_engine_t *e, const mc_engine_opts_t *o, mc_err_t *err) {
-  mc_rdma_opts_t ro = {
-      .device_name = o->device_name,
-      .qps_per_nic = env_int("MC_RDMA_QPS_PER_NIC", 2, 1, 16),
-      .slice_size = (uint32_t)env_int("MC_RDMA_SLICE_SIZE", 65536, 4096, 1 << 30),
-      .max_wr = env_int("MC_RDMA_MAX_WR", 256, 8, 16384),
-      .qp_inflight_bytes = (uint64_t)env_int("MC_RDMA_QP_INFLIGHT_KB", 1024, 64, 1 << 20) * 1024,
-      .gid_index = env_int("MC_GID_INDEX", -1, -1, 255),
-      .timeout = env_int("MC_RDMA_TIMEOUT", 14, 1, 31),
-      .retry_cnt = env_int("MC_RDMA_RETRY_CNT", 7, 0, 7),
-      .rnr_retry = env_int("MC_RDMA_RNR_RETRY", 7, 0, 7),
-      .connect_timeout_ms = env_int("MC_CONNECT_TIMEOUT_MS", 5000, 1, 600000),
-      .poll_spin_ns = (uint64_t)env_int("MC_RDMA_POLL_SPIN_US", 50, 0, 1000000) * 1000ull,
-  };
-  mc_rdma_hooks_t rh = {.ctx = e, .local_name = e->name, .rpc = rdma_rpc};
-  /* GPU regions: GPUDirect registration (DMA-BUF, then nvidia-peermem). */
-  static const mc_rdma_mem_hook_t gpu_hook = {.reg = gpu_reg_mr, .pieces = gpu_pieces};
-  mc_rdma_set_mem_hook(&gpu_hook);
-  mc_rdma_t *rdma = NULL;
-  int rc = mc_rdma_start(&ro, &rh, &rdma, err);
-  if (rc == 0)
-    mc_rdma_transport(rdma, &e->tr[MC_TRANSPORT_RDMA]);
-  return rc;
 }
 
 void mc_engine_set_peer_lost_handler(mc_engine_t *e, mc_peer_lost_cb cb, void *arg) {
@@ -128,7 +41,8 @@ void mc_engine_set_notify_handler(mc_engine_t *e, mc_notify_handler_fn cb, void 
   pthread_rwlock_unlock(&e->handler_lock);
 }
 
-static int on_notify(void *ctx, const char *from, const void *msg, size_t len, mc_err_t *err) {
+int mc_engine_on_notify(void *ctx, const char *from, const void *msg, size_t len,
+                        mc_err_t *err) {
   mc_engine_t *e = ctx;
   pthread_rwlock_rdlock(&e->handler_lock);
   if (e->notify_cb) {
@@ -437,44 +351,16 @@ static int not_registered(mc_engine_t *e, const char *segment, mc_err_t *err) {
                     segment, ago, ttl, ttl / 3 + 1, e->meta->url);
 }
 
-int mc_engine_create(const mc_engine_opts_t *o, mc_engine_t **out, mc_err_t *err) {
-  if (!o || !o->local_hostname || !o->metadata_server)
-    return mc_err_set(err, MC_EINVAL, "local_hostname and metadata_server are required");
-  const char *proto = o->protocol && *o->protocol ? o->protocol : "tcp";
-  if (strcmp(proto, "tcp") != 0 && strcmp(proto, "rdma") != 0)
-    return mc_err_set(err, MC_EINVAL, "protocol \"%s\" is not accepted; use \"tcp\" or \"rdma\"",
-                      proto);
-  mc_hostport_t hp;
-  int rc = mc_hostport_parse(o->local_hostname, &hp, err);
-  if (rc < 0)
-    return mc_err_prefix(err, "local_hostname");
+/* Our name "host:port" (brackets around an IPv6 host). */
+void mc_engine_set_port(mc_engine_t *e, int port) {
+  e->port = port;
+  /* With port 0 the name is only known now; the loops read it on their
+   * first HELLO, after this write (posted through their command queues). */
+  snprintf(e->name, sizeof e->name, strchr(e->host, ':') ? "[%s]:%d" : "%s:%d", e->host, port);
+}
 
-  mc_engine_t *e = calloc(1, sizeof *e);
-  if (!e)
-    return mc_err_set(err, MC_ENOMEM, "out of memory");
-  snprintf(e->host, sizeof e->host, "%s", hp.host);
-  snprintf(e->protocol, sizeof e->protocol, "%s", proto);
-  pthread_mutex_init(&e->seg_mu, NULL);
-  pthread_mutex_init(&e->notify_mu, NULL);
-  pthread_mutex_init(&e->det_mu, NULL);
-  pthread_rwlock_init(&e->handler_lock, NULL);
-  pthread_mutex_init(&e->pub_mu, NULL);
-  pthread_mutex_init(&e->gpu_mu, NULL);
-  pthread_mutex_init(&e->desc_mu, NULL);
-  pthread_mutex_init(&e->route_mu, NULL);
-  pthread_mutex_init(&e->pin_mu, NULL);
-  if ((rc = mc_regions_init(&e->regions)) < 0) {
-    free(e);
-    return mc_err_set(err, rc, "out of memory");
-  }
-  /* GPU staging: no CUDA call until GPU memory is used. */
-  if ((rc = mc_gpu_stager_create((size_t)env_int("MC_GPU_STAGING_MB", 64, 4, 65536) << 20,
-                                 &e->gpu, err)) < 0) {
-    mc_regions_destroy(&e->regions);
-    free(e);
-    return rc;
-  }
-  e->gpu_ipc_off = env_int("MC_GPU_IPC", 1, 0, 1) == 0;
+/* The engine's own knobs (MC_*); the transports read theirs. */
+static void read_knobs(mc_engine_t *e) {
   e->gpu_chunk = env_int("MC_GPU_CHUNK", 4096, 1, 1 << 30);
   e->gpu_first_chunk = env_int("MC_GPU_FIRST_CHUNK", 256, 1, 1 << 30);
   e->gpu_trace = env_int("MC_GPU_TRACE", 0, 0, 1);
@@ -490,114 +376,106 @@ int mc_engine_create(const mc_engine_opts_t *o, mc_engine_t **out, mc_err_t *err
   e->timeout_ms = (uint64_t)env_int("MC_TRANSFER_TIMEOUT", 30, 1, 86400) * 1000ull;
   e->spin_ns = (uint64_t)env_int("MC_WAIT_SPIN_US", 50, 0, 100000) * 1000ull;
   e->meta_ttl_s = env_int("MC_METADATA_TTL", 10, 0, MC_META_TTL_MAX);
+}
 
-  if (!strcmp(proto, "rdma") && (rc = start_rdma(e, o, err)) < 0) {
-    /* Never a silent fallback: only when asked for, and logged. */
-    const char *fb = getenv("MC_RDMA_FALLBACK_TCP");
-    if (!fb || strcmp(fb, "1") != 0)
-      goto fail;
-    mc_log_warn("protocol \"rdma\" is unavailable (%s); falling back to TCP because "
-                "MC_RDMA_FALLBACK_TCP=1", err ? err->msg : "");
-    snprintf(e->protocol, sizeof e->protocol, "tcp");
-    mc_err_clear(err);
-  }
-  e->p2p = !strcmp(o->metadata_server, "P2PHANDSHAKE");
-  if (!e->p2p && (rc = mc_meta_open(o->metadata_server, &e->meta, err)) < 0)
-    goto fail;
-
-  mc_tcp_opts_t topts = {
-      /* An IPv6 local_hostname listens on "::" (which also takes IPv4). */
-      .bind_host = getenv("MC_TCP_BIND_ADDRESS") ? getenv("MC_TCP_BIND_ADDRESS")
-                   : strchr(hp.host, ':')         ? "::"
-                                                  : NULL,
-      .port = hp.port > 0 ? hp.port : 0,
-      .io_threads = o->io_threads ? o->io_threads : env_int("MC_TCP_IO_THREADS", 1, 1, 64),
-      .conns_per_peer =
-          o->conns_per_peer ? o->conns_per_peer : env_int("MC_TCP_CONNS_PER_PEER", 1, 1, 64),
-      .connect_timeout_ms = env_int("MC_CONNECT_TIMEOUT_MS", 5000, 1, 600000),
-      .busy_poll_us = env_int("MC_TCP_BUSY_POLL_US", 0, 0, 1000000),
-      .reply_conn_limit = (uint64_t)env_int("MC_TCP_REPLY_QUEUE_MB", 16, 1, 1 << 20) << 20,
-      .reply_total_limit = (uint64_t)env_int("MC_TCP_REPLY_TOTAL_MB", 256, 1, 1 << 20) << 20,
-      .max_prehandshake = env_int("MC_TCP_MAX_PREHANDSHAKE", 64, 1, 1 << 20),
-      .hello_timeout_ms = env_int("MC_TCP_HELLO_TIMEOUT_MS", 5000, 1, 600000),
-  };
+/* The peer authentication secret: opts, else MC_AUTH_SECRET. */
+static int take_secret(mc_engine_t *e, const mc_engine_opts_t *o, mc_err_t *err) {
   const char *secret = o->auth_secret ? o->auth_secret : getenv("MC_AUTH_SECRET");
-  if (secret && strlen(secret) > MC_AUTH_SECRET_MAX) {
-    rc = mc_err_set(err, MC_ECONFIG, "the peer authentication secret (%s) is %zu bytes long; at "
-                    "most %d are accepted", o->auth_secret ? "auth_secret" : "MC_AUTH_SECRET",
-                    strlen(secret), MC_AUTH_SECRET_MAX);
-    goto fail;
-  }
+  if (secret && strlen(secret) > MC_AUTH_SECRET_MAX)
+    return mc_err_set(err, MC_ECONFIG, "the peer authentication secret (%s) is %zu bytes long; "
+                      "at most %d are accepted", o->auth_secret ? "auth_secret" : "MC_AUTH_SECRET",
+                      strlen(secret), MC_AUTH_SECRET_MAX);
   snprintf(e->auth_secret, sizeof e->auth_secret, "%s", secret ? secret : "");
-  e->same_host_cpu_off = o->same_host_cpu_off != 0;
   if (e->auth_secret[0] && strlen(e->auth_secret) < 16)
     mc_log_warn("the peer authentication secret is only %zu characters; a host that talks to "
                 "this engine can test guesses offline, so use a random one of 32 or more (e.g. "
                 "`openssl rand -hex 32`)", strlen(e->auth_secret));
-  /* The name must exist before the transport starts: HELLO checks it. */
-  mc_tcp_hooks_t hooks = {.ctx = e, .local_name = e->name, .regions = &e->regions,
-                          .on_notify = on_notify, .on_peer_failed = on_peer_failed,
-                          .on_rpc = on_rpc, .on_incoming_closed = on_incoming_closed,
-                          .gpu = e->gpu, .auth_secret = e->auth_secret};
-  if (hp.port > 0)
-    snprintf(e->name, sizeof e->name, strchr(hp.host, ':') ? "[%s]:%d" : "%s:%d", hp.host,
-             hp.port);
-  e->tcp_opts = topts;
-  if ((rc = mc_tcp_start(&topts, &hooks, &e->tcp, err)) < 0)
+  return 0;
+}
+
+/* An engine with its locks and empty tables: what mc_engine_destroy frees. */
+static mc_engine_t *engine_alloc(void) {
+  mc_engine_t *e = calloc(1, sizeof *e);
+  if (!e)
+    return NULL;
+  if (mc_regions_init(&e->regions) < 0) {
+    free(e);
+    return NULL;
+  }
+  e->ctrl = -1;
+  pthread_mutex_init(&e->seg_mu, NULL);
+  pthread_mutex_init(&e->notify_mu, NULL);
+  pthread_mutex_init(&e->det_mu, NULL);
+  pthread_rwlock_init(&e->handler_lock, NULL);
+  pthread_mutex_init(&e->pub_mu, NULL);
+  pthread_mutex_init(&e->gpu_mu, NULL);
+  pthread_mutex_init(&e->desc_mu, NULL);
+  pthread_mutex_init(&e->route_mu, NULL);
+  pthread_mutex_init(&e->pin_mu, NULL);
+  return e;
+}
+
+int mc_engine_create(const mc_engine_opts_t *o, mc_engine_t **out, mc_err_t *err) {
+  if (!o || !o->local_hostname || !o->metadata_server)
+    return mc_err_set(err, MC_EINVAL, "local_hostname and metadata_server are required");
+  const char *proto = o->protocol && *o->protocol ? o->protocol : mc_protocol_default();
+  mc_hostport_t hp;
+  int rc = mc_protocol_check(proto, err);
+  if (rc < 0)
+    return rc;
+  if ((rc = mc_hostport_parse(o->local_hostname, &hp, err)) < 0)
+    return mc_err_prefix(err, "local_hostname");
+  mc_engine_t *e = engine_alloc();
+  if (!e)
+    return mc_err_set(err, MC_ENOMEM, "out of memory");
+  snprintf(e->host, sizeof e->host, "%s", hp.host);
+  snprintf(e->protocol, sizeof e->protocol, "%s", proto);
+  read_knobs(e);
+  /* GPU staging: no CUDA call until GPU memory is used. */
+  if ((rc = mc_gpu_stager_create((size_t)env_int("MC_GPU_STAGING_MB", 64, 4, 65536) << 20,
+                                 &e->gpu, err)) < 0)
     goto fail;
-  mc_tcp_transport(e->tcp, &e->tr[MC_TRANSPORT_TCP]);
-  e->port = mc_tcp_port(e->tcp);
-  /* With port 0 the name is only known now; the loops read it on their
-   * first HELLO, after this write (posted through their command queues). */
-  snprintf(e->name, sizeof e->name, strchr(hp.host, ':') ? "[%s]:%d" : "%s:%d", hp.host,
-           e->port);
+  e->p2p = !strcmp(o->metadata_server, "P2PHANDSHAKE");
+  if (!e->p2p && (rc = mc_meta_open(o->metadata_server, &e->meta, err)) < 0)
+    goto fail;
+  if ((rc = take_secret(e, o, err)) < 0)
+    goto fail;
+  e->tconf = (mc_transport_conf_t){.protocol = e->protocol, .host = e->host, .port = hp.port,
+                                   .device_name = o->device_name, .io_threads = o->io_threads,
+                                   .conns_per_peer = o->conns_per_peer,
+                                   .auth_secret = e->auth_secret,
+                                   .same_host_cpu_off = o->same_host_cpu_off != 0};
+  /* The name must exist before the control transport starts: HELLO checks it. */
+  if (hp.port > 0)
+    mc_engine_set_port(e, hp.port);
   if ((rc = mc_transports_start(e, err)) < 0)
     goto fail;
+  e->tconf.device_name = NULL; /* the caller's string */
   if ((rc = publish(e, err)) < 0) {
     mc_err_prefix(err, "cannot publish segment %s", e->name);
     goto fail;
   }
-  if (e->meta && e->meta_ttl_s > 0 && (rc = keepalive_start(e, err)) < 0) {
-    unpublish(e);
+  e->published = e->meta != NULL;
+  if (e->meta && e->meta_ttl_s > 0 && (rc = keepalive_start(e, err)) < 0)
     goto fail;
-  }
   mc_log_info("engine %s up (protocol %s, metadata %s)", e->name, e->protocol,
               o->metadata_server);
   *out = e;
   return 0;
 fail:
-  if (e->tcp && !e->tr[MC_TRANSPORT_TCP].ops)
-    mc_tcp_stop(e->tcp);
-  mc_transports_stop(e);
-  mc_engine_reap_detached(e, 1);
-  mc_gpu_stager_destroy(e->gpu); /* after the transport: it drained the copies */
-  if (e->meta)
-    mc_meta_close(e->meta);
-  mc_regions_destroy(&e->regions);
-  pthread_mutex_destroy(&e->seg_mu);
-  pthread_mutex_destroy(&e->notify_mu);
-  pthread_mutex_destroy(&e->det_mu);
-  pthread_rwlock_destroy(&e->handler_lock);
-  pthread_mutex_destroy(&e->pub_mu);
-  pthread_mutex_destroy(&e->gpu_mu);
-  pthread_mutex_destroy(&e->route_mu);
-  pthread_mutex_destroy(&e->pin_mu);
-  pthread_mutex_destroy(&e->desc_mu);
-  free(e->desc_cache);
-  free(e->pub_desc);
-  free(e->pub_rpc);
-  free(e->unpub);
-  free(e);
+  mc_engine_destroy(e);
   return rc;
 }
 
+/* Also the failure path of mc_engine_create: each step undoes only what
+ * was done. */
 void mc_engine_destroy(mc_engine_t *e) {
   if (!e)
     return;
   keepalive_stop(e);
-  if (e->meta)
+  if (e->published)
     unpublish(e);
-  mc_transports_stop(e); /* TCP first: no handshake RPC reaches the others after */
+  mc_transports_stop(e); /* control first: no handshake RPC reaches the others after */
   mc_engine_reap_detached(e, 1); /* every op is done now */
   mc_gpu_stager_destroy(e->gpu); /* after the transport: it drained the copies */
   if (e->meta)
@@ -1057,30 +935,7 @@ void mc_engine_get_stats(mc_engine_t *e, mc_engine_stats_t *out) {
   out->detached_msgs = e->ndet;
   out->detached_bytes = e->det_bytes;
   pthread_mutex_unlock(&e->det_mu);
-  if (e->tcp) {
-    mc_tcp_stats_t t;
-    mc_tcp_get_stats(e->tcp, &t);
-    out->reply_queue_bytes = t.reply_bytes;
-    out->paused_conns = t.paused_conns;
-    out->prehandshake_conns = t.prehandshake;
-    out->prehandshake_refused = t.prehandshake_refused;
-    out->prehandshake_evicted = t.prehandshake_evicted;
-    out->handshake_redials = t.redials;
-    out->prehandshake_bytes_each = t.conn_bytes_each;
-  }
-  out->reply_queue_conn_limit = e->tcp_opts.reply_conn_limit;
-  out->reply_queue_total_limit = e->tcp_opts.reply_total_limit;
-  out->prehandshake_limit = (uint64_t)e->tcp_opts.max_prehandshake;
-  const mc_transport_t *c = &e->tr[MC_TRANSPORT_SAME_HOST_CPU];
-  if (c->ops == &mc_cma_transport_ops) {
-    mc_cma_stats_t cs;
-    mc_cma_get_stats(c->impl, &cs);
-    out->same_host_cpu_bytes_written = cs.bytes_written;
-    out->same_host_cpu_bytes_read = cs.bytes_read;
-    out->same_host_cpu_ops = cs.ops;
-    out->same_host_cpu_peers = cs.peers;
-    out->same_host_cpu_refused_unbound = cs.refused_unbound;
-  }
+  mc_transports_stats(e, &out->transport);
 }
 
 size_t mc_engine_drain_notifies(mc_engine_t *e, size_t max, mc_notify_cb cb, void *arg) {

@@ -11,6 +11,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "transport/transport.h"
 #include "util/errors.h"
 
 typedef struct mc_engine mc_engine_t;
@@ -165,16 +166,14 @@ int mc_engine_queue_notify(mc_engine_t *e, const char *from, const void *msg, si
 /* Current use of the engine's budgets (docs/connector.md "Budgets"). */
 typedef struct mc_engine_stats {
   uint64_t notify_queue_bytes, notify_queue_limit, notify_queue_msgs, notify_refused;
-  uint64_t reply_queue_bytes, reply_queue_conn_limit, reply_queue_total_limit;
-  uint64_t paused_conns, prehandshake_conns, prehandshake_limit, prehandshake_refused;
-  uint64_t prehandshake_bytes_each; /* what one such connection may hold */
-  /* The same-host CPU path (transport/cma): bytes this engine copied into
-   * (WRITE) and out of (READ) peers' memory, ops, peers reached. */
-  uint64_t same_host_cpu_bytes_written, same_host_cpu_bytes_read, same_host_cpu_ops;
-  uint64_t same_host_cpu_peers;
-  uint64_t same_host_cpu_refused_unbound;
-  uint64_t prehandshake_evicted; /* oldest pre-handshake connections dropped for newer ones */
-  uint64_t handshake_redials; /* our connections dialed again after a reset before HELLO_ACK */ /* hello not from the peer on the connection */
+  /* What the transports report (transport.h, MC_TRANSPORT_STATS_FIELDS:
+   * reply queues, pre-handshake connections, the same-host CPU path). */
+  union {
+    struct {
+      MC_TRANSPORT_STATS_FIELDS
+    };
+    mc_transport_stats_t transport;
+  };
   /* Detached notifications not yet freed (mc_engine_notify_detached). */
   uint64_t detached_msgs, detached_bytes;
 } mc_engine_stats_t;

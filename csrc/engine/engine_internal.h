@@ -10,8 +10,6 @@
 #include "meta/segment_desc.h"
 #include "gpu/gpu_staging.h"
 #include "meta/meta.h"
-#include "transport/rdma/rdma.h"
-#include "transport/tcp/tcp.h"
 #include "transport/transport.h"
 
 typedef struct mc_notify_msg {
@@ -29,15 +27,15 @@ struct mc_engine {
   int p2p;
   mc_meta_t *meta;
   mc_regions_t regions;
-  /* Transports by slot (transport.h; route.c chooses).  TCP is always
-   * there: also the control channel (NOTIFY, RPC). */
-  mc_transport_t tr[MC_TRANSPORT_COUNT];
-  mc_tcp_t *tcp;          /* = tr[MC_TRANSPORT_TCP].impl */
-  mc_tcp_opts_t tcp_opts; /* as started (budgets for stats) */
+  /* Transports by registry slot (transport/registry.c; transports.c
+   * starts them, route.c chooses); an empty slot has ops NULL. */
+  mc_transport_t tr[MC_TRANSPORT_MAX];
+  int ctrl;                  /* the control channel's slot (NOTIFY, RPC) */
+  mc_transport_conf_t tconf; /* what the transports read at start */
   pthread_mutex_t route_mu; /* reaches() answers per peer (route.c) */
   struct {
     char name[320];
-    signed char v[MC_TRANSPORT_COUNT][MC_MEM_KINDS];
+    signed char v[MC_TRANSPORT_MAX][MC_MEM_KINDS];
   } *routes;
   size_t nroutes;
   char protocol[8];
@@ -47,13 +45,11 @@ struct mc_engine {
   uint64_t spin_ns;       /* MC_WAIT_SPIN_US: busy-wait before sleeping */
   mc_gpu_stager_t *gpu;   /* pinned staging + GPU copy thread (gpu_xfer.c) */
   int gpu_reserved;       /* staging pre-allocated (first cuda region) */
-  int gpu_ipc_off;        /* MC_GPU_IPC=0: the same-host GPU transport is not started */
   int gpu_chunk;          /* MC_GPU_CHUNK: requests planned per step */
   int gpu_first_chunk;    /* MC_GPU_FIRST_CHUNK: the first step's (then doubling) */
   int gpu_trace;          /* MC_GPU_TRACE=1: log planning times (docs/device.md) */
   int local_check;        /* local buffers must lie in our regions (MC_LOCAL_CHECK) */
   int unregister_wait_ms; /* MC_UNREGISTER_WAIT_MS: bound on waiting for pins */
-  int same_host_cpu_off;  /* opts.same_host_cpu_off (mooncake.json same_host_cpu) */
   pthread_mutex_t gpu_mu; /* gpu_reserved */
   int unregister_grace_ms; /* MC_UNREGISTER_GRACE_MS: then transfers holding it are cut */
   int unregister_revoke;   /* MC_UNREGISTER_REVOKE: peers holding it past grace are cut */
@@ -91,6 +87,7 @@ struct mc_engine {
   pthread_mutex_t pub_mu;   /* serialises writes of our entries */
   char *pub_desc, *pub_rpc; /* last published values (pub_mu) */
   int pub_dirty;            /* the last PUT of them failed: the keep-alive re-PUTs (pub_mu) */
+  int published;            /* our entries were PUT (create): destroy removes them */
   int rpc_written;          /* rpc entry PUT once; Mooncake's server refuses a second (pub_mu) */
   /* Regions unregistered here whose new descriptor did not reach the
    * metadata server (pub_mu): unregistering one again retries the publish. */
@@ -177,11 +174,38 @@ int mc_gpu_locate_locals(mc_gpu_locator_t *lc, const mc_request_t *reqs, size_t 
 /* Synchronous copy for same-segment requests touching GPU memory. */
 int mc_gpu_copy_sync(void *dst, const void *src, uint64_t len, int dev, mc_err_t *err);
 
-/* route.c: the transports.  choose returns the slot that moves `kind`
- * memory to `peer` (TCP when nothing better reaches it); no_plan: the best
- * after planning transports (for the requests a plan() did not take). */
+/* transports.c: the registered transports.  start: the control channel
+ * first (its port completes the name: mc_engine_set_port), then the rest
+ * in registry order; a protocol nobody started falls back to the control
+ * transport's (the transport asked for logged why). */
+int mc_transport_count(void);
+int mc_protocol_check(const char *proto, mc_err_t *err); /* one a transport offers? */
+const char *mc_protocol_default(void);
 int mc_transports_start(mc_engine_t *e, mc_err_t *err);
 void mc_transports_stop(mc_engine_t *e);
+void mc_transports_stats(mc_engine_t *e, mc_transport_stats_t *out);
+/* Thin wrappers over the ops table of slot id (transport.h says what each does). */
+void mc_tr_submit(mc_engine_t *e, int id, const mc_peer_t *peer, mc_xfer_op_t **ops,
+                  size_t n);
+int mc_tr_submit_poll(mc_engine_t *e, int id, const mc_peer_t *peer, mc_xfer_op_t **ops,
+                      size_t n, int (*finished)(void *), void *arg, uint64_t spin_ns);
+int mc_tr_plans(mc_engine_t *e, int id); /* slot id plans per request */
+void *mc_tr_plan(mc_engine_t *e, int id, const mc_peer_t *peer, void **call,
+                 mc_xfer_ent_t *ents, size_t n, char *take);
+void mc_tr_submit_plan(mc_engine_t *e, int id, void *plan, mc_xfer_op_t **ops, size_t n);
+void mc_tr_call_end(mc_engine_t *e, int id, void *call);
+void mc_tr_ctrl_submit(mc_engine_t *e, const mc_peer_t *peer, mc_xfer_op_t *op);
+/* engine.c: our name gets the control transport's port (port 0 asked). */
+void mc_engine_set_port(mc_engine_t *e, int port);
+/* engine.c: a NOTIFY arrived (the handler or the queue). */
+int mc_engine_on_notify(void *ctx, const char *from, const void *msg, size_t len,
+                        mc_err_t *err);
+
+/* route.c: choose returns the slot that moves `kind` memory to `peer` (the
+ * control transport when nothing better reaches it); no_plan: the best
+ * after planning transports (for the requests a plan() did not take). */
+void mc_routes_forget(mc_engine_t *e, const char *segment);
+void mc_routes_free(mc_engine_t *e);
 /* batch.c: frees finished detached notifications and cancels those past
  * their deadline; all: frees every one (after mc_transports_stop). */
 void mc_engine_reap_detached(mc_engine_t *e, int all);

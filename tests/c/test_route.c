@@ -9,7 +9,9 @@
 #include "engine/engine_internal.h"
 #include "testlib.h"
 
-static int unregistered[MC_TRANSPORT_COUNT];
+/* The fake engine's slots, in preference order (as registry.c orders the real ones). */
+enum { SHM = 0, RDMA = 1, TCP = 2 };
+static int unregistered[MC_TRANSPORT_MAX];
 
 static void f_submit(void *impl, const mc_peer_t *peer, mc_xfer_op_t **ops, size_t nops) {
   (void)impl, (void)peer, (void)ops, (void)nops;
@@ -32,14 +34,14 @@ static int f_takes(void *impl, const mc_peer_t *peer, uint64_t remote, uint64_t 
 }
 static int shm_unreg(void *impl, void *addr, int64_t timeout_ms, mc_err_t *err) {
   (void)impl, (void)timeout_ms;
-  unregistered[MC_TRANSPORT_SAME_HOST_CPU]++;
+  unregistered[SHM]++;
   return addr == (void *)0x5000
              ? mc_err_set(err, MC_EBUSY, "region 0x5000 is still being copied by process 7")
              : 0;
 }
 static int rdma_unreg(void *impl, void *addr, int64_t timeout_ms, mc_err_t *err) {
   (void)impl, (void)addr, (void)timeout_ms, (void)err;
-  unregistered[MC_TRANSPORT_RDMA]++;
+  unregistered[RDMA]++;
   return 0;
 }
 
@@ -58,10 +60,11 @@ static mc_engine_t *fake_engine(int with_rdma) {
   if (!e)
     return NULL;
   pthread_mutex_init(&e->route_mu, NULL);
-  e->tr[MC_TRANSPORT_SAME_HOST_CPU].ops = &shm_ops;
+  e->tr[SHM].ops = &shm_ops;
   if (with_rdma)
-    e->tr[MC_TRANSPORT_RDMA].ops = &rdma_ops;
-  e->tr[MC_TRANSPORT_TCP].ops = &tcp_ops;
+    e->tr[RDMA].ops = &rdma_ops;
+  e->tr[TCP].ops = &tcp_ops;
+  e->ctrl = TCP;
   return e;
 }
 
@@ -77,12 +80,12 @@ static void declined_request_goes_to_next(void) {
     mc_engine_t *e = fake_engine(with_rdma);
     CHECK(e != NULL);
     int via = mc_transport_choose(e, &peer, MC_MEM_HOST, 1);
-    CHECK_EQ_INT(via, MC_TRANSPORT_SAME_HOST_CPU);
+    CHECK_EQ_INT(via, SHM);
     mc_takes_memo_t memo = {0};
     takes_calls = 0;
     CHECK_EQ_INT(mc_transport_for_request(e, &peer, MC_MEM_HOST, via, 0x1000, 64, &memo),
-                 MC_TRANSPORT_SAME_HOST_CPU);
-    int next = with_rdma ? MC_TRANSPORT_RDMA : MC_TRANSPORT_TCP;
+                 SHM);
+    int next = with_rdma ? RDMA : TCP;
     CHECK_EQ_INT(mc_transport_for_request(e, &peer, MC_MEM_HOST, via, 0x18000, 64, &memo),
                  next);
     /* Inside the range just answered: not asked again; outside it: asked. */
@@ -93,7 +96,7 @@ static void declined_request_goes_to_next(void) {
                  next); /* crosses 0x20000: asked (the fake says GPU) */
     CHECK_EQ_INT(takes_calls, 3);
     CHECK_EQ_INT(mc_transport_for_request(e, &peer, MC_MEM_HOST, via, 0x2000, 64, &memo),
-                 MC_TRANSPORT_SAME_HOST_CPU);
+                 SHM);
     CHECK_EQ_INT(takes_calls, 4);
     /* A peer known to be elsewhere never gets the same-host path. */
     peer.same_host = -1;
@@ -112,10 +115,10 @@ static void refused_unregister_fails_and_stops(void) {
   memset(unregistered, 0, sizeof unregistered);
   CHECK_EQ_INT(mc_transports_unregister(e, (void *)0x5000, 10, &err), MC_EBUSY);
   CHECK_CONTAINS(err.msg, "still being copied by process 7");
-  CHECK_EQ_INT(unregistered[MC_TRANSPORT_SAME_HOST_CPU], 1);
-  CHECK_EQ_INT(unregistered[MC_TRANSPORT_RDMA], 0); /* access not revoked: still registered */
+  CHECK_EQ_INT(unregistered[SHM], 1);
+  CHECK_EQ_INT(unregistered[RDMA], 0); /* access not revoked: still registered */
   CHECK_EQ_INT(mc_transports_unregister(e, (void *)0x6000, 10, &err), 0);
-  CHECK_EQ_INT(unregistered[MC_TRANSPORT_RDMA], 1);
+  CHECK_EQ_INT(unregistered[RDMA], 1);
   fake_engine_free(e);
 }
 

@@ -16,6 +16,7 @@
 #include "gpu/gpu_staging.h"
 #include "meta/segment_desc.h"
 #include "util/clock.h"
+#include "util/env.h"
 #include "util/log.h"
 
 typedef struct peer_entry {
@@ -32,8 +33,10 @@ typedef struct shg {
   int (*rpc)(void *ctx, const char *segment, const char *req, size_t len, int64_t timeout_ms,
              char **reply, mc_err_t *err);
   void (*rpc_async)(void *ctx, const mc_peer_t *peer, mc_xfer_op_t *op);
+  char *(*describe)(void *ctx); /* our descriptor, for peers' mc.describe */
   mc_gpu_stager_t *gpu;
   int trace;
+  int off; /* MC_GPU_IPC=0: moves nothing, still answers mc.describe */
   pthread_mutex_t mu; /* peers, logged */
   peer_entry_t *peers;
   size_t npeers;
@@ -151,6 +154,10 @@ static void peer_store(shg_t *t, const char *segment, int verdict, const mc_remo
 static int shg_reaches(void *impl, const mc_peer_t *peer, mc_mem_kind_t kind, char *why,
                        size_t why_len) {
   shg_t *t = impl;
+  if (t->off) {
+    snprintf(why, why_len, "switched off here (MC_GPU_IPC=0)");
+    return 0;
+  }
   if (kind != MC_MEM_CUDA) {
     snprintf(why, why_len, "it moves GPU memory only");
     return 0;
@@ -676,11 +683,24 @@ static int shg_start(const mc_transport_env_t *env, void **impl, mc_err_t *err) 
   t->ctx = env->ctx;
   t->rpc = env->rpc;
   t->rpc_async = env->rpc_async;
+  t->describe = env->describe;
   t->gpu = env->gpu;
   t->trace = env->gpu_trace;
+  t->off = mc_env_long("MC_GPU_IPC", 1, 0, 1) == 0;
   pthread_mutex_init(&t->mu, NULL);
   *impl = t;
   return 0;
+}
+
+/* mc.describe: a peer's plan() asks for our regions (and their IPC
+ * handles); also mc_engine_describe_peer's answer, so it is served even
+ * with MC_GPU_IPC=0. */
+static int shg_serve_rpc(void *impl, const char *from, const char *req, size_t len,
+                         char **reply, mc_err_t *err) {
+  shg_t *t = impl;
+  (void)from, (void)req, (void)len; /* the engine matched the whole text */
+  *reply = t->describe ? t->describe(t->ctx) : NULL;
+  return *reply ? 0 : mc_err_set(err, MC_ENOMEM, "out of memory describing our segment");
 }
 
 /* After the engine stopped submitting and its batches were freed: calls
@@ -710,4 +730,6 @@ const mc_transport_ops_t mc_same_host_gpu_ops = {
     .submit_plan = shg_submit_plan,
     .call_end = shg_call_end,
     .cancel_sweep = shg_cancel_sweep,
+    .rpc_prefix = MC_RPC_DESCRIBE, /* no trailing '.': the whole text */
+    .serve_rpc = shg_serve_rpc,
 };
