@@ -10,6 +10,7 @@
 
 #include "engine/engine_internal.h"
 #include "transport/registry.h"
+#include "util/clock.h"
 #include "util/log.h"
 
 static int env_rpc(void *ctx, const char *segment, const char *req, size_t len,
@@ -19,14 +20,15 @@ static int env_rpc(void *ctx, const char *segment, const char *req, size_t len,
 
 /* An RPC op to the control channel, not waited for. */
 static void env_rpc_async(void *ctx, const mc_peer_t *peer, mc_xfer_op_t *op) {
-  mc_tr_ctrl_submit(ctx, peer, op);
+  mc_ctrl_submit_op(ctx, peer, op);
 }
 
 static char *env_describe(void *ctx) { return mc_engine_describe(ctx); }
 
 /* A connection to a segment failed to come up or named another segment:
- * forget the cached address so that the next call resolves it afresh (and,
- * with a metadata server, learns whether the peer is gone or moved). */
+ * forget the peer (its cached address, so that the next call resolves it
+ * afresh and, with a metadata server, learns whether the peer is gone or
+ * moved; and its transports' answers, asked again at the next contact). */
 static void on_peer_failed(void *ctx, const char *segment) {
   mc_engine_t *e = ctx;
   mc_engine_forget_segment(e, segment);
@@ -143,49 +145,30 @@ void mc_transports_stop(mc_engine_t *e) {
         t->ops->stop(t->impl);
       t->ops = NULL;
     }
-  mc_routes_free(e);
+}
+
+void mc_transports_drain(mc_engine_t *e, pthread_mutex_t *mu, pthread_cond_t *cv,
+                         int (*busy)(const void *), const void *arg) {
+  mc_transports_cancel_sweep(e);
+  pthread_mutex_lock(mu);
+  uint64_t next_sweep = mc_now_ns() + 1000000000ull;
+  while (busy(arg)) {
+    struct timespec ts = mc_deadline_ts(mc_now_ns() + 100000000ull);
+    pthread_cond_timedwait(cv, mu, &ts);
+    if (busy(arg) && mc_now_ns() > next_sweep) {
+      pthread_mutex_unlock(mu);
+      mc_transports_cancel_sweep(e);
+      pthread_mutex_lock(mu);
+      next_sweep = mc_now_ns() + 1000000000ull;
+    }
+  }
+  pthread_mutex_unlock(mu);
 }
 
 void mc_transports_stats(mc_engine_t *e, mc_transport_stats_t *out) {
   for (int i = 0; i < MC_TRANSPORT_MAX; i++)
     if (e->tr[i].ops && e->tr[i].ops->stats)
       e->tr[i].ops->stats(e->tr[i].impl, out);
-}
-
-/* ---- the data path's calls ---- */
-
-void mc_tr_submit(mc_engine_t *e, int id, const mc_peer_t *peer, mc_xfer_op_t **ops,
-                  size_t n) {
-  e->tr[id].ops->submit(e->tr[id].impl, peer, ops, n);
-}
-
-int mc_tr_submit_poll(mc_engine_t *e, int id, const mc_peer_t *peer, mc_xfer_op_t **ops,
-                      size_t n, int (*finished)(void *), void *arg, uint64_t spin_ns) {
-  const mc_transport_t *t = &e->tr[id];
-  return t->ops->submit_poll &&
-         t->ops->submit_poll(t->impl, peer, ops, n, finished, arg, spin_ns);
-}
-
-int mc_tr_plans(mc_engine_t *e, int id) {
-  return id >= 0 && e->tr[id].ops && e->tr[id].ops->plan;
-}
-
-void *mc_tr_plan(mc_engine_t *e, int id, const mc_peer_t *peer, void **call,
-                 mc_xfer_ent_t *ents, size_t n, char *take) {
-  return e->tr[id].ops->plan(e->tr[id].impl, peer, call, ents, n, take);
-}
-
-void mc_tr_submit_plan(mc_engine_t *e, int id, void *plan, mc_xfer_op_t **ops, size_t n) {
-  e->tr[id].ops->submit_plan(e->tr[id].impl, plan, ops, n);
-}
-
-void mc_tr_call_end(mc_engine_t *e, int id, void *call) {
-  if (e->tr[id].ops->call_end)
-    e->tr[id].ops->call_end(e->tr[id].impl, call);
-}
-
-void mc_tr_ctrl_submit(mc_engine_t *e, const mc_peer_t *peer, mc_xfer_op_t *op) {
-  mc_tr_submit(e, e->ctrl, peer, &op, 1);
 }
 
 /* ---- calls every transport gets ---- */
@@ -198,7 +181,6 @@ void mc_transports_cancel_sweep(mc_engine_t *e) {
 }
 
 void mc_transports_peer_lost(mc_engine_t *e, const char *segment) {
-  mc_routes_forget(e, segment); /* ask again at the next contact */
   for (int i = 0; i < MC_TRANSPORT_MAX; i++)
     if (e->tr[i].ops && e->tr[i].ops->peer_lost)
       e->tr[i].ops->peer_lost(e->tr[i].impl, segment);
@@ -259,8 +241,8 @@ int mc_transports_register(mc_engine_t *e, void *addr, uint64_t len, const char 
 }
 
 int mc_transports_unregister(mc_engine_t *e, void *addr, int64_t timeout_ms, mc_err_t *err) {
-  /* Slot order: the same-host CPU path (which may refuse: copies in
-   * flight) before RDMA (which cannot). */
+  /* Registry order: a transport that may refuse (copies in flight) comes
+   * before one whose unregister cannot be undone (it revokes access). */
   for (int i = 0; i < MC_TRANSPORT_MAX; i++) {
     const mc_transport_t *t = &e->tr[i];
     int rc = t->ops && t->ops->mem_unregister

@@ -1,4 +1,4 @@
-/* The engine's transport choice (engine/route.c) with fake transports:
+/* The engine's transport choice (engine/peers.c) with fake transports:
  * a request the chosen transport declines (takes() says no, e.g. the
  * same-host CPU path and a peer's GPU region) goes to the next one that
  * reaches the peer, and a transport's refused unregister fails the
@@ -59,7 +59,7 @@ static mc_engine_t *fake_engine(int with_rdma) {
   mc_engine_t *e = calloc(1, sizeof *e);
   if (!e)
     return NULL;
-  pthread_mutex_init(&e->route_mu, NULL);
+  pthread_mutex_init(&e->peers_mu, NULL);
   e->tr[SHM].ops = &shm_ops;
   if (with_rdma)
     e->tr[RDMA].ops = &rdma_ops;
@@ -69,8 +69,8 @@ static mc_engine_t *fake_engine(int with_rdma) {
 }
 
 static void fake_engine_free(mc_engine_t *e) {
-  free(e->routes);
-  pthread_mutex_destroy(&e->route_mu);
+  mc_peers_free(e);
+  pthread_mutex_destroy(&e->peers_mu);
   free(e);
 }
 

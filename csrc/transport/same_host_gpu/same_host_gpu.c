@@ -3,6 +3,7 @@
  * mappings of its regions, and one copy job per local GPU and op on the
  * engine's copy worker.  docs/architecture.md "Same-host path". */
 #include "transport/same_host_gpu/same_host_gpu.h"
+#include "util/bsearch.h"
 
 #include <pthread.h>
 #include <stdarg.h>
@@ -90,14 +91,9 @@ static int describe_remote(shg_t *t, const char *segment, mc_remote_desc_t *out,
 
 static const mc_remote_region_t *find_region(const mc_remote_desc_t *rd, uint64_t addr,
                                              uint64_t len) {
-  size_t lo = 0, hi = rd->n;
-  while (lo < hi) { /* first region with addr > a */
-    size_t mid = (lo + hi) / 2;
-    if (rd->regions[mid].addr <= addr)
-      lo = mid + 1;
-    else
-      hi = mid;
-  }
+#define RD_ADDR(i) rd->regions[i].addr
+  size_t lo = MC_COUNT_LE(rd->n, RD_ADDR, addr); /* first region with addr > a */
+#undef RD_ADDR
   if (lo == 0)
     return NULL;
   const mc_remote_region_t *r = &rd->regions[lo - 1];
