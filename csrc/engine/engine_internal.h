@@ -268,6 +268,8 @@ int mc_transports_unregister(mc_engine_t *e, void *addr, int64_t timeout_ms, mc_
 int mc_engine_resolve(mc_engine_t *e, const char *segment, mc_segment_desc_t *out,
                       mc_err_t *err);
 void mc_engine_forget_segment(mc_engine_t *e, const char *segment);
+/* peers.c: 1 the peer runs on this host, -1 on another, 0 not known. */
+int mc_peer_same_host(const mc_segment_desc_t *d);
 
 /* Sends an RPC (a transport's control request, e.g. a connection
  * handshake) to a segment over the control channel and waits for the reply text

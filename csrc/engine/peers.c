@@ -18,6 +18,7 @@
 #include <cjson/cJSON.h>
 
 #include "engine/engine_internal.h"
+#include "gpu/gpu_ipc.h"
 #include "util/hostport.h"
 #include "util/log.h"
 
@@ -198,6 +199,21 @@ int mc_engine_resolve(mc_engine_t *e, const char *segment, mc_segment_desc_t *ou
   pthread_mutex_unlock(&e->peers_mu);
   *out = d;
   return 0;
+}
+
+/* Whether a peer runs on this host, from its descriptor's host identity
+ * ("boot id/hostname", gpu_ipc.h): another boot id is another kernel, so
+ * no same-host transport can reach it (-1); the same boot id is this host
+ * (1; the same-host transports still check the rest in reaches()); no
+ * identity (P2P, or a peer that does not say): 0, not known. */
+int mc_peer_same_host(const mc_segment_desc_t *d) {
+  if (!d->host_id[0])
+    return 0;
+  const char *mine = mc_host_identity();
+  size_t a = strcspn(d->host_id, "/"), b = strcspn(mine, "/");
+  if (!a || !b)
+    return 0;
+  return a == b && !memcmp(d->host_id, mine, a) ? 1 : -1;
 }
 
 /* The peer was lost: its descriptor is resolved afresh and the transports'

@@ -278,6 +278,7 @@ static int submit_pinned(mc_engine_t *e, mc_batch_t *b, const char *segment,
   int local = !strcmp(segment, e->name);
   mc_segment_desc_t d;
   d.host[0] = '\0';
+  d.host_id[0] = '\0';
   d.port = 0;
   if (!local) {
     rc = mc_engine_resolve(e, segment, &d, err);
@@ -321,7 +322,8 @@ static int submit_pinned(mc_engine_t *e, mc_batch_t *b, const char *segment,
   if (ldev && !local) {
     /* The transport chosen for GPU memory to this peer may plan per
      * request: it is offered each chunk's requests first. */
-    mc_peer_t peer = {.segment = segment, .host = d.host, .port = d.port};
+    mc_peer_t peer = {.segment = segment, .host = d.host, .port = d.port,
+                      .same_host = mc_peer_same_host(&d)};
     gpu_chunks_t g = {.loc = &loc, .located = located, .first_step = first_step,
                       .chunk = chunk, .t2 = t2};
     rc = submit_gpu_chunks(e, b, &peer, &d, reqs, n, poll, ldev, &g, err);
@@ -501,7 +503,8 @@ static int submit_planned(mc_engine_t *e, mc_batch_t *b, const char *segment,
    * about slice_size bytes; a large request spans several ops.  Each
    * request goes to the transport chosen for the peer and the memory kind
    * of its local buffer (peers.c), one set of ops per transport. */
-  mc_peer_t peer = {.segment = segment, .host = d->host, .port = d->port};
+  mc_peer_t peer = {.segment = segment, .host = d->host, .port = d->port,
+                    .same_host = mc_peer_same_host(d)};
   int via[MC_MEM_KINDS] = {-1, -1};
   mc_takes_memo_t memo[MC_MEM_KINDS];
   memset(memo, 0, sizeof memo);

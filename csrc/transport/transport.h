@@ -19,7 +19,9 @@
  *   The first started transport whose caps include that memory kind, that
  *   is not MC_TCAP_SAME_HOST with a peer known to be elsewhere
  *   (peer->same_host == -1), and whose reaches() (if set) says yes, takes
- *   the requests.  A same-host transport decides in reaches().  The control
+ *   the requests.  The engine sets peer->same_host from the peer's
+ *   descriptor (engine/peers.c); a same-host transport decides the rest in
+ *   reaches().  The control
  *   transport (the first started with MC_TCAP_CTRL: TCP) is always there
  *   and the last resort, so a choice always exists.  The engine remembers the
  *   answer per peer (reaches() is asked once per peer and kind, again after
@@ -108,8 +110,10 @@ typedef struct mc_peer {
   const char *segment; /* "host:port", the peer's name */
   const char *host;    /* where its TCP listener is */
   int port;
-  int same_host; /* 1: same host (host identity in its descriptor matches
-                    ours), -1: another host, 0: not known yet */
+  int same_host; /* 1: same host (the boot id of the host identity in its
+                    descriptor matches ours), -1: another host (no
+                    MC_TCAP_SAME_HOST transport is asked), 0: not known
+                    (P2P mode, or no identity in the descriptor) */
   int pid;       /* the peer's process id (0 if not known) */
 } mc_peer_t;
 

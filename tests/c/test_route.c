@@ -7,6 +7,7 @@
 #include <stdint.h>
 
 #include "engine/engine_internal.h"
+#include "gpu/gpu_ipc.h"
 #include "testlib.h"
 
 /* The fake engine's slots, in preference order (as registry.c orders the real ones). */
@@ -122,7 +123,24 @@ static void refused_unregister_fails_and_stops(void) {
   fake_engine_free(e);
 }
 
+/* The peer's same-host flag comes from its descriptor's host identity:
+ * another boot id is another host (the same-host transports are not even
+ * asked), the same one this host, none not known. */
+static void same_host_from_descriptor(void) {
+  mc_segment_desc_t d = {0};
+  CHECK_EQ_INT(mc_peer_same_host(&d), 0);
+  snprintf(d.host_id, sizeof d.host_id, "%s", mc_host_identity());
+  CHECK_EQ_INT(mc_peer_same_host(&d), 1);
+  char *slash = strchr(d.host_id, '/');
+  CHECK(slash != NULL);
+  snprintf(slash, sizeof d.host_id - (size_t)(slash - d.host_id), "/another-hostname");
+  CHECK_EQ_INT(mc_peer_same_host(&d), 1); /* same kernel: this host */
+  snprintf(d.host_id, sizeof d.host_id, "00000000-0000-0000-0000-000000000000/h");
+  CHECK_EQ_INT(mc_peer_same_host(&d), -1);
+}
+
 int main(void) {
+  RUN(same_host_from_descriptor);
   RUN(declined_request_goes_to_next);
   RUN(refused_unregister_fails_and_stops);
   TEST_MAIN_END();
