@@ -23,101 +23,9 @@
 #include "util/log.h"
 
 
-/* The "not registered" error of a lookup, told apart with the last-seen
- * record: expired N s ago (its engine died), recently refreshed (the server
- * lost it; re-registration pending), or no record at all. */
-static int not_registered(mc_engine_t *e, const char *segment, mc_err_t *err) {
-  char key[512], *val = NULL;
-  size_t vlen = 0;
-  mc_err_t tmp = {0};
-  double last = -1, ttl = -1;
-  if (mc_meta_key_last_seen(segment, key, sizeof key) == 0 &&
-      mc_meta_get(e->meta, key, &val, &vlen, &tmp) == 0) {
-    cJSON *j = cJSON_ParseWithLength(val, vlen);
-    const cJSON *l = cJSON_GetObjectItemCaseSensitive(j, "last_seen");
-    const cJSON *t = cJSON_GetObjectItemCaseSensitive(j, "ttl");
-    if (cJSON_IsNumber(l) && cJSON_IsNumber(t)) {
-      last = l->valuedouble;
-      ttl = t->valuedouble;
-    }
-    cJSON_Delete(j);
-    free(val);
-  }
-  if (last < 0)
-    return mc_err_set(err, MC_ENOTFOUND,
-                      "segment %s is not registered (never registered, or its engine shut "
-                      "down cleanly) on metadata server %s; is its engine running and using "
-                      "the same metadata_server?",
-                      segment, e->meta->url);
-  long long now = (long long)time(NULL);
-  long long ago = now - (long long)last, expired = now - (long long)(last + ttl);
-  if (expired >= 0)
-    return mc_err_set(err, MC_ENOTFOUND,
-                      "segment %s is not registered (expired %lld s ago: its engine last "
-                      "refreshed it %lld s ago with a TTL of %.0f s, so it died or lost the "
-                      "metadata server) on metadata server %s",
-                      segment, expired, ago, ttl, e->meta->url);
-  return mc_err_set(err, MC_ENOTFOUND,
-                    "segment %s is not registered (last refreshed %lld s ago, TTL %.0f s: "
-                    "the metadata server probably restarted and its engine re-registers "
-                    "within %.0f s) on metadata server %s",
-                    segment, ago, ttl, ttl / 3 + 1, e->meta->url);
-}
 
 /* ---- segment resolution ---- */
 
-/* P2P handshake: a peer not yet known must accept a connection on its rpc
- * port before a submit to it is accepted (as Mooncake's P2P mode fails the
- * submit, not the later status, for an unknown peer).  One connect, closed
- * at once; bounded by MC_P2P_HANDSHAKE_TIMEOUT_MS (default 2000). */
-static int p2p_handshake(const char *segment, const char *host, int port, mc_err_t *err) {
-  int timeout_ms = (int)mc_knob("MC_P2P_HANDSHAKE_TIMEOUT_MS", 2000, 1, 600000);
-  char ports[16];
-  snprintf(ports, sizeof ports, "%d", port);
-  struct addrinfo hints = {.ai_socktype = SOCK_STREAM}, *ai = NULL;
-  int gai = getaddrinfo(host, ports, &hints, &ai);
-  if (gai)
-    return mc_err_set(err, MC_ECONNECT, "P2P handshake with segment %s failed: cannot resolve "
-                      "host %s: %s", segment, host, gai_strerror(gai));
-  int why = ETIMEDOUT;
-  for (struct addrinfo *a = ai; a; a = a->ai_next) {
-    int fd = socket(a->ai_family, a->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC, a->ai_protocol);
-    if (fd < 0) {
-      why = errno;
-      continue;
-    }
-    int rc = connect(fd, a->ai_addr, a->ai_addrlen);
-    if (rc < 0 && errno == EINPROGRESS) {
-      struct pollfd p = {.fd = fd, .events = POLLOUT};
-      int pr;
-      do
-        pr = poll(&p, 1, timeout_ms);
-      while (pr < 0 && errno == EINTR);
-      if (pr == 1) {
-        int so = 0;
-        socklen_t sl = sizeof so;
-        getsockopt(fd, SOL_SOCKET, SO_ERROR, &so, &sl);
-        rc = so ? -1 : 0;
-        errno = so;
-      } else {
-        errno = pr == 0 ? ETIMEDOUT : errno;
-        rc = -1;
-      }
-    }
-    if (rc < 0)
-      why = errno;
-    close(fd);
-    if (rc == 0) {
-      freeaddrinfo(ai);
-      return 0;
-    }
-  }
-  freeaddrinfo(ai);
-  return mc_err_sys(err, MC_ECONNECT, why, "P2P handshake with segment %s failed: no engine "
-                    "accepts connections at %s:%d within %d ms (MC_P2P_HANDSHAKE_TIMEOUT_MS); "
-                    "is the peer initialized with that rpc port (get_rpc_port())?",
-                    segment, host, port, timeout_ms);
-}
 
 mc_peer_entry_t *mc_peer_entry_locked(mc_engine_t *e, const char *segment, int create) {
   for (size_t i = 0; i < e->npeers; i++)
@@ -159,27 +67,13 @@ int mc_engine_resolve(mc_engine_t *e, const char *segment, mc_segment_desc_t *ou
   mc_segment_desc_t d = {0};
   if (strlen(segment) >= sizeof d.name)
     return mc_err_set(err, MC_EINVAL, "segment name is too long");
-  if (e->p2p) {
-    mc_hostport_t hp;
-    if (mc_hostport_parse(segment, &hp, err) < 0 || hp.port < 0)
-      return mc_err_set(err, MC_EINVAL,
-                        "segment \"%s\" is not \"host:port\"; in P2P mode a segment is named by "
-                        "its host and rpc port (get_rpc_port())",
-                        segment);
-    snprintf(d.name, sizeof d.name, "%s", segment);
-    snprintf(d.host, sizeof d.host, "%s", hp.host);
-    d.port = hp.port;
-    snprintf(d.protocol, sizeof d.protocol, "%s", e->protocol);
-    int rc = p2p_handshake(segment, d.host, d.port, err);
-    if (rc < 0)
-      return rc;
-  } else {
+  if (!e->p2p) {
     char key[512], *val = NULL;
     size_t vlen = 0;
     mc_meta_key_segment(segment, key, sizeof key);
     int rc = mc_meta_get(e->meta, key, &val, &vlen, err);
     if (rc == MC_ENOTFOUND)
-      return not_registered(e, segment, err);
+      return mc_meta_not_registered(e->meta, segment, err);
     if (rc < 0)
       return rc;
     rc = mc_segment_desc_decode(val, vlen, segment, &d, err);
@@ -190,6 +84,23 @@ int mc_engine_resolve(mc_engine_t *e, const char *segment, mc_segment_desc_t *ou
       return mc_err_set(err, MC_EUNAVAIL, "segment %s speaks protocol \"%s\"; this engine "
                         "speaks \"%s\" (use the same protocol on both sides)", segment,
                         d.protocol, e->protocol);
+  } else {
+    mc_hostport_t hp;
+    if (mc_hostport_parse(segment, &hp, err) < 0 || hp.port < 0)
+      return mc_err_set(err, MC_EINVAL,
+                        "segment \"%s\" is not \"host:port\"; in P2P mode a segment is named by "
+                        "its host and rpc port (get_rpc_port())",
+                        segment);
+    snprintf(d.name, sizeof d.name, "%s", segment);
+    snprintf(d.host, sizeof d.host, "%s", hp.host);
+    d.port = hp.port;
+    snprintf(d.protocol, sizeof d.protocol, "%s", e->protocol);
+    /* P2P handshake: a peer not yet known must accept a connection on its
+     * rpc port before a submit to it is accepted (as Mooncake's P2P mode
+     * fails the submit, not the later status, for an unknown peer). */
+    int rc = mc_hostport_probe(segment, d.host, d.port, err);
+    if (rc < 0)
+      return rc;
   }
   pthread_mutex_lock(&e->peers_mu);
   if ((p = mc_peer_entry_locked(e, segment, 1))) { /* else: resolved again next time */
