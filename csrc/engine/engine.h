@@ -11,6 +11,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "transport/transport.h"
 #include "util/errors.h"
 
 typedef struct mc_engine mc_engine_t;
@@ -19,15 +20,16 @@ typedef struct mc_batch mc_batch_t;
 typedef struct mc_engine_opts {
   const char *local_hostname;  /* "host" or "host:port" (port 0/absent: any) */
   const char *metadata_server; /* "P2PHANDSHAKE" or a metadata URL */
-  const char *protocol;        /* "tcp" ("rdma" arrives with its issue) */
-  const char *device_name;     /* NICs for rdma; ignored for tcp */
+  const char *protocol;        /* a registered transport's protocol (transport/registry.c);
+                                  NULL/"": the control transport's */
+  const char *device_name;     /* for the transports that use NICs */
   int io_threads;              /* 0: env MC_TCP_IO_THREADS or 1 */
   int conns_per_peer;          /* 0: env MC_TCP_CONNS_PER_PEER or 1 */
   /* Peer authentication (docs/security.md): the shared secret every peer
-   * must prove it knows in the TCP handshake, at most MC_AUTH_SECRET_MAX
+   * must prove it knows in the control channel's handshake, at most MC_AUTH_SECRET_MAX
    * bytes.  NULL: env MC_AUTH_SECRET; NULL/"" there too: off. */
   const char *auth_secret;
-  /* 1: the same-host CPU path stays off (mooncake.json "same_host_cpu":
+  /* 1: the same-host CPU transport stays off (mooncake.json "same_host_cpu":
    * false); MC_SAME_HOST_CPU=0 switches it off too. */
   int same_host_cpu_off;
 } mc_engine_opts_t;
@@ -62,7 +64,8 @@ typedef struct mc_task_status {
   char msg[MC_ERR_MSG_MAX];
 } mc_task_status_t;
 
-/* Creates an engine: listens on the TCP port, publishes the segment to the
+/* Creates an engine: starts its transports (the control channel listens on
+ * the rpc port), publishes the segment to the
  * metadata server (unless P2P).  Blocks (network). */
 int mc_engine_create(const mc_engine_opts_t *opts, mc_engine_t **out, mc_err_t *err);
 /* Cancels what is in flight, unpublishes, stops threads, frees.  Blocks. */
@@ -73,9 +76,9 @@ int mc_engine_rpc_port(const mc_engine_t *e);
 
 /* Registers [addr, addr+len) as remotely accessible.  location: "cpu",
  * "cuda:N", or NULL/"*" (detect); a claim that does not match where the
- * memory is fails with MC_EINVAL naming the right one.  GPU regions are
- * served over TCP through pinned staging and, to peers on the same host,
- * directly between the GPUs (docs/architecture.md).  Republishes the
+ * memory is fails with MC_EINVAL naming the right one.  Every started
+ * transport is told (GPU regions: staged through pinned memory, or moved
+ * directly between the GPUs of one host; docs/architecture.md).  Republishes the
  * segment descriptor when a metadata server is used (blocks). */
 int mc_engine_register(mc_engine_t *e, void *addr, uint64_t len, const char *location,
                        mc_err_t *err);
@@ -165,16 +168,14 @@ int mc_engine_queue_notify(mc_engine_t *e, const char *from, const void *msg, si
 /* Current use of the engine's budgets (docs/connector.md "Budgets"). */
 typedef struct mc_engine_stats {
   uint64_t notify_queue_bytes, notify_queue_limit, notify_queue_msgs, notify_refused;
-  uint64_t reply_queue_bytes, reply_queue_conn_limit, reply_queue_total_limit;
-  uint64_t paused_conns, prehandshake_conns, prehandshake_limit, prehandshake_refused;
-  uint64_t prehandshake_bytes_each; /* what one such connection may hold */
-  /* The same-host CPU path (transport/cma): bytes this engine copied into
-   * (WRITE) and out of (READ) peers' memory, ops, peers reached. */
-  uint64_t same_host_cpu_bytes_written, same_host_cpu_bytes_read, same_host_cpu_ops;
-  uint64_t same_host_cpu_peers;
-  uint64_t same_host_cpu_refused_unbound;
-  uint64_t prehandshake_evicted; /* oldest pre-handshake connections dropped for newer ones */
-  uint64_t handshake_redials; /* our connections dialed again after a reset before HELLO_ACK */ /* hello not from the peer on the connection */
+  /* What the transports report (transport.h, MC_TRANSPORT_STATS_FIELDS:
+   * each transport fills the fields it owns). */
+  union {
+    struct {
+      MC_TRANSPORT_STATS_FIELDS
+    };
+    mc_transport_stats_t transport;
+  };
   /* Detached notifications not yet freed (mc_engine_notify_detached). */
   uint64_t detached_msgs, detached_bytes;
 } mc_engine_stats_t;

@@ -10,9 +10,18 @@
 #include "meta/segment_desc.h"
 #include "gpu/gpu_staging.h"
 #include "meta/meta.h"
-#include "transport/rdma/rdma.h"
-#include "transport/tcp/tcp.h"
 #include "transport/transport.h"
+#include "util/env.h"
+
+typedef struct mc_ctrl mc_ctrl_t; /* a control message in flight (ctrl.c) */
+
+/* What the engine knows of one peer (peers.c; e->peers_mu). */
+typedef struct mc_peer_entry {
+  char name[320];
+  int resolved;         /* d holds its descriptor (else only routes were asked) */
+  mc_segment_desc_t d;
+  signed char route[MC_TRANSPORT_MAX][MC_MEM_KINDS]; /* reaches(): 1 yes, -1 no, 0 not asked */
+} mc_peer_entry_t;
 
 typedef struct mc_notify_msg {
   struct mc_notify_msg *next;
@@ -29,17 +38,11 @@ struct mc_engine {
   int p2p;
   mc_meta_t *meta;
   mc_regions_t regions;
-  /* Transports by slot (transport.h; route.c chooses).  TCP is always
-   * there: also the control channel (NOTIFY, RPC). */
-  mc_transport_t tr[MC_TRANSPORT_COUNT];
-  mc_tcp_t *tcp;          /* = tr[MC_TRANSPORT_TCP].impl */
-  mc_tcp_opts_t tcp_opts; /* as started (budgets for stats) */
-  pthread_mutex_t route_mu; /* reaches() answers per peer (route.c) */
-  struct {
-    char name[320];
-    signed char v[MC_TRANSPORT_COUNT][MC_MEM_KINDS];
-  } *routes;
-  size_t nroutes;
+  /* Transports by registry slot (transport/registry.c; transports.c
+   * starts them, peers.c chooses); an empty slot has ops NULL. */
+  mc_transport_t tr[MC_TRANSPORT_MAX];
+  int ctrl;                  /* the control channel's slot (NOTIFY, RPC) */
+  mc_transport_conf_t tconf; /* what the transports read at start */
   char protocol[8];
   uint64_t slice_size;    /* bytes per wire op */
   uint32_t op_entries;    /* entries per wire op */
@@ -47,13 +50,11 @@ struct mc_engine {
   uint64_t spin_ns;       /* MC_WAIT_SPIN_US: busy-wait before sleeping */
   mc_gpu_stager_t *gpu;   /* pinned staging + GPU copy thread (gpu_xfer.c) */
   int gpu_reserved;       /* staging pre-allocated (first cuda region) */
-  int gpu_ipc_off;        /* MC_GPU_IPC=0: the same-host GPU transport is not started */
   int gpu_chunk;          /* MC_GPU_CHUNK: requests planned per step */
   int gpu_first_chunk;    /* MC_GPU_FIRST_CHUNK: the first step's (then doubling) */
   int gpu_trace;          /* MC_GPU_TRACE=1: log planning times (docs/device.md) */
   int local_check;        /* local buffers must lie in our regions (MC_LOCAL_CHECK) */
   int unregister_wait_ms; /* MC_UNREGISTER_WAIT_MS: bound on waiting for pins */
-  int same_host_cpu_off;  /* opts.same_host_cpu_off (mooncake.json same_host_cpu) */
   pthread_mutex_t gpu_mu; /* gpu_reserved */
   int unregister_grace_ms; /* MC_UNREGISTER_GRACE_MS: then transfers holding it are cut */
   int unregister_revoke;   /* MC_UNREGISTER_REVOKE: peers holding it past grace are cut */
@@ -64,13 +65,15 @@ struct mc_engine {
   pthread_mutex_t pin_mu;
   mc_batch_t *pin_head;
 
-  pthread_mutex_t seg_mu; /* segment cache */
-  mc_segment_desc_t *segs;
-  size_t nsegs, cap_segs;
+  /* One table of peers (peers.c): each one's descriptor and the
+   * transports' reaches() answers, the choice). */
+  pthread_mutex_t peers_mu;
+  mc_peer_entry_t *peers;
+  size_t npeers, cap_peers;
 
   /* Detached notifications in flight (batch.c, mc_engine_notify_detached). */
   pthread_mutex_t det_mu;
-  mc_batch_t *det_head;
+  struct mc_ctrl *det_head;
   size_t ndet;
   uint64_t det_bytes;
 
@@ -91,6 +94,7 @@ struct mc_engine {
   pthread_mutex_t pub_mu;   /* serialises writes of our entries */
   char *pub_desc, *pub_rpc; /* last published values (pub_mu) */
   int pub_dirty;            /* the last PUT of them failed: the keep-alive re-PUTs (pub_mu) */
+  int published;            /* our entries were PUT (create): destroy removes them */
   int rpc_written;          /* rpc entry PUT once; Mooncake's server refuses a second (pub_mu) */
   /* Regions unregistered here whose new descriptor did not reach the
    * metadata server (pub_mu): unregistering one again retries the publish. */
@@ -136,17 +140,44 @@ struct mc_batch {
   int submitting;       /* submits between pinning and handing out their ops */
   int on_pin_list;      /* linked on eng->pin_head (until mc_batch_free) */
   mc_batch_t *pin_next, *pin_prev;
-  char *rpc_reply; /* mc_engine_rpc: the reply text (malloc'ed) */
-  /* mc_engine_notify_detached: owned by the engine's list (det_*). */
-  mc_batch_t *det_next;
-  uint64_t det_deadline_ns;
-  const char *det_what;
 };
 
 /* batch.c: cancels the transfers of this engine whose local buffers lie in
  * reg (an unregister that waited past its grace period); returns how many
  * batches were canceled. */
 size_t mc_engine_cancel_local_users(mc_engine_t *e, const mc_region_t *reg);
+
+/* The engine's integer knobs (MC_*: range-checked, the default otherwise). */
+static inline int mc_knob(const char *name, int dflt, int lo, int hi) {
+  return (int)mc_env_long(name, dflt, lo, hi);
+}
+
+/* e->gpu_trace (MC_GPU_TRACE=1) times the GPU planning steps and the wait,
+ * in absolute us comparable with the copy worker's job lines. */
+static inline double mc_trace_us(uint64_t ns) { return (double)(ns / 1000 % 100000000); }
+
+/* batch.c: an op of the batch op->arg finished (its done()); one entry of
+ * it failed (its entry_failed()). */
+void mc_batch_op_done(mc_xfer_op_t *op, int code, const char *msg);
+void mc_batch_op_entry_failed(mc_xfer_op_t *op, uint32_t idx, int code, const char *msg);
+/* batch.c: pins the regions holding the local buffers of reqs (those that
+ * lie in one; MC_LOCAL_CHECK: all must) and marks a submit in progress;
+ * mc_batch_pin_end after the ops are handed out. */
+int mc_batch_pin_begin(mc_engine_t *e, mc_batch_t *b, const mc_request_t *reqs, size_t n,
+                       mc_err_t *err);
+void mc_batch_pin_end(mc_batch_t *b);
+int mc_batch_finished(void *arg); /* no task pending (a poll's stop test) */
+
+/* publish.c: our entries on the metadata server. */
+int mc_engine_publish(mc_engine_t *e, mc_err_t *err);
+void mc_engine_unpublish(mc_engine_t *e);
+int mc_keepalive_start(mc_engine_t *e, mc_err_t *err);
+void mc_keepalive_stop(mc_engine_t *e);
+/* Regions unregistered here whose removal is not yet published (pub_mu
+ * taken inside, except find: caller holds it). */
+int mc_unpub_find(mc_engine_t *e, uint64_t addr);
+void mc_unpub_drop(mc_engine_t *e, uint64_t addr);
+void mc_unpub_add(mc_engine_t *e, uint64_t addr);
 
 /* batch.c: records one finished part of task i (caller holds b->mu). */
 void mc_batch_part_done(mc_batch_t *b, size_t i, int code, const char *msg, uint64_t bytes);
@@ -177,11 +208,37 @@ int mc_gpu_locate_locals(mc_gpu_locator_t *lc, const mc_request_t *reqs, size_t 
 /* Synchronous copy for same-segment requests touching GPU memory. */
 int mc_gpu_copy_sync(void *dst, const void *src, uint64_t len, int dev, mc_err_t *err);
 
-/* route.c: the transports.  choose returns the slot that moves `kind`
- * memory to `peer` (TCP when nothing better reaches it); no_plan: the best
- * after planning transports (for the requests a plan() did not take). */
+/* transports.c: the registered transports.  start: the control channel
+ * first (its port completes the name: mc_engine_set_port), then the rest
+ * in registry order; a protocol nobody started falls back to the control
+ * transport's (the transport asked for logged why). */
+int mc_transport_count(void);
+int mc_protocol_check(const char *proto, mc_err_t *err); /* one a transport offers? */
+const char *mc_protocol_default(void);
 int mc_transports_start(mc_engine_t *e, mc_err_t *err);
 void mc_transports_stop(mc_engine_t *e);
+void mc_transports_stats(mc_engine_t *e, mc_transport_stats_t *out);
+/* After canceling (the ops' cancel flag set): sweeps the transports and
+ * waits on cv under mu until busy(arg) is 0, sweeping again every second. */
+void mc_transports_drain(mc_engine_t *e, pthread_mutex_t *mu, pthread_cond_t *cv,
+                         int (*busy)(const void *), const void *arg);
+/* ctrl.c: the control channel (the transport with MC_TCAP_CTRL) takes a
+ * NOTIFY/RPC op. */
+void mc_ctrl_submit_op(mc_engine_t *e, const mc_peer_t *peer, mc_xfer_op_t *op);
+
+/* engine.c: our name gets the control transport's port (port 0 asked). */
+void mc_engine_set_port(mc_engine_t *e, int port);
+/* engine.c: a NOTIFY arrived (the handler or the queue). */
+int mc_engine_on_notify(void *ctx, const char *from, const void *msg, size_t len,
+                        mc_err_t *err);
+
+/* peers.c: choose returns the slot that moves `kind` memory to `peer` (the
+ * control transport when nothing better reaches it); no_plan: the best
+ * after planning transports (for the requests a plan() did not take). */
+/* peers.c: the peer's entry (peers_mu held), created if asked (NULL: none,
+ * or out of memory); all entries freed (engine destroy). */
+mc_peer_entry_t *mc_peer_entry_locked(mc_engine_t *e, const char *segment, int create);
+void mc_peers_free(mc_engine_t *e);
 /* batch.c: frees finished detached notifications and cancels those past
  * their deadline; all: frees every one (after mc_transports_stop). */
 void mc_engine_reap_detached(mc_engine_t *e, int all);
@@ -211,9 +268,11 @@ int mc_transports_unregister(mc_engine_t *e, void *addr, int64_t timeout_ms, mc_
 int mc_engine_resolve(mc_engine_t *e, const char *segment, mc_segment_desc_t *out,
                       mc_err_t *err);
 void mc_engine_forget_segment(mc_engine_t *e, const char *segment);
+/* peers.c: 1 the peer runs on this host, -1 on another, 0 not known. */
+int mc_peer_same_host(const mc_segment_desc_t *d);
 
-/* Sends an RPC (a transport's control request, e.g. the RDMA handshake) to
- * a segment over its TCP control connection and waits for the reply text
+/* Sends an RPC (a transport's control request, e.g. a connection
+ * handshake) to a segment over the control channel and waits for the reply text
  * (*reply, malloc'ed).  Blocks up to timeout_ms (<0: engine default). */
 int mc_engine_rpc(mc_engine_t *e, const char *segment, const char *req, size_t len,
                   int64_t timeout_ms, char **reply, mc_err_t *err);

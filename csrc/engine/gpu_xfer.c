@@ -1,8 +1,7 @@
 /* GPU memory in transfers (engine side): where local buffers live, and
- * synchronous copies for same-segment requests.  The same-host path is a
- * transport (transport/same_host_gpu/), the staging of GPU buffers for TCP
- * lives in the TCP transport (tcp_gpu_stage.c, tcp_recv.c).  All use the
- * engine's copy worker (gpu/gpu_staging.c). */
+ * synchronous copies for same-segment requests.  Moving GPU memory to
+ * peers is the transports' (directly between GPUs, or staged through
+ * pinned memory); all use the engine's copy worker (gpu/gpu_staging.c). */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>

@@ -31,6 +31,15 @@ static int enc_check(const char *what, uint64_t need, size_t cap, mc_err_t *err)
   return 0;
 }
 
+/* The header every KV message starts with: magic, version, id (at byte 8),
+ * the rest of the fixed header zeroed for the encoder to fill. */
+static void enc_head(uint8_t *buf, size_t hdr, uint32_t magic, uint64_t id) {
+  memset(buf, 0, hdr);
+  mc_put_u32(buf, magic);
+  buf[4] = KV_VERSION;
+  mc_put_u64(buf + 8, id);
+}
+
 static int width_ok(unsigned width) { return width == 4 || width == 8; }
 
 /* Starts a decoder: magic, version, fixed header length (exact if `exact`). */
@@ -65,12 +74,9 @@ long kv_msg_req_encode(const kv_msg_req_t *r, uint8_t *buf, size_t cap, mc_err_t
   int rc = enc_check("recv_kv request", need, cap, err);
   if (rc < 0)
     return rc;
-  memset(buf, 0, KV_REQ_HDR);
-  mc_put_u32(buf, KV_REQ_MAGIC);
-  buf[4] = KV_VERSION;
+  enc_head(buf, KV_REQ_HDR, KV_REQ_MAGIC, r->id);
   buf[5] = r->width;
   mc_put_u16(buf + 6, r->epb);
-  mc_put_u64(buf + 8, r->id);
   mc_put_u32(buf + 16, r->timeout_ms);
   mc_put_u32(buf + 20, r->nhid);
   mc_put_u32(buf + 24, r->ntok);
@@ -129,10 +135,7 @@ long kv_msg_rep_encode(const kv_msg_rep_t *r, uint8_t *buf, size_t cap, mc_err_t
   int rc = enc_check("recv_kv answer", need, cap, err);
   if (rc < 0)
     return rc;
-  memset(buf, 0, KV_REP_HDR);
-  mc_put_u32(buf, KV_REP_MAGIC);
-  buf[4] = KV_VERSION;
-  mc_put_u64(buf + 8, r->id);
+  enc_head(buf, KV_REP_HDR, KV_REP_MAGIC, r->id);
   mc_put_u32(buf + 16, (uint32_t)r->status);
   mc_put_u32(buf + 20, r->matched);
   size_t tl = rep_text_len(r->status, r->text, r->text_len);
@@ -171,12 +174,9 @@ long kv_msg_lease_req_encode(const kv_msg_lease_req_t *q, uint8_t *buf, size_t c
   int rc = enc_check("KV lease request", need, cap, err);
   if (rc < 0)
     return rc;
-  memset(buf, 0, KV_PULL_HDR);
-  mc_put_u32(buf, KV_PULL_MAGIC);
-  buf[4] = KV_VERSION;
+  enc_head(buf, KV_PULL_HDR, KV_PULL_MAGIC, q->id);
   buf[5] = q->width;
   mc_put_u16(buf + 6, q->epb);
-  mc_put_u64(buf + 8, q->id);
   mc_put_u32(buf + 16, q->lease_ms);
   mc_put_u32(buf + 20, q->ntok);
   mc_put_u32(buf + 24, q->skip);
@@ -239,10 +239,7 @@ long kv_msg_lease_ans_encode(const kv_msg_lease_ans_t *a, uint8_t *buf, size_t c
   int rc = enc_check("KV lease answer", need, cap, err);
   if (rc < 0)
     return rc;
-  memset(buf, 0, KV_PANS_HDR);
-  mc_put_u32(buf, KV_PANS_MAGIC);
-  buf[4] = KV_VERSION;
-  mc_put_u64(buf + 8, a->id);
+  enc_head(buf, KV_PANS_HDR, KV_PANS_MAGIC, a->id);
   mc_put_u32(buf + 16, (uint32_t)a->status);
   mc_put_u32(buf + 20, a->matched);
   mc_put_u64(buf + 24, a->lease_id);
@@ -297,10 +294,7 @@ long kv_msg_release_encode(uint64_t lease_id, uint8_t *buf, size_t cap, mc_err_t
   int rc = enc_check("KV lease release", KV_PREL_LEN, cap, err);
   if (rc < 0)
     return rc;
-  memset(buf, 0, KV_PREL_LEN);
-  mc_put_u32(buf, KV_PREL_MAGIC);
-  buf[4] = KV_VERSION;
-  mc_put_u64(buf + 8, lease_id);
+  enc_head(buf, KV_PREL_LEN, KV_PREL_MAGIC, lease_id);
   return KV_PREL_LEN;
 }
 

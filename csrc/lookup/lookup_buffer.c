@@ -513,6 +513,155 @@ static size_t walk(mc_lookup_t *lb, const mc_block_hash_t *h, const uint32_t *ca
   return k;
 }
 
+/* An insert found its entry stored (keep mode): it becomes the newest. */
+static void refresh_entry(mc_lookup_t *lb, lk_entry_t *e, size_t n) {
+  e->born_ns = now_ns(lb);
+  lru_unlink(lb, e);
+  lru_push(lb, e);
+  age_unlink(lb, e);
+  age_push(lb, e);
+  lb->st.inserts++;
+  lb->st.insert_reused_blocks += n;
+}
+
+/* Bytes the blocks [k, n) of an insert hold. */
+static uint64_t bytes_needed(const mc_lookup_t *lb, const mc_lookup_extent_t *kv,
+                             const mc_lookup_extent_t *hidden, size_t k, size_t n) {
+  uint64_t need = 0;
+  for (size_t i = k; i < n; i++) {
+    for (uint32_t e = 0; e < lb->epb; e++)
+      need += kv[i * lb->epb + e].len;
+    need += hidden ? hidden[i].len : 0;
+  }
+  return need;
+}
+
+/* No room for `need` bytes: MC_EBUSY (evict policy, or no waiting), else
+ * waits one slice for room (lb->mu held, released while waiting) and
+ * returns 0 to try again, MC_ETIMEDOUT past the deadline (set on the first
+ * wait, capped at BACKPRESSURE_CAP_MS). */
+static int wait_for_room(mc_lookup_t *lb, uint64_t need, int timeout_ms, uint64_t *deadline,
+                         int *waited, mc_err_t *err) {
+  size_t pinned = lb->st.pinned_blocks;
+  if (lb->policy == MC_LOOKUP_EVICT || timeout_ms == 0) {
+    lb->st.busy++;
+    return mc_err_set(err, MC_EBUSY,
+                    "lookup buffer full: %llu of %llu bytes used (%zu blocks pinned by "
+                    "matches in use), %llu more needed",
+                    (unsigned long long)lb->st.used_bytes, (unsigned long long)lb->capacity,
+                    pinned, (unsigned long long)need);
+  }
+  uint64_t now = mc_now_ns();
+  if (!*waited) {
+    int ms = timeout_ms < 0 || timeout_ms > BACKPRESSURE_CAP_MS ? BACKPRESSURE_CAP_MS
+                                                                : timeout_ms;
+    *deadline = now + (uint64_t)ms * 1000000ull;
+    *waited = 1;
+  }
+  if (now >= *deadline) {
+    lb->st.busy++;
+    return mc_err_set(err, MC_ETIMEDOUT,
+                    "lookup buffer still full after waiting %d ms: %llu of %llu bytes used, "
+                    "%llu more needed",
+                    timeout_ms, (unsigned long long)lb->st.used_bytes,
+                    (unsigned long long)lb->capacity, (unsigned long long)need);
+  }
+  uint64_t until = *deadline - now > WAIT_SLICE_NS ? now + WAIT_SLICE_NS : *deadline;
+  struct timespec ts = mc_deadline_ts(until);
+  pthread_cond_timedwait(&lb->room, &lb->mu, &ts);
+  return 0;
+}
+
+/* An insert's extents: every KV extent non-empty with block 0's layout,
+ * none at address 0, all inside registered memory (check_extents). */
+static int check_insert_extents(mc_lookup_t *lb, const mc_lookup_extent_t *kv,
+                                const mc_lookup_extent_t *hidden, size_t n, mc_err_t *err) {
+  for (size_t i = 0; i < n * lb->epb; i++) {
+    if (kv[i].len == 0) {
+      return mc_err_set(err, MC_EINVAL,
+                        "KV extent %zu (block %zu, extent %zu of the block) has length 0: every "
+                        "KV extent must hold the block's bytes",
+                        i, i / lb->epb, i % lb->epb);
+    }
+    if (kv[i].len != kv[i % lb->epb].len) { /* the layout: block 0's extent lengths */
+      return mc_err_set(err, MC_EINVAL,
+                        "KV extent %zu (block %zu, extent %zu of the block) has length %llu but "
+                        "extent %zu of block 0 has %llu: every block must have the same layout",
+                        i, i / lb->epb, i % lb->epb, (unsigned long long)kv[i].len, i % lb->epb,
+                        (unsigned long long)kv[i % lb->epb].len);
+    }
+    if (kv[i].len && !kv[i].addr) {
+      return mc_err_set(err, MC_EINVAL, "KV extent %zu (block %zu) has length %llu at address 0",
+                        i, i / lb->epb, (unsigned long long)kv[i].len);
+    }
+  }
+  for (size_t i = 0; hidden && i < n; i++) {
+    if (hidden[i].len && !hidden[i].addr) {
+      return mc_err_set(err, MC_EINVAL, "hidden extent %zu has length %llu at address 0", i,
+                        (unsigned long long)hidden[i].len);
+    }
+  }
+  int crc = check_extents(lb, kv, n * lb->epb, "KV", err);
+  if (crc == 0)
+    crc = check_extents(lb, hidden, hidden ? n : 0, "hidden", err);
+  return crc;
+}
+
+/* Stores the entry for blocks [k, n) after the present prefix path[0, k)
+ * (held: one ref on path[k-1], dropped on failure): the prebuilt nodes (or
+ * built now), linked under their parents.  Room was made.  lb->mu held.
+ * Returns n or < 0. */
+static long link_entry(mc_lookup_t *lb, lk_node_t **path, lk_node_t **pre, size_t k, size_t n,
+                       const mc_block_hash_t *h, const uint32_t *canon,
+                       const mc_lookup_extent_t *kv, const mc_lookup_extent_t *hidden, int copy,
+                       mc_err_t *err) {
+  size_t bs = lb->hasher.block_size;
+  lk_node_t *prev = k ? path[k - 1] : NULL;
+  if (lb->nused + (n - k) > lb->nslots / 2) {
+    size_t want = lb->nused + (n - k);
+    while (lb->nslots / 2 < want && table_grow(lb) == 0)
+      ;
+    if (lb->nslots / 2 < want) {
+      if (k)
+        path_unref(lb, path[k - 1]);
+      return mc_err_set(err, MC_ENOMEM, "out of memory growing the lookup index");
+    }
+  }
+  lk_entry_t *e = calloc(1, sizeof *e);
+  if (!e) {
+    if (k)
+      path_unref(lb, path[k - 1]);
+    return mc_err_set(err, MC_ENOMEM, "out of memory inserting an entry");
+  }
+  for (size_t i = k; i < n; i++) {
+    lk_node_t *nd = pre[i];
+    pre[i] = NULL;
+    if (!nd)
+      nd = node_build(lb, h[i], canon + i * bs, kv + i * lb->epb,
+                      hidden ? hidden + i : NULL, copy);
+    if (!nd) { /* undo: the new blocks so far belong to no entry yet */
+      if (prev)
+        path_unref(lb, prev);
+      free(e);
+      return mc_err_set(err, MC_ENOMEM, "out of memory building block %zu of %zu", i, n);
+    }
+    nd->refs = 1;
+    node_link(lb, nd, prev);
+    path[i] = prev = nd;
+  }
+  e->leaf = path[n - 1];
+  e->nblocks = (uint32_t)n;
+  e->born_ns = now_ns(lb);
+  e->leaf_next = e->leaf->entries;
+  e->leaf->entries = e;
+  lru_push(lb, e);
+  age_push(lb, e);
+  lb->st.entries++;
+  lb->st.inserts++;
+  lb->st.insert_reused_blocks += k;
+  return (long)n;
+}
+
 long mc_lookup_insert(mc_lookup_t *lb, const void *tokens, size_t ntok, int width,
                       const mc_lookup_extent_t *kv, const mc_lookup_extent_t *hidden, int flags,
                       int timeout_ms, size_t *reused, mc_err_t *err) {
@@ -530,38 +679,7 @@ long mc_lookup_insert(mc_lookup_t *lb, const void *tokens, size_t ntok, int widt
   if (rn < 0)
     return rn;
   size_t n = (size_t)rn;
-  for (size_t i = 0; i < n * lb->epb; i++) {
-    if (kv[i].len == 0) {
-      free(h);
-      return mc_err_set(err, MC_EINVAL,
-                        "KV extent %zu (block %zu, extent %zu of the block) has length 0: every "
-                        "KV extent must hold the block's bytes",
-                        i, i / lb->epb, i % lb->epb);
-    }
-    if (kv[i].len != kv[i % lb->epb].len) { /* the layout: block 0's extent lengths */
-      free(h);
-      return mc_err_set(err, MC_EINVAL,
-                        "KV extent %zu (block %zu, extent %zu of the block) has length %llu but "
-                        "extent %zu of block 0 has %llu: every block must have the same layout",
-                        i, i / lb->epb, i % lb->epb, (unsigned long long)kv[i].len, i % lb->epb,
-                        (unsigned long long)kv[i % lb->epb].len);
-    }
-    if (kv[i].len && !kv[i].addr) {
-      free(h);
-      return mc_err_set(err, MC_EINVAL, "KV extent %zu (block %zu) has length %llu at address 0",
-                        i, i / lb->epb, (unsigned long long)kv[i].len);
-    }
-  }
-  for (size_t i = 0; hidden && i < n; i++) {
-    if (hidden[i].len && !hidden[i].addr) {
-      free(h);
-      return mc_err_set(err, MC_EINVAL, "hidden extent %zu has length %llu at address 0", i,
-                        (unsigned long long)hidden[i].len);
-    }
-  }
-  int crc = check_extents(lb, kv, n * lb->epb, "KV", err);
-  if (crc == 0)
-    crc = check_extents(lb, hidden, hidden ? n : 0, "hidden", err);
+  int crc = check_insert_extents(lb, kv, hidden, n, err);
   if (crc < 0) {
     free(h);
     return crc;
@@ -599,24 +717,12 @@ long mc_lookup_insert(mc_lookup_t *lb, const void *tokens, size_t ntok, int widt
     expire_locked(lb);
     size_t k = walk(lb, h, canon, n, path);
     if (k == n && lb->mode == MC_LOOKUP_KEEP && path[n - 1]->entries) {
-      lk_entry_t *e = path[n - 1]->entries; /* already stored: refresh it */
-      e->born_ns = now_ns(lb);
-      lru_unlink(lb, e);
-      lru_push(lb, e);
-      age_unlink(lb, e);
-      age_push(lb, e);
-      lb->st.inserts++;
-      lb->st.insert_reused_blocks += n;
+      refresh_entry(lb, path[n - 1]->entries, n); /* already stored */
       nre = n;
       rc = (long)n;
       break;
     }
-    uint64_t need = 0;
-    for (size_t i = k; i < n; i++) {
-      for (uint32_t e = 0; e < lb->epb; e++)
-        need += kv[i * lb->epb + e].len;
-      need += hidden ? hidden[i].len : 0;
-    }
+    uint64_t need = bytes_needed(lb, kv, hidden, k, n);
     uint64_t need_index = (uint64_t)(n - k) * block_index_bytes(lb);
     if ((rc = index_too_big(lb, n - k, err)) < 0)
       break;
@@ -639,90 +745,16 @@ long mc_lookup_insert(mc_lookup_t *lb, const void *tokens, size_t ntok, int widt
     }
     if (lb->st.used_bytes + need <= lb->capacity &&
         lb->st.index_bytes + need_index <= lb->capacity) {
-      lk_node_t *prev = k ? path[k - 1] : NULL;
-      if (lb->nused + (n - k) > lb->nslots / 2) {
-        size_t want = lb->nused + (n - k);
-        while (lb->nslots / 2 < want && table_grow(lb) == 0)
-          ;
-        if (lb->nslots / 2 < want) {
-          if (k)
-            path_unref(lb, path[k - 1]);
-          rc = mc_err_set(err, MC_ENOMEM, "out of memory growing the lookup index");
-          break;
-        }
-      }
-      lk_entry_t *e = calloc(1, sizeof *e);
-      if (!e) {
-        if (k)
-          path_unref(lb, path[k - 1]);
-        rc = mc_err_set(err, MC_ENOMEM, "out of memory inserting an entry");
-        break;
-      }
-      for (size_t i = k; i < n; i++) {
-        lk_node_t *nd = pre[i];
-        pre[i] = NULL;
-        if (!nd)
-          nd = node_build(lb, h[i], canon + i * bs, kv + i * lb->epb,
-                          hidden ? hidden + i : NULL, copy);
-        if (!nd) { /* undo: the new blocks so far belong to no entry yet */
-          if (prev)
-            path_unref(lb, prev);
-          free(e);
-          rc = mc_err_set(err, MC_ENOMEM, "out of memory building block %zu of %zu", i, n);
-          goto out_locked;
-        }
-        nd->refs = 1;
-        node_link(lb, nd, prev);
-        path[i] = prev = nd;
-      }
-      e->leaf = path[n - 1];
-      e->nblocks = (uint32_t)n;
-      e->born_ns = now_ns(lb);
-      e->leaf_next = e->leaf->entries;
-      e->leaf->entries = e;
-      lru_push(lb, e);
-      age_push(lb, e);
-      lb->st.entries++;
-      lb->st.inserts++;
-      lb->st.insert_reused_blocks += k;
-      nre = k;
-      rc = (long)n;
+      rc = link_entry(lb, path, pre, k, n, h, canon, kv, hidden, copy, err);
+      nre = rc > 0 ? k : 0;
       break;
     }
     /* No room. */
-    size_t pinned = lb->st.pinned_blocks;
     if (k)
       path_unref(lb, path[k - 1]);
-    if (lb->policy == MC_LOOKUP_EVICT || timeout_ms == 0) {
-      lb->st.busy++;
-      rc = mc_err_set(err, MC_EBUSY,
-                      "lookup buffer full: %llu of %llu bytes used (%zu blocks pinned by "
-                      "matches in use), %llu more needed",
-                      (unsigned long long)lb->st.used_bytes, (unsigned long long)lb->capacity,
-                      pinned, (unsigned long long)need);
+    if ((rc = wait_for_room(lb, need, timeout_ms, &deadline, &waited, err)) < 0)
       break;
-    }
-    uint64_t now = mc_now_ns();
-    if (!waited) {
-      int ms = timeout_ms < 0 || timeout_ms > BACKPRESSURE_CAP_MS ? BACKPRESSURE_CAP_MS
-                                                                  : timeout_ms;
-      deadline = now + (uint64_t)ms * 1000000ull;
-      waited = 1;
-    }
-    if (now >= deadline) {
-      lb->st.busy++;
-      rc = mc_err_set(err, MC_ETIMEDOUT,
-                      "lookup buffer still full after waiting %d ms: %llu of %llu bytes used, "
-                      "%llu more needed",
-                      timeout_ms, (unsigned long long)lb->st.used_bytes,
-                      (unsigned long long)lb->capacity, (unsigned long long)need);
-      break;
-    }
-    uint64_t until = deadline - now > WAIT_SLICE_NS ? now + WAIT_SLICE_NS : deadline;
-    struct timespec ts = mc_deadline_ts(until);
-    pthread_cond_timedwait(&lb->room, &lb->mu, &ts);
   }
-out_locked:
   if (rc > 0 && lb->track_freed && !copy) {
     /* The extents given for blocks already present are not referenced: tell
      * the owner right away, so every zero-copy extent handed to a successful

@@ -1,4 +1,5 @@
 #include "mem/regions.h"
+#include "util/bsearch.h"
 
 #include <errno.h>
 #include <stdio.h>
@@ -55,17 +56,9 @@ int mc_regions_pub_info(mc_regions_t *r, int *fd, uint64_t *token) {
 
 /* Index of the last region with addr <= a, or -1. Caller holds mu. */
 static long find_le(mc_regions_t *r, uint64_t a) {
-  long lo = 0, hi = (long)r->n - 1, ans = -1;
-  while (lo <= hi) {
-    long mid = lo + (hi - lo) / 2;
-    if (r->v[mid]->addr <= a) {
-      ans = mid;
-      lo = mid + 1;
-    } else {
-      hi = mid - 1;
-    }
-  }
-  return ans;
+#define REG_ADDR(i) r->v[i]->addr
+  return (long)MC_COUNT_LE(r->n, REG_ADDR, a) - 1;
+#undef REG_ADDR
 }
 
 static int valid_location(const char *loc) {

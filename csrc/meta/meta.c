@@ -7,6 +7,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
+#include <time.h>
+
+#include <cjson/cJSON.h>
 
 #define P2P_CONN "P2PHANDSHAKE"
 
@@ -210,4 +213,45 @@ int mc_meta_key_rpc(const char *segment_name, char *buf, size_t len) {
 
 int mc_meta_key_last_seen(const char *segment_name, char *buf, size_t len) {
   return build_key("last_seen/", segment_name, buf, len);
+}
+
+/* The "not registered" error of a lookup, told apart with the last-seen
+ * record: expired N s ago (its engine died), recently refreshed (the server
+ * lost it; re-registration pending), or no record at all. */
+int mc_meta_not_registered(mc_meta_t *m, const char *segment, mc_err_t *err) {
+  char key[512], *val = NULL;
+  size_t vlen = 0;
+  mc_err_t tmp = {0};
+  double last = -1, ttl = -1;
+  if (mc_meta_key_last_seen(segment, key, sizeof key) == 0 &&
+      mc_meta_get(m, key, &val, &vlen, &tmp) == 0) {
+    cJSON *j = cJSON_ParseWithLength(val, vlen);
+    const cJSON *l = cJSON_GetObjectItemCaseSensitive(j, "last_seen");
+    const cJSON *t = cJSON_GetObjectItemCaseSensitive(j, "ttl");
+    if (cJSON_IsNumber(l) && cJSON_IsNumber(t)) {
+      last = l->valuedouble;
+      ttl = t->valuedouble;
+    }
+    cJSON_Delete(j);
+    free(val);
+  }
+  if (last < 0)
+    return mc_err_set(err, MC_ENOTFOUND,
+                      "segment %s is not registered (never registered, or its engine shut "
+                      "down cleanly) on metadata server %s; is its engine running and using "
+                      "the same metadata_server?",
+                      segment, m->url);
+  long long now = (long long)time(NULL);
+  long long ago = now - (long long)last, expired = now - (long long)(last + ttl);
+  if (expired >= 0)
+    return mc_err_set(err, MC_ENOTFOUND,
+                      "segment %s is not registered (expired %lld s ago: its engine last "
+                      "refreshed it %lld s ago with a TTL of %.0f s, so it died or lost the "
+                      "metadata server) on metadata server %s",
+                      segment, expired, ago, ttl, m->url);
+  return mc_err_set(err, MC_ENOTFOUND,
+                    "segment %s is not registered (last refreshed %lld s ago, TTL %.0f s: "
+                    "the metadata server probably restarted and its engine re-registers "
+                    "within %.0f s) on metadata server %s",
+                    segment, ago, ttl, ttl / 3 + 1, m->url);
 }

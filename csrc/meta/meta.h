@@ -105,6 +105,11 @@ int mc_meta_redis_open(const char *conn, const char *rest, mc_meta_t **out,
 /* Shared by the backends: MC_METADATA_TIMEOUT_MS (total per request, default
  * 3000) and the connect timeout derived from it (min(1500, total)). */
 int mc_meta_read_timeouts(long *total_ms, long *connect_ms, mc_err_t *err);
+/* The error of a segment whose descriptor is not on the server (m), told
+ * apart with its last-seen record: expired N s ago (its engine died),
+ * recently refreshed (the server lost it; re-registration pending), or no
+ * record at all.  Returns MC_ENOTFOUND with err set. */
+int mc_meta_not_registered(mc_meta_t *m, const char *segment, mc_err_t *err);
 /* Copies a connection string into m->url with any password masked
  * ("redis://:***@h:p"). */
 void mc_meta_set_url(mc_meta_t *m, const char *conn);

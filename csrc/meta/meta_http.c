@@ -27,9 +27,6 @@
 
 #include "util/log.h"
 
-#define HTTP_CONNECT_TIMEOUT_MS 1500L
-#define HTTP_TOTAL_TIMEOUT_MS 3000L
-#define HTTP_TIMEOUT_MAX_MS 600000L
 #define HTTP_SNIPPET_MAX 120 /* bytes of an error body quoted in messages */
 
 typedef struct http_meta {
@@ -400,23 +397,6 @@ static const mc_meta_ops_t http_ops = {
 
 /* ---- open ---- */
 
-static int read_timeout(long *out, mc_err_t *err) {
-  const char *s = getenv("MC_METADATA_TIMEOUT_MS");
-  *out = HTTP_TOTAL_TIMEOUT_MS;
-  if (!s || !*s)
-    return 0;
-  char *end;
-  errno = 0;
-  long v = strtol(s, &end, 10);
-  if (errno || *end || v < 1 || v > HTTP_TIMEOUT_MAX_MS)
-    return mc_err_set(err, MC_ECONFIG,
-                      "MC_METADATA_TIMEOUT_MS=\"%s\" is not a whole number of "
-                      "milliseconds in 1..%ld",
-                      s, HTTP_TIMEOUT_MAX_MS);
-  *out = v;
-  return 0;
-}
-
 /* Catches typos ("http:/host", "http://") at open time, not at first use. */
 static int check_url(const char *url, mc_err_t *err) {
   CURLU *u = curl_url();
@@ -471,8 +451,8 @@ int mc_meta_http_open(const char *url, mc_meta_t **out, mc_err_t *err) {
                       "characters",
                       url, sizeof(((mc_meta_t *)0)->url) - 1);
   mc_curl_global_init();
-  long timeout_ms;
-  int rc = read_timeout(&timeout_ms, err);
+  long timeout_ms, connect_ms;
+  int rc = mc_meta_read_timeouts(&timeout_ms, &connect_ms, err);
   if (rc)
     return rc;
   rc = check_url(url, err);
@@ -497,8 +477,7 @@ int mc_meta_http_open(const char *url, mc_meta_t **out, mc_err_t *err) {
   h->base.ops = &http_ops;
   memcpy(h->base.url, url, n + 1);
   h->timeout_ms = timeout_ms;
-  h->connect_timeout_ms =
-      timeout_ms < HTTP_CONNECT_TIMEOUT_MS ? timeout_ms : HTTP_CONNECT_TIMEOUT_MS;
+  h->connect_timeout_ms = connect_ms;
   *out = &h->base;
   return 0;
 }

@@ -106,6 +106,7 @@ int mc_segment_desc_decode(const char *json, size_t len, const char *name,
   const cJSON *host = cJSON_GetObjectItemCaseSensitive(j, "ip_or_host_name");
   const cJSON *port = cJSON_GetObjectItemCaseSensitive(j, "tcp_data_port");
   const cJSON *proto = cJSON_GetObjectItemCaseSensitive(j, "protocol");
+  const cJSON *hid = cJSON_GetObjectItemCaseSensitive(j, "host_id");
   if (!cJSON_IsNumber(port))
     port = cJSON_GetObjectItemCaseSensitive(j, "rpc_port");
   int rc = 0;
@@ -123,6 +124,8 @@ int mc_segment_desc_decode(const char *json, size_t len, const char *name,
     out->port = (int)port->valuedouble;
     snprintf(out->protocol, sizeof out->protocol, "%s",
              cJSON_IsString(proto) ? proto->valuestring : "tcp");
+    snprintf(out->host_id, sizeof out->host_id, "%s",
+             cJSON_IsString(hid) ? hid->valuestring : "");
   }
   cJSON_Delete(j);
   return rc;

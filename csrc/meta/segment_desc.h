@@ -18,6 +18,7 @@ typedef struct mc_segment_desc {
   char protocol[16];
   char host[256];
   int port; /* tcp data/rpc port */
+  char host_id[320]; /* where it runs ("boot id/hostname"), "" if not said */
 } mc_segment_desc_t;
 
 /* Encodes (malloc'ed JSON). */

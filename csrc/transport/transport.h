@@ -2,27 +2,28 @@
  * CPU): an ops table the engine calls and nothing else.
  *
  * How a transport plugs in
- *   A transport fills one static mc_transport_ops_t and, when started, an
- *   mc_transport_t {ops, impl}.  The engine keeps its transports in an array
- *   indexed by mc_transport_id_t (a fixed slot per transport; an empty slot
- *   is ops == NULL) and never looks inside impl.  Transports the engine
- *   configures itself (TCP, RDMA) are wrapped by a constructor next to their
- *   code (mc_tcp_transport, mc_rdma_transport); a transport with no options
- *   of its own may instead implement ops->start, called with the
- *   mc_transport_env_t below.
+ *   A transport lives in its own folder and fills one static
+ *   mc_transport_ops_t; transport/registry.c lists the tables, in order of
+ *   preference (one line per transport).  The engine starts each through
+ *   ops->start with an mc_transport_env_t (its part of the configuration,
+ *   mc_transport_conf_t, and the engine's calls); the transport reads its
+ *   own knobs.  The engine keeps what started as mc_transport_t {ops, impl}
+ *   and never looks inside impl; it names no transport.
  *
  * How the engine chooses one, per (peer, memory kind)
- *   The choice table (engine/route.c; transports with ops->start are listed
- *   there in started_here[]) lists, for each memory kind of the
- *   LOCAL buffer (host, cuda), the transports in order of preference:
+ *   For the memory kind of the LOCAL buffer (host, cuda), the registered
+ *   transports in registry order (today: same-host CPU, same-host GPU,
+ *   RDMA, TCP), skipping those whose caps lack that memory kind:
  *       host: SAME_HOST_CPU, RDMA, TCP
  *       cuda: SAME_HOST_GPU, RDMA, TCP (TCP stages through pinned memory)
  *   The first started transport whose caps include that memory kind, that
  *   is not MC_TCAP_SAME_HOST with a peer known to be elsewhere
  *   (peer->same_host == -1), and whose reaches() (if set) says yes, takes
- *   the requests.  The engine does not learn a peer's host before choosing
- *   (same_host is 0 today): a same-host transport decides in reaches().  TCP is always there
- *   and always last, so a choice always exists.  The engine remembers the
+ *   the requests.  The engine sets peer->same_host from the peer's
+ *   descriptor (engine/peers.c); a same-host transport decides the rest in
+ *   reaches().  The control
+ *   transport (the first started with MC_TCAP_CTRL: TCP) is always there
+ *   and the last resort, so a choice always exists.  The engine remembers the
  *   answer per peer (reaches() is asked once per peer and kind, again after
  *   the peer was lost); reaches() that says no writes one sentence into
  *   `why`, which the engine logs once per peer.
@@ -91,15 +92,8 @@ struct mc_regions;
 /* Where a local buffer lives. */
 typedef enum mc_mem_kind { MC_MEM_HOST = 0, MC_MEM_CUDA = 1, MC_MEM_KINDS } mc_mem_kind_t;
 
-/* Fixed slots of the engine's transport array, highest preference first
- * within a memory kind (see the table above). */
-typedef enum mc_transport_id {
-  MC_TRANSPORT_SAME_HOST_CPU = 0, /* slot for the same-host CPU transport */
-  MC_TRANSPORT_SAME_HOST_GPU, /* transport/same_host_gpu/ (CUDA IPC) */
-  MC_TRANSPORT_RDMA,
-  MC_TRANSPORT_TCP,
-  MC_TRANSPORT_COUNT
-} mc_transport_id_t;
+/* At most this many transports are registered (transport/registry.c). */
+#define MC_TRANSPORT_MAX 8
 
 /* Capabilities. */
 #define MC_TCAP_HOST_MEM (1u << 0)  /* moves host memory */
@@ -116,39 +110,99 @@ typedef struct mc_peer {
   const char *segment; /* "host:port", the peer's name */
   const char *host;    /* where its TCP listener is */
   int port;
-  int same_host; /* 1: same host (host identity in its descriptor matches
-                    ours), -1: another host, 0: not known yet */
+  int same_host; /* 1: same host (the boot id of the host identity in its
+                    descriptor matches ours), -1: another host (no
+                    MC_TCAP_SAME_HOST transport is asked), 0: not known
+                    (P2P mode, or no identity in the descriptor) */
   int pid;       /* the peer's process id (0 if not known) */
 } mc_peer_t;
 
-/* What a transport started through ops->start gets from the engine. */
+/* The part of the engine's configuration the transports read: each takes
+ * what concerns it (its own knobs it reads itself, MC_* environment). */
+typedef struct mc_transport_conf {
+  const char *protocol;    /* the data protocol asked for ("tcp", "rdma"): ops->protocol */
+  const char *host;        /* local_hostname's host (the control listener binds there) */
+  int port;                /* local_hostname's port, 0: any */
+  const char *device_name; /* NICs for rdma */
+  int io_threads;          /* 0: the transport's own knob */
+  int conns_per_peer;      /* 0: the transport's own knob */
+  const char *auth_secret; /* "" = peer authentication off; stable */
+  int same_host_cpu_off;   /* mooncake.json "same_host_cpu": false */
+} mc_transport_conf_t;
+
+/* What a transport gets from the engine at ops->start. */
 typedef struct mc_transport_env {
-  const char *local_name;     /* our segment name; stable for the engine's life */
+  const char *local_name;     /* our segment name; stable for the engine's life (with
+                                 port 0 filled in once the control transport started) */
   struct mc_regions *regions; /* our registered regions (authoritative) */
-  int off; /* the engine's configuration switched this transport off: start
-              it anyway, to tell peers why (e.g. a hello saying "off") */
-  void *ctx;                  /* for rpc() */
-  /* Sends an RPC to `segment` over the TCP control connection and waits for
+  const mc_transport_conf_t *conf; /* NULL: defaults (tests) */
+  int off; /* tests: switched off by configuration (start anyway, to tell peers why) */
+  void *ctx;                  /* for the calls below */
+  /* Sends an RPC to `segment` over the control channel and waits for
    * the reply (*reply malloc'ed).  For handshakes; any thread but an I/O
    * thread; may block up to timeout_ms (<0: engine default). */
   int (*rpc)(void *ctx, const char *segment, const char *req, size_t len, int64_t timeout_ms,
              char **reply, mc_err_t *err);
-  /* Hands a sealed RPC op (MC_XFER_RPC) for `peer` to the TCP control
-   * channel without waiting: its done() reports the reply (op->resp).  For
-   * checks that run alongside a transport's own copies. */
+  /* Hands a sealed RPC op (MC_XFER_RPC) for `peer` to the control channel
+   * without waiting: its done() reports the reply (op->resp).  For checks
+   * that run alongside a transport's own copies. */
   void (*rpc_async)(void *ctx, const mc_peer_t *peer, mc_xfer_op_t *op);
+  /* Our segment descriptor JSON (malloc'ed; NULL: out of memory), as
+   * published: for a transport that serves it to peers. */
+  char *(*describe)(void *ctx);
+  /* For the control transport (MC_TCAP_CTRL): what arrives on it.
+   * on_notify: a NOTIFY (< 0 with err set refuses it: the sender's NOTIFY
+   * fails); on_rpc: an RPC (the engine hands it to the transport whose
+   * rpc_prefix matches); on_peer_failed: an outgoing connection to
+   * `segment` failed or closed; on_incoming_closed: `segment`'s connection
+   * to us closed.  Called on its I/O threads: they must not block. */
+  int (*on_notify)(void *ctx, const char *from, const void *msg, size_t len, mc_err_t *err);
+  int (*on_rpc)(void *ctx, const char *from, const char *req, size_t len, char **reply,
+                mc_err_t *err);
+  void (*on_peer_failed)(void *ctx, const char *segment);
+  void (*on_incoming_closed)(void *ctx, const char *segment);
   /* The engine's GPU copy worker (gpu/gpu_staging.h), shared with TCP's
    * staging; NULL if none. */
   struct mc_gpu_stager *gpu;
   int gpu_trace; /* MC_GPU_TRACE=1: log planning times */
 } mc_transport_env_t;
 
+/* What transports report to the engine's statistics (mc_engine_stats_t
+ * carries the same fields): each stats() fills those it owns. */
+#define MC_TRANSPORT_STATS_FIELDS                                                              \
+  /* the control transport (TCP): replies queued for peers that do not read */               \
+  uint64_t reply_queue_bytes, reply_queue_conn_limit, reply_queue_total_limit, paused_conns;   \
+  /* connections before their HELLO and what one may hold */                                 \
+  uint64_t prehandshake_conns, prehandshake_limit, prehandshake_refused;                     \
+  uint64_t prehandshake_bytes_each;                                                          \
+  uint64_t prehandshake_evicted; /* oldest pre-handshake connections dropped for newer */    \
+  uint64_t handshake_redials; /* our connections dialed again after a reset before HELLO_ACK */ \
+  /* the same-host CPU path: bytes copied into (WRITE) and out of (READ)                  */ \
+  /* peers' memory, ops, peers reached, peers refused (hello not bound to the connection) */ \
+  uint64_t same_host_cpu_bytes_written, same_host_cpu_bytes_read, same_host_cpu_ops;         \
+  uint64_t same_host_cpu_peers;                                                              \
+  uint64_t same_host_cpu_refused_unbound;
+
+typedef struct mc_transport_stats {
+  MC_TRANSPORT_STATS_FIELDS
+} mc_transport_stats_t;
+
 typedef struct mc_transport_ops {
   const char *name; /* "tcp", "rdma", "gpu-ipc", "shm-cpu": for logs */
   unsigned caps;    /* MC_TCAP_* */
-  /* Optional (see above): starts the transport, *impl its state. */
+  /* The value of the engine's `protocol` option that asks for this
+   * transport as the data transport (and that the descriptor publishes);
+   * NULL: none.  The control transport's is the default. */
+  const char *protocol;
+  /* Starts the transport from env (its knobs it reads itself): 0 with
+   * *impl its state, or 0 with *impl NULL (not wanted here, e.g. another
+   * protocol was asked for, or switched off: logged), or < 0. */
   int (*start)(const mc_transport_env_t *env, void **impl, mc_err_t *err);
   void (*stop)(void *impl);
+  /* Optional: adds its numbers to *out (any thread). */
+  void (*stats)(void *impl, mc_transport_stats_t *out);
+  /* Control transport: the port it listens on (our rpc port). */
+  int (*port)(void *impl);
   /* Optional: can this transport move `kind` memory to/from `peer`?  1 yes;
    * 0 no, with one sentence in why (logged once per peer). */
   int (*reaches)(void *impl, const mc_peer_t *peer, mc_mem_kind_t kind, char *why,
@@ -163,8 +217,9 @@ typedef struct mc_transport_ops {
   void (*cancel_sweep)(void *impl);
   void (*peer_lost)(void *impl, const char *segment);   /* optional */
   void (*peer_closed)(void *impl, const char *segment); /* optional */
-  /* Optional: an RPC whose text starts with rpc_prefix (e.g. "mc.shm.")
-   * arrived from `from` on the TCP control channel; answer it (*reply
+  /* Optional: an RPC whose text starts with rpc_prefix (e.g. "mc.shm.";
+   * a prefix not ending in '.' must match the whole text, e.g.
+   * "mc.describe") arrived from `from` on the control channel; answer it (*reply
    * malloc'ed, NUL-terminated).  rpc_prefix NULL: this transport gets the
    * RPCs no prefix matched (RDMA's handshake; one such transport at most).
    * Called on a TCP I/O thread: must not block on the network. */

@@ -4,6 +4,13 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <errno.h>
+#include <netdb.h>
+#include <poll.h>
+#include <unistd.h>
+#include <sys/socket.h>
+
+#include "util/env.h"
 
 static int valid_host_char(char c, int v6) {
   if (isalnum((unsigned char)c) || c == '-' || c == '.' || c == '_')
@@ -74,4 +81,57 @@ int mc_hostport_format(const mc_hostport_t *hp, char *buf, size_t len) {
   if (hp->port < 0)
     return snprintf(buf, len, v6 ? "[%s]" : "%s", hp->host);
   return snprintf(buf, len, v6 ? "[%s]:%d" : "%s:%d", hp->host, hp->port);
+}
+
+/* P2P handshake: a peer not yet known must accept a connection on its rpc
+ * port before a submit to it is accepted (as Mooncake's P2P mode fails the
+ * submit, not the later status, for an unknown peer).  One connect, closed
+ * at once; bounded by MC_P2P_HANDSHAKE_TIMEOUT_MS (default 2000). */
+int mc_hostport_probe(const char *segment, const char *host, int port, mc_err_t *err) {
+  int timeout_ms = (int)mc_env_long("MC_P2P_HANDSHAKE_TIMEOUT_MS", 2000, 1, 600000);
+  char ports[16];
+  snprintf(ports, sizeof ports, "%d", port);
+  struct addrinfo hints = {.ai_socktype = SOCK_STREAM}, *ai = NULL;
+  int gai = getaddrinfo(host, ports, &hints, &ai);
+  if (gai)
+    return mc_err_set(err, MC_ECONNECT, "P2P handshake with segment %s failed: cannot resolve "
+                      "host %s: %s", segment, host, gai_strerror(gai));
+  int why = ETIMEDOUT;
+  for (struct addrinfo *a = ai; a; a = a->ai_next) {
+    int fd = socket(a->ai_family, a->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC, a->ai_protocol);
+    if (fd < 0) {
+      why = errno;
+      continue;
+    }
+    int rc = connect(fd, a->ai_addr, a->ai_addrlen);
+    if (rc < 0 && errno == EINPROGRESS) {
+      struct pollfd p = {.fd = fd, .events = POLLOUT};
+      int pr;
+      do
+        pr = poll(&p, 1, timeout_ms);
+      while (pr < 0 && errno == EINTR);
+      if (pr == 1) {
+        int so = 0;
+        socklen_t sl = sizeof so;
+        getsockopt(fd, SOL_SOCKET, SO_ERROR, &so, &sl);
+        rc = so ? -1 : 0;
+        errno = so;
+      } else {
+        errno = pr == 0 ? ETIMEDOUT : errno;
+        rc = -1;
+      }
+    }
+    if (rc < 0)
+      why = errno;
+    close(fd);
+    if (rc == 0) {
+      freeaddrinfo(ai);
+      return 0;
+    }
+  }
+  freeaddrinfo(ai);
+  return mc_err_sys(err, MC_ECONNECT, why, "P2P handshake with segment %s failed: no engine "
+                    "accepts connections at %s:%d within %d ms (MC_P2P_HANDSHAKE_TIMEOUT_MS); "
+                    "is the peer initialized with that rpc port (get_rpc_port())?",
+                    segment, host, port, timeout_ms);
 }

@@ -19,5 +19,9 @@ int mc_hostport_parse(const char *s, mc_hostport_t *out, mc_err_t *err);
 
 /* Formats back to "host:port" (brackets for IPv6). Returns snprintf's value. */
 int mc_hostport_format(const mc_hostport_t *hp, char *buf, size_t len);
+/* The P2P handshake's probe: one connect to host:port, closed at once,
+ * bounded by MC_P2P_HANDSHAKE_TIMEOUT_MS (default 2000); 0, or
+ * MC_ECONNECT with err naming `segment`, the address and the knob. */
+int mc_hostport_probe(const char *segment, const char *host, int port, mc_err_t *err);
 
 #endif

@@ -1,4 +1,5 @@
 #include "util/mapped.h"
+#include "util/bsearch.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -84,14 +85,9 @@ int mc_maps_check(const mc_maps_t *m, uint64_t addr, uint64_t len, mc_err_t *err
   uint64_t end = addr + len, at = addr;
   /* Binary search for the last mapping starting at or below addr (the file
    * lists mappings in address order). */
-  size_t lo = 0, hi = m->n;
-  while (lo < hi) {
-    size_t mid = lo + (hi - lo) / 2;
-    if (m->v[mid].lo <= addr)
-      lo = mid + 1;
-    else
-      hi = mid;
-  }
+#define MAP_LO(i) m->v[i].lo
+  size_t lo = MC_COUNT_LE(m->n, MAP_LO, addr);
+#undef MAP_LO
   for (size_t i = lo ? lo - 1 : 0; i < m->n && at < end; i++) {
     if (m->v[i].hi <= at)
       continue;

@@ -155,13 +155,9 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   int sv[2];
   if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0, sv) < 0)
     abort();
-  mc_conn_t *c = calloc(1, sizeof *c);
-  if (!c || !(c->rbuf = malloc(MC_TCP_RBUF)) || pthread_mutex_init(&c->mu, NULL))
+  mc_conn_t *c = mc_conn_new(&T, sv[0], flags & 1, "fuzz-peer:1", flags & 1 ? "fuzz-target" : "");
+  if (!c)
     abort();
-  c->tcp = &T;
-  c->loop = &L;
-  c->fd = sv[0];
-  c->outgoing = flags & 1;
   c->state = CONN_OPEN;
   c->hello_ok = (flags >> 1) & 1;
   T.hooks.auth_secret = flags & 4 ? "fuzz-secret" : NULL;
@@ -169,8 +165,6 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     c->auth_state = 1; /* as mc_auth_hello leaves it (nonce: zeros) */
     c->auth_hold = 1;
   }
-  snprintf(c->peer, sizeof c->peer, "fuzz-peer:1");
-  snprintf(c->segment, sizeof c->segment, "%s", c->outgoing ? "fuzz-target" : "");
   if (c->outgoing)
     add_awaiting(c);
 
@@ -195,11 +189,6 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   close(sv[1]);
   if (c->state != CONN_DEAD)
     mc_conn_kill(c, MC_ECLOSED, "fuzz input done");
-  pthread_mutex_destroy(&c->mu);
-  free(c->rbuf);
-  free(c->body);
-  free(c->piov);
-  free(c->prefs);
-  free(c);
+  mc_conn_free(c);
   return 0;
 }

@@ -64,7 +64,7 @@ static int cma_start(const mc_transport_env_t *env, void **impl, mc_err_t *err) 
   c->env = *env;
   pthread_mutex_init(&c->mu, NULL);
   mc_cma_hello_self(&c->self);
-  c->off_by_config = env->off;
+  c->off_by_config = env->off || (env->conf && env->conf->same_host_cpu_off);
   c->merge_max = merge_from_env();
   if (mc_cma_enabled() && !c->off_by_config) {
     mc_err_t e2;
@@ -491,11 +491,22 @@ void mc_cma_get_stats(void *impl, mc_cma_stats_t *out) {
   out->refused_unbound = atomic_load(&c->nunbound);
 }
 
+static void cma_stats(void *impl, mc_transport_stats_t *out) {
+  mc_cma_stats_t cs;
+  mc_cma_get_stats(impl, &cs);
+  out->same_host_cpu_bytes_written = cs.bytes_written;
+  out->same_host_cpu_bytes_read = cs.bytes_read;
+  out->same_host_cpu_ops = cs.ops;
+  out->same_host_cpu_peers = cs.peers;
+  out->same_host_cpu_refused_unbound = cs.refused_unbound;
+}
+
 const mc_transport_ops_t mc_cma_transport_ops = {
     .name = "same-host-cpu",
     .caps = MC_TCAP_HOST_MEM | MC_TCAP_SAME_HOST,
     .start = cma_start,
     .stop = cma_stop,
+    .stats = cma_stats,
     .reaches = cma_reaches,
     .submit = cma_submit,
     .cancel_sweep = cma_cancel_sweep,

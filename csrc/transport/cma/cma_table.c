@@ -1,6 +1,7 @@
 /* The target-owned region table of the same-host CPU transport (see
  * cma_table.h for the protocol). */
 #include "transport/cma/cma_table.h"
+#include "util/bsearch.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -292,14 +293,9 @@ void mc_cma_view_refresh(mc_cma_view_t *v, int force) {
 }
 
 const mc_cma_ent_t *mc_cma_view_find(const mc_cma_view_t *v, uint64_t addr, uint64_t len) {
-  size_t lo = 0, hi = v->n;
-  while (lo < hi) { /* last entry with ent.addr <= addr */
-    size_t mid = lo + (hi - lo) / 2;
-    if (v->ents[mid].addr <= addr)
-      lo = mid + 1;
-    else
-      hi = mid;
-  }
+#define ENT_ADDR(i) v->ents[i].addr
+  size_t lo = MC_COUNT_LE(v->n, ENT_ADDR, addr); /* after the last entry with addr <= addr */
+#undef ENT_ADDR
   if (lo == 0 || len == 0 || addr + len < addr)
     return NULL;
   const mc_cma_ent_t *e = &v->ents[lo - 1];

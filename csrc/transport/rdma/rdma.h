@@ -106,8 +106,9 @@ void mc_rdma_peer_closed(mc_rdma_t *t, const char *segment);
 int mc_rdma_serve_rpc(mc_rdma_t *t, const char *from, const char *req, size_t len,
                       char **reply, mc_err_t *err);
 
-/* The transport interface over a started RDMA transport (rdma_transport.c). */
-void mc_rdma_transport(mc_rdma_t *t, mc_transport_t *out);
+/* The transport interface (rdma_transport.c): start() reads the engine's
+ * protocol and device_name and the MC_RDMA_* knobs. */
+extern const mc_transport_ops_t mc_rdma_transport_ops;
 
 /* "rxe0 (port 1, GID 1 RoCE v2 IPv4 GID, MTU 1024), ..." for logs. */
 void mc_rdma_describe(mc_rdma_t *t, char *buf, size_t len);

@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include "transport/rdma/rdma_internal.h"
+#include "util/bsearch.h"
 #include "util/log.h"
 
 static pthread_mutex_t hook_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -161,14 +162,9 @@ void mc_rdma_unregister(mc_rdma_t *t, void *addr) {
 }
 
 const mc_rdma_mr_t *mc_rdma_mr_find(mc_rdma_t *t, uint64_t addr, uint64_t len) {
-  size_t lo = 0, hi = t->nmr;
-  while (lo < hi) { /* last region with start <= addr */
-    size_t mid = (lo + hi) / 2;
-    if (t->mrs[mid].addr <= addr)
-      lo = mid + 1;
-    else
-      hi = mid;
-  }
+#define MR_ADDR(i) t->mrs[i].addr
+  size_t lo = MC_COUNT_LE(t->nmr, MR_ADDR, addr); /* after the last with start <= addr */
+#undef MR_ADDR
   if (lo == 0)
     return NULL;
   const mc_rdma_mr_t *m = &t->mrs[lo - 1];

@@ -4,6 +4,7 @@
  * regions, and one copy job per local GPU and op on the engine's copy
  * worker.  docs/architecture.md "Same-host path". */
 #include "transport/same_host_gpu/same_host_gpu.h"
+#include "util/bsearch.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -26,6 +27,7 @@
 #include "mem/regions.h"
 #include "meta/segment_desc.h"
 #include "util/clock.h"
+#include "util/env.h"
 #include "util/log.h"
 
 /* A peer's published regions version (mem/regions.h mc_regions_pub_t),
@@ -61,8 +63,10 @@ typedef struct shg {
   int (*rpc)(void *ctx, const char *segment, const char *req, size_t len, int64_t timeout_ms,
              char **reply, mc_err_t *err);
   void (*rpc_async)(void *ctx, const mc_peer_t *peer, mc_xfer_op_t *op);
+  char *(*describe)(void *ctx); /* our descriptor, for peers' mc.describe */
   mc_gpu_stager_t *gpu;
   int trace;
+  int off; /* MC_GPU_IPC=0: moves nothing, still answers mc.describe */
   pthread_mutex_t mu; /* peers, logged */
   peer_entry_t *peers;
   size_t npeers;
@@ -265,14 +269,9 @@ static int describe_remote(shg_t *t, const char *segment, mc_remote_desc_t *out,
 
 static const mc_remote_region_t *find_region(const mc_remote_desc_t *rd, uint64_t addr,
                                              uint64_t len) {
-  size_t lo = 0, hi = rd->n;
-  while (lo < hi) { /* first region with addr > a */
-    size_t mid = (lo + hi) / 2;
-    if (rd->regions[mid].addr <= addr)
-      lo = mid + 1;
-    else
-      hi = mid;
-  }
+#define RD_ADDR(i) rd->regions[i].addr
+  size_t lo = MC_COUNT_LE(rd->n, RD_ADDR, addr); /* first region with addr > a */
+#undef RD_ADDR
   if (lo == 0)
     return NULL;
   const mc_remote_region_t *r = &rd->regions[lo - 1];
@@ -330,6 +329,10 @@ static void peer_store(shg_t *t, const char *segment, int verdict, const mc_remo
 static int shg_reaches(void *impl, const mc_peer_t *peer, mc_mem_kind_t kind, char *why,
                        size_t why_len) {
   shg_t *t = impl;
+  if (t->off) {
+    snprintf(why, why_len, "switched off here (MC_GPU_IPC=0)");
+    return 0;
+  }
   if (kind != MC_MEM_CUDA) {
     snprintf(why, why_len, "it moves GPU memory only");
     return 0;
@@ -912,8 +915,10 @@ static int shg_start(const mc_transport_env_t *env, void **impl, mc_err_t *err) 
   t->ctx = env->ctx;
   t->rpc = env->rpc;
   t->rpc_async = env->rpc_async;
+  t->describe = env->describe;
   t->gpu = env->gpu;
   t->trace = env->gpu_trace;
+  t->off = mc_env_long("MC_GPU_IPC", 1, 0, 1) == 0;
   pthread_mutex_init(&t->mu, NULL);
   t->pub_fd = -1;
   const char *g = getenv("MC_GPU_GEN");
@@ -924,6 +929,17 @@ static int shg_start(const mc_transport_env_t *env, void **impl, mc_err_t *err) 
                 "their GPU transfers check the descriptor by RPC", strerror(errno));
   *impl = t;
   return 0;
+}
+
+/* mc.describe: a peer's plan() asks for our regions (and their IPC
+ * handles); also mc_engine_describe_peer's answer, so it is served even
+ * with MC_GPU_IPC=0. */
+static int shg_serve_rpc(void *impl, const char *from, const char *req, size_t len,
+                         char **reply, mc_err_t *err) {
+  shg_t *t = impl;
+  (void)from, (void)req, (void)len; /* the engine matched the whole text */
+  *reply = t->describe ? t->describe(t->ctx) : NULL;
+  return *reply ? 0 : mc_err_set(err, MC_ENOMEM, "out of memory describing our segment");
 }
 
 /* After the engine stopped submitting and its batches were freed: calls
@@ -959,4 +975,6 @@ const mc_transport_ops_t mc_same_host_gpu_ops = {
     .submit_plan = shg_submit_plan,
     .call_end = shg_call_end,
     .cancel_sweep = shg_cancel_sweep,
+    .rpc_prefix = MC_RPC_DESCRIBE, /* no trailing '.': the whole text */
+    .serve_rpc = shg_serve_rpc,
 };

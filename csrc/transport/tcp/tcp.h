@@ -109,10 +109,10 @@ void mc_tcp_cancel_sweep(mc_tcp_t *t);
 /* Stops the loops, fails everything in flight with MC_ECLOSED, frees. */
 void mc_tcp_stop(mc_tcp_t *t);
 
-/* The transport interface over a started TCP transport (tcp_transport.c).
- * Ops whose entries include cuda memory (ent.dev >= 0) are staged through
- * hooks.gpu. */
-void mc_tcp_transport(mc_tcp_t *t, mc_transport_t *out);
+/* The transport interface (tcp_transport.c): start() reads the engine's
+ * configuration and the MC_TCP_* knobs.  Ops whose entries include cuda
+ * memory (ent.dev >= 0) are staged through hooks.gpu. */
+extern const mc_transport_ops_t mc_tcp_transport_ops;
 /* tcp_gpu_stage.c: stages one such op, then sends it (done() as usual). */
 void mc_tcp_stage_op(mc_tcp_t *t, mc_xfer_op_t *op, const char *host, int port,
                      const char *segment);

@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "transport/tcp/tcp_internal.h"
+#include "util/bsearch.h"
 
 /* ---- local GPU buffers over TCP (initiator side) ---- */
 
@@ -72,16 +73,11 @@ static void staged_read_done(mc_xfer_op_t *op, int code, const char *msg) {
     if (p < base || p >= base + st->buf->size)
       continue; /* host memory: already in place */
     uint64_t off = (uint64_t)(p - base);
-    size_t lo = 0, hi = st->n; /* the staged entry at this offset */
-    while (lo < hi) {
-      size_t mid = (lo + hi) / 2;
-      if (st->soff[mid] < off)
-        lo = mid + 1;
-      else
-        hi = mid;
-    }
-    if (lo < st->n && st->soff[lo] == off)
-      mc_gpu_job_add(j, st->dptr[lo], (mc_cu_ptr)(uintptr_t)p, op->ent[i].len);
+#define SOFF(k) st->soff[k]
+    size_t lo = MC_COUNT_LE(st->n, SOFF, off); /* the staged entry at this offset */
+#undef SOFF
+    if (lo > 0 && st->soff[lo - 1] == off)
+      mc_gpu_job_add(j, st->dptr[lo - 1], (mc_cu_ptr)(uintptr_t)p, op->ent[i].len);
   }
   j->arg = op2;
   j->arg2 = st;

@@ -229,6 +229,11 @@ void mc_resp_free(mc_tcp_t *t, mc_resp_t *r);
  * it, and resumes reading when the queue has drained. */
 void mc_conn_resp_done(mc_conn_t *c, mc_resp_t *r);
 void mc_conn_free_recv(mc_conn_t *c);
+/* tcp_loop.c: a connection on fd (CONN_CONNECTING if outgoing, else
+ * CONN_OPEN) on the next loop, and its memory freed (after it is dead). */
+mc_conn_t *mc_conn_new(mc_tcp_t *t, int fd, int outgoing, const char *peer,
+                       const char *segment);
+void mc_conn_free(mc_conn_t *c);
 /* A region this incoming connection holds (a READ answer queued, a WRITE
  * payload being received) that an unregister revoked, or NULL. */
 const mc_region_t *mc_conn_revoked_region(const mc_conn_t *c);

@@ -230,8 +230,8 @@ void mc_conn_kill(mc_conn_t *c, int code, const char *fmt, ...) {
   mc_conn_free_recv(c);
 }
 
-static mc_conn_t *conn_new(mc_tcp_t *t, int fd, int outgoing, const char *peer,
-                           const char *segment) {
+mc_conn_t *mc_conn_new(mc_tcp_t *t, int fd, int outgoing, const char *peer,
+                       const char *segment) {
   mc_conn_t *c = calloc(1, sizeof *c);
   if (!c)
     return NULL;
@@ -251,7 +251,7 @@ static mc_conn_t *conn_new(mc_tcp_t *t, int fd, int outgoing, const char *peer,
   return c;
 }
 
-static void conn_free(mc_conn_t *c) {
+void mc_conn_free(mc_conn_t *c) {
   pthread_mutex_destroy(&c->mu);
   free(c->rbuf);
   free(c->body);
@@ -536,7 +536,7 @@ static void accept_all(mc_tcp_t *t) {
       close(fd);
       continue;
     }
-    mc_conn_t *c = conn_new(t, fd, 0, peer, "");
+    mc_conn_t *c = mc_conn_new(t, fd, 0, peer, "");
     if (!c) {
       close(fd);
       continue;
@@ -569,7 +569,7 @@ static void reap(mc_loop_t *l) {
     pthread_mutex_unlock(&c->mu);
     if (c->state == CONN_DEAD && !busy) {
       *pp = c->next_in_loop;
-      conn_free(c);
+      mc_conn_free(c);
     } else {
       pp = &c->next_in_loop;
     }
@@ -700,7 +700,7 @@ static mc_conn_t *connect_peer(mc_tcp_t *t, const char *host, int port, const ch
   }
   char peer[320];
   snprintf(peer, sizeof peer, strchr(host, ':') ? "[%s]:%d" : "%s:%d", host, port);
-  mc_conn_t *c = conn_new(t, fd, 1, peer, segment);
+  mc_conn_t *c = mc_conn_new(t, fd, 1, peer, segment);
   if (!c) {
     close(fd);
     mc_err_set(err, MC_ENOMEM, "out of memory");
@@ -713,7 +713,7 @@ static mc_conn_t *connect_peer(mc_tcp_t *t, const char *host, int port, const ch
   mc_xfer_op_t *hello = mc_auth_hello(c, err);
   if (!hello) {
     close(fd);
-    conn_free(c);
+    mc_conn_free(c);
     return NULL;
   }
   c->inbox_head = c->inbox_tail = hello;

@@ -121,108 +121,120 @@ static ssize_t send_gather(mc_conn_t *c, gather_t *g) {
   }
 }
 
-/* Outgoing connection: send queued requests. Returns 0 or -1 (conn killed). */
-static int flush_requests(mc_conn_t *c) {
-  for (;;) {
-    /* Drop ops canceled before their first byte left. */
-    while (c->sendq_head && !c->sendq_head->started && c->sendq_head->cancel &&
-           atomic_load(c->sendq_head->cancel)) {
-      mc_xfer_op_t *op = c->sendq_head;
-      c->sendq_head = op->next;
-      if (!c->sendq_head)
-        c->sendq_tail = NULL;
-      mc_op_finalize(op, MC_ECANCELED, "canceled before it was sent");
-      mc_xfer_op_free(op);
-    }
+/* Sends what g gathered: the bytes sent, SEND_BLOCKED (the socket is
+ * full: EPOLLOUT armed, the loop calls again) or SEND_KILLED. */
+enum { SEND_BLOCKED = -1, SEND_KILLED = -2 };
+static inline ssize_t send_out(mc_conn_t *c, gather_t *g) {
+  ssize_t n = send_gather(c, g);
+  if (n == -EAGAIN || n == -EWOULDBLOCK) {
+    mc_conn_set_out(c, 1);
+    return SEND_BLOCKED;
+  }
+  if (n < 0) {
+    mc_conn_kill(c, MC_EPEERCLOSED, "send to %s failed: %s", c->peer, strerror((int)-n));
+    return SEND_KILLED;
+  }
+  return n;
+}
+
+/* Outgoing connection: drops queued ops canceled before their first byte
+ * left. */
+static void drop_canceled(mc_conn_t *c) {
+  while (c->sendq_head && !c->sendq_head->started && c->sendq_head->cancel &&
+         atomic_load(c->sendq_head->cancel)) {
+    mc_xfer_op_t *op = c->sendq_head;
+    c->sendq_head = op->next;
     if (!c->sendq_head)
-      break;
-    gather_t g;
-    g.n = 0;
-    for (mc_xfer_op_t *op = c->sendq_head; op; op = op->next) {
-      if (op != c->sendq_head && !op->started && op->cancel && atomic_load(op->cancel))
-        break; /* let the loop above drop it */
-      if (c->auth_hold && op->type != MC_WIRE_HELLO)
-        break; /* not before the target proved it knows the secret */
-      if (!gather_add(&g, MC_OPW(op)->iov, MC_OPW(op)->niov, MC_OPW(op)->iov_idx,
-                      MC_OPW(op)->iov_off))
-        break;
-    }
-    if (g.n == 0)
-      break;
-    ssize_t n = send_gather(c, &g);
-    if (n == -EAGAIN || n == -EWOULDBLOCK) {
-      mc_conn_set_out(c, 1);
-      return 0;
-    }
-    if (n < 0) {
-      mc_conn_kill(c, MC_EPEERCLOSED, "send to %s failed: %s", c->peer, strerror((int)-n));
-      return -1;
-    }
-    size_t left = (size_t)n;
-    while (c->sendq_head) {
-      mc_xfer_op_t *op = c->sendq_head;
-      if (left > 0)
-        op->started = 1;
-      mc_tcp_opw_t *w = MC_OPW(op);
-      left = advance(w->iov, w->niov, &w->iov_idx, &w->iov_off, left);
-      if (w->iov_idx < w->niov)
-        break;
-      /* Fully sent: now waits for its response. */
-      c->sendq_head = op->next;
-      if (!c->sendq_head)
-        c->sendq_tail = NULL;
-      op->next = NULL;
-      if (c->await_tail)
-        c->await_tail->next = op;
-      else
-        c->await_head = op;
-      c->await_tail = op;
-    }
+      c->sendq_tail = NULL;
+    mc_op_finalize(op, MC_ECANCELED, "canceled before it was sent");
+    mc_xfer_op_free(op);
   }
-  mc_conn_set_out(c, 0);
-  return 0;
 }
 
-/* Incoming connection: send queued responses. */
-static int flush_responses(mc_conn_t *c) {
+/* Outgoing connection: the queued requests' bytes, in order. */
+static void gather_requests(mc_conn_t *c, gather_t *g) {
+  for (mc_xfer_op_t *op = c->sendq_head; op; op = op->next) {
+    if (op != c->sendq_head && !op->started && op->cancel && atomic_load(op->cancel))
+      break; /* let drop_canceled drop it */
+    if (c->auth_hold && op->type != MC_WIRE_HELLO)
+      break; /* not before the target proved it knows the secret */
+    if (!gather_add(g, MC_OPW(op)->iov, MC_OPW(op)->niov, MC_OPW(op)->iov_idx,
+                    MC_OPW(op)->iov_off))
+      break;
+  }
+}
+
+/* Outgoing connection: `left` bytes went out; fully sent requests now wait
+ * for their responses. */
+static void sent_requests(mc_conn_t *c, size_t left) {
+  while (c->sendq_head) {
+    mc_xfer_op_t *op = c->sendq_head;
+    if (left > 0)
+      op->started = 1;
+    mc_tcp_opw_t *w = MC_OPW(op);
+    left = advance(w->iov, w->niov, &w->iov_idx, &w->iov_off, left);
+    if (w->iov_idx < w->niov)
+      break;
+    c->sendq_head = op->next;
+    if (!c->sendq_head)
+      c->sendq_tail = NULL;
+    op->next = NULL;
+    if (c->await_tail)
+      c->await_tail->next = op;
+    else
+      c->await_head = op;
+    c->await_tail = op;
+  }
+}
+
+/* Incoming connection: the queued responses' bytes, up to the first one
+ * whose GPU copy is still in flight. */
+static void gather_responses(mc_conn_t *c, gather_t *g) {
+  for (mc_resp_t *r = c->resp_head; r; r = r->next)
+    if (atomic_load(&r->gate) || !gather_add(g, r->iov, r->niov, r->iov_idx, r->iov_off))
+      break;
+}
+
+/* Incoming connection: `left` bytes went out; fully sent responses are done. */
+static void sent_responses(mc_conn_t *c, size_t left) {
   while (c->resp_head) {
-    gather_t g;
-    g.n = 0;
-    for (mc_resp_t *r = c->resp_head; r; r = r->next)
-      if (atomic_load(&r->gate) || /* GPU copy still in flight */
-          !gather_add(&g, r->iov, r->niov, r->iov_idx, r->iov_off))
-        break;
-    if (g.n == 0)
+    mc_resp_t *r = c->resp_head;
+    left = advance(r->iov, r->niov, &r->iov_idx, &r->iov_off, left);
+    if (r->iov_idx < r->niov)
       break;
-    ssize_t n = send_gather(c, &g);
-    if (n == -EAGAIN || n == -EWOULDBLOCK) {
-      mc_conn_set_out(c, 1);
-      return 0;
-    }
-    if (n < 0) {
-      mc_conn_kill(c, MC_EPEERCLOSED, "send to %s failed: %s", c->peer, strerror((int)-n));
-      return -1;
-    }
-    size_t left = (size_t)n;
-    while (c->resp_head) {
-      mc_resp_t *r = c->resp_head;
-      left = advance(r->iov, r->niov, &r->iov_idx, &r->iov_off, left);
-      if (r->iov_idx < r->niov)
-        break;
-      c->resp_head = r->next;
-      if (!c->resp_head)
-        c->resp_tail = NULL;
-      mc_conn_resp_done(c, r);
-    }
+    c->resp_head = r->next;
+    if (!c->resp_head)
+      c->resp_tail = NULL;
+    mc_conn_resp_done(c, r);
   }
-  mc_conn_set_out(c, 0);
-  return 0;
 }
 
+/* Sends what is queued (requests on an outgoing connection, responses on an
+ * incoming one) until done or the socket is full.  0, or -1 (conn killed). */
 int mc_conn_flush(mc_conn_t *c) {
   if (c->state != CONN_OPEN)
     return 0;
-  return c->outgoing ? flush_requests(c) : flush_responses(c);
+  for (;;) {
+    gather_t g;
+    g.n = 0;
+    if (c->outgoing) {
+      drop_canceled(c);
+      gather_requests(c, &g);
+    } else {
+      gather_responses(c, &g);
+    }
+    if (g.n == 0)
+      break;
+    ssize_t n = send_out(c, &g);
+    if (n < 0)
+      return n == SEND_BLOCKED ? 0 : -1;
+    if (c->outgoing)
+      sent_requests(c, (size_t)n);
+    else
+      sent_responses(c, (size_t)n);
+  }
+  mc_conn_set_out(c, 0);
+  return 0;
 }
 
 /* Used by the loop when draining the inbox (and to resend an op). */
