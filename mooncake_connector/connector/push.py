@@ -317,7 +317,8 @@ class _Served:
 
 
 class ProducerJob:
-    def __init__(self, spec, expected, layerwise):
+    def __init__(self, spec, expected, layerwise, optional=False):
+        self.optional = optional  # also published for a pull (a bare transfer_id)
         self.spec = spec
         self.rid = spec.req_id
         self.tid = spec.push_tid
@@ -392,12 +393,12 @@ class PushProducer:
 
     # jobs
 
-    def begin(self, spec, expected, layerwise):
+    def begin(self, spec, expected, layerwise, optional=False):
         """A push request's prompt completes in this step (before the forward)."""
         tid = spec.push_tid
         if tid in self.jobs:
             return
-        job = ProducerJob(spec, expected, layerwise)
+        job = ProducerJob(spec, expected, layerwise, optional)
         self.jobs[tid] = job
         self.by_rid[spec.req_id] = tid
         for tg in self.early.pop(tid, {}).values():
@@ -431,6 +432,8 @@ class PushProducer:
             self._reply(tg.name, job.tid, "nokv", f"layout mismatch: {tg.epb} extents per "
                         f"block vs {self.w.layout.extents_per_block} here")
             return
+        if job.optional and not job.targets and job.all_ready:
+            self.w.withdraw(job.rid)  # published for a pull too: push takes it
         job.targets[tg.name] = tg
         self._submit(job, tg)
 
@@ -566,6 +569,8 @@ class PushProducer:
                 elif timed_out or wall > tg.lease_until - PUSH_MARGIN_S:
                     self._end(job, tg, "nokv", "hold_timeout_s passed" if timed_out else
                               "the decode side's lease expired before the KV was computed")
+            if job.optional and not job.targets:
+                continue  # a pull may take it: the lookup buffer's hold rules
             served = sum(1 for tg in job.targets.values()
                          if tg.state in ("done", "nokv", "cancelled"))
             if served >= job.expected or (timed_out and served == len(job.targets)):
@@ -587,7 +592,20 @@ class PushProducer:
         return bool(self.jobs)
 
     def holds(self, rid):
-        return rid in self.by_rid
+        """The request's blocks are held for a push (not only for a pull)."""
+        tid = self.by_rid.get(rid)
+        job = self.jobs.get(tid)
+        return job is not None and (not job.optional or bool(job.targets))
+
+    def has_targets(self, tid):
+        job = self.jobs.get(tid)
+        return job is not None and bool(job.targets)
+
+    def forget(self, rid):
+        """The worker freed the request's blocks (pulled, expired)."""
+        tid = self.by_rid.pop(rid, None)
+        if tid is not None and self.jobs.pop(tid, None) is not None:
+            self.ended[tid] = time.monotonic()
 
     def close(self):
         for job in self.jobs.values():

@@ -311,14 +311,17 @@ class SchedulerSide:
                 if n_full == 0 or any(len(g) < nb for g in groups):
                     continue
                 params = getattr(req, "kv_transfer_params", None) or {}
-                # Producer side: push only when asked explicitly ("push": true);
-                # a bare transfer_id is flow b's too (published for a pull).
-                push = self.s.role == "kv_producer" and params.get("push") is True
+                # Producer side: "push": true is push only; a bare transfer_id
+                # (flow b's and the in-tree connector's prefill leg alike) is
+                # published for a pull AND pushed if a decode side's target
+                # comes for it (docs/connector.md, Push flow).
+                push = _push_mode(self.s, params)
                 lw = params.get("push_layerwise")
                 self._publishes.append(PublishSpec(rid, list(req.prompt_token_ids[:n_full]),
                                                    groups[0], more_groups=groups[1:],
                                                    push_tid=transfer_id(params) if push else None,
-                                                   layerwise=lw if isinstance(lw, bool) else None))
+                                                   layerwise=lw if isinstance(lw, bool) else None,
+                                                   push_optional=push == "optional"))
                 self._published[rid] = n_full
         meta.publishes, self._publishes = self._publishes, []
         meta.held, self._held = self._held, []
@@ -348,9 +351,10 @@ class SchedulerSide:
             self._held.append(rid)
         if not params.get("do_remote_decode"):
             return n is not None, None
-        if self.s.role == "kv_producer" and params.get("push") is True and transfer_id(params):
-            if n is None:  # aborted or failed before its prompt was computed
-                self._push_dropped.append(transfer_id(params))
+        push = _push_mode(self.s, params)
+        if push and n is None:  # aborted or failed before its prompt was computed
+            self._push_dropped.append(transfer_id(params))
+        if push == "push":
             return n is not None, {"push": True, "transfer_id": transfer_id(params),
                                    "num_tokens": n or 0}
         # Flow B: always answer with params, so the proxy can go on to decode;
@@ -381,6 +385,15 @@ class SchedulerSide:
     def shutdown(self):
         if self._probe is not None:
             self._probe.close()
+
+
+def _push_mode(settings, params):
+    """Producer: "push" ("push": true), "optional" (a bare transfer_id: pull
+    or push, whichever the decode side asks for) or None."""
+    if settings.role != "kv_producer" or not params.get("do_remote_decode", True) or \
+            not transfer_id(params) or params.get("push") is False:
+        return None
+    return "push" if params.get("push") is True else "optional"
 
 
 def _int_or_none(v):
