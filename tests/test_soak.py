@@ -95,7 +95,8 @@ def test_short_soak_on_the_session_servers(deployment, tmp_path):
 
     th = threading.Thread(target=inject, daemon=True)
     th.start()
-    load = sk.Load({f: dep.proxies[f].url for f in ("a", "b")}, pool, refs, args, t0)
+    load = sk.Load({f: dep.proxies[f].url for f in ("a", "b", "push") if f in dep.proxies},
+                   pool, refs, args, t0)
     try:
         asyncio.run(load.run(LOAD_S, lambda: None))
     finally:

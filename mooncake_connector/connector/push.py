@@ -103,54 +103,81 @@ def _int(head, key, lo=0, hi=1 << 62):
 
 
 class Outbox:
-    """One thread sending notifications (send_notify waits for the peer
-    engine's receipt, GIL released): no vLLM step waits on the network.
-    Results: key -> None (delivered) or (maybe_delivered, error text)."""
+    """Sends notifications off the vLLM step: one thread per peer engine
+    (send_notify waits for the peer engine's receipt, GIL released), so a
+    stalled or stopped peer delays only its own messages.  Results: key ->
+    None (delivered) or (maybe_delivered, error text).  A message with
+    `retry_until` (wall clock) that may not have arrived is sent again until
+    then (a consumer stopped for a few seconds still gets its "done")."""
+
+    MAX_PEERS = 256
 
     def __init__(self, engine):
         self.engine = engine
-        self.q = queue.Queue()
         self.results = {}
         self._lock = threading.Lock()
-        self._t = threading.Thread(target=self._run, name="mc-push-outbox", daemon=True)
-        self._t.start()
+        self._peers = {}   # target -> (queue, thread)
+        self._closed = False
 
-    def send(self, target, msg, key=None, timeout=5.0):
-        self.q.put((target, msg, key, timeout))
+    def send(self, target, msg, key=None, timeout=5.0, retry_until=None):
+        with self._lock:
+            if self._closed:
+                return
+            ent = self._peers.get(target)
+            if ent is None:
+                if len(self._peers) >= self.MAX_PEERS:  # bounded: reuse the oldest's thread
+                    ent = next(iter(self._peers.values()))
+                else:
+                    q = queue.Queue()
+                    t = threading.Thread(target=self._run, args=(q,),
+                                         name=f"mc-push-{target}", daemon=True)
+                    ent = self._peers[target] = (q, t)
+                    t.start()
+        ent[0].put((target, msg, key, timeout, retry_until))
 
     def take(self, key):
         with self._lock:
             return self.results.pop(key, "pending")
 
-    def _run(self):
+    def _run(self, q):
         from mooncake_connector import MooncakeError
 
         while True:
-            item = self.q.get()
+            item = q.get()
             if item is None:
                 return
-            target, msg, key, timeout = item
-            res = None
-            try:
-                self.engine.send_notify(target, msg, timeout)
-            except (MooncakeError, ValueError, RuntimeError) as e:
-                text = str(e)
-                # Only a connection that never came up proves the message did
-                # not arrive; anything else (timeout, reset after sending) may
-                # have delivered it.
-                never = any(s in text for s in ("refused", "Connection refused", "not found",
-                                               "no such segment", "resolve", "unreachable"))
-                res = (not never, text)
-                if key is None:
-                    logger.warning("MooncakeConnector push: notification to %s failed: %s",
-                                   target, text)
+            target, msg, key, timeout, retry_until = item
+            while True:
+                res = None
+                try:
+                    self.engine.send_notify(target, msg, timeout)
+                except (MooncakeError, ValueError, RuntimeError) as e:
+                    text = str(e)
+                    # Only a connection that never came up proves the message
+                    # did not arrive; anything else (timeout, reset after
+                    # sending) may have delivered it.
+                    never = any(w in text for w in ("refused", "not found", "no such segment",
+                                                    "resolve", "unreachable"))
+                    res = (not never, text)
+                if res is not None and res[0] and retry_until is not None and \
+                        time.time() + timeout < retry_until and not self._closed:
+                    continue  # maybe lost: the receiver ignores a duplicate
+                break
+            if res is not None and key is None:
+                logger.warning("MooncakeConnector push: notification to %s failed: %s",
+                               target, res[1])
             if key is not None:
                 with self._lock:
                     self.results[key] = res
 
     def close(self):
-        self.q.put(None)
-        self._t.join(timeout=10)
+        with self._lock:
+            self._closed = True
+            peers = list(self._peers.values())
+        for q, _ in peers:
+            q.put(None)
+        for _, t in peers:
+            t.join(timeout=10)
 
 
 # ---------------------------------------------------------------- consumer
@@ -385,11 +412,11 @@ class PushProducer:
                 return
             tg.cancel = True
 
-    def _reply(self, sender, tid, t, why=None, **kw):
+    def _reply(self, sender, tid, t, why=None, retry_until=None, **kw):
         head = {"t": t, "tid": tid, **kw}
         if why:
             head["why"] = why
-        self.w.push_outbox.send(sender, encode(head))
+        self.w.push_outbox.send(sender, encode(head), retry_until=retry_until)
 
     # jobs
 
@@ -530,8 +557,9 @@ class PushProducer:
 
     def _end(self, job, tg, state, why=None):
         tg.state = state
+        until = tg.lease_until + PUSH_GRACE_S
         if state == "done":
-            self._reply(tg.name, job.tid, "done", ntok=tg.ntok)
+            self._reply(tg.name, job.tid, "done", ntok=tg.ntok, retry_until=until)
             self.w.stats.add("push_sends")
             self.w.stats.add("push_bytes", tg.nblocks * self.w.layout.bytes_per_block())
         else:
@@ -539,7 +567,7 @@ class PushProducer:
                 logger.warning("MooncakeConnector push: request %s -> %s: nothing more is "
                                "written (%s)", job.rid, tg.name, why)
                 self.w.stats.add("push_failed")
-            self._reply(tg.name, job.tid, state, why)
+            self._reply(tg.name, job.tid, state, why, retry_until=until)
 
     def poll(self):
         """Advance every job; returns the req ids whose push is over (their
