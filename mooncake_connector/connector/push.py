@@ -169,6 +169,8 @@ class Outbox:
             if key is not None:
                 with self._lock:
                     self.results[key] = res
+                    while len(self.results) > 65536:  # results nobody took (loads gone)
+                        self.results.pop(next(iter(self.results)))
 
     def close(self):
         with self._lock:
@@ -301,6 +303,9 @@ class PushConsumer:
                             "(timed out)")
         self.loads.pop(tid, None)
         self.by_rid.pop(spec.req_id, None)
+        for name in cl.ranks:  # results that may still sit in the outbox
+            self.w.push_outbox.take(("t", tid, name))
+            self.w.push_outbox.take(("c", tid, name))
         if all(st == "done" for st in cl.ranks.values()) and cl.ranks:
             return (spec.skip_blocks + len(spec.block_ids)) * self.w.block_size, None
         errs = [cl.why.get(n) or st for n, st in cl.ranks.items() if st != "done"]
