@@ -275,3 +275,26 @@ def test_in_tree_shape_is_pushed(sides, decode_first):
     assert both(p, d, lambda: not d.sched.requests and p.is_empty())
     assert d.computed["q"] == 7 + 1
     assert p.worker._worker.lb.stats()["entries"] == 0
+
+
+def test_producer_writes_nothing_after_the_lease(sides):
+    """The decode side stays silent (not stepped: no cancel) past its lease;
+    the prompt computed afterwards is not written into its blocks, and the
+    producer answers nokv and frees its own blocks."""
+    from mooncake_connector.connector import push
+
+    p = sides("kv_producer")
+    d = sides("kv_consumer", flow_a=False, load_timeout_s=1.2)
+    t = toks(22, 3 * BS + 2)
+    d.add(make_request("q", t, max_tokens=2, params=push_params("T10", "d")))
+    d.step()
+    ids = d.block_ids("q")
+    _sentinel(d, ids[:3])
+    assert got_target(p, "T10")
+    time.sleep(1.2 - push.PUSH_MARGIN_S + 0.1)  # past lease_until - margin
+    p.add(make_request("pq", t, max_tokens=1, params=push_params("T10", "p")))
+    assert p.run_until(lambda: p.is_empty(), steps=500)
+    time.sleep(0.1)
+    assert _untouched(d, ids[:3])
+    assert d.run_until(lambda: "q" not in d.sched.requests, steps=3000)
+    assert d.computed["q"] == len(t) + 1
