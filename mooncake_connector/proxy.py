@@ -342,7 +342,7 @@ class Proxy:
         """Flow push: the prefill leg runs beside the decode leg, whose answer
         is the client's.  A failed prefill leg only costs speed: the decode
         side is told (nokv) or its lease runs out, and it computes the prompt."""
-        tid = f"push-{rid}"
+        tid = f"push-{rid}-{uuid.uuid4().hex[:12]}"  # unique even if clients reuse ids
         pre_url = self.prefill[idx]
         pre_body = self._prefill_body(body, chat)
         pp = {"do_remote_decode": True, "do_remote_prefill": False, "push": True,

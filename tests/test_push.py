@@ -299,3 +299,15 @@ def test_producer_writes_nothing_after_the_lease(sides):
     assert _untouched(d, ids[:3])
     assert d.run_until(lambda: "q" not in d.sched.requests, steps=3000)
     assert d.computed["q"] == len(t) + 1
+
+
+def test_one_transfer_id_for_two_requests_is_refused(sides):
+    """Two live decode requests joined by one transfer id: the second is
+    computed at once (its own), the first is pushed; nothing crosses."""
+    p, d = sides("kv_producer"), sides("kv_consumer", flow_a=False)
+    t = toks(23, 2 * BS + 1)
+    d.add(make_request("q1", t, max_tokens=2, params=push_params("T11", "d")))
+    d.add(make_request("q2", toks(24, 2 * BS + 1), max_tokens=2, params=push_params("T11", "d")))
+    p.add(make_request("pq", t, max_tokens=1, params=push_params("T11", "p")))
+    assert both(p, d, lambda: not d.sched.requests and p.is_empty())
+    assert d.computed["q1"] == 1 + 1 and d.computed["q2"] == 2 * BS + 1 + 1

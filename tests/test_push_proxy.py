@@ -49,12 +49,14 @@ def test_push_sends_both_legs_at_once(upstreams, proxy):  # noqa: F811
         pre = p.seen[0][1]
         dec = d.seen[0]["body"]
         assert pre["max_tokens"] == 1 and pre["stream"] is False
+        tid = pre["kv_transfer_params"]["transfer_id"]
+        assert tid.startswith("push-r-1-")
         assert pre["kv_transfer_params"] == {"do_remote_decode": True,
                                              "do_remote_prefill": False, "push": True,
-                                             "transfer_id": "push-r-1"}
+                                             "transfer_id": tid}
         assert dec["kv_transfer_params"] == {"do_remote_decode": False,
                                              "do_remote_prefill": True, "push": True,
-                                             "transfer_id": "push-r-1",
+                                             "transfer_id": tid,
                                              "remote_engine_id": "127.0.0.1:17001"}
         assert {k: v for k, v in dec.items() if k != "kv_transfer_params"} == body
     finally:

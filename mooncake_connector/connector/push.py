@@ -228,6 +228,10 @@ class PushConsumer:
         ntok = end * w.block_size
         h = token_hash(spec.tokens[:ntok])
         rows = _rows(spec)
+        if tid in self.loads:  # two live requests joined by one transfer id: refuse the 2nd
+            cl.error = (f"transfer_id {tid!r} is already used by another request waiting "
+                        "here (each push needs its own)")
+            return
         self.loads[tid] = cl
         self.by_rid[spec.req_id] = tid
         for name, pieces in route:
