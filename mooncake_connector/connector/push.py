@@ -42,6 +42,8 @@ PUSH_MARGIN_S = 1.0   # producer: no write starts later than lease_until - this
 PUSH_GRACE_S = 2.0    # consumer: blocks kept until lease_until + this without an answer
 MAX_TID = 256
 ENDED_KEEP_S = 120.0  # producer: a transfer id that ended answers late targets "nokv"
+EARLY_MAX = 4096      # producer: transfer ids with targets waiting for their prompt
+EARLY_MAX_BYTES = 256 << 20  # producer: bytes of those targets' extents
 
 
 class PushError(ValueError):
@@ -377,6 +379,7 @@ class PushProducer:
         self.early = {}      # tid -> {sender: Target} (target before the prompt)
         self.ended = {}      # tid -> monotonic time its job ended / it was dropped
         self.canceled = {}   # tid -> (monotonic time, {consumer engine}) canceled before the prompt
+        self._early_bytes = 0
         self._layer_index = {L.name: i for i, L in enumerate(worker.layout.layers)}
         off, self._layer_off = 0, []
         for L in worker.layout.layers:
@@ -403,19 +406,33 @@ class PushProducer:
                             "side's target arrived (aborted, failed, or its KV held past "
                             "hold_timeout_s)")
             else:
-                if len(self.early) > 4096:  # bounded: drop the oldest
+                # Bounded (a peer may send targets for prompts that never
+                # come): at most EARLY_MAX transfer ids, EARLY_MAX_BYTES of
+                # extents; the oldest are answered nokv and dropped.
+                while self.early and (len(self.early) >= EARLY_MAX or
+                                      self._early_bytes + len(body) > EARLY_MAX_BYTES):
                     old = next(iter(self.early))
-                    for s in self.early.pop(old):
-                        self._reply(s, old, "nokv", "too many targets waiting for prompts")
-                self.early.setdefault(tid, {})[sender] = tg
+                    for snd, otg in self.early.pop(old).items():
+                        self._early_bytes -= 24 * len(otg.dest) // 3
+                        self._reply(snd, old, "nokv", "too many targets waiting for prompts "
+                                    "on this prefill")
+                prev = self.early.setdefault(tid, {}).get(sender)
+                if prev is not None:
+                    self._early_bytes -= 24 * len(prev.dest) // 3
+                self.early[tid][sender] = tg
+                self._early_bytes += len(body)
         elif t == "cancel":
             job = self.jobs.get(tid)
             tg = job.targets.get(sender) if job is not None else None
             if tg is None:
                 early = self.early.get(tid, {})
-                early.pop(sender, None)
+                gone = early.pop(sender, None)
+                if gone is not None:
+                    self._early_bytes -= 24 * len(gone.dest) // 3
                 if not early:
                     self.early.pop(tid, None)
+                if len(self.canceled) >= EARLY_MAX:  # bounded like early targets
+                    self.canceled.pop(next(iter(self.canceled)))
                 # The prompt may still come: it is served (nothing written)
                 # for this consumer, so its blocks are not held for it.
                 self.canceled.setdefault(tid, (time.monotonic(), set()))[1].add(sender)
@@ -440,6 +457,7 @@ class PushProducer:
         self.jobs[tid] = job
         self.by_rid[spec.req_id] = tid
         for tg in self.early.pop(tid, {}).values():
+            self._early_bytes -= 24 * len(tg.dest) // 3
             self._add_target(job, tg)
         for sender in self.canceled.pop(tid, (0, ()))[1]:
             job.targets.setdefault(sender, _Served())
@@ -447,7 +465,8 @@ class PushProducer:
     def dropped(self, tid):
         """The prefill request ended without a prompt to push."""
         self.ended[tid] = time.monotonic()
-        for sender in self.early.pop(tid, {}):
+        for sender, tg in self.early.pop(tid, {}).items():
+            self._early_bytes -= 24 * len(tg.dest) // 3
             self._reply(sender, tid, "nokv", "the prefill request ended without KV (aborted "
                         "or failed before its prompt was computed)")
 
@@ -620,9 +639,12 @@ class PushProducer:
         # early targets whose lease ran out: forget (the consumer gives up itself)
         for tid in [t for t, d in self.early.items()
                     if all(wall > tg.lease_until for tg in d.values())]:
-            del self.early[tid]
+            for tg in self.early.pop(tid).values():
+                self._early_bytes -= 24 * len(tg.dest) // 3
         for tid in [t for t, at in self.ended.items() if now - at > ENDED_KEEP_S]:
             del self.ended[tid]
+        while len(self.ended) > 65536:
+            self.ended.pop(next(iter(self.ended)))
         for tid in [t for t, (at, _) in self.canceled.items() if now - at > ENDED_KEEP_S]:
             del self.canceled[tid]
         return over
