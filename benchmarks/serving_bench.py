@@ -85,6 +85,16 @@ MODES = (("colocated", "colocated, direct"),
          ("disaggregated_decode_first", "disaggregated, first token from decode"))
 
 
+#: With --push: flow b and the push flow, whole prompt and layer by layer,
+#: measured in the same run (same servers; the layer-wise choice travels per
+#: request in the prefill leg's kv_transfer_params).  First token from decode
+#: for push (the decode side computes the prompt's last token).
+PUSH_MODES = (("disaggregated_b", "disaggregated flow b, first token from prefill"),
+              ("push", "push, whole prompt (first token from decode)"),
+              ("push_layerwise", "push, layer by layer (first token from decode)"))
+PUSH_PROXIES = {"disaggregated_b": "b", "push": "push", "push_layerwise": "push-layerwise"}
+
+
 def measure(dep, lengths, n_requests, max_tokens, log):
     from mooncake_connector.openai_client import request
 
@@ -93,6 +103,9 @@ def measure(dep, lengths, n_requests, max_tokens, log):
     urls = {"colocated": dep.colocated.url, "colocated_proxy": dep.colocated_proxy.url,
             "disaggregated": dep.proxies["a"].url,
             "disaggregated_decode_first": dep.proxies["a-decode-first"].url}
+    for k, name in PUSH_PROXIES.items():
+        if name in dep.proxies and k in dict(MODES):
+            urls[k] = dep.proxies[name].url
 
     def one(url, prompt, **kw):
         b = dict(body, prompt=prompt, **kw)
@@ -222,7 +235,8 @@ def plot(summary, path, title):
     rows = summary["rows"]
     x = [r["prompt_tokens"] for r in rows]
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
-    colors = dict(zip([k for k, _ in MODES], ("tab:blue", "tab:cyan", "tab:orange", "tab:red")))
+    colors = dict(zip([k for k, _ in MODES], ("tab:blue", "tab:cyan", "tab:orange", "tab:red",
+                                              "tab:purple", "tab:green", "tab:olive")))
     for key, label in MODES:
         color = colors[key]
         for ax, what in ((a, "ttft"), (b, "itl")):
@@ -267,6 +281,9 @@ def report(summary):
               + ", ".join(f"{k} {ms(s, 'itl_' + k)}" for k, _ in MODES))
         print(f"{'':6} token 1->2 gap p50/p99 ms: "
               + ", ".join(f"{k} {ms(s, 'gap12_' + k)}" for k, _ in MODES))
+        if len(MODES) > 4:
+            print(f"{'':6} TTFT p50/p99 ms: "
+                  + ", ".join(f"{k} {ms(s, 'ttft_' + k)}" for k, _ in MODES[4:]))
         print(f"{'':6} paired (same prompt, back to back): disaggregated - colocated TTFT "
               f"median {s['ttft_paired_diff_vs_colocated_ms_p50']:+.2f} ms (direct), "
               f"{s['ttft_paired_diff_vs_colocated_proxy_ms_p50']:+.2f} ms (via proxy); "
@@ -299,7 +316,13 @@ def main(argv=None):
                          "weigh more against compute")
     ap.add_argument("--kv-cache-mib", type=int, default=64,
                     help="each vLLM server's KV cache (raise it with --spec)")
+    ap.add_argument("--push", action="store_true",
+                    help="also flow b and the push flow (whole prompt and layer by layer), "
+                         "same servers, same run")
     args = ap.parse_args(argv)
+    global MODES
+    if args.push:
+        MODES = MODES + PUSH_MODES
     lengths = [int(x) for x in args.lengths.split(",")]
     if max(lengths) > 2000:
         ap.error("prompt lengths must stay below --max-model-len 2048")
@@ -320,8 +343,14 @@ def main(argv=None):
         ap.error(f"--spec: {e}")
     model = tiny_model.build(**overrides)
     workdir = args.workdir or tempfile.mkdtemp(prefix="mc-serving-bench-")
+    extra = {"a-decode-first": {"flow": "a", "first_token": "decode"}}
+    if args.push:
+        extra.update({"b": {"flow": "b"},
+                      "push": {"flow": "push", "extra_args": ("--push-layerwise", "off")},
+                      "push-layerwise": {"flow": "push",
+                                         "extra_args": ("--push-layerwise", "on")}})
     dep = Deployment(workdir, model, connector=args.connector, flows=("a",),
-                     extra_proxies={"a-decode-first": {"flow": "a", "first_token": "decode"}},
+                     extra_proxies=extra,
                      colocated_proxy=True, kv_cache_bytes=args.kv_cache_mib << 20)
     print(f"model {model} ({tiny_model.kv_bytes_per_token(spec)} B of KV per token); "
           f"connector {dep.connector}; logs {dep.logs}", flush=True)

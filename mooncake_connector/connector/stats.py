@@ -24,7 +24,8 @@ RECOMPUTE_REASONS = ("producer_unreachable", "not_held", "timed_out", "layout_mi
 COUNTERS = ("loads", "loads_in_step", "loads_failed", "load_bytes", "load_bytes_same_host_cpu",
             "load_tokens",
             "load_tokens_missed", "publishes", "publish_failed", "publish_bytes",
-            "sends_finished", "sends_expired",
+            "sends_finished", "sends_expired", "push_loads", "push_sends", "push_bytes",
+            "push_failed",
             *(f"recompute_{r}" for r in RECOMPUTE_REASONS))
 GAUGES = ("held_bytes", "lookup_entries", "loads_in_flight")
 
@@ -125,6 +126,13 @@ PROM_COUNTERS = {
     "publish_bytes": ("vllm:mooncake_publish_bytes_total", "KV bytes published"),
     "sends_finished": ("vllm:mooncake_sends_finished_total",
                        "Held requests whose blocks were released back to vLLM"),
+    "push_loads": ("vllm:mooncake_push_loads_total",
+                   "Consumer: push loads started (blocks lent to a producer)"),
+    "push_sends": ("vllm:mooncake_push_sends_total",
+                   "Producer: prompts written into a consumer's blocks (push flow)"),
+    "push_bytes": ("vllm:mooncake_push_bytes_total", "Producer: KV bytes pushed"),
+    "push_failed": ("vllm:mooncake_push_failures_total",
+                    "Producer: push targets ended without the KV (lease, failure, timeout)"),
 }
 PROM_GAUGES = {
     "held_bytes": ("vllm:mooncake_held_bytes",

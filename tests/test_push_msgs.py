@@ -1,0 +1,71 @@
+"""The push flow's notification format (connector/push.py): what a peer may
+send is checked before anything is kept or written."""
+from array import array
+
+import pytest
+
+from mooncake_connector.connector import push
+
+
+def _target(n=4, nblocks=2, epb=2, body=None, **over):
+    head = {"t": "target", "tid": "T", "rank": 0, "lease_until": 1e12, "ntok": 32, "h": "x",
+            "skip": 0, "nblocks": nblocks, "epb": epb, "n": n, **over}
+    if body is None:
+        body = array("Q", [0] * (3 * n)).tobytes()
+    return head, body
+
+
+def test_round_trip():
+    msg = push.encode({"t": "done", "tid": "abc", "ntok": 64})
+    head, body = push.decode(msg)
+    assert head == {"t": "done", "tid": "abc", "ntok": 64} and body == b""
+    msg = push.encode({"t": "target", "tid": "x"}, b"\x01\x02")
+    assert push.decode(msg)[1] == b"\x01\x02"
+
+
+@pytest.mark.parametrize("msg, why", [
+    (b"hello", "not a push message"),
+    (push.MAGIC + b'{"t":"done"', "without a header line"),
+    (push.MAGIC + b"{nope\n", "not JSON"),
+    (push.MAGIC + b'{"t":"done"}\n', "lacks t / tid"),
+    (push.MAGIC + b'{"t":"done","tid":""}\n', "lacks t / tid"),
+    (push.MAGIC + b'{"t":"done","tid":"' + b"x" * 300 + b'"}\n', "lacks t / tid"),
+    (push.MAGIC + b"[1,2]\n", "lacks t / tid"),
+])
+def test_bad_messages_are_refused_naming_why(msg, why):
+    with pytest.raises(push.PushError, match=why):
+        push.decode(msg)
+
+
+@pytest.mark.parametrize("over, why", [
+    ({"n": 5}, "bytes of extents for n=5"),
+    ({"nblocks": 3}, "4 extents for 3 blocks x 2"),
+    ({"skip": -1}, "'skip' must be an integer"),
+    ({"epb": 0}, "'epb' must be an integer"),
+    ({"nblocks": "2"}, "'nblocks' must be an integer"),
+    ({"n": True}, "'n' must be an integer"),
+])
+def test_bad_targets_are_refused(over, why):
+    n = over.get("n", 4)
+    head, body = _target(**{k: v for k, v in over.items() if k != "n"})
+    head.update(over)
+    if isinstance(n, int) and not isinstance(n, bool) and n != 4:
+        body = array("Q", [0] * 12).tobytes()  # 4 extents' worth, whatever n claims
+    with pytest.raises(push.PushError, match=why):
+        push.Target("peer:1", head, body, 0.0)
+
+
+def test_good_target_parses():
+    head, body = _target()
+    tg = push.Target("peer:1", head, body, 0.0)
+    assert tg.nblocks == 2 and len(tg.dest) == 12 and tg.state == "pending"
+
+
+def test_is_push_shapes():
+    assert push.is_push({"push": True, "transfer_id": "t"})
+    assert push.is_push({"do_remote_prefill": True, "transfer_id": "t"})  # in-tree decode leg
+    assert not push.is_push({"do_remote_prefill": True, "transfer_id": "t", "num_tokens": 3})
+    assert not push.is_push({"push": False, "transfer_id": "t"})
+    assert not push.is_push(None)
+    assert push.transfer_id({"transfer_id": "x" * 257}) is None
+    assert push.token_hash([1, 2, 3]) != push.token_hash([1, 2, 4])
