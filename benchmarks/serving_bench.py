@@ -229,7 +229,8 @@ def measure_fixed(colocated_url, decode_url, n_requests):
     def ttft(url, p):
         r = request(url, "/v1/completions", {
             "model": "tiny", "prompt": p, "temperature": 0.0, "max_tokens": 1,
-            "ignore_eos": True, "stream": True}, timeout=600)
+            "ignore_eos": True, "return_token_ids": True, "stream": True,
+            "stream_options": {"include_usage": True}}, timeout=600)
         if r.status != 200 or r.error:
             raise RuntimeError(f"{url}: {r.status} {r.error}")
         return r.ttft_s
@@ -407,11 +408,20 @@ def report(summary):
 
 
 def _failure_of(proc):
-    """The lines of a server log that say why it died (the last exception)."""
-    from mooncake_connector.serving import log_tail
-    tail = log_tail(proc.log_path, 200).splitlines()
-    keep = [ln for ln in tail if re.search(r"Error|Exception|raise |File \"", ln)]
-    return "\n".join(keep[-12:]) or "\n".join(tail[-12:])
+    """Where a server died: the root exception vLLM logged (the engine core's
+    traceback), its last frames and message; else the log's last lines."""
+    try:
+        with open(proc.log_path, encoding="utf-8", errors="replace") as f:
+            lines = [re.sub(r"^\(\w+ pid=\d+\) ERROR \S+ \S+ \[[^]]*\] ?", "", ln.rstrip())
+                     for ln in f]
+    except OSError as e:
+        return f"(no log: {e})"
+    for i, ln in enumerate(lines):
+        if re.match(r"^\w*(Error|Exception): ", ln) and "initialization failed" not in ln:
+            frames = [x for x in lines[max(0, i - 12):i] if x.strip() and
+                      not set(x.strip()) <= set("^~ ")]
+            return "\n".join(frames[-6:] + [ln])
+    return "\n".join(lines[-12:])
 
 
 def intree_phase(args, model, workdir, lengths, colocated, router_site, log):
