@@ -154,3 +154,30 @@ def test_consumer_refuses_an_in_tree_engine_id_by_name():
     # Asked again (next step): still computed, counted once.
     assert sch.get_num_new_matched_tokens(req, 0) == (0, False)
     assert sch.stats.data["recompute_producer_unreachable"] == 1
+
+
+def test_the_producer_worker_of_tp0_pp0_serves_it_naming_every_rank():
+    from mooncake_connector.connector.worker import WorkerSide
+    port = _free_port()
+    made = []
+    try:
+        for role, tp_rank, pp_rank in (("kv_producer", 0, 0), ("kv_producer", 1, 0),
+                                       ("kv_producer", 0, 1), ("kv_consumer", 0, 0)):
+            cfg = _cfg(bootstrap_port=port, bootstrap_host="127.0.0.1")
+            cfg.kv_role = role
+            w = WorkerSide(settings_mod.resolve(cfg), 32, tp_rank, 2, facts={"pp_size": 2},
+                           pp_rank=pp_rank, dp_rank=1)
+            w._base = "127.0.0.1:13003"
+            w._start_bootstrap()
+            made.append(w)
+        assert [w.bootstrap is not None for w in made] == [True, False, False, False]
+        got = json.loads(_req(port, "GET", "/query")[1])
+        assert got == {"1": {"engine_id": "127.0.0.1:13003", "worker_addr": {
+            "0": {"0": "127.0.0.1:13003", "1": "127.0.0.1:13005"},
+            "1": {"0": "127.0.0.1:13004", "1": "127.0.0.1:13006"}}}}
+    finally:
+        for w in made:
+            if w.bootstrap is not None:
+                w.bootstrap.close()
+    with pytest.raises(OSError):  # closed: nothing listens any more
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
