@@ -129,12 +129,6 @@ def proxy_flows():
     return set(m.group(1).split(",")) if m else {"a", "b"}
 
 
-def push_layerwise_selector():
-    """The request-body fields that ask our push flow for layer-by-layer
-    writes, or None where the connector has no per-request switch."""
-    return None
-
-
 def measure(urls, lengths, n_requests, max_tokens, log, legs=None, extra_body=None,
             results=None):
     """Sends each prompt through every mode in urls ({mode: base url}), in a
@@ -545,13 +539,13 @@ def main(argv=None):
         extra_proxies["b-decode-first"] = {"flow": "b", "first_token": "decode"}
     if want & set(PUSH_MODES):
         if "push" in flows:
-            extra_proxies["push"] = {"flow": "push"}
+            # Whole prompt and layer by layer on the same servers: the proxy
+            # asks for either per request (--push-layerwise off|on).
+            if "push" in want:
+                extra_proxies["push"] = {"flow": "push", "extra_args": ("--push-layerwise", "off")}
             if "push_layerwise" in want:
-                sel = push_layerwise_selector()
-                if sel is None:
-                    skipped["push_layerwise"] = "the connector has no per-request layer-by-layer push"
-                else:
-                    extra_body["push_layerwise"] = sel
+                extra_proxies["push-layerwise"] = {"flow": "push",
+                                                   "extra_args": ("--push-layerwise", "on")}
         else:
             for k in PUSH_MODES:
                 if k in want:
@@ -588,7 +582,7 @@ def main(argv=None):
             "disaggregated": dep.proxies["a"].url}
     for k, name in (("disaggregated_decode_first", "a-decode-first"), ("flow_b", "b"),
                     ("flow_b_decode_first", "b-decode-first"), ("push", "push"),
-                    ("push_layerwise", "push")):
+                    ("push_layerwise", "push-layerwise")):
         if k in want and k not in skipped and name in dep.proxies:
             urls[k] = dep.proxies[name].url
     intree_rows, intree_status = None, skipped.get("intree", "not asked for")

@@ -263,14 +263,14 @@ def metadata_server(port, log_path, python=None):
 
 
 def proxy(prefill_urls, decode_urls, port, log_path, flow="a", timeout_s=600, python=None,
-          first_token="prefill", passthrough=None, name=None):
+          first_token="prefill", passthrough=None, name=None, extra_args=()):
     """Our proxy in front of prefill/decode servers, or (passthrough: a list
     of URLs) in front of one upstream with no prefill step."""
     if passthrough:
         args, name = ["--passthrough", *passthrough], name or "proxy (pass-through)"
     else:
         args = ["--flow", flow, "--first-token", first_token, "--prefill", *prefill_urls,
-                "--decode", *decode_urls]
+                "--decode", *decode_urls, *extra_args]
         name = name or f"proxy (flow {flow})"
     p = Process(name, [python or sys.executable, "-m", "mooncake_connector.proxy", "--host",
                        "127.0.0.1", "--port", str(port), "--timeout", str(timeout_s), *args],
