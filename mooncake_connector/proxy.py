@@ -37,6 +37,14 @@ chunk at once and the decode instance continues from it
 (mooncake_connector.proxy_first_token).  Non-streamed requests, and streamed
 ones that path cannot represent faithfully, take the path above.
 
+Flow push (--flow push): both legs at once.  The decode instance admits
+the request (blocks allocated, waiting for remote KV) and tells the prefill
+instance where its blocks are; the prefill instance WRITEs the prompt's KV
+into them (docs/connector.md, "Push flow").  The legs are joined by a
+transfer_id; the decode leg names the prefill engine (--prefill-engine,
+else the decode's configured prefill_url).  The first token comes from the
+decode instance; the prefill's answer is discarded (errors counted).
+
 Pass-through mode (--passthrough URL ...): no prefill step, every request
 goes to one upstream (round-robin) and its answer is relayed as is: the same
 proxy code in front of a colocated server, a reference for benchmarks.
@@ -92,7 +100,7 @@ def _upstream_error(role, url, status, raw, content_type):
 class Proxy:
     def __init__(self, prefill=(), decode=(), flow="a", timeout=6 * 3600, api_key=None,
                  first_token="prefill", passthrough=(), idle_timeout=300.0,
-                 prefill_down_s=5.0):
+                 prefill_down_s=5.0, prefill_engines=(), push_layerwise=None):
         self.passthrough = [u.rstrip("/") for u in passthrough]
         if self.passthrough and (prefill or decode):
             raise ValueError("--passthrough takes no --prefill/--decode")
@@ -102,6 +110,13 @@ class Proxy:
         if first_token not in ("prefill", "decode"):
             raise ValueError(f"first_token={first_token!r}: expected 'prefill' or 'decode'")
         self.prefill = [u.rstrip("/") for u in prefill]
+        if flow not in ("a", "b", "push"):
+            raise ValueError(f"flow={flow!r}: expected 'a', 'b' or 'push'")
+        self.prefill_engines = list(prefill_engines or ())
+        if self.prefill_engines and len(self.prefill_engines) != len(self.prefill):
+            raise ValueError(f"--prefill-engine names {len(self.prefill_engines)} engines for "
+                             f"{len(self.prefill)} --prefill URLs: give one per URL, same order")
+        self.push_layerwise = push_layerwise
         self.decode = [u.rstrip("/") for u in decode] or self.passthrough
         self.flow = flow
         self.first_token = first_token
@@ -227,6 +242,8 @@ class Proxy:
         if self.passthrough:
             return await self._relay(request, next(self._d), body, headers, rid)
         order, dec_url = self._prefill_order(), next(self._d)
+        if self.flow == "push":
+            return await self._push(request, body, chat, headers, rid, order[0], dec_url)
         pre_url = self.prefill[order[0]]
         fast = None
         if body.get("stream") and self.first_token == "prefill":
@@ -320,6 +337,49 @@ class Proxy:
         # 2b. decode answers the original request, streamed through as it comes
         dec_body = body if self.flow != "b" else dict(body, kv_transfer_params=params)
         return await self._relay(request, dec_url, dec_body, headers, rid, "decode")
+
+    async def _push(self, request, body, chat, headers, rid, idx, dec_url):
+        """Flow push: the prefill leg runs beside the decode leg, whose answer
+        is the client's.  A failed prefill leg only costs speed: the decode
+        side is told (nokv) or its lease runs out, and it computes the prompt."""
+        tid = f"push-{rid}"
+        pre_url = self.prefill[idx]
+        pre_body = self._prefill_body(body, chat)
+        pp = {"do_remote_decode": True, "do_remote_prefill": False, "push": True,
+              "transfer_id": tid}
+        if self.push_layerwise is not None:
+            pp["push_layerwise"] = self.push_layerwise
+        pre_body["kv_transfer_params"] = pp
+        dp = {"do_remote_decode": False, "do_remote_prefill": True, "push": True,
+              "transfer_id": tid}
+        if self.prefill_engines:
+            dp["remote_engine_id"] = self.prefill_engines[idx]
+        dec_body = dict(body, kv_transfer_params=dp)
+        task = asyncio.ensure_future(self._push_prefill(request.path, pre_url, pre_body,
+                                                        headers, rid))
+        try:
+            return await self._relay(request, dec_url, dec_body, headers, rid, "decode")
+        finally:
+            if not task.done():
+                # The decode answer is complete (or the client left): the
+                # prefill leg may finish on its own, unless the client left.
+                if request.transport is None or request.transport.is_closing():
+                    task.cancel()
+
+    async def _push_prefill(self, path, url, body, headers, rid):
+        try:
+            async with self.session.post(url + path, json=body, headers=headers) as r:
+                await r.read()
+                if r.status != 200:
+                    self.counts["prefill_errors"] += 1
+                    logger.warning("prefill %s answered %d for %s (push: the decode side "
+                                   "computes the prompt)", url, r.status, rid)
+        except asyncio.CancelledError:
+            raise
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            self.counts["prefill_errors"] += 1
+            logger.warning("prefill %s unreachable for %s (%r; push: the decode side computes "
+                           "the prompt)", url, rid, e)
 
     async def _relay(self, request, url, body, headers, rid, role="upstream"):
         """Sends body to url and relays its answer (streamed through when
@@ -550,9 +610,19 @@ def main(argv=None):
                          "server behind the same proxy code; a benchmark reference)")
     ap.add_argument("--host", default="0.0.0.0")
     ap.add_argument("--port", type=int, default=8000)
-    ap.add_argument("--flow", choices=["a", "b"], default="a",
+    ap.add_argument("--flow", choices=["a", "b", "push"], default="a",
                     help="a: max_tokens=1 prefill then decode (the seed's); "
-                         "b: kv_transfer_params relayed from prefill to decode")
+                         "b: kv_transfer_params relayed from prefill to decode; "
+                         "push: both at once, the prefill writes the KV into the decode's "
+                         "blocks (first token from decode)")
+    ap.add_argument("--prefill-engine", nargs="+", default=[], metavar="HOST:PORT",
+                    help="flow push: the transfer-engine name (prefill_url / local_hostname) "
+                         "of each --prefill instance, same order (default: the decode's "
+                         "configured prefill_url)")
+    ap.add_argument("--push-layerwise", choices=["server", "on", "off"], default="server",
+                    help="flow push: write the KV layer by layer as the prefill computes it "
+                         "(on), after the forward (off), or the prefill server's "
+                         "push_layerwise setting (server)")
     ap.add_argument("--first-token", choices=["prefill", "decode"], default="prefill",
                     help="streamed requests: prefill (default) streams the prefill's token at "
                          "once and decode continues from it; decode waits for the decode "
@@ -571,6 +641,16 @@ def main(argv=None):
         ap.error("--passthrough relays to one upstream; it takes no --prefill/--decode")
     if not args.passthrough and not (args.prefill and args.decode):
         ap.error("give --prefill URL... and --decode URL... (or --passthrough URL...)")
+    if args.prefill_engine and len(args.prefill_engine) != len(args.prefill):
+        ap.error(f"--prefill-engine names {len(args.prefill_engine)} engines for "
+                 f"{len(args.prefill)} --prefill URLs: give one per URL, in the same order")
+    for e in args.prefill_engine:
+        host, sep, port = e.rpartition(":")
+        if not sep or not host or not port.isdigit() or "/" in e:
+            ap.error(f"--prefill-engine {e!r} is not host:port (the prefill's transfer-engine "
+                     "name: its mooncake.json prefill_url)")
+    if args.prefill_engine and args.flow != "push":
+        ap.error("--prefill-engine is for --flow push")
     for u in args.prefill + args.decode + args.passthrough:
         if not u.startswith(("http://", "https://")):
             ap.error(f"{u!r} is not a URL; write http://host:port")
@@ -579,7 +659,8 @@ def main(argv=None):
         ap.error("--timeout must be > 0, --idle-timeout and --prefill-down-s >= 0 (seconds)")
     proxy = Proxy(args.prefill, args.decode, args.flow, args.timeout,
                   os.environ.get("OPENAI_API_KEY"), args.first_token, args.passthrough,
-                  args.idle_timeout, args.prefill_down_s)
+                  args.idle_timeout, args.prefill_down_s, args.prefill_engine,
+                  {"server": None, "on": True, "off": False}[args.push_layerwise])
     run_loop, loop_name = _event_loop(args.loop)
 
     async def run():

@@ -241,7 +241,10 @@ class MooncakeConnector(KVConnectorBase_V1, SupportsHMA):
         return  # in-step loads are done when start_load_kv returns; others: get_finished
 
     def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs):
-        return  # published once per prompt, in wait_for_save
+        # Flow a/b publish once per prompt (wait_for_save); push with
+        # push_layerwise writes this layer to the decode side now.
+        if self._worker is not None:
+            self._worker.save_kv_layer(layer_name)
 
     def wait_for_save(self):
         meta = self._connector_metadata

@@ -21,6 +21,7 @@ class LoadSpec:
     sync: bool = False    # load inside this step (vLLM schedules the request now)
     producer_tp: int | None = None  # flow B: the producer's TP size from its params
     more_groups: list = field(default_factory=list)  # HMA: block ids of KV-cache groups 1..
+    push_tid: str | None = None  # flow "P" (push): the transfer id both legs carry
 
 
 @dataclass
@@ -30,6 +31,8 @@ class PublishSpec:
     tokens: list          # token ids of the full blocks
     block_ids: list       # local block ids of those blocks
     more_groups: list = field(default_factory=list)  # HMA: block ids of KV-cache groups 1..
+    push_tid: str | None = None  # push: written into the consumer's blocks, not published
+    layerwise: bool | None = None  # push: per-request override of push_layerwise
 
 
 @dataclass
@@ -38,4 +41,5 @@ class MooncakeConnectorMetadata(KVConnectorMetadata):
     publishes: list = field(default_factory=list)    # PublishSpec
     held: list = field(default_factory=list)         # req ids whose blocks the connector holds
     unpublish: list = field(default_factory=list)    # req ids preempted after publishing
+    push_dropped: list = field(default_factory=list)  # push transfer ids ended without KV
     idle: bool = False  # the step schedules no tokens (producer: may wait for releases)

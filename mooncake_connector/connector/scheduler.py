@@ -27,6 +27,7 @@ import time
 
 from mooncake_connector.connector.metadata import (LoadSpec, MooncakeConnectorMetadata,
                                                    PublishSpec)
+from mooncake_connector.connector.push import is_push, transfer_id
 from mooncake_connector.connector.settings import shift_port
 from mooncake_connector.connector.stats import MooncakeKVConnectorStats, recompute_reason
 
@@ -62,6 +63,7 @@ class SchedulerSide:
         self._publishes = []      # PublishSpec, sent with the next metadata
         self._held = []           # req ids newly held, sent with the next metadata
         self._unpublish = []
+        self._push_dropped = []   # producer: push transfer ids that ended without KV
         self._published = {}      # req_id -> published tokens
         self._reqs = {}           # producer: req_id -> Request while it runs
         self._blocks = {}         # producer: req_id -> block ids (when no cache manager)
@@ -84,6 +86,8 @@ class SchedulerSide:
             producer = params.get("remote_engine_id")
             if not producer and params.get("remote_host") and params.get("remote_port"):
                 producer = f"{params['remote_host']}:{params['remote_port']}"
+            if is_push(params) and transfer_id(params):
+                return "P", producer or None  # push: the producer writes into our blocks
             return "B", producer or None
         if self.s.role == "kv_consumer" and self.s.flow_a:
             return "A", None
@@ -100,6 +104,8 @@ class SchedulerSide:
 
     def _known_size(self, request, src, n_full):
         """Tokens the producer holds (from block 0), None if not known yet."""
+        if src[0] == "P":
+            return None  # pushed once computed: claim every full block, async
         if src[0] == "B":
             params = getattr(request, "kv_transfer_params", None) or {}
             return n_full if isinstance(params.get("num_tokens"), int) else None
@@ -197,7 +203,7 @@ class SchedulerSide:
             if num_computed_tokens == 0:
                 self._check_unloadable(request, src)
             return 0, False
-        if src[0] == "B" and src[1] is not None and not _is_hostport(src[1]):
+        if src[0] in ("B", "P") and src[1] is not None and not _is_hostport(src[1]):
             # vLLM's in-tree contract names the producer by its engine id; ours
             # (our bootstrap server's /query) is the engine's host:port.
             self._tried.add(request.request_id)
@@ -248,6 +254,7 @@ class SchedulerSide:
         if src is None:
             return
         self._tried.add(request.request_id)
+        params = getattr(request, "kv_transfer_params", None) or {}
         end, sync = self._claims.pop(request.request_id, (self._full_tokens(request), False))
         local = end - num_external_tokens
         skip = max(local, 0) // self.block_size
@@ -256,8 +263,8 @@ class SchedulerSide:
             req_id=request.request_id, tokens=list(request.prompt_token_ids[:end]),
             block_ids=groups[0], skip_blocks=skip, producer=src[1], flow=src[0], sync=sync,
             more_groups=groups[1:],
-            producer_tp=_int_or_none((getattr(request, "kv_transfer_params", None) or {})
-                                     .get("tp_size")))
+            producer_tp=_int_or_none(params.get("tp_size")),
+            push_tid=transfer_id(params) if src[0] == "P" else None)
 
     # ---- producer ----
 
@@ -315,12 +322,20 @@ class SchedulerSide:
                 groups = [g[:nb] for g in self._block_ids(rid)]
                 if n_full == 0 or any(len(g) < nb for g in groups):
                     continue
+                params = getattr(req, "kv_transfer_params", None) or {}
+                # Producer side: push only when asked explicitly ("push": true);
+                # a bare transfer_id is flow b's too (published for a pull).
+                push = self.s.role == "kv_producer" and params.get("push") is True
+                lw = params.get("push_layerwise")
                 self._publishes.append(PublishSpec(rid, list(req.prompt_token_ids[:n_full]),
-                                                   groups[0], more_groups=groups[1:]))
+                                                   groups[0], more_groups=groups[1:],
+                                                   push_tid=transfer_id(params) if push else None,
+                                                   layerwise=lw if isinstance(lw, bool) else None))
                 self._published[rid] = n_full
         meta.publishes, self._publishes = self._publishes, []
         meta.held, self._held = self._held, []
         meta.unpublish, self._unpublish = self._unpublish, []
+        meta.push_dropped, self._push_dropped = self._push_dropped, []
         meta.idle = not getattr(so, "total_num_scheduled_tokens", 1) and not meta.loads
         return meta
 
@@ -345,6 +360,11 @@ class SchedulerSide:
             self._held.append(rid)
         if not params.get("do_remote_decode"):
             return n is not None, None
+        if self.s.role == "kv_producer" and params.get("push") is True and transfer_id(params):
+            if n is None:  # aborted or failed before its prompt was computed
+                self._push_dropped.append(transfer_id(params))
+            return n is not None, {"push": True, "transfer_id": transfer_id(params),
+                                   "num_tokens": n or 0}
         # Flow B: always answer with params, so the proxy can go on to decode;
         # num_tokens 0 (prompt shorter than a block, or aborted before its
         # prompt completed) tells the decode side to compute the prompt.

@@ -45,6 +45,10 @@ KNOBS = {  # extra-config key: (type, default, meaning)
                      "release (vLLM otherwise runs empty steps back to back until then: "
                      "~30% of a core on a 2-vCPU host); a new request may wait as long. "
                      "0: never wait"),
+    "push_layerwise": (bool, False, "producer, push flow: write each layer's KV to the decode "
+                       "side as soon as vLLM computed it (save_kv_layer), overlapping the "
+                       "transfer with the rest of the prefill; false: one write of every layer "
+                       "after the forward (docs/connector.md, Push flow: where each wins)"),
     "kv_cache_access": (str, "auto", "vLLM >= 0.34 on CUDA: 'auto' (the engine registers the "
                         "KV cache and exports driver-mapped memory as POSIX fds: vLLM keeps "
                         "its extensible KV cache), 'legacy_ipc' (classic allocation, for "
@@ -90,6 +94,7 @@ class Settings:
     kv_cache_access: str = "auto"
     bootstrap_port: int | None = None  # None: VLLM_MOONCAKE_BOOTSTRAP_PORT, else 8998
     bootstrap_host: str = ""
+    push_layerwise: bool = False
 
     @property
     def is_producer(self):

@@ -24,7 +24,8 @@ RECOMPUTE_REASONS = ("producer_unreachable", "not_held", "timed_out", "layout_mi
 COUNTERS = ("loads", "loads_in_step", "loads_failed", "load_bytes", "load_bytes_same_host_cpu",
             "load_tokens",
             "load_tokens_missed", "publishes", "publish_failed", "publish_bytes",
-            "sends_finished", "sends_expired",
+            "sends_finished", "sends_expired", "push_loads", "push_sends", "push_bytes",
+            "push_failed",
             *(f"recompute_{r}" for r in RECOMPUTE_REASONS))
 GAUGES = ("held_bytes", "lookup_entries", "loads_in_flight")
 

@@ -84,6 +84,7 @@ class WorkerSide:
         self._idle = False        # this step schedules nothing (may wait for releases)
         self._idle_streak = 0     # consecutive idle steps that freed nothing
         self._cuda_sync = None
+        self.push_outbox = self.push_c = self.push_p = None  # push flow (push.py)
         self.stats = MooncakeKVConnectorStats()
 
     # ---- setup ----
@@ -146,6 +147,12 @@ class WorkerSide:
                                          extents_per_block=self.layout.extents_per_block,
                                          track_freed=True)
         self.kv = _core.KVTransfer(eng, self.lb, workers=max(2, self.s.load_workers))
+        from mooncake_connector.connector import push as push_mod
+        self.push_outbox = push_mod.Outbox(eng)
+        if self.s.is_consumer:
+            self.push_c = push_mod.PushConsumer(self)
+        if self.s.role == "kv_producer":
+            self.push_p = push_mod.PushProducer(self)
         self._check_peer_at_start(_core, cfg)
         if any(d.startswith("cuda") for d in self.layout.devices):
             import torch
@@ -268,6 +275,40 @@ class WorkerSide:
         now = time.monotonic()
         for rid in meta.held:
             self._held.setdefault(rid, now)
+        if self.push_p is not None:
+            self._drain_notifies()
+            for tid in getattr(meta, "push_dropped", None) or ():
+                self.push_p.dropped(tid)
+            for p in meta.publishes:
+                if p.push_tid:
+                    lw = self.s.push_layerwise if p.layerwise is None else p.layerwise
+                    # Layer by layer needs the layer's KV written when
+                    # save_kv_layer runs: true on CPU; on CUDA it would need
+                    # an event per layer, so CUDA KV caches push whole prompts.
+                    self.push_p.begin(p, expected=self._fanout(),
+                                      layerwise=lw and self._cuda_sync is None)
+
+    def _drain_notifies(self):
+        """Route the push flow's notifications (push.py) to their side."""
+        if self.engine is None or self.push_outbox is None:
+            return
+        from mooncake_connector.connector import push as push_mod
+        for sender, msg in self.engine.get_notifies():
+            try:
+                head, body = push_mod.decode(msg)
+            except push_mod.PushError as e:
+                logger.warning("MooncakeConnector: notification from %s ignored: %s", sender, e)
+                continue
+            if head["t"] in ("target", "cancel"):
+                if self.push_p is not None:
+                    self.push_p.on_message(sender, head, body)
+            elif self.push_c is not None:
+                self.push_c.on_message(sender, head)
+
+    def save_kv_layer(self, layer_name):
+        """Push, layer by layer: this layer's KV is computed for this step."""
+        if self.push_p is not None and self.push_p.jobs:
+            self.push_p.layer_done(layer_name)
 
     def start_load(self, meta):
         """Queue each load on the engine's pull threads (C, no Python thread:
@@ -279,6 +320,10 @@ class WorkerSide:
             if spec.req_id in self._loading:
                 continue
             ld = self._loading[spec.req_id] = _Load(spec, time.monotonic())
+            if spec.flow == "P":
+                self.stats.add("push_loads")
+                self.push_c.start(ld)
+                continue
             self._start_pulls(ld)
             if spec.sync:
                 sync.append(spec.req_id)
@@ -333,6 +378,8 @@ class WorkerSide:
     def _poll_load(self, rid):
         """(matched, error) once every pull of the load is over, else None."""
         ld = self._loading[rid]
+        if ld.spec.flow == "P":
+            return self.push_c.poll(ld)
         if ld.error is not None:
             return 0, ld.error
         for name, pid in ld.pulls.items():
@@ -360,6 +407,8 @@ class WorkerSide:
         """Counts a finished load; blocks it did not fill become load errors."""
         ld = self._loading.pop(rid)
         spec, t0 = ld.spec, ld.t0
+        if spec.flow == "P" and getattr(ld, "push", None) is not None and ld.push.aborted:
+            return  # aborted while waiting: its blocks are freed, nothing to count
         matched, err = res
         secs = time.monotonic() - t0
         loaded = max(0, min(matched // self.block_size - spec.skip_blocks, len(spec.block_ids)))
@@ -407,6 +456,9 @@ class WorkerSide:
 
         copies = self._fanout()
         for p in meta.publishes:
+            if p.push_tid and self.push_p is not None:
+                self.push_p.prompt_done(p.req_id)  # written into the consumer's blocks
+                continue
             if copies <= 0:  # no consumer rank reads this rank (or none fits)
                 self._pub_tokens[p.req_id] = p.tokens
                 self._outstanding[p.req_id] = 0
@@ -477,6 +529,14 @@ class WorkerSide:
 
     def get_finished(self, finished_req_ids):
         self._finished_seen.update(finished_req_ids)
+        if self.push_outbox is not None:
+            self._drain_notifies()
+            if self.push_c is not None:
+                for rid in finished_req_ids:  # aborted while waiting for pushed KV
+                    if rid in self._loading:
+                        self.push_c.abort(rid)
+            if self.push_p is not None:
+                self.push_p.poll()
         done_recv = set()
         for rid in list(self._loading):
             res = self._poll_load(rid)
@@ -489,7 +549,20 @@ class WorkerSide:
         # KV: vLLM runs such steps back to back until every hold ends, so
         # wait (GIL released) for a consumer's release instead: idle_wait_ms,
         # doubling while such steps free nothing, up to idle_wait_max_ms.
-        if (self._idle and self._held and not done_send and not done_recv
+        if (self._idle and self._held and not done_send and not done_recv and
+                not self._loading and self.push_p is not None and self.push_p.jobs):
+            # Push jobs wait for a target or for their writes: poll briefly
+            # (notifications have no waitable handle here).
+            wait_ms = min(self.s.idle_wait_ms * (1 << min(self._idle_streak, 16)),
+                          max(self.s.idle_wait_max_ms, self.s.idle_wait_ms))
+            deadline = time.monotonic() + wait_ms / 1000.0
+            while not done_send and time.monotonic() < deadline:
+                time.sleep(0.0002)
+                self._drain_notifies()
+                self.push_p.poll()
+                done_send = self._finished_sends()
+            self._idle_streak = 0 if done_send else self._idle_streak + 1
+        elif (self._idle and self._held and not done_send and not done_recv
                 and not self._loading and self.s.idle_wait_ms > 0 and self.lb is not None):
             wait_ms = min(self.s.idle_wait_ms * (1 << min(self._idle_streak, 16)),
                           max(self.s.idle_wait_max_ms, self.s.idle_wait_ms))
@@ -514,7 +587,8 @@ class WorkerSide:
             return done
         self._drain_freed()
         for rid in list(self._held):
-            if rid in self._finished_seen and self._outstanding.get(rid, 0) <= 0:
+            if rid in self._finished_seen and self._outstanding.get(rid, 0) <= 0 and \
+                    not (self.push_p is not None and self.push_p.holds(rid)):
                 del self._held[rid]
                 self._finished_seen.discard(rid)
                 self._forget_tags(rid)
@@ -590,6 +664,11 @@ class WorkerSide:
                     "(engine %s, %d regions)", self.name, len(self.layout.regions()))
 
     def _stop_engine(self):
+        if self.push_p is not None:
+            self.push_p.close()
+        if self.push_outbox is not None:
+            self.push_outbox.close()
+        self.push_outbox = self.push_c = self.push_p = None
         for obj in (self.kv, self.engine, getattr(self, "_meta", None)):
             if obj is not None:
                 try:

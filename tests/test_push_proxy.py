@@ -1,0 +1,95 @@
+"""The proxy's push flow (--flow push) against fake upstreams: both legs at
+once, joined by one transfer_id; the decode answer is the client's."""
+import asyncio
+import json
+import subprocess
+import sys
+import time
+
+from aiohttp import web
+
+from app_thread import AppThread
+from test_proxy import post, proxy, upstreams  # noqa: F401
+
+
+class SlowPrefill(AppThread):
+    """Answers after `delay` seconds (a long prefill)."""
+
+    def __init__(self, delay, status=200):
+        self.seen = []
+
+        async def complete(request):
+            self.seen.append((time.monotonic(), await request.json()))
+            await asyncio.sleep(delay)
+            if status != 200:
+                return web.json_response({"error": {"message": "prefill says no"}},
+                                         status=status)
+            return web.json_response({"choices": [{"text": "x"}]})
+
+        async def health(request):
+            return web.Response(text="ok")
+
+        super().__init__([("POST", "/v1/completions", complete),
+                          ("POST", "/v1/chat/completions", complete),
+                          ("GET", "/health", health)])
+
+
+def test_push_sends_both_legs_at_once(upstreams, proxy):  # noqa: F811
+    p, d = SlowPrefill(1.5), upstreams("decode")
+    try:
+        url = proxy([p.url], [d.url], flow="push",
+                    extra=("--prefill-engine", "127.0.0.1:17001"))
+        body = {"model": "m", "prompt": "San Francisco is a", "max_tokens": 50}
+        t0 = time.monotonic()
+        status, out = post(url + "/v1/completions", body, {"X-Request-Id": "r-1"})
+        took = time.monotonic() - t0
+        assert status == 200 and out["by"] == "decode"
+        # The decode answer did not wait for the 1.5 s prefill.
+        assert took < 1.2, took
+        pre = p.seen[0][1]
+        dec = d.seen[0]["body"]
+        assert pre["max_tokens"] == 1 and pre["stream"] is False
+        assert pre["kv_transfer_params"] == {"do_remote_decode": True,
+                                             "do_remote_prefill": False, "push": True,
+                                             "transfer_id": "push-r-1"}
+        assert dec["kv_transfer_params"] == {"do_remote_decode": False,
+                                             "do_remote_prefill": True, "push": True,
+                                             "transfer_id": "push-r-1",
+                                             "remote_engine_id": "127.0.0.1:17001"}
+        assert {k: v for k, v in dec.items() if k != "kv_transfer_params"} == body
+    finally:
+        p.close()
+
+
+def test_push_failed_prefill_leg_is_counted_not_fatal(upstreams, proxy):  # noqa: F811
+    p, d = SlowPrefill(0.0, status=500), upstreams("decode")
+    try:
+        url = proxy([p.url], [d.url], flow="push", extra=("--push-layerwise", "on"))
+        status, out = post(url + "/v1/completions", {"model": "m", "prompt": "hi",
+                                                     "max_tokens": 4})
+        assert status == 200 and out["by"] == "decode"
+        assert p.seen[0][1]["kv_transfer_params"]["push_layerwise"] is True
+        assert "remote_engine_id" not in d.seen[0]["body"]["kv_transfer_params"]
+        for _ in range(50):
+            import urllib.request
+            stats = json.loads(urllib.request.urlopen(url + "/stats", timeout=5).read())
+            if stats["prefill_errors"]:
+                break
+            time.sleep(0.05)
+        assert stats["prefill_errors"] == 1
+    finally:
+        p.close()
+
+
+def test_push_engine_names_are_checked():
+    base = [sys.executable, "-m", "mooncake_connector.proxy", "--prefill", "http://p:1",
+            "--decode", "http://d:2"]
+    r = subprocess.run(base + ["--flow", "push", "--prefill-engine", "a:1", "b:2"],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "one per URL" in r.stderr
+    r = subprocess.run(base + ["--flow", "push", "--prefill-engine", "nohostport"],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "is not host:port" in r.stderr
+    r = subprocess.run(base + ["--flow", "b", "--prefill-engine", "a:1"],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and "for --flow push" in r.stderr
