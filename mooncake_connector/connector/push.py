@@ -528,6 +528,8 @@ class PushProducer:
     def _end(self, job, tg, state, why=None):
         tg.state = state
         if state == "done":
+            if getattr(job.spec, "push_maybe", False):
+                self.w.release_pull(job.rid)  # pushed: its pull offer ends
             self._reply(tg.name, job.tid, "done", ntok=tg.ntok)
             self.w.stats.add("push_sends")
             self.w.stats.add("push_bytes", tg.nblocks * self.w.layout.bytes_per_block())
@@ -588,6 +590,18 @@ class PushProducer:
 
     def holds(self, rid):
         return rid in self.by_rid
+
+    def drop_unserved_maybe(self, rid):
+        """An in-tree contract's leg (push_maybe) whose KV was pulled before
+        any target came: end its push offer (a late target gets "nokv")."""
+        tid = self.by_rid.get(rid)
+        job = self.jobs.get(tid)
+        if job is None or job.targets or not getattr(job.spec, "push_maybe", False):
+            return False
+        del self.jobs[tid]
+        del self.by_rid[rid]
+        self.ended[tid] = time.monotonic()
+        return True
 
     def close(self):
         for job in self.jobs.values():

@@ -268,6 +268,17 @@ class SchedulerSide:
 
     # ---- producer ----
 
+    def _push_leg(self, params):
+        """Producer: a prefill leg that asks for push ("push": true)."""
+        return (self.s.role == "kv_producer" and bool(params.get("do_remote_decode"))
+                and params.get("push") is True and transfer_id(params) is not None)
+
+    def _maybe_push_leg(self, params):
+        """Producer: vLLM's in-tree contract's prefill leg (a transfer_id, no
+        "push" key): the decode side may pull it or ask for a push."""
+        return (self.s.role == "kv_producer" and bool(params.get("do_remote_decode"))
+                and "push" not in params and transfer_id(params) is not None)
+
     def _should_publish(self, request):
         params = getattr(request, "kv_transfer_params", None) or {}
         if self.s.role == "kv_producer":
@@ -323,14 +334,19 @@ class SchedulerSide:
                 if n_full == 0 or any(len(g) < nb for g in groups):
                     continue
                 params = getattr(req, "kv_transfer_params", None) or {}
-                # Producer side: push only when asked explicitly ("push": true);
-                # a bare transfer_id is flow b's too (published for a pull).
-                push = self.s.role == "kv_producer" and params.get("push") is True
+                # Producer side: "push": true is a push leg; vLLM's in-tree
+                # contract's prefill leg (do_remote_decode + a transfer_id, no
+                # "push" key: vllm-router --kv-connector mooncake) is offered
+                # both ways: published for a pull (flow b with a transfer_id)
+                # and pushed if the decode side sends a target for it.
+                push, maybe = self._push_leg(params), self._maybe_push_leg(params)
                 lw = params.get("push_layerwise")
                 self._publishes.append(PublishSpec(rid, list(req.prompt_token_ids[:n_full]),
                                                    groups[0], more_groups=groups[1:],
-                                                   push_tid=transfer_id(params) if push else None,
-                                                   layerwise=lw if isinstance(lw, bool) else None))
+                                                   push_tid=transfer_id(params)
+                                                   if push or maybe else None,
+                                                   layerwise=lw if isinstance(lw, bool) else None,
+                                                   push_maybe=maybe))
                 self._published[rid] = n_full
         meta.publishes, self._publishes = self._publishes, []
         meta.held, self._held = self._held, []
@@ -360,11 +376,13 @@ class SchedulerSide:
             self._held.append(rid)
         if not params.get("do_remote_decode"):
             return n is not None, None
-        if self.s.role == "kv_producer" and params.get("push") is True and transfer_id(params):
+        if self._push_leg(params):
             if n is None:  # aborted or failed before its prompt was computed
                 self._push_dropped.append(transfer_id(params))
             return n is not None, {"push": True, "transfer_id": transfer_id(params),
                                    "num_tokens": n or 0}
+        if self._maybe_push_leg(params) and n is None:
+            self._push_dropped.append(transfer_id(params))  # a push target gets "nokv"
         # Flow B: always answer with params, so the proxy can go on to decode;
         # num_tokens 0 (prompt shorter than a block, or aborted before its
         # prompt completed) tells the decode side to compute the prompt.

@@ -458,7 +458,10 @@ class WorkerSide:
         for p in meta.publishes:
             if p.push_tid and self.push_p is not None:
                 self.push_p.prompt_done(p.req_id)  # written into the consumer's blocks
-                continue
+                if not p.push_maybe:
+                    continue
+                # In-tree contract's leg: also published for a pull (the
+                # first of the two the decode side asks for wins).
             if copies <= 0:  # no consumer rank reads this rank (or none fits)
                 self._pub_tokens[p.req_id] = p.tokens
                 self._outstanding[p.req_id] = 0
@@ -494,6 +497,13 @@ class WorkerSide:
         for t in tags if tags is not None else self._req_tags.pop(rid, ()):
             self._tag_req.pop(t, None)
         self._outstanding[rid] = 0
+
+    def release_pull(self, rid):
+        """An in-tree leg's KV was pushed: take its pull entries out of the
+        lookup buffer (their blocks are freed once no lease holds them)."""
+        tokens = self._pub_tokens.get(rid)
+        if tokens is not None and self.lb is not None:
+            self.lb.remove(tokens)
 
     def unpublish(self, meta):
         """Preempted after publishing: its blocks are about to be reused."""
@@ -587,6 +597,11 @@ class WorkerSide:
             return done
         self._drain_freed()
         for rid in list(self._held):
+            if (self.push_p is not None and rid in self._finished_seen and
+                    self._outstanding.get(rid, 0) <= 0 and self.push_p.holds(rid)):
+                # Pulled (or released) before any push target came: the
+                # push offer of an in-tree leg ends (a late target: "nokv").
+                self.push_p.drop_unserved_maybe(rid)
             if rid in self._finished_seen and self._outstanding.get(rid, 0) <= 0 and \
                     not (self.push_p is not None and self.push_p.holds(rid)):
                 del self._held[rid]
