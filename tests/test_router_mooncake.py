@@ -10,13 +10,15 @@ refuses to start without it; per request it sends the prefill leg
 "remote_engine_id"}.  Our producer serves that bootstrap server
 (connector/bootstrap.py), our consumer maps those params onto its loads.
 Greedy output through the router must be token-identical to the colocated
-server's, and the decode server must have loaded the prompt's KV through the
-connector.  Uses the session deployment (tests/e2e_fixtures.py): only the
+server's, the decode server must have loaded the prompt's KV through the
+connector, and that KV must have been pushed by our engine (the producer's
+push_sends, the consumer's push_loads).  Uses the session deployment (tests/e2e_fixtures.py): only the
 router is started here.
 """
 import json
 import os
 import sys
+import time
 
 import pytest
 
@@ -25,7 +27,8 @@ import vllm_router_pkg  # noqa: E402
 
 from mooncake_connector import serving  # noqa: E402
 from mooncake_connector.demo import _prompt  # noqa: E402
-from mooncake_connector.deployment import prompt_tokens_by_source  # noqa: E402
+from mooncake_connector.deployment import (connector_log_stats, log_size,  # noqa: E402
+                                           prompt_tokens_by_source)
 from mooncake_connector.openai_client import request  # noqa: E402
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
@@ -89,6 +92,8 @@ def test_vllm_router_mooncake_mode_drives_our_servers(deployment, router):
         log = f.read().decode("utf-8", "replace")
     assert "Got Mooncake engine_ids" in log, log[-2000:]
     mismatches, not_loaded = [], []
+    marks = {side: log_size(getattr(deployment, side).log_path) for side in ("prefill", "decode")}
+    pushable = 0  # requests with a full block of prompt: their KV is pushed
     before = prompt_tokens_by_source(deployment.decode.url)
     for name, path, base in CASES:
         ref = request(deployment.colocated.url, path, _body(base, False), timeout=120)
@@ -108,6 +113,22 @@ def test_vllm_router_mooncake_mode_drives_our_servers(deployment, router):
             assert seen == n, f"{cid}: the decode server saw {seen} prompt tokens, not {n}"
             if ext < (n - 1) // BLOCK * BLOCK:
                 not_loaded.append(f"{cid}: {n} prompt tokens, {ext} loaded remotely")
+            pushable += n >= BLOCK
     assert not mismatches, "router output differs from colocated:\n" + "\n".join(mismatches)
     assert not not_loaded, "prompt KV not loaded through the connector:\n" + "\n".join(
         not_loaded)
+    # The KV came by push: the router's legs are vLLM's in-tree contract
+    # (transfer_id, no "push" key), which our producer offers both ways and
+    # our consumer takes as push.  The connectors' own counters, from vLLM's
+    # stats log lines (every 10 s).
+    deadline = time.monotonic() + 30
+    while True:
+        pre = connector_log_stats(deployment.prefill.log_path, marks["prefill"])
+        dec = connector_log_stats(deployment.decode.log_path, marks["decode"])
+        if (pre.get("push_sends", 0) >= pushable and dec.get("push_loads", 0) >= pushable) or \
+                time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert pre.get("push_sends", 0) == pushable and pre.get("push_bytes", 0) > 0, (pushable, pre)
+    assert dec.get("push_loads", 0) == pushable and not dec.get("loads_failed"), (pushable, dec)
+    assert not pre.get("push_failed"), pre
