@@ -481,6 +481,9 @@ def main(argv=None):
                     help="comma-separated subset of: " + ", ".join(
                         k for k, _ in MODES if k != "colocated_phase2")
                     + " (colocated is always measured; all = every one that can start)")
+    ap.add_argument("--push", action="store_true",
+                    help="(kept for older command lines: the push modes are measured whenever "
+                         "the proxy has --flow push; select with --modes)")
     ap.add_argument("--connector", default=None, help="mooncake or example")
     ap.add_argument("--xfer-repeat", type=int, default=5)
     ap.add_argument("--out", default="build/serving_bench.json")

@@ -39,7 +39,7 @@ def deployment(tiny_model_dir):
     # Not under pytest's basetemp: a concurrent pytest run on the same host
     # prunes old /tmp/pytest-of-USER/pytest-N dirs, logs and configs included.
     workdir = tempfile.mkdtemp(prefix="mc-e2e-")
-    dep = Deployment(workdir, tiny_model_dir, flows=("a", "b"))
+    dep = Deployment(workdir, tiny_model_dir, flows=("a", "b", "push"))
     try:
         dep.start(timeout=START_TIMEOUT_S)
     except Exception:

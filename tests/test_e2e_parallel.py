@@ -1,6 +1,7 @@
 """Parallel and model-coverage cells with real vLLM servers (pytest -m e2e).
 
-Each cell is a prefill and a decode server (our connector, both proxy flows)
+Each cell is a prefill and a decode server (our connector, proxy flows a, b
+and push)
 with its own parallel config; its outputs must be greedy token-identical to
 a server with the decode side's parallel config computing the prompt
 itself, and decode's /metrics must show the prompts' KV loaded remotely.
@@ -149,7 +150,7 @@ def cells(tiny_model_dir):
         args = dict(CELLS[name])
         model = tiny_model.build(**args.pop("model")) if "model" in args else tiny_model_dir
         workdir = tempfile.mkdtemp(prefix=f"mc-e2e-{name}-")
-        deps[name] = Deployment(workdir, model, flows=("a", "b"), colocated=False,
+        deps[name] = Deployment(workdir, model, flows=("a", "b", "push"), colocated=False,
                                 side_args=args)
         key = (model, tuple(args.get("decode", ())))
         if own_reference and key not in colocated:
@@ -184,7 +185,7 @@ def cells(tiny_model_dir):
         serving.stop_all(list(colocated.values()))
 
 
-@pytest.mark.parametrize("flow", ["a", "b"])
+@pytest.mark.parametrize("flow", ["a", "b", "push"])
 @pytest.mark.parametrize("name", _selected())
 def test_cell_matches_reference_and_loads_remotely(cells, name, flow):
     dep, refs = cells[name]

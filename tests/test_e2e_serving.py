@@ -130,7 +130,7 @@ def _check_flow(dep, flow, references):
         # on the decode server); a non-streamed one is the original (n).
         # (A first token that is a partial UTF-8 character takes the seed's
         # path, proxy_first_token.Plan: the decode leg is the original n.)
-        want = n + 1 if base.get("stream") and not fell_back else n
+        want = n + 1 if base.get("stream") and not fell_back and flow != "push" else n
         if seen != want:
             wrong_path.append(f"{cid}: decode server saw a {seen}-token prompt, expected "
                               f"{want} ({n} + the prefill's token)" if base.get("stream")
@@ -154,6 +154,8 @@ def _check_flow(dep, flow, references):
     stats1 = proxy_stats(dep.proxies[flow].url)
     streamed = sum(1 for c in cases if c[2].get("stream"))
     served = stats1["first_token_from_prefill"] - stats0["first_token_from_prefill"]
+    if flow == "push":  # first token from decode, always
+        streamed = partial = 0
     assert served == streamed - partial, (
         f"proxy flow {flow} served {served} of {streamed} streamed requests' first token "
         f"from prefill ({partial} partial UTF-8 first tokens); fallbacks "
@@ -178,6 +180,27 @@ def test_many_prompts_through_the_proxy_flow_b(deployment, references):
     if deployment.connector == "example":
         pytest.skip("vLLM's ExampleConnector (the stand-in) returns no kv_transfer_params")
     assert _check_flow(deployment, "b", references) > 5000
+
+
+def test_many_prompts_through_the_proxy_flow_push(deployment, references):
+    """Push: both legs at once; the decode admits first and the prefill
+    writes the prompt's KV into its blocks (our engine's WRITEs, counted by
+    the prefill's vllm:mooncake_push_sends_total)."""
+    if deployment.connector == "example":
+        pytest.skip("push is this connector's flow")
+    from mooncake_connector.deployment import parse_metrics
+
+    def metric_value(url, metric):
+        status, body = http_get(url + "/metrics", timeout=10)
+        assert status == 200, body[:300]
+        return sum(v for (name, _), v in parse_metrics(body).items() if name == metric)
+    sends0 = metric_value(deployment.prefill.url, "vllm:mooncake_push_sends_total")
+    assert _check_flow(deployment, "push", references) > 5000
+    sends = metric_value(deployment.prefill.url, "vllm:mooncake_push_sends_total") - sends0
+    # Every prompt with a full block was pushed (shorter ones have nothing to move).
+    want = sum(1 for cid, _, _ in _cases_for(deployment, references)
+               if references[cid].usage["prompt_tokens"] >= BLOCK)
+    assert want >= 10 and sends >= want, (sends, want)
 
 
 def test_concurrent_requests_match(deployment, references):

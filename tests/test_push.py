@@ -303,3 +303,30 @@ def test_in_tree_prefill_leg_still_serves_a_pull(sides, urls):  # noqa: F811
     assert both(p, d, lambda: not d.sched.requests and p.is_empty(), steps=3000)
     assert "xfer-2" in p.worker._worker.push_p.ended
     assert _push_stats(p).get("push_sends", 0) == 0
+
+
+@pytest.mark.parametrize("decode_first", [True, False], ids=["decode-first", "prefill-first"])
+def test_in_tree_shape_is_pushed(sides, decode_first):
+    """vLLM's in-tree MooncakeConnector contract: the prefill leg carries only
+    do_remote_decode + transfer_id, the decode leg do_remote_prefill +
+    transfer_id (no "push" key).  The producer publishes for a pull and
+    pushes when the decode side's target comes (before or after the prompt);
+    its lookup entry is withdrawn, so nothing stays held."""
+    p, d = sides("kv_producer"), sides("kv_consumer", flow_a=False)
+    t = toks(21, 3 * BS + 7)
+    pre = {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": "X1"}
+    dec = {"do_remote_decode": False, "do_remote_prefill": True, "transfer_id": "X1",
+           "remote_engine_id": p.worker.settings.mooncake["prefill_url"]}
+    if decode_first:
+        d.add(make_request("q", t, max_tokens=2, params=dec))
+        d.step()
+    p.add(make_request("pq", t, max_tokens=1, params=pre))
+    p.step()
+    if not decode_first:
+        assert p.worker._worker.lb.stats()["entries"] == 1  # published for a pull
+        d.add(make_request("q", t, max_tokens=2, params=dec))
+    assert both(p, d, lambda: "q" in d.recvd)
+    assert d.block_matches_pattern("q", t, 3)
+    assert both(p, d, lambda: not d.sched.requests and p.is_empty())
+    assert d.computed["q"] == 7 + 1
+    assert p.worker._worker.lb.stats()["entries"] == 0

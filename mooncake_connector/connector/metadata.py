@@ -33,9 +33,8 @@ class PublishSpec:
     more_groups: list = field(default_factory=list)  # HMA: block ids of KV-cache groups 1..
     push_tid: str | None = None  # push: written into the consumer's blocks, not published
     layerwise: bool | None = None  # push: per-request override of push_layerwise
-    # vLLM's in-tree contract's prefill leg (a transfer_id, no "push" key):
-    # published for a pull AND offered for a push; whichever the consumer asks.
-    push_maybe: bool = False
+    push_optional: bool = False  # a bare transfer_id: published for a pull as well, pushed
+                                 # if a decode side sends a target (the in-tree shape)
 
 
 @dataclass

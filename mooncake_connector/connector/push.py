@@ -103,54 +103,83 @@ def _int(head, key, lo=0, hi=1 << 62):
 
 
 class Outbox:
-    """One thread sending notifications (send_notify waits for the peer
-    engine's receipt, GIL released): no vLLM step waits on the network.
-    Results: key -> None (delivered) or (maybe_delivered, error text)."""
+    """Sends notifications off the vLLM step: one thread per peer engine
+    (send_notify waits for the peer engine's receipt, GIL released), so a
+    stalled or stopped peer delays only its own messages.  Results: key ->
+    None (delivered) or (maybe_delivered, error text).  A message with
+    `retry_until` (wall clock) that may not have arrived is sent again until
+    then (a consumer stopped for a few seconds still gets its "done")."""
+
+    MAX_PEERS = 256
 
     def __init__(self, engine):
         self.engine = engine
-        self.q = queue.Queue()
         self.results = {}
         self._lock = threading.Lock()
-        self._t = threading.Thread(target=self._run, name="mc-push-outbox", daemon=True)
-        self._t.start()
+        self._peers = {}   # target -> (queue, thread)
+        self._closed = False
 
-    def send(self, target, msg, key=None, timeout=5.0):
-        self.q.put((target, msg, key, timeout))
+    def send(self, target, msg, key=None, timeout=5.0, retry_until=None):
+        with self._lock:
+            if self._closed:
+                return
+            ent = self._peers.get(target)
+            if ent is None:
+                if len(self._peers) >= self.MAX_PEERS:  # bounded: reuse the oldest's thread
+                    ent = next(iter(self._peers.values()))
+                else:
+                    q = queue.Queue()
+                    t = threading.Thread(target=self._run, args=(q,),
+                                         name=f"mc-push-{target}", daemon=True)
+                    ent = self._peers[target] = (q, t)
+                    t.start()
+        ent[0].put((target, msg, key, timeout, retry_until))
 
     def take(self, key):
         with self._lock:
             return self.results.pop(key, "pending")
 
-    def _run(self):
+    def _run(self, q):
         from mooncake_connector import MooncakeError
 
         while True:
-            item = self.q.get()
+            item = q.get()
             if item is None:
                 return
-            target, msg, key, timeout = item
-            res = None
-            try:
-                self.engine.send_notify(target, msg, timeout)
-            except (MooncakeError, ValueError, RuntimeError) as e:
-                text = str(e)
-                # Only a connection that never came up proves the message did
-                # not arrive; anything else (timeout, reset after sending) may
-                # have delivered it.
-                never = any(s in text for s in ("refused", "Connection refused", "not found",
-                                               "no such segment", "resolve", "unreachable"))
-                res = (not never, text)
-                if key is None:
-                    logger.warning("MooncakeConnector push: notification to %s failed: %s",
-                                   target, text)
+            target, msg, key, timeout, retry_until = item
+            while True:
+                res = None
+                try:
+                    self.engine.send_notify(target, msg, timeout)
+                except (MooncakeError, ValueError, RuntimeError) as e:
+                    text = str(e)
+                    # Only a connection that never came up proves the message
+                    # did not arrive; anything else (timeout, reset after
+                    # sending) may have delivered it.
+                    never = any(w in text for w in ("refused", "not found", "no such segment",
+                                                    "resolve", "unreachable"))
+                    res = (not never, text)
+                if res is not None and res[0] and retry_until is not None and \
+                        time.time() + timeout < retry_until and not self._closed:
+                    continue  # maybe lost: the receiver ignores a duplicate
+                break
+            if res is not None and key is None:
+                logger.warning("MooncakeConnector push: notification to %s failed: %s",
+                               target, res[1])
             if key is not None:
                 with self._lock:
                     self.results[key] = res
+                    while len(self.results) > 65536:  # results nobody took (loads gone)
+                        self.results.pop(next(iter(self.results)))
 
     def close(self):
-        self.q.put(None)
-        self._t.join(timeout=10)
+        with self._lock:
+            self._closed = True
+            peers = list(self._peers.values())
+        for q, _ in peers:
+            q.put(None)
+        for _, t in peers:
+            t.join(timeout=10)
 
 
 # ---------------------------------------------------------------- consumer
@@ -274,6 +303,9 @@ class PushConsumer:
                             "(timed out)")
         self.loads.pop(tid, None)
         self.by_rid.pop(spec.req_id, None)
+        for name in cl.ranks:  # results that may still sit in the outbox
+            self.w.push_outbox.take(("t", tid, name))
+            self.w.push_outbox.take(("c", tid, name))
         if all(st == "done" for st in cl.ranks.values()) and cl.ranks:
             return (spec.skip_blocks + len(spec.block_ids)) * self.w.block_size, None
         errs = [cl.why.get(n) or st for n, st in cl.ranks.items() if st != "done"]
@@ -317,7 +349,8 @@ class _Served:
 
 
 class ProducerJob:
-    def __init__(self, spec, expected, layerwise):
+    def __init__(self, spec, expected, layerwise, optional=False):
+        self.optional = optional  # also published for a pull (a bare transfer_id)
         self.spec = spec
         self.rid = spec.req_id
         self.tid = spec.push_tid
@@ -384,20 +417,20 @@ class PushProducer:
                 return
             tg.cancel = True
 
-    def _reply(self, sender, tid, t, why=None, **kw):
+    def _reply(self, sender, tid, t, why=None, retry_until=None, **kw):
         head = {"t": t, "tid": tid, **kw}
         if why:
             head["why"] = why
-        self.w.push_outbox.send(sender, encode(head))
+        self.w.push_outbox.send(sender, encode(head), retry_until=retry_until)
 
     # jobs
 
-    def begin(self, spec, expected, layerwise):
+    def begin(self, spec, expected, layerwise, optional=False):
         """A push request's prompt completes in this step (before the forward)."""
         tid = spec.push_tid
         if tid in self.jobs:
             return
-        job = ProducerJob(spec, expected, layerwise)
+        job = ProducerJob(spec, expected, layerwise, optional)
         self.jobs[tid] = job
         self.by_rid[spec.req_id] = tid
         for tg in self.early.pop(tid, {}).values():
@@ -431,6 +464,8 @@ class PushProducer:
             self._reply(tg.name, job.tid, "nokv", f"layout mismatch: {tg.epb} extents per "
                         f"block vs {self.w.layout.extents_per_block} here")
             return
+        if job.optional and not job.targets and job.all_ready:
+            self.w.withdraw(job.rid)  # published for a pull too: push takes it
         job.targets[tg.name] = tg
         self._submit(job, tg)
 
@@ -527,10 +562,9 @@ class PushProducer:
 
     def _end(self, job, tg, state, why=None):
         tg.state = state
+        until = tg.lease_until + PUSH_GRACE_S
         if state == "done":
-            if getattr(job.spec, "push_maybe", False):
-                self.w.release_pull(job.rid)  # pushed: its pull offer ends
-            self._reply(tg.name, job.tid, "done", ntok=tg.ntok)
+            self._reply(tg.name, job.tid, "done", ntok=tg.ntok, retry_until=until)
             self.w.stats.add("push_sends")
             self.w.stats.add("push_bytes", tg.nblocks * self.w.layout.bytes_per_block())
         else:
@@ -538,7 +572,7 @@ class PushProducer:
                 logger.warning("MooncakeConnector push: request %s -> %s: nothing more is "
                                "written (%s)", job.rid, tg.name, why)
                 self.w.stats.add("push_failed")
-            self._reply(tg.name, job.tid, state, why)
+            self._reply(tg.name, job.tid, state, why, retry_until=until)
 
     def poll(self):
         """Advance every job; returns the req ids whose push is over (their
@@ -568,6 +602,8 @@ class PushProducer:
                 elif timed_out or wall > tg.lease_until - PUSH_MARGIN_S:
                     self._end(job, tg, "nokv", "hold_timeout_s passed" if timed_out else
                               "the decode side's lease expired before the KV was computed")
+            if job.optional and not job.targets:
+                continue  # a pull may take it: the lookup buffer's hold rules
             served = sum(1 for tg in job.targets.values()
                          if tg.state in ("done", "nokv", "cancelled"))
             if served >= job.expected or (timed_out and served == len(job.targets)):
@@ -589,19 +625,20 @@ class PushProducer:
         return bool(self.jobs)
 
     def holds(self, rid):
-        return rid in self.by_rid
-
-    def drop_unserved_maybe(self, rid):
-        """An in-tree contract's leg (push_maybe) whose KV was pulled before
-        any target came: end its push offer (a late target gets "nokv")."""
+        """The request's blocks are held for a push (not only for a pull)."""
         tid = self.by_rid.get(rid)
         job = self.jobs.get(tid)
-        if job is None or job.targets or not getattr(job.spec, "push_maybe", False):
-            return False
-        del self.jobs[tid]
-        del self.by_rid[rid]
-        self.ended[tid] = time.monotonic()
-        return True
+        return job is not None and (not job.optional or bool(job.targets))
+
+    def has_targets(self, tid):
+        job = self.jobs.get(tid)
+        return job is not None and bool(job.targets)
+
+    def forget(self, rid):
+        """The worker freed the request's blocks (pulled, expired)."""
+        tid = self.by_rid.pop(rid, None)
+        if tid is not None and self.jobs.pop(tid, None) is not None:
+            self.ended[tid] = time.monotonic()
 
     def close(self):
         for job in self.jobs.values():

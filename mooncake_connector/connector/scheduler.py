@@ -268,17 +268,6 @@ class SchedulerSide:
 
     # ---- producer ----
 
-    def _push_leg(self, params):
-        """Producer: a prefill leg that asks for push ("push": true)."""
-        return (self.s.role == "kv_producer" and bool(params.get("do_remote_decode"))
-                and params.get("push") is True and transfer_id(params) is not None)
-
-    def _maybe_push_leg(self, params):
-        """Producer: vLLM's in-tree contract's prefill leg (a transfer_id, no
-        "push" key): the decode side may pull it or ask for a push."""
-        return (self.s.role == "kv_producer" and bool(params.get("do_remote_decode"))
-                and "push" not in params and transfer_id(params) is not None)
-
     def _should_publish(self, request):
         params = getattr(request, "kv_transfer_params", None) or {}
         if self.s.role == "kv_producer":
@@ -334,19 +323,17 @@ class SchedulerSide:
                 if n_full == 0 or any(len(g) < nb for g in groups):
                     continue
                 params = getattr(req, "kv_transfer_params", None) or {}
-                # Producer side: "push": true is a push leg; vLLM's in-tree
-                # contract's prefill leg (do_remote_decode + a transfer_id, no
-                # "push" key: vllm-router --kv-connector mooncake) is offered
-                # both ways: published for a pull (flow b with a transfer_id)
-                # and pushed if the decode side sends a target for it.
-                push, maybe = self._push_leg(params), self._maybe_push_leg(params)
+                # Producer side: "push": true is push only; a bare transfer_id
+                # (flow b's and the in-tree connector's prefill leg alike) is
+                # published for a pull AND pushed if a decode side's target
+                # comes for it (docs/connector.md, Push flow).
+                push = _push_mode(self.s, params)
                 lw = params.get("push_layerwise")
                 self._publishes.append(PublishSpec(rid, list(req.prompt_token_ids[:n_full]),
                                                    groups[0], more_groups=groups[1:],
-                                                   push_tid=transfer_id(params)
-                                                   if push or maybe else None,
+                                                   push_tid=transfer_id(params) if push else None,
                                                    layerwise=lw if isinstance(lw, bool) else None,
-                                                   push_maybe=maybe))
+                                                   push_optional=push == "optional"))
                 self._published[rid] = n_full
         meta.publishes, self._publishes = self._publishes, []
         meta.held, self._held = self._held, []
@@ -376,13 +363,12 @@ class SchedulerSide:
             self._held.append(rid)
         if not params.get("do_remote_decode"):
             return n is not None, None
-        if self._push_leg(params):
-            if n is None:  # aborted or failed before its prompt was computed
-                self._push_dropped.append(transfer_id(params))
+        push = _push_mode(self.s, params)
+        if push and n is None:  # aborted or failed before its prompt was computed
+            self._push_dropped.append(transfer_id(params))
+        if push == "push":
             return n is not None, {"push": True, "transfer_id": transfer_id(params),
                                    "num_tokens": n or 0}
-        if self._maybe_push_leg(params) and n is None:
-            self._push_dropped.append(transfer_id(params))  # a push target gets "nokv"
         # Flow B: always answer with params, so the proxy can go on to decode;
         # num_tokens 0 (prompt shorter than a block, or aborted before its
         # prompt completed) tells the decode side to compute the prompt.
@@ -416,6 +402,15 @@ class SchedulerSide:
 def _is_hostport(name):
     host, sep, port = str(name).rpartition(":")
     return bool(sep and host and port.isdigit() and 0 < int(port) < 65536)
+
+
+def _push_mode(settings, params):
+    """Producer: "push" ("push": true), "optional" (a bare transfer_id: pull
+    or push, whichever the decode side asks for) or None."""
+    if settings.role != "kv_producer" or not params.get("do_remote_decode", True) or \
+            not transfer_id(params) or params.get("push") is False:
+        return None
+    return "push" if params.get("push") is True else "optional"
 
 
 def _int_or_none(v):

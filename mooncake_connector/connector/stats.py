@@ -126,6 +126,13 @@ PROM_COUNTERS = {
     "publish_bytes": ("vllm:mooncake_publish_bytes_total", "KV bytes published"),
     "sends_finished": ("vllm:mooncake_sends_finished_total",
                        "Held requests whose blocks were released back to vLLM"),
+    "push_loads": ("vllm:mooncake_push_loads_total",
+                   "Consumer: push loads started (blocks lent to a producer)"),
+    "push_sends": ("vllm:mooncake_push_sends_total",
+                   "Producer: prompts written into a consumer's blocks (push flow)"),
+    "push_bytes": ("vllm:mooncake_push_bytes_total", "Producer: KV bytes pushed"),
+    "push_failed": ("vllm:mooncake_push_failures_total",
+                    "Producer: push targets ended without the KV (lease, failure, timeout)"),
 }
 PROM_GAUGES = {
     "held_bytes": ("vllm:mooncake_held_bytes",

@@ -286,7 +286,8 @@ class WorkerSide:
                     # save_kv_layer runs: true on CPU; on CUDA it would need
                     # an event per layer, so CUDA KV caches push whole prompts.
                     self.push_p.begin(p, expected=self._fanout(),
-                                      layerwise=lw and self._cuda_sync is None)
+                                      layerwise=lw and self._cuda_sync is None,
+                                      optional=p.push_optional)
 
     def _drain_notifies(self):
         """Route the push flow's notifications (push.py) to their side."""
@@ -304,6 +305,14 @@ class WorkerSide:
                     self.push_p.on_message(sender, head, body)
             elif self.push_c is not None:
                 self.push_c.on_message(sender, head)
+
+    def withdraw(self, rid):
+        """Push took over a prompt published for a pull: its lookup entries
+        go (leased ones when their lease ends), so the blocks are not held
+        for a pull that will not come."""
+        tokens = self._pub_tokens.get(rid)
+        if tokens is not None and self.lb is not None:
+            self.lb.remove(tokens)
 
     def save_kv_layer(self, layer_name):
         """Push, layer by layer: this layer's KV is computed for this step."""
@@ -458,10 +467,10 @@ class WorkerSide:
         for p in meta.publishes:
             if p.push_tid and self.push_p is not None:
                 self.push_p.prompt_done(p.req_id)  # written into the consumer's blocks
-                if not p.push_maybe:
+                if not (p.push_optional and not self.push_p.has_targets(p.push_tid)):
                     continue
-                # In-tree contract's leg: also published for a pull (the
-                # first of the two the decode side asks for wins).
+                # A bare transfer_id and no target yet: published for a pull
+                # too; a target arriving later withdraws it (withdraw()).
             if copies <= 0:  # no consumer rank reads this rank (or none fits)
                 self._pub_tokens[p.req_id] = p.tokens
                 self._outstanding[p.req_id] = 0
@@ -497,13 +506,6 @@ class WorkerSide:
         for t in tags if tags is not None else self._req_tags.pop(rid, ()):
             self._tag_req.pop(t, None)
         self._outstanding[rid] = 0
-
-    def release_pull(self, rid):
-        """An in-tree leg's KV was pushed: take its pull entries out of the
-        lookup buffer (their blocks are freed once no lease holds them)."""
-        tokens = self._pub_tokens.get(rid)
-        if tokens is not None and self.lb is not None:
-            self.lb.remove(tokens)
 
     def unpublish(self, meta):
         """Preempted after publishing: its blocks are about to be reused."""
@@ -597,11 +599,6 @@ class WorkerSide:
             return done
         self._drain_freed()
         for rid in list(self._held):
-            if (self.push_p is not None and rid in self._finished_seen and
-                    self._outstanding.get(rid, 0) <= 0 and self.push_p.holds(rid)):
-                # Pulled (or released) before any push target came: the
-                # push offer of an in-tree leg ends (a late target: "nokv").
-                self.push_p.drop_unserved_maybe(rid)
             if rid in self._finished_seen and self._outstanding.get(rid, 0) <= 0 and \
                     not (self.push_p is not None and self.push_p.holds(rid)):
                 del self._held[rid]
@@ -609,6 +606,8 @@ class WorkerSide:
                 self._forget_tags(rid)
                 self._outstanding.pop(rid, None)
                 self._pub_tokens.pop(rid, None)
+                if self.push_p is not None:
+                    self.push_p.forget(rid)
                 done.add(rid)
                 self.stats.add("sends_finished")
         return done
