@@ -556,6 +556,23 @@ class WorkerSide:
                 continue
             self._finish_load(rid, res)
             done_recv.add(rid)
+        if (self._idle and not done_recv and self._loading and self.push_c is not None
+                and self.s.idle_wait_ms > 0
+                and all(ld.spec.flow == "P" for ld in self._loading.values())):
+            # Only requests waiting for pushed KV and nothing to compute: vLLM
+            # would step again at once; wait up to idle_wait_ms for a "done"
+            # instead (polled, GIL released while sleeping) so this process
+            # leaves the CPU to the prefill.  A new request may start this
+            # much later.
+            deadline = time.monotonic() + self.s.idle_wait_ms / 1000.0
+            while not done_recv and time.monotonic() < deadline:
+                time.sleep(0.0002)
+                self._drain_notifies()
+                for rid in list(self._loading):
+                    res = self._poll_load(rid)
+                    if res is not None:
+                        self._finish_load(rid, res)
+                        done_recv.add(rid)
         done_send = self._finished_sends()
         # A step with nothing to compute while we hold finished requests'
         # KV: vLLM runs such steps back to back until every hold ends, so
