@@ -386,7 +386,7 @@ def main(argv=None):
     p.add_argument("--skip-ours", action="store_true", help="do not run our engine")
     p.add_argument("--local-check-ab", action="store_true",
                    help="also run our engine with MC_LOCAL_CHECK=0 (the local-address check "
-                        "off) and report check-on / check-off ratios (benchmarks/README.md)")
+                        "off) and report check-on / check-off ratios (benchmarks/JOURNAL.md)")
     p.add_argument("--mooncake-env", action="append", default=[], metavar="K=V",
                    help="extra env for Mooncake runs (MC_FORCE_TCP=1 is always set)")
     p.add_argument("--repeats", type=int, default=None,

@@ -97,7 +97,7 @@ def main():
     ap.add_argument("--warmup-passes", type=int, default=1,
                     help="untimed passes before each point (default 1, as the recorded runs; "
                          "the second pass was still slower than later ones on the "
-                         "development VM: benchmarks/README.md)")
+                         "development VM: benchmarks/JOURNAL.md)")
     ap.add_argument("--cold", action="store_true",
                     help="time the first copy into each page (no untimed pass before the "
                          "clock); by default each point is timed after one untimed pass, "

@@ -197,9 +197,18 @@ class Deployment:
             meta_url = self.metadata.url
         pre_cfg, dec_cfg, kv_env = kv_transfer_configs(self.connector, self.workdir, meta_url)
         self.kv_configs = {"prefill": pre_cfg, "decode": dec_cfg}
+        # Our producer's bootstrap server (vLLM's in-tree contract: routers
+        # such as vllm-router --kv-connector mooncake ask it): a free port,
+        # not the shared default 8998.
+        self.bootstrap_port = None
+        pre_env = dict(env, **kv_env)
+        if self.connector == "mooncake":
+            self.bootstrap_port = serving.free_port()
+            pre_env.setdefault("VLLM_MOONCAKE_BOOTSTRAP_PORT", str(self.bootstrap_port))
+            self.bootstrap_port = int(pre_env["VLLM_MOONCAKE_BOOTSTRAP_PORT"])
         self.prefill = serving.vllm_server("prefill", port=serving.free_port(),
                                            log_path=os.path.join(logs, "prefill.log"),
-                                           kv_transfer_config=pre_cfg, env=dict(env, **kv_env),
+                                           kv_transfer_config=pre_cfg, env=pre_env,
                                            **args_for("prefill"))
         self.decode = serving.vllm_server("decode", port=serving.free_port(),
                                           log_path=os.path.join(logs, "decode.log"),

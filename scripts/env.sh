@@ -154,6 +154,11 @@ _mc_env_main() {
         _mc_step "fetch SGLang into the test cache (optional)"
         "$vpy" "$repo/tests/sglang_pkg.py" >>"$log" 2>&1 || \
             echo "(not fetched; its test will skip)" >>"$log"
+        # vLLM's Rust router (tests/test_router_mooncake.py): pip --target into
+        # a cache, nothing installed into the venv; offline, that test skips.
+        _mc_step "fetch vllm-router into the test cache (optional)"
+        "$vpy" "$repo/tests/vllm_router_pkg.py" >>"$log" 2>&1 || \
+            echo "(not fetched; its test will skip)" >>"$log"
     fi
 
     [ -n "$lockfd" ] && exec {lockfd}>&-

@@ -1,5 +1,5 @@
 """The benchmark tools run and verify their data (tiny sizes; numbers are
-not checked here — benchmarks/README.md records them)."""
+not checked here — benchmarks/JOURNAL.md records them)."""
 import json
 import os
 import shutil

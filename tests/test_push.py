@@ -251,6 +251,61 @@ def test_prompt_mismatch_writes_nothing(sides):
     assert d.computed["q"] == len(t) + 1
 
 
+def _intree(tid, side, engine=None):
+    """vllm-router --kv-connector mooncake's legs (vLLM's in-tree contract): no
+    "push" key; the decode leg names our engine (our bootstrap /query)."""
+    if side == "p":
+        return {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": tid}
+    return {"do_remote_decode": False, "do_remote_prefill": True, "transfer_id": tid,
+            "remote_bootstrap_addr": "http://127.0.0.1:8998", "remote_engine_id": engine}
+
+
+def _push_stats(side):
+    out = {}
+    for st in side.stats:
+        for k, v in st.data.items():
+            if isinstance(v, int):
+                out[k] = out.get(k, 0) + v
+    return out
+
+
+def test_in_tree_contract_legs_are_pushed(sides, urls):  # noqa: F811
+    """vllm-router sends the prefill leg first and the decode leg after its
+    answer: the producer holds the prompt for a pull and offers it for a push;
+    the decode side asks for the push, the KV is written into its blocks and
+    the producer's pull entries go (its blocks are freed, not held until
+    hold_timeout_s)."""
+    p, d = sides("kv_producer"), sides("kv_consumer", flow_a=False)
+    t = toks(21, 3 * BS + 7)
+    p.add(make_request("pq", t, max_tokens=1, params=_intree("xfer-1", "p")))
+    p.step()
+    assert not p.is_empty()  # held: for a pull or a push
+    d.add(make_request("q", t, max_tokens=2,
+                       params=_intree("xfer-1", "d", urls["prefill_url"])))
+    assert both(p, d, lambda: "q" in d.recvd)
+    assert d.block_matches_pattern("q", t, 3) and "q" not in d.computed
+    assert both(p, d, lambda: not d.sched.requests and p.is_empty(), steps=3000)
+    ps = _push_stats(p)
+    assert ps.get("push_sends") == 1 and ps.get("push_bytes", 0) > 0, ps
+    assert _push_stats(d).get("loads_failed", 0) == 0 and not d.invalid
+
+
+def test_in_tree_prefill_leg_still_serves_a_pull(sides, urls):  # noqa: F811
+    """The same prefill leg pulled by a flow-b consumer (its answer's params):
+    the push offer ends with the pull; nothing is held afterwards."""
+    p, d = sides("kv_producer"), sides("kv_consumer", flow_a=False)
+    t = toks(22, 2 * BS + 3)
+    p.add(make_request("pq", t, max_tokens=1, params=_intree("xfer-2", "p")))
+    p.step()
+    got = p.last_params.get("pq")
+    assert got and got["num_tokens"] == 2 * BS and got["transfer_id"] == "xfer-2"
+    d.add(make_request("q", t, max_tokens=1, params=got))
+    assert both(p, d, lambda: "q" in d.recvd or "q" not in d.sched.requests)
+    assert both(p, d, lambda: not d.sched.requests and p.is_empty(), steps=3000)
+    assert "xfer-2" in p.worker._worker.push_p.ended
+    assert _push_stats(p).get("push_sends", 0) == 0
+
+
 @pytest.mark.parametrize("decode_first", [True, False], ids=["decode-first", "prefill-first"])
 def test_in_tree_shape_is_pushed(sides, decode_first):
     """vLLM's in-tree MooncakeConnector contract: the prefill leg carries only

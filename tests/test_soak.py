@@ -148,7 +148,7 @@ def test_short_soak_on_the_session_servers(deployment, tmp_path):
     assert any(k.startswith("vllm:mooncake_recomputes_total{") for k in after["decode"])
     # RSS: reported (-s, and the JSON); 2 minutes cannot tell a warm-up from a
     # slow leak (fresh servers grew 35-155 MiB/min here), so only a gross leak
-    # fails (the 30-minute soak judges the trend: benchmarks/README.md).
+    # fails (the 30-minute soak judges the trend: benchmarks/JOURNAL.md).
     for n, sl in rss.items():
         assert sl is None or sl < 250, (n, sl, report)
 

@@ -8,7 +8,7 @@
  *
  *   make bench && build/bench/local_check_bench [--gbps 3.0]
  *
- * Results: benchmarks/README.md ("Local-address check"). */
+ * Results: benchmarks/JOURNAL.md ("Local-address check"). */
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>

@@ -6,7 +6,7 @@
  *
  *   gcc -O2 -o build/locate_order_bench benchmarks/c/locate_order_bench.c && build/locate_order_bench
  *
- * Results: benchmarks/README.md (GPU section, "the page hint first"). */
+ * Results: benchmarks/JOURNAL.md (GPU section, "the page hint first"). */
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>

@@ -117,6 +117,13 @@ def _pp(vllm_config):
     return rank, size
 
 
+def _dp(vllm_config):
+    """This engine's data-parallel rank (the bootstrap server's key)."""
+    pc = getattr(vllm_config, "parallel_config", None)
+    rank = getattr(pc, "data_parallel_rank", 0)
+    return rank if isinstance(rank, int) and rank >= 0 else 0
+
+
 from mooncake_connector.connector import access as access_mod  # noqa: E402
 from mooncake_connector.connector.access import kv_cache_access_for  # noqa: E402,F401
 
@@ -176,7 +183,7 @@ class MooncakeConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker = WorkerSide(s, self.block_size, self.tp_rank, self.tp_size, nb,
                                       facts=model_facts(vllm_config, kv_cache_config),
                                       layer_groups=layer_groups(kv_cache_config),
-                                      pp_rank=_pp(vllm_config)[0])
+                                      pp_rank=_pp(vllm_config)[0], dp_rank=_dp(vllm_config))
 
     # ---------------- scheduler side ----------------
 

@@ -203,6 +203,18 @@ class SchedulerSide:
             if num_computed_tokens == 0:
                 self._check_unloadable(request, src)
             return 0, False
+        if src[0] in ("B", "P") and src[1] is not None and not _is_hostport(src[1]):
+            # vLLM's in-tree contract names the producer by its engine id; ours
+            # (our bootstrap server's /query) is the engine's host:port.
+            self._tried.add(request.request_id)
+            params = getattr(request, "kv_transfer_params", None) or {}
+            self._recompute(request, "producer_unreachable", (
+                f"kv_transfer_params remote_engine_id {str(src[1])[:80]!r} is not a "
+                "mooncake-connector engine address (host:port); the prefill server at "
+                f"{str(params.get('remote_bootstrap_addr') or '?')[:80]} runs another "
+                "connector (e.g. vLLM's in-tree MooncakeConnector): serve both sides with "
+                "this package's MooncakeConnector"))
+            return 0, False
         held = self._known_size(request, src, n_full)
         if held is PENDING:
             return None, False  # vLLM skips the request this step and asks again
@@ -385,6 +397,11 @@ class SchedulerSide:
     def shutdown(self):
         if self._probe is not None:
             self._probe.close()
+
+
+def _is_hostport(name):
+    host, sep, port = str(name).rpartition(":")
+    return bool(sep and host and port.isdigit() and 0 < int(port) < 65536)
 
 
 def _push_mode(settings, params):

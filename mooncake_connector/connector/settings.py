@@ -54,6 +54,11 @@ KNOBS = {  # extra-config key: (type, default, meaning)
                         "its extensible KV cache), 'legacy_ipc' (classic allocation, for "
                         "--kv-cache-memory-bytes / --num-gpu-blocks-override, with which vLLM "
                         "refuses the fd export) or 'exports_fd'"),
+    "bootstrap_port": (int, None, "producer: port of the bootstrap server vLLM's in-tree "
+                       "MooncakeConnector contract asks (GET /query; vllm-router --kv-connector "
+                       "mooncake); default VLLM_MOONCAKE_BOOTSTRAP_PORT, else 8998; 0: none"),
+    "bootstrap_host": (str, "", "producer: address the bootstrap server listens on "
+                       "(default 0.0.0.0, all)"),
     "idle_wait_max_ms": (float, 50.0, "producer: consecutive such steps that free nothing "
                          "wait twice as long each time, from idle_wait_ms up to this (every "
                          "step resets vLLM's 1 s busy-poll of its worker queues: with TP > 1 "
@@ -87,6 +92,8 @@ class Settings:
     idle_wait_ms: float = 2.0
     idle_wait_max_ms: float = 50.0
     kv_cache_access: str = "auto"
+    bootstrap_port: int | None = None  # None: VLLM_MOONCAKE_BOOTSTRAP_PORT, else 8998
+    bootstrap_host: str = ""
     push_layerwise: bool = False
 
     @property
@@ -175,6 +182,9 @@ def resolve(kv_transfer_config, env=None):
             s.kv_rank >= s.kv_parallel_size:
         raise SettingsError(f"kv_rank {s.kv_rank} must be below kv_parallel_size "
                             f"{s.kv_parallel_size}")
+    if "bootstrap_port" in extra:
+        s.bootstrap_port = _int_field("kv_connector_extra_config.bootstrap_port",
+                                      extra.pop("bootstrap_port"), lo=0)
     for key, (typ, _default, _doc) in KNOBS.items():
         if key in extra:
             setattr(s, key, _coerce(key, typ, extra.pop(key)))
@@ -186,6 +196,9 @@ def resolve(kv_transfer_config, env=None):
         if v > 1000 or v != v:
             raise SettingsError(f"kv_connector_extra_config.{key} must be <= 1000 (it delays "
                                 f"new requests as long), not {v!r}")
+    if s.bootstrap_port is not None and s.bootstrap_port > 65535:
+        raise SettingsError("kv_connector_extra_config.bootstrap_port must be a port number "
+                            f"(0-65535; 0 = no bootstrap server), not {s.bootstrap_port}")
     if s.load_failure_policy not in ("recompute", "fail"):
         raise SettingsError("kv_connector_extra_config.load_failure_policy must be 'recompute' "
                             f"or 'fail', not {s.load_failure_policy!r}")

@@ -55,8 +55,10 @@ class _Load:
 
 class WorkerSide:
     def __init__(self, settings, block_size, tp_rank, tp_size, num_blocks=None, facts=None,
-                 layer_groups=None, pp_rank=0):
+                 layer_groups=None, pp_rank=0, dp_rank=0):
         self.s = settings
+        self.dp_rank = dp_rank
+        self.bootstrap = None     # producer TP 0 / PP 0: bootstrap.BootstrapServer
         # Pipeline parallel: stage s's TP rank r is engine port + s * tp_size + r
         # on both sides (equal PP sizes: the fingerprint checks it).
         self.pp_rank = pp_rank
@@ -90,6 +92,24 @@ class WorkerSide:
     def register_kv_caches(self, kv_caches):
         self._kv_caches = kv_caches
         self._start_engine()
+        self._start_bootstrap()
+
+    def _start_bootstrap(self):
+        """Producer, TP rank 0 of PP stage 0: the bootstrap server of vLLM's
+        in-tree MooncakeConnector contract (bootstrap.py), naming every
+        rank's engine.  Once per process: it outlives a sleep-mode restart
+        of the engine (the names stay)."""
+        if (not self.s.is_producer or self.tp_rank != 0 or self.pp_rank != 0
+                or self.bootstrap is not None):
+            return
+        import os
+
+        from mooncake_connector.connector import bootstrap
+        base = self._base
+        pp_size = int(self.facts.get("pp_size") or 1)
+        self.bootstrap = bootstrap.start(
+            self.s, shift_port(base, 0), self.dp_rank, self.tp_size, pp_size,
+            lambda t, p: shift_port(base, p * self.tp_size + t), os.environ)
 
     def _start_engine(self):
         """Engine, registered KV regions, lookup buffer (producer), KVTransfer,
@@ -109,6 +129,7 @@ class WorkerSide:
             base = f"{cfg['decode_host']}:{cfg['decode_port']}"
         else:
             base = f"{cfg['prefill_host']}:{cfg['prefill_port']}"
+        self._base = base
         self.name = shift_port(base, self.pp_rank * self.tp_size + self.tp_rank)
         self.default_producer = f"{cfg['prefill_host']}:{cfg['prefill_port']}"
         eng = _core.TransferEngine()
@@ -689,4 +710,7 @@ class WorkerSide:
         self._shc_read = 0  # a new engine counts from 0
 
     def shutdown(self):
+        if self.bootstrap is not None:
+            self.bootstrap.close()
+            self.bootstrap = None
         self._stop_engine()

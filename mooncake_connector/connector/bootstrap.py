@@ -1,0 +1,178 @@
+"""The producer's bootstrap server: vLLM's in-tree MooncakeConnector contract.
+
+vLLM's in-tree MooncakeConnector runs an HTTP "bootstrap server" on each
+prefill engine (port ``VLLM_MOONCAKE_BOOTSTRAP_PORT``, default 8998).  Routers
+that speak that contract (``vllm-router --vllm-pd-disaggregation
+--kv-connector mooncake``, vLLM's mooncake proxy example) ask it at start-up,
+``GET /query``, for the engine id of every data-parallel rank, and then send
+the decode leg ``kv_transfer_params`` {"do_remote_prefill": true,
+"transfer_id", "remote_bootstrap_addr": "http://P:8998", "remote_engine_id"}.
+
+Ours answers /query in the same shape::
+
+    {"0": {"engine_id": "10.0.0.1:13003",
+           "worker_addr": {"0": {"0": "10.0.0.1:13003"}, "1": {"0": "10.0.0.1:13004"}}}}
+
+The engine id is the producer's transfer-engine base name (host:port, TP
+rank 0 of PP stage 0), so a consumer of ours maps ``remote_engine_id``
+straight onto the producer it loads from (scheduler.py); ``worker_addr``
+names each TP rank's (and PP stage's) engine.  The table is filled by the
+producer's own worker (TP rank 0, PP rank 0), which knows every rank's name
+(base port + pp * tp_size + tp): unlike the in-tree server, nobody registers
+over the network, so ``POST /register`` is refused (403) and the server is
+read-only.  Pure Python (stdlib http.server on a daemon thread).
+"""
+import json
+import logging
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+logger = logging.getLogger("vllm.mooncake_connector")
+
+#: vLLM's default (envs.VLLM_MOONCAKE_BOOTSTRAP_PORT).
+DEFAULT_PORT = 8998
+
+
+def default_port(env):
+    """VLLM_MOONCAKE_BOOTSTRAP_PORT (as vLLM's in-tree connector reads it), else 8998."""
+    raw = env.get("VLLM_MOONCAKE_BOOTSTRAP_PORT")
+    if raw is None or raw == "":
+        return DEFAULT_PORT
+    try:
+        port = int(raw)
+    except ValueError:
+        raise ValueError(f"VLLM_MOONCAKE_BOOTSTRAP_PORT={raw!r} is not a port number") from None
+    if not 0 <= port < 65536:
+        raise ValueError(f"VLLM_MOONCAKE_BOOTSTRAP_PORT={raw!r} is not a port number (0-65535)")
+    return port
+
+
+def query_table(engine_id, dp_rank, tp_size, pp_size, name_of):
+    """The /query answer: {dp_rank: {"engine_id", "worker_addr": {tp: {pp: name}}}}
+    (JSON object keys are strings, as the in-tree server's are).  name_of(tp,
+    pp) gives a rank's engine name."""
+    return {str(dp_rank): {"engine_id": engine_id,
+                           "worker_addr": {str(t): {str(p): name_of(t, p) for p in range(pp_size)}
+                                           for t in range(tp_size)}}}
+
+
+class BootstrapServer:
+    """GET /query (the table), GET /health; anything else 403/404/405."""
+
+    def __init__(self, host, port, table):
+        self.table = table
+        self._body = json.dumps(table, sort_keys=True).encode()
+        body = self._body
+
+        class Handler(BaseHTTPRequestHandler):
+            server_version = "mooncake-connector-bootstrap"
+            protocol_version = "HTTP/1.1"
+            timeout = 10  # a silent client holds its thread at most this long
+
+            def log_message(self, fmt, *args):  # no access log on stderr
+                return
+
+            def _send(self, status, payload, ctype="application/json"):
+                data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(data)
+
+            def do_GET(self):
+                path = self.path.split("?", 1)[0]
+                if path == "/query":
+                    self._send(200, body)
+                elif path == "/health":
+                    self._send(200, {"status": "ok"})
+                else:
+                    self._send(404, {"detail": f"no such path {path[:100]!r}: this is "
+                                     "mooncake-connector's bootstrap server (GET /query, "
+                                     "GET /health)"})
+
+            do_HEAD = do_GET
+
+            def do_POST(self):
+                path = self.path.split("?", 1)[0]
+                # Read (a bounded amount of) the body so the connection stays in sync.
+                try:
+                    n = min(int(self.headers.get("Content-Length") or 0), 1 << 16)
+                except ValueError:
+                    n = 0
+                if n > 0:
+                    self.rfile.read(n)
+                self.close_connection = True
+                if path == "/register":
+                    self._send(403, {"detail": "mooncake-connector's bootstrap server is "
+                                     "read-only: its table comes from its own prefill workers "
+                                     "(an in-tree MooncakeConnector worker must register with "
+                                     "an in-tree bootstrap server)"})
+                else:
+                    self._send(405, {"detail": f"POST {path[:100]!r} is not served here "
+                                     "(GET /query, GET /health)"})
+
+            def do_PUT(self):
+                self.close_connection = True
+                self._send(405, {"detail": "read-only (GET /query, GET /health)"})
+
+            do_DELETE = do_PATCH = do_PUT
+
+        class Server(ThreadingHTTPServer):
+            daemon_threads = True
+            allow_reuse_address = True
+            request_queue_size = 128
+
+        family_host = host
+        self.httpd = Server((family_host, port), Handler)
+        self.host, self.port = host, self.httpd.server_address[1]
+        self._thread = threading.Thread(target=self.httpd.serve_forever, kwargs={
+            "poll_interval": 0.5}, name="mooncake_bootstrap_server", daemon=True)
+        self._thread.start()
+
+    @property
+    def url(self):
+        host = "127.0.0.1" if self.host in ("", "0.0.0.0") else self.host
+        return f"http://{host}:{self.port}"
+
+    def close(self):
+        if self.httpd is None:
+            return
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self._thread.join(timeout=5)
+        self.httpd = None
+
+
+def start(settings, engine_id, dp_rank, tp_size, pp_size, name_of, env):
+    """Starts the producer's bootstrap server as settings say (None if off).
+
+    settings.bootstrap_port: None = the default (VLLM_MOONCAKE_BOOTSTRAP_PORT,
+    else 8998), 0 = no server.  An explicitly set port that cannot be bound
+    raises (the operator asked for it); the default port taken (another
+    producer on this host already serves it) is one WARNING naming the knob,
+    and the server is not started.
+    """
+    explicit = settings.bootstrap_port is not None
+    port = settings.bootstrap_port if explicit else default_port(env)
+    if port == 0:
+        return None
+    table = query_table(engine_id, dp_rank, tp_size, pp_size, name_of)
+    host = settings.bootstrap_host or "0.0.0.0"
+    try:
+        srv = BootstrapServer(host, port, table)
+    except OSError as e:
+        msg = (f"bootstrap server (vLLM's in-tree MooncakeConnector contract, for vllm-router "
+               f"--kv-connector mooncake) cannot listen on {host}:{port}: {e.strerror or e}")
+        if explicit:
+            from mooncake_connector.connector.settings import SettingsError
+            raise SettingsError(msg + "; choose another kv_connector_extra_config.bootstrap_port "
+                                "(0 = no bootstrap server)") from None
+        logger.warning("MooncakeConnector: %s; not serving one (set "
+                       "kv_connector_extra_config.bootstrap_port to a free port, or 0 to "
+                       "silence this)", msg)
+        return None
+    logger.info("MooncakeConnector: bootstrap server on %s:%d (GET /query: engine %s, dp rank %d, "
+                "TP %d, PP %d)", host, srv.port, engine_id, dp_rank, tp_size, pp_size)
+    return srv

@@ -1,0 +1,183 @@
+"""The producer's bootstrap server (vLLM's in-tree MooncakeConnector contract,
+connector/bootstrap.py) and its settings; the consumer's reading of in-tree
+kv_transfer_params.  No vLLM needed: fast unit tests.  The router in front
+of real servers is tests/test_router_mooncake.py."""
+import http.client
+import json
+import socket
+import types
+
+import pytest
+
+from mooncake_connector.connector import bootstrap
+from mooncake_connector.connector import settings as settings_mod
+from mooncake_connector.connector.settings import SettingsError, shift_port
+
+
+def _cfg(**extra):
+    return types.SimpleNamespace(kv_role="kv_producer", kv_connector_extra_config=dict(
+        {"prefill_url": "127.0.0.1:13003", "decode_url": "127.0.0.1:13103"}, **extra))
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _req(port, method, path, body=None, headers=None):
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    try:
+        c.request(method, path, body=body, headers=headers or {})
+        r = c.getresponse()
+        return r.status, r.read()
+    finally:
+        c.close()
+
+
+def _start(settings, tp=2, pp=1, dp=0, base="127.0.0.1:13003", env=None):
+    return bootstrap.start(settings, shift_port(base, 0), dp, tp, pp,
+                           lambda t, p: shift_port(base, p * tp + t), env or {})
+
+
+def test_query_answers_in_the_in_tree_shape():
+    s = settings_mod.resolve(_cfg(bootstrap_port=_free_port(), bootstrap_host="127.0.0.1"))
+    srv = _start(s, tp=2, pp=2)
+    try:
+        status, body = _req(srv.port, "GET", "/query")
+        assert status == 200
+        got = json.loads(body)
+        # One DP rank; every TP rank of every PP stage named (port + pp * tp + tp_rank).
+        assert got == {"0": {"engine_id": "127.0.0.1:13003", "worker_addr": {
+            "0": {"0": "127.0.0.1:13003", "1": "127.0.0.1:13005"},
+            "1": {"0": "127.0.0.1:13004", "1": "127.0.0.1:13006"}}}}
+        # What vllm-router reads: every key a DP rank, each with a string engine_id.
+        assert all(k.isdigit() and isinstance(v["engine_id"], str) for k, v in got.items())
+        assert _req(srv.port, "GET", "/health")[0] == 200
+    finally:
+        srv.close()
+
+
+def test_read_only_and_unknown_paths_are_refused_with_a_reason():
+    s = settings_mod.resolve(_cfg(bootstrap_port=_free_port(), bootstrap_host="127.0.0.1"))
+    srv = _start(s, dp=3)
+    try:
+        reg = json.dumps({"engine_id": "evil", "dp_rank": 3, "tp_rank": 0, "pp_rank": 0,
+                          "addr": "10.0.0.9:1"})
+        status, body = _req(srv.port, "POST", "/register", reg,
+                            {"Content-Type": "application/json"})
+        assert status == 403 and b"read-only" in body
+        assert _req(srv.port, "GET", "/nope")[0] == 404
+        assert _req(srv.port, "PUT", "/query", b"{}")[0] == 405
+        # A bogus Content-Length and an oversized body do not hurt it.
+        assert _req(srv.port, "POST", "/x", b"a" * 200000)[0] == 405
+        assert _req(srv.port, "POST", "/register", b"",
+                    {"Content-Length": "nonsense"})[0] == 403
+        # The table is what the producer put there, still (dp rank 3 only).
+        assert json.loads(_req(srv.port, "GET", "/query")[1])["3"]["engine_id"] == \
+            "127.0.0.1:13003"
+    finally:
+        srv.close()
+
+
+def test_a_silent_client_does_not_block_the_others():
+    s = settings_mod.resolve(_cfg(bootstrap_port=_free_port(), bootstrap_host="127.0.0.1"))
+    srv = _start(s)
+    idle = [socket.create_connection(("127.0.0.1", srv.port)) for _ in range(20)]
+    try:
+        assert _req(srv.port, "GET", "/query")[0] == 200
+    finally:
+        for c in idle:
+            c.close()
+        srv.close()
+
+
+def test_port_settings():
+    assert settings_mod.resolve(_cfg()).bootstrap_port is None  # the default
+    assert bootstrap.default_port({}) == 8998
+    assert bootstrap.default_port({"VLLM_MOONCAKE_BOOTSTRAP_PORT": "9123"}) == 9123
+    with pytest.raises(ValueError, match="VLLM_MOONCAKE_BOOTSTRAP_PORT"):
+        bootstrap.default_port({"VLLM_MOONCAKE_BOOTSTRAP_PORT": "x"})
+    for bad in (-1, 70000, "8998", True, 1.5):
+        with pytest.raises(SettingsError, match="bootstrap_port"):
+            settings_mod.resolve(_cfg(bootstrap_port=bad))
+    # 0: no server at all.
+    assert _start(settings_mod.resolve(_cfg(bootstrap_port=0))) is None
+    assert _start(settings_mod.resolve(_cfg()), env={"VLLM_MOONCAKE_BOOTSTRAP_PORT": "0"}) is None
+
+
+def test_a_taken_port_is_an_error_only_when_asked_for(caplog):
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        asked = settings_mod.resolve(_cfg(bootstrap_port=port, bootstrap_host="127.0.0.1"))
+        with pytest.raises(SettingsError, match=f"127.0.0.1:{port}.*bootstrap_port"):
+            _start(asked)
+        # The default port taken (another producer on this host serves it): a warning.
+        default = settings_mod.resolve(_cfg(bootstrap_host="127.0.0.1"))
+        with caplog.at_level("WARNING", logger="vllm.mooncake_connector"):
+            assert _start(default, env={"VLLM_MOONCAKE_BOOTSTRAP_PORT": str(port)}) is None
+        assert any("bootstrap_port" in r.getMessage() for r in caplog.records)
+
+
+def _consumer(**extra):
+    from mooncake_connector.connector.scheduler import SchedulerSide
+    cfg = types.SimpleNamespace(kv_role="kv_consumer", kv_connector_extra_config=dict(
+        {"prefill_url": "127.0.0.1:13003", "decode_url": "127.0.0.1:13103", "flow_a": False},
+        **extra))
+    return SchedulerSide(settings_mod.resolve(cfg), 32, 1, lambda: None, block_bytes=32768)
+
+
+def _request(params, n=100):
+    return types.SimpleNamespace(request_id="r1", prompt_token_ids=list(range(n)),
+                                 kv_transfer_params=params)
+
+
+def test_consumer_takes_in_tree_params_from_our_bootstrap_server():
+    """vllm-router's decode leg: no num_tokens, remote_engine_id from /query."""
+    sch = _consumer()
+    req = _request({"do_remote_decode": False, "do_remote_prefill": True,
+                    "transfer_id": "xfer-1", "remote_bootstrap_addr": "http://127.0.0.1:8998",
+                    "remote_engine_id": "127.0.0.1:13003"})
+    # Size not known before the load: all full blocks, loaded in the background.
+    assert sch.get_num_new_matched_tokens(req, 0) == (96, True)
+
+
+def test_consumer_refuses_an_in_tree_engine_id_by_name():
+    sch = _consumer()
+    req = _request({"do_remote_prefill": True, "transfer_id": "xfer-1",
+                    "remote_bootstrap_addr": "http://10.0.0.1:8998",
+                    "remote_engine_id": "6f1d3c0e-uuid-of-an-in-tree-engine"})
+    assert sch.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert sch.stats.data["recompute_producer_unreachable"] == 1
+    # Asked again (next step): still computed, counted once.
+    assert sch.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert sch.stats.data["recompute_producer_unreachable"] == 1
+
+
+def test_the_producer_worker_of_tp0_pp0_serves_it_naming_every_rank():
+    from mooncake_connector.connector.worker import WorkerSide
+    port = _free_port()
+    made = []
+    try:
+        for role, tp_rank, pp_rank in (("kv_producer", 0, 0), ("kv_producer", 1, 0),
+                                       ("kv_producer", 0, 1), ("kv_consumer", 0, 0)):
+            cfg = _cfg(bootstrap_port=port, bootstrap_host="127.0.0.1")
+            cfg.kv_role = role
+            w = WorkerSide(settings_mod.resolve(cfg), 32, tp_rank, 2, facts={"pp_size": 2},
+                           pp_rank=pp_rank, dp_rank=1)
+            w._base = "127.0.0.1:13003"
+            w._start_bootstrap()
+            made.append(w)
+        assert [w.bootstrap is not None for w in made] == [True, False, False, False]
+        got = json.loads(_req(port, "GET", "/query")[1])
+        assert got == {"1": {"engine_id": "127.0.0.1:13003", "worker_addr": {
+            "0": {"0": "127.0.0.1:13003", "1": "127.0.0.1:13005"},
+            "1": {"0": "127.0.0.1:13004", "1": "127.0.0.1:13006"}}}}
+    finally:
+        for w in made:
+            if w.bootstrap is not None:
+                w.bootstrap.close()
+    with pytest.raises(OSError):  # closed: nothing listens any more
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
