@@ -1,3 +1,4 @@
+import contextlib
 import json
 import os
 import shutil
@@ -144,6 +145,24 @@ def wait_until(pred, timeout=5.0, step=0.02):
             return True
         time.sleep(step)
     return False
+
+
+@contextlib.contextmanager
+def local_engines(n=2):
+    """n TransferEngines on 127.0.0.1 (P2P handshake, TCP unless the test's
+    environment picks the same-host CPU path), all closed on the way out,
+    also when one of them fails to start."""
+    import mooncake_connector as mc
+
+    made = []
+    try:
+        for _ in range(n):
+            made.append(mc.TransferEngine())
+            made[-1].initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
+        yield made
+    finally:
+        for e in made:
+            e.close()
 
 
 def have_netns():
