@@ -147,6 +147,21 @@ def wait_until(pred, timeout=5.0, step=0.02):
     return False
 
 
+def http(method, url, data=None, timeout=10):
+    """(status, body) of one request, straight (no proxy from the
+    environment), without raising on HTTP errors."""
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(url, data=data, method=method)
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with opener.open(req, timeout=timeout) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
 @contextlib.contextmanager
 def local_engines(n=2):
     """n TransferEngines on 127.0.0.1 (P2P handshake, TCP unless the test's

@@ -12,7 +12,7 @@ import time
 import pytest
 
 import mooncake_connector as mc
-from conftest import wait_until
+from conftest import http, wait_until
 from wire import HELLO, NOTIFY, READ, RPC, WRITE, expect_msg, hdr
 
 MIB = 1 << 20
@@ -213,17 +213,6 @@ def test_free_waits_for_a_silent_reader_only_so_long(monkeypatch):
         e.close()
 
 
-def _http(method, url, data=None):
-    import urllib.error
-    import urllib.request
-    req = urllib.request.Request(url, data=data, method=method)
-    try:
-        with urllib.request.urlopen(req, timeout=10) as r:
-            return r.status, r.read()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read()
-
-
 def _garbage_at(port):
     """Raw-socket abuse of an HTTP port: binary junk, an endless header
     line, a body far shorter than its Content-Length, idle connections."""
@@ -245,19 +234,19 @@ def test_metadata_server_store_is_bounded():
     from mooncake_connector.metadata_server import MetadataServer, MetadataStore
     store = MetadataStore(max_bytes=8 * MIB)
     with MetadataServer(store=store) as srv:
-        codes = [_http("PUT", f"{srv.url}?key=flood{i}", b"v" * MIB)[0] for i in range(16)]
+        codes = [http("PUT", f"{srv.url}?key=flood{i}", b"v" * MIB)[0] for i in range(16)]
         assert codes.count(200) == 7 and codes.count(507) == 9, codes
-        status, body = _http("PUT", f"{srv.url}?key=one-more", b"v" * MIB)
+        status, body = http("PUT", f"{srv.url}?key=one-more", b"v" * MIB)
         assert status == 507 and b"MC_METADATA_STORE_MB" in body
         assert store.bytes_used <= store.max_bytes
         socks = _garbage_at(srv.port)
-        assert _http("GET", f"http://127.0.0.1:{srv.port}/health")[0] == 200
+        assert http("GET", f"http://127.0.0.1:{srv.port}/health")[0] == 200
         for s in socks:
             s.close()
         for i in range(16):  # deleting makes room again
-            _http("DELETE", f"{srv.url}?key=flood{i}")
+            http("DELETE", f"{srv.url}?key=flood{i}")
         assert store.bytes_used == 0
-        assert _http("PUT", f"{srv.url}?key=after", b"v" * MIB)[0] == 200
+        assert http("PUT", f"{srv.url}?key=after", b"v" * MIB)[0] == 200
 
 
 def test_proxy_survives_raw_garbage():
@@ -276,7 +265,7 @@ def test_proxy_survives_raw_garbage():
         socks = _garbage_at(port)
         time.sleep(0.5)
         assert p.poll() is None
-        assert _http("GET", f"http://127.0.0.1:{port}/health")[0] in (200, 502, 503)
+        assert http("GET", f"http://127.0.0.1:{port}/health")[0] in (200, 502, 503)
         # aiohttp caps a request body at client_max_size (64 MiB) per request.
         assert rss(p.pid) - base <= 64 * MIB + SLACK
         for s in socks:
