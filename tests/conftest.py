@@ -147,6 +147,16 @@ def wait_until(pred, timeout=5.0, step=0.02):
     return False
 
 
+def cuda_torch():
+    """torch, where it sees a CUDA GPU; else the calling test module is
+    skipped, saying which of the two is missing."""
+    torch = pytest.importorskip("torch", reason="GPU tests need torch")
+    if not torch.cuda.is_available():
+        pytest.skip("GPU tests need a CUDA GPU (torch.cuda.is_available() is False)",
+                    allow_module_level=True)
+    return torch
+
+
 def http(method, url, data=None, timeout=10):
     """(status, body) of one request, straight (no proxy from the
     environment), without raising on HTTP errors."""
