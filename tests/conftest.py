@@ -147,6 +147,18 @@ def wait_until(pred, timeout=5.0, step=0.02):
     return False
 
 
+def in_threads(fn, n):
+    """fn(0) .. fn(n - 1), each in a thread of its own, all at once; returns
+    when every one has ended."""
+    import threading
+
+    threads = [threading.Thread(target=fn, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
 def cuda_torch():
     """torch, where it sees a CUDA GPU; else the calling test module is
     skipped, saying which of the two is missing."""

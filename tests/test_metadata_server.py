@@ -14,7 +14,7 @@ import pytest
 
 import mooncake_connector as mc
 from mooncake_connector.metadata_server import MetadataServer, MetadataStore
-from conftest import http
+from conftest import http, in_threads
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -136,11 +136,7 @@ def test_threads_share_one_client(client):
         except BaseException as e:  # pragma: no cover - reported below
             errors.append(e)
 
-    threads = [threading.Thread(target=work, args=(n,)) for n in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    in_threads(work, 8)
     assert errors == []
 
 
