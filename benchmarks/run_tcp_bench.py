@@ -272,18 +272,24 @@ def bench_engine(engine, python, args, env, lowlat_env=None):
     if cached:
         result["write_64k_cached_gbps"] = max(r["gbps"] for r in cached)
 
-    runs = []
-    for i in range(args.repeats):
-        lat_cmd = common + ["--mode", "latency", "--ops", "write", "--buffer-size", "16M",
-                            "--latency-size", "4K", "--latency-iters", str(args.rtt_iters)]
-        rc, out, err = run(lat_cmd, timeout=args.step_timeout, env=env,
-                           logname="%s-latency-%d.log" % (engine, i))
-        lat = [r for r in json_lines(out) if r.get("kind") == "latency"]
-        if rc != 0 or not lat or not lat[0].get("ok"):
-            errors.append("latency run rc=%d: %s" % (
-                rc, (lat[0].get("error") if lat else None) or tail(err, 3)))
-        else:
-            runs.append(lat[0])
+    def latency_runs(run_env, tag, errors):
+        """args.repeats 4 KiB WRITE round-trip runs: the good ones; a failed
+        one adds its reason to errors (a list, or None to drop it)."""
+        good = []
+        for i in range(args.repeats):
+            lat_cmd = common + ["--mode", "latency", "--ops", "write", "--buffer-size", "16M",
+                                "--latency-size", "4K", "--latency-iters", str(args.rtt_iters)]
+            rc, out, err = run(lat_cmd, timeout=args.step_timeout, env=run_env,
+                               logname="%s-%s-%d.log" % (engine, tag, i))
+            lat = [r for r in json_lines(out) if r.get("kind") == "latency"]
+            if rc == 0 and lat and lat[0].get("ok"):
+                good.append(lat[0])
+            elif errors is not None:
+                errors.append("latency run rc=%d: %s" % (
+                    rc, (lat[0].get("error") if lat else None) or tail(err, 3)))
+        return good
+
+    runs = latency_runs(env, "latency", errors)
     result["rtt_runs"] = runs
     if runs:
         best = min(runs, key=lambda r: r["p50_us"])
@@ -293,15 +299,7 @@ def bench_engine(engine, python, args, env, lowlat_env=None):
         # The same round trip with the target's I/O thread busy-polling
         # (MC_TCP_BUSY_POLL_US): the like-for-like match for a spinning
         # raw ping-pong.
-        lruns = []
-        for i in range(args.repeats):
-            lat_cmd = common + ["--mode", "latency", "--ops", "write", "--buffer-size", "16M",
-                                "--latency-size", "4K", "--latency-iters", str(args.rtt_iters)]
-            rc, out, err = run(lat_cmd, timeout=args.step_timeout, env=lowlat_env,
-                               logname="%s-latency-lowlat-%d.log" % (engine, i))
-            lat = [r for r in json_lines(out) if r.get("kind") == "latency"]
-            if rc == 0 and lat and lat[0].get("ok"):
-                lruns.append(lat[0])
+        lruns = latency_runs(lowlat_env, "latency-lowlat", None)
         result["rtt_lowlat_runs"] = lruns
         if lruns:
             best = min(lruns, key=lambda r: r["p50_us"])

@@ -22,7 +22,6 @@ import argparse
 import concurrent.futures as cf
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -31,6 +30,9 @@ from mooncake_connector.deployment import (Deployment, connector_log_stats, log_
                                            prompt_tokens_by_source, proxy_stats)
 from mooncake_connector.openai_client import request
 from mooncake_connector.vllm_gpu import device_settings
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+from bench_stats import pct  # noqa: E402
 
 WORDS = ("the quick brown fox jumps over lazy dog hello world prefill decode kv cache one "
          "two three four five six seven eight nine ten tiny model server").split()
@@ -57,19 +59,9 @@ def prompts(quick=False):
     return [" ".join(base[b][:n] + words(3, 100 + t)) for b, n, t in plan]
 
 
-def pct(xs, q):
-    xs = sorted(xs)
-    if not xs:
-        return None
-    k = (len(xs) - 1) * q
-    lo = int(k)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
-
-
 def lat(rows, key):
     vals = [v for r in rows for v in (r[key] if isinstance(r[key], list) else [r[key]])]
-    return {"p50_ms": pct(vals, 0.5) * 1e3, "p99_ms": pct(vals, 0.99) * 1e3, "n": len(vals)}
+    return {"p50_ms": pct(vals, 50) * 1e3, "p99_ms": pct(vals, 99) * 1e3, "n": len(vals)}
 
 
 def body(max_tokens):
@@ -161,6 +153,26 @@ def summarize(rows, block=32):
     return s
 
 
+def phase_summary(dep, rows, prefill_log=True):
+    """summarize(rows) with the GPU-path lines of decode's (and prefill's)
+    log, printed."""
+    s = summarize(rows)
+    s["gpu_path_decode_log"] = gpu_path_lines(dep.decode.log_path)
+    if prefill_log:
+        s["gpu_path_prefill_log"] = gpu_path_lines(dep.prefill.log_path)
+    print(json.dumps({k: v for k, v in s.items() if k != "flows"}, default=str))
+    print(json.dumps(s["flows"], default=str), flush=True)
+    return s
+
+
+def phase_failed(res, key, what, e, dep):
+    """Records and prints a phase's exception, with each server's log tail."""
+    res["phases"][key] = repr(e)
+    print(f"{what} failed: {e!r}\n(logs in {dep.logs})", flush=True)
+    for p in dep.processes:
+        print(f"--- {p.name} log tail:\n{serving.log_tail(p.log_path, 30)}")
+
+
 def kill_test(dep, ps, max_tokens, out=print):
     """SIGKILL the prefill server while requests stream through the proxy."""
     url = dep.proxies["a"].url
@@ -249,19 +261,11 @@ def main(argv=None):
             for u in (dep.colocated.url, dep.proxies["a"].url, dep.proxies["b"].url):
                 send(u, ps[0], 4, timeout=300)  # warm-up: one-time costs (Triton JIT, ...)
             rows, ref = run_flows(dep, ps, args.max_tokens)
-            s = summarize(rows)
-            s["gpu_path_decode_log"] = gpu_path_lines(dep.decode.log_path)
-            s["gpu_path_prefill_log"] = gpu_path_lines(dep.prefill.log_path)
-            res["phases"]["1_gpu_path_on"] = s
+            s = res["phases"]["1_gpu_path_on"] = phase_summary(dep, rows)
             ok &= s["all_identical"] and s["all_loaded"]
-            print(json.dumps({k: v for k, v in s.items() if k != "flows"}, default=str))
-            print(json.dumps(s["flows"], default=str), flush=True)
         except Exception as e:
             ok = False
-            res["phases"]["1_error"] = repr(e)
-            print(f"phase 1 failed: {e!r}\n(logs in {dep.logs})", flush=True)
-            for p in dep.processes:
-                print(f"--- {p.name} log tail:\n{serving.log_tail(p.log_path, 30)}")
+            phase_failed(res, "1_error", "phase 1", e, dep)
         finally:
             dep.stop()
         dump()
@@ -275,12 +279,8 @@ def main(argv=None):
             for u in (dep.proxies["a"].url, dep.proxies["b"].url):
                 send(u, ps[0], 4, timeout=300)
             rows, _ = run_flows(dep, ps, args.max_tokens, reference=ref)
-            s = summarize(rows)
-            s["gpu_path_decode_log"] = gpu_path_lines(dep.decode.log_path)
-            res["phases"]["2_gpu_path_off"] = s
+            s = res["phases"]["2_gpu_path_off"] = phase_summary(dep, rows, prefill_log=False)
             ok &= s["all_identical"] and s["all_loaded"]
-            print(json.dumps({k: v for k, v in s.items() if k != "flows"}, default=str))
-            print(json.dumps(s["flows"], default=str), flush=True)
             dump()
             if "3" in phases:
                 print("phase 3: prefill SIGKILLed mid-run", flush=True)
@@ -289,10 +289,7 @@ def main(argv=None):
                 ok &= k["all_ended"] and k["clear_errors"]
         except Exception as e:
             ok = False
-            res["phases"]["2_error"] = repr(e)
-            print(f"phase 2/3 failed: {e!r}\n(logs in {dep.logs})", flush=True)
-            for p in dep.processes:
-                print(f"--- {p.name} log tail:\n{serving.log_tail(p.log_path, 30)}")
+            phase_failed(res, "2_error", "phase 2/3", e, dep)
         finally:
             t = time.monotonic()
             dep.stop()

@@ -1,3 +1,4 @@
+import contextlib
 import json
 import os
 import shutil
@@ -144,6 +145,61 @@ def wait_until(pred, timeout=5.0, step=0.02):
             return True
         time.sleep(step)
     return False
+
+
+def in_threads(fn, n):
+    """fn(0) .. fn(n - 1), each in a thread of its own, all at once; returns
+    when every one has ended."""
+    import threading
+
+    threads = [threading.Thread(target=fn, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+def cuda_torch():
+    """torch, where it sees a CUDA GPU; else the calling test module is
+    skipped, saying which of the two is missing."""
+    torch = pytest.importorskip("torch", reason="GPU tests need torch")
+    if not torch.cuda.is_available():
+        pytest.skip("GPU tests need a CUDA GPU (torch.cuda.is_available() is False)",
+                    allow_module_level=True)
+    return torch
+
+
+def http(method, url, data=None, timeout=10):
+    """(status, body) of one request, straight (no proxy from the
+    environment), without raising on HTTP errors."""
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(url, data=data, method=method)
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with opener.open(req, timeout=timeout) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+@contextlib.contextmanager
+def local_engines(n=2):
+    """n TransferEngines on 127.0.0.1 (P2P handshake, TCP unless the test's
+    environment picks the same-host CPU path), all closed on the way out,
+    also when one of them fails to start."""
+    import mooncake_connector as mc
+
+    made = []
+    try:
+        for _ in range(n):
+            made.append(mc.TransferEngine())
+            made[-1].initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
+        yield made
+    finally:
+        for e in made:
+            e.close()
 
 
 def have_netns():

@@ -5,27 +5,13 @@ segment "host:port") gives to a connection of its own.  WRITEs it gets are
 acknowledged and dropped.  Prints {"port": P} once listening; runs until
 stdin closes."""
 import json
+import os
 import socket
-import struct
 import sys
 import threading
 
-MAGIC = 0x564B434D
-HELLO, HELLO_ACK, WRITE, WRITE_ACK, RPC, RPC_REPLY = 1, 2, 3, 4, 9, 10
-H = struct.Struct("<IBBHIiQQ")
-
-
-def hdr(typ, length=0, count=0, req_id=1, status=0):
-    return H.pack(MAGIC, 1, typ, 0, count, status, req_id, length)
-
-
-def read_msg(s):
-    h = s.recv(32, socket.MSG_WAITALL)
-    if len(h) < 32:
-        return None
-    _, _, typ, _, count, status, req_id, n = H.unpack(h)
-    body = s.recv(n, socket.MSG_WAITALL) if n else b""
-    return typ, count, status, req_id, body
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tests/ also under -P
+from wire import HELLO, HELLO_ACK, RPC, RPC_REPLY, WRITE, WRITE_ACK, hdr, read_msg  # noqa: E402
 
 
 def e_hello(e_seg):

@@ -28,41 +28,36 @@ def test_demo_runs_and_verifies(transport, transport_env):
         in out.stdout
 
 
-def test_demo_with_a_mooncake_json(tmp_path):
+def _transfer_demo(tmp_path, *args, env=None, **fields):
+    """python -m mooncake_connector.transfer_demo (2 layers, 16 blocks, once)
+    with a mooncake.json of P2PHANDSHAKE, prefill 127.0.0.1:23011 and these
+    fields."""
     cfg = tmp_path / "mooncake.json"
-    cfg.write_text(json.dumps({"prefill_url": "127.0.0.1:23011", "decode_url": "127.0.0.1:23011",
-                               "metadata_server": "P2PHANDSHAKE", "protocol": "tcp",
-                               "device_name": ""}))
-    out = subprocess.run(
+    cfg.write_text(json.dumps({"prefill_url": "127.0.0.1:23011",
+                               "metadata_server": "P2PHANDSHAKE", **fields}))
+    return subprocess.run(
         [sys.executable, "-m", "mooncake_connector.transfer_demo", "--config", str(cfg),
-         "--layers", "2",
-         "--blocks", "16", "--repeat", "1", "--json"],
-        capture_output=True, text=True, timeout=120)
+         "--layers", "2", "--blocks", "16", "--repeat", "1", *args],
+        capture_output=True, text=True, timeout=120, env={**os.environ, **(env or {})})
+
+
+def test_demo_with_a_mooncake_json(tmp_path):
+    out = _transfer_demo(tmp_path, "--json", decode_url="127.0.0.1:23011", protocol="tcp",
+                         device_name="")
     assert out.returncode == 0, out.stderr
     assert "127.0.0.1:23111" in out.stdout  # decode port moved by the seed's +100 rule
     assert json.loads(out.stdout.strip().splitlines()[-1])["verified"] is True
     # "same_host_cpu": false keeps the bytes off the same-host CPU path even
     # where the environment allows it.
-    cfg.write_text(json.dumps({"prefill_url": "127.0.0.1:23011", "decode_url": "127.0.0.1:23111",
-                               "metadata_server": "P2PHANDSHAKE", "protocol": "tcp",
-                               "same_host_cpu": False}))
-    out = subprocess.run(
-        [sys.executable, "-m", "mooncake_connector.transfer_demo", "--config", str(cfg),
-         "--layers", "2", "--blocks", "16", "--repeat", "1", "--json"],
-        capture_output=True, text=True, timeout=120,
-        env={**os.environ, "MC_SAME_HOST_CPU": "1"})
+    out = _transfer_demo(tmp_path, "--json", env={"MC_SAME_HOST_CPU": "1"},
+                         decode_url="127.0.0.1:23111", protocol="tcp", same_host_cpu=False)
     assert out.returncode == 0, out.stderr
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     assert summary["verified"] is True and summary["same_host_cpu_bytes"] == 0, out.stdout
     assert '"same_host_cpu": false)' in out.stdout
     # rdma is refused clearly, never silently replaced by tcp
-    cfg.write_text(json.dumps({"prefill_url": "127.0.0.1:23011", "decode_url": "127.0.0.1:23111",
-                               "metadata_server": "P2PHANDSHAKE", "protocol": "rdma",
-                               "device_name": "mlx5_0"}))
-    out = subprocess.run(
-        [sys.executable, "-m", "mooncake_connector.transfer_demo", "--config", str(cfg),
-         "--layers", "2",
-         "--blocks", "16", "--repeat", "1"], capture_output=True, text=True, timeout=120)
+    out = _transfer_demo(tmp_path, decode_url="127.0.0.1:23111", protocol="rdma",
+                         device_name="mlx5_0")
     assert out.returncode != 0
     assert "rdma" in out.stderr and "Traceback" not in out.stderr
 

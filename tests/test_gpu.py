@@ -8,14 +8,12 @@ import os
 import sys
 
 import pytest
+from conftest import cuda_torch
 from line_peer import LinePeer
 
 pytestmark = pytest.mark.gpu
 
-torch = pytest.importorskip("torch", reason="GPU tests need torch")
-if not torch.cuda.is_available():
-    pytest.skip("GPU tests need a CUDA GPU (torch.cuda.is_available() is False)",
-                allow_module_level=True)
+torch = cuda_torch()
 
 import mooncake_connector as mc  # noqa: E402
 

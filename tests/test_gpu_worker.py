@@ -18,14 +18,12 @@ import sys
 import time
 
 import pytest
+from conftest import cuda_torch
 from line_peer import LinePeer
 
 pytestmark = pytest.mark.gpu
 
-torch = pytest.importorskip("torch", reason="GPU tests need torch")
-if not torch.cuda.is_available():
-    pytest.skip("GPU tests need a CUDA GPU (torch.cuda.is_available() is False)",
-                allow_module_level=True)
+torch = cuda_torch()
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 NGPU = torch.cuda.device_count()

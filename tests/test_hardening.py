@@ -10,6 +10,7 @@ import textwrap
 import pytest
 
 import mooncake_connector as mc
+from conftest import local_engines
 
 PAIR = """
 import mooncake_connector as mc, resource, sys
@@ -139,12 +140,8 @@ def test_opcode_is_checked():
 
 @pytest.fixture
 def pair():
-    a, b = mc.TransferEngine(), mc.TransferEngine()
-    a.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
-    b.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
-    yield a, b
-    a.close()
-    b.close()
+    with local_engines(2) as engines:
+        yield engines
 
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])

@@ -12,20 +12,15 @@ import time
 import pytest
 
 import mooncake_connector as mc
-from conftest import wait_until
+from conftest import http, wait_until
+from wire import HELLO, NOTIFY, READ, RPC, WRITE, expect_msg, hdr
 
-MAGIC = 0x564B434D
-HELLO, WRITE, READ, NOTIFY, RPC = 1, 3, 5, 7, 9
 MIB = 1 << 20
 SLACK = 24 * MIB  # allocator arenas, socket buffers, Python in the target
 # Small budgets so the cases run quickly; the docs state the defaults.
 BUDGET_ENV = {"MC_LOG_LEVEL": "error", "MC_NOTIFY_QUEUE_MB": "32",
               "MC_TCP_REPLY_QUEUE_MB": "4", "MC_TCP_REPLY_TOTAL_MB": "16",
               "MC_TCP_MAX_PREHANDSHAKE": "16", "MC_TCP_HELLO_TIMEOUT_MS": "1000"}
-
-
-def hdr(typ, length=0, count=0, req_id=1, status=0):
-    return struct.pack("<IBBHIiQQ", MAGIC, 1, typ, 0, count, status, req_id, length)
 
 
 def rss(pid):
@@ -45,9 +40,26 @@ def connect(port):
 def hello(s, target_seg, me="hostile:1"):
     body = ('{"version":1,"segment":"%s","from":"%s"}' % (target_seg, me)).encode()
     s.sendall(hdr(HELLO, len(body)) + body)
-    h = s.recv(32, socket.MSG_WAITALL)
-    n = struct.unpack("<IBBHIiQQ", h)[7]
-    s.recv(n, socket.MSG_WAITALL)
+    expect_msg(s)
+
+
+def pin_with_a_silent_reader(e, buf):
+    """A raw peer of engine e READs the 16 MiB at buf (4 MiB a piece) and
+    reads nothing back: the answer stays queued and buf pinned while the
+    returned socket is open."""
+    s = connect(e.get_rpc_port())
+    hello(s, e.get_segment_name(), "slow:1")
+    s.sendall(hdr(READ, 4 * 16, count=4) + b"".join(
+        struct.pack("<QQ", buf + i * 4 * MIB, 4 * MIB) for i in range(4)))
+    return s
+
+
+def freed(e, buf):
+    """Whether the 16 MiB managed buffer at buf can be freed now."""
+    try:
+        return e.free_managed_buffer(buf, 16 * MIB) == 0
+    except mc.MooncakeError:
+        return False
 
 
 @pytest.fixture(scope="module")
@@ -184,10 +196,7 @@ def test_free_waits_for_a_silent_reader_only_so_long(monkeypatch):
     e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
     try:
         buf = e.allocate_managed_buffer(16 * MIB)
-        s = connect(e.get_rpc_port())
-        hello(s, e.get_segment_name(), "slow:1")
-        s.sendall(hdr(READ, 4 * 16, count=4) + b"".join(
-            struct.pack("<QQ", buf + i * 4 * MIB, 4 * MIB) for i in range(4)))
+        s = pin_with_a_silent_reader(e, buf)
         time.sleep(0.2)
         t0 = time.time()
         with pytest.raises(mc.MooncakeError, match=r"still in use.*127\.0\.0\.1:%d" %
@@ -198,28 +207,10 @@ def test_free_waits_for_a_silent_reader_only_so_long(monkeypatch):
         assert st["reply_queue_bytes"] >= 16 * MIB  # the READ answer it does not read
         assert st["prehandshake_limit"] == 64 and st["notify_queue_limit"] == 64 * MIB
         s.close()
-        assert wait_until(lambda: _freed(e, buf), timeout=5)
+        assert wait_until(lambda: freed(e, buf), timeout=5)
         assert wait_until(lambda: e.get_stats()["reply_queue_bytes"] == 0, timeout=5)
     finally:
         e.close()
-
-
-def _freed(e, buf):
-    try:
-        return e.free_managed_buffer(buf, 16 * MIB) == 0
-    except mc.MooncakeError:
-        return False
-
-
-def _http(method, url, data=None):
-    import urllib.error
-    import urllib.request
-    req = urllib.request.Request(url, data=data, method=method)
-    try:
-        with urllib.request.urlopen(req, timeout=10) as r:
-            return r.status, r.read()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read()
 
 
 def _garbage_at(port):
@@ -243,19 +234,19 @@ def test_metadata_server_store_is_bounded():
     from mooncake_connector.metadata_server import MetadataServer, MetadataStore
     store = MetadataStore(max_bytes=8 * MIB)
     with MetadataServer(store=store) as srv:
-        codes = [_http("PUT", f"{srv.url}?key=flood{i}", b"v" * MIB)[0] for i in range(16)]
+        codes = [http("PUT", f"{srv.url}?key=flood{i}", b"v" * MIB)[0] for i in range(16)]
         assert codes.count(200) == 7 and codes.count(507) == 9, codes
-        status, body = _http("PUT", f"{srv.url}?key=one-more", b"v" * MIB)
+        status, body = http("PUT", f"{srv.url}?key=one-more", b"v" * MIB)
         assert status == 507 and b"MC_METADATA_STORE_MB" in body
         assert store.bytes_used <= store.max_bytes
         socks = _garbage_at(srv.port)
-        assert _http("GET", f"http://127.0.0.1:{srv.port}/health")[0] == 200
+        assert http("GET", f"http://127.0.0.1:{srv.port}/health")[0] == 200
         for s in socks:
             s.close()
         for i in range(16):  # deleting makes room again
-            _http("DELETE", f"{srv.url}?key=flood{i}")
+            http("DELETE", f"{srv.url}?key=flood{i}")
         assert store.bytes_used == 0
-        assert _http("PUT", f"{srv.url}?key=after", b"v" * MIB)[0] == 200
+        assert http("PUT", f"{srv.url}?key=after", b"v" * MIB)[0] == 200
 
 
 def test_proxy_survives_raw_garbage():
@@ -274,7 +265,7 @@ def test_proxy_survives_raw_garbage():
         socks = _garbage_at(port)
         time.sleep(0.5)
         assert p.poll() is None
-        assert _http("GET", f"http://127.0.0.1:{port}/health")[0] in (200, 502, 503)
+        assert http("GET", f"http://127.0.0.1:{port}/health")[0] in (200, 502, 503)
         # aiohttp caps a request body at client_max_size (64 MiB) per request.
         assert rss(p.pid) - base <= 64 * MIB + SLACK
         for s in socks:

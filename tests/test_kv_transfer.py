@@ -376,3 +376,26 @@ def test_a_queued_pull_keeps_its_deadline():
         kv.close()
         c.close()
         silent.close()
+
+
+def test_lookup_buffer_is_checked_by_type():
+    # KVTransfer takes only a real LookupBuffer (by type, not by its type's
+    # name): an object of a class named like it, another of the module's
+    # types or an int is a TypeError naming what was given, never used as one.
+    import mooncake_connector as mc
+    eng = mc.TransferEngine()
+    eng.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
+    try:
+        lookalike = type("mooncake_connector.LookupBuffer", (), {"insert": lambda *a: 0})()
+        for bad, named in ((lookalike, "mooncake_connector.LookupBuffer"),
+                           (eng, "TransferEngine"), (7, "int")):
+            with pytest.raises(TypeError, match=r"expected a mooncake_connector\.LookupBuffer, "
+                               rf"not .*{named}"):
+                mc.KVTransfer(eng, bad)
+        with pytest.raises(TypeError, match=r"expected a mooncake_connector\.TransferEngine, "
+                           "not .*LookupBuffer"):
+            mc.KVTransfer(mc.LookupBuffer(1 << 20))
+        kv = mc.KVTransfer(eng, mc.LookupBuffer(1 << 20, block_size=4))
+        kv.close()
+    finally:
+        eng.close()

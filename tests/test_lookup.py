@@ -7,6 +7,7 @@ import time
 import pytest
 
 import mooncake_connector as mc
+from conftest import in_threads
 
 
 def ext(n, base, size=100):
@@ -174,11 +175,7 @@ def test_threads_share_one_buffer():
             except mc.MooncakeError as exc:  # pragma: no cover
                 errors.append(exc)
 
-    ths = [threading.Thread(target=work, args=(k,)) for k in range(4)]
-    for th in ths:
-        th.start()
-    for th in ths:
-        th.join()
+    in_threads(work, 4)
     assert not errors
     assert b.stats()["pinned_blocks"] == 0
 

@@ -18,7 +18,7 @@ import pytest
 
 import mooncake_connector as mc
 
-from conftest import Peer, wait_until  # noqa: E402
+from conftest import Peer, local_engines, wait_until  # noqa: E402
 
 MIB = 1 << 20
 
@@ -75,10 +75,7 @@ def test_free_of_a_local_buffer_under_a_running_read_cancels_it():
 def test_free_waits_for_a_local_transfer_that_finishes(monkeypatch):
     # Within the grace period the transfer just finishes: nothing canceled.
     monkeypatch.setenv("MC_SAME_HOST_CPU", "0")
-    a, b = mc.TransferEngine(), mc.TransferEngine()
-    a.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
-    b.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
-    try:
+    with local_engines(2) as (a, b):
         n = 32 * MIB
         src = b.allocate_managed_buffer(n)
         b.write_bytes_to_buffer(src, b"\x5a" * 4096)
@@ -87,9 +84,6 @@ def test_free_waits_for_a_local_transfer_that_finishes(monkeypatch):
         bid = a.batch_transfer_async_read(seg, [dst], [src], [n])
         assert a.free_managed_buffer(dst, n) == 0
         assert a.get_batch_status(bid)[0]["state"] == "completed"
-    finally:
-        a.close()
-        b.close()
 
 
 # ---- metadata server stopped ----
@@ -168,19 +162,14 @@ def test_metadata_stop_leaves_nothing_registered_and_free_is_retriable(meta_proc
 # ---- a peer that stalls on a region being unregistered ----
 
 def test_free_revokes_a_peer_that_does_not_read_its_answer(monkeypatch, capfd):
-    from test_hostile_peers import READ, connect, hdr, hello
-    import socket
+    from test_hostile_peers import connect, hello, pin_with_a_silent_reader
+    from wire import READ, expect_msg, hdr
     import struct
     monkeypatch.setenv("MC_UNREGISTER_GRACE_MS", "300")  # MC_UNREGISTER_WAIT_MS: 10 s
-    e = mc.TransferEngine()
-    e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
-    try:
+    with local_engines(1) as (e,):
         seg, port = e.get_segment_name(), e.get_rpc_port()
         buf = e.allocate_managed_buffer(16 * MIB)
-        s = connect(port)  # reads nothing: the 16 MiB answer stays queued, pinned
-        hello(s, seg, "slow:1")
-        s.sendall(hdr(READ, 4 * 16, count=4) + b"".join(
-            struct.pack("<QQ", buf + i * 4 * MIB, 4 * MIB) for i in range(4)))
+        s = pin_with_a_silent_reader(e, buf)  # the 16 MiB answer stays queued, pinned
         assert wait_until(lambda: e.get_stats()["reply_queue_bytes"] >= 8 * MIB)
         t0 = time.time()
         assert e.free_managed_buffer(buf, 16 * MIB) == 0
@@ -193,46 +182,27 @@ def test_free_revokes_a_peer_that_does_not_read_its_answer(monkeypatch, capfd):
         # (its socket still drains what the kernel had buffered, then EOF)
         s.close()
         # its next access fails cleanly: an error answer naming the range
-        s2 = socket.create_connection(("127.0.0.1", port), timeout=5)
+        s2 = connect(port)
         hello(s2, seg, "slow:1")
         s2.sendall(hdr(READ, 16, count=1) + struct.pack("<QQ", buf, 4096))
-        h = s2.recv(32, socket.MSG_WAITALL)
-        status, n = struct.unpack("<IBBHIiQQ", h)[5], struct.unpack("<IBBHIiQQ", h)[7]
-        body = s2.recv(n, socket.MSG_WAITALL) if n else b""
+        _, _, status, _, body = expect_msg(s2)
         assert status != 0 and b"not inside any memory region" in body, (status, body)
         s2.close()
-    finally:
-        e.close()
 
 
 def test_revoke_off_keeps_the_bounded_wait(monkeypatch):
-    from test_hostile_peers import READ, connect, hdr, hello
-    import struct
+    from test_hostile_peers import freed, pin_with_a_silent_reader
     monkeypatch.setenv("MC_UNREGISTER_GRACE_MS", "100")
     monkeypatch.setenv("MC_UNREGISTER_WAIT_MS", "600")
     monkeypatch.setenv("MC_UNREGISTER_REVOKE", "0")
-    e = mc.TransferEngine()
-    e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
-    try:
+    with local_engines(1) as (e,):
         buf = e.allocate_managed_buffer(16 * MIB)
-        s = connect(e.get_rpc_port())
-        hello(s, e.get_segment_name(), "slow:1")
-        s.sendall(hdr(READ, 4 * 16, count=4) + b"".join(
-            struct.pack("<QQ", buf + i * 4 * MIB, 4 * MIB) for i in range(4)))
+        s = pin_with_a_silent_reader(e, buf)
         assert wait_until(lambda: e.get_stats()["reply_queue_bytes"] >= 8 * MIB)
         with pytest.raises(mc.MooncakeError, match="still in use"):
             e.free_managed_buffer(buf, 16 * MIB)
         s.close()
-        assert wait_until(lambda: _freed(e, buf), timeout=5)
-    finally:
-        e.close()
-
-
-def _freed(e, buf):
-    try:
-        return e.free_managed_buffer(buf, 16 * MIB) == 0
-    except mc.MooncakeError:
-        return False
+        assert wait_until(lambda: freed(e, buf), timeout=5)
 
 
 def test_same_host_cpu_free_waits_for_a_copy_in_flight(monkeypatch):
@@ -240,10 +210,7 @@ def test_same_host_cpu_free_waits_for_a_copy_in_flight(monkeypatch):
     # another thread meanwhile waits for the copy (its region is pinned).
     import threading
     monkeypatch.setenv("MC_SAME_HOST_CPU", "1")
-    a, b = mc.TransferEngine(), mc.TransferEngine()
-    a.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
-    b.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
-    try:
+    with local_engines(2) as (a, b):
         n = 128 * MIB
         src = b.allocate_managed_buffer(n)
         dst = a.allocate_managed_buffer(n)
@@ -271,6 +238,3 @@ def test_same_host_cpu_free_waits_for_a_copy_in_flight(monkeypatch):
         assert out["rc"] == 0, out
         assert t1 - t0 < 5
         assert a.get_stats()["same_host_cpu_bytes_read"] >= n
-    finally:
-        a.close()
-        b.close()

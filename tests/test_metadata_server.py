@@ -9,13 +9,12 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.error
-import urllib.request
 
 import pytest
 
 import mooncake_connector as mc
 from mooncake_connector.metadata_server import MetadataServer, MetadataStore
+from conftest import http, in_threads
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -39,17 +38,6 @@ def server():
 def client(server):
     with mc.MetadataClient(server.url) as c:
         yield c
-
-
-def http(method, url, data=None):
-    """(status, body) of one request, without raising on HTTP errors."""
-    req = urllib.request.Request(url, data=data, method=method)
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    try:
-        with opener.open(req, timeout=10) as resp:
-            return resp.status, resp.read()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read()
 
 
 def free_port():
@@ -148,11 +136,7 @@ def test_threads_share_one_client(client):
         except BaseException as e:  # pragma: no cover - reported below
             errors.append(e)
 
-    threads = [threading.Thread(target=work, args=(n,)) for n in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    in_threads(work, 8)
     assert errors == []
 
 

@@ -11,12 +11,11 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
+from conftest import http  # noqa: E402
 from mooncake_wheel import find_server  # noqa: E402
 
 import mooncake_connector as mc  # noqa: E402
@@ -26,15 +25,6 @@ def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _req(url, method="GET", body=None):
-    r = urllib.request.Request(url, data=body, method=method)
-    try:
-        with urllib.request.urlopen(r, timeout=3) as resp:
-            return resp.status, resp.read()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read()
 
 
 @pytest.fixture
@@ -50,7 +40,7 @@ def mooncake_server(tmp_path):
     end = time.time() + 20
     while True:
         try:
-            if _req(url + "?key=probe")[0] == 404:
+            if http("GET", url + "?key=probe", timeout=3)[0] == 404:
                 break
         except OSError:
             pass
@@ -71,7 +61,7 @@ def test_engines_register_transfer_and_keep_alive_on_mooncakes_server(
         b.initialize("127.0.0.1", url, "tcp", "")
         seg = b.get_segment_name()
         rpc_key = f"mooncake/rpc_meta/{seg}"
-        assert json.loads(_req(f"{url}?key={rpc_key}")[1])["rpc_port"] == b.get_rpc_port()
+        assert json.loads(http("GET", f"{url}?key={rpc_key}")[1])["rpc_port"] == b.get_rpc_port()
         # Every register / unregister re-publishes the descriptor: each one
         # used to re-PUT the rpc key and fail with HTTP 400 here.
         dst = b.allocate_managed_buffer(1 << 16)
@@ -91,8 +81,8 @@ def test_engines_register_transfer_and_keep_alive_on_mooncakes_server(
     err = capfd.readouterr().err
     assert "keep-alive of segment" not in err and "Duplicate" not in err, err
     # Clean close removed what the engines wrote.
-    assert _req(f"{url}?key={rpc_key}")[0] == 404
-    assert _req(f"{url}?key=mooncake/ram/{seg}")[0] == 404
+    assert http("GET", f"{url}?key={rpc_key}")[0] == 404
+    assert http("GET", f"{url}?key=mooncake/ram/{seg}")[0] == 404
     # At most one refused PUT per engine (the first keep-alive learns the
     # server keeps keys without TTL and checks with GET afterwards).
     log.flush()
@@ -106,10 +96,10 @@ def test_stale_rpc_entry_of_an_earlier_engine_is_replaced(mooncake_server):
     port = _free_port()
     name = f"127.0.0.1:{port}"
     stale = b'{"ip_or_host_name":"127.0.0.1","rpc_port":1}'
-    assert _req(f"{url}?key=mooncake/rpc_meta/{name}", "PUT", stale)[0] == 200
-    assert _req(f"{url}?key=mooncake/rpc_meta/{name}", "PUT", stale)[0] == 400  # that server
+    assert http("PUT", f"{url}?key=mooncake/rpc_meta/{name}", stale)[0] == 200
+    assert http("PUT", f"{url}?key=mooncake/rpc_meta/{name}", stale)[0] == 400  # that server
     with mc.TransferEngine() as e:
         e.initialize(name, url, "tcp", "")
         assert e.get_segment_name() == name
-        got = json.loads(_req(f"{url}?key=mooncake/rpc_meta/{name}")[1])
+        got = json.loads(http("GET", f"{url}?key=mooncake/rpc_meta/{name}")[1])
         assert got["rpc_port"] == port

@@ -7,16 +7,13 @@ import os
 import pytest
 
 import mooncake_connector as mc
+from conftest import local_engines
 
 
 @pytest.fixture
 def pair():
-    a, b = mc.TransferEngine(), mc.TransferEngine()
-    a.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
-    b.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
-    yield a, b
-    a.close()
-    b.close()
+    with local_engines(2) as engines:
+        yield engines
 
 
 def test_send_kv_refuses_zero_length_and_short_extents(pair):
@@ -44,28 +41,15 @@ import struct  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
 
-MAGIC = 0x564B434D
-HELLO, HELLO_ACK, WRITE, WRITE_ACK, NOTIFY, NOTIFY_ACK = 1, 2, 3, 4, 7, 8
-H = struct.Struct("<IBBHIiQQ")
-
-
-def hdr(typ, length=0, count=0, req_id=1, status=0):
-    return H.pack(MAGIC, 1, typ, 0, count, status, req_id, length)
-
-
-def read_msg(s):
-    h = s.recv(32, socket.MSG_WAITALL)
-    assert len(h) == 32, h
-    _, _, typ, _, count, status, req_id, n = H.unpack(h)
-    body = s.recv(n, socket.MSG_WAITALL) if n else b""
-    return typ, status, req_id, body
+from wire import (H, HELLO, HELLO_ACK, NOTIFY, NOTIFY_ACK, WRITE, WRITE_ACK,  # noqa: E402
+                  expect_msg, hdr)
 
 
 def raw_hello(port, target_seg, me):
     s = socket.create_connection(("127.0.0.1", port), timeout=5)
     body = b'{"version":1,"segment":"' + target_seg.encode() + b'","from":"' + me + b'"}'
     s.sendall(hdr(HELLO, len(body)) + body)
-    typ, status, _, _ = read_msg(s)
+    typ, _, status, _, _ = expect_msg(s)
     assert typ == HELLO_ACK and status == 0
     return s
 
@@ -78,7 +62,7 @@ def test_non_utf8_hello_name_loses_no_notification(pair):
     for i in range(3):
         msg = b"hostile-%d" % i
         s.sendall(hdr(NOTIFY, len(msg), req_id=10 + i) + msg)
-        typ, status, _, _ = read_msg(s)
+        typ, _, status, _, _ = expect_msg(s)
         assert typ == NOTIFY_ACK and status == 0
     b.send_notify(a.get_segment_name(), b"legit-2")
     got = a.get_notifies()
@@ -141,7 +125,7 @@ def _fake_target(answer_status, answer_body):
     error text is not UTF-8."""
     def answer(c, _stop):
         c.settimeout(5)
-        typ, _, rid, _ = read_msg(c)
+        typ, _, _, rid, _ = expect_msg(c)
         c.sendall(hdr(HELLO_ACK, len(answer_body), req_id=rid, status=answer_status)
                   + answer_body)
         time.sleep(0.2)
@@ -430,7 +414,7 @@ def _resetting_target(resets):
         k = seen["conns"]
         seen["conns"] += 1
         c.settimeout(5)
-        typ, _, rid, body = read_msg(c)
+        typ, _, _, rid, body = expect_msg(c)
         assert typ == HELLO
         if k < resets:
             c.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))

@@ -179,6 +179,20 @@ class Side:
     def block_ids(self, rid, group=0):
         return list(self.sched.kv_cache_manager.get_block_ids(rid)[group])
 
+    def _slots(self, gids, pos):
+        """(slot of position pos's KV, layer index, head) for every head of
+        every rank's every layer, the null block (outside a sliding window)
+        left out; gids: the request's block ids per KV cache group."""
+        j = pos % self.block_size
+        for kv, heads in zip(self.kvs, self.heads):
+            for name in kv:
+                b = gids[self.layer_group[name]][pos // self.block_size]
+                if b == 0:
+                    continue
+                li = int(name[len("layer"):])
+                for hi, h in enumerate(heads):
+                    yield kv[name][b, hi, j], li, h
+
     def _forward(self, so):
         for rid, n in so.num_scheduled_tokens.items():
             req = self.sched.requests[rid]
@@ -186,16 +200,8 @@ class Side:
             toks = req.all_token_ids[start:start + n]
             gids = self.sched.kv_cache_manager.get_block_ids(rid)
             for k, tok in enumerate(toks):
-                pos = start + k
-                j = pos % self.block_size
-                for kv, heads in zip(self.kvs, self.heads):
-                    for name in kv:
-                        li = int(name[len("layer"):])
-                        b = gids[self.layer_group[name]][pos // self.block_size]
-                        if b == 0:
-                            continue  # the null block: outside a sliding window
-                        for hi, h in enumerate(heads):
-                            kv[name][b, hi, j, :] = kv_value(li, tok, pos, h)
+                for x, li, h in self._slots(gids, start + k):
+                    x[:] = kv_value(li, tok, start + k, h)
             self.computed[rid] = self.computed.get(rid, 0) + n
 
     def _all_ranks(self, kind, got):
@@ -271,18 +277,10 @@ class Side:
         excepted) has the KV of its tokens, for every head of every rank."""
         gids = self.sched.kv_cache_manager.get_block_ids(rid)
         for pos in range(nblocks * self.block_size):
-            j = pos % self.block_size
-            for kv, heads in zip(self.kvs, self.heads):
-                for name in kv:
-                    li = int(name[len("layer"):])
-                    b = gids[self.layer_group[name]][pos // self.block_size]
-                    if b == 0:
-                        continue
-                    for hi, h in enumerate(heads):
-                        x = kv[name][b, hi, j]
-                        if float(x.min()) != float(x.max()) or \
-                                float(x[0]) != kv_value(li, tokens[pos], pos, h):
-                            return False
+            for x, li, h in self._slots(gids, pos):
+                if float(x.min()) != float(x.max()) or \
+                        float(x[0]) != kv_value(li, tokens[pos], pos, h):
+                    return False
         return True
 
     def is_empty(self):

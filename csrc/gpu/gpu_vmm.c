@@ -198,10 +198,12 @@ static void sock_name(struct sockaddr_un *sa, socklen_t *len, long pid, const ch
   *len = (socklen_t)(offsetof(struct sockaddr_un, sun_path) + 1 + (size_t)k);
 }
 
-static int send_all(int fd, const void *p, size_t n) {
-  const char *c = p;
+/* Sends (sending) or receives exactly n bytes on a blocking socket: 0, or
+ * -1 on an error or a peer that closed first. */
+static int io_full(int fd, void *p, size_t n, int sending) {
+  char *c = p;
   while (n) {
-    ssize_t k = send(fd, c, n, MSG_NOSIGNAL);
+    ssize_t k = sending ? send(fd, c, n, MSG_NOSIGNAL) : recv(fd, c, n, 0);
     if (k < 0 && errno == EINTR)
       continue;
     if (k <= 0)
@@ -211,6 +213,8 @@ static int send_all(int fd, const void *p, size_t n) {
   }
   return 0;
 }
+
+static int send_all(int fd, const void *p, size_t n) { return io_full(fd, (void *)p, n, 1); }
 
 static void serve_fail(int c, int code, const char *fmt, const char *arg) {
   vmm_hdr_t h;
@@ -464,19 +468,7 @@ int mc_gpu_vmm_export(uint64_t addr, uint64_t len, int device, char *name, size_
 
 /* ---- import ------------------------------------------------------------ */
 
-static int recv_full(int s, void *p, size_t n) {
-  char *c = p;
-  while (n) {
-    ssize_t k = recv(s, c, n, 0);
-    if (k < 0 && errno == EINTR)
-      continue;
-    if (k <= 0)
-      return -1;
-    c += k;
-    n -= (size_t)k;
-  }
-  return 0;
-}
+static int recv_full(int s, void *p, size_t n) { return io_full(s, p, n, 0); }
 
 /* One chunk message: its size and fd.  -1 on a short or malformed one. */
 static int recv_chunk(int s, uint64_t *size, int *fd) {

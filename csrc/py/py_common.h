@@ -18,6 +18,7 @@ typedef struct mc_py_state {
   PyObject *TimeoutError;   /* (MooncakeError, TimeoutError) */
   PyObject *UnavailableError; /* (MooncakeError) missing library/feature */
   PyTypeObject *EngineType;
+  PyTypeObject *LookupType;
 } mc_py_state_t;
 
 extern PyModuleDef mc_py_moduledef;
@@ -43,6 +44,11 @@ int mc_py_check_timeout(double t, double lo, int lo_open, double hi, const char 
 
 mc_py_state_t *mc_py_state_from_module(PyObject *module);
 mc_py_state_t *mc_py_state_from_type(PyTypeObject *type);
+/* 0 when o is an instance of the type at `field` of the module state
+ * (MC_PY_TYPE(EngineType)), found from o's own type; else -1 with a TypeError
+ * naming the expected mooncake_connector.<name> and the type given. */
+#define MC_PY_TYPE(field) offsetof(mc_py_state_t, field)
+int mc_py_check_type(PyObject *o, size_t field, const char *name);
 
 /* Raises the exception matching err->code with err->msg; returns NULL.
  * The exception gets attributes .code (int) and .code_name (str). */

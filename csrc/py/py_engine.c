@@ -265,14 +265,8 @@ static PyObject *Engine_close(EngineObject *self, PyObject *unused) {
 }
 
 mc_engine_t *mc_py_engine_borrow(PyObject *o) {
-  PyObject *m = PyType_GetModuleByDef(Py_TYPE(o), &mc_py_moduledef);
-  mc_py_state_t *st = m ? PyModule_GetState(m) : NULL;
-  if (!st || !PyObject_TypeCheck(o, st->EngineType)) {
-    PyErr_Clear();
-    PyErr_Format(PyExc_TypeError, "expected a mooncake_connector.TransferEngine, not %.80s",
-                 Py_TYPE(o)->tp_name);
+  if (mc_py_check_type(o, MC_PY_TYPE(EngineType), "TransferEngine") < 0)
     return NULL;
-  }
   EngineObject *self = (EngineObject *)o;
   if (!ready(self))
     return NULL;

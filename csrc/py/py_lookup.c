@@ -34,11 +34,8 @@ static PyObject *extent_tuple(const mc_lookup_extent_t *x) {
 /* ---- LookupBuffer ---- */
 
 mc_lookup_t *mc_py_lookup_ptr(PyObject *o) {
-  if (strcmp(Py_TYPE(o)->tp_name, "mooncake_connector.LookupBuffer") != 0) {
-    PyErr_Format(PyExc_TypeError, "expected a mooncake_connector.LookupBuffer, not %.80s",
-                 Py_TYPE(o)->tp_name);
+  if (mc_py_check_type(o, MC_PY_TYPE(LookupType), "LookupBuffer") < 0)
     return NULL;
-  }
   return ((LookupObject *)o)->lb;
 }
 
@@ -522,7 +519,6 @@ static PyStructSequence_Desc result_desc = {
     "Result of LookupBuffer.lookup(); unpacks as (matched_tokens, extents).", result_fields, 2};
 
 int mc_py_lookup_add(PyObject *module, mc_py_state_t *st) {
-  (void)st;
   PyTypeObject *rt = PyStructSequence_NewType(&result_desc);
   if (!rt)
     return -1;
@@ -534,11 +530,9 @@ int mc_py_lookup_add(PyObject *module, mc_py_state_t *st) {
   PyObject *tp = PyType_FromModuleAndSpec(module, &Lookup_spec, NULL);
   if (!tp)
     return -1;
-  if (PyModule_AddObjectRef(module, "LookupBuffer", tp) < 0) {
-    Py_DECREF(tp);
+  st->LookupType = (PyTypeObject *)tp; /* the state keeps this reference */
+  if (PyModule_AddObjectRef(module, "LookupBuffer", tp) < 0)
     return -1;
-  }
-  Py_DECREF(tp);
   PyObject *fn = PyCFunction_NewEx(&hash_def, module, NULL);
   if (!fn)
     return -1;

@@ -69,6 +69,7 @@ static int module_traverse(PyObject *module, visitproc visit, void *arg) {
   Py_VISIT(st->TimeoutError);
   Py_VISIT(st->UnavailableError);
   Py_VISIT(st->EngineType);
+  Py_VISIT(st->LookupType);
   return 0;
 }
 
@@ -83,6 +84,7 @@ static int module_clear(PyObject *module) {
   Py_CLEAR(st->TimeoutError);
   Py_CLEAR(st->UnavailableError);
   Py_CLEAR(st->EngineType);
+  Py_CLEAR(st->LookupType);
   return 0;
 }
 
@@ -125,6 +127,18 @@ mc_py_state_t *mc_py_state_from_module(PyObject *module) {
 mc_py_state_t *mc_py_state_from_type(PyTypeObject *type) {
   PyObject *m = PyType_GetModuleByDef(type, &mc_py_moduledef);
   return m ? PyModule_GetState(m) : NULL;
+}
+
+int mc_py_check_type(PyObject *o, size_t field, const char *name) {
+  /* A type of another module has no state of ours: TypeError, cleared. */
+  mc_py_state_t *st = mc_py_state_from_type(Py_TYPE(o));
+  PyTypeObject *want = st ? *(PyTypeObject **)((char *)st + field) : NULL;
+  if (want && PyObject_TypeCheck(o, want))
+    return 0;
+  PyErr_Clear();
+  PyErr_Format(PyExc_TypeError, "expected a mooncake_connector.%s, not %.80s", name,
+               Py_TYPE(o)->tp_name);
+  return -1;
 }
 
 PyObject *mc_py_peer_str(const char *s) {

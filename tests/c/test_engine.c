@@ -28,16 +28,6 @@ static mc_engine_t *mk(void) {
   return e;
 }
 
-static void fill(uint8_t *p, size_t n, uint32_t seed) {
-  uint32_t x = seed * 2654435761u + 1;
-  for (size_t i = 0; i < n; i++) {
-    x ^= x << 13;
-    x ^= x >> 17;
-    x ^= x << 5;
-    p[i] = (uint8_t)x;
-  }
-}
-
 static int xfer(int op, size_t off_local, size_t off_remote, uint64_t len, mc_err_t *err) {
   mc_request_t r = {.opcode = op, .local = abuf + off_local,
                     .remote = (uint64_t)(uintptr_t)(bbuf + off_remote), .len = len};

@@ -16,16 +16,6 @@
 #include "gpu_testlib.h"
 #include "testlib.h"
 
-static void fill(uint8_t *p, size_t n, uint32_t seed) {
-  uint32_t x = seed * 2654435761u + 1;
-  for (size_t i = 0; i < n; i++) {
-    x ^= x << 13;
-    x ^= x >> 17;
-    x ^= x << 5;
-    p[i] = (uint8_t)x;
-  }
-}
-
 static void test_no_gpu_is_clear(void) {
   if (have_gpu())
     return;

@@ -162,16 +162,6 @@ static uint64_t fnv(const uint8_t *p, size_t n) {
   return h;
 }
 
-static void fill(uint8_t *p, size_t n, uint32_t seed) {
-  uint64_t x = 0x9E3779B97F4A7C15ull ^ seed;
-  for (size_t i = 0; i < n; i += 8) {
-    x ^= x << 13;
-    x ^= x >> 7;
-    x ^= x << 17;
-    memcpy(p + i, &x, n - i < 8 ? n - i : 8);
-  }
-}
-
 /* The target process: three regions, then answers hashes until told to stop. */
 enum { R_FD = 0, R_NOFD = 1, R_CLASSIC = 2, NREG = 3 };
 typedef struct {

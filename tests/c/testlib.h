@@ -3,6 +3,7 @@
 #ifndef MC_TESTLIB_H
 #define MC_TESTLIB_H
 
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -50,5 +51,17 @@ static const char *tl_current;
   } while (0)
 
 #define TEST_MAIN_END() return tl_failures ? 1 : 0
+
+/* n bytes of a pattern fixed by seed (xorshift32): test data both sides of a
+ * transfer can make and compare. */
+static inline void fill(uint8_t *p, size_t n, uint32_t seed) {
+  uint32_t x = seed * 2654435761u + 1;
+  for (size_t i = 0; i < n; i++) {
+    x ^= x << 13;
+    x ^= x >> 17;
+    x ^= x << 5;
+    p[i] = (uint8_t)x;
+  }
+}
 
 #endif

@@ -1,0 +1,69 @@
+"""config: each field of mooncake.json, through the package's own parser."""
+from __future__ import annotations
+
+import json
+import os
+import re
+
+from .report import FAIL, OK, WARN
+
+
+def check_config(rep, path):
+    """Parses mooncake.json with the package's parser; one row per field."""
+    import mooncake_connector as mc
+
+    where = path or os.environ.get("MOONCAKE_CONFIG_PATH")
+    if not where:
+        rep.add("config", "file", FAIL, "no config file given and MOONCAKE_CONFIG_PATH is not set",
+                "pass --config /path/to/mooncake.json or export MOONCAKE_CONFIG_PATH=/path/to/"
+                "mooncake.json (the file vLLM's connector reads)")
+        return None
+    try:
+        cfg = mc.load_config(where)
+    except mc.ConfigError as e:
+        msg = str(e)
+        m = re.search(r'field "([^"]+)"', msg)
+        acc = re.search(r"accepted: (.*)$", msg)
+        if m and acc and "unknown field" in msg:
+            fix = f'edit {where}: remove "{m.group(1)}"; mooncake.json takes {acc.group(1)}'
+        elif m and acc:
+            fix = f'edit {where}: set "{m.group(1)}" to {acc.group(1)}'
+        elif "No such file" in msg or "cannot read" in msg or "cannot open" in msg:
+            fix = f"create {where} or point --config / MOONCAKE_CONFIG_PATH at the real file"
+        else:
+            fix = f"edit {where} as the message says (docs/connector.md shows a complete file)"
+        rep.add("config", "file", FAIL, msg, fix)
+        return None
+    rep.add("config", "file", OK, cfg["origin"])
+    rep.add("config", "prefill_url", OK, cfg["prefill_url"])
+    rep.add("config", "decode_url", OK, cfg["decode_url"]
+            + (" (decode port moved up by 100: same as prefill_url)"
+               if cfg["decode_port_adjusted"] else ""))
+    if cfg["metadata_backend_given"]:
+        rep.add("config", "metadata_backend", WARN,
+                f"deprecated field given; {cfg['metadata_backend']} is used",
+                f'write the scheme into metadata_server ("{cfg["metadata_server"]}") and drop '
+                "metadata_backend")
+    rep.add("config", "metadata_server", OK,
+            f"{_mask(cfg['metadata_server'])} ({cfg['metadata_backend']})")
+    rep.add("config", "protocol", OK, cfg["protocol"])
+    if cfg["protocol"] == "rdma":
+        rep.add("config", "device_name", OK, cfg["device_name"])
+    elif _raw_field(where, "device_name"):
+        rep.add("config", "device_name", WARN,
+                f'"{_raw_field(where, "device_name")}" is ignored with protocol tcp',
+                'set "protocol": "rdma" to use these NICs, or clear device_name')
+    return cfg
+
+
+def _raw_field(path, name):
+    try:
+        with open(path, "rb") as f:
+            v = json.load(f).get(name)
+        return v if isinstance(v, str) else ""
+    except (OSError, ValueError, AttributeError):
+        return ""
+
+
+def _mask(url):
+    return re.sub(r"(redis://[^:@/]*:)[^@]*@", r"\1***@", url)

@@ -1,0 +1,97 @@
+"""doctor's command line: parses the arguments, runs the checks in order (one
+broken check does not hide the others) and prints the report."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from .auth import check_auth
+from .config import check_config
+from .engine import check_engine
+from .gpu import check_gpu
+from .hosts import _hp, _is_loopback, _local_addrs, _resolve, _split_hp
+from .metadata import check_metadata
+from .peer import check_peer, serve
+from .rdma import check_rdma
+from .report import FAIL, Report
+from .same_host import check_same_host
+from .vllm_plugin import check_vllm
+
+
+def build_parser():
+    ap = argparse.ArgumentParser(prog="mooncake-connector doctor",
+                                 description="Checks this host's mooncake-connector setup.")
+    ap.add_argument("--config", help="mooncake.json (default: $MOONCAKE_CONFIG_PATH)")
+    ap.add_argument("--peer", metavar="HOST:PORT",
+                    help="run a 64 MiB transfer each way against `doctor --serve` there")
+    ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    ap.add_argument("--role", choices=("prefill", "decode"),
+                    help="which engine runs here (default: whichever URL is an address here)")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size: ports port..port+tp-1")
+    ap.add_argument("--timeout", type=float, default=10.0, help="seconds for the peer handshake")
+    ap.add_argument("--serve", action="store_true",
+                    help="be the peer for another host's `doctor --peer`")
+    ap.add_argument("--listen", default=None, metavar="HOST:PORT",
+                    help="with --serve: engine address (default: this host's prefill/decode URL "
+                         "from --config, else 0.0.0.0:0)")
+    ap.add_argument("--seconds", type=float, default=0, help="with --serve: stop after this long")
+    return ap
+
+
+def _default_listen(cfg, role):
+    """This host's engine URL from the config, else its first non-loopback
+    address (port picked by the kernel)."""
+    local = _local_addrs()
+    if cfg:
+        for side in ([role] if role else ["prefill", "decode"]):
+            host, port = _split_hp(cfg[f"{side}_url"])
+            if any(a in local for a in _resolve(host)):
+                return _hp(host, port)
+    addrs = [a for a in local if not _is_loopback(a) and ":" not in a]
+    return (addrs[0] if addrs else "127.0.0.1") + ":0"
+
+
+def run(argv=None, out=sys.stdout):
+    args = build_parser().parse_args(argv)
+    if args.tp < 1:
+        print("doctor: --tp must be >= 1", file=sys.stderr)
+        return 2
+    rep = Report()
+    cfg = None
+    if args.config or os.environ.get("MOONCAKE_CONFIG_PATH") or not (args.serve or args.peer):
+        cfg = check_config(rep, args.config)
+    if args.serve:
+        if rep.failed:
+            print(rep.table(), file=out)
+            return 1
+        listen = args.listen or _default_listen(cfg, args.role)
+        try:
+            return serve(listen, cfg, args.seconds, out)
+        except Exception as e:  # MooncakeError: bad --listen, port taken, no NIC...
+            print(f"doctor --serve: cannot serve at {listen}: {e}", file=sys.stderr)
+            return 1
+    origin = cfg["origin"] if cfg else ""
+    checks = []
+    if cfg:
+        checks += [("auth", lambda: check_auth(rep, cfg)),
+                   ("metadata", lambda: check_metadata(rep, cfg, origin)),
+                   ("engine", lambda: check_engine(rep, cfg, args.role, args.tp)),
+                   ("rdma", lambda: check_rdma(rep, cfg))]
+    checks += [("gpu", lambda: check_gpu(rep, cfg)),
+               ("same-host", lambda: check_same_host(rep, cfg)),
+               ("vllm", lambda: check_vllm(rep))]
+    if args.peer:
+        checks.append(("peer", lambda: check_peer(rep, args.peer, cfg, args.timeout)))
+    for name, check in checks:
+        try:
+            check()
+        except Exception as e:  # one broken check must not hide the others' results
+            rep.add(name, "-", FAIL, f"the check itself failed: {e!r}",
+                    "report this with the output of `mooncake-connector doctor --json`")
+    print(rep.as_json() if args.json else rep.table(), file=out, flush=True)
+    return 1 if rep.failed else 0
+
+
+def main(argv=None):
+    sys.exit(run(argv))
