@@ -8,6 +8,14 @@ import time
 
 import pytest
 
+# Third-party test programs (tests/third_party/), vendored unmodified: never
+# collected in-process (Mooncake's test_import_structure.py would run here);
+# tests/test_mooncake_own_tests.py runs them as subprocesses.  Declared here,
+# not in a conftest.py of their own: a second module named conftest would
+# shadow this one for the tests that import its helpers.
+collect_ignore_glob = ["third_party/*"]
+
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 # Transports a byte-moving test can run on (the `transport` fixture).  By
