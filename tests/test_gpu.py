@@ -5,6 +5,7 @@ per GPU where two are visible): KV-cache-shaped tensors (layers x blocks x
 import ctypes
 import json
 import os
+import re
 import sys
 
 import pytest
@@ -87,8 +88,11 @@ def test_same_host_gpu_write_to_a_dead_peer_fails(gpu_peers):
     check_moved(a, b, 3, 1)
     b.proc.kill()
     b.proc.wait()
-    r = a.call(cmd="xfer", op="write", target=b.segment, raddrs=b.addrs, mult=3, add=1)
-    assert "error" in r, f"a write to a dead peer's GPU memory completed: {r}"
+    # LinePeer.call raises on an {"error": ...} answer: the write must fail,
+    # naming the peer (on the H200: "P2P handshake with segment H:P failed:
+    # ... Connection refused", the RPC check the dead peer's pidfd forces).
+    with pytest.raises(AssertionError, match=re.escape(b.segment)):
+        a.call(cmd="xfer", op="write", target=b.segment, raddrs=b.addrs, mult=3, add=1)
 
 
 def test_tcp_gpu_both_sides(gpu_peers):
