@@ -43,6 +43,8 @@ def _port_pair(gap=100, span=4):
     rank)."""
     def free_run(p):
         for q in range(p, p + span):
+            if q != first and serving.port_claimed(q):
+                return False
             with socket.socket() as s:
                 try:
                     s.bind(("127.0.0.1", q))
@@ -50,11 +52,13 @@ def _port_pair(gap=100, span=4):
                     return False
         return True
 
+    first = None
     for _ in range(50):
-        p = serving.free_port()
+        p = first = serving.free_port()  # claimed by free_port itself
         if p + gap + span > 65535:
             continue
         if free_run(p) and free_run(p + gap):
+            serving.claim_ports(list(range(p, p + span)) + list(range(p + gap, p + gap + span)))
             return p, p + gap
     raise RuntimeError("no pair of free ports found")
 

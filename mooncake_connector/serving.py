@@ -83,17 +83,37 @@ def free_port():
             return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port = s.getsockname()[1]
+    claim_ports([port])
+    return port
+
+
+# Ports this process has handed out for servers not listening yet: never
+# handed out twice (a deployment picks all its ports before it starts any
+# server, so a bind test alone would give the metadata server's port to an
+# engine too).
+_CLAIMED = set()
+
+
+def claim_ports(ports):
+    _CLAIMED.update(ports)
+
+
+def port_claimed(port):
+    return port in _CLAIMED
 
 
 def _free_in(lo, hi):
     for port in random.sample(range(lo, hi + 1), min(hi - lo + 1, 2000)):
+        if port in _CLAIMED:
+            continue
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
-            return port
+        claim_ports([port])
+        return port
     return None
 
 
