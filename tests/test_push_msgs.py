@@ -69,3 +69,27 @@ def test_is_push_shapes():
     assert not push.is_push(None)
     assert push.transfer_id({"transfer_id": "x" * 257}) is None
     assert push.token_hash([1, 2, 3]) != push.token_hash([1, 2, 4])
+
+
+def test_outbox_to_a_peer_that_never_answers_is_bounded():
+    """A stopped decode engine never acknowledges: messages for it queue up
+    to MAX_QUEUED, then are refused with a result naming the peer (memory
+    stays bounded however long it stays stopped)."""
+    import threading
+    from mooncake_connector.connector.push import Outbox
+    gate = threading.Event()
+
+    class StoppedPeerEngine:  # send_notify blocks like a SIGSTOPped peer's
+        def send_notify(self, target, msg, timeout):
+            gate.wait(30)
+
+    ob = Outbox(StoppedPeerEngine())
+    ob.MAX_QUEUED = 8
+    try:
+        for i in range(8 + 1 + 5):  # 1 taken by the thread, 8 queued, 5 over
+            ob.send("127.0.0.1:9", b"x", key=i)
+        over = [ob.take(i) for i in range(9, 14)]
+        assert all(r != "pending" and r[0] is False and "outbox to 127.0.0.1:9 full" in r[1]
+                   for r in over), over
+    finally:
+        gate.set()

@@ -113,6 +113,7 @@ class Outbox:
     then (a consumer stopped for a few seconds still gets its "done")."""
 
     MAX_PEERS = 256
+    MAX_QUEUED = 4096  # messages waiting for one peer (a peer that never answers)
 
     def __init__(self, engine):
         self.engine = engine
@@ -130,12 +131,21 @@ class Outbox:
                 if len(self._peers) >= self.MAX_PEERS:  # bounded: reuse the oldest's thread
                     ent = next(iter(self._peers.values()))
                 else:
-                    q = queue.Queue()
+                    q = queue.Queue(maxsize=self.MAX_QUEUED)
                     t = threading.Thread(target=self._run, args=(q,),
                                          name=f"mc-push-{target}", daemon=True)
                     ent = self._peers[target] = (q, t)
                     t.start()
-        ent[0].put((target, msg, key, timeout, retry_until))
+        try:
+            ent[0].put_nowait((target, msg, key, timeout, retry_until))
+        except queue.Full:  # that peer has not taken a message for a long time
+            text = (f"push outbox to {target} full ({self.MAX_QUEUED} messages waiting): "
+                    "the peer engine does not answer notifications; message not sent")
+            if key is None:
+                logger.warning("MooncakeConnector push: %s", text)
+            else:
+                with self._lock:
+                    self.results[key] = (False, text)
 
     def take(self, key):
         with self._lock:
