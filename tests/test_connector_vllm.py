@@ -950,7 +950,7 @@ def test_producer_preempted_while_its_hand_off_is_pending_republishes(model_dir,
         assert p.run_until(lambda: preempted and (fin("A") or fin("B")), steps=400)
         victim = preempted[0]
         assert victim in unpublished  # its pending hand-off was withdrawn
-        assert victim not in p.worker._worker._pub_tokens  # and its blocks left the lookup buffer
+        assert victim not in p.worker._worker.publishes.pub_tokens  # and its blocks left the lookup buffer
         first, second = ("B", "A") if victim == "A" else ("A", "B")
         load(first, ta if first == "A" else tb)  # frees the producer's blocks for the victim
         assert p.run_until(lambda: fin(second), steps=2000), "the victim never finished"

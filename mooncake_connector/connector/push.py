@@ -221,7 +221,7 @@ class PushConsumer:
         self.by_rid = {}  # req_id -> tid
 
     def start(self, ld):
-        """ld: the worker's _Load (spec.flow == "P"); sends the targets."""
+        """ld: the worker's loads.Load (spec.flow == "P"); sends the targets."""
         w, spec = self.w, ld.spec
         tid = spec.push_tid
         cl = ConsumerLoad(spec, w.s.load_timeout_s)
@@ -229,17 +229,18 @@ class PushConsumer:
         try:
             if w.kv is None:
                 raise ValueError("the KV cache is unregistered (sleep mode)")
-            route = w._route(spec.producer or w.default_producer, producer_tp=spec.producer_tp)
+            route = w.routes.route(spec.producer or w.default_producer,
+                                   producer_tp=spec.producer_tp)
         except ValueError as e:  # SettingsError too
             cl.error = f"layout mismatch: {e}" if "fit" in str(e) else str(e)
             return
         from mooncake_connector.connector.tp_map import SLICE
-        from mooncake_connector.connector.worker import _rows
+        from mooncake_connector.connector.loads import rows as block_rows
 
         end = spec.skip_blocks + len(spec.block_ids)
         ntok = end * w.block_size
         h = token_hash(spec.tokens[:ntok])
-        rows = _rows(spec)
+        rows = block_rows(spec)
         if tid in self.loads:  # two live requests joined by one transfer id: refuse the 2nd
             cl.error = (f"transfer_id {tid!r} is already used by another request waiting "
                         "here (each push needs its own)")
@@ -500,7 +501,7 @@ class PushProducer:
                         f"block vs {self.w.layout.extents_per_block} here")
             return
         if job.optional and not job.targets and job.all_ready:
-            self.w.withdraw(job.rid)  # published for a pull too: push takes it
+            self.w.publishes.withdraw(job.rid)  # published for a pull too: push takes it
         job.targets[tg.name] = tg
         self._submit(job, tg)
 

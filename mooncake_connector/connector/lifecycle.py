@@ -1,0 +1,151 @@
+"""A worker's engine from start to close: the transfer engine under this
+rank's name, the registered KV regions, the lookup buffer (producer), the
+KVTransfer, the push flow's outbox and sides, the peer routes; the bootstrap
+server of vLLM's in-tree contract (producer, TP 0 / PP 0).  Functions of the
+WorkerSide (worker.py), which holds what they start.
+"""
+import json
+import logging
+import os
+
+from mooncake_connector.connector import tp_map
+from mooncake_connector.connector.layout import KVLayout
+from mooncake_connector.connector.settings import shift_port
+
+logger = logging.getLogger("vllm.mooncake_connector")
+
+
+def start_bootstrap(w):
+    """Producer, TP rank 0 of PP stage 0: the bootstrap server of vLLM's
+    in-tree MooncakeConnector contract (bootstrap.py), naming every rank's
+    engine.  Once per process: it outlives a sleep-mode restart of the
+    engine (the names stay)."""
+    if (not w.s.is_producer or w.tp_rank != 0 or w.pp_rank != 0
+            or w.bootstrap is not None):
+        return
+    from mooncake_connector.connector import bootstrap
+    base = w._base
+    pp_size = int(w.facts.get("pp_size") or 1)
+    w.bootstrap = bootstrap.start(
+        w.s, shift_port(base, 0), w.dp_rank, w.tp_size, pp_size,
+        lambda t, p: shift_port(base, p * w.tp_size + t), os.environ)
+
+
+def _layout(w):
+    heads = w.facts.get("kv_heads")
+    if heads and not w.facts.get("mla"):
+        heads = tp_map.heads_per_rank(heads, w.tp_size)
+    return KVLayout(w._kv_caches, w.num_blocks, heads=heads,
+                    block_size=w.block_size, layer_groups=w.layer_groups)
+
+
+def _name(w, cfg):
+    """This instance's base address and this rank's engine name in it."""
+    if w.s.local_hostname:
+        base = w.s.local_hostname
+    elif w.s.role == "kv_consumer":
+        base = f"{cfg['decode_host']}:{cfg['decode_port']}"
+    else:
+        base = f"{cfg['prefill_host']}:{cfg['prefill_port']}"
+    return base, shift_port(base, w.pp_rank * w.tp_size + w.tp_rank)
+
+
+def start_engine(w):
+    """Engine, registered KV regions, lookup buffer (producer), KVTransfer,
+    for the addresses the KV cache tensors have now."""
+    from mooncake_connector import _core  # the extension: workers only
+    from mooncake_connector.connector import push
+    from mooncake_connector.connector.routes import Routes
+
+    w.layout = _layout(w)
+    text = json.dumps({k: v for k, v in w.s.mooncake.items() if v is not None})
+    cfg = _core.parse_config(text, w.s.config_path or "kv_connector_extra_config")
+    w._base, w.name = _name(w, cfg)
+    w.default_producer = f"{cfg['prefill_host']}:{cfg['prefill_port']}"
+    eng = _core.TransferEngine()
+    # auth_secret None: the engine reads MC_AUTH_SECRET (docs/security.md).
+    eng.initialize(w.name, cfg["metadata_server"], cfg["protocol"], cfg["device_name"],
+                   auth_secret=cfg["auth_secret"] or None,
+                   same_host_cpu=cfg["same_host_cpu"])
+    for addr, n, dev in w.layout.regions():
+        eng.register_memory(addr, n, dev)
+    w.engine = eng
+    if w.s.is_producer:
+        w.lb = _core.LookupBuffer(w.s.kv_buffer_size, block_size=w.block_size,
+                                  mode="consume", policy="evict",
+                                  ttl_s=w.s.hold_timeout_s,
+                                  extents_per_block=w.layout.extents_per_block,
+                                  track_freed=True)
+    w.kv = _core.KVTransfer(eng, w.lb, workers=max(2, w.s.load_workers))
+    w.push_outbox = push.Outbox(eng)
+    if w.s.is_consumer:
+        w.push_c = push.PushConsumer(w)
+    if w.s.role == "kv_producer":
+        w.push_p = push.PushProducer(w)
+    w.routes = Routes(w, cfg)
+    w.routes.check_at_start(_core, cfg)
+    if any(d.startswith("cuda") for d in w.layout.devices):
+        import torch
+        w.cuda_sync = torch.cuda.current_stream().synchronize
+    if w.tp_rank == 0 and w.pp_rank == 0:
+        _log_start(w, cfg)
+
+
+def _log_start(w, cfg):
+    logger.info("MooncakeConnector worker: engine %s (%s, metadata %s), %d layers, %d "
+                "extents x %d bytes per block, %d blocks on %s", w.name,
+                cfg["protocol"], cfg["metadata_server"], len(w.layout.layers),
+                w.layout.extents_per_block, w.layout.layers[0].block_bytes,
+                w.layout.num_blocks, ",".join(w.layout.devices))
+    if w.layout.num_groups > 1:
+        logger.info("MooncakeConnector worker: %d KV-cache groups %s (sliding-window "
+                    "blocks outside the window are not moved)",
+                    w.layout.num_groups, w.facts.get("groups"))
+
+
+def stop_engine(w):
+    """Close the push flow, the KVTransfer, the engine and the metadata client."""
+    if w.push_p is not None:
+        w.push_p.close()
+    if w.push_outbox is not None:
+        w.push_outbox.close()
+    w.push_outbox = w.push_c = w.push_p = None
+    for obj in (w.kv, w.engine):
+        if obj is not None:
+            try:
+                obj.close()
+            except Exception:  # already closed
+                pass
+    if w.routes is not None:
+        w.routes.close()
+    w.kv = w.lb = w.engine = None
+
+
+def unregister_for_sleep(w):
+    """Before vLLM frees the KV cache memory.  Every load is over (vLLM
+    drained them; any left are waited for, fenced), every published prompt
+    is dropped and its request reported finished (its KV is about to be
+    gone), and the engine is closed: its regions are unregistered, its
+    segment unpublished, its connections closed, so every peer drops what it
+    cached about our regions (address, RDMA keys, GPU IPC handles) and can
+    only reach us again through a new connection, which carries the regions
+    registered at wake-up.  Idempotent."""
+    if w.engine is None:
+        return
+    w.loads.end_for_sleep()
+    dropped = w.publishes.drop_all()
+    name = w.name
+    stop_engine(w)
+    logger.info("MooncakeConnector worker: KV cache unregistered for sleep mode (engine %s "
+                "closed, %d published prompts dropped)", name, dropped)
+
+
+def restore_after_sleep(w):
+    """After vLLM remapped the KV cache: register it where it is now, with a
+    new engine under the same name (peers reconnect and learn these regions
+    before their first transfer).  Idempotent."""
+    if w.engine is not None or getattr(w, "_kv_caches", None) is None:
+        return
+    start_engine(w)
+    logger.info("MooncakeConnector worker: KV cache registered again after sleep mode "
+                "(engine %s, %d regions)", w.name, len(w.layout.regions()))

@@ -1,0 +1,241 @@
+"""The consumer side of a worker: loads.  start_load_kv queues each load on
+the engine's pull threads (KVTransfer.pull_start: recv_kv(pull=True) in C,
+no Python thread), one pull per producer rank the route names (routes.py);
+a push load (flow "P") sends targets instead (push.PushConsumer).  A load is
+reported in finished_recving only when nothing more can land (its pulls
+completed or were cancelled); blocks it did not fill become load errors
+(get_block_ids_with_load_errors) and vLLM computes them.
+"""
+import logging
+import time
+
+from mooncake_connector.connector.layout import NULL_BLOCK
+from mooncake_connector.connector.settings import SettingsError
+from mooncake_connector.connector.stats import recompute_reason
+
+logger = logging.getLogger("vllm.mooncake_connector")
+
+
+def rows(spec):
+    """Block rows of a Load/PublishSpec: one id per KV-cache group."""
+    if not spec.more_groups:
+        return spec.block_ids
+    return list(zip(spec.block_ids, *spec.more_groups))
+
+
+class Load:
+    """One request's load: a pull per producer engine the TP map names."""
+
+    def __init__(self, spec, t0):
+        self.spec, self.t0 = spec, t0
+        self.pulls = {}    # producer engine name -> pull id (None: not started)
+        self.results = {}  # producer engine name -> (matched tokens, error or None)
+        self.error = None  # the load could not start at all
+
+    def running(self):
+        return [i for n, i in self.pulls.items() if i is not None and n not in self.results]
+
+
+class Loads:
+    def __init__(self, worker):
+        self.w = worker
+        self.loading = {}     # req_id -> Load
+        self.invalid = set()  # block ids that failed to load, reported once
+        self._shc_read = 0    # the engine's same-host CPU READ bytes, last seen
+
+    def start(self, meta):
+        """Queue each load on the engine's pull threads (C, no Python thread:
+        nothing waits for the GIL while the step loop runs): one pull per
+        producer rank the TP map names.  In-step (sync) loads are waited for
+        here, before the forward reads their blocks."""
+        sync = []
+        for spec in meta.loads:
+            if spec.req_id in self.loading:
+                continue
+            ld = self.loading[spec.req_id] = Load(spec, time.monotonic())
+            if spec.flow == "P":
+                self.w.stats.add("push_loads")
+                self.w.push_c.start(ld)
+                continue
+            self._start_pulls(ld)
+            if spec.sync:
+                sync.append(spec.req_id)
+        if sync:
+            self._wait_sync(sync)
+
+    def _wait_sync(self, rids):
+        w = self.w
+        ids = [i for r in rids for i in self.loading[r].running()]
+        # A pull ends by its own timeout (sync_load_timeout_s), fenced: only
+        # then may the forward run, or a late write could land after it.
+        while ids and not w.kv.pull_wait(ids, timeout=w.s.sync_load_timeout_s + 5):
+            logger.warning("MooncakeConnector: in-step KV loads still running after %.0f s",
+                           w.s.sync_load_timeout_s + 5)
+        for rid in rids:
+            res = self._poll(rid)
+            self._finish(rid, res if res is not None else (0, "load did not finish"))
+
+    def _start_pulls(self, ld, only=None):
+        """Start the load's pulls (or those to the engines in `only`)."""
+        from mooncake_connector import MooncakeError
+
+        w, spec = self.w, ld.spec
+        try:
+            if w.kv is None:
+                raise ValueError("the KV cache is unregistered (sleep mode)")
+            route = w.routes.route(spec.producer or w.default_producer,
+                                   producer_tp=getattr(spec, "producer_tp", None))
+        except SettingsError as e:  # the producer's layout/parallelism cannot map to ours
+            ld.error = f"layout mismatch: {e}"
+            return
+        except (MooncakeError, ValueError) as e:
+            ld.error = str(e)
+            return
+        limit = w.s.sync_load_timeout_s if spec.sync else w.s.load_timeout_s
+        for name, pieces in route:
+            if only is not None and name not in only:
+                continue
+            ld.pulls[name] = None
+            ld.results.pop(name, None)
+            try:
+                dest = w.layout.mapped_extents(rows(spec), pieces)
+                left = limit - (time.monotonic() - ld.t0)
+                ld.pulls[name] = w.kv.pull_start(
+                    name, spec.tokens, dest, timeout=max(left, 0.001),
+                    extents_per_block=w.layout.extents_per_block,
+                    skip_blocks=spec.skip_blocks)
+            except SettingsError as e:
+                ld.results[name] = (0, f"layout mismatch: {e}")
+            except (MooncakeError, ValueError) as e:
+                ld.results[name] = (0, str(e))
+
+    def _poll(self, rid):
+        """(matched, error) once every pull of the load is over, else None."""
+        w, ld = self.w, self.loading[rid]
+        if ld.spec.flow == "P":
+            return w.push_c.poll(ld)
+        if ld.error is not None:
+            return 0, ld.error
+        for name, pid in ld.pulls.items():
+            if name in ld.results or pid is None:
+                continue
+            r = w.kv.pull_poll(pid)
+            if r is not None:
+                ld.results[name] = (r[0], r[1])
+        if len(ld.results) < len(ld.pulls):
+            return None
+        spec = ld.spec
+        # Flow B names a producer that will have the KV (a proxy may ask both
+        # sides at once): a miss there means "not yet"; ask again (only the
+        # ranks that missed: a hit consumed its entry).
+        missed = [n for n, (m, err) in ld.results.items() if not m and not err]
+        if (missed and spec.flow == "B" and not spec.sync and
+                time.monotonic() - ld.t0 + 0.005 < w.s.load_timeout_s):
+            self._start_pulls(ld, only=set(missed))
+            return None
+        matched = min(m for m, _ in ld.results.values()) if ld.results else 0
+        errs = [e for _, e in ld.results.values() if e]
+        return matched, (errs[0] if errs else None)
+
+    def _finish(self, rid, res):
+        """Counts a finished load; blocks it did not fill become load errors."""
+        w, ld = self.w, self.loading.pop(rid)
+        spec, t0 = ld.spec, ld.t0
+        if spec.flow == "P" and getattr(ld, "push", None) is not None and ld.push.aborted:
+            return  # aborted while waiting: its blocks are freed, nothing to count
+        matched, err = res
+        secs = time.monotonic() - t0
+        loaded = max(0, min(matched // w.block_size - spec.skip_blocks, len(spec.block_ids)))
+        w.stats.add("loads")
+        if spec.sync:
+            w.stats.add("loads_in_step")
+        w.stats.add("load_bytes", loaded * w.layout.bytes_per_block())
+        w.stats.add("load_bytes_same_host_cpu", self._same_host_cpu_read_delta())
+        w.stats.add("load_tokens", loaded * w.block_size)
+        w.stats.add_time(secs)
+        if loaded < len(spec.block_ids):
+            self._missed(rid, spec, loaded, err)
+
+    def _missed(self, rid, spec, loaded, err):
+        """The blocks past `loaded` become load errors: counted, one warning."""
+        w = self.w
+        self.invalid.update(spec.block_ids[loaded:])
+        for g in spec.more_groups:  # HMA: the other groups' blocks, less null ones
+            self.invalid.update(b for b in g[loaded:] if b != NULL_BLOCK)
+        w.stats.add("load_tokens_missed", (len(spec.block_ids) - loaded) * w.block_size)
+        # No silent recompute: one warning and one count, by reason.
+        reason = recompute_reason(err)
+        w.stats.add(f"recompute_{reason}")
+        if err:
+            w.stats.add("loads_failed")
+            logger.warning("MooncakeConnector: loading request %s failed (%s: %s); its "
+                           "prompt is computed locally", rid, reason, err)
+        else:
+            logger.warning("MooncakeConnector: request %s: producer %s held %d of %d "
+                           "blocks (not_held: never published, consumed or evicted); the "
+                           "rest of its prompt is computed locally", rid,
+                           spec.producer or w.default_producer, loaded,
+                           len(spec.block_ids))
+
+    def _same_host_cpu_read_delta(self):
+        """Bytes this engine READ through the same-host CPU path since the
+        last call (the engine's counter; loads are this engine's READs)."""
+        if self.w.engine is None:
+            return 0
+        now = int(self.w.engine.get_stats().get("same_host_cpu_bytes_read", 0))
+        last, self._shc_read = self._shc_read, now
+        return max(0, now - last)
+
+    def abort_pushed(self, finished_req_ids):
+        """Requests aborted while waiting for pushed KV: cancel their targets."""
+        for rid in finished_req_ids:
+            if rid in self.loading:
+                self.w.push_c.abort(rid)
+
+    def _poll_all(self, done):
+        for rid in list(self.loading):
+            res = self._poll(rid)
+            if res is not None:
+                self._finish(rid, res)
+                done.add(rid)
+
+    def finished(self, idle):
+        """Loads over since the last call (finished_recving)."""
+        w, done = self.w, set()
+        self._poll_all(done)
+        if (idle and not done and self.loading and w.push_c is not None
+                and w.s.idle_wait_ms > 0
+                and all(ld.spec.flow == "P" for ld in self.loading.values())):
+            # Only requests waiting for pushed KV and nothing to compute: vLLM
+            # would step again at once; wait up to idle_wait_ms for a "done"
+            # instead (polled, GIL released while sleeping) so this process
+            # leaves the CPU to the prefill.  A new request may start this
+            # much later.
+            deadline = time.monotonic() + w.s.idle_wait_ms / 1000.0
+            while not done and time.monotonic() < deadline:
+                time.sleep(0.0002)
+                w.drain_notifies()
+                self._poll_all(done)
+        return done
+
+    def take_invalid(self):
+        out, self.invalid = self.invalid, set()
+        return out
+
+    def end_for_sleep(self):
+        """Before the engine closes: wait for every running pull (fenced) and
+        keep its result for the next get_finished; no pull id outlives the
+        engine."""
+        w = self.w
+        ids = [i for ld in self.loading.values() for i in ld.running()]
+        while ids and not w.kv.pull_wait(ids, timeout=w.s.load_timeout_s + 5):
+            logger.warning("MooncakeConnector: KV loads still running before sleep")
+        for ld in self.loading.values():  # reported by the next get_finished
+            for name, pid in ld.pulls.items():
+                if pid is None or name in ld.results:
+                    continue
+                r = w.kv.pull_poll(pid)  # over (waited above): no flow-b retry now
+                ld.results[name] = (r[0], r[1]) if r is not None else \
+                    (0, "the KV cache was unregistered for sleep mode")
+            ld.pulls = {n: None for n in ld.pulls}  # no pull id outlives this engine
+        self._shc_read = 0  # a new engine counts from 0

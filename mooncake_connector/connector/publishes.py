@@ -1,0 +1,211 @@
+"""The producer side of a worker: publishing and holding blocks.  When a
+prompt's last chunk has been computed (wait_for_save of that step, before the
+response can leave the server) its full blocks are inserted, zero-copy, into
+the lookup buffer keyed by token hashes, one tag per block, once per pull
+that will read them (routes.fanout).  vLLM keeps the blocks (request_finished
+returned True) until the buffer has given every tag back (take_freed): a
+consumer pulled them (consume mode), they expired (hold_timeout_s) or were
+evicted (kv_buffer_size), and no push job still writes from them; then
+get_finished reports the request in finished_sending and vLLM frees them.
+"""
+import logging
+import time
+
+from mooncake_connector.connector.loads import rows
+
+logger = logging.getLogger("vllm.mooncake_connector")
+
+
+class Publishes:
+    def __init__(self, worker):
+        self.w = worker
+        self.tag_next = 1
+        self.tag_req = {}       # extent tag (one per published block) -> req_id
+        self.req_tags = {}      # req_id -> its tags
+        self.outstanding = {}   # req_id -> extents the lookup buffer still references
+        self.pub_tokens = {}    # req_id -> published tokens (for unpublish)
+        self.held = {}          # req_id -> monotonic time vLLM started holding it for us
+        self.finished_seen = set()
+        self.idle_streak = 0    # consecutive idle steps that freed nothing
+
+    def on_held(self, rids):
+        now = time.monotonic()
+        for rid in rids:
+            self.held.setdefault(rid, now)
+
+    def publish(self, meta):
+        w = self.w
+        if not meta.publishes or w.lb is None:
+            return
+        if w.cuda_sync is not None:
+            w.cuda_sync()  # the step's KV writes must be done before anyone reads
+        copies = w.routes.fanout()
+        for p in meta.publishes:
+            if p.push_tid and w.push_p is not None:
+                w.push_p.prompt_done(p.req_id)  # written into the consumer's blocks
+                if not (p.push_optional and not w.push_p.has_targets(p.push_tid)):
+                    continue
+                # A bare transfer_id and no target yet: published for a pull
+                # too; a target arriving later withdraws it (withdraw()).
+            if copies <= 0:  # no consumer rank reads this rank (or none fits)
+                self.pub_tokens[p.req_id] = p.tokens
+                self.outstanding[p.req_id] = 0
+                continue
+            self._publish_one(p, copies)
+
+    def _publish_one(self, p, copies):
+        from mooncake_connector import MooncakeError
+
+        w = self.w
+        tags = list(range(self.tag_next, self.tag_next + len(p.block_ids)))
+        self.tag_next += len(p.block_ids)
+        ext = w.layout.extents(rows(p), tags)
+        for t in tags:
+            self.tag_req[t] = p.req_id
+        self.req_tags[p.req_id] = tags
+        # One entry per pull it will serve (consume mode: each pull takes
+        # one); the blocks are shared, so their extents come back from
+        # take_freed once per extra copy at once, and once at the end.
+        done = 0
+        try:
+            for _ in range(copies):
+                w.kv.send_kv(p.tokens, ext)
+                done += 1
+        except MooncakeError as e:
+            logger.warning("MooncakeConnector: KV of request %s published for %d of %d "
+                           "consumer pulls (%s); the others compute it", p.req_id, done,
+                           copies, e)
+            w.stats.add("publish_failed")
+        if done == 0:
+            self.forget_tags(p.req_id, tags)
+            return
+        self.outstanding[p.req_id] = len(ext) * done
+        self.pub_tokens[p.req_id] = p.tokens
+        w.stats.add("publishes")
+        w.stats.add("publish_bytes", len(p.block_ids) * w.layout.bytes_per_block())
+
+    def forget_tags(self, rid, tags=None):
+        for t in tags if tags is not None else self.req_tags.pop(rid, ()):
+            self.tag_req.pop(t, None)
+        self.outstanding[rid] = 0
+
+    def unpublish(self, meta):
+        """Preempted after publishing: its blocks are about to be reused."""
+        w = self.w
+        if w.lb is None:
+            return
+        for rid in meta.unpublish:
+            tokens = self.pub_tokens.pop(rid, None)
+            if tokens is None:
+                continue
+            w.lb.remove(tokens)
+            # A consumer may be reading the blocks under a lease: wait for it.
+            deadline = time.monotonic() + w.s.load_timeout_s + 6
+            while self.outstanding.get(rid, 0) > 0 and time.monotonic() < deadline:
+                self._drain_freed()
+                if self.outstanding.get(rid, 0) > 0:
+                    time.sleep(0.001)
+            if self.outstanding.get(rid, 0) > 0:
+                logger.warning("MooncakeConnector: preempted request %s: %d KV extents still "
+                               "shared with other published prompts", rid,
+                               self.outstanding[rid])
+            self.forget_tags(rid)
+            self.outstanding.pop(rid, None)
+            self.held.pop(rid, None)
+
+    def withdraw(self, rid):
+        """Push took over a prompt published for a pull: its lookup entries
+        go (leased ones when their lease ends), so the blocks are not held
+        for a pull that will not come."""
+        tokens = self.pub_tokens.get(rid)
+        if tokens is not None and self.w.lb is not None:
+            self.w.lb.remove(tokens)
+
+    def _drain_freed(self):
+        lb = self.w.lb
+        if lb is None:
+            return
+        lb.expire()
+        for _addr, _len, tag in lb.take_freed():
+            rid = self.tag_req.get(tag)  # one tag per block: extents_per_block reports
+            if rid is not None and rid in self.outstanding:
+                self.outstanding[rid] -= 1
+
+    def _finished_sends(self):
+        """Held requests whose blocks no consumer references any more."""
+        w, done = self.w, set()
+        if w.lb is None and not self.held:
+            return done
+        self._drain_freed()
+        for rid in list(self.held):
+            if rid in self.finished_seen and self.outstanding.get(rid, 0) <= 0 and \
+                    not (w.push_p is not None and w.push_p.holds(rid)):
+                del self.held[rid]
+                self.finished_seen.discard(rid)
+                self.forget_tags(rid)
+                self.outstanding.pop(rid, None)
+                self.pub_tokens.pop(rid, None)
+                if w.push_p is not None:
+                    w.push_p.forget(rid)
+                done.add(rid)
+                w.stats.add("sends_finished")
+        return done
+
+    def finished(self, idle, busy):
+        """Held requests over since the last call (finished_sending).  A step
+        with nothing to compute (`idle`, and no load `busy`) while we hold
+        finished requests' KV: vLLM runs such steps back to back until every
+        hold ends, so wait (GIL released) for a consumer's release instead:
+        idle_wait_ms, doubling while such steps free nothing, up to
+        idle_wait_max_ms."""
+        w = self.w
+        done = self._finished_sends()
+        waits = idle and self.held and not done and not busy
+        if waits and w.push_p is not None and w.push_p.jobs:
+            done = self._wait_push()
+            self.idle_streak = 0 if done else self.idle_streak + 1
+        elif waits and w.s.idle_wait_ms > 0 and w.lb is not None:
+            done = self._wait_freed()
+            self.idle_streak = 0 if done else self.idle_streak + 1
+        else:
+            self.idle_streak = 0
+        # Requests that finished without us holding them need no tracking.
+        self.finished_seen.intersection_update(self.held)
+        return done
+
+    def _wait_ms(self):
+        s = self.w.s
+        return min(s.idle_wait_ms * (1 << min(self.idle_streak, 16)),
+                   max(s.idle_wait_max_ms, s.idle_wait_ms))
+
+    def _wait_push(self):
+        """Push jobs wait for a target or for their writes: poll briefly
+        (notifications have no waitable handle here)."""
+        w, done = self.w, set()
+        deadline = time.monotonic() + self._wait_ms() / 1000.0
+        while not done and time.monotonic() < deadline:
+            time.sleep(0.0002)
+            w.drain_notifies()
+            w.push_p.poll()
+            done = self._finished_sends()
+        return done
+
+    def _wait_freed(self):
+        done = set()
+        deadline = time.monotonic() + self._wait_ms() / 1000.0
+        while not done:  # a release may free a request's blocks in pieces
+            left = deadline - time.monotonic()
+            if left <= 0 or not self.w.lb.wait_freed(left):
+                break
+            done = self._finished_sends()
+        return done
+
+    def drop_all(self):
+        """Sleep mode: every published prompt is dropped (its KV is about to
+        be gone); each is reported in finished_sending once vLLM holds it for
+        us (now or after its finish reaches this worker).  Returns how many."""
+        dropped = len(self.pub_tokens)
+        for rid in list(self.outstanding):
+            self.forget_tags(rid)
+        self.pub_tokens.clear()
+        return dropped
