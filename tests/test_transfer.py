@@ -102,7 +102,7 @@ def test_notifications_between_processes(peers):
 
 @pytest.mark.parametrize("env", [{"MC_TCP_CONNS_PER_PEER": "4"},
                                  {"MC_TCP_IO_THREADS": "3", "MC_TCP_CONNS_PER_PEER": "3"},
-                                 {"MC_TCP_SLICE_SIZE": "65536", "MC_TCP_OP_ENTRIES": "3"}])
+                                 {"MC_SLICE_SIZE": "65536", "MC_OP_ENTRIES": "3"}])
 def test_striping_threads_and_slicing(peers, env):
     """Several connections per peer, several I/O threads, tiny ops: same bytes."""
     a = peers(size=128 << 20, env=env)

@@ -18,8 +18,17 @@ void mc_engine_set_port(mc_engine_t *e, int port) {
   snprintf(e->name, sizeof e->name, strchr(e->host, ':') ? "[%s]:%d" : "%s:%d", e->host, port);
 }
 
-/* The engine's own knobs (MC_*); the transports read theirs. */
-static void read_knobs(mc_engine_t *e) {
+/* The engine's own knobs (MC_*); the transports read theirs.  The slicing
+ * knobs apply to every transport; their former names are still accepted
+ * (util/env.c). */
+static int read_knobs(mc_engine_t *e, mc_err_t *err) {
+  long slice_size, op_entries;
+  if (mc_env_long_renamed("MC_SLICE_SIZE", 4 << 20, 4096, 1 << 30, &slice_size, err) < 0 ||
+      mc_env_long_renamed("MC_OP_ENTRIES", 256, 1, (long)MC_XFER_MAX_ENTRIES, &op_entries,
+                          err) < 0)
+    return MC_ECONFIG;
+  e->slice_size = (uint64_t)slice_size;
+  e->op_entries = (uint32_t)op_entries;
   e->gpu_chunk = mc_knob("MC_GPU_CHUNK", 4096, 1, 1 << 30);
   e->gpu_first_chunk = mc_knob("MC_GPU_FIRST_CHUNK", 256, 1, 1 << 30);
   e->gpu_trace = mc_knob("MC_GPU_TRACE", 0, 0, 1);
@@ -30,11 +39,10 @@ static void read_knobs(mc_engine_t *e) {
   e->unregister_wait_ms = mc_knob("MC_UNREGISTER_WAIT_MS", 10000, 1, 86400000);
   e->unregister_grace_ms = mc_knob("MC_UNREGISTER_GRACE_MS", 1000, 0, 86400000);
   e->unregister_revoke = mc_knob("MC_UNREGISTER_REVOKE", 1, 0, 1);
-  e->slice_size = (uint64_t)mc_knob("MC_TCP_SLICE_SIZE", 4 << 20, 4096, 1 << 30);
-  e->op_entries = (uint32_t)mc_knob("MC_TCP_OP_ENTRIES", 256, 1, (int)MC_XFER_MAX_ENTRIES);
   e->timeout_ms = (uint64_t)mc_knob("MC_TRANSFER_TIMEOUT", 30, 1, 86400) * 1000ull;
   e->spin_ns = (uint64_t)mc_knob("MC_WAIT_SPIN_US", 50, 0, 100000) * 1000ull;
   e->meta_ttl_s = mc_knob("MC_METADATA_TTL", 10, 0, MC_META_TTL_MAX);
+  return 0;
 }
 
 /* The peer authentication secret: opts, else MC_AUTH_SECRET. */
@@ -88,7 +96,8 @@ int mc_engine_create(const mc_engine_opts_t *o, mc_engine_t **out, mc_err_t *err
     return mc_err_set(err, MC_ENOMEM, "out of memory");
   snprintf(e->host, sizeof e->host, "%s", hp.host);
   snprintf(e->protocol, sizeof e->protocol, "%s", proto);
-  read_knobs(e);
+  if ((rc = read_knobs(e, err)) < 0)
+    goto fail;
   /* GPU staging: no CUDA call until GPU memory is used. */
   if ((rc = mc_gpu_stager_create((size_t)mc_knob("MC_GPU_STAGING_MB", 64, 4, 65536) << 20,
                                  &e->gpu, err)) < 0)

@@ -2,6 +2,7 @@
 
 #include <errno.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "util/log.h"
 
@@ -18,4 +19,31 @@ long mc_env_long(const char *name, long dflt, long lo, long hi) {
     return dflt;
   }
   return v;
+}
+
+/* Knobs renamed, {name, former name}: the slicing knobs apply to every
+ * transport, their first names said TCP. */
+static const char *const renamed[][2] = {
+    {"MC_SLICE_SIZE", "MC_TCP_SLICE_SIZE"},
+    {"MC_OP_ENTRIES", "MC_TCP_OP_ENTRIES"},
+};
+
+int mc_env_long_renamed(const char *name, long dflt, long lo, long hi, long *out,
+                        mc_err_t *err) {
+  const char *old = NULL;
+  for (size_t i = 0; i < sizeof renamed / sizeof renamed[0]; i++)
+    if (!strcmp(renamed[i][0], name))
+      old = renamed[i][1];
+  const char *now = getenv(name), *was = old ? getenv(old) : NULL;
+  int has_now = now && *now, has_was = was && *was;
+  if (has_now && has_was && strcmp(now, was) != 0)
+    return mc_err_set(err, MC_ECONFIG, "%s=\"%s\" and %s=\"%s\" are both set and differ: %s is "
+                      "the former name of %s; unset %s", name, now, old, was, old, name, old);
+  if (!has_now && has_was) {
+    mc_log_info("%s is the former name of %s; set %s instead", old, name, name);
+    *out = mc_env_long(old, dflt, lo, hi);
+    return 0;
+  }
+  *out = mc_env_long(name, dflt, lo, hi);
+  return 0;
 }
