@@ -11,17 +11,21 @@ cache and the one file is extracted from the wheel (nothing is installed).
 (None, reason)."""
 import glob
 import os
-import subprocess
 import sys
 import zipfile
+
+try:
+    import pip_cache
+except ImportError:  # run as a script with PYTHONSAFEPATH=1 (scripts/env.sh)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import pip_cache
 
 MEMBER = "mooncake/http_metadata_server.py"
 DIST = "mooncake-transfer-engine-non-cuda"
 
 
 def cache_dir():
-    return os.environ.get("MC_MOONCAKE_CACHE") or os.path.join(
-        os.path.expanduser("~"), ".cache", "mooncake_connector", "mooncake-wheel")
+    return pip_cache.cache_dir("MC_MOONCAKE_CACHE", "mooncake-wheel")
 
 
 def _extract(cache):
@@ -53,21 +57,13 @@ def find_server(download=True, timeout=180):
     if not download:
         return None, f"Mooncake's metadata server is not in {cache}"
     os.makedirs(cache, exist_ok=True)
-    try:
-        r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps",
-                            "--disable-pip-version-check", "-q", "-d", cache, DIST],
-                           capture_output=True, text=True, timeout=timeout)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return None, f"cannot download {DIST} into {cache}: {e}"
-    if r.returncode != 0:
-        return None, (f"cannot download {DIST} into {cache} (no network?): "
-                      f"{(r.stderr or r.stdout).strip()[-300:]}")
+    why = pip_cache.pip("download", ["-d", cache, DIST], DIST, cache, timeout)
+    if why:
+        return None, why
     if _extract(cache):
         return path, None
     return None, f"the downloaded {DIST} wheel in {cache} has no {MEMBER}"
 
 
 if __name__ == "__main__":  # scripts/env.sh: fetch into the cache for CI
-    path, why = find_server()
-    print(path or why)
-    sys.exit(0 if path else 1)
+    pip_cache.main(find_server)

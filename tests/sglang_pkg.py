@@ -6,17 +6,20 @@ with the three extra modules its import chain needs beyond our venv (found by
 importing it there).  ``scripts/env.sh`` fills the cache for CI; offline the
 test skips with the reason.  Returns (site dir, None) or (None, reason)."""
 import os
-import subprocess
 import sys
+
+try:
+    import pip_cache
+except ImportError:  # run as a script with PYTHONSAFEPATH=1 (scripts/env.sh)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import pip_cache
 
 PINS = ["sglang==0.5.23", "orjson==3.13.0", "ipython==9.18.1", "traitlets==5.16.1"]
 MODULE = "sglang.srt.distributed.device_communicators.mooncake_transfer_engine"
 
 
 def cache_dir():
-    return os.environ.get("MC_SGLANG_CACHE") or os.path.join(
-        os.path.expanduser("~"), ".cache", "mooncake_connector",
-        "sglang-py%d.%d" % sys.version_info[:2])
+    return pip_cache.cache_dir("MC_SGLANG_CACHE", "sglang-py%d.%d" % sys.version_info[:2])
 
 
 def find_site(download=True, timeout=600):
@@ -29,21 +32,14 @@ def find_site(download=True, timeout=600):
     if not download:
         return None, f"SGLang is not in {site}"
     os.makedirs(site, exist_ok=True)
-    try:
-        r = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--upgrade",
-                            "--disable-pip-version-check", "-q", "--target", site, *PINS],
-                           capture_output=True, text=True, timeout=timeout)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return None, f"cannot install {' '.join(PINS)} into {site}: {e}"
-    if r.returncode != 0:
-        return None, (f"cannot install {' '.join(PINS)} into {site} (no network?): "
-                      f"{(r.stderr or r.stdout).strip()[-300:]}")
+    why = pip_cache.pip("install", ["--upgrade", "--target", site, *PINS], " ".join(PINS),
+                        site, timeout)
+    if why:
+        return None, why
     with open(mark, "w") as f:
         f.write(" ".join(PINS) + "\n")
     return site, None
 
 
 if __name__ == "__main__":  # scripts/env.sh: fill the cache for CI
-    path, why = find_site()
-    print(path or why)
-    sys.exit(0 if path else 1)
+    pip_cache.main(find_site)

@@ -13,16 +13,20 @@ the directory.  ``scripts/env.sh`` runs the same install for CI.
 Returns (site dir, None) or (None, reason)."""
 import glob
 import os
-import subprocess
 import sys
+
+try:
+    import pip_cache
+except ImportError:  # run as a script with PYTHONSAFEPATH=1 (scripts/env.sh)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import pip_cache
 
 ROUTER_VERSION = "0.1.17"
 DIST = "vllm-router"
 
 
 def cache_dir():
-    return os.environ.get("MC_VLLM_ROUTER_CACHE") or os.path.join(
-        os.path.expanduser("~"), ".cache", "mooncake_connector", "vllm-router")
+    return pip_cache.cache_dir("MC_VLLM_ROUTER_CACHE", "vllm-router")
 
 
 def _complete(site):
@@ -43,16 +47,10 @@ def find_router(download=True, timeout=300):
     if not download:
         return None, f"vllm-router {ROUTER_VERSION} is not in {site}"
     os.makedirs(site, exist_ok=True)
-    try:
-        r = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps",
-                            "--disable-pip-version-check", "-q", "--target", site,
-                            f"{DIST}=={ROUTER_VERSION}", "orjson"],
-                           capture_output=True, text=True, timeout=timeout)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return None, f"cannot install {DIST} into {site}: {e}"
-    if r.returncode != 0:
-        return None, (f"cannot install {DIST}=={ROUTER_VERSION} into {site} (no network?): "
-                      f"{(r.stderr or r.stdout).strip()[-300:]}")
+    pin = f"{DIST}=={ROUTER_VERSION}"
+    why = pip_cache.pip("install", ["--target", site, pin, "orjson"], pin, site, timeout)
+    if why:
+        return None, why
     if _complete(site):
         return site, None
     return None, f"{DIST} installed into {site} but its router module is missing"
@@ -74,6 +72,4 @@ def router_cmd(site, prefill, decode, port, python=None, kv_connector="mooncake"
 
 
 if __name__ == "__main__":  # scripts/env.sh: install into the cache for CI
-    where, why = find_router()
-    print(where or why)
-    sys.exit(0 if where else 1)
+    pip_cache.main(find_router)
