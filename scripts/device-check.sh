@@ -14,18 +14,10 @@ out="${OUT:-/tmp/device-check}"
 mkdir -p "$out"
 
 # 1. Debian packages the machine lacks, unpacked beside (not over) its own.
-rm -rf /opt/debs build build-san
-mkdir -p /opt/debs
-for f in .debs/*.deb; do dpkg -x "$f" /opt/debs; done
-export CPATH=/opt/debs/usr/include
-export LIBRARY_PATH=/opt/debs/usr/lib/x86_64-linux-gnu
-export LD_LIBRARY_PATH=/opt/debs/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
+rm -rf build build-san
+source scripts/device-lib.sh
+mc_unpack_debs
 export PATH=/opt/debs/usr/bin:$PATH
-# Link against the machine's own libcurl (its dependencies are there).
-sys_curl=$(ls /usr/lib/x86_64-linux-gnu/libcurl.so.4 2>/dev/null || true)
-if [ -n "$sys_curl" ]; then
-  ln -sf "$sys_curl" /opt/debs/usr/lib/x86_64-linux-gnu/libcurl.so
-fi
 
 # 2. A venv on the machine's Python (keeps its torch/numpy) plus carried wheels.
 python3 -m venv --system-site-packages /tmp/mcvenv >"$out/venv.log" 2>&1

@@ -16,13 +16,9 @@ for a in "$@"; do
   --no-tests) tests=0 ;;
   esac
 done
-rm -rf /opt/debs build build-san
-mkdir -p /opt/debs
-for f in .debs/*.deb; do dpkg -x "$f" /opt/debs; done
-export CPATH=/opt/debs/usr/include LIBRARY_PATH=/opt/debs/usr/lib/x86_64-linux-gnu
-export LD_LIBRARY_PATH=/opt/debs/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
-sys_curl=$(ls /usr/lib/x86_64-linux-gnu/libcurl.so.4 2>/dev/null || true)
-[ -n "$sys_curl" ] && ln -sf "$sys_curl" /opt/debs/usr/lib/x86_64-linux-gnu/libcurl.so
+rm -rf build build-san
+source scripts/device-lib.sh
+mc_unpack_debs
 rc=0
 make -s -j16 WERROR=1 lib build/bench/gpu_fixed_cost build/tests/test_gpu_same_host \
     build/tests/test_gpu >"$out/make.log" 2>&1 || { rc=1; tail -30 "$out/make.log"; exit 1; }

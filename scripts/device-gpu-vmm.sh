@@ -12,13 +12,9 @@ set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 out="${OUT:-/tmp/device-gpu-vmm}"
 mkdir -p "$out"
-rm -rf /opt/debs build
-mkdir -p /opt/debs
-for f in .debs/*.deb; do dpkg -x "$f" /opt/debs; done
-export CPATH=/opt/debs/usr/include LIBRARY_PATH=/opt/debs/usr/lib/x86_64-linux-gnu
-export LD_LIBRARY_PATH=/opt/debs/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
-sys_curl=$(ls /usr/lib/x86_64-linux-gnu/libcurl.so.4 2>/dev/null || true)
-[ -n "$sys_curl" ] && ln -sf "$sys_curl" /opt/debs/usr/lib/x86_64-linux-gnu/libcurl.so
+rm -rf build
+source scripts/device-lib.sh
+mc_unpack_debs
 rc=0
 make -s -j16 WERROR=1 lib tests >"$out/make.log" 2>&1 || { rc=1; tail -30 "$out/make.log"; }
 for t in test_gpu_vmm test_cuda_driver test_gpu test_gpu_same_host; do

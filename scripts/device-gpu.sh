@@ -19,14 +19,10 @@ for a in "$@"; do
   --all-c) allc=1 ;;
   esac
 done
-rm -rf /opt/debs build build-san
-mkdir -p /opt/debs
-for f in .debs/*.deb; do dpkg -x "$f" /opt/debs; done
-export CPATH=/opt/debs/usr/include LIBRARY_PATH=/opt/debs/usr/lib/x86_64-linux-gnu
-export LD_LIBRARY_PATH=/opt/debs/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
+rm -rf build build-san
+source scripts/device-lib.sh
+mc_unpack_debs
 export PATH=/opt/debs/usr/bin:$PATH
-sys_curl=$(ls /usr/lib/x86_64-linux-gnu/libcurl.so.4 2>/dev/null || true)
-[ -n "$sys_curl" ] && ln -sf "$sys_curl" /opt/debs/usr/lib/x86_64-linux-gnu/libcurl.so
 python3 -m venv --system-site-packages /tmp/mcvenv >"$out/venv.log" 2>&1
 # python3 there may itself be a venv (torch lives in it): make its packages
 # visible in ours too.

@@ -11,12 +11,8 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 out="${OUT:-/tmp/vllm-gpu-out}"
 mkdir -p "$out"
 t0=$SECONDS
-rm -rf /opt/debs && mkdir -p /opt/debs
-for f in .debs/*.deb; do dpkg -x "$f" /opt/debs; done
-export CPATH=/opt/debs/usr/include LIBRARY_PATH=/opt/debs/usr/lib/x86_64-linux-gnu
-export LD_LIBRARY_PATH=/opt/debs/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
-sys_curl=$(ls /usr/lib/x86_64-linux-gnu/libcurl.so.4 2>/dev/null || true)
-[ -n "$sys_curl" ] && ln -sf "$sys_curl" /opt/debs/usr/lib/x86_64-linux-gnu/libcurl.so
+source scripts/device-lib.sh
+mc_unpack_debs
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; nproc
   python3 -c 'import torch; print("torch", torch.__version__, torch.cuda.is_available())'; } 2>&1 | tee "$out/machine.txt"
