@@ -124,6 +124,34 @@ def _check_hint(transport_hint) -> None:
                          f"{', '.join(sorted(h for h in TRANSPORT_HINTS if h))}, or '' for none)")
 
 
+def _hinted(method, base):
+    """method (Mooncake's signature, a trailing transport_hint) named and
+    documented as the base class's method it calls."""
+    method.__name__ = base.__name__
+    method.__qualname__ = "TransferEngine." + base.__name__
+    method.__doc__ = base.__doc__
+    return method
+
+
+def _hinted_one(base):
+    """A one-buffer transfer of _core.TransferEngine with Mooncake's trailing
+    transport_hint: checked (_check_hint), not passed on."""
+    def one(self, target_hostname, buffer, peer_buffer_address, length, transport_hint=""):
+        _check_hint(transport_hint)
+        return base(self, target_hostname, buffer, peer_buffer_address, length)
+    return _hinted(one, base)
+
+
+def _hinted_batch(base):
+    """A batch transfer of _core.TransferEngine with Mooncake's trailing
+    transport_hint: checked (_check_hint), not passed on."""
+    def batch(self, target_hostname, buffers, peer_buffer_addresses, lengths,
+              transport_hint=""):
+        _check_hint(transport_hint)
+        return base(self, target_hostname, buffers, peer_buffer_addresses, lengths)
+    return _hinted(batch, base)
+
+
 def _key_prefix() -> str:
     cid = os.environ.get("MC_METADATA_CLUSTER_ID", "")
     return f"mooncake/{cid.rstrip('/')}/" if cid else "mooncake/"
@@ -295,51 +323,19 @@ class TransferEngine(_core.TransferEngine):
         return host.strip("[]"), int(port)
 
     # ---- transfers with transport_hint / notify ----
-    def transfer_sync_write(self, target_hostname, buffer, peer_buffer_address, length,
-                            transport_hint=""):
-        _check_hint(transport_hint)
-        return super().transfer_sync_write(target_hostname, buffer, peer_buffer_address, length)
-
-    def transfer_sync_read(self, target_hostname, buffer, peer_buffer_address, length,
-                           transport_hint=""):
-        _check_hint(transport_hint)
-        return super().transfer_sync_read(target_hostname, buffer, peer_buffer_address, length)
-
-    def batch_transfer_sync_write(self, target_hostname, buffers, peer_buffer_addresses,
-                                  lengths, transport_hint=""):
-        _check_hint(transport_hint)
-        return super().batch_transfer_sync_write(target_hostname, buffers,
-                                                 peer_buffer_addresses, lengths)
-
-    def batch_transfer_sync_read(self, target_hostname, buffers, peer_buffer_addresses,
-                                 lengths, transport_hint=""):
-        _check_hint(transport_hint)
-        return super().batch_transfer_sync_read(target_hostname, buffers,
-                                                peer_buffer_addresses, lengths)
-
-    def batch_transfer_async_write(self, target_hostname, buffers, peer_buffer_addresses,
-                                   lengths, transport_hint=""):
-        _check_hint(transport_hint)
-        return super().batch_transfer_async_write(target_hostname, buffers,
-                                                  peer_buffer_addresses, lengths)
-
-    def batch_transfer_async_read(self, target_hostname, buffers, peer_buffer_addresses,
-                                  lengths, transport_hint=""):
-        _check_hint(transport_hint)
-        return super().batch_transfer_async_read(target_hostname, buffers,
-                                                 peer_buffer_addresses, lengths)
+    transfer_sync_write = _hinted_one(_core.TransferEngine.transfer_sync_write)
+    transfer_sync_read = _hinted_one(_core.TransferEngine.transfer_sync_read)
+    transfer_submit_write = _hinted_one(_core.TransferEngine.transfer_submit_write)
+    batch_transfer_sync_write = _hinted_batch(_core.TransferEngine.batch_transfer_sync_write)
+    batch_transfer_sync_read = _hinted_batch(_core.TransferEngine.batch_transfer_sync_read)
+    batch_transfer_async_write = _hinted_batch(_core.TransferEngine.batch_transfer_async_write)
+    batch_transfer_async_read = _hinted_batch(_core.TransferEngine.batch_transfer_async_read)
 
     def batch_transfer_async(self, target_hostname, buffers, peer_buffer_addresses, lengths,
                              opcode, transport_hint=""):
         _check_hint(transport_hint)
         return super().batch_transfer_async(target_hostname, buffers, peer_buffer_addresses,
                                             lengths, int(opcode))
-
-    def transfer_submit_write(self, target_hostname, buffer, peer_buffer_address, length,
-                              transport_hint=""):
-        _check_hint(transport_hint)
-        return super().transfer_submit_write(target_hostname, buffer, peer_buffer_address,
-                                             length)
 
     def _notify_after(self, target_hostname, envelope) -> None:
         if envelope is not None:
