@@ -147,17 +147,17 @@ _mc_env_main() {
         # Mooncake's own HTTP metadata server program (tests/test_mooncake_
         # metadata_server.py); best effort: offline, that test skips.
         _mc_step "fetch Mooncake's metadata server into the test cache (optional)"
-        "$vpy" "$repo/tests/mooncake_wheel.py" >>"$log" 2>&1 || \
+        "$vpy" "$repo/tests/pip_cache.py" mooncake_wheel >>"$log" 2>&1 || \
             echo "(not fetched; its test will skip)" >>"$log"
         # SGLang's package (pip --target a cache dir, never the venv) for
         # tests/test_sglang_mooncake.py; best effort: offline, it skips.
         _mc_step "fetch SGLang into the test cache (optional)"
-        "$vpy" "$repo/tests/sglang_pkg.py" >>"$log" 2>&1 || \
+        "$vpy" "$repo/tests/pip_cache.py" sglang_pkg >>"$log" 2>&1 || \
             echo "(not fetched; its test will skip)" >>"$log"
         # vLLM's Rust router (tests/test_router_mooncake.py): pip --target into
         # a cache, nothing installed into the venv; offline, that test skips.
         _mc_step "fetch vllm-router into the test cache (optional)"
-        "$vpy" "$repo/tests/vllm_router_pkg.py" >>"$log" 2>&1 || \
+        "$vpy" "$repo/tests/pip_cache.py" vllm_router_pkg >>"$log" 2>&1 || \
             echo "(not fetched; its test will skip)" >>"$log"
     fi
 

@@ -14,11 +14,7 @@ import os
 import sys
 import zipfile
 
-try:
-    import pip_cache
-except ImportError:  # run as a script with PYTHONSAFEPATH=1 (scripts/env.sh)
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import pip_cache
+import pip_cache
 
 MEMBER = "mooncake/http_metadata_server.py"
 DIST = "mooncake-transfer-engine-non-cuda"
@@ -64,6 +60,3 @@ def find_server(download=True, timeout=180):
         return path, None
     return None, f"the downloaded {DIST} wheel in {cache} has no {MEMBER}"
 
-
-if __name__ == "__main__":  # scripts/env.sh: fetch into the cache for CI
-    pip_cache.main(find_server)

@@ -8,11 +8,7 @@ test skips with the reason.  Returns (site dir, None) or (None, reason)."""
 import os
 import sys
 
-try:
-    import pip_cache
-except ImportError:  # run as a script with PYTHONSAFEPATH=1 (scripts/env.sh)
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import pip_cache
+import pip_cache
 
 PINS = ["sglang==0.5.23", "orjson==3.13.0", "ipython==9.18.1", "traitlets==5.16.1"]
 MODULE = "sglang.srt.distributed.device_communicators.mooncake_transfer_engine"
@@ -40,6 +36,3 @@ def find_site(download=True, timeout=600):
         f.write(" ".join(PINS) + "\n")
     return site, None
 
-
-if __name__ == "__main__":  # scripts/env.sh: fill the cache for CI
-    pip_cache.main(find_site)

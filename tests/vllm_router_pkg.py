@@ -15,11 +15,7 @@ import glob
 import os
 import sys
 
-try:
-    import pip_cache
-except ImportError:  # run as a script with PYTHONSAFEPATH=1 (scripts/env.sh)
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import pip_cache
+import pip_cache
 
 ROUTER_VERSION = "0.1.17"
 DIST = "vllm-router"
@@ -70,6 +66,3 @@ def router_cmd(site, prefill, decode, port, python=None, kv_connector="mooncake"
     path = site + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")
     return argv, {"PYTHONPATH": path}
 
-
-if __name__ == "__main__":  # scripts/env.sh: install into the cache for CI
-    pip_cache.main(find_router)
