@@ -34,17 +34,27 @@ def _log_once(key, msg, *args):
         logger.info(msg, *args)
 
 
-def _tp(vllm_config):
+def _parallel(vllm_config, size_attr, rank_of):
+    """(rank, size) of this worker along one parallel dimension: the size
+    from parallel_config.<size_attr>, the rank from rank_of() (0 where vLLM's
+    groups are not initialized: the scheduler process)."""
     pc = getattr(vllm_config, "parallel_config", None)
-    size = getattr(pc, "tensor_parallel_size", 1) or 1
+    size = getattr(pc, size_attr, 1) or 1
     rank = 0
     if size > 1:
         try:
-            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
-            rank = get_tensor_model_parallel_rank()
+            rank = rank_of()
         except Exception:  # not initialized (scheduler process)
             rank = 0
     return rank, size
+
+
+def _tp(vllm_config):
+    """(tensor-parallel rank, size) of this worker."""
+    def rank_of():
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+        return get_tensor_model_parallel_rank()
+    return _parallel(vllm_config, "tensor_parallel_size", rank_of)
 
 
 def layer_groups(kv_cache_config):
@@ -105,16 +115,10 @@ def _check_groups(kv_cache_config):
 
 def _pp(vllm_config):
     """(pipeline-parallel rank, size) of this worker."""
-    pc = getattr(vllm_config, "parallel_config", None)
-    size = getattr(pc, "pipeline_parallel_size", 1) or 1
-    rank = 0
-    if size > 1:
-        try:
-            from vllm.distributed.parallel_state import get_pp_group
-            rank = get_pp_group().rank_in_group
-        except Exception:  # not initialized (scheduler process)
-            rank = 0
-    return rank, size
+    def rank_of():
+        from vllm.distributed.parallel_state import get_pp_group
+        return get_pp_group().rank_in_group
+    return _parallel(vllm_config, "pipeline_parallel_size", rank_of)
 
 
 def _dp(vllm_config):
