@@ -105,6 +105,9 @@ class WorkerSide:
     def unpublish(self, meta):
         self.publishes.unpublish(meta)
 
+    def withdraw(self, rid):
+        self.publishes.withdraw(rid)
+
     def get_finished(self, finished_req_ids):
         self.publishes.finished_seen.update(finished_req_ids)
         if self.push_outbox is not None:
