@@ -20,7 +20,6 @@ void mc_engine_set_port(mc_engine_t *e, int port) {
 
 /* The engine's own knobs (MC_*); the transports read theirs. */
 static void read_knobs(mc_engine_t *e) {
-  e->gpu_chunk = mc_knob("MC_GPU_CHUNK", 4096, 1, 1 << 30);
   e->gpu_first_chunk = mc_knob("MC_GPU_FIRST_CHUNK", 256, 1, 1 << 30);
   e->gpu_trace = mc_knob("MC_GPU_TRACE", 0, 0, 1);
   /* MC_LOCAL_CHECK=0 exists only to measure what the check costs

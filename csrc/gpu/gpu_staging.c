@@ -1,6 +1,7 @@
 #include "gpu/gpu_staging.h"
 
 #include <errno.h>
+#include <stdatomic.h>
 #include <pthread.h>
 #include <sched.h>
 #include <stdio.h>
@@ -38,9 +39,16 @@ struct mc_gpu_stager {
   size_t pinned;  /* bytes allocated, free or in use */
   /* Jobs (under mu). */
   mc_gpu_job_t *q_head, *q_tail;
-  size_t busy; /* jobs queued or in flight */
-  int stop, started;
-  int poked; /* mc_gpu_stager_poke: poll again before sleeping */
+  int stop;
+  atomic_int started;
+  /* Lock-free signals, so the polling worker never holds up a submitter
+   * on mu: q_gen changes (under mu) whenever the queue may hold a job that
+   * can start now (a job queued, a staging buffer returned, stop); the
+   * worker takes mu only when it changed. */
+  atomic_uint q_gen;
+  atomic_size_t busy;  /* jobs queued or in flight */
+  atomic_int poked;    /* mc_gpu_stager_poke: poll again before sleeping */
+  atomic_int sleeping; /* the worker waits on cv */
   pthread_t thread;
   /* Worker-only. */
   mc_gpu_job_t *fl_head, *fl_tail; /* in flight, submission order */
@@ -210,6 +218,7 @@ void mc_gpu_buf_put(mc_gpu_stager_t *s, mc_gpu_buf_t *b) {
   pthread_mutex_lock(&s->mu);
   b->next = s->free_list;
   s->free_list = b;
+  atomic_fetch_add(&s->q_gen, 1); /* a job waiting for room may start now */
   pthread_cond_broadcast(&s->cv);
   pthread_mutex_unlock(&s->mu);
 }
@@ -304,10 +313,11 @@ static void finish(mc_gpu_stager_t *s, mc_gpu_job_t *j, int code, const char *ms
     j->complete(j, code, msg);
   else
     mc_gpu_job_free(j);
-  pthread_mutex_lock(&s->mu);
-  if (--s->busy == 0)
+  if (atomic_fetch_sub(&s->busy, 1) == 1) {
+    pthread_mutex_lock(&s->mu); /* a drain checks busy under mu: no lost wake-up */
     pthread_cond_broadcast(&s->idle_cv);
-  pthread_mutex_unlock(&s->mu);
+    pthread_mutex_unlock(&s->mu);
+  }
 }
 
 /* Enqueues a job's copies and records its event; completes it on error. */
@@ -468,82 +478,99 @@ static int poll_inflight(mc_gpu_stager_t *s) {
   return done;
 }
 
+/* Under mu: starts what can start.  A job waiting for staging room does
+ * not hold up later jobs that need none (their completion frees room).
+ * Returns how many started (or failed). */
+static int start_queued(mc_gpu_stager_t *s) {
+  int blocked = 0, started = 0;
+  mc_gpu_job_t **pp = &s->q_head, *prev = NULL;
+  while (*pp) {
+    mc_gpu_job_t *j = *pp;
+    int failed = 0;
+    mc_err_t err = {0};
+    if (j->want_buf && !j->buf) {
+      if (!blocked)
+        j->buf = pool_get_budgeted(s, j->device, j->want_buf, &err, &failed);
+      if (!j->buf && !failed) {
+        blocked = 1;
+        prev = j;
+        pp = &j->next;
+        continue;
+      }
+    }
+    *pp = j->next;
+    if (s->q_tail == j)
+      s->q_tail = prev;
+    pthread_mutex_unlock(&s->mu);
+    if (failed)
+      finish(s, j, err.code, err.msg);
+    else
+      start_job(s, j);
+    started++;
+    pthread_mutex_lock(&s->mu);
+    /* The queue may have changed meanwhile: rescan from the head. */
+    pp = &s->q_head;
+    prev = NULL;
+    blocked = 0;
+  }
+  return started;
+}
+
 static void *worker_main(void *arg) {
   mc_gpu_stager_t *s = arg;
-  int spins = 0;
+  int idle = 0;
+  unsigned seen = atomic_load(&s->q_gen) - 1; /* scan first */
   uint64_t idle_since = 0;
-  pthread_mutex_lock(&s->mu);
   for (;;) {
-    /* Start what can start.  A job waiting for staging room does not hold
-     * up later jobs that need none (their completion frees room). */
-    int blocked = 0, started = 0;
-    mc_gpu_job_t **pp = &s->q_head, *prev = NULL;
-    while (*pp) {
-      mc_gpu_job_t *j = *pp;
-      int failed = 0;
-      mc_err_t err = {0};
-      if (j->want_buf && !j->buf) {
-        if (!blocked)
-          j->buf = pool_get_budgeted(s, j->device, j->want_buf, &err, &failed);
-        if (!j->buf && !failed) {
-          blocked = 1;
-          prev = j;
-          pp = &j->next;
-          continue;
-        }
-      }
-      *pp = j->next;
-      if (s->q_tail == j)
-        s->q_tail = prev;
-      pthread_mutex_unlock(&s->mu);
-      if (failed)
-        finish(s, j, err.code, err.msg);
-      else
-        start_job(s, j);
-      started++;
+    int started = 0, done = 0;
+    unsigned g = atomic_load(&s->q_gen);
+    if (g != seen) {
+      seen = g;
       pthread_mutex_lock(&s->mu);
-      /* The queue may have changed meanwhile: rescan from the head. */
-      pp = &s->q_head;
-      prev = NULL;
-      blocked = 0;
+      started = start_queued(s);
+      int stop = s->stop && !s->q_head && !s->fl_head;
+      pthread_mutex_unlock(&s->mu);
+      if (stop)
+        break;
     }
-    pthread_mutex_unlock(&s->mu);
-    int done = s->fl_head ? poll_inflight(s) : 0;
-    pthread_mutex_lock(&s->mu);
-    if (s->stop && !s->q_head && !s->fl_head)
-      break;
-    if (done || started || s->poked) {
-      spins = 0;
-      s->poked = 0;
+    if (s->fl_head)
+      done = poll_inflight(s);
+    if (done || started || atomic_exchange(&s->poked, 0)) {
+      idle = 0;
       continue;
     }
-    if (spins == 0)
+    if (!idle) {
+      idle = 1;
       idle_since = now_ns();
-    spins++;
+    }
     if (now_ns() - idle_since < (s->fl_head ? 20000000ull : 1000000ull)) {
       /* Copies in flight (up to 20 ms) or just finished (1 ms: the next
-       * batch often follows): poll closely instead of sleeping, since a
-       * wake-up costs tens of microseconds.  Then back off. */
-      pthread_mutex_unlock(&s->mu);
+       * batch often follows): poll closely, without mu, instead of
+       * sleeping, since a wake-up costs tens of microseconds.  Then back
+       * off. */
       sched_yield();
-      pthread_mutex_lock(&s->mu);
       continue;
     }
-    if (!s->fl_head) {
-      pthread_cond_wait(&s->cv, &s->mu);
-    } else {
-      /* Copies in flight: look again shortly (or when new work comes). */
-      struct timespec ts;
-      clock_gettime(CLOCK_REALTIME, &ts);
-      ts.tv_nsec += 20000;
-      if (ts.tv_nsec >= 1000000000L) {
-        ts.tv_sec++;
-        ts.tv_nsec -= 1000000000L;
+    pthread_mutex_lock(&s->mu);
+    atomic_store(&s->sleeping, 1);
+    if (atomic_load(&s->q_gen) == seen && !atomic_load(&s->poked)) {
+      if (!s->fl_head) {
+        pthread_cond_wait(&s->cv, &s->mu);
+      } else {
+        /* Copies in flight: look again shortly (or when new work comes). */
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        ts.tv_nsec += 20000;
+        if (ts.tv_nsec >= 1000000000L) {
+          ts.tv_sec++;
+          ts.tv_nsec -= 1000000000L;
+        }
+        pthread_cond_timedwait(&s->cv, &s->mu, &ts);
       }
-      pthread_cond_timedwait(&s->cv, &s->mu, &ts);
     }
+    atomic_store(&s->sleeping, 0);
+    pthread_mutex_unlock(&s->mu);
   }
-  pthread_mutex_unlock(&s->mu);
   return NULL;
 }
 
@@ -552,7 +579,7 @@ void mc_gpu_stager_submit(mc_gpu_stager_t *s, mc_gpu_job_t *j) {
   if (s->trace)
     j->t_queued = now_ns();
   pthread_mutex_lock(&s->mu);
-  if (!s->started) {
+  if (!atomic_load(&s->started)) {
     if (pthread_create(&s->thread, NULL, worker_main, s) != 0) {
       pthread_mutex_unlock(&s->mu);
       mc_log_error("cannot start the GPU copy thread");
@@ -562,34 +589,39 @@ void mc_gpu_stager_submit(mc_gpu_stager_t *s, mc_gpu_job_t *j) {
         mc_gpu_job_free(j);
       return;
     }
-    s->started = 1;
+    atomic_store(&s->started, 1);
   }
-  s->busy++;
+  atomic_fetch_add(&s->busy, 1);
   if (s->q_tail)
     s->q_tail->next = j;
   else
     s->q_head = j;
   s->q_tail = j;
-  pthread_cond_broadcast(&s->cv);
+  atomic_fetch_add(&s->q_gen, 1);
+  int wake = atomic_load(&s->sleeping);
+  if (wake)
+    pthread_cond_broadcast(&s->cv);
   pthread_mutex_unlock(&s->mu);
 }
 
 void mc_gpu_stager_poke(mc_gpu_stager_t *s) {
-  if (!s)
+  if (!s || !atomic_load(&s->started))
     return;
-  pthread_mutex_lock(&s->mu);
-  if (s->started) {
-    s->poked = 1;
+  /* No lock unless the worker sleeps: it sets `sleeping` before it
+   * checks `poked` under mu, so one of the two sees the other. */
+  atomic_store(&s->poked, 1);
+  if (atomic_load(&s->sleeping)) {
+    pthread_mutex_lock(&s->mu);
     pthread_cond_broadcast(&s->cv);
+    pthread_mutex_unlock(&s->mu);
   }
-  pthread_mutex_unlock(&s->mu);
 }
 
 void mc_gpu_stager_drain(mc_gpu_stager_t *s) {
   if (!s)
     return;
   pthread_mutex_lock(&s->mu);
-  while (s->busy > 0)
+  while (atomic_load(&s->busy) > 0)
     pthread_cond_wait(&s->idle_cv, &s->mu);
   pthread_mutex_unlock(&s->mu);
 }
@@ -600,8 +632,9 @@ void mc_gpu_stager_destroy(mc_gpu_stager_t *s) {
   mc_gpu_stager_drain(s);
   pthread_mutex_lock(&s->mu);
   s->stop = 1;
+  atomic_fetch_add(&s->q_gen, 1);
   pthread_cond_broadcast(&s->cv);
-  int started = s->started;
+  int started = atomic_load(&s->started);
   pthread_mutex_unlock(&s->mu);
   if (started)
     pthread_join(s->thread, NULL);
