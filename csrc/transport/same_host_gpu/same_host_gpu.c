@@ -978,16 +978,30 @@ static int shg_submit_call(void *impl, const mc_peer_t *peer, mc_xfer_call_t *c,
       break;
     mc_xfer_op_t *ops[2];
     size_t nops = 0;
+    uint64_t ts[4] = {0};
+    if (t->trace)
+      ts[0] = mc_now_ns();
     if (!gave_up && plan_chunk(t, peer, &run, &gave_up, c->reqs + off, c->ldev + off, k, take,
-                               mapped))
+                               mapped)) {
+      if (t->trace)
+        ts[1] = mc_now_ns();
       nops = build_ops(c, off, k, take, mapped, ops);
+    }
+    if (t->trace)
+      ts[2] = mc_now_ns();
     if ((rc = c->accept(c, off, k, nops ? take : NULL, ops, nops, err)) < 0) {
       for (size_t i = 0; i < nops; i++)
         mc_xfer_op_free(ops[i]);
       break;
     }
+    if (t->trace)
+      ts[3] = mc_now_ns();
     if (nops)
       start_ops(t, run, ops, nops);
+    if (t->trace && nops)
+      mc_log_info("gpu trace: chunk of %zu requests: plan %.1f us, ops %.1f us, accept %.1f us, "
+                  "start %.1f us", k, (ts[1] - ts[0]) / 1e3, (ts[2] - ts[1]) / 1e3,
+                  (ts[3] - ts[2]) / 1e3, (mc_now_ns() - ts[3]) / 1e3);
   }
   call_unref(run);
   if (take != take_s)
