@@ -23,6 +23,10 @@
  * launch and completion are quicker than a copy engine's for a few KiB;
  * larger single copies stay with the copy engine. */
 #define MC_GPU_SINGLE_MAX (256u << 10)
+/* D2D jobs queued behind one another for one device go out as one kernel
+ * launch of up to this many copies (a launch costs the worker several
+ * microseconds of driver time; MC_GPU_MERGE=0: one launch per job). */
+#define MC_GPU_MERGE_MAX 4096u
 
 struct mc_gpu_stager {
   pthread_mutex_t mu;
@@ -34,6 +38,7 @@ struct mc_gpu_stager {
   int single_kernel; /* a single D2D copy of <= MC_COPY_PARAM_PIECES pieces: the kernel
                         too (MC_GPU_SINGLE_COPY=driver: cuMemcpyAsync) */
   int trace;    /* MC_GPU_TRACE=1: log each D2D job's timeline */
+  int merge;    /* MC_GPU_MERGE != 0: queued D2D jobs of one device share a launch */
   /* Pool (under mu). */
   mc_gpu_buf_t *free_list;
   size_t pinned;  /* bytes allocated, free or in use */
@@ -150,6 +155,8 @@ int mc_gpu_stager_create(size_t budget_bytes, mc_gpu_stager_t **out, mc_err_t *e
   const char *sc = getenv("MC_GPU_SINGLE_COPY");
   s->single_kernel = !(sc && !strcmp(sc, "driver"));
   s->trace = getenv("MC_GPU_TRACE") && getenv("MC_GPU_TRACE")[0] == '1';
+  const char *mg = getenv("MC_GPU_MERGE");
+  s->merge = !(mg && !strcmp(mg, "0"));
   *out = s;
   return 0;
 }
@@ -300,6 +307,12 @@ static void event_put(mc_gpu_stager_t *s, int dev, mc_cu_event e) {
 }
 
 static void finish(mc_gpu_stager_t *s, mc_gpu_job_t *j, int code, const char *msg) {
+  mc_gpu_job_t *riders = j->riders;
+  j->riders = NULL;
+  for (mc_gpu_job_t *r = riders; r; r = r->next) {
+    r->t_picked = j->t_picked;
+    r->t_launched = j->t_launched;
+  }
   if (s->trace && j->dir == MC_GPU_D2D)
     mc_log_info("gpu trace: D2D job cuda:%d, %zu copies: queued at %.1f us, launched +%.1f us, "
                 "done seen +%.1f us, picked up +%.1f us", j->device, j->n,
@@ -318,6 +331,60 @@ static void finish(mc_gpu_stager_t *s, mc_gpu_job_t *j, int code, const char *ms
     pthread_cond_broadcast(&s->idle_cv);
     pthread_mutex_unlock(&s->mu);
   }
+  while (riders) { /* their copies went with j's launch */
+    mc_gpu_job_t *r = riders;
+    riders = r->next;
+    r->next = NULL;
+    finish(s, r, code, msg);
+  }
+}
+
+/* A D2D job of the copy kernel that may carry others' copies. */
+static int mergeable(const mc_gpu_stager_t *s, const mc_gpu_job_t *j) {
+  return s->merge && s->d2d_mode == 0 && j->dir == MC_GPU_D2D && !j->prepare && !j->want_buf &&
+         j->n > 0;
+}
+
+/* Under mu, j just taken off the queue: the D2D jobs queued after it for
+ * its device come along (unlinked; returned as a list, at most
+ * MC_GPU_MERGE_MAX copies in all). */
+static mc_gpu_job_t *take_riders(mc_gpu_stager_t *s, mc_gpu_job_t *j) {
+  if (!mergeable(s, j))
+    return NULL;
+  size_t total = j->n;
+  mc_gpu_job_t *head = NULL, **tail = &head;
+  mc_gpu_job_t **pp = &s->q_head, *prev = NULL;
+  while (*pp) {
+    mc_gpu_job_t *k = *pp;
+    if (!mergeable(s, k) || k->device != j->device || total + k->n > MC_GPU_MERGE_MAX)
+      break; /* in order: no job overtakes one that cannot come along */
+    *pp = k->next;
+    if (s->q_tail == k)
+      s->q_tail = prev;
+    k->next = NULL;
+    *tail = k;
+    tail = &k->next;
+    total += k->n;
+  }
+  return head;
+}
+
+/* No lock: appends the riders' copies to j's (they finish with j).  Out
+ * of memory: the riders stay separate jobs, returned for start_job. */
+static mc_gpu_job_t *carry_riders(mc_gpu_job_t *j, mc_gpu_job_t *riders) {
+  size_t total = j->n;
+  for (mc_gpu_job_t *r = riders; r; r = r->next)
+    total += r->n;
+  if (!riders || mc_gpu_job_reserve(j, total) < 0)
+    return riders;
+  for (mc_gpu_job_t *r = riders; r; r = r->next) {
+    memcpy(j->dsts + j->n, r->dsts, r->n * sizeof *j->dsts);
+    memcpy(j->srcs + j->n, r->srcs, r->n * sizeof *j->srcs);
+    memcpy(j->sizes + j->n, r->sizes, r->n * sizeof *j->sizes);
+    j->n += r->n;
+  }
+  j->riders = riders;
+  return NULL;
 }
 
 /* Enqueues a job's copies and records its event; completes it on error. */
@@ -501,11 +568,20 @@ static int start_queued(mc_gpu_stager_t *s) {
     *pp = j->next;
     if (s->q_tail == j)
       s->q_tail = prev;
+    mc_gpu_job_t *riders = failed ? NULL : take_riders(s, j);
     pthread_mutex_unlock(&s->mu);
-    if (failed)
+    if (failed) {
       finish(s, j, err.code, err.msg);
-    else
+    } else {
+      riders = carry_riders(j, riders);
       start_job(s, j);
+      while (riders) { /* could not come along (out of memory) */
+        mc_gpu_job_t *r = riders;
+        riders = r->next;
+        r->next = NULL;
+        start_job(s, r);
+      }
+    }
     started++;
     pthread_mutex_lock(&s->mu);
     /* The queue may have changed meanwhile: rescan from the head. */
