@@ -214,6 +214,7 @@ mc_gpu_buf_t *mc_gpu_buf_get(mc_gpu_stager_t *s, int device, size_t n, mc_err_t 
   if (!b) {
     pthread_mutex_lock(&s->mu);
     s->pinned -= size;
+    atomic_fetch_add(&s->q_gen, 1); /* room again: a job waiting for it may start */
     pthread_mutex_unlock(&s->mu);
   }
   return b;
@@ -244,6 +245,7 @@ int mc_gpu_stager_reserve(mc_gpu_stager_t *s, int device, size_t bytes, mc_err_t
     if (!b) {
       pthread_mutex_lock(&s->mu);
       s->pinned -= chunk;
+      atomic_fetch_add(&s->q_gen, 1);
       pthread_mutex_unlock(&s->mu);
       return err ? err->code : MC_ENOMEM;
     }
