@@ -38,6 +38,14 @@ fi
 echo "== 4 KiB, a single copy by the copy engine (MC_GPU_SINGLE_COPY=driver)"
 MC_GPU_SINGLE_COPY=driver GPU_FIXED_COST_ONLY=small timeout 60 \
     build/bench/gpu_fixed_cost /tmp 2000 1 2>&1 | tee "$out/gfc_single_driver.log"
+echo "== 4 KiB, the copy kernel's large parameter block for one copy (MC_GPU_SMALL_PARAMS=0)"
+MC_GPU_SMALL_PARAMS=0 GPU_FIXED_COST_ONLY=small timeout 60 \
+    build/bench/gpu_fixed_cost /tmp 2000 1 2>&1 | tee "$out/gfc_large_params.log"
+echo "== 64 KiB x 128 pipe WRITE, one kernel launch per job (MC_GPU_MERGE=0) and merged (default)"
+for m in 0 1; do
+  MC_GPU_MERGE=$m GPU_FIXED_COST_ONLY=row:65536:128:pipe timeout 60 \
+      build/bench/gpu_fixed_cost /tmp 200 3 2>&1 | tee "$out/gfc_merge$m.log"
+done
 echo "== 4 KiB, an event recorded per job (MC_GPU_LAZY_EVENTS=0)"
 MC_GPU_LAZY_EVENTS=0 GPU_FIXED_COST_ONLY=small timeout 60 \
     build/bench/gpu_fixed_cost /tmp 2000 1 2>&1 | tee "$out/gfc_events.log"

@@ -29,7 +29,6 @@ static int read_knobs(mc_engine_t *e, mc_err_t *err) {
     return MC_ECONFIG;
   e->slice_size = (uint64_t)slice_size;
   e->op_entries = (uint32_t)op_entries;
-  e->gpu_chunk = mc_knob("MC_GPU_CHUNK", 4096, 1, 1 << 30);
   e->gpu_first_chunk = mc_knob("MC_GPU_FIRST_CHUNK", 256, 1, 1 << 30);
   e->gpu_trace = mc_knob("MC_GPU_TRACE", 0, 0, 1);
   /* MC_LOCAL_CHECK=0 exists only to measure what the check costs

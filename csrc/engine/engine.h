@@ -36,7 +36,7 @@ typedef struct mc_engine_opts {
 
 #define MC_AUTH_SECRET_MAX 1024
 
-enum { MC_OP_READ = 0, MC_OP_WRITE = 1 };
+enum { MC_OP_READ = MC_XFER_REQ_READ, MC_OP_WRITE = MC_XFER_REQ_WRITE };
 
 /* Same numbering as Mooncake's TransferStatusEnum. */
 typedef enum {
@@ -49,13 +49,12 @@ typedef enum {
   MC_TASK_FAILED = 6,
 } mc_task_state_t;
 
-typedef struct mc_request {
-  int opcode;      /* MC_OP_READ: remote -> local; MC_OP_WRITE: local -> remote */
-  void *local;     /* local buffer, host or GPU memory, inside a region registered
-                    * with this engine (else the submit fails naming it) */
-  uint64_t remote; /* address inside a region the target registered */
-  uint64_t len;
-} mc_request_t;
+/* One request (transport/xfer_op.h mc_xfer_req_t): opcode MC_OP_READ
+ * (remote -> local) or MC_OP_WRITE (local -> remote); local: a host or GPU
+ * buffer inside a region registered with this engine (else the submit
+ * fails naming it); remote: an address inside a region the target
+ * registered; len bytes. */
+typedef mc_xfer_req_t mc_request_t;
 
 typedef struct mc_task_status {
   mc_task_state_t state;

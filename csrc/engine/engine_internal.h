@@ -50,8 +50,7 @@ struct mc_engine {
   uint64_t spin_ns;       /* MC_WAIT_SPIN_US: busy-wait before sleeping */
   mc_gpu_stager_t *gpu;   /* pinned staging + GPU copy thread (gpu_xfer.c) */
   int gpu_reserved;       /* staging pre-allocated (first cuda region) */
-  int gpu_chunk;          /* MC_GPU_CHUNK: requests planned per step */
-  int gpu_first_chunk;    /* MC_GPU_FIRST_CHUNK: the first step's (then doubling) */
+  int gpu_first_chunk;    /* MC_GPU_FIRST_CHUNK: requests located before the GPU path is chosen */
   int gpu_trace;          /* MC_GPU_TRACE=1: log planning times (docs/device.md) */
   int local_check;        /* local buffers must lie in our regions (MC_LOCAL_CHECK) */
   int unregister_wait_ms; /* MC_UNREGISTER_WAIT_MS: bound on waiting for pins */

@@ -169,7 +169,7 @@ static int ask_reaches(mc_engine_t *e, int id, const mc_peer_t *peer, mc_mem_kin
 }
 
 /* First transport from slot `from` on that can move `kind` memory to the
- * peer (no_plan: skipping transports that plan per request); the control
+ * peer (no_plan: skipping transports that take whole calls); the control
  * transport when none does. */
 static int choose_from(mc_engine_t *e, const mc_peer_t *peer, mc_mem_kind_t kind, int from,
                        int no_plan) {
@@ -178,7 +178,7 @@ static int choose_from(mc_engine_t *e, const mc_peer_t *peer, mc_mem_kind_t kind
     const mc_transport_t *t = &e->tr[i];
     if (!t->ops || !(t->ops->caps & need))
       continue;
-    if (t->ops->plan ? no_plan || !t->ops->submit_plan : !t->ops->submit)
+    if (t->ops->submit_call ? no_plan : !t->ops->submit)
       continue;
     if ((t->ops->caps & MC_TCAP_SAME_HOST) && peer->same_host < 0)
       continue;
@@ -212,7 +212,7 @@ int mc_transport_for_request(mc_engine_t *e, const mc_peer_t *peer, mc_mem_kind_
     }
     if (yes)
       break;
-    chosen = choose_from(e, peer, kind, chosen + 1, 1); /* submit() path: no planners */
+    chosen = choose_from(e, peer, kind, chosen + 1, 1); /* submit() path: no whole-call takers */
   }
   /* Remembered only when one transport's answer decided it. */
   if (asked == 1 && hi > lo)

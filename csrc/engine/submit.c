@@ -27,25 +27,14 @@ static inline int mc_tr_submit_poll(mc_engine_t *e, int id, const mc_peer_t *pee
          t->ops->submit_poll(t->impl, peer, ops, n, finished, arg, spin_ns);
 }
 
-static inline int mc_tr_plans(mc_engine_t *e, int id) { /* slot id plans per request */
-  return id >= 0 && e->tr[id].ops && e->tr[id].ops->plan;
+static inline int mc_tr_takes_calls(mc_engine_t *e, int id) { /* slot id takes whole calls */
+  return id >= 0 && e->tr[id].ops && e->tr[id].ops->submit_call;
 }
 
-static inline void *mc_tr_plan(mc_engine_t *e, int id, const mc_peer_t *peer, void **call,
-                               mc_xfer_ent_t *ents, size_t n, char *take) {
-  return e->tr[id].ops->plan(e->tr[id].impl, peer, call, ents, n, take);
+static inline int mc_tr_submit_call(mc_engine_t *e, int id, const mc_peer_t *peer,
+                                    mc_xfer_call_t *call, mc_err_t *err) {
+  return e->tr[id].ops->submit_call(e->tr[id].impl, peer, call, err);
 }
-
-static inline void mc_tr_submit_plan(mc_engine_t *e, int id, void *plan, mc_xfer_op_t **ops,
-                                     size_t n) {
-  e->tr[id].ops->submit_plan(e->tr[id].impl, plan, ops, n);
-}
-
-static inline void mc_tr_call_end(mc_engine_t *e, int id, void *call) {
-  if (e->tr[id].ops->call_end)
-    e->tr[id].ops->call_end(e->tr[id].impl, call);
-}
-
 
 static int validate(const mc_request_t *r, size_t i, mc_err_t *err) {
   if (r->opcode != MC_OP_READ && r->opcode != MC_OP_WRITE)
@@ -154,12 +143,13 @@ static int submit(mc_engine_t *e, mc_batch_t *b, const char *segment,
 static int submit_pinned(mc_engine_t *e, mc_batch_t *b, const char *segment,
                          const mc_request_t *reqs, size_t n, int poll, uint64_t t_in,
                          mc_err_t *err);
-/* What a planning transport (transport.h: plan) took of one chunk. */
+/* What a transport taking whole calls (transport.h: submit_call) took of
+ * one range of the call: its ops, which it starts itself once accepted. */
 typedef struct planned {
-  int slot;            /* its slot, -1: none */
-  void *plan;          /* its plan, NULL: it took nothing */
-  const char *take;    /* per request of the chunk */
-  const mc_xfer_ent_t *ents; /* per request of the chunk (remote rewritten) */
+  size_t off;               /* the range's first request in the call */
+  const char *take;         /* per request of the range */
+  mc_xfer_op_t **ops;       /* entries' cookies: request index in the call */
+  size_t nops;
 } planned_t;
 
 static int submit_planned(mc_engine_t *e, mc_batch_t *b, const char *segment,
@@ -198,77 +188,69 @@ static int submit(mc_engine_t *e, mc_batch_t *b, const char *segment,
   return rc;
 }
 
-/* The locating and tracing state of a GPU batch sent chunk by chunk. */
-typedef struct gpu_chunks {
-  mc_gpu_locator_t *loc;    /* ldev is located so far for [0, located) */
-  size_t located, first_step, chunk;
-  uint64_t t2;              /* trace: when the first chunk was planned */
-  int same_host;            /* a planning transport took some */
-} gpu_chunks_t;
+/* A submit call handed whole to a transport (transport.h submit_call): the
+ * engine's side of it. */
+typedef struct gpu_call {
+  mc_xfer_call_t c; /* first: the transport's callbacks get this */
+  mc_engine_t *e;
+  mc_batch_t *b;
+  const char *segment;
+  const mc_segment_desc_t *d;
+  mc_gpu_locator_t *loc;
+  int poll;
+} gpu_call_t;
 
-static int submit_gpu_chunks(mc_engine_t *e, mc_batch_t *b, const mc_peer_t *peer,
-                             const mc_segment_desc_t *d, const mc_request_t *reqs, size_t n,
-                             int poll, int *ldev, gpu_chunks_t *g, mc_err_t *err) {
-  size_t chunk = g->chunk, located = g->located;
-  int rc = 0;
-  /* The transport chosen for GPU memory to this peer may plan per request
-   * (the same-host GPU transport, transport.h "plan"): it is offered each
-   * chunk's GPU requests first; *call is its state across the chunks. */
-  int pslot = mc_transport_choose(e, peer, MC_MEM_CUDA, 0);
-  int pt = mc_tr_plans(e, pslot) ? pslot : -1;
-  void *call = NULL;
-  /* Large GPU batches go in chunks: locating, planning and queuing chunk
-   * k+1 on this thread overlaps the copies of chunk k on the GPU (host
-   * work per request would otherwise add up before the first copy
-   * starts).  A buffer found running past its allocation in a later
-   * chunk fails the submit with earlier chunks already started; the
-   * caller's mc_batch_free waits for them. */
-  /* The first chunk is small so the GPU starts early; chunks then double
-   * up to MC_GPU_CHUNK, and shrink again towards the end (at most half
-   * of what is left) so little completion work remains after the last
-   * copy. */
-  size_t step = g->first_step;
-  if (b->n + n > b->cap)
-    step = chunk = n; /* let submit_planned report the size error */
-  size_t most = chunk < n ? chunk : n;
-  char *take = pt >= 0 ? malloc(most) : NULL;
-  mc_xfer_ent_t *ents = pt >= 0 ? malloc(most * sizeof *ents) : NULL;
-  if (pt >= 0 && (!take || !ents))
-    pt = -1; /* out of memory: the next choice moves them */
-  for (size_t off = 0, k; off < n && rc == 0; off += k) {
-    size_t left = n - off, half = left / 2 > 256 ? left / 2 : 256;
-    k = step < half ? step : half;
-    if (k > left)
-      k = left;
-    step = step * 2 < chunk ? step * 2 : chunk;
-    if (off + k > located) {
-      rc = mc_gpu_locate_locals(g->loc, reqs, located, off + k, ldev, err);
-      if (rc < 0)
-        break;
-      rc = 0;
-      located = off + k;
-    }
-    planned_t pl = {.slot = -1};
-    if (pt >= 0) {
-      for (size_t i = 0; i < k; i++) {
-        const mc_request_t *r = &reqs[off + i];
-        ents[i] = (mc_xfer_ent_t){.local = r->local, .remote = r->remote, .len = r->len,
-                                  .cookie = (uint32_t)i, .dev = ldev[off + i]};
-      }
-      pl = (planned_t){.slot = pslot, .take = take, .ents = ents};
-      pl.plan = mc_tr_plan(e, pt, peer, &call, ents, k, take);
-    }
-    g->same_host |= pl.plan != NULL;
-    if (e->gpu_trace && off == 0)
-      g->t2 = mc_now_ns();
-    rc = submit_planned(e, b, peer->segment, d, 0, reqs + off, k, poll, ldev + off,
-                        pl.plan ? &pl : NULL, err);
+static int call_locate(mc_xfer_call_t *c, size_t to, mc_err_t *err) {
+  gpu_call_t *g = (gpu_call_t *)c;
+  if (to > c->n)
+    to = c->n;
+  if (to <= c->located)
+    return 0;
+  int rc = mc_gpu_locate_locals(g->loc, c->reqs, c->located, to, c->ldev, err);
+  if (rc < 0)
+    return rc;
+  c->located = to;
+  return 0;
+}
+
+static mc_xfer_op_t *call_op_new(mc_xfer_call_t *c, int type, uint32_t nent) {
+  gpu_call_t *g = (gpu_call_t *)c;
+  mc_xfer_op_t *op = mc_xfer_op_new(type, nent, 0);
+  if (op) {
+    op->done = mc_batch_op_done;
+    op->entry_failed = mc_batch_op_entry_failed;
+    op->arg = g->b;
+    op->cancel = &g->b->cancel;
   }
-  if (pt >= 0)
-    mc_tr_call_end(e, pt, call);
-  free(take);
-  free(ents);
-  return rc;
+  return op;
+}
+
+static int call_accept(mc_xfer_call_t *c, size_t off, size_t k, const char *take,
+                       mc_xfer_op_t **ops, size_t nops, mc_err_t *err) {
+  gpu_call_t *g = (gpu_call_t *)c;
+  if (off + k > c->located && call_locate(c, off + k, err) < 0)
+    return err->code;
+  planned_t pl = {.off = off, .take = take, .ops = ops, .nops = nops};
+  return submit_planned(g->e, g->b, g->segment, g->d, 0, c->reqs + off, k, g->poll,
+                        c->ldev + off, &pl, err);
+}
+
+/* GPU memory to a peer whose transport for it takes whole calls: the
+ * transport plans, chunks and starts them (transport.h); else one submit. */
+static int submit_gpu(mc_engine_t *e, mc_batch_t *b, const mc_peer_t *peer,
+                      const mc_segment_desc_t *d, const mc_request_t *reqs, size_t n, int poll,
+                      gpu_call_t *g, int *same_host, mc_err_t *err) {
+  int slot = mc_transport_choose(e, peer, MC_MEM_CUDA, 0);
+  pthread_mutex_lock(&b->mu);
+  size_t room = b->cap - b->n;
+  pthread_mutex_unlock(&b->mu);
+  if (mc_tr_takes_calls(e, slot) && n <= room) {
+    *same_host = 1;
+    return mc_tr_submit_call(e, slot, peer, &g->c, err);
+  }
+  int rc = call_locate(&g->c, n, err); /* n > room: submit_planned reports it */
+  return rc < 0 ? rc : submit_planned(e, b, peer->segment, d, 0, reqs, n, poll, g->c.ldev,
+                                       NULL, err);
 }
 
 static int submit_pinned(mc_engine_t *e, mc_batch_t *b, const char *segment,
@@ -287,21 +269,21 @@ static int submit_pinned(mc_engine_t *e, mc_batch_t *b, const char *segment,
   }
   /* GPU memory: where the local buffers live (no CUDA call at all unless
    * this process has loaded CUDA). */
-  size_t chunk = (size_t)e->gpu_chunk;
-  size_t first_step = chunk < (size_t)e->gpu_first_chunk ? chunk : (size_t)e->gpu_first_chunk;
+  size_t first_step = (size_t)e->gpu_first_chunk;
   int *ldev = NULL;
   mc_gpu_locator_t loc;
   size_t located = n;
   int trace = e->gpu_trace;
-  uint64_t t0 = trace ? mc_now_ns() : 0, t1 = 0, t2 = 0;
+  uint64_t t0 = trace ? mc_now_ns() : 0, t1 = 0;
   if (mc_cuda_api_if_loaded()) {
     ldev = malloc(n * sizeof *ldev);
     if (!ldev)
       return mc_err_set(err, MC_ENOMEM, "out of memory");
     mc_gpu_locator_init(&loc, &e->regions);
-    /* A GPU batch to a peer is located chunk by chunk below, so its first
-     * copies start before the last request is looked at; anything else
-     * (or a first chunk without GPU memory) is located at once. */
+    /* A GPU batch to a peer is located chunk by chunk (by the transport
+     * that takes it, through call_locate), so its first copies start
+     * before the last request is looked at; anything else (or a first
+     * chunk without GPU memory) is located at once. */
     located = !local && n > first_step ? first_step : n;
     int ngpu = mc_gpu_locate_locals(&loc, reqs, 0, located, ldev, err);
     if (ngpu == 0 && located < n) {
@@ -320,25 +302,21 @@ static int submit_pinned(mc_engine_t *e, mc_batch_t *b, const char *segment,
     t1 = mc_now_ns();
   int same_host = 0;
   if (ldev && !local) {
-    /* The transport chosen for GPU memory to this peer may plan per
-     * request: it is offered each chunk's requests first. */
     mc_peer_t peer = {.segment = segment, .host = d.host, .port = d.port,
                       .same_host = mc_peer_same_host(&d)};
-    gpu_chunks_t g = {.loc = &loc, .located = located, .first_step = first_step,
-                      .chunk = chunk, .t2 = t2};
-    rc = submit_gpu_chunks(e, b, &peer, &d, reqs, n, poll, ldev, &g, err);
-    t2 = g.t2;
-    same_host = g.same_host;
+    gpu_call_t g = {.c = {.reqs = reqs, .n = n, .ldev = ldev, .located = located,
+                          .locate = call_locate, .op_new = call_op_new,
+                          .accept = call_accept},
+                    .e = e, .b = b, .segment = segment, .d = &d, .loc = &loc, .poll = poll};
+    rc = submit_gpu(e, b, &peer, &d, reqs, n, poll, &g, &same_host, err);
   } else {
-    t2 = trace ? mc_now_ns() : 0;
     rc = submit_planned(e, b, segment, &d, local, reqs, n, poll, ldev, NULL, err);
   }
   if (trace && ldev)
     mc_log_info("gpu trace: %zu requests at %.1f us: validate %.1f us, locate (first chunk) "
-                "%.1f us, first plan (describe, ipc) %.1f us, submit all %.1f us, same-host "
-                "path %s", n,
-                mc_trace_us(t_in), (t0 - t_in) / 1e3, (t1 - t0) / 1e3, (t2 - t1) / 1e3,
-                (mc_now_ns() - t2) / 1e3, same_host ? "yes" : "no");
+                "%.1f us, submit all %.1f us, whole call to its transport %s", n,
+                mc_trace_us(t_in), (t0 - t_in) / 1e3, (t1 - t0) / 1e3,
+                (mc_now_ns() - t1) / 1e3, same_host ? "yes" : "no");
   free(ldev);
   return rc;
 }
@@ -358,37 +336,20 @@ static int builder_open(op_builder_t *bd, mc_batch_t *b, int type, uint32_t cap,
   return 0;
 }
 
-/* The requests a planning transport took (caller holds b->mu): whole, one
- * entry each, an op per opcode of up to MC_XFER_MAX_ENTRIES (WRITE ops
- * first), entries as plan() left them. */
-static int build_planned(mc_batch_t *b, size_t first, const mc_request_t *reqs, size_t n,
-                         const planned_t *pl, op_builder_t *pb, mc_err_t *err) {
-  int rc = 0;
-  for (int pass = 0; pass < 2 && rc == 0; pass++) {
-    int type = pass == 0 ? MC_XFER_WRITE : MC_XFER_READ;
-    size_t left = 0;
-    for (size_t i = 0; i < n; i++)
-      left += pl->take[i] && (reqs[i].opcode == MC_OP_WRITE) == (pass == 0);
-    for (size_t i = 0; i < n && rc == 0; i++) {
-      if (!pl->take[i] || (reqs[i].opcode == MC_OP_WRITE) != (pass == 0))
-        continue;
-      if (pb->cur && pb->cur->nent == pb->cur_cap && (rc = builder_flush(pb, err)) < 0)
-        break;
-      if (!pb->cur &&
-          (rc = builder_open(pb, b, type,
-                             left < MC_XFER_MAX_ENTRIES ? (uint32_t)left : MC_XFER_MAX_ENTRIES,
-                             err)) < 0)
-        break;
-      mc_xfer_ent_t *ent = &pb->cur->ent[pb->cur->nent++];
-      *ent = pl->ents[i];
-      ent->cookie = (uint32_t)(first + i);
-      b->tasks[first + i].parts_left++;
-      left--;
+/* The ops a transport taking whole calls built for tasks [first, first+n)
+ * (caller holds b->mu): each entry is one whole request; its cookie, the
+ * request's index in the call, becomes the task's. */
+static void adopt_planned(mc_batch_t *b, size_t first, const planned_t *pl, op_builder_t *pb) {
+  for (size_t o = 0; o < pl->nops; o++) {
+    mc_xfer_op_t *op = pl->ops[o];
+    for (uint32_t k = 0; k < op->nent; k++) {
+      uint32_t task = (uint32_t)(first + (op->ent[k].cookie - pl->off));
+      op->ent[k].cookie = task;
+      b->tasks[task].parts_left++;
     }
-    if (rc == 0)
-      rc = builder_flush(pb, err);
   }
-  return rc;
+  pb->ops = pl->ops;
+  pb->n = pl->nops;
 }
 
 /* Slices request r (task `task`) into the builder's ops: an op holds up to
@@ -425,13 +386,13 @@ static inline int slice_request(mc_engine_t *e, mc_batch_t *b, op_builder_t *bd,
   return 0;
 }
 
-/* Hands the built ops out (caller holds b->mu; released here): the
- * planning transport's first (its copies start while the others are
- * sent), then one set per transport; small synchronous batches are driven
- * on this thread (submit_poll). */
+/* Hands the built ops out (caller holds b->mu; released here): one set
+ * per transport (a whole-call transport's, pb, it starts itself once this
+ * returned); small synchronous batches are driven on this thread
+ * (submit_poll). */
 static int hand_out(mc_engine_t *e, mc_batch_t *b, const mc_peer_t *peer, op_builder_t *ob,
-                    op_builder_t *pb, const planned_t *pl, size_t n, const mc_request_t *reqs,
-                    int poll, mc_err_t *err) {
+                    const op_builder_t *pb, size_t n, const mc_request_t *reqs, int poll,
+                    mc_err_t *err) {
   int rc = 0;
   size_t nops = 0;
   for (int k = 0; k < MC_TRANSPORT_MAX && rc == 0; k++) {
@@ -447,10 +408,6 @@ static int hand_out(mc_engine_t *e, mc_batch_t *b, const mc_peer_t *peer, op_bui
   for (size_t i = 0; i < n; i++)
     bytes += reqs[i].len;
   pthread_mutex_unlock(&b->mu);
-  if (pl) {
-    mc_tr_submit_plan(e, pl->slot, pl->plan, pb->ops, pb->n);
-    free(pb->ops);
-  }
   for (int k = 0; k < MC_TRANSPORT_MAX; k++) {
     if (!ob[k].n)
       continue;
@@ -468,14 +425,11 @@ static int submit_planned(mc_engine_t *e, mc_batch_t *b, const char *segment,
                           size_t n, int poll, const int *ldev, const planned_t *pl,
                           mc_err_t *err) {
   const mc_segment_desc_t *d = dp;
-  int pt = pl ? pl->slot : -1;
   const char *via_plan = pl ? pl->take : NULL;
   pthread_mutex_lock(&b->mu);
   if (b->n + n > b->cap) {
     size_t room = b->cap - b->n;
     pthread_mutex_unlock(&b->mu);
-    if (pt >= 0)
-      mc_tr_submit_plan(e, pt, pl->plan, NULL, 0);
     return mc_err_set(err, MC_EINVAL,
                       "batch has room for %zu more requests, %zu submitted; allocate a larger "
                       "batch",
@@ -491,7 +445,8 @@ static int submit_planned(mc_engine_t *e, mc_batch_t *b, const char *segment,
   }
   b->n += n;
   b->pending += n;
-  snprintf(b->last_segment, sizeof b->last_segment, "%s", segment);
+  if (strcmp(b->last_segment, segment) != 0)
+    snprintf(b->last_segment, sizeof b->last_segment, "%s", segment);
   if (local) {
     for (size_t i = 0; i < n; i++)
       b->tasks[first + i].parts_left = 1;
@@ -513,7 +468,7 @@ static int submit_planned(mc_engine_t *e, mc_batch_t *b, const char *segment,
   int rc = 0;
   op_builder_t pb = {0};
   if (pl)
-    rc = build_planned(b, first, reqs, n, pl, &pb, err);
+    adopt_planned(b, first, pl, &pb);
   /* Slices still to place: sizes each op's entry array to what it needs. */
   uint64_t slices_left = 0;
   for (size_t i = 0; i < n; i++)
@@ -533,7 +488,7 @@ static int submit_planned(mc_engine_t *e, mc_batch_t *b, const char *segment,
                                                     r->len, &memo[kind])];
     rc = slice_request(e, b, bd, r, first + i, dev, &slices_left, err);
   }
-  if (rc == 0 && (rc = hand_out(e, b, &peer, ob, &pb, pl, n, reqs, poll, err)) == 0)
+  if (rc == 0 && (rc = hand_out(e, b, &peer, ob, &pb, n, reqs, poll, err)) == 0)
     return 0;
   /* Nothing was handed out: roll the tasks back. */
   b->n = first;
@@ -541,8 +496,5 @@ static int submit_planned(mc_engine_t *e, mc_batch_t *b, const char *segment,
   pthread_mutex_unlock(&b->mu);
   for (int k = 0; k < MC_TRANSPORT_MAX; k++)
     builder_free(&ob[k]);
-  builder_free(&pb);
-  if (pl)
-    mc_tr_submit_plan(e, pl->slot, pl->plan, NULL, 0);
-  return rc;
+  return rc; /* a whole-call transport frees its ops (pb) itself */
 }

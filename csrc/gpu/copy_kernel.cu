@@ -10,11 +10,15 @@
 #include <stdint.h>
 
 #define MC_PARAM_REQS 128
+#define MC_PARAM_REQS_SMALL 8
 #define MC_PIECE (64ull << 10)
 
-struct mc_req_params {
-  unsigned long long dst[MC_PARAM_REQS], src[MC_PARAM_REQS], len[MC_PARAM_REQS];
-  unsigned int first[MC_PARAM_REQS + 1]; // piece index where copy i starts; [n] = total
+// Up to N copies in the kernel parameters (N = MC_PARAM_REQS, or
+// MC_PARAM_REQS_SMALL for a few copies: a smaller parameter block is
+// quicker to launch).
+template <int N> struct mc_req_params {
+  unsigned long long dst[N], src[N], len[N];
+  unsigned int first[N + 1]; // piece index where copy i starts; [n] = total
   unsigned int n;
 };
 
@@ -50,8 +54,7 @@ mc_copy_pieces(const unsigned long long *__restrict__ table, unsigned int n) {
     copy_piece((char *)table[3 * i], (const char *)table[3 * i + 1], table[3 * i + 2]);
 }
 
-extern "C" __global__ void __launch_bounds__(512)
-mc_copy_reqs_p(const __grid_constant__ mc_req_params p) {
+template <int N> static __device__ __forceinline__ void copy_reqs(const mc_req_params<N> &p) {
   unsigned int total = p.first[p.n];
   for (unsigned int b = blockIdx.x; b < total; b += gridDim.x) {
     // The copy holding piece b: first[lo] <= b < first[hi].
@@ -68,4 +71,14 @@ mc_copy_reqs_p(const __grid_constant__ mc_req_params p) {
     copy_piece((char *)p.dst[lo] + off, (const char *)p.src[lo] + off,
                len < MC_PIECE ? len : MC_PIECE);
   }
+}
+
+extern "C" __global__ void __launch_bounds__(512)
+mc_copy_reqs_p(const __grid_constant__ mc_req_params<MC_PARAM_REQS> p) {
+  copy_reqs<MC_PARAM_REQS>(p);
+}
+
+extern "C" __global__ void __launch_bounds__(512)
+mc_copy_reqs_p8(const __grid_constant__ mc_req_params<MC_PARAM_REQS_SMALL> p) {
+  copy_reqs<MC_PARAM_REQS_SMALL>(p);
 }

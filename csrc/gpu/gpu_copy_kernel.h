@@ -14,6 +14,7 @@
 /* Up to this many copies (any size) travel in the kernel's parameters (no
  * table). */
 #define MC_COPY_PARAM_REQS 128u
+#define MC_COPY_PARAM_REQS_SMALL 8u /* mc_copy_reqs_p8: a few copies, a small block */
 
 /* Bytes of piece table the copies need (24 per piece of <= 64 KiB). */
 size_t mc_copy_kernel_table_bytes(const size_t *sizes, size_t count);

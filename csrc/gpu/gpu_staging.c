@@ -1,6 +1,7 @@
 #include "gpu/gpu_staging.h"
 
 #include <errno.h>
+#include <stdatomic.h>
 #include <pthread.h>
 #include <sched.h>
 #include <stdio.h>
@@ -22,6 +23,10 @@
  * launch and completion are quicker than a copy engine's for a few KiB;
  * larger single copies stay with the copy engine. */
 #define MC_GPU_SINGLE_MAX (256u << 10)
+/* D2D jobs queued behind one another for one device go out as one kernel
+ * launch of up to this many copies (a launch costs the worker several
+ * microseconds of driver time; MC_GPU_MERGE=0: one launch per job). */
+#define MC_GPU_MERGE_MAX 4096u
 
 struct mc_gpu_stager {
   pthread_mutex_t mu;
@@ -33,14 +38,22 @@ struct mc_gpu_stager {
   int single_kernel; /* a single D2D copy of <= MC_COPY_PARAM_PIECES pieces: the kernel
                         too (MC_GPU_SINGLE_COPY=driver: cuMemcpyAsync) */
   int trace;    /* MC_GPU_TRACE=1: log each D2D job's timeline */
+  int merge;    /* MC_GPU_MERGE != 0: queued D2D jobs of one device share a launch */
   /* Pool (under mu). */
   mc_gpu_buf_t *free_list;
   size_t pinned;  /* bytes allocated, free or in use */
   /* Jobs (under mu). */
   mc_gpu_job_t *q_head, *q_tail;
-  size_t busy; /* jobs queued or in flight */
-  int stop, started;
-  int poked; /* mc_gpu_stager_poke: poll again before sleeping */
+  int stop;
+  atomic_int started;
+  /* Lock-free signals, so the polling worker never holds up a submitter
+   * on mu: q_gen changes (under mu) whenever the queue may hold a job that
+   * can start now (a job queued, a staging buffer returned, stop); the
+   * worker takes mu only when it changed. */
+  atomic_uint q_gen;
+  atomic_size_t busy;  /* jobs queued or in flight */
+  atomic_int poked;    /* mc_gpu_stager_poke: poll again before sleeping */
+  atomic_int sleeping; /* the worker waits on cv */
   pthread_t thread;
   /* Worker-only. */
   mc_gpu_job_t *fl_head, *fl_tail; /* in flight, submission order */
@@ -142,6 +155,8 @@ int mc_gpu_stager_create(size_t budget_bytes, mc_gpu_stager_t **out, mc_err_t *e
   const char *sc = getenv("MC_GPU_SINGLE_COPY");
   s->single_kernel = !(sc && !strcmp(sc, "driver"));
   s->trace = getenv("MC_GPU_TRACE") && getenv("MC_GPU_TRACE")[0] == '1';
+  const char *mg = getenv("MC_GPU_MERGE");
+  s->merge = !(mg && !strcmp(mg, "0"));
   *out = s;
   return 0;
 }
@@ -199,6 +214,7 @@ mc_gpu_buf_t *mc_gpu_buf_get(mc_gpu_stager_t *s, int device, size_t n, mc_err_t 
   if (!b) {
     pthread_mutex_lock(&s->mu);
     s->pinned -= size;
+    atomic_fetch_add(&s->q_gen, 1); /* room again: a job waiting for it may start */
     pthread_mutex_unlock(&s->mu);
   }
   return b;
@@ -210,6 +226,7 @@ void mc_gpu_buf_put(mc_gpu_stager_t *s, mc_gpu_buf_t *b) {
   pthread_mutex_lock(&s->mu);
   b->next = s->free_list;
   s->free_list = b;
+  atomic_fetch_add(&s->q_gen, 1); /* a job waiting for room may start now */
   pthread_cond_broadcast(&s->cv);
   pthread_mutex_unlock(&s->mu);
 }
@@ -228,6 +245,7 @@ int mc_gpu_stager_reserve(mc_gpu_stager_t *s, int device, size_t bytes, mc_err_t
     if (!b) {
       pthread_mutex_lock(&s->mu);
       s->pinned -= chunk;
+      atomic_fetch_add(&s->q_gen, 1);
       pthread_mutex_unlock(&s->mu);
       return err ? err->code : MC_ENOMEM;
     }
@@ -291,6 +309,12 @@ static void event_put(mc_gpu_stager_t *s, int dev, mc_cu_event e) {
 }
 
 static void finish(mc_gpu_stager_t *s, mc_gpu_job_t *j, int code, const char *msg) {
+  mc_gpu_job_t *riders = j->riders;
+  j->riders = NULL;
+  for (mc_gpu_job_t *r = riders; r; r = r->next) {
+    r->t_picked = j->t_picked;
+    r->t_launched = j->t_launched;
+  }
   if (s->trace && j->dir == MC_GPU_D2D)
     mc_log_info("gpu trace: D2D job cuda:%d, %zu copies: queued at %.1f us, launched +%.1f us, "
                 "done seen +%.1f us, picked up +%.1f us", j->device, j->n,
@@ -304,10 +328,65 @@ static void finish(mc_gpu_stager_t *s, mc_gpu_job_t *j, int code, const char *ms
     j->complete(j, code, msg);
   else
     mc_gpu_job_free(j);
-  pthread_mutex_lock(&s->mu);
-  if (--s->busy == 0)
+  if (atomic_fetch_sub(&s->busy, 1) == 1) {
+    pthread_mutex_lock(&s->mu); /* a drain checks busy under mu: no lost wake-up */
     pthread_cond_broadcast(&s->idle_cv);
-  pthread_mutex_unlock(&s->mu);
+    pthread_mutex_unlock(&s->mu);
+  }
+  while (riders) { /* their copies went with j's launch */
+    mc_gpu_job_t *r = riders;
+    riders = r->next;
+    r->next = NULL;
+    finish(s, r, code, msg);
+  }
+}
+
+/* A D2D job of the copy kernel that may carry others' copies. */
+static int mergeable(const mc_gpu_stager_t *s, const mc_gpu_job_t *j) {
+  return s->merge && s->d2d_mode == 0 && j->dir == MC_GPU_D2D && !j->prepare && !j->want_buf &&
+         j->n > 0;
+}
+
+/* Under mu, j just taken off the queue: the D2D jobs queued after it for
+ * its device come along (unlinked; returned as a list, at most
+ * MC_GPU_MERGE_MAX copies in all). */
+static mc_gpu_job_t *take_riders(mc_gpu_stager_t *s, mc_gpu_job_t *j) {
+  if (!mergeable(s, j))
+    return NULL;
+  size_t total = j->n;
+  mc_gpu_job_t *head = NULL, **tail = &head;
+  mc_gpu_job_t **pp = &s->q_head, *prev = NULL;
+  while (*pp) {
+    mc_gpu_job_t *k = *pp;
+    if (!mergeable(s, k) || k->device != j->device || total + k->n > MC_GPU_MERGE_MAX)
+      break; /* in order: no job overtakes one that cannot come along */
+    *pp = k->next;
+    if (s->q_tail == k)
+      s->q_tail = prev;
+    k->next = NULL;
+    *tail = k;
+    tail = &k->next;
+    total += k->n;
+  }
+  return head;
+}
+
+/* No lock: appends the riders' copies to j's (they finish with j).  Out
+ * of memory: the riders stay separate jobs, returned for start_job. */
+static mc_gpu_job_t *carry_riders(mc_gpu_job_t *j, mc_gpu_job_t *riders) {
+  size_t total = j->n;
+  for (mc_gpu_job_t *r = riders; r; r = r->next)
+    total += r->n;
+  if (!riders || mc_gpu_job_reserve(j, total) < 0)
+    return riders;
+  for (mc_gpu_job_t *r = riders; r; r = r->next) {
+    memcpy(j->dsts + j->n, r->dsts, r->n * sizeof *j->dsts);
+    memcpy(j->srcs + j->n, r->srcs, r->n * sizeof *j->srcs);
+    memcpy(j->sizes + j->n, r->sizes, r->n * sizeof *j->sizes);
+    j->n += r->n;
+  }
+  j->riders = riders;
+  return NULL;
 }
 
 /* Enqueues a job's copies and records its event; completes it on error. */
@@ -468,82 +547,108 @@ static int poll_inflight(mc_gpu_stager_t *s) {
   return done;
 }
 
+/* Under mu: starts what can start.  A job waiting for staging room does
+ * not hold up later jobs that need none (their completion frees room).
+ * Returns how many started (or failed). */
+static int start_queued(mc_gpu_stager_t *s) {
+  int blocked = 0, started = 0;
+  mc_gpu_job_t **pp = &s->q_head, *prev = NULL;
+  while (*pp) {
+    mc_gpu_job_t *j = *pp;
+    int failed = 0;
+    mc_err_t err = {0};
+    if (j->want_buf && !j->buf) {
+      if (!blocked)
+        j->buf = pool_get_budgeted(s, j->device, j->want_buf, &err, &failed);
+      if (!j->buf && !failed) {
+        blocked = 1;
+        prev = j;
+        pp = &j->next;
+        continue;
+      }
+    }
+    *pp = j->next;
+    if (s->q_tail == j)
+      s->q_tail = prev;
+    mc_gpu_job_t *riders = failed ? NULL : take_riders(s, j);
+    pthread_mutex_unlock(&s->mu);
+    if (failed) {
+      finish(s, j, err.code, err.msg);
+    } else {
+      riders = carry_riders(j, riders);
+      start_job(s, j);
+      while (riders) { /* could not come along (out of memory) */
+        mc_gpu_job_t *r = riders;
+        riders = r->next;
+        r->next = NULL;
+        start_job(s, r);
+      }
+    }
+    started++;
+    pthread_mutex_lock(&s->mu);
+    /* The queue may have changed meanwhile: rescan from the head. */
+    pp = &s->q_head;
+    prev = NULL;
+    blocked = 0;
+  }
+  return started;
+}
+
 static void *worker_main(void *arg) {
   mc_gpu_stager_t *s = arg;
-  int spins = 0;
+  int idle = 0;
+  unsigned seen = atomic_load(&s->q_gen) - 1; /* scan first */
   uint64_t idle_since = 0;
-  pthread_mutex_lock(&s->mu);
   for (;;) {
-    /* Start what can start.  A job waiting for staging room does not hold
-     * up later jobs that need none (their completion frees room). */
-    int blocked = 0, started = 0;
-    mc_gpu_job_t **pp = &s->q_head, *prev = NULL;
-    while (*pp) {
-      mc_gpu_job_t *j = *pp;
-      int failed = 0;
-      mc_err_t err = {0};
-      if (j->want_buf && !j->buf) {
-        if (!blocked)
-          j->buf = pool_get_budgeted(s, j->device, j->want_buf, &err, &failed);
-        if (!j->buf && !failed) {
-          blocked = 1;
-          prev = j;
-          pp = &j->next;
-          continue;
-        }
-      }
-      *pp = j->next;
-      if (s->q_tail == j)
-        s->q_tail = prev;
-      pthread_mutex_unlock(&s->mu);
-      if (failed)
-        finish(s, j, err.code, err.msg);
-      else
-        start_job(s, j);
-      started++;
+    int started = 0, done = 0;
+    unsigned g = atomic_load(&s->q_gen);
+    if (g != seen) {
+      seen = g;
       pthread_mutex_lock(&s->mu);
-      /* The queue may have changed meanwhile: rescan from the head. */
-      pp = &s->q_head;
-      prev = NULL;
-      blocked = 0;
+      started = start_queued(s);
+      int stop = s->stop && !s->q_head && !s->fl_head;
+      pthread_mutex_unlock(&s->mu);
+      if (stop)
+        break;
     }
-    pthread_mutex_unlock(&s->mu);
-    int done = s->fl_head ? poll_inflight(s) : 0;
-    pthread_mutex_lock(&s->mu);
-    if (s->stop && !s->q_head && !s->fl_head)
-      break;
-    if (done || started || s->poked) {
-      spins = 0;
-      s->poked = 0;
+    if (s->fl_head)
+      done = poll_inflight(s);
+    if (done || started || atomic_exchange(&s->poked, 0)) {
+      idle = 0;
       continue;
     }
-    if (spins == 0)
+    if (!idle) {
+      idle = 1;
       idle_since = now_ns();
-    spins++;
+    }
     if (now_ns() - idle_since < (s->fl_head ? 20000000ull : 1000000ull)) {
       /* Copies in flight (up to 20 ms) or just finished (1 ms: the next
-       * batch often follows): poll closely instead of sleeping, since a
-       * wake-up costs tens of microseconds.  Then back off. */
-      pthread_mutex_unlock(&s->mu);
+       * batch often follows): poll closely, without mu, instead of
+       * sleeping, since a wake-up costs tens of microseconds.  Then back
+       * off. */
       sched_yield();
-      pthread_mutex_lock(&s->mu);
       continue;
     }
-    if (!s->fl_head) {
-      pthread_cond_wait(&s->cv, &s->mu);
-    } else {
-      /* Copies in flight: look again shortly (or when new work comes). */
-      struct timespec ts;
-      clock_gettime(CLOCK_REALTIME, &ts);
-      ts.tv_nsec += 20000;
-      if (ts.tv_nsec >= 1000000000L) {
-        ts.tv_sec++;
-        ts.tv_nsec -= 1000000000L;
+    pthread_mutex_lock(&s->mu);
+    atomic_store(&s->sleeping, 1);
+    if (atomic_load(&s->q_gen) == seen && !atomic_load(&s->poked)) {
+      if (!s->fl_head) {
+        pthread_cond_wait(&s->cv, &s->mu);
+      } else {
+        /* Copies in flight: look again shortly (or when new work comes). */
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        ts.tv_nsec += 20000;
+        if (ts.tv_nsec >= 1000000000L) {
+          ts.tv_sec++;
+          ts.tv_nsec -= 1000000000L;
+        }
+        pthread_cond_timedwait(&s->cv, &s->mu, &ts);
       }
-      pthread_cond_timedwait(&s->cv, &s->mu, &ts);
     }
+    atomic_store(&s->sleeping, 0);
+    pthread_mutex_unlock(&s->mu);
   }
-  pthread_mutex_unlock(&s->mu);
   return NULL;
 }
 
@@ -552,7 +657,7 @@ void mc_gpu_stager_submit(mc_gpu_stager_t *s, mc_gpu_job_t *j) {
   if (s->trace)
     j->t_queued = now_ns();
   pthread_mutex_lock(&s->mu);
-  if (!s->started) {
+  if (!atomic_load(&s->started)) {
     if (pthread_create(&s->thread, NULL, worker_main, s) != 0) {
       pthread_mutex_unlock(&s->mu);
       mc_log_error("cannot start the GPU copy thread");
@@ -562,34 +667,39 @@ void mc_gpu_stager_submit(mc_gpu_stager_t *s, mc_gpu_job_t *j) {
         mc_gpu_job_free(j);
       return;
     }
-    s->started = 1;
+    atomic_store(&s->started, 1);
   }
-  s->busy++;
+  atomic_fetch_add(&s->busy, 1);
   if (s->q_tail)
     s->q_tail->next = j;
   else
     s->q_head = j;
   s->q_tail = j;
-  pthread_cond_broadcast(&s->cv);
+  atomic_fetch_add(&s->q_gen, 1);
+  int wake = atomic_load(&s->sleeping);
+  if (wake)
+    pthread_cond_broadcast(&s->cv);
   pthread_mutex_unlock(&s->mu);
 }
 
 void mc_gpu_stager_poke(mc_gpu_stager_t *s) {
-  if (!s)
+  if (!s || !atomic_load(&s->started))
     return;
-  pthread_mutex_lock(&s->mu);
-  if (s->started) {
-    s->poked = 1;
+  /* No lock unless the worker sleeps: it sets `sleeping` before it
+   * checks `poked` under mu, so one of the two sees the other. */
+  atomic_store(&s->poked, 1);
+  if (atomic_load(&s->sleeping)) {
+    pthread_mutex_lock(&s->mu);
     pthread_cond_broadcast(&s->cv);
+    pthread_mutex_unlock(&s->mu);
   }
-  pthread_mutex_unlock(&s->mu);
 }
 
 void mc_gpu_stager_drain(mc_gpu_stager_t *s) {
   if (!s)
     return;
   pthread_mutex_lock(&s->mu);
-  while (s->busy > 0)
+  while (atomic_load(&s->busy) > 0)
     pthread_cond_wait(&s->idle_cv, &s->mu);
   pthread_mutex_unlock(&s->mu);
 }
@@ -600,8 +710,9 @@ void mc_gpu_stager_destroy(mc_gpu_stager_t *s) {
   mc_gpu_stager_drain(s);
   pthread_mutex_lock(&s->mu);
   s->stop = 1;
+  atomic_fetch_add(&s->q_gen, 1);
   pthread_cond_broadcast(&s->cv);
-  int started = s->started;
+  int started = atomic_load(&s->started);
   pthread_mutex_unlock(&s->mu);
   if (started)
     pthread_join(s->thread, NULL);

@@ -55,6 +55,7 @@ struct mc_gpu_job {
   int ev_dev, ev_stream;
   int synced; /* no event and none needed: done when started */
   mc_gpu_buf_t *kbuf; /* copy kernel's piece table */
+  mc_gpu_job_t *riders; /* jobs whose copies this one's launch carries (they finish with it) */
   uint64_t t_queued, t_picked, t_launched; /* MC_GPU_TRACE=1 only */
 };
 

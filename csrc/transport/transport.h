@@ -56,27 +56,31 @@
  *   - stop(): fail everything in flight with MC_ECLOSED, join threads, free
  *     impl.  Called once, after the engine stopped submitting.
  *
- * Transports that decide per request (plan / submit_plan / call_end)
+ * Transports that take whole submit calls (submit_call)
  *   A transport that moves some requests to a peer and not others (the
  *   same-host GPU transport: only requests whose remote range lies in a
- *   CUDA region of the peer whose IPC handle opens here) implements plan()
- *   instead of taking everything submit() gets.  The engine then, for each
- *   chunk of a submit call (it locates local buffers chunk by chunk so the
- *   first copies start early), offers the chunk's requests to plan() as
- *   whole-request entries (ent.dev: the local cuda device, -1 for host
- *   memory, which it must not take), outside its locks;
- *   plan() marks take[i] for those it moves, may rewrite a taken entry's
- *   `remote` into its own form (e.g. the mapped address; the engine copies
- *   taken entries verbatim into the ops it hands back and never reads
- *   remote again), and returns its plan (NULL: it takes none).  The engine
- *   routes the untaken requests to its next choice for that memory kind
- *   and hands the taken ones back as ops (one entry per request, at most
- *   MC_XFER_MAX_ENTRIES per op, one opcode per op) through
- *   submit_plan(plan, ops): from there on the ops follow the rules of
- *   submit() above (done() once each).  submit_plan(plan, NULL, 0) drops a
- *   plan unused.  *call is the transport's state shared by the chunks of
- *   one submit call (NULL before the first plan(); the engine passes it to
- *   call_end() after the last chunk).
+ *   CUDA region of the peer whose IPC handle opens here) implements
+ *   submit_call() instead of submit().  The engine hands it a submit call's
+ *   whole request list (validated, local buffers pinned, the batch's room
+ *   checked) as an mc_xfer_call_t and the transport plans, chunks and
+ *   starts the copies itself, on the submitting thread:
+ *     - call->locate(call, to) tells where local buffers [located, to)
+ *       live (ldev[i]: the cuda device, -1 host memory, which it must not
+ *       take); the engine located the first `located` before the call;
+ *     - call->op_new(call, type, nent) gives an op whose done() /
+ *       entry_failed() report to the engine (entries: one per whole
+ *       request, cookie = the request's index in reqs, dev = ldev);
+ *     - call->accept(call, off, k, take, ops, nops) settles requests
+ *       [off, off+k): take[i-off] marks those its ops move; the engine
+ *       registers them all, routes the untaken ones to its next choice for
+ *       their memory kind (and hands those out) and returns 0, after which
+ *       the transport owns the ops (the rules of submit(): done() once
+ *       each) and starts them; < 0 (err set): nothing of the range was
+ *       registered, the transport frees the ops and returns that error.
+ *   Every request must be settled by accept() exactly once, in order,
+ *   unless an error ends the call (earlier ranges are then in flight; the
+ *   caller's wait or free covers them).  Large calls go in chunks so the
+ *   first copies start before the last request was looked at.
  */
 #ifndef MC_TRANSPORT_TRANSPORT_H
 #define MC_TRANSPORT_TRANSPORT_H
@@ -167,6 +171,20 @@ typedef struct mc_transport_env {
   int gpu_trace; /* MC_GPU_TRACE=1: log planning times */
 } mc_transport_env_t;
 
+/* A submit call handed whole to a transport (submit_call, above). */
+typedef struct mc_xfer_call mc_xfer_call_t;
+struct mc_xfer_call {
+  const mc_xfer_req_t *reqs;
+  size_t n;
+  int *ldev;      /* per request: local cuda device, -1 host memory; set for [0, located) */
+  size_t located; /* advanced by locate() */
+  /* The engine's side of the call. */
+  int (*locate)(mc_xfer_call_t *call, size_t to, mc_err_t *err);
+  mc_xfer_op_t *(*op_new)(mc_xfer_call_t *call, int type, uint32_t nent);
+  int (*accept)(mc_xfer_call_t *call, size_t off, size_t k, const char *take,
+                mc_xfer_op_t **ops, size_t nops, mc_err_t *err);
+};
+
 /* What transports report to the engine's statistics (mc_engine_stats_t
  * carries the same fields): each stats() fills those it owns. */
 #define MC_TRANSPORT_STATS_FIELDS                                                              \
@@ -226,13 +244,12 @@ typedef struct mc_transport_ops {
   const char *rpc_prefix;
   int (*serve_rpc)(void *impl, const char *from, const char *req, size_t len, char **reply,
                    mc_err_t *err);
-  /* Optional: per-request planning (see "Transports that decide per
-   * request" above).  A transport with plan() gets its requests only
-   * through submit_plan(), never through submit(). */
-  void *(*plan)(void *impl, const mc_peer_t *peer, void **call, mc_xfer_ent_t *ents, size_t n,
-                char *take);
-  void (*submit_plan)(void *impl, void *plan, mc_xfer_op_t **ops, size_t nops);
-  void (*call_end)(void *impl, void *call);
+  /* Optional: whole submit calls (see "Transports that take whole submit
+   * calls" above).  A transport with submit_call() gets its requests only
+   * through it, never through submit().  0, or < 0 with err set (the
+   * submit fails with it). */
+  int (*submit_call)(void *impl, const mc_peer_t *peer, struct mc_xfer_call *call,
+                     mc_err_t *err);
   /* Optional: a region was registered / is being unregistered.
    * mem_unregister runs BEFORE the engine drops the region: it waits up to
    * timeout_ms (<0: no limit) for accesses in flight through this

@@ -27,6 +27,17 @@ enum {
 
 typedef struct mc_xfer_op mc_xfer_op_t;
 
+/* One request of a submit call as the caller gave it (engine.h's
+ * mc_request_t is this type): a transport that takes whole calls
+ * (transport.h submit_call) reads them as they are. */
+enum { MC_XFER_REQ_READ = 0, MC_XFER_REQ_WRITE = 1 };
+typedef struct mc_xfer_req {
+  int opcode;      /* MC_XFER_REQ_READ: remote -> local; MC_XFER_REQ_WRITE: local -> remote */
+  void *local;     /* local buffer */
+  uint64_t remote; /* address in the target segment */
+  uint64_t len;
+} mc_xfer_req_t;
+
 typedef struct mc_xfer_ent {
   void *local;     /* source (WRITE) or destination (READ) */
   uint64_t remote; /* address in the target segment */

@@ -45,13 +45,58 @@ typedef struct gen_map {
 #define GEN_PAGE 4096
 #define GEN_MEMFD_NAME "mc-regions-gen"
 
+/* A peer's descriptor as one mc.describe reply gave it, shared by the
+ * peer's cache entry and the calls that use it (refcounted; never changed
+ * once made, except the lookup hints, each of which is checked on use). */
+#define RUN_HINTS 4096
+typedef struct desc {
+  atomic_int refs;
+  mc_remote_desc_t d;
+  char *raw;      /* the reply d was decoded from, or NULL */
+  uint32_t *hint; /* RUN_HINTS: 2 MiB page of a remote address -> region + 1 */
+} desc_t;
+
+static void desc_unref(desc_t *dr) {
+  if (dr && atomic_fetch_sub(&dr->refs, 1) == 1) {
+    mc_remote_desc_free(&dr->d);
+    free(dr->raw);
+    free(dr->hint);
+    free(dr);
+  }
+}
+
+static desc_t *desc_ref(desc_t *dr) {
+  if (dr)
+    atomic_fetch_add(&dr->refs, 1);
+  return dr;
+}
+
+/* Takes over *rd and *raw (both left empty); NULL when out of memory
+ * (then they stay the caller's). */
+static desc_t *desc_new(mc_remote_desc_t *rd, char **raw) {
+  desc_t *dr = calloc(1, sizeof *dr);
+  uint32_t *hint = calloc(RUN_HINTS, sizeof *hint);
+  if (!dr || !hint) {
+    free(dr);
+    free(hint);
+    return NULL;
+  }
+  atomic_init(&dr->refs, 1);
+  dr->d = *rd;
+  rd->regions = NULL;
+  rd->n = 0;
+  dr->raw = raw ? *raw : NULL;
+  if (raw)
+    *raw = NULL;
+  dr->hint = hint;
+  return dr;
+}
+
 typedef struct peer_entry {
   char name[320];
   int verdict; /* 1 same host, -1 another host, 0 not known */
-  int have;    /* desc holds the peer's last descriptor */
-  int fresh;   /* desc was fetched by reaches() and not used yet */
-  mc_remote_desc_t desc;
-  char *raw; /* the reply desc was decoded from (NULL if unknown) */
+  int fresh;   /* dr was fetched by reaches() and not used yet */
+  desc_t *dr;  /* the peer's last descriptor (a reference), NULL if none */
   gen_map_t *gm; /* the peer's version page, NULL if it cannot be mapped */
   long gm_tried_pid; /* the (pid, fd, token) whose page failed to map */
   int gm_tried_fd;
@@ -66,6 +111,7 @@ typedef struct shg {
   char *(*describe)(void *ctx); /* our descriptor, for peers' mc.describe */
   mc_gpu_stager_t *gpu;
   int trace;
+  size_t chunk, first_chunk; /* MC_GPU_CHUNK, MC_GPU_FIRST_CHUNK: requests per step */
   int off; /* MC_GPU_IPC=0: moves nothing, still answers mc.describe */
   pthread_mutex_t mu; /* peers, logged */
   peer_entry_t *peers;
@@ -175,8 +221,8 @@ static gen_map_t *gen_map_open(long pid, int fd, uint64_t token) {
 
 /* Under t->mu: the entry's page follows its descriptor's "gen". */
 static void peer_gen_update(shg_t *t, peer_entry_t *pe) {
-  const mc_remote_desc_t *d = &pe->desc;
-  if (t->no_gen || !pe->have || !d->has_gen || d->pid <= 0) {
+  const mc_remote_desc_t *d = pe->dr ? &pe->dr->d : NULL;
+  if (t->no_gen || !d || !d->has_gen || d->pid <= 0) {
     gen_map_unref(pe->gm);
     pe->gm = NULL;
     return;
@@ -306,21 +352,22 @@ static int desc_copy(mc_remote_desc_t *dst, const mc_remote_desc_t *src) {
   return 0;
 }
 
-/* Stores a fresh descriptor of `segment` (verdict 1 = same host). */
-static void peer_store(shg_t *t, const char *segment, int verdict, const mc_remote_desc_t *rd,
-                       int fresh, const char *raw) {
+/* Stores a fresh descriptor of `segment` (verdict 1 = same host; dr: a
+ * reference the entry takes over, NULL: none). */
+static void peer_store(shg_t *t, const char *segment, int verdict, desc_t *dr, int fresh) {
   pthread_mutex_lock(&t->mu);
   ssize_t i = peer_find(t, segment, 1);
   if (i >= 0) {
-    t->peers[i].verdict = verdict;
-    free(t->peers[i].raw);
-    t->peers[i].raw = rd && raw ? strdup(raw) : NULL;
-    mc_remote_desc_free(&t->peers[i].desc);
-    t->peers[i].have = rd && desc_copy(&t->peers[i].desc, rd) == 0;
-    t->peers[i].fresh = fresh && t->peers[i].have;
-    peer_gen_update(t, &t->peers[i]);
+    peer_entry_t *pe = &t->peers[i];
+    pe->verdict = verdict;
+    desc_unref(pe->dr);
+    pe->dr = dr;
+    dr = NULL;
+    pe->fresh = fresh && pe->dr;
+    peer_gen_update(t, pe);
   }
   pthread_mutex_unlock(&t->mu);
+  desc_unref(dr); /* no entry (out of memory) */
 }
 
 /* First contact decides: the peer's descriptor names its host.  A peer on
@@ -348,7 +395,7 @@ static int shg_reaches(void *impl, const mc_peer_t *peer, mc_mem_kind_t kind, ch
     if (describe_remote(t, peer->segment, &rd, &raw, &err) < 0)
       return 1; /* plan() asks again and logs why it cannot */
     verdict = rd.host_id[0] && !strcmp(rd.host_id, mc_host_identity()) ? 1 : -1;
-    peer_store(t, peer->segment, verdict, verdict > 0 ? &rd : NULL, 1, raw);
+    peer_store(t, peer->segment, verdict, verdict > 0 ? desc_new(&rd, &raw) : NULL, 1);
     free(raw);
     mc_remote_desc_free(&rd);
   }
@@ -377,26 +424,19 @@ typedef struct group group_t;
  * complete (unchanged: done; changed: the V_RPC check then). */
 enum { V_NONE = 0, V_RPC = 1, V_GEN = 2 };
 
-#define RUN_HINTS 4096
-#define HINT_MIN 64
-
 typedef struct call {
   shg_t *t;
   pthread_mutex_t mu;
   char segment[320];
   char host[256];
   int port;
-  mc_remote_desc_t used; /* the descriptor the mappings came from */
-  char *used_raw;        /* the reply `used` was decoded from, or NULL */
-  int same_raw;          /* the check's reply was byte-identical to used_raw */
-  char *region_used;     /* per used.regions: some request maps into it */
+  desc_t *u;             /* the descriptor the mappings came from (a reference) */
+  int same_raw;          /* the check's reply was byte-identical to u->raw */
+  char *region_used;     /* per u->d.regions: some request maps into it */
   uint64_t *rmap;        /* per region: mapped base, 1 = cannot be opened */
   int *rdev;             /* per region: local device + 1 it was opened on */
-  /* 2 MiB page of a remote address -> region + 1; allocated by the first
-   * chunk of more than HINT_MIN requests (a small call does without: the
-   * zeroing would cost it more than the hints save). */
-  uint32_t *hint;
   int same_process;
+  int logged; /* its path was logged (log_path_once) */
   int validate; /* cached descriptor: V_RPC or V_GEN (see below), else 0 */
   gen_map_t *gm; /* V_GEN: the peer's version page (a reference) */
   int rpc_sent; /* under mu */
@@ -408,10 +448,6 @@ typedef struct call {
   group_t *waiting;       /* groups waiting for the check */
   int refs;
 } call_t;
-
-typedef struct plan {
-  call_t *call; /* a reference */
-} plan_t;
 
 /* Completion of one op: its copy jobs and, with a cached descriptor, the
  * call's check; the last part completes the op (outside call->mu). */
@@ -426,13 +462,8 @@ struct group {
 
 static void call_free(call_t *r) {
   gen_map_unref(r->gm);
-  free(r->used_raw);
-  mc_remote_desc_free(&r->used);
+  desc_unref(r->u);
   mc_remote_desc_free(&r->fresh);
-  free(r->hint);
-  free(r->region_used);
-  free(r->rmap);
-  free(r->rdev);
   pthread_mutex_destroy(&r->mu);
   free(r);
 }
@@ -456,10 +487,10 @@ static int call_verdict(call_t *r, char *why, size_t cap) {
   }
   if (r->same_raw)
     return 0; /* the same descriptor, byte for byte: every region is unchanged */
-  for (size_t i = 0; i < r->used.n; i++) {
+  for (size_t i = 0; i < r->u->d.n; i++) {
     if (!r->region_used[i])
       continue;
-    const mc_remote_region_t *u = &r->used.regions[i];
+    const mc_remote_region_t *u = &r->u->d.regions[i];
     const mc_remote_region_t *f = find_region(&r->fresh, u->addr, u->len);
     if (!f || f->addr != u->addr || f->len != u->len || strcmp(f->ipc, u->ipc) != 0 ||
         f->ipc_base != u->ipc_base) {
@@ -500,7 +531,7 @@ static void ipc_job_done(mc_gpu_job_t *j, int code, const char *msg) {
   mc_gpu_job_free(j);
   pthread_mutex_lock(&r->mu);
   int fin = group_part_done(g, code, msg), send = 0;
-  if (fin && r->validate == V_GEN && !gen_current(r->gm, r->used.gen)) {
+  if (fin && r->validate == V_GEN && !gen_current(r->gm, r->u->d.gen)) {
     /* The peer's regions changed since the descriptor: whether the ones
      * this op used are still there, its current descriptor says. */
     if (!r->checked) {
@@ -536,14 +567,20 @@ static void validate_done(mc_xfer_op_t *op, int code, const char *msg) {
     /* The common case: nothing changed, the reply is the text the call's
      * descriptor came from (the peer caches it): no decode, no compare of
      * regions, the cache stays as it is. */
-    same_raw = r->used_raw && !strcmp(json, r->used_raw);
+    same_raw = r->u->raw && !strcmp(json, r->u->raw);
+    mc_remote_desc_t keep = {0};
+    char *kraw = NULL;
     if (same_raw) {
     } else if (mc_segment_desc_decode_regions(json, strlen(json), &fresh, &err) < 0) {
       code = err.code;
       snprintf(why, sizeof why, "%s", err.msg);
-    } else {
-      peer_store(r->t, r->segment, 1, &fresh, 0, json);
+    } else if (desc_copy(&keep, &fresh) == 0 && (kraw = strdup(json))) {
+      desc_t *dr = desc_new(&keep, &kraw);
+      if (dr)
+        peer_store(r->t, r->segment, 1, dr, 0);
     }
+    free(kraw);
+    mc_remote_desc_free(&keep);
   } else {
     snprintf(why, sizeof why, "%s", msg ? msg : mc_strerror(code));
   }
@@ -572,37 +609,36 @@ static void validate_done(mc_xfer_op_t *op, int code, const char *msg) {
   call_unref(r); /* the check's reference */
 }
 
-/* Maps each entry into the peer's regions per the call's descriptor
- * (mapped[i]: where its remote range appears here).  Returns how many map;
- * *miss: some found no cuda region there. */
-static size_t map_entries(call_t *run, const mc_xfer_ent_t *ents, size_t n, char *take,
-                          uint64_t *mapped, int *miss) {
-  const mc_remote_desc_t *rd = &run->used;
+/* Maps requests into the peer's regions per the call's descriptor
+ * (mapped[i]: where its remote range appears here; ldev[i] < 0: host
+ * memory, never taken).  Returns how many map; *miss: some found no cuda
+ * region there. */
+static size_t map_reqs(call_t *run, const mc_xfer_req_t *reqs, const int *ldev, size_t n,
+                       char *take, uint64_t *mapped, int *miss) {
+  const mc_remote_desc_t *rd = &run->u->d;
+  uint32_t *hint = run->u->hint; /* shared by the descriptor's calls: each hint is checked */
   size_t k = 0;
   mc_err_t err = {0};
   const mc_remote_region_t *r = NULL; /* the region of the previous request */
-  uint32_t none = 0;
   *miss = 0;
-  if (!run->hint && n > HINT_MIN)
-    run->hint = calloc(RUN_HINTS, sizeof *run->hint);
   for (size_t i = 0; i < n; i++) {
     take[i] = 0;
-    if (ents[i].dev < 0)
+    if (ldev[i] < 0)
       continue;
-    uint64_t ra = ents[i].remote, rl = ents[i].len;
+    uint64_t ra = reqs[i].remote, rl = reqs[i].len;
     /* The region last found in this 2 MiB page first (checking the last
      * region first mispredicts a branch per request over a shuffled block
      * table), then the last region, then a binary search. */
-    uint32_t *hp = run->hint ? &run->hint[(ra >> 21) % RUN_HINTS] : &none;
-    const mc_remote_region_t *c = *hp && *hp <= rd->n ? &rd->regions[*hp - 1] : NULL;
+    uint32_t *hp = &hint[(ra >> 21) % RUN_HINTS];
+    uint32_t h = __atomic_load_n(hp, __ATOMIC_RELAXED);
+    const mc_remote_region_t *c = h && h <= rd->n ? &rd->regions[h - 1] : NULL;
     if (c && ra >= c->addr && ra + rl <= c->addr + c->len) {
       r = c;
-    } else if (r && ra >= r->addr && ra + rl <= r->addr + r->len) {
-      *hp = (uint32_t)(r - rd->regions) + 1;
     } else {
-      r = find_region(rd, ra, rl);
+      if (!(r && ra >= r->addr && ra + rl <= r->addr + r->len))
+        r = find_region(rd, ra, rl);
       if (r)
-        *hp = (uint32_t)(r - rd->regions) + 1;
+        __atomic_store_n(hp, (uint32_t)(r - rd->regions) + 1, __ATOMIC_RELAXED);
     }
     if (!r || r->cuda_dev < 0) {
       *miss = 1; /* host memory there, or not (yet) known: TCP says which */
@@ -610,14 +646,14 @@ static size_t map_entries(call_t *run, const mc_xfer_ent_t *ents, size_t n, char
       continue;
     }
     size_t ri = (size_t)(r - rd->regions);
-    int ldev = ents[i].dev;
+    int dev = ldev[i];
     if (run->same_process) {
       mapped[i] = ra; /* one address space */
     } else {
-      if (r->ipc[0] && run->rdev[ri] != ldev + 1) {
+      if (r->ipc[0] && run->rdev[ri] != dev + 1) {
         uint64_t base = 0;
-        run->rmap[ri] = mc_gpu_ipc_open(r->ipc, ldev, &base, &err) == 0 ? base : 1;
-        run->rdev[ri] = ldev + 1;
+        run->rmap[ri] = mc_gpu_ipc_open(r->ipc, dev, &base, &err) == 0 ? base : 1;
+        run->rdev[ri] = dev + 1;
       }
       if (!r->ipc[0] || run->rmap[ri] <= 1) {
         log_path_once(run->t, run->segment, "TCP with pinned staging (%s)",
@@ -635,32 +671,28 @@ static size_t map_entries(call_t *run, const mc_xfer_ent_t *ents, size_t n, char
   return k;
 }
 
-/* A call over descriptor `rd` (taken over); NULL when out of memory. */
-static call_t *call_new(shg_t *t, const mc_peer_t *peer, mc_remote_desc_t *rd, int validate) {
-  call_t *r = calloc(1, sizeof *r);
-  size_t nr = rd->n ? rd->n : 1;
-  if (r) {
-    pthread_mutex_init(&r->mu, NULL);
-    r->region_used = calloc(nr, 1);
-    r->rmap = calloc(nr, sizeof *r->rmap);
-    r->rdev = calloc(nr, sizeof *r->rdev);
-  }
-  if (!r || !r->region_used || !r->rmap || !r->rdev) {
-    if (r)
-      call_free(r);
-    mc_remote_desc_free(rd);
+/* A call over descriptor dr (its reference taken over); NULL when out of
+ * memory.  One allocation: the call and its per-region arrays. */
+static call_t *call_new(shg_t *t, const mc_peer_t *peer, desc_t *dr, int validate) {
+  size_t nr = dr->d.n ? dr->d.n : 1;
+  size_t head = (sizeof(call_t) + 7) & ~(size_t)7;
+  call_t *r = calloc(1, head + nr * (sizeof(uint64_t) + sizeof(int) + 1));
+  if (!r) {
+    desc_unref(dr);
     return NULL;
   }
+  pthread_mutex_init(&r->mu, NULL);
+  r->rmap = (uint64_t *)((char *)r + head);
+  r->rdev = (int *)(r->rmap + nr);
+  r->region_used = (char *)(r->rdev + nr);
   r->t = t;
   snprintf(r->segment, sizeof r->segment, "%s", peer->segment);
   snprintf(r->host, sizeof r->host, "%s", peer->host ? peer->host : "");
   r->port = peer->port;
-  r->used = *rd;
-  rd->regions = NULL;
-  rd->n = 0;
-  r->same_process = r->used.pid == (long)getpid();
+  r->u = dr;
+  r->same_process = dr->d.pid == (long)getpid();
   r->validate = validate;
-  r->refs = 1; /* the engine's, until call_end */
+  r->refs = 1; /* the submit call's, until its last chunk was handed out */
   return r;
 }
 
@@ -668,78 +700,75 @@ static call_t *call_new(shg_t *t, const mc_peer_t *peer, mc_remote_desc_t *rd, i
  * `refetch`, no cache, or one fetched by reaches() just now, the peer's
  * answer now.  NULL: not same host (or no descriptor), logged. */
 static call_t *call_start(shg_t *t, const mc_peer_t *peer, int refetch) {
-  mc_remote_desc_t rd = {0};
-  int have = 0, fresh = 0;
-  char *raw = NULL;
+  desc_t *dr = NULL;
+  int fresh = 0;
   gen_map_t *gm = NULL;
   pthread_mutex_lock(&t->mu);
   ssize_t pi = peer_find(t, peer->segment, 0);
   int verdict = pi >= 0 ? t->peers[pi].verdict : 0;
-  if (!refetch && pi >= 0 && verdict > 0 && t->peers[pi].have) {
+  if (!refetch && pi >= 0 && verdict > 0 && t->peers[pi].dr) {
     peer_entry_t *pe = &t->peers[pi];
-    have = desc_copy(&rd, &pe->desc) == 0;
-    fresh = have && pe->fresh;
+    dr = desc_ref(pe->dr);
+    fresh = pe->fresh;
     pe->fresh = 0;
     /* The peer's regions are as the descriptor says right now: checked
-     * again once the copies are complete, no RPC (no text kept). */
-    if (have && !fresh && pe->gm && gen_current(pe->gm, pe->desc.gen)) {
+     * again once the copies are complete, no RPC. */
+    if (!fresh && pe->gm && gen_current(pe->gm, dr->d.gen)) {
       gm = pe->gm;
       atomic_fetch_add(&gm->refs, 1);
-    } else if (have && pe->raw) {
-      raw = strdup(pe->raw);
     }
   }
   pthread_mutex_unlock(&t->mu);
   if (verdict < 0)
     return NULL;
+  int have = dr != NULL;
   if (!have) { /* first contact (or the cache missed): ask the peer now */
     mc_err_t err = {0};
-    free(raw);
-    raw = NULL;
+    mc_remote_desc_t rd = {0};
+    char *raw = NULL;
     if (describe_remote(t, peer->segment, &rd, &raw, &err) < 0) {
       log_path_once(t, peer->segment, "TCP with pinned staging (the peer's descriptor is "
                     "not available: %s)", err.msg);
       return NULL;
     }
     int same = rd.host_id[0] && !strcmp(rd.host_id, mc_host_identity());
-    peer_store(t, peer->segment, same ? 1 : -1, same ? &rd : NULL, 0, raw);
+    dr = same ? desc_new(&rd, &raw) : NULL;
+    free(raw);
+    mc_remote_desc_free(&rd);
+    peer_store(t, peer->segment, same ? 1 : -1, desc_ref(dr), 0);
     if (!same) {
-      free(raw);
-      mc_remote_desc_free(&rd);
       log_path_once(t, peer->segment, "TCP with pinned staging (the peer runs on another "
                     "host)");
       return NULL;
     }
+    if (!dr)
+      return NULL; /* out of memory: TCP moves them */
   }
-  call_t *r = call_new(t, peer, &rd, !have || fresh ? V_NONE : gm ? V_GEN : V_RPC);
-  if (r) {
-    r->used_raw = raw;
+  call_t *r = call_new(t, peer, dr, !have || fresh ? V_NONE : gm ? V_GEN : V_RPC);
+  if (r)
     r->gm = gm;
-  } else {
-    free(raw);
+  else
     gen_map_unref(gm);
-  }
   return r;
 }
 
-static void *shg_plan(void *impl, const mc_peer_t *peer, void **callp, mc_xfer_ent_t *ents,
-                      size_t n, char *take) {
-  shg_t *t = impl;
-  call_t **runp = (call_t **)callp;
+/* Plans requests of one chunk: take[i] and mapped[i] per request, the
+ * call started (or refetched) as needed.  Returns how many it takes. */
+static size_t plan_chunk(shg_t *t, const mc_peer_t *peer, call_t **runp, int *gave_up,
+                         const mc_xfer_req_t *reqs, const int *ldev, size_t n, char *take,
+                         uint64_t *mapped) {
   size_t k = 0;
-  uint64_t *mapped = malloc((n ? n : 1) * sizeof *mapped);
-  if (!mapped) {
-    memset(take, 0, n);
-    return NULL;
-  }
   uint64_t t0 = t->trace ? mc_now_ns() : 0, t1 = 0;
-  for (int attempt = 0; attempt < 2; attempt++) {
-    if (!*runp && !(*runp = call_start(t, peer, attempt > 0)))
+  memset(take, 0, n);
+  for (int attempt = 0; attempt < 2 && !*gave_up; attempt++) {
+    if (!*runp && !(*runp = call_start(t, peer, attempt > 0))) {
+      *gave_up = 1; /* not this call: TCP moves the rest */
       break;
+    }
     if (t->trace)
       t1 = mc_now_ns();
     int miss = 0;
-    k = map_entries(*runp, ents, n, take, mapped, &miss);
+    k = map_reqs(*runp, reqs, ldev, n, take, mapped, &miss);
     if (t->trace)
       mc_log_info("gpu trace: plan of %zu requests: run %.1f us, map %.1f us", n,
                   (t1 - t0) / 1e3, (mc_now_ns() - t1) / 1e3);
@@ -752,25 +781,13 @@ static void *shg_plan(void *impl, const mc_peer_t *peer, void **callp, mc_xfer_e
     *runp = NULL;
     k = 0;
   }
-  plan_t *p = k ? malloc(sizeof *p) : NULL;
-  if (!p) {
-    memset(take, 0, n);
-    free(mapped);
-    return NULL;
+  if (k && !(*runp)->logged) {
+    (*runp)->logged = 1;
+    log_path_once(t, peer->segment, "same host: GPU memory moves directly between the GPUs "
+                  "(%s; copies by %s)", (*runp)->same_process ? "same process" : "CUDA IPC",
+                  mc_gpu_d2d_copy_name());
   }
-  for (size_t i = 0; i < n; i++) /* the copies' address (transport.h: plan) */
-    if (take[i])
-      ents[i].remote = mapped[i];
-  free(mapped);
-  call_t *run = *runp;
-  pthread_mutex_lock(&run->mu);
-  run->refs++;
-  pthread_mutex_unlock(&run->mu);
-  p->call = run;
-  log_path_once(t, peer->segment, "same host: GPU memory moves directly between the GPUs "
-                "(%s; copies by %s)", run->same_process ? "same process" : "CUDA IPC",
-                mc_gpu_d2d_copy_name());
-  return p;
+  return k;
 }
 
 /* Sends the call's check (once, with its first op): it holds a reference
@@ -851,13 +868,9 @@ static group_t *op_prepare(call_t *run, mc_xfer_op_t *op, mc_gpu_job_t **jobs, s
   return g;
 }
 
-static void shg_submit_plan(void *impl, void *plan, mc_xfer_op_t **ops, size_t nops) {
-  shg_t *t = impl;
-  plan_t *p = plan;
-  if (!p)
-    return;
-  call_t *run = p->call;
-  free(p);
+/* Starts the ops of one accepted chunk: one group (one copy job per local
+ * device) per op. */
+static void start_ops(shg_t *t, call_t *run, mc_xfer_op_t **ops, size_t nops) {
   for (size_t o = 0; o < nops; o++) {
     mc_gpu_job_t *jobs[16];
     size_t nj = 0;
@@ -893,12 +906,109 @@ static void shg_submit_plan(void *impl, void *plan, mc_xfer_op_t **ops, size_t n
     if (send)
       send_check(t, run, cancel);
   }
-  call_unref(run); /* the plan's */
 }
 
-static void shg_call_end(void *impl, void *call) {
-  (void)impl;
-  call_unref(call);
+/* The taken requests of one chunk as the engine's ops: one per opcode
+ * (chunks hold at most MC_XFER_MAX_ENTRIES requests), WRITEs first, one
+ * entry per request (cookie: its index in the call).  Returns how many
+ * ops; 0 with take cleared when out of memory (the engine's next choice
+ * moves them then). */
+static size_t build_ops(mc_xfer_call_t *c, size_t off, size_t n, char *take,
+                        const uint64_t *mapped, mc_xfer_op_t **ops) {
+  size_t nw = 0, nops = 0;
+  mc_err_t err = {0};
+  for (size_t i = 0; i < n; i++)
+    nw += take[i] && c->reqs[off + i].opcode == MC_XFER_REQ_WRITE;
+  size_t count[2] = {nw, 0};
+  for (size_t i = 0; i < n; i++)
+    count[1] += take[i];
+  count[1] -= nw;
+  for (int pass = 0; pass < 2; pass++) {
+    if (!count[pass])
+      continue;
+    int want_write = pass == 0;
+    mc_xfer_op_t *op = c->op_new(c, want_write ? MC_XFER_WRITE : MC_XFER_READ,
+                                 (uint32_t)count[pass]);
+    if (!op)
+      goto fail;
+    uint32_t e = 0;
+    for (size_t i = 0; i < n; i++) {
+      const mc_xfer_req_t *r = &c->reqs[off + i];
+      if (!take[i] || (r->opcode == MC_XFER_REQ_WRITE) != want_write)
+        continue;
+      op->ent[e++] = (mc_xfer_ent_t){.local = r->local, .remote = mapped[i], .len = r->len,
+                                     .cookie = (uint32_t)(off + i), .dev = c->ldev[off + i]};
+    }
+    ops[nops++] = op;
+    if (mc_xfer_op_seal(op, &err) < 0)
+      goto fail;
+  }
+  return nops;
+fail:
+  for (size_t i = 0; i < nops; i++)
+    mc_xfer_op_free(ops[i]);
+  memset(take, 0, n);
+  return 0;
+}
+
+/* A whole submit call (transport.h submit_call): chunk by chunk, located,
+ * mapped into the peer's regions, handed to the engine (accept) and
+ * started.  The first chunk is small so the GPU starts early; chunks then
+ * double up to MC_GPU_CHUNK, and shrink again towards the end (at most
+ * half of what is left) so little completion work remains after the last
+ * copy. */
+static int shg_submit_call(void *impl, const mc_peer_t *peer, mc_xfer_call_t *c,
+                           mc_err_t *err) {
+  shg_t *t = impl;
+  size_t n = c->n, chunk = t->chunk, step = t->first_chunk < chunk ? t->first_chunk : chunk;
+  size_t most = chunk < n ? chunk : n;
+  char take_s[256];
+  uint64_t mapped_s[256];
+  char *take = most <= 256 ? take_s : malloc(most);
+  uint64_t *mapped = most <= 256 ? mapped_s : malloc(most * sizeof *mapped);
+  call_t *run = NULL;
+  int rc = 0, gave_up = !take || !mapped; /* out of memory: the next choice moves them */
+  for (size_t off = 0, k; off < n && rc == 0; off += k) {
+    size_t left = n - off, half = left / 2 > 256 ? left / 2 : 256;
+    k = step < half ? step : half;
+    if (k > left)
+      k = left;
+    step = step * 2 < chunk ? step * 2 : chunk;
+    if (off + k > c->located && (rc = c->locate(c, off + k, err)) < 0)
+      break;
+    mc_xfer_op_t *ops[2];
+    size_t nops = 0;
+    uint64_t ts[4] = {0};
+    if (t->trace)
+      ts[0] = mc_now_ns();
+    if (!gave_up && plan_chunk(t, peer, &run, &gave_up, c->reqs + off, c->ldev + off, k, take,
+                               mapped)) {
+      if (t->trace)
+        ts[1] = mc_now_ns();
+      nops = build_ops(c, off, k, take, mapped, ops);
+    }
+    if (t->trace)
+      ts[2] = mc_now_ns();
+    if ((rc = c->accept(c, off, k, nops ? take : NULL, ops, nops, err)) < 0) {
+      for (size_t i = 0; i < nops; i++)
+        mc_xfer_op_free(ops[i]);
+      break;
+    }
+    if (t->trace)
+      ts[3] = mc_now_ns();
+    if (nops)
+      start_ops(t, run, ops, nops);
+    if (t->trace && nops)
+      mc_log_info("gpu trace: chunk of %zu requests: plan %.1f us, ops %.1f us, accept %.1f us, "
+                  "start %.1f us", k, (ts[1] - ts[0]) / 1e3, (ts[2] - ts[1]) / 1e3,
+                  (ts[3] - ts[2]) / 1e3, (mc_now_ns() - ts[3]) / 1e3);
+  }
+  call_unref(run);
+  if (take != take_s)
+    free(take);
+  if (mapped != mapped_s)
+    free(mapped);
+  return rc;
 }
 
 /* Copy jobs run to completion within milliseconds: nothing to cancel (the
@@ -919,6 +1029,8 @@ static int shg_start(const mc_transport_env_t *env, void **impl, mc_err_t *err) 
   t->gpu = env->gpu;
   t->trace = env->gpu_trace;
   t->off = mc_env_long("MC_GPU_IPC", 1, 0, 1) == 0;
+  t->chunk = (size_t)mc_env_long("MC_GPU_CHUNK", MC_XFER_MAX_ENTRIES, 1, MC_XFER_MAX_ENTRIES);
+  t->first_chunk = (size_t)mc_env_long("MC_GPU_FIRST_CHUNK", 256, 1, MC_XFER_MAX_ENTRIES);
   pthread_mutex_init(&t->mu, NULL);
   t->pub_fd = -1;
   const char *g = getenv("MC_GPU_GEN");
@@ -950,8 +1062,7 @@ static void shg_stop(void *impl) {
   if (!t)
     return;
   for (size_t i = 0; i < t->npeers; i++) {
-    mc_remote_desc_free(&t->peers[i].desc);
-    free(t->peers[i].raw);
+    desc_unref(t->peers[i].dr);
     gen_map_unref(t->peers[i].gm);
   }
   if (t->pub_page) {
@@ -971,9 +1082,7 @@ const mc_transport_ops_t mc_same_host_gpu_ops = {
     .start = shg_start,
     .stop = shg_stop,
     .reaches = shg_reaches,
-    .plan = shg_plan,
-    .submit_plan = shg_submit_plan,
-    .call_end = shg_call_end,
+    .submit_call = shg_submit_call,
     .cancel_sweep = shg_cancel_sweep,
     .rpc_prefix = MC_RPC_DESCRIBE, /* no trailing '.': the whole text */
     .serve_rpc = shg_serve_rpc,
