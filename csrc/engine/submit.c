@@ -152,9 +152,8 @@ typedef struct planned {
   size_t nops;
 } planned_t;
 
-static int submit_planned(mc_engine_t *e, mc_batch_t *b, const char *segment,
-                          const mc_segment_desc_t *dp, int local, const mc_request_t *reqs,
-                          size_t n, int poll, const int *ldev, const planned_t *pl,
+static int submit_planned(mc_engine_t *e, mc_batch_t *b, const mc_segment_desc_t *d,
+                          int local, const mc_request_t *reqs, size_t n, int poll, const int *ldev, const planned_t *pl,
                           mc_err_t *err);
 
 int mc_batch_submit(mc_engine_t *e, mc_batch_t *b, const char *segment,
@@ -194,7 +193,6 @@ typedef struct gpu_call {
   mc_xfer_call_t c; /* first: the transport's callbacks get this */
   mc_engine_t *e;
   mc_batch_t *b;
-  const char *segment;
   const mc_segment_desc_t *d;
   mc_gpu_locator_t *loc;
   int poll;
@@ -231,7 +229,7 @@ static int call_accept(mc_xfer_call_t *c, size_t off, size_t k, const char *take
   if (off + k > c->located && call_locate(c, off + k, err) < 0)
     return err->code;
   planned_t pl = {.off = off, .take = take, .ops = ops, .nops = nops};
-  return submit_planned(g->e, g->b, g->segment, g->d, 0, c->reqs + off, k, g->poll,
+  return submit_planned(g->e, g->b, g->d, 0, c->reqs + off, k, g->poll,
                         c->ldev + off, &pl, err);
 }
 
@@ -249,7 +247,7 @@ static int submit_gpu(mc_engine_t *e, mc_batch_t *b, const mc_peer_t *peer,
     return mc_tr_submit_call(e, slot, peer, &g->c, err);
   }
   int rc = call_locate(&g->c, n, err); /* n > room: submit_planned reports it */
-  return rc < 0 ? rc : submit_planned(e, b, peer->segment, d, 0, reqs, n, poll, g->c.ldev,
+  return rc < 0 ? rc : submit_planned(e, b, d, 0, reqs, n, poll, g->c.ldev,
                                        NULL, err);
 }
 
@@ -258,15 +256,16 @@ static int submit_pinned(mc_engine_t *e, mc_batch_t *b, const char *segment,
                          mc_err_t *err) {
   int rc = 0;
   int local = !strcmp(segment, e->name);
+  /* The peer is resolved once here; everything below works on its
+   * descriptor (d.name: the segment). */
   mc_segment_desc_t d;
   d.host[0] = '\0';
   d.host_id[0] = '\0';
   d.port = 0;
-  if (!local) {
-    rc = mc_engine_resolve(e, segment, &d, err);
-    if (rc < 0)
-      return rc;
-  }
+  if (local)
+    snprintf(d.name, sizeof d.name, "%s", e->name);
+  else if ((rc = mc_engine_resolve(e, segment, &d, err)) < 0)
+    return rc;
   /* GPU memory: where the local buffers live (no CUDA call at all unless
    * this process has loaded CUDA). */
   size_t first_step = (size_t)e->gpu_first_chunk;
@@ -302,15 +301,15 @@ static int submit_pinned(mc_engine_t *e, mc_batch_t *b, const char *segment,
     t1 = mc_now_ns();
   int same_host = 0;
   if (ldev && !local) {
-    mc_peer_t peer = {.segment = segment, .host = d.host, .port = d.port,
+    mc_peer_t peer = {.segment = d.name, .host = d.host, .port = d.port,
                       .same_host = mc_peer_same_host(&d)};
     gpu_call_t g = {.c = {.reqs = reqs, .n = n, .ldev = ldev, .located = located,
                           .locate = call_locate, .op_new = call_op_new,
                           .accept = call_accept},
-                    .e = e, .b = b, .segment = segment, .d = &d, .loc = &loc, .poll = poll};
+                    .e = e, .b = b, .d = &d, .loc = &loc, .poll = poll};
     rc = submit_gpu(e, b, &peer, &d, reqs, n, poll, &g, &same_host, err);
   } else {
-    rc = submit_planned(e, b, segment, &d, local, reqs, n, poll, ldev, NULL, err);
+    rc = submit_planned(e, b, &d, local, reqs, n, poll, ldev, NULL, err);
   }
   if (trace && ldev)
     mc_log_info("gpu trace: %zu requests at %.1f us: validate %.1f us, locate (first chunk) "
@@ -420,11 +419,9 @@ static int hand_out(mc_engine_t *e, mc_batch_t *b, const mc_peer_t *peer, op_bui
   return 0;
 }
 
-static int submit_planned(mc_engine_t *e, mc_batch_t *b, const char *segment,
-                          const mc_segment_desc_t *dp, int local, const mc_request_t *reqs,
-                          size_t n, int poll, const int *ldev, const planned_t *pl,
+static int submit_planned(mc_engine_t *e, mc_batch_t *b, const mc_segment_desc_t *d,
+                          int local, const mc_request_t *reqs, size_t n, int poll, const int *ldev, const planned_t *pl,
                           mc_err_t *err) {
-  const mc_segment_desc_t *d = dp;
   const char *via_plan = pl ? pl->take : NULL;
   pthread_mutex_lock(&b->mu);
   if (b->n + n > b->cap) {
@@ -445,8 +442,8 @@ static int submit_planned(mc_engine_t *e, mc_batch_t *b, const char *segment,
   }
   b->n += n;
   b->pending += n;
-  if (strcmp(b->last_segment, segment) != 0)
-    snprintf(b->last_segment, sizeof b->last_segment, "%s", segment);
+  if (strcmp(b->last_segment, d->name) != 0)
+    snprintf(b->last_segment, sizeof b->last_segment, "%s", d->name);
   if (local) {
     for (size_t i = 0; i < n; i++)
       b->tasks[first + i].parts_left = 1;
@@ -458,7 +455,7 @@ static int submit_planned(mc_engine_t *e, mc_batch_t *b, const char *segment,
    * about slice_size bytes; a large request spans several ops.  Each
    * request goes to the transport chosen for the peer and the memory kind
    * of its local buffer (peers.c), one set of ops per transport. */
-  mc_peer_t peer = {.segment = segment, .host = d->host, .port = d->port,
+  mc_peer_t peer = {.segment = d->name, .host = d->host, .port = d->port,
                     .same_host = mc_peer_same_host(d)};
   int via[MC_MEM_KINDS] = {-1, -1};
   mc_takes_memo_t memo[MC_MEM_KINDS];
