@@ -32,7 +32,7 @@ static int read_knobs(mc_engine_t *e, mc_err_t *err) {
   e->gpu_first_chunk = mc_knob("MC_GPU_FIRST_CHUNK", 256, 1, 1 << 30);
   e->gpu_trace = mc_knob("MC_GPU_TRACE", 0, 0, 1);
   /* MC_LOCAL_CHECK=0 exists only to measure what the check costs
-   * (benchmarks/run_tcp_bench.py --local-check-off); never turn it off. */
+   * (a benchmark's --local-check-off); never turn it off. */
   e->local_check = mc_knob("MC_LOCAL_CHECK", 1, 0, 1);
   e->notify_limit = (uint64_t)mc_knob("MC_NOTIFY_QUEUE_MB", 64, 1, 1 << 20) << 20;
   e->unregister_wait_ms = mc_knob("MC_UNREGISTER_WAIT_MS", 10000, 1, 86400000);

@@ -23,8 +23,8 @@ typedef struct mc_engine_opts {
   const char *protocol;        /* a registered transport's protocol (transport/registry.c);
                                   NULL/"": the control transport's */
   const char *device_name;     /* for the transports that use NICs */
-  int io_threads;              /* 0: env MC_TCP_IO_THREADS or 1 */
-  int conns_per_peer;          /* 0: env MC_TCP_CONNS_PER_PEER or 1 */
+  int io_threads;              /* 0: the transports' own knob (docs/) or 1 */
+  int conns_per_peer;          /* 0: the transports' own knob (docs/) or 1 */
   /* Peer authentication (docs/security.md): the shared secret every peer
    * must prove it knows in the control channel's handshake, at most MC_AUTH_SECRET_MAX
    * bytes.  NULL: env MC_AUTH_SECRET; NULL/"" there too: off. */
