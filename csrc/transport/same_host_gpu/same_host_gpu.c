@@ -959,12 +959,12 @@ static size_t build_ops(mc_xfer_call_t *c, size_t off, size_t n, char *take,
                         const uint64_t *mapped, mc_xfer_op_t **ops, mc_gpu_job_t **pre) {
   size_t nw = 0, nops = 0;
   mc_err_t err = {0};
-  for (size_t i = 0; i < n; i++)
+  size_t taken = 0;
+  for (size_t i = 0; i < n; i++) {
+    taken += take[i];
     nw += take[i] && c->reqs[off + i].opcode == MC_XFER_REQ_WRITE;
-  size_t count[2] = {nw, 0};
-  for (size_t i = 0; i < n; i++)
-    count[1] += take[i];
-  count[1] -= nw;
+  }
+  size_t count[2] = {nw, taken - nw};
   for (int pass = 0; pass < 2; pass++) {
     if (!count[pass])
       continue;
