@@ -130,19 +130,21 @@ typedef struct shg {
    * there (the arena's lock, contended on every batch).  A stack pushed
    * lock-free, taken whole. */
   _Atomic(void *) freed;
-  atomic_size_t nfreed;
+  atomic_size_t freed_bytes;
 } shg_t;
 
-#define FREED_MAX 4096 /* more pending: the completing thread frees them itself */
+/* More pending than this: the completing thread frees them itself. */
+#define FREED_MAX_BYTES (8u << 20)
 
-/* Hands block p (malloc'ed, dead; at least a pointer in size) to the
- * submitting side to free. */
-static void defer_free(shg_t *t, void *p) {
-  if (atomic_fetch_add(&t->nfreed, 1) >= FREED_MAX) {
-    atomic_fetch_sub(&t->nfreed, 1);
+/* Hands block p (malloc'ed, dead, about `bytes` long, at least two words)
+ * to the submitting side to free. */
+static void defer_free(shg_t *t, void *p, size_t bytes) {
+  if (atomic_fetch_add(&t->freed_bytes, bytes) + bytes > FREED_MAX_BYTES) {
+    atomic_fetch_sub(&t->freed_bytes, bytes);
     free(p);
     return;
   }
+  ((size_t *)p)[1] = bytes;
   void *head = atomic_load(&t->freed);
   do
     *(void **)p = head;
@@ -154,14 +156,14 @@ static void freed_drain(shg_t *t) {
   if (!atomic_load_explicit(&t->freed, memory_order_relaxed))
     return;
   void *p = atomic_exchange(&t->freed, NULL);
-  size_t n = 0;
+  size_t bytes = 0;
   while (p) {
     void *next = *(void **)p;
+    bytes += ((size_t *)p)[1];
     free(p);
     p = next;
-    n++;
   }
-  atomic_fetch_sub(&t->nfreed, n);
+  atomic_fetch_sub(&t->freed_bytes, bytes);
 }
 
 /* ---- the regions version page ----
@@ -502,11 +504,12 @@ struct group {
 };
 
 static void call_free(call_t *r) {
+  size_t bytes = sizeof *r + (r->u->d.n ? r->u->d.n : 1) * (sizeof(uint64_t) + sizeof(int) + 1);
   gen_map_unref(r->gm);
   desc_unref(r->u);
   mc_remote_desc_free(&r->fresh);
   pthread_mutex_destroy(&r->mu);
-  defer_free(r->t, r);
+  defer_free(r->t, r, bytes);
 }
 
 static void call_unref(call_t *r) {
@@ -560,21 +563,22 @@ static void group_finish(group_t *g) {
   mc_xfer_op_t *op = g->op;
   shg_t *t = g->call->t;
   op->done(op, g->code, g->code ? g->msg : NULL);
-  if (!op->ctrl && !op->resp && !op->tp_free)
-    defer_free(t, op); /* an op of build_ops: one block */
+  if (!op->ctrl && !op->resp && !op->tp_free) /* an op of build_ops: one block */
+    defer_free(t, op, sizeof *op + op->nent * sizeof op->ent[0]);
   else
     mc_xfer_op_free(op);
   call_unref(g->call);
   mc_gpu_job_t *j = g->block; /* g lives in it */
   if (!j) {
     free(g);
-  } else if (j->inline_arrays) {
-    defer_free(t, j); /* one block: job, arrays, group */
   } else {
-    free(j->dsts); /* moved out by the copy worker (merged copies): its own */
-    free(j->srcs);
-    free(j->sizes);
-    defer_free(t, j);
+    size_t bytes = sizeof *j + sizeof *g + j->cap * (2 * sizeof(mc_cu_ptr) + sizeof(size_t));
+    if (!j->inline_arrays) { /* moved out by the copy worker (merged copies): its own */
+      free(j->dsts);
+      free(j->srcs);
+      free(j->sizes);
+    }
+    defer_free(t, j, bytes); /* one block: job, (arrays,) group */
   }
 }
 
