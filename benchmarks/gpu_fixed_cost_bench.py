@@ -138,7 +138,8 @@ def main():
                     print(f"{label} shuffled, batches of {batch} ({mode}), {op.upper():5s}      "
                           f"{g:8.1f} GB/s  {one:8.1f} GB/s  {g / one:5.2f}x  "
                           f"(vs torch {mode} per batch {same:.1f} GB/s: {g / same:.2f}x; "
-                          f"{r['per_batch_us']:.1f} us per batch){ok}")
+                          f"{r['per_batch_us']:.1f} us per batch, "
+                          f"{r.get('submit_per_batch_us', 0):.1f} in submit){ok}")
     bad = sum(r.get("bad_blocks", 0) for r in ours.values())
     if args.out:
         with open(args.out, "w") as f:

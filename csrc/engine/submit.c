@@ -213,7 +213,7 @@ static int call_locate(mc_xfer_call_t *c, size_t to, mc_err_t *err) {
 
 static mc_xfer_op_t *call_op_new(mc_xfer_call_t *c, int type, uint32_t nent) {
   gpu_call_t *g = (gpu_call_t *)c;
-  mc_xfer_op_t *op = mc_xfer_op_new(type, nent, 0);
+  mc_xfer_op_t *op = mc_xfer_op_alloc(type, nent); /* the transport fills every entry */
   if (op) {
     op->done = mc_batch_op_done;
     op->entry_failed = mc_batch_op_entry_failed;
@@ -269,13 +269,13 @@ static int submit_pinned(mc_engine_t *e, mc_batch_t *b, const char *segment,
   /* GPU memory: where the local buffers live (no CUDA call at all unless
    * this process has loaded CUDA). */
   size_t first_step = (size_t)e->gpu_first_chunk;
-  int *ldev = NULL;
+  int *ldev = NULL, ldev_s[256]; /* a batch of up to 256: no allocation */
   mc_gpu_locator_t loc;
   size_t located = n;
   int trace = e->gpu_trace;
   uint64_t t0 = trace ? mc_now_ns() : 0, t1 = 0;
   if (mc_cuda_api_if_loaded()) {
-    ldev = malloc(n * sizeof *ldev);
+    ldev = n <= 256 ? ldev_s : malloc(n * sizeof *ldev);
     if (!ldev)
       return mc_err_set(err, MC_ENOMEM, "out of memory");
     mc_gpu_locator_init(&loc, &e->regions);
@@ -290,7 +290,8 @@ static int submit_pinned(mc_engine_t *e, mc_batch_t *b, const char *segment,
       located = n;
     }
     if (ngpu <= 0) {
-      free(ldev);
+      if (ldev != ldev_s)
+        free(ldev);
       ldev = NULL;
       located = n;
       if (ngpu < 0)
@@ -316,7 +317,8 @@ static int submit_pinned(mc_engine_t *e, mc_batch_t *b, const char *segment,
                 "%.1f us, submit all %.1f us, whole call to its transport %s", n,
                 mc_trace_us(t_in), (t0 - t_in) / 1e3, (t1 - t0) / 1e3,
                 (mc_now_ns() - t1) / 1e3, same_host ? "yes" : "no");
-  free(ldev);
+  if (ldev != ldev_s)
+    free(ldev);
   return rc;
 }
 
@@ -390,8 +392,7 @@ static inline int slice_request(mc_engine_t *e, mc_batch_t *b, op_builder_t *bd,
  * returned); small synchronous batches are driven on this thread
  * (submit_poll). */
 static int hand_out(mc_engine_t *e, mc_batch_t *b, const mc_peer_t *peer, op_builder_t *ob,
-                    const op_builder_t *pb, size_t n, const mc_request_t *reqs, int poll,
-                    mc_err_t *err) {
+                    const op_builder_t *pb, uint64_t bytes, int poll, mc_err_t *err) {
   int rc = 0;
   size_t nops = 0;
   for (int k = 0; k < MC_TRANSPORT_MAX && rc == 0; k++) {
@@ -403,9 +404,6 @@ static int hand_out(mc_engine_t *e, mc_batch_t *b, const mc_peer_t *peer, op_bui
   b->ops_inflight += nops + pb->n;
   if (pb->n)
     b->gpu = 1;
-  uint64_t bytes = 0;
-  for (size_t i = 0; i < n; i++)
-    bytes += reqs[i].len;
   pthread_mutex_unlock(&b->mu);
   for (int k = 0; k < MC_TRANSPORT_MAX; k++) {
     if (!ob[k].n)
@@ -432,14 +430,14 @@ static int submit_planned(mc_engine_t *e, mc_batch_t *b, const mc_segment_desc_t
                       "batch",
                       room, n);
   }
-  size_t first = b->n;
+  size_t first = b->n, left = 0; /* left: requests the planning transport did not take */
+  uint64_t bytes = 0;
   for (size_t i = 0; i < n; i++) {
-    mc_task_t *t = &b->tasks[first + i];
-    memset(t, 0, sizeof *t);
-    t->req = reqs[i];
-    t->state = MC_TASK_PENDING;
-    b->bytes += reqs[i].len;
+    b->tasks[first + i] = (mc_task_t){.req = reqs[i], .state = MC_TASK_PENDING};
+    bytes += reqs[i].len;
+    left += !(via_plan && via_plan[i]);
   }
+  b->bytes += bytes;
   b->n += n;
   b->pending += n;
   if (strcmp(b->last_segment, d->name) != 0)
@@ -468,10 +466,10 @@ static int submit_planned(mc_engine_t *e, mc_batch_t *b, const mc_segment_desc_t
     adopt_planned(b, first, pl, &pb);
   /* Slices still to place: sizes each op's entry array to what it needs. */
   uint64_t slices_left = 0;
-  for (size_t i = 0; i < n; i++)
+  for (size_t i = 0; i < n && left; i++)
     if (!(via_plan && via_plan[i]))
       slices_left += (reqs[i].len + e->slice_size - 1) / e->slice_size;
-  for (size_t i = 0; i < n && rc == 0; i++) {
+  for (size_t i = 0; i < n && rc == 0 && left; i++) {
     const mc_request_t *r = &reqs[i];
     if (via_plan && via_plan[i])
       continue; /* the planning transport's */
@@ -485,7 +483,7 @@ static int submit_planned(mc_engine_t *e, mc_batch_t *b, const mc_segment_desc_t
                                                     r->len, &memo[kind])];
     rc = slice_request(e, b, bd, r, first + i, dev, &slices_left, err);
   }
-  if (rc == 0 && (rc = hand_out(e, b, &peer, ob, &pb, n, reqs, poll, err)) == 0)
+  if (rc == 0 && (rc = hand_out(e, b, &peer, ob, &pb, bytes, poll, err)) == 0)
     return 0;
   /* Nothing was handed out: roll the tasks back. */
   b->n = first;

@@ -98,9 +98,50 @@ mc_gpu_job_t *mc_gpu_job_new(int device, int dir) {
   return j;
 }
 
+mc_gpu_job_t *mc_gpu_job_new_inline(int device, int dir, size_t cap, size_t extra,
+                                    void **extra_out) {
+  size_t head = (sizeof(mc_gpu_job_t) + 15) & ~(size_t)15;
+  size_t arrays = (cap * (2 * sizeof(mc_cu_ptr) + sizeof(size_t)) + 15) & ~(size_t)15;
+  mc_gpu_job_t *j = malloc(head + arrays + extra);
+  if (!j)
+    return NULL;
+  memset(j, 0, sizeof *j);
+  j->device = device;
+  j->dir = dir;
+  j->dsts = (mc_cu_ptr *)((char *)j + head);
+  j->srcs = j->dsts + cap;
+  j->sizes = (size_t *)(j->srcs + cap);
+  j->cap = cap;
+  j->inline_arrays = 1;
+  if (extra_out) {
+    *extra_out = (char *)j + head + arrays;
+    memset(*extra_out, 0, extra);
+  }
+  return j;
+}
+
 int mc_gpu_job_reserve(mc_gpu_job_t *j, size_t nc) {
   if (nc <= j->cap)
     return 0;
+  if (j->inline_arrays) { /* the arrays move out of the job's allocation */
+    mc_cu_ptr *d = malloc(nc * sizeof *d), *s = malloc(nc * sizeof *s);
+    size_t *z = malloc(nc * sizeof *z);
+    if (!d || !s || !z) {
+      free(d);
+      free(s);
+      free(z);
+      return MC_ENOMEM;
+    }
+    memcpy(d, j->dsts, j->n * sizeof *d);
+    memcpy(s, j->srcs, j->n * sizeof *s);
+    memcpy(z, j->sizes, j->n * sizeof *z);
+    j->dsts = d;
+    j->srcs = s;
+    j->sizes = z;
+    j->cap = nc;
+    j->inline_arrays = 0;
+    return 0;
+  }
   mc_cu_ptr *d = realloc(j->dsts, nc * sizeof *d);
   if (d)
     j->dsts = d;
@@ -116,28 +157,14 @@ int mc_gpu_job_reserve(mc_gpu_job_t *j, size_t nc) {
   return 0;
 }
 
-int mc_gpu_job_add(mc_gpu_job_t *j, mc_cu_ptr dst, mc_cu_ptr src, size_t n) {
-  if (j->n == j->cap && mc_gpu_job_reserve(j, j->cap ? j->cap * 2 : 16) < 0)
-    return MC_ENOMEM;
-  /* Adjacent pieces merge into one copy. */
-  if (j->n && j->dsts[j->n - 1] + j->sizes[j->n - 1] == dst &&
-      j->srcs[j->n - 1] + j->sizes[j->n - 1] == src) {
-    j->sizes[j->n - 1] += n;
-    return 0;
-  }
-  j->dsts[j->n] = dst;
-  j->srcs[j->n] = src;
-  j->sizes[j->n] = n;
-  j->n++;
-  return 0;
-}
-
 void mc_gpu_job_free(mc_gpu_job_t *j) {
   if (!j)
     return;
-  free(j->dsts);
-  free(j->srcs);
-  free(j->sizes);
+  if (!j->inline_arrays) {
+    free(j->dsts);
+    free(j->srcs);
+    free(j->sizes);
+  }
   free(j);
 }
 

@@ -56,6 +56,7 @@ struct mc_gpu_job {
   int synced; /* no event and none needed: done when started */
   mc_gpu_buf_t *kbuf; /* copy kernel's piece table */
   mc_gpu_job_t *riders; /* jobs whose copies this one's launch carries (they finish with it) */
+  int inline_arrays; /* dsts/srcs/sizes live in the job's own allocation (mc_gpu_job_new_inline) */
   uint64_t t_queued, t_picked, t_launched; /* MC_GPU_TRACE=1 only */
 };
 
@@ -77,9 +78,30 @@ mc_gpu_buf_t *mc_gpu_buf_get(mc_gpu_stager_t *s, int device, size_t n, mc_err_t 
 void mc_gpu_buf_put(mc_gpu_stager_t *s, mc_gpu_buf_t *b);
 
 mc_gpu_job_t *mc_gpu_job_new(int device, int dir);
-int mc_gpu_job_add(mc_gpu_job_t *j, mc_cu_ptr dst, mc_cu_ptr src, size_t n);
+/* A job with room for `cap` copies and `extra` bytes for the caller (*extra,
+ * 16-byte aligned, zeroed, freed with the job) in one allocation: one
+ * malloc per job instead of four.  Adding more than cap copies moves the
+ * arrays out as mc_gpu_job_reserve does; mc_gpu_job_free frees it all. */
+mc_gpu_job_t *mc_gpu_job_new_inline(int device, int dir, size_t cap, size_t extra,
+                                    void **extra_out);
 /* Room for n copies (fewer reallocations while adding). */
 int mc_gpu_job_reserve(mc_gpu_job_t *j, size_t n);
+/* Adds a copy (inline: a batch adds one per request). */
+static inline int mc_gpu_job_add(mc_gpu_job_t *j, mc_cu_ptr dst, mc_cu_ptr src, size_t n) {
+  if (j->n == j->cap && mc_gpu_job_reserve(j, j->cap ? j->cap * 2 : 16) < 0)
+    return MC_ENOMEM;
+  size_t k = j->n;
+  /* Adjacent pieces merge into one copy. */
+  if (k && j->dsts[k - 1] + j->sizes[k - 1] == dst && j->srcs[k - 1] + j->sizes[k - 1] == src) {
+    j->sizes[k - 1] += n;
+    return 0;
+  }
+  j->dsts[k] = dst;
+  j->srcs[k] = src;
+  j->sizes[k] = n;
+  j->n = k + 1;
+  return 0;
+}
 void mc_gpu_job_free(mc_gpu_job_t *j); /* does not return buf */
 
 /* How device-to-device jobs copy (MC_GPU_D2D_COPY), for logs. */

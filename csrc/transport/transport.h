@@ -68,8 +68,9 @@
  *       live (ldev[i]: the cuda device, -1 host memory, which it must not
  *       take); the engine located the first `located` before the call;
  *     - call->op_new(call, type, nent) gives an op whose done() /
- *       entry_failed() report to the engine (entries: one per whole
- *       request, cookie = the request's index in reqs, dev = ldev);
+ *       entry_failed() report to the engine (entries, not initialised:
+ *       the transport fills all nent, one per whole request, cookie = the
+ *       request's index in reqs, dev = ldev);
  *     - call->accept(call, off, k, take, ops, nops) settles requests
  *       [off, off+k): take[i-off] marks those its ops move; the engine
  *       registers them all, routes the untaken ones to its next choice for

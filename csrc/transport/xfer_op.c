@@ -2,6 +2,7 @@
 #include "transport/xfer_op.h"
 
 #include <stdlib.h>
+#include <string.h>
 
 mc_xfer_op_t *mc_xfer_op_new(int type, uint32_t nent, size_t ctrl_len) {
   mc_xfer_op_t *op = calloc(1, sizeof *op + (size_t)nent * sizeof(mc_xfer_ent_t));
@@ -19,6 +20,16 @@ mc_xfer_op_t *mc_xfer_op_new(int type, uint32_t nent, size_t ctrl_len) {
     }
     op->ctrl_len = ctrl_len;
   }
+  return op;
+}
+
+mc_xfer_op_t *mc_xfer_op_alloc(int type, uint32_t nent) {
+  mc_xfer_op_t *op = malloc(sizeof *op + (size_t)nent * sizeof(mc_xfer_ent_t));
+  if (!op)
+    return NULL;
+  memset(op, 0, sizeof *op); /* the entries are the caller's to fill, every one */
+  op->type = type;
+  op->nent = nent;
   return op;
 }
 

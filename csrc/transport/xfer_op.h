@@ -79,6 +79,9 @@ struct mc_xfer_op {
 
 /* Allocates an op with room for nent entries (and ctrl_len body bytes). */
 mc_xfer_op_t *mc_xfer_op_new(int type, uint32_t nent, size_t ctrl_len);
+/* A WRITE / READ op whose nent entries the caller fills, every one (not
+ * zeroed: a large batch's entries are written once). */
+mc_xfer_op_t *mc_xfer_op_alloc(int type, uint32_t nent);
 /* Checks the entry count and computes total.  Call after filling ent. */
 int mc_xfer_op_seal(mc_xfer_op_t *op, mc_err_t *err);
 /* Frees a transport's per-op state (entries changed: it encodes again). */

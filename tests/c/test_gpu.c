@@ -100,6 +100,57 @@ static void test_stager_roundtrip(void) {
   free(back);
 }
 
+/* A job whose arrays (and the caller's extra bytes) share its allocation
+ * (mc_gpu_job_new_inline, what the same-host path builds per op): adding
+ * past its room moves the arrays out; a D2D run of it moves the bytes. */
+static void test_inline_job(void) {
+  SKIP_NO_GPU();
+  void *extra = NULL;
+  mc_gpu_job_t *j = mc_gpu_job_new_inline(0, MC_GPU_D2D, 4, 600, &extra);
+  CHECK(j && extra && j->inline_arrays && j->cap == 4);
+  CHECK(((uintptr_t)extra & 15) == 0);
+  int zero = 1;
+  for (size_t i = 0; i < 600; i++)
+    zero &= ((unsigned char *)extra)[i] == 0;
+  CHECK(zero);
+  memset(extra, 0xab, 600); /* the caller's: never overlaps the arrays */
+  size_t n = 1u << 20, piece = 4096;
+  uint64_t d = dalloc(2 * n);
+  CHECK(d);
+  uint8_t *src = malloc(n), *back = malloc(n);
+  fill(src, n, 7);
+  CHECK_EQ_INT(api->cuMemcpyHtoD(d, src, n), 0);
+  /* 16 separate copies (every other piece): the 5th moves the arrays out. */
+  for (size_t k = 0; k < 16; k++)
+    CHECK_EQ_INT(mc_gpu_job_add(j, d + n + 2 * k * piece, d + 2 * k * piece, piece), 0);
+  CHECK(!j->inline_arrays && j->n == 16 && j->cap >= 16);
+  CHECK(((unsigned char *)extra)[0] == 0xab && ((unsigned char *)extra)[599] == 0xab);
+  mc_gpu_stager_t *s = NULL;
+  mc_err_t err = {0};
+  CHECK_EQ_INT(mc_gpu_stager_create(16u << 20, &s, &err), 0);
+  mc_gpu_stager_submit(s, j); /* freed by the worker: arrays and all */
+  mc_gpu_stager_drain(s);
+  CHECK_EQ_INT(api->cuMemcpyDtoH(back, d + n, n), 0);
+  int ok = 1;
+  for (size_t k = 0; k < 16; k++)
+    ok &= memcmp(back + 2 * k * piece, src + 2 * k * piece, piece) == 0;
+  CHECK(ok);
+  /* One that stays within its room (arrays inline to the end). */
+  j = mc_gpu_job_new_inline(0, MC_GPU_D2D, 2, 0, NULL);
+  CHECK(j);
+  CHECK_EQ_INT(mc_gpu_job_add(j, d + n, d + piece, piece), 0);
+  CHECK_EQ_INT(mc_gpu_job_add(j, d + n + 8 * piece, d + 9 * piece, piece), 0);
+  CHECK(j->inline_arrays && j->n == 2);
+  mc_gpu_stager_submit(s, j);
+  mc_gpu_stager_drain(s);
+  CHECK_EQ_INT(api->cuMemcpyDtoH(back, d + n, 9 * piece), 0);
+  CHECK(memcmp(back, src + piece, piece) == 0 && memcmp(back + 8 * piece, src + 9 * piece, piece) == 0);
+  mc_gpu_stager_destroy(s);
+  cu_free(d);
+  free(src);
+  free(back);
+}
+
 static void test_wrong_claims(void) {
   SKIP_NO_GPU();
   mc_engine_opts_t o = {.local_hostname = "127.0.0.1", .metadata_server = "P2PHANDSHAKE"};
@@ -288,6 +339,7 @@ int main(void) {
   RUN(test_no_gpu_is_clear);
   RUN(test_describe_rpc);
   RUN(test_stager_roundtrip);
+  RUN(test_inline_job);
   RUN(test_wrong_claims);
   RUN(test_local_segment_gpu);
   RUN(test_tcp_gpu_target_host_initiator);

@@ -54,6 +54,7 @@ typedef struct desc {
   mc_remote_desc_t d;
   char *raw;      /* the reply d was decoded from, or NULL */
   uint32_t *hint; /* RUN_HINTS: 2 MiB page of a remote address -> region + 1 */
+  atomic_int path_logged; /* a call over it logged its path (log_path_once) */
 } desc_t;
 
 static void desc_unref(desc_t *dr) {
@@ -122,7 +123,48 @@ typedef struct shg {
   mc_regions_t *regions; /* ours: their version published in pub_page */
   uint64_t *pub_page;
   int pub_fd;
+  /* Blocks the submitting side allocated for a call (its ops, copy jobs,
+   * the call) that completed on another thread: freed by the next submit
+   * call (or at stop), on the allocating side, instead of the copy worker
+   * freeing them into the submitter's malloc arena while it allocates
+   * there (the arena's lock, contended on every batch).  A stack pushed
+   * lock-free, taken whole. */
+  _Atomic(void *) freed;
+  atomic_size_t freed_bytes;
 } shg_t;
+
+/* More pending than this: the completing thread frees them itself. */
+#define FREED_MAX_BYTES (8u << 20)
+
+/* Hands block p (malloc'ed, dead, about `bytes` long, at least two words)
+ * to the submitting side to free. */
+static void defer_free(shg_t *t, void *p, size_t bytes) {
+  if (atomic_fetch_add(&t->freed_bytes, bytes) + bytes > FREED_MAX_BYTES) {
+    atomic_fetch_sub(&t->freed_bytes, bytes);
+    free(p);
+    return;
+  }
+  ((size_t *)p)[1] = bytes;
+  void *head = atomic_load(&t->freed);
+  do
+    *(void **)p = head;
+  while (!atomic_compare_exchange_weak(&t->freed, &head, p));
+}
+
+/* Frees what defer_free handed over. */
+static void freed_drain(shg_t *t) {
+  if (!atomic_load_explicit(&t->freed, memory_order_relaxed))
+    return;
+  void *p = atomic_exchange(&t->freed, NULL);
+  size_t bytes = 0;
+  while (p) {
+    void *next = *(void **)p;
+    bytes += ((size_t *)p)[1];
+    free(p);
+    p = next;
+  }
+  atomic_fetch_sub(&t->freed_bytes, bytes);
+}
 
 /* ---- the regions version page ----
  *
@@ -454,6 +496,7 @@ typedef struct call {
 struct group {
   call_t *call;
   mc_xfer_op_t *op;
+  mc_gpu_job_t *block; /* the one job whose allocation holds this group, or NULL */
   group_t *next_waiting;
   int remaining;
   int code;
@@ -461,11 +504,12 @@ struct group {
 };
 
 static void call_free(call_t *r) {
+  size_t bytes = sizeof *r + (r->u->d.n ? r->u->d.n : 1) * (sizeof(uint64_t) + sizeof(int) + 1);
   gen_map_unref(r->gm);
   desc_unref(r->u);
   mc_remote_desc_free(&r->fresh);
   pthread_mutex_destroy(&r->mu);
-  free(r);
+  defer_free(r->t, r, bytes);
 }
 
 static void call_unref(call_t *r) {
@@ -517,10 +561,25 @@ static int group_part_done(group_t *g, int code, const char *msg) {
 /* No lock held: the op's done() runs, the group drops its call. */
 static void group_finish(group_t *g) {
   mc_xfer_op_t *op = g->op;
+  shg_t *t = g->call->t;
   op->done(op, g->code, g->code ? g->msg : NULL);
-  mc_xfer_op_free(op);
+  if (!op->ctrl && !op->resp && !op->tp_free) /* an op of build_ops: one block */
+    defer_free(t, op, sizeof *op + op->nent * sizeof op->ent[0]);
+  else
+    mc_xfer_op_free(op);
   call_unref(g->call);
-  free(g);
+  mc_gpu_job_t *j = g->block; /* g lives in it */
+  if (!j) {
+    free(g);
+  } else {
+    size_t bytes = sizeof *j + sizeof *g + j->cap * (2 * sizeof(mc_cu_ptr) + sizeof(size_t));
+    if (!j->inline_arrays) { /* moved out by the copy worker (merged copies): its own */
+      free(j->dsts);
+      free(j->srcs);
+      free(j->sizes);
+    }
+    defer_free(t, j, bytes); /* one block: job, (arrays,) group */
+  }
 }
 
 static void send_check(shg_t *t, call_t *run, atomic_int *cancel);
@@ -528,7 +587,8 @@ static void send_check(shg_t *t, call_t *run, atomic_int *cancel);
 static void ipc_job_done(mc_gpu_job_t *j, int code, const char *msg) {
   group_t *g = j->arg;
   call_t *r = g->call;
-  mc_gpu_job_free(j);
+  if (j != g->block) /* else freed with the group */
+    mc_gpu_job_free(j);
   pthread_mutex_lock(&r->mu);
   int fin = group_part_done(g, code, msg), send = 0;
   if (fin && r->validate == V_GEN && !gen_current(r->gm, r->u->d.gen)) {
@@ -781,8 +841,8 @@ static size_t plan_chunk(shg_t *t, const mc_peer_t *peer, call_t **runp, int *ga
     *runp = NULL;
     k = 0;
   }
-  if (k && !(*runp)->logged) {
-    (*runp)->logged = 1;
+  if (k && !(*runp)->logged && !atomic_exchange(&(*runp)->u->path_logged, 1)) {
+    (*runp)->logged = 1; /* once per descriptor: log_path_once logs a segment once anyway */
     log_path_once(t, peer->segment, "same host: GPU memory moves directly between the GPUs "
                   "(%s; copies by %s)", (*runp)->same_process ? "same process" : "CUDA IPC",
                   mc_gpu_d2d_copy_name());
@@ -869,15 +929,21 @@ static group_t *op_prepare(call_t *run, mc_xfer_op_t *op, mc_gpu_job_t **jobs, s
 }
 
 /* Starts the ops of one accepted chunk: one group (one copy job per local
- * device) per op. */
-static void start_ops(shg_t *t, call_t *run, mc_xfer_op_t **ops, size_t nops) {
+ * device) per op; pre[o], when build_ops made it, is op o's one job with
+ * its group inside. */
+static void start_ops(shg_t *t, call_t *run, mc_xfer_op_t **ops, size_t nops,
+                      mc_gpu_job_t **pre) {
   for (size_t o = 0; o < nops; o++) {
     mc_gpu_job_t *jobs[16];
     size_t nj = 0;
     atomic_int *cancel = ops[o]->cancel; /* the op may be done once its jobs are queued */
-    group_t *g = op_prepare(run, ops[o], jobs, &nj);
+    group_t *g = pre[o] ? pre[o]->arg : op_prepare(run, ops[o], jobs, &nj);
     if (!g)
       continue;
+    if (pre[o]) {
+      g->call = run;
+      jobs[nj++] = pre[o];
+    }
     pthread_mutex_lock(&run->mu);
     run->refs++; /* the group's */
     g->remaining = (int)nj;
@@ -908,21 +974,51 @@ static void start_ops(shg_t *t, call_t *run, mc_xfer_op_t **ops, size_t nops) {
   }
 }
 
+/* Op op's copy job with its group in one allocation, filled as its
+ * entries are (pre_add), when they are all on one local device; NULL
+ * otherwise (start_ops then groups them per device: op_prepare). */
+static mc_gpu_job_t *pre_new(mc_xfer_op_t *op, uint32_t nent, int dev) {
+  void *gp = NULL;
+  mc_gpu_job_t *j = mc_gpu_job_new_inline(dev, MC_GPU_D2D, nent, sizeof(group_t), &gp);
+  if (j) {
+    group_t *g = gp;
+    g->op = op;
+    g->block = j;
+    j->arg = g;
+    j->complete = ipc_job_done;
+  }
+  return j;
+}
+
+static void pre_add(mc_gpu_job_t **jp, const mc_xfer_op_t *op, const mc_xfer_ent_t *e) {
+  mc_gpu_job_t *j = *jp;
+  if (!j)
+    return;
+  mc_cu_ptr loc = (mc_cu_ptr)(uintptr_t)e->local, mapped = (mc_cu_ptr)e->remote;
+  if (e->dev != j->device ||
+      (op->type == MC_XFER_WRITE ? mc_gpu_job_add(j, mapped, loc, e->len)
+                                 : mc_gpu_job_add(j, loc, mapped, e->len)) < 0) {
+    mc_gpu_job_free(j); /* another device: op_prepare sorts them */
+    *jp = NULL;
+  }
+}
+
 /* The taken requests of one chunk as the engine's ops: one per opcode
  * (chunks hold at most MC_XFER_MAX_ENTRIES requests), WRITEs first, one
- * entry per request (cookie: its index in the call).  Returns how many
- * ops; 0 with take cleared when out of memory (the engine's next choice
- * moves them then). */
+ * entry per request (cookie: its index in the call), and each op's copy
+ * job where it can be built alongside (pre[o], see pre_new).  Returns how
+ * many ops; 0 with take cleared when out of memory (the engine's next
+ * choice moves them then). */
 static size_t build_ops(mc_xfer_call_t *c, size_t off, size_t n, char *take,
-                        const uint64_t *mapped, mc_xfer_op_t **ops) {
+                        const uint64_t *mapped, mc_xfer_op_t **ops, mc_gpu_job_t **pre) {
   size_t nw = 0, nops = 0;
   mc_err_t err = {0};
-  for (size_t i = 0; i < n; i++)
+  size_t taken = 0;
+  for (size_t i = 0; i < n; i++) {
+    taken += take[i];
     nw += take[i] && c->reqs[off + i].opcode == MC_XFER_REQ_WRITE;
-  size_t count[2] = {nw, 0};
-  for (size_t i = 0; i < n; i++)
-    count[1] += take[i];
-  count[1] -= nw;
+  }
+  size_t count[2] = {nw, taken - nw};
   for (int pass = 0; pass < 2; pass++) {
     if (!count[pass])
       continue;
@@ -932,21 +1028,28 @@ static size_t build_ops(mc_xfer_call_t *c, size_t off, size_t n, char *take,
     if (!op)
       goto fail;
     uint32_t e = 0;
+    mc_gpu_job_t *j = NULL;
     for (size_t i = 0; i < n; i++) {
       const mc_xfer_req_t *r = &c->reqs[off + i];
       if (!take[i] || (r->opcode == MC_XFER_REQ_WRITE) != want_write)
         continue;
-      op->ent[e++] = (mc_xfer_ent_t){.local = r->local, .remote = mapped[i], .len = r->len,
-                                     .cookie = (uint32_t)(off + i), .dev = c->ldev[off + i]};
+      op->ent[e] = (mc_xfer_ent_t){.local = r->local, .remote = mapped[i], .len = r->len,
+                                   .cookie = (uint32_t)(off + i), .dev = c->ldev[off + i]};
+      if (e == 0)
+        j = pre_new(op, (uint32_t)count[pass], op->ent[0].dev);
+      pre_add(&j, op, &op->ent[e++]);
     }
+    pre[nops] = j;
     ops[nops++] = op;
     if (mc_xfer_op_seal(op, &err) < 0)
       goto fail;
   }
   return nops;
 fail:
-  for (size_t i = 0; i < nops; i++)
+  for (size_t i = 0; i < nops; i++) {
     mc_xfer_op_free(ops[i]);
+    mc_gpu_job_free(pre[i]);
+  }
   memset(take, 0, n);
   return 0;
 }
@@ -960,6 +1063,7 @@ fail:
 static int shg_submit_call(void *impl, const mc_peer_t *peer, mc_xfer_call_t *c,
                            mc_err_t *err) {
   shg_t *t = impl;
+  freed_drain(t);
   size_t n = c->n, chunk = t->chunk, step = t->first_chunk < chunk ? t->first_chunk : chunk;
   size_t most = chunk < n ? chunk : n;
   char take_s[256];
@@ -977,6 +1081,7 @@ static int shg_submit_call(void *impl, const mc_peer_t *peer, mc_xfer_call_t *c,
     if (off + k > c->located && (rc = c->locate(c, off + k, err)) < 0)
       break;
     mc_xfer_op_t *ops[2];
+    mc_gpu_job_t *pre[2] = {NULL, NULL};
     size_t nops = 0;
     uint64_t ts[4] = {0};
     if (t->trace)
@@ -985,19 +1090,21 @@ static int shg_submit_call(void *impl, const mc_peer_t *peer, mc_xfer_call_t *c,
                                mapped)) {
       if (t->trace)
         ts[1] = mc_now_ns();
-      nops = build_ops(c, off, k, take, mapped, ops);
+      nops = build_ops(c, off, k, take, mapped, ops, pre);
     }
     if (t->trace)
       ts[2] = mc_now_ns();
     if ((rc = c->accept(c, off, k, nops ? take : NULL, ops, nops, err)) < 0) {
-      for (size_t i = 0; i < nops; i++)
+      for (size_t i = 0; i < nops; i++) {
         mc_xfer_op_free(ops[i]);
+        mc_gpu_job_free(pre[i]);
+      }
       break;
     }
     if (t->trace)
       ts[3] = mc_now_ns();
     if (nops)
-      start_ops(t, run, ops, nops);
+      start_ops(t, run, ops, nops, pre);
     if (t->trace && nops)
       mc_log_info("gpu trace: chunk of %zu requests: plan %.1f us, ops %.1f us, accept %.1f us, "
                   "start %.1f us", k, (ts[1] - ts[0]) / 1e3, (ts[2] - ts[1]) / 1e3,
@@ -1061,6 +1168,7 @@ static void shg_stop(void *impl) {
   shg_t *t = impl;
   if (!t)
     return;
+  freed_drain(t);
   for (size_t i = 0; i < t->npeers; i++) {
     desc_unref(t->peers[i].dr);
     gen_map_unref(t->peers[i].gm);
