@@ -59,6 +59,7 @@ class Loads:
                 self.w.stats.add("push_loads")
                 self.w.push_c.start(ld)
                 if getattr(spec, "layer_load", False):
+                    self.w.stats.add("push_layer_loads")
                     self.layered.append(ld)  # attention waits per layer; over in this step
                 continue
             self._start_pulls(ld)
