@@ -7,6 +7,7 @@ completed or were cancelled); blocks it did not fill become load errors
 (get_block_ids_with_load_errors) and vLLM computes them.
 """
 import logging
+import os
 import time
 
 from mooncake_connector.connector.layout import NULL_BLOCK
@@ -14,6 +15,7 @@ from mooncake_connector.connector.settings import SettingsError
 from mooncake_connector.connector.stats import recompute_reason
 
 logger = logging.getLogger("vllm.mooncake_connector")
+TRACE = os.environ.get("MC_PUSH_TRACE") == "1"  # log each push layer load's timeline
 
 
 def rows(spec):
@@ -110,6 +112,12 @@ class Loads:
                 res = (0, f"vLLM did not call wait_for_layer_load for layer {skipped[0]} in "
                        "the step (its attention may have read the blocks before the KV "
                        "landed)")
+            if TRACE:
+                t = ld.push.t_ok
+                logger.info("MooncakeConnector push layer load %s: from the step's start, "
+                            "layers landed at %s ms, step fenced at %.1f ms (%s)", rid,
+                            [round((t[i] - ld.t0) * 1e3, 1) for i in sorted(t)],
+                            (time.monotonic() - ld.t0) * 1e3, res[1] or "ok")
             if rid in self.loading:
                 self._finish(rid, res)
         self.layered, self.waited = [], set()

@@ -208,6 +208,7 @@ class ConsumerLoad:
         self.nlayers = nlayers  # layer load: layers to land before the load is over
         self.landed = {}        # layer load: producer engine -> layer indices landed
         self.failed = None      # layer load: why it stopped waiting in this step
+        self.t_ok = {}          # layer load: layer index -> monotonic time seen landed
         self.t0 = time.monotonic()
         self.lease_until = time.time() + lease_s
         self.deadline = self.t0 + lease_s            # our own patience (monotonic)
@@ -326,7 +327,10 @@ class PushConsumer:
                 else f"producer {name}: {st}")
             self._progress(ld)  # at the deadline: the cancel goes out now
             return "failed"
-        return "wait" if wait else "ok"
+        if wait:
+            return "wait"
+        cl.t_ok.setdefault(li, time.monotonic())
+        return "ok"
 
     def _progress(self, ld):
         """Outbox results of the load's messages; cancels once aborted or
