@@ -86,7 +86,7 @@ class Loads:
             self.w.drain_notifies()
             if all(pc.layer_state(ld, li) != "wait" for ld in self.layered):
                 return
-            time.sleep(0.0002)
+            self._nap()
 
     def end_layered(self):
         """End of a step with push layer loads: each is over (nothing more
@@ -107,7 +107,7 @@ class Loads:
                 res = w.push_c.poll(ld)
                 if res is not None:
                     break
-                time.sleep(0.0002)
+                self._nap()
             if skipped and res[1] is None and res[0] > 0:
                 res = (0, f"vLLM did not call wait_for_layer_load for layer {skipped[0]} in "
                        "the step (its attention may have read the blocks before the KV "
@@ -121,6 +121,18 @@ class Loads:
             if rid in self.loading:
                 self._finish(rid, res)
         self.layered, self.waited = [], set()
+
+    def _nap(self):
+        """Until a notification comes (GIL released), at most 2 ms: outbox
+        results and deadlines are looked at that often."""
+        eng = self.w.engine
+        if eng is not None:
+            try:
+                eng.wait_notifies(0.002)
+                return
+            except Exception:  # noqa: BLE001 - closed meanwhile (sleep mode, shutdown)
+                pass
+        time.sleep(0.0005)
 
     def _wait_sync(self, rids):
         w = self.w

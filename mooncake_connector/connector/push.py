@@ -583,9 +583,11 @@ class PushProducer:
         li = self._layer_index.get(layer_name)
         if li is None:
             return
+        cpu = self.w.cuda_sync is None  # on CPU the layer's KV is in memory now
         for job in self.jobs.values():
+            if cpu and not job.all_ready:
+                job.ready.add(li)  # (a target arriving later in this forward gets it)
             if job.layerwise and not job.all_ready:
-                job.ready.add(li)
                 for tg in job.targets.values():
                     self._submit(job, tg)
                     if tg.lnotify and tg.batches:
