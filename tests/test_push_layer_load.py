@@ -29,8 +29,11 @@ class AttnSide(Side):
     already hold the producer's KV for that layer), the layer's own KV
     writes, then save_kv_layer(layer)."""
 
-    def __init__(self, *a, die_after_layer=None, **kw):
+    def __init__(self, *a, die_after_layer=None, pause_after_layer=None, **kw):
         super().__init__(*a, **kw)
+        self.pause_after_layer = pause_after_layer  # producer: wait for a notification there
+        self.paused = threading.Event()
+        self.targets_at_end = {}  # producer: tid -> consumers with a target at forward end
         self.seen = {}       # req_id -> [layer 0 complete at its attention, layer 1 ...]
         self.die_after_layer = die_after_layer  # producer: close the engine after this layer
         self.loaded = {}     # req_id -> (tokens, first block, blocks) the step loads
@@ -52,6 +55,10 @@ class AttnSide(Side):
                             x[:] = kv_value(li, tok, start + k, h)
             for w, kv in zip(self.workers, self.kvs):
                 w.save_kv_layer(name, kv[name], None)
+            if self.pause_after_layer == li and so.num_scheduled_tokens:
+                self.paused.set()  # the decode's target arrives during this forward
+                assert self.worker._worker.engine.wait_notifies(5.0)
+                self.pause_after_layer = None
             if self.die_after_layer == li and so.num_scheduled_tokens:
                 for w in self.workers:  # what landed so far is told, then the process dies
                     w._worker.push_p.flush_layers()
@@ -60,6 +67,9 @@ class AttnSide(Side):
                     w.shutdown()
                 self.die_after_layer = None
                 raise SystemExit("the producer died")
+        pp_ = self.worker._worker.push_p
+        if pp_ is not None and so.num_scheduled_tokens:
+            self.targets_at_end = {tid: set(j.targets) for tid, j in pp_.jobs.items()}
         for rid, n in so.num_scheduled_tokens.items():
             self.computed[rid] = self.computed.get(rid, 0) + n
 
@@ -91,7 +101,9 @@ def sides(model_dir, urls):  # noqa: F811
 
     def make(role, **extra):
         die = extra.pop("die_after_layer", None)
-        s = AttnSide(model_dir, role, {**urls, **extra}, block_size=BS, die_after_layer=die)
+        pause = extra.pop("pause_after_layer", None)
+        s = AttnSide(model_dir, role, {**urls, **extra}, block_size=BS, die_after_layer=die,
+                     pause_after_layer=pause)
         made.append(s)
         return s
 
@@ -175,6 +187,29 @@ def test_layer_load_lands_each_layer_before_its_attention(sides):
         run.join()
     assert p.run_until(lambda: p.is_empty(), steps=500)
     assert d.is_empty() and recomputes(d) == {}
+
+
+def test_target_arriving_mid_forward_is_served_in_that_forward(sides):
+    """The prefill's forward is under way (layer 0 computed) when the
+    decode's target arrives: the producer takes it at its next layer (not
+    after the forward), writes the layers computed so far at once and the
+    rest layer by layer, and the decode's step gets every layer."""
+    p = sides("kv_producer", pause_after_layer=0)  # push_layerwise off: lnotify turns it on
+    d = sides("kv_consumer", flow_a=False, push_layer_load=True)
+    t = toks(40, 3 * BS + 6)
+    p.add(make_request("pq", t, max_tokens=1, params=pp("L9")))
+    run = Stepper(p)
+    try:
+        assert p.paused.wait(10)
+        d.add(make_request("q", t, max_tokens=2, params=dp("L9")))
+        so = d.step()
+        assert so.num_scheduled_tokens.get("q") == 6
+        assert d.seen.get("q") == [True, True] and not d.invalid
+        assert d.run_until(lambda: "q" not in d.sched.requests, steps=50)
+    finally:
+        run.join()
+    assert p.targets_at_end.get("L9") == {d.worker._worker.name}, p.targets_at_end
+    assert p.run_until(lambda: p.is_empty(), steps=500) and d.is_empty()
 
 
 def test_block_aligned_prompt_leaves_its_last_block_to_the_decode(sides):
