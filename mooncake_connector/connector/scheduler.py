@@ -23,6 +23,7 @@ waits in WAITING_FOR_REMOTE_KVS).  Blocks a worker could not fill are
 reported as load errors and vLLM computes them locally.
 """
 import logging
+import os
 import time
 
 from mooncake_connector.connector.metadata import (LoadSpec, MooncakeConnectorMetadata,
@@ -36,6 +37,7 @@ logger = logging.getLogger("vllm.mooncake_connector")
 PROBE_REUSE_S = 0.5  # a probe's answer serves the same waiting request this long
 PROBE_GRACE_S = 0.1  # a probe pending this much past lookup_timeout_s is a miss
 PENDING = object()   # _known_size: the producer's answer is not in yet
+TRACE = os.environ.get("MC_PUSH_TRACE") == "1"  # log push layer loads' timelines
 
 
 def bytes_per_block(kv_cache_config):
@@ -276,6 +278,11 @@ class SchedulerSide:
         self._tried.add(request.request_id)
         params = getattr(request, "kv_transfer_params", None) or {}
         end, sync = self._claims.pop(request.request_id, (self._full_tokens(request), False))
+        if TRACE and src[0] == "P" and sync:
+            arrived = getattr(request, "arrival_time", None)
+            if isinstance(arrived, float):
+                logger.info("MooncakeConnector push layer load %s: scheduled %.1f ms after "
+                            "it arrived", request.request_id, (time.time() - arrived) * 1e3)
         local = end - num_external_tokens
         skip = max(local, 0) // self.block_size
         groups = [list(g)[skip:end // self.block_size] for g in blocks.get_block_ids()]
