@@ -112,13 +112,14 @@ MODES = (("colocated", "colocated, direct"),
          ("flow_b_decode_first", "flow b, 1st token from decode"),
          ("push", "push, whole prompt"),
          ("push_layerwise", "push, layer by layer"),
+         ("push_layer_load", "push, layer by layer, decode waits per layer"),
          ("router", "vllm-router (mooncake mode) -> ours"),
          ("intree", "vLLM in-tree MooncakeConnector (Mooncake engine)"),
          ("colocated_phase2", "colocated, direct (in-tree phase)"))
 LABEL = dict(MODES)
 #: The reference each mode's paired difference is taken against.
 REFERENCE = {"intree": "colocated_phase2"}
-PUSH_MODES = ("push", "push_layerwise")
+PUSH_MODES = ("push", "push_layerwise", "push_layer_load")
 
 
 def proxy_flows():
@@ -327,7 +328,7 @@ def summarize(results, fixed, xfer, bars_factor=1.1, layers=1):
 COLORS = {"colocated": "tab:blue", "colocated_proxy": "tab:cyan",
           "disaggregated": "tab:orange", "disaggregated_decode_first": "tab:red",
           "flow_b": "tab:olive", "flow_b_decode_first": "tab:brown", "push": "tab:green",
-          "push_layerwise": "lime", "router": "tab:purple", "intree": "black",
+          "push_layerwise": "lime", "push_layer_load": "darkgreen", "router": "tab:purple", "intree": "black",
           "colocated_phase2": "tab:gray"}
 
 
@@ -549,6 +550,10 @@ def main(argv=None):
             if "push_layerwise" in want:
                 extra_proxies["push-layerwise"] = {"flow": "push",
                                                    "extra_args": ("--push-layerwise", "on")}
+            if "push_layer_load" in want:  # the decode's attention waits per layer
+                extra_proxies["push-layer-load"] = {
+                    "flow": "push", "extra_args": ("--push-layerwise", "on",
+                                                   "--push-layer-load", "on")}
         else:
             for k in PUSH_MODES:
                 if k in want:
@@ -585,7 +590,8 @@ def main(argv=None):
             "disaggregated": dep.proxies["a"].url}
     for k, name in (("disaggregated_decode_first", "a-decode-first"), ("flow_b", "b"),
                     ("flow_b_decode_first", "b-decode-first"), ("push", "push"),
-                    ("push_layerwise", "push-layerwise")):
+                    ("push_layerwise", "push-layerwise"),
+                    ("push_layer_load", "push-layer-load")):
         if k in want and k not in skipped and name in dep.proxies:
             urls[k] = dep.proxies[name].url
     intree_rows, intree_status = None, skipped.get("intree", "not asked for")

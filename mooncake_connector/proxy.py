@@ -100,7 +100,8 @@ def _upstream_error(role, url, status, raw, content_type):
 class Proxy:
     def __init__(self, prefill=(), decode=(), flow="a", timeout=6 * 3600, api_key=None,
                  first_token="prefill", passthrough=(), idle_timeout=300.0,
-                 prefill_down_s=5.0, prefill_engines=(), push_layerwise=None):
+                 prefill_down_s=5.0, prefill_engines=(), push_layerwise=None,
+                 push_layer_load=None):
         self.passthrough = [u.rstrip("/") for u in passthrough]
         if self.passthrough and (prefill or decode):
             raise ValueError("--passthrough takes no --prefill/--decode")
@@ -117,6 +118,7 @@ class Proxy:
             raise ValueError(f"--prefill-engine names {len(self.prefill_engines)} engines for "
                              f"{len(self.prefill)} --prefill URLs: give one per URL, same order")
         self.push_layerwise = push_layerwise
+        self.push_layer_load = push_layer_load
         self.decode = [u.rstrip("/") for u in decode] or self.passthrough
         self.flow = flow
         self.first_token = first_token
@@ -354,6 +356,8 @@ class Proxy:
               "transfer_id": tid}
         if self.prefill_engines:
             dp["remote_engine_id"] = self.prefill_engines[idx]
+        if self.push_layer_load is not None:
+            dp["push_layer_load"] = self.push_layer_load
         dec_body = dict(body, kv_transfer_params=dp)
         task = asyncio.ensure_future(self._push_prefill(request.path, pre_url, pre_body,
                                                         headers, rid))
@@ -623,6 +627,12 @@ def main(argv=None):
                     help="flow push: write the KV layer by layer as the prefill computes it "
                          "(on), after the forward (off), or the prefill server's "
                          "push_layerwise setting (server)")
+    ap.add_argument("--push-layer-load", choices=["server", "on", "off"], default="server",
+                    help="flow push: the decode schedules the request at once and each "
+                         "attention layer waits for that layer's pushed KV (on; every other "
+                         "request of the decode's step waits with it), waits for the whole "
+                         "prompt before scheduling it (off), or the decode server's "
+                         "push_layer_load setting (server); docs/connector.md, Layer load")
     ap.add_argument("--first-token", choices=["prefill", "decode"], default="prefill",
                     help="streamed requests: prefill (default) streams the prefill's token at "
                          "once and decode continues from it; decode waits for the decode "
@@ -660,7 +670,8 @@ def main(argv=None):
     proxy = Proxy(args.prefill, args.decode, args.flow, args.timeout,
                   os.environ.get("OPENAI_API_KEY"), args.first_token, args.passthrough,
                   args.idle_timeout, args.prefill_down_s, args.prefill_engine,
-                  {"server": None, "on": True, "off": False}[args.push_layerwise])
+                  {"server": None, "on": True, "off": False}[args.push_layerwise],
+                  {"server": None, "on": True, "off": False}[args.push_layer_load])
     run_loop, loop_name = _event_loop(args.loop)
 
     async def run():

@@ -39,7 +39,11 @@ def deployment(tiny_model_dir):
     # Not under pytest's basetemp: a concurrent pytest run on the same host
     # prunes old /tmp/pytest-of-USER/pytest-N dirs, logs and configs included.
     workdir = tempfile.mkdtemp(prefix="mc-e2e-")
-    dep = Deployment(workdir, tiny_model_dir, flows=("a", "b", "push"))
+    # push with push_layer_load (the decode's attention waits per layer):
+    # its own proxy, asking for it per request.
+    dep = Deployment(workdir, tiny_model_dir, flows=("a", "b", "push"), extra_proxies={
+        "push-layer-load": {"flow": "push", "extra_args": ("--push-layer-load", "on",
+                                                           "--push-layerwise", "on")}})
     try:
         dep.start(timeout=START_TIMEOUT_S)
     except Exception:

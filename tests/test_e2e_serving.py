@@ -130,7 +130,8 @@ def _check_flow(dep, flow, references):
         # on the decode server); a non-streamed one is the original (n).
         # (A first token that is a partial UTF-8 character takes the seed's
         # path, proxy_first_token.Plan: the decode leg is the original n.)
-        want = n + 1 if base.get("stream") and not fell_back and flow != "push" else n
+        want = n + 1 if base.get("stream") and not fell_back and \
+            not flow.startswith("push") else n
         if seen != want:
             wrong_path.append(f"{cid}: decode server saw a {seen}-token prompt, expected "
                               f"{want} ({n} + the prefill's token)" if base.get("stream")
@@ -154,7 +155,7 @@ def _check_flow(dep, flow, references):
     stats1 = proxy_stats(dep.proxies[flow].url)
     streamed = sum(1 for c in cases if c[2].get("stream"))
     served = stats1["first_token_from_prefill"] - stats0["first_token_from_prefill"]
-    if flow == "push":  # first token from decode, always
+    if flow.startswith("push"):  # first token from decode, always
         streamed = partial = 0
     assert served == streamed - partial, (
         f"proxy flow {flow} served {served} of {streamed} streamed requests' first token "
@@ -182,18 +183,21 @@ def test_many_prompts_through_the_proxy_flow_b(deployment, references):
     assert _check_flow(deployment, "b", references) > 5000
 
 
+def metric_value(url, metric):
+    """A counter's value (summed over its labels) from a server's /metrics."""
+    from mooncake_connector.deployment import parse_metrics
+
+    status, body = http_get(url + "/metrics", timeout=10)
+    assert status == 200, body[:300]
+    return sum(v for (name, _), v in parse_metrics(body).items() if name == metric)
+
+
 def test_many_prompts_through_the_proxy_flow_push(deployment, references):
     """Push: both legs at once; the decode admits first and the prefill
     writes the prompt's KV into its blocks (our engine's WRITEs, counted by
     the prefill's vllm:mooncake_push_sends_total)."""
     if deployment.connector == "example":
         pytest.skip("push is this connector's flow")
-    from mooncake_connector.deployment import parse_metrics
-
-    def metric_value(url, metric):
-        status, body = http_get(url + "/metrics", timeout=10)
-        assert status == 200, body[:300]
-        return sum(v for (name, _), v in parse_metrics(body).items() if name == metric)
     sends0 = metric_value(deployment.prefill.url, "vllm:mooncake_push_sends_total")
     assert _check_flow(deployment, "push", references) > 5000
     sends = metric_value(deployment.prefill.url, "vllm:mooncake_push_sends_total") - sends0
@@ -201,6 +205,25 @@ def test_many_prompts_through_the_proxy_flow_push(deployment, references):
     want = sum(1 for cid, _, _ in _cases_for(deployment, references)
                if references[cid].usage["prompt_tokens"] >= BLOCK)
     assert want >= 10 and sends >= want, (sends, want)
+
+
+def test_many_prompts_through_push_layer_load(deployment, references):
+    """Push with push_layer_load: the decode schedules each request at once
+    and its attention waits per layer for the pushed KV (in-step loads,
+    counted by vllm:mooncake_push_layer_loads_total); token-identical."""
+    if deployment.connector == "example":
+        pytest.skip("push is this connector's flow")
+    in_step0 = metric_value(deployment.decode.url, "vllm:mooncake_push_layer_loads_total")
+    failed0 = metric_value(deployment.decode.url, "vllm:mooncake_load_failures_total")
+    assert _check_flow(deployment, "push-layer-load", references) > 5000
+    in_step = metric_value(deployment.decode.url, "vllm:mooncake_push_layer_loads_total") - \
+        in_step0
+    failed = metric_value(deployment.decode.url, "vllm:mooncake_load_failures_total") - failed0
+    # Prompts over one block load in the step (a one-block prompt keeps its
+    # block for the decode's own last token: the regular push).
+    want = sum(1 for cid, _, _ in _cases_for(deployment, references)
+               if references[cid].usage["prompt_tokens"] > BLOCK)
+    assert want >= 10 and in_step >= want and failed == 0, (in_step, want, failed)
 
 
 def test_concurrent_requests_match(deployment, references):

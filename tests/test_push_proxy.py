@@ -66,12 +66,15 @@ def test_push_sends_both_legs_at_once(upstreams, proxy):  # noqa: F811
 def test_push_failed_prefill_leg_is_counted_not_fatal(upstreams, proxy):  # noqa: F811
     p, d = SlowPrefill(0.0, status=500), upstreams("decode")
     try:
-        url = proxy([p.url], [d.url], flow="push", extra=("--push-layerwise", "on"))
+        url = proxy([p.url], [d.url], flow="push", extra=("--push-layerwise", "on",
+                                                             "--push-layer-load", "on"))
         status, out = post(url + "/v1/completions", {"model": "m", "prompt": "hi",
                                                      "max_tokens": 4})
         assert status == 200 and out["by"] == "decode"
         assert p.seen[0][1]["kv_transfer_params"]["push_layerwise"] is True
+        assert "push_layer_load" not in p.seen[0][1]["kv_transfer_params"]
         assert "remote_engine_id" not in d.seen[0]["body"]["kv_transfer_params"]
+        assert d.seen[0]["body"]["kv_transfer_params"]["push_layer_load"] is True
         for _ in range(50):
             import urllib.request
             stats = json.loads(urllib.request.urlopen(url + "/stats", timeout=5).read())

@@ -116,3 +116,35 @@ def test_striping_threads_and_slicing(peers, env):
     a.call(cmd="zero")
     assert a.call(cmd="read", target=b.segment, blocks=blocks) == {"ok": True}
     assert crc_of(a, 0, n) == crc_of(b, 0, n)
+
+
+def test_wait_notifies_wakes_on_a_notification_and_times_out():
+    """wait_notifies(timeout): False after the timeout with nothing queued;
+    True as soon as a notification is queued (another thread's send), taking
+    none of them (get_notifies still returns it); a bad timeout is refused."""
+    import threading
+    import time
+
+    import mooncake_connector as mc
+
+    a, b = mc.TransferEngine(), mc.TransferEngine()
+    a.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
+    b.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
+    try:
+        t0 = time.monotonic()
+        assert b.wait_notifies(0.05) is False
+        assert 0.04 <= time.monotonic() - t0 < 1.0
+        th = threading.Timer(0.2, lambda: a.send_notify(b.get_segment_name(), b"layer 3"))
+        th.start()
+        t0 = time.monotonic()
+        assert b.wait_notifies(10.0) is True
+        assert time.monotonic() - t0 < 5.0
+        th.join()
+        assert b.wait_notifies(0.0) is True  # still queued: waiting takes nothing
+        assert [m for _, m in b.get_notifies()] == [b"layer 3"]
+        assert b.wait_notifies(0.0) is False
+        with pytest.raises(ValueError, match="timeout"):
+            b.wait_notifies(-1.0)
+    finally:
+        a.close()
+        b.close()

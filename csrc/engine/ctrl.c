@@ -5,6 +5,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "engine/engine_internal.h"
 #include "util/clock.h"
@@ -94,8 +95,30 @@ int mc_engine_queue_notify(mc_engine_t *e, const char *from, const void *msg, si
   else
     e->notify_head = n;
   e->notify_tail = n;
+  pthread_cond_broadcast(&e->notify_cv);
   pthread_mutex_unlock(&e->notify_mu);
   return 0;
+}
+
+int mc_engine_wait_notifies(mc_engine_t *e, int64_t timeout_us) {
+  struct timespec dl;
+  clock_gettime(CLOCK_MONOTONIC, &dl);
+  if (timeout_us < 0)
+    timeout_us = 0;
+  dl.tv_sec += (time_t)(timeout_us / 1000000);
+  dl.tv_nsec += (long)(timeout_us % 1000000) * 1000L;
+  if (dl.tv_nsec >= 1000000000L) {
+    dl.tv_sec++;
+    dl.tv_nsec -= 1000000000L;
+  }
+  pthread_mutex_lock(&e->notify_mu);
+  while (!e->notify_head) {
+    if (pthread_cond_timedwait(&e->notify_cv, &e->notify_mu, &dl) == ETIMEDOUT)
+      break;
+  }
+  int have = e->notify_head != NULL;
+  pthread_mutex_unlock(&e->notify_mu);
+  return have;
 }
 
 size_t mc_engine_drain_notifies(mc_engine_t *e, size_t max, mc_notify_cb cb, void *arg) {

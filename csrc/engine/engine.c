@@ -71,6 +71,11 @@ static mc_engine_t *engine_alloc(void) {
   e->ctrl = -1;
   pthread_mutex_init(&e->peers_mu, NULL);
   pthread_mutex_init(&e->notify_mu, NULL);
+  pthread_condattr_t ca;
+  pthread_condattr_init(&ca);
+  pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+  pthread_cond_init(&e->notify_cv, &ca);
+  pthread_condattr_destroy(&ca);
   pthread_mutex_init(&e->det_mu, NULL);
   pthread_rwlock_init(&e->handler_lock, NULL);
   pthread_mutex_init(&e->pub_mu, NULL);
@@ -157,6 +162,7 @@ void mc_engine_destroy(mc_engine_t *e) {
   mc_peers_free(e);
   pthread_mutex_destroy(&e->peers_mu);
   pthread_mutex_destroy(&e->notify_mu);
+  pthread_cond_destroy(&e->notify_cv);
   pthread_mutex_destroy(&e->det_mu);
   pthread_rwlock_destroy(&e->handler_lock);
   pthread_mutex_destroy(&e->pub_mu);

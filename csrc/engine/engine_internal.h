@@ -77,6 +77,7 @@ struct mc_engine {
   uint64_t det_bytes;
 
   pthread_mutex_t notify_mu;
+  pthread_cond_t notify_cv; /* CLOCK_MONOTONIC; signalled when a notification is queued */
   mc_notify_msg_t *notify_head, *notify_tail;
   size_t notify_count;
   uint64_t notify_bytes, notify_limit, notify_refused; /* MC_NOTIFY_QUEUE_MB */

@@ -1091,6 +1091,20 @@ static PyObject *Engine_get_notifies(EngineObject *self, PyObject *unused) {
   return list;
 }
 
+static PyObject *Engine_wait_notifies(EngineObject *self, PyObject *args) {
+  double timeout;
+  if (!PyArg_ParseTuple(args, "d:wait_notifies", &timeout))
+    return NULL;
+  if (mc_py_check_timeout(timeout, 0, 0, 60, "timeout") < 0 || enter(self) < 0)
+    return NULL;
+  int have;
+  Py_BEGIN_ALLOW_THREADS
+  have = mc_engine_wait_notifies(self->eng, (int64_t)(timeout * 1e6));
+  Py_END_ALLOW_THREADS
+  leave(self);
+  return PyBool_FromLong(have);
+}
+
 /* ---- raw memory helpers (as in Mooncake's API) ----
  * The range must lie in memory registered with this engine (managed buffers
  * included), so a stale or wrong address raises instead of crashing, and
@@ -1292,6 +1306,9 @@ static PyMethodDef Engine_methods[] = {
      "(docs/connector.md, Budgets)."},
     {"get_notifies", (PyCFunction)Engine_get_notifies, METH_NOARGS,
      "get_notifies() -> list of (from_segment, message_bytes); drains the queue."},
+    {"wait_notifies", (PyCFunction)Engine_wait_notifies, METH_VARARGS,
+     "wait_notifies(timeout) -> bool: waits (GIL released) up to timeout seconds (0..60)\n"
+     "for a notification get_notifies() would return; takes none."},
     {"allocate_managed_buffer", (PyCFunction)Engine_allocate_managed_buffer, METH_O,
      "allocate_managed_buffer(length) -> addr: zeroed, page-aligned, registered host memory"},
     {"free_managed_buffer", (PyCFunction)Engine_free_managed_buffer, METH_VARARGS,

@@ -180,7 +180,9 @@ class MooncakeConnector(KVConnectorBase_V1, SupportsHMA):
             self._scheduler = SchedulerSide(s, self.block_size, self.tp_size,
                                             lambda: getattr(self, "_kv_cache_manager", None),
                                             block_bytes=bytes_per_block(kv_cache_config),
-                                            probe=probe)
+                                            probe=probe,
+                                            groups=len(getattr(kv_cache_config,
+                                                               "kv_cache_groups", None) or [0]))
         else:
             from mooncake_connector.connector.worker import WorkerSide
             nb = getattr(kv_cache_config, "num_blocks", None) if kv_cache_config else None
@@ -242,7 +244,10 @@ class MooncakeConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker.start_load(meta)
 
     def wait_for_layer_load(self, layer_name):
-        return  # in-step loads are done when start_load_kv returns; others: get_finished
+        # Pulls in the step are done when start_load_kv returns; a push layer
+        # load (push_layer_load) waits here until this layer's KV landed.
+        if self._worker is not None:
+            self._worker.wait_for_layer_load(layer_name)
 
     def save_kv_layer(self, layer_name, kv_layer, attn_metadata, **kwargs):
         # Flow a/b publish once per prompt (wait_for_save); push with

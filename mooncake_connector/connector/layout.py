@@ -118,6 +118,12 @@ class KVLayout:
         self.extents_per_block = sum(len(L.outer) for L in self.layers)
         self.devices = sorted({L.device for L in self.layers})
         self.head_order = head_order(self.layers, heads, block_size)
+        self._index = {L.name: i for i, L in enumerate(self.layers)}
+
+    def layer_index(self, name):
+        """Position of a layer in this layout (the order extents and the push
+        flow's layer indices use), or None."""
+        return self._index.get(name)
 
     def regions(self):
         """(addr, length, device) to register: each storage once."""

@@ -7,6 +7,7 @@ completed or were cancelled); blocks it did not fill become load errors
 (get_block_ids_with_load_errors) and vLLM computes them.
 """
 import logging
+import os
 import time
 
 from mooncake_connector.connector.layout import NULL_BLOCK
@@ -14,6 +15,7 @@ from mooncake_connector.connector.settings import SettingsError
 from mooncake_connector.connector.stats import recompute_reason
 
 logger = logging.getLogger("vllm.mooncake_connector")
+TRACE = os.environ.get("MC_PUSH_TRACE") == "1"  # log each push layer load's timeline
 
 
 def rows(spec):
@@ -41,6 +43,8 @@ class Loads:
         self.w = worker
         self.loading = {}     # req_id -> Load
         self.invalid = set()  # block ids that failed to load, reported once
+        self.layered = []     # this step's push layer loads (push_layer_load)
+        self.waited = set()   # layer names wait_for_layer_load saw in this step
         self._shc_read = 0    # the engine's same-host CPU READ bytes, last seen
 
     def start(self, meta):
@@ -56,12 +60,79 @@ class Loads:
             if spec.flow == "P":
                 self.w.stats.add("push_loads")
                 self.w.push_c.start(ld)
+                if getattr(spec, "layer_load", False):
+                    self.w.stats.add("push_layer_loads")
+                    self.layered.append(ld)  # attention waits per layer; over in this step
                 continue
             self._start_pulls(ld)
             if spec.sync:
                 sync.append(spec.req_id)
         if sync:
             self._wait_sync(sync)
+
+    def wait_layer(self, layer_name):
+        """Push layer load: block (GIL released) until this layer's KV landed
+        for every such load of the step, or the load failed (producer nokv,
+        cancel, unreachable, push_layer_timeout_s): a failed load is not waited
+        for again and its blocks become load errors when the step ends."""
+        if not self.layered:
+            return
+        self.waited.add(layer_name)
+        li = self.w.layout.layer_index(layer_name) if self.w.layout is not None else None
+        if li is None:
+            return
+        pc = self.w.push_c
+        while True:
+            self.w.drain_notifies()
+            if all(pc.layer_state(ld, li) != "wait" for ld in self.layered):
+                return
+            self._nap()
+
+    def end_layered(self):
+        """End of a step with push layer loads: each is over (nothing more
+        can land: every layer landed, or the producer answered the cancel,
+        or its lease + grace passed) before vLLM may reuse or recompute its
+        blocks; failed ones, and any whose layer the forward did not wait
+        for, become load errors now (vLLM drops that step's token for them
+        and computes the prompt)."""
+        if not self.layered:
+            return
+        w = self.w
+        names = [L.name for L in w.layout.layers] if w.layout is not None else []
+        skipped = [n for n in names if n not in self.waited]
+        for ld in self.layered:
+            rid = ld.spec.req_id
+            while True:
+                w.drain_notifies()
+                res = w.push_c.poll(ld)
+                if res is not None:
+                    break
+                self._nap()
+            if skipped and res[1] is None and res[0] > 0:
+                res = (0, f"vLLM did not call wait_for_layer_load for layer {skipped[0]} in "
+                       "the step (its attention may have read the blocks before the KV "
+                       "landed)")
+            if TRACE:
+                t = ld.push.t_ok
+                logger.info("MooncakeConnector push layer load %s: from the step's start, "
+                            "layers landed at %s ms, step fenced at %.1f ms (%s)", rid,
+                            [round((t[i] - ld.t0) * 1e3, 1) for i in sorted(t)],
+                            (time.monotonic() - ld.t0) * 1e3, res[1] or "ok")
+            if rid in self.loading:
+                self._finish(rid, res)
+        self.layered, self.waited = [], set()
+
+    def _nap(self):
+        """Until a notification comes (GIL released), at most 2 ms: outbox
+        results and deadlines are looked at that often."""
+        eng = self.w.engine
+        if eng is not None:
+            try:
+                eng.wait_notifies(0.002)
+                return
+            except Exception:  # noqa: BLE001 - closed meanwhile (sleep mode, shutdown)
+                pass
+        time.sleep(0.0005)
 
     def _wait_sync(self, rids):
         w = self.w

@@ -22,6 +22,7 @@ class LoadSpec:
     producer_tp: int | None = None  # flow B: the producer's TP size from its params
     more_groups: list = field(default_factory=list)  # HMA: block ids of KV-cache groups 1..
     push_tid: str | None = None  # flow "P" (push): the transfer id both legs carry
+    layer_load: bool = False  # push, in this step: attention waits per layer (push_layer_load)
 
 
 @dataclass

@@ -7,13 +7,17 @@ the receiving engine), each `MAGIC + JSON header + b"\\n" + body`:
 
   consumer rank -> producer rank
     target  {"t": "target", "tid", "rank", "lease_until", "ntok", "h", "skip",
-             "nblocks", "epb", "n"}; body: n x (u64 addr, u64 len, u64 src_off)
+             "nblocks", "epb", "n", "lnotify"}; body: n x (u64 addr, u64 len, u64 src_off)
              destination extents, block-major then layer then outer (K/V)
              slice, the order of layout.extents(); src_off: byte offset in the
              producer's extent (TP head slices; 0 = from its start)
     cancel  {"t": "cancel", "tid"}: write nothing more, answer "cancelled"
   producer rank -> consumer rank
     done       {"t": "done", "tid", "ntok"}: every write landed (acknowledged)
+    layer      {"t": "layer", "tid", "l": [layer index, ...]}: these layers'
+               writes landed (acknowledged); sent only for a target with
+               "lnotify": true (the consumer's push_layer_load: its attention
+               waits per layer); every layer landed means no write is left
     nokv       {"t": "nokv", "tid", "why"}: nothing (more) will be written
     cancelled  {"t": "cancelled", "tid"}: answer to cancel; no write in flight
                and none will start
@@ -199,8 +203,12 @@ class Outbox:
 class ConsumerLoad:
     """A push load of one request on one consumer rank."""
 
-    def __init__(self, spec, lease_s):
+    def __init__(self, spec, lease_s, nlayers=0):
         self.spec = spec
+        self.nlayers = nlayers  # layer load: layers to land before the load is over
+        self.landed = {}        # layer load: producer engine -> layer indices landed
+        self.failed = None      # layer load: why it stopped waiting in this step
+        self.t_ok = {}          # layer load: layer index -> monotonic time seen landed
         self.t0 = time.monotonic()
         self.lease_until = time.time() + lease_s
         self.deadline = self.t0 + lease_s            # our own patience (monotonic)
@@ -224,7 +232,9 @@ class PushConsumer:
         """ld: the worker's loads.Load (spec.flow == "P"); sends the targets."""
         w, spec = self.w, ld.spec
         tid = spec.push_tid
-        cl = ConsumerLoad(spec, w.s.load_timeout_s)
+        layered = bool(getattr(spec, "layer_load", False))
+        cl = ConsumerLoad(spec, w.s.push_layer_timeout_s if layered else w.s.load_timeout_s,
+                          nlayers=len(w.layout.layers) if layered and w.layout else 0)
         ld.push = cl
         try:
             if w.kv is None:
@@ -261,6 +271,9 @@ class PushConsumer:
                     "ntok": ntok, "h": h, "skip": spec.skip_blocks,
                     "nblocks": len(spec.block_ids), "epb": w.layout.extents_per_block,
                     "n": len(flat) // 3}
+            if layered:
+                head["lnotify"] = True
+                cl.landed[name] = set()
             cl.ranks[name] = "sending"
             w.push_outbox.send(name, encode(head, flat.tobytes()), key=("t", tid, name))
 
@@ -269,6 +282,16 @@ class PushConsumer:
         if cl is None or sender not in cl.ranks:
             return
         t = head["t"]
+        if t == "layer" and sender in cl.landed:
+            got = head.get("l")
+            if isinstance(got, list):
+                cl.landed[sender].update(i for i in got if isinstance(i, int) and
+                                         0 <= i < cl.nlayers)
+            # Every layer landed: the producer sent and saw acknowledged all
+            # it will write for us (nothing more can land).
+            if len(cl.landed[sender]) == cl.nlayers and cl.ranks[sender] not in TERMINAL:
+                cl.ranks[sender] = "done"
+            return
         if t in ("done", "nokv", "cancelled") and cl.ranks[sender] not in TERMINAL:
             cl.ranks[sender] = t
             if t != "done":
@@ -279,13 +302,40 @@ class PushConsumer:
         if tid is not None and tid in self.loads:
             self.loads[tid].aborted = True
 
-    def poll(self, ld):
-        """(matched tokens, error) once the load is over and nothing more can
-        be written into its blocks, else None."""
-        cl, spec = ld.push, ld.spec
+    def layer_state(self, ld, li):
+        """Layer load: "ok" once layer li landed from every producer rank,
+        "failed" (cl.failed says why) once it cannot in this step, else
+        "wait".  Advances the load (outbox results, cancel at its deadline)."""
+        cl = ld.push
+        if cl.failed is not None:
+            return "failed"
         if cl.error is not None:
-            return 0, cl.error
-        tid = spec.push_tid
+            cl.failed = cl.error
+            return "failed"
+        self._progress(ld)
+        wait = False
+        for name, st in cl.ranks.items():
+            if st == "done" or li in cl.landed.get(name, ()):
+                continue
+            if st in ("sending", "sent") and time.monotonic() < cl.deadline:
+                wait = True
+                continue
+            cl.failed = cl.why.get(name) or (
+                f"producer {name}: layer {li} did not land within push_layer_timeout_s="
+                f"{self.w.s.push_layer_timeout_s} (timed out)" if st in ("sending", "sent",
+                                                                         "cancelling")
+                else f"producer {name}: {st}")
+            self._progress(ld)  # at the deadline: the cancel goes out now
+            return "failed"
+        if wait:
+            return "wait"
+        cl.t_ok.setdefault(li, time.monotonic())
+        return "ok"
+
+    def _progress(self, ld):
+        """Outbox results of the load's messages; cancels once aborted or
+        past its deadline.  Returns the producer ranks not over yet."""
+        cl, tid = ld.push, ld.spec.push_tid
         for name, st in list(cl.ranks.items()):
             if st == "sending":
                 r = self.w.push_outbox.take(("t", tid, name))
@@ -303,14 +353,26 @@ class PushConsumer:
                 if r not in ("pending", None) and not r[0]:
                     cl.ranks[name] = "unsent"  # the producer is gone: no write can come
         now = time.monotonic()
+        failed = cl.failed is not None and cl.nlayers  # a layer load given up in its step
         live = [n for n, st in cl.ranks.items() if st not in TERMINAL]
-        if live and (cl.aborted or now >= cl.deadline):
+        if live and (cl.aborted or failed or now >= cl.deadline):
             for name in live:
                 if cl.ranks[name] != "sent":
                     continue  # sending: canceled once sent; cancelling: asked already
                 cl.ranks[name] = "cancelling"
                 self.w.push_outbox.send(name, encode({"t": "cancel", "tid": tid}),
                                         key=("c", tid, name))
+        return live
+
+    def poll(self, ld):
+        """(matched tokens, error) once the load is over and nothing more can
+        be written into its blocks, else None."""
+        cl, spec = ld.push, ld.spec
+        if cl.error is not None:
+            return 0, cl.error
+        tid = spec.push_tid
+        live = self._progress(ld)
+        now = time.monotonic()
         if live and now < cl.hard_end:
             return None
         for name in live:  # lease over: the producer may not write any more
@@ -323,13 +385,15 @@ class PushConsumer:
         for name in cl.ranks:  # results that may still sit in the outbox
             self.w.push_outbox.take(("t", tid, name))
             self.w.push_outbox.take(("c", tid, name))
-        if all(st == "done" for st in cl.ranks.values()) and cl.ranks:
+        if all(st == "done" for st in cl.ranks.values()) and cl.ranks and cl.failed is None:
             return (spec.skip_blocks + len(spec.block_ids)) * self.w.block_size, None
         errs = [cl.why.get(n) or st for n, st in cl.ranks.items() if st != "done"]
         if cl.aborted:
             return 0, None
-        if all("ended" in e and "KV" in e for e in errs):
+        if errs and all("ended" in e and "KV" in e for e in errs):
             return 0, None  # the prefill never had the KV: recompute reason not_held
+        if cl.failed is not None:  # a layer load: its step's forward ran without it
+            return 0, cl.failed
         return 0, errs[0] if errs else "no producer rank to push from"
 
 
@@ -355,6 +419,10 @@ class Target:
         self.dest.frombytes(body)
         self.arrived = arrived
         self.layers_sent = set()
+        self.lnotify = head.get("lnotify") is True  # "layer" messages as layers land
+        self.landed = set()      # layer indices whose writes were acknowledged
+        self.told = 0            # how many of them the consumer was told
+        self.blayers = {}        # batch id -> the layer indices it writes
         self.batches = []
         self.state = "pending"   # pending | writing | done | nokv | cancelled
         self.cancel = False      # the consumer asked to stop (abort, its timeout)
@@ -365,6 +433,7 @@ class _Served:
     """A consumer that canceled before the prompt was computed."""
     state = "cancelled"
     batches = ()
+    lnotify = False
 
 
 class ProducerJob:
@@ -467,6 +536,9 @@ class PushProducer:
         job = ProducerJob(spec, expected, layerwise, optional)
         self.jobs[tid] = job
         self.by_rid[spec.req_id] = tid
+        early = self.early.get(tid, {})
+        if self.w.cuda_sync is None and any(tg.lnotify for tg in early.values()):
+            job.layerwise = True  # the decode's attention waits for each layer
         for tg in self.early.pop(tid, {}).values():
             self._early_bytes -= 24 * len(tg.dest) // 3
             self._add_target(job, tg)
@@ -502,6 +574,8 @@ class PushProducer:
             return
         if job.optional and not job.targets and job.all_ready:
             self.w.publishes.withdraw(job.rid)  # published for a pull too: push takes it
+        if tg.lnotify and not job.all_ready and self.w.cuda_sync is None:
+            job.layerwise = True  # before the forward: each layer as it is computed
         job.targets[tg.name] = tg
         self._submit(job, tg)
 
@@ -509,11 +583,33 @@ class PushProducer:
         li = self._layer_index.get(layer_name)
         if li is None:
             return
+        cpu = self.w.cuda_sync is None  # on CPU the layer's KV is in memory now
         for job in self.jobs.values():
+            if cpu and not job.all_ready:
+                job.ready.add(li)  # (a target arriving later in this forward gets it)
             if job.layerwise and not job.all_ready:
-                job.ready.add(li)
                 for tg in job.targets.values():
                     self._submit(job, tg)
+                    if tg.lnotify and tg.batches:
+                        self._poll_batches(tg, job)  # earlier layers landed: say so
+
+    def flush_layers(self):
+        """After the forward (wait_for_save): wait (GIL released, bounded)
+        for the writes of targets whose decode attention waits per layer,
+        telling each layer as it lands, so the last layer does not wait for
+        this instance's next step."""
+        cap = time.monotonic() + 1.0
+        while True:
+            busy = False
+            wall = time.time()
+            for job in self.jobs.values():
+                for tg in job.targets.values():
+                    if tg.lnotify and tg.batches and not tg.stop and not tg.cancel and \
+                            wall < tg.lease_until - PUSH_MARGIN_S:
+                        busy = not self._poll_batches(tg, job) or busy
+            if not busy or time.monotonic() > cap:
+                return
+            time.sleep(0.0002)
 
     def prompt_done(self, rid):
         tid = self.by_rid.get(rid)
@@ -564,26 +660,36 @@ class PushProducer:
         tg.layers_sent.update(todo)
         tg.state = "writing"
         if not src:
+            tg.landed.update(todo)  # nothing to write (HMA null blocks): landed as is
             return
         from mooncake_connector import MooncakeError
         try:
-            tg.batches.append(self.w.engine.batch_transfer_async_write(tg.name, src, dst, lens))
+            bid = self.w.engine.batch_transfer_async_write(tg.name, src, dst, lens)
+            tg.batches.append(bid)
+            tg.blayers[bid] = todo
         except (MooncakeError, ValueError) as e:
             tg.stop = f"write to {tg.name} failed to start: {e}"
             return
         job.bytes += sum(lens)
 
-    def _poll_batches(self, tg):
-        """True once no batch of this target is in flight; failures noted."""
+    def _poll_batches(self, tg, job=None):
+        """True once no batch of this target is in flight; failures noted;
+        a target with lnotify is told the layers that landed."""
         left = []
         for bid in tg.batches:
             r = self.w.engine.transfer_check_status(bid)
+            layers = tg.blayers.pop(bid, ()) if r != 0 else ()
             if r == 0:
                 left.append(bid)
             elif r < 0 and not tg.stop:
                 tg.stop = "a write to the decode side failed" + (" (timed out)" if r == -2
                                                                   else "")
+            elif r > 0:
+                tg.landed.update(layers)
         tg.batches = left
+        if tg.lnotify and len(tg.landed) > tg.told and job is not None and not tg.stop:
+            tg.told = len(tg.landed)
+            self._reply(tg.name, job.tid, "layer", l=sorted(tg.landed))
         return not left
 
     def _cancel_batches(self, tg):
@@ -595,6 +701,7 @@ class PushProducer:
             except Exception:  # noqa: BLE001 - a canceled batch raises; that is the point
                 pass
             tg.batches = []
+            tg.blayers.clear()
 
     def _end(self, job, tg, state, why=None):
         tg.state = state
@@ -627,7 +734,7 @@ class PushProducer:
                         tg.stop = ("hold_timeout_s passed" if timed_out else
                                    "the decode side's lease expired while writing")
                     self._cancel_batches(tg)
-                if not self._poll_batches(tg):
+                if not self._poll_batches(tg, job):
                     continue
                 if tg.stop:
                     self._end(job, tg, "nokv", tg.stop)

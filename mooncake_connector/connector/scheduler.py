@@ -23,6 +23,7 @@ waits in WAITING_FOR_REMOTE_KVS).  Blocks a worker could not fill are
 reported as load errors and vLLM computes them locally.
 """
 import logging
+import os
 import time
 
 from mooncake_connector.connector.metadata import (LoadSpec, MooncakeConnectorMetadata,
@@ -36,6 +37,7 @@ logger = logging.getLogger("vllm.mooncake_connector")
 PROBE_REUSE_S = 0.5  # a probe's answer serves the same waiting request this long
 PROBE_GRACE_S = 0.1  # a probe pending this much past lookup_timeout_s is a miss
 PENDING = object()   # _known_size: the producer's answer is not in yet
+TRACE = os.environ.get("MC_PUSH_TRACE") == "1"  # log push layer loads' timelines
 
 
 def bytes_per_block(kv_cache_config):
@@ -49,8 +51,9 @@ def bytes_per_block(kv_cache_config):
 
 class SchedulerSide:
     def __init__(self, settings, block_size, tp_size, kv_cache_manager_getter,
-                 block_bytes=None, probe=None):
+                 block_bytes=None, probe=None, groups=1):
         self.s = settings
+        self.groups = groups      # KV-cache groups (a layer load needs exactly one)
         self.block_size = block_size
         self.tp_size = tp_size
         self.block_bytes = block_bytes  # per worker; None = unknown (loads go async)
@@ -215,6 +218,11 @@ class SchedulerSide:
                 "connector (e.g. vLLM's in-tree MooncakeConnector): serve both sides with "
                 "this package's MooncakeConnector"))
             return 0, False
+        if src[0] == "P":
+            held = self._layer_load_claim(request, n_full)
+            if held > num_computed_tokens:  # push, layer load: scheduled now, in-step load
+                self._claims[request.request_id] = (held, True)
+                return held - num_computed_tokens, False
         held = self._known_size(request, src, n_full)
         if held is PENDING:
             return None, False  # vLLM skips the request this step and asks again
@@ -244,6 +252,20 @@ class SchedulerSide:
         self._claims[request.request_id] = (held, sync)
         return ext, not sync
 
+    def _layer_load_claim(self, request, n_full):
+        """Push with push_layer_load (docs/connector.md, "Layer load"): the
+        full blocks before the prompt's last token, or 0 (the regular async
+        push).  The block holding the last token is left to the decode's own
+        forward, so no slot is written by both the producer and the decode.
+        One KV-cache group only: vLLM maps in-step load errors (invalid block
+        ids) back to requests for a single group only."""
+        params = getattr(request, "kv_transfer_params", None) or {}
+        on = params.get("push_layer_load")
+        if not (on if isinstance(on, bool) else self.s.push_layer_load) or self.groups != 1:
+            return 0
+        last = len(request.prompt_token_ids or ()) - 1
+        return min(n_full, max(last, 0) // self.block_size * self.block_size)
+
     def update_state_after_alloc(self, request, blocks, num_external_tokens):
         self._probed.pop(request.request_id, None)
         if self.s.is_producer and request.request_id not in self._reqs:
@@ -256,6 +278,11 @@ class SchedulerSide:
         self._tried.add(request.request_id)
         params = getattr(request, "kv_transfer_params", None) or {}
         end, sync = self._claims.pop(request.request_id, (self._full_tokens(request), False))
+        if TRACE and src[0] == "P" and sync:
+            arrived = getattr(request, "arrival_time", None)
+            if isinstance(arrived, float):
+                logger.info("MooncakeConnector push layer load %s: scheduled %.1f ms after "
+                            "it arrived", request.request_id, (time.time() - arrived) * 1e3)
         local = end - num_external_tokens
         skip = max(local, 0) // self.block_size
         groups = [list(g)[skip:end // self.block_size] for g in blocks.get_block_ids()]
@@ -264,7 +291,8 @@ class SchedulerSide:
             block_ids=groups[0], skip_blocks=skip, producer=src[1], flow=src[0], sync=sync,
             more_groups=groups[1:],
             producer_tp=_int_or_none(params.get("tp_size")),
-            push_tid=transfer_id(params) if src[0] == "P" else None)
+            push_tid=transfer_id(params) if src[0] == "P" else None,
+            layer_load=src[0] == "P" and sync)
 
     # ---- producer ----
 

@@ -49,6 +49,16 @@ KNOBS = {  # extra-config key: (type, default, meaning)
                        "side as soon as vLLM computed it (save_kv_layer), overlapping the "
                        "transfer with the rest of the prefill; false: one write of every layer "
                        "after the forward (docs/connector.md, Push flow: where each wins)"),
+    "push_layer_load": (bool, False, "consumer, push flow: schedule a pushed request at once "
+                        "(an in-step load) and let each attention layer wait "
+                        "(wait_for_layer_load) until the producer's write of that layer "
+                        "landed, so the decode's forward overlaps the transfer; every other "
+                        "request of that step waits with it (docs/connector.md, Layer load). "
+                        "Per request: kv_transfer_params \"push_layer_load\""),
+    "push_layer_timeout_s": (float, 10.0, "consumer, push_layer_load: the lease of such a "
+                             "load; a step waits at most this (+ 2 s when the producer does "
+                             "not answer the cancel) for the prompt's KV, then the request "
+                             "computes its prompt locally"),
     "kv_cache_access": (str, "auto", "vLLM >= 0.34 on CUDA: 'auto' (the engine registers the "
                         "KV cache and exports driver-mapped memory as POSIX fds: vLLM keeps "
                         "its extensible KV cache), 'legacy_ipc' (classic allocation, for "
@@ -95,6 +105,8 @@ class Settings:
     bootstrap_port: int | None = None  # None: VLLM_MOONCAKE_BOOTSTRAP_PORT, else 8998
     bootstrap_host: str = ""
     push_layerwise: bool = False
+    push_layer_load: bool = False
+    push_layer_timeout_s: float = 10.0
 
     @property
     def is_producer(self):
@@ -188,9 +200,14 @@ def resolve(kv_transfer_config, env=None):
     for key, (typ, _default, _doc) in KNOBS.items():
         if key in extra:
             setattr(s, key, _coerce(key, typ, extra.pop(key)))
-    for key in ("lookup_timeout_s", "sync_load_timeout_s", "load_timeout_s"):
+    for key in ("lookup_timeout_s", "sync_load_timeout_s", "load_timeout_s",
+                "push_layer_timeout_s"):
         if getattr(s, key) <= 0:
             raise SettingsError(f"kv_connector_extra_config.{key} must be > 0 seconds")
+    if s.push_layer_timeout_s <= 1.0:
+        raise SettingsError("kv_connector_extra_config.push_layer_timeout_s must be > 1 s (the "
+                            "producer starts no write in the last second of the lease), not "
+                            f"{s.push_layer_timeout_s!r}")
     for key in ("idle_wait_ms", "idle_wait_max_ms"):
         v = getattr(s, key)
         if v > 1000 or v != v:

@@ -25,7 +25,7 @@ COUNTERS = ("loads", "loads_in_step", "loads_failed", "load_bytes", "load_bytes_
             "load_tokens",
             "load_tokens_missed", "publishes", "publish_failed", "publish_bytes",
             "sends_finished", "sends_expired", "push_loads", "push_sends", "push_bytes",
-            "push_failed",
+            "push_failed", "push_layer_loads",
             *(f"recompute_{r}" for r in RECOMPUTE_REASONS))
 GAUGES = ("held_bytes", "lookup_entries", "loads_in_flight")
 
@@ -131,6 +131,9 @@ PROM_COUNTERS = {
     "push_sends": ("vllm:mooncake_push_sends_total",
                    "Producer: prompts written into a consumer's blocks (push flow)"),
     "push_bytes": ("vllm:mooncake_push_bytes_total", "Producer: KV bytes pushed"),
+    "push_layer_loads": ("vllm:mooncake_push_layer_loads_total",
+                         "Consumer: push loads whose attention waited per layer "
+                         "(push_layer_load)"),
     "push_failed": ("vllm:mooncake_push_failures_total",
                     "Producer: push targets ended without the KV (lease, failure, timeout)"),
 }

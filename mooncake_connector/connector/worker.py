@@ -94,13 +94,24 @@ class WorkerSide:
     def save_kv_layer(self, layer_name):
         """Push, layer by layer: this layer's KV is computed for this step."""
         if self.push_p is not None and self.push_p.jobs:
+            # A target that arrived during this forward (the decode leg runs
+            # beside the prefill) gets the layers computed so far now, and
+            # the rest layer by layer, not the whole prompt after the forward.
+            self.drain_notifies()
             self.push_p.layer_done(layer_name)
 
     def start_load(self, meta):
         self.loads.start(meta)
 
+    def wait_for_layer_load(self, layer_name):
+        """Push layer load (push_layer_load): this layer's KV has landed, or
+        its load failed (reported when the step ends)."""
+        self.loads.wait_layer(layer_name)
+
     def publish(self, meta):
         self.publishes.publish(meta)
+        if self.push_p is not None and self.push_p.jobs:
+            self.push_p.flush_layers()  # decode attention waiting per layer: tell it now
 
     def unpublish(self, meta):
         self.publishes.unpublish(meta)
@@ -109,6 +120,7 @@ class WorkerSide:
         self.publishes.withdraw(rid)
 
     def get_finished(self, finished_req_ids):
+        self.loads.end_layered()  # before vLLM may reuse or recompute their blocks
         self.publishes.finished_seen.update(finished_req_ids)
         if self.push_outbox is not None:
             self.drain_notifies()

