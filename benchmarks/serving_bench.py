@@ -164,7 +164,8 @@ def measure(urls, lengths, n_requests, max_tokens, log, legs=None, extra_body=No
     for li, n in enumerate(lengths):
         if results is None:
             row = {"prompt_words": n, "prefill_leg": [], "decode_leg": [], "identical": 0,
-                   "loaded_tokens": [], "identical_by_mode": {}}
+                   "loaded_tokens": [], "identical_by_mode": {}, "ref_tokens": [],
+                   "all_same": []}
             rows.append(row)
         else:
             row = results[li]
@@ -192,7 +193,11 @@ def measure(urls, lengths, n_requests, max_tokens, log, legs=None, extra_body=No
             for k, r in got.items():
                 row["identical_by_mode"][k] += r.token_ids == ref
             if results is None:
-                row["identical"] += all(r.token_ids == ref for r in got.values())
+                # Kept per request: a later phase (the in-tree one) is checked
+                # against this phase's colocated tokens too.
+                row["ref_tokens"].append(ref)
+                row["all_same"].append(all(r.token_ids == ref for r in got.values()))
+                row["identical"] += row["all_same"][-1]
                 if "disaggregated" in got:
                     row["loaded_tokens"].append(got["disaggregated"].cached_tokens)
                 row["prompt_tokens"] = got[ref_key].usage["prompt_tokens"]
@@ -307,6 +312,18 @@ def summarize(results, fixed, xfer, bars_factor=1.1, layers=1):
             s[f"{k}_gap12_bar_ms"], s[f"{k}_ttft_bar_ms"] = gap_bar, ttft_bar
             s[f"{k}_gap12_bar_ok"] = s[f"gap12_{k}_ms_p50"] <= gap_bar
             s[f"{k}_ttft_bar_ok"] = s[f"ttft_{k}_ms_p50"] <= ttft_bar
+        if "intree" in modes:
+            # Push against vLLM's in-tree connector: each measured in its own
+            # phase against the colocated server of that phase, so compare
+            # what each adds to colocated (TTFT: paired; gap 1->2: over
+            # colocated ITL p50); ahead or equal within 1 ms.
+            it_gap = s["gap12_intree_ms_p50"] - s["itl_colocated_phase2_ms_p50"]
+            for k in PUSH_MODES:
+                if k in modes:
+                    d_ttft = s[f"ttft_{k}_paired_diff_ms_p50"] - s["ttft_intree_paired_diff_ms_p50"]
+                    d_gap = (s[f"gap12_{k}_ms_p50"] - s["itl_colocated_ms_p50"]) - it_gap
+                    s[f"{k}_vs_intree"] = {"ttft_added_ms": d_ttft, "gap12_added_ms": d_gap,
+                                           "ahead_or_equal": d_ttft <= 1.0 and d_gap <= 1.0}
         s["ttft_ms_per_request"] = {k: [round(x * 1e3, 3) for x in r[k]] for k in modes}
         rows.append(s)
     out = {"rows": rows}
@@ -394,6 +411,12 @@ def report(summary):
                   f"{s['ttft_decode_leg_ms_p50']:.1f} + proxy/hop "
                   f"{s['proxy_and_hop_ms_p50']:.1f} ms (p50)")
         for k in PUSH_MODES:
+            v = s.get(f"{k}_vs_intree")
+            if v:
+                print(f"  {LABEL[k]} vs in-tree (what each adds to its phase's colocated): TTFT "
+                      f"{v['ttft_added_ms']:+.1f} ms, gap 1->2 {v['gap12_added_ms']:+.1f} ms -> "
+                      f"{'ahead or equal' if v['ahead_or_equal'] else 'BEHIND'}")
+        for k in PUSH_MODES:
             if k in s["modes"]:
                 print(f"  {LABEL[k]} bars (issue 31): gap 1->2 p50 "
                       f"{s[f'gap12_{k}_ms_p50']:.1f} <= {s[f'{k}_gap12_bar_ms']:.1f} "
@@ -418,25 +441,65 @@ def _failure_of(proc):
     return "\n".join(lines[-12:])
 
 
+#: tests/intree_cpu/sitecustomize.py, put on the in-tree servers' PYTHONPATH
+#: (not copied): without it vLLM's in-tree connector cannot start on the CPU
+#: backend at all.
+INTREE_CPU_SITE = os.path.join(os.path.dirname(HERE), "tests", "intree_cpu")
+INTREE_CPU_NOTE = (
+    "benchmark-only workaround for vLLM's CPU backend: tests/intree_cpu/sitecustomize.py "
+    "(MC_INTREE_CPU_ACCEL_INDEX=1) makes torch.accelerator.current_device_index() answer 0 "
+    "without an accelerator; vLLM's MooncakeConnectorWorker.__init__ calls it "
+    "(vllm 0.32.0 mooncake/mooncake_connector.py:1186) and only hands the index to "
+    "current_platform.set_device(), a no-op on CPU")
+
+
+def intree_xfer_stats(log_path):
+    """Totals of the in-tree connector's "KV Transfer metrics: Num successful
+    transfers=4, Avg xfer time (ms)=48.567, Avg MB per transfer=47.75, ..."
+    lines (vLLM's stat logger, every 10 s; the producer's log)."""
+    n = failed = 0
+    ms = mb = 0.0
+    try:
+        with open(log_path, encoding="utf-8", errors="replace") as f:
+            lines = [ln.split("KV Transfer metrics:", 1)[1] for ln in f
+                     if "KV Transfer metrics:" in ln]
+    except OSError:
+        return {}
+    for ln in lines:
+        v = {k.strip(): float(x) for k, x in re.findall(r"([A-Za-z][^=,]*)=([0-9.]+)", ln)}
+        k = int(v.get("Num successful transfers", 0))
+        n += k
+        ms += k * v.get("Avg xfer time (ms)", 0.0)
+        mb += k * v.get("Avg MB per transfer", 0.0)
+        failed += int(v.get("Num failed transfers", 0) + v.get("Num failed recvs", 0)
+                      + v.get("Num KV expired reqs", 0))
+    return {"transfers": n, "failed_or_expired": failed, "MB": round(mb, 1),
+            "avg_xfer_ms": round(ms / n, 2) if n else None}
+
+
 def intree_phase(args, model, workdir, lengths, colocated, router_site, log):
     """vLLM's in-tree MooncakeConnector on Mooncake's engine, behind
     vllm-router, with the colocated server as the reference.  Returns
     (rows of the in-tree phase or None, status text)."""
     from mooncake_connector import serving
+    from mooncake_connector.deployment import prompt_tokens_by_source
 
     if not router_site:
-        return None, "not run: vllm-router (its proxy) unavailable"
+        return None, "not run: vllm-router (its proxy) unavailable", {}
     site = args.mooncake_site
     if not site or not os.path.isdir(os.path.join(site, "mooncake")):
         return None, (f"not run: no Mooncake wheel installed at --mooncake-site {site!r} "
-                      "(pip install --target DIR mooncake-transfer-engine-non-cuda)")
+                      "(pip install --target DIR mooncake-transfer-engine-non-cuda)"), {}
     logs = os.path.join(workdir, "logs")
     bport = serving.free_port()
-    pypath = os.pathsep.join([site] + [p for p in os.environ.get("PYTHONPATH", "").split(
-        os.pathsep) if p])
+    # Mooncake's wheel first (its mooncake.engine, not ours: MC_MOONCAKE_SHIM=0),
+    # then INTREE_CPU_SITE, the benchmark-only workaround (see INTREE_CPU_NOTE).
+    pypath = os.pathsep.join([site, INTREE_CPU_SITE] + [
+        p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
     env = {"PYTHONPATH": pypath, "VLLM_HOST_IP": "127.0.0.1",
            "VLLM_MOONCAKE_BOOTSTRAP_PORT": str(bport), "MOONCAKE_CONNECTOR_DISABLE_PLUGIN": "1",
-           "MC_MOONCAKE_SHIM": "0"}
+           "MC_MOONCAKE_SHIM": "0", "MC_INTREE_CPU_ACCEL_INDEX": "1"}
+    log(f"in-tree phase: {INTREE_CPU_NOTE}")
     extra = {"mooncake_protocol": "tcp"}
     servers = []
     for role, name in (("kv_producer", "intree-prefill"), ("kv_consumer", "intree-decode")):
@@ -451,7 +514,7 @@ def intree_phase(args, model, workdir, lengths, colocated, router_site, log):
         first = str(e).splitlines()[0]
         died = next((p for p in servers if not p.alive), servers[0])
         return None, (f"vLLM's CPU backend cannot run it: {first}\n"
-                      f"{died.name} ({died.log_path}):\n{_failure_of(died)}")
+                      f"{died.name} ({died.log_path}):\n{_failure_of(died)}"), {}
     import vllm_router_pkg
     rport = serving.free_port()
     argv, renv = vllm_router_pkg.router_cmd(router_site, [(servers[0].url, bport)],
@@ -462,13 +525,27 @@ def intree_phase(args, model, workdir, lengths, colocated, router_site, log):
     router.url = f"http://127.0.0.1:{rport}"
     try:
         serving.start_all([router], 300)
+        before = prompt_tokens_by_source(servers[1].url)
         rows = measure({"colocated_phase2": colocated.url, "intree": router.url}, lengths,
                        args.requests, args.max_tokens, log)
-        return rows, "measured"
+        after = prompt_tokens_by_source(servers[1].url)
+        time.sleep(11)  # vLLM logs the connector's stats every 10 s
     except Exception as e:  # noqa: BLE001 - record why, keep phase 1's results
-        return None, f"started, but failed while measuring: {e!r}"
+        return None, f"started, but failed while measuring: {e!r}", {}
     finally:
         serving.stop_all([router, *servers])
+    # Every request the decode server saw came through the router with
+    # do_remote_prefill: its prompt must have been loaded from the prefill
+    # (vLLM's external_kv_transfer), not computed (local_compute).
+    src = {k: after.get(k, 0) - before.get(k, 0) for k in set(after) | set(before)}
+    ext, local = src.get("external_kv_transfer", 0), src.get("local_compute", 0)
+    status = (f"measured; decode /metrics prompt tokens during the phase: {ext} loaded from "
+              f"the prefill (external_kv_transfer), {local} computed (local_compute)")
+    if not ext or local > ext // 100:
+        status += " -- NOT LOADED REMOTELY: the in-tree numbers are not a disaggregated path"
+    return rows, status, {"decode_prompt_tokens_by_source": src,
+                          "prefill_transfer_stats": intree_xfer_stats(servers[0].log_path),
+                          "cpu_workaround": INTREE_CPU_NOTE}
 
 
 def main(argv=None):
@@ -588,7 +665,7 @@ def main(argv=None):
                     ("push_layerwise", "push-layerwise")):
         if k in want and k not in skipped and name in dep.proxies:
             urls[k] = dep.proxies[name].url
-    intree_rows, intree_status = None, skipped.get("intree", "not asked for")
+    intree_rows, intree_status, intree_info = None, skipped.get("intree", "not asked for"), {}
     try:
         dep.start(timeout=args.start_timeout)
         if router is not None:
@@ -609,9 +686,9 @@ def main(argv=None):
             serving.stop_all([p for p in dep.processes
                               if p not in (dep.colocated, dep.metadata)] + [router] * bool(router))
             print("in-tree phase: starting vLLM's MooncakeConnector pair", flush=True)
-            intree_rows, intree_status = intree_phase(args, model, workdir, lengths,
-                                                      dep.colocated, router_site,
-                                                      lambda s: print(s, flush=True))
+            intree_rows, intree_status, intree_info = intree_phase(
+                args, model, workdir, lengths, dep.colocated, router_site,
+                lambda s: print(s, flush=True))
             print(f"in-tree phase: {intree_status}", flush=True)
     finally:
         if router is not None:
@@ -622,6 +699,11 @@ def main(argv=None):
             for k in ("colocated_phase2", "intree"):
                 r[k], r[f"itl_{k}"], r[f"gap12_{k}"] = q[k], q[f"itl_{k}"], q[f"gap12_{k}"]
             r["identical_by_mode"].update(q["identical_by_mode"])
+            # The in-tree answers against this run's first-phase colocated ones
+            # as well (same prompts, same server): a request counts as
+            # identical only if every mode of both phases gave the same tokens.
+            r["identical"] = sum(a and b and t2 == t1 for a, b, t2, t1 in zip(
+                r["all_same"], q["all_same"], q["ref_tokens"], r["ref_tokens"]))
     xfer = {}
     for r in results:
         secs, nbytes = xfer_time(spec, r["prompt_tokens"] - 1, args.xfer_repeat, sys.executable)
@@ -632,6 +714,7 @@ def main(argv=None):
                     "kv_bytes_per_token": tiny_model.kv_bytes_per_token(spec),
                     "requests_per_length": args.requests, "max_tokens": args.max_tokens,
                     "modes_not_measured": skipped, "intree_status": intree_status,
+                    "intree": intree_info,
                     "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
                     "cpus": os.cpu_count(), "load_avg": os.getloadavg(),
                     "command": " ".join(sys.argv)})
@@ -644,6 +727,13 @@ def main(argv=None):
     for k, why in skipped.items():
         print(f"not measured: {LABEL[k]}: {why}")
     print(f"vLLM in-tree MooncakeConnector: {intree_status}")
+    if intree_info:
+        print(f"  ({intree_info['cpu_workaround']}; 1st token from decode only: vllm-router "
+              f"streams the decode leg's answer; Mooncake's engine on the prefill (its "
+              f"KV Transfer metrics): {intree_info['prefill_transfer_stats']})")
+    print(f"token-identical to colocated, every mode of the run: "
+          f"{sum(s['identical'] for s in summary['rows'])}/"
+          f"{sum(s['requests'] for s in summary['rows'])} requests")
     if conn_stats:
         print(f"connector's own stats on decode during the run: {conn_stats}")
     if proxy_lat:
