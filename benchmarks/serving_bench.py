@@ -20,11 +20,17 @@ path:
   front of our servers: vLLM's in-tree contract (bootstrap server, sequential
   legs), when it can be had (tests/vllm_router_pkg.py);
 * vLLM's in-tree MooncakeConnector on Mooncake's own engine
-  (mooncake-transfer-engine-non-cuda, --mooncake-site: a pip --target dir),
-  behind vllm-router: a second phase of the same run (our prefill and decode
-  servers stopped, the in-tree pair started, the colocated server kept and
-  measured again as that phase's reference).  Where vLLM's CPU backend
-  cannot run it, the phase records where its servers failed.
+  (mooncake-transfer-engine-non-cuda, --mooncake-site: a pip --target dir;
+  MC_MOONCAKE_SHIM=0), behind vllm-router (which sends the decode leg after
+  the prefill's answer) and behind benchmarks/intree_proxy.py (both legs at
+  once, as the connector's own proxy): a second phase of the same run (our
+  prefill and decode servers stopped, the in-tree pair started, the
+  colocated server kept and measured again as that phase's reference).  On
+  vLLM's CPU backend its worker needs a benchmark-only workaround
+  (INTREE_CPU_NOTE: tests/intree_cpu/sitecustomize.py); where the servers
+  still fail, the phase records where.  Checked: token identity with both
+  phases' colocated answers, and the decode server's /metrics (every prompt
+  token loaded from the prefill, none computed).
 
 For each prompt length it sends the same streamed greedy requests one at a
 time through every path (a fresh random order per prompt, a short pause
@@ -114,10 +120,12 @@ MODES = (("colocated", "colocated, direct"),
          ("push_layerwise", "push, layer by layer"),
          ("router", "vllm-router (mooncake mode) -> ours"),
          ("intree", "vLLM in-tree MooncakeConnector (Mooncake engine)"),
+         ("intree_at_once", "in-tree, both legs at once (intree_proxy.py)"),
          ("colocated_phase2", "colocated, direct (in-tree phase)"))
 LABEL = dict(MODES)
 #: The reference each mode's paired difference is taken against.
-REFERENCE = {"intree": "colocated_phase2"}
+INTREE_MODES = ("intree", "intree_at_once")
+REFERENCE = dict.fromkeys(INTREE_MODES, "colocated_phase2")
 PUSH_MODES = ("push", "push_layerwise")
 
 
@@ -312,24 +320,24 @@ def summarize(results, fixed, xfer, bars_factor=1.1, layers=1):
             s[f"{k}_gap12_bar_ms"], s[f"{k}_ttft_bar_ms"] = gap_bar, ttft_bar
             s[f"{k}_gap12_bar_ok"] = s[f"gap12_{k}_ms_p50"] <= gap_bar
             s[f"{k}_ttft_bar_ok"] = s[f"ttft_{k}_ms_p50"] <= ttft_bar
-        if "intree" in modes:
-            # Push against vLLM's in-tree connector (both take the first token
-            # from decode, both legs sent at once): each is measured in its
-            # own phase, so each is taken as a ratio to that phase's colocated
-            # server (the host's load differs between phases): TTFT p50 over
-            # colocated TTFT p50, gap 1->2 p50 over colocated ITL p50; ahead
-            # or equal: push's ratio <= the in-tree one's x 1.05.
-            it = (s["ttft_intree_ms_p50"] / s["ttft_colocated_phase2_ms_p50"],
-                  s["gap12_intree_ms_p50"] / s["itl_colocated_phase2_ms_p50"])
+        # Push against vLLM's in-tree connector (all take the first token
+        # from decode): each is measured in its own phase, so each is taken
+        # as a ratio to that phase's colocated server (the host's load differs
+        # between phases): TTFT p50 over colocated TTFT p50, gap 1->2 p50 over
+        # colocated ITL p50; ahead or equal: push's ratio <= the in-tree
+        # one's x 1.05.
+        for it in (k for k in INTREE_MODES if k in modes):
+            ri = (s[f"ttft_{it}_ms_p50"] / s["ttft_colocated_phase2_ms_p50"],
+                  s[f"gap12_{it}_ms_p50"] / s["itl_colocated_phase2_ms_p50"])
             for k in PUSH_MODES:
                 if k in modes:
                     pu = (s[f"ttft_{k}_ms_p50"] / s["ttft_colocated_ms_p50"],
                           s[f"gap12_{k}_ms_p50"] / s["itl_colocated_ms_p50"])
-                    s[f"{k}_vs_intree"] = {
-                        "ttft_ratio": pu[0], "ttft_ratio_intree": it[0],
-                        "gap12_ratio": pu[1], "gap12_ratio_intree": it[1],
-                        "ttft_ahead_or_equal": pu[0] <= 1.05 * it[0],
-                        "gap12_ahead_or_equal": pu[1] <= 1.05 * it[1]}
+                    s[f"{k}_vs_{it}"] = {
+                        "ttft_ratio": pu[0], "ttft_ratio_intree": ri[0],
+                        "gap12_ratio": pu[1], "gap12_ratio_intree": ri[1],
+                        "ttft_ahead_or_equal": pu[0] <= 1.05 * ri[0],
+                        "gap12_ahead_or_equal": pu[1] <= 1.05 * ri[1]}
         s["ttft_ms_per_request"] = {k: [round(x * 1e3, 3) for x in r[k]] for k in modes}
         rows.append(s)
     out = {"rows": rows}
@@ -350,7 +358,7 @@ def summarize(results, fixed, xfer, bars_factor=1.1, layers=1):
 COLORS = {"colocated": "tab:blue", "colocated_proxy": "tab:cyan",
           "disaggregated": "tab:orange", "disaggregated_decode_first": "tab:red",
           "flow_b": "tab:olive", "flow_b_decode_first": "tab:brown", "push": "tab:green",
-          "push_layerwise": "lime", "router": "tab:purple", "intree": "black",
+          "push_layerwise": "lime", "router": "tab:purple", "intree": "black", "intree_at_once": "dimgray",
           "colocated_phase2": "tab:gray"}
 
 
@@ -416,12 +424,12 @@ def report(summary):
                   f"{s['ttft_prefill_leg_ms_p50']:.1f} + decode leg "
                   f"{s['ttft_decode_leg_ms_p50']:.1f} + proxy/hop "
                   f"{s['proxy_and_hop_ms_p50']:.1f} ms (p50)")
-        for k in PUSH_MODES:
-            v = s.get(f"{k}_vs_intree")
+        for k, it in ((k, it) for k in PUSH_MODES for it in INTREE_MODES):
+            v = s.get(f"{k}_vs_{it}")
             if v:
                 def verdict(w):
                     return "ahead or equal" if v[f"{w}_ahead_or_equal"] else "BEHIND"
-                print(f"  {LABEL[k]} vs in-tree, each over its phase's colocated: TTFT "
+                print(f"  {LABEL[k]} vs {LABEL[it]}, each over its phase's colocated: TTFT "
                       f"{v['ttft_ratio']:.2f}x vs {v['ttft_ratio_intree']:.2f}x "
                       f"({verdict('ttft')}); gap 1->2 / ITL {v['gap12_ratio']:.2f}x vs "
                       f"{v['gap12_ratio_intree']:.2f}x ({verdict('gap12')})")
@@ -532,17 +540,27 @@ def intree_phase(args, model, workdir, lengths, colocated, router_site, log):
                              os.path.join(logs, "vllm-router-intree.log"), env=renv,
                              health_url=f"http://127.0.0.1:{rport}/health")
     router.url = f"http://127.0.0.1:{rport}"
+    # vllm-router 0.1.17 sends the decode leg after the prefill's answer;
+    # the in-tree connector's own proxy sends both at once: measure both.
+    xport = serving.free_port()
+    at_once = serving.Process(
+        "in-tree proxy (both legs at once)",
+        [sys.executable, "-P", os.path.join(HERE, "intree_proxy.py"), "--port", str(xport),
+         "--prefill", servers[0].url, "--decode", servers[1].url,
+         "--bootstrap", f"http://127.0.0.1:{bport}"],
+        os.path.join(logs, "intree-proxy.log"), health_url=f"http://127.0.0.1:{xport}/health")
     try:
-        serving.start_all([router], 300)
+        serving.start_all([router, at_once], 300)
         before = prompt_tokens_by_source(servers[1].url)
-        rows = measure({"colocated_phase2": colocated.url, "intree": router.url}, lengths,
+        rows = measure({"colocated_phase2": colocated.url, "intree": router.url,
+                        "intree_at_once": f"http://127.0.0.1:{xport}"}, lengths,
                        args.requests, args.max_tokens, log)
         after = prompt_tokens_by_source(servers[1].url)
         time.sleep(11)  # vLLM logs the connector's stats every 10 s
     except Exception as e:  # noqa: BLE001 - record why, keep phase 1's results
         return None, f"started, but failed while measuring: {e!r}", {}
     finally:
-        serving.stop_all([router, *servers])
+        serving.stop_all([router, at_once, *servers])
     # Every request the decode server saw came through the router with
     # do_remote_prefill: its prompt must have been loaded from the prefill
     # (vLLM's external_kv_transfer), not computed (local_compute).
@@ -565,8 +583,10 @@ def main(argv=None):
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--modes", default="all",
                     help="comma-separated subset of: " + ", ".join(
-                        k for k, _ in MODES if k != "colocated_phase2")
-                    + " (colocated is always measured; all = every one that can start)")
+                        k for k, _ in MODES if k not in ("colocated_phase2", "intree_at_once"))
+                    + " (colocated is always measured; intree measures vLLM's in-tree "
+                      "connector behind vllm-router and behind intree_proxy.py; all = every "
+                      "one that can start)")
     ap.add_argument("--push", action="store_true",
                     help="(kept for older command lines: the push modes are measured whenever "
                          "the proxy has --flow push; select with --modes)")
@@ -593,7 +613,7 @@ def main(argv=None):
     lengths = [int(x) for x in args.lengths.split(",")]
     if max(lengths) > 2000:
         ap.error("prompt lengths must stay below --max-model-len 2048")
-    known = [k for k, _ in MODES if k != "colocated_phase2"]
+    known = [k for k, _ in MODES if k not in ("colocated_phase2", "intree_at_once")]
     want = set(known) if args.modes == "all" else set(filter(None, args.modes.split(",")))
     bad = want - set(known)
     if bad:
@@ -705,7 +725,7 @@ def main(argv=None):
         dep.stop()
     if intree_rows:
         for r, q in zip(results, intree_rows):
-            for k in ("colocated_phase2", "intree"):
+            for k in ("colocated_phase2", *INTREE_MODES):
                 r[k], r[f"itl_{k}"], r[f"gap12_{k}"] = q[k], q[f"itl_{k}"], q[f"gap12_{k}"]
             r["identical_by_mode"].update(q["identical_by_mode"])
             # The in-tree answers against this run's first-phase colocated ones
@@ -738,8 +758,8 @@ def main(argv=None):
     print(f"vLLM in-tree MooncakeConnector: {intree_status}")
     if intree_info:
         print(f"  ({intree_info['cpu_workaround']}; 1st token from decode only: vllm-router "
-              f"streams the decode leg's answer; Mooncake's engine on the prefill (its "
-              f"KV Transfer metrics): {intree_info['prefill_transfer_stats']})")
+              f"and intree_proxy.py relay the decode leg's answer; Mooncake's engine on the "
+              f"prefill (its KV Transfer metrics): {intree_info['prefill_transfer_stats']})")
     print(f"token-identical to colocated, every mode of the run: "
           f"{sum(s['identical'] for s in summary['rows'])}/"
           f"{sum(s['requests'] for s in summary['rows'])} requests")
