@@ -358,7 +358,7 @@ def summarize(results, fixed, xfer, bars_factor=1.1, layers=1):
 COLORS = {"colocated": "tab:blue", "colocated_proxy": "tab:cyan",
           "disaggregated": "tab:orange", "disaggregated_decode_first": "tab:red",
           "flow_b": "tab:olive", "flow_b_decode_first": "tab:brown", "push": "tab:green",
-          "push_layerwise": "lime", "router": "tab:purple", "intree": "black", "intree_at_once": "dimgray",
+          "push_layerwise": "lime", "router": "tab:purple", "intree": "black", "intree_at_once": "tab:pink",
           "colocated_phase2": "tab:gray"}
 
 
