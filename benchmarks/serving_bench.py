@@ -20,11 +20,17 @@ path:
   front of our servers: vLLM's in-tree contract (bootstrap server, sequential
   legs), when it can be had (tests/vllm_router_pkg.py);
 * vLLM's in-tree MooncakeConnector on Mooncake's own engine
-  (mooncake-transfer-engine-non-cuda, --mooncake-site: a pip --target dir),
-  behind vllm-router: a second phase of the same run (our prefill and decode
-  servers stopped, the in-tree pair started, the colocated server kept and
-  measured again as that phase's reference).  Where vLLM's CPU backend
-  cannot run it, the phase records where its servers failed.
+  (mooncake-transfer-engine-non-cuda, --mooncake-site: a pip --target dir;
+  MC_MOONCAKE_SHIM=0), behind vllm-router (which sends the decode leg after
+  the prefill's answer) and behind benchmarks/intree_proxy.py (both legs at
+  once, as the connector's own proxy): a second phase of the same run (our
+  prefill and decode servers stopped, the in-tree pair started, the
+  colocated server kept and measured again as that phase's reference).  On
+  vLLM's CPU backend its worker needs a benchmark-only workaround
+  (INTREE_CPU_NOTE: tests/intree_cpu/sitecustomize.py); where the servers
+  still fail, the phase records where.  Checked: token identity with both
+  phases' colocated answers, and the decode server's /metrics (every prompt
+  token loaded from the prefill, none computed).
 
 For each prompt length it sends the same streamed greedy requests one at a
 time through every path (a fresh random order per prompt, a short pause
@@ -115,10 +121,12 @@ MODES = (("colocated", "colocated, direct"),
          ("push_layer_load", "push, layer by layer, decode waits per layer"),
          ("router", "vllm-router (mooncake mode) -> ours"),
          ("intree", "vLLM in-tree MooncakeConnector (Mooncake engine)"),
+         ("intree_at_once", "in-tree, both legs at once (intree_proxy.py)"),
          ("colocated_phase2", "colocated, direct (in-tree phase)"))
 LABEL = dict(MODES)
 #: The reference each mode's paired difference is taken against.
-REFERENCE = {"intree": "colocated_phase2"}
+INTREE_MODES = ("intree", "intree_at_once")
+REFERENCE = dict.fromkeys(INTREE_MODES, "colocated_phase2")
 PUSH_MODES = ("push", "push_layerwise", "push_layer_load")
 
 
@@ -165,7 +173,8 @@ def measure(urls, lengths, n_requests, max_tokens, log, legs=None, extra_body=No
     for li, n in enumerate(lengths):
         if results is None:
             row = {"prompt_words": n, "prefill_leg": [], "decode_leg": [], "identical": 0,
-                   "loaded_tokens": [], "identical_by_mode": {}}
+                   "loaded_tokens": [], "identical_by_mode": {}, "ref_tokens": [],
+                   "all_same": []}
             rows.append(row)
         else:
             row = results[li]
@@ -193,7 +202,11 @@ def measure(urls, lengths, n_requests, max_tokens, log, legs=None, extra_body=No
             for k, r in got.items():
                 row["identical_by_mode"][k] += r.token_ids == ref
             if results is None:
-                row["identical"] += all(r.token_ids == ref for r in got.values())
+                # Kept per request: a later phase (the in-tree one) is checked
+                # against this phase's colocated tokens too.
+                row["ref_tokens"].append(ref)
+                row["all_same"].append(all(r.token_ids == ref for r in got.values()))
+                row["identical"] += row["all_same"][-1]
                 if "disaggregated" in got:
                     row["loaded_tokens"].append(got["disaggregated"].cached_tokens)
                 row["prompt_tokens"] = got[ref_key].usage["prompt_tokens"]
@@ -308,6 +321,24 @@ def summarize(results, fixed, xfer, bars_factor=1.1, layers=1):
             s[f"{k}_gap12_bar_ms"], s[f"{k}_ttft_bar_ms"] = gap_bar, ttft_bar
             s[f"{k}_gap12_bar_ok"] = s[f"gap12_{k}_ms_p50"] <= gap_bar
             s[f"{k}_ttft_bar_ok"] = s[f"ttft_{k}_ms_p50"] <= ttft_bar
+        # Push against vLLM's in-tree connector (all take the first token
+        # from decode): each is measured in its own phase, so each is taken
+        # as a ratio to that phase's colocated server (the host's load differs
+        # between phases): TTFT p50 over colocated TTFT p50, gap 1->2 p50 over
+        # colocated ITL p50; ahead or equal: push's ratio <= the in-tree
+        # one's x 1.05.
+        for it in (k for k in INTREE_MODES if k in modes):
+            ri = (s[f"ttft_{it}_ms_p50"] / s["ttft_colocated_phase2_ms_p50"],
+                  s[f"gap12_{it}_ms_p50"] / s["itl_colocated_phase2_ms_p50"])
+            for k in PUSH_MODES:
+                if k in modes:
+                    pu = (s[f"ttft_{k}_ms_p50"] / s["ttft_colocated_ms_p50"],
+                          s[f"gap12_{k}_ms_p50"] / s["itl_colocated_ms_p50"])
+                    s[f"{k}_vs_{it}"] = {
+                        "ttft_ratio": pu[0], "ttft_ratio_intree": ri[0],
+                        "gap12_ratio": pu[1], "gap12_ratio_intree": ri[1],
+                        "ttft_ahead_or_equal": pu[0] <= 1.05 * ri[0],
+                        "gap12_ahead_or_equal": pu[1] <= 1.05 * ri[1]}
         s["ttft_ms_per_request"] = {k: [round(x * 1e3, 3) for x in r[k]] for k in modes}
         rows.append(s)
     out = {"rows": rows}
@@ -328,7 +359,8 @@ def summarize(results, fixed, xfer, bars_factor=1.1, layers=1):
 COLORS = {"colocated": "tab:blue", "colocated_proxy": "tab:cyan",
           "disaggregated": "tab:orange", "disaggregated_decode_first": "tab:red",
           "flow_b": "tab:olive", "flow_b_decode_first": "tab:brown", "push": "tab:green",
-          "push_layerwise": "lime", "push_layer_load": "darkgreen", "router": "tab:purple", "intree": "black",
+          "push_layerwise": "lime", "push_layer_load": "darkgreen", "router": "tab:purple",
+          "intree": "black", "intree_at_once": "tab:pink",
           "colocated_phase2": "tab:gray"}
 
 
@@ -394,6 +426,15 @@ def report(summary):
                   f"{s['ttft_prefill_leg_ms_p50']:.1f} + decode leg "
                   f"{s['ttft_decode_leg_ms_p50']:.1f} + proxy/hop "
                   f"{s['proxy_and_hop_ms_p50']:.1f} ms (p50)")
+        for k, it in ((k, it) for k in PUSH_MODES for it in INTREE_MODES):
+            v = s.get(f"{k}_vs_{it}")
+            if v:
+                def verdict(w):
+                    return "ahead or equal" if v[f"{w}_ahead_or_equal"] else "BEHIND"
+                print(f"  {LABEL[k]} vs {LABEL[it]}, each over its phase's colocated: TTFT "
+                      f"{v['ttft_ratio']:.2f}x vs {v['ttft_ratio_intree']:.2f}x "
+                      f"({verdict('ttft')}); gap 1->2 / ITL {v['gap12_ratio']:.2f}x vs "
+                      f"{v['gap12_ratio_intree']:.2f}x ({verdict('gap12')})")
         for k in PUSH_MODES:
             if k in s["modes"]:
                 print(f"  {LABEL[k]} bars (issue 31): gap 1->2 p50 "
@@ -419,25 +460,65 @@ def _failure_of(proc):
     return "\n".join(lines[-12:])
 
 
+#: tests/intree_cpu/sitecustomize.py, put on the in-tree servers' PYTHONPATH
+#: (not copied): without it vLLM's in-tree connector cannot start on the CPU
+#: backend at all.
+INTREE_CPU_SITE = os.path.join(os.path.dirname(HERE), "tests", "intree_cpu")
+INTREE_CPU_NOTE = (
+    "benchmark-only workaround for vLLM's CPU backend: tests/intree_cpu/sitecustomize.py "
+    "(MC_INTREE_CPU_ACCEL_INDEX=1) makes torch.accelerator.current_device_index() answer 0 "
+    "without an accelerator; vLLM's MooncakeConnectorWorker.__init__ calls it "
+    "(vllm 0.32.0 mooncake/mooncake_connector.py:1186) and only hands the index to "
+    "current_platform.set_device(), a no-op on CPU")
+
+
+def intree_xfer_stats(log_path):
+    """Totals of the in-tree connector's "KV Transfer metrics: Num successful
+    transfers=4, Avg xfer time (ms)=48.567, Avg MB per transfer=47.75, ..."
+    lines (vLLM's stat logger, every 10 s; the producer's log)."""
+    n = failed = 0
+    ms = mb = 0.0
+    try:
+        with open(log_path, encoding="utf-8", errors="replace") as f:
+            lines = [ln.split("KV Transfer metrics:", 1)[1] for ln in f
+                     if "KV Transfer metrics:" in ln]
+    except OSError:
+        return {}
+    for ln in lines:
+        v = {k.strip(): float(x) for k, x in re.findall(r"([A-Za-z][^=,]*)=([0-9.]+)", ln)}
+        k = int(v.get("Num successful transfers", 0))
+        n += k
+        ms += k * v.get("Avg xfer time (ms)", 0.0)
+        mb += k * v.get("Avg MB per transfer", 0.0)
+        failed += int(v.get("Num failed transfers", 0) + v.get("Num failed recvs", 0)
+                      + v.get("Num KV expired reqs", 0))
+    return {"transfers": n, "failed_or_expired": failed, "MB": round(mb, 1),
+            "avg_xfer_ms": round(ms / n, 2) if n else None}
+
+
 def intree_phase(args, model, workdir, lengths, colocated, router_site, log):
     """vLLM's in-tree MooncakeConnector on Mooncake's engine, behind
     vllm-router, with the colocated server as the reference.  Returns
     (rows of the in-tree phase or None, status text)."""
     from mooncake_connector import serving
+    from mooncake_connector.deployment import prompt_tokens_by_source
 
     if not router_site:
-        return None, "not run: vllm-router (its proxy) unavailable"
+        return None, "not run: vllm-router (its proxy) unavailable", {}
     site = args.mooncake_site
     if not site or not os.path.isdir(os.path.join(site, "mooncake")):
         return None, (f"not run: no Mooncake wheel installed at --mooncake-site {site!r} "
-                      "(pip install --target DIR mooncake-transfer-engine-non-cuda)")
+                      "(pip install --target DIR mooncake-transfer-engine-non-cuda)"), {}
     logs = os.path.join(workdir, "logs")
     bport = serving.free_port()
-    pypath = os.pathsep.join([site] + [p for p in os.environ.get("PYTHONPATH", "").split(
-        os.pathsep) if p])
+    # Mooncake's wheel first (its mooncake.engine, not ours: MC_MOONCAKE_SHIM=0),
+    # then INTREE_CPU_SITE, the benchmark-only workaround (see INTREE_CPU_NOTE).
+    pypath = os.pathsep.join([site, INTREE_CPU_SITE] + [
+        p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
     env = {"PYTHONPATH": pypath, "VLLM_HOST_IP": "127.0.0.1",
            "VLLM_MOONCAKE_BOOTSTRAP_PORT": str(bport), "MOONCAKE_CONNECTOR_DISABLE_PLUGIN": "1",
-           "MC_MOONCAKE_SHIM": "0"}
+           "MC_MOONCAKE_SHIM": "0", "MC_INTREE_CPU_ACCEL_INDEX": "1"}
+    log(f"in-tree phase: {INTREE_CPU_NOTE}")
     extra = {"mooncake_protocol": "tcp"}
     servers = []
     for role, name in (("kv_producer", "intree-prefill"), ("kv_consumer", "intree-decode")):
@@ -452,7 +533,7 @@ def intree_phase(args, model, workdir, lengths, colocated, router_site, log):
         first = str(e).splitlines()[0]
         died = next((p for p in servers if not p.alive), servers[0])
         return None, (f"vLLM's CPU backend cannot run it: {first}\n"
-                      f"{died.name} ({died.log_path}):\n{_failure_of(died)}")
+                      f"{died.name} ({died.log_path}):\n{_failure_of(died)}"), {}
     import vllm_router_pkg
     rport = serving.free_port()
     argv, renv = vllm_router_pkg.router_cmd(router_site, [(servers[0].url, bport)],
@@ -461,15 +542,39 @@ def intree_phase(args, model, workdir, lengths, colocated, router_site, log):
                              os.path.join(logs, "vllm-router-intree.log"), env=renv,
                              health_url=f"http://127.0.0.1:{rport}/health")
     router.url = f"http://127.0.0.1:{rport}"
+    # vllm-router 0.1.17 sends the decode leg after the prefill's answer;
+    # the in-tree connector's own proxy sends both at once: measure both.
+    xport = serving.free_port()
+    at_once = serving.Process(
+        "in-tree proxy (both legs at once)",
+        [sys.executable, "-P", os.path.join(HERE, "intree_proxy.py"), "--port", str(xport),
+         "--prefill", servers[0].url, "--decode", servers[1].url,
+         "--bootstrap", f"http://127.0.0.1:{bport}"],
+        os.path.join(logs, "intree-proxy.log"), health_url=f"http://127.0.0.1:{xport}/health")
     try:
-        serving.start_all([router], 300)
-        rows = measure({"colocated_phase2": colocated.url, "intree": router.url}, lengths,
+        serving.start_all([router, at_once], 300)
+        before = prompt_tokens_by_source(servers[1].url)
+        rows = measure({"colocated_phase2": colocated.url, "intree": router.url,
+                        "intree_at_once": f"http://127.0.0.1:{xport}"}, lengths,
                        args.requests, args.max_tokens, log)
-        return rows, "measured"
+        after = prompt_tokens_by_source(servers[1].url)
+        time.sleep(11)  # vLLM logs the connector's stats every 10 s
     except Exception as e:  # noqa: BLE001 - record why, keep phase 1's results
-        return None, f"started, but failed while measuring: {e!r}"
+        return None, f"started, but failed while measuring: {e!r}", {}
     finally:
-        serving.stop_all([router, *servers])
+        serving.stop_all([router, at_once, *servers])
+    # Every request the decode server saw came through the router with
+    # do_remote_prefill: its prompt must have been loaded from the prefill
+    # (vLLM's external_kv_transfer), not computed (local_compute).
+    src = {k: after.get(k, 0) - before.get(k, 0) for k in set(after) | set(before)}
+    ext, local = src.get("external_kv_transfer", 0), src.get("local_compute", 0)
+    status = (f"measured; decode /metrics prompt tokens during the phase: {ext} loaded from "
+              f"the prefill (external_kv_transfer), {local} computed (local_compute)")
+    if not ext or local > ext // 100:
+        status += " -- NOT LOADED REMOTELY: the in-tree numbers are not a disaggregated path"
+    return rows, status, {"decode_prompt_tokens_by_source": src,
+                          "prefill_transfer_stats": intree_xfer_stats(servers[0].log_path),
+                          "cpu_workaround": INTREE_CPU_NOTE}
 
 
 def main(argv=None):
@@ -480,8 +585,10 @@ def main(argv=None):
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--modes", default="all",
                     help="comma-separated subset of: " + ", ".join(
-                        k for k, _ in MODES if k != "colocated_phase2")
-                    + " (colocated is always measured; all = every one that can start)")
+                        k for k, _ in MODES if k not in ("colocated_phase2", "intree_at_once"))
+                    + " (colocated is always measured; intree measures vLLM's in-tree "
+                      "connector behind vllm-router and behind intree_proxy.py; all = every "
+                      "one that can start)")
     ap.add_argument("--push", action="store_true",
                     help="(kept for older command lines: the push modes are measured whenever "
                          "the proxy has --flow push; select with --modes)")
@@ -508,7 +615,7 @@ def main(argv=None):
     lengths = [int(x) for x in args.lengths.split(",")]
     if max(lengths) > 2000:
         ap.error("prompt lengths must stay below --max-model-len 2048")
-    known = [k for k, _ in MODES if k != "colocated_phase2"]
+    known = [k for k, _ in MODES if k not in ("colocated_phase2", "intree_at_once")]
     want = set(known) if args.modes == "all" else set(filter(None, args.modes.split(",")))
     bad = want - set(known)
     if bad:
@@ -594,7 +701,7 @@ def main(argv=None):
                     ("push_layer_load", "push-layer-load")):
         if k in want and k not in skipped and name in dep.proxies:
             urls[k] = dep.proxies[name].url
-    intree_rows, intree_status = None, skipped.get("intree", "not asked for")
+    intree_rows, intree_status, intree_info = None, skipped.get("intree", "not asked for"), {}
     try:
         dep.start(timeout=args.start_timeout)
         if router is not None:
@@ -615,9 +722,9 @@ def main(argv=None):
             serving.stop_all([p for p in dep.processes
                               if p not in (dep.colocated, dep.metadata)] + [router] * bool(router))
             print("in-tree phase: starting vLLM's MooncakeConnector pair", flush=True)
-            intree_rows, intree_status = intree_phase(args, model, workdir, lengths,
-                                                      dep.colocated, router_site,
-                                                      lambda s: print(s, flush=True))
+            intree_rows, intree_status, intree_info = intree_phase(
+                args, model, workdir, lengths, dep.colocated, router_site,
+                lambda s: print(s, flush=True))
             print(f"in-tree phase: {intree_status}", flush=True)
     finally:
         if router is not None:
@@ -625,9 +732,14 @@ def main(argv=None):
         dep.stop()
     if intree_rows:
         for r, q in zip(results, intree_rows):
-            for k in ("colocated_phase2", "intree"):
+            for k in ("colocated_phase2", *INTREE_MODES):
                 r[k], r[f"itl_{k}"], r[f"gap12_{k}"] = q[k], q[f"itl_{k}"], q[f"gap12_{k}"]
             r["identical_by_mode"].update(q["identical_by_mode"])
+            # The in-tree answers against this run's first-phase colocated ones
+            # as well (same prompts, same server): a request counts as
+            # identical only if every mode of both phases gave the same tokens.
+            r["identical"] = sum(a and b and t2 == t1 for a, b, t2, t1 in zip(
+                r["all_same"], q["all_same"], q["ref_tokens"], r["ref_tokens"]))
     xfer = {}
     for r in results:
         secs, nbytes = xfer_time(spec, r["prompt_tokens"] - 1, args.xfer_repeat, sys.executable)
@@ -638,6 +750,7 @@ def main(argv=None):
                     "kv_bytes_per_token": tiny_model.kv_bytes_per_token(spec),
                     "requests_per_length": args.requests, "max_tokens": args.max_tokens,
                     "modes_not_measured": skipped, "intree_status": intree_status,
+                    "intree": intree_info,
                     "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
                     "cpus": os.cpu_count(), "load_avg": os.getloadavg(),
                     "command": " ".join(sys.argv)})
@@ -650,6 +763,13 @@ def main(argv=None):
     for k, why in skipped.items():
         print(f"not measured: {LABEL[k]}: {why}")
     print(f"vLLM in-tree MooncakeConnector: {intree_status}")
+    if intree_info:
+        print(f"  ({intree_info['cpu_workaround']}; 1st token from decode only: vllm-router "
+              f"and intree_proxy.py relay the decode leg's answer; Mooncake's engine on the "
+              f"prefill (its KV Transfer metrics): {intree_info['prefill_transfer_stats']})")
+    print(f"token-identical to colocated, every mode of the run: "
+          f"{sum(s['identical'] for s in summary['rows'])}/"
+          f"{sum(s['requests'] for s in summary['rows'])} requests")
     if conn_stats:
         print(f"connector's own stats on decode during the run: {conn_stats}")
     if proxy_lat:

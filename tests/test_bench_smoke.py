@@ -87,3 +87,36 @@ def test_serving_bench_paired_statistics():
     assert abs(r["ttft_paired_diff_vs_colocated_proxy_ms_p50"] + 0.5) < 1e-6
     assert abs(s["fixed_overhead_paired_ms_p50"] - 0.3) < 1e-6 and s["fixed_overhead_paired_ok"]
     assert r["ttft_ms_per_request"]["colocated"] == [20.0, 30.0, 40.0, 50.0, 60.0]
+
+
+def test_serving_bench_push_vs_intree(tmp_path):
+    """Push against vLLM's in-tree connector: each as a ratio to its own
+    phase's colocated server; and the in-tree producer's stats lines."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import serving_bench as sb
+    finally:
+        sys.path.pop(0)
+    n = 4
+    row = {"prompt_words": 128, "prompt_tokens": 130, "identical": n, "loaded_tokens": [],
+           "colocated": [0.100] * n, "push": [0.150] * n,            # 1.5x its colocated
+           "colocated_phase2": [0.200] * n, "intree": [0.400] * n,   # 2.0x its colocated
+           "intree_at_once": [0.280] * n}                           # 1.4x
+    for k, _ in sb.MODES:
+        row[f"itl_{k}"], row[f"gap12_{k}"] = [0.010] * n, [0.010] * n
+    row["gap12_push"] = [0.030] * n                                 # 3x colocated ITL
+    s = sb.summarize([row], None, {128: {"seconds": 0.001, "bytes": 1 << 20}})["rows"][0]
+    v = s["push_vs_intree"]
+    assert abs(v["ttft_ratio"] - 1.5) < 1e-9 and abs(v["ttft_ratio_intree"] - 2.0) < 1e-9
+    assert v["ttft_ahead_or_equal"] and not v["gap12_ahead_or_equal"]
+    assert not s["push_vs_intree_at_once"]["ttft_ahead_or_equal"]   # 1.5 > 1.05 x 1.4
+    assert abs(s["ttft_intree_paired_diff_ms_p50"] - 200.0) < 1e-6  # against colocated_phase2
+    log = tmp_path / "prefill.log"
+    log.write_text(
+        "x INFO [metrics.py:103] KV Transfer metrics: Num successful transfers=4, Avg xfer time "
+        "(ms)=50.0, P90 xfer time (ms)=77.5, Avg MB per transfer=10.0, Throughput (MB/s)=983.1, "
+        "Num failed transfers=1, Num failed recvs=0, Num KV expired reqs=0\n"
+        "y KV Transfer metrics: Num successful transfers=1, Avg xfer time (ms)=100.0, Avg MB per "
+        "transfer=20.0, Num failed transfers=0, Num failed recvs=0, Num KV expired reqs=2\n")
+    assert sb.intree_xfer_stats(str(log)) == {"transfers": 5, "failed_or_expired": 3,
+                                              "MB": 60.0, "avg_xfer_ms": 60.0}
