@@ -770,6 +770,12 @@ def main(argv=None):
             # identical only if every mode of both phases gave the same tokens.
             r["identical"] = sum(a and b and t2 == t1 for a, b, t2, t1 in zip(
                 r["all_same"], q["all_same"], q["ref_tokens"], r["ref_tokens"]))
+    # The measured rows first: a failing transfer measurement below must not
+    # lose them (the summary replaces this file).
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"partial": "the raw transfer measurement did not finish",
+                   "results": results, "fixed": fixed}, f)
     xfer = {}
     for r in results:
         secs, nbytes = xfer_time(spec, r["prompt_tokens"] - 1, args.xfer_repeat, sys.executable,

@@ -37,6 +37,11 @@ def _kv_cache(layers, blocks, block_bytes, device="cpu"):
     return tensors, [ctypes.addressof(t) for t in tensors]
 
 
+def _location(args):
+    """The engine's memory location of the KV tensors (--device)."""
+    return "cuda:0" if args.device == "cuda" else "cpu"
+
+
 def _host_bytes(t):
     """A KV tensor's bytes in host memory (a CUDA tensor is copied out)."""
     if hasattr(t, "data_ptr"):
@@ -67,7 +72,7 @@ def run_decode(args):
     eng.initialize(args.hostname, args.metadata, args.protocol, args.device_name)
     block_bytes = args.block_kib << 10
     tensors, addrs = _kv_cache(args.layers, args.blocks, block_bytes, args.device)
-    eng.batch_register_memory(addrs, [args.blocks * block_bytes] * len(addrs))
+    eng.batch_register_memory(addrs, [args.blocks * block_bytes] * len(addrs), _location(args))
     print(json.dumps({"segment": eng.get_segment_name(), "addrs": addrs}), flush=True)
     for line in sys.stdin:
         req = json.loads(line)
@@ -131,7 +136,8 @@ def run_prefill(args):
             eng.initialize(args.hostname, meta.url, args.protocol, args.device_name,
                            same_host_cpu=same_host_cpu)
             tensors, addrs = _kv_cache(args.layers, args.blocks, block_bytes, args.device)
-            eng.batch_register_memory(addrs, [args.blocks * block_bytes] * len(addrs))
+            eng.batch_register_memory(addrs, [args.blocks * block_bytes] * len(addrs),
+                                      _location(args))
             print(f"prefill segment {eng.get_segment_name()} -> decode segment "
                   f"{info['segment']} (separate process, pid {decode.pid})")
             rng = random.Random(0)
