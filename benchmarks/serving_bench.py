@@ -86,12 +86,14 @@ def prompt_of(n_words, seed):
     return _prompt(n_words, seed)
 
 
-def xfer_time(spec, n_tokens, repeat, python):
+def xfer_time(spec, n_tokens, repeat, python, device="cpu", dtype_bytes=4, env=None):
     """Best time (s) our engine takes to move n_tokens' KV between two
-    processes in vLLM's CPU layout: per layer one tensor whose block holds K and
-    V of all KV heads (block_size x kv_heads x 2 x head_size x 4 B)."""
+    processes in vLLM's layout: per layer one tensor whose block holds K and
+    V of all KV heads (block_size x kv_heads x 2 x head_size x dtype_bytes),
+    in host memory or (device "cuda") GPU memory, with env on top of ours
+    (MC_GPU_IPC=0: TCP with GPU staging, as the servers)."""
     head = spec["hidden"] // spec["heads"]
-    block_kib = BLOCK * spec["kv_heads"] * 2 * head * 4 // 1024
+    block_kib = BLOCK * spec["kv_heads"] * 2 * head * dtype_bytes // 1024
     n_blocks = max(1, n_tokens // BLOCK)
     # transfer_demo has a K and a V tensor per "layer": layers/2 of them make
     # one tensor per model layer.
@@ -99,8 +101,8 @@ def xfer_time(spec, n_tokens, repeat, python):
     out = subprocess.run(
         [python, "-P", "-m", "mooncake_connector.transfer_demo", "--layers", str(layers),
          "--blocks", str(n_blocks + 8), "--block-kib", str(block_kib), "--prompt-blocks",
-         str(n_blocks), "--repeat", str(repeat), "--json"],
-        capture_output=True, text=True, timeout=300)
+         str(n_blocks), "--repeat", str(repeat), "--json", "--device", device],
+        capture_output=True, text=True, timeout=300, env=dict(os.environ, **(env or {})))
     if out.returncode != 0:
         raise RuntimeError(f"transfer_demo failed: {out.stderr[-2000:]}")
     s = json.loads(out.stdout.strip().splitlines()[-1])
@@ -515,7 +517,7 @@ def intree_phase(args, model, workdir, lengths, colocated, router_site, log):
     # then INTREE_CPU_SITE, the benchmark-only workaround (see INTREE_CPU_NOTE).
     pypath = os.pathsep.join([site, INTREE_CPU_SITE] + [
         p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
-    env = {"PYTHONPATH": pypath, "VLLM_HOST_IP": "127.0.0.1",
+    env = {**getattr(args, "dev_env", {}), "PYTHONPATH": pypath, "VLLM_HOST_IP": "127.0.0.1",
            "VLLM_MOONCAKE_BOOTSTRAP_PORT": str(bport), "MOONCAKE_CONNECTOR_DISABLE_PLUGIN": "1",
            "MC_MOONCAKE_SHIM": "0", "MC_INTREE_CPU_ACCEL_INDEX": "1"}
     log(f"in-tree phase: {INTREE_CPU_NOTE}")
@@ -526,7 +528,8 @@ def intree_phase(args, model, workdir, lengths, colocated, router_site, log):
             name, model, serving.free_port(), os.path.join(logs, f"{name}.log"),
             kv_transfer_config={"kv_connector": "MooncakeConnector", "kv_role": role,
                                 "kv_connector_extra_config": extra},
-            env=env, kv_cache_bytes=args.kv_cache_mib << 20))
+            env=env, kv_cache_bytes=args.kv_cache_mib << 20,
+            extra_args=getattr(args, "dev_args", ())))
     try:
         serving.start_all(servers, args.start_timeout)
     except serving.StartError as e:
@@ -608,6 +611,16 @@ def main(argv=None):
                          "also raises --kv-cache-mib to 256 unless given")
     ap.add_argument("--kv-cache-mib", type=int, default=None,
                     help="each vLLM server's KV cache (default 64, 256 with --kv32k)")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                    help="where the vLLM servers run: cpu (vLLM's CPU backend) or cuda (all on "
+                         "GPU 0, a share of its memory each: mooncake_connector.vllm_gpu; "
+                         "docs/vllm-gpu.md)")
+    ap.add_argument("--gpu-path", choices=["on", "off"], default="on",
+                    help="--device cuda: the engine's same-host GPU path (CUDA IPC) between "
+                         "prefill and decode, or off (MC_GPU_IPC=0: TCP with GPU staging)")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                    help="the servers' dtype (bfloat16 halves the KV per token; --device cuda "
+                         "only: vLLM's CPU backend runs this model in float32)")
     ap.add_argument("--mooncake-site", default=os.environ.get("MC_MOONCAKE_SITE"),
                     help="a pip --target dir holding mooncake-transfer-engine-non-cuda, for "
                          "the in-tree MooncakeConnector phase ($MC_MOONCAKE_SITE)")
@@ -623,10 +636,22 @@ def main(argv=None):
     want.add("colocated")
     if args.kv_cache_mib is None:
         args.kv_cache_mib = 256 if args.kv32k else 64
+    if args.device == "cpu" and (args.gpu_path != "on" or args.dtype != "float32"):
+        ap.error("--gpu-path and --dtype bfloat16 need --device cuda")
 
     from mooncake_connector import serving, tiny_model
     from mooncake_connector.deployment import (Deployment, connector_log_stats, log_size,
                                                proxy_stats)
+    from mooncake_connector.vllm_gpu import device_settings
+
+    # The servers' device: the GPU servers' environment and flags (three
+    # servers share GPU 0), the engine's route between GPU KV caches, dtype.
+    dev_env, dev_args = device_settings(args.device, servers=3)
+    if args.device == "cuda":
+        dev_env = dict(dev_env, MC_GPU_IPC="1" if args.gpu_path == "on" else "0")
+        dev_args = dev_args + ["--dtype", args.dtype]  # after serving's --dtype: it wins
+    dtype_bytes = 2 if args.dtype == "bfloat16" else 4
+    args.dev_env, args.dev_args = dev_env, dev_args  # the in-tree phase's servers too
 
     overrides = dict(KV32K_SPEC if args.kv32k else BENCH_SPEC)
     for kv in filter(None, args.spec.split(",")):
@@ -678,7 +703,8 @@ def main(argv=None):
                      flows=tuple(f for f, k in (("a", "disaggregated"), ("b", "flow_b"))
                                  if k in want or f == "a"),
                      extra_proxies=extra_proxies, colocated_proxy=True,
-                     kv_cache_bytes=args.kv_cache_mib << 20)
+                     kv_cache_bytes=args.kv_cache_mib << 20, env=dev_env,
+                     extra_vllm_args=dev_args)
     router = None
     if "router" in want and router_site and dep.bootstrap_port:
         rport = serving.free_port()
@@ -688,7 +714,11 @@ def main(argv=None):
                                  os.path.join(dep.logs, "vllm-router.log"), env=renv,
                                  health_url=f"http://127.0.0.1:{rport}/health")
         router.url = f"http://127.0.0.1:{rport}"
-    print(f"model {model} ({tiny_model.kv_bytes_per_token(spec)} B of KV per token); "
+    kv_per_token = tiny_model.kv_bytes_per_token(spec, dtype_bytes)
+    where = "vLLM CPU backend" if args.device == "cpu" else (
+        f"GPU 0, {args.dtype}, engine route: "
+        + ("same-host GPU path" if args.gpu_path == "on" else "TCP with GPU staging"))
+    print(f"model {model} ({kv_per_token} B of KV per token); {where}; "
           f"connector {dep.connector}; logs {dep.logs}", flush=True)
     for k, why in skipped.items():
         print(f"mode {k} not measured: {why}", flush=True)
@@ -740,14 +770,24 @@ def main(argv=None):
             # identical only if every mode of both phases gave the same tokens.
             r["identical"] = sum(a and b and t2 == t1 for a, b, t2, t1 in zip(
                 r["all_same"], q["all_same"], q["ref_tokens"], r["ref_tokens"]))
+    # The measured rows first: a failing transfer measurement below must not
+    # lose them (the summary replaces this file).
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"partial": "the raw transfer measurement did not finish",
+                   "results": results, "fixed": fixed}, f)
     xfer = {}
     for r in results:
-        secs, nbytes = xfer_time(spec, r["prompt_tokens"] - 1, args.xfer_repeat, sys.executable)
+        secs, nbytes = xfer_time(spec, r["prompt_tokens"] - 1, args.xfer_repeat, sys.executable,
+                                 args.device, dtype_bytes,
+                                 {k: v for k, v in dev_env.items() if k.startswith("MC_")})
         xfer[r["prompt_words"]] = {"seconds": secs, "bytes": nbytes}
     summary = summarize(results, fixed, xfer, layers=spec["layers"])
     summary.update({"connector": dep.connector, "model_spec": spec,
                     "connector_stats_decode": conn_stats, "proxy_latency_ms": proxy_lat,
-                    "kv_bytes_per_token": tiny_model.kv_bytes_per_token(spec),
+                    "kv_bytes_per_token": kv_per_token, "device": args.device,
+                    "gpu_path": args.gpu_path if args.device == "cuda" else None,
+                    "dtype": args.dtype, "where": where,
                     "requests_per_length": args.requests, "max_tokens": args.max_tokens,
                     "modes_not_measured": skipped, "intree_status": intree_status,
                     "intree": intree_info,
@@ -777,7 +817,7 @@ def main(argv=None):
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(summary, f, indent=1)
-    plot(summary, args.plot, f"{dep.connector} connector, {spec['layers']} layers, "
+    plot(summary, args.plot, f"{dep.connector} connector, {where}, {spec['layers']} layers, "
          f"{summary['kv_bytes_per_token']} B KV/token, {os.cpu_count()} CPUs, "
          f"{args.requests} req/length, {summary['date']}")
     print(f"wrote {args.out} and {args.plot}")

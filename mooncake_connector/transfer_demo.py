@@ -25,16 +25,43 @@ import mooncake_connector as mc
 from mooncake_connector.metadata_server import MetadataServer
 
 
-def _kv_cache(layers, blocks, block_bytes):
-    """One contiguous allocation per layer for K and V, like vLLM's tensors."""
+def _kv_cache(layers, blocks, block_bytes, device="cpu"):
+    """One contiguous allocation per layer for K and V, like vLLM's tensors
+    (device "cuda": torch tensors on the current GPU, as vLLM's CUDA KV cache)."""
+    if device == "cuda":
+        import torch
+        tensors = [torch.zeros(blocks * block_bytes, dtype=torch.uint8, device="cuda")
+                   for _ in range(layers * 2)]
+        return tensors, [t.data_ptr() for t in tensors]
     tensors = [(ctypes.c_ubyte * (blocks * block_bytes))() for _ in range(layers * 2)]
     return tensors, [ctypes.addressof(t) for t in tensors]
+
+
+def _location(args):
+    """The engine's memory location of the KV tensors (--device)."""
+    return "cuda:0" if args.device == "cuda" else "cpu"
+
+
+def _host_bytes(t):
+    """A KV tensor's bytes in host memory (a CUDA tensor is copied out)."""
+    if hasattr(t, "data_ptr"):
+        return memoryview(t.cpu().numpy()).cast("B")
+    return memoryview(t).cast("B")
+
+
+def _fill_random(tensors, rng):
+    for t in tensors:
+        if hasattr(t, "data_ptr"):
+            import torch
+            t.copy_(torch.frombuffer(bytearray(rng.randbytes(t.numel())), dtype=torch.uint8))
+        else:
+            ctypes.memmove(t, rng.randbytes(len(t)), len(t))
 
 
 def _block_crcs(tensors, block_ids, block_bytes):
     out = []
     for t in tensors:
-        view = memoryview(t).cast("B")
+        view = _host_bytes(t)
         out.append([zlib.crc32(view[b * block_bytes:(b + 1) * block_bytes]) for b in block_ids])
     return out
 
@@ -44,8 +71,8 @@ def run_decode(args):
     eng = mc.TransferEngine()
     eng.initialize(args.hostname, args.metadata, args.protocol, args.device_name)
     block_bytes = args.block_kib << 10
-    tensors, addrs = _kv_cache(args.layers, args.blocks, block_bytes)
-    eng.batch_register_memory(addrs, [args.blocks * block_bytes] * len(addrs))
+    tensors, addrs = _kv_cache(args.layers, args.blocks, block_bytes, args.device)
+    eng.batch_register_memory(addrs, [args.blocks * block_bytes] * len(addrs), _location(args))
     print(json.dumps({"segment": eng.get_segment_name(), "addrs": addrs}), flush=True)
     for line in sys.stdin:
         req = json.loads(line)
@@ -92,7 +119,8 @@ def run_prefill(args):
             [sys.executable, "-m", "mooncake_connector.transfer_demo", "--role", "decode",
              "--metadata", meta.url, "--hostname", decode_host, "--protocol", args.protocol,
              "--device-name", args.device_name, "--layers", str(args.layers),
-             "--blocks", str(args.blocks), "--block-kib", str(args.block_kib)],
+             "--blocks", str(args.blocks), "--block-kib", str(args.block_kib),
+             "--device", args.device],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
             # Run next to the package this process imported, so the child
             # imports the same (built) one rather than a source tree in cwd.
@@ -107,14 +135,16 @@ def run_prefill(args):
             eng = mc.TransferEngine()
             eng.initialize(args.hostname, meta.url, args.protocol, args.device_name,
                            same_host_cpu=same_host_cpu)
-            tensors, addrs = _kv_cache(args.layers, args.blocks, block_bytes)
-            eng.batch_register_memory(addrs, [args.blocks * block_bytes] * len(addrs))
+            tensors, addrs = _kv_cache(args.layers, args.blocks, block_bytes, args.device)
+            eng.batch_register_memory(addrs, [args.blocks * block_bytes] * len(addrs),
+                                      _location(args))
             print(f"prefill segment {eng.get_segment_name()} -> decode segment "
                   f"{info['segment']} (separate process, pid {decode.pid})")
             rng = random.Random(0)
-            for t in tensors:  # the "computed" KV cache: random bytes
-                data = rng.randbytes(len(t))
-                ctypes.memmove(t, data, len(t))
+            _fill_random(tensors, rng)  # the "computed" KV cache: random bytes
+            if args.device == "cuda":
+                import torch
+                torch.cuda.synchronize()
             # A prompt occupying `prompt_blocks` blocks: prefill block ids and
             # the decode side's block ids are different permutations.
             n = args.prompt_blocks or args.blocks
@@ -182,6 +212,10 @@ def main(argv=None):
                     help="blocks of the prompt to move (default: all)")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--json", action="store_true", help="also print a JSON summary")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                    help="where both sides' KV caches live (cuda: GPU 0, torch tensors; the "
+                         "engine picks the same-host GPU path, or TCP with GPU staging when "
+                         "MC_GPU_IPC=0)")
     ap.add_argument("--config", default=None, metavar="PATH",
                     help="take prefill_url, decode_url and metadata_server from a "
                          "mooncake.json instead of the embedded default")

@@ -17,14 +17,14 @@
 # needs FA2 or FA3; the servers use TRITON_ATTN for fp32), _moe_C (dense models only; vLLM imports it
 # optionally), FlashMLA, QuTLASS, the vllm-rs frontend binary, the C++
 # headers and prebuilt extensions under third_party/.  Needs python3 with pip, unzip, xz, sha256sum.
-# Env: MC_VLLM_GPU_PART_MB (57: each part, MiB; a call carries 64 MiB,
-# the checkout itself ~6), MC_VLLM_GPU_CACHE (downloads, <repo>/.cache/vllm-gpu).
+# Env: MC_VLLM_GPU_PART_MB (54: each part, MiB; a call carries 64 MiB,
+# the checkout itself ~7 in 2026-12), MC_VLLM_GPU_CACHE (downloads, <repo>/.cache/vllm-gpu).
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 out="$(mkdir -p "${1:-$repo/.vllm-gpu}" && cd "${1:-$repo/.vllm-gpu}" && pwd)"
 cache="${MC_VLLM_GPU_CACHE:-$repo/.cache/vllm-gpu}"
 ver=0.26.0
-limit_mb="${MC_VLLM_GPU_PART_MB:-57}"
+limit_mb="${MC_VLLM_GPU_PART_MB:-54}"
 py="${PYTHON:-python3}"
 plat=(--only-binary=:all: --python-version 3.12 --implementation cp
       --platform manylinux_2_35_x86_64 --platform manylinux_2_34_x86_64

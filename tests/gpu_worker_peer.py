@@ -14,6 +14,9 @@ First line printed: {"ready": true, "extents_per_block": n}.  Commands:
     {"cmd": "finished", "req_ids": [...]} -> {"sending": [...], "recving": [...]}
     {"cmd": "load", "req_id", "tokens", "block_ids"}           (consumer)
         -> {"secs", "invalid": [...], "stats": {...}}
+    {"cmd": "push_load", "req_id", "tokens", "block_ids", "tid"}  (consumer: push target)
+    {"cmd": "push_forward", "req_id", "tokens", "block_ids", "tid", "seed"}  (producer)
+        -> {"queued", "started": {layer: s}, "gpu_done_at_save", "bytes"}
     {"cmd": "exit"}
 """
 import argparse
@@ -73,6 +76,47 @@ def vllm034_kv(a, dev, shape, handle_types):
           full[i * per_padded:i * per_padded + per].view(torch.bfloat16).view(shape)
           for i in range(a.layers)}
     return buf, kv
+
+
+def push_forward(w, kv, dev, req):
+    """Producer, push layer by layer: a prefill step as vLLM runs it on the
+    GPU.  Per layer a slow kernel (the layer's "attention", ~15 ms), then the
+    layer's new KV written into the prompt's blocks, then save_kv_layer -
+    all queued on the stream, none waited for.  Then, before wait_for_save,
+    watch when each layer's write to the decode side starts."""
+    rid, tid, blocks = req["req_id"], req["tid"], req["block_ids"]
+    t_end = time.monotonic() + 10
+    while tid not in w.push_p.early and time.monotonic() < t_end:
+        w.drain_notifies()  # the decode side's target (it admitted the request first)
+        time.sleep(0.001)
+    if tid not in w.push_p.early:
+        return {"error": "no push target arrived in 10 s"}
+    meta = MooncakeConnectorMetadata(publishes=[PublishSpec(
+        rid, req["tokens"], blocks, push_tid=tid, layerwise=True)], held=[rid])
+    w.on_metadata(meta)
+    job = w.push_p.jobs[tid]
+    idx = torch.tensor(blocks, device=dev)
+    g = torch.Generator(device=dev)
+    g.manual_seed(req["seed"])
+    t0 = time.monotonic()
+    for name, t in kv.items():
+        torch.cuda._sleep(req.get("cycles", 30_000_000))
+        raw = t.view(torch.int16)
+        raw[:, idx] = torch.randint(-32768, 32768, (2, len(blocks)) + tuple(raw.shape[2:]),
+                                    dtype=torch.int16, device=dev, generator=g)
+        w.save_kv_layer(name)
+    queued = time.monotonic() - t0
+    started = {}
+    while len(started) < len(kv) and time.monotonic() - t0 < req.get("watch_s", 5.0):
+        with w.push_p.lock:
+            sent = set().union(*(tg.layers_sent for tg in job.targets.values()))
+        for li in sent:
+            started.setdefault(li, time.monotonic() - t0)
+        time.sleep(0.0002)
+    gpu_done = torch.cuda.current_stream().query()
+    w.publish(meta)  # wait_for_save
+    return {"queued": queued, "started": started, "gpu_done_at_save": gpu_done,
+            "bytes": job.bytes}
 
 
 def main():
@@ -155,6 +199,17 @@ def main():
             stats = w.take_stats()
             out({"secs": time.monotonic() - t0, "invalid": sorted(w.take_invalid_blocks()),
                  "stats": stats.data if stats is not None and hasattr(stats, "data") else {}})
+        elif cmd == "push_load":
+            meta = MooncakeConnectorMetadata(loads=[LoadSpec(
+                req["req_id"], req["tokens"], req["block_ids"], 0, None, flow="P",
+                push_tid=req["tid"])])
+            w.on_metadata(meta)
+            w.start_load(meta)  # sends the target (our blocks) to the producer
+            out({})
+        elif cmd == "load_errors":
+            out({"invalid": sorted(w.take_invalid_blocks())})
+        elif cmd == "push_forward":
+            out(push_forward(w, kv, dev, req))
         else:
             out({"error": f"unknown command {cmd}"})
     w.shutdown()

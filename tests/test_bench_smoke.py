@@ -120,3 +120,22 @@ def test_serving_bench_push_vs_intree(tmp_path):
         "transfer=20.0, Num failed transfers=0, Num failed recvs=0, Num KV expired reqs=2\n")
     assert sb.intree_xfer_stats(str(log)) == {"transfers": 5, "failed_or_expired": 3,
                                               "MB": 60.0, "avg_xfer_ms": 60.0}
+
+
+def test_serving_bench_device_flags_and_transfer_size(capsys):
+    """--gpu-path / bfloat16 are GPU-only flags (a clear error on CPU), and the
+    measured transfer moves the KV of the dtype the servers run (bf16: half)."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import serving_bench as sb
+    finally:
+        sys.path.pop(0)
+    for bad in (["--gpu-path", "off"], ["--dtype", "bfloat16"]):
+        with pytest.raises(SystemExit) as e:
+            sb.main(bad)
+        assert e.value.code == 2
+        assert "need --device cuda" in capsys.readouterr().err
+    spec = {"layers": 2, "hidden": 128, "heads": 2, "kv_heads": 2}
+    _, fp32 = sb.xfer_time(spec, 64, 1, sys.executable)
+    _, bf16 = sb.xfer_time(spec, 64, 1, sys.executable, dtype_bytes=2)
+    assert fp32 == 64 * 2 * 2 * 2 * 64 * 4 and bf16 == fp32 // 2

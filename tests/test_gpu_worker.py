@@ -125,3 +125,56 @@ def run_worker_pair(ipc, alloc="torch"):
             logs += err
             sys.stderr.write(err)
     return logs
+
+
+@pytest.mark.parametrize("ipc", ["1", "0"], ids=["same-host", "tcp"])
+def test_push_layerwise_streams_cuda_layers_before_wait_for_save(ipc):
+    """Push layer by layer with CUDA KV caches (issue #31): vLLM's
+    save_kv_layer runs when a layer's kernels are queued, not done.  The
+    producer queues 8 slow layers (~15 ms of GPU each) and returns at once;
+    each layer's write to the decode side must start once that layer's
+    kernels completed - layer 0's well before the last one's, all before
+    wait_for_save - and every byte must be the layer's new KV (a write
+    started before its kernels finished would carry the old values)."""
+    p, d = free_port(), free_port()
+    while abs(d - p) < 50:
+        d = free_port()
+    urls = {"prefill_url": f"127.0.0.1:{p}", "decode_url": f"127.0.0.1:{d}",
+            "metadata_server": "P2PHANDSHAKE", "protocol": "tcp"}
+    env = {"MC_GPU_IPC": ipc, "MC_LOG_LEVEL": "info"}
+    made = []
+    try:
+        prod = WorkerPeer("kv_producer", "cuda:0", urls, env)
+        made.append(prod)
+        cons = WorkerPeer("kv_consumer", "cuda:1" if NGPU > 1 else "cuda:0", urls, env)
+        made.append(cons)
+        prod.call(cmd="fill", seed=7)
+        rng = random.Random(5)
+        nblk = 40
+        tokens = [rng.randrange(32000) for _ in range(nblk * BS)]
+        src, dst = rng.sample(range(NB), nblk), rng.sample(range(NB), nblk)
+        cons.call(cmd="push_load", req_id="r1", tokens=tokens, block_ids=dst, tid="t1")
+        f = prod.call(cmd="push_forward", req_id="r1", tokens=tokens, block_ids=src, tid="t1",
+                      seed=11)
+        started = {int(k): v for k, v in f["started"].items()}
+        sys.stderr.write(f"push layerwise on CUDA: queued in {f['queued'] * 1e3:.1f} ms, "
+                         f"writes started at {[round(started[k] * 1e3, 1) for k in sorted(started)]}"
+                         f" ms\n")
+        assert sorted(started) == list(range(LAYERS)), \
+            f"only layers {sorted(started)} started writing before wait_for_save"
+        assert started[LAYERS - 1] - started[0] > 0.05, started  # one by one, not at once
+        assert f["queued"] < started[LAYERS - 1], f  # the forward thread did not wait
+        deadline, recving = time.monotonic() + 20, []
+        while time.monotonic() < deadline and "r1" not in recving:
+            prod.call(cmd="finished", req_ids=[])
+            recving = cons.call(cmd="finished", req_ids=[])["recving"]
+            time.sleep(0.005)
+        assert "r1" in recving
+        assert cons.call(cmd="load_errors")["invalid"] == []
+        sp, sc = prod.call(cmd="sums")["sums"], cons.call(cmd="sums")["sums"]
+        bad = [(li, kv, i) for li in range(LAYERS) for kv in (0, 1) for i in range(nblk)
+               if sc[li][kv][dst[i]] != sp[li][kv][src[i]]]
+        assert not bad, f"{len(bad)} K/V blocks differ, first {bad[:5]}"
+    finally:
+        for m in made:
+            sys.stderr.write(m.close())

@@ -35,6 +35,7 @@ import hashlib
 import json
 import logging
 import queue
+import functools
 import threading
 import time
 from array import array
@@ -399,6 +400,16 @@ class PushConsumer:
 
 # ---------------------------------------------------------------- producer
 
+def _locked(fn):
+    """PushProducer's state is shared by vLLM's thread and, with CUDA KV
+    caches layer by layer, the layer waiter's thread (layer_events.py)."""
+    @functools.wraps(fn)
+    def run(self, *a, **kw):
+        with self.lock:
+            return fn(self, *a, **kw)
+    return run
+
+
 class Target:
     def __init__(self, sender, head, body, arrived):
         self.name = sender
@@ -460,14 +471,23 @@ class PushProducer:
         self.ended = {}      # tid -> monotonic time its job ended / it was dropped
         self.canceled = {}   # tid -> (monotonic time, {consumer engine}) canceled before the prompt
         self._early_bytes = 0
+        self.lock = threading.RLock()
+        self._waiter = None  # CUDA KV caches: layer_events.LayerWaiter, made at first use
         self._layer_index = {L.name: i for i, L in enumerate(worker.layout.layers)}
         off, self._layer_off = 0, []
         for L in worker.layout.layers:
             self._layer_off.append((off, len(L.outer)))
             off += len(L.outer)
 
+    @property
+    def streams(self):
+        """Layer by layer is possible: on CPU (a layer's KV is in memory when
+        save_kv_layer runs) or with CUDA layer events (push_layerwise_cuda)."""
+        return self.w.cuda_sync is None or bool(self.w.s.push_layerwise_cuda)
+
     # messages
 
+    @_locked
     def on_message(self, sender, head, body):
         t, tid = head["t"], head["tid"]
         if t == "target":
@@ -528,6 +548,7 @@ class PushProducer:
 
     # jobs
 
+    @_locked
     def begin(self, spec, expected, layerwise, optional=False):
         """A push request's prompt completes in this step (before the forward)."""
         tid = spec.push_tid
@@ -537,7 +558,7 @@ class PushProducer:
         self.jobs[tid] = job
         self.by_rid[spec.req_id] = tid
         early = self.early.get(tid, {})
-        if self.w.cuda_sync is None and any(tg.lnotify for tg in early.values()):
+        if self.streams and any(tg.lnotify for tg in early.values()):
             job.layerwise = True  # the decode's attention waits for each layer
         for tg in self.early.pop(tid, {}).values():
             self._early_bytes -= 24 * len(tg.dest) // 3
@@ -545,6 +566,7 @@ class PushProducer:
         for sender in self.canceled.pop(tid, (0, ()))[1]:
             job.targets.setdefault(sender, _Served())
 
+    @_locked
     def dropped(self, tid):
         """The prefill request ended without a prompt to push."""
         self.ended[tid] = time.monotonic()
@@ -574,16 +596,26 @@ class PushProducer:
             return
         if job.optional and not job.targets and job.all_ready:
             self.w.publishes.withdraw(job.rid)  # published for a pull too: push takes it
-        if tg.lnotify and not job.all_ready and self.w.cuda_sync is None:
+        if tg.lnotify and not job.all_ready and self.streams:
             job.layerwise = True  # before the forward: each layer as it is computed
         job.targets[tg.name] = tg
         self._submit(job, tg)
 
+    @_locked
     def layer_done(self, layer_name):
         li = self._layer_index.get(layer_name)
         if li is None:
             return
         cpu = self.w.cuda_sync is None  # on CPU the layer's KV is in memory now
+        if not cpu and self.streams:
+            # CUDA: the layer's kernels are queued, not done; its writes
+            # start on the waiter's thread once its event completed.
+            live = [job for job in self.jobs.values() if not job.all_ready]
+            if live:
+                if self._waiter is None:
+                    from mooncake_connector.connector.layer_events import LayerWaiter
+                    self._waiter = LayerWaiter(self._layer_ready)
+                self._waiter.record(li, live)
         for job in self.jobs.values():
             if cpu and not job.all_ready:
                 job.ready.add(li)  # (a target arriving later in this forward gets it)
@@ -592,6 +624,19 @@ class PushProducer:
                     self._submit(job, tg)
                     if tg.lnotify and tg.batches:
                         self._poll_batches(tg, job)  # earlier layers landed: say so
+
+    @_locked
+    def _layer_ready(self, li, jobs):
+        """The waiter's thread: layer li's KV of these jobs is in memory."""
+        for job in jobs:
+            if job.all_ready or self.jobs.get(job.tid) is not job:
+                continue  # written with the whole prompt, or over (cancelled, ended)
+            job.ready.add(li)
+            if job.layerwise:
+                for tg in job.targets.values():
+                    self._submit(job, tg)
+                    if tg.lnotify and tg.batches:
+                        self._poll_batches(tg, job)
 
     def flush_layers(self):
         """After the forward (wait_for_save): wait (GIL released, bounded)
@@ -602,15 +647,17 @@ class PushProducer:
         while True:
             busy = False
             wall = time.time()
-            for job in self.jobs.values():
-                for tg in job.targets.values():
-                    if tg.lnotify and tg.batches and not tg.stop and not tg.cancel and \
-                            wall < tg.lease_until - PUSH_MARGIN_S:
-                        busy = not self._poll_batches(tg, job) or busy
+            with self.lock:  # not while sleeping: the layer waiter's thread may go on
+                for job in self.jobs.values():
+                    for tg in job.targets.values():
+                        if tg.lnotify and tg.batches and not tg.stop and not tg.cancel and \
+                                wall < tg.lease_until - PUSH_MARGIN_S:
+                            busy = not self._poll_batches(tg, job) or busy
             if not busy or time.monotonic() > cap:
                 return
             time.sleep(0.0002)
 
+    @_locked
     def prompt_done(self, rid):
         tid = self.by_rid.get(rid)
         job = self.jobs.get(tid)
@@ -717,6 +764,7 @@ class PushProducer:
                 self.w.stats.add("push_failed")
             self._reply(tg.name, job.tid, state, why, retry_until=until)
 
+    @_locked
     def poll(self):
         """Advance every job; returns the req ids whose push is over (their
         blocks may be freed once vLLM finished them)."""
@@ -767,19 +815,23 @@ class PushProducer:
             del self.canceled[tid]
         return over
 
+    @_locked
     def busy(self):
         return bool(self.jobs)
 
+    @_locked
     def holds(self, rid):
         """The request's blocks are held for a push (not only for a pull)."""
         tid = self.by_rid.get(rid)
         job = self.jobs.get(tid)
         return job is not None and (not job.optional or bool(job.targets))
 
+    @_locked
     def has_targets(self, tid):
         job = self.jobs.get(tid)
         return job is not None and bool(job.targets)
 
+    @_locked
     def forget(self, rid):
         """The worker freed the request's blocks (pulled, expired)."""
         tid = self.by_rid.pop(rid, None)
@@ -787,7 +839,11 @@ class PushProducer:
             self.ended[tid] = time.monotonic()
 
     def close(self):
-        for job in self.jobs.values():
-            for tg in job.targets.values():
-                self._cancel_batches(tg)
-        self.jobs.clear()
+        if self._waiter is not None:
+            self._waiter.close()  # before the lock: it may be handing a layer over
+            self._waiter = None
+        with self.lock:
+            for job in self.jobs.values():
+                for tg in job.targets.values():
+                    self._cancel_batches(tg)
+            self.jobs.clear()

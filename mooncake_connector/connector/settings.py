@@ -49,6 +49,11 @@ KNOBS = {  # extra-config key: (type, default, meaning)
                        "side as soon as vLLM computed it (save_kv_layer), overlapping the "
                        "transfer with the rest of the prefill; false: one write of every layer "
                        "after the forward (docs/connector.md, Push flow: where each wins)"),
+    "push_layerwise_cuda": (bool, True, "producer, push flow with CUDA KV caches: stream layer "
+                            "by layer too (save_kv_layer records a CUDA event per layer; a "
+                            "background thread starts each layer's write once its event "
+                            "completed); false: CUDA KV caches push whole prompts after the "
+                            "forward"),
     "push_layer_load": (bool, False, "consumer, push flow: schedule a pushed request at once "
                         "(an in-step load) and let each attention layer wait "
                         "(wait_for_layer_load) until the producer's write of that layer "
@@ -105,6 +110,7 @@ class Settings:
     bootstrap_port: int | None = None  # None: VLLM_MOONCAKE_BOOTSTRAP_PORT, else 8998
     bootstrap_host: str = ""
     push_layerwise: bool = False
+    push_layerwise_cuda: bool = True
     push_layer_load: bool = False
     push_layer_timeout_s: float = 10.0
 

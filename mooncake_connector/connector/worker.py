@@ -8,6 +8,7 @@ lookup buffer and the consumer's pulls.  One module per concern:
   loads.py      consumer: pulls and push loads, finished_recving, load errors
   publishes.py  producer: publishing/holding blocks, finished_sending, idle waits
   push.py       the push flow (both sides), its notifications routed from here
+  layer_events.py  push layer by layer with CUDA KV caches: a CUDA event per layer
 """
 import logging
 
@@ -67,11 +68,11 @@ class WorkerSide:
             for p in meta.publishes:
                 if p.push_tid:
                     lw = self.s.push_layerwise if p.layerwise is None else p.layerwise
-                    # Layer by layer needs the layer's KV written when
-                    # save_kv_layer runs: true on CPU; on CUDA it would need
-                    # an event per layer, so CUDA KV caches push whole prompts.
+                    # Layer by layer needs the layer's KV written: on CPU
+                    # when save_kv_layer runs; on CUDA once that layer's
+                    # event completed (layer_events.py, push_layerwise_cuda).
                     self.push_p.begin(p, expected=self.routes.fanout(),
-                                      layerwise=lw and self.cuda_sync is None,
+                                      layerwise=lw and self.push_p.streams,
                                       optional=p.push_optional)
 
     def drain_notifies(self):

@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# The serving benchmark on the GPU machine (issue #31, docs/vllm-gpu.md):
+# benchmarks/serving_bench.py with its vLLM 0.26 servers on GPU 0, over the
+# engine's same-host GPU path (ipc) or TCP with GPU staging (tcp).
+#   OUT=$OUT bash scripts/vllm-gpu-serving.sh ipc|tcp [serving_bench.py args...]
+# The first call of a lease (from a copy of this repository that carries
+# .debs, once every part of scripts/vllm-gpu-prepare.sh is staged there:
+# vllm-gpu-install.sh stage) builds _core, installs vLLM into /tmp/vllm-site
+# and keeps the built copy in /tmp/mc-gpu-serving; a later call while the
+# machine is warm runs from that copy (`bash /tmp/mc-gpu-serving/scripts/
+# vllm-gpu-serving.sh tcp`), nothing carried.  Default benchmark: --kv32k,
+# lengths 128,512,1024,1900, 12 requests, colocated, flows a and b (first
+# token both ways), push (whole prompt) and push_layer_load.  Out:
+# serving_gpu_<path>.{json,png,txt}, logs_<path>.tar.xz.
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+path="${1:-}"
+case "$path" in
+  ipc) gpu_path=on ;;
+  tcp) gpu_path=off ;;
+  *) echo "usage: $0 ipc|tcp [serving_bench.py args...] (ipc: the same-host GPU path," \
+          "tcp: MC_GPU_IPC=0, TCP with GPU staging)" >&2; exit 2 ;;
+esac
+shift
+out="${OUT:-/tmp/vllm-gpu-serving-out}"
+run=/tmp/mc-gpu-serving
+mkdir -p "$out"
+t0=$SECONDS
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+if [ ! -f "$run/.built" ] || [ "$PWD" != "$run" ]; then
+  if [ ! -f "$run/.built" ]; then
+    source scripts/device-lib.sh
+    mc_unpack_debs
+    { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; nproc
+      python3 -c 'import torch; print("torch", torch.__version__, torch.cuda.is_available())'
+    } 2>&1 | tee "$out/machine.txt"
+    (MC_WERROR=1 python3 setup.py -q build_ext --inplace -j 16 >"$out/build.log" 2>&1 \
+       || python3 setup.py -q build_ext --inplace >>"$out/build.log" 2>&1) &
+    build=$!
+    bash scripts/vllm-gpu-install.sh install /tmp/vllm-site >"$out/install.log" 2>&1
+    irc=$?
+    wait $build; brc=$?
+    tail -3 "$out/install.log"; tail -3 "$out/build.log"
+    echo "build rc=$brc install rc=$irc after $((SECONDS - t0)) s"
+    [ $brc = 0 ] && [ $irc = 0 ] || exit 1
+    rm -rf "$run" && mkdir -p "$run" && tar --exclude=./.debs -cf - . | tar -xf - -C "$run"
+    touch "$run/.built"
+  fi
+  cd "$run"
+fi
+export CPATH=/opt/debs/usr/include LIBRARY_PATH=/opt/debs/usr/lib/x86_64-linux-gnu
+export LD_LIBRARY_PATH=/opt/debs/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
+export PYTHONPATH=/tmp/vllm-site:$PWD PYTHONUNBUFFERED=1
+python3 -c 'import mooncake_connector._core as c; print("_core", c.__file__)' || exit 1
+uptime | tee -a "$out/machine.txt"
+timeout "${MC_SERVING_TIMEOUT:-420}" python3 -P benchmarks/serving_bench.py --device cuda \
+    --gpu-path "$gpu_path" --kv32k --lengths 128,512,1024,1900 --requests 12 \
+    --modes disaggregated,disaggregated_decode_first,flow_b,flow_b_decode_first,push,push_layer_load \
+    --start-timeout 200 --workdir "/tmp/gs-$path" --out "$out/serving_gpu_$path.json" \
+    --plot "$out/serving_gpu_$path.png" "$@" 2>&1 | tee "$out/serving_gpu_$path.txt"
+rc=${PIPESTATUS[0]}
+uptime | tee -a "$out/machine.txt"
+tar -C "/tmp/gs-$path" -cf - logs 2>/dev/null | xz -3 -T4 >"$out/logs_$path.tar.xz"
+echo "serving_bench ($path) rc=$rc after $((SECONDS - t0)) s"
+exit $rc
