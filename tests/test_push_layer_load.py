@@ -267,37 +267,63 @@ def test_timeout_bounds_the_step_and_recomputes(sides):
     assert d.is_empty()
 
 
-def test_producer_dies_mid_layers(sides):
-    """The producer pushes layer 0 and dies: the decode's step ends within
-    push_layer_timeout_s + the cancel (refused: no write can come), the
-    blocks are load errors, the prompt is computed, nothing hangs."""
-    from mooncake_connector.connector import push
+def counted(side, key):
+    return sum(data.get(key, 0) for data in side.sched_stats)
 
+
+def _dies_mid_layers(sides, tid, seed, **consumer):
+    """A decode step with a layer load whose producer pushes layer 0 and
+    dies there (its engine closes: every connection to the decode drops)."""
     p = sides("kv_producer", push_layerwise=True, die_after_layer=0)
-    d = sides("kv_consumer", flow_a=False, push_layer_load=True, push_layer_timeout_s=1.2)
-    t = toks(36, 3 * BS + 4)
-    d.add(make_request("q", t, max_tokens=2, params=dp("L5")))
+    d = sides("kv_consumer", flow_a=False, **consumer)
+    t = toks(seed, 3 * BS + 4)
+    d.add(make_request("q", t, max_tokens=2, params=dp(tid)))
     added = []
 
     def prompt_after_target():  # the target is there when the prompt computes
-        if not added and "L5" in p.worker._worker.push_p.early:
-            p.add(make_request("pq", t, max_tokens=1, params=pp("L5")))
+        if not added and tid in p.worker._worker.push_p.early:
+            p.add(make_request("pq", t, max_tokens=1, params=pp(tid)))
             added.append(1)
     run = Stepper(p, before=prompt_after_target)
     t0 = time.monotonic()
     try:
         d.step()
+        if consumer.get("push_layer_load") is False:  # whole-prompt push: its wait
+            assert d.run_until(lambda: "q" in d.recvd or not d.sched.requests, steps=20000)
     finally:
         run.stop.set()
         run.t.join(10)
     assert isinstance(run.error, SystemExit), run.error  # died where the test made it
-    took = time.monotonic() - t0
-    assert took < 1.2 + push.PUSH_GRACE_S + 1.0, took
+    return d, t, time.monotonic() - t0
+
+
+def test_producer_dies_mid_layers(sides):
+    """The producer pushes layer 0 and dies: the decode's engine sees its
+    connection go (Engine.take_lost_peers), so the step ends at once, not at
+    push_layer_timeout_s (10 s here), after the cancel (refused: no write
+    can come); the blocks are load errors, the prompt is computed, counted
+    producer_unreachable and push_producer_lost, nothing hangs."""
+    d, t, took = _dies_mid_layers(sides, "L5", 36, push_layer_load=True,
+                                  push_layer_timeout_s=10.0)
+    assert took < 2.0, took
     assert d.seen.get("q") == [True, False], d.seen
     assert d.invalid
     assert d.run_until(lambda: "q" not in d.sched.requests, steps=50)
     assert d.computed["q"] == 4 + len(t) + 1
-    assert sum(recomputes(d).values()) == 1 and d.is_empty()
+    assert recomputes(d) == {"producer_unreachable": 1}, recomputes(d)
+    assert counted(d, "push_producer_lost") == 1 and d.is_empty()
+
+
+def test_producer_dies_during_a_whole_prompt_push(sides):
+    """The same death while the decode waits for a whole-prompt push
+    (WAITING_FOR_REMOTE_KVS, load_timeout_s 10 s): the load ends at once,
+    its blocks are load errors and the prompt is computed."""
+    d, t, took = _dies_mid_layers(sides, "L10", 41, push_layer_load=False,
+                                  load_timeout_s=10.0)
+    assert took < 2.0, took
+    assert d.run_until(lambda: "q" not in d.sched.requests, steps=200)
+    assert recomputes(d) == {"producer_unreachable": 1}, recomputes(d)
+    assert counted(d, "push_producer_lost") == 1 and d.is_empty()
 
 
 def test_prefill_aborted_ends_the_wait_at_once(sides):

@@ -297,6 +297,22 @@ class PushConsumer:
             if t != "done":
                 cl.why[sender] = str(head.get("why") or t)[:300]
 
+    def peer_lost(self, name):
+        """The engine saw the connection to or from producer `name` fail or
+        close (Engine.take_lost_peers): loads still waiting for its writes
+        stop waiting now instead of at their timeout; the usual cancel goes
+        out and the fence rules stay (the blocks are freed once the producer
+        answers the cancel, or its connect is refused: the process is gone,
+        or at lease end + grace)."""
+        now = time.monotonic()
+        for cl in self.loads.values():
+            if cl.ranks.get(name) in ("sending", "sent"):
+                if cl.deadline > now:
+                    self.w.stats.add("push_producer_lost")
+                cl.why[name] = (f"the connection to producer {name} was lost while waiting "
+                                "for its KV (producer gone?)")
+                cl.deadline = min(cl.deadline, now)
+
     def abort(self, rid):
         tid = self.by_rid.get(rid)
         if tid is not None and tid in self.loads:

@@ -25,7 +25,7 @@ COUNTERS = ("loads", "loads_in_step", "loads_failed", "load_bytes", "load_bytes_
             "load_tokens",
             "load_tokens_missed", "publishes", "publish_failed", "publish_bytes",
             "sends_finished", "sends_expired", "push_loads", "push_sends", "push_bytes",
-            "push_failed", "push_layer_loads",
+            "push_failed", "push_layer_loads", "push_producer_lost", "push_layer_load_busy",
             *(f"recompute_{r}" for r in RECOMPUTE_REASONS))
 GAUGES = ("held_bytes", "lookup_entries", "loads_in_flight")
 
