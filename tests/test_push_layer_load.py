@@ -7,6 +7,11 @@ move real bytes.  Failures end the step within push_layer_timeout_s (+ the
 cancel's round trip), report the blocks as load errors (vLLM drops the step's
 token and computes the prompt) and count a recompute; nothing is written into
 the blocks after the step."""
+import json
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -37,6 +42,7 @@ class AttnSide(Side):
         self.targets_at_end = {}  # producer: tid -> consumers with a target at forward end
         self.seen = {}       # req_id -> [layer 0 complete at its attention, layer 1 ...]
         self.die_after_layer = die_after_layer  # producer: close the engine after this layer
+        self.die_by_kill = False  # ... or SIGKILL its process there
         self.loaded = {}     # req_id -> (tokens, first block, blocks) the step loads
 
     def _forward(self, so):
@@ -64,6 +70,8 @@ class AttnSide(Side):
                 for w in self.workers:  # what landed so far is told, then the process dies
                     w._worker.push_p.flush_layers()
                 time.sleep(0.05)
+                if self.die_by_kill:  # the process dies (tests/push_kill_child.py)
+                    os.kill(os.getpid(), signal.SIGKILL)
                 for w in self.workers:
                     w.shutdown()
                 self.die_after_layer = None
@@ -308,6 +316,54 @@ def test_producer_dies_mid_layers(sides):
     assert took < 2.0, took
     assert d.seen.get("q") == [True, False], d.seen
     assert d.invalid
+    assert d.run_until(lambda: "q" not in d.sched.requests, steps=50)
+    assert d.computed["q"] == 4 + len(t) + 1
+    assert recomputes(d) == {"producer_unreachable": 1}, recomputes(d)
+    assert counted(d, "push_producer_lost") == 1 and d.is_empty()
+
+
+KILL_CHILD = """
+import sys, time
+sys.path.insert(0, sys.argv[1])
+from test_push_layer_load import AttnSide, Stepper, BS, pp, make_request, toks
+import json
+urls = json.loads(sys.argv[3])
+p = AttnSide(sys.argv[2], "kv_producer", {**urls, "push_layerwise": True}, block_size=BS,
+             die_after_layer=0)
+p.die_by_kill = True
+t = toks(int(sys.argv[4]), 3 * BS + 4)
+print("ready", flush=True)
+while "K1" not in p.worker._worker.push_p.early:
+    p.step()
+    time.sleep(0.001)
+p.add(make_request("pq", t, max_tokens=1, params=pp("K1")))
+while True:
+    p.step()
+    time.sleep(0.001)
+"""
+
+
+def test_producer_process_sigkilled_mid_layers(sides, model_dir, urls):  # noqa: F811
+    """A real producer process pushes layer 0 and is SIGKILLed: the decode's
+    step ends at once (its connections drop), not at push_layer_timeout_s;
+    load error, prompt computed, counted producer_unreachable."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", KILL_CHILD, os.path.dirname(__file__), model_dir,
+         json.dumps(urls), "42"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        d = sides("kv_consumer", flow_a=False, push_layer_load=True, push_layer_timeout_s=10.0)
+        t = toks(42, 3 * BS + 4)
+        d.add(make_request("q", t, max_tokens=2, params=dp("K1")))
+        t0 = time.monotonic()
+        d.step()
+        took = time.monotonic() - t0
+        assert child.wait(10) == -signal.SIGKILL
+    finally:
+        child.kill()
+        child.wait()
+    assert took < 2.0, took
+    assert d.seen.get("q") == [True, False], d.seen
     assert d.run_until(lambda: "q" not in d.sched.requests, steps=50)
     assert d.computed["q"] == 4 + len(t) + 1
     assert recomputes(d) == {"producer_unreachable": 1}, recomputes(d)
