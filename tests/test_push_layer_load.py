@@ -162,6 +162,13 @@ def dp(tid, layer_load=None):
     return d
 
 
+def both_legs(p, d, tid, t, max_tokens):
+    """Both legs of one pushed request added; the producer steps on its own."""
+    p.add(make_request("pq", t, max_tokens=1, params=pp(tid)))
+    d.add(make_request("q", t, max_tokens=max_tokens, params=dp(tid)))
+    return Stepper(p)
+
+
 def test_layer_load_lands_each_layer_before_its_attention(sides):
     """Scheduled in the first step (no WAITING_FOR_REMOTE_KVS); each layer's
     attention sees that layer's pushed KV complete; the step that loads also
@@ -169,9 +176,7 @@ def test_layer_load_lands_each_layer_before_its_attention(sides):
     p = sides("kv_producer")
     d = sides("kv_consumer", flow_a=False, push_layer_load=True)
     t = toks(31, 4 * BS + 5)
-    p.add(make_request("pq", t, max_tokens=1, params=pp("L1")))
-    d.add(make_request("q", t, max_tokens=3, params=dp("L1")))
-    run = Stepper(p)
+    run = both_legs(p, d, "L1", t, 3)
     try:
         so = d.step()
         assert so.num_scheduled_tokens.get("q") == 5  # the partial block only, now
@@ -215,9 +220,7 @@ def test_block_aligned_prompt_leaves_its_last_block_to_the_decode(sides):
     p = sides("kv_producer")
     d = sides("kv_consumer", flow_a=False, push_layer_load=True)
     t = toks(32, 3 * BS)
-    p.add(make_request("pq", t, max_tokens=1, params=pp("L2")))
-    d.add(make_request("q", t, max_tokens=2, params=dp("L2")))
-    run = Stepper(p)
+    run = both_legs(p, d, "L2", t, 2)
     try:
         so = d.step()
         assert so.num_scheduled_tokens.get("q") == BS
@@ -229,17 +232,16 @@ def test_block_aligned_prompt_leaves_its_last_block_to_the_decode(sides):
 
 
 def test_mixed_batch_with_a_running_request(sides):
-    """A running non-push request shares the step: it waits with it (the
-    trade-off) and goes on; the pushed request lands byte-exact."""
+    """push_layer_load_max_batch allowing it, a running non-push request
+    shares the step: it waits with it (the trade-off) and goes on; the
+    pushed request lands byte-exact."""
     p = sides("kv_producer")
-    d = sides("kv_consumer", flow_a=False, push_layer_load=True)
+    d = sides("kv_consumer", flow_a=False, push_layer_load=True, push_layer_load_max_batch=1)
     other = toks(33, 2 * BS + 3)
     d.add(make_request("o", other, max_tokens=6))
     d.step()
     t = toks(34, 3 * BS + 2)
-    p.add(make_request("pq", t, max_tokens=1, params=pp("L3")))
-    d.add(make_request("q", t, max_tokens=2, params=dp("L3")))
-    run = Stepper(p)
+    run = both_legs(p, d, "L3", t, 2)
     try:
         so = d.step()
         assert so.num_scheduled_tokens.get("q") == 2 and so.num_scheduled_tokens.get("o") == 1
@@ -250,6 +252,33 @@ def test_mixed_batch_with_a_running_request(sides):
     assert d.computed["o"] == 2 * BS + 3 + 5 and d.computed["q"] == 2 + 1
     assert p.run_until(lambda: p.is_empty(), steps=500) and d.is_empty()
     assert recomputes(d) == {"no_kv_transfer_params": 1}  # "o": by design, no push
+
+
+def test_busy_decode_takes_the_whole_prompt_push(sides):
+    """By default (push_layer_load_max_batch 0) a decode already running a
+    request does not make it wait per layer: the pushed request waits as a
+    whole-prompt push (WAITING_FOR_REMOTE_KVS), counted push_layer_load_busy;
+    the running one keeps stepping; the KV lands all the same."""
+    p = sides("kv_producer")
+    d = sides("kv_consumer", flow_a=False, push_layer_load=True)
+    d.add(make_request("o", toks(43, 2 * BS + 3), max_tokens=40))
+    d.step()
+    t = toks(44, 3 * BS + 2)
+    d.add(make_request("q", t, max_tokens=2, params=dp("L11")))
+    so = d.step()
+    assert "q" not in so.num_scheduled_tokens and so.num_scheduled_tokens.get("o") == 1
+    assert status(d, "q") == RequestStatus.WAITING_FOR_REMOTE_KVS and not d.seen.get("q")
+    p.add(make_request("pq", t, max_tokens=1, params=pp("L11")))
+    for _ in range(3000):
+        if "q" not in d.sched.requests:
+            break
+        p.step()
+        d.step()
+        time.sleep(0.001)
+    assert "q" in d.recvd and not d.invalid
+    assert counted(d, "push_layer_load_busy") == 1
+    assert d.run_until(lambda: not d.sched.requests, steps=100)
+    assert p.run_until(lambda: p.is_empty(), steps=500) and d.is_empty()
 
 
 def test_timeout_bounds_the_step_and_recomputes(sides):
