@@ -58,14 +58,16 @@ def phase(dep, mode, args, log, seed=0):
                             {"model": "tiny", "temperature": 0.0, "max_tokens": 4,
                              "ignore_eos": True, "stream": True, "prompt": prompt}, 600)
                 assert r.status == 200 and r.error is None, (mode, r.status, r.error)
-                ttfts.append(r.ttft_s)
+                if r.ttft_s is not None:
+                    ttfts.append(r.ttft_s)
         res = [f.result() for f in streams]
     for r in res:
         assert r.status == 200 and r.error is None, (r.status, r.error)
     itl = [x for r in res for x in r.itl_s]
     c = {k: metric_value(dep.decode.url, f"vllm:mooncake_{k}_total") - v for k, v in c0.items()}
     row = {"mode": mode, "itl_p50_ms": pct(itl, 0.5) * 1e3, "itl_p99_ms": pct(itl, 0.99) * 1e3,
-           "itl_max_ms": max(itl) * 1e3, "arrival_ttft_p50_ms":
+           "itl_max_ms": max(itl) * 1e3, "itl_sum_s": sum(itl),
+           "itls_over_20ms": sum(1 for x in itl if x > 0.020), "arrival_ttft_p50_ms":
            (statistics.median(ttfts) * 1e3 if ttfts else None), **c}
     print(json.dumps(row), file=log, flush=True)
     return row
@@ -103,7 +105,7 @@ def main(argv=None):
     for r in rows:
         print(f"{r['mode']:16s} running streams' ITL p50 {r['itl_p50_ms']:7.2f} ms  p99 "
               f"{r['itl_p99_ms']:7.2f} ms ({r['itl_p99_ms'] / base:5.2f}x none)  max "
-              f"{r['itl_max_ms']:7.1f} ms  layer loads {r['push_layer_loads']:.0f} busy "
+              f"{r['itl_max_ms']:7.1f} ms  >20 ms: {r['itls_over_20ms']:3d}  layer loads {r['push_layer_loads']:.0f} busy "
               f"fallbacks {r['push_layer_load_busy']:.0f}")
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
