@@ -342,6 +342,7 @@ def test_producer_dies_mid_layers(sides):
     producer_unreachable and push_producer_lost, nothing hangs."""
     d, t, took = _dies_mid_layers(sides, "L5", 36, push_layer_load=True,
                                   push_layer_timeout_s=10.0)
+    print(f"step/load ended {took:.3f} s after it began")
     assert took < 2.0, took
     assert d.seen.get("q") == [True, False], d.seen
     assert d.invalid
@@ -391,6 +392,7 @@ def test_producer_process_sigkilled_mid_layers(sides, model_dir, urls):  # noqa:
     finally:
         child.kill()
         child.wait()
+    print(f"step/load ended {took:.3f} s after it began")
     assert took < 2.0, took
     assert d.seen.get("q") == [True, False], d.seen
     assert d.run_until(lambda: "q" not in d.sched.requests, steps=50)
@@ -405,6 +407,7 @@ def test_producer_dies_during_a_whole_prompt_push(sides):
     its blocks are load errors and the prompt is computed."""
     d, t, took = _dies_mid_layers(sides, "L10", 41, push_layer_load=False,
                                   load_timeout_s=10.0)
+    print(f"step/load ended {took:.3f} s after it began")
     assert took < 2.0, took
     assert d.run_until(lambda: "q" not in d.sched.requests, steps=200)
     assert recomputes(d) == {"producer_unreachable": 1}, recomputes(d)
