@@ -22,10 +22,11 @@ import argparse
 import asyncio
 import json
 import sys
-import uuid
 
 import aiohttp
 from aiohttp import web
+
+from mooncake_connector.connector.bootstrap import intree_legs
 
 
 async def _engine_id(session, bootstrap, timeout_s):
@@ -68,17 +69,7 @@ def make_app(prefill, decode, bootstrap, timeout_s=600.0):
 
     async def completions(request):
         body = await request.json()
-        rid = str(uuid.uuid4())
-        xfer = f"xfer-{rid}"
-        pre = dict(body, stream=False, max_tokens=1,
-                   kv_transfer_params={"do_remote_decode": True, "do_remote_prefill": False,
-                                       "transfer_id": xfer})
-        pre.pop("stream_options", None)
-        pre.pop("max_completion_tokens", None)
-        dec = dict(body, kv_transfer_params={
-            "do_remote_decode": False, "do_remote_prefill": True,
-            "remote_bootstrap_addr": bootstrap, "remote_engine_id": state["engine_id"],
-            "transfer_id": xfer})
+        rid, pre, dec = intree_legs(body, bootstrap, state["engine_id"])
         task = asyncio.ensure_future(prefill_leg(request.path, pre, rid))
         try:
             async with state["session"].post(decode + request.path, json=dec,

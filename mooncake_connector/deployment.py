@@ -87,6 +87,14 @@ def kv_transfer_configs(kind, workdir, metadata_url=None):
     raise ValueError(f"unknown connector {kind!r}; expected one of {', '.join(CONNECTORS)}")
 
 
+def metric_value(url, metric):
+    """A counter's value (summed over its labels) from a server's /metrics."""
+    status, body = serving.http_get(url + "/metrics", timeout=10)
+    if status != 200:
+        raise RuntimeError(f"{url}/metrics answered {status}: {body[:300]}")
+    return sum(v for (name, _), v in parse_metrics(body).items() if name == metric)
+
+
 def parse_metrics(text):
     """Prometheus text -> {(name, frozenset(labels)): value}."""
     out = {}
@@ -164,7 +172,8 @@ def log_size(path):
 class Deployment:
     def __init__(self, workdir, model, connector=None, flows=("a",), colocated=True,
                  max_model_len=2048, kv_cache_bytes=64 << 20, python=None, extra_vllm_args=(),
-                 env=None, extra_proxies=None, colocated_proxy=False, side_args=None):
+                 env=None, extra_proxies=None, colocated_proxy=False, side_args=None,
+                 decode_extra_config=None):
         """flows: one proxy per flow, named by it (first token from prefill);
         side_args: {"prefill"|"decode"|"colocated": [vLLM args]} for one side
         only (e.g. --tensor-parallel-size; the colocated reference should
@@ -172,7 +181,8 @@ class Deployment:
         extra_proxies: {name: serving.proxy keyword arguments, e.g.
         {"flow": "a", "first_token": "decode"}}; colocated_proxy: also a
         pass-through proxy in front of the colocated server
-        (self.colocated_proxy)."""
+        (self.colocated_proxy); decode_extra_config: keys merged into the
+        decode side's kv_connector_extra_config (e.g. push_layer_load_max_batch)."""
         self.workdir = os.path.abspath(workdir)
         os.makedirs(self.workdir, exist_ok=True)
         self.model = model
@@ -200,6 +210,9 @@ class Deployment:
                                                     os.path.join(logs, "metadata.log"), python)
             meta_url = self.metadata.url
         pre_cfg, dec_cfg, kv_env = kv_transfer_configs(self.connector, self.workdir, meta_url)
+        if decode_extra_config:
+            dec_cfg = dict(dec_cfg, kv_connector_extra_config=dict(
+                dec_cfg.get("kv_connector_extra_config") or {}, **decode_extra_config))
         self.kv_configs = {"prefill": pre_cfg, "decode": dec_cfg}
         # Our producer's bootstrap server (vLLM's in-tree contract: routers
         # such as vllm-router --kv-connector mooncake ask it): a free port,

@@ -36,10 +36,10 @@ import shutil
 import tempfile
 import threading
 import time
-import uuid
 
 import pytest
 
+from mooncake_connector.connector.bootstrap import intree_legs
 from mooncake_connector.demo import _prompt
 from mooncake_connector.deployment import prompt_tokens_by_source
 from mooncake_connector.openai_client import request
@@ -98,12 +98,7 @@ def _query(boot, timeout=5.0):
 def _pd_request(d, body, stream):
     """One request the in-tree connector's way: both legs at once, joined
     by transfer_id (vLLM's toy_proxy_server.py)."""
-    rid = str(uuid.uuid4())
-    xfer = f"xfer-{rid}"
-    pre = dict(body, stream=False, max_tokens=1,
-               kv_transfer_params={"do_remote_decode": True, "do_remote_prefill": False,
-                                   "transfer_id": xfer})
-    pre.pop("stream_options", None)
+    rid, pre, dec = intree_legs(dict(body, stream=stream), d["bootstrap_addr"], d["engine_id"])
     out = {}
 
     def prefill_leg():
@@ -112,10 +107,6 @@ def _pd_request(d, body, stream):
 
     t = threading.Thread(target=prefill_leg, daemon=True)
     t.start()
-    dec = dict(body, stream=stream,
-               kv_transfer_params={"do_remote_decode": False, "do_remote_prefill": True,
-                                   "remote_bootstrap_addr": d["bootstrap_addr"],
-                                   "remote_engine_id": d["engine_id"], "transfer_id": xfer})
     r = request(d["decode"].url, "/v1/completions", dec, timeout=REQ_TIMEOUT,
                 headers={"X-Request-Id": rid})
     t.join(REQ_TIMEOUT)

@@ -1,7 +1,8 @@
 """Parallel and model-coverage cells with real vLLM servers (pytest -m e2e).
 
-Each cell is a prefill and a decode server (our connector, proxy flows a, b
-and push)
+Each cell is a prefill and a decode server (our connector, proxy flows a, b,
+push, and push_ll: push with push_layer_load, the same servers, the proxy
+asking for it per request)
 with its own parallel config; its outputs must be greedy token-identical to
 a server with the decode side's parallel config computing the prompt
 itself, and decode's /metrics must show the prompts' KV loaded remotely.
@@ -43,7 +44,8 @@ import time
 import pytest
 
 from mooncake_connector.demo import _prompt
-from mooncake_connector.deployment import connector_log_stats, prompt_tokens_by_source
+from mooncake_connector.deployment import (connector_log_stats, metric_value,
+                                           prompt_tokens_by_source)
 from mooncake_connector.openai_client import request
 from mooncake_connector.token_match import TIE_EPS, judge
 
@@ -151,7 +153,7 @@ def cells(tiny_model_dir):
         model = tiny_model.build(**args.pop("model")) if "model" in args else tiny_model_dir
         workdir = tempfile.mkdtemp(prefix=f"mc-e2e-{name}-")
         deps[name] = Deployment(workdir, model, flows=("a", "b", "push"), colocated=False,
-                                side_args=args)
+                                side_args=args, extra_proxies={"push_ll": PUSH_LL})
         key = (model, tuple(args.get("decode", ())))
         if own_reference and key not in colocated:
             colocated[key] = serving.vllm_server(
@@ -185,12 +187,18 @@ def cells(tiny_model_dir):
         serving.stop_all(list(colocated.values()))
 
 
-@pytest.mark.parametrize("flow", ["a", "b", "push"])
+# Push with push_layer_load (the decode's attention waits per layer), asked for
+# per request by the proxy: no server of its own.
+PUSH_LL = {"flow": "push", "extra_args": ("--push-layerwise", "on", "--push-layer-load", "on")}
+
+
+@pytest.mark.parametrize("flow", ["a", "b", "push", "push_ll"])
 @pytest.mark.parametrize("name", _selected())
 def test_cell_matches_reference_and_loads_remotely(cells, name, flow):
     dep, refs = cells[name]
     mismatches, not_loaded, ties = [], [], []
     before = prompt_tokens_by_source(dep.decode.url)
+    in_step0 = metric_value(dep.decode.url, "vllm:mooncake_push_layer_loads_total")
     for pid, prompt in PROMPTS:
         for stream in (False, True):
             r = request(dep.proxies[flow].url, "/v1/completions", _body(prompt, stream),
@@ -219,6 +227,11 @@ def test_cell_matches_reference_and_loads_remotely(cells, name, flow):
         "\n".join(mismatches)
     assert not not_loaded, f"{name} flow {flow}: prompt KV not loaded remotely:\n" + \
         "\n".join(not_loaded)
+    in_step = metric_value(dep.decode.url, "vllm:mooncake_push_layer_loads_total") - in_step0
+    if flow == "push_ll" and name != "hma-sw":  # HMA (two KV-cache groups): the async push
+        assert in_step > 0, f"{name}: no request was taken as a layer load"
+    elif flow != "push_ll":
+        assert in_step == 0, (name, flow, in_step)
 
 
 @pytest.mark.parametrize("name", _selected())

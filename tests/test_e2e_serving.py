@@ -17,7 +17,7 @@ import time
 import pytest
 
 from mooncake_connector.demo import _prompt
-from mooncake_connector.deployment import prompt_tokens_by_source, proxy_stats
+from mooncake_connector.deployment import metric_value, prompt_tokens_by_source, proxy_stats
 from mooncake_connector.openai_client import request
 from mooncake_connector.serving import http_get
 
@@ -181,15 +181,6 @@ def test_many_prompts_through_the_proxy_flow_b(deployment, references):
     if deployment.connector == "example":
         pytest.skip("vLLM's ExampleConnector (the stand-in) returns no kv_transfer_params")
     assert _check_flow(deployment, "b", references) > 5000
-
-
-def metric_value(url, metric):
-    """A counter's value (summed over its labels) from a server's /metrics."""
-    from mooncake_connector.deployment import parse_metrics
-
-    status, body = http_get(url + "/metrics", timeout=10)
-    assert status == 200, body[:300]
-    return sum(v for (name, _), v in parse_metrics(body).items() if name == metric)
 
 
 def test_many_prompts_through_the_proxy_flow_push(deployment, references):

@@ -7,6 +7,11 @@ move real bytes.  Failures end the step within push_layer_timeout_s (+ the
 cancel's round trip), report the blocks as load errors (vLLM drops the step's
 token and computes the prompt) and count a recompute; nothing is written into
 the blocks after the step."""
+import json
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -37,6 +42,7 @@ class AttnSide(Side):
         self.targets_at_end = {}  # producer: tid -> consumers with a target at forward end
         self.seen = {}       # req_id -> [layer 0 complete at its attention, layer 1 ...]
         self.die_after_layer = die_after_layer  # producer: close the engine after this layer
+        self.die_by_kill = False  # ... or SIGKILL its process there
         self.loaded = {}     # req_id -> (tokens, first block, blocks) the step loads
 
     def _forward(self, so):
@@ -64,6 +70,8 @@ class AttnSide(Side):
                 for w in self.workers:  # what landed so far is told, then the process dies
                     w._worker.push_p.flush_layers()
                 time.sleep(0.05)
+                if self.die_by_kill:  # the process dies (tests/push_kill_child.py)
+                    os.kill(os.getpid(), signal.SIGKILL)
                 for w in self.workers:
                     w.shutdown()
                 self.die_after_layer = None
@@ -154,6 +162,13 @@ def dp(tid, layer_load=None):
     return d
 
 
+def both_legs(p, d, tid, t, max_tokens):
+    """Both legs of one pushed request added; the producer steps on its own."""
+    p.add(make_request("pq", t, max_tokens=1, params=pp(tid)))
+    d.add(make_request("q", t, max_tokens=max_tokens, params=dp(tid)))
+    return Stepper(p)
+
+
 def test_layer_load_lands_each_layer_before_its_attention(sides):
     """Scheduled in the first step (no WAITING_FOR_REMOTE_KVS); each layer's
     attention sees that layer's pushed KV complete; the step that loads also
@@ -161,9 +176,7 @@ def test_layer_load_lands_each_layer_before_its_attention(sides):
     p = sides("kv_producer")
     d = sides("kv_consumer", flow_a=False, push_layer_load=True)
     t = toks(31, 4 * BS + 5)
-    p.add(make_request("pq", t, max_tokens=1, params=pp("L1")))
-    d.add(make_request("q", t, max_tokens=3, params=dp("L1")))
-    run = Stepper(p)
+    run = both_legs(p, d, "L1", t, 3)
     try:
         so = d.step()
         assert so.num_scheduled_tokens.get("q") == 5  # the partial block only, now
@@ -207,9 +220,7 @@ def test_block_aligned_prompt_leaves_its_last_block_to_the_decode(sides):
     p = sides("kv_producer")
     d = sides("kv_consumer", flow_a=False, push_layer_load=True)
     t = toks(32, 3 * BS)
-    p.add(make_request("pq", t, max_tokens=1, params=pp("L2")))
-    d.add(make_request("q", t, max_tokens=2, params=dp("L2")))
-    run = Stepper(p)
+    run = both_legs(p, d, "L2", t, 2)
     try:
         so = d.step()
         assert so.num_scheduled_tokens.get("q") == BS
@@ -221,17 +232,16 @@ def test_block_aligned_prompt_leaves_its_last_block_to_the_decode(sides):
 
 
 def test_mixed_batch_with_a_running_request(sides):
-    """A running non-push request shares the step: it waits with it (the
-    trade-off) and goes on; the pushed request lands byte-exact."""
+    """push_layer_load_max_batch allowing it, a running non-push request
+    shares the step: it waits with it (the trade-off) and goes on; the
+    pushed request lands byte-exact."""
     p = sides("kv_producer")
-    d = sides("kv_consumer", flow_a=False, push_layer_load=True)
+    d = sides("kv_consumer", flow_a=False, push_layer_load=True, push_layer_load_max_batch=1)
     other = toks(33, 2 * BS + 3)
     d.add(make_request("o", other, max_tokens=6))
     d.step()
     t = toks(34, 3 * BS + 2)
-    p.add(make_request("pq", t, max_tokens=1, params=pp("L3")))
-    d.add(make_request("q", t, max_tokens=2, params=dp("L3")))
-    run = Stepper(p)
+    run = both_legs(p, d, "L3", t, 2)
     try:
         so = d.step()
         assert so.num_scheduled_tokens.get("q") == 2 and so.num_scheduled_tokens.get("o") == 1
@@ -242,6 +252,33 @@ def test_mixed_batch_with_a_running_request(sides):
     assert d.computed["o"] == 2 * BS + 3 + 5 and d.computed["q"] == 2 + 1
     assert p.run_until(lambda: p.is_empty(), steps=500) and d.is_empty()
     assert recomputes(d) == {"no_kv_transfer_params": 1}  # "o": by design, no push
+
+
+def test_busy_decode_takes_the_whole_prompt_push(sides):
+    """By default (push_layer_load_max_batch 0) a decode already running a
+    request does not make it wait per layer: the pushed request waits as a
+    whole-prompt push (WAITING_FOR_REMOTE_KVS), counted push_layer_load_busy;
+    the running one keeps stepping; the KV lands all the same."""
+    p = sides("kv_producer")
+    d = sides("kv_consumer", flow_a=False, push_layer_load=True)
+    d.add(make_request("o", toks(43, 2 * BS + 3), max_tokens=40))
+    d.step()
+    t = toks(44, 3 * BS + 2)
+    d.add(make_request("q", t, max_tokens=2, params=dp("L11")))
+    so = d.step()
+    assert "q" not in so.num_scheduled_tokens and so.num_scheduled_tokens.get("o") == 1
+    assert status(d, "q") == RequestStatus.WAITING_FOR_REMOTE_KVS and not d.seen.get("q")
+    p.add(make_request("pq", t, max_tokens=1, params=pp("L11")))
+    for _ in range(3000):
+        if "q" not in d.sched.requests:
+            break
+        p.step()
+        d.step()
+        time.sleep(0.001)
+    assert "q" in d.recvd and not d.invalid
+    assert counted(d, "push_layer_load_busy") == 1
+    assert d.run_until(lambda: not d.sched.requests, steps=100)
+    assert p.run_until(lambda: p.is_empty(), steps=500) and d.is_empty()
 
 
 def test_timeout_bounds_the_step_and_recomputes(sides):
@@ -267,37 +304,114 @@ def test_timeout_bounds_the_step_and_recomputes(sides):
     assert d.is_empty()
 
 
-def test_producer_dies_mid_layers(sides):
-    """The producer pushes layer 0 and dies: the decode's step ends within
-    push_layer_timeout_s + the cancel (refused: no write can come), the
-    blocks are load errors, the prompt is computed, nothing hangs."""
-    from mooncake_connector.connector import push
+def counted(side, key):
+    return sum(data.get(key, 0) for data in side.sched_stats)
 
+
+def _dies_mid_layers(sides, tid, seed, **consumer):
+    """A decode step with a layer load whose producer pushes layer 0 and
+    dies there (its engine closes: every connection to the decode drops)."""
     p = sides("kv_producer", push_layerwise=True, die_after_layer=0)
-    d = sides("kv_consumer", flow_a=False, push_layer_load=True, push_layer_timeout_s=1.2)
-    t = toks(36, 3 * BS + 4)
-    d.add(make_request("q", t, max_tokens=2, params=dp("L5")))
+    d = sides("kv_consumer", flow_a=False, **consumer)
+    t = toks(seed, 3 * BS + 4)
+    d.add(make_request("q", t, max_tokens=2, params=dp(tid)))
     added = []
 
     def prompt_after_target():  # the target is there when the prompt computes
-        if not added and "L5" in p.worker._worker.push_p.early:
-            p.add(make_request("pq", t, max_tokens=1, params=pp("L5")))
+        if not added and tid in p.worker._worker.push_p.early:
+            p.add(make_request("pq", t, max_tokens=1, params=pp(tid)))
             added.append(1)
     run = Stepper(p, before=prompt_after_target)
     t0 = time.monotonic()
     try:
         d.step()
+        if consumer.get("push_layer_load") is False:  # whole-prompt push: its wait
+            assert d.run_until(lambda: "q" in d.recvd or not d.sched.requests, steps=20000)
     finally:
         run.stop.set()
         run.t.join(10)
     assert isinstance(run.error, SystemExit), run.error  # died where the test made it
-    took = time.monotonic() - t0
-    assert took < 1.2 + push.PUSH_GRACE_S + 1.0, took
+    return d, t, time.monotonic() - t0
+
+
+def test_producer_dies_mid_layers(sides):
+    """The producer pushes layer 0 and dies: the decode's engine sees its
+    connection go (Engine.take_lost_peers), so the step ends at once, not at
+    push_layer_timeout_s (10 s here), after the cancel (refused: no write
+    can come); the blocks are load errors, the prompt is computed, counted
+    producer_unreachable and push_producer_lost, nothing hangs."""
+    d, t, took = _dies_mid_layers(sides, "L5", 36, push_layer_load=True,
+                                  push_layer_timeout_s=10.0)
+    print(f"step/load ended {took:.3f} s after it began")
+    assert took < 2.0, took
     assert d.seen.get("q") == [True, False], d.seen
     assert d.invalid
     assert d.run_until(lambda: "q" not in d.sched.requests, steps=50)
     assert d.computed["q"] == 4 + len(t) + 1
-    assert sum(recomputes(d).values()) == 1 and d.is_empty()
+    assert recomputes(d) == {"producer_unreachable": 1}, recomputes(d)
+    assert counted(d, "push_producer_lost") == 1 and d.is_empty()
+
+
+KILL_CHILD = """
+import sys, time
+sys.path.insert(0, sys.argv[1])
+from test_push_layer_load import AttnSide, Stepper, BS, pp, make_request, toks
+import json
+urls = json.loads(sys.argv[3])
+p = AttnSide(sys.argv[2], "kv_producer", {**urls, "push_layerwise": True}, block_size=BS,
+             die_after_layer=0)
+p.die_by_kill = True
+t = toks(int(sys.argv[4]), 3 * BS + 4)
+print("ready", flush=True)
+while "K1" not in p.worker._worker.push_p.early:
+    p.step()
+    time.sleep(0.001)
+p.add(make_request("pq", t, max_tokens=1, params=pp("K1")))
+while True:
+    p.step()
+    time.sleep(0.001)
+"""
+
+
+def test_producer_process_sigkilled_mid_layers(sides, model_dir, urls):  # noqa: F811
+    """A real producer process pushes layer 0 and is SIGKILLed: the decode's
+    step ends at once (its connections drop), not at push_layer_timeout_s;
+    load error, prompt computed, counted producer_unreachable."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", KILL_CHILD, os.path.dirname(__file__), model_dir,
+         json.dumps(urls), "42"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        d = sides("kv_consumer", flow_a=False, push_layer_load=True, push_layer_timeout_s=10.0)
+        t = toks(42, 3 * BS + 4)
+        d.add(make_request("q", t, max_tokens=2, params=dp("K1")))
+        t0 = time.monotonic()
+        d.step()
+        took = time.monotonic() - t0
+        assert child.wait(10) == -signal.SIGKILL
+    finally:
+        child.kill()
+        child.wait()
+    print(f"step/load ended {took:.3f} s after it began")
+    assert took < 2.0, took
+    assert d.seen.get("q") == [True, False], d.seen
+    assert d.run_until(lambda: "q" not in d.sched.requests, steps=50)
+    assert d.computed["q"] == 4 + len(t) + 1
+    assert recomputes(d) == {"producer_unreachable": 1}, recomputes(d)
+    assert counted(d, "push_producer_lost") == 1 and d.is_empty()
+
+
+def test_producer_dies_during_a_whole_prompt_push(sides):
+    """The same death while the decode waits for a whole-prompt push
+    (WAITING_FOR_REMOTE_KVS, load_timeout_s 10 s): the load ends at once,
+    its blocks are load errors and the prompt is computed."""
+    d, t, took = _dies_mid_layers(sides, "L10", 41, push_layer_load=False,
+                                  load_timeout_s=10.0)
+    print(f"step/load ended {took:.3f} s after it began")
+    assert took < 2.0, took
+    assert d.run_until(lambda: "q" not in d.sched.requests, steps=200)
+    assert recomputes(d) == {"producer_unreachable": 1}, recomputes(d)
+    assert counted(d, "push_producer_lost") == 1 and d.is_empty()
 
 
 def test_prefill_aborted_ends_the_wait_at_once(sides):

@@ -39,6 +39,9 @@ pytestmark = pytest.mark.e2e
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+# Every proxy flow of the session servers, push_layer_load included (the
+# decode's attention waits per layer for the prefill).
+SOAK_FLOWS = ("a", "b", "push", "push-layer-load")
 BOUND_S = 90.0        # the stated bound: no request may take longer (hung)
 LOAD_S = 120.0
 HOLD_TIMEOUT_S = 120.0  # the session servers' hold_timeout_s (the default)
@@ -95,7 +98,7 @@ def test_short_soak_on_the_session_servers(deployment, tmp_path):
 
     th = threading.Thread(target=inject, daemon=True)
     th.start()
-    load = sk.Load({f: dep.proxies[f].url for f in ("a", "b", "push") if f in dep.proxies},
+    load = sk.Load({f: dep.proxies[f].url for f in SOAK_FLOWS if f in dep.proxies},
                    pool, refs, args, t0)
     try:
         asyncio.run(load.run(LOAD_S, lambda: None))
@@ -133,7 +136,7 @@ def test_short_soak_on_the_session_servers(deployment, tmp_path):
     assert summ["hung"] == 0 and summ["max_request_s"] < BOUND_S, report
     assert summ["wrong"] == 0 and summ["truncated"] == 0 and summ["unclear"] == 0, report
     assert summ["ok"] >= 30, report
-    for f in ("a", "b", "push"):
+    for f in SOAK_FLOWS:
         if f in dep.proxies:
             assert summ["by_flow"][f]["ok"] > 0, report
     assert not missing and not left, (f"not back at baseline {HOLD_TIMEOUT_S + 30:g} s after "
@@ -145,6 +148,11 @@ def test_short_soak_on_the_session_servers(deployment, tmp_path):
     moved = (after["decode"].get("vllm:mooncake_loads_total", 0)
              - before["decode"].get("vllm:mooncake_loads_total", 0))
     assert moved > 0, (before["decode"], after["decode"])
+    if "push-layer-load" in dep.proxies:  # taken as layer loads, or counted busy fallbacks
+        ll = sum(after["decode"].get(f"vllm:mooncake_{k}_total", 0)
+                 - before["decode"].get(f"vllm:mooncake_{k}_total", 0)
+                 for k in ("push_layer_loads", "push_layer_load_busy"))
+        assert ll > 0, (before["decode"], after["decode"])
     assert any(k.startswith("vllm:mooncake_recomputes_total{") for k in after["decode"])
     # RSS: reported (-s, and the JSON); 2 minutes cannot tell a warm-up from a
     # slow leak (fresh servers grew 35-155 MiB/min here), so only a gross leak

@@ -19,6 +19,38 @@ void mc_engine_set_peer_lost_handler(mc_engine_t *e, mc_peer_lost_cb cb, void *a
   pthread_rwlock_unlock(&e->handler_lock);
 }
 
+void mc_engine_note_peer_lost(mc_engine_t *e, const char *segment) {
+  if (!segment || !segment[0])
+    return;
+  pthread_mutex_lock(&e->notify_mu);
+  size_t i = 0;
+  while (i < e->nlost && strcmp(e->lost_peers[i], segment))
+    i++;
+  if (i == e->nlost) { /* not noted yet */
+    char *name = strdup(segment);
+    if (name) {
+      if (e->nlost == MC_LOST_PEERS_MAX) { /* bounded: the oldest goes */
+        free(e->lost_peers[0]);
+        memmove(e->lost_peers, e->lost_peers + 1, (MC_LOST_PEERS_MAX - 1) * sizeof(char *));
+        e->nlost--;
+      }
+      e->lost_peers[e->nlost++] = name;
+    }
+  }
+  pthread_cond_broadcast(&e->notify_cv);
+  pthread_mutex_unlock(&e->notify_mu);
+}
+
+size_t mc_engine_take_lost_peers(mc_engine_t *e, char **out, size_t max) {
+  pthread_mutex_lock(&e->notify_mu);
+  size_t k = e->nlost < max ? e->nlost : max;
+  memcpy(out, e->lost_peers, k * sizeof(char *));
+  memmove(e->lost_peers, e->lost_peers + k, (e->nlost - k) * sizeof(char *));
+  e->nlost -= k;
+  pthread_mutex_unlock(&e->notify_mu);
+  return k;
+}
+
 void mc_engine_set_notify_handler(mc_engine_t *e, mc_notify_handler_fn cb, void *arg) {
   /* The write lock waits for a handler call in flight to return, so the
    * old handler's state may be freed once this returns. */
@@ -112,11 +144,11 @@ int mc_engine_wait_notifies(mc_engine_t *e, int64_t timeout_us) {
     dl.tv_nsec -= 1000000000L;
   }
   pthread_mutex_lock(&e->notify_mu);
-  while (!e->notify_head) {
+  while (!e->notify_head && !e->nlost) {
     if (pthread_cond_timedwait(&e->notify_cv, &e->notify_mu, &dl) == ETIMEDOUT)
       break;
   }
-  int have = e->notify_head != NULL;
+  int have = e->notify_head != NULL || e->nlost;
   pthread_mutex_unlock(&e->notify_mu);
   return have;
 }

@@ -159,6 +159,8 @@ void mc_engine_destroy(mc_engine_t *e) {
     free(n->msg);
     free(n);
   }
+  for (size_t i = 0; i < e->nlost; i++)
+    free(e->lost_peers[i]);
   mc_peers_free(e);
   pthread_mutex_destroy(&e->peers_mu);
   pthread_mutex_destroy(&e->notify_mu);

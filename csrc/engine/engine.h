@@ -159,6 +159,14 @@ void mc_engine_set_notify_handler(mc_engine_t *e, mc_notify_handler_fn cb, void 
  * at once instead of at their timeout.  NULL removes it. */
 typedef void (*mc_peer_lost_cb)(void *arg, const char *segment);
 void mc_engine_set_peer_lost_handler(mc_engine_t *e, mc_peer_lost_cb cb, void *arg);
+/* Peers whose connection failed or closed (outgoing or incoming) since the
+ * last call, each named once (at most MC_LOST_PEERS_MAX kept; the oldest are
+ * dropped): up to `max` malloc'd names into out (the caller frees each);
+ * returns how many.  A loss also wakes mc_engine_wait_notifies, so a layer
+ * polling both learns of it at once.  For layers above the handler's owner
+ * (the push flow: a producer gone while we wait for its writes). */
+#define MC_LOST_PEERS_MAX 64
+size_t mc_engine_take_lost_peers(mc_engine_t *e, char **out, size_t max);
 
 /* Puts a notification on the queue drained by mc_engine_drain_notifies (for
  * handlers that pass on messages they do not own).  The queue is bounded:

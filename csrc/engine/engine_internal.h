@@ -86,6 +86,10 @@ struct mc_engine {
   void *notify_arg;
   mc_peer_lost_cb peer_lost_cb; /* under handler_lock */
   void *peer_lost_arg;
+  /* Peers lost since the last mc_engine_take_lost_peers (notify_mu): names,
+   * each once, at most MC_LOST_PEERS_MAX (the oldest dropped). */
+  char *lost_peers[MC_LOST_PEERS_MAX];
+  size_t nlost;
 
   /* Metadata liveness (engine.c): our entries carry a TTL that a keep-alive
    * thread refreshes every TTL/3 s, re-writing them when the server lost
@@ -255,6 +259,8 @@ int mc_transport_for_request(mc_engine_t *e, const mc_peer_t *peer, mc_mem_kind_
                              int chosen, uint64_t remote, uint64_t len, mc_takes_memo_t *memo);
 void mc_transports_cancel_sweep(mc_engine_t *e);
 void mc_transports_peer_lost(mc_engine_t *e, const char *segment);
+/* Records a lost peer for mc_engine_take_lost_peers and wakes waiters (ctrl.c). */
+void mc_engine_note_peer_lost(mc_engine_t *e, const char *segment);
 void mc_transports_peer_closed(mc_engine_t *e, const char *segment);
 int mc_transports_serve_rpc(mc_engine_t *e, const char *from, const char *req, size_t len,
                             char **reply, mc_err_t *err);

@@ -37,11 +37,13 @@ static void on_peer_failed(void *ctx, const char *segment) {
   if (e->peer_lost_cb)
     e->peer_lost_cb(e->peer_lost_arg, segment);
   pthread_rwlock_unlock(&e->handler_lock);
+  mc_engine_note_peer_lost(e, segment);
 }
 
 /* A peer's control connection to us closed: e.g. drop the QPs it connected. */
 static void on_incoming_closed(void *ctx, const char *segment) {
   mc_transports_peer_closed(ctx, segment);
+  mc_engine_note_peer_lost(ctx, segment);
 }
 
 static int on_rpc(void *ctx, const char *from, const char *req, size_t len, char **reply,

@@ -1105,6 +1105,26 @@ static PyObject *Engine_wait_notifies(EngineObject *self, PyObject *args) {
   return PyBool_FromLong(have);
 }
 
+static PyObject *Engine_take_lost_peers(EngineObject *self, PyObject *Py_UNUSED(ignored)) {
+  if (enter(self) < 0)
+    return NULL;
+  char *names[MC_LOST_PEERS_MAX];
+  size_t n = mc_engine_take_lost_peers(self->eng, names, MC_LOST_PEERS_MAX);
+  leave(self);
+  PyObject *out = PyList_New(0);
+  for (size_t i = 0; i < n; i++) {
+    PyObject *s = out ? PyUnicode_DecodeUTF8(names[i], (Py_ssize_t)strlen(names[i]), "replace")
+                      : NULL;
+    if (s && PyList_Append(out, s) < 0)
+      Py_CLEAR(out);
+    Py_XDECREF(s);
+    if (!s)
+      Py_CLEAR(out);
+    free(names[i]);
+  }
+  return out;
+}
+
 /* ---- raw memory helpers (as in Mooncake's API) ----
  * The range must lie in memory registered with this engine (managed buffers
  * included), so a stale or wrong address raises instead of crashing, and
@@ -1308,7 +1328,11 @@ static PyMethodDef Engine_methods[] = {
      "get_notifies() -> list of (from_segment, message_bytes); drains the queue."},
     {"wait_notifies", (PyCFunction)Engine_wait_notifies, METH_VARARGS,
      "wait_notifies(timeout) -> bool: waits (GIL released) up to timeout seconds (0..60)\n"
-     "for a notification get_notifies() would return; takes none."},
+     "for a notification get_notifies() would return, or a lost peer (take_lost_peers);\n"
+     "takes none."},
+    {"take_lost_peers", (PyCFunction)Engine_take_lost_peers, METH_NOARGS,
+     "take_lost_peers() -> list[str]: peers (segment names) whose connection to or from\n"
+     "this engine failed or closed since the last call, each once (at most 64 kept)."},
     {"allocate_managed_buffer", (PyCFunction)Engine_allocate_managed_buffer, METH_O,
      "allocate_managed_buffer(length) -> addr: zeroed, page-aligned, registered host memory"},
     {"free_managed_buffer", (PyCFunction)Engine_free_managed_buffer, METH_VARARGS,

@@ -176,3 +176,24 @@ def start(settings, engine_id, dp_rank, tp_size, pp_size, name_of, env):
     logger.info("MooncakeConnector: bootstrap server on %s:%d (GET /query: engine %s, dp rank %d, "
                 "TP %d, PP %d)", host, srv.port, engine_id, dp_rank, tp_size, pp_size)
     return srv
+
+
+def intree_legs(body, bootstrap_addr, engine_id):
+    """One request the in-tree connector's way (vLLM's toy_proxy_server.py):
+    (request id, prefill leg body, decode leg body), both legs joined by one
+    transfer_id, to be sent at once.  Used by benchmarks/intree_proxy.py and
+    tests/test_e2e_intree.py."""
+    import uuid
+
+    rid = str(uuid.uuid4())
+    xfer = f"xfer-{rid}"
+    pre = dict(body, stream=False, max_tokens=1,
+               kv_transfer_params={"do_remote_decode": True, "do_remote_prefill": False,
+                                   "transfer_id": xfer})
+    pre.pop("stream_options", None)
+    pre.pop("max_completion_tokens", None)
+    dec = dict(body, kv_transfer_params={
+        "do_remote_decode": False, "do_remote_prefill": True,
+        "remote_bootstrap_addr": bootstrap_addr, "remote_engine_id": engine_id,
+        "transfer_id": xfer})
+    return rid, pre, dec

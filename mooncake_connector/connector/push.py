@@ -178,6 +178,7 @@ class Outbox:
                     res = (not never, text)
                 if res is not None and res[0] and retry_until is not None and \
                         time.time() + timeout < retry_until and not self._closed:
+                    time.sleep(0.05)  # not a busy loop against a peer that resets at once
                     continue  # maybe lost: the receiver ignores a duplicate
                 break
             if res is not None and key is None:
@@ -216,6 +217,7 @@ class ConsumerLoad:
         self.hard_end = self.t0 + lease_s + PUSH_GRACE_S  # blocks free even unanswered
         self.ranks = {}   # producer engine -> state: sending|sent|done|nokv|cancelled|unsent
         self.why = {}     # producer engine -> reason text
+        self.lost = set()  # producer engines whose connection the engine saw go
         self.aborted = False
         self.error = None  # could not start at all (no target sent)
 
@@ -298,6 +300,23 @@ class PushConsumer:
             if t != "done":
                 cl.why[sender] = str(head.get("why") or t)[:300]
 
+    def peer_lost(self, name):
+        """The engine saw the connection to or from producer `name` fail or
+        close (Engine.take_lost_peers): loads still waiting for its writes
+        stop waiting now instead of at their timeout; the usual cancel goes
+        out and the fence rules stay (the blocks are freed once the producer
+        answers the cancel, or its connect is refused: the process is gone,
+        or at lease end + grace)."""
+        now = time.monotonic()
+        for cl in self.loads.values():
+            if cl.ranks.get(name) in ("sending", "sent"):
+                if cl.deadline > now:
+                    self.w.stats.add("push_producer_lost")
+                cl.why[name] = (f"the connection to producer {name} was lost while waiting "
+                                "for its KV (producer gone?)")
+                cl.deadline = min(cl.deadline, now)
+                cl.lost.add(name)
+
     def abort(self, rid):
         tid = self.by_rid.get(rid)
         if tid is not None and tid in self.loads:
@@ -353,6 +372,10 @@ class PushConsumer:
                 r = self.w.push_outbox.take(("c", tid, name))
                 if r not in ("pending", None) and not r[0]:
                     cl.ranks[name] = "unsent"  # the producer is gone: no write can come
+                elif r not in ("pending", None):  # may have arrived: the lease rules stay
+                    logger.warning("MooncakeConnector push: cancel of %s to %s may not have "
+                                   "arrived (%s); its blocks wait for the lease's end",
+                                   tid, name, r[1])
         now = time.monotonic()
         failed = cl.failed is not None and cl.nlayers  # a layer load given up in its step
         live = [n for n, st in cl.ranks.items() if st not in TERMINAL]
@@ -361,8 +384,14 @@ class PushConsumer:
                 if cl.ranks[name] != "sent":
                     continue  # sending: canceled once sent; cancelling: asked already
                 cl.ranks[name] = "cancelling"
+                # To a producer whose connection went: it may be mid-exit
+                # (connections closed, its listener not yet), so a cancel
+                # unanswered within 1 s is sent again until one is refused
+                # (gone: nothing more can land) or answered, within the lease.
+                lost = name in cl.lost
                 self.w.push_outbox.send(name, encode({"t": "cancel", "tid": tid}),
-                                        key=("c", tid, name))
+                                        key=("c", tid, name), timeout=1.0 if lost else 5.0,
+                                        retry_until=cl.lease_until if lost else None)
         return live
 
     def poll(self, ld):

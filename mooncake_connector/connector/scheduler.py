@@ -72,6 +72,8 @@ class SchedulerSide:
         self._blocks = {}         # producer: req_id -> block ids (when no cache manager)
         self._tried = set()       # consumer: requests that had their one load
         self._recomputed = set()  # consumer: requests counted as recomputed (once each)
+        self._batch = set()       # req ids the previous step scheduled (still running)
+        self._busy = set()        # consumer: layer loads turned into whole-prompt pushes
         self.stats = MooncakeKVConnectorStats()
         self.producer_base = None
         if settings.is_producer:
@@ -263,6 +265,20 @@ class SchedulerSide:
         on = params.get("push_layer_load")
         if not (on if isinstance(on, bool) else self.s.push_layer_load) or self.groups != 1:
             return 0
+        rid = request.request_id
+        others = len(self._batch - {rid})
+        if others > self.s.push_layer_load_max_batch:
+            # Every request of the step would wait with this one, layer by
+            # layer, for the prefill: a busy decode takes it as a whole-prompt
+            # push (its attention does not wait); counted, not silent.
+            if rid not in self._busy:
+                self._busy.add(rid)
+                self.stats.add("push_layer_load_busy")
+                logger.info("MooncakeConnector: request %s takes the whole-prompt push, not "
+                            "a layer load: %d other requests are running (> "
+                            "push_layer_load_max_batch=%d)", rid, others,
+                            self.s.push_layer_load_max_batch)
+            return 0
         last = len(request.prompt_token_ids or ()) - 1
         return min(n_full, max(last, 0) // self.block_size * self.block_size)
 
@@ -333,6 +349,7 @@ class SchedulerSide:
     def build_connector_meta(self, so):
         meta = MooncakeConnectorMetadata(loads=list(self._loads.values()))
         self._loads.clear()
+        self._batch = set(so.num_scheduled_tokens)
         if self.s.is_producer:
             self._track_blocks(so)
             for rid in getattr(so, "preempted_req_ids", None) or ():
@@ -384,6 +401,8 @@ class SchedulerSide:
         if self._asked.pop(rid, None) is not None:
             self._probe.forget(rid)
         self._tried.discard(rid)
+        self._batch.discard(rid)
+        self._busy.discard(rid)
         self._recomputed.discard(rid)
         n = self._published.pop(rid, None)
         params = getattr(request, "kv_transfer_params", None) or {}

@@ -60,6 +60,12 @@ KNOBS = {  # extra-config key: (type, default, meaning)
                         "landed, so the decode's forward overlaps the transfer; every other "
                         "request of that step waits with it (docs/connector.md, Layer load). "
                         "Per request: kv_transfer_params \"push_layer_load\""),
+    "push_layer_load_max_batch": (int, 0, "consumer, push_layer_load: schedule a layer load "
+                                  "only while the decode's previous step ran at most this "
+                                  "many other requests (each would stall with it, layer by "
+                                  "layer, for the prefill); a busier decode takes the request "
+                                  "as a whole-prompt push instead (WAITING_FOR_REMOTE_KVS), "
+                                  "counted push_layer_load_busy (docs/connector.md, Layer load)"),
     "push_layer_timeout_s": (float, 10.0, "consumer, push_layer_load: the lease of such a "
                              "load; a step waits at most this (+ 2 s when the producer does "
                              "not answer the cancel) for the prompt's KV, then the request "
@@ -113,6 +119,7 @@ class Settings:
     push_layerwise_cuda: bool = True
     push_layer_load: bool = False
     push_layer_timeout_s: float = 10.0
+    push_layer_load_max_batch: int = 0
 
     @property
     def is_producer(self):

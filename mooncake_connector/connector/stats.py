@@ -25,7 +25,7 @@ COUNTERS = ("loads", "loads_in_step", "loads_failed", "load_bytes", "load_bytes_
             "load_tokens",
             "load_tokens_missed", "publishes", "publish_failed", "publish_bytes",
             "sends_finished", "sends_expired", "push_loads", "push_sends", "push_bytes",
-            "push_failed", "push_layer_loads",
+            "push_failed", "push_layer_loads", "push_producer_lost", "push_layer_load_busy",
             *(f"recompute_{r}" for r in RECOMPUTE_REASONS))
 GAUGES = ("held_bytes", "lookup_entries", "loads_in_flight")
 
@@ -134,6 +134,13 @@ PROM_COUNTERS = {
     "push_layer_loads": ("vllm:mooncake_push_layer_loads_total",
                          "Consumer: push loads whose attention waited per layer "
                          "(push_layer_load)"),
+    "push_layer_load_busy": ("vllm:mooncake_push_layer_load_busy_total",
+                             "Consumer: push_layer_load requests taken as whole-prompt pushes "
+                             "because the decode was running other requests "
+                             "(push_layer_load_max_batch)"),
+    "push_producer_lost": ("vllm:mooncake_push_producer_lost_total",
+                           "Consumer: push loads that stopped waiting at once because the "
+                           "producer's connection was lost"),
     "push_failed": ("vllm:mooncake_push_failures_total",
                     "Producer: push targets ended without the KV (lease, failure, timeout)"),
 }

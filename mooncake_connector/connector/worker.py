@@ -91,6 +91,10 @@ class WorkerSide:
                     self.push_p.on_message(sender, head, body)
             elif self.push_c is not None:
                 self.push_c.on_message(sender, head)
+        lost = self.engine.take_lost_peers()  # after the messages sent before the loss
+        if lost and self.push_c is not None:
+            for name in lost:
+                self.push_c.peer_lost(name)
 
     def save_kv_layer(self, layer_name):
         """Push, layer by layer: this layer's KV is computed for this step."""

@@ -243,6 +243,38 @@ static void count_only(void *arg, const char *from, const void *msg, size_t len)
   *(size_t *)arg += len;
 }
 
+/* A peer whose connection to us closes (its engine is destroyed: as a
+ * process dying) is noted once for mc_engine_take_lost_peers, and a waiter
+ * in mc_engine_wait_notifies wakes for it at once. */
+static void test_lost_peer_noted_and_wakes(void) {
+  mc_engine_t *C = mk();
+  CHECK(C != NULL);
+  if (!C)
+    return;
+  char name[256];
+  snprintf(name, sizeof name, "%s", mc_engine_segment_name(C));
+  mc_err_t err = {0};
+  CHECK_EQ_INT(mc_engine_notify(C, mc_engine_segment_name(B), "hi", 2, 2000, &err), 0);
+  char got[256] = "";
+  CHECK_EQ_INT(mc_engine_drain_notifies(B, 10, collect, got), 1);
+  char *lost[MC_LOST_PEERS_MAX];
+  size_t n = mc_engine_take_lost_peers(B, lost, MC_LOST_PEERS_MAX);
+  for (size_t i = 0; i < n; i++) /* earlier tests' peers */
+    free(lost[i]);
+  mc_engine_destroy(C);
+  uint64_t t0 = mc_now_ns();
+  CHECK_EQ_INT(mc_engine_wait_notifies(B, 5000000), 1);
+  CHECK(mc_now_ns() - t0 < 2000000000ull);
+  n = mc_engine_take_lost_peers(B, lost, MC_LOST_PEERS_MAX);
+  int seen = 0;
+  for (size_t i = 0; i < n; i++) {
+    seen += !strcmp(lost[i], name);
+    free(lost[i]);
+  }
+  CHECK_EQ_INT(seen, 1);
+  CHECK_EQ_INT((int)mc_engine_take_lost_peers(B, lost, MC_LOST_PEERS_MAX), 0);
+}
+
 /* Unread notifications are bounded in bytes (MC_NOTIFY_QUEUE_MB=1 here):
  * the sender gets the refusal, nothing is dropped; draining makes room. */
 static void test_notify_budget(void) {
@@ -738,6 +770,7 @@ int main(void) {
   RUN(test_local_segment);
   RUN(test_notify);
   RUN(test_notify_handler);
+  RUN(test_lost_peer_noted_and_wakes);
   RUN(test_notify_budget);
   RUN(test_fast_path_and_bulk_concurrently);
   RUN(test_timeout_cancels);
