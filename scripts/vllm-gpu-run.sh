@@ -14,17 +14,7 @@ t0=$SECONDS
 source scripts/device-lib.sh
 mc_unpack_debs
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; nproc
-  python3 -c 'import torch; print("torch", torch.__version__, torch.cuda.is_available())'; } 2>&1 | tee "$out/machine.txt"
-(MC_WERROR=1 python3 setup.py -q build_ext --inplace -j 16 >"$out/build.log" 2>&1 \
-   || python3 setup.py -q build_ext --inplace >>"$out/build.log" 2>&1) &
-build=$!
-bash scripts/vllm-gpu-install.sh install /tmp/vllm-site >"$out/install.log" 2>&1
-irc=$?
-wait $build; brc=$?
-cat "$out/install.log"; tail -5 "$out/build.log"
-echo "build rc=$brc install rc=$irc after $((SECONDS - t0)) s"
-[ $brc = 0 ] && [ $irc = 0 ] || exit 1
+mc_build_and_install_vllm "$out" || exit 1
 export PYTHONPATH=/tmp/vllm-site:$PWD PYTHONUNBUFFERED=1
 python3 -c 'import mooncake_connector._core as c; print("_core", c.__file__)' || exit 1
 timeout "${MC_E2E_TIMEOUT:-480}" python3 scripts/vllm_gpu_e2e.py --workdir /tmp/vgpu-e2e \

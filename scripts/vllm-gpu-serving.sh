@@ -31,18 +31,7 @@ if [ ! -f "$run/.built" ] || [ "$PWD" != "$run" ]; then
   if [ ! -f "$run/.built" ]; then
     source scripts/device-lib.sh
     mc_unpack_debs
-    { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; nproc
-      python3 -c 'import torch; print("torch", torch.__version__, torch.cuda.is_available())'
-    } 2>&1 | tee "$out/machine.txt"
-    (MC_WERROR=1 python3 setup.py -q build_ext --inplace -j 16 >"$out/build.log" 2>&1 \
-       || python3 setup.py -q build_ext --inplace >>"$out/build.log" 2>&1) &
-    build=$!
-    bash scripts/vllm-gpu-install.sh install /tmp/vllm-site >"$out/install.log" 2>&1
-    irc=$?
-    wait $build; brc=$?
-    tail -3 "$out/install.log"; tail -3 "$out/build.log"
-    echo "build rc=$brc install rc=$irc after $((SECONDS - t0)) s"
-    [ $brc = 0 ] && [ $irc = 0 ] || exit 1
+    mc_build_and_install_vllm "$out" || exit 1
     rm -rf "$run" && mkdir -p "$run" && tar --exclude=./.debs -cf - . | tar -xf - -C "$run"
     touch "$run/.built"
   fi

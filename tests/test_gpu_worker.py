@@ -75,13 +75,19 @@ def test_worker_vllm034_extensible_kv_cache(alloc, ipc, path):
         assert "KVCacheAccess.EXPORTS_FD" in logs
 
 
-def run_worker_pair(ipc, alloc="torch"):
+def pair_settings(ipc):
+    """Two workers' connector settings (ports at least 50 apart: each engine
+    takes a few above its own) and environment (MC_GPU_IPC=ipc)."""
     p, d = free_port(), free_port()
     while abs(d - p) < 50:
         d = free_port()
     urls = {"prefill_url": f"127.0.0.1:{p}", "decode_url": f"127.0.0.1:{d}",
             "metadata_server": "P2PHANDSHAKE", "protocol": "tcp"}
-    env = {"MC_GPU_IPC": ipc, "MC_LOG_LEVEL": "info"}
+    return urls, {"MC_GPU_IPC": ipc, "MC_LOG_LEVEL": "info"}
+
+
+def run_worker_pair(ipc, alloc="torch"):
+    urls, env = pair_settings(ipc)
     made = []
     logs = ""
     try:
@@ -136,12 +142,7 @@ def test_push_layerwise_streams_cuda_layers_before_wait_for_save(ipc):
     kernels completed - layer 0's well before the last one's, all before
     wait_for_save - and every byte must be the layer's new KV (a write
     started before its kernels finished would carry the old values)."""
-    p, d = free_port(), free_port()
-    while abs(d - p) < 50:
-        d = free_port()
-    urls = {"prefill_url": f"127.0.0.1:{p}", "decode_url": f"127.0.0.1:{d}",
-            "metadata_server": "P2PHANDSHAKE", "protocol": "tcp"}
-    env = {"MC_GPU_IPC": ipc, "MC_LOG_LEVEL": "info"}
+    urls, env = pair_settings(ipc)
     made = []
     try:
         prod = WorkerPeer("kv_producer", "cuda:0", urls, env)
