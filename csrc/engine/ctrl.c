@@ -37,6 +37,7 @@ void mc_engine_note_peer_lost(mc_engine_t *e, const char *segment) {
       e->lost_peers[e->nlost++] = name;
     }
   }
+  e->lost_gen++;
   pthread_cond_broadcast(&e->notify_cv);
   pthread_mutex_unlock(&e->notify_mu);
 }
@@ -144,11 +145,14 @@ int mc_engine_wait_notifies(mc_engine_t *e, int64_t timeout_us) {
     dl.tv_nsec -= 1000000000L;
   }
   pthread_mutex_lock(&e->notify_mu);
-  while (!e->notify_head && !e->nlost) {
+  /* A loss wakes a waiter once (lost_woken), not until the names are taken:
+   * a caller that never takes them must not spin. */
+  while (!e->notify_head && e->lost_gen == e->lost_woken) {
     if (pthread_cond_timedwait(&e->notify_cv, &e->notify_mu, &dl) == ETIMEDOUT)
       break;
   }
-  int have = e->notify_head != NULL || e->nlost;
+  int have = e->notify_head != NULL || e->lost_gen != e->lost_woken;
+  e->lost_woken = e->lost_gen;
   pthread_mutex_unlock(&e->notify_mu);
   return have;
 }

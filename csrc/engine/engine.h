@@ -142,8 +142,9 @@ int mc_engine_notify_detached(mc_engine_t *e, const char *segment, const void *m
 /* Pops up to `max` received notifications: callback gets (from, msg, len). */
 typedef void (*mc_notify_cb)(void *arg, const char *from, const void *msg, size_t len);
 size_t mc_engine_drain_notifies(mc_engine_t *e, size_t max, mc_notify_cb cb, void *arg);
-/* Waits up to timeout_us for a queued notification (none taken); 1 if one
- * is queued, 0 on timeout. */
+/* Waits up to timeout_us for a queued notification (none taken) or a peer
+ * lost since the last return (mc_engine_take_lost_peers; each loss wakes a
+ * waiter once); 1 if either, 0 on timeout. */
 int mc_engine_wait_notifies(mc_engine_t *e, int64_t timeout_us);
 
 /* Routes incoming notifications to cb (called on an I/O thread: it must not

@@ -90,6 +90,7 @@ struct mc_engine {
    * each once, at most MC_LOST_PEERS_MAX (the oldest dropped). */
   char *lost_peers[MC_LOST_PEERS_MAX];
   size_t nlost;
+  uint64_t lost_gen, lost_woken; /* losses noted / seen by a wait_notifies return */
 
   /* Metadata liveness (engine.c): our entries carry a TTL that a keep-alive
    * thread refreshes every TTL/3 s, re-writing them when the server lost

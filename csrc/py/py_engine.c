@@ -1328,8 +1328,8 @@ static PyMethodDef Engine_methods[] = {
      "get_notifies() -> list of (from_segment, message_bytes); drains the queue."},
     {"wait_notifies", (PyCFunction)Engine_wait_notifies, METH_VARARGS,
      "wait_notifies(timeout) -> bool: waits (GIL released) up to timeout seconds (0..60)\n"
-     "for a notification get_notifies() would return, or a lost peer (take_lost_peers);\n"
-     "takes none."},
+     "for a notification get_notifies() would return, or a peer lost since it last\n"
+     "returned (take_lost_peers names it; a loss wakes it once); takes none."},
     {"take_lost_peers", (PyCFunction)Engine_take_lost_peers, METH_NOARGS,
      "take_lost_peers() -> list[str]: peers (segment names) whose connection to or from\n"
      "this engine failed or closed since the last call, each once (at most 64 kept)."},

@@ -261,6 +261,7 @@ static void test_lost_peer_noted_and_wakes(void) {
   size_t n = mc_engine_take_lost_peers(B, lost, MC_LOST_PEERS_MAX);
   for (size_t i = 0; i < n; i++) /* earlier tests' peers */
     free(lost[i]);
+  (void)mc_engine_wait_notifies(B, 0); /* and their wake-up */
   mc_engine_destroy(C);
   uint64_t t0 = mc_now_ns();
   CHECK_EQ_INT(mc_engine_wait_notifies(B, 5000000), 1);
@@ -273,6 +274,33 @@ static void test_lost_peer_noted_and_wakes(void) {
   }
   CHECK_EQ_INT(seen, 1);
   CHECK_EQ_INT((int)mc_engine_take_lost_peers(B, lost, MC_LOST_PEERS_MAX), 0);
+  /* A loss wakes a waiter once: a caller that never takes the names does
+   * not spin on it. */
+  CHECK_EQ_INT(mc_engine_wait_notifies(B, 0), 0);
+}
+
+/* A waiter that never takes the lost names is woken once per loss, then
+ * waits again (it would spin if a noted name kept it awake). */
+static void test_lost_peer_wakes_once(void) {
+  mc_engine_t *C = mk();
+  CHECK(C != NULL);
+  if (!C)
+    return;
+  mc_err_t err = {0};
+  CHECK_EQ_INT(mc_engine_notify(C, mc_engine_segment_name(B), "hi", 2, 2000, &err), 0);
+  char got[256] = "";
+  CHECK_EQ_INT(mc_engine_drain_notifies(B, 10, collect, got), 1);
+  (void)mc_engine_wait_notifies(B, 0);
+  mc_engine_destroy(C);
+  CHECK_EQ_INT(mc_engine_wait_notifies(B, 5000000), 1);
+  uint64_t t0 = mc_now_ns();
+  CHECK_EQ_INT(mc_engine_wait_notifies(B, 50000), 0); /* names not taken: still waits */
+  CHECK(mc_now_ns() - t0 >= 40000000ull);
+  char *lost[MC_LOST_PEERS_MAX];
+  size_t n = mc_engine_take_lost_peers(B, lost, MC_LOST_PEERS_MAX);
+  CHECK(n >= 1);
+  for (size_t i = 0; i < n; i++)
+    free(lost[i]);
 }
 
 /* Unread notifications are bounded in bytes (MC_NOTIFY_QUEUE_MB=1 here):
@@ -771,6 +799,7 @@ int main(void) {
   RUN(test_notify);
   RUN(test_notify_handler);
   RUN(test_lost_peer_noted_and_wakes);
+  RUN(test_lost_peer_wakes_once);
   RUN(test_notify_budget);
   RUN(test_fast_path_and_bulk_concurrently);
   RUN(test_timeout_cancels);
