@@ -140,14 +140,39 @@ def proxy_flows():
     return set(m.group(1).split(",")) if m else {"a", "b"}
 
 
+#: The push proxy's own timings per request (proxy.py, flow push), kept per
+#: length: client in -> the prefill leg's answer, -> the decode's first chunk,
+#: and the first chunk minus the prefill answer.
+PUSH_LEGS = ("push_to_prefill_answer_ms", "push_to_first_chunk_ms",
+             "push_first_chunk_after_prefill_answer_ms")
+
+
+def _proxy_timings(url):
+    """{timing: (total ever noted, values kept)} of our proxy at url."""
+    from mooncake_connector.deployment import proxy_stats
+    lat = proxy_stats(url, raw=True).get("latency_ms", {})
+    return {k: (v.get("total", 0), v.get("values", [])) for k, v in lat.items()}
+
+
+def _new_timings(before, after):
+    """The values noted between two _proxy_timings snapshots."""
+    out = {}
+    for k, (total, values) in after.items():
+        n = total - before.get(k, (0, []))[0]
+        out[k] = values[len(values) - n:] if n > 0 else []
+    return out
+
+
 def measure(urls, lengths, n_requests, max_tokens, log, legs=None, extra_body=None,
             results=None):
     """Sends each prompt through every mode in urls ({mode: base url}), in a
     fresh random order per prompt; legs: (prefill url, decode url) to time
     the two legs of a disaggregated request on their own.  extra_body:
     {mode: dict merged into that mode's request body}.  results: rows of an
-    earlier phase to add these modes to (same lengths)."""
+    earlier phase to add these modes to (same lengths).  The push modes'
+    proxy timings (PUSH_LEGS) are kept per length as row["proxy_<mode>"]."""
     from mooncake_connector.openai_client import request
+    t_start = time.monotonic()
 
     body = {"model": "tiny", "temperature": 0.0, "max_tokens": max_tokens, "ignore_eos": True,
             "return_token_ids": True, "stream": True, "stream_options": {"include_usage": True}}
@@ -183,6 +208,7 @@ def measure(urls, lengths, n_requests, max_tokens, log, legs=None, extra_body=No
         for k in urls:
             row[k], row[f"itl_{k}"], row[f"gap12_{k}"] = [], [], []
             row["identical_by_mode"].setdefault(k, 0)
+        snap = {k: _proxy_timings(urls[k]) for k in urls if k in PUSH_MODES}
         for i in range(n_requests):
             p = prompt_of(n, 1000 * n + i)
             # A fresh random order of the modes per request (a rotation would
@@ -203,6 +229,11 @@ def measure(urls, lengths, n_requests, max_tokens, log, legs=None, extra_body=No
             ref = got[ref_key].token_ids
             for k, r in got.items():
                 row["identical_by_mode"][k] += r.token_ids == ref
+                # Prompt tokens the server did not compute (decode: loaded
+                # from the producer; 0 for a colocated server without a
+                # prefix cache).
+                row.setdefault("loaded_by_mode", {}).setdefault(k, []).append(
+                    r.cached_tokens)
             if results is None:
                 # Kept per request: a later phase (the in-tree one) is checked
                 # against this phase's colocated tokens too.
@@ -221,10 +252,22 @@ def measure(urls, lengths, n_requests, max_tokens, log, legs=None, extra_body=No
                 dec = one(legs[1], q)
                 row["prefill_leg"].append(pre.total_s)
                 row["decode_leg"].append(dec.ttft_s)
-        log(f"  {row.get('prompt_tokens', n):5d} tokens: TTFT p50 "
-            + ", ".join(f"{k} {pct(row[k], 50) * 1e3:.1f}" for k in urls)
+        for k, before in snap.items():
+            row[f"proxy_{k}"] = _new_timings(before, _proxy_timings(urls[k]))
+        # Everything measured goes into this line too (a run that dies
+        # later, or a device call that runs out, keeps it in its printout).
+        log(f"  {row.get('prompt_tokens', n):5d} tokens ({time.monotonic() - t_start:.0f} s): "
+            "TTFT p50 " + ", ".join(f"{k} {pct(row[k], 50) * 1e3:.1f}" for k in urls)
             + " ms; gap 1->2 p50 " + ", ".join(f"{k} {pct(row[f'gap12_{k}'], 50) * 1e3:.1f}"
                                                for k in urls if row[f"gap12_{k}"])
+            + " ms; ITL p50/p99 " + ", ".join(
+                f"{k} {pct(row[f'itl_{k}'], 50) * 1e3:.1f}/{pct(row[f'itl_{k}'], 99) * 1e3:.1f}"
+                for k in urls if row[f"itl_{k}"])
+            + " ms; push proxy p50 (to prefill answer, to 1st chunk, 1st chunk - prefill "
+              "answer) " + ", ".join(
+                f"{k} " + "/".join(f"{statistics.median(row[f'proxy_{k}'][t]):.1f}"
+                                   if row[f"proxy_{k}"].get(t) else "-" for t in PUSH_LEGS)
+                for k in snap)
             + f" ms; identical {row['identical_by_mode']}")
     return rows
 
@@ -262,14 +305,19 @@ def _modes_in(row):
 def summarize(results, fixed, xfer, bars_factor=1.1, layers=1):
     rows = []
     for r in results:
+        # A raw transfer that could not be measured counts as 0 in the bars
+        # (stricter) and is named: "kv_transfer_failed".
         t = xfer[r["prompt_words"]]
         modes = _modes_in(r)
         s = {"prompt_tokens": r["prompt_tokens"], "modes": modes,
              "kv_bytes": t["bytes"], "kv_transfer_ms": t["seconds"] * 1e3,
              "kv_transfer_one_layer_ms": t["seconds"] * 1e3 / max(1, layers),
+             "kv_transfer_failed": t.get("failed"),
              "identical": r["identical"], "requests": len(r["colocated"]),
              "identical_by_mode": r.get("identical_by_mode", {}),
-             "loaded_tokens_p50": pct(r["loaded_tokens"], 50) if r["loaded_tokens"] else None}
+             "loaded_tokens_p50": pct(r["loaded_tokens"], 50) if r["loaded_tokens"] else None,
+             "loaded_tokens_p50_by_mode": {k: pct([x or 0 for x in v], 50) for k, v in
+                                           r.get("loaded_by_mode", {}).items() if v}}
         for k in modes + [k for k in ("prefill_leg", "decode_leg") if r.get(k)]:
             s[f"ttft_{k}_ms_p50"] = pct(r[k], 50) * 1e3
             s[f"ttft_{k}_ms_p99"] = pct(r[k], 99) * 1e3
@@ -341,6 +389,11 @@ def summarize(results, fixed, xfer, bars_factor=1.1, layers=1):
                         "gap12_ratio": pu[1], "gap12_ratio_intree": ri[1],
                         "ttft_ahead_or_equal": pu[0] <= 1.05 * ri[0],
                         "gap12_ahead_or_equal": pu[1] <= 1.05 * ri[1]}
+        for k in PUSH_MODES:
+            for leg in PUSH_LEGS:
+                xs = (r.get(f"proxy_{k}") or {}).get(leg)
+                if xs:
+                    s[f"{k}_{leg}_p50"] = statistics.median(xs)
         s["ttft_ms_per_request"] = {k: [round(x * 1e3, 3) for x in r[k]] for k in modes}
         rows.append(s)
     out = {"rows": rows}
@@ -437,6 +490,20 @@ def report(summary):
                       f"{v['ttft_ratio']:.2f}x vs {v['ttft_ratio_intree']:.2f}x "
                       f"({verdict('ttft')}); gap 1->2 / ITL {v['gap12_ratio']:.2f}x vs "
                       f"{v['gap12_ratio_intree']:.2f}x ({verdict('gap12')})")
+        for k in PUSH_MODES:
+            if f"{k}_{PUSH_LEGS[1]}_p50" in s:
+                print(f"  {LABEL[k]}, the push proxy's timings p50: prefill leg answered "
+                      + "; ".join(f"{w} {s[f'{k}_{leg}_p50']:.1f} ms" if f"{k}_{leg}_p50" in s
+                                  else f"{w} -" for w, leg in zip(
+                                      ("at", "decode's 1st chunk at", "1st chunk - prefill "
+                                       "answer"), PUSH_LEGS)))
+        if s.get("loaded_tokens_p50_by_mode"):
+            print("  prompt tokens not computed by the answering server (p50; decode: loaded "
+                  "remotely): " + ", ".join(f"{k} {v:.0f}" for k, v in
+                                            s["loaded_tokens_p50_by_mode"].items()))
+        if s.get("kv_transfer_failed"):
+            print(f"  raw transfer NOT measured (counted 0 in the bars): "
+                  f"{s['kv_transfer_failed']}")
         for k in PUSH_MODES:
             if k in s["modes"]:
                 print(f"  {LABEL[k]} bars (issue 31): gap 1->2 p50 "
@@ -746,6 +813,9 @@ def main(argv=None):
         time.sleep(11)  # vLLM logs the connector's stats every 10 s
         conn_stats = connector_log_stats(dep.decode.log_path, mark)
         proxy_lat = proxy_stats(dep.proxies["a"].url).get("latency_ms", {})
+        for k in PUSH_MODES:
+            if k in urls:
+                proxy_lat[k] = proxy_stats(urls[k]).get("latency_ms", {})
         if "intree" in want and "intree" not in skipped:
             # One vLLM server set at a time: ours stop, the in-tree pair starts;
             # the colocated server stays as this phase's reference.
@@ -778,10 +848,16 @@ def main(argv=None):
                    "results": results, "fixed": fixed}, f)
     xfer = {}
     for r in results:
-        secs, nbytes = xfer_time(spec, r["prompt_tokens"] - 1, args.xfer_repeat, sys.executable,
-                                 args.device, dtype_bytes,
-                                 {k: v for k, v in dev_env.items() if k.startswith("MC_")})
-        xfer[r["prompt_words"]] = {"seconds": secs, "bytes": nbytes}
+        try:
+            secs, nbytes = xfer_time(spec, r["prompt_tokens"] - 1, args.xfer_repeat,
+                                     sys.executable, args.device, dtype_bytes,
+                                     {k: v for k, v in dev_env.items() if k.startswith("MC_")})
+            xfer[r["prompt_words"]] = {"seconds": secs, "bytes": nbytes}
+        except (RuntimeError, subprocess.TimeoutExpired, ValueError, KeyError) as e:
+            # The serving numbers stand without it: summarized with the
+            # transfer counted 0 (stricter bars) and the failure named.
+            print(f"raw transfer at {r['prompt_tokens']} tokens not measured: {e}", flush=True)
+            xfer[r["prompt_words"]] = {"seconds": 0.0, "bytes": 0, "failed": str(e)[-500:]}
     summary = summarize(results, fixed, xfer, layers=spec["layers"])
     summary.update({"connector": dep.connector, "model_spec": spec,
                     "connector_stats_decode": conn_stats, "proxy_latency_ms": proxy_lat,

@@ -126,9 +126,9 @@ def prompt_tokens_by_source(url, timeout=10.0):
     return out
 
 
-def proxy_stats(url, timeout=10.0):
-    """Our proxy's counters (GET /stats)."""
-    status, body = serving.http_get(url + "/stats", timeout=timeout)
+def proxy_stats(url, timeout=10.0, raw=False):
+    """Our proxy's counters (GET /stats); raw: with its timings' values."""
+    status, body = serving.http_get(url + "/stats" + ("?raw=1" if raw else ""), timeout=timeout)
     if status != 200:
         raise RuntimeError(f"GET {url}/stats answered {status}: {body[:300]}")
     return json.loads(body)

@@ -147,9 +147,15 @@ class Proxy:
         # The proxy's own timings of recent fast-path requests (/stats):
         # client request in -> prefill answer parsed (mostly the prefill
         # server), and prefill answer parsed -> first chunk written (the
-        # proxy's own step).
+        # proxy's own step).  Flow push: client request in -> the prefill
+        # leg's answer read, -> the decode leg's first chunk, and per request
+        # the first chunk's time minus the prefill answer's (negative: the
+        # decode answered before the prefill leg's HTTP answer came back).
         self._lat = {k: collections.deque(maxlen=1000)
-                     for k in ("to_prefill_answer_ms", "prefill_answer_to_first_chunk_ms")}
+                     for k in ("to_prefill_answer_ms", "prefill_answer_to_first_chunk_ms",
+                               "push_to_prefill_answer_ms", "push_to_first_chunk_ms",
+                               "push_first_chunk_after_prefill_answer_ms")}
+        self._lat_total = collections.Counter()
         self.prom = PromCounters()
 
     async def start(self, app):
@@ -245,7 +251,8 @@ class Proxy:
             return await self._relay(request, next(self._d), body, headers, rid)
         order, dec_url = self._prefill_order(), next(self._d)
         if self.flow == "push":
-            return await self._push(request, body, chat, headers, rid, order[0], dec_url)
+            return await self._push(request, body, chat, headers, rid, order[0], dec_url,
+                                    t_in)
         pre_url = self.prefill[order[0]]
         fast = None
         if body.get("stream") and self.first_token == "prefill":
@@ -340,7 +347,7 @@ class Proxy:
         dec_body = body if self.flow != "b" else dict(body, kv_transfer_params=params)
         return await self._relay(request, dec_url, dec_body, headers, rid, "decode")
 
-    async def _push(self, request, body, chat, headers, rid, idx, dec_url):
+    async def _push(self, request, body, chat, headers, rid, idx, dec_url, t_in):
         """Flow push: the prefill leg runs beside the decode leg, whose answer
         is the client's.  A failed prefill leg only costs speed: the decode
         side is told (nokv) or its lease runs out, and it computes the prompt."""
@@ -359,10 +366,12 @@ class Proxy:
         if self.push_layer_load is not None:
             dp["push_layer_load"] = self.push_layer_load
         dec_body = dict(body, kv_transfer_params=dp)
+        marks = {"in": t_in}
         task = asyncio.ensure_future(self._push_prefill(request.path, pre_url, pre_body,
-                                                        headers, rid))
+                                                        headers, rid, marks))
         try:
-            return await self._relay(request, dec_url, dec_body, headers, rid, "decode")
+            return await self._relay(request, dec_url, dec_body, headers, rid, "decode",
+                                     marks)
         finally:
             if not task.done():
                 # The decode answer is complete (or the client left): the
@@ -370,10 +379,24 @@ class Proxy:
                 if request.transport is None or request.transport.is_closing():
                     task.cancel()
 
-    async def _push_prefill(self, path, url, body, headers, rid):
+    def _push_mark(self, marks, key):
+        """Flow push's timings: key "prefill" (its answer read) or "first"
+        (the decode's first chunk written), each noted once per request."""
+        if marks is None or key in marks:
+            return
+        marks[key] = time.perf_counter()
+        self.note_latency("push_to_prefill_answer_ms" if key == "prefill"
+                          else "push_to_first_chunk_ms", marks[key] - marks["in"])
+        if "prefill" in marks and "first" in marks:
+            self.note_latency("push_first_chunk_after_prefill_answer_ms",
+                              marks["first"] - marks["prefill"])
+
+    async def _push_prefill(self, path, url, body, headers, rid, marks=None):
         try:
             async with self.session.post(url + path, json=body, headers=headers) as r:
                 await r.read()
+                if r.status == 200:
+                    self._push_mark(marks, "prefill")
                 if r.status != 200:
                     self.counts["prefill_errors"] += 1
                     logger.warning("prefill %s answered %d for %s (push: the decode side "
@@ -385,9 +408,9 @@ class Proxy:
             logger.warning("prefill %s unreachable for %s (%r; push: the decode side computes "
                            "the prompt)", url, rid, e)
 
-    async def _relay(self, request, url, body, headers, rid, role="upstream"):
+    async def _relay(self, request, url, body, headers, rid, role="upstream", marks=None):
         """Sends body to url and relays its answer (streamed through when
-        the request streams)."""
+        the request streams); marks: flow push's timings (_push_mark)."""
         try:
             r = await self.post_once_more(
                 url + request.path, rid, "decode_retries", json=body, headers=headers,
@@ -411,6 +434,7 @@ class Proxy:
                 try:
                     async for chunk in r.content.iter_any():
                         await ft._write(resp, chunk)
+                        self._push_mark(marks, "first")
                 except ft.ClientGone:
                     return resp  # the client left: not the decode instance's failure
                 except (aiohttp.ClientError, asyncio.TimeoutError) as e:
@@ -468,18 +492,25 @@ class Proxy:
 
     def note_latency(self, key, seconds):
         self._lat[key].append(seconds * 1e3)
+        self._lat_total[key] += 1
 
-    def latency_summary(self):
+    def latency_summary(self, raw=False):
+        """p50/p99 of each timing kept (the last 1000); raw: with the values
+        in arrival order ("values") and how many were ever noted ("total"),
+        for a caller that slices them per phase (serving_bench.py)."""
         out = {}
         for k, v in self._lat.items():
             xs = sorted(v)
             if xs:
                 out[k] = {"n": len(xs), "p50": round(xs[len(xs) // 2], 3),
                           "p99": round(xs[min(len(xs) - 1, int(0.99 * len(xs)))], 3)}
+                if raw:
+                    out[k].update(values=[round(x, 3) for x in v], total=self._lat_total[k])
         return out
 
     async def stats(self, request):
-        return web.json_response(dict(self.counts, latency_ms=self.latency_summary()))
+        return web.json_response(dict(self.counts, latency_ms=self.latency_summary(
+            request.query.get("raw") == "1")))
 
     async def metrics(self, request):
         return web.Response(text=self.prom.render(self.counts),

@@ -9,8 +9,10 @@
 # and keeps the built copy in /tmp/mc-gpu-serving; a later call while the
 # machine is warm runs from that copy (`bash /tmp/mc-gpu-serving/scripts/
 # vllm-gpu-serving.sh tcp`), nothing carried.  Default benchmark: --kv32k,
-# lengths 128,512,1024,1900, 12 requests, colocated, flows a and b (first
-# token both ways), push (whole prompt) and push_layer_load.  Out:
+# lengths 128,512,1024,1900, 10 requests, colocated, flows a and b (first
+# token both ways), push (whole prompt), push layer by layer (the producer
+# streams CUDA layers as computed) and push_layer_load (decode waits per
+# layer too); serving_bench.py args given later win.  Out:
 # serving_gpu_<path>.{json,png,txt}, logs_<path>.tar.xz.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -43,8 +45,8 @@ export PYTHONPATH=/tmp/vllm-site:$PWD PYTHONUNBUFFERED=1
 python3 -c 'import mooncake_connector._core as c; print("_core", c.__file__)' || exit 1
 uptime | tee -a "$out/machine.txt"
 timeout "${MC_SERVING_TIMEOUT:-420}" python3 -P benchmarks/serving_bench.py --device cuda \
-    --gpu-path "$gpu_path" --kv32k --lengths 128,512,1024,1900 --requests 12 \
-    --modes disaggregated,disaggregated_decode_first,flow_b,flow_b_decode_first,push,push_layer_load \
+    --gpu-path "$gpu_path" --kv32k --lengths 128,512,1024,1900 --requests 10 \
+    --modes disaggregated,disaggregated_decode_first,flow_b,flow_b_decode_first,push,push_layerwise,push_layer_load \
     --start-timeout 200 --workdir "/tmp/gs-$path" --out "$out/serving_gpu_$path.json" \
     --plot "$out/serving_gpu_$path.png" "$@" 2>&1 | tee "$out/serving_gpu_$path.txt"
 rc=${PIPESTATUS[0]}

@@ -46,6 +46,10 @@ def test_push_sends_both_legs_at_once(upstreams, proxy):  # noqa: F811
         assert status == 200 and out["by"] == "decode"
         # The decode answer did not wait for the 1.5 s prefill.
         assert took < 1.2, took
+        for _ in range(100):  # the prefill leg is its own task: on a loaded
+            if p.seen:        # host it may reach the prefill after the answer
+                break
+            time.sleep(0.02)
         pre = p.seen[0][1]
         dec = d.seen[0]["body"]
         assert pre["max_tokens"] == 1 and pre["stream"] is False
@@ -98,3 +102,31 @@ def test_push_engine_names_are_checked():
     r = subprocess.run(base + ["--flow", "b", "--prefill-engine", "a:1"],
                        capture_output=True, text=True)
     assert r.returncode == 2 and "for --flow push" in r.stderr
+
+
+def test_push_timings_per_request(upstreams, proxy):  # noqa: F811
+    """/stats?raw=1 keeps flow push's own timings per request: the prefill
+    leg's answer, the decode's first chunk, and their difference (here the
+    decode streams at once while the prefill leg takes 0.4 s)."""
+    import urllib.request
+    p, d = SlowPrefill(0.4), upstreams("decode")
+    try:
+        url = proxy([p.url], [d.url], flow="push")
+        status, _ = post(url + "/v1/completions", {"model": "m", "prompt": "hi",
+                                                   "max_tokens": 4, "stream": True}, raw=True)
+        assert status == 200
+        for _ in range(50):  # the prefill leg ends after the decode's answer
+            lat = json.loads(urllib.request.urlopen(url + "/stats?raw=1", timeout=5)
+                             .read())["latency_ms"]
+            if "push_first_chunk_after_prefill_answer_ms" in lat:
+                break
+            time.sleep(0.05)
+        pre, first = lat["push_to_prefill_answer_ms"], lat["push_to_first_chunk_ms"]
+        diff = lat["push_first_chunk_after_prefill_answer_ms"]
+        assert pre["total"] == first["total"] == diff["total"] == 1
+        assert pre["values"][0] >= 400 and first["values"][0] < 300
+        assert abs(diff["values"][0] - (first["values"][0] - pre["values"][0])) < 0.01
+        plain = json.loads(urllib.request.urlopen(url + "/stats", timeout=5).read())
+        assert "values" not in plain["latency_ms"]["push_to_first_chunk_ms"]
+    finally:
+        p.close()
