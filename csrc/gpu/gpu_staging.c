@@ -27,6 +27,7 @@
  * launch of up to this many copies (a launch costs the worker several
  * microseconds of driver time; MC_GPU_MERGE=0: one launch per job). */
 #define MC_GPU_MERGE_MAX 4096u
+#define DIRECT_SKIP 64
 
 struct mc_gpu_stager {
   pthread_mutex_t mu;
@@ -50,6 +51,11 @@ struct mc_gpu_stager {
   atomic_int reaping;       /* a thread is checking the direct job */
   _Atomic(mc_gpu_job_t *) direct_job; /* launched, not finished */
   atomic_uint_least64_t direct_t;      /* when it was launched */
+  /* A waiter looked at the direct job.  One that the worker finished with
+   * no waiter in sight means the caller does not wait batch by batch (it
+   * pipelines): the next DIRECT_SKIP chances go to the worker, which then
+   * launches while the caller plans the next batch. */
+  atomic_int direct_waited, direct_skip;
   mc_cu_stream dstreams[MC_GPU_MAX_DEV]; /* under direct_claim */
   /* Pool (under mu). */
   mc_gpu_buf_t *free_list;
@@ -652,7 +658,9 @@ static int start_queued(mc_gpu_stager_t *s) {
 static int reap_direct(mc_gpu_stager_t *s, int by) {
   if (!atomic_load_explicit(&s->direct_job, memory_order_acquire))
     return 0;
-  if (by == 2 && now_ns() - atomic_load(&s->direct_t) < s->direct_grace_ns)
+  if (by == 1)
+    atomic_store_explicit(&s->direct_waited, 1, memory_order_relaxed);
+  else if (now_ns() - atomic_load(&s->direct_t) < s->direct_grace_ns)
     return 0;
   int z = 0;
   if (!atomic_compare_exchange_strong(&s->reaping, &z, 1))
@@ -686,6 +694,8 @@ static int reap_direct(mc_gpu_stager_t *s, int by) {
     snprintf(m, sizeof m, "GPU copy failed: %s", mc_cuda_strerror(api, r, b, sizeof b));
   }
   j->direct = by;
+  if (by == 2 && !atomic_load_explicit(&s->direct_waited, memory_order_relaxed))
+    atomic_store(&s->direct_skip, DIRECT_SKIP);
   finish(s, j, r ? MC_ESYS : 0, r ? m : NULL);
   return 1;
 }
@@ -693,8 +703,9 @@ static int reap_direct(mc_gpu_stager_t *s, int by) {
 int mc_gpu_stager_reap(mc_gpu_stager_t *s) { return s ? reap_direct(s, 1) : 0; }
 
 /* The submitting thread launches j itself when the worker has nothing
- * queued or in flight (so j overtakes nothing) and no direct job is in
- * flight: no hop to the worker.  1 if launched; 0: queue it (a failed
+ * queued or in flight (so j overtakes nothing), no direct job is in
+ * flight and the caller waits batch by batch (direct_skip): no hop to the
+ * worker.  1 if launched; 0: queue it (a failed
  * launch turns direct launches off, logged; the worker then launches j
  * and reports its error). */
 static int try_direct(mc_gpu_stager_t *s, mc_gpu_job_t *j) {
@@ -703,6 +714,10 @@ static int try_direct(mc_gpu_stager_t *s, mc_gpu_job_t *j) {
       !kernel_job(s, j) || j->n > MC_COPY_PARAM_REQS || dev < 0 || dev >= MC_GPU_MAX_DEV ||
       !atomic_load(&s->started) || atomic_load(&s->busy) != 0)
     return 0;
+  if (atomic_load_explicit(&s->direct_skip, memory_order_relaxed) > 0) {
+    atomic_fetch_sub(&s->direct_skip, 1);
+    return 0;
+  }
   int z = 0;
   if (!atomic_compare_exchange_strong(&s->direct_claim, &z, 1))
     return 0;
@@ -741,6 +756,7 @@ static int try_direct(mc_gpu_stager_t *s, mc_gpu_job_t *j) {
   j->next = NULL;
   atomic_fetch_add(&s->busy, 1);
   atomic_store(&s->direct_t, t);
+  atomic_store_explicit(&s->direct_waited, 0, memory_order_relaxed);
   atomic_store_explicit(&s->direct_job, j, memory_order_release);
   mc_gpu_stager_poke(s); /* a sleeping worker watches it too (after the grace) */
   return 1;

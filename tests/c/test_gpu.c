@@ -158,7 +158,8 @@ static void test_inline_job(void) {
  * the submitting thread launches a D2D job itself, and a thread that reaps
  * sees it finish (complete() on that thread); a job submitted while one is
  * in flight goes through the worker; unreaped, the worker finishes it after
- * the grace; MC_GPU_DIRECT=0 never launches directly. */
+ * the grace and the next chances go to the worker (the caller pipelines);
+ * MC_GPU_DIRECT=0 never launches directly. */
 typedef struct {
   atomic_int done;
   int direct, code;
@@ -227,6 +228,11 @@ static void test_direct_launch(void) {
   mc_gpu_stager_submit(s, direct_job(d, n, &c));
   mc_gpu_stager_drain(s);
   CHECK(atomic_load(&c.done) && c.code == 0 && c.direct == 2 && !pthread_equal(c.th, pthread_self()));
+  /* Nobody waited for it: the caller pipelines, the next ones go through the worker. */
+  memset(&c, 0, sizeof c);
+  mc_gpu_stager_submit(s, direct_job(d, n, &c));
+  mc_gpu_stager_drain(s);
+  CHECK(atomic_load(&c.done) && c.code == 0 && c.direct == 0);
   mc_gpu_stager_destroy(s);
   unsetenv("MC_GPU_DIRECT_GRACE_US");
   /* Off: never direct. */
