@@ -40,23 +40,6 @@ struct mc_gpu_stager {
                         too (MC_GPU_SINGLE_COPY=driver: cuMemcpyAsync) */
   int trace;    /* MC_GPU_TRACE=1: log each D2D job's timeline */
   int merge;    /* MC_GPU_MERGE != 0: queued D2D jobs of one device share a launch */
-  /* Direct launches (MC_GPU_DIRECT != 0): with nothing queued or in flight,
-   * the submitting thread launches a D2D job itself on its device's direct
-   * stream (one such job at a time), and whoever waits for it sees its
-   * completion (mc_gpu_stager_reap); the worker finishes it after
-   * direct_grace_ns if nobody did. */
-  atomic_int direct_off;
-  uint64_t direct_grace_ns;
-  atomic_int direct_claim;  /* a direct job is being launched or in flight */
-  atomic_int reaping;       /* a thread is checking the direct job */
-  _Atomic(mc_gpu_job_t *) direct_job; /* launched, not finished */
-  atomic_uint_least64_t direct_t;      /* when it was launched */
-  /* A waiter looked at the direct job.  One that the worker finished with
-   * no waiter in sight means the caller does not wait batch by batch (it
-   * pipelines): the next DIRECT_SKIP chances go to the worker, which then
-   * launches while the caller plans the next batch. */
-  atomic_int direct_waited, direct_skip;
-  mc_cu_stream dstreams[MC_GPU_MAX_DEV]; /* under direct_claim */
   /* Pool (under mu). */
   mc_gpu_buf_t *free_list;
   size_t pinned;  /* bytes allocated, free or in use */
@@ -84,6 +67,24 @@ struct mc_gpu_stager {
   int lazy_events; /* cuStreamQuery exists and MC_GPU_LAZY_EVENTS != 0 */
   mc_cu_event *events[MC_GPU_MAX_DEV];
   size_t nevents[MC_GPU_MAX_DEV], cap_events[MC_GPU_MAX_DEV];
+  /* Direct launches (MC_GPU_DIRECT != 0): with nothing queued or in flight,
+   * the submitting thread launches a D2D job itself on its device's direct
+   * stream (one such job at a time), and whoever waits for it sees its
+   * completion (mc_gpu_stager_reap); the worker finishes it after
+   * direct_grace_ns if nobody did. */
+  char pad_[64]; /* last, apart: the fields above keep their places */
+  atomic_int direct_off;
+  uint64_t direct_grace_ns;
+  atomic_int direct_claim;  /* a direct job is being launched or in flight */
+  atomic_int reaping;       /* a thread is checking the direct job */
+  _Atomic(mc_gpu_job_t *) direct_job; /* launched, not finished */
+  atomic_uint_least64_t direct_t;      /* when it was launched */
+  /* A waiter looked at the direct job.  One that the worker finished with
+   * no waiter in sight means the caller does not wait batch by batch (it
+   * pipelines): the next DIRECT_SKIP chances go to the worker, which then
+   * launches while the caller plans the next batch. */
+  atomic_int direct_waited, direct_skip;
+  mc_cu_stream dstreams[MC_GPU_MAX_DEV]; /* under direct_claim */
 };
 
 static uint64_t now_ns(void) {
