@@ -140,6 +140,17 @@ def main():
                           f"(vs torch {mode} per batch {same:.1f} GB/s: {g / same:.2f}x; "
                           f"{r['per_batch_us']:.1f} us per batch, "
                           f"{r.get('submit_per_batch_us', 0):.1f} in submit){ok}")
+                printed = any(f"{op}_{bb}_b{batch}_{mode}" in ours for op in ("write", "read"))
+                same, one = ref.get(f"{bb}_{mode}{batch}"), ref[f"{bb}_one"]
+                if printed and same:
+                    # torch itself issuing the same batches: the ceiling of this mode
+                    # (seq: a synchronize per batch) as a ratio of its one-call copy.
+                    print(f"{label} shuffled, batches of {batch} ({mode}), torch itself"
+                          f"{'':7s}{same:8.1f} GB/s  {one:8.1f} GB/s  {same / one:5.2f}x  "
+                          f"(torch index_copy_ per batch"
+                          f"{', synchronize after each' if mode == 'seq' else ''}: "
+                          f"{GiB / same / 1e3 / -(-GiB // bb // batch):.1f} us per batch)")
+                    res.setdefault("torch_per_batch_ratio", {})[f"{bb}_{mode}{batch}"] = same / one
     bad = sum(r.get("bad_blocks", 0) for r in ours.values())
     if args.out:
         with open(args.out, "w") as f:

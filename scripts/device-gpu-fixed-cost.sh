@@ -46,6 +46,15 @@ for m in 0 1; do
   MC_GPU_MERGE=$m GPU_FIXED_COST_ONLY=row:65536:128:pipe timeout 60 \
       build/bench/gpu_fixed_cost /tmp 200 3 2>&1 | tee "$out/gfc_merge$m.log"
 done
+echo "== 64 KiB x 128 WRITE seq and pipe, the copy worker launching every job (MC_GPU_DIRECT=0) and direct launches (default), alternating"
+for turn in 1 2; do
+  for d in 0 1; do
+    for mode in seq pipe; do
+      MC_GPU_DIRECT=$d GPU_FIXED_COST_ONLY=row:65536:128:$mode timeout 60 \
+          build/bench/gpu_fixed_cost /tmp 200 5 2>&1 | tee -a "$out/gfc_direct$d.log"
+    done
+  done
+done
 echo "== 4 KiB, an event recorded per job (MC_GPU_LAZY_EVENTS=0)"
 MC_GPU_LAZY_EVENTS=0 GPU_FIXED_COST_ONLY=small timeout 60 \
     build/bench/gpu_fixed_cost /tmp 2000 1 2>&1 | tee "$out/gfc_events.log"

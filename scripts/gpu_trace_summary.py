@@ -15,7 +15,10 @@ pats = {
     "wait": re.compile(r"wait: (\d+) pending at ([\d.]+) us"),
 }
 rows = {k: [] for k in pats}
+direct = {"waiter": 0, "copy worker": 0}
 for line in open(sys.argv[1], errors="replace"):
+    for who in direct:
+        direct[who] += f"(direct, seen by the {who})" in line
     for k, p in pats.items():
         m = p.search(line)
         if m:
@@ -34,6 +37,9 @@ print(f"  submit calls {len(s)}: validate {med(s, 2):.1f}, locate {med(s, 3):.1f
       f"{med(c, 2):.1f}, engine accept {med(c, 3):.1f}, start jobs {med(c, 4):.1f} us")
 print(f"  copy jobs {len(j)} ({med(j, 0):.0f} copies): queued -> picked up {med(j, 4):.1f} us, "
       f"-> launched {med(j, 2):.1f} us, -> done seen {med(j, 3):.1f} us")
+print(f"  launched by the submitting thread (all traced jobs): {sum(direct.values())}, "
+      f"completion seen by the waiter {direct['waiter']}, by the copy worker "
+      f"{direct['copy worker']}")
 if len(s) > 1:
     gaps = [b[1] - a[1] for a, b in zip(s, s[1:])]
     print(f"  submit call start to the next: median {statistics.median(gaps):.1f} us")

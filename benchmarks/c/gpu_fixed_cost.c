@@ -378,12 +378,16 @@ int main(int argc, char **argv) {
     return 1;
   }
   /* "small": the 4 KiB rows only; "row:<block>:<batch>:<seq|pipe>": one
-   * WRITE row only. */
+   * WRITE row only; "batch:<n>": the 4 KiB rows and the rows of batches
+   * of n (an A/B of issue 30's rows). */
   const char *only = getenv("GPU_FIXED_COST_ONLY");
   char mode[8] = "";
   if (only && sscanf(only, "row:%zu:%zu:%7s", &only_bb, &only_batch, mode) == 3)
     only_pipe = !strcmp(mode, "pipe");
-  else
+  else if (only && sscanf(only, "batch:%zu", &only_batch) != 1 && strcmp(only, "small"))
+    fprintf(stderr, "GPU_FIXED_COST_ONLY=%s not understood (small, batch:<n>, "
+            "row:<block>:<batch>:<seq|pipe>): running every row\n", only);
+  if (only_pipe < 0)
     small_rows(iters);
   if (!only || strcmp(only, "small")) {
     bulk_rows(dir, 65536, passes);

@@ -43,6 +43,8 @@ size_t mc_batch_size(mc_batch_t *b) {
 }
 
 size_t mc_batch_pending(mc_batch_t *b) {
+  if (b->gpu) /* a status poll sees a directly launched copy finish (gpu_staging.h) */
+    mc_gpu_stager_reap(b->eng->gpu);
   pthread_mutex_lock(&b->mu);
   size_t n = b->pending;
   pthread_mutex_unlock(&b->mu);
@@ -238,14 +240,18 @@ int mc_batch_wait(mc_engine_t *e, mc_batch_t *b, int64_t timeout_ms, mc_err_t *e
   if (e->spin_ns) {
     uint64_t until = mc_now_ns() + e->spin_ns;
     while (atomic_load_explicit(&b->pending, memory_order_acquire) > 0 && mc_now_ns() < until)
-      __builtin_ia32_pause();
+      if (!b->gpu || !mc_gpu_stager_reap(e->gpu))
+        __builtin_ia32_pause();
   }
   if (b->gpu) {
     /* Same-host GPU copies finish within milliseconds: yield-poll for a
-     * while rather than pay a sleeping thread's wake-up. */
+     * while rather than pay a sleeping thread's wake-up; a copy the
+     * submitting thread launched itself is seen finished here, not by
+     * the copy worker (no hop between threads). */
     uint64_t until = mc_now_ns() + 20000000ull;
     while (atomic_load_explicit(&b->pending, memory_order_acquire) > 0 && mc_now_ns() < until)
-      sched_yield();
+      if (!mc_gpu_stager_reap(e->gpu))
+        sched_yield();
     if (e->gpu_trace)
       mc_log_info("gpu trace: wait: %zu pending at %.1f us", mc_batch_pending(b),
                   mc_trace_us(mc_now_ns()));

@@ -175,6 +175,31 @@ int mc_cuda_use_device(int device, mc_err_t *err) {
   return 0;
 }
 
+int mc_cuda_enter_device(int device, mc_cu_context *saved, mc_err_t *err) {
+  const mc_cuda_api_t *api = mc_cuda_api(err);
+  *saved = NULL;
+  if (!api)
+    return err ? err->code : MC_EUNAVAIL;
+  if (api->cuCtxGetCurrent(saved) != 0)
+    *saved = NULL;
+  mc_cu_context want = NULL;
+  if (device >= 0 && device < MC_CUDA_MAX_DEVICES) {
+    pthread_mutex_lock(&g_ctx_mu);
+    want = g_ctx[device];
+    pthread_mutex_unlock(&g_ctx_mu);
+  }
+  if (want && want == *saved)
+    return 0;
+  int rc = mc_cuda_use_device(device, err);
+  return rc < 0 ? rc : 1;
+}
+
+void mc_cuda_leave_device(mc_cu_context saved, int changed) {
+  const mc_cuda_api_t *api = mc_cuda_api(NULL);
+  if (changed > 0 && api)
+    api->cuCtxSetCurrent(saved);
+}
+
 int mc_cuda_copy_batch(mc_cu_ptr *dsts, mc_cu_ptr *srcs, size_t *sizes, size_t count,
                        mc_cu_stream stream, mc_err_t *err) {
   const mc_cuda_api_t *api = mc_cuda_api(err);

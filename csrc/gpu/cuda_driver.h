@@ -187,6 +187,13 @@ int mc_cuda_locate(uint64_t addr, uint64_t len, int *device, mc_err_t *err);
  * (retained once per device for the life of the process). */
 int mc_cuda_use_device(int device, mc_err_t *err);
 
+/* The same for a while on a thread that is not ours (a submitting
+ * thread): *saved gets the context that was current; returns 1 when it
+ * changed it (then mc_cuda_leave_device(saved, 1) puts it back), 0 when
+ * `device`'s was current already, or a negative code. */
+int mc_cuda_enter_device(int device, mc_cu_context *saved, mc_err_t *err);
+void mc_cuda_leave_device(mc_cu_context saved, int changed);
+
 /* Copies `count` (dst, src, size) triples, any mix of host/device memory
  * (unified addressing), on `stream`: one cuMemcpyBatchAsync when the driver
  * has it (CUDA 12.8+), else one cuMemcpyAsync each.  Asynchronous. */

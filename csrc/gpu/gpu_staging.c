@@ -27,6 +27,7 @@
  * launch of up to this many copies (a launch costs the worker several
  * microseconds of driver time; MC_GPU_MERGE=0: one launch per job). */
 #define MC_GPU_MERGE_MAX 4096u
+#define DIRECT_SKIP 64
 
 struct mc_gpu_stager {
   pthread_mutex_t mu;
@@ -66,6 +67,24 @@ struct mc_gpu_stager {
   int lazy_events; /* cuStreamQuery exists and MC_GPU_LAZY_EVENTS != 0 */
   mc_cu_event *events[MC_GPU_MAX_DEV];
   size_t nevents[MC_GPU_MAX_DEV], cap_events[MC_GPU_MAX_DEV];
+  /* Direct launches (MC_GPU_DIRECT != 0): with nothing queued or in flight,
+   * the submitting thread launches a D2D job itself on its device's direct
+   * stream (one such job at a time), and whoever waits for it sees its
+   * completion (mc_gpu_stager_reap); the worker finishes it after
+   * direct_grace_ns if nobody did. */
+  char pad_[64]; /* last, apart: the fields above keep their places */
+  atomic_int direct_off;
+  uint64_t direct_grace_ns;
+  atomic_int direct_claim;  /* a direct job is being launched or in flight */
+  atomic_int reaping;       /* a thread is checking the direct job */
+  _Atomic(mc_gpu_job_t *) direct_job; /* launched, not finished */
+  atomic_uint_least64_t direct_t;      /* when it was launched */
+  /* A waiter looked at the direct job.  One that the worker finished with
+   * no waiter in sight means the caller does not wait batch by batch (it
+   * pipelines): the next DIRECT_SKIP chances go to the worker, which then
+   * launches while the caller plans the next batch. */
+  atomic_int direct_waited, direct_skip;
+  mc_cu_stream dstreams[MC_GPU_MAX_DEV]; /* under direct_claim */
 };
 
 static uint64_t now_ns(void) {
@@ -184,6 +203,11 @@ int mc_gpu_stager_create(size_t budget_bytes, mc_gpu_stager_t **out, mc_err_t *e
   s->trace = getenv("MC_GPU_TRACE") && getenv("MC_GPU_TRACE")[0] == '1';
   const char *mg = getenv("MC_GPU_MERGE");
   s->merge = !(mg && !strcmp(mg, "0"));
+  const char *dl = getenv("MC_GPU_DIRECT");
+  atomic_store(&s->direct_off, dl && !strcmp(dl, "0"));
+  const char *dg = getenv("MC_GPU_DIRECT_GRACE_US");
+  long grace = dg && *dg ? strtol(dg, NULL, 10) : 50;
+  s->direct_grace_ns = (uint64_t)(grace < 0 ? 0 : grace > 1000000 ? 1000000 : grace) * 1000u;
   *out = s;
   return 0;
 }
@@ -344,9 +368,11 @@ static void finish(mc_gpu_stager_t *s, mc_gpu_job_t *j, int code, const char *ms
   }
   if (s->trace && j->dir == MC_GPU_D2D)
     mc_log_info("gpu trace: D2D job cuda:%d, %zu copies: queued at %.1f us, launched +%.1f us, "
-                "done seen +%.1f us, picked up +%.1f us", j->device, j->n,
+                "done seen +%.1f us, picked up +%.1f us%s", j->device, j->n,
                 (double)(j->t_queued / 1000 % 100000000), (j->t_launched - j->t_queued) / 1e3,
-                (now_ns() - j->t_queued) / 1e3, (j->t_picked - j->t_queued) / 1e3);
+                (now_ns() - j->t_queued) / 1e3, (j->t_picked - j->t_queued) / 1e3,
+                j->direct == 1 ? " (direct, seen by the waiter)"
+                : j->direct == 2 ? " (direct, seen by the copy worker)" : "");
   if (j->kbuf) {
     mc_gpu_buf_put(s, j->kbuf);
     j->kbuf = NULL;
@@ -416,6 +442,12 @@ static mc_gpu_job_t *carry_riders(mc_gpu_job_t *j, mc_gpu_job_t *riders) {
   return NULL;
 }
 
+/* A D2D job the copy kernel moves (else driver copies). */
+static int kernel_job(const mc_gpu_stager_t *s, const mc_gpu_job_t *j) {
+  return j->dir == MC_GPU_D2D && s->d2d_mode == 0 &&
+         (j->n > 1 || (j->n == 1 && s->single_kernel && j->sizes[0] <= MC_GPU_SINGLE_MAX));
+}
+
 /* Enqueues a job's copies and records its event; completes it on error. */
 static void start_job(mc_gpu_stager_t *s, mc_gpu_job_t *j) {
   if (s->trace)
@@ -459,8 +491,7 @@ static void start_job(mc_gpu_stager_t *s, mc_gpu_job_t *j) {
     }
   }
   int done = 0;
-  if (rc == 0 && j->dir == MC_GPU_D2D && s->d2d_mode == 0 &&
-      (j->n > 1 || (j->n == 1 && s->single_kernel && j->sizes[0] <= MC_GPU_SINGLE_MAX))) {
+  if (rc == 0 && kernel_job(s, j)) {
     /* Many pieces between GPUs: one kernel launch moves them all; a few
      * travel in its parameters, more in a pinned table. */
     mc_err_t kerr = {0};
@@ -621,6 +652,117 @@ static int start_queued(mc_gpu_stager_t *s) {
   return started;
 }
 
+/* ---- direct launches ---- */
+
+/* Finishes the direct job if its copies are done (by: 1 a waiter, 2 the
+ * worker, which leaves it to waiters for direct_grace_ns).  1 if it did. */
+static int reap_direct(mc_gpu_stager_t *s, int by) {
+  if (!atomic_load_explicit(&s->direct_job, memory_order_acquire))
+    return 0;
+  if (by == 1)
+    atomic_store_explicit(&s->direct_waited, 1, memory_order_relaxed);
+  else if (now_ns() - atomic_load(&s->direct_t) < s->direct_grace_ns)
+    return 0;
+  int z = 0;
+  if (!atomic_compare_exchange_strong(&s->reaping, &z, 1))
+    return 0; /* another thread is looking */
+  /* Only a reaper clears direct_job, and none is launched until it is
+   * clear: j stays valid while we hold `reaping`. */
+  mc_gpu_job_t *j = atomic_load_explicit(&s->direct_job, memory_order_acquire);
+  const mc_cuda_api_t *api = mc_cuda_api(NULL);
+  mc_cu_result r = MC_CU_ERROR_NOT_READY;
+  mc_cu_context saved;
+  mc_err_t err = {0};
+  int ch = j && api ? mc_cuda_enter_device(j->device, &saved, &err) : -1;
+  if (j && ch < 0)
+    r = MC_CU_ERROR_NOT_READY + 1; /* cannot ask: fail it (err says why) rather than hang */
+  if (ch >= 0) {
+    r = api->cuStreamQuery(s->dstreams[j->device]);
+    mc_cuda_leave_device(saved, ch);
+  }
+  if (r == MC_CU_ERROR_NOT_READY || !j) {
+    atomic_store(&s->reaping, 0);
+    return 0;
+  }
+  atomic_store(&s->direct_job, NULL);
+  atomic_store(&s->reaping, 0);
+  atomic_store(&s->direct_claim, 0);
+  char m[200] = "";
+  if (r != 0 && ch < 0) {
+    snprintf(m, sizeof m, "GPU copy: cannot check its completion: %s", err.msg);
+  } else if (r != 0) {
+    char b[160];
+    snprintf(m, sizeof m, "GPU copy failed: %s", mc_cuda_strerror(api, r, b, sizeof b));
+  }
+  j->direct = by;
+  if (by == 2 && !atomic_load_explicit(&s->direct_waited, memory_order_relaxed))
+    atomic_store(&s->direct_skip, DIRECT_SKIP);
+  finish(s, j, r ? MC_ESYS : 0, r ? m : NULL);
+  return 1;
+}
+
+int mc_gpu_stager_reap(mc_gpu_stager_t *s) { return s ? reap_direct(s, 1) : 0; }
+
+/* The submitting thread launches j itself when the worker has nothing
+ * queued or in flight (so j overtakes nothing), no direct job is in
+ * flight and the caller waits batch by batch (direct_skip): no hop to the
+ * worker.  1 if launched; 0: queue it (a failed
+ * launch turns direct launches off, logged; the worker then launches j
+ * and reports its error). */
+static int try_direct(mc_gpu_stager_t *s, mc_gpu_job_t *j) {
+  int dev = j->device;
+  if (atomic_load_explicit(&s->direct_off, memory_order_relaxed) || !mergeable(s, j) ||
+      !kernel_job(s, j) || j->n > MC_COPY_PARAM_REQS || dev < 0 || dev >= MC_GPU_MAX_DEV ||
+      !atomic_load(&s->started) || atomic_load(&s->busy) != 0)
+    return 0;
+  if (atomic_load_explicit(&s->direct_skip, memory_order_relaxed) > 0) {
+    atomic_fetch_sub(&s->direct_skip, 1);
+    return 0;
+  }
+  int z = 0;
+  if (!atomic_compare_exchange_strong(&s->direct_claim, &z, 1))
+    return 0;
+  const mc_cuda_api_t *api = mc_cuda_api(NULL);
+  mc_err_t err = {0};
+  mc_cu_context saved;
+  int ok = 0, ch = atomic_load(&s->busy) == 0 && api && api->cuStreamQuery
+                       ? mc_cuda_enter_device(dev, &saved, &err) : -1;
+  if (ch >= 0) {
+    if (s->trace)
+      j->t_queued = j->t_picked = now_ns();
+    if (!s->dstreams[dev]) {
+      mc_cu_result r = api->cuStreamCreate(&s->dstreams[dev], MC_CU_STREAM_NON_BLOCKING);
+      if (r != 0) {
+        char m[160];
+        mc_err_set(&err, MC_EUNAVAIL, "cannot create a CUDA stream on cuda:%d: %s", dev,
+                   mc_cuda_strerror(api, r, m, sizeof m));
+        s->dstreams[dev] = NULL;
+      }
+    }
+    ok = s->dstreams[dev] &&
+         mc_copy_kernel_launch(dev, j->dsts, j->srcs, j->sizes, j->n, NULL, s->dstreams[dev],
+                               &err) == 0;
+    mc_cuda_leave_device(saved, ch);
+    if (!ok && !atomic_exchange(&s->direct_off, 1))
+      mc_log_warn("GPU copies: launching from the submitting thread failed (%s); the copy "
+                  "worker launches them from now on", err.msg);
+  }
+  if (!ok) {
+    atomic_store(&s->direct_claim, 0);
+    return 0;
+  }
+  uint64_t t = now_ns();
+  if (s->trace)
+    j->t_launched = t;
+  j->next = NULL;
+  atomic_fetch_add(&s->busy, 1);
+  atomic_store(&s->direct_t, t);
+  atomic_store_explicit(&s->direct_waited, 0, memory_order_relaxed);
+  atomic_store_explicit(&s->direct_job, j, memory_order_release);
+  mc_gpu_stager_poke(s); /* a sleeping worker watches it too (after the grace) */
+  return 1;
+}
+
 static void *worker_main(void *arg) {
   mc_gpu_stager_t *s = arg;
   int idle = 0;
@@ -633,13 +775,15 @@ static void *worker_main(void *arg) {
       seen = g;
       pthread_mutex_lock(&s->mu);
       started = start_queued(s);
-      int stop = s->stop && !s->q_head && !s->fl_head;
+      int stop = s->stop && !s->q_head && !s->fl_head && !atomic_load(&s->direct_job);
       pthread_mutex_unlock(&s->mu);
       if (stop)
         break;
     }
     if (s->fl_head)
       done = poll_inflight(s);
+    done += reap_direct(s, 2);
+    int inflight = s->fl_head || atomic_load(&s->direct_job);
     if (done || started || atomic_exchange(&s->poked, 0)) {
       idle = 0;
       continue;
@@ -648,7 +792,7 @@ static void *worker_main(void *arg) {
       idle = 1;
       idle_since = now_ns();
     }
-    if (now_ns() - idle_since < (s->fl_head ? 20000000ull : 1000000ull)) {
+    if (now_ns() - idle_since < (inflight ? 20000000ull : 1000000ull)) {
       /* Copies in flight (up to 20 ms) or just finished (1 ms: the next
        * batch often follows): poll closely, without mu, instead of
        * sleeping, since a wake-up costs tens of microseconds.  Then back
@@ -659,7 +803,7 @@ static void *worker_main(void *arg) {
     pthread_mutex_lock(&s->mu);
     atomic_store(&s->sleeping, 1);
     if (atomic_load(&s->q_gen) == seen && !atomic_load(&s->poked)) {
-      if (!s->fl_head) {
+      if (!s->fl_head && !atomic_load(&s->direct_job)) {
         pthread_cond_wait(&s->cv, &s->mu);
       } else {
         /* Copies in flight: look again shortly (or when new work comes). */
@@ -681,6 +825,8 @@ static void *worker_main(void *arg) {
 
 void mc_gpu_stager_submit(mc_gpu_stager_t *s, mc_gpu_job_t *j) {
   j->next = NULL;
+  if (try_direct(s, j))
+    return;
   if (s->trace)
     j->t_queued = now_ns();
   pthread_mutex_lock(&s->mu);
@@ -758,6 +904,8 @@ void mc_gpu_stager_destroy(mc_gpu_stager_t *s) {
     for (int k = 0; k < MC_GPU_NSTREAMS; k++)
       if (s->streams[d][k] && api)
         api->cuStreamDestroy(s->streams[d][k]);
+    if (s->dstreams[d] && api)
+      api->cuStreamDestroy(s->dstreams[d]);
   }
   pthread_cond_destroy(&s->cv);
   pthread_cond_destroy(&s->idle_cv);

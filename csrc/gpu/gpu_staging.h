@@ -57,6 +57,7 @@ struct mc_gpu_job {
   mc_gpu_buf_t *kbuf; /* copy kernel's piece table */
   mc_gpu_job_t *riders; /* jobs whose copies this one's launch carries (they finish with it) */
   int inline_arrays; /* dsts/srcs/sizes live in the job's own allocation (mc_gpu_job_new_inline) */
+  int direct; /* launched by the submitting thread; then finished by 1 a waiter, 2 the worker */
   uint64_t t_queued, t_picked, t_launched; /* MC_GPU_TRACE=1 only */
 };
 
@@ -109,6 +110,11 @@ const char *mc_gpu_d2d_copy_name(void);
 
 /* Queues a job.  Never blocks on the GPU. */
 void mc_gpu_stager_submit(mc_gpu_stager_t *s, mc_gpu_job_t *j);
+/* For a thread waiting for GPU copies: finishes the job a submitting thread
+ * launched itself (MC_GPU_DIRECT) if its copies are done, here, so the
+ * completion needs no other thread.  Any thread; cheap when there is none.
+ * 1 if it finished one. */
+int mc_gpu_stager_reap(mc_gpu_stager_t *s);
 /* A batch with GPU copies is being planned: a copy thread that went to
  * sleep polls again for a while, so the first job finds it awake (a
  * sleeping thread's wake-up costs tens of microseconds).  No-op before the

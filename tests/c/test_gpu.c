@@ -3,6 +3,9 @@
  * direct path, wrong location claims, DMA-BUF export.  Every test skips
  * (and says so) where no GPU is visible, so this binary also runs in CI. */
 #include <dlfcn.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <unistd.h>
@@ -146,6 +149,103 @@ static void test_inline_job(void) {
   CHECK_EQ_INT(api->cuMemcpyDtoH(back, d + n, 9 * piece), 0);
   CHECK(memcmp(back, src + piece, piece) == 0 && memcmp(back + 8 * piece, src + 9 * piece, piece) == 0);
   mc_gpu_stager_destroy(s);
+  cu_free(d);
+  free(src);
+  free(back);
+}
+
+/* Direct launches (MC_GPU_DIRECT, gpu_staging.c): with the worker idle
+ * the submitting thread launches a D2D job itself, and a thread that reaps
+ * sees it finish (complete() on that thread); a job submitted while one is
+ * in flight goes through the worker; unreaped, the worker finishes it after
+ * the grace and the next chances go to the worker (the caller pipelines);
+ * MC_GPU_DIRECT=0 never launches directly. */
+typedef struct {
+  atomic_int done;
+  int direct, code;
+  pthread_t th;
+} direct_seen_t;
+
+static void direct_done(mc_gpu_job_t *j, int code, const char *msg) {
+  (void)msg;
+  direct_seen_t *d = j->arg;
+  d->direct = j->direct;
+  d->code = code;
+  d->th = pthread_self();
+  mc_gpu_job_free(j);
+  atomic_store(&d->done, 1);
+}
+
+static mc_gpu_job_t *direct_job(uint64_t d, size_t n, direct_seen_t *seen) {
+  mc_gpu_job_t *j = mc_gpu_job_new(0, MC_GPU_D2D);
+  /* Two separate copies (a kernel job): first and second quarter to the back half. */
+  mc_gpu_job_add(j, d + n, d, n / 4);
+  mc_gpu_job_add(j, d + n + n / 2, d + n / 4 + 4096, n / 4);
+  j->complete = direct_done;
+  j->arg = seen;
+  return j;
+}
+
+static int reap_until(mc_gpu_stager_t *s, direct_seen_t *seen) {
+  for (int k = 0; k < 2000000 && !atomic_load(&seen->done); k++)
+    if (!mc_gpu_stager_reap(s))
+      sched_yield();
+  return atomic_load(&seen->done);
+}
+
+static void test_direct_launch(void) {
+  SKIP_NO_GPU();
+  size_t n = 1u << 20;
+  uint64_t d = dalloc(2 * n);
+  CHECK(d);
+  uint8_t *src = malloc(n), *back = malloc(n);
+  fill(src, n, 11);
+  CHECK_EQ_INT(api->cuMemcpyHtoD(d, src, n), 0);
+  setenv("MC_GPU_DIRECT_GRACE_US", "1000000", 1); /* the worker leaves it to us for 1 s */
+  mc_gpu_stager_t *s = NULL;
+  mc_err_t err = {0};
+  CHECK_EQ_INT(mc_gpu_stager_create(16u << 20, &s, &err), 0);
+  direct_seen_t a = {0}, b = {0}, c = {0};
+  mc_gpu_stager_submit(s, direct_job(d, n, &a)); /* starts the worker: queued */
+  mc_gpu_stager_drain(s);
+  CHECK(atomic_load(&a.done) && a.code == 0 && a.direct == 0);
+  memset(&a, 0, sizeof a);
+  mc_gpu_stager_submit(s, direct_job(d, n, &a)); /* idle: launched here */
+  mc_gpu_stager_submit(s, direct_job(d, n, &b)); /* one in flight: through the worker */
+  CHECK(reap_until(s, &a));
+  CHECK(a.code == 0 && a.direct == 1 && pthread_equal(a.th, pthread_self()));
+  mc_gpu_stager_drain(s);
+  CHECK(atomic_load(&b.done) && b.code == 0 && b.direct == 0);
+  CHECK_EQ_INT(api->cuMemcpyDtoH(back, d + n, n), 0);
+  CHECK(memcmp(back, src, n / 4) == 0 && memcmp(back + n / 2, src + n / 4 + 4096, n / 4) == 0);
+  mc_gpu_stager_destroy(s);
+  /* Nobody reaps: the worker finishes it after the grace (drain waits). */
+  setenv("MC_GPU_DIRECT_GRACE_US", "50", 1);
+  CHECK_EQ_INT(mc_gpu_stager_create(16u << 20, &s, &err), 0);
+  memset(&a, 0, sizeof a);
+  mc_gpu_stager_submit(s, direct_job(d, n, &a));
+  mc_gpu_stager_drain(s);
+  mc_gpu_stager_submit(s, direct_job(d, n, &c));
+  mc_gpu_stager_drain(s);
+  CHECK(atomic_load(&c.done) && c.code == 0 && c.direct == 2 && !pthread_equal(c.th, pthread_self()));
+  /* Nobody waited for it: the caller pipelines, the next ones go through the worker. */
+  memset(&c, 0, sizeof c);
+  mc_gpu_stager_submit(s, direct_job(d, n, &c));
+  mc_gpu_stager_drain(s);
+  CHECK(atomic_load(&c.done) && c.code == 0 && c.direct == 0);
+  mc_gpu_stager_destroy(s);
+  unsetenv("MC_GPU_DIRECT_GRACE_US");
+  /* Off: never direct. */
+  setenv("MC_GPU_DIRECT", "0", 1);
+  CHECK_EQ_INT(mc_gpu_stager_create(16u << 20, &s, &err), 0);
+  for (int k = 0; k < 2; k++) {
+    memset(&c, 0, sizeof c);
+    mc_gpu_stager_submit(s, direct_job(d, n, &c));
+    mc_gpu_stager_drain(s);
+    CHECK(atomic_load(&c.done) && c.code == 0 && c.direct == 0);
+  }
+  mc_gpu_stager_destroy(s);
+  unsetenv("MC_GPU_DIRECT");
   cu_free(d);
   free(src);
   free(back);
@@ -340,6 +440,7 @@ int main(void) {
   RUN(test_describe_rpc);
   RUN(test_stager_roundtrip);
   RUN(test_inline_job);
+  RUN(test_direct_launch);
   RUN(test_wrong_claims);
   RUN(test_local_segment_gpu);
   RUN(test_tcp_gpu_target_host_initiator);
