@@ -64,6 +64,21 @@ POINTS = (
 )
 
 
+#: The stretches of a push layer-load request's time to first token, each
+#: from one point to the next (per request, then p50): (label, from, to).
+STRETCHES = (
+    ("proxy in -> prefill step bound", None, "p_step_bound"),
+    ("prefill forward to last layer saved", "p_step_bound", "p_last_saved"),
+    ("last layer's write (saved -> landed)", "p_last_saved", "p_last_landed"),
+    ("told: landed -> decode has it", "p_last_landed", "d_last_recv"),
+    ("decode: last layer + rest of forward", "d_last_recv", "d_fwd_end"),
+    ("decode: sample + output -> API server", "d_fwd_end", "d_api_first"),
+    ("decode API server -> proxy", "d_api_first", "d_chunk_in"),
+    ("proxy -> client (+ client -> proxy in)", "d_chunk_in", "client_ttft"),
+    ("(prefill's tail: last save -> forward end)", "p_last_saved", "p_fwd_end"),
+)
+
+
 def _pct(xs, q):
     xs = sorted(x for x in xs if x is not None)
     if not xs:
@@ -316,10 +331,33 @@ def report(rows, tl, urls):
                     cols.setdefault(c, []).append(v)
             if cols:
                 s[f"timeline_{k}"] = {c: _pct(v, 50) for c, v in cols.items()}
+                st = {}
+                for label, a, b in STRETCHES:
+                    xs = [(y - (0.0 if a is None else x)) for x, y in
+                          zip(cols.get(a, [0.0] * len(cols[b])), cols[b])
+                          if x is not None and y is not None]
+                    st[label] = _pct(xs, 50)
+                s[f"stretches_{k}"] = st
+        # Paired: each prompt went through every mode back to back (random
+        # order): the median difference cancels what drifts between prompts.
+        by_i = {}
+        for r in recs:
+            by_i.setdefault(r["rid"].rsplit("-", 2)[1], {})[r["mode"]] = r["ttft_ms"]
+        for k in urls:
+            if k != "colocated":
+                d = [v[k] - v["colocated"] for v in by_i.values() if k in v and "colocated" in v]
+                s[f"paired_{k}"] = statistics.median(d) if d else None
+        d = [v["push_ll"] - v["push_ll_b"] for v in by_i.values()
+             if "push_ll" in v and "push_ll_b" in v]
+        s["paired_ab"] = statistics.median(d) if d else None
         out[n] = s
         print(f"\n== {n} words: TTFT p50 " + ", ".join(
             f"{k} {s[f'ttft_{k}']:.1f}" for k in urls) + " ms; identical " + ", ".join(
             f"{k} {s[f'identical_{k}']}" for k in urls))
+        print("  paired TTFT - colocated TTFT, median: " + ", ".join(
+            f"{k} {s[f'paired_{k}']:+.1f}" for k in urls if s.get(f"paired_{k}") is not None)
+            + " ms" + ("" if s.get("paired_ab") is None else
+                       f"; A/B paired push_ll - push_ll_b {s['paired_ab']:+.1f} ms"))
         for k in urls:
             q = s.get(f"{k}_request_queue_time_seconds")
             pf = s.get(f"{k}_request_prefill_time_seconds")
@@ -335,6 +373,11 @@ def report(rows, tl, urls):
                 for c, _, _, _ in POINTS + (("client_ttft", 0, 0, 0),):
                     v = t.get(c)
                     print(f"    {c:<16} {'-' if v is None else f'{v:8.1f}'}")
+        for k in ("push_ll", "push_ll_b"):
+            if s.get(f"stretches_{k}"):
+                print(f"  {k}: where the time to first token goes (per request, p50 ms):")
+                for label, v in s[f"stretches_{k}"].items():
+                    print(f"    {label:<44} {'-' if v is None else f'{v:8.1f}'}")
         if s.get("timeline_push_ll") and s.get("timeline_push_ll_b"):
             print("  A/B side by side (push_ll: landing thread on / push_ll_b: off), p50 ms:")
             for c, _, _, _ in POINTS + (("client_ttft", 0, 0, 0),):

@@ -81,11 +81,12 @@ class AttnSide(Side):
                     w.shutdown()
                 self.die_after_layer = None
                 raise SystemExit("the producer died")
-        if self.hold_at_end is not None and so.num_scheduled_tokens:
+        pp_ = self.worker._worker.push_p
+        if self.hold_at_end is not None and pp_ is not None and pp_.jobs:
+            # (the step that completes a push prompt: not an earlier chunk)
             self.at_end.set()
             self.hold_at_end.wait(5.0)
             self.hold_at_end = None
-        pp_ = self.worker._worker.push_p
         if pp_ is not None and so.num_scheduled_tokens:
             self.targets_at_end = {tid: set(j.targets) for tid, j in pp_.jobs.items()}
         for rid, n in so.num_scheduled_tokens.items():
@@ -231,11 +232,12 @@ def test_last_layer_is_told_before_the_prefill_forward_ends(sides, watch):
     a 1.9k-token forward, 57 ms on the 2-vCPU VM, benchmarks/JOURNAL.md
     "TTFT timeline"): the landing thread (push_layer_watch, default on)
     tells it as the write lands.  With push_layer_watch false the decode's
-    step waits until the producer's forward ended (wait_for_save)."""
+    step usually waits until the producer's forward ended (wait_for_save):
+    this test's watch case then fails (took 5.0 s)."""
     hold = threading.Event()
     p = sides("kv_producer", hold_at_end=hold, push_layer_watch=watch)
     d = sides("kv_consumer", flow_a=False, push_layer_load=True)
-    t = toks(41, 4 * BS + 3)
+    t = toks(41, 48 * BS + 3)  # 96 KiB per layer: a write still in flight when it starts
     p.add(make_request("pq", t, max_tokens=1, params=pp("L10")))
     d.add(make_request("q", t, max_tokens=2, params=dp("L10")))
     waited = []
@@ -257,8 +259,9 @@ def test_last_layer_is_told_before_the_prefill_forward_ends(sides, watch):
         assert d.seen.get("q") == [True, True] and not d.invalid
         if watch:
             assert took < 3.0, took  # the prefill was still in its held forward (5 s)
-        else:
-            assert took >= 4.0, took  # told only after the held forward (5 s)
+        # Without the thread the last layer is told when the forward ends
+        # (took >= 5 s), unless its write happened to land within its own
+        # save_kv_layer (a loaded host): no timing asserted there.
         assert d.run_until(lambda: "q" not in d.sched.requests, steps=50)
     finally:
         hold.set()
