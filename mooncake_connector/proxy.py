@@ -66,6 +66,7 @@ import aiohttp
 from aiohttp import web
 
 from mooncake_connector import proxy_first_token as ft
+from mooncake_connector import trace
 from mooncake_connector import request_check
 
 logger = logging.getLogger("mooncake_connector.proxy")
@@ -101,7 +102,7 @@ class Proxy:
     def __init__(self, prefill=(), decode=(), flow="a", timeout=6 * 3600, api_key=None,
                  first_token="prefill", passthrough=(), idle_timeout=300.0,
                  prefill_down_s=5.0, prefill_engines=(), push_layerwise=None,
-                 push_layer_load=None):
+                 push_layer_load=None, push_layer_watch=None):
         self.passthrough = [u.rstrip("/") for u in passthrough]
         if self.passthrough and (prefill or decode):
             raise ValueError("--passthrough takes no --prefill/--decode")
@@ -119,6 +120,7 @@ class Proxy:
                              f"{len(self.prefill)} --prefill URLs: give one per URL, same order")
         self.push_layerwise = push_layerwise
         self.push_layer_load = push_layer_load
+        self.push_layer_watch = push_layer_watch
         self.decode = [u.rstrip("/") for u in decode] or self.passthrough
         self.flow = flow
         self.first_token = first_token
@@ -247,6 +249,8 @@ class Proxy:
             return _error(400, str(e), "invalid_request_error")
         rid = request.headers.get("X-Request-Id") or f"mc-{uuid.uuid4().hex}"
         headers = self._headers(request, rid)
+        if trace.ON:
+            trace.event("proxy_in", rid, t_in=time.monotonic() - (time.perf_counter() - t_in))
         if self.passthrough:
             return await self._relay(request, next(self._d), body, headers, rid)
         order, dec_url = self._prefill_order(), next(self._d)
@@ -358,6 +362,8 @@ class Proxy:
               "transfer_id": tid}
         if self.push_layerwise is not None:
             pp["push_layerwise"] = self.push_layerwise
+        if self.push_layer_watch is not None:
+            pp["push_layer_watch"] = self.push_layer_watch
         pre_body["kv_transfer_params"] = pp
         dp = {"do_remote_decode": False, "do_remote_prefill": True, "push": True,
               "transfer_id": tid}
@@ -367,6 +373,7 @@ class Proxy:
             dp["push_layer_load"] = self.push_layer_load
         dec_body = dict(body, kv_transfer_params=dp)
         marks = {"in": t_in}
+        trace.event("proxy_dispatch", tid, rid=rid)
         task = asyncio.ensure_future(self._push_prefill(request.path, pre_url, pre_body,
                                                         headers, rid, marks))
         try:
@@ -393,8 +400,11 @@ class Proxy:
 
     async def _push_prefill(self, path, url, body, headers, rid, marks=None):
         try:
+            tid = (body.get("kv_transfer_params") or {}).get("transfer_id")
+            trace.event("proxy_prefill_post", tid, rid=rid)
             async with self.session.post(url + path, json=body, headers=headers) as r:
                 await r.read()
+                trace.event("proxy_prefill_answer", tid, rid=rid)
                 if r.status == 200:
                     self._push_mark(marks, "prefill")
                 if r.status != 200:
@@ -411,6 +421,7 @@ class Proxy:
     async def _relay(self, request, url, body, headers, rid, role="upstream", marks=None):
         """Sends body to url and relays its answer (streamed through when
         the request streams); marks: flow push's timings (_push_mark)."""
+        trace.event("proxy_post", rid, role=role)
         try:
             r = await self.post_once_more(
                 url + request.path, rid, "decode_retries", json=body, headers=headers,
@@ -432,9 +443,15 @@ class Proxy:
                 except (ConnectionResetError, aiohttp.ClientConnectionError):
                     return resp  # the client left before its first byte
                 try:
+                    first = trace.ON
                     async for chunk in r.content.iter_any():
+                        if first:
+                            trace.event("proxy_chunk_in", rid, role=role)
                         await ft._write(resp, chunk)
                         self._push_mark(marks, "first")
+                        if first:
+                            first = False
+                            trace.event("proxy_chunk_out", rid, role=role)
                 except ft.ClientGone:
                     return resp  # the client left: not the decode instance's failure
                 except (aiohttp.ClientError, asyncio.TimeoutError) as e:
@@ -664,6 +681,11 @@ def main(argv=None):
                          "request of the decode's step waits with it), waits for the whole "
                          "prompt before scheduling it (off), or the decode server's "
                          "push_layer_load setting (server); docs/connector.md, Layer load")
+    ap.add_argument("--push-layer-watch", choices=["server", "on", "off"], default="server",
+                    help="flow push with layer load: the prefill tells the decode each layer "
+                         "as its writes land, from a thread (on), or from vLLM's forward "
+                         "thread only, the last layer after the rest of the forward (off), "
+                         "or the prefill server's push_layer_watch setting (server)")
     ap.add_argument("--first-token", choices=["prefill", "decode"], default="prefill",
                     help="streamed requests: prefill (default) streams the prefill's token at "
                          "once and decode continues from it; decode waits for the decode "
@@ -702,7 +724,8 @@ def main(argv=None):
                   os.environ.get("OPENAI_API_KEY"), args.first_token, args.passthrough,
                   args.idle_timeout, args.prefill_down_s, args.prefill_engine,
                   {"server": None, "on": True, "off": False}[args.push_layerwise],
-                  {"server": None, "on": True, "off": False}[args.push_layer_load])
+                  {"server": None, "on": True, "off": False}[args.push_layer_load],
+                  {"server": None, "on": True, "off": False}[args.push_layer_watch])
     run_loop, loop_name = _event_loop(args.loop)
 
     async def run():

@@ -139,3 +139,52 @@ def test_serving_bench_device_flags_and_transfer_size(capsys):
     _, fp32 = sb.xfer_time(spec, 64, 1, sys.executable)
     _, bf16 = sb.xfer_time(spec, 64, 1, sys.executable, dtype_bytes=2)
     assert fp32 == 64 * 2 * 2 * 2 * 64 * 4 and bf16 == fp32 // 2
+
+
+def test_ttft_timeline_reads_a_trace():
+    """benchmarks/ttft_timeline.py from a trace of one push request (the
+    event names the connector and proxy write, two processes, 2 layers):
+    each point on the proxy's axis, the decode and the prefill told apart by
+    the events only each writes, and the stretches per request."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import ttft_timeline as tt
+    finally:
+        sys.path.pop(0)
+    rid, tid, P, D, X = "tl-push_ll-128-0-1", "push-tl-x", 11, 22, 33
+
+    def ev(ms, pid, name, k, **kw):
+        return {"t": 100.0 + ms / 1e3, "w": 5000.0 + ms / 1e3, "pid": pid, "ev": name,
+                "k": k, **kw}
+    events = [ev(0, X, "proxy_in", rid), ev(0.1, X, "proxy_dispatch", tid, rid=rid),
+              ev(3, D, "sched_match", tid, arrival_w=5000.001), ev(4, D, "step_bound", tid),
+              ev(4.1, D, "fwd_start", tid), ev(4.2, D, "target_queued", tid),
+              ev(4.5, D, "layer_wait", tid, li=0), ev(5, D, "notify_sent", tid, what="target"),
+              ev(3.5, P, "sched_publish", tid, arrival_w=5000.002),
+              ev(4.0, P, "step_bound", tid), ev(5.5, P, "p_recv", tid, what="target"),
+              ev(8, P, "layer_saved", tid, li=0), ev(8.2, P, "write_issued", tid, l=[0]),
+              ev(8.5, P, "write_seen_landed", tid, l=[0]),
+              ev(8.6, P, "notify_sent", tid, what="layer", l=[0]),
+              ev(8.7, D, "c_recv", tid, what="layer", l=[0]), ev(8.8, D, "layer_go", tid, li=0),
+              ev(9, D, "layer_wait", tid, li=1), ev(12, P, "layer_saved", tid, li=1),
+              ev(12.5, P, "write_seen_landed", tid, l=[1]),
+              ev(12.6, P, "notify_sent", tid, what="layer", l=[0, 1]),
+              ev(12.8, D, "c_recv", tid, what="layer", l=[0, 1]),
+              ev(12.9, D, "layer_go", tid, li=1), ev(14, D, "fwd_end", tid),
+              ev(15, P, "fwd_end", tid), ev(17, X, "proxy_chunk_in", rid),
+              ev(17.2, X, "proxy_chunk_out", rid), ev(20, X, "proxy_prefill_answer", tid)]
+    tl = tt.timelines(sorted(events, key=lambda e: e["t"]), nlayers=2)[rid]
+    assert abs(tl["d_fwd_end"] - 14) < 1e-6 and abs(tl["p_fwd_end"] - 15) < 1e-6
+    assert abs(tl["p_step_bound"] - 4.0) < 1e-6 and abs(tl["d_fwd_start"] - 4.1) < 1e-6
+    assert abs(tl["p_last_saved"] - 12) < 1e-6 and abs(tl["p_last_landed"] - 12.5) < 1e-6
+    assert abs(tl["p_last_told"] - 12.6) < 1e-6 and abs(tl["d_last_recv"] - 12.8) < 1e-6
+    assert abs(tl["d_target_sent"] - 5) < 1e-6 and abs(tl["d_arrival"] - 1) < 1e-6
+    rows = {128: [{"mode": "push_ll", "n": 128, "rid": rid, "ttft_ms": 18.0, "identical": True,
+                   "time_to_first_token_seconds": 15.0},
+                  {"mode": "colocated", "n": 128, "rid": "tl-colocated-128-0-1",
+                   "ttft_ms": 16.0, "identical": True}]}
+    s = tt.report(rows, {rid: tl}, ["colocated", "push_ll"])[128]
+    st = s["stretches_push_ll"]
+    assert abs(st["last layer's write (saved -> landed)"] - 0.5) < 1e-6
+    assert abs(st["decode API server -> proxy"] - 1.0) < 1e-6  # API first token at 1 + 15 ms
+    assert abs(s["paired_push_ll"] - 2.0) < 1e-6

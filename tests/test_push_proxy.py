@@ -71,12 +71,11 @@ def test_push_failed_prefill_leg_is_counted_not_fatal(upstreams, proxy):  # noqa
     p, d = SlowPrefill(0.0, status=500), upstreams("decode")
     try:
         url = proxy([p.url], [d.url], flow="push", extra=("--push-layerwise", "on",
-                                                             "--push-layer-load", "on"))
+                                                             "--push-layer-load", "on",
+                                                             "--push-layer-watch", "off"))
         status, out = post(url + "/v1/completions", {"model": "m", "prompt": "hi",
                                                      "max_tokens": 4})
         assert status == 200 and out["by"] == "decode"
-        assert p.seen[0][1]["kv_transfer_params"]["push_layerwise"] is True
-        assert "push_layer_load" not in p.seen[0][1]["kv_transfer_params"]
         assert "remote_engine_id" not in d.seen[0]["body"]["kv_transfer_params"]
         assert d.seen[0]["body"]["kv_transfer_params"]["push_layer_load"] is True
         for _ in range(50):
@@ -86,6 +85,12 @@ def test_push_failed_prefill_leg_is_counted_not_fatal(upstreams, proxy):  # noqa
                 break
             time.sleep(0.05)
         assert stats["prefill_errors"] == 1
+        # The prefill leg runs beside the decode's: it may reach the prefill
+        # after the decode answered (a loaded host), so it is looked at now.
+        assert p.seen[0][1]["kv_transfer_params"]["push_layerwise"] is True
+        assert "push_layer_load" not in p.seen[0][1]["kv_transfer_params"]
+        assert p.seen[0][1]["kv_transfer_params"]["push_layer_watch"] is False  # prefill's
+        assert "push_layer_watch" not in d.seen[0]["body"]["kv_transfer_params"]
     finally:
         p.close()
 

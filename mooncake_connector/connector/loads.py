@@ -10,6 +10,7 @@ import logging
 import os
 import time
 
+from mooncake_connector import trace
 from mooncake_connector.connector.layout import NULL_BLOCK
 from mooncake_connector.connector.settings import SettingsError
 from mooncake_connector.connector.stats import recompute_reason
@@ -82,9 +83,13 @@ class Loads:
         if li is None:
             return
         pc = self.w.push_c
+        if trace.ON:
+            trace.event("layer_wait", self.layered[0].spec.push_tid, li=li)
         while True:
             self.w.drain_notifies()
             if all(pc.layer_state(ld, li) != "wait" for ld in self.layered):
+                if trace.ON:
+                    trace.event("layer_go", self.layered[0].spec.push_tid, li=li)
                 return
             self._nap()
 

@@ -34,6 +34,7 @@ class PublishSpec:
     more_groups: list = field(default_factory=list)  # HMA: block ids of KV-cache groups 1..
     push_tid: str | None = None  # push: written into the consumer's blocks, not published
     layerwise: bool | None = None  # push: per-request override of push_layerwise
+    watch: bool | None = None      # push: per-request override of push_layer_watch
     push_optional: bool = False  # a bare transfer_id: published for a pull as well, pushed
                                  # if a decode side sends a target (the in-tree shape)
 

@@ -40,6 +40,8 @@ import threading
 import time
 from array import array
 
+from mooncake_connector import trace
+
 logger = logging.getLogger("vllm.mooncake_connector")
 
 MAGIC = b"MCPUSH1\n"
@@ -168,6 +170,9 @@ class Outbox:
                 res = None
                 try:
                     self.engine.send_notify(target, msg, timeout)
+                    if trace.ON:
+                        h = decode(msg)[0]
+                        trace.event("notify_sent", h.get("tid"), what=h.get("t"), l=h.get("l"))
                 except (MooncakeError, ValueError, RuntimeError) as e:
                     text = str(e)
                     # Only a connection that never came up proves the message
@@ -278,6 +283,7 @@ class PushConsumer:
                 head["lnotify"] = True
                 cl.landed[name] = set()
             cl.ranks[name] = "sending"
+            trace.event("target_queued", tid, to=name)
             w.push_outbox.send(name, encode(head, flat.tobytes()), key=("t", tid, name))
 
     def on_message(self, sender, head):
@@ -285,6 +291,8 @@ class PushConsumer:
         if cl is None or sender not in cl.ranks:
             return
         t = head["t"]
+        if trace.ON:
+            trace.event("c_recv", head["tid"], what=t, l=head.get("l"))
         if t == "layer" and sender in cl.landed:
             got = head.get("l")
             if isinstance(got, list):
@@ -477,8 +485,9 @@ class _Served:
 
 
 class ProducerJob:
-    def __init__(self, spec, expected, layerwise, optional=False):
+    def __init__(self, spec, expected, layerwise, optional=False, watch=True):
         self.optional = optional  # also published for a pull (a bare transfer_id)
+        self.watch = watch     # layer load: the landing thread tells each layer as it lands
         self.spec = spec
         self.rid = spec.req_id
         self.tid = spec.push_tid
@@ -502,6 +511,7 @@ class PushProducer:
         self._early_bytes = 0
         self.lock = threading.RLock()
         self._waiter = None  # CUDA KV caches: layer_events.LayerWaiter, made at first use
+        self._landing = None  # layer load: landing.LandingWatcher, made at first use
         self._layer_index = {L.name: i for i, L in enumerate(worker.layout.layers)}
         off, self._layer_off = 0, []
         for L in worker.layout.layers:
@@ -519,6 +529,8 @@ class PushProducer:
     @_locked
     def on_message(self, sender, head, body):
         t, tid = head["t"], head["tid"]
+        if trace.ON:
+            trace.event("p_recv", tid, what=t, job=tid in self.jobs)
         if t == "target":
             try:
                 tg = Target(sender, head, body, time.monotonic())
@@ -578,12 +590,12 @@ class PushProducer:
     # jobs
 
     @_locked
-    def begin(self, spec, expected, layerwise, optional=False):
+    def begin(self, spec, expected, layerwise, optional=False, watch=True):
         """A push request's prompt completes in this step (before the forward)."""
         tid = spec.push_tid
         if tid in self.jobs:
             return
-        job = ProducerJob(spec, expected, layerwise, optional)
+        job = ProducerJob(spec, expected, layerwise, optional, watch)
         self.jobs[tid] = job
         self.by_rid[spec.req_id] = tid
         early = self.early.get(tid, {})
@@ -635,6 +647,10 @@ class PushProducer:
         li = self._layer_index.get(layer_name)
         if li is None:
             return
+        if trace.ON:
+            for job in self.jobs.values():
+                if not job.all_ready:
+                    trace.event("layer_saved", job.tid, li=li)
         cpu = self.w.cuda_sync is None  # on CPU the layer's KV is in memory now
         if not cpu and self.streams:
             # CUDA: the layer's kernels are queued, not done; its writes
@@ -667,24 +683,39 @@ class PushProducer:
                     if tg.lnotify and tg.batches:
                         self._poll_batches(tg, job)
 
+    def _check_layer_writes(self, watched):
+        """One look at the writes of targets whose decode attention waits
+        per layer (of jobs with push_layer_watch on or off), telling the
+        layers that landed; True while some are still in flight."""
+        busy = False
+        wall = time.time()
+        with self.lock:  # not while sleeping: the other threads may go on
+            for job in self.jobs.values():
+                if job.watch != watched:
+                    continue
+                for tg in job.targets.values():
+                    if tg.lnotify and tg.batches and not tg.stop and not tg.cancel and \
+                            wall < tg.lease_until - PUSH_MARGIN_S:
+                        busy = not self._poll_batches(tg, job) or busy
+        return busy
+
     def flush_layers(self):
-        """After the forward (wait_for_save): wait (GIL released, bounded)
-        for the writes of targets whose decode attention waits per layer,
+        """After the forward (wait_for_save), jobs without the landing
+        thread (push_layer_watch false): wait (GIL released, bounded) for
+        the writes of targets whose decode attention waits per layer,
         telling each layer as it lands, so the last layer does not wait for
-        this instance's next step."""
+        this instance's next step.  The landing thread tells the others."""
         cap = time.monotonic() + 1.0
-        while True:
-            busy = False
-            wall = time.time()
-            with self.lock:  # not while sleeping: the layer waiter's thread may go on
-                for job in self.jobs.values():
-                    for tg in job.targets.values():
-                        if tg.lnotify and tg.batches and not tg.stop and not tg.cancel and \
-                                wall < tg.lease_until - PUSH_MARGIN_S:
-                            busy = not self._poll_batches(tg, job) or busy
-            if not busy or time.monotonic() > cap:
-                return
+        while self._check_layer_writes(False) and time.monotonic() <= cap:
             time.sleep(0.0002)
+
+    def _watch_landing(self):
+        """Layer load: a write of a watched job started; the landing thread
+        tells the decode as soon as it lands (landing.py)."""
+        if self._landing is None:
+            from mooncake_connector.connector.landing import LandingWatcher
+            self._landing = LandingWatcher(lambda: self._check_layer_writes(True))
+        self._landing.kick()
 
     @_locked
     def prompt_done(self, rid):
@@ -743,6 +774,10 @@ class PushProducer:
             bid = self.w.engine.batch_transfer_async_write(tg.name, src, dst, lens)
             tg.batches.append(bid)
             tg.blayers[bid] = todo
+            if trace.ON:
+                trace.event("write_issued", job.tid, l=todo, bytes=sum(lens))
+            if tg.lnotify and job.watch:
+                self._watch_landing()
         except (MooncakeError, ValueError) as e:
             tg.stop = f"write to {tg.name} failed to start: {e}"
             return
@@ -762,6 +797,8 @@ class PushProducer:
                                                                   else "")
             elif r > 0:
                 tg.landed.update(layers)
+                if trace.ON and job is not None:
+                    trace.event("write_seen_landed", job.tid, l=list(layers))
         tg.batches = left
         if tg.lnotify and len(tg.landed) > tg.told and job is not None and not tg.stop:
             tg.told = len(tg.landed)
@@ -871,6 +908,9 @@ class PushProducer:
         if self._waiter is not None:
             self._waiter.close()  # before the lock: it may be handing a layer over
             self._waiter = None
+        if self._landing is not None:
+            self._landing.close()  # before the lock: it may be checking writes
+            self._landing = None
         with self.lock:
             for job in self.jobs.values():
                 for tg in job.targets.values():

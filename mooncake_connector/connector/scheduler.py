@@ -31,6 +31,7 @@ from mooncake_connector.connector.metadata import (LoadSpec, MooncakeConnectorMe
 from mooncake_connector.connector.push import is_push, transfer_id
 from mooncake_connector.connector.settings import shift_port
 from mooncake_connector.connector.stats import MooncakeKVConnectorStats, recompute_reason
+from mooncake_connector import trace
 
 logger = logging.getLogger("vllm.mooncake_connector")
 
@@ -222,6 +223,10 @@ class SchedulerSide:
             return 0, False
         if src[0] == "P":
             held = self._layer_load_claim(request, n_full)
+            if trace.ON:
+                trace.event("sched_match", transfer_id(request.kv_transfer_params or {}),
+                            held=held, computed=num_computed_tokens,
+                            arrival_w=getattr(request, "arrival_time", None))
             if held > num_computed_tokens:  # push, layer load: scheduled now, in-step load
                 self._claims[request.request_id] = (held, True)
                 return held - num_computed_tokens, False
@@ -294,6 +299,8 @@ class SchedulerSide:
         self._tried.add(request.request_id)
         params = getattr(request, "kv_transfer_params", None) or {}
         end, sync = self._claims.pop(request.request_id, (self._full_tokens(request), False))
+        if trace.ON and src[0] == "P":
+            trace.event("sched_alloc", transfer_id(params), sync=sync, ext=num_external_tokens)
         if TRACE and src[0] == "P" and sync:
             arrived = getattr(request, "arrival_time", None)
             if isinstance(arrived, float):
@@ -374,10 +381,15 @@ class SchedulerSide:
                 # comes for it (docs/connector.md, Push flow).
                 push = _push_mode(self.s, params)
                 lw = params.get("push_layerwise")
+                if trace.ON and push:
+                    trace.event("sched_publish", transfer_id(params), n_sched=n_sched,
+                                arrival_w=getattr(req, "arrival_time", None))
                 self._publishes.append(PublishSpec(rid, list(req.prompt_token_ids[:n_full]),
                                                    groups[0], more_groups=groups[1:],
                                                    push_tid=transfer_id(params) if push else None,
                                                    layerwise=lw if isinstance(lw, bool) else None,
+                                                   watch=_bool_or_none(params.get(
+                                                       "push_layer_watch")),
                                                    push_optional=push == "optional"))
                 self._published[rid] = n_full
         meta.publishes, self._publishes = self._publishes, []
@@ -458,6 +470,10 @@ def _push_mode(settings, params):
             not transfer_id(params) or params.get("push") is False:
         return None
     return "push" if params.get("push") is True else "optional"
+
+
+def _bool_or_none(v):
+    return v if isinstance(v, bool) else None
 
 
 def _int_or_none(v):

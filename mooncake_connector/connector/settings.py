@@ -54,6 +54,11 @@ KNOBS = {  # extra-config key: (type, default, meaning)
                             "background thread starts each layer's write once its event "
                             "completed); false: CUDA KV caches push whole prompts after the "
                             "forward"),
+    "push_layer_watch": (bool, True, "producer, push layer load: a thread tells the decode "
+                         "each layer as soon as its writes land (false: told from vLLM's "
+                         "forward thread only, at the next layer's save_kv_layer and, for the "
+                         "last layer, after the rest of the forward); per request "
+                         "\"push_layer_watch\" in the prefill leg's kv_transfer_params wins"),
     "push_layer_load": (bool, False, "consumer, push flow: schedule a pushed request at once "
                         "(an in-step load) and let each attention layer wait "
                         "(wait_for_layer_load) until the producer's write of that layer "
@@ -117,6 +122,7 @@ class Settings:
     bootstrap_host: str = ""
     push_layerwise: bool = False
     push_layerwise_cuda: bool = True
+    push_layer_watch: bool = True
     push_layer_load: bool = False
     push_layer_timeout_s: float = 10.0
     push_layer_load_max_batch: int = 0

@@ -12,6 +12,7 @@ lookup buffer and the consumer's pulls.  One module per concern:
 """
 import logging
 
+from mooncake_connector import trace
 from mooncake_connector.connector import lifecycle
 from mooncake_connector.connector.loads import Load as _Load  # noqa: F401  (old name)
 from mooncake_connector.connector.loads import Loads
@@ -44,6 +45,7 @@ class WorkerSide:
         self.loads = Loads(self)
         self.publishes = Publishes(self)
         self._idle = False        # this step schedules nothing (may wait for releases)
+        self._traced = ()         # MC_TRACE: this step's push transfer ids
         self.stats = MooncakeKVConnectorStats()
 
     # ---- setup ----
@@ -60,6 +62,11 @@ class WorkerSide:
 
     def on_metadata(self, meta):
         self._idle = bool(getattr(meta, "idle", False))
+        if trace.ON:
+            self._traced = [x.push_tid for x in (*meta.loads, *meta.publishes)
+                            if getattr(x, "push_tid", None)]
+            for tid in self._traced:
+                trace.event("step_bound", tid, rank=self.tp_rank)
         self.publishes.on_held(meta.held)
         if self.push_p is not None:
             self.drain_notifies()
@@ -71,9 +78,11 @@ class WorkerSide:
                     # Layer by layer needs the layer's KV written: on CPU
                     # when save_kv_layer runs; on CUDA once that layer's
                     # event completed (layer_events.py, push_layerwise_cuda).
+                    watch = getattr(p, "watch", None)
                     self.push_p.begin(p, expected=self.routes.fanout(),
                                       layerwise=lw and self.push_p.streams,
-                                      optional=p.push_optional)
+                                      optional=p.push_optional,
+                                      watch=self.s.push_layer_watch if watch is None else watch)
 
     def drain_notifies(self):
         """Route the push flow's notifications (push.py) to their side."""
@@ -106,6 +115,8 @@ class WorkerSide:
             self.push_p.layer_done(layer_name)
 
     def start_load(self, meta):
+        for tid in self._traced:
+            trace.event("fwd_start", tid, rank=self.tp_rank)
         self.loads.start(meta)
 
     def wait_for_layer_load(self, layer_name):
@@ -114,9 +125,13 @@ class WorkerSide:
         self.loads.wait_layer(layer_name)
 
     def publish(self, meta):
+        for tid in self._traced:
+            trace.event("fwd_end", tid, rank=self.tp_rank)
         self.publishes.publish(meta)
         if self.push_p is not None and self.push_p.jobs:
             self.push_p.flush_layers()  # decode attention waiting per layer: tell it now
+            for tid in self._traced:
+                trace.event("flushed", tid, rank=self.tp_rank)
 
     def unpublish(self, meta):
         self.publishes.unpublish(meta)
@@ -126,6 +141,9 @@ class WorkerSide:
 
     def get_finished(self, finished_req_ids):
         self.loads.end_layered()  # before vLLM may reuse or recompute their blocks
+        for tid in self._traced:
+            trace.event("get_finished", tid, rank=self.tp_rank)
+        self._traced = ()
         self.publishes.finished_seen.update(finished_req_ids)
         if self.push_outbox is not None:
             self.drain_notifies()

@@ -1,0 +1,391 @@
+"""Where a push layer-load request's time to first token goes (issue 31).
+
+    MC_SAME_HOST_CPU=0 PYTHONPATH=. .venv/bin/python -P benchmarks/ttft_timeline.py \\
+        [--lengths 128,1024,1900] [--requests 8] [--pin prefill=0,decode=1,colocated=0] \\
+        [--out build/ttft_timeline.json]
+
+Starts the metadata server, prefill, decode and colocated vLLM CPU servers
+(the KV-heavy model of serving_bench.py --kv32k: 8 layers, 32 KiB of KV per
+token), a push proxy with layer load (--push-layerwise on --push-layer-load
+on) and a pass-through proxy in front of the colocated server, all with
+MC_TRACE (mooncake_connector/trace.py) set.  It sends each prompt through
+colocated (direct), colocated (via the pass-through proxy) and push layer
+load, in a fresh random order per prompt, one request at a time, and
+reads the trace back: per push request the monotonic time of every traced
+point from the proxy's receipt, p50 per length, next to colocated's TTFT
+and the colocated server's own queue / prefill time (vLLM's histograms,
+scraped around each request).  --pin puts each server's processes (and all
+their threads) on one CPU with taskset (a 2-vCPU host: do the two servers
+contend?).
+"""
+import argparse
+import json
+import os
+import random
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from serving_bench import KV32K_SPEC, prompt_of  # noqa: E402
+
+SETTLE_S = 0.05
+
+#: Points of a push layer-load request, in the order they normally happen:
+#: (column, side, event, filter).  side "d": the decode, "p": the prefill,
+#: "x": the proxy.  The first matching event counts, except where noted.
+POINTS = (
+    ("proxy_dispatch", "x", "proxy_dispatch", None),
+    ("d_arrival", "d", None, None),
+    ("p_arrival", "p", None, None),
+    ("d_sched", "d", "sched_match", None),
+    ("d_fwd_start", "d", "fwd_start", None),
+    ("d_target_sent", "d", "notify_sent", "target"),
+    ("p_sched", "p", "sched_publish", None),
+    ("p_step_bound", "p", "step_bound", None),
+    ("p_target_recv", "p", "p_recv", "target"),
+    ("p_layer0_saved", "p", "layer_saved", 0),
+    ("p_last_saved", "p", "layer_saved", "last"),
+    ("p_fwd_end", "p", "fwd_end", None),
+    ("p_last_landed", "p", "write_seen_landed", "last"),
+    ("p_last_told", "p", "notify_sent", "last"),
+    ("d_last_wait", "d", "layer_wait", "last"),
+    ("d_last_recv", "d", "c_recv", "last"),
+    ("d_last_go", "d", "layer_go", "last"),
+    ("d_fwd_end", "d", "fwd_end", None),
+    ("d_api_first", "d", None, None),
+    ("d_chunk_in", "x", "proxy_chunk_in", None),
+    ("d_chunk_out", "x", "proxy_chunk_out", None),
+    ("p_answer", "x", "proxy_prefill_answer", None),
+)
+
+
+#: The stretches of a push layer-load request's time to first token, each
+#: from one point to the next (per request, then p50): (label, from, to).
+STRETCHES = (
+    ("proxy in -> prefill step bound", None, "p_step_bound"),
+    ("prefill forward to last layer saved", "p_step_bound", "p_last_saved"),
+    ("last layer's write (saved -> landed)", "p_last_saved", "p_last_landed"),
+    ("told: landed -> decode has it", "p_last_landed", "d_last_recv"),
+    ("decode: last layer + rest of forward", "d_last_recv", "d_fwd_end"),
+    ("decode: sample + output -> API server", "d_fwd_end", "d_api_first"),
+    ("decode API server -> proxy", "d_api_first", "d_chunk_in"),
+    ("proxy -> client (+ client -> proxy in)", "d_chunk_in", "client_ttft"),
+    ("(prefill's tail: last save -> forward end)", "p_last_saved", "p_fwd_end"),
+)
+
+
+def _pct(xs, q):
+    xs = sorted(x for x in xs if x is not None)
+    if not xs:
+        return None
+    k = (len(xs) - 1) * q / 100
+    lo = int(k)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def timelines(events, nlayers):
+    """{proxy request id: {column: ms after the proxy received it}} for push
+    requests, from a trace's events."""
+    by_k = {}
+    for e in events:
+        by_k.setdefault(e["k"], []).append(e)
+    out = {}
+    for e in events:
+        if e["ev"] != "proxy_dispatch":
+            continue
+        rid, tid = e["rid"], e["k"]
+        evs = by_k.get(tid, [])
+        pin = [x for x in by_k.get(rid, []) if x["ev"] == "proxy_in"]
+        if not pin:
+            continue
+        t0 = pin[0]["t"]
+        # Which process is which side: the decode's worker waits for layers,
+        # the prefill's saves them (the scheduler may run in another process).
+        dpids = {x["pid"] for x in evs if x["ev"] in ("layer_wait", "sched_match",
+                                                       "target_queued", "c_recv")}
+        ppids = {x["pid"] for x in evs if x["ev"] in ("layer_saved", "sched_publish",
+                                                       "p_recv", "write_issued")}
+        row = {}
+        for col, side, ev, flt in POINTS:
+            if ev is None:
+                continue  # from vLLM's own numbers, below
+            pool = by_k.get(rid, []) if ev.startswith("proxy_chunk") else evs
+            cand = []
+            for x in pool:
+                if x["ev"] != ev:
+                    continue
+                if side == "d" and x["pid"] not in dpids and ev in ("fwd_start", "fwd_end", "step_bound"):
+                    continue
+                if side == "p" and x["pid"] not in ppids and ev in ("fwd_start", "fwd_end", "step_bound"):
+                    continue
+                if side == "d" and ev == "notify_sent" and x["pid"] not in dpids:
+                    continue
+                if side == "p" and ev == "notify_sent" and x["pid"] not in ppids:
+                    continue
+                if flt == "target" and x.get("what") != "target":
+                    continue
+                if flt == "last":
+                    ls = x.get("l") or ([x["li"]] if "li" in x else [])
+                    if nlayers - 1 not in ls:
+                        continue
+                elif isinstance(flt, int) and x.get("li") != flt:
+                    continue
+                cand.append(x["t"])
+            row[col] = (min(cand) - t0) * 1e3 if cand else None
+        # vLLM's arrival time (wall clock, set by the API server) on this axis
+        for col, ev in (("d_arrival", "sched_match"), ("p_arrival", "sched_publish")):
+            x = next((x for x in evs if x["ev"] == ev and x.get("arrival_w")), None)
+            row[col] = None if x is None else (x["arrival_w"] + x["t"] - x["w"] - t0) * 1e3
+        out[rid] = row
+    return out
+
+
+def scrape(url, names=("vllm:request_queue_time_seconds", "vllm:request_prefill_time_seconds",
+                       "vllm:time_to_first_token_seconds")):
+    """Sums of vLLM's per-request histograms (a difference around one
+    request is that request's value)."""
+    from mooncake_connector.serving import http_get
+    try:
+        status, text = http_get(url + "/metrics", timeout=10)
+    except Exception:  # noqa: BLE001 - a server without metrics: no column
+        return {}
+    out = {}
+    for n in names:
+        m = re.search(r"^" + re.escape(n) + r"_sum\{[^}]*\} ([0-9.e+-]+)$", text, re.M)
+        if m:
+            out[n] = float(m.group(1))
+    return out
+
+
+def _group_pids(pgid):
+    pids = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                st = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(st[2]) == pgid:
+            pids.append(int(d))
+    return pids
+
+
+def pin(proc, cpu):
+    """Every thread of every process of this server's process group on cpu."""
+    pids = _group_pids(proc.proc.pid)
+    for pid in pids:
+        subprocess.run(["taskset", "-a", "-cp", str(cpu), str(pid)], check=True,
+                       capture_output=True)
+    return pids
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--lengths", default="128,1024,1900")
+    ap.add_argument("--requests", type=int, default=8)
+    ap.add_argument("--max-tokens", type=int, default=4)
+    ap.add_argument("--pin", default="",
+                    help="server=cpu,... e.g. prefill=0,decode=1,colocated=0 (taskset)")
+    ap.add_argument("--no-ab", action="store_true",
+                    help="measure push layer load with the prefill server's settings only "
+                         "(default: also with --push-layer-watch off, as mode push_ll_b, "
+                         "interleaved: the A/B of the landing thread)")
+    ap.add_argument("--out", default="build/ttft_timeline.json")
+    ap.add_argument("--workdir", default=None)
+    ap.add_argument("--reread", metavar="JSON",
+                    help="no run: the tables again from an earlier run's --out (its trace)")
+    args = ap.parse_args(argv)
+    if args.reread:
+        from mooncake_connector import trace
+        with open(args.reread) as f:
+            old = json.load(f)
+        rows = {int(k): v for k, v in old["rows"].items()}
+        modes = list(dict.fromkeys(r["mode"] for v in rows.values() for r in v))
+        tl = timelines(trace.read(old["summary"]["trace"]), KV32K_SPEC["layers"])
+        old["summary"]["rows"] = report(rows, tl, modes)
+        old["timelines"] = tl
+        with open(args.reread, "w") as f:
+            json.dump(old, f, indent=1)
+        return 0
+    lengths = [int(x) for x in args.lengths.split(",")]
+    pins = {}
+    for kv in filter(None, args.pin.split(",")):
+        k, _, v = kv.partition("=")
+        if k not in ("prefill", "decode", "colocated") or not v.isdigit():
+            ap.error(f"--pin {kv!r}: expected prefill|decode|colocated=CPU")
+        pins[k] = int(v)
+
+    workdir = args.workdir or tempfile.mkdtemp(prefix="mc-ttft-")
+    tpath = os.path.join(workdir, "trace.jsonl")
+    os.environ["MC_TRACE"] = tpath  # every process started below inherits it
+    from mooncake_connector import tiny_model, trace
+    from mooncake_connector.deployment import Deployment
+    from mooncake_connector.openai_client import request
+
+    model = tiny_model.build(**KV32K_SPEC)
+    ll = ("--push-layerwise", "on", "--push-layer-load", "on")
+    extra = {"push-ll": {"flow": "push", "extra_args": ll}}
+    if not args.no_ab:
+        extra["push-ll-b"] = {"flow": "push", "extra_args": ll + ("--push-layer-watch", "off")}
+    dep = Deployment(workdir, model, flows=(), extra_proxies=extra, colocated_proxy=True,
+                     kv_cache_bytes=256 << 20)
+    urls = {}
+    rows = {}
+    meta = {}
+    try:
+        dep.start(timeout=600)
+        for name, cpu in pins.items():
+            meta.setdefault("pinned", {})[name] = (cpu, pin(getattr(dep, name), cpu))
+        urls = {"colocated": dep.colocated.url, "colocated_proxy": dep.colocated_proxy.url,
+                "push_ll": dep.proxies["push-ll"].url}
+        if "push-ll-b" in dep.proxies:
+            urls["push_ll_b"] = dep.proxies["push-ll-b"].url
+        body = {"model": "tiny", "temperature": 0.0, "max_tokens": args.max_tokens,
+                "ignore_eos": True, "return_token_ids": True, "stream": True}
+        for k, u in urls.items():  # warm-up
+            for i in range(3):
+                request(u, "/v1/completions", dict(body, prompt=prompt_of(max(lengths), 77 + i)),
+                        timeout=600)
+        meta["load_before"] = os.getloadavg()
+        order = random.Random(31)
+        for n in lengths:
+            for i in range(args.requests):
+                p = prompt_of(n, 5000 * n + i)
+                keys = list(urls)
+                order.shuffle(keys)
+                ref = None
+                for k in keys:
+                    time.sleep(SETTLE_S)
+                    rid = f"tl-{k}-{n}-{i}-{os.getpid()}"
+                    srv = dep.colocated.url if k.startswith("colocated") else dep.decode.url
+                    before = scrape(srv)
+                    t_send = time.monotonic()
+                    r = request(urls[k], "/v1/completions", dict(body, prompt=p), timeout=600,
+                                headers={"X-Request-Id": rid})
+                    if r.status != 200 or r.error:
+                        raise RuntimeError(f"{k}: {r.status} {r.error}")
+                    after = scrape(srv)
+                    rec = {"mode": k, "n": n, "rid": rid, "t_send": t_send,
+                           "ttft_ms": r.ttft_s * 1e3, "tokens": r.token_ids,
+                           "prompt_tokens": None}
+                    for m, v in after.items():
+                        rec[m.split(":")[1]] = (v - before.get(m, 0.0)) * 1e3
+                    rows.setdefault(n, []).append(rec)
+                    if k == "colocated":
+                        ref = r.token_ids
+                for rec in rows[n][-len(keys):]:
+                    rec["identical"] = rec["tokens"] == ref
+        meta["load_after"] = os.getloadavg()
+    finally:
+        dep.stop()
+    time.sleep(0.5)
+    events = trace.read(tpath)
+    tl = timelines(events, KV32K_SPEC["layers"])
+    summary = {"rows": report(rows, tl, list(urls))}
+    summary.update(meta)
+    summary.update({"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+                    "command": " ".join(sys.argv), "cpus": os.cpu_count(),
+                    "env": {k: v for k, v in os.environ.items() if k.startswith("MC_")},
+                    "trace": tpath})
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"summary": summary, "rows": {str(k): v for k, v in rows.items()},
+                   "timelines": tl}, f, indent=1)
+    print(f"load average before/after: {meta.get('load_before')} / {meta.get('load_after')}")
+    print(f"wrote {args.out} (trace {tpath})")
+    return 0
+
+
+def report(rows, tl, urls):
+    out = {}
+    for n, recs in rows.items():
+        s = {}
+        for k in urls:
+            xs = [r for r in recs if r["mode"] == k]
+            s[f"ttft_{k}"] = _pct([r["ttft_ms"] for r in xs], 50)
+            s[f"identical_{k}"] = f"{sum(r['identical'] for r in xs)}/{len(xs)}"
+            for m in ("request_queue_time_seconds", "request_prefill_time_seconds",
+                      "time_to_first_token_seconds"):
+                if any(m in r for r in xs):
+                    s[f"{k}_{m}"] = _pct([r.get(m) for r in xs], 50)
+        for k in ("push_ll", "push_ll_b"):
+            cols = {}
+            for r in recs:
+                if r["mode"] != k:
+                    continue
+                row = tl.get(r["rid"], {})
+                row["client_ttft"] = r["ttft_ms"]
+                srv = r.get("time_to_first_token_seconds")
+                if srv is not None and row.get("d_arrival") is not None:
+                    # the decode's API server has the first token (vLLM's TTFT)
+                    row["d_api_first"] = row["d_arrival"] + srv
+                for c, v in row.items():
+                    cols.setdefault(c, []).append(v)
+            if cols:
+                s[f"timeline_{k}"] = {c: _pct(v, 50) for c, v in cols.items()}
+                st = {}
+                for label, a, b in STRETCHES:
+                    xs = [(y - (0.0 if a is None else x)) for x, y in
+                          zip(cols.get(a, [0.0] * len(cols[b])), cols[b])
+                          if x is not None and y is not None]
+                    st[label] = _pct(xs, 50)
+                s[f"stretches_{k}"] = st
+        # Paired: each prompt went through every mode back to back (random
+        # order): the median difference cancels what drifts between prompts.
+        by_i = {}
+        for r in recs:
+            by_i.setdefault(r["rid"].rsplit("-", 2)[1], {})[r["mode"]] = r["ttft_ms"]
+        for k in urls:
+            if k != "colocated":
+                d = [v[k] - v["colocated"] for v in by_i.values() if k in v and "colocated" in v]
+                s[f"paired_{k}"] = statistics.median(d) if d else None
+        d = [v["push_ll"] - v["push_ll_b"] for v in by_i.values()
+             if "push_ll" in v and "push_ll_b" in v]
+        s["paired_ab"] = statistics.median(d) if d else None
+        out[n] = s
+        print(f"\n== {n} words: TTFT p50 " + ", ".join(
+            f"{k} {s[f'ttft_{k}']:.1f}" for k in urls) + " ms; identical " + ", ".join(
+            f"{k} {s[f'identical_{k}']}" for k in urls))
+        print("  paired TTFT - colocated TTFT, median: " + ", ".join(
+            f"{k} {s[f'paired_{k}']:+.1f}" for k in urls if s.get(f"paired_{k}") is not None)
+            + " ms" + ("" if s.get("paired_ab") is None else
+                       f"; A/B paired push_ll - push_ll_b {s['paired_ab']:+.1f} ms"))
+        for k in urls:
+            q = s.get(f"{k}_request_queue_time_seconds")
+            pf = s.get(f"{k}_request_prefill_time_seconds")
+            tt = s.get(f"{k}_time_to_first_token_seconds")
+            if pf is not None:
+                print(f"  {k} ({'colocated' if k.startswith('colocated') else 'decode'} "
+                      f"server): vLLM queue {q:.1f}, scheduled->first token {pf:.1f}, "
+                      f"server TTFT {tt:.1f} ms (p50)")
+        for k in ("push_ll", "push_ll_b"):
+            t = s.get(f"timeline_{k}")
+            if t:
+                print(f"  {k} timeline, ms after the proxy received it (p50 per point):")
+                for c, _, _, _ in POINTS + (("client_ttft", 0, 0, 0),):
+                    v = t.get(c)
+                    print(f"    {c:<16} {'-' if v is None else f'{v:8.1f}'}")
+        for k in ("push_ll", "push_ll_b"):
+            if s.get(f"stretches_{k}"):
+                print(f"  {k}: where the time to first token goes (per request, p50 ms):")
+                for label, v in s[f"stretches_{k}"].items():
+                    print(f"    {label:<44} {'-' if v is None else f'{v:8.1f}'}")
+        if s.get("timeline_push_ll") and s.get("timeline_push_ll_b"):
+            print("  A/B side by side (push_ll: landing thread on / push_ll_b: off), p50 ms:")
+            for c, _, _, _ in POINTS + (("client_ttft", 0, 0, 0),):
+                a, b = s["timeline_push_ll"].get(c), s["timeline_push_ll_b"].get(c)
+                print(f"    {c:<16} {'-' if a is None else f'{a:8.1f}'} "
+                      f"{'-' if b is None else f'{b:8.1f}'}")
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())
