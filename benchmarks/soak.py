@@ -7,10 +7,16 @@ Deployment (all on this host, CPU backend, the tiny random-weight model):
 etcd (the connectors' metadata server), two prefill servers (kv_producer; P2
 with a small kv_buffer_size: eviction pressure) inside a network namespace
 joined to the host by a veth pair, two decode servers (kv_consumer, flow A
-pairs D1->P1 and D2->P2), and two of our proxies (flow a, flow b).  The
-proxies, decode servers and etcd reach the prefill servers only over the
-veth link, so cutting it or putting `tc netem` loss/delay on it hits the
-prefill<->decode KV traffic (and the proxy's prefill leg).
+pairs D1->P1 and D2->P2), and our proxies, one per flow (--flows): a, b,
+and three push flows (both legs at once, the prefill writes the KV into the
+decode's blocks): push (whole prompt after the forward), push-lw (layer by
+layer as the prefill computes it), push-ll (layer by layer, the decode's
+attention waiting per layer: push_layer_load).  The proxies, decode servers
+and etcd reach the prefill servers only over the veth link, and the
+prefills reach the decodes' engines over it (push: each decode's
+decode_url is the host's veth address, the name its engine publishes), so
+cutting it or putting `tc netem` loss/delay on it hits the prefill<->decode
+KV traffic both ways (and the proxy's prefill leg).
 
 Clients (asyncio, --clients at once): prompts from a pool with shared
 prefixes and mixed lengths, completions and chat, streamed and not, greedy;
@@ -21,7 +27,13 @@ involved), before the load starts.
 
 Faults (--faults, in turn every --fault-period s): SIGKILL of prefill P1 and
 its restart, SIGSTOP/SIGCONT of decode D2, an etcd restart, a cut veth link,
-netem loss+delay on it.
+netem loss+delay on it.  The SIGKILL, the SIGSTOP and the link cut each
+land mid-push: --burst push requests with the pool's longest prompts start
+just before (push/push-lw for the SIGKILL, every push flow for the SIGSTOP,
+push-ll for the cut: a decode step waiting per layer), recorded per fault
+("bursts" in the summary), and each fault's record has what it did to the
+transfers in flight (the connector's counters before and after:
+"connector_delta").
 
 Invariants (each violation is listed in the JSON):
   hung       no request takes longer than --bound-s (the proxy's own limits are lower)
@@ -32,7 +44,8 @@ Invariants (each violation is listed in the JSON):
   leaked     after the load stops and faults are healed, every server's
              running/waiting requests, vLLM KV usage, our held bytes, lookup
              entries and loads in flight return to their baseline within
-             hold_timeout_s + --drain-margin-s
+             hold_timeout_s + --drain-margin-s; each server's open files
+             within --fd-growth-max of its baseline
   rss        no server's RSS grows faster than --rss-slope-max MiB/min
              (least squares over the second half of the load, per process
              lifetime); with --reference, faster than the reference server's
@@ -402,7 +415,8 @@ class Faults(threading.Thread):
                 a = scrape(self.c.servers[n].url) or {}
                 d = {k.replace("vllm:mooncake_", "").replace("_total", ""): round(a[k] - b.get(k, 0))
                      for k in a if k.startswith("vllm:mooncake_") and k.endswith(
-                         ("_total", "}")) and "bucket" not in k and a[k] - b.get(k, 0) > 0
+                         ("_total", "}")) and "bucket" not in k and "_created" not in k
+                     and a[k] - b.get(k, 0) > 0
                      and any(w in k for w in WATCHED)}
                 delta[n] = d
             ev["connector_delta"] = delta
@@ -916,10 +930,10 @@ def main(argv=None):
                     help=f"proxies the clients use, subset of {','.join(FLOWS)} (push: whole "
                          "prompt after the forward; push-lw: layer by layer; push-ll: layer by "
                          "layer with the decode's attention waiting per layer)")
-    ap.add_argument("--burst", type=int, default=6,
+    ap.add_argument("--burst", type=int, default=8,
                     help="push requests started right before SIGKILL of P1, SIGSTOP of D2 and "
                          "a link cut, so that each lands mid-push (0: none)")
-    ap.add_argument("--burst-delay-s", type=float, nargs=2, default=(0.05, 0.35),
+    ap.add_argument("--burst-delay-s", type=float, nargs=2, default=(0.01, 0.12),
                     metavar=("MIN", "MAX"), help="the fault follows the burst after this long")
     ap.add_argument("--fd-growth-max", type=int, default=64,
                     help="open files a server (its process group) may hold after the drain "
