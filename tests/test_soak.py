@@ -258,3 +258,10 @@ def test_rss_slope_ignores_a_short_lifetime_inside_the_window():
              for t in range(880, 922, 2)]
     assert sk.rss_slope(short, "P", 900, 1800) is None
     assert sk.rss_slope(steady + short, "S", 900, 1800) is not None
+    # A lifetime the soak's faults restarted (born at 600 s, after the load
+    # began) is warming up: not judged when born_by is the load's start.
+    young = [{"t": float(t), "server": "P", "pid": 3, "rss": (900 + t) * 2**20}
+             for t in range(600, 1800, 10)]
+    assert sk.rss_slope(young, "P", 900, 1800) is not None
+    assert sk.rss_slope(young, "P", 900, 1800, born_by=10) is None
+    assert abs(sk.rss_slope(steady, "S", 900, 1800, born_by=10) - 5.0) < 0.01
