@@ -340,6 +340,18 @@ class Cluster:
 
 # ---------------------------------------------------------------- faults
 
+def counter_delta(before, after):
+    """{counter: increase} of the connector's WATCHED counters (scrape() rows)."""
+    out = {}
+    for k, v in after.items():
+        if (k.startswith("vllm:mooncake_") and k.endswith(("_total", "}")) and "bucket" not in k
+                and "_created" not in k and any(w in k for w in WATCHED)
+                and v - before.get(k, 0) > 0):
+            out[k.replace("vllm:mooncake_", "").replace("_total", "")] = round(
+                v - before.get(k, 0))
+    return out
+
+
 class Faults(threading.Thread):
     def __init__(self, cluster, net, args, t0):
         super().__init__(daemon=True)
@@ -410,16 +422,9 @@ class Faults(threading.Thread):
             while wait_end and ev["end"] is None and not self.stop_evt.is_set():
                 time.sleep(0.5)
             self.stop_evt.wait(self.args.load_timeout_s + 5)
-            delta = {}
-            for n, b in before.items():
-                a = scrape(self.c.servers[n].url) or {}
-                d = {k.replace("vllm:mooncake_", "").replace("_total", ""): round(a[k] - b.get(k, 0))
-                     for k in a if k.startswith("vllm:mooncake_") and k.endswith(
-                         ("_total", "}")) and "bucket" not in k and "_created" not in k
-                     and a[k] - b.get(k, 0) > 0
-                     and any(w in k for w in WATCHED)}
-                delta[n] = d
-            ev["connector_delta"] = delta
+            ev["connector_delta"] = {
+                n: counter_delta(b, scrape(self.c.servers[n].url) or {})
+                for n, b in before.items()}
         th = threading.Thread(target=after, daemon=True)
         th.start()
         self.watchers.append(th)
