@@ -7,10 +7,16 @@ Deployment (all on this host, CPU backend, the tiny random-weight model):
 etcd (the connectors' metadata server), two prefill servers (kv_producer; P2
 with a small kv_buffer_size: eviction pressure) inside a network namespace
 joined to the host by a veth pair, two decode servers (kv_consumer, flow A
-pairs D1->P1 and D2->P2), and two of our proxies (flow a, flow b).  The
-proxies, decode servers and etcd reach the prefill servers only over the
-veth link, so cutting it or putting `tc netem` loss/delay on it hits the
-prefill<->decode KV traffic (and the proxy's prefill leg).
+pairs D1->P1 and D2->P2), and our proxies, one per flow (--flows): a, b,
+and three push flows (both legs at once, the prefill writes the KV into the
+decode's blocks): push (whole prompt after the forward), push-lw (layer by
+layer as the prefill computes it), push-ll (layer by layer, the decode's
+attention waiting per layer: push_layer_load).  The proxies, decode servers
+and etcd reach the prefill servers only over the veth link, and the
+prefills reach the decodes' engines over it (push: each decode's
+decode_url is the host's veth address, the name its engine publishes), so
+cutting it or putting `tc netem` loss/delay on it hits the prefill<->decode
+KV traffic both ways (and the proxy's prefill leg).
 
 Clients (asyncio, --clients at once): prompts from a pool with shared
 prefixes and mixed lengths, completions and chat, streamed and not, greedy;
@@ -21,7 +27,13 @@ involved), before the load starts.
 
 Faults (--faults, in turn every --fault-period s): SIGKILL of prefill P1 and
 its restart, SIGSTOP/SIGCONT of decode D2, an etcd restart, a cut veth link,
-netem loss+delay on it.
+netem loss+delay on it.  The SIGKILL, the SIGSTOP and the link cut each
+land mid-push: --burst push requests with the pool's longest prompts start
+just before (push/push-lw for the SIGKILL, every push flow for the SIGSTOP,
+push-ll for the cut: a decode step waiting per layer), recorded per fault
+("bursts" in the summary), and each fault's record has what it did to the
+transfers in flight (the connector's counters before and after:
+"connector_delta").
 
 Invariants (each violation is listed in the JSON):
   hung       no request takes longer than --bound-s (the proxy's own limits are lower)
@@ -32,7 +44,8 @@ Invariants (each violation is listed in the JSON):
   leaked     after the load stops and faults are healed, every server's
              running/waiting requests, vLLM KV usage, our held bytes, lookup
              entries and loads in flight return to their baseline within
-             hold_timeout_s + --drain-margin-s
+             hold_timeout_s + --drain-margin-s; each server's open files
+             within --fd-growth-max of its baseline
   rss        no server's RSS grows faster than --rss-slope-max MiB/min
              (least squares over the second half of the load, per process
              lifetime); with --reference, faster than the reference server's
@@ -64,6 +77,9 @@ from mooncake_connector import serving
 from mooncake_connector.deployment import _port_pair, parse_metrics
 
 FAULTS = ("kill_prefill", "stop_decode", "etcd_restart", "link_cut", "netem")
+FLOWS = ("a", "b", "push", "push-lw", "push-ll")
+# Counters a fault's record shows the change of (what it did to transfers in flight).
+WATCHED = ("push_", "recomputes", "loads_failed", "load_tokens_missed", "sends_expired")
 WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi "
          "rho sigma tau upsilon phi chi psi omega red green blue yellow house river stone tree "
          "cloud light night day water fire earth wind north south east west one two three four "
@@ -172,7 +188,12 @@ def have_netns():
 
 def rss_of_group(pgid):
     """Resident bytes of every process in group pgid (a server and its children)."""
-    total = 0
+    return usage_of_group(pgid)[0]
+
+
+def usage_of_group(pgid):
+    """(resident bytes, open file descriptors) of every process in group pgid."""
+    total = fds = 0
     for d in os.listdir("/proc"):
         if not d.isdigit():
             continue
@@ -182,9 +203,10 @@ def rss_of_group(pgid):
             fields = st[st.rindex(")") + 2:].split()
             if int(fields[2]) == pgid:  # pgrp
                 total += int(fields[21]) * 4096  # rss pages
+                fds += len(os.listdir(f"/proc/{d}/fd"))
         except (OSError, ValueError, IndexError):
             continue
-    return total
+    return total, fds
 
 
 class Launcher:
@@ -275,6 +297,26 @@ class Cluster:
                                serving.free_port(), os.path.join(logs, "proxy-b.log"), flow="b",
                                timeout_s=args.proxy_timeout_s),
         }
+        # The push flows: both legs at once, the prefill (in the namespace)
+        # writes the KV into the decode's blocks over the veth link.  Each
+        # proxy names the prefills' engines (their prefill_url) so the decode
+        # leg's target goes to the producer that runs its prefill leg; the
+        # prefill reaches the decode's engine at its decode_url (the host's
+        # veth address: what a user writes for a decode host whose prefill
+        # sits behind another interface; the engine listens on every address).
+        peng = [engines[1][0], engines[2][0]]
+        for flow, lw, ll, dec in (("push", "off", "off", ("D1", "D2")),
+                                  ("push-lw", "on", "off", ("D2", "D1")),
+                                  ("push-ll", "on", "on", ("D1", "D2"))):
+            if flow in args.flows:
+                self.proxies[flow] = serving.proxy(
+                    pre, [self.servers[d].url for d in dec], serving.free_port(),
+                    os.path.join(logs, f"proxy-{flow}.log"), flow="push",
+                    timeout_s=args.proxy_timeout_s,
+                    extra_args=("--prefill-engine", *peng, "--push-layerwise", lw,
+                                "--push-layer-load", ll))
+        for f in [f for f in self.proxies if f not in args.flows]:
+            del self.proxies[f]
         for p in self.proxies.values():
             p.cmd += ["--idle-timeout", str(args.proxy_idle_timeout_s)]
         self.restarting = set()
@@ -298,6 +340,18 @@ class Cluster:
 
 # ---------------------------------------------------------------- faults
 
+def counter_delta(before, after):
+    """{counter: increase} of the connector's WATCHED counters (scrape() rows)."""
+    out = {}
+    for k, v in after.items():
+        if (k.startswith("vllm:mooncake_") and k.endswith(("_total", "}")) and "bucket" not in k
+                and "_created" not in k and any(w in k for w in WATCHED)
+                and v - before.get(k, 0) > 0):
+            out[k.replace("vllm:mooncake_", "").replace("_total", "")] = round(
+                v - before.get(k, 0))
+    return out
+
+
 class Faults(threading.Thread):
     def __init__(self, cluster, net, args, t0):
         super().__init__(daemon=True)
@@ -310,6 +364,9 @@ class Faults(threading.Thread):
             kinds = [f for f in kinds if f not in ("link_cut", "netem")]
         self.kinds = kinds
         self.restart_threads = []
+        self.load = None       # set before start: bursts of push requests (mid-push faults)
+        self.rnd = random.Random(args.seed + 2)
+        self.watchers = []
 
     def now(self):
         return time.monotonic() - self.t0
@@ -339,11 +396,46 @@ class Faults(threading.Thread):
             if self._sleep(max(0.0, self.args.fault_period - (time.monotonic() - t))):
                 return
 
+    def _mid_push(self, flows, tag):
+        """Starts a burst of push requests (the pool's longest prompts, on
+        `flows`) and returns after a short random delay, so that the fault
+        injected next lands while their KV is being pushed.  Returns the
+        words for the fault's detail ('' without push flows)."""
+        load = self.load
+        flows = [f for f in flows if load is not None and f in load.proxies]
+        if not flows or load.loop is None:
+            return ""
+        delay = self.rnd.uniform(*self.args.burst_delay_s)
+        load.burst(flows, self.args.burst, tag)
+        time.sleep(delay)
+        return (f", {self.args.burst} requests on {'+'.join(flows)} started "
+                f"{delay * 1000:.0f} ms before (mid-push)")
+
+    def _watch(self, ev, servers, wait_end=True):
+        """The connector's counters of `servers` now, and again once the
+        fault is over plus load_timeout_s + 5 s: what the fault did to the
+        transfers in flight (ev["connector_delta"])."""
+        before = {n: scrape(self.c.servers[n].url) or {} for n in servers
+                  if self.c.servers[n].alive}
+
+        def after():
+            while wait_end and ev["end"] is None and not self.stop_evt.is_set():
+                time.sleep(0.5)
+            self.stop_evt.wait(self.args.load_timeout_s + 5)
+            ev["connector_delta"] = {
+                n: counter_delta(b, scrape(self.c.servers[n].url) or {})
+                for n, b in before.items()}
+        th = threading.Thread(target=after, daemon=True)
+        th.start()
+        self.watchers.append(th)
+
     def kill_prefill(self):
         srv = self.c.servers["P1"]
         if "P1" in self.c.restarting:
             return
-        ev = self._event("kill_prefill", "SIGKILL to P1's process group, then restart")
+        mid = self._mid_push(("push", "push-lw"), "kill_prefill")
+        ev = self._event("kill_prefill", "SIGKILL to P1's process group, then restart" + mid)
+        self._watch(ev, ("D1", "D2", "P2"), wait_end=False)
         srv.kill()
         self.c.restarting.add("P1")
 
@@ -362,7 +454,9 @@ class Faults(threading.Thread):
 
     def stop_decode(self):
         srv = self.c.servers["D2"]
-        ev = self._event("stop_decode", f"SIGSTOP D2 for {self.args.stop_s} s")
+        mid = self._mid_push(("push", "push-lw", "push-ll"), "stop_decode")
+        ev = self._event("stop_decode", f"SIGSTOP D2 for {self.args.stop_s} s" + mid)
+        self._watch(ev, ("D1", "D2", "P1", "P2"))
         serving._killpg(srv.proc.pid, signal.SIGSTOP)
         try:
             time.sleep(self.args.stop_s)
@@ -378,7 +472,9 @@ class Faults(threading.Thread):
         ev["end"] = round(self.now(), 2)
 
     def link_cut(self):
-        ev = self._event("link_cut", f"veth down for {self.args.cut_s} s")
+        mid = self._mid_push(("push-ll",), "link_cut")
+        ev = self._event("link_cut", f"veth down for {self.args.cut_s} s" + mid)
+        self._watch(ev, ("D1", "D2", "P1", "P2"))
         self.net.cut()
         try:
             time.sleep(self.args.cut_s)
@@ -407,6 +503,8 @@ class Faults(threading.Thread):
                 serving._killpg(srv.proc.pid, signal.SIGCONT)
         for th in self.restart_threads:
             th.join(timeout=self.args.start_timeout + 30)
+        for th in self.watchers:
+            th.join(timeout=self.args.load_timeout_s + 30)
         if not self.c.etcd.alive:
             self.c.launcher.start_all([self.c.etcd], 60)
 
@@ -478,18 +576,36 @@ class Load:
         self.reference = None       # R's base URL: each request is mirrored there
         self.mirror = {"sent": 0, "ok": 0, "failed": 0}
         self._mirrors = set()
+        self.loop = self.session = None   # while run() runs
+        self._bursts = set()
+        self.longest = sorted(pool, key=lambda it: -len(it["text"]))[:max(1, len(pool) // 6)]
 
-    async def one(self, session, n):
+    def burst(self, flows, n, tag):
+        """From another thread: n requests at once on `flows` in turn (the
+        pool's longest prompts, no client abort), recorded with burst=tag."""
+        def go():
+            for k in range(n):
+                t = asyncio.ensure_future(self.one(
+                    self.session, -1, flow=flows[k % len(flows)],
+                    item=self.rnd.choice(self.longest), tag=tag))
+                self._bursts.add(t)
+                t.add_done_callback(self._bursts.discard)
+        self.loop.call_soon_threadsafe(go)
+
+    async def one(self, session, n, flow=None, item=None, tag=None):
         import aiohttp
         r = self.rnd
-        item = r.choice(self.pool)
-        flow = r.choice(sorted(self.proxies))
+        item = item or r.choice(self.pool)
+        flow = flow or r.choice(sorted(self.proxies))
         chat, stream = r.random() < 0.4, r.random() < 0.5
         u = r.random()
-        behaviour = ("disconnect" if stream and u < self.args.disconnect_frac else
+        behaviour = ("normal" if tag else
+                     "disconnect" if stream and u < self.args.disconnect_frac else
                      "abort" if u > 1 - self.args.abort_frac else "normal")
         rec = {"n": n, "prompt": item["id"], "flow": flow, "chat": chat, "stream": stream,
                "behaviour": behaviour, "start": round(time.monotonic() - self.t0, 3)}
+        if tag:
+            rec["burst"] = tag
         url = self.proxies[flow] + ("/v1/chat/completions" if chat else "/v1/completions")
         t = time.monotonic()
         if self.reference and r.random() < self.args.reference_frac:
@@ -575,6 +691,7 @@ class Load:
         conn = aiohttp.TCPConnector(limit=0, force_close=True)
         async with aiohttp.ClientSession(connector=conn,
                                          timeout=aiohttp.ClientTimeout(total=None)) as session:
+            self.loop, self.session = asyncio.get_running_loop(), session
             tasks = [asyncio.create_task(self.client(session, k))
                      for k in range(self.args.clients)]
             end = time.monotonic() + duration
@@ -583,6 +700,9 @@ class Load:
                 progress()
             self.stop = True
             await asyncio.gather(*tasks)
+            while self._bursts:
+                await asyncio.gather(*list(self._bursts))
+            self.loop = None
             if self._mirrors:
                 await asyncio.gather(*list(self._mirrors), return_exceptions=True)
 
@@ -646,7 +766,8 @@ class Monitor(threading.Thread):
             if srv.alive:
                 m = scrape(srv.url)
                 if m is not None:  # RSS of serving servers only (not while starting)
-                    row["pid"], row["rss"] = srv.proc.pid, rss_of_group(srv.proc.pid)
+                    row["pid"] = srv.proc.pid
+                    row["rss"], row["fds"] = usage_of_group(srv.proc.pid)
                     row.update({g: m.get(g) for g in GAUGES if g in m})
             out[name] = row
         ths = [threading.Thread(target=one, args=(n, s)) for n, s in self.c.servers.items()]
@@ -662,13 +783,17 @@ class Monitor(threading.Thread):
             self.sample()
 
 
-def rss_slope(samples, server, t_from, t_to):
+def rss_slope(samples, server, t_from, t_to, born_by=None):
     """MiB/min by least squares for each lifetime (pid) of server within
-    [t_from, t_to] that began before t_from; the steepest of those with >= 8
-    samples spanning at least a quarter of the window (None: no such
-    lifetime, e.g. restarted inside the window).  (The 30-minute reference
+    [t_from, t_to] that began by born_by (default t_from); the steepest of
+    those with >= 8 samples spanning at least a quarter of the window (None:
+    no such lifetime, e.g. restarted inside the window).  The soak passes
+    the load's start as born_by: a server its faults restarted is warming
+    up, not trending (a P1 restarted 20 s before the window of a 2-minute
+    soak grew 110 MiB/min).  (The 30-minute reference
     soak counted a P1 lifetime that began before the window and was killed
     20 s into it: 14 MiB/min of start-up growth, read as a trend.)"""
+    born_by = t_from if born_by is None else born_by
     born = {}
     for s in samples:
         if s["server"] == server and s["rss"]:
@@ -677,7 +802,7 @@ def rss_slope(samples, server, t_from, t_to):
     for s in samples:
         # A process restarted inside the window is warming up, not trending.
         if (s["server"] == server and s["rss"] and t_from <= s["t"] <= t_to
-                and born[s["pid"]] <= t_from):
+                and born[s["pid"]] <= born_by):
             by_pid.setdefault(s["pid"], []).append((s["t"], s["rss"] / 2**20))
     slopes = []
     for pts in by_pid.values():
@@ -705,9 +830,19 @@ def summarize(load, t_load):
                             "p99": done[min(len(done) - 1, int(0.99 * len(done)))],
                             "max": done[-1]}
     out["max_request_s"] = max((r["secs"] for r in recs), default=0)
-    out["by_flow"] = {f: {"requests": sum(1 for r in recs if r["flow"] == f),
-                          "ok": sum(1 for r in recs if r["flow"] == f and r["outcome"] == "ok")}
-                      for f in sorted({r["flow"] for r in recs})}
+    out["by_flow"] = {}
+    for f in sorted({r["flow"] for r in recs}):
+        row = out["by_flow"][f] = {"requests": sum(1 for r in recs if r["flow"] == f),
+                                   "ok": 0}
+        for r in recs:
+            if r["flow"] == f:
+                row[r["outcome"]] = row.get(r["outcome"], 0) + 1
+    out["bursts"] = {}   # the requests started right before a mid-push fault
+    for r in recs:
+        if r.get("burst"):
+            row = out["bursts"].setdefault(r["burst"], {"requests": 0})
+            row["requests"] += 1
+            row[r["outcome"]] = row.get(r["outcome"], 0) + 1
     errs = {}
     for r in recs:
         if r["outcome"] == "error":
@@ -800,6 +935,18 @@ def main(argv=None):
     ap.add_argument("--think-s", type=float, default=0.5, help="max pause between a client's "
                     "requests")
     ap.add_argument("--faults", default=",".join(FAULTS), help=f"subset of {','.join(FAULTS)}")
+    ap.add_argument("--flows", default=",".join(FLOWS),
+                    help=f"proxies the clients use, subset of {','.join(FLOWS)} (push: whole "
+                         "prompt after the forward; push-lw: layer by layer; push-ll: layer by "
+                         "layer with the decode's attention waiting per layer)")
+    ap.add_argument("--burst", type=int, default=8,
+                    help="push requests started right before SIGKILL of P1, SIGSTOP of D2 and "
+                         "a link cut, so that each lands mid-push (0: none)")
+    ap.add_argument("--burst-delay-s", type=float, nargs=2, default=(0.01, 0.12),
+                    metavar=("MIN", "MAX"), help="the fault follows the burst after this long")
+    ap.add_argument("--fd-growth-max", type=int, default=64,
+                    help="open files a server (its process group) may hold after the drain "
+                         "beyond its baseline (peer connections; a per-request leak is 1000s)")
     ap.add_argument("--fault-period", type=float, default=60.0)
     ap.add_argument("--first-fault-s", type=float, default=20.0)
     ap.add_argument("--stop-s", type=float, default=6.0, help="SIGSTOP length")
@@ -838,6 +985,10 @@ def main(argv=None):
     ap.add_argument("--json", help="results file")
     ap.add_argument("--png", help="timeline image")
     args = ap.parse_args(argv)
+    args.flows = [f for f in args.flows.split(",") if f]
+    bad = [f for f in args.flows if f not in FLOWS]
+    if bad or not args.flows:
+        ap.error(f"--flows {bad or 'empty'}: expected a subset of {','.join(FLOWS)}")
     if args.ci:
         args.duration = min(args.duration, 130)
         args.clients = min(args.clients, 8)
@@ -875,10 +1026,12 @@ def main(argv=None):
         results["baseline"] = base
         mon.start()
         faults = Faults(cluster, net, args, t0)
-        faults.start()
         load = Load({f: p.url for f, p in cluster.proxies.items()}, pool, refs, args, t0)
         if "R" in cluster.servers:
             load.reference = cluster.servers["R"].url
+        if args.burst > 0:
+            faults.load = load
+        faults.start()
         last = [0]
 
         def progress():
@@ -924,19 +1077,24 @@ def main(argv=None):
         results["load_s"] = round(t_load_end, 1)
         results["drain_s"] = None if drained_at is None else round(drained_at - t_heal, 1)
         results["faults"] = faults.events
+        results["proxies"] = {f: " ".join(p.cmd[p.cmd.index("--flow"):])
+                              for f, p in cluster.proxies.items()}
         results["fault_counts"] = {k: sum(1 for e in faults.events if e["fault"] == k)
                                    for k in FAULTS}
         results["fault_errors"] = faults.errors
         results["summary"] = summarize(load, t_load_end)
         results["final"] = {n: rows[n] for n in rows}
+        # Lifetimes serving when the load began (a restarted P1 warms up).
+        t_born = min((x["t"] for x in mon.samples), default=0.0) + 10
         results["rss_slope_mib_per_min"] = {
-            n: rss_slope(mon.samples, n, t_load_end / 2, t_load_end) for n in cluster.servers}
+            n: rss_slope(mon.samples, n, t_load_end / 2, t_load_end, t_born)
+            for n in cluster.servers}
         # Warm-up or leak: the slope in each quarter of the load (a warm-up
         # flattens, a leak does not), and the samples themselves.
         t_first = min((x["t"] for x in mon.samples), default=0.0)
         results["rss_slope_by_quarter"] = {
             n: [rss_slope(mon.samples, n, max(t_first, q * t_load_end / 4),
-                          (q + 1) * t_load_end / 4) for q in range(4)]
+                          (q + 1) * t_load_end / 4, t_born) for q in range(4)]
             for n in cluster.servers}
         results["rss_samples"] = [[x["t"], x["server"], x["pid"],
                                    round(x["rss"] / 2**20, 1)]
@@ -967,6 +1125,15 @@ def main(argv=None):
                              f"{ref} + {args.rss_over_reference})")
             elif sl > args.rss_slope_max:
                 v.append(f"{n}: RSS grows {sl} MiB/min (> {args.rss_slope_max})")
+        results["fds"] = {n: {"baseline": base.get(n, {}).get("fds"), "end": rows[n].get("fds")}
+                          for n in rows}
+        for n, fd in results["fds"].items():
+            if fd["baseline"] and fd["end"] and fd["end"] > fd["baseline"] + args.fd_growth_max:
+                v.append(f"{n}: {fd['end']} open files after the drain, baseline "
+                         f"{fd['baseline']} (+{args.fd_growth_max} allowed)")
+        for f in args.flows:
+            if not s["by_flow"].get(f, {}).get("ok"):
+                v.append(f"flow {f}: no request succeeded")
         if args.reference and ref is None:
             v.append("the reference server R has no RSS slope (down during the load?)")
         if faults.errors:
@@ -989,6 +1156,7 @@ def main(argv=None):
     log(f"requests {s.get('requests')}  ok {s.get('ok')}  errors {s.get('error')}  client "
         f"aborts {s.get('client_abort')}  hung {s.get('hung')}  wrong {s.get('wrong')}  "
         f"truncated {s.get('truncated')}  faults {results.get('fault_counts')}")
+    log(f"by flow {s.get('by_flow')}; mid-push bursts {s.get('bursts')}")
     log(f"RSS slope MiB/min {results.get('rss_slope_mib_per_min')}; drained in "
         f"{results.get('drain_s')} s")
     if results["violations"]:

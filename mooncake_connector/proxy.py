@@ -411,8 +411,19 @@ class Proxy:
                     self.counts["prefill_errors"] += 1
                     logger.warning("prefill %s answered %d for %s (push: the decode side "
                                    "computes the prompt)", url, r.status, rid)
+            self._down_until.pop(url, None)
         except asyncio.CancelledError:
             raise
+        except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as e:
+            # Both legs are already sent (the decode side computes this
+            # prompt), but the next requests pick the other instances first,
+            # as in flows a and b: a prefill restarting for minutes would
+            # otherwise cost every other push request its KV.
+            self.counts["prefill_errors"] += 1
+            self._down_until[url] = time.monotonic() + self.prefill_down_s
+            logger.warning("prefill %s unreachable for %s (%r; push: the decode side computes "
+                           "the prompt; tried after the others for %g s)", url, rid, e,
+                           self.prefill_down_s)
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             self.counts["prefill_errors"] += 1
             logger.warning("prefill %s unreachable for %s (%r; push: the decode side computes "

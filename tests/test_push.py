@@ -365,3 +365,22 @@ def test_one_transfer_id_for_two_requests_is_refused(sides):
     p.add(make_request("pq", t, max_tokens=1, params=push_params("T11", "p")))
     assert both(p, d, lambda: not d.sched.requests and p.is_empty())
     assert d.computed["q1"] == 1 + 1 and d.computed["q2"] == 2 * BS + 1 + 1
+
+
+def test_producer_not_registered_computes_at_once(sides, metadata_server):  # noqa: F811
+    """A producer whose segment is not registered on the metadata server (it
+    died and its registration expired, or never started): the target cannot
+    have left (the engine found no address to send it to), so the decode
+    computes at once instead of waiting out its lease (the chaos soak:
+    every push to a prefill restarting after a SIGKILL waited
+    load_timeout_s + 2 s)."""
+    d = sides("kv_consumer", flow_a=False, load_timeout_s=8.0,
+              metadata_server=metadata_server.url)
+    t = toks(17, 2 * BS + 3)
+    d.add(make_request("q", t, max_tokens=2, params=push_params("T6b", "d")))
+    t0 = time.monotonic()
+    assert d.run_until(lambda: "q" not in d.sched.requests, steps=6000)
+    assert time.monotonic() - t0 < 3.0, time.monotonic() - t0
+    assert d.computed["q"] == len(t) + 1
+    assert recomputes(d).get("producer_unreachable") == 1, recomputes(d)
+    assert d.is_empty()

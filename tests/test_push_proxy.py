@@ -135,3 +135,33 @@ def test_push_timings_per_request(upstreams, proxy):  # noqa: F811
         assert "values" not in plain["latency_ms"]["push_to_first_chunk_ms"]
     finally:
         p.close()
+
+
+def test_push_dead_prefill_is_tried_after_the_others(upstreams, proxy):  # noqa: F811
+    """Flow push: a prefill leg that cannot connect marks that instance down
+    (as flows a and b do), so the next requests' both legs go to a live
+    prefill: its engine named to the decode, its prefill leg run there."""
+    import socket
+    import urllib.request
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    s.close()
+    live, d = upstreams("p-live"), upstreams("decode")
+    url = proxy([dead, live.url], [d.url], flow="push",
+                extra=("--prefill-engine", "127.0.0.1:17001", "127.0.0.1:17002",
+                       "--prefill-down-s", "30"))
+    for i in range(4):
+        status, out = post(url + "/v1/completions", {"model": "m", "prompt": "hi",
+                                                     "max_tokens": 4})
+        assert status == 200 and out["by"] == "decode"
+        for _ in range(100):  # the prefill leg runs beside the answer
+            stats = json.loads(urllib.request.urlopen(url + "/stats", timeout=5).read())
+            if len(live.seen) + stats["prefill_errors"] == i + 1:
+                break
+            time.sleep(0.05)
+    engines = [x["body"]["kv_transfer_params"]["remote_engine_id"] for x in d.seen]
+    # Only the first request went to the dead one; the round robin's next
+    # turn at it (the third request) went to the live one.
+    assert engines == ["127.0.0.1:17001"] + ["127.0.0.1:17002"] * 3, engines
+    assert len(live.seen) == 3 and stats["prefill_errors"] == 1, stats

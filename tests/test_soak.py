@@ -23,7 +23,8 @@ baseline within hold_timeout_s (+30 s); KV really moved; RSS slope reported
 
 test_invariants_hold & co. (MC_SOAK=1, opt-in): benchmarks/soak.py --ci, its
 own etcd, two prefill servers in a network namespace and two decode
-servers, every fault kind once.  Cost: four vLLM servers' start (2-4 min on
+servers, flows a, b, push, push-lw and push-ll, every fault kind once (the
+prefill SIGKILL, decode SIGSTOP and link cut mid-push).  Cost: four vLLM servers' start (2-4 min on
 an idle 2-core host, 11-15 min on the shared development VM) plus ~2 min
 of load and P1's restart: too dear for default CI."""
 import json
@@ -207,6 +208,12 @@ def test_every_fault_was_injected(soak):
         want |= {"link_cut", "netem"}
     assert {k for k, n in soak["fault_counts"].items() if n} >= want, soak["fault_counts"]
     assert not soak["fault_errors"]
+    # The SIGKILL, the SIGSTOP and the link cut each landed mid-push (a
+    # burst of push requests started right before), and every push flow ran.
+    mid = {"kill_prefill", "stop_decode"} | ({"link_cut"} if soak["netns"] else set())
+    assert set(soak["summary"]["bursts"]) >= mid, soak["summary"]["bursts"]
+    for f in ("push", "push-lw", "push-ll"):
+        assert soak["summary"]["by_flow"][f]["ok"] > 0, soak["summary"]["by_flow"]
 
 
 def test_prometheus_metrics_from_real_servers(soak):
@@ -226,8 +233,13 @@ def test_prometheus_metrics_from_real_servers(soak):
         assert c[p].get("vllm:mooncake_lookup_entries", 0) == 0, c[p]
     # P2's small buffer evicted (or refused) prompts: decodes found some not held.
     assert dec["vllm:mooncake_recomputes_total{not_held}"] > 0
-    for flow in ("a", "b"):
+    for flow in ("a", "b", "push", "push-lw", "push-ll"):
         assert soak["proxy_metrics"][flow].get("mooncake_proxy_responses_total", 0) > 0
+    # KV really pushed: decode blocks lent, producers wrote, layer loads taken.
+    assert dec["vllm:mooncake_push_loads_total"] > 0
+    assert dec.get("vllm:mooncake_push_layer_loads_total", 0) + dec.get(
+        "vllm:mooncake_push_layer_load_busy_total", 0) > 0
+    assert c["P2"]["vllm:mooncake_push_sends_total"] > 0, c["P2"]
 
 
 def test_rss_slope_ignores_a_short_lifetime_inside_the_window():
@@ -246,3 +258,10 @@ def test_rss_slope_ignores_a_short_lifetime_inside_the_window():
              for t in range(880, 922, 2)]
     assert sk.rss_slope(short, "P", 900, 1800) is None
     assert sk.rss_slope(steady + short, "S", 900, 1800) is not None
+    # A lifetime the soak's faults restarted (born at 600 s, after the load
+    # began) is warming up: not judged when born_by is the load's start.
+    young = [{"t": float(t), "server": "P", "pid": 3, "rss": (900 + t) * 2**20}
+             for t in range(600, 1800, 10)]
+    assert sk.rss_slope(young, "P", 900, 1800) is not None
+    assert sk.rss_slope(young, "P", 900, 1800, born_by=10) is None
+    assert abs(sk.rss_slope(steady, "S", 900, 1800, born_by=10) - 5.0) < 0.01

@@ -29,7 +29,8 @@ PUSH_MARGIN_S and cancels writes still running then (returning only when no
 I/O thread of its engine touches them); the consumer frees (reports the
 request to vLLM) only after done / nokv / cancelled from every producer rank
 it sent a target to, or after lease_until + PUSH_GRACE_S.  A target that
-provably never left (connection refused) needs no wait.
+provably never left (connection refused, the peer's segment not registered:
+NEVER_SENT) needs no wait.
 """
 import hashlib
 import json
@@ -51,6 +52,10 @@ MAX_TID = 256
 ENDED_KEEP_S = 120.0  # producer: a transfer id that ended answers late targets "nokv"
 EARLY_MAX = 4096      # producer: transfer ids with targets waiting for their prompt
 EARLY_MAX_BYTES = 256 << 20  # producer: bytes of those targets' extents
+# Engine error codes of a send that never left: the peer's segment is not
+# registered (a producer that died and expired: MC_ENOTFOUND), the metadata
+# server did not answer the lookup, or the connection never came up.
+NEVER_SENT = ("MC_ENOTFOUND", "MC_EMETADATA", "MC_ECONNECT")
 
 
 class PushError(ValueError):
@@ -178,8 +183,9 @@ class Outbox:
                     # Only a connection that never came up proves the message
                     # did not arrive; anything else (timeout, reset after
                     # sending) may have delivered it.
-                    never = any(w in text for w in ("refused", "not found", "no such segment",
-                                                    "resolve", "unreachable"))
+                    never = (getattr(e, "code_name", None) in NEVER_SENT or
+                             any(w in text for w in ("refused", "not found", "no such segment",
+                                                     "resolve", "unreachable")))
                     res = (not never, text)
                 if res is not None and res[0] and retry_until is not None and \
                         time.time() + timeout < retry_until and not self._closed:
