@@ -381,9 +381,16 @@ static void finish(mc_gpu_stager_t *s, mc_gpu_job_t *j, int code, const char *ms
     j->complete(j, code, msg);
   else
     mc_gpu_job_free(j);
-  if (atomic_fetch_sub(&s->busy, 1) == 1) {
-    pthread_mutex_lock(&s->mu); /* a drain checks busy under mu: no lost wake-up */
-    pthread_cond_broadcast(&s->idle_cv);
+  /* The last job: busy goes to 0 under mu (a drain checks it under mu: no
+   * lost wake-up), so a drain that returns finds this thread done with s
+   * (a waiter reaping a direct job is not joined by destroy). */
+  size_t b = atomic_load(&s->busy);
+  while (b > 1 && !atomic_compare_exchange_weak(&s->busy, &b, b - 1))
+    ;
+  if (b <= 1) {
+    pthread_mutex_lock(&s->mu);
+    if (atomic_fetch_sub(&s->busy, 1) == 1)
+      pthread_cond_broadcast(&s->idle_cv);
     pthread_mutex_unlock(&s->mu);
   }
   while (riders) { /* their copies went with j's launch */

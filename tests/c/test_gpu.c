@@ -251,6 +251,77 @@ static void test_direct_launch(void) {
   free(back);
 }
 
+/* Direct launches from several threads at once: each submits and reaps
+ * (seeing others' jobs finish too), one more thread only reaps; every job
+ * completes exactly once, and the stager drains and closes after. */
+typedef struct {
+  mc_gpu_stager_t *s;
+  uint64_t d;
+  size_t n;
+  int iters;
+  atomic_int *stop;
+  int bad, direct;
+} direct_thr_t;
+
+static void *direct_submitter(void *arg) {
+  direct_thr_t *t = arg;
+  for (int k = 0; k < t->iters; k++) {
+    direct_seen_t seen = {0};
+    mc_gpu_stager_submit(t->s, direct_job(t->d, t->n, &seen));
+    if (!reap_until(t->s, &seen) || seen.code != 0)
+      t->bad++;
+    t->direct += seen.direct != 0;
+    /* A thread of the caller's: no context before, none after. */
+    mc_cu_context cur = NULL;
+    if (api->cuCtxGetCurrent(&cur) != 0 || cur != NULL)
+      t->bad++;
+  }
+  return NULL;
+}
+
+static void *direct_reaper(void *arg) {
+  direct_thr_t *t = arg;
+  while (!atomic_load(t->stop))
+    if (!mc_gpu_stager_reap(t->s))
+      sched_yield();
+  return NULL;
+}
+
+static void test_direct_concurrent(void) {
+  SKIP_NO_GPU();
+  size_t n = 64u << 10;
+  uint64_t d = dalloc(2 * n);
+  CHECK(d);
+  mc_gpu_stager_t *s = NULL;
+  mc_err_t err = {0};
+  CHECK_EQ_INT(mc_gpu_stager_create(16u << 20, &s, &err), 0);
+  direct_seen_t first = {0};
+  mc_gpu_stager_submit(s, direct_job(d, n, &first)); /* starts the worker */
+  mc_gpu_stager_drain(s);
+  atomic_int stop = 0;
+  direct_thr_t t[4];
+  pthread_t th[4];
+  for (int i = 0; i < 4; i++) {
+    t[i] = (direct_thr_t){.s = s, .d = dalloc(2 * n), .n = n, .iters = 300, .stop = &stop};
+    CHECK(t[i].d);
+    pthread_create(&th[i], NULL, i == 3 ? direct_reaper : direct_submitter, &t[i]);
+  }
+  for (int i = 0; i < 3; i++)
+    pthread_join(th[i], NULL);
+  atomic_store(&stop, 1);
+  pthread_join(th[3], NULL);
+  int direct = 0;
+  for (int i = 0; i < 3; i++) {
+    CHECK_EQ_INT(t[i].bad, 0);
+    direct += t[i].direct;
+  }
+  CHECK(direct > 0); /* the direct path ran (else this tests only the worker) */
+  mc_gpu_stager_destroy(s);
+  for (int i = 0; i < 4; i++)
+    cu_free(t[i].d);
+  cu_free(d);
+}
+
 static void test_wrong_claims(void) {
   SKIP_NO_GPU();
   mc_engine_opts_t o = {.local_hostname = "127.0.0.1", .metadata_server = "P2PHANDSHAKE"};
@@ -441,6 +512,7 @@ int main(void) {
   RUN(test_stager_roundtrip);
   RUN(test_inline_job);
   RUN(test_direct_launch);
+  RUN(test_direct_concurrent);
   RUN(test_wrong_claims);
   RUN(test_local_segment_gpu);
   RUN(test_tcp_gpu_target_host_initiator);
