@@ -452,3 +452,26 @@ def test_identical_duplicate_target_is_idempotent(sides):
     ps = _push_stats(p)
     assert ps.get("push_sends") == 1 and ps.get("push_failed", 0) == 0, ps
     assert ps.get("push_bytes") == 3 * p.worker._worker.layout.bytes_per_block(), ps
+
+
+def test_whole_prompt_target_lost_to_a_timeout_is_sent_again(sides):
+    """The same lost target on a whole-prompt push (WAITING_FOR_REMOTE_KVS,
+    load_timeout_s 10 s): re-sent within the lease, the prompt's KV is
+    written about a second later, nothing recomputed."""
+    from test_push_layer_load import DropFirstTarget, counted
+
+    p = sides("kv_producer")
+    d = sides("kv_consumer", flow_a=False, load_timeout_s=10.0)
+    ob = d.worker._worker.push_outbox
+    ob.engine = drop = DropFirstTarget(ob.engine)
+    t = toks(26, 3 * BS + 2)
+    p.add(make_request("pq", t, max_tokens=1, params=push_params("T13", "p")))
+    d.add(make_request("q", t, max_tokens=2, params=push_params("T13", "d")))
+    t0 = time.monotonic()
+    assert both(p, d, lambda: "q" in d.recvd, steps=20000)
+    took = time.monotonic() - t0
+    assert took < 3.0, took
+    assert drop.dropped == 1 and counted(d, "push_target_resends") == 1
+    assert d.block_matches_pattern("q", t, 3) and not d.invalid
+    assert both(p, d, lambda: not d.sched.requests and p.is_empty())
+    assert d.computed["q"] == 2 + 1 and recomputes(d) == {}
