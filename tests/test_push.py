@@ -384,3 +384,94 @@ def test_producer_not_registered_computes_at_once(sides, metadata_server):  # no
     assert d.computed["q"] == len(t) + 1
     assert recomputes(d).get("producer_unreachable") == 1, recomputes(d)
     assert d.is_empty()
+
+
+def test_identical_duplicate_target_is_idempotent(sides):
+    """The decode re-sends a target whose first send may have been lost
+    (push.RESEND_S): the producer takes an identical copy (same transfer
+    id, lease and blocks) that arrives while it writes as a no-op: no nokv,
+    no second write, the load completes.  A different target for the same
+    transfer id from the same rank meanwhile is refused without an answer
+    (a nokv would tell the decode nothing more is written while the first
+    copy's writes go on).  Before: both answered nokv, the load failed."""
+    from mooncake_connector.connector import push
+
+    p, d = sides("kv_producer"), sides("kv_consumer", flow_a=False)
+    t = toks(25, 3 * BS + 2)
+    p.add(make_request("pq", t, max_tokens=1, params=push_params("T12", "p")))
+    p.step()  # the prompt is held, waiting for the decode side's target
+    dw, ob = d.worker._worker, d.worker._worker.push_outbox
+    sent = []
+    orig = ob.send
+
+    def spy(target, msg, **kw):
+        sent.append((target, msg))
+        return orig(target, msg, **kw)
+    ob.send = spy
+    d.add(make_request("q", t, max_tokens=2, params=push_params("T12", "d")))
+    d.step()
+    name, msg = next((n, m) for n, m in sent if push.decode(m)[0]["t"] == "target")
+    cl, key, end = dw.push_c.loads["T12"], ("t", "T12", name), time.monotonic() + 5
+    while cl.ranks[name] == "sending" and key not in ob.results and time.monotonic() < end:
+        time.sleep(0.001)  # until the producer's engine has the first copy
+    assert cl.ranks[name] == "sent" or ob.results.get(key, "pending") is None
+    # The copy and a conflicting target (a later lease): all three taken in
+    # one producer step, the first one first.
+    dw.engine.send_notify(name, msg, 5.0)
+    head, body = push.decode(msg)
+    dw.engine.send_notify(name, push.encode({**head, "lease_until": head["lease_until"] + 1},
+                                            body), 5.0)
+    replies = []
+    on_message = dw.push_c.on_message
+
+    def seen(sender, head):
+        replies.append(head["t"])
+        return on_message(sender, head)
+    dw.push_c.on_message = seen
+    pw, writes = p.worker._worker, []
+
+    class CountWrites:  # the producer's real engine, its WRITE batches counted
+        def __init__(self, engine):
+            self.engine = engine
+
+        def batch_transfer_async_write(self, *a):
+            writes.append(a[0])
+            return self.engine.batch_transfer_async_write(*a)
+
+        def __getattr__(self, k):
+            return getattr(self.engine, k)
+    pw.engine = CountWrites(pw.engine)
+    try:
+        assert both(p, d, lambda: "q" in d.recvd)
+    finally:
+        pw.engine = pw.engine.engine
+    assert len(writes) == 1, writes  # the whole prompt once, for the first copy
+    assert "nokv" not in replies and "done" in replies, replies
+    assert d.block_matches_pattern("q", t, 3) and not d.invalid
+    assert recomputes(d) == {}
+    ps = _push_stats(p)
+    assert ps.get("push_sends") == 1 and ps.get("push_failed", 0) == 0, ps
+    assert ps.get("push_bytes") == 3 * p.worker._worker.layout.bytes_per_block(), ps
+
+
+def test_whole_prompt_target_lost_to_a_timeout_is_sent_again(sides):
+    """The same lost target on a whole-prompt push (WAITING_FOR_REMOTE_KVS,
+    load_timeout_s 10 s): re-sent within the lease, the prompt's KV is
+    written about a second later, nothing recomputed."""
+    from test_push_layer_load import DropFirstTarget, counted
+
+    p = sides("kv_producer")
+    d = sides("kv_consumer", flow_a=False, load_timeout_s=10.0)
+    ob = d.worker._worker.push_outbox
+    ob.engine = drop = DropFirstTarget(ob.engine)
+    t = toks(26, 3 * BS + 2)
+    p.add(make_request("pq", t, max_tokens=1, params=push_params("T13", "p")))
+    d.add(make_request("q", t, max_tokens=2, params=push_params("T13", "d")))
+    t0 = time.monotonic()
+    assert both(p, d, lambda: "q" in d.recvd, steps=20000)
+    took = time.monotonic() - t0
+    assert took < 3.0, took
+    assert drop.dropped == 1 and counted(d, "push_target_resends") == 1
+    assert d.block_matches_pattern("q", t, 3) and not d.invalid
+    assert both(p, d, lambda: not d.sched.requests and p.is_empty())
+    assert d.computed["q"] == 2 + 1 and recomputes(d) == {}

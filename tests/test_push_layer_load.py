@@ -540,3 +540,95 @@ def test_per_request_override_keeps_the_async_push(sides):
         time.sleep(0.001)
     assert not d.sched.requests and "q" in d.recvd and not d.invalid
     assert p.run_until(lambda: p.is_empty(), steps=500) and d.is_empty()
+
+
+class DropFirstTarget:
+    """Between the decode's push outbox and its real engine: the first
+    target is not sent, and its send fails the way one caught by a link cut
+    does (MC_ETIMEDOUT after the wait: the outbox cannot tell whether it
+    arrived); every other message goes through the real engine."""
+
+    def __init__(self, engine, wait_s=0.3):
+        self.engine, self.wait_s, self.dropped = engine, wait_s, 0
+
+    def send_notify(self, target, msg, timeout):
+        from mooncake_connector import MooncakeError
+        from mooncake_connector.connector import push
+
+        if not self.dropped and push.decode(msg)[0]["t"] == "target":
+            self.dropped += 1
+            time.sleep(self.wait_s)
+            e = MooncakeError(f"NOTIFY to segment {target} timed out after "
+                              f"{int(timeout * 1000)} ms (dropped by the test)")
+            e.code_name = "MC_ETIMEDOUT"
+            raise e
+        return self.engine.send_notify(target, msg, timeout)
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+
+def test_target_lost_to_a_timeout_is_sent_again(sides):
+    """The chaos soak's link cut: the decode's target send times out (it
+    never arrived).  The decode sends it again within the lease (RESEND_S
+    after the failure), so the step ends with every layer landed about a
+    second later, not at push_layer_timeout_s (10 s here, 10.3-20.7 s in the
+    soak without the re-send); counted, no recompute."""
+    from mooncake_connector.connector import push
+
+    p = sides("kv_producer")
+    d = sides("kv_consumer", flow_a=False, push_layer_load=True, push_layer_timeout_s=10.0)
+    ob = d.worker._worker.push_outbox
+    ob.engine = drop = DropFirstTarget(ob.engine)
+    t = toks(44, 4 * BS + 5)
+    run = both_legs(p, d, "L20", t, 3)
+    try:
+        t0 = time.monotonic()
+        so = d.step()
+        took = time.monotonic() - t0
+        assert so.num_scheduled_tokens.get("q") == 5
+    finally:
+        run.join()
+    print(f"step with a lost target ended {took:.3f} s after it began")
+    assert drop.dropped == 1
+    assert took < drop.wait_s + push.RESEND_S + 2.0, took
+    assert d.seen.get("q") == [True, True], d.seen
+    assert d.block_matches_pattern("q", t, 4) and not d.invalid
+    assert counted(d, "push_target_resends") == 1
+    assert d.run_until(lambda: "q" not in d.sched.requests, steps=50)
+    assert p.run_until(lambda: p.is_empty(), steps=500)
+    assert d.is_empty() and recomputes(d) == {}
+
+
+def test_resend_stops_at_the_lease(sides):
+    """Every target send times out: re-sent at most every RESEND_S, none
+    after the lease's last second; the step ends at push_layer_timeout_s
+    plus the cancel's answer, the prompt is computed."""
+    from mooncake_connector.connector import push
+
+    class DropAll(DropFirstTarget):
+        def send_notify(self, target, msg, timeout):
+            self.dropped = 0
+            return super().send_notify(target, msg, timeout)
+
+    p = sides("kv_producer")
+    d = sides("kv_consumer", flow_a=False, push_layer_load=True, push_layer_timeout_s=2.0)
+    ob = d.worker._worker.push_outbox
+    ob.engine = DropAll(ob.engine, wait_s=0.1)
+    run = Stepper(p)
+    t = toks(45, 3 * BS + 4)
+    d.add(make_request("q", t, max_tokens=2, params=dp("L21")))
+    try:
+        t0 = time.monotonic()
+        d.step()
+        took = time.monotonic() - t0
+    finally:
+        run.join()
+    n = counted(d, "push_target_resends")
+    # sends at 0, then every wait_s + RESEND_S until lease - PUSH_MARGIN_S (1 s)
+    assert 1 <= n <= int((2.0 - push.PUSH_MARGIN_S) / (0.1 + push.RESEND_S)) + 1, n
+    assert 2.0 <= took < 2.0 + push.PUSH_GRACE_S + 0.5, took
+    assert d.invalid
+    assert d.run_until(lambda: "q" not in d.sched.requests, steps=200)
+    assert recomputes(d) == {"producer_unreachable": 1}, recomputes(d)  # its sends failed
+    assert d.is_empty()

@@ -61,6 +61,20 @@ def test_good_target_parses():
     assert tg.nblocks == 2 and len(tg.dest) == 12 and tg.state == "pending"
 
 
+def test_a_resent_target_is_the_same_only_when_identical():
+    """The producer takes a re-sent copy as a no-op only when nothing in it
+    differs (transfer id, lease, prompt, blocks, layer notify, extents)."""
+    head, body = _target()
+    tg = push.Target("peer:1", head, body, 0.0)
+    assert tg.same(push.Target("peer:1", dict(head), body, 5.0))
+    other = array("Q", [0] * 11 + [1]).tobytes()
+    for h, b in [({**head, "lease_until": 2e12}, body), ({**head, "h": "y"}, body),
+                 ({**head, "lnotify": True}, body), ({**head, "tid": "U"}, body),
+                 (head, other)]:
+        assert not tg.same(push.Target("peer:1", h, b, 0.0)), (h, b)
+    assert not tg.same(push._Served())
+
+
 def test_is_push_shapes():
     assert push.is_push({"push": True, "transfer_id": "t"})
     assert push.is_push({"do_remote_prefill": True, "transfer_id": "t"})  # in-tree decode leg

@@ -30,7 +30,10 @@ I/O thread of its engine touches them); the consumer frees (reports the
 request to vLLM) only after done / nokv / cancelled from every producer rank
 it sent a target to, or after lease_until + PUSH_GRACE_S.  A target that
 provably never left (connection refused, the peer's segment not registered:
-NEVER_SENT) needs no wait.
+NEVER_SENT) needs no wait.  One whose send failed but may have arrived
+(timed out, reset) is sent again, the same bytes, every RESEND_S after a
+failure until an answer comes, within the lease (not in its last
+PUSH_MARGIN_S); the producer takes an identical copy as a no-op.
 """
 import hashlib
 import json
@@ -56,6 +59,13 @@ EARLY_MAX_BYTES = 256 << 20  # producer: bytes of those targets' extents
 # registered (a producer that died and expired: MC_ENOTFOUND), the metadata
 # server did not answer the lookup, or the connection never came up.
 NEVER_SENT = ("MC_ENOTFOUND", "MC_EMETADATA", "MC_ECONNECT")
+# Consumer: a target whose send failed in a way that may be transient (timed
+# out, connection reset: it may or may not have arrived) is sent again, the
+# same bytes, this long after the failure, while the lease lives and no answer
+# came; each re-send waits at most RESEND_TIMEOUT_S for the receipt.  The
+# producer takes an identical duplicate as a no-op.
+RESEND_S = 0.5
+RESEND_TIMEOUT_S = 2.0
 
 
 class PushError(ValueError):
@@ -229,6 +239,10 @@ class ConsumerLoad:
         self.ranks = {}   # producer engine -> state: sending|sent|done|nokv|cancelled|unsent
         self.why = {}     # producer engine -> reason text
         self.lost = set()  # producer engines whose connection the engine saw go
+        self.msgs = {}     # producer engine -> the encoded target (re-sent as is)
+        self.resend_at = {}  # producer engine -> monotonic time to send the target again
+        self.maybe = set()   # producer engines a target may have reached
+        self.heard = set()   # producer engines that answered (layer, done, nokv, cancelled)
         self.aborted = False
         self.error = None  # could not start at all (no target sent)
 
@@ -289,8 +303,9 @@ class PushConsumer:
                 head["lnotify"] = True
                 cl.landed[name] = set()
             cl.ranks[name] = "sending"
+            cl.msgs[name] = encode(head, flat.tobytes())
             trace.event("target_queued", tid, to=name)
-            w.push_outbox.send(name, encode(head, flat.tobytes()), key=("t", tid, name))
+            w.push_outbox.send(name, cl.msgs[name], key=("t", tid, name))
 
     def on_message(self, sender, head):
         cl = self.loads.get(head["tid"])
@@ -299,6 +314,7 @@ class PushConsumer:
         t = head["t"]
         if trace.ON:
             trace.event("c_recv", head["tid"], what=t, l=head.get("l"))
+        cl.heard.add(sender)  # the target arrived: no re-send
         if t == "layer" and sender in cl.landed:
             got = head.get("l")
             if isinstance(got, list):
@@ -377,11 +393,19 @@ class PushConsumer:
                     continue
                 if r is None:
                     cl.ranks[name] = "sent"
+                    cl.maybe.add(name)
                 else:
                     maybe, text = r
                     cl.why[name] = f"producer {name} unreachable: {text}"
-                    # A target that may have arrived keeps the lease rules.
-                    cl.ranks[name] = "sent" if maybe else "unsent"
+                    # A target that may have arrived (this send or an earlier
+                    # one) keeps the lease rules, and is sent again (below).
+                    if maybe:
+                        cl.maybe.add(name)
+                    if name in cl.maybe:
+                        cl.ranks[name] = "sent"
+                        cl.resend_at[name] = time.monotonic() + RESEND_S
+                    else:
+                        cl.ranks[name] = "unsent"
             elif st == "cancelling":
                 r = self.w.push_outbox.take(("c", tid, name))
                 if r not in ("pending", None) and not r[0]:
@@ -393,6 +417,8 @@ class PushConsumer:
         now = time.monotonic()
         failed = cl.failed is not None and cl.nlayers  # a layer load given up in its step
         live = [n for n, st in cl.ranks.items() if st not in TERMINAL]
+        if cl.resend_at and not (cl.aborted or failed or now >= cl.deadline):
+            self._resend(cl, tid, now)
         if live and (cl.aborted or failed or now >= cl.deadline):
             for name in live:
                 if cl.ranks[name] != "sent":
@@ -407,6 +433,28 @@ class PushConsumer:
                                         key=("c", tid, name), timeout=1.0 if lost else 5.0,
                                         retry_until=cl.lease_until if lost else None)
         return live
+
+    def _resend(self, cl, tid, now):
+        """Targets whose last send failed but may be transient (timed out,
+        reset) and that no answer followed: sent again, the same bytes,
+        RESEND_S after the failure, while the lease lets the producer still
+        write (its last second excluded); never after an abort or the
+        load's deadline (the cancel follows the last send)."""
+        left = cl.lease_until - PUSH_MARGIN_S - time.time()
+        for name, at in list(cl.resend_at.items()):
+            if name in cl.heard or cl.ranks.get(name) != "sent" or left <= 0:
+                del cl.resend_at[name]
+                continue
+            if now < at:
+                continue
+            del cl.resend_at[name]
+            cl.ranks[name] = "sending"
+            self.w.stats.add("push_target_resends")
+            logger.info("MooncakeConnector push: target of %s to %s sent again (%s)", tid,
+                        name, cl.why.get(name))
+            trace.event("target_queued", tid, to=name, resend=True)
+            self.w.push_outbox.send(name, cl.msgs[name], key=("t", tid, name),
+                                    timeout=max(0.2, min(RESEND_TIMEOUT_S, left)))
 
     def poll(self, ld):
         """(matched tokens, error) once the load is over and nothing more can
@@ -481,6 +529,13 @@ class Target:
         self.state = "pending"   # pending | writing | done | nokv | cancelled
         self.cancel = False      # the consumer asked to stop (abort, its timeout)
         self.stop = None         # why this side stops writing (lease, failure, timeout)
+        self.why = None          # why it ended "nokv" (answered again to a duplicate)
+
+    def same(self, other):
+        """An identical copy (the consumer re-sent it): same lease, same
+        blocks, same prompt."""
+        return isinstance(other, Target) and other.head == self.head and \
+            other.dest == self.dest
 
 
 class _Served:
@@ -623,8 +678,21 @@ class PushProducer:
                         "or failed before its prompt was computed)")
 
     def _add_target(self, job, tg):
-        if tg.name in job.targets:
-            self._reply(tg.name, job.tid, "nokv", "duplicate target")
+        old = job.targets.get(tg.name)
+        if old is not None:
+            if tg.same(old):  # re-sent by the consumer: the first copy stands
+                self._repeat(job, old)
+                return
+            why = "a second, different target for this transfer id from the same decode rank"
+            if old.state in ("pending", "writing"):
+                # Refused without an answer: a nokv would tell the decode
+                # that nothing more is written while the first one's writes
+                # go on.  (A consumer keeps one load per transfer id and
+                # re-sends only identical copies: not seen in a correct run.)
+                logger.warning("MooncakeConnector push: %s -> %s: %s while the first is "
+                               "being served; refused (ignored)", job.rid, tg.name, why)
+                return
+            self._reply(tg.name, job.tid, "nokv", f"{why} (refused)")
             return
         spec = job.spec
         n_full = len(spec.tokens)
@@ -632,14 +700,16 @@ class PushProducer:
                 token_hash(spec.tokens[:tg.ntok]) != tg.head.get("h"):
             job.targets[tg.name] = tg
             tg.state = "nokv"
-            self._reply(tg.name, job.tid, "nokv", f"prompt mismatch: the decode side's "
-                        f"{tg.ntok} tokens are not this prefill's first tokens ({n_full} held)")
+            tg.why = (f"prompt mismatch: the decode side's {tg.ntok} tokens are not this "
+                      f"prefill's first tokens ({n_full} held)")
+            self._reply(tg.name, job.tid, "nokv", tg.why)
             return
         if tg.epb != self.w.layout.extents_per_block:
             job.targets[tg.name] = tg
             tg.state = "nokv"
-            self._reply(tg.name, job.tid, "nokv", f"layout mismatch: {tg.epb} extents per "
-                        f"block vs {self.w.layout.extents_per_block} here")
+            tg.why = (f"layout mismatch: {tg.epb} extents per block vs "
+                      f"{self.w.layout.extents_per_block} here")
+            self._reply(tg.name, job.tid, "nokv", tg.why)
             return
         if job.optional and not job.targets and job.all_ready:
             self.w.publishes.withdraw(job.rid)  # published for a pull too: push takes it
@@ -647,6 +717,17 @@ class PushProducer:
             job.layerwise = True  # before the forward: each layer as it is computed
         job.targets[tg.name] = tg
         self._submit(job, tg)
+
+    def _repeat(self, job, tg):
+        """An identical duplicate of a target this job has: nothing is
+        written twice; an ended one gets its answer again (the first may
+        have been lost), a layer load in progress the layers landed so far."""
+        if tg.state == "done":
+            self._reply(tg.name, job.tid, "done", ntok=tg.ntok)
+        elif tg.state in ("nokv", "cancelled"):
+            self._reply(tg.name, job.tid, tg.state, tg.why)
+        elif tg.lnotify and tg.told and not tg.stop:
+            self._reply(tg.name, job.tid, "layer", l=sorted(tg.landed))
 
     @_locked
     def layer_done(self, layer_name):
@@ -823,7 +904,7 @@ class PushProducer:
             tg.blayers.clear()
 
     def _end(self, job, tg, state, why=None):
-        tg.state = state
+        tg.state, tg.why = state, why
         until = tg.lease_until + PUSH_GRACE_S
         if state == "done":
             self._reply(tg.name, job.tid, "done", ntok=tg.ntok, retry_until=until)

@@ -26,7 +26,7 @@ COUNTERS = ("loads", "loads_in_step", "loads_failed", "load_bytes", "load_bytes_
             "load_tokens_missed", "publishes", "publish_failed", "publish_bytes",
             "sends_finished", "sends_expired", "push_loads", "push_sends", "push_bytes",
             "push_failed", "push_layer_loads", "push_producer_lost", "push_layer_load_busy",
-            *(f"recompute_{r}" for r in RECOMPUTE_REASONS))
+            "push_target_resends", *(f"recompute_{r}" for r in RECOMPUTE_REASONS))
 GAUGES = ("held_bytes", "lookup_entries", "loads_in_flight")
 
 
@@ -141,6 +141,9 @@ PROM_COUNTERS = {
     "push_producer_lost": ("vllm:mooncake_push_producer_lost_total",
                            "Consumer: push loads that stopped waiting at once because the "
                            "producer's connection was lost"),
+    "push_target_resends": ("vllm:mooncake_push_target_resends_total",
+                            "Consumer: push targets sent again after a send that may have "
+                            "been lost (timed out, reset), within the lease"),
     "push_failed": ("vllm:mooncake_push_failures_total",
                     "Producer: push targets ended without the KV (lease, failure, timeout)"),
 }
