@@ -3,6 +3,8 @@
 Each call made while (or after) another thread closes the TransferEngine or
 the KVTransfer either does its work or raises the closed error
 (MooncakeError naming "closed"); never a crash, a double free or a hang.
+The same for KVTransfer.close() against recv_kv (push and pull),
+pull_start / pull_poll / pull_wait, probe and stats.
 The hammering runs in a child process: the bug this guards against (a batch
 freed by close and again by transfer_check_status / get_batch_transfer_status,
 an engine used after close destroyed it) killed the process or corrupted its
@@ -153,4 +155,118 @@ def test_close_races_every_engine_call():
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["unexpected"] == [], out
     # Both outcomes happened: calls ran, and calls met the close.
+    assert out["counts"]["ok"] > 0 and out["counts"]["closed"] > 0, out
+
+
+KV_HAMMER = r"""
+import json, random, sys, threading, time
+import mooncake_connector as mc
+
+rounds, seed = int(sys.argv[1]), int(sys.argv[2])
+rng = random.Random(seed)
+BB, BS, NB = 4096, 16, 8
+unexpected, counts = [], {"ok": 0, "closed": 0}
+lock = threading.Lock()
+
+
+def call(f, *a, **k):
+    try:
+        r = f(*a, **k)
+        with lock:
+            counts["ok"] += 1
+        return r
+    except mc.MooncakeError as e:
+        with lock:
+            if "closed" in str(e) or "shutting down" in str(e):
+                counts["closed"] += 1
+            else:
+                unexpected.append("%s: %s" % (type(e).__name__, e))
+    except Exception as e:  # noqa: BLE001
+        with lock:
+            unexpected.append("%s: %s" % (type(e).__name__, e))
+    return None
+
+
+p, c = mc.TransferEngine(), mc.TransferEngine()
+p.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
+c.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
+src = p.allocate_managed_buffer(NB * BB)
+dst = c.allocate_managed_buffer(4 * NB * BB)
+lb = mc.LookupBuffer(1 << 24, BS)
+kvp = mc.KVTransfer(p, lb)
+toks = [rng.randrange(50000) for _ in range(NB * BS)]
+assert kvp.send_kv(toks, [(src + i * BB, BB) for i in range(NB)]) == NB * BS
+seg = p.get_segment_name()
+
+
+def one_round(r):
+    kv = mc.KVTransfer(c)
+    stop = threading.Event()
+
+    def dest(k):
+        return [(dst + (k * NB + i) * BB, BB) for i in range(NB)]
+
+    def push():
+        while not stop.is_set():
+            call(kv.recv_kv, seg, toks, dest(0), timeout=5.0)
+
+    def pull():
+        while not stop.is_set():
+            call(kv.recv_kv, seg, toks, dest(1), timeout=5.0, pull=True)
+
+    def background():
+        while not stop.is_set():
+            pid = call(kv.pull_start, seg, toks, dest(2), timeout=5.0)
+            if pid is not None:
+                call(kv.pull_wait, [pid], timeout=5.0)
+                call(kv.pull_poll, pid)
+
+    def misc():
+        while not stop.is_set():
+            call(kv.probe, seg, toks, timeout=1.0)
+            call(kv.stats)
+
+    ts = [threading.Thread(target=f) for f in (push, pull, background, misc)]
+    for t in ts:
+        t.start()
+    time.sleep(rng.uniform(0.005, 0.08))
+    if r % 2:
+        kv.close()
+    else:
+        k2 = threading.Thread(target=kv.close)
+        k2.start()
+        kv.__exit__(None, None, None)
+        k2.join(30)
+    stop.set()
+    for t in ts:
+        t.join(60)
+        if t.is_alive():
+            unexpected.append("a thread hung after close")
+    for f, a in ((kv.recv_kv, (seg, toks, dest(0))), (kv.stats, ()), (kv.pull_poll, (1,))):
+        try:
+            f(*a)
+            unexpected.append("%s worked after close" % f.__name__)
+        except mc.MooncakeError as e:
+            if "closed" not in str(e):
+                unexpected.append("%s after close: %s" % (f.__name__, e))
+    kv.close()
+
+
+for r in range(rounds):
+    one_round(r)
+kvp.close()
+c.close()
+p.close()
+print(json.dumps({"unexpected": unexpected[:20], "counts": counts}), flush=True)
+"""
+
+
+def test_close_races_every_kv_call():
+    rounds = os.environ.get("MC_CLOSE_RACE_ROUNDS", "12")
+    env = {**os.environ, "MC_SAME_HOST_CPU": "0"}
+    r = subprocess.run([sys.executable, "-c", KV_HAMMER, rounds, "2"], env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, (r.returncode, r.stderr[-3000:])
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["unexpected"] == [], out
     assert out["counts"]["ok"] > 0 and out["counts"]["closed"] > 0, out
