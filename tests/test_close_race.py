@@ -270,3 +270,25 @@ def test_close_races_every_kv_call():
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["unexpected"] == [], out
     assert out["counts"]["ok"] > 0 and out["counts"]["closed"] > 0, out
+
+
+def test_close_wakes_a_waiting_wait_notifies():
+    # close() waits for the calls in flight: a wait_notifies(30) in another
+    # thread returns at once instead of holding the close for 30 s.
+    import threading
+    import time
+
+    import mooncake_connector as mc
+
+    e = mc.TransferEngine()
+    e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
+    got = []
+    t = threading.Thread(target=lambda: got.append(e.wait_notifies(30.0)))
+    t.start()
+    time.sleep(0.3)  # the waiter is inside
+    t0 = time.monotonic()
+    e.close()
+    took = time.monotonic() - t0
+    t.join(5)
+    assert not t.is_alive() and got == [False]
+    assert took < 5, took

@@ -206,6 +206,7 @@ static void close_engine(EngineObject *self) {
   self->closing = 1;
   mc_engine_t *eng = self->eng;
   Py_BEGIN_ALLOW_THREADS
+  mc_engine_wake_notify_waiters(eng); /* a wait_notifies in flight returns now */
   pthread_rwlock_wrlock(&self->life);
   Py_END_ALLOW_THREADS
   /* No call holds the lock now, so none holds a batch reference or touches
