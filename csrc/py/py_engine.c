@@ -299,6 +299,13 @@ static PyObject *Engine_initialize(EngineObject *self, PyObject *args, PyObject 
   Py_END_ALLOW_THREADS
   if (rc < 0)
     return mc_py_raise(ST(self), &err);
+  if (self->eng) { /* another thread's initialize won meanwhile */
+    Py_BEGIN_ALLOW_THREADS
+    mc_engine_destroy(eng);
+    Py_END_ALLOW_THREADS
+    mc_err_set(&err, MC_EBUSY, "TransferEngine was initialized by another thread meanwhile");
+    return mc_py_raise(ST(self), &err);
+  }
   self->eng = eng;
   return PyLong_FromLong(0);
 }
