@@ -147,7 +147,7 @@ int mc_engine_wait_notifies(mc_engine_t *e, int64_t timeout_us) {
   pthread_mutex_lock(&e->notify_mu);
   /* A loss wakes a waiter once (lost_woken), not until the names are taken:
    * a caller that never takes them must not spin. */
-  while (!e->notify_head && e->lost_gen == e->lost_woken) {
+  while (!e->notify_head && e->lost_gen == e->lost_woken && !e->notify_waiters_woken) {
     if (pthread_cond_timedwait(&e->notify_cv, &e->notify_mu, &dl) == ETIMEDOUT)
       break;
   }
@@ -155,6 +155,13 @@ int mc_engine_wait_notifies(mc_engine_t *e, int64_t timeout_us) {
   e->lost_woken = e->lost_gen;
   pthread_mutex_unlock(&e->notify_mu);
   return have;
+}
+
+void mc_engine_wake_notify_waiters(mc_engine_t *e) {
+  pthread_mutex_lock(&e->notify_mu);
+  e->notify_waiters_woken = 1;
+  pthread_cond_broadcast(&e->notify_cv);
+  pthread_mutex_unlock(&e->notify_mu);
 }
 
 size_t mc_engine_drain_notifies(mc_engine_t *e, size_t max, mc_notify_cb cb, void *arg) {

@@ -146,6 +146,9 @@ size_t mc_engine_drain_notifies(mc_engine_t *e, size_t max, mc_notify_cb cb, voi
  * lost since the last return (mc_engine_take_lost_peers; each loss wakes a
  * waiter once); 1 if either, 0 on timeout. */
 int mc_engine_wait_notifies(mc_engine_t *e, int64_t timeout_us);
+/* Before a destroy: wakes every mc_engine_wait_notifies caller and makes
+ * later ones return at once (the caller that closes need not wait for them). */
+void mc_engine_wake_notify_waiters(mc_engine_t *e);
 
 /* Routes incoming notifications to cb (called on an I/O thread: it must not
  * block; copy what it needs) instead of the queue drained above.  NULL

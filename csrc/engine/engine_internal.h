@@ -91,6 +91,7 @@ struct mc_engine {
   char *lost_peers[MC_LOST_PEERS_MAX];
   size_t nlost;
   uint64_t lost_gen, lost_woken; /* losses noted / seen by a wait_notifies return */
+  int notify_waiters_woken;      /* mc_engine_wake_notify_waiters ran (notify_mu) */
 
   /* Metadata liveness (engine.c): our entries carry a TTL that a keep-alive
    * thread refreshes every TTL/3 s, re-writing them when the server lost

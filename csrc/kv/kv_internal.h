@@ -69,6 +69,7 @@ struct mc_kv {
   kv_waiter_t *waiters;
   uint64_t next_id;
   int stopping;
+  int stopped; /* mc_kv_stop ran (only its caller and mc_kv_destroy read it) */
   pthread_t *threads;
   int nthreads;
   mc_kv_stats_t stats;

@@ -487,9 +487,10 @@ int mc_kv_create(mc_engine_t *e, mc_lookup_t *lb, int workers, mc_kv_t **out, mc
   return 0;
 }
 
-void mc_kv_destroy(mc_kv_t *kv) {
-  if (!kv)
+void mc_kv_stop(mc_kv_t *kv) {
+  if (!kv || kv->stopped)
     return;
+  kv->stopped = 1;
   kv_pull_async_stop(kv); /* before the handler goes: running pulls need answers */
   if (kv->lb)
     mc_lookup_set_extent_check(kv->lb, NULL, NULL);
@@ -507,6 +508,12 @@ void mc_kv_destroy(mc_kv_t *kv) {
   while (kv->waiters)
     pthread_cond_wait(&kv->wait_cv, &kv->mu);
   pthread_mutex_unlock(&kv->mu);
+}
+
+void mc_kv_destroy(mc_kv_t *kv) {
+  if (!kv)
+    return;
+  mc_kv_stop(kv);
   pthread_mutex_lock(&kv->mu);
   kv_pull_expire_locked(kv, 0, NULL, 1); /* before the owner frees the buffer */
   pthread_mutex_unlock(&kv->mu);

@@ -29,7 +29,12 @@ typedef struct mc_kv mc_kv_t;
  * consumer; with it, this engine also serves recv_kv requests from peers.
  * workers: producer threads (0 = MC_KV_WORKERS or 2). */
 int mc_kv_create(mc_engine_t *e, mc_lookup_t *lb, int workers, mc_kv_t **out, mc_err_t *err);
-/* Stops the workers, fails waiting recv_kv calls, unbinds from the engine. */
+/* Stops the workers, fails waiting recv_kv calls, unbinds from the engine;
+ * a call made afterwards fails (MC_ECLOSED).  kv stays valid: callers still
+ * inside a call may finish it.  Once per kv (mc_kv_destroy calls it if it
+ * has not run), never concurrently with mc_kv_destroy. */
+void mc_kv_stop(mc_kv_t *kv);
+/* Stops (if not yet) and frees kv: no call on it may be in flight. */
 void mc_kv_destroy(mc_kv_t *kv);
 
 /* Asks `producer` for the longest block-aligned prefix of tokens[0..ntok)

@@ -10,11 +10,17 @@
 #include "gpu/cuda_driver.h"
 #include "py/py_common.h"
 
+/* The life lock: every call that uses the engine (or a batch) holds it for
+ * reading from its check that the engine is open to its last use (enter /
+ * leave), GIL or not; close sets `closing` (new calls fail), takes it for
+ * writing (so waits for the calls in flight), then frees the batches and
+ * the engine.  Nobody waits for it while holding the GIL. */
 typedef struct {
   PyObject_HEAD
   mc_engine_t *eng;
-  pthread_rwlock_t life; /* read: a call in flight without the GIL; write: close */
-  PyObject *batches;     /* dict: batch id -> capsule(mc_batch_t*) */
+  pthread_rwlock_t life; /* read: a call using eng; write: close */
+  int closing;           /* close() under way (GIL-protected): new calls fail */
+  PyObject *batches;     /* dict: batch id -> capsule(py_batch_t*) */
   PyObject *managed;     /* dict: addr -> length, buffers from allocate_managed_buffer */
   long long next_batch;
   int users; /* KVTransfer objects bound to this engine (GIL-protected) */
@@ -104,7 +110,7 @@ static int get_u64_list(PyObject *seq, uint64_t **out, Py_ssize_t *n, const char
 }
 
 static int ready(EngineObject *self) {
-  if (!self->eng) {
+  if (!self->eng || self->closing) {
     mc_err_t err;
     mc_err_set(&err, MC_ECLOSED,
                "TransferEngine is not initialized (call initialize()) or was closed");
@@ -114,21 +120,61 @@ static int ready(EngineObject *self) {
   return 1;
 }
 
-/* Takes the life lock for a GIL-free section; fails if closed meanwhile. */
+/* Takes the life lock (reading) for a call that uses the engine; fails
+ * with the closed error if close() began.  Only close holds it for writing:
+ * the fast path takes it without dropping the GIL; otherwise the GIL is
+ * released while waiting (close may need the GIL to finish). */
 static int enter(EngineObject *self) {
   if (!ready(self))
     return -1;
-  Py_BEGIN_ALLOW_THREADS
-  pthread_rwlock_rdlock(&self->life);
-  Py_END_ALLOW_THREADS
-  if (!self->eng) {
+  if (pthread_rwlock_tryrdlock(&self->life) != 0) {
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = pthread_rwlock_rdlock(&self->life);
+    Py_END_ALLOW_THREADS
+    if (rc != 0) {
+      mc_err_t err;
+      mc_err_set(&err, MC_EBUSY, "TransferEngine: cannot take its life lock (%s)",
+                 strerror(rc));
+      mc_py_raise(ST(self), &err);
+      return -1;
+    }
+  }
+  if (!ready(self)) {
     pthread_rwlock_unlock(&self->life);
-    ready(self);
     return -1;
   }
   return 0;
 }
 static void leave(EngineObject *self) { pthread_rwlock_unlock(&self->life); }
+
+/* A batch handed to Python: the id table holds one reference and each call
+ * using the batch without the GIL holds one (GIL-protected count), so a
+ * batch finished or waited for by one thread is not freed under another
+ * thread's poll.  Whoever drops the last one frees it, under the life lock. */
+typedef struct {
+  mc_batch_t *b;
+  int refs;
+} py_batch_t;
+
+/* Drops a reference; returns the batch to free (batch_free) if it was the last. */
+static mc_batch_t *batch_unref(py_batch_t *pb) {
+  if (--pb->refs > 0)
+    return NULL;
+  mc_batch_t *b = pb->b;
+  PyMem_RawFree(pb);
+  return b;
+}
+
+/* Frees a batch (cancels what is left; may wait for transports) without the GIL. */
+static void batch_free(EngineObject *self, mc_batch_t *b) {
+  if (!b)
+    return;
+  mc_engine_t *eng = self->eng;
+  Py_BEGIN_ALLOW_THREADS
+  mc_batch_free(eng, b);
+  Py_END_ALLOW_THREADS
+}
 
 /* ---- lifecycle ---- */
 
@@ -150,28 +196,33 @@ static PyObject *Engine_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
 
 static void free_batch_capsule(PyObject *cap) { (void)cap; }
 
+/* Closes the engine: new calls fail at once (closing), calls in flight
+ * finish first (the life lock, taken for writing without the GIL), then the
+ * batches still in the id table are freed (cancelled) and the engine
+ * destroyed.  A close racing another returns at once. */
 static void close_engine(EngineObject *self) {
-  if (!self->eng)
+  if (!self->eng || self->closing)
     return;
+  self->closing = 1;
   mc_engine_t *eng = self->eng;
-  /* Free outstanding batches first (cancels them). */
+  Py_BEGIN_ALLOW_THREADS
+  mc_engine_wake_notify_waiters(eng); /* a wait_notifies in flight returns now */
+  pthread_rwlock_wrlock(&self->life);
+  Py_END_ALLOW_THREADS
+  /* No call holds the lock now, so none holds a batch reference or touches
+   * the table: each batch's only reference is the table's. */
   PyObject *key, *val;
   Py_ssize_t pos = 0;
   while (self->batches && PyDict_Next(self->batches, &pos, &key, &val)) {
-    mc_batch_t *b = PyCapsule_GetPointer(val, "mc_batch");
-    if (b) {
-      Py_BEGIN_ALLOW_THREADS
-      mc_batch_free(eng, b);
-      Py_END_ALLOW_THREADS
-    }
+    py_batch_t *pb = PyCapsule_GetPointer(val, "mc_batch");
+    if (pb)
+      batch_free(self, batch_unref(pb));
   }
   if (self->batches)
     PyDict_Clear(self->batches);
   Py_BEGIN_ALLOW_THREADS
-  pthread_rwlock_wrlock(&self->life);
-  self->eng = NULL;
-  pthread_rwlock_unlock(&self->life);
   mc_engine_destroy(eng);
+  pthread_rwlock_unlock(&self->life);
   Py_END_ALLOW_THREADS
   /* Managed buffers outlive nothing: the engine that exposed them is gone. */
   pos = 0;
@@ -179,6 +230,8 @@ static void close_engine(EngineObject *self) {
     free((void *)(uintptr_t)PyLong_AsUnsignedLongLong(key));
   if (self->managed)
     PyDict_Clear(self->managed);
+  self->eng = NULL;
+  self->closing = 0;
 }
 
 static void Engine_dealloc(EngineObject *self) {
@@ -199,9 +252,10 @@ static int Engine_traverse(EngineObject *self, visitproc visit, void *arg) {
   return 0;
 }
 
+/* The two tables hold only ints and capsules (no cycle through them): kept
+ * for dealloc, which frees the batches and buffers they list. */
 static int Engine_clear(EngineObject *self) {
-  Py_CLEAR(self->batches);
-  Py_CLEAR(self->managed);
+  (void)self;
   return 0;
 }
 
@@ -225,8 +279,12 @@ static PyObject *Engine_initialize(EngineObject *self, PyObject *args, PyObject 
     return NULL;
   if (self->eng) {
     mc_err_t err;
-    mc_err_set(&err, MC_EBUSY, "TransferEngine is already initialized as segment %s",
-               mc_engine_segment_name(self->eng));
+    if (self->closing)
+      mc_err_set(&err, MC_EBUSY, "TransferEngine: close() is under way in another thread; "
+                 "initialize after it returns");
+    else
+      mc_err_set(&err, MC_EBUSY, "TransferEngine is already initialized as segment %s",
+                 mc_engine_segment_name(self->eng));
     return mc_py_raise(ST(self), &err);
   }
   mc_engine_opts_t o = {.local_hostname = host, .metadata_server = meta,
@@ -241,6 +299,13 @@ static PyObject *Engine_initialize(EngineObject *self, PyObject *args, PyObject 
   Py_END_ALLOW_THREADS
   if (rc < 0)
     return mc_py_raise(ST(self), &err);
+  if (self->eng) { /* another thread's initialize won meanwhile */
+    Py_BEGIN_ALLOW_THREADS
+    mc_engine_destroy(eng);
+    Py_END_ALLOW_THREADS
+    mc_err_set(&err, MC_EBUSY, "TransferEngine was initialized by another thread meanwhile");
+    return mc_py_raise(ST(self), &err);
+  }
   self->eng = eng;
   return PyLong_FromLong(0);
 }
@@ -291,23 +356,29 @@ static PyObject *Engine_exit(EngineObject *self, PyObject *args) {
 
 static PyObject *Engine_get_rpc_port(EngineObject *self, PyObject *unused) {
   (void)unused;
-  if (!ready(self))
+  if (enter(self) < 0)
     return NULL;
-  return PyLong_FromLong(mc_engine_rpc_port(self->eng));
+  long port = mc_engine_rpc_port(self->eng);
+  leave(self);
+  return PyLong_FromLong(port);
 }
 
 static PyObject *Engine_get_segment_name(EngineObject *self, PyObject *unused) {
   (void)unused;
-  if (!ready(self))
+  if (enter(self) < 0)
     return NULL;
-  return PyUnicode_FromString(mc_engine_segment_name(self->eng));
+  /* The name lives in the engine: copied while it is held. */
+  PyObject *r = PyUnicode_FromString(mc_engine_segment_name(self->eng));
+  leave(self);
+  return r;
 }
 
 static PyObject *Engine_get_metadata(EngineObject *self, PyObject *unused) {
   (void)unused;
-  if (!ready(self))
+  if (enter(self) < 0)
     return NULL;
   char *d = mc_engine_describe(self->eng);
+  leave(self);
   if (!d)
     return PyErr_NoMemory();
   PyObject *r = PyUnicode_FromString(d);
@@ -450,7 +521,7 @@ static PyObject *Engine_allocate_managed_buffer(EngineObject *self, PyObject *ar
                (unsigned long long)len);
   }
   Py_END_ALLOW_THREADS
-  leave(self);
+  /* The table is updated under the life lock: close frees what it lists. */
   if (rc < 0 && p) { /* still registered: freed at close, never under a peer */
     PyObject *k = PyLong_FromUnsignedLongLong((unsigned long long)(uintptr_t)p);
     PyObject *v = PyLong_FromUnsignedLongLong(0); /* length 0: no free_managed_buffer matches */
@@ -460,15 +531,19 @@ static PyObject *Engine_allocate_managed_buffer(EngineObject *self, PyObject *ar
     Py_XDECREF(v);
     PyErr_Clear();
   }
-  if (rc < 0)
+  if (rc < 0) {
+    leave(self);
     return mc_py_raise(ST(self), &err);
+  }
   PyObject *k = PyLong_FromUnsignedLongLong((unsigned long long)(uintptr_t)p);
   PyObject *v = PyLong_FromUnsignedLongLong(len);
   if (!k || !v || PyDict_SetItem(self->managed, k, v) < 0) {
+    leave(self);
     Py_XDECREF(k);
     Py_XDECREF(v);
     return NULL; /* the buffer stays registered until close; a leak only on OOM */
   }
+  leave(self);
   Py_DECREF(v);
   return k;
 }
@@ -507,12 +582,16 @@ static PyObject *Engine_free_managed_buffer(EngineObject *self, PyObject *args) 
    * again retries (engine.c mc_engine_unregister). */
   rc = mc_engine_unregister(self->eng, (void *)(uintptr_t)addr, &err);
   Py_END_ALLOW_THREADS
-  leave(self);
-  if (rc == 0) {
-    PyDict_DelItem(self->managed, k);
+  /* Under the lock: a close cannot free it too.  A concurrent call freed
+   * it first if the entry is gone. */
+  if (rc == 0 && PyDict_DelItem(self->managed, k) == 0)
     free((void *)(uintptr_t)addr);
-  }
+  else if (rc == 0 && PyErr_ExceptionMatches(PyExc_KeyError))
+    PyErr_Clear();
+  leave(self);
   Py_DECREF(k);
+  if (rc == 0 && PyErr_Occurred())
+    return NULL;
   if (rc < 0)
     return mc_py_raise(ST(self), &err);
   return PyLong_FromLong(0);
@@ -822,20 +901,28 @@ static PyObject *async_batch(EngineObject *self, PyObject *args, PyObject *kw, i
     }
   }
   Py_END_ALLOW_THREADS
-  leave(self);
   PyMem_RawFree(x.reqs);
-  if (rc < 0)
+  if (rc < 0) {
+    leave(self);
     return mc_py_raise(ST(self), &err);
-  PyObject *cap = PyCapsule_New(b, "mc_batch", free_batch_capsule);
+  }
+  /* Into the table under the life lock: close frees what it lists. */
+  py_batch_t *pb = PyMem_RawMalloc(sizeof *pb);
+  PyObject *cap = pb ? PyCapsule_New(pb, "mc_batch", free_batch_capsule) : NULL;
   PyObject *id = cap ? PyLong_FromLongLong(++self->next_batch) : NULL;
+  if (pb)
+    *pb = (py_batch_t){.b = b, .refs = 1};
   if (!id || PyDict_SetItem(self->batches, id, cap) < 0) {
+    if (!pb)
+      PyErr_NoMemory();
     Py_XDECREF(cap);
     Py_XDECREF(id);
-    Py_BEGIN_ALLOW_THREADS
-    mc_batch_free(self->eng, b);
-    Py_END_ALLOW_THREADS
+    PyMem_RawFree(pb);
+    batch_free(self, b);
+    leave(self);
     return NULL;
   }
+  leave(self);
   Py_DECREF(cap);
   return id;
 }
@@ -847,8 +934,9 @@ static PyObject *Engine_batch_transfer_async_read(EngineObject *self, PyObject *
   return async_batch(self, a, k, MC_OP_READ, "OOOO:batch_transfer_async_read");
 }
 
-/* Removes a batch id from the table; returns the batch or NULL (raised). */
-static mc_batch_t *take_batch(EngineObject *self, PyObject *id) {
+/* Removes a batch id from the table (caller holds the life lock); returns
+ * the table's reference to the batch, or NULL (raised). */
+static py_batch_t *take_batch(EngineObject *self, PyObject *id) {
   PyObject *cap = PyDict_GetItemWithError(self->batches, id);
   if (!cap) {
     if (!PyErr_Occurred()) {
@@ -861,10 +949,25 @@ static mc_batch_t *take_batch(EngineObject *self, PyObject *id) {
     }
     return NULL;
   }
-  mc_batch_t *b = PyCapsule_GetPointer(cap, "mc_batch");
-  if (PyDict_DelItem(self->batches, id) < 0)
+  py_batch_t *pb = PyCapsule_GetPointer(cap, "mc_batch");
+  if (!pb || PyDict_DelItem(self->batches, id) < 0)
     return NULL;
-  return b;
+  return pb;
+}
+
+/* The table's entry for id with a reference taken for the caller (who
+ * holds the life lock), or NULL (raised). */
+static py_batch_t *get_batch(EngineObject *self, PyObject *id) {
+  PyObject *cap = PyDict_GetItemWithError(self->batches, id);
+  if (!cap) {
+    if (!PyErr_Occurred())
+      PyErr_Format(PyExc_ValueError, "unknown batch id");
+    return NULL;
+  }
+  py_batch_t *pb = PyCapsule_GetPointer(cap, "mc_batch");
+  if (pb)
+    pb->refs++;
+  return pb;
 }
 
 PyDoc_STRVAR(get_status_doc,
@@ -881,16 +984,21 @@ static PyObject *Engine_get_batch_transfer_status(EngineObject *self, PyObject *
     return NULL;
   if (timeout < 0 && timeout == timeout && timeout > -1e300)
     timeout = -1; /* any negative: the engine default */
-  if (mc_py_check_timeout(timeout, -1, 0, 86400, "timeout") < 0 || !ready(self))
+  if (mc_py_check_timeout(timeout, -1, 0, 86400, "timeout") < 0)
     return NULL;
   PyObject *fast = PySequence_Fast(ids, "batch_ids must be a list of batch ids");
   if (!fast)
     return NULL;
   Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
-  mc_batch_t **bs = PyMem_RawCalloc((size_t)(n ? n : 1), sizeof *bs);
+  py_batch_t **bs = PyMem_RawCalloc((size_t)(n ? n : 1), sizeof *bs);
   if (!bs) {
     Py_DECREF(fast);
     return PyErr_NoMemory();
+  }
+  if (enter(self) < 0) {
+    PyMem_RawFree(bs);
+    Py_DECREF(fast);
+    return NULL;
   }
   for (Py_ssize_t i = 0; i < n; i++) {
     bs[i] = take_batch(self, PySequence_Fast_GET_ITEM(fast, i));
@@ -908,18 +1016,19 @@ static PyObject *Engine_get_batch_transfer_status(EngineObject *self, PyObject *
   mc_err_t err = {0}, e2;
   int rc = 0;
   int64_t tmo = timeout < 0 ? -1 : (int64_t)(timeout * 1000.0);
-  pthread_rwlock_rdlock(&self->life);
   Py_BEGIN_ALLOW_THREADS
   for (Py_ssize_t i = 0; i < n; i++) {
-    int r = mc_batch_wait(self->eng, bs[i], tmo, &e2);
+    int r = mc_batch_wait(self->eng, bs[i]->b, tmo, &e2);
     if (r < 0 && rc == 0) {
       rc = r;
       err = e2;
     }
-    mc_batch_free(self->eng, bs[i]);
   }
   Py_END_ALLOW_THREADS
-  pthread_rwlock_unlock(&self->life);
+  /* Freed unless another thread is polling one (it frees it then). */
+  for (Py_ssize_t i = 0; i < n; i++)
+    batch_free(self, batch_unref(bs[i]));
+  leave(self);
   PyMem_RawFree(bs);
   if (pending_exc) {
     PyErr_Restore(et, ev, tb);
@@ -948,15 +1057,12 @@ PyDoc_STRVAR(check_doc,
 "Non-blocking: 0 while running, 1 when every request completed (the batch is\n"
 "freed), -1 if one failed (freed; use get_batch_status first for details).");
 
-static PyObject *Engine_transfer_check_status(EngineObject *self, PyObject *id) {
-  if (!ready(self))
-    return NULL;
-  PyObject *cap = PyDict_GetItemWithError(self->batches, id);
-  if (!cap)
-    return PyErr_Occurred() ? NULL : PyErr_Format(PyExc_ValueError, "unknown batch id");
-  mc_batch_t *b = PyCapsule_GetPointer(cap, "mc_batch");
+/* 0 while requests are pending, else 1 (all completed), -2 (one timed
+ * out) or -1 (one failed).  May reap a finished GPU copy (completion
+ * callbacks, driver calls): called without the GIL. */
+static long batch_result(mc_batch_t *b) {
   if (mc_batch_pending(b) > 0)
-    return PyLong_FromLong(0);
+    return 0;
   long res = 1;
   size_t n = mc_batch_size(b);
   for (size_t i = 0; i < n; i++) {
@@ -965,38 +1071,63 @@ static PyObject *Engine_transfer_check_status(EngineObject *self, PyObject *id) 
     if (s.state != MC_TASK_COMPLETED)
       res = s.state == MC_TASK_TIMEOUT ? -2 : -1;
   }
-  b = take_batch(self, id);
-  if (!b)
+  return res;
+}
+
+static PyObject *Engine_transfer_check_status(EngineObject *self, PyObject *id) {
+  if (enter(self) < 0)
     return NULL;
+  py_batch_t *pb = get_batch(self, id);
+  if (!pb) {
+    leave(self);
+    return NULL;
+  }
+  long res;
+  mc_batch_t *b = pb->b;
   Py_BEGIN_ALLOW_THREADS
-  mc_batch_free(self->eng, b);
+  res = batch_result(b);
   Py_END_ALLOW_THREADS
-  return PyLong_FromLong(res);
+  int failed = 0;
+  if (res != 0) {
+    /* Finished: the id goes (unless another thread's call took it meanwhile,
+     * or an id object raised in comparison). */
+    PyObject *cap = PyDict_GetItemWithError(self->batches, id);
+    if (cap && PyCapsule_GetPointer(cap, "mc_batch") == pb) {
+      py_batch_t *t = take_batch(self, id);
+      if (t)
+        batch_unref(t); /* not the last: we hold one */
+    }
+    failed = PyErr_Occurred() != NULL;
+  }
+  batch_free(self, batch_unref(pb));
+  leave(self);
+  return failed ? NULL : PyLong_FromLong(res);
 }
 
 static PyObject *Engine_get_batch_status(EngineObject *self, PyObject *id) {
-  if (!ready(self))
+  if (enter(self) < 0)
     return NULL;
-  PyObject *cap = PyDict_GetItemWithError(self->batches, id);
-  if (!cap)
-    return PyErr_Occurred() ? NULL : PyErr_Format(PyExc_ValueError, "unknown batch id");
-  mc_batch_t *b = PyCapsule_GetPointer(cap, "mc_batch");
+  py_batch_t *pb = get_batch(self, id);
+  if (!pb) {
+    leave(self);
+    return NULL;
+  }
+  mc_batch_t *b = pb->b;
   size_t n = mc_batch_size(b);
   PyObject *list = PyList_New((Py_ssize_t)n);
-  if (!list)
-    return NULL;
-  for (size_t i = 0; i < n; i++) {
+  for (size_t i = 0; list && i < n; i++) {
     mc_task_status_t s;
     mc_batch_status(b, i, &s);
     PyObject *d = Py_BuildValue("{s:s,s:i,s:s,s:K,s:N}", "state", state_name(s.state), "code",
                                 s.code, "code_name", mc_err_name(s.code), "transferred",
                                 (unsigned long long)s.transferred, "message", mc_py_peer_str(s.msg));
-    if (!d) {
-      Py_DECREF(list);
-      return NULL;
-    }
-    PyList_SET_ITEM(list, (Py_ssize_t)i, d);
+    if (!d)
+      Py_CLEAR(list);
+    else
+      PyList_SET_ITEM(list, (Py_ssize_t)i, d);
   }
+  batch_free(self, batch_unref(pb));
+  leave(self);
   return list;
 }
 
@@ -1077,13 +1208,16 @@ static void collect_notify(void *arg, const char *from, const void *msg, size_t 
 
 static PyObject *Engine_get_notifies(EngineObject *self, PyObject *unused) {
   (void)unused;
-  if (!ready(self))
-    return NULL;
   PyObject *list = PyList_New(0);
   if (!list)
     return NULL;
+  if (enter(self) < 0) {
+    Py_DECREF(list);
+    return NULL;
+  }
   notify_sink_t sink = {list, 0};
   mc_engine_drain_notifies(self->eng, SIZE_MAX, collect_notify, &sink);
+  leave(self);
   if (sink.lost && PyErr_WarnFormat(PyExc_ResourceWarning, 1,
                                     "get_notifies: %zu notification(s) dropped: out of memory",
                                     sink.lost) < 0)
@@ -1229,10 +1363,11 @@ static PyObject *add_more_stats(PyObject *d, const mc_engine_stats_t *s) {
 
 static PyObject *Engine_get_stats(EngineObject *self, PyObject *unused) {
   (void)unused;
-  if (!ready(self))
+  if (enter(self) < 0)
     return NULL;
   mc_engine_stats_t s;
   mc_engine_get_stats(self->eng, &s);
+  leave(self);
   PyObject *d = Py_BuildValue(
       "{sKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsKsK}", "notify_queue_bytes", (unsigned long long)s.notify_queue_bytes,
       "notify_queue_limit", (unsigned long long)s.notify_queue_limit, "notify_queue_msgs",

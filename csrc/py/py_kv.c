@@ -13,9 +13,15 @@
 #include "kv/kv_transfer.h"
 #include "py/py_common.h"
 
+/* The life lock, as TransferEngine's (py_engine.c): a call using kv holds
+ * it for reading; close sets `closing` (new calls fail), stops kv (waiting
+ * calls fail and return), takes it for writing (the calls in flight have
+ * left), then frees kv.  Nobody waits for it while holding the GIL. */
 typedef struct {
   PyObject_HEAD
   mc_kv_t *kv;
+  pthread_rwlock_t life;
+  int closing; /* GIL-protected */
   PyObject *engine; /* TransferEngine, borrowed for our lifetime */
   PyObject *lookup; /* LookupBuffer or NULL */
   mc_lookup_t *lb;
@@ -24,12 +30,19 @@ typedef struct {
 #define ST(self) mc_py_state_from_type(Py_TYPE(self))
 
 static void kv_close(KVObject *self) {
+  if (self->closing)
+    return; /* another thread is closing it */
   if (self->kv) {
     mc_kv_t *kv = self->kv;
-    self->kv = NULL;
+    self->closing = 1;
     Py_BEGIN_ALLOW_THREADS
+    mc_kv_stop(kv);
+    pthread_rwlock_wrlock(&self->life);
     mc_kv_destroy(kv);
+    pthread_rwlock_unlock(&self->life);
     Py_END_ALLOW_THREADS
+    self->kv = NULL;
+    self->closing = 0;
   }
   if (self->engine) {
     mc_py_engine_unborrow(self->engine);
@@ -56,6 +69,7 @@ static PyObject *KV_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
     mc_py_engine_unborrow(eng_obj);
     return NULL;
   }
+  pthread_rwlock_init(&self->life, NULL);
   self->engine = Py_NewRef(eng_obj);
   self->lookup = lb_obj == Py_None ? NULL : Py_NewRef(lb_obj);
   self->lb = lb;
@@ -78,6 +92,7 @@ static void KV_dealloc(KVObject *self) {
   PyTypeObject *tp = Py_TYPE(self);
   PyObject_GC_UnTrack(self);
   kv_close(self);
+  pthread_rwlock_destroy(&self->life);
   tp->tp_free((PyObject *)self);
   Py_DECREF(tp);
 }
@@ -90,7 +105,7 @@ static int KV_traverse(KVObject *self, visitproc visit, void *arg) {
 }
 
 static int live(KVObject *self) {
-  if (!self->kv) {
+  if (!self->kv || self->closing) {
     mc_err_t err;
     mc_err_set(&err, MC_ECLOSED, "KVTransfer is closed");
     mc_py_raise(ST(self), &err);
@@ -98,6 +113,30 @@ static int live(KVObject *self) {
   }
   return 1;
 }
+
+/* Takes the life lock (reading) for a call that uses kv, or raises the
+ * closed error; the GIL is released only to wait for it. */
+static int kv_enter(KVObject *self) {
+  if (!live(self))
+    return -1;
+  if (pthread_rwlock_tryrdlock(&self->life) != 0) {
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = pthread_rwlock_rdlock(&self->life);
+    Py_END_ALLOW_THREADS
+    if (rc != 0) {
+      PyErr_Format(PyExc_RuntimeError, "KVTransfer: cannot take its life lock (%s)",
+                   strerror(rc));
+      return -1;
+    }
+  }
+  if (!live(self)) {
+    pthread_rwlock_unlock(&self->life);
+    return -1;
+  }
+  return 0;
+}
+static void kv_leave(KVObject *self) { pthread_rwlock_unlock(&self->life); }
 
 /* Extents list -> malloc'ed array (PyMem_Raw); NULL with an exception set. */
 static mc_lookup_extent_t *extents_from(PyObject *obj, const char *what, Py_ssize_t *n) {
@@ -163,6 +202,12 @@ static PyObject *KV_recv_kv(KVObject *self, PyObject *args, PyObject *kw) {
   snprintf(prod, sizeof prod, "%s", producer);
   mc_err_t err = {0};
   long rc;
+  if (kv_enter(self) < 0) {
+    mc_py_tokens_put(&t);
+    PyMem_RawFree(dest);
+    PyMem_RawFree(hid);
+    return NULL;
+  }
   mc_kv_t *kv = self->kv;
   Py_BEGIN_ALLOW_THREADS
   if (pull)
@@ -172,6 +217,7 @@ static PyObject *KV_recv_kv(KVObject *self, PyObject *args, PyObject *kw) {
     rc = mc_kv_recv_ex(kv, prod, t.ptr, t.n, t.width, dest, (size_t)nd, epb, hid, (size_t)nh,
                        (int)(timeout * 1000.0), &err);
   Py_END_ALLOW_THREADS
+  kv_leave(self);
   mc_py_tokens_put(&t);
   PyMem_RawFree(dest);
   PyMem_RawFree(hid);
@@ -207,8 +253,14 @@ static PyObject *KV_pull_start(KVObject *self, PyObject *args, PyObject *kw) {
   }
   mc_err_t err = {0};
   uint64_t id = 0;
+  if (kv_enter(self) < 0) {
+    mc_py_tokens_put(&t);
+    PyMem_RawFree(dest);
+    return NULL;
+  }
   int rc = mc_kv_pull_start(self->kv, producer, t.ptr, t.n, t.width, skip, dest, (size_t)nd,
                             epb, (int)(timeout * 1000.0), &id, &err);
+  kv_leave(self);
   mc_py_tokens_put(&t);
   PyMem_RawFree(dest);
   if (rc < 0)
@@ -225,7 +277,10 @@ static PyObject *KV_pull_poll(KVObject *self, PyObject *arg) {
   long result = 0;
   double secs = 0;
   mc_err_t err = {0};
+  if (kv_enter(self) < 0)
+    return NULL;
   int rc = mc_kv_pull_poll(self->kv, id, &result, &secs, &err);
+  kv_leave(self);
   if (rc < 0)
     return mc_py_raise(ST(self), &err);
   if (rc == 0)
@@ -265,10 +320,15 @@ static PyObject *KV_pull_wait(KVObject *self, PyObject *args, PyObject *kw) {
   Py_DECREF(fast);
   mc_err_t err = {0};
   int rc;
+  if (kv_enter(self) < 0) {
+    PyMem_RawFree(ids);
+    return NULL;
+  }
   mc_kv_t *kv = self->kv;
   Py_BEGIN_ALLOW_THREADS
   rc = mc_kv_pull_wait(kv, ids, (size_t)n, (int)(timeout * 1000.0), &err);
   Py_END_ALLOW_THREADS
+  kv_leave(self);
   PyMem_RawFree(ids);
   if (rc < 0)
     return mc_py_raise(ST(self), &err);
@@ -297,11 +357,16 @@ static PyObject *KV_probe(KVObject *self, PyObject *args, PyObject *kw) {
   snprintf(prod, sizeof prod, "%s", producer);
   mc_err_t err = {0};
   long rc;
+  if (kv_enter(self) < 0) {
+    mc_py_tokens_put(&t);
+    return NULL;
+  }
   mc_kv_t *kv = self->kv;
   int ms = (int)(timeout * 1000.0);
   Py_BEGIN_ALLOW_THREADS
   rc = mc_kv_probe(kv, prod, t.ptr, t.n, t.width, epb, ms > 0 ? ms : 1, &err);
   Py_END_ALLOW_THREADS
+  kv_leave(self);
   mc_py_tokens_put(&t);
   if (rc < 0)
     return mc_py_raise(ST(self), &err);
@@ -317,7 +382,9 @@ static PyObject *KV_send_kv(KVObject *self, PyObject *args, PyObject *kw) {
                "LookupBuffer(...))");
     return mc_py_raise(ST(self), &err);
   }
-  PyObject *insert = PyObject_GetAttrString(self->lookup, "insert");
+  PyObject *lb = Py_NewRef(self->lookup); /* close may drop self->lookup meanwhile */
+  PyObject *insert = PyObject_GetAttrString(lb, "insert");
+  Py_DECREF(lb);
   if (!insert)
     return NULL;
   PyObject *r = PyObject_Call(insert, args, kw);
@@ -327,10 +394,11 @@ static PyObject *KV_send_kv(KVObject *self, PyObject *args, PyObject *kw) {
 
 static PyObject *KV_stats(KVObject *self, PyObject *unused) {
   (void)unused;
-  if (!live(self))
+  if (kv_enter(self) < 0)
     return NULL;
   mc_kv_stats_t s;
   mc_kv_get_stats(self->kv, &s);
+  kv_leave(self);
   const struct {
     const char *k;
     uint64_t v;
