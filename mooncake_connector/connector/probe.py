@@ -190,6 +190,13 @@ class ProducerProbe:
                 return True, self._answers.pop(key)
             return False, None
 
+    def wait(self, key, timeout):
+        """Waits (GIL released) up to `timeout` s for the answer for `key`;
+        True once it is in (take it with answer())."""
+        with self._cv:
+            return self._cv.wait_for(lambda: key in self._answers or key not in self._asked,
+                                     timeout) and key in self._answers
+
     def pending(self, key):
         with self._cv:
             return key in self._asked
@@ -231,6 +238,7 @@ class ProducerProbe:
                     self._asked.discard(key)
                     self._answers[key] = held
                     self._whys[key] = self._why
+                    self._cv.notify_all()  # a scheduler may wait for it (wait())
 
     def close(self):
         with self._cv:

@@ -124,12 +124,14 @@ class SchedulerSide:
         cached = self._probed.get(rid)
         if cached is not None and now - cached[1] < PROBE_REUSE_S:
             return cached[0]
+        if rid not in self._asked:
+            self._ask(request, src, n_full, now)  # vLLM without on_new_request
         done, held = self._probe.answer(rid)
+        if not done and self._may_wait(rid) and \
+                self._probe.wait(rid, self.s.probe_wait_ms / 1000.0):
+            done, held = self._probe.answer(rid)
         if not done:
-            asked = self._asked.get(rid)
-            if asked is None:
-                self._ask(request, src, n_full, now)
-                return PENDING
+            asked = self._asked.get(rid, now)
             patience = self._probe.timeout_for(src[1])  # longer for a first contact
             if now - asked < patience + PROBE_GRACE_S:
                 return PENDING
@@ -143,6 +145,12 @@ class SchedulerSide:
         held = None if held is None else min(held, n_full)
         self._probed[rid] = (held, now)
         return held
+
+    def _may_wait(self, rid):
+        """Whether this step may wait (probe_wait_ms) for `rid`'s probe: only
+        while no other request runs (the step would compute nothing else, and
+        vLLM would run empty steps, 1 ms apart, until the answer is in)."""
+        return self.s.probe_wait_ms > 0 and not (self._batch - {rid})
 
     def _recompute(self, request, reason, why):
         """No silent recompute: a prompt this consumer was meant to load is
