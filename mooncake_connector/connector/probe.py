@@ -11,11 +11,12 @@ If the probe engine itself cannot start (e.g. the metadata server is down),
 loads go the asynchronous way (the workers find out) and the start is tried
 again after RESTART_S.
 
-The scheduler never waits on the network: ask() queues a question and
-returns at once; one thread (started with the first question) starts the
-engine and asks the producers, one round trip at a time (the C call releases
-the GIL); answer() says whether the answer is in.  Until it is, the
-scheduler tells vLLM "not known yet" and vLLM asks again next step.
+ask() queues a question and returns at once; one thread (started with the
+first question) starts the engine and asks the producers, one round trip at
+a time (the C call releases the GIL); answer() says whether the answer is
+in, wait() waits for it a bounded time (the scheduler does only while no
+other request runs: probe_wait_ms).  Until it is in, the scheduler tells
+vLLM "not known yet" and vLLM asks again next step.
 """
 import collections
 import json

@@ -14,7 +14,9 @@ probes the producer (probe.py, one round trip; a miss costs nothing more).
 The probe runs on its own thread, started when the request arrives
 (on_new_request): until its answer is in, get_num_new_matched_tokens says
 "not known yet" (None) and vLLM asks again next step, so the scheduler,
-and every running request with it, never waits on the network.  An answer
+and every running request with it, never waits on the network; only a step
+with no other request running waits for the answer, up to probe_wait_ms
+(else vLLM would run an empty step and sleep 1 ms: ~2 ms per request).  An answer
 later than lookup_timeout_s + PROBE_GRACE_S counts as a miss.
 Loads up to sync_load_max_bytes run inside the step that schedules the
 request (vLLM's synchronous load: no extra scheduler steps); larger ones, and

@@ -1,0 +1,88 @@
+"""The connector's fixed per-request cost (serving_bench.py's last line) with
+the decode's probe_wait_ms off and on, deployments alternating in one run.
+
+    PYTHONPATH=. .venv/bin/python -P benchmarks/fixed_cost_ab.py \\
+        [--rounds 2] [--requests 40] [--waits 0,5] [--out build/fixed_cost_ab.json]
+
+Each round starts serving_bench.py's servers (the --kv32k model: metadata
+server, prefill, decode, colocated vLLM CPU servers; no proxy) once per
+value of --waits (the decode's kv_connector_extra_config probe_wait_ms) and
+runs serving_bench.measure_fixed on them: a ~40-token prompt the prefill
+never saw, to the colocated server then straight to the decode server
+(lookup at the producer, miss, computed locally).  Printed per deployment
+and pooled per value: decode - colocated TTFT p50, and the paired median
+(the same prompt on both, back to back), with the load average.
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from serving_bench import KV32K_SPEC, measure_fixed  # noqa: E402
+
+
+def one(model, wait_ms, requests, workdir):
+    from mooncake_connector.deployment import Deployment
+    dep = Deployment(workdir, model, flows=(), kv_cache_bytes=256 << 20,
+                     decode_extra_config={"probe_wait_ms": wait_ms})
+    try:
+        dep.start(timeout=600)
+        measure_fixed(dep.colocated.url, dep.decode.url, 4)  # warm both servers up
+        return measure_fixed(dep.colocated.url, dep.decode.url, requests)
+    finally:
+        dep.stop()
+
+
+def stats(fixed):
+    c, d = fixed["colocated"], fixed["decode"]
+    return {"n": len(d), "colocated_ms_p50": statistics.median(c) * 1e3,
+            "decode_ms_p50": statistics.median(d) * 1e3,
+            "fixed_ms_p50": (statistics.median(d) - statistics.median(c)) * 1e3,
+            "paired_ms_p50": statistics.median(b - a for a, b in zip(c, d)) * 1e3}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--requests", type=int, default=40)
+    ap.add_argument("--waits", default="0,5", help="probe_wait_ms values, comma-separated")
+    ap.add_argument("--out", default="build/fixed_cost_ab.json")
+    args = ap.parse_args(argv)
+    waits = [float(x) for x in args.waits.split(",")]
+    from mooncake_connector import tiny_model
+    model = tiny_model.build(**KV32K_SPEC)
+    root = tempfile.mkdtemp(prefix="mc-fixed-ab-")
+    runs, pooled = [], {w: {"colocated": [], "decode": []} for w in waits}
+    for r in range(args.rounds):
+        for w in waits:
+            la0 = os.getloadavg()
+            fixed = one(model, w, args.requests, os.path.join(root, f"r{r}-w{w:g}"))
+            s = dict(stats(fixed), round=r, probe_wait_ms=w,
+                     load_avg=[la0, os.getloadavg()])
+            runs.append(s)
+            for k in fixed:
+                pooled[w][k] += fixed[k]
+            print(f"round {r} probe_wait_ms {w:g}: decode - colocated TTFT p50 "
+                  f"{s['fixed_ms_p50']:.2f} ms, paired median {s['paired_ms_p50']:.2f} ms "
+                  f"(colocated {s['colocated_ms_p50']:.1f}, decode {s['decode_ms_p50']:.1f} ms; "
+                  f"n {s['n']}; load {la0[0]:.2f} -> {os.getloadavg()[0]:.2f})", flush=True)
+    out = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+           "cpus": os.cpu_count(), "command": " ".join(sys.argv), "runs": runs,
+           "pooled": {f"{w:g}": stats(pooled[w]) for w in waits}}
+    for w in waits:
+        s = out["pooled"][f"{w:g}"]
+        print(f"pooled probe_wait_ms {w:g}: fixed cost p50 {s['fixed_ms_p50']:.2f} ms, paired "
+              f"median {s['paired_ms_p50']:.2f} ms (n {s['n']})")
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=1)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
