@@ -7,11 +7,12 @@ the decode's probe_wait_ms off and on, deployments alternating in one run.
 Each round starts serving_bench.py's servers (the --kv32k model: metadata
 server, prefill, decode, colocated vLLM CPU servers; no proxy) once per
 value of --waits (the decode's kv_connector_extra_config probe_wait_ms) and
-runs serving_bench.measure_fixed on them: a ~40-token prompt the prefill
+sends serving_bench.measure_fixed's requests to them: a ~40-token prompt the prefill
 never saw, to the colocated server then straight to the decode server
 (lookup at the producer, miss, computed locally).  Printed per deployment
 and pooled per value: decode - colocated TTFT p50, and the paired median
-(the same prompt on both, back to back), with the load average.
+(the same prompt on both, back to back), and each server's vLLM queue time
+(arrival to scheduled) p50, with the load average.
 """
 import argparse
 import json
@@ -23,7 +24,34 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from serving_bench import KV32K_SPEC, measure_fixed  # noqa: E402
+from serving_bench import KV32K_SPEC, SETTLE_S, prompt_of  # noqa: E402
+from ttft_timeline import scrape  # noqa: E402
+
+QUEUE = "vllm:request_queue_time_seconds"
+
+
+def measure(colocated_url, decode_url, n, seed0=900_000):
+    """serving_bench.measure_fixed's requests (same prompts, same order),
+    plus each request's time in vLLM's waiting queue (its server's
+    request_queue_time histogram sum, scraped around it): arrival to
+    scheduled, where a skipped first step shows."""
+    from mooncake_connector.openai_client import request
+    out = {k: [] for k in ("colocated", "decode", "queue_colocated", "queue_decode")}
+    for i in range(n):
+        p = prompt_of(40, seed0 + i)
+        for k, url in (("colocated", colocated_url), ("decode", decode_url)):
+            time.sleep(SETTLE_S)
+            q0 = scrape(url, (QUEUE,)).get(QUEUE)
+            r = request(url, "/v1/completions", {
+                "model": "tiny", "prompt": p, "temperature": 0.0, "max_tokens": 1,
+                "ignore_eos": True, "return_token_ids": True, "stream": True,
+                "stream_options": {"include_usage": True}}, timeout=600)
+            if r.status != 200 or r.error:
+                raise RuntimeError(f"{url}: {r.status} {r.error}")
+            out[k].append(r.ttft_s)
+            q1 = scrape(url, (QUEUE,)).get(QUEUE)
+            out[f"queue_{k}"].append(None if q0 is None or q1 is None else q1 - q0)
+    return out
 
 
 def one(model, wait_ms, requests, workdir):
@@ -32,10 +60,15 @@ def one(model, wait_ms, requests, workdir):
                      decode_extra_config={"probe_wait_ms": wait_ms})
     try:
         dep.start(timeout=600)
-        measure_fixed(dep.colocated.url, dep.decode.url, 4)  # warm both servers up
-        return measure_fixed(dep.colocated.url, dep.decode.url, requests)
+        measure(dep.colocated.url, dep.decode.url, 4, seed0=800_000)  # warm-up
+        return measure(dep.colocated.url, dep.decode.url, requests)
     finally:
         dep.stop()
+
+
+def _med_ms(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) * 1e3 if xs else None
 
 
 def stats(fixed):
@@ -43,7 +76,9 @@ def stats(fixed):
     return {"n": len(d), "colocated_ms_p50": statistics.median(c) * 1e3,
             "decode_ms_p50": statistics.median(d) * 1e3,
             "fixed_ms_p50": (statistics.median(d) - statistics.median(c)) * 1e3,
-            "paired_ms_p50": statistics.median(b - a for a, b in zip(c, d)) * 1e3}
+            "paired_ms_p50": statistics.median(b - a for a, b in zip(c, d)) * 1e3,
+            "queue_colocated_ms_p50": _med_ms(fixed["queue_colocated"]),
+            "queue_decode_ms_p50": _med_ms(fixed["queue_decode"])}
 
 
 def main(argv=None):
@@ -57,7 +92,7 @@ def main(argv=None):
     from mooncake_connector import tiny_model
     model = tiny_model.build(**KV32K_SPEC)
     root = tempfile.mkdtemp(prefix="mc-fixed-ab-")
-    runs, pooled = [], {w: {"colocated": [], "decode": []} for w in waits}
+    runs, pooled = [], {w: {} for w in waits}
     for r in range(args.rounds):
         for w in waits:
             la0 = os.getloadavg()
@@ -66,10 +101,12 @@ def main(argv=None):
                      load_avg=[la0, os.getloadavg()])
             runs.append(s)
             for k in fixed:
-                pooled[w][k] += fixed[k]
+                pooled[w].setdefault(k, []).extend(fixed[k])
             print(f"round {r} probe_wait_ms {w:g}: decode - colocated TTFT p50 "
                   f"{s['fixed_ms_p50']:.2f} ms, paired median {s['paired_ms_p50']:.2f} ms "
                   f"(colocated {s['colocated_ms_p50']:.1f}, decode {s['decode_ms_p50']:.1f} ms; "
+                  f"queue time p50 colocated {s['queue_colocated_ms_p50']}, decode "
+                  f"{s['queue_decode_ms_p50']} ms; "
                   f"n {s['n']}; load {la0[0]:.2f} -> {os.getloadavg()[0]:.2f})", flush=True)
     out = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
            "cpus": os.cpu_count(), "command": " ".join(sys.argv), "runs": runs,
@@ -77,7 +114,8 @@ def main(argv=None):
     for w in waits:
         s = out["pooled"][f"{w:g}"]
         print(f"pooled probe_wait_ms {w:g}: fixed cost p50 {s['fixed_ms_p50']:.2f} ms, paired "
-              f"median {s['paired_ms_p50']:.2f} ms (n {s['n']})")
+              f"median {s['paired_ms_p50']:.2f} ms; vLLM queue time p50 colocated "
+              f"{s['queue_colocated_ms_p50']}, decode {s['queue_decode_ms_p50']} ms (n {s['n']})")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)
