@@ -54,10 +54,11 @@ def measure(colocated_url, decode_url, n, seed0=900_000):
     return out
 
 
-def one(model, wait_ms, requests, workdir):
+def one(model, wait_ms, requests, workdir, trace_path=None):
     from mooncake_connector.deployment import Deployment
     dep = Deployment(workdir, model, flows=(), kv_cache_bytes=256 << 20,
-                     decode_extra_config={"probe_wait_ms": wait_ms})
+                     decode_extra_config={"probe_wait_ms": wait_ms},
+                     env={"MC_TRACE": trace_path} if trace_path else None)
     try:
         dep.start(timeout=600)
         measure(dep.colocated.url, dep.decode.url, 4, seed0=800_000)  # warm-up
@@ -87,6 +88,9 @@ def main(argv=None):
     ap.add_argument("--requests", type=int, default=40)
     ap.add_argument("--waits", default="0,5", help="probe_wait_ms values, comma-separated")
     ap.add_argument("--out", default="build/fixed_cost_ab.json")
+    ap.add_argument("--trace", action="store_true",
+                    help="MC_TRACE on the servers: the decode scheduler's probe_wait events "
+                         "(how long each wait took, whether the answer came)")
     args = ap.parse_args(argv)
     waits = [float(x) for x in args.waits.split(",")]
     from mooncake_connector import tiny_model
@@ -96,9 +100,23 @@ def main(argv=None):
     for r in range(args.rounds):
         for w in waits:
             la0 = os.getloadavg()
-            fixed = one(model, w, args.requests, os.path.join(root, f"r{r}-w{w:g}"))
+            wd = os.path.join(root, f"r{r}-w{w:g}")
+            tpath = os.path.join(root, f"r{r}-w{w:g}.trace") if args.trace else None
+            fixed = one(model, w, args.requests, wd, tpath)
             s = dict(stats(fixed), round=r, probe_wait_ms=w,
                      load_avg=[la0, os.getloadavg()])
+            if tpath and os.path.exists(tpath):
+                from mooncake_connector import trace
+                ws = [e for e in trace.read(tpath) if e["ev"] == "probe_wait"]
+                ms = sorted(e["ms"] for e in ws)
+                if ms:
+                    s["probe_wait_ms_p50"] = statistics.median(ms)
+                    s["probe_wait_ms_max"] = ms[-1]
+                    s["probe_waits"], s["probe_waits_answered"] = len(ws), sum(
+                        bool(e["got"]) for e in ws)
+                    print(f"  decode probe waits: {len(ws)}, answered {s['probe_waits_answered']}"
+                          f", p50 {s['probe_wait_ms_p50']:.3f} ms, max {ms[-1]:.3f} ms",
+                          flush=True)
             runs.append(s)
             for k in fixed:
                 pooled[w].setdefault(k, []).extend(fixed[k])

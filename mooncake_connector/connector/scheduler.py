@@ -129,9 +129,12 @@ class SchedulerSide:
         if rid not in self._asked:
             self._ask(request, src, n_full, now)  # vLLM without on_new_request
         done, held = self._probe.answer(rid)
-        if not done and self._may_wait(rid) and \
-                self._probe.wait(rid, self.s.probe_wait_ms / 1000.0):
-            done, held = self._probe.answer(rid)
+        if not done and self._may_wait(rid):
+            t0 = time.monotonic()
+            if self._probe.wait(rid, self.s.probe_wait_ms / 1000.0):
+                done, held = self._probe.answer(rid)
+            if trace.ON:
+                trace.event("probe_wait", rid, ms=(time.monotonic() - t0) * 1e3, got=done)
         if not done:
             asked = self._asked.get(rid, now)
             patience = self._probe.timeout_for(src[1])  # longer for a first contact
