@@ -183,6 +183,45 @@ def test_miss_is_decided_before_scheduling(sides):
     assert p.worker._worker.kv.stats()["probes_served"] == 2  # warm-up at start + this one
 
 
+@pytest.mark.parametrize("held", [False, True], ids=["miss", "hit"])
+def test_idle_decode_schedules_a_new_request_in_its_first_step(sides, held):
+    """Flow A on an idle decode, the probe asked when the request arrives
+    and not answered yet when the scheduler first looks (settle=False): the
+    first step waits for the answer (probe_wait_ms) and schedules the
+    request - a miss computes its whole prompt, a hit loads in that step.
+    Without the wait the first step skips it ("not known yet") and vLLM
+    runs an empty step 1 ms later: the fixed per-request cost of issue 31."""
+    p = sides("kv_producer")
+    d = sides("kv_consumer", probe_wait_ms=5000)  # any live producer answers within it
+    t = toks(53, 4 * BS + 1)
+    if held:
+        prefill(p, "w", t)
+    d.add(make_request("w", t, max_tokens=2), settle=False)
+    so = d.step()
+    assert so.num_scheduled_tokens.get("w") == (1 if held else len(t)), \
+        so.num_scheduled_tokens
+    assert status(d, "w") == RequestStatus.RUNNING
+    assert d.run_until(lambda: "w" not in d.sched.requests)
+    assert _stats(d).get("loads_in_step", 0) == int(held)
+
+
+def test_busy_decode_does_not_wait_for_a_probe(sides, silent_producer):
+    """probe_wait_ms is spent only while nothing else runs: with a request
+    decoding, a new request whose producer does not answer is skipped at
+    once (the running one decodes every step)."""
+    # Waiting would end with the probe's own timeout (the warm-up's first
+    # contact, 3 s, then this one's, 3 s): "s" would then run in step one.
+    d = sides("kv_consumer", prefill_url=silent_producer, probe_wait_ms=10_000,
+              lookup_timeout_s=1.5)
+    d.add(make_request("r", toks(74, 5), max_tokens=50))  # shorter than a block: no probe
+    d.step()
+    d.add(make_request("s", toks(75, 3 * BS + 1), max_tokens=2), settle=False)
+    for _ in range(3):
+        so = d.step()
+        assert "r" in so.num_scheduled_tokens and "s" not in so.num_scheduled_tokens
+    d.sched.finish_requests(["r", "s"], RequestStatus.FINISHED_ABORTED)
+
+
 def test_dead_producer_probe_computes_locally(sides):
     """Flow A with the producer gone: one failed probe, then probing pauses;
     every request computes its prompt, none waits for a load."""
@@ -629,6 +668,9 @@ def test_plugin_opt_out_restores_vllms_connector(model_dir, tmp_path):
     ({"mooncake_config_path": "/nonexistent/mooncake.json"}, "cannot be read"),
     ({"idle_wait_ms": -1}, "idle_wait_ms must be >= 0"),
     ({"idle_wait_ms": 5000}, "idle_wait_ms must be <= 1000"),
+    ({"probe_wait_ms": -1}, "probe_wait_ms must be >= 0"),
+    ({"probe_wait_ms": 20000}, "probe_wait_ms must be 0-10000"),
+    ({"probe_wait_ms": float("nan")}, "probe_wait_ms must be 0-10000"),
 ])
 def test_bad_settings_say_what_is_wrong(extra, msg):
     from types import SimpleNamespace

@@ -109,3 +109,22 @@ def test_probe_thread_survives_an_engine_that_cannot_start(monkeypatch):
         assert wait_until(lambda: p.pending("b") is False, timeout=15)
         assert p.answer("b") == (True, None)
         assert p.start_failures == 2
+
+
+def test_wait_returns_with_the_answer_and_not_for_a_forgotten_question():
+    """wait() (the idle scheduler's probe_wait_ms) ends when the answer is
+    in - the probe thread notifies - and says False for a question that was
+    forgotten or never asked."""
+    with mc.TransferEngine() as eng:
+        eng.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
+        lb = mc.LookupBuffer(1 << 20, block_size=BS)
+        with mc.KVTransfer(eng, lb) as kv:
+            with probe(prefill_url=eng.get_segment_name()) as p:
+                p.ask("a", None, [5] * (2 * BS))
+                assert p.wait("a", 30.0)          # a live producer answers well within
+                assert p.answer("a") == (True, 0)
+                assert kv.stats()["probes_served"] >= 1
+                assert not p.wait("never-asked", 30.0)
+                p.ask("b", None, [6] * (2 * BS))
+                p.forget("b")
+                assert not p.wait("b", 30.0)

@@ -11,11 +11,12 @@ If the probe engine itself cannot start (e.g. the metadata server is down),
 loads go the asynchronous way (the workers find out) and the start is tried
 again after RESTART_S.
 
-The scheduler never waits on the network: ask() queues a question and
-returns at once; one thread (started with the first question) starts the
-engine and asks the producers, one round trip at a time (the C call releases
-the GIL); answer() says whether the answer is in.  Until it is, the
-scheduler tells vLLM "not known yet" and vLLM asks again next step.
+ask() queues a question and returns at once; one thread (started with the
+first question) starts the engine and asks the producers, one round trip at
+a time (the C call releases the GIL); answer() says whether the answer is
+in, wait() waits for it a bounded time (the scheduler does only while no
+other request runs: probe_wait_ms).  Until it is in, the scheduler tells
+vLLM "not known yet" and vLLM asks again next step.
 """
 import collections
 import json
@@ -190,6 +191,13 @@ class ProducerProbe:
                 return True, self._answers.pop(key)
             return False, None
 
+    def wait(self, key, timeout):
+        """Waits (GIL released) up to `timeout` s for the answer for `key`;
+        True once it is in (take it with answer())."""
+        with self._cv:
+            return self._cv.wait_for(lambda: key in self._answers or key not in self._asked,
+                                     timeout) and key in self._answers
+
     def pending(self, key):
         with self._cv:
             return key in self._asked
@@ -231,6 +239,7 @@ class ProducerProbe:
                     self._asked.discard(key)
                     self._answers[key] = held
                     self._whys[key] = self._why
+                    self._cv.notify_all()  # a scheduler may wait for it (wait())
 
     def close(self):
         with self._cv:

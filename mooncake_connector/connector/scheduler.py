@@ -14,7 +14,9 @@ probes the producer (probe.py, one round trip; a miss costs nothing more).
 The probe runs on its own thread, started when the request arrives
 (on_new_request): until its answer is in, get_num_new_matched_tokens says
 "not known yet" (None) and vLLM asks again next step, so the scheduler,
-and every running request with it, never waits on the network.  An answer
+and every running request with it, never waits on the network; only a step
+with no other request running waits for the answer, up to probe_wait_ms
+(else vLLM would run an empty step and sleep 1 ms: ~2 ms per request).  An answer
 later than lookup_timeout_s + PROBE_GRACE_S counts as a miss.
 Loads up to sync_load_max_bytes run inside the step that schedules the
 request (vLLM's synchronous load: no extra scheduler steps); larger ones, and
@@ -124,12 +126,17 @@ class SchedulerSide:
         cached = self._probed.get(rid)
         if cached is not None and now - cached[1] < PROBE_REUSE_S:
             return cached[0]
+        if rid not in self._asked:
+            self._ask(request, src, n_full, now)  # vLLM without on_new_request
         done, held = self._probe.answer(rid)
+        if not done and self._may_wait(rid):
+            t0 = time.monotonic()
+            if self._probe.wait(rid, self.s.probe_wait_ms / 1000.0):
+                done, held = self._probe.answer(rid)
+            if trace.ON:
+                trace.event("probe_wait", rid, ms=(time.monotonic() - t0) * 1e3, got=done)
         if not done:
-            asked = self._asked.get(rid)
-            if asked is None:
-                self._ask(request, src, n_full, now)
-                return PENDING
+            asked = self._asked.get(rid, now)
             patience = self._probe.timeout_for(src[1])  # longer for a first contact
             if now - asked < patience + PROBE_GRACE_S:
                 return PENDING
@@ -143,6 +150,12 @@ class SchedulerSide:
         held = None if held is None else min(held, n_full)
         self._probed[rid] = (held, now)
         return held
+
+    def _may_wait(self, rid):
+        """Whether this step may wait (probe_wait_ms) for `rid`'s probe: only
+        while no other request runs (the step would compute nothing else, and
+        vLLM would run empty steps, 1 ms apart, until the answer is in)."""
+        return self.s.probe_wait_ms > 0 and not (self._batch - {rid})
 
     def _recompute(self, request, reason, why):
         """No silent recompute: a prompt this consumer was meant to load is

@@ -34,6 +34,13 @@ KNOBS = {  # extra-config key: (type, default, meaning)
     "lookup_timeout_s": (float, 0.25, "consumer, flow a: how long the scheduler waits for the "
                          "producer to say how much of a prompt it holds (one round trip); "
                          "on timeout the prompt is computed locally"),
+    "probe_wait_ms": (float, 5.0, "consumer, flow a: while no other request is running, the "
+                      "scheduler waits up to this long (GIL released) for the producer's "
+                      "answer to a new request's lookup, so a quick answer (hit or miss) "
+                      "schedules the request in that step instead of one more empty step "
+                      "(~2 ms on a 2-vCPU host); busy or slower: the request waits a step "
+                      "and is asked about again, no running request waits. 0: never wait; "
+                      "at most 10000"),
     "sync_load_max_bytes": (int, 8 << 20, "consumer: loads up to this many bytes (per worker) "
                             "run inside the step that schedules the request, which waits for "
                             "them (no extra scheduler steps); larger ones in the background. "
@@ -113,6 +120,7 @@ class Settings:
     local_hostname: str = ""
     load_workers: int = 4
     lookup_timeout_s: float = 0.25
+    probe_wait_ms: float = 5.0
     sync_load_max_bytes: int = 8 << 20
     sync_load_timeout_s: float = 2.0
     idle_wait_ms: float = 2.0
@@ -227,6 +235,9 @@ def resolve(kv_transfer_config, env=None):
         raise SettingsError("kv_connector_extra_config.push_layer_timeout_s must be > 1 s (the "
                             "producer starts no write in the last second of the lease), not "
                             f"{s.push_layer_timeout_s!r}")
+    if not 0 <= s.probe_wait_ms <= 10_000:  # also refuses NaN
+        raise SettingsError("kv_connector_extra_config.probe_wait_ms must be 0-10000 (a new "
+                            f"request's first step may wait as long), not {s.probe_wait_ms!r}")
     for key in ("idle_wait_ms", "idle_wait_max_ms"):
         v = getattr(s, key)
         if v > 1000 or v != v:
