@@ -24,7 +24,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from serving_bench import KV32K_SPEC, SETTLE_S, prompt_of  # noqa: E402
+from serving_bench import KV32K_SPEC, SETTLE_S, one_token_ttft, prompt_of  # noqa: E402
 from ttft_timeline import scrape  # noqa: E402
 
 QUEUE = "vllm:request_queue_time_seconds"
@@ -35,20 +35,13 @@ def measure(colocated_url, decode_url, n, seed0=900_000):
     plus each request's time in vLLM's waiting queue (its server's
     request_queue_time histogram sum, scraped around it): arrival to
     scheduled, where a skipped first step shows."""
-    from mooncake_connector.openai_client import request
     out = {k: [] for k in ("colocated", "decode", "queue_colocated", "queue_decode")}
     for i in range(n):
         p = prompt_of(40, seed0 + i)
         for k, url in (("colocated", colocated_url), ("decode", decode_url)):
             time.sleep(SETTLE_S)
             q0 = scrape(url, (QUEUE,)).get(QUEUE)
-            r = request(url, "/v1/completions", {
-                "model": "tiny", "prompt": p, "temperature": 0.0, "max_tokens": 1,
-                "ignore_eos": True, "return_token_ids": True, "stream": True,
-                "stream_options": {"include_usage": True}}, timeout=600)
-            if r.status != 200 or r.error:
-                raise RuntimeError(f"{url}: {r.status} {r.error}")
-            out[k].append(r.ttft_s)
+            out[k].append(one_token_ttft(url, p))
             q1 = scrape(url, (QUEUE,)).get(QUEUE)
             out[f"queue_{k}"].append(None if q0 is None or q1 is None else q1 - q0)
     return out

@@ -272,22 +272,24 @@ def measure(urls, lengths, n_requests, max_tokens, log, legs=None, extra_body=No
     return rows
 
 
+def one_token_ttft(url, p):
+    """TTFT (s) of one streamed greedy one-token completion of prompt p."""
+    from mooncake_connector.openai_client import request
+    r = request(url, "/v1/completions", {
+        "model": "tiny", "prompt": p, "temperature": 0.0, "max_tokens": 1,
+        "ignore_eos": True, "return_token_ids": True, "stream": True,
+        "stream_options": {"include_usage": True}}, timeout=600)
+    if r.status != 200 or r.error:
+        raise RuntimeError(f"{url}: {r.status} {r.error}")
+    return r.ttft_s
+
+
 def measure_fixed(colocated_url, decode_url, n_requests):
     """Fixed per-request cost of the connector: a prompt of about one block
     that the prefill server never saw, sent straight to the decode server
     (its connector looks the prompt up at the producer, misses, and the
     prompt is computed locally) vs the colocated server computing the same."""
-    from mooncake_connector.openai_client import request
-
-    def ttft(url, p):
-        r = request(url, "/v1/completions", {
-            "model": "tiny", "prompt": p, "temperature": 0.0, "max_tokens": 1,
-            "ignore_eos": True, "return_token_ids": True, "stream": True,
-            "stream_options": {"include_usage": True}}, timeout=600)
-        if r.status != 200 or r.error:
-            raise RuntimeError(f"{url}: {r.status} {r.error}")
-        return r.ttft_s
-
+    ttft = one_token_ttft
     fixed = {"colocated": [], "decode": []}
     for i in range(max(20, n_requests)):
         p = prompt_of(40, 900_000 + i)

@@ -6,6 +6,7 @@
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <pthread.h>
 
 #include "lookup/lookup_buffer.h"
 #include "util/errors.h"
@@ -67,6 +68,19 @@ struct mc_engine *mc_py_engine_borrow(PyObject *o);
 void mc_py_engine_unborrow(PyObject *o);
 /* The lookup buffer behind a LookupBuffer object (TypeError otherwise). */
 mc_lookup_t *mc_py_lookup_ptr(PyObject *o);
+
+/* Takes a binding object's life lock for reading: at once when it can,
+ * else with the GIL released while waiting (its closer may need the GIL
+ * to finish).  0 or pthread_rwlock_rdlock's error; the caller raises. */
+static inline int mc_py_life_rdlock(pthread_rwlock_t *life) {
+  if (pthread_rwlock_tryrdlock(life) == 0)
+    return 0;
+  int rc;
+  Py_BEGIN_ALLOW_THREADS
+  rc = pthread_rwlock_rdlock(life);
+  Py_END_ALLOW_THREADS
+  return rc;
+}
 
 /* Registration hooks, one per binding file; each returns 0 or -1 with an
  * exception set. Called from the module's exec slot. */

@@ -127,18 +127,12 @@ static int ready(EngineObject *self) {
 static int enter(EngineObject *self) {
   if (!ready(self))
     return -1;
-  if (pthread_rwlock_tryrdlock(&self->life) != 0) {
-    int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = pthread_rwlock_rdlock(&self->life);
-    Py_END_ALLOW_THREADS
-    if (rc != 0) {
-      mc_err_t err;
-      mc_err_set(&err, MC_EBUSY, "TransferEngine: cannot take its life lock (%s)",
-                 strerror(rc));
-      mc_py_raise(ST(self), &err);
-      return -1;
-    }
+  int rc = mc_py_life_rdlock(&self->life);
+  if (rc != 0) {
+    mc_err_t err;
+    mc_err_set(&err, MC_EBUSY, "TransferEngine: cannot take its life lock (%s)", strerror(rc));
+    mc_py_raise(ST(self), &err);
+    return -1;
   }
   if (!ready(self)) {
     pthread_rwlock_unlock(&self->life);

@@ -119,16 +119,10 @@ static int live(KVObject *self) {
 static int kv_enter(KVObject *self) {
   if (!live(self))
     return -1;
-  if (pthread_rwlock_tryrdlock(&self->life) != 0) {
-    int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = pthread_rwlock_rdlock(&self->life);
-    Py_END_ALLOW_THREADS
-    if (rc != 0) {
-      PyErr_Format(PyExc_RuntimeError, "KVTransfer: cannot take its life lock (%s)",
-                   strerror(rc));
-      return -1;
-    }
+  int rc = mc_py_life_rdlock(&self->life);
+  if (rc != 0) {
+    PyErr_Format(PyExc_RuntimeError, "KVTransfer: cannot take its life lock (%s)", strerror(rc));
+    return -1;
   }
   if (!live(self)) {
     pthread_rwlock_unlock(&self->life);
