@@ -200,6 +200,12 @@ def main(argv=None):
                          "interleaved: the A/B of the landing thread)")
     ap.add_argument("--out", default="build/ttft_timeline.json")
     ap.add_argument("--workdir", default=None)
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                    help="where the vLLM servers run (cuda: all three on GPU 0, as "
+                         "serving_bench.py --device cuda; docs/vllm-gpu.md)")
+    ap.add_argument("--gpu-path", choices=["on", "off"], default="on",
+                    help="--device cuda: the same-host GPU path (CUDA IPC) or off "
+                         "(MC_GPU_IPC=0: TCP with GPU staging)")
     ap.add_argument("--reread", metavar="JSON",
                     help="no run: the tables again from an earlier run's --out (its trace)")
     args = ap.parse_args(argv)
@@ -215,6 +221,8 @@ def main(argv=None):
         with open(args.reread, "w") as f:
             json.dump(old, f, indent=1)
         return 0
+    if args.device == "cpu" and args.gpu_path != "on":
+        ap.error("--gpu-path needs --device cuda")
     lengths = [int(x) for x in args.lengths.split(",")]
     pins = {}
     for kv in filter(None, args.pin.split(",")):
@@ -229,14 +237,20 @@ def main(argv=None):
     from mooncake_connector import tiny_model, trace
     from mooncake_connector.deployment import Deployment
     from mooncake_connector.openai_client import request
+    from mooncake_connector.vllm_gpu import device_settings
 
+    # The servers' device, as serving_bench.py sets it (three vLLM servers).
+    dev_env, dev_args = device_settings(args.device, servers=3)
+    if args.device == "cuda":
+        dev_env = dict(dev_env, MC_GPU_IPC="1" if args.gpu_path == "on" else "0")
+        dev_args = dev_args + ["--dtype", "float32"]
     model = tiny_model.build(**KV32K_SPEC)
     ll = ("--push-layerwise", "on", "--push-layer-load", "on")
     extra = {"push-ll": {"flow": "push", "extra_args": ll}}
     if not args.no_ab:
         extra["push-ll-b"] = {"flow": "push", "extra_args": ll + ("--push-layer-watch", "off")}
     dep = Deployment(workdir, model, flows=(), extra_proxies=extra, colocated_proxy=True,
-                     kv_cache_bytes=256 << 20)
+                     kv_cache_bytes=256 << 20, env=dev_env, extra_vllm_args=dev_args)
     urls = {}
     rows = {}
     meta = {}
@@ -293,6 +307,8 @@ def main(argv=None):
     summary.update(meta)
     summary.update({"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
                     "command": " ".join(sys.argv), "cpus": os.cpu_count(),
+                    "device": args.device,
+                    "gpu_path": args.gpu_path if args.device == "cuda" else None,
                     "env": {k: v for k, v in os.environ.items() if k.startswith("MC_")},
                     "trace": tpath})
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
