@@ -237,13 +237,10 @@ def main(argv=None):
     from mooncake_connector import tiny_model, trace
     from mooncake_connector.deployment import Deployment
     from mooncake_connector.openai_client import request
-    from mooncake_connector.vllm_gpu import device_settings
+    from mooncake_connector.vllm_gpu import bench_settings
 
     # The servers' device, as serving_bench.py sets it (three vLLM servers).
-    dev_env, dev_args = device_settings(args.device, servers=3)
-    if args.device == "cuda":
-        dev_env = dict(dev_env, MC_GPU_IPC="1" if args.gpu_path == "on" else "0")
-        dev_args = dev_args + ["--dtype", "float32"]
+    dev_env, dev_args = bench_settings(args.device, args.gpu_path, servers=3)
     model = tiny_model.build(**KV32K_SPEC)
     ll = ("--push-layerwise", "on", "--push-layer-load", "on")
     extra = {"push-ll": {"flow": "push", "extra_args": ll}}

@@ -141,6 +141,20 @@ def test_serving_bench_device_flags_and_transfer_size(capsys):
     assert fp32 == 64 * 2 * 2 * 2 * 64 * 4 and bf16 == fp32 // 2
 
 
+def test_ttft_timeline_gpu_path_needs_cuda(capsys):
+    """ttft_timeline.py --gpu-path is a --device cuda flag: a clear error on
+    CPU, before any server starts."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import ttft_timeline as tt
+    finally:
+        sys.path.pop(0)
+    with pytest.raises(SystemExit) as e:
+        tt.main(["--gpu-path", "off"])
+    assert e.value.code == 2
+    assert "--gpu-path needs --device cuda" in capsys.readouterr().err
+
+
 def test_ttft_timeline_reads_a_trace():
     """benchmarks/ttft_timeline.py from a trace of one push request (the
     event names the connector and proxy write, two processes, 2 layers):
