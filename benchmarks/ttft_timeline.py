@@ -76,6 +76,7 @@ STRETCHES = (
     ("decode API server -> proxy", "d_api_first", "d_chunk_in"),
     ("proxy -> client (+ client -> proxy in)", "d_chunk_in", "client_ttft"),
     ("(prefill's tail: last save -> forward end)", "p_last_saved", "p_fwd_end"),
+    ("(prefill's forward thread in save_kv_layer, all layers)", None, "p_save_total"),
 )
 
 
@@ -138,6 +139,13 @@ def timelines(events, nlayers):
                     continue
                 cand.append(x["t"])
             row[col] = (min(cand) - t0) * 1e3 if cand else None
+        # The prefill's forward thread inside save_kv_layer (the producer's
+        # per-layer work, its lock and the GIL), summed over the layers: a
+        # duration, not a point.
+        ins = sorted(x["t"] for x in evs if x["ev"] == "save_in" and x["pid"] in ppids)
+        outs = sorted(x["t"] for x in evs if x["ev"] == "save_out" and x["pid"] in ppids)
+        row["p_save_total"] = (sum(o - i for i, o in zip(ins, outs)) * 1e3
+                               if ins and len(ins) == len(outs) else None)
         # vLLM's arrival time (wall clock, set by the API server) on this axis
         for col, ev in (("d_arrival", "sched_match"), ("p_arrival", "sched_publish")):
             x = next((x for x in evs if x["ev"] == ev and x.get("arrival_w")), None)

@@ -176,11 +176,13 @@ def test_ttft_timeline_reads_a_trace():
               ev(4.5, D, "layer_wait", tid, li=0), ev(5, D, "notify_sent", tid, what="target"),
               ev(3.5, P, "sched_publish", tid, arrival_w=5000.002),
               ev(4.0, P, "step_bound", tid), ev(5.5, P, "p_recv", tid, what="target"),
-              ev(8, P, "layer_saved", tid, li=0), ev(8.2, P, "write_issued", tid, l=[0]),
+              ev(7.8, P, "save_in", tid), ev(8, P, "layer_saved", tid, li=0),
+              ev(8.1, P, "save_out", tid), ev(8.2, P, "write_issued", tid, l=[0]),
               ev(8.5, P, "write_seen_landed", tid, l=[0]),
               ev(8.6, P, "notify_sent", tid, what="layer", l=[0]),
               ev(8.7, D, "c_recv", tid, what="layer", l=[0]), ev(8.8, D, "layer_go", tid, li=0),
-              ev(9, D, "layer_wait", tid, li=1), ev(12, P, "layer_saved", tid, li=1),
+              ev(9, D, "layer_wait", tid, li=1), ev(11.9, P, "save_in", tid),
+              ev(12, P, "layer_saved", tid, li=1), ev(12.4, P, "save_out", tid),
               ev(12.5, P, "write_seen_landed", tid, l=[1]),
               ev(12.6, P, "notify_sent", tid, what="layer", l=[0, 1]),
               ev(12.8, D, "c_recv", tid, what="layer", l=[0, 1]),
@@ -201,4 +203,6 @@ def test_ttft_timeline_reads_a_trace():
     st = s["stretches_push_ll"]
     assert abs(st["last layer's write (saved -> landed)"] - 0.5) < 1e-6
     assert abs(st["decode API server -> proxy"] - 1.0) < 1e-6  # API first token at 1 + 15 ms
+    # the prefill's forward thread in save_kv_layer: 0.3 + 0.5 ms over the two layers
+    assert abs(st["(prefill's forward thread in save_kv_layer, all layers)"] - 0.8) < 1e-6
     assert abs(s["paired_push_ll"] - 2.0) < 1e-6
