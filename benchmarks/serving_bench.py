@@ -711,14 +711,11 @@ def main(argv=None):
     from mooncake_connector import serving, tiny_model
     from mooncake_connector.deployment import (Deployment, connector_log_stats, log_size,
                                                proxy_stats)
-    from mooncake_connector.vllm_gpu import device_settings
+    from mooncake_connector.vllm_gpu import bench_settings
 
     # The servers' device: the GPU servers' environment and flags (three
     # servers share GPU 0), the engine's route between GPU KV caches, dtype.
-    dev_env, dev_args = device_settings(args.device, servers=3)
-    if args.device == "cuda":
-        dev_env = dict(dev_env, MC_GPU_IPC="1" if args.gpu_path == "on" else "0")
-        dev_args = dev_args + ["--dtype", args.dtype]  # after serving's --dtype: it wins
+    dev_env, dev_args = bench_settings(args.device, args.gpu_path, args.dtype, servers=3)
     dtype_bytes = 2 if args.dtype == "bfloat16" else 4
     args.dev_env, args.dev_args = dev_env, dev_args  # the in-tree phase's servers too
 

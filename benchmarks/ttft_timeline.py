@@ -76,6 +76,7 @@ STRETCHES = (
     ("decode API server -> proxy", "d_api_first", "d_chunk_in"),
     ("proxy -> client (+ client -> proxy in)", "d_chunk_in", "client_ttft"),
     ("(prefill's tail: last save -> forward end)", "p_last_saved", "p_fwd_end"),
+    ("(prefill's forward thread in save_kv_layer, all layers)", None, "p_save_total"),
 )
 
 
@@ -138,6 +139,13 @@ def timelines(events, nlayers):
                     continue
                 cand.append(x["t"])
             row[col] = (min(cand) - t0) * 1e3 if cand else None
+        # The prefill's forward thread inside save_kv_layer (the producer's
+        # per-layer work, its lock and the GIL), summed over the layers: a
+        # duration, not a point.
+        ins = sorted(x["t"] for x in evs if x["ev"] == "save_in" and x["pid"] in ppids)
+        outs = sorted(x["t"] for x in evs if x["ev"] == "save_out" and x["pid"] in ppids)
+        row["p_save_total"] = (sum(o - i for i, o in zip(ins, outs)) * 1e3
+                               if ins and len(ins) == len(outs) else None)
         # vLLM's arrival time (wall clock, set by the API server) on this axis
         for col, ev in (("d_arrival", "sched_match"), ("p_arrival", "sched_publish")):
             x = next((x for x in evs if x["ev"] == ev and x.get("arrival_w")), None)
@@ -200,6 +208,12 @@ def main(argv=None):
                          "interleaved: the A/B of the landing thread)")
     ap.add_argument("--out", default="build/ttft_timeline.json")
     ap.add_argument("--workdir", default=None)
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                    help="where the vLLM servers run (cuda: all three on GPU 0, as "
+                         "serving_bench.py --device cuda; docs/vllm-gpu.md)")
+    ap.add_argument("--gpu-path", choices=["on", "off"], default="on",
+                    help="--device cuda: the same-host GPU path (CUDA IPC) or off "
+                         "(MC_GPU_IPC=0: TCP with GPU staging)")
     ap.add_argument("--reread", metavar="JSON",
                     help="no run: the tables again from an earlier run's --out (its trace)")
     args = ap.parse_args(argv)
@@ -215,6 +229,8 @@ def main(argv=None):
         with open(args.reread, "w") as f:
             json.dump(old, f, indent=1)
         return 0
+    if args.device == "cpu" and args.gpu_path != "on":
+        ap.error("--gpu-path needs --device cuda")
     lengths = [int(x) for x in args.lengths.split(",")]
     pins = {}
     for kv in filter(None, args.pin.split(",")):
@@ -229,14 +245,17 @@ def main(argv=None):
     from mooncake_connector import tiny_model, trace
     from mooncake_connector.deployment import Deployment
     from mooncake_connector.openai_client import request
+    from mooncake_connector.vllm_gpu import bench_settings
 
+    # The servers' device, as serving_bench.py sets it (three vLLM servers).
+    dev_env, dev_args = bench_settings(args.device, args.gpu_path, servers=3)
     model = tiny_model.build(**KV32K_SPEC)
     ll = ("--push-layerwise", "on", "--push-layer-load", "on")
     extra = {"push-ll": {"flow": "push", "extra_args": ll}}
     if not args.no_ab:
         extra["push-ll-b"] = {"flow": "push", "extra_args": ll + ("--push-layer-watch", "off")}
     dep = Deployment(workdir, model, flows=(), extra_proxies=extra, colocated_proxy=True,
-                     kv_cache_bytes=256 << 20)
+                     kv_cache_bytes=256 << 20, env=dev_env, extra_vllm_args=dev_args)
     urls = {}
     rows = {}
     meta = {}
@@ -293,6 +312,8 @@ def main(argv=None):
     summary.update(meta)
     summary.update({"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
                     "command": " ".join(sys.argv), "cpus": os.cpu_count(),
+                    "device": args.device,
+                    "gpu_path": args.gpu_path if args.device == "cuda" else None,
                     "env": {k: v for k, v in os.environ.items() if k.startswith("MC_")},
                     "trace": tpath})
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -40,3 +40,18 @@ def device_settings(device, servers=3):
             raise ValueError("servers must be >= 1")
         return dict(GPU_ENV), gpu_vllm_args(min(0.9, 0.75 / servers))
     raise ValueError(f"device must be 'cpu' or 'cuda', not {device!r}")
+
+
+def bench_settings(device, gpu_path="on", dtype="float32", servers=3):
+    """(env, extra vLLM args) of the benchmarks' servers (serving_bench.py,
+    ttft_timeline.py): device_settings, and on cuda the engine's route
+    between the GPU KV caches (gpu_path "on": the same-host GPU path, "off":
+    MC_GPU_IPC=0, TCP with GPU staging) and the servers' dtype (after
+    serving.py's own --dtype: the later flag wins)."""
+    if gpu_path not in ("on", "off"):
+        raise ValueError(f"gpu_path must be 'on' or 'off', not {gpu_path!r}")
+    env, args = device_settings(device, servers=servers)
+    if device == "cuda":
+        env = dict(env, MC_GPU_IPC="1" if gpu_path == "on" else "0")
+        args = args + ["--dtype", dtype]
+    return env, args

@@ -141,6 +141,20 @@ def test_serving_bench_device_flags_and_transfer_size(capsys):
     assert fp32 == 64 * 2 * 2 * 2 * 64 * 4 and bf16 == fp32 // 2
 
 
+def test_ttft_timeline_gpu_path_needs_cuda(capsys):
+    """ttft_timeline.py --gpu-path is a --device cuda flag: a clear error on
+    CPU, before any server starts."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import ttft_timeline as tt
+    finally:
+        sys.path.pop(0)
+    with pytest.raises(SystemExit) as e:
+        tt.main(["--gpu-path", "off"])
+    assert e.value.code == 2
+    assert "--gpu-path needs --device cuda" in capsys.readouterr().err
+
+
 def test_ttft_timeline_reads_a_trace():
     """benchmarks/ttft_timeline.py from a trace of one push request (the
     event names the connector and proxy write, two processes, 2 layers):
@@ -162,11 +176,13 @@ def test_ttft_timeline_reads_a_trace():
               ev(4.5, D, "layer_wait", tid, li=0), ev(5, D, "notify_sent", tid, what="target"),
               ev(3.5, P, "sched_publish", tid, arrival_w=5000.002),
               ev(4.0, P, "step_bound", tid), ev(5.5, P, "p_recv", tid, what="target"),
-              ev(8, P, "layer_saved", tid, li=0), ev(8.2, P, "write_issued", tid, l=[0]),
+              ev(7.8, P, "save_in", tid), ev(8, P, "layer_saved", tid, li=0),
+              ev(8.1, P, "save_out", tid), ev(8.2, P, "write_issued", tid, l=[0]),
               ev(8.5, P, "write_seen_landed", tid, l=[0]),
               ev(8.6, P, "notify_sent", tid, what="layer", l=[0]),
               ev(8.7, D, "c_recv", tid, what="layer", l=[0]), ev(8.8, D, "layer_go", tid, li=0),
-              ev(9, D, "layer_wait", tid, li=1), ev(12, P, "layer_saved", tid, li=1),
+              ev(9, D, "layer_wait", tid, li=1), ev(11.9, P, "save_in", tid),
+              ev(12, P, "layer_saved", tid, li=1), ev(12.4, P, "save_out", tid),
               ev(12.5, P, "write_seen_landed", tid, l=[1]),
               ev(12.6, P, "notify_sent", tid, what="layer", l=[0, 1]),
               ev(12.8, D, "c_recv", tid, what="layer", l=[0, 1]),
@@ -187,4 +203,6 @@ def test_ttft_timeline_reads_a_trace():
     st = s["stretches_push_ll"]
     assert abs(st["last layer's write (saved -> landed)"] - 0.5) < 1e-6
     assert abs(st["decode API server -> proxy"] - 1.0) < 1e-6  # API first token at 1 + 15 ms
+    # the prefill's forward thread in save_kv_layer: 0.3 + 0.5 ms over the two layers
+    assert abs(st["(prefill's forward thread in save_kv_layer, all layers)"] - 0.8) < 1e-6
     assert abs(s["paired_push_ll"] - 2.0) < 1e-6

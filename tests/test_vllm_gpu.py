@@ -3,7 +3,7 @@ end-to-end run itself: scripts/vllm_gpu_e2e.py on the GPU machine,
 docs/vllm-gpu.md)."""
 import pytest
 
-from mooncake_connector.vllm_gpu import GPU_ENV, device_settings, gpu_vllm_args
+from mooncake_connector.vllm_gpu import GPU_ENV, bench_settings, device_settings, gpu_vllm_args
 
 
 def test_cpu_adds_nothing():
@@ -29,3 +29,19 @@ def test_bad_values_are_refused_with_the_reason():
     with pytest.raises(ValueError, match=r"memory_fraction must be in \(0, 1\]"):
         gpu_vllm_args(1.5)
     assert "--attention-backend" not in gpu_vllm_args(0.5, attention_backend=None)
+
+
+def test_bench_settings_route_and_dtype():
+    """The benchmarks' servers (serving_bench.py, ttft_timeline.py --device
+    cuda): the engine's GPU route and the dtype on top of device_settings."""
+    assert bench_settings("cpu") == ({}, [])
+    env, args = bench_settings("cuda", "off", "bfloat16")
+    assert env["MC_GPU_IPC"] == "0" and env["VLLM_TARGET_DEVICE"] == "cuda"
+    assert args[-2:] == ["--dtype", "bfloat16"]
+    assert "--gpu-memory-utilization" in args
+    env, args = bench_settings("cuda")
+    assert env["MC_GPU_IPC"] == "1" and args[-2:] == ["--dtype", "float32"]
+    assert "MC_GPU_IPC" not in GPU_ENV  # a copy, not the shared dict
+    with pytest.raises(ValueError, match="gpu_path must be 'on' or 'off'"):
+        bench_settings("cuda", "ipc")
+

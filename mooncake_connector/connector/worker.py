@@ -108,11 +108,15 @@ class WorkerSide:
     def save_kv_layer(self, layer_name):
         """Push, layer by layer: this layer's KV is computed for this step."""
         if self.push_p is not None and self.push_p.jobs:
+            for tid in self._traced:
+                trace.event("save_in", tid)
             # A target that arrived during this forward (the decode leg runs
             # beside the prefill) gets the layers computed so far now, and
             # the rest layer by layer, not the whole prompt after the forward.
             self.drain_notifies()
             self.push_p.layer_done(layer_name)
+            for tid in self._traced:
+                trace.event("save_out", tid)
 
     def start_load(self, meta):
         for tid in self._traced:
