@@ -64,9 +64,9 @@ for turn in 1 2 3; do
   fi
   if [ $turn = 2 ]; then # B's pytest GPU tests between turns 2 and 3
     echo "== B pytest tests/test_gpu*.py after ${SECONDS} s" >>"$log"
-    (cd "$b" && PYTHONPATH="$b" MC_LOG_LEVEL=warn timeout 150 python3 -m pytest -q -rs \
+    (cd "$b" && PYTHONPATH="$b" MC_LOG_LEVEL=warn timeout 120 python3 -m pytest -q -rs \
         -p no:cacheprovider tests/test_gpu.py tests/test_gpu_worker.py \
-        tests/test_gpu_build.py --timeout 120) >>"$log" 2>&1 || { rc=1; echo "pytest FAILED" >>"$log"; }
+        tests/test_gpu_build.py --timeout 100) >>"$log" 2>&1 || { rc=1; echo "pytest FAILED" >>"$log"; }
   fi
 done
 echo "done after ${SECONDS} s, rc=$rc" >>"$log"
