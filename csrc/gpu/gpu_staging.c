@@ -84,9 +84,9 @@ struct mc_gpu_stager {
   _Atomic(mc_gpu_job_t *) direct_job; /* launched, not finished */
   atomic_uint_least64_t direct_t;      /* when it was launched */
   /* A waiter looked at the direct job.  One that the worker finished with
-   * no waiter in sight means the caller does not wait batch by batch (it
-   * pipelines): the next DIRECT_SKIP chances go to the worker, which then
-   * launches while the caller plans the next batch. */
+   * no waiter in sight and no submit since means the caller waits too late
+   * for its batches: the next DIRECT_SKIP chances go to the worker, which
+   * then launches while the caller does other work. */
   atomic_int direct_waited, direct_skip;
   mc_cu_stream dstreams[MC_GPU_MAX_DEV]; /* under direct_claim */
   /* The caller's pattern, per eligible submit (after dstreams: apart from
@@ -717,7 +717,12 @@ static int reap_direct(mc_gpu_stager_t *s, int by) {
     snprintf(m, sizeof m, "GPU copy failed: %s", mc_cuda_strerror(api, r, b, sizeof b));
   }
   j->direct = by;
-  if (by == 2 && !atomic_load_explicit(&s->direct_waited, memory_order_relaxed))
+  /* Unwaited: if the caller has submitted again since (waited_run fell
+   * back), it pipelines and waits_each_batch already keeps its jobs with
+   * the worker; a sequential caller that follows must not lose DIRECT_SKIP
+   * chances for it.  Else it waits too late for its batches: back off. */
+  if (by == 2 && !atomic_load_explicit(&s->direct_waited, memory_order_relaxed) &&
+      atomic_load_explicit(&s->waited_run, memory_order_relaxed) >= DIRECT_RUN)
     atomic_store(&s->direct_skip, DIRECT_SKIP);
   finish(s, j, r ? MC_ESYS : 0, r ? m : NULL);
   return 1;

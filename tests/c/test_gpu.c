@@ -313,6 +313,26 @@ static void test_direct_pipelining(void) {
   CHECK_EQ_INT(jobs, 4 + 80 + 4);
   CHECK_EQ_INT(ndirect, (uint64_t)(direct + first_direct + burst_direct + again));
   mc_gpu_stager_destroy(s);
+  /* A burst right after waits each batch: its first job goes direct and
+   * nobody waits for it within the grace (the worker finishes it).  The
+   * caller submitted again meanwhile, so that is the pipelining already
+   * seen, not a late waiter: a sequential caller after it gets direct
+   * launches back at once, not after DIRECT_SKIP (64) chances. */
+  setenv("MC_GPU_DIRECT_GRACE_US", "50", 1);
+  CHECK_EQ_INT(mc_gpu_stager_create(16u << 20, &s, &err), 0);
+  for (int k = 0; k < 3; k++)
+    CHECK(seq_round(s, d, n) >= 0);
+  direct_seen_t y[4];
+  memset(y, 0, sizeof y);
+  for (int k = 0; k < 4; k++)
+    mc_gpu_stager_submit(s, direct_job(d, n, &y[k]));
+  mc_gpu_stager_drain(s); /* no reap: the worker finishes the direct one after the grace */
+  CHECK(y[0].direct == 2 && y[1].direct == 0 && y[3].direct == 0);
+  again = 0;
+  for (int k = 0; k < 4; k++)
+    again += seq_round(s, d, n) == 1;
+  CHECK_EQ_INT(again, 2); /* nobody waited after the burst: from the third on */
+  mc_gpu_stager_destroy(s);
   unsetenv("MC_GPU_DIRECT_GRACE_US");
   cu_free(d);
 }
