@@ -33,6 +33,14 @@ GiB = 1 << 30
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+def direct_note(r):
+    """How many of the row's timed GPU copy jobs the submitting thread launched
+    itself (MC_GPU_DIRECT), where the C tool reports it."""
+    if "gpu_jobs" not in r:
+        return ""
+    return f"; {r['gpu_jobs_direct']} of {r['gpu_jobs']} jobs launched directly"
+
+
 def torch_rows(tmp, passes, iters):
     dev = "cuda:0"
     src = torch.randint(0, 255, (GiB,), dtype=torch.uint8, device=dev)
@@ -122,7 +130,7 @@ def main():
         print(f"{'4 KiB ' + op.upper() + ' round trip p50 (p90, p99)':58s} "
               f"{r['p50_us']:8.1f} us    {ref['4k']:8.1f} us   (ours p90 {r['p90_us']:.1f}, "
               f"p99 {r['p99_us']:.1f}; submit returned p50 {r['submit_p50_us']:.1f} us; "
-              f"torch: copy_ + synchronize)")
+              f"torch: copy_ + synchronize{direct_note(r)})")
     for bb, label in ((65536, "64 KiB"), (2 << 20, "2 MiB")):
         for batch in (128, 1024):
             for mode in ("seq", "pipe"):
@@ -139,7 +147,8 @@ def main():
                           f"{g:8.1f} GB/s  {one:8.1f} GB/s  {g / one:5.2f}x  "
                           f"(vs torch {mode} per batch {same:.1f} GB/s: {g / same:.2f}x; "
                           f"{r['per_batch_us']:.1f} us per batch, "
-                          f"{r.get('submit_per_batch_us', 0):.1f} in submit){ok}")
+                          f"{r.get('submit_per_batch_us', 0):.1f} in submit"
+                          f"{direct_note(r)}){ok}")
                 printed = any(f"{op}_{bb}_b{batch}_{mode}" in ours for op in ("write", "read"))
                 same, one = ref.get(f"{bb}_{mode}{batch}"), ref[f"{bb}_one"]
                 if printed and same:

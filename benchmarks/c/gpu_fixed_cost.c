@@ -171,22 +171,36 @@ static int xfer1(int op, uint64_t loc, uint64_t rem, size_t len, double *t_submi
   return rc;
 }
 
+/* GPU copy jobs submitted and launched by the submitting thread so far
+ * (MC_GPU_DIRECT): each row reports its own. */
+static void gpu_jobs(uint64_t *jobs, uint64_t *direct) {
+  mc_engine_stats_t st;
+  mc_engine_get_stats(A, &st);
+  *jobs = st.gpu_jobs;
+  *direct = st.gpu_jobs_direct;
+}
+
 static void small_rows(int iters) {
   double *t = malloc(sizeof(double) * (size_t)iters), *ts = malloc(sizeof(double) * (size_t)iters);
   for (int op = 0; op < 2; op++) {
     int code = op ? MC_OP_READ : MC_OP_WRITE;
     for (int i = 0; i < 200; i++)
       xfer1(code, g_local, g_in.addr + 8192, 4096, NULL);
+    uint64_t j0, d0, j1, d1;
+    gpu_jobs(&j0, &d0);
     for (int i = 0; i < iters; i++) {
       double t0 = now_us();
       if (xfer1(code, g_local, g_in.addr + 8192, 4096, &ts[i]) < 0)
         exit(1);
       t[i] = now_us() - t0;
     }
+    gpu_jobs(&j1, &d1);
     double p50 = pct(t, iters, 0.5), p90 = pct(t, iters, 0.9), p99 = pct(t, iters, 0.99);
     printf("{\"row\": \"4k_%s\", \"p50_us\": %.2f, \"p90_us\": %.2f, \"p99_us\": %.2f, "
-           "\"submit_p50_us\": %.2f, \"iters\": %d}\n",
-           op ? "read" : "write", p50, p90, p99, pct(ts, iters, 0.5), iters);
+           "\"submit_p50_us\": %.2f, \"iters\": %d, \"gpu_jobs\": %llu, "
+           "\"gpu_jobs_direct\": %llu}\n",
+           op ? "read" : "write", p50, p90, p99, pct(ts, iters, 0.5), iters,
+           (unsigned long long)(j1 - j0), (unsigned long long)(d1 - d0));
     fflush(stdout);
   }
   free(t);
@@ -317,9 +331,14 @@ static void bulk_rows(const char *dir, size_t bb, int passes) {
         }
         double *s = malloc(sizeof(double) * (size_t)(passes + 1));
         double *sub = malloc(sizeof(double) * (size_t)(passes + 1));
-        for (int p = 0; p <= passes; p++)
+        uint64_t j0 = 0, d0 = 0, j1, d1;
+        for (int p = 0; p <= passes; p++) {
+          if (p == 1)
+            gpu_jobs(&j0, &d0); /* after the warm-up pass */
           if ((s[p] = pass(perm, bb, batch, pipe, op, &sub[p])) < 0)
             exit(1);
+        }
+        gpu_jobs(&j1, &d1);
         int bad = verify(perm, bb, op);
         double best = s[1];
         for (int p = 2; p <= passes; p++)
@@ -328,12 +347,14 @@ static void bulk_rows(const char *dir, size_t bb, int passes) {
         printf("{\"row\": \"%s_%zu_b%zu_%s\", \"block\": %zu, \"batch\": %zu, \"mode\": "
                "\"%s\", \"op\": \"%s\", \"best_gbps\": %.2f, \"median_gbps\": %.2f, "
                "\"best_s\": %.6f, \"median_s\": %.6f, \"per_batch_us\": %.2f, "
-               "\"submit_per_batch_us\": %.2f, \"bad_blocks\": %d}\n",
+               "\"submit_per_batch_us\": %.2f, \"gpu_jobs\": %llu, \"gpu_jobs_direct\": %llu, "
+               "\"bad_blocks\": %d}\n",
                op == MC_OP_WRITE ? "write" : "read", bb, batch, pipe ? "pipe" : "seq", bb,
                batch, pipe ? "pipe" : "seq", op == MC_OP_WRITE ? "write" : "read",
                GIB / best / 1e9, GIB / med / 1e9, best, med,
                med * 1e6 / (double)((nblk + batch - 1) / batch),
-               sub_med * 1e6 / (double)((nblk + batch - 1) / batch), bad);
+               sub_med * 1e6 / (double)((nblk + batch - 1) / batch),
+               (unsigned long long)(j1 - j0), (unsigned long long)(d1 - d0), bad);
         fflush(stdout);
         free(s);
         free(sub);

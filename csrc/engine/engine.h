@@ -192,6 +192,9 @@ typedef struct mc_engine_stats {
   };
   /* Detached notifications not yet freed (mc_engine_notify_detached). */
   uint64_t detached_msgs, detached_bytes;
+  /* GPU copy jobs submitted so far, and how many of them the submitting
+   * thread launched itself (MC_GPU_DIRECT; docs/architecture.md). */
+  uint64_t gpu_jobs, gpu_jobs_direct;
 } mc_engine_stats_t;
 void mc_engine_get_stats(mc_engine_t *e, mc_engine_stats_t *out);
 

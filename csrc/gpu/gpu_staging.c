@@ -28,6 +28,10 @@
  * microseconds of driver time; MC_GPU_MERGE=0: one launch per job). */
 #define MC_GPU_MERGE_MAX 4096u
 #define DIRECT_SKIP 64
+/* Direct launches need this many submits in a row each made after a wait
+ * for GPU copies (a caller that waits batch by batch); one submit right
+ * after another (a pipelining caller) starts the count again. */
+#define DIRECT_RUN 2
 
 struct mc_gpu_stager {
   pthread_mutex_t mu;
@@ -80,11 +84,20 @@ struct mc_gpu_stager {
   _Atomic(mc_gpu_job_t *) direct_job; /* launched, not finished */
   atomic_uint_least64_t direct_t;      /* when it was launched */
   /* A waiter looked at the direct job.  One that the worker finished with
-   * no waiter in sight means the caller does not wait batch by batch (it
-   * pipelines): the next DIRECT_SKIP chances go to the worker, which then
-   * launches while the caller plans the next batch. */
+   * no waiter in sight and no submit since means the caller waits too late
+   * for its batches: the next DIRECT_SKIP chances go to the worker, which
+   * then launches while the caller does other work. */
   atomic_int direct_waited, direct_skip;
   mc_cu_stream dstreams[MC_GPU_MAX_DEV]; /* under direct_claim */
+  /* The caller's pattern, per eligible submit (after dstreams: apart from
+   * direct_job, which the worker polls): a thread waited for GPU copies
+   * (mc_gpu_stager_reap) since the last one (wait_mark), and how many
+   * submits in a row came after such a wait (waited_run, capped at
+   * DIRECT_RUN).  A pipelining caller submits again before it waits: its
+   * jobs go to the worker, which launches while the caller plans the next
+   * batch, whether or not the worker looks idle. */
+  atomic_int wait_mark, waited_run;
+  atomic_uint_least64_t njobs, ndirect; /* jobs submitted, launched directly */
 };
 
 static uint64_t now_ns(void) {
@@ -664,6 +677,8 @@ static int start_queued(mc_gpu_stager_t *s) {
 /* Finishes the direct job if its copies are done (by: 1 a waiter, 2 the
  * worker, which leaves it to waiters for direct_grace_ns).  1 if it did. */
 static int reap_direct(mc_gpu_stager_t *s, int by) {
+  if (by == 1 && !atomic_load_explicit(&s->wait_mark, memory_order_relaxed))
+    atomic_store_explicit(&s->wait_mark, 1, memory_order_relaxed); /* once per wait */
   if (!atomic_load_explicit(&s->direct_job, memory_order_acquire))
     return 0;
   if (by == 1)
@@ -702,7 +717,12 @@ static int reap_direct(mc_gpu_stager_t *s, int by) {
     snprintf(m, sizeof m, "GPU copy failed: %s", mc_cuda_strerror(api, r, b, sizeof b));
   }
   j->direct = by;
-  if (by == 2 && !atomic_load_explicit(&s->direct_waited, memory_order_relaxed))
+  /* Unwaited: if the caller has submitted again since (waited_run fell
+   * back), it pipelines and waits_each_batch already keeps its jobs with
+   * the worker; a sequential caller that follows must not lose DIRECT_SKIP
+   * chances for it.  Else it waits too late for its batches: back off. */
+  if (by == 2 && !atomic_load_explicit(&s->direct_waited, memory_order_relaxed) &&
+      atomic_load_explicit(&s->waited_run, memory_order_relaxed) >= DIRECT_RUN)
     atomic_store(&s->direct_skip, DIRECT_SKIP);
   finish(s, j, r ? MC_ESYS : 0, r ? m : NULL);
   return 1;
@@ -710,17 +730,30 @@ static int reap_direct(mc_gpu_stager_t *s, int by) {
 
 int mc_gpu_stager_reap(mc_gpu_stager_t *s) { return s ? reap_direct(s, 1) : 0; }
 
+/* Per eligible submit: 1 if the caller waits batch by batch (its last
+ * DIRECT_RUN submits each came after a wait for GPU copies). */
+static int waits_each_batch(mc_gpu_stager_t *s) {
+  int w = atomic_load_explicit(&s->wait_mark, memory_order_relaxed);
+  if (w)
+    atomic_store_explicit(&s->wait_mark, 0, memory_order_relaxed);
+  int r = atomic_load_explicit(&s->waited_run, memory_order_relaxed);
+  int nr = w ? (r < DIRECT_RUN ? r + 1 : r) : 0;
+  if (nr != r)
+    atomic_store_explicit(&s->waited_run, nr, memory_order_relaxed);
+  return nr >= DIRECT_RUN;
+}
+
 /* The submitting thread launches j itself when the worker has nothing
  * queued or in flight (so j overtakes nothing), no direct job is in
- * flight and the caller waits batch by batch (direct_skip): no hop to the
- * worker.  1 if launched; 0: queue it (a failed
+ * flight and the caller waits batch by batch (waits_each_batch, and
+ * direct_skip): no hop to the worker.  1 if launched; 0: queue it (a failed
  * launch turns direct launches off, logged; the worker then launches j
  * and reports its error). */
 static int try_direct(mc_gpu_stager_t *s, mc_gpu_job_t *j) {
   int dev = j->device;
   if (atomic_load_explicit(&s->direct_off, memory_order_relaxed) || !mergeable(s, j) ||
       !kernel_job(s, j) || j->n > MC_COPY_PARAM_REQS || dev < 0 || dev >= MC_GPU_MAX_DEV ||
-      !atomic_load(&s->started) || atomic_load(&s->busy) != 0)
+      !waits_each_batch(s) || !atomic_load(&s->started) || atomic_load(&s->busy) != 0)
     return 0;
   if (atomic_load_explicit(&s->direct_skip, memory_order_relaxed) > 0) {
     atomic_fetch_sub(&s->direct_skip, 1);
@@ -763,6 +796,7 @@ static int try_direct(mc_gpu_stager_t *s, mc_gpu_job_t *j) {
     j->t_launched = t;
   j->next = NULL;
   atomic_fetch_add(&s->busy, 1);
+  atomic_fetch_add_explicit(&s->ndirect, 1, memory_order_relaxed);
   atomic_store(&s->direct_t, t);
   atomic_store_explicit(&s->direct_waited, 0, memory_order_relaxed);
   atomic_store_explicit(&s->direct_job, j, memory_order_release);
@@ -832,6 +866,7 @@ static void *worker_main(void *arg) {
 
 void mc_gpu_stager_submit(mc_gpu_stager_t *s, mc_gpu_job_t *j) {
   j->next = NULL;
+  atomic_fetch_add_explicit(&s->njobs, 1, memory_order_relaxed);
   if (try_direct(s, j))
     return;
   if (s->trace)
@@ -860,6 +895,11 @@ void mc_gpu_stager_submit(mc_gpu_stager_t *s, mc_gpu_job_t *j) {
   if (wake)
     pthread_cond_broadcast(&s->cv);
   pthread_mutex_unlock(&s->mu);
+}
+
+void mc_gpu_stager_counts(mc_gpu_stager_t *s, uint64_t *jobs, uint64_t *direct) {
+  *jobs = s ? atomic_load_explicit(&s->njobs, memory_order_relaxed) : 0;
+  *direct = s ? atomic_load_explicit(&s->ndirect, memory_order_relaxed) : 0;
 }
 
 void mc_gpu_stager_poke(mc_gpu_stager_t *s) {

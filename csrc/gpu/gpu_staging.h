@@ -113,8 +113,13 @@ void mc_gpu_stager_submit(mc_gpu_stager_t *s, mc_gpu_job_t *j);
 /* For a thread waiting for GPU copies: finishes the job a submitting thread
  * launched itself (MC_GPU_DIRECT) if its copies are done, here, so the
  * completion needs no other thread.  Any thread; cheap when there is none.
- * 1 if it finished one. */
+ * A call also says that the caller waits for its copies: the stager
+ * launches directly only for a caller whose last submits each came after
+ * such a wait.  1 if it finished one. */
 int mc_gpu_stager_reap(mc_gpu_stager_t *s);
+/* Jobs submitted so far, and how many of them the submitting thread
+ * launched itself (MC_GPU_DIRECT). */
+void mc_gpu_stager_counts(mc_gpu_stager_t *s, uint64_t *jobs, uint64_t *direct);
 /* A batch with GPU copies is being planned: a copy thread that went to
  * sleep polls again for a while, so the first job finds it awake (a
  * sleeping thread's wake-up costs tens of microseconds).  No-op before the

@@ -155,11 +155,12 @@ static void test_inline_job(void) {
 }
 
 /* Direct launches (MC_GPU_DIRECT, gpu_staging.c): with the worker idle
- * the submitting thread launches a D2D job itself, and a thread that reaps
- * sees it finish (complete() on that thread); a job submitted while one is
- * in flight goes through the worker; unreaped, the worker finishes it after
- * the grace and the next chances go to the worker (the caller pipelines);
- * MC_GPU_DIRECT=0 never launches directly. */
+ * and a caller that waits batch by batch, the submitting thread launches a
+ * D2D job itself, and a thread that reaps sees it finish (complete() on
+ * that thread); a job submitted while one is in flight goes through the
+ * worker; unreaped, the worker finishes it after the grace and the next
+ * chances go to the worker (the caller pipelines); MC_GPU_DIRECT=0 never
+ * launches directly. */
 typedef struct {
   atomic_int done;
   int direct, code;
@@ -193,6 +194,20 @@ static int reap_until(mc_gpu_stager_t *s, direct_seen_t *seen) {
   return atomic_load(&seen->done);
 }
 
+/* A caller that waits batch by batch: submit, wait (reap) until done, and
+ * let the worker settle (drain: busy back to 0; it reaps nothing).  The
+ * job's `direct` (0: the worker launched it, 1: this thread, which also
+ * saw it finish); -1 if it failed or did not finish. */
+static int seq_round(mc_gpu_stager_t *s, uint64_t d, size_t n) {
+  direct_seen_t x = {0};
+  mc_gpu_stager_submit(s, direct_job(d, n, &x));
+  int ok = reap_until(s, &x) && x.code == 0;
+  mc_gpu_stager_drain(s);
+  if (!ok || (x.direct == 1 && !pthread_equal(x.th, pthread_self())))
+    return -1;
+  return x.direct;
+}
+
 static void test_direct_launch(void) {
   SKIP_NO_GPU();
   size_t n = 1u << 20;
@@ -205,12 +220,11 @@ static void test_direct_launch(void) {
   mc_gpu_stager_t *s = NULL;
   mc_err_t err = {0};
   CHECK_EQ_INT(mc_gpu_stager_create(16u << 20, &s, &err), 0);
+  /* The first starts the worker; the caller has not yet waited twice in a row. */
+  CHECK_EQ_INT(seq_round(s, d, n), 0);
+  CHECK_EQ_INT(seq_round(s, d, n), 0);
   direct_seen_t a = {0}, b = {0}, c = {0};
-  mc_gpu_stager_submit(s, direct_job(d, n, &a)); /* starts the worker: queued */
-  mc_gpu_stager_drain(s);
-  CHECK(atomic_load(&a.done) && a.code == 0 && a.direct == 0);
-  memset(&a, 0, sizeof a);
-  mc_gpu_stager_submit(s, direct_job(d, n, &a)); /* idle: launched here */
+  mc_gpu_stager_submit(s, direct_job(d, n, &a)); /* idle, waits each batch: launched here */
   mc_gpu_stager_submit(s, direct_job(d, n, &b)); /* one in flight: through the worker */
   CHECK(reap_until(s, &a));
   CHECK(a.code == 0 && a.direct == 1 && pthread_equal(a.th, pthread_self()));
@@ -222,33 +236,105 @@ static void test_direct_launch(void) {
   /* Nobody reaps: the worker finishes it after the grace (drain waits). */
   setenv("MC_GPU_DIRECT_GRACE_US", "50", 1);
   CHECK_EQ_INT(mc_gpu_stager_create(16u << 20, &s, &err), 0);
-  memset(&a, 0, sizeof a);
-  mc_gpu_stager_submit(s, direct_job(d, n, &a));
-  mc_gpu_stager_drain(s);
+  for (int k = 0; k < 3; k++)
+    CHECK(seq_round(s, d, n) >= 0);
   mc_gpu_stager_submit(s, direct_job(d, n, &c));
   mc_gpu_stager_drain(s);
   CHECK(atomic_load(&c.done) && c.code == 0 && c.direct == 2 && !pthread_equal(c.th, pthread_self()));
-  /* Nobody waited for it: the caller pipelines, the next ones go through the worker. */
-  memset(&c, 0, sizeof c);
-  mc_gpu_stager_submit(s, direct_job(d, n, &c));
-  mc_gpu_stager_drain(s);
-  CHECK(atomic_load(&c.done) && c.code == 0 && c.direct == 0);
+  /* Nobody waited for it: the caller pipelines, the next chances go
+   * through the worker even to a caller that waits again. */
+  for (int k = 0; k < 4; k++)
+    CHECK_EQ_INT(seq_round(s, d, n), 0);
   mc_gpu_stager_destroy(s);
   unsetenv("MC_GPU_DIRECT_GRACE_US");
   /* Off: never direct. */
   setenv("MC_GPU_DIRECT", "0", 1);
   CHECK_EQ_INT(mc_gpu_stager_create(16u << 20, &s, &err), 0);
-  for (int k = 0; k < 2; k++) {
-    memset(&c, 0, sizeof c);
-    mc_gpu_stager_submit(s, direct_job(d, n, &c));
-    mc_gpu_stager_drain(s);
-    CHECK(atomic_load(&c.done) && c.code == 0 && c.direct == 0);
-  }
+  for (int k = 0; k < 4; k++)
+    CHECK_EQ_INT(seq_round(s, d, n), 0);
   mc_gpu_stager_destroy(s);
   unsetenv("MC_GPU_DIRECT");
   cu_free(d);
   free(src);
   free(back);
+}
+
+/* A pipelining caller (several submits, then the waits) gets no direct
+ * launches, even where the worker is idle at a burst's first submit and
+ * the waits come within the grace (so the worker never sees an unwaited
+ * direct job and the back-off never starts): the worker launches while
+ * the caller plans its next batch.  A caller that then waits batch by
+ * batch again gets them back from its second submit (DIRECT_RUN 2).  The
+ * counters (mc_gpu_stager_counts) say the same. */
+static void test_direct_pipelining(void) {
+  SKIP_NO_GPU();
+  size_t n = 64u << 10;
+  uint64_t d = dalloc(2 * n);
+  CHECK(d);
+  setenv("MC_GPU_DIRECT_GRACE_US", "1000000", 1); /* every direct job is the waiter's */
+  mc_gpu_stager_t *s = NULL;
+  mc_err_t err = {0};
+  CHECK_EQ_INT(mc_gpu_stager_create(16u << 20, &s, &err), 0);
+  int direct = 0;
+  for (int k = 0; k < 4; k++) {
+    int r = seq_round(s, d, n);
+    CHECK(r == 0 || r == 1);
+    direct += r == 1;
+  }
+  CHECK(direct >= 2); /* waits each batch: direct (from the third on) */
+  int burst_direct = 0, first_direct = 0;
+  for (int r = 0; r < 20; r++) {
+    direct_seen_t x[4];
+    memset(x, 0, sizeof x);
+    for (int k = 0; k < 4; k++)
+      mc_gpu_stager_submit(s, direct_job(d, n, &x[k]));
+    for (int k = 0; k < 4; k++) {
+      CHECK(reap_until(s, &x[k]) && x[k].code == 0);
+      if (r == 0)
+        first_direct += x[k].direct != 0;
+      else
+        burst_direct += x[k].direct != 0;
+    }
+    mc_gpu_stager_drain(s); /* the worker idle again before the next burst */
+  }
+  /* The first burst's first job came after waits each batch: it may go
+   * direct (the pattern shows only at the second submit); none after. */
+  CHECK(first_direct <= 1);
+  if (burst_direct)
+    fprintf(stderr, "  pipelined bursts 2-20: %d of 76 jobs launched by the submitting "
+            "thread\n", burst_direct);
+  CHECK_EQ_INT(burst_direct, 0);
+  int again = 0;
+  for (int k = 0; k < 4; k++)
+    again += seq_round(s, d, n) == 1;
+  CHECK_EQ_INT(again, 3); /* the burst's waits count: the second submit on goes direct */
+  uint64_t jobs = 0, ndirect = 0;
+  mc_gpu_stager_counts(s, &jobs, &ndirect);
+  CHECK_EQ_INT(jobs, 4 + 80 + 4);
+  CHECK_EQ_INT(ndirect, (uint64_t)(direct + first_direct + burst_direct + again));
+  mc_gpu_stager_destroy(s);
+  /* A burst right after waits each batch: its first job goes direct and
+   * nobody waits for it within the grace (the worker finishes it).  The
+   * caller submitted again meanwhile, so that is the pipelining already
+   * seen, not a late waiter: a sequential caller after it gets direct
+   * launches back at once, not after DIRECT_SKIP (64) chances. */
+  setenv("MC_GPU_DIRECT_GRACE_US", "50", 1);
+  CHECK_EQ_INT(mc_gpu_stager_create(16u << 20, &s, &err), 0);
+  for (int k = 0; k < 3; k++)
+    CHECK(seq_round(s, d, n) >= 0);
+  direct_seen_t y[4];
+  memset(y, 0, sizeof y);
+  for (int k = 0; k < 4; k++)
+    mc_gpu_stager_submit(s, direct_job(d, n, &y[k]));
+  mc_gpu_stager_drain(s); /* no reap: the worker finishes the direct one after the grace */
+  CHECK(y[0].direct == 2 && y[1].direct == 0 && y[3].direct == 0);
+  again = 0;
+  for (int k = 0; k < 4; k++)
+    again += seq_round(s, d, n) == 1;
+  CHECK_EQ_INT(again, 2); /* nobody waited after the burst: from the third on */
+  mc_gpu_stager_destroy(s);
+  unsetenv("MC_GPU_DIRECT_GRACE_US");
+  cu_free(d);
 }
 
 /* Direct launches from several threads at once: each submits and reaps
@@ -512,6 +598,7 @@ int main(void) {
   RUN(test_stager_roundtrip);
   RUN(test_inline_job);
   RUN(test_direct_launch);
+  RUN(test_direct_pipelining);
   RUN(test_direct_concurrent);
   RUN(test_wrong_claims);
   RUN(test_local_segment_gpu);
