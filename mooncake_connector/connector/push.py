@@ -729,33 +729,51 @@ class PushProducer:
         elif tg.lnotify and tg.told and not tg.stop:
             self._reply(tg.name, job.tid, "layer", l=sorted(tg.landed))
 
-    @_locked
     def layer_done(self, layer_name):
+        """vLLM's forward thread, after each layer's attention."""
         li = self._layer_index.get(layer_name)
         if li is None:
             return
-        if trace.ON:
+        if self.w.cuda_sync is not None and self.streams:
+            self._layer_queued(li)
+            return
+        with self.lock:
+            if trace.ON:
+                for job in self.jobs.values():
+                    if not job.all_ready:
+                        trace.event("layer_saved", job.tid, li=li)
+            cpu = self.w.cuda_sync is None  # on CPU the layer's KV is in memory now
             for job in self.jobs.values():
-                if not job.all_ready:
-                    trace.event("layer_saved", job.tid, li=li)
-        cpu = self.w.cuda_sync is None  # on CPU the layer's KV is in memory now
-        if not cpu and self.streams:
-            # CUDA: the layer's kernels are queued, not done; its writes
-            # start on the waiter's thread once its event completed.
-            live = [job for job in self.jobs.values() if not job.all_ready]
-            if live:
+                if cpu and not job.all_ready:
+                    job.ready.add(li)  # (a target arriving later in this forward gets it)
+                if job.layerwise and not job.all_ready:
+                    for tg in job.targets.values():
+                        self._submit(job, tg)
+                        if tg.lnotify and tg.batches:
+                            self._poll_batches(tg, job)  # earlier layers landed: say so
+
+    def _layer_queued(self, li):
+        """CUDA, layer by layer: the layer's kernels are queued, not done;
+        its writes start on the waiter's thread once its event completed
+        (_layer_ready, which also tells the layers landed so far).  Without
+        the producer's lock: the forward thread never waits while the
+        waiter's or the landing thread submits or checks writes.  list() of
+        the jobs is one step under the GIL; a job that ends meanwhile is
+        skipped by _layer_ready."""
+        live = [job for job in list(self.jobs.values()) if not job.all_ready]
+        if not live:
+            return
+        if trace.ON:
+            for job in live:
+                trace.event("layer_saved", job.tid, li=li)
+        waiter = self._waiter
+        if waiter is None:
+            with self.lock:
                 if self._waiter is None:
                     from mooncake_connector.connector.layer_events import LayerWaiter
                     self._waiter = LayerWaiter(self._layer_ready)
-                self._waiter.record(li, live)
-        for job in self.jobs.values():
-            if cpu and not job.all_ready:
-                job.ready.add(li)  # (a target arriving later in this forward gets it)
-            if job.layerwise and not job.all_ready:
-                for tg in job.targets.values():
-                    self._submit(job, tg)
-                    if tg.lnotify and tg.batches:
-                        self._poll_batches(tg, job)  # earlier layers landed: say so
+                waiter = self._waiter
+        waiter.record(li, live)
 
     @_locked
     def _layer_ready(self, li, jobs):
