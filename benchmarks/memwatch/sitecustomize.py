@@ -13,9 +13,10 @@ blocks, threads (Python and all), and with PYTHONTRACEMALLOC set the bytes
 tracemalloc traces (and its own overhead).  With tracemalloc on, every
 MC_MEMWATCH_SNAP_S (default 300) the line also carries the 15 allocation
 sites that grew most since the first snapshot (taken MC_MEMWATCH_SNAP_S
-after start: warm-up excluded).  If <dir>/trim-now exists when a sample is
-taken, the process also calls malloc_trim(0) once and records RSS before
-and after: memory the allocator held free inside its heaps comes back.
+after start: warm-up excluded).  Once <dir>/trim-now exists (looked for
+every second), each process takes one more sample, calls malloc_trim(0)
+and records RSS before and after: memory the allocator held free inside
+its heaps goes back to the system.
 """
 import ctypes
 import json
@@ -65,10 +66,16 @@ def _run(pid):
     first = None
     next_snap = t0 + snap_every
     trimmed = False
+    trim_file = os.path.join(DIR, "trim-now")
+    due = time.monotonic() + every
     while True:
-        time.sleep(every)
+        time.sleep(min(1.0, every))
         if os.getpid() != pid:
             return  # forked: the child has its own thread
+        trim = not trimmed and os.path.exists(trim_file)
+        if time.monotonic() < due and not trim:
+            continue
+        due = time.monotonic() + every
         rec = {"t": time.time(), "up_s": round(time.monotonic() - t0, 1), "pid": pid,
                "name": _name(), "py_blocks": sys.getallocatedblocks(),
                "py_threads": threading.active_count()}
@@ -94,7 +101,7 @@ def _run(pid):
                     rec["grew"] = [{"kb": round(s.size_diff / 1024, 1), "n": s.count_diff,
                                     "at": [f"{fr.filename}:{fr.lineno}"
                                            for fr in s.traceback[-4:]]} for s in top]
-        if not trimmed and os.path.exists(os.path.join(DIR, "trim-now")):
+        if trim:
             trimmed = True
             before = _status().get("VmRSS")
             libc.malloc_trim(0)
