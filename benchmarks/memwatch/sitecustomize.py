@@ -13,7 +13,10 @@ blocks, threads (Python and all), and with PYTHONTRACEMALLOC set the bytes
 tracemalloc traces (and its own overhead).  With tracemalloc on, every
 MC_MEMWATCH_SNAP_S (default 300) the line also carries the 15 allocation
 sites that grew most since the first snapshot (taken MC_MEMWATCH_SNAP_S
-after start: warm-up excluded).  Once <dir>/trim-now exists (looked for
+after start: warm-up excluded).  MC_MEMWATCH_TRACE=<frames> starts
+tracemalloc MC_MEMWATCH_TRACE_AFTER_S (120) after the process started
+instead (start-up under PYTHONTRACEMALLOC is several times slower): it
+traces only what is allocated from then on.  Once <dir>/trim-now exists (looked for
 every second), each process takes one more sample, calls malloc_trim(0)
 and records RSS before and after: memory the allocator held free inside
 its heaps goes back to the system.
@@ -66,6 +69,8 @@ def _run(pid):
     first = None
     next_snap = t0 + snap_every
     trimmed = False
+    trace = int(os.environ.get("MC_MEMWATCH_TRACE", "0"))  # frames; 0: off
+    trace_at = t0 + float(os.environ.get("MC_MEMWATCH_TRACE_AFTER_S", "120"))
     trim_file = os.path.join(DIR, "trim-now")
     due = time.monotonic() + every
     while True:
@@ -76,6 +81,9 @@ def _run(pid):
         if time.monotonic() < due and not trim:
             continue
         due = time.monotonic() + every
+        if trace and not tracemalloc.is_tracing() and time.monotonic() >= trace_at:
+            tracemalloc.start(trace)  # after start-up: only what is allocated later
+            next_snap = time.monotonic()  # the reference snapshot at the next sample
         rec = {"t": time.time(), "up_s": round(time.monotonic() - t0, 1), "pid": pid,
                "name": _name(), "py_blocks": sys.getallocatedblocks(),
                "py_threads": threading.active_count()}
