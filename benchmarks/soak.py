@@ -271,7 +271,8 @@ class Cluster:
             host = net.ns_ip if role == "prefill" else "127.0.0.1"
             srv = serving.vllm_server(name, model, port, os.path.join(logs, f"{name}.log"),
                                       kv_transfer_config=ktc,
-                                      env={"MOONCAKE_CONFIG_PATH": cfg_path},
+                                      env={"MOONCAKE_CONFIG_PATH": cfg_path,
+                                           **args.env_of.get(name, {})},
                                       kv_cache_bytes=args.kv_cache_bytes)
             srv.cmd[srv.cmd.index("--host") + 1] = host
             if role == "prefill":
@@ -283,6 +284,7 @@ class Cluster:
         if args.reference:  # no connector: the RSS reference
             port = serving.free_port()
             srv = serving.vllm_server("R", model, port, os.path.join(logs, "R.log"),
+                                      env=args.env_of.get("R") or None,
                                       kv_cache_bytes=args.kv_cache_bytes)
             srv.role = "reference"
             self.servers["R"] = srv
@@ -981,11 +983,23 @@ def main(argv=None):
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--no-netns", action="store_true", help="no network namespace (no link "
                     "faults); also the default when not root")
+    ap.add_argument("--server-env", action="append", default=[], metavar="NAME:KEY=VALUE",
+                    help="extra environment of one server (P1, P2, D1, D2, R), e.g. "
+                    "D2:MALLOC_ARENA_MAX=2 or D1:PYTHONTRACEMALLOC=4 (diagnosis runs; "
+                    "repeatable)")
     ap.add_argument("--workdir")
     ap.add_argument("--json", help="results file")
     ap.add_argument("--png", help="timeline image")
     args = ap.parse_args(argv)
     args.flows = [f for f in args.flows.split(",") if f]
+    args.env_of = {}
+    for item in args.server_env:
+        name, _, kv = item.partition(":")
+        key, eq, val = kv.partition("=")
+        if name not in ("P1", "P2", "D1", "D2", "R") or not key or not eq:
+            ap.error(f"--server-env {item!r}: expected NAME:KEY=VALUE with NAME one of "
+                     "P1, P2, D1, D2, R (e.g. D2:MALLOC_ARENA_MAX=2)")
+        args.env_of.setdefault(name, {})[key] = val
     bad = [f for f in args.flows if f not in FLOWS]
     if bad or not args.flows:
         ap.error(f"--flows {bad or 'empty'}: expected a subset of {','.join(FLOWS)}")

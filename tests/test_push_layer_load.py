@@ -600,6 +600,63 @@ def test_target_lost_to_a_timeout_is_sent_again(sides):
     assert d.is_empty() and recomputes(d) == {}
 
 
+class CutFirstTarget(DropFirstTarget):
+    """The first target after arm() is swallowed by a cut link: its send
+    waits its whole timeout for a receipt that never comes, then fails
+    MC_ETIMEDOUT (DropFirstTarget's failure)."""
+
+    def __init__(self, engine):
+        super().__init__(engine)
+        self.dropped, self.waited = 1, None  # disarmed
+
+    def arm(self):
+        self.dropped = 0
+
+    def send_notify(self, target, msg, timeout):
+        if not self.dropped:
+            self.wait_s = self.waited = timeout
+        return super().send_notify(target, msg, timeout)
+
+
+def test_first_target_to_a_known_producer_waits_the_resend_timeout(sides):
+    """A link cut swallows a target to a producer this decode pushed from
+    before: its first send waits push.RESEND_TIMEOUT_S (2 s) for the
+    receipt, not FIRST_CONTACT_SEND_S (5 s), so the re-send goes 2.5 s
+    after it and the layer load's step ends about then (5.5 s and more
+    with the 5 s first wait the soak saw)."""
+    from mooncake_connector.connector import push
+
+    p = sides("kv_producer")
+    d = sides("kv_consumer", flow_a=False, push_layer_load=True, push_layer_timeout_s=10.0)
+    ob = d.worker._worker.push_outbox
+    ob.engine = cut = CutFirstTarget(ob.engine)
+    run = both_legs(p, d, "L22a", toks(46, 2 * BS + 3), 2)  # first contact: delivered
+    try:
+        assert d.run_until(lambda: "q" not in d.sched.requests, steps=3000)
+    finally:
+        run.join()
+    assert p.run_until(lambda: p.is_empty(), steps=500) and d.is_empty()
+    t = toks(47, 3 * BS + 4)
+    cut.arm()
+    d.seen = {}
+    run = both_legs(p, d, "L22b", t, 2)
+    try:
+        t0 = time.monotonic()
+        d.step()
+        took = time.monotonic() - t0
+    finally:
+        run.join()
+    print(f"first send waited {cut.waited} s; the step ended {took:.3f} s after it began")
+    assert cut.dropped == 1 and cut.waited == push.RESEND_TIMEOUT_S, cut.waited
+    assert took < push.RESEND_TIMEOUT_S + push.RESEND_S + 1.5, took
+    assert d.seen.get("q") == [True, True], d.seen
+    assert d.block_matches_pattern("q", t, 3) and not d.invalid
+    assert counted(d, "push_target_resends") == 1
+    assert d.run_until(lambda: "q" not in d.sched.requests, steps=50)
+    assert p.run_until(lambda: p.is_empty(), steps=500)
+    assert d.is_empty() and recomputes(d) == {}
+
+
 def test_resend_stops_at_the_lease(sides):
     """Every target send times out: re-sent at most every RESEND_S, none
     after the lease's last second; the step ends at push_layer_timeout_s

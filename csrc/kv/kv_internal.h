@@ -98,6 +98,8 @@ uint64_t kv_pull_expire_locked(mc_kv_t *kv, uint64_t now_ns, const char *only_fr
 /* kv_pull_async.c: stop and join the pull threads; free what is left. */
 void kv_pull_async_stop(mc_kv_t *kv);
 void kv_pull_async_free(mc_kv_t *kv);
+/* Pulls started and not yet taken by mc_kv_pull_poll (kv->mu held). */
+size_t kv_pull_count_locked(const mc_kv_t *kv);
 /* kv_transfer.c: queues a job for the worker threads (a copy of msg);
  * MC_ENOMEM or MC_ECLOSED (shutting down) if it cannot. */
 int kv_queue_job(mc_kv_t *kv, const char *from, const void *msg, size_t len, mc_err_t *err);

@@ -233,6 +233,13 @@ void kv_pull_async_stop(mc_kv_t *kv) {
   kv->npull_threads = 0;
 }
 
+size_t kv_pull_count_locked(const mc_kv_t *kv) {
+  size_t n = 0;
+  for (const kv_pull_op_t *o = kv->pulls; o; o = o->next)
+    n++;
+  return n;
+}
+
 void kv_pull_async_free(mc_kv_t *kv) {
   while (kv->pulls) {
     kv_pull_op_t *o = kv->pulls;

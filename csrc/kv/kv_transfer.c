@@ -540,6 +540,7 @@ void mc_kv_get_stats(mc_kv_t *kv, mc_kv_stats_t *out) {
   out->queue_bytes = kv->queued_bytes;
   out->queue_limit = kv->queue_limit;
   out->queue_jobs = kv->njobs;
+  out->pulls_open = kv_pull_count_locked(kv);
   pthread_mutex_unlock(&kv->mu);
 }
 

@@ -117,6 +117,8 @@ typedef struct mc_kv_stats {
   uint64_t probes, probes_served;
   /* budget: queued requests (filled in by mc_kv_get_stats) */
   uint64_t queue_bytes, queue_limit, queue_jobs, queue_refused;
+  /* asynchronous pulls started and not yet taken by mc_kv_pull_poll */
+  uint64_t pulls_open;
 } mc_kv_stats_t;
 void mc_kv_get_stats(mc_kv_t *kv, mc_kv_stats_t *out);
 

@@ -1381,7 +1381,18 @@ static PyObject *Engine_get_stats(EngineObject *self, PyObject *unused) {
       (unsigned long long)s.same_host_cpu_peers, "detached_msgs",
       (unsigned long long)s.detached_msgs, "detached_bytes",
       (unsigned long long)s.detached_bytes);
-  return d ? add_more_stats(d, &s) : NULL;
+  if (!d || !add_more_stats(d, &s))
+    return NULL;
+  /* Batches submitted from Python and not yet freed by a status call that
+   * saw them end (transfer_check_status, get_batch_transfer_status). */
+  PyObject *nb = PyLong_FromSsize_t(self->batches ? PyDict_Size(self->batches) : 0);
+  if (!nb || PyDict_SetItemString(d, "open_batches", nb) < 0) {
+    Py_XDECREF(nb);
+    Py_DECREF(d);
+    return NULL;
+  }
+  Py_DECREF(nb);
+  return d;
 }
 
 static PyMethodDef Engine_methods[] = {
@@ -1452,7 +1463,7 @@ static PyMethodDef Engine_methods[] = {
     {"get_stats", (PyCFunction)Engine_get_stats, METH_NOARGS,
      "get_stats() -> dict: current use of the engine's budgets (unread notifications,\n"
      "queued replies, connections before their handshake) and their limits\n"
-     "(docs/connector.md, Budgets)."},
+     "(docs/connector.md, Budgets); open_batches: batches not yet seen ended."},
     {"get_notifies", (PyCFunction)Engine_get_notifies, METH_NOARGS,
      "get_notifies() -> list of (from_segment, message_bytes); drains the queue."},
     {"wait_notifies", (PyCFunction)Engine_wait_notifies, METH_VARARGS,

@@ -406,7 +406,8 @@ static PyObject *KV_stats(KVObject *self, PyObject *unused) {
            {"pull_bytes", s.pull_bytes},           {"pull_errors", s.pull_errors},
            {"probes", s.probes},                   {"probes_served", s.probes_served},
            {"queue_bytes", s.queue_bytes},         {"queue_limit", s.queue_limit},
-           {"queue_jobs", s.queue_jobs},           {"queue_refused", s.queue_refused}};
+           {"queue_jobs", s.queue_jobs},           {"queue_refused", s.queue_refused},
+           {"pulls_open", s.pulls_open}};
   PyObject *d = PyDict_New();
   for (size_t i = 0; d && i < sizeof f / sizeof f[0]; i++) {
     PyObject *v = PyLong_FromUnsignedLongLong((unsigned long long)f[i].v);

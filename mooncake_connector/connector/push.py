@@ -33,7 +33,9 @@ provably never left (connection refused, the peer's segment not registered:
 NEVER_SENT) needs no wait.  One whose send failed but may have arrived
 (timed out, reset) is sent again, the same bytes, every RESEND_S after a
 failure until an answer comes, within the lease (not in its last
-PUSH_MARGIN_S); the producer takes an identical copy as a no-op.
+PUSH_MARGIN_S); the producer takes an identical copy as a no-op.  Every try
+waits RESEND_TIMEOUT_S for the receipt, the first one to a producer not
+heard from yet FIRST_CONTACT_SEND_S.
 """
 import hashlib
 import json
@@ -66,6 +68,12 @@ NEVER_SENT = ("MC_ENOTFOUND", "MC_EMETADATA", "MC_ECONNECT")
 # producer takes an identical duplicate as a no-op.
 RESEND_S = 0.5
 RESEND_TIMEOUT_S = 2.0
+# The first send of a target waits this long for the receipt when its
+# producer took a message from us before (a connection, or a quick connect,
+# is there: a longer wait only delays the re-send of a target lost to a link
+# cut); FIRST_CONTACT_SEND_S for a producer not heard from yet (the metadata
+# lookup and the connection's set-up come first).
+FIRST_CONTACT_SEND_S = 5.0
 
 
 class PushError(ValueError):
@@ -132,22 +140,31 @@ class Outbox:
     stalled or stopped peer delays only its own messages.  Results: key ->
     None (delivered) or (maybe_delivered, error text).  A message with
     `retry_until` (wall clock) that may not have arrived is sent again until
-    then (a consumer stopped for a few seconds still gets its "done")."""
+    then (a consumer stopped for a few seconds still gets its "done").  A
+    key whose owner is gone (forget) has its results still in flight
+    dropped as they come: nothing is kept for a load that ended first (its
+    cancel's "cancelled" can arrive before the cancel's own receipt)."""
 
     MAX_PEERS = 256
     MAX_QUEUED = 4096  # messages waiting for one peer (a peer that never answers)
+    MAX_RESULTS = 65536  # results nobody took (a backstop: forget() drops them)
 
     def __init__(self, engine):
         self.engine = engine
         self.results = {}
+        self._inflight = {}  # key -> sends queued or running whose result is not in yet
+        self._dropped = {}   # key -> how many of those results to drop (forgotten)
         self._lock = threading.Lock()
         self._peers = {}   # target -> (queue, thread)
         self._closed = False
+        self._ok = set()   # peers that took a message (bounded by MAX_PEERS)
 
     def send(self, target, msg, key=None, timeout=5.0, retry_until=None):
         with self._lock:
             if self._closed:
                 return
+            if key is not None:
+                self._inflight[key] = self._inflight.get(key, 0) + 1
             ent = self._peers.get(target)
             if ent is None:
                 if len(self._peers) >= self.MAX_PEERS:  # bounded: reuse the oldest's thread
@@ -166,12 +183,40 @@ class Outbox:
             if key is None:
                 logger.warning("MooncakeConnector push: %s", text)
             else:
-                with self._lock:
-                    self.results[key] = (False, text)
+                self._store(key, (False, text))
 
     def take(self, key):
         with self._lock:
             return self.results.pop(key, "pending")
+
+    def forget(self, key):
+        """The key's owner is gone: its result is dropped, now or when it comes."""
+        with self._lock:
+            self.results.pop(key, None)
+            n = self._inflight.get(key, 0)
+            if n:
+                self._dropped[key] = n
+
+    def delivered_to(self, target):
+        """Whether a message to `target` was delivered (receipt) before."""
+        with self._lock:
+            return target in self._ok
+
+    def _store(self, key, res):
+        with self._lock:
+            n = self._inflight.pop(key, 1) - 1
+            if n > 0:
+                self._inflight[key] = n
+            drop = self._dropped.get(key, 0)
+            if drop:  # forgotten while in flight (results of one key come in order)
+                if drop > 1:
+                    self._dropped[key] = drop - 1
+                else:
+                    del self._dropped[key]
+                return
+            self.results[key] = res
+            while len(self.results) > self.MAX_RESULTS:  # results nobody took
+                self.results.pop(next(iter(self.results)))
 
     def _run(self, q):
         from mooncake_connector import MooncakeError
@@ -202,14 +247,15 @@ class Outbox:
                     time.sleep(0.05)  # not a busy loop against a peer that resets at once
                     continue  # maybe lost: the receiver ignores a duplicate
                 break
+            if res is None and target not in self._ok:
+                with self._lock:
+                    if len(self._ok) < self.MAX_PEERS:
+                        self._ok.add(target)
             if res is not None and key is None:
                 logger.warning("MooncakeConnector push: notification to %s failed: %s",
                                target, res[1])
             if key is not None:
-                with self._lock:
-                    self.results[key] = res
-                    while len(self.results) > 65536:  # results nobody took (loads gone)
-                        self.results.pop(next(iter(self.results)))
+                self._store(key, res)
 
     def close(self):
         with self._lock:
@@ -305,7 +351,9 @@ class PushConsumer:
             cl.ranks[name] = "sending"
             cl.msgs[name] = encode(head, flat.tobytes())
             trace.event("target_queued", tid, to=name)
-            w.push_outbox.send(name, cl.msgs[name], key=("t", tid, name))
+            ob = w.push_outbox
+            ob.send(name, cl.msgs[name], key=("t", tid, name),
+                    timeout=RESEND_TIMEOUT_S if ob.delivered_to(name) else FIRST_CONTACT_SEND_S)
 
     def on_message(self, sender, head):
         cl = self.loads.get(head["tid"])
@@ -474,9 +522,9 @@ class PushConsumer:
                             "(timed out)")
         self.loads.pop(tid, None)
         self.by_rid.pop(spec.req_id, None)
-        for name in cl.ranks:  # results that may still sit in the outbox
-            self.w.push_outbox.take(("t", tid, name))
-            self.w.push_outbox.take(("c", tid, name))
+        for name in cl.ranks:  # results that sit in the outbox or are still to come
+            self.w.push_outbox.forget(("t", tid, name))
+            self.w.push_outbox.forget(("c", tid, name))
         if all(st == "done" for st in cl.ranks.values()) and cl.ranks and cl.failed is None:
             return (spec.skip_blocks + len(spec.block_ids)) * self.w.block_size, None
         errs = [cl.why.get(n) or st for n, st in cl.ranks.items() if st != "done"]

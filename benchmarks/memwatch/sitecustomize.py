@@ -1,0 +1,129 @@
+"""Where a server's memory goes, sampled from inside each Python process
+(benchmarks only; issue 31's RSS question).  Nothing happens unless
+MC_MEMWATCH=<dir> is set; put this folder on PYTHONPATH:
+
+    MC_MEMWATCH=/tmp/mw PYTHONPATH=$PWD:$PWD/benchmarks/memwatch python -P benchmarks/soak.py ...
+
+Every MC_MEMWATCH_S seconds (default 30) each process (also one forked
+later: vLLM's EngineCore) appends a JSON line to <dir>/<pid>.jsonl:
+RSS and RssAnon (/proc/self/status), glibc's mallinfo2 over all arenas
+(arena: bytes the malloc heaps hold from the system; uordblks: in use;
+fordblks: free inside them; hblkhd: mmap'ed chunks), Python's allocated
+blocks, threads (Python and all), and with PYTHONTRACEMALLOC set the bytes
+tracemalloc traces (and its own overhead).  With tracemalloc on, every
+MC_MEMWATCH_SNAP_S (default 300) the line also carries the 15 allocation
+sites that grew most since the first snapshot (taken MC_MEMWATCH_SNAP_S
+after start: warm-up excluded).  MC_MEMWATCH_TRACE=<frames> starts
+tracemalloc MC_MEMWATCH_TRACE_AFTER_S (120) after the process started
+instead (start-up under PYTHONTRACEMALLOC is several times slower): it
+traces only what is allocated from then on.  Once <dir>/trim-now exists (looked for
+every second), each process takes one more sample, calls malloc_trim(0)
+and records RSS before and after: memory the allocator held free inside
+its heaps goes back to the system.
+"""
+import ctypes
+import json
+import os
+import sys
+import threading
+import time
+import tracemalloc
+
+DIR = os.environ.get("MC_MEMWATCH")
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd",
+                                               "usmblks", "fsmblks", "uordblks", "fordblks",
+                                               "keepcost")]
+
+
+def _status():
+    out = {}
+    with open("/proc/self/status") as f:
+        for ln in f:
+            k, _, v = ln.partition(":")
+            if k in ("VmRSS", "RssAnon", "RssFile", "Threads"):
+                out[k] = int(v.split()[0])
+    return out
+
+
+def _name():
+    try:
+        with open("/proc/self/comm") as f:
+            comm = f.read().strip()
+        return comm + " " + " ".join(sys.argv[:3])[:120]
+    except OSError:
+        return "?"
+
+
+def _run(pid):
+    libc = ctypes.CDLL(None)
+    mallinfo2 = getattr(libc, "mallinfo2", None)
+    if mallinfo2 is not None:
+        mallinfo2.restype = _MallInfo2
+    every = float(os.environ.get("MC_MEMWATCH_S", "30"))
+    snap_every = float(os.environ.get("MC_MEMWATCH_SNAP_S", "300"))
+    path = os.path.join(DIR, f"{pid}.jsonl")
+    t0 = time.monotonic()
+    first = None
+    next_snap = t0 + snap_every
+    trimmed = False
+    trace = int(os.environ.get("MC_MEMWATCH_TRACE", "0"))  # frames; 0: off
+    trace_at = t0 + float(os.environ.get("MC_MEMWATCH_TRACE_AFTER_S", "120"))
+    trim_file = os.path.join(DIR, "trim-now")
+    due = time.monotonic() + every
+    while True:
+        time.sleep(min(1.0, every))
+        if os.getpid() != pid:
+            return  # forked: the child has its own thread
+        trim = not trimmed and os.path.exists(trim_file)
+        if time.monotonic() < due and not trim:
+            continue
+        due = time.monotonic() + every
+        if trace and not tracemalloc.is_tracing() and time.monotonic() >= trace_at:
+            tracemalloc.start(trace)  # after start-up: only what is allocated later
+            next_snap = time.monotonic()  # the reference snapshot at the next sample
+        rec = {"t": time.time(), "up_s": round(time.monotonic() - t0, 1), "pid": pid,
+               "name": _name(), "py_blocks": sys.getallocatedblocks(),
+               "py_threads": threading.active_count()}
+        try:
+            rec.update(_status())
+        except OSError:
+            pass
+        if mallinfo2 is not None:
+            m = mallinfo2()
+            rec["mall"] = {k: getattr(m, k) for k, _ in _MallInfo2._fields_}
+        if tracemalloc.is_tracing():
+            cur, peak = tracemalloc.get_traced_memory()
+            rec["traced"], rec["traced_peak"] = cur, peak
+            rec["tracemalloc_overhead"] = tracemalloc.get_tracemalloc_memory()
+            if time.monotonic() >= next_snap:
+                next_snap += snap_every
+                snap = tracemalloc.take_snapshot().filter_traces(
+                    (tracemalloc.Filter(False, tracemalloc.__file__),))
+                if first is None:
+                    first = snap
+                else:
+                    top = sorted(snap.compare_to(first, "traceback"), key=lambda s: -s.size_diff)[:15]
+                    rec["grew"] = [{"kb": round(s.size_diff / 1024, 1), "n": s.count_diff,
+                                    "at": [f"{fr.filename}:{fr.lineno}"
+                                           for fr in s.traceback[-4:]]} for s in top]
+        if trim:
+            trimmed = True
+            before = _status().get("VmRSS")
+            libc.malloc_trim(0)
+            rec["trim"] = {"rss_before_kb": before, "rss_after_kb": _status().get("VmRSS")}
+        with open(path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+
+
+def _start():
+    pid = os.getpid()
+    threading.Thread(target=_run, args=(pid,), name="mc-memwatch", daemon=True).start()
+
+
+if DIR:
+    os.makedirs(DIR, exist_ok=True)
+    _start()
+    os.register_at_fork(after_in_child=_start)
