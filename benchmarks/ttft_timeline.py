@@ -178,6 +178,41 @@ def _group_pids(pgid):
     return pids
 
 
+def cpu_ns(pgids):
+    """{server: {thread name: CPU ns so far}} over every thread of every
+    process of each server's process group (/proc/*/task/*/schedstat: ns,
+    unlike stat's 10 ms ticks)."""
+    out = {}
+    for name, pgid in pgids.items():
+        acc = out.setdefault(name, {})
+        for pid in _group_pids(pgid):
+            try:
+                tids = os.listdir(f"/proc/{pid}/task")
+            except OSError:
+                continue
+            for tid in tids:
+                try:
+                    with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                        ns = int(f.read().split()[0])
+                    with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                        comm = f.read().strip()
+                except (OSError, ValueError, IndexError):
+                    continue
+                key = f"{pid}:{tid}:{comm}"
+                acc[key] = acc.get(key, 0) + ns
+    return out
+
+
+def cpu_diff(a, b):
+    """{server: {thread: ms}} spent between two cpu_ns() readings (threads
+    that ran, only)."""
+    out = {}
+    for srv, th in b.items():
+        d = {k: (v - a.get(srv, {}).get(k, 0)) / 1e6 for k, v in th.items()}
+        out[srv] = {k: v for k, v in d.items() if v > 0.05}
+    return out
+
+
 def pin(proc, cpu):
     """Every thread of every process of this server's process group on cpu."""
     pids = _group_pids(proc.proc.pid)
@@ -255,6 +290,10 @@ def main(argv=None):
                 request(u, "/v1/completions", dict(body, prompt=prompt_of(max(lengths), 77 + i)),
                         timeout=600)
         meta["load_before"] = os.getloadavg()
+        pgids = {"prefill": dep.prefill.proc.pid, "decode": dep.decode.proc.pid,
+                 "colocated": dep.colocated.proc.pid,
+                 "proxy_push_ll": dep.proxies["push-ll"].proc.pid,
+                 "proxy_colocated": dep.colocated_proxy.proc.pid}
         order = random.Random(31)
         for n in lengths:
             for i in range(args.requests):
@@ -267,13 +306,15 @@ def main(argv=None):
                     rid = f"tl-{k}-{n}-{i}-{os.getpid()}"
                     srv = dep.colocated.url if k.startswith("colocated") else dep.decode.url
                     before = scrape(srv)
+                    c0 = cpu_ns(pgids)
                     t_send = time.monotonic()
                     r = request(urls[k], "/v1/completions", dict(body, prompt=p), timeout=600,
                                 headers={"X-Request-Id": rid})
                     if r.status != 200 or r.error:
                         raise RuntimeError(f"{k}: {r.status} {r.error}")
+                    c1 = cpu_ns(pgids)
                     after = scrape(srv)
-                    rec = {"mode": k, "n": n, "rid": rid, "t_send": t_send,
+                    rec = {"cpu_ms": cpu_diff(c0, c1), "mode": k, "n": n, "rid": rid, "t_send": t_send,
                            "ttft_ms": r.ttft_s * 1e3, "tokens": r.token_ids,
                            "prompt_tokens": None}
                     for m, v in after.items():
