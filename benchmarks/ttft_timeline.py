@@ -14,7 +14,13 @@ load, in a fresh random order per prompt, one request at a time, and
 reads the trace back: per push request the monotonic time of every traced
 point from the proxy's receipt, p50 per length, next to colocated's TTFT
 and the colocated server's own queue / prefill time (vLLM's histograms,
-scraped around each request).  --pin puts each server's processes (and all
+scraped around each request), and every server thread's CPU time and
+run-queue wait around each request (/proc/<pid>/task/<tid>/schedstat:
+rows' "cpu_ms", keys "pid:tid:name" and "rq:pid:tid:name").  --whole also
+sends each prompt through a whole-prompt push proxy (push_whole: the
+decode computes nothing until the prefill is done), so the prefill's
+forward can be read with and without the decode's concurrent per-layer
+work.  --pin puts each server's processes (and all
 their threads) on one CPU with taskset (a 2-vCPU host: do the two servers
 contend?).
 """
@@ -179,9 +185,10 @@ def _group_pids(pgid):
 
 
 def cpu_ns(pgids):
-    """{server: {thread name: CPU ns so far}} over every thread of every
-    process of each server's process group (/proc/*/task/*/schedstat: ns,
-    unlike stat's 10 ms ticks)."""
+    """{server: {"pid:tid:name": CPU ns so far, "rq:pid:tid:name": ns it
+    waited on a run queue so far}} over every thread of every process of
+    each server's process group (/proc/*/task/*/schedstat: ns, unlike
+    stat's 10 ms ticks)."""
     out = {}
     for name, pgid in pgids.items():
         acc = out.setdefault(name, {})
@@ -193,13 +200,15 @@ def cpu_ns(pgids):
             for tid in tids:
                 try:
                     with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                        ns = int(f.read().split()[0])
+                        run_ns, wait_ns = (int(x) for x in f.read().split()[:2])
                     with open(f"/proc/{pid}/task/{tid}/comm") as f:
                         comm = f.read().strip()
                 except (OSError, ValueError, IndexError):
                     continue
                 key = f"{pid}:{tid}:{comm}"
-                acc[key] = acc.get(key, 0) + ns
+                acc[key] = acc.get(key, 0) + run_ns
+                # the time it was runnable but waited for a CPU (run queue)
+                acc["rq:" + key] = acc.get("rq:" + key, 0) + wait_ns
     return out
 
 
@@ -233,6 +242,10 @@ def main(argv=None):
                     help="measure push layer load with the prefill server's settings only "
                          "(default: also with --push-layer-watch off, as mode push_ll_b, "
                          "interleaved: the A/B of the landing thread)")
+    ap.add_argument("--whole", action="store_true",
+                    help="also push the whole prompt (push_whole: --push-layer-load off, the "
+                         "decode computes nothing until the prefill is done): the prefill's "
+                         "forward without the decode's concurrent per-layer work")
     ap.add_argument("--out", default="build/ttft_timeline.json")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--reread", metavar="JSON",
@@ -270,6 +283,9 @@ def main(argv=None):
     extra = {"push-ll": {"flow": "push", "extra_args": ll}}
     if not args.no_ab:
         extra["push-ll-b"] = {"flow": "push", "extra_args": ll + ("--push-layer-watch", "off")}
+    if args.whole:
+        extra["push-whole"] = {"flow": "push", "extra_args": ("--push-layerwise", "on",
+                                                               "--push-layer-load", "off")}
     dep = Deployment(workdir, model, flows=(), extra_proxies=extra, colocated_proxy=True,
                      kv_cache_bytes=256 << 20)
     urls = {}
@@ -283,6 +299,8 @@ def main(argv=None):
                 "push_ll": dep.proxies["push-ll"].url}
         if "push-ll-b" in dep.proxies:
             urls["push_ll_b"] = dep.proxies["push-ll-b"].url
+        if "push-whole" in dep.proxies:
+            urls["push_whole"] = dep.proxies["push-whole"].url
         body = {"model": "tiny", "temperature": 0.0, "max_tokens": args.max_tokens,
                 "ignore_eos": True, "return_token_ids": True, "stream": True}
         for k, u in urls.items():  # warm-up
@@ -357,7 +375,7 @@ def report(rows, tl, urls):
                       "time_to_first_token_seconds"):
                 if any(m in r for r in xs):
                     s[f"{k}_{m}"] = _pct([r.get(m) for r in xs], 50)
-        for k in ("push_ll", "push_ll_b"):
+        for k in ("push_ll", "push_ll_b", "push_whole"):
             cols = {}
             for r in recs:
                 if r["mode"] != k:
@@ -407,14 +425,14 @@ def report(rows, tl, urls):
                 print(f"  {k} ({'colocated' if k.startswith('colocated') else 'decode'} "
                       f"server): vLLM queue {q:.1f}, scheduled->first token {pf:.1f}, "
                       f"server TTFT {tt:.1f} ms (p50)")
-        for k in ("push_ll", "push_ll_b"):
+        for k in ("push_ll", "push_ll_b", "push_whole"):
             t = s.get(f"timeline_{k}")
             if t:
                 print(f"  {k} timeline, ms after the proxy received it (p50 per point):")
                 for c, _, _, _ in POINTS + (("client_ttft", 0, 0, 0),):
                     v = t.get(c)
                     print(f"    {c:<16} {'-' if v is None else f'{v:8.1f}'}")
-        for k in ("push_ll", "push_ll_b"):
+        for k in ("push_ll", "push_ll_b", "push_whole"):
             if s.get(f"stretches_{k}"):
                 print(f"  {k}: where the time to first token goes (per request, p50 ms):")
                 for label, v in s[f"stretches_{k}"].items():
