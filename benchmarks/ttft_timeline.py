@@ -14,7 +14,13 @@ load, in a fresh random order per prompt, one request at a time, and
 reads the trace back: per push request the monotonic time of every traced
 point from the proxy's receipt, p50 per length, next to colocated's TTFT
 and the colocated server's own queue / prefill time (vLLM's histograms,
-scraped around each request).  --pin puts each server's processes (and all
+scraped around each request), and every server thread's CPU time and
+run-queue wait around each request (/proc/<pid>/task/<tid>/schedstat:
+rows' "cpu_ms", keys "pid:tid:name" and "rq:pid:tid:name").  --whole also
+sends each prompt through a whole-prompt push proxy (push_whole: the
+decode computes nothing until the prefill is done), so the prefill's
+forward can be read with and without the decode's concurrent per-layer
+work.  --pin puts each server's processes (and all
 their threads) on one CPU with taskset (a 2-vCPU host: do the two servers
 contend?).
 """
@@ -186,6 +192,44 @@ def _group_pids(pgid):
     return pids
 
 
+def cpu_ns(pgids):
+    """{server: {"pid:tid:name": CPU ns so far, "rq:pid:tid:name": ns it
+    waited on a run queue so far}} over every thread of every process of
+    each server's process group (/proc/*/task/*/schedstat: ns, unlike
+    stat's 10 ms ticks)."""
+    out = {}
+    for name, pgid in pgids.items():
+        acc = out.setdefault(name, {})
+        for pid in _group_pids(pgid):
+            try:
+                tids = os.listdir(f"/proc/{pid}/task")
+            except OSError:
+                continue
+            for tid in tids:
+                try:
+                    with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                        run_ns, wait_ns = (int(x) for x in f.read().split()[:2])
+                    with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                        comm = f.read().strip()
+                except (OSError, ValueError, IndexError):
+                    continue
+                key = f"{pid}:{tid}:{comm}"
+                acc[key] = acc.get(key, 0) + run_ns
+                # the time it was runnable but waited for a CPU (run queue)
+                acc["rq:" + key] = acc.get("rq:" + key, 0) + wait_ns
+    return out
+
+
+def cpu_diff(a, b):
+    """{server: {thread: ms}} spent between two cpu_ns() readings (threads
+    that ran, only)."""
+    out = {}
+    for srv, th in b.items():
+        d = {k: (v - a.get(srv, {}).get(k, 0)) / 1e6 for k, v in th.items()}
+        out[srv] = {k: v for k, v in d.items() if v > 0.05}
+    return out
+
+
 def pin(proc, cpu):
     """Every thread of every process of this server's process group on cpu."""
     pids = _group_pids(proc.proc.pid)
@@ -206,6 +250,10 @@ def main(argv=None):
                     help="measure push layer load with the prefill server's settings only "
                          "(default: also with --push-layer-watch off, as mode push_ll_b, "
                          "interleaved: the A/B of the landing thread)")
+    ap.add_argument("--whole", action="store_true",
+                    help="also push the whole prompt (push_whole: --push-layer-load off, the "
+                         "decode computes nothing until the prefill is done): the prefill's "
+                         "forward without the decode's concurrent per-layer work")
     ap.add_argument("--out", default="build/ttft_timeline.json")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
@@ -254,6 +302,9 @@ def main(argv=None):
     extra = {"push-ll": {"flow": "push", "extra_args": ll}}
     if not args.no_ab:
         extra["push-ll-b"] = {"flow": "push", "extra_args": ll + ("--push-layer-watch", "off")}
+    if args.whole:
+        extra["push-whole"] = {"flow": "push", "extra_args": ("--push-layerwise", "on",
+                                                               "--push-layer-load", "off")}
     dep = Deployment(workdir, model, flows=(), extra_proxies=extra, colocated_proxy=True,
                      kv_cache_bytes=256 << 20, env=dev_env, extra_vllm_args=dev_args)
     urls = {}
@@ -267,6 +318,8 @@ def main(argv=None):
                 "push_ll": dep.proxies["push-ll"].url}
         if "push-ll-b" in dep.proxies:
             urls["push_ll_b"] = dep.proxies["push-ll-b"].url
+        if "push-whole" in dep.proxies:
+            urls["push_whole"] = dep.proxies["push-whole"].url
         body = {"model": "tiny", "temperature": 0.0, "max_tokens": args.max_tokens,
                 "ignore_eos": True, "return_token_ids": True, "stream": True}
         for k, u in urls.items():  # warm-up
@@ -274,6 +327,10 @@ def main(argv=None):
                 request(u, "/v1/completions", dict(body, prompt=prompt_of(max(lengths), 77 + i)),
                         timeout=600)
         meta["load_before"] = os.getloadavg()
+        pgids = {"prefill": dep.prefill.proc.pid, "decode": dep.decode.proc.pid,
+                 "colocated": dep.colocated.proc.pid,
+                 "proxy_push_ll": dep.proxies["push-ll"].proc.pid,
+                 "proxy_colocated": dep.colocated_proxy.proc.pid}
         order = random.Random(31)
         for n in lengths:
             for i in range(args.requests):
@@ -286,13 +343,15 @@ def main(argv=None):
                     rid = f"tl-{k}-{n}-{i}-{os.getpid()}"
                     srv = dep.colocated.url if k.startswith("colocated") else dep.decode.url
                     before = scrape(srv)
+                    c0 = cpu_ns(pgids)
                     t_send = time.monotonic()
                     r = request(urls[k], "/v1/completions", dict(body, prompt=p), timeout=600,
                                 headers={"X-Request-Id": rid})
                     if r.status != 200 or r.error:
                         raise RuntimeError(f"{k}: {r.status} {r.error}")
+                    c1 = cpu_ns(pgids)
                     after = scrape(srv)
-                    rec = {"mode": k, "n": n, "rid": rid, "t_send": t_send,
+                    rec = {"cpu_ms": cpu_diff(c0, c1), "mode": k, "n": n, "rid": rid, "t_send": t_send,
                            "ttft_ms": r.ttft_s * 1e3, "tokens": r.token_ids,
                            "prompt_tokens": None}
                     for m, v in after.items():
@@ -337,7 +396,7 @@ def report(rows, tl, urls):
                       "time_to_first_token_seconds"):
                 if any(m in r for r in xs):
                     s[f"{k}_{m}"] = _pct([r.get(m) for r in xs], 50)
-        for k in ("push_ll", "push_ll_b"):
+        for k in ("push_ll", "push_ll_b", "push_whole"):
             cols = {}
             for r in recs:
                 if r["mode"] != k:
@@ -387,14 +446,14 @@ def report(rows, tl, urls):
                 print(f"  {k} ({'colocated' if k.startswith('colocated') else 'decode'} "
                       f"server): vLLM queue {q:.1f}, scheduled->first token {pf:.1f}, "
                       f"server TTFT {tt:.1f} ms (p50)")
-        for k in ("push_ll", "push_ll_b"):
+        for k in ("push_ll", "push_ll_b", "push_whole"):
             t = s.get(f"timeline_{k}")
             if t:
                 print(f"  {k} timeline, ms after the proxy received it (p50 per point):")
                 for c, _, _, _ in POINTS + (("client_ttft", 0, 0, 0),):
                     v = t.get(c)
                     print(f"    {c:<16} {'-' if v is None else f'{v:8.1f}'}")
-        for k in ("push_ll", "push_ll_b"):
+        for k in ("push_ll", "push_ll_b", "push_whole"):
             if s.get(f"stretches_{k}"):
                 print(f"  {k}: where the time to first token goes (per request, p50 ms):")
                 for label, v in s[f"stretches_{k}"].items():

@@ -50,7 +50,10 @@ def event(ev, key, **fields):
     if not ON:
         return
     t, w = time.monotonic(), time.time()
-    line = json.dumps({"t": t, "w": w, "pid": os.getpid(), "ev": ev, "k": key, **fields},
+    # ct: this thread's CPU seconds so far (tid: which thread), so a stretch
+    # between two events of one thread splits into computing and waiting
+    line = json.dumps({"t": t, "w": w, "pid": os.getpid(), "tid": threading.get_native_id(),
+                       "ct": time.thread_time(), "ev": ev, "k": key, **fields},
                       separators=(",", ":"), default=str) + "\n"
     data = line.encode()
     global _fd, _written, _full

@@ -3,7 +3,7 @@
 Each call made while (or after) another thread closes the TransferEngine or
 the KVTransfer either does its work or raises the closed error
 (MooncakeError naming "closed"); never a crash, a double free or a hang.
-The same for KVTransfer.close() against recv_kv (push and pull),
+(transfer_wait included).  The same for KVTransfer.close() against recv_kv (push and pull),
 pull_start / pull_poll / pull_wait, probe and stats.
 The hammering runs in a child process: the bug this guards against (a batch
 freed by close and again by transfer_check_status / get_batch_transfer_status,
@@ -84,6 +84,7 @@ def one_round(r):
         while not stop.is_set():
             if ids:
                 bid = rng.choice(ids[-8:])
+                call(a.transfer_wait, bid, 0.001)
                 call(a.transfer_check_status, bid)
                 call(a.get_batch_status, bid)
                 call(a.get_batch_transfer_status, [bid])
@@ -127,7 +128,8 @@ def one_round(r):
         if t.is_alive():
             unexpected.append("a thread hung after close")
     # After close every call raises the closed error.
-    for f, args in ((a.transfer_check_status, (1,)), (a.get_notifies, ()),
+    for f, args in ((a.transfer_check_status, (1,)), (a.transfer_wait, (1, 0.0)),
+                    (a.get_notifies, ()),
                     (a.get_stats, ()), (a.get_batch_status, (1,)),
                     (a.get_batch_transfer_status, ([1],))):
         try:

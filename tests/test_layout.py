@@ -53,3 +53,22 @@ def test_a_block_with_a_hole_is_refused():
     t = raw[..., :2 * D].permute(0, 2, 1, 3)  # padded rows: not one dense run
     with pytest.raises(LayoutError, match="not contiguous within a block"):
         KVLayout({"l0": t}, num_blocks=NB)
+
+
+def test_layer_extents_are_block_extents_one_layer_at_a_time():
+    """layer_extents(row, li) (the push flow's per-layer writes) is
+    block_extents(row)'s slice for layer li, in order, for one KV-cache
+    group and for two (HMA rows), and checks the row the same way."""
+    kv = {"a": torch.zeros(2, NB, BS, H, D), "b": _triton_nhd(), "c": torch.zeros(2, NB, BS, H, D)}
+    for groups, rows in ((None, [0, 3, NB - 1]), ({"b": 1}, [(0, 2), (5, 1), (3, 0)])):
+        L = KVLayout(kv, num_blocks=NB, heads=H, block_size=BS, layer_groups=groups)
+        off = 0
+        for li, lay in enumerate(L.layers):
+            n = len(lay.outer)
+            for row in rows:
+                whole = L.block_extents(row)
+                assert L.layer_extents(row, li) == [(a, ln) for a, ln, _ in whole[off:off + n]]
+            off += n
+        assert off == L.extents_per_block
+        with pytest.raises(LayoutError):
+            L.layer_extents(NB, 0)

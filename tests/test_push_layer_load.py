@@ -689,3 +689,60 @@ def test_resend_stops_at_the_lease(sides):
     assert d.run_until(lambda: "q" not in d.sched.requests, steps=200)
     assert recomputes(d) == {"producer_unreachable": 1}, recomputes(d)  # its sends failed
     assert d.is_empty()
+
+
+class _CountingEngine:
+    """The decode's real engine, counting its wait_notifies calls (each one
+    a wake-up of the step's layer wait: the GIL taken, the loads checked)."""
+
+    def __init__(self, eng):
+        self._eng, self.waits = eng, 0
+
+    def wait_notifies(self, timeout):
+        self.waits += 1
+        return self._eng.wait_notifies(timeout)
+
+    def __getattr__(self, name):
+        return getattr(self._eng, name)
+
+
+def test_layer_wait_sleeps_until_told_not_polling(sides):
+    """The decode's wait for a layer blocks on the engine's notifications
+    (GIL released) until the producer tells it, waking at most every
+    Loads.NAP_S (20 ms: deadlines, outbox failures) - not every 2 ms (the
+    old nap: ~190 wake-ups for this ~0.45 s wait, each taking the GIL and
+    the decode's CPU from the prefill on a small host)."""
+    from mooncake_connector.connector.loads import Loads
+
+    hold = threading.Event()
+    # push_layer_watch off: the last layer is told when the prefill's
+    # forward ends, here held 0.4 s after its last layer's save
+    p = sides("kv_producer", hold_at_end=hold, push_layer_watch=False)
+    d = sides("kv_consumer", flow_a=False, push_layer_load=True)
+    t = toks(45, 48 * BS + 3)
+    eng = d.worker._worker.engine
+    counting = d.worker._worker.engine = _CountingEngine(eng)
+    run = both_legs(p, d, "L12", t, 2)
+    timer = threading.Timer(0.4, hold.set)
+    try:
+        def release_later():
+            assert p.at_end.wait(10)
+            timer.start()
+        threading.Thread(target=release_later, daemon=True).start()
+        t0 = time.monotonic()
+        so = d.step()
+        took = time.monotonic() - t0
+        assert so.num_scheduled_tokens.get("q") == 3
+        assert d.seen.get("q") == [True, True] and not d.invalid
+        if took < 0.3:
+            pytest.skip(f"the last layer landed before the prefill's forward ended "
+                        f"(step took {took:.3f} s): nothing was waited for")
+        bound = took / Loads.NAP_S + 20  # + one per notification (layers, done)
+        assert counting.waits <= bound, (counting.waits, took)
+        assert d.run_until(lambda: "q" not in d.sched.requests, steps=50)
+    finally:
+        hold.set()
+        timer.cancel()
+        run.join()
+        d.worker._worker.engine = eng
+    assert p.run_until(lambda: p.is_empty(), steps=500) and d.is_empty()

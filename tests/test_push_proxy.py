@@ -165,3 +165,58 @@ def test_push_dead_prefill_is_tried_after_the_others(upstreams, proxy):  # noqa:
     # turn at it (the third request) went to the live one.
     assert engines == ["127.0.0.1:17001"] + ["127.0.0.1:17002"] * 3, engines
     assert len(live.seen) == 3 and stats["prefill_errors"] == 1, stats
+
+
+def test_push_prefill_leg_is_sent_before_the_decode_leg(upstreams, proxy):  # noqa: F811
+    """The prefill's forward is the critical path of a push request (the
+    decode's attention waits for its layers): its leg leaves the proxy
+    first (the decode's target may reach the prefill during its forward).
+    Before: the decode leg was written first, the prefill leg ~1 ms later."""
+    import threading
+    lock = threading.Lock()
+    seen = []
+
+    class Rec(AppThread):
+        def __init__(self, role):
+            async def complete(request):
+                t = time.monotonic()
+                body = await request.json()
+                with lock:
+                    seen.append((t, role, body["kv_transfer_params"]["transfer_id"]))
+                if role == "prefill":
+                    return web.json_response({"choices": [{"text": "x"}]})
+                return web.json_response({"by": "decode", "choices": [{"text": "y"}]})
+
+            async def health(request):
+                return web.Response(text="ok")
+
+            async def models(request):
+                return web.json_response({"data": [role]})
+
+            super().__init__([("POST", "/v1/completions", complete),
+                              ("GET", "/health", health), ("GET", "/v1/models", models)])
+
+    p, d = Rec("prefill"), Rec("decode")
+    try:
+        url = proxy([p.url], [d.url], flow="push")
+        n = 12
+        for i in range(n):
+            status, _ = post(url + "/v1/completions", {"model": "m", "prompt": f"hi {i}",
+                                                       "max_tokens": 2})
+            assert status == 200
+            end = time.monotonic() + 5
+            while time.monotonic() < end:
+                with lock:
+                    if len(seen) >= 2 * (i + 1):
+                        break
+                time.sleep(0.005)
+        by_tid = {}
+        for t, role, tid in seen:
+            by_tid.setdefault(tid, {})[role] = t
+        assert len(by_tid) == n and all(len(v) == 2 for v in by_tid.values()), seen
+        first = sum(v["prefill"] < v["decode"] for v in by_tid.values())
+        # the two servers' threads stamp the receipts: allow a rare inversion
+        assert first >= n - 2, (first, n)
+    finally:
+        p.close()
+        d.close()

@@ -51,6 +51,26 @@ size_t mc_batch_pending(mc_batch_t *b) {
   return n;
 }
 
+int mc_batch_wait_idle(mc_batch_t *b, uint64_t timeout_ns) {
+  uint64_t deadline = mc_now_ns() + timeout_ns;
+  for (;;) {
+    if (b->gpu) /* a directly launched copy is seen finished by a poll */
+      mc_gpu_stager_reap(b->eng->gpu);
+    pthread_mutex_lock(&b->mu);
+    uint64_t now = mc_now_ns(), until = deadline;
+    if (b->gpu && deadline > now + 1000000ull)
+      until = now + 1000000ull;
+    while (b->pending > 0 && mc_now_ns() < until) {
+      struct timespec ts = mc_deadline_ts(until);
+      pthread_cond_timedwait(&b->cv, &b->mu, &ts);
+    }
+    int idle = b->pending == 0;
+    pthread_mutex_unlock(&b->mu);
+    if (idle || mc_now_ns() >= deadline)
+      return idle;
+  }
+}
+
 static mc_task_state_t state_for(int code) {
   if (code == 0)
     return MC_TASK_COMPLETED;

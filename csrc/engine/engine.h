@@ -118,6 +118,11 @@ size_t mc_batch_pending(mc_batch_t *b);
  * thread can touch the batch's buffers any more.  Returns 0 if every task
  * completed, else the code of the first failed task with its message. */
 int mc_batch_wait(mc_engine_t *e, mc_batch_t *b, int64_t timeout_ms, mc_err_t *err);
+/* Blocks until no task of the batch is pending or timeout_ns passed, on
+ * the batch's condition variable (no polling; GPU batches, which a status
+ * poll reaps, are looked at every millisecond).  Cancels nothing, frees
+ * nothing.  Returns 1 when nothing is pending, 0 on timeout. */
+int mc_batch_wait_idle(mc_batch_t *b, uint64_t timeout_ns);
 size_t mc_batch_size(mc_batch_t *b);
 int mc_batch_status(mc_batch_t *b, size_t i, mc_task_status_t *out);
 /* Cancels unfinished tasks (waits until buffers are released) and frees. */

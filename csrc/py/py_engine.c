@@ -1098,6 +1098,34 @@ static PyObject *Engine_transfer_check_status(EngineObject *self, PyObject *id) 
   return failed ? NULL : PyLong_FromLong(res);
 }
 
+PyDoc_STRVAR(transfer_wait_doc,
+"transfer_wait(batch_id, timeout) -> bool\n\n"
+"Waits (GIL released, on the batch's condition variable: no polling) until no\n"
+"request of the batch is in flight, or timeout seconds (0..60) passed; True\n"
+"when none is.  Takes no result and frees nothing: transfer_check_status\n"
+"reads the outcome.  ValueError for an id already taken.");
+
+static PyObject *Engine_transfer_wait(EngineObject *self, PyObject *args) {
+  PyObject *id;
+  double timeout;
+  if (!PyArg_ParseTuple(args, "Od:transfer_wait", &id, &timeout))
+    return NULL;
+  if (mc_py_check_timeout(timeout, 0, 0, 60, "timeout") < 0 || enter(self) < 0)
+    return NULL;
+  py_batch_t *pb = get_batch(self, id);
+  if (!pb) {
+    leave(self);
+    return NULL;
+  }
+  int idle;
+  Py_BEGIN_ALLOW_THREADS
+  idle = mc_batch_wait_idle(pb->b, (uint64_t)(timeout * 1e9));
+  Py_END_ALLOW_THREADS
+  batch_free(self, batch_unref(pb)); /* freed here if another thread took it meanwhile */
+  leave(self);
+  return PyBool_FromLong(idle);
+}
+
 static PyObject *Engine_get_batch_status(EngineObject *self, PyObject *id) {
   if (enter(self) < 0)
     return NULL;
@@ -1456,6 +1484,7 @@ static PyMethodDef Engine_methods[] = {
      (PyCFunction)(void (*)(void))Engine_get_batch_transfer_status, METH_VARARGS | METH_KEYWORDS,
      get_status_doc},
     {"transfer_check_status", (PyCFunction)Engine_transfer_check_status, METH_O, check_doc},
+    {"transfer_wait", (PyCFunction)Engine_transfer_wait, METH_VARARGS, transfer_wait_doc},
     {"get_batch_status", (PyCFunction)Engine_get_batch_status, METH_O,
      "get_batch_status(batch_id) -> list of per-request dicts (non-blocking)."},
     {"send_notify", (PyCFunction)(void (*)(void))Engine_send_notify, METH_VARARGS | METH_KEYWORDS,

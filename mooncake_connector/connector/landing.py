@@ -8,24 +8,30 @@ the forward (the last layer's MLP, the final norm) in wait_for_save: the
 decode's last layer waited for the prefill's whole forward (issue 31's TTFT
 timeline, benchmarks/JOURNAL.md).  This thread is woken when a layer's
 writes start; it checks them (transfer_check_status under the producer's
-lock, 0.2 ms sleeps between checks: the GIL is free while it sleeps, the
-forward thread never waits for it) until none is in flight, telling the
-decode each layer as it lands.  Bounded: it checks only while a target with
-per-layer notifications has writes in flight and its lease is not over;
+lock) and then blocks, GIL released, on the oldest write still in flight
+(TransferEngine.transfer_wait: the batch's condition variable, signalled by
+the engine's I/O thread as the write completes; no polling, no sleeps), and
+checks again, until none is in flight, telling the decode each layer as it
+lands.  The forward thread never waits for it.  Bounded: it waits only
+while a target with per-layer notifications has writes in flight and its
+lease is not over (WAIT_S at most per wait, so stops and closes are seen);
 then it sleeps until woken again.
 """
 import logging
 import threading
-import time
 
 logger = logging.getLogger("vllm.mooncake_connector")
 
 
 class LandingWatcher:
-    POLL_S = 0.0002  # between checks while a layer's writes are in flight
+    WAIT_S = 0.02  # the longest block on one write before checking again
 
-    def __init__(self, check):
-        self._check = check  # check() -> True while writes are still in flight
+    def __init__(self, check, wait):
+        # check() -> None once no watched write is in flight, else a write
+        # (batch id) still in flight; wait(bid, timeout) blocks until that
+        # write is over or timeout seconds passed.
+        self._check = check
+        self._wait = wait
         self._wake = threading.Event()
         self._closed = False
         self._t = threading.Thread(target=self._run, name="mc-push-landing", daemon=True)
@@ -41,14 +47,14 @@ class LandingWatcher:
             self._wake.clear()
             while not self._closed:
                 try:
-                    busy = self._check()
+                    bid = self._check()
+                    if bid is None:
+                        break
+                    self._wait(bid, self.WAIT_S)
                 except Exception as e:  # noqa: BLE001 - the thread must go on; the
                     # forward thread's own checks (next layer, wait_for_save) still tell
                     logger.exception("MooncakeConnector push: checking layer writes: %s", e)
-                    busy = False
-                if not busy:
                     break
-                time.sleep(self.POLL_S)
             if self._closed:
                 return
 

@@ -155,6 +155,14 @@ class KVLayout:
                 out.append((off + o, L.block_bytes, tag))
         return out
 
+    def layer_extents(self, block_id, li):
+        """The extents of layer li of one block (row): block_extents(row)'s
+        slice for that layer, [(addr, len), ...], without building the other
+        layers' (the push flow writes one layer at a time)."""
+        L = self.layers[li]
+        off = L.base + self._row(block_id)[L.group] * L.block_stride
+        return [(off + o, L.block_bytes) for o in L.outer]
+
     def mapped_extents(self, block_ids, per_layer):
         """Dest extents of one pull for these blocks: per_layer[i] is the
         tp_map.Piece of layer i (the same for each of its outer slices)."""

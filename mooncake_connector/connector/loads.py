@@ -112,7 +112,7 @@ class Loads:
                 res = w.push_c.poll(ld)
                 if res is not None:
                     break
-                self._nap()
+                self._nap(end=True)
             if skipped and res[1] is None and res[0] > 0:
                 res = (0, f"vLLM did not call wait_for_layer_load for layer {skipped[0]} in "
                        "the step (its attention may have read the blocks before the KV "
@@ -127,13 +127,28 @@ class Loads:
                 self._finish(rid, res)
         self.layered, self.waited = [], set()
 
-    def _nap(self):
-        """Until a notification comes (GIL released), at most 2 ms: outbox
-        results and deadlines are looked at that often."""
+    NAP_S = 0.02  # the longest wait for a notification (failure paths' latency)
+
+    def _nap(self, end=False):
+        """Until a notification comes (GIL released: a layer landed, a
+        producer answered, a connection went) or the step's push loads have
+        something to do by time (the layer deadline, or the lease's end
+        when the step ends, a target re-send), at most NAP_S: an outbox
+        failure is seen that late at worst.  No 2 ms polling: each wake-up
+        takes the GIL and runs the loads' checks on the decode's CPU, which
+        the prefill's forward shares on small hosts (issue 31)."""
         eng = self.w.engine
         if eng is not None:
+            now = time.monotonic()
+            until = now + self.NAP_S
+            for ld in self.layered:
+                cl = getattr(ld, "push", None)
+                if cl is None:
+                    continue
+                until = min(until, cl.hard_end if end else cl.deadline,
+                            *cl.resend_at.values())
             try:
-                eng.wait_notifies(0.002)
+                eng.wait_notifies(min(max(until - now, 0.0005), self.NAP_S))
                 return
             except Exception:  # noqa: BLE001 - closed meanwhile (sleep mode, shutdown)
                 pass

@@ -839,18 +839,28 @@ class PushProducer:
     def _check_layer_writes(self, watched):
         """One look at the writes of targets whose decode attention waits
         per layer (of jobs with push_layer_watch on or off), telling the
-        layers that landed; True while some are still in flight."""
-        busy = False
+        layers that landed; a write still in flight (the oldest of the
+        first target that has one), or None."""
+        pending = None
         wall = time.time()
-        with self.lock:  # not while sleeping: the other threads may go on
+        with self.lock:  # not while waiting: the other threads may go on
             for job in self.jobs.values():
                 if job.watch != watched:
                     continue
                 for tg in job.targets.values():
                     if tg.lnotify and tg.batches and not tg.stop and not tg.cancel and \
                             wall < tg.lease_until - PUSH_MARGIN_S:
-                        busy = not self._poll_batches(tg, job) or busy
-        return busy
+                        if not self._poll_batches(tg, job) and pending is None:
+                            pending = tg.batches[0]
+        return pending
+
+    def _wait_write(self, bid, timeout):
+        """Block (GIL released, the batch's condition variable) until this
+        write is over or timeout seconds passed."""
+        try:
+            self.w.engine.transfer_wait(bid, timeout)
+        except ValueError:
+            pass  # another thread's check took it: it is over
 
     def flush_layers(self):
         """After the forward (wait_for_save), jobs without the landing
@@ -859,15 +869,20 @@ class PushProducer:
         telling each layer as it lands, so the last layer does not wait for
         this instance's next step.  The landing thread tells the others."""
         cap = time.monotonic() + 1.0
-        while self._check_layer_writes(False) and time.monotonic() <= cap:
-            time.sleep(0.0002)
+        while True:
+            bid = self._check_layer_writes(False)
+            left = cap - time.monotonic()
+            if bid is None or left < 0:
+                return
+            self._wait_write(bid, min(left, 0.02))
 
     def _watch_landing(self):
         """Layer load: a write of a watched job started; the landing thread
         tells the decode as soon as it lands (landing.py)."""
         if self._landing is None:
             from mooncake_connector.connector.landing import LandingWatcher
-            self._landing = LandingWatcher(lambda: self._check_layer_writes(True))
+            self._landing = LandingWatcher(lambda: self._check_layer_writes(True),
+                                           self._wait_write)
         self._landing.kick()
 
     @_locked
@@ -900,16 +915,18 @@ class PushProducer:
                        f"this prefill holds {len(rows)}")
             return
         src, dst, lens = [], [], []
+        dest = tg.dest
         for b in range(tg.nblocks):
-            ext = lay.block_extents(rows[tg.skip + b])
+            row = rows[tg.skip + b]
             for li in todo:
-                off, nout = self._layer_off[li]
-                for k in range(off, off + nout):
+                # this layer's extents only: a layer's save costs O(blocks),
+                # not O(blocks x layers) on the prefill's forward thread
+                k0 = self._layer_off[li][0]
+                for k, (s_addr, s_len) in enumerate(lay.layer_extents(row, li), k0):
                     i = (b * epb + k) * 3
-                    d_addr, n, s_off = tg.dest[i], tg.dest[i + 1], tg.dest[i + 2]
+                    d_addr, n, s_off = dest[i], dest[i + 1], dest[i + 2]
                     if n == 0:
                         continue  # HMA: a null block on the consumer
-                    s_addr, s_len, _ = ext[k]
                     if s_off + n > s_len:
                         tg.stop = (f"extent {k} of block {b}: {n} bytes from offset {s_off} "
                                    f"exceed this side's {s_len}-byte extent")

@@ -54,6 +54,30 @@ static void test_sizes_write_read(void) {
   }
 }
 
+/* mc_batch_wait_idle: returns once the write completed (woken by the I/O
+ * thread, not at its timeout), cancelling and freeing nothing. */
+static void test_wait_idle(void) {
+  uint64_t n = 48u << 20;
+  fill(abuf, n, 5);
+  memset(bbuf, 0, n);
+  mc_request_t r = {.opcode = MC_OP_WRITE, .local = abuf,
+                    .remote = (uint64_t)(uintptr_t)bbuf, .len = n};
+  mc_err_t err = {0};
+  mc_batch_t *b = mc_batch_new(A, 1);
+  CHECK_EQ_INT(mc_batch_submit(A, b, mc_engine_segment_name(B), &r, 1, &err), 0);
+  uint64_t t0 = mc_now_ns();
+  CHECK_EQ_INT(mc_batch_wait_idle(b, 20000000000ull), 1);
+  CHECK(mc_now_ns() - t0 < 10000000000ull);
+  CHECK_EQ_INT((int)mc_batch_pending(b), 0);
+  CHECK_EQ_INT(mc_batch_wait_idle(b, 0), 1); /* idle: at once */
+  mc_task_status_t s;
+  mc_batch_status(b, 0, &s);
+  CHECK_EQ_INT(s.state, MC_TASK_COMPLETED);
+  CHECK(memcmp(abuf, bbuf, n) == 0);
+  CHECK_EQ_INT(mc_batch_wait(A, b, 1000, &err), 0);
+  mc_batch_free(A, b);
+}
+
 static void test_batch_10k_blocks(void) {
   enum { N = 10000, BLK = 4096 };
   mc_request_t *r = calloc(N, sizeof *r);
@@ -378,7 +402,15 @@ static void test_timeout_cancels(void) {
   mc_err_t err = {0};
   mc_batch_t *b = mc_batch_new(A, 1);
   CHECK_EQ_INT(mc_batch_submit(A, b, seg, &r, 1, &err), 0);
+  /* Waiting for idleness times out without cancelling: still pending. */
   uint64_t t0 = mc_now_ns();
+  CHECK_EQ_INT(mc_batch_wait_idle(b, 100000000ull), 0);
+  CHECK(mc_now_ns() - t0 >= 95000000ull);
+  CHECK_EQ_INT((int)mc_batch_pending(b), 1);
+  mc_task_status_t s0;
+  mc_batch_status(b, 0, &s0);
+  CHECK_EQ_INT(s0.state, MC_TASK_PENDING);
+  t0 = mc_now_ns();
   CHECK_EQ_INT(mc_batch_wait(A, b, 300, &err), MC_ETIMEDOUT);
   uint64_t dt = mc_now_ns() - t0;
   CHECK(dt >= 290000000ull && dt < 2000000000ull);
@@ -789,6 +821,7 @@ int main(void) {
   RUN(test_regions_device_of);
   RUN(test_regions_remove_stall);
   RUN(test_sizes_write_read);
+  RUN(test_wait_idle);
   RUN(test_batch_10k_blocks);
   RUN(test_out_of_range_refused);
   RUN(test_mixed_batch_partial_failure);
