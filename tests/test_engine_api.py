@@ -76,6 +76,9 @@ def test_generic_opcode_calls_and_async(pair):
         a.get_batch_transfer_status([bid])
     with pytest.raises(ValueError, match="opcode"):
         a.batch_transfer_sync(seg, [src], [dst], [1], 5)
+    # host memory: no GPU copy job (the counters exist for every engine)
+    st = a.get_stats()
+    assert st["gpu_jobs"] == 0 and st["gpu_jobs_direct"] == 0
 
 
 def test_many_threads_share_one_engine(pair):

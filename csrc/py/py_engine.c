@@ -1370,7 +1370,9 @@ static PyObject *add_more_stats(PyObject *d, const mc_engine_stats_t *s) {
     uint64_t v;
   } more[] = {{"same_host_cpu_refused_unbound", s->same_host_cpu_refused_unbound},
               {"prehandshake_evicted", s->prehandshake_evicted},
-              {"handshake_redials", s->handshake_redials}};
+              {"handshake_redials", s->handshake_redials},
+              {"gpu_jobs", s->gpu_jobs},
+              {"gpu_jobs_direct", s->gpu_jobs_direct}};
   for (size_t i = 0; i < sizeof more / sizeof more[0]; i++) {
     PyObject *v = PyLong_FromUnsignedLongLong(more[i].v);
     if (!v || PyDict_SetItemString(d, more[i].k, v) < 0) {
@@ -1492,7 +1494,8 @@ static PyMethodDef Engine_methods[] = {
     {"get_stats", (PyCFunction)Engine_get_stats, METH_NOARGS,
      "get_stats() -> dict: current use of the engine's budgets (unread notifications,\n"
      "queued replies, connections before their handshake) and their limits\n"
-     "(docs/connector.md, Budgets); open_batches: batches not yet seen ended."},
+     "(docs/connector.md, Budgets); open_batches: batches not yet seen ended;\n"
+     "gpu_jobs / gpu_jobs_direct: GPU copy jobs so far / launched by the submitting thread."},
     {"get_notifies", (PyCFunction)Engine_get_notifies, METH_NOARGS,
      "get_notifies() -> list of (from_segment, message_bytes); drains the queue."},
     {"wait_notifies", (PyCFunction)Engine_wait_notifies, METH_VARARGS,
