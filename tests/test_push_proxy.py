@@ -167,22 +167,20 @@ def test_push_dead_prefill_is_tried_after_the_others(upstreams, proxy):  # noqa:
     assert len(live.seen) == 3 and stats["prefill_errors"] == 1, stats
 
 
-def test_push_prefill_leg_is_sent_before_the_decode_leg(upstreams, proxy):  # noqa: F811
+def test_push_prefill_leg_is_sent_before_the_decode_leg(upstreams, proxy, tmp_path):  # noqa: F811
     """The prefill's forward is the critical path of a push request (the
-    decode's attention waits for its layers): its leg leaves the proxy
-    first (the decode's target may reach the prefill during its forward).
-    Before: the decode leg was written first, the prefill leg ~1 ms later."""
-    import threading
-    lock = threading.Lock()
-    seen = []
+    decode's attention waits for its layers): the proxy starts the prefill
+    leg's POST before the decode leg's (the decode's target may reach the
+    prefill during its forward).  Checked in the proxy's own trace (one
+    event loop: the file's line order is the order the legs were started),
+    not by arrival times at two servers, which the OS schedules.  Before:
+    the decode leg was started first, every time."""
+    import os
 
     class Rec(AppThread):
         def __init__(self, role):
             async def complete(request):
-                t = time.monotonic()
-                body = await request.json()
-                with lock:
-                    seen.append((t, role, body["kv_transfer_params"]["transfer_id"]))
+                await request.json()
                 if role == "prefill":
                     return web.json_response({"choices": [{"text": "x"}]})
                 return web.json_response({"by": "decode", "choices": [{"text": "y"}]})
@@ -197,26 +195,21 @@ def test_push_prefill_leg_is_sent_before_the_decode_leg(upstreams, proxy):  # no
                               ("GET", "/health", health), ("GET", "/v1/models", models)])
 
     p, d = Rec("prefill"), Rec("decode")
+    path = tmp_path / "proxy-trace.jsonl"
     try:
-        url = proxy([p.url], [d.url], flow="push")
+        url = proxy([p.url], [d.url], flow="push", env={**os.environ, "MC_TRACE": str(path)})
         n = 12
         for i in range(n):
             status, _ = post(url + "/v1/completions", {"model": "m", "prompt": f"hi {i}",
                                                        "max_tokens": 2})
             assert status == 200
-            end = time.monotonic() + 5
-            while time.monotonic() < end:
-                with lock:
-                    if len(seen) >= 2 * (i + 1):
-                        break
-                time.sleep(0.005)
-        by_tid = {}
-        for t, role, tid in seen:
-            by_tid.setdefault(tid, {})[role] = t
-        assert len(by_tid) == n and all(len(v) == 2 for v in by_tid.values()), seen
-        first = sum(v["prefill"] < v["decode"] for v in by_tid.values())
-        # the two servers' threads stamp the receipts: allow a rare inversion
-        assert first >= n - 2, (first, n)
+        lines = [json.loads(x) for x in path.read_text().splitlines()]
+        pre = {e["rid"]: i for i, e in enumerate(lines) if e["ev"] == "proxy_prefill_post"}
+        dec = {e["k"]: i for i, e in enumerate(lines)
+               if e["ev"] == "proxy_post" and e.get("role") == "decode"}
+        assert len(pre) == n and set(pre) == set(dec), (pre, dec)
+        late = [rid for rid in pre if pre[rid] > dec[rid]]
+        assert not late, f"decode leg started first for {len(late)} of {n}: {late}"
     finally:
         p.close()
         d.close()
