@@ -14,7 +14,9 @@
  *   - the permutations, written to <dir>/perm_<block bytes>.u32 for the
  *     torch reference.
  *     build/bench/gpu_fixed_cost <dir> [iterations] [passes]   (needs a GPU) */
+#include <dirent.h>
 #include <dlfcn.h>
+#include <sched.h>
 #include <signal.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -26,7 +28,9 @@
 #include <xxhash.h>
 
 #include "engine/engine.h"
+#include "engine/engine_internal.h"
 #include "gpu/cuda_driver.h"
+#include "gpu/gpu_staging.h"
 
 #define GIB (1ull << 30)
 #define NEXTRA 63
@@ -207,6 +211,115 @@ static void small_rows(int iters) {
   free(ts);
 }
 
+/* MC_GPU_DIAG=1: where the threads ran and what the copy worker did per
+ * row (issue 30's per-process spread of the pipelined row). */
+static int g_diag;
+static pid_t g_child;
+#define MAXCPU 256
+static unsigned long long st_steal[MAXCPU], st_busy[MAXCPU];
+
+static void read_stat(unsigned long long *steal, unsigned long long *busy) {
+  FILE *f = fopen("/proc/stat", "r");
+  char line[512];
+  while (f && fgets(line, sizeof line, f)) {
+    int cpu;
+    unsigned long long u, n, sy, id, io, irq, sirq, st;
+    if (sscanf(line, "cpu%d %llu %llu %llu %llu %llu %llu %llu %llu", &cpu, &u, &n, &sy, &id,
+               &io, &irq, &sirq, &st) == 9 && cpu >= 0 && cpu < MAXCPU) {
+      steal[cpu] = st;
+      busy[cpu] = u + n + sy + irq + sirq;
+    }
+  }
+  if (f)
+    fclose(f);
+}
+
+/* "comm@cpu(voluntary/involuntary switches)" for each thread of pid. */
+static void threads_of(pid_t pid, char *out, size_t cap) {
+  char dir[64];
+  snprintf(dir, sizeof dir, "/proc/%d/task", (int)pid);
+  DIR *d = opendir(dir);
+  size_t len = 0;
+  out[0] = '\0';
+  for (struct dirent *e; d && (e = readdir(d));) {
+    if (e->d_name[0] == '.')
+      continue;
+    char path[128], buf[1024], comm[32] = "?";
+    snprintf(path, sizeof path, "%s/%s/stat", dir, e->d_name);
+    FILE *f = fopen(path, "r");
+    if (!f)
+      continue;
+    size_t n = fread(buf, 1, sizeof buf - 1, f);
+    fclose(f);
+    buf[n] = '\0';
+    char *l = strchr(buf, '('), *r = strrchr(buf, ')');
+    if (!l || !r)
+      continue;
+    snprintf(comm, sizeof comm, "%.*s", (int)(r - l - 1 < 31 ? r - l - 1 : 31), l + 1);
+    int cpu = -1, field = 2;
+    for (char *p = r + 1; *p; p++)
+      if (*p == ' ' && ++field == 39) {
+        cpu = atoi(p + 1);
+        break;
+      }
+    long vol = -1, inv = -1;
+    snprintf(path, sizeof path, "%s/%s/status", dir, e->d_name);
+    f = fopen(path, "r");
+    while (f && fgets(buf, sizeof buf, f)) {
+      sscanf(buf, "voluntary_ctxt_switches: %ld", &vol);
+      sscanf(buf, "nonvoluntary_ctxt_switches: %ld", &inv);
+    }
+    if (f)
+      fclose(f);
+    len += (size_t)snprintf(out + len, len < cap ? cap - len : 0, "%s%s/%s@%d(%ld/%ld)",
+                            len ? " " : "", e->d_name, comm, cpu, vol, inv);
+    if (len >= cap)
+      break;
+  }
+  if (d)
+    closedir(d);
+}
+
+static void diag_begin(void) {
+  if (!g_diag)
+    return;
+  mc_gpu_diag_t dg;
+  mc_gpu_stager_diag(A->gpu, &dg, 1);
+  read_stat(st_steal, st_busy);
+}
+
+static void diag_end(const char *row) {
+  if (!g_diag)
+    return;
+  mc_gpu_diag_t d;
+  mc_gpu_stager_diag(A->gpu, &d, 0);
+  static unsigned long long steal[MAXCPU], busy[MAXCPU];
+  read_stat(steal, busy);
+  char cpus[1024] = "";
+  size_t len = 0;
+  for (int c = 0; c < MAXCPU && len < sizeof cpus; c++) /* CPUs busy in the row (ticks) */
+    if (busy[c] - st_busy[c] + steal[c] - st_steal[c] > 2)
+      len += (size_t)snprintf(cpus + len, sizeof cpus - len, "%s%d:%llu/%llu", len ? " " : "",
+                              c, busy[c] - st_busy[c], steal[c] - st_steal[c]);
+  static char me[4096], tgt[4096];
+  threads_of(getpid(), me, sizeof me);
+  threads_of(g_child, tgt, sizeof tgt);
+  double l = d.launches ? (double)d.launches : 1, dj = d.done_jobs ? (double)d.done_jobs : 1;
+  printf("{\"row\": \"diag\", \"of\": \"%s\", \"launches\": %llu, \"copies_per_launch\": %.1f, "
+         "\"table_launches\": %llu, \"queue_us_per_launch\": %.2f, \"launch_us\": %.2f, "
+         "\"done_us\": %.2f, \"loops\": %llu, \"queries\": %llu, \"sleeps\": %llu, "
+         "\"worker_cpu\": %d, \"submit_cpu\": %d, \"worker_cpu_moves\": %llu, "
+         "\"worker_on_submit_cpu\": %llu, \"cpu_busy_steal_ticks\": \"%s\", "
+         "\"threads\": \"%s\", \"target_threads\": \"%s\"}\n",
+         row, (unsigned long long)d.launches, (double)d.copies / l,
+         (unsigned long long)d.table_launches, (double)d.queue_ns / l / 1e3,
+         (double)d.launch_ns / l / 1e3, (double)d.done_ns / dj / 1e3,
+         (unsigned long long)d.loops, (unsigned long long)d.queries,
+         (unsigned long long)d.sleeps, d.worker_cpu, d.submit_cpu,
+         (unsigned long long)d.cpu_moves, (unsigned long long)d.same_cpu, cpus, me, tgt);
+  fflush(stdout);
+}
+
 static uint32_t rng_state = 12345;
 static uint32_t rng(void) {
   uint32_t x = rng_state;
@@ -333,12 +446,18 @@ static void bulk_rows(const char *dir, size_t bb, int passes) {
         double *sub = malloc(sizeof(double) * (size_t)(passes + 1));
         uint64_t j0 = 0, d0 = 0, j1, d1;
         for (int p = 0; p <= passes; p++) {
-          if (p == 1)
+          if (p == 1) {
             gpu_jobs(&j0, &d0); /* after the warm-up pass */
+            diag_begin();
+          }
           if ((s[p] = pass(perm, bb, batch, pipe, op, &sub[p])) < 0)
             exit(1);
         }
         gpu_jobs(&j1, &d1);
+        char rowname[64];
+        snprintf(rowname, sizeof rowname, "%s_%zu_b%zu_%s", op == MC_OP_WRITE ? "write" : "read",
+                 bb, batch, pipe ? "pipe" : "seq");
+        diag_end(rowname);
         int bad = verify(perm, bb, op);
         double best = s[1];
         for (int p = 2; p <= passes; p++)
@@ -385,6 +504,8 @@ int main(int argc, char **argv) {
   }
   close(a[0]);
   close(b[1]);
+  g_child = pid;
+  g_diag = getenv("MC_GPU_DIAG") && getenv("MC_GPU_DIAG")[0] == '1';
   to_c = a[1];
   from_c = b[0];
   if (read_full(from_c, &g_in, sizeof g_in) < 0 || !g_in.ok || !gpu_up()) {
@@ -397,6 +518,17 @@ int main(int argc, char **argv) {
       mc_engine_register(A, (void *)(uintptr_t)g_local, GIB, "cuda:0", &err) < 0) {
     fprintf(stderr, "setup: %s\n", err.msg);
     return 1;
+  }
+  /* GFC_MAIN_CPU=<n>: this (submitting) thread on CPU n from here on (the
+   * engine's threads keep their places; MC_GPU_WORKER_CPU places the copy
+   * worker, which otherwise inherits this). */
+  const char *mc = getenv("GFC_MAIN_CPU");
+  if (mc && *mc) {
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    CPU_SET(atoi(mc), &set);
+    if (sched_setaffinity(0, sizeof set, &set) != 0)
+      fprintf(stderr, "GFC_MAIN_CPU=%s: cannot pin this thread there\n", mc);
   }
   /* "small": the 4 KiB rows only; "row:<block>:<batch>:<seq|pipe>": one
    * WRITE row only; "batch:<n>": the 4 KiB rows and the rows of batches

@@ -98,7 +98,32 @@ struct mc_gpu_stager {
    * batch, whether or not the worker looks idle. */
   atomic_int wait_mark, waited_run;
   atomic_uint_least64_t njobs, ndirect; /* jobs submitted, launched directly */
+  /* MC_GPU_DIAG=1 (diag): counters for mc_gpu_stager_diag, written by the
+   * worker (submit_cpu by submitters).  MC_GPU_WORKER_CPU: the worker's
+   * CPU (-1: the scheduler's choice).  MC_GPU_POLL_NS: between two looks at
+   * jobs in flight the worker spins this long on cheap checks (pause)
+   * instead of sched_yield (0). */
+  int diag, pin_cpu, last_cpu;
+  uint64_t poll_ns;
+  atomic_int submit_cpu;
+  _Atomic uint64_t dg[12]; /* mc_gpu_diag_t's counters, in its order */
 };
+
+enum { DG_LAUNCHES, DG_COPIES, DG_TABLE, DG_QUEUE, DG_LAUNCH, DG_DONE, DG_DONE_JOBS, DG_LOOPS,
+       DG_QUERIES, DG_SLEEPS, DG_CPU_MOVES, DG_SAME_CPU };
+#define DG_ADD(s, k, v)                                                                        \
+  do {                                                                                         \
+    if ((s)->diag)                                                                             \
+      atomic_fetch_add_explicit(&(s)->dg[k], (v), memory_order_relaxed);                      \
+  } while (0)
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  __asm__ __volatile__("yield");
+#endif
+}
 
 static uint64_t now_ns(void) {
   struct timespec ts;
@@ -221,6 +246,15 @@ int mc_gpu_stager_create(size_t budget_bytes, mc_gpu_stager_t **out, mc_err_t *e
   const char *dg = getenv("MC_GPU_DIRECT_GRACE_US");
   long grace = dg && *dg ? strtol(dg, NULL, 10) : 50;
   s->direct_grace_ns = (uint64_t)(grace < 0 ? 0 : grace > 1000000 ? 1000000 : grace) * 1000u;
+  const char *dd = getenv("MC_GPU_DIAG");
+  s->diag = dd && dd[0] == '1';
+  const char *pc = getenv("MC_GPU_WORKER_CPU");
+  s->pin_cpu = pc && *pc ? (int)strtol(pc, NULL, 10) : -1;
+  s->last_cpu = -1;
+  const char *pn = getenv("MC_GPU_POLL_NS");
+  long pns = pn && *pn ? strtol(pn, NULL, 10) : 0;
+  s->poll_ns = (uint64_t)(pns < 0 ? 0 : pns > 1000000 ? 1000000 : pns);
+  atomic_store(&s->submit_cpu, -1);
   *out = s;
   return 0;
 }
@@ -470,8 +504,20 @@ static int kernel_job(const mc_gpu_stager_t *s, const mc_gpu_job_t *j) {
 
 /* Enqueues a job's copies and records its event; completes it on error. */
 static void start_job(mc_gpu_stager_t *s, mc_gpu_job_t *j) {
-  if (s->trace)
+  if (s->trace || s->diag)
     j->t_picked = now_ns();
+  if (s->diag && j->dir == MC_GPU_D2D) {
+    int cpu = sched_getcpu();
+    DG_ADD(s, DG_CPU_MOVES, (uint64_t)(cpu != s->last_cpu && s->last_cpu >= 0));
+    DG_ADD(s, DG_SAME_CPU, (uint64_t)(cpu == atomic_load(&s->submit_cpu)));
+    s->last_cpu = cpu;
+    DG_ADD(s, DG_LAUNCHES, 1);
+    DG_ADD(s, DG_COPIES, j->n);
+    uint64_t q = j->t_queued && j->t_picked > j->t_queued ? j->t_picked - j->t_queued : 0;
+    for (mc_gpu_job_t *r = j->riders; r; r = r->next)
+      q += r->t_queued && j->t_picked > r->t_queued ? j->t_picked - r->t_queued : 0;
+    DG_ADD(s, DG_QUEUE, q);
+  }
   mc_err_t err = {0};
   const mc_cuda_api_t *api = mc_cuda_api(&err);
   int dev = j->device;
@@ -563,8 +609,12 @@ static void start_job(mc_gpu_stager_t *s, mc_gpu_job_t *j) {
       api->cuStreamSynchronize(*st);
     }
   }
-  if (s->trace)
+  if (s->trace || s->diag)
     j->t_launched = now_ns();
+  if (s->diag && j->dir == MC_GPU_D2D) {
+    DG_ADD(s, DG_LAUNCH, j->t_launched - j->t_picked);
+    DG_ADD(s, DG_TABLE, (uint64_t)(j->kbuf != NULL));
+  }
   if (rc < 0) {
     finish(s, j, rc, err.msg);
     return;
@@ -598,6 +648,7 @@ static int poll_inflight(mc_gpu_stager_t *s) {
         mc_cuda_use_device(cur_dev = j->ev_dev, NULL);
       r = j->event ? api->cuEventQuery(j->event)
                    : api->cuStreamQuery(s->streams[j->ev_dev][j->ev_stream]);
+      DG_ADD(s, DG_QUERIES, 1);
       if (r == MC_CU_ERROR_NOT_READY)
         busy[j->ev_dev][j->ev_stream] = 1;
     }
@@ -614,6 +665,10 @@ static int poll_inflight(mc_gpu_stager_t *s) {
     if (j->event)
       event_put(s, j->ev_dev, j->event);
     j->event = NULL;
+    if (s->diag && j->dir == MC_GPU_D2D && j->t_launched) {
+      DG_ADD(s, DG_DONE, now_ns() - j->t_launched);
+      DG_ADD(s, DG_DONE_JOBS, 1);
+    }
     char m[200] = "";
     if (r != 0) {
       char b[160];
@@ -806,11 +861,22 @@ static int try_direct(mc_gpu_stager_t *s, mc_gpu_job_t *j) {
 
 static void *worker_main(void *arg) {
   mc_gpu_stager_t *s = arg;
+  pthread_setname_np(pthread_self(), "mc-gpu-copy");
+  if (s->pin_cpu >= 0) {
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    CPU_SET(s->pin_cpu, &set);
+    int e = pthread_setaffinity_np(pthread_self(), sizeof set, &set);
+    if (e)
+      mc_log_warn("MC_GPU_WORKER_CPU=%d: cannot pin the GPU copy thread there (%s)", s->pin_cpu,
+                  strerror(e));
+  }
   int idle = 0;
   unsigned seen = atomic_load(&s->q_gen) - 1; /* scan first */
   uint64_t idle_since = 0;
   for (;;) {
     int started = 0, done = 0;
+    DG_ADD(s, DG_LOOPS, 1);
     unsigned g = atomic_load(&s->q_gen);
     if (g != seen) {
       seen = g;
@@ -838,10 +904,17 @@ static void *worker_main(void *arg) {
        * batch often follows): poll closely, without mu, instead of
        * sleeping, since a wake-up costs tens of microseconds.  Then back
        * off. */
-      sched_yield();
+      if (s->poll_ns) {
+        uint64_t until = now_ns() + s->poll_ns;
+        while (atomic_load(&s->q_gen) == seen && !atomic_load(&s->poked) && now_ns() < until)
+          cpu_relax();
+      } else {
+        sched_yield();
+      }
       continue;
     }
     pthread_mutex_lock(&s->mu);
+    DG_ADD(s, DG_SLEEPS, 1);
     atomic_store(&s->sleeping, 1);
     if (atomic_load(&s->q_gen) == seen && !atomic_load(&s->poked)) {
       if (!s->fl_head && !atomic_load(&s->direct_job)) {
@@ -867,9 +940,11 @@ static void *worker_main(void *arg) {
 void mc_gpu_stager_submit(mc_gpu_stager_t *s, mc_gpu_job_t *j) {
   j->next = NULL;
   atomic_fetch_add_explicit(&s->njobs, 1, memory_order_relaxed);
+  if (s->diag)
+    atomic_store_explicit(&s->submit_cpu, sched_getcpu(), memory_order_relaxed);
   if (try_direct(s, j))
     return;
-  if (s->trace)
+  if (s->trace || s->diag)
     j->t_queued = now_ns();
   pthread_mutex_lock(&s->mu);
   if (!atomic_load(&s->started)) {
@@ -900,6 +975,21 @@ void mc_gpu_stager_submit(mc_gpu_stager_t *s, mc_gpu_job_t *j) {
 void mc_gpu_stager_counts(mc_gpu_stager_t *s, uint64_t *jobs, uint64_t *direct) {
   *jobs = s ? atomic_load_explicit(&s->njobs, memory_order_relaxed) : 0;
   *direct = s ? atomic_load_explicit(&s->ndirect, memory_order_relaxed) : 0;
+}
+
+void mc_gpu_stager_diag(mc_gpu_stager_t *s, mc_gpu_diag_t *out, int reset) {
+  uint64_t v[12] = {0};
+  for (int k = 0; s && k < 12; k++)
+    v[k] = reset ? atomic_exchange_explicit(&s->dg[k], 0, memory_order_relaxed)
+                 : atomic_load_explicit(&s->dg[k], memory_order_relaxed);
+  *out = (mc_gpu_diag_t){.launches = v[DG_LAUNCHES], .copies = v[DG_COPIES],
+                         .table_launches = v[DG_TABLE], .queue_ns = v[DG_QUEUE],
+                         .launch_ns = v[DG_LAUNCH], .done_ns = v[DG_DONE],
+                         .done_jobs = v[DG_DONE_JOBS], .loops = v[DG_LOOPS],
+                         .queries = v[DG_QUERIES], .sleeps = v[DG_SLEEPS],
+                         .cpu_moves = v[DG_CPU_MOVES], .same_cpu = v[DG_SAME_CPU],
+                         .worker_cpu = s ? s->last_cpu : -1,
+                         .submit_cpu = s ? atomic_load(&s->submit_cpu) : -1};
 }
 
 void mc_gpu_stager_poke(mc_gpu_stager_t *s) {

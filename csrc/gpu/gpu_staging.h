@@ -120,6 +120,17 @@ int mc_gpu_stager_reap(mc_gpu_stager_t *s);
 /* Jobs submitted so far, and how many of them the submitting thread
  * launched itself (MC_GPU_DIRECT). */
 void mc_gpu_stager_counts(mc_gpu_stager_t *s, uint64_t *jobs, uint64_t *direct);
+/* MC_GPU_DIAG=1: what the copy worker did (benchmarks' diagnostics; zero
+ * otherwise).  Times are sums over the jobs (queue: submit to the worker's
+ * pick-up; launch: the worker's enqueue calls; done: launch to completion
+ * seen). */
+typedef struct {
+  uint64_t launches, copies, table_launches, queue_ns, launch_ns, done_ns, done_jobs, loops,
+      queries, sleeps, cpu_moves, same_cpu;
+  int worker_cpu, submit_cpu;
+} mc_gpu_diag_t;
+/* Reads the counters (and zeroes them when reset). */
+void mc_gpu_stager_diag(mc_gpu_stager_t *s, mc_gpu_diag_t *out, int reset);
 /* A batch with GPU copies is being planned: a copy thread that went to
  * sleep polls again for a while, so the first job finds it awake (a
  * sleeping thread's wake-up costs tens of microseconds).  No-op before the
