@@ -320,6 +320,28 @@ static void diag_end(const char *row) {
   fflush(stdout);
 }
 
+/* The GPU's SM clock (MHz) through NVML where it is there, else -1: each
+ * row prints it at the start of each pass. */
+typedef int (*nvml_init_fn)(void);
+typedef int (*nvml_handle_fn)(unsigned, void **);
+typedef int (*nvml_clock_fn)(void *, int, unsigned *);
+static nvml_clock_fn nvml_clock;
+static void *nvml_dev;
+
+static void nvml_up(void) {
+  void *h = dlopen("libnvidia-ml.so.1", RTLD_NOW);
+  nvml_init_fn init = h ? (nvml_init_fn)dlsym(h, "nvmlInit_v2") : NULL;
+  nvml_handle_fn get = h ? (nvml_handle_fn)dlsym(h, "nvmlDeviceGetHandleByIndex_v2") : NULL;
+  nvml_clock = h ? (nvml_clock_fn)dlsym(h, "nvmlDeviceGetClockInfo") : NULL;
+  if (!init || !get || !nvml_clock || init() != 0 || get(0, &nvml_dev) != 0)
+    nvml_clock = NULL;
+}
+
+static int sm_mhz(void) {
+  unsigned mhz = 0;
+  return nvml_clock && nvml_clock(nvml_dev, 1 /* NVML_CLOCK_SM */, &mhz) == 0 ? (int)mhz : -1;
+}
+
 static uint32_t rng_state = 12345;
 static uint32_t rng(void) {
   uint32_t x = rng_state;
@@ -399,6 +421,7 @@ static void fill_local(uint32_t seed) {
  * (for traced runs). */
 static size_t only_bb, only_batch;
 static int only_pipe = -1;
+static double warmup_ms = 200; /* GFC_WARMUP_MS */
 
 static void bulk_rows(const char *dir, size_t bb, int passes) {
   if (only_bb && only_bb != bb)
@@ -444,15 +467,36 @@ static void bulk_rows(const char *dir, size_t bb, int passes) {
         }
         double *s = malloc(sizeof(double) * (size_t)(passes + 1));
         double *sub = malloc(sizeof(double) * (size_t)(passes + 1));
+        int *mhz = malloc(sizeof(int) * (size_t)(passes + 2));
         uint64_t j0 = 0, d0 = 0, j1, d1;
-        for (int p = 0; p <= passes; p++) {
+        /* Warm-up: passes until warmup_ms went by (at least one): a GPU
+         * that sat idle (the row's set-up, the last row's checks) runs at
+         * a low clock for a while, and torch's reference is timed busy. */
+        int nwarm = 0;
+        double w0 = now_us();
+        do {
+          if (pass(perm, bb, batch, pipe, op, &sub[0]) < 0)
+            exit(1);
+          nwarm++;
+        } while (now_us() - w0 < warmup_ms * 1e3);
+        for (int p = 1; p <= passes; p++) {
           if (p == 1) {
-            gpu_jobs(&j0, &d0); /* after the warm-up pass */
+            gpu_jobs(&j0, &d0); /* after the warm-up */
             diag_begin();
           }
+          mhz[p] = sm_mhz();
           if ((s[p] = pass(perm, bb, batch, pipe, op, &sub[p])) < 0)
             exit(1);
         }
+        mhz[passes + 1] = sm_mhz();
+        char pl[512] = "";
+        size_t pn = 0;
+        for (int p = 1; p <= passes + 1 && pn < sizeof pl; p++)
+          pn += (size_t)snprintf(pl + pn, sizeof pl - pn, "%s%d", p > 1 ? ", " : "", mhz[p]);
+        char tl[512] = "";
+        size_t tn = 0;
+        for (int p = 1; p <= passes && tn < sizeof tl; p++)
+          tn += (size_t)snprintf(tl + tn, sizeof tl - tn, "%s%.3f", p > 1 ? ", " : "", s[p] * 1e3);
         gpu_jobs(&j1, &d1);
         char rowname[64];
         snprintf(rowname, sizeof rowname, "%s_%zu_b%zu_%s", op == MC_OP_WRITE ? "write" : "read",
@@ -467,14 +511,15 @@ static void bulk_rows(const char *dir, size_t bb, int passes) {
                "\"%s\", \"op\": \"%s\", \"best_gbps\": %.2f, \"median_gbps\": %.2f, "
                "\"best_s\": %.6f, \"median_s\": %.6f, \"per_batch_us\": %.2f, "
                "\"submit_per_batch_us\": %.2f, \"gpu_jobs\": %llu, \"gpu_jobs_direct\": %llu, "
-               "\"bad_blocks\": %d}\n",
+               "\"warmup_passes\": %d, \"pass_ms\": [%s], \"sm_mhz\": [%s], \"bad_blocks\": %d}\n",
                op == MC_OP_WRITE ? "write" : "read", bb, batch, pipe ? "pipe" : "seq", bb,
                batch, pipe ? "pipe" : "seq", op == MC_OP_WRITE ? "write" : "read",
                GIB / best / 1e9, GIB / med / 1e9, best, med,
                med * 1e6 / (double)((nblk + batch - 1) / batch),
                sub_med * 1e6 / (double)((nblk + batch - 1) / batch),
-               (unsigned long long)(j1 - j0), (unsigned long long)(d1 - d0), bad);
+               (unsigned long long)(j1 - j0), (unsigned long long)(d1 - d0), nwarm, tl, pl, bad);
         fflush(stdout);
+        free(mhz);
         free(s);
         free(sub);
       }
@@ -522,6 +567,10 @@ int main(int argc, char **argv) {
   /* GFC_MAIN_CPU=<n>: this (submitting) thread on CPU n from here on (the
    * engine's threads keep their places; MC_GPU_WORKER_CPU places the copy
    * worker, which otherwise inherits this). */
+  const char *wm = getenv("GFC_WARMUP_MS");
+  if (wm && *wm)
+    warmup_ms = atof(wm);
+  nvml_up();
   const char *mc = getenv("GFC_MAIN_CPU");
   if (mc && *mc) {
     cpu_set_t set;
