@@ -22,10 +22,12 @@ export CPATH=/opt/debs/usr/include LIBRARY_PATH=/opt/debs/usr/lib/x86_64-linux-g
   LD_LIBRARY_PATH=/opt/debs/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
 { date -u; cat /proc/loadavg; nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm \
     --format=csv,noheader; } >"$log" 2>&1
-(MC_WERROR=1 timeout 200 python3 setup.py -q build_ext --inplace -j 16 >"$out/ext.log" 2>&1) &
+rm -rf build # the extension's objects apart from make's build/
+(MC_WERROR=1 timeout 200 python3 setup.py -q build_ext --inplace -j 16 -t /tmp/mc-ext-build \
+   >"$out/ext.log" 2>&1) &
 ext=$!
 for t in "$a" "$b"; do
-  (cd "$t" && rm -rf build && make -s -j16 WERROR=1 lib build/bench/gpu_fixed_cost) \
+  (cd "$t" && { [ "$t" = "$b" ] || rm -rf build; } && make -s -j16 WERROR=1 lib build/bench/gpu_fixed_cost) \
     >>"$out/make.log" 2>&1 || echo "make failed in $t" >>"$log"
 done
 echo "make done after ${SECONDS} s" >>"$log"

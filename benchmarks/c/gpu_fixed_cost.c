@@ -310,13 +310,16 @@ static void diag_end(const char *row) {
          "\"done_us\": %.2f, \"loops\": %llu, \"queries\": %llu, \"sleeps\": %llu, "
          "\"worker_cpu\": %d, \"submit_cpu\": %d, \"worker_cpu_moves\": %llu, "
          "\"worker_on_submit_cpu\": %llu, \"cpu_busy_steal_ticks\": \"%s\", "
+         "\"local_2m_offset_kib\": %llu, \"remote_2m_offset_kib\": %llu, "
          "\"threads\": \"%s\", \"target_threads\": \"%s\"}\n",
          row, (unsigned long long)d.launches, (double)d.copies / l,
          (unsigned long long)d.table_launches, (double)d.queue_ns / l / 1e3,
          (double)d.launch_ns / l / 1e3, (double)d.done_ns / dj / 1e3,
          (unsigned long long)d.loops, (unsigned long long)d.queries,
          (unsigned long long)d.sleeps, d.worker_cpu, d.submit_cpu,
-         (unsigned long long)d.cpu_moves, (unsigned long long)d.same_cpu, cpus, me, tgt);
+         (unsigned long long)d.cpu_moves, (unsigned long long)d.same_cpu, cpus,
+         (unsigned long long)(g_local % (2u << 20)) >> 10,
+         (unsigned long long)(g_in.addr % (2u << 20)) >> 10, me, tgt);
   fflush(stdout);
 }
 

@@ -2,6 +2,7 @@
  * cuda regions on either or both sides (pinned staging), the same-host
  * direct path, wrong location claims, DMA-BUF export.  Every test skips
  * (and says so) where no GPU is visible, so this binary also runs in CI. */
+#include <dirent.h>
 #include <dlfcn.h>
 #include <pthread.h>
 #include <sched.h>
@@ -337,6 +338,111 @@ static void test_direct_pipelining(void) {
   cu_free(d);
 }
 
+/* The copy worker's diagnostics (MC_GPU_DIAG=1, mc_gpu_stager_diag), its
+ * placement (MC_GPU_WORKER_CPU) and the gentler poll (MC_GPU_POLL_NS): a
+ * pipelined burst through the worker (MC_GPU_DIRECT=0) is counted launch by
+ * launch (merged or not, every copy once, each launch seen done), the
+ * thread is named mc-gpu-copy and pinned where asked; reset zeroes the
+ * counters; without MC_GPU_DIAG they stay zero. */
+static char *worker_status(void) {
+  DIR *dir = opendir("/proc/self/task");
+  static char st[4096];
+  char *found = NULL;
+  for (struct dirent *e; dir && !found && (e = readdir(dir));) {
+    char path[128], comm[64] = "";
+    snprintf(path, sizeof path, "/proc/self/task/%s/comm", e->d_name);
+    FILE *f = fopen(path, "r");
+    if (!f)
+      continue;
+    if (fgets(comm, sizeof comm, f) && !strncmp(comm, "mc-gpu-copy", 11)) {
+      snprintf(path, sizeof path, "/proc/self/task/%s/status", e->d_name);
+      FILE *g = fopen(path, "r");
+      size_t n = g ? fread(st, 1, sizeof st - 1, g) : 0;
+      st[n] = '\0';
+      if (g)
+        fclose(g);
+      found = st;
+    }
+    fclose(f);
+  }
+  if (dir)
+    closedir(dir);
+  return found;
+}
+
+static void test_worker_diag(void) {
+  SKIP_NO_GPU();
+  size_t n = 64u << 10;
+  uint64_t d = dalloc(2 * n);
+  CHECK(d);
+  uint8_t *src = malloc(n), *back = malloc(n);
+  fill(src, n, 5);
+  CHECK_EQ_INT(api->cuMemcpyHtoD(d, src, n), 0);
+  cpu_set_t allowed;
+  CHECK_EQ_INT(sched_getaffinity(0, sizeof allowed, &allowed), 0);
+  int cpu = -1;
+  for (int c = 0; c < CPU_SETSIZE; c++)
+    if (CPU_ISSET(c, &allowed))
+      cpu = c; /* the last allowed CPU */
+  char cs[16];
+  snprintf(cs, sizeof cs, "%d", cpu);
+  setenv("MC_GPU_DIAG", "1", 1);
+  setenv("MC_GPU_WORKER_CPU", cs, 1);
+  setenv("MC_GPU_POLL_NS", "2000", 1);
+  setenv("MC_GPU_DIRECT", "0", 1);
+  mc_gpu_stager_t *s = NULL;
+  mc_err_t err = {0};
+  CHECK_EQ_INT(mc_gpu_stager_create(16u << 20, &s, &err), 0);
+  for (int round = 0; round < 2; round++) {
+    mc_gpu_diag_t g;
+    mc_gpu_stager_diag(s, &g, 1); /* from here */
+    direct_seen_t x[8];
+    memset(x, 0, sizeof x);
+    for (int k = 0; k < 8; k++)
+      mc_gpu_stager_submit(s, direct_job(d, n, &x[k])); /* 2 copies each */
+    mc_gpu_stager_drain(s);
+    for (int k = 0; k < 8; k++)
+      CHECK(atomic_load(&x[k].done) && x[k].code == 0 && x[k].direct == 0);
+    mc_gpu_stager_diag(s, &g, 0);
+    CHECK(g.launches >= 1 && g.launches <= 8);
+    CHECK_EQ_INT(g.copies, 16);
+    CHECK_EQ_INT(g.done_jobs, g.launches);
+    CHECK(g.queries >= g.launches && g.loops > 0);
+    CHECK_EQ_INT(g.worker_cpu, cpu);
+    CHECK(g.submit_cpu >= 0);
+  }
+  mc_gpu_diag_t z;
+  mc_gpu_stager_diag(s, &z, 1);
+  mc_gpu_stager_diag(s, &z, 0);
+  CHECK(z.launches == 0 && z.copies == 0 && z.done_jobs == 0);
+  char *st = worker_status();
+  CHECK(st != NULL);
+  char *al = st ? strstr(st, "Cpus_allowed_list:") : NULL;
+  char line[64] = "";
+  if (al)
+    sscanf(al + strlen("Cpus_allowed_list:"), " %63s", line);
+  CHECK(atoi(line) == cpu && !strchr(line, '-') && !strchr(line, ','));
+  CHECK_EQ_INT(api->cuMemcpyDtoH(back, d + n, n), 0);
+  CHECK(memcmp(back, src, n / 4) == 0 && memcmp(back + n / 2, src + n / 4 + 4096, n / 4) == 0);
+  mc_gpu_stager_destroy(s);
+  unsetenv("MC_GPU_DIAG");
+  unsetenv("MC_GPU_WORKER_CPU");
+  unsetenv("MC_GPU_POLL_NS");
+  CHECK_EQ_INT(mc_gpu_stager_create(16u << 20, &s, &err), 0);
+  direct_seen_t y[4];
+  memset(y, 0, sizeof y);
+  for (int k = 0; k < 4; k++)
+    mc_gpu_stager_submit(s, direct_job(d, n, &y[k]));
+  mc_gpu_stager_drain(s);
+  mc_gpu_stager_diag(s, &z, 0);
+  CHECK(z.launches == 0 && z.loops == 0 && z.worker_cpu == -1);
+  mc_gpu_stager_destroy(s);
+  unsetenv("MC_GPU_DIRECT");
+  cu_free(d);
+  free(src);
+  free(back);
+}
+
 /* Direct launches from several threads at once: each submits and reaps
  * (seeing others' jobs finish too), one more thread only reaps; every job
  * completes exactly once, and the stager drains and closes after. */
@@ -600,6 +706,7 @@ int main(void) {
   RUN(test_direct_launch);
   RUN(test_direct_pipelining);
   RUN(test_direct_concurrent);
+  RUN(test_worker_diag);
   RUN(test_wrong_claims);
   RUN(test_local_segment_gpu);
   RUN(test_tcp_gpu_target_host_initiator);
