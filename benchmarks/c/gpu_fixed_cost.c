@@ -308,6 +308,7 @@ static void diag_end(const char *row) {
   printf("{\"row\": \"diag\", \"of\": \"%s\", \"launches\": %llu, \"copies_per_launch\": %.1f, "
          "\"table_launches\": %llu, \"queue_us_per_launch\": %.2f, \"launch_us\": %.2f, "
          "\"done_us\": %.2f, \"loops\": %llu, \"queries\": %llu, \"sleeps\": %llu, "
+         "\"gpu_us_per_kernel\": %.2f, \"kernels_timed\": %llu, "
          "\"worker_cpu\": %d, \"submit_cpu\": %d, \"worker_cpu_moves\": %llu, "
          "\"worker_on_submit_cpu\": %llu, \"cpu_busy_steal_ticks\": \"%s\", "
          "\"local_2m_offset_kib\": %llu, \"remote_2m_offset_kib\": %llu, "
@@ -316,7 +317,9 @@ static void diag_end(const char *row) {
          (unsigned long long)d.table_launches, (double)d.queue_ns / l / 1e3,
          (double)d.launch_ns / l / 1e3, (double)d.done_ns / dj / 1e3,
          (unsigned long long)d.loops, (unsigned long long)d.queries,
-         (unsigned long long)d.sleeps, d.worker_cpu, d.submit_cpu,
+         (unsigned long long)d.sleeps,
+         d.gpu_jobs ? (double)d.gpu_ns / (double)d.gpu_jobs / 1e3 : 0.0,
+         (unsigned long long)d.gpu_jobs, d.worker_cpu, d.submit_cpu,
          (unsigned long long)d.cpu_moves, (unsigned long long)d.same_cpu, cpus,
          (unsigned long long)(g_local % (2u << 20)) >> 10,
          (unsigned long long)(g_in.addr % (2u << 20)) >> 10, me, tgt);

@@ -107,6 +107,7 @@ static void load(void) {
   *(void **)&g_api.cuMemGetAllocationGranularity =
       dlsym_quiet(h, "cuMemGetAllocationGranularity");
   *(void **)&g_api.cuStreamQuery = dlsym_quiet(h, "cuStreamQuery");
+  *(void **)&g_api.cuEventElapsedTime = dlsym_quiet(h, "cuEventElapsedTime");
   mc_cu_result r = g_api.cuInit(0);
   if (r != 0) {
     char b[160];

@@ -162,6 +162,7 @@ typedef struct mc_cuda_api {
   mc_cu_result (*cuMemGetAllocationGranularity)(size_t *g, const mc_cu_mem_alloc_prop_t *prop,
                                                 int option);
   mc_cu_result (*cuStreamQuery)(mc_cu_stream s); /* optional */
+  mc_cu_result (*cuEventElapsedTime)(float *ms, mc_cu_event start, mc_cu_event end); /* optional */
   int driver_version;
   int device_count;
 } mc_cuda_api_t;

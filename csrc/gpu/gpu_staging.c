@@ -106,11 +106,11 @@ struct mc_gpu_stager {
   int diag, pin_cpu, last_cpu;
   uint64_t poll_ns;
   atomic_int submit_cpu;
-  _Atomic uint64_t dg[12]; /* mc_gpu_diag_t's counters, in its order */
+  _Atomic uint64_t dg[14]; /* mc_gpu_diag_t's counters, in its order */
 };
 
 enum { DG_LAUNCHES, DG_COPIES, DG_TABLE, DG_QUEUE, DG_LAUNCH, DG_DONE, DG_DONE_JOBS, DG_LOOPS,
-       DG_QUERIES, DG_SLEEPS, DG_CPU_MOVES, DG_SAME_CPU };
+       DG_QUERIES, DG_SLEEPS, DG_CPU_MOVES, DG_SAME_CPU, DG_GPU, DG_GPU_JOBS };
 #define DG_ADD(s, k, v)                                                                        \
   do {                                                                                         \
     if ((s)->diag)                                                                             \
@@ -406,7 +406,37 @@ static void event_put(mc_gpu_stager_t *s, int dev, mc_cu_event e) {
   s->events[dev][s->nevents[dev]++] = e;
 }
 
+/* MC_GPU_DIAG: the kernel's own GPU time, from its timing events (then
+ * freed); not counted where it failed or the events are not done. */
+static void diag_gpu_time(mc_gpu_stager_t *s, mc_gpu_job_t *j, int code) {
+  const mc_cuda_api_t *api = mc_cuda_api(NULL);
+  float ms = 0;
+  if (code == 0 && api->cuEventElapsedTime(&ms, j->tev[0], j->tev[1]) == 0) {
+    DG_ADD(s, DG_GPU, (uint64_t)((double)ms * 1e6));
+    DG_ADD(s, DG_GPU_JOBS, 1);
+  }
+  for (int k = 0; k < 2; k++)
+    if (j->tev[k])
+      api->cuEventDestroy(j->tev[k]);
+  j->tev[0] = j->tev[1] = NULL;
+}
+
+/* MC_GPU_DIAG: records timing event k of j on st (both or none kept). */
+static void diag_gpu_mark(mc_gpu_stager_t *s, mc_gpu_job_t *j, int k, mc_cu_stream st) {
+  const mc_cuda_api_t *api = mc_cuda_api(NULL);
+  if (!s->diag || !api || !api->cuEventElapsedTime || (k == 1 && !j->tev[0]))
+    return;
+  if (api->cuEventCreate(&j->tev[k], 0) != 0) {
+    j->tev[k] = NULL;
+  } else if (api->cuEventRecord(j->tev[k], st) == 0) {
+    return;
+  }
+  diag_gpu_time(s, j, 1); /* failed: drop what is there */
+}
+
 static void finish(mc_gpu_stager_t *s, mc_gpu_job_t *j, int code, const char *msg) {
+  if (j->tev[0])
+    diag_gpu_time(s, j, code);
   mc_gpu_job_t *riders = j->riders;
   j->riders = NULL;
   for (mc_gpu_job_t *r = riders; r; r = r->next) {
@@ -561,6 +591,7 @@ static void start_job(mc_gpu_stager_t *s, mc_gpu_job_t *j) {
     /* Many pieces between GPUs: one kernel launch moves them all; a few
      * travel in its parameters, more in a pinned table. */
     mc_err_t kerr = {0};
+    diag_gpu_mark(s, j, 0, *st);
     if (j->n <= MC_COPY_PARAM_REQS &&
         mc_copy_kernel_launch(dev, j->dsts, j->srcs, j->sizes, j->n, NULL, *st, &kerr) == 0) {
       done = 1;
@@ -572,6 +603,10 @@ static void start_job(mc_gpu_stager_t *s, mc_gpu_job_t *j) {
                                            *st, &kerr) == 0)
         done = 1;
     }
+    if (done)
+      diag_gpu_mark(s, j, 1, *st);
+    else if (j->tev[0])
+      diag_gpu_time(s, j, 1); /* no kernel to time */
     if (!done && !s->kernel_warned++)
       mc_log_warn("GPU copy kernel not used (%s); using driver copies", kerr.msg);
   }
@@ -978,8 +1013,8 @@ void mc_gpu_stager_counts(mc_gpu_stager_t *s, uint64_t *jobs, uint64_t *direct) 
 }
 
 void mc_gpu_stager_diag(mc_gpu_stager_t *s, mc_gpu_diag_t *out, int reset) {
-  uint64_t v[12] = {0};
-  for (int k = 0; s && k < 12; k++)
+  uint64_t v[14] = {0};
+  for (int k = 0; s && k < 14; k++)
     v[k] = reset ? atomic_exchange_explicit(&s->dg[k], 0, memory_order_relaxed)
                  : atomic_load_explicit(&s->dg[k], memory_order_relaxed);
   *out = (mc_gpu_diag_t){.launches = v[DG_LAUNCHES], .copies = v[DG_COPIES],
@@ -988,6 +1023,7 @@ void mc_gpu_stager_diag(mc_gpu_stager_t *s, mc_gpu_diag_t *out, int reset) {
                          .done_jobs = v[DG_DONE_JOBS], .loops = v[DG_LOOPS],
                          .queries = v[DG_QUERIES], .sleeps = v[DG_SLEEPS],
                          .cpu_moves = v[DG_CPU_MOVES], .same_cpu = v[DG_SAME_CPU],
+                         .gpu_ns = v[DG_GPU], .gpu_jobs = v[DG_GPU_JOBS],
                          .worker_cpu = s ? s->last_cpu : -1,
                          .submit_cpu = s ? atomic_load(&s->submit_cpu) : -1};
 }

@@ -55,6 +55,7 @@ struct mc_gpu_job {
   int ev_dev, ev_stream;
   int synced; /* no event and none needed: done when started */
   mc_gpu_buf_t *kbuf; /* copy kernel's piece table */
+  void *tev[2]; /* MC_GPU_DIAG: timing events around the copy kernel */
   mc_gpu_job_t *riders; /* jobs whose copies this one's launch carries (they finish with it) */
   int inline_arrays; /* dsts/srcs/sizes live in the job's own allocation (mc_gpu_job_new_inline) */
   int direct; /* launched by the submitting thread; then finished by 1 a waiter, 2 the worker */
@@ -127,6 +128,9 @@ void mc_gpu_stager_counts(mc_gpu_stager_t *s, uint64_t *jobs, uint64_t *direct);
 typedef struct {
   uint64_t launches, copies, table_launches, queue_ns, launch_ns, done_ns, done_jobs, loops,
       queries, sleeps, cpu_moves, same_cpu;
+  /* The copy kernels' own time on the GPU (CUDA events around each launch,
+   * where the driver has cuEventElapsedTime): sum and how many. */
+  uint64_t gpu_ns, gpu_jobs;
   int worker_cpu, submit_cpu;
 } mc_gpu_diag_t;
 /* Reads the counters (and zeroes them when reset). */

@@ -410,6 +410,8 @@ static void test_worker_diag(void) {
     CHECK(g.queries >= g.launches && g.loops > 0);
     CHECK_EQ_INT(g.worker_cpu, cpu);
     CHECK(g.submit_cpu >= 0);
+    /* Each kernel launch timed on the GPU where the driver can. */
+    CHECK(api->cuEventElapsedTime ? g.gpu_jobs == g.launches && g.gpu_ns > 0 : g.gpu_jobs == 0);
   }
   mc_gpu_diag_t z;
   mc_gpu_stager_diag(s, &z, 1);
