@@ -13,7 +13,7 @@
 #   pin_same      both on CPU S
 #   pin_sib       the worker on S's SMT sibling (only where there is one)
 # then, time permitting, pytest tests/test_gpu*.py.  $OUT/spread.txt.
-#   OUT=$OUT bash scripts/device-gpu-spread.sh [rounds] [seconds]
+#   [SPREAD_VARIANTS="base ..."] OUT=$OUT bash scripts/device-gpu-spread.sh [rounds] [seconds]
 set -uo pipefail
 rounds=${1:-8} budget=${2:-330}
 out="${OUT:-/tmp/device-spread}"
@@ -63,6 +63,7 @@ done
 T=$(echo "$sib" | tr ',-' '\n\n' | grep -vx "$S" | head -1)
 variants="base merge0 poll2us pin_apart pin_same"
 [ -n "$T" ] && variants="$variants pin_sib"
+variants=${SPREAD_VARIANTS:-$variants} # e.g. SPREAD_VARIANTS=base
 echo "S=$S W=$W sibling=${T:-none}; variants: $variants" >>"$log"
 envs() {
   case $1 in
