@@ -10,6 +10,7 @@
 #include <time.h>
 
 #include "gpu/gpu_copy_kernel.h"
+#include "util/env.h"
 #include "util/log.h"
 
 #define MC_GPU_MAX_DEV 64
@@ -32,6 +33,10 @@
  * for GPU copies (a caller that waits batch by batch); one submit right
  * after another (a pipelining caller) starts the count again. */
 #define DIRECT_RUN 2
+
+/* MC_GPU_DIAG's counters (mc_gpu_diag_t's, in its order). */
+enum { DG_LAUNCHES, DG_COPIES, DG_TABLE, DG_QUEUE, DG_LAUNCH, DG_DONE, DG_DONE_JOBS, DG_LOOPS,
+       DG_QUERIES, DG_SLEEPS, DG_CPU_MOVES, DG_SAME_CPU, DG_GPU, DG_GPU_JOBS, DG_N };
 
 struct mc_gpu_stager {
   pthread_mutex_t mu;
@@ -103,14 +108,12 @@ struct mc_gpu_stager {
    * CPU (-1: the scheduler's choice).  MC_GPU_POLL_NS: between two looks at
    * jobs in flight the worker spins this long on cheap checks (pause)
    * instead of sched_yield (0). */
-  int diag, pin_cpu, last_cpu;
+  int diag, pin_cpu;
   uint64_t poll_ns;
-  atomic_int submit_cpu;
-  _Atomic uint64_t dg[14]; /* mc_gpu_diag_t's counters, in its order */
+  atomic_int submit_cpu, last_cpu;
+  _Atomic uint64_t dg[DG_N]; /* mc_gpu_diag_t's counters, in its order */
 };
 
-enum { DG_LAUNCHES, DG_COPIES, DG_TABLE, DG_QUEUE, DG_LAUNCH, DG_DONE, DG_DONE_JOBS, DG_LOOPS,
-       DG_QUERIES, DG_SLEEPS, DG_CPU_MOVES, DG_SAME_CPU, DG_GPU, DG_GPU_JOBS };
 #define DG_ADD(s, k, v)                                                                        \
   do {                                                                                         \
     if ((s)->diag)                                                                             \
@@ -248,12 +251,9 @@ int mc_gpu_stager_create(size_t budget_bytes, mc_gpu_stager_t **out, mc_err_t *e
   s->direct_grace_ns = (uint64_t)(grace < 0 ? 0 : grace > 1000000 ? 1000000 : grace) * 1000u;
   const char *dd = getenv("MC_GPU_DIAG");
   s->diag = dd && dd[0] == '1';
-  const char *pc = getenv("MC_GPU_WORKER_CPU");
-  s->pin_cpu = pc && *pc ? (int)strtol(pc, NULL, 10) : -1;
-  s->last_cpu = -1;
-  const char *pn = getenv("MC_GPU_POLL_NS");
-  long pns = pn && *pn ? strtol(pn, NULL, 10) : 0;
-  s->poll_ns = (uint64_t)(pns < 0 ? 0 : pns > 1000000 ? 1000000 : pns);
+  s->pin_cpu = (int)mc_env_long("MC_GPU_WORKER_CPU", -1, -1, CPU_SETSIZE - 1);
+  s->poll_ns = (uint64_t)mc_env_long("MC_GPU_POLL_NS", 0, 0, 1000000);
+  atomic_store(&s->last_cpu, -1);
   atomic_store(&s->submit_cpu, -1);
   *out = s;
   return 0;
@@ -537,10 +537,9 @@ static void start_job(mc_gpu_stager_t *s, mc_gpu_job_t *j) {
   if (s->trace || s->diag)
     j->t_picked = now_ns();
   if (s->diag && j->dir == MC_GPU_D2D) {
-    int cpu = sched_getcpu();
-    DG_ADD(s, DG_CPU_MOVES, (uint64_t)(cpu != s->last_cpu && s->last_cpu >= 0));
+    int cpu = sched_getcpu(), last = atomic_exchange(&s->last_cpu, cpu);
+    DG_ADD(s, DG_CPU_MOVES, (uint64_t)(cpu != last && last >= 0));
     DG_ADD(s, DG_SAME_CPU, (uint64_t)(cpu == atomic_load(&s->submit_cpu)));
-    s->last_cpu = cpu;
     DG_ADD(s, DG_LAUNCHES, 1);
     DG_ADD(s, DG_COPIES, j->n);
     uint64_t q = j->t_queued && j->t_picked > j->t_queued ? j->t_picked - j->t_queued : 0;
@@ -1013,8 +1012,8 @@ void mc_gpu_stager_counts(mc_gpu_stager_t *s, uint64_t *jobs, uint64_t *direct) 
 }
 
 void mc_gpu_stager_diag(mc_gpu_stager_t *s, mc_gpu_diag_t *out, int reset) {
-  uint64_t v[14] = {0};
-  for (int k = 0; s && k < 14; k++)
+  uint64_t v[DG_N] = {0};
+  for (int k = 0; s && k < DG_N; k++)
     v[k] = reset ? atomic_exchange_explicit(&s->dg[k], 0, memory_order_relaxed)
                  : atomic_load_explicit(&s->dg[k], memory_order_relaxed);
   *out = (mc_gpu_diag_t){.launches = v[DG_LAUNCHES], .copies = v[DG_COPIES],
@@ -1024,7 +1023,7 @@ void mc_gpu_stager_diag(mc_gpu_stager_t *s, mc_gpu_diag_t *out, int reset) {
                          .queries = v[DG_QUERIES], .sleeps = v[DG_SLEEPS],
                          .cpu_moves = v[DG_CPU_MOVES], .same_cpu = v[DG_SAME_CPU],
                          .gpu_ns = v[DG_GPU], .gpu_jobs = v[DG_GPU_JOBS],
-                         .worker_cpu = s ? s->last_cpu : -1,
+                         .worker_cpu = s ? atomic_load(&s->last_cpu) : -1,
                          .submit_cpu = s ? atomic_load(&s->submit_cpu) : -1};
 }
 
