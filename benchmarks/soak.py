@@ -1088,6 +1088,12 @@ def main(argv=None):
             time.sleep(2)
         mon.stop_evt.set()
         mon.join(timeout=10)
+        mw = os.environ.get("MC_MEMWATCH")
+        if mw:  # memwatch in the servers: one malloc_trim(0) each, RSS before and after
+            open(os.path.join(mw, "trim-now"), "w").close()
+            results["memwatch_trim_t"] = time.time()
+            log(f"malloc_trim requested in every memwatch process ({mw}/trim-now)")
+            time.sleep(8)
         results["load_s"] = round(t_load_end, 1)
         results["drain_s"] = None if drained_at is None else round(drained_at - t_heal, 1)
         results["faults"] = faults.events

@@ -20,6 +20,14 @@ traces only what is allocated from then on.  Once <dir>/trim-now exists (looked 
 every second), each process takes one more sample, calls malloc_trim(0)
 and records RSS before and after: memory the allocator held free inside
 its heaps goes back to the system.
+
+Also in every line: the host's load average, the process group (the soak
+maps a server to its processes by it), glibc's arenas from malloc_info
+(per heap: bytes held from the system and free inside: "heaps"), thread
+names and how many threading.Thread objects were ever made (short-lived
+threads).  MC_MEMWATCH_TRIM_S=<s> calls malloc_trim(0) every <s> seconds
+(a periodic-trim experiment) and records each call's duration and the RSS
+it gave back ("ptrim").
 """
 import ctypes
 import json
@@ -48,6 +56,45 @@ def _status():
     return out
 
 
+def _heaps(libc):
+    """[[heap nr, bytes held from the system, bytes free inside]] from malloc_info's XML."""
+    import re
+    path = os.path.join(DIR, f".mi-{os.getpid()}.xml")
+    fp = libc.fopen(path.encode(), b"w")
+    if not fp:
+        return None
+    try:
+        libc.malloc_info(0, ctypes.c_void_p(fp))
+    finally:
+        libc.fclose(ctypes.c_void_p(fp))
+    with open(path) as f:
+        xml = f.read()
+    os.unlink(path)
+    out = []
+    for m in re.finditer(r'<heap nr="(\d+)">(.*?)</heap>', xml, re.S):
+        body = m.group(2)
+        cur = re.search(r'<system type="current" size="(\d+)"', body)
+        free = sum(int(x) for x in re.findall(r'<total type="(?:fast|rest)" count="\d+" '
+                                              r'size="(\d+)"', body))
+        out.append([int(m.group(1)), int(cur.group(1)) if cur else None, free])
+    return out
+
+
+def _threads():
+    names = {}
+    try:
+        for t in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{t}/comm") as f:
+                    n = f.read().strip()
+            except OSError:
+                continue
+            names[n] = names.get(n, 0) + 1
+    except OSError:
+        pass
+    return names
+
+
 def _name():
     try:
         with open("/proc/self/comm") as f:
@@ -59,6 +106,7 @@ def _name():
 
 def _run(pid):
     libc = ctypes.CDLL(None)
+    libc.fopen.restype = ctypes.c_void_p
     mallinfo2 = getattr(libc, "mallinfo2", None)
     if mallinfo2 is not None:
         mallinfo2.restype = _MallInfo2
@@ -73,11 +121,21 @@ def _run(pid):
     trace_at = t0 + float(os.environ.get("MC_MEMWATCH_TRACE_AFTER_S", "120"))
     trim_file = os.path.join(DIR, "trim-now")
     due = time.monotonic() + every
+    ptrim_every = float(os.environ.get("MC_MEMWATCH_TRIM_S", "0"))
+    ptrim_due = time.monotonic() + ptrim_every
+    ptrims = []  # [t, seconds, rss_before_kb, rss_after_kb] since the last sample
     while True:
         time.sleep(min(1.0, every))
         if os.getpid() != pid:
             return  # forked: the child has its own thread
         trim = not trimmed and os.path.exists(trim_file)
+        if ptrim_every > 0 and time.monotonic() >= ptrim_due:
+            ptrim_due = time.monotonic() + ptrim_every
+            before = _status().get("VmRSS")
+            t1 = time.perf_counter()
+            libc.malloc_trim(0)
+            ptrims.append([round(time.time(), 1), round(time.perf_counter() - t1, 4), before,
+                           _status().get("VmRSS")])
         if time.monotonic() < due and not trim:
             continue
         due = time.monotonic() + every
@@ -86,7 +144,20 @@ def _run(pid):
             next_snap = time.monotonic()  # the reference snapshot at the next sample
         rec = {"t": time.time(), "up_s": round(time.monotonic() - t0, 1), "pid": pid,
                "name": _name(), "py_blocks": sys.getallocatedblocks(),
-               "py_threads": threading.active_count()}
+               "py_threads": threading.active_count(), "pgid": os.getpgid(0),
+               "threads_made": repr(getattr(getattr(threading, "_counter", None), "__self__", "")),
+               "tnames": _threads()}
+        try:
+            with open("/proc/loadavg") as f:
+                rec["load"] = [float(x) for x in f.read().split()[:3]]
+        except OSError:
+            pass
+        try:
+            rec["heaps"] = _heaps(libc)
+        except (OSError, AttributeError, ValueError):
+            pass
+        if ptrims:
+            rec["ptrim"], ptrims = ptrims, []
         try:
             rec.update(_status())
         except OSError:
