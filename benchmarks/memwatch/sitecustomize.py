@@ -28,6 +28,11 @@ names and how many threading.Thread objects were ever made (short-lived
 threads).  MC_MEMWATCH_TRIM_S=<s> calls malloc_trim(0) every <s> seconds
 (a periodic-trim experiment) and records each call's duration and the RSS
 it gave back ("ptrim").
+
+Test only (the soak's memory verdict must fail on a real leak:
+tests/test_soak_memory.py): MC_MEMWATCH_LEAK_KB_S=<n> mallocs n KiB a
+second, touches it and never frees it; MC_MEMWATCH_LEAK_OBJS_S=<n> keeps n
+small Python objects a second.
 """
 import ctypes
 import json
@@ -124,11 +129,25 @@ def _run(pid):
     ptrim_every = float(os.environ.get("MC_MEMWATCH_TRIM_S", "0"))
     ptrim_due = time.monotonic() + ptrim_every
     ptrims = []  # [t, seconds, rss_before_kb, rss_after_kb] since the last sample
+    leak_kb = int(os.environ.get("MC_MEMWATCH_LEAK_KB_S", "0"))
+    leak_objs = int(os.environ.get("MC_MEMWATCH_LEAK_OBJS_S", "0"))
+    kept = []
+    libc.malloc.restype = ctypes.c_void_p
+    last_leak = time.monotonic()
     while True:
         time.sleep(min(1.0, every))
         if os.getpid() != pid:
             return  # forked: the child has its own thread
         trim = not trimmed and os.path.exists(trim_file)
+        if (leak_kb or leak_objs) and not trimmed:
+            now = time.monotonic()
+            secs, last_leak = now - last_leak, now
+            if leak_kb:
+                n = int(leak_kb * 1024 * secs)
+                p = libc.malloc(n)
+                if p:
+                    ctypes.memset(p, 1, n)
+            kept.extend(object() for _ in range(int(leak_objs * secs)))
         if ptrim_every > 0 and time.monotonic() >= ptrim_due:
             ptrim_due = time.monotonic() + ptrim_every
             before = _status().get("VmRSS")
