@@ -1290,7 +1290,10 @@ def main(argv=None):
         mon.join(timeout=10)
         server_of_pgid = {x["pid"]: x["server"] for x in mon.samples if x["pid"]}
         if args.memwatch_dir:
-            trim_memwatch(args.memwatch_dir, server_of_pgid, results)
+            try:
+                trim_memwatch(args.memwatch_dir, server_of_pgid, results)
+            except OSError as e:
+                log(f"malloc_trim round failed: {e!r}")
         results["load_s"] = round(t_load_end, 1)
         results["drain_s"] = None if drained_at is None else round(drained_at - t_heal, 1)
         results["faults"] = faults.events
@@ -1334,11 +1337,14 @@ def main(argv=None):
         ref = results["rss_slope_mib_per_min"].get("R")
         results["mirror"] = dict(load.mirror) if load.reference else None
         if args.memwatch_dir:
-            series = memory_series(read_memwatch(args.memwatch_dir), server_of_pgid)
-            table, mv = memory_verdict(
-                series, t0_unix, t0_unix + t_load_end / 2, t0_unix + t_load_end,
-                used_margin=args.mem_used_margin, blocks_margin=args.mem_blocks_margin,
-                kept_margin=args.mem_kept_margin)
+            try:
+                series = memory_series(read_memwatch(args.memwatch_dir), server_of_pgid)
+                table, mv = memory_verdict(
+                    series, t0_unix, t0_unix + t_load_end / 2, t0_unix + t_load_end,
+                    used_margin=args.mem_used_margin, blocks_margin=args.mem_blocks_margin,
+                    kept_margin=args.mem_kept_margin)
+            except (OSError, ValueError, KeyError, TypeError) as e:  # keep the run's results
+                table, mv = {}, [f"memory verdict failed: {e!r}"]
             results["memory"] = table
             v.extend(mv)
             for n in cluster.servers:
