@@ -46,16 +46,26 @@ Invariants (each violation is listed in the JSON):
              entries and loads in flight return to their baseline within
              hold_timeout_s + --drain-margin-s; each server's open files
              within --fd-growth-max of its baseline
-  rss        no server's RSS grows faster than --rss-slope-max MiB/min
-             (least squares over the second half of the load, per process
-             lifetime); with --reference, faster than the reference server's
-             slope in the same run plus --rss-over-reference MiB/min
+  memory     (memwatch in every server, the default) no server leaks: its
+             malloc in-use bytes (mallinfo2 uordblks + hblkhd) grow at most
+             --mem-used-margin MiB/min and its Python allocated blocks at
+             most --mem-blocks-margin a minute faster than R's (least squares
+             over the second half of the load, summed over the processes
+             serving when the load began), and the RSS it keeps after one
+             malloc_trim(0) once the load is drained exceeds its RSS at the
+             load's start by at most --mem-kept-margin MiB more than R's
+             does.  The RSS slope is reported (rss_slope_mib_per_min): glibc
+             keeps freed memory inside its heaps, so RSS grows for tens of
+             minutes without a leak (benchmarks/JOURNAL.md, issue 31).
+             With --no-memwatch: the old rule, no server's RSS grows faster
+             than --rss-slope-max MiB/min (with --reference: than R's slope
+             plus --rss-over-reference)
 
 --reference adds R, a plain vLLM server with no KV connector on the same
 model, and sends it a copy of every client request (--reference-frac of
 them) while the load runs: vLLM's own allocator warm-up on this backend
-grows a server's RSS for tens of minutes, so a connector server is judged
-against R's growth, not against zero.
+grows a server's memory for tens of minutes, so a connector server is
+judged against R's growth, not against zero.
 Exit status 0 when all hold.  Output: a progress line, --json results, a
 --png timeline (requests, latency, RSS, held bytes, fault spans).
 """
