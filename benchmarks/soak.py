@@ -941,8 +941,8 @@ def memory_of_server(procs, t_load, t_from, t_to):
     load began (t_load; a process a fault restarted is warming up, not judged)
     and still sampled through [t_from, t_to] (at least 4 samples spanning a
     quarter of it).  Slopes (per minute) are summed over those processes; the
-    trim row is the RSS after malloc_trim(0) minus the RSS at the load's start,
-    summed over them, when each has a trim record.  None: no such process."""
+    trim row is the RSS after malloc_trim(0) minus the RSS of the last sample
+    before the load began, summed over them, when each has a trim record.  None: no such process."""
     keep = {pid: rows for pid, rows in procs.items() if rows[0]["t"] <= t_load}
     out = {"rss": 0.0, "used": 0.0, "blocks": 0.0}
     judged = []
@@ -961,11 +961,13 @@ def memory_of_server(procs, t_load, t_from, t_to):
     for pid in judged:
         rows = keep[pid]
         tr = [r for r in rows if "trim_after" in r]
-        start = [r for r in rows if r["t"] >= t_load]
+        # The last sample before the load began (RSS ramps fast in its first
+        # minute: a sample 20 s in would hide that growth).
+        start = [r for r in rows if r["t"] <= t_load]
         if not tr or not start:
             trims = None
             break
-        trims.append((start[0]["rss"], tr[-1]["trim_before"], tr[-1]["trim_after"]))
+        trims.append((start[-1]["rss"], tr[-1]["trim_before"], tr[-1]["trim_after"]))
     if trims:
         out["rss_load_start"] = round(sum(a for a, _, _ in trims), 1)
         out["rss_before_trim"] = round(sum(b for _, b, _ in trims), 1)
