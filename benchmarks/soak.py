@@ -1173,14 +1173,17 @@ def main(argv=None):
                          "RSS slope (--rss-slope-max, --rss-over-reference)")
     ap.add_argument("--memwatch-s", type=float, default=None,
                     help="memwatch's sampling period in each server (default 20 s, 5 with --ci)")
-    ap.add_argument("--mem-used-margin", type=float, default=1.0,
+    ap.add_argument("--mem-used-margin", type=float, default=None,
                     help="MiB/min a server's malloc in-use bytes may grow beyond R's (second "
-                         "half of the load)")
-    ap.add_argument("--mem-blocks-margin", type=float, default=3000.0,
-                    help="Python allocated blocks per minute a server may grow beyond R's")
-    ap.add_argument("--mem-kept-margin", type=float, default=64.0,
+                         "half of the load; without --reference beyond 0); default 1, 100 with "
+                         "--ci (2 minutes of fresh servers: a gross leak only)")
+    ap.add_argument("--mem-blocks-margin", type=float, default=None,
+                    help="Python allocated blocks per minute a server may grow beyond R's; "
+                         "default 3000, 200000 with --ci")
+    ap.add_argument("--mem-kept-margin", type=float, default=None,
                     help="MiB of RSS a server may keep after malloc_trim(0) (growth since the "
-                         "load began) beyond R's")
+                         "load began) beyond R's (judged with --reference only); default 64, "
+                         "1024 with --ci")
     ap.add_argument("--start-timeout", type=float, default=900.0,
                     help="vLLM servers: 30-150 s each alone, several at once on a shared 2-core "
                          "host take minutes")
@@ -1221,6 +1224,10 @@ def main(argv=None):
         args.rss_slope_max = 100.0 if args.ci else 8.0
     if args.memwatch_s is None:
         args.memwatch_s = 5.0 if args.ci else 20.0
+    for key, full, ci in (("mem_used_margin", 1.0, 100.0), ("mem_blocks_margin", 3000.0, 2e5),
+                          ("mem_kept_margin", 64.0, 1024.0)):
+        if getattr(args, key) is None:
+            setattr(args, key, ci if args.ci else full)
 
     from mooncake_connector import tiny_model
     tag = f"{os.getpid() % 100000}"
