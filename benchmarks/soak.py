@@ -46,16 +46,26 @@ Invariants (each violation is listed in the JSON):
              entries and loads in flight return to their baseline within
              hold_timeout_s + --drain-margin-s; each server's open files
              within --fd-growth-max of its baseline
-  rss        no server's RSS grows faster than --rss-slope-max MiB/min
-             (least squares over the second half of the load, per process
-             lifetime); with --reference, faster than the reference server's
-             slope in the same run plus --rss-over-reference MiB/min
+  memory     (memwatch in every server, the default) no server leaks: its
+             malloc in-use bytes (mallinfo2 uordblks + hblkhd) grow at most
+             --mem-used-margin MiB/min and its Python allocated blocks at
+             most --mem-blocks-margin a minute faster than R's (least squares
+             over the second half of the load, summed over the processes
+             serving when the load began), and the RSS it keeps after one
+             malloc_trim(0) once the load is drained exceeds its RSS at the
+             load's start by at most --mem-kept-margin MiB more than R's
+             does.  The RSS slope is reported (rss_slope_mib_per_min): glibc
+             keeps freed memory inside its heaps, so RSS grows for tens of
+             minutes without a leak (benchmarks/JOURNAL.md, issue 31).
+             With --no-memwatch: the old rule, no server's RSS grows faster
+             than --rss-slope-max MiB/min (with --reference: than R's slope
+             plus --rss-over-reference)
 
 --reference adds R, a plain vLLM server with no KV connector on the same
 model, and sends it a copy of every client request (--reference-frac of
 them) while the load runs: vLLM's own allocator warm-up on this backend
-grows a server's RSS for tens of minutes, so a connector server is judged
-against R's growth, not against zero.
+grows a server's memory for tens of minutes, so a connector server is
+judged against R's growth, not against zero.
 Exit status 0 when all hold.  Output: a progress line, --json results, a
 --png timeline (requests, latency, RSS, held bytes, fault spans).
 """
@@ -209,6 +219,16 @@ def usage_of_group(pgid):
     return total, fds
 
 
+def memwatch_env(args):
+    """A server's environment for benchmarks/memwatch (the memory verdict): its
+    sitecustomize on PYTHONPATH, sampling into args.memwatch_dir; {} when off."""
+    if not getattr(args, "memwatch_dir", None):
+        return {}
+    path = [MEMWATCH_DIR] + [p for p in os.environ.get("PYTHONPATH", "").split(":") if p]
+    return {"MC_MEMWATCH": args.memwatch_dir, "MC_MEMWATCH_S": str(args.memwatch_s),
+            "PYTHONPATH": ":".join(path)}
+
+
 class Launcher:
     """Starts processes from one thread that lives as long as the soak:
     serving.Process sets PR_SET_PDEATHSIG, which fires when the *thread*
@@ -272,7 +292,7 @@ class Cluster:
             srv = serving.vllm_server(name, model, port, os.path.join(logs, f"{name}.log"),
                                       kv_transfer_config=ktc,
                                       env={"MOONCAKE_CONFIG_PATH": cfg_path,
-                                           **args.env_of.get(name, {})},
+                                           **memwatch_env(args), **args.env_of.get(name, {})},
                                       kv_cache_bytes=args.kv_cache_bytes)
             srv.cmd[srv.cmd.index("--host") + 1] = host
             if role == "prefill":
@@ -284,7 +304,7 @@ class Cluster:
         if args.reference:  # no connector: the RSS reference
             port = serving.free_port()
             srv = serving.vllm_server("R", model, port, os.path.join(logs, "R.log"),
-                                      env=args.env_of.get("R") or None,
+                                      env={**memwatch_env(args), **args.env_of.get("R", {})},
                                       kv_cache_bytes=args.kv_cache_bytes)
             srv.role = "reference"
             self.servers["R"] = srv
@@ -819,6 +839,178 @@ def rss_slope(samples, server, t_from, t_to, born_by=None):
     return round(max(slopes), 3) if slopes else None
 
 
+# ---------------------------------------------------------------- memory verdict
+#
+# RSS alone does not say whether a server leaks: glibc keeps freed memory
+# inside its heaps (the 15-minute memwatch soak of issue 31: in-use heap
+# flat at 0.0-0.4 MiB/min while RSS grew 13-16 MiB/min, and malloc_trim(0)
+# after the load gave 255-455 MiB back).  With memwatch in every server
+# (benchmarks/memwatch/sitecustomize.py, on unless --no-memwatch) the soak
+# judges what a leak grows: the bytes malloc hands out (heap and mmapped
+# chunks: C and C++ objects, Python objects over 512 B, buffers) and the
+# Python objects pymalloc holds (allocated blocks), each as the server's
+# slope over the second half of the load against the reference R's; and
+# the RSS each server keeps after one malloc_trim(0) once the load is
+# drained, as growth since the load began against R's growth.  The RSS
+# slope is still reported (rss_slope_mib_per_min).
+
+MEMWATCH_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "memwatch")
+
+
+def trim_memwatch(d, server_of_pgid, results, wait_s=20.0):
+    """Ask every memwatch process for one malloc_trim(0) (RSS before and
+    after); wait until each live server process answered (or wait_s)."""
+    open(os.path.join(d, "trim-now"), "w").close()
+    results["memwatch_trim_t"] = time.time()
+    log(f"malloc_trim(0) in every server process ({d}/trim-now)")
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        time.sleep(1)
+        waiting = []
+        for pid, recs in read_memwatch(d).items():
+            if recs[0].get("pgid") in server_of_pgid and not any(r.get("trim") for r in recs):
+                try:
+                    os.kill(pid, 0)
+                except OSError:
+                    continue  # gone (a fault's kill)
+                waiting.append(pid)
+        if not waiting:
+            return
+    log(f"no malloc_trim answer from {waiting} within {wait_s:g} s")
+
+
+def read_memwatch(d):
+    """{pid: [record, ...]} from a MC_MEMWATCH directory (one JSON line per sample)."""
+    out = {}
+    if not d or not os.path.isdir(d):
+        return out
+    for name in os.listdir(d):
+        if not name.endswith(".jsonl"):
+            continue
+        recs = []
+        with open(os.path.join(d, name)) as f:
+            for ln in f:
+                try:
+                    recs.append(json.loads(ln))
+                except ValueError:
+                    continue  # a line cut by a SIGKILL
+        if recs:
+            out[recs[0]["pid"]] = recs
+    return out
+
+
+def memory_series(recs_by_pid, server_of_pgid):
+    """{server: {pid: [{"t", "rss", "used", "blocks"}, ...]}} (MiB, MiB, blocks; t unix
+    time) for the processes whose group is a server's (server_of_pgid: {pgid: name});
+    "used" is malloc's in-use bytes (mallinfo2 uordblks + hblkhd).  A record with a
+    malloc_trim result adds {"trim_before", "trim_after"} (MiB) to that process."""
+    out = {}
+    for pid, recs in recs_by_pid.items():
+        srv = server_of_pgid.get(recs[0].get("pgid"))
+        if srv is None:
+            continue
+        rows = []
+        for r in recs:
+            if "mall" not in r or "VmRSS" not in r:
+                continue
+            row = {"t": r["t"], "rss": r["VmRSS"] / 1024,
+                   "used": (r["mall"]["uordblks"] + r["mall"]["hblkhd"]) / 2**20,
+                   "blocks": r.get("py_blocks", 0)}
+            if r.get("trim"):
+                row["trim_before"] = r["trim"]["rss_before_kb"] / 1024
+                row["trim_after"] = r["trim"]["rss_after_kb"] / 1024
+            rows.append(row)
+        if rows:
+            out.setdefault(srv, {})[pid] = rows
+    return out
+
+
+def _per_min(pts):
+    """Least-squares slope of [(t s, v)] per minute; None under 4 points."""
+    n = len(pts)
+    if n < 4:
+        return None
+    mt = sum(t for t, _ in pts) / n
+    mv = sum(v for _, v in pts) / n
+    den = sum((t - mt) ** 2 for t, _ in pts)
+    return None if den == 0 else 60 * sum((t - mt) * (v - mv) for t, v in pts) / den
+
+
+def memory_of_server(procs, t_load, t_from, t_to):
+    """One server's memory over the load: every process that was there when the
+    load began (t_load; a process a fault restarted is warming up, not judged)
+    and still sampled through [t_from, t_to] (at least 4 samples spanning a
+    quarter of it).  Slopes (per minute) are summed over those processes; the
+    trim row is the RSS after malloc_trim(0) minus the RSS of the last sample
+    before the load began, summed over them, when each has a trim record.  None: no such process."""
+    keep = {pid: rows for pid, rows in procs.items() if rows[0]["t"] <= t_load}
+    out = {"rss": 0.0, "used": 0.0, "blocks": 0.0}
+    judged = []
+    for pid, rows in keep.items():
+        win = [r for r in rows if t_from <= r["t"] <= t_to]
+        if len(win) < 4 or win[-1]["t"] - win[0]["t"] < (t_to - t_from) / 4:
+            continue
+        judged.append(pid)
+        for k in out:
+            out[k] += _per_min([(r["t"], r[k]) for r in win]) or 0.0
+    if not judged:
+        return None
+    out = {k: round(v, 3 if k != "blocks" else 1) for k, v in out.items()}
+    out["pids"] = sorted(judged)
+    trims = []
+    for pid in judged:
+        rows = keep[pid]
+        tr = [r for r in rows if "trim_after" in r]
+        # The last sample before the load began (RSS ramps fast in its first
+        # minute: a sample 20 s in would hide that growth).
+        start = [r for r in rows if r["t"] <= t_load]
+        if not tr or not start:
+            trims = None
+            break
+        trims.append((start[-1]["rss"], tr[-1]["trim_before"], tr[-1]["trim_after"]))
+    if trims:
+        out["rss_load_start"] = round(sum(a for a, _, _ in trims), 1)
+        out["rss_before_trim"] = round(sum(b for _, b, _ in trims), 1)
+        out["rss_after_trim"] = round(sum(c for _, _, c in trims), 1)
+        out["kept_after_trim"] = round(out["rss_after_trim"] - out["rss_load_start"], 1)
+    return out
+
+
+def memory_verdict(series, t_load, t_from, t_to, ref="R", used_margin=1.0,
+                   blocks_margin=3000.0, kept_margin=64.0):
+    """(table, violations) of the memory invariant (the comment above).  series:
+    memory_series' output; slopes over [t_from, t_to] (the second half of the
+    load), t_load its start (unix times).  A server fails when, beyond the
+    reference's (ref; absent: beyond zero), its malloc in-use bytes grow more
+    than used_margin MiB/min, its Python blocks more than blocks_margin per
+    minute, or it keeps more than kept_margin MiB of RSS after malloc_trim(0)
+    (growth since the load began; judged only against a reference: a server
+    warming up keeps hundreds of MiB)."""
+    table = {n: memory_of_server(p, t_load, t_from, t_to) for n, p in series.items()}
+    base = table.get(ref) or {}
+    v = []
+
+    def limit(key, margin):
+        if key in base:
+            return base[key] + margin, f"{ref}'s {base[key]} + {margin:g}"
+        return margin, f"0 + {margin:g}"
+    for n, row in sorted(table.items()):
+        if n == ref or row is None:
+            continue
+        for key, margin, what, unit in (("used", used_margin, "malloc in-use bytes grow",
+                                         "MiB/min"),
+                                        ("blocks", blocks_margin, "Python blocks grow", "/min")):
+            lim, why = limit(key, margin)
+            if row[key] > lim:
+                v.append(f"{n}: {what} {row[key]} {unit} (> {why})")
+        if "kept_after_trim" in row and "kept_after_trim" in base:  # warm-up: R's measure
+            lim, why = limit("kept_after_trim", kept_margin)
+            if row["kept_after_trim"] > lim:
+                v.append(f"{n}: RSS after malloc_trim(0) is {row['kept_after_trim']} MiB above "
+                         f"the load's start (> {why})")
+    return table, v
+
+
 # ---------------------------------------------------------------- report
 
 def summarize(load, t_load):
@@ -976,6 +1168,22 @@ def main(argv=None):
                     help="share of the client requests mirrored to R")
     ap.add_argument("--rss-over-reference", type=float, default=4.0,
                     help="MiB/min a server's RSS may grow beyond R's (with --reference)")
+    ap.add_argument("--no-memwatch", action="store_true",
+                    help="no memwatch in the servers: the memory invariant falls back to the "
+                         "RSS slope (--rss-slope-max, --rss-over-reference)")
+    ap.add_argument("--memwatch-s", type=float, default=None,
+                    help="memwatch's sampling period in each server (default 20 s, 5 with --ci)")
+    ap.add_argument("--mem-used-margin", type=float, default=None,
+                    help="MiB/min a server's malloc in-use bytes may grow beyond R's (second "
+                         "half of the load; without --reference beyond 0); default 1, 100 with "
+                         "--ci (2 minutes of fresh servers: a gross leak only)")
+    ap.add_argument("--mem-blocks-margin", type=float, default=None,
+                    help="Python allocated blocks per minute a server may grow beyond R's; "
+                         "default 3000, 200000 with --ci")
+    ap.add_argument("--mem-kept-margin", type=float, default=None,
+                    help="MiB of RSS a server may keep after malloc_trim(0) (growth since the "
+                         "load began) beyond R's (judged with --reference only); default 64, "
+                         "1024 with --ci")
     ap.add_argument("--start-timeout", type=float, default=900.0,
                     help="vLLM servers: 30-150 s each alone, several at once on a shared 2-core "
                          "host take minutes")
@@ -1014,10 +1222,20 @@ def main(argv=None):
         args.prompts = min(args.prompts, 24)
     if args.rss_slope_max is None:
         args.rss_slope_max = 100.0 if args.ci else 8.0
+    if args.memwatch_s is None:
+        args.memwatch_s = 5.0 if args.ci else 20.0
+    for key, full, ci in (("mem_used_margin", 1.0, 100.0), ("mem_blocks_margin", 3000.0, 2e5),
+                          ("mem_kept_margin", 64.0, 1024.0)):
+        if getattr(args, key) is None:
+            setattr(args, key, ci if args.ci else full)
 
     from mooncake_connector import tiny_model
     tag = f"{os.getpid() % 100000}"
     workdir = args.workdir or tempfile.mkdtemp(prefix="mc-soak-")
+    args.memwatch_dir = None
+    if not args.no_memwatch:
+        args.memwatch_dir = os.environ.get("MC_MEMWATCH") or os.path.join(workdir, "memwatch")
+        os.makedirs(args.memwatch_dir, exist_ok=True)
     use_netns = not args.no_netns and have_netns()
     net = Net(tag, enabled=use_netns)
     results = {"args": vars(args), "workdir": workdir, "netns": use_netns, "violations": []}
@@ -1035,6 +1253,7 @@ def main(argv=None):
         refs = asyncio.run(references(cluster.servers["P1"].url, pool))
         log(f"{len(refs)} reference answers (P1, computed locally)")
         t0 = time.monotonic()
+        results["t0_unix"] = t0_unix = time.time()
         mon = Monitor(cluster, t0)
         base = {n: r for n, r in mon.sample().items()}
         results["baseline"] = base
@@ -1088,6 +1307,12 @@ def main(argv=None):
             time.sleep(2)
         mon.stop_evt.set()
         mon.join(timeout=10)
+        server_of_pgid = {x["pid"]: x["server"] for x in mon.samples if x["pid"]}
+        if args.memwatch_dir:
+            try:
+                trim_memwatch(args.memwatch_dir, server_of_pgid, results)
+            except OSError as e:
+                log(f"malloc_trim round failed: {e!r}")
         results["load_s"] = round(t_load_end, 1)
         results["drain_s"] = None if drained_at is None else round(drained_at - t_heal, 1)
         results["faults"] = faults.events
@@ -1130,9 +1355,23 @@ def main(argv=None):
                      f"{left}")
         ref = results["rss_slope_mib_per_min"].get("R")
         results["mirror"] = dict(load.mirror) if load.reference else None
+        if args.memwatch_dir:
+            try:
+                series = memory_series(read_memwatch(args.memwatch_dir), server_of_pgid)
+                table, mv = memory_verdict(
+                    series, t0_unix, t0_unix + t_load_end / 2, t0_unix + t_load_end,
+                    used_margin=args.mem_used_margin, blocks_margin=args.mem_blocks_margin,
+                    kept_margin=args.mem_kept_margin)
+            except (OSError, ValueError, KeyError, TypeError) as e:  # keep the run's results
+                table, mv = {}, [f"memory verdict failed: {e!r}"]
+            results["memory"] = table
+            v.extend(mv)
+            for n in cluster.servers:
+                if n != "P1" and table.get(n) is None:
+                    v.append(f"{n}: no memwatch samples over the load (memory not judged)")
         for n, sl in results["rss_slope_mib_per_min"].items():
-            if sl is None or n == "R":
-                continue
+            if sl is None or n == "R" or args.memwatch_dir:
+                continue  # with memwatch: reported, the memory verdict judges
             if ref is not None:
                 if sl > ref + args.rss_over_reference:
                     v.append(f"{n}: RSS grows {sl} MiB/min (> the reference server R's "
@@ -1148,7 +1387,7 @@ def main(argv=None):
         for f in args.flows:
             if not s["by_flow"].get(f, {}).get("ok"):
                 v.append(f"flow {f}: no request succeeded")
-        if args.reference and ref is None:
+        if args.reference and ref is None and not args.memwatch_dir:
             v.append("the reference server R has no RSS slope (down during the load?)")
         if faults.errors:
             v.append(f"faults not injected: {faults.errors}")
@@ -1173,6 +1412,12 @@ def main(argv=None):
     log(f"by flow {s.get('by_flow')}; mid-push bursts {s.get('bursts')}")
     log(f"RSS slope MiB/min {results.get('rss_slope_mib_per_min')}; drained in "
         f"{results.get('drain_s')} s")
+    for n, row in sorted((results.get("memory") or {}).items()):
+        if row:
+            log(f"memory {n}: second half MiB/min RSS {row['rss']}, malloc in use "
+                f"{row['used']}, Python blocks {row['blocks']}/min; RSS load start "
+                f"{row.get('rss_load_start')} -> before trim {row.get('rss_before_trim')} -> "
+                f"after trim {row.get('rss_after_trim')} MiB (kept {row.get('kept_after_trim')})")
     if results["violations"]:
         log("VIOLATIONS:\n  " + "\n  ".join(results["violations"]))
         return 1

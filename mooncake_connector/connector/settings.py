@@ -98,6 +98,11 @@ KNOBS = {  # extra-config key: (type, default, meaning)
                          "back-to-back empty steps keep every worker process at 100% of a "
                          "core); a new request may wait as long; at most 1000; below "
                          "idle_wait_ms it is idle_wait_ms (no growth)"),
+    "malloc_trim_idle_s": (float, 30.0, "worker: once no step has run for this long (the "
+                           "server idle), give the memory the process freed back to the "
+                           "system once (glibc malloc_trim(0), on a thread of its own): the "
+                           "RSS a load left behind falls to what is in use; 0: never "
+                           "(docs/connector.md, Memory)"),
 }
 
 
@@ -134,6 +139,7 @@ class Settings:
     push_layer_load: bool = False
     push_layer_timeout_s: float = 10.0
     push_layer_load_max_batch: int = 0
+    malloc_trim_idle_s: float = 30.0
 
     @property
     def is_producer(self):
@@ -235,6 +241,9 @@ def resolve(kv_transfer_config, env=None):
         raise SettingsError("kv_connector_extra_config.push_layer_timeout_s must be > 1 s (the "
                             "producer starts no write in the last second of the lease), not "
                             f"{s.push_layer_timeout_s!r}")
+    if not 0 <= s.malloc_trim_idle_s <= 86_400:  # also refuses NaN
+        raise SettingsError("kv_connector_extra_config.malloc_trim_idle_s must be 0 (off) to "
+                            f"86400 seconds, not {s.malloc_trim_idle_s!r}")
     if not 0 <= s.probe_wait_ms <= 10_000:  # also refuses NaN
         raise SettingsError("kv_connector_extra_config.probe_wait_ms must be 0-10000 (a new "
                             f"request's first step may wait as long), not {s.probe_wait_ms!r}")

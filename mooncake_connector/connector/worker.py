@@ -9,6 +9,7 @@ lookup buffer and the consumer's pulls.  One module per concern:
   publishes.py  producer: publishing/holding blocks, finished_sending, idle waits
   push.py       the push flow (both sides), its notifications routed from here
   layer_events.py  push layer by layer with CUDA KV caches: a CUDA event per layer
+  memory.py     malloc_trim(0) once the server is idle (malloc_trim_idle_s)
 """
 import logging
 
@@ -47,6 +48,8 @@ class WorkerSide:
         self._idle = False        # this step schedules nothing (may wait for releases)
         self._traced = ()         # MC_TRACE: this step's push transfer ids
         self.stats = MooncakeKVConnectorStats()
+        self.idle_trim = None     # memory.IdleTrim (malloc_trim_idle_s), from register_kv_caches
+        self._trims_seen = (0, 0)
 
     # ---- setup ----
 
@@ -54,6 +57,9 @@ class WorkerSide:
         self._kv_caches = kv_caches
         lifecycle.start_engine(self)
         self._start_bootstrap()
+        if self.idle_trim is None and self.s.malloc_trim_idle_s > 0:
+            from mooncake_connector.connector.memory import IdleTrim
+            self.idle_trim = IdleTrim(self.s.malloc_trim_idle_s)
 
     def _start_bootstrap(self):
         lifecycle.start_bootstrap(self)
@@ -159,7 +165,18 @@ class WorkerSide:
         busy = bool(done_recv or self.loads.loading)
         done_send = self.publishes.finished(self._idle, busy)
         self._idle = False
+        if self.idle_trim is not None:
+            self.idle_trim.step()
+            self._count_trims()
         return (done_send or None), (done_recv or None)
+
+    def _count_trims(self):
+        t = self.idle_trim
+        seen = (t.trims, t.freed_bytes)
+        if seen != self._trims_seen:
+            self.stats.add("malloc_trims", seen[0] - self._trims_seen[0])
+            self.stats.add("malloc_trim_freed_bytes", seen[1] - self._trims_seen[1])
+            self._trims_seen = seen
 
     def take_invalid_blocks(self):
         return self.loads.take_invalid()
@@ -189,6 +206,9 @@ class WorkerSide:
         lifecycle.restore_after_sleep(self)
 
     def shutdown(self):
+        if self.idle_trim is not None:
+            self.idle_trim.close()
+            self.idle_trim = None
         if self.bootstrap is not None:
             self.bootstrap.close()
             self.bootstrap = None
