@@ -964,6 +964,25 @@ static py_batch_t *get_batch(EngineObject *self, PyObject *id) {
   return pb;
 }
 
+/* The engine entered and the batch `id` held (a reference), or NULL with
+ * the error set and nothing held: the preamble of the calls on one batch
+ * id.  Undone by batch_leave. */
+static py_batch_t *batch_enter(EngineObject *self, PyObject *id) {
+  if (enter(self) < 0)
+    return NULL;
+  py_batch_t *pb = get_batch(self, id);
+  if (!pb)
+    leave(self);
+  return pb;
+}
+
+/* Drops batch_enter's reference (freeing the batch if another thread took
+ * its id meanwhile) and leaves the engine. */
+static void batch_leave(EngineObject *self, py_batch_t *pb) {
+  batch_free(self, batch_unref(pb));
+  leave(self);
+}
+
 PyDoc_STRVAR(get_status_doc,
 "get_batch_transfer_status(batch_ids) -> 0\n\n"
 "Waits for every batch in the list and frees them. Raises the first failure.");
@@ -1069,13 +1088,9 @@ static long batch_result(mc_batch_t *b) {
 }
 
 static PyObject *Engine_transfer_check_status(EngineObject *self, PyObject *id) {
-  if (enter(self) < 0)
+  py_batch_t *pb = batch_enter(self, id);
+  if (!pb)
     return NULL;
-  py_batch_t *pb = get_batch(self, id);
-  if (!pb) {
-    leave(self);
-    return NULL;
-  }
   long res;
   mc_batch_t *b = pb->b;
   Py_BEGIN_ALLOW_THREADS
@@ -1093,8 +1108,7 @@ static PyObject *Engine_transfer_check_status(EngineObject *self, PyObject *id) 
     }
     failed = PyErr_Occurred() != NULL;
   }
-  batch_free(self, batch_unref(pb));
-  leave(self);
+  batch_leave(self, pb);
   return failed ? NULL : PyLong_FromLong(res);
 }
 
@@ -1110,30 +1124,23 @@ static PyObject *Engine_transfer_wait(EngineObject *self, PyObject *args) {
   double timeout;
   if (!PyArg_ParseTuple(args, "Od:transfer_wait", &id, &timeout))
     return NULL;
-  if (mc_py_check_timeout(timeout, 0, 0, 60, "timeout") < 0 || enter(self) < 0)
+  if (mc_py_check_timeout(timeout, 0, 0, 60, "timeout") < 0)
     return NULL;
-  py_batch_t *pb = get_batch(self, id);
-  if (!pb) {
-    leave(self);
+  py_batch_t *pb = batch_enter(self, id);
+  if (!pb)
     return NULL;
-  }
   int idle;
   Py_BEGIN_ALLOW_THREADS
   idle = mc_batch_wait_idle(pb->b, (uint64_t)(timeout * 1e9));
   Py_END_ALLOW_THREADS
-  batch_free(self, batch_unref(pb)); /* freed here if another thread took it meanwhile */
-  leave(self);
+  batch_leave(self, pb); /* freed here if another thread took it meanwhile */
   return PyBool_FromLong(idle);
 }
 
 static PyObject *Engine_get_batch_status(EngineObject *self, PyObject *id) {
-  if (enter(self) < 0)
+  py_batch_t *pb = batch_enter(self, id);
+  if (!pb)
     return NULL;
-  py_batch_t *pb = get_batch(self, id);
-  if (!pb) {
-    leave(self);
-    return NULL;
-  }
   mc_batch_t *b = pb->b;
   size_t n = mc_batch_size(b);
   PyObject *list = PyList_New((Py_ssize_t)n);
@@ -1148,8 +1155,7 @@ static PyObject *Engine_get_batch_status(EngineObject *self, PyObject *id) {
     else
       PyList_SET_ITEM(list, (Py_ssize_t)i, d);
   }
-  batch_free(self, batch_unref(pb));
-  leave(self);
+  batch_leave(self, pb);
   return list;
 }
 
