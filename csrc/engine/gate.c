@@ -99,8 +99,12 @@ static void dispatch(mc_gate_t *gt, gate_ent_t *g, int rc, const mc_err_t *ev_er
   } else {
     rc = mc_batch_submit(gt->e, b, g->segment, g->reqs, g->n, &err);
   }
+  /* Canceled while it was being submitted: its ops may have missed the
+   * canceler's sweep.  Read before the release: the batch may be freed
+   * as soon as the gate lets go of it. */
+  int sweep = rc == 0 && atomic_load(&b->cancel);
   mc_batch_gate_release(b, g->reqs, g->n, rc, rc < 0 ? err.msg : NULL);
-  if (rc == 0 && atomic_load(&b->cancel)) /* canceled while it was being submitted */
+  if (sweep)
     mc_transports_cancel_sweep(gt->e);
 }
 

@@ -89,8 +89,11 @@ static void test_waits_for_the_event_then_notifies(void) {
   CHECK_EQ_INT(drain_b(&g, 2000), 1);
   CHECK(strcmp(g.last, "layer 3") == 0);
   mc_batch_free(A, b);
-  mc_engine_stats_t st;
-  mc_engine_get_stats(A, &st);
+  mc_engine_stats_t st; /* counted once the notifier's send returned: just after */
+  uint64_t until = mc_now_ns() + 1000000000ull;
+  do
+    mc_engine_get_stats(A, &st);
+  while (st.gate_notified < 1 && mc_now_ns() < until && usleep(1000) == 0);
   CHECK(st.gate_notified >= 1);
   api->cuEventDestroy(ev);
   api->cuStreamDestroy(s);
