@@ -1103,13 +1103,25 @@ class PushProducer:
             tg.landed.update(todo)  # nothing to write (HMA null blocks): landed as is
             return
         from mooncake_connector import MooncakeError
+        # CUDA gate on: the engine tells the decode these layers once they
+        # landed (the stream was synchronized: no event), not the landing
+        # thread and the outbox.
+        gate = tg.lnotify and self._gate_on()
         try:
-            bid = self.w.engine.batch_transfer_async_write(tg.name, src, dst, lens)
+            if gate:
+                bid = self.w.engine.batch_transfer_async_write_gated(
+                    tg.name, src, dst, lens,
+                    notify=encode({"t": "layer", "tid": job.tid, "l": todo}),
+                    notify_timeout=max(0.1, min(RESEND_TIMEOUT_S,
+                                                tg.lease_until - time.time())))
+                tg.told.update(todo)
+            else:
+                bid = self.w.engine.batch_transfer_async_write(tg.name, src, dst, lens)
             tg.batches.append(bid)
             tg.blayers[bid] = todo
             if trace.ON:
                 trace.event("write_issued", job.tid, l=todo, bytes=sum(lens))
-            if tg.lnotify and job.watch:
+            if tg.lnotify and job.watch and not gate:
                 self._watch_landing()
         except (MooncakeError, ValueError) as e:
             tg.stop = f"write to {tg.name} failed to start: {e}"
