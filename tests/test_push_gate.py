@@ -200,17 +200,22 @@ class FakeTorchEvent:
         self.f.lib.cuEventSynchronize(self.h)
 
 
-def _layer_load_rounds(model_dir, urls, gate, rounds=3, gpu_lag_s=0.002):  # noqa: F811
+def _layer_load_rounds(model_dir, urls, gate, rounds=3, gpu_lag_s=0.002, blocks=4,
+                       timings=None):  # noqa: F811
     """push_layer_load rounds with a CUDA-like producer (its layers' events
     complete gpu_lag_s after each save); returns (wake-ups per layer, the
-    producer engine's stats, the decode's per-layer views)."""
+    counts, the producer engine's stats, the decode's per-layer views).
+    timings (a dict): filled with the producer's save_kv_layer seconds per
+    call (a prompt being computed) and its forward's seconds per prompt."""
     from test_push_layer_load import AttnSide, both_legs, BS, toks
     from vllm_harness import recomputes
 
     f = Fake()
-    p = AttnSide(model_dir, "kv_producer", {**urls, "push_layer_gate": gate}, block_size=BS)
+    nb = max(64, 2 * blocks + 8)
+    p = AttnSide(model_dir, "kv_producer", {**urls, "push_layer_gate": gate}, block_size=BS,
+                 num_blocks=nb)
     d = AttnSide(model_dir, "kv_consumer", {**urls, "flow_a": False, "push_layer_load": True},
-                 block_size=BS)
+                 block_size=BS, num_blocks=nb)
     try:
         w = p.worker._worker
         w.cuda_sync = lambda: None  # CUDA KV caches (the stand-in forward writes them at once)
@@ -263,15 +268,35 @@ def _layer_load_rounds(model_dir, urls, gate, rounds=3, gpu_lag_s=0.002):  # noq
             return orig_done(name)
 
         pp_.layer_done = layer_done
+        if timings is not None:
+            timings.setdefault("save_s", [])
+            timings.setdefault("forward_s", [])
+            orig_save, orig_fwd = w.save_kv_layer, p._forward
+
+            def save(name):
+                computing = any(not j.all_ready for j in list(pp_.jobs.values()))
+                t0 = time.perf_counter()
+                orig_save(name)
+                if computing:
+                    timings["save_s"].append(time.perf_counter() - t0)
+
+            def forward(so):
+                t0 = time.perf_counter()
+                orig_fwd(so)
+                if "pq" in so.num_scheduled_tokens:
+                    timings["forward_s"].append(time.perf_counter() - t0)
+
+            w.save_kv_layer = save
+            p._forward = forward
         seen = []
         for r in range(rounds):
-            t = toks(40 + r, 4 * BS + 5)
+            t = toks(40 + r, blocks * BS + 5)
             run = both_legs(p, d, f"G{gate}{r}", t, 2)
             try:
                 so = d.step()
                 assert so.num_scheduled_tokens.get("q") == 5
                 seen.append(d.seen.get("q"))
-                assert d.block_matches_pattern("q", t, 4) and not d.invalid
+                assert d.block_matches_pattern("q", t, blocks) and not d.invalid
                 assert d.run_until(lambda: "q" not in d.sched.requests, steps=50)
             finally:
                 run.join()
