@@ -386,10 +386,12 @@ void mc_gate_counts(mc_engine_t *e, uint64_t *notified, uint64_t *event_failures
  * sent yet are dropped.  A gate thread still asleep on an event that never
  * completes (a hung GPU) is left running after 10 s, its state leaked. */
 void mc_gate_destroy(mc_engine_t *e) {
+  pthread_mutex_lock(&e->gate_mu);
   mc_gate_t *gt = e->gate;
+  e->gate = NULL;
+  pthread_mutex_unlock(&e->gate_mu);
   if (!gt)
     return;
-  e->gate = NULL;
   pthread_mutex_lock(&gt->mu);
   gt->stop = 1;
   pthread_cond_broadcast(&gt->cv);
