@@ -329,4 +329,6 @@ def test_fake_gate_wakes_no_python_thread_per_layer(tmp_path):
     assert before >= 2.0, wb
     assert after == 0, wa
     assert wa["saves"] == wb["saves"] == 3 * 2, (wa, wb)  # 3 prompts x 2 layers
-    assert stats["gate_notified"] == wa["saves"], stats  # the engine told every layer
+    # the engine told the layers: one message per gated batch (a target that
+    # arrived after layer 0 or after the forward gets several layers in one)
+    assert 3 <= stats["gate_notified"] <= wa["saves"], stats
