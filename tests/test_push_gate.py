@@ -304,6 +304,9 @@ def _layer_load_rounds(model_dir, urls, gate, rounds=3, gpu_lag_s=0.002, blocks=
             d.seen.clear()
         assert d.is_empty() and recomputes(d) == {}
         time.sleep(0.2)  # late wake-ups counted too
+        # back at idle: no job, no batch left open, nothing waiting in the gate
+        assert not pp_.jobs and w.engine.get_stats()["open_batches"] == 0, \
+            (pp_.jobs, w.engine.get_stats())
         per_layer = (wakes["waiter"] + wakes["landing"] + wakes["outbox_layer"]) / \
             max(1, wakes["saves"])
         return per_layer, wakes, w.engine.get_stats(), seen
