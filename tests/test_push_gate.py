@@ -335,3 +335,22 @@ def test_fake_gate_wakes_no_python_thread_per_layer(tmp_path):
     # the engine told the layers: one message per gated batch (a target that
     # arrived after layer 0 or after the forward gets several layers in one)
     assert 3 <= stats["gate_notified"] <= wa["saves"], stats
+
+
+def test_consumer_merges_per_batch_layer_messages():
+    """The engine sends one "layer" message per gated batch, naming only
+    that batch's layers (the Python path sent every layer landed so far):
+    the consumer takes the union, in any order, duplicates harmless, and
+    the load is over once every layer landed."""
+    from mooncake_connector.connector.push import ConsumerLoad, PushConsumer
+    c = PushConsumer(worker=None)
+    cl = ConsumerLoad(spec=None, lease_s=10, nlayers=4)
+    cl.ranks["P"], cl.landed["P"] = "sent", set()
+    c.loads["T"] = cl
+    for got, want in (([2], {2}), ([0], {0, 2}), ([0, 2], {0, 2}), ([1], {0, 1, 2})):
+        c.on_message("P", {"t": "layer", "tid": "T", "l": got})
+        assert cl.landed["P"] == want and cl.ranks["P"] == "sent"
+    c.on_message("P", {"t": "layer", "tid": "T", "l": [3]})
+    assert cl.ranks["P"] == "done"
+    c.on_message("P", {"t": "layer", "tid": "T", "l": [3, 1]})  # a late duplicate
+    assert cl.ranks["P"] == "done" and cl.landed["P"] == {0, 1, 2, 3}
