@@ -883,7 +883,13 @@ static PyObject *async_batch_gated(EngineObject *self, PyObject *args, PyObject 
   mc_err_t err = {0};
   int rc;
   mc_batch_t *b;
-  Py_BEGIN_ALLOW_THREADS
+  /* A batch gated on a CUDA event is only queued for the engine's gate
+   * thread (no network, no lookup, no wait: a few allocations and short
+   * mutexes no GIL holder waits on), so the GIL is kept: vLLM's forward
+   * thread calls this per layer and a release would hand the GIL to any
+   * thread waiting for it, to be taken back after it. */
+  int keep_gil = gate && gate->cuda_event;
+  PyThreadState *ts = keep_gil ? NULL : PyEval_SaveThread();
   b = mc_batch_new(self->eng, (size_t)x.n);
   if (!b) {
     rc = mc_err_set(&err, MC_ENOMEM, "out of memory");
@@ -895,7 +901,8 @@ static PyObject *async_batch_gated(EngineObject *self, PyObject *args, PyObject 
       b = NULL;
     }
   }
-  Py_END_ALLOW_THREADS
+  if (ts)
+    PyEval_RestoreThread(ts);
   PyMem_RawFree(x.reqs);
   if (rc < 0) {
     leave(self);

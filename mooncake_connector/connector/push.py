@@ -588,6 +588,7 @@ class Target:
         self.told = set()        # layer indices the consumer was told (or the engine tells
         #                          it: a gated batch's own notification)
         self.garr = None         # CUDA gate: per layer (src, dst, len) array('Q'), built once
+        self.gnote = None        # CUDA gate, lnotify: per layer its encoded "layer" message
         self.blayers = {}        # batch id -> the layer indices it writes
         self.batches = []
         self.state = "pending"   # pending | writing | done | nokv | cancelled
@@ -789,8 +790,10 @@ class PushProducer:
             job.layerwise = True  # before the forward: each layer as it is computed
         job.targets[tg.name] = tg
         self._submit(job, tg)
-        if job.queued and job.layerwise and self._gate_on():
-            self._submit_gated(job, tg)  # layers saved before the target arrived
+        if job.layerwise and not job.all_ready and self._gate_on():
+            # the per-layer arrays now (usually before the forward), not in a layer's save
+            if self._gate_arrays(job, tg) is not None and job.queued:
+                self._submit_gated(job, tg)  # layers saved before the target arrived
 
     def _repeat(self, job, tg):
         """An identical duplicate of a target this job has: nothing is
@@ -902,6 +905,9 @@ class PushProducer:
                     src.append(s_addr + s_off)
                     dst.append(d_addr)
                     lens.append(n)
+        if tg.lnotify:  # each layer's own "layer" message, encoded once
+            tg.gnote = [encode({"t": "layer", "tid": job.tid, "l": [li]})
+                        for li in range(len(per))]
         tg.garr = per
         return per
 
@@ -935,7 +941,10 @@ class PushProducer:
             tg.landed.update(todo)  # nothing to write (HMA null blocks): landed as is
             return
         _, handle, dev = job.qev
-        note = encode({"t": "layer", "tid": job.tid, "l": todo}) if tg.lnotify else None
+        note = None
+        if tg.lnotify:
+            note = tg.gnote[todo[0]] if len(todo) == 1 else \
+                encode({"t": "layer", "tid": job.tid, "l": todo})
         from mooncake_connector import MooncakeError
         try:
             bid = self.w.engine.batch_transfer_async_write_gated(
