@@ -589,6 +589,7 @@ class Target:
         #                          it: a gated batch's own notification)
         self.garr = None         # CUDA gate: per layer (src, dst, len) array('Q'), built once
         self.gnote = None        # CUDA gate, lnotify: per layer its encoded "layer" message
+        self.gbytes = None       # CUDA gate: per layer the bytes written
         self.blayers = {}        # batch id -> the layer indices it writes
         self.batches = []
         self.state = "pending"   # pending | writing | done | nokv | cancelled
@@ -905,6 +906,7 @@ class PushProducer:
                     src.append(s_addr + s_off)
                     dst.append(d_addr)
                     lens.append(n)
+        tg.gbytes = [sum(x[2]) for x in per]
         if tg.lnotify:  # each layer's own "layer" message, encoded once
             tg.gnote = [encode({"t": "layer", "tid": job.tid, "l": [li]})
                         for li in range(len(per))]
@@ -967,7 +969,7 @@ class PushProducer:
         tg.blayers[bid] = todo
         if note is not None:
             tg.told.update(todo)  # the engine tells them once they landed
-        nbytes = sum(lens)
+        nbytes = tg.gbytes[todo[0]] if len(todo) == 1 else sum(lens)
         job.bytes += nbytes
         if trace.ON:
             trace.event("write_issued", job.tid, l=todo, bytes=nbytes, gated=True)
