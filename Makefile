@@ -37,7 +37,7 @@ TEST_BIN  := $(TEST_SRC:tests/c/%.c=$(BUILD)/tests/%)
 BENCH_SRC := $(wildcard benchmarks/c/*.c)
 BENCH_BIN := $(BENCH_SRC:benchmarks/c/%.c=$(BUILD)/bench/%)
 
-.PHONY: all lib tests bench test-c clean softroce test-rdma bench-rdma ptx fuzz fuzz-run
+.PHONY: all lib tests bench test-c fakecuda clean softroce test-rdma bench-rdma ptx fuzz fuzz-run
 all: lib tests bench softroce
 lib: $(BUILD)/libmcc.a
 tests: $(TEST_BIN)
@@ -71,9 +71,19 @@ test-rdma: $(SOFTROCE_BIN)
 bench-rdma: $(SOFTROCE_BIN)
 	TIMEOUT=600 MC_GUEST_PERFTEST=1 tests/softroce/run-in-guest.sh $(SOFTROCE_BIN) bench
 
-test-c: tests
+# A host-memory stand-in for libcuda.so.1 (tests/c/fakecuda.c): the tests of
+# CUDA-event paths that run without a GPU load it (test_gate; pytest).
+FAKECUDA := $(BUILD)/fakecuda/libcuda.so.1
+fakecuda: $(FAKECUDA)
+$(FAKECUDA): tests/c/fakecuda.c
+	@mkdir -p $(dir $@)
+	$(CC) -std=gnu11 -O2 -Wall -Wextra $(if $(filter 1,$(WERROR)),-Werror,) -fPIC -shared \
+	  -pthread -Wl,-soname,libcuda.so.1 $< -o $@
+
+test-c: tests $(FAKECUDA)
 	@fail=0; for t in $(TEST_BIN); do \
-	  echo "== $$t"; ASAN_OPTIONS=detect_leaks=1 $$t || { echo "FAILED: $$t"; fail=1; }; \
+	  env=; case $$t in */test_gate) env="LD_LIBRARY_PATH=$(abspath $(dir $(FAKECUDA)))";; esac; \
+	  echo "== $$t"; env $$env ASAN_OPTIONS=detect_leaks=1 $$t || { echo "FAILED: $$t"; fail=1; }; \
 	done; exit $$fail
 
 # The same-host copy kernel's PTX is committed; regenerate after editing it.

@@ -55,6 +55,12 @@ class TransferEngine:
     def batch_transfer_async_write(self, target_hostname: str, buffers: Sequence[_Addr],
                                    peer_buffer_addresses: Sequence[_Addr],
                                    lengths: Sequence[int]) -> int: ...
+    def batch_transfer_async_write_gated(self, target_hostname: str,
+                                         buffers: Sequence[_Addr],
+                                         peer_buffer_addresses: Sequence[_Addr],
+                                         lengths: Sequence[int], cuda_event: int = 0,
+                                         cuda_device: int = 0, notify: bytes | None = None,
+                                         notify_timeout: float = 0.0) -> int: ...
     def batch_transfer_async_read(self, target_hostname: str, buffers: Sequence[_Addr],
                                   peer_buffer_addresses: Sequence[_Addr],
                                   lengths: Sequence[int]) -> int: ...

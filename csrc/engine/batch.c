@@ -81,6 +81,21 @@ static mc_task_state_t state_for(int code) {
   return MC_TASK_FAILED;
 }
 
+/* A batch carrying a notification went idle (caller holds b->mu): every
+ * task completed (none has a failure message) -> the gate's notifier
+ * sends it; else it is dropped. */
+static void notify_if_completed(mc_batch_t *b) {
+  mc_gate_msg_t *m = b->notify;
+  b->notify = NULL;
+  int ok = !b->any_msg && b->n > 0;
+  for (size_t i = 0; ok && i < b->n; i++)
+    ok = b->tasks[i].state == MC_TASK_COMPLETED;
+  if (ok)
+    mc_gate_post(b->eng, m);
+  else
+    free(m);
+}
+
 /* Records one finished part of task i. Caller holds b->mu. */
 #define part_done mc_batch_part_done
 void mc_batch_part_done(mc_batch_t *b, size_t i, int code, const char *msg, uint64_t bytes) {
@@ -96,6 +111,8 @@ void mc_batch_part_done(mc_batch_t *b, size_t i, int code, const char *msg, uint
   if (t->parts_left > 0 && --t->parts_left == 0) {
     t->state = state_for(t->code);
     b->pending--;
+    if (b->pending == 0 && b->notify)
+      notify_if_completed(b);
   }
 }
 
@@ -240,6 +257,39 @@ void mc_batch_op_entry_failed(mc_xfer_op_t *op, uint32_t idx, int code, const ch
   pthread_mutex_unlock(&b->mu);
 }
 
+void mc_batch_gate_hold(mc_batch_t *b, mc_gate_msg_t *m) {
+  pthread_mutex_lock(&b->mu);
+  b->gate_hold = 1;
+  b->notify = m;
+  b->pending++;
+  b->ops_inflight++;
+  pthread_mutex_unlock(&b->mu);
+}
+
+void mc_batch_gate_release(mc_batch_t *b, const mc_request_t *reqs, size_t n, int rc,
+                           const char *msg) {
+  pthread_mutex_lock(&b->mu);
+  if (rc < 0) { /* the requests not submitted end failed, with the reason */
+    for (size_t i = b->n; i < n && i < b->cap; i++) {
+      b->tasks[i] = (mc_task_t){.req = reqs[i], .state = state_for(rc), .code = rc,
+                                .msg = strdup(msg && *msg ? msg : mc_strerror(rc))};
+      b->bytes += reqs[i].len;
+    }
+    if (b->n < n) {
+      b->n = n < b->cap ? n : b->cap;
+      b->any_msg = 1;
+    }
+  }
+  b->gate_hold = 0;
+  b->ops_inflight--;
+  b->pending--;
+  if (b->pending == 0 && b->notify)
+    notify_if_completed(b);
+  pins_release_if_idle(b);
+  pthread_cond_broadcast(&b->cv);
+  pthread_mutex_unlock(&b->mu);
+}
+
 int mc_batch_finished(void *arg) {
   mc_batch_t *b = arg;
   return atomic_load_explicit(&b->pending, memory_order_acquire) == 0;
@@ -356,6 +406,7 @@ void mc_batch_free(mc_engine_t *e, mc_batch_t *b) {
   pins_release_if_idle(b); /* idle now: nothing is in flight */
   pthread_mutex_unlock(&b->mu);
   free(b->pins);
+  free(b->notify); /* never completed */
   for (size_t i = 0; b->any_msg && i < b->n; i++)
     free(b->tasks[i].msg);
   free(b->tasks);

@@ -82,6 +82,7 @@ static mc_engine_t *engine_alloc(void) {
   pthread_mutex_init(&e->gpu_mu, NULL);
   pthread_mutex_init(&e->desc_mu, NULL);
   pthread_mutex_init(&e->pin_mu, NULL);
+  pthread_mutex_init(&e->gate_mu, NULL);
   return e;
 }
 
@@ -144,6 +145,7 @@ void mc_engine_destroy(mc_engine_t *e) {
   if (!e)
     return;
   mc_keepalive_stop(e);
+  mc_gate_destroy(e); /* before the transports: its notifier sends over them */
   if (e->published)
     mc_engine_unpublish(e);
   mc_transports_stop(e); /* control first: no handshake RPC reaches the others after */
@@ -170,6 +172,7 @@ void mc_engine_destroy(mc_engine_t *e) {
   pthread_mutex_destroy(&e->pub_mu);
   pthread_mutex_destroy(&e->gpu_mu);
   pthread_mutex_destroy(&e->pin_mu);
+  pthread_mutex_destroy(&e->gate_mu);
   pthread_mutex_destroy(&e->desc_mu);
   free(e->desc_cache);
   free(e->pub_desc);
@@ -199,4 +202,5 @@ void mc_engine_get_stats(mc_engine_t *e, mc_engine_stats_t *out) {
   pthread_mutex_unlock(&e->det_mu);
   mc_transports_stats(e, &out->transport);
   mc_gpu_stager_counts(e->gpu, &out->gpu_jobs, &out->gpu_jobs_direct);
+  mc_gate_counts(e, &out->gate_notified, &out->gate_event_failures);
 }

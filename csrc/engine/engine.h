@@ -128,6 +128,32 @@ int mc_batch_status(mc_batch_t *b, size_t i, mc_task_status_t *out);
 /* Cancels unfinished tasks (waits until buffers are released) and frees. */
 void mc_batch_free(mc_engine_t *e, mc_batch_t *b);
 
+/* Gated write batches (gate.c; docs/architecture.md "Threads"): the
+ * requests (WRITEs) are handed to their transport only once `cuda_event`
+ * (a CUevent, recorded by the caller on the stream that writes the
+ * sources; 0: none, submitted at once) completed on device `cuda_device`,
+ * waited for by the engine's gate thread asleep in the driver; and when
+ * `notify` is set, the engine sends that message to `segment` (detached,
+ * from its notifier thread) once every request of the batch completed; a
+ * batch with a failed, canceled or timed-out request sends nothing.  `b`
+ * must be new (no request yet).  Until the event completed the batch
+ * counts as pending (status polls, waits); a cancel (a wait's timeout, a
+ * free) lets it go at once, its requests ending MC_ECANCELED (the gate
+ * thread never touches it again).  The caller keeps the event alive until
+ * the batch is over.  At most MC_GATE_MAX batches wait for events at once
+ * (MC_EBUSY past it).  Returns 0 once queued, or <0 for bad arguments. */
+#define MC_GATE_MAX 4096
+typedef struct mc_gate_opts {
+  uint64_t cuda_event;        /* CUevent or 0 */
+  int cuda_device;            /* the event's device ordinal */
+  const void *notify;         /* NULL: no notification */
+  size_t notify_len;          /* at most MC_ENGINE_MAX_MSG */
+  int64_t notify_timeout_ms;  /* the notification's receipt; <= 0: MC_TRANSFER_TIMEOUT */
+} mc_gate_opts_t;
+int mc_batch_submit_gated(mc_engine_t *e, mc_batch_t *b, const char *segment,
+                          const mc_request_t *reqs, size_t n, const mc_gate_opts_t *o,
+                          mc_err_t *err);
+
 /* Sends a small message (at most MC_ENGINE_MAX_MSG bytes) to a segment and
  * waits for its receipt. Blocks. */
 #define MC_ENGINE_MAX_MSG (16u << 20) /* = MC_XFER_MAX_CTRL (batch.c checks) */
@@ -200,6 +226,9 @@ typedef struct mc_engine_stats {
   /* GPU copy jobs submitted so far, and how many of them the submitting
    * thread launched itself (MC_GPU_DIRECT; docs/architecture.md). */
   uint64_t gpu_jobs, gpu_jobs_direct;
+  /* Gated batches (mc_batch_submit_gated): notifications the engine sent
+   * for completed batches, and CUDA event waits that failed. */
+  uint64_t gate_notified, gate_event_failures;
 } mc_engine_stats_t;
 void mc_engine_get_stats(mc_engine_t *e, mc_engine_stats_t *out);
 

@@ -14,6 +14,8 @@
 #include "util/env.h"
 
 typedef struct mc_ctrl mc_ctrl_t; /* a control message in flight (ctrl.c) */
+typedef struct mc_gate mc_gate_t;         /* gated batches' threads (gate.c) */
+typedef struct mc_gate_msg mc_gate_msg_t; /* a notification sent at a batch's completion */
 
 /* What the engine knows of one peer (peers.c; e->peers_mu). */
 typedef struct mc_peer_entry {
@@ -109,6 +111,9 @@ struct mc_engine {
   pthread_mutex_t desc_mu;  /* desc_cache */
   char *desc_cache;         /* mc.describe's reply for regions.version desc_cache_ver */
   uint64_t desc_cache_ver;
+  /* Gated batches (gate.c): made at the first gated submit (gate_mu). */
+  pthread_mutex_t gate_mu;
+  mc_gate_t *gate;
   pthread_t ka_thread;
   int ka_running;
   pthread_mutex_t ka_mu;
@@ -145,6 +150,9 @@ struct mc_batch {
   size_t npins, cap_pins;
   int submitting;       /* submits between pinning and handing out their ops */
   int on_pin_list;      /* linked on eng->pin_head (until mc_batch_free) */
+  int gate_hold;        /* waiting for its CUDA event (gate.c): one pseudo-task pending,
+                           one pseudo-op in flight */
+  mc_gate_msg_t *notify; /* sent (gate.c) once no task is pending and every one completed */
   mc_batch_t *pin_next, *pin_prev;
 };
 
@@ -173,6 +181,21 @@ int mc_batch_pin_begin(mc_engine_t *e, mc_batch_t *b, const mc_request_t *reqs, 
                        mc_err_t *err);
 void mc_batch_pin_end(mc_batch_t *b);
 int mc_batch_finished(void *arg); /* no task pending (a poll's stop test) */
+
+/* batch.c, for gate.c: the batch waits for its event (caller holds the
+ * gate's mutex; m: its notification or NULL); the wait is over: rc 0 (its
+ * requests were submitted) or <0, then requests [b->n, n) of reqs are
+ * recorded as failed with msg. */
+void mc_batch_gate_hold(mc_batch_t *b, mc_gate_msg_t *m);
+void mc_batch_gate_release(mc_batch_t *b, const mc_request_t *reqs, size_t n, int rc,
+                           const char *msg);
+/* gate.c: canceled batches waiting for events let go (the transports'
+ * cancel sweep calls it); a completed batch's notification queued for the
+ * notifier thread (caller holds the batch's mu); counts; stop + free. */
+void mc_gate_sweep(mc_engine_t *e);
+void mc_gate_post(mc_engine_t *e, mc_gate_msg_t *m);
+void mc_gate_counts(mc_engine_t *e, uint64_t *notified, uint64_t *event_failures);
+void mc_gate_destroy(mc_engine_t *e);
 
 /* publish.c: our entries on the metadata server. */
 int mc_engine_publish(mc_engine_t *e, mc_err_t *err);

@@ -177,6 +177,7 @@ void mc_transports_stats(mc_engine_t *e, mc_transport_stats_t *out) {
 
 
 void mc_transports_cancel_sweep(mc_engine_t *e) {
+  mc_gate_sweep(e); /* batches still waiting for their CUDA event: not in a transport yet */
   for (int i = 0; i < MC_TRANSPORT_MAX; i++)
     if (e->tr[i].ops && e->tr[i].ops->cancel_sweep)
       e->tr[i].ops->cancel_sweep(e->tr[i].impl);

@@ -868,8 +868,8 @@ static PyObject *Engine_transfer_submit_write(EngineObject *self, PyObject *args
   return r;
 }
 
-static PyObject *async_batch(EngineObject *self, PyObject *args, PyObject *kw, int opcode,
-                             const char *fmt) {
+static PyObject *async_batch_gated(EngineObject *self, PyObject *args, PyObject *kw,
+                                   int opcode, const char *fmt, const mc_gate_opts_t *gate) {
   xfer_args_t x = {0};
   PyObject *t;
   if (parse_batch(args, kw, fmt, opcode, &x, &t) < 0)
@@ -883,18 +883,26 @@ static PyObject *async_batch(EngineObject *self, PyObject *args, PyObject *kw, i
   mc_err_t err = {0};
   int rc;
   mc_batch_t *b;
-  Py_BEGIN_ALLOW_THREADS
+  /* A batch gated on a CUDA event is only queued for the engine's gate
+   * thread (no network, no lookup, no wait: a few allocations and short
+   * mutexes no GIL holder waits on), so the GIL is kept: vLLM's forward
+   * thread calls this per layer and a release would hand the GIL to any
+   * thread waiting for it, to be taken back after it. */
+  int keep_gil = gate && gate->cuda_event;
+  PyThreadState *ts = keep_gil ? NULL : PyEval_SaveThread();
   b = mc_batch_new(self->eng, (size_t)x.n);
   if (!b) {
     rc = mc_err_set(&err, MC_ENOMEM, "out of memory");
   } else {
-    rc = mc_batch_submit(self->eng, b, target, x.reqs, (size_t)x.n, &err);
+    rc = gate ? mc_batch_submit_gated(self->eng, b, target, x.reqs, (size_t)x.n, gate, &err)
+              : mc_batch_submit(self->eng, b, target, x.reqs, (size_t)x.n, &err);
     if (rc < 0) {
       mc_batch_free(self->eng, b);
       b = NULL;
     }
   }
-  Py_END_ALLOW_THREADS
+  if (ts)
+    PyEval_RestoreThread(ts);
   PyMem_RawFree(x.reqs);
   if (rc < 0) {
     leave(self);
@@ -921,8 +929,75 @@ static PyObject *async_batch(EngineObject *self, PyObject *args, PyObject *kw, i
   return id;
 }
 
+static PyObject *async_batch(EngineObject *self, PyObject *args, PyObject *kw, int opcode,
+                             const char *fmt) {
+  return async_batch_gated(self, args, kw, opcode, fmt, NULL);
+}
+
 static PyObject *Engine_batch_transfer_async_write(EngineObject *self, PyObject *a, PyObject *k) {
   return async_batch(self, a, k, MC_OP_WRITE, "OOOO:batch_transfer_async_write");
+}
+
+PyDoc_STRVAR(gated_doc,
+"batch_transfer_async_write_gated(target_hostname, buffers, peer_buffer_addresses,\n"
+"    lengths, cuda_event=0, cuda_device=0, notify=None, notify_timeout=0) -> batch_id\n\n"
+"batch_transfer_async_write whose writes start only once cuda_event (a CUevent\n"
+"handle, e.g. torch.cuda.Event(blocking=True).cuda_event, recorded on the stream\n"
+"that writes the sources; 0: none) completed: the engine's gate thread waits for\n"
+"it in the driver, no Python thread is woken.  notify (bytes): sent by the engine\n"
+"to target_hostname once every write of the batch completed (none for a failed\n"
+"or canceled batch), like send_notify's message; notify_timeout: its receipt's\n"
+"limit in seconds (0: the engine's).  Keep the event alive until the batch is\n"
+"over.  The address lists may be array('Q') / 8-byte buffers (read in place).");
+
+static PyObject *Engine_batch_transfer_async_write_gated(EngineObject *self, PyObject *args,
+                                                         PyObject *kw) {
+  static char *kwlist[] = {"target_hostname", "buffers", "peer_buffer_addresses", "lengths",
+                           "cuda_event", "cuda_device", "notify", "notify_timeout", NULL};
+  PyObject *t, *lo, *ro, *no, *ev = NULL, *note = Py_None;
+  int dev = 0;
+  double ntmo = 0;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOO|OiOd:batch_transfer_async_write_gated",
+                                   kwlist, &t, &lo, &ro, &no, &ev, &dev, &note, &ntmo))
+    return NULL;
+  mc_gate_opts_t g = {.cuda_device = dev};
+  if (ev && ev != Py_None) {
+    g.cuda_event = PyLong_AsUnsignedLongLong(ev);
+    if (PyErr_Occurred()) {
+      PyErr_Clear();
+      PyErr_SetString(PyExc_ValueError, "cuda_event must be an int (a CUevent handle, "
+                      "torch.cuda.Event(...).cuda_event) or 0 for none");
+      return NULL;
+    }
+  }
+  if (dev < 0) {
+    PyErr_Format(PyExc_ValueError, "cuda_device must be the event's device ordinal (>= 0), "
+                 "not %d", dev);
+    return NULL;
+  }
+  if (mc_py_check_timeout(ntmo, 0, 0, 3600, "notify_timeout") < 0)
+    return NULL;
+  g.notify_timeout_ms = (int64_t)(ntmo * 1000.0);
+  Py_buffer nb = {0};
+  int has_nb = 0;
+  if (note != Py_None) {
+    if (PyUnicode_Check(note) || PyObject_GetBuffer(note, &nb, PyBUF_SIMPLE) < 0) {
+      PyErr_Clear();
+      PyErr_SetString(PyExc_ValueError, "notify must be bytes (the message) or None");
+      return NULL;
+    }
+    has_nb = 1;
+    g.notify = nb.buf;
+    g.notify_len = (size_t)nb.len;
+  }
+  PyObject *a = PyTuple_Pack(4, t, lo, ro, no);
+  PyObject *r = a ? async_batch_gated(self, a, NULL, MC_OP_WRITE,
+                                      "OOOO:batch_transfer_async_write_gated", &g)
+                  : NULL;
+  Py_XDECREF(a);
+  if (has_nb)
+    PyBuffer_Release(&nb);
+  return r;
 }
 static PyObject *Engine_batch_transfer_async_read(EngineObject *self, PyObject *a, PyObject *k) {
   return async_batch(self, a, k, MC_OP_READ, "OOOO:batch_transfer_async_read");
@@ -1378,7 +1453,9 @@ static PyObject *add_more_stats(PyObject *d, const mc_engine_stats_t *s) {
               {"prehandshake_evicted", s->prehandshake_evicted},
               {"handshake_redials", s->handshake_redials},
               {"gpu_jobs", s->gpu_jobs},
-              {"gpu_jobs_direct", s->gpu_jobs_direct}};
+              {"gpu_jobs_direct", s->gpu_jobs_direct},
+              {"gate_notified", s->gate_notified},
+              {"gate_event_failures", s->gate_event_failures}};
   for (size_t i = 0; i < sizeof more / sizeof more[0]; i++) {
     PyObject *v = PyLong_FromUnsignedLongLong(more[i].v);
     if (!v || PyDict_SetItemString(d, more[i].k, v) < 0) {
@@ -1491,6 +1568,9 @@ static PyMethodDef Engine_methods[] = {
     {"get_batch_transfer_status",
      (PyCFunction)(void (*)(void))Engine_get_batch_transfer_status, METH_VARARGS | METH_KEYWORDS,
      get_status_doc},
+    {"batch_transfer_async_write_gated",
+     (PyCFunction)(void (*)(void))Engine_batch_transfer_async_write_gated,
+     METH_VARARGS | METH_KEYWORDS, gated_doc},
     {"transfer_check_status", (PyCFunction)Engine_transfer_check_status, METH_O, check_doc},
     {"transfer_wait", (PyCFunction)Engine_transfer_wait, METH_VARARGS, transfer_wait_doc},
     {"get_batch_status", (PyCFunction)Engine_get_batch_status, METH_O,
@@ -1501,7 +1581,9 @@ static PyMethodDef Engine_methods[] = {
      "get_stats() -> dict: current use of the engine's budgets (unread notifications,\n"
      "queued replies, connections before their handshake) and their limits\n"
      "(docs/connector.md, Budgets); open_batches: batches not yet seen ended;\n"
-     "gpu_jobs / gpu_jobs_direct: GPU copy jobs so far / launched by the submitting thread."},
+     "gpu_jobs / gpu_jobs_direct: GPU copy jobs so far / launched by the submitting thread;\n"
+     "gate_notified / gate_event_failures: notifications sent for completed gated\n"
+     "batches / their CUDA event waits that failed."},
     {"get_notifies", (PyCFunction)Engine_get_notifies, METH_NOARGS,
      "get_notifies() -> list of (from_segment, message_bytes); drains the queue."},
     {"wait_notifies", (PyCFunction)Engine_wait_notifies, METH_VARARGS,

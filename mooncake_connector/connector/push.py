@@ -45,6 +45,7 @@ import functools
 import threading
 import time
 from array import array
+from collections import deque
 
 from mooncake_connector import trace
 
@@ -78,6 +79,19 @@ FIRST_CONTACT_SEND_S = 5.0
 
 class PushError(ValueError):
     pass
+
+
+GATE_KEEP = 4096  # = the engine's MC_GATE_MAX: batches waiting for CUDA events
+
+
+def _torch_gate_event():
+    """A CUDA event recorded on the current stream (after the layer's KV
+    kernels): (event, CUevent handle, device).  Blocking sync: the engine's
+    gate thread sleeps in cuEventSynchronize instead of spinning a core."""
+    import torch
+    ev = torch.cuda.Event(blocking=True)
+    ev.record()
+    return ev, int(ev.cuda_event), torch.cuda.current_device()
 
 
 def is_push(params):
@@ -571,7 +585,11 @@ class Target:
         self.layers_sent = set()
         self.lnotify = head.get("lnotify") is True  # "layer" messages as layers land
         self.landed = set()      # layer indices whose writes were acknowledged
-        self.told = 0            # how many of them the consumer was told
+        self.told = set()        # layer indices the consumer was told (or the engine tells
+        #                          it: a gated batch's own notification)
+        self.garr = None         # CUDA gate: per layer (src, dst, len) array('Q'), built once
+        self.gnote = None        # CUDA gate, lnotify: per layer its encoded "layer" message
+        self.gbytes = None       # CUDA gate: per layer the bytes written
         self.blayers = {}        # batch id -> the layer indices it writes
         self.batches = []
         self.state = "pending"   # pending | writing | done | nokv | cancelled
@@ -603,6 +621,8 @@ class ProducerJob:
         self.expected = max(1, expected)
         self.layerwise = layerwise
         self.ready = set()     # layer indices computed
+        self.queued = set()    # CUDA gate: layer indices whose kernels are queued (saved)
+        self.qev = None        # CUDA gate: the latest layer's event (ev, handle, device)
         self.all_ready = False
         self.targets = {}      # consumer engine -> Target
         self.t0 = time.monotonic()
@@ -621,6 +641,12 @@ class PushProducer:
         self.lock = threading.RLock()
         self._waiter = None  # CUDA KV caches: layer_events.LayerWaiter, made at first use
         self._landing = None  # layer load: landing.LandingWatcher, made at first use
+        # CUDA gate (push_layer_gate): record a layer's event -> (event, CUevent handle,
+        # device); the events given to the engine are kept alive here (bounded: the
+        # engine's gate holds at most MC_GATE_MAX batches, each one event's)
+        self._gate_event = _torch_gate_event
+        self._gate_failed = None
+        self._gate_keep = deque(maxlen=2 * GATE_KEEP)
         self._layer_index = {L.name: i for i, L in enumerate(worker.layout.layers)}
         off, self._layer_off = 0, []
         for L in worker.layout.layers:
@@ -765,6 +791,10 @@ class PushProducer:
             job.layerwise = True  # before the forward: each layer as it is computed
         job.targets[tg.name] = tg
         self._submit(job, tg)
+        if job.layerwise and not job.all_ready and self._gate_on():
+            # the per-layer arrays now (usually before the forward), not in a layer's save
+            if self._gate_arrays(job, tg) is not None and job.queued:
+                self._submit_gated(job, tg)  # layers saved before the target arrived
 
     def _repeat(self, job, tg):
         """An identical duplicate of a target this job has: nothing is
@@ -774,7 +804,7 @@ class PushProducer:
             self._reply(tg.name, job.tid, "done", ntok=tg.ntok)
         elif tg.state in ("nokv", "cancelled"):
             self._reply(tg.name, job.tid, tg.state, tg.why)
-        elif tg.lnotify and tg.told and not tg.stop:
+        elif tg.lnotify and tg.landed and not tg.stop:
             self._reply(tg.name, job.tid, "layer", l=sorted(tg.landed))
 
     def layer_done(self, layer_name):
@@ -783,7 +813,8 @@ class PushProducer:
         if li is None:
             return
         if self.w.cuda_sync is not None and self.streams:
-            self._layer_queued(li)
+            if not (self._gate_on() and self._layer_gated(li)):
+                self._layer_queued(li)
             return
         with self.lock:
             if trace.ON:
@@ -799,6 +830,149 @@ class PushProducer:
                         self._submit(job, tg)
                         if tg.lnotify and tg.batches:
                             self._poll_batches(tg, job)  # earlier layers landed: say so
+
+    def _gate_on(self):
+        """CUDA layer by layer through the engine's gate: each layer's
+        writes handed over at once with the layer's CUDA event."""
+        return (self.w.cuda_sync is not None and self.streams and self._gate_failed is None
+                and bool(getattr(self.w.s, "push_layer_gate", True))
+                and hasattr(self.w.engine, "batch_transfer_async_write_gated"))
+
+    def _gate_fail(self, why):
+        if self._gate_failed is None:
+            self._gate_failed = str(why)
+            logger.warning("MooncakeConnector push: the engine's CUDA gate is off (%s); "
+                           "layers go through the layer-event thread from now on", why)
+
+    def _layer_gated(self, li):
+        """vLLM's forward thread, CUDA, layer li's kernels queued: one event
+        recorded on the current stream, and for every target one engine call
+        with its pre-built arrays, the event and (push_layer_load) the
+        encoded "layer" notification; the engine's gate thread starts the
+        writes once the event completed and its notifier tells the decode
+        once they landed.  No Python thread is woken.  False: the gate is
+        off (event error): the caller takes the layer-event path."""
+        live = [job for job in list(self.jobs.values()) if not job.all_ready]
+        if not live:
+            return True
+        try:
+            ev = self._gate_event()
+        except Exception as e:  # noqa: BLE001 - any event error: the fallback path
+            self._gate_fail(f"recording a CUDA event failed: {e}")
+            return False
+        self._gate_keep.append(ev[0])
+        with self.lock:
+            if trace.ON:
+                for job in live:
+                    trace.event("layer_saved", job.tid, li=li)
+            for job in live:
+                if job.all_ready or self.jobs.get(job.tid) is not job:
+                    continue
+                job.queued.add(li)
+                job.qev = ev
+                if job.layerwise:
+                    for tg in job.targets.values():
+                        self._submit_gated(job, tg)
+        return True
+
+    def _gate_arrays(self, job, tg):
+        """The target's per-layer (src, dst, len) arrays, built once (the
+        checks of _submit); None when the target cannot be written."""
+        if tg.garr is not None:
+            return tg.garr
+        lay = self.w.layout
+        epb = lay.extents_per_block
+        rows = job.spec.block_ids if not job.spec.more_groups else \
+            list(zip(job.spec.block_ids, *job.spec.more_groups))
+        if tg.skip + tg.nblocks > len(rows):
+            tg.stop = (f"the decode side asks for blocks {tg.skip}..{tg.skip + tg.nblocks - 1}; "
+                       f"this prefill holds {len(rows)}")
+            return None
+        per = [(array("Q"), array("Q"), array("Q")) for _ in self._layer_off]
+        dest = tg.dest
+        for b in range(tg.nblocks):
+            row = rows[tg.skip + b]
+            for li, (k0, _) in enumerate(self._layer_off):
+                src, dst, lens = per[li]
+                for k, (s_addr, s_len) in enumerate(lay.layer_extents(row, li), k0):
+                    i = (b * epb + k) * 3
+                    d_addr, n, s_off = dest[i], dest[i + 1], dest[i + 2]
+                    if n == 0:
+                        continue  # HMA: a null block on the consumer
+                    if s_off + n > s_len:
+                        tg.stop = (f"extent {k} of block {b}: {n} bytes from offset {s_off} "
+                                   f"exceed this side's {s_len}-byte extent")
+                        return None
+                    src.append(s_addr + s_off)
+                    dst.append(d_addr)
+                    lens.append(n)
+        tg.gbytes = [sum(x[2]) for x in per]
+        if tg.lnotify:  # each layer's own "layer" message, encoded once
+            tg.gnote = [encode({"t": "layer", "tid": job.tid, "l": [li]})
+                        for li in range(len(per))]
+        tg.garr = per
+        return per
+
+    def _submit_gated(self, job, tg):
+        """Hand the queued layers not sent yet to this target to the engine,
+        gated on the latest layer's event (one stream: it covers the earlier
+        layers).  A layer the gate does not take (busy) goes with the whole
+        prompt after the forward (prompt_done)."""
+        if tg.state not in ("pending", "writing") or tg.cancel or tg.stop or job.qev is None:
+            return
+        todo = sorted(job.queued - tg.layers_sent)
+        if not todo:
+            return
+        if time.time() > tg.lease_until - PUSH_MARGIN_S:
+            tg.stop = "the decode side's lease expired before the KV was written"
+            return
+        per = self._gate_arrays(job, tg)
+        if per is None:
+            return
+        if len(todo) == 1:
+            src, dst, lens = per[todo[0]]
+        else:
+            src, dst, lens = array("Q"), array("Q"), array("Q")
+            for li in todo:
+                src.extend(per[li][0])
+                dst.extend(per[li][1])
+                lens.extend(per[li][2])
+        if not src:
+            tg.layers_sent.update(todo)
+            tg.state = "writing"
+            tg.landed.update(todo)  # nothing to write (HMA null blocks): landed as is
+            return
+        _, handle, dev = job.qev
+        note = None
+        if tg.lnotify:
+            note = tg.gnote[todo[0]] if len(todo) == 1 else \
+                encode({"t": "layer", "tid": job.tid, "l": todo})
+        from mooncake_connector import MooncakeError
+        try:
+            bid = self.w.engine.batch_transfer_async_write_gated(
+                tg.name, src, dst, lens, cuda_event=handle, cuda_device=dev, notify=note,
+                notify_timeout=max(0.1, min(RESEND_TIMEOUT_S, tg.lease_until - time.time())))
+        except MooncakeError as e:
+            if getattr(e, "code_name", None) == "MC_EBUSY":
+                return  # the gate is full: these layers go after the forward
+            if getattr(e, "code_name", None) == "MC_EUNAVAIL":
+                self._gate_fail(e)
+                return
+            tg.stop = f"write to {tg.name} failed to start: {e}"
+            return
+        except ValueError as e:
+            tg.stop = f"write to {tg.name} failed to start: {e}"
+            return
+        tg.layers_sent.update(todo)
+        tg.state = "writing"
+        tg.batches.append(bid)
+        tg.blayers[bid] = todo
+        if note is not None:
+            tg.told.update(todo)  # the engine tells them once they landed
+        nbytes = tg.gbytes[todo[0]] if len(todo) == 1 else sum(lens)
+        job.bytes += nbytes
+        if trace.ON:
+            trace.event("write_issued", job.tid, l=todo, bytes=nbytes, gated=True)
 
     def _layer_queued(self, li):
         """CUDA, layer by layer: the layer's kernels are queued, not done;
@@ -940,13 +1114,25 @@ class PushProducer:
             tg.landed.update(todo)  # nothing to write (HMA null blocks): landed as is
             return
         from mooncake_connector import MooncakeError
+        # CUDA gate on: the engine tells the decode these layers once they
+        # landed (the stream was synchronized: no event), not the landing
+        # thread and the outbox.
+        gate = tg.lnotify and self._gate_on()
         try:
-            bid = self.w.engine.batch_transfer_async_write(tg.name, src, dst, lens)
+            if gate:
+                bid = self.w.engine.batch_transfer_async_write_gated(
+                    tg.name, src, dst, lens,
+                    notify=encode({"t": "layer", "tid": job.tid, "l": todo}),
+                    notify_timeout=max(0.1, min(RESEND_TIMEOUT_S,
+                                                tg.lease_until - time.time())))
+                tg.told.update(todo)
+            else:
+                bid = self.w.engine.batch_transfer_async_write(tg.name, src, dst, lens)
             tg.batches.append(bid)
             tg.blayers[bid] = todo
             if trace.ON:
                 trace.event("write_issued", job.tid, l=todo, bytes=sum(lens))
-            if tg.lnotify and job.watch:
+            if tg.lnotify and job.watch and not gate:
                 self._watch_landing()
         except (MooncakeError, ValueError) as e:
             tg.stop = f"write to {tg.name} failed to start: {e}"
@@ -970,8 +1156,8 @@ class PushProducer:
                 if trace.ON and job is not None:
                     trace.event("write_seen_landed", job.tid, l=list(layers))
         tg.batches = left
-        if tg.lnotify and len(tg.landed) > tg.told and job is not None and not tg.stop:
-            tg.told = len(tg.landed)
+        if tg.lnotify and job is not None and not tg.stop and not tg.landed <= tg.told:
+            tg.told |= tg.landed
             self._reply(tg.name, job.tid, "layer", l=sorted(tg.landed))
         return not left
 

@@ -61,6 +61,13 @@ KNOBS = {  # extra-config key: (type, default, meaning)
                             "background thread starts each layer's write once its event "
                             "completed); false: CUDA KV caches push whole prompts after the "
                             "forward"),
+    "push_layer_gate": (bool, True, "producer, push layer by layer with CUDA KV caches: each "
+                        "layer's writes are handed to the engine at once with the layer's "
+                        "CUDA event (the engine's gate thread starts them once it completed) "
+                        "and, for push_layer_load, the engine sends the decode that layer's "
+                        "'layer' notification when they landed: no Python thread per layer; "
+                        "false: the layer-event and landing threads (push_layerwise_cuda, "
+                        "push_layer_watch)"),
     "push_layer_watch": (bool, True, "producer, push layer load: a thread tells the decode "
                          "each layer as soon as its writes land (false: told from vLLM's "
                          "forward thread only, at the next layer's save_kv_layer and, for the "
@@ -135,6 +142,7 @@ class Settings:
     bootstrap_host: str = ""
     push_layerwise: bool = False
     push_layerwise_cuda: bool = True
+    push_layer_gate: bool = True
     push_layer_watch: bool = True
     push_layer_load: bool = False
     push_layer_timeout_s: float = 10.0

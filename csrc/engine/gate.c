@@ -1,0 +1,426 @@
+/* Gated write batches: a batch whose requests are handed to their
+ * transport only once a CUDA event completed (the sources are written by
+ * kernels still queued on a stream when the batch is submitted), and an
+ * optional notification the engine sends to the target once every request
+ * of the batch completed.  Two engine threads, started at the first gated
+ * submit: the gate thread waits for the events in submission order, asleep
+ * in the driver (cuEventSynchronize; blocking-sync events sleep, others
+ * spin in the driver), and submits each batch; the notifier thread sends
+ * the notifications of batches that completed (mc_engine_notify_detached,
+ * so no I/O or copy thread ever sends or waits).  A batch waiting for its
+ * event holds one pseudo-request (pending) and one pseudo-op (in flight):
+ * status polls see it running and a cancel (a wait's timeout, a free)
+ * drains it like any op (mc_gate_sweep from the transports' cancel sweep). */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "engine/engine_internal.h"
+#include "gpu/cuda_driver.h"
+#include "util/clock.h"
+#include "util/log.h"
+
+typedef struct gate_ent {
+  struct gate_ent *next;
+  mc_batch_t *b; /* NULL once a cancel let the batch go (gate mu) */
+  mc_engine_t *e;
+  char segment[320];
+  mc_request_t *reqs;
+  size_t n;
+  uint64_t event;
+  int dev;
+} gate_ent_t;
+
+struct mc_gate_msg {
+  struct mc_gate_msg *next;
+  char segment[320];
+  int64_t timeout_ms;
+  size_t len;
+  char msg[];
+};
+
+struct mc_gate {
+  mc_engine_t *e;
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  gate_ent_t *head, *tail;
+  size_t n;                 /* queued + the one waited for */
+  gate_ent_t *cur;          /* its event is being waited for (mu) */
+  gate_ent_t *dispatching;  /* being submitted: a sweep leaves it to the submit */
+  int stop;
+  /* completed batches' notifications (nmu: taken under a batch's mu) */
+  pthread_mutex_t nmu;
+  pthread_cond_t ncv;
+  mc_gate_msg_t *mhead, *mtail;
+  uint64_t sent, failed_events; /* stats (nmu / mu) */
+  pthread_t thr, nthr;
+  int started;
+};
+
+static void ent_free(gate_ent_t *g) {
+  if (g) {
+    free(g->reqs);
+    free(g);
+  }
+}
+
+/* Waits (asleep in the driver for a blocking-sync event) until the event
+ * completed; 0 or <0 with err naming the driver's error. */
+static int wait_event(const gate_ent_t *g, int *dev_set, mc_err_t *err) {
+  const mc_cuda_api_t *api = mc_cuda_api(err);
+  if (!api)
+    return err->code;
+  if (*dev_set != g->dev) { /* the event's context current on this thread */
+    int rc = mc_cuda_use_device(g->dev, err);
+    if (rc < 0)
+      return rc;
+    *dev_set = g->dev;
+  }
+  mc_cu_result r = api->cuEventSynchronize((mc_cu_event)(uintptr_t)g->event);
+  if (r != 0) {
+    char buf[160];
+    return mc_err_set(err, MC_ESYS, "its CUDA event failed: %s",
+                      mc_cuda_strerror(api, r, buf, sizeof buf));
+  }
+  return 0;
+}
+
+/* The event completed (rc 0) or failed: submit the batch, or fail its
+ * requests; then the gate's hold on it goes. */
+static void dispatch(mc_gate_t *gt, gate_ent_t *g, int rc, const mc_err_t *ev_err) {
+  mc_batch_t *b = g->b;
+  mc_err_t err = {0};
+  if (rc < 0) {
+    err = *ev_err;
+  } else if (atomic_load(&b->cancel)) {
+    rc = mc_err_set(&err, MC_ECANCELED, "canceled before its CUDA event completed");
+  } else {
+    rc = mc_batch_submit(gt->e, b, g->segment, g->reqs, g->n, &err);
+  }
+  /* Canceled while it was being submitted: its ops may have missed the
+   * canceler's sweep.  Read before the release: the batch may be freed
+   * as soon as the gate lets go of it. */
+  int sweep = rc == 0 && atomic_load(&b->cancel);
+  mc_batch_gate_release(b, g->reqs, g->n, rc, rc < 0 ? err.msg : NULL);
+  if (sweep)
+    mc_transports_cancel_sweep(gt->e);
+}
+
+static void *gate_main(void *arg) {
+  mc_gate_t *gt = arg;
+  int dev_set = -1;
+  pthread_mutex_lock(&gt->mu);
+  for (;;) {
+    while (!gt->stop && !gt->head)
+      pthread_cond_wait(&gt->cv, &gt->mu);
+    if (gt->stop)
+      break;
+    gate_ent_t *g = gt->head;
+    gt->head = g->next;
+    if (!gt->head)
+      gt->tail = NULL;
+    gt->cur = g;
+    pthread_mutex_unlock(&gt->mu);
+    mc_err_t err = {0};
+    int rc = g->event ? wait_event(g, &dev_set, &err) : 0;
+    pthread_mutex_lock(&gt->mu);
+    gt->cur = NULL;
+    if (rc < 0)
+      gt->failed_events++;
+    if (g->b && !gt->stop) {
+      gt->dispatching = g;
+      pthread_mutex_unlock(&gt->mu);
+      dispatch(gt, g, rc, &err);
+      pthread_mutex_lock(&gt->mu);
+      gt->dispatching = NULL;
+    }
+    gt->n--;
+    pthread_cond_broadcast(&gt->cv); /* a sweep waiting for the submit */
+    ent_free(g);
+  }
+  pthread_mutex_unlock(&gt->mu);
+  return NULL;
+}
+
+static void *notifier_main(void *arg) {
+  mc_gate_t *gt = arg;
+  pthread_mutex_lock(&gt->nmu);
+  for (;;) {
+    while (!gt->stop && !gt->mhead)
+      pthread_cond_wait(&gt->ncv, &gt->nmu);
+    if (gt->stop)
+      break;
+    mc_gate_msg_t *m = gt->mhead;
+    gt->mhead = m->next;
+    if (!gt->mhead)
+      gt->mtail = NULL;
+    pthread_mutex_unlock(&gt->nmu);
+    mc_err_t err = {0};
+    /* Detached: the receipt is the transport's business (a failure is
+     * logged); back-pressure past the engine's bound waits here only. */
+    int rc = mc_engine_notify_detached(gt->e, m->segment, m->msg, m->len, m->timeout_ms,
+                                       "notification of a completed write batch", &err);
+    if (rc < 0)
+      mc_log_warn("notification of a completed write batch to %s not sent: %s", m->segment,
+                  err.msg);
+    free(m);
+    pthread_mutex_lock(&gt->nmu);
+    if (rc == 0)
+      gt->sent++;
+  }
+  pthread_mutex_unlock(&gt->nmu);
+  return NULL;
+}
+
+static mc_gate_t *gate_get(mc_engine_t *e, mc_err_t *err) {
+  pthread_mutex_lock(&e->gate_mu);
+  mc_gate_t *gt = e->gate;
+  if (!gt) {
+    gt = calloc(1, sizeof *gt);
+    if (!gt) {
+      pthread_mutex_unlock(&e->gate_mu);
+      mc_err_set(err, MC_ENOMEM, "out of memory");
+      return NULL;
+    }
+    gt->e = e;
+    pthread_mutex_init(&gt->mu, NULL);
+    pthread_cond_init(&gt->cv, NULL);
+    pthread_mutex_init(&gt->nmu, NULL);
+    pthread_cond_init(&gt->ncv, NULL);
+    if (pthread_create(&gt->thr, NULL, gate_main, gt) != 0) {
+      free(gt);
+      pthread_mutex_unlock(&e->gate_mu);
+      mc_err_set(err, MC_ENOMEM, "cannot start the engine's gate thread");
+      return NULL;
+    }
+    if (pthread_create(&gt->nthr, NULL, notifier_main, gt) != 0) {
+      pthread_mutex_lock(&gt->mu);
+      gt->stop = 1;
+      pthread_cond_broadcast(&gt->cv);
+      pthread_mutex_unlock(&gt->mu);
+      pthread_join(gt->thr, NULL);
+      free(gt);
+      pthread_mutex_unlock(&e->gate_mu);
+      mc_err_set(err, MC_ENOMEM, "cannot start the engine's notifier thread");
+      return NULL;
+    }
+    pthread_setname_np(gt->thr, "mc-gate");
+    pthread_setname_np(gt->nthr, "mc-gate-notify");
+    gt->started = 1;
+    e->gate = gt;
+  }
+  pthread_mutex_unlock(&e->gate_mu);
+  return gt;
+}
+
+static int check_args(mc_engine_t *e, mc_batch_t *b, const char *segment,
+                      const mc_request_t *reqs, size_t n, const mc_gate_opts_t *o,
+                      mc_err_t *err) {
+  if (!segment || !*segment)
+    return mc_err_set(err, MC_EINVAL, "target segment name is empty");
+  if (n == 0)
+    return mc_err_set(err, MC_EINVAL, "a gated batch needs at least one request");
+  for (size_t i = 0; i < n; i++)
+    if (reqs[i].opcode != MC_OP_WRITE)
+      return mc_err_set(err, MC_EINVAL, "request %zu: a gated batch carries WRITEs only", i);
+  pthread_mutex_lock(&b->mu);
+  int used = b->n != 0 || b->gate_hold || b->notify;
+  size_t cap = b->cap;
+  pthread_mutex_unlock(&b->mu);
+  if (used)
+    return mc_err_set(err, MC_EINVAL, "the batch already has requests: a gated submit needs a "
+                      "new batch");
+  if (n > cap)
+    return mc_err_set(err, MC_EINVAL, "batch has room for %zu requests, %zu submitted; "
+                      "allocate a larger batch", cap, n);
+  if (o->notify_len > MC_ENGINE_MAX_MSG)
+    return mc_err_set(err, MC_ETOOBIG, "notification of %zu bytes exceeds %u", o->notify_len,
+                      MC_ENGINE_MAX_MSG);
+  if (o->cuda_event) {
+    if (!mc_cuda_api_if_loaded())
+      return mc_err_set(err, MC_EUNAVAIL, "a CUDA event was given but the CUDA driver is not "
+                        "loaded in this process; pass no event (0) for host memory");
+    if (o->cuda_device < 0)
+      return mc_err_set(err, MC_EINVAL, "cuda_device %d: give the event's device ordinal (>= 0)",
+                        o->cuda_device);
+  }
+  (void)e;
+  return 0;
+}
+
+int mc_batch_submit_gated(mc_engine_t *e, mc_batch_t *b, const char *segment,
+                          const mc_request_t *reqs, size_t n, const mc_gate_opts_t *o,
+                          mc_err_t *err) {
+  int rc = check_args(e, b, segment, reqs, n, o, err);
+  if (rc < 0)
+    return rc;
+  mc_gate_msg_t *m = NULL;
+  if (o->notify) {
+    m = malloc(sizeof *m + (o->notify_len ? o->notify_len : 1));
+    if (!m)
+      return mc_err_set(err, MC_ENOMEM, "out of memory");
+    m->next = NULL;
+    snprintf(m->segment, sizeof m->segment, "%s", segment);
+    m->timeout_ms = o->notify_timeout_ms > 0 ? o->notify_timeout_ms : -1;
+    m->len = o->notify_len;
+    memcpy(m->msg, o->notify, o->notify_len);
+  }
+  if (!o->cuda_event) { /* nothing to wait for: submitted here, told at completion */
+    if (m && !gate_get(e, err)) {
+      free(m);
+      return err->code;
+    }
+    /* Held while submitting: a request completing before the last one is
+     * queued (a transport taking the call in chunks) must not look like
+     * the whole batch. */
+    mc_batch_gate_hold(b, m);
+    rc = mc_batch_submit(e, b, segment, reqs, n, err);
+    mc_batch_gate_release(b, reqs, n, rc, rc < 0 ? err->msg : NULL);
+    return rc;
+  }
+  mc_gate_t *gt = gate_get(e, err);
+  gate_ent_t *g = gt ? calloc(1, sizeof *g) : NULL;
+  if (g)
+    g->reqs = malloc(n * sizeof *g->reqs);
+  if (!g || !g->reqs) {
+    ent_free(g);
+    free(m);
+    return gt ? mc_err_set(err, MC_ENOMEM, "out of memory") : err->code;
+  }
+  memcpy(g->reqs, reqs, n * sizeof *reqs);
+  g->n = n;
+  g->b = b;
+  g->e = e;
+  g->event = o->cuda_event;
+  g->dev = o->cuda_device;
+  snprintf(g->segment, sizeof g->segment, "%s", segment);
+  pthread_mutex_lock(&gt->mu);
+  if (gt->n >= MC_GATE_MAX) {
+    size_t q = gt->n;
+    pthread_mutex_unlock(&gt->mu);
+    ent_free(g);
+    free(m);
+    return mc_err_set(err, MC_EBUSY, "%zu gated batches already wait for their CUDA events "
+                      "(at most %d): wait for some, or submit without an event", q, MC_GATE_MAX);
+  }
+  mc_batch_gate_hold(b, m); /* under gt->mu: lock order gate, batch */
+  if (gt->tail)
+    gt->tail->next = g;
+  else
+    gt->head = g;
+  gt->tail = g;
+  gt->n++;
+  pthread_cond_broadcast(&gt->cv);
+  pthread_mutex_unlock(&gt->mu);
+  return 0;
+}
+
+/* Batches canceled while they wait for their event let go now (their
+ * requests end MC_ECANCELED); one being submitted is left to the submit. */
+void mc_gate_sweep(mc_engine_t *e) {
+  pthread_mutex_lock(&e->gate_mu);
+  mc_gate_t *gt = e->gate;
+  pthread_mutex_unlock(&e->gate_mu);
+  if (!gt)
+    return;
+  pthread_mutex_lock(&gt->mu);
+  gate_ent_t **pp = &gt->head;
+  while (*pp) {
+    gate_ent_t *g = *pp;
+    if (g->b && atomic_load(&g->b->cancel)) {
+      *pp = g->next;
+      if (gt->tail == g) {
+        gt->tail = NULL;
+        for (gate_ent_t *t = gt->head; t; t = t->next)
+          gt->tail = t;
+      }
+      gt->n--;
+      mc_batch_gate_release(g->b, g->reqs, g->n, MC_ECANCELED,
+                            "canceled before its CUDA event completed");
+      ent_free(g);
+      continue;
+    }
+    pp = &g->next;
+  }
+  gate_ent_t *c = gt->cur;
+  if (c && c->b && atomic_load(&c->b->cancel)) { /* the gate thread frees the entry */
+    mc_batch_gate_release(c->b, c->reqs, c->n, MC_ECANCELED,
+                          "canceled before its CUDA event completed");
+    c->b = NULL;
+  }
+  pthread_mutex_unlock(&gt->mu);
+}
+
+/* Called under b->mu once a batch with a notification went idle. */
+void mc_gate_post(mc_engine_t *e, mc_gate_msg_t *m) {
+  mc_gate_t *gt = e->gate; /* set before any batch carried a message */
+  pthread_mutex_lock(&gt->nmu);
+  m->next = NULL;
+  if (gt->mtail)
+    gt->mtail->next = m;
+  else
+    gt->mhead = m;
+  gt->mtail = m;
+  pthread_cond_signal(&gt->ncv);
+  pthread_mutex_unlock(&gt->nmu);
+}
+
+void mc_gate_counts(mc_engine_t *e, uint64_t *notified, uint64_t *event_failures) {
+  *notified = *event_failures = 0;
+  pthread_mutex_lock(&e->gate_mu);
+  mc_gate_t *gt = e->gate;
+  pthread_mutex_unlock(&e->gate_mu);
+  if (!gt)
+    return;
+  pthread_mutex_lock(&gt->nmu);
+  *notified = gt->sent;
+  pthread_mutex_unlock(&gt->nmu);
+  pthread_mutex_lock(&gt->mu);
+  *event_failures = gt->failed_events;
+  pthread_mutex_unlock(&gt->mu);
+}
+
+/* Engine destroy (every batch freed): the threads stop; notifications not
+ * sent yet are dropped.  A gate thread still asleep on an event that never
+ * completes (a hung GPU) is left running after 10 s, its state leaked. */
+void mc_gate_destroy(mc_engine_t *e) {
+  pthread_mutex_lock(&e->gate_mu);
+  mc_gate_t *gt = e->gate;
+  e->gate = NULL;
+  pthread_mutex_unlock(&e->gate_mu);
+  if (!gt)
+    return;
+  pthread_mutex_lock(&gt->mu);
+  gt->stop = 1;
+  pthread_cond_broadcast(&gt->cv);
+  pthread_mutex_unlock(&gt->mu);
+  pthread_mutex_lock(&gt->nmu);
+  pthread_cond_broadcast(&gt->ncv);
+  pthread_mutex_unlock(&gt->nmu);
+  pthread_join(gt->nthr, NULL);
+  struct timespec dl;
+  clock_gettime(CLOCK_REALTIME, &dl);
+  dl.tv_sec += 10;
+  if (pthread_timedjoin_np(gt->thr, NULL, &dl) != 0) {
+    mc_log_warn("engine gate thread still waits for a CUDA event after 10 s; left running");
+    pthread_detach(gt->thr);
+    return;
+  }
+  while (gt->head) {
+    gate_ent_t *g = gt->head;
+    gt->head = g->next;
+    ent_free(g);
+  }
+  while (gt->mhead) {
+    mc_gate_msg_t *m = gt->mhead;
+    gt->mhead = m->next;
+    free(m);
+  }
+  pthread_mutex_destroy(&gt->mu);
+  pthread_cond_destroy(&gt->cv);
+  pthread_mutex_destroy(&gt->nmu);
+  pthread_cond_destroy(&gt->ncv);
+  free(gt);
+}

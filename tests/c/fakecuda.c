@@ -1,0 +1,138 @@
+/* Test fixture: a host-memory stand-in for libcuda.so.1, built as
+ * build/fakecuda/libcuda.so.1 and loaded by tests that run without a GPU
+ * (LD_LIBRARY_PATH; tests/c/test_gate.c, tests/test_gated_write.py).
+ * "Device" memory is malloc'ed and tracked, launches of the copy kernel copy
+ * on the CPU at launch, and a stream reports NOT_READY until LAT_NS after its
+ * last launch, so completion polling paths are exercised.  For the tests:
+ * fakecuda_stream_hold(stream, ns) makes the stream busy for ns more
+ * nanoseconds (an event recorded on it then completes that much later), and
+ * cuEventSynchronize sleeps in 50 us steps (a blocking-sync event) instead
+ * of spinning. */
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#define LAT_NS 20000ull
+typedef int CUresult;
+static __thread void *cur_ctx;
+static int the_ctx;
+static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+typedef struct { uint64_t lo, hi; } alloc_t;
+static alloc_t allocs[1024];
+static int nallocs;
+static uint64_t now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec * 1000000000ull + t.tv_nsec; }
+typedef struct { uint64_t ready; } stream_t;
+typedef struct { uint64_t ready; } event_t;
+static stream_t null_stream;
+#define ST(s) ((s) ? (stream_t *)(s) : &null_stream)
+static void bump(void *s) { __atomic_store_n(&ST(s)->ready, now() + LAT_NS, __ATOMIC_SEQ_CST); }
+
+CUresult cuInit(unsigned f) { (void)f; return 0; }
+CUresult cuDeviceGetCount(int *n) { *n = 1; return 0; }
+CUresult cuDeviceGet(int *d, int o) { *d = o; return o == 0 ? 0 : 101; }
+CUresult cuDriverGetVersion(int *v) { *v = 12000; return 0; }
+CUresult cuDeviceGetAttribute(int *v, int a, int d) { (void)a; (void)d; *v = 0; return 0; }
+CUresult cuGetErrorName(CUresult r, const char **s) { (void)r; *s = "FAKE_ERROR"; return 0; }
+CUresult cuGetErrorString(CUresult r, const char **s) { (void)r; *s = "fake error"; return 0; }
+CUresult cuDevicePrimaryCtxRetain(void **c, int d) { (void)d; *c = &the_ctx; return 0; }
+CUresult cuCtxSetCurrent(void *c) { cur_ctx = c; return 0; }
+CUresult cuCtxGetCurrent(void **c) { *c = cur_ctx; return 0; }
+static int find(uint64_t a, alloc_t *out) {
+  pthread_mutex_lock(&mu);
+  int k = -1;
+  for (int i = 0; i < nallocs; i++) if (a >= allocs[i].lo && a < allocs[i].hi) { k = i; *out = allocs[i]; }
+  pthread_mutex_unlock(&mu);
+  return k;
+}
+CUresult cuMemAlloc_v2(uint64_t *p, size_t n) {
+  void *m = malloc(n);
+  if (!m) return 2;
+  pthread_mutex_lock(&mu);
+  allocs[nallocs++] = (alloc_t){(uint64_t)(uintptr_t)m, (uint64_t)(uintptr_t)m + n};
+  pthread_mutex_unlock(&mu);
+  *p = (uint64_t)(uintptr_t)m;
+  return 0;
+}
+CUresult cuMemFree_v2(uint64_t p) {
+  pthread_mutex_lock(&mu);
+  for (int i = 0; i < nallocs; i++) if (allocs[i].lo == p) { allocs[i] = allocs[--nallocs]; break; }
+  pthread_mutex_unlock(&mu);
+  free((void *)(uintptr_t)p);
+  return 0;
+}
+CUresult cuPointerGetAttribute(void *data, int attr, uint64_t p) {
+  alloc_t a;
+  if (find(p, &a) < 0) return 1; /* CUDA_ERROR_INVALID_VALUE: not ours */
+  switch (attr) {
+  case 2: *(unsigned *)data = 2; return 0;
+  case 9: *(int *)data = 0; return 0;
+  case 11: *(uint64_t *)data = a.lo; return 0;
+  case 12: *(size_t *)data = a.hi - a.lo; return 0;
+  case 1: *(void **)data = &the_ctx; return 0;
+  default: return 1;
+  }
+}
+CUresult cuMemGetAddressRange_v2(uint64_t *b, size_t *n, uint64_t p) {
+  alloc_t a;
+  if (find(p, &a) < 0) return 1;
+  if (b) *b = a.lo;
+  if (n) *n = a.hi - a.lo;
+  return 0;
+}
+CUresult cuMemcpyHtoD_v2(uint64_t d, const void *s, size_t n) { memcpy((void *)(uintptr_t)d, s, n); return 0; }
+CUresult cuMemcpyDtoH_v2(void *d, uint64_t s, size_t n) { memcpy(d, (void *)(uintptr_t)s, n); return 0; }
+CUresult cuMemcpy(uint64_t d, uint64_t s, size_t n) { memmove((void *)(uintptr_t)d, (void *)(uintptr_t)s, n); return 0; }
+CUresult cuMemcpyAsync(uint64_t d, uint64_t s, size_t n, void *st) { memmove((void *)(uintptr_t)d, (void *)(uintptr_t)s, n); bump(st); return 0; }
+CUresult cuMemcpyHtoDAsync_v2(uint64_t d, const void *s, size_t n, void *st) { memcpy((void *)(uintptr_t)d, s, n); bump(st); return 0; }
+CUresult cuMemcpyDtoHAsync_v2(void *d, uint64_t s, size_t n, void *st) { memcpy(d, (void *)(uintptr_t)s, n); bump(st); return 0; }
+CUresult cuStreamCreate(void **s, unsigned f) { (void)f; *s = calloc(1, sizeof(stream_t)); return 0; }
+CUresult cuStreamDestroy_v2(void *s) { free(s); return 0; }
+CUresult cuStreamSynchronize(void *s) { while (now() < __atomic_load_n(&ST(s)->ready, __ATOMIC_SEQ_CST)) ; return 0; }
+CUresult cuStreamQuery(void *s) { return now() < __atomic_load_n(&ST(s)->ready, __ATOMIC_SEQ_CST) ? 600 : 0; }
+CUresult cuEventCreate(void **e, unsigned f) { (void)f; *e = calloc(1, sizeof(event_t)); return 0; }
+CUresult cuEventDestroy_v2(void *e) { free(e); return 0; }
+CUresult cuEventRecord(void *e, void *s) { __atomic_store_n(&((event_t *)e)->ready, __atomic_load_n(&ST(s)->ready, __ATOMIC_SEQ_CST), __ATOMIC_SEQ_CST); return 0; }
+CUresult cuEventQuery(void *e) { return now() < ((event_t *)e)->ready ? 600 : 0; }
+CUresult cuEventSynchronize(void *e) {
+  struct timespec ts = {0, 50000};
+  while (now() < __atomic_load_n(&((event_t *)e)->ready, __ATOMIC_SEQ_CST))
+    nanosleep(&ts, NULL);
+  return 0;
+}
+void fakecuda_stream_hold(void *s, uint64_t ns) {
+  __atomic_store_n(&ST(s)->ready, now() + ns, __ATOMIC_SEQ_CST);
+}
+CUresult cuMemHostAlloc(void **p, size_t n, unsigned f) { (void)f; *p = malloc(n); return *p ? 0 : 2; }
+CUresult cuMemFreeHost(void *p) { free(p); return 0; }
+/* The copy kernel: module/function handles name the entry point. */
+static char mod_tag;
+static char fn_pieces, fn_p, fn_p8;
+CUresult cuModuleLoadData(void **m, const void *img) { (void)img; *m = &mod_tag; return 0; }
+CUresult cuModuleGetFunction(void **f, void *m, const char *name) {
+  (void)m;
+  *f = !strcmp(name, "mc_copy_pieces") ? (void *)&fn_pieces : !strcmp(name, "mc_copy_reqs_p") ? (void *)&fn_p
+     : !strcmp(name, "mc_copy_reqs_p8") ? (void *)&fn_p8 : NULL;
+  return *f ? 0 : 500;
+}
+#define PRS(N) struct { uint64_t dst[N], src[N], len[N]; uint32_t first[N + 1]; uint32_t n; }
+CUresult cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
+                        unsigned bz, unsigned sh, void *st, void **params, void **extra) {
+  (void)gx; (void)gy; (void)gz; (void)bx; (void)by; (void)bz; (void)sh; (void)extra;
+  if (f == &fn_p) {
+    PRS(128) *p = params[0];
+    for (uint32_t i = 0; i < p->n; i++) memmove((void *)(uintptr_t)p->dst[i], (void *)(uintptr_t)p->src[i], p->len[i]);
+  } else if (f == &fn_p8) {
+    PRS(8) *p = params[0];
+    for (uint32_t i = 0; i < p->n; i++) memmove((void *)(uintptr_t)p->dst[i], (void *)(uintptr_t)p->src[i], p->len[i]);
+  } else if (f == &fn_pieces) {
+    uint64_t *t = (uint64_t *)(uintptr_t)*(uint64_t *)params[0];
+    unsigned n = *(unsigned *)params[1];
+    for (unsigned i = 0; i < n; i++) memmove((void *)(uintptr_t)t[3 * i], (void *)(uintptr_t)t[3 * i + 1], t[3 * i + 2]);
+  } else {
+    return 400;
+  }
+  bump(st);
+  return 0;
+}

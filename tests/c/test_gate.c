@@ -1,0 +1,245 @@
+/* Gated write batches (csrc/engine/gate.c): the writes start only once the
+ * CUDA event completed (the engine's gate thread waits for it in the
+ * driver), the engine notifies the target once every write completed and
+ * never for a failed or canceled batch; bad arguments are refused.  Runs
+ * against the host-memory libcuda stand-in (tests/c/fakecuda.c, built as
+ * build/fakecuda/libcuda.so.1: `make test-c` puts it on LD_LIBRARY_PATH
+ * for this test); fakecuda_stream_hold makes an event complete later. */
+#include <dlfcn.h>
+#include <stdint.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "engine/engine.h"
+#include "gpu/cuda_driver.h"
+#include "testlib.h"
+#include "util/clock.h"
+
+static mc_engine_t *A, *B;
+static uint8_t *abuf, *bbuf;
+#define BUFSZ (8u << 20)
+static const mc_cuda_api_t *api;
+static void (*stream_hold)(void *stream, uint64_t ns);
+
+static mc_engine_t *mk(void) {
+  mc_engine_opts_t o = {.local_hostname = "127.0.0.1", .metadata_server = "P2PHANDSHAKE",
+                        .protocol = "tcp"};
+  mc_err_t err = {0};
+  mc_engine_t *e = NULL;
+  if (mc_engine_create(&o, &e, &err) < 0)
+    fprintf(stderr, "create failed: %s\n", err.msg);
+  return e;
+}
+
+typedef struct {
+  int n;
+  char last[256];
+} got_t;
+
+static void collect(void *arg, const char *from, const void *msg, size_t len) {
+  (void)from;
+  got_t *g = arg;
+  g->n++;
+  snprintf(g->last, sizeof g->last, "%.*s", (int)len, (const char *)msg);
+}
+
+/* Notifications B received within ms milliseconds (waits for the first). */
+static int drain_b(got_t *g, int ms) {
+  uint64_t until = mc_now_ns() + (uint64_t)ms * 1000000ull;
+  while (mc_now_ns() < until && g->n == 0) {
+    mc_engine_wait_notifies(B, 10000);
+    mc_engine_drain_notifies(B, 16, collect, g);
+  }
+  return g->n;
+}
+
+static mc_request_t wreq(size_t off, uint64_t len) {
+  return (mc_request_t){.opcode = MC_OP_WRITE, .local = abuf + off,
+                        .remote = (uint64_t)(uintptr_t)(bbuf + off), .len = len};
+}
+
+/* An event 300 ms away: nothing is written, nothing told, the batch is
+ * pending; once the event completed the bytes land and then the message
+ * comes. */
+static void test_waits_for_the_event_then_notifies(void) {
+  mc_err_t err = {0};
+  mc_cu_stream s = NULL;
+  mc_cu_event ev = NULL;
+  CHECK(api->cuStreamCreate(&s, 0) == 0);
+  CHECK(api->cuEventCreate(&ev, 0) == 0);
+  fill(abuf, 1 << 20, 7);
+  memset(bbuf, 0, 1 << 20);
+  stream_hold(s, 300000000ull);
+  CHECK(api->cuEventRecord(ev, s) == 0);
+  mc_request_t r = wreq(0, 1 << 20);
+  mc_batch_t *b = mc_batch_new(A, 1);
+  mc_gate_opts_t o = {.cuda_event = (uint64_t)(uintptr_t)ev, .cuda_device = 0,
+                      .notify = "layer 3", .notify_len = 7};
+  uint64_t t0 = mc_now_ns();
+  CHECK_EQ_INT(mc_batch_submit_gated(A, b, mc_engine_segment_name(B), &r, 1, &o, &err), 0);
+  got_t g = {0};
+  usleep(150000);
+  CHECK_EQ_INT((int)mc_batch_pending(b), 1);
+  CHECK_EQ_INT(drain_b(&g, 1), 0);
+  CHECK(bbuf[0] == 0 && bbuf[(1 << 20) - 1] == 0); /* sources not read yet */
+  CHECK_EQ_INT(mc_batch_wait(A, b, 5000, &err), 0);
+  uint64_t waited = mc_now_ns() - t0;
+  CHECK(waited >= 290000000ull);
+  CHECK(memcmp(abuf, bbuf, 1 << 20) == 0);
+  CHECK_EQ_INT(drain_b(&g, 2000), 1);
+  CHECK(strcmp(g.last, "layer 3") == 0);
+  mc_batch_free(A, b);
+  mc_engine_stats_t st; /* counted once the notifier's send returned: just after */
+  uint64_t until = mc_now_ns() + 1000000000ull;
+  do
+    mc_engine_get_stats(A, &st);
+  while (st.gate_notified < 1 && mc_now_ns() < until && usleep(1000) == 0);
+  CHECK(st.gate_notified >= 1);
+  api->cuEventDestroy(ev);
+  api->cuStreamDestroy(s);
+}
+
+/* A write that fails (outside B's memory) sends nothing; the batch says why. */
+static void test_failed_batch_sends_nothing(void) {
+  mc_err_t err = {0};
+  mc_request_t r[2] = {wreq(0, 4096), wreq(4096, 4096)};
+  r[1].remote = 0x10; /* not registered on B */
+  mc_batch_t *b = mc_batch_new(A, 2);
+  mc_gate_opts_t o = {.notify = "never", .notify_len = 5};
+  CHECK_EQ_INT(mc_batch_submit_gated(A, b, mc_engine_segment_name(B), r, 2, &o, &err), 0);
+  CHECK(mc_batch_wait(A, b, 5000, &err) < 0);
+  mc_batch_free(A, b);
+  got_t g = {0};
+  CHECK_EQ_INT(drain_b(&g, 300), 0);
+}
+
+/* Canceled while waiting for its event (a wait's timeout): the wait
+ * returns at once, the requests end timed out, and when the event
+ * completes later nothing is written and nothing told. */
+static void test_cancel_before_the_event(void) {
+  mc_err_t err = {0};
+  mc_cu_stream s = NULL;
+  mc_cu_event ev = NULL;
+  CHECK(api->cuStreamCreate(&s, 0) == 0);
+  CHECK(api->cuEventCreate(&ev, 0) == 0);
+  fill(abuf, 65536, 9);
+  memset(bbuf, 0, 65536);
+  stream_hold(s, 200000000ull);
+  CHECK(api->cuEventRecord(ev, s) == 0);
+  mc_request_t r = wreq(0, 65536);
+  mc_batch_t *b = mc_batch_new(A, 1);
+  mc_gate_opts_t o = {.cuda_event = (uint64_t)(uintptr_t)ev, .notify = "x", .notify_len = 1};
+  CHECK_EQ_INT(mc_batch_submit_gated(A, b, mc_engine_segment_name(B), &r, 1, &o, &err), 0);
+  uint64_t t0 = mc_now_ns();
+  CHECK(mc_batch_wait(A, b, 20, &err) < 0);
+  CHECK(mc_now_ns() - t0 < 150000000ull); /* not held until the event */
+  mc_task_status_t ts;
+  CHECK_EQ_INT(mc_batch_status(b, 0, &ts), 0);
+  CHECK(ts.state == MC_TASK_TIMEOUT || ts.state == MC_TASK_CANCELED);
+  mc_batch_free(A, b);
+  usleep(300000); /* the event completed meanwhile */
+  got_t g = {0};
+  CHECK_EQ_INT(drain_b(&g, 100), 0);
+  CHECK(bbuf[0] == 0 && bbuf[65535] == 0);
+  api->cuEventDestroy(ev);
+  api->cuStreamDestroy(s);
+}
+
+/* Many layers' batches in flight, one event each, in order: all land and
+ * each is told once. */
+static void test_many_in_order(void) {
+  mc_err_t err = {0};
+  enum { N = 64 };
+  mc_cu_stream s = NULL;
+  mc_cu_event ev[N];
+  mc_batch_t *b[N];
+  CHECK(api->cuStreamCreate(&s, 0) == 0);
+  fill(abuf, N * 4096, 11);
+  memset(bbuf, 0, N * 4096);
+  for (int i = 0; i < N; i++) {
+    CHECK(api->cuEventCreate(&ev[i], 0) == 0);
+    stream_hold(s, 1000000ull);
+    api->cuEventRecord(ev[i], s);
+    mc_request_t r = wreq((size_t)i * 4096, 4096);
+    b[i] = mc_batch_new(A, 1);
+    char m[16];
+    int ml = snprintf(m, sizeof m, "%d", i);
+    mc_gate_opts_t o = {.cuda_event = (uint64_t)(uintptr_t)ev[i], .notify = m,
+                        .notify_len = (size_t)ml};
+    CHECK_EQ_INT(mc_batch_submit_gated(A, b[i], mc_engine_segment_name(B), &r, 1, &o, &err), 0);
+  }
+  for (int i = 0; i < N; i++) {
+    CHECK_EQ_INT(mc_batch_wait(A, b[i], 5000, &err), 0);
+    mc_batch_free(A, b[i]);
+    api->cuEventDestroy(ev[i]);
+  }
+  CHECK(memcmp(abuf, bbuf, N * 4096) == 0);
+  got_t g = {0};
+  uint64_t until = mc_now_ns() + 3000000000ull;
+  while (g.n < N && mc_now_ns() < until) {
+    mc_engine_wait_notifies(B, 10000);
+    mc_engine_drain_notifies(B, 64, collect, &g);
+  }
+  CHECK_EQ_INT(g.n, N);
+  api->cuStreamDestroy(s);
+}
+
+static void test_bad_arguments(void) {
+  mc_err_t err = {0};
+  mc_request_t r = wreq(0, 4096);
+  mc_batch_t *b = mc_batch_new(A, 1);
+  mc_gate_opts_t o = {0};
+  CHECK_EQ_INT(mc_batch_submit_gated(A, b, mc_engine_segment_name(B), &r, 0, &o, &err),
+               MC_EINVAL);
+  CHECK_CONTAINS(err.msg, "at least one request");
+  mc_request_t rd = r;
+  rd.opcode = MC_OP_READ;
+  CHECK_EQ_INT(mc_batch_submit_gated(A, b, mc_engine_segment_name(B), &rd, 1, &o, &err),
+               MC_EINVAL);
+  CHECK_CONTAINS(err.msg, "WRITEs only");
+  o.cuda_event = 1;
+  o.cuda_device = -1;
+  CHECK_EQ_INT(mc_batch_submit_gated(A, b, mc_engine_segment_name(B), &r, 1, &o, &err),
+               MC_EINVAL);
+  CHECK_CONTAINS(err.msg, "cuda_device");
+  o = (mc_gate_opts_t){0};
+  CHECK_EQ_INT(mc_batch_submit_gated(A, b, mc_engine_segment_name(B), &r, 1, &o, &err), 0);
+  CHECK_EQ_INT(mc_batch_submit_gated(A, b, mc_engine_segment_name(B), &r, 1, &o, &err),
+               MC_EINVAL);
+  CHECK_CONTAINS(err.msg, "new batch");
+  CHECK_EQ_INT(mc_batch_wait(A, b, 5000, &err), 0);
+  mc_batch_free(A, b);
+}
+
+int main(void) {
+  mc_err_t err = {0};
+  api = mc_cuda_api(&err);
+  void *h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+  stream_hold = h ? (void (*)(void *, uint64_t))dlsym(h, "fakecuda_stream_hold") : NULL;
+  if (!api || !stream_hold) {
+    fprintf(stderr, "test_gate needs the libcuda stand-in (tests/c/fakecuda.c) on "
+                    "LD_LIBRARY_PATH: run it through `make test-c`\n");
+    return 1;
+  }
+  abuf = malloc(BUFSZ);
+  bbuf = malloc(BUFSZ);
+  A = mk();
+  B = mk();
+  if (!A || !B || !abuf || !bbuf)
+    return 1;
+  if (mc_engine_register(B, bbuf, BUFSZ, "cpu", &err) < 0 ||
+      mc_engine_register(A, abuf, BUFSZ, "cpu", &err) < 0) {
+    fprintf(stderr, "%s\n", err.msg);
+    return 1;
+  }
+  RUN(test_waits_for_the_event_then_notifies);
+  RUN(test_failed_batch_sends_nothing);
+  RUN(test_cancel_before_the_event);
+  RUN(test_many_in_order);
+  RUN(test_bad_arguments);
+  mc_engine_destroy(A);
+  mc_engine_destroy(B);
+  free(abuf);
+  free(bbuf);
+  TEST_MAIN_END();
+}

@@ -1,0 +1,356 @@
+"""Gated write batches (csrc/engine/gate.c, TransferEngine.
+batch_transfer_async_write_gated) and the push producer's CUDA path over
+them (push.py _layer_gated, push_layer_gate).
+
+The engine half: the notification a batch carries arrives only after its
+writes landed, never for a failed or canceled one, and a batch gated on a
+CUDA event writes nothing before the event completed.  The push half: with
+CUDA KV caches each layer costs vLLM's forward thread one engine call and
+wakes no Python thread (the layer-event thread, the landing thread and the
+outbox thread each took the GIL per layer before), and the decode's
+per-layer load still sees every layer land.
+
+CUDA does not run here: the CUDA tests load the host-memory libcuda
+stand-in (tests/c/fakecuda.c, built into a temporary directory) in a
+child pytest (LD_LIBRARY_PATH; the engine loads libcuda.so.1 by name once
+per process), whose stream can be held busy so an event completes later."""
+import ctypes
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+import mooncake_connector as mc
+from conftest import local_engines
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+FAKE = os.environ.get("MC_TEST_FAKECUDA")  # set in the child: the stand-in is loaded
+
+
+def _wait_notify(eng, timeout):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        got = eng.get_notifies()
+        if got:
+            return got
+        eng.wait_notifies(0.05)
+    return []
+
+
+# ---------------------------------------------------------------- engine, host memory
+
+def test_notify_after_the_batch_landed_and_not_for_a_failed_one(monkeypatch):
+    monkeypatch.setenv("MC_SAME_HOST_CPU", "0")
+    n = 16 << 20
+    with local_engines(2) as (a, b):
+        seg = b.get_segment_name()
+        src, dst = a.allocate_managed_buffer(n), b.allocate_managed_buffer(n)
+        for r in range(3):
+            pat = bytes([65 + r]) * 4096
+            for off in range(0, n, 1 << 20):
+                a.write_bytes_to_buffer(src + off, pat * 256, 1 << 20)
+            bid = a.batch_transfer_async_write_gated(seg, [src], [dst], [n],
+                                                     notify=b"landed %d" % r)
+            got = _wait_notify(b, 10)
+            assert [m.msg for m in got] == [b"landed %d" % r]
+            # at the message, every byte is there (the last first: it lands last)
+            assert b.read_bytes_from_buffer(dst + n - 4096, 4096) == pat
+            assert b.read_bytes_from_buffer(dst, 4096) == pat
+            deadline = time.monotonic() + 5
+            while a.transfer_check_status(bid) == 0 and time.monotonic() < deadline:
+                time.sleep(0.001)
+        # a batch with one write outside the decode's memory: failed, nothing told
+        bid = a.batch_transfer_async_write_gated(seg, [src, src], [dst, dst + (n << 4)],
+                                                 [4096, 4096], notify=b"never")
+        deadline = time.monotonic() + 5
+        while (r := a.transfer_check_status(bid)) == 0 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert r < 0
+        assert _wait_notify(b, 0.3) == []
+        assert a.get_stats()["gate_notified"] == 3
+
+
+def test_bad_arguments_are_named():
+    with local_engines(2) as (a, b):
+        seg = b.get_segment_name()
+        src, dst = a.allocate_managed_buffer(4096), b.allocate_managed_buffer(4096)
+        with pytest.raises(ValueError, match="notify must be bytes"):
+            a.batch_transfer_async_write_gated(seg, [src], [dst], [8], notify="text")
+        with pytest.raises(ValueError, match="cuda_device"):
+            a.batch_transfer_async_write_gated(seg, [src], [dst], [8], cuda_event=1,
+                                               cuda_device=-1)
+        with pytest.raises(ValueError, match="cuda_event must be an int"):
+            a.batch_transfer_async_write_gated(seg, [src], [dst], [8], cuda_event="ev")
+        with pytest.raises(ValueError, match="notify_timeout"):
+            a.batch_transfer_async_write_gated(seg, [src], [dst], [8], notify_timeout=-1)
+        if not FAKE:  # no libcuda in this process: an event cannot be waited for
+            with pytest.raises(mc.MooncakeError, match="CUDA driver is not loaded"):
+                a.batch_transfer_async_write_gated(seg, [src], [dst], [8], cuda_event=1)
+        with pytest.raises(mc.MooncakeError, match="at least one request"):
+            a.batch_transfer_async_write_gated(seg, [], [], [])
+
+
+# ---------------------------------------------------------------- the child with fake CUDA
+
+def _build_fake(tmp):
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        pytest.skip("no C compiler to build the libcuda stand-in")
+    out = os.path.join(tmp, "libcuda.so.1")
+    subprocess.run([cc, "-std=gnu11", "-O2", "-fPIC", "-shared", "-pthread",
+                    "-Wl,-soname,libcuda.so.1", os.path.join(HERE, "c", "fakecuda.c"),
+                    "-o", out], check=True)
+    return tmp
+
+
+@pytest.mark.skipif(bool(FAKE), reason="the child itself")
+def test_cuda_paths_with_the_libcuda_stand_in(tmp_path):
+    d = _build_fake(str(tmp_path))
+    env = dict(os.environ, MC_TEST_FAKECUDA="1",
+               LD_LIBRARY_PATH=d + os.pathsep + os.environ.get("LD_LIBRARY_PATH", ""))
+    r = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
+                        "-s", os.path.join(HERE, "test_push_gate.py"), "-k", "fake_"],
+                       env=env, cwd=os.path.dirname(HERE), capture_output=True, text=True,
+                       timeout=600)
+    print(r.stdout[-6000:], r.stderr[-3000:])
+    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
+    assert " passed" in r.stdout and "skipped" not in r.stdout.split("\n")[-2]
+
+
+class Fake:
+    """The stand-in's streams and events (ctypes: calls release the GIL)."""
+
+    def __init__(self):
+        self.lib = ctypes.CDLL("libcuda.so.1")
+        self.lib.fakecuda_stream_hold.argtypes = [ctypes.c_void_p, ctypes.c_uint64]
+        for f in ("cuEventRecord",):
+            getattr(self.lib, f).argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        self.lib.cuEventSynchronize.argtypes = [ctypes.c_void_p]
+        self.lib.cuEventQuery.argtypes = [ctypes.c_void_p]
+        s = ctypes.c_void_p()
+        assert self.lib.cuStreamCreate(ctypes.byref(s), 0) == 0
+        self.stream = s
+
+    def hold(self, seconds):
+        self.lib.fakecuda_stream_hold(self.stream, int(seconds * 1e9))
+
+    def event(self):
+        e = ctypes.c_void_p()
+        assert self.lib.cuEventCreate(ctypes.byref(e), 0) == 0
+        assert self.lib.cuEventRecord(e, self.stream) == 0
+        return e.value
+
+
+needs_fake = pytest.mark.skipif(not FAKE, reason="runs in the child with the libcuda stand-in "
+                                "(test_cuda_paths_with_the_libcuda_stand_in)")
+
+
+@needs_fake
+def test_fake_event_gates_the_write_and_the_notification(monkeypatch):
+    monkeypatch.setenv("MC_SAME_HOST_CPU", "0")
+    f = Fake()
+    n = 1 << 20
+    with local_engines(2) as (a, b):
+        seg = b.get_segment_name()
+        src, dst = a.allocate_managed_buffer(n), b.allocate_managed_buffer(n)
+        a.write_bytes_to_buffer(src, b"\x07" * n, n)
+        f.hold(0.3)
+        ev = f.event()
+        t0 = time.monotonic()
+        bid = a.batch_transfer_async_write_gated(seg, [src], [dst], [n], cuda_event=ev,
+                                                 notify=b"layer")
+        assert _wait_notify(b, 0.15) == []           # the "GPU" is not there yet
+        assert a.transfer_check_status(bid) == 0     # pending, not landed
+        assert b.read_bytes_from_buffer(dst, 16) == b"\x00" * 16
+        got = _wait_notify(b, 5)
+        took = time.monotonic() - t0
+        assert [m.msg for m in got] == [b"layer"] and took >= 0.29, took
+        assert b.read_bytes_from_buffer(dst + n - 16, 16) == b"\x07" * 16
+        # canceled before its event: no write, no message, even once it completes
+        f.hold(0.2)
+        ev = f.event()
+        a.write_bytes_to_buffer(src, b"\x09" * 16, 16)
+        bid = a.batch_transfer_async_write_gated(seg, [src], [dst], [16], cuda_event=ev,
+                                                 notify=b"never")
+        t0 = time.monotonic()
+        with pytest.raises(mc.MooncakeError):
+            a.get_batch_transfer_status([bid], timeout=0)
+        assert time.monotonic() - t0 < 0.1
+        time.sleep(0.3)
+        assert _wait_notify(b, 0.1) == []
+        assert b.read_bytes_from_buffer(dst, 16) == b"\x07" * 16
+
+
+# ---------------------------------------------------------------- the push producer
+
+class FakeTorchEvent:
+    """What LayerWaiter uses of torch.cuda.Event, over the stand-in."""
+
+    def __init__(self, fake):
+        self.f, self.h = fake, None
+
+    def record(self):
+        self.h = self.f.event()
+
+    def synchronize(self):
+        self.f.lib.cuEventSynchronize(self.h)
+
+
+def _layer_load_rounds(model_dir, urls, gate, rounds=3, gpu_lag_s=0.002, blocks=4,
+                       timings=None):  # noqa: F811
+    """push_layer_load rounds with a CUDA-like producer (its layers' events
+    complete gpu_lag_s after each save); returns (wake-ups per layer, the
+    counts, the producer engine's stats, the decode's per-layer views).
+    timings (a dict): filled with the producer's save_kv_layer seconds per
+    call (a prompt being computed) and its forward's seconds per prompt."""
+    from test_push_layer_load import AttnSide, both_legs, BS, toks
+    from vllm_harness import recomputes
+
+    f = Fake()
+    nb = max(64, 2 * blocks + 8)
+    p = AttnSide(model_dir, "kv_producer", {**urls, "push_layer_gate": gate}, block_size=BS,
+                 num_blocks=nb)
+    d = AttnSide(model_dir, "kv_consumer", {**urls, "flow_a": False, "push_layer_load": True},
+                 block_size=BS, num_blocks=nb)
+    try:
+        w = p.worker._worker
+        w.cuda_sync = lambda: None  # CUDA KV caches (the stand-in forward writes them at once)
+        pp_ = w.push_p
+        fwd = threading.get_ident()
+        wakes = {"waiter": 0, "landing": 0, "outbox_layer": 0, "saves": 0}
+
+        def gate_event():
+            f.hold(gpu_lag_s)
+            return None, f.event(), 0
+
+        pp_._gate_event = gate_event
+        from mooncake_connector.connector.layer_events import LayerWaiter
+        orig_ready, orig_check = pp_._layer_ready, pp_._check_layer_writes
+
+        def layer_ready(li, jobs):
+            wakes["waiter"] += 1
+            return orig_ready(li, jobs)
+
+        def check(watched):
+            if threading.get_ident() != fwd and watched:
+                wakes["landing"] += 1
+            return orig_check(watched)
+
+        pp_._layer_ready = layer_ready
+        pp_._check_layer_writes = check
+
+        def make_ev():
+            f.hold(gpu_lag_s)
+            return FakeTorchEvent(f)
+
+        pp_._waiter = LayerWaiter(pp_._layer_ready, make_event=make_ev)
+        ob = w.push_outbox
+        orig_send = ob.send
+
+        def send(target, msg, *a, **kw):
+            if b'"t":"layer"' in msg:
+                wakes["outbox_layer"] += 1
+            return orig_send(target, msg, *a, **kw)
+
+        ob.send = send
+        orig_done = pp_.layer_done
+
+        def layer_done(name):
+            fwd_id = threading.get_ident()
+            nonlocal fwd
+            fwd = fwd_id
+            if any(not j.all_ready for j in list(pp_.jobs.values())):
+                wakes["saves"] += 1  # a layer of a prompt being computed
+            return orig_done(name)
+
+        pp_.layer_done = layer_done
+        if timings is not None:
+            timings.setdefault("save_s", [])
+            timings.setdefault("forward_s", [])
+            orig_save, orig_fwd = w.save_kv_layer, p._forward
+
+            def save(name):
+                computing = any(not j.all_ready for j in list(pp_.jobs.values()))
+                t0 = time.perf_counter()
+                orig_save(name)
+                if computing:
+                    timings["save_s"].append(time.perf_counter() - t0)
+
+            def forward(so):
+                t0 = time.perf_counter()
+                orig_fwd(so)
+                if "pq" in so.num_scheduled_tokens:
+                    timings["forward_s"].append(time.perf_counter() - t0)
+
+            w.save_kv_layer = save
+            p._forward = forward
+        seen = []
+        for r in range(rounds):
+            t = toks(40 + r, blocks * BS + 5)
+            run = both_legs(p, d, f"G{gate}{r}", t, 2)
+            try:
+                so = d.step()
+                assert so.num_scheduled_tokens.get("q") == 5
+                seen.append(d.seen.get("q"))
+                assert d.block_matches_pattern("q", t, blocks) and not d.invalid
+                assert d.run_until(lambda: "q" not in d.sched.requests, steps=50)
+            finally:
+                run.join()
+            assert p.run_until(lambda: p.is_empty(), steps=500)
+            d.seen.clear()
+        assert d.is_empty() and recomputes(d) == {}
+        time.sleep(0.2)  # late wake-ups counted too
+        # back at idle: no job, no batch left open, nothing waiting in the gate
+        assert not pp_.jobs and w.engine.get_stats()["open_batches"] == 0, \
+            (pp_.jobs, w.engine.get_stats())
+        per_layer = (wakes["waiter"] + wakes["landing"] + wakes["outbox_layer"]) / \
+            max(1, wakes["saves"])
+        return per_layer, wakes, w.engine.get_stats(), seen
+    finally:
+        p.close()
+        d.close()
+
+
+def _urls():
+    from test_connector_vllm import urls
+    return urls.__wrapped__()
+
+
+@needs_fake
+def test_fake_gate_wakes_no_python_thread_per_layer(tmp_path):
+    pytest.importorskip("vllm", reason="vllm is not installed")
+    from vllm_harness import tiny_model_dir
+    md = tiny_model_dir(str(tmp_path))
+    before, wb, _, seen_b = _layer_load_rounds(md, _urls(), gate=False)
+    after, wa, stats, seen_a = _layer_load_rounds(md, _urls(), gate=True)
+    print(f"wake-ups per layer: layer-event path {before:.2f} {wb}, gate {after:.2f} {wa}")
+    assert all(all(s) for s in seen_b) and all(all(s) for s in seen_a), (seen_b, seen_a)
+    assert before >= 2.0, wb
+    assert after == 0, wa
+    assert wa["saves"] == wb["saves"] == 3 * 2, (wa, wb)  # 3 prompts x 2 layers
+    # the engine told the layers: one message per gated batch (a target that
+    # arrived after layer 0 or after the forward gets several layers in one)
+    assert 3 <= stats["gate_notified"] <= wa["saves"], stats
+
+
+def test_consumer_merges_per_batch_layer_messages():
+    """The engine sends one "layer" message per gated batch, naming only
+    that batch's layers (the Python path sent every layer landed so far):
+    the consumer takes the union, in any order, duplicates harmless, and
+    the load is over once every layer landed."""
+    from mooncake_connector.connector.push import ConsumerLoad, PushConsumer
+    c = PushConsumer(worker=None)
+    cl = ConsumerLoad(spec=None, lease_s=10, nlayers=4)
+    cl.ranks["P"], cl.landed["P"] = "sent", set()
+    c.loads["T"] = cl
+    for got, want in (([2], {2}), ([0], {0, 2}), ([0, 2], {0, 2}), ([1], {0, 1, 2})):
+        c.on_message("P", {"t": "layer", "tid": "T", "l": got})
+        assert cl.landed["P"] == want and cl.ranks["P"] == "sent"
+    c.on_message("P", {"t": "layer", "tid": "T", "l": [3]})
+    assert cl.ranks["P"] == "done"
+    c.on_message("P", {"t": "layer", "tid": "T", "l": [3, 1]})  # a late duplicate
+    assert cl.ranks["P"] == "done" and cl.landed["P"] == {0, 1, 2, 3}
