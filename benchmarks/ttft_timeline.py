@@ -481,8 +481,11 @@ def main(argv=None):
                 for k in urls) + " ms", flush=True)
         meta["load_after"] = os.getloadavg()
     finally:
-        for d in deps.values():
-            d.stop()
+        # every set's servers in parallel (SIGTERM to all first), the
+        # metadata servers last (the connectors unregister on shutdown)
+        serving.stop_all([p for d in deps.values() for p in d.processes
+                          if p is not d.metadata])
+        serving.stop_all([d.metadata for d in deps.values() if d.metadata is not None])
     time.sleep(0.5)
     events = [] if args.no_trace else trace.read(tpath)
     tl = timelines(events, KV32K_SPEC["layers"])
