@@ -388,6 +388,7 @@ def main(argv=None):
     dep = deps["a"]
     urls = {}
     srv_of = {}  # mode -> the vLLM server whose histograms it reads
+    pre_of = {}  # push mode -> its prefill server (histograms: the prefill's own times)
     rows = {}
     meta = {"sets": {name: {"pythonpath": d.prefill.env.get("PYTHONPATH"),
                             "no_async_scheduling": "--no-async-scheduling" in d.decode.cmd}
@@ -410,6 +411,7 @@ def main(argv=None):
                 "push_ll": dep.proxies["push-ll"].url}
         srv_of = {"colocated": dep.colocated.url, "colocated_proxy": dep.colocated.url,
                   "push_ll": dep.decode.url}
+        pre_of = {"push_ll": dep.prefill.url}
         if "push-ll-b" in dep.proxies:
             urls["push_ll_b"] = dep.proxies["push-ll-b"].url
             srv_of["push_ll_b"] = dep.decode.url
@@ -421,6 +423,7 @@ def main(argv=None):
                 continue
             urls[f"push_ll_{name}"] = d.proxies["push-ll"].url
             srv_of[f"push_ll_{name}"] = d.decode.url
+            pre_of[f"push_ll_{name}"] = d.prefill.url
             if d.colocated is not None:
                 urls[f"colocated_{name}"] = srv_of[f"colocated_{name}"] = d.colocated.url
         body = {"model": "tiny", "temperature": 0.0, "max_tokens": args.max_tokens,
@@ -455,6 +458,7 @@ def main(argv=None):
                     rid = f"tl-{k}-{n}-{i}-{os.getpid()}"
                     srv = srv_of[k]
                     before = scrape(srv)
+                    before_p = scrape(pre_of[k]) if k in pre_of else {}
                     c0 = cpu_ns(pgids)
                     t_send = time.monotonic()
                     r = request(urls[k], "/v1/completions", dict(body, prompt=p), timeout=600,
@@ -463,6 +467,7 @@ def main(argv=None):
                         raise RuntimeError(f"{k}: {r.status} {r.error}")
                     c1 = cpu_ns(pgids)
                     after = scrape(srv)
+                    after_p = scrape(pre_of[k]) if k in pre_of else {}
                     rec = {"cpu_ms": cpu_diff(c0, c1), "mode": k, "n": n, "rid": rid, "t_send": t_send,
                            "ttft_ms": r.ttft_s * 1e3, "tokens": r.token_ids,
                            "itl_ms": [x * 1e3 for x in r.itl_s],
@@ -470,6 +475,8 @@ def main(argv=None):
                            "prompt_tokens": (r.usage or {}).get("prompt_tokens")}
                     for m, v in after.items():
                         rec[m.split(":")[1]] = (v - before.get(m, 0.0)) * 1e3
+                    for m, v in after_p.items():  # the prefill server's, push modes
+                        rec["prefill_" + m.split(":")[1]] = (v - before_p.get(m, 0.0)) * 1e3
                     rows.setdefault(n, []).append(rec)
                     if k == "colocated":
                         ref = r.token_ids
@@ -539,8 +546,9 @@ def report(rows, tl, urls, one_layer_ms=0.0, nlayers=KV32K_SPEC["layers"]):
             s[f"loaded_{k}"] = _pct([r.get("cached_tokens") for r in xs], 50)
             for m in ("request_queue_time_seconds", "request_prefill_time_seconds",
                       "time_to_first_token_seconds"):
-                if any(m in r for r in xs):
-                    s[f"{k}_{m}"] = _pct([r.get(m) for r in xs], 50)
+                for m2 in (m, "prefill_" + m):
+                    if any(m2 in r for r in xs):
+                        s[f"{k}_{m2}"] = _pct([r.get(m2) for r in xs], 50)
         s["prompt_tokens"] = next((r["prompt_tokens"] for r in recs if r.get("prompt_tokens")),
                                   None)
         for k in pushes:
@@ -641,6 +649,12 @@ def report(rows, tl, urls, one_layer_ms=0.0, nlayers=KV32K_SPEC["layers"]):
                 print(f"  {k} ({'colocated' if k.startswith('colocated') else 'decode'} "
                       f"server): vLLM queue {_fmt(q, '.1f')}, scheduled->first token "
                       f"{pf:.1f}, server TTFT {_fmt(tt, '.1f')} ms (p50)")
+            pf = s.get(f"{k}_prefill_request_prefill_time_seconds")
+            if pf is not None:
+                print(f"  {k} (prefill server): vLLM queue "
+                      f"{_fmt(s.get(f'{k}_prefill_request_queue_time_seconds'), '.1f')}, "
+                      f"scheduled->first token {pf:.1f}, server TTFT "
+                      f"{_fmt(s.get(f'{k}_prefill_time_to_first_token_seconds'), '.1f')} ms (p50)")
         traced = [k for k in pushes if s.get(f"stretches_{k}")]
         if traced:
             print("  where the time to first token goes (per request, p50 ms): "
