@@ -325,6 +325,10 @@ def main(argv=None):
     ap.add_argument("--one-layer-ms", type=float, default=0.0,
                     help="one layer's transfer in the TTFT bar (0: stricter; the same-host "
                          "GPU path moved a layer in 0.00-0.01 ms in run 17)")
+    ap.add_argument("--pool", nargs="+", metavar="JSON",
+                    help="no run: the tables and bars over the requests of several earlier "
+                         "runs' --out together (into --out; the prompts of each run paired "
+                         "among themselves)")
     ap.add_argument("--reread", metavar="JSON",
                     help="no run: the tables again from an earlier run's --out (its trace)")
     args = ap.parse_args(argv)
@@ -340,6 +344,21 @@ def main(argv=None):
         old["timelines"] = tl
         with open(args.reread, "w") as f:
             json.dump(old, f, indent=1)
+        return 0
+    if args.pool:
+        rows = {}
+        for j, path in enumerate(args.pool):
+            with open(path) as f:
+                for n, recs in json.load(f)["rows"].items():
+                    for r in recs:
+                        # rid "tl-<mode>-<n>-<i>-<pid>": i made unique per run
+                        head, i, pid = r["rid"].rsplit("-", 2)
+                        rows.setdefault(int(n), []).append(dict(r, rid=f"{head}-{j}x{i}-{pid}"))
+        modes = list(dict.fromkeys(r["mode"] for v in rows.values() for r in v))
+        summary = {"rows": report(rows, {}, modes, one_layer_ms=args.one_layer_ms),
+                   "pooled_from": args.pool, "one_layer_ms": args.one_layer_ms}
+        with open(args.out, "w") as f:
+            json.dump({"summary": summary}, f, indent=1)
         return 0
     if args.device == "cpu" and args.gpu_path != "on":
         ap.error("--gpu-path needs --device cuda")

@@ -275,3 +275,26 @@ def test_ttft_timeline_bars_per_variant(capsys):
     out = capsys.readouterr().out
     assert "push_ll          TTFT 30.0 <= 23.5 (colocated 20.0) MISSED by 6.5 ms" in out
     assert "push_ll_na       TTFT 18.5 <= 18.5 (colocated_na 15.0) ok" in out
+
+
+def test_ttft_timeline_pools_runs(tmp_path):
+    """--pool: the requests of two runs together, each prompt paired within
+    its own run (the same prompt index in two runs is two prompts)."""
+    tt = _tt()
+
+    def rec(mode, i, ttft, pid):
+        return {"mode": mode, "n": 128, "rid": f"tl-{mode}-128-{i}-{pid}", "ttft_ms": ttft,
+                "itl_ms": [5.0], "identical": True}
+    paths = []
+    for j, (c, p) in enumerate(((10.0, 13.0), (20.0, 21.0))):
+        path = tmp_path / f"r{j}.json"
+        path.write_text(json.dumps({"rows": {"128": [rec("colocated", 0, c, j),
+                                                     rec("colocated_proxy", 0, c, j),
+                                                     rec("push_ll", 0, p, j)]}}))
+        paths.append(str(path))
+    out = tmp_path / "pooled.json"
+    assert tt.main(["--pool", *paths, "--out", str(out)]) == 0
+    s = json.loads(out.read_text())["summary"]["rows"]["128"]
+    assert s["identical_push_ll"] == "2/2"
+    assert s["paired_push_ll"] == 2.0  # median of +3 and +1, not one run's pair
+    assert s["ttft_colocated"] == 15.0
