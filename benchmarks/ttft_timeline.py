@@ -23,6 +23,20 @@ forward can be read with and without the decode's concurrent per-layer
 work.  --pin puts each server's processes (and all
 their threads) on one CPU with taskset (a 2-vCPU host: do the two servers
 contend?).
+
+Same-lease A/B of two code trees (issue 31, run 20): --tree-b PATH starts a
+second prefill + decode + push layer-load proxy whose processes import the
+connector from PATH (PYTHONPATH), beside the first tree's; its mode is
+push_ll_<--label-b>.  --noasync adds a third set from this tree with vLLM's
+asynchronous scheduling off (--no-async-scheduling) on its decode and on
+its own colocated server (modes push_ll_na, colocated_na).  Every prompt
+goes through every mode (one request at a time, fresh random order), so
+the variants share the colocated reference and the host's drift.
+--no-trace leaves MC_TRACE unset (the bars without the trace's own cost).
+Issue 31's bars per push mode, as serving_bench.py's summarize: TTFT p50 <=
+its colocated TTFT p50 + the proxy hop (pass-through - direct, p50,
+floored at 0) + 2 ms + one layer's transfer (--one-layer-ms, 0: stricter),
+gap 1->2 p50 <= its colocated ITL p50 + 2 ms.
 """
 import argparse
 import json
@@ -82,6 +96,8 @@ STRETCHES = (
     ("decode API server -> proxy", "d_api_first", "d_chunk_in"),
     ("proxy -> client (+ client -> proxy in)", "d_chunk_in", "client_ttft"),
     ("(prefill's tail: last save -> forward end)", "p_last_saved", "p_fwd_end"),
+    ("(prefill forward: step bound -> forward end)", "p_step_bound", "p_fwd_end"),
+    ("(last layer saved -> decode has it: write + tell)", "p_last_saved", "d_last_recv"),
     ("(prefill's forward thread in save_kv_layer, all layers)", None, "p_save_total"),
 )
 
@@ -239,6 +255,41 @@ def pin(proc, cpu):
     return pids
 
 
+def make_sets(workdir, model, extra, common, tree_b=None, label_b="tb", noasync=False):
+    """{set name: Deployment} (not started): "a", this tree's (colocated, its
+    pass-through proxy, the push proxies of `extra`); with tree_b, a second
+    prefill + decode + push layer-load proxy whose processes import the
+    connector from tree_b first (label_b); with noasync, this tree's again
+    with --no-async-scheduling on its decode and its own colocated ("na")."""
+    from mooncake_connector.deployment import Deployment
+    deps = {"a": Deployment(workdir, model, flows=(), extra_proxies=extra,
+                            colocated_proxy=True, **common)}
+    if tree_b:
+        # Every process of this set (metadata server, servers, proxy) copies
+        # os.environ when it is made: the other tree first on its path, this
+        # one off it.
+        saved = os.environ.get("PYTHONPATH")
+        here = os.path.abspath(os.path.join(HERE, ".."))
+        os.environ["PYTHONPATH"] = os.pathsep.join(
+            [os.path.abspath(tree_b)] + [x for x in (saved or "").split(os.pathsep)
+                                         if x and os.path.abspath(x) != here])
+        try:
+            deps[label_b] = Deployment(os.path.join(workdir, "tree-" + label_b), model,
+                                       flows=(), colocated=False,
+                                       extra_proxies={"push-ll": extra["push-ll"]}, **common)
+        finally:
+            if saved is None:
+                os.environ.pop("PYTHONPATH", None)
+            else:
+                os.environ["PYTHONPATH"] = saved
+    if noasync:
+        na = ["--no-async-scheduling"]
+        deps["na"] = Deployment(os.path.join(workdir, "noasync"), model, flows=(),
+                                extra_proxies={"push-ll": extra["push-ll"]},
+                                side_args={"decode": na, "colocated": na}, **common)
+    return deps
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--lengths", default="128,1024,1900")
@@ -262,6 +313,22 @@ def main(argv=None):
     ap.add_argument("--gpu-path", choices=["on", "off"], default="on",
                     help="--device cuda: the same-host GPU path (CUDA IPC) or off "
                          "(MC_GPU_IPC=0: TCP with GPU staging)")
+    ap.add_argument("--tree-b", metavar="PATH",
+                    help="A/B: a second prefill + decode + push layer-load proxy importing the "
+                         "connector from this tree (its mode: push_ll_<--label-b>)")
+    ap.add_argument("--label-b", default="tb", help="--tree-b's mode suffix (letters, digits)")
+    ap.add_argument("--noasync", action="store_true",
+                    help="also a set from this tree with --no-async-scheduling on its decode "
+                         "and its own colocated server (modes push_ll_na, colocated_na)")
+    ap.add_argument("--no-trace", action="store_true",
+                    help="MC_TRACE unset: TTFT, gap and bars only, no timeline")
+    ap.add_argument("--one-layer-ms", type=float, default=0.0,
+                    help="one layer's transfer in the TTFT bar (0: stricter; the same-host "
+                         "GPU path moved a layer in 0.00-0.01 ms in run 17)")
+    ap.add_argument("--pool", nargs="+", metavar="JSON",
+                    help="no run: the tables and bars over the requests of several earlier "
+                         "runs' --out together (into --out; the prompts of each run paired "
+                         "among themselves)")
     ap.add_argument("--reread", metavar="JSON",
                     help="no run: the tables again from an earlier run's --out (its trace)")
     args = ap.parse_args(argv)
@@ -272,10 +339,26 @@ def main(argv=None):
         rows = {int(k): v for k, v in old["rows"].items()}
         modes = list(dict.fromkeys(r["mode"] for v in rows.values() for r in v))
         tl = timelines(trace.read(old["summary"]["trace"]), KV32K_SPEC["layers"])
-        old["summary"]["rows"] = report(rows, tl, modes)
+        old["summary"]["rows"] = report(rows, tl, modes,
+                                        one_layer_ms=old["summary"].get("one_layer_ms", 0.0))
         old["timelines"] = tl
         with open(args.reread, "w") as f:
             json.dump(old, f, indent=1)
+        return 0
+    if args.pool:
+        rows = {}
+        for j, path in enumerate(args.pool):
+            with open(path) as f:
+                for n, recs in json.load(f)["rows"].items():
+                    for r in recs:
+                        # rid "tl-<mode>-<n>-<i>-<pid>": i made unique per run
+                        head, i, pid = r["rid"].rsplit("-", 2)
+                        rows.setdefault(int(n), []).append(dict(r, rid=f"{head}-{j}x{i}-{pid}"))
+        modes = list(dict.fromkeys(r["mode"] for v in rows.values() for r in v))
+        summary = {"rows": report(rows, {}, modes, one_layer_ms=args.one_layer_ms),
+                   "pooled_from": args.pool, "one_layer_ms": args.one_layer_ms}
+        with open(args.out, "w") as f:
+            json.dump({"summary": summary}, f, indent=1)
         return 0
     if args.device == "cpu" and args.gpu_path != "on":
         ap.error("--gpu-path needs --device cuda")
@@ -287,16 +370,29 @@ def main(argv=None):
             ap.error(f"--pin {kv!r}: expected prefill|decode|colocated=CPU")
         pins[k] = int(v)
 
+    if args.tree_b and not re.fullmatch(r"[A-Za-z0-9]+", args.label_b):
+        ap.error(f"--label-b {args.label_b!r}: letters and digits only")
+    if args.tree_b and args.label_b in ("b", "whole", "na"):
+        ap.error(f"--label-b {args.label_b!r}: taken by another mode (push_ll_b, push_whole, "
+                 "push_ll_na); pick another")
+    if args.tree_b and not os.path.isdir(os.path.join(args.tree_b, "mooncake_connector")):
+        ap.error(f"--tree-b {args.tree_b!r}: no mooncake_connector/ there (a source tree with "
+                 "_core built in place)")
+
     workdir = args.workdir or tempfile.mkdtemp(prefix="mc-ttft-")
     tpath = os.path.join(workdir, "trace.jsonl")
-    os.environ["MC_TRACE"] = tpath  # every process started below inherits it
-    from mooncake_connector import tiny_model, trace
-    from mooncake_connector.deployment import Deployment
+    if args.no_trace:
+        os.environ.pop("MC_TRACE", None)
+    else:
+        os.environ["MC_TRACE"] = tpath  # every process started below inherits it
+    from mooncake_connector import serving, tiny_model, trace
     from mooncake_connector.openai_client import request
     from mooncake_connector.vllm_gpu import bench_settings
 
-    # The servers' device, as serving_bench.py sets it (three vLLM servers).
-    dev_env, dev_args = bench_settings(args.device, args.gpu_path, servers=3)
+    # The servers' device, as serving_bench.py sets it; on one GPU each of
+    # the vLLM servers of every set gets its share of the memory.
+    nservers = 3 + (2 if args.tree_b else 0) + (3 if args.noasync else 0)
+    dev_env, dev_args = bench_settings(args.device, args.gpu_path, servers=nservers)
     model = tiny_model.build(**KV32K_SPEC)
     ll = ("--push-layerwise", "on", "--push-layer-load", "on")
     extra = {"push-ll": {"flow": "push", "extra_args": ll}}
@@ -305,23 +401,53 @@ def main(argv=None):
     if args.whole:
         extra["push-whole"] = {"flow": "push", "extra_args": ("--push-layerwise", "on",
                                                                "--push-layer-load", "off")}
-    dep = Deployment(workdir, model, flows=(), extra_proxies=extra, colocated_proxy=True,
-                     kv_cache_bytes=256 << 20, env=dev_env, extra_vllm_args=dev_args)
+    common = dict(kv_cache_bytes=256 << 20, env=dev_env, extra_vllm_args=dev_args)
+    deps = make_sets(workdir, model, extra, common, tree_b=args.tree_b, label_b=args.label_b,
+                     noasync=args.noasync)
+    dep = deps["a"]
     urls = {}
+    srv_of = {}  # mode -> the vLLM server whose histograms it reads
+    pre_of = {}  # push mode -> its prefill server (histograms: the prefill's own times)
     rows = {}
-    meta = {}
+    meta = {"sets": {name: {"pythonpath": d.prefill.env.get("PYTHONPATH"),
+                            "no_async_scheduling": "--no-async-scheduling" in d.decode.cmd}
+                     for name, d in deps.items()}}
     try:
-        dep.start(timeout=600)
+        # the metadata servers first (the connectors register on start), then
+        # every set's servers and proxies in parallel
+        for d in deps.values():
+            if d.metadata is not None:
+                serving.start_all([d.metadata], 30.0)
+        t_up = time.monotonic()
+        serving.start_all([p for d in deps.values() for p in d.processes
+                           if p is not d.metadata], 600)
+        meta["servers_up_s"] = time.monotonic() - t_up
+        print(f"{sum(1 for d in deps.values() for p in d.processes)} processes up in "
+              f"{meta['servers_up_s']:.0f} s", flush=True)
         for name, cpu in pins.items():
             meta.setdefault("pinned", {})[name] = (cpu, pin(getattr(dep, name), cpu))
         urls = {"colocated": dep.colocated.url, "colocated_proxy": dep.colocated_proxy.url,
                 "push_ll": dep.proxies["push-ll"].url}
+        srv_of = {"colocated": dep.colocated.url, "colocated_proxy": dep.colocated.url,
+                  "push_ll": dep.decode.url}
+        pre_of = {"push_ll": dep.prefill.url}
         if "push-ll-b" in dep.proxies:
             urls["push_ll_b"] = dep.proxies["push-ll-b"].url
+            srv_of["push_ll_b"] = dep.decode.url
         if "push-whole" in dep.proxies:
             urls["push_whole"] = dep.proxies["push-whole"].url
+            srv_of["push_whole"] = dep.decode.url
+        for name, d in deps.items():
+            if name == "a":
+                continue
+            urls[f"push_ll_{name}"] = d.proxies["push-ll"].url
+            srv_of[f"push_ll_{name}"] = d.decode.url
+            pre_of[f"push_ll_{name}"] = d.prefill.url
+            if d.colocated is not None:
+                urls[f"colocated_{name}"] = srv_of[f"colocated_{name}"] = d.colocated.url
         body = {"model": "tiny", "temperature": 0.0, "max_tokens": args.max_tokens,
-                "ignore_eos": True, "return_token_ids": True, "stream": True}
+                "ignore_eos": True, "return_token_ids": True, "stream": True,
+                "stream_options": {"include_usage": True}}
         for k, u in urls.items():  # warm-up
             for i in range(3):
                 request(u, "/v1/completions", dict(body, prompt=prompt_of(max(lengths), 77 + i)),
@@ -331,7 +457,15 @@ def main(argv=None):
                  "colocated": dep.colocated.proc.pid,
                  "proxy_push_ll": dep.proxies["push-ll"].proc.pid,
                  "proxy_colocated": dep.colocated_proxy.proc.pid}
+        for name, d in deps.items():
+            if name != "a":
+                pgids.update({f"prefill_{name}": d.prefill.proc.pid,
+                              f"decode_{name}": d.decode.proc.pid,
+                              f"proxy_push_ll_{name}": d.proxies["push-ll"].proc.pid})
+                if d.colocated is not None:
+                    pgids[f"colocated_{name}"] = d.colocated.proc.pid
         order = random.Random(31)
+        t_meas = time.monotonic()
         for n in lengths:
             for i in range(args.requests):
                 p = prompt_of(n, 5000 * n + i)
@@ -341,8 +475,9 @@ def main(argv=None):
                 for k in keys:
                     time.sleep(SETTLE_S)
                     rid = f"tl-{k}-{n}-{i}-{os.getpid()}"
-                    srv = dep.colocated.url if k.startswith("colocated") else dep.decode.url
+                    srv = srv_of[k]
                     before = scrape(srv)
+                    before_p = scrape(pre_of[k]) if k in pre_of else {}
                     c0 = cpu_ns(pgids)
                     t_send = time.monotonic()
                     r = request(urls[k], "/v1/completions", dict(body, prompt=p), timeout=600,
@@ -351,52 +486,91 @@ def main(argv=None):
                         raise RuntimeError(f"{k}: {r.status} {r.error}")
                     c1 = cpu_ns(pgids)
                     after = scrape(srv)
+                    after_p = scrape(pre_of[k]) if k in pre_of else {}
                     rec = {"cpu_ms": cpu_diff(c0, c1), "mode": k, "n": n, "rid": rid, "t_send": t_send,
                            "ttft_ms": r.ttft_s * 1e3, "tokens": r.token_ids,
-                           "prompt_tokens": None}
+                           "itl_ms": [x * 1e3 for x in r.itl_s],
+                           "cached_tokens": r.cached_tokens,
+                           "prompt_tokens": (r.usage or {}).get("prompt_tokens")}
                     for m, v in after.items():
                         rec[m.split(":")[1]] = (v - before.get(m, 0.0)) * 1e3
+                    for m, v in after_p.items():  # the prefill server's, push modes
+                        rec["prefill_" + m.split(":")[1]] = (v - before_p.get(m, 0.0)) * 1e3
                     rows.setdefault(n, []).append(rec)
                     if k == "colocated":
                         ref = r.token_ids
                 for rec in rows[n][-len(keys):]:
                     rec["identical"] = rec["tokens"] == ref
+            done = rows[n][-len(urls) * args.requests:]
+            print(f"  {n} words done ({time.monotonic() - t_meas:.0f} s): TTFT p50 " + ", ".join(
+                f"{k} {_pct([x['ttft_ms'] for x in done if x['mode'] == k], 50):.1f}"
+                for k in urls) + " ms", flush=True)
         meta["load_after"] = os.getloadavg()
     finally:
-        dep.stop()
+        # every set's servers in parallel (SIGTERM to all first), the
+        # metadata servers last (the connectors unregister on shutdown)
+        serving.stop_all([p for d in deps.values() for p in d.processes
+                          if p is not d.metadata])
+        serving.stop_all([d.metadata for d in deps.values() if d.metadata is not None])
     time.sleep(0.5)
-    events = trace.read(tpath)
+    events = [] if args.no_trace else trace.read(tpath)
     tl = timelines(events, KV32K_SPEC["layers"])
-    summary = {"rows": report(rows, tl, list(urls))}
+    summary = {"rows": report(rows, tl, list(urls), one_layer_ms=args.one_layer_ms),
+               "one_layer_ms": args.one_layer_ms, "traced": not args.no_trace}
     summary.update(meta)
     summary.update({"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
                     "command": " ".join(sys.argv), "cpus": os.cpu_count(),
                     "device": args.device,
                     "gpu_path": args.gpu_path if args.device == "cuda" else None,
                     "env": {k: v for k, v in os.environ.items() if k.startswith("MC_")},
-                    "trace": tpath})
+                    "trace": None if args.no_trace else tpath})
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"summary": summary, "rows": {str(k): v for k, v in rows.items()},
                    "timelines": tl}, f, indent=1)
     print(f"load average before/after: {meta.get('load_before')} / {meta.get('load_after')}")
-    print(f"wrote {args.out} (trace {tpath})")
+    print(f"wrote {args.out}" + ("" if args.no_trace else f" (trace {tpath})"))
     return 0
 
 
-def report(rows, tl, urls):
+#: Per layer (the stretch over the model's layers), printed per push mode.
+PER_LAYER = (("prefill forward per layer (step bound -> last layer saved)",
+              "prefill forward to last layer saved"),
+             ("prefill forward per layer (step bound -> forward end)",
+              "(prefill forward: step bound -> forward end)"))
+
+
+def ref_of(mode):
+    """The colocated reference of a push mode: its own set's colocated server
+    (push_ll_na: colocated_na, the same vLLM settings), else the first set's."""
+    return "colocated_na" if mode == "push_ll_na" else "colocated"
+
+
+def _fmt(v, spec="8.1f"):
+    return "-" if v is None else format(v, spec)
+
+
+def report(rows, tl, urls, one_layer_ms=0.0, nlayers=KV32K_SPEC["layers"]):
     out = {}
+    pushes = [k for k in urls if k.startswith("push")]
     for n, recs in rows.items():
         s = {}
         for k in urls:
             xs = [r for r in recs if r["mode"] == k]
             s[f"ttft_{k}"] = _pct([r["ttft_ms"] for r in xs], 50)
             s[f"identical_{k}"] = f"{sum(r['identical'] for r in xs)}/{len(xs)}"
+            itl = [v for r in xs for v in r.get("itl_ms") or ()]
+            s[f"itl_{k}"], s[f"itl99_{k}"] = _pct(itl, 50), _pct(itl, 99)
+            s[f"gap12_{k}"] = _pct([r["itl_ms"][0] for r in xs if r.get("itl_ms")], 50)
+            s[f"loaded_{k}"] = _pct([r.get("cached_tokens") for r in xs], 50)
             for m in ("request_queue_time_seconds", "request_prefill_time_seconds",
                       "time_to_first_token_seconds"):
-                if any(m in r for r in xs):
-                    s[f"{k}_{m}"] = _pct([r.get(m) for r in xs], 50)
-        for k in ("push_ll", "push_ll_b", "push_whole"):
+                for m2 in (m, "prefill_" + m):
+                    if any(m2 in r for r in xs):
+                        s[f"{k}_{m2}"] = _pct([r.get(m2) for r in xs], 50)
+        s["prompt_tokens"] = next((r["prompt_tokens"] for r in recs if r.get("prompt_tokens")),
+                                  None)
+        for k in pushes:
             cols = {}
             for r in recs:
                 if r["mode"] != k:
@@ -409,14 +583,19 @@ def report(rows, tl, urls):
                     row["d_api_first"] = row["d_arrival"] + srv
                 for c, v in row.items():
                     cols.setdefault(c, []).append(v)
-            if cols:
+            if cols and any(c in cols for c in ("p_step_bound", "d_fwd_end")):
                 s[f"timeline_{k}"] = {c: _pct(v, 50) for c, v in cols.items()}
                 st = {}
                 for label, a, b in STRETCHES:
+                    if b not in cols or (a is not None and a not in cols):
+                        st[label] = None
+                        continue
                     xs = [(y - (0.0 if a is None else x)) for x, y in
-                          zip(cols.get(a, [0.0] * len(cols[b])), cols[b])
+                          zip(cols[a] if a is not None else [0.0] * len(cols[b]), cols[b])
                           if x is not None and y is not None]
                     st[label] = _pct(xs, 50)
+                for label, of in PER_LAYER:
+                    st[label] = None if st.get(of) is None else st[of] / nlayers
                 s[f"stretches_{k}"] = st
         # Paired: each prompt went through every mode back to back (random
         # order): the median difference cancels what drifts between prompts.
@@ -424,46 +603,88 @@ def report(rows, tl, urls):
         for r in recs:
             by_i.setdefault(r["rid"].rsplit("-", 2)[1], {})[r["mode"]] = r["ttft_ms"]
         for k in urls:
-            if k != "colocated":
-                d = [v[k] - v["colocated"] for v in by_i.values() if k in v and "colocated" in v]
+            ref = ref_of(k) if k in pushes else "colocated"
+            if k != ref:
+                d = [v[k] - v[ref] for v in by_i.values() if k in v and ref in v]
                 s[f"paired_{k}"] = statistics.median(d) if d else None
+        for k in pushes:
+            if k != "push_ll":
+                d = [v[k] - v["push_ll"] for v in by_i.values() if k in v and "push_ll" in v]
+                s[f"paired_{k}_minus_push_ll"] = statistics.median(d) if d else None
         d = [v["push_ll"] - v["push_ll_b"] for v in by_i.values()
              if "push_ll" in v and "push_ll_b" in v]
         s["paired_ab"] = statistics.median(d) if d else None
+        # Issue 31's bars (serving_bench.py summarize's): TTFT p50 <= colocated
+        # TTFT p50 + the proxy hop + 2 ms + one layer's transfer; gap 1->2
+        # p50 <= colocated ITL p50 + 2 ms.
+        hop = None
+        if s.get("ttft_colocated") is not None and s.get("ttft_colocated_proxy") is not None:
+            hop = max(0.0, s["ttft_colocated_proxy"] - s["ttft_colocated"])
+        s["proxy_hop_ms"] = hop
+        for k in pushes:
+            ref = ref_of(k)
+            if s.get(f"ttft_{ref}") is None or hop is None:
+                continue
+            bar = s[f"ttft_{ref}"] + hop + 2.0 + one_layer_ms
+            s[f"bar_ttft_{k}"] = bar
+            s[f"bar_ttft_{k}_over"] = s[f"ttft_{k}"] - bar
+            s[f"bar_ttft_{k}_ok"] = s[f"ttft_{k}"] <= bar
+            if s.get(f"itl_{ref}") is not None and s.get(f"gap12_{k}") is not None:
+                gb = s[f"itl_{ref}"] + 2.0
+                s[f"bar_gap12_{k}"] = gb
+                s[f"bar_gap12_{k}_ok"] = s[f"gap12_{k}"] <= gb
         out[n] = s
-        print(f"\n== {n} words: TTFT p50 " + ", ".join(
+        print(f"\n== {n} words ({s['prompt_tokens']} tokens): TTFT p50 " + ", ".join(
             f"{k} {s[f'ttft_{k}']:.1f}" for k in urls) + " ms; identical " + ", ".join(
             f"{k} {s[f'identical_{k}']}" for k in urls))
-        print("  paired TTFT - colocated TTFT, median: " + ", ".join(
+        print("  paired TTFT - its colocated TTFT, median: " + ", ".join(
             f"{k} {s[f'paired_{k}']:+.1f}" for k in urls if s.get(f"paired_{k}") is not None)
             + " ms" + ("" if s.get("paired_ab") is None else
-                       f"; A/B paired push_ll - push_ll_b {s['paired_ab']:+.1f} ms"))
+                       f"; A/B paired push_ll - push_ll_b {s['paired_ab']:+.1f} ms")
+            + "".join(f"; paired {k} - push_ll {s[f'paired_{k}_minus_push_ll']:+.1f} ms"
+                      for k in pushes if s.get(f"paired_{k}_minus_push_ll") is not None))
+        print("  gap 1->2 p50 / ITL p50, p99 (ms): " + ", ".join(
+            f"{k} {_fmt(s[f'gap12_{k}'], '.1f')} / {_fmt(s[f'itl_{k}'], '.1f')}, "
+            f"{_fmt(s[f'itl99_{k}'], '.1f')}" for k in urls))
+        print("  prompt tokens loaded by the decode (p50): " + ", ".join(
+            f"{k} {_fmt(s[f'loaded_{k}'], '.0f')}" for k in pushes))
+        if hop is not None:
+            print(f"  bars (issue 31; hop {hop:.2f} ms, one layer {one_layer_ms:.2f} ms):")
+            for k in pushes:
+                if f"bar_ttft_{k}" not in s:
+                    continue
+                g = ("" if f"bar_gap12_{k}" not in s else
+                     f"; gap 1->2 {s[f'gap12_{k}']:.1f} <= {s[f'bar_gap12_{k}']:.1f} "
+                     f"{'ok' if s[f'bar_gap12_{k}_ok'] else 'MISSED'}")
+                print(f"    {k:<16} TTFT {s[f'ttft_{k}']:.1f} <= {s[f'bar_ttft_{k}']:.1f} "
+                      f"({ref_of(k)} {s[f'ttft_{ref_of(k)}']:.1f}) "
+                      f"{'ok' if s[f'bar_ttft_{k}_ok'] else 'MISSED'} "
+                      f"by {abs(s[f'bar_ttft_{k}_over']):.1f} ms{g}")
         for k in urls:
             q = s.get(f"{k}_request_queue_time_seconds")
             pf = s.get(f"{k}_request_prefill_time_seconds")
             tt = s.get(f"{k}_time_to_first_token_seconds")
             if pf is not None:
                 print(f"  {k} ({'colocated' if k.startswith('colocated') else 'decode'} "
-                      f"server): vLLM queue {q:.1f}, scheduled->first token {pf:.1f}, "
-                      f"server TTFT {tt:.1f} ms (p50)")
-        for k in ("push_ll", "push_ll_b", "push_whole"):
-            t = s.get(f"timeline_{k}")
-            if t:
-                print(f"  {k} timeline, ms after the proxy received it (p50 per point):")
-                for c, _, _, _ in POINTS + (("client_ttft", 0, 0, 0),):
-                    v = t.get(c)
-                    print(f"    {c:<16} {'-' if v is None else f'{v:8.1f}'}")
-        for k in ("push_ll", "push_ll_b", "push_whole"):
-            if s.get(f"stretches_{k}"):
-                print(f"  {k}: where the time to first token goes (per request, p50 ms):")
-                for label, v in s[f"stretches_{k}"].items():
-                    print(f"    {label:<44} {'-' if v is None else f'{v:8.1f}'}")
-        if s.get("timeline_push_ll") and s.get("timeline_push_ll_b"):
-            print("  A/B side by side (push_ll: landing thread on / push_ll_b: off), p50 ms:")
+                      f"server): vLLM queue {_fmt(q, '.1f')}, scheduled->first token "
+                      f"{pf:.1f}, server TTFT {_fmt(tt, '.1f')} ms (p50)")
+            pf = s.get(f"{k}_prefill_request_prefill_time_seconds")
+            if pf is not None:
+                print(f"  {k} (prefill server): vLLM queue "
+                      f"{_fmt(s.get(f'{k}_prefill_request_queue_time_seconds'), '.1f')}, "
+                      f"scheduled->first token {pf:.1f}, server TTFT "
+                      f"{_fmt(s.get(f'{k}_prefill_time_to_first_token_seconds'), '.1f')} ms (p50)")
+        traced = [k for k in pushes if s.get(f"stretches_{k}")]
+        if traced:
+            print("  where the time to first token goes (per request, p50 ms): "
+                  + " | ".join(traced))
+            for label in [x[0] for x in STRETCHES] + [x[0] for x in PER_LAYER]:
+                print(f"    {label:<58} " + " ".join(
+                    _fmt(s[f"stretches_{k}"].get(label)) for k in traced))
+            print("  points, ms after the proxy received it (p50): " + " | ".join(traced))
             for c, _, _, _ in POINTS + (("client_ttft", 0, 0, 0),):
-                a, b = s["timeline_push_ll"].get(c), s["timeline_push_ll_b"].get(c)
-                print(f"    {c:<16} {'-' if a is None else f'{a:8.1f}'} "
-                      f"{'-' if b is None else f'{b:8.1f}'}")
+                print(f"    {c:<16} " + " ".join(_fmt(s[f"timeline_{k}"].get(c))
+                                                for k in traced))
     return out
 
 

@@ -206,3 +206,95 @@ def test_ttft_timeline_reads_a_trace():
     # the prefill's forward thread in save_kv_layer: 0.3 + 0.5 ms over the two layers
     assert abs(st["(prefill's forward thread in save_kv_layer, all layers)"] - 0.8) < 1e-6
     assert abs(s["paired_push_ll"] - 2.0) < 1e-6
+
+
+def _tt():
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import ttft_timeline as tt
+    finally:
+        sys.path.pop(0)
+    return tt
+
+
+def test_ttft_timeline_sets_for_an_ab_of_two_trees(tmp_path, monkeypatch):
+    """ttft_timeline.py --tree-b / --noasync (issue 31's same-lease A/B):
+    the second tree's processes import the connector from that tree (first
+    on PYTHONPATH, this tree off it), the others from this one; the
+    no-async set turns vLLM's asynchronous scheduling off on its decode and
+    its own colocated server only.  Built, not started."""
+    tt = _tt()
+    pp = os.pathsep.join([ROOT, "/x/site"])
+    monkeypatch.setenv("PYTHONPATH", pp)
+    tree_b = tmp_path / "treeb"
+    (tree_b / "mooncake_connector").mkdir(parents=True)
+    extra = {"push-ll": {"flow": "push", "extra_args": ("--push-layer-load", "on")}}
+    deps = tt.make_sets(str(tmp_path / "w"), "/no/model", extra,
+                        {"kv_cache_bytes": 1 << 20}, tree_b=str(tree_b), label_b="lc",
+                        noasync=True)
+    assert set(deps) == {"a", "lc", "na"}
+    assert os.environ["PYTHONPATH"] == pp
+    b = deps["lc"]
+    assert b.colocated is None and list(b.proxies) == ["push-ll"] and b.metadata is not None
+    for p in b.processes:
+        assert p.env["PYTHONPATH"].split(os.pathsep) == [str(tree_b), "/x/site"], p.name
+    for p in deps["a"].processes + deps["na"].processes:
+        assert p.env["PYTHONPATH"] == pp, p.name
+    na = deps["na"]
+    assert "--no-async-scheduling" in na.decode.cmd and "--no-async-scheduling" in na.colocated.cmd
+    assert "--no-async-scheduling" not in na.prefill.cmd
+    assert not any("--no-async-scheduling" in p.cmd for d in (deps["a"], b) for p in d.processes)
+    ports = [p.url for d in deps.values() for p in d.processes]
+    assert len(set(ports)) == len(ports)
+
+
+def test_ttft_timeline_bars_per_variant(capsys):
+    """Issue 31's bars per push mode against its own set's colocated server
+    (push_ll_na: colocated_na), the hop from the first set's pass-through
+    proxy, the gap 1->2 against the reference's ITL; paired differences
+    against the reference and against push_ll."""
+    tt = _tt()
+
+    def rec(mode, ttft, itl, cached=0):
+        return {"mode": mode, "n": 128, "rid": f"tl-{mode}-128-0-1", "ttft_ms": ttft,
+                "itl_ms": itl, "identical": True, "cached_tokens": cached, "prompt_tokens": 136}
+    rows = {128: [rec("colocated", 20.0, [6.0, 6.0]), rec("colocated_proxy", 21.0, [6.0]),
+                  rec("push_ll", 30.0, [9.0, 7.0], 128), rec("push_ll_lc", 22.5, [7.0], 128),
+                  rec("colocated_na", 15.0, [6.0]), rec("push_ll_na", 18.5, [7.0], 128)]}
+    modes = [r["mode"] for r in rows[128]]
+    s = tt.report(rows, {}, modes, one_layer_ms=0.5)[128]
+    assert s["proxy_hop_ms"] == 1.0
+    assert s["bar_ttft_push_ll"] == 23.5 and not s["bar_ttft_push_ll_ok"]
+    assert s["bar_ttft_push_ll_lc"] == 23.5 and s["bar_ttft_push_ll_lc_ok"]
+    assert s["bar_ttft_push_ll_na"] == 18.5 and s["bar_ttft_push_ll_na_ok"]
+    assert s["bar_gap12_push_ll"] == 8.0 and not s["bar_gap12_push_ll_ok"]
+    assert s["bar_gap12_push_ll_lc_ok"] and s["bar_gap12_push_ll_na_ok"]
+    assert s["paired_push_ll_na"] == 3.5 and s["paired_push_ll"] == 10.0
+    assert s["paired_push_ll_lc_minus_push_ll"] == -7.5
+    assert s["loaded_push_ll_lc"] == 128 and s["gap12_push_ll"] == 9.0
+    out = capsys.readouterr().out
+    assert "push_ll          TTFT 30.0 <= 23.5 (colocated 20.0) MISSED by 6.5 ms" in out
+    assert "push_ll_na       TTFT 18.5 <= 18.5 (colocated_na 15.0) ok" in out
+
+
+def test_ttft_timeline_pools_runs(tmp_path):
+    """--pool: the requests of two runs together, each prompt paired within
+    its own run (the same prompt index in two runs is two prompts)."""
+    tt = _tt()
+
+    def rec(mode, i, ttft, pid):
+        return {"mode": mode, "n": 128, "rid": f"tl-{mode}-128-{i}-{pid}", "ttft_ms": ttft,
+                "itl_ms": [5.0], "identical": True}
+    paths = []
+    for j, (c, p) in enumerate(((10.0, 13.0), (20.0, 21.0))):
+        path = tmp_path / f"r{j}.json"
+        path.write_text(json.dumps({"rows": {"128": [rec("colocated", 0, c, j),
+                                                     rec("colocated_proxy", 0, c, j),
+                                                     rec("push_ll", 0, p, j)]}}))
+        paths.append(str(path))
+    out = tmp_path / "pooled.json"
+    assert tt.main(["--pool", *paths, "--out", str(out)]) == 0
+    s = json.loads(out.read_text())["summary"]["rows"]["128"]
+    assert s["identical_push_ll"] == "2/2"
+    assert s["paired_push_ll"] == 2.0  # median of +3 and +1, not one run's pair
+    assert s["ttft_colocated"] == 15.0
