@@ -348,10 +348,15 @@ static void test_cut_peer(void) {
       mc_engine_register(D, dbuf, n, "cpu", &err) < 0)
     goto out;
   fill(cbuf, n, 77);
+  memset(dbuf, 0, n);
   CHECK_EQ_INT(cut_write(1), 0); /* connected */
   pthread_t th;
   pthread_create(&th, NULL, cut_writer, NULL);
-  usleep(2000);
+  /* The write is under way (its second block landed): the cut meets it in
+   * flight, not a later submit's fresh connection. */
+  uint64_t until = mc_now_ns() + 5000000000ull;
+  while (memcmp(dbuf + 65536, cbuf + 65536, 4096) != 0 && mc_now_ns() < until)
+    usleep(100);
   int cut = mc_engine_cut_peer(D, mc_engine_segment_name(C), 2000, &err);
   CHECK_EQ_INT(cut, 1);
   memset(dbuf, 0xA5, n);
