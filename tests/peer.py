@@ -12,6 +12,7 @@ First line printed: {"segment", "addr", "size", "pid"}.  Commands:
      "timeout": T}                                   -> {"ok": true} | {"error": ..., "type": ...}
     {"cmd": "notifies"}                              -> {"notifies": [[from, msg], ...]}
     {"cmd": "engine_stats"}                          -> TransferEngine.get_stats()
+    {"cmd": "cut", "target": SEG}                    -> {"cut": n} | {"error": ..., "type": ...}
     {"cmd": "exit"}
 """
 import argparse
@@ -153,6 +154,11 @@ def main():
             for t in ts:
                 t.join()
             out({"results": results})
+        elif cmd == "cut":  # the consumer's fence: Engine.cut_peer
+            try:
+                out({"cut": eng.cut_peer(req["target"], req.get("timeout", 5.0))})
+            except (mc.MooncakeError, ValueError) as e:
+                out({"error": str(e), "type": type(e).__name__})
         elif cmd == "engine_stats":
             out(eng.get_stats())
         elif cmd == "kv_stats":

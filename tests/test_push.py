@@ -169,6 +169,52 @@ def test_decode_timeout_cancels_then_recomputes(sides):
     assert d.is_empty()
 
 
+class _DropCancels:
+    """Between the decode's push outbox and its real engine: every cancel
+    is lost the way one caught by a link cut is (MC_ETIMEDOUT: it may have
+    arrived), so no answer ever comes; the rest goes through."""
+
+    def __init__(self, engine):
+        self.engine, self.dropped = engine, 0
+
+    def send_notify(self, target, msg, timeout):
+        from mooncake_connector import MooncakeError
+        from mooncake_connector.connector import push
+
+        if push.decode(msg)[0]["t"] == "cancel":
+            self.dropped += 1
+            e = MooncakeError(f"NOTIFY to segment {target} timed out (dropped by the test)")
+            e.code_name = "MC_ETIMEDOUT"
+            raise e
+        return self.engine.send_notify(target, msg, timeout)
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+
+def test_unanswered_producer_is_cut_before_its_blocks_free(sides):
+    """The producer took the target and never answers the cancel (lost on
+    the way): the decode keeps the blocks until lease + grace, then cuts the
+    producer's connections into its engine (Engine.cut_peer, counted
+    push_fence_cuts) before it reports the request and vLLM reuses them."""
+    from mooncake_connector.connector import push
+
+    p = sides("kv_producer")
+    d = sides("kv_consumer", flow_a=False, load_timeout_s=0.5)
+    ob = d.worker._worker.push_outbox
+    ob.engine = _DropCancels(ob.engine)
+    t = toks(16, 2 * BS + 3)
+    d.add(make_request("q", t, max_tokens=2, params=push_params("T6", "d")))
+    t0 = time.monotonic()
+    assert both(p, d, lambda: "q" not in d.sched.requests, steps=4000)
+    took = time.monotonic() - t0
+    assert ob.engine.dropped >= 1
+    assert 0.5 + push.PUSH_GRACE_S - 0.1 <= took < 0.5 + push.PUSH_GRACE_S + 1.5, took
+    assert sum(x.get("push_fence_cuts", 0) for x in d.sched_stats) == 1
+    assert d.computed["q"] == len(t) + 1
+    assert d.is_empty()
+
+
 def test_producer_dead_consumer_ends_at_once(sides):
     """The producer took the target, then died: nobody answers.  The decode's
     engine sees the connection go (Engine.take_lost_peers), so the decode

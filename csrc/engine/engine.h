@@ -203,6 +203,17 @@ void mc_engine_set_peer_lost_handler(mc_engine_t *e, mc_peer_lost_cb cb, void *a
 #define MC_LOST_PEERS_MAX 64
 size_t mc_engine_take_lost_peers(mc_engine_t *e, char **out, size_t max);
 
+/* The consumer's fence: before memory a peer was lent for writing is reused
+ * without the peer's answer, every transport that has a way in for it on
+ * our side ends it (TCP: its incoming connections are reset; transports
+ * without cut_peer are skipped, transport.h).  Returns, within timeout_ms
+ * (< 0: 5 s) per transport, once no byte from `segment` can be written
+ * into our memory by this engine any more: the number of connections cut
+ * (0: none was open), or < 0 (err: MC_EINVAL for an empty or our own name,
+ * MC_ETIMEDOUT).  Other transfers from that peer in flight fail with it;
+ * the peer's next request opens a fresh connection.  Blocks. */
+int mc_engine_cut_peer(mc_engine_t *e, const char *segment, int64_t timeout_ms, mc_err_t *err);
+
 /* Puts a notification on the queue drained by mc_engine_drain_notifies (for
  * handlers that pass on messages they do not own).  The queue is bounded:
  * MC_NOTIFY_QUEUE_MB bytes (default 64) and 65536 messages; beyond that it

@@ -189,6 +189,25 @@ void mc_transports_peer_lost(mc_engine_t *e, const char *segment) {
       e->tr[i].ops->peer_lost(e->tr[i].impl, segment);
 }
 
+int mc_engine_cut_peer(mc_engine_t *e, const char *segment, int64_t timeout_ms, mc_err_t *err) {
+  if (!segment || !segment[0])
+    return mc_err_set(err, MC_EINVAL, "cut_peer: the peer's segment name is empty (give its "
+                      "\"host:port\", as take_lost_peers or a notification's sender names it)");
+  if (!strcmp(segment, e->name))
+    return mc_err_set(err, MC_EINVAL, "cut_peer: \"%s\" is this engine's own segment name; "
+                      "name the peer to fence", segment);
+  int total = 0;
+  for (int i = 0; i < MC_TRANSPORT_MAX; i++) {
+    if (!e->tr[i].ops || !e->tr[i].ops->cut_peer)
+      continue;
+    int rc = e->tr[i].ops->cut_peer(e->tr[i].impl, segment, timeout_ms, err);
+    if (rc < 0)
+      return rc;
+    total += rc;
+  }
+  return total;
+}
+
 void mc_transports_peer_closed(mc_engine_t *e, const char *segment) {
   for (int i = 0; i < MC_TRANSPORT_MAX; i++)
     if (e->tr[i].ops && e->tr[i].ops->peer_closed)

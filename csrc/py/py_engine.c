@@ -1362,6 +1362,31 @@ static PyObject *Engine_take_lost_peers(EngineObject *self, PyObject *Py_UNUSED(
   return out;
 }
 
+/* The consumer's fence (mc_engine_cut_peer). */
+static PyObject *Engine_cut_peer(EngineObject *self, PyObject *args, PyObject *kw) {
+  static char *kwlist[] = {"segment_name", "timeout", NULL};
+  const char *target;
+  double timeout = 5.0;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "s|d:cut_peer", kwlist, &target, &timeout))
+    return NULL;
+  char tbuf[512];
+  if (strlen(target) >= sizeof tbuf)
+    return PyErr_Format(PyExc_ValueError, "cut_peer: segment_name is %zu bytes long; give the "
+                        "peer's \"host:port\"", strlen(target));
+  snprintf(tbuf, sizeof tbuf, "%s", target);
+  if (mc_py_check_timeout(timeout, 0, 1, 600, "timeout") < 0 || enter(self) < 0)
+    return NULL;
+  mc_err_t err = {0};
+  int rc;
+  Py_BEGIN_ALLOW_THREADS
+  rc = mc_engine_cut_peer(self->eng, tbuf, (int64_t)(timeout * 1000), &err);
+  Py_END_ALLOW_THREADS
+  leave(self);
+  if (rc < 0)
+    return mc_py_raise(ST(self), &err);
+  return PyLong_FromLong(rc);
+}
+
 /* ---- raw memory helpers (as in Mooncake's API) ----
  * The range must lie in memory registered with this engine (managed buffers
  * included), so a stale or wrong address raises instead of crashing, and
@@ -1593,6 +1618,12 @@ static PyMethodDef Engine_methods[] = {
     {"take_lost_peers", (PyCFunction)Engine_take_lost_peers, METH_NOARGS,
      "take_lost_peers() -> list[str]: peers (segment names) whose connection to or from\n"
      "this engine failed or closed since the last call, each once (at most 64 kept)."},
+    {"cut_peer", (PyCFunction)(void (*)(void))Engine_cut_peer, METH_VARARGS | METH_KEYWORDS,
+     "cut_peer(segment_name, timeout=5.0) -> int: the consumer's fence: resets every\n"
+     "incoming connection from that peer and returns (GIL released) once none of its\n"
+     "bytes can be written into our memory any more: how many were cut.  Its other\n"
+     "transfers in flight fail; raises (timed out) if the I/O threads did not confirm.\n"
+     "Same-host CPU / GPU copies the peer makes itself are not fenced (docs/connector.md)."},
     {"allocate_managed_buffer", (PyCFunction)Engine_allocate_managed_buffer, METH_O,
      "allocate_managed_buffer(length) -> addr: zeroed, page-aligned, registered host memory"},
     {"free_managed_buffer", (PyCFunction)Engine_free_managed_buffer, METH_VARARGS,

@@ -270,6 +270,16 @@ typedef struct mc_transport_ops {
    * inside it during this submit (so it is asked about once per region). */
   int (*takes)(void *impl, const mc_peer_t *peer, uint64_t remote, uint64_t len, uint64_t *lo,
                uint64_t *hi);
+  /* Optional: the consumer's fence (mc_engine_cut_peer).  Ends every way
+   * `segment` has of writing into our memory through this transport (TCP:
+   * resets its incoming connections) and returns, within timeout_ms, only
+   * once nothing of it can land any more: the number of connections cut,
+   * or < 0 (err).  A transport without it has nothing the peer drives on
+   * our side (RDMA: one-sided writes are the peer's; same-host CPU / GPU:
+   * the peer process copies itself) and is skipped: docs/connector.md,
+   * "The lease", says what that leaves open.  Any thread but its own I/O
+   * threads; blocks. */
+  int (*cut_peer)(void *impl, const char *segment, int64_t timeout_ms, mc_err_t *err);
 } mc_transport_ops_t;
 
 typedef struct mc_transport {

@@ -54,6 +54,7 @@ logger = logging.getLogger("vllm.mooncake_connector")
 MAGIC = b"MCPUSH1\n"
 PUSH_MARGIN_S = 1.0   # producer: no write starts later than lease_until - this
 PUSH_GRACE_S = 2.0    # consumer: blocks kept until lease_until + this without an answer
+FENCE_TIMEOUT_S = 5.0  # consumer: Engine.cut_peer's bound before blocks freed unanswered
 MAX_TID = 256
 ENDED_KEEP_S = 120.0  # producer: a transfer id that ended answers late targets "nokv"
 EARLY_MAX = 4096      # producer: transfer ids with targets waiting for their prompt
@@ -409,6 +410,24 @@ class PushConsumer:
                 cl.deadline = min(cl.deadline, now)
                 cl.lost.add(name)
 
+    def _fence(self, name, why):
+        """Blocks lent to producer `name` are about to be freed without its
+        answer: its connections into this engine are cut first (reset, on
+        the I/O threads; returns once none of its bytes can land), so what
+        its kernel still sends (a slow link's socket buffer, a stopped
+        process) never reaches reused blocks.  Its other loads in flight
+        fail with it and are rescheduled (docs/connector.md, "The lease")."""
+        try:
+            n = self.w.engine.cut_peer(name, FENCE_TIMEOUT_S)
+        except Exception as e:  # noqa: BLE001 -- the blocks are freed at the lease anyway
+            logger.error("MooncakeConnector push: could not cut producer %s's connections "
+                         "before freeing blocks (%s): %s; bytes it still sends may land in "
+                         "reused blocks", name, why, e)
+            return
+        self.w.stats.add("push_fence_cuts")
+        logger.warning("MooncakeConnector push: cut %d connection(s) from producer %s before "
+                       "freeing its blocks: %s", n, name, why)
+
     def abort(self, rid):
         tid = self.by_rid.get(rid)
         if tid is not None and tid in self.loads:
@@ -471,7 +490,10 @@ class PushConsumer:
             elif st == "cancelling":
                 r = self.w.push_outbox.take(("c", tid, name))
                 if r not in ("pending", None) and not r[0]:
-                    cl.ranks[name] = "unsent"  # the producer is gone: no write can come
+                    # The producer is gone: no write starts; what its kernel
+                    # still sends (an exited process's sockets drain) is cut.
+                    cl.ranks[name] = "unsent"
+                    self._fence(name, f"its cancel of {tid} was refused (producer gone)")
                 elif r not in ("pending", None):  # may have arrived: the lease rules stay
                     logger.warning("MooncakeConnector push: cancel of %s to %s may not have "
                                    "arrived (%s); its blocks wait for the lease's end",
@@ -530,6 +552,7 @@ class PushConsumer:
         if live and now < cl.hard_end:
             return None
         for name in live:  # lease over: the producer may not write any more
+            self._fence(name, f"it did not answer {tid} by the lease's end + grace")
             cl.ranks[name] = "nokv"
             cl.why[name] = (f"producer {name} did not answer within the lease "
                             f"(load_timeout_s={self.w.s.load_timeout_s} + {PUSH_GRACE_S} s) "

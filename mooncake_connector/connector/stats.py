@@ -26,7 +26,7 @@ COUNTERS = ("loads", "loads_in_step", "loads_failed", "load_bytes", "load_bytes_
             "load_tokens_missed", "publishes", "publish_failed", "publish_bytes",
             "sends_finished", "sends_expired", "push_loads", "push_sends", "push_bytes",
             "push_failed", "push_layer_loads", "push_producer_lost", "push_layer_load_busy",
-            "push_target_resends", "malloc_trims", "malloc_trim_freed_bytes",
+            "push_target_resends", "push_fence_cuts", "malloc_trims", "malloc_trim_freed_bytes",
             *(f"recompute_{r}" for r in RECOMPUTE_REASONS))
 GAUGES = ("held_bytes", "lookup_entries", "loads_in_flight")
 
@@ -145,6 +145,9 @@ PROM_COUNTERS = {
     "push_target_resends": ("vllm:mooncake_push_target_resends_total",
                             "Consumer: push targets sent again after a send that may have "
                             "been lost (timed out, reset), within the lease"),
+    "push_fence_cuts": ("vllm:mooncake_push_fence_cuts_total",
+                        "Consumer: producers whose connections were cut (Engine.cut_peer) "
+                        "before blocks lent to them were freed without their answer"),
     "malloc_trims": ("vllm:mooncake_malloc_trims_total",
                      "Worker: malloc_trim(0) calls after malloc_trim_idle_s without a step"),
     "malloc_trim_freed_bytes": ("vllm:mooncake_malloc_trim_freed_bytes_total",

@@ -106,6 +106,16 @@ int mc_tcp_submit_poll(mc_tcp_t *t, const char *host, int port, const char *segm
  * MC_ECANCELED).  Returns at once; completion shows up through done(). */
 void mc_tcp_cancel_sweep(mc_tcp_t *t);
 
+/* The fence of a consumer that gives up on a producer: closes, with RST,
+ * every INCOMING connection whose HELLO named `segment` (its bytes still
+ * in our receive buffer or on the way are dropped, none is written into
+ * our memory), on the I/O threads.  Returns the number of connections cut
+ * once no I/O thread (and no GPU staging copy of theirs) can touch memory
+ * for them any more, or < 0 (err): MC_ETIMEDOUT when the I/O threads did
+ * not answer within timeout_ms.  Connections the peer opens later are not
+ * affected.  Blocks: call with the GIL released, never on an I/O thread. */
+int mc_tcp_cut_peer(mc_tcp_t *t, const char *segment, int64_t timeout_ms, mc_err_t *err);
+
 /* Stops the loops, fails everything in flight with MC_ECLOSED, frees. */
 void mc_tcp_stop(mc_tcp_t *t);
 

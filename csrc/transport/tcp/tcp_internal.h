@@ -126,17 +126,19 @@ struct mc_conn {
   int redials;
   uint64_t redial_until_ns;
 
+  int rst; /* close with RST (SO_LINGER 0): the kernel drops what is unsent */
   int cmd_refs; /* commands queued that name this conn (loop->mu) */
   mc_conn_t *next_in_loop;
 };
 
 typedef struct mc_cmd {
   struct mc_cmd *next;
-  int kind; /* CMD_ADD, CMD_KICK, CMD_SWEEP, CMD_FORGET */
+  int kind; /* CMD_ADD, CMD_KICK, CMD_SWEEP, CMD_CUT */
   mc_conn_t *conn;
+  void *arg; /* CMD_CUT: its mc_tcp_cut_t (tcp_loop.c) */
 } mc_cmd_t;
 
-enum { CMD_ADD = 1, CMD_KICK, CMD_SWEEP };
+enum { CMD_ADD = 1, CMD_KICK, CMD_SWEEP, CMD_CUT };
 
 struct mc_loop {
   mc_tcp_t *tcp;

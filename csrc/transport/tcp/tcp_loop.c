@@ -15,7 +15,10 @@
 #include <sys/eventfd.h>
 #include <sys/ioctl.h>
 #include <sys/socket.h>
+#include <time.h>
 #include <unistd.h>
+
+#include <linux/sockios.h>
 
 #include "transport/tcp/tcp_internal.h"
 #include "util/clock.h"
@@ -27,14 +30,15 @@ static char eventfd_tag;
 
 /* ---- commands ---- */
 
-void mc_loop_post(mc_loop_t *l, int kind, mc_conn_t *c) {
+static int loop_post_arg(mc_loop_t *l, int kind, mc_conn_t *c, void *arg) {
   mc_cmd_t *cmd = malloc(sizeof *cmd);
   if (!cmd) {
     mc_log_error("out of memory posting to I/O thread %d", l->idx);
-    return;
+    return -1;
   }
   cmd->kind = kind;
   cmd->conn = c;
+  cmd->arg = arg;
   cmd->next = NULL;
   pthread_mutex_lock(&l->mu);
   if (c)
@@ -53,7 +57,10 @@ void mc_loop_post(mc_loop_t *l, int kind, mc_conn_t *c) {
       r = write(l->evfd, &one, sizeof one);
     } while (r < 0 && errno == EINTR);
   }
+  return 0;
 }
+
+void mc_loop_post(mc_loop_t *l, int kind, mc_conn_t *c) { loop_post_arg(l, kind, c, NULL); }
 
 /* ---- connections ---- */
 
@@ -170,6 +177,18 @@ static void peer_remove_conn(mc_tcp_t *t, mc_conn_t *c) {
 
 static int redial(mc_conn_t *c, int code, const char *why);
 
+/* Outgoing: WRITE data handed to the kernel that the target has not
+ * answered (a started op in the send queue, or one awaiting its answer). */
+static int write_unanswered(const mc_conn_t *c) {
+  for (const mc_xfer_op_t *op = c->await_head; op; op = op->next)
+    if (op->type == MC_XFER_WRITE)
+      return 1;
+  for (const mc_xfer_op_t *op = c->sendq_head; op && op->started; op = op->next)
+    if (op->type == MC_XFER_WRITE)
+      return 1;
+  return 0;
+}
+
 void mc_conn_kill(mc_conn_t *c, int code, const char *fmt, ...) {
   if (c->state == CONN_DEAD)
     return;
@@ -183,6 +202,12 @@ void mc_conn_kill(mc_conn_t *c, int code, const char *fmt, ...) {
     snprintf(msg + l, sizeof msg - l, " (the last of %d handshakes, each cut before the "
              "target's HELLO_ACK; is the target overloaded or flooded?)", c->redials + 1);
   }
+  /* A connection killed to cancel or fence a transfer, or holding WRITE
+   * data not yet answered, is reset, not closed: a plain close() leaves the
+   * kernel sending the socket's queued bytes (megabytes, seconds on a slow
+   * link) into memory the target may have reused meanwhile. */
+  if (code == MC_ECANCELED || (c->outgoing && write_unanswered(c)))
+    c->rst = 1;
   if (redial(c, code, msg)) /* its requests now wait on a fresh connection */
     code = MC_ECLOSED;
   else if (code == MC_EPROTO && !c->outgoing) /* a peer can repeat these at will */
@@ -208,6 +233,10 @@ void mc_conn_kill(mc_conn_t *c, int code, const char *fmt, ...) {
   c->state = CONN_DEAD;
   epoll_ctl(c->loop->epfd, EPOLL_CTL_DEL, c->fd, NULL);
   mc_conn_prehandshake_done(c); /* before close: the acceptor may shut its fd down */
+  if (c->rst) {
+    struct linger lg = {.l_onoff = 1, .l_linger = 0};
+    setsockopt(c->fd, SOL_SOCKET, SO_LINGER, &lg, sizeof lg);
+  }
   close(c->fd);
   c->fd = -1;
   if (code == MC_EPROTO && !c->outgoing)
@@ -346,10 +375,21 @@ static void sweep_conn(mc_conn_t *c) {
       return;
     }
   }
-  /* Sent and awaiting: WRITE data has left, READ data is dropped on arrival. */
+  /* Sent and awaiting: READ data is dropped on arrival; WRITE data the
+   * kernel still holds unacknowledged (SIOCOUTQ) would land after the
+   * cancel reported it gone, so the connection is reset (the kernel drops
+   * it).  Bytes the target's kernel acknowledged are the target's to fence
+   * (mc_tcp_cut_peer). */
   for (mc_xfer_op_t *op = c->await_head; op; op = op->next) {
     /* finalized first: a finalized op's batch (and *op->cancel) may be gone */
     if (!op->finalized && op->cancel && atomic_load(op->cancel)) {
+      int unacked = 0;
+      if (op->type == MC_XFER_WRITE && ioctl(c->fd, SIOCOUTQ, &unacked) == 0 && unacked > 0) {
+        mc_conn_kill(c, MC_ECANCELED,
+                     "connection to %s reset to cancel a transfer whose data (%d bytes "
+                     "queued) was not yet acknowledged", c->peer, unacked);
+        return;
+      }
       if (op == c->await_head && c->rstate == RS_PAYLOAD)
         c->pdiscard = 1;
       mc_op_finalize(op, MC_ECANCELED, "canceled while waiting for the target");
@@ -383,6 +423,108 @@ static void resume_reading(mc_conn_t *c) {
     c->rx_resume = 0;
     alive = mc_conn_on_readable(c) == 0;
   }
+}
+
+/* ---- fencing a peer (mc_tcp_cut_peer) ---- */
+
+/* One cut, shared by the loops and the caller; freed by the last of them. */
+typedef struct mc_tcp_cut {
+  pthread_mutex_t mu;
+  pthread_cond_t cv;
+  char segment[320];
+  int pending; /* loops yet to answer */
+  int refs;
+  int ncut;
+  int held; /* a cut connection was still held (a GPU staging copy) */
+} mc_tcp_cut_t;
+
+static void cut_put(mc_tcp_cut_t *k, int answered, int ncut, int held) {
+  pthread_mutex_lock(&k->mu);
+  k->ncut += ncut;
+  k->held |= held;
+  if (answered && --k->pending == 0)
+    pthread_cond_broadcast(&k->cv);
+  int last = --k->refs == 0;
+  pthread_mutex_unlock(&k->mu);
+  if (last) {
+    pthread_mutex_destroy(&k->mu);
+    pthread_cond_destroy(&k->cv);
+    free(k);
+  }
+}
+
+/* On loop l's thread: resets l's incoming connections from k->segment.
+ * Their receive state (payload scatter into registered memory) lives on
+ * this thread, so once this returns none of them writes anything more. */
+static void cut_on_loop(mc_loop_t *l, mc_tcp_cut_t *k) {
+  int n = 0, held = 0;
+  for (mc_conn_t *c = l->conns; c; c = c->next_in_loop) {
+    if (c->outgoing || c->state == CONN_DEAD || strcmp(c->segment, k->segment) != 0)
+      continue;
+    if (!mc_conn_loop_acquire(c))
+      continue; /* caller-owned: outgoing only, never reached */
+    c->rst = 1;
+    mc_conn_kill(c, MC_ECANCELED,
+                 "connection from %s (%s) cut: its transfers into our memory are fenced "
+                 "(cut_peer)", k->segment, c->peer);
+    mc_conn_loop_release(c);
+    pthread_mutex_lock(&l->mu);
+    held |= c->cmd_refs > 0;
+    pthread_mutex_unlock(&l->mu);
+    n++;
+  }
+  cut_put(k, 1, n, held);
+}
+
+int mc_tcp_cut_peer(mc_tcp_t *t, const char *segment, int64_t timeout_ms, mc_err_t *err) {
+  if (!segment || !segment[0] || strlen(segment) >= sizeof(((mc_conn_t *)0)->segment))
+    return mc_err_set(err, MC_EINVAL, "cut_peer: segment name %s (give the peer's "
+                      "\"host:port\" as it named itself, under 320 bytes)",
+                      !segment || !segment[0] ? "is empty" : "is too long");
+  mc_tcp_cut_t *k = calloc(1, sizeof *k);
+  if (!k)
+    return mc_err_set(err, MC_ENOMEM, "out of memory");
+  pthread_condattr_t ca;
+  pthread_condattr_init(&ca);
+  pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+  pthread_mutex_init(&k->mu, NULL);
+  pthread_cond_init(&k->cv, &ca);
+  pthread_condattr_destroy(&ca);
+  snprintf(k->segment, sizeof k->segment, "%s", segment);
+  k->pending = t->nloops;
+  k->refs = t->nloops + 1;
+  int lost = 0;
+  for (int i = 0; i < t->nloops; i++)
+    if (loop_post_arg(&t->loops[i], CMD_CUT, NULL, k) < 0) {
+      cut_put(k, 1, 0, 0);
+      lost = 1;
+    }
+  struct timespec until;
+  clock_gettime(CLOCK_MONOTONIC, &until);
+  int64_t ms = timeout_ms < 0 ? 5000 : timeout_ms;
+  until.tv_sec += ms / 1000;
+  until.tv_nsec += (ms % 1000) * 1000000L;
+  if (until.tv_nsec >= 1000000000L) {
+    until.tv_sec++;
+    until.tv_nsec -= 1000000000L;
+  }
+  pthread_mutex_lock(&k->mu);
+  int rc = 0;
+  while (k->pending > 0 && rc != ETIMEDOUT)
+    rc = pthread_cond_timedwait(&k->cv, &k->mu, &until);
+  int pending = k->pending, ncut = k->ncut, held = k->held;
+  pthread_mutex_unlock(&k->mu);
+  cut_put(k, 0, 0, 0);
+  if (pending > 0 || lost)
+    return mc_err_set(err, lost ? MC_ENOMEM : MC_ETIMEDOUT,
+                      "cut_peer %s: %d of %d I/O threads did not confirm the cut within %lld "
+                      "ms%s; its connections may still write into our memory", segment,
+                      pending, t->nloops, (long long)ms, lost ? " (out of memory)" : "");
+  /* A WRITE payload staged for a GPU region is copied by the copy worker
+   * after its connection went: wait for those copies to finish. */
+  if (held && t->hooks.gpu)
+    mc_gpu_stager_drain(t->hooks.gpu);
+  return ncut;
 }
 
 static void handle_cmds(mc_loop_t *l) {
@@ -428,6 +570,9 @@ static void handle_cmds(mc_loop_t *l) {
           mc_conn_loop_release(c);
         }
       }
+      break;
+    case CMD_CUT:
+      cut_on_loop(l, cmd->arg);
       break;
     }
     if (cmd->conn) {
@@ -767,7 +912,12 @@ static int redial(mc_conn_t *c, int code, const char *why) {
     for (mc_xfer_op_t *op = chains[ch], *next; op; op = next) {
       next = op->next;
       op->next = NULL;
-      if (op->type == MC_WIRE_HELLO) {
+      if (op->type == MC_WIRE_HELLO || op->finalized) { /* finalized: answered (canceled) */
+        mc_xfer_op_free(op);
+        continue;
+      }
+      if (op->cancel && atomic_load(op->cancel)) { /* a canceled op is never sent again */
+        mc_op_finalize(op, MC_ECANCELED, "canceled before its connection's handshake");
         mc_xfer_op_free(op);
         continue;
       }
@@ -1125,6 +1275,8 @@ void mc_tcp_stop(mc_tcp_t *t) {
         l->conns = cmd->conn;
         /* Not in epoll yet: give the kill path a valid loop. */
       }
+      if (cmd->kind == CMD_CUT) /* its connections are killed below */
+        cut_put(cmd->arg, 1, 0, 0);
       if (cmd->conn)
         cmd->conn->cmd_refs--;
       free(cmd);

@@ -41,6 +41,9 @@ static int tcp_t_submit_poll(void *impl, const mc_peer_t *peer, mc_xfer_op_t **o
 }
 
 static void tcp_t_cancel_sweep(void *impl) { mc_tcp_cancel_sweep(impl); }
+static int tcp_t_cut_peer(void *impl, const char *segment, int64_t timeout_ms, mc_err_t *err) {
+  return mc_tcp_cut_peer(impl, segment, timeout_ms, err);
+}
 static void tcp_t_stop(void *impl) { mc_tcp_stop(impl); }
 static int tcp_t_port(void *impl) { return mc_tcp_port(impl); }
 
@@ -107,4 +110,5 @@ const mc_transport_ops_t mc_tcp_transport_ops = {
     .submit = tcp_t_submit,
     .submit_poll = tcp_t_submit_poll,
     .cancel_sweep = tcp_t_cancel_sweep,
+    .cut_peer = tcp_t_cut_peer,
 };
