@@ -1,0 +1,117 @@
+"""push.py's per-layer arrays of a CUDA-gated target (_gate_arrays): the
+numpy build (whole-array arithmetic per layer, used when a target arrives
+inside the forward) gives exactly the Python loop's arrays, in its order,
+and the same first error, on the KV-cache shapes of test_layout.py (two
+outer slices per layer, a permuted TRITON layout, MLA's one slice, HMA's
+two groups with null blocks on the consumer)."""
+import random
+from array import array
+from types import SimpleNamespace
+
+import pytest
+
+torch = pytest.importorskip("torch")
+np = pytest.importorskip("numpy")
+
+from mooncake_connector.connector.layout import KVLayout  # noqa: E402
+from mooncake_connector.connector.push import PushProducer  # noqa: E402
+
+NB, BS, H, D = 9, 16, 2, 8
+
+
+def _triton_nhd():
+    raw = torch.zeros(NB, BS, H, 2 * D)
+    return raw.permute(0, 2, 1, 3)
+
+
+def _layouts():
+    flash = {f"l{i}": torch.zeros(2, NB, BS, H, D) for i in range(3)}
+    yield "flash", KVLayout(flash, num_blocks=NB, heads=H, block_size=BS), None
+    mixed = {"a": torch.zeros(2, NB, BS, H, D), "b": _triton_nhd(), "c": torch.zeros(NB, BS, D)}
+    yield "mixed", KVLayout(mixed, num_blocks=NB, heads=H, block_size=BS), None
+    hma = {"a": torch.zeros(2, NB, BS, H, D), "b": torch.zeros(2, NB, BS, H, D)}
+    yield "hma", KVLayout(hma, num_blocks=NB, heads=H, block_size=BS,
+                          layer_groups={"b": 1}), 1
+
+
+def _producer(layout):
+    return PushProducer(SimpleNamespace(layout=layout))
+
+
+def _target(layout, rng, nblocks, skip, nulls=True):
+    """A decode's target: per block and extent (dest address, bytes, source offset)."""
+    dest = array("Q")
+    for _ in range(nblocks):
+        for L in layout.layers:
+            for _o in L.outer:
+                n = 0 if nulls and rng.random() < 0.15 else rng.randint(1, L.block_bytes)
+                off = rng.randint(0, L.block_bytes - n)
+                dest.extend((rng.randrange(1 << 40, 1 << 47), n, off))
+    return SimpleNamespace(dest=dest, skip=skip, nblocks=nblocks, lnotify=False, garr=None,
+                           stop=None)
+
+
+def _rows(groups, rng, n):
+    if groups is None:
+        return rng.sample(range(NB), n), None
+    return rng.sample(range(NB), n), [[rng.randrange(NB) for _ in range(n)]]
+
+
+def _both(p, job, tg):
+    """(numpy build, loop build), each on its own copy of the target."""
+    rows = job.spec.block_ids if not job.spec.more_groups else \
+        list(zip(job.spec.block_ids, *job.spec.more_groups))
+    rows = rows[tg.skip:tg.skip + tg.nblocks]
+    t1, t2 = SimpleNamespace(**vars(tg)), SimpleNamespace(**vars(tg))
+    return (p._gate_arrays_np(rows, t1), t1.stop), (p._gate_arrays_loop(rows, t2), t2.stop)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_numpy_build_equals_the_loop(seed, monkeypatch):
+    from mooncake_connector.connector import push
+    # the entry point below takes numpy for every size in odd seeds
+    monkeypatch.setattr(push, "GATE_NP_MIN", 0 if seed % 2 else 1 << 30)
+    rng = random.Random(seed)
+    for name, layout, groups in _layouts():
+        p = _producer(layout)
+        ids, more = _rows(groups, rng, 7)
+        job = SimpleNamespace(tid="t", spec=SimpleNamespace(block_ids=ids, more_groups=more))
+        for skip, nb in ((0, 7), (2, 4), (6, 1)):
+            tg = _target(layout, rng, nb, skip)
+            (a, stop_a), (b, stop_b) = _both(p, job, tg)
+            assert stop_a is None and stop_b is None, (name, stop_a, stop_b)
+            assert len(a) == len(b) == len(layout.layers)
+            for li, (x, y) in enumerate(zip(a, b)):
+                assert all(isinstance(v, array) and v.typecode == "Q" for v in x)
+                assert [v.tolist() for v in x] == [v.tolist() for v in y], (name, li)
+            assert sum(len(x[0]) for x in a) > 0
+            # the whole entry point too: sizes, and built once
+            tg2 = SimpleNamespace(**vars(tg), gbytes=None)
+            per = p._gate_arrays(job, tg2)
+            assert [v.tolist() for x in per for v in x] == [v.tolist() for x in b for v in x]
+            assert tg2.gbytes == [sum(x[2]) for x in b]
+            assert p._gate_arrays(job, tg2) is per
+
+
+def test_numpy_build_reports_the_loops_first_bad_extent():
+    rng = random.Random(7)
+    for name, layout, groups in _layouts():
+        p = _producer(layout)
+        ids, more = _rows(groups, rng, 6)
+        job = SimpleNamespace(tid="t", spec=SimpleNamespace(block_ids=ids, more_groups=more))
+        epb = layout.extents_per_block
+        for bad in ((4, epb - 1), (1, 0), (1, epb - 1), (5, 0)):
+            tg = _target(layout, rng, 6, 0, nulls=False)
+            # two oversized extents: the loop's order (block, then layer, then
+            # extent) decides which one is named
+            for b, k in (bad, (bad[0] + 1 if bad[0] < 5 else bad[0], 0)):
+                i = (b * epb + k) * 3
+                tg.dest[i + 1], tg.dest[i + 2] = 3, (1 << 63)  # offset past any extent
+            (a, stop_a), (b_, stop_b) = _both(p, job, tg)
+            assert a is None and b_ is None
+            assert stop_a == stop_b and "exceed this side's" in stop_a, (name, stop_a, stop_b)
+        # bytes that do not fit from a valid offset, and a wrap-around attempt
+        tg = _target(layout, rng, 6, 0, nulls=False)
+        tg.dest[3 * 3 + 1], tg.dest[3 * 3 + 2] = (1 << 64) - 1, 1
+        (a, stop_a), (b_, stop_b) = _both(p, job, tg)
+        assert a is None and stop_a == stop_b and stop_a.startswith("extent 3 of block 0"), stop_a
