@@ -948,25 +948,37 @@ class PushProducer:
     def _gate_arrays_loop(self, rows, tg):
         """_gate_arrays' arrays, one block and extent at a time (the
         reference the numpy build is tested against)."""
+        per = [(array("Q"), array("Q"), array("Q")) for _ in self._layer_off]
+        if not self._collect(tg, rows, range(len(per)), per.__getitem__):
+            return None
+        return per
+
+    def _collect(self, tg, rows, layers, out):
+        """Appends the writes of these layers of the target's blocks (rows:
+        this side's block rows for them, in order) to out(li) = (src, dst,
+        lens), block by block, then layer, then extent.  False (tg.stop
+        set) when an extent asks for more bytes than this side's holds."""
         lay = self.w.layout
         epb = lay.extents_per_block
-        per = [(array("Q"), array("Q"), array("Q")) for _ in self._layer_off]
         dest = tg.dest
         for b, row in enumerate(rows):
-            for li, (k0, _) in enumerate(self._layer_off):
-                src, dst, lens = per[li]
-                for k, (s_addr, s_len) in enumerate(lay.layer_extents(row, li), k0):
+            for li in layers:
+                src, dst, lens = out(li)
+                # this layer's extents only: a layer's save costs O(blocks),
+                # not O(blocks x layers) on the prefill's forward thread
+                for k, (s_addr, s_len) in enumerate(lay.layer_extents(row, li),
+                                                    self._layer_off[li][0]):
                     i = (b * epb + k) * 3
                     d_addr, n, s_off = dest[i], dest[i + 1], dest[i + 2]
                     if n == 0:
                         continue  # HMA: a null block on the consumer
                     if s_off + n > s_len:
                         tg.stop = _extent_too_long(k, b, n, s_off, s_len)
-                        return None
+                        return False
                     src.append(s_addr + s_off)
                     dst.append(d_addr)
                     lens.append(n)
-        return per
+        return True
 
     def _gate_arrays_np(self, rows, tg):
         """_gate_arrays' arrays by whole-array arithmetic per layer: the
@@ -1176,8 +1188,6 @@ class PushProducer:
         if time.time() > tg.lease_until - PUSH_MARGIN_S:
             tg.stop = "the decode side's lease expired before the KV was written"
             return
-        lay = self.w.layout
-        epb = lay.extents_per_block
         rows = job.spec.block_ids if not job.spec.more_groups else \
             list(zip(job.spec.block_ids, *job.spec.more_groups))
         if tg.skip + tg.nblocks > len(rows):
@@ -1185,24 +1195,9 @@ class PushProducer:
                        f"this prefill holds {len(rows)}")
             return
         src, dst, lens = [], [], []
-        dest = tg.dest
-        for b in range(tg.nblocks):
-            row = rows[tg.skip + b]
-            for li in todo:
-                # this layer's extents only: a layer's save costs O(blocks),
-                # not O(blocks x layers) on the prefill's forward thread
-                k0 = self._layer_off[li][0]
-                for k, (s_addr, s_len) in enumerate(lay.layer_extents(row, li), k0):
-                    i = (b * epb + k) * 3
-                    d_addr, n, s_off = dest[i], dest[i + 1], dest[i + 2]
-                    if n == 0:
-                        continue  # HMA: a null block on the consumer
-                    if s_off + n > s_len:
-                        tg.stop = _extent_too_long(k, b, n, s_off, s_len)
-                        return
-                    src.append(s_addr + s_off)
-                    dst.append(d_addr)
-                    lens.append(n)
+        out = (src, dst, lens)
+        if not self._collect(tg, rows[tg.skip:tg.skip + tg.nblocks], todo, lambda li: out):
+            return
         tg.layers_sent.update(todo)
         tg.state = "writing"
         if not src:
