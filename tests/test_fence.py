@@ -14,53 +14,32 @@ checks, seconds later, that it is intact."""
 import json
 import os
 import signal
-import subprocess
 import time
 
 import pytest
 
-from conftest import have_netns
+from netns_util import sh, veth_pair
 
 BLK = 64 << 10
 SIZE = 16 << 20
 WRITE = 8 << 20  # 16 s at 4 mbit/s
 
 
-def sh(*args):
-    subprocess.run(args, check=True, capture_output=True)
+def _slow_producer(pair):
+    """The producer's socket buffer may hold 4 MiB (the incident's tcp_wmem
+    max), all of it queued at once, behind a 4 mbit/s tbf."""
+    ns_a, _ = pair["a"]
+    sh("ip", "netns", "exec", ns_a, "sysctl", "-qw", "net.ipv4.tcp_wmem=4096 4194304 4194304")
+    sh("tc", "-n", ns_a, "qdisc", "add", "dev", pair["veth"], "root", "tbf", "rate", "4mbit",
+       "burst", "16kb", "latency", "200ms")
 
 
 @pytest.fixture
 def slow_pair():
     """Two namespaces joined by a veth whose producer side (a) sends at
     4 mbit/s through a tbf that drops what waits longer than 200 ms."""
-    if not have_netns():
-        pytest.skip("needs root and `ip netns` (iproute2) to create network namespaces")
-    tag = f"mf{os.getpid() % 100000}"
-    a, b = f"{tag}a", f"{tag}b"
-    try:
-        sh("ip", "netns", "add", a)
-        sh("ip", "netns", "add", b)
-        sh("ip", "link", "add", f"{tag}va", "type", "veth", "peer", "name", f"{tag}vb")
-        sh("ip", "link", "set", f"{tag}va", "netns", a)
-        sh("ip", "link", "set", f"{tag}vb", "netns", b)
-        sh("ip", "-n", a, "addr", "add", "10.214.0.1/24", "dev", f"{tag}va")
-        sh("ip", "-n", b, "addr", "add", "10.214.0.2/24", "dev", f"{tag}vb")
-        for ns, dev in ((a, f"{tag}va"), (b, f"{tag}vb")):
-            sh("ip", "-n", ns, "link", "set", dev, "up")
-            sh("ip", "-n", ns, "link", "set", "lo", "up")
-        # The producer's socket buffer may hold 4 MiB (the incident's
-        # tcp_wmem max), all of it queued at once.
-        sh("ip", "netns", "exec", a, "sysctl", "-qw", "net.ipv4.tcp_wmem=4096 4194304 4194304")
-        sh("tc", "-n", a, "qdisc", "add", "dev", f"{tag}va", "root", "tbf", "rate", "4mbit",
-           "burst", "16kb", "latency", "200ms")
-    except subprocess.CalledProcessError as e:
-        for ns in (a, b):
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-        pytest.skip(f"cannot create the slow link here: {e.stderr.decode().strip()}")
-    yield {"a": (a, "10.214.0.1"), "b": (b, "10.214.0.2")}
-    for ns in (a, b):
-        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+    with veth_pair("mf", "10.214.0", what="the slow link", setup=_slow_producer) as pair:
+        yield pair
 
 
 def _pair(peers, slow_pair):

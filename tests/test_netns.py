@@ -1,45 +1,20 @@
 """Transfers between two network namespaces joined by a veth pair: the data
 really crosses a (virtual) network link, with its own addresses."""
-import os
 import subprocess
 
 import pytest
 
-from conftest import have_netns
+from netns_util import sh, veth_pair
 
 pytestmark = pytest.mark.netns
 
 BLK = 64 << 10
 
 
-def sh(*args):
-    subprocess.run(args, check=True, capture_output=True)
-
-
 @pytest.fixture(scope="module")
 def netns_pair():
-    if not have_netns():
-        pytest.skip("needs root and `ip netns` (iproute2) to create network namespaces")
-    tag = f"mc{os.getpid() % 100000}"
-    a, b = f"{tag}a", f"{tag}b"
-    try:
-        sh("ip", "netns", "add", a)
-        sh("ip", "netns", "add", b)
-        sh("ip", "link", "add", f"{tag}va", "type", "veth", "peer", "name", f"{tag}vb")
-        sh("ip", "link", "set", f"{tag}va", "netns", a)
-        sh("ip", "link", "set", f"{tag}vb", "netns", b)
-        sh("ip", "-n", a, "addr", "add", "10.213.0.1/24", "dev", f"{tag}va")
-        sh("ip", "-n", b, "addr", "add", "10.213.0.2/24", "dev", f"{tag}vb")
-        for ns, dev in ((a, f"{tag}va"), (b, f"{tag}vb")):
-            sh("ip", "-n", ns, "link", "set", dev, "up")
-            sh("ip", "-n", ns, "link", "set", "lo", "up")
-    except subprocess.CalledProcessError as e:
-        for ns in (a, b):
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-        pytest.skip(f"cannot create network namespaces here: {e.stderr.decode().strip()}")
-    yield {"a": (a, "10.213.0.1"), "b": (b, "10.213.0.2"), "veth": f"{tag}va"}
-    for ns in (a, b):
-        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+    with veth_pair("mc", "10.213.0") as pair:
+        yield pair
 
 
 def test_transfer_across_veth(peers, netns_pair):
