@@ -53,7 +53,14 @@ $(BUILD)/libmcc.a: $(CORE_OBJ)
 
 $(BUILD)/tests/%: tests/c/%.c tests/c/testlib.h $(BUILD)/libmcc.a
 	@mkdir -p $(dir $@)
-	$(CC) $(CFLAGS) -Itests/c $< -o $@ $(BUILD)/libmcc.a $(LDLIBS) $(LDFLAGS_SAN)
+	$(CC) $(CFLAGS) -Itests/c $< $(filter %.o,$^) -o $@ $(BUILD)/libmcc.a $(LDLIBS) $(LDFLAGS_SAN)
+
+# Test helpers (tests/c/*.c that are no test_*.c), linked into the tests
+# that use them.
+$(BUILD)/tests/obj/%.o: tests/c/%.c tests/c/%.h $(shell find csrc -name '*.h')
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS) -Itests/c -c $< -o $@
+$(BUILD)/tests/test_engine $(BUILD)/tests/test_gate: $(BUILD)/tests/obj/two_engines.o
 
 $(BUILD)/bench/%: benchmarks/c/%.c $(BUILD)/libmcc.a
 	@mkdir -p $(dir $@)

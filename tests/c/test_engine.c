@@ -12,21 +12,10 @@
 #include "mem/regions.h"
 #include "testlib.h"
 #include "transport/tcp/wire.h"
+#include "two_engines.h"
 #include "util/clock.h"
 
-static mc_engine_t *A, *B;
-static uint8_t *abuf, *bbuf;
 #define BUFSZ (64u << 20)
-
-static mc_engine_t *mk(void) {
-  mc_engine_opts_t o = {.local_hostname = "127.0.0.1", .metadata_server = "P2PHANDSHAKE",
-                        .protocol = "tcp"};
-  mc_err_t err = {0};
-  mc_engine_t *e = NULL;
-  if (mc_engine_create(&o, &e, &err) < 0)
-    fprintf(stderr, "create failed: %s\n", err.msg);
-  return e;
-}
 
 static int xfer(int op, size_t off_local, size_t off_remote, uint64_t len, mc_err_t *err) {
   mc_request_t r = {.opcode = op, .local = abuf + off_local,
@@ -887,19 +876,8 @@ static void test_describe_follows_changes(void) {
 
 int main(void) {
   setenv("MC_NOTIFY_QUEUE_MB", "1", 1); /* test_notify_budget */
-  abuf = malloc(BUFSZ);
-  bbuf = malloc(BUFSZ);
-  A = mk();
-  B = mk();
-  if (!A || !B || !abuf || !bbuf)
+  if (two_engines_up(BUFSZ) < 0)
     return 1;
-  mc_err_t err = {0};
-  /* A's buffer holds local buffers of its transfers: registered too. */
-  if (mc_engine_register(B, bbuf, BUFSZ, "cpu", &err) < 0 ||
-      mc_engine_register(A, abuf, BUFSZ, "cpu", &err) < 0) {
-    fprintf(stderr, "%s\n", err.msg);
-    return 1;
-  }
   RUN(test_regions_device_of);
   RUN(test_regions_remove_stall);
   RUN(test_sizes_write_read);
@@ -923,9 +901,6 @@ int main(void) {
   RUN(test_describe_follows_changes);
   RUN(test_reset_before_hello_ack_redials);
   RUN(test_cut_peer);
-  mc_engine_destroy(A);
-  mc_engine_destroy(B);
-  free(abuf);
-  free(bbuf);
+  two_engines_down();
   TEST_MAIN_END();
 }

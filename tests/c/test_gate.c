@@ -13,23 +13,12 @@
 #include "engine/engine.h"
 #include "gpu/cuda_driver.h"
 #include "testlib.h"
+#include "two_engines.h"
 #include "util/clock.h"
 
-static mc_engine_t *A, *B;
-static uint8_t *abuf, *bbuf;
 #define BUFSZ (8u << 20)
 static const mc_cuda_api_t *api;
 static void (*stream_hold)(void *stream, uint64_t ns);
-
-static mc_engine_t *mk(void) {
-  mc_engine_opts_t o = {.local_hostname = "127.0.0.1", .metadata_server = "P2PHANDSHAKE",
-                        .protocol = "tcp"};
-  mc_err_t err = {0};
-  mc_engine_t *e = NULL;
-  if (mc_engine_create(&o, &e, &err) < 0)
-    fprintf(stderr, "create failed: %s\n", err.msg);
-  return e;
-}
 
 typedef struct {
   int n;
@@ -221,25 +210,13 @@ int main(void) {
                     "LD_LIBRARY_PATH: run it through `make test-c`\n");
     return 1;
   }
-  abuf = malloc(BUFSZ);
-  bbuf = malloc(BUFSZ);
-  A = mk();
-  B = mk();
-  if (!A || !B || !abuf || !bbuf)
+  if (two_engines_up(BUFSZ) < 0)
     return 1;
-  if (mc_engine_register(B, bbuf, BUFSZ, "cpu", &err) < 0 ||
-      mc_engine_register(A, abuf, BUFSZ, "cpu", &err) < 0) {
-    fprintf(stderr, "%s\n", err.msg);
-    return 1;
-  }
   RUN(test_waits_for_the_event_then_notifies);
   RUN(test_failed_batch_sends_nothing);
   RUN(test_cancel_before_the_event);
   RUN(test_many_in_order);
   RUN(test_bad_arguments);
-  mc_engine_destroy(A);
-  mc_engine_destroy(B);
-  free(abuf);
-  free(bbuf);
+  two_engines_down();
   TEST_MAIN_END();
 }
