@@ -24,10 +24,9 @@ static void test_no_gpu_is_clear(void) {
   if (have_gpu())
     return;
   /* Registering as cuda without a driver/GPU: a clear refusal. */
-  mc_engine_opts_t o = {.local_hostname = "127.0.0.1", .metadata_server = "P2PHANDSHAKE"};
-  mc_engine_t *e = NULL;
+  mc_engine_t *e;
   mc_err_t err = {0};
-  CHECK_EQ_INT(mc_engine_create(&o, &e, &err), 0);
+  CHECK_EQ_INT(engine_new(&e, &err), 0);
   char *buf = malloc(4096);
   int rc = mc_engine_register(e, buf, 4096, "cuda:0", &err);
   CHECK(rc == MC_EUNAVAIL || rc == MC_EINVAL);
@@ -39,42 +38,63 @@ static void test_no_gpu_is_clear(void) {
 /* The same-host path asks a peer for its descriptor with the RPC
  * mc.describe; this part needs no GPU. */
 static void test_describe_rpc(void) {
-  mc_engine_opts_t o = {.local_hostname = "127.0.0.1", .metadata_server = "P2PHANDSHAKE"};
-  mc_engine_t *A = NULL, *B = NULL;
+  mc_engine_t *A, *B;
   mc_err_t err = {0};
-  CHECK_EQ_INT(mc_engine_create(&o, &A, &err), 0);
-  CHECK_EQ_INT(mc_engine_create(&o, &B, &err), 0);
+  CHECK_EQ_INT(engine_pair(&A, &B, &err), 0);
   char *buf = malloc(1 << 16);
   CHECK_EQ_INT(mc_engine_register(B, buf, 1 << 16, "cpu", &err), 0);
-  char *reply = NULL;
-  CHECK_EQ_INT(mc_engine_rpc(A, mc_engine_segment_name(B), MC_RPC_DESCRIBE,
-                             strlen(MC_RPC_DESCRIBE), 5000, &reply, &err), 0);
-  CHECK(reply);
-  mc_remote_desc_t rd;
-  CHECK_EQ_INT(mc_segment_desc_decode_regions(reply, strlen(reply), &rd, &err), 0);
+  mc_remote_desc_t rd = {0};
+  describe(A, B, &rd);
   CHECK_EQ_INT(rd.n, 1);
   CHECK_EQ_INT(rd.regions[0].addr, (uint64_t)(uintptr_t)buf);
   CHECK_EQ_INT(rd.regions[0].cuda_dev, -1);
   CHECK(strcmp(rd.host_id, mc_host_identity()) == 0);
   CHECK_EQ_INT(rd.pid, getpid());
   mc_remote_desc_free(&rd);
-  free(reply);
   mc_engine_destroy(A);
   mc_engine_destroy(B);
   free(buf);
 }
 
+/* The copy-worker tests' data: dn bytes of device memory (*d) whose first
+ * n hold *src (fill(seed)), and *back (n bytes) to read results into.
+ * 0, or -1 where an allocation or the copy failed. */
+static int dev_data(size_t n, size_t dn, uint32_t seed, uint64_t *d, uint8_t **src,
+                    uint8_t **back) {
+  *d = dalloc(dn);
+  *src = malloc(n);
+  *back = malloc(n);
+  if (!*d || !*src || !*back)
+    return -1;
+  fill(*src, n, seed);
+  return api->cuMemcpyHtoD(*d, *src, n) == 0 ? 0 : -1;
+}
+
+static void dev_data_free(uint64_t d, uint8_t *src, uint8_t *back) {
+  if (d)
+    cu_free(d);
+  free(src);
+  free(back);
+}
+
+/* A stager with a 16 MiB pool, or NULL (why on stderr). */
+static mc_gpu_stager_t *stager(void) {
+  mc_gpu_stager_t *s = NULL;
+  mc_err_t err = {0};
+  if (mc_gpu_stager_create(16u << 20, &s, &err) < 0)
+    fprintf(stderr, "  stager: %s\n", err.msg);
+  return s;
+}
+
 static void test_stager_roundtrip(void) {
   SKIP_NO_GPU();
   size_t n = 8u << 20;
-  uint64_t d = dalloc(n);
-  CHECK(d);
-  uint8_t *src = malloc(n), *back = malloc(n);
-  fill(src, n, 3);
-  CHECK_EQ_INT(api->cuMemcpyHtoD(d, src, n), 0);
-  mc_gpu_stager_t *s = NULL;
+  uint64_t d;
+  uint8_t *src, *back;
+  CHECK_EQ_INT(dev_data(n, n, 3, &d, &src, &back), 0);
+  mc_gpu_stager_t *s = stager();
+  CHECK(s);
   mc_err_t err = {0};
-  CHECK_EQ_INT(mc_gpu_stager_create(16u << 20, &s, &err), 0);
   mc_gpu_buf_t *b = mc_gpu_buf_get(s, 0, n, &err);
   CHECK(b && b->size >= n);
   /* D2H in 64 KiB pieces (one batch), then H2D back shifted by 1 MiB. */
@@ -99,9 +119,7 @@ static void test_stager_roundtrip(void) {
   CHECK(ok);
   mc_gpu_buf_put(s, b);
   mc_gpu_stager_destroy(s);
-  cu_free(d);
-  free(src);
-  free(back);
+  dev_data_free(d, src, back);
 }
 
 /* A job whose arrays (and the caller's extra bytes) share its allocation
@@ -119,19 +137,16 @@ static void test_inline_job(void) {
   CHECK(zero);
   memset(extra, 0xab, 600); /* the caller's: never overlaps the arrays */
   size_t n = 1u << 20, piece = 4096;
-  uint64_t d = dalloc(2 * n);
-  CHECK(d);
-  uint8_t *src = malloc(n), *back = malloc(n);
-  fill(src, n, 7);
-  CHECK_EQ_INT(api->cuMemcpyHtoD(d, src, n), 0);
+  uint64_t d;
+  uint8_t *src, *back;
+  CHECK_EQ_INT(dev_data(n, 2 * n, 7, &d, &src, &back), 0);
   /* 16 separate copies (every other piece): the 5th moves the arrays out. */
   for (size_t k = 0; k < 16; k++)
     CHECK_EQ_INT(mc_gpu_job_add(j, d + n + 2 * k * piece, d + 2 * k * piece, piece), 0);
   CHECK(!j->inline_arrays && j->n == 16 && j->cap >= 16);
   CHECK(((unsigned char *)extra)[0] == 0xab && ((unsigned char *)extra)[599] == 0xab);
-  mc_gpu_stager_t *s = NULL;
-  mc_err_t err = {0};
-  CHECK_EQ_INT(mc_gpu_stager_create(16u << 20, &s, &err), 0);
+  mc_gpu_stager_t *s = stager();
+  CHECK(s);
   mc_gpu_stager_submit(s, j); /* freed by the worker: arrays and all */
   mc_gpu_stager_drain(s);
   CHECK_EQ_INT(api->cuMemcpyDtoH(back, d + n, n), 0);
@@ -150,9 +165,7 @@ static void test_inline_job(void) {
   CHECK_EQ_INT(api->cuMemcpyDtoH(back, d + n, 9 * piece), 0);
   CHECK(memcmp(back, src + piece, piece) == 0 && memcmp(back + 8 * piece, src + 9 * piece, piece) == 0);
   mc_gpu_stager_destroy(s);
-  cu_free(d);
-  free(src);
-  free(back);
+  dev_data_free(d, src, back);
 }
 
 /* Direct launches (MC_GPU_DIRECT, gpu_staging.c): with the worker idle
@@ -212,15 +225,12 @@ static int seq_round(mc_gpu_stager_t *s, uint64_t d, size_t n) {
 static void test_direct_launch(void) {
   SKIP_NO_GPU();
   size_t n = 1u << 20;
-  uint64_t d = dalloc(2 * n);
-  CHECK(d);
-  uint8_t *src = malloc(n), *back = malloc(n);
-  fill(src, n, 11);
-  CHECK_EQ_INT(api->cuMemcpyHtoD(d, src, n), 0);
+  uint64_t d;
+  uint8_t *src, *back;
+  CHECK_EQ_INT(dev_data(n, 2 * n, 11, &d, &src, &back), 0);
   setenv("MC_GPU_DIRECT_GRACE_US", "1000000", 1); /* the worker leaves it to us for 1 s */
-  mc_gpu_stager_t *s = NULL;
-  mc_err_t err = {0};
-  CHECK_EQ_INT(mc_gpu_stager_create(16u << 20, &s, &err), 0);
+  mc_gpu_stager_t *s = stager();
+  CHECK(s);
   /* The first starts the worker; the caller has not yet waited twice in a row. */
   CHECK_EQ_INT(seq_round(s, d, n), 0);
   CHECK_EQ_INT(seq_round(s, d, n), 0);
@@ -236,7 +246,7 @@ static void test_direct_launch(void) {
   mc_gpu_stager_destroy(s);
   /* Nobody reaps: the worker finishes it after the grace (drain waits). */
   setenv("MC_GPU_DIRECT_GRACE_US", "50", 1);
-  CHECK_EQ_INT(mc_gpu_stager_create(16u << 20, &s, &err), 0);
+  CHECK((s = stager()) != NULL);
   for (int k = 0; k < 3; k++)
     CHECK(seq_round(s, d, n) >= 0);
   mc_gpu_stager_submit(s, direct_job(d, n, &c));
@@ -250,14 +260,12 @@ static void test_direct_launch(void) {
   unsetenv("MC_GPU_DIRECT_GRACE_US");
   /* Off: never direct. */
   setenv("MC_GPU_DIRECT", "0", 1);
-  CHECK_EQ_INT(mc_gpu_stager_create(16u << 20, &s, &err), 0);
+  CHECK((s = stager()) != NULL);
   for (int k = 0; k < 4; k++)
     CHECK_EQ_INT(seq_round(s, d, n), 0);
   mc_gpu_stager_destroy(s);
   unsetenv("MC_GPU_DIRECT");
-  cu_free(d);
-  free(src);
-  free(back);
+  dev_data_free(d, src, back);
 }
 
 /* A pipelining caller (several submits, then the waits) gets no direct
@@ -273,9 +281,8 @@ static void test_direct_pipelining(void) {
   uint64_t d = dalloc(2 * n);
   CHECK(d);
   setenv("MC_GPU_DIRECT_GRACE_US", "1000000", 1); /* every direct job is the waiter's */
-  mc_gpu_stager_t *s = NULL;
-  mc_err_t err = {0};
-  CHECK_EQ_INT(mc_gpu_stager_create(16u << 20, &s, &err), 0);
+  mc_gpu_stager_t *s = stager();
+  CHECK(s);
   int direct = 0;
   for (int k = 0; k < 4; k++) {
     int r = seq_round(s, d, n);
@@ -320,7 +327,7 @@ static void test_direct_pipelining(void) {
    * seen, not a late waiter: a sequential caller after it gets direct
    * launches back at once, not after DIRECT_SKIP (64) chances. */
   setenv("MC_GPU_DIRECT_GRACE_US", "50", 1);
-  CHECK_EQ_INT(mc_gpu_stager_create(16u << 20, &s, &err), 0);
+  CHECK((s = stager()) != NULL);
   for (int k = 0; k < 3; k++)
     CHECK(seq_round(s, d, n) >= 0);
   direct_seen_t y[4];
@@ -373,11 +380,9 @@ static char *worker_status(void) {
 static void test_worker_diag(void) {
   SKIP_NO_GPU();
   size_t n = 64u << 10;
-  uint64_t d = dalloc(2 * n);
-  CHECK(d);
-  uint8_t *src = malloc(n), *back = malloc(n);
-  fill(src, n, 5);
-  CHECK_EQ_INT(api->cuMemcpyHtoD(d, src, n), 0);
+  uint64_t d;
+  uint8_t *src, *back;
+  CHECK_EQ_INT(dev_data(n, 2 * n, 5, &d, &src, &back), 0);
   cpu_set_t allowed;
   CHECK_EQ_INT(sched_getaffinity(0, sizeof allowed, &allowed), 0);
   int cpu = -1;
@@ -390,9 +395,8 @@ static void test_worker_diag(void) {
   setenv("MC_GPU_WORKER_CPU", cs, 1);
   setenv("MC_GPU_POLL_NS", "2000", 1);
   setenv("MC_GPU_DIRECT", "0", 1);
-  mc_gpu_stager_t *s = NULL;
-  mc_err_t err = {0};
-  CHECK_EQ_INT(mc_gpu_stager_create(16u << 20, &s, &err), 0);
+  mc_gpu_stager_t *s = stager();
+  CHECK(s);
   for (int round = 0; round < 2; round++) {
     mc_gpu_diag_t g;
     mc_gpu_stager_diag(s, &g, 1); /* from here */
@@ -430,7 +434,7 @@ static void test_worker_diag(void) {
   unsetenv("MC_GPU_DIAG");
   unsetenv("MC_GPU_WORKER_CPU");
   unsetenv("MC_GPU_POLL_NS");
-  CHECK_EQ_INT(mc_gpu_stager_create(16u << 20, &s, &err), 0);
+  CHECK((s = stager()) != NULL);
   direct_seen_t y[4];
   memset(y, 0, sizeof y);
   for (int k = 0; k < 4; k++)
@@ -440,9 +444,7 @@ static void test_worker_diag(void) {
   CHECK(z.launches == 0 && z.loops == 0 && z.worker_cpu == -1);
   mc_gpu_stager_destroy(s);
   unsetenv("MC_GPU_DIRECT");
-  cu_free(d);
-  free(src);
-  free(back);
+  dev_data_free(d, src, back);
 }
 
 /* Direct launches from several threads at once: each submits and reaps
@@ -486,9 +488,8 @@ static void test_direct_concurrent(void) {
   size_t n = 64u << 10;
   uint64_t d = dalloc(2 * n);
   CHECK(d);
-  mc_gpu_stager_t *s = NULL;
-  mc_err_t err = {0};
-  CHECK_EQ_INT(mc_gpu_stager_create(16u << 20, &s, &err), 0);
+  mc_gpu_stager_t *s = stager();
+  CHECK(s);
   direct_seen_t first = {0};
   mc_gpu_stager_submit(s, direct_job(d, n, &first)); /* starts the worker */
   mc_gpu_stager_drain(s);
@@ -518,10 +519,9 @@ static void test_direct_concurrent(void) {
 
 static void test_wrong_claims(void) {
   SKIP_NO_GPU();
-  mc_engine_opts_t o = {.local_hostname = "127.0.0.1", .metadata_server = "P2PHANDSHAKE"};
-  mc_engine_t *e = NULL;
+  mc_engine_t *e;
   mc_err_t err = {0};
-  CHECK_EQ_INT(mc_engine_create(&o, &e, &err), 0);
+  CHECK_EQ_INT(engine_new(&e, &err), 0);
   uint64_t d = dalloc(1 << 20);
   CHECK_EQ_INT(mc_engine_register(e, (void *)(uintptr_t)d, 1 << 20, "cpu", &err), MC_EINVAL);
   CHECK_CONTAINS(err.msg, "GPU memory on cuda:0");
@@ -540,15 +540,22 @@ static void test_wrong_claims(void) {
   free(h);
 }
 
+/* n bytes at addr (device memory if gpu, else host memory) into dst. */
+static int to_host(uint8_t *dst, uint64_t addr, int gpu, size_t n) {
+  if (gpu)
+    return api->cuMemcpyDtoH(dst, addr, n);
+  memcpy(dst, (void *)(uintptr_t)addr, n);
+  return 0;
+}
+
 /* One pair of engines; local/remote memory chosen per case. */
 static void run_pair(int local_gpu, int remote_gpu, int ipc, size_t total, size_t block) {
   setenv("MC_GPU_IPC", ipc ? "1" : "0", 1);
-  mc_engine_opts_t o = {.local_hostname = "127.0.0.1", .metadata_server = "P2PHANDSHAKE"};
-  mc_engine_t *A = NULL, *B = NULL;
+  mc_engine_t *A, *B;
   mc_err_t err = {0};
-  CHECK_EQ_INT(mc_engine_create(&o, &A, &err), 0);
-  CHECK_EQ_INT(mc_engine_create(&o, &B, &err), 0);
+  int rc = engine_pair(&A, &B, &err);
   unsetenv("MC_GPU_IPC");
+  CHECK_EQ_INT(rc, 0);
   uint8_t *ref = malloc(total), *back = malloc(total);
   fill(ref, total, (uint32_t)(local_gpu * 4 + remote_gpu * 2 + ipc));
   uint64_t la = local_gpu ? dalloc(total) : (uint64_t)(uintptr_t)calloc(1, total);
@@ -567,18 +574,11 @@ static void run_pair(int local_gpu, int remote_gpu, int ipc, size_t total, size_
   for (size_t i = 0; i < n; i++)
     r[i] = (mc_request_t){.opcode = MC_OP_WRITE, .local = (void *)(uintptr_t)(la + i * block),
                           .remote = ra + (n - 1 - i) * block, .len = block};
-  mc_batch_t *b = mc_batch_new(A, n);
-  int rc = mc_batch_submit(A, b, mc_engine_segment_name(B), r, n, &err);
-  if (rc == 0)
-    rc = mc_batch_wait(A, b, 60000, &err);
+  rc = xfer(A, B, r, n, &err);
   if (rc)
     fprintf(stderr, "  write: %s\n", err.msg);
   CHECK_EQ_INT(rc, 0);
-  mc_batch_free(A, b);
-  if (remote_gpu)
-    CHECK_EQ_INT(api->cuMemcpyDtoH(back, ra, total), 0);
-  else
-    memcpy(back, (void *)(uintptr_t)ra, total);
+  CHECK_EQ_INT(to_host(back, ra, remote_gpu, total), 0);
   int ok = 1;
   for (size_t i = 0; i < n; i++)
     ok &= memcmp(back + (n - 1 - i) * block, ref + i * block, block) == 0;
@@ -592,23 +592,16 @@ static void run_pair(int local_gpu, int remote_gpu, int ipc, size_t total, size_
   }
   for (size_t i = 0; i < n; i++)
     r[i].opcode = MC_OP_READ;
-  b = mc_batch_new(A, n);
-  rc = mc_batch_submit(A, b, mc_engine_segment_name(B), r, n, &err);
-  if (rc == 0)
-    rc = mc_batch_wait(A, b, 60000, &err);
+  rc = xfer(A, B, r, n, &err);
   if (rc)
     fprintf(stderr, "  read: %s\n", err.msg);
   CHECK_EQ_INT(rc, 0);
-  mc_batch_free(A, b);
-  if (local_gpu)
-    CHECK_EQ_INT(api->cuMemcpyDtoH(back, la, total), 0);
-  else
-    memcpy(back, (void *)(uintptr_t)la, total);
+  CHECK_EQ_INT(to_host(back, la, local_gpu, total), 0);
   CHECK(memcmp(back, ref, total) == 0);
   /* An address outside B's regions still fails cleanly. */
   mc_request_t bad = {.opcode = MC_OP_WRITE, .local = (void *)(uintptr_t)la,
                       .remote = ra + total, .len = block};
-  b = mc_batch_new(A, 1);
+  mc_batch_t *b = mc_batch_new(A, 1);
   CHECK_EQ_INT(mc_batch_submit(A, b, mc_engine_segment_name(B), &bad, 1, &err), 0);
   CHECK(mc_batch_wait(A, b, 10000, &err) < 0);
   CHECK_CONTAINS(err.msg, "not inside any memory region");
@@ -649,10 +642,9 @@ static void test_same_host_direct(void) {
 }
 static void test_local_segment_gpu(void) {
   SKIP_NO_GPU();
-  mc_engine_opts_t o = {.local_hostname = "127.0.0.1", .metadata_server = "P2PHANDSHAKE"};
-  mc_engine_t *e = NULL;
+  mc_engine_t *e;
   mc_err_t err = {0};
-  CHECK_EQ_INT(mc_engine_create(&o, &e, &err), 0);
+  CHECK_EQ_INT(engine_new(&e, &err), 0);
   size_t n = 1 << 20;
   uint64_t d = dalloc(n);
   uint8_t *src = malloc(n), *back = malloc(n);

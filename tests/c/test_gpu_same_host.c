@@ -36,16 +36,6 @@
 #define BLK 4096u
 #define NBLK 2048u /* 8 MiB per region: several chunks of the batch */
 
-static int xfer(mc_engine_t *A, mc_engine_t *B, const mc_request_t *r, size_t n,
-                mc_err_t *err) {
-  mc_batch_t *b = mc_batch_new(A, n);
-  int rc = mc_batch_submit(A, b, mc_engine_segment_name(B), r, n, err);
-  if (rc == 0)
-    rc = mc_batch_wait(A, b, 60000, err);
-  mc_batch_free(A, b);
-  return rc;
-}
-
 /* Block i of src goes to block perm(i) of the destination: a scatter. */
 static size_t perm(size_t i) {
   return (i * 7 + 3) % NBLK;
@@ -53,11 +43,9 @@ static size_t perm(size_t i) {
 
 static void test_later_chunks_fresh_descriptor(void) {
   SKIP_NO_GPU();
-  mc_engine_opts_t o = {.local_hostname = "127.0.0.1", .metadata_server = "P2PHANDSHAKE"};
-  mc_engine_t *A = NULL, *B = NULL;
+  mc_engine_t *A, *B;
   mc_err_t err = {0};
-  CHECK_EQ_INT(mc_engine_create(&o, &A, &err), 0);
-  CHECK_EQ_INT(mc_engine_create(&o, &B, &err), 0);
+  CHECK_EQ_INT(engine_pair(&A, &B, &err), 0);
   size_t sz = (size_t)NBLK * BLK;
   uint64_t src = dalloc(2 * sz), r1 = dalloc(sz), r2 = dalloc(sz);
   CHECK(src && r1 && r2);
@@ -101,45 +89,56 @@ static void test_later_chunks_fresh_descriptor(void) {
   free(back);
 }
 
-/* Engines A and B; src (A's) and dst (registered by B), NBLK blocks each;
- * r: block i of src written to block perm(i) of dst. */
+/* Engines A and B; src (A's) and dst (B's), sz bytes of GPU memory each,
+ * registered with them as cuda:0; ok once all that worked.  r: the
+ * requests, made by the caller (scatter_open: NBLK blocks, block i of src
+ * written to block perm(i) of dst), freed by pair_close. */
 typedef struct {
   mc_engine_t *A, *B;
   uint64_t src, dst;
   mc_request_t *r;
-} scatter_pair_t;
+  int ok;
+} gpu_pair_t;
 
-static void pair_open(scatter_pair_t *p) {
-  mc_engine_opts_t o = {.local_hostname = "127.0.0.1", .metadata_server = "P2PHANDSHAKE"};
+static void pair_open(gpu_pair_t *p, size_t sz) {
   mc_err_t err = {0};
   memset(p, 0, sizeof *p);
-  CHECK_EQ_INT(mc_engine_create(&o, &p->A, &err), 0);
-  CHECK_EQ_INT(mc_engine_create(&o, &p->B, &err), 0);
-  size_t sz = (size_t)NBLK * BLK;
+  CHECK_EQ_INT(engine_pair(&p->A, &p->B, &err), 0);
   p->src = dalloc(sz);
   p->dst = dalloc(sz);
   CHECK(p->src && p->dst);
   CHECK_EQ_INT(mc_engine_register(p->B, (void *)(uintptr_t)p->dst, sz, "cuda:0", &err), 0);
   CHECK_EQ_INT(mc_engine_register(p->A, (void *)(uintptr_t)p->src, sz, "cuda:0", &err), 0);
+  p->ok = 1;
+}
+
+static void scatter_open(gpu_pair_t *p) {
+  pair_open(p, (size_t)NBLK * BLK);
+  if (!p->ok)
+    return;
   p->r = calloc(NBLK, sizeof *p->r);
-  for (size_t i = 0; i < NBLK; i++)
+  for (size_t i = 0; p->r && i < NBLK; i++)
     p->r[i] = (mc_request_t){.opcode = MC_OP_WRITE,
                              .local = (void *)(uintptr_t)(p->src + i * BLK),
                              .remote = p->dst + perm(i) * BLK, .len = BLK};
+  p->ok = p->r != NULL;
 }
 
-static void pair_close(scatter_pair_t *p) {
+static void pair_close(gpu_pair_t *p) {
   mc_engine_destroy(p->A);
   mc_engine_destroy(p->B);
-  cu_free(p->src);
-  cu_free(p->dst);
+  if (p->src)
+    cu_free(p->src);
+  if (p->dst)
+    cu_free(p->dst);
   free(p->r);
 }
 
 static void test_unregistered_since_cached_fails(void) {
   SKIP_NO_GPU();
-  scatter_pair_t p;
-  pair_open(&p);
+  gpu_pair_t p;
+  scatter_open(&p);
+  CHECK(p.ok);
   mc_err_t err = {0};
   CHECK_EQ_INT(xfer(p.A, p.B, p.r, NBLK, &err), 0); /* caches the descriptor */
   /* B drops the region (the memory stays allocated here, so the copies
@@ -165,8 +164,9 @@ static void test_unregistered_since_cached_fails(void) {
 
 static void test_later_chunk_runs_past_allocation(void) {
   SKIP_NO_GPU();
-  scatter_pair_t p;
-  pair_open(&p);
+  gpu_pair_t p;
+  scatter_open(&p);
+  CHECK(p.ok);
   mc_err_t err = {0};
   size_t badi = NBLK - 5;
   p.r[badi].local = (void *)(uintptr_t)(p.src + (size_t)NBLK * BLK - BLK / 2); /* half past */
@@ -186,24 +186,10 @@ static void test_later_chunk_runs_past_allocation(void) {
   pair_close(&p);
 }
 
-/* B's descriptor as A's RPC gets it. */
-static void describe(mc_engine_t *A, mc_engine_t *B, mc_remote_desc_t *rd) {
-  char *reply = NULL;
-  mc_err_t err = {0};
-  CHECK_EQ_INT(mc_engine_rpc(A, mc_engine_segment_name(B), MC_RPC_DESCRIBE,
-                             strlen(MC_RPC_DESCRIBE), 5000, &reply, &err), 0);
-  CHECK(reply);
-  CHECK_EQ_INT(mc_segment_desc_decode_regions(reply ? reply : "", reply ? strlen(reply) : 0, rd,
-                                              &err), 0);
-  free(reply);
-}
-
 static void test_gen_page(void) {
-  mc_engine_opts_t o = {.local_hostname = "127.0.0.1", .metadata_server = "P2PHANDSHAKE"};
-  mc_engine_t *A = NULL, *B = NULL;
+  mc_engine_t *A, *B;
   mc_err_t err = {0};
-  CHECK_EQ_INT(mc_engine_create(&o, &A, &err), 0);
-  CHECK_EQ_INT(mc_engine_create(&o, &B, &err), 0);
+  CHECK_EQ_INT(engine_pair(&A, &B, &err), 0);
   char *buf = malloc(1 << 16), *buf2 = malloc(1 << 16);
   CHECK_EQ_INT(mc_engine_register(B, buf, 1 << 16, "cpu", &err), 0);
   mc_remote_desc_t rd;
@@ -268,32 +254,24 @@ static void test_gen_page(void) {
  * which fails it. */
 static void test_unregistered_during_copies_fails(void) {
   SKIP_NO_GPU();
-  mc_engine_opts_t o = {.local_hostname = "127.0.0.1", .metadata_server = "P2PHANDSHAKE"};
-  mc_engine_t *A = NULL, *B = NULL;
-  mc_err_t err = {0};
-  CHECK_EQ_INT(mc_engine_create(&o, &A, &err), 0);
-  CHECK_EQ_INT(mc_engine_create(&o, &B, &err), 0);
   size_t sz = 1ull << 30;
-  uint64_t src = dalloc(sz), dst = dalloc(sz);
-  CHECK(src && dst);
-  CHECK_EQ_INT(mc_engine_register(B, (void *)(uintptr_t)dst, sz, "cuda:0", &err), 0);
-  CHECK_EQ_INT(mc_engine_register(A, (void *)(uintptr_t)src, sz, "cuda:0", &err), 0);
-  mc_request_t small = {.opcode = MC_OP_WRITE, .local = (void *)(uintptr_t)src, .remote = dst,
+  gpu_pair_t p;
+  pair_open(&p, sz);
+  CHECK(p.ok);
+  mc_err_t err = {0};
+  mc_request_t small = {.opcode = MC_OP_WRITE, .local = (void *)(uintptr_t)p.src, .remote = p.dst,
                         .len = BLK};
-  CHECK_EQ_INT(xfer(A, B, &small, 1, &err), 0); /* first contact */
-  CHECK_EQ_INT(xfer(A, B, &small, 1, &err), 0); /* the cached descriptor, version unchanged */
-  mc_request_t big = {.opcode = MC_OP_WRITE, .local = (void *)(uintptr_t)src, .remote = dst,
+  CHECK_EQ_INT(xfer(p.A, p.B, &small, 1, &err), 0); /* first contact */
+  CHECK_EQ_INT(xfer(p.A, p.B, &small, 1, &err), 0); /* the cached descriptor, version unchanged */
+  mc_request_t big = {.opcode = MC_OP_WRITE, .local = (void *)(uintptr_t)p.src, .remote = p.dst,
                       .len = sz};
-  mc_batch_t *b = mc_batch_new(A, 1);
-  CHECK_EQ_INT(mc_batch_submit(A, b, mc_engine_segment_name(B), &big, 1, &err), 0);
-  CHECK_EQ_INT(mc_engine_unregister(B, (void *)(uintptr_t)dst, &err), 0);
-  CHECK(mc_batch_wait(A, b, 60000, &err) < 0);
+  mc_batch_t *b = mc_batch_new(p.A, 1);
+  CHECK_EQ_INT(mc_batch_submit(p.A, b, mc_engine_segment_name(p.B), &big, 1, &err), 0);
+  CHECK_EQ_INT(mc_engine_unregister(p.B, (void *)(uintptr_t)p.dst, &err), 0);
+  CHECK(mc_batch_wait(p.A, b, 60000, &err) < 0);
   CHECK_CONTAINS(err.msg, "re-registered its GPU memory");
-  mc_batch_free(A, b);
-  mc_engine_destroy(A);
-  mc_engine_destroy(B);
-  cu_free(src);
-  cu_free(dst);
+  mc_batch_free(p.A, b);
+  pair_close(&p);
 }
 
 /* Copies of mixed sizes and alignments in one launch of the copy kernel
@@ -302,46 +280,37 @@ static void test_unregistered_during_copies_fails(void) {
  * byte checked, and nothing written outside them. */
 static void test_mixed_sizes_kernel(void) {
   SKIP_NO_GPU();
-  mc_engine_opts_t o = {.local_hostname = "127.0.0.1", .metadata_server = "P2PHANDSHAKE"};
-  mc_engine_t *A = NULL, *B = NULL;
-  mc_err_t err = {0};
-  CHECK_EQ_INT(mc_engine_create(&o, &A, &err), 0);
-  CHECK_EQ_INT(mc_engine_create(&o, &B, &err), 0);
   size_t slot = 320u << 10, nmax = 129, sz = slot * nmax;
-  uint64_t src = dalloc(sz), dst = dalloc(sz);
-  CHECK(src && dst);
+  gpu_pair_t p;
+  pair_open(&p, sz);
+  CHECK(p.ok);
+  mc_err_t err = {0};
   uint8_t *ref = malloc(sz), *back = malloc(sz), *want = malloc(sz);
   for (size_t i = 0; i < sz; i++)
     ref[i] = (uint8_t)(i * 131 + (i >> 13) * 7 + 1);
-  CHECK_EQ_INT(api->cuMemcpyHtoD(src, ref, sz), 0);
-  CHECK_EQ_INT(mc_engine_register(B, (void *)(uintptr_t)dst, sz, "cuda:0", &err), 0);
-  CHECK_EQ_INT(mc_engine_register(A, (void *)(uintptr_t)src, sz, "cuda:0", &err), 0);
-  mc_request_t *r = calloc(nmax, sizeof *r);
+  CHECK_EQ_INT(api->cuMemcpyHtoD(p.src, ref, sz), 0);
+  mc_request_t *r = p.r = calloc(nmax, sizeof *r);
   static const size_t counts[] = {1, 128, 129};
   for (size_t c = 0; c < 3; c++) {
     size_t n = counts[c];
     memset(want, 0, sz);
-    CHECK_EQ_INT(api->cuMemcpyHtoD(dst, want, sz), 0);
+    CHECK_EQ_INT(api->cuMemcpyHtoD(p.dst, want, sz), 0);
     for (size_t i = 0; i < n; i++) {
       /* 1 byte .. ~300 KiB, odd offsets on either side, slots scattered. */
       size_t len = 1 + (i * 7919u * 13u + c * 4099u) % (300u << 10);
       size_t lo = i * slot + (i % 5) * 3, ro = ((i * 37 + 11) % nmax) * slot + (i % 7);
-      r[i] = (mc_request_t){.opcode = MC_OP_WRITE, .local = (void *)(uintptr_t)(src + lo),
-                            .remote = dst + ro, .len = len};
+      r[i] = (mc_request_t){.opcode = MC_OP_WRITE, .local = (void *)(uintptr_t)(p.src + lo),
+                            .remote = p.dst + ro, .len = len};
       memcpy(want + ro, ref + lo, len);
     }
-    int rc = xfer(A, B, r, n, &err);
+    int rc = xfer(p.A, p.B, r, n, &err);
     if (rc)
       fprintf(stderr, "  %zu requests: %s\n", n, err.msg);
     CHECK_EQ_INT(rc, 0);
-    CHECK_EQ_INT(api->cuMemcpyDtoH(back, dst, sz), 0);
+    CHECK_EQ_INT(api->cuMemcpyDtoH(back, p.dst, sz), 0);
     CHECK(memcmp(back, want, sz) == 0);
   }
-  mc_engine_destroy(A);
-  mc_engine_destroy(B);
-  cu_free(src);
-  cu_free(dst);
-  free(r);
+  pair_close(&p);
   free(ref);
   free(back);
   free(want);

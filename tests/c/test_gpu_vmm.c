@@ -183,10 +183,9 @@ static void child(int wfd, int rfd) {
     (void)!write(wfd, &in, sizeof in);
     _exit(0);
   }
-  mc_engine_opts_t o = {.local_hostname = "127.0.0.1", .metadata_server = "P2PHANDSHAKE"};
-  mc_engine_t *B = NULL;
+  mc_engine_t *B;
   mc_err_t err = {0};
-  if (mc_engine_create(&o, &B, &err) < 0)
+  if (engine_new(&B, &err) < 0)
     _exit(2);
   in.addr[R_FD] = vmm_alloc(MC_CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
   in.addr[R_NOFD] = vmm_alloc(0);
@@ -271,11 +270,11 @@ static uint64_t child_hash(uint32_t which) {
 static void one_case(uint64_t local, int which, int ipc, const char *want_log,
                      const char *label) {
   setenv("MC_GPU_IPC", ipc ? "1" : "0", 1);
-  mc_engine_opts_t o = {.local_hostname = "127.0.0.1", .metadata_server = "P2PHANDSHAKE"};
-  mc_engine_t *A = NULL;
+  mc_engine_t *A;
   mc_err_t err = {0};
-  CHECK_EQ_INT(mc_engine_create(&o, &A, &err), 0);
+  int rc = engine_new(&A, &err);
   unsetenv("MC_GPU_IPC");
+  CHECK_EQ_INT(rc, 0);
   CHECK_EQ_INT(mc_engine_register(A, (void *)(uintptr_t)local, TOTAL, "cuda:0", &err), 0);
   uint8_t *ref = malloc(TOTAL), *exp = malloc(TOTAL), *back = malloc(TOTAL);
   fill(ref, TOTAL, (uint32_t)(which * 2 + ipc + 1));
@@ -289,7 +288,7 @@ static void one_case(uint64_t local, int which, int ipc, const char *want_log,
   dup2(lf, 2);
   int lvl = mc_log_level();
   mc_log_set_level(MC_LOG_INFO);
-  int rc = run_batch(A, MC_OP_WRITE, local, g_in.addr[which], &err);
+  rc = run_batch(A, MC_OP_WRITE, local, g_in.addr[which], &err);
   mc_log_set_level(lvl);
   fflush(stderr);
   dup2(saved, 2);
