@@ -111,5 +111,10 @@ long kv_ask_locked(mc_kv_t *kv, kv_waiter_t *w, const char *producer, const void
                    mc_err_t *err);
 /* Unlinks and frees a waiter; caller holds kv->mu. */
 void kv_waiter_unlink_locked(mc_kv_t *kv, kv_waiter_t *w);
+/* The waiter still waiting for answer id from producer `from`, or NULL;
+ * caller holds kv->mu. */
+kv_waiter_t *kv_waiter_find_locked(mc_kv_t *kv, uint64_t id, const char *from);
+/* w->msg = a peer's text of len bytes (not NUL-terminated), cut to fit. */
+void kv_waiter_set_text(kv_waiter_t *w, const char *text, size_t len);
 
 #endif

@@ -200,9 +200,8 @@ void kv_pull_on_answer(mc_kv_t *kv, const char *from, const uint8_t *m, size_t l
   }
   size_t nx = bad ? 0 : (size_t)a.nb * a.epb;
   pthread_mutex_lock(&kv->mu);
-  for (kv_waiter_t *w = kv->waiters; w; w = w->next) {
-    if (w->id != a.id || w->done || strcmp(w->producer, from))
-      continue;
+  kv_waiter_t *w = kv_waiter_find_locked(kv, a.id, from);
+  if (w) {
     w->done = 1;
     w->lease_id = a.lease_id; /* released even when the answer is bad */
     if (bad) {
@@ -210,11 +209,7 @@ void kv_pull_on_answer(mc_kv_t *kv, const char *from, const uint8_t *m, size_t l
       snprintf(w->msg, sizeof w->msg, "%s", err.msg);
     } else if (a.status < 0) {
       w->status = a.status;
-      size_t tl = a.text_len;
-      if (tl >= sizeof w->msg)
-        tl = sizeof w->msg - 1;
-      memcpy(w->msg, a.text, tl);
-      w->msg[tl] = '\0';
+      kv_waiter_set_text(w, a.text, a.text_len);
     } else {
       w->status = 0;
       w->matched = a.matched;
@@ -228,7 +223,6 @@ void kv_pull_on_answer(mc_kv_t *kv, const char *from, const uint8_t *m, size_t l
       }
     }
     pthread_cond_broadcast(&kv->wait_cv);
-    break;
   }
   pthread_mutex_unlock(&kv->mu);
 }

@@ -53,19 +53,13 @@ static void on_answer(mc_kv_t *kv, const char *from, const uint8_t *m, size_t le
     return;
   }
   pthread_mutex_lock(&kv->mu);
-  for (kv_waiter_t *w = kv->waiters; w; w = w->next) {
-    if (w->id == r.id && !w->done && !strcmp(w->producer, from)) {
-      w->done = 1;
-      w->status = r.status;
-      w->matched = r.matched;
-      size_t tl = r.text_len;
-      if (tl >= sizeof w->msg)
-        tl = sizeof w->msg - 1;
-      memcpy(w->msg, r.text, tl);
-      w->msg[tl] = '\0';
-      pthread_cond_broadcast(&kv->wait_cv);
-      break;
-    }
+  kv_waiter_t *w = kv_waiter_find_locked(kv, r.id, from);
+  if (w) {
+    w->done = 1;
+    w->status = r.status;
+    w->matched = r.matched;
+    kv_waiter_set_text(w, r.text, r.text_len);
+    pthread_cond_broadcast(&kv->wait_cv);
   }
   pthread_mutex_unlock(&kv->mu);
 }
@@ -629,4 +623,18 @@ void kv_waiter_unlink_locked(mc_kv_t *kv, kv_waiter_t *w) {
       break;
     }
   }
+}
+
+kv_waiter_t *kv_waiter_find_locked(mc_kv_t *kv, uint64_t id, const char *from) {
+  for (kv_waiter_t *w = kv->waiters; w; w = w->next)
+    if (w->id == id && !w->done && !strcmp(w->producer, from))
+      return w;
+  return NULL;
+}
+
+void kv_waiter_set_text(kv_waiter_t *w, const char *text, size_t len) {
+  if (len >= sizeof w->msg)
+    len = sizeof w->msg - 1;
+  memcpy(w->msg, text, len);
+  w->msg[len] = '\0';
 }
