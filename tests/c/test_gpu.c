@@ -395,8 +395,9 @@ static void test_worker_diag(void) {
   setenv("MC_GPU_WORKER_CPU", cs, 1);
   setenv("MC_GPU_POLL_NS", "2000", 1);
   setenv("MC_GPU_DIRECT", "0", 1);
-  mc_gpu_stager_t *s = stager();
-  CHECK(s);
+  mc_gpu_stager_t *s = NULL;
+  mc_err_t err = {0};
+  CHECK_EQ_INT(mc_gpu_stager_create(16u << 20, &s, &err), 0);
   for (int round = 0; round < 2; round++) {
     mc_gpu_diag_t g;
     mc_gpu_stager_diag(s, &g, 1); /* from here */
@@ -434,7 +435,7 @@ static void test_worker_diag(void) {
   unsetenv("MC_GPU_DIAG");
   unsetenv("MC_GPU_WORKER_CPU");
   unsetenv("MC_GPU_POLL_NS");
-  CHECK((s = stager()) != NULL);
+  CHECK_EQ_INT(mc_gpu_stager_create(16u << 20, &s, &err), 0);
   direct_seen_t y[4];
   memset(y, 0, sizeof y);
   for (int k = 0; k < 4; k++)
