@@ -30,6 +30,8 @@
 #include "engine/engine.h"
 #include "engine/engine_internal.h"
 #include "gpu/cuda_driver.h"
+#include "gpu/gpu_copy_kernel.h"
+#include "gpu/gpu_ipc.h"
 #include "gpu/gpu_staging.h"
 
 #define GIB (1ull << 30)
@@ -111,6 +113,7 @@ static int zero_dev(uint64_t dev, size_t n) {
 typedef struct {
   char segment[256];
   uint64_t addr;
+  char ipc[MC_GPU_IPC_B64_MAX]; /* the 1 GiB region's export (MC_GPU_DIAG's probe) */
   int ok;
 } info_t;
 
@@ -132,6 +135,9 @@ static void child(int wfd, int rfd) {
       _exit(3);
   }
   snprintf(in.segment, sizeof in.segment, "%s", mc_engine_segment_name(B));
+  uint64_t base = 0;
+  if (mc_gpu_ipc_export(in.addr, in.ipc, &base, &err) < 0)
+    in.ipc[0] = '\0';
   in.ok = 1;
   (void)!write(wfd, &in, sizeof in);
   /* 'h' + block size (u64): the hashes of our region's blocks; 'z': zero it. */
@@ -423,6 +429,117 @@ static void fill_local(uint32_t seed) {
   free(h);
 }
 
+/* MC_GPU_DIAG=1, after the row: the same copy kernel timed with CUDA
+ * events (one pass: nb launches of `batch` blocks, back to back on one
+ * stream) local -> the peer's import (the row's WRITE), local -> a second
+ * local buffer, import -> local, and local -> import with the blocks in
+ * order (no shuffle); then the driver's copy (copy engine) of whole 8 MiB
+ * runs local -> import and local -> local.  If only the import is slow in
+ * a slow process it is the import's memory or mapping; if local -> local
+ * is as slow, it is this process's context. */
+static uint64_t g_local2;
+
+static double probe_pass(const uint64_t *dst, const uint64_t *src, size_t bb, size_t batch,
+                         size_t nblk, int engine, mc_cu_stream st) {
+  mc_cu_event e0 = NULL, e1 = NULL;
+  mc_err_t err = {0};
+  double gbps = -1;
+  mc_cu_ptr *d = malloc(batch * sizeof *d), *s = malloc(batch * sizeof *s);
+  size_t *len = malloc(batch * sizeof *len);
+  if (!d || !s || !len || api->cuEventCreate(&e0, 0) != 0 || api->cuEventCreate(&e1, 0) != 0)
+    goto out;
+  api->cuEventRecord(e0, st);
+  for (size_t k = 0; k < nblk; k += batch) {
+    size_t n = nblk - k < batch ? nblk - k : batch;
+    if (engine) { /* contiguous runs: one driver copy per batch */
+      if (api->cuMemcpyAsync(dst[k], src[k], n * bb, st) != 0)
+        goto out;
+      continue;
+    }
+    for (size_t i = 0; i < n; i++) {
+      d[i] = dst[k + i];
+      s[i] = src[k + i];
+      len[i] = bb;
+    }
+    if (mc_copy_kernel_launch(0, d, s, len, n, NULL, st, &err) < 0) {
+      fprintf(stderr, "probe launch: %s\n", err.msg);
+      goto out;
+    }
+  }
+  api->cuEventRecord(e1, st);
+  float ms = 0;
+  if (api->cuEventSynchronize(e1) == 0 && api->cuEventElapsedTime &&
+      api->cuEventElapsedTime(&ms, e0, e1) == 0 && ms > 0)
+    gbps = (double)(nblk * bb) / (ms * 1e-3) / 1e9;
+out:
+  if (e0)
+    api->cuEventDestroy(e0);
+  if (e1)
+    api->cuEventDestroy(e1);
+  free(d);
+  free(s);
+  free(len);
+  return gbps;
+}
+
+static void probe(const uint32_t *perm, size_t bb, size_t batch) {
+  if (!g_diag || !g_in.ipc[0])
+    return;
+  mc_err_t err = {0};
+  uint64_t imp = 0;
+  mc_cu_stream st = NULL;
+  if (!g_local2 && cu_alloc(&g_local2, GIB) != 0)
+    g_local2 = 0;
+  if (!g_local2 || mc_gpu_ipc_open(g_in.ipc, 0, &imp, &err) < 0 ||
+      api->cuStreamCreate(&st, MC_CU_STREAM_NON_BLOCKING) != 0) {
+    fprintf(stderr, "probe: cannot set up (%s)\n", err.msg);
+    return;
+  }
+  size_t nblk = GIB / bb;
+  uint64_t *lo = malloc(nblk * 8), *lo2 = malloc(nblk * 8), *im = malloc(nblk * 8),
+           *imseq = malloc(nblk * 8), *lo2p = malloc(nblk * 8);
+  for (size_t i = 0; i < nblk; i++) {
+    lo[i] = g_local + i * bb;
+    lo2[i] = g_local2 + i * bb;
+    lo2p[i] = g_local2 + (uint64_t)perm[i] * bb;
+    im[i] = imp + (uint64_t)perm[i] * bb;
+    imseq[i] = imp + i * bb;
+  }
+  static const char *names[] = {"k_local_to_import", "k_local_to_local2", "k_import_to_local2",
+                                "k_local_to_import_inorder", "k_local_to_local2_shuffled",
+                                "ce_local_to_import", "ce_local_to_local2"};
+  const uint64_t *dsts[] = {im, lo2, lo2, imseq, lo2p, imseq, lo2};
+  const uint64_t *srcs[] = {lo, lo, imseq, lo, lo, lo, lo};
+  char line[2048];
+  size_t n = (size_t)snprintf(line, sizeof line,
+                              "{\"row\": \"probe\", \"block\": %zu, \"batch\": %zu, "
+                              "\"import\": \"0x%llx\", \"import_2m_offset_kib\": %llu, "
+                              "\"local2_2m_offset_kib\": %llu",
+                              bb, batch, (unsigned long long)imp,
+                              (unsigned long long)(imp % (2u << 20)) >> 10,
+                              (unsigned long long)(g_local2 % (2u << 20)) >> 10);
+  for (int v = 0; v < 7; v++) {
+    double g[3];
+    for (int r = 0; r < 3; r++) /* 3 passes: best and worst GB/s */
+      g[r] = probe_pass(dsts[v], srcs[v], bb, batch, nblk, v >= 5, st);
+    double lo_g = g[0], hi_g = g[0];
+    for (int r = 1; r < 3; r++) {
+      lo_g = g[r] < lo_g ? g[r] : lo_g;
+      hi_g = g[r] > hi_g ? g[r] : hi_g;
+    }
+    n += (size_t)snprintf(line + n, n < sizeof line ? sizeof line - n : 0,
+                          ", \"%s_gbps\": [%.1f, %.1f]", names[v], hi_g, lo_g);
+  }
+  printf("%s}\n", line);
+  fflush(stdout);
+  api->cuStreamDestroy(st);
+  free(lo);
+  free(lo2);
+  free(im);
+  free(imseq);
+  free(lo2p);
+}
+
 /* GPU_FIXED_COST_ONLY=row:<block>:<batch>:<seq|pipe>: that WRITE row only
  * (for traced runs). */
 static size_t only_bb, only_batch;
@@ -509,6 +626,8 @@ static void bulk_rows(const char *dir, size_t bb, int passes) {
                  bb, batch, pipe ? "pipe" : "seq");
         diag_end(rowname);
         int bad = verify(perm, bb, op);
+        if (pipe && op == MC_OP_WRITE)
+          probe(perm, bb, batch);
         double best = s[1];
         for (int p = 2; p <= passes; p++)
           best = s[p] < best ? s[p] : best;
