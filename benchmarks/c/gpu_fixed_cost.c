@@ -294,9 +294,55 @@ static void diag_begin(void) {
   read_stat(st_steal, st_busy);
 }
 
+static int cmp_tl(const void *a, const void *b) {
+  double x = ((const mc_gpu_tl_t *)a)->gpu_start_us, y = ((const mc_gpu_tl_t *)b)->gpu_start_us;
+  return x < y ? -1 : x > y;
+}
+
+/* MC_GPU_DIAG=2: the row's launch timeline, summed up (how busy the GPU
+ * was while it had launched work: the union of the kernels' spans against
+ * the span from the first launch to the last kernel's end; the time from
+ * a launch to its kernel's start) and appended to $GFC_GPU_TRACE. */
+static void timeline(const char *row) {
+  static mc_gpu_tl_t tl[8192];
+  size_t n = mc_gpu_stager_timeline(A->gpu, tl, 8192);
+  if (!n)
+    return;
+  const char *path = getenv("GFC_GPU_TRACE");
+  FILE *f = path && *path ? fopen(path, "a") : NULL;
+  if (f) {
+    fprintf(f, "# pid %d row %s: picked_us launched_us gpu_start_us gpu_end_us copies stream "
+            "table\n", (int)getpid(), row);
+    for (size_t i = 0; i < n; i++)
+      fprintf(f, "%.2f %.2f %.2f %.2f %u %u %u\n", tl[i].picked_us, tl[i].launched_us,
+              tl[i].gpu_start_us, tl[i].gpu_end_us, tl[i].copies, tl[i].stream, tl[i].table);
+    fclose(f);
+  }
+  qsort(tl, n, sizeof *tl, cmp_tl);
+  double busy = 0, end = tl[0].gpu_start_us, lag = 0, first = tl[0].launched_us, last = 0;
+  double gap_max = 0;
+  for (size_t i = 0; i < n; i++) {
+    double st = tl[i].gpu_start_us > end ? tl[i].gpu_start_us : end;
+    if (tl[i].gpu_start_us > end && i && tl[i].gpu_start_us - end > gap_max)
+      gap_max = tl[i].gpu_start_us - end;
+    if (tl[i].gpu_end_us > st)
+      busy += tl[i].gpu_end_us - st;
+    end = tl[i].gpu_end_us > end ? tl[i].gpu_end_us : end;
+    lag += tl[i].gpu_start_us - tl[i].launched_us;
+    first = tl[i].launched_us < first ? tl[i].launched_us : first;
+    last = tl[i].gpu_end_us > last ? tl[i].gpu_end_us : last;
+  }
+  printf("{\"row\": \"timeline\", \"of\": \"%s\", \"launches\": %zu, \"gpu_busy_us\": %.1f, "
+         "\"span_us\": %.1f, \"busy_frac\": %.3f, \"launch_to_start_us\": %.2f, "
+         "\"max_gap_us\": %.1f}\n",
+         row, n, busy, last - first, busy / (last - first > 0 ? last - first : 1),
+         lag / (double)n, gap_max);
+}
+
 static void diag_end(const char *row) {
   if (!g_diag)
     return;
+  timeline(row);
   mc_gpu_diag_t d;
   mc_gpu_stager_diag(A->gpu, &d, 0);
   static unsigned long long steal[MAXCPU], busy[MAXCPU];
@@ -675,7 +721,8 @@ int main(int argc, char **argv) {
   close(a[0]);
   close(b[1]);
   g_child = pid;
-  g_diag = getenv("MC_GPU_DIAG") && getenv("MC_GPU_DIAG")[0] == '1';
+  g_diag = getenv("MC_GPU_DIAG") && (getenv("MC_GPU_DIAG")[0] == '1' ||
+                                     getenv("MC_GPU_DIAG")[0] == '2');
   to_c = a[1];
   from_c = b[0];
   if (read_full(from_c, &g_in, sizeof g_in) < 0 || !g_in.ok || !gpu_up()) {

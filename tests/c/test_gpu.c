@@ -427,6 +427,30 @@ static void test_worker_diag(void) {
   CHECK_EQ_INT(api->cuMemcpyDtoH(back, d + n, n), 0);
   CHECK(memcmp(back, src, n / 4) == 0 && memcmp(back + n / 2, src + n / 4 + 4096, n / 4) == 0);
   mc_gpu_stager_destroy(s);
+  /* MC_GPU_DIAG=2: the launch timeline, one record per timed launch. */
+  setenv("MC_GPU_DIAG", "2", 1);
+  CHECK_EQ_INT(mc_gpu_stager_create(16u << 20, &s, &err), 0);
+  mc_gpu_diag_t g2;
+  mc_gpu_stager_diag(s, &g2, 1);
+  direct_seen_t x2[8];
+  memset(x2, 0, sizeof x2);
+  for (int k = 0; k < 8; k++)
+    mc_gpu_stager_submit(s, direct_job(d, n, &x2[k]));
+  mc_gpu_stager_drain(s);
+  mc_gpu_stager_diag(s, &g2, 0);
+  mc_gpu_tl_t tl[16];
+  size_t ntl = mc_gpu_stager_timeline(s, tl, 16);
+  CHECK_EQ_INT(ntl, api->cuEventElapsedTime ? g2.launches : 0);
+  uint32_t copies = 0;
+  for (size_t i = 0; i < ntl; i++) {
+    CHECK(tl[i].launched_us >= tl[i].picked_us && tl[i].gpu_end_us >= tl[i].gpu_start_us);
+    CHECK(tl[i].stream >= 2 && tl[i].stream < 4); /* the D2D streams */
+    copies += tl[i].copies;
+  }
+  CHECK_EQ_INT(copies, ntl ? 16 : 0);
+  mc_gpu_stager_diag(s, &g2, 1); /* a restart empties it */
+  CHECK_EQ_INT(mc_gpu_stager_timeline(s, tl, 16), 0);
+  mc_gpu_stager_destroy(s);
   unsetenv("MC_GPU_DIAG");
   unsetenv("MC_GPU_WORKER_CPU");
   unsetenv("MC_GPU_POLL_NS");
