@@ -360,7 +360,8 @@ static void diag_end(const char *row) {
   printf("{\"row\": \"diag\", \"of\": \"%s\", \"launches\": %llu, \"copies_per_launch\": %.1f, "
          "\"table_launches\": %llu, \"queue_us_per_launch\": %.2f, \"launch_us\": %.2f, "
          "\"done_us\": %.2f, \"loops\": %llu, \"queries\": %llu, \"sleeps\": %llu, "
-         "\"gpu_us_per_kernel\": %.2f, \"kernels_timed\": %llu, "
+         "\"gpu_us_per_kernel\": %.2f, \"kernels_timed\": %llu, \"query_us\": %.1f, "
+         "\"finish_us_per_launch\": %.2f, \"polls\": %llu, "
          "\"worker_cpu\": %d, \"submit_cpu\": %d, \"worker_cpu_moves\": %llu, "
          "\"worker_on_submit_cpu\": %llu, \"cpu_busy_steal_ticks\": \"%s\", "
          "\"local_2m_offset_kib\": %llu, \"remote_2m_offset_kib\": %llu, "
@@ -371,7 +372,8 @@ static void diag_end(const char *row) {
          (unsigned long long)d.loops, (unsigned long long)d.queries,
          (unsigned long long)d.sleeps,
          d.gpu_jobs ? (double)d.gpu_ns / (double)d.gpu_jobs / 1e3 : 0.0,
-         (unsigned long long)d.gpu_jobs, d.worker_cpu, d.submit_cpu,
+         (unsigned long long)d.gpu_jobs, (double)d.query_ns / 1e3,
+         (double)d.finish_ns / dj / 1e3, (unsigned long long)d.polls, d.worker_cpu, d.submit_cpu,
          (unsigned long long)d.cpu_moves, (unsigned long long)d.same_cpu, cpus,
          (unsigned long long)(g_local % (2u << 20)) >> 10,
          (unsigned long long)(g_in.addr % (2u << 20)) >> 10, me, tgt);
@@ -529,7 +531,7 @@ out:
 }
 
 static void probe(const uint32_t *perm, size_t bb, size_t batch) {
-  if (!g_diag || !g_in.ipc[0])
+  if (!g_diag || !g_in.ipc[0] || !getenv("GFC_PROBE") || getenv("GFC_PROBE")[0] != '1')
     return;
   mc_err_t err = {0};
   uint64_t imp = 0;

@@ -36,7 +36,8 @@
 
 /* MC_GPU_DIAG's counters (mc_gpu_diag_t's, in its order). */
 enum { DG_LAUNCHES, DG_COPIES, DG_TABLE, DG_QUEUE, DG_LAUNCH, DG_DONE, DG_DONE_JOBS, DG_LOOPS,
-       DG_QUERIES, DG_SLEEPS, DG_CPU_MOVES, DG_SAME_CPU, DG_GPU, DG_GPU_JOBS, DG_N };
+       DG_QUERIES, DG_SLEEPS, DG_CPU_MOVES, DG_SAME_CPU, DG_GPU, DG_GPU_JOBS, DG_QUERY_NS,
+       DG_FINISH_NS, DG_POLLS, DG_N };
 
 struct mc_gpu_stager {
   pthread_mutex_t mu;
@@ -706,9 +707,11 @@ static int poll_inflight(mc_gpu_stager_t *s) {
     } else if (waits) {
       if (j->ev_dev != cur_dev)
         mc_cuda_use_device(cur_dev = j->ev_dev, NULL);
+      uint64_t q0 = s->diag ? now_ns() : 0;
       r = j->event ? api->cuEventQuery(j->event)
                    : api->cuStreamQuery(s->streams[j->ev_dev][j->ev_stream]);
       DG_ADD(s, DG_QUERIES, 1);
+      DG_ADD(s, DG_QUERY_NS, s->diag ? now_ns() - q0 : 0);
       if (r == MC_CU_ERROR_NOT_READY)
         busy[j->ev_dev][j->ev_stream] = 1;
     }
@@ -734,7 +737,9 @@ static int poll_inflight(mc_gpu_stager_t *s) {
       char b[160];
       snprintf(m, sizeof m, "GPU copy failed: %s", mc_cuda_strerror(api, r, b, sizeof b));
     }
+    uint64_t f0 = s->diag ? now_ns() : 0;
     finish(s, j, r ? MC_ESYS : 0, r ? m : NULL);
+    DG_ADD(s, DG_FINISH_NS, s->diag ? now_ns() - f0 : 0);
     done++;
   }
   return done;
@@ -947,8 +952,10 @@ static void *worker_main(void *arg) {
       if (stop)
         break;
     }
-    if (s->fl_head)
+    if (s->fl_head) {
       done = poll_inflight(s);
+      DG_ADD(s, DG_POLLS, 1);
+    }
     done += reap_direct(s, 2);
     int inflight = s->fl_head || atomic_load(&s->direct_job);
     if (done || started || atomic_exchange(&s->poked, 0)) {
@@ -1078,6 +1085,8 @@ void mc_gpu_stager_diag(mc_gpu_stager_t *s, mc_gpu_diag_t *out, int reset) {
                          .queries = v[DG_QUERIES], .sleeps = v[DG_SLEEPS],
                          .cpu_moves = v[DG_CPU_MOVES], .same_cpu = v[DG_SAME_CPU],
                          .gpu_ns = v[DG_GPU], .gpu_jobs = v[DG_GPU_JOBS],
+                         .query_ns = v[DG_QUERY_NS], .finish_ns = v[DG_FINISH_NS],
+                         .polls = v[DG_POLLS],
                          .worker_cpu = s ? atomic_load(&s->last_cpu) : -1,
                          .submit_cpu = s ? atomic_load(&s->submit_cpu) : -1};
   if (s && reset && s->diag == 2)

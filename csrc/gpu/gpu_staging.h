@@ -131,6 +131,10 @@ typedef struct {
   /* The copy kernels' own time on the GPU (CUDA events around each launch,
    * where the driver has cuEventElapsedTime): sum and how many. */
   uint64_t gpu_ns, gpu_jobs;
+  /* The worker's completion side: time inside its completion queries,
+   * time finishing completed launches (riders and callbacks included),
+   * passes over the launches in flight. */
+  uint64_t query_ns, finish_ns, polls;
   int worker_cpu, submit_cpu;
 } mc_gpu_diag_t;
 /* Reads the counters (and zeroes them when reset; with MC_GPU_DIAG=2 a
