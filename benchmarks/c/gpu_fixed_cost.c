@@ -312,10 +312,11 @@ static void timeline(const char *row) {
   FILE *f = path && *path ? fopen(path, "a") : NULL;
   if (f) {
     fprintf(f, "# pid %d row %s: picked_us launched_us gpu_start_us gpu_end_us copies stream "
-            "table\n", (int)getpid(), row);
+            "table done_us\n", (int)getpid(), row);
     for (size_t i = 0; i < n; i++)
-      fprintf(f, "%.2f %.2f %.2f %.2f %u %u %u\n", tl[i].picked_us, tl[i].launched_us,
-              tl[i].gpu_start_us, tl[i].gpu_end_us, tl[i].copies, tl[i].stream, tl[i].table);
+      fprintf(f, "%.2f %.2f %.2f %.2f %u %u %u %.2f\n", tl[i].picked_us, tl[i].launched_us,
+              tl[i].gpu_start_us, tl[i].gpu_end_us, tl[i].copies, tl[i].stream, tl[i].table,
+              tl[i].done_us);
     fclose(f);
   }
   qsort(tl, n, sizeof *tl, cmp_tl);

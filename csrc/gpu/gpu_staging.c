@@ -29,6 +29,12 @@
  * microseconds of driver time; MC_GPU_MERGE=0: one launch per job). */
 #define MC_GPU_MERGE_MAX 4096u
 #define DIRECT_SKIP 64
+/* While jobs keep coming, the worker looks at the launches in flight at
+ * least this often between two launches, so their completions (and the
+ * callers' waits) run alongside the launching instead of all after it
+ * (issue 30: a pipelining caller otherwise finished 128 batches in one go
+ * once the last was launched). */
+#define POLL_BETWEEN_NS 16000ull
 /* Direct launches need this many submits in a row each made after a wait
  * for GPU copies (a caller that waits batch by batch); one submit right
  * after another (a pipelining caller) starts the count again. */
@@ -111,6 +117,7 @@ struct mc_gpu_stager {
    * instead of sched_yield (0). */
   int diag, pin_cpu;
   uint64_t poll_ns;
+  uint64_t polled_ns; /* worker-only: when it last looked at the launches in flight */
   atomic_int submit_cpu, last_cpu;
   _Atomic uint64_t dg[DG_N]; /* mc_gpu_diag_t's counters, in its order */
   /* MC_GPU_DIAG=2 (diag 2): each timed launch's host and GPU times since
@@ -436,6 +443,7 @@ static void diag_gpu_time(mc_gpu_stager_t *s, mc_gpu_job_t *j, int code) {
                                    (double)(int64_t)(j->t_launched - s->tl_base_ns) / 1e3,
                                .gpu_start_us = (double)a * 1e3,
                                .gpu_end_us = (double)b * 1e3,
+                               .done_us = (double)(int64_t)(now_ns() - s->tl_base_ns) / 1e3,
                                .copies = (uint32_t)j->n,
                                .stream = (uint8_t)j->ev_stream,
                                .table = (uint8_t)(j->kbuf != NULL)};
@@ -694,6 +702,8 @@ static void start_job(mc_gpu_stager_t *s, mc_gpu_job_t *j) {
  * call each per pass). */
 static int poll_inflight(mc_gpu_stager_t *s) {
   const mc_cuda_api_t *api = mc_cuda_api(NULL);
+  s->polled_ns = now_ns();
+  DG_ADD(s, DG_POLLS, 1);
   int done = 0, cur_dev = -1;
   unsigned char busy[MC_GPU_MAX_DEV][MC_GPU_NSTREAMS];
   memset(busy, 0, sizeof busy);
@@ -782,6 +792,8 @@ static int start_queued(mc_gpu_stager_t *s) {
         start_job(s, r);
       }
     }
+    if (s->fl_head && now_ns() - s->polled_ns >= POLL_BETWEEN_NS)
+      poll_inflight(s); /* completions keep pace with the launches */
     started++;
     pthread_mutex_lock(&s->mu);
     /* The queue may have changed meanwhile: rescan from the head. */
@@ -952,10 +964,8 @@ static void *worker_main(void *arg) {
       if (stop)
         break;
     }
-    if (s->fl_head) {
+    if (s->fl_head)
       done = poll_inflight(s);
-      DG_ADD(s, DG_POLLS, 1);
-    }
     done += reap_direct(s, 2);
     int inflight = s->fl_head || atomic_load(&s->direct_job);
     if (done || started || atomic_exchange(&s->poked, 0)) {

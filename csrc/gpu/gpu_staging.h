@@ -143,9 +143,10 @@ typedef struct {
 void mc_gpu_stager_diag(mc_gpu_stager_t *s, mc_gpu_diag_t *out, int reset);
 /* MC_GPU_DIAG=2: one timed copy-kernel launch, times from the timeline's
  * restart: the worker picked the job up and had launched it (host clock),
- * and its kernel's start and end events passed on the GPU. */
+ * its kernel's start and end events passed on the GPU, and the worker saw
+ * it done (host clock). */
 typedef struct {
-  double picked_us, launched_us, gpu_start_us, gpu_end_us;
+  double picked_us, launched_us, gpu_start_us, gpu_end_us, done_us;
   uint32_t copies;
   uint8_t stream, table; /* the stream's index; the copies read from a pinned table */
 } mc_gpu_tl_t;
