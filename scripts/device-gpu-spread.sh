@@ -12,6 +12,9 @@
 #   pin_apart     the submitting thread on CPU S, the worker on CPU W (another core)
 #   pin_same      both on CPU S
 #   pin_sib       the worker on S's SMT sibling (only where there is one)
+#   streams1      MC_GPU_D2D_STREAMS=1 (one D2D stream instead of two)
+# MC_GPU_DIAG=2 (default 1) also writes each process's launch timeline to
+# $OUT/trace.txt and a "timeline" line per row.
 # then, time permitting, pytest tests/test_gpu*.py.  $OUT/spread.txt.
 #   [SPREAD_VARIANTS="base ..."] OUT=$OUT bash scripts/device-gpu-spread.sh [rounds] [seconds]
 set -uo pipefail
@@ -73,6 +76,7 @@ envs() {
     pin_apart) echo "GFC_MAIN_CPU=$S MC_GPU_WORKER_CPU=$W" ;;
     pin_same) echo "GFC_MAIN_CPU=$S" ;;
     pin_sib) echo "GFC_MAIN_CPU=$S MC_GPU_WORKER_CPU=$T" ;;
+    streams1) echo "MC_GPU_D2D_STREAMS=1" ;;
   esac
 }
 mkdir -p /tmp/gfc
@@ -84,7 +88,7 @@ for r in $(seq 1 "$rounds"); do
     i=$(( (k + r - 1) % nv + 1 ))
     v=${!i}
     echo "== $v $r $(date -u +%T) load $(cut -d' ' -f1-3 /proc/loadavg)" >>"$log"
-    env $(envs "$v") MC_GPU_DIAG=1 MC_LOG_LEVEL=info GPU_FIXED_COST_ONLY=row:65536:128:pipe \
+    env $(envs "$v") MC_GPU_DIAG=${MC_GPU_DIAG:-1} GFC_GPU_TRACE="$out/trace.txt" MC_LOG_LEVEL=info GPU_FIXED_COST_ONLY=row:65536:128:pipe \
       timeout 30 build/bench/gpu_fixed_cost /tmp/gfc 200 5 2>&1 | sed "s/^/$v $r /" >>"$log"
   done
 done

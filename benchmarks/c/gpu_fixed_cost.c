@@ -30,6 +30,8 @@
 #include "engine/engine.h"
 #include "engine/engine_internal.h"
 #include "gpu/cuda_driver.h"
+#include "gpu/gpu_copy_kernel.h"
+#include "gpu/gpu_ipc.h"
 #include "gpu/gpu_staging.h"
 
 #define GIB (1ull << 30)
@@ -111,6 +113,7 @@ static int zero_dev(uint64_t dev, size_t n) {
 typedef struct {
   char segment[256];
   uint64_t addr;
+  char ipc[MC_GPU_IPC_B64_MAX]; /* the 1 GiB region's export (MC_GPU_DIAG's probe) */
   int ok;
 } info_t;
 
@@ -132,6 +135,9 @@ static void child(int wfd, int rfd) {
       _exit(3);
   }
   snprintf(in.segment, sizeof in.segment, "%s", mc_engine_segment_name(B));
+  uint64_t base = 0;
+  if (mc_gpu_ipc_export(in.addr, in.ipc, &base, &err) < 0)
+    in.ipc[0] = '\0';
   in.ok = 1;
   (void)!write(wfd, &in, sizeof in);
   /* 'h' + block size (u64): the hashes of our region's blocks; 'z': zero it. */
@@ -288,9 +294,56 @@ static void diag_begin(void) {
   read_stat(st_steal, st_busy);
 }
 
+static int cmp_tl(const void *a, const void *b) {
+  double x = ((const mc_gpu_tl_t *)a)->gpu_start_us, y = ((const mc_gpu_tl_t *)b)->gpu_start_us;
+  return x < y ? -1 : x > y;
+}
+
+/* MC_GPU_DIAG=2: the row's launch timeline, summed up (how busy the GPU
+ * was while it had launched work: the union of the kernels' spans against
+ * the span from the first launch to the last kernel's end; the time from
+ * a launch to its kernel's start) and appended to $GFC_GPU_TRACE. */
+static void timeline(const char *row) {
+  static mc_gpu_tl_t tl[8192];
+  size_t n = mc_gpu_stager_timeline(A->gpu, tl, 8192);
+  if (!n)
+    return;
+  const char *path = getenv("GFC_GPU_TRACE");
+  FILE *f = path && *path ? fopen(path, "a") : NULL;
+  if (f) {
+    fprintf(f, "# pid %d row %s: picked_us launched_us gpu_start_us gpu_end_us copies stream "
+            "table done_us\n", (int)getpid(), row);
+    for (size_t i = 0; i < n; i++)
+      fprintf(f, "%.2f %.2f %.2f %.2f %u %u %u %.2f\n", tl[i].picked_us, tl[i].launched_us,
+              tl[i].gpu_start_us, tl[i].gpu_end_us, tl[i].copies, tl[i].stream, tl[i].table,
+              tl[i].done_us);
+    fclose(f);
+  }
+  qsort(tl, n, sizeof *tl, cmp_tl);
+  double busy = 0, end = tl[0].gpu_start_us, lag = 0, first = tl[0].launched_us, last = 0;
+  double gap_max = 0;
+  for (size_t i = 0; i < n; i++) {
+    double st = tl[i].gpu_start_us > end ? tl[i].gpu_start_us : end;
+    if (tl[i].gpu_start_us > end && i && tl[i].gpu_start_us - end > gap_max)
+      gap_max = tl[i].gpu_start_us - end;
+    if (tl[i].gpu_end_us > st)
+      busy += tl[i].gpu_end_us - st;
+    end = tl[i].gpu_end_us > end ? tl[i].gpu_end_us : end;
+    lag += tl[i].gpu_start_us - tl[i].launched_us;
+    first = tl[i].launched_us < first ? tl[i].launched_us : first;
+    last = tl[i].gpu_end_us > last ? tl[i].gpu_end_us : last;
+  }
+  printf("{\"row\": \"timeline\", \"of\": \"%s\", \"launches\": %zu, \"gpu_busy_us\": %.1f, "
+         "\"span_us\": %.1f, \"busy_frac\": %.3f, \"launch_to_start_us\": %.2f, "
+         "\"max_gap_us\": %.1f}\n",
+         row, n, busy, last - first, busy / (last - first > 0 ? last - first : 1),
+         lag / (double)n, gap_max);
+}
+
 static void diag_end(const char *row) {
   if (!g_diag)
     return;
+  timeline(row);
   mc_gpu_diag_t d;
   mc_gpu_stager_diag(A->gpu, &d, 0);
   static unsigned long long steal[MAXCPU], busy[MAXCPU];
@@ -308,7 +361,8 @@ static void diag_end(const char *row) {
   printf("{\"row\": \"diag\", \"of\": \"%s\", \"launches\": %llu, \"copies_per_launch\": %.1f, "
          "\"table_launches\": %llu, \"queue_us_per_launch\": %.2f, \"launch_us\": %.2f, "
          "\"done_us\": %.2f, \"loops\": %llu, \"queries\": %llu, \"sleeps\": %llu, "
-         "\"gpu_us_per_kernel\": %.2f, \"kernels_timed\": %llu, "
+         "\"gpu_us_per_kernel\": %.2f, \"kernels_timed\": %llu, \"query_us\": %.1f, "
+         "\"finish_us_per_launch\": %.2f, \"polls\": %llu, "
          "\"worker_cpu\": %d, \"submit_cpu\": %d, \"worker_cpu_moves\": %llu, "
          "\"worker_on_submit_cpu\": %llu, \"cpu_busy_steal_ticks\": \"%s\", "
          "\"local_2m_offset_kib\": %llu, \"remote_2m_offset_kib\": %llu, "
@@ -319,7 +373,8 @@ static void diag_end(const char *row) {
          (unsigned long long)d.loops, (unsigned long long)d.queries,
          (unsigned long long)d.sleeps,
          d.gpu_jobs ? (double)d.gpu_ns / (double)d.gpu_jobs / 1e3 : 0.0,
-         (unsigned long long)d.gpu_jobs, d.worker_cpu, d.submit_cpu,
+         (unsigned long long)d.gpu_jobs, (double)d.query_ns / 1e3,
+         (double)d.finish_ns / dj / 1e3, (unsigned long long)d.polls, d.worker_cpu, d.submit_cpu,
          (unsigned long long)d.cpu_moves, (unsigned long long)d.same_cpu, cpus,
          (unsigned long long)(g_local % (2u << 20)) >> 10,
          (unsigned long long)(g_in.addr % (2u << 20)) >> 10, me, tgt);
@@ -423,6 +478,117 @@ static void fill_local(uint32_t seed) {
   free(h);
 }
 
+/* MC_GPU_DIAG=1, after the row: the same copy kernel timed with CUDA
+ * events (one pass: nb launches of `batch` blocks, back to back on one
+ * stream) local -> the peer's import (the row's WRITE), local -> a second
+ * local buffer, import -> local, and local -> import with the blocks in
+ * order (no shuffle); then the driver's copy (copy engine) of whole 8 MiB
+ * runs local -> import and local -> local.  If only the import is slow in
+ * a slow process it is the import's memory or mapping; if local -> local
+ * is as slow, it is this process's context. */
+static uint64_t g_local2;
+
+static double probe_pass(const uint64_t *dst, const uint64_t *src, size_t bb, size_t batch,
+                         size_t nblk, int engine, mc_cu_stream st) {
+  mc_cu_event e0 = NULL, e1 = NULL;
+  mc_err_t err = {0};
+  double gbps = -1;
+  mc_cu_ptr *d = malloc(batch * sizeof *d), *s = malloc(batch * sizeof *s);
+  size_t *len = malloc(batch * sizeof *len);
+  if (!d || !s || !len || api->cuEventCreate(&e0, 0) != 0 || api->cuEventCreate(&e1, 0) != 0)
+    goto out;
+  api->cuEventRecord(e0, st);
+  for (size_t k = 0; k < nblk; k += batch) {
+    size_t n = nblk - k < batch ? nblk - k : batch;
+    if (engine) { /* contiguous runs: one driver copy per batch */
+      if (api->cuMemcpyAsync(dst[k], src[k], n * bb, st) != 0)
+        goto out;
+      continue;
+    }
+    for (size_t i = 0; i < n; i++) {
+      d[i] = dst[k + i];
+      s[i] = src[k + i];
+      len[i] = bb;
+    }
+    if (mc_copy_kernel_launch(0, d, s, len, n, NULL, st, &err) < 0) {
+      fprintf(stderr, "probe launch: %s\n", err.msg);
+      goto out;
+    }
+  }
+  api->cuEventRecord(e1, st);
+  float ms = 0;
+  if (api->cuEventSynchronize(e1) == 0 && api->cuEventElapsedTime &&
+      api->cuEventElapsedTime(&ms, e0, e1) == 0 && ms > 0)
+    gbps = (double)(nblk * bb) / (ms * 1e-3) / 1e9;
+out:
+  if (e0)
+    api->cuEventDestroy(e0);
+  if (e1)
+    api->cuEventDestroy(e1);
+  free(d);
+  free(s);
+  free(len);
+  return gbps;
+}
+
+static void probe(const uint32_t *perm, size_t bb, size_t batch) {
+  if (!g_diag || !g_in.ipc[0] || !getenv("GFC_PROBE") || getenv("GFC_PROBE")[0] != '1')
+    return;
+  mc_err_t err = {0};
+  uint64_t imp = 0;
+  mc_cu_stream st = NULL;
+  if (!g_local2 && cu_alloc(&g_local2, GIB) != 0)
+    g_local2 = 0;
+  if (!g_local2 || mc_gpu_ipc_open(g_in.ipc, 0, &imp, &err) < 0 ||
+      api->cuStreamCreate(&st, MC_CU_STREAM_NON_BLOCKING) != 0) {
+    fprintf(stderr, "probe: cannot set up (%s)\n", err.msg);
+    return;
+  }
+  size_t nblk = GIB / bb;
+  uint64_t *lo = malloc(nblk * 8), *lo2 = malloc(nblk * 8), *im = malloc(nblk * 8),
+           *imseq = malloc(nblk * 8), *lo2p = malloc(nblk * 8);
+  for (size_t i = 0; i < nblk; i++) {
+    lo[i] = g_local + i * bb;
+    lo2[i] = g_local2 + i * bb;
+    lo2p[i] = g_local2 + (uint64_t)perm[i] * bb;
+    im[i] = imp + (uint64_t)perm[i] * bb;
+    imseq[i] = imp + i * bb;
+  }
+  static const char *names[] = {"k_local_to_import", "k_local_to_local2", "k_import_to_local2",
+                                "k_local_to_import_inorder", "k_local_to_local2_shuffled",
+                                "ce_local_to_import", "ce_local_to_local2"};
+  const uint64_t *dsts[] = {im, lo2, lo2, imseq, lo2p, imseq, lo2};
+  const uint64_t *srcs[] = {lo, lo, imseq, lo, lo, lo, lo};
+  char line[2048];
+  size_t n = (size_t)snprintf(line, sizeof line,
+                              "{\"row\": \"probe\", \"block\": %zu, \"batch\": %zu, "
+                              "\"import\": \"0x%llx\", \"import_2m_offset_kib\": %llu, "
+                              "\"local2_2m_offset_kib\": %llu",
+                              bb, batch, (unsigned long long)imp,
+                              (unsigned long long)(imp % (2u << 20)) >> 10,
+                              (unsigned long long)(g_local2 % (2u << 20)) >> 10);
+  for (int v = 0; v < 7; v++) {
+    double g[3];
+    for (int r = 0; r < 3; r++) /* 3 passes: best and worst GB/s */
+      g[r] = probe_pass(dsts[v], srcs[v], bb, batch, nblk, v >= 5, st);
+    double lo_g = g[0], hi_g = g[0];
+    for (int r = 1; r < 3; r++) {
+      lo_g = g[r] < lo_g ? g[r] : lo_g;
+      hi_g = g[r] > hi_g ? g[r] : hi_g;
+    }
+    n += (size_t)snprintf(line + n, n < sizeof line ? sizeof line - n : 0,
+                          ", \"%s_gbps\": [%.1f, %.1f]", names[v], hi_g, lo_g);
+  }
+  printf("%s}\n", line);
+  fflush(stdout);
+  api->cuStreamDestroy(st);
+  free(lo);
+  free(lo2);
+  free(im);
+  free(imseq);
+  free(lo2p);
+}
+
 /* GPU_FIXED_COST_ONLY=row:<block>:<batch>:<seq|pipe>: that WRITE row only
  * (for traced runs). */
 static size_t only_bb, only_batch;
@@ -509,6 +675,8 @@ static void bulk_rows(const char *dir, size_t bb, int passes) {
                  bb, batch, pipe ? "pipe" : "seq");
         diag_end(rowname);
         int bad = verify(perm, bb, op);
+        if (pipe && op == MC_OP_WRITE)
+          probe(perm, bb, batch);
         double best = s[1];
         for (int p = 2; p <= passes; p++)
           best = s[p] < best ? s[p] : best;
@@ -556,7 +724,8 @@ int main(int argc, char **argv) {
   close(a[0]);
   close(b[1]);
   g_child = pid;
-  g_diag = getenv("MC_GPU_DIAG") && getenv("MC_GPU_DIAG")[0] == '1';
+  g_diag = getenv("MC_GPU_DIAG") && (getenv("MC_GPU_DIAG")[0] == '1' ||
+                                     getenv("MC_GPU_DIAG")[0] == '2');
   to_c = a[1];
   from_c = b[0];
   if (read_full(from_c, &g_in, sizeof g_in) < 0 || !g_in.ok || !gpu_up()) {

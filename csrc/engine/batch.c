@@ -96,9 +96,9 @@ static void notify_if_completed(mc_batch_t *b) {
     free(m);
 }
 
-/* Records one finished part of task i. Caller holds b->mu. */
-#define part_done mc_batch_part_done
-void mc_batch_part_done(mc_batch_t *b, size_t i, int code, const char *msg, uint64_t bytes) {
+/* Records one finished part of task i; 1 if that finished the task (the
+ * caller then takes it off `pending`).  Caller holds b->mu. */
+static int task_part_done(mc_batch_t *b, size_t i, int code, const char *msg, uint64_t bytes) {
   mc_task_t *t = &b->tasks[i];
   if (code == 0) {
     t->done_bytes += bytes;
@@ -110,10 +110,22 @@ void mc_batch_part_done(mc_batch_t *b, size_t i, int code, const char *msg, uint
   }
   if (t->parts_left > 0 && --t->parts_left == 0) {
     t->state = state_for(t->code);
-    b->pending--;
-    if (b->pending == 0 && b->notify)
-      notify_if_completed(b);
+    return 1;
   }
+  return 0;
+}
+
+/* n tasks finished: off `pending` in one step (a waiter spins on it: one
+ * write to its cache line per op, not one per task).  Caller holds b->mu. */
+static void tasks_finished(mc_batch_t *b, size_t n) {
+  if (n && atomic_fetch_sub(&b->pending, n) == n && b->notify)
+    notify_if_completed(b);
+}
+
+/* Records one finished part of task i. Caller holds b->mu. */
+#define part_done mc_batch_part_done
+void mc_batch_part_done(mc_batch_t *b, size_t i, int code, const char *msg, uint64_t bytes) {
+  tasks_finished(b, (size_t)task_part_done(b, i, code, msg, bytes));
 }
 
 /* ---- local pins ----
@@ -241,8 +253,10 @@ size_t mc_engine_cancel_local_users(mc_engine_t *e, const mc_region_t *reg) {
 void mc_batch_op_done(mc_xfer_op_t *op, int code, const char *msg) {
   mc_batch_t *b = op->arg;
   pthread_mutex_lock(&b->mu);
+  size_t fin = 0;
   for (uint32_t k = 0; k < op->nent; k++)
-    part_done(b, op->ent[k].cookie, code, msg, op->ent[k].len);
+    fin += (size_t)task_part_done(b, op->ent[k].cookie, code, msg, op->ent[k].len);
+  tasks_finished(b, fin);
   b->ops_inflight--;
   pins_release_if_idle(b);
   pthread_cond_broadcast(&b->cv);

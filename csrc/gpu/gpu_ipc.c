@@ -201,7 +201,7 @@ int mc_gpu_ipc_open(const char *b64, int device, uint64_t *mapped, mc_err_t *err
   remember(b64, hash, device, p);
   pthread_mutex_unlock(&g_mu);
   const char *dg = getenv("MC_GPU_DIAG");
-  if (dg && dg[0] == '1') /* issue 30: where the import landed (GPU pages are up to 2 MiB) */
+  if (dg && (dg[0] == '1' || dg[0] == '2')) /* issue 30: where the import landed (GPU pages are up to 2 MiB) */
     mc_log_info("GPU diag: a peer's CUDA IPC handle opened on cuda:%d at 0x%llx (%llu KiB into "
                 "a 2 MiB page)", device, (unsigned long long)p,
                 (unsigned long long)(p % (2u << 20)) >> 10);

@@ -29,6 +29,12 @@
  * microseconds of driver time; MC_GPU_MERGE=0: one launch per job). */
 #define MC_GPU_MERGE_MAX 4096u
 #define DIRECT_SKIP 64
+/* While jobs keep coming, the worker looks at the launches in flight at
+ * least this often between two launches, so their completions (and the
+ * callers' waits) run alongside the launching instead of all after it
+ * (issue 30: a pipelining caller otherwise finished 128 batches in one go
+ * once the last was launched). */
+#define POLL_BETWEEN_NS 16000ull
 /* Direct launches need this many submits in a row each made after a wait
  * for GPU copies (a caller that waits batch by batch); one submit right
  * after another (a pipelining caller) starts the count again. */
@@ -36,7 +42,8 @@
 
 /* MC_GPU_DIAG's counters (mc_gpu_diag_t's, in its order). */
 enum { DG_LAUNCHES, DG_COPIES, DG_TABLE, DG_QUEUE, DG_LAUNCH, DG_DONE, DG_DONE_JOBS, DG_LOOPS,
-       DG_QUERIES, DG_SLEEPS, DG_CPU_MOVES, DG_SAME_CPU, DG_GPU, DG_GPU_JOBS, DG_N };
+       DG_QUERIES, DG_SLEEPS, DG_CPU_MOVES, DG_SAME_CPU, DG_GPU, DG_GPU_JOBS, DG_QUERY_NS,
+       DG_FINISH_NS, DG_POLLS, DG_N };
 
 struct mc_gpu_stager {
   pthread_mutex_t mu;
@@ -110,9 +117,21 @@ struct mc_gpu_stager {
    * instead of sched_yield (0). */
   int diag, pin_cpu;
   uint64_t poll_ns;
+  uint64_t polled_ns; /* worker-only: when it last looked at the launches in flight */
   atomic_int submit_cpu, last_cpu;
   _Atomic uint64_t dg[DG_N]; /* mc_gpu_diag_t's counters, in its order */
+  /* MC_GPU_DIAG=2 (diag 2): each timed launch's host and GPU times since
+   * the last reset (tl_base: an event recorded then, at host time
+   * tl_base_ns), written by the worker, read once the jobs are done. */
+  mc_cu_event tl_base;
+  uint64_t tl_base_ns;
+  mc_gpu_tl_t *tl;
+  atomic_size_t ntl;
+  /* MC_GPU_D2D_STREAMS (1..MC_GPU_D2D_STREAMS): D2D jobs rotate over this
+   * many streams per device. */
+  unsigned d2d_streams;
 };
+#define MC_GPU_TL_MAX 8192
 
 #define DG_ADD(s, k, v)                                                                        \
   do {                                                                                         \
@@ -250,7 +269,9 @@ int mc_gpu_stager_create(size_t budget_bytes, mc_gpu_stager_t **out, mc_err_t *e
   long grace = dg && *dg ? strtol(dg, NULL, 10) : 50;
   s->direct_grace_ns = (uint64_t)(grace < 0 ? 0 : grace > 1000000 ? 1000000 : grace) * 1000u;
   const char *dd = getenv("MC_GPU_DIAG");
-  s->diag = dd && dd[0] == '1';
+  s->diag = dd && (dd[0] == '1' || dd[0] == '2') ? dd[0] - '0' : 0;
+  s->d2d_streams = (unsigned)mc_env_long("MC_GPU_D2D_STREAMS", MC_GPU_D2D_STREAMS, 1,
+                                         MC_GPU_D2D_STREAMS);
   s->pin_cpu = (int)mc_env_long("MC_GPU_WORKER_CPU", -1, -1, CPU_SETSIZE - 1);
   s->poll_ns = (uint64_t)mc_env_long("MC_GPU_POLL_NS", 0, 0, 1000000);
   atomic_store(&s->last_cpu, -1);
@@ -410,10 +431,24 @@ static void event_put(mc_gpu_stager_t *s, int dev, mc_cu_event e) {
  * freed); not counted where it failed or the events are not done. */
 static void diag_gpu_time(mc_gpu_stager_t *s, mc_gpu_job_t *j, int code) {
   const mc_cuda_api_t *api = mc_cuda_api(NULL);
-  float ms = 0;
+  float ms = 0, a = 0, b = 0;
   if (code == 0 && api->cuEventElapsedTime(&ms, j->tev[0], j->tev[1]) == 0) {
     DG_ADD(s, DG_GPU, (uint64_t)((double)ms * 1e6));
     DG_ADD(s, DG_GPU_JOBS, 1);
+    size_t k = s->tl ? atomic_load(&s->ntl) : MC_GPU_TL_MAX;
+    if (k < MC_GPU_TL_MAX && api->cuEventElapsedTime(&a, s->tl_base, j->tev[0]) == 0 &&
+        api->cuEventElapsedTime(&b, s->tl_base, j->tev[1]) == 0) {
+      s->tl[k] = (mc_gpu_tl_t){.picked_us = (double)(int64_t)(j->t_picked - s->tl_base_ns) / 1e3,
+                               .launched_us =
+                                   (double)(int64_t)(j->t_launched - s->tl_base_ns) / 1e3,
+                               .gpu_start_us = (double)a * 1e3,
+                               .gpu_end_us = (double)b * 1e3,
+                               .done_us = (double)(int64_t)(now_ns() - s->tl_base_ns) / 1e3,
+                               .copies = (uint32_t)j->n,
+                               .stream = (uint8_t)j->ev_stream,
+                               .table = (uint8_t)(j->kbuf != NULL)};
+      atomic_store(&s->ntl, k + 1);
+    }
   }
   for (int k = 0; k < 2; k++)
     if (j->tev[k])
@@ -559,7 +594,7 @@ static void start_job(mc_gpu_stager_t *s, mc_gpu_job_t *j) {
     rc = j->prepare(j, &err);
   int si = j->dir;
   if (j->dir == MC_GPU_D2D)
-    si += (int)(s->d2d_next[dev]++ % MC_GPU_D2D_STREAMS);
+    si += (int)(s->d2d_next[dev]++ % s->d2d_streams);
   mc_cu_stream *st = rc == 0 ? &s->streams[dev][si] : NULL;
   int lazy = s->lazy_events && api && api->cuStreamQuery;
   if (rc == 0 && !*st) {
@@ -667,6 +702,8 @@ static void start_job(mc_gpu_stager_t *s, mc_gpu_job_t *j) {
  * call each per pass). */
 static int poll_inflight(mc_gpu_stager_t *s) {
   const mc_cuda_api_t *api = mc_cuda_api(NULL);
+  s->polled_ns = now_ns();
+  DG_ADD(s, DG_POLLS, 1);
   int done = 0, cur_dev = -1;
   unsigned char busy[MC_GPU_MAX_DEV][MC_GPU_NSTREAMS];
   memset(busy, 0, sizeof busy);
@@ -680,9 +717,11 @@ static int poll_inflight(mc_gpu_stager_t *s) {
     } else if (waits) {
       if (j->ev_dev != cur_dev)
         mc_cuda_use_device(cur_dev = j->ev_dev, NULL);
+      uint64_t q0 = s->diag ? now_ns() : 0;
       r = j->event ? api->cuEventQuery(j->event)
                    : api->cuStreamQuery(s->streams[j->ev_dev][j->ev_stream]);
       DG_ADD(s, DG_QUERIES, 1);
+      DG_ADD(s, DG_QUERY_NS, s->diag ? now_ns() - q0 : 0);
       if (r == MC_CU_ERROR_NOT_READY)
         busy[j->ev_dev][j->ev_stream] = 1;
     }
@@ -708,7 +747,9 @@ static int poll_inflight(mc_gpu_stager_t *s) {
       char b[160];
       snprintf(m, sizeof m, "GPU copy failed: %s", mc_cuda_strerror(api, r, b, sizeof b));
     }
+    uint64_t f0 = s->diag ? now_ns() : 0;
     finish(s, j, r ? MC_ESYS : 0, r ? m : NULL);
+    DG_ADD(s, DG_FINISH_NS, s->diag ? now_ns() - f0 : 0);
     done++;
   }
   return done;
@@ -751,6 +792,8 @@ static int start_queued(mc_gpu_stager_t *s) {
         start_job(s, r);
       }
     }
+    if (s->fl_head && now_ns() - s->polled_ns >= POLL_BETWEEN_NS)
+      poll_inflight(s); /* completions keep pace with the launches */
     started++;
     pthread_mutex_lock(&s->mu);
     /* The queue may have changed meanwhile: rescan from the head. */
@@ -1011,6 +1054,35 @@ void mc_gpu_stager_counts(mc_gpu_stager_t *s, uint64_t *jobs, uint64_t *direct) 
   *direct = s ? atomic_load_explicit(&s->ndirect, memory_order_relaxed) : 0;
 }
 
+/* MC_GPU_DIAG=2, no copies in flight: the timeline restarts here (a
+ * timing event recorded on the calling thread's current context's null
+ * stream, waited for: its host time is the timeline's zero). */
+static void timeline_reset(mc_gpu_stager_t *s) {
+  const mc_cuda_api_t *api = mc_cuda_api(NULL);
+  if (!api || !api->cuEventElapsedTime)
+    return;
+  if (!s->tl && !(s->tl = calloc(MC_GPU_TL_MAX, sizeof *s->tl)))
+    return;
+  if (!s->tl_base && api->cuEventCreate(&s->tl_base, 0) != 0)
+    s->tl_base = NULL;
+  if (s->tl_base && api->cuEventRecord(s->tl_base, NULL) == 0 &&
+      api->cuEventSynchronize(s->tl_base) == 0) {
+    s->tl_base_ns = now_ns();
+    atomic_store(&s->ntl, 0);
+  } else {
+    s->tl_base_ns = 0;
+    atomic_store(&s->ntl, MC_GPU_TL_MAX); /* nothing recorded */
+  }
+}
+
+size_t mc_gpu_stager_timeline(mc_gpu_stager_t *s, mc_gpu_tl_t *out, size_t cap) {
+  size_t n = s && s->tl && s->tl_base_ns ? atomic_load(&s->ntl) : 0;
+  n = n < cap ? n : cap;
+  if (n)
+    memcpy(out, s->tl, n * sizeof *out);
+  return n;
+}
+
 void mc_gpu_stager_diag(mc_gpu_stager_t *s, mc_gpu_diag_t *out, int reset) {
   uint64_t v[DG_N] = {0};
   for (int k = 0; s && k < DG_N; k++)
@@ -1023,8 +1095,12 @@ void mc_gpu_stager_diag(mc_gpu_stager_t *s, mc_gpu_diag_t *out, int reset) {
                          .queries = v[DG_QUERIES], .sleeps = v[DG_SLEEPS],
                          .cpu_moves = v[DG_CPU_MOVES], .same_cpu = v[DG_SAME_CPU],
                          .gpu_ns = v[DG_GPU], .gpu_jobs = v[DG_GPU_JOBS],
+                         .query_ns = v[DG_QUERY_NS], .finish_ns = v[DG_FINISH_NS],
+                         .polls = v[DG_POLLS],
                          .worker_cpu = s ? atomic_load(&s->last_cpu) : -1,
                          .submit_cpu = s ? atomic_load(&s->submit_cpu) : -1};
+  if (s && reset && s->diag == 2)
+    timeline_reset(s);
 }
 
 void mc_gpu_stager_poke(mc_gpu_stager_t *s) {
@@ -1079,6 +1155,9 @@ void mc_gpu_stager_destroy(mc_gpu_stager_t *s) {
     if (s->dstreams[d] && api)
       api->cuStreamDestroy(s->dstreams[d]);
   }
+  if (s->tl_base && api)
+    api->cuEventDestroy(s->tl_base);
+  free(s->tl);
   pthread_cond_destroy(&s->cv);
   pthread_cond_destroy(&s->idle_cv);
   pthread_mutex_destroy(&s->mu);

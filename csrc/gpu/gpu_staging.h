@@ -131,10 +131,28 @@ typedef struct {
   /* The copy kernels' own time on the GPU (CUDA events around each launch,
    * where the driver has cuEventElapsedTime): sum and how many. */
   uint64_t gpu_ns, gpu_jobs;
+  /* The worker's completion side: time inside its completion queries,
+   * time finishing completed launches (riders and callbacks included),
+   * passes over the launches in flight. */
+  uint64_t query_ns, finish_ns, polls;
   int worker_cpu, submit_cpu;
 } mc_gpu_diag_t;
-/* Reads the counters (and zeroes them when reset). */
+/* Reads the counters (and zeroes them when reset; with MC_GPU_DIAG=2 a
+ * reset, made with no copies in flight from a thread whose current context
+ * is the copies' device's, also restarts the launch timeline). */
 void mc_gpu_stager_diag(mc_gpu_stager_t *s, mc_gpu_diag_t *out, int reset);
+/* MC_GPU_DIAG=2: one timed copy-kernel launch, times from the timeline's
+ * restart: the worker picked the job up and had launched it (host clock),
+ * its kernel's start and end events passed on the GPU, and the worker saw
+ * it done (host clock). */
+typedef struct {
+  double picked_us, launched_us, gpu_start_us, gpu_end_us, done_us;
+  uint32_t copies;
+  uint8_t stream, table; /* the stream's index; the copies read from a pinned table */
+} mc_gpu_tl_t;
+/* Copies up to cap launches of the timeline (completion order) into out;
+ * how many. */
+size_t mc_gpu_stager_timeline(mc_gpu_stager_t *s, mc_gpu_tl_t *out, size_t cap);
 /* A batch with GPU copies is being planned: a copy thread that went to
  * sleep polls again for a while, so the first job finds it awake (a
  * sleeping thread's wake-up costs tens of microseconds).  No-op before the

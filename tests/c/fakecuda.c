@@ -101,6 +101,10 @@ CUresult cuEventSynchronize(void *e) {
     nanosleep(&ts, NULL);
   return 0;
 }
+CUresult cuEventElapsedTime(float *ms, void *a, void *b) {
+  *ms = (float)((double)(int64_t)(((event_t *)b)->ready - ((event_t *)a)->ready) / 1e6);
+  return 0;
+}
 void fakecuda_stream_hold(void *s, uint64_t ns) {
   __atomic_store_n(&ST(s)->ready, now() + ns, __ATOMIC_SEQ_CST);
 }

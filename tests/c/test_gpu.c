@@ -377,6 +377,71 @@ static char *worker_status(void) {
   return found;
 }
 
+/* Issue 30: a worker that keeps launching (a queue that never empties)
+ * still looks at the launches in flight between launches, so completions
+ * (and the callers waiting for them) keep pace instead of all coming after
+ * the last launch.  The first job holds the worker (its prepare waits)
+ * until 128 more are queued; MC_GPU_DIAG=2's timeline then shows jobs seen
+ * done before the last one was launched. */
+static atomic_int hold_entered, hold_go;
+
+static int hold_prepare(mc_gpu_job_t *j, mc_err_t *err) {
+  (void)err;
+  atomic_store(&hold_entered, 1);
+  while (!atomic_load(&hold_go))
+    sched_yield();
+  j->prepare = NULL;
+  return 0;
+}
+
+static void test_worker_polls_while_launching(void) {
+  SKIP_NO_GPU();
+  size_t n = 128u << 10;
+  uint64_t d = dalloc(2 * n);
+  CHECK(d);
+  setenv("MC_GPU_DIAG", "2", 1);
+  setenv("MC_GPU_MERGE", "0", 1);
+  setenv("MC_GPU_DIRECT", "0", 1);
+  mc_gpu_stager_t *s = NULL;
+  mc_err_t err = {0};
+  CHECK_EQ_INT(mc_gpu_stager_create(16u << 20, &s, &err), 0);
+  mc_gpu_diag_t g;
+  mc_gpu_stager_diag(s, &g, 1);
+  enum { NJ = 128 };
+  static direct_seen_t x[NJ + 1];
+  memset(x, 0, sizeof x);
+  atomic_store(&hold_entered, 0);
+  atomic_store(&hold_go, 0);
+  mc_gpu_job_t *first = direct_job(d, n, &x[0]);
+  first->prepare = hold_prepare;
+  mc_gpu_stager_submit(s, first);
+  while (!atomic_load(&hold_entered))
+    sched_yield();
+  for (int k = 1; k <= NJ; k++)
+    mc_gpu_stager_submit(s, direct_job(d, n, &x[k]));
+  atomic_store(&hold_go, 1);
+  mc_gpu_stager_drain(s);
+  for (int k = 0; k <= NJ; k++)
+    CHECK(atomic_load(&x[k].done) && x[k].code == 0);
+  static mc_gpu_tl_t tl[NJ + 8];
+  size_t nt = mc_gpu_stager_timeline(s, tl, NJ + 8);
+  if (api->cuEventElapsedTime) {
+    CHECK_EQ_INT(nt, NJ + 1);
+    double last_launch = 0;
+    for (size_t i = 0; i < nt; i++)
+      last_launch = tl[i].launched_us > last_launch ? tl[i].launched_us : last_launch;
+    int early = 0;
+    for (size_t i = 0; i < nt; i++)
+      early += tl[i].done_us < last_launch;
+    CHECK(early > 0); /* before: 0 (every completion after the last launch) */
+  }
+  mc_gpu_stager_destroy(s);
+  unsetenv("MC_GPU_DIAG");
+  unsetenv("MC_GPU_MERGE");
+  unsetenv("MC_GPU_DIRECT");
+  cu_free(d);
+}
+
 static void test_worker_diag(void) {
   SKIP_NO_GPU();
   size_t n = 64u << 10;
@@ -431,6 +496,30 @@ static void test_worker_diag(void) {
   CHECK(atoi(line) == cpu && !strchr(line, '-') && !strchr(line, ','));
   CHECK_EQ_INT(api->cuMemcpyDtoH(back, d + n, n), 0);
   CHECK(memcmp(back, src, n / 4) == 0 && memcmp(back + n / 2, src + n / 4 + 4096, n / 4) == 0);
+  mc_gpu_stager_destroy(s);
+  /* MC_GPU_DIAG=2: the launch timeline, one record per timed launch. */
+  setenv("MC_GPU_DIAG", "2", 1);
+  CHECK_EQ_INT(mc_gpu_stager_create(16u << 20, &s, &err), 0);
+  mc_gpu_diag_t g2;
+  mc_gpu_stager_diag(s, &g2, 1);
+  direct_seen_t x2[8];
+  memset(x2, 0, sizeof x2);
+  for (int k = 0; k < 8; k++)
+    mc_gpu_stager_submit(s, direct_job(d, n, &x2[k]));
+  mc_gpu_stager_drain(s);
+  mc_gpu_stager_diag(s, &g2, 0);
+  mc_gpu_tl_t tl[16];
+  size_t ntl = mc_gpu_stager_timeline(s, tl, 16);
+  CHECK_EQ_INT(ntl, api->cuEventElapsedTime ? g2.launches : 0);
+  uint32_t copies = 0;
+  for (size_t i = 0; i < ntl; i++) {
+    CHECK(tl[i].launched_us >= tl[i].picked_us && tl[i].gpu_end_us >= tl[i].gpu_start_us);
+    CHECK(tl[i].stream >= 2 && tl[i].stream < 4); /* the D2D streams */
+    copies += tl[i].copies;
+  }
+  CHECK_EQ_INT(copies, ntl ? 16 : 0);
+  mc_gpu_stager_diag(s, &g2, 1); /* a restart empties it */
+  CHECK_EQ_INT(mc_gpu_stager_timeline(s, tl, 16), 0);
   mc_gpu_stager_destroy(s);
   unsetenv("MC_GPU_DIAG");
   unsetenv("MC_GPU_WORKER_CPU");
@@ -702,6 +791,7 @@ int main(void) {
   RUN(test_direct_pipelining);
   RUN(test_direct_concurrent);
   RUN(test_worker_diag);
+  RUN(test_worker_polls_while_launching);
   RUN(test_wrong_claims);
   RUN(test_local_segment_gpu);
   RUN(test_tcp_gpu_target_host_initiator);
