@@ -16,7 +16,7 @@ First line printed: {"ready": true, "extents_per_block": n}.  Commands:
         -> {"secs", "invalid": [...], "stats": {...}}
     {"cmd": "push_load", "req_id", "tokens", "block_ids", "tid"}  (consumer: push target)
     {"cmd": "push_forward", "req_id", "tokens", "block_ids", "tid", "seed"}  (producer)
-        -> {"queued", "started": {layer: s}, "gpu_done_at_save", "bytes"}
+        -> {"queued", "landed": {layer: s}, "gpu_done_at_save", "gate", "bytes"}
     {"cmd": "exit"}
 """
 import argparse
@@ -78,13 +78,57 @@ def vllm034_kv(a, dev, shape, handle_types):
     return buf, kv
 
 
+def _warm_kernels(kv, dev, n):
+    """One untimed pass of the kernels push_forward queues per layer (CUDA
+    lazy module loading makes a kernel's first launch cost tens of ms of
+    host time, which would let the GPU finish every layer before the last
+    one is queued)."""
+    t = next(iter(kv.values()))
+    scratch = torch.empty((2, n) + tuple(t.shape[2:]), dtype=torch.int16, device=dev)
+    idx = torch.arange(n, device=dev)
+    g = torch.Generator(device=dev)
+    g.manual_seed(0)
+    torch.cuda._sleep(1000)
+    big = torch.empty((2, t.shape[1]) + tuple(t.shape[2:]), dtype=torch.int16, device=dev)
+    big[:, idx] = torch.randint(-32768, 32768, scratch.shape, dtype=torch.int16, device=dev,
+                                generator=g)
+    torch.cuda.synchronize(dev)
+
+
+def _landed_layers(w, job, landed, t0):
+    """Notes (seconds after t0) each layer whose writes to every target
+    completed in the engine - on either CUDA path (the engine's gate, or
+    the layer-event thread): a batch the engine reports done, or one the
+    producer already reaped (tg.landed)."""
+    with w.push_p.lock:
+        tgs = [(dict(tg.blayers), set(tg.landed)) for tg in job.targets.values()]
+    now = time.monotonic() - t0
+    per_target = []
+    for blayers, done in tgs:
+        for bid, layers in blayers.items():
+            try:
+                fin = w.engine.transfer_wait(bid, 0)
+            except ValueError:  # reaped meanwhile: its layers are in tg.landed
+                continue
+            if fin:
+                done.update(layers)
+        per_target.append(done)
+    if per_target:
+        for li in set.intersection(*per_target):
+            landed.setdefault(li, now)
+
+
 def push_forward(w, kv, dev, req):
     """Producer, push layer by layer: a prefill step as vLLM runs it on the
     GPU.  Per layer a slow kernel (the layer's "attention", ~15 ms), then the
     layer's new KV written into the prompt's blocks, then save_kv_layer -
-    all queued on the stream, none waited for.  Then, before wait_for_save,
-    watch when each layer's write to the decode side starts."""
+    all queued on the stream, none waited for.  A watcher thread notes when
+    each layer's writes to the decode side completed, during the queueing
+    and until wait_for_save."""
+    import threading
+
     rid, tid, blocks = req["req_id"], req["tid"], req["block_ids"]
+    _warm_kernels(kv, dev, len(blocks))
     t_end = time.monotonic() + 10
     while tid not in w.push_p.early and time.monotonic() < t_end:
         w.drain_notifies()  # the decode side's target (it admitted the request first)
@@ -98,7 +142,17 @@ def push_forward(w, kv, dev, req):
     idx = torch.tensor(blocks, device=dev)
     g = torch.Generator(device=dev)
     g.manual_seed(req["seed"])
+    landed, stop = {}, threading.Event()
     t0 = time.monotonic()
+
+    def watch():
+        while not stop.is_set() and len(landed) < len(kv) and \
+                time.monotonic() - t0 < req.get("watch_s", 5.0):
+            _landed_layers(w, job, landed, t0)
+            time.sleep(0.0002)
+
+    watcher = threading.Thread(target=watch, name="landed-watch", daemon=True)
+    watcher.start()
     for name, t in kv.items():
         torch.cuda._sleep(req.get("cycles", 30_000_000))
         raw = t.view(torch.int16)
@@ -106,17 +160,12 @@ def push_forward(w, kv, dev, req):
                                     dtype=torch.int16, device=dev, generator=g)
         w.save_kv_layer(name)
     queued = time.monotonic() - t0
-    started = {}
-    while len(started) < len(kv) and time.monotonic() - t0 < req.get("watch_s", 5.0):
-        with w.push_p.lock:
-            sent = set().union(*(tg.layers_sent for tg in job.targets.values()))
-        for li in sent:
-            started.setdefault(li, time.monotonic() - t0)
-        time.sleep(0.0002)
     gpu_done = torch.cuda.current_stream().query()
+    watcher.join()
+    stop.set()
     w.publish(meta)  # wait_for_save
-    return {"queued": queued, "started": started, "gpu_done_at_save": gpu_done,
-            "bytes": job.bytes}
+    return {"queued": queued, "landed": landed, "gpu_done_at_save": gpu_done,
+            "gate": w.push_p._gate_on(), "bytes": job.bytes}
 
 
 def main():

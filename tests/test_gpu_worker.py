@@ -138,7 +138,7 @@ def test_push_layerwise_streams_cuda_layers_before_wait_for_save(ipc):
     """Push layer by layer with CUDA KV caches (issue #31): vLLM's
     save_kv_layer runs when a layer's kernels are queued, not done.  The
     producer queues 8 slow layers (~15 ms of GPU each) and returns at once;
-    each layer's write to the decode side must start once that layer's
+    each layer's write to the decode side must land once that layer's
     kernels completed - layer 0's well before the last one's, all before
     wait_for_save - and every byte must be the layer's new KV (a write
     started before its kernels finished would carry the old values)."""
@@ -157,14 +157,18 @@ def test_push_layerwise_streams_cuda_layers_before_wait_for_save(ipc):
         cons.call(cmd="push_load", req_id="r1", tokens=tokens, block_ids=dst, tid="t1")
         f = prod.call(cmd="push_forward", req_id="r1", tokens=tokens, block_ids=src, tid="t1",
                       seed=11)
-        started = {int(k): v for k, v in f["started"].items()}
-        sys.stderr.write(f"push layerwise on CUDA: queued in {f['queued'] * 1e3:.1f} ms, "
-                         f"writes started at {[round(started[k] * 1e3, 1) for k in sorted(started)]}"
-                         f" ms\n")
-        assert sorted(started) == list(range(LAYERS)), \
-            f"only layers {sorted(started)} started writing before wait_for_save"
-        assert started[LAYERS - 1] - started[0] > 0.05, started  # one by one, not at once
-        assert f["queued"] < started[LAYERS - 1], f  # the forward thread did not wait
+        assert "error" not in f, f
+        landed = {int(k): v for k, v in f["landed"].items()}
+        sys.stderr.write(f"push layerwise on CUDA (gate {f['gate']}): queued in "
+                         f"{f['queued'] * 1e3:.1f} ms, layers landed at "
+                         f"{[round(landed[k] * 1e3, 1) for k in sorted(landed)]} ms\n")
+        assert sorted(landed) == list(range(LAYERS)), \
+            f"only layers {sorted(landed)} landed before wait_for_save"
+        assert landed[LAYERS - 1] - landed[0] > 0.05, landed  # one by one, not at once
+        # the forward thread did not wait for the GPU: queueing all 8 layers
+        # took less than the last 3 layers' GPU time, and the GPU was busy then
+        assert f["queued"] < landed[LAYERS - 1] - 0.045, f
+        assert not f["gpu_done_at_save"], f
         deadline, recving = time.monotonic() + 20, []
         while time.monotonic() < deadline and "r1" not in recving:
             prod.call(cmd="finished", req_ids=[])
