@@ -320,6 +320,12 @@ def main(argv=None):
     ap.add_argument("--noasync", action="store_true",
                     help="also a set from this tree with --no-async-scheduling on its decode "
                          "and its own colocated server (modes push_ll_na, colocated_na)")
+    ap.add_argument("--prefill-plain", action="store_true",
+                    help="also send each prompt straight to the push prefill server as a plain "
+                         "request (max_tokens 1, kv_transfer_params do_remote_decode false: "
+                         "the connector does nothing for it), mode prefill_plain: the same "
+                         "server's forward with and without the push's per-layer work "
+                         "(vLLM's scheduled -> first token and the server's CPU, paired)")
     ap.add_argument("--no-trace", action="store_true",
                     help="MC_TRACE unset: TTFT, gap and bars only, no timeline")
     ap.add_argument("--one-layer-ms", type=float, default=0.0,
@@ -437,6 +443,8 @@ def main(argv=None):
         if "push-whole" in dep.proxies:
             urls["push_whole"] = dep.proxies["push-whole"].url
             srv_of["push_whole"] = dep.decode.url
+        if args.prefill_plain:
+            urls["prefill_plain"] = srv_of["prefill_plain"] = dep.prefill.url
         for name, d in deps.items():
             if name == "a":
                 continue
@@ -448,9 +456,12 @@ def main(argv=None):
         body = {"model": "tiny", "temperature": 0.0, "max_tokens": args.max_tokens,
                 "ignore_eos": True, "return_token_ids": True, "stream": True,
                 "stream_options": {"include_usage": True}}
+        # prefill_plain: what the proxy sends the prefill, without the push
+        plain = dict(body, max_tokens=1, kv_transfer_params={"do_remote_decode": False})
         for k, u in urls.items():  # warm-up
             for i in range(3):
-                request(u, "/v1/completions", dict(body, prompt=prompt_of(max(lengths), 77 + i)),
+                request(u, "/v1/completions", dict(plain if k == "prefill_plain" else body,
+                                                   prompt=prompt_of(max(lengths), 77 + i)),
                         timeout=600)
         meta["load_before"] = os.getloadavg()
         pgids = {"prefill": dep.prefill.proc.pid, "decode": dep.decode.proc.pid,
@@ -480,8 +491,9 @@ def main(argv=None):
                     before_p = scrape(pre_of[k]) if k in pre_of else {}
                     c0 = cpu_ns(pgids)
                     t_send = time.monotonic()
-                    r = request(urls[k], "/v1/completions", dict(body, prompt=p), timeout=600,
-                                headers={"X-Request-Id": rid})
+                    r = request(urls[k], "/v1/completions",
+                                dict(plain if k == "prefill_plain" else body, prompt=p),
+                                timeout=600, headers={"X-Request-Id": rid})
                     if r.status != 200 or r.error:
                         raise RuntimeError(f"{k}: {r.status} {r.error}")
                     c1 = cpu_ns(pgids)
@@ -500,7 +512,9 @@ def main(argv=None):
                     if k == "colocated":
                         ref = r.token_ids
                 for rec in rows[n][-len(keys):]:
-                    rec["identical"] = rec["tokens"] == ref
+                    # prefill_plain has 1 token: colocated's first
+                    rec["identical"] = rec["tokens"] == ref[:len(rec["tokens"])] and \
+                        bool(rec["tokens"])
             done = rows[n][-len(urls) * args.requests:]
             print(f"  {n} words done ({time.monotonic() - t_meas:.0f} s): TTFT p50 " + ", ".join(
                 f"{k} {_pct([x['ttft_ms'] for x in done if x['mode'] == k], 50):.1f}"
@@ -548,6 +562,40 @@ def ref_of(mode):
 
 def _fmt(v, spec="8.1f"):
     return "-" if v is None else format(v, spec)
+
+
+def _prefill_cpu(rec):
+    """(all threads, the busiest thread) of the push prefill server's CPU ms
+    during one request (cpu_ms["prefill"], run-queue waits left out)."""
+    th = [v for t, v in ((rec.get("cpu_ms") or {}).get("prefill") or {}).items()
+          if not t.startswith("rq:")]
+    return (sum(th), max(th)) if th else (None, None)
+
+
+def _prefill_with_without(s, recs):
+    """The push prefill server's forward with the push (push_ll: its
+    prefill leg's vLLM scheduled -> first token, and the server's CPU during
+    the request) and without it (prefill_plain: the same prompt, no push),
+    p50 and paired per prompt (median difference), into s."""
+    per = {}
+    for r in recs:
+        if r["mode"] == "push_ll":
+            sched = r.get("prefill_request_prefill_time_seconds")
+        elif r["mode"] == "prefill_plain":
+            sched = r.get("request_prefill_time_seconds")
+        else:
+            continue
+        tot, top = _prefill_cpu(r)
+        per.setdefault(r["rid"].rsplit("-", 2)[1], {})[r["mode"]] = (sched, tot, top)
+    for j, key in enumerate(("sched_first", "prefill_cpu", "prefill_cpu_top")):
+        for m in ("push_ll", "prefill_plain"):
+            s[f"{m}_{key}"] = _pct([v[m][j] for v in per.values() if m in v], 50)
+        d = [v["push_ll"][j] - v["prefill_plain"][j] for v in per.values()
+             if "push_ll" in v and "prefill_plain" in v and v["push_ll"][j] is not None
+             and v["prefill_plain"][j] is not None]
+        name = {"sched_first": "prefill", "prefill_cpu": "prefill_cpu",
+                "prefill_cpu_top": "prefill_cpu_top"}[key]
+        s[f"paired_{name}_push_minus_plain"] = statistics.median(d) if d else None
 
 
 def report(rows, tl, urls, one_layer_ms=0.0, nlayers=KV32K_SPEC["layers"]):
@@ -614,6 +662,8 @@ def report(rows, tl, urls, one_layer_ms=0.0, nlayers=KV32K_SPEC["layers"]):
         d = [v["push_ll"] - v["push_ll_b"] for v in by_i.values()
              if "push_ll" in v and "push_ll_b" in v]
         s["paired_ab"] = statistics.median(d) if d else None
+        if "prefill_plain" in urls:
+            _prefill_with_without(s, recs)
         # Issue 31's bars (serving_bench.py summarize's): TTFT p50 <= colocated
         # TTFT p50 + the proxy hop + 2 ms + one layer's transfer; gap 1->2
         # p50 <= colocated ITL p50 + 2 ms.
@@ -665,8 +715,9 @@ def report(rows, tl, urls, one_layer_ms=0.0, nlayers=KV32K_SPEC["layers"]):
             pf = s.get(f"{k}_request_prefill_time_seconds")
             tt = s.get(f"{k}_time_to_first_token_seconds")
             if pf is not None:
-                print(f"  {k} ({'colocated' if k.startswith('colocated') else 'decode'} "
-                      f"server): vLLM queue {_fmt(q, '.1f')}, scheduled->first token "
+                role = ("colocated" if k.startswith("colocated") else
+                        "prefill" if k == "prefill_plain" else "decode")
+                print(f"  {k} ({role} server): vLLM queue {_fmt(q, '.1f')}, scheduled->first token "
                       f"{pf:.1f}, server TTFT {_fmt(tt, '.1f')} ms (p50)")
             pf = s.get(f"{k}_prefill_request_prefill_time_seconds")
             if pf is not None:
@@ -674,6 +725,18 @@ def report(rows, tl, urls, one_layer_ms=0.0, nlayers=KV32K_SPEC["layers"]):
                       f"{_fmt(s.get(f'{k}_prefill_request_queue_time_seconds'), '.1f')}, "
                       f"scheduled->first token {pf:.1f}, server TTFT "
                       f"{_fmt(s.get(f'{k}_prefill_time_to_first_token_seconds'), '.1f')} ms (p50)")
+        if s.get("prefill_plain_sched_first") is not None:
+            print("  push prefill server, with the push (push_ll's prefill leg) / without "
+                  "(prefill_plain), p50: scheduled->first token "
+                  f"{_fmt(s['push_ll_sched_first'], '.1f')} / "
+                  f"{_fmt(s['prefill_plain_sched_first'], '.1f')} ms (paired "
+                  f"{_fmt(s['paired_prefill_push_minus_plain'], '+.2f')}); server CPU "
+                  f"{_fmt(s['push_ll_prefill_cpu'], '.1f')} / "
+                  f"{_fmt(s['prefill_plain_prefill_cpu'], '.1f')} ms (paired "
+                  f"{_fmt(s['paired_prefill_cpu_push_minus_plain'], '+.2f')}), its busiest "
+                  f"thread {_fmt(s['push_ll_prefill_cpu_top'], '.1f')} / "
+                  f"{_fmt(s['prefill_plain_prefill_cpu_top'], '.1f')} ms (paired "
+                  f"{_fmt(s['paired_prefill_cpu_top_push_minus_plain'], '+.2f')})")
         traced = [k for k in pushes if s.get(f"stretches_{k}")]
         if traced:
             print("  where the time to first token goes (per request, p50 ms): "

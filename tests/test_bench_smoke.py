@@ -298,3 +298,33 @@ def test_ttft_timeline_pools_runs(tmp_path):
     assert s["identical_push_ll"] == "2/2"
     assert s["paired_push_ll"] == 2.0  # median of +3 and +1, not one run's pair
     assert s["ttft_colocated"] == 15.0
+
+
+def test_ttft_timeline_prefill_with_and_without_push(capsys):
+    """--prefill-plain: the push prefill server's scheduled -> first token
+    and CPU with the push (push_ll's prefill leg) against the same prompt
+    sent to it plainly, p50 and paired per prompt; run-queue waits are not
+    CPU."""
+    tt = _tt()
+
+    def rec(mode, i, ttft, sched, cpu, **kw):
+        key = "prefill_request_prefill_time_seconds" if mode == "push_ll" else \
+            "request_prefill_time_seconds"
+        return {"mode": mode, "n": 128, "rid": f"tl-{mode}-128-{i}-1", "ttft_ms": ttft,
+                "itl_ms": [5.0], "identical": True, key: sched,
+                "cpu_ms": {"prefill": {"1:1:core": cpu, "1:2:io": 1.0, "rq:1:1:core": 50.0}},
+                **kw}
+    rows = {128: [rec("colocated", 0, 20.0, 9.0, 0.0), rec("colocated_proxy", 0, 21.0, 9.0, 0.0),
+                  rec("push_ll", 0, 25.0, 12.0, 10.0), rec("prefill_plain", 0, 15.0, 10.0, 8.0),
+                  rec("colocated", 1, 20.0, 9.0, 0.0), rec("colocated_proxy", 1, 21.0, 9.0, 0.0),
+                  rec("push_ll", 1, 25.0, 11.0, 9.0), rec("prefill_plain", 1, 15.0, 10.5, 8.5)]}
+    modes = list(dict.fromkeys(r["mode"] for r in rows[128]))
+    s = tt.report(rows, {}, modes)[128]
+    assert s["push_ll_sched_first"] == 11.5 and s["prefill_plain_sched_first"] == 10.25
+    assert s["paired_prefill_push_minus_plain"] == 1.25  # median of +2.0 and +0.5
+    assert s["push_ll_prefill_cpu"] == 10.5 and s["prefill_plain_prefill_cpu"] == 9.25
+    assert s["paired_prefill_cpu_push_minus_plain"] == 1.25
+    assert s["push_ll_prefill_cpu_top"] == 9.5 and s["paired_prefill_cpu_top_push_minus_plain"] == 1.25
+    out = capsys.readouterr().out
+    assert "with the push (push_ll's prefill leg) / without (prefill_plain)" in out
+    assert "scheduled->first token 11.5 / 10.2 ms (paired +1.25)" in out

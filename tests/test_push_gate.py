@@ -354,3 +354,39 @@ def test_consumer_merges_per_batch_layer_messages():
     assert cl.ranks["P"] == "done"
     c.on_message("P", {"t": "layer", "tid": "T", "l": [3, 1]})  # a late duplicate
     assert cl.ranks["P"] == "done" and cl.landed["P"] == {0, 1, 2, 3}
+
+
+def test_gate_events_are_reused_in_a_ring():
+    """The gate's CUDA events (push.GateEvents): vLLM's forward thread
+    records one per layer; the ring makes at most `size` events, records
+    each again `size` records later (never two live records of one event
+    sooner), and asks for the CUevent handle and the device once."""
+    from mooncake_connector.connector.push import GateEvents, GATE_KEEP
+
+    class Ev:
+        made = 0
+
+        def __init__(self):
+            Ev.made += 1
+            self.n, self.records, self.handle_reads = Ev.made, 0, 0
+
+        def record(self):
+            self.records += 1
+
+        @property
+        def cuda_event(self):
+            self.handle_reads += 1
+            return 1000 + self.n
+
+    devs = []
+    ring = GateEvents(make=Ev, device=lambda: devs.append(1) or 3, size=4)
+    got = [ring.record() for _ in range(10)]
+    assert Ev.made == 4 and ring.made == 4
+    assert [h for _, h, _ in got] == [1001, 1002, 1003, 1004] * 2 + [1001, 1002]
+    assert all(d == 3 for _, _, d in got) and devs == [1]
+    evs = {id(e): e for e, _, _ in got}.values()
+    assert sorted(e.records for e in evs) == [2, 2, 3, 3]
+    assert all(e.handle_reads == 1 for e in evs)
+    assert GateEvents(make=Ev, device=lambda: 0)._size == 2 * GATE_KEEP
+    with pytest.raises(ValueError, match="size must be >= 1"):
+        GateEvents(make=Ev, size=0)
