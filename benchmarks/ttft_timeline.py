@@ -255,12 +255,16 @@ def pin(proc, cpu):
     return pids
 
 
-def make_sets(workdir, model, extra, common, tree_b=None, label_b="tb", noasync=False):
+def make_sets(workdir, model, extra, common, tree_b=None, label_b="tb", noasync=False,
+              env_c=None):
     """{set name: Deployment} (not started): "a", this tree's (colocated, its
     pass-through proxy, the push proxies of `extra`); with tree_b, a second
     prefill + decode + push layer-load proxy whose processes import the
     connector from tree_b first (label_b); with noasync, this tree's again
-    with --no-async-scheduling on its decode and its own colocated ("na")."""
+    with --no-async-scheduling on its decode and its own colocated ("na");
+    with env_c ({name: value}), this tree's prefill + decode + push
+    layer-load proxy again with those environment variables ("c": an A/B of
+    engine knobs, MC_*, in one lease)."""
     from mooncake_connector.deployment import Deployment
     deps = {"a": Deployment(workdir, model, flows=(), extra_proxies=extra,
                             colocated_proxy=True, **common)}
@@ -282,6 +286,10 @@ def make_sets(workdir, model, extra, common, tree_b=None, label_b="tb", noasync=
                 os.environ.pop("PYTHONPATH", None)
             else:
                 os.environ["PYTHONPATH"] = saved
+    if env_c:
+        deps["c"] = Deployment(os.path.join(workdir, "env-c"), model, flows=(),
+                               colocated=False, extra_proxies={"push-ll": extra["push-ll"]},
+                               **dict(common, env={**(common.get("env") or {}), **env_c}))
     if noasync:
         na = ["--no-async-scheduling"]
         deps["na"] = Deployment(os.path.join(workdir, "noasync"), model, flows=(),
@@ -326,6 +334,10 @@ def main(argv=None):
                          "the connector does nothing for it), mode prefill_plain: the same "
                          "server's forward with and without the push's per-layer work "
                          "(vLLM's scheduled -> first token and the server's CPU, paired)")
+    ap.add_argument("--env-c", action="append", default=[], metavar="NAME=VALUE",
+                    help="a third set from this tree (prefill + decode + push layer-load "
+                         "proxy, mode push_ll_c) whose servers get this environment variable "
+                         "(repeatable): an engine knob's A/B in one lease")
     ap.add_argument("--no-trace", action="store_true",
                     help="MC_TRACE unset: TTFT, gap and bars only, no timeline")
     ap.add_argument("--one-layer-ms", type=float, default=0.0,
@@ -378,9 +390,15 @@ def main(argv=None):
 
     if args.tree_b and not re.fullmatch(r"[A-Za-z0-9]+", args.label_b):
         ap.error(f"--label-b {args.label_b!r}: letters and digits only")
-    if args.tree_b and args.label_b in ("b", "whole", "na"):
+    env_c = {}
+    for kv in args.env_c:
+        k, eq, v = kv.partition("=")
+        if not eq or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k):
+            ap.error(f"--env-c {kv!r}: expected NAME=VALUE")
+        env_c[k] = v
+    if args.tree_b and args.label_b in ("b", "whole", "na", "c"):
         ap.error(f"--label-b {args.label_b!r}: taken by another mode (push_ll_b, push_whole, "
-                 "push_ll_na); pick another")
+                 "push_ll_na, push_ll_c); pick another")
     if args.tree_b and not os.path.isdir(os.path.join(args.tree_b, "mooncake_connector")):
         ap.error(f"--tree-b {args.tree_b!r}: no mooncake_connector/ there (a source tree with "
                  "_core built in place)")
@@ -397,7 +415,7 @@ def main(argv=None):
 
     # The servers' device, as serving_bench.py sets it; on one GPU each of
     # the vLLM servers of every set gets its share of the memory.
-    nservers = 3 + (2 if args.tree_b else 0) + (3 if args.noasync else 0)
+    nservers = 3 + (2 if args.tree_b else 0) + (3 if args.noasync else 0) + (2 if env_c else 0)
     dev_env, dev_args = bench_settings(args.device, args.gpu_path, servers=nservers)
     model = tiny_model.build(**KV32K_SPEC)
     ll = ("--push-layerwise", "on", "--push-layer-load", "on")
@@ -409,7 +427,7 @@ def main(argv=None):
                                                                "--push-layer-load", "off")}
     common = dict(kv_cache_bytes=256 << 20, env=dev_env, extra_vllm_args=dev_args)
     deps = make_sets(workdir, model, extra, common, tree_b=args.tree_b, label_b=args.label_b,
-                     noasync=args.noasync)
+                     noasync=args.noasync, env_c=env_c)
     dep = deps["a"]
     urls = {}
     srv_of = {}  # mode -> the vLLM server whose histograms it reads
@@ -418,6 +436,8 @@ def main(argv=None):
     meta = {"sets": {name: {"pythonpath": d.prefill.env.get("PYTHONPATH"),
                             "no_async_scheduling": "--no-async-scheduling" in d.decode.cmd}
                      for name, d in deps.items()}}
+    if env_c:
+        meta["sets"]["c"]["env"] = env_c
     try:
         # the metadata servers first (the connectors register on start), then
         # every set's servers and proxies in parallel

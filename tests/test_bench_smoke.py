@@ -328,3 +328,23 @@ def test_ttft_timeline_prefill_with_and_without_push(capsys):
     out = capsys.readouterr().out
     assert "with the push (push_ll's prefill leg) / without (prefill_plain)" in out
     assert "scheduled->first token 11.5 / 10.2 ms (paired +1.25)" in out
+
+
+def test_ttft_timeline_env_set(tmp_path, monkeypatch):
+    """ttft_timeline.py --env-c: a third set from this tree whose servers
+    (and only those) get the given environment variables; bad ones named."""
+    tt = _tt()
+    extra = {"push-ll": {"flow": "push", "extra_args": ("--push-layer-load", "on")}}
+    deps = tt.make_sets(str(tmp_path / "w"), "/no/model", extra,
+                        {"kv_cache_bytes": 1 << 20, "env": {"K0": "1"}},
+                        env_c={"MC_GPU_POLL_NS": "2000"})
+    assert set(deps) == {"a", "c"}
+    c = deps["c"]
+    assert c.colocated is None and list(c.proxies) == ["push-ll"]
+    assert c.prefill.env["MC_GPU_POLL_NS"] == "2000" and c.decode.env["MC_GPU_POLL_NS"] == "2000"
+    assert c.prefill.env["K0"] == "1"
+    assert not any("MC_GPU_POLL_NS" in p.env for p in deps["a"].processes)
+    ports = [p.url for d in deps.values() for p in d.processes]
+    assert len(set(ports)) == len(ports)
+    with pytest.raises(SystemExit):
+        tt.main(["--env-c", "no-equals", "--out", str(tmp_path / "x.json")])
