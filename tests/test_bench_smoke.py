@@ -348,3 +348,41 @@ def test_ttft_timeline_env_set(tmp_path, monkeypatch):
     assert len(set(ports)) == len(ports)
     with pytest.raises(SystemExit):
         tt.main(["--env-c", "no-equals", "--out", str(tmp_path / "x.json")])
+
+
+def test_gate_chain_splits_a_layer_hand_off(tmp_path):
+    """benchmarks/gate_chain.py: a layer saved on the prefill (MC_TRACE) is
+    matched to the gate's submit and the copy job after it in the
+    prefill's engine log (MC_GPU_TRACE, microseconds modulo 100 s, here
+    across the wrap), and to the decode's receipt when the decode waited;
+    another prefill's log is not taken for it."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import gate_chain as gc
+    finally:
+        sys.path.pop(0)
+    t0 = 199.9995  # s: 99,999,500 us on the engine's wrapped clock
+    k = "push-tl-push_ll-128-0-7-abc"
+    ev = [{"t": t0 - 0.001, "k": k, "pid": 2, "ev": "sched_publish", "n_sched": 133},
+          {"t": t0, "k": k, "pid": 2, "ev": "layer_saved", "li": 0},
+          {"t": t0 - 0.0002, "k": k, "pid": 3, "ev": "layer_wait", "li": 0},
+          {"t": t0 + 0.0009, "k": k, "pid": 3, "ev": "c_recv", "what": "layer", "l": [0]}]
+    log = tmp_path / "prefill.log"
+    # submit 100 us after the save (99,999,600), the job queued 420 us later (past the
+    # wrap: 20.0), picked up +30, launched +40, done seen +240
+    log.write_text("x gpu trace: 4 requests at 99999600.0 us: validate 1.0 us, locate (first "
+                   "chunk) 2.0 us, submit all 3.0 us, whole call to its transport yes\n"
+                   "y gpu trace: D2D job cuda:0, 8 copies: queued at 20.0 us, launched +40.0 us, "
+                   "done seen +240.0 us, picked up +30.0 us\n")
+    other = tmp_path / "other.log"
+    other.write_text("gpu trace: 4 requests at 5000000.0 us: validate 1.0 us, locate (first "
+                     "chunk) 2.0 us, submit all 3.0 us, whole call to its transport yes\n")
+    res = gc.chains(ev, {str(log): gc.read_log(str(log)), str(other): gc.read_log(str(other))})
+    h = res[("push_ll", 128)]
+    near = pytest.approx
+
+    assert h[gc.HOPS[0]] == [near(0.1)] and h[gc.HOPS[1]] == [near(0.42)]
+    assert h[gc.HOPS[2]] == [near(0.03)] and h[gc.HOPS[3]] == [near(0.01)]
+    assert h[gc.HOPS[4]] == [near(0.2)]
+    assert h[gc.HOPS[5]] == [near(0.14)] and h[gc.HOPS[6]] == [near(0.9)]
+    assert len(res) == 1  # the other log's submit explains no save
