@@ -177,33 +177,6 @@ needs_fake = pytest.mark.skipif(not FAKE, reason="runs in the child with the lib
 
 
 @needs_fake
-def test_cuda_record_event_records_on_the_stream(monkeypatch):
-    """Engine.cuda_record_event (the gate's per-layer record without torch's
-    per-call work): the event then completes with the stream's work before
-    it (a held stream: the gated write and its notification wait), and a
-    bad handle is named."""
-    monkeypatch.setenv("MC_SAME_HOST_CPU", "0")
-    f = Fake()
-    n = 1 << 16
-    with local_engines(2) as (a, b):
-        seg = b.get_segment_name()
-        src, dst = a.allocate_managed_buffer(n), b.allocate_managed_buffer(n)
-        a.write_bytes_to_buffer(src, b"\x05" * n, n)
-        ev = f.event()  # made and recorded once (as torch's first record does)
-        assert f.lib.cuEventQuery(ev) == 0
-        f.hold(0.3)
-        a.cuda_record_event(ev, f.stream.value)
-        assert f.lib.cuEventQuery(ev) == 600  # not ready: behind the held stream
-        a.batch_transfer_async_write_gated(seg, [src], [dst], [n], cuda_event=ev,
-                                           notify=b"after")
-        assert _wait_notify(b, 0.15) == []
-        assert [m.msg for m in _wait_notify(b, 5)] == [b"after"]
-        assert b.read_bytes_from_buffer(dst, 16) == b"\x05" * 16
-        with pytest.raises((mc.MooncakeError, ValueError), match="CUevent handle"):
-            a.cuda_record_event(0, f.stream.value)
-
-
-@needs_fake
 @pytest.mark.parametrize("spin_us", ["0", "5000"])
 def test_fake_event_gates_the_write_and_the_notification(monkeypatch, spin_us):
     """MC_WAKE_SPIN_US: the gate thread looks at the event (cuEventQuery)
@@ -446,15 +419,6 @@ def test_gate_events_are_reused_in_a_ring():
     evs = {id(e): e for e, _, _ in got}.values()
     assert sorted(e.records for e in evs) == [2, 2, 3, 3]
     assert all(e.handle_reads == 1 for e in evs)
-    # later records of an event through the raw recorder (its handle, the device)
-    raws = []
-    ring = GateEvents(make=Ev, device=lambda: 5, size=2,
-                      raw=lambda: (lambda h, dev: raws.append((h, dev))))
-    got = [ring.record() for _ in range(5)]
-    evs = list({id(e): e for e, _, _ in got}.values())
-    assert [e.records for e in evs] == [1, 1]  # torch records each once (makes its CUevent)
-    hs = [h for _, h, _ in got]
-    assert raws == [(hs[0], 5), (hs[1], 5), (hs[0], 5)] and hs[2:] == hs[:2] + hs[:1]
     assert GateEvents(make=Ev, device=lambda: 0)._size == 2 * GATE_KEEP
     with pytest.raises(ValueError, match="size must be >= 1"):
         GateEvents(make=Ev, size=0)

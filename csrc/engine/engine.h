@@ -153,13 +153,6 @@ typedef struct mc_gate_opts {
 int mc_batch_submit_gated(mc_engine_t *e, mc_batch_t *b, const char *segment,
                           const mc_request_t *reqs, size_t n, const mc_gate_opts_t *o,
                           mc_err_t *err);
-/* Records a CUDA event (CUevent, made by the caller) on a stream (CUstream;
- * 0: the legacy default stream) from the calling thread, whose current
- * context must be the event's: the caller's own record of a gated batch's
- * event, without the framework's per-call work.  Does not block.  0, or <0
- * (MC_EINVAL: no event; MC_EUNAVAIL: no CUDA driver; MC_ESYS: the driver
- * refused, named). */
-int mc_engine_cuda_record(mc_engine_t *e, uint64_t event, uint64_t stream, mc_err_t *err);
 
 /* Sends a small message (at most MC_ENGINE_MAX_MSG bytes) to a segment and
  * waits for its receipt. Blocks. */

@@ -95,25 +95,6 @@ static int wait_event(const gate_ent_t *g, int *dev_set, mc_err_t *err) {
   return 0;
 }
 
-int mc_engine_cuda_record(mc_engine_t *e, uint64_t event, uint64_t stream, mc_err_t *err) {
-  (void)e;
-  if (!event)
-    return mc_err_set(err, MC_EINVAL, "cuda_record_event: event must be a CUevent handle "
-                                      "(torch.cuda.Event(...).cuda_event after its first "
-                                      "record), not 0");
-  const mc_cuda_api_t *api = mc_cuda_api(err);
-  if (!api)
-    return err->code;
-  mc_cu_result r =
-      api->cuEventRecord((mc_cu_event)(uintptr_t)event, (mc_cu_stream)(uintptr_t)stream);
-  if (r != 0) {
-    char buf[160];
-    return mc_err_set(err, MC_ESYS, "cuEventRecord failed: %s",
-                      mc_cuda_strerror(api, r, buf, sizeof buf));
-  }
-  return 0;
-}
-
 /* The event completed (rc 0) or failed: submit the batch, or fail its
  * requests; then the gate's hold on it goes. */
 static void dispatch(mc_gate_t *gt, gate_ent_t *g, int rc, const mc_err_t *ev_err) {

@@ -1363,23 +1363,6 @@ static PyObject *Engine_take_lost_peers(EngineObject *self, PyObject *Py_UNUSED(
 }
 
 /* The consumer's fence (mc_engine_cut_peer). */
-static PyObject *Engine_cuda_record_event(EngineObject *self, PyObject *args) {
-  unsigned long long ev, stream;
-  if (!PyArg_ParseTuple(args, "KK:cuda_record_event", &ev, &stream))
-    return NULL;
-  if (enter(self) < 0)
-    return NULL;
-  mc_err_t err = {0};
-  /* cuEventRecord only queues the record on the stream (no wait): the GIL
-   * is kept, as for a gated submit (vLLM's forward thread calls it per
-   * layer). */
-  int rc = mc_engine_cuda_record(self->eng, (uint64_t)ev, (uint64_t)stream, &err);
-  leave(self);
-  if (rc < 0)
-    return mc_py_raise(ST(self), &err);
-  Py_RETURN_NONE;
-}
-
 static PyObject *Engine_cut_peer(EngineObject *self, PyObject *args, PyObject *kw) {
   static char *kwlist[] = {"segment_name", "timeout", NULL};
   const char *target;
@@ -1635,12 +1618,6 @@ static PyMethodDef Engine_methods[] = {
     {"take_lost_peers", (PyCFunction)Engine_take_lost_peers, METH_NOARGS,
      "take_lost_peers() -> list[str]: peers (segment names) whose connection to or from\n"
      "this engine failed or closed since the last call, each once (at most 64 kept)."},
-    {"cuda_record_event", (PyCFunction)Engine_cuda_record_event, METH_VARARGS,
-     "cuda_record_event(event, stream): records the CUDA event (a CUevent handle, e.g.\n"
-     "torch.cuda.Event's cuda_event after its first record) on the stream (a CUstream,\n"
-     "e.g. torch._C._cuda_getCurrentRawStream(device)) from this thread, whose current\n"
-     "context is the event's; does not wait.  A gated batch's event without torch's\n"
-     "per-call work."},
     {"cut_peer", (PyCFunction)(void (*)(void))Engine_cut_peer, METH_VARARGS | METH_KEYWORDS,
      "cut_peer(segment_name, timeout=5.0) -> int: the consumer's fence: resets every\n"
      "incoming connection from that peer and returns (GIL released) once none of its\n"

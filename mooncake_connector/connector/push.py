@@ -100,21 +100,6 @@ def _torch_device():
     return torch.cuda.current_device()
 
 
-def _raw_recorder(worker):
-    """(handle, device) -> records the CUevent on the device's current
-    stream (torch's raw stream handle, one C call each; the worker's
-    engine's cuda_record_event, looked up per call: sleep mode replaces
-    the engine), or None when torch or the engine lacks a piece."""
-    if not hasattr(worker.engine, "cuda_record_event"):
-        return None
-    try:
-        import torch
-        raw = torch._C._cuda_getCurrentRawStream
-    except (ImportError, AttributeError):
-        return None
-    return lambda handle, dev: worker.engine.cuda_record_event(handle, raw(dev))
-
-
 class GateEvents:
     """The gate's CUDA events, reused in a ring: record() records the next
     one on the current stream (after the layer's KV kernels) and returns
@@ -122,18 +107,14 @@ class GateEvents:
     layer; a ring makes no event and destroys none per layer (each
     torch.cuda.Event is created, its CUevent made at its first record and
     destroyed when dropped), and asks torch for the handle and the device
-    once.  An event's first record is torch's (it creates the CUevent); the
-    later ones go through `raw(handle, device)` when the factory gives one
-    (_raw_recorder: the current stream's raw handle and one engine call,
-    none of torch.cuda.Event.record's Python: the current Stream object,
-    its device guard).  An event is recorded again only `size` records
-    later; the engine's gate holds at most GATE_KEEP batches, each waiting
-    for the event of one of the layers before it, so with size = 2 x
-    GATE_KEEP an event the gate may still wait for is not recorded again in
-    a normal run (and were it, on the same stream, the gate would wait for
-    the later point of that stream: later, never early)."""
+    once.  An event is recorded again only `size` records later; the
+    engine's gate holds at most GATE_KEEP batches, each waiting for the
+    event of one of the layers before it, so with size = 2 x GATE_KEEP an
+    event the gate may still wait for is not recorded again in a normal run
+    (and were it, on the same stream, the gate would wait for the later
+    point of that stream: later, never early)."""
 
-    def __init__(self, make=_torch_event, device=_torch_device, size=None, raw=None):
+    def __init__(self, make=_torch_event, device=_torch_device, size=None):
         self._make, self._device = make, device
         self._size = 2 * GATE_KEEP if size is None else size
         if self._size < 1:
@@ -141,7 +122,6 @@ class GateEvents:
         self._ring = []   # [event, its CUevent handle (after its first record)]
         self._next = 0
         self._dev = None
-        self._raw_factory, self._raw = raw, None
         self.made = 0     # events created (bounded by size)
 
     def record(self):
@@ -153,17 +133,11 @@ class GateEvents:
             slot = self._ring[self._next]
             self._next = (self._next + 1) % self._size
         ev = slot[0]
+        ev.record()
+        if slot[1] is None:
+            slot[1] = int(ev.cuda_event)
         if self._dev is None:
             self._dev = self._device()
-            if self._raw_factory is not None:
-                self._raw = self._raw_factory()
-        if slot[1] is None:
-            ev.record()
-            slot[1] = int(ev.cuda_event)
-        elif self._raw is not None:
-            self._raw(slot[1], self._dev)
-        else:
-            ev.record()
         return ev, slot[1], self._dev
 
 
@@ -743,7 +717,7 @@ class PushProducer:
         self._landing = None  # layer load: landing.LandingWatcher, made at first use
         # CUDA gate (push_layer_gate): record a layer's event -> (event, CUevent handle,
         # device); the events given to the engine are kept alive by the ring (GateEvents)
-        self._gate_event = GateEvents(raw=lambda: _raw_recorder(worker)).record
+        self._gate_event = GateEvents().record
         self._gate_failed = None
         self._layer_index = {L.name: i for i, L in enumerate(worker.layout.layers)}
         off, self._layer_off = 0, []
