@@ -255,12 +255,16 @@ def pin(proc, cpu):
     return pids
 
 
-def make_sets(workdir, model, extra, common, tree_b=None, label_b="tb", noasync=False):
+def make_sets(workdir, model, extra, common, tree_b=None, label_b="tb", noasync=False,
+              env_c=None):
     """{set name: Deployment} (not started): "a", this tree's (colocated, its
     pass-through proxy, the push proxies of `extra`); with tree_b, a second
     prefill + decode + push layer-load proxy whose processes import the
     connector from tree_b first (label_b); with noasync, this tree's again
-    with --no-async-scheduling on its decode and its own colocated ("na")."""
+    with --no-async-scheduling on its decode and its own colocated ("na");
+    with env_c ({name: value}), this tree's prefill + decode + push
+    layer-load proxy again with those environment variables ("c": an A/B of
+    engine knobs, MC_*, in one lease)."""
     from mooncake_connector.deployment import Deployment
     deps = {"a": Deployment(workdir, model, flows=(), extra_proxies=extra,
                             colocated_proxy=True, **common)}
@@ -282,6 +286,10 @@ def make_sets(workdir, model, extra, common, tree_b=None, label_b="tb", noasync=
                 os.environ.pop("PYTHONPATH", None)
             else:
                 os.environ["PYTHONPATH"] = saved
+    if env_c:
+        deps["c"] = Deployment(os.path.join(workdir, "env-c"), model, flows=(),
+                               colocated=False, extra_proxies={"push-ll": extra["push-ll"]},
+                               **dict(common, env={**(common.get("env") or {}), **env_c}))
     if noasync:
         na = ["--no-async-scheduling"]
         deps["na"] = Deployment(os.path.join(workdir, "noasync"), model, flows=(),
@@ -320,6 +328,16 @@ def main(argv=None):
     ap.add_argument("--noasync", action="store_true",
                     help="also a set from this tree with --no-async-scheduling on its decode "
                          "and its own colocated server (modes push_ll_na, colocated_na)")
+    ap.add_argument("--prefill-plain", action="store_true",
+                    help="also send each prompt straight to the push prefill server as a plain "
+                         "request (max_tokens 1, kv_transfer_params do_remote_decode false: "
+                         "the connector does nothing for it), mode prefill_plain: the same "
+                         "server's forward with and without the push's per-layer work "
+                         "(vLLM's scheduled -> first token and the server's CPU, paired)")
+    ap.add_argument("--env-c", action="append", default=[], metavar="NAME=VALUE",
+                    help="a third set from this tree (prefill + decode + push layer-load "
+                         "proxy, mode push_ll_c) whose servers get this environment variable "
+                         "(repeatable): an engine knob's A/B in one lease")
     ap.add_argument("--no-trace", action="store_true",
                     help="MC_TRACE unset: TTFT, gap and bars only, no timeline")
     ap.add_argument("--one-layer-ms", type=float, default=0.0,
@@ -372,9 +390,15 @@ def main(argv=None):
 
     if args.tree_b and not re.fullmatch(r"[A-Za-z0-9]+", args.label_b):
         ap.error(f"--label-b {args.label_b!r}: letters and digits only")
-    if args.tree_b and args.label_b in ("b", "whole", "na"):
+    env_c = {}
+    for kv in args.env_c:
+        k, eq, v = kv.partition("=")
+        if not eq or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k):
+            ap.error(f"--env-c {kv!r}: expected NAME=VALUE")
+        env_c[k] = v
+    if args.tree_b and args.label_b in ("b", "whole", "na", "c"):
         ap.error(f"--label-b {args.label_b!r}: taken by another mode (push_ll_b, push_whole, "
-                 "push_ll_na); pick another")
+                 "push_ll_na, push_ll_c); pick another")
     if args.tree_b and not os.path.isdir(os.path.join(args.tree_b, "mooncake_connector")):
         ap.error(f"--tree-b {args.tree_b!r}: no mooncake_connector/ there (a source tree with "
                  "_core built in place)")
@@ -391,7 +415,7 @@ def main(argv=None):
 
     # The servers' device, as serving_bench.py sets it; on one GPU each of
     # the vLLM servers of every set gets its share of the memory.
-    nservers = 3 + (2 if args.tree_b else 0) + (3 if args.noasync else 0)
+    nservers = 3 + (2 if args.tree_b else 0) + (3 if args.noasync else 0) + (2 if env_c else 0)
     dev_env, dev_args = bench_settings(args.device, args.gpu_path, servers=nservers)
     model = tiny_model.build(**KV32K_SPEC)
     ll = ("--push-layerwise", "on", "--push-layer-load", "on")
@@ -403,7 +427,7 @@ def main(argv=None):
                                                                "--push-layer-load", "off")}
     common = dict(kv_cache_bytes=256 << 20, env=dev_env, extra_vllm_args=dev_args)
     deps = make_sets(workdir, model, extra, common, tree_b=args.tree_b, label_b=args.label_b,
-                     noasync=args.noasync)
+                     noasync=args.noasync, env_c=env_c)
     dep = deps["a"]
     urls = {}
     srv_of = {}  # mode -> the vLLM server whose histograms it reads
@@ -412,6 +436,8 @@ def main(argv=None):
     meta = {"sets": {name: {"pythonpath": d.prefill.env.get("PYTHONPATH"),
                             "no_async_scheduling": "--no-async-scheduling" in d.decode.cmd}
                      for name, d in deps.items()}}
+    if env_c:
+        meta["sets"]["c"]["env"] = env_c
     try:
         # the metadata servers first (the connectors register on start), then
         # every set's servers and proxies in parallel
@@ -437,6 +463,8 @@ def main(argv=None):
         if "push-whole" in dep.proxies:
             urls["push_whole"] = dep.proxies["push-whole"].url
             srv_of["push_whole"] = dep.decode.url
+        if args.prefill_plain:
+            urls["prefill_plain"] = srv_of["prefill_plain"] = dep.prefill.url
         for name, d in deps.items():
             if name == "a":
                 continue
@@ -448,9 +476,12 @@ def main(argv=None):
         body = {"model": "tiny", "temperature": 0.0, "max_tokens": args.max_tokens,
                 "ignore_eos": True, "return_token_ids": True, "stream": True,
                 "stream_options": {"include_usage": True}}
+        # prefill_plain: what the proxy sends the prefill, without the push
+        plain = dict(body, max_tokens=1, kv_transfer_params={"do_remote_decode": False})
         for k, u in urls.items():  # warm-up
             for i in range(3):
-                request(u, "/v1/completions", dict(body, prompt=prompt_of(max(lengths), 77 + i)),
+                request(u, "/v1/completions", dict(plain if k == "prefill_plain" else body,
+                                                   prompt=prompt_of(max(lengths), 77 + i)),
                         timeout=600)
         meta["load_before"] = os.getloadavg()
         pgids = {"prefill": dep.prefill.proc.pid, "decode": dep.decode.proc.pid,
@@ -480,8 +511,9 @@ def main(argv=None):
                     before_p = scrape(pre_of[k]) if k in pre_of else {}
                     c0 = cpu_ns(pgids)
                     t_send = time.monotonic()
-                    r = request(urls[k], "/v1/completions", dict(body, prompt=p), timeout=600,
-                                headers={"X-Request-Id": rid})
+                    r = request(urls[k], "/v1/completions",
+                                dict(plain if k == "prefill_plain" else body, prompt=p),
+                                timeout=600, headers={"X-Request-Id": rid})
                     if r.status != 200 or r.error:
                         raise RuntimeError(f"{k}: {r.status} {r.error}")
                     c1 = cpu_ns(pgids)
@@ -500,7 +532,9 @@ def main(argv=None):
                     if k == "colocated":
                         ref = r.token_ids
                 for rec in rows[n][-len(keys):]:
-                    rec["identical"] = rec["tokens"] == ref
+                    # prefill_plain has 1 token: colocated's first
+                    rec["identical"] = rec["tokens"] == ref[:len(rec["tokens"])] and \
+                        bool(rec["tokens"])
             done = rows[n][-len(urls) * args.requests:]
             print(f"  {n} words done ({time.monotonic() - t_meas:.0f} s): TTFT p50 " + ", ".join(
                 f"{k} {_pct([x['ttft_ms'] for x in done if x['mode'] == k], 50):.1f}"
@@ -548,6 +582,40 @@ def ref_of(mode):
 
 def _fmt(v, spec="8.1f"):
     return "-" if v is None else format(v, spec)
+
+
+def _prefill_cpu(rec):
+    """(all threads, the busiest thread) of the push prefill server's CPU ms
+    during one request (cpu_ms["prefill"], run-queue waits left out)."""
+    th = [v for t, v in ((rec.get("cpu_ms") or {}).get("prefill") or {}).items()
+          if not t.startswith("rq:")]
+    return (sum(th), max(th)) if th else (None, None)
+
+
+def _prefill_with_without(s, recs):
+    """The push prefill server's forward with the push (push_ll: its
+    prefill leg's vLLM scheduled -> first token, and the server's CPU during
+    the request) and without it (prefill_plain: the same prompt, no push),
+    p50 and paired per prompt (median difference), into s."""
+    per = {}
+    for r in recs:
+        if r["mode"] == "push_ll":
+            sched = r.get("prefill_request_prefill_time_seconds")
+        elif r["mode"] == "prefill_plain":
+            sched = r.get("request_prefill_time_seconds")
+        else:
+            continue
+        tot, top = _prefill_cpu(r)
+        per.setdefault(r["rid"].rsplit("-", 2)[1], {})[r["mode"]] = (sched, tot, top)
+    for j, key in enumerate(("sched_first", "prefill_cpu", "prefill_cpu_top")):
+        for m in ("push_ll", "prefill_plain"):
+            s[f"{m}_{key}"] = _pct([v[m][j] for v in per.values() if m in v], 50)
+        d = [v["push_ll"][j] - v["prefill_plain"][j] for v in per.values()
+             if "push_ll" in v and "prefill_plain" in v and v["push_ll"][j] is not None
+             and v["prefill_plain"][j] is not None]
+        name = {"sched_first": "prefill", "prefill_cpu": "prefill_cpu",
+                "prefill_cpu_top": "prefill_cpu_top"}[key]
+        s[f"paired_{name}_push_minus_plain"] = statistics.median(d) if d else None
 
 
 def report(rows, tl, urls, one_layer_ms=0.0, nlayers=KV32K_SPEC["layers"]):
@@ -614,6 +682,8 @@ def report(rows, tl, urls, one_layer_ms=0.0, nlayers=KV32K_SPEC["layers"]):
         d = [v["push_ll"] - v["push_ll_b"] for v in by_i.values()
              if "push_ll" in v and "push_ll_b" in v]
         s["paired_ab"] = statistics.median(d) if d else None
+        if "prefill_plain" in urls:
+            _prefill_with_without(s, recs)
         # Issue 31's bars (serving_bench.py summarize's): TTFT p50 <= colocated
         # TTFT p50 + the proxy hop + 2 ms + one layer's transfer; gap 1->2
         # p50 <= colocated ITL p50 + 2 ms.
@@ -665,8 +735,9 @@ def report(rows, tl, urls, one_layer_ms=0.0, nlayers=KV32K_SPEC["layers"]):
             pf = s.get(f"{k}_request_prefill_time_seconds")
             tt = s.get(f"{k}_time_to_first_token_seconds")
             if pf is not None:
-                print(f"  {k} ({'colocated' if k.startswith('colocated') else 'decode'} "
-                      f"server): vLLM queue {_fmt(q, '.1f')}, scheduled->first token "
+                role = ("colocated" if k.startswith("colocated") else
+                        "prefill" if k == "prefill_plain" else "decode")
+                print(f"  {k} ({role} server): vLLM queue {_fmt(q, '.1f')}, scheduled->first token "
                       f"{pf:.1f}, server TTFT {_fmt(tt, '.1f')} ms (p50)")
             pf = s.get(f"{k}_prefill_request_prefill_time_seconds")
             if pf is not None:
@@ -674,6 +745,18 @@ def report(rows, tl, urls, one_layer_ms=0.0, nlayers=KV32K_SPEC["layers"]):
                       f"{_fmt(s.get(f'{k}_prefill_request_queue_time_seconds'), '.1f')}, "
                       f"scheduled->first token {pf:.1f}, server TTFT "
                       f"{_fmt(s.get(f'{k}_prefill_time_to_first_token_seconds'), '.1f')} ms (p50)")
+        if s.get("prefill_plain_sched_first") is not None:
+            print("  push prefill server, with the push (push_ll's prefill leg) / without "
+                  "(prefill_plain), p50: scheduled->first token "
+                  f"{_fmt(s['push_ll_sched_first'], '.1f')} / "
+                  f"{_fmt(s['prefill_plain_sched_first'], '.1f')} ms (paired "
+                  f"{_fmt(s['paired_prefill_push_minus_plain'], '+.2f')}); server CPU "
+                  f"{_fmt(s['push_ll_prefill_cpu'], '.1f')} / "
+                  f"{_fmt(s['prefill_plain_prefill_cpu'], '.1f')} ms (paired "
+                  f"{_fmt(s['paired_prefill_cpu_push_minus_plain'], '+.2f')}), its busiest "
+                  f"thread {_fmt(s['push_ll_prefill_cpu_top'], '.1f')} / "
+                  f"{_fmt(s['prefill_plain_prefill_cpu_top'], '.1f')} ms (paired "
+                  f"{_fmt(s['paired_prefill_cpu_top_push_minus_plain'], '+.2f')})")
         traced = [k for k in pushes if s.get(f"stretches_{k}")]
         if traced:
             print("  where the time to first token goes (per request, p50 ms): "

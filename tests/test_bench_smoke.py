@@ -298,3 +298,91 @@ def test_ttft_timeline_pools_runs(tmp_path):
     assert s["identical_push_ll"] == "2/2"
     assert s["paired_push_ll"] == 2.0  # median of +3 and +1, not one run's pair
     assert s["ttft_colocated"] == 15.0
+
+
+def test_ttft_timeline_prefill_with_and_without_push(capsys):
+    """--prefill-plain: the push prefill server's scheduled -> first token
+    and CPU with the push (push_ll's prefill leg) against the same prompt
+    sent to it plainly, p50 and paired per prompt; run-queue waits are not
+    CPU."""
+    tt = _tt()
+
+    def rec(mode, i, ttft, sched, cpu, **kw):
+        key = "prefill_request_prefill_time_seconds" if mode == "push_ll" else \
+            "request_prefill_time_seconds"
+        return {"mode": mode, "n": 128, "rid": f"tl-{mode}-128-{i}-1", "ttft_ms": ttft,
+                "itl_ms": [5.0], "identical": True, key: sched,
+                "cpu_ms": {"prefill": {"1:1:core": cpu, "1:2:io": 1.0, "rq:1:1:core": 50.0}},
+                **kw}
+    rows = {128: [rec("colocated", 0, 20.0, 9.0, 0.0), rec("colocated_proxy", 0, 21.0, 9.0, 0.0),
+                  rec("push_ll", 0, 25.0, 12.0, 10.0), rec("prefill_plain", 0, 15.0, 10.0, 8.0),
+                  rec("colocated", 1, 20.0, 9.0, 0.0), rec("colocated_proxy", 1, 21.0, 9.0, 0.0),
+                  rec("push_ll", 1, 25.0, 11.0, 9.0), rec("prefill_plain", 1, 15.0, 10.5, 8.5)]}
+    modes = list(dict.fromkeys(r["mode"] for r in rows[128]))
+    s = tt.report(rows, {}, modes)[128]
+    assert s["push_ll_sched_first"] == 11.5 and s["prefill_plain_sched_first"] == 10.25
+    assert s["paired_prefill_push_minus_plain"] == 1.25  # median of +2.0 and +0.5
+    assert s["push_ll_prefill_cpu"] == 10.5 and s["prefill_plain_prefill_cpu"] == 9.25
+    assert s["paired_prefill_cpu_push_minus_plain"] == 1.25
+    assert s["push_ll_prefill_cpu_top"] == 9.5 and s["paired_prefill_cpu_top_push_minus_plain"] == 1.25
+    out = capsys.readouterr().out
+    assert "with the push (push_ll's prefill leg) / without (prefill_plain)" in out
+    assert "scheduled->first token 11.5 / 10.2 ms (paired +1.25)" in out
+
+
+def test_ttft_timeline_env_set(tmp_path, monkeypatch):
+    """ttft_timeline.py --env-c: a third set from this tree whose servers
+    (and only those) get the given environment variables; bad ones named."""
+    tt = _tt()
+    extra = {"push-ll": {"flow": "push", "extra_args": ("--push-layer-load", "on")}}
+    deps = tt.make_sets(str(tmp_path / "w"), "/no/model", extra,
+                        {"kv_cache_bytes": 1 << 20, "env": {"K0": "1"}},
+                        env_c={"MC_GPU_POLL_NS": "2000"})
+    assert set(deps) == {"a", "c"}
+    c = deps["c"]
+    assert c.colocated is None and list(c.proxies) == ["push-ll"]
+    assert c.prefill.env["MC_GPU_POLL_NS"] == "2000" and c.decode.env["MC_GPU_POLL_NS"] == "2000"
+    assert c.prefill.env["K0"] == "1"
+    assert not any("MC_GPU_POLL_NS" in p.env for p in deps["a"].processes)
+    ports = [p.url for d in deps.values() for p in d.processes]
+    assert len(set(ports)) == len(ports)
+    with pytest.raises(SystemExit):
+        tt.main(["--env-c", "no-equals", "--out", str(tmp_path / "x.json")])
+
+
+def test_gate_chain_splits_a_layer_hand_off(tmp_path):
+    """benchmarks/gate_chain.py: a layer saved on the prefill (MC_TRACE) is
+    matched to the gate's submit and the copy job after it in the
+    prefill's engine log (MC_GPU_TRACE, microseconds modulo 100 s, here
+    across the wrap), and to the decode's receipt when the decode waited;
+    another prefill's log is not taken for it."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import gate_chain as gc
+    finally:
+        sys.path.pop(0)
+    t0 = 199.9995  # s: 99,999,500 us on the engine's wrapped clock
+    k = "push-tl-push_ll-128-0-7-abc"
+    ev = [{"t": t0 - 0.001, "k": k, "pid": 2, "ev": "sched_publish", "n_sched": 133},
+          {"t": t0, "k": k, "pid": 2, "ev": "layer_saved", "li": 0},
+          {"t": t0 - 0.0002, "k": k, "pid": 3, "ev": "layer_wait", "li": 0},
+          {"t": t0 + 0.0009, "k": k, "pid": 3, "ev": "c_recv", "what": "layer", "l": [0]}]
+    log = tmp_path / "prefill.log"
+    # submit 100 us after the save (99,999,600), the job queued 420 us later (past the
+    # wrap: 20.0), picked up +30, launched +40, done seen +240
+    log.write_text("x gpu trace: 4 requests at 99999600.0 us: validate 1.0 us, locate (first "
+                   "chunk) 2.0 us, submit all 3.0 us, whole call to its transport yes\n"
+                   "y gpu trace: D2D job cuda:0, 8 copies: queued at 20.0 us, launched +40.0 us, "
+                   "done seen +240.0 us, picked up +30.0 us\n")
+    other = tmp_path / "other.log"
+    other.write_text("gpu trace: 4 requests at 5000000.0 us: validate 1.0 us, locate (first "
+                     "chunk) 2.0 us, submit all 3.0 us, whole call to its transport yes\n")
+    res = gc.chains(ev, {str(log): gc.read_log(str(log)), str(other): gc.read_log(str(other))})
+    h = res[("push_ll", 128)]
+    near = pytest.approx
+
+    assert h[gc.HOPS[0]] == [near(0.1)] and h[gc.HOPS[1]] == [near(0.42)]
+    assert h[gc.HOPS[2]] == [near(0.03)] and h[gc.HOPS[3]] == [near(0.01)]
+    assert h[gc.HOPS[4]] == [near(0.2)]
+    assert h[gc.HOPS[5]] == [near(0.14)] and h[gc.HOPS[6]] == [near(0.9)]
+    assert len(res) == 1  # the other log's submit explains no save

@@ -74,6 +74,33 @@ def test_notify_after_the_batch_landed_and_not_for_a_failed_one(monkeypatch):
         assert a.get_stats()["gate_notified"] == 3
 
 
+@pytest.mark.parametrize("spin_us", ["0", "3000"])
+def test_notification_waiters_and_gated_batches_with_a_wake_spin(monkeypatch, spin_us):
+    """MC_WAKE_SPIN_US (the gate, its notifier and wait_notifies look before
+    sleeping): a notification sent while the receiver waits is seen, a wait
+    with nothing coming says so, a loss wakes a waiter once, and gated
+    batches' notifications (event-less here) come after their writes, in
+    order, from the spinning gate and notifier threads."""
+    monkeypatch.setenv("MC_SAME_HOST_CPU", "0")
+    monkeypatch.setenv("MC_WAKE_SPIN_US", spin_us)
+    with local_engines(2) as (a, b):
+        seg = b.get_segment_name()
+        assert b.wait_notifies(0.002) is False
+        t = threading.Timer(0.001, lambda: a.send_notify(seg, b"hello", 5.0))
+        t.start()
+        assert _wait_notify(b, 5)[0].msg == b"hello"
+        t.join()
+        n = 1 << 16
+        src, dst = a.allocate_managed_buffer(n), b.allocate_managed_buffer(n)
+        for r in range(8):
+            a.write_bytes_to_buffer(src, bytes([r + 1]) * n, n)
+            a.batch_transfer_async_write_gated(seg, [src], [dst], [n], notify=b"L%d" % r)
+            got = _wait_notify(b, 5)
+            assert [m.msg for m in got] == [b"L%d" % r]
+            assert b.read_bytes_from_buffer(dst + n - 16, 16) == bytes([r + 1]) * 16
+        assert b.wait_notifies(0.001) is False
+
+
 def test_bad_arguments_are_named():
     with local_engines(2) as (a, b):
         seg = b.get_segment_name()
@@ -150,8 +177,13 @@ needs_fake = pytest.mark.skipif(not FAKE, reason="runs in the child with the lib
 
 
 @needs_fake
-def test_fake_event_gates_the_write_and_the_notification(monkeypatch):
+@pytest.mark.parametrize("spin_us", ["0", "5000"])
+def test_fake_event_gates_the_write_and_the_notification(monkeypatch, spin_us):
+    """MC_WAKE_SPIN_US: the gate thread looks at the event (cuEventQuery)
+    before sleeping in the driver; an event not complete within the spin
+    still holds the write and its notification back."""
     monkeypatch.setenv("MC_SAME_HOST_CPU", "0")
+    monkeypatch.setenv("MC_WAKE_SPIN_US", spin_us)
     f = Fake()
     n = 1 << 20
     with local_engines(2) as (a, b):
@@ -354,3 +386,39 @@ def test_consumer_merges_per_batch_layer_messages():
     assert cl.ranks["P"] == "done"
     c.on_message("P", {"t": "layer", "tid": "T", "l": [3, 1]})  # a late duplicate
     assert cl.ranks["P"] == "done" and cl.landed["P"] == {0, 1, 2, 3}
+
+
+def test_gate_events_are_reused_in_a_ring():
+    """The gate's CUDA events (push.GateEvents): vLLM's forward thread
+    records one per layer; the ring makes at most `size` events, records
+    each again `size` records later (never two live records of one event
+    sooner), and asks for the CUevent handle and the device once."""
+    from mooncake_connector.connector.push import GateEvents, GATE_KEEP
+
+    class Ev:
+        made = 0
+
+        def __init__(self):
+            Ev.made += 1
+            self.n, self.records, self.handle_reads = Ev.made, 0, 0
+
+        def record(self):
+            self.records += 1
+
+        @property
+        def cuda_event(self):
+            self.handle_reads += 1
+            return 1000 + self.n
+
+    devs = []
+    ring = GateEvents(make=Ev, device=lambda: devs.append(1) or 3, size=4)
+    got = [ring.record() for _ in range(10)]
+    assert Ev.made == 4 and ring.made == 4
+    assert [h for _, h, _ in got] == [1001, 1002, 1003, 1004] * 2 + [1001, 1002]
+    assert all(d == 3 for _, _, d in got) and devs == [1]
+    evs = {id(e): e for e, _, _ in got}.values()
+    assert sorted(e.records for e in evs) == [2, 2, 3, 3]
+    assert all(e.handle_reads == 1 for e in evs)
+    assert GateEvents(make=Ev, device=lambda: 0)._size == 2 * GATE_KEEP
+    with pytest.raises(ValueError, match="size must be >= 1"):
+        GateEvents(make=Ev, size=0)

@@ -144,6 +144,21 @@ int mc_engine_wait_notifies(mc_engine_t *e, int64_t timeout_us) {
     dl.tv_sec++;
     dl.tv_nsec -= 1000000000L;
   }
+  /* MC_WAKE_SPIN_US: look (under the lock, briefly) before sleeping, so a
+   * notification that comes soon is taken without a wake-up. */
+  uint64_t spin = e->wake_spin_ns < (uint64_t)timeout_us * 1000u ? e->wake_spin_ns
+                                                                  : (uint64_t)timeout_us * 1000u;
+  if (spin) {
+    uint64_t until = mc_now_ns() + spin;
+    for (;;) {
+      pthread_mutex_lock(&e->notify_mu);
+      int ready = e->notify_head || e->lost_gen != e->lost_woken || e->notify_waiters_woken;
+      pthread_mutex_unlock(&e->notify_mu);
+      if (ready || mc_now_ns() >= until)
+        break;
+      mc_cpu_relax();
+    }
+  }
   pthread_mutex_lock(&e->notify_mu);
   /* A loss wakes a waiter once (lost_woken), not until the names are taken:
    * a caller that never takes them must not spin. */

@@ -40,6 +40,7 @@ static int read_knobs(mc_engine_t *e, mc_err_t *err) {
   e->unregister_revoke = mc_knob("MC_UNREGISTER_REVOKE", 1, 0, 1);
   e->timeout_ms = (uint64_t)mc_knob("MC_TRANSFER_TIMEOUT", 30, 1, 86400) * 1000ull;
   e->spin_ns = (uint64_t)mc_knob("MC_WAIT_SPIN_US", 50, 0, 100000) * 1000ull;
+  e->wake_spin_ns = (uint64_t)mc_knob("MC_WAKE_SPIN_US", 0, 0, 10000) * 1000ull;
   e->meta_ttl_s = mc_knob("MC_METADATA_TTL", 10, 0, MC_META_TTL_MAX);
   return 0;
 }

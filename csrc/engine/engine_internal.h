@@ -50,6 +50,8 @@ struct mc_engine {
   uint32_t op_entries;    /* entries per wire op */
   uint64_t timeout_ms;    /* MC_TRANSFER_TIMEOUT */
   uint64_t spin_ns;       /* MC_WAIT_SPIN_US: busy-wait before sleeping */
+  uint64_t wake_spin_ns;  /* MC_WAKE_SPIN_US: the gate, its notifier and notification
+                           * waiters spin this long before sleeping (0: they sleep) */
   mc_gpu_stager_t *gpu;   /* pinned staging + GPU copy thread (gpu_xfer.c) */
   int gpu_reserved;       /* staging pre-allocated (first cuda region) */
   int gpu_first_chunk;    /* MC_GPU_FIRST_CHUNK: requests located before the GPU path is chosen */

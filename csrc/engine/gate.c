@@ -78,7 +78,15 @@ static int wait_event(const gate_ent_t *g, int *dev_set, mc_err_t *err) {
       return rc;
     *dev_set = g->dev;
   }
-  mc_cu_result r = api->cuEventSynchronize((mc_cu_event)(uintptr_t)g->event);
+  mc_cu_event ev = (mc_cu_event)(uintptr_t)g->event;
+  mc_cu_result r = 1;
+  if (g->e->wake_spin_ns) { /* MC_WAKE_SPIN_US: look before sleeping in the driver */
+    uint64_t until = mc_now_ns() + g->e->wake_spin_ns;
+    while ((r = api->cuEventQuery(ev)) == MC_CU_ERROR_NOT_READY && mc_now_ns() < until)
+      mc_cpu_relax();
+  }
+  if (r != 0) /* not complete yet, or an error the synchronize names */
+    r = api->cuEventSynchronize(ev);
   if (r != 0) {
     char buf[160];
     return mc_err_set(err, MC_ESYS, "its CUDA event failed: %s",
@@ -108,11 +116,32 @@ static void dispatch(mc_gate_t *gt, gate_ent_t *g, int rc, const mc_err_t *ev_er
     mc_transports_cancel_sweep(gt->e);
 }
 
+static int gate_ready(const mc_gate_t *gt) { return gt->head || gt->stop; }
+static int notifier_ready(const mc_gate_t *gt) { return gt->mhead || gt->stop; }
+
+/* MC_WAKE_SPIN_US: called with mu held and nothing to do; lets mu go and
+ * looks again (taking it briefly) until ready(gt) or the engine's
+ * wake_spin_ns passed, then returns with mu held: work that comes within
+ * that time is taken without a wake-up (tens of microseconds on a VM). */
+static void spin_unlocked(const mc_gate_t *gt, pthread_mutex_t *mu,
+                          int (*ready)(const mc_gate_t *)) {
+  uint64_t until = mc_now_ns() + gt->e->wake_spin_ns;
+  for (;;) {
+    pthread_mutex_unlock(mu);
+    mc_cpu_relax();
+    pthread_mutex_lock(mu);
+    if (ready(gt) || mc_now_ns() >= until)
+      return;
+  }
+}
+
 static void *gate_main(void *arg) {
   mc_gate_t *gt = arg;
   int dev_set = -1;
   pthread_mutex_lock(&gt->mu);
   for (;;) {
+    if (!gt->stop && !gt->head && gt->e->wake_spin_ns) /* MC_WAKE_SPIN_US */
+      spin_unlocked(gt, &gt->mu, gate_ready);
     while (!gt->stop && !gt->head)
       pthread_cond_wait(&gt->cv, &gt->mu);
     if (gt->stop)
@@ -148,6 +177,8 @@ static void *notifier_main(void *arg) {
   mc_gate_t *gt = arg;
   pthread_mutex_lock(&gt->nmu);
   for (;;) {
+    if (!gt->stop && !gt->mhead && gt->e->wake_spin_ns) /* MC_WAKE_SPIN_US */
+      spin_unlocked(gt, &gt->nmu, notifier_ready);
     while (!gt->stop && !gt->mhead)
       pthread_cond_wait(&gt->ncv, &gt->nmu);
     if (gt->stop)

@@ -10,6 +10,7 @@
 #include <time.h>
 
 #include "gpu/gpu_copy_kernel.h"
+#include "util/clock.h"
 #include "util/env.h"
 #include "util/log.h"
 
@@ -138,14 +139,6 @@ struct mc_gpu_stager {
     if ((s)->diag)                                                                             \
       atomic_fetch_add_explicit(&(s)->dg[k], (v), memory_order_relaxed);                      \
   } while (0)
-
-static inline void cpu_relax(void) {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#elif defined(__aarch64__)
-  __asm__ __volatile__("yield");
-#endif
-}
 
 static uint64_t now_ns(void) {
   struct timespec ts;
@@ -984,7 +977,7 @@ static void *worker_main(void *arg) {
       if (s->poll_ns) {
         uint64_t until = now_ns() + s->poll_ns;
         while (atomic_load(&s->q_gen) == seen && !atomic_load(&s->poked) && now_ns() < until)
-          cpu_relax();
+          mc_cpu_relax();
       } else {
         sched_yield();
       }

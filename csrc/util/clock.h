@@ -11,6 +11,15 @@ static inline uint64_t mc_now_ns(void) {
   return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
+/* One step of a busy wait: a hint to the core (pause / yield), no syscall. */
+static inline void mc_cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  __asm__ __volatile__("yield");
+#endif
+}
+
 /* Absolute CLOCK_MONOTONIC timespec `ns` nanoseconds from now, for
  * pthread_cond_timedwait on a condvar created with CLOCK_MONOTONIC. */
 static inline struct timespec mc_deadline_ts(uint64_t deadline_ns) {

@@ -45,7 +45,6 @@ import functools
 import threading
 import time
 from array import array
-from collections import deque
 
 from mooncake_connector import trace
 
@@ -89,14 +88,57 @@ GATE_KEEP = 4096  # = the engine's MC_GATE_MAX: batches waiting for CUDA events
 GATE_NP_MIN = 256
 
 
-def _torch_gate_event():
-    """A CUDA event recorded on the current stream (after the layer's KV
-    kernels): (event, CUevent handle, device).  Blocking sync: the engine's
-    gate thread sleeps in cuEventSynchronize instead of spinning a core."""
+def _torch_event():
+    """A CUDA event for the gate.  Blocking sync: the engine's gate thread
+    sleeps in cuEventSynchronize instead of spinning a core."""
     import torch
-    ev = torch.cuda.Event(blocking=True)
-    ev.record()
-    return ev, int(ev.cuda_event), torch.cuda.current_device()
+    return torch.cuda.Event(blocking=True)
+
+
+def _torch_device():
+    import torch
+    return torch.cuda.current_device()
+
+
+class GateEvents:
+    """The gate's CUDA events, reused in a ring: record() records the next
+    one on the current stream (after the layer's KV kernels) and returns
+    (event, CUevent handle, device).  vLLM's forward thread records one per
+    layer; a ring makes no event and destroys none per layer (each
+    torch.cuda.Event is created, its CUevent made at its first record and
+    destroyed when dropped), and asks torch for the handle and the device
+    once.  An event is recorded again only `size` records later; the
+    engine's gate holds at most GATE_KEEP batches, each waiting for the
+    event of one of the layers before it, so with size = 2 x GATE_KEEP an
+    event the gate may still wait for is not recorded again in a normal run
+    (and were it, on the same stream, the gate would wait for the later
+    point of that stream: later, never early)."""
+
+    def __init__(self, make=_torch_event, device=_torch_device, size=None):
+        self._make, self._device = make, device
+        self._size = 2 * GATE_KEEP if size is None else size
+        if self._size < 1:
+            raise ValueError(f"GateEvents size must be >= 1, not {self._size}")
+        self._ring = []   # [event, its CUevent handle (after its first record)]
+        self._next = 0
+        self._dev = None
+        self.made = 0     # events created (bounded by size)
+
+    def record(self):
+        if len(self._ring) < self._size:
+            slot = [self._make(), None]
+            self.made += 1
+            self._ring.append(slot)
+        else:
+            slot = self._ring[self._next]
+            self._next = (self._next + 1) % self._size
+        ev = slot[0]
+        ev.record()
+        if slot[1] is None:
+            slot[1] = int(ev.cuda_event)
+        if self._dev is None:
+            self._dev = self._device()
+        return ev, slot[1], self._dev
 
 
 def _extent_too_long(k, b, n, s_off, s_len):
@@ -674,11 +716,9 @@ class PushProducer:
         self._waiter = None  # CUDA KV caches: layer_events.LayerWaiter, made at first use
         self._landing = None  # layer load: landing.LandingWatcher, made at first use
         # CUDA gate (push_layer_gate): record a layer's event -> (event, CUevent handle,
-        # device); the events given to the engine are kept alive here (bounded: the
-        # engine's gate holds at most MC_GATE_MAX batches, each one event's)
-        self._gate_event = _torch_gate_event
+        # device); the events given to the engine are kept alive by the ring (GateEvents)
+        self._gate_event = GateEvents().record
         self._gate_failed = None
-        self._gate_keep = deque(maxlen=2 * GATE_KEEP)
         self._layer_index = {L.name: i for i, L in enumerate(worker.layout.layers)}
         off, self._layer_off = 0, []
         for L in worker.layout.layers:
@@ -892,7 +932,6 @@ class PushProducer:
         except Exception as e:  # noqa: BLE001 - any event error: the fallback path
             self._gate_fail(f"recording a CUDA event failed: {e}")
             return False
-        self._gate_keep.append(ev[0])
         with self.lock:
             if trace.ON:
                 for job in live:
