@@ -858,15 +858,33 @@ class PushProducer:
                 if cpu and not job.all_ready:
                     job.ready.add(li)  # (a target arriving later in this forward gets it)
                 if job.layerwise and not job.all_ready:
+                    told = self._engine_tells(job)
                     for tg in job.targets.values():
                         self._submit(job, tg)
-                        if tg.lnotify and tg.batches:
+                        if tg.lnotify and tg.batches and not told:
                             self._poll_batches(tg, job)  # earlier layers landed: say so
 
     def _gate_on(self):
         """CUDA layer by layer through the engine's gate: each layer's
         writes handed over at once with the layer's CUDA event."""
         return (self.w.cuda_sync is not None and self.streams and self._gate_failed is None
+                and bool(getattr(self.w.s, "push_layer_gate", True))
+                and hasattr(self.w.engine, "batch_transfer_async_write_gated"))
+
+    def _engine_tells(self, job):
+        """Layer load: the engine sends the decode a layer's 'layer'
+        notification itself once that layer's writes landed (the write
+        batch carries it; the engine's notifier thread sends it, no GIL):
+        CUDA through the gate (_gate_on); CPU KV caches too (a layer's KV is
+        in memory at its save_kv_layer, so the batch needs no event) for
+        jobs the landing thread would otherwise watch (push_layer_watch), so
+        no Python thread (the landing thread, the outbox's) wakes per layer
+        on the prefill's host and takes the GIL from its forward thread
+        (issue 31: CPU per request on small hosts).  push_layer_gate false:
+        the landing thread and the outbox as before."""
+        if self._gate_on():
+            return True
+        return (self.w.cuda_sync is None and job.watch and self._gate_failed is None
                 and bool(getattr(self.w.s, "push_layer_gate", True))
                 and hasattr(self.w.engine, "batch_transfer_async_write_gated"))
 
@@ -1204,10 +1222,10 @@ class PushProducer:
             tg.landed.update(todo)  # nothing to write (HMA null blocks): landed as is
             return
         from mooncake_connector import MooncakeError
-        # CUDA gate on: the engine tells the decode these layers once they
-        # landed (the stream was synchronized: no event), not the landing
-        # thread and the outbox.
-        gate = tg.lnotify and self._gate_on()
+        # The engine tells the decode these layers once they landed (CUDA
+        # gate on: the stream was synchronized, no event; CPU KV caches: in
+        # memory already), not the landing thread and the outbox.
+        gate = tg.lnotify and self._engine_tells(job)
         try:
             if gate:
                 bid = self.w.engine.batch_transfer_async_write_gated(
