@@ -1158,9 +1158,21 @@ class PushProducer:
         """Block (GIL released, the batch's condition variable) until this
         write is over or timeout seconds passed."""
         try:
-            self.w.engine.transfer_wait(bid, timeout)
+            self.w.engine.transfer_wait(bid, min(timeout, 60.0))
         except ValueError:
             pass  # another thread's check took it: it is over
+
+    wait_write = _wait_write
+
+    @_locked
+    def write_in_flight(self):
+        """The oldest write of any target not reaped yet (a batch id), or
+        None (publishes.py: what an idle step waits on)."""
+        for job in self.jobs.values():
+            for tg in job.targets.values():
+                if tg.batches:
+                    return tg.batches[0]
+        return None
 
     def flush_layers(self):
         """After the forward (wait_for_save), jobs without the landing
