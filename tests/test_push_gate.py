@@ -276,12 +276,15 @@ def _layer_load_rounds(model_dir, urls, gate, rounds=3, gpu_lag_s=0.002, blocks=
             timings.setdefault("forward_s", [])
             orig_save, orig_fwd = w.save_kv_layer, p._forward
 
+            timings.setdefault("save_cpu_s", [])
+
             def save(name):
                 computing = any(not j.all_ready for j in list(pp_.jobs.values()))
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.thread_time()
                 orig_save(name)
                 if computing:
                     timings["save_s"].append(time.perf_counter() - t0)
+                    timings["save_cpu_s"].append(time.thread_time() - c0)
 
             def forward(so):
                 t0 = time.perf_counter()
@@ -292,6 +295,7 @@ def _layer_load_rounds(model_dir, urls, gate, rounds=3, gpu_lag_s=0.002, blocks=
             w.save_kv_layer = save
             p._forward = forward
         seen = []
+        c0 = time.process_time()
         for r in range(rounds):
             t = toks(40 + r, blocks * BS + 5)
             run = both_legs(p, d, f"G{gate}{r}", t, 2)
@@ -305,6 +309,8 @@ def _layer_load_rounds(model_dir, urls, gate, rounds=3, gpu_lag_s=0.002, blocks=
                 run.join()
             assert p.run_until(lambda: p.is_empty(), steps=500)
             d.seen.clear()
+        if timings is not None:  # this process's CPU over the rounds (both sides)
+            timings["cpu_s"] = time.process_time() - c0
         assert d.is_empty() and recomputes(d) == {}
         time.sleep(0.2)  # late wake-ups counted too
         # back at idle: no job, no batch left open, nothing waiting in the gate
