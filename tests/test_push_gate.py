@@ -223,7 +223,14 @@ def _layer_load_rounds(model_dir, urls, gate, rounds=3, gpu_lag_s=0.002, blocks=
             w.cuda_sync = lambda: None  # CUDA KV caches (the stand-in forward writes them at once)
         pp_ = w.push_p
         fwd = threading.get_ident()
-        wakes = {"waiter": 0, "landing": 0, "outbox_layer": 0, "saves": 0}
+        wakes = {"waiter": 0, "landing": 0, "outbox_layer": 0, "saves": 0, "collects": 0}
+        orig_collect = pp_._collect
+
+        def collect(tg, rows, layers, out):  # a Python loop over a target's blocks
+            if len(layers) == 1:
+                wakes["collects"] += 1  # ... for one layer (a layer's save)
+            return orig_collect(tg, rows, layers, out)
+        pp_._collect = collect
 
         def gate_event():
             f.hold(gpu_lag_s)
@@ -368,6 +375,11 @@ def test_cpu_layer_load_wakes_no_python_thread_per_layer(tmp_path, monkeypatch):
         assert wa["saves"] == wb["saves"] == 3 * 2, (wa, wb)  # 3 prompts x 2 layers
         assert wb["outbox_layer"] >= 3, wb  # at least one per prompt before
         assert wa["landing"] == 0 and wa["outbox_layer"] == 0 and wa["waiter"] == 0, wa
+        # a layer's save makes one engine call with the target's per-layer
+        # arrays (built once per target, every layer in one pass), not a
+        # loop over the target's blocks for that layer
+        assert wb["collects"] >= 1, wb
+        assert wa["collects"] == 0, wa
         # the engine told the layers: one message per write batch (a target
         # that arrived after layer 0 or after the forward gets several in one)
         assert 3 <= stats["gate_notified"] <= wa["saves"], stats

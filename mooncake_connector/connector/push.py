@@ -99,6 +99,19 @@ def _torch_gate_event():
     return ev, int(ev.cuda_event), torch.cuda.current_device()
 
 
+def _layers_of(per, todo):
+    """The (src, dst, len) arrays of these layers out of a target's
+    per-layer arrays (PushProducer._gate_arrays): the layer's own when one."""
+    if len(todo) == 1:
+        return per[todo[0]]
+    src, dst, lens = array("Q"), array("Q"), array("Q")
+    for li in todo:
+        src.extend(per[li][0])
+        dst.extend(per[li][1])
+        lens.extend(per[li][2])
+    return src, dst, lens
+
+
 def _extent_too_long(k, b, n, s_off, s_len):
     return (f"extent {k} of block {b}: {n} bytes from offset {s_off} "
             f"exceed this side's {s_len}-byte extent")
@@ -1055,14 +1068,7 @@ class PushProducer:
         per = self._gate_arrays(job, tg)
         if per is None:
             return
-        if len(todo) == 1:
-            src, dst, lens = per[todo[0]]
-        else:
-            src, dst, lens = array("Q"), array("Q"), array("Q")
-            for li in todo:
-                src.extend(per[li][0])
-                dst.extend(per[li][1])
-                lens.extend(per[li][2])
+        src, dst, lens = _layers_of(per, todo)
         if not src:
             tg.layers_sent.update(todo)
             tg.state = "writing"
@@ -1218,31 +1224,41 @@ class PushProducer:
         if time.time() > tg.lease_until - PUSH_MARGIN_S:
             tg.stop = "the decode side's lease expired before the KV was written"
             return
-        rows = job.spec.block_ids if not job.spec.more_groups else \
-            list(zip(job.spec.block_ids, *job.spec.more_groups))
-        if tg.skip + tg.nblocks > len(rows):
-            tg.stop = (f"the decode side asks for blocks {tg.skip}..{tg.skip + tg.nblocks - 1}; "
-                       f"this prefill holds {len(rows)}")
-            return
-        src, dst, lens = [], [], []
-        out = (src, dst, lens)
-        if not self._collect(tg, rows[tg.skip:tg.skip + tg.nblocks], todo, lambda li: out):
-            return
+        # The engine tells the decode these layers once they landed (CUDA
+        # gate on: the stream was synchronized, no event; CPU KV caches: in
+        # memory already), not the landing thread and the outbox.
+        gate = tg.lnotify and self._engine_tells(job)
+        if gate:
+            # the target's per-layer arrays and "layer" messages, built once
+            # (with _submit's checks): a layer's save_kv_layer costs the
+            # forward thread one engine call, not a Python loop over blocks
+            per = self._gate_arrays(job, tg)
+            if per is None:
+                return
+            src, dst, lens = _layers_of(per, todo)
+        else:
+            rows = job.spec.block_ids if not job.spec.more_groups else \
+                list(zip(job.spec.block_ids, *job.spec.more_groups))
+            if tg.skip + tg.nblocks > len(rows):
+                tg.stop = (f"the decode side asks for blocks {tg.skip}.."
+                           f"{tg.skip + tg.nblocks - 1}; this prefill holds {len(rows)}")
+                return
+            src, dst, lens = [], [], []
+            out = (src, dst, lens)
+            if not self._collect(tg, rows[tg.skip:tg.skip + tg.nblocks], todo, lambda li: out):
+                return
         tg.layers_sent.update(todo)
         tg.state = "writing"
         if not src:
             tg.landed.update(todo)  # nothing to write (HMA null blocks): landed as is
             return
         from mooncake_connector import MooncakeError
-        # The engine tells the decode these layers once they landed (CUDA
-        # gate on: the stream was synchronized, no event; CPU KV caches: in
-        # memory already), not the landing thread and the outbox.
-        gate = tg.lnotify and self._engine_tells(job)
         try:
             if gate:
                 bid = self.w.engine.batch_transfer_async_write_gated(
                     tg.name, src, dst, lens,
-                    notify=encode({"t": "layer", "tid": job.tid, "l": todo}),
+                    notify=tg.gnote[todo[0]] if len(todo) == 1 else
+                    encode({"t": "layer", "tid": job.tid, "l": todo}),
                     notify_timeout=max(0.1, min(RESEND_TIMEOUT_S,
                                                 tg.lease_until - time.time())))
                 tg.told.update(todo)
