@@ -1289,7 +1289,9 @@ class PushProducer:
                                                                   else "")
             elif r > 0:
                 tg.landed.update(layers)
-                if trace.ON and job is not None:
+                # (layers the engine told itself: seen here only at a later
+                # check, not when they landed; the decode's c_recv says that)
+                if trace.ON and job is not None and not tg.told.issuperset(layers):
                     trace.event("write_seen_landed", job.tid, l=list(layers))
         tg.batches = left
         if tg.lnotify and job is not None and not tg.stop and not tg.landed <= tg.told:
