@@ -13,7 +13,13 @@ the decode's attention waiting per layer.  Prints per mode: the producer's
 save_kv_layer per call (p50 / mean, microseconds), its forward per prompt
 (p50, ms), the Python wake-ups per layer; and the ratios gate / waiter.
 
-  python benchmarks/layer_gate_cost.py [--rounds 20] [--blocks 32] [--gpu-lag-ms 2]
+  python benchmarks/layer_gate_cost.py [--rounds 20] [--blocks 32] [--gpu-lag-ms 2] [--cpu]
+
+--cpu: CPU KV caches (vLLM's CPU backend; no stand-in, no events): the
+landing thread and the outbox telling each layer (push_layer_gate false)
+against the engine sending the 'layer' notification with the layer's write
+batch (true); also the harness process's CPU time per prompt (both sides
+and every thread of this process: a paired difference, not a server's).
 """
 import argparse
 import os
@@ -22,6 +28,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -33,32 +40,45 @@ def child(args):
     from vllm_harness import tiny_model_dir
 
     md = tiny_model_dir(tempfile.mkdtemp(prefix="mc-gate-bench-"))
-    res = {False: {"save_s": [], "forward_s": [], "wake": [], "layers": 0},
-           True: {"save_s": [], "forward_s": [], "wake": [], "layers": 0}}
+    res = {False: {"save_s": [], "forward_s": [], "wake": [], "layers": 0, "cpu_s": 0.0,
+                   "save_cpu_s": []},
+           True: {"save_s": [], "forward_s": [], "wake": [], "layers": 0, "cpu_s": 0.0,
+                   "save_cpu_s": []}}
     for rep in range(args.reps):
         for gate in (False, True) if rep % 2 == 0 else (True, False):
             tm = {}
             per, wakes, _, _ = tpg._layer_load_rounds(md, tpg._urls(), gate, rounds=args.rounds,
                                                       gpu_lag_s=args.gpu_lag_ms / 1e3,
-                                                      blocks=args.blocks, timings=tm)
+                                                      blocks=args.blocks, timings=tm,
+                                                      cuda=not args.cpu)
             r = res[gate]
+            r["cpu_s"] += tm["cpu_s"]
+            r["save_cpu_s"] += tm["save_cpu_s"]
             r["save_s"] += tm["save_s"]
             r["forward_s"] += tm["forward_s"]
             r["wake"].append(wakes["waiter"] + wakes["landing"] + wakes["outbox_layer"])
             r["layers"] += wakes["saves"]
     out = {}
+    names = {False: "landing" if args.cpu else "waiter", True: "engine" if args.cpu else "gate"}
     for gate, r in res.items():
-        name = "gate" if gate else "waiter"
+        name = names[gate]
         save = [x * 1e6 for x in r["save_s"]]
         fwd = [x * 1e3 for x in r["forward_s"]]
+        scpu = [x * 1e6 for x in r["save_cpu_s"]]
         out[name] = (statistics.median(save), statistics.fmean(save), statistics.median(fwd),
-                     sum(r["wake"]) / max(1, r["layers"]))
-        print(f"{name:6s}: save_kv_layer p50 {out[name][0]:7.1f} us mean {out[name][1]:7.1f} us "
-              f"({len(save)} calls); forward p50 {out[name][2]:6.2f} ms ({len(fwd)} prompts); "
-              f"wake-ups/layer {out[name][3]:.2f}")
-    g, w = out["gate"], out["waiter"]
-    print(f"ratio gate/waiter: save_kv_layer p50 {g[0] / w[0]:.2f}, mean {g[1] / w[1]:.2f}, "
-          f"forward p50 {g[2] / w[2]:.2f}")
+                     sum(r["wake"]) / max(1, r["layers"]),
+                     r["cpu_s"] * 1e3 / max(1, len(fwd)), statistics.median(scpu))
+        print(f"{name:7s}: save_kv_layer p50 {out[name][0]:7.1f} us mean {out[name][1]:7.1f} us "
+              f"(its thread's CPU p50 {out[name][5]:6.1f} us; {len(save)} calls); forward p50 "
+              f"{out[name][2]:6.2f} ms ({len(fwd)} prompts); wake-ups/layer "
+              f"{out[name][3]:.2f}; process CPU {out[name][4]:.2f} ms/prompt")
+    g, w = out[names[True]], out[names[False]]
+    print(f"ratio {names[True]}/{names[False]}: save_kv_layer p50 {g[0] / w[0]:.2f}, mean "
+          f"{g[1] / w[1]:.2f}, its CPU p50 {g[5] / w[5]:.2f}, forward p50 {g[2] / w[2]:.2f}, "
+          f"process CPU per prompt {g[4] / w[4]:.2f}")
+    print("(the harness runs both sides in one process: the decode's thread and the "
+          "prefill's forward share its GIL, unlike two servers; the CPU columns are the "
+          "comparable ones)")
 
 
 def main():
@@ -69,10 +89,20 @@ def main():
     ap.add_argument("--blocks", type=int, default=32, help="full blocks per prompt (16 tokens)")
     ap.add_argument("--gpu-lag-ms", type=float, default=2.0,
                     help="each layer's event completes this long after its save")
+    ap.add_argument("--cpu", action="store_true",
+                    help="CPU KV caches: landing thread vs the engine-sent notification")
+    ap.add_argument("--transport", choices=["tcp", "same-host"], default="tcp",
+                    help="--cpu: TCP loopback (MC_SAME_HOST_CPU=0) or the same-host CPU path")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         return child(args)
+    if args.cpu:
+        env = dict(os.environ, MC_SAME_HOST_CPU="0" if args.transport == "tcp" else "1",
+                   PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        r = subprocess.run([sys.executable, os.path.abspath(__file__), "--child",
+                            *sys.argv[1:]], env=env)
+        sys.exit(r.returncode)
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         sys.exit("needs a C compiler (the libcuda stand-in is built first)")

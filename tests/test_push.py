@@ -128,6 +128,45 @@ def test_prefill_first_then_late_target(sides):
     assert d.computed["q"] == 1 + 1  # aligned prompt: its last token, then one step
 
 
+def test_idle_producer_waits_for_a_late_target_asleep_not_polling(sides):
+    """A prefill holding a computed push prompt for its decode's target runs
+    idle steps; each waits (up to idle_wait_ms) asleep on the engine's
+    notifications, or on the write in flight once the target came, not
+    polling every 0.2 ms on vLLM's engine thread (~1,500 looks for this
+    0.3 s wait before, each taking the GIL and a CPU the decode's forward
+    needs on a small host: issue 31).  The late target still wakes it and
+    the prompt is written."""
+    p = sides("kv_producer", idle_wait_ms=50, idle_wait_max_ms=50)
+    d = sides("kv_consumer", flow_a=False)
+    t = toks(21, 3 * BS)
+    p.add(make_request("pq", t, max_tokens=1, params=push_params("T9", "p")))
+    p.step()
+    assert not p.is_empty()  # held for the decode side
+    w = p.worker._worker
+    looks = [0]
+    orig = w.drain_notifies
+
+    def counting():
+        looks[0] += 1
+        return orig()
+    w.drain_notifies = counting
+    steps, t0 = 0, time.monotonic()
+    while time.monotonic() - t0 < 0.3:
+        p.step()
+        steps += 1
+    took = time.monotonic() - t0
+    assert not p.is_empty() and "pq" not in p.sent
+    # one look in the step's get_finished, at most one per wake-up of its wait
+    assert looks[0] <= 3 * steps + 5, (looks[0], steps, took)
+    assert steps <= took / 0.05 + 2, (steps, took)  # each idle step waited
+    d.add(make_request("q", t, max_tokens=2, params=push_params("T9", "d")))
+    looks[0] = 0
+    assert both(p, d, lambda: "q" in d.recvd)
+    assert d.block_matches_pattern("q", t, 3)
+    assert both(p, d, lambda: not d.sched.requests and p.is_empty())
+    assert d.is_empty() and not d.invalid
+
+
 def test_abort_while_waiting_fences_the_producer(sides):
     """Decode aborts while waiting: vLLM keeps the blocks until the producer
     acknowledged the cancel; the prefill computed afterwards writes nothing

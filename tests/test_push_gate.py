@@ -233,16 +233,17 @@ class FakeTorchEvent:
 
 
 def _layer_load_rounds(model_dir, urls, gate, rounds=3, gpu_lag_s=0.002, blocks=4,
-                       timings=None):  # noqa: F811
+                       timings=None, cuda=True):  # noqa: F811
     """push_layer_load rounds with a CUDA-like producer (its layers' events
-    complete gpu_lag_s after each save); returns (wake-ups per layer, the
-    counts, the producer engine's stats, the decode's per-layer views).
-    timings (a dict): filled with the producer's save_kv_layer seconds per
-    call (a prompt being computed) and its forward's seconds per prompt."""
+    complete gpu_lag_s after each save; cuda=False: CPU KV caches, no
+    event); returns (wake-ups per layer, the counts, the producer engine's
+    stats, the decode's per-layer views).  timings (a dict): filled with the
+    producer's save_kv_layer seconds per call (a prompt being computed) and
+    its forward's seconds per prompt."""
     from test_push_layer_load import AttnSide, both_legs, BS, toks
     from vllm_harness import recomputes
 
-    f = Fake()
+    f = Fake() if cuda else None
     nb = max(64, 2 * blocks + 8)
     p = AttnSide(model_dir, "kv_producer", {**urls, "push_layer_gate": gate}, block_size=BS,
                  num_blocks=nb)
@@ -250,10 +251,18 @@ def _layer_load_rounds(model_dir, urls, gate, rounds=3, gpu_lag_s=0.002, blocks=
                  block_size=BS, num_blocks=nb)
     try:
         w = p.worker._worker
-        w.cuda_sync = lambda: None  # CUDA KV caches (the stand-in forward writes them at once)
+        if cuda:
+            w.cuda_sync = lambda: None  # CUDA KV caches (the stand-in forward writes them at once)
         pp_ = w.push_p
         fwd = threading.get_ident()
-        wakes = {"waiter": 0, "landing": 0, "outbox_layer": 0, "saves": 0}
+        wakes = {"waiter": 0, "landing": 0, "outbox_layer": 0, "saves": 0, "collects": 0}
+        orig_collect = pp_._collect
+
+        def collect(tg, rows, layers, out):  # a Python loop over a target's blocks
+            if len(layers) == 1:
+                wakes["collects"] += 1  # ... for one layer (a layer's save)
+            return orig_collect(tg, rows, layers, out)
+        pp_._collect = collect
 
         def gate_event():
             f.hold(gpu_lag_s)
@@ -279,7 +288,8 @@ def _layer_load_rounds(model_dir, urls, gate, rounds=3, gpu_lag_s=0.002, blocks=
             f.hold(gpu_lag_s)
             return FakeTorchEvent(f)
 
-        pp_._waiter = LayerWaiter(pp_._layer_ready, make_event=make_ev)
+        if cuda:
+            pp_._waiter = LayerWaiter(pp_._layer_ready, make_event=make_ev)
         ob = w.push_outbox
         orig_send = ob.send
 
@@ -305,12 +315,15 @@ def _layer_load_rounds(model_dir, urls, gate, rounds=3, gpu_lag_s=0.002, blocks=
             timings.setdefault("forward_s", [])
             orig_save, orig_fwd = w.save_kv_layer, p._forward
 
+            timings.setdefault("save_cpu_s", [])
+
             def save(name):
                 computing = any(not j.all_ready for j in list(pp_.jobs.values()))
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.thread_time()
                 orig_save(name)
                 if computing:
                     timings["save_s"].append(time.perf_counter() - t0)
+                    timings["save_cpu_s"].append(time.thread_time() - c0)
 
             def forward(so):
                 t0 = time.perf_counter()
@@ -321,6 +334,7 @@ def _layer_load_rounds(model_dir, urls, gate, rounds=3, gpu_lag_s=0.002, blocks=
             w.save_kv_layer = save
             p._forward = forward
         seen = []
+        c0 = time.process_time()
         for r in range(rounds):
             t = toks(40 + r, blocks * BS + 5)
             run = both_legs(p, d, f"G{gate}{r}", t, 2)
@@ -334,6 +348,8 @@ def _layer_load_rounds(model_dir, urls, gate, rounds=3, gpu_lag_s=0.002, blocks=
                 run.join()
             assert p.run_until(lambda: p.is_empty(), steps=500)
             d.seen.clear()
+        if timings is not None:  # this process's CPU over the rounds (both sides)
+            timings["cpu_s"] = time.process_time() - c0
         assert d.is_empty() and recomputes(d) == {}
         time.sleep(0.2)  # late wake-ups counted too
         # back at idle: no job, no batch left open, nothing waiting in the gate
@@ -367,6 +383,38 @@ def test_fake_gate_wakes_no_python_thread_per_layer(tmp_path):
     # the engine told the layers: one message per gated batch (a target that
     # arrived after layer 0 or after the forward gets several layers in one)
     assert 3 <= stats["gate_notified"] <= wa["saves"], stats
+
+
+def test_cpu_layer_load_wakes_no_python_thread_per_layer(tmp_path, monkeypatch):
+    """CPU KV caches (vLLM's CPU backend): a layer's KV is in memory at its
+    save_kv_layer, so its write batch carries the decode's 'layer'
+    notification and the engine sends it once the writes landed: no landing
+    thread check and no outbox send per layer on the prefill's host (each
+    took the GIL from the prefill's forward thread: issue 31, CPU per push
+    request on a 2-vCPU host).  push_layer_gate false: the landing thread
+    and the outbox as before.  Both transports a same-host deployment can
+    get: the same-host CPU path (its default) and TCP."""
+    pytest.importorskip("vllm", reason="vllm is not installed")
+    from vllm_harness import tiny_model_dir
+    md = tiny_model_dir(str(tmp_path))
+    for same_host in ("1", "0"):
+        monkeypatch.setenv("MC_SAME_HOST_CPU", same_host)
+        before, wb, _, seen_b = _layer_load_rounds(md, _urls(), gate=False, cuda=False)
+        after, wa, stats, seen_a = _layer_load_rounds(md, _urls(), gate=True, cuda=False)
+        print(f"MC_SAME_HOST_CPU={same_host}: Python wake-ups per layer: landing thread "
+              f"{before:.2f} {wb}, engine-told {after:.2f} {wa}")
+        assert all(all(s) for s in seen_b) and all(all(s) for s in seen_a), (seen_b, seen_a)
+        assert wa["saves"] == wb["saves"] == 3 * 2, (wa, wb)  # 3 prompts x 2 layers
+        assert wb["outbox_layer"] >= 3, wb  # at least one per prompt before
+        assert wa["landing"] == 0 and wa["outbox_layer"] == 0 and wa["waiter"] == 0, wa
+        # a layer's save makes one engine call with the target's per-layer
+        # arrays (built once per target, every layer in one pass), not a
+        # loop over the target's blocks for that layer
+        assert wb["collects"] >= 1, wb
+        assert wa["collects"] == 0, wa
+        # the engine told the layers: one message per write batch (a target
+        # that arrived after layer 0 or after the forward gets several in one)
+        assert 3 <= stats["gate_notified"] <= wa["saves"], stats
 
 
 def test_consumer_merges_per_batch_layer_messages():

@@ -141,6 +141,19 @@ class GateEvents:
         return ev, slot[1], self._dev
 
 
+def _layers_of(per, todo):
+    """The (src, dst, len) arrays of these layers out of a target's
+    per-layer arrays (PushProducer._gate_arrays): the layer's own when one."""
+    if len(todo) == 1:
+        return per[todo[0]]
+    src, dst, lens = array("Q"), array("Q"), array("Q")
+    for li in todo:
+        src.extend(per[li][0])
+        dst.extend(per[li][1])
+        lens.extend(per[li][2])
+    return src, dst, lens
+
+
 def _extent_too_long(k, b, n, s_off, s_len):
     return (f"extent {k} of block {b}: {n} bytes from offset {s_off} "
             f"exceed this side's {s_len}-byte extent")
@@ -898,15 +911,33 @@ class PushProducer:
                 if cpu and not job.all_ready:
                     job.ready.add(li)  # (a target arriving later in this forward gets it)
                 if job.layerwise and not job.all_ready:
+                    told = self._engine_tells(job)
                     for tg in job.targets.values():
                         self._submit(job, tg)
-                        if tg.lnotify and tg.batches:
+                        if tg.lnotify and tg.batches and not told:
                             self._poll_batches(tg, job)  # earlier layers landed: say so
 
     def _gate_on(self):
         """CUDA layer by layer through the engine's gate: each layer's
         writes handed over at once with the layer's CUDA event."""
         return (self.w.cuda_sync is not None and self.streams and self._gate_failed is None
+                and bool(getattr(self.w.s, "push_layer_gate", True))
+                and hasattr(self.w.engine, "batch_transfer_async_write_gated"))
+
+    def _engine_tells(self, job):
+        """Layer load: the engine sends the decode a layer's 'layer'
+        notification itself once that layer's writes landed (the write
+        batch carries it; the engine's notifier thread sends it, no GIL):
+        CUDA through the gate (_gate_on); CPU KV caches too (a layer's KV is
+        in memory at its save_kv_layer, so the batch needs no event) for
+        jobs the landing thread would otherwise watch (push_layer_watch), so
+        no Python thread (the landing thread, the outbox's) wakes per layer
+        on the prefill's host and takes the GIL from its forward thread
+        (issue 31: CPU per request on small hosts).  push_layer_gate false:
+        the landing thread and the outbox as before."""
+        if self._gate_on():
+            return True
+        return (self.w.cuda_sync is None and job.watch and self._gate_failed is None
                 and bool(getattr(self.w.s, "push_layer_gate", True))
                 and hasattr(self.w.engine, "batch_transfer_async_write_gated"))
 
@@ -1076,14 +1107,7 @@ class PushProducer:
         per = self._gate_arrays(job, tg)
         if per is None:
             return
-        if len(todo) == 1:
-            src, dst, lens = per[todo[0]]
-        else:
-            src, dst, lens = array("Q"), array("Q"), array("Q")
-            for li in todo:
-                src.extend(per[li][0])
-                dst.extend(per[li][1])
-                lens.extend(per[li][2])
+        src, dst, lens = _layers_of(per, todo)
         if not src:
             tg.layers_sent.update(todo)
             tg.state = "writing"
@@ -1179,9 +1203,21 @@ class PushProducer:
         """Block (GIL released, the batch's condition variable) until this
         write is over or timeout seconds passed."""
         try:
-            self.w.engine.transfer_wait(bid, timeout)
+            self.w.engine.transfer_wait(bid, min(timeout, 60.0))
         except ValueError:
             pass  # another thread's check took it: it is over
+
+    wait_write = _wait_write
+
+    @_locked
+    def write_in_flight(self):
+        """The oldest write of any target not reaped yet (a batch id), or
+        None (publishes.py: what an idle step waits on)."""
+        for job in self.jobs.values():
+            for tg in job.targets.values():
+                if tg.batches:
+                    return tg.batches[0]
+        return None
 
     def flush_layers(self):
         """After the forward (wait_for_save), jobs without the landing
@@ -1227,31 +1263,41 @@ class PushProducer:
         if time.time() > tg.lease_until - PUSH_MARGIN_S:
             tg.stop = "the decode side's lease expired before the KV was written"
             return
-        rows = job.spec.block_ids if not job.spec.more_groups else \
-            list(zip(job.spec.block_ids, *job.spec.more_groups))
-        if tg.skip + tg.nblocks > len(rows):
-            tg.stop = (f"the decode side asks for blocks {tg.skip}..{tg.skip + tg.nblocks - 1}; "
-                       f"this prefill holds {len(rows)}")
-            return
-        src, dst, lens = [], [], []
-        out = (src, dst, lens)
-        if not self._collect(tg, rows[tg.skip:tg.skip + tg.nblocks], todo, lambda li: out):
-            return
+        # The engine tells the decode these layers once they landed (CUDA
+        # gate on: the stream was synchronized, no event; CPU KV caches: in
+        # memory already), not the landing thread and the outbox.
+        gate = tg.lnotify and self._engine_tells(job)
+        if gate:
+            # the target's per-layer arrays and "layer" messages, built once
+            # (with _submit's checks): a layer's save_kv_layer costs the
+            # forward thread one engine call, not a Python loop over blocks
+            per = self._gate_arrays(job, tg)
+            if per is None:
+                return
+            src, dst, lens = _layers_of(per, todo)
+        else:
+            rows = job.spec.block_ids if not job.spec.more_groups else \
+                list(zip(job.spec.block_ids, *job.spec.more_groups))
+            if tg.skip + tg.nblocks > len(rows):
+                tg.stop = (f"the decode side asks for blocks {tg.skip}.."
+                           f"{tg.skip + tg.nblocks - 1}; this prefill holds {len(rows)}")
+                return
+            src, dst, lens = [], [], []
+            out = (src, dst, lens)
+            if not self._collect(tg, rows[tg.skip:tg.skip + tg.nblocks], todo, lambda li: out):
+                return
         tg.layers_sent.update(todo)
         tg.state = "writing"
         if not src:
             tg.landed.update(todo)  # nothing to write (HMA null blocks): landed as is
             return
         from mooncake_connector import MooncakeError
-        # CUDA gate on: the engine tells the decode these layers once they
-        # landed (the stream was synchronized: no event), not the landing
-        # thread and the outbox.
-        gate = tg.lnotify and self._gate_on()
         try:
             if gate:
                 bid = self.w.engine.batch_transfer_async_write_gated(
                     tg.name, src, dst, lens,
-                    notify=encode({"t": "layer", "tid": job.tid, "l": todo}),
+                    notify=tg.gnote[todo[0]] if len(todo) == 1 else
+                    encode({"t": "layer", "tid": job.tid, "l": todo}),
                     notify_timeout=max(0.1, min(RESEND_TIMEOUT_S,
                                                 tg.lease_until - time.time())))
                 tg.told.update(todo)
@@ -1282,7 +1328,9 @@ class PushProducer:
                                                                   else "")
             elif r > 0:
                 tg.landed.update(layers)
-                if trace.ON and job is not None:
+                # (layers the engine told itself: seen here only at a later
+                # check, not when they landed; the decode's c_recv says that)
+                if trace.ON and job is not None and not tg.told.issuperset(layers):
                     trace.event("write_seen_landed", job.tid, l=list(layers))
         tg.batches = left
         if tg.lnotify and job is not None and not tg.stop and not tg.landed <= tg.told:

@@ -66,6 +66,8 @@ KNOBS = {  # extra-config key: (type, default, meaning)
                         "CUDA event (the engine's gate thread starts them once it completed) "
                         "and, for push_layer_load, the engine sends the decode that layer's "
                         "'layer' notification when they landed: no Python thread per layer; "
+                        "with CPU KV caches the engine sends that notification too (the "
+                        "layer's write batch carries it), not the landing thread; "
                         "false: the layer-event and landing threads (push_layerwise_cuda, "
                         "push_layer_watch)"),
     "push_layer_watch": (bool, True, "producer, push layer load: a thread tells the decode "
