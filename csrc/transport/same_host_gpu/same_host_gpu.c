@@ -679,6 +679,7 @@ static size_t map_reqs(call_t *run, const mc_xfer_req_t *reqs, const int *ldev, 
   uint32_t *hint = run->u->hint; /* shared by the descriptor's calls: each hint is checked */
   size_t k = 0;
   mc_err_t err = {0};
+  int told = 0; /* this call logged its TCP fallback: once a call, not once a request */
   const mc_remote_region_t *r = NULL; /* the region of the previous request */
   *miss = 0;
   for (size_t i = 0; i < n; i++) {
@@ -716,10 +717,11 @@ static size_t map_reqs(call_t *run, const mc_xfer_req_t *reqs, const int *ldev, 
         run->rdev[ri] = dev + 1;
       }
       if (!r->ipc[0] || run->rmap[ri] <= 1) {
-        log_path_once(run->t, run->segment, "TCP with pinned staging (%s)",
-                      !r->ipc[0] ? "the peer exported no CUDA IPC handle"
-                      : err.msg[0] ? err.msg
-                                   : "a peer's CUDA IPC handle cannot be opened here");
+        if (!told++) /* log_path_once formats and locks: ~750 instructions a request */
+          log_path_once(run->t, run->segment, "TCP with pinned staging (%s)",
+                        !r->ipc[0] ? "the peer exported no CUDA IPC handle"
+                        : err.msg[0] ? err.msg
+                                     : "a peer's CUDA IPC handle cannot be opened here");
         continue;
       }
       mapped[i] = run->rmap[ri] + (ra - r->ipc_base);
