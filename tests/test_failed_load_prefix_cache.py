@@ -160,3 +160,27 @@ def test_async_push_failed_never_caches_its_blocks(sides, abort):
     if abort:
         assert computed == len(t), computed
     assert d.run_until(lambda: not d.sched.requests) and d.is_empty()
+
+
+def test_prefix_hit_beside_a_failed_in_step_load_is_computed(sides):
+    """A request with the same prompt, scheduled in the same step as the
+    failing in-step load, takes a prefix hit on its blocks (vLLM cached
+    them at scheduling); vLLM lets it keep them as computed, counting on
+    the failed request's recompute.  That request is aborted first: its
+    blocks are reported failed once more, so the other computes them."""
+    d = sides("kv_consumer", load_timeout_s=5, flow_a=False)
+    t = toks(305, 4 * BS)
+    dead = f"127.0.0.1:{free_port()}"
+    d.add(make_request("f", t, max_tokens=2, params={
+        "do_remote_prefill": True, "remote_engine_id": dead, "num_tokens": 4 * BS},
+        block_hasher=d.block_hasher))
+    d.add(make_request("g", t, max_tokens=2, block_hasher=d.block_hasher))
+    so = d.step()
+    assert set(so.num_scheduled_tokens) == {"f", "g"} and d.invalid
+    assert d.block_ids("g")[:3] == d.block_ids("f")[:3]  # g's prefix hit: f's blocks
+    _abort(d, "f")  # the step after: g runs, its prefix not computed by anyone
+    assert d.run_until(lambda: d.block_matches_pattern("g", t, 4) or "g" not in d.sched.requests,
+                       steps=5)
+    assert "g" in d.sched.requests and d.block_matches_pattern("g", t, 4), \
+        "a request attends to blocks of a failed load it shared (no one computed them)"
+    assert d.run_until(lambda: not d.sched.requests) and d.is_empty()

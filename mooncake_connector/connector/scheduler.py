@@ -79,6 +79,9 @@ class SchedulerSide:
         self._busy = set()        # consumer: layer loads turned into whole-prompt pushes
         self._in_step = set()     # consumer: requests with an in-step load (blocks cached early)
         self._new = (set(), set())  # consumer: requests first scheduled in the last two steps
+        self._unrecomputed = {}   # consumer: in-step load failed -> its blocks from the first
+                                  # failed one, until it is scheduled to compute them
+        self._load_errors = []    # consumer: block ids to report failed again (next step)
         self.stats = MooncakeKVConnectorStats()
         self.producer_base = None
         if settings.is_producer:
@@ -349,7 +352,12 @@ class SchedulerSide:
         in the same step).  An async load's blocks are cached by vLLM only
         after the load, up to its first failed block: nothing to do.  The
         recomputed blocks stay out of the prefix cache (vLLM caches a
-        request's blocks once)."""
+        request's blocks once).  A request scheduled beside a failed
+        in-step load with a prefix hit on its blocks keeps counting them
+        computed (vLLM: the failed request computes them next step); if that
+        one is freed or preempted first, its blocks are reported failed once
+        more in the next step (_forget_unrecomputed) so the other computes
+        them."""
         kvm = self._kvm()
         if not invalid_block_ids or kvm is None or self.groups != 1:
             return  # several groups: vLLM refuses block-level load errors itself
@@ -363,6 +371,8 @@ class SchedulerSide:
             first = next((i for i, b in enumerate(blocks) if b in bad), None)
             if first is not None:
                 evict.update(blocks[first:])
+                if rid in self._in_step:
+                    self._unrecomputed[rid] = blocks[first:]
         if not evict:
             return
         try:
@@ -373,6 +383,17 @@ class SchedulerSide:
                          "recompute may leave them there", len(evict), e)
             return
         self.stats.add("load_error_blocks_uncached", len(evict))
+
+    def _forget_unrecomputed(self, rid, why):
+        """Request rid leaves (freed or preempted) before computing the
+        blocks its failed in-step load left: a request holding them as a
+        prefix hit must not read them, so they are load errors once more."""
+        blocks = self._unrecomputed.pop(rid, None)
+        if blocks:
+            self._load_errors.extend(blocks)
+            logger.warning("MooncakeConnector: request %s %s before computing the %d block(s) "
+                           "its in-step load failed to fill; reported failed again so a "
+                           "request sharing them computes them", rid, why, len(blocks))
 
     # ---- producer ----
 
@@ -416,6 +437,12 @@ class SchedulerSide:
         self._batch = set(so.num_scheduled_tokens)
         if self.s.is_consumer:
             self._new = (self._new[1], {nr.req_id for nr in so.scheduled_new_reqs})
+            if self._unrecomputed:
+                for rid in getattr(so, "preempted_req_ids", None) or ():
+                    self._forget_unrecomputed(rid, "was preempted")
+                for rid in so.num_scheduled_tokens:  # computes them in this step
+                    self._unrecomputed.pop(rid, None)
+            meta.load_errors, self._load_errors = self._load_errors, []
         if self.s.is_producer:
             self._track_blocks(so)
             for rid in getattr(so, "preempted_req_ids", None) or ():
@@ -475,6 +502,7 @@ class SchedulerSide:
         self._batch.discard(rid)
         self._busy.discard(rid)
         self._in_step.discard(rid)
+        self._forget_unrecomputed(rid, "finished")
         for new in self._new:
             new.discard(rid)
         self._recomputed.discard(rid)
