@@ -62,23 +62,25 @@ def tiny_model_dir(path):
 
 
 def make_config(model_dir, role, extra, block_size=16, module_path="mooncake_connector",
-                max_batched=512):
+                max_batched=512, prefix_caching=False):
     mc = ModelConfig(model=model_dir, dtype="float32", seed=0, skip_tokenizer_init=True,
                      max_model_len=2048)
     sc = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=max_batched,
                          max_model_len=2048, is_encoder_decoder=False)
-    cc = CacheConfig(block_size=block_size, enable_prefix_caching=False)
+    cc = CacheConfig(block_size=block_size, enable_prefix_caching=prefix_caching)
     kt = KVTransferConfig(kv_connector="MooncakeConnector", kv_connector_module_path=module_path,
                           kv_role=role, kv_connector_extra_config=dict(extra))
     return VllmConfig(model_config=mc, scheduler_config=sc, cache_config=cc,
                       kv_transfer_config=kt, device_config=DeviceConfig("cpu"))
 
 
-def make_request(rid, tokens, max_tokens=1, params=None):
+def make_request(rid, tokens, max_tokens=1, params=None, block_hasher=None):
+    """block_hasher: a prefix-caching side's (Side.block_hasher): the
+    request's block hashes, as vLLM's engine core gives every request."""
     sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     sp.update_from_generation_config({}, EOS)
     req = Request(request_id=rid, prompt_token_ids=list(tokens), sampling_params=sp,
-                  pooling_params=None, mm_features=None)
+                  pooling_params=None, mm_features=None, block_hasher=block_hasher)
     req.kv_transfer_params = params
     return req
 
@@ -99,14 +101,23 @@ class Side:
     """One vLLM instance: scheduler + one worker connector + a paged KV cache."""
 
     def __init__(self, model_dir, role, extra, num_blocks=64, block_size=16, tp=1,
-                 sliding_window=None, pp=1):
+                 sliding_window=None, pp=1, prefix_caching=False):
         """sliding_window: layer 1 is a sliding-window layer in its own
         KV-cache group (vLLM's hybrid KV-cache manager, SupportsHMA).
-        pp: pipeline stages; stage s holds layer s (LAYERS == 2)."""
-        self.cfg = make_config(model_dir, role, extra, block_size)
+        pp: pipeline stages; stage s holds layer s (LAYERS == 2).
+        prefix_caching: vLLM's prefix cache on (as a server has it by default)."""
+        self.cfg = make_config(model_dir, role, extra, block_size,
+                               prefix_caching=prefix_caching)
         self.cfg.parallel_config.tensor_parallel_size = tp
         self.cfg.parallel_config.pipeline_parallel_size = pp
         self.tp = tp * pp  # workers that must all report a request finished
+        self.block_hasher = None  # prefix caching: pass to make_request (block hashes)
+        if prefix_caching:
+            from vllm.utils.hashing import get_hash_fn_by_name
+            from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+            fn = get_hash_fn_by_name(self.cfg.cache_config.prefix_caching_hash_algo)
+            init_none_hash(fn)
+            self.block_hasher = get_request_block_hasher(block_size, fn)
         self.block_size = block_size
         self.num_blocks = num_blocks
         spec = dict(block_size=block_size, num_kv_heads=HEADS, head_size=HEAD,
@@ -159,6 +170,9 @@ class Side:
         producer now, on its own thread; with settle (the default) this waits
         for the answer, so the next step() decides as if it had been quick
         (tests of the not-yet-answered path pass settle=False)."""
+        assert self.block_hasher is None or req.block_hashes or \
+            len(req.prompt_token_ids) < self.block_size, \
+            "a prefix-caching side needs make_request(..., block_hasher=side.block_hasher)"
         self.sched.add_request(req)
         if settle:
             self.settle_probe(req.request_id)

@@ -208,6 +208,13 @@ class MooncakeConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished(self, request, block_ids):
         return self._scheduler.request_finished(request, block_ids)
 
+    def update_connector_output(self, connector_output):
+        """The workers' step output: a failed load's blocks leave vLLM's
+        prefix cache (SchedulerSide.on_load_errors)."""
+        if self._scheduler is not None:
+            self._scheduler.on_load_errors(getattr(connector_output, "invalid_block_ids",
+                                                   None))
+
     def request_finished_all_groups(self, request, block_ids):
         """SupportsHMA: block_ids has one list per KV-cache group; every
         group's blocks stay with vLLM until get_finished reports the request."""

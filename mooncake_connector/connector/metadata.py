@@ -47,3 +47,5 @@ class MooncakeConnectorMetadata(KVConnectorMetadata):
     unpublish: list = field(default_factory=list)    # req ids preempted after publishing
     push_dropped: list = field(default_factory=list)  # push transfer ids ended without KV
     idle: bool = False  # the step schedules no tokens (producer: may wait for releases)
+    load_errors: list = field(default_factory=list)  # consumer: block ids to report failed
+                                                     # again (SchedulerSide.on_load_errors)

@@ -77,6 +77,11 @@ class SchedulerSide:
         self._recomputed = set()  # consumer: requests counted as recomputed (once each)
         self._batch = set()       # req ids the previous step scheduled (still running)
         self._busy = set()        # consumer: layer loads turned into whole-prompt pushes
+        self._in_step = set()     # consumer: requests with an in-step load (blocks cached early)
+        self._new = (set(), set())  # consumer: requests first scheduled in the last two steps
+        self._unrecomputed = {}   # consumer: in-step load failed -> its blocks from the first
+                                  # failed one, until it is scheduled to compute them
+        self._load_errors = []    # consumer: block ids to report failed again (next step)
         self.stats = MooncakeKVConnectorStats()
         self.producer_base = None
         if settings.is_producer:
@@ -322,6 +327,8 @@ class SchedulerSide:
         local = end - num_external_tokens
         skip = max(local, 0) // self.block_size
         groups = [list(g)[skip:end // self.block_size] for g in blocks.get_block_ids()]
+        if sync:  # vLLM cached these blocks already: on_load_errors
+            self._in_step.add(request.request_id)
         self._loads[request.request_id] = LoadSpec(
             req_id=request.request_id, tokens=list(request.prompt_token_ids[:end]),
             block_ids=groups[0], skip_blocks=skip, producer=src[1], flow=src[0], sync=sync,
@@ -329,6 +336,64 @@ class SchedulerSide:
             producer_tp=_int_or_none(params.get("tp_size")),
             push_tid=transfer_id(params) if src[0] == "P" else None,
             layer_load=src[0] == "P" and sync)
+
+    def on_load_errors(self, invalid_block_ids):
+        """vLLM's update_connector_output: take the blocks of a failed load
+        out of the prefix cache.  vLLM caches an in-step load's blocks when
+        it schedules the request, before the load runs, and its "recompute"
+        policy leaves them cached on the grounds that the request computes
+        them again next step; a request freed before that (aborted,
+        preempted) would leave a failed load's bytes under its prompt's
+        hashes, and the next request with that prefix would attend to them
+        (tests/test_failed_load_prefix_cache.py).  Evicted: from the first
+        failed block of each request holding one to its last block (those
+        after it were computed on top of it), for the in-step loads and the
+        requests first scheduled beside them (a prefix hit on their blocks
+        in the same step).  An async load's blocks are cached by vLLM only
+        after the load, up to its first failed block: nothing to do.  The
+        recomputed blocks stay out of the prefix cache (vLLM caches a
+        request's blocks once).  A request scheduled beside a failed
+        in-step load with a prefix hit on its blocks keeps counting them
+        computed (vLLM: the failed request computes them next step); if that
+        one is freed or preempted first, its blocks are reported failed once
+        more in the next step (_forget_unrecomputed) so the other computes
+        them."""
+        kvm = self._kvm()
+        if not invalid_block_ids or kvm is None or self.groups != 1:
+            return  # several groups: vLLM refuses block-level load errors itself
+        bad = set(invalid_block_ids)
+        evict = set()
+        for rid in self._in_step.union(*self._new):
+            try:
+                blocks = list(kvm.get_block_ids(rid)[0])
+            except (KeyError, IndexError, TypeError, AttributeError):
+                continue  # finished meanwhile: its blocks are not ours to judge
+            first = next((i for i, b in enumerate(blocks) if b in bad), None)
+            if first is not None:
+                evict.update(blocks[first:])
+                if rid in self._in_step:
+                    self._unrecomputed[rid] = blocks[first:]
+        if not evict:
+            return
+        try:
+            kvm.evict_blocks(evict)
+        except Exception as e:  # noqa: BLE001 -- an older vLLM without evict_blocks
+            logger.error("MooncakeConnector: could not take %d block(s) of a failed load "
+                         "out of vLLM's prefix cache (%s); a request freed before its "
+                         "recompute may leave them there", len(evict), e)
+            return
+        self.stats.add("load_error_blocks_uncached", len(evict))
+
+    def _forget_unrecomputed(self, rid, why):
+        """Request rid leaves (freed or preempted) before computing the
+        blocks its failed in-step load left: a request holding them as a
+        prefix hit must not read them, so they are load errors once more."""
+        blocks = self._unrecomputed.pop(rid, None)
+        if blocks:
+            self._load_errors.extend(blocks)
+            logger.warning("MooncakeConnector: request %s %s before computing the %d block(s) "
+                           "its in-step load failed to fill; reported failed again so a "
+                           "request sharing them computes them", rid, why, len(blocks))
 
     # ---- producer ----
 
@@ -370,6 +435,14 @@ class SchedulerSide:
         meta = MooncakeConnectorMetadata(loads=list(self._loads.values()))
         self._loads.clear()
         self._batch = set(so.num_scheduled_tokens)
+        if self.s.is_consumer:
+            self._new = (self._new[1], {nr.req_id for nr in so.scheduled_new_reqs})
+            if self._unrecomputed:
+                for rid in getattr(so, "preempted_req_ids", None) or ():
+                    self._forget_unrecomputed(rid, "was preempted")
+                for rid in so.num_scheduled_tokens:  # computes them in this step
+                    self._unrecomputed.pop(rid, None)
+            meta.load_errors, self._load_errors = self._load_errors, []
         if self.s.is_producer:
             self._track_blocks(so)
             for rid in getattr(so, "preempted_req_ids", None) or ():
@@ -428,6 +501,10 @@ class SchedulerSide:
         self._tried.discard(rid)
         self._batch.discard(rid)
         self._busy.discard(rid)
+        self._in_step.discard(rid)
+        self._forget_unrecomputed(rid, "finished")
+        for new in self._new:
+            new.discard(rid)
         self._recomputed.discard(rid)
         n = self._published.pop(rid, None)
         params = getattr(request, "kv_transfer_params", None) or {}

@@ -27,6 +27,7 @@ COUNTERS = ("loads", "loads_in_step", "loads_failed", "load_bytes", "load_bytes_
             "sends_finished", "sends_expired", "push_loads", "push_sends", "push_bytes",
             "push_failed", "push_layer_loads", "push_producer_lost", "push_layer_load_busy",
             "push_target_resends", "push_fence_cuts", "malloc_trims", "malloc_trim_freed_bytes",
+            "load_error_blocks_uncached",
             *(f"recompute_{r}" for r in RECOMPUTE_REASONS))
 GAUGES = ("held_bytes", "lookup_entries", "loads_in_flight")
 
@@ -148,6 +149,9 @@ PROM_COUNTERS = {
     "push_fence_cuts": ("vllm:mooncake_push_fence_cuts_total",
                         "Consumer: producers whose connections were cut (Engine.cut_peer) "
                         "before blocks lent to them were freed without their answer"),
+    "load_error_blocks_uncached": ("vllm:mooncake_load_error_blocks_uncached_total",
+                                   "Consumer: blocks of failed loads taken out of vLLM's "
+                                   "prefix cache (in-step loads: cached before they ran)"),
     "malloc_trims": ("vllm:mooncake_malloc_trims_total",
                      "Worker: malloc_trim(0) calls after malloc_trim_idle_s without a step"),
     "malloc_trim_freed_bytes": ("vllm:mooncake_malloc_trim_freed_bytes_total",
