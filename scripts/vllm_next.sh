@@ -13,7 +13,9 @@
 # connector factory and base class with our scheduler- and worker-side
 # connector (tests/test_connector_vllm.py's harness), the plugin's factory
 # resolution, the API conformance test and the sleep-mode hooks, and vLLM's
-# own in-tree MooncakeConnector worker pair on our engine (test_intree_worker.py).
+# own in-tree MooncakeConnector worker pair on our engine (test_intree_worker.py),
+# the layer-wise push load and the prefix-cache eviction of failed loads (vLLM's
+# real scheduler: its caching of in-step loads differs between versions).
 # Not here: real vLLM servers (the e2e tests; 0.34 has no CPU build on PyPI).
 # MC_VLLM_NEXT=0.26.0 runs the same tests on the low end of the supported
 # range (real 0.26 servers: scripts/vllm-gpu-run.sh on the GPU machine).
@@ -23,7 +25,7 @@ ver="${MC_VLLM_NEXT:-0.34.0}"
 py="$repo/.venv/bin/python"
 overlay="$repo/.cache/vllm-$ver"
 tests=(tests/test_connector_vllm.py tests/test_connector_api.py tests/test_connector_v034.py
-       tests/test_intree_worker.py)
+       tests/test_intree_worker.py tests/test_push_layer_load.py tests/test_failed_load_prefix_cache.py)
 
 if [ ! -f "$overlay/.complete" ]; then
     t0=$SECONDS

@@ -10,6 +10,7 @@ with MOONCAKE_CONFIG_PATH=/path/to/mooncake.json.  With this package
 installed, the module path may be left out (see plugin.py).
 """
 import logging
+import sys
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1,
                                                                KVConnectorRole)
@@ -167,6 +168,7 @@ class MooncakeConnector(KVConnectorBase_V1, SupportsHMA):
                   s.role, "scheduler" if role == KVConnectorRole.SCHEDULER else "worker",
                   s.summary())
         self._scheduler = self._worker = None
+        self._kv_cache_manager_unbound = role == KVConnectorRole.SCHEDULER
         _check_groups(kv_cache_config)
         if role == KVConnectorRole.SCHEDULER:
             from mooncake_connector.connector.scheduler import SchedulerSide, bytes_per_block
@@ -197,12 +199,39 @@ class MooncakeConnector(KVConnectorBase_V1, SupportsHMA):
         self._scheduler.on_new_request(request)
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        if self._kv_cache_manager_unbound:
+            self._bind_callers_kv_cache_manager(sys._getframe(1))
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def _bind_callers_kv_cache_manager(self, frame):
+        """vLLM before bind_kv_cache_manager (0.26): the scheduler calling us
+        holds the KV-cache manager the scheduler side needs (the prefix-cache
+        eviction of a failed in-step load, SchedulerSide.on_load_errors, and
+        the requests' block ids).  Taken from the caller, once: only an
+        object with the manager's own methods is accepted; without one the
+        scheduler side keeps its fallbacks and says so."""
+        self._kv_cache_manager_unbound = False
+        if getattr(self, "_kv_cache_manager", None) is not None:
+            return
+        kvm = getattr(frame.f_locals.get("self"), "kv_cache_manager", None)
+        if callable(getattr(kvm, "evict_blocks", None)) and callable(
+                getattr(kvm, "get_block_ids", None)):
+            self._kv_cache_manager = kvm
+            _log_once("kvm_from_caller", "MooncakeConnector: this vLLM does not bind the KV-cache "
+                      "manager to connectors; using its scheduler's (%s)", type(kvm).__name__)
+        else:
+            logger.warning("MooncakeConnector: this vLLM gives the connector no KV-cache manager "
+                           "(no bind_kv_cache_manager, none on the scheduler calling it): a "
+                           "failed in-step load's blocks cannot be taken out of the prefix "
+                           "cache; use a vLLM whose connectors have bind_kv_cache_manager, or "
+                           "turn prefix caching off on the decode (--no-enable-prefix-caching)")
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens):
         self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output):
+        if self._kv_cache_manager_unbound:
+            self._bind_callers_kv_cache_manager(sys._getframe(1))
         return self._scheduler.build_connector_meta(scheduler_output)
 
     def request_finished(self, request, block_ids):
