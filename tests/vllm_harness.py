@@ -101,13 +101,14 @@ class Side:
     """One vLLM instance: scheduler + one worker connector + a paged KV cache."""
 
     def __init__(self, model_dir, role, extra, num_blocks=64, block_size=16, tp=1,
-                 sliding_window=None, pp=1, prefix_caching=False):
+                 sliding_window=None, pp=1, prefix_caching=False, max_batched=512):
         """sliding_window: layer 1 is a sliding-window layer in its own
         KV-cache group (vLLM's hybrid KV-cache manager, SupportsHMA).
         pp: pipeline stages; stage s holds layer s (LAYERS == 2).
-        prefix_caching: vLLM's prefix cache on (as a server has it by default)."""
+        prefix_caching: vLLM's prefix cache on (as a server has it by default).
+        max_batched: max_num_batched_tokens (small: prompts computed in chunks)."""
         self.cfg = make_config(model_dir, role, extra, block_size,
-                               prefix_caching=prefix_caching)
+                               prefix_caching=prefix_caching, max_batched=max_batched)
         self.cfg.parallel_config.tensor_parallel_size = tp
         self.cfg.parallel_config.pipeline_parallel_size = pp
         self.tp = tp * pp  # workers that must all report a request finished

@@ -79,8 +79,8 @@ class SchedulerSide:
         self._busy = set()        # consumer: layer loads turned into whole-prompt pushes
         self._in_step = set()     # consumer: requests with an in-step load (blocks cached early)
         self._new = (set(), set())  # consumer: requests first scheduled in the last two steps
-        self._unrecomputed = {}   # consumer: in-step load failed -> its blocks from the first
-                                  # failed one, until it is scheduled to compute them
+        self._unrecomputed = {}   # consumer: in-step load failed -> [(index, block id)] from
+                                  # its first failed block, trimmed as its steps compute them
         self._load_errors = []    # consumer: block ids to report failed again (next step)
         self.stats = MooncakeKVConnectorStats()
         self.producer_base = None
@@ -372,7 +372,7 @@ class SchedulerSide:
             if first is not None:
                 evict.update(blocks[first:])
                 if rid in self._in_step:
-                    self._unrecomputed[rid] = blocks[first:]
+                    self._unrecomputed[rid] = list(enumerate(blocks))[first:]
         if not evict:
             return
         try:
@@ -384,11 +384,36 @@ class SchedulerSide:
             return
         self.stats.add("load_error_blocks_uncached", len(evict))
 
+    def _trim_unrecomputed(self, so):
+        """A request with blocks its failed in-step load left computes them
+        in its next steps: in one step, or in chunks over several when its
+        prompt exceeds the step's token budget.  Only the blocks this step
+        fills entirely count as recomputed; the rest stay listed, so a
+        request freed or preempted in the middle of its recompute still
+        reports them failed (a sharer holding them computes them)."""
+        cached = so.scheduled_cached_reqs
+        end = {r: n + so.num_scheduled_tokens.get(r, 0)
+               for r, n in zip(cached.req_ids, cached.num_computed_tokens)}
+        for nr in so.scheduled_new_reqs:
+            end[nr.req_id] = nr.num_computed_tokens + so.num_scheduled_tokens.get(nr.req_id, 0)
+        for rid in list(self._unrecomputed):
+            if rid not in so.num_scheduled_tokens:
+                continue
+            if rid not in end:  # no count to judge by: the step computes them (as before)
+                del self._unrecomputed[rid]
+                continue
+            left = [(i, b) for i, b in self._unrecomputed[rid]
+                    if (i + 1) * self.block_size > end[rid]]
+            if left:
+                self._unrecomputed[rid] = left
+            else:
+                del self._unrecomputed[rid]
+
     def _forget_unrecomputed(self, rid, why):
         """Request rid leaves (freed or preempted) before computing the
         blocks its failed in-step load left: a request holding them as a
         prefix hit must not read them, so they are load errors once more."""
-        blocks = self._unrecomputed.pop(rid, None)
+        blocks = [b for _, b in self._unrecomputed.pop(rid, None) or ()]
         if blocks:
             self._load_errors.extend(blocks)
             logger.warning("MooncakeConnector: request %s %s before computing the %d block(s) "
@@ -440,8 +465,7 @@ class SchedulerSide:
             if self._unrecomputed:
                 for rid in getattr(so, "preempted_req_ids", None) or ():
                     self._forget_unrecomputed(rid, "was preempted")
-                for rid in so.num_scheduled_tokens:  # computes them in this step
-                    self._unrecomputed.pop(rid, None)
+                self._trim_unrecomputed(so)
             meta.load_errors, self._load_errors = self._load_errors, []
         if self.s.is_producer:
             self._track_blocks(so)
