@@ -61,6 +61,14 @@ Invariants (each violation is listed in the JSON):
              than --rss-slope-max MiB/min (with --reference: than R's slope
              plus --rss-over-reference)
 
+The harness itself (violations too): no link cut and no etcd restart
+while a SIGKILLed server restarts, and no restart while one is on (Gate: a
+restarting vLLM server must reach etcd; a fault that would wait moves
+behind the next kinds of its round, every round injects every kind once);
+a server that does not come back is retried (--restart-attempts) and then
+a harness failure; fault_counts_by_target counts injections per kind per
+server, and a planned kind injected 0 times fails the verdict.
+
 --reference adds R, a plain vLLM server with no KV connector on the same
 model, and sends it a copy of every client request (--reference-frac of
 them) while the load runs: vLLM's own allocator warm-up on this backend
