@@ -13,6 +13,11 @@ out of the prefix cache as soon as the load error is reported
 cached by vLLM only after the load, up to the first failed block: the
 proof tests below hold without any help.
 
+A request scheduled beside the failed load with a prefix hit on its blocks
+keeps them counted computed; the tests at the end cover the failed
+request's recompute in chunks (a small max_num_batched_tokens, with and
+without long_prefill_token_threshold) and its abort in the middle.
+
 Each test: a decode side with the prefix cache on (as a server has it), a
 load that fails, then a request with the same prompt; every block that
 request holds must have its tokens' KV (tests/vllm_harness.py's pattern),
@@ -27,7 +32,8 @@ vllm = pytest.importorskip("vllm", reason="vllm is not installed (scripts/env.sh
 
 from test_connector_vllm import BS, free_port, model_dir, toks, urls  # noqa: E402,F401
 from test_push_layer_load import Stepper, dp, side_maker  # noqa: E402
-from vllm_harness import RequestStatus, kv_value, make_request, recomputes, status  # noqa: E402,E501
+from vllm_harness import (RequestStatus, kv_value, make_request, recomputes,  # noqa: E402
+                          status)
 
 pytestmark = pytest.mark.vllm
 
