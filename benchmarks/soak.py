@@ -61,6 +61,14 @@ Invariants (each violation is listed in the JSON):
              than --rss-slope-max MiB/min (with --reference: than R's slope
              plus --rss-over-reference)
 
+The harness itself (violations too): no link cut and no etcd restart
+while a SIGKILLed server restarts, and no restart while one is on (Gate: a
+restarting vLLM server must reach etcd; a fault that would wait moves
+behind the next kinds of its round, every round injects every kind once);
+a server that does not come back is retried (--restart-attempts) and then
+a harness failure; fault_counts_by_target counts injections per kind per
+server, and a planned kind injected 0 times fails the verdict.
+
 --reference adds R, a plain vLLM server with no KV connector on the same
 model, and sends it a copy of every client request (--reference-frac of
 them) while the load runs: vLLM's own allocator warm-up on this backend
@@ -71,6 +79,7 @@ Exit status 0 when all hold.  Output: a progress line, --json results, a
 """
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -374,13 +383,115 @@ def counter_delta(before, after):
     return out
 
 
+# What each fault kind hits (the summary counts injections per kind per target).
+FAULT_TARGET = {"kill_prefill": "P1", "stop_decode": "D2", "etcd_restart": "etcd",
+                "link_cut": "veth (P1+P2)", "netem": "veth (P1+P2)"}
+
+
+class Gate:
+    """Keeps a server's restart apart from the faults that cut it off the
+    metadata server (a link cut, an etcd restart): a restarting vLLM server
+    must publish its segment to etcd, and one that cannot exits with the
+    designed "etcd unreachable" error (session 16: P1's restart fell into a
+    link cut and never came back).  restart(name) waits for any disruption
+    to end; disruption(kind) waits for every restart to end.  Each wait is
+    bounded (TimeoutError names what it waited for) and ends early when
+    stop_evt is set (InterruptedError)."""
+
+    def __init__(self, stop_evt=None):
+        self.cv = threading.Condition()
+        self.disrupting = set()   # fault kinds in progress
+        self.restarting = set()   # server names
+        self.stop_evt = stop_evt or threading.Event()
+
+    def _wait_for(self, pred, timeout, what):
+        deadline = time.monotonic() + timeout
+        while not pred():
+            if self.stop_evt.is_set():
+                raise InterruptedError(f"soak stopping while waiting for {what}")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"still waiting for {what} after {timeout:.0f} s")
+            self.cv.wait(min(left, 0.5))
+
+    @contextlib.contextmanager
+    def restart(self, name, timeout):
+        with self.cv:
+            self._wait_for(lambda: not self.disrupting, timeout,
+                           f"{sorted(self.disrupting)} to end before restarting {name}")
+            self.restarting.add(name)
+        try:
+            yield
+        finally:
+            with self.cv:
+                self.restarting.discard(name)
+                self.cv.notify_all()
+
+    @contextlib.contextmanager
+    def disruption(self, kind, timeout):
+        with self.cv:
+            self._wait_for(lambda: not self.restarting, timeout,
+                           f"the restart of {sorted(self.restarting)} to end before {kind}")
+            self.disrupting.add(kind)
+        try:
+            yield
+        finally:
+            with self.cv:
+                self.disrupting.discard(kind)
+                self.cv.notify_all()
+
+    def busy(self, name):
+        with self.cv:
+            return name in self.restarting
+
+
+def restart_with_retries(start, attempts, on_failure=None):
+    """Calls start() until it returns (at most `attempts` times); each
+    failure goes to on_failure(attempt, exc).  Returns (attempt that
+    succeeded or None, [error strings])."""
+    errors = []
+    for k in range(1, attempts + 1):
+        try:
+            start()
+            return k, errors
+        except Exception as e:  # noqa: BLE001 - reported, retried
+            errors.append(f"attempt {k}: {e!r}"[:600])
+            if on_failure is not None:
+                on_failure(k, e)
+    return None, errors
+
+
+def fault_verdict(kinds, events, errors, harness_failures):
+    """(counts {kind: {target: n}}, violations): a planned fault kind that
+    was never injected, a fault that could not be injected and a server
+    that did not come back are violations of the harness (a soak that
+    silently stops injecting a fault proves less than it says)."""
+    counts = {k: {FAULT_TARGET.get(k, "?"): 0} for k in kinds}
+    for e in events:
+        tgt = e.get("target") or FAULT_TARGET.get(e["fault"], "?")
+        counts.setdefault(e["fault"], {}).setdefault(tgt, 0)
+        counts[e["fault"]][tgt] += 1
+    v = []
+    never = [k for k in kinds if not sum(counts[k].values())]
+    if never:
+        v.append(f"harness: planned fault kinds injected 0 times: {never}")
+    if errors:
+        v.append(f"harness: faults not injected: {errors}")
+    if harness_failures:
+        v.append(f"harness: {harness_failures}")
+    return counts, v
+
+
 class Faults(threading.Thread):
     def __init__(self, cluster, net, args, t0):
         super().__init__(daemon=True)
         self.c, self.net, self.args, self.t0 = cluster, net, args, t0
         self.events = []       # {"fault", "start", "end", "detail"}
         self.stop_evt = threading.Event()
+        self.gate = Gate(self.stop_evt)
         self.errors = []
+        self.harness_failures = []   # a server that did not come back
+        self.restarts = {}           # {server: {"ok": n, "retried": n, "failed": n}}
         kinds = [f for f in args.faults.split(",") if f]
         if not net.enabled:
             kinds = [f for f in kinds if f not in ("link_cut", "netem")]
@@ -402,16 +513,35 @@ class Faults(threading.Thread):
     def _sleep(self, s):
         return self.stop_evt.wait(s)
 
+    def blocked(self, kind):
+        """True while `kind` would have to wait for a restart (the gate)."""
+        if kind in ("link_cut", "etcd_restart"):
+            with self.gate.cv:
+                return bool(self.gate.restarting)
+        return kind == "kill_prefill" and self.gate.busy("P1")
+
+    def next_kind(self, pending):
+        """The next fault: the first of `pending` (this round's kinds not yet
+        injected, in --faults order; refilled when empty) that need not wait
+        for a restart, else the first (it waits).  Each round injects every
+        kind once; a restart only reorders a round."""
+        if not pending:
+            pending.extend(self.kinds)
+        kind = next((k for k in pending if not self.blocked(k)), pending[0])
+        pending.remove(kind)
+        return kind
+
     def run(self):
-        i = 0
+        pending = []
         if self._sleep(self.args.first_fault_s):
             return
         while not self.stop_evt.is_set() and self.kinds:
-            kind = self.kinds[i % len(self.kinds)]
-            i += 1
+            kind = self.next_kind(pending)
             t = time.monotonic()
             try:
                 getattr(self, kind)()
+            except InterruptedError:
+                return  # the soak is stopping (a gate's wait ended early)
             except Exception as e:  # noqa: BLE001 - a fault that cannot be injected is reported
                 self.errors.append(f"{kind}: {e!r}")
                 log(f"fault {kind} could not be injected: {e!r}")
@@ -451,33 +581,67 @@ class Faults(threading.Thread):
         th.start()
         self.watchers.append(th)
 
+    def _wait_s(self):
+        return self.args.start_timeout * self.args.restart_attempts + 60
+
     def kill_prefill(self):
         srv = self.c.servers["P1"]
-        if "P1" in self.c.restarting:
-            return
+        if self.gate.busy("P1"):  # still coming back from the last SIGKILL: wait, do not skip
+            with self.gate.disruption("kill_prefill wait", self._wait_s()):
+                pass
+        if not srv.alive:
+            raise RuntimeError("P1 is down (its last restart failed): SIGKILL not injected")
         mid = self._mid_push(("push", "push-lw"), "kill_prefill")
         ev = self._event("kill_prefill", "SIGKILL to P1's process group, then restart" + mid)
+        ev["target"] = "P1"
         self._watch(ev, ("D1", "D2", "P2"), wait_end=False)
         srv.kill()
         self.c.restarting.add("P1")
-
-        def restart():
-            try:
-                self.c.launcher.start_all([srv], self.args.start_timeout)
-                ev["detail"] += f" (ready again after {srv.ready_s:.0f} s)"
-            except Exception as e:  # noqa: BLE001
-                self.errors.append(f"P1 restart: {e}")
-            finally:
-                ev["end"] = round(self.now(), 2)
-                self.c.restarting.discard("P1")
-        th = threading.Thread(target=restart, daemon=True)
+        started = threading.Event()
+        th = threading.Thread(target=self._restart, args=("P1", srv, ev, started), daemon=True)
         th.start()
         self.restart_threads.append(th)
+        started.wait(self._wait_s())   # the gate is held: no cut begins before the restart
+
+    def _restart(self, name, srv, ev, started):
+        rec = self.restarts.setdefault(name, {"ok": 0, "retried": 0, "failed": 0})
+
+        def failed(k, e):
+            rec["retried"] += 1
+            log(f"{name} restart attempt {k} failed: {e!r}"[:400])
+            try:
+                srv.kill()
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+        try:
+            with self.gate.restart(name, self._wait_s()):
+                started.set()
+                k, errs = restart_with_retries(
+                    lambda: self.c.launcher.start_all([srv], self.args.start_timeout),
+                    self.args.restart_attempts, failed)
+            if k is None:
+                rec["failed"] += 1
+                self.harness_failures.append(
+                    f"{name} did not come back after {self.args.restart_attempts} attempts: "
+                    f"{errs}")
+                ev["detail"] += f" (NOT back after {self.args.restart_attempts} attempts)"
+            else:
+                rec["ok"] += 1
+                ev["detail"] += (f" (ready again after {srv.ready_s:.0f} s"
+                                 + (f", attempt {k}" if k > 1 else "") + ")")
+        except Exception as e:  # noqa: BLE001 - the gate's wait: reported
+            rec["failed"] += 1
+            self.harness_failures.append(f"{name} restart: {e!r}")
+        finally:
+            started.set()
+            ev["end"] = round(self.now(), 2)
+            self.c.restarting.discard(name)
 
     def stop_decode(self):
         srv = self.c.servers["D2"]
         mid = self._mid_push(("push", "push-lw", "push-ll"), "stop_decode")
         ev = self._event("stop_decode", f"SIGSTOP D2 for {self.args.stop_s} s" + mid)
+        ev["target"] = "D2"
         self._watch(ev, ("D1", "D2", "P1", "P2"))
         serving._killpg(srv.proc.pid, signal.SIGSTOP)
         try:
@@ -487,25 +651,30 @@ class Faults(threading.Thread):
             ev["end"] = round(self.now(), 2)
 
     def etcd_restart(self):
-        ev = self._event("etcd_restart", "SIGTERM etcd, down 3 s, restart (same data dir)")
-        self.c.etcd.stop(grace=10)
-        time.sleep(3)
-        self.c.launcher.start_all([self.c.etcd], 60)
-        ev["end"] = round(self.now(), 2)
+        with self.gate.disruption("etcd_restart", self._wait_s()):
+            ev = self._event("etcd_restart", "SIGTERM etcd, down 3 s, restart (same data dir)")
+            ev["target"] = "etcd"
+            self.c.etcd.stop(grace=10)
+            time.sleep(3)
+            self.c.launcher.start_all([self.c.etcd], 60)
+            ev["end"] = round(self.now(), 2)
 
     def link_cut(self):
-        mid = self._mid_push(("push-ll",), "link_cut")
-        ev = self._event("link_cut", f"veth down for {self.args.cut_s} s" + mid)
-        self._watch(ev, ("D1", "D2", "P1", "P2"))
-        self.net.cut()
-        try:
-            time.sleep(self.args.cut_s)
-        finally:
-            self.net.heal()
-            ev["end"] = round(self.now(), 2)
+        with self.gate.disruption("link_cut", self._wait_s()):
+            mid = self._mid_push(("push-ll",), "link_cut")
+            ev = self._event("link_cut", f"veth down for {self.args.cut_s} s" + mid)
+            ev["target"] = FAULT_TARGET["link_cut"]
+            self._watch(ev, ("D1", "D2", "P1", "P2"))
+            self.net.cut()
+            try:
+                time.sleep(self.args.cut_s)
+            finally:
+                self.net.heal()
+                ev["end"] = round(self.now(), 2)
 
     def netem(self):
         ev = self._event("netem", f"loss+delay on the link for {self.args.netem_s} s")
+        ev["target"] = FAULT_TARGET["netem"]
         ev["detail"] += ": " + self.net.netem(40, 3)
         try:
             time.sleep(self.args.netem_s)
@@ -1145,6 +1314,9 @@ def main(argv=None):
     ap.add_argument("--first-fault-s", type=float, default=20.0)
     ap.add_argument("--stop-s", type=float, default=6.0, help="SIGSTOP length")
     ap.add_argument("--cut-s", type=float, default=6.0, help="link cut length")
+    ap.add_argument("--restart-attempts", type=int, default=3,
+                    help="tries to bring a SIGKILLed server back (each up to --start-timeout); "
+                         "one that never comes back is a harness failure in the verdict")
     ap.add_argument("--netem-s", type=float, default=20.0)
     ap.add_argument("--disconnect-frac", type=float, default=0.1)
     ap.add_argument("--abort-frac", type=float, default=0.07)
@@ -1321,6 +1493,10 @@ def main(argv=None):
         results["fault_counts"] = {k: sum(1 for e in faults.events if e["fault"] == k)
                                    for k in FAULTS}
         results["fault_errors"] = faults.errors
+        results["harness_failures"] = faults.harness_failures
+        results["restarts"] = faults.restarts
+        results["fault_counts_by_target"], harness_v = fault_verdict(
+            faults.kinds, faults.events, faults.errors, faults.harness_failures)
         results["summary"] = summarize(load, t_load_end)
         results["final"] = {n: rows[n] for n in rows}
         # Lifetimes serving when the load began (a restarted P1 warms up).
@@ -1389,8 +1565,7 @@ def main(argv=None):
                 v.append(f"flow {f}: no request succeeded")
         if args.reference and ref is None and not args.memwatch_dir:
             v.append("the reference server R has no RSS slope (down during the load?)")
-        if faults.errors:
-            v.append(f"faults not injected: {faults.errors}")
+        v.extend(harness_v)
         if not s["ok"]:
             v.append("no request succeeded")
         results["examples"] = [r for r in load.records
@@ -1409,6 +1584,8 @@ def main(argv=None):
     log(f"requests {s.get('requests')}  ok {s.get('ok')}  errors {s.get('error')}  client "
         f"aborts {s.get('client_abort')}  hung {s.get('hung')}  wrong {s.get('wrong')}  "
         f"truncated {s.get('truncated')}  faults {results.get('fault_counts')}")
+    log(f"faults per kind per target {results.get('fault_counts_by_target')}; restarts "
+        f"{results.get('restarts')}")
     log(f"by flow {s.get('by_flow')}; mid-push bursts {s.get('bursts')}")
     log(f"RSS slope MiB/min {results.get('rss_slope_mib_per_min')}; drained in "
         f"{results.get('drain_s')} s")

@@ -13,6 +13,11 @@ out of the prefix cache as soon as the load error is reported
 cached by vLLM only after the load, up to the first failed block: the
 proof tests below hold without any help.
 
+A request scheduled beside the failed load with a prefix hit on its blocks
+keeps them counted computed; the tests at the end cover the failed
+request's recompute in chunks (a small max_num_batched_tokens, with and
+without long_prefill_token_threshold) and its abort in the middle.
+
 Each test: a decode side with the prefix cache on (as a server has it), a
 load that fails, then a request with the same prompt; every block that
 request holds must have its tokens' KV (tests/vllm_harness.py's pattern),
@@ -27,7 +32,8 @@ vllm = pytest.importorskip("vllm", reason="vllm is not installed (scripts/env.sh
 
 from test_connector_vllm import BS, free_port, model_dir, toks, urls  # noqa: E402,F401
 from test_push_layer_load import Stepper, dp, side_maker  # noqa: E402
-from vllm_harness import RequestStatus, make_request, recomputes, status  # noqa: E402
+from vllm_harness import (RequestStatus, kv_value, make_request, recomputes,  # noqa: E402
+                          status)
 
 pytestmark = pytest.mark.vllm
 
@@ -174,4 +180,112 @@ def test_prefix_hit_beside_a_failed_in_step_load_is_computed(sides):
                        steps=5)
     assert "g" in d.sched.requests and d.block_matches_pattern("g", t, 4), \
         "a request attends to blocks of a failed load it shared (no one computed them)"
+    assert d.run_until(lambda: not d.sched.requests) and d.is_empty()
+
+
+# ---- a recompute in chunks (max_num_batched_tokens below the prompt) with a
+# same-step sharer running beside it.
+
+CHUNK = 2 * BS  # max_num_batched_tokens: a 4-block prompt is computed in two steps
+
+
+@pytest.fixture
+def chunked_sides(model_dir, urls, request):  # noqa: F811
+    """param: long_prefill_token_threshold (0: none, vLLM's default)."""
+    yield from side_maker(model_dir, urls, prefix_caching=True, max_batched=CHUNK,
+                          long_prefill=getattr(request, "param", 0))
+
+
+def _watch_reads(d, rid, t):
+    """Each step that schedules rid: after the step's KV writes (vLLM's
+    attention runs after every request's writes of the layer), do the
+    blocks under positions [0, end) hold their tokens' KV, and did vLLM
+    keep the step's result (not thrown away by a load error)?  Returns the
+    list of [end, right, kept]."""
+    reads = []
+    fwd = d._forward
+
+    def forward(so):
+        fwd(so)
+        if so.num_scheduled_tokens.get(rid):
+            req = d.sched.requests[rid]
+            end, all_t = req.num_computed_tokens, req.all_token_ids
+            assert list(all_t[:len(t)]) == list(t)
+            gids = d.sched.kv_cache_manager.get_block_ids(rid)
+            right = all(float(x.min()) == float(x.max()) == kv_value(li, all_t[pos], pos, h)
+                        for pos in range(end) for x, li, h in d._slots(gids, pos))
+            reads.append([end, right, None])
+    d._forward = forward
+    step = d.step
+
+    def stepped():
+        n = len(reads)
+        so = step()
+        if len(reads) > n:
+            req = d.sched.requests.get(rid)
+            reads[-1][2] = req is not None and req.num_computed_tokens >= reads[-1][0]
+        return so
+    d.step = stepped
+    return reads
+
+
+def _sharer_beside_failed_load(d, seed):
+    t = toks(seed, 4 * BS)
+    dead = f"127.0.0.1:{free_port()}"
+    d.add(make_request("f", t, max_tokens=2, params={
+        "do_remote_prefill": True, "remote_engine_id": dead, "num_tokens": 4 * BS},
+        block_hasher=d.block_hasher))
+    d.add(make_request("g", t, max_tokens=2, block_hasher=d.block_hasher))
+    reads = _watch_reads(d, "g", t)
+    so = d.step()
+    assert set(so.num_scheduled_tokens) == {"f", "g"} and d.invalid
+    assert d.block_ids("g")[:3] == d.block_ids("f")[:3]  # g's prefix hit: f's blocks
+    return t, reads
+
+
+@pytest.mark.parametrize("chunked_sides", [0, BS], ids=["budget", "long_prefill_threshold"],
+                         indirect=True)
+def test_chunked_recompute_with_a_running_sharer_reads_only_recomputed_kv(chunked_sides):
+    """f's in-step load fails; g, scheduled beside it, holds f's first 3
+    blocks as a prefix hit.  f recomputes its 4-block prompt in 2-block
+    chunks over two steps: g must not compute (keep a result) on blocks f
+    has not recomputed yet.  Holds without the connector's help: f is
+    ahead of g in vLLM's running queue and each of its chunks takes the
+    whole token budget, so g is scheduled only in the step that writes
+    f's last blocks (vLLM's attention reads that step's writes).  Can fail:
+    with max_num_batched_tokens 3 blocks g computes beside f's first chunk."""
+    d = chunked_sides("kv_consumer", load_timeout_s=5, flow_a=False)
+    t, reads = _sharer_beside_failed_load(d, 306)
+    assert d.run_until(lambda: d.computed.get("f", 0) >= 4 * BS + 16 or "f" not in
+                       d.sched.requests, steps=10)
+    assert d.computed.get("f", 0) > 2 * CHUNK - 1, d.computed  # f's recompute took chunks
+    assert d.run_until(lambda: d.sched.requests.get("g") is None or
+                       d.sched.requests["g"].num_computed_tokens >= 4 * BS, steps=20), reads
+    kept = [r for r in reads if r[2]]
+    assert kept and all(right for _, right, _ in kept), \
+        f"g kept a result computed on a failed load's KV: {reads}"
+    assert d.block_matches_pattern("g", t, 4)
+    assert d.run_until(lambda: not d.sched.requests) and d.is_empty()
+
+
+def test_chunked_recompute_aborted_midway_leaves_its_sharer_no_failed_kv(chunked_sides):
+    """As above, but f is aborted after its first chunk (a client gone):
+    its blocks 2..3 were never recomputed and g holds block 2 as computed.
+    The connector reports the blocks f had not recomputed yet as failed
+    once more, so g computes them; g never keeps a result read on failed
+    KV.  Before the fix the connector forgot f's failed blocks as soon as
+    f was scheduled at all (its first chunk), and g's prompt step kept a
+    result attending to block 2's failed bytes (this test fails there)."""
+    d = chunked_sides("kv_consumer", load_timeout_s=5, flow_a=False)
+    t, reads = _sharer_beside_failed_load(d, 307)
+    so = d.step()   # f's first recompute chunk: blocks 0..1, the whole budget
+    assert dict(so.num_scheduled_tokens) == {"f": CHUNK}, so.num_scheduled_tokens
+    _abort(d, "f")
+    assert d.run_until(lambda: d.sched.requests.get("g") is None or
+                       d.sched.requests["g"].num_computed_tokens >= 4 * BS, steps=10)
+    assert "g" in d.sched.requests
+    kept = [r for r in reads if r[2]]
+    assert kept and all(right for _, right, _ in kept), \
+        f"g kept a result computed on a failed load's KV: {reads}"
+    assert d.block_matches_pattern("g", t, 4)
     assert d.run_until(lambda: not d.sched.requests) and d.is_empty()

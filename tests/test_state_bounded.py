@@ -62,7 +62,7 @@ def sizes(side):
     sch = side.sched.connector._scheduler
     for k in ("_claims", "_probed", "_asked", "_loads", "_publishes", "_held", "_unpublish",
               "_push_dropped", "_published", "_reqs", "_blocks", "_tried", "_recomputed",
-              "_batch", "_busy", "_in_step", "_unrecomputed", "_load_errors"):
+              "_batch", "_busy", "_in_step", "_unrecomputed", "_load_errors", "_readers"):
         out[f"sched.{k}"] = len(getattr(sch, k))
     probe = sch._probe
     if probe is not None:

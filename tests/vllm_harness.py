@@ -62,11 +62,12 @@ def tiny_model_dir(path):
 
 
 def make_config(model_dir, role, extra, block_size=16, module_path="mooncake_connector",
-                max_batched=512, prefix_caching=False):
+                max_batched=512, prefix_caching=False, long_prefill=0):
     mc = ModelConfig(model=model_dir, dtype="float32", seed=0, skip_tokenizer_init=True,
                      max_model_len=2048)
     sc = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=max_batched,
-                         max_model_len=2048, is_encoder_decoder=False)
+                         max_model_len=2048, is_encoder_decoder=False,
+                         long_prefill_token_threshold=long_prefill)
     cc = CacheConfig(block_size=block_size, enable_prefix_caching=prefix_caching)
     kt = KVTransferConfig(kv_connector="MooncakeConnector", kv_connector_module_path=module_path,
                           kv_role=role, kv_connector_extra_config=dict(extra))
@@ -101,13 +102,17 @@ class Side:
     """One vLLM instance: scheduler + one worker connector + a paged KV cache."""
 
     def __init__(self, model_dir, role, extra, num_blocks=64, block_size=16, tp=1,
-                 sliding_window=None, pp=1, prefix_caching=False):
+                 sliding_window=None, pp=1, prefix_caching=False, max_batched=512,
+                 long_prefill=0):
         """sliding_window: layer 1 is a sliding-window layer in its own
         KV-cache group (vLLM's hybrid KV-cache manager, SupportsHMA).
         pp: pipeline stages; stage s holds layer s (LAYERS == 2).
-        prefix_caching: vLLM's prefix cache on (as a server has it by default)."""
+        prefix_caching: vLLM's prefix cache on (as a server has it by default).
+        max_batched: max_num_batched_tokens (small: prompts computed in chunks).
+        long_prefill: long_prefill_token_threshold (a prefill's chunk cap)."""
         self.cfg = make_config(model_dir, role, extra, block_size,
-                               prefix_caching=prefix_caching)
+                               prefix_caching=prefix_caching, max_batched=max_batched,
+                               long_prefill=long_prefill)
         self.cfg.parallel_config.tensor_parallel_size = tp
         self.cfg.parallel_config.pipeline_parallel_size = pp
         self.tp = tp * pp  # workers that must all report a request finished

@@ -79,9 +79,10 @@ class SchedulerSide:
         self._busy = set()        # consumer: layer loads turned into whole-prompt pushes
         self._in_step = set()     # consumer: requests with an in-step load (blocks cached early)
         self._new = (set(), set())  # consumer: requests first scheduled in the last two steps
-        self._unrecomputed = {}   # consumer: in-step load failed -> its blocks from the first
-                                  # failed one, until it is scheduled to compute them
+        self._unrecomputed = {}   # consumer: in-step load failed -> [(index, block id)] from
+                                  # its first failed block, trimmed as its steps compute them
         self._load_errors = []    # consumer: block ids to report failed again (next step)
+        self._readers = set()     # consumer: requests that were scheduled on such blocks
         self.stats = MooncakeKVConnectorStats()
         self.producer_base = None
         if settings.is_producer:
@@ -363,7 +364,7 @@ class SchedulerSide:
             return  # several groups: vLLM refuses block-level load errors itself
         bad = set(invalid_block_ids)
         evict = set()
-        for rid in self._in_step.union(*self._new):
+        for rid in self._in_step.union(self._readers, *self._new):
             try:
                 blocks = list(kvm.get_block_ids(rid)[0])
             except (KeyError, IndexError, TypeError, AttributeError):
@@ -372,7 +373,8 @@ class SchedulerSide:
             if first is not None:
                 evict.update(blocks[first:])
                 if rid in self._in_step:
-                    self._unrecomputed[rid] = blocks[first:]
+                    self._unrecomputed[rid] = list(enumerate(blocks))[first:]
+        self._readers.clear()
         if not evict:
             return
         try:
@@ -384,11 +386,66 @@ class SchedulerSide:
             return
         self.stats.add("load_error_blocks_uncached", len(evict))
 
+    def _trim_unrecomputed(self, so):
+        """A request whose in-step load failed computes those blocks in its
+        next steps: in one, or in chunks over several when its prompt
+        exceeds the step's token budget.  A block counts as recomputed once
+        a step fills it (by whichever request holds it); the rest stay
+        listed, so a request freed or preempted in the middle of its
+        recompute still reports them failed.  A request scheduled in this
+        step that counts a still-listed block among its computed tokens (a
+        sharer scheduled beside a chunk of the recompute: vLLM's
+        long_prefill_token_threshold leaves it budget) would attend to a
+        failed load's bytes: those blocks are reported failed in this step,
+        so vLLM throws the step's result away and the sharer computes
+        them."""
+        kvm = self._kvm()
+        bs = self.block_size
+        cached = so.scheduled_cached_reqs
+        span = {r: (n, n + so.num_scheduled_tokens.get(r, 0))
+                for r, n in zip(cached.req_ids, cached.num_computed_tokens)}
+        for nr in so.scheduled_new_reqs:
+            n = nr.num_computed_tokens
+            span[nr.req_id] = (n, n + so.num_scheduled_tokens.get(nr.req_id, 0))
+        ids = {}
+        for rid in so.num_scheduled_tokens:
+            try:
+                ids[rid] = list(kvm.get_block_ids(rid)[0]) if kvm is not None else []
+            except (KeyError, IndexError, TypeError, AttributeError):
+                ids[rid] = []
+        filled = set()  # blocks this step completes (a request's last one: up to b)
+        for rid, (a, b) in span.items():
+            last = len(ids.get(rid, ())) - 1
+            filled.update(blk for i, blk in enumerate(ids.get(rid, ()))
+                          if a < (i + 1) * bs <= b or (i == last and a < b and i * bs < b))
+        for rid in list(self._unrecomputed):
+            if rid in so.num_scheduled_tokens and rid not in span:
+                del self._unrecomputed[rid]  # no count to judge by: computed this step
+                continue
+            left = [(i, blk) for i, blk in self._unrecomputed[rid] if blk not in filled]
+            if left:
+                self._unrecomputed[rid] = left
+            else:
+                del self._unrecomputed[rid]
+        pending = {blk for v in self._unrecomputed.values() for _, blk in v}
+        if not pending:
+            return
+        for rid, (a, _) in span.items():
+            if rid in self._unrecomputed:
+                continue
+            read = [blk for blk in ids.get(rid, ())[:(a + bs - 1) // bs] if blk in pending]
+            if read:
+                self._load_errors.extend(read)
+                self._readers.add(rid)
+                logger.warning("MooncakeConnector: request %s is scheduled on %d block(s) a "
+                               "failed in-step load left and no step has computed yet; "
+                               "reported failed so it computes them", rid, len(read))
+
     def _forget_unrecomputed(self, rid, why):
         """Request rid leaves (freed or preempted) before computing the
         blocks its failed in-step load left: a request holding them as a
         prefix hit must not read them, so they are load errors once more."""
-        blocks = self._unrecomputed.pop(rid, None)
+        blocks = [b for _, b in self._unrecomputed.pop(rid, None) or ()]
         if blocks:
             self._load_errors.extend(blocks)
             logger.warning("MooncakeConnector: request %s %s before computing the %d block(s) "
@@ -440,8 +497,7 @@ class SchedulerSide:
             if self._unrecomputed:
                 for rid in getattr(so, "preempted_req_ids", None) or ():
                     self._forget_unrecomputed(rid, "was preempted")
-                for rid in so.num_scheduled_tokens:  # computes them in this step
-                    self._unrecomputed.pop(rid, None)
+                self._trim_unrecomputed(so)
             meta.load_errors, self._load_errors = self._load_errors, []
         if self.s.is_producer:
             self._track_blocks(so)
@@ -502,6 +558,7 @@ class SchedulerSide:
         self._batch.discard(rid)
         self._busy.discard(rid)
         self._in_step.discard(rid)
+        self._readers.discard(rid)
         self._forget_unrecomputed(rid, "finished")
         for new in self._new:
             new.discard(rid)
