@@ -167,6 +167,47 @@ def test_idle_producer_waits_for_a_late_target_asleep_not_polling(sides):
     assert d.is_empty() and not d.invalid
 
 
+def test_idle_decode_waits_for_pushed_kv_asleep_not_polling(sides):
+    """A decode whose only request waits for pushed KV (whole prompt) runs
+    idle steps; each waits (up to idle_wait_ms) asleep on the engine's
+    notifications, not looking every 0.2 ms on vLLM's engine thread (~1,400
+    looks for this 0.3 s wait before, each taking the GIL and a CPU the
+    prefill's forward needs on a small host: issue 31).  The prefill's
+    "done" still wakes it at once and the prompt lands."""
+    p = sides("kv_producer")
+    d = sides("kv_consumer", flow_a=False, idle_wait_ms=50)
+    t = toks(22, 3 * BS + 2)
+    d.add(make_request("q", t, max_tokens=2, params=push_params("T10", "d")))
+    d.step()
+    assert status(d, "q") == RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert got_target(p, "T10")
+    w = d.worker._worker
+    looks = [0]
+    orig = w.drain_notifies
+
+    def counting():
+        looks[0] += 1
+        return orig()
+    w.drain_notifies = counting
+    steps, t0 = 0, time.monotonic()
+    while time.monotonic() - t0 < 0.3:
+        d.step()
+        steps += 1
+    took = time.monotonic() - t0
+    assert "q" not in d.recvd
+    # one look in the step's get_finished, one per wake-up of its wait (a
+    # wake-up every 2 ms while the target's send result is due: the first)
+    assert looks[0] <= 3 * steps + 30, (looks[0], steps, took)
+    assert steps <= took / 0.05 + 2, (steps, took)  # each idle step waited
+    p.add(make_request("pq", t, max_tokens=1, params=push_params("T10", "p")))
+    t1 = time.monotonic()
+    assert both(p, d, lambda: "q" in d.recvd)
+    assert time.monotonic() - t1 < 1.0
+    assert d.block_matches_pattern("q", t, 3)
+    assert both(p, d, lambda: not d.sched.requests and p.is_empty())
+    assert d.is_empty() and not d.invalid
+
+
 def test_abort_while_waiting_fences_the_producer(sides):
     """Decode aborts while waiting: vLLM keeps the blocks until the producer
     acknowledged the cancel; the prefill computed afterwards writes nothing
