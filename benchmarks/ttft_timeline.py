@@ -27,7 +27,8 @@ contend?).
 Same-lease A/B of two code trees (issue 31, run 20): --tree-b PATH starts a
 second prefill + decode + push layer-load proxy whose processes import the
 connector from PATH (PYTHONPATH), beside the first tree's; its mode is
-push_ll_<--label-b>.  --noasync adds a third set from this tree with vLLM's
+push_ll_<--label-b> (with --whole also its whole-prompt push,
+push_whole_<--label-b>).  --noasync adds a third set from this tree with vLLM's
 asynchronous scheduling off (--no-async-scheduling) on its decode and on
 its own colocated server (modes push_ll_na, colocated_na).  Every prompt
 goes through every mode (one request at a time, fresh random order), so
@@ -278,9 +279,12 @@ def make_sets(workdir, model, extra, common, tree_b=None, label_b="tb", noasync=
             [os.path.abspath(tree_b)] + [x for x in (saved or "").split(os.pathsep)
                                          if x and os.path.abspath(x) != here])
         try:
+            # --whole: its whole-prompt push too (push_whole_<label_b>)
             deps[label_b] = Deployment(os.path.join(workdir, "tree-" + label_b), model,
                                        flows=(), colocated=False,
-                                       extra_proxies={"push-ll": extra["push-ll"]}, **common)
+                                       extra_proxies={k: extra[k] for k in ("push-ll",
+                                                                            "push-whole")
+                                                      if k in extra}, **common)
         finally:
             if saved is None:
                 os.environ.pop("PYTHONPATH", None)
@@ -471,6 +475,9 @@ def main(argv=None):
             urls[f"push_ll_{name}"] = d.proxies["push-ll"].url
             srv_of[f"push_ll_{name}"] = d.decode.url
             pre_of[f"push_ll_{name}"] = d.prefill.url
+            if "push-whole" in d.proxies:
+                urls[f"push_whole_{name}"] = d.proxies["push-whole"].url
+                srv_of[f"push_whole_{name}"] = d.decode.url
             if d.colocated is not None:
                 urls[f"colocated_{name}"] = srv_of[f"colocated_{name}"] = d.colocated.url
         body = {"model": "tiny", "temperature": 0.0, "max_tokens": args.max_tokens,
@@ -488,11 +495,15 @@ def main(argv=None):
                  "colocated": dep.colocated.proc.pid,
                  "proxy_push_ll": dep.proxies["push-ll"].proc.pid,
                  "proxy_colocated": dep.colocated_proxy.proc.pid}
+        if "push-whole" in dep.proxies:
+            pgids["proxy_push_whole"] = dep.proxies["push-whole"].proc.pid
         for name, d in deps.items():
             if name != "a":
                 pgids.update({f"prefill_{name}": d.prefill.proc.pid,
                               f"decode_{name}": d.decode.proc.pid,
                               f"proxy_push_ll_{name}": d.proxies["push-ll"].proc.pid})
+                if "push-whole" in d.proxies:
+                    pgids[f"proxy_push_whole_{name}"] = d.proxies["push-whole"].proc.pid
                 if d.colocated is not None:
                     pgids[f"colocated_{name}"] = d.colocated.proc.pid
         order = random.Random(31)

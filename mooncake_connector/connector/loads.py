@@ -299,15 +299,38 @@ class Loads:
                 and all(ld.spec.flow == "P" for ld in self.loading.values())):
             # Only requests waiting for pushed KV and nothing to compute: vLLM
             # would step again at once; wait up to idle_wait_ms for a "done"
-            # instead (polled, GIL released while sleeping) so this process
-            # leaves the CPU to the prefill.  A new request may start this
-            # much later.
-            deadline = time.monotonic() + w.s.idle_wait_ms / 1000.0
-            while not done and time.monotonic() < deadline:
-                time.sleep(0.0002)
-                w.drain_notifies()
-                self._poll_all(done)
+            # instead, asleep on the engine's notifications (GIL released;
+            # a "done", a connection lost or close wakes it), so this process
+            # leaves the CPU to the prefill.  It used to look every 0.2 ms
+            # (~10 looks per 2 ms idle step, each taking the GIL and running
+            # the loads' checks on the CPU the prefill's forward needs on a
+            # small host: issue 31).  A new request may start this much later.
+            self._idle_wait(done, time.monotonic() + w.s.idle_wait_ms / 1000.0)
         return done
+
+    def _idle_wait(self, done, deadline):
+        w = self.w
+        while not done:
+            now = time.monotonic()
+            if now >= deadline:
+                return
+            until = deadline
+            for ld in self.loading.values():  # an outbox result, a re-send, a lease's end
+                cl = getattr(ld, "push", None)
+                if cl is not None:
+                    until = min(until, cl.hard_end, *cl.resend_at.values())
+                    if cl.deadline > now:  # the cancel goes out at the deadline
+                        until = min(until, cl.deadline)
+                    if any(st in ("sending", "cancelling") for st in cl.ranks.values()):
+                        until = min(until, now + self.OUTBOX_LOOK_S)
+            try:
+                w.engine.wait_notifies(max(until - now, 0.0002))
+            except Exception:  # noqa: BLE001 - closed meanwhile (sleep mode, shutdown)
+                time.sleep(0.0002)
+            w.drain_notifies()
+            self._poll_all(done)
+
+    OUTBOX_LOOK_S = 0.002  # an idle wait with a send's result due looks this often
 
     def take_invalid(self):
         out, self.invalid = self.invalid, set()
