@@ -671,8 +671,6 @@ def test_plugin_opt_out_restores_vllms_connector(model_dir, tmp_path):
     ({"probe_wait_ms": -1}, "probe_wait_ms must be >= 0"),
     ({"probe_wait_ms": 20000}, "probe_wait_ms must be 0-10000"),
     ({"probe_wait_ms": float("nan")}, "probe_wait_ms must be 0-10000"),
-    ({"push_tail_nice": 20}, "push_tail_nice must be 0 (off) to 19"),
-    ({"push_tail_nice": "x"}, "push_tail_nice must be a int"),
 ])
 def test_bad_settings_say_what_is_wrong(extra, msg):
     from types import SimpleNamespace
@@ -680,21 +678,6 @@ def test_bad_settings_say_what_is_wrong(extra, msg):
     with pytest.raises(SettingsError) as ei:
         resolve(SimpleNamespace(kv_role="kv_consumer", kv_connector_extra_config=extra), env={})
     assert msg in str(ei.value)
-
-
-def test_push_tail_nice_from_the_environment():
-    """MC_PUSH_TAIL_NICE gives push_tail_nice where the key is not given
-    (the key wins); a bad value names the variable."""
-    from types import SimpleNamespace
-    from mooncake_connector.connector.settings import SettingsError, resolve
-
-    def cfg(extra):
-        return SimpleNamespace(kv_role="kv_producer", kv_connector_extra_config=extra)
-    assert resolve(cfg({}), env={}).push_tail_nice == 0
-    assert resolve(cfg({}), env={"MC_PUSH_TAIL_NICE": "5"}).push_tail_nice == 5
-    assert resolve(cfg({"push_tail_nice": 0}), env={"MC_PUSH_TAIL_NICE": "5"}).push_tail_nice == 0
-    with pytest.raises(SettingsError, match="MC_PUSH_TAIL_NICE"):
-        resolve(cfg({}), env={"MC_PUSH_TAIL_NICE": "high"})
 
 
 def test_bad_role_and_bad_json(tmp_path):

@@ -4,8 +4,6 @@ blocks' addresses with a lease, and the producer WRITEs the prompt's KV into
 them (whole prompt, or layer by layer from save_kv_layer).  Real engines move
 real bytes; aborts, timeouts and either side's death end within their bounds,
 and nothing is written into blocks after the decode side let them go."""
-import os
-import threading
 import time
 
 import pytest
@@ -208,60 +206,6 @@ def test_idle_decode_waits_for_pushed_kv_asleep_not_polling(sides):
     assert d.block_matches_pattern("q", t, 3)
     assert both(p, d, lambda: not d.sched.requests and p.is_empty())
     assert d.is_empty() and not d.invalid
-
-
-class TailSide(LayerSide):
-    """LayerSide noting its forward thread's nice value after the last
-    layer's save (the forward's tail) and after the step."""
-
-    def _forward(self, so):
-        super()._forward(so)
-        self.tail_nice.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
-
-
-def test_push_tail_runs_nicer_after_the_last_layer(model_dir, urls):  # noqa: F811
-    """push_tail_nice: once the step's last layer is saved and every prompt
-    of the step went layer by layer to its target, the rest of the forward
-    (whose output the decode does not need) runs nicer, and the thread is
-    back at its own nice value when the forward ends; the KV still lands."""
-    p = TailSide(model_dir, "kv_producer", {**urls, "push_layerwise": True,
-                                            "push_tail_nice": 7}, block_size=BS)
-    d = Side(model_dir, "kv_consumer", {**urls, "flow_a": False}, block_size=BS)
-    try:
-        p.tail_nice = []
-        base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-        t = toks(23, 3 * BS + 3)
-        d.add(make_request("q", t, max_tokens=2, params=push_params("T11", "d")))
-        d.step()
-        assert got_target(p, "T11")  # the target is there before the prefill's forward
-        p.add(make_request("pq", t, max_tokens=1, params=push_params("T11", "p")))
-        p.tail_nice.clear()
-        p.step()
-        assert p.tail_nice and p.tail_nice[0] == min(base + 7, 19), (p.tail_nice, base)
-        assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == base
-        assert p.worker._worker.tail_nice.lowered == 1
-        assert both(p, d, lambda: "q" in d.recvd)
-        assert d.block_matches_pattern("q", t, 3) and not d.invalid
-        assert both(p, d, lambda: not d.sched.requests and p.is_empty())
-        # a push prompt with a plain request in the same step: the plain
-        # one's output is needed, the tail is not nicer
-        t2 = toks(24, 2 * BS + 1)
-        d.add(make_request("q2", t2, max_tokens=2, params=push_params("T12", "d")))
-        d.step()
-        assert got_target(p, "T12")
-        p.add(make_request("pq2", t2, max_tokens=1, params=push_params("T12", "p")))
-        p.add(make_request("plain", toks(25, 2 * BS), max_tokens=2,
-                           params={"do_remote_decode": False}))
-        p.tail_nice.clear()
-        so = p.step()
-        assert {"pq2", "plain"} <= set(so.num_scheduled_tokens)
-        assert p.tail_nice and all(v == base for v in p.tail_nice), p.tail_nice
-        assert p.worker._worker.tail_nice.lowered == 1
-        assert both(p, d, lambda: "q2" in d.recvd)
-        assert d.block_matches_pattern("q2", t2, 2) and not d.invalid
-    finally:
-        p.close()
-        d.close()
 
 
 def test_abort_while_waiting_fences_the_producer(sides):

@@ -47,7 +47,5 @@ class MooncakeConnectorMetadata(KVConnectorMetadata):
     unpublish: list = field(default_factory=list)    # req ids preempted after publishing
     push_dropped: list = field(default_factory=list)  # push transfer ids ended without KV
     idle: bool = False  # the step schedules no tokens (producer: may wait for releases)
-    push_only: bool = False  # every request of the step is a push prompt's last chunk
-                             # (push_tail_nice: nobody needs the forward's output)
     load_errors: list = field(default_factory=list)  # consumer: block ids to report failed
                                                      # again (SchedulerSide.on_load_errors)

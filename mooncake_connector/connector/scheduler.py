@@ -534,8 +534,6 @@ class SchedulerSide:
                                                        "push_layer_watch")),
                                                    push_optional=push == "optional"))
                 self._published[rid] = n_full
-        pushed = {p.req_id for p in self._publishes if p.push_tid}
-        meta.push_only = bool(pushed) and set(so.num_scheduled_tokens) <= pushed
         meta.publishes, self._publishes = self._publishes, []
         meta.held, self._held = self._held, []
         meta.unpublish, self._unpublish = self._unpublish, []

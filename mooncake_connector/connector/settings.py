@@ -87,15 +87,6 @@ KNOBS = {  # extra-config key: (type, default, meaning)
                                   "layer, for the prefill); a busier decode takes the request "
                                   "as a whole-prompt push instead (WAITING_FOR_REMOTE_KVS), "
                                   "counted push_layer_load_busy (docs/connector.md, Layer load)"),
-    "push_tail_nice": (int, 0, "producer, push layer by layer with CPU KV caches: from "
-                       "the step's last layer saved until the forward ends (the last layer's "
-                       "MLP and the final norm over the whole prompt, whose output the decode "
-                       "does not need: it computes the first token itself) vLLM's forward "
-                       "thread runs this much nicer (1-19; 0 = off; environment "
-                       "MC_PUSH_TAIL_NICE when the key is not given), so the decode's last "
-                       "layer, its API server and the proxy go first on a host they share; "
-                       "off (one warning) where the process may not lower a thread's nice "
-                       "value back (RLIMIT_NICE, CAP_SYS_NICE)"),
     "push_layer_timeout_s": (float, 10.0, "consumer, push_layer_load: the lease of such a "
                              "load; a step waits at most this (+ 2 s when the producer does "
                              "not answer the cancel) for the prompt's KV, then the request "
@@ -158,7 +149,6 @@ class Settings:
     push_layer_load: bool = False
     push_layer_timeout_s: float = 10.0
     push_layer_load_max_batch: int = 0
-    push_tail_nice: int = 0
     malloc_trim_idle_s: float = 30.0
 
     @property
@@ -250,16 +240,9 @@ def resolve(kv_transfer_config, env=None):
     if "bootstrap_port" in extra:
         s.bootstrap_port = _int_field("kv_connector_extra_config.bootstrap_port",
                                       extra.pop("bootstrap_port"), lo=0)
-    tail_nice_given = "push_tail_nice" in extra
     for key, (typ, _default, _doc) in KNOBS.items():
         if key in extra:
             setattr(s, key, _coerce(key, typ, extra.pop(key)))
-    if not tail_nice_given and env.get("MC_PUSH_TAIL_NICE"):
-        s.push_tail_nice = _coerce("push_tail_nice (MC_PUSH_TAIL_NICE)", int,
-                                   env["MC_PUSH_TAIL_NICE"])
-    if not 0 <= s.push_tail_nice <= 19:
-        raise SettingsError("kv_connector_extra_config.push_tail_nice must be 0 (off) to 19, "
-                            f"not {s.push_tail_nice!r}")
     for key in ("lookup_timeout_s", "sync_load_timeout_s", "load_timeout_s",
                 "push_layer_timeout_s"):
         if getattr(s, key) <= 0:

@@ -50,8 +50,6 @@ class WorkerSide:
         self.stats = MooncakeKVConnectorStats()
         self.idle_trim = None     # memory.IdleTrim (malloc_trim_idle_s), from register_kv_caches
         self._trims_seen = (0, 0)
-        self.tail_nice = None     # tail_nice.TailNice (push_tail_nice), from register_kv_caches
-        self._push_only = False   # this step computes push prompts' last chunks only
 
     # ---- setup ----
 
@@ -62,9 +60,6 @@ class WorkerSide:
         if self.idle_trim is None and self.s.malloc_trim_idle_s > 0:
             from mooncake_connector.connector.memory import IdleTrim
             self.idle_trim = IdleTrim(self.s.malloc_trim_idle_s)
-        if self.tail_nice is None and self.s.push_tail_nice > 0 and self.s.is_producer:
-            from mooncake_connector.connector.tail_nice import TailNice
-            self.tail_nice = TailNice(self.s.push_tail_nice)
 
     def _start_bootstrap(self):
         lifecycle.start_bootstrap(self)
@@ -73,9 +68,6 @@ class WorkerSide:
 
     def on_metadata(self, meta):
         self._idle = bool(getattr(meta, "idle", False))
-        if self.tail_nice is not None:
-            self.tail_nice.restore()  # (a forward that ended without wait_for_save)
-            self._push_only = bool(getattr(meta, "push_only", False))
         if trace.ON:
             self._traced = [x.push_tid for x in (*meta.loads, *meta.publishes)
                             if getattr(x, "push_tid", None)]
@@ -130,23 +122,8 @@ class WorkerSide:
             # the rest layer by layer, not the whole prompt after the forward.
             self.drain_notifies()
             self.push_p.layer_done(layer_name)
-            if self.tail_nice is not None and self.tail_nice.on:
-                self._nicer_tail(layer_name)
             for tid in self._traced:
                 trace.event("save_out", tid)
-
-    def _nicer_tail(self, layer_name):
-        """push_tail_nice (tail_nice.py): after the step's last layer, on CPU
-        KV caches, when every prompt of the step went layer by layer to a
-        target already (nothing waits for the rest of this forward)."""
-        if self.cuda_sync is not None or self.layout is None or \
-                self.layout.layer_index(layer_name) != len(self.layout.layers) - 1:
-            return
-        if not self._push_only:
-            return  # another request of the step needs this forward's output
-        jobs = [j for j in self.push_p.jobs.values() if not j.all_ready]
-        if jobs and all(j.layerwise and j.targets for j in jobs):
-            self.tail_nice.lower()
 
     def start_load(self, meta):
         for tid in self._traced:
@@ -159,8 +136,6 @@ class WorkerSide:
         self.loads.wait_layer(layer_name)
 
     def publish(self, meta):
-        if self.tail_nice is not None:
-            self.tail_nice.restore()  # the forward ended
         for tid in self._traced:
             trace.event("fwd_end", tid, rank=self.tp_rank)
         self.publishes.publish(meta)
@@ -232,8 +207,6 @@ class WorkerSide:
         lifecycle.restore_after_sleep(self)
 
     def shutdown(self):
-        if self.tail_nice is not None:
-            self.tail_nice.restore()
         if self.idle_trim is not None:
             self.idle_trim.close()
             self.idle_trim = None
