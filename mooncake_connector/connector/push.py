@@ -732,6 +732,12 @@ class PushProducer:
         # device); the events given to the engine are kept alive by the ring (GateEvents)
         self._gate_event = GateEvents().record
         self._gate_failed = None
+        # gate_layer: the engine's one call per layer (None: not decided yet;
+        # decided at the first save, when torch has its CUDA context), the
+        # current stream's raw handle of a device, and the device
+        self._fast = None
+        self._stream = None
+        self._gdev = 0
         self._layer_index = {L.name: i for i, L in enumerate(worker.layout.layers)}
         off, self._layer_off = 0, []
         for L in worker.layout.layers:
@@ -891,6 +897,67 @@ class PushProducer:
             self._reply(tg.name, job.tid, tg.state, tg.why)
         elif tg.lnotify and tg.landed and not tg.stop:
             self._reply(tg.name, job.tid, "layer", l=sorted(tg.landed))
+
+    def _fast_gate(self):
+        """Whether gate_layer can take the layers: CUDA through the gate,
+        an engine with gate_layer, torch's raw current stream."""
+        if self.w.cuda_sync is None or not self._gate_on() or \
+                not hasattr(self.w.engine, "gate_layer"):
+            return False
+        if self._stream is None:
+            try:
+                import torch
+                self._stream = torch._C._cuda_getCurrentRawStream
+                self._gdev = int(torch.cuda.current_device())
+            except (ImportError, AttributeError, RuntimeError) as e:
+                logger.info("MooncakeConnector push: the gate's one call per layer is off "
+                            "(torch's raw stream: %s)", e)
+                return False
+        return True
+
+    def gate_layer(self, layer_name):
+        """vLLM's forward thread, after each layer's attention, CUDA KV
+        caches through the engine's gate: one engine call (Engine.gate_layer)
+        records the engine's next event on torch's current stream and hands
+        each target the layer's prebuilt arrays and "layer" message (the
+        checks of _submit_gated, in C: no Python loop, call or allocation per
+        layer and target).  False: not taken (no such path, or a
+        notification waits: the caller drains it and calls layer_done)."""
+        fast = self._fast
+        if fast is None:
+            fast = self._fast = self._fast_gate()
+        if not fast or self._gate_failed is not None:
+            return False
+        li = self._layer_index.get(layer_name)
+        if li is None:
+            return False
+        if trace.ON:
+            for job in list(self.jobs.values()):
+                if not job.all_ready:
+                    trace.event("layer_saved", job.tid, li=li)
+        dev = self._gdev
+        try:
+            with self.lock:
+                r = self.w.engine.gate_layer(li, self.jobs, self._stream(dev), dev,
+                                             PUSH_MARGIN_S, RESEND_TIMEOUT_S)
+                if r == 1:  # targets the engine left to the per-target path
+                    for job in list(self.jobs.values()):
+                        if not job.all_ready and job.layerwise:
+                            for tg in job.targets.values():
+                                self._submit_gated(job, tg)
+        except Exception as e:  # noqa: BLE001 - an event error: the layer-event path
+            self._gate_fail(f"the gate's layer call failed: {e}")
+            return False
+        if r is None:
+            return False  # a notification waits: drained first, then layer_done
+        if trace.ON and r != 2:
+            for job in list(self.jobs.values()):
+                for tg in job.targets.values():
+                    bid = tg.batches[-1] if getattr(tg, "batches", None) else None
+                    if bid is not None and tg.blayers.get(bid) == [li]:
+                        trace.event("write_issued", job.tid, l=[li], bytes=tg.gbytes[li],
+                                    gated=True)
+        return True
 
     def layer_done(self, layer_name):
         """vLLM's forward thread, after each layer's attention."""
