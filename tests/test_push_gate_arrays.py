@@ -1,5 +1,6 @@
-"""push.py's per-layer arrays of a CUDA-gated target (_gate_arrays): the
-numpy build (whole-array arithmetic per layer, used when a target arrives
+"""push.py's per-layer arrays of a CUDA-gated target (_gate_arrays): the C
+build (_core.gate_arrays, what a target arriving inside the forward gets)
+and the numpy build (whole-array arithmetic per layer, used when a target arrives
 inside the forward) gives exactly the Python loop's arrays, in its order,
 and the same first error, on the KV-cache shapes of test_layout.py (two
 outer slices per layer, a permuted TRITON layout, MLA's one slice, HMA's
@@ -58,12 +59,22 @@ def _rows(groups, rng, n):
 
 
 def _both(p, job, tg):
-    """(numpy build, loop build), each on its own copy of the target."""
+    """(numpy build, loop build), each on its own copy of the target; the C
+    build (_core.gate_arrays) checked against the loop's on a third: the
+    same arrays, each layer's bytes, the same first error."""
     rows = job.spec.block_ids if not job.spec.more_groups else \
         list(zip(job.spec.block_ids, *job.spec.more_groups))
     rows = rows[tg.skip:tg.skip + tg.nblocks]
-    t1, t2 = SimpleNamespace(**vars(tg)), SimpleNamespace(**vars(tg))
-    return (p._gate_arrays_np(rows, t1), t1.stop), (p._gate_arrays_loop(rows, t2), t2.stop)
+    t1, t2, t3 = (SimpleNamespace(**vars(tg), gbytes=None) for _ in range(3))
+    loop = p._gate_arrays_loop(rows, t2)
+    c = p._gate_arrays_c(rows, t3)
+    if loop is None:
+        assert c is False and t3.stop == t2.stop, (t3.stop, t2.stop)
+    else:
+        assert [[v.tolist() for v in x] for x in c] == [[v.tolist() for v in x] for x in loop]
+        assert all(isinstance(v, array) and v.typecode == "Q" for x in c for v in x)
+        assert t3.gbytes == [sum(x[2]) for x in loop] and t3.stop is None
+    return (p._gate_arrays_np(rows, t1), t1.stop), (loop, t2.stop)
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -115,3 +126,20 @@ def test_numpy_build_reports_the_loops_first_bad_extent():
         tg.dest[3 * 3 + 1], tg.dest[3 * 3 + 2] = (1 << 64) - 1, 1
         (a, stop_a), (b_, stop_b) = _both(p, job, tg)
         assert a is None and stop_a == stop_b and stop_a.startswith("extent 3 of block 0"), stop_a
+
+
+def test_c_build_names_a_block_id_out_of_range_and_layer_notes_match_encode():
+    from mooncake_connector import _core
+    from mooncake_connector.connector.push import _layer_notes, encode
+    _, layout, _ = next(_layouts())
+    p = _producer(layout)
+    tg = _target(layout, random.Random(1), 2, 0)
+    _, layers = p._gate_arrays_c([0, 1], SimpleNamespace(**vars(tg), gbytes=None)) and \
+        p._gate_spec
+    with pytest.raises(ValueError, match=f"block id {NB} is outside 0..{NB - 1}"):
+        _core.gate_arrays(array("Q", [0, NB]), tg.dest, layout.extents_per_block, 1, layers, NB)
+    with pytest.raises(ValueError, match="not blocks x"):
+        _core.gate_arrays(array("Q", [0]), tg.dest, layout.extents_per_block, 1, layers, NB)
+    for tid in ("t", 'a"b\\c', "\u00e9x"):
+        assert _layer_notes(tid, 3) == [encode({"t": "layer", "tid": tid, "l": [li]})
+                                        for li in range(3)]

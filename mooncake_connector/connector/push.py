@@ -154,6 +154,13 @@ def _layers_of(per, todo):
     return src, dst, lens
 
 
+def _layer_notes(tid, nl):
+    """Each layer's encoded "layer" message of a transfer id, the bytes
+    encode({"t": "layer", "tid": tid, "l": [li]}) makes, for li < nl."""
+    pre = MAGIC + b'{"t":"layer","tid":' + json.dumps(tid).encode() + b',"l":['
+    return [pre + b"%d]}\n" % li for li in range(nl)]
+
+
 def _extent_too_long(k, b, n, s_off, s_len):
     return (f"extent {k} of block {b}: {n} bytes from offset {s_off} "
             f"exceed this side's {s_len}-byte extent")
@@ -736,6 +743,7 @@ class PushProducer:
         # decided at the first save, when torch has its CUDA context), the
         # current stream's raw handle of a device, and the device
         self._fast = None
+        self._gate_spec = None  # _gate_arrays_c: (_core.gate_arrays, the layers' tuples)
         self._stream = None
         self._gdev = 0
         self._layer_index = {L.name: i for i, L in enumerate(worker.layout.layers)}
@@ -1061,8 +1069,10 @@ class PushProducer:
                        f"this prefill holds {len(rows)}")
             return None
         rows = rows[tg.skip:tg.skip + tg.nblocks]
-        per = None
-        if tg.nblocks * self.w.layout.extents_per_block >= GATE_NP_MIN:
+        per = self._gate_arrays_c(rows, tg)
+        if per is False:  # an extent too long (tg.stop says which)
+            return None
+        if per is None and tg.nblocks * self.w.layout.extents_per_block >= GATE_NP_MIN:
             try:
                 import numpy  # noqa: F401 - vLLM's own dependency
             except ImportError:
@@ -1075,12 +1085,46 @@ class PushProducer:
             per = self._gate_arrays_loop(rows, tg)
             if per is None:
                 return None
-        tg.gbytes = [sum(x[2]) for x in per]
+        if tg.gbytes is None:
+            tg.gbytes = [sum(x[2]) for x in per]
         if tg.lnotify:  # each layer's own "layer" message, encoded once
-            tg.gnote = [encode({"t": "layer", "tid": job.tid, "l": [li]})
-                        for li in range(len(per))]
+            tg.gnote = _layer_notes(job.tid, len(per))
         tg.garr = per
         return per
+
+    def _gate_arrays_c(self, rows, tg):
+        """_gate_arrays' arrays in one C pass (_core.gate_arrays; the
+        target often arrives inside the forward: a layer's save drains it),
+        with each layer's bytes in tg.gbytes; None when it cannot take these
+        rows (an older core, rows it cannot read: the builds below), False
+        with tg.stop set when an extent is too long."""
+        spec = self._gate_spec
+        if spec is None:
+            from mooncake_connector import _core
+            fn = getattr(_core, "gate_arrays", None)
+            lay = self.w.layout
+            spec = self._gate_spec = (fn, tuple(
+                (k0, nk, L.base, L.group, L.block_stride, L.block_bytes, array("Q", L.outer))
+                for (k0, nk), L in zip(self._layer_off, lay.layers)))
+        fn, layers = spec
+        lay = self.w.layout
+        if fn is None:
+            return None
+        try:
+            try:  # one id per row (ints): no Python step per block
+                ids = array("Q", rows) if lay.num_groups == 1 else None
+            except TypeError:  # rows of ids
+                ids = None
+            if ids is None:
+                ids = array("Q", [b for r in rows for b in lay._row(r)])
+        except (OverflowError, TypeError):
+            return None  # negative or odd ids: the builds below name them
+        got = fn(ids, tg.dest, lay.extents_per_block, lay.num_groups, layers, lay.num_blocks)
+        if got[0] is None:
+            tg.stop = _extent_too_long(*got[1])
+            return False
+        tg.gbytes = got[1]
+        return got[0]
 
     def _gate_arrays_loop(self, rows, tg):
         """_gate_arrays' arrays, one block and extent at a time (the

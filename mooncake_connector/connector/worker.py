@@ -122,9 +122,11 @@ class WorkerSide:
             # arrived during this forward (the decode leg runs beside the
             # prefill) gets the layers computed so far now, and the rest
             # layer by layer, not the whole prompt after the forward.
-            if not self.push_p.gate_layer(layer_name):
+            pp = self.push_p
+            if not pp.gate_layer(layer_name):
                 self.drain_notifies()
-                self.push_p.layer_done(layer_name)
+                if not pp.gate_layer(layer_name):
+                    pp.layer_done(layer_name)
             for tid in self._traced:
                 trace.event("save_out", tid)
 
