@@ -217,6 +217,74 @@ def test_fake_event_gates_the_write_and_the_notification(monkeypatch, spin_us):
         assert b.read_bytes_from_buffer(dst, 16) == b"\x07" * 16
 
 
+@needs_fake
+def test_fake_engine_gate_layer_checks(monkeypatch):
+    """Engine.gate_layer, the push producer's one call per CUDA layer, on
+    job/target objects shaped like push.py's: it skips a canceled or
+    stopped target, leaves to Python's path (returns 1, touches nothing) a
+    target whose arrays are not built, whose lease ends within the margin
+    or that lacks an earlier queued layer, and for an open one submits the
+    layer's arrays gated on the engine's own event recorded on the stream
+    (nothing lands before the held stream passes it), with its 'layer'
+    message, recording the batch on the target and the bytes on the job.
+    None when a notification waits (nothing done); 2 with no job being
+    computed (no event)."""
+    from array import array
+    from types import SimpleNamespace as NS
+    monkeypatch.setenv("MC_SAME_HOST_CPU", "0")
+    f = Fake()
+    n = 1 << 16
+    with local_engines(2) as (a, b):
+        seg = b.get_segment_name()
+        src, dst = a.allocate_managed_buffer(2 * n), b.allocate_managed_buffer(2 * n)
+        a.write_bytes_to_buffer(src, b"\x03" * (2 * n), 2 * n)
+        garr = [(array("Q", [src + i * n]), array("Q", [dst + i * n]), array("Q", [n]))
+                for i in range(2)]
+        now = time.time()
+
+        def target(**kw):
+            t = dict(state="pending", cancel=False, stop=None, garr=garr, layers_sent=set(),
+                     lease_until=now + 30, lnotify=True, gnote=[b"L0", b"L1"], name=seg,
+                     batches=[], blayers={}, told=set(), gbytes=[n, n])
+            t.update(kw)
+            return NS(**t)
+
+        tgs = {"ok": target(), "canceled": target(cancel=True), "stopped": target(stop="why"),
+               "late": target(lease_until=now + 0.5), "no_arrays": target(garr=None),
+               "served": NS(state="cancelled")}
+        job = NS(all_ready=False, queued=set(), qev=None, layerwise=True, targets=tgs, bytes=0)
+        done = NS(all_ready=True)
+        f.hold(0.3)
+        assert a.gate_layer(0, {"t": job, "d": done}, f.stream.value, 0, 1.0, 2.0) == 1
+        ok = tgs["ok"]
+        assert job.queued == {0} and job.qev[0] is None and job.qev[1] and job.qev[2] == 0
+        assert ok.layers_sent == {0} and ok.state == "writing" and ok.told == {0}
+        assert len(ok.batches) == 1 and ok.blayers == {ok.batches[0]: [0]} and job.bytes == n
+        for k in ("canceled", "stopped", "late", "no_arrays"):
+            t = tgs[k]
+            assert not t.layers_sent and not t.batches and t.state == "pending", k
+        assert _wait_notify(b, 0.15) == []  # the held stream: nothing written yet
+        assert b.read_bytes_from_buffer(dst, 16) == b"\x00" * 16
+        assert [m.msg for m in _wait_notify(b, 5)] == [b"L0"]
+        assert b.read_bytes_from_buffer(dst + n - 16, 16) == b"\x03" * 16
+        assert a.transfer_check_status(ok.batches[0]) == 1
+        # layer 1 with layer 0 sent: submitted alone; a target missing layer 0 is left
+        tgs["no_arrays"].garr = garr
+        assert a.gate_layer(1, {"t": job}, f.stream.value, 0, 1.0, 2.0) == 1
+        assert ok.layers_sent == {0, 1} and job.bytes == 2 * n and job.queued == {0, 1}
+        assert not tgs["no_arrays"].batches  # layers 0 and 1 queued, none sent: Python's
+        assert [m.msg for m in _wait_notify(b, 5)] == [b"L1"]
+        # a notification waiting: nothing done
+        b.send_notify(a.get_segment_name(), b"hello", 5.0)
+        job.queued = set()
+        assert a.gate_layer(0, {"t": job}, f.stream.value, 0, 1.0, 2.0) is None
+        assert job.queued == set()
+        assert [m.msg for m in a.get_notifies()] == [b"hello"]
+        assert a.gate_layer(0, {"d": done}, f.stream.value, 0, 1.0, 2.0) == 2
+        with pytest.raises(ValueError, match="must be >= 0"):
+            a.gate_layer(-1, {}, 0, 0, 1.0, 2.0)
+
+
 # ---------------------------------------------------------------- the push producer
 
 class FakeTorchEvent:
