@@ -218,19 +218,17 @@ def test_fake_event_gates_the_write_and_the_notification(monkeypatch, spin_us):
 
 
 @needs_fake
-def test_fake_engine_gate_layer_checks(monkeypatch):
-    """Engine.gate_layer, the push producer's one call per CUDA layer, on
-    job/target objects shaped like push.py's: it skips a canceled or
-    stopped target, leaves to Python's path (returns 1, touches nothing) a
-    target whose arrays are not built, whose lease ends within the margin
-    or that lacks an earlier queued layer, and for an open one submits the
-    layer's arrays gated on the engine's own event recorded on the stream
-    (nothing lands before the held stream passes it), with its 'layer'
-    message, recording the batch on the target and the bytes on the job.
-    None when a notification waits (nothing done); 2 with no job being
-    computed (no event)."""
+def test_fake_engine_gate_layer_takes_and_returns_plain_data(monkeypatch):
+    """Engine.gate_layer, one CUDA layer's writes to several targets in one
+    call, on plain data (no object of the connector): for each plan entry
+    (name, lease_until, per-layer arrays, per-layer notes or None) it
+    submits the layer's arrays gated on the engine's own event recorded on
+    the stream (nothing lands before the held stream passes it), with the
+    layer's note; it returns (event, ids): a batch id, or None for an entry
+    whose lease ends within the margin or with nothing to write in the layer.
+    None when a notification waits (nothing done, no event); 0 for plan
+    None; a bad plan is named."""
     from array import array
-    from types import SimpleNamespace as NS
     monkeypatch.setenv("MC_SAME_HOST_CPU", "0")
     f = Fake()
     n = 1 << 16
@@ -238,51 +236,81 @@ def test_fake_engine_gate_layer_checks(monkeypatch):
         seg = b.get_segment_name()
         src, dst = a.allocate_managed_buffer(2 * n), b.allocate_managed_buffer(2 * n)
         a.write_bytes_to_buffer(src, b"\x03" * (2 * n), 2 * n)
-        garr = [(array("Q", [src + i * n]), array("Q", [dst + i * n]), array("Q", [n]))
+        arrs = [(array("Q", [src + i * n]), array("Q", [dst + i * n]), array("Q", [n]))
                 for i in range(2)]
+        empty = [(array("Q"), array("Q"), array("Q"))] * 2
         now = time.time()
-
-        def target(**kw):
-            t = dict(state="pending", cancel=False, stop=None, garr=garr, layers_sent=set(),
-                     lease_until=now + 30, lnotify=True, gnote=[b"L0", b"L1"], name=seg,
-                     batches=[], blayers={}, told=set(), gbytes=[n, n])
-            t.update(kw)
-            return NS(**t)
-
-        tgs = {"ok": target(), "canceled": target(cancel=True), "stopped": target(stop="why"),
-               "late": target(lease_until=now + 0.5), "no_arrays": target(garr=None),
-               "served": NS(state="cancelled")}
-        job = NS(all_ready=False, queued=set(), qev=None, layerwise=True, targets=tgs, bytes=0)
-        done = NS(all_ready=True)
+        plan = ((seg, now + 30, arrs, [b"L0", b"L1"]), (seg, now + 0.5, arrs, [b"x", b"y"]),
+                (seg, now + 30, empty, None))
         f.hold(0.3)
-        assert a.gate_layer(0, {"t": job, "d": done}, f.stream.value, 0, 1.0, 2.0) == 1
-        ok = tgs["ok"]
-        assert job.queued == {0} and job.qev[0] is None and job.qev[1] and job.qev[2] == 0
-        assert ok.layers_sent == {0} and ok.state == "writing" and ok.told == {0}
-        assert len(ok.batches) == 1 and ok.blayers == {ok.batches[0]: [0]} and job.bytes == n
-        for k in ("canceled", "stopped", "late", "no_arrays"):
-            t = tgs[k]
-            assert not t.layers_sent and not t.batches and t.state == "pending", k
+        ev, ids = a.gate_layer(0, plan, f.stream.value, 0, 1.0, 2.0)
+        assert ev and isinstance(ids, tuple) and len(ids) == 3
+        assert isinstance(ids[0], int) and ids[1] is None and ids[2] is None, ids
         assert _wait_notify(b, 0.15) == []  # the held stream: nothing written yet
         assert b.read_bytes_from_buffer(dst, 16) == b"\x00" * 16
         assert [m.msg for m in _wait_notify(b, 5)] == [b"L0"]
         assert b.read_bytes_from_buffer(dst + n - 16, 16) == b"\x03" * 16
-        assert a.transfer_check_status(ok.batches[0]) == 1
-        # layer 1 with layer 0 sent: submitted alone; a target missing layer 0 is left
-        tgs["no_arrays"].garr = garr
-        assert a.gate_layer(1, {"t": job}, f.stream.value, 0, 1.0, 2.0) == 1
-        assert ok.layers_sent == {0, 1} and job.bytes == 2 * n and job.queued == {0, 1}
-        assert not tgs["no_arrays"].batches  # layers 0 and 1 queued, none sent: Python's
+        assert a.transfer_check_status(ids[0]) == 1
+        # layer 1 without a note: written, nothing told
+        ev1, ids1 = a.gate_layer(1, plan[:1] + ((seg, now + 30, arrs, None),),
+                                 f.stream.value, 0, 1.0, 2.0)
+        assert ev1 and ev1 != ev and all(isinstance(x, int) for x in ids1), ids1
         assert [m.msg for m in _wait_notify(b, 5)] == [b"L1"]
+        assert a.gate_layer(1, (), f.stream.value, 0, 1.0, 2.0)[1] == ()
         # a notification waiting: nothing done
         b.send_notify(a.get_segment_name(), b"hello", 5.0)
-        job.queued = set()
-        assert a.gate_layer(0, {"t": job}, f.stream.value, 0, 1.0, 2.0) is None
-        assert job.queued == set()
+        deadline = time.time() + 5
+        while a.gate_layer(0, plan, f.stream.value, 0, 1.0, 2.0) is not None:
+            assert time.time() < deadline  # (it is in flight)
+            time.sleep(0.01)
         assert [m.msg for m in a.get_notifies()] == [b"hello"]
-        assert a.gate_layer(0, {"d": done}, f.stream.value, 0, 1.0, 2.0) == 2
+        assert a.gate_layer(0, None, f.stream.value, 0, 1.0, 2.0) == 0
         with pytest.raises(ValueError, match="must be >= 0"):
-            a.gate_layer(-1, {}, 0, 0, 1.0, 2.0)
+            a.gate_layer(-1, None, 0, 0, 1.0, 2.0)
+        with pytest.raises(TypeError, match="plan must be None or a tuple"):
+            a.gate_layer(0, [], f.stream.value, 0, 1.0, 2.0)
+        with pytest.raises(TypeError, match="name, lease_until, arrays, notes"):
+            a.gate_layer(0, ((seg, now + 30, arrs),), f.stream.value, 0, 1.0, 2.0)
+        with pytest.raises(TypeError, match="name must be a str"):
+            a.gate_layer(0, ((1, now + 30, arrs, None),), f.stream.value, 0, 1.0, 2.0)
+        with pytest.raises(TypeError, match=r"\(src, dst, len\) tuple"):
+            a.gate_layer(0, ((seg, now + 30, [None], None),), f.stream.value, 0, 1.0, 2.0)
+
+
+def test_gate_plan_holds_the_open_caught_up_targets_with_arrays():
+    """push.py's plan for Engine.gate_layer (_gate_plan): the open targets
+    of layerwise jobs being computed that have every queued layer and their
+    arrays, as plain tuples; a canceled, stopped or ended target is left
+    out; an open one without arrays or behind is left to the per-target
+    path (rest)."""
+    from types import SimpleNamespace as NS
+    from mooncake_connector.connector.push import PushProducer
+    garr, notes = [("s0", "d0", "n0")], [b"L0"]
+
+    def target(name, **kw):
+        t = dict(name=name, state="writing", cancel=False, stop=None, garr=garr,
+                 layers_sent={0}, lease_until=5.0, lnotify=True, gnote=notes)
+        t.update(kw)
+        return NS(**t)
+
+    tgs = {k: target(k) for k in ("ok", "quiet")}
+    tgs["quiet"].lnotify = False
+    tgs.update(canceled=target("c", cancel=True), stopped=target("s", stop="why"),
+               done=target("d", state="done"))
+    job = NS(all_ready=False, layerwise=True, queued={0}, targets=tgs)
+    whole = NS(all_ready=False, layerwise=False, queued={0}, targets={"w": target("w")})
+    ready = NS(all_ready=True, layerwise=True, queued={0}, targets={"r": target("r")})
+    p = NS(jobs={"a": job, "b": whole, "c": ready})
+    plan, who, live, rest = PushProducer._gate_plan(p, 1)
+    assert plan == (("ok", 5.0, garr, notes), ("quiet", 5.0, garr, None)) and not rest
+    assert [(k, j, t) for k, j, t in who] == [(0, job, tgs["ok"]), (1, job, tgs["quiet"])]
+    assert live == (job, whole)
+    tgs["late"] = target("late", garr=None)  # arrays not built
+    assert PushProducer._gate_plan(p, 1)[3]
+    tgs["late"] = target("late", layers_sent=set())  # layer 0 not sent
+    plan, _, _, rest = PushProducer._gate_plan(p, 1)
+    assert rest and len(plan) == 2
+    assert PushProducer._gate_plan(NS(jobs={"c": ready}), 1) == (None, (), (), False)
 
 
 # ---------------------------------------------------------------- the push producer

@@ -1019,141 +1019,63 @@ static PyObject *Engine_batch_transfer_async_write_gated(EngineObject *self, PyO
     PyBuffer_Release(&nb);
   return r;
 }
-/* ---- the push producer's per-layer gate (push.py PushProducer.gate_layer) ---- */
-
-/* Attribute names of push.py's ProducerJob and Target the gate reads and
- * updates, interned once. */
-enum {
-  GA_ALL_READY, GA_QUEUED, GA_QEV, GA_LAYERWISE, GA_TARGETS, GA_STATE, GA_CANCEL, GA_STOP,
-  GA_GARR, GA_SENT, GA_LEASE, GA_LNOTIFY, GA_GNOTE, GA_NAME, GA_BATCHES, GA_BLAYERS, GA_TOLD,
-  GA_BYTES, GA_GBYTES, GA_PENDING, GA_WRITING, GA_N
-};
-static const char *const ga_names[GA_N] = {
-    "all_ready", "queued", "qev", "layerwise", "targets", "state", "cancel", "stop",
-    "garr", "layers_sent", "lease_until", "lnotify", "gnote", "name", "batches", "blayers",
-    "told", "bytes", "gbytes", "pending", "writing"};
-static PyObject *ga[GA_N];
-
-static int ga_init(void) {
-  for (int i = 0; i < GA_N; i++)
-    if (!ga[i] && !(ga[i] = PyUnicode_InternFromString(ga_names[i])))
-      return -1;
-  return 0;
-}
-
-/* The attribute's truth value: 1, 0, or -1 raised. */
-static int attr_true(PyObject *o, int k) {
-  PyObject *v = PyObject_GetAttr(o, ga[k]);
-  if (!v)
-    return -1;
-  int t = PyObject_IsTrue(v);
-  Py_DECREF(v);
-  return t;
-}
+/* ---- one CUDA layer's gated writes to several targets (plain data) ---- */
 
 typedef struct {
   long li;
-  PyObject *li_obj;
   uint64_t event;
   int dev;
   double margin, note_cap, now;
 } gate_layer_t;
 
-/* A target's state lets the gate write (push.py _submit_gated's checks):
- * 1, 0 (skip it), or -1 raised. */
-static int target_open(PyObject *tg) {
-  PyObject *st = PyObject_GetAttr(tg, ga[GA_STATE]);
-  if (!st)
-    return -1;
-  int open = PyUnicode_Check(st) && (PyUnicode_Compare(st, ga[GA_PENDING]) == 0 ||
-                                     PyUnicode_Compare(st, ga[GA_WRITING]) == 0);
-  Py_DECREF(st);
-  if (!open)
-    return 0;
-  int c = attr_true(tg, GA_CANCEL);
-  if (c != 0)
-    return c < 0 ? -1 : 0;
-  int s = attr_true(tg, GA_STOP);
-  return s < 0 ? -1 : !s;
-}
-
-/* What a gated layer batch changes on the target and its job (push.py
- * _submit_gated after a submit): 0, or -1 raised. */
-static int note_layer_sent(PyObject *job, PyObject *tg, PyObject *sent, PyObject *id,
-                           const gate_layer_t *g, int told) {
-  int rc = -1;
-  PyObject *batches = NULL, *blayers = NULL, *one = NULL, *bytes = NULL, *gb = NULL,
-           *lb = NULL, *sum = NULL, *tset = NULL;
-  if (PySet_Add(sent, g->li_obj) < 0 || PyObject_SetAttr(tg, ga[GA_STATE], ga[GA_WRITING]) < 0)
-    goto out;
-  if (!(batches = PyObject_GetAttr(tg, ga[GA_BATCHES])) || PyList_Append(batches, id) < 0)
-    goto out;
-  if (!(blayers = PyObject_GetAttr(tg, ga[GA_BLAYERS])) || !(one = PyList_New(1)))
-    goto out;
-  Py_INCREF(g->li_obj);
-  PyList_SET_ITEM(one, 0, g->li_obj);
-  if (PyObject_SetItem(blayers, id, one) < 0)
-    goto out;
-  if (told && (!(tset = PyObject_GetAttr(tg, ga[GA_TOLD])) || PySet_Add(tset, g->li_obj) < 0))
-    goto out;
-  if (!(bytes = PyObject_GetAttr(job, ga[GA_BYTES])) ||
-      !(gb = PyObject_GetAttr(tg, ga[GA_GBYTES])) || !(lb = PySequence_GetItem(gb, g->li)) ||
-      !(sum = PyNumber_Add(bytes, lb)) || PyObject_SetAttr(job, ga[GA_BYTES], sum) < 0)
-    goto out;
-  rc = 0;
-out:
-  Py_XDECREF(batches);
-  Py_XDECREF(blayers);
-  Py_XDECREF(one);
-  Py_XDECREF(tset);
-  Py_XDECREF(bytes);
-  Py_XDECREF(gb);
-  Py_XDECREF(lb);
-  Py_XDECREF(sum);
-  return rc;
-}
-
-/* Submits the target's prebuilt arrays of layer li (garr[li]) gated on the
- * layer's event, with its "layer" message (gnote[li]) when it has one: the
- * batch id, Py_None when the engine did not take it (Python's path retries
- * and names why), or NULL raised. */
-static PyObject *submit_layer(EngineObject *self, PyObject *tg, PyObject *garr,
-                              const gate_layer_t *g, double lease, int *told) {
-  PyObject *per = NULL, *name = NULL, *gnote = NULL, *note = NULL, *id = NULL;
+/* Layer li of one plan target, (name, lease_until, arrays, notes): its
+ * arrays[li] (a (src, dst, len) tuple) submitted gated on the layer's
+ * event, with notes[li] as the "layer" message when notes is not None.
+ * The batch id, Py_None when not submitted (the lease ends within the
+ * margin, nothing to write, the engine did not take it: the caller's
+ * per-target path looks and names why), or NULL raised. */
+static PyObject *gate_target(EngineObject *self, PyObject *t, const gate_layer_t *g) {
+  if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != 4) {
+    PyErr_SetString(PyExc_TypeError, "gate_layer: each plan entry must be a (name, "
+                                     "lease_until, arrays, notes) tuple");
+    return NULL;
+  }
+  PyObject *name = PyTuple_GET_ITEM(t, 0), *notes = PyTuple_GET_ITEM(t, 3);
+  const char *target = PyUnicode_Check(name) ? PyUnicode_AsUTF8(name) : NULL;
+  if (!target) {
+    if (!PyErr_Occurred())
+      PyErr_SetString(PyExc_TypeError, "gate_layer: a plan entry's name must be a str");
+    return NULL;
+  }
+  double lease = PyFloat_AsDouble(PyTuple_GET_ITEM(t, 1));
+  if (lease == -1.0 && PyErr_Occurred())
+    return NULL;
+  if (g->now > lease - g->margin) /* the caller's path stops it and says why */
+    return Py_NewRef(Py_None);
+  PyObject *per = NULL, *note = NULL, *id = NULL;
   mc_request_t *reqs = NULL;
   Py_ssize_t n = 0;
   Py_buffer nb = {0};
-  int has_nb = 0, ln;
-  if (!(per = PySequence_GetItem(garr, g->li)))
+  int has_nb = 0;
+  if (!(per = PySequence_GetItem(PyTuple_GET_ITEM(t, 2), g->li)))
     goto out;
   if (!PyTuple_Check(per) || PyTuple_GET_SIZE(per) != 3) {
-    PyErr_SetString(PyExc_TypeError, "gate_layer: a target's garr[layer] must be a (src, dst, "
-                                     "len) tuple");
+    PyErr_SetString(PyExc_TypeError, "gate_layer: a plan entry's arrays[layer] must be a "
+                                     "(src, dst, len) tuple");
     goto out;
   }
   if (reqs_from(PyTuple_GET_ITEM(per, 0), PyTuple_GET_ITEM(per, 1), PyTuple_GET_ITEM(per, 2),
                 MC_OP_WRITE, &reqs, &n) < 0)
     goto out;
-  if (n == 0) { /* nothing to write (HMA null blocks): Python's path says landed */
+  if (n == 0) { /* nothing to write (HMA null blocks): the caller's path says landed */
     id = Py_NewRef(Py_None);
     goto out;
   }
-  if ((ln = attr_true(tg, GA_LNOTIFY)) < 0)
-    goto out;
-  if (ln) {
-    if (!(gnote = PyObject_GetAttr(tg, ga[GA_GNOTE])) ||
-        !(note = PySequence_GetItem(gnote, g->li)) ||
+  if (notes != Py_None) {
+    if (!(note = PySequence_GetItem(notes, g->li)) ||
         PyObject_GetBuffer(note, &nb, PyBUF_SIMPLE) < 0)
       goto out;
     has_nb = 1;
-  }
-  if (!(name = PyObject_GetAttr(tg, ga[GA_NAME])))
-    goto out;
-  const char *target = PyUnicode_Check(name) ? PyUnicode_AsUTF8(name) : NULL;
-  if (!target) {
-    if (!PyErr_Occurred())
-      PyErr_SetString(PyExc_TypeError, "gate_layer: a target's name must be a str");
-    goto out;
   }
   double left = lease - g->now, ntmo = left < g->note_cap ? left : g->note_cap;
   mc_gate_opts_t o = {.cuda_event = g->event, .cuda_device = g->dev,
@@ -1166,175 +1088,63 @@ static PyObject *submit_layer(EngineObject *self, PyObject *tg, PyObject *garr,
   if (!b || mc_batch_submit_gated(self->eng, b, target, reqs, (size_t)n, &o, &err) < 0) {
     if (b)
       mc_batch_free(self->eng, b);
-    id = Py_NewRef(Py_None); /* busy, lease, a bad segment: Python's path retries */
+    id = Py_NewRef(Py_None); /* busy, lease, a bad segment: the caller's path retries */
     goto out;
   }
   id = table_batch(self, b);
-  *told = has_nb;
 out:
   if (has_nb)
     PyBuffer_Release(&nb);
   PyMem_RawFree(reqs);
   Py_XDECREF(per);
-  Py_XDECREF(name);
-  Py_XDECREF(gnote);
   Py_XDECREF(note);
   return id;
 }
 
-/* One target of a job whose layer li was just queued: layer li's writes
- * handed to the gate when li is the only queued layer it lacks.  0 done or
- * nothing to do, 1 Python's _submit_gated must look (arrays not built,
- * other layers waiting, the lease near its end, nothing to write, the
- * engine did not take it), -1 raised. */
-static int gate_target(EngineObject *self, PyObject *job, PyObject *tg, Py_ssize_t nqueued,
-                       const gate_layer_t *g) {
-  int open = target_open(tg);
-  if (open <= 0)
-    return open;
-  int ret = -1, told = 0;
-  PyObject *garr = NULL, *sent = NULL, *lease_o = NULL, *id = NULL;
-  if (!(garr = PyObject_GetAttr(tg, ga[GA_GARR])))
-    goto out;
-  ret = 1;
-  if (garr == Py_None)
-    goto out;
-  ret = -1;
-  if (!(sent = PyObject_GetAttr(tg, ga[GA_SENT])) || !PySet_Check(sent)) {
-    if (sent)
-      PyErr_SetString(PyExc_TypeError, "gate_layer: a target's layers_sent must be a set");
-    goto out;
-  }
-  int has = PySet_Contains(sent, g->li_obj);
-  if (has < 0)
-    goto out;
-  ret = 0;
-  if (has)
-    goto out;
-  ret = 1;
-  if (PySet_GET_SIZE(sent) != nqueued - 1) /* other queued layers wait for it */
-    goto out;
-  ret = -1;
-  if (!(lease_o = PyObject_GetAttr(tg, ga[GA_LEASE])))
-    goto out;
-  double lease = PyFloat_AsDouble(lease_o);
-  if (lease == -1.0 && PyErr_Occurred())
-    goto out;
-  ret = 1;
-  if (g->now > lease - g->margin) /* Python's path stops it and says why */
-    goto out;
-  ret = -1;
-  if (!(id = submit_layer(self, tg, garr, g, lease, &told)))
-    goto out;
-  ret = 1;
-  if (id == Py_None)
-    goto out;
-  ret = note_layer_sent(job, tg, sent, id, g, told) < 0 ? -1 : 0;
-out:
-  Py_XDECREF(garr);
-  Py_XDECREF(sent);
-  Py_XDECREF(lease_o);
-  Py_XDECREF(id);
-  return ret;
-}
-
-/* Layer li of the live jobs: queued, event set, each layerwise job's
- * targets gated; the fallback flag (1) or -1 raised. */
-static int gate_jobs(EngineObject *self, PyObject *live, const gate_layer_t *g) {
-  int fallback = 0;
-  PyObject *qev = Py_BuildValue("(OKi)", Py_None, (unsigned long long)g->event, g->dev);
-  if (!qev)
-    return -1;
-  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(live); i++) {
-    PyObject *job = PyList_GET_ITEM(live, i), *queued = NULL, *targets = NULL;
-    int rc = -1, lw;
-    if (!(queued = PyObject_GetAttr(job, ga[GA_QUEUED])) || !PySet_Check(queued)) {
-      if (queued)
-        PyErr_SetString(PyExc_TypeError, "gate_layer: a job's queued must be a set");
-      goto next;
-    }
-    if (PySet_Add(queued, g->li_obj) < 0 || PyObject_SetAttr(job, ga[GA_QEV], qev) < 0 ||
-        (lw = attr_true(job, GA_LAYERWISE)) < 0)
-      goto next;
-    rc = 0;
-    if (!lw)
-      goto next;
-    rc = -1;
-    if (!(targets = PyObject_GetAttr(job, ga[GA_TARGETS])) || !PyDict_Check(targets)) {
-      if (targets)
-        PyErr_SetString(PyExc_TypeError, "gate_layer: a job's targets must be a dict");
-      goto next;
-    }
-    Py_ssize_t pos = 0, nq = PySet_GET_SIZE(queued);
-    PyObject *k, *tg;
-    rc = 0;
-    while (rc == 0 && PyDict_Next(targets, &pos, &k, &tg)) {
-      Py_INCREF(tg);
-      int r = gate_target(self, job, tg, nq, g);
-      Py_DECREF(tg);
-      if (r < 0)
-        rc = -1;
-      else if (r > 0)
-        fallback = 1;
-    }
-  next:
-    Py_XDECREF(queued);
-    Py_XDECREF(targets);
-    if (rc < 0) {
-      Py_DECREF(qev);
-      return -1;
-    }
-  }
-  Py_DECREF(qev);
-  return fallback;
-}
-
 PyDoc_STRVAR(gate_layer_doc,
-"gate_layer(layer, jobs, stream, device, margin, notify_cap) -> None | int\n\n"
-"The push producer's save of one layer with CUDA KV caches through the gate, in\n"
-"one call on vLLM's forward thread (push.py PushProducer.gate_layer): None when a\n"
-"notification or a lost peer waits (nothing done: the caller drains first and\n"
-"takes its own path); else, for the jobs (a dict of push.ProducerJob) whose prompt\n"
-"is being computed, records the next of the engine's gate events on `stream` (a\n"
-"CUstream of `device`), adds the layer to each job's queued layers (qev = (None,\n"
-"event, device)) and, for each open target of a layerwise job whose only queued\n"
-"layer not sent is this one, submits its prebuilt arrays (garr[layer]) gated on\n"
-"the event with its 'layer' message (gnote[layer], lnotify), unless its lease\n"
-"ends within `margin` seconds (notify_timeout: min(notify_cap, lease left), at\n"
-"least 0.1 s).  Returns 2: no such job (no event); 1: some target needs the\n"
-"caller's per-target path; 0: done.  The GIL is kept (nothing blocks).");
+"gate_layer(layer, plan, stream, device, margin, notify_cap) -> None | int | (int, tuple)\n\n"
+"One layer's writes to several targets gated on one CUDA event, in one call\n"
+"(the push producer's save of a layer with CUDA KV caches on vLLM's forward\n"
+"thread).  None when a notification or a lost peer waits (nothing done: the\n"
+"caller drains first).  plan None: nothing else to do, returns 0.  Else plan is\n"
+"a tuple of targets, each (name: str, lease_until: float, time.time() seconds,\n"
+"arrays: per layer a (src, dst, len) tuple of address arrays, notes: per layer\n"
+"the bytes of the notification sent once that layer's writes landed, or None):\n"
+"records the next of the engine's gate events on `stream` (a CUstream of\n"
+"`device`) and submits each target's arrays[layer] gated on it with notes[layer]\n"
+"(notify_timeout: min(notify_cap, lease left), at least 0.1 s), unless its\n"
+"lease ends within `margin` seconds.  Returns (event, results): the event's\n"
+"handle and, per plan target, the batch id or None (not submitted: lease near\n"
+"its end, nothing to write, the engine did not take it).  The GIL is kept\n"
+"(nothing blocks).");
 
 static PyObject *Engine_gate_layer(EngineObject *self, PyObject *args) {
   long li;
-  PyObject *jobs;
+  PyObject *plan;
   unsigned long long stream;
   gate_layer_t g = {0};
-  if (!PyArg_ParseTuple(args, "lO!Kidd:gate_layer", &li, &PyDict_Type, &jobs, &stream, &g.dev,
-                        &g.margin, &g.note_cap))
+  if (!PyArg_ParseTuple(args, "lOKidd:gate_layer", &li, &plan, &stream, &g.dev, &g.margin,
+                        &g.note_cap))
     return NULL;
   if (li < 0 || g.dev < 0) {
     PyErr_Format(PyExc_ValueError, "gate_layer: layer (%ld) and device (%d) must be >= 0", li,
                  g.dev);
     return NULL;
   }
-  if (ga_init() < 0 || enter(self) < 0)
+  if (plan != Py_None && !PyTuple_Check(plan)) {
+    PyErr_SetString(PyExc_TypeError, "gate_layer: plan must be None or a tuple of (name, "
+                                     "lease_until, arrays, notes) tuples");
     return NULL;
-  PyObject *res = NULL, *live = NULL;
+  }
+  if (enter(self) < 0)
+    return NULL;
+  PyObject *res = NULL, *ids = NULL;
   if (mc_engine_notifies_pending(self->eng)) {
     res = Py_NewRef(Py_None);
     goto out;
   }
-  if (!(live = PyList_New(0)))
-    goto out;
-  Py_ssize_t pos = 0;
-  PyObject *k, *job;
-  while (PyDict_Next(jobs, &pos, &k, &job)) {
-    int ar = attr_true(job, GA_ALL_READY);
-    if (ar < 0 || (!ar && PyList_Append(live, job) < 0))
-      goto out;
-  }
-  if (PyList_GET_SIZE(live) == 0) {
-    res = PyLong_FromLong(2);
+  if (plan == Py_None) {
+    res = PyLong_FromLong(0);
     goto out;
   }
   mc_err_t err = {0};
@@ -1346,15 +1156,19 @@ static PyObject *Engine_gate_layer(EngineObject *self, PyObject *args) {
   clock_gettime(CLOCK_REALTIME, &ts);
   g.now = (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
   g.li = li;
-  if (!(g.li_obj = PyLong_FromLong(li)))
+  Py_ssize_t nt = PyTuple_GET_SIZE(plan);
+  if (!(ids = PyTuple_New(nt)))
     goto out;
-  int fb = gate_jobs(self, live, &g);
-  if (fb >= 0)
-    res = PyLong_FromLong(fb);
+  for (Py_ssize_t i = 0; i < nt; i++) {
+    PyObject *id = gate_target(self, PyTuple_GET_ITEM(plan, i), &g);
+    if (!id)
+      goto out;
+    PyTuple_SET_ITEM(ids, i, id);
+  }
+  res = Py_BuildValue("(KO)", (unsigned long long)g.event, ids);
 out:
   leave(self);
-  Py_XDECREF(g.li_obj);
-  Py_XDECREF(live);
+  Py_XDECREF(ids);
   return res;
 }
 
