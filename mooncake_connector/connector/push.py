@@ -951,9 +951,8 @@ class PushProducer:
                         if li in job.queued:  # a layer saved again: a plan for it
                             gp = None
                             break
-                if gp is None:  # another lock holder changed things, or the layer
-                    gp = self._gate_plan(li)
-                    self._gplan = None
+                if gp is None:  # a lock holder set it None, or the layer came again
+                    gp = self._gplan = self._gate_plan(li)
                 plan, who, live, rest = gp
                 r = self.w.engine.gate_layer(li, plan, self._stream(dev), dev,
                                              PUSH_MARGIN_S, RESEND_TIMEOUT_S)
