@@ -904,6 +904,25 @@ static PyObject *table_batch(EngineObject *self, mc_batch_t *b) {
   return id;
 }
 
+/* A new batch of these requests submitted (gated when gate is given): the
+ * batch, or NULL with err set (nothing left behind). */
+static mc_batch_t *batch_submit_new(EngineObject *self, const char *target,
+                                    const mc_request_t *reqs, size_t n,
+                                    const mc_gate_opts_t *gate, mc_err_t *err) {
+  mc_batch_t *b = mc_batch_new(self->eng, n);
+  if (!b) {
+    mc_err_set(err, MC_ENOMEM, "out of memory");
+    return NULL;
+  }
+  int rc = gate ? mc_batch_submit_gated(self->eng, b, target, reqs, n, gate, err)
+                : mc_batch_submit(self->eng, b, target, reqs, n, err);
+  if (rc < 0) {
+    mc_batch_free(self->eng, b);
+    return NULL;
+  }
+  return b;
+}
+
 static PyObject *async_batch_gated(EngineObject *self, PyObject *args, PyObject *kw,
                                    int opcode, const char *fmt, const mc_gate_opts_t *gate) {
   xfer_args_t x = {0};
@@ -917,8 +936,6 @@ static PyObject *async_batch_gated(EngineObject *self, PyObject *args, PyObject 
     return NULL;
   }
   mc_err_t err = {0};
-  int rc;
-  mc_batch_t *b;
   /* A batch gated on a CUDA event is only queued for the engine's gate
    * thread (no network, no lookup, no wait: a few allocations and short
    * mutexes no GIL holder waits on), so the GIL is kept: vLLM's forward
@@ -926,21 +943,11 @@ static PyObject *async_batch_gated(EngineObject *self, PyObject *args, PyObject 
    * thread waiting for it, to be taken back after it. */
   int keep_gil = gate && gate->cuda_event;
   PyThreadState *ts = keep_gil ? NULL : PyEval_SaveThread();
-  b = mc_batch_new(self->eng, (size_t)x.n);
-  if (!b) {
-    rc = mc_err_set(&err, MC_ENOMEM, "out of memory");
-  } else {
-    rc = gate ? mc_batch_submit_gated(self->eng, b, target, x.reqs, (size_t)x.n, gate, &err)
-              : mc_batch_submit(self->eng, b, target, x.reqs, (size_t)x.n, &err);
-    if (rc < 0) {
-      mc_batch_free(self->eng, b);
-      b = NULL;
-    }
-  }
+  mc_batch_t *b = batch_submit_new(self, target, x.reqs, (size_t)x.n, gate, &err);
   if (ts)
     PyEval_RestoreThread(ts);
   PyMem_RawFree(x.reqs);
-  if (rc < 0) {
+  if (!b) {
     leave(self);
     return mc_py_raise(ST(self), &err);
   }
@@ -1084,14 +1091,9 @@ static PyObject *gate_target(EngineObject *self, PyObject *t, const gate_layer_t
   mc_err_t err = {0};
   /* Only queued for the gate thread (as batch_transfer_async_write_gated
    * with an event): the GIL is kept. */
-  mc_batch_t *b = mc_batch_new(self->eng, (size_t)n);
-  if (!b || mc_batch_submit_gated(self->eng, b, target, reqs, (size_t)n, &o, &err) < 0) {
-    if (b)
-      mc_batch_free(self->eng, b);
-    id = Py_NewRef(Py_None); /* busy, lease, a bad segment: the caller's path retries */
-    goto out;
-  }
-  id = table_batch(self, b);
+  mc_batch_t *b = batch_submit_new(self, target, reqs, (size_t)n, &o, &err);
+  /* not taken (busy, lease, a bad segment): None, the caller's path retries */
+  id = b ? table_batch(self, b) : Py_NewRef(Py_None);
 out:
   if (has_nb)
     PyBuffer_Release(&nb);
