@@ -217,6 +217,138 @@ def test_fake_event_gates_the_write_and_the_notification(monkeypatch, spin_us):
         assert b.read_bytes_from_buffer(dst, 16) == b"\x07" * 16
 
 
+@needs_fake
+def test_fake_engine_gate_layer_takes_and_returns_plain_data(monkeypatch):
+    """Engine.gate_layer, one CUDA layer's writes to several targets in one
+    call, on plain data (no object of the connector): for each plan entry
+    (name, lease_until, per-layer arrays, per-layer notes or None) it
+    submits the layer's arrays gated on the engine's own event recorded on
+    the stream (nothing lands before the held stream passes it), with the
+    layer's note; it returns (event, ids): a batch id, or None for an entry
+    whose lease ends within the margin or with nothing to write in the layer.
+    None when a notification waits (nothing done, no event); 0 for plan
+    None; a bad plan is named."""
+    from array import array
+    monkeypatch.setenv("MC_SAME_HOST_CPU", "0")
+    f = Fake()
+    n = 1 << 16
+    with local_engines(2) as (a, b):
+        seg = b.get_segment_name()
+        src, dst = a.allocate_managed_buffer(2 * n), b.allocate_managed_buffer(2 * n)
+        a.write_bytes_to_buffer(src, b"\x03" * (2 * n), 2 * n)
+        arrs = [(array("Q", [src + i * n]), array("Q", [dst + i * n]), array("Q", [n]))
+                for i in range(2)]
+        empty = [(array("Q"), array("Q"), array("Q"))] * 2
+        now = time.time()
+        plan = ((seg, now + 30, arrs, [b"L0", b"L1"]), (seg, now + 0.5, arrs, [b"x", b"y"]),
+                (seg, now + 30, empty, None))
+        f.hold(0.3)
+        ev, ids = a.gate_layer(0, plan, f.stream.value, 0, 1.0, 2.0)
+        assert ev and isinstance(ids, tuple) and len(ids) == 3
+        assert isinstance(ids[0], int) and ids[1] is None and ids[2] is None, ids
+        assert _wait_notify(b, 0.15) == []  # the held stream: nothing written yet
+        assert b.read_bytes_from_buffer(dst, 16) == b"\x00" * 16
+        assert [m.msg for m in _wait_notify(b, 5)] == [b"L0"]
+        assert b.read_bytes_from_buffer(dst + n - 16, 16) == b"\x03" * 16
+        assert a.transfer_check_status(ids[0]) == 1
+        # layer 1 without a note: written, nothing told
+        ev1, ids1 = a.gate_layer(1, plan[:1] + ((seg, now + 30, arrs, None),),
+                                 f.stream.value, 0, 1.0, 2.0)
+        assert ev1 and ev1 != ev and all(isinstance(x, int) for x in ids1), ids1
+        assert [m.msg for m in _wait_notify(b, 5)] == [b"L1"]
+        assert a.gate_layer(1, (), f.stream.value, 0, 1.0, 2.0)[1] == ()
+        # a notification waiting: nothing done
+        b.send_notify(a.get_segment_name(), b"hello", 5.0)
+        deadline = time.time() + 5
+        while a.gate_layer(0, plan, f.stream.value, 0, 1.0, 2.0) is not None:
+            assert time.time() < deadline  # (it is in flight)
+            time.sleep(0.01)
+        assert [m.msg for m in a.get_notifies()] == [b"hello"]
+        assert a.gate_layer(0, None, f.stream.value, 0, 1.0, 2.0) == 0
+        with pytest.raises(ValueError, match="must be >= 0"):
+            a.gate_layer(-1, None, 0, 0, 1.0, 2.0)
+        with pytest.raises(TypeError, match="plan must be None or a tuple"):
+            a.gate_layer(0, [], f.stream.value, 0, 1.0, 2.0)
+        with pytest.raises(TypeError, match="name, lease_until, arrays, notes"):
+            a.gate_layer(0, ((seg, now + 30, arrs),), f.stream.value, 0, 1.0, 2.0)
+        with pytest.raises(TypeError, match="name must be a str"):
+            a.gate_layer(0, ((1, now + 30, arrs, None),), f.stream.value, 0, 1.0, 2.0)
+        with pytest.raises(TypeError, match=r"\(src, dst, len\) tuple"):
+            a.gate_layer(0, ((seg, now + 30, [None], None),), f.stream.value, 0, 1.0, 2.0)
+
+
+def test_gate_plan_holds_the_open_caught_up_targets_with_arrays():
+    """push.py's plan for Engine.gate_layer (_gate_plan): the open targets
+    of layerwise jobs being computed that have every queued layer and their
+    arrays, as plain tuples; a canceled, stopped or ended target is left
+    out; an open one without arrays or behind is left to the per-target
+    path (rest)."""
+    from types import SimpleNamespace as NS
+    from mooncake_connector.connector.push import PushProducer
+    garr, notes = [("s0", "d0", "n0")], [b"L0"]
+
+    def target(name, **kw):
+        t = dict(name=name, state="writing", cancel=False, stop=None, garr=garr,
+                 layers_sent={0}, lease_until=5.0, lnotify=True, gnote=notes)
+        t.update(kw)
+        return NS(**t)
+
+    tgs = {k: target(k) for k in ("ok", "quiet")}
+    tgs["quiet"].lnotify = False
+    tgs.update(canceled=target("c", cancel=True), stopped=target("s", stop="why"),
+               done=target("d", state="done"))
+    job = NS(all_ready=False, layerwise=True, queued={0}, targets=tgs)
+    whole = NS(all_ready=False, layerwise=False, queued={0}, targets={"w": target("w")})
+    ready = NS(all_ready=True, layerwise=True, queued={0}, targets={"r": target("r")})
+    p = NS(jobs={"a": job, "b": whole, "c": ready})
+    plan, who, live, rest = PushProducer._gate_plan(p, 1)
+    assert plan == (("ok", 5.0, garr, notes), ("quiet", 5.0, garr, None)) and not rest
+    assert [(k, j, t) for k, j, t in who] == [(0, job, tgs["ok"]), (1, job, tgs["quiet"])]
+    assert live == (job, whole)
+    tgs["late"] = target("late", garr=None)  # arrays not built
+    assert PushProducer._gate_plan(p, 1)[3]
+    tgs["late"] = target("late", layers_sent=set())  # layer 0 not sent
+    plan, _, _, rest = PushProducer._gate_plan(p, 1)
+    assert rest and len(plan) == 2
+    assert PushProducer._gate_plan(NS(jobs={"c": ready}), 1) == (None, (), (), False)
+
+
+def test_gate_plan_is_rebuilt_as_each_other_lock_holder_lets_go():
+    """The plan gate_layer keeps is rebuilt whenever a locked method of the
+    producer ran (a target arrived, a job began, ended or was computed),
+    so a layer's save never writes from a stale plan; without the one call
+    per layer (_fast false) none is kept."""
+    import threading
+    from types import SimpleNamespace as NS
+    from mooncake_connector.connector.push import PushProducer, _locked
+
+    class P:
+        _gate_plan = PushProducer._gate_plan
+
+        def __init__(self):
+            self.lock, self.jobs, self._fast, self._gplan = threading.RLock(), {}, True, None
+
+        @_locked
+        def add(self, tid, job):
+            self.jobs[tid] = job
+
+        @_locked
+        def done(self, tid):
+            self.jobs[tid].all_ready = True
+
+    tg = NS(name="d", state="pending", cancel=False, stop=None, garr=[1], layers_sent=set(),
+            lease_until=9.0, lnotify=False, gnote=None)
+    job = NS(all_ready=False, layerwise=True, queued=set(), targets={"d": tg})
+    p = P()
+    p.add("t", job)
+    assert p._gplan[0] == (("d", 9.0, [1], None),) and p._gplan[2] == (job,)
+    p.done("t")
+    assert p._gplan == (None, (), (), False)
+    p._fast = False
+    p.add("u", job)
+    assert p._gplan is None
+
+
 # ---------------------------------------------------------------- the push producer
 
 class FakeTorchEvent:
@@ -233,13 +365,19 @@ class FakeTorchEvent:
 
 
 def _layer_load_rounds(model_dir, urls, gate, rounds=3, gpu_lag_s=0.002, blocks=4,
-                       timings=None, cuda=True):  # noqa: F811
+                       timings=None, cuda=True, fast=True, profile=False,
+                       pause=False):  # noqa: F811
     """push_layer_load rounds with a CUDA-like producer (its layers' events
     complete gpu_lag_s after each save; cuda=False: CPU KV caches, no
     event); returns (wake-ups per layer, the counts, the producer engine's
     stats, the decode's per-layer views).  timings (a dict): filled with the
     producer's save_kv_layer seconds per call (a prompt being computed) and
-    its forward's seconds per prompt."""
+    its forward's seconds per prompt.  fast=False: CUDA layers through the
+    per-target Python path (_layer_gated), not Engine.gate_layer.
+    profile: the counts' "py_calls" lists, per save of a prompt being
+    computed, the Python and C functions it called (sys.setprofile).
+    pause: the producer's forward waits after layer 0 for the decode's
+    target, so the next layer's save drains it (mid-forward arrival)."""
     from test_push_layer_load import AttnSide, both_legs, BS, toks
     from vllm_harness import recomputes
 
@@ -299,31 +437,54 @@ def _layer_load_rounds(model_dir, urls, gate, rounds=3, gpu_lag_s=0.002, blocks=
             return orig_send(target, msg, *a, **kw)
 
         ob.send = send
-        orig_done = pp_.layer_done
+        stream = None
+        if cuda:  # the engine's own event per layer (gate_layer), on the stand-in's stream
+            def stream(dev):
+                f.hold(gpu_lag_s)
+                return f.stream.value
 
-        def layer_done(name):
-            fwd_id = threading.get_ident()
+            pp_._stream, pp_._gdev = stream, 0
+            if not fast:
+                pp_._fast = False  # the per-target Python path (_layer_gated)
+        orig_save = w.save_kv_layer
+        wakes["py_calls"] = []  # per profiled save: the calls it made
+        skip = {Fake.hold.__code__} | ({stream.__code__} if stream else set())
+
+        def save(name):
             nonlocal fwd
-            fwd = fwd_id
-            if any(not j.all_ready for j in list(pp_.jobs.values())):
+            fwd = threading.get_ident()
+            computing = any(not j.all_ready for j in list(pp_.jobs.values()))
+            if computing:
                 wakes["saves"] += 1  # a layer of a prompt being computed
-            return orig_done(name)
+            if computing and timings is None and profile:
+                # Python functions and C functions called by the save (the
+                # stand-in's stream stub excluded: torch's raw stream getter)
+                n = [0]
 
-        pp_.layer_done = layer_done
+                def prof(frame, event, arg):
+                    if event in ("call", "c_call") and frame.f_code not in skip:
+                        n[0] += 1
+
+                sys.setprofile(prof)
+                try:
+                    orig_save(name)
+                finally:
+                    sys.setprofile(None)
+                wakes["py_calls"].append(n[0] - 1)  # less setprofile(None) itself
+                return
+            if timings is None or not computing:
+                return orig_save(name)
+            t0, c0 = time.perf_counter(), time.thread_time()
+            orig_save(name)
+            timings["save_s"].append(time.perf_counter() - t0)
+            timings["save_cpu_s"].append(time.thread_time() - c0)
+
+        w.save_kv_layer = save
         if timings is not None:
             timings.setdefault("save_s", [])
             timings.setdefault("forward_s", [])
-            orig_save, orig_fwd = w.save_kv_layer, p._forward
-
             timings.setdefault("save_cpu_s", [])
-
-            def save(name):
-                computing = any(not j.all_ready for j in list(pp_.jobs.values()))
-                t0, c0 = time.perf_counter(), time.thread_time()
-                orig_save(name)
-                if computing:
-                    timings["save_s"].append(time.perf_counter() - t0)
-                    timings["save_cpu_s"].append(time.thread_time() - c0)
+            orig_fwd = p._forward
 
             def forward(so):
                 t0 = time.perf_counter()
@@ -331,13 +492,21 @@ def _layer_load_rounds(model_dir, urls, gate, rounds=3, gpu_lag_s=0.002, blocks=
                 if "pq" in so.num_scheduled_tokens:
                     timings["forward_s"].append(time.perf_counter() - t0)
 
-            w.save_kv_layer = save
             p._forward = forward
         seen = []
         c0 = time.process_time()
         for r in range(rounds):
             t = toks(40 + r, blocks * BS + 5)
-            run = both_legs(p, d, f"G{gate}{r}", t, 2)
+            if pause:  # the decode's request only once the prefill paused after layer 0
+                from test_push_layer_load import Stepper, dp, make_request, pp as p_params
+                p.pause_after_layer = 0
+                p.paused.clear()
+                p.add(make_request("pq", t, max_tokens=1, params=p_params(f"G{gate}{r}")))
+                run = Stepper(p)
+                assert p.paused.wait(10)
+                d.add(make_request("q", t, max_tokens=2, params=dp(f"G{gate}{r}")))
+            else:
+                run = both_legs(p, d, f"G{gate}{r}", t, 2)
             try:
                 so = d.step()
                 assert so.num_scheduled_tokens.get("q") == 5
@@ -382,6 +551,45 @@ def test_fake_gate_wakes_no_python_thread_per_layer(tmp_path):
     assert wa["saves"] == wb["saves"] == 3 * 2, (wa, wb)  # 3 prompts x 2 layers
     # the engine told the layers: one message per gated batch (a target that
     # arrived after layer 0 or after the forward gets several layers in one)
+    assert 3 <= stats["gate_notified"] <= wa["saves"], stats
+
+
+@needs_fake
+def test_fake_gate_layer_is_one_engine_call_per_layer(tmp_path):
+    """CUDA through the gate: a layer's save costs vLLM's forward thread one
+    engine call (Engine.gate_layer: the look for notifications, the
+    engine's own event recorded on the stream, each target of the
+    producer's plan (built when targets change, not per layer) given its
+    gated batch from its prebuilt arrays and 'layer' message; the batch ids
+    noted by push.py without a call per target), not
+    the per-target Python path (the drain's two engine calls, the gate
+    checks, torch's event, the arrays and the submit per target: H200 run
+    22 measured 0.15-0.17 ms of the forward thread per save).  Counted:
+    the Python and C functions each save calls; the decode still sees
+    every layer land and no Python thread wakes per layer."""
+    pytest.importorskip("vllm", reason="vllm is not installed")
+    from vllm_harness import tiny_model_dir
+    md = tiny_model_dir(str(tmp_path))
+    kw = dict(gate=True, profile=True, pause=True)  # each target arrives mid-forward
+    _, wb, _, seen_b = _layer_load_rounds(md, _urls(), fast=False, blocks=24, **kw)
+    _, w4, _, seen_4 = _layer_load_rounds(md, _urls(), blocks=4, **kw)
+    per, wa, stats, seen_a = _layer_load_rounds(md, _urls(), blocks=24, **kw)
+    calls_b, calls_4, calls_a = (sorted(x["py_calls"]) for x in (wb, w4, wa))
+    print(f"calls per save: per-target path {calls_b}, gate_layer {calls_a} "
+          f"(4-block prompts: {calls_4})")
+    assert all(all(s) for x in (seen_b, seen_4, seen_a) for s in x), (seen_b, seen_4, seen_a)
+    assert per == 0 and wa["saves"] == wb["saves"] == 3 * 2, (per, wa, wb)
+    assert len(calls_a) == len(calls_b) == 6
+    # a save with no notification waiting: one engine call and its few
+    # Python steps (before: >= 20; 4 with the plan kept)
+    assert calls_a[0] <= 5 and sum(c <= 12 for c in calls_a) == 3, calls_a
+    assert calls_b[0] >= 3 * calls_a[0], (calls_b, calls_a)
+    # the save that drains the decode's target (its parse, its per-layer
+    # arrays, the layers saved before it): no Python step per block (the
+    # arrays in one C pass), so 24-block prompts (one step) cost what 4-block ones do;
+    # before, a Python loop over the blocks (at least a step per block)
+    assert calls_a[-1] <= calls_4[-1] + 10, (calls_a, calls_4)
+    assert calls_b[-1] >= calls_a[-1] + 24, (calls_b, calls_a)
     assert 3 <= stats["gate_notified"] <= wa["saves"], stats
 
 

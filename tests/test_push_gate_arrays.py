@@ -1,9 +1,10 @@
-"""push.py's per-layer arrays of a CUDA-gated target (_gate_arrays): the
-numpy build (whole-array arithmetic per layer, used when a target arrives
-inside the forward) gives exactly the Python loop's arrays, in its order,
-and the same first error, on the KV-cache shapes of test_layout.py (two
-outer slices per layer, a permuted TRITON layout, MLA's one slice, HMA's
-two groups with null blocks on the consumer)."""
+"""push.py's per-layer arrays of a CUDA-gated target (_gate_arrays, one C
+pass: _core.gate_arrays) give exactly the arrays of a Python loop over the
+blocks and extents (the reference below, through push.py's _collect, what
+the ungated path writes), in its order, each layer's bytes, and the same
+first error, on the KV-cache shapes of test_layout.py (two outer slices per
+layer, a permuted TRITON layout, MLA's one slice, HMA's two groups with
+null blocks on the consumer)."""
 import random
 from array import array
 from types import SimpleNamespace
@@ -11,7 +12,6 @@ from types import SimpleNamespace
 import pytest
 
 torch = pytest.importorskip("torch")
-np = pytest.importorskip("numpy")
 
 from mooncake_connector.connector.layout import KVLayout  # noqa: E402
 from mooncake_connector.connector.push import PushProducer  # noqa: E402
@@ -57,20 +57,32 @@ def _rows(groups, rng, n):
     return rng.sample(range(NB), n), [[rng.randrange(NB) for _ in range(n)]]
 
 
+def _loop(p, rows, tg):
+    """The reference: the arrays one block and extent at a time."""
+    per = [(array("Q"), array("Q"), array("Q")) for _ in p._layer_off]
+    if not p._collect(tg, rows, range(len(per)), per.__getitem__):
+        return None
+    return per
+
+
 def _both(p, job, tg):
-    """(numpy build, loop build), each on its own copy of the target."""
+    """(C build through _gate_arrays, loop build), each on its own copy of
+    the target: (arrays, stop), the C one's bytes per layer checked."""
     rows = job.spec.block_ids if not job.spec.more_groups else \
         list(zip(job.spec.block_ids, *job.spec.more_groups))
     rows = rows[tg.skip:tg.skip + tg.nblocks]
-    t1, t2 = SimpleNamespace(**vars(tg)), SimpleNamespace(**vars(tg))
-    return (p._gate_arrays_np(rows, t1), t1.stop), (p._gate_arrays_loop(rows, t2), t2.stop)
+    t1, t2 = (SimpleNamespace(**vars(tg), gbytes=None) for _ in range(2))
+    loop = _loop(p, rows, t2)
+    c = p._gate_arrays(job, t1)
+    if c is not None:
+        assert all(isinstance(v, array) and v.typecode == "Q" for x in c for v in x)
+        assert t1.gbytes == [sum(x[2]) for x in c] and t1.stop is None
+        assert p._gate_arrays(job, t1) is c  # built once
+    return (c, t1.stop), (loop, t2.stop)
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_numpy_build_equals_the_loop(seed, monkeypatch):
-    from mooncake_connector.connector import push
-    # the entry point below takes numpy for every size in odd seeds
-    monkeypatch.setattr(push, "GATE_NP_MIN", 0 if seed % 2 else 1 << 30)
+def test_c_build_equals_the_loop(seed):
     rng = random.Random(seed)
     for name, layout, groups in _layouts():
         p = _producer(layout)
@@ -82,18 +94,11 @@ def test_numpy_build_equals_the_loop(seed, monkeypatch):
             assert stop_a is None and stop_b is None, (name, stop_a, stop_b)
             assert len(a) == len(b) == len(layout.layers)
             for li, (x, y) in enumerate(zip(a, b)):
-                assert all(isinstance(v, array) and v.typecode == "Q" for v in x)
                 assert [v.tolist() for v in x] == [v.tolist() for v in y], (name, li)
             assert sum(len(x[0]) for x in a) > 0
-            # the whole entry point too: sizes, and built once
-            tg2 = SimpleNamespace(**vars(tg), gbytes=None)
-            per = p._gate_arrays(job, tg2)
-            assert [v.tolist() for x in per for v in x] == [v.tolist() for x in b for v in x]
-            assert tg2.gbytes == [sum(x[2]) for x in b]
-            assert p._gate_arrays(job, tg2) is per
 
 
-def test_numpy_build_reports_the_loops_first_bad_extent():
+def test_c_build_reports_the_loops_first_bad_extent():
     rng = random.Random(7)
     for name, layout, groups in _layouts():
         p = _producer(layout)
@@ -115,3 +120,26 @@ def test_numpy_build_reports_the_loops_first_bad_extent():
         tg.dest[3 * 3 + 1], tg.dest[3 * 3 + 2] = (1 << 64) - 1, 1
         (a, stop_a), (b_, stop_b) = _both(p, job, tg)
         assert a is None and stop_a == stop_b and stop_a.startswith("extent 3 of block 0"), stop_a
+
+
+def test_c_build_names_a_block_id_out_of_range_and_layer_notes_match_encode():
+    from mooncake_connector import _core
+    from mooncake_connector.connector.layout import LayoutError
+    from mooncake_connector.connector.push import _layer_notes, encode
+    _, layout, _ = next(_layouts())
+    p = _producer(layout)
+    tg = _target(layout, random.Random(1), 2, 0)
+    job = SimpleNamespace(tid="t", spec=SimpleNamespace(block_ids=[0, 1], more_groups=None))
+    assert p._gate_arrays(job, SimpleNamespace(**vars(tg), gbytes=None)) is not None
+    layers = p._gate_spec
+    with pytest.raises(ValueError, match=f"block id {NB} is outside 0..{NB - 1}"):
+        _core.gate_arrays(array("Q", [0, NB]), tg.dest, layout.extents_per_block, 1, layers, NB)
+    with pytest.raises(ValueError, match="not blocks x"):
+        _core.gate_arrays(array("Q", [0]), tg.dest, layout.extents_per_block, 1, layers, NB)
+    # ids the array cannot hold: named as the layout names them
+    job = SimpleNamespace(tid="t", spec=SimpleNamespace(block_ids=[0, -1], more_groups=None))
+    with pytest.raises(LayoutError, match="block id -1 is outside"):
+        p._gate_arrays(job, SimpleNamespace(**vars(tg), gbytes=None))
+    for tid in ("t", 'a"b\\c', "\u00e9x"):
+        assert _layer_notes(tid, 3) == [encode({"t": "layer", "tid": tid, "l": [li]})
+                                        for li in range(3)]

@@ -172,6 +172,13 @@ int mc_engine_wait_notifies(mc_engine_t *e, int64_t timeout_us) {
   return have;
 }
 
+int mc_engine_notifies_pending(mc_engine_t *e) {
+  pthread_mutex_lock(&e->notify_mu);
+  int have = e->notify_head != NULL || e->nlost > 0;
+  pthread_mutex_unlock(&e->notify_mu);
+  return have;
+}
+
 void mc_engine_wake_notify_waiters(mc_engine_t *e) {
   pthread_mutex_lock(&e->notify_mu);
   e->notify_waiters_woken = 1;

@@ -147,6 +147,7 @@ void mc_engine_destroy(mc_engine_t *e) {
     return;
   mc_keepalive_stop(e);
   mc_gate_destroy(e); /* before the transports: its notifier sends over them */
+  mc_gate_events_destroy(e); /* no gate thread waits for them now */
   if (e->published)
     mc_engine_unpublish(e);
   mc_transports_stop(e); /* control first: no handshake RPC reaches the others after */

@@ -154,6 +154,17 @@ int mc_batch_submit_gated(mc_engine_t *e, mc_batch_t *b, const char *segment,
                           const mc_request_t *reqs, size_t n, const mc_gate_opts_t *o,
                           mc_err_t *err);
 
+/* Records the next of the engine's own gate events (a ring of
+ * MC_GATE_EVENTS blocking-sync CUevents, made at first use in the device's
+ * primary context) on `stream` (a CUstream of that context; 0: the legacy
+ * default stream) from the calling thread, and gives its handle for
+ * mc_batch_submit_gated; one device per engine.  Does not block (the
+ * driver queues the record).  0, or <0 (MC_EUNAVAIL: no CUDA driver;
+ * MC_ESYS: the driver refused, named; MC_EINVAL: another device). */
+#define MC_GATE_EVENTS (2 * MC_GATE_MAX)
+int mc_engine_gate_record(mc_engine_t *e, int dev, uint64_t stream, uint64_t *event,
+                          mc_err_t *err);
+
 /* Sends a small message (at most MC_ENGINE_MAX_MSG bytes) to a segment and
  * waits for its receipt. Blocks. */
 #define MC_ENGINE_MAX_MSG (16u << 20) /* = MC_XFER_MAX_CTRL (batch.c checks) */
@@ -177,6 +188,9 @@ size_t mc_engine_drain_notifies(mc_engine_t *e, size_t max, mc_notify_cb cb, voi
  * lost since the last return (mc_engine_take_lost_peers; each loss wakes a
  * waiter once); 1 if either, 0 on timeout. */
 int mc_engine_wait_notifies(mc_engine_t *e, int64_t timeout_us);
+/* 1 when a notification is queued or a lost peer is not taken yet (a look,
+ * nothing taken, no wait): whether a drain has anything to do. */
+int mc_engine_notifies_pending(mc_engine_t *e);
 /* Before a destroy: wakes every mc_engine_wait_notifies caller and makes
  * later ones return at once (the caller that closes need not wait for them). */
 void mc_engine_wake_notify_waiters(mc_engine_t *e);

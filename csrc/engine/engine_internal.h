@@ -116,6 +116,11 @@ struct mc_engine {
   /* Gated batches (gate.c): made at the first gated submit (gate_mu). */
   pthread_mutex_t gate_mu;
   mc_gate_t *gate;
+  /* The gate's CUDA events (gate_events.c; gate_mu): a ring of
+   * MC_GATE_EVENTS, made at first use, on one device. */
+  uint64_t *gev;
+  size_t gev_next, gev_made;
+  int gev_dev;
   pthread_t ka_thread;
   int ka_running;
   pthread_mutex_t ka_mu;
@@ -288,6 +293,8 @@ void mc_transports_cancel_sweep(mc_engine_t *e);
 void mc_transports_peer_lost(mc_engine_t *e, const char *segment);
 /* Records a lost peer for mc_engine_take_lost_peers and wakes waiters (ctrl.c). */
 void mc_engine_note_peer_lost(mc_engine_t *e, const char *segment);
+/* gate_events.c: the ring's events destroyed (after mc_gate_destroy). */
+void mc_gate_events_destroy(mc_engine_t *e);
 void mc_transports_peer_closed(mc_engine_t *e, const char *segment);
 int mc_transports_serve_rpc(mc_engine_t *e, const char *from, const char *req, size_t len,
                             char **reply, mc_err_t *err);

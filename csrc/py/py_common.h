@@ -89,5 +89,6 @@ int mc_py_config_add(PyObject *module, mc_py_state_t *st);
 int mc_py_meta_add(PyObject *module, mc_py_state_t *st);
 int mc_py_kv_add(PyObject *module, mc_py_state_t *st);
 int mc_py_lookup_add(PyObject *module, mc_py_state_t *st);
+int mc_py_gate_arrays_add(PyObject *module, mc_py_state_t *st);
 
 #endif

@@ -5,6 +5,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "engine/engine.h"
 #include "gpu/cuda_driver.h"
@@ -646,17 +647,10 @@ static uint64_t u64_at(const u64_arg_t *a, Py_ssize_t i) {
   return v;
 }
 
-static int parse_batch(PyObject *args, PyObject *kw, const char *fmt, int opcode,
-                       xfer_args_t *x, PyObject **target_obj) {
-  static char *kwlist[] = {"target_hostname", "buffers", "peer_buffer_addresses", "lengths",
-                           NULL};
-  PyObject *t, *lo, *ro, *no;
-  if (!PyArg_ParseTupleAndKeywords(args, kw, fmt, kwlist, &t, &lo, &ro, &no))
-    return -1;
-  if (!PyUnicode_Check(t)) {
-    PyErr_SetString(PyExc_TypeError, "target_hostname must be a str (the segment name)");
-    return -1;
-  }
+/* The requests of three address/length arguments of one length (array('Q')
+ * and the like read in place); 0, or -1 raised. */
+static int reqs_from(PyObject *lo, PyObject *ro, PyObject *no, int opcode, mc_request_t **reqs,
+                     Py_ssize_t *count) {
   u64_arg_t l, r, n;
   if (u64_arg_get(lo, &l, "buffers[i]") < 0)
     return -1;
@@ -678,25 +672,46 @@ static int parse_batch(PyObject *args, PyObject *kw, const char *fmt, int opcode
                  nl, r.n, n.n);
     rc = -1;
   } else {
-    x->reqs = PyMem_RawMalloc((size_t)(nl ? nl : 1) * sizeof *x->reqs);
-    if (!x->reqs) {
+    *reqs = PyMem_RawMalloc((size_t)(nl ? nl : 1) * sizeof **reqs);
+    if (!*reqs) {
       PyErr_NoMemory();
       rc = -1;
     } else {
       for (Py_ssize_t i = 0; i < nl; i++)
-        x->reqs[i] = (mc_request_t){.opcode = opcode, .local = (void *)(uintptr_t)u64_at(&l, i),
+        (*reqs)[i] = (mc_request_t){.opcode = opcode, .local = (void *)(uintptr_t)u64_at(&l, i),
                                     .remote = u64_at(&r, i), .len = u64_at(&n, i)};
-      x->n = nl;
-      x->target = PyUnicode_AsUTF8(t);
-      if (!x->target)
-        rc = -1;
-      *target_obj = t;
+      *count = nl;
     }
   }
   u64_arg_release(&l);
   u64_arg_release(&r);
   u64_arg_release(&n);
   return rc;
+}
+
+static int parse_batch(PyObject *args, PyObject *kw, const char *fmt, int opcode,
+                       xfer_args_t *x, PyObject **target_obj) {
+  static char *kwlist[] = {"target_hostname", "buffers", "peer_buffer_addresses", "lengths",
+                           NULL};
+  PyObject *t, *lo, *ro, *no;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, fmt, kwlist, &t, &lo, &ro, &no))
+    return -1;
+  if (!PyUnicode_Check(t)) {
+    PyErr_SetString(PyExc_TypeError, "target_hostname must be a str (the segment name)");
+    return -1;
+  }
+  Py_ssize_t n = 0;
+  if (reqs_from(lo, ro, no, opcode, &x->reqs, &n) < 0)
+    return -1;
+  x->n = n;
+  x->target = PyUnicode_AsUTF8(t);
+  *target_obj = t;
+  if (!x->target) {
+    PyMem_RawFree(x->reqs);
+    x->reqs = NULL;
+    return -1;
+  }
+  return 0;
 }
 
 /* Runs one batch to completion without the GIL. */
@@ -868,6 +883,46 @@ static PyObject *Engine_transfer_submit_write(EngineObject *self, PyObject *args
   return r;
 }
 
+/* A submitted batch into the id table (the caller holds the life lock:
+ * close frees what it lists); its new id, or NULL (raised; the batch freed). */
+static PyObject *table_batch(EngineObject *self, mc_batch_t *b) {
+  py_batch_t *pb = PyMem_RawMalloc(sizeof *pb);
+  PyObject *cap = pb ? PyCapsule_New(pb, "mc_batch", free_batch_capsule) : NULL;
+  PyObject *id = cap ? PyLong_FromLongLong(++self->next_batch) : NULL;
+  if (pb)
+    *pb = (py_batch_t){.b = b, .refs = 1};
+  if (!id || PyDict_SetItem(self->batches, id, cap) < 0) {
+    if (!pb)
+      PyErr_NoMemory();
+    Py_XDECREF(cap);
+    Py_XDECREF(id);
+    PyMem_RawFree(pb);
+    batch_free(self, b);
+    return NULL;
+  }
+  Py_DECREF(cap);
+  return id;
+}
+
+/* A new batch of these requests submitted (gated when gate is given): the
+ * batch, or NULL with err set (nothing left behind). */
+static mc_batch_t *batch_submit_new(EngineObject *self, const char *target,
+                                    const mc_request_t *reqs, size_t n,
+                                    const mc_gate_opts_t *gate, mc_err_t *err) {
+  mc_batch_t *b = mc_batch_new(self->eng, n);
+  if (!b) {
+    mc_err_set(err, MC_ENOMEM, "out of memory");
+    return NULL;
+  }
+  int rc = gate ? mc_batch_submit_gated(self->eng, b, target, reqs, n, gate, err)
+                : mc_batch_submit(self->eng, b, target, reqs, n, err);
+  if (rc < 0) {
+    mc_batch_free(self->eng, b);
+    return NULL;
+  }
+  return b;
+}
+
 static PyObject *async_batch_gated(EngineObject *self, PyObject *args, PyObject *kw,
                                    int opcode, const char *fmt, const mc_gate_opts_t *gate) {
   xfer_args_t x = {0};
@@ -881,8 +936,6 @@ static PyObject *async_batch_gated(EngineObject *self, PyObject *args, PyObject 
     return NULL;
   }
   mc_err_t err = {0};
-  int rc;
-  mc_batch_t *b;
   /* A batch gated on a CUDA event is only queued for the engine's gate
    * thread (no network, no lookup, no wait: a few allocations and short
    * mutexes no GIL holder waits on), so the GIL is kept: vLLM's forward
@@ -890,42 +943,16 @@ static PyObject *async_batch_gated(EngineObject *self, PyObject *args, PyObject 
    * thread waiting for it, to be taken back after it. */
   int keep_gil = gate && gate->cuda_event;
   PyThreadState *ts = keep_gil ? NULL : PyEval_SaveThread();
-  b = mc_batch_new(self->eng, (size_t)x.n);
-  if (!b) {
-    rc = mc_err_set(&err, MC_ENOMEM, "out of memory");
-  } else {
-    rc = gate ? mc_batch_submit_gated(self->eng, b, target, x.reqs, (size_t)x.n, gate, &err)
-              : mc_batch_submit(self->eng, b, target, x.reqs, (size_t)x.n, &err);
-    if (rc < 0) {
-      mc_batch_free(self->eng, b);
-      b = NULL;
-    }
-  }
+  mc_batch_t *b = batch_submit_new(self, target, x.reqs, (size_t)x.n, gate, &err);
   if (ts)
     PyEval_RestoreThread(ts);
   PyMem_RawFree(x.reqs);
-  if (rc < 0) {
+  if (!b) {
     leave(self);
     return mc_py_raise(ST(self), &err);
   }
-  /* Into the table under the life lock: close frees what it lists. */
-  py_batch_t *pb = PyMem_RawMalloc(sizeof *pb);
-  PyObject *cap = pb ? PyCapsule_New(pb, "mc_batch", free_batch_capsule) : NULL;
-  PyObject *id = cap ? PyLong_FromLongLong(++self->next_batch) : NULL;
-  if (pb)
-    *pb = (py_batch_t){.b = b, .refs = 1};
-  if (!id || PyDict_SetItem(self->batches, id, cap) < 0) {
-    if (!pb)
-      PyErr_NoMemory();
-    Py_XDECREF(cap);
-    Py_XDECREF(id);
-    PyMem_RawFree(pb);
-    batch_free(self, b);
-    leave(self);
-    return NULL;
-  }
+  PyObject *id = table_batch(self, b);
   leave(self);
-  Py_DECREF(cap);
   return id;
 }
 
@@ -999,6 +1026,154 @@ static PyObject *Engine_batch_transfer_async_write_gated(EngineObject *self, PyO
     PyBuffer_Release(&nb);
   return r;
 }
+/* ---- one CUDA layer's gated writes to several targets (plain data) ---- */
+
+typedef struct {
+  long li;
+  uint64_t event;
+  int dev;
+  double margin, note_cap, now;
+} gate_layer_t;
+
+/* Layer li of one plan target, (name, lease_until, arrays, notes): its
+ * arrays[li] (a (src, dst, len) tuple) submitted gated on the layer's
+ * event, with notes[li] as the "layer" message when notes is not None.
+ * The batch id, Py_None when not submitted (the lease ends within the
+ * margin, nothing to write, the engine did not take it: the caller's
+ * per-target path looks and names why), or NULL raised. */
+static PyObject *gate_target(EngineObject *self, PyObject *t, const gate_layer_t *g) {
+  if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != 4) {
+    PyErr_SetString(PyExc_TypeError, "gate_layer: each plan entry must be a (name, "
+                                     "lease_until, arrays, notes) tuple");
+    return NULL;
+  }
+  PyObject *name = PyTuple_GET_ITEM(t, 0), *notes = PyTuple_GET_ITEM(t, 3);
+  const char *target = PyUnicode_Check(name) ? PyUnicode_AsUTF8(name) : NULL;
+  if (!target) {
+    if (!PyErr_Occurred())
+      PyErr_SetString(PyExc_TypeError, "gate_layer: a plan entry's name must be a str");
+    return NULL;
+  }
+  double lease = PyFloat_AsDouble(PyTuple_GET_ITEM(t, 1));
+  if (lease == -1.0 && PyErr_Occurred())
+    return NULL;
+  if (g->now > lease - g->margin) /* the caller's path stops it and says why */
+    return Py_NewRef(Py_None);
+  PyObject *per = NULL, *note = NULL, *id = NULL;
+  mc_request_t *reqs = NULL;
+  Py_ssize_t n = 0;
+  Py_buffer nb = {0};
+  int has_nb = 0;
+  if (!(per = PySequence_GetItem(PyTuple_GET_ITEM(t, 2), g->li)))
+    goto out;
+  if (!PyTuple_Check(per) || PyTuple_GET_SIZE(per) != 3) {
+    PyErr_SetString(PyExc_TypeError, "gate_layer: a plan entry's arrays[layer] must be a "
+                                     "(src, dst, len) tuple");
+    goto out;
+  }
+  if (reqs_from(PyTuple_GET_ITEM(per, 0), PyTuple_GET_ITEM(per, 1), PyTuple_GET_ITEM(per, 2),
+                MC_OP_WRITE, &reqs, &n) < 0)
+    goto out;
+  if (n == 0) { /* nothing to write (HMA null blocks): the caller's path says landed */
+    id = Py_NewRef(Py_None);
+    goto out;
+  }
+  if (notes != Py_None) {
+    if (!(note = PySequence_GetItem(notes, g->li)) ||
+        PyObject_GetBuffer(note, &nb, PyBUF_SIMPLE) < 0)
+      goto out;
+    has_nb = 1;
+  }
+  double left = lease - g->now, ntmo = left < g->note_cap ? left : g->note_cap;
+  mc_gate_opts_t o = {.cuda_event = g->event, .cuda_device = g->dev,
+                      .notify = has_nb ? nb.buf : NULL, .notify_len = has_nb ? (size_t)nb.len : 0,
+                      .notify_timeout_ms = (int64_t)((ntmo > 0.1 ? ntmo : 0.1) * 1000.0)};
+  mc_err_t err = {0};
+  /* Only queued for the gate thread (as batch_transfer_async_write_gated
+   * with an event): the GIL is kept. */
+  mc_batch_t *b = batch_submit_new(self, target, reqs, (size_t)n, &o, &err);
+  /* not taken (busy, lease, a bad segment): None, the caller's path retries */
+  id = b ? table_batch(self, b) : Py_NewRef(Py_None);
+out:
+  if (has_nb)
+    PyBuffer_Release(&nb);
+  PyMem_RawFree(reqs);
+  Py_XDECREF(per);
+  Py_XDECREF(note);
+  return id;
+}
+
+PyDoc_STRVAR(gate_layer_doc,
+"gate_layer(layer, plan, stream, device, margin, notify_cap) -> None | int | (int, tuple)\n\n"
+"One layer's writes to several targets gated on one CUDA event, in one call\n"
+"(the push producer's save of a layer with CUDA KV caches on vLLM's forward\n"
+"thread).  None when a notification or a lost peer waits (nothing done: the\n"
+"caller drains first).  plan None: nothing else to do, returns 0.  Else plan is\n"
+"a tuple of targets, each (name: str, lease_until: float, time.time() seconds,\n"
+"arrays: per layer a (src, dst, len) tuple of address arrays, notes: per layer\n"
+"the bytes of the notification sent once that layer's writes landed, or None):\n"
+"records the next of the engine's gate events on `stream` (a CUstream of\n"
+"`device`) and submits each target's arrays[layer] gated on it with notes[layer]\n"
+"(notify_timeout: min(notify_cap, lease left), at least 0.1 s), unless its\n"
+"lease ends within `margin` seconds.  Returns (event, results): the event's\n"
+"handle and, per plan target, the batch id or None (not submitted: lease near\n"
+"its end, nothing to write, the engine did not take it).  The GIL is kept\n"
+"(nothing blocks).");
+
+static PyObject *Engine_gate_layer(EngineObject *self, PyObject *args) {
+  long li;
+  PyObject *plan;
+  unsigned long long stream;
+  gate_layer_t g = {0};
+  if (!PyArg_ParseTuple(args, "lOKidd:gate_layer", &li, &plan, &stream, &g.dev, &g.margin,
+                        &g.note_cap))
+    return NULL;
+  if (li < 0 || g.dev < 0) {
+    PyErr_Format(PyExc_ValueError, "gate_layer: layer (%ld) and device (%d) must be >= 0", li,
+                 g.dev);
+    return NULL;
+  }
+  if (plan != Py_None && !PyTuple_Check(plan)) {
+    PyErr_SetString(PyExc_TypeError, "gate_layer: plan must be None or a tuple of (name, "
+                                     "lease_until, arrays, notes) tuples");
+    return NULL;
+  }
+  if (enter(self) < 0)
+    return NULL;
+  PyObject *res = NULL, *ids = NULL;
+  if (mc_engine_notifies_pending(self->eng)) {
+    res = Py_NewRef(Py_None);
+    goto out;
+  }
+  if (plan == Py_None) {
+    res = PyLong_FromLong(0);
+    goto out;
+  }
+  mc_err_t err = {0};
+  if (mc_engine_gate_record(self->eng, g.dev, stream, &g.event, &err) < 0) {
+    res = mc_py_raise(ST(self), &err);
+    goto out;
+  }
+  struct timespec ts;
+  clock_gettime(CLOCK_REALTIME, &ts);
+  g.now = (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+  g.li = li;
+  Py_ssize_t nt = PyTuple_GET_SIZE(plan);
+  if (!(ids = PyTuple_New(nt)))
+    goto out;
+  for (Py_ssize_t i = 0; i < nt; i++) {
+    PyObject *id = gate_target(self, PyTuple_GET_ITEM(plan, i), &g);
+    if (!id)
+      goto out;
+    PyTuple_SET_ITEM(ids, i, id);
+  }
+  res = Py_BuildValue("(KO)", (unsigned long long)g.event, ids);
+out:
+  leave(self);
+  Py_XDECREF(ids);
+  return res;
+}
+
 static PyObject *Engine_batch_transfer_async_read(EngineObject *self, PyObject *a, PyObject *k) {
   return async_batch(self, a, k, MC_OP_READ, "OOOO:batch_transfer_async_read");
 }
@@ -1596,6 +1771,7 @@ static PyMethodDef Engine_methods[] = {
     {"batch_transfer_async_write_gated",
      (PyCFunction)(void (*)(void))Engine_batch_transfer_async_write_gated,
      METH_VARARGS | METH_KEYWORDS, gated_doc},
+    {"gate_layer", (PyCFunction)Engine_gate_layer, METH_VARARGS, gate_layer_doc},
     {"transfer_check_status", (PyCFunction)Engine_transfer_check_status, METH_O, check_doc},
     {"transfer_wait", (PyCFunction)Engine_transfer_wait, METH_VARARGS, transfer_wait_doc},
     {"get_batch_status", (PyCFunction)Engine_get_batch_status, METH_O,

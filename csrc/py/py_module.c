@@ -55,6 +55,8 @@ static int module_exec(PyObject *module) {
   if (mc_py_kv_add(module, st) < 0)
     return -1;
   if (mc_py_lookup_add(module, st) < 0) return -1;
+  if (mc_py_gate_arrays_add(module, st) < 0)
+    return -1;
   return 0;
 }
 

@@ -82,10 +82,6 @@ class PushError(ValueError):
 
 
 GATE_KEEP = 4096  # = the engine's MC_GATE_MAX: batches waiting for CUDA events
-# _gate_arrays: from this many extents (blocks x extents per block) numpy's
-# whole-array build beats the Python loop (CPU VM: 144 extents 0.10 vs 0.08 ms,
-# 528: 0.12 vs 0.28, 1968: 0.16 vs 1.08)
-GATE_NP_MIN = 256
 
 
 def _torch_event():
@@ -152,6 +148,13 @@ def _layers_of(per, todo):
         dst.extend(per[li][1])
         lens.extend(per[li][2])
     return src, dst, lens
+
+
+def _layer_notes(tid, nl):
+    """Each layer's encoded "layer" message of a transfer id, the bytes
+    encode({"t": "layer", "tid": tid, "l": [li]}) makes, for li < nl."""
+    pre = MAGIC + b'{"t":"layer","tid":' + json.dumps(tid).encode() + b',"l":['
+    return [pre + b"%d]}\n" % li for li in range(nl)]
 
 
 def _extent_too_long(k, b, n, s_off, s_len):
@@ -646,7 +649,10 @@ def _locked(fn):
     @functools.wraps(fn)
     def run(self, *a, **kw):
         with self.lock:
-            return fn(self, *a, **kw)
+            try:
+                return fn(self, *a, **kw)
+            finally:  # whatever it changed: gate_layer's plan anew, outside the layer's save
+                self._gplan = self._gate_plan() if self._fast else None
     return run
 
 
@@ -732,6 +738,15 @@ class PushProducer:
         # device); the events given to the engine are kept alive by the ring (GateEvents)
         self._gate_event = GateEvents().record
         self._gate_failed = None
+        # gate_layer: the engine's one call per layer (None: not decided yet;
+        # decided at the first save, when torch has its CUDA context), the
+        # current stream's raw handle of a device, and the device
+        self._fast = None
+        self._gate_spec = None  # _gate_arrays: the layers' geometry tuples for _core.gate_arrays
+        # gate_layer's plan (_gate_plan), rebuilt after anything else took the lock
+        self._gplan = None
+        self._stream = None
+        self._gdev = 0
         self._layer_index = {L.name: i for i, L in enumerate(worker.layout.layers)}
         off, self._layer_off = 0, []
         for L in worker.layout.layers:
@@ -892,6 +907,123 @@ class PushProducer:
         elif tg.lnotify and tg.landed and not tg.stop:
             self._reply(tg.name, job.tid, "layer", l=sorted(tg.landed))
 
+    def _fast_gate(self):
+        """Whether gate_layer can take the layers: CUDA through the gate,
+        an engine with gate_layer, torch's raw current stream."""
+        if self.w.cuda_sync is None or not self._gate_on() or \
+                not hasattr(self.w.engine, "gate_layer"):
+            return False
+        if self._stream is None:
+            try:
+                import torch
+                self._stream = torch._C._cuda_getCurrentRawStream
+                self._gdev = int(torch.cuda.current_device())
+            except (ImportError, AttributeError, RuntimeError) as e:
+                logger.info("MooncakeConnector push: the gate's one call per layer is off "
+                            "(torch's raw stream: %s)", e)
+                return False
+        return True
+
+    def gate_layer(self, layer_name):
+        """vLLM's forward thread, after each layer's attention, CUDA KV
+        caches through the engine's gate: one engine call (Engine.gate_layer,
+        plain data in and out) records the engine's next event on torch's
+        current stream and hands each target of the plan (_gate_plan: its
+        prebuilt arrays, "layer" messages and lease) the layer's writes gated
+        on it; the batches it returns are noted here (no Python call per
+        target).  False: not taken (no such path, or a notification waits:
+        the caller drains it and calls again or layer_done)."""
+        fast = self._fast
+        if fast is None:
+            fast = self._fast = self._fast_gate()
+        if not fast or self._gate_failed is not None:
+            return False
+        try:
+            li = self._layer_index[layer_name]
+        except KeyError:
+            return False
+        dev = self._gdev
+        try:
+            with self.lock:
+                gp = self._gplan
+                if gp is not None:
+                    for job in gp[2]:
+                        if li in job.queued:  # a layer saved again: a plan for it
+                            gp = None
+                            break
+                if gp is None:  # a lock holder set it None, or the layer came again
+                    gp = self._gplan = self._gate_plan(li)
+                plan, who, live, rest = gp
+                r = self.w.engine.gate_layer(li, plan, self._stream(dev), dev,
+                                             PUSH_MARGIN_S, RESEND_TIMEOUT_S)
+                if r is None or plan is None:
+                    return r is not None  # None: a notification waits, drained first
+                if trace.ON:
+                    for job in live:
+                        trace.event("layer_saved", job.tid, li=li)
+                ev, ids = r
+                lis, qev = {li}, (None, ev, dev)
+                for job in live:
+                    job.queued |= lis
+                    job.qev = qev
+                # what _submit_gated notes after a submit, in operators (no
+                # call per target; the plan's targets stay caught up)
+                for k, job, tg in who:
+                    bid = ids[k]
+                    if bid is None:  # not taken: the per-target path says why
+                        rest = True
+                        continue
+                    tg.layers_sent |= lis
+                    tg.state = "writing"
+                    tg.batches += (bid,)
+                    tg.blayers[bid] = [li]
+                    if tg.lnotify:
+                        tg.told |= lis  # the engine tells it once it landed
+                    job.bytes += tg.gbytes[li]
+                    if trace.ON:
+                        trace.event("write_issued", job.tid, l=[li], bytes=tg.gbytes[li],
+                                    gated=True)
+                if rest:  # targets the plan left to the per-target path
+                    self._gplan = None
+                    for job in live:
+                        if job.layerwise and not job.all_ready:
+                            for tg in list(job.targets.values()):
+                                self._submit_gated(job, tg)
+        except Exception as e:  # noqa: BLE001 - an event error: the layer-event path
+            self._gplan = None
+            self._gate_fail(f"the gate's layer call failed: {e}")
+            return False
+        return True
+
+    def _gate_plan(self, li=-1):
+        """gate_layer's plan before layer li: (plan, who, live, rest).  live:
+        the jobs whose prompt is being computed; plan (None without any): per
+        open target of a layerwise one that has every queued layer but li
+        and its arrays built, the plain tuple Engine.gate_layer takes (name,
+        lease_until, per-layer arrays, per-layer "layer" messages or None);
+        who: (index in plan, job, target); rest: another open target waits
+        (arrays not built, layers behind): the per-target path looks.  Built
+        as each other holder of the lock lets it go (_locked; the others set
+        None: built in the save), kept while only gate_layer takes the lock
+        (its targets stay caught up)."""
+        live, plan, who, rest = (), (), (), False
+        for job in self.jobs.values():
+            if job.all_ready:
+                continue
+            live += (job,)
+            if not job.layerwise or not job.targets:
+                continue
+            done = job.queued - {li}
+            for tg in job.targets.values():
+                if tg.state not in ("pending", "writing") or tg.cancel or tg.stop:
+                    continue
+                if tg.garr is None or li in tg.layers_sent or tg.layers_sent != done:
+                    rest = True
+                    continue
+                who += ((len(plan), job, tg),)
+                plan += ((tg.name, tg.lease_until, tg.garr, tg.gnote if tg.lnotify else None),)
+        return (plan if live else None), who, live, rest
+
     def layer_done(self, layer_name):
         """vLLM's forward thread, after each layer's attention."""
         li = self._layer_index.get(layer_name)
@@ -906,6 +1038,7 @@ class PushProducer:
                 for job in self.jobs.values():
                     if not job.all_ready:
                         trace.event("layer_saved", job.tid, li=li)
+            self._gplan = None
             cpu = self.w.cuda_sync is None  # on CPU the layer's KV is in memory now
             for job in self.jobs.values():
                 if cpu and not job.all_ready:
@@ -964,6 +1097,7 @@ class PushProducer:
             self._gate_fail(f"recording a CUDA event failed: {e}")
             return False
         with self.lock:
+            self._gplan = None
             if trace.ON:
                 for job in live:
                     trace.event("layer_saved", job.tid, li=li)
@@ -978,13 +1112,13 @@ class PushProducer:
         return True
 
     def _gate_arrays(self, job, tg):
-        """The target's per-layer (src, dst, len) arrays, built once (the
-        checks of _submit); None when the target cannot be written.  Built
-        when the target arrives, which is often inside the forward (a
-        layer's save drains it): with numpy, whole-array arithmetic per
-        layer instead of a Python loop over blocks x extents (the H200's
-        run 21 traced that loop at ~1 ms of the forward thread at 1966
-        tokens); the loop (_gate_arrays_loop) without numpy."""
+        """The target's per-layer (src, dst, len) arrays and each layer's
+        bytes (tg.gbytes), built once (the checks of _submit) in one C pass
+        (_core.gate_arrays: the target often arrives inside the forward, a
+        layer's save drains it, and a Python loop over blocks x extents cost
+        the H200's forward thread ~1 ms at 1966 tokens, run 21); None when
+        the target cannot be written (tg.stop says why).  Ids out of range
+        raise LayoutError, as _collect's layer_extents does."""
         if tg.garr is not None:
             return tg.garr
         rows = job.spec.block_ids if not job.spec.more_groups else \
@@ -993,34 +1127,28 @@ class PushProducer:
             tg.stop = (f"the decode side asks for blocks {tg.skip}..{tg.skip + tg.nblocks - 1}; "
                        f"this prefill holds {len(rows)}")
             return None
+        from mooncake_connector import _core
         rows = rows[tg.skip:tg.skip + tg.nblocks]
-        per = None
-        if tg.nblocks * self.w.layout.extents_per_block >= GATE_NP_MIN:
-            try:
-                import numpy  # noqa: F401 - vLLM's own dependency
-            except ImportError:
-                pass
-            else:
-                per = self._gate_arrays_np(rows, tg)
-                if per is None:
-                    return None
-        if per is None:
-            per = self._gate_arrays_loop(rows, tg)
-            if per is None:
-                return None
-        tg.gbytes = [sum(x[2]) for x in per]
-        if tg.lnotify:  # each layer's own "layer" message, encoded once
-            tg.gnote = [encode({"t": "layer", "tid": job.tid, "l": [li]})
-                        for li in range(len(per))]
-        tg.garr = per
-        return per
-
-    def _gate_arrays_loop(self, rows, tg):
-        """_gate_arrays' arrays, one block and extent at a time (the
-        reference the numpy build is tested against)."""
-        per = [(array("Q"), array("Q"), array("Q")) for _ in self._layer_off]
-        if not self._collect(tg, rows, range(len(per)), per.__getitem__):
+        lay = self.w.layout
+        if self._gate_spec is None:  # the layers' geometry, plain
+            self._gate_spec = tuple(
+                (k0, nk, L.base, L.group, L.block_stride, L.block_bytes, array("Q", L.outer))
+                for (k0, nk), L in zip(self._layer_off, lay.layers))
+        try:  # one id per row (ints): no Python step per block
+            ids = array("Q", rows) if lay.num_groups == 1 else None
+        except (OverflowError, TypeError):  # rows of ids, or ids _row names
+            ids = None
+        if ids is None:
+            ids = array("Q", [b for r in rows for b in lay._row(r)])
+        per, gbytes = _core.gate_arrays(ids, tg.dest, lay.extents_per_block, lay.num_groups,
+                                        self._gate_spec, lay.num_blocks)
+        if per is None:  # the first extent that asks for more bytes than this side's
+            tg.stop = _extent_too_long(*gbytes)
             return None
+        tg.gbytes = gbytes
+        if tg.lnotify:  # each layer's own "layer" message, encoded once
+            tg.gnote = _layer_notes(job.tid, len(per))
+        tg.garr = per
         return per
 
     def _collect(self, tg, rows, layers, out):
@@ -1049,47 +1177,6 @@ class PushProducer:
                     dst.append(d_addr)
                     lens.append(n)
         return True
-
-    def _gate_arrays_np(self, rows, tg):
-        """_gate_arrays' arrays by whole-array arithmetic per layer: the
-        same values in the same order (block-major, then extent) and the
-        same first error as _gate_arrays_loop."""
-        import numpy as np
-
-        lay = self.w.layout
-        nb, epb = len(rows), lay.extents_per_block
-        u64 = np.uint64
-        # every row checked (ids in range, one per group), as layer_extents does
-        ids = np.array([lay._row(r) for r in rows], dtype=u64).reshape(nb, lay.num_groups)
-        dest = np.frombuffer(tg.dest, dtype=u64).reshape(nb, epb, 3)
-        per, bad = [], None
-        for li, (k0, nk) in enumerate(self._layer_off):
-            L = lay.layers[li]
-            d = dest[:, k0:k0 + nk, :]
-            d_addr, n, s_off = d[:, :, 0], d[:, :, 1], d[:, :, 2]
-            s_len = u64(L.block_bytes)
-            live = n != 0
-            # s_off + n > s_len without wrapping around 2**64
-            over = live & ((s_off > s_len) | (n > s_len - np.minimum(s_off, s_len)))
-            if over.any():
-                b, k = (int(x) for x in np.argwhere(over)[0])
-                if bad is None or (b, li) < bad[:2]:
-                    bad = (b, li, k0 + k, int(n[b, k]), int(s_off[b, k]), L.block_bytes)
-                per.append(None)
-                continue
-            base = u64(L.base) + ids[:, L.group] * u64(L.block_stride)
-            s_addr = base[:, None] + np.array(L.outer, dtype=u64)[None, :] + s_off
-            arrs = []
-            for x in (s_addr[live], d_addr[live], n[live]):
-                a = array("Q")
-                a.frombytes(np.ascontiguousarray(x, dtype=u64).tobytes())
-                arrs.append(a)
-            per.append(tuple(arrs))
-        if bad is not None:
-            b, _, k, n_, off, s_len_ = bad
-            tg.stop = _extent_too_long(k, b, n_, off, s_len_)
-            return None
-        return per
 
     def _submit_gated(self, job, tg):
         """Hand the queued layers not sent yet to this target to the engine,
@@ -1189,6 +1276,7 @@ class PushProducer:
         pending = None
         wall = time.time()
         with self.lock:  # not while waiting: the other threads may go on
+            self._gplan = None
             for job in self.jobs.values():
                 if job.watch != watched:
                     continue
@@ -1445,6 +1533,7 @@ class PushProducer:
             self._landing.close()  # before the lock: it may be checking writes
             self._landing = None
         with self.lock:
+            self._gplan = None
             for job in self.jobs.values():
                 for tg in job.targets.values():
                     self._cancel_batches(tg)

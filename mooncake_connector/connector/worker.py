@@ -117,11 +117,16 @@ class WorkerSide:
         if self.push_p is not None and self.push_p.jobs:
             for tid in self._traced:
                 trace.event("save_in", tid)
-            # A target that arrived during this forward (the decode leg runs
-            # beside the prefill) gets the layers computed so far now, and
-            # the rest layer by layer, not the whole prompt after the forward.
-            self.drain_notifies()
-            self.push_p.layer_done(layer_name)
+            # CUDA through the engine's gate: one engine call (push.py
+            # gate_layer), unless a notification waits.  A target that
+            # arrived during this forward (the decode leg runs beside the
+            # prefill) gets the layers computed so far now, and the rest
+            # layer by layer, not the whole prompt after the forward.
+            pp = self.push_p
+            if not pp.gate_layer(layer_name):
+                self.drain_notifies()
+                if not pp.gate_layer(layer_name):
+                    pp.layer_done(layer_name)
             for tid in self._traced:
                 trace.event("save_out", tid)
 

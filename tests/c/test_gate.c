@@ -200,6 +200,53 @@ static void test_bad_arguments(void) {
   mc_batch_free(A, b);
 }
 
+/* The engine's own gate events (mc_engine_gate_record, gate_events.c): an
+ * event recorded on a held stream gates the write like the caller's own;
+ * the ring makes MC_GATE_EVENTS events at most and hands each out again
+ * only that many records later; another device is refused.  And
+ * mc_engine_notifies_pending: a look that takes nothing. */
+static void test_engine_events_and_the_pending_look(void) {
+  mc_err_t err = {0};
+  mc_cu_stream s = NULL;
+  CHECK(api->cuStreamCreate(&s, 0) == 0);
+  fill(abuf, 4096, 9);
+  memset(bbuf, 0, 4096);
+  stream_hold(s, 200000000ull);
+  uint64_t ev = 0, first = 0;
+  CHECK_EQ_INT(mc_engine_gate_record(A, 0, (uint64_t)(uintptr_t)s, &ev, &err), 0);
+  CHECK(ev != 0);
+  first = ev;
+  mc_request_t r = wreq(0, 4096);
+  mc_batch_t *b = mc_batch_new(A, 1);
+  mc_gate_opts_t o = {.cuda_event = ev, .cuda_device = 0, .notify = "own", .notify_len = 3};
+  uint64_t t0 = mc_now_ns();
+  CHECK_EQ_INT(mc_batch_submit_gated(A, b, mc_engine_segment_name(B), &r, 1, &o, &err), 0);
+  CHECK_EQ_INT(mc_engine_notifies_pending(B), 0);
+  CHECK_EQ_INT(mc_batch_wait(A, b, 5000, &err), 0);
+  CHECK(mc_now_ns() - t0 >= 190000000ull);
+  CHECK(memcmp(abuf, bbuf, 4096) == 0);
+  uint64_t until = mc_now_ns() + 2000000000ull;
+  while (!mc_engine_notifies_pending(B) && mc_now_ns() < until)
+    usleep(1000);
+  CHECK_EQ_INT(mc_engine_notifies_pending(B), 1); /* and still there: nothing taken */
+  got_t g = {0};
+  CHECK_EQ_INT(drain_b(&g, 1000), 1);
+  CHECK(strcmp(g.last, "own") == 0);
+  CHECK_EQ_INT(mc_engine_notifies_pending(B), 0);
+  mc_batch_free(A, b);
+  /* the ring: the first event comes back after MC_GATE_EVENTS records */
+  uint64_t seen_again = 0;
+  for (int i = 1; i <= MC_GATE_EVENTS; i++) {
+    CHECK_EQ_INT(mc_engine_gate_record(A, 0, (uint64_t)(uintptr_t)s, &ev, &err), 0);
+    if (ev == first && !seen_again)
+      seen_again = (uint64_t)i;
+  }
+  CHECK_EQ_INT((int)seen_again, MC_GATE_EVENTS);
+  CHECK_EQ_INT(mc_engine_gate_record(A, 1, (uint64_t)(uintptr_t)s, &ev, &err), MC_EINVAL);
+  CHECK_CONTAINS(err.msg, "one device per engine");
+  api->cuStreamDestroy(s);
+}
+
 int main(void) {
   mc_err_t err = {0};
   api = mc_cuda_api(&err);
@@ -222,8 +269,10 @@ int main(void) {
     RUN(test_failed_batch_sends_nothing);
     RUN(test_cancel_before_the_event);
     RUN(test_many_in_order);
-    if (round == 0)
+    if (round == 0) {
       RUN(test_bad_arguments);
+      RUN(test_engine_events_and_the_pending_look);
+    }
     two_engines_down();
   }
   TEST_MAIN_END();
