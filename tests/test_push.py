@@ -128,6 +128,24 @@ def test_prefill_first_then_late_target(sides):
     assert d.computed["q"] == 1 + 1  # aligned prompt: its last token, then one step
 
 
+
+def _idle_looks(side, w, seconds=0.3):
+    """Steps side for seconds while counting the worker's notification
+    looks: ([looks], steps, seconds taken) -- looks as a one-item list the
+    caller may reset."""
+    looks = [0]
+    orig = w.drain_notifies
+
+    def counting():
+        looks[0] += 1
+        return orig()
+    w.drain_notifies = counting
+    steps, t0 = 0, time.monotonic()
+    while time.monotonic() - t0 < seconds:
+        side.step()
+        steps += 1
+    return looks, steps, time.monotonic() - t0
+
 def test_idle_producer_waits_for_a_late_target_asleep_not_polling(sides):
     """A prefill holding a computed push prompt for its decode's target runs
     idle steps; each waits (up to idle_wait_ms) asleep on the engine's
@@ -143,18 +161,7 @@ def test_idle_producer_waits_for_a_late_target_asleep_not_polling(sides):
     p.step()
     assert not p.is_empty()  # held for the decode side
     w = p.worker._worker
-    looks = [0]
-    orig = w.drain_notifies
-
-    def counting():
-        looks[0] += 1
-        return orig()
-    w.drain_notifies = counting
-    steps, t0 = 0, time.monotonic()
-    while time.monotonic() - t0 < 0.3:
-        p.step()
-        steps += 1
-    took = time.monotonic() - t0
+    looks, steps, took = _idle_looks(p, w)
     assert not p.is_empty() and "pq" not in p.sent
     # one look in the step's get_finished, at most one per wake-up of its wait
     assert looks[0] <= 3 * steps + 5, (looks[0], steps, took)
@@ -182,18 +189,7 @@ def test_idle_decode_waits_for_pushed_kv_asleep_not_polling(sides):
     assert status(d, "q") == RequestStatus.WAITING_FOR_REMOTE_KVS
     assert got_target(p, "T10")
     w = d.worker._worker
-    looks = [0]
-    orig = w.drain_notifies
-
-    def counting():
-        looks[0] += 1
-        return orig()
-    w.drain_notifies = counting
-    steps, t0 = 0, time.monotonic()
-    while time.monotonic() - t0 < 0.3:
-        d.step()
-        steps += 1
-    took = time.monotonic() - t0
+    looks, steps, took = _idle_looks(d, w)
     assert "q" not in d.recvd
     # one look in the step's get_finished, one per wake-up of its wait (a
     # wake-up every 2 ms while the target's send result is due: the first)

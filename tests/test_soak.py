@@ -246,11 +246,8 @@ def test_rss_slope_ignores_a_short_lifetime_inside_the_window():
     """rss_slope (no servers): a steady 5 MiB/min lifetime is measured; one
     that began before the window but died 20 s into a 900 s window is not
     (it is start-up growth, not a trend); nothing left gives None."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location(
-        "soak_mod", os.path.join(os.path.dirname(__file__), "..", "benchmarks", "soak.py"))
-    sk = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sk)
+    from soak_util import load_soak
+    sk = load_soak()
     steady = [{"t": float(t), "server": "S", "pid": 1, "rss": (1000 + t / 60 * 5) * 2**20}
               for t in range(0, 1800, 10)]
     assert abs(sk.rss_slope(steady, "S", 900, 1800) - 5.0) < 0.01

@@ -10,7 +10,6 @@ reference server's.  The synthetic series check the rules; the real-process
 test runs memwatch in two Python processes, one with an injected leak
 (memwatch's test-only MC_MEMWATCH_LEAK_KB_S / MC_MEMWATCH_LEAK_OBJS_S), and
 the verdict must name the leaking one and only it."""
-import importlib.util
 import os
 import signal
 import subprocess
@@ -19,18 +18,9 @@ import time
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from soak_util import load_soak
 
-
-def _soak():
-    spec = importlib.util.spec_from_file_location("soak_mem_mod",
-                                                  os.path.join(ROOT, "benchmarks", "soak.py"))
-    sk = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sk)
-    return sk
-
-
-sk = _soak()
+sk = load_soak("soak_mem_mod")
 T0 = 1_000_000.0  # the load's start (unix time); 30 minutes of load
 LOAD = 1800.0
 

@@ -9,7 +9,6 @@ vLLM server towards the link: it spends a moment "publishing to etcd" and
 exits with an error if the link is cut meanwhile.  The link is a flag file
 (the namespace and veth need root and are not what is under test: the
 harness's schedule around them is)."""
-import importlib.util
 import os
 import sys
 import textwrap
@@ -17,19 +16,10 @@ import threading
 import time
 import types
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from mooncake_connector import serving
+from soak_util import load_soak
 
-
-def _soak():
-    spec = importlib.util.spec_from_file_location("soak_sched_mod",
-                                                  os.path.join(ROOT, "benchmarks", "soak.py"))
-    sk = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sk)
-    return sk
-
-
-sk = _soak()
-from mooncake_connector import serving  # noqa: E402
+sk = load_soak("soak_sched_mod")
 
 SERVER = textwrap.dedent("""
     import http.server, os, sys, time
