@@ -15,6 +15,7 @@ stand-in (tests/c/fakecuda.c, built into a temporary directory) in a
 child pytest (LD_LIBRARY_PATH; the engine loads libcuda.so.1 by name once
 per process), whose stream can be held busy so an event completes later."""
 import ctypes
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -112,7 +113,9 @@ def test_bad_arguments_are_named():
                                                cuda_device=-1)
         with pytest.raises(ValueError, match="cuda_event must be an int"):
             a.batch_transfer_async_write_gated(seg, [src], [dst], [8], cuda_event="ev")
-        with pytest.raises(ValueError, match="notify_timeout"):
+        # the whole message (PyErr_Format has no %g: Python 3.12 raised SystemError)
+        with pytest.raises(ValueError, match=r"notify_timeout must be a number of seconds in "
+                           r"[\[(]0, \d+(\.\d+)?(e\+\d+)?\], not -1"):
             a.batch_transfer_async_write_gated(seg, [src], [dst], [8], notify_timeout=-1)
         if not FAKE:  # no libcuda in this process: an event cannot be waited for
             with pytest.raises(mc.MooncakeError, match="CUDA driver is not loaded"):
@@ -145,7 +148,10 @@ def test_cuda_paths_with_the_libcuda_stand_in(tmp_path):
                        timeout=600)
     print(r.stdout[-6000:], r.stderr[-3000:])
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
-    assert " passed" in r.stdout and "skipped" not in r.stdout.split("\n")[-2]
+    tail = r.stdout.split("\n")[-2]
+    # every fake_ test ran (the vLLM ones skip only where vllm is not installed)
+    assert " passed" in r.stdout and ("skipped" not in tail or
+                                      importlib.util.find_spec("vllm") is None), tail
 
 
 class Fake:

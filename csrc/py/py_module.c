@@ -1,4 +1,6 @@
 /* mooncake_connector._core: module definition, state and error mapping. */
+#include <stdio.h>
+
 #include "py/py_common.h"
 
 static PyObject *new_exc(PyObject *module, const char *name, PyObject *bases,
@@ -112,10 +114,13 @@ PyMODINIT_FUNC PyInit__core(void) { return PyModuleDef_Init(&mc_py_moduledef); }
 
 int mc_py_check_timeout(double t, double lo, int lo_open, double hi, const char *name) {
   if (t != t || t > hi || t < lo || (lo_open && t == lo)) {
+    /* PyErr_Format knows no %g (Python 3.12 raises SystemError on it) */
+    char range[96];
+    snprintf(range, sizeof range, "%c%g, %g]", lo_open ? '(' : '[', lo, hi);
     PyObject *v = PyFloat_FromDouble(t);
     if (v)
-      PyErr_Format(PyExc_ValueError, "%s must be a number of seconds in %c%g, %g], not %R",
-                   name, lo_open ? '(' : '[', lo, hi, v);
+      PyErr_Format(PyExc_ValueError, "%s must be a number of seconds in %s, not %R", name, range,
+                   v);
     Py_XDECREF(v);
     return -1;
   }
