@@ -7,8 +7,18 @@
  * fakecuda_stream_hold(stream, ns) makes the stream busy for ns more
  * nanoseconds (an event recorded on it then completes that much later), and
  * cuEventSynchronize sleeps in 50 us steps (a blocking-sync event) instead
- * of spinning. */
+ * of spinning.
+ * CUDA IPC across processes: every cuMemAlloc is a memfd mapped shared, its
+ * cuIpcGetMemHandle names the exporter's pid and fd, and cuIpcOpenMemHandle
+ * maps /proc/<pid>/fd/<fd> here (the same-host GPU path's job build, queue,
+ * copy thread and completion run as on a GPU; the copies are host memcpy).
+ * fakecuda_ipc_opens() counts the handles opened in this process. */
+#define _GNU_SOURCE
+#include <fcntl.h>
 #include <pthread.h>
+#include <stdio.h>
+#include <sys/mman.h>
+#include <unistd.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -19,7 +29,7 @@ typedef int CUresult;
 static __thread void *cur_ctx;
 static int the_ctx;
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
-typedef struct { uint64_t lo, hi; } alloc_t;
+typedef struct { uint64_t lo, hi; int fd; int imported; } alloc_t;
 static alloc_t allocs[1024];
 static int nallocs;
 static uint64_t now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec * 1000000000ull + t.tv_nsec; }
@@ -46,22 +56,93 @@ static int find(uint64_t a, alloc_t *out) {
   pthread_mutex_unlock(&mu);
   return k;
 }
-CUresult cuMemAlloc_v2(uint64_t *p, size_t n) {
-  void *m = malloc(n);
-  if (!m) return 2;
+static int track(void *m, size_t n, int fd, int imported) {
   pthread_mutex_lock(&mu);
-  allocs[nallocs++] = (alloc_t){(uint64_t)(uintptr_t)m, (uint64_t)(uintptr_t)m + n};
+  int ok = nallocs < (int)(sizeof allocs / sizeof allocs[0]);
+  if (ok)
+    allocs[nallocs++] = (alloc_t){(uint64_t)(uintptr_t)m, (uint64_t)(uintptr_t)m + n, fd, imported};
   pthread_mutex_unlock(&mu);
+  return ok;
+}
+CUresult cuMemAlloc_v2(uint64_t *p, size_t n) {
+  int fd = memfd_create("fakecuda", MFD_CLOEXEC);
+  void *m = MAP_FAILED;
+  if (fd >= 0 && ftruncate(fd, (off_t)n) == 0)
+    m = mmap(NULL, n, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (m == MAP_FAILED || !track(m, n, fd, 0)) {
+    if (m != MAP_FAILED)
+      munmap(m, n);
+    if (fd >= 0)
+      close(fd);
+    return 2;
+  }
   *p = (uint64_t)(uintptr_t)m;
   return 0;
 }
-CUresult cuMemFree_v2(uint64_t p) {
+/* Forgets the allocation at p (imported: 1 for an opened IPC handle). */
+static int untrack(uint64_t p, int imported) {
+  alloc_t a = {0, 0, -1, 0};
   pthread_mutex_lock(&mu);
-  for (int i = 0; i < nallocs; i++) if (allocs[i].lo == p) { allocs[i] = allocs[--nallocs]; break; }
+  for (int i = 0; i < nallocs; i++)
+    if (allocs[i].lo == p && allocs[i].imported == imported) {
+      a = allocs[i];
+      allocs[i] = allocs[--nallocs];
+      break;
+    }
   pthread_mutex_unlock(&mu);
-  free((void *)(uintptr_t)p);
+  if (!a.lo)
+    return 1;
+  munmap((void *)(uintptr_t)a.lo, a.hi - a.lo);
+  if (a.fd >= 0)
+    close(a.fd);
   return 0;
 }
+CUresult cuMemFree_v2(uint64_t p) { return untrack(p, 0); }
+typedef struct { char data[64]; } ipc_handle_t;
+typedef struct { uint32_t magic; int32_t fd; int64_t pid; uint64_t len; } ipc_wire_t;
+#define IPC_MAGIC 0xfacecda1u
+static int ipc_opens;
+int fakecuda_ipc_opens(void) { return __atomic_load_n(&ipc_opens, __ATOMIC_SEQ_CST); }
+CUresult cuIpcGetMemHandle(ipc_handle_t *h, uint64_t p) {
+  pthread_mutex_lock(&mu);
+  int k = -1;
+  for (int i = 0; i < nallocs; i++)
+    if (allocs[i].lo == p && !allocs[i].imported) k = i;
+  ipc_wire_t w = {IPC_MAGIC, k >= 0 ? allocs[k].fd : -1, (int64_t)getpid(),
+                  k >= 0 ? allocs[k].hi - allocs[k].lo : 0};
+  pthread_mutex_unlock(&mu);
+  if (k < 0)
+    return 1; /* CUDA_ERROR_INVALID_VALUE: not the start of an allocation */
+  memset(h, 0, sizeof *h);
+  memcpy(h->data, &w, sizeof w);
+  return 0;
+}
+CUresult cuIpcOpenMemHandle_v2(uint64_t *p, ipc_handle_t h, unsigned flags) {
+  (void)flags;
+  ipc_wire_t w;
+  memcpy(&w, h.data, sizeof w);
+  if (w.magic != IPC_MAGIC)
+    return 1;
+  if (w.pid == (int64_t)getpid())
+    return 1; /* the driver refuses opening one's own handle */
+  char path[64];
+  snprintf(path, sizeof path, "/proc/%lld/fd/%d", (long long)w.pid, (int)w.fd);
+  int fd = open(path, O_RDWR | O_CLOEXEC);
+  if (fd < 0)
+    return 1;
+  void *m = mmap(NULL, w.len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  close(fd);
+  if (m == MAP_FAILED)
+    return 2;
+  if (!track(m, w.len, -1, 1)) {
+    munmap(m, w.len);
+    return 2;
+  }
+  __atomic_add_fetch(&ipc_opens, 1, __ATOMIC_SEQ_CST);
+  *p = (uint64_t)(uintptr_t)m;
+  return 0;
+}
+CUresult cuIpcCloseMemHandle(uint64_t p) { return untrack(p, 1); }
 CUresult cuPointerGetAttribute(void *data, int attr, uint64_t p) {
   alloc_t a;
   if (find(p, &a) < 0) return 1; /* CUDA_ERROR_INVALID_VALUE: not ours */
