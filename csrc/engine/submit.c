@@ -435,8 +435,12 @@ static int submit_planned(mc_engine_t *e, mc_batch_t *b, const mc_segment_desc_t
   for (size_t i = 0; i < n; i++) {
     b->tasks[first + i] = (mc_task_t){.req = reqs[i], .state = MC_TASK_PENDING};
     bytes += reqs[i].len;
-    left += !(via_plan && via_plan[i]);
   }
+  if (via_plan) /* a separate loop: ~3 instructions a request less than testing via_plan in it */
+    for (size_t i = 0; i < n; i++)
+      left += !via_plan[i];
+  else
+    left = n;
   b->bytes += bytes;
   b->n += n;
   b->pending += n;

@@ -12,6 +12,7 @@
 #include <pthread.h>
 #include <stdarg.h>
 #include <stdatomic.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -54,14 +55,23 @@ typedef struct desc {
   mc_remote_desc_t d;
   char *raw;      /* the reply d was decoded from, or NULL */
   uint32_t *hint; /* RUN_HINTS: 2 MiB page of a remote address -> region + 1 */
+  /* Per region and local device below DESC_DEVS: where its CUDA IPC handle
+   * was opened here (0: not yet), so the descriptor's calls after the first
+   * skip mc_gpu_ipc_open (a hash and compare of the handle under its lock:
+   * ~700 instructions a call, ~5 a request of 64 KiB batches of 128).  Set
+   * once per slot; racing openers store the same address (mc_gpu_ipc_open
+   * maps a handle once per process and device). */
+  _Atomic uint64_t *opened;
   atomic_int path_logged; /* a call over it logged its path (log_path_once) */
 } desc_t;
+#define DESC_DEVS 16
 
 static void desc_unref(desc_t *dr) {
   if (dr && atomic_fetch_sub(&dr->refs, 1) == 1) {
     mc_remote_desc_free(&dr->d);
     free(dr->raw);
     free(dr->hint);
+    free(dr->opened);
     free(dr);
   }
 }
@@ -77,11 +87,14 @@ static desc_t *desc_ref(desc_t *dr) {
 static desc_t *desc_new(mc_remote_desc_t *rd, char **raw) {
   desc_t *dr = calloc(1, sizeof *dr);
   uint32_t *hint = calloc(RUN_HINTS, sizeof *hint);
-  if (!dr || !hint) {
+  _Atomic uint64_t *opened = calloc((rd->n ? rd->n : 1) * DESC_DEVS, sizeof *opened);
+  if (!dr || !hint || !opened) {
     free(dr);
     free(hint);
+    free(opened);
     return NULL;
   }
+  dr->opened = opened;
   atomic_init(&dr->refs, 1);
   dr->d = *rd;
   rd->regions = NULL;
@@ -469,14 +482,12 @@ enum { V_NONE = 0, V_RPC = 1, V_GEN = 2 };
 typedef struct call {
   shg_t *t;
   pthread_mutex_t mu;
-  char segment[320];
-  char host[256];
   int port;
   desc_t *u;             /* the descriptor the mappings came from (a reference) */
   int same_raw;          /* the check's reply was byte-identical to u->raw */
   char *region_used;     /* per u->d.regions: some request maps into it */
-  uint64_t *rmap;        /* per region: mapped base, 1 = cannot be opened */
-  int *rdev;             /* per region: local device + 1 it was opened on */
+  uint64_t *rmap;        /* per region: mapped base, 1 = cannot be opened (set with rdev) */
+  int *rdev;             /* per region: local device + 1 it was opened on, 0: not yet */
   int same_process;
   int logged; /* its path was logged (log_path_once) */
   int validate; /* cached descriptor: V_RPC or V_GEN (see below), else 0 */
@@ -485,10 +496,15 @@ typedef struct call {
   /* Under mu. */
   int checked; /* the check's answer is in */
   int check_code;
-  char check_msg[MC_ERR_MSG_MAX];
-  mc_remote_desc_t fresh; /* the descriptor the check fetched */
   group_t *waiting;       /* groups waiting for the check */
   int refs;
+  /* From here on: set by call_new field by field, not zeroed whole (a
+   * call is made per submit call: ~2 KiB of memset and two snprintf were
+   * ~25 instructions a request of 64 KiB batches of 128). */
+  mc_remote_desc_t fresh; /* the descriptor the check fetched (zeroed) */
+  char segment[320];
+  char host[256];
+  char check_msg[MC_ERR_MSG_MAX]; /* read only once checked (set then) */
 } call_t;
 
 /* Completion of one op: its copy jobs and, with a cached descriptor, the
@@ -669,15 +685,30 @@ static void validate_done(mc_xfer_op_t *op, int code, const char *msg) {
   call_unref(r); /* the check's reference */
 }
 
+/* Where region ri of descriptor dr (its CUDA IPC handle ipc) appears on
+ * local device dev: opened once per descriptor and device (dr->opened); 1
+ * when it cannot be opened (err says why). */
+static uint64_t open_region(desc_t *dr, size_t ri, const char *ipc, int dev, mc_err_t *err) {
+  _Atomic uint64_t *slot = dev >= 0 && dev < DESC_DEVS ? &dr->opened[ri * DESC_DEVS + dev] : NULL;
+  uint64_t base = slot ? atomic_load_explicit(slot, memory_order_acquire) : 0;
+  if (base)
+    return base;
+  if (mc_gpu_ipc_open(ipc, dev, &base, err) != 0 || base <= 1)
+    return 1;
+  if (slot)
+    atomic_store_explicit(slot, base, memory_order_release);
+  return base;
+}
+
 /* Maps requests into the peer's regions per the call's descriptor
  * (mapped[i]: where its remote range appears here; ldev[i] < 0: host
- * memory, never taken).  Returns how many map; *miss: some found no cuda
- * region there. */
+ * memory, never taken).  Returns how many map, *nw of them WRITEs; *miss:
+ * some found no cuda region there. */
 static size_t map_reqs(call_t *run, const mc_xfer_req_t *reqs, const int *ldev, size_t n,
-                       char *take, uint64_t *mapped, int *miss) {
+                       char *take, uint64_t *mapped, int *miss, size_t *nw) {
   const mc_remote_desc_t *rd = &run->u->d;
   uint32_t *hint = run->u->hint; /* shared by the descriptor's calls: each hint is checked */
-  size_t k = 0;
+  size_t k = 0, w = 0;
   mc_err_t err = {0};
   int told = 0; /* this call logged its TCP fallback: once a call, not once a request */
   const mc_remote_region_t *r = NULL; /* the region of the previous request */
@@ -712,8 +743,7 @@ static size_t map_reqs(call_t *run, const mc_xfer_req_t *reqs, const int *ldev, 
       mapped[i] = ra; /* one address space */
     } else {
       if (r->ipc[0] && run->rdev[ri] != dev + 1) {
-        uint64_t base = 0;
-        run->rmap[ri] = mc_gpu_ipc_open(r->ipc, dev, &base, &err) == 0 ? base : 1;
+        run->rmap[ri] = open_region(run->u, ri, r->ipc, dev, &err);
         run->rdev[ri] = dev + 1;
       }
       if (!r->ipc[0] || run->rmap[ri] <= 1) {
@@ -729,8 +759,18 @@ static size_t map_reqs(call_t *run, const mc_xfer_req_t *reqs, const int *ldev, 
     run->region_used[ri] = 1;
     take[i] = 1;
     k++;
+    w += reqs[i].opcode == MC_XFER_REQ_WRITE;
   }
+  *nw = w;
   return k;
+}
+
+/* Copies src into dst[cap], cut at cap - 1 bytes (snprintf's "%s" without
+ * the format parsing: call_new runs once per submit call). */
+static void copy_cut(char *dst, size_t cap, const char *src) {
+  size_t n = strnlen(src, cap - 1);
+  memcpy(dst, src, n);
+  dst[n] = '\0';
 }
 
 /* A call over descriptor dr (its reference taken over); NULL when out of
@@ -738,18 +778,22 @@ static size_t map_reqs(call_t *run, const mc_xfer_req_t *reqs, const int *ldev, 
 static call_t *call_new(shg_t *t, const mc_peer_t *peer, desc_t *dr, int validate) {
   size_t nr = dr->d.n ? dr->d.n : 1;
   size_t head = (sizeof(call_t) + 7) & ~(size_t)7;
-  call_t *r = calloc(1, head + nr * (sizeof(uint64_t) + sizeof(int) + 1));
+  call_t *r = malloc(head + nr * (sizeof(uint64_t) + sizeof(int) + 1));
   if (!r) {
     desc_unref(dr);
     return NULL;
   }
+  memset(r, 0, offsetof(call_t, fresh));
+  memset(&r->fresh, 0, sizeof r->fresh);
   pthread_mutex_init(&r->mu, NULL);
-  r->rmap = (uint64_t *)((char *)r + head);
+  r->rmap = (uint64_t *)((char *)r + head); /* read only where rdev says it was set */
   r->rdev = (int *)(r->rmap + nr);
   r->region_used = (char *)(r->rdev + nr);
+  memset(r->rdev, 0, nr * (sizeof(int) + 1)); /* rdev and region_used */
   r->t = t;
-  snprintf(r->segment, sizeof r->segment, "%s", peer->segment);
-  snprintf(r->host, sizeof r->host, "%s", peer->host ? peer->host : "");
+  copy_cut(r->segment, sizeof r->segment, peer->segment);
+  copy_cut(r->host, sizeof r->host, peer->host ? peer->host : "");
+  r->check_msg[0] = '\0';
   r->port = peer->port;
   r->u = dr;
   r->same_process = dr->d.pid == (long)getpid();
@@ -815,10 +859,11 @@ static call_t *call_start(shg_t *t, const mc_peer_t *peer, int refetch) {
 }
 
 /* Plans requests of one chunk: take[i] and mapped[i] per request, the
- * call started (or refetched) as needed.  Returns how many it takes. */
+ * call started (or refetched) as needed.  Returns how many it takes, *nw
+ * of them WRITEs. */
 static size_t plan_chunk(shg_t *t, const mc_peer_t *peer, call_t **runp, int *gave_up,
                          const mc_xfer_req_t *reqs, const int *ldev, size_t n, char *take,
-                         uint64_t *mapped) {
+                         uint64_t *mapped, size_t *nw) {
   size_t k = 0;
   uint64_t t0 = t->trace ? mc_now_ns() : 0, t1 = 0;
   memset(take, 0, n);
@@ -830,7 +875,7 @@ static size_t plan_chunk(shg_t *t, const mc_peer_t *peer, call_t **runp, int *ga
     if (t->trace)
       t1 = mc_now_ns();
     int miss = 0;
-    k = map_reqs(*runp, reqs, ldev, n, take, mapped, &miss);
+    k = map_reqs(*runp, reqs, ldev, n, take, mapped, &miss, nw);
     if (t->trace)
       mc_log_info("gpu trace: plan of %zu requests: run %.1f us, map %.1f us", n,
                   (t1 - t0) / 1e3, (mc_now_ns() - t1) / 1e3);
@@ -1005,21 +1050,18 @@ static void pre_add(mc_gpu_job_t **jp, const mc_xfer_op_t *op, const mc_xfer_ent
   }
 }
 
-/* The taken requests of one chunk as the engine's ops: one per opcode
+/* The taken requests of one chunk (`taken`, nw of them WRITEs: map_reqs
+ * counted them) as the engine's ops: one per opcode
  * (chunks hold at most MC_XFER_MAX_ENTRIES requests), WRITEs first, one
  * entry per request (cookie: its index in the call), and each op's copy
  * job where it can be built alongside (pre[o], see pre_new).  Returns how
  * many ops; 0 with take cleared when out of memory (the engine's next
  * choice moves them then). */
-static size_t build_ops(mc_xfer_call_t *c, size_t off, size_t n, char *take,
-                        const uint64_t *mapped, mc_xfer_op_t **ops, mc_gpu_job_t **pre) {
-  size_t nw = 0, nops = 0;
+static size_t build_ops(mc_xfer_call_t *c, size_t off, size_t n, char *take, size_t taken,
+                        size_t nw, const uint64_t *mapped, mc_xfer_op_t **ops,
+                        mc_gpu_job_t **pre) {
+  size_t nops = 0;
   mc_err_t err = {0};
-  size_t taken = 0;
-  for (size_t i = 0; i < n; i++) {
-    taken += take[i];
-    nw += take[i] && c->reqs[off + i].opcode == MC_XFER_REQ_WRITE;
-  }
   size_t count[2] = {nw, taken - nw};
   for (int pass = 0; pass < 2; pass++) {
     if (!count[pass])
@@ -1088,11 +1130,12 @@ static int shg_submit_call(void *impl, const mc_peer_t *peer, mc_xfer_call_t *c,
     uint64_t ts[4] = {0};
     if (t->trace)
       ts[0] = mc_now_ns();
-    if (!gave_up && plan_chunk(t, peer, &run, &gave_up, c->reqs + off, c->ldev + off, k, take,
-                               mapped)) {
+    size_t taken = 0, nw = 0;
+    if (!gave_up && (taken = plan_chunk(t, peer, &run, &gave_up, c->reqs + off, c->ldev + off,
+                                        k, take, mapped, &nw))) {
       if (t->trace)
         ts[1] = mc_now_ns();
-      nops = build_ops(c, off, k, take, mapped, ops, pre);
+      nops = build_ops(c, off, k, take, taken, nw, mapped, ops, pre);
     }
     if (t->trace)
       ts[2] = mc_now_ns();
