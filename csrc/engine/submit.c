@@ -436,11 +436,10 @@ static int submit_planned(mc_engine_t *e, mc_batch_t *b, const mc_segment_desc_t
     b->tasks[first + i] = (mc_task_t){.req = reqs[i], .state = MC_TASK_PENDING};
     bytes += reqs[i].len;
   }
-  if (via_plan) /* a separate loop: ~3 instructions a request less than testing via_plan in it */
-    for (size_t i = 0; i < n; i++)
-      left += !via_plan[i];
-  else
-    left = n;
+  left = n;
+  if (pl) /* each planned entry is one whole request it took (adopt_planned) */
+    for (size_t o = 0; o < pl->nops; o++)
+      left -= pl->ops[o]->nent;
   b->bytes += bytes;
   b->n += n;
   b->pending += n;
