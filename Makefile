@@ -79,7 +79,9 @@ bench-rdma: $(SOFTROCE_BIN)
 	TIMEOUT=600 MC_GUEST_PERFTEST=1 tests/softroce/run-in-guest.sh $(SOFTROCE_BIN) bench
 
 # A host-memory stand-in for libcuda.so.1 (tests/c/fakecuda.c): the tests of
-# CUDA-event paths that run without a GPU load it (test_gate; pytest).
+# CUDA-event paths that run without a GPU load it (test_gate; pytest), and
+# the same-host GPU path between two processes (test_gpu_ipc_procs; also
+# build/bench/gpu_fixed_cost under callgrind: its CUDA IPC handles open).
 FAKECUDA := $(BUILD)/fakecuda/libcuda.so.1
 fakecuda: $(FAKECUDA)
 $(FAKECUDA): tests/c/fakecuda.c

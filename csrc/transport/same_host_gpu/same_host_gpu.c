@@ -465,7 +465,8 @@ static int shg_reaches(void *impl, const mc_peer_t *peer, mc_mem_kind_t kind, ch
  *
  * A call is what one engine submit call shares across its chunks: the peer
  * descriptor the mappings come from, the IPC mappings of its regions
- * (opened once per call), the regions used so far and, when the descriptor
+ * (looked up once per call: opened once per descriptor and device, see
+ * desc_t.opened), the regions used so far and, when the descriptor
  * came from the cache, the one mc.describe check that runs alongside all
  * of the call's copies.  Each chunk is a plan; each op the engine hands
  * back for it completes as a group: its copy jobs and the call's check.
