@@ -1,14 +1,16 @@
 /* The same-host GPU path between two processes (the CUDA IPC branch that
  * vLLM's prefill and decode workers take): a target process registers
  * 8 MiB of device memory; this process WRITEs 128 scattered 64 KiB blocks
- * into it in one batch, READs them back into another buffer, and checks the
- * bytes.  Under the host libcuda stand-in (make test-c loads
+ * into it from 4 threads at once (32 each, one batch each: the first
+ * contact's descriptor and IPC opens race), READs them back in one batch
+ * into another buffer, and checks the bytes.  Under the host libcuda stand-in (make test-c loads
  * build/fakecuda/libcuda.so.1 for this test) the path must be the IPC one:
  * the peer's handle was opened here (fakecuda_ipc_opens) -- the TCP
  * pinned-staging fallback (MC_GPU_IPC=0) moves the same bytes and fails
  * that check.  On a GPU only the bytes are checked.  Skips without a GPU
  * (or the stand-in). */
 #include <dlfcn.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -55,18 +57,59 @@ static void target(int wfd, int rfd) {
   _exit(0);
 }
 
+/* Blocks [from, to) of the batch in one batch: 0 or the error code. */
 static int batch(mc_engine_t *A, const char *segment, int op, uint64_t local, uint64_t remote,
-                 mc_err_t *err) {
+                 size_t from, size_t to, mc_err_t *err) {
   mc_request_t r[NBLK];
-  for (size_t i = 0; i < NBLK; i++)
-    r[i] = (mc_request_t){.opcode = op, .local = (void *)(uintptr_t)(local + i * BLK),
-                          .remote = remote + perm(i) * BLK, .len = BLK};
-  mc_batch_t *b = mc_batch_new(A, NBLK);
-  int rc = b ? mc_batch_submit(A, b, segment, r, NBLK, err) : MC_ENOMEM;
+  for (size_t i = from; i < to; i++)
+    r[i - from] = (mc_request_t){.opcode = op, .local = (void *)(uintptr_t)(local + i * BLK),
+                                 .remote = remote + perm(i) * BLK, .len = BLK};
+  mc_batch_t *b = mc_batch_new(A, to - from);
+  int rc = b ? mc_batch_submit(A, b, segment, r, to - from, err) : MC_ENOMEM;
   if (rc == 0)
     rc = mc_batch_wait(A, b, 60000, err);
   if (b)
     mc_batch_free(A, b);
+  return rc;
+}
+
+typedef struct {
+  mc_engine_t *A;
+  const char *segment;
+  uint64_t local, remote;
+  size_t from, to;
+  int rc;
+  mc_err_t err;
+} part_t;
+
+static void *write_part(void *arg) {
+  part_t *p = arg;
+  p->rc = batch(p->A, p->segment, MC_OP_WRITE, p->local, p->remote, p->from, p->to, &p->err);
+  return NULL;
+}
+
+/* The WRITE from 4 threads at once, a quarter each: 0 or the first error. */
+static int write_concurrently(mc_engine_t *A, const char *segment, uint64_t local,
+                              uint64_t remote, mc_err_t *err) {
+  part_t p[4];
+  pthread_t th[4];
+  int started[4] = {0};
+  for (int i = 0; i < 4; i++) {
+    p[i] = (part_t){.A = A, .segment = segment, .local = local, .remote = remote,
+                    .from = (size_t)i * NBLK / 4, .to = (size_t)(i + 1) * NBLK / 4};
+    started[i] = pthread_create(&th[i], NULL, write_part, &p[i]) == 0;
+    if (!started[i])
+      write_part(&p[i]);
+  }
+  int rc = 0;
+  for (int i = 0; i < 4; i++) {
+    if (started[i])
+      pthread_join(th[i], NULL);
+    if (p[i].rc && !rc) {
+      rc = p[i].rc;
+      *err = p[i].err;
+    }
+  }
   return rc;
 }
 
@@ -99,8 +142,8 @@ static void test_two_processes_take_ipc(void) {
          mc_engine_register(A, (void *)(uintptr_t)src, n, "cuda:0", &err) != 0 ||
          mc_engine_register(A, (void *)(uintptr_t)back, n, "cuda:0", &err) != 0;
   }
-  if (!skip && rc == 0 && (rc = batch(A, t.segment, MC_OP_WRITE, src, t.addr, &err)) == 0)
-    rc = batch(A, t.segment, MC_OP_READ, back, t.addr, &err);
+  if (!skip && rc == 0 && (rc = write_concurrently(A, t.segment, src, t.addr, &err)) == 0)
+    rc = batch(A, t.segment, MC_OP_READ, back, t.addr, 0, NBLK, &err);
   mc_engine_stats_t st = {0};
   if (A)
     mc_engine_get_stats(A, &st);
