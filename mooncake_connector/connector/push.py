@@ -11,7 +11,9 @@ the receiving engine), each `MAGIC + JSON header + b"\\n" + body`:
              destination extents, block-major then layer then outer (K/V)
              slice, the order of layout.extents(); src_off: byte offset in the
              producer's extent (TP head slices; 0 = from its start)
-    cancel  {"t": "cancel", "tid"}: write nothing more, answer "cancelled"
+    cancel  {"t": "cancel", "tid"}: write nothing more, answer "cancelled"; from a
+            rank whose target the job does not have (lost on the way, or
+            dropped at its lease's end), the job counts that rank served
   producer rank -> consumer rank
     done       {"t": "done", "tid", "ntok"}: every write landed (acknowledged)
     layer      {"t": "layer", "tid", "l": [layer index, ...]}: these layers'
@@ -807,11 +809,19 @@ class PushProducer:
                     self._early_bytes -= 24 * len(gone.dest) // 3
                 if not early:
                     self.early.pop(tid, None)
-                if len(self.canceled) >= EARLY_MAX:  # bounded like early targets
-                    self.canceled.pop(next(iter(self.canceled)))
-                # The prompt may still come: it is served (nothing written)
-                # for this consumer, so its blocks are not held for it.
-                self.canceled.setdefault(tid, (time.monotonic(), set()))[1].add(sender)
+                if job is not None:
+                    # The job began but this consumer's target never reached
+                    # it (lost on the way, or dropped at its lease's end
+                    # while waiting for the prompt): served, nothing written,
+                    # so the KV is not held for it until hold_timeout_s.
+                    job.targets[sender] = _Served()
+                else:
+                    if len(self.canceled) >= EARLY_MAX:  # bounded like early targets
+                        self.canceled.pop(next(iter(self.canceled)))
+                    # The prompt may still come: it is served (nothing
+                    # written) for this consumer, so its blocks are not held
+                    # for it.
+                    self.canceled.setdefault(tid, (time.monotonic(), set()))[1].add(sender)
                 self._reply(sender, tid, "cancelled", "canceled before any write")
                 return
             tg.cancel = True
