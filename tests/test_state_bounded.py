@@ -64,8 +64,9 @@ def sizes(side):
                 out[f"vllm.group{i}.{k}"] = len(getattr(m, k))
     sch = side.sched.connector._scheduler
     for k in ("_claims", "_probed", "_asked", "_loads", "_publishes", "_held", "_unpublish",
-              "_push_dropped", "_published", "_reqs", "_blocks", "_tried", "_recomputed",
-              "_batch", "_busy", "_in_step", "_unrecomputed", "_load_errors", "_readers"):
+              "_push_dropped", "_push_gone", "_published", "_reqs", "_blocks", "_tried",
+              "_recomputed", "_batch", "_busy", "_in_step", "_unrecomputed", "_load_errors",
+              "_readers"):
         out[f"sched.{k}"] = len(getattr(sch, k))
     probe = sch._probe
     if probe is not None:
