@@ -32,8 +32,9 @@ class LayerSide(Side):
 def sides(model_dir, urls):  # noqa: F811
     made = []
 
-    def make(role, layer=False, **extra):
-        s = (LayerSide if layer else Side)(model_dir, role, {**urls, **extra}, block_size=BS)
+    def make(role, layer=False, prefix_caching=False, **extra):
+        s = (LayerSide if layer else Side)(model_dir, role, {**urls, **extra}, block_size=BS,
+                                           prefix_caching=prefix_caching)
         made.append(s)
         return s
 
@@ -247,17 +248,18 @@ def test_decode_timeout_cancels_then_recomputes(sides):
 
 class _DropCancels:
     """Between the decode's push outbox and its real engine: every cancel
-    is lost the way one caught by a link cut is (MC_ETIMEDOUT: it may have
-    arrived), so no answer ever comes; the rest goes through."""
+    (or every message of kind `kind`) is lost the way one caught by a link
+    cut is (MC_ETIMEDOUT: it may have arrived), so no answer ever comes;
+    the rest goes through."""
 
-    def __init__(self, engine):
-        self.engine, self.dropped = engine, 0
+    def __init__(self, engine, kind="cancel"):
+        self.engine, self.kind, self.dropped = engine, kind, 0
 
     def send_notify(self, target, msg, timeout):
         from mooncake_connector import MooncakeError
         from mooncake_connector.connector import push
 
-        if push.decode(msg)[0]["t"] == "cancel":
+        if push.decode(msg)[0]["t"] == self.kind:
             self.dropped += 1
             e = MooncakeError(f"NOTIFY to segment {target} timed out (dropped by the test)")
             e.code_name = "MC_ETIMEDOUT"
@@ -597,3 +599,82 @@ def test_whole_prompt_target_lost_to_a_timeout_is_sent_again(sides):
     assert d.block_matches_pattern("q", t, 3) and not d.invalid
     assert both(p, d, lambda: not d.sched.requests and p.is_empty())
     assert d.computed["q"] == 2 + 1 and recomputes(d) == {}
+
+
+def test_cancel_after_a_lost_target_frees_the_prefill_at_once(sides):
+    """The decode's target never reaches the producer (every send lost the
+    way a link cut loses one: MC_ETIMEDOUT, sent again, lost again) while
+    the prefill's prompt is computed and its KV held for that target.  At
+    load_timeout_s the decode cancels and computes; the cancel reaches a
+    job that has no target from it: the producer counts that decode rank
+    served (nothing was written for it) and frees its KV at once, not after
+    hold_timeout_s (120 s here).  test_state_bounded saw this once under
+    load: a whole-prompt job with no target held after its decode ended."""
+    p = sides("kv_producer")
+    d = sides("kv_consumer", flow_a=False, load_timeout_s=2.0)
+    ob = d.worker._worker.push_outbox
+    ob.engine = drop = _DropCancels(ob.engine, kind="target")
+    pp = p.worker._worker.push_p
+    t = toks(27, 3 * BS + 2)
+    p.add(make_request("pq", t, max_tokens=1, params=push_params("T14", "p")))
+    d.add(make_request("q", t, max_tokens=2, params=push_params("T14", "d")))
+    assert both(p, d, lambda: "T14" in pp.jobs)  # the prompt is computed first
+    assert both(p, d, lambda: "q" not in d.sched.requests, steps=20000)
+    assert drop.dropped >= 2  # the target and its re-sends, all lost
+    assert d.computed["q"] == len(t) + 1 and d.is_empty()
+    assert _frees_at_once(p), [(x, j.targets) for x, j in pp.jobs.items()]
+
+
+def _frees_at_once(p, limit_s=1.0):
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 5.0 and not p.is_empty():
+        p.step()
+        time.sleep(0.001)
+    return p.is_empty() and time.monotonic() - t0 < limit_s
+
+
+def test_decode_aborted_before_its_load_tells_the_producer(sides):
+    """A decode request aborted before it was scheduled sends no target; its
+    worker sends the producer a cancel with the next step's metadata, so
+    the prefill's KV is freed at once (not held for a target until
+    hold_timeout_s, 120 s here): the prompt computed first (the job waits
+    for its target), or after the cancel (served as canceled)."""
+    p, d = sides("kv_producer"), sides("kv_consumer", flow_a=False)
+    pp = p.worker._worker.push_p
+    t = toks(28, 3 * BS + 2)
+    p.add(make_request("pq", t, max_tokens=1, params=push_params("T15", "p")))
+    assert p.run_until(lambda: "T15" in pp.jobs and "pq" not in p.sched.running, steps=300)
+    d.add(make_request("q", t, max_tokens=2, params=push_params("T15", "d")))
+    d.sched.finish_requests("q", RequestStatus.FINISHED_ABORTED)
+    d.step()
+    assert d.is_empty() and not d.recvd
+    assert _frees_at_once(p), [(x, j.targets) for x, j in pp.jobs.items()]
+    # the cancel first, the prompt after it
+    t = toks(29, 3 * BS + 2)
+    d.add(make_request("q2", t, max_tokens=2, params=push_params("T16", "d")))
+    d.sched.finish_requests("q2", RequestStatus.FINISHED_ABORTED)
+    d.step()
+    assert p.run_until(lambda: "T16" in pp.canceled, steps=3000)
+    p.add(make_request("pq2", t, max_tokens=1, params=push_params("T16", "p")))
+    assert _frees_at_once(p), [(x, j.targets) for x, j in pp.jobs.items()]
+    assert d.is_empty() and not pp.jobs
+
+
+def test_decode_with_the_prompt_cached_tells_the_producer(sides):
+    """The decode side's own prefix cache holds every full block of the
+    prompt: nothing is pushed (no target), and the producer, whose job
+    waits for a target, is told (a cancel) and frees the KV at once."""
+    p = sides("kv_producer")
+    d = sides("kv_consumer", flow_a=False, prefix_caching=True)
+    pp = p.worker._worker.push_p
+    t = toks(30, 3 * BS + 2)
+    d.add(make_request("warm", t, max_tokens=1, block_hasher=d.block_hasher))
+    assert d.run_until(lambda: "warm" not in d.sched.requests, steps=50)
+    p.add(make_request("pq", t, max_tokens=1, params=push_params("T17", "p")))
+    assert p.run_until(lambda: "T17" in pp.jobs and "pq" not in p.sched.running, steps=300)
+    d.add(make_request("q", t, max_tokens=2, params=push_params("T17", "d"),
+                       block_hasher=d.block_hasher))
+    d.step()
+    assert d.computed["q"] == 2  # its last tokens only: the rest from its own cache
+    assert _frees_at_once(p), [(x, j.targets) for x, j in pp.jobs.items()]
+    assert d.run_until(lambda: "q" not in d.sched.requests, steps=50) and not d.recvd

@@ -553,18 +553,20 @@ def test_per_request_override_keeps_the_async_push(sides):
 
 class DropFirstTarget:
     """Between the decode's push outbox and its real engine: the first
-    target is not sent, and its send fails the way one caught by a link cut
-    does (MC_ETIMEDOUT after the wait: the outbox cannot tell whether it
-    arrived); every other message goes through the real engine."""
+    target (of transfer id `tid` when set) is not sent, and its send fails
+    the way one caught by a link cut does (MC_ETIMEDOUT after the wait: the
+    outbox cannot tell whether it arrived); every other message goes
+    through the real engine."""
 
     def __init__(self, engine, wait_s=0.3):
-        self.engine, self.wait_s, self.dropped = engine, wait_s, 0
+        self.engine, self.wait_s, self.dropped, self.tid = engine, wait_s, 0, None
 
     def send_notify(self, target, msg, timeout):
         from mooncake_connector import MooncakeError
         from mooncake_connector.connector import push
 
-        if not self.dropped and push.decode(msg)[0]["t"] == "target":
+        head = push.decode(msg)[0]
+        if not self.dropped and head["t"] == "target" and self.tid in (None, head["tid"]):
             self.dropped += 1
             time.sleep(self.wait_s)
             e = MooncakeError(f"NOTIFY to segment {target} timed out after "

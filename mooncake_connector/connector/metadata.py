@@ -46,6 +46,9 @@ class MooncakeConnectorMetadata(KVConnectorMetadata):
     held: list = field(default_factory=list)         # req ids whose blocks the connector holds
     unpublish: list = field(default_factory=list)    # req ids preempted after publishing
     push_dropped: list = field(default_factory=list)  # push transfer ids ended without KV
+    # consumer: (transfer id, producer, producer_tp) of push requests that end
+    # without a target sent (the producers are told: a cancel)
+    push_gone: list = field(default_factory=list)
     idle: bool = False  # the step schedules no tokens (producer: may wait for releases)
     load_errors: list = field(default_factory=list)  # consumer: block ids to report failed
                                                      # again (SchedulerSide.on_load_errors)

@@ -11,7 +11,11 @@ the receiving engine), each `MAGIC + JSON header + b"\\n" + body`:
              destination extents, block-major then layer then outer (K/V)
              slice, the order of layout.extents(); src_off: byte offset in the
              producer's extent (TP head slices; 0 = from its start)
-    cancel  {"t": "cancel", "tid"}: write nothing more, answer "cancelled"
+    cancel  {"t": "cancel", "tid"}: write nothing more, answer "cancelled"; from a
+            rank whose target the job does not have (lost on the way,
+            dropped at its lease's end, or never sent: the decode request
+            ended before its load, PushConsumer.gone), the job counts that
+            rank served and frees the KV without waiting for hold_timeout_s
   producer rank -> consumer rank
     done       {"t": "done", "tid", "ntok"}: every write landed (acknowledged)
     layer      {"t": "layer", "tid", "l": [layer index, ...]}: these layers'
@@ -437,6 +441,28 @@ class PushConsumer:
             ob.send(name, cl.msgs[name], key=("t", tid, name),
                     timeout=RESEND_TIMEOUT_S if ob.delivered_to(name) else FIRST_CONTACT_SEND_S)
 
+    def gone(self, tid, producer, producer_tp):
+        """A push request that ends here without a target sent (aborted
+        before its load started, its prompt all in this side's prefix
+        cache): each producer rank of its route gets a cancel, so it frees
+        the prompt's KV (now, or when computed) instead of holding it for a
+        target until hold_timeout_s.  Nothing waits for the answer."""
+        w = self.w
+        if not tid or tid in self.loads:  # a live load of that transfer id owns it
+            return
+        try:
+            route = w.routes.route(producer or w.default_producer, producer_tp=producer_tp)
+        except ValueError as e:  # no producer to tell (its load would have failed alike)
+            logger.info("MooncakeConnector push: %s ended without a target; no producer "
+                        "to tell (%s)", tid, e)
+            return
+        ob = w.push_outbox
+        for name, _ in route:
+            key = ("g", tid, name)
+            ob.send(name, encode({"t": "cancel", "tid": tid}), key=key,
+                    timeout=RESEND_TIMEOUT_S if ob.delivered_to(name) else FIRST_CONTACT_SEND_S)
+            ob.forget(key)  # its result is not waited for
+
     def on_message(self, sender, head):
         cl = self.loads.get(head["tid"])
         if cl is None or sender not in cl.ranks:
@@ -807,11 +833,19 @@ class PushProducer:
                     self._early_bytes -= 24 * len(gone.dest) // 3
                 if not early:
                     self.early.pop(tid, None)
-                if len(self.canceled) >= EARLY_MAX:  # bounded like early targets
-                    self.canceled.pop(next(iter(self.canceled)))
-                # The prompt may still come: it is served (nothing written)
-                # for this consumer, so its blocks are not held for it.
-                self.canceled.setdefault(tid, (time.monotonic(), set()))[1].add(sender)
+                if job is not None:
+                    # The job began but this consumer's target never reached
+                    # it (lost on the way, or dropped at its lease's end
+                    # while waiting for the prompt): served, nothing written,
+                    # so the KV is not held for it until hold_timeout_s.
+                    job.targets[sender] = _Served()
+                else:
+                    if len(self.canceled) >= EARLY_MAX:  # bounded like early targets
+                        self.canceled.pop(next(iter(self.canceled)))
+                    # The prompt may still come: it is served (nothing
+                    # written) for this consumer, so its blocks are not held
+                    # for it.
+                    self.canceled.setdefault(tid, (time.monotonic(), set()))[1].add(sender)
                 self._reply(sender, tid, "cancelled", "canceled before any write")
                 return
             tg.cancel = True

@@ -70,6 +70,7 @@ class SchedulerSide:
         self._held = []           # req ids newly held, sent with the next metadata
         self._unpublish = []
         self._push_dropped = []   # producer: push transfer ids that ended without KV
+        self._push_gone = []      # consumer: push requests ended without a target sent
         self._published = {}      # req_id -> published tokens
         self._reqs = {}           # producer: req_id -> Request while it runs
         self._blocks = {}         # producer: req_id -> block ids (when no cache manager)
@@ -175,6 +176,16 @@ class SchedulerSide:
                        "locally, not loaded (%s: %s)", rid, len(request.prompt_token_ids or ()),
                        reason, why)
 
+    def _gone(self, request, src):
+        """A push request that sends its producer no target (its prompt all
+        in this side's prefix cache, aborted before its load started): the
+        workers send each producer rank a cancel with the next metadata."""
+        params = getattr(request, "kv_transfer_params", None) or {}
+        if len(request.prompt_token_ids or ()) >= self.block_size and \
+                (src[1] is None or _is_hostport(src[1])):
+            self._push_gone.append((transfer_id(params), src[1],
+                                    _int_or_none(params.get("tp_size"))))
+
     def _check_unloadable(self, request, src):
         """Counts requests a consumer was meant to load but cannot (decided
         before any load: no params, or the producer published nothing)."""
@@ -227,6 +238,12 @@ class SchedulerSide:
         if n_full - num_computed_tokens <= 0:
             if num_computed_tokens == 0:
                 self._check_unloadable(request, src)
+            elif src[0] == "P":
+                # Every full block is in this side's prefix cache: nothing is
+                # pushed, so the producer is told now (it frees the prompt's
+                # KV instead of holding it for a target until hold_timeout_s).
+                self._tried.add(request.request_id)
+                self._gone(request, src)
             return 0, False
         if src[0] in ("B", "P") and src[1] is not None and not _is_hostport(src[1]):
             # vLLM's in-tree contract names the producer by its engine id; ours
@@ -538,6 +555,7 @@ class SchedulerSide:
         meta.held, self._held = self._held, []
         meta.unpublish, self._unpublish = self._unpublish, []
         meta.push_dropped, self._push_dropped = self._push_dropped, []
+        meta.push_gone, self._push_gone = self._push_gone, []
         meta.idle = not getattr(so, "total_num_scheduled_tokens", 1) and not meta.loads
         return meta
 
@@ -549,7 +567,11 @@ class SchedulerSide:
         rid = request.request_id
         self._reqs.pop(rid, None)
         self._blocks.pop(rid, None)
-        self._loads.pop(rid, None)
+        unstarted = self._loads.pop(rid, None)
+        if self.s.is_consumer and (rid not in self._tried or unstarted is not None):
+            src = self._source(request)  # ended before its load started: no target sent
+            if src is not None and src[0] == "P":
+                self._gone(request, src)
         self._claims.pop(rid, None)
         self._probed.pop(rid, None)
         if self._asked.pop(rid, None) is not None:

@@ -133,6 +133,9 @@ class WorkerSide:
     def start_load(self, meta):
         for tid in self._traced:
             trace.event("fwd_start", tid, rank=self.tp_rank)
+        if self.push_c is not None:
+            for tid, producer, producer_tp in getattr(meta, "push_gone", ()):
+                self.push_c.gone(tid, producer, producer_tp)
         self.loads.start(meta)
 
     def wait_for_layer_load(self, layer_name):
