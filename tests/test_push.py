@@ -658,6 +658,7 @@ def test_decode_aborted_before_its_load_tells_the_producer(sides):
     p.add(make_request("pq2", t, max_tokens=1, params=push_params("T16", "p")))
     assert _frees_at_once(p), [(x, j.targets) for x, j in pp.jobs.items()]
     assert d.is_empty() and not pp.jobs
+    assert _push_stats(d).get("push_untargeted_cancels") == 2  # counted once per request told
 
 
 def test_decode_with_the_prompt_cached_tells_the_producer(sides):
@@ -678,3 +679,4 @@ def test_decode_with_the_prompt_cached_tells_the_producer(sides):
     assert d.computed["q"] == 2  # its last tokens only: the rest from its own cache
     assert _frees_at_once(p), [(x, j.targets) for x, j in pp.jobs.items()]
     assert d.run_until(lambda: "q" not in d.sched.requests, steps=50) and not d.recvd
+    assert _push_stats(d).get("push_untargeted_cancels") == 1

@@ -462,6 +462,7 @@ class PushConsumer:
             ob.send(name, encode({"t": "cancel", "tid": tid}), key=key,
                     timeout=RESEND_TIMEOUT_S if ob.delivered_to(name) else FIRST_CONTACT_SEND_S)
             ob.forget(key)  # its result is not waited for
+        w.stats.add("push_untargeted_cancels")
 
     def on_message(self, sender, head):
         cl = self.loads.get(head["tid"])

@@ -26,7 +26,7 @@ COUNTERS = ("loads", "loads_in_step", "loads_failed", "load_bytes", "load_bytes_
             "load_tokens_missed", "publishes", "publish_failed", "publish_bytes",
             "sends_finished", "sends_expired", "push_loads", "push_sends", "push_bytes",
             "push_failed", "push_layer_loads", "push_producer_lost", "push_layer_load_busy",
-            "push_target_resends", "push_fence_cuts", "malloc_trims", "malloc_trim_freed_bytes",
+            "push_target_resends", "push_fence_cuts", "push_untargeted_cancels", "malloc_trims", "malloc_trim_freed_bytes",
             "load_error_blocks_uncached",
             *(f"recompute_{r}" for r in RECOMPUTE_REASONS))
 GAUGES = ("held_bytes", "lookup_entries", "loads_in_flight")
@@ -146,6 +146,10 @@ PROM_COUNTERS = {
     "push_target_resends": ("vllm:mooncake_push_target_resends_total",
                             "Consumer: push targets sent again after a send that may have "
                             "been lost (timed out, reset), within the lease"),
+    "push_untargeted_cancels": ("vllm:mooncake_push_untargeted_cancels_total",
+                                "Consumer: push requests that ended without sending their "
+                                "producer a target (aborted before their load, prompt all in "
+                                "the prefix cache): the producer ranks told to free the KV"),
     "push_fence_cuts": ("vllm:mooncake_push_fence_cuts_total",
                         "Consumer: producers whose connections were cut (Engine.cut_peer) "
                         "before blocks lent to them were freed without their answer"),
