@@ -710,76 +710,6 @@ static void copy_default_threads(void) {
   mc_cma_copier_free(cp);
 }
 
-/* A slice no helper has started is copied by its submitter: with one
- * helper kept busy by another caller's large copies, a small copy's second
- * slice waits in the queue and its submitter takes it back after its own
- * (rather than waiting for the helper to be done with the other copy);
- * every byte lands where its pair says either way. */
-typedef struct big_caller {
-  mc_cma_copier_t *cp;
-  pid_t kid;
-  const uint8_t *src;
-  uint8_t *dst;
-  size_t len;
-  atomic_int stop;
-  int bad;
-} big_caller_t;
-
-static void *big_main(void *arg) {
-  big_caller_t *b = arg;
-  while (!atomic_load(&b->stop) && !b->bad) {
-    struct iovec l = {b->dst, b->len}, r = {(void *)b->src, b->len};
-    if (mc_cma_copy(b->cp, b->kid, 0, &l, &r, 1, b->len) != 0 ||
-        memcmp(b->dst, b->src, b->len) != 0)
-      b->bad = 1;
-  }
-  return NULL;
-}
-
-static void copy_takes_back_unstarted_slices(void) {
-  const size_t big = 8u << 20, small = 512u << 10, N = big + small;
-  uint8_t *shared = mmap(NULL, N, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
-  uint8_t *mine = mmap(NULL, N, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  CHECK(shared != MAP_FAILED && mine != MAP_FAILED);
-  for (size_t i = 0; i < N; i++)
-    shared[i] = (uint8_t)(i * 29 + (i >> 12) * 7);
-  int release;
-  pid_t kid = fork_target(&release);
-  CHECK(kid > 0);
-  setenv("MC_CMA_THREADS", "2", 1);
-  mc_cma_copier_t *cp = mc_cma_copier_new();
-  CHECK(cp && mc_cma_copier_threads(cp) == 2);
-  unsetenv("MC_CMA_THREADS");
-  big_caller_t b = {.cp = cp, .kid = kid, .src = shared, .dst = mine, .len = big};
-  pthread_t th;
-  CHECK(pthread_create(&th, NULL, big_main, &b) == 0);
-  const size_t n = small / 4096;
-  uint8_t *dst = mine + big;
-  const uint8_t *src = shared + big;
-  for (int round = 0; round < 400 && mc_cma_copier_taken_back(cp) < 20; round++) {
-    memset(dst, 0, small);
-    struct iovec l[128], r[128];
-    for (size_t i = 0; i < n; i++) { /* remote order reversed: a slip would show */
-      l[i] = (struct iovec){dst + i * 4096, 4096};
-      r[i] = (struct iovec){(void *)(src + (n - 1 - i) * 4096), 4096};
-    }
-    CHECK_EQ_INT(mc_cma_copy(cp, kid, 0, l, r, (int)n, small), 0);
-    for (size_t i = 0; i < n; i++)
-      CHECK(memcmp(dst + i * 4096, src + (n - 1 - i) * 4096, 4096) == 0);
-  }
-  atomic_store(&b.stop, 1);
-  pthread_join(th, NULL);
-  CHECK(!b.bad);
-  fprintf(stderr, "  slices taken back: %llu\n",
-          (unsigned long long)mc_cma_copier_taken_back(cp));
-  CHECK(mc_cma_copier_taken_back(cp) > 0);
-  mc_cma_copier_free(cp);
-  close(release);
-  waitpid(kid, NULL, 0);
-  munmap(shared, N);
-  munmap(mine, N);
-}
-
 int main(void) {
   RUN(hello_roundtrip);
   RUN(hello_rejects);
@@ -791,6 +721,5 @@ int main(void) {
   RUN(copy_default_threads);
   RUN(copy_splits);
   RUN(copy_concurrent_callers);
-  RUN(copy_takes_back_unstarted_slices);
   TEST_MAIN_END();
 }

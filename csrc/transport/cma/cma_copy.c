@@ -61,7 +61,6 @@ struct mc_cma_copier {
   int nth;  /* helpers started */
   int want; /* threads per copy, the caller included */
   uint64_t split_min; /* work per slice, bytes (see SPLIT_MIN_KB) */
-  uint64_t taken_back; /* slices their submitter copied itself (mc_cma_copy) */
   int stopping;
 };
 
@@ -113,24 +112,6 @@ static int wake_one_locked(mc_cma_copier_t *cp) {
   cp->h[i].idle = 0;
   pthread_cond_signal(&cp->h[i].cv);
   return 1;
-}
-
-/* Unlinks the first queued slice of this latch (caller holds mu); NULL
- * when every one has been taken by a helper. */
-static slice_t *take_back_locked(mc_cma_copier_t *cp, const latch_t *latch) {
-  slice_t *prev = NULL;
-  for (slice_t *s = cp->head; s; prev = s, s = s->next) {
-    if (s->latch != latch)
-      continue;
-    if (prev)
-      prev->next = s->next;
-    else
-      cp->head = s->next;
-    if (cp->tail == s)
-      cp->tail = prev;
-    return s;
-  }
-  return NULL;
 }
 
 static void *helper_main(void *arg) {
@@ -209,15 +190,6 @@ void mc_cma_copier_free(mc_cma_copier_t *cp) {
   pthread_cond_destroy(&cp->done_cv);
   pthread_mutex_destroy(&cp->mu);
   free(cp);
-}
-
-uint64_t mc_cma_copier_taken_back(mc_cma_copier_t *cp) {
-  if (!cp)
-    return 0;
-  pthread_mutex_lock(&cp->mu);
-  uint64_t n = cp->taken_back;
-  pthread_mutex_unlock(&cp->mu);
-  return n;
 }
 
 int mc_cma_copier_threads(mc_cma_copier_t *cp) {
@@ -309,19 +281,6 @@ int mc_cma_copy(mc_cma_copier_t *cp, pid_t pid, int write, struct iovec *l, stru
   pthread_mutex_unlock(&cp->mu);
   int rc = ns > 0 ? copy_run(pid, write, sl[0].l, sl[0].r, sl[0].n) : 0;
   pthread_mutex_lock(&cp->mu);
-  /* Slices no helper has started by now (the helpers busy with another
-   * caller's, or not yet run: on a small host every core may be taken)
-   * are copied here rather than waited for. */
-  slice_t *back;
-  while (latch.left > 0 && (back = take_back_locked(cp, &latch)) != NULL) {
-    cp->taken_back++;
-    pthread_mutex_unlock(&cp->mu);
-    int e = copy_run(back->pid, back->write, back->l, back->r, back->n);
-    pthread_mutex_lock(&cp->mu);
-    if (e && !latch.rc)
-      latch.rc = e;
-    latch.left--;
-  }
   while (latch.left > 0)
     pthread_cond_wait(&cp->done_cv, &cp->mu);
   if (!rc)

@@ -8,9 +8,7 @@
  *
  * The caller keeps whatever makes the remote ranges valid (the target's
  * region pin, cma_table.h) for the whole call: helpers touch nothing but
- * the iovecs they are handed.  The submitting thread copies the first
- * slice, then any of its slices no helper has started yet, then waits for
- * the rest.  Threads: MC_CMA_THREADS (1..16; default
+ * the iovecs they are handed.  Threads: MC_CMA_THREADS (1..16; default
  * min(online CPUs, 8)), started on the first large copy. */
 #ifndef MC_TRANSPORT_CMA_CMA_COPY_H
 #define MC_TRANSPORT_CMA_CMA_COPY_H
@@ -30,10 +28,6 @@ int mc_cma_default_threads(long ncpu);
 
 /* Threads a copy may use (the caller counts as one). */
 int mc_cma_copier_threads(mc_cma_copier_t *cp);
-
-/* Slices a copy's submitting thread took back from the queue and copied
- * itself, no helper having started them when its own slice was done. */
-uint64_t mc_cma_copier_taken_back(mc_cma_copier_t *cp);
 
 /* Copies n pairs (l[i].iov_len == r[i].iov_len) to (write) or from process
  * pid; the arrays may be modified.  Returns 0, or the errno of the first
