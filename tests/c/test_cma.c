@@ -693,6 +693,23 @@ static void copy_concurrent_callers(void) {
   munmap(mine, per * ncall);
 }
 
+/* MC_CMA_THREADS's default: min(online CPUs, 8), at least 1; a copier
+ * made without the variable uses it for this host's CPUs. */
+static void copy_default_threads(void) {
+  CHECK_EQ_INT(mc_cma_default_threads(-1), 1); /* sysconf failed */
+  CHECK_EQ_INT(mc_cma_default_threads(0), 1);
+  CHECK_EQ_INT(mc_cma_default_threads(1), 1);
+  CHECK_EQ_INT(mc_cma_default_threads(2), 2);
+  CHECK_EQ_INT(mc_cma_default_threads(3), 3);
+  CHECK_EQ_INT(mc_cma_default_threads(8), 8);
+  CHECK_EQ_INT(mc_cma_default_threads(192), 8);
+  unsetenv("MC_CMA_THREADS");
+  mc_cma_copier_t *cp = mc_cma_copier_new();
+  CHECK(cp);
+  CHECK_EQ_INT(mc_cma_copier_threads(cp), mc_cma_default_threads(sysconf(_SC_NPROCESSORS_ONLN)));
+  mc_cma_copier_free(cp);
+}
+
 int main(void) {
   RUN(hello_roundtrip);
   RUN(hello_rejects);
@@ -701,6 +718,7 @@ int main(void) {
   RUN(two_processes);
   RUN(pid_not_the_engine);
   RUN(switched_off);
+  RUN(copy_default_threads);
   RUN(copy_splits);
   RUN(copy_concurrent_callers);
   TEST_MAIN_END();

@@ -151,9 +151,12 @@ static uint64_t split_from_env(void) {
   return (uint64_t)mc_env_long("MC_CMA_SPLIT_KB", SPLIT_MIN_KB, 16, 1 << 20) << 10;
 }
 
+int mc_cma_default_threads(long ncpu) {
+  return ncpu < 1 ? 1 : ncpu > 8 ? 8 : (int)ncpu;
+}
+
 static int threads_from_env(void) {
-  long ncpu = sysconf(_SC_NPROCESSORS_ONLN);
-  int dflt = ncpu < 1 ? 1 : ncpu > 8 ? 8 : (int)ncpu;
+  int dflt = mc_cma_default_threads(sysconf(_SC_NPROCESSORS_ONLN));
   return (int)mc_env_long("MC_CMA_THREADS", dflt, 1, MAX_THREADS);
 }
 

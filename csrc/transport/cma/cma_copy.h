@@ -23,6 +23,9 @@ typedef struct mc_cma_copier mc_cma_copier_t;
 mc_cma_copier_t *mc_cma_copier_new(void);
 void mc_cma_copier_free(mc_cma_copier_t *cp);
 
+/* MC_CMA_THREADS's default on a host with ncpu online CPUs. */
+int mc_cma_default_threads(long ncpu);
+
 /* Threads a copy may use (the caller counts as one). */
 int mc_cma_copier_threads(mc_cma_copier_t *cp);
 
