@@ -54,7 +54,9 @@ static size_t target_bytes(void) {
 /* The target (a fresh process: this program exec'ed with "target"): an
  * engine on 127.0.0.1:port (0: any) registers its memory and tells the
  * parent where; 'r' from the parent: re-registers (unregisters and frees
- * it, registers a new allocation, tells where); EOF: exits. */
+ * it, registers a new allocation, tells where); 'h': exits at once, its
+ * connections held open by a child of its own until the parent closes
+ * its end of the pipe (a death no connection reports); EOF: exits. */
 static int target(int port, int wfd, int rfd) {
   target_t t;
   memset(&t, 0, sizeof t);
@@ -73,6 +75,12 @@ static int target(int port, int wfd, int rfd) {
   (void)!write(wfd, &t, sizeof t);
   char c;
   while (read(rfd, &c, 1) == 1) {
+    if (c == 'h') {
+      if (fork() == 0)
+        while (read(rfd, &c, 1) == 1)
+          ;
+      _exit(0);
+    }
     if (c != 'r' || !t.ok)
       continue;
     uint64_t old = t.addr;
@@ -392,6 +400,35 @@ static void test_reregister_releases_old_mapping(void) {
   side_free(&s);
 }
 
+/* A peer dies with its connections still open (a process of its own holds
+ * them): no connection's loss says so, the sweep of peers' pidfds does --
+ * here at the next submit call to another peer (a second target); the
+ * dead one's mapping goes, the other's stays (before: kept). */
+static void test_dead_peer_swept(void) {
+  side_t s;
+  child_t c = {.pid = -1, .down = -1, .up = -1}, c2 = c;
+  if (!have_gpu() || !side_new(&s)) {
+    side_free(&s);
+    fprintf(stderr, "  (skipped: no GPU visible)\n");
+    return;
+  }
+  int base = open_now();
+  CHECK(spawn(&c, 0));
+  CHECK(spawn(&c2, 0));
+  CHECK(roundtrip(&s, &c.t, 70));
+  CHECK(write(c.down, "h", 1) == 1);
+  waitpid(c.pid, NULL, 0); /* dead; its connections are not */
+  c.pid = -1;
+  usleep(1100000); /* past the sweep's once a second */
+  CHECK_EQ_INT(open_now(), base + 1);
+  CHECK(roundtrip(&s, &c2.t, 71)); /* the sweep runs first */
+  CHECK_EQ_INT(open_settles(base + 1), base + 1); /* c2's only */
+  reap(&c); /* its holder exits */
+  reap(&c2);
+  CHECK_EQ_INT(open_settles(base), base);
+  side_free(&s);
+}
+
 /* A copy in flight keeps its mapping: the peer exits while our WRITE's
  * copy job is still running (the stand-in holds it 300 ms); its mapping
  * must stay until that job completed, then go.  The stand-in counts a
@@ -440,6 +477,7 @@ int main(int argc, char **argv) {
   RUN(test_two_processes_take_ipc);
   RUN(test_peer_restarts_release_mappings);
   RUN(test_reregister_releases_old_mapping);
+  RUN(test_dead_peer_swept);
   RUN(test_copy_in_flight_keeps_mapping);
   TEST_MAIN_END();
 }
