@@ -363,6 +363,8 @@ static void test_peer_restarts_release_mappings(void) {
       port = atoi(colon + 1); /* its successors serve the same segment name */
     CHECK(roundtrip(&s, &c.t, 40 + (uint32_t)k));
     CHECK_EQ_INT(open_now(), base + 1);
+    if (k % 2)
+      kill(c.pid, SIGKILL); /* killed, as a crashed server; else it closes its engine */
     reap(&c);
     CHECK_EQ_INT(open_settles(base), base);
   }
@@ -429,8 +431,8 @@ static void test_dead_peer_swept(void) {
   side_free(&s);
 }
 
-/* A copy in flight keeps its mapping: the peer exits while our WRITE's
- * copy job is still running (the stand-in holds it 300 ms); its mapping
+/* A copy in flight keeps its mapping: the peer is killed while our WRITE's
+ * copy job is still running (the stand-in holds it 1 s); its mapping
  * must stay until that job completed, then go.  The stand-in counts a
  * close of a mapping a copy still uses (a GPU would fault). */
 static void test_copy_in_flight_keeps_mapping(void) {
@@ -448,7 +450,7 @@ static void test_copy_in_flight_keeps_mapping(void) {
   int base = open_now();
   CHECK(spawn(&c, 0));
   CHECK(roundtrip(&s, &c.t, 60));
-  lat(300000000ull);
+  lat(1000000000ull);
   mc_request_t r[NBLK];
   for (size_t i = 0; i < NBLK; i++)
     r[i] = (mc_request_t){.opcode = MC_OP_WRITE, .local = (void *)(uintptr_t)(s.src + i * BLK),
@@ -456,8 +458,9 @@ static void test_copy_in_flight_keeps_mapping(void) {
   mc_err_t err = {0};
   mc_batch_t *b = mc_batch_new(s.A, NBLK);
   CHECK(b && mc_batch_submit(s.A, b, c.t.segment, r, NBLK, &err) == 0);
-  usleep(20000); /* the job is launched */
-  reap(&c);      /* the peer is gone: its descriptor is dropped (peer_lost) */
+  usleep(20000); /* the job is launched (if not: the call holds it all the same) */
+  kill(c.pid, SIGKILL);
+  reap(&c); /* the peer is gone: its descriptor is dropped (peer_lost) */
   usleep(100000);
   CHECK_EQ_INT(open_now(), base + 1); /* the copy still holds it */
   if (b) {
