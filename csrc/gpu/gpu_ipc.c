@@ -174,7 +174,7 @@ static void unmap_opened(const opened_t *o) {
                 "mapping stays until this process exits", (unsigned long long)o->mapped,
                 o->device, err.msg);
   else
-    mc_log_info("unmapped a peer's GPU memory (%s) from cuda:%d: no current descriptor of the "
+    mc_log_info_rated("unmapped a peer's GPU memory (%s) from cuda:%d: no current descriptor of the "
                 "peer lists it and no copy uses it", o->vmm ? "cuMem export" : "CUDA IPC",
                 o->device);
 }

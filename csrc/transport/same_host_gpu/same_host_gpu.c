@@ -1282,6 +1282,10 @@ static void shg_peer_lost(void *impl, const char *segment) {
   if (i >= 0)
     peer_forget(&t->peers[i], &dr, &gm);
   pthread_mutex_unlock(&t->mu);
+  if (dr)
+    mc_log_info("segment %s: connection lost: its cached descriptor is dropped (our mappings "
+                "of its GPU memory go once no copy uses them; the next transfer asks it "
+                "afresh)", segment);
   desc_unref(dr);
   gen_map_unref(gm);
 }
