@@ -17,9 +17,17 @@
  * fakecuda_set_latency_ns(ns) makes every later copy complete ns after its
  * launch and, from then on, tracks which imported allocations copies use:
  * a cuIpcCloseMemHandle before the last copy using one completed (what a
- * GPU would fault on) is counted by fakecuda_ipc_closes_in_use(). */
+ * GPU would fault on) is counted by fakecuda_ipc_closes_in_use().
+ * Driver-mapped memory (cuMem*: vLLM 0.34's KV cache): cuMemCreate makes a
+ * memfd, exported as a dup of it (POSIX fd handles only), imported from
+ * one; cuMemAddressReserve reserves address space, cuMemMap maps a handle's
+ * memfd there (one tracked mapping: cuMemGetAddressRange answers per
+ * mapping, as the driver does), cuMemUnmap puts the reservation back (a
+ * copy still using it counts as above).  fakecuda_vmm_imports_mapped()
+ * counts the mappings of imported handles open now. */
 #define _GNU_SOURCE
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <sys/mman.h>
@@ -34,7 +42,9 @@ typedef int CUresult;
 static __thread void *cur_ctx;
 static int the_ctx;
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
-typedef struct { uint64_t lo, hi; int fd; int imported; uint64_t busy_until; } alloc_t;
+/* imported: 0 cuMemAlloc, 1 an opened IPC handle, 2 a cuMemMap mapping (h). */
+typedef struct memh memh_t;
+typedef struct { uint64_t lo, hi; int fd; int imported; uint64_t busy_until; memh_t *h; } alloc_t;
 static alloc_t allocs[1024];
 static int nallocs;
 static uint64_t now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec * 1000000000ull + t.tv_nsec; }
@@ -87,7 +97,7 @@ static int track(void *m, size_t n, int fd, int imported) {
   pthread_mutex_lock(&mu);
   int ok = nallocs < (int)(sizeof allocs / sizeof allocs[0]);
   if (ok)
-    allocs[nallocs++] = (alloc_t){(uint64_t)(uintptr_t)m, (uint64_t)(uintptr_t)m + n, fd, imported, 0};
+    allocs[nallocs++] = (alloc_t){(uint64_t)(uintptr_t)m, (uint64_t)(uintptr_t)m + n, fd, imported, 0, NULL};
   pthread_mutex_unlock(&mu);
   return ok;
 }
@@ -108,7 +118,7 @@ CUresult cuMemAlloc_v2(uint64_t *p, size_t n) {
 }
 /* Forgets the allocation at p (imported: 1 for an opened IPC handle). */
 static int untrack(uint64_t p, int imported) {
-  alloc_t a = {0, 0, -1, 0, 0};
+  alloc_t a = {0, 0, -1, 0, 0, NULL};
   pthread_mutex_lock(&mu);
   for (int i = 0; i < nallocs; i++)
     if (allocs[i].lo == p && allocs[i].imported == imported) {
@@ -136,7 +146,7 @@ int fakecuda_ipc_open_now(void) {
   pthread_mutex_lock(&mu);
   int k = 0;
   for (int i = 0; i < nallocs; i++)
-    k += allocs[i].imported;
+    k += allocs[i].imported == 1;
   pthread_mutex_unlock(&mu);
   return k;
 }
@@ -257,4 +267,129 @@ CUresult cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned
   }
   bump(st);
   return 0;
+}
+
+/* ---- driver-mapped memory (cuMem*) ---- */
+struct memh { int fd; uint64_t size; int types, dev, imported, refs; };
+static void memh_put(memh_t *h) {
+  pthread_mutex_lock(&mu);
+  int last = --h->refs == 0;
+  pthread_mutex_unlock(&mu);
+  if (last) {
+    close(h->fd);
+    free(h);
+  }
+}
+typedef struct { int type, types, loc_type, loc_id; } prop_head_t; /* CUmemAllocationProp's start */
+CUresult cuMemCreate(unsigned long long *out, size_t size, const prop_head_t *prop, unsigned long long f) {
+  (void)f;
+  memh_t *h = calloc(1, sizeof *h);
+  int fd = memfd_create("fakecuda-cumem", MFD_CLOEXEC);
+  if (!h || fd < 0 || ftruncate(fd, (off_t)size) != 0) {
+    free(h);
+    if (fd >= 0) close(fd);
+    return 2;
+  }
+  *h = (memh_t){fd, size, prop->types, prop->loc_id, 0, 1};
+  *out = (unsigned long long)(uintptr_t)h;
+  return 0;
+}
+CUresult cuMemRelease(unsigned long long h) { memh_put((memh_t *)(uintptr_t)h); return 0; }
+CUresult cuMemRetainAllocationHandle(unsigned long long *out, void *addr) {
+  uint64_t a = (uint64_t)(uintptr_t)addr;
+  memh_t *h = NULL;
+  pthread_mutex_lock(&mu);
+  for (int i = 0; i < nallocs && !h; i++)
+    if (allocs[i].imported == 2 && a >= allocs[i].lo && a < allocs[i].hi) {
+      h = allocs[i].h;
+      h->refs++;
+    }
+  pthread_mutex_unlock(&mu);
+  if (!h) return 1; /* not driver-mapped memory */
+  *out = (unsigned long long)(uintptr_t)h;
+  return 0;
+}
+CUresult cuMemGetAllocationPropertiesFromHandle(prop_head_t *prop, unsigned long long hh) {
+  memh_t *h = (memh_t *)(uintptr_t)hh;
+  memset(prop, 0, sizeof *prop);
+  prop->type = 1;
+  prop->types = h->types;
+  prop->loc_type = 1;
+  prop->loc_id = h->dev;
+  return 0;
+}
+CUresult cuMemGetAllocationGranularity(size_t *g, const void *prop, int opt) { (void)prop; (void)opt; *g = 4096; return 0; }
+CUresult cuMemExportToShareableHandle(void *out, unsigned long long hh, int type, unsigned long long f) {
+  (void)f;
+  memh_t *h = (memh_t *)(uintptr_t)hh;
+  if (type != 1 || !(h->types & 1)) return 1;
+  int fd = fcntl(h->fd, F_DUPFD_CLOEXEC, 0);
+  if (fd < 0) return 2;
+  *(int *)out = fd;
+  return 0;
+}
+CUresult cuMemImportFromShareableHandle(unsigned long long *out, void *shareable, int type) {
+  int fd = (int)(intptr_t)shareable;
+  struct stat st;
+  memh_t *h = type == 1 && fstat(fd, &st) == 0 ? calloc(1, sizeof *h) : NULL;
+  int mine = h ? fcntl(fd, F_DUPFD_CLOEXEC, 0) : -1;
+  if (mine < 0) {
+    free(h);
+    return 1;
+  }
+  *h = (memh_t){mine, (uint64_t)st.st_size, 1, 0, 1, 1};
+  *out = (unsigned long long)(uintptr_t)h;
+  return 0;
+}
+CUresult cuMemAddressReserve(uint64_t *p, size_t size, size_t align, uint64_t addr, unsigned long long f) {
+  (void)align; (void)addr; (void)f;
+  void *m = mmap(NULL, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (m == MAP_FAILED) return 2;
+  *p = (uint64_t)(uintptr_t)m;
+  return 0;
+}
+CUresult cuMemAddressFree(uint64_t p, size_t size) { return munmap((void *)(uintptr_t)p, size) ? 1 : 0; }
+CUresult cuMemMap(uint64_t p, size_t size, size_t off, unsigned long long hh, unsigned long long f) {
+  (void)f;
+  memh_t *h = (memh_t *)(uintptr_t)hh;
+  if (off + size > h->size) return 1;
+  void *m = mmap((void *)(uintptr_t)p, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, h->fd, (off_t)off);
+  if (m == MAP_FAILED) return 2;
+  pthread_mutex_lock(&mu);
+  int ok = nallocs < (int)(sizeof allocs / sizeof allocs[0]);
+  if (ok) {
+    allocs[nallocs++] = (alloc_t){p, p + size, -1, 2, 0, h};
+    h->refs++;
+  }
+  pthread_mutex_unlock(&mu);
+  return ok ? 0 : 2;
+}
+CUresult cuMemUnmap(uint64_t p, size_t size) {
+  memh_t *gone[64];
+  int n = 0;
+  pthread_mutex_lock(&mu);
+  for (int i = 0; i < nallocs;)
+    if (allocs[i].imported == 2 && allocs[i].lo >= p && allocs[i].hi <= p + size && n < 64) {
+      if (now() < allocs[i].busy_until)
+        closes_in_use++;
+      gone[n++] = allocs[i].h;
+      allocs[i] = allocs[--nallocs];
+    } else {
+      i++;
+    }
+  pthread_mutex_unlock(&mu);
+  if (!n) return 1;
+  mmap((void *)(uintptr_t)p, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0);
+  for (int i = 0; i < n; i++)
+    memh_put(gone[i]);
+  return 0;
+}
+CUresult cuMemSetAccess(uint64_t p, size_t size, const void *desc, size_t count) { (void)p; (void)size; (void)desc; (void)count; return 0; }
+int fakecuda_vmm_imports_mapped(void) {
+  pthread_mutex_lock(&mu);
+  int k = 0;
+  for (int i = 0; i < nallocs; i++)
+    k += allocs[i].imported == 2 && allocs[i].h->imported;
+  pthread_mutex_unlock(&mu);
+  return k;
 }

@@ -51,13 +51,46 @@ static size_t target_bytes(void) {
   return n > (size_t)NBLK * BLK ? n : (size_t)NBLK * BLK;
 }
 
+#define VMM_CHUNKS 4
+
+/* n bytes of driver-mapped memory on cuda:0 (cuMem*, as vLLM 0.34's KV
+ * cache): VMM_CHUNKS physical chunks exportable as POSIX fds, mapped back
+ * to back; 0 when it cannot be had. */
+static uint64_t vmm_alloc(size_t n) {
+  mc_cu_mem_alloc_prop_t prop;
+  memset(&prop, 0, sizeof prop);
+  prop.type = MC_CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.requested_handle_types = MC_CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+  prop.location = (mc_cu_mem_location_t){MC_CU_MEM_LOCATION_TYPE_DEVICE, 0};
+  size_t g = 0;
+  if (!api->cuMemCreate || !api->cuMemAddressReserve || !api->cuMemMap ||
+      !api->cuMemGetAllocationGranularity ||
+      api->cuMemGetAllocationGranularity(&g, &prop, MC_CU_MEM_ALLOC_GRANULARITY_MINIMUM) || !g)
+    return 0;
+  size_t chunk = (n / VMM_CHUNKS + g - 1) / g * g;
+  mc_cu_ptr va = 0;
+  if (api->cuMemAddressReserve(&va, chunk * VMM_CHUNKS, g, 0, 0) != 0)
+    return 0;
+  for (int i = 0; i < VMM_CHUNKS; i++) {
+    mc_cu_mem_handle h = 0;
+    if (api->cuMemCreate(&h, chunk, &prop, 0) != 0 ||
+        api->cuMemMap(va + (size_t)i * chunk, chunk, 0, h, 0) != 0)
+      return 0; /* the process exits: nothing to give back */
+    api->cuMemRelease(h);
+  }
+  mc_cu_mem_access_desc_t d = {.location = {MC_CU_MEM_LOCATION_TYPE_DEVICE, 0},
+                               .flags = MC_CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
+  return api->cuMemSetAccess(va, chunk * VMM_CHUNKS, &d, 1) == 0 ? va : 0;
+}
+
 /* The target (a fresh process: this program exec'ed with "target"): an
- * engine on 127.0.0.1:port (0: any) registers its memory and tells the
+ * engine on 127.0.0.1:port (0: any) registers its memory (vmm: driver-mapped
+ * memory, else cuMemAlloc's) and tells the
  * parent where; 'r' from the parent: re-registers (unregisters and frees
  * it, registers a new allocation, tells where); 'h': exits at once, its
  * connections held open by a child of its own until the parent closes
  * its end of the pipe (a death no connection reports); EOF: exits. */
-static int target(int port, int wfd, int rfd) {
+static int target(int port, int wfd, int rfd, int vmm) {
   target_t t;
   memset(&t, 0, sizeof t);
   mc_engine_t *B = NULL;
@@ -67,7 +100,8 @@ static int target(int port, int wfd, int rfd) {
     snprintf(host, sizeof host, "127.0.0.1:%d", port);
   mc_engine_opts_t o = {.local_hostname = host, .metadata_server = "P2PHANDSHAKE"};
   size_t n = target_bytes();
-  if (have_gpu() && mc_engine_create(&o, &B, &err) == 0 && (t.addr = dalloc(n)) &&
+  if (have_gpu() && mc_engine_create(&o, &B, &err) == 0 &&
+      (t.addr = vmm ? vmm_alloc(n) : dalloc(n)) &&
       mc_engine_register(B, (void *)(uintptr_t)t.addr, n, "cuda:0", &err) == 0) {
     snprintf(t.segment, sizeof t.segment, "%s", mc_engine_segment_name(B));
     t.ok = 1;
@@ -101,8 +135,9 @@ typedef struct {
 } child_t;
 
 /* Starts a target on `port` (0: any) as a fresh process (no CUDA state
- * inherited, as a GPU needs): 1 when it registered its memory. */
-static int spawn(child_t *c, int port) {
+ * inherited, as a GPU needs), its memory driver-mapped with `vmm`: 1 when
+ * it registered its memory. */
+static int spawn_kind(child_t *c, int port, int vmm) {
   int down[2], up[2];
   memset(c, 0, sizeof *c);
   c->pid = -1;
@@ -119,7 +154,8 @@ static int spawn(child_t *c, int port) {
     snprintf(a[2], sizeof a[2], "%d", down[0]);
     fcntl(up[1], F_SETFD, 0);
     fcntl(down[0], F_SETFD, 0);
-    execl("/proc/self/exe", "test_gpu_ipc_procs", "target", a[0], a[1], a[2], (char *)NULL);
+    execl("/proc/self/exe", "test_gpu_ipc_procs", "target", a[0], a[1], a[2], vmm ? "vmm" : "ipc",
+          (char *)NULL);
     _exit(127);
   }
   close(down[0]);
@@ -128,6 +164,8 @@ static int spawn(child_t *c, int port) {
   c->up = up[0];
   return c->pid > 0 && read(c->up, &c->t, sizeof c->t) == (ssize_t)sizeof c->t && c->t.ok;
 }
+
+static int spawn(child_t *c, int port) { return spawn_kind(c, port, 0); }
 
 /* Tells the target to re-register: 1 with its new address in c->t. */
 static int reregister(child_t *c) {
@@ -260,11 +298,13 @@ static void test_two_processes_take_ipc(void) {
  * GPU memory back and nothing accumulates per restart. */
 
 /* Peer mappings open in this process: the stand-in's count of imports open
- * (what it really has mapped) where it runs, with ours checked equal. */
+ * (what it really has mapped: IPC handles, and cuMem imports of VMM_CHUNKS
+ * chunks each) where it runs, with ours checked equal. */
 static int open_now(void) {
-  int (*f)(void) = NULL;
+  int (*f)(void) = NULL, (*v)(void) = NULL;
   *(void **)&f = fake_fn("fakecuda_ipc_open_now");
-  int ours = (int)mc_gpu_ipc_open_count(), real = f ? f() : ours;
+  *(void **)&v = fake_fn("fakecuda_vmm_imports_mapped");
+  int ours = (int)mc_gpu_ipc_open_count(), real = f && v ? f() + v() / VMM_CHUNKS : ours;
   if (real != ours) {
     fprintf(stderr, "  FAIL: the stand-in has %d peer mappings open, our table %d\n", real, ours);
     tl_failures++;
@@ -377,6 +417,33 @@ static void test_peer_restarts_release_mappings(void) {
   side_free(&s);
 }
 
+/* The same with driver-mapped memory (vLLM 0.34's cumem KV cache, a
+ * "vmm1:" export): each restarted target's chunks are imported and, once it
+ * exited, unmapped and the range freed (before: kept). */
+static void test_vmm_peer_restarts_release_mappings(void) {
+  side_t s;
+  child_t c = {.pid = -1, .down = -1, .up = -1};
+  if (!have_gpu() || !api->cuMemCreate || !side_new(&s)) {
+    side_free(&s);
+    fprintf(stderr, "  (skipped: no GPU visible)\n");
+    return;
+  }
+  int base = open_now(), port = 0;
+  for (int k = 0; k < 3; k++) {
+    CHECK(spawn_kind(&c, port, 1));
+    const char *colon = strrchr(c.t.segment, ':');
+    if (k == 0 && colon)
+      port = atoi(colon + 1);
+    CHECK(roundtrip(&s, &c.t, 80 + (uint32_t)k));
+    CHECK_EQ_INT(open_now(), base + 1);
+    if (k % 2)
+      kill(c.pid, SIGKILL);
+    reap(&c);
+    CHECK_EQ_INT(open_settles(base), base);
+  }
+  side_free(&s);
+}
+
 /* The peer re-registers its memory (unregister, free, a new allocation):
  * the next transfer refetches its descriptor and, once its copies into
  * the old one are done, the old mapping is closed (before: kept). */
@@ -474,11 +541,12 @@ static void test_copy_in_flight_keeps_mapping(void) {
 }
 
 int main(int argc, char **argv) {
-  if (argc == 5 && !strcmp(argv[1], "target"))
-    return target(atoi(argv[2]), atoi(argv[3]), atoi(argv[4]));
+  if (argc == 6 && !strcmp(argv[1], "target"))
+    return target(atoi(argv[2]), atoi(argv[3]), atoi(argv[4]), !strcmp(argv[5], "vmm"));
   signal(SIGPIPE, SIG_IGN);
   RUN(test_two_processes_take_ipc);
   RUN(test_peer_restarts_release_mappings);
+  RUN(test_vmm_peer_restarts_release_mappings);
   RUN(test_reregister_releases_old_mapping);
   RUN(test_dead_peer_swept);
   RUN(test_copy_in_flight_keeps_mapping);
