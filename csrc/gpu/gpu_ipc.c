@@ -91,10 +91,16 @@ int mc_gpu_ipc_export_range(uint64_t addr, uint64_t len, int device,
   return mc_gpu_ipc_export(addr, out, alloc_base, err);
 }
 
+/* A peer's allocation (or driver-mapped export) mapped here: once per
+ * (export, device) and process, shared by its users (mc_gpu_ipc_open and
+ * mc_gpu_ipc_retain each take a reference), unmapped when the last one
+ * lets go (mc_gpu_ipc_release). */
 typedef struct opened {
   char b64[MC_GPU_IPC_B64_MAX];
   uint64_t hash; /* of b64: handles of one exporter share long prefixes */
   int device;
+  int vmm; /* a "vmm1:" import (mc_gpu_vmm_unimport), else cuIpcOpenMemHandle's */
+  long refs;
   uint64_t mapped;
 } opened_t;
 
@@ -109,32 +115,68 @@ static uint64_t fnv1a(const char *s) {
   return h;
 }
 
-/* Caller holds g_mu.  The mapping of (b64, device) opened before, or NULL. */
-static const opened_t *find_opened(const char *b64, uint64_t hash, int device) {
+/* Caller holds g_mu.  The mapping of (b64, device) open now, or NULL. */
+static opened_t *find_opened(const char *b64, uint64_t hash, int device) {
   for (size_t i = 0; i < g_nopen; i++)
     if (g_open[i].hash == hash && g_open[i].device == device && !strcmp(g_open[i].b64, b64))
       return &g_open[i];
   return NULL;
 }
 
-/* Caller holds g_mu; remembers an opened mapping (kept if out of memory:
- * the next open maps it again). */
-static void remember(const char *b64, uint64_t hash, int device, uint64_t p) {
-  if (g_nopen == g_capopen) {
-    size_t nc = g_capopen ? g_capopen * 2 : 16;
-    opened_t *v = realloc(g_open, nc * sizeof *v);
-    if (v) {
-      g_open = v;
-      g_capopen = nc;
+/* Caller holds g_mu.  Room for one more entry (made before mapping, so a
+ * mapping made is always remembered and so can be released); -1 when out
+ * of memory. */
+static int reserve_slot(void) {
+  if (g_nopen < g_capopen)
+    return 0;
+  size_t nc = g_capopen ? g_capopen * 2 : 16;
+  opened_t *v = realloc(g_open, nc * sizeof *v);
+  if (!v)
+    return -1;
+  g_open = v;
+  g_capopen = nc;
+  return 0;
+}
+
+/* Caller holds g_mu and reserve_slot() succeeded: remembers a mapping made
+ * with its first reference. */
+static void remember(const char *b64, uint64_t hash, int device, int vmm, uint64_t p) {
+  opened_t *o = &g_open[g_nopen++];
+  snprintf(o->b64, sizeof o->b64, "%s", b64);
+  o->hash = hash;
+  o->device = device;
+  o->vmm = vmm;
+  o->refs = 1;
+  o->mapped = p;
+}
+
+/* Caller holds g_mu (an open of the same export waits: a legacy handle
+ * opens once per process).  Unmaps o; nothing uses it any more. */
+static void unmap_opened(const opened_t *o) {
+  mc_err_t err = {0};
+  mc_cu_context saved = NULL;
+  int changed = mc_cuda_enter_device(o->device, &saved, &err), rc = changed;
+  if (changed >= 0) {
+    if (o->vmm) {
+      rc = mc_gpu_vmm_unimport(o->mapped, &err);
+    } else {
+      const mc_cuda_api_t *api = mc_cuda_api(&err);
+      mc_cu_result r = api && api->cuIpcCloseMemHandle ? api->cuIpcCloseMemHandle(o->mapped) : 1;
+      char m[160] = "no cuIpcCloseMemHandle";
+      rc = r == 0 ? 0 : mc_err_set(&err, MC_EUNAVAIL, "cuIpcCloseMemHandle: %s",
+                                    api && api->cuIpcCloseMemHandle
+                                        ? mc_cuda_strerror(api, r, m, sizeof m) : m);
     }
+    mc_cuda_leave_device(saved, changed);
   }
-  if (g_nopen < g_capopen) {
-    snprintf(g_open[g_nopen].b64, sizeof g_open[g_nopen].b64, "%s", b64);
-    g_open[g_nopen].hash = hash;
-    g_open[g_nopen].device = device;
-    g_open[g_nopen].mapped = p;
-    g_nopen++;
-  }
+  if (rc < 0)
+    mc_log_warn("cannot unmap a peer's GPU memory mapped at 0x%llx on cuda:%d (%s): the "
+                "mapping stays until this process exits", (unsigned long long)o->mapped,
+                o->device, err.msg);
+  else
+    mc_log_info_rated("unmapped a peer's GPU memory (%s) from cuda:%d: no current descriptor of the "
+                "peer lists it and no copy uses it", o->vmm ? "cuMem export" : "CUDA IPC",
+                o->device);
 }
 
 /* A driver-mapped export: imported once per (export, device), under the
@@ -145,27 +187,36 @@ static int open_vmm(const char *name, uint64_t hash, int device, uint64_t *mappe
     return mc_err_set(err, MC_EINVAL, "malformed GPU memory export \"%.40s...\" in a peer's "
                       "segment descriptor", name);
   pthread_mutex_lock(&g_mu);
-  const opened_t *o = find_opened(name, hash, device);
+  opened_t *o = find_opened(name, hash, device);
   int rc = 0;
   if (o) {
+    o->refs++;
     *mapped = o->mapped;
+  } else if (reserve_slot() < 0) {
+    rc = mc_err_set(err, MC_ENOMEM, "out of memory mapping a peer's GPU memory");
   } else if ((rc = mc_gpu_vmm_import(name, device, mapped, err)) == 0) {
-    remember(name, hash, device, *mapped);
+    remember(name, hash, device, 1, *mapped);
   }
   pthread_mutex_unlock(&g_mu);
   return rc;
 }
 
-int mc_gpu_ipc_open(const char *b64, int device, uint64_t *mapped, mc_err_t *err) {
-  uint64_t hash = fnv1a(b64);
+/* The mapping of (b64, device) if open: its address, a reference taken. */
+static int open_again(const char *b64, uint64_t hash, int device, uint64_t *mapped) {
   pthread_mutex_lock(&g_mu);
-  const opened_t *o = find_opened(b64, hash, device);
+  opened_t *o = find_opened(b64, hash, device);
   if (o) {
+    o->refs++;
     *mapped = o->mapped;
-    pthread_mutex_unlock(&g_mu);
-    return 0;
   }
   pthread_mutex_unlock(&g_mu);
+  return o ? 0 : -1;
+}
+
+int mc_gpu_ipc_open(const char *b64, int device, uint64_t *mapped, mc_err_t *err) {
+  uint64_t hash = fnv1a(b64);
+  if (open_again(b64, hash, device, mapped) == 0)
+    return 0;
   if (!strncmp(b64, MC_GPU_VMM_PREFIX, strlen(MC_GPU_VMM_PREFIX)))
     return open_vmm(b64, hash, device, mapped, err);
   const mc_cuda_api_t *api = mc_cuda_api(err);
@@ -184,10 +235,16 @@ int mc_gpu_ipc_open(const char *b64, int device, uint64_t *mapped, mc_err_t *err
   mc_cu_ptr p = 0;
   pthread_mutex_lock(&g_mu);
   /* Re-check under the lock: opening one handle twice in a process fails. */
-  if ((o = find_opened(b64, hash, device))) {
+  opened_t *o = find_opened(b64, hash, device);
+  if (o) {
+    o->refs++;
     *mapped = o->mapped;
     pthread_mutex_unlock(&g_mu);
     return 0;
+  }
+  if (reserve_slot() < 0) {
+    pthread_mutex_unlock(&g_mu);
+    return mc_err_set(err, MC_ENOMEM, "out of memory mapping a peer's GPU memory");
   }
   mc_cu_result r = api->cuIpcOpenMemHandle(&p, h, MC_CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS);
   if (r != 0) {
@@ -198,7 +255,7 @@ int mc_gpu_ipc_open(const char *b64, int device, uint64_t *mapped, mc_err_t *err
                       "on this host with its GPU visible to this process",
                       device, mc_cuda_strerror(api, r, m, sizeof m));
   }
-  remember(b64, hash, device, p);
+  remember(b64, hash, device, 0, p);
   pthread_mutex_unlock(&g_mu);
   const char *dg = getenv("MC_GPU_DIAG");
   if (dg && (dg[0] == '1' || dg[0] == '2')) /* issue 30: where the import landed (GPU pages are up to 2 MiB) */
@@ -207,6 +264,41 @@ int mc_gpu_ipc_open(const char *b64, int device, uint64_t *mapped, mc_err_t *err
                 (unsigned long long)(p % (2u << 20)) >> 10);
   *mapped = p;
   return 0;
+}
+
+/* Caller holds g_mu.  The open mapping at `mapped` on `device`, or NULL. */
+static opened_t *find_mapped(uint64_t mapped, int device) {
+  for (size_t i = 0; i < g_nopen; i++)
+    if (g_open[i].mapped == mapped && g_open[i].device == device)
+      return &g_open[i];
+  return NULL;
+}
+
+int mc_gpu_ipc_retain(uint64_t mapped, int device) {
+  pthread_mutex_lock(&g_mu);
+  opened_t *o = find_mapped(mapped, device);
+  if (o)
+    o->refs++;
+  pthread_mutex_unlock(&g_mu);
+  return o ? 0 : -1;
+}
+
+void mc_gpu_ipc_release(uint64_t mapped, int device) {
+  pthread_mutex_lock(&g_mu);
+  opened_t *o = find_mapped(mapped, device);
+  if (o && --o->refs == 0) {
+    opened_t gone = *o;
+    *o = g_open[--g_nopen];
+    unmap_opened(&gone);
+  }
+  pthread_mutex_unlock(&g_mu);
+}
+
+size_t mc_gpu_ipc_open_count(void) {
+  pthread_mutex_lock(&g_mu);
+  size_t n = g_nopen;
+  pthread_mutex_unlock(&g_mu);
+  return n;
 }
 
 static pthread_once_t g_id_once = PTHREAD_ONCE_INIT;

@@ -4,8 +4,11 @@
  * it (cuIpcGetMemHandle, base64 in the segment descriptor); a process on
  * the same host opens it once (cuIpcOpenMemHandle with lazy peer access, so
  * the copy runs over NVLink/PCIe peer-to-peer) and copies with the copy
- * engines directly between the two GPUs.  Opened mappings are cached per
- * (handle, device) for the life of the process.
+ * engines directly between the two GPUs.  Opened mappings are shared per
+ * (handle, device) and process and reference-counted: the last user's
+ * mc_gpu_ipc_release unmaps one (cuIpcCloseMemHandle, or the cuMem
+ * import's unmap), so a peer that exited, slept or re-registered does not
+ * keep its GPU memory alive through us.
  */
 #ifndef MC_GPU_GPU_IPC_H
 #define MC_GPU_GPU_IPC_H
@@ -32,8 +35,23 @@ int mc_gpu_ipc_export_range(uint64_t addr, uint64_t len, int device,
                             char out[MC_GPU_IPC_B64_MAX], uint64_t *alloc_base, mc_err_t *err);
 
 /* Maps the allocation named by `b64` (or a "vmm1:" export) into this process for use from cuda
- * device `device`; *mapped is where the allocation's start appears here. */
+ * device `device`; *mapped is where the allocation's start appears here.
+ * Mapped once per (b64, device) and process: each success takes a
+ * reference, given back with mc_gpu_ipc_release(*mapped, device). */
 int mc_gpu_ipc_open(const char *b64, int device, uint64_t *mapped, mc_err_t *err);
+
+/* Another reference to the mapping at `mapped` on `device`: 0, or -1 when
+ * no such mapping is open. */
+int mc_gpu_ipc_retain(uint64_t mapped, int device);
+
+/* Gives back one reference; the last one unmaps it.  The caller makes sure
+ * no copy still uses the range (a copy job holds its reference until it
+ * completed).  Takes the process-wide lock of the mappings; may make the
+ * device's context current on this thread for the call (put back after). */
+void mc_gpu_ipc_release(uint64_t mapped, int device);
+
+/* How many peer mappings are open in this process. */
+size_t mc_gpu_ipc_open_count(void);
 
 /* "boot_id/hostname": equal for two processes iff they share a kernel. */
 const char *mc_host_identity(void);

@@ -497,6 +497,78 @@ static int recv_chunk(int s, uint64_t *size, int *fd) {
   return 0;
 }
 
+/* Unmaps the first n chunks (sizes[i] bytes each, back to back from va) and
+ * frees the reserved range of `span` bytes (va 0: none reserved): a failed
+ * import's rollback and mc_gpu_vmm_unimport.  The imported handles were
+ * released once mapped, so the last unmap frees the physical memory (once
+ * the exporter let go of it too).  0, or the first failing call's result. */
+static int unmap_chunks(const mc_cuda_api_t *api, mc_cu_ptr va, const uint64_t *sizes,
+                        uint32_t n, uint64_t span) {
+  int first = 0;
+  uint64_t off = 0;
+  for (uint32_t i = 0; i < n; i++) {
+    int r = api->cuMemUnmap(va + off, sizes[i]);
+    if (r != 0 && first == 0)
+      first = r;
+    off += sizes[i];
+  }
+  if (va) {
+    int r = api->cuMemAddressFree(va, span);
+    if (r != 0 && first == 0)
+      first = r;
+  }
+  return first;
+}
+
+/* What mc_gpu_vmm_unimport needs of each import: its chunks' sizes. */
+typedef struct {
+  uint64_t va, span;
+  uint32_t n;
+  uint64_t *sizes; /* malloc'ed */
+} import_ent_t;
+static import_ent_t *g_im;
+static size_t g_nim, g_capim;
+
+/* Under g_mu: remembers import va (takes over sizes); -1 out of memory. */
+static int import_remember(uint64_t va, uint64_t span, uint32_t n, uint64_t *sizes) {
+  if (g_nim == g_capim) {
+    size_t nc = g_capim ? g_capim * 2 : 8;
+    import_ent_t *v = realloc(g_im, nc * sizeof *v);
+    if (!v)
+      return -1;
+    g_im = v;
+    g_capim = nc;
+  }
+  g_im[g_nim++] = (import_ent_t){.va = va, .span = span, .n = n, .sizes = sizes};
+  return 0;
+}
+
+int mc_gpu_vmm_unimport(uint64_t mapped, mc_err_t *err) {
+  pthread_mutex_lock(&g_mu);
+  import_ent_t e = {0};
+  for (size_t i = 0; i < g_nim; i++)
+    if (g_im[i].va == mapped) {
+      e = g_im[i];
+      g_im[i] = g_im[--g_nim];
+      break;
+    }
+  pthread_mutex_unlock(&g_mu);
+  if (!e.va)
+    return mc_err_set(err, MC_EINVAL, "0x%" PRIx64 " is no GPU memory import of this process",
+                      mapped);
+  const mc_cuda_api_t *api = vmm_api(err);
+  int r = api ? unmap_chunks(api, e.va, e.sizes, e.n, e.span) : 0;
+  free(e.sizes);
+  if (!api)
+    return err ? err->code : MC_EUNAVAIL;
+  if (r != 0) {
+    char m[160];
+    return mc_err_set(err, MC_EUNAVAIL, "cannot unmap the imported GPU memory at 0x%" PRIx64
+                      ": %s", mapped, mc_cuda_strerror(api, r, m, sizeof m));
+  }
+  return 0;
+}
+
 int mc_gpu_vmm_import(const char *name, int device, uint64_t *mapped, mc_err_t *err) {
   long pid = 0;
   char nonce[40] = "", tag[24] = "";
@@ -618,15 +690,16 @@ int mc_gpu_vmm_import(const char *name, int device, uint64_t *mapped, mc_err_t *
       rc = mc_err_set(err, MC_EUNAVAIL, "cannot give cuda:%d access to process %ld's GPU "
                       "memory: %s", device, pid, mc_cuda_strerror(api, r, m, sizeof m));
   }
-  if (rc < 0) {
-    off = 0;
-    for (uint32_t i = 0; i < nmapped; i++) {
-      api->cuMemUnmap(va + off, sizes[i]);
-      off += sizes[i];
-    }
-    if (va)
-      api->cuMemAddressFree(va, h.span);
+  if (rc == 0) { /* for mc_gpu_vmm_unimport */
+    pthread_mutex_lock(&g_mu);
+    if (import_remember(va, h.span, h.n, sizes) == 0)
+      sizes = NULL;
+    else
+      rc = mc_err_set(err, MC_ENOMEM, "out of memory importing GPU memory");
+    pthread_mutex_unlock(&g_mu);
   }
+  if (rc < 0)
+    unmap_chunks(api, va, sizes, nmapped, h.span);
   /* The mappings hold the memory; our handles are no longer needed. */
   for (uint32_t i = 0; i < got && i < h.n; i++)
     if (hs[i])

@@ -78,4 +78,11 @@ int mc_gpu_vmm_export(uint64_t addr, uint64_t len, int device, char *name, size_
  * appears here.  The caller caches the result (one import per export). */
 int mc_gpu_vmm_import(const char *name, int device, uint64_t *mapped, mc_err_t *err);
 
+/* Undoes the import mapped at `mapped` (cuMemUnmap of each chunk,
+ * cuMemAddressFree of the range; the handles were released at import, so
+ * the physical memory goes once the exporter let go of it too).  The caller
+ * makes sure nothing uses the range any more and that the device's context
+ * is current.  MC_EINVAL if `mapped` is no import of this process. */
+int mc_gpu_vmm_unimport(uint64_t mapped, mc_err_t *err);
+
 #endif

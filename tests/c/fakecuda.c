@@ -12,9 +12,22 @@
  * cuIpcGetMemHandle names the exporter's pid and fd, and cuIpcOpenMemHandle
  * maps /proc/<pid>/fd/<fd> here (the same-host GPU path's job build, queue,
  * copy thread and completion run as on a GPU; the copies are host memcpy).
- * fakecuda_ipc_opens() counts the handles opened in this process. */
+ * fakecuda_ipc_opens() counts the handles opened in this process,
+ * fakecuda_ipc_open_now() those open now (opened, not yet closed).
+ * fakecuda_set_latency_ns(ns) makes every later copy complete ns after its
+ * launch and, from then on, tracks which imported allocations copies use:
+ * a cuIpcCloseMemHandle before the last copy using one completed (what a
+ * GPU would fault on) is counted by fakecuda_ipc_closes_in_use().
+ * Driver-mapped memory (cuMem*: vLLM 0.34's KV cache): cuMemCreate makes a
+ * memfd, exported as a dup of it (POSIX fd handles only), imported from
+ * one; cuMemAddressReserve reserves address space, cuMemMap maps a handle's
+ * memfd there (one tracked mapping: cuMemGetAddressRange answers per
+ * mapping, as the driver does), cuMemUnmap puts the reservation back (a
+ * copy still using it counts as above).  fakecuda_vmm_imports_mapped()
+ * counts the mappings of imported handles open now. */
 #define _GNU_SOURCE
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <sys/mman.h>
@@ -29,7 +42,9 @@ typedef int CUresult;
 static __thread void *cur_ctx;
 static int the_ctx;
 static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
-typedef struct { uint64_t lo, hi; int fd; int imported; } alloc_t;
+/* imported: 0 cuMemAlloc, 1 an opened IPC handle, 2 a cuMemMap mapping (h). */
+typedef struct memh memh_t;
+typedef struct { uint64_t lo, hi; int fd; int imported; uint64_t busy_until; memh_t *h; } alloc_t;
 static alloc_t allocs[1024];
 static int nallocs;
 static uint64_t now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec * 1000000000ull + t.tv_nsec; }
@@ -37,7 +52,29 @@ typedef struct { uint64_t ready; } stream_t;
 typedef struct { uint64_t ready; } event_t;
 static stream_t null_stream;
 #define ST(s) ((s) ? (stream_t *)(s) : &null_stream)
-static void bump(void *s) { __atomic_store_n(&ST(s)->ready, now() + LAT_NS, __ATOMIC_SEQ_CST); }
+static uint64_t lat_ns = LAT_NS;
+static int track_busy; /* fakecuda_set_latency_ns was called */
+static int closes_in_use;
+static void bump(void *s) { __atomic_store_n(&ST(s)->ready, now() + __atomic_load_n(&lat_ns, __ATOMIC_SEQ_CST), __ATOMIC_SEQ_CST); }
+void fakecuda_set_latency_ns(uint64_t ns) { __atomic_store_n(&lat_ns, ns, __ATOMIC_SEQ_CST); __atomic_store_n(&track_busy, 1, __ATOMIC_SEQ_CST); }
+int fakecuda_ipc_closes_in_use(void) { return __atomic_load_n(&closes_in_use, __ATOMIC_SEQ_CST); }
+/* A copy launched now uses [a, a+n): an imported allocation there is busy
+ * until the copy completes. */
+static void touch(uint64_t a, uint64_t n) {
+  if (!__atomic_load_n(&track_busy, __ATOMIC_SEQ_CST) || !n)
+    return;
+  uint64_t until = now() + __atomic_load_n(&lat_ns, __ATOMIC_SEQ_CST);
+  pthread_mutex_lock(&mu);
+  for (int i = 0; i < nallocs; i++)
+    if (allocs[i].imported && a < allocs[i].hi && a + n > allocs[i].lo && allocs[i].busy_until < until)
+      allocs[i].busy_until = until;
+  pthread_mutex_unlock(&mu);
+}
+static void copy_launched(uint64_t d, uint64_t s, uint64_t n) {
+  memmove((void *)(uintptr_t)d, (void *)(uintptr_t)s, n);
+  touch(d, n);
+  touch(s, n);
+}
 
 CUresult cuInit(unsigned f) { (void)f; return 0; }
 CUresult cuDeviceGetCount(int *n) { *n = 1; return 0; }
@@ -60,7 +97,7 @@ static int track(void *m, size_t n, int fd, int imported) {
   pthread_mutex_lock(&mu);
   int ok = nallocs < (int)(sizeof allocs / sizeof allocs[0]);
   if (ok)
-    allocs[nallocs++] = (alloc_t){(uint64_t)(uintptr_t)m, (uint64_t)(uintptr_t)m + n, fd, imported};
+    allocs[nallocs++] = (alloc_t){(uint64_t)(uintptr_t)m, (uint64_t)(uintptr_t)m + n, fd, imported, 0, NULL};
   pthread_mutex_unlock(&mu);
   return ok;
 }
@@ -81,11 +118,13 @@ CUresult cuMemAlloc_v2(uint64_t *p, size_t n) {
 }
 /* Forgets the allocation at p (imported: 1 for an opened IPC handle). */
 static int untrack(uint64_t p, int imported) {
-  alloc_t a = {0, 0, -1, 0};
+  alloc_t a = {0, 0, -1, 0, 0, NULL};
   pthread_mutex_lock(&mu);
   for (int i = 0; i < nallocs; i++)
     if (allocs[i].lo == p && allocs[i].imported == imported) {
       a = allocs[i];
+      if (imported && now() < a.busy_until)
+        closes_in_use++;
       allocs[i] = allocs[--nallocs];
       break;
     }
@@ -103,6 +142,14 @@ typedef struct { uint32_t magic; int32_t fd; int64_t pid; uint64_t len; } ipc_wi
 #define IPC_MAGIC 0xfacecda1u
 static int ipc_opens;
 int fakecuda_ipc_opens(void) { return __atomic_load_n(&ipc_opens, __ATOMIC_SEQ_CST); }
+int fakecuda_ipc_open_now(void) {
+  pthread_mutex_lock(&mu);
+  int k = 0;
+  for (int i = 0; i < nallocs; i++)
+    k += allocs[i].imported == 1;
+  pthread_mutex_unlock(&mu);
+  return k;
+}
 CUresult cuIpcGetMemHandle(ipc_handle_t *h, uint64_t p) {
   pthread_mutex_lock(&mu);
   int k = -1;
@@ -165,7 +212,7 @@ CUresult cuMemGetAddressRange_v2(uint64_t *b, size_t *n, uint64_t p) {
 CUresult cuMemcpyHtoD_v2(uint64_t d, const void *s, size_t n) { memcpy((void *)(uintptr_t)d, s, n); return 0; }
 CUresult cuMemcpyDtoH_v2(void *d, uint64_t s, size_t n) { memcpy(d, (void *)(uintptr_t)s, n); return 0; }
 CUresult cuMemcpy(uint64_t d, uint64_t s, size_t n) { memmove((void *)(uintptr_t)d, (void *)(uintptr_t)s, n); return 0; }
-CUresult cuMemcpyAsync(uint64_t d, uint64_t s, size_t n, void *st) { memmove((void *)(uintptr_t)d, (void *)(uintptr_t)s, n); bump(st); return 0; }
+CUresult cuMemcpyAsync(uint64_t d, uint64_t s, size_t n, void *st) { copy_launched(d, s, n); bump(st); return 0; }
 CUresult cuMemcpyHtoDAsync_v2(uint64_t d, const void *s, size_t n, void *st) { memcpy((void *)(uintptr_t)d, s, n); bump(st); return 0; }
 CUresult cuMemcpyDtoHAsync_v2(void *d, uint64_t s, size_t n, void *st) { memcpy(d, (void *)(uintptr_t)s, n); bump(st); return 0; }
 CUresult cuStreamCreate(void **s, unsigned f) { (void)f; *s = calloc(1, sizeof(stream_t)); return 0; }
@@ -207,17 +254,142 @@ CUresult cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned
   (void)gx; (void)gy; (void)gz; (void)bx; (void)by; (void)bz; (void)sh; (void)extra;
   if (f == &fn_p) {
     PRS(128) *p = params[0];
-    for (uint32_t i = 0; i < p->n; i++) memmove((void *)(uintptr_t)p->dst[i], (void *)(uintptr_t)p->src[i], p->len[i]);
+    for (uint32_t i = 0; i < p->n; i++) copy_launched(p->dst[i], p->src[i], p->len[i]);
   } else if (f == &fn_p8) {
     PRS(8) *p = params[0];
-    for (uint32_t i = 0; i < p->n; i++) memmove((void *)(uintptr_t)p->dst[i], (void *)(uintptr_t)p->src[i], p->len[i]);
+    for (uint32_t i = 0; i < p->n; i++) copy_launched(p->dst[i], p->src[i], p->len[i]);
   } else if (f == &fn_pieces) {
     uint64_t *t = (uint64_t *)(uintptr_t)*(uint64_t *)params[0];
     unsigned n = *(unsigned *)params[1];
-    for (unsigned i = 0; i < n; i++) memmove((void *)(uintptr_t)t[3 * i], (void *)(uintptr_t)t[3 * i + 1], t[3 * i + 2]);
+    for (unsigned i = 0; i < n; i++) copy_launched(t[3 * i], t[3 * i + 1], t[3 * i + 2]);
   } else {
     return 400;
   }
   bump(st);
   return 0;
+}
+
+/* ---- driver-mapped memory (cuMem*) ---- */
+struct memh { int fd; uint64_t size; int types, dev, imported, refs; };
+static void memh_put(memh_t *h) {
+  pthread_mutex_lock(&mu);
+  int last = --h->refs == 0;
+  pthread_mutex_unlock(&mu);
+  if (last) {
+    close(h->fd);
+    free(h);
+  }
+}
+typedef struct { int type, types, loc_type, loc_id; } prop_head_t; /* CUmemAllocationProp's start */
+CUresult cuMemCreate(unsigned long long *out, size_t size, const prop_head_t *prop, unsigned long long f) {
+  (void)f;
+  memh_t *h = calloc(1, sizeof *h);
+  int fd = memfd_create("fakecuda-cumem", MFD_CLOEXEC);
+  if (!h || fd < 0 || ftruncate(fd, (off_t)size) != 0) {
+    free(h);
+    if (fd >= 0) close(fd);
+    return 2;
+  }
+  *h = (memh_t){fd, size, prop->types, prop->loc_id, 0, 1};
+  *out = (unsigned long long)(uintptr_t)h;
+  return 0;
+}
+CUresult cuMemRelease(unsigned long long h) { memh_put((memh_t *)(uintptr_t)h); return 0; }
+CUresult cuMemRetainAllocationHandle(unsigned long long *out, void *addr) {
+  uint64_t a = (uint64_t)(uintptr_t)addr;
+  memh_t *h = NULL;
+  pthread_mutex_lock(&mu);
+  for (int i = 0; i < nallocs && !h; i++)
+    if (allocs[i].imported == 2 && a >= allocs[i].lo && a < allocs[i].hi) {
+      h = allocs[i].h;
+      h->refs++;
+    }
+  pthread_mutex_unlock(&mu);
+  if (!h) return 1; /* not driver-mapped memory */
+  *out = (unsigned long long)(uintptr_t)h;
+  return 0;
+}
+CUresult cuMemGetAllocationPropertiesFromHandle(prop_head_t *prop, unsigned long long hh) {
+  memh_t *h = (memh_t *)(uintptr_t)hh;
+  memset(prop, 0, sizeof *prop);
+  prop->type = 1;
+  prop->types = h->types;
+  prop->loc_type = 1;
+  prop->loc_id = h->dev;
+  return 0;
+}
+CUresult cuMemGetAllocationGranularity(size_t *g, const void *prop, int opt) { (void)prop; (void)opt; *g = 4096; return 0; }
+CUresult cuMemExportToShareableHandle(void *out, unsigned long long hh, int type, unsigned long long f) {
+  (void)f;
+  memh_t *h = (memh_t *)(uintptr_t)hh;
+  if (type != 1 || !(h->types & 1)) return 1;
+  int fd = fcntl(h->fd, F_DUPFD_CLOEXEC, 0);
+  if (fd < 0) return 2;
+  *(int *)out = fd;
+  return 0;
+}
+CUresult cuMemImportFromShareableHandle(unsigned long long *out, void *shareable, int type) {
+  int fd = (int)(intptr_t)shareable;
+  struct stat st;
+  memh_t *h = type == 1 && fstat(fd, &st) == 0 ? calloc(1, sizeof *h) : NULL;
+  int mine = h ? fcntl(fd, F_DUPFD_CLOEXEC, 0) : -1;
+  if (mine < 0) {
+    free(h);
+    return 1;
+  }
+  *h = (memh_t){mine, (uint64_t)st.st_size, 1, 0, 1, 1};
+  *out = (unsigned long long)(uintptr_t)h;
+  return 0;
+}
+CUresult cuMemAddressReserve(uint64_t *p, size_t size, size_t align, uint64_t addr, unsigned long long f) {
+  (void)align; (void)addr; (void)f;
+  void *m = mmap(NULL, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (m == MAP_FAILED) return 2;
+  *p = (uint64_t)(uintptr_t)m;
+  return 0;
+}
+CUresult cuMemAddressFree(uint64_t p, size_t size) { return munmap((void *)(uintptr_t)p, size) ? 1 : 0; }
+CUresult cuMemMap(uint64_t p, size_t size, size_t off, unsigned long long hh, unsigned long long f) {
+  (void)f;
+  memh_t *h = (memh_t *)(uintptr_t)hh;
+  if (off + size > h->size) return 1;
+  void *m = mmap((void *)(uintptr_t)p, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, h->fd, (off_t)off);
+  if (m == MAP_FAILED) return 2;
+  pthread_mutex_lock(&mu);
+  int ok = nallocs < (int)(sizeof allocs / sizeof allocs[0]);
+  if (ok) {
+    allocs[nallocs++] = (alloc_t){p, p + size, -1, 2, 0, h};
+    h->refs++;
+  }
+  pthread_mutex_unlock(&mu);
+  return ok ? 0 : 2;
+}
+CUresult cuMemUnmap(uint64_t p, size_t size) {
+  memh_t *gone[64];
+  int n = 0;
+  pthread_mutex_lock(&mu);
+  for (int i = 0; i < nallocs;)
+    if (allocs[i].imported == 2 && allocs[i].lo >= p && allocs[i].hi <= p + size && n < 64) {
+      if (now() < allocs[i].busy_until)
+        closes_in_use++;
+      gone[n++] = allocs[i].h;
+      allocs[i] = allocs[--nallocs];
+    } else {
+      i++;
+    }
+  pthread_mutex_unlock(&mu);
+  if (!n) return 1;
+  mmap((void *)(uintptr_t)p, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0);
+  for (int i = 0; i < n; i++)
+    memh_put(gone[i]);
+  return 0;
+}
+CUresult cuMemSetAccess(uint64_t p, size_t size, const void *desc, size_t count) { (void)p; (void)size; (void)desc; (void)count; return 0; }
+int fakecuda_vmm_imports_mapped(void) {
+  pthread_mutex_lock(&mu);
+  int k = 0;
+  for (int i = 0; i < nallocs; i++)
+    k += allocs[i].imported == 2 && allocs[i].h->imported;
+  pthread_mutex_unlock(&mu);
+  return k;
 }

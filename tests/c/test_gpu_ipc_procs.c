@@ -8,9 +8,15 @@
  * the peer's handle was opened here (fakecuda_ipc_opens) -- the TCP
  * pinned-staging fallback (MC_GPU_IPC=0) moves the same bytes and fails
  * that check.  On a GPU only the bytes are checked.  Skips without a GPU
- * (or the stand-in). */
+ * (or the stand-in).
+ * Then our mappings of a peer's memory going with it: a target killed and
+ * restarted on one port, one re-registering its memory, and one exiting
+ * while our copy into it is in flight (targets are this program exec'ed
+ * with "target": fresh processes, as a GPU needs). */
 #include <dlfcn.h>
+#include <fcntl.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -21,6 +27,7 @@
 #include "engine/engine.h"
 #include "engine/engine_internal.h"
 #include "gpu/cuda_driver.h"
+#include "gpu/gpu_ipc.h"
 #include "gpu_testlib.h"
 #include "testlib.h"
 
@@ -36,25 +43,146 @@ typedef struct {
 /* Block i of the batch goes to block perm(i) of the target: a scatter. */
 static size_t perm(size_t i) { return (i * 37 + 11) % NBLK; }
 
-/* The target: registers its memory, tells the parent where, and lives
- * until the parent closes its pipe. */
-static void target(int wfd, int rfd) {
+/* What a target registers: NBLK blocks, or MC_TEST_PEER_MIB MiB (the GPU
+ * check of test_peer_restarts: a leak then shows in cuMemGetInfo). */
+static size_t target_bytes(void) {
+  const char *m = getenv("MC_TEST_PEER_MIB");
+  size_t n = m ? (size_t)strtoul(m, NULL, 10) << 20 : 0;
+  return n > (size_t)NBLK * BLK ? n : (size_t)NBLK * BLK;
+}
+
+#define VMM_CHUNKS 4
+
+/* n bytes of driver-mapped memory on cuda:0 (cuMem*, as vLLM 0.34's KV
+ * cache): VMM_CHUNKS physical chunks exportable as POSIX fds, mapped back
+ * to back; 0 when it cannot be had. */
+static uint64_t vmm_alloc(size_t n) {
+  mc_cu_mem_alloc_prop_t prop;
+  memset(&prop, 0, sizeof prop);
+  prop.type = MC_CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.requested_handle_types = MC_CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+  prop.location = (mc_cu_mem_location_t){MC_CU_MEM_LOCATION_TYPE_DEVICE, 0};
+  size_t g = 0;
+  if (!api->cuMemCreate || !api->cuMemAddressReserve || !api->cuMemMap ||
+      !api->cuMemGetAllocationGranularity ||
+      api->cuMemGetAllocationGranularity(&g, &prop, MC_CU_MEM_ALLOC_GRANULARITY_MINIMUM) || !g)
+    return 0;
+  size_t chunk = (n / VMM_CHUNKS + g - 1) / g * g;
+  mc_cu_ptr va = 0;
+  if (api->cuMemAddressReserve(&va, chunk * VMM_CHUNKS, g, 0, 0) != 0)
+    return 0;
+  for (int i = 0; i < VMM_CHUNKS; i++) {
+    mc_cu_mem_handle h = 0;
+    if (api->cuMemCreate(&h, chunk, &prop, 0) != 0 ||
+        api->cuMemMap(va + (size_t)i * chunk, chunk, 0, h, 0) != 0)
+      return 0; /* the process exits: nothing to give back */
+    api->cuMemRelease(h);
+  }
+  mc_cu_mem_access_desc_t d = {.location = {MC_CU_MEM_LOCATION_TYPE_DEVICE, 0},
+                               .flags = MC_CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
+  return api->cuMemSetAccess(va, chunk * VMM_CHUNKS, &d, 1) == 0 ? va : 0;
+}
+
+/* The target (a fresh process: this program exec'ed with "target"): an
+ * engine on 127.0.0.1:port (0: any) registers its memory (vmm: driver-mapped
+ * memory, else cuMemAlloc's) and tells the
+ * parent where; 'r' from the parent: re-registers (unregisters and frees
+ * it, registers a new allocation, tells where); 'h': exits at once, its
+ * connections held open by a child of its own until the parent closes
+ * its end of the pipe (a death no connection reports); EOF: exits. */
+static int target(int port, int wfd, int rfd, int vmm) {
   target_t t;
   memset(&t, 0, sizeof t);
   mc_engine_t *B = NULL;
   mc_err_t err = {0};
-  if (have_gpu() && engine_new(&B, &err) == 0 && (t.addr = dalloc((size_t)NBLK * BLK)) &&
-      mc_engine_register(B, (void *)(uintptr_t)t.addr, (size_t)NBLK * BLK, "cuda:0", &err) == 0) {
+  char host[64] = "127.0.0.1";
+  if (port > 0)
+    snprintf(host, sizeof host, "127.0.0.1:%d", port);
+  mc_engine_opts_t o = {.local_hostname = host, .metadata_server = "P2PHANDSHAKE"};
+  size_t n = target_bytes();
+  if (have_gpu() && mc_engine_create(&o, &B, &err) == 0 &&
+      (t.addr = vmm ? vmm_alloc(n) : dalloc(n)) &&
+      mc_engine_register(B, (void *)(uintptr_t)t.addr, n, "cuda:0", &err) == 0) {
     snprintf(t.segment, sizeof t.segment, "%s", mc_engine_segment_name(B));
     t.ok = 1;
   }
   (void)!write(wfd, &t, sizeof t);
   char c;
-  while (read(rfd, &c, 1) == 1)
-    ;
+  while (read(rfd, &c, 1) == 1) {
+    if (c == 'h') {
+      if (fork() == 0)
+        while (read(rfd, &c, 1) == 1)
+          ;
+      _exit(0);
+    }
+    if (c != 'r' || !t.ok)
+      continue;
+    uint64_t old = t.addr;
+    t.ok = mc_engine_unregister(B, (void *)(uintptr_t)old, &err) == 0 && (t.addr = dalloc(n)) &&
+           mc_engine_register(B, (void *)(uintptr_t)t.addr, n, "cuda:0", &err) == 0;
+    cu_free(old);
+    (void)!write(wfd, &t, sizeof t);
+  }
   if (B)
     mc_engine_destroy(B);
-  _exit(0);
+  _exit(0); /* as before the exec: the parent's checks are the test (no leak check here) */
+}
+
+typedef struct {
+  pid_t pid;
+  int down, up; /* our ends: commands to it, its answers */
+  target_t t;
+} child_t;
+
+/* Starts a target on `port` (0: any) as a fresh process (no CUDA state
+ * inherited, as a GPU needs), its memory driver-mapped with `vmm`: 1 when
+ * it registered its memory. */
+static int spawn_kind(child_t *c, int port, int vmm) {
+  int down[2], up[2];
+  memset(c, 0, sizeof *c);
+  c->pid = -1;
+  c->down = c->up = -1;
+  if (pipe2(down, O_CLOEXEC) || pipe2(up, O_CLOEXEC))
+    return 0;
+  fflush(stdout);
+  fflush(stderr);
+  c->pid = fork();
+  if (c->pid == 0) {
+    char a[3][16];
+    snprintf(a[0], sizeof a[0], "%d", port);
+    snprintf(a[1], sizeof a[1], "%d", up[1]);
+    snprintf(a[2], sizeof a[2], "%d", down[0]);
+    fcntl(up[1], F_SETFD, 0);
+    fcntl(down[0], F_SETFD, 0);
+    execl("/proc/self/exe", "test_gpu_ipc_procs", "target", a[0], a[1], a[2], vmm ? "vmm" : "ipc",
+          (char *)NULL);
+    _exit(127);
+  }
+  close(down[0]);
+  close(up[1]);
+  c->down = down[1];
+  c->up = up[0];
+  return c->pid > 0 && read(c->up, &c->t, sizeof c->t) == (ssize_t)sizeof c->t && c->t.ok;
+}
+
+static int spawn(child_t *c, int port) { return spawn_kind(c, port, 0); }
+
+/* Tells the target to re-register: 1 with its new address in c->t. */
+static int reregister(child_t *c) {
+  return write(c->down, "r", 1) == 1 && read(c->up, &c->t, sizeof c->t) == (ssize_t)sizeof c->t &&
+         c->t.ok;
+}
+
+/* Ends the target and waits for it to exit. */
+static void reap(child_t *c) {
+  if (c->down >= 0)
+    close(c->down);
+  if (c->pid > 0)
+    waitpid(c->pid, NULL, 0);
+  if (c->up >= 0)
+    close(c->up);
+  c->pid = -1;
+  c->down = c->up = -1;
 }
 
 /* Blocks [from, to) of the batch in one batch: 0 or the error code. */
@@ -113,26 +241,21 @@ static int write_concurrently(mc_engine_t *A, const char *segment, uint64_t loca
   return rc;
 }
 
+/* A function of the stand-in libcuda (NULL on a GPU). */
+static void *fake_fn(const char *name) {
+  void *h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+  return h ? dlsym(h, name) : NULL;
+}
+
 static void test_two_processes_take_ipc(void) {
-  int down[2], up[2];
-  CHECK(pipe(down) == 0 && pipe(up) == 0);
-  pid_t pid = fork(); /* before CUDA starts here */
-  CHECK(pid >= 0);
-  if (pid == 0) {
-    close(down[1]);
-    close(up[0]);
-    target(up[1], down[0]);
-  }
-  close(down[0]);
-  close(up[1]);
-  target_t t;
-  int got = (int)read(up[0], &t, sizeof t);
+  child_t c;
+  int up = spawn(&c, 0); /* before CUDA starts here (not needed since the exec) */
   mc_engine_t *A = NULL;
   mc_err_t err = {0};
   uint64_t src = 0, back = 0;
   size_t n = (size_t)NBLK * BLK;
   uint8_t *want = malloc(n), *have = malloc(n);
-  int skip = got != (int)sizeof t || !t.ok || !have_gpu();
+  int skip = !up || !have_gpu();
   int rc = skip ? 0 : engine_new(&A, &err);
   if (!skip && rc == 0) {
     src = dalloc(n);
@@ -142,20 +265,16 @@ static void test_two_processes_take_ipc(void) {
          mc_engine_register(A, (void *)(uintptr_t)src, n, "cuda:0", &err) != 0 ||
          mc_engine_register(A, (void *)(uintptr_t)back, n, "cuda:0", &err) != 0;
   }
-  if (!skip && rc == 0 && (rc = write_concurrently(A, t.segment, src, t.addr, &err)) == 0)
-    rc = batch(A, t.segment, MC_OP_READ, back, t.addr, 0, NBLK, &err);
+  if (!skip && rc == 0 && (rc = write_concurrently(A, c.t.segment, src, c.t.addr, &err)) == 0)
+    rc = batch(A, c.t.segment, MC_OP_READ, back, c.t.addr, 0, NBLK, &err);
   mc_engine_stats_t st = {0};
   if (A)
     mc_engine_get_stats(A, &st);
   int (*opens)(void) = NULL;
-  void *h = skip ? NULL : dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
-  if (h)
-    *(void **)&opens = dlsym(h, "fakecuda_ipc_opens");
+  if (!skip)
+    *(void **)&opens = fake_fn("fakecuda_ipc_opens");
   int same = !skip && rc == 0 && api->cuMemcpyDtoH(have, back, n) == 0 && !memcmp(have, want, n);
-  close(down[1]);
-  int status = 0;
-  waitpid(pid, &status, 0);
-  close(up[0]);
+  reap(&c);
   if (A)
     mc_engine_destroy(A);
   free(want);
@@ -173,7 +292,263 @@ static void test_two_processes_take_ipc(void) {
     CHECK(opens() >= 1);
 }
 
-int main(void) {
+/* ---- our mappings of a peer's GPU memory go with the peer ----
+ * The peer's process exits (or re-registers its memory): once nothing of
+ * ours uses the old mapping it is unmapped, so a restarted prefill gets its
+ * GPU memory back and nothing accumulates per restart. */
+
+/* Peer mappings open in this process: the stand-in's count of imports open
+ * (what it really has mapped: IPC handles, and cuMem imports of VMM_CHUNKS
+ * chunks each) where it runs, with ours checked equal. */
+static int open_now(void) {
+  int (*f)(void) = NULL, (*v)(void) = NULL;
+  *(void **)&f = fake_fn("fakecuda_ipc_open_now");
+  *(void **)&v = fake_fn("fakecuda_vmm_imports_mapped");
+  int ours = (int)mc_gpu_ipc_open_count(), real = f && v ? f() + v() / VMM_CHUNKS : ours;
+  if (real != ours) {
+    fprintf(stderr, "  FAIL: the stand-in has %d peer mappings open, our table %d\n", real, ours);
+    tl_failures++;
+  }
+  return real;
+}
+
+/* Waits up to 5 s for open_now() to reach `want`; returns what it was. */
+static int open_settles(int want) {
+  int k = open_now();
+  for (int i = 0; i < 500 && k != want; i++) {
+    usleep(10000);
+    k = open_now();
+  }
+  return k;
+}
+
+/* Free memory of cuda:0 by cuMemGetInfo (a GPU), or 0 (the stand-in). */
+static uint64_t gpu_free(void) {
+  typedef int (*info_fn)(size_t *, size_t *);
+  void *h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_NOLOAD);
+  info_fn f = h ? (info_fn)dlsym(h, "cuMemGetInfo_v2") : NULL;
+  size_t fr = 0, tot = 0;
+  return f && mc_cuda_use_device(0, NULL) == 0 && f(&fr, &tot) == 0 ? fr : 0;
+}
+
+typedef struct {
+  mc_engine_t *A;
+  uint64_t src, back;
+  uint8_t *want, *have;
+  size_t n;
+} side_t;
+
+/* Our engine with a source and a read-back buffer registered: 1 if so. */
+static int side_new(side_t *s) {
+  mc_err_t err = {0};
+  memset(s, 0, sizeof *s);
+  s->n = (size_t)NBLK * BLK;
+  s->want = malloc(s->n);
+  s->have = malloc(s->n);
+  return s->want && s->have && engine_new(&s->A, &err) == 0 && (s->src = dalloc(s->n)) &&
+         (s->back = dalloc(s->n)) &&
+         mc_engine_register(s->A, (void *)(uintptr_t)s->src, s->n, "cuda:0", &err) == 0 &&
+         mc_engine_register(s->A, (void *)(uintptr_t)s->back, s->n, "cuda:0", &err) == 0;
+}
+
+static void side_free(side_t *s) {
+  if (s->A)
+    mc_engine_destroy(s->A);
+  if (s->src)
+    cu_free(s->src);
+  if (s->back)
+    cu_free(s->back);
+  free(s->want);
+  free(s->have);
+}
+
+/* WRITEs seed's bytes into the target's memory and READs them back: 1 if
+ * they came back right (else says why). */
+static int roundtrip(side_t *s, const target_t *t, uint32_t seed) {
+  mc_err_t err = {0};
+  fill(s->want, s->n, seed);
+  int rc = api->cuMemcpyHtoD(s->src, s->want, s->n) != 0 ? MC_EUNAVAIL : 0;
+  if (rc == 0)
+    rc = batch(s->A, t->segment, MC_OP_WRITE, s->src, t->addr, 0, NBLK, &err);
+  if (rc == 0)
+    rc = batch(s->A, t->segment, MC_OP_READ, s->back, t->addr, 0, NBLK, &err);
+  if (rc)
+    fprintf(stderr, "  transfer to %s failed: %s\n", t->segment, err.msg);
+  return rc == 0 && api->cuMemcpyDtoH(s->have, s->back, s->n) == 0 &&
+         !memcmp(s->have, s->want, s->n);
+}
+
+/* A peer process on one port, killed and restarted ROUNDS times: each new
+ * one works (bytes right) and, once the old one exited, our mapping of its
+ * memory is closed without any further transfer (the control connection's
+ * loss) -- before: one more mapping (a whole KV cache on a GPU) per
+ * restart, and the first transfer to the successor failed ("re-registered
+ * ... retry").  On a GPU with MC_TEST_PEER_MIB=N the free memory returns
+ * too. */
+#define ROUNDS 4
+static void test_peer_restarts_release_mappings(void) {
+  side_t s;
+  child_t c = {.pid = -1, .down = -1, .up = -1};
+  if (!have_gpu() || !side_new(&s)) {
+    side_free(&s);
+    fprintf(stderr, "  (skipped: no GPU visible)\n");
+    return;
+  }
+  int base = open_now(), port = 0;
+  uint64_t free0 = gpu_free();
+  for (int k = 0; k < ROUNDS; k++) {
+    CHECK(spawn(&c, port));
+    const char *colon = strrchr(c.t.segment, ':');
+    if (k == 0 && colon)
+      port = atoi(colon + 1); /* its successors serve the same segment name */
+    CHECK(roundtrip(&s, &c.t, 40 + (uint32_t)k));
+    CHECK_EQ_INT(open_now(), base + 1);
+    if (k % 2)
+      kill(c.pid, SIGKILL); /* killed, as a crashed server; else it closes its engine */
+    reap(&c);
+    CHECK_EQ_INT(open_settles(base), base);
+  }
+  uint64_t free1 = gpu_free();
+  if (free0 && free1) { /* a GPU: what the peers held came back (within 1 GiB) */
+    fprintf(stderr, "  cuda:0 free before %.2f GiB, after %d restarts %.2f GiB\n",
+            free0 / 1073741824.0, ROUNDS, free1 / 1073741824.0);
+    CHECK(free1 + (1ull << 30) >= free0);
+  }
+  side_free(&s);
+}
+
+/* The same with driver-mapped memory (vLLM 0.34's cumem KV cache, a
+ * "vmm1:" export): each restarted target's chunks are imported and, once it
+ * exited, unmapped and the range freed (before: kept). */
+static void test_vmm_peer_restarts_release_mappings(void) {
+  side_t s;
+  child_t c = {.pid = -1, .down = -1, .up = -1};
+  if (!have_gpu() || !api->cuMemCreate || !side_new(&s)) {
+    side_free(&s);
+    fprintf(stderr, "  (skipped: no GPU visible)\n");
+    return;
+  }
+  int base = open_now(), port = 0;
+  for (int k = 0; k < 3; k++) {
+    CHECK(spawn_kind(&c, port, 1));
+    const char *colon = strrchr(c.t.segment, ':');
+    if (k == 0 && colon)
+      port = atoi(colon + 1);
+    CHECK(roundtrip(&s, &c.t, 80 + (uint32_t)k));
+    CHECK_EQ_INT(open_now(), base + 1);
+    if (k % 2)
+      kill(c.pid, SIGKILL);
+    reap(&c);
+    CHECK_EQ_INT(open_settles(base), base);
+  }
+  side_free(&s);
+}
+
+/* The peer re-registers its memory (unregister, free, a new allocation):
+ * the next transfer refetches its descriptor and, once its copies into
+ * the old one are done, the old mapping is closed (before: kept). */
+static void test_reregister_releases_old_mapping(void) {
+  side_t s;
+  child_t c = {.pid = -1, .down = -1, .up = -1};
+  if (!have_gpu() || !side_new(&s)) {
+    side_free(&s);
+    fprintf(stderr, "  (skipped: no GPU visible)\n");
+    return;
+  }
+  int base = open_now();
+  CHECK(spawn(&c, 0));
+  CHECK(roundtrip(&s, &c.t, 50));
+  CHECK_EQ_INT(open_now(), base + 1);
+  for (int k = 0; k < 3; k++) {
+    CHECK(reregister(&c));
+    CHECK(roundtrip(&s, &c.t, 51 + (uint32_t)k));
+    CHECK_EQ_INT(open_settles(base + 1), base + 1); /* the new one only */
+  }
+  reap(&c);
+  CHECK_EQ_INT(open_settles(base), base);
+  side_free(&s);
+}
+
+/* A peer dies with its connections still open (a process of its own holds
+ * them): no connection's loss says so, the sweep of peers' pidfds does --
+ * here at the next submit call to another peer (a second target); the
+ * dead one's mapping goes, the other's stays (before: kept). */
+static void test_dead_peer_swept(void) {
+  side_t s;
+  child_t c = {.pid = -1, .down = -1, .up = -1}, c2 = c;
+  if (!have_gpu() || !side_new(&s)) {
+    side_free(&s);
+    fprintf(stderr, "  (skipped: no GPU visible)\n");
+    return;
+  }
+  int base = open_now();
+  CHECK(spawn(&c, 0));
+  CHECK(spawn(&c2, 0));
+  CHECK(roundtrip(&s, &c.t, 70));
+  CHECK(write(c.down, "h", 1) == 1);
+  waitpid(c.pid, NULL, 0); /* dead; its connections are not */
+  c.pid = -1;
+  usleep(1100000); /* past the sweep's once a second */
+  CHECK_EQ_INT(open_now(), base + 1);
+  CHECK(roundtrip(&s, &c2.t, 71)); /* the sweep runs first */
+  CHECK_EQ_INT(open_settles(base + 1), base + 1); /* c2's only */
+  reap(&c); /* its holder exits */
+  reap(&c2);
+  CHECK_EQ_INT(open_settles(base), base);
+  side_free(&s);
+}
+
+/* A copy in flight keeps its mapping: the peer is killed while our WRITE's
+ * copy job is still running (the stand-in holds it 1 s); its mapping
+ * must stay until that job completed, then go.  The stand-in counts a
+ * close of a mapping a copy still uses (a GPU would fault). */
+static void test_copy_in_flight_keeps_mapping(void) {
+  void (*lat)(uint64_t) = NULL;
+  int (*in_use)(void) = NULL;
+  side_t s;
+  child_t c = {.pid = -1, .down = -1, .up = -1};
+  *(void **)&lat = fake_fn("fakecuda_set_latency_ns");
+  *(void **)&in_use = fake_fn("fakecuda_ipc_closes_in_use");
+  if (!have_gpu() || !lat || !in_use || !side_new(&s)) {
+    side_free(&s);
+    fprintf(stderr, "  (skipped: needs the stand-in libcuda)\n");
+    return;
+  }
+  int base = open_now();
+  CHECK(spawn(&c, 0));
+  CHECK(roundtrip(&s, &c.t, 60));
+  lat(1000000000ull);
+  mc_request_t r[NBLK];
+  for (size_t i = 0; i < NBLK; i++)
+    r[i] = (mc_request_t){.opcode = MC_OP_WRITE, .local = (void *)(uintptr_t)(s.src + i * BLK),
+                          .remote = c.t.addr + perm(i) * BLK, .len = BLK};
+  mc_err_t err = {0};
+  mc_batch_t *b = mc_batch_new(s.A, NBLK);
+  CHECK(b && mc_batch_submit(s.A, b, c.t.segment, r, NBLK, &err) == 0);
+  usleep(20000); /* the job is launched (if not: the call holds it all the same) */
+  kill(c.pid, SIGKILL);
+  reap(&c); /* the peer is gone: its descriptor is dropped (peer_lost) */
+  usleep(100000);
+  CHECK_EQ_INT(open_now(), base + 1); /* the copy still holds it */
+  if (b) {
+    mc_batch_wait(s.A, b, 60000, &err); /* fails or not: its copies landed */
+    mc_batch_free(s.A, b);
+  }
+  CHECK_EQ_INT(open_settles(base), base);
+  CHECK_EQ_INT(in_use(), 0);
+  lat(20000);
+  side_free(&s);
+}
+
+int main(int argc, char **argv) {
+  if (argc == 6 && !strcmp(argv[1], "target"))
+    return target(atoi(argv[2]), atoi(argv[3]), atoi(argv[4]), !strcmp(argv[5], "vmm"));
+  signal(SIGPIPE, SIG_IGN);
   RUN(test_two_processes_take_ipc);
+  RUN(test_peer_restarts_release_mappings);
+  RUN(test_vmm_peer_restarts_release_mappings);
+  RUN(test_reregister_releases_old_mapping);
+  RUN(test_dead_peer_swept);
+  RUN(test_copy_in_flight_keeps_mapping);
   TEST_MAIN_END();
 }

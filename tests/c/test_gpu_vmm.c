@@ -421,6 +421,11 @@ static void test_import_refusals(void) {
   CHECK_EQ_INT(api->cuMemcpyDtoH(a, m, TOTAL), 0);
   CHECK(fnv(a, TOTAL) == child_hash(R_FD));
   free(a);
+  /* Undone once (what the same-host path's last user of a mapping does),
+   * then no longer known. */
+  CHECK_EQ_INT(mc_gpu_vmm_unimport(m, &err), 0);
+  CHECK_EQ_INT(mc_gpu_vmm_unimport(m, &err), MC_EINVAL);
+  CHECK_CONTAINS(err.msg, "no GPU memory import");
 }
 
 int main(void) {

@@ -58,16 +58,32 @@ typedef struct desc {
   /* Per region and local device below DESC_DEVS: where its CUDA IPC handle
    * was opened here (0: not yet), so the descriptor's calls after the first
    * skip mc_gpu_ipc_open (a hash and compare of the handle under its lock:
-   * ~700 instructions a call, ~5 a request of 64 KiB batches of 128).  Set
-   * once per slot; racing openers store the same address (mc_gpu_ipc_open
-   * maps a handle once per process and device). */
+   * ~700 instructions a call, ~5 a request of 64 KiB batches of 128).  Each
+   * slot set holds one reference to that mapping (gpu_ipc.h), given back
+   * when the descriptor's last reference goes: the peer's cache entry
+   * replaced or dropped, and every call over it (with its copy jobs)
+   * complete.  Set once per slot (compare-and-swap: a racing opener gives
+   * its reference back). */
   _Atomic uint64_t *opened;
   atomic_int path_logged; /* a call over it logged its path (log_path_once) */
 } desc_t;
 #define DESC_DEVS 16
 
+/* Gives back the mappings the descriptor holds (desc_t.opened). */
+static void desc_release_mappings(desc_t *dr) {
+  for (size_t i = 0; i < dr->d.n; i++)
+    for (int dev = 0; dev < DESC_DEVS; dev++) {
+      uint64_t base = atomic_load_explicit(&dr->opened[i * DESC_DEVS + dev],
+                                           memory_order_acquire);
+      if (base > 1)
+        mc_gpu_ipc_release(base, dev);
+    }
+}
+
+/* No transport lock held: the last reference may unmap the peer's memory. */
 static void desc_unref(desc_t *dr) {
   if (dr && atomic_fetch_sub(&dr->refs, 1) == 1) {
+    desc_release_mappings(dr);
     mc_remote_desc_free(&dr->d);
     free(dr->raw);
     free(dr->hint);
@@ -144,6 +160,7 @@ typedef struct shg {
    * lock-free, taken whole. */
   _Atomic(void *) freed;
   atomic_size_t freed_bytes;
+  _Atomic uint64_t next_sweep_ns; /* sweep_dead_peers: not before */
 } shg_t;
 
 /* More pending than this: the completing thread frees them itself. */
@@ -407,22 +424,89 @@ static int desc_copy(mc_remote_desc_t *dst, const mc_remote_desc_t *src) {
   return 0;
 }
 
+/* A peer's new descriptor dr takes over the mappings its predecessor old
+ * opened for the regions dr still lists with the same export (a reference
+ * each): a refetch neither closes nor reopens them, while a region the peer
+ * no longer lists is unmapped once old's last user lets go. */
+static void desc_inherit(desc_t *dr, const desc_t *old) {
+  for (size_t i = 0; old && i < dr->d.n; i++) {
+    const mc_remote_region_t *r = &dr->d.regions[i];
+    const mc_remote_region_t *o = r->ipc[0] ? find_region(&old->d, r->addr, 1) : NULL;
+    if (!o || strcmp(o->ipc, r->ipc) != 0)
+      continue;
+    size_t oi = (size_t)(o - old->d.regions);
+    for (int dev = 0; dev < DESC_DEVS; dev++) {
+      uint64_t base = atomic_load_explicit(&old->opened[oi * DESC_DEVS + dev],
+                                           memory_order_acquire);
+      if (base > 1 && mc_gpu_ipc_retain(base, dev) == 0)
+        atomic_store_explicit(&dr->opened[i * DESC_DEVS + dev], base, memory_order_release);
+    }
+  }
+}
+
 /* Stores a fresh descriptor of `segment` (verdict 1 = same host; dr: a
  * reference the entry takes over, NULL: none). */
 static void peer_store(shg_t *t, const char *segment, int verdict, desc_t *dr, int fresh) {
+  desc_t *old = NULL;
   pthread_mutex_lock(&t->mu);
   ssize_t i = peer_find(t, segment, 1);
   if (i >= 0) {
     peer_entry_t *pe = &t->peers[i];
     pe->verdict = verdict;
-    desc_unref(pe->dr);
+    old = pe->dr;
+    if (dr && old && dr != old)
+      desc_inherit(dr, old);
     pe->dr = dr;
     dr = NULL;
     pe->fresh = fresh && pe->dr;
     peer_gen_update(t, pe);
   }
   pthread_mutex_unlock(&t->mu);
+  desc_unref(old); /* outside the lock: it may unmap what the peer dropped */
   desc_unref(dr); /* no entry (out of memory) */
+}
+
+/* Under t->mu: forgets peer entry pe's descriptor and version page (the
+ * caller unrefs *dr and *gm outside the lock) so the next call asks the
+ * peer afresh. */
+static void peer_forget(peer_entry_t *pe, desc_t **dr, gen_map_t **gm) {
+  *dr = pe->dr;
+  *gm = pe->gm;
+  pe->dr = NULL;
+  pe->gm = NULL;
+  pe->fresh = 0;
+  pe->verdict = 0;
+  pe->gm_tried_pid = 0;
+}
+
+/* Peers whose process is gone (the version page's pidfd says so) are
+ * forgotten, their descriptors given back: the dead peer's GPU memory is
+ * unmapped here once no copy uses it.  At most every SWEEP_NS (a poll per
+ * peer), from submit calls to any peer and the engine's sweeps. */
+#define SWEEP_NS 1000000000ull
+static void sweep_dead_peers(shg_t *t) {
+  uint64_t now = mc_now_ns(), next = atomic_load_explicit(&t->next_sweep_ns,
+                                                          memory_order_relaxed);
+  if (now < next || !atomic_compare_exchange_strong(&t->next_sweep_ns, &next, now + SWEEP_NS))
+    return;
+  for (;;) {
+    desc_t *dr = NULL;
+    gen_map_t *gm = NULL;
+    pthread_mutex_lock(&t->mu);
+    for (size_t i = 0; i < t->npeers && !dr; i++) {
+      peer_entry_t *pe = &t->peers[i];
+      if (pe->dr && pe->gm && !gen_alive(pe->gm)) {
+        mc_log_info("segment %s: its process %ld exited: its descriptor is dropped and its "
+                    "GPU memory unmapped here once no copy uses it", pe->name, pe->gm->pid);
+        peer_forget(pe, &dr, &gm);
+      }
+    }
+    pthread_mutex_unlock(&t->mu);
+    if (!dr)
+      return;
+    desc_unref(dr);
+    gen_map_unref(gm);
+  }
 }
 
 /* First contact decides: the peer's descriptor names its host.  A peer on
@@ -687,17 +771,24 @@ static void validate_done(mc_xfer_op_t *op, int code, const char *msg) {
 }
 
 /* Where region ri of descriptor dr (its CUDA IPC handle ipc) appears on
- * local device dev: opened once per descriptor and device (dr->opened); 1
- * when it cannot be opened (err says why). */
+ * local device dev: opened once per descriptor and device (dr->opened, a
+ * reference to the mapping); 1 when it cannot be opened (err says why). */
 static uint64_t open_region(desc_t *dr, size_t ri, const char *ipc, int dev, mc_err_t *err) {
-  _Atomic uint64_t *slot = dev >= 0 && dev < DESC_DEVS ? &dr->opened[ri * DESC_DEVS + dev] : NULL;
-  uint64_t base = slot ? atomic_load_explicit(slot, memory_order_acquire) : 0;
+  if (dev < 0 || dev >= DESC_DEVS) {
+    mc_err_set(err, MC_EUNAVAIL, "the same-host GPU path maps peers' memory for local devices "
+               "cuda:0 to cuda:%d only, not cuda:%d", DESC_DEVS - 1, dev);
+    return 1;
+  }
+  _Atomic uint64_t *slot = &dr->opened[ri * DESC_DEVS + dev];
+  uint64_t base = atomic_load_explicit(slot, memory_order_acquire), none = 0;
   if (base)
     return base;
-  if (mc_gpu_ipc_open(ipc, dev, &base, err) != 0 || base <= 1)
+  if (mc_gpu_ipc_open(ipc, dev, &base, err) != 0)
     return 1;
-  if (slot)
-    atomic_store_explicit(slot, base, memory_order_release);
+  if (!atomic_compare_exchange_strong(slot, &none, base)) {
+    mc_gpu_ipc_release(base, dev); /* another call stored it first: the same mapping */
+    base = none;
+  }
   return base;
 }
 
@@ -807,25 +898,34 @@ static call_t *call_new(shg_t *t, const mc_peer_t *peer, desc_t *dr, int validat
  * `refetch`, no cache, or one fetched by reaches() just now, the peer's
  * answer now.  NULL: not same host (or no descriptor), logged. */
 static call_t *call_start(shg_t *t, const mc_peer_t *peer, int refetch) {
-  desc_t *dr = NULL;
+  desc_t *dr = NULL, *dead = NULL;
   int fresh = 0;
-  gen_map_t *gm = NULL;
+  gen_map_t *gm = NULL, *dead_gm = NULL;
   pthread_mutex_lock(&t->mu);
   ssize_t pi = peer_find(t, peer->segment, 0);
   int verdict = pi >= 0 ? t->peers[pi].verdict : 0;
   if (!refetch && pi >= 0 && verdict > 0 && t->peers[pi].dr) {
     peer_entry_t *pe = &t->peers[pi];
-    dr = desc_ref(pe->dr);
-    fresh = pe->fresh;
-    pe->fresh = 0;
-    /* The peer's regions are as the descriptor says right now: checked
-     * again once the copies are complete, no RPC. */
-    if (!fresh && pe->gm && gen_current(pe->gm, dr->d.gen)) {
-      gm = pe->gm;
-      atomic_fetch_add(&gm->refs, 1);
+    if (pe->gm && !gen_alive(pe->gm)) {
+      /* Its process exited: the descriptor and its mappings go (once no
+       * copy uses them); whoever serves the segment now is asked. */
+      peer_forget(pe, &dead, &dead_gm);
+      verdict = 0;
+    } else {
+      dr = desc_ref(pe->dr);
+      fresh = pe->fresh;
+      pe->fresh = 0;
+      /* The peer's regions are as the descriptor says right now: checked
+       * again once the copies are complete, no RPC. */
+      if (!fresh && pe->gm && gen_read(pe->gm) == dr->d.gen) {
+        gm = pe->gm;
+        atomic_fetch_add(&gm->refs, 1);
+      }
     }
   }
   pthread_mutex_unlock(&t->mu);
+  desc_unref(dead);
+  gen_map_unref(dead_gm);
   if (verdict < 0)
     return NULL;
   int have = dr != NULL;
@@ -1109,6 +1209,7 @@ static int shg_submit_call(void *impl, const mc_peer_t *peer, mc_xfer_call_t *c,
                            mc_err_t *err) {
   shg_t *t = impl;
   freed_drain(t);
+  sweep_dead_peers(t);
   size_t n = c->n, chunk = t->chunk, step = t->first_chunk < chunk ? t->first_chunk : chunk;
   size_t most = chunk < n ? chunk : n;
   char take_s[256];
@@ -1165,8 +1266,29 @@ static int shg_submit_call(void *impl, const mc_peer_t *peer, mc_xfer_call_t *c,
 }
 
 /* Copy jobs run to completion within milliseconds: nothing to cancel (the
- * check is a TCP op, swept there). */
-static void shg_cancel_sweep(void *impl) { (void)impl; }
+ * check is a TCP op, swept there).  Dead peers' mappings go here too. */
+static void shg_cancel_sweep(void *impl) { sweep_dead_peers(impl); }
+
+/* The control connection to `segment` broke (its process exited, or its
+ * engine closed, as vLLM's sleep mode does): its descriptor goes, and with
+ * it our mappings of its GPU memory once no copy uses them; the next call
+ * asks whoever serves the segment then. */
+static void shg_peer_lost(void *impl, const char *segment) {
+  shg_t *t = impl;
+  desc_t *dr = NULL;
+  gen_map_t *gm = NULL;
+  pthread_mutex_lock(&t->mu);
+  ssize_t i = peer_find(t, segment, 0);
+  if (i >= 0)
+    peer_forget(&t->peers[i], &dr, &gm);
+  pthread_mutex_unlock(&t->mu);
+  if (dr)
+    mc_log_info("segment %s: connection lost: its cached descriptor is dropped (our mappings "
+                "of its GPU memory go once no copy uses them; the next transfer asks it "
+                "afresh)", segment);
+  desc_unref(dr);
+  gen_map_unref(gm);
+}
 
 static int shg_start(const mc_transport_env_t *env, void **impl, mc_err_t *err) {
   if (!env->rpc || !env->rpc_async || !env->gpu)
@@ -1238,6 +1360,7 @@ const mc_transport_ops_t mc_same_host_gpu_ops = {
     .reaches = shg_reaches,
     .submit_call = shg_submit_call,
     .cancel_sweep = shg_cancel_sweep,
+    .peer_lost = shg_peer_lost,
     .rpc_prefix = MC_RPC_DESCRIBE, /* no trailing '.': the whole text */
     .serve_rpc = shg_serve_rpc,
 };
