@@ -8,6 +8,7 @@
 
 #include "gpu/cuda_driver.h"
 #include "gpu/gpu_vmm.h"
+#include "util/array.h"
 #include "util/log.h"
 
 static const char b64chars[] =
@@ -127,14 +128,10 @@ static opened_t *find_opened(const char *b64, uint64_t hash, int device) {
  * mapping made is always remembered and so can be released); -1 when out
  * of memory. */
 static int reserve_slot(void) {
-  if (g_nopen < g_capopen)
-    return 0;
-  size_t nc = g_capopen ? g_capopen * 2 : 16;
-  opened_t *v = realloc(g_open, nc * sizeof *v);
+  opened_t *v = mc_array_room(g_open, g_nopen, &g_capopen, sizeof *v, 16);
   if (!v)
     return -1;
   g_open = v;
-  g_capopen = nc;
   return 0;
 }
 

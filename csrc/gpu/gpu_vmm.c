@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include "gpu/cuda_driver.h"
+#include "util/array.h"
 #include "util/log.h"
 
 /* ---- the chunk walk ---------------------------------------------------- */
@@ -40,16 +41,12 @@ int mc_gpu_vmm_walk(mc_gpu_range_fn range_at, void *ctx, uint64_t addr, uint64_t
                         " (after %zu chunk(s)); register each mapped range separately",
                         addr, len, a, cnt);
     }
-    if (cnt == cap) {
-      size_t nc = cap ? cap * 2 : 8;
-      mc_gpu_chunk_t *nv = realloc(v, nc * sizeof *nv);
-      if (!nv) {
-        free(v);
-        return mc_err_set(err, MC_ENOMEM, "out of memory walking GPU chunks");
-      }
-      v = nv;
-      cap = nc;
+    mc_gpu_chunk_t *nv = mc_array_room(v, cnt, &cap, sizeof *nv, 8);
+    if (!nv) {
+      free(v);
+      return mc_err_set(err, MC_ENOMEM, "out of memory walking GPU chunks");
     }
+    v = nv;
     v[cnt].base = b;
     v[cnt].size = s;
     cnt++;
@@ -444,18 +441,13 @@ int mc_gpu_vmm_export(uint64_t addr, uint64_t len, int device, char *name, size_
      * physical chunks, and a peer that mapped the old name (cached per
      * name) must see a changed descriptor and import afresh. */
     idx = g_nex;
-    if (g_nex == g_capex) {
-      size_t nc = g_capex ? g_capex * 2 : 16;
-      export_ent_t *v = realloc(g_ex, nc * sizeof *v);
-      if (!v)
-        rc = mc_err_set(err, MC_ENOMEM, "out of memory exporting GPU memory");
-      else {
-        g_ex = v;
-        g_capex = nc;
-      }
-    }
-    if (rc == 0)
+    export_ent_t *v = mc_array_room(g_ex, g_nex, &g_capex, sizeof *v, 16);
+    if (!v)
+      rc = mc_err_set(err, MC_ENOMEM, "out of memory exporting GPU memory");
+    else {
+      g_ex = v;
       g_ex[g_nex++] = e;
+    }
   }
   if (rc == 0 && (size_t)snprintf(name, cap, MC_GPU_VMM_PREFIX "%ld:%s:%s:%zu", (long)getpid(),
                                   g_tag, g_nonce, idx) >= cap)
@@ -531,14 +523,10 @@ static size_t g_nim, g_capim;
 
 /* Under g_mu: remembers import va (takes over sizes); -1 out of memory. */
 static int import_remember(uint64_t va, uint64_t span, uint32_t n, uint64_t *sizes) {
-  if (g_nim == g_capim) {
-    size_t nc = g_capim ? g_capim * 2 : 8;
-    import_ent_t *v = realloc(g_im, nc * sizeof *v);
-    if (!v)
-      return -1;
-    g_im = v;
-    g_capim = nc;
-  }
+  import_ent_t *v = mc_array_room(g_im, g_nim, &g_capim, sizeof *v, 8);
+  if (!v)
+    return -1;
+  g_im = v;
   g_im[g_nim++] = (import_ent_t){.va = va, .span = span, .n = n, .sizes = sizes};
   return 0;
 }
