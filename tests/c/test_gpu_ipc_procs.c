@@ -362,6 +362,17 @@ static void side_free(side_t *s) {
   free(s->have);
 }
 
+/* side_new where the test can run (a GPU or the stand-in, and `can`: what
+ * else it needs); else nothing made, the skip said (why) and 0. */
+static int side_up(side_t *s, int can, const char *why) {
+  memset(s, 0, sizeof *s);
+  if (have_gpu() && can && side_new(s))
+    return 1;
+  side_free(s);
+  fprintf(stderr, "  (skipped: %s)\n", why);
+  return 0;
+}
+
 /* WRITEs seed's bytes into the target's memory and READs them back: 1 if
  * they came back right (else says why). */
 static int roundtrip(side_t *s, const target_t *t, uint32_t seed) {
@@ -392,11 +403,8 @@ static int roundtrip(side_t *s, const target_t *t, uint32_t seed) {
 static void restart_rounds(int vmm, int rounds, uint32_t seed, int *ran) {
   side_t s;
   child_t c = {.pid = -1, .down = -1, .up = -1};
-  if (!have_gpu() || (vmm && !api->cuMemCreate) || !side_new(&s)) {
-    side_free(&s);
-    fprintf(stderr, "  (skipped: no GPU visible)\n");
+  if (!side_up(&s, !vmm || (api && api->cuMemCreate), "no GPU visible"))
     return;
-  }
   *ran = 1;
   int base = open_now(), port = 0;
   for (int k = 0; k < rounds; k++) {
@@ -442,11 +450,8 @@ static void test_vmm_peer_restarts_release_mappings(void) {
 static void test_reregister_releases_old_mapping(void) {
   side_t s;
   child_t c = {.pid = -1, .down = -1, .up = -1};
-  if (!have_gpu() || !side_new(&s)) {
-    side_free(&s);
-    fprintf(stderr, "  (skipped: no GPU visible)\n");
+  if (!side_up(&s, 1, "no GPU visible"))
     return;
-  }
   int base = open_now();
   CHECK(spawn(&c, 0));
   CHECK(roundtrip(&s, &c.t, 50));
@@ -468,11 +473,8 @@ static void test_reregister_releases_old_mapping(void) {
 static void test_dead_peer_swept(void) {
   side_t s;
   child_t c = {.pid = -1, .down = -1, .up = -1}, c2 = c;
-  if (!have_gpu() || !side_new(&s)) {
-    side_free(&s);
-    fprintf(stderr, "  (skipped: no GPU visible)\n");
+  if (!side_up(&s, 1, "no GPU visible"))
     return;
-  }
   int base = open_now();
   CHECK(spawn(&c, 0));
   CHECK(spawn(&c2, 0));
@@ -501,11 +503,8 @@ static void test_copy_in_flight_keeps_mapping(void) {
   child_t c = {.pid = -1, .down = -1, .up = -1};
   *(void **)&lat = fake_fn("fakecuda_set_latency_ns");
   *(void **)&in_use = fake_fn("fakecuda_ipc_closes_in_use");
-  if (!have_gpu() || !lat || !in_use || !side_new(&s)) {
-    side_free(&s);
-    fprintf(stderr, "  (skipped: needs the stand-in libcuda)\n");
+  if (!side_up(&s, lat && in_use, "needs the stand-in libcuda"))
     return;
-  }
   int base = open_now();
   CHECK(spawn(&c, 0));
   CHECK(roundtrip(&s, &c.t, 60));
