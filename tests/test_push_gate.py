@@ -399,12 +399,15 @@ def _layer_load_rounds(model_dir, urls, gate, rounds=3, gpu_lag_s=0.002, blocks=
             w.cuda_sync = lambda: None  # CUDA KV caches (the stand-in forward writes them at once)
         pp_ = w.push_p
         fwd = threading.get_ident()
-        wakes = {"waiter": 0, "landing": 0, "outbox_layer": 0, "saves": 0, "collects": 0}
+        wakes = {"waiter": 0, "landing": 0, "outbox_layer": 0, "saves": 0, "collects": 0,
+                 "collects_all": 0}
         orig_collect = pp_._collect
 
         def collect(tg, rows, layers, out):  # a Python loop over a target's blocks
             if len(layers) == 1:
                 wakes["collects"] += 1  # ... for one layer (a layer's save)
+            else:
+                wakes["collects_all"] += 1  # a target that came after the saves
             return orig_collect(tg, rows, layers, out)
         pp_._collect = collect
 
@@ -624,7 +627,10 @@ def test_cpu_layer_load_wakes_no_python_thread_per_layer(tmp_path, monkeypatch):
         # a layer's save makes one engine call with the target's per-layer
         # arrays (built once per target, every layer in one pass), not a
         # loop over the target's blocks for that layer
-        assert wb["collects"] >= 1, wb
+        # the reference loops over the target's blocks in Python: per layer
+        # where the target was there at the saves, else once for all layers
+        # (a target late under load: seen once in CI)
+        assert wb["collects"] + wb["collects_all"] >= 1, wb
         assert wa["collects"] == 0, wa
         # the engine told the layers: one message per write batch (a target
         # that arrived after layer 0 or after the forward gets several in one)
