@@ -91,7 +91,7 @@ $(FAKECUDA): tests/c/fakecuda.c
 
 test-c: tests $(FAKECUDA)
 	@fail=0; for t in $(TEST_BIN); do \
-	  env=; case $$t in */test_gate|*/test_gpu_ipc_procs) env="LD_LIBRARY_PATH=$(abspath $(dir $(FAKECUDA)))";; esac; \
+	  env=; case $$t in */test_gate|*/test_gpu_ipc_procs) env="LD_LIBRARY_PATH=$(abspath $(dir $(FAKECUDA)))$${LD_LIBRARY_PATH:+:$$LD_LIBRARY_PATH}";; esac; \
 	  echo "== $$t"; env $$env ASAN_OPTIONS=detect_leaks=1 $$t || { echo "FAILED: $$t"; fail=1; }; \
 	done; exit $$fail
 
