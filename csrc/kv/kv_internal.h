@@ -110,6 +110,10 @@ long kv_ask_locked(mc_kv_t *kv, kv_waiter_t *w, const char *producer, const void
                    size_t len, int timeout_ms, uint64_t deadline, const char *what,
                    mc_err_t *err);
 /* Unlinks and frees a waiter; caller holds kv->mu. */
+/* *out = a new waiter for an answer from producer, linked in; counts the call in
+ * *counter (under kv->mu).  Returns 0, or MC_ENOMEM / MC_ECLOSED ("WHAT: shutting down"). */
+int kv_waiter_add(mc_kv_t *kv, const char *producer, uint64_t *counter, const char *what,
+                  kv_waiter_t **out, mc_err_t *err);
 void kv_waiter_unlink_locked(mc_kv_t *kv, kv_waiter_t *w);
 /* The waiter still waiting for answer id from producer `from`, or NULL;
  * caller holds kv->mu. */

@@ -327,29 +327,6 @@ static long read_leased(mc_kv_t *kv, const char *producer, const kv_waiter_t *w,
   return r < 0 ? r : (long)bytes;
 }
 
-/* *out = a new waiter for an answer from producer, linked in; counts the
- * call in *counter.  Returns 0, or MC_ENOMEM / MC_ECLOSED (shutting down). */
-static int add_waiter(mc_kv_t *kv, const char *producer, uint64_t *counter, const char *what,
-                      kv_waiter_t **out, mc_err_t *err) {
-  kv_waiter_t *w = *out = calloc(1, sizeof *w);
-  if (!w)
-    return mc_err_set(err, MC_ENOMEM, "out of memory");
-  snprintf(w->producer, sizeof w->producer, "%s", producer);
-  pthread_mutex_lock(&kv->mu);
-  if (kv->stopping) {
-    pthread_mutex_unlock(&kv->mu);
-    free(w);
-    *out = NULL;
-    return mc_err_set(err, MC_ECLOSED, "%s: shutting down", what);
-  }
-  w->id = ++kv->next_id;
-  w->next = kv->waiters;
-  kv->waiters = w;
-  (*counter)++;
-  pthread_mutex_unlock(&kv->mu);
-  return 0;
-}
-
 long mc_kv_pull(mc_kv_t *kv, const char *producer, const void *tokens, size_t ntok, int width,
                 const mc_lookup_extent_t *dest, size_t ndest, uint32_t epb, int timeout_ms,
                 mc_err_t *err) {
@@ -371,7 +348,7 @@ long mc_kv_pull_ex(mc_kv_t *kv, const char *producer, const void *tokens, size_t
     timeout_ms = 30000;
   uint64_t deadline = mc_now_ns() + (uint64_t)timeout_ms * 1000000ull;
   kv_waiter_t *w;
-  int wr = add_waiter(kv, producer, &kv->stats.pulls, "recv_kv", &w, err);
+  int wr = kv_waiter_add(kv, producer, &kv->stats.pulls, "recv_kv", &w, err);
   if (wr < 0)
     return wr;
 
@@ -426,7 +403,7 @@ long mc_kv_probe(mc_kv_t *kv, const char *producer, const void *tokens, size_t n
     timeout_ms = 1000;
   uint64_t deadline = mc_now_ns() + (uint64_t)timeout_ms * 1000000ull;
   kv_waiter_t *w;
-  int wr = add_waiter(kv, producer, &kv->stats.probes, "KV probe", &w, err);
+  int wr = kv_waiter_add(kv, producer, &kv->stats.probes, "KV probe", &w, err);
   if (wr < 0)
     return wr;
   long rc = ask_lease(kv, w, producer, tokens, ntok, width, epb, 0, 0, timeout_ms, deadline,

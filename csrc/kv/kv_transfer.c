@@ -571,25 +571,14 @@ long mc_kv_recv_ex(mc_kv_t *kv, const char *producer, const void *tokens, size_t
     return mc_err_set(err, MC_ETOOBIG, "recv_kv request of %zu bytes (%zu tokens, %zu extents) "
                       "exceeds %u bytes; split the prompt", len, ntok, ndest, MC_ENGINE_MAX_MSG);
   uint8_t *buf = malloc(len);
-  kv_waiter_t *w = calloc(1, sizeof *w);
-  if (!buf || !w) {
-    free(buf);
-    free(w);
+  if (!buf)
     return mc_err_set(err, MC_ENOMEM, "out of memory");
-  }
-  snprintf(w->producer, sizeof w->producer, "%s", producer);
-  pthread_mutex_lock(&kv->mu);
-  if (kv->stopping) {
-    pthread_mutex_unlock(&kv->mu);
+  kv_waiter_t *w;
+  int wr = kv_waiter_add(kv, producer, &kv->stats.recvs, "recv_kv", &w, err);
+  if (wr < 0) {
     free(buf);
-    free(w);
-    return mc_err_set(err, MC_ECLOSED, "recv_kv: shutting down");
+    return wr;
   }
-  w->id = ++kv->next_id;
-  w->next = kv->waiters;
-  kv->waiters = w;
-  kv->stats.recvs++;
-  pthread_mutex_unlock(&kv->mu);
   q.id = w->id;
   long erc = kv_msg_req_encode(&q, buf, len, err); /* checked above: cannot fail */
   if (erc < 0) {
@@ -614,6 +603,29 @@ long mc_kv_recv_ex(mc_kv_t *kv, const char *producer, const void *tokens, size_t
   pthread_mutex_unlock(&kv->mu);
   free(w);
   return rc;
+}
+
+/* *out = a new waiter for an answer from producer, linked in; counts the
+ * call in *counter.  Returns 0, or MC_ENOMEM / MC_ECLOSED (shutting down). */
+int kv_waiter_add(mc_kv_t *kv, const char *producer, uint64_t *counter, const char *what,
+                  kv_waiter_t **out, mc_err_t *err) {
+  kv_waiter_t *w = *out = calloc(1, sizeof *w);
+  if (!w)
+    return mc_err_set(err, MC_ENOMEM, "out of memory");
+  snprintf(w->producer, sizeof w->producer, "%s", producer);
+  pthread_mutex_lock(&kv->mu);
+  if (kv->stopping) {
+    pthread_mutex_unlock(&kv->mu);
+    free(w);
+    *out = NULL;
+    return mc_err_set(err, MC_ECLOSED, "%s: shutting down", what);
+  }
+  w->id = ++kv->next_id;
+  w->next = kv->waiters;
+  kv->waiters = w;
+  (*counter)++;
+  pthread_mutex_unlock(&kv->mu);
+  return 0;
 }
 
 void kv_waiter_unlink_locked(mc_kv_t *kv, kv_waiter_t *w) {
