@@ -19,6 +19,7 @@
 
 #include "engine/engine_internal.h"
 #include "gpu/gpu_ipc.h"
+#include "util/array.h"
 #include "util/hostport.h"
 #include "util/log.h"
 
@@ -33,14 +34,10 @@ mc_peer_entry_t *mc_peer_entry_locked(mc_engine_t *e, const char *segment, int c
       return &e->peers[i];
   if (!create || strlen(segment) >= sizeof e->peers[0].name)
     return NULL;
-  if (e->npeers == e->cap_peers) {
-    size_t nc = e->cap_peers ? e->cap_peers * 2 : 8;
-    mc_peer_entry_t *nv = realloc(e->peers, nc * sizeof *nv);
-    if (!nv)
-      return NULL;
-    e->peers = nv;
-    e->cap_peers = nc;
-  }
+  mc_peer_entry_t *nv = mc_array_room(e->peers, e->npeers, &e->cap_peers, sizeof *nv, 8);
+  if (!nv)
+    return NULL;
+  e->peers = nv;
   mc_peer_entry_t *p = &e->peers[e->npeers++];
   memset(p, 0, sizeof *p);
   snprintf(p->name, sizeof p->name, "%s", segment);

@@ -8,6 +8,7 @@
 #include <time.h>
 
 #include "engine/engine_internal.h"
+#include "util/array.h"
 #include "util/log.h"
 
 
@@ -105,14 +106,9 @@ void mc_unpub_drop(mc_engine_t *e, uint64_t addr) {
 void mc_unpub_add(mc_engine_t *e, uint64_t addr) {
   pthread_mutex_lock(&e->pub_mu);
   if (mc_unpub_find(e, addr) < 0) {
-    if (e->nunpub == e->cap_unpub) {
-      size_t nc = e->cap_unpub ? e->cap_unpub * 2 : 8;
-      uint64_t *nv = realloc(e->unpub, nc * sizeof *nv);
-      if (nv) {
-        e->unpub = nv;
-        e->cap_unpub = nc;
-      }
-    }
+    uint64_t *nv = mc_array_room(e->unpub, e->nunpub, &e->cap_unpub, sizeof *nv, 8);
+    if (nv)
+      e->unpub = nv;
     if (e->nunpub < e->cap_unpub) /* else: the retry reports "not registered" */
       e->unpub[e->nunpub++] = addr;
   }

@@ -10,6 +10,7 @@
 #include <time.h>
 
 #include "gpu/gpu_copy_kernel.h"
+#include "util/array.h"
 #include "util/clock.h"
 #include "util/env.h"
 #include "util/log.h"
@@ -407,16 +408,12 @@ static mc_cu_event event_get(mc_gpu_stager_t *s, int dev) {
 }
 
 static void event_put(mc_gpu_stager_t *s, int dev, mc_cu_event e) {
-  if (s->nevents[dev] == s->cap_events[dev]) {
-    size_t nc = s->cap_events[dev] ? s->cap_events[dev] * 2 : 16;
-    mc_cu_event *v = realloc(s->events[dev], nc * sizeof *v);
-    if (!v) {
-      mc_cuda_api(NULL)->cuEventDestroy(e);
-      return;
-    }
-    s->events[dev] = v;
-    s->cap_events[dev] = nc;
+  mc_cu_event *v = mc_array_room(s->events[dev], s->nevents[dev], &s->cap_events[dev], sizeof *v, 16);
+  if (!v) {
+    mc_cuda_api(NULL)->cuEventDestroy(e);
+    return;
   }
+  s->events[dev] = v;
   s->events[dev][s->nevents[dev]++] = e;
 }
 

@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "gpu/cuda_driver.h"
+#include "util/array.h"
 #include "util/clock.h"
 
 #define BACKPRESSURE_CAP_MS 60000
@@ -258,14 +259,10 @@ static void node_discard(lk_node_t *nd) {
 }
 
 static void queue_freed(mc_lookup_t *lb, const mc_lookup_extent_t *x) {
-  if (lb->nfreed == lb->freed_cap) {
-    size_t cap = lb->freed_cap ? lb->freed_cap * 2 : 64;
-    mc_lookup_extent_t *v = realloc(lb->freed, cap * sizeof *v);
-    if (!v)
-      return; /* the owner misses one notification rather than we abort */
-    lb->freed = v;
-    lb->freed_cap = cap;
-  }
+  mc_lookup_extent_t *v = mc_array_room(lb->freed, lb->nfreed, &lb->freed_cap, sizeof *v, 64);
+  if (!v)
+    return; /* the owner misses one notification rather than we abort */
+  lb->freed = v;
   lb->freed[lb->nfreed++] = *x;
 }
 

@@ -21,6 +21,7 @@
 #include <linux/sockios.h>
 
 #include "transport/tcp/tcp_internal.h"
+#include "util/array.h"
 #include "util/clock.h"
 #include "util/log.h"
 
@@ -795,14 +796,10 @@ static mc_tcp_peer_t *peer_get(mc_tcp_t *t, const char *host, int port, const ch
     if (p->port == port && !strcmp(p->host, host) && !strcmp(p->segment, segment))
       return p;
   }
-  if (t->npeers == t->cap_peers) {
-    size_t nc = t->cap_peers ? t->cap_peers * 2 : 8;
-    mc_tcp_peer_t **nv = realloc(t->peers, nc * sizeof *nv);
-    if (!nv)
-      return NULL;
-    t->peers = nv;
-    t->cap_peers = nc;
-  }
+  mc_tcp_peer_t **nv = mc_array_room(t->peers, t->npeers, &t->cap_peers, sizeof *nv, 8);
+  if (!nv)
+    return NULL;
+  t->peers = nv;
   mc_tcp_peer_t *p = calloc(1, sizeof *p);
   if (!p || !(p->conns = calloc((size_t)t->opts.conns_per_peer, sizeof *p->conns))) {
     free(p);
