@@ -200,7 +200,9 @@ struct mc_xfer_call {
   /* peers' memory, ops, peers reached, peers refused (hello not bound to the connection) */ \
   uint64_t same_host_cpu_bytes_written, same_host_cpu_bytes_read, same_host_cpu_ops;         \
   uint64_t same_host_cpu_peers;                                                              \
-  uint64_t same_host_cpu_refused_unbound;
+  uint64_t same_host_cpu_refused_unbound;                                                    \
+  /* the same-host GPU path: peers it keeps an entry for (dropped when lost or dead) */    \
+  uint64_t same_host_gpu_peers;
 
 typedef struct mc_transport_stats {
   MC_TRANSPORT_STATS_FIELDS

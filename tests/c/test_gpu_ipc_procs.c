@@ -436,6 +436,42 @@ static void test_peer_restarts_release_mappings(void) {
   }
 }
 
+/* The same-host GPU path's entries of peers (our engine's stats). */
+static uint64_t gpu_peers(mc_engine_t *A) {
+  mc_engine_stats_t st;
+  mc_engine_get_stats(A, &st);
+  return st.same_host_gpu_peers;
+}
+
+/* Peers restarted on a new port each time (a new segment name: a
+ * container rescheduled): each one's entry goes with it once it exited, so
+ * a long-lived engine keeps one entry per live peer (before: one more per
+ * restart, kept for good). */
+static void test_peers_on_new_ports_leave_no_entries(void) {
+  side_t s;
+  child_t c = {.pid = -1, .down = -1, .up = -1};
+  if (!side_up(&s, 1, "no GPU visible"))
+    return;
+  uint64_t base = gpu_peers(s.A);
+  int open0 = open_now();
+  for (int k = 0; k < ROUNDS; k++) {
+    CHECK(spawn(&c, 0));
+    CHECK(roundtrip(&s, &c.t, 90 + (uint32_t)k));
+    CHECK_EQ_INT((int)gpu_peers(s.A), (int)base + 1);
+    if (k % 2)
+      kill(c.pid, SIGKILL);
+    reap(&c);
+    uint64_t n = gpu_peers(s.A);
+    for (int i = 0; i < 500 && n != base; i++) {
+      usleep(10000);
+      n = gpu_peers(s.A);
+    }
+    CHECK_EQ_INT((int)n, (int)base);
+  }
+  CHECK_EQ_INT(open_settles(open0), open0);
+  side_free(&s);
+}
+
 /* The same with driver-mapped memory (vLLM 0.34's cumem KV cache, a
  * "vmm1:" export): each restarted target's chunks are imported and, once it
  * exited, unmapped and the range freed (before: kept). */
@@ -538,6 +574,7 @@ int main(int argc, char **argv) {
   RUN(test_two_processes_take_ipc);
   RUN(test_peer_restarts_release_mappings);
   RUN(test_vmm_peer_restarts_release_mappings);
+  RUN(test_peers_on_new_ports_leave_no_entries);
   RUN(test_reregister_releases_old_mapping);
   RUN(test_dead_peer_swept);
   RUN(test_copy_in_flight_keeps_mapping);

@@ -466,17 +466,22 @@ static void peer_store(shg_t *t, const char *segment, int verdict, desc_t *dr, i
   desc_unref(dr); /* no entry (out of memory) */
 }
 
-/* Under t->mu: forgets peer entry pe's descriptor and version page (the
- * caller unrefs *dr and *gm outside the lock) so the next call asks the
- * peer afresh. */
-static void peer_forget(peer_entry_t *pe, desc_t **dr, gen_map_t **gm) {
+/* Under t->mu: removes peer entry i (the last one takes its place) and the
+ * segment's logged path, handing its descriptor and version page to the
+ * caller (who unrefs *dr and *gm outside the lock): the next call asks the
+ * peer afresh (and logs its path again), and a peer lost or dead under one
+ * name after another (restarted on a new port each time) leaves nothing
+ * behind. */
+static void peer_forget(shg_t *t, size_t i, desc_t **dr, gen_map_t **gm) {
+  peer_entry_t *pe = &t->peers[i];
   *dr = pe->dr;
   *gm = pe->gm;
-  pe->dr = NULL;
-  pe->gm = NULL;
-  pe->fresh = 0;
-  pe->verdict = 0;
-  pe->gm_tried_pid = 0;
+  for (size_t k = 0; k < t->nlogged; k++)
+    if (!strcmp(t->logged[k], pe->name)) {
+      memmove(t->logged[k], t->logged[--t->nlogged], sizeof t->logged[k]);
+      break;
+    }
+  *pe = t->peers[--t->npeers];
 }
 
 /* Peers whose process is gone (the version page's pidfd says so) are
@@ -498,7 +503,7 @@ static void sweep_dead_peers(shg_t *t) {
       if (pe->dr && pe->gm && !gen_alive(pe->gm)) {
         mc_log_info("segment %s: its process %ld exited: its descriptor is dropped and its "
                     "GPU memory unmapped here once no copy uses it", pe->name, pe->gm->pid);
-        peer_forget(pe, &dr, &gm);
+        peer_forget(t, i, &dr, &gm);
       }
     }
     pthread_mutex_unlock(&t->mu);
@@ -909,7 +914,7 @@ static call_t *call_start(shg_t *t, const mc_peer_t *peer, int refetch) {
     if (pe->gm && !gen_alive(pe->gm)) {
       /* Its process exited: the descriptor and its mappings go (once no
        * copy uses them); whoever serves the segment now is asked. */
-      peer_forget(pe, &dead, &dead_gm);
+      peer_forget(t, (size_t)pi, &dead, &dead_gm);
       verdict = 0;
     } else {
       dr = desc_ref(pe->dr);
@@ -1269,6 +1274,13 @@ static int shg_submit_call(void *impl, const mc_peer_t *peer, mc_xfer_call_t *c,
  * check is a TCP op, swept there).  Dead peers' mappings go here too. */
 static void shg_cancel_sweep(void *impl) { sweep_dead_peers(impl); }
 
+static void shg_stats(void *impl, mc_transport_stats_t *out) {
+  shg_t *t = impl;
+  pthread_mutex_lock(&t->mu);
+  out->same_host_gpu_peers = t->npeers;
+  pthread_mutex_unlock(&t->mu);
+}
+
 /* The control connection to `segment` broke (its process exited, or its
  * engine closed, as vLLM's sleep mode does): its descriptor goes, and with
  * it our mappings of its GPU memory once no copy uses them; the next call
@@ -1280,7 +1292,7 @@ static void shg_peer_lost(void *impl, const char *segment) {
   pthread_mutex_lock(&t->mu);
   ssize_t i = peer_find(t, segment, 0);
   if (i >= 0)
-    peer_forget(&t->peers[i], &dr, &gm);
+    peer_forget(t, (size_t)i, &dr, &gm);
   pthread_mutex_unlock(&t->mu);
   if (dr)
     mc_log_info("segment %s: connection lost: its cached descriptor is dropped (our mappings "
@@ -1361,6 +1373,7 @@ const mc_transport_ops_t mc_same_host_gpu_ops = {
     .submit_call = shg_submit_call,
     .cancel_sweep = shg_cancel_sweep,
     .peer_lost = shg_peer_lost,
+    .stats = shg_stats,
     .rpc_prefix = MC_RPC_DESCRIBE, /* no trailing '.': the whole text */
     .serve_rpc = shg_serve_rpc,
 };
