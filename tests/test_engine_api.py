@@ -160,3 +160,37 @@ def test_same_host_cpu_off_by_option(monkeypatch, off):
     finally:
         a.close()
         b.close()
+
+
+def _settle(engine, key, want, timeout=5.0):
+    import time
+    end = time.monotonic() + timeout
+    while engine.get_stats()[key] != want and time.monotonic() < end:
+        time.sleep(0.01)
+    return engine.get_stats()[key]
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_peers_gone_leave_no_entries(transport, monkeypatch):
+    """A long-lived engine talking to peers that go away (restarted on a new
+    port each time, scaled down) keeps an entry per live peer only: the
+    control transport's entry goes with the peer's last connection (before:
+    one entry per peer ever reached, kept for good and scanned on every
+    submit)."""
+    monkeypatch.setenv("MC_SAME_HOST_CPU", "1" if transport == "same-host-cpu" else "0")
+    a = mc.TransferEngine()
+    a.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
+    src = a.allocate_managed_buffer(1 << 16)
+    try:
+        for k in range(4):
+            b = mc.TransferEngine()
+            b.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
+            dst = b.allocate_managed_buffer(1 << 16)
+            a.write_bytes_to_buffer(src, bytes([k]) * 4096)
+            assert a.transfer_sync_write(b.get_segment_name(), src, dst, 4096) == 0
+            assert b.read_bytes_from_buffer(dst, 4096) == bytes([k]) * 4096
+            assert a.get_stats()["tcp_peers"] == 1
+            b.close()
+            assert _settle(a, "tcp_peers", 0) == 0, f"round {k}"
+    finally:
+        a.close()

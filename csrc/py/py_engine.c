@@ -1656,7 +1656,8 @@ static PyObject *add_more_stats(PyObject *d, const mc_engine_stats_t *s) {
               {"gpu_jobs_direct", s->gpu_jobs_direct},
               {"gate_notified", s->gate_notified},
               {"gate_event_failures", s->gate_event_failures},
-              {"same_host_gpu_peers", s->same_host_gpu_peers}};
+              {"same_host_gpu_peers", s->same_host_gpu_peers},
+              {"tcp_peers", s->tcp_peers}};
   for (size_t i = 0; i < sizeof more / sizeof more[0]; i++) {
     PyObject *v = PyLong_FromUnsignedLongLong(more[i].v);
     if (!v || PyDict_SetItemString(d, more[i].k, v) < 0) {

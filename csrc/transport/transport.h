@@ -202,7 +202,10 @@ struct mc_xfer_call {
   uint64_t same_host_cpu_peers;                                                              \
   uint64_t same_host_cpu_refused_unbound;                                                    \
   /* the same-host GPU path: peers it keeps an entry for (dropped when lost or dead) */    \
-  uint64_t same_host_gpu_peers;
+  uint64_t same_host_gpu_peers;                                                              \
+  /* TCP: peers with an outgoing connection (or one being made); the entry goes with the  */ \
+  /* last of them */                                                                          \
+  uint64_t tcp_peers;
 
 typedef struct mc_transport_stats {
   MC_TRANSPORT_STATS_FIELDS

@@ -52,6 +52,7 @@ typedef struct mc_tcp_stats {
   uint64_t prehandshake_evicted; /* the oldest, to admit a newer connection */
   uint64_t redials; /* initiator: handshakes dialed again after a reset */
   uint64_t conn_bytes_each; /* receive buffer of one connection */
+  uint64_t peers; /* initiator: peers with an outgoing connection (or one being made) */
 } mc_tcp_stats_t;
 void mc_tcp_get_stats(mc_tcp_t *t, mc_tcp_stats_t *out);
 

@@ -154,6 +154,9 @@ void mc_tcp_get_stats(mc_tcp_t *t, mc_tcp_stats_t *out) {
   out->prehandshake_evicted = atomic_load(&t->prehandshake_evicted);
   out->redials = atomic_load(&t->redials);
   out->conn_bytes_each = MC_TCP_RBUF + MC_TCP_HELLO_MAX + sizeof(mc_conn_t);
+  pthread_mutex_lock(&t->peers_mu);
+  out->peers = t->npeers;
+  pthread_mutex_unlock(&t->peers_mu);
 }
 
 static void fail_chain(mc_xfer_op_t *op, int code, const char *msg) {
@@ -165,13 +168,34 @@ static void fail_chain(mc_xfer_op_t *op, int code, const char *msg) {
   }
 }
 
+/* Under peers_mu: drops peer i if none of its connections is left (the last
+ * entry takes its place): a peer gone for good (restarted under a new name,
+ * scaled away) leaves nothing behind; one still wanted gets a fresh entry
+ * at the next submit.  No pointer to an entry outlives peers_mu. */
+static void peer_drop_if_empty(mc_tcp_t *t, size_t i) {
+  mc_tcp_peer_t *p = t->peers[i];
+  for (int k = 0; k < t->opts.conns_per_peer; k++)
+    if (p->conns[k])
+      return;
+  t->peers[i] = t->peers[--t->npeers];
+  free(p->conns);
+  free(p);
+}
+
 static void peer_remove_conn(mc_tcp_t *t, mc_conn_t *c) {
   pthread_mutex_lock(&t->peers_mu);
   for (size_t i = 0; i < t->npeers; i++) {
     mc_tcp_peer_t *p = t->peers[i];
+    int had = 0;
     for (int k = 0; k < t->opts.conns_per_peer; k++)
-      if (p->conns[k] == c)
+      if (p->conns[k] == c) {
         p->conns[k] = NULL;
+        had = 1;
+      }
+    if (had) { /* a connection is in one peer's slots only */
+      peer_drop_if_empty(t, i);
+      break;
+    }
   }
   pthread_mutex_unlock(&t->peers_mu);
 }
@@ -989,6 +1013,11 @@ void mc_tcp_submit(mc_tcp_t *t, const char *host, int port, const char *segment,
   for (int k = 0; k < t->opts.conns_per_peer; k++)
     have += p->conns[k] != NULL;
   if (!have) {
+    for (size_t i = 0; i < t->npeers; i++)
+      if (t->peers[i] == p) {
+        peer_drop_if_empty(t, i); /* a peer never reached keeps no entry either */
+        break;
+      }
     pthread_mutex_unlock(&t->peers_mu);
     if (t->hooks.on_peer_failed)
       t->hooks.on_peer_failed(t->hooks.ctx, segment);

@@ -93,6 +93,7 @@ static void tcp_t_stats(void *impl, mc_transport_stats_t *out) {
   out->prehandshake_refused = s.prehandshake_refused;
   out->prehandshake_evicted = s.prehandshake_evicted;
   out->handshake_redials = s.redials;
+  out->tcp_peers = s.peers;
   out->prehandshake_bytes_each = s.conn_bytes_each;
   out->reply_queue_conn_limit = t->opts.reply_conn_limit;
   out->reply_queue_total_limit = t->opts.reply_total_limit;
