@@ -174,9 +174,9 @@ def _settle(engine, key, want, timeout=5.0):
 def test_peers_gone_leave_no_entries(transport, monkeypatch):
     """A long-lived engine talking to peers that go away (restarted on a new
     port each time, scaled down) keeps an entry per live peer only: the
-    control transport's entry goes with the peer's last connection (before:
-    one entry per peer ever reached, kept for good and scanned on every
-    submit)."""
+    control transport's entry goes with the peer's last connection, the
+    same-host CPU path's when the peer is lost (before: one entry each per
+    peer ever reached, kept for good and scanned on every submit)."""
     monkeypatch.setenv("MC_SAME_HOST_CPU", "1" if transport == "same-host-cpu" else "0")
     a = mc.TransferEngine()
     a.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
@@ -189,8 +189,11 @@ def test_peers_gone_leave_no_entries(transport, monkeypatch):
             a.write_bytes_to_buffer(src, bytes([k]) * 4096)
             assert a.transfer_sync_write(b.get_segment_name(), src, dst, 4096) == 0
             assert b.read_bytes_from_buffer(dst, 4096) == bytes([k]) * 4096
-            assert a.get_stats()["tcp_peers"] == 1
+            st = a.get_stats()
+            assert st["tcp_peers"] == 1
+            assert st["same_host_cpu_peer_entries"] == (transport == "same-host-cpu")
             b.close()
             assert _settle(a, "tcp_peers", 0) == 0, f"round {k}"
+            assert _settle(a, "same_host_cpu_peer_entries", 0) == 0, f"round {k}"
     finally:
         a.close()

@@ -205,7 +205,9 @@ struct mc_xfer_call {
   uint64_t same_host_gpu_peers;                                                              \
   /* TCP: peers with an outgoing connection (or one being made); the entry goes with the  */ \
   /* last of them */                                                                          \
-  uint64_t tcp_peers;
+  uint64_t tcp_peers;                                                                        \
+  /* the same-host CPU path: peers with an entry now (dropped when lost) */                  \
+  uint64_t same_host_cpu_peer_entries;
 
 typedef struct mc_transport_stats {
   MC_TRANSPORT_STATS_FIELDS

@@ -20,11 +20,15 @@
 
 #define CMA_IOV 1024 /* iovecs per process_vm_* call (UIO_MAXIOV) */
 
+/* A peer's entry: the table's reference plus one per call using it
+ * (peer_get / peer_put); it leaves the table when the peer is lost, and is
+ * freed (its view closed) by the last reference. */
 typedef struct cma_peer {
   char segment[320];
   pthread_mutex_t mu; /* the view: lookups, refresh, reopen */
   mc_cma_view_t v;
   int open;
+  atomic_int refs;
 } cma_peer_t;
 
 typedef struct cma {
@@ -77,16 +81,26 @@ static int cma_start(const mc_transport_env_t *env, void **impl, mc_err_t *err) 
   return 0;
 }
 
+static void peer_free(cma_peer_t *p) {
+  if (p->open)
+    mc_cma_view_close(&p->v);
+  pthread_mutex_destroy(&p->mu);
+  free(p);
+}
+
+/* Gives back a reference from peer_get (or the table's, unlinked). */
+static void peer_put(cma_peer_t *p) {
+  if (p && atomic_fetch_sub(&p->refs, 1) == 1)
+    peer_free(p);
+}
+
+/* After the engine stopped submitting: only the table's references left. */
 static void cma_stop(void *impl) {
   cma_t *c = impl;
   if (!c)
     return;
-  for (size_t i = 0; i < c->npeers; i++) {
-    if (c->peers[i]->open)
-      mc_cma_view_close(&c->peers[i]->v);
-    pthread_mutex_destroy(&c->peers[i]->mu);
-    free(c->peers[i]);
-  }
+  for (size_t i = 0; i < c->npeers; i++)
+    peer_free(c->peers[i]);
   free(c->peers);
   mc_cma_copier_free(c->copier);
   mc_cma_table_destroy(c->table);
@@ -94,6 +108,8 @@ static void cma_stop(void *impl) {
   free(c);
 }
 
+/* The entry of `segment` with a reference for the caller (peer_put), made
+ * when `create`; NULL if none. */
 static cma_peer_t *peer_get(cma_t *c, const char *segment, int create) {
   pthread_mutex_lock(&c->mu);
   cma_peer_t *p = NULL;
@@ -109,10 +125,27 @@ static cma_peer_t *peer_get(cma_t *c, const char *segment, int create) {
         snprintf(p->segment, sizeof p->segment, "%s", segment);
         pthread_mutex_init(&p->mu, NULL);
         p->v.pidfd = -1;
+        atomic_init(&p->refs, 1); /* the table's */
         c->peers[c->npeers++] = p;
       }
     }
   }
+  if (p)
+    atomic_fetch_add(&p->refs, 1);
+  pthread_mutex_unlock(&c->mu);
+  return p;
+}
+
+/* Takes `segment`'s entry out of the table: the table's reference is the
+ * caller's now (NULL: none). */
+static cma_peer_t *peer_unlink(cma_t *c, const char *segment) {
+  pthread_mutex_lock(&c->mu);
+  cma_peer_t *p = NULL;
+  for (size_t i = 0; i < c->npeers && !p; i++)
+    if (!strcmp(c->peers[i]->segment, segment)) {
+      p = c->peers[i];
+      c->peers[i] = c->peers[--c->npeers];
+    }
   pthread_mutex_unlock(&c->mu);
   return p;
 }
@@ -205,6 +238,7 @@ static int cma_reaches(void *impl, const mc_peer_t *peer, mc_mem_kind_t kind, ch
     p->open = 1;
   }
   pthread_mutex_unlock(&p->mu);
+  peer_put(p);
   if (!bound) {
     atomic_fetch_add(&c->nunbound, 1);
     mc_log_warn_rated("same-host CPU path to segment %s refused, its transfers go over TCP: %s",
@@ -386,13 +420,18 @@ static void cma_submit(void *impl, const mc_peer_t *peer, mc_xfer_op_t **ops, si
     run_op(c, p, ops[i], run);
   }
   free(run);
+  peer_put(p);
 }
 
 static void cma_cancel_sweep(void *impl) { (void)impl; /* copies finish inside submit() */ }
 
+/* The peer's control connection broke: its view is closed (a copy in
+ * progress finishes first: it holds p->mu) and its entry leaves the table
+ * (freed by the last call still using it), so a peer lost for good --
+ * restarted under a new name -- leaves nothing behind. */
 static void cma_peer_lost(void *impl, const char *segment) {
   cma_t *c = impl;
-  cma_peer_t *p = peer_get(c, segment, 0);
+  cma_peer_t *p = peer_unlink(c, segment);
   if (!p)
     return;
   pthread_mutex_lock(&p->mu);
@@ -400,6 +439,7 @@ static void cma_peer_lost(void *impl, const char *segment) {
     mc_cma_view_close(&p->v);
   p->open = 0;
   pthread_mutex_unlock(&p->mu);
+  peer_put(p);
 }
 
 static int cma_serve_rpc(void *impl, const char *from, const char *req, size_t len,
@@ -476,6 +516,7 @@ static int cma_takes(void *impl, const mc_peer_t *peer, uint64_t remote, uint64_
     cuda = ce && ce->cuda;
   }
   pthread_mutex_unlock(&p->mu);
+  peer_put(p);
   return !cuda;
 }
 
@@ -489,6 +530,9 @@ void mc_cma_get_stats(void *impl, mc_cma_stats_t *out) {
   out->ops = atomic_load(&c->nops);
   out->peers = atomic_load(&c->npeers_ok);
   out->refused_unbound = atomic_load(&c->nunbound);
+  pthread_mutex_lock(&c->mu);
+  out->entries = c->npeers;
+  pthread_mutex_unlock(&c->mu);
 }
 
 static void cma_stats(void *impl, mc_transport_stats_t *out) {
@@ -499,6 +543,7 @@ static void cma_stats(void *impl, mc_transport_stats_t *out) {
   out->same_host_cpu_ops = cs.ops;
   out->same_host_cpu_peers = cs.peers;
   out->same_host_cpu_refused_unbound = cs.refused_unbound;
+  out->same_host_cpu_peer_entries = cs.entries;
 }
 
 const mc_transport_ops_t mc_cma_transport_ops = {

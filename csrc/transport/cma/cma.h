@@ -24,6 +24,7 @@ typedef struct mc_cma_stats {
   uint64_t ops;           /* ops finished through this path */
   uint64_t peers;         /* peers reached through this path */
   uint64_t refused_unbound; /* peers refused: hello not bound to the connection */
+  uint64_t entries;       /* peers with an entry now (dropped when lost) */
 } mc_cma_stats_t;
 
 /* impl as returned by ops->start (NULL: all zero). */
