@@ -1182,12 +1182,14 @@ static size_t build_ops(mc_xfer_call_t *c, size_t off, size_t n, char *take, siz
       goto fail;
     uint32_t e = 0;
     mc_gpu_job_t *j = NULL;
+    const mc_xfer_req_t *rq = c->reqs + off; /* read once: pre_add may grow a job (a call) */
+    const int *ld = c->ldev + off;
     for (size_t i = 0; i < n; i++) {
-      const mc_xfer_req_t *r = &c->reqs[off + i];
+      const mc_xfer_req_t *r = &rq[i];
       if (!take[i] || (r->opcode == MC_XFER_REQ_WRITE) != want_write)
         continue;
       op->ent[e] = (mc_xfer_ent_t){.local = r->local, .remote = mapped[i], .len = r->len,
-                                   .cookie = (uint32_t)(off + i), .dev = c->ldev[off + i]};
+                                   .cookie = (uint32_t)(off + i), .dev = ld[i]};
       if (e == 0)
         j = pre_new(op, (uint32_t)count[pass], op->ent[0].dev);
       pre_add(&j, op, &op->ent[e++]);
