@@ -805,6 +805,14 @@ static size_t map_reqs(call_t *run, const mc_xfer_req_t *reqs, const int *ldev, 
                        char *take, uint64_t *mapped, int *miss, size_t *nw) {
   const mc_remote_desc_t *rd = &run->u->d;
   uint32_t *hint = run->u->hint; /* shared by the descriptor's calls: each hint is checked */
+  /* Read once: the char stores below (take, region_used) may alias
+   * anything, so the compiler would reload these per request. */
+  const mc_remote_region_t *regs = rd->regions;
+  const size_t nregs = rd->n;
+  const int same_process = run->same_process;
+  uint64_t *rmap = run->rmap;
+  int *rdev = run->rdev;
+  char *used = run->region_used;
   size_t k = 0, w = 0;
   mc_err_t err = {0};
   int told = 0; /* this call logged its TCP fallback: once a call, not once a request */
@@ -820,30 +828,30 @@ static size_t map_reqs(call_t *run, const mc_xfer_req_t *reqs, const int *ldev, 
      * table), then the last region, then a binary search. */
     uint32_t *hp = &hint[(ra >> 21) % RUN_HINTS];
     uint32_t h = __atomic_load_n(hp, __ATOMIC_RELAXED);
-    const mc_remote_region_t *c = h && h <= rd->n ? &rd->regions[h - 1] : NULL;
+    const mc_remote_region_t *c = h && h <= nregs ? &regs[h - 1] : NULL;
     if (c && ra >= c->addr && ra + rl <= c->addr + c->len) {
       r = c;
     } else {
       if (!(r && ra >= r->addr && ra + rl <= r->addr + r->len))
         r = find_region(rd, ra, rl);
       if (r)
-        __atomic_store_n(hp, (uint32_t)(r - rd->regions) + 1, __ATOMIC_RELAXED);
+        __atomic_store_n(hp, (uint32_t)(r - regs) + 1, __ATOMIC_RELAXED);
     }
     if (!r || r->cuda_dev < 0) {
       *miss = 1; /* host memory there, or not (yet) known: TCP says which */
       r = NULL;
       continue;
     }
-    size_t ri = (size_t)(r - rd->regions);
+    size_t ri = (size_t)(r - regs);
     int dev = ldev[i];
-    if (run->same_process) {
+    if (same_process) {
       mapped[i] = ra; /* one address space */
     } else {
-      if (r->ipc[0] && run->rdev[ri] != dev + 1) {
-        run->rmap[ri] = open_region(run->u, ri, r->ipc, dev, &err);
-        run->rdev[ri] = dev + 1;
+      if (r->ipc[0] && rdev[ri] != dev + 1) {
+        rmap[ri] = open_region(run->u, ri, r->ipc, dev, &err);
+        rdev[ri] = dev + 1;
       }
-      if (!r->ipc[0] || run->rmap[ri] <= 1) {
+      if (!r->ipc[0] || rmap[ri] <= 1) {
         if (!told++) /* log_path_once formats and locks: ~750 instructions a request */
           log_path_once(run->t, run->segment, "TCP with pinned staging (%s)",
                         !r->ipc[0] ? "the peer exported no CUDA IPC handle"
@@ -851,9 +859,9 @@ static size_t map_reqs(call_t *run, const mc_xfer_req_t *reqs, const int *ldev, 
                                      : "a peer's CUDA IPC handle cannot be opened here");
         continue;
       }
-      mapped[i] = run->rmap[ri] + (ra - r->ipc_base);
+      mapped[i] = rmap[ri] + (ra - r->ipc_base);
     }
-    run->region_used[ri] = 1;
+    used[ri] = 1;
     take[i] = 1;
     k++;
     w += reqs[i].opcode == MC_XFER_REQ_WRITE;
@@ -1179,12 +1187,14 @@ static size_t build_ops(mc_xfer_call_t *c, size_t off, size_t n, char *take, siz
       goto fail;
     uint32_t e = 0;
     mc_gpu_job_t *j = NULL;
+    const mc_xfer_req_t *rq = c->reqs + off; /* read once: pre_add may grow a job (a call) */
+    const int *ld = c->ldev + off;
     for (size_t i = 0; i < n; i++) {
-      const mc_xfer_req_t *r = &c->reqs[off + i];
+      const mc_xfer_req_t *r = &rq[i];
       if (!take[i] || (r->opcode == MC_XFER_REQ_WRITE) != want_write)
         continue;
       op->ent[e] = (mc_xfer_ent_t){.local = r->local, .remote = mapped[i], .len = r->len,
-                                   .cookie = (uint32_t)(off + i), .dev = c->ldev[off + i]};
+                                   .cookie = (uint32_t)(off + i), .dev = ld[i]};
       if (e == 0)
         j = pre_new(op, (uint32_t)count[pass], op->ent[0].dev);
       pre_add(&j, op, &op->ent[e++]);
