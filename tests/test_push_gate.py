@@ -372,7 +372,7 @@ class FakeTorchEvent:
 
 def _layer_load_rounds(model_dir, urls, gate, rounds=3, gpu_lag_s=0.002, blocks=4,
                        timings=None, cuda=True, fast=True, profile=False,
-                       pause=False):  # noqa: F811
+                       pause=False, late=False):  # noqa: F811
     """push_layer_load rounds with a CUDA-like producer (its layers' events
     complete gpu_lag_s after each save; cuda=False: CPU KV caches, no
     event); returns (wake-ups per layer, the counts, the producer engine's
@@ -383,7 +383,13 @@ def _layer_load_rounds(model_dir, urls, gate, rounds=3, gpu_lag_s=0.002, blocks=
     profile: the counts' "py_calls" lists, per save of a prompt being
     computed, the Python and C functions it called (sys.setprofile).
     pause: the producer's forward waits after layer 0 for the decode's
-    target, so the next layer's save drains it (mid-forward arrival)."""
+    target, so the next layer's save drains it (mid-forward arrival).
+    late: the decode's request comes only after the producer's step (its
+    forward queued, its last layer's event not complete): counts
+    "late_unfinished" (that event not complete then) and "late_early_data"
+    (the decode had the layers before it completed: a write not gated on the
+    forward).  The counts' "syncs": the producer's stream synchronizes
+    (the stand-in's cuda_sync only counts: it does not wait)."""
     from test_push_layer_load import AttnSide, both_legs, BS, toks
     from vllm_harness import recomputes
 
@@ -395,12 +401,14 @@ def _layer_load_rounds(model_dir, urls, gate, rounds=3, gpu_lag_s=0.002, blocks=
                  block_size=BS, num_blocks=nb)
     try:
         w = p.worker._worker
+        wakes = {"waiter": 0, "landing": 0, "outbox_layer": 0, "saves": 0, "collects": 0,
+                 "collects_all": 0, "syncs": 0, "late_unfinished": 0, "late_early_data": 0}
         if cuda:
-            w.cuda_sync = lambda: None  # CUDA KV caches (the stand-in forward writes them at once)
+            def sync():  # CUDA KV caches (the stand-in forward writes them at once)
+                wakes["syncs"] += 1
+            w.cuda_sync = sync
         pp_ = w.push_p
         fwd = threading.get_ident()
-        wakes = {"waiter": 0, "landing": 0, "outbox_layer": 0, "saves": 0, "collects": 0,
-                 "collects_all": 0}
         orig_collect = pp_._collect
 
         def collect(tg, rows, layers, out):  # a Python loop over a target's blocks
@@ -514,10 +522,21 @@ def _layer_load_rounds(model_dir, urls, gate, rounds=3, gpu_lag_s=0.002, blocks=
                 run = Stepper(p)
                 assert p.paused.wait(10)
                 d.add(make_request("q", t, max_tokens=2, params=dp(f"G{gate}{r}")))
+            elif late:
+                from test_push_layer_load import Stepper, dp, make_request, pp as p_params
+                p.add(make_request("pq", t, max_tokens=1, params=p_params(f"G{gate}{r}")))
+                p.step()  # the whole forward queued before the decode's target exists
+                last_ev = [j.qev[1] for j in pp_.jobs.values()]  # its last layer's event
+                assert len(last_ev) == 1 and last_ev[0], pp_.jobs
+                wakes["late_unfinished"] += f.lib.cuEventQuery(last_ev[0]) != 0
+                d.add(make_request("q", t, max_tokens=2, params=dp(f"G{gate}{r}")))
+                run = Stepper(p)
             else:
                 run = both_legs(p, d, f"G{gate}{r}", t, 2)
             try:
                 so = d.step()
+                if late:  # the layers are there: the "GPU" must have finished the forward
+                    wakes["late_early_data"] += f.lib.cuEventQuery(last_ev[0]) != 0
                 assert so.num_scheduled_tokens.get("q") == 5
                 seen.append(d.seen.get("q"))
                 assert d.block_matches_pattern("q", t, blocks) and not d.invalid
@@ -600,6 +619,38 @@ def test_fake_gate_layer_is_one_engine_call_per_layer(tmp_path):
     assert calls_a[-1] <= calls_4[-1] + 10, (calls_a, calls_4)
     assert calls_b[-1] >= calls_a[-1] + 24, (calls_b, calls_a)
     assert 3 <= stats["gate_notified"] <= wa["saves"], stats
+
+
+@needs_fake
+def test_fake_gated_push_needs_no_stream_synchronize(tmp_path):
+    """CUDA through the engine's gate: a push whose every write is gated on
+    its layers' CUDA events needs no stream synchronize after the forward
+    (wait_for_save): vLLM's forward thread then queues the logits and the
+    sampler at once instead of waiting for the GPU to finish the forward
+    (issue 31: the push's cost on the prefill outside save_kv_layer).  A
+    target arriving after the forward, while the GPU still computes it, gets
+    its writes gated on the last layer's event: the decode never has the
+    layers before the (stand-in's) stream finished.  The layer-event thread's
+    path (push_layer_gate false) keeps its synchronize (the reference: one
+    per prompt)."""
+    pytest.importorskip("vllm", reason="vllm is not installed")
+    from vllm_harness import tiny_model_dir
+    md = tiny_model_dir(str(tmp_path))
+    _, wb, _, seen_b = _layer_load_rounds(md, _urls(), gate=False, pause=True)
+    _, wa, _, seen_a = _layer_load_rounds(md, _urls(), gate=True, pause=True)
+    _, wl, _, seen_l = _layer_load_rounds(md, _urls(), gate=True, late=True, gpu_lag_s=0.15)
+    _, wp, _, seen_p = _layer_load_rounds(md, _urls(), gate=True, fast=False, late=True,
+                                          gpu_lag_s=0.15)
+    print(f"stream synchronizes in 3 prompts: layer-event path {wb['syncs']}, gate "
+          f"{wa['syncs']}, gate with late targets {wl['syncs']} (per-target path "
+          f"{wp['syncs']}); late: {wl}")
+    assert all(all(s) for x in (seen_b, seen_a, seen_l, seen_p) for s in x), \
+        (seen_b, seen_a, seen_l, seen_p)
+    assert wb["syncs"] == 3, wb
+    assert wa["syncs"] == 0 and wl["syncs"] == 0 and wp["syncs"] == 0, (wa, wl, wp)
+    for w_ in (wl, wp):
+        assert w_["late_unfinished"] == 3, w_  # the targets came while the forward ran
+        assert w_["late_early_data"] == 0, w_
 
 
 def test_cpu_layer_load_wakes_no_python_thread_per_layer(tmp_path, monkeypatch):

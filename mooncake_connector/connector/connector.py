@@ -21,6 +21,7 @@ except ImportError:  # a vLLM without HMA: a plain mixin
     class SupportsHMA:  # type: ignore[no-redef]
         pass
 
+from mooncake_connector import hook_times
 from mooncake_connector.connector import settings as settings_mod
 from mooncake_connector.connector.metadata import MooncakeConnectorMetadata
 from mooncake_connector.connector.stats import MooncakeKVConnectorStats
@@ -192,6 +193,9 @@ class MooncakeConnector(KVConnectorBase_V1, SupportsHMA):
                                       facts=model_facts(vllm_config, kv_cache_config),
                                       layer_groups=layer_groups(kv_cache_config),
                                       pp_rank=_pp(vllm_config)[0], dp_rank=_dp(vllm_config))
+        if hook_times.ON:  # MC_HOOK_TIMES: every hook timed (issue 31)
+            hook_times.install(self, "scheduler" if self._scheduler is not None else "worker",
+                               s.role)
 
     # ---------------- scheduler side ----------------
 
@@ -200,7 +204,7 @@ class MooncakeConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
         if self._kv_cache_manager_unbound:
-            self._bind_callers_kv_cache_manager(sys._getframe(1))
+            self._bind_callers_kv_cache_manager(hook_times.caller(sys._getframe(1)))
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def _bind_callers_kv_cache_manager(self, frame):
@@ -231,7 +235,7 @@ class MooncakeConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_meta(self, scheduler_output):
         if self._kv_cache_manager_unbound:
-            self._bind_callers_kv_cache_manager(sys._getframe(1))
+            self._bind_callers_kv_cache_manager(hook_times.caller(sys._getframe(1)))
         return self._scheduler.build_connector_meta(scheduler_output)
 
     def request_finished(self, request, block_ids):
@@ -360,6 +364,8 @@ class MooncakeConnector(KVConnectorBase_V1, SupportsHMA):
         return build_prom_metrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self):
+        if getattr(self, "_hook_times", None) is not None:
+            self._hook_times.dump()
         if self._worker is not None:
             self._worker.shutdown()
         if self._scheduler is not None:

@@ -37,12 +37,20 @@ class Publishes:
         w = self.w
         if not meta.publishes or w.lb is None:
             return
-        if w.cuda_sync is not None:
-            w.cuda_sync()  # the step's KV writes must be done before anyone reads
+        pp = w.push_p
+        synced = w.cuda_sync is None
+        if not synced and (pp is None or not all(p.push_tid and pp.gated_through(p.req_id)
+                                                 for p in meta.publishes)):
+            # the step's KV writes must be done before anyone reads them; not
+            # for a push whose every write is gated on its layers' CUDA events
+            # (push.py gated_through): vLLM's forward thread queues the logits
+            # and the sampler at once instead of waiting for the GPU here
+            w.cuda_sync()
+            synced = True
         copies = w.routes.fanout()
         for p in meta.publishes:
-            if p.push_tid and w.push_p is not None:
-                w.push_p.prompt_done(p.req_id)  # written into the consumer's blocks
+            if p.push_tid and pp is not None:
+                pp.prompt_done(p.req_id, synced)  # written into the consumer's blocks
                 if not (p.push_optional and not w.push_p.has_targets(p.push_tid)):
                     continue
                 # A bare transfer_id and no target yet: published for a pull

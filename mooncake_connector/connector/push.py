@@ -744,6 +744,10 @@ class ProducerJob:
         self.queued = set()    # CUDA gate: layer indices whose kernels are queued (saved)
         self.qev = None        # CUDA gate: the latest layer's event (ev, handle, device)
         self.all_ready = False
+        # CUDA gate: the prompt is complete with no stream synchronize after
+        # its forward (every layer's writes were gated on its event); a
+        # write started later is gated on the last layer's event (qev)
+        self.unsynced = False
         self.targets = {}      # consumer engine -> Target
         self.t0 = time.monotonic()
         self.bytes = 0
@@ -1366,12 +1370,36 @@ class PushProducer:
         self._landing.kick()
 
     @_locked
-    def prompt_done(self, rid):
+    def gated_through(self, rid):
+        """Whether this request's push needs no stream synchronize after its
+        forward (publishes.publish): CUDA through the engine's gate, every
+        layer's kernels queued with an event (job.qev: the last one's) and
+        every open target handed every layer, gated on those events; it is
+        not published for a pull too.  A target arriving later is gated on
+        the last layer's event (_submit).  The synchronize held vLLM's
+        forward thread until the GPU finished the forward before it could
+        queue the logits and the sampler (issue 31: the push's cost on the
+        prefill outside save_kv_layer)."""
+        job = self.jobs.get(self.by_rid.get(rid))
+        if job is None or job.all_ready or job.qev is None or \
+                not self._gate_on() or (job.optional and not job.targets):
+            return False
+        nl = len(self._layer_off)
+        if len(job.queued) != nl:
+            return False
+        return all(len(tg.layers_sent) == nl for tg in job.targets.values()
+                   if tg.state in ("pending", "writing") and not tg.cancel and not tg.stop)
+
+    @_locked
+    def prompt_done(self, rid, synced=True):
+        """The prompt's forward is queued (synced: and done, the stream was
+        synchronized; else gated_through said its writes need no wait)."""
         tid = self.by_rid.get(rid)
         job = self.jobs.get(tid)
         if job is None:
             return
         job.all_ready = True
+        job.unsynced = not synced and job.qev is not None
         job.ready = set(range(len(self._layer_off)))
         for tg in job.targets.values():
             self._submit(job, tg)
@@ -1386,6 +1414,17 @@ class PushProducer:
         if time.time() > tg.lease_until - PUSH_MARGIN_S:
             tg.stop = "the decode side's lease expired before the KV was written"
             return
+        if job.unsynced:
+            # No synchronize after the forward (gated_through): the KV is
+            # complete once the last layer's event is; the writes wait for it
+            # in the engine's gate.  Not taken (the gate full): wait here.
+            self._submit_gated(job, tg)
+            if tg.stop or tg.state not in ("pending", "writing") or \
+                    not (job.ready - tg.layers_sent):
+                return
+            self.w.cuda_sync()
+            job.unsynced = False
+            todo = sorted(job.ready - tg.layers_sent)
         # The engine tells the decode these layers once they landed (CUDA
         # gate on: the stream was synchronized, no event; CPU KV caches: in
         # memory already), not the landing thread and the outbox.
