@@ -6,7 +6,7 @@ import pytest
 import mooncake_connector as mc
 
 
-from conftest import TRANSPORTS  # noqa: E402
+from conftest import TRANSPORTS, wait_until  # noqa: E402
 
 
 # Engines read MC_SAME_HOST_CPU at start: the pair runs on `transport`.
@@ -162,11 +162,9 @@ def test_same_host_cpu_off_by_option(monkeypatch, off):
         b.close()
 
 
-def _settle(engine, key, want, timeout=5.0):
-    import time
-    end = time.monotonic() + timeout
-    while engine.get_stats()[key] != want and time.monotonic() < end:
-        time.sleep(0.01)
+def _settle(engine, key, want):
+    """engine.get_stats()[key] once it is `want` (or after 5 s, whatever it is)."""
+    wait_until(lambda: engine.get_stats()[key] == want)
     return engine.get_stats()[key]
 
 
