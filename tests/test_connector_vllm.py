@@ -45,6 +45,17 @@ def free_port(span=4):
     raise RuntimeError(f"no run of {span} free ports found")
 
 
+def free_port_away(*urls_or_ports, span=4):
+    """free_port(), at least 50 from each given port or "host:port" (the
+    config refuses two ports on one host closer than that)."""
+    taken = [int(str(u).rsplit(":", 1)[-1]) for u in urls_or_ports]
+    for _ in range(200):
+        port = free_port(span)
+        if all(abs(port - t) >= 50 for t in taken):
+            return port
+    raise RuntimeError(f"no free port 50 away from {taken}")
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return tiny_model_dir(str(tmp_path_factory.mktemp("tiny")))
@@ -53,9 +64,7 @@ def model_dir(tmp_path_factory):
 @pytest.fixture
 def urls():
     p = free_port()
-    d = free_port()
-    while abs(d - p) < 50:
-        d = free_port()
+    d = free_port_away(p)
     return {"prefill_url": f"127.0.0.1:{p}", "decode_url": f"127.0.0.1:{d}",
             "metadata_server": "P2PHANDSHAKE", "protocol": "tcp"}
 

@@ -129,15 +129,11 @@ def test_worker_trims_when_vllm_stops_stepping(tmp_path):
     thread trims once, and the next step reports it in the connector's stats
     (vllm:mooncake_malloc_trims_total).  0 starts no thread; shutdown ends it."""
     pytest.importorskip("vllm")
-    import socket
-
+    from test_connector_vllm import free_port, free_port_away
     from vllm_harness import Side, make_request, tiny_model_dir
 
-    def port():
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
-    urls = {"prefill_url": f"127.0.0.1:{port()}", "decode_url": f"127.0.0.1:{port()}",
+    p = free_port()
+    urls = {"prefill_url": f"127.0.0.1:{p}", "decode_url": f"127.0.0.1:{free_port_away(p)}",
             "metadata_server": "P2PHANDSHAKE", "protocol": "tcp"}
     model = tiny_model_dir(str(tmp_path / "tiny"))
 

