@@ -161,6 +161,46 @@ def _layer_notes(tid, nl):
     return [pre + b"%d]}\n" % li for li in range(nl)]
 
 
+def _core_mod():
+    from mooncake_connector import _core
+    return _core
+
+
+def _row_ids(lay, rows):
+    """Block rows as the array('Q') (blocks x groups ids) the C builds take:
+    one id per row (ints) without a Python step per block; rows of ids, or
+    ids the array cannot hold, through layout._row (its LayoutError)."""
+    try:
+        if lay.num_groups == 1:
+            return array("Q", rows)
+    except (OverflowError, TypeError):
+        pass
+    return array("Q", [b for r in rows for b in lay._row(r)])
+
+
+def _target_spec(lay, pieces):
+    """_core.target_extents' layers for one route's tp_map pieces (one per
+    layer): (base, group, block_stride, outer offsets, dst_off, len,
+    src_off), cached on the pieces' identity (a route's are kept)."""
+    key = id(pieces)
+    got = _TARGET_SPECS.get(key)
+    if got is not None and got[0] is pieces and got[1] is lay:
+        return got[2]
+    if len(pieces) != len(lay.layers):
+        raise ValueError(f"the route has {len(pieces)} layer pieces for "
+                         f"{len(lay.layers)} layers here")
+    spec = tuple((L.base, L.group, L.block_stride, array("Q", L.outer), pc.dst_off,
+                  pc.length, 0 if pc.whole else pc.src_off)
+                 for L, pc in zip(lay.layers, pieces))
+    if len(_TARGET_SPECS) >= 64:
+        _TARGET_SPECS.clear()
+    _TARGET_SPECS[key] = (pieces, lay, spec)
+    return spec
+
+
+_TARGET_SPECS = {}  # id(pieces) -> (pieces, layout, spec): the objects kept alive with it
+
+
 def _extent_too_long(k, b, n, s_off, s_len):
     return (f"extent {k} of block {b}: {n} bytes from offset {s_off} "
             f"exceed this side's {s_len}-byte extent")
@@ -404,7 +444,6 @@ class PushConsumer:
         except ValueError as e:  # SettingsError too
             cl.error = f"layout mismatch: {e}" if "fit" in str(e) else str(e)
             return
-        from mooncake_connector.connector.tp_map import SLICE
         from mooncake_connector.connector.loads import rows as block_rows
 
         end = spec.skip_blocks + len(spec.block_ids)
@@ -417,12 +456,14 @@ class PushConsumer:
             return
         self.loads[tid] = cl
         self.by_rid[spec.req_id] = tid
+        ids = None
         for name, pieces in route:
-            flat = array("Q")
             try:
-                for t in w.layout.mapped_extents(rows, pieces):
-                    off = (t[2] & ~SLICE) if len(t) > 2 else 0
-                    flat.extend((t[0], t[1], off))
+                if ids is None:
+                    ids = _row_ids(w.layout, rows)
+                body = _core_mod().target_extents(ids, w.layout.num_groups,
+                                                  w.layout.num_blocks,
+                                                  _target_spec(w.layout, pieces))
             except ValueError as e:
                 cl.ranks[name] = "unsent"
                 cl.why[name] = f"layout mismatch: {e}"
@@ -430,12 +471,12 @@ class PushConsumer:
             head = {"t": "target", "tid": tid, "rank": w.tp_rank, "lease_until": cl.lease_until,
                     "ntok": ntok, "h": h, "skip": spec.skip_blocks,
                     "nblocks": len(spec.block_ids), "epb": w.layout.extents_per_block,
-                    "n": len(flat) // 3}
+                    "n": len(body) // 24}
             if layered:
                 head["lnotify"] = True
                 cl.landed[name] = set()
             cl.ranks[name] = "sending"
-            cl.msgs[name] = encode(head, flat.tobytes())
+            cl.msgs[name] = encode(head, body)
             trace.event("target_queued", tid, to=name)
             ob = w.push_outbox
             ob.send(name, cl.msgs[name], key=("t", tid, name),
