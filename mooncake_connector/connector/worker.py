@@ -92,11 +92,18 @@ class WorkerSide:
                                       watch=self.s.push_layer_watch if watch is None else watch)
 
     def drain_notifies(self):
-        """Route the push flow's notifications (push.py) to their side."""
-        if self.engine is None or self.push_outbox is None:
+        """Route the push flow's notifications (push.py) to their side.  A
+        step with nothing waiting costs one engine look (has_notifies), not
+        the two drains (issue 31: vLLM's forward thread calls this in every
+        step's bind and get_finished)."""
+        eng = self.engine
+        if eng is None or self.push_outbox is None:
+            return
+        has = getattr(eng, "has_notifies", None)
+        if has is not None and not has():
             return
         from mooncake_connector.connector import push as push_mod
-        for sender, msg in self.engine.get_notifies():
+        for sender, msg in eng.get_notifies():
             try:
                 head, body = push_mod.decode(msg)
             except push_mod.PushError as e:
@@ -107,7 +114,7 @@ class WorkerSide:
                     self.push_p.on_message(sender, head, body)
             elif self.push_c is not None:
                 self.push_c.on_message(sender, head)
-        lost = self.engine.take_lost_peers()  # after the messages sent before the loss
+        lost = eng.take_lost_peers()  # after the messages sent before the loss
         if lost and self.push_c is not None:
             for name in lost:
                 self.push_c.peer_lost(name)
