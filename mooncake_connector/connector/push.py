@@ -1199,6 +1199,11 @@ class PushProducer:
     def _gate_fail(self, why):
         if self._gate_failed is None:
             self._gate_failed = str(why)
+            if self._cpu:  # CPU KV caches: Engine.gate_layer without an event failed
+                logger.warning("MooncakeConnector push: the engine's layer call is off (%s); "
+                               "layers go through the per-target path and the landing "
+                               "thread from now on", why)
+                return
             logger.warning("MooncakeConnector push: the engine's CUDA gate is off (%s); "
                            "layers go through the layer-event thread from now on", why)
 
