@@ -1,5 +1,6 @@
 """The push flow's notification format (connector/push.py): what a peer may
 send is checked before anything is kept or written."""
+import time
 from array import array
 
 import pytest
@@ -107,3 +108,41 @@ def test_outbox_to_a_peer_that_never_answers_is_bounded():
                    for r in over), over
     finally:
         gate.set()
+
+
+def test_outbox_threads_of_peers_gone_quiet_end():
+    """Decode servers rescheduled on new addresses: each new address gets a
+    sending thread; one with nothing to send for IDLE_S ends and its entry
+    goes, so churn leaves no threads behind; a peer heard from again gets a
+    new thread, and the delivered-to memory keeps the latest peers."""
+    import threading
+    from mooncake_connector.connector.push import Outbox
+
+    sent = []
+
+    class Engine:
+        def send_notify(self, target, msg, timeout):
+            sent.append((target, msg))
+
+    def threads():
+        return [t for t in threading.enumerate() if t.name.startswith("mc-push-10.9.")]
+
+    ob = Outbox(Engine())
+    ob.IDLE_S = 0.2
+    ob.MAX_PEERS = 4
+    try:
+        for i in range(6):
+            ob.send(f"10.9.0.{i}:7000", b"m", key=i)
+        deadline = time.monotonic() + 10
+        while (threads() or ob._peers) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not threads() and not ob._peers, (threads(), ob._peers)
+        assert [ob.take(i) for i in range(6)] == [None] * 6
+        assert len(ob._ok) == 4  # the 4 latest delivered to (MAX_PEERS)
+        ob.send("10.9.0.0:7000", b"again", key="x")  # a new thread for it
+        deadline = time.monotonic() + 10
+        while ob.take("x") == "pending" and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert ("10.9.0.0:7000", b"again") in sent and ob.delivered_to("10.9.0.0:7000")
+    finally:
+        ob.close()

@@ -49,6 +49,7 @@ import functools
 import threading
 import time
 from array import array
+from collections import OrderedDict
 
 from mooncake_connector import trace
 
@@ -274,9 +275,12 @@ class Outbox:
     then (a consumer stopped for a few seconds still gets its "done").  A
     key whose owner is gone (forget) has its results still in flight
     dropped as they come: nothing is kept for a load that ended first (its
-    cancel's "cancelled" can arrive before the cancel's own receipt)."""
+    cancel's "cancelled" can arrive before the cancel's own receipt).  A
+    peer's thread that had nothing to send for IDLE_S ends and its entry
+    goes (decode servers rescheduled on new addresses leave nothing)."""
 
     MAX_PEERS = 256
+    IDLE_S = 60.0  # a peer thread with nothing to send this long ends
     MAX_QUEUED = 4096  # messages waiting for one peer (a peer that never answers)
     MAX_RESULTS = 65536  # results nobody took (a backstop: forget() drops them)
 
@@ -288,7 +292,7 @@ class Outbox:
         self._lock = threading.Lock()
         self._peers = {}   # target -> (queue, thread)
         self._closed = False
-        self._ok = set()   # peers that took a message (bounded by MAX_PEERS)
+        self._ok = OrderedDict()  # peers that took a message, latest last (MAX_PEERS at most)
 
     def send(self, target, msg, key=None, timeout=5.0, retry_until=None):
         with self._lock:
@@ -302,19 +306,21 @@ class Outbox:
                     ent = next(iter(self._peers.values()))
                 else:
                     q = queue.Queue(maxsize=self.MAX_QUEUED)
-                    t = threading.Thread(target=self._run, args=(q,),
+                    t = threading.Thread(target=self._run, args=(q, target),
                                          name=f"mc-push-{target}", daemon=True)
                     ent = self._peers[target] = (q, t)
                     t.start()
-        try:
-            ent[0].put_nowait((target, msg, key, timeout, retry_until))
-        except queue.Full:  # that peer has not taken a message for a long time
-            text = (f"push outbox to {target} full ({self.MAX_QUEUED} messages waiting): "
-                    "the peer engine does not answer notifications; message not sent")
-            if key is None:
-                logger.warning("MooncakeConnector push: %s", text)
-            else:
-                self._store(key, (False, text))
+            try:  # under the lock: an idle thread ends only with its queue empty
+                ent[0].put_nowait((target, msg, key, timeout, retry_until))
+                return
+            except queue.Full:  # that peer has not taken a message for a long time
+                pass
+        text = (f"push outbox to {target} full ({self.MAX_QUEUED} messages waiting): "
+                "the peer engine does not answer notifications; message not sent")
+        if key is None:
+            logger.warning("MooncakeConnector push: %s", text)
+        else:
+            self._store(key, (False, text))
 
     def take(self, key):
         with self._lock:
@@ -349,11 +355,27 @@ class Outbox:
             while len(self.results) > self.MAX_RESULTS:  # results nobody took
                 self.results.pop(next(iter(self.results)))
 
-    def _run(self, q):
+    def _idle_end(self, q, peer):
+        """Whether the thread serving q (made for peer) ends: nothing queued
+        for IDLE_S."""
+        with self._lock:
+            if not q.empty():
+                return False
+            ent = self._peers.get(peer)
+            if ent is not None and ent[0] is q:
+                del self._peers[peer]
+            return True
+
+    def _run(self, q, peer):
         from mooncake_connector import MooncakeError
 
         while True:
-            item = q.get()
+            try:
+                item = q.get(timeout=self.IDLE_S)
+            except queue.Empty:
+                if self._idle_end(q, peer):
+                    return
+                continue
             if item is None:
                 return
             target, msg, key, timeout, retry_until = item
@@ -378,10 +400,12 @@ class Outbox:
                     time.sleep(0.05)  # not a busy loop against a peer that resets at once
                     continue  # maybe lost: the receiver ignores a duplicate
                 break
-            if res is None and target not in self._ok:
+            if res is None:
                 with self._lock:
-                    if len(self._ok) < self.MAX_PEERS:
-                        self._ok.add(target)
+                    self._ok[target] = True
+                    self._ok.move_to_end(target)
+                    if len(self._ok) > self.MAX_PEERS:
+                        self._ok.popitem(last=False)
             if res is not None and key is None:
                 logger.warning("MooncakeConnector push: notification to %s failed: %s",
                                target, res[1])
