@@ -1524,14 +1524,6 @@ static PyObject *Engine_wait_notifies(EngineObject *self, PyObject *args) {
   return PyBool_FromLong(have);
 }
 
-static PyObject *Engine_has_notifies(EngineObject *self, PyObject *Py_UNUSED(ignored)) {
-  if (enter(self) < 0)
-    return NULL;
-  int have = mc_engine_notifies_pending(self->eng);
-  leave(self);
-  return PyBool_FromLong(have);
-}
-
 static PyObject *Engine_take_lost_peers(EngineObject *self, PyObject *Py_UNUSED(ignored)) {
   if (enter(self) < 0)
     return NULL;
@@ -1809,10 +1801,6 @@ static PyMethodDef Engine_methods[] = {
      "wait_notifies(timeout) -> bool: waits (GIL released) up to timeout seconds (0..60)\n"
      "for a notification get_notifies() would return, or a peer lost since it last\n"
      "returned (take_lost_peers names it; a loss wakes it once); takes none."},
-    {"has_notifies", (PyCFunction)Engine_has_notifies, METH_NOARGS,
-     "has_notifies() -> bool: a notification get_notifies() would return, or a peer\n"
-     "lost take_lost_peers() would name, is waiting; takes none, never blocks (one\n"
-     "look instead of both calls on a step that has nothing to drain)."},
     {"take_lost_peers", (PyCFunction)Engine_take_lost_peers, METH_NOARGS,
      "take_lost_peers() -> list[str]: peers (segment names) whose connection to or from\n"
      "this engine failed or closed since the last call, each once (at most 64 kept)."},

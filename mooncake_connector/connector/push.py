@@ -1637,16 +1637,6 @@ class PushProducer:
                 self.w.stats.add("push_failed")
             self._reply(tg.name, job.tid, state, why, retry_until=until)
 
-    def poll(self):
-        """Advance every job; returns the req ids whose push is over (their
-        blocks may be freed once vLLM finished them).  A step with no job,
-        no waiting target and nothing to forget yet returns at once,
-        without the lock (get_finished of every step on vLLM's forward
-        thread, issue 31)."""
-        if not (self.jobs or self.early or self.canceled) and not self._ended_due():
-            return set()
-        return self._poll()
-
     def _ended_due(self, now=None):
         """The oldest ended transfer id is to be forgotten (ENDED_KEEP_S), or
         too many are kept.  Ended ones are kept in the order they ended."""
@@ -1665,7 +1655,9 @@ class PushProducer:
         self.ended[tid] = now
 
     @_locked
-    def _poll(self):
+    def poll(self):
+        """Advance every job; returns the req ids whose push is over (their
+        blocks may be freed once vLLM finished them)."""
         over = set()
         now, wall = time.monotonic(), time.time()
         nl = len(self._layer_off)

@@ -92,15 +92,9 @@ class WorkerSide:
                                       watch=self.s.push_layer_watch if watch is None else watch)
 
     def drain_notifies(self):
-        """Route the push flow's notifications (push.py) to their side.  A
-        step with nothing waiting costs one engine look (has_notifies), not
-        the two drains (issue 31: vLLM's forward thread calls this in every
-        step's bind and get_finished)."""
+        """Route the push flow's notifications (push.py) to their side."""
         eng = self.engine
         if eng is None or self.push_outbox is None:
-            return
-        has = getattr(eng, "has_notifies", None)
-        if has is not None and not has():
             return
         from mooncake_connector.connector import push as push_mod
         for sender, msg in eng.get_notifies():
