@@ -961,11 +961,11 @@ static size_t map_build(shg_t *t, call_t *run, const mc_xfer_call_t *c, size_t o
     size_t ri = (size_t)(r - regs);
     uint64_t m = ra; /* one address space */
     if (!same_process) {
-      if (r->ipc[0] && rdev[ri] != dev + 1) {
-        rmap[ri] = open_region(run->u, ri, r->ipc, dev, &err);
+      if (rdev[ri] != dev + 1) { /* the region's first request on this device */
+        rmap[ri] = r->ipc[0] ? open_region(run->u, ri, r->ipc, dev, &err) : 1;
         rdev[ri] = dev + 1;
       }
-      if (!r->ipc[0] || rmap[ri] <= 1) {
+      if (rmap[ri] <= 1) {
         if (!told++) /* log_path_once formats and locks: ~750 instructions a request */
           log_path_once(t, run->segment, "TCP with pinned staging (%s)",
                         !r->ipc[0] ? "the peer exported no CUDA IPC handle"
