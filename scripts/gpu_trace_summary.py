@@ -7,9 +7,9 @@ import sys
 pats = {
     "submit": re.compile(r"(\d+) requests at ([\d.]+) us: validate ([\d.]+) us, locate \(first "
                          r"chunk\) ([\d.]+) us, submit all ([\d.]+) us"),
-    "chunk": re.compile(r"chunk of (\d+) requests: plan ([\d.]+) us, ops ([\d.]+) us, accept "
-                        r"([\d.]+) us, start ([\d.]+) us"),
-    "plan": re.compile(r"plan of (\d+) requests: run ([\d.]+) us, map ([\d.]+) us"),
+    "chunk": re.compile(r"chunk of (\d+) requests: plan ([\d.]+) us, accept ([\d.]+) us, "
+                        r"start ([\d.]+) us"),
+    "plan": re.compile(r"plan of (\d+) requests: run ([\d.]+) us, map and ops ([\d.]+) us"),
     "job": re.compile(r"D2D job cuda:\d+, (\d+) copies: queued at ([\d.]+) us, launched \+([\d.]+)"
                       r" us, done seen \+([\d.]+) us(?:, picked up \+([\d.]+) us)?"),
     "wait": re.compile(r"wait: (\d+) pending at ([\d.]+) us"),
@@ -33,8 +33,8 @@ s, pl, j = rows["submit"][-200:], rows["plan"][-200:], rows["job"][-200:]
 c = rows["chunk"][-200:]
 print(f"  submit calls {len(s)}: validate {med(s, 2):.1f}, locate {med(s, 3):.1f}, submit all "
       f"{med(s, 4):.1f} us (medians); per chunk ({med(c, 0):.0f} requests): plan "
-      f"{med(c, 1):.1f} (call start {med(pl, 1):.1f}, map {med(pl, 2):.1f}), build ops "
-      f"{med(c, 2):.1f}, engine accept {med(c, 3):.1f}, start jobs {med(c, 4):.1f} us")
+      f"{med(c, 1):.1f} (call start {med(pl, 1):.1f}, map and build ops {med(pl, 2):.1f}), "
+      f"engine accept {med(c, 2):.1f}, start jobs {med(c, 3):.1f} us")
 print(f"  copy jobs {len(j)} ({med(j, 0):.0f} copies): queued -> picked up {med(j, 4):.1f} us, "
       f"-> launched {med(j, 2):.1f} us, -> done seen {med(j, 3):.1f} us")
 print(f"  launched by the submitting thread (all traced jobs): {sum(direct.values())}, "

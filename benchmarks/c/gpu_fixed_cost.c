@@ -190,6 +190,13 @@ static void gpu_jobs(uint64_t *jobs, uint64_t *direct) {
   *direct = st.gpu_jobs_direct;
 }
 
+/* The same-host path's blocks (ops, jobs, calls) handed out again so far. */
+static uint64_t block_reuses(void) {
+  mc_engine_stats_t st;
+  mc_engine_get_stats(A, &st);
+  return st.same_host_gpu_block_reuses;
+}
+
 static void small_rows(int iters) {
   double *t = malloc(sizeof(double) * (size_t)iters), *ts = malloc(sizeof(double) * (size_t)iters);
   for (int op = 0; op < 2; op++) {
@@ -640,7 +647,7 @@ static void bulk_rows(const char *dir, size_t bb, int passes) {
         double *s = malloc(sizeof(double) * (size_t)(passes + 1));
         double *sub = malloc(sizeof(double) * (size_t)(passes + 1));
         int *mhz = malloc(sizeof(int) * (size_t)(passes + 2));
-        uint64_t j0 = 0, d0 = 0, j1, d1;
+        uint64_t j0 = 0, d0 = 0, j1, d1, r0 = 0;
         /* Warm-up: passes until warmup_ms went by (at least one): a GPU
          * that sat idle (the row's set-up, the last row's checks) runs at
          * a low clock for a while, and torch's reference is timed busy. */
@@ -654,6 +661,7 @@ static void bulk_rows(const char *dir, size_t bb, int passes) {
         for (int p = 1; p <= passes; p++) {
           if (p == 1) {
             gpu_jobs(&j0, &d0); /* after the warm-up */
+            r0 = block_reuses();
             diag_begin();
           }
           mhz[p] = sm_mhz();
@@ -670,6 +678,7 @@ static void bulk_rows(const char *dir, size_t bb, int passes) {
         for (int p = 1; p <= passes && tn < sizeof tl; p++)
           tn += (size_t)snprintf(tl + tn, sizeof tl - tn, "%s%.3f", p > 1 ? ", " : "", s[p] * 1e3);
         gpu_jobs(&j1, &d1);
+        uint64_t r1 = block_reuses();
         char rowname[64];
         snprintf(rowname, sizeof rowname, "%s_%zu_b%zu_%s", op == MC_OP_WRITE ? "write" : "read",
                  bb, batch, pipe ? "pipe" : "seq");
@@ -685,13 +694,14 @@ static void bulk_rows(const char *dir, size_t bb, int passes) {
                "\"%s\", \"op\": \"%s\", \"best_gbps\": %.2f, \"median_gbps\": %.2f, "
                "\"best_s\": %.6f, \"median_s\": %.6f, \"per_batch_us\": %.2f, "
                "\"submit_per_batch_us\": %.2f, \"gpu_jobs\": %llu, \"gpu_jobs_direct\": %llu, "
-               "\"warmup_passes\": %d, \"pass_ms\": [%s], \"sm_mhz\": [%s], \"bad_blocks\": %d}\n",
+               "\"block_reuses\": %llu, \"warmup_passes\": %d, \"pass_ms\": [%s], \"sm_mhz\": [%s], \"bad_blocks\": %d}\n",
                op == MC_OP_WRITE ? "write" : "read", bb, batch, pipe ? "pipe" : "seq", bb,
                batch, pipe ? "pipe" : "seq", op == MC_OP_WRITE ? "write" : "read",
                GIB / best / 1e9, GIB / med / 1e9, best, med,
                med * 1e6 / (double)((nblk + batch - 1) / batch),
                sub_med * 1e6 / (double)((nblk + batch - 1) / batch),
-               (unsigned long long)(j1 - j0), (unsigned long long)(d1 - d0), nwarm, tl, pl, bad);
+               (unsigned long long)(j1 - j0), (unsigned long long)(d1 - d0),
+               (unsigned long long)(r1 - r0), nwarm, tl, pl, bad);
         fflush(stdout);
         free(mhz);
         free(s);

@@ -211,18 +211,6 @@ static int call_locate(mc_xfer_call_t *c, size_t to, mc_err_t *err) {
   return 0;
 }
 
-static mc_xfer_op_t *call_op_new(mc_xfer_call_t *c, int type, uint32_t nent) {
-  gpu_call_t *g = (gpu_call_t *)c;
-  mc_xfer_op_t *op = mc_xfer_op_alloc(type, nent); /* the transport fills every entry */
-  if (op) {
-    op->done = mc_batch_op_done;
-    op->entry_failed = mc_batch_op_entry_failed;
-    op->arg = g->b;
-    op->cancel = &g->b->cancel;
-  }
-  return op;
-}
-
 static int call_accept(mc_xfer_call_t *c, size_t off, size_t k, const char *take,
                        mc_xfer_op_t **ops, size_t nops, mc_err_t *err) {
   gpu_call_t *g = (gpu_call_t *)c;
@@ -305,8 +293,9 @@ static int submit_pinned(mc_engine_t *e, mc_batch_t *b, const char *segment,
     mc_peer_t peer = {.segment = d.name, .host = d.host, .port = d.port,
                       .same_host = mc_peer_same_host(&d)};
     gpu_call_t g = {.c = {.reqs = reqs, .n = n, .ldev = ldev, .located = located,
-                          .locate = call_locate, .op_new = call_op_new,
-                          .accept = call_accept},
+                          .locate = call_locate, .op_done = mc_batch_op_done,
+                          .op_entry_failed = mc_batch_op_entry_failed, .op_arg = b,
+                          .op_cancel = &b->cancel, .accept = call_accept},
                     .e = e, .b = b, .d = &d, .loc = &loc, .poll = poll};
     rc = submit_gpu(e, b, &peer, &d, reqs, n, poll, &g, &same_host, err);
   } else {

@@ -171,13 +171,23 @@ mc_gpu_job_t *mc_gpu_job_new(int device, int dir) {
   return j;
 }
 
+#define JOB_HEAD ((sizeof(mc_gpu_job_t) + 15) & ~(size_t)15)
+#define JOB_ARRAYS(cap) (((cap) * (2 * sizeof(mc_cu_ptr) + sizeof(size_t)) + 15) & ~(size_t)15)
+
+size_t mc_gpu_job_inline_bytes(size_t cap, size_t extra) {
+  return JOB_HEAD + JOB_ARRAYS(cap) + extra;
+}
+
 mc_gpu_job_t *mc_gpu_job_new_inline(int device, int dir, size_t cap, size_t extra,
                                     void **extra_out) {
-  size_t head = (sizeof(mc_gpu_job_t) + 15) & ~(size_t)15;
-  size_t arrays = (cap * (2 * sizeof(mc_cu_ptr) + sizeof(size_t)) + 15) & ~(size_t)15;
-  mc_gpu_job_t *j = malloc(head + arrays + extra);
-  if (!j)
-    return NULL;
+  void *mem = malloc(mc_gpu_job_inline_bytes(cap, extra));
+  return mem ? mc_gpu_job_init_inline(mem, device, dir, cap, extra, extra_out) : NULL;
+}
+
+mc_gpu_job_t *mc_gpu_job_init_inline(void *mem, int device, int dir, size_t cap, size_t extra,
+                                     void **extra_out) {
+  size_t head = JOB_HEAD, arrays = JOB_ARRAYS(cap);
+  mc_gpu_job_t *j = mem;
   memset(j, 0, sizeof *j);
   j->device = device;
   j->dir = dir;

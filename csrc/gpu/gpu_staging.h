@@ -86,6 +86,12 @@ mc_gpu_job_t *mc_gpu_job_new(int device, int dir);
  * arrays out as mc_gpu_job_reserve does; mc_gpu_job_free frees it all. */
 mc_gpu_job_t *mc_gpu_job_new_inline(int device, int dir, size_t cap, size_t extra,
                                     void **extra_out);
+/* The same in memory the caller has: mc_gpu_job_inline_bytes(cap, extra)
+ * of it, from malloc (mc_gpu_job_free frees it), e.g. a block kept for
+ * reuse. */
+size_t mc_gpu_job_inline_bytes(size_t cap, size_t extra);
+mc_gpu_job_t *mc_gpu_job_init_inline(void *mem, int device, int dir, size_t cap, size_t extra,
+                                     void **extra_out);
 /* Room for n copies (fewer reallocations while adding). */
 int mc_gpu_job_reserve(mc_gpu_job_t *j, size_t n);
 /* Adds a copy (inline: a batch adds one per request). */

@@ -1664,6 +1664,8 @@ static PyObject *add_more_stats(PyObject *d, const mc_engine_stats_t *s) {
               {"gate_notified", s->gate_notified},
               {"gate_event_failures", s->gate_event_failures},
               {"same_host_gpu_peers", s->same_host_gpu_peers},
+              {"same_host_gpu_cached_blocks", s->same_host_gpu_cached_blocks},
+              {"same_host_gpu_block_reuses", s->same_host_gpu_block_reuses},
               {"tcp_peers", s->tcp_peers},
               {"same_host_cpu_peer_entries", s->same_host_cpu_peer_entries}};
   for (size_t i = 0; i < sizeof more / sizeof more[0]; i++) {

@@ -67,10 +67,11 @@
  *     - call->locate(call, to) tells where local buffers [located, to)
  *       live (ldev[i]: the cuda device, -1 host memory, which it must not
  *       take); the engine located the first `located` before the call;
- *     - call->op_new(call, type, nent) gives an op whose done() /
- *       entry_failed() report to the engine (entries, not initialised:
- *       the transport fills all nent, one per whole request, cookie = the
- *       request's index in reqs, dev = ldev);
+ *     - the transport makes its ops itself (mc_xfer_op_init over memory
+ *       it may reuse) with the call's op_done, op_entry_failed, op_arg and
+ *       op_cancel, so their done() / entry_failed() report to the engine;
+ *       one entry per whole request, cookie = the request's index in reqs,
+ *       dev = ldev; total set (as mc_xfer_op_seal would);
  *     - call->accept(call, off, k, take, ops, nops) settles requests
  *       [off, off+k): take[i-off] marks those its ops move; the engine
  *       registers them all, routes the untaken ones to its next choice for
@@ -181,7 +182,13 @@ struct mc_xfer_call {
   size_t located; /* advanced by locate() */
   /* The engine's side of the call. */
   int (*locate)(mc_xfer_call_t *call, size_t to, mc_err_t *err);
-  mc_xfer_op_t *(*op_new)(mc_xfer_call_t *call, int type, uint32_t nent);
+  /* What every op the transport makes for the call carries (its memory
+   * the transport's, malloc'ed: mc_xfer_op_init): done() / entry_failed()
+   * report to the engine. */
+  mc_xfer_done_fn op_done;
+  void (*op_entry_failed)(mc_xfer_op_t *op, uint32_t idx, int code, const char *msg);
+  void *op_arg;
+  atomic_int *op_cancel;
   int (*accept)(mc_xfer_call_t *call, size_t off, size_t k, const char *take,
                 mc_xfer_op_t **ops, size_t nops, mc_err_t *err);
 };
@@ -201,8 +208,9 @@ struct mc_xfer_call {
   uint64_t same_host_cpu_bytes_written, same_host_cpu_bytes_read, same_host_cpu_ops;         \
   uint64_t same_host_cpu_peers;                                                              \
   uint64_t same_host_cpu_refused_unbound;                                                    \
-  /* the same-host GPU path: peers it keeps an entry for (dropped when lost or dead) */    \
-  uint64_t same_host_gpu_peers;                                                              \
+  /* the same-host GPU path: peers it keeps an entry for (dropped when lost or dead); its  */ \
+  /* blocks (ops, copy jobs, calls) kept for reuse now (at most 16) and handed out again    */ \
+  uint64_t same_host_gpu_peers, same_host_gpu_cached_blocks, same_host_gpu_block_reuses;     \
   /* TCP: peers with an outgoing connection (or one being made); the entry goes with the  */ \
   /* last of them */                                                                          \
   uint64_t tcp_peers;                                                                        \

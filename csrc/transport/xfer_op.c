@@ -5,11 +5,11 @@
 #include <string.h>
 
 mc_xfer_op_t *mc_xfer_op_new(int type, uint32_t nent, size_t ctrl_len) {
-  mc_xfer_op_t *op = calloc(1, sizeof *op + (size_t)nent * sizeof(mc_xfer_ent_t));
+  mc_xfer_op_t *op = calloc(1, MC_XFER_OP_BYTES(nent));
   if (!op)
     return NULL;
   op->type = type;
-  op->nent = nent;
+  op->nent = op->cap = nent;
   for (uint32_t i = 0; i < nent; i++)
     op->ent[i].dev = -1;
   if (ctrl_len) {
@@ -23,13 +23,11 @@ mc_xfer_op_t *mc_xfer_op_new(int type, uint32_t nent, size_t ctrl_len) {
   return op;
 }
 
-mc_xfer_op_t *mc_xfer_op_alloc(int type, uint32_t nent) {
-  mc_xfer_op_t *op = malloc(sizeof *op + (size_t)nent * sizeof(mc_xfer_ent_t));
-  if (!op)
-    return NULL;
+mc_xfer_op_t *mc_xfer_op_init(void *mem, int type, uint32_t nent) {
+  mc_xfer_op_t *op = mem;
   memset(op, 0, sizeof *op); /* the entries are the caller's to fill, every one */
   op->type = type;
-  op->nent = nent;
+  op->nent = op->cap = nent;
   return op;
 }
 

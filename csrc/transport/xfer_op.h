@@ -74,14 +74,18 @@ struct mc_xfer_op {
   int started; /* first byte handed to the kernel / posted */
   void *tp;    /* its per-op state, freed by tp_free (mc_xfer_op_free) */
   void (*tp_free)(void *tp);
+  uint32_t cap; /* entries the op's memory has room for (>= nent) */
   mc_xfer_ent_t ent[];
 };
 
 /* Allocates an op with room for nent entries (and ctrl_len body bytes). */
 mc_xfer_op_t *mc_xfer_op_new(int type, uint32_t nent, size_t ctrl_len);
-/* A WRITE / READ op whose nent entries the caller fills, every one (not
- * zeroed: a large batch's entries are written once). */
-mc_xfer_op_t *mc_xfer_op_alloc(int type, uint32_t nent);
+/* A WRITE / READ op in memory the caller has (MC_XFER_OP_BYTES(nent) of
+ * it, from malloc: mc_xfer_op_free frees it; e.g. a block kept for reuse),
+ * whose nent entries the caller fills, every one (not zeroed: a large
+ * batch's entries are written once). */
+#define MC_XFER_OP_BYTES(nent) (sizeof(mc_xfer_op_t) + (size_t)(nent) * sizeof(mc_xfer_ent_t))
+mc_xfer_op_t *mc_xfer_op_init(void *mem, int type, uint32_t nent);
 /* Checks the entry count and computes total.  Call after filling ent. */
 int mc_xfer_op_seal(mc_xfer_op_t *op, mc_err_t *err);
 /* Frees a transport's per-op state (entries changed: it encodes again). */

@@ -567,6 +567,117 @@ static void test_copy_in_flight_keeps_mapping(void) {
   side_free(&s);
 }
 
+/* The same-host GPU path's blocks (stats): kept for reuse, at most 16. */
+static void block_stats(mc_engine_t *A, uint64_t *cached, uint64_t *reuses) {
+  mc_engine_stats_t st;
+  mc_engine_get_stats(A, &st);
+  *cached = st.same_host_gpu_cached_blocks;
+  *reuses = st.same_host_gpu_block_reuses;
+}
+
+/* Submits r[0, n) as one batch and waits: 0 or the error code. */
+static int run_batch(mc_engine_t *A, const char *segment, const mc_request_t *r, size_t n,
+                     mc_err_t *err) {
+  mc_batch_t *b = mc_batch_new(A, n);
+  int rc = b ? mc_batch_submit(A, b, segment, r, n, err) : MC_ENOMEM;
+  if (rc == 0)
+    rc = mc_batch_wait(A, b, 60000, err);
+  if (b)
+    mc_batch_free(A, b);
+  return rc;
+}
+
+/* One batch of both opcodes, interleaved in runs of 4 (one pass builds the
+ * WRITE op and the READ op side by side): runs of WRITEs of adjacent blocks
+ * (local and remote back to back: their copies merge into one) and runs of
+ * READs of other blocks into scattered places; every byte checked on both
+ * sides.  Then the blocks of finished calls are reused (16 batches one
+ * after another) and their cache stays bounded when a burst of 24 batches
+ * in flight at once comes back together (before: a malloc and free per op,
+ * job and call). */
+static void test_mixed_batch_and_block_reuse(void) {
+  side_t s;
+  child_t c = {.pid = -1, .down = -1, .up = -1};
+  if (!side_up(&s, 1, "no GPU visible"))
+    return;
+  CHECK(spawn(&c, 0));
+  mc_err_t err = {0};
+  size_t n = s.n;
+  uint8_t *a = malloc(n), *bb = malloc(n), *back = malloc(n);
+  CHECK(a && bb && back);
+  mc_request_t r[NBLK];
+  /* The target's memory holds a; then the local source b. */
+  fill(a, n, 11);
+  fill(bb, n, 12);
+  CHECK_EQ_INT(api->cuMemcpyHtoD(s.src, a, n), 0);
+  for (size_t i = 0; i < NBLK; i++)
+    r[i] = (mc_request_t){.opcode = MC_OP_WRITE, .local = (void *)(uintptr_t)(s.src + i * BLK),
+                          .remote = c.t.addr + i * BLK, .len = BLK};
+  CHECK_EQ_INT(run_batch(s.A, c.t.segment, r, NBLK, &err), 0);
+  CHECK_EQ_INT(api->cuMemcpyHtoD(s.src, bb, n), 0);
+  for (size_t i = 0; i < NBLK; i++) {
+    int wr = (i / 4) % 2 == 0;
+    r[i] = wr ? (mc_request_t){.opcode = MC_OP_WRITE,
+                               .local = (void *)(uintptr_t)(s.src + i * BLK),
+                               .remote = c.t.addr + i * BLK, .len = BLK}
+              : (mc_request_t){.opcode = MC_OP_READ,
+                               .local = (void *)(uintptr_t)(s.back + perm(i) * BLK),
+                               .remote = c.t.addr + i * BLK, .len = BLK};
+  }
+  int rc = run_batch(s.A, c.t.segment, r, NBLK, &err);
+  if (rc)
+    fprintf(stderr, "  mixed batch: %s\n", err.msg);
+  CHECK_EQ_INT(rc, 0);
+  int reads_ok = api->cuMemcpyDtoH(back, s.back, n) == 0;
+  for (size_t i = 0; i < NBLK && reads_ok; i++)
+    if ((i / 4) % 2 == 1)
+      reads_ok = !memcmp(back + perm(i) * BLK, a + i * BLK, BLK);
+  CHECK(reads_ok); /* the READs got the target's a */
+  for (size_t i = 0; i < NBLK; i++)
+    r[i] = (mc_request_t){.opcode = MC_OP_READ, .local = (void *)(uintptr_t)(s.back + i * BLK),
+                          .remote = c.t.addr + i * BLK, .len = BLK};
+  CHECK_EQ_INT(run_batch(s.A, c.t.segment, r, NBLK, &err), 0);
+  int target_ok = api->cuMemcpyDtoH(back, s.back, n) == 0;
+  for (size_t i = 0; i < NBLK && target_ok; i++)
+    target_ok = !memcmp(back + i * BLK, ((i / 4) % 2 == 0 ? bb : a) + i * BLK, BLK);
+  CHECK(target_ok); /* the WRITEs' runs hold b, the rest still a */
+
+  uint64_t cached, reuses0, reuses;
+  block_stats(s.A, &cached, &reuses0);
+  for (int k = 0; k < 8; k++)
+    CHECK(roundtrip(&s, &c.t, 100 + (uint32_t)k));
+  block_stats(s.A, &cached, &reuses);
+  fprintf(stderr, "  16 batches one after another: %llu blocks reused, %llu cached\n",
+          (unsigned long long)(reuses - reuses0), (unsigned long long)cached);
+  CHECK(reuses > reuses0);
+  CHECK(cached <= 16);
+  enum { BURST = 24 };
+  mc_batch_t *b[BURST];
+  for (size_t i = 0; i < NBLK; i++)
+    r[i] = (mc_request_t){.opcode = MC_OP_WRITE, .local = (void *)(uintptr_t)(s.src + i * BLK),
+                          .remote = c.t.addr + perm(i) * BLK, .len = BLK};
+  for (int k = 0; k < BURST; k++) {
+    b[k] = mc_batch_new(s.A, NBLK);
+    CHECK(b[k] && mc_batch_submit(s.A, b[k], c.t.segment, r, NBLK, &err) == 0);
+  }
+  for (int k = 0; k < BURST; k++)
+    if (b[k]) {
+      CHECK_EQ_INT(mc_batch_wait(s.A, b[k], 60000, &err), 0);
+      mc_batch_free(s.A, b[k]);
+    }
+  usleep(20000); /* the last completions handed their blocks back */
+  CHECK(roundtrip(&s, &c.t, 120)); /* its submit takes them back: 3 a batch */
+  block_stats(s.A, &cached, &reuses);
+  fprintf(stderr, "  after a burst of %d batches: %llu cached\n", BURST,
+          (unsigned long long)cached);
+  CHECK(cached >= 1 && cached <= 16);
+  reap(&c);
+  free(a);
+  free(bb);
+  free(back);
+  side_free(&s);
+}
+
 int main(int argc, char **argv) {
   if (argc == 6 && !strcmp(argv[1], "target"))
     return target(atoi(argv[2]), atoi(argv[3]), atoi(argv[4]), !strcmp(argv[5], "vmm"));
@@ -578,5 +689,6 @@ int main(int argc, char **argv) {
   RUN(test_reregister_releases_old_mapping);
   RUN(test_dead_peer_swept);
   RUN(test_copy_in_flight_keeps_mapping);
+  RUN(test_mixed_batch_and_block_reuse);
   TEST_MAIN_END();
 }

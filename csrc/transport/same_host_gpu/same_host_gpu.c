@@ -161,7 +161,21 @@ typedef struct shg {
   _Atomic(void *) freed;
   atomic_size_t freed_bytes;
   _Atomic uint64_t next_sweep_ns; /* sweep_dead_peers: not before */
+  /* What freed_drain took back, kept for the next calls' ops, jobs and
+   * calls instead of a malloc and a free each per batch (~2.3 K
+   * instructions a batch of 128): at most BLOCK_CACHE blocks of at most
+   * BLOCK_CACHE_BYTES each, freed at stop.  Under cache_mu. */
+  pthread_mutex_t cache_mu;
+  struct {
+    void *p;
+    size_t bytes;
+  } cache[16];
+  size_t ncache;
+  uint64_t reuses; /* blocks handed out again (stats) */
 } shg_t;
+
+#define BLOCK_CACHE (sizeof ((shg_t *)0)->cache / sizeof ((shg_t *)0)->cache[0])
+#define BLOCK_CACHE_BYTES (256u << 10) /* an op or a job of 4096 requests fits */
 
 /* More pending than this: the completing thread frees them itself. */
 #define FREED_MAX_BYTES (8u << 20)
@@ -181,19 +195,67 @@ static void defer_free(shg_t *t, void *p, size_t bytes) {
   while (!atomic_compare_exchange_weak(&t->freed, &head, p));
 }
 
-/* Frees what defer_free handed over. */
+/* Takes back what defer_free handed over: into the cache while it has
+ * room, the rest freed. */
 static void freed_drain(shg_t *t) {
   if (!atomic_load_explicit(&t->freed, memory_order_relaxed))
     return;
-  void *p = atomic_exchange(&t->freed, NULL);
+  void *p = atomic_exchange(&t->freed, NULL), *spill = NULL;
   size_t bytes = 0;
+  pthread_mutex_lock(&t->cache_mu);
   while (p) {
     void *next = *(void **)p;
-    bytes += ((size_t *)p)[1];
-    free(p);
+    size_t b = ((size_t *)p)[1];
+    bytes += b;
+    if (t->ncache < BLOCK_CACHE && b <= BLOCK_CACHE_BYTES) {
+      t->cache[t->ncache].p = p;
+      t->cache[t->ncache++].bytes = b;
+    } else {
+      *(void **)p = spill;
+      spill = p;
+    }
     p = next;
   }
+  pthread_mutex_unlock(&t->cache_mu);
+  while (spill) {
+    void *next = *(void **)spill;
+    free(spill);
+    spill = next;
+  }
   atomic_fetch_sub(&t->freed_bytes, bytes);
+}
+
+/* At least `need` bytes (malloc'ed: free() frees it), *bytes how many: the
+ * smallest cached block that holds them, else a new one.  A miss with the
+ * cache full frees its smallest block, so a cache of blocks grown too
+ * small for the calls now turns over.  NULL when out of memory. */
+static void *block_get(shg_t *t, size_t need, size_t *bytes) {
+  void *p = NULL, *drop = NULL;
+  pthread_mutex_lock(&t->cache_mu);
+  size_t best = BLOCK_CACHE, small = 0;
+  for (size_t i = 0; i < t->ncache; i++) {
+    size_t b = t->cache[i].bytes;
+    if (b >= need && (best == BLOCK_CACHE || b < t->cache[best].bytes))
+      best = i;
+    if (b < t->cache[small].bytes)
+      small = i;
+  }
+  if (best < BLOCK_CACHE) {
+    p = t->cache[best].p;
+    *bytes = t->cache[best].bytes;
+    t->cache[best] = t->cache[--t->ncache];
+    t->reuses++;
+  } else if (t->ncache == BLOCK_CACHE) {
+    drop = t->cache[small].p;
+    t->cache[small] = t->cache[--t->ncache];
+  }
+  pthread_mutex_unlock(&t->cache_mu);
+  free(drop);
+  if (!p) {
+    p = malloc(need);
+    *bytes = need;
+  }
+  return p;
 }
 
 /* ---- the regions version page ----
@@ -588,6 +650,7 @@ typedef struct call {
   int check_code;
   group_t *waiting;       /* groups waiting for the check */
   int refs;
+  size_t bytes; /* its block's (block_get) */
   /* From here on: set by call_new field by field, not zeroed whole (a
    * call is made per submit call: ~2 KiB of memset and two snprintf were
    * ~25 instructions a request of 64 KiB batches of 128). */
@@ -603,6 +666,7 @@ struct group {
   call_t *call;
   mc_xfer_op_t *op;
   mc_gpu_job_t *block; /* the one job whose allocation holds this group, or NULL */
+  size_t block_bytes;  /* that allocation's (block_get) */
   group_t *next_waiting;
   int remaining;
   int code;
@@ -610,12 +674,11 @@ struct group {
 };
 
 static void call_free(call_t *r) {
-  size_t bytes = sizeof *r + (r->u->d.n ? r->u->d.n : 1) * (sizeof(uint64_t) + sizeof(int) + 1);
   gen_map_unref(r->gm);
   desc_unref(r->u);
   mc_remote_desc_free(&r->fresh);
   pthread_mutex_destroy(&r->mu);
-  defer_free(r->t, r, bytes);
+  defer_free(r->t, r, r->bytes);
 }
 
 static void call_unref(call_t *r) {
@@ -669,8 +732,8 @@ static void group_finish(group_t *g) {
   mc_xfer_op_t *op = g->op;
   shg_t *t = g->call->t;
   op->done(op, g->code, g->code ? g->msg : NULL);
-  if (!op->ctrl && !op->resp && !op->tp_free) /* an op of build_ops: one block */
-    defer_free(t, op, sizeof *op + op->nent * sizeof op->ent[0]);
+  if (!op->ctrl && !op->resp && !op->tp_free) /* an op of map_build: one block */
+    defer_free(t, op, MC_XFER_OP_BYTES(op->cap));
   else
     mc_xfer_op_free(op);
   call_unref(g->call);
@@ -678,7 +741,7 @@ static void group_finish(group_t *g) {
   if (!j) {
     free(g);
   } else {
-    size_t bytes = sizeof *j + sizeof *g + j->cap * (2 * sizeof(mc_cu_ptr) + sizeof(size_t));
+    size_t bytes = g->block_bytes;
     if (!j->inline_arrays) { /* moved out by the copy worker (merged copies): its own */
       free(j->dsts);
       free(j->srcs);
@@ -797,30 +860,81 @@ static uint64_t open_region(desc_t *dr, size_t ri, const char *ipc, int dev, mc_
   return base;
 }
 
-/* Maps requests into the peer's regions per the call's descriptor
- * (mapped[i]: where its remote range appears here; ldev[i] < 0: host
- * memory, never taken).  Returns how many map, *nw of them WRITEs; *miss:
- * some found no cuda region there. */
-static size_t map_reqs(call_t *run, const mc_xfer_req_t *reqs, const int *ldev, size_t n,
-                       char *take, uint64_t *mapped, int *miss, size_t *nw) {
+/* One op of a chunk being built (map_build): its entries so far, their
+ * bytes, and its copy job while they are all on one local device. */
+typedef struct op_fill {
+  mc_xfer_op_t *op;
+  mc_gpu_job_t *job;
+  uint32_t e;
+  uint64_t total;
+} op_fill_t;
+
+/* Opens f: an op of `type` with room for `room` entries (the chunk's
+ * requests left), c's engine fields set, and its copy job on local device
+ * dev with the op's group in the same block (the job NULL when out of
+ * memory: start_ops then builds one per device, op_prepare).  Both blocks
+ * from block_get.  -1 when out of memory for the op. */
+static int fill_open(shg_t *t, const mc_xfer_call_t *c, op_fill_t *f, int type, uint32_t room,
+                     int dev) {
+  size_t ob, jb;
+  void *om = block_get(t, MC_XFER_OP_BYTES(room), &ob);
+  if (!om)
+    return -1;
+  mc_xfer_op_t *op = mc_xfer_op_init(om, type, room);
+  op->cap = (uint32_t)((ob - sizeof *op) / sizeof op->ent[0]); /* the block's, for its reuse */
+  op->done = c->op_done;
+  op->entry_failed = c->op_entry_failed;
+  op->arg = c->op_arg;
+  op->cancel = c->op_cancel;
+  *f = (op_fill_t){.op = op};
+  void *jm = block_get(t, mc_gpu_job_inline_bytes(room, sizeof(group_t)), &jb), *gp = NULL;
+  if (!jm)
+    return 0;
+  f->job = mc_gpu_job_init_inline(jm, dev, MC_GPU_D2D, room, sizeof(group_t), &gp);
+  group_t *g = gp;
+  g->op = op;
+  g->block = f->job;
+  g->block_bytes = jb;
+  f->job->arg = g;
+  f->job->complete = ipc_job_done;
+  return 0;
+}
+
+/* The requests [off, off+n) of call c in one pass: each one's remote range
+ * looked up in the peer's regions (per the call's descriptor), mapped here
+ * (CUDA IPC, or the address itself in one process) and written as an entry
+ * of the chunk's op of its opcode (cookie: its index in the call) and as a
+ * copy of that op's job (adjacent copies merge there).  take[i]: request
+ * off+i is taken (ldev < 0, host memory, never is).  Returns how many ops,
+ * WRITEs first, in ops[] with their jobs in pre[] (NULL: op_prepare's).
+ * *miss: some GPU request found no cuda region there; over a cached
+ * descriptor (run->validate) that ends the pass with nothing built, as the
+ * chunk is planned again with a fresh one.  0 with take cleared when out of
+ * memory (the engine's next choice moves them then). */
+static size_t map_build(shg_t *t, call_t *run, const mc_xfer_call_t *c, size_t off, size_t n,
+                        char *take, mc_xfer_op_t **ops, mc_gpu_job_t **pre, int *miss) {
   const mc_remote_desc_t *rd = &run->u->d;
   uint32_t *hint = run->u->hint; /* shared by the descriptor's calls: each hint is checked */
-  /* Read once: the char stores below (take, region_used) may alias
+  /* Read once: the stores below (take, region_used, the entries) may alias
    * anything, so the compiler would reload these per request. */
+  const mc_xfer_req_t *reqs = c->reqs + off;
+  const int *ldev = c->ldev + off;
   const mc_remote_region_t *regs = rd->regions;
   const size_t nregs = rd->n;
-  const int same_process = run->same_process;
+  const int same_process = run->same_process, validate = run->validate;
   uint64_t *rmap = run->rmap;
   int *rdev = run->rdev;
   char *used = run->region_used;
-  size_t k = 0, w = 0;
   mc_err_t err = {0};
   int told = 0; /* this call logged its TCP fallback: once a call, not once a request */
   const mc_remote_region_t *r = NULL; /* the region of the previous request */
+  op_fill_t f[2] = {{0}, {0}}; /* [1]: the WRITEs' */
+  size_t nops = 0;
   *miss = 0;
   for (size_t i = 0; i < n; i++) {
     take[i] = 0;
-    if (ldev[i] < 0)
+    int dev = ldev[i];
+    if (dev < 0)
       continue;
     uint64_t ra = reqs[i].remote, rl = reqs[i].len;
     /* The region last found in this 2 MiB page first (checking the last
@@ -828,9 +942,9 @@ static size_t map_reqs(call_t *run, const mc_xfer_req_t *reqs, const int *ldev, 
      * table), then the last region, then a binary search. */
     uint32_t *hp = &hint[(ra >> 21) % RUN_HINTS];
     uint32_t h = __atomic_load_n(hp, __ATOMIC_RELAXED);
-    const mc_remote_region_t *c = h && h <= nregs ? &regs[h - 1] : NULL;
-    if (c && ra >= c->addr && ra + rl <= c->addr + c->len) {
-      r = c;
+    const mc_remote_region_t *cand = h && h <= nregs ? &regs[h - 1] : NULL;
+    if (cand && ra >= cand->addr && ra + rl <= cand->addr + cand->len) {
+      r = cand;
     } else {
       if (!(r && ra >= r->addr && ra + rl <= r->addr + r->len))
         r = find_region(rd, ra, rl);
@@ -840,34 +954,64 @@ static size_t map_reqs(call_t *run, const mc_xfer_req_t *reqs, const int *ldev, 
     if (!r || r->cuda_dev < 0) {
       *miss = 1; /* host memory there, or not (yet) known: TCP says which */
       r = NULL;
+      if (validate)
+        goto discard; /* planned again over a fresh descriptor */
       continue;
     }
     size_t ri = (size_t)(r - regs);
-    int dev = ldev[i];
-    if (same_process) {
-      mapped[i] = ra; /* one address space */
-    } else {
-      if (r->ipc[0] && rdev[ri] != dev + 1) {
-        rmap[ri] = open_region(run->u, ri, r->ipc, dev, &err);
+    uint64_t m = ra; /* one address space */
+    if (!same_process) {
+      if (rdev[ri] != dev + 1) { /* the region's first request on this device */
+        rmap[ri] = r->ipc[0] ? open_region(run->u, ri, r->ipc, dev, &err) : 1;
         rdev[ri] = dev + 1;
       }
-      if (!r->ipc[0] || rmap[ri] <= 1) {
+      if (rmap[ri] <= 1) {
         if (!told++) /* log_path_once formats and locks: ~750 instructions a request */
-          log_path_once(run->t, run->segment, "TCP with pinned staging (%s)",
+          log_path_once(t, run->segment, "TCP with pinned staging (%s)",
                         !r->ipc[0] ? "the peer exported no CUDA IPC handle"
                         : err.msg[0] ? err.msg
                                      : "a peer's CUDA IPC handle cannot be opened here");
         continue;
       }
-      mapped[i] = rmap[ri] + (ra - r->ipc_base);
+      m = rmap[ri] + (ra - r->ipc_base);
+    }
+    int wr = reqs[i].opcode == MC_XFER_REQ_WRITE;
+    op_fill_t *fo = &f[wr];
+    if (!fo->op &&
+        fill_open(t, c, fo, wr ? MC_XFER_WRITE : MC_XFER_READ, (uint32_t)(n - i), dev) < 0)
+      goto oom;
+    void *loc = reqs[i].local;
+    fo->op->ent[fo->e++] = (mc_xfer_ent_t){.local = loc, .remote = m, .len = rl,
+                                           .cookie = (uint32_t)(off + i), .dev = dev};
+    fo->total += rl;
+    mc_gpu_job_t *j = fo->job;
+    if (j && (dev != j->device ||
+              (wr ? mc_gpu_job_add(j, m, (mc_cu_ptr)(uintptr_t)loc, rl)
+                  : mc_gpu_job_add(j, (mc_cu_ptr)(uintptr_t)loc, m, rl)) < 0)) {
+      mc_gpu_job_free(j); /* another device: op_prepare sorts them */
+      fo->job = NULL;
     }
     used[ri] = 1;
     take[i] = 1;
-    k++;
-    w += reqs[i].opcode == MC_XFER_REQ_WRITE;
   }
-  *nw = w;
-  return k;
+  for (int wr = 1; wr >= 0; wr--) {
+    mc_xfer_op_t *op = f[wr].op;
+    if (!op)
+      continue;
+    op->nent = f[wr].e; /* 1..n <= MC_XFER_MAX_ENTRIES: what mc_xfer_op_seal checks */
+    op->total = f[wr].total;
+    pre[nops] = f[wr].job;
+    ops[nops++] = op;
+  }
+  return nops;
+oom:
+  memset(take, 0, n);
+discard:
+  for (int wr = 0; wr < 2; wr++) {
+    mc_xfer_op_free(f[wr].op);
+    mc_gpu_job_free(f[wr].job);
+  }
+  return 0;
 }
 
 /* Copies src into dst[cap], cut at cap - 1 bytes (snprintf's "%s" without
@@ -882,13 +1026,14 @@ static void copy_cut(char *dst, size_t cap, const char *src) {
  * memory.  One allocation: the call and its per-region arrays. */
 static call_t *call_new(shg_t *t, const mc_peer_t *peer, desc_t *dr, int validate) {
   size_t nr = dr->d.n ? dr->d.n : 1;
-  size_t head = (sizeof(call_t) + 7) & ~(size_t)7;
-  call_t *r = malloc(head + nr * (sizeof(uint64_t) + sizeof(int) + 1));
+  size_t head = (sizeof(call_t) + 7) & ~(size_t)7, bytes;
+  call_t *r = block_get(t, head + nr * (sizeof(uint64_t) + sizeof(int) + 1), &bytes);
   if (!r) {
     desc_unref(dr);
     return NULL;
   }
   memset(r, 0, offsetof(call_t, fresh));
+  r->bytes = bytes;
   memset(&r->fresh, 0, sizeof r->fresh);
   pthread_mutex_init(&r->mu, NULL);
   r->rmap = (uint64_t *)((char *)r + head); /* read only where rdev says it was set */
@@ -972,15 +1117,14 @@ static call_t *call_start(shg_t *t, const mc_peer_t *peer, int refetch) {
   return r;
 }
 
-/* Plans requests of one chunk: take[i] and mapped[i] per request, the
- * call started (or refetched) as needed.  Returns how many it takes, *nw
- * of them WRITEs. */
-static size_t plan_chunk(shg_t *t, const mc_peer_t *peer, call_t **runp, int *gave_up,
-                         const mc_xfer_req_t *reqs, const int *ldev, size_t n, char *take,
-                         uint64_t *mapped, size_t *nw) {
-  size_t k = 0;
+/* Plans requests [off, off+n) of call c: take[i] per request and the
+ * chunk's ops (map_build), the call started (or refetched) as needed.
+ * Returns how many ops. */
+static size_t plan_chunk(shg_t *t, const mc_peer_t *peer, const mc_xfer_call_t *c, size_t off,
+                         size_t n, call_t **runp, int *gave_up, char *take, mc_xfer_op_t **ops,
+                         mc_gpu_job_t **pre) {
+  size_t nops = 0;
   uint64_t t0 = t->trace ? mc_now_ns() : 0, t1 = 0;
-  memset(take, 0, n);
   for (int attempt = 0; attempt < 2 && !*gave_up; attempt++) {
     if (!*runp && !(*runp = call_start(t, peer, attempt > 0))) {
       *gave_up = 1; /* not this call: TCP moves the rest */
@@ -989,9 +1133,9 @@ static size_t plan_chunk(shg_t *t, const mc_peer_t *peer, call_t **runp, int *ga
     if (t->trace)
       t1 = mc_now_ns();
     int miss = 0;
-    k = map_reqs(*runp, reqs, ldev, n, take, mapped, &miss, nw);
+    nops = map_build(t, *runp, c, off, n, take, ops, pre, &miss);
     if (t->trace)
-      mc_log_info("gpu trace: plan of %zu requests: run %.1f us, map %.1f us", n,
+      mc_log_info("gpu trace: plan of %zu requests: run %.1f us, map and ops %.1f us", n,
                   (t1 - t0) / 1e3, (mc_now_ns() - t1) / 1e3);
     if (!(miss && (*runp)->validate))
       break;
@@ -1000,15 +1144,15 @@ static size_t plan_chunk(shg_t *t, const mc_peer_t *peer, call_t **runp, int *ga
      * copies are done). */
     call_unref(*runp);
     *runp = NULL;
-    k = 0;
+    nops = 0;
   }
-  if (k && !(*runp)->logged && !atomic_exchange(&(*runp)->u->path_logged, 1)) {
+  if (nops && !(*runp)->logged && !atomic_exchange(&(*runp)->u->path_logged, 1)) {
     (*runp)->logged = 1; /* once per descriptor: log_path_once logs a segment once anyway */
     log_path_once(t, peer->segment, "same host: GPU memory moves directly between the GPUs "
                   "(%s; copies by %s)", (*runp)->same_process ? "same process" : "CUDA IPC",
                   mc_gpu_d2d_copy_name());
   }
-  return k;
+  return nops;
 }
 
 /* Sends the call's check (once, with its first op): it holds a reference
@@ -1090,7 +1234,7 @@ static group_t *op_prepare(call_t *run, mc_xfer_op_t *op, mc_gpu_job_t **jobs, s
 }
 
 /* Starts the ops of one accepted chunk: one group (one copy job per local
- * device) per op; pre[o], when build_ops made it, is op o's one job with
+ * device) per op; pre[o], when map_build made it, is op o's one job with
  * its group inside. */
 static void start_ops(shg_t *t, call_t *run, mc_xfer_op_t **ops, size_t nops,
                       mc_gpu_job_t **pre) {
@@ -1135,85 +1279,6 @@ static void start_ops(shg_t *t, call_t *run, mc_xfer_op_t **ops, size_t nops,
   }
 }
 
-/* Op op's copy job with its group in one allocation, filled as its
- * entries are (pre_add), when they are all on one local device; NULL
- * otherwise (start_ops then groups them per device: op_prepare). */
-static mc_gpu_job_t *pre_new(mc_xfer_op_t *op, uint32_t nent, int dev) {
-  void *gp = NULL;
-  mc_gpu_job_t *j = mc_gpu_job_new_inline(dev, MC_GPU_D2D, nent, sizeof(group_t), &gp);
-  if (j) {
-    group_t *g = gp;
-    g->op = op;
-    g->block = j;
-    j->arg = g;
-    j->complete = ipc_job_done;
-  }
-  return j;
-}
-
-static void pre_add(mc_gpu_job_t **jp, const mc_xfer_op_t *op, const mc_xfer_ent_t *e) {
-  mc_gpu_job_t *j = *jp;
-  if (!j)
-    return;
-  mc_cu_ptr loc = (mc_cu_ptr)(uintptr_t)e->local, mapped = (mc_cu_ptr)e->remote;
-  if (e->dev != j->device ||
-      (op->type == MC_XFER_WRITE ? mc_gpu_job_add(j, mapped, loc, e->len)
-                                 : mc_gpu_job_add(j, loc, mapped, e->len)) < 0) {
-    mc_gpu_job_free(j); /* another device: op_prepare sorts them */
-    *jp = NULL;
-  }
-}
-
-/* The taken requests of one chunk (`taken`, nw of them WRITEs: map_reqs
- * counted them) as the engine's ops: one per opcode
- * (chunks hold at most MC_XFER_MAX_ENTRIES requests), WRITEs first, one
- * entry per request (cookie: its index in the call), and each op's copy
- * job where it can be built alongside (pre[o], see pre_new).  Returns how
- * many ops; 0 with take cleared when out of memory (the engine's next
- * choice moves them then). */
-static size_t build_ops(mc_xfer_call_t *c, size_t off, size_t n, char *take, size_t taken,
-                        size_t nw, const uint64_t *mapped, mc_xfer_op_t **ops,
-                        mc_gpu_job_t **pre) {
-  size_t nops = 0;
-  mc_err_t err = {0};
-  size_t count[2] = {nw, taken - nw};
-  for (int pass = 0; pass < 2; pass++) {
-    if (!count[pass])
-      continue;
-    int want_write = pass == 0;
-    mc_xfer_op_t *op = c->op_new(c, want_write ? MC_XFER_WRITE : MC_XFER_READ,
-                                 (uint32_t)count[pass]);
-    if (!op)
-      goto fail;
-    uint32_t e = 0;
-    mc_gpu_job_t *j = NULL;
-    const mc_xfer_req_t *rq = c->reqs + off; /* read once: pre_add may grow a job (a call) */
-    const int *ld = c->ldev + off;
-    for (size_t i = 0; i < n; i++) {
-      const mc_xfer_req_t *r = &rq[i];
-      if (!take[i] || (r->opcode == MC_XFER_REQ_WRITE) != want_write)
-        continue;
-      op->ent[e] = (mc_xfer_ent_t){.local = r->local, .remote = mapped[i], .len = r->len,
-                                   .cookie = (uint32_t)(off + i), .dev = ld[i]};
-      if (e == 0)
-        j = pre_new(op, (uint32_t)count[pass], op->ent[0].dev);
-      pre_add(&j, op, &op->ent[e++]);
-    }
-    pre[nops] = j;
-    ops[nops++] = op;
-    if (mc_xfer_op_seal(op, &err) < 0)
-      goto fail;
-  }
-  return nops;
-fail:
-  for (size_t i = 0; i < nops; i++) {
-    mc_xfer_op_free(ops[i]);
-    mc_gpu_job_free(pre[i]);
-  }
-  memset(take, 0, n);
-  return 0;
-}
-
 /* A whole submit call (transport.h submit_call): chunk by chunk, located,
  * mapped into the peer's regions, handed to the engine (accept) and
  * started.  The first chunk is small so the GPU starts early; chunks then
@@ -1228,11 +1293,9 @@ static int shg_submit_call(void *impl, const mc_peer_t *peer, mc_xfer_call_t *c,
   size_t n = c->n, chunk = t->chunk, step = t->first_chunk < chunk ? t->first_chunk : chunk;
   size_t most = chunk < n ? chunk : n;
   char take_s[256];
-  uint64_t mapped_s[256];
   char *take = most <= 256 ? take_s : malloc(most);
-  uint64_t *mapped = most <= 256 ? mapped_s : malloc(most * sizeof *mapped);
   call_t *run = NULL;
-  int rc = 0, gave_up = !take || !mapped; /* out of memory: the next choice moves them */
+  int rc = 0, gave_up = !take; /* out of memory: the next choice moves them */
   for (size_t off = 0, k; off < n && rc == 0; off += k) {
     size_t left = n - off, half = left / 2 > 256 ? left / 2 : 256;
     k = step < half ? step : half;
@@ -1244,18 +1307,13 @@ static int shg_submit_call(void *impl, const mc_peer_t *peer, mc_xfer_call_t *c,
     mc_xfer_op_t *ops[2];
     mc_gpu_job_t *pre[2] = {NULL, NULL};
     size_t nops = 0;
-    uint64_t ts[4] = {0};
+    uint64_t ts[3] = {0};
     if (t->trace)
       ts[0] = mc_now_ns();
-    size_t taken = 0, nw = 0;
-    if (!gave_up && (taken = plan_chunk(t, peer, &run, &gave_up, c->reqs + off, c->ldev + off,
-                                        k, take, mapped, &nw))) {
-      if (t->trace)
-        ts[1] = mc_now_ns();
-      nops = build_ops(c, off, k, take, taken, nw, mapped, ops, pre);
-    }
+    if (!gave_up)
+      nops = plan_chunk(t, peer, c, off, k, &run, &gave_up, take, ops, pre);
     if (t->trace)
-      ts[2] = mc_now_ns();
+      ts[1] = mc_now_ns();
     if ((rc = c->accept(c, off, k, nops ? take : NULL, ops, nops, err)) < 0) {
       for (size_t i = 0; i < nops; i++) {
         mc_xfer_op_free(ops[i]);
@@ -1264,19 +1322,16 @@ static int shg_submit_call(void *impl, const mc_peer_t *peer, mc_xfer_call_t *c,
       break;
     }
     if (t->trace)
-      ts[3] = mc_now_ns();
+      ts[2] = mc_now_ns();
     if (nops)
       start_ops(t, run, ops, nops, pre);
     if (t->trace && nops)
-      mc_log_info("gpu trace: chunk of %zu requests: plan %.1f us, ops %.1f us, accept %.1f us, "
-                  "start %.1f us", k, (ts[1] - ts[0]) / 1e3, (ts[2] - ts[1]) / 1e3,
-                  (ts[3] - ts[2]) / 1e3, (mc_now_ns() - ts[3]) / 1e3);
+      mc_log_info("gpu trace: chunk of %zu requests: plan %.1f us, accept %.1f us, start %.1f us",
+                  k, (ts[1] - ts[0]) / 1e3, (ts[2] - ts[1]) / 1e3, (mc_now_ns() - ts[2]) / 1e3);
   }
   call_unref(run);
   if (take != take_s)
     free(take);
-  if (mapped != mapped_s)
-    free(mapped);
   return rc;
 }
 
@@ -1289,6 +1344,10 @@ static void shg_stats(void *impl, mc_transport_stats_t *out) {
   pthread_mutex_lock(&t->mu);
   out->same_host_gpu_peers = t->npeers;
   pthread_mutex_unlock(&t->mu);
+  pthread_mutex_lock(&t->cache_mu);
+  out->same_host_gpu_cached_blocks = t->ncache;
+  out->same_host_gpu_block_reuses = t->reuses;
+  pthread_mutex_unlock(&t->cache_mu);
 }
 
 /* The control connection to `segment` broke (its process exited, or its
@@ -1329,6 +1388,7 @@ static int shg_start(const mc_transport_env_t *env, void **impl, mc_err_t *err) 
   t->chunk = (size_t)mc_env_long("MC_GPU_CHUNK", MC_XFER_MAX_ENTRIES, 1, MC_XFER_MAX_ENTRIES);
   t->first_chunk = (size_t)mc_env_long("MC_GPU_FIRST_CHUNK", 256, 1, MC_XFER_MAX_ENTRIES);
   pthread_mutex_init(&t->mu, NULL);
+  pthread_mutex_init(&t->cache_mu, NULL);
   t->pub_fd = -1;
   const char *g = getenv("MC_GPU_GEN");
   t->no_gen = g && !strcmp(g, "0");
@@ -1359,6 +1419,9 @@ static void shg_stop(void *impl) {
   if (!t)
     return;
   freed_drain(t);
+  for (size_t i = 0; i < t->ncache; i++)
+    free(t->cache[i].p);
+  pthread_mutex_destroy(&t->cache_mu);
   for (size_t i = 0; i < t->npeers; i++) {
     desc_unref(t->peers[i].dr);
     gen_map_unref(t->peers[i].gm);
