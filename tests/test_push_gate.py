@@ -306,7 +306,7 @@ def test_gate_plan_holds_the_open_caught_up_targets_with_arrays():
     job = NS(all_ready=False, layerwise=True, queued={0}, targets=tgs)
     whole = NS(all_ready=False, layerwise=False, queued={0}, targets={"w": target("w")})
     ready = NS(all_ready=True, layerwise=True, queued={0}, targets={"r": target("r")})
-    p = NS(jobs={"a": job, "b": whole, "c": ready})
+    p = NS(jobs={"a": job, "b": whole, "c": ready}, _cpu=False)
     plan, who, live, rest = PushProducer._gate_plan(p, 1)
     assert plan == (("ok", 5.0, garr, notes), ("quiet", 5.0, garr, None)) and not rest
     assert [(k, j, t) for k, j, t in who] == [(0, job, tgs["ok"]), (1, job, tgs["quiet"])]
@@ -316,7 +316,8 @@ def test_gate_plan_holds_the_open_caught_up_targets_with_arrays():
     tgs["late"] = target("late", layers_sent=set())  # layer 0 not sent
     plan, _, _, rest = PushProducer._gate_plan(p, 1)
     assert rest and len(plan) == 2
-    assert PushProducer._gate_plan(NS(jobs={"c": ready}), 1) == (None, (), (), False)
+    assert PushProducer._gate_plan(NS(jobs={"c": ready}, _cpu=False), 1) == \
+        (None, (), (), False)
 
 
 def test_gate_plan_is_rebuilt_as_each_other_lock_holder_lets_go():
@@ -333,6 +334,7 @@ def test_gate_plan_is_rebuilt_as_each_other_lock_holder_lets_go():
 
         def __init__(self):
             self.lock, self.jobs, self._fast, self._gplan = threading.RLock(), {}, True, None
+            self._cpu = False
 
         @_locked
         def add(self, tid, job):
@@ -372,14 +374,15 @@ class FakeTorchEvent:
 
 def _layer_load_rounds(model_dir, urls, gate, rounds=3, gpu_lag_s=0.002, blocks=4,
                        timings=None, cuda=True, fast=True, profile=False,
-                       pause=False, late=False):  # noqa: F811
+                       pause=False, late=False, early=False):  # noqa: F811
     """push_layer_load rounds with a CUDA-like producer (its layers' events
     complete gpu_lag_s after each save; cuda=False: CPU KV caches, no
     event); returns (wake-ups per layer, the counts, the producer engine's
     stats, the decode's per-layer views).  timings (a dict): filled with the
     producer's save_kv_layer seconds per call (a prompt being computed) and
-    its forward's seconds per prompt.  fast=False: CUDA layers through the
-    per-target Python path (_layer_gated), not Engine.gate_layer.
+    its forward's seconds per prompt.  fast=False: layers through the
+    per-target Python path (CUDA: _layer_gated; CPU: layer_done), not
+    Engine.gate_layer.
     profile: the counts' "py_calls" lists, per save of a prompt being
     computed, the Python and C functions it called (sys.setprofile).
     pause: the producer's forward waits after layer 0 for the decode's
@@ -388,7 +391,9 @@ def _layer_load_rounds(model_dir, urls, gate, rounds=3, gpu_lag_s=0.002, blocks=
     forward queued, its last layer's event not complete): counts
     "late_unfinished" (that event not complete then) and "late_early_data"
     (the decode had the layers before it completed: a write not gated on the
-    forward).  The counts' "syncs": the producer's stream synchronizes
+    forward).  early: the decode's target is in the producer engine's
+    queue before the producer's step starts (taken when the step binds,
+    before the forward).  The counts' "syncs": the producer's stream synchronizes
     (the stand-in's cuda_sync only counts: it does not wait)."""
     from test_push_layer_load import AttnSide, both_legs, BS, toks
     from vllm_harness import recomputes
@@ -461,8 +466,8 @@ def _layer_load_rounds(model_dir, urls, gate, rounds=3, gpu_lag_s=0.002, blocks=
                 return f.stream.value
 
             pp_._stream, pp_._gdev = stream, 0
-            if not fast:
-                pp_._fast = False  # the per-target Python path (_layer_gated)
+        if not fast:  # the per-target Python path (_layer_gated; CPU: layer_done)
+            pp_._fast = False
         orig_save = w.save_kv_layer
         wakes["py_calls"] = []  # per profiled save: the calls it made
         skip = {Fake.hold.__code__} | ({stream.__code__} if stream else set())
@@ -531,10 +536,23 @@ def _layer_load_rounds(model_dir, urls, gate, rounds=3, gpu_lag_s=0.002, blocks=
                 wakes["late_unfinished"] += f.lib.cuEventQuery(last_ev[0]) != 0
                 d.add(make_request("q", t, max_tokens=2, params=dp(f"G{gate}{r}")))
                 run = Stepper(p)
+            elif early:
+                from test_push_layer_load import Stepper, dp, make_request, pp as p_params
+                p.add(make_request("pq", t, max_tokens=1, params=p_params(f"G{gate}{r}")))
+                d.add(make_request("q", t, max_tokens=2, params=dp(f"G{gate}{r}")))
+                box = {}
+                dstep = threading.Thread(target=lambda: box.setdefault("so", d.step()))
+                dstep.start()  # sends the target, then waits for the layers
+                assert w.engine.wait_notifies(10)  # the target is there (not taken)
+                run = Stepper(p)
             else:
                 run = both_legs(p, d, f"G{gate}{r}", t, 2)
             try:
-                so = d.step()
+                if early:
+                    dstep.join(30)
+                    so = box["so"]
+                else:
+                    so = d.step()
                 if late:  # the layers are there: the "GPU" must have finished the forward
                     wakes["late_early_data"] += f.lib.cuEventQuery(last_ev[0]) != 0
                 assert so.num_scheduled_tokens.get("q") == 5
@@ -686,6 +704,45 @@ def test_cpu_layer_load_wakes_no_python_thread_per_layer(tmp_path, monkeypatch):
         # the engine told the layers: one message per write batch (a target
         # that arrived after layer 0 or after the forward gets several in one)
         assert 3 <= stats["gate_notified"] <= wa["saves"], stats
+
+
+def test_cpu_layer_save_is_one_engine_call(tmp_path, monkeypatch):
+    """CPU KV caches, push_layer_load: a layer's save on vLLM's forward
+    thread is one engine call (Engine.gate_layer with no event: the look
+    for notifications and every plan target's writes with its 'layer'
+    message), not the drain's two engine calls and the per-target Python
+    path (issue 31: save_kv_layer, 8 calls of ~0.08-0.16 ms, was 1.27 ms of
+    the prefill's 2.05 ms of hooks per push step on the CPU VM).  Counted:
+    the Python and C functions each save of a prompt being computed calls,
+    with the decode's target there before the forward and arriving after
+    layer 0 (the save that drains it takes the per-target path once), on
+    both transports of a same-host deployment; the decode sees every layer
+    land and the engine tells each layer."""
+    pytest.importorskip("vllm", reason="vllm is not installed")
+    from vllm_harness import tiny_model_dir
+    md = tiny_model_dir(str(tmp_path))
+    for same_host in ("1", "0"):
+        monkeypatch.setenv("MC_SAME_HOST_CPU", same_host)
+        _, wb, _, seen_b = _layer_load_rounds(md, _urls(), gate=True, cuda=False, early=True,
+                                              profile=True, fast=False, blocks=8)
+        for how in ("early", "pause"):
+            per, wa, stats, seen_a = _layer_load_rounds(
+                md, _urls(), gate=True, cuda=False, profile=True, blocks=8,
+                early=how == "early", pause=how == "pause")
+            calls = sorted(wa["py_calls"])
+            print(f"MC_SAME_HOST_CPU={same_host} target {how}: calls per save "
+                  f"{calls} (per-target path, target early: {sorted(wb['py_calls'])})")
+            assert all(all(s) for s in seen_a), seen_a
+            assert per == 0 and wa["saves"] == 3 * 2 and len(calls) == 6, (per, wa)
+            assert 3 <= stats["gate_notified"] <= wa["saves"], stats
+            if how == "early":  # a layer's save: the engine call, a few Python steps
+                # (one may find a notification waiting and drain it first)
+                assert sum(c <= 5 for c in calls) >= 5, calls
+            else:  # layer 0 before the target (no job target), layer 1 drains it
+                assert sum(c <= 5 for c in calls) >= 2, calls
+        calls_b = sorted(wb["py_calls"])
+        assert all(all(s) for s in seen_b), seen_b
+        assert calls_b[0] >= 12 and calls_b[0] >= 3 * calls[0], calls_b  # main: 42
 
 
 def test_consumer_merges_per_batch_layer_messages():

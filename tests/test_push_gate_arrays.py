@@ -143,3 +143,126 @@ def test_c_build_names_a_block_id_out_of_range_and_layer_notes_match_encode():
     for tid in ("t", 'a"b\\c', "\u00e9x"):
         assert _layer_notes(tid, 3) == [encode({"t": "layer", "tid": tid, "l": [li]})
                                         for li in range(3)]
+
+
+# ---- the consumer's target body (PushConsumer.start, the decode's start_load_kv)
+
+
+def _pieces(layout, rng, slices):
+    """One tp_map.Piece per layer: whole extents, or head slices (a TP map)."""
+    from mooncake_connector.connector.tp_map import Piece
+    out = []
+    for L in layout.layers:
+        if not slices:
+            out.append(Piece(dst_off=0, length=L.block_bytes, src_off=0, whole=True))
+            continue
+        n = rng.randint(1, L.block_bytes)
+        out.append(Piece(dst_off=rng.randint(0, L.block_bytes - n), length=n,
+                         src_off=rng.randint(0, 4 * L.block_bytes), whole=False))
+    return out
+
+
+def _body_loop(layout, rows, pieces):
+    """The reference: the body PushConsumer.start built block by block
+    through layout.mapped_extents before the C pass."""
+    from mooncake_connector.connector.tp_map import SLICE
+    flat = array("Q")
+    for t in layout.mapped_extents(rows, pieces):
+        flat.extend((t[0], t[1], (t[2] & ~SLICE) if len(t) > 2 else 0))
+    return flat.tobytes()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_target_body_c_equals_the_mapped_extents_loop(seed):
+    from mooncake_connector import _core
+    from mooncake_connector.connector.push import _row_ids, _target_spec
+    rng = random.Random(seed)
+    for name, layout, groups in _layouts():
+        for slices in (False, True):
+            pieces = _pieces(layout, rng, slices)
+            for n in (1, 5, NB):
+                ids, more = _rows(groups, rng, n)
+                rows = ids if more is None else list(zip(ids, *more))
+                if more is not None:  # a null block (id 0) of the second group
+                    rows[0] = (rows[0][0], 0)
+                want = _body_loop(layout, rows, pieces)
+                got = _core.target_extents(_row_ids(layout, rows), layout.num_groups,
+                                           layout.num_blocks, _target_spec(layout, pieces))
+                assert isinstance(got, bytes) and got == want, (name, slices, n)
+                assert len(got) == 24 * n * layout.extents_per_block
+
+
+def test_target_body_names_a_bad_block_id_as_the_layout_does():
+    from mooncake_connector import _core
+    from mooncake_connector.connector.layout import LayoutError
+    from mooncake_connector.connector.push import _row_ids, _target_spec
+    for name, layout, groups in _layouts():
+        spec = _target_spec(layout, _pieces(layout, random.Random(3), False))
+        with pytest.raises(ValueError, match=f"block id {NB} is outside 0..{NB - 1}"):
+            _core.target_extents(array("Q", [1] * layout.num_groups + [NB] * layout.num_groups),
+                                 layout.num_groups, NB, spec)
+        with pytest.raises(LayoutError, match="block id -1 is outside"):
+            _row_ids(layout, [1, -1] if groups is None else [(1, 1), (-1, 2)])
+    _, layout, _ = next(_layouts())
+    spec = _target_spec(layout, _pieces(layout, random.Random(3), False))
+    with pytest.raises(ValueError, match="groups must be >= 1"):
+        _core.target_extents(array("Q", [1]), 0, NB, spec)
+    with pytest.raises(TypeError, match="bytes-like"):
+        _core.target_extents([1, 2], 1, NB, spec)
+    with pytest.raises(TypeError, match=r"target_extents: ids must be an array\('Q'\)"):
+        _core.target_extents(array("i", [1, 2]), 1, NB, spec)
+    with pytest.raises(ValueError, match="2 layer pieces for 3 layers"):
+        _target_spec(layout, _pieces(layout, random.Random(3), False)[:2])
+
+
+def _consumer(layout, sent):
+    from mooncake_connector.connector.push import PushConsumer
+    pieces = _pieces(layout, random.Random(5), True)
+    w = SimpleNamespace(
+        s=SimpleNamespace(push_layer_timeout_s=5.0, load_timeout_s=5.0), layout=layout,
+        kv=object(), routes=SimpleNamespace(route=lambda base, producer_tp=None: [("p:1", pieces)]),
+        default_producer="p:1", block_size=BS, tp_rank=0,
+        push_outbox=SimpleNamespace(send=lambda name, msg, **kw: sent.append(msg),
+                                    delivered_to=lambda name: True))
+    return PushConsumer(w), pieces
+
+
+def _start(layout, nblocks, tid):
+    """PushConsumer.start of one layer load of nblocks blocks: (Python calls
+    made, the target sent, the pieces)."""
+    import sys
+    sent = []
+    c, pieces = _consumer(layout, sent)
+    spec = SimpleNamespace(push_tid=tid, layer_load=True, producer=None, producer_tp=None,
+                           skip_blocks=0, block_ids=list(range(1, nblocks + 1)),
+                           more_groups=None, tokens=list(range(nblocks * BS)), req_id=tid)
+    ld = SimpleNamespace(spec=spec)
+    calls = [0]
+
+    def prof(frame, event, arg):
+        if event == "call":
+            calls[0] += 1
+    sys.setprofile(prof)
+    try:
+        c.start(ld)
+    finally:
+        sys.setprofile(None)
+    assert ld.push.error is None and ld.push.ranks == {"p:1": "sending"}
+    return calls[0], sent, pieces
+
+
+def test_decode_target_costs_no_python_step_per_block():
+    """The decode's start_load_kv builds the target's extents in one C pass:
+    the Python calls it makes are the same for 2 and 8 blocks (the loop
+    through layout.mapped_extents made a call per block and extent); the
+    message is the loop's, byte for byte."""
+    from mooncake_connector.connector.push import decode
+    layout = KVLayout({f"l{i}": torch.zeros(2, 9, BS, H, D) for i in range(3)}, num_blocks=9,
+                      heads=H, block_size=BS)
+    _start(layout, 2, "w")  # imports and caches first
+    few, sent_few, _ = _start(layout, 2, "a")
+    many, sent, pieces = _start(layout, 8, "b")
+    assert many == few, (few, many)
+    head, body = decode(sent[0])
+    assert head["n"] == 8 * layout.extents_per_block and head["lnotify"] is True
+    assert body == _body_loop(layout, list(range(1, 9)), pieces)

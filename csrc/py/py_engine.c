@@ -1089,9 +1089,14 @@ static PyObject *gate_target(EngineObject *self, PyObject *t, const gate_layer_t
                       .notify = has_nb ? nb.buf : NULL, .notify_len = has_nb ? (size_t)nb.len : 0,
                       .notify_timeout_ms = (int64_t)((ntmo > 0.1 ? ntmo : 0.1) * 1000.0)};
   mc_err_t err = {0};
-  /* Only queued for the gate thread (as batch_transfer_async_write_gated
-   * with an event): the GIL is kept. */
+  /* With an event: only queued for the gate thread (as
+   * batch_transfer_async_write_gated with one), the GIL is kept.  Without
+   * (CPU KV caches): the writes start now and may run here (the same-host
+   * path copies the layer), so the GIL is released, as that call does. */
+  PyThreadState *ts = g->event ? NULL : PyEval_SaveThread();
   mc_batch_t *b = batch_submit_new(self, target, reqs, (size_t)n, &o, &err);
+  if (ts)
+    PyEval_RestoreThread(ts);
   /* not taken (busy, lease, a bad segment): None, the caller's path retries */
   id = b ? table_batch(self, b) : Py_NewRef(Py_None);
 out:
@@ -1118,7 +1123,9 @@ PyDoc_STRVAR(gate_layer_doc,
 "lease ends within `margin` seconds.  Returns (event, results): the event's\n"
 "handle and, per plan target, the batch id or None (not submitted: lease near\n"
 "its end, nothing to write, the engine did not take it).  The GIL is kept\n"
-"(nothing blocks).");
+"(nothing blocks).  device -1 (CPU KV caches, the layer's KV in memory): no\n"
+"event (0 returned for it), stream ignored; the writes start at once, each\n"
+"target's submit with the GIL released (it may copy the layer here).");
 
 static PyObject *Engine_gate_layer(EngineObject *self, PyObject *args) {
   long li;
@@ -1128,9 +1135,9 @@ static PyObject *Engine_gate_layer(EngineObject *self, PyObject *args) {
   if (!PyArg_ParseTuple(args, "lOKidd:gate_layer", &li, &plan, &stream, &g.dev, &g.margin,
                         &g.note_cap))
     return NULL;
-  if (li < 0 || g.dev < 0) {
-    PyErr_Format(PyExc_ValueError, "gate_layer: layer (%ld) and device (%d) must be >= 0", li,
-                 g.dev);
+  if (li < 0 || g.dev < -1) {
+    PyErr_Format(PyExc_ValueError, "gate_layer: layer (%ld) must be >= 0 and device (%d) a "
+                 "CUDA ordinal >= 0, or -1 for CPU KV caches (no event)", li, g.dev);
     return NULL;
   }
   if (plan != Py_None && !PyTuple_Check(plan)) {
@@ -1150,7 +1157,7 @@ static PyObject *Engine_gate_layer(EngineObject *self, PyObject *args) {
     goto out;
   }
   mc_err_t err = {0};
-  if (mc_engine_gate_record(self->eng, g.dev, stream, &g.event, &err) < 0) {
+  if (g.dev >= 0 && mc_engine_gate_record(self->eng, g.dev, stream, &g.event, &err) < 0) {
     res = mc_py_raise(ST(self), &err);
     goto out;
   }

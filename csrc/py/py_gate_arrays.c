@@ -1,10 +1,19 @@
-/* _core.gate_arrays: the push producer's per-layer write arrays of one
- * target (push.py PushProducer._gate_arrays), built in one pass in C when
- * the decode's target arrives (often inside the prefill's forward, on
- * vLLM's forward thread): for each layer (src, dst, len) array('Q')s and
- * its bytes, block-major then extent, null extents (len 0, HMA) left out,
- * the first extent too long for this side's found first (block, then
- * layer).  The Python loop and numpy builds stay as the reference. */
+/* The push flow's extent arrays, each built in one pass in C instead of a
+ * Python loop over blocks x extents:
+ *
+ * _core.gate_arrays: the producer's per-layer write arrays of one target
+ * (push.py PushProducer._gate_arrays), built when the decode's target
+ * arrives (often inside the prefill's forward, on vLLM's forward thread):
+ * for each layer (src, dst, len) array('Q')s and its bytes, block-major
+ * then extent, null extents (len 0, HMA) left out, the first extent too
+ * long for this side's found first (block, then layer).
+ *
+ * _core.target_extents: the consumer's target body (push.py
+ * PushConsumer.start, in the decode's start_load_kv): per block, layer and
+ * outer slice (addr, len, src_off), the bytes layout.mapped_extents gives
+ * (a null block of an HMA group: (addr, 0, 0)).
+ *
+ * The Python loops stay as the references (tests/test_push_gate_arrays.py). */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -25,7 +34,7 @@ static int u64_view(PyObject *o, Py_buffer *v, const char *what) {
     f++;
   if (v->itemsize != 8 || !f[0] || f[1] || !strchr("QL", f[0])) {
     PyBuffer_Release(v);
-    PyErr_Format(PyExc_TypeError, "gate_arrays: %s must be an array('Q')", what);
+    PyErr_Format(PyExc_TypeError, "%s must be an array('Q')", what);
     return -1;
   }
   return 0;
@@ -50,7 +59,7 @@ static int parse_layers(PyObject *layers, gl_layer_t *L, Py_ssize_t nl, uint64_t
                                          "base, group, block_stride, block_bytes, outer)");
       return -1;
     }
-    if (u64_view(outer, &l->outer, "a layer's outer offsets") < 0)
+    if (u64_view(outer, &l->outer, "gate_arrays: a layer's outer offsets") < 0)
       return -1;
     if ((uint64_t)(l->outer.len / 8) != l->nk || l->k0 + l->nk > epb || l->group >= ng) {
       PyBuffer_Release(&l->outer);
@@ -152,9 +161,9 @@ static PyObject *gate_arrays(PyObject *mod, PyObject *args) {
   gl_layer_t *L = PyMem_RawCalloc((size_t)(nl ? nl : 1), sizeof *L);
   if (!L)
     return PyErr_NoMemory();
-  if (u64_view(ids_o, &ids, "ids") < 0)
+  if (u64_view(ids_o, &ids, "gate_arrays: ids") < 0)
     goto out;
-  if (u64_view(dest_o, &dest, "dest") < 0)
+  if (u64_view(dest_o, &dest, "gate_arrays: dest") < 0)
     goto out;
   uint64_t nb = (uint64_t)(dest.len / 8) / (epb * 3);
   if (nb * epb * 3 != (uint64_t)(dest.len / 8) || (uint64_t)(ids.len / 8) != nb * ng) {
@@ -197,6 +206,104 @@ out:
   return res;
 }
 
+/* ---- the consumer's target extents ---- */
+
+typedef struct {
+  uint64_t base, group, stride, dst_off, len, src_off;
+  Py_buffer outer;
+} te_layer_t;
+
+static int parse_te_layers(PyObject *layers, te_layer_t *L, Py_ssize_t nl, uint64_t ng,
+                           Py_ssize_t *parsed) {
+  for (Py_ssize_t i = 0; i < nl; i++) {
+    PyObject *o = PyTuple_GET_ITEM(layers, i), *outer;
+    te_layer_t *l = &L[i];
+    if (!PyTuple_Check(o) ||
+        !PyArg_ParseTuple(o, "KKKOKKK:target_extents layer", &l->base, &l->group, &l->stride,
+                          &outer, &l->dst_off, &l->len, &l->src_off)) {
+      if (!PyErr_Occurred())
+        PyErr_SetString(PyExc_TypeError, "target_extents: each layer must be a tuple (base, "
+                                         "group, block_stride, outer, dst_off, len, src_off)");
+      return -1;
+    }
+    if (u64_view(outer, &l->outer, "target_extents: a layer's outer offsets") < 0)
+      return -1;
+    *parsed = i + 1;
+    if (l->group >= ng) {
+      PyErr_Format(PyExc_ValueError, "target_extents: layer %zd's group %llu does not fit "
+                   "%llu groups", i, (unsigned long long)l->group, (unsigned long long)ng);
+      return -1;
+    }
+  }
+  return 0;
+}
+
+static PyObject *target_extents(PyObject *mod, PyObject *args) {
+  (void)mod;
+  PyObject *ids_o, *layers, *res = NULL;
+  unsigned long long ng, nblocks;
+  if (!PyArg_ParseTuple(args, "OKKO!:target_extents", &ids_o, &ng, &nblocks, &PyTuple_Type,
+                        &layers))
+    return NULL;
+  if (!ng) {
+    PyErr_SetString(PyExc_ValueError, "target_extents: groups must be >= 1");
+    return NULL;
+  }
+  Py_buffer ids = {0};
+  Py_ssize_t nl = PyTuple_GET_SIZE(layers), parsed = 0;
+  te_layer_t *L = PyMem_RawCalloc((size_t)(nl ? nl : 1), sizeof *L);
+  if (!L)
+    return PyErr_NoMemory();
+  if (u64_view(ids_o, &ids, "target_extents: ids") < 0)
+    goto out;
+  uint64_t nid = (uint64_t)(ids.len / 8), nb = nid / ng, per_block = 0;
+  if (nb * ng != nid) {
+    PyErr_Format(PyExc_ValueError, "target_extents: %llu ids are not blocks x %llu groups",
+                 (unsigned long long)nid, ng);
+    goto out;
+  }
+  for (uint64_t i = 0; i < nid; i++)
+    if (at(&ids, (Py_ssize_t)i) >= nblocks) {
+      PyErr_Format(PyExc_ValueError, "block id %llu is outside 0..%llu",
+                   (unsigned long long)at(&ids, (Py_ssize_t)i), nblocks - 1);
+      goto out;
+    }
+  if (parse_te_layers(layers, L, nl, ng, &parsed) < 0)
+    goto out;
+  for (Py_ssize_t li = 0; li < nl; li++)
+    per_block += (uint64_t)(L[li].outer.len / 8);
+  if (per_block && nb > (uint64_t)PY_SSIZE_T_MAX / 24 / per_block) {
+    PyErr_NoMemory();
+    goto out;
+  }
+  res = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(nb * per_block * 24));
+  if (!res)
+    goto out;
+  uint64_t *w = (uint64_t *)(void *)PyBytes_AS_STRING(res);
+  for (uint64_t b = 0; b < nb; b++)
+    for (Py_ssize_t li = 0; li < nl; li++) {
+      const te_layer_t *l = &L[li];
+      uint64_t id = at(&ids, (Py_ssize_t)(b * ng + l->group));
+      uint64_t off = l->base + id * l->stride;
+      int null = ng > 1 && id == 0; /* HMA: a group's null block is not moved */
+      for (Py_ssize_t k = 0; k < l->outer.len / 8; k++) {
+        uint64_t a = off + at(&l->outer, k), e[3];
+        e[0] = null ? a : a + l->dst_off;
+        e[1] = null ? 0 : l->len;
+        e[2] = null ? 0 : l->src_off;
+        memcpy(w, e, sizeof e);
+        w += 3;
+      }
+    }
+out:
+  for (Py_ssize_t i = 0; i < parsed; i++)
+    PyBuffer_Release(&L[i].outer);
+  PyMem_RawFree(L);
+  if (ids.obj)
+    PyBuffer_Release(&ids);
+  return res;
+}
+
 static PyMethodDef gate_arrays_functions[] = {
     {"gate_arrays", gate_arrays, METH_VARARGS,
      "gate_arrays(ids, dest, extents_per_block, groups, layers, num_blocks)\n"
@@ -209,6 +316,14 @@ static PyMethodDef gate_arrays_functions[] = {
      "array('Q')s, block-major then extent, null extents left out; gbytes: each\n"
      "layer's bytes.  The first extent too long for this side's (block, then\n"
      "layer): (None, its numbers).  ValueError: a block id >= num_blocks."},
+    {"target_extents", target_extents, METH_VARARGS,
+     "target_extents(ids, groups, num_blocks, layers) -> bytes\n\n"
+     "The push consumer's target body: ids (array('Q'), blocks x groups: this\n"
+     "side's block rows), layers (a tuple per layer: (base, group, block_stride,\n"
+     "array('Q') of outer offsets, dst_off, len, src_off): its tp_map piece).  Per\n"
+     "block, then layer, then outer slice, three native u64 (addr + dst_off, len,\n"
+     "src_off); a group's null block (id 0, groups > 1): (addr, 0, 0).\n"
+     "ValueError: a block id >= num_blocks."},
     {NULL, NULL, 0, NULL},
 };
 

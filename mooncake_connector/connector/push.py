@@ -162,6 +162,51 @@ def _layer_notes(tid, nl):
     return [pre + b"%d]}\n" % li for li in range(nl)]
 
 
+def _no_stream(dev):
+    """gate_layer's stream for CPU KV caches: none (no event is recorded)."""
+    return 0
+
+
+def _core_mod():
+    from mooncake_connector import _core
+    return _core
+
+
+def _row_ids(lay, rows):
+    """Block rows as the array('Q') (blocks x groups ids) the C builds take:
+    one id per row (ints) without a Python step per block; rows of ids, or
+    ids the array cannot hold, through layout._row (its LayoutError)."""
+    try:
+        if lay.num_groups == 1:
+            return array("Q", rows)
+    except (OverflowError, TypeError):
+        pass
+    return array("Q", [b for r in rows for b in lay._row(r)])
+
+
+def _target_spec(lay, pieces):
+    """_core.target_extents' layers for one route's tp_map pieces (one per
+    layer): (base, group, block_stride, outer offsets, dst_off, len,
+    src_off), cached on the pieces' identity (a route's are kept)."""
+    key = id(pieces)
+    got = _TARGET_SPECS.get(key)
+    if got is not None and got[0] is pieces and got[1] is lay:
+        return got[2]
+    if len(pieces) != len(lay.layers):
+        raise ValueError(f"the route has {len(pieces)} layer pieces for "
+                         f"{len(lay.layers)} layers here")
+    spec = tuple((L.base, L.group, L.block_stride, array("Q", L.outer), pc.dst_off,
+                  pc.length, 0 if pc.whole else pc.src_off)
+                 for L, pc in zip(lay.layers, pieces))
+    if len(_TARGET_SPECS) >= 64:
+        _TARGET_SPECS.clear()
+    _TARGET_SPECS[key] = (pieces, lay, spec)
+    return spec
+
+
+_TARGET_SPECS = {}  # id(pieces) -> (pieces, layout, spec): the objects kept alive with it
+
+
 def _extent_too_long(k, b, n, s_off, s_len):
     return (f"extent {k} of block {b}: {n} bytes from offset {s_off} "
             f"exceed this side's {s_len}-byte extent")
@@ -428,7 +473,6 @@ class PushConsumer:
         except ValueError as e:  # SettingsError too
             cl.error = f"layout mismatch: {e}" if "fit" in str(e) else str(e)
             return
-        from mooncake_connector.connector.tp_map import SLICE
         from mooncake_connector.connector.loads import rows as block_rows
 
         end = spec.skip_blocks + len(spec.block_ids)
@@ -441,12 +485,14 @@ class PushConsumer:
             return
         self.loads[tid] = cl
         self.by_rid[spec.req_id] = tid
+        ids = None
         for name, pieces in route:
-            flat = array("Q")
             try:
-                for t in w.layout.mapped_extents(rows, pieces):
-                    off = (t[2] & ~SLICE) if len(t) > 2 else 0
-                    flat.extend((t[0], t[1], off))
+                if ids is None:
+                    ids = _row_ids(w.layout, rows)
+                body = _core_mod().target_extents(ids, w.layout.num_groups,
+                                                  w.layout.num_blocks,
+                                                  _target_spec(w.layout, pieces))
             except ValueError as e:
                 cl.ranks[name] = "unsent"
                 cl.why[name] = f"layout mismatch: {e}"
@@ -454,12 +500,12 @@ class PushConsumer:
             head = {"t": "target", "tid": tid, "rank": w.tp_rank, "lease_until": cl.lease_until,
                     "ntok": ntok, "h": h, "skip": spec.skip_blocks,
                     "nblocks": len(spec.block_ids), "epb": w.layout.extents_per_block,
-                    "n": len(flat) // 3}
+                    "n": len(body) // 24}
             if layered:
                 head["lnotify"] = True
                 cl.landed[name] = set()
             cl.ranks[name] = "sending"
-            cl.msgs[name] = encode(head, flat.tobytes())
+            cl.msgs[name] = encode(head, body)
             trace.event("target_queued", tid, to=name)
             ob = w.push_outbox
             ob.send(name, cl.msgs[name], key=("t", tid, name),
@@ -802,6 +848,7 @@ class PushProducer:
         self._gplan = None
         self._stream = None
         self._gdev = 0
+        self._cpu = False     # gate_layer without an event (CPU KV caches)
         self._layer_index = {L.name: i for i, L in enumerate(worker.layout.layers)}
         off, self._layer_off = 0, []
         for L in worker.layout.layers:
@@ -908,7 +955,7 @@ class PushProducer:
     @_locked
     def dropped(self, tid):
         """The prefill request ended without a prompt to push."""
-        self.ended[tid] = time.monotonic()
+        self._end_tid(tid, time.monotonic())
         for sender, tg in self.early.pop(tid, {}).items():
             self._early_bytes -= 24 * len(tg.dest) // 3
             self._reply(sender, tid, "nokv", "the prefill request ended without KV (aborted "
@@ -958,6 +1005,9 @@ class PushProducer:
             # the per-layer arrays now (usually before the forward), not in a layer's save
             if self._gate_arrays(job, tg) is not None and job.queued:
                 self._submit_gated(job, tg)  # layers saved before the target arrived
+        elif job.layerwise and not job.all_ready and tg.lnotify and tg.garr is None and \
+                tg.state in ("pending", "writing") and not tg.stop and self._engine_tells(job):
+            self._gate_arrays(job, tg)  # CPU: gate_layer's arrays before the next save
 
     def _repeat(self, job, tg):
         """An identical duplicate of a target this job has: nothing is
@@ -972,9 +1022,18 @@ class PushProducer:
 
     def _fast_gate(self):
         """Whether gate_layer can take the layers: CUDA through the gate,
-        an engine with gate_layer, torch's raw current stream."""
-        if self.w.cuda_sync is None or not self._gate_on() or \
-                not hasattr(self.w.engine, "gate_layer"):
+        an engine with gate_layer, torch's raw current stream; or CPU KV
+        caches whose layers the engine tells (_engine_tells: push_layer_gate,
+        an engine with gated batches): no event (device -1), the writes
+        start in the engine call."""
+        if self.w.cuda_sync is None:
+            if not (self._gate_failed is None and bool(getattr(self.w.s, "push_layer_gate", True))
+                    and hasattr(self.w.engine, "gate_layer")
+                    and hasattr(self.w.engine, "batch_transfer_async_write_gated")):
+                return False
+            self._stream, self._gdev, self._cpu = _no_stream, -1, True
+            return True
+        if not self._gate_on() or not hasattr(self.w.engine, "gate_layer"):
             return False
         if self._stream is None:
             try:
@@ -994,8 +1053,14 @@ class PushProducer:
         current stream and hands each target of the plan (_gate_plan: its
         prebuilt arrays, "layer" messages and lease) the layer's writes gated
         on it; the batches it returns are noted here (no Python call per
-        target).  False: not taken (no such path, or a notification waits:
-        the caller drains it and calls again or layer_done)."""
+        target).  CPU KV caches (the layer in memory now) take the same call
+        without an event for targets whose layers the engine tells
+        (push_layer_load): the look for notifications and every plan
+        target's writes in one call, not the drain's two engine calls and
+        the per-target Python path per layer (issue 31: save_kv_layer was
+        1.27 ms of the prefill's 2.05 ms of hooks per push step on the CPU
+        VM).  False: not taken (no such path, or a notification waits: the
+        caller drains it and calls again or layer_done)."""
         fast = self._fast
         if fast is None:
             fast = self._fast = self._fast_gate()
@@ -1005,13 +1070,13 @@ class PushProducer:
             li = self._layer_index[layer_name]
         except KeyError:
             return False
-        dev = self._gdev
+        dev, cpu = self._gdev, self._cpu
         try:
             with self.lock:
                 gp = self._gplan
                 if gp is not None:
                     for job in gp[2]:
-                        if li in job.queued:  # a layer saved again: a plan for it
+                        if li in (job.ready if cpu else job.queued):  # a layer saved again
                             gp = None
                             break
                 if gp is None:  # a lock holder set it None, or the layer came again
@@ -1026,9 +1091,13 @@ class PushProducer:
                         trace.event("layer_saved", job.tid, li=li)
                 ev, ids = r
                 lis, qev = {li}, (None, ev, dev)
-                for job in live:
-                    job.queued |= lis
-                    job.qev = qev
+                if cpu:  # in memory now (a target arriving later in this forward gets it)
+                    for job in live:
+                        job.ready |= lis
+                else:
+                    for job in live:
+                        job.queued |= lis
+                        job.qev = qev
                 # what _submit_gated notes after a submit, in operators (no
                 # call per target; the plan's targets stay caught up)
                 for k, job, tg in who:
@@ -1050,6 +1119,9 @@ class PushProducer:
                     self._gplan = None
                     for job in live:
                         if job.layerwise and not job.all_ready:
+                            if cpu:
+                                self._submit_ready(job)
+                                continue
                             for tg in list(job.targets.values()):
                                 self._submit_gated(job, tg)
         except Exception as e:  # noqa: BLE001 - an event error: the layer-event path
@@ -1068,19 +1140,24 @@ class PushProducer:
         (arrays not built, layers behind): the per-target path looks.  Built
         as each other holder of the lock lets it go (_locked; the others set
         None: built in the save), kept while only gate_layer takes the lock
-        (its targets stay caught up)."""
+        (its targets stay caught up).  CPU KV caches: the layers computed
+        (job.ready) stand for the queued ones, and only targets whose
+        layers the engine tells (lnotify, _engine_tells) are in the plan."""
         live, plan, who, rest = (), (), (), False
+        cpu = self._cpu
         for job in self.jobs.values():
             if job.all_ready:
                 continue
             live += (job,)
             if not job.layerwise or not job.targets:
                 continue
-            done = job.queued - {li}
+            done = (job.ready if cpu else job.queued) - {li}
+            tells = not cpu or self._engine_tells(job)
             for tg in job.targets.values():
                 if tg.state not in ("pending", "writing") or tg.cancel or tg.stop:
                     continue
-                if tg.garr is None or li in tg.layers_sent or tg.layers_sent != done:
+                if tg.garr is None or li in tg.layers_sent or tg.layers_sent != done or \
+                        (cpu and not (tells and tg.lnotify)):
                     rest = True
                     continue
                 who += ((len(plan), job, tg),)
@@ -1107,11 +1184,17 @@ class PushProducer:
                 if cpu and not job.all_ready:
                     job.ready.add(li)  # (a target arriving later in this forward gets it)
                 if job.layerwise and not job.all_ready:
-                    told = self._engine_tells(job)
-                    for tg in job.targets.values():
-                        self._submit(job, tg)
-                        if tg.lnotify and tg.batches and not told:
-                            self._poll_batches(tg, job)  # earlier layers landed: say so
+                    self._submit_ready(job)
+
+    def _submit_ready(self, job):
+        """CPU, layer by layer: each target of the job gets the layers
+        computed and not sent yet (the per-target path), and, where no
+        engine tells them, the earlier layers that landed."""
+        told = self._engine_tells(job)
+        for tg in list(job.targets.values()):
+            self._submit(job, tg)
+            if tg.lnotify and tg.batches and not told:
+                self._poll_batches(tg, job)  # earlier layers landed: say so
 
     def _gate_on(self):
         """CUDA layer by layer through the engine's gate: each layer's
@@ -1140,6 +1223,11 @@ class PushProducer:
     def _gate_fail(self, why):
         if self._gate_failed is None:
             self._gate_failed = str(why)
+            if self._cpu:  # CPU KV caches: Engine.gate_layer without an event failed
+                logger.warning("MooncakeConnector push: the engine's layer call is off (%s); "
+                               "layers go through the per-target path and the landing "
+                               "thread from now on", why)
+                return
             logger.warning("MooncakeConnector push: the engine's CUDA gate is off (%s); "
                            "layers go through the layer-event thread from now on", why)
 
@@ -1549,6 +1637,23 @@ class PushProducer:
                 self.w.stats.add("push_failed")
             self._reply(tg.name, job.tid, state, why, retry_until=until)
 
+    def _ended_due(self, now=None):
+        """The oldest ended transfer id is to be forgotten (ENDED_KEEP_S), or
+        too many are kept.  Ended ones are kept in the order they ended."""
+        ended = self.ended
+        if not ended:
+            return False
+        if len(ended) > 65536:
+            return True
+        at = ended[next(iter(ended))]
+        return (time.monotonic() if now is None else now) - at > ENDED_KEEP_S
+
+    def _end_tid(self, tid, now):
+        """tid is over: kept (answered "nokv" to a late target) ENDED_KEEP_S,
+        in the order they ended."""
+        self.ended.pop(tid, None)
+        self.ended[tid] = now
+
     @_locked
     def poll(self):
         """Advance every job; returns the req ids whose push is over (their
@@ -1585,19 +1690,20 @@ class PushProducer:
             if served >= job.expected or (timed_out and served == len(job.targets)):
                 del self.jobs[tid]
                 self.by_rid.pop(job.rid, None)
-                self.ended[tid] = now
+                self._end_tid(tid, now)
                 over.add(job.rid)
         # early targets whose lease ran out: forget (the consumer gives up itself)
-        for tid in [t for t, d in self.early.items()
-                    if all(wall > tg.lease_until for tg in d.values())]:
-            for tg in self.early.pop(tid).values():
-                self._early_bytes -= 24 * len(tg.dest) // 3
-        for tid in [t for t, at in self.ended.items() if now - at > ENDED_KEEP_S]:
-            del self.ended[tid]
-        while len(self.ended) > 65536:
+        if self.early:
+            for tid in [t for t, d in self.early.items()
+                        if all(wall > tg.lease_until for tg in d.values())]:
+                for tg in self.early.pop(tid).values():
+                    self._early_bytes -= 24 * len(tg.dest) // 3
+        # the oldest first (kept in the order they ended): no scan of them all per step
+        while self._ended_due(now):
             self.ended.pop(next(iter(self.ended)))
-        for tid in [t for t, (at, _) in self.canceled.items() if now - at > ENDED_KEEP_S]:
-            del self.canceled[tid]
+        if self.canceled:
+            for tid in [t for t, (at, _) in self.canceled.items() if now - at > ENDED_KEEP_S]:
+                del self.canceled[tid]
         return over
 
     @_locked
@@ -1621,7 +1727,7 @@ class PushProducer:
         """The worker freed the request's blocks (pulled, expired)."""
         tid = self.by_rid.pop(rid, None)
         if tid is not None and self.jobs.pop(tid, None) is not None:
-            self.ended[tid] = time.monotonic()
+            self._end_tid(tid, time.monotonic())
 
     def close(self):
         if self._waiter is not None:

@@ -93,10 +93,11 @@ class WorkerSide:
 
     def drain_notifies(self):
         """Route the push flow's notifications (push.py) to their side."""
-        if self.engine is None or self.push_outbox is None:
+        eng = self.engine
+        if eng is None or self.push_outbox is None:
             return
         from mooncake_connector.connector import push as push_mod
-        for sender, msg in self.engine.get_notifies():
+        for sender, msg in eng.get_notifies():
             try:
                 head, body = push_mod.decode(msg)
             except push_mod.PushError as e:
@@ -107,7 +108,7 @@ class WorkerSide:
                     self.push_p.on_message(sender, head, body)
             elif self.push_c is not None:
                 self.push_c.on_message(sender, head)
-        lost = self.engine.take_lost_peers()  # after the messages sent before the loss
+        lost = eng.take_lost_peers()  # after the messages sent before the loss
         if lost and self.push_c is not None:
             for name in lost:
                 self.push_c.peer_lost(name)
