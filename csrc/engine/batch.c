@@ -26,6 +26,8 @@ mc_batch_t *mc_batch_new(mc_engine_t *e, size_t capacity) {
   }
   b->cap = capacity;
   b->eng = e;
+  b->pins = b->pins_s;
+  b->cap_pins = sizeof b->pins_s / sizeof b->pins_s[0];
   pthread_condattr_t ca;
   pthread_condattr_init(&ca);
   pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
@@ -143,7 +145,7 @@ static void pins_release_if_idle(mc_batch_t *b) {
   }
 }
 
-static void pin_list_add(mc_engine_t *e, mc_batch_t *b) {
+void mc_batch_pin_list_add(mc_engine_t *e, mc_batch_t *b) {
   pthread_mutex_lock(&e->pin_mu);
   if (!b->on_pin_list) {
     b->on_pin_list = 1;
@@ -168,59 +170,6 @@ static void pin_list_remove(mc_engine_t *e, mc_batch_t *b) {
     b->on_pin_list = 0;
   }
   pthread_mutex_unlock(&e->pin_mu);
-}
-
-/* Pins the regions holding the local buffers of reqs (those that lie in
- * one) and marks a submit in progress.  Call submit_end after the ops are
- * handed out. */
-int mc_batch_pin_begin(mc_engine_t *e, mc_batch_t *b, const mc_request_t *reqs, size_t n,
-                        mc_err_t *err) {
-  pthread_mutex_lock(&b->mu);
-  b->submitting++;
-  int rc = 0, added = 0;
-  uint64_t lo = 1, hi = 0; /* the last region seen: [lo, hi) */
-  mc_regions_lock(&e->regions);
-  for (size_t i = 0; i < n; i++) {
-    uint64_t a = (uint64_t)(uintptr_t)reqs[i].local, end = a + reqs[i].len;
-    if (a >= lo && end <= hi && end > a)
-      continue;
-    const mc_region_t *f = mc_regions_find_locked(&e->regions, a, reqs[i].len);
-    if (!f && e->local_check && !b->trusted_locals) {
-      rc = mc_err_set(err, MC_EINVAL,
-                      "request %zu: local range [0x%llx, +%llu) is not inside any memory "
-                      "region registered with this engine (segment %s); register the buffer "
-                      "first (register_memory / allocate_managed_buffer)",
-                      i, (unsigned long long)a, (unsigned long long)reqs[i].len, e->name);
-      break;
-    }
-    if (!f)
-      continue; /* not registered (MC_LOCAL_CHECK=0 or trusted): nothing to pin */
-    lo = f->addr;
-    hi = f->addr + f->len;
-    size_t k = 0;
-    while (k < b->npins && b->pins[k] != f)
-      k++;
-    if (k < b->npins)
-      continue;
-    if (b->npins == b->cap_pins) {
-      size_t nc = b->cap_pins ? b->cap_pins * 2 : 4;
-      mc_region_t **nv = realloc(b->pins, nc * sizeof *nv);
-      if (!nv) {
-        rc = mc_err_set(err, MC_ENOMEM, "out of memory");
-        break;
-      }
-      b->pins = nv;
-      b->cap_pins = nc;
-    }
-    b->pins[b->npins++] = mc_regions_pin_local_locked(&e->regions, a, reqs[i].len);
-    added = 1;
-  }
-  mc_regions_unlock(&e->regions);
-  int listed = b->on_pin_list;
-  pthread_mutex_unlock(&b->mu);
-  if (added && !listed)
-    pin_list_add(e, b);
-  return rc;
 }
 
 void mc_batch_pin_end(mc_batch_t *b) {
@@ -419,7 +368,8 @@ void mc_batch_free(mc_engine_t *e, mc_batch_t *b) {
   pthread_mutex_lock(&b->mu);
   pins_release_if_idle(b); /* idle now: nothing is in flight */
   pthread_mutex_unlock(&b->mu);
-  free(b->pins);
+  if (b->pins != b->pins_s)
+    free(b->pins);
   free(b->notify); /* never completed */
   for (size_t i = 0; b->any_msg && i < b->n; i++)
     free(b->tasks[i].msg);

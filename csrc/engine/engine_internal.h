@@ -153,8 +153,9 @@ struct mc_batch {
   /* Local regions pinned while ops of this batch are in flight (a region
    * appears once); released when the batch goes idle. */
   mc_engine_t *eng;
-  mc_region_t **pins;
+  mc_region_t **pins;   /* pins_s until more are needed (prepare.c) */
   size_t npins, cap_pins;
+  mc_region_t *pins_s[4];
   int submitting;       /* submits between pinning and handing out their ops */
   int on_pin_list;      /* linked on eng->pin_head (until mc_batch_free) */
   int gate_hold;        /* waiting for its CUDA event (gate.c): one pseudo-task pending,
@@ -181,12 +182,26 @@ static inline double mc_trace_us(uint64_t ns) { return (double)(ns / 1000 % 1000
  * it failed (its entry_failed()). */
 void mc_batch_op_done(mc_xfer_op_t *op, int code, const char *msg);
 void mc_batch_op_entry_failed(mc_xfer_op_t *op, uint32_t idx, int code, const char *msg);
-/* batch.c: pins the regions holding the local buffers of reqs (those that
- * lie in one; MC_LOCAL_CHECK: all must) and marks a submit in progress;
- * mc_batch_pin_end after the ops are handed out. */
-int mc_batch_pin_begin(mc_engine_t *e, mc_batch_t *b, const mc_request_t *reqs, size_t n,
-                       mc_err_t *err);
+/* prepare.c: one pass over a submit's requests: each checked (opcode,
+ * NULL, length 0, wrap-around: the first failing request's message, before
+ * any lookup failure), the region holding its local buffer pinned for the
+ * batch (once per region; MC_LOCAL_CHECK and an untrusted batch: every
+ * buffer must lie in one) and, with ldev, its device noted: ldev[i] = the
+ * region's cuda device, -1 host memory, MC_LDEV_UNKNOWN in no region (the
+ * driver says: mc_gpu_locate_locals).  Marks a submit in progress
+ * (mc_batch_pin_end after the ops are handed out, also after a failure);
+ * a failure pins nothing. */
+#define MC_LDEV_UNKNOWN (-2)
+typedef struct mc_prepared {
+  int gpu;        /* some request's local buffer lies in a cuda region */
+  size_t unknown; /* requests whose local buffer lies in no region */
+} mc_prepared_t;
+int mc_batch_prepare(mc_engine_t *e, mc_batch_t *b, const mc_request_t *reqs, size_t n,
+                     int *ldev, mc_prepared_t *out, mc_err_t *err);
+/* batch.c: the end of a submit (prepare); the batch joins the engine's
+ * list of batches holding pins (unregister looks there). */
 void mc_batch_pin_end(mc_batch_t *b);
+void mc_batch_pin_list_add(mc_engine_t *e, mc_batch_t *b);
 int mc_batch_finished(void *arg); /* no task pending (a poll's stop test) */
 
 /* batch.c, for gate.c: the batch waits for its event (caller holds the

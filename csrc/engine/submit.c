@@ -1,6 +1,6 @@
-/* The data path: a submit's requests checked, located (host or GPU),
- * offered to a planning transport, sliced into ops per chosen transport
- * and handed over; same-segment requests copied here. */
+/* The data path: a submit's requests checked, pinned and located (host or
+ * GPU: prepare.c), offered to a planning transport, sliced into ops per
+ * chosen transport and handed over; same-segment requests copied here. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -34,30 +34,6 @@ static inline int mc_tr_takes_calls(mc_engine_t *e, int id) { /* slot id takes w
 static inline int mc_tr_submit_call(mc_engine_t *e, int id, const mc_peer_t *peer,
                                     mc_xfer_call_t *call, mc_err_t *err) {
   return e->tr[id].ops->submit_call(e->tr[id].impl, peer, call, err);
-}
-
-static int validate(const mc_request_t *r, size_t i, mc_err_t *err) {
-  if (r->opcode != MC_OP_READ && r->opcode != MC_OP_WRITE)
-    return mc_err_set(err, MC_EINVAL, "request %zu: opcode %d is not READ (0) or WRITE (1)", i,
-                      r->opcode);
-  if (!r->local)
-    return mc_err_set(err, MC_EINVAL, "request %zu: local address is NULL", i);
-  if (r->len == 0)
-    return mc_err_set(err, MC_EINVAL, "request %zu: length is 0", i);
-  if ((uint64_t)(uintptr_t)r->local + r->len < (uint64_t)(uintptr_t)r->local ||
-      r->remote + r->len < r->remote)
-    return mc_err_set(err, MC_EINVAL, "request %zu: address + length wraps around", i);
-  return 0;
-}
-
-/* Every request valid?  (Well-predicted branches: ~1 ns a request.) */
-static int validate_all(const mc_request_t *reqs, size_t n, mc_err_t *err) {
-  for (size_t i = 0; i < n; i++) {
-    int rc = validate(&reqs[i], i, err);
-    if (rc < 0)
-      return rc;
-  }
-  return 0;
 }
 
 void mc_batch_trust_locals(mc_batch_t *b) { b->trusted_locals = 1; }
@@ -142,7 +118,7 @@ static int submit(mc_engine_t *e, mc_batch_t *b, const char *segment,
                   const mc_request_t *reqs, size_t n, int poll, mc_err_t *err);
 static int submit_pinned(mc_engine_t *e, mc_batch_t *b, const char *segment,
                          const mc_request_t *reqs, size_t n, int poll, uint64_t t_in,
-                         mc_err_t *err);
+                         int *ldev, const mc_prepared_t *prep, mc_err_t *err);
 /* What a transport taking whole calls (transport.h: submit_call) took of
  * one range of the call: its ops, which it starts itself once accepted. */
 typedef struct planned {
@@ -175,15 +151,23 @@ static int submit(mc_engine_t *e, mc_batch_t *b, const char *segment,
     return 0;
   /* A process that has moved GPU memory before: wake the copy thread now,
    * so it polls by the time this batch's first copy is queued. */
-  if (mc_cuda_api_if_loaded())
+  int cuda = mc_cuda_api_if_loaded() != NULL;
+  if (cuda)
     mc_gpu_stager_poke(e->gpu);
-  int rc = validate_all(reqs, n, err);
-  if (rc < 0)
-    return rc;
-  /* Checks the local buffers (MC_LOCAL_CHECK) and pins their regions. */
-  if ((rc = mc_batch_pin_begin(e, b, reqs, n, err)) == 0)
-    rc = submit_pinned(e, b, segment, reqs, n, poll, t_in, err);
+  /* GPU memory: where the local buffers live (no CUDA call at all unless
+   * this process has loaded CUDA). */
+  int *ldev = NULL, ldev_s[256]; /* a batch of up to 256: no allocation */
+  if (cuda && !(ldev = n <= 256 ? ldev_s : malloc(n * sizeof *ldev)))
+    return mc_err_set(err, MC_ENOMEM, "out of memory");
+  /* Checks every request, pins the regions of the local buffers (and
+   * checks they lie in one: MC_LOCAL_CHECK) and notes their devices. */
+  mc_prepared_t prep;
+  int rc = mc_batch_prepare(e, b, reqs, n, ldev, &prep, err);
+  if (rc == 0)
+    rc = submit_pinned(e, b, segment, reqs, n, poll, t_in, ldev, &prep, err);
   mc_batch_pin_end(b);
+  if (ldev != ldev_s)
+    free(ldev);
   return rc;
 }
 
@@ -239,9 +223,29 @@ static int submit_gpu(mc_engine_t *e, mc_batch_t *b, const mc_peer_t *peer,
                                        NULL, err);
 }
 
+/* Local buffers outside every registered region (MC_LOCAL_CHECK=0, a
+ * trusted batch): the driver says where, through a locator.  A GPU batch to
+ * a peer is then located chunk by chunk (by the transport that takes it,
+ * through call_locate), so its first copies start before the last request
+ * is looked at; anything else (or a first chunk without GPU memory) at
+ * once.  Returns how many are GPU memory (0: the batch is host memory), or
+ * <0. */
+static int locate_unknown(mc_engine_t *e, mc_gpu_locator_t *loc, const mc_request_t *reqs,
+                          size_t n, int local, int *ldev, size_t *located, mc_err_t *err) {
+  size_t first_step = (size_t)e->gpu_first_chunk;
+  mc_gpu_locator_init(loc, &e->regions);
+  *located = !local && n > first_step ? first_step : n;
+  int ngpu = mc_gpu_locate_locals(loc, reqs, 0, *located, ldev, err);
+  if (ngpu == 0 && *located < n) {
+    ngpu = mc_gpu_locate_locals(loc, reqs, *located, n, ldev, err);
+    *located = n;
+  }
+  return ngpu;
+}
+
 static int submit_pinned(mc_engine_t *e, mc_batch_t *b, const char *segment,
                          const mc_request_t *reqs, size_t n, int poll, uint64_t t_in,
-                         mc_err_t *err) {
+                         int *ldev, const mc_prepared_t *prep, mc_err_t *err) {
   int rc = 0;
   int local = !strcmp(segment, e->name);
   /* The peer is resolved once here; everything below works on its
@@ -254,36 +258,20 @@ static int submit_pinned(mc_engine_t *e, mc_batch_t *b, const char *segment,
     snprintf(d.name, sizeof d.name, "%s", e->name);
   else if ((rc = mc_engine_resolve(e, segment, &d, err)) < 0)
     return rc;
-  /* GPU memory: where the local buffers live (no CUDA call at all unless
-   * this process has loaded CUDA). */
-  size_t first_step = (size_t)e->gpu_first_chunk;
-  int *ldev = NULL, ldev_s[256]; /* a batch of up to 256: no allocation */
+  /* The devices of buffers in registered regions were noted by the
+   * prepare pass; only the others need the driver. */
   mc_gpu_locator_t loc;
   size_t located = n;
   int trace = e->gpu_trace;
   uint64_t t0 = trace ? mc_now_ns() : 0, t1 = 0;
-  if (mc_cuda_api_if_loaded()) {
-    ldev = n <= 256 ? ldev_s : malloc(n * sizeof *ldev);
-    if (!ldev)
-      return mc_err_set(err, MC_ENOMEM, "out of memory");
-    mc_gpu_locator_init(&loc, &e->regions);
-    /* A GPU batch to a peer is located chunk by chunk (by the transport
-     * that takes it, through call_locate), so its first copies start
-     * before the last request is looked at; anything else (or a first
-     * chunk without GPU memory) is located at once. */
-    located = !local && n > first_step ? first_step : n;
-    int ngpu = mc_gpu_locate_locals(&loc, reqs, 0, located, ldev, err);
-    if (ngpu == 0 && located < n) {
-      ngpu = mc_gpu_locate_locals(&loc, reqs, located, n, ldev, err);
-      located = n;
-    }
-    if (ngpu <= 0) {
-      if (ldev != ldev_s)
-        free(ldev);
+  if (ldev) {
+    int ngpu = prep->gpu;
+    if (prep->unknown &&
+        (ngpu = locate_unknown(e, &loc, reqs, n, local, ldev, &located, err)) < 0)
+      return ngpu;
+    if (ngpu == 0) { /* host memory only */
       ldev = NULL;
       located = n;
-      if (ngpu < 0)
-        return ngpu;
     }
   }
   if (trace)
@@ -306,8 +294,6 @@ static int submit_pinned(mc_engine_t *e, mc_batch_t *b, const char *segment,
                 "%.1f us, submit all %.1f us, whole call to its transport %s", n,
                 mc_trace_us(t_in), (t0 - t_in) / 1e3, (t1 - t0) / 1e3,
                 (mc_now_ns() - t1) / 1e3, same_host ? "yes" : "no");
-  if (ldev != ldev_s)
-    free(ldev);
   return rc;
 }
 
@@ -328,14 +314,19 @@ static int builder_open(op_builder_t *bd, mc_batch_t *b, int type, uint32_t cap,
 
 /* The ops a transport taking whole calls built for tasks [first, first+n)
  * (caller holds b->mu): each entry is one whole request; its cookie, the
- * request's index in the call, becomes the task's. */
-static void adopt_planned(mc_batch_t *b, size_t first, const planned_t *pl, op_builder_t *pb) {
+ * request's index in the call, becomes the task's; count: each adds its
+ * task's part (else the task was made with it). */
+static void adopt_planned(mc_batch_t *b, size_t first, const planned_t *pl, int count,
+                          op_builder_t *pb) {
+  uint32_t shift = (uint32_t)(first - pl->off);
   for (size_t o = 0; o < pl->nops; o++) {
     mc_xfer_op_t *op = pl->ops[o];
-    for (uint32_t k = 0; k < op->nent; k++) {
-      uint32_t task = (uint32_t)(first + (op->ent[k].cookie - pl->off));
-      op->ent[k].cookie = task;
-      b->tasks[task].parts_left++;
+    mc_xfer_ent_t *ent = op->ent;
+    for (uint32_t k = 0, m = op->nent; k < m; k++) {
+      uint32_t task = ent[k].cookie + shift;
+      ent[k].cookie = task;
+      if (count) /* else set when the task was made */
+        b->tasks[task].parts_left++;
     }
   }
   pb->ops = pl->ops;
@@ -419,21 +410,27 @@ static int submit_planned(mc_engine_t *e, mc_batch_t *b, const mc_segment_desc_t
                       "batch",
                       room, n);
   }
-  size_t first = b->n, left = 0; /* left: requests the planning transport did not take */
-  uint64_t bytes = 0;
-  for (size_t i = 0; i < n; i++) {
-    b->tasks[first + i] = (mc_task_t){.req = reqs[i], .state = MC_TASK_PENDING};
-    bytes += reqs[i].len;
-  }
-  left = n;
+  size_t first = b->n, left = n; /* left: requests the planning transport did not take */
   if (pl) /* each planned entry is one whole request it took (adopt_planned) */
     for (size_t o = 0; o < pl->nops; o++)
       left -= pl->ops[o]->nent;
+  /* Every request taken by the plan: each task has its one part now (and
+   * adopt_planned only renumbers the entries); else counted as made. */
+  const uint32_t parts = pl && left == 0;
+  uint64_t bytes = 0;
+  for (size_t i = 0; i < n; i++) {
+    b->tasks[first + i] =
+        (mc_task_t){.req = reqs[i], .state = MC_TASK_PENDING, .parts_left = parts};
+    bytes += reqs[i].len;
+  }
   b->bytes += bytes;
   b->n += n;
   b->pending += n;
-  if (strcmp(b->last_segment, d->name) != 0)
-    snprintf(b->last_segment, sizeof b->last_segment, "%s", d->name);
+  if (strcmp(b->last_segment, d->name) != 0) {
+    size_t k = strnlen(d->name, sizeof b->last_segment - 1);
+    memcpy(b->last_segment, d->name, k);
+    b->last_segment[k] = '\0';
+  }
   if (local) {
     for (size_t i = 0; i < n; i++)
       b->tasks[first + i].parts_left = 1;
@@ -455,7 +452,7 @@ static int submit_planned(mc_engine_t *e, mc_batch_t *b, const mc_segment_desc_t
   int rc = 0;
   op_builder_t pb = {0};
   if (pl)
-    adopt_planned(b, first, pl, &pb);
+    adopt_planned(b, first, pl, !parts, &pb);
   /* Slices still to place: sizes each op's entry array to what it needs. */
   uint64_t slices_left = 0;
   for (size_t i = 0; i < n && left; i++)

@@ -66,7 +66,9 @@
  *   starts the copies itself, on the submitting thread:
  *     - call->locate(call, to) tells where local buffers [located, to)
  *       live (ldev[i]: the cuda device, -1 host memory, which it must not
- *       take); the engine located the first `located` before the call;
+ *       take); the engine located the first `located` before the call
+ *       (all n when every local buffer lies in a registered region: its
+ *       device noted by the engine's check-and-pin pass);
  *     - the transport makes its ops itself (mc_xfer_op_init over memory
  *       it may reuse) with the call's op_done, op_entry_failed, op_arg and
  *       op_cancel, so their done() / entry_failed() report to the engine;

@@ -194,6 +194,106 @@ static void test_bad_arguments(void) {
   CHECK_EQ_INT(mc_engine_unregister(B, bbuf + 1, &err), MC_ENOTFOUND);
 }
 
+/* The checks of one submit, request by request: a request after one in the
+ * same region (the pass's cached region) is checked as fully as the first,
+ * and a failing check further on is reported before a lookup failure
+ * earlier in the batch (every request is checked before any is looked up). */
+static void test_checks_after_a_cached_region(void) {
+  mc_err_t err = {0};
+  uint64_t rb = (uint64_t)(uintptr_t)bbuf;
+  mc_request_t ok = {.opcode = MC_OP_WRITE, .local = abuf, .remote = rb, .len = 8};
+  struct {
+    mc_request_t r;
+    const char *msg;
+  } bad[] = {
+      {{.opcode = 2, .local = abuf + 64, .remote = rb, .len = 8}, "request 1: opcode 2 is not"},
+      {{.opcode = -1, .local = abuf + 64, .remote = rb, .len = 8}, "request 1: opcode -1 is not"},
+      {{.opcode = MC_OP_READ, .local = abuf + 64, .remote = rb, .len = 0},
+       "request 1: length is 0"},
+      {{.opcode = MC_OP_READ, .local = NULL, .remote = rb, .len = 8},
+       "request 1: local address is NULL"},
+      {{.opcode = MC_OP_READ, .local = abuf + 64, .remote = UINT64_MAX - 3, .len = 8},
+       "request 1: address + length wraps around"},
+      {{.opcode = MC_OP_READ, .local = abuf + 64, .remote = rb, .len = UINT64_MAX - 8},
+       "request 1: address + length wraps around"},
+      {{.opcode = MC_OP_READ, .local = abuf + BUFSZ - 4, .remote = rb, .len = 8},
+       "request 1: local range"},
+      {{.opcode = MC_OP_READ, .local = abuf + BUFSZ, .remote = rb, .len = 8},
+       "request 1: local range"},
+  };
+  for (size_t k = 0; k < sizeof bad / sizeof bad[0]; k++) {
+    mc_request_t two[2] = {ok, bad[k].r};
+    mc_batch_t *b = mc_batch_new(A, 2);
+    CHECK_EQ_INT(mc_batch_submit(A, b, mc_engine_segment_name(B), two, 2, &err), MC_EINVAL);
+    CHECK_CONTAINS(err.msg, bad[k].msg);
+    CHECK_EQ_INT((int)mc_batch_size(b), 0); /* nothing of it submitted */
+    mc_batch_free(A, b);
+  }
+  /* A buffer outside every region at 0, a length 0 at 2: the check wins;
+   * the other way round too (the first failing check). */
+  uint8_t stray[64];
+  mc_request_t three[3] = {ok, ok, ok};
+  three[0].local = stray;
+  three[2].len = 0;
+  mc_batch_t *b = mc_batch_new(A, 3);
+  CHECK_EQ_INT(mc_batch_submit(A, b, mc_engine_segment_name(B), three, 3, &err), MC_EINVAL);
+  CHECK_CONTAINS(err.msg, "request 2: length is 0");
+  three[0] = ok;
+  three[1].local = stray;
+  three[2] = ok;
+  three[2].opcode = 9;
+  CHECK_EQ_INT(mc_batch_submit(A, b, mc_engine_segment_name(B), three, 3, &err), MC_EINVAL);
+  CHECK_CONTAINS(err.msg, "request 2: opcode 9");
+  three[2] = ok;
+  CHECK_EQ_INT(mc_batch_submit(A, b, mc_engine_segment_name(B), three, 3, &err), MC_EINVAL);
+  CHECK_CONTAINS(err.msg, "request 1: local range");
+  CHECK_CONTAINS(err.msg, "not inside any memory region registered with this engine");
+  mc_batch_free(A, b);
+}
+
+/* A batch over more regions than its own pin slots (4): every region
+ * pinned once, the transfer correct, and each region unregisters at once
+ * after the wait (no pin left behind); the same batch shape failing at its
+ * last request pins nothing. */
+static void test_many_regions_pinned(void) {
+  enum { NREG = 9, SZ = 4096 };
+  mc_err_t err = {0};
+  uint8_t *reg[NREG];
+  mc_request_t r[2 * NREG + 1];
+  for (int k = 0; k < NREG; k++) {
+    reg[k] = malloc(SZ);
+    memset(reg[k], 0x30 + k, SZ);
+    CHECK_EQ_INT(mc_engine_register(A, reg[k], SZ, "cpu", &err), 0);
+  }
+  /* Regions alternate: each is met again after the others. */
+  for (int i = 0; i < 2 * NREG; i++)
+    r[i] = (mc_request_t){.opcode = MC_OP_WRITE, .local = reg[i % NREG] + (i / NREG) * 2048,
+                          .remote = (uint64_t)(uintptr_t)(bbuf + (size_t)i * 2048),
+                          .len = 2048};
+  mc_batch_t *b = mc_batch_new(A, 2 * NREG + 1);
+  CHECK_EQ_INT(mc_batch_submit(A, b, mc_engine_segment_name(B), r, 2 * NREG, &err), 0);
+  CHECK_EQ_INT(mc_batch_wait(A, b, 10000, &err), 0);
+  for (int i = 0; i < 2 * NREG; i++)
+    CHECK(memcmp(bbuf + (size_t)i * 2048, reg[i % NREG] + (i / NREG) * 2048, 2048) == 0);
+  mc_batch_free(A, b);
+  /* The same, the last request outside every region: refused whole. */
+  uint8_t stray[16];
+  r[2 * NREG] = r[0];
+  r[2 * NREG].local = stray;
+  r[2 * NREG].len = sizeof stray;
+  b = mc_batch_new(A, 2 * NREG + 1);
+  CHECK_EQ_INT(mc_batch_submit(A, b, mc_engine_segment_name(B), r, 2 * NREG + 1, &err),
+               MC_EINVAL);
+  CHECK_CONTAINS(err.msg, "request 18: local range");
+  for (int k = 0; k < NREG; k++) {
+    uint64_t t0 = mc_now_ns();
+    CHECK_EQ_INT(mc_engine_unregister(A, reg[k], &err), 0);
+    CHECK(mc_now_ns() - t0 < 500000000ull); /* not pinned: no grace period waited */
+    free(reg[k]);
+  }
+  mc_batch_free(A, b);
+}
+
 static void test_unknown_peer(void) {
   mc_err_t err = {0};
   mc_request_t r = {.opcode = MC_OP_WRITE, .local = abuf, .remote = 4096, .len = 10};
@@ -489,6 +589,50 @@ static void test_timeout_cancels(void) {
   mc_task_status_t s;
   mc_batch_status(b, 0, &s);
   CHECK_EQ_INT(s.state, MC_TASK_TIMEOUT);
+  mc_batch_free(A, b);
+  silent_stop = 1;
+  shutdown(silent_fd, SHUT_RDWR);
+  close(silent_fd);
+  pthread_join(th, NULL);
+}
+
+/* A submit that fails (a local buffer outside every region) pins nothing,
+ * even while the batch has an earlier op in flight: the region of its
+ * first request unregisters at once, and the batch's op in flight is not
+ * canceled for it (before, the failed submit's pins stayed until the batch
+ * went idle: the unregister waited MC_UNREGISTER_GRACE_MS and canceled the
+ * batch). */
+static void test_failed_submit_pins_nothing(void) {
+  silent_stop = 0;
+  silent_fd = socket(AF_INET, SOCK_STREAM, 0);
+  struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+  CHECK(bind(silent_fd, (struct sockaddr *)&sa, sizeof sa) == 0);
+  listen(silent_fd, 4);
+  socklen_t sl = sizeof sa;
+  getsockname(silent_fd, (struct sockaddr *)&sa, &sl);
+  pthread_t th;
+  pthread_create(&th, NULL, silent_server, NULL);
+  char seg[64];
+  snprintf(seg, sizeof seg, "127.0.0.1:%d", ntohs(sa.sin_port));
+  mc_err_t err = {0};
+  mc_request_t r = {.opcode = MC_OP_READ, .local = abuf, .remote = 4096, .len = 4096};
+  mc_batch_t *b = mc_batch_new(A, 3);
+  CHECK_EQ_INT(mc_batch_submit(A, b, seg, &r, 1, &err), 0); /* stays in flight */
+  uint8_t *x = malloc(4096), stray[16];
+  CHECK_EQ_INT(mc_engine_register(A, x, 4096, "cpu", &err), 0);
+  mc_request_t two[2] = {{.opcode = MC_OP_READ, .local = x, .remote = 4096, .len = 8},
+                         {.opcode = MC_OP_READ, .local = stray, .remote = 4096, .len = 8}};
+  CHECK_EQ_INT(mc_batch_submit(A, b, seg, two, 2, &err), MC_EINVAL);
+  CHECK_CONTAINS(err.msg, "request 1: local range");
+  CHECK_EQ_INT((int)mc_batch_size(b), 1);
+  uint64_t t0 = mc_now_ns();
+  CHECK_EQ_INT(mc_engine_unregister(A, x, &err), 0);
+  CHECK(mc_now_ns() - t0 < 500000000ull);
+  free(x);
+  mc_task_status_t s;
+  CHECK_EQ_INT(mc_batch_status(b, 0, &s), 0);
+  CHECK_EQ_INT(s.state, MC_TASK_PENDING); /* not canceled by that unregister */
+  CHECK_EQ_INT(mc_batch_wait(A, b, 100, &err), MC_ETIMEDOUT);
   mc_batch_free(A, b);
   silent_stop = 1;
   shutdown(silent_fd, SHUT_RDWR);
@@ -887,6 +1031,8 @@ int main(void) {
   RUN(test_mixed_batch_partial_failure);
   RUN(test_bad_entry_inside_one_op);
   RUN(test_bad_arguments);
+  RUN(test_checks_after_a_cached_region);
+  RUN(test_many_regions_pinned);
   RUN(test_unknown_peer);
   RUN(test_local_segment);
   RUN(test_notify);
@@ -896,6 +1042,7 @@ int main(void) {
   RUN(test_notify_budget);
   RUN(test_fast_path_and_bulk_concurrently);
   RUN(test_timeout_cancels);
+  RUN(test_failed_submit_pins_nothing);
   RUN(test_detached_notifications_are_bounded);
   RUN(test_garbage_connection);
   RUN(test_describe_follows_changes);

@@ -16,7 +16,10 @@
  *     (the check runs alongside the copies);
  *   - a local buffer that runs past its CUDA allocation in a later chunk
  *     (located chunk by chunk) fails the submit naming that request, and
- *     freeing the batch waits for the chunks already started.
+ *     freeing the batch waits for the chunks already started;
+ *   - a trusted batch's local buffers outside the engine's regions are
+ *     located by the driver (also mixed with a registered region's) and
+ *     one running past its allocation fails naming its request.
  * Two engines in one process (same address space).  Skips without a GPU. */
 #include <dlfcn.h>
 #include <fcntl.h>
@@ -186,6 +189,66 @@ static void test_later_chunk_runs_past_allocation(void) {
   pair_close(&p);
 }
 
+/* Local buffers outside the engine's regions in a trusted batch
+ * (mc_batch_trust_locals, as the KV layer's pushes): the driver says where
+ * they live (the locator, chunk by chunk).  Every other block from a
+ * registered region, the rest from an allocation never registered: lands
+ * byte-exact; the same batch untrusted is refused at the first unregistered
+ * block; a trusted one whose block runs past its allocation in a later
+ * chunk fails the submit naming that request. */
+static void test_trusted_unregistered_locals(void) {
+  SKIP_NO_GPU();
+  gpu_pair_t p;
+  scatter_open(&p);
+  CHECK(p.ok);
+  mc_err_t err = {0};
+  size_t sz = (size_t)NBLK * BLK;
+  uint64_t loose = dalloc(sz); /* A's, not registered */
+  uint8_t *ref = malloc(sz), *back = malloc(sz);
+  CHECK(loose && ref && back);
+  for (size_t i = 0; i < sz; i++)
+    ref[i] = (uint8_t)(i * 29 + (i >> 12) * 5);
+  CHECK_EQ_INT(api->cuMemcpyHtoD(p.src, ref, sz), 0);
+  CHECK_EQ_INT(api->cuMemcpyHtoD(loose, ref, sz), 0);
+  for (size_t i = 1; i < NBLK; i += 2)
+    p.r[i].local = (void *)(uintptr_t)(loose + i * BLK);
+  mc_batch_t *b = mc_batch_new(p.A, NBLK);
+  CHECK_EQ_INT(mc_batch_submit(p.A, b, mc_engine_segment_name(p.B), p.r, NBLK, &err),
+               MC_EINVAL);
+  CHECK_CONTAINS(err.msg, "request 1: local range");
+  mc_batch_trust_locals(b);
+  CHECK_EQ_INT(mc_batch_submit(p.A, b, mc_engine_segment_name(p.B), p.r, NBLK, &err), 0);
+  int rc = mc_batch_wait(p.A, b, 60000, &err);
+  if (rc)
+    fprintf(stderr, "  trusted write: %s\n", err.msg);
+  CHECK_EQ_INT(rc, 0);
+  mc_batch_free(p.A, b);
+  CHECK_EQ_INT(api->cuMemcpyDtoH(back, p.dst, sz), 0);
+  size_t bad = 0;
+  for (size_t i = 0; i < NBLK; i++)
+    bad += memcmp(back + perm(i) * BLK, ref + i * BLK, BLK) != 0;
+  CHECK_EQ_INT(bad, 0);
+  /* All from the unregistered allocation, one running half past its end
+   * in the last chunk. */
+  for (size_t i = 0; i < NBLK; i++)
+    p.r[i].local = (void *)(uintptr_t)(loose + i * BLK);
+  size_t badi = NBLK - 5;
+  p.r[badi].local = (void *)(uintptr_t)(loose + sz - BLK / 2);
+  b = mc_batch_new(p.A, NBLK);
+  mc_batch_trust_locals(b);
+  CHECK_EQ_INT(mc_batch_submit(p.A, b, mc_engine_segment_name(p.B), p.r, NBLK, &err),
+               MC_EINVAL);
+  char want[64];
+  snprintf(want, sizeof want, "request %zu (local buffer)", badi);
+  CHECK_CONTAINS(err.msg, want);
+  CHECK_CONTAINS(err.msg, "runs past its end");
+  mc_batch_free(p.A, b);
+  cu_free(loose);
+  free(ref);
+  free(back);
+  pair_close(&p);
+}
+
 static void test_gen_page(void) {
   mc_engine_t *A, *B;
   mc_err_t err = {0};
@@ -323,5 +386,6 @@ int main(void) {
   RUN(test_later_chunks_fresh_descriptor);
   RUN(test_unregistered_since_cached_fails);
   RUN(test_later_chunk_runs_past_allocation);
+  RUN(test_trusted_unregistered_locals);
   TEST_MAIN_END();
 }
