@@ -717,7 +717,9 @@ def test_cpu_layer_save_is_one_engine_call(tmp_path, monkeypatch):
     with the decode's target there before the forward and arriving after
     layer 0 (the save that drains it takes the per-target path once), on
     both transports of a same-host deployment; the decode sees every layer
-    land and the engine tells each layer."""
+    land and the engine tells each layer.  On the same-host CPU path the
+    layer's copy is the engine's gate thread's (gate_host_batches), so the
+    forward thread's call only queues it."""
     pytest.importorskip("vllm", reason="vllm is not installed")
     from vllm_harness import tiny_model_dir
     md = tiny_model_dir(str(tmp_path))
@@ -738,11 +740,71 @@ def test_cpu_layer_save_is_one_engine_call(tmp_path, monkeypatch):
             if how == "early":  # a layer's save: the engine call, a few Python steps
                 # (one may find a notification waiting and drain it first)
                 assert sum(c <= 5 for c in calls) >= 5, calls
+                # same-host CPU path: every layer saved once the route is
+                # known (after the first write to the decode) was copied by
+                # the engine's gate thread, not the forward thread; TCP: none
+                # (its threads send)
+                if same_host == "1":
+                    assert stats["gate_host_batches"] >= wa["saves"] - 2, stats
+                else:
+                    assert stats["gate_host_batches"] == 0, stats
             else:  # layer 0 before the target (no job target), layer 1 drains it
                 assert sum(c <= 5 for c in calls) >= 2, calls
         calls_b = sorted(wb["py_calls"])
         assert all(all(s) for s in seen_b), seen_b
         assert calls_b[0] >= 12 and calls_b[0] >= 3 * calls[0], calls_b  # main: 42
+
+
+def test_cpu_gate_layer_hands_the_same_host_copy_to_the_gate_thread(monkeypatch):
+    """Engine.gate_layer without an event (CPU KV caches): to a peer the
+    same-host CPU path serves, the layer's copy (process_vm_writev, one
+    copy thread here) is handed to the engine's gate thread -- the calling
+    thread (vLLM's forward thread) only queues it: its CPU time in the call
+    is a small part of what copying the layer in the call costs
+    (handover=False, main's behaviour: the reference), and the batch is
+    still in flight when the call returns -- and the layer's note reaches
+    the target only after every byte of the layer landed.  Over TCP nothing
+    is handed over (its threads send; gate_host_batches stays 0)."""
+    from array import array
+    monkeypatch.setenv("MC_CMA_THREADS", "1")
+    n, L = 1 << 20, 48
+    cpu = {}
+    for same_host in ("1", "0"):
+        monkeypatch.setenv("MC_SAME_HOST_CPU", same_host)
+        with local_engines(2) as (a, b):
+            seg = b.get_segment_name()
+            src, dst = a.allocate_managed_buffer(L * n), b.allocate_managed_buffer(L * n)
+            arrs = [(array("Q", [src + i * n for i in range(L)]),
+                     array("Q", [dst + i * n for i in range(L)]), array("Q", [n] * L))]
+            bid = a.batch_transfer_async_write(seg, [src], [dst], [64])  # the route known
+            a.get_batch_transfer_status([bid])
+            for k, handover in enumerate((False, True, False, True)):
+                val = bytes([k + 1]) * (L * n)
+                a.write_bytes_to_buffer(src, val, L * n)
+                plan = ((seg, time.time() + 30, arrs, [b"L%d" % k]),)
+                c0 = time.thread_time()
+                ev, ids = a.gate_layer(0, plan, 0, -1, 1.0, 2.0, handover)
+                took = time.thread_time() - c0
+                at_return = a.transfer_check_status(ids[0])
+                cpu.setdefault((same_host, handover), []).append(took)
+                got = [m.msg for m in _wait_notify(b, 10)]
+                # the note is there: so is every byte of the layer
+                assert got == [b"L%d" % k] and b.read_bytes_from_buffer(dst, L * n) == val
+                if at_return == 0:
+                    assert a.transfer_wait(ids[0], 10)
+                    assert a.transfer_check_status(ids[0]) == 1
+                if same_host == "1" and handover:
+                    assert at_return == 0, at_return  # queued, not copied in the call
+                if same_host == "1" and not handover:
+                    assert at_return == 1, at_return  # copied in the call: landed
+            st = a.get_stats()
+            assert st["gate_host_batches"] == (2 if same_host == "1" else 0), st
+            assert (st["same_host_cpu_bytes_written"] > 0) == (same_host == "1"), st
+            assert st["open_batches"] == 0, st
+    print("forward thread's CPU in gate_layer, ms:",
+          {k: [round(1e3 * x, 3) for x in v] for k, v in cpu.items()})
+    inline, handed = min(cpu[("1", False)]), max(cpu[("1", True)])
+    assert inline > 4 * handed and handed < 2e-3, cpu
 
 
 def test_consumer_merges_per_batch_layer_messages():

@@ -137,6 +137,21 @@ def sides(model_dir, urls):  # noqa: F811
     yield from side_maker(model_dir, urls)
 
 
+@pytest.fixture(params=["tcp", "same-host-cpu"])
+def sides_both(request, model_dir, urls, monkeypatch):  # noqa: F811
+    """`sides` on each transport a same-host deployment can get: TCP (the
+    tests' default) and the same-host CPU path (a deployment's default),
+    where a layer's copy runs on the producer engine's gate thread, off the
+    forward thread (Engine.gate_layer's handover)."""
+    monkeypatch.setenv("MC_SAME_HOST_CPU", "1" if request.param == "same-host-cpu" else "0")
+    yield from side_maker(model_dir, urls)
+
+
+def handed_over(side):
+    """Layers the producer's engine gate thread copied (same-host CPU path)."""
+    return side.worker._worker.engine.get_stats()["gate_host_batches"]
+
+
 class Stepper:
     """Steps the producer on its own thread until stopped."""
 
@@ -185,10 +200,14 @@ def both_legs(p, d, tid, t, max_tokens):
     return Stepper(p)
 
 
-def test_layer_load_lands_each_layer_before_its_attention(sides):
+def test_layer_load_lands_each_layer_before_its_attention(sides_both):
     """Scheduled in the first step (no WAITING_FOR_REMOTE_KVS); each layer's
     attention sees that layer's pushed KV complete; the step that loads also
-    computes the prompt's last tokens, so token 1 comes from that step."""
+    computes the prompt's last tokens, so token 1 comes from that step.
+    Same-host CPU path: a layer saved through Engine.gate_layer once the
+    route is known is copied by the producer engine's gate thread, and
+    still each lands before its attention."""
+    sides = sides_both
     p = sides("kv_producer")
     d = sides("kv_consumer", flow_a=False, push_layer_load=True)
     t = toks(31, 4 * BS + 5)
@@ -205,13 +224,16 @@ def test_layer_load_lands_each_layer_before_its_attention(sides):
         run.join()
     assert p.run_until(lambda: p.is_empty(), steps=500)
     assert d.is_empty() and recomputes(d) == {}
+    if os.environ["MC_SAME_HOST_CPU"] == "0":
+        assert handed_over(p) == 0  # TCP: the engine's threads send, nothing handed over
 
 
-def test_target_arriving_mid_forward_is_served_in_that_forward(sides):
+def test_target_arriving_mid_forward_is_served_in_that_forward(sides_both):
     """The prefill's forward is under way (layer 0 computed) when the
     decode's target arrives: the producer takes it at its next layer (not
     after the forward), writes the layers computed so far at once and the
     rest layer by layer, and the decode's step gets every layer."""
+    sides = sides_both
     p = sides("kv_producer", pause_after_layer=0)  # push_layerwise off: lnotify turns it on
     d = sides("kv_consumer", flow_a=False, push_layer_load=True)
     t = toks(40, 3 * BS + 6)
@@ -395,12 +417,13 @@ def _dies_mid_layers(sides, tid, seed, **consumer):
     return d, t, time.monotonic() - t0
 
 
-def test_producer_dies_mid_layers(sides):
+def test_producer_dies_mid_layers(sides_both):
     """The producer pushes layer 0 and dies: the decode's engine sees its
     connection go (Engine.take_lost_peers), so the step ends at once, not at
     push_layer_timeout_s (10 s here), after the cancel (refused: no write
     can come); the blocks are load errors, the prompt is computed, counted
     producer_unreachable and push_producer_lost, nothing hangs."""
+    sides = sides_both
     d, t, took = _dies_mid_layers(sides, "L5", 36, push_layer_load=True,
                                   push_layer_timeout_s=10.0)
     print(f"step/load ended {took:.3f} s after it began")
@@ -479,10 +502,11 @@ def test_producer_dies_during_a_whole_prompt_push(sides):
     assert counted(d, "push_producer_lost") == 1 and d.is_empty()
 
 
-def test_prefill_aborted_ends_the_wait_at_once(sides):
+def test_prefill_aborted_ends_the_wait_at_once(sides_both):
     """The prefill request is aborted (its client left): the producer
     answers nokv and the decode's step ends then, not at its timeout; the
     prompt is computed (not_held)."""
+    sides = sides_both
     p = sides("kv_producer")
     d = sides("kv_consumer", flow_a=False, push_layer_load=True, push_layer_timeout_s=5.0)
     t = toks(37, 3 * BS + 4)
@@ -502,11 +526,12 @@ def test_prefill_aborted_ends_the_wait_at_once(sides):
     assert p.run_until(lambda: p.is_empty(), steps=500) and d.is_empty()
 
 
-def test_no_write_after_the_step_and_abort_after_it(sides):
+def test_no_write_after_the_step_and_abort_after_it(sides_both):
     """The decode's client aborts while the load's step runs (vLLM applies
     it after the step): the blocks are freed at once after it, and a late
     prefill of the same transfer writes nothing into them (the cancel at the
     timeout was answered before the step ended)."""
+    sides = sides_both
     p = sides("kv_producer")
     d = sides("kv_consumer", flow_a=False, push_layer_load=True, push_layer_timeout_s=1.2)
     t = toks(38, 3 * BS + 4)

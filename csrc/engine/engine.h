@@ -149,6 +149,13 @@ typedef struct mc_gate_opts {
   const void *notify;         /* NULL: no notification */
   size_t notify_len;          /* at most MC_ENGINE_MAX_MSG */
   int64_t notify_timeout_ms;  /* the notification's receipt; <= 0: MC_TRANSFER_TIMEOUT */
+  /* No event: 0 submits on the calling thread (as mc_batch_submit would);
+   * 1 queues the batch for the gate thread like an evented one (nothing to
+   * wait for: it submits at once), so the caller only queues.  For a route
+   * whose transport copies inside its submit (the same-host CPU path:
+   * process_vm_writev on the submitting thread; mc_engine_route_copies_here)
+   * the copy then runs on the gate thread (and its copy helpers). */
+  int on_gate_thread;
 } mc_gate_opts_t;
 int mc_batch_submit_gated(mc_engine_t *e, mc_batch_t *b, const char *segment,
                           const mc_request_t *reqs, size_t n, const mc_gate_opts_t *o,
@@ -162,6 +169,13 @@ int mc_batch_submit_gated(mc_engine_t *e, mc_batch_t *b, const char *segment,
  * driver queues the record).  0, or <0 (MC_EUNAVAIL: no CUDA driver;
  * MC_ESYS: the driver refused, named; MC_EINVAL: another device). */
 #define MC_GATE_EVENTS (2 * MC_GATE_MAX)
+
+/* 1 when host memory to `segment` is known to go by a transport that copies
+ * inside its submit (a same-host path: the same-host CPU path's
+ * process_vm_writev runs on the submitting thread), from the routes the
+ * engine remembers (no lookup, no I/O); 0 otherwise, also when the route is
+ * not known yet (the first submit to the peer asks). */
+int mc_engine_route_copies_here(mc_engine_t *e, const char *segment);
 int mc_engine_gate_record(mc_engine_t *e, int dev, uint64_t stream, uint64_t *event,
                           mc_err_t *err);
 
@@ -254,6 +268,9 @@ typedef struct mc_engine_stats {
   /* Gated batches (mc_batch_submit_gated): notifications the engine sent
    * for completed batches, and CUDA event waits that failed. */
   uint64_t gate_notified, gate_event_failures;
+  /* Gated batches without an event the gate thread submitted
+   * (mc_gate_opts_t.on_gate_thread: the caller only queued them). */
+  uint64_t gate_host_batches;
 } mc_engine_stats_t;
 void mc_engine_get_stats(mc_engine_t *e, mc_engine_stats_t *out);
 

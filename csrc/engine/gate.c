@@ -5,7 +5,10 @@
  * of the batch completed.  Two engine threads, started at the first gated
  * submit: the gate thread waits for the events in submission order, asleep
  * in the driver (cuEventSynchronize; blocking-sync events sleep, others
- * spin in the driver), and submits each batch; the notifier thread sends
+ * spin in the driver), and submits each batch (a batch queued without an
+ * event, on_gate_thread, is submitted as soon as its turn comes: host
+ * memory whose copy the same-host CPU path makes inside the submit, taken
+ * off the caller's thread); the notifier thread sends
  * the notifications of batches that completed (mc_engine_notify_detached,
  * so no I/O or copy thread ever sends or waits).  A batch waiting for its
  * event holds one pseudo-request (pending) and one pseudo-op (in flight):
@@ -54,7 +57,7 @@ struct mc_gate {
   pthread_mutex_t nmu;
   pthread_cond_t ncv;
   mc_gate_msg_t *mhead, *mtail;
-  uint64_t sent, failed_events; /* stats (nmu / mu) */
+  uint64_t sent, failed_events, host; /* stats (nmu / mu / mu) */
   pthread_t thr, nthr;
   int started;
 };
@@ -159,6 +162,8 @@ static void *gate_main(void *arg) {
     if (rc < 0)
       gt->failed_events++;
     if (g->b && !gt->stop) {
+      if (!g->event)
+        gt->host++;
       gt->dispatching = g;
       pthread_mutex_unlock(&gt->mu);
       dispatch(gt, g, rc, &err);
@@ -298,7 +303,7 @@ int mc_batch_submit_gated(mc_engine_t *e, mc_batch_t *b, const char *segment,
     m->len = o->notify_len;
     memcpy(m->msg, o->notify, o->notify_len);
   }
-  if (!o->cuda_event) { /* nothing to wait for: submitted here, told at completion */
+  if (!o->cuda_event && !o->on_gate_thread) { /* submitted here, told at completion */
     if (m && !gate_get(e, err)) {
       free(m);
       return err->code;
@@ -333,8 +338,9 @@ int mc_batch_submit_gated(mc_engine_t *e, mc_batch_t *b, const char *segment,
     pthread_mutex_unlock(&gt->mu);
     ent_free(g);
     free(m);
-    return mc_err_set(err, MC_EBUSY, "%zu gated batches already wait for their CUDA events "
-                      "(at most %d): wait for some, or submit without an event", q, MC_GATE_MAX);
+    return mc_err_set(err, MC_EBUSY, "%zu gated batches already wait for the engine's gate "
+                      "thread (their CUDA events, or their submit; at most %d): wait for some, "
+                      "or submit without an event", q, MC_GATE_MAX);
   }
   mc_batch_gate_hold(b, m); /* under gt->mu: lock order gate, batch */
   if (gt->tail)
@@ -398,8 +404,9 @@ void mc_gate_post(mc_engine_t *e, mc_gate_msg_t *m) {
   pthread_mutex_unlock(&gt->nmu);
 }
 
-void mc_gate_counts(mc_engine_t *e, uint64_t *notified, uint64_t *event_failures) {
-  *notified = *event_failures = 0;
+void mc_gate_counts(mc_engine_t *e, uint64_t *notified, uint64_t *event_failures,
+                    uint64_t *host_batches) {
+  *notified = *event_failures = *host_batches = 0;
   pthread_mutex_lock(&e->gate_mu);
   mc_gate_t *gt = e->gate;
   pthread_mutex_unlock(&e->gate_mu);
@@ -410,6 +417,7 @@ void mc_gate_counts(mc_engine_t *e, uint64_t *notified, uint64_t *event_failures
   pthread_mutex_unlock(&gt->nmu);
   pthread_mutex_lock(&gt->mu);
   *event_failures = gt->failed_events;
+  *host_batches = gt->host;
   pthread_mutex_unlock(&gt->mu);
 }
 

@@ -190,6 +190,26 @@ int mc_transport_choose(mc_engine_t *e, const mc_peer_t *peer, mc_mem_kind_t kin
   return choose_from(e, peer, kind, 0, no_plan);
 }
 
+int mc_engine_route_copies_here(mc_engine_t *e, const char *segment) {
+  pthread_mutex_lock(&e->peers_mu);
+  signed char *v = route_slot(e, segment, 0);
+  int here = 0;
+  /* choose_from's walk (submit's: no whole-call takers) over the answers
+   * remembered: the first transport that reaches the peer decides. */
+  for (int i = 0; v && i < MC_TRANSPORT_MAX; i++) {
+    const mc_transport_t *t = &e->tr[i];
+    if (!t->ops || !(t->ops->caps & MC_TCAP_HOST_MEM) || t->ops->submit_call || !t->ops->submit)
+      continue;
+    int known = t->ops->reaches ? v[i * MC_MEM_KINDS + MC_MEM_HOST] : 1;
+    if (known < 0)
+      continue;
+    here = known > 0 && (t->ops->caps & MC_TCAP_SAME_HOST); /* 0: not asked yet */
+    break;
+  }
+  pthread_mutex_unlock(&e->peers_mu);
+  return here;
+}
+
 int mc_transport_for_request(mc_engine_t *e, const mc_peer_t *peer, mc_mem_kind_t kind,
                              int chosen, uint64_t remote, uint64_t len, mc_takes_memo_t *memo) {
   if (memo->hi > memo->lo && remote >= memo->lo && remote < memo->hi &&

@@ -1032,6 +1032,7 @@ typedef struct {
   long li;
   uint64_t event;
   int dev;
+  int handover; /* no event: a same-host CPU copy goes to the gate thread */
   double margin, note_cap, now;
 } gate_layer_t;
 
@@ -1085,15 +1086,25 @@ static PyObject *gate_target(EngineObject *self, PyObject *t, const gate_layer_t
     has_nb = 1;
   }
   double left = lease - g->now, ntmo = left < g->note_cap ? left : g->note_cap;
+  /* CPU KV caches (no event) to a peer the same-host CPU path serves: its
+   * copy (process_vm_writev) would run inside the submit, on this thread
+   * (vLLM's forward thread): handed to the engine's gate thread instead,
+   * which submits (copies) and, once the layer's bytes landed, has the
+   * notifier send the note.  A route not known yet (the first submit to
+   * the peer asks it) or another transport (TCP: its own threads send)
+   * submits here. */
+  int hand = !g->event && g->handover && mc_engine_route_copies_here(self->eng, target);
   mc_gate_opts_t o = {.cuda_event = g->event, .cuda_device = g->dev,
                       .notify = has_nb ? nb.buf : NULL, .notify_len = has_nb ? (size_t)nb.len : 0,
-                      .notify_timeout_ms = (int64_t)((ntmo > 0.1 ? ntmo : 0.1) * 1000.0)};
+                      .notify_timeout_ms = (int64_t)((ntmo > 0.1 ? ntmo : 0.1) * 1000.0),
+                      .on_gate_thread = hand};
   mc_err_t err = {0};
-  /* With an event: only queued for the gate thread (as
-   * batch_transfer_async_write_gated with one), the GIL is kept.  Without
-   * (CPU KV caches): the writes start now and may run here (the same-host
-   * path copies the layer), so the GIL is released, as that call does. */
-  PyThreadState *ts = g->event ? NULL : PyEval_SaveThread();
+  /* With an event, or handed to the gate thread: only queued (as
+   * batch_transfer_async_write_gated with an event), the GIL is kept: a
+   * release would hand it to any thread waiting for it, to be taken back
+   * after.  Submitted here (CPU KV caches, TCP or a route not known yet):
+   * the GIL is released, as that call does. */
+  PyThreadState *ts = g->event || hand ? NULL : PyEval_SaveThread();
   mc_batch_t *b = batch_submit_new(self, target, reqs, (size_t)n, &o, &err);
   if (ts)
     PyEval_RestoreThread(ts);
@@ -1109,7 +1120,8 @@ out:
 }
 
 PyDoc_STRVAR(gate_layer_doc,
-"gate_layer(layer, plan, stream, device, margin, notify_cap) -> None | int | (int, tuple)\n\n"
+"gate_layer(layer, plan, stream, device, margin, notify_cap, handover=True)\n"
+"    -> None | int | (int, tuple)\n\n"
 "One layer's writes to several targets gated on one CUDA event, in one call\n"
 "(the push producer's save of a layer with CUDA KV caches on vLLM's forward\n"
 "thread).  None when a notification or a lost peer waits (nothing done: the\n"
@@ -1124,16 +1136,20 @@ PyDoc_STRVAR(gate_layer_doc,
 "handle and, per plan target, the batch id or None (not submitted: lease near\n"
 "its end, nothing to write, the engine did not take it).  The GIL is kept\n"
 "(nothing blocks).  device -1 (CPU KV caches, the layer's KV in memory): no\n"
-"event (0 returned for it), stream ignored; the writes start at once, each\n"
-"target's submit with the GIL released (it may copy the layer here).");
+"event (0 returned for it), stream ignored; a target the same-host CPU path\n"
+"serves (its route known) is queued for the engine's gate thread, which copies\n"
+"the layer (process_vm_writev) and has the note sent once it landed: the call\n"
+"only queues, GIL kept (handover=False: copied in the call, GIL released); any\n"
+"other target's writes start at once, its submit with the GIL released.");
 
 static PyObject *Engine_gate_layer(EngineObject *self, PyObject *args) {
   long li;
   PyObject *plan;
   unsigned long long stream;
   gate_layer_t g = {0};
-  if (!PyArg_ParseTuple(args, "lOKidd:gate_layer", &li, &plan, &stream, &g.dev, &g.margin,
-                        &g.note_cap))
+  g.handover = 1;
+  if (!PyArg_ParseTuple(args, "lOKidd|p:gate_layer", &li, &plan, &stream, &g.dev, &g.margin,
+                        &g.note_cap, &g.handover))
     return NULL;
   if (li < 0 || g.dev < -1) {
     PyErr_Format(PyExc_ValueError, "gate_layer: layer (%ld) must be >= 0 and device (%d) a "
@@ -1663,6 +1679,7 @@ static PyObject *add_more_stats(PyObject *d, const mc_engine_stats_t *s) {
               {"gpu_jobs_direct", s->gpu_jobs_direct},
               {"gate_notified", s->gate_notified},
               {"gate_event_failures", s->gate_event_failures},
+              {"gate_host_batches", s->gate_host_batches},
               {"same_host_gpu_peers", s->same_host_gpu_peers},
               {"same_host_gpu_cached_blocks", s->same_host_gpu_cached_blocks},
               {"same_host_gpu_block_reuses", s->same_host_gpu_block_reuses},
@@ -1796,7 +1813,8 @@ static PyMethodDef Engine_methods[] = {
      "(docs/connector.md, Budgets); open_batches: batches not yet seen ended;\n"
      "gpu_jobs / gpu_jobs_direct: GPU copy jobs so far / launched by the submitting thread;\n"
      "gate_notified / gate_event_failures: notifications sent for completed gated\n"
-     "batches / their CUDA event waits that failed."},
+     "batches / their CUDA event waits that failed; gate_host_batches: batches without\n"
+     "an event the gate thread submitted (gate_layer's same-host CPU copies)."},
     {"get_notifies", (PyCFunction)Engine_get_notifies, METH_NOARGS,
      "get_notifies() -> list of (from_segment, message_bytes); drains the queue."},
     {"wait_notifies", (PyCFunction)Engine_wait_notifies, METH_VARARGS,

@@ -173,6 +173,180 @@ static void test_many_in_order(void) {
   api->cuStreamDestroy(s);
 }
 
+/* A gated batch without an event queued for the gate thread
+ * (on_gate_thread: vLLM's forward thread hands a CPU layer over instead of
+ * copying it): the caller only queues -- held here behind a batch whose
+ * event is 200 ms away, nothing is written and the batch is pending when
+ * the submit returned -- then the gate thread submits it in its turn, the
+ * bytes land and only then the message comes, once.  Counted in
+ * gate_host_batches.  mc_engine_route_copies_here: 1 once the same-host
+ * CPU path carries host memory to the peer, 0 over TCP or before the
+ * route is known. */
+static void test_host_batch_on_the_gate_thread(void) {
+  mc_err_t err = {0};
+  const char *seg = mc_engine_segment_name(B);
+  const char *sh = getenv("MC_SAME_HOST_CPU");
+  int cma = !(sh && !strcmp(sh, "0"));
+  mc_engine_t *C = mk(); /* a peer A has not written to yet: its route unknown */
+  CHECK(C != NULL);
+  CHECK_EQ_INT(mc_engine_route_copies_here(A, mc_engine_segment_name(C)), 0);
+  mc_engine_destroy(C);
+  mc_request_t w = wreq(0, 64); /* the route to B known */
+  mc_batch_t *b0 = mc_batch_new(A, 1);
+  CHECK_EQ_INT(mc_batch_submit(A, b0, seg, &w, 1, &err), 0);
+  CHECK_EQ_INT(mc_batch_wait(A, b0, 5000, &err), 0);
+  mc_batch_free(A, b0);
+  CHECK_EQ_INT(mc_engine_route_copies_here(A, seg), cma);
+  mc_engine_stats_t st0, st1;
+  mc_engine_get_stats(A, &st0);
+  mc_cu_stream s = NULL;
+  mc_cu_event ev = NULL;
+  CHECK(api->cuStreamCreate(&s, 0) == 0);
+  CHECK(api->cuEventCreate(&ev, 0) == 0);
+  const size_t n = 4u << 20;
+  fill(abuf, n + 4096, 13);
+  memset(bbuf, 0, n + 4096);
+  stream_hold(s, 200000000ull);
+  CHECK(api->cuEventRecord(ev, s) == 0);
+  mc_request_t r1 = wreq(n, 4096), r2 = wreq(0, n);
+  mc_batch_t *b1 = mc_batch_new(A, 1), *b2 = mc_batch_new(A, 1);
+  mc_gate_opts_t o1 = {.cuda_event = (uint64_t)(uintptr_t)ev, .notify = "first",
+                       .notify_len = 5};
+  mc_gate_opts_t o2 = {.on_gate_thread = 1, .notify = "host layer", .notify_len = 10};
+  CHECK_EQ_INT(mc_batch_submit_gated(A, b1, seg, &r1, 1, &o1, &err), 0);
+  uint64_t t0 = mc_now_ns();
+  CHECK_EQ_INT(mc_batch_submit_gated(A, b2, seg, &r2, 1, &o2, &err), 0);
+  CHECK(mc_now_ns() - t0 < 50000000ull); /* queued, not copied here */
+  CHECK_EQ_INT((int)mc_batch_pending(b2), 1);
+  usleep(100000);
+  CHECK_EQ_INT((int)mc_batch_pending(b2), 1); /* behind the held event */
+  CHECK(bbuf[0] == 0 && bbuf[n - 1] == 0);
+  got_t g = {0};
+  CHECK_EQ_INT(drain_b(&g, 1), 0);
+  CHECK_EQ_INT(mc_batch_wait(A, b2, 5000, &err), 0);
+  CHECK(mc_now_ns() - t0 >= 150000000ull);
+  CHECK(memcmp(abuf, bbuf, n) == 0);
+  /* both messages, in the gate's order, each once */
+  uint64_t until = mc_now_ns() + 3000000000ull;
+  while (g.n < 2 && mc_now_ns() < until) {
+    mc_engine_wait_notifies(B, 10000);
+    mc_engine_drain_notifies(B, 16, collect, &g);
+  }
+  CHECK_EQ_INT(g.n, 2);
+  CHECK(strcmp(g.last, "host layer") == 0);
+  CHECK_EQ_INT(mc_batch_wait(A, b1, 5000, &err), 0);
+  mc_batch_free(A, b1);
+  mc_batch_free(A, b2);
+  mc_engine_get_stats(A, &st1);
+  CHECK(st1.gate_host_batches == st0.gate_host_batches + 1);
+  api->cuEventDestroy(ev);
+  api->cuStreamDestroy(s);
+}
+
+/* The message a host batch on the gate thread carries comes only after
+ * its bytes landed: many layers in a row, each checked on B as its
+ * message arrives. */
+typedef struct {
+  int n, bad;
+  size_t per;
+} landed_t;
+
+static void check_landed(void *arg, const char *from, const void *msg, size_t len) {
+  (void)from;
+  landed_t *l = arg;
+  int i = atoi((const char *)msg);
+  (void)len;
+  if (i != l->n || memcmp(abuf + (size_t)i * l->per, bbuf + (size_t)i * l->per, l->per) != 0)
+    l->bad++;
+  l->n++;
+}
+
+static void test_host_batches_told_after_their_bytes(void) {
+  mc_err_t err = {0};
+  enum { N = 32 };
+  const size_t per = 128u << 10;
+  mc_batch_t *b[N];
+  fill(abuf, N * per, 17);
+  memset(bbuf, 0, N * per);
+  for (int i = 0; i < N; i++) {
+    mc_request_t r = wreq((size_t)i * per, per);
+    b[i] = mc_batch_new(A, 1);
+    char m[16];
+    int ml = snprintf(m, sizeof m, "%d", i);
+    mc_gate_opts_t o = {.on_gate_thread = 1, .notify = m, .notify_len = (size_t)ml + 1};
+    CHECK_EQ_INT(mc_batch_submit_gated(A, b[i], mc_engine_segment_name(B), &r, 1, &o, &err),
+                 0);
+  }
+  landed_t l = {.per = per};
+  uint64_t until = mc_now_ns() + 5000000000ull;
+  while (l.n < N && mc_now_ns() < until) {
+    mc_engine_wait_notifies(B, 10000);
+    mc_engine_drain_notifies(B, 64, check_landed, &l);
+  }
+  CHECK_EQ_INT(l.n, N);
+  CHECK_EQ_INT(l.bad, 0);
+  for (int i = 0; i < N; i++) {
+    CHECK_EQ_INT(mc_batch_wait(A, b[i], 5000, &err), 0);
+    mc_batch_free(A, b[i]);
+  }
+}
+
+/* Host batches canceled (freed: a target's cancel, a lease's end) while
+ * queued behind a held event and while their copy runs: the free returns
+ * once no thread touches them; nothing is written after it, nothing told,
+ * and the gate is left empty (the engine stops clean: ASan's leak check). */
+static void test_host_batches_canceled_leave_nothing(void) {
+  mc_err_t err = {0};
+  const char *seg = mc_engine_segment_name(B);
+  mc_cu_stream s = NULL;
+  mc_cu_event ev = NULL;
+  CHECK(api->cuStreamCreate(&s, 0) == 0);
+  CHECK(api->cuEventCreate(&ev, 0) == 0);
+  enum { N = 8 };
+  const size_t per = 1u << 20;
+  fill(abuf, N * per, 19);
+  memset(bbuf, 0, N * per);
+  stream_hold(s, 150000000ull);
+  CHECK(api->cuEventRecord(ev, s) == 0);
+  mc_request_t r0 = wreq(0, 4096);
+  mc_batch_t *h = mc_batch_new(A, 1), *b[N];
+  mc_gate_opts_t oh = {.cuda_event = (uint64_t)(uintptr_t)ev};
+  CHECK_EQ_INT(mc_batch_submit_gated(A, h, seg, &r0, 1, &oh, &err), 0);
+  for (int i = 0; i < N; i++) {
+    mc_request_t r = wreq((size_t)i * per, per);
+    b[i] = mc_batch_new(A, 1);
+    mc_gate_opts_t o = {.on_gate_thread = 1, .notify = "never", .notify_len = 5};
+    CHECK_EQ_INT(mc_batch_submit_gated(A, b[i], seg, &r, 1, &o, &err), 0);
+  }
+  /* the queued ones: freed at once, before the event */
+  uint64_t t0 = mc_now_ns();
+  for (int i = N / 2; i < N; i++)
+    mc_batch_free(A, b[i]);
+  CHECK(mc_now_ns() - t0 < 100000000ull);
+  /* the first ones: freed as the gate thread takes them (some mid-copy) */
+  CHECK_EQ_INT(mc_batch_wait(A, h, 5000, &err), 0);
+  for (int i = 0; i < N / 2; i++)
+    mc_batch_free(A, b[i]);
+  uint8_t *snap = malloc(N * per);
+  CHECK(snap != NULL);
+  memcpy(snap, bbuf, N * per);
+  usleep(100000);
+  CHECK(memcmp(snap, bbuf, N * per) == 0); /* nothing written after the frees */
+  for (size_t i = (N / 2) * per; i < N * per; i += 4096)
+    CHECK(bbuf[i] == 0); /* the queued ones never ran */
+  free(snap);
+  got_t g = {0}; /* told: at most the ones that ran whole before their free */
+  uint64_t until = mc_now_ns() + 300000000ull;
+  while (mc_now_ns() < until) {
+    mc_engine_wait_notifies(B, 10000);
+    mc_engine_drain_notifies(B, 16, collect, &g);
+  }
+  CHECK(g.n <= N / 2);
+  mc_batch_free(A, h);
+  api->cuEventDestroy(ev);
+  api->cuStreamDestroy(s);
+}
+
 static void test_bad_arguments(void) {
   mc_err_t err = {0};
   mc_request_t r = wreq(0, 4096);
@@ -260,8 +434,11 @@ int main(void) {
   /* Twice: the gate and notifier threads sleeping between batches, then
    * spinning first (MC_WAKE_SPIN_US, read when an engine starts; the gate
    * then looks at each event with cuEventQuery before it sleeps). */
-  for (int round = 0; round < 2; round++) {
+  for (int round = 0; round < 3; round++) {
     if (round == 1 && setenv("MC_WAKE_SPIN_US", "3000", 1) != 0)
+      return 1;
+    if (round == 2 && (unsetenv("MC_WAKE_SPIN_US") != 0 || /* then over TCP */
+                       setenv("MC_SAME_HOST_CPU", "0", 1) != 0))
       return 1;
     if (two_engines_up(BUFSZ) < 0)
       return 1;
@@ -269,6 +446,9 @@ int main(void) {
     RUN(test_failed_batch_sends_nothing);
     RUN(test_cancel_before_the_event);
     RUN(test_many_in_order);
+    RUN(test_host_batch_on_the_gate_thread);
+    RUN(test_host_batches_told_after_their_bytes);
+    RUN(test_host_batches_canceled_leave_nothing);
     if (round == 0) {
       RUN(test_bad_arguments);
       RUN(test_engine_events_and_the_pending_look);
