@@ -558,17 +558,31 @@ static void *silent_server(void *arg) {
   return NULL;
 }
 
-static void test_timeout_cancels(void) {
+/* The silent server started on a loopback port: seg names it.  0, or -1. */
+static int silent_open(char *seg, size_t n, pthread_t *th) {
+  silent_stop = 0;
   silent_fd = socket(AF_INET, SOCK_STREAM, 0);
   struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
-  CHECK(bind(silent_fd, (struct sockaddr *)&sa, sizeof sa) == 0);
+  if (silent_fd < 0 || bind(silent_fd, (struct sockaddr *)&sa, sizeof sa) != 0)
+    return -1;
   listen(silent_fd, 4);
   socklen_t sl = sizeof sa;
   getsockname(silent_fd, (struct sockaddr *)&sa, &sl);
-  pthread_t th;
-  pthread_create(&th, NULL, silent_server, NULL);
+  snprintf(seg, n, "127.0.0.1:%d", ntohs(sa.sin_port));
+  return pthread_create(th, NULL, silent_server, NULL) == 0 ? 0 : -1;
+}
+
+static void silent_close(pthread_t th) {
+  silent_stop = 1;
+  shutdown(silent_fd, SHUT_RDWR);
+  close(silent_fd);
+  pthread_join(th, NULL);
+}
+
+static void test_timeout_cancels(void) {
   char seg[64];
-  snprintf(seg, sizeof seg, "127.0.0.1:%d", ntohs(sa.sin_port));
+  pthread_t th;
+  CHECK_EQ_INT(silent_open(seg, sizeof seg, &th), 0);
   mc_request_t r = {.opcode = MC_OP_READ, .local = abuf, .remote = 4096, .len = 1 << 20};
   mc_err_t err = {0};
   mc_batch_t *b = mc_batch_new(A, 1);
@@ -590,10 +604,7 @@ static void test_timeout_cancels(void) {
   mc_batch_status(b, 0, &s);
   CHECK_EQ_INT(s.state, MC_TASK_TIMEOUT);
   mc_batch_free(A, b);
-  silent_stop = 1;
-  shutdown(silent_fd, SHUT_RDWR);
-  close(silent_fd);
-  pthread_join(th, NULL);
+  silent_close(th);
 }
 
 /* A submit that fails (a local buffer outside every region) pins nothing,
@@ -603,17 +614,9 @@ static void test_timeout_cancels(void) {
  * went idle: the unregister waited MC_UNREGISTER_GRACE_MS and canceled the
  * batch). */
 static void test_failed_submit_pins_nothing(void) {
-  silent_stop = 0;
-  silent_fd = socket(AF_INET, SOCK_STREAM, 0);
-  struct sockaddr_in sa = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
-  CHECK(bind(silent_fd, (struct sockaddr *)&sa, sizeof sa) == 0);
-  listen(silent_fd, 4);
-  socklen_t sl = sizeof sa;
-  getsockname(silent_fd, (struct sockaddr *)&sa, &sl);
-  pthread_t th;
-  pthread_create(&th, NULL, silent_server, NULL);
   char seg[64];
-  snprintf(seg, sizeof seg, "127.0.0.1:%d", ntohs(sa.sin_port));
+  pthread_t th;
+  CHECK_EQ_INT(silent_open(seg, sizeof seg, &th), 0);
   mc_err_t err = {0};
   mc_request_t r = {.opcode = MC_OP_READ, .local = abuf, .remote = 4096, .len = 4096};
   mc_batch_t *b = mc_batch_new(A, 3);
@@ -634,10 +637,7 @@ static void test_failed_submit_pins_nothing(void) {
   CHECK_EQ_INT(s.state, MC_TASK_PENDING); /* not canceled by that unregister */
   CHECK_EQ_INT(mc_batch_wait(A, b, 100, &err), MC_ETIMEDOUT);
   mc_batch_free(A, b);
-  silent_stop = 1;
-  shutdown(silent_fd, SHUT_RDWR);
-  close(silent_fd);
-  pthread_join(th, NULL);
+  silent_close(th);
 }
 
 /* A target that resets (RST) its first `resets` connections once their
