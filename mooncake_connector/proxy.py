@@ -56,10 +56,12 @@ import copy
 import itertools
 import json
 import logging
+import math
 import os
 import signal
 import sys
 import time
+import urllib.parse
 import uuid
 
 import aiohttp
@@ -656,6 +658,58 @@ def _esc(v):
     return str(v).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
+def _bad_upstream(u):
+    """Why the upstream URL u cannot be used (None if it can)."""
+    if not u.startswith(("http://", "https://")):
+        return f"{u!r} is not a URL; write http://host:port"
+    try:
+        parts = urllib.parse.urlsplit(u)
+        port = parts.port
+    except ValueError as e:
+        return f"{u!r} is not a valid URL ({e}); write http://host:port"
+    if not parts.hostname:
+        return f"{u!r} names no host; write http://host:port"
+    if port == 0:
+        return f"{u!r}: port 0 is not a server's port; write http://host:port with a port in " \
+               "1..65535"
+    if parts.path.rstrip("/").endswith("/v1"):
+        return f"{u!r} ends with /v1; give the server's base URL without it (the proxy " \
+               "adds /v1/completions, /v1/chat/completions, ...)"
+    if parts.query or parts.fragment:
+        return f"{u!r} has a query or fragment; give the server's base URL http://host:port"
+    return None
+
+
+def _norm(u):
+    p = urllib.parse.urlsplit(u)
+    return (p.scheme, (p.hostname or "").lower(), p.port or (443 if p.scheme == "https" else 80),
+            p.path.rstrip("/"))
+
+
+def _server(u):
+    """u's scheme, host (loopback names as one), port and path."""
+    s, h, p, path = _norm(u)
+    return s, "loopback" if _local(h) else h, p, path
+
+
+def _local(h):
+    return h in ("localhost", "::1") or h.startswith("127.")
+
+
+def _is_self(u, host, port):
+    """Whether the upstream u is this proxy itself: its port, and its bound
+    address or (bound to a wildcard or loopback address) a loopback name."""
+    if port == 0:
+        return False
+    _, h, p, _ = _norm(u)
+    host = host.lower()
+    if p != port:
+        return False
+    if h == host:
+        return True
+    return _local(h) and (host in ("0.0.0.0", "::", "") or _local(host))
+
+
 def _event_loop(kind):
     """(runner for asyncio.run-like use, name): uvloop when importable
     (--loop auto) or asked for, else asyncio's own loop."""
@@ -731,10 +785,26 @@ def main(argv=None):
                      "name: its mooncake.json prefill_url)")
     if args.prefill_engine and args.flow != "push":
         ap.error("--prefill-engine is for --flow push")
+    if not 0 <= args.port <= 65535:
+        ap.error(f"--port {args.port} is out of range 0..65535 (0: any free port)")
     for u in args.prefill + args.decode + args.passthrough:
-        if not u.startswith(("http://", "https://")):
-            ap.error(f"{u!r} is not a URL; write http://host:port")
+        why = _bad_upstream(u)
+        if why:
+            ap.error(why)
+    same = [u for u in dict.fromkeys(args.prefill)
+            if _server(u) in set(map(_server, args.decode))]
+    if same:
+        ap.error(f"{same[0]!r} is given as both --prefill and --decode: a prefill and a decode "
+                 "instance are two vLLM servers (kv_producer and kv_consumer) on two ports")
+    for u in args.prefill + args.decode + args.passthrough:
+        if _is_self(u, args.host, args.port):
+            ap.error(f"{u!r} is this proxy's own address (--host {args.host} --port "
+                     f"{args.port}): it would send requests to itself; give the vLLM "
+                     "server's URL, or another --port for the proxy")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    for name in ("timeout", "idle_timeout", "prefill_down_s"):
+        if math.isnan(getattr(args, name)):
+            ap.error(f"--{name.replace('_', '-')} nan is not a number of seconds")
     if args.idle_timeout < 0 or args.timeout <= 0 or args.prefill_down_s < 0:
         ap.error("--timeout must be > 0, --idle-timeout and --prefill-down-s >= 0 (seconds)")
     proxy = Proxy(args.prefill, args.decode, args.flow, args.timeout,
@@ -749,7 +819,12 @@ def main(argv=None):
         runner = web.AppRunner(proxy.app())
         await runner.setup()
         site = web.TCPSite(runner, args.host, args.port)
-        await site.start()
+        try:
+            await site.start()
+        except OSError as e:  # gaierror included: a --host that does not resolve
+            await runner.cleanup()
+            raise SystemExit(f"{ap.prog}: cannot listen on {args.host}:{args.port}: "
+                             f"{e.strerror or e}; pick another --port (or --host)") from None
         port = site._server.sockets[0].getsockname()[1]
         if proxy.passthrough:
             what = f"pass-through to {' '.join(proxy.passthrough)}"

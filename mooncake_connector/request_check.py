@@ -72,6 +72,25 @@ def _too_deep(obj, limit):
     return None
 
 
+def _check_kv_transfer_params(body):
+    """kv_transfer_params tell the connectors where KV comes from and goes
+    to (remote_engine_id / remote_host / remote_port, block ids, transfer
+    ids): the proxy sets them for each leg.  A client's own would be relayed
+    to the vLLM servers and could point the decode's connector at a host of
+    the client's choice (whose bytes would land in the decode's KV cache,
+    prefix-cached for other clients' requests): refused.  null or {} carry
+    nothing and are dropped."""
+    v = body.get("kv_transfer_params", None)
+    if v is None or v == {}:
+        body.pop("kv_transfer_params", None)
+        return
+    keys = ", ".join(sorted(str(k) for k in v)[:8])
+    raise BadRequest("field 'kv_transfer_params' is set by the proxy for each leg, not by "
+                     f"clients (got an object with {keys[:200]}); remove it from the request "
+                     "(to drive the KV connector yourself, send requests to the vLLM servers "
+                     "directly, not through the proxy)")
+
+
 def _is_int(v):
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -124,11 +143,13 @@ _FIELDS = {
 
 
 def check(body, chat):
-    """BadRequest if a field the proxy reads has a type it cannot handle."""
+    """BadRequest if a field the proxy reads has a type it cannot handle,
+    or if the client sent kv_transfer_params of its own."""
     for key, (ok, what) in _FIELDS.items():
         v = body.get(key)
         if v is not None and not ok(v):
             raise BadRequest(f"field {key!r} must be {what} or null, got {_kind(v)}")
+    _check_kv_transfer_params(body)
     if chat:
         _check_messages(body.get("messages"))
     else:

@@ -709,3 +709,102 @@ def test_malformed_requests_get_400_naming_the_field(upstreams, proxy, flow):
     status, _ = post(url + "/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 2})
     assert status == 200
     assert get_stats(url)["bad_requests"] == len(BAD_BODIES)
+
+
+# ---- hostile clients and bad command lines (the input audit) ----
+
+FORGED = {"do_remote_prefill": True, "remote_engine_id": "203.0.113.9:13003",
+          "remote_host": "203.0.113.9", "remote_port": 13003, "remote_block_ids": [0, 1]}
+
+
+@pytest.mark.parametrize("flow", ["a", "b", "push", "passthrough"])
+def test_client_kv_transfer_params_are_refused(upstreams, proxy, flow):
+    """A client's own kv_transfer_params would reach the vLLM servers (flow a
+    relayed them to the decode leg, whose connector then loaded KV from the
+    host they name): refused with a 400 naming the field and the fix, in
+    every flow; nothing reaches an upstream.  null and {} carry nothing and
+    are not relayed."""
+    p, d = upstreams("prefill"), upstreams("decode")
+    if flow == "passthrough":
+        url = proxy([], [], extra=["--passthrough", d.url])
+    else:
+        url = proxy([p.url], [d.url], flow=flow)
+    for stream in (False, True):
+        status, ans = post(url + "/v1/completions", {"model": "m", "prompt": "hi",
+                                                     "max_tokens": 3, "stream": stream,
+                                                     "kv_transfer_params": FORGED})
+        assert status == 400, (status, ans)
+        msg = ans["error"]["message"]
+        assert "'kv_transfer_params'" in msg and "remove it" in msg and "remote_engine_id" in msg
+    assert p.seen == [] and d.seen == []
+    for empty in (None, {}):
+        status, _ = post(url + "/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 3,
+                                                   "kv_transfer_params": empty})
+        assert status == 200
+    legs = p.seen + d.seen
+    assert legs
+    for leg in legs:
+        kv = leg["body"].get("kv_transfer_params")
+        assert kv is None or "remote_engine_id" not in kv or kv["remote_engine_id"] is None \
+            or flow == "push", leg
+        assert kv != {} or flow == "passthrough", leg
+    if flow in ("a", "passthrough"):
+        assert all("kv_transfer_params" not in leg["body"] for leg in legs)
+
+
+BAD_CLI = [
+    (["--port", "70000"], "--port 70000 is out of range"),
+    (["--port", "-1"], "--port -1 is out of range"),
+    (["--decode", "http://"], "names no host"),
+    (["--decode", "http://127.0.0.1:99999"], "is not a valid URL"),
+    (["--decode", "http://[::1:2"], "is not a valid URL"),
+    (["--decode", "http://127.0.0.1:0"], "port 0"),
+    (["--decode", "http://127.0.0.1:8200/v1"], "ends with /v1"),
+    (["--decode", "http://127.0.0.1:8200/?x=1"], "query"),
+    (["--decode", "http://localhost:8100/"], "both --prefill and --decode"),
+    (["--port", "8200", "--host", "127.0.0.1"], "this proxy's own address"),
+    (["--port", "8100"], "this proxy's own address"),
+    (["--timeout", "nan"], "--timeout nan"),
+    (["--idle-timeout", "nan"], "--idle-timeout nan"),
+]
+
+
+@pytest.mark.parametrize("extra,expect", BAD_CLI, ids=[" ".join(a) for a, _ in BAD_CLI])
+def test_bad_command_lines_name_the_argument(extra, expect):
+    """Each is one line naming the argument and the fix, exit 2, no
+    traceback; before, --port 70000 silently listened on 4464 (70000 mod
+    65536), --port -1 was a socket.gaierror traceback, the bad URLs and a
+    proxy pointed at itself (an endless request loop) were accepted."""
+    args = {"--prefill": ["http://127.0.0.1:8100"], "--decode": ["http://127.0.0.1:8200"]}
+    i = 0
+    rest = []
+    while i < len(extra):
+        if extra[i] in args:
+            args[extra[i]] = [extra[i + 1]]
+        else:
+            rest += extra[i:i + 2]
+        i += 2
+    cmd = [sys.executable, "-m", "mooncake_connector.proxy", *rest]
+    for k, v in args.items():
+        cmd += [k, *v]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    assert expect in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "no-such-host.invalid"])
+def test_listen_failure_is_one_line(host):
+    """A port in use or a --host that does not resolve: one line naming
+    host:port and the fix, exit 1 (was a traceback ending in OSError or
+    socket.gaierror, plus an 'Unclosed client session' warning)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        r = subprocess.run([sys.executable, "-m", "mooncake_connector.proxy", "--host", host,
+                            "--port", str(port), "--prefill", "http://127.0.0.1:8100",
+                            "--decode", "http://127.0.0.1:8200"],
+                           capture_output=True, text=True, timeout=30)
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    assert f"cannot listen on {host}:{port}" in r.stderr and "--port" in r.stderr
+    assert "Traceback" not in r.stderr and "Unclosed" not in r.stderr, r.stderr
