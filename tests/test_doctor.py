@@ -486,3 +486,13 @@ def test_same_host_cpu_path_row(tmp_path):
     assert "MC_SAME_HOST_CPU=0" in row(rows, "same-host", "cpu", "skip")["detail"]
     rc, rows = doctor("--config", write_cfg(tmp_path, same_host_cpu=False), env=env)
     assert '"same_host_cpu": false' in row(rows, "same-host", "cpu", "skip")["detail"]
+
+
+def test_same_host_cpu_switch_spellings(tmp_path):
+    """The doctor reads MC_SAME_HOST_CPU as the engine does: "No" is off,
+    a value that is neither on nor off is a warn row naming it (the engine
+    warns and keeps the path on)."""
+    rc, rows = doctor("--config", write_cfg(tmp_path), env={"MC_SAME_HOST_CPU": "No"})
+    assert "MC_SAME_HOST_CPU=No" in row(rows, "same-host", "cpu", "skip")["detail"]
+    rc, rows = doctor("--config", write_cfg(tmp_path), env={"MC_SAME_HOST_CPU": "maybe"})
+    assert "'maybe'" in row(rows, "same-host", "switch", "warn")["detail"]

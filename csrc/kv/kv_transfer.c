@@ -13,6 +13,7 @@
 #include <string.h>
 
 #include "util/clock.h"
+#include "util/env.h"
 #include "util/log.h"
 
 /* ---- answers ---- */
@@ -436,10 +437,8 @@ static void *worker_main(void *arg) {
 int mc_kv_create(mc_engine_t *e, mc_lookup_t *lb, int workers, mc_kv_t **out, mc_err_t *err) {
   if (!e)
     return mc_err_set(err, MC_EINVAL, "send_kv/recv_kv need an initialized engine");
-  if (workers <= 0) {
-    const char *s = getenv("MC_KV_WORKERS");
-    workers = s && atoi(s) > 0 ? atoi(s) : 2;
-  }
+  if (workers <= 0)
+    workers = (int)mc_env_long("MC_KV_WORKERS", 2, 1, 64);
   if (workers > 64)
     workers = 64;
   mc_kv_t *kv = calloc(1, sizeof *kv);
@@ -449,11 +448,7 @@ int mc_kv_create(mc_engine_t *e, mc_lookup_t *lb, int workers, mc_kv_t **out, mc
   }
   kv->e = e;
   kv->lb = lb;
-  {
-    const char *s = getenv("MC_KV_QUEUE_MB");
-    long mb = s && atol(s) > 0 ? atol(s) : 64;
-    kv->queue_limit = (uint64_t)(mb > (1l << 20) ? (1l << 20) : mb) << 20;
-  }
+  kv->queue_limit = (uint64_t)mc_env_long("MC_KV_QUEUE_MB", 64, 1, 1l << 20) << 20;
   pthread_mutex_init(&kv->mu, NULL);
   pthread_condattr_t ca;
   pthread_condattr_init(&ca);

@@ -47,11 +47,28 @@ static PyObject *Lookup_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
   const char *mode = "keep", *policy = "evict";
   double ttl = 0;
   int track = 0;
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "K|IKssdIpI:LookupBuffer", kwlist, &cap, &bs, &seed,
+  PyObject *capo;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "O|IKssdIpI:LookupBuffer", kwlist, &capo, &bs, &seed,
                                    &mode, &policy, &ttl, &epb, &track, &weak))
     return NULL;
   mc_py_state_t *st = mc_py_state_from_type(type);
   mc_err_t err = {0};
+  /* "K" would take -1 as 2**64-1 (a buffer without bound) and 2**64 as 0. */
+  if (!PyLong_Check(capo) || PyBool_Check(capo)) {
+    PyErr_Format(PyExc_TypeError, "LookupBuffer capacity_bytes must be an int (bytes), not "
+                 "%.80s", Py_TYPE(capo)->tp_name);
+    return NULL;
+  }
+  cap = PyLong_AsUnsignedLongLong(capo);
+  if (cap == (unsigned long long)-1 && PyErr_Occurred()) {
+    PyErr_Clear();
+    PyObject *r = PyObject_Repr(capo);
+    mc_err_set(&err, MC_EINVAL, "lookup buffer capacity_bytes %.60s is out of range; give the "
+               "bytes of KV it may hold, 1..2**64-1", r ? PyUnicode_AsUTF8(r) : "?");
+    Py_XDECREF(r);
+    PyErr_Clear();
+    return mc_py_raise(st, &err);
+  }
   mc_lookup_opts_t o = {.capacity_bytes = cap, .block_size = bs, .seed = seed,
                         .extents_per_block = epb, .track_freed = track,
                         .test_weak_hash_bits = weak};

@@ -200,6 +200,19 @@ int mc_py_get_extent(PyObject *o, mc_lookup_extent_t *x, const char *what, Py_ss
                  what, i);
     return -1;
   }
+  /* "K" takes -1 as 2**64-1 and wraps 2**64: a negative length would read
+   * as a huge one.  Each field must be a 64-bit unsigned int as it is. */
+  static const char *const field[] = {"addr", "length", "tag"};
+  for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(o) && k < 3; k++) {
+    PyObject *v = PyTuple_GET_ITEM(o, k);
+    if (PyLong_Check(v) && PyLong_AsUnsignedLongLong(v) == (unsigned long long)-1 &&
+        PyErr_Occurred()) {
+      PyErr_Clear();
+      PyErr_Format(PyExc_ValueError, "%s[%zd]: %s %R is out of range; it must be 0..2**64-1",
+                   what, i, field[k], v);
+      return -1;
+    }
+  }
   *x = (mc_lookup_extent_t){.addr = a, .len = l, .tag = g};
   return 0;
 }

@@ -3,6 +3,7 @@
 #include <errno.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 
 #include "util/log.h"
 
@@ -19,6 +20,23 @@ long mc_env_long(const char *name, long dflt, long lo, long hi) {
     return dflt;
   }
   return v;
+}
+
+int mc_env_bool(const char *name, int dflt) {
+  const char *s = getenv(name);
+  if (!s || !*s)
+    return dflt;
+  static const char *const on[] = {"1", "true", "on", "yes"}, *const off[] = {"0", "false", "off",
+                                                                              "no"};
+  for (size_t i = 0; i < sizeof on / sizeof on[0]; i++) {
+    if (!strcasecmp(s, on[i]))
+      return 1;
+    if (!strcasecmp(s, off[i]))
+      return 0;
+  }
+  mc_log_warn("ignoring %s=\"%s\": expected 1, true, on or yes (on) or 0, false, off or no "
+              "(off); using %s", name, s, dflt ? "on" : "off");
+  return dflt;
 }
 
 /* Knobs renamed, {name, former name}: the slicing knobs apply to every

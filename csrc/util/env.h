@@ -14,6 +14,11 @@ long mc_env_long(const char *name, long dflt, long lo, long hi);
  * giving the new name).  Both set to different text is an MC_ECONFIG error
  * naming both (which one was meant is not ours to guess); the same text is
  * fine. */
+/* A switch: 1 for 1/true/on/yes, 0 for 0/false/off/no (any case), dflt if
+ * unset or empty; anything else is dflt with one warning naming the
+ * variable, its value and the accepted spellings (never silently on). */
+int mc_env_bool(const char *name, int dflt);
+
 int mc_env_long_renamed(const char *name, long dflt, long lo, long hi, long *out,
                         mc_err_t *err);
 

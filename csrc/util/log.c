@@ -24,6 +24,9 @@ static int level_from_env(void) {
     return MC_LOG_INFO;
   if (!strcasecmp(s, "debug"))
     return MC_LOG_DEBUG;
+  /* Read once per process (mc_log_level caches it): one line, not silence. */
+  fprintf(stderr, "mooncake-connector: ignoring MC_LOG_LEVEL=\"%s\": expected error, warn, "
+          "info or debug; using warn\n", s);
   return MC_LOG_WARN;
 }
 

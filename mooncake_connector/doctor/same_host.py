@@ -44,10 +44,15 @@ def check_same_host(rep, cfg):
     attach)?  A real process_vm_readv from another process, as the engine
     does; off switches and the kernel's ptrace policy explain a no."""
     env = os.environ.get("MC_SAME_HOST_CPU")
-    if env in ("0", "false", "off"):
+    if env and env.lower() in ("0", "false", "off", "no"):
         rep.add("same-host", "cpu", SKIP, f"switched off (MC_SAME_HOST_CPU={env}): engines on "
                 "this host move host memory over the network path (TCP/RDMA)")
         return
+    if env and env.lower() not in ("1", "true", "on", "yes"):
+        # The engine warns and keeps the path on (as unset).
+        rep.add("same-host", "switch", WARN, f"MC_SAME_HOST_CPU={env[:40]!r} is neither on (1, "
+                "true, on, yes) nor off (0, false, off, no): engines ignore it (with a warning) "
+                "and keep the same-host CPU path on; set MC_SAME_HOST_CPU=0 to switch it off")
     if cfg and cfg.get("same_host_cpu") is False:
         rep.add("same-host", "cpu", SKIP, "switched off in mooncake.json (\"same_host_cpu\": "
                 "false): engines on this host move host memory over the network path")

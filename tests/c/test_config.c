@@ -875,8 +875,26 @@ static void test_env_knobs(void) {
   unsetenv("MC_TEST_KNOB");
 }
 
+/* Switches: on and off spellings in any case; unset or empty is the
+ * default; anything else is the default (with a warning), never a guess. */
+static void test_env_switches(void) {
+  unsetenv("MC_TEST_SWITCH");
+  CHECK_EQ_INT(mc_env_bool("MC_TEST_SWITCH", 1), 1);
+  CHECK_EQ_INT(mc_env_bool("MC_TEST_SWITCH", 0), 0);
+  static const struct { const char *v; int dflt, want; } cases[] = {
+      {"1", 0, 1}, {"true", 0, 1}, {"ON", 0, 1}, {"Yes", 0, 1}, {"0", 1, 0}, {"false", 1, 0},
+      {"off", 1, 0}, {"NO", 1, 0}, {"", 1, 1}, {"", 0, 0}, {"disable", 1, 1}, {"2", 0, 0},
+      {"no ", 1, 1}, {"of", 0, 0}};
+  for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+    setenv("MC_TEST_SWITCH", cases[i].v, 1);
+    CHECK_EQ_INT(mc_env_bool("MC_TEST_SWITCH", cases[i].dflt), cases[i].want);
+  }
+  unsetenv("MC_TEST_SWITCH");
+}
+
 int main(void) {
   RUN(test_env_knobs);
+  RUN(test_env_switches);
   RUN(test_seed_rdma);
   RUN(test_seed_tcp);
   RUN(test_seed_rdma_from_file);

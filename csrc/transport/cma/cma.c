@@ -44,10 +44,7 @@ typedef struct cma {
   _Atomic uint64_t wbytes, rbytes, nops, npeers_ok, nunbound;
 } cma_t;
 
-int mc_cma_enabled(void) {
-  const char *s = getenv("MC_SAME_HOST_CPU");
-  return !(s && (!strcmp(s, "0") || !strcmp(s, "false") || !strcmp(s, "off")));
-}
+int mc_cma_enabled(void) { return mc_env_bool("MC_SAME_HOST_CPU", 1); }
 
 /* Adjacent entries (consecutive blocks on both sides) merge into one pair of
  * up to MC_CMA_MERGE_KB (default 64; 0: never): one thread then walks the

@@ -79,6 +79,10 @@ static int tcp_t_start(const mc_transport_env_t *env, void **impl, mc_err_t *err
                           .auth_secret = c->auth_secret};
   mc_tcp_t *t = NULL;
   int rc = mc_tcp_start(&o, &hooks, &t, err);
+  const char *bind_env = getenv("MC_TCP_BIND_ADDRESS");
+  if (rc < 0 && bind_env && err && strstr(err->msg, "bind"))
+    mc_err_prefix(err, "MC_TCP_BIND_ADDRESS=\"%s\" (unset it to listen on every address, or "
+                  "give an IP address of this host)", bind_env);
   *impl = t;
   return rc;
 }

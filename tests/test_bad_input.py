@@ -1,0 +1,261 @@
+"""What a careless or hostile user can feed the package, as a user would:
+the console scripts and `python -m` entry points, the environment, the
+Python API.  Each bad input gets one clear message naming the input and the
+fix: no traceback, crash, hang or silent fallback.
+
+The proxy's command line and hostile HTTP requests: tests/test_proxy.py
+(test_bad_command_lines_name_the_argument, test_malformed_requests_*,
+test_client_kv_transfer_params_are_refused); the metadata server's HTTP API:
+tests/test_metadata_server.py; wire bytes: tests/fuzz and
+tests/test_hostile_peers.py; mooncake.json field by field: tests/test_config.py.
+"""
+import os
+import subprocess
+import sys
+
+import pytest
+
+import mooncake_connector as mc
+
+PY = sys.executable
+GOOD = ('{"prefill_url": "127.0.0.1:13003", "decode_url": "127.0.0.1:13103", '
+        '"metadata_server": "P2PHANDSHAKE"}')
+
+
+def run(args, env=None, timeout=60, stdin=None):
+    e = {k: v for k, v in os.environ.items() if not k.startswith(("MC_", "MOONCAKE_"))}
+    e.update(env or {})
+    return subprocess.run([PY, "-P", *args], capture_output=True, text=True, env=e,
+                          timeout=timeout, cwd="/", stdin=subprocess.DEVNULL)
+
+
+def one_clear_line(r, *needles, rc=2):
+    assert r.returncode == rc, (r.returncode, r.stdout, r.stderr)
+    assert "Traceback" not in r.stderr, r.stderr
+    for n in needles:
+        assert n in r.stderr, (n, r.stderr)
+
+
+# ---- mooncake.json through `mooncake-connector config` (python -m mooncake_connector config)
+
+CONFIGS = [
+    ("list", b"[1, 2]", "top-level JSON value is an array"),
+    ("string", b'"x"', "top-level JSON value is a string"),
+    ("empty", b"", "config is empty"),
+    ("not utf-8", GOOD.replace("P2PHANDSHAKE", "P2P\udcff").encode("utf-8", "surrogateescape"),
+     "metadata_server"),
+    ("trailing text", GOOD.encode() + b" xx", "unexpected text after the JSON value"),
+    ("deep", b"[" * 100000, "nesting too deep"),
+    ("typo", GOOD.replace("metadata_server", "metadata_sever").encode(),
+     'did you mean "metadata_server"'),
+    ("wrong type", GOOD.replace('"127.0.0.1:13003"', "13003").encode(), "expected a string"),
+    ("empty string", GOOD.replace('"127.0.0.1:13003"', '""').encode(), "is empty"),
+    ("port 0", GOOD.replace(":13003", ":0").encode(), "port 0"),
+    ("port 70000", GOOD.replace(":13003", ":70000").encode(), "out of range"),
+    ("no port", GOOD.replace(":13003", "").encode(), "has no port"),
+    ("duplicate key", GOOD.replace("{", '{"protocol": "tcp", "protocol": "tcp", ').encode(),
+     "appears more than once"),
+    ("NUL", GOOD.replace("P2PHANDSHAKE", "P2P\\u0000x").encode(), "NUL"),
+    ("bad scheme", GOOD.replace("P2PHANDSHAKE", "ftp://x:1").encode(), 'unknown scheme "ftp"'),
+    ("protocol", GOOD.replace("}", ', "protocol": "udp"}').encode(), "not a supported protocol"),
+    ("bool", GOOD.replace("}", ', "same_host_cpu": "yes"}').encode(), "expected true or false"),
+]
+
+
+@pytest.mark.parametrize("raw,expect", [c[1:] for c in CONFIGS], ids=[c[0] for c in CONFIGS])
+def test_config_cli_names_the_mistake(tmp_path, raw, expect):
+    p = tmp_path / "mooncake.json"
+    p.write_bytes(raw)
+    one_clear_line(run(["-m", "mooncake_connector", "config", str(p)]), str(p), expect)
+
+
+def test_config_cli_file_problems(tmp_path):
+    one_clear_line(run(["-m", "mooncake_connector", "config", str(tmp_path / "no.json")]),
+                   "cannot open config file", "MOONCAKE_CONFIG_PATH")
+    one_clear_line(run(["-m", "mooncake_connector", "config", str(tmp_path)]), "is a directory")
+    one_clear_line(run(["-m", "mooncake_connector", "config", "/dev/zero"]), "over 1048576")
+    big = tmp_path / "big.json"
+    big.write_bytes(b" " * (2 << 20))
+    one_clear_line(run(["-m", "mooncake_connector", "config", str(big)]), "at most 1048576")
+    one_clear_line(run(["-m", "mooncake_connector", "config"]),
+                   "MOONCAKE_CONFIG_PATH is not set")
+    one_clear_line(run(["-m", "mooncake_connector", "config"],
+                       env={"MOONCAKE_CONFIG_PATH": str(tmp_path / "gone.json")}),
+                   "gone.json", "cannot open config file")
+
+
+def test_cli_unknown_command():
+    one_clear_line(run(["-m", "mooncake_connector", "doctr"]), "unknown command 'doctr'",
+                   "doctor")
+
+
+# ---- the metadata server's command line
+
+@pytest.mark.parametrize("args,expect,rc", [
+    (["--port", "70000"], "--port 70000 is out of range", 2),
+    (["--port", "-1"], "--port -1 is out of range", 2),
+    (["--token-file", "/nonexistent/token"], "No such file", 2),
+    (["--host", "no-such-host.invalid", "--port", "0"], "cannot listen on", 1),
+    (["--bogus"], "unrecognized arguments: --bogus", 2),
+])
+def test_metadata_server_command_line(args, expect, rc):
+    one_clear_line(run(["-m", "mooncake_connector.metadata_server", *args], timeout=30),
+                   expect, rc=rc)
+
+
+# ---- the environment: MC_* knobs with garbage
+
+ENGINE = ("import mooncake_connector as mc\n"
+          "a = mc.TransferEngine(); a.initialize('127.0.0.1', 'P2PHANDSHAKE', 'tcp', '')\n"
+          "b = mc.TransferEngine(); b.initialize('127.0.0.1', 'P2PHANDSHAKE', 'tcp', '')\n"
+          "x = a.allocate_managed_buffer(1 << 16); y = b.allocate_managed_buffer(1 << 16)\n"
+          "a.transfer_sync_write(b.get_segment_name(), x, y, 1 << 16)\n"
+          "kv = mc.KVTransfer(b, mc.LookupBuffer(1 << 20))\n"
+          "print('same-host', a.get_stats()['same_host_cpu_bytes_written'])\n"
+          "kv.close(); a.close(); b.close()\n")
+
+
+@pytest.mark.parametrize("var,value,bytes_cma", [
+    ("MC_SAME_HOST_CPU", "no", 0), ("MC_SAME_HOST_CPU", "OFF", 0),
+    ("MC_SAME_HOST_CPU", "yes", 1 << 16), ("MC_SAME_HOST_CPU", "1", 1 << 16)])
+def test_same_host_cpu_switch_spellings(var, value, bytes_cma):
+    """"no" used to mean on (only 0, false, off were off)."""
+    r = run(["-c", ENGINE], env={var: value, "MC_LOG_LEVEL": "warn"})
+    assert r.returncode == 0, r.stderr
+    assert f"same-host {bytes_cma}" in r.stdout and "ignoring" not in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("var,value", [
+    ("MC_SAME_HOST_CPU", "disable"),   # was silently on
+    ("MC_KV_WORKERS", "abc"),          # was silently 2 (atoi)
+    ("MC_KV_WORKERS", "1000"),         # was silently 64
+    ("MC_KV_QUEUE_MB", "-3"),          # was silently 64
+    ("MC_TRANSFER_TIMEOUT", "abc"),
+    ("MC_SLICE_SIZE", "1"),
+    ("MC_TCP_IO_THREADS", "1000000"),
+])
+def test_garbage_env_knob_is_named_not_silent(var, value):
+    r = run(["-c", ENGINE], env={var: value})
+    assert r.returncode == 0, r.stderr
+    assert f'ignoring {var}="{value}"' in r.stderr and "expected" in r.stderr, r.stderr
+
+
+def test_garbage_log_level_is_named():
+    r = run(["-c", ENGINE], env={"MC_LOG_LEVEL": "verbose"})
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.count('ignoring MC_LOG_LEVEL="verbose"') == 1, r.stderr
+    assert "error, warn, info or debug" in r.stderr
+
+
+@pytest.mark.parametrize("value,why", [("not-an-ip", "is not a numeric IP"),
+                                       ("192.0.2.77", "Cannot assign requested address")])
+def test_bad_bind_address_names_the_variable(value, why):
+    r = run(["-c", ENGINE], env={"MC_TCP_BIND_ADDRESS": value})
+    assert r.returncode == 1
+    last = r.stderr.strip().splitlines()[-1]
+    assert f'MC_TCP_BIND_ADDRESS="{value}"' in last and why in last and "unset it" in last, last
+
+
+@pytest.mark.parametrize("var,value,expect", [
+    ("MC_METADATA_TIMEOUT_MS", "x", "MC_METADATA_TIMEOUT_MS"),
+    ("MC_METADATA_TOKEN", "a b", "MC_METADATA_TOKEN has a space"),
+])
+def test_metadata_env_refused(var, value, expect):
+    code = ("import mooncake_connector as mc\n"
+            "e = mc.TransferEngine()\n"
+            "e.initialize('127.0.0.1', 'http://127.0.0.1:9/metadata', 'tcp', '')\n")
+    r = run(["-c", code], env={var: value})
+    assert r.returncode == 1 and expect in r.stderr.strip().splitlines()[-1], r.stderr
+
+
+# ---- the Python API
+
+@pytest.fixture
+def engine():
+    e = mc.TransferEngine()
+    e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
+    yield e
+    e.close()
+
+
+@pytest.mark.parametrize("cap,exc,expect", [
+    (-1, mc.ConfigError, "capacity_bytes -1 is out of range"),     # was a buffer without bound
+    (1 << 64, mc.ConfigError, "out of range"),                      # was read as 0
+    (0, mc.ConfigError, "must be > 0"),
+    (1.5, TypeError, "must be an int"),
+    (True, TypeError, "not bool"),
+    ("1", TypeError, "not str"),
+])
+def test_lookup_buffer_capacity(cap, exc, expect):
+    with pytest.raises(exc, match=expect):
+        mc.LookupBuffer(cap)
+
+
+def test_send_kv_negative_extent_is_named(engine):
+    buf = engine.allocate_managed_buffer(1 << 16)
+    kv = mc.KVTransfer(engine, mc.LookupBuffer(1 << 20))
+    try:
+        toks = list(range(32))
+        with pytest.raises(ValueError, match=r"extents\[1\]: length -1 is out of range"):
+            kv.send_kv(toks, [(buf, 4096), (buf + 4096, -1)])
+        with pytest.raises(ValueError, match=r"extents\[0\]: addr -4096 is out of range"):
+            kv.send_kv(toks, [(-4096, 4096), (buf, 4096)])
+        assert kv.send_kv(toks, [(buf, 4096), (buf + 4096, 4096)]) == 32
+    finally:
+        kv.close()
+
+
+def test_api_misuse_table(engine):
+    """Each misuse raises an exception saying what is wrong (none crashes,
+    none returns a silent -1)."""
+    buf = engine.allocate_managed_buffer(1 << 16)
+    seg = engine.get_segment_name()
+    cases = [
+        (lambda: engine.register_memory(0x1000, -5), ValueError, "non-negative"),
+        (lambda: engine.register_memory(0x10, 4096), mc.ConfigError, "not mapped"),
+        (lambda: engine.register_memory("abc", 4096), TypeError, "must be an int"),
+        (lambda: engine.unregister_memory(0x1234), mc.TransferError, "no registered region"),
+        (lambda: engine.allocate_managed_buffer(-1), ValueError, "non-negative"),
+        (lambda: engine.allocate_managed_buffer(1 << 60), ValueError, "1..2\\*\\*46"),
+        (lambda: engine.transfer_sync_write(seg, buf, 0x10, 100), mc.TransferError,
+         "not inside any memory region registered by segment"),
+        (lambda: engine.transfer_sync_write(seg, 0x10, buf, 100), mc.ConfigError,
+         "register the buffer first"),
+        (lambda: engine.transfer_sync_write("nonsense", buf, buf, 100), mc.ConfigError,
+         "is not \"host:port\""),
+        (lambda: engine.batch_transfer_sync_write(seg, [buf], [buf, buf], [10]), ValueError,
+         "must have the same length"),
+        (lambda: engine.get_batch_transfer_status([12345]), ValueError, "unknown batch id"),
+        (lambda: engine.send_notify(seg, b"x" * (17 << 20)), mc.MooncakeError, "exceeds"),
+        (lambda: engine.free_managed_buffer(0x1234, 10), ValueError,
+         "not a buffer from allocate_managed_buffer"),
+        (lambda: engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", ""), mc.MooncakeError,
+         "already initialized"),
+        (lambda: mc.LookupBuffer(1 << 20, block_size=0), mc.ConfigError, "block_size 0"),
+        (lambda: mc.LookupBuffer(1 << 20, ttl_s=float("nan")), mc.ConfigError, "ttl_s nan"),
+        (lambda: mc.hash_token_blocks([1, -2, 3] * 10), mc.ConfigError, "token id -2"),
+    ]
+    for f, exc, expect in cases:
+        with pytest.raises(exc, match=expect):
+            f()
+
+
+def test_closed_engine_and_double_close():
+    e = mc.TransferEngine()
+    e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
+    buf = e.allocate_managed_buffer(4096)
+    seg = e.get_segment_name()
+    kv = mc.KVTransfer(e)
+    with pytest.raises(mc.MooncakeError, match="used by 1 KVTransfer object.*close them first"):
+        e.close()
+    kv.close()
+    kv.close()
+    e.close()
+    e.close()
+    for f in (lambda: e.transfer_sync_write(seg, buf, buf, 100),
+              lambda: e.register_memory(buf, 10), lambda: e.get_segment_name(),
+              lambda: mc.KVTransfer(e)):
+        with pytest.raises(mc.MooncakeError, match="not initialized .* or was closed"):
+            f()
+    with pytest.raises(mc.MooncakeError, match="KVTransfer is closed"):
+        kv.recv_kv("127.0.0.1:1", list(range(16)), [(buf, 4096)], timeout=1)
