@@ -259,3 +259,46 @@ def test_closed_engine_and_double_close():
             f()
     with pytest.raises(mc.MooncakeError, match="KVTransfer is closed"):
         kv.recv_kv("127.0.0.1:1", list(range(16)), [(buf, 4096)], timeout=1)
+
+
+# ---- --kv-transfer-config: kv_connector_extra_config and the mooncake.json it names
+
+@pytest.mark.parametrize("extra,msg", [
+    ({"hold_timeout_s": "nan"}, "hold_timeout_s must be a finite number"),   # was accepted
+    ({"load_timeout_s": float("inf")}, "load_timeout_s must be a finite number"),
+    ({"lookup_timeout_s": "inf"}, "lookup_timeout_s must be a finite number"),
+    ({"push_layer_timeout_s": float("nan")}, "push_layer_timeout_s must be a finite number"),
+    ({"load_timeout_s": 1e7}, "load_timeout_s must be at most 86400"),
+    ({"load_workers": 2.7}, "load_workers must be an integer, not 2.7"),     # was 2
+    ({"load_workers": True}, "load_workers must be an integer, not True"),   # was 1
+    ({"load_workers": 0}, "load_workers must be 1-64"),
+    ({"load_workers": 10 ** 9}, "load_workers must be 1-64"),               # was silently 64
+    ({"sync_load_max_bytes": "lots"}, "sync_load_max_bytes must be an integer"),
+    ({"local_hostname": 123}, "local_hostname must be a string, not 123"),  # was "123"
+    ({"bootstrap_host": {"a": 1}}, "bootstrap_host must be a string"),
+    ({"kv_rank": float("nan")}, "kv_rank must be an integer, not nan"),      # was a bare ValueError
+    ({"kv_rank": float("inf")}, "kv_rank must be an integer, not inf"),      # was OverflowError
+    ({"kv_buffer_size": 1e30}, "kv_buffer_size must be <="),
+    ({"mooncake_config_path": 5}, "path must be a non-empty string"),
+    ({"mooncake_config_path": "/dev/zero"}, "is over 1048576 bytes"),        # was read forever
+    ({"flow_a": "maybe"}, "flow_a must be true or false"),
+    ({"hold_timout_s": 5}, "unknown kv_connector_extra_config key(s) ['hold_timout_s']"),
+])
+def test_extra_config_names_the_key(extra, msg):
+    from types import SimpleNamespace
+
+    from mooncake_connector.connector.settings import SettingsError, resolve
+    with pytest.raises(SettingsError) as ei:
+        resolve(SimpleNamespace(kv_role="kv_consumer", kv_connector_extra_config=extra), env={})
+    assert msg in str(ei.value)
+
+
+def test_mooncake_json_not_utf8_names_the_file(tmp_path):
+    from types import SimpleNamespace
+
+    from mooncake_connector.connector.settings import SettingsError, resolve
+    p = tmp_path / "mooncake.json"
+    p.write_bytes(b'{"prefill_url": "\xff:1"}')
+    with pytest.raises(SettingsError, match=r"mooncake.json' is not UTF-8 text .*0xff"):
+        resolve(SimpleNamespace(kv_role="kv_consumer", kv_connector_extra_config={}),
+                env={"MOONCAKE_CONFIG_PATH": str(p)})

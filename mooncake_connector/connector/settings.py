@@ -11,6 +11,7 @@ validates mooncake.json strictly with the C parser when it starts its engine.
 """
 import json
 import logging
+import math
 import os
 from dataclasses import asdict, dataclass, field
 
@@ -164,13 +165,28 @@ class Settings:
         return json.dumps(d, sort_keys=True, default=str)
 
 
+# As the C parser (csrc/config): a mooncake.json is a few hundred bytes.
+MAX_CONFIG_BYTES = 1 << 20
+
+
 def _read_json(path, what):
+    if not isinstance(path, (str, os.PathLike)) or not str(path):
+        raise SettingsError(f"{what} path must be a non-empty string (the path of your "
+                            f"mooncake.json), not {path!r}")
     try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
+        with open(path, "rb") as f:
+            raw = f.read(MAX_CONFIG_BYTES + 1)
     except OSError as e:
         raise SettingsError(f"{what} {path!r} cannot be read ({e.strerror}); set "
                             "MOONCAKE_CONFIG_PATH to a readable mooncake.json") from None
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise SettingsError(f"{what} {path!r} is over {MAX_CONFIG_BYTES} bytes; refused (is "
+                            "MOONCAKE_CONFIG_PATH really your mooncake.json?)")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise SettingsError(f"{what} {path!r} is not UTF-8 text (byte 0x{raw[e.start]:02x} at "
+                            f"offset {e.start}); save it as UTF-8") from None
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:
@@ -183,6 +199,15 @@ def _read_json(path, what):
 
 
 def _coerce(key, typ, value):
+    if typ is str:
+        if not isinstance(value, str):
+            raise SettingsError(f"kv_connector_extra_config.{key} must be a string, not "
+                                f"{value!r}")
+        return value
+    if typ is int and (isinstance(value, bool) or isinstance(value, float) and (
+            not math.isfinite(value) or value != int(value))):
+        raise SettingsError(f"kv_connector_extra_config.{key} must be an integer, not "
+                            f"{value!r}")
     if typ is bool:
         if isinstance(value, bool):
             return value
@@ -193,21 +218,28 @@ def _coerce(key, typ, value):
     try:
         out = typ(value)
     except (TypeError, ValueError):
-        raise SettingsError(f"kv_connector_extra_config.{key} must be a {typ.__name__}, not "
+        what = {int: "an integer", float: "a number"}.get(typ, f"a {typ.__name__}")
+        raise SettingsError(f"kv_connector_extra_config.{key} must be {what}, not "
                             f"{value!r}") from None
+    if typ is float and not math.isfinite(out):
+        raise SettingsError(f"kv_connector_extra_config.{key} must be a finite number, not "
+                            f"{value!r}")
     if typ in (int, float) and out < 0:
         raise SettingsError(f"kv_connector_extra_config.{key} must be >= 0, not {value!r}")
     return out
 
 
-def _int_field(name, value, lo=None):
+def _int_field(name, value, lo=None, hi=None):
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+            isinstance(value, float) and not math.isfinite(value) or value != int(value):
         raise SettingsError(f"{name} must be an integer, not {value!r}")
     value = int(value)
     if lo is not None and value < lo:
         raise SettingsError(f"{name} must be >= {lo}, not {value}")
+    if hi is not None and value > hi:
+        raise SettingsError(f"{name} must be <= {hi}, not {value}")
     return value
 
 
@@ -232,7 +264,7 @@ def resolve(kv_transfer_config, env=None):
                                     lo=1)
     buf = extra.pop("kv_buffer_size", None)
     if buf is not None:
-        s.kv_buffer_size = _int_field("kv_buffer_size", buf, lo=1)
+        s.kv_buffer_size = _int_field("kv_buffer_size", buf, lo=1, hi=1 << 50)
     if s.kv_rank is not None and s.kv_parallel_size is not None and \
             s.kv_rank >= s.kv_parallel_size:
         raise SettingsError(f"kv_rank {s.kv_rank} must be below kv_parallel_size "
@@ -247,6 +279,14 @@ def resolve(kv_transfer_config, env=None):
                 "push_layer_timeout_s"):
         if getattr(s, key) <= 0:
             raise SettingsError(f"kv_connector_extra_config.{key} must be > 0 seconds")
+    for key in ("lookup_timeout_s", "sync_load_timeout_s", "load_timeout_s",
+                "push_layer_timeout_s", "hold_timeout_s"):
+        if getattr(s, key) > 86_400:  # the engine's bound on a transfer's timeout
+            raise SettingsError(f"kv_connector_extra_config.{key} must be at most 86400 "
+                                f"seconds, not {getattr(s, key)!r}")
+    if not 1 <= s.load_workers <= 64:
+        raise SettingsError("kv_connector_extra_config.load_workers must be 1-64 (concurrent "
+                            f"KV loads per worker), not {s.load_workers!r}")
     if s.push_layer_timeout_s <= 1.0:
         raise SettingsError("kv_connector_extra_config.push_layer_timeout_s must be > 1 s (the "
                             "producer starts no write in the last second of the lease), not "
