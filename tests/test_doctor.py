@@ -9,6 +9,7 @@ entry point is tested too.
 """
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -496,3 +497,27 @@ def test_same_host_cpu_switch_spellings(tmp_path):
     assert "MC_SAME_HOST_CPU=No" in row(rows, "same-host", "cpu", "skip")["detail"]
     rc, rows = doctor("--config", write_cfg(tmp_path), env={"MC_SAME_HOST_CPU": "maybe"})
     assert "'maybe'" in row(rows, "same-host", "switch", "warn")["detail"]
+
+
+def test_serve_without_listen_takes_a_free_port():
+    """`doctor --serve` with neither --listen nor a config: this host's
+    address and a free port (it asked the engine for "host:0", which the
+    engine refuses as a name: the documented default always failed)."""
+    e = {k: v for k, v in os.environ.items() if k != "MOONCAKE_CONFIG_PATH"}
+    r = subprocess.run([sys.executable, "-m", "mooncake_connector", "doctor", "--serve",
+                        "--seconds", "0.5"], capture_output=True, text=True, env=e, timeout=60,
+                       cwd="/")
+    assert r.returncode == 0, r.stderr
+    assert re.search(r"doctor serving at \S+:\d+ .*doctor --peer \S+:[1-9]\d*", r.stdout), r.stdout
+
+
+@pytest.mark.parametrize("args,expect", [
+    (["--timeout", "-1"], "--timeout must be a number of seconds > 0"),
+    (["--timeout", "nan"], "--timeout must be a number of seconds > 0"),
+    (["--serve", "--seconds", "-1"], "--seconds must be a number of seconds >= 0"),
+    (["--serve", "--seconds", "nan"], "--seconds must be a number of seconds >= 0"),
+])
+def test_bad_numbers_are_refused(args, expect):
+    r = subprocess.run([sys.executable, "-m", "mooncake_connector", "doctor", *args],
+                       capture_output=True, text=True, timeout=60, cwd="/")
+    assert r.returncode == 2 and expect in r.stderr and "Traceback" not in r.stderr, r.stderr

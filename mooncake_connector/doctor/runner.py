@@ -34,7 +34,7 @@ def build_parser():
                     help="be the peer for another host's `doctor --peer`")
     ap.add_argument("--listen", default=None, metavar="HOST:PORT",
                     help="with --serve: engine address (default: this host's prefill/decode URL "
-                         "from --config, else 0.0.0.0:0)")
+                         "from --config, else its first non-loopback address, a free port)")
     ap.add_argument("--seconds", type=float, default=0, help="with --serve: stop after this long")
     return ap
 
@@ -49,13 +49,22 @@ def _default_listen(cfg, role):
             if any(a in local for a in _resolve(host)):
                 return _hp(host, port)
     addrs = [a for a in local if not _is_loopback(a) and ":" not in a]
-    return (addrs[0] if addrs else "127.0.0.1") + ":0"
+    # No port: the engine takes a free one ("host:0" is refused as a name).
+    return addrs[0] if addrs else "127.0.0.1"
 
 
 def run(argv=None, out=sys.stdout):
     args = build_parser().parse_args(argv)
     if args.tp < 1:
         print("doctor: --tp must be >= 1", file=sys.stderr)
+        return 2
+    if not args.timeout > 0 or args.timeout == float("inf"):  # also NaN
+        print(f"doctor: --timeout must be a number of seconds > 0, not {args.timeout}",
+              file=sys.stderr)
+        return 2
+    if not 0 <= args.seconds < float("inf"):
+        print(f"doctor: --seconds must be a number of seconds >= 0 (0: until Ctrl-C), not "
+              f"{args.seconds}", file=sys.stderr)
         return 2
     rep = Report()
     cfg = None
