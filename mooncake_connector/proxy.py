@@ -67,6 +67,7 @@ import uuid
 import aiohttp
 from aiohttp import web
 
+from mooncake_connector import http_guard
 from mooncake_connector import proxy_first_token as ft
 from mooncake_connector import trace
 from mooncake_connector import request_check
@@ -142,7 +143,7 @@ class Proxy:
         self.session = None
         self.log = logger
         self._max_model_len = {}  # decode URL -> max_model_len from its /v1/models
-        self.counts = {"requests": 0, "bad_requests": 0, "prefill_errors": 0,
+        self.counts = {"requests": 0, "bad_requests": 0, "slow_header_closes": 0, "prefill_errors": 0,
                        "prefill_failovers": 0,
                        "prefill_retries": 0, "decode_retries": 0, "decode_errors": 0,
                        "first_token_from_prefill": 0, "finished_at_prefill": 0,
@@ -770,6 +771,9 @@ def main(argv=None):
     ap.add_argument("--prefill-down-s", type=float, default=5.0,
                     help="a prefill instance that could not be connected to is tried after "
                          "the others for this long, s (each request still tries every one)")
+    ap.add_argument("--header-timeout", type=float, default=http_guard.HEADER_TIMEOUT_S,
+                    help="close a client connection that has sent part of a request but no "
+                         "complete header for this long, s (slow or stalled clients)")
     args = ap.parse_args(argv)
     if args.passthrough and (args.prefill or args.decode):
         ap.error("--passthrough relays to one upstream; it takes no --prefill/--decode")
@@ -802,6 +806,8 @@ def main(argv=None):
                      f"{args.port}): it would send requests to itself; give the vLLM "
                      "server's URL, or another --port for the proxy")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if not 0 < args.header_timeout < float("inf"):
+        ap.error(f"--header-timeout must be a number of seconds > 0, not {args.header_timeout}")
     for name in ("timeout", "idle_timeout", "prefill_down_s"):
         if math.isnan(getattr(args, name)):
             ap.error(f"--{name.replace('_', '-')} nan is not a number of seconds")
@@ -818,14 +824,16 @@ def main(argv=None):
     async def run():
         runner = web.AppRunner(proxy.app())
         await runner.setup()
-        site = web.TCPSite(runner, args.host, args.port)
+        loop = asyncio.get_running_loop()
         try:
-            await site.start()
+            server = await loop.create_server(
+                http_guard.guarded(runner.server, loop, args.header_timeout, proxy.counts),
+                args.host, args.port, reuse_address=True)
         except OSError as e:  # gaierror included: a --host that does not resolve
             await runner.cleanup()
             raise SystemExit(f"{ap.prog}: cannot listen on {args.host}:{args.port}: "
                              f"{e.strerror or e}; pick another --port (or --host)") from None
-        port = site._server.sockets[0].getsockname()[1]
+        port = server.sockets[0].getsockname()[1]
         if proxy.passthrough:
             what = f"pass-through to {' '.join(proxy.passthrough)}"
         else:
@@ -837,6 +845,7 @@ def main(argv=None):
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         await stop.wait()
+        server.close()
         await runner.cleanup()
 
     run_loop(run())

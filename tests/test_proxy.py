@@ -808,3 +808,52 @@ def test_listen_failure_is_one_line(host):
     assert r.returncode == 1, (r.stdout, r.stderr)
     assert f"cannot listen on {host}:{port}" in r.stderr and "--port" in r.stderr
     assert "Traceback" not in r.stderr and "Unclosed" not in r.stderr, r.stderr
+
+
+def test_slow_header_clients_are_closed(vllm_like, proxy):
+    """A client that drips a request header (slow-loris) held its
+    connection forever (aiohttp's keep-alive timer stops at its first
+    byte): closed after --header-timeout, counted; a slow upstream answer
+    and a slowly sent body (complete header first) are not cut."""
+    p, d = vllm_like("prefill", slow=2.0), vllm_like("decode")
+    url = proxy([p.url], [d.url], extra=("--header-timeout", "1"))
+    port = int(url.rsplit(":", 1)[1])
+    s = socket.create_connection(("127.0.0.1", port))
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+    s.settimeout(0.3)
+    t0, closed = time.monotonic(), None
+    while time.monotonic() - t0 < 10:
+        try:
+            if s.recv(100) == b"":
+                closed = time.monotonic() - t0
+                break
+        except socket.timeout:
+            s.sendall(b"X-a: b\r\n")
+        except ConnectionResetError:
+            closed = time.monotonic() - t0
+            break
+    s.close()
+    assert closed is not None and 0.8 <= closed <= 4, closed
+    assert get_stats(url)["slow_header_closes"] == 1
+    # A non-streamed answer that takes 2 s (the prefill leg): not cut.
+    status, ans = post(url + "/v1/completions", {"model": "m", "prompt": "a b c",
+                                                 "max_tokens": 2})
+    assert status == 200, ans
+    # A body sent over 2.5 s after a complete header: not cut.
+    body = json.dumps({"model": "m", "prompt": "a b c", "max_tokens": 2}).encode()
+    s = socket.create_connection(("127.0.0.1", port))
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(body))
+    for i in range(0, len(body), len(body) // 5 + 1):
+        time.sleep(0.5)
+        s.sendall(body[i:i + len(body) // 5 + 1])
+    s.settimeout(20)
+    data = b""
+    while True:
+        chunk = s.recv(65536)
+        if not chunk:
+            break
+        data += chunk
+    s.close()
+    assert data.startswith(b"HTTP/1.1 200"), data[:200]
+    assert get_stats(url)["slow_header_closes"] == 1
