@@ -66,15 +66,16 @@ def _check(h):
         h.transport.abort()
 
 
-def guarded(server, loop, seconds=HEADER_TIMEOUT_S, counts=None):
-    """A protocol factory for loop.create_server: server's, with the deadline."""
+def guarded(server, loop, seconds=None, counts=None):
+    """A protocol factory for loop.create_server: server's, with the deadline
+    (seconds; None: HEADER_TIMEOUT_S when a connection is made)."""
     usable = all(hasattr(RequestHandler, a) for a in ("_request_count", "_current_request"))
 
     def factory():
         proto = server()
         if usable and type(proto) is RequestHandler:
             proto.__class__ = _Guarded
-            _STATE[proto] = [None, None, seconds, loop, counts]
+            _STATE[proto] = [None, None, seconds or HEADER_TIMEOUT_S, loop, counts]
         return proto
 
     return factory

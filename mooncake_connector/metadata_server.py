@@ -48,6 +48,8 @@ from typing import Callable, Dict, List, Optional
 
 from aiohttp import web
 
+from mooncake_connector import http_guard
+
 __all__ = [
     "DEFAULT_MAX_STORE_BYTES",
     "DEFAULT_MAX_VALUE_SIZE",
@@ -309,9 +311,15 @@ def _format_url(host: str, port: int, path: str) -> str:
 class _Running:
     """A started aiohttp runner and the port it actually bound."""
 
-    def __init__(self, runner: web.AppRunner, port: int) -> None:
+    def __init__(self, runner: web.AppRunner, port: int, server=None) -> None:
         self.runner = runner
         self.port = port
+        self.server = server  # the listening asyncio server
+
+    async def cleanup(self) -> None:
+        if self.server is not None:
+            self.server.close()
+        await self.runner.cleanup()
 
 
 # A cluster of engines starting together opens this many connections at
@@ -358,18 +366,22 @@ async def _start(app: web.Application, host: str, port: int,
     runner = web.AppRunner(app, handle_signals=False,
                            access_log=log if access_log else None)
     await runner.setup()
+    loop = asyncio.get_running_loop()
     try:
-        site = web.TCPSite(runner, host, port, backlog=BURST_CONNECTIONS)
-        await site.start()
+        # A client that drips a request header is disconnected (http_guard).
+        server = await loop.create_server(http_guard.guarded(runner.server, loop),
+                                          host, port, backlog=BURST_CONNECTIONS,
+                                          reuse_address=True)
     except BaseException:
         await runner.cleanup()
         raise
     bound = port
-    for addr in runner.addresses:  # (host, port[, ...]) per listening socket
+    for sock in server.sockets:
+        addr = sock.getsockname()
         if isinstance(addr, tuple) and len(addr) >= 2:
             bound = addr[1]
             break
-    return _Running(runner, bound)
+    return _Running(runner, bound, server)
 
 
 class MetadataServer:
@@ -457,7 +469,7 @@ class MetadataServer:
         try:
             await self._stop_event.wait()
         finally:
-            await running.runner.cleanup()
+            await running.cleanup()
 
     def stop(self, timeout: float = 10.0) -> None:
         """Stops serving and joins the thread; idempotent."""
@@ -558,7 +570,7 @@ async def _serve_cli(args: argparse.Namespace) -> int:
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
-        await running.runner.cleanup()
+        await running.cleanup()
     log.info("metadata server stopped (%d keys dropped)", len(store))
     return 0
 

@@ -515,3 +515,31 @@ def test_http_edges_match_mooncakes_server(server):
         assert r.headers["Content-Type"].startswith("application/json")
     assert http("DELETE", base + "?key=%20blank")[0] == 200
     assert server.store.get("blank") is None
+
+
+def test_slow_header_client_is_disconnected(monkeypatch):
+    """A client dripping a request header (slow-loris) held a connection
+    forever; now it is closed after the header deadline, while the server
+    keeps answering others."""
+    from mooncake_connector import http_guard
+    monkeypatch.setattr(http_guard, "HEADER_TIMEOUT_S", 1.0)
+    with MetadataServer(port=0) as srv:
+        s = socket.create_connection(("127.0.0.1", srv.port))
+        s.sendall(b"GET /metadata?key=a HTTP/1.1\r\nHost: x\r\n")
+        s.settimeout(0.3)
+        t0, closed = time.monotonic(), None
+        while time.monotonic() - t0 < 10:
+            try:
+                if s.recv(100) == b"":
+                    closed = time.monotonic() - t0
+                    break
+            except socket.timeout:
+                s.sendall(b"X-a: b\r\n")
+            except ConnectionResetError:
+                closed = time.monotonic() - t0
+                break
+        s.close()
+        assert closed is not None and 0.8 <= closed <= 4, closed
+        mc_client = mc.MetadataClient(srv.url)
+        mc_client.put("k", b"v")
+        assert mc_client.get("k") == b"v"
