@@ -143,8 +143,8 @@ class Proxy:
         self.session = None
         self.log = logger
         self._max_model_len = {}  # decode URL -> max_model_len from its /v1/models
-        self.counts = {"requests": 0, "bad_requests": 0, "slow_header_closes": 0, "prefill_errors": 0,
-                       "prefill_failovers": 0,
+        self.counts = {"requests": 0, "bad_requests": 0, "slow_header_closes": 0,
+                       "prefill_errors": 0, "prefill_failovers": 0,
                        "prefill_retries": 0, "decode_retries": 0, "decode_errors": 0,
                        "first_token_from_prefill": 0, "finished_at_prefill": 0,
                        "stream_errors_after_first_token": 0,
