@@ -338,6 +338,12 @@ class Cluster:
             srv = serving.vllm_server(name, model, port, os.path.join(logs, f"{name}.log"),
                                       kv_transfer_config=ktc,
                                       env={"MOONCAKE_CONFIG_PATH": cfg_path,
+                                           # a deployment's default (the path on), not an
+                                           # inherited switch: the tests' conftest sets
+                                           # MC_SAME_HOST_CPU=0, and --ci under pytest
+                                           # (tests/test_soak.py, MC_SOAK=1) had P3's pushes
+                                           # all over TCP
+                                           "MC_SAME_HOST_CPU": "1",
                                            **memwatch_env(args), **args.env_of.get(name, {})},
                                       kv_cache_bytes=args.kv_cache_bytes)
             srv.cmd[srv.cmd.index("--host") + 1] = host

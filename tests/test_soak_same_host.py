@@ -7,6 +7,7 @@ load_bytes_same_host_cpu 0 on every server).  P3, a prefill on the host,
 serves the host flows; its path counters are summed over its lifetimes (the
 soak SIGKILLs and restarts it) and a host flow whose counter stayed 0 fails
 the run."""
+import os
 import sys
 import textwrap
 import time
@@ -120,6 +121,12 @@ def test_host_prefill_runs_outside_the_namespace_and_serves_the_host_flows(tmp_p
         assert p3.cmd[:3] != ["ip", "netns", "exec"] and "127.0.0.1" in p3.url
         for n in ("P1", "P2"):   # in the namespace, as before
             assert c.servers[n].cmd[:4] == ["ip", "netns", "exec", net.ns]
+        # the path on in every server whatever the soak inherits (this test
+        # process has conftest's MC_SAME_HOST_CPU=0, as a --ci soak run by
+        # pytest does): a deployment's default
+        assert os.environ.get("MC_SAME_HOST_CPU") == "0"
+        for n, srv in c.servers.items():
+            assert srv.env["MC_SAME_HOST_CPU"] == "1", n
         cfg = json.load(open(tmp_path / "mooncake-P3.json"))
         assert cfg["prefill_url"].startswith("127.0.0.1:")
         d1 = json.load(open(tmp_path / "mooncake-D1.json"))
