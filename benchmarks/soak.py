@@ -16,7 +16,18 @@ and etcd reach the prefill servers only over the veth link, and the
 prefills reach the decodes' engines over it (push: each decode's
 decode_url is the host's veth address, the name its engine publishes), so
 cutting it or putting `tc netem` loss/delay on it hits the prefill<->decode
-KV traffic both ways (and the proxy's prefill leg).
+KV traffic both ways (and the proxy's prefill leg).  The engines refuse
+the same-host CPU path across network namespaces, so P1's and P2's KV
+always moves over TCP.  P3, a third prefill on the host itself (outside
+the namespace, as a user running prefill and decode on one host deploys
+it), serves the host flows push-host, push-host-lw and push-host-ll (the
+same three push modes, P3 alone): its pushes take the same-host CPU path
+(process_vm_writev into the decode's blocks; with push-host-ll each
+layer's copy on the engine's gate thread, off vLLM's forward thread).
+Each server's vllm:mooncake_push_bytes_same_host_cpu_total and
+..._push_gate_host_batches_total, summed over its lifetimes, are in the
+JSON ("same_host_path"); a host flow whose path counter stayed 0 fails the
+run (the coverage cannot vanish silently).
 
 Clients (asyncio, --clients at once): prompts from a pool with shared
 prefixes and mixed lengths, completions and chat, streamed and not, greedy;
@@ -26,11 +37,14 @@ asked directly, kv_transfer_params do_remote_decode false: no connector
 involved), before the load starts.
 
 Faults (--faults, in turn every --fault-period s): SIGKILL of prefill P1 and
-its restart, SIGSTOP/SIGCONT of decode D2, an etcd restart, a cut veth link,
-netem loss+delay on it.  The SIGKILL, the SIGSTOP and the link cut each
-land mid-push: --burst push requests with the pool's longest prompts start
-just before (push/push-lw for the SIGKILL, every push flow for the SIGSTOP,
-push-ll for the cut: a decode step waiting per layer), recorded per fault
+its restart, SIGSTOP/SIGCONT of decode D2, the host prefill P3 SIGSTOPped
+for --stop-s and, at its next turn, SIGKILLed and restarted (host_prefill,
+in turn), an etcd restart, a cut veth link, netem loss+delay on it.  The
+SIGKILL, the SIGSTOPs and the link cut each land mid-push: --burst push
+requests with the pool's longest prompts start just before (push/push-lw
+for P1's SIGKILL, every push flow for D2's SIGSTOP, the host flows for
+P3's faults, push-ll for the cut: a decode step waiting per layer),
+recorded per fault
 ("bursts" in the summary), and each fault's record has what it did to the
 transfers in flight (the connector's counters before and after:
 "connector_delta").
@@ -95,8 +109,22 @@ import urllib.request
 from mooncake_connector import serving
 from mooncake_connector.deployment import _port_pair, parse_metrics
 
-FAULTS = ("kill_prefill", "stop_decode", "etcd_restart", "link_cut", "netem")
-FLOWS = ("a", "b", "push", "push-lw", "push-ll")
+FAULTS = ("kill_prefill", "stop_decode", "host_prefill", "etcd_restart", "link_cut", "netem")
+# The push flows of P3, the prefill on the host (outside the namespace): the
+# same-host CPU path (process_vm_writev into the decode's blocks; with
+# push-host-ll the layers' copies on the engine's gate thread).
+HOST_FLOWS = ("push-host", "push-host-lw", "push-host-ll")
+FLOWS = ("a", "b", "push", "push-lw", "push-ll", *HOST_FLOWS)
+# The producer counters that say which path pushes took (every lifetime of a
+# server summed: a restart begins them at 0), and what each host flow must
+# have moved by the end (same_host_verdict).
+PATH_COUNTERS = ("vllm:mooncake_push_bytes_total", "vllm:mooncake_push_sends_total",
+                 "vllm:mooncake_push_bytes_same_host_cpu_total",
+                 "vllm:mooncake_push_gate_host_batches_total")
+HOST_FLOW_NEEDS = {"push-host": ("vllm:mooncake_push_bytes_same_host_cpu_total",),
+                   "push-host-lw": ("vllm:mooncake_push_bytes_same_host_cpu_total",),
+                   "push-host-ll": ("vllm:mooncake_push_bytes_same_host_cpu_total",
+                                    "vllm:mooncake_push_gate_host_batches_total")}
 # Counters a fault's record shows the change of (what it did to transfers in flight).
 WATCHED = ("push_", "recomputes", "loads_failed", "load_tokens_missed", "sends_expired")
 WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi omicron pi "
@@ -283,10 +311,19 @@ class Cluster:
         for i in (1, 2):
             p, d = _port_pair()
             engines[i] = (f"{net.ns_ip}:{p}", f"{net.host_ip}:{d}")
+        # P3: a prefill on the host itself (outside the namespace), what a
+        # user running prefill and decode on one host deploys: its pushes to
+        # D1/D2 (named by their veth address, local here) take the same-host
+        # CPU path; the link faults do not touch it.
+        roles = [("prefill", 1), ("prefill", 2), ("decode", 1), ("decode", 2)]
+        if any(f in args.flows for f in HOST_FLOWS):
+            p, _ = _port_pair()
+            engines[3] = (f"127.0.0.1:{p}", engines[1][1])
+            roles.append(("prefill", 3))
         common = {"kv_connector": "MooncakeConnector",
                   "kv_connector_module_path": "mooncake_connector"}
         knobs = {"hold_timeout_s": args.hold_timeout_s, "load_timeout_s": args.load_timeout_s}
-        for role, i in (("prefill", 1), ("prefill", 2), ("decode", 1), ("decode", 2)):
+        for role, i in roles:
             name = f"{role[0].upper()}{i}"
             cfg_path = os.path.join(workdir, f"mooncake-{name}.json")
             pre, dec = engines[i]
@@ -297,14 +334,20 @@ class Cluster:
             ktc = dict(common, kv_role="kv_producer" if role == "prefill" else "kv_consumer",
                        kv_buffer_size=buf, kv_connector_extra_config=dict(knobs))
             port = serving.free_port()
-            host = net.ns_ip if role == "prefill" else "127.0.0.1"
+            host = net.ns_ip if role == "prefill" and i < 3 else "127.0.0.1"
             srv = serving.vllm_server(name, model, port, os.path.join(logs, f"{name}.log"),
                                       kv_transfer_config=ktc,
                                       env={"MOONCAKE_CONFIG_PATH": cfg_path,
+                                           # a deployment's default (the path on), not an
+                                           # inherited switch: the tests' conftest sets
+                                           # MC_SAME_HOST_CPU=0, and --ci under pytest
+                                           # (tests/test_soak.py, MC_SOAK=1) had P3's pushes
+                                           # all over TCP
+                                           "MC_SAME_HOST_CPU": "1",
                                            **memwatch_env(args), **args.env_of.get(name, {})},
                                       kv_cache_bytes=args.kv_cache_bytes)
             srv.cmd[srv.cmd.index("--host") + 1] = host
-            if role == "prefill":
+            if role == "prefill" and i < 3:
                 srv.cmd = net.prefix() + srv.cmd
             srv.url = f"http://{host}:{port}"
             srv.health_url = srv.url + "/health"
@@ -346,6 +389,19 @@ class Cluster:
                     timeout_s=args.proxy_timeout_s,
                     extra_args=("--prefill-engine", *peng, "--push-layerwise", lw,
                                 "--push-layer-load", ll))
+        # The host flows: P3 alone, so that a fault's burst on them lands on
+        # the same-host CPU path (P3 reaches the decodes' engines at the
+        # names they publish, the host's veth address: local traffic).
+        for flow, lw, ll, dec in (("push-host", "off", "off", ("D2", "D1")),
+                                  ("push-host-lw", "on", "off", ("D1", "D2")),
+                                  ("push-host-ll", "on", "on", ("D2", "D1"))):
+            if flow in args.flows:
+                self.proxies[flow] = serving.proxy(
+                    [self.servers["P3"].url], [self.servers[d].url for d in dec],
+                    serving.free_port(), os.path.join(logs, f"proxy-{flow}.log"), flow="push",
+                    timeout_s=args.proxy_timeout_s,
+                    extra_args=("--prefill-engine", engines[3][0], "--push-layerwise", lw,
+                                "--push-layer-load", ll))
         for f in [f for f in self.proxies if f not in args.flows]:
             del self.proxies[f]
         for p in self.proxies.values():
@@ -384,8 +440,8 @@ def counter_delta(before, after):
 
 
 # What each fault kind hits (the summary counts injections per kind per target).
-FAULT_TARGET = {"kill_prefill": "P1", "stop_decode": "D2", "etcd_restart": "etcd",
-                "link_cut": "veth (P1+P2)", "netem": "veth (P1+P2)"}
+FAULT_TARGET = {"kill_prefill": "P1", "stop_decode": "D2", "host_prefill": "P3",
+                "etcd_restart": "etcd", "link_cut": "veth (P1+P2)", "netem": "veth (P1+P2)"}
 
 
 class Gate:
@@ -495,7 +551,10 @@ class Faults(threading.Thread):
         kinds = [f for f in args.faults.split(",") if f]
         if not net.enabled:
             kinds = [f for f in kinds if f not in ("link_cut", "netem")]
+        if "P3" not in cluster.servers:   # no host flow: no host prefill
+            kinds = [f for f in kinds if f != "host_prefill"]
         self.kinds = kinds
+        self.host_faults = 0   # host_prefill injections: SIGSTOP, SIGKILL, SIGSTOP, ...
         self.restart_threads = []
         self.load = None       # set before start: bursts of push requests (mid-push faults)
         self.rnd = random.Random(args.seed + 2)
@@ -518,7 +577,8 @@ class Faults(threading.Thread):
         if kind in ("link_cut", "etcd_restart"):
             with self.gate.cv:
                 return bool(self.gate.restarting)
-        return kind == "kill_prefill" and self.gate.busy("P1")
+        return ((kind == "kill_prefill" and self.gate.busy("P1"))
+                or (kind == "host_prefill" and self.gate.busy("P3")))
 
     def next_kind(self, pending):
         """The next fault: the first of `pending` (this round's kinds not yet
@@ -585,23 +645,56 @@ class Faults(threading.Thread):
         return self.args.start_timeout * self.args.restart_attempts + 60
 
     def kill_prefill(self):
-        srv = self.c.servers["P1"]
-        if self.gate.busy("P1"):  # still coming back from the last SIGKILL: wait, do not skip
-            with self.gate.disruption("kill_prefill wait", self._wait_s()):
+        self._kill("kill_prefill", "P1", ("push", "push-lw"), ("D1", "D2", "P2", "P3"))
+
+    def _kill(self, kind, name, flows, watch):
+        """SIGKILL of prefill `name` mid-push (a burst on `flows` just before),
+        then its restart on its own thread (the gate held)."""
+        srv = self.c.servers[name]
+        if self.gate.busy(name):  # still coming back from the last SIGKILL: wait, do not skip
+            with self.gate.disruption(f"{kind} wait", self._wait_s()):
                 pass
         if not srv.alive:
-            raise RuntimeError("P1 is down (its last restart failed): SIGKILL not injected")
-        mid = self._mid_push(("push", "push-lw"), "kill_prefill")
-        ev = self._event("kill_prefill", "SIGKILL to P1's process group, then restart" + mid)
-        ev["target"] = "P1"
-        self._watch(ev, ("D1", "D2", "P2"), wait_end=False)
+            raise RuntimeError(f"{name} is down (its last restart failed): SIGKILL not injected")
+        mid = self._mid_push(flows, kind)
+        ev = self._event(kind, f"SIGKILL to {name}'s process group, then restart" + mid)
+        ev["target"] = name
+        self._watch(ev, [n for n in watch if n in self.c.servers], wait_end=False)
         srv.kill()
-        self.c.restarting.add("P1")
+        self.c.restarting.add(name)
         started = threading.Event()
-        th = threading.Thread(target=self._restart, args=("P1", srv, ev, started), daemon=True)
+        th = threading.Thread(target=self._restart, args=(name, srv, ev, started), daemon=True)
         th.start()
         self.restart_threads.append(th)
         started.wait(self._wait_s())   # the gate is held: no cut begins before the restart
+
+    def host_prefill(self):
+        """P3, the prefill on the host (the same-host CPU path), mid-push on
+        the host flows: SIGSTOP for --stop-s (its gate thread's copies and
+        its notes stop with it; the decodes wait), then on the next turn
+        SIGKILL and restart (the decodes lose the producer mid-copy), in
+        turn."""
+        self.host_faults += 1
+        flows = HOST_FLOWS
+        if self.host_faults % 2 == 0:
+            self._kill("host_prefill", "P3", flows, ("D1", "D2", "P1", "P2"))
+            return
+        srv = self.c.servers["P3"]
+        if self.gate.busy("P3"):
+            with self.gate.disruption("host_prefill wait", self._wait_s()):
+                pass
+        if not srv.alive:
+            raise RuntimeError("P3 is down (its last restart failed): SIGSTOP not injected")
+        mid = self._mid_push(flows, "host_prefill")
+        ev = self._event("host_prefill", f"SIGSTOP P3 for {self.args.stop_s} s" + mid)
+        ev["target"] = "P3"
+        self._watch(ev, [n for n in ("D1", "D2", "P1", "P2", "P3") if n in self.c.servers])
+        serving._killpg(srv.proc.pid, signal.SIGSTOP)
+        try:
+            time.sleep(self.args.stop_s)
+        finally:
+            serving._killpg(srv.proc.pid, signal.SIGCONT)
+            ev["end"] = round(self.now(), 2)
 
     def _restart(self, name, srv, ev, started):
         rec = self.restarts.setdefault(name, {"ok": 0, "retried": 0, "failed": 0})
@@ -639,10 +732,10 @@ class Faults(threading.Thread):
 
     def stop_decode(self):
         srv = self.c.servers["D2"]
-        mid = self._mid_push(("push", "push-lw", "push-ll"), "stop_decode")
+        mid = self._mid_push(("push", "push-lw", "push-ll", *HOST_FLOWS), "stop_decode")
         ev = self._event("stop_decode", f"SIGSTOP D2 for {self.args.stop_s} s" + mid)
         ev["target"] = "D2"
-        self._watch(ev, ("D1", "D2", "P1", "P2"))
+        self._watch(ev, [n for n in ("D1", "D2", "P1", "P2", "P3") if n in self.c.servers])
         serving._killpg(srv.proc.pid, signal.SIGSTOP)
         try:
             time.sleep(self.args.stop_s)
@@ -946,6 +1039,7 @@ class Monitor(threading.Thread):
         super().__init__(daemon=True)
         self.c, self.t0, self.period = cluster, t0, period
         self.samples = []   # {"t", "server", "pid", "rss", gauges...}
+        self.counters = {}  # {server: {pid: {PATH_COUNTERS name: last value}}}
         self.stop_evt = threading.Event()
 
     def sample(self):
@@ -960,6 +1054,8 @@ class Monitor(threading.Thread):
                     row["pid"] = srv.proc.pid
                     row["rss"], row["fds"] = usage_of_group(srv.proc.pid)
                     row.update({g: m.get(g) for g in GAUGES if g in m})
+                    self.counters.setdefault(name, {})[srv.proc.pid] = {
+                        k: m.get(k, 0) for k in PATH_COUNTERS}
             out[name] = row
         ths = [threading.Thread(target=one, args=(n, s)) for n, s in self.c.servers.items()]
         for th in ths:
@@ -972,6 +1068,44 @@ class Monitor(threading.Thread):
     def run(self):
         while not self.stop_evt.wait(self.period):
             self.sample()
+
+
+def _short(counter):
+    return counter.replace("vllm:mooncake_", "").replace("_total", "")
+
+
+def path_totals(counters):
+    """{server: {counter: total}} from Monitor.counters: each lifetime's
+    (pid's) last value seen, summed over the server's lifetimes (a SIGKILL
+    and restart begin its counters at 0), with the same-host share of the
+    pushed bytes ("same_host_share": push_bytes_same_host_cpu / push_bytes)."""
+    out = {}
+    for name, by_pid in sorted(counters.items()):
+        row = out[name] = {_short(k): 0 for k in PATH_COUNTERS}
+        for vals in by_pid.values():
+            for k, v in vals.items():
+                row[_short(k)] += int(round(v or 0))
+        row["lifetimes"] = len(by_pid)
+        if row["push_bytes"]:
+            row["same_host_share"] = round(row["push_bytes_same_host_cpu"] / row["push_bytes"],
+                                           3)
+    return out
+
+
+def same_host_verdict(totals, flows, server="P3"):
+    """Violations: a host flow in the run (HOST_FLOW_NEEDS) whose prefill's
+    counter stayed 0 -- the flow never took the same-host CPU path (or,
+    push-host-ll, never had a layer copied on the engine's gate thread), so
+    the soak did not cover what it claims."""
+    row = totals.get(server) or {}
+    v = []
+    for f in flows:
+        for k in HOST_FLOW_NEEDS.get(f, ()):
+            if not row.get(_short(k)):
+                v.append(f"flow {f}: {server}'s {_short(k)} stayed 0 over the run (the "
+                         f"same-host CPU path{' gate thread' if 'gate' in k else ''} never "
+                         f"used: coverage lost)")
+    return v
 
 
 def rss_slope(samples, server, t_from, t_to, born_by=None):
@@ -1254,8 +1388,8 @@ def plot(path, load, monitor, faults, t_load_end, drained_at):
                 ax.plot(*zip(*pts), label=name, lw=1)
         ax.set_ylabel(label)
         ax.legend(loc="upper left", fontsize=7, ncol=4)
-    fcol = {"kill_prefill": "red", "stop_decode": "orange", "etcd_restart": "purple",
-            "link_cut": "black", "netem": "blue"}
+    fcol = {"kill_prefill": "red", "stop_decode": "orange", "host_prefill": "green",
+            "etcd_restart": "purple", "link_cut": "black", "netem": "blue"}
     for ev in faults.events:
         end = ev["end"] if ev["end"] is not None else ev["start"] + 1
         for ax in axes:
@@ -1301,7 +1435,9 @@ def main(argv=None):
     ap.add_argument("--flows", default=",".join(FLOWS),
                     help=f"proxies the clients use, subset of {','.join(FLOWS)} (push: whole "
                          "prompt after the forward; push-lw: layer by layer; push-ll: layer by "
-                         "layer with the decode's attention waiting per layer)")
+                         "layer with the decode's attention waiting per layer; push-host*: the "
+                         "same three from P3, the prefill on the host: the same-host CPU path; "
+                         "without them P3 is not started)")
     ap.add_argument("--burst", type=int, default=8,
                     help="push requests started right before SIGKILL of P1, SIGSTOP of D2 and "
                          "a link cut, so that each lands mid-push (0: none)")
@@ -1364,7 +1500,7 @@ def main(argv=None):
     ap.add_argument("--no-netns", action="store_true", help="no network namespace (no link "
                     "faults); also the default when not root")
     ap.add_argument("--server-env", action="append", default=[], metavar="NAME:KEY=VALUE",
-                    help="extra environment of one server (P1, P2, D1, D2, R), e.g. "
+                    help="extra environment of one server (P1, P2, P3, D1, D2, R), e.g. "
                     "D2:MALLOC_ARENA_MAX=2 or D1:PYTHONTRACEMALLOC=4 (diagnosis runs; "
                     "repeatable)")
     ap.add_argument("--workdir")
@@ -1376,9 +1512,9 @@ def main(argv=None):
     for item in args.server_env:
         name, _, kv = item.partition(":")
         key, eq, val = kv.partition("=")
-        if name not in ("P1", "P2", "D1", "D2", "R") or not key or not eq:
+        if name not in ("P1", "P2", "P3", "D1", "D2", "R") or not key or not eq:
             ap.error(f"--server-env {item!r}: expected NAME:KEY=VALUE with NAME one of "
-                     "P1, P2, D1, D2, R (e.g. D2:MALLOC_ARENA_MAX=2)")
+                     "P1, P2, P3, D1, D2, R (e.g. D2:MALLOC_ARENA_MAX=2)")
         args.env_of.setdefault(name, {})[key] = val
     bad = [f for f in args.flows if f not in FLOWS]
     if bad or not args.flows:
@@ -1386,7 +1522,9 @@ def main(argv=None):
     if args.ci:
         args.duration = min(args.duration, 130)
         args.clients = min(args.clients, 8)
-        args.fault_period = 22.0
+        # every kind once in the 130 s (5 s, then a fault each period; one
+        # period spare): 6 kinds with the host prefill's
+        args.fault_period = 18.0 if any(f in args.flows for f in HOST_FLOWS) else 22.0
         args.first_fault_s = 5.0
         args.netem_s = 10.0
         args.stop_s = args.cut_s = 5.0
@@ -1514,6 +1652,7 @@ def main(argv=None):
         results["rss_samples"] = [[x["t"], x["server"], x["pid"],
                                    round(x["rss"] / 2**20, 1)]
                                   for x in mon.samples if x["rss"]]
+        results["same_host_path"] = path_totals(mon.counters)
         results["connector"] = {n: {k: v for k, v in (scrape(s.url) or {}).items()
                                     if k.startswith("vllm:mooncake_") and "bucket" not in k}
                                 for n, s in cluster.servers.items()}
@@ -1543,7 +1682,7 @@ def main(argv=None):
             results["memory"] = table
             v.extend(mv)
             for n in cluster.servers:
-                if n != "P1" and table.get(n) is None:
+                if n not in ("P1", "P3") and table.get(n) is None:  # P1, P3: killed, restarted
                     v.append(f"{n}: no memwatch samples over the load (memory not judged)")
         for n, sl in results["rss_slope_mib_per_min"].items():
             if sl is None or n == "R" or args.memwatch_dir:
@@ -1563,6 +1702,7 @@ def main(argv=None):
         for f in args.flows:
             if not s["by_flow"].get(f, {}).get("ok"):
                 v.append(f"flow {f}: no request succeeded")
+        v.extend(same_host_verdict(results["same_host_path"], args.flows))
         if args.reference and ref is None and not args.memwatch_dir:
             v.append("the reference server R has no RSS slope (down during the load?)")
         v.extend(harness_v)
@@ -1587,6 +1727,7 @@ def main(argv=None):
     log(f"faults per kind per target {results.get('fault_counts_by_target')}; restarts "
         f"{results.get('restarts')}")
     log(f"by flow {s.get('by_flow')}; mid-push bursts {s.get('bursts')}")
+    log(f"push paths (per server, every lifetime) {results.get('same_host_path')}")
     log(f"RSS slope MiB/min {results.get('rss_slope_mib_per_min')}; drained in "
         f"{results.get('drain_s')} s")
     for n, row in sorted((results.get("memory") or {}).items()):

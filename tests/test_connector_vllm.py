@@ -9,6 +9,7 @@ hold timeout, abort before/during a load, failed load -> recompute, flow B
 kv_transfer_params, preemption, plugin registration and the seed's command
 line.
 """
+import gc
 import os
 import socket
 import subprocess
@@ -23,6 +24,8 @@ vllm = pytest.importorskip("vllm", reason="vllm is not installed (scripts/env.sh
 from conftest import TRANSPORTS  # noqa: E402
 from vllm_harness import RequestStatus, Side, make_request, status, tiny_model_dir  # noqa: E402
 
+from mooncake_connector import serving  # noqa: E402
+
 pytestmark = pytest.mark.vllm
 BS = 16
 ASYNC = {"sync_load_max_bytes": 0}  # every load in the background (WAITING_FOR_REMOTE_KVS)
@@ -32,9 +35,9 @@ def free_port(span=4):
     """A port whose next span-1 neighbours are free too: TP/PP ranks listen
     at port + rank (on 0.0.0.0, as the engine binds)."""
     for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
+        # below the kernel's ephemeral range (serving.free_port): a port bind(0)
+        # handed out is the next outgoing connection's of any process here
+        base = serving.free_port()
         try:
             for k in range(span):
                 with socket.socket() as t:
@@ -765,8 +768,17 @@ def test_unmappable_peer_is_a_clear_startup_error(model_dir, urls, metadata_serv
                                                       r"instances with the same --block-size "
                                                       r"\(prefill: TP 1")]:
                 m.put(key, json.dumps({**rec, **change}))
-                with pytest.raises(SettingsError, match="cannot start: .*" + frag):
-                    Side(model_dir, "kv_consumer", u, block_size=BS)
+                gc.disable()  # the refused start must release the port itself
+                try:
+                    with pytest.raises(SettingsError, match="cannot start: .*" + frag):
+                        Side(model_dir, "kv_consumer", u, block_size=BS)
+                    # Nothing of the refused start listens on its port (it was
+                    # left listening until a garbage collection: a second
+                    # start in the same process failed with "port in use").
+                    with socket.socket() as s:
+                        s.bind(("0.0.0.0", int(u["decode_url"].rsplit(":", 1)[1])))
+                finally:
+                    gc.enable()
     finally:
         p.close()
 

@@ -114,6 +114,33 @@ def test_push_writes_the_prompt_into_the_admitted_blocks(sides, layer):
     assert d.is_empty()
 
 
+@pytest.mark.parametrize("same_host", ["1", "0"], ids=["same-host-cpu", "tcp"])
+@pytest.mark.parametrize("layer", [False, True], ids=["whole", "layerwise"])
+def test_push_counts_the_same_host_cpu_path(sides, layer, same_host, monkeypatch):
+    """The producer's vllm:mooncake_push_bytes_same_host_cpu_total says
+    which path its pushes took (the chaos soak fails a run whose same-host
+    flows never took it): on a same-host deployment every pushed byte went
+    through the same-host CPU path, with it switched off none did.  Without
+    a consumer waiting per layer nothing is handed to the engine's gate
+    thread (push_gate_host_batches 0: the layer-load tests count those)."""
+    monkeypatch.setenv("MC_SAME_HOST_CPU", same_host)
+    p = sides("kv_producer", layer=layer, push_layerwise=layer)
+    d = sides("kv_consumer", flow_a=False)
+    for k in range(2):
+        t = toks(41 + k, 4 * BS + 5)
+        d.add(make_request(f"q{k}", t, max_tokens=2, params=push_params(f"S{k}", "d")))
+        d.step()
+        p.add(make_request(f"pq{k}", t, max_tokens=1, params=push_params(f"S{k}", "p")))
+        assert both(p, d, lambda: f"q{k}" in d.recvd)
+        assert d.block_matches_pattern(f"q{k}", t, 4)
+    assert both(p, d, lambda: not d.sched.requests and p.is_empty())
+    ps = _push_stats(p)
+    assert ps.get("push_sends") == 2 and ps.get("push_bytes", 0) > 0, ps
+    want = ps["push_bytes"] if same_host == "1" else 0
+    assert ps.get("push_bytes_same_host_cpu", 0) == want, ps
+    assert ps.get("push_gate_host_batches", 0) == 0, ps
+
+
 def test_prefill_first_then_late_target(sides):
     """The prefill finishes before the decode side admits: its blocks wait
     (held) for the target, then the whole prompt is written."""

@@ -807,6 +807,59 @@ def test_cpu_gate_layer_hands_the_same_host_copy_to_the_gate_thread(monkeypatch)
     assert inline > 4 * handed and handed < 2e-3, cpu
 
 
+def test_gate_thread_writes_nothing_past_the_lease(monkeypatch):
+    """A layer handed to the engine's gate thread (the same-host CPU path)
+    is copied only while its lease allows (lease_until - margin, what
+    gate_layer checks when it queues): one whose turn comes later -- the
+    gate thread busy with a long copy ahead of it here; in a deployment
+    the producer SIGSTOPped with layers queued and resumed after the
+    lease -- ends timed out with nothing written and no note.  The
+    consumer may have freed those blocks at the lease's end, and
+    Engine.cut_peer cannot fence this path's copies (the producer process
+    makes them itself), so a copy started past the lease would write into
+    another request's KV.  Before the check the gate thread copied it
+    whenever its turn came."""
+    from array import array
+    monkeypatch.setenv("MC_CMA_THREADS", "1")
+    monkeypatch.setenv("MC_SAME_HOST_CPU", "1")
+    big, small, margin = 512 << 20, 1 << 16, 1.0
+    with local_engines(2) as (a, b):
+        seg = b.get_segment_name()
+        src, dst = a.allocate_managed_buffer(big), b.allocate_managed_buffer(big)
+        s2, d2 = a.allocate_managed_buffer(small), b.allocate_managed_buffer(small)
+        bid = a.batch_transfer_async_write(seg, [src], [dst], [64])  # the route known
+        a.get_batch_transfer_status([bid])
+        a.write_bytes_to_buffer(s2, b"\x07" * small, small)
+        b.write_bytes_to_buffer(d2, b"\x00" * small, small)
+
+        def plan(s, d, n, lease, note):
+            return ((seg, lease, [(array("Q", [s]), array("Q", [d]), array("Q", [n]))],
+                     None if note is None else [note]),)
+        for _ in range(3):  # the long copy first: the gate thread busy with it
+            _, ids_big = a.gate_layer(0, plan(src, dst, big, time.time() + 60, None), 0, -1,
+                                      margin, 2.0, True)
+            # queued while its lease still allows (5 ms of it left), turned
+            # to after the long copy
+            t_q = time.time()
+            _, ids = a.gate_layer(0, plan(s2, d2, small, t_q + margin + 0.005, b"late"), 0, -1,
+                                  margin, 2.0, True)
+            if ids[0] is not None and a.transfer_check_status(ids_big[0]) == 0:
+                break
+            a.transfer_wait(ids_big[0], 30)
+            if ids[0] is not None:
+                a.transfer_wait(ids[0], 10)
+        else:
+            pytest.skip("the long copy never was still running when the late layer queued")
+        assert a.transfer_wait(ids_big[0], 60)
+        assert a.transfer_check_status(ids_big[0]) == 1
+        a.transfer_wait(ids[0], 10)
+        st = a.transfer_check_status(ids[0])
+        assert st < 0, st                               # failed: not written
+        assert b.read_bytes_from_buffer(d2, small) == b"\x00" * small
+        assert [m.msg for m in _wait_notify(b, 0.5)] == []  # and nothing told
+        assert a.get_stats()["open_batches"] <= 2
+
+
 def test_consumer_merges_per_batch_layer_messages():
     """The engine sends one "layer" message per gated batch, naming only
     that batch's layers (the Python path sent every layer landed so far):

@@ -224,8 +224,27 @@ def test_layer_load_lands_each_layer_before_its_attention(sides_both):
         run.join()
     assert p.run_until(lambda: p.is_empty(), steps=500)
     assert d.is_empty() and recomputes(d) == {}
+    # The producer's counters say which path the writes took (what the soak
+    # and a user's /metrics read): every byte through the same-host CPU path
+    # or none, and the engine's gate-thread batches as the engine counted.
+    ps = counts(p)
+    assert ps.get("push_sends") == 1 and ps.get("push_bytes", 0) > 0, ps
+    assert ps.get("push_gate_host_batches", 0) == handed_over(p), ps
     if os.environ["MC_SAME_HOST_CPU"] == "0":
         assert handed_over(p) == 0  # TCP: the engine's threads send, nothing handed over
+        assert ps.get("push_bytes_same_host_cpu", 0) == 0, ps
+    else:
+        assert ps.get("push_bytes_same_host_cpu", 0) == ps["push_bytes"], ps
+
+
+def counts(side):
+    """A side's connector counters summed over its steps' stats."""
+    out = {}
+    for st in side.stats:
+        for k, v in st.data.items():
+            if isinstance(v, int):
+                out[k] = out.get(k, 0) + v
+    return out
 
 
 def test_target_arriving_mid_forward_is_served_in_that_forward(sides_both):

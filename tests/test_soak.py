@@ -22,9 +22,11 @@ baseline within hold_timeout_s (+30 s); KV really moved; RSS slope reported
 (alphabetical): a stopped server is always continued.
 
 test_invariants_hold & co. (MC_SOAK=1, opt-in): benchmarks/soak.py --ci, its
-own etcd, two prefill servers in a network namespace and two decode
-servers, flows a, b, push, push-lw and push-ll, every fault kind once (the
-prefill SIGKILL, decode SIGSTOP and link cut mid-push).  Cost: four vLLM servers' start (2-4 min on
+own etcd, two prefill servers in a network namespace, a third on the host
+(the same-host CPU path) and two decode servers, flows a, b, push, push-lw,
+push-ll and the host prefill's push-host, push-host-lw and push-host-ll,
+every fault kind once (the prefill SIGKILL, decode SIGSTOP, host prefill
+SIGSTOP and link cut mid-push).  Cost: four vLLM servers' start (2-4 min on
 an idle 2-core host, 11-15 min on the shared development VM) plus ~2 min
 of load and P1's restart: too dear for default CI."""
 import json
@@ -203,16 +205,17 @@ def test_invariants_hold(soak):
 
 
 def test_every_fault_was_injected(soak):
-    want = {"kill_prefill", "stop_decode", "etcd_restart"}
+    want = {"kill_prefill", "stop_decode", "host_prefill", "etcd_restart"}
     if soak["netns"]:
         want |= {"link_cut", "netem"}
     assert {k for k, n in soak["fault_counts"].items() if n} >= want, soak["fault_counts"]
     assert not soak["fault_errors"]
     # The SIGKILL, the SIGSTOP and the link cut each landed mid-push (a
     # burst of push requests started right before), and every push flow ran.
-    mid = {"kill_prefill", "stop_decode"} | ({"link_cut"} if soak["netns"] else set())
+    mid = {"kill_prefill", "stop_decode", "host_prefill"} | (
+        {"link_cut"} if soak["netns"] else set())
     assert set(soak["summary"]["bursts"]) >= mid, soak["summary"]["bursts"]
-    for f in ("push", "push-lw", "push-ll"):
+    for f in ("push", "push-lw", "push-ll", "push-host", "push-host-lw", "push-host-ll"):
         assert soak["summary"]["by_flow"][f]["ok"] > 0, soak["summary"]["by_flow"]
 
 
@@ -233,13 +236,23 @@ def test_prometheus_metrics_from_real_servers(soak):
         assert c[p].get("vllm:mooncake_lookup_entries", 0) == 0, c[p]
     # P2's small buffer evicted (or refused) prompts: decodes found some not held.
     assert dec["vllm:mooncake_recomputes_total{not_held}"] > 0
-    for flow in ("a", "b", "push", "push-lw", "push-ll"):
+    for flow in ("a", "b", "push", "push-lw", "push-ll", "push-host", "push-host-lw",
+                 "push-host-ll"):
         assert soak["proxy_metrics"][flow].get("mooncake_proxy_responses_total", 0) > 0
     # KV really pushed: decode blocks lent, producers wrote, layer loads taken.
     assert dec["vllm:mooncake_push_loads_total"] > 0
     assert dec.get("vllm:mooncake_push_layer_loads_total", 0) + dec.get(
         "vllm:mooncake_push_layer_load_busy_total", 0) > 0
     assert c["P2"]["vllm:mooncake_push_sends_total"] > 0, c["P2"]
+    # The same-host CPU path: P3 (on the host) pushed through it, its layer
+    # copies on the engine's gate thread; P1 and P2 (another network
+    # namespace) never (the engines refuse the path across namespaces).
+    path = soak["same_host_path"]
+    assert path["P3"]["push_bytes_same_host_cpu"] > 0, path
+    assert path["P3"]["push_gate_host_batches"] > 0, path
+    if soak["netns"]:
+        assert path["P1"]["push_bytes_same_host_cpu"] == 0 == path["P2"][
+            "push_bytes_same_host_cpu"], path
 
 
 def test_rss_slope_ignores_a_short_lifetime_inside_the_window():

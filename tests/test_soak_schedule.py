@@ -177,15 +177,68 @@ def test_gate_keeps_restarts_and_disruptions_apart():
 def test_a_round_injects_every_kind_once_and_a_restart_only_reorders_it(tmp_path):
     """next_kind: while P1 restarts, the link cut and the etcd restart move
     behind the kinds that need not wait; each round still has every kind
-    once."""
+    once.  While the host prefill P3 restarts, its own kind waits too."""
     f, c, p1, _ = _setup(tmp_path)
     try:
         f.kinds = list(sk.FAULTS)
         pending = []
         with f.gate.restart("P1", 5):
             got = [f.next_kind(pending) for _ in range(3)]
-        got += [f.next_kind(pending) for _ in range(2)]
-        assert got == ["stop_decode", "netem", "kill_prefill", "etcd_restart", "link_cut"]
-        assert [f.next_kind(pending) for _ in range(5)] == list(sk.FAULTS)
+        got += [f.next_kind(pending) for _ in range(3)]
+        assert got == ["stop_decode", "host_prefill", "netem", "kill_prefill", "etcd_restart",
+                       "link_cut"]
+        assert [f.next_kind(pending) for _ in range(6)] == list(sk.FAULTS)
+        with f.gate.restart("P3", 5):
+            got = [f.next_kind(pending) for _ in range(2)]
+        got += [f.next_kind(pending) for _ in range(4)]
+        assert got == ["kill_prefill", "stop_decode", "host_prefill", "etcd_restart",
+                       "link_cut", "netem"]
     finally:
+        _teardown(f, c, p1)
+
+
+def test_host_prefill_is_stopped_then_killed_and_restarted_in_turn(tmp_path):
+    """host_prefill (P3, the prefill outside the namespace: the same-host
+    CPU path): its first injection SIGSTOPs P3 for stop_s (same process
+    after, running again), its second SIGKILLs it and brings it back (a new
+    process, counted in restarts); both counted against P3.  A soak
+    without P3 (no host flow) plans no host_prefill."""
+    f, c, p1, _ = _setup(tmp_path)
+    script = tmp_path / "server.py"
+    port = serving.free_port()
+    p3 = serving.Process("P3", [sys.executable, str(script), str(port), str(tmp_path / "no"),
+                                str(tmp_path / "nofail")], str(tmp_path / "P3.log"),
+                         health_url=f"http://127.0.0.1:{port}/")
+    p3.url = f"http://127.0.0.1:{port}"
+    c.servers["P3"] = p3
+    try:
+        c.launcher.start_all([p3], 20)
+        pid = p3.proc.pid
+        states = []
+        th = threading.Thread(target=lambda: (time.sleep(0.5), states.append(
+            open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0])))
+        th.start()
+        f.host_prefill()
+        th.join()
+        assert states == ["T"], states           # stopped meanwhile
+        assert p3.alive and p3.proc.pid == pid    # the same process, going again
+        f.host_prefill()
+        for t in f.restart_threads:
+            t.join(timeout=60)
+        assert p3.alive and p3.proc.pid != pid, open(p3.log_path).read()[-2000:]
+        assert f.restarts["P3"] == {"ok": 1, "retried": 0, "failed": 0}, f.restarts
+        stop, kill = f.events
+        assert (stop["fault"], stop["target"], kill["fault"], kill["target"]) == (
+            "host_prefill", "P3", "host_prefill", "P3"), f.events
+        assert "SIGSTOP P3" in stop["detail"] and "SIGKILL to P3" in kill["detail"], f.events
+        assert not f.errors and not f.harness_failures
+        counts, v = sk.fault_verdict(["host_prefill"], f.events, f.errors, f.harness_failures)
+        assert counts == {"host_prefill": {"P3": 2}} and v == []
+        del c.servers["P3"]
+        args = types.SimpleNamespace(**{**vars(f.args), "faults": ",".join(sk.FAULTS)})
+        assert "host_prefill" not in sk.Faults(c, FileLink(tmp_path / "x"), args, 0).kinds
+        c.servers["P3"] = p3
+        assert "host_prefill" in sk.Faults(c, FileLink(tmp_path / "x"), args, 0).kinds
+    finally:
+        p3.stop(grace=2)
         _teardown(f, c, p1)

@@ -156,6 +156,15 @@ typedef struct mc_gate_opts {
    * process_vm_writev on the submitting thread; mc_engine_route_copies_here)
    * the copy then runs on the gate thread (and its copy helpers). */
   int on_gate_thread;
+  /* 0: none.  Else a wall-clock time (CLOCK_REALTIME ns, mc_wall_ns) past
+   * which the gate thread does not submit the batch: when its turn comes
+   * later (a long copy or CUDA event ahead of it, the process stopped
+   * meanwhile) its requests end MC_ETIMEDOUT, nothing is written and no
+   * notification sent.  A push target's lease minus the producer's margin:
+   * the consumer may free the blocks after it, and the same-host CPU
+   * path's copies (the producer's own process_vm_writev) cannot be fenced
+   * from the consumer's side. */
+  int64_t submit_by_ns;
 } mc_gate_opts_t;
 int mc_batch_submit_gated(mc_engine_t *e, mc_batch_t *b, const char *segment,
                           const mc_request_t *reqs, size_t n, const mc_gate_opts_t *o,

@@ -34,6 +34,7 @@ typedef struct gate_ent {
   size_t n;
   uint64_t event;
   int dev;
+  int64_t submit_by_ns; /* mc_gate_opts_t.submit_by_ns */
 } gate_ent_t;
 
 struct mc_gate_msg {
@@ -107,6 +108,10 @@ static void dispatch(mc_gate_t *gt, gate_ent_t *g, int rc, const mc_err_t *ev_er
     err = *ev_err;
   } else if (atomic_load(&b->cancel)) {
     rc = mc_err_set(&err, MC_ECANCELED, "canceled before its CUDA event completed");
+  } else if (g->submit_by_ns && mc_wall_ns() > g->submit_by_ns) {
+    rc = mc_err_set(&err, MC_ETIMEDOUT, "its time to be written ended (%.3f s ago) before the "
+                    "gate thread could submit it: nothing written",
+                    (double)(mc_wall_ns() - g->submit_by_ns) * 1e-9);
   } else {
     rc = mc_batch_submit(gt->e, b, g->segment, g->reqs, g->n, &err);
   }
@@ -331,6 +336,7 @@ int mc_batch_submit_gated(mc_engine_t *e, mc_batch_t *b, const char *segment,
   g->e = e;
   g->event = o->cuda_event;
   g->dev = o->cuda_device;
+  g->submit_by_ns = o->submit_by_ns;
   snprintf(g->segment, sizeof g->segment, "%s", segment);
   pthread_mutex_lock(&gt->mu);
   if (gt->n >= MC_GATE_MAX) {

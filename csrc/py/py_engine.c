@@ -1097,7 +1097,10 @@ static PyObject *gate_target(EngineObject *self, PyObject *t, const gate_layer_t
   mc_gate_opts_t o = {.cuda_event = g->event, .cuda_device = g->dev,
                       .notify = has_nb ? nb.buf : NULL, .notify_len = has_nb ? (size_t)nb.len : 0,
                       .notify_timeout_ms = (int64_t)((ntmo > 0.1 ? ntmo : 0.1) * 1000.0),
-                      .on_gate_thread = hand};
+                      .on_gate_thread = hand,
+                      /* queued: not written once the lease's margin began
+                       * (the check above, again when its turn comes) */
+                      .submit_by_ns = (int64_t)((lease - g->margin) * 1e9)};
   mc_err_t err = {0};
   /* With an event, or handed to the gate thread: only queued (as
    * batch_transfer_async_write_gated with an event), the GIL is kept: a

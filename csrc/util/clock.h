@@ -11,6 +11,14 @@ static inline uint64_t mc_now_ns(void) {
   return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
+/* Wall-clock (CLOCK_REALTIME) nanoseconds since the epoch: for deadlines a
+ * peer states in wall-clock time (a push target's lease). */
+static inline int64_t mc_wall_ns(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_REALTIME, &ts);
+  return (int64_t)ts.tv_sec * 1000000000ll + (int64_t)ts.tv_nsec;
+}
+
 /* One step of a busy wait: a hint to the core (pause / yield), no syscall. */
 static inline void mc_cpu_relax(void) {
 #if defined(__x86_64__) || defined(__i386__)

@@ -54,22 +54,36 @@ def start_engine(w):
     """Engine, registered KV regions, lookup buffer (producer), KVTransfer,
     for the addresses the KV cache tensors have now."""
     from mooncake_connector import _core  # the extension: workers only
-    from mooncake_connector.connector import push
-    from mooncake_connector.connector.routes import Routes
 
     w.layout = _layout(w)
     text = json.dumps({k: v for k, v in w.s.mooncake.items() if v is not None})
     cfg = _core.parse_config(text, w.s.config_path or "kv_connector_extra_config")
     w._base, w.name = _name(w, cfg)
     w.default_producer = f"{cfg['prefill_host']}:{cfg['prefill_port']}"
-    eng = _core.TransferEngine()
+    w.engine = eng = _core.TransferEngine()
+    try:
+        _start(w, eng, cfg, _core)
+    except BaseException:
+        # A refused start (a peer this instance cannot exchange KV with, a
+        # region the engine refuses...) must not leave the engine listening on
+        # this instance's port until the garbage collector finds it: a retry
+        # in the same process (or the next test) would find the port taken.
+        stop_engine(w)
+        raise
+    if w.tp_rank == 0 and w.pp_rank == 0:
+        _log_start(w, cfg)
+
+
+def _start(w, eng, cfg, _core):
+    from mooncake_connector.connector import push
+    from mooncake_connector.connector.routes import Routes
+
     # auth_secret None: the engine reads MC_AUTH_SECRET (docs/security.md).
     eng.initialize(w.name, cfg["metadata_server"], cfg["protocol"], cfg["device_name"],
                    auth_secret=cfg["auth_secret"] or None,
                    same_host_cpu=cfg["same_host_cpu"])
     for addr, n, dev in w.layout.regions():
         eng.register_memory(addr, n, dev)
-    w.engine = eng
     if w.s.is_producer:
         w.lb = _core.LookupBuffer(w.s.kv_buffer_size, block_size=w.block_size,
                                   mode="consume", policy="evict",
@@ -87,8 +101,6 @@ def start_engine(w):
     if any(d.startswith("cuda") for d in w.layout.devices):
         import torch
         w.cuda_sync = torch.cuda.current_stream().synchronize
-    if w.tp_rank == 0 and w.pp_rank == 0:
-        _log_start(w, cfg)
 
 
 def _log_start(w, cfg):

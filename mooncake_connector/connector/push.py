@@ -850,6 +850,7 @@ class PushProducer:
         self._gdev = 0
         self._cpu = False     # gate_layer without an event (CPU KV caches)
         self._layer_index = {L.name: i for i, L in enumerate(worker.layout.layers)}
+        self._eng_seen = {}   # _count_engine_paths: the engine's counters last read
         off, self._layer_off = 0, []
         for L in worker.layout.layers:
             self._layer_off.append((off, len(L.outer)))
@@ -1628,9 +1629,27 @@ class PushProducer:
             tg.batches = []
             tg.blayers.clear()
 
+    def _count_engine_paths(self):
+        """Which path the writes took (the engine's counters since the last
+        call, added when a target ends): bytes written through the same-host
+        CPU path (push_bytes_same_host_cpu; only pushes WRITE from a producer)
+        and the layer batches the engine's gate thread submitted on it
+        (push_gate_host_batches)."""
+        try:
+            st = self.w.engine.get_stats()
+        except Exception:  # noqa: BLE001 - no engine (closed, a stand-in): nothing to count
+            return
+        for key, stat in (("push_bytes_same_host_cpu", "same_host_cpu_bytes_written"),
+                          ("push_gate_host_batches", "gate_host_batches")):
+            now = int(st.get(stat, 0) or 0)
+            last, self._eng_seen[stat] = self._eng_seen.get(stat, 0), now
+            if now > last:
+                self.w.stats.add(key, now - last)
+
     def _end(self, job, tg, state, why=None):
         tg.state, tg.why = state, why
         until = tg.lease_until + PUSH_GRACE_S
+        self._count_engine_paths()
         if state == "done":
             self._reply(tg.name, job.tid, "done", ntok=tg.ntok, retry_until=until)
             self.w.stats.add("push_sends")

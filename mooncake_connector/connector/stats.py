@@ -26,7 +26,9 @@ COUNTERS = ("loads", "loads_in_step", "loads_failed", "load_bytes", "load_bytes_
             "load_tokens_missed", "publishes", "publish_failed", "publish_bytes",
             "sends_finished", "sends_expired", "push_loads", "push_sends", "push_bytes",
             "push_failed", "push_layer_loads", "push_producer_lost", "push_layer_load_busy",
-            "push_target_resends", "push_fence_cuts", "push_untargeted_cancels", "malloc_trims", "malloc_trim_freed_bytes",
+            "push_target_resends", "push_fence_cuts", "push_untargeted_cancels",
+            "push_bytes_same_host_cpu", "push_gate_host_batches", "malloc_trims",
+            "malloc_trim_freed_bytes",
             "load_error_blocks_uncached",
             *(f"recompute_{r}" for r in RECOMPUTE_REASONS))
 GAUGES = ("held_bytes", "lookup_entries", "loads_in_flight")
@@ -133,6 +135,12 @@ PROM_COUNTERS = {
     "push_sends": ("vllm:mooncake_push_sends_total",
                    "Producer: prompts written into a consumer's blocks (push flow)"),
     "push_bytes": ("vllm:mooncake_push_bytes_total", "Producer: KV bytes pushed"),
+    "push_bytes_same_host_cpu": ("vllm:mooncake_push_bytes_same_host_cpu_total",
+                                 "Producer: KV bytes pushed through the same-host CPU path "
+                                 "(cross-memory attach into the consumer, no socket)"),
+    "push_gate_host_batches": ("vllm:mooncake_push_gate_host_batches_total",
+                               "Producer: layer writes on the same-host CPU path that the "
+                               "engine's gate thread copied (off vLLM's forward thread)"),
     "push_layer_loads": ("vllm:mooncake_push_layer_loads_total",
                          "Consumer: push loads whose attention waited per layer "
                          "(push_layer_load)"),

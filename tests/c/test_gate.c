@@ -347,6 +347,57 @@ static void test_host_batches_canceled_leave_nothing(void) {
   api->cuStreamDestroy(s);
 }
 
+/* submit_by_ns (a push target's lease minus the producer's margin): a
+ * batch whose turn on the gate thread comes after it -- queued behind an
+ * event 200 ms away, its time ending 50 ms from now -- is not submitted:
+ * MC_ETIMEDOUT, nothing written, nothing told (the consumer may have freed
+ * the blocks, and the same-host CPU path's copies cannot be fenced from
+ * its side).  Its neighbour in the queue with time left is written and
+ * told.  Before submit_by_ns the gate thread wrote whatever its turn. */
+static void test_no_submit_past_its_time(void) {
+  mc_err_t err = {0};
+  const char *seg = mc_engine_segment_name(B);
+  mc_cu_stream s = NULL;
+  mc_cu_event ev = NULL;
+  CHECK(api->cuStreamCreate(&s, 0) == 0);
+  CHECK(api->cuEventCreate(&ev, 0) == 0);
+  const size_t n = 1u << 20;
+  fill(abuf, 2 * n + 4096, 23);
+  memset(bbuf, 0, 2 * n + 4096);
+  stream_hold(s, 200000000ull);
+  CHECK(api->cuEventRecord(ev, s) == 0);
+  mc_request_t r0 = wreq(2 * n, 4096), r1 = wreq(0, n), r2 = wreq(n, n);
+  mc_batch_t *h = mc_batch_new(A, 1), *late = mc_batch_new(A, 1), *ok = mc_batch_new(A, 1);
+  mc_gate_opts_t oh = {.cuda_event = (uint64_t)(uintptr_t)ev};
+  mc_gate_opts_t ol = {.on_gate_thread = 1, .notify = "late", .notify_len = 4,
+                       .submit_by_ns = mc_wall_ns() + 50000000ll};
+  mc_gate_opts_t oo = {.on_gate_thread = 1, .notify = "in time", .notify_len = 7,
+                       .submit_by_ns = mc_wall_ns() + 60000000000ll};
+  CHECK_EQ_INT(mc_batch_submit_gated(A, h, seg, &r0, 1, &oh, &err), 0);
+  CHECK_EQ_INT(mc_batch_submit_gated(A, late, seg, &r1, 1, &ol, &err), 0);
+  CHECK_EQ_INT(mc_batch_submit_gated(A, ok, seg, &r2, 1, &oo, &err), 0);
+  CHECK_EQ_INT(mc_batch_wait(A, h, 5000, &err), 0);
+  CHECK_EQ_INT(mc_batch_wait(A, late, 5000, &err), MC_ETIMEDOUT);
+  CHECK_CONTAINS(err.msg, "nothing written");
+  CHECK_EQ_INT(mc_batch_wait(A, ok, 5000, &err), 0);
+  for (size_t i = 0; i < n; i += 4096)
+    CHECK(bbuf[i] == 0); /* the late one never ran */
+  CHECK(memcmp(abuf + n, bbuf + n, n) == 0);
+  got_t g = {0};
+  uint64_t until = mc_now_ns() + 300000000ull;
+  while (mc_now_ns() < until) {
+    mc_engine_wait_notifies(B, 10000);
+    mc_engine_drain_notifies(B, 16, collect, &g);
+  }
+  CHECK_EQ_INT(g.n, 1);
+  CHECK(strcmp(g.last, "in time") == 0);
+  mc_batch_free(A, h);
+  mc_batch_free(A, late);
+  mc_batch_free(A, ok);
+  api->cuEventDestroy(ev);
+  api->cuStreamDestroy(s);
+}
+
 static void test_bad_arguments(void) {
   mc_err_t err = {0};
   mc_request_t r = wreq(0, 4096);
@@ -449,6 +500,7 @@ int main(void) {
     RUN(test_host_batch_on_the_gate_thread);
     RUN(test_host_batches_told_after_their_bytes);
     RUN(test_host_batches_canceled_leave_nothing);
+    RUN(test_no_submit_past_its_time);
     if (round == 0) {
       RUN(test_bad_arguments);
       RUN(test_engine_events_and_the_pending_look);
