@@ -685,9 +685,15 @@ class Faults(threading.Thread):
                 pass
         if not srv.alive:
             raise RuntimeError("P3 is down (its last restart failed): SIGSTOP not injected")
-        mid = self._mid_push(flows, "host_prefill")
-        ev = self._event("host_prefill", f"SIGSTOP P3 for {self.args.stop_s} s" + mid)
-        ev["target"] = "P3"
+        self._sigstop("host_prefill", "P3", srv, flows)
+
+    def _sigstop(self, kind, name, srv, flows):
+        """SIGSTOP `name`'s process group (`srv`) for --stop-s, mid-push on
+        `flows` where it can, watched from every server there is; SIGCONT
+        after, whatever happens meanwhile."""
+        mid = self._mid_push(flows, kind)
+        ev = self._event(kind, f"SIGSTOP {name} for {self.args.stop_s} s" + mid)
+        ev["target"] = name
         self._watch(ev, [n for n in ("D1", "D2", "P1", "P2", "P3") if n in self.c.servers])
         serving._killpg(srv.proc.pid, signal.SIGSTOP)
         try:
@@ -732,16 +738,7 @@ class Faults(threading.Thread):
 
     def stop_decode(self):
         srv = self.c.servers["D2"]
-        mid = self._mid_push(("push", "push-lw", "push-ll", *HOST_FLOWS), "stop_decode")
-        ev = self._event("stop_decode", f"SIGSTOP D2 for {self.args.stop_s} s" + mid)
-        ev["target"] = "D2"
-        self._watch(ev, [n for n in ("D1", "D2", "P1", "P2", "P3") if n in self.c.servers])
-        serving._killpg(srv.proc.pid, signal.SIGSTOP)
-        try:
-            time.sleep(self.args.stop_s)
-        finally:
-            serving._killpg(srv.proc.pid, signal.SIGCONT)
-            ev["end"] = round(self.now(), 2)
+        self._sigstop("stop_decode", "D2", srv, ("push", "push-lw", "push-ll", *HOST_FLOWS))
 
     def etcd_restart(self):
         with self.gate.disruption("etcd_restart", self._wait_s()):

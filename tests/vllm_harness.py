@@ -331,4 +331,16 @@ def recomputes(side):
     return out
 
 
-__all__ = ["Side", "recomputes", "make_request", "tiny_model_dir", "status", "RequestStatus", "kv_value"]
+def counters(side):
+    """A side's connector counters (the workers' int stats) summed over its
+    steps."""
+    out = {}
+    for st in side.stats:
+        for k, v in st.data.items():
+            if isinstance(v, int):
+                out[k] = out.get(k, 0) + v
+    return out
+
+
+__all__ = ["Side", "counters", "recomputes", "make_request", "tiny_model_dir", "status",
+           "RequestStatus", "kv_value"]

@@ -47,6 +47,23 @@ static mc_request_t wreq(size_t off, uint64_t len) {
                         .remote = (uint64_t)(uintptr_t)(bbuf + off), .len = len};
 }
 
+/* The event gated batches wait for: a new stream held hold_ns and an event
+ * recorded on it behind the hold; abuf's first len bytes filled from seed,
+ * bbuf's zeroed.  0, or the failing driver call's nonzero result (the
+ * caller CHECKs it: the test stops there).  The caller destroys both. */
+static mc_cu_result held_event(mc_cu_stream *s, mc_cu_event *ev, size_t len, uint32_t seed,
+                               uint64_t hold_ns) {
+  mc_cu_result rc = api->cuStreamCreate(s, 0);
+  if (rc == 0)
+    rc = api->cuEventCreate(ev, 0);
+  if (rc != 0)
+    return rc;
+  fill(abuf, len, seed);
+  memset(bbuf, 0, len);
+  stream_hold(*s, hold_ns);
+  return api->cuEventRecord(*ev, *s);
+}
+
 /* An event 300 ms away: nothing is written, nothing told, the batch is
  * pending; once the event completed the bytes land and then the message
  * comes. */
@@ -54,12 +71,7 @@ static void test_waits_for_the_event_then_notifies(void) {
   mc_err_t err = {0};
   mc_cu_stream s = NULL;
   mc_cu_event ev = NULL;
-  CHECK(api->cuStreamCreate(&s, 0) == 0);
-  CHECK(api->cuEventCreate(&ev, 0) == 0);
-  fill(abuf, 1 << 20, 7);
-  memset(bbuf, 0, 1 << 20);
-  stream_hold(s, 300000000ull);
-  CHECK(api->cuEventRecord(ev, s) == 0);
+  CHECK(held_event(&s, &ev, 1 << 20, 7, 300000000ull) == 0);
   mc_request_t r = wreq(0, 1 << 20);
   mc_batch_t *b = mc_batch_new(A, 1);
   mc_gate_opts_t o = {.cuda_event = (uint64_t)(uintptr_t)ev, .cuda_device = 0,
@@ -109,12 +121,7 @@ static void test_cancel_before_the_event(void) {
   mc_err_t err = {0};
   mc_cu_stream s = NULL;
   mc_cu_event ev = NULL;
-  CHECK(api->cuStreamCreate(&s, 0) == 0);
-  CHECK(api->cuEventCreate(&ev, 0) == 0);
-  fill(abuf, 65536, 9);
-  memset(bbuf, 0, 65536);
-  stream_hold(s, 200000000ull);
-  CHECK(api->cuEventRecord(ev, s) == 0);
+  CHECK(held_event(&s, &ev, 65536, 9, 200000000ull) == 0);
   mc_request_t r = wreq(0, 65536);
   mc_batch_t *b = mc_batch_new(A, 1);
   mc_gate_opts_t o = {.cuda_event = (uint64_t)(uintptr_t)ev, .notify = "x", .notify_len = 1};
@@ -201,13 +208,8 @@ static void test_host_batch_on_the_gate_thread(void) {
   mc_engine_get_stats(A, &st0);
   mc_cu_stream s = NULL;
   mc_cu_event ev = NULL;
-  CHECK(api->cuStreamCreate(&s, 0) == 0);
-  CHECK(api->cuEventCreate(&ev, 0) == 0);
   const size_t n = 4u << 20;
-  fill(abuf, n + 4096, 13);
-  memset(bbuf, 0, n + 4096);
-  stream_hold(s, 200000000ull);
-  CHECK(api->cuEventRecord(ev, s) == 0);
+  CHECK(held_event(&s, &ev, n + 4096, 13, 200000000ull) == 0);
   mc_request_t r1 = wreq(n, 4096), r2 = wreq(0, n);
   mc_batch_t *b1 = mc_batch_new(A, 1), *b2 = mc_batch_new(A, 1);
   mc_gate_opts_t o1 = {.cuda_event = (uint64_t)(uintptr_t)ev, .notify = "first",
@@ -300,14 +302,9 @@ static void test_host_batches_canceled_leave_nothing(void) {
   const char *seg = mc_engine_segment_name(B);
   mc_cu_stream s = NULL;
   mc_cu_event ev = NULL;
-  CHECK(api->cuStreamCreate(&s, 0) == 0);
-  CHECK(api->cuEventCreate(&ev, 0) == 0);
   enum { N = 8 };
   const size_t per = 1u << 20;
-  fill(abuf, N * per, 19);
-  memset(bbuf, 0, N * per);
-  stream_hold(s, 150000000ull);
-  CHECK(api->cuEventRecord(ev, s) == 0);
+  CHECK(held_event(&s, &ev, N * per, 19, 150000000ull) == 0);
   mc_request_t r0 = wreq(0, 4096);
   mc_batch_t *h = mc_batch_new(A, 1), *b[N];
   mc_gate_opts_t oh = {.cuda_event = (uint64_t)(uintptr_t)ev};
@@ -359,13 +356,8 @@ static void test_no_submit_past_its_time(void) {
   const char *seg = mc_engine_segment_name(B);
   mc_cu_stream s = NULL;
   mc_cu_event ev = NULL;
-  CHECK(api->cuStreamCreate(&s, 0) == 0);
-  CHECK(api->cuEventCreate(&ev, 0) == 0);
   const size_t n = 1u << 20;
-  fill(abuf, 2 * n + 4096, 23);
-  memset(bbuf, 0, 2 * n + 4096);
-  stream_hold(s, 200000000ull);
-  CHECK(api->cuEventRecord(ev, s) == 0);
+  CHECK(held_event(&s, &ev, 2 * n + 4096, 23, 200000000ull) == 0);
   mc_request_t r0 = wreq(2 * n, 4096), r1 = wreq(0, n), r2 = wreq(n, n);
   mc_batch_t *h = mc_batch_new(A, 1), *late = mc_batch_new(A, 1), *ok = mc_batch_new(A, 1);
   mc_gate_opts_t oh = {.cuda_event = (uint64_t)(uintptr_t)ev};
