@@ -30,7 +30,6 @@ os.environ.setdefault("MC_SAME_HOST_CPU", "0")      # the TCP transport, as conf
 
 from mooncake_connector.serving import free_port  # noqa: E402
 
-
 os.environ["VLLM_MOONCAKE_BOOTSTRAP_PORT"] = str(free_port())
 
 # `from mooncake.engine import TransferEngine` (vLLM's module, at import) -> ours.
