@@ -12,7 +12,6 @@ schedule and get_finished shows the producer's idle wait (idle_wait_ms).
 """
 import argparse
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -24,12 +23,6 @@ WORKER_HOOKS = ("bind_connector_metadata", "start_load_kv", "wait_for_save", "ge
                 "get_kv_connector_stats")
 SCHED_HOOKS = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
                "request_finished")
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def timed(obj, name, times):
@@ -53,8 +46,11 @@ def main(argv=None):
     import random
     from vllm_harness import Side, make_request, tiny_model_dir
 
+    from mooncake_connector.serving import free_port
+
     model = tiny_model_dir(tempfile.mkdtemp(prefix="mc-hooks-"))
-    urls = {"prefill_url": f"127.0.0.1:{free_port()}", "decode_url": f"127.0.0.1:{free_port()}",
+    p = free_port()
+    urls = {"prefill_url": f"127.0.0.1:{p}", "decode_url": f"127.0.0.1:{free_port(away=[p])}",
             "metadata_server": "P2PHANDSHAKE", "protocol": "tcp"}
     side = Side(model, "kv_producer", urls, num_blocks=args.blocks, block_size=16)
     times = {}

@@ -28,15 +28,10 @@ sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 import mooncake_connector as mc  # noqa: E402
 from conftest import Peer  # noqa: E402
 from mooncake_connector.metadata_server import MetadataServer  # noqa: E402
+from mooncake_connector.serving import free_port  # noqa: E402
 
 BLOCKS = 10_000
 BLOCK = 4096
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait(pred, timeout=15):

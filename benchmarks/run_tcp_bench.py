@@ -38,11 +38,12 @@ import json
 import os
 import platform
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
 import time
+
+from mooncake_connector.serving import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "benchmarks", "transfer_bench.py")
@@ -54,12 +55,6 @@ MOONCAKE_PKG = "mooncake-transfer-engine-non-cuda"
 
 def log(msg):
     print(msg, flush=True)
-
-
-def free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def json_lines(text):

@@ -21,7 +21,6 @@ latency.
 import json
 import os
 import re
-import socket
 
 from mooncake_connector import serving
 
@@ -37,30 +36,12 @@ def default_connector():
     return kind
 
 
-def _port_pair(gap=100, span=4):
-    """Two free ports `gap` apart (mooncake.json wants >= 50 between them),
-    each the first of `span` free ones (a TP or PP side listens on port +
-    rank)."""
-    def free_run(p):
-        for q in range(p, p + span):
-            if q != first and serving.port_claimed(q):
-                return False
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", q))
-                except OSError:
-                    return False
-        return True
-
-    first = None
-    for _ in range(50):
-        p = first = serving.free_port()  # claimed by free_port itself
-        if p + gap + span > 65535:
-            continue
-        if free_run(p) and free_run(p + gap):
-            serving.claim_ports(list(range(p, p + span)) + list(range(p + gap, p + gap + span)))
-            return p, p + gap
-    raise RuntimeError("no pair of free ports found")
+def _port_pair(span=4):
+    """Two free ports at least serving.PORT_DISTANCE apart (mooncake.json's
+    rule for one host), each the first of `span` free ones (a TP or PP side
+    listens on port + rank)."""
+    p = serving.free_port(span)
+    return p, serving.free_port(span, away=[p])
 
 
 def kv_transfer_configs(kind, workdir, metadata_url=None):

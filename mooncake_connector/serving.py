@@ -56,14 +56,26 @@ def _ephemeral_low():
         return 32768
 
 
-def free_port():
-    """A port free now on 127.0.0.1, for a server started later: with
-    MC_PORT_RANGE (`LO-HI`, e.g. 43000-45999: several people sharing one
-    host) a random free one in that range; else a random free one just
+#: mooncake.json's rule for two engine ports on one host: at least this far
+#: apart (csrc/config/config.c, apply_port_rules).
+PORT_DISTANCE = 50
+
+
+def free_port(span=1, away=()):
+    """A port free now on every local address, for a server started later:
+    with MC_PORT_RANGE (`LO-HI`, e.g. 43000-45999: several people sharing
+    one host) a random free one in that range; else a random free one just
     below the kernel's ephemeral range, so that no outgoing connection or
     bind(0) of another process (gloo, zmq, our own clients) takes it
     between now and the server's listen; the kernel's pick as a last
-    resort."""
+    resort.  Never one this process has handed out before.
+
+    span: the first of `span` consecutive free ports, all handed out (a TP
+    or PP side listens at port + rank).  away: ports or "host:port"s the
+    result must be at least PORT_DISTANCE from (two engines on one host)."""
+    if span < 1:
+        raise ValueError(f"span={span!r}: expected 1 or more")
+    away = [int(str(a).rsplit(":", 1)[-1]) for a in away]
     rng = os.environ.get("MC_PORT_RANGE")
     if rng:
         try:
@@ -72,20 +84,26 @@ def free_port():
                 raise ValueError
         except ValueError:
             raise ValueError(f"MC_PORT_RANGE={rng!r}: expected LO-HI, e.g. 43000-45999") from None
-        port = _free_in(lo, hi)
+        port = _free_in(lo, hi, span, away)
         if port is None:
-            raise RuntimeError(f"MC_PORT_RANGE={rng}: no free port in it")
+            raise RuntimeError(f"MC_PORT_RANGE={rng}: no free port in it"
+                               + (f" (a run of {span})" if span > 1 else "")
+                               + (f" {PORT_DISTANCE} away from {away}" if away else ""))
         return port
     eph = _ephemeral_low()
     if eph > 3000:
-        port = _free_in(max(1024, eph - 12000), eph - 200)
+        port = _free_in(max(1024, eph - 12000), eph - 200, span, away)
         if port is not None:
             return port
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    claim_ports([port])
-    return port
+    for _ in range(200):
+        with socket.socket() as s:
+            s.bind(("0.0.0.0", 0))
+            port = s.getsockname()[1]
+        if _usable(port, span, away):
+            claim_ports(range(port, port + span))
+            return port
+    raise RuntimeError(f"no run of {span} free port(s) found"
+                       + (f" {PORT_DISTANCE} away from {away}" if away else ""))
 
 
 # Ports this process has handed out for servers not listening yet: never
@@ -103,17 +121,31 @@ def port_claimed(port):
     return port in _CLAIMED
 
 
-def _free_in(lo, hi):
-    for port in random.sample(range(lo, hi + 1), min(hi - lo + 1, 2000)):
-        if port in _CLAIMED:
-            continue
+def _usable(port, span, away):
+    """port .. port+span-1 all below 65536, not handed out, bindable on
+    0.0.0.0 (as the engine binds: a listener on any local address blocks
+    it), and port at least PORT_DISTANCE from each of `away`."""
+    if port + span > 65536 or any(abs(port - a) < PORT_DISTANCE for a in away):
+        return False
+    for q in range(port, port + span):
+        if q in _CLAIMED:
+            return False
         with socket.socket() as s:
             try:
-                s.bind(("127.0.0.1", port))
+                s.bind(("0.0.0.0", q))
             except OSError:
-                continue
-        claim_ports([port])
-        return port
+                return False
+    return True
+
+
+def _free_in(lo, hi, span=1, away=()):
+    top = hi - span + 1
+    if top < lo:
+        return None
+    for port in random.sample(range(lo, top + 1), min(top - lo + 1, 2000)):
+        if _usable(port, span, away):
+            claim_ports(range(port, port + span))
+            return port
     return None
 
 

@@ -17,7 +17,6 @@ Prints one JSON line with what happened; exits non-zero on any failure.
 import importlib.util
 import json
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -29,14 +28,9 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")  # get_ip(): loopback only
 os.environ.setdefault("MC_SAME_HOST_CPU", "0")      # the TCP transport, as configured
 
+from mooncake_connector.serving import free_port  # noqa: E402
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-os.environ["VLLM_MOONCAKE_BOOTSTRAP_PORT"] = str(_free_port())
+os.environ["VLLM_MOONCAKE_BOOTSTRAP_PORT"] = str(free_port())
 
 # `from mooncake.engine import TransferEngine` (vLLM's module, at import) -> ours.
 from mooncake_connector import mooncake_shim  # noqa: E402
@@ -118,7 +112,7 @@ def main():
                 cfg, [["LBHNC"]], [kcc.kv_cache_groups[0].kv_cache_spec]).name
     with set_current_vllm_config(cfg_p):
         ps.init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                        distributed_init_method=f"tcp://127.0.0.1:{_free_port()}")
+                                        distributed_init_method=f"tcp://127.0.0.1:{free_port()}")
         ps.initialize_model_parallel(1, 1)
         prod = cls(cfg_p, KVConnectorRole.WORKER, kcc)
     with set_current_vllm_config(cfg_c):

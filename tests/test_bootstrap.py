@@ -12,17 +12,12 @@ import pytest
 from mooncake_connector.connector import bootstrap
 from mooncake_connector.connector import settings as settings_mod
 from mooncake_connector.connector.settings import SettingsError, shift_port
+from mooncake_connector.serving import free_port
 
 
 def _cfg(**extra):
     return types.SimpleNamespace(kv_role="kv_producer", kv_connector_extra_config=dict(
         {"prefill_url": "127.0.0.1:13003", "decode_url": "127.0.0.1:13103"}, **extra))
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _req(port, method, path, body=None, headers=None):
@@ -41,7 +36,7 @@ def _start(settings, tp=2, pp=1, dp=0, base="127.0.0.1:13003", env=None):
 
 
 def test_query_answers_in_the_in_tree_shape():
-    s = settings_mod.resolve(_cfg(bootstrap_port=_free_port(), bootstrap_host="127.0.0.1"))
+    s = settings_mod.resolve(_cfg(bootstrap_port=free_port(), bootstrap_host="127.0.0.1"))
     srv = _start(s, tp=2, pp=2)
     try:
         status, body = _req(srv.port, "GET", "/query")
@@ -59,7 +54,7 @@ def test_query_answers_in_the_in_tree_shape():
 
 
 def test_read_only_and_unknown_paths_are_refused_with_a_reason():
-    s = settings_mod.resolve(_cfg(bootstrap_port=_free_port(), bootstrap_host="127.0.0.1"))
+    s = settings_mod.resolve(_cfg(bootstrap_port=free_port(), bootstrap_host="127.0.0.1"))
     srv = _start(s, dp=3)
     try:
         reg = json.dumps({"engine_id": "evil", "dp_rank": 3, "tp_rank": 0, "pp_rank": 0,
@@ -81,7 +76,7 @@ def test_read_only_and_unknown_paths_are_refused_with_a_reason():
 
 
 def test_a_silent_client_does_not_block_the_others():
-    s = settings_mod.resolve(_cfg(bootstrap_port=_free_port(), bootstrap_host="127.0.0.1"))
+    s = settings_mod.resolve(_cfg(bootstrap_port=free_port(), bootstrap_host="127.0.0.1"))
     srv = _start(s)
     idle = [socket.create_connection(("127.0.0.1", srv.port)) for _ in range(20)]
     try:
@@ -158,7 +153,7 @@ def test_consumer_refuses_an_in_tree_engine_id_by_name():
 
 def test_the_producer_worker_of_tp0_pp0_serves_it_naming_every_rank():
     from mooncake_connector.connector.worker import WorkerSide
-    port = _free_port()
+    port = free_port()
     made = []
     try:
         for role, tp_rank, pp_rank in (("kv_producer", 0, 0), ("kv_producer", 1, 0),

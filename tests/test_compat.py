@@ -5,6 +5,7 @@ import pytest
 
 import mooncake_connector as mc
 from mooncake_connector.compat import TransferEngine
+from mooncake_connector.serving import free_port
 
 
 def test_failures_become_codes_with_the_reason_logged(caplog):
@@ -41,17 +42,10 @@ def test_success_paths_return_mooncake_values():
         assert b.read_bytes_from_buffer(dst, 4) == b"xxxx"
 
 
-def _dead_port():
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]  # closed again: nothing listens there
-
-
 def test_p2p_async_submit_to_unknown_peer_fails_at_submit():
     """Mooncake's P2P mode fails the submit (batch id 0) for a peer that does
     not answer the handshake; ours raises there, not at the status."""
-    seg = f"127.0.0.1:{_dead_port()}"
+    seg = f"127.0.0.1:{free_port()}"  # nothing listens there
     with TransferEngine() as c, mc.TransferEngine() as e:
         assert c.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
         e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")

@@ -33,30 +33,14 @@ ASYNC = {"sync_load_max_bytes": 0}  # every load in the background (WAITING_FOR_
 
 def free_port(span=4):
     """A port whose next span-1 neighbours are free too: TP/PP ranks listen
-    at port + rank (on 0.0.0.0, as the engine binds)."""
-    for _ in range(200):
-        # below the kernel's ephemeral range (serving.free_port): a port bind(0)
-        # handed out is the next outgoing connection's of any process here
-        base = serving.free_port()
-        try:
-            for k in range(span):
-                with socket.socket() as t:
-                    t.bind(("0.0.0.0", base + k))
-            return base
-        except (OSError, OverflowError):
-            continue
-    raise RuntimeError(f"no run of {span} free ports found")
+    at port + rank."""
+    return serving.free_port(span)
 
 
 def free_port_away(*urls_or_ports, span=4):
     """free_port(), at least 50 from each given port or "host:port" (the
     config refuses two ports on one host closer than that)."""
-    taken = [int(str(u).rsplit(":", 1)[-1]) for u in urls_or_ports]
-    for _ in range(200):
-        port = free_port(span)
-        if all(abs(port - t) >= 50 for t in taken):
-            return port
-    raise RuntimeError(f"no free port 50 away from {taken}")
+    return serving.free_port(span, away=urls_or_ports)
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,9 @@ import urllib.error
 
 import pytest
 
-from test_metadata_backends import REDIS_PASSWORD, EtcdServer, HttpServer, RedisServer, free_port
+from test_metadata_backends import REDIS_PASSWORD, EtcdServer, HttpServer, RedisServer
+
+from mooncake_connector.serving import free_port
 
 mc = pytest.importorskip("mooncake_connector")
 
@@ -45,10 +47,7 @@ def need(servers, kind):
 def two_ports():
     """Two free ports at least 50 apart (the config's rule for one host)."""
     a = free_port()
-    while True:
-        b = free_port()
-        if abs(a - b) >= 50:
-            return a, b
+    return a, free_port(away=[a])
 
 
 def write_cfg(tmp_path, **fields):

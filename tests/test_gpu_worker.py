@@ -13,7 +13,6 @@ the ones the scheduler half sends.  `pytest -m gpu`."""
 import json
 import os
 import random
-import socket
 import sys
 import time
 
@@ -28,12 +27,6 @@ torch = cuda_torch()
 HERE = os.path.dirname(os.path.abspath(__file__))
 NGPU = torch.cuda.device_count()
 BS, NB, LAYERS = 16, 256, 8
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class WorkerPeer(LinePeer):
@@ -78,9 +71,8 @@ def test_worker_vllm034_extensible_kv_cache(alloc, ipc, path):
 def pair_settings(ipc):
     """Two workers' connector settings (ports at least 50 apart: each engine
     takes a few above its own) and environment (MC_GPU_IPC=ipc)."""
-    p, d = free_port(), free_port()
-    while abs(d - p) < 50:
-        d = free_port()
+    p = free_port()
+    d = free_port(away=[p])
     urls = {"prefill_url": f"127.0.0.1:{p}", "decode_url": f"127.0.0.1:{d}",
             "metadata_server": "P2PHANDSHAKE", "protocol": "tcp"}
     return urls, {"MC_GPU_IPC": ipc, "MC_LOG_LEVEL": "info"}

@@ -23,18 +23,14 @@ import pytest
 
 from conftest import Peer, wait_until
 
+from mooncake_connector.serving import free_port
+
 mc = pytest.importorskip("mooncake_connector")
 
 TTL = 2  # MC_METADATA_TTL for the peers of these tests (keep-alive every ~0.7 s)
 BLK = 64 << 10
 PEER_ENV = {"MC_METADATA_TTL": str(TTL)}
 REDIS_PASSWORD = "s3cret pw"
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class _Server:

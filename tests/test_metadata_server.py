@@ -14,6 +14,7 @@ import pytest
 
 import mooncake_connector as mc
 from mooncake_connector.metadata_server import MetadataServer, MetadataStore
+from mooncake_connector.serving import free_port
 from conftest import http, in_threads
 
 pytestmark = pytest.mark.timeout(60)
@@ -38,12 +39,6 @@ def server():
 def client(server):
     with mc.MetadataClient(server.url) as c:
         yield c
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---- in-process server + C client ----

@@ -7,7 +7,6 @@ replaces a stale one left by an earlier engine of the same name.  Skips with
 the reason when the wheel cannot be had (tests/mooncake_wheel.py)."""
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -19,12 +18,7 @@ from conftest import http  # noqa: E402
 from mooncake_wheel import find_server  # noqa: E402
 
 import mooncake_connector as mc  # noqa: E402
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from mooncake_connector.serving import free_port  # noqa: E402
 
 
 @pytest.fixture
@@ -32,7 +26,7 @@ def mooncake_server(tmp_path):
     path, why = find_server()
     if not path:
         pytest.skip(why)
-    port = _free_port()
+    port = free_port()
     log = open(tmp_path / "server.log", "w+")
     p = subprocess.Popen([sys.executable, path, "--host", "127.0.0.1", "--port", str(port),
                           "--log-level", "INFO"], stdout=log, stderr=subprocess.STDOUT)
@@ -93,7 +87,7 @@ def test_engines_register_transfer_and_keep_alive_on_mooncakes_server(
 
 def test_stale_rpc_entry_of_an_earlier_engine_is_replaced(mooncake_server):
     url, _ = mooncake_server
-    port = _free_port()
+    port = free_port()
     name = f"127.0.0.1:{port}"
     stale = b'{"ip_or_host_name":"127.0.0.1","rpc_port":1}'
     assert http("PUT", f"{url}?key=mooncake/rpc_meta/{name}", stale)[0] == 200

@@ -34,6 +34,8 @@ sys.path.insert(0, HERE)
 from mooncake_wheel import find_server  # noqa: E402
 from mooncake_shim_env import no_real_mooncake, shim_env  # noqa: E402
 
+from mooncake_connector.serving import free_port  # noqa: E402
+
 TP = os.path.join(HERE, "third_party", "mooncake")
 WHEEL_TESTS = os.path.join(TP, "mooncake-wheel", "tests")
 FAULT = os.path.join(TP, "mooncake-transfer-engine", "tests", "fault-tolerant")
@@ -53,12 +55,6 @@ def test_vendored_programs_are_unmodified():
     for rel, want in sums.items():
         with open(os.path.join(TP, rel), "rb") as f:
             assert hashlib.sha256(f.read()).hexdigest() == want, f"{rel} was modified"
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -85,7 +81,7 @@ def mooncake_metadata_server(tmp_path):
     path, why = find_server()
     if not path:
         pytest.skip(why)
-    port = _free_port()
+    port = free_port()
     log = open(tmp_path / "mooncake-metadata.log", "w")
     p = subprocess.Popen([sys.executable, path, "--host", "127.0.0.1", "--port", str(port)],
                          stdout=log, stderr=subprocess.STDOUT)
@@ -105,7 +101,7 @@ def mooncake_metadata_server(tmp_path):
 
 
 def _run_pair(tmp_path, metadata, extra=None):
-    tname, iname = f"127.0.0.1:{_free_port()}", f"127.0.0.1:{_free_port()}"
+    tname, iname = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
     env = shim_env(tmp_path, TARGET_SERVER_NAME=tname, INITIATOR_SERVER_NAME=iname,
                     MC_METADATA_SERVER=metadata, PROTOCOL="tcp", **(extra or {}))
     tlog = open(tmp_path / "target.log", "w+")

@@ -9,15 +9,9 @@ import pytest
 
 from conftest import wait_until
 
+from mooncake_connector.serving import free_port
+
 BLK = 64 << 10
-
-
-def free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 def test_restarted_peer_is_reachable_again(peers):

@@ -19,6 +19,8 @@ from aiohttp import web
 
 from app_thread import AppThread
 
+from mooncake_connector.serving import free_port
+
 
 class Upstream(AppThread):
     def __init__(self, name, status=200, kv_params=True, error_body=None):
@@ -168,10 +170,7 @@ def test_upstream_errors_reach_the_client(upstreams, proxy):
 
 def test_dead_instance_gives_502_naming_it(upstreams, proxy):
     d = upstreams("decode")
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    dead = f"http://127.0.0.1:{s.getsockname()[1]}"
-    s.close()
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     url = proxy([dead], [d.url])
     t = time.time()
     status, out = post(url + "/v1/completions", {"prompt": "x"})
@@ -481,10 +480,7 @@ def test_dead_prefill_fails_over_to_a_live_one(upstreams, proxy):
     the next one (bounded: each tried once), counted as a failover; the dead
     one is tried last for a while; in flow a the decode follows the prefill
     that answered (by index); with every prefill dead, 502 naming them."""
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    dead = f"http://127.0.0.1:{s.getsockname()[1]}"
-    s.close()
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     p = upstreams("p-live")
     ds = [upstreams("d0"), upstreams("d1")]
     url = proxy([dead, p.url], [d.url for d in ds], extra=("--prefill-down-s", "30"))

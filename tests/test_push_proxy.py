@@ -11,6 +11,8 @@ from aiohttp import web
 from app_thread import AppThread
 from test_proxy import post, proxy, upstreams  # noqa: F401
 
+from mooncake_connector.serving import free_port
+
 
 class SlowPrefill(AppThread):
     """Answers after `delay` seconds (a long prefill)."""
@@ -141,12 +143,8 @@ def test_push_dead_prefill_is_tried_after_the_others(upstreams, proxy):  # noqa:
     """Flow push: a prefill leg that cannot connect marks that instance down
     (as flows a and b do), so the next requests' both legs go to a live
     prefill: its engine named to the decode, its prefill leg run there."""
-    import socket
     import urllib.request
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    dead = f"http://127.0.0.1:{s.getsockname()[1]}"
-    s.close()
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     live, d = upstreams("p-live"), upstreams("decode")
     url = proxy([dead, live.url], [d.url], flow="push",
                 extra=("--prefill-engine", "127.0.0.1:17001", "127.0.0.1:17002",
