@@ -53,12 +53,14 @@ import argparse
 import asyncio
 import collections
 import copy
+import ipaddress
 import itertools
 import json
 import logging
 import math
 import os
 import signal
+import socket
 import sys
 import time
 import urllib.parse
@@ -697,18 +699,65 @@ def _local(h):
     return h in ("localhost", "::1") or h.startswith("127.")
 
 
-def _is_self(u, host, port):
-    """Whether the upstream u is this proxy itself: its port, and its bound
-    address or (bound to a wildcard or loopback address) a loopback name."""
-    if port == 0:
+def _resolved(host, port):
+    """getaddrinfo's socket addresses for host (TCP), [] if it does not
+    resolve (then the proxy says so at the first request)."""
+    try:
+        return [ai[4] for ai in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+                if ai[0] in (socket.AF_INET, socket.AF_INET6)]
+    except (socket.gaierror, UnicodeError):
+        return []
+
+
+def _delivered_here(sa):
+    """Whether a connection to the socket address sa reaches this host (its
+    network namespace): a loopback or unspecified address, or one a socket
+    can bind to (a UDP bind: nothing is sent).  With net.ipv4 / net.ipv6
+    ip_nonlocal_bind on, any address binds: then only loopback counts."""
+    ip = ipaddress.ip_address(sa[0].partition("%")[0])
+    if ip.is_loopback or ip.is_unspecified:
+        return True
+    fam = socket.AF_INET6 if ip.version == 6 else socket.AF_INET
+    try:
+        with open(f"/proc/sys/net/ipv{ip.version}/ip_nonlocal_bind") as f:
+            if f.read().strip() != "0":
+                return False
+    except OSError:
+        return False  # cannot tell whether the bind test means anything
+    try:
+        with socket.socket(fam, socket.SOCK_DGRAM) as s:
+            s.bind((sa[0], 0, *sa[2:]))
+        return True
+    except OSError:  # EADDRNOTAVAIL: not an address of this host
         return False
+
+
+def _is_self(u, host, port):
+    """Why the upstream u is this proxy itself (None if it is not): its
+    port, and its bound address or (bound to a wildcard or loopback
+    address) a loopback name; or u's host resolves to an address the proxy
+    listens on: bound to a wildcard (0.0.0.0: IPv4; "::": IPv6, both event
+    loops set IPV6_V6ONLY; "": both), any address of this host; bound to a
+    name or address, one of its addresses.  A host that does not resolve is
+    not checked."""
+    if port == 0:
+        return None
     _, h, p, _ = _norm(u)
     host = host.lower()
     if p != port:
-        return False
-    if h == host:
-        return True
-    return _local(h) and (host in ("0.0.0.0", "::", "") or _local(host))
+        return None
+    if h == host or _local(h) and (host in ("0.0.0.0", "::", "") or _local(host)):
+        return "the same host and port"
+    wild = {"": (4, 6), "0.0.0.0": (4,), "::": (6,)}.get(host)
+    mine = set() if wild else {sa[0] for sa in _resolved(host, port)}
+    for sa in _resolved(h, p):
+        ip = ipaddress.ip_address(sa[0].partition("%")[0])
+        name = f"{h} is" if h == sa[0] else f"{h} resolves to {sa[0]},"
+        if wild and ip.version in wild and _delivered_here(sa):
+            return f"{name} an address of this host"
+        if not wild and sa[0] in mine:
+            return f"{name} where the proxy listens"
+    return None
 
 
 def _event_loop(kind):
@@ -801,9 +850,10 @@ def main(argv=None):
         ap.error(f"{same[0]!r} is given as both --prefill and --decode: a prefill and a decode "
                  "instance are two vLLM servers (kv_producer and kv_consumer) on two ports")
     for u in args.prefill + args.decode + args.passthrough:
-        if _is_self(u, args.host, args.port):
+        why = _is_self(u, args.host, args.port)
+        if why:
             ap.error(f"{u!r} is this proxy's own address (--host {args.host} --port "
-                     f"{args.port}): it would send requests to itself; give the vLLM "
+                     f"{args.port}; {why}): it would send requests to itself; give the vLLM "
                      "server's URL, or another --port for the proxy")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if not 0 < args.header_timeout < float("inf"):

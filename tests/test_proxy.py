@@ -792,6 +792,86 @@ def test_bad_command_lines_name_the_argument(extra, expect):
     assert expect in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
+def _outward_addr():
+    """This host's IPv4 address towards the outside (a UDP connect sends
+    nothing), or None."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("10.255.255.254", 9))
+            a = s.getsockname()[0]
+        except OSError:
+            return None
+    return None if a.startswith("127.") else a
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(args):
+    """(exit status or None if it is serving, stderr); a serving proxy is stopped."""
+    p = subprocess.Popen([sys.executable, "-m", "mooncake_connector.proxy", *args],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = p.stdout.readline()
+    if "proxy listening on" in line:
+        p.terminate()
+        p.wait(10)
+        return None, p.stderr.read()
+    p.wait(10)
+    return p.returncode, p.stderr.read()
+
+
+def test_upstream_at_an_address_of_this_host_is_refused():
+    """The proxy on a wildcard address and an upstream URL naming one of
+    this host's own (non-loopback) addresses at its port: a request loop,
+    started before (only loopback names were caught).  An address that is
+    not this host's, or a specific --host elsewhere, still starts."""
+    addr = _outward_addr()
+    if not addr:
+        pytest.skip("this host has no non-loopback IPv4 address")
+    port = _free_port()
+    rc, err = _start(["--host", "0.0.0.0", "--port", str(port), "--prefill",
+                      f"http://{addr}:{port}", "--decode", "http://127.0.0.1:8200"])
+    assert rc == 2 and "Traceback" not in err, (rc, err)
+    assert f"'http://{addr}:{port}' is this proxy's own address" in err, err
+    assert f"{addr} is an address of this host" in err, err
+    rc, err = _start(["--host", addr, "--port", str(port), "--prefill", "http://127.0.0.1:8100",
+                      "--decode", f"http://{addr}:{port}/"])
+    assert rc == 2 and "is this proxy's own address" in err, (rc, err)
+    # Not loops: the proxy on loopback only; an address that is not this host's.
+    assert _start(["--host", "127.0.0.1", "--port", str(port), "--prefill",
+                   f"http://{addr}:{port}", "--decode", "http://127.0.0.1:8200"])[0] is None
+    assert _start(["--host", "0.0.0.0", "--port", str(port), "--prefill",
+                   f"http://203.0.113.7:{port}", "--decode", "http://127.0.0.1:8200"])[0] is None
+
+
+def test_upstream_name_resolving_to_the_proxy_is_refused():
+    """This host's name (no loopback spelling; /etc/hosts or DNS gives one
+    of its addresses) at the port of a proxy on 0.0.0.0: a request loop."""
+    name = socket.gethostname()
+    try:
+        addrs = {ai[4][0] for ai in socket.getaddrinfo(name, None, socket.AF_INET,
+                                                         socket.SOCK_STREAM)}
+    except socket.gaierror:
+        addrs = set()
+    here = set()
+    for a in addrs:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            try:
+                s.bind((a, 0))
+                here.add(a)
+            except OSError:
+                pass
+    if not here:
+        pytest.skip(f"this host's name {name!r} resolves to no IPv4 address of this host")
+    port = _free_port()
+    rc, err = _start(["--host", "0.0.0.0", "--port", str(port), "--prefill",
+                      "http://127.0.0.1:8100", "--decode", f"http://{name}:{port}"])
+    assert rc == 2 and f"{name} resolves to " in err and "own address" in err, (rc, err, addrs)
+
+
 @pytest.mark.parametrize("host", ["127.0.0.1", "no-such-host.invalid"])
 def test_listen_failure_is_one_line(host):
     """A port in use or a --host that does not resolve: one line naming
