@@ -146,6 +146,7 @@ class Proxy:
         self.log = logger
         self._max_model_len = {}  # decode URL -> max_model_len from its /v1/models
         self.counts = {"requests": 0, "bad_requests": 0, "slow_header_closes": 0,
+                       "request_ids_replaced": 0,
                        "prefill_errors": 0, "prefill_failovers": 0,
                        "prefill_retries": 0, "decode_retries": 0, "decode_errors": 0,
                        "first_token_from_prefill": 0, "finished_at_prefill": 0,
@@ -242,6 +243,25 @@ class Proxy:
         self.counts["first_token_fallbacks"][reason] += 1
         logger.info("request %s: first token from decode: %s", rid, reason)
 
+    def _request_id(self, request):
+        """The client's X-Request-Id, or a new one when there is none or it
+        cannot be used (request_check.request_id_problem: too long, a space,
+        non-ASCII): replaced, logged and counted, not refused -- vLLM itself
+        takes any id, and the id only names the request.  The answer carries
+        the id used in its X-Request-Id header."""
+        rid = request.headers.get("X-Request-Id")
+        if rid:
+            why = request_check.request_id_problem(rid)
+            if why is None:
+                return rid
+        new = f"mc-{uuid.uuid4().hex}"
+        if rid:
+            self.counts["request_ids_replaced"] += 1
+            shown = ascii(rid[:64]) + ("..." if len(rid) > 64 else "")
+            logger.warning("X-Request-Id %s %s: this request's id is %s instead", shown, why,
+                           new)
+        return new
+
     async def handle(self, request):
         self.counts["requests"] += 1
         t_in = time.perf_counter()
@@ -252,7 +272,7 @@ class Proxy:
         except request_check.BadRequest as e:
             self.counts["bad_requests"] += 1
             return _error(400, str(e), "invalid_request_error")
-        rid = request.headers.get("X-Request-Id") or f"mc-{uuid.uuid4().hex}"
+        rid = self._request_id(request)
         headers = self._headers(request, rid)
         if trace.ON:
             trace.event("proxy_in", rid, t_in=time.monotonic() - (time.perf_counter() - t_in))
@@ -456,7 +476,8 @@ class Proxy:
                                            r.content_type)
                 if not body.get("stream"):
                     return web.Response(status=200, body=await r.read(),
-                                        content_type=r.content_type or "application/json")
+                                        content_type=r.content_type or "application/json",
+                                        headers={"X-Request-Id": rid})
                 resp = web.StreamResponse(status=200, headers={
                     "Content-Type": r.headers.get("Content-Type", "text/event-stream"),
                     "Cache-Control": "no-cache", "X-Request-Id": rid})
@@ -634,6 +655,8 @@ class PromCounters:
                          ("decode_retries", "Decode legs sent once more after the instance "
                           "dropped or reset the connection before answering"),
                          ("bad_requests", "Requests refused as malformed (400)"),
+                         ("request_ids_replaced", "Requests whose X-Request-Id could not be "
+                          "used (too long, a space, non-ASCII) and got a new id"),
                          ("decode_errors", "Decode instances that failed or were unreachable"),
                          ("stream_errors_after_first_token",
                           "Streams that failed after their first token"),
