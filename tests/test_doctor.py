@@ -537,6 +537,14 @@ def test_serve_listen_host_that_does_not_resolve(listen):
     assert "give an address of this host" in line and "/etc/hosts" in line, line
 
 
+def test_serve_listen_ipv6_without_brackets_is_the_engines_message():
+    r = subprocess.run([sys.executable, "-m", "mooncake_connector", "doctor", "--serve",
+                        "--listen", "fe80::1", "--seconds", "0.5"],
+                       capture_output=True, text=True, timeout=60, cwd="/")
+    assert r.returncode == 1 and "does not resolve" not in r.stderr, r.stderr
+    assert "write IPv6 as" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
 def test_peer_host_that_does_not_resolve(tmp_path):
     """Was 'the check itself failed: gaierror(...)', fix 'report this'."""
     rc, rows = doctor("--config", write_cfg(tmp_path), "--peer", "no-such-host.invalid:17000")

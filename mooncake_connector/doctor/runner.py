@@ -61,6 +61,8 @@ def _listen_host_problem(listen):
     address's form (port range, brackets) is the engine's to check."""
     if listen.startswith("["):
         host = listen[1:].partition("]")[0]
+    elif listen.count(":") > 1:
+        return None  # IPv6 without brackets: the engine says how to write it
     else:
         host = listen.partition(":")[0]
     if not host:
