@@ -26,7 +26,7 @@ MOONCAKE_FIELDS = ("prefill_url", "decode_url", "metadata_server", "protocol", "
                    "metadata_backend", "auth_secret", "same_host_cpu")
 # The C parser's (csrc/config/config.c) view of a mooncake.json field it does
 # not accept: its fields in its order, the keys of vLLM's --kv-transfer-config
-# and of Mooncake Store's mooncake.json it names as such.  _unknown_field gives
+# and of Mooncake Store's mooncake.json it names as such.  _check_fields gives
 # its message word for word, so the scheduler process (which reads the file
 # here, without the extension) and the workers (the C parser) say the same.
 C_FIELDS = ("prefill_url", "decode_url", "metadata_server", "metadata_backend", "protocol",
