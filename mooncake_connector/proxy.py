@@ -53,12 +53,14 @@ import argparse
 import asyncio
 import collections
 import copy
+import ipaddress
 import itertools
 import json
 import logging
 import math
 import os
 import signal
+import socket
 import sys
 import time
 import urllib.parse
@@ -144,6 +146,7 @@ class Proxy:
         self.log = logger
         self._max_model_len = {}  # decode URL -> max_model_len from its /v1/models
         self.counts = {"requests": 0, "bad_requests": 0, "slow_header_closes": 0,
+                       "request_ids_replaced": 0,
                        "prefill_errors": 0, "prefill_failovers": 0,
                        "prefill_retries": 0, "decode_retries": 0, "decode_errors": 0,
                        "first_token_from_prefill": 0, "finished_at_prefill": 0,
@@ -240,6 +243,25 @@ class Proxy:
         self.counts["first_token_fallbacks"][reason] += 1
         logger.info("request %s: first token from decode: %s", rid, reason)
 
+    def _request_id(self, request):
+        """The client's X-Request-Id, or a new one when there is none or it
+        cannot be used (request_check.request_id_problem: too long, a space,
+        non-ASCII): replaced, logged and counted, not refused -- vLLM itself
+        takes any id, and the id only names the request.  The answer carries
+        the id used in its X-Request-Id header."""
+        rid = request.headers.get("X-Request-Id")
+        if rid:
+            why = request_check.request_id_problem(rid)
+            if why is None:
+                return rid
+        new = f"mc-{uuid.uuid4().hex}"
+        if rid:
+            self.counts["request_ids_replaced"] += 1
+            shown = ascii(rid[:64]) + ("..." if len(rid) > 64 else "")
+            logger.warning("X-Request-Id %s %s: this request's id is %s instead", shown, why,
+                           new)
+        return new
+
     async def handle(self, request):
         self.counts["requests"] += 1
         t_in = time.perf_counter()
@@ -250,7 +272,7 @@ class Proxy:
         except request_check.BadRequest as e:
             self.counts["bad_requests"] += 1
             return _error(400, str(e), "invalid_request_error")
-        rid = request.headers.get("X-Request-Id") or f"mc-{uuid.uuid4().hex}"
+        rid = self._request_id(request)
         headers = self._headers(request, rid)
         if trace.ON:
             trace.event("proxy_in", rid, t_in=time.monotonic() - (time.perf_counter() - t_in))
@@ -454,7 +476,8 @@ class Proxy:
                                            r.content_type)
                 if not body.get("stream"):
                     return web.Response(status=200, body=await r.read(),
-                                        content_type=r.content_type or "application/json")
+                                        content_type=r.content_type or "application/json",
+                                        headers={"X-Request-Id": rid})
                 resp = web.StreamResponse(status=200, headers={
                     "Content-Type": r.headers.get("Content-Type", "text/event-stream"),
                     "Cache-Control": "no-cache", "X-Request-Id": rid})
@@ -632,6 +655,8 @@ class PromCounters:
                          ("decode_retries", "Decode legs sent once more after the instance "
                           "dropped or reset the connection before answering"),
                          ("bad_requests", "Requests refused as malformed (400)"),
+                         ("request_ids_replaced", "Requests whose X-Request-Id could not be "
+                          "used (too long, a space, non-ASCII) and got a new id"),
                          ("decode_errors", "Decode instances that failed or were unreachable"),
                          ("stream_errors_after_first_token",
                           "Streams that failed after their first token"),
@@ -697,18 +722,65 @@ def _local(h):
     return h in ("localhost", "::1") or h.startswith("127.")
 
 
-def _is_self(u, host, port):
-    """Whether the upstream u is this proxy itself: its port, and its bound
-    address or (bound to a wildcard or loopback address) a loopback name."""
-    if port == 0:
+def _resolved(host, port):
+    """getaddrinfo's socket addresses for host (TCP), [] if it does not
+    resolve (then the proxy says so at the first request)."""
+    try:
+        return [ai[4] for ai in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+                if ai[0] in (socket.AF_INET, socket.AF_INET6)]
+    except (socket.gaierror, UnicodeError):
+        return []
+
+
+def _delivered_here(sa):
+    """Whether a connection to the socket address sa reaches this host (its
+    network namespace): a loopback or unspecified address, or one a socket
+    can bind to (a UDP bind: nothing is sent).  With net.ipv4 / net.ipv6
+    ip_nonlocal_bind on, any address binds: then only loopback counts."""
+    ip = ipaddress.ip_address(sa[0].partition("%")[0])
+    if ip.is_loopback or ip.is_unspecified:
+        return True
+    fam = socket.AF_INET6 if ip.version == 6 else socket.AF_INET
+    try:
+        with open(f"/proc/sys/net/ipv{ip.version}/ip_nonlocal_bind") as f:
+            if f.read().strip() != "0":
+                return False
+    except OSError:
+        return False  # cannot tell whether the bind test means anything
+    try:
+        with socket.socket(fam, socket.SOCK_DGRAM) as s:
+            s.bind((sa[0], 0, *sa[2:]))
+        return True
+    except OSError:  # EADDRNOTAVAIL: not an address of this host
         return False
+
+
+def _is_self(u, host, port):
+    """Why the upstream u is this proxy itself (None if it is not): its
+    port, and its bound address or (bound to a wildcard or loopback
+    address) a loopback name; or u's host resolves to an address the proxy
+    listens on: bound to a wildcard (0.0.0.0: IPv4; "::": IPv6, both event
+    loops set IPV6_V6ONLY; "": both), any address of this host; bound to a
+    name or address, one of its addresses.  A host that does not resolve is
+    not checked."""
+    if port == 0:
+        return None
     _, h, p, _ = _norm(u)
     host = host.lower()
     if p != port:
-        return False
-    if h == host:
-        return True
-    return _local(h) and (host in ("0.0.0.0", "::", "") or _local(host))
+        return None
+    if h == host or _local(h) and (host in ("0.0.0.0", "::", "") or _local(host)):
+        return "the same host and port"
+    wild = {"": (4, 6), "0.0.0.0": (4,), "::": (6,)}.get(host)
+    mine = set() if wild else {sa[0] for sa in _resolved(host, port)}
+    for sa in _resolved(h, p):
+        ip = ipaddress.ip_address(sa[0].partition("%")[0])
+        name = f"{h} is" if h == sa[0] else f"{h} resolves to {sa[0]},"
+        if wild and ip.version in wild and _delivered_here(sa):
+            return f"{name} an address of this host"
+        if not wild and sa[0] in mine:
+            return f"{name} where the proxy listens"
+    return None
 
 
 def _event_loop(kind):
@@ -801,9 +873,10 @@ def main(argv=None):
         ap.error(f"{same[0]!r} is given as both --prefill and --decode: a prefill and a decode "
                  "instance are two vLLM servers (kv_producer and kv_consumer) on two ports")
     for u in args.prefill + args.decode + args.passthrough:
-        if _is_self(u, args.host, args.port):
+        why = _is_self(u, args.host, args.port)
+        if why:
             ap.error(f"{u!r} is this proxy's own address (--host {args.host} --port "
-                     f"{args.port}): it would send requests to itself; give the vLLM "
+                     f"{args.port}; {why}): it would send requests to itself; give the vLLM "
                      "server's URL, or another --port for the proxy")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if not 0 < args.header_timeout < float("inf"):

@@ -18,6 +18,28 @@ import json
 MAX_DEPTH = 64
 
 
+# A client's X-Request-Id becomes part of the upstream request ids, of flow
+# push's transfer id ("push-<id>-<12 hex>", at most 256 characters, else the
+# connectors ignore it and the decode computes the prompt) and of log lines.
+MAX_REQUEST_ID = 128
+
+
+def request_id_problem(rid: str):
+    """Why the client's X-Request-Id value cannot be used as this request's
+    id (None if it can): 1..MAX_REQUEST_ID characters, each printable ASCII
+    other than a space (what UUIDs, hex, base64 and trace ids are made
+    of).  aiohttp already refuses control characters and CR/LF in headers,
+    but lets through spaces, tabs, non-ASCII text and bytes that are not
+    UTF-8 (as lone surrogates), up to 8 KiB."""
+    if len(rid) > MAX_REQUEST_ID:
+        return f"is {len(rid)} characters long; at most {MAX_REQUEST_ID}"
+    for c in rid:
+        if not "!" <= c <= "~":
+            return (f"contains {ascii(c)}; only printable ASCII characters other than space "
+                    "are allowed")
+    return None
+
+
 class BadRequest(ValueError):
     """The request is malformed; str(e) says what and how to fix it."""
 

@@ -9,6 +9,7 @@ test_client_kv_transfer_params_are_refused); the metadata server's HTTP API:
 tests/test_metadata_server.py; wire bytes: tests/fuzz and
 tests/test_hostile_peers.py; mooncake.json field by field: tests/test_config.py.
 """
+import json
 import os
 import subprocess
 import sys
@@ -283,6 +284,8 @@ def test_closed_engine_and_double_close():
     ({"mooncake_config_path": "/dev/zero"}, "is over 1048576 bytes"),        # was read forever
     ({"flow_a": "maybe"}, "flow_a must be true or false"),
     ({"hold_timout_s": 5}, "unknown kv_connector_extra_config key(s) ['hold_timout_s']"),
+    ({"hold_timout_s": 5}, "did you mean 'hold_timeout_s'?"),               # no hint before
+    ({"push_layer_load_batch": 1}, "did you mean 'push_layer_load_max_batch'?"),
 ])
 def test_extra_config_names_the_key(extra, msg):
     from types import SimpleNamespace
@@ -302,3 +305,62 @@ def test_mooncake_json_not_utf8_names_the_file(tmp_path):
     with pytest.raises(SettingsError, match=r"mooncake.json' is not UTF-8 text .*0xff"):
         resolve(SimpleNamespace(kv_role="kv_consumer", kv_connector_extra_config={}),
                 env={"MOONCAKE_CONFIG_PATH": str(p)})
+
+
+MISSPELT = ["metadata_sever", "prefil_url", "decode-url", "protcol", "device", "kv_role",
+            "local_hostname", "x" * 100, "a\x01b", "same_host_cpu_path", "kv_connector"]
+
+
+@pytest.mark.parametrize("key", MISSPELT)
+def test_mooncake_json_unknown_field_as_the_c_parser_says(tmp_path, key):
+    """The connector's settings reader (the scheduler process; no extension)
+    took mooncake.json's keys as they came: "metadata_sever" was silently
+    ignored there (the workers' C parser refused it later).  It now refuses
+    it with the C parser's message, word for word: the field, the near miss
+    (within two edits), vLLM's and Mooncake Store's keys named as such."""
+    from types import SimpleNamespace
+
+    from mooncake_connector.connector.settings import SettingsError, resolve
+    p = tmp_path / "mooncake.json"
+    p.write_text(GOOD.replace("}", ", " + json.dumps(key) + ': "v"}'))
+    with pytest.raises(mc.ConfigError) as c_err:
+        mc.parse_config(p.read_text(), str(p))
+    with pytest.raises(SettingsError) as py_err:
+        resolve(SimpleNamespace(kv_role="kv_consumer", kv_connector_extra_config={}),
+                env={"MOONCAKE_CONFIG_PATH": str(p)})
+    assert str(py_err.value) == str(c_err.value)
+    assert "unknown field" in str(py_err.value)
+    if key == "metadata_sever":
+        assert 'did you mean "metadata_server"?' in str(py_err.value)
+
+
+def test_mooncake_json_field_twice_as_the_c_parser_says(tmp_path):
+    """json.loads kept the last of two "protocol" fields; the C parser
+    refuses the file: both refuse it now, with one message."""
+    from types import SimpleNamespace
+
+    from mooncake_connector.connector.settings import SettingsError, resolve
+    p = tmp_path / "mooncake.json"
+    p.write_text(GOOD.replace("{", '{"protocol": "rdma", "protocol": "tcp", '))
+    with pytest.raises(mc.ConfigError) as c_err:
+        mc.parse_config(p.read_text(), str(p))
+    with pytest.raises(SettingsError, match="appears more than once") as py_err:
+        resolve(SimpleNamespace(kv_role="kv_consumer", kv_connector_extra_config={}),
+                env={"MOONCAKE_CONFIG_PATH": str(p)})
+    assert str(py_err.value) == str(c_err.value)
+
+
+def test_mooncake_json_every_accepted_field_still_reads(tmp_path):
+    from types import SimpleNamespace
+
+    from mooncake_connector.connector.settings import C_FIELDS, MOONCAKE_FIELDS, resolve
+    assert set(C_FIELDS) == set(MOONCAKE_FIELDS)
+    p = tmp_path / "mooncake.json"
+    p.write_text(json.dumps({"prefill_url": "127.0.0.1:13003", "decode_url": "127.0.0.1:13103",
+                             "metadata_server": "P2PHANDSHAKE", "metadata_backend": "http",
+                             "protocol": "tcp", "device_name": "", "auth_secret": "s" * 20,
+                             "same_host_cpu": False}))
+    mc.parse_config(p.read_text(), str(p))
+    s = resolve(SimpleNamespace(kv_role="kv_consumer", kv_connector_extra_config={}),
+                env={"MOONCAKE_CONFIG_PATH": str(p)})
+    assert set(s.mooncake) == set(C_FIELDS)

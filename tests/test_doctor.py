@@ -520,3 +520,32 @@ def test_bad_numbers_are_refused(args, expect):
     r = subprocess.run([sys.executable, "-m", "mooncake_connector", "doctor", *args],
                        capture_output=True, text=True, timeout=60, cwd="/")
     assert r.returncode == 2 and expect in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("listen", ["no-such-host.invalid:17000", "no-such-host.invalid",
+                                    "[no-such-host.invalid]:17000"])
+def test_serve_listen_host_that_does_not_resolve(listen):
+    """The engine listens on 0.0.0.0 and advertises the name as given: an
+    unresolvable --listen "served" (exit 0) where no peer could reach it."""
+    r = subprocess.run([sys.executable, "-m", "mooncake_connector", "doctor", "--serve",
+                        "--listen", listen, "--seconds", "0.5"],
+                       capture_output=True, text=True, timeout=60, cwd="/")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, (r.returncode, r.stdout, r.stderr)
+    line, = r.stderr.strip().splitlines()
+    assert f"--listen {listen}" in line and "does not resolve" in line, line
+    assert "give an address of this host" in line and "/etc/hosts" in line, line
+
+
+def test_serve_listen_ipv6_without_brackets_is_the_engines_message():
+    r = subprocess.run([sys.executable, "-m", "mooncake_connector", "doctor", "--serve",
+                        "--listen", "fe80::1", "--seconds", "0.5"],
+                       capture_output=True, text=True, timeout=60, cwd="/")
+    assert r.returncode == 1 and "does not resolve" not in r.stderr, r.stderr
+    assert "write IPv6 as" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_peer_host_that_does_not_resolve(tmp_path):
+    """Was 'the check itself failed: gaierror(...)', fix 'report this'."""
+    rc, rows = doctor("--config", write_cfg(tmp_path), "--peer", "no-such-host.invalid:17000")
+    r = failed(rows, "peer")
+    assert rc == 1 and "does not resolve" in r["detail"] and "--peer" in r["fix"], r

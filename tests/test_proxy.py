@@ -748,6 +748,73 @@ def test_client_kv_transfer_params_are_refused(upstreams, proxy, flow):
         assert all("kv_transfer_params" not in leg["body"] for leg in legs)
 
 
+def _post_raw(port, rid, stream):
+    """POST with X-Request-Id given as raw bytes; (status line, headers, body)."""
+    body = json.dumps({"model": "m", "prompt": "hi", "max_tokens": 3, "stream": stream}).encode()
+    with socket.create_connection(("127.0.0.1", port), timeout=20) as c:
+        c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                  b"\r\nContent-Length: %d\r\nConnection: close\r\nX-Request-Id: %s\r\n\r\n"
+                  % (len(body), rid) + body)
+        data = b""
+        while True:
+            chunk = c.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    head, _, rest = data.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    return lines[0], {k.lower(): v for k, _, v in (x.partition(": ") for x in lines[1:])}, rest
+
+
+BAD_RIDS = [b"a b", b"a\tb", b"x" * 129, b"x" * 8000, "\u00e9t\u00e9".encode(), b"\xff\xfe"]
+
+
+@pytest.mark.parametrize("flow", ["a", "push"])
+def test_unusable_request_ids_are_replaced(upstreams, tmp_path, flow):
+    """A client's X-Request-Id becomes the upstream requests' id, flow
+    push's transfer id and a log key: one over 128 characters, with a space
+    or tab, or not ASCII (bytes that are not UTF-8 arrive as lone
+    surrogates) is replaced by a new id, logged with the reason and counted;
+    the answer's X-Request-Id header carries the id used.  Before, an 8000
+    character id went everywhere (its push transfer id, over 256 characters,
+    was ignored by the connectors: the decode computed the prompt)."""
+    p, d = upstreams("prefill"), upstreams("decode")
+    err = open(tmp_path / "proxy.err", "w+")
+    proc = subprocess.Popen([sys.executable, "-m", "mooncake_connector.proxy", "--host",
+                             "127.0.0.1", "--port", "0", "--flow", flow, "--prefill", p.url,
+                             "--decode", d.url], stdout=subprocess.PIPE, stderr=err, text=True)
+    try:
+        port = int(re.search(r"http://127\.0\.0\.1:(\d+)", proc.stdout.readline()).group(1))
+        good = b"req-42_A.b:c/d=+~;e@f" + b"0" * 100  # 121 characters, kept as it is
+        for rid in [good] + BAD_RIDS:
+            for stream in (False, True):
+                p.seen.clear()
+                d.seen.clear()
+                status, headers, _ = _post_raw(port, rid, stream)
+                assert " 200 " in status, (rid[:20], status)
+                used = headers.get("x-request-id")
+                if rid == good:
+                    assert used == good.decode(), (used, stream)
+                else:
+                    assert re.fullmatch(r"mc-[0-9a-f]{32}", used or ""), (rid[:20], used)
+                legs = p.seen + d.seen
+                assert len(legs) == 2 and all(leg["rid"] == used for leg in legs), legs
+                if flow == "push":
+                    tids = {leg["body"]["kv_transfer_params"]["transfer_id"] for leg in legs}
+                    tid, = tids
+                    assert tid.startswith(f"push-{used}-") and len(tid) <= 256, tid[:80]
+        assert get_stats(f"http://127.0.0.1:{port}")["request_ids_replaced"] == 2 * len(BAD_RIDS)
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    err.seek(0)
+    log = err.read()
+    assert "X-Request-Id 'a b' contains ' '; only printable ASCII" in log, log[-3000:]
+    assert "is 8000 characters long; at most 128: this request's id is mc-" in log, log[-3000:]
+    assert "x" * 65 not in log  # the rejected id is shown cut short
+    assert "\\udcff\\udcfe" in log  # escaped, not written as they are
+
+
 BAD_CLI = [
     (["--port", "70000"], "--port 70000 is out of range"),
     (["--port", "-1"], "--port -1 is out of range"),
@@ -786,6 +853,86 @@ def test_bad_command_lines_name_the_argument(extra, expect):
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
     assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
     assert expect in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def _outward_addr():
+    """This host's IPv4 address towards the outside (a UDP connect sends
+    nothing), or None."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("10.255.255.254", 9))
+            a = s.getsockname()[0]
+        except OSError:
+            return None
+    return None if a.startswith("127.") else a
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(args):
+    """(exit status or None if it is serving, stderr); a serving proxy is stopped."""
+    p = subprocess.Popen([sys.executable, "-m", "mooncake_connector.proxy", *args],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = p.stdout.readline()
+    if "proxy listening on" in line:
+        p.terminate()
+        p.wait(10)
+        return None, p.stderr.read()
+    p.wait(10)
+    return p.returncode, p.stderr.read()
+
+
+def test_upstream_at_an_address_of_this_host_is_refused():
+    """The proxy on a wildcard address and an upstream URL naming one of
+    this host's own (non-loopback) addresses at its port: a request loop,
+    started before (only loopback names were caught).  An address that is
+    not this host's, or a specific --host elsewhere, still starts."""
+    addr = _outward_addr()
+    if not addr:
+        pytest.skip("this host has no non-loopback IPv4 address")
+    port = _free_port()
+    rc, err = _start(["--host", "0.0.0.0", "--port", str(port), "--prefill",
+                      f"http://{addr}:{port}", "--decode", "http://127.0.0.1:8200"])
+    assert rc == 2 and "Traceback" not in err, (rc, err)
+    assert f"'http://{addr}:{port}' is this proxy's own address" in err, err
+    assert f"{addr} is an address of this host" in err, err
+    rc, err = _start(["--host", addr, "--port", str(port), "--prefill", "http://127.0.0.1:8100",
+                      "--decode", f"http://{addr}:{port}/"])
+    assert rc == 2 and "is this proxy's own address" in err, (rc, err)
+    # Not loops: the proxy on loopback only; an address that is not this host's.
+    assert _start(["--host", "127.0.0.1", "--port", str(port), "--prefill",
+                   f"http://{addr}:{port}", "--decode", "http://127.0.0.1:8200"])[0] is None
+    assert _start(["--host", "0.0.0.0", "--port", str(port), "--prefill",
+                   f"http://203.0.113.7:{port}", "--decode", "http://127.0.0.1:8200"])[0] is None
+
+
+def test_upstream_name_resolving_to_the_proxy_is_refused():
+    """This host's name (no loopback spelling; /etc/hosts or DNS gives one
+    of its addresses) at the port of a proxy on 0.0.0.0: a request loop."""
+    name = socket.gethostname()
+    try:
+        addrs = {ai[4][0] for ai in socket.getaddrinfo(name, None, socket.AF_INET,
+                                                         socket.SOCK_STREAM)}
+    except socket.gaierror:
+        addrs = set()
+    here = set()
+    for a in addrs:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            try:
+                s.bind((a, 0))
+                here.add(a)
+            except OSError:
+                pass
+    if not here:
+        pytest.skip(f"this host's name {name!r} resolves to no IPv4 address of this host")
+    port = _free_port()
+    rc, err = _start(["--host", "0.0.0.0", "--port", str(port), "--prefill",
+                      "http://127.0.0.1:8100", "--decode", f"http://{name}:{port}"])
+    assert rc == 2 and f"{name} resolves to " in err and "own address" in err, (rc, err, addrs)
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "no-such-host.invalid"])

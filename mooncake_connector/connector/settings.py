@@ -7,8 +7,12 @@ in ``kv_connector_extra_config``.  The seed's ``kv_rank``,
 plugin moves them there, since vLLM's own config has no such fields).
 
 Pure Python (no extension): the scheduler process uses it too.  The worker
-validates mooncake.json strictly with the C parser when it starts its engine.
+validates mooncake.json strictly with the C parser when it starts its engine;
+its keys are checked here already, with the C parser's messages (an unknown
+field, with the field it is a near miss of; a field given twice), so the
+scheduler process does not start on a file the workers refuse.
 """
+import difflib
 import json
 import logging
 import math
@@ -20,6 +24,17 @@ logger = logging.getLogger("vllm.mooncake_connector")
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
 MOONCAKE_FIELDS = ("prefill_url", "decode_url", "metadata_server", "protocol", "device_name",
                    "metadata_backend", "auth_secret", "same_host_cpu")
+# The C parser's (csrc/config/config.c) view of a mooncake.json field it does
+# not accept: its fields in its order, the keys of vLLM's --kv-transfer-config
+# and of Mooncake Store's mooncake.json it names as such.  _check_fields gives
+# its message word for word, so the scheduler process (which reads the file
+# here, without the extension) and the workers (the C parser) say the same.
+C_FIELDS = ("prefill_url", "decode_url", "metadata_server", "metadata_backend", "protocol",
+            "device_name", "auth_secret", "same_host_cpu")
+VLLM_KEYS = ("kv_connector", "kv_role", "kv_rank", "kv_parallel_size", "kv_buffer_size",
+             "kv_ip", "kv_port")
+STORE_KEYS = ("local_hostname", "global_segment_size", "local_buffer_size",
+              "master_server_address", "replica_num", "transfer_timeout")
 KNOBS = {  # extra-config key: (type, default, meaning)
     "hold_timeout_s": (float, 120.0, "producer: how long a finished request's KV stays "
                        "available for a consumer before its blocks are freed"),
@@ -187,15 +202,70 @@ def _read_json(path, what):
     except UnicodeDecodeError as e:
         raise SettingsError(f"{what} {path!r} is not UTF-8 text (byte 0x{raw[e.start]:02x} at "
                             f"offset {e.start}); save it as UTF-8") from None
+    top = []
+
+    def pairs(kv):  # every object's keys; the top level's are the last to come
+        top[:] = kv
+        return dict(kv)
+
     try:
-        data = json.loads(text)
+        data = json.loads(text, object_pairs_hook=pairs)
     except json.JSONDecodeError as e:
         raise SettingsError(f"{what} {path!r} is not valid JSON: {e.msg} at line {e.lineno} "
                             f"column {e.colno}") from None
     if not isinstance(data, dict):
         raise SettingsError(f"{what} {path!r} must hold a JSON object, not "
                             f"{type(data).__name__}")
+    _check_fields(top, os.fspath(path))
     return data
+
+
+def _edit_distance(a: bytes, b: bytes):
+    """Levenshtein distance, as the C parser's edit_distance (99 past 64 bytes)."""
+    if len(a) > 64 or len(b) > 64:
+        return 99
+    row = list(range(len(b) + 1))
+    for i in range(1, len(a) + 1):
+        diag, row[0] = row[0], i
+        for j in range(1, len(b) + 1):
+            up = row[j]
+            row[j] = min(diag + (a[i - 1] != b[j - 1]), up + 1, row[j - 1] + 1)
+            diag = up
+    return row[len(b)]
+
+
+def _show(text, limit):
+    """As the C parser's show(): control characters as \\xNN, cut at limit
+    characters with "..."."""
+    out = "".join(f"\\x{ord(c):02x}" if ord(c) < 0x20 or ord(c) == 0x7f else
+                  f"\\u{ord(c):04x}" if 0xd800 <= ord(c) < 0xe000 else c
+                  for c in text[:limit])
+    return out + ("..." if len(text) > limit else "")
+
+
+def _check_fields(pairs, origin):
+    """mooncake.json's top-level keys, in file order, as the C parser checks
+    them: an unknown one (with the field it is closest to, within two
+    edits) or one given twice is a SettingsError with the C parser's
+    message."""
+    shown = _show(origin if len(origin) <= 120 else "..." + origin[-117:], 120)
+    seen = set()
+    for key, _ in pairs:
+        if key not in C_FIELDS:
+            hint = ""
+            dist = [_edit_distance(key.encode(), f.encode()) for f in C_FIELDS]
+            if min(dist) < 3:
+                hint = f'; did you mean "{C_FIELDS[dist.index(min(dist))]}"?'
+            if key in VLLM_KEYS:
+                hint = " (it belongs in vLLM's --kv-transfer-config, not mooncake.json)"
+            if key in STORE_KEYS:
+                hint = " (a Mooncake Store setting; this connector does not use it: remove it)"
+            raise SettingsError(f'{shown}: field "{_show(key, 80)}": unknown field{hint}; '
+                                f'accepted: {", ".join(C_FIELDS)}')
+        if key in seen:
+            raise SettingsError(f'{shown}: field "{key}": appears more than once; accepted: '
+                                "each field once")
+        seen.add(key)
 
 
 def _coerce(key, typ, value):
@@ -315,7 +385,10 @@ def resolve(kv_transfer_config, env=None):
     if extra:
         known = sorted(set(KNOBS) | set(MOONCAKE_FIELDS) |
                        {"kv_rank", "kv_parallel_size", "kv_buffer_size", "mooncake_config_path"})
-        raise SettingsError(f"unknown kv_connector_extra_config key(s) {sorted(extra)}; known: "
+        hints = [f"{k!r}: did you mean {close[0]!r}?" for k in sorted(extra)
+                 for close in [difflib.get_close_matches(str(k), known, n=1)] if close]
+        raise SettingsError(f"unknown kv_connector_extra_config key(s) {sorted(extra)}"
+                            f"{' (' + '; '.join(hints) + ')' if hints else ''}; known: "
                             f"{', '.join(known)}")
     return s
 

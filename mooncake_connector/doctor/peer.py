@@ -6,6 +6,7 @@ import ctypes
 import json
 import os
 import signal
+import socket
 import sys
 import time
 
@@ -67,7 +68,14 @@ def check_peer(rep, peer, cfg, timeout):
         rep.add("peer", peer, FAIL, "not HOST:PORT", "give --peer the address `doctor --serve` "
                 "printed on the other host")
         return
-    local = _route_src(host) or "127.0.0.1"
+    try:
+        local = _route_src(host) or "127.0.0.1"
+    except (socket.gaierror, UnicodeError) as e:
+        why = e.strerror if isinstance(e, socket.gaierror) else str(e)
+        rep.add("peer", peer, FAIL, f'host "{host}" does not resolve ({why})',
+                "give --peer the address `doctor --serve` printed on the other host, or add "
+                "the name to /etc/hosts / DNS")
+        return
     try:
         eng = _engine(local, cfg)
     except mc.MooncakeError as e:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import sys
 
 from .auth import check_auth
@@ -53,6 +54,30 @@ def _default_listen(cfg, role):
     return addrs[0] if addrs else "127.0.0.1"
 
 
+def _listen_host_problem(listen):
+    """Why --listen's host cannot be served at (it does not resolve), or
+    None.  The engine listens on 0.0.0.0 and advertises the name as given,
+    so an unresolvable one "served" where no peer could reach it.  The
+    address's form (port range, brackets) is the engine's to check."""
+    if listen.startswith("["):
+        host = listen[1:].partition("]")[0]
+    elif listen.count(":") > 1:
+        return None  # IPv6 without brackets: the engine says how to write it
+    else:
+        host = listen.partition(":")[0]
+    if not host:
+        return None
+    try:
+        socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as e:
+        why = e.strerror if isinstance(e, socket.gaierror) else str(e)
+        addrs = [a for a in _local_addrs() if not _is_loopback(a) and ":" not in a]
+        example = f"{addrs[0]}:17000" if addrs else "127.0.0.1:17000"
+        return (f'host "{host}" does not resolve ({why}); give an address of this host '
+                f"(e.g. --listen {example}) or add the name to /etc/hosts / DNS")
+    return None
+
+
 def run(argv=None, out=sys.stdout):
     args = build_parser().parse_args(argv)
     if args.tp < 1:
@@ -74,6 +99,11 @@ def run(argv=None, out=sys.stdout):
         if rep.failed:
             print(rep.table(), file=out)
             return 1
+        if args.listen:
+            problem = _listen_host_problem(args.listen)
+            if problem:
+                print(f"doctor: --listen {args.listen}: {problem}", file=sys.stderr)
+                return 2
         listen = args.listen or _default_listen(cfg, args.role)
         try:
             return serve(listen, cfg, args.seconds, out)
