@@ -21,10 +21,13 @@ wait $tl; rc=$?
 kill -INT $pf; wait $pf
 perf script -i "$out/perf.data" -F comm,pid,tid,cpu,time,event,trace 2>/dev/null | xz -1 > "$out/sched.txt.xz"
 rm -f "$out/perf.data"
-"$here/.venv/bin/python" "$here/benchmarks/gap_window.py" "$out/tl.json" "$out/sched.txt.xz" \
-    --json "$out/gap1.json" | tee "$out/gap1.txt"
-for k in 2 3; do
+# the decode's / colocated's own step windows (token k's output -> token k+1's)
+for k in 1 2 3; do
     "$here/.venv/bin/python" "$here/benchmarks/gap_window.py" "$out/tl.json" "$out/sched.txt.xz" \
-        --gap $k --json "$out/gap$k.json" > "$out/gap$k.txt"
+        --gap $k --engine-side --threads --json "$out/gap$k.json" > "$out/gap$k.txt"
 done
+"$here/.venv/bin/python" "$here/benchmarks/gap_window.py" "$out/tl.json" "$out/sched.txt.xz" \
+    --json "$out/gap1_client.json" > "$out/gap1_client.txt"
+grep -A9 "bars (issue" "$out/tl.txt"
+cut -c1-140 "$out/gap1.txt"
 exit $rc
