@@ -28,6 +28,7 @@ for k in 1 2 3; do
 done
 "$here/.venv/bin/python" "$here/benchmarks/gap_window.py" "$out/tl.json" "$out/sched.txt.xz" \
     --json "$out/gap1_client.json" > "$out/gap1_client.txt"
+"$here/.venv/bin/python" "$here/benchmarks/gap_wait_who.py" "$out/tl.json" "$out/sched.txt.xz" > "$out/wait_who.txt"
 grep -A9 "bars (issue" "$out/tl.txt"
 cut -c1-140 "$out/gap1.txt"
 exit $rc
