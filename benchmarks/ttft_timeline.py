@@ -256,6 +256,23 @@ def pin(proc, cpu):
     return pids
 
 
+def renice(proc, value):
+    """Every thread of every process of this server's process group at nice
+    `value` (threads started later inherit their creator's)."""
+    pids = _group_pids(proc.proc.pid)
+    for pid in pids:
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                os.setpriority(os.PRIO_PROCESS, int(tid), value)
+            except OSError:
+                pass  # a thread that ended meanwhile
+    return pids
+
+
 def make_sets(workdir, model, extra, common, tree_b=None, label_b="tb", noasync=False,
               env_c=None):
     """{set name: Deployment} (not started): "a", this tree's (colocated, its
@@ -309,6 +326,10 @@ def main(argv=None):
     ap.add_argument("--max-tokens", type=int, default=4)
     ap.add_argument("--pin", default="",
                     help="server=cpu,... e.g. prefill=0,decode=1,colocated=0 (taskset)")
+    ap.add_argument("--nice", default="",
+                    help="server=N,... e.g. prefill=5: every thread of that server's processes "
+                         "at nice N once up (who wins the CPUs of a small host: the decode's "
+                         "steps or the prefill's tail)")
     ap.add_argument("--no-ab", action="store_true",
                     help="measure push layer load with the prefill server's settings only "
                          "(default: also with --push-layer-watch off, as mode push_ll_b, "
@@ -392,6 +413,13 @@ def main(argv=None):
             ap.error(f"--pin {kv!r}: expected prefill|decode|colocated=CPU")
         pins[k] = int(v)
 
+    nices = {}
+    for kv in filter(None, args.nice.split(",")):
+        k, _, v = kv.partition("=")
+        if k not in ("prefill", "decode", "colocated") or not re.fullmatch(r"-?\d+", v):
+            ap.error(f"--nice {kv!r}: expected prefill|decode|colocated=N")
+        nices[k] = int(v)
+
     if args.tree_b and not re.fullmatch(r"[A-Za-z0-9]+", args.label_b):
         ap.error(f"--label-b {args.label_b!r}: letters and digits only")
     env_c = {}
@@ -456,6 +484,8 @@ def main(argv=None):
               f"{meta['servers_up_s']:.0f} s", flush=True)
         for name, cpu in pins.items():
             meta.setdefault("pinned", {})[name] = (cpu, pin(getattr(dep, name), cpu))
+        for name, val in nices.items():
+            meta.setdefault("niced", {})[name] = (val, renice(getattr(dep, name), val))
         urls = {"colocated": dep.colocated.url, "colocated_proxy": dep.colocated_proxy.url,
                 "push_ll": dep.proxies["push-ll"].url}
         srv_of = {"colocated": dep.colocated.url, "colocated_proxy": dep.colocated.url,

@@ -10,7 +10,9 @@ while hooks run and at shutdown:
 
 The class of a call is the kind of work it was for: worker side, the step's
 (bound metadata's) ``push`` (a push publish or push load in the step),
-``work`` (a publish or load without push) or ``empty``; scheduler side, the
+``work`` (a publish or load without push) or ``empty``, and ``after_push``
+for an empty step right after a push step (the decode's token-2 step after a
+layer load: issue 31's gap 1->2); scheduler side, the
 request's (``push`` when its kv_transfer_params ask for a push, else
 ``plain``) for the per-request hooks, the built metadata's for
 ``build_connector_meta`` and the step's for ``update_connector_output``.
@@ -64,6 +66,7 @@ class Times:
         self.data = {}        # "<class>/<hook>" -> [n, wall, cpu, [walls...]]
         self.steps = {}
         self.cls = "empty"    # worker: the bound step's class; scheduler: the last meta's
+        self.prev = "empty"   # worker: the previous step's step_class (after_push)
         self._last_dump = 0.0
         self._lock = threading.Lock()
         import mooncake_connector
@@ -131,7 +134,9 @@ def _wrap(t, side, name, f):
 
     if side == "worker" and name == "bind_connector_metadata":
         def g(meta, *a, **k):
-            t.cls = step_class(meta)
+            cls = step_class(meta)
+            t.cls = "after_push" if cls == "empty" and t.prev == "push" else cls
+            t.prev = cls
             t.steps[t.cls] = t.steps.get(t.cls, 0) + 1
             w0, c0 = pc(), tt()
             try:

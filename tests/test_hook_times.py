@@ -61,3 +61,20 @@ def test_hooks_are_timed_per_step_class_and_written(tmp_path, monkeypatch):
     assert hw["work/save_kv_layer"]["n"] == 3 and hw["empty/save_kv_layer"]["n"] == 1
     assert got["worker"]["steps"] == {"work": 1, "empty": 1}
     assert all(v["wall_ms"] >= 0 and v["max_ms"] >= v["p50_ms"] for v in hw.values())
+
+
+def test_the_step_after_a_push_step_is_its_own_class(tmp_path, monkeypatch):
+    """Issue 31's gap 1->2: the decode's token-2 step (the empty step right
+    after its push layer-load step) is timed apart from later empty steps."""
+    monkeypatch.setattr(hook_times, "PREFIX", str(tmp_path / "h"))
+    w = Conn()
+    tw = hook_times.install(w, "worker", "kv_consumer")
+    push = NS(loads=(NS(push_tid="t1"),), publishes=())
+    empty = NS(loads=(), publishes=())
+    for meta in (empty, push, empty, empty, push, push, empty):
+        w.bind_connector_metadata(meta)
+        w.save_kv_layer("l0")
+    tw.dump()
+    got = json.load(open(next(tmp_path.glob("h.*.json"))))
+    assert got["steps"] == {"empty": 2, "push": 3, "after_push": 2}
+    assert got["hooks"]["after_push/save_kv_layer"]["n"] == 2
