@@ -218,10 +218,11 @@ def test_busy_decode_does_not_wait_for_a_probe(sides, silent_producer):
     d.sched.finish_requests(["r", "s"], RequestStatus.FINISHED_ABORTED)
 
 
-def test_dead_producer_probe_computes_locally(sides):
+def test_dead_producer_probe_computes_locally(sides, urls):
     """Flow A with the producer gone: one failed probe, then probing pauses;
     every request computes its prompt, none waits for a load."""
-    dead = f"127.0.0.1:{free_port()}"
+    # the dead prefill_url is this consumer's config: >= 50 from its decode_url
+    dead = f"127.0.0.1:{free_port_away(urls['decode_url'], urls['prefill_url'])}"
     d = sides("kv_consumer", prefill_url=dead)
     for i in range(3):
         d.add(make_request(f"z{i}", toks(60 + i, 2 * BS + 1), max_tokens=1))
