@@ -17,6 +17,7 @@ vllm = pytest.importorskip("vllm", reason="vllm is not installed (scripts/env.sh
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1  # noqa: E402
 
 from mooncake_connector.connector.connector import MooncakeConnector  # noqa: E402
+from test_connector_vllm import model_dir  # noqa: E402,F401
 
 pytestmark = pytest.mark.vllm
 
@@ -50,7 +51,6 @@ DEFAULT_OK = {
     # vLLM 0.26 (removed later): one tensor of all layers per block, opt-in.
     "prefer_cross_layer_blocks": "per-layer KV tensors (vLLM's default False)",
     "register_cross_layers_kv_cache": "never called: prefer_cross_layer_blocks is False",
-    "requires_piecewise_for_cudagraph": "no per-layer work in the forward (save/load per request)",
     "get_finished_count": "every worker reports each request (vLLM's default: world size)",
     "set_xfer_handshake_metadata": "no vLLM-level handshake (see get_handshake_metadata)",
     "set_xfer_handshake_metadata_pp_aware": "no vLLM-level handshake",
@@ -91,3 +91,49 @@ def test_overrides_keep_the_base_signatures():
         mp = [p.name for p in inspect.signature(mine).parameters.values()
               if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)]
         assert mp[:len(bp)] == bp, f"{name}: ours {mp}, vLLM {vllm.__version__}'s {bp}"
+
+
+@pytest.mark.parametrize("extra,want", [
+    ({}, False),
+    ({"push_layer_load": True}, True),
+    ({"push_layer_load": "true"}, True),
+    ({"push_layerwise": True}, True),
+    ({"push_layer_load": False, "push_layerwise": "0"}, False),
+    ({"push_layer_load": "bogus"}, False),  # refused at the connector's start, not here
+])
+def test_layerwise_config_asks_vllm_for_piecewise_graphs(extra, want):
+    """vLLM's config asks the connector class it will load (the factory,
+    as vllm/config/vllm.py does) whether FULL CUDA graphs must go: yes where
+    kv_connector_extra_config puts per-layer work in every forward."""
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    ktc = KVTransferConfig(kv_connector="MooncakeConnector",
+                           kv_connector_module_path="mooncake_connector",
+                           kv_role="kv_both", kv_connector_extra_config=dict(extra))
+    cls = KVConnectorFactory.get_connector_class(ktc)
+    assert cls is MooncakeConnector
+    assert cls.requires_piecewise_for_cudagraph(ktc.kv_connector_extra_config) is want
+
+
+@pytest.mark.parametrize("mode,eager,spec,want", [
+    ("NONE", False, 0, (False, False, 1)),
+    ("PIECEWISE", False, 0, (False, False, 1)),
+    ("FULL_AND_PIECEWISE", False, 0, (False, True, 1)),
+    ("FULL_DECODE_ONLY", False, 0, (False, True, 1)),
+    ("FULL", False, 0, (True, True, 1)),
+    ("FULL", True, 0, (False, False, 1)),  # --enforce-eager: no graphs at all
+    ("FULL_AND_PIECEWISE", False, 2, (False, True, 3)),  # 2 speculative tokens
+])
+def test_cudagraph_facts_from_a_real_config(mode, eager, spec, want, model_dir):  # noqa: F811
+    from types import SimpleNamespace
+
+    from vllm.config import CUDAGraphMode
+
+    from mooncake_connector.connector.connector import cudagraph_facts
+    from vllm_harness import make_config
+    cfg = make_config(model_dir, "kv_consumer", {}, 16)
+    cfg.compilation_config.cudagraph_mode = getattr(CUDAGraphMode, mode)
+    cfg.model_config.enforce_eager = eager
+    if spec:
+        cfg.speculative_config = SimpleNamespace(num_speculative_tokens=spec)
+    assert cudagraph_facts(cfg) == want

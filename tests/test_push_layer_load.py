@@ -50,11 +50,17 @@ class AttnSide(Side):
         self.die_by_kill = False  # ... or SIGKILL its process there
         self.loaded = {}     # req_id -> (tokens, first block, blocks) the step loads
 
+    replay = False  # the next forward runs as a FULL CUDA-graph replay: no layer hooks
+
     def _forward(self, so):
         names = sorted(self.kv)
+        replay = self.replay and bool(so.num_scheduled_tokens)
+        if replay:
+            self.replay = False
         for li, name in enumerate(names):
             for w in self.workers:
-                w.wait_for_layer_load(name)
+                if not replay:
+                    w.wait_for_layer_load(name)
             for rid, (t, b0, nb) in self.loaded.items():
                 self.seen.setdefault(rid, []).append(self._layer_holds(rid, t, li, b0, nb))
             for rid, n in so.num_scheduled_tokens.items():
@@ -66,7 +72,8 @@ class AttnSide(Side):
                         if lj == li:
                             x[:] = kv_value(li, tok, start + k, h)
             for w, kv in zip(self.workers, self.kvs):
-                w.save_kv_layer(name, kv[name], None)
+                if not replay:
+                    w.save_kv_layer(name, kv[name], None)
             if self.pause_after_layer == li and so.num_scheduled_tokens:
                 self.paused.set()  # the decode's target arrives during this forward
                 assert self.worker._worker.engine.wait_notifies(5.0)
@@ -121,7 +128,8 @@ def side_maker(model_dir, urls, **side_kw):
     made = []
 
     def make(role, **extra):
-        hooks = {k: extra.pop(k) for k in ("die_after_layer", "pause_after_layer", "hold_at_end")
+        hooks = {k: extra.pop(k) for k in ("die_after_layer", "pause_after_layer", "hold_at_end",
+                                           "cudagraph_mode")
                  if k in extra}
         s = AttnSide(model_dir, role, {**urls, **extra}, block_size=BS, **hooks, **side_kw)
         made.append(s)
@@ -791,3 +799,113 @@ def test_layer_wait_sleeps_until_told_not_polling(sides):
         run.join()
         d.worker._worker.engine = eng
     assert p.run_until(lambda: p.is_empty(), steps=500) and d.is_empty()
+
+
+# ---- CUDA graphs (docs/connector.md, "CUDA graphs") ----
+# vLLM runs no Python in a FULL CUDA-graph replay: wait_for_layer_load and
+# save_kv_layer are not called.  FULL_AND_PIECEWISE (vLLM's default on CUDA
+# without --enforce-eager) replays FULL graphs for uniform decode batches
+# (every request computing 1 token); FULL for every batch.
+
+def _legs_layer_load(p, d, tid, t, max_tokens):
+    """Both legs, the layer load asked per request (as the proxy's
+    --push-layer-load on does), the decode's config leaving it off."""
+    p.add(make_request("pq", t, max_tokens=1, params=pp(tid)))
+    d.add(make_request("q", t, max_tokens=max_tokens, params=dp(tid, layer_load=True)))
+    return Stepper(p)
+
+
+def test_full_decode_graphs_keep_the_layer_load_step_out_of_a_replay(sides):
+    """A prompt whose last block holds one token: the layer load's step would
+    compute 1 token for it, a uniform decode batch, which FULL_AND_PIECEWISE
+    replays as a FULL graph (its attention would read the blocks before the
+    KV landed).  The claim leaves one more block to the decode: the step
+    computes BS + 1 tokens (a mixed batch: PIECEWISE, the attention runs
+    eagerly and waits per layer); every layer lands before its attention;
+    nothing recomputed, nothing taken as a whole-prompt push."""
+    from vllm.config import CUDAGraphMode
+    p = sides("kv_producer")
+    d = sides("kv_consumer", flow_a=False, cudagraph_mode=CUDAGraphMode.FULL_AND_PIECEWISE)
+    t = toks(61, 4 * BS + 1)
+    run = _legs_layer_load(p, d, "G1", t, 3)
+    try:
+        so = d.step()
+        assert so.num_scheduled_tokens.get("q") == BS + 1, so.num_scheduled_tokens
+        assert d.seen.get("q") == [True, True], d.seen
+        assert status(d, "q") == RequestStatus.RUNNING
+        assert d.block_matches_pattern("q", t, 3) and not d.invalid
+        assert d.run_until(lambda: "q" not in d.sched.requests, steps=50)
+    finally:
+        run.join()
+    assert p.run_until(lambda: p.is_empty(), steps=500) and d.is_empty()
+    assert recomputes(d) == {} and counted(d, "push_layer_load_cudagraph") == 0
+
+
+@pytest.mark.parametrize("mode,n", [("FULL", 3 * BS + 2), ("FULL_AND_PIECEWISE", BS + 1)])
+def test_full_graph_step_takes_the_whole_prompt_push(sides, mode, n):
+    """FULL graphs for every batch (cudagraph_mode FULL), or a prompt too
+    short to leave the decode more than one token past its claim: the
+    request waits as a whole-prompt push (WAITING_FOR_REMOTE_KVS: no
+    attention waits for it), counted push_layer_load_cudagraph; the KV
+    lands whole; nothing recomputed."""
+    from vllm.config import CUDAGraphMode
+    p = sides("kv_producer")
+    d = sides("kv_consumer", flow_a=False, cudagraph_mode=getattr(CUDAGraphMode, mode))
+    t = toks(62, n)
+    run = _legs_layer_load(p, d, "G2", t, 2)
+    try:
+        so = d.step()
+        assert "q" not in so.num_scheduled_tokens, so.num_scheduled_tokens
+        assert status(d, "q") == RequestStatus.WAITING_FOR_REMOTE_KVS
+        assert d.run_until(lambda: "q" in d.recvd, steps=20000)
+        assert not d.invalid
+        assert d.run_until(lambda: "q" not in d.sched.requests, steps=50)
+    finally:
+        run.join()
+    assert p.run_until(lambda: p.is_empty(), steps=500) and d.is_empty()
+    assert recomputes(d) == {} and counted(d, "push_layer_load_cudagraph") == 1
+
+
+def test_a_step_whose_layer_waits_were_skipped_is_recomputed(sides):
+    """The safety net for a replay nobody foresaw: a step whose forward
+    called no wait_for_layer_load (as in a FULL replay) may have read the
+    blocks before the KV landed, so its load is a load error (vLLM drops the
+    step's token and computes the prompt), counted layer_wait_skipped (not
+    a producer fault) with one warning."""
+    p = sides("kv_producer")
+    d = sides("kv_consumer", flow_a=False, push_layer_load=True)
+    t = toks(63, 3 * BS + 4)
+    d.replay = True
+    run = both_legs(p, d, "G3", t, 2)
+    try:
+        so = d.step()
+        assert so.num_scheduled_tokens.get("q") == 4 and d.invalid
+        assert d.run_until(lambda: "q" not in d.sched.requests, steps=50)
+    finally:
+        run.join()
+    assert d.computed["q"] == 4 + len(t) + 1  # the dropped step, the prompt, one more
+    assert recomputes(d) == {"layer_wait_skipped": 1}, recomputes(d)
+    assert p.run_until(lambda: p.is_empty(), steps=500) and d.is_empty()
+
+
+def test_producer_replay_writes_its_layers_after_the_forward(sides_both):
+    """A prefill step replayed as a FULL graph (a prompt all cached but its
+    last token, in a batch of such): no save_kv_layer in it; the producer
+    writes every layer after the forward (wait_for_save), the decode's
+    attention waits for them, and they land byte-exact."""
+    p = sides_both("kv_producer", push_layerwise=True)
+    d = sides_both("kv_consumer", flow_a=False, push_layer_load=True)
+    t = toks(64, 3 * BS + 3)
+    p.replay = True
+    run = both_legs(p, d, "G4", t, 2)
+    try:
+        so = d.step()
+        assert so.num_scheduled_tokens.get("q") == 3
+        assert d.seen.get("q") == [True, True], d.seen
+        assert d.block_matches_pattern("q", t, 3) and not d.invalid
+        assert d.run_until(lambda: "q" not in d.sched.requests, steps=50)
+    finally:
+        run.join()
+    assert not p.replay  # the prompt's step ran as the replay
+    assert p.run_until(lambda: p.is_empty(), steps=500) and d.is_empty()
+    assert recomputes(d) == {}

@@ -130,6 +130,27 @@ def _dp(vllm_config):
     return rank if isinstance(rank, int) and rank >= 0 else 0
 
 
+def cudagraph_facts(vllm_config):
+    """How vLLM will run this instance's forwards, as far as the connector's
+    per-layer hooks care (docs/connector.md, "CUDA graphs"): (mixed batches
+    replay FULL graphs, uniform decode batches replay FULL graphs, the
+    uniform decode query length).  A FULL replay runs no Python, so
+    wait_for_layer_load / save_kv_layer are not called in it.  --enforce-eager,
+    the CPU backend, PIECEWISE or a vLLM without cudagraph_mode: (False, False, 1)."""
+    mode = getattr(getattr(vllm_config, "compilation_config", None), "cudagraph_mode", None)
+    if mode is None or getattr(getattr(vllm_config, "model_config", None), "enforce_eager",
+                               False):
+        return False, False, 1
+    try:
+        full = type(mode).FULL
+        mixed, decode = mode.mixed_mode() == full, mode.decode_mode() == full
+    except (AttributeError, TypeError, ValueError):
+        return False, False, 1
+    spec = getattr(vllm_config, "speculative_config", None)
+    n = getattr(spec, "num_speculative_tokens", None)
+    return mixed, decode, 1 + (n if isinstance(n, int) and n > 0 else 0)
+
+
 from mooncake_connector.connector import access as access_mod  # noqa: E402
 from mooncake_connector.connector.access import kv_cache_access_for  # noqa: E402,F401
 
@@ -185,7 +206,8 @@ class MooncakeConnector(KVConnectorBase_V1, SupportsHMA):
                                             block_bytes=bytes_per_block(kv_cache_config),
                                             probe=probe,
                                             groups=len(getattr(kv_cache_config,
-                                                               "kv_cache_groups", None) or [0]))
+                                                               "kv_cache_groups", None) or [0]),
+                                            graphs=cudagraph_facts(vllm_config))
         else:
             from mooncake_connector.connector.worker import WorkerSide
             nb = getattr(kv_cache_config, "num_blocks", None) if kv_cache_config else None
@@ -320,6 +342,19 @@ class MooncakeConnector(KVConnectorBase_V1, SupportsHMA):
         """vLLM >= 0.33, after wake-up remapped the KV cache (worker.py)."""
         if self._worker is not None:
             self._worker.restore_kv_caches()
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config):
+        """vLLM skips wait_for_layer_load and save_kv_layer in a FULL CUDA-graph
+        replay.  Where kv_connector_extra_config turns per-layer work on for
+        every request (push_layer_load on a decode, push_layerwise on a
+        prefill), ask vLLM for PIECEWISE graphs (attention, and so the hooks,
+        run between the pieces).  Otherwise FULL decode graphs stay: a layer
+        load a request asks for per request is shaped so its step is never a
+        FULL replay, or taken as a whole-prompt push (scheduler.py
+        _layer_load_claim); a producer's layers a replay skipped are written
+        after the forward (push.py prompt_done)."""
+        return settings_mod.layerwise_in_forward(extra_config)
 
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config):

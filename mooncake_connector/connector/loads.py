@@ -114,8 +114,11 @@ class Loads:
                     break
                 self._nap(end=True)
             if skipped and res[1] is None and res[0] > 0:
-                res = (0, f"vLLM did not call wait_for_layer_load for layer {skipped[0]} in "
-                       "the step (its attention may have read the blocks before the KV "
+                # e.g. a FULL CUDA-graph replay (scheduler.py _graph_safe keeps
+                # layer loads out of those): the attention may have read the
+                # blocks before the KV landed
+                res = (0, f"vLLM did not call wait_for_layer_load for layer {skipped[0]} "
+                       "in the step (its attention may have read the blocks before the KV "
                        "landed)")
             if TRACE:
                 t = ld.push.t_ok

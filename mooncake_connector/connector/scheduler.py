@@ -41,6 +41,7 @@ PROBE_REUSE_S = 0.5  # a probe's answer serves the same waiting request this lon
 PROBE_GRACE_S = 0.1  # a probe pending this much past lookup_timeout_s is a miss
 PENDING = object()   # _known_size: the producer's answer is not in yet
 TRACE = os.environ.get("MC_PUSH_TRACE") == "1"  # log push layer loads' timelines
+_GRAPH_WARNED = False  # _graph_safe's warning: once per process
 
 
 def bytes_per_block(kv_cache_config):
@@ -54,8 +55,11 @@ def bytes_per_block(kv_cache_config):
 
 class SchedulerSide:
     def __init__(self, settings, block_size, tp_size, kv_cache_manager_getter,
-                 block_bytes=None, probe=None, groups=1):
+                 block_bytes=None, probe=None, groups=1, graphs=(False, False, 1)):
         self.s = settings
+        # connector.cudagraph_facts: (mixed batches replay FULL CUDA graphs,
+        # uniform decode batches do, the uniform decode query length)
+        self.graphs = graphs
         self.groups = groups      # KV-cache groups (a layer load needs exactly one)
         self.block_size = block_size
         self.tp_size = tp_size
@@ -78,6 +82,7 @@ class SchedulerSide:
         self._recomputed = set()  # consumer: requests counted as recomputed (once each)
         self._batch = set()       # req ids the previous step scheduled (still running)
         self._busy = set()        # consumer: layer loads turned into whole-prompt pushes
+        self._graphed = set()     # consumer: the same, because of FULL CUDA graphs
         self._in_step = set()     # consumer: requests with an in-step load (blocks cached early)
         self._new = (set(), set())  # consumer: requests first scheduled in the last two steps
         self._unrecomputed = {}   # consumer: in-step load failed -> [(index, block id)] from
@@ -321,7 +326,43 @@ class SchedulerSide:
                             self.s.push_layer_load_max_batch)
             return 0
         last = len(request.prompt_token_ids or ()) - 1
-        return min(n_full, max(last, 0) // self.block_size * self.block_size)
+        held = min(n_full, max(last, 0) // self.block_size * self.block_size)
+        return self._graph_safe(request, held)
+
+    def _graph_safe(self, request, held):
+        """A layer load's claim, shaped so the step that loads it is not a
+        FULL CUDA-graph replay, which would run its attention without
+        wait_for_layer_load (docs/connector.md, "CUDA graphs"): with FULL
+        graphs for uniform decode batches, the decode computes more than the
+        uniform decode query length itself (one block fewer claimed, the
+        rest of the prompt pushed); with FULL graphs for mixed batches too, or
+        a prompt too short for that, the whole-prompt push (counted
+        push_layer_load_cudagraph, logged once)."""
+        mixed, decode, uniform = self.graphs
+        if held <= 0 or not (mixed or decode):
+            return held
+        n = len(request.prompt_token_ids or ())
+        if not mixed:
+            while held > 0 and n - held <= uniform:
+                held -= self.block_size
+            if held > 0:
+                return held
+        rid = request.request_id
+        if rid not in self._graphed:
+            self._graphed.add(rid)
+            self.stats.add("push_layer_load_cudagraph")
+            global _GRAPH_WARNED
+            log = logger.debug if _GRAPH_WARNED else logger.warning
+            _GRAPH_WARNED = True
+            log("MooncakeConnector: request %s takes the whole-prompt push, not a layer "
+                "load: this decode replays FULL CUDA graphs for %s, where vLLM does not call "
+                "wait_for_layer_load; kv_connector_extra_config \"push_layer_load\": true "
+                "makes vLLM use PIECEWISE graphs (then every layer load overlaps), or "
+                "--enforce-eager.  Counted vllm:mooncake_push_layer_load_cudagraph_total "
+                "(this warning once)", rid,
+                "every batch (cudagraph_mode FULL)" if mixed else
+                f"its {n}-token prompt's last step")
+        return 0
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens):
         self._probed.pop(request.request_id, None)
@@ -579,6 +620,7 @@ class SchedulerSide:
         self._tried.discard(rid)
         self._batch.discard(rid)
         self._busy.discard(rid)
+        self._graphed.discard(rid)
         self._in_step.discard(rid)
         self._readers.discard(rid)
         self._forget_unrecomputed(rid, "finished")

@@ -96,7 +96,9 @@ KNOBS = {  # extra-config key: (type, default, meaning)
                         "(wait_for_layer_load) until the producer's write of that layer "
                         "landed, so the decode's forward overlaps the transfer; every other "
                         "request of that step waits with it (docs/connector.md, Layer load). "
-                        "Per request: kv_transfer_params \"push_layer_load\""),
+                        "Per request: kv_transfer_params \"push_layer_load\". True here "
+                        "also makes vLLM use PIECEWISE CUDA graphs, not FULL ones (a FULL "
+                        "replay calls no wait_for_layer_load)"),
     "push_layer_load_max_batch": (int, 0, "consumer, push_layer_load: schedule a layer load "
                                   "only while the decode's previous step ran at most this "
                                   "many other requests (each would stall with it, layer by "
@@ -311,6 +313,27 @@ def _int_field(name, value, lo=None, hi=None):
     if hi is not None and value > hi:
         raise SettingsError(f"{name} must be <= {hi}, not {value}")
     return value
+
+
+#: Knobs that put per-layer work in vLLM's forward for every request
+#: (wait_for_layer_load / save_kv_layer), which a FULL CUDA-graph replay skips.
+LAYERWISE_KNOBS = ("push_layer_load", "push_layerwise")
+
+
+def layerwise_in_forward(extra_config):
+    """Whether kv_connector_extra_config turns per-layer work in the forward
+    on for every request (MooncakeConnector.requires_piecewise_for_cudagraph).
+    A value resolve() would refuse counts as off here: the connector's start
+    reports it."""
+    extra = extra_config if isinstance(extra_config, dict) else {}
+    for key in LAYERWISE_KNOBS:
+        if key in extra:
+            try:
+                if _coerce(key, bool, extra[key]):
+                    return True
+            except SettingsError:
+                pass
+    return False
 
 
 def resolve(kv_transfer_config, env=None):

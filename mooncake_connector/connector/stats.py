@@ -20,12 +20,13 @@ except ImportError:  # vLLM absent
 
 #: Why a consumer computed a prompt it was meant to load (docs/connector.md).
 RECOMPUTE_REASONS = ("producer_unreachable", "not_held", "timed_out", "layout_mismatch",
-                     "no_kv_transfer_params")
+                     "no_kv_transfer_params", "layer_wait_skipped")
 COUNTERS = ("loads", "loads_in_step", "loads_failed", "load_bytes", "load_bytes_same_host_cpu",
             "load_tokens",
             "load_tokens_missed", "publishes", "publish_failed", "publish_bytes",
             "sends_finished", "sends_expired", "push_loads", "push_sends", "push_bytes",
             "push_failed", "push_layer_loads", "push_producer_lost", "push_layer_load_busy",
+            "push_layer_load_cudagraph",
             "push_target_resends", "push_fence_cuts", "push_untargeted_cancels",
             "push_bytes_same_host_cpu", "push_gate_host_batches", "malloc_trims",
             "malloc_trim_freed_bytes",
@@ -40,6 +41,8 @@ def recompute_reason(err):
     if not err:
         return "not_held"
     low = err.lower()
+    if "did not call wait_for_layer_load" in low:
+        return "layer_wait_skipped"
     if "layout" in low or "mismatch" in low or "cannot use" in low:
         return "layout_mismatch"
     # Refused or unresolvable first: such a text may name a timeout knob
@@ -148,6 +151,10 @@ PROM_COUNTERS = {
                              "Consumer: push_layer_load requests taken as whole-prompt pushes "
                              "because the decode was running other requests "
                              "(push_layer_load_max_batch)"),
+    "push_layer_load_cudagraph": ("vllm:mooncake_push_layer_load_cudagraph_total",
+                                  "Consumer: push_layer_load requests taken as whole-prompt "
+                                  "pushes because their step would replay a FULL CUDA graph, "
+                                  "where vLLM skips wait_for_layer_load"),
     "push_producer_lost": ("vllm:mooncake_push_producer_lost_total",
                            "Consumer: push loads that stopped waiting at once because the "
                            "producer's connection was lost"),
