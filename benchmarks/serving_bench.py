@@ -687,6 +687,9 @@ def main(argv=None):
     ap.add_argument("--gpu-path", choices=["on", "off"], default="on",
                     help="--device cuda: the engine's same-host GPU path (CUDA IPC) between "
                          "prefill and decode, or off (MC_GPU_IPC=0: TCP with GPU staging)")
+    ap.add_argument("--cuda-graphs", action="store_true",
+                    help="--device cuda: the servers run vLLM's CUDA graphs as production does "
+                         "(--no-enforce-eager; docs/connector.md \"CUDA graphs\")")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                     help="the servers' dtype (bfloat16 halves the KV per token; --device cuda "
                          "only: vLLM's CPU backend runs this model in float32)")
@@ -705,6 +708,8 @@ def main(argv=None):
     want.add("colocated")
     if args.kv_cache_mib is None:
         args.kv_cache_mib = 256 if args.kv32k else 64
+    if args.cuda_graphs and args.device != "cuda":
+        ap.error("--cuda-graphs needs --device cuda")
     if args.device == "cpu" and (args.gpu_path != "on" or args.dtype != "float32"):
         ap.error("--gpu-path and --dtype bfloat16 need --device cuda")
 
@@ -715,7 +720,8 @@ def main(argv=None):
 
     # The servers' device: the GPU servers' environment and flags (three
     # servers share GPU 0), the engine's route between GPU KV caches, dtype.
-    dev_env, dev_args = bench_settings(args.device, args.gpu_path, args.dtype, servers=3)
+    dev_env, dev_args = bench_settings(args.device, args.gpu_path, args.dtype, servers=3,
+                                      cuda_graphs=args.cuda_graphs)
     dtype_bytes = 2 if args.dtype == "bfloat16" else 4
     args.dev_env, args.dev_args = dev_env, dev_args  # the in-tree phase's servers too
 
@@ -862,7 +868,7 @@ def main(argv=None):
                     "connector_stats_decode": conn_stats, "proxy_latency_ms": proxy_lat,
                     "kv_bytes_per_token": kv_per_token, "device": args.device,
                     "gpu_path": args.gpu_path if args.device == "cuda" else None,
-                    "dtype": args.dtype, "where": where,
+                    "dtype": args.dtype, "cuda_graphs": args.cuda_graphs, "where": where,
                     "requests_per_length": args.requests, "max_tokens": args.max_tokens,
                     "modes_not_measured": skipped, "intree_status": intree_status,
                     "intree": intree_info,

@@ -346,6 +346,9 @@ def main(argv=None):
     ap.add_argument("--gpu-path", choices=["on", "off"], default="on",
                     help="--device cuda: the same-host GPU path (CUDA IPC) or off "
                          "(MC_GPU_IPC=0: TCP with GPU staging)")
+    ap.add_argument("--cuda-graphs", action="store_true",
+                    help="--device cuda: the servers run vLLM's CUDA graphs as production does "
+                         "(--no-enforce-eager; docs/connector.md \"CUDA graphs\")")
     ap.add_argument("--tree-b", metavar="PATH",
                     help="A/B: a second prefill + decode + push layer-load proxy importing the "
                          "connector from this tree (its mode: push_ll_<--label-b>)")
@@ -403,6 +406,8 @@ def main(argv=None):
         with open(args.out, "w") as f:
             json.dump({"summary": summary}, f, indent=1)
         return 0
+    if args.cuda_graphs and args.device != "cuda":
+        ap.error("--cuda-graphs needs --device cuda")
     if args.device == "cpu" and args.gpu_path != "on":
         ap.error("--gpu-path needs --device cuda")
     lengths = [int(x) for x in args.lengths.split(",")]
@@ -448,7 +453,8 @@ def main(argv=None):
     # The servers' device, as serving_bench.py sets it; on one GPU each of
     # the vLLM servers of every set gets its share of the memory.
     nservers = 3 + (2 if args.tree_b else 0) + (3 if args.noasync else 0) + (2 if env_c else 0)
-    dev_env, dev_args = bench_settings(args.device, args.gpu_path, servers=nservers)
+    dev_env, dev_args = bench_settings(args.device, args.gpu_path, servers=nservers,
+                                      cuda_graphs=args.cuda_graphs)
     model = tiny_model.build(**KV32K_SPEC)
     ll = ("--push-layerwise", "on", "--push-layer-load", "on")
     extra = {"push-ll": {"flow": "push", "extra_args": ll}}

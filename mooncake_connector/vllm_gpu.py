@@ -42,16 +42,20 @@ def device_settings(device, servers=3):
     raise ValueError(f"device must be 'cpu' or 'cuda', not {device!r}")
 
 
-def bench_settings(device, gpu_path="on", dtype="float32", servers=3):
+def bench_settings(device, gpu_path="on", dtype="float32", servers=3, cuda_graphs=False):
     """(env, extra vLLM args) of the benchmarks' servers (serving_bench.py,
     ttft_timeline.py): device_settings, and on cuda the engine's route
     between the GPU KV caches (gpu_path "on": the same-host GPU path, "off":
     MC_GPU_IPC=0, TCP with GPU staging) and the servers' dtype (after
-    serving.py's own --dtype: the later flag wins)."""
+    serving.py's own --dtype: the later flag wins); cuda_graphs: vLLM's CUDA
+    graphs as production runs them (--no-enforce-eager after serving.py's
+    --enforce-eager; start-up compiles and captures)."""
+    if cuda_graphs and device != "cuda":
+        raise ValueError("cuda_graphs needs device 'cuda'")
     if gpu_path not in ("on", "off"):
         raise ValueError(f"gpu_path must be 'on' or 'off', not {gpu_path!r}")
     env, args = device_settings(device, servers=servers)
     if device == "cuda":
         env = dict(env, MC_GPU_IPC="1" if gpu_path == "on" else "0")
-        args = args + ["--dtype", dtype]
+        args = args + ["--dtype", dtype] + (["--no-enforce-eager"] if cuda_graphs else [])
     return env, args

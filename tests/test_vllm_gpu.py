@@ -45,3 +45,24 @@ def test_bench_settings_route_and_dtype():
     with pytest.raises(ValueError, match="gpu_path must be 'on' or 'off'"):
         bench_settings("cuda", "ipc")
 
+
+
+def test_cuda_graphs_undo_the_servers_enforce_eager():
+    """--cuda-graphs (serving_bench.py / ttft_timeline.py): the servers get
+    serving.py's --enforce-eager and then --no-enforce-eager; vLLM's own
+    command-line parser must end with eager mode off (the later flag wins)."""
+    vllm = pytest.importorskip("vllm", reason="vllm is not installed")  # noqa: F841
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from mooncake_connector.serving import BASE_VLLM_ARGS
+    _, args = bench_settings("cuda", cuda_graphs=True)
+    assert args[-1] == "--no-enforce-eager"
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+    # (the API server's own flags, e.g. --disable-uvicorn-access-log, left over)
+    on = parser.parse_known_args(["--model", "m", *BASE_VLLM_ARGS])[0]
+    off = parser.parse_known_args(["--model", "m", *BASE_VLLM_ARGS, *args])[0]
+    assert on.enforce_eager is True and off.enforce_eager is False
+    assert "--no-enforce-eager" not in bench_settings("cuda")[1]
+    with pytest.raises(ValueError, match="cuda_graphs needs device 'cuda'"):
+        bench_settings("cpu", cuda_graphs=True)
