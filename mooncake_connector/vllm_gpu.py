@@ -8,6 +8,8 @@ also runs fp32 (the tiny model's dtype: exact comparisons) and head size 32.
 Its KV cache is (blocks, kv_heads, block_size, 2*head_size) stored
 tokens-first, which connector/layout.py reads as one extent per block.
 """
+import os
+
 
 #: The environment every GPU server gets on top of serving.VLLM_ENV:
 #: VLLM_USE_FLASHINFER_SAMPLER=0: vLLM 0.26 otherwise imports FlashInfer
@@ -30,15 +32,22 @@ def gpu_vllm_args(memory_fraction=0.2, attention_backend="TRITON_ATTN"):
     return args
 
 
-def device_settings(device, servers=3):
+def device_settings(device, servers=3, environ=None):
     """(env, extra vLLM args) for `device` ("cpu" or "cuda"), with `servers`
-    vLLM servers sharing the one GPU."""
+    vLLM servers sharing the one GPU.  VLLM_USE_V2_MODEL_RUNNER set in the
+    caller's environment (`environ`, default os.environ) is kept: =1 runs
+    vLLM's V2 GPU model runner, 0.26's default for Llama and 0.34's only
+    one (GPU_ENV's 0 otherwise)."""
     if device == "cpu":
         return {}, []
     if device == "cuda":
         if servers < 1:
             raise ValueError("servers must be >= 1")
-        return dict(GPU_ENV), gpu_vllm_args(min(0.9, 0.75 / servers))
+        env = dict(GPU_ENV)
+        mine = (os.environ if environ is None else environ).get("VLLM_USE_V2_MODEL_RUNNER")
+        if mine is not None:
+            env["VLLM_USE_V2_MODEL_RUNNER"] = mine
+        return env, gpu_vllm_args(min(0.9, 0.75 / servers))
     raise ValueError(f"device must be 'cpu' or 'cuda', not {device!r}")
 
 

@@ -11,7 +11,7 @@ def test_cpu_adds_nothing():
 
 
 def test_cuda_splits_the_gpu_between_the_servers():
-    env, args = device_settings("cuda", servers=3)
+    env, args = device_settings("cuda", servers=3, environ={})
     assert env == GPU_ENV and env["VLLM_TARGET_DEVICE"] == "cuda"
     assert env["VLLM_USE_FLASHINFER_SAMPLER"] == "0"
     i = args.index("--gpu-memory-utilization")
@@ -66,3 +66,15 @@ def test_cuda_graphs_undo_the_servers_enforce_eager():
     assert "--no-enforce-eager" not in bench_settings("cuda")[1]
     with pytest.raises(ValueError, match="cuda_graphs needs device 'cuda'"):
         bench_settings("cpu", cuda_graphs=True)
+
+
+def test_the_callers_model_runner_choice_is_kept():
+    """VLLM_USE_V2_MODEL_RUNNER in the caller's environment wins over
+    GPU_ENV's 0 (the V2 runner: 0.26's default for Llama, 0.34's only GPU
+    runner; docs/vllm-gpu.md), and only that variable."""
+    assert device_settings("cuda", environ={})[0]["VLLM_USE_V2_MODEL_RUNNER"] == "0"
+    env, _ = device_settings("cuda", environ={"VLLM_USE_V2_MODEL_RUNNER": "1",
+                                             "VLLM_USE_FLASHINFER_SAMPLER": "1"})
+    assert env["VLLM_USE_V2_MODEL_RUNNER"] == "1"
+    assert env["VLLM_USE_FLASHINFER_SAMPLER"] == "0"
+    assert GPU_ENV["VLLM_USE_V2_MODEL_RUNNER"] == "0"  # the shared dict untouched
