@@ -649,7 +649,9 @@ def intree_phase(args, model, workdir, lengths, colocated, router_site, log):
                           "cpu_workaround": INTREE_CPU_NOTE}
 
 
-def main(argv=None):
+def parse_args(argv=None):
+    """(args, prompt lengths, modes wanted, model spec overrides), every flag
+    checked before anything starts (a bad one exits 2 naming it)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--lengths", default="128,512,1024,1900",
                     help="prompt lengths in words (about one token each)")
@@ -712,7 +714,22 @@ def main(argv=None):
         ap.error("--cuda-graphs needs --device cuda")
     if args.device == "cpu" and (args.gpu_path != "on" or args.dtype != "float32"):
         ap.error("--gpu-path and --dtype bfloat16 need --device cuda")
+    from mooncake_connector import tiny_model
+    overrides = dict(KV32K_SPEC if args.kv32k else BENCH_SPEC)
+    for kv in filter(None, args.spec.split(",")):
+        k, _, v = kv.partition("=")
+        if not v.isdigit():
+            ap.error(f"--spec: {kv!r} is not key=integer")
+        overrides[k.strip()] = int(v)
+    try:
+        tiny_model.spec_with(**overrides)
+    except ValueError as e:
+        ap.error(f"--spec: {e}")
+    return args, lengths, want, overrides
 
+
+def main(argv=None):
+    args, lengths, want, overrides = parse_args(argv)
     from mooncake_connector import serving, tiny_model
     from mooncake_connector.deployment import (Deployment, connector_log_stats, log_size,
                                                proxy_stats)
@@ -724,17 +741,7 @@ def main(argv=None):
                                       cuda_graphs=args.cuda_graphs)
     dtype_bytes = 2 if args.dtype == "bfloat16" else 4
     args.dev_env, args.dev_args = dev_env, dev_args  # the in-tree phase's servers too
-
-    overrides = dict(KV32K_SPEC if args.kv32k else BENCH_SPEC)
-    for kv in filter(None, args.spec.split(",")):
-        k, _, v = kv.partition("=")
-        if not v.isdigit():
-            ap.error(f"--spec: {kv!r} is not key=integer")
-        overrides[k.strip()] = int(v)
-    try:
-        spec = tiny_model.spec_with(**overrides)
-    except ValueError as e:
-        ap.error(f"--spec: {e}")
+    spec = tiny_model.spec_with(**overrides)
     model = tiny_model.build(**overrides)
     workdir = args.workdir or tempfile.mkdtemp(prefix="mc-serving-bench-")
 

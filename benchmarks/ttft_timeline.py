@@ -319,7 +319,7 @@ def make_sets(workdir, model, extra, common, tree_b=None, label_b="tb", noasync=
     return deps
 
 
-def main(argv=None):
+def _parser():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--lengths", default="128,1024,1900")
     ap.add_argument("--requests", type=int, default=8)
@@ -377,54 +377,54 @@ def main(argv=None):
                          "among themselves)")
     ap.add_argument("--reread", metavar="JSON",
                     help="no run: the tables again from an earlier run's --out (its trace)")
-    args = ap.parse_args(argv)
-    if args.reread:
-        from mooncake_connector import trace
-        with open(args.reread) as f:
-            old = json.load(f)
-        rows = {int(k): v for k, v in old["rows"].items()}
-        modes = list(dict.fromkeys(r["mode"] for v in rows.values() for r in v))
-        tl = timelines(trace.read(old["summary"]["trace"]), KV32K_SPEC["layers"])
-        old["summary"]["rows"] = report(rows, tl, modes,
-                                        one_layer_ms=old["summary"].get("one_layer_ms", 0.0))
-        old["timelines"] = tl
-        with open(args.reread, "w") as f:
-            json.dump(old, f, indent=1)
-        return 0
-    if args.pool:
-        rows = {}
-        for j, path in enumerate(args.pool):
-            with open(path) as f:
-                for n, recs in json.load(f)["rows"].items():
-                    for r in recs:
-                        # rid "tl-<mode>-<n>-<i>-<pid>": i made unique per run
-                        head, i, pid = r["rid"].rsplit("-", 2)
-                        rows.setdefault(int(n), []).append(dict(r, rid=f"{head}-{j}x{i}-{pid}"))
-        modes = list(dict.fromkeys(r["mode"] for v in rows.values() for r in v))
-        summary = {"rows": report(rows, {}, modes, one_layer_ms=args.one_layer_ms),
-                   "pooled_from": args.pool, "one_layer_ms": args.one_layer_ms}
-        with open(args.out, "w") as f:
-            json.dump({"summary": summary}, f, indent=1)
-        return 0
-    if args.cuda_graphs and args.device != "cuda":
-        ap.error("--cuda-graphs needs --device cuda")
-    if args.device == "cpu" and args.gpu_path != "on":
-        ap.error("--gpu-path needs --device cuda")
-    lengths = [int(x) for x in args.lengths.split(",")]
-    pins = {}
-    for kv in filter(None, args.pin.split(",")):
-        k, _, v = kv.partition("=")
-        if k not in ("prefill", "decode", "colocated") or not v.isdigit():
-            ap.error(f"--pin {kv!r}: expected prefill|decode|colocated=CPU")
-        pins[k] = int(v)
+    return ap
 
-    nices = {}
-    for kv in filter(None, args.nice.split(",")):
-        k, _, v = kv.partition("=")
-        if k not in ("prefill", "decode", "colocated") or not re.fullmatch(r"-?\d+", v):
-            ap.error(f"--nice {kv!r}: expected prefill|decode|colocated=N")
-        nices[k] = int(v)
 
+def _reread(path):
+    """--reread: the tables again from an earlier run's JSON and its trace."""
+    from mooncake_connector import trace
+    with open(path) as f:
+        old = json.load(f)
+    rows = {int(k): v for k, v in old["rows"].items()}
+    modes = list(dict.fromkeys(r["mode"] for v in rows.values() for r in v))
+    tl = timelines(trace.read(old["summary"]["trace"]), KV32K_SPEC["layers"])
+    old["summary"]["rows"] = report(rows, tl, modes,
+                                    one_layer_ms=old["summary"].get("one_layer_ms", 0.0))
+    old["timelines"] = tl
+    with open(path, "w") as f:
+        json.dump(old, f, indent=1)
+
+
+def _pool(paths, out, one_layer_ms):
+    """--pool: several runs' rows as one run's tables."""
+    rows = {}
+    for j, path in enumerate(paths):
+        with open(path) as f:
+            for n, recs in json.load(f)["rows"].items():
+                for r in recs:
+                    # rid "tl-<mode>-<n>-<i>-<pid>": i made unique per run
+                    head, i, pid = r["rid"].rsplit("-", 2)
+                    rows.setdefault(int(n), []).append(dict(r, rid=f"{head}-{j}x{i}-{pid}"))
+    modes = list(dict.fromkeys(r["mode"] for v in rows.values() for r in v))
+    summary = {"rows": report(rows, {}, modes, one_layer_ms=one_layer_ms),
+               "pooled_from": paths, "one_layer_ms": one_layer_ms}
+    with open(out, "w") as f:
+        json.dump({"summary": summary}, f, indent=1)
+
+
+def _server_map(ap, flag, text, pattern, what):
+    """--pin / --nice: "server=value,..." for prefill, decode, colocated."""
+    out = {}
+    for kv in filter(None, text.split(",")):
+        k, _, v = kv.partition("=")
+        if k not in ("prefill", "decode", "colocated") or not re.fullmatch(pattern, v):
+            ap.error(f"{flag} {kv!r}: expected prefill|decode|colocated={what}")
+        out[k] = int(v)
+    return out
+
+
+def _check_ab(ap, args):
+    """The A/B flags (--tree-b, --label-b, --env-c): the --env-c dict."""
     if args.tree_b and not re.fullmatch(r"[A-Za-z0-9]+", args.label_b):
         ap.error(f"--label-b {args.label_b!r}: letters and digits only")
     env_c = {}
@@ -439,6 +439,27 @@ def main(argv=None):
     if args.tree_b and not os.path.isdir(os.path.join(args.tree_b, "mooncake_connector")):
         ap.error(f"--tree-b {args.tree_b!r}: no mooncake_connector/ there (a source tree with "
                  "_core built in place)")
+    return env_c
+
+
+def main(argv=None):
+    ap = _parser()
+    args = ap.parse_args(argv)
+    if args.reread:
+        _reread(args.reread)
+        return 0
+    if args.pool:
+        _pool(args.pool, args.out, args.one_layer_ms)
+        return 0
+    if args.cuda_graphs and args.device != "cuda":
+        ap.error("--cuda-graphs needs --device cuda")
+    if args.device == "cpu" and args.gpu_path != "on":
+        ap.error("--gpu-path needs --device cuda")
+    lengths = [int(x) for x in args.lengths.split(",")]
+    pins = _server_map(ap, "--pin", args.pin, r"\d+", "CPU")
+    nices = _server_map(ap, "--nice", args.nice, r"-?\d+", "N")
+
+    env_c = _check_ab(ap, args)
 
     workdir = args.workdir or tempfile.mkdtemp(prefix="mc-ttft-")
     tpath = os.path.join(workdir, "trace.jsonl")

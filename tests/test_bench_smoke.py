@@ -130,11 +130,18 @@ def test_serving_bench_device_flags_and_transfer_size(capsys):
         import serving_bench as sb
     finally:
         sys.path.pop(0)
-    for bad in (["--gpu-path", "off"], ["--dtype", "bfloat16"]):
+    for bad, says in ((["--gpu-path", "off"], "need --device cuda"),
+                      (["--dtype", "bfloat16"], "need --device cuda"),
+                      (["--cuda-graphs"], "--cuda-graphs needs --device cuda"),
+                      (["--spec", "layers=x"], "is not key=integer")):
         with pytest.raises(SystemExit) as e:
-            sb.main(bad)
+            sb.parse_args(bad)
         assert e.value.code == 2
-        assert "need --device cuda" in capsys.readouterr().err
+        assert says in capsys.readouterr().err
+    args, lengths, want, overrides = sb.parse_args(["--lengths", "64,128", "--modes", "push",
+                                                    "--kv32k", "--spec", "layers=4"])
+    assert lengths == [64, 128] and want == {"push", "colocated"}
+    assert overrides["layers"] == 4 and args.kv_cache_mib == 256
     spec = {"layers": 2, "hidden": 128, "heads": 2, "kv_heads": 2}
     _, fp32 = sb.xfer_time(spec, 64, 1, sys.executable)
     _, bf16 = sb.xfer_time(spec, 64, 1, sys.executable, dtype_bytes=2)
@@ -149,10 +156,15 @@ def test_ttft_timeline_gpu_path_needs_cuda(capsys):
         import ttft_timeline as tt
     finally:
         sys.path.pop(0)
-    with pytest.raises(SystemExit) as e:
-        tt.main(["--gpu-path", "off"])
-    assert e.value.code == 2
-    assert "--gpu-path needs --device cuda" in capsys.readouterr().err
+    for bad, says in ((["--gpu-path", "off"], "--gpu-path needs --device cuda"),
+                      (["--cuda-graphs"], "--cuda-graphs needs --device cuda"),
+                      (["--pin", "prefill=x"], "expected prefill|decode|colocated=CPU"),
+                      (["--nice", "proxy=3"], "expected prefill|decode|colocated=N"),
+                      (["--env-c", "1X=2"], "expected NAME=VALUE")):
+        with pytest.raises(SystemExit) as e:
+            tt.main(bad)
+        assert e.value.code == 2
+        assert says in capsys.readouterr().err
 
 
 def test_ttft_timeline_reads_a_trace():
