@@ -171,14 +171,6 @@ def test_metadata_env_refused(var, value, expect):
 
 # ---- the Python API
 
-@pytest.fixture
-def engine():
-    e = mc.TransferEngine()
-    e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
-    yield e
-    e.close()
-
-
 @pytest.mark.parametrize("cap,exc,expect", [
     (-1, mc.ConfigError, "capacity_bytes -1 is out of range"),     # was a buffer without bound
     (1 << 64, mc.ConfigError, "out of range"),                      # was read as 0

@@ -18,6 +18,7 @@ import pytest
 from aiohttp import web
 
 from app_thread import AppThread
+from conftest import drip_header, outward_addr, recv_to_eof
 
 from mooncake_connector.serving import free_port
 
@@ -755,12 +756,7 @@ def _post_raw(port, rid, stream):
         c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
                   b"\r\nContent-Length: %d\r\nConnection: close\r\nX-Request-Id: %s\r\n\r\n"
                   % (len(body), rid) + body)
-        data = b""
-        while True:
-            chunk = c.recv(65536)
-            if not chunk:
-                break
-            data += chunk
+        data = recv_to_eof(c)
     head, _, rest = data.partition(b"\r\n\r\n")
     lines = head.decode("latin-1").split("\r\n")
     return lines[0], {k.lower(): v for k, _, v in (x.partition(": ") for x in lines[1:])}, rest
@@ -855,18 +851,6 @@ def test_bad_command_lines_name_the_argument(extra, expect):
     assert expect in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
-def _outward_addr():
-    """This host's IPv4 address towards the outside (a UDP connect sends
-    nothing), or None."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect(("10.255.255.254", 9))
-            a = s.getsockname()[0]
-        except OSError:
-            return None
-    return None if a.startswith("127.") else a
-
-
 def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -891,7 +875,7 @@ def test_upstream_at_an_address_of_this_host_is_refused():
     this host's own (non-loopback) addresses at its port: a request loop,
     started before (only loopback names were caught).  An address that is
     not this host's, or a specific --host elsewhere, still starts."""
-    addr = _outward_addr()
+    addr = outward_addr()
     if not addr:
         pytest.skip("this host has no non-loopback IPv4 address")
     port = _free_port()
@@ -961,21 +945,7 @@ def test_slow_header_clients_are_closed(vllm_like, proxy):
     p, d = vllm_like("prefill", slow=2.0), vllm_like("decode")
     url = proxy([p.url], [d.url], extra=("--header-timeout", "1"))
     port = int(url.rsplit(":", 1)[1])
-    s = socket.create_connection(("127.0.0.1", port))
-    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
-    s.settimeout(0.3)
-    t0, closed = time.monotonic(), None
-    while time.monotonic() - t0 < 10:
-        try:
-            if s.recv(100) == b"":
-                closed = time.monotonic() - t0
-                break
-        except socket.timeout:
-            s.sendall(b"X-a: b\r\n")
-        except ConnectionResetError:
-            closed = time.monotonic() - t0
-            break
-    s.close()
+    closed = drip_header(port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
     assert closed is not None and 0.8 <= closed <= 4, closed
     assert get_stats(url)["slow_header_closes"] == 1
     # A non-streamed answer that takes 2 s (the prefill leg): not cut.
@@ -991,12 +961,7 @@ def test_slow_header_clients_are_closed(vllm_like, proxy):
         time.sleep(0.5)
         s.sendall(body[i:i + len(body) // 5 + 1])
     s.settimeout(20)
-    data = b""
-    while True:
-        chunk = s.recv(65536)
-        if not chunk:
-            break
-        data += chunk
+    data = recv_to_eof(s)
     s.close()
     assert data.startswith(b"HTTP/1.1 200"), data[:200]
     assert get_stats(url)["slow_header_closes"] == 1
