@@ -4,6 +4,7 @@ These upstreams stand in for vLLM instances only to check the proxy's own
 behaviour (routing, rewriting, streaming, errors); real vLLM servers behind
 the proxy are the end-to-end issue's tests."""
 import asyncio
+import collections
 import json
 import re
 import socket
@@ -18,22 +19,40 @@ import pytest
 from aiohttp import web
 
 from app_thread import AppThread
-from conftest import drip_header, outward_addr, recv_to_eof
+from conftest import drip_header, in_threads, outward_addr, recv_to_eof, wait_until
 
 from mooncake_connector.serving import free_port
 
 
 class Upstream(AppThread):
-    def __init__(self, name, status=200, kv_params=True, error_body=None):
+    def __init__(self, name, status=200, kv_params=True, error_body=None, hold=0.0,
+                 unique_ids=False):
         self.name, self.status, self.kv_params = name, status, kv_params
         self.error_body = error_body  # bytes: a non-200 answer that is no OpenAI error
         self.seen = []
+        # As vLLM with VLLM_DISABLE_REQUEST_ID_RANDOMIZATION=1: a request
+        # whose X-Request-Id is in flight already fails (there: the engine
+        # dies); hold: seconds each request stays in flight.
+        self.hold, self.unique_ids = hold, unique_ids
+        self.in_flight, self.most_in_flight = collections.Counter(), 0
 
         async def complete(request):
-            body = await request.json()
-            self.seen.append({"path": request.path, "body": body,
-                              "auth": request.headers.get("Authorization"),
-                              "rid": request.headers.get("X-Request-Id")})
+            rid = request.headers.get("X-Request-Id")
+            self.in_flight[rid] += 1
+            self.most_in_flight = max(self.most_in_flight, sum(self.in_flight.values()))
+            try:
+                body = await request.json()
+                self.seen.append({"path": request.path, "body": body,
+                                  "auth": request.headers.get("Authorization"), "rid": rid})
+                if self.unique_ids and self.in_flight[rid] > 1:
+                    return web.json_response({"error": {"message": "duplicate request id"}},
+                                             status=500)
+                await asyncio.sleep(self.hold)
+                return await answer(request, body)
+            finally:
+                self.in_flight[rid] -= 1
+
+        async def answer(request, body):
             if self.status != 200 and self.error_body is not None:
                 return web.Response(status=self.status, body=self.error_body,
                                     content_type="text/html")
@@ -809,6 +828,48 @@ def test_unusable_request_ids_are_replaced(upstreams, tmp_path, flow):
     assert "is 8000 characters long; at most 128: this request's id is mc-" in log, log[-3000:]
     assert "x" * 65 not in log  # the rejected id is shown cut short
     assert "\\udcff\\udcfe" in log  # escaped, not written as they are
+
+
+@pytest.mark.parametrize("flow", ["a", "b", "push"])
+def test_a_request_id_in_flight_twice_reaches_vllm_unique(upstreams, proxy, flow):
+    """vLLM takes a request's X-Request-Id into its own request id.  With
+    VLLM_DISABLE_REQUEST_ID_RANDOMIZATION=1 (vLLM 0.32 CPU servers through
+    this proxy, flow a), a second request carrying the id of one still
+    running killed the prefill's engine (AssertionError: duplicate request
+    id); the clients got 500s, later requests hung.  Now a client's id in
+    flight already reaches the upstreams as <id>-<8 hex>, on both legs of
+    that request, counted; each answer carries the client's own id; once
+    the others ended (flow push: their prefill legs too) the id goes as
+    it is again."""
+    p = upstreams("prefill", hold=0.4, unique_ids=True)
+    d = upstreams("decode", hold=0.0 if flow == "push" else 0.4, unique_ids=True)
+    url = proxy([p.url], [d.url], flow=flow)
+    got = {}
+
+    def one(i):
+        req = urllib.request.Request(
+            url + "/v1/completions", method="POST",
+            data=json.dumps({"model": "m", "prompt": f"prompt {i}", "max_tokens": 3}).encode(),
+            headers={"Content-Type": "application/json", "X-Request-Id": "one-id"})
+        with urllib.request.urlopen(req, timeout=20) as r:
+            got[i] = (r.status, r.headers.get("X-Request-Id"), json.loads(r.read()))
+
+    in_threads(one, 4)
+    assert p.most_in_flight >= 2, "the requests did not overlap"
+    assert [got[i][:2] for i in range(4)] == [(200, "one-id")] * 4, got
+    assert all(v[2]["by"] == "decode" for v in got.values()), got
+    assert wait_until(lambda: not +p.in_flight and len(p.seen) == 4, 5), p.in_flight
+    ids = {leg["body"]["prompt"]: leg["rid"] for leg in p.seen}
+    assert {leg["body"]["prompt"]: leg["rid"] for leg in d.seen} == ids  # one id per request
+    assert sorted(ids.values())[0] == "one-id" and len(set(ids.values())) == 4, ids
+    assert all(re.fullmatch(r"one-id-[0-9a-f]{8}", i) for i in sorted(ids.values())[1:]), ids
+    assert get_stats(url)["request_ids_suffixed"] == 3
+    p.seen.clear()
+    one(4)
+    assert got[4][:2] == (200, "one-id") and wait_until(lambda: len(p.seen) == 1, 5)
+    assert [leg["rid"] for leg in p.seen + d.seen[4:]] == ["one-id", "one-id"]
+    assert get_stats(url)["request_ids_suffixed"] == 3
+    assert wait_until(lambda: not +p.in_flight, 5)
 
 
 BAD_CLI = [
