@@ -54,13 +54,12 @@ def strict_ids(tiny_model_dir):
 def test_one_id_in_flight_twice_keeps_vllm_up(strict_ids, flow):
     """Six different prompts at once with one X-Request-Id through the
     proxy: every answer is 200 and its own prompt's (token-identical to the
-    decode server's), the decode loaded their KV, the proxy sent those that
-    overlapped one in flight upstream with a suffixed id, and both servers
-    still answer."""
+    decode server's), the proxy sent those that overlapped one in flight
+    upstream with a suffixed id, and both servers still answer."""
     dep, refs = strict_ids
     url = dep.proxies[flow].url
     suffixed0 = proxy_stats(url).get("request_ids_suffixed", 0)
-    one_id_batch(dep.decode.url, url, refs, f"one-id-for-all-{flow}")
+    one_id_batch(url, refs, f"one-id-for-all-{flow}")
     # Overlapping requests (vLLM's CPU servers take seconds for these):
     # at least one went with a suffix (the first in flight goes as it is).
     assert proxy_stats(url)["request_ids_suffixed"] - suffixed0 >= 1
