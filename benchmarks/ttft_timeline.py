@@ -209,6 +209,18 @@ def _group_pids(pgid):
     return pids
 
 
+def _group_tids(pids):
+    """(pid, tid) of every thread of these processes (a process that ended
+    meanwhile: none); tid as /proc names it, a string."""
+    for pid in pids:
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            yield pid, tid
+
+
 def cpu_ns(pgids):
     """{server: {"pid:tid:name": CPU ns so far, "rq:pid:tid:name": ns it
     waited on a run queue so far}} over every thread of every process of
@@ -217,23 +229,18 @@ def cpu_ns(pgids):
     out = {}
     for name, pgid in pgids.items():
         acc = out.setdefault(name, {})
-        for pid in _group_pids(pgid):
+        for pid, tid in _group_tids(_group_pids(pgid)):
             try:
-                tids = os.listdir(f"/proc/{pid}/task")
-            except OSError:
+                with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                    run_ns, wait_ns = (int(x) for x in f.read().split()[:2])
+                with open(f"/proc/{pid}/task/{tid}/comm") as f:
+                    comm = f.read().strip()
+            except (OSError, ValueError, IndexError):
                 continue
-            for tid in tids:
-                try:
-                    with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
-                        run_ns, wait_ns = (int(x) for x in f.read().split()[:2])
-                    with open(f"/proc/{pid}/task/{tid}/comm") as f:
-                        comm = f.read().strip()
-                except (OSError, ValueError, IndexError):
-                    continue
-                key = f"{pid}:{tid}:{comm}"
-                acc[key] = acc.get(key, 0) + run_ns
-                # the time it was runnable but waited for a CPU (run queue)
-                acc["rq:" + key] = acc.get("rq:" + key, 0) + wait_ns
+            key = f"{pid}:{tid}:{comm}"
+            acc[key] = acc.get(key, 0) + run_ns
+            # the time it was runnable but waited for a CPU (run queue)
+            acc["rq:" + key] = acc.get("rq:" + key, 0) + wait_ns
     return out
 
 
@@ -260,16 +267,11 @@ def renice(proc, value):
     """Every thread of every process of this server's process group at nice
     `value` (threads started later inherit their creator's)."""
     pids = _group_pids(proc.proc.pid)
-    for pid in pids:
+    for _pid, tid in _group_tids(pids):
         try:
-            tids = os.listdir(f"/proc/{pid}/task")
+            os.setpriority(os.PRIO_PROCESS, int(tid), value)
         except OSError:
-            continue
-        for tid in tids:
-            try:
-                os.setpriority(os.PRIO_PROCESS, int(tid), value)
-            except OSError:
-                pass  # a thread that ended meanwhile
+            pass  # a thread that ended meanwhile
     return pids
 
 

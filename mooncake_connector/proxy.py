@@ -145,8 +145,9 @@ class Proxy:
         self.session = None
         self.log = logger
         self._max_model_len = {}  # decode URL -> max_model_len from its /v1/models
+        self._ids_in_flight = collections.Counter()  # client request id -> requests in flight
         self.counts = {"requests": 0, "bad_requests": 0, "slow_header_closes": 0,
-                       "request_ids_replaced": 0,
+                       "request_ids_replaced": 0, "request_ids_suffixed": 0,
                        "prefill_errors": 0, "prefill_failovers": 0,
                        "prefill_retries": 0, "decode_retries": 0, "decode_errors": 0,
                        "first_token_from_prefill": 0, "finished_at_prefill": 0,
@@ -262,6 +263,30 @@ class Proxy:
                            new)
         return new
 
+    def _upstream_id(self, rid):
+        """The id the vLLM servers get for this request: the client's, unless
+        a request with that id is in flight through this proxy already (a
+        client with a fixed id, a retry sent while the first try runs); then
+        the id plus "-" and 8 hex digits, logged and counted.  vLLM takes
+        the header into its request id: vLLM 0.32 adds a random part of its
+        own, but with VLLM_DISABLE_REQUEST_ID_RANDOMIZATION=1 (or a vLLM
+        without that) a second request with a running request's id kills
+        the engine ("duplicate request id").  Held until _release_id."""
+        n = self._ids_in_flight[rid]
+        self._ids_in_flight[rid] += 1
+        if not n:
+            return rid
+        up = f"{rid}-{uuid.uuid4().hex[:8]}"
+        self.counts["request_ids_suffixed"] += 1
+        logger.info("X-Request-Id %s is in flight already: the vLLM servers get %s for this "
+                    "request (the client's answer keeps %s)", rid, up, rid)
+        return up
+
+    def _release_id(self, rid):
+        self._ids_in_flight[rid] -= 1
+        if self._ids_in_flight[rid] <= 0:
+            del self._ids_in_flight[rid]
+
     async def handle(self, request):
         self.counts["requests"] += 1
         t_in = time.perf_counter()
@@ -273,7 +298,17 @@ class Proxy:
             self.counts["bad_requests"] += 1
             return _error(400, str(e), "invalid_request_error")
         rid = self._request_id(request)
-        headers = self._headers(request, rid)
+        headers = self._headers(request, self._upstream_id(rid))
+        try:
+            return await self._route(request, body, chat, headers, rid, t_in)
+        finally:
+            if not request.get("mc_release_id_later"):
+                self._release_id(rid)
+
+    async def _route(self, request, body, chat, headers, rid, t_in):
+        """The request, checked, through its flow: headers carry the
+        upstream X-Request-Id; rid is the client's, for its answer and the
+        log."""
         if trace.ON:
             trace.event("proxy_in", rid, t_in=time.monotonic() - (time.perf_counter() - t_in))
         if self.passthrough:
@@ -416,6 +451,9 @@ class Proxy:
                 # prefill leg may finish on its own, unless the client left.
                 if request.transport is None or request.transport.is_closing():
                     task.cancel()
+                # Its id stays in use at the prefill server until it ends.
+                request["mc_release_id_later"] = True
+                task.add_done_callback(lambda _t: self._release_id(rid))
 
     def _push_mark(self, marks, key):
         """Flow push's timings: key "prefill" (its answer read) or "first"
@@ -657,6 +695,8 @@ class PromCounters:
                          ("bad_requests", "Requests refused as malformed (400)"),
                          ("request_ids_replaced", "Requests whose X-Request-Id could not be "
                           "used (too long, a space, non-ASCII) and got a new id"),
+                         ("request_ids_suffixed", "Requests whose X-Request-Id was in flight "
+                          "already: the vLLM servers got it with a unique suffix"),
                          ("decode_errors", "Decode instances that failed or were unreachable"),
                          ("stream_errors_after_first_token",
                           "Streams that failed after their first token"),

@@ -192,6 +192,64 @@ def http(method, url, data=None, timeout=10):
         return e.code, e.read()
 
 
+def recv_to_eof(sock):
+    """Every byte sock receives until the other side closes."""
+    data = b""
+    while True:
+        chunk = sock.recv(65536)
+        if not chunk:
+            return data
+        data += chunk
+
+
+def drip_header(port, head, timeout=10.0):
+    """A slow-loris client: sends head (a request line and header lines,
+    never the blank line that ends them) to 127.0.0.1:port, then one more
+    header line every 0.3 s; the seconds until the server closed the
+    connection, or None when it had not after timeout."""
+    import socket
+
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.sendall(head)
+        s.settimeout(0.3)
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout:
+            try:
+                if s.recv(100) == b"":
+                    return time.monotonic() - t0
+            except socket.timeout:
+                s.sendall(b"X-a: b\r\n")
+            except ConnectionResetError:
+                return time.monotonic() - t0
+    return None
+
+
+def outward_addr():
+    """This host's IPv4 address towards the outside (a UDP connect sends
+    nothing), or None where that is loopback or there is no route."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("10.255.255.254", 9))
+            a = s.getsockname()[0]
+        except OSError:
+            return None
+    return None if a.startswith("127.") else a
+
+
+@pytest.fixture
+def engine():
+    """One TransferEngine on 127.0.0.1 (P2P handshake, TCP), closed after
+    the test."""
+    import mooncake_connector as mc
+
+    e = mc.TransferEngine()
+    e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
+    yield e
+    e.close()
+
+
 @contextlib.contextmanager
 def local_engines(n=2):
     """n TransferEngines on 127.0.0.1 (P2P handshake, TCP unless the test's

@@ -171,14 +171,6 @@ def test_metadata_env_refused(var, value, expect):
 
 # ---- the Python API
 
-@pytest.fixture
-def engine():
-    e = mc.TransferEngine()
-    e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
-    yield e
-    e.close()
-
-
 @pytest.mark.parametrize("cap,exc,expect", [
     (-1, mc.ConfigError, "capacity_bytes -1 is out of range"),     # was a buffer without bound
     (1 << 64, mc.ConfigError, "out of range"),                      # was read as 0
@@ -347,6 +339,92 @@ def test_mooncake_json_field_twice_as_the_c_parser_says(tmp_path):
     with pytest.raises(SettingsError, match="appears more than once") as py_err:
         resolve(SimpleNamespace(kv_role="kv_consumer", kv_connector_extra_config={}),
                 env={"MOONCAKE_CONFIG_PATH": str(p)})
+    assert str(py_err.value) == str(c_err.value)
+
+
+WRONG_TYPES = [  # (id, fields: each replaces GOOD's own or comes after them)
+    ("url number", '"prefill_url": 13003'),
+    ("protocol number", '"protocol": 5'),
+    ("protocol bool", '"protocol": true'),
+    ("meta array", '"metadata_server": ["x"]'),
+    ("url null", '"decode_url": null'),
+    ("backend object", '"metadata_backend": {"a": 1, "a": [1.5, "x\\n\\"q\\u00e9"]}'),
+    ("device float", '"device_name": 0.30000000000000004'),
+    ("device 17 digits", '"device_name": 123456789012345.67'),
+    ("device big int", '"device_name": 12345678901234567890'),
+    ("device inf", '"device_name": 1e400'),
+    ("device exponent", '"device_name": 1e300'),
+    ("secret number", '"auth_secret": 12345'),
+    ("bool string", '"same_host_cpu": "yes"'),
+    ("bool number", '"same_host_cpu": 1'),
+    ("bool null", '"same_host_cpu": null'),
+    ("long array", '"protocol": [' + ", ".join(['"\u00e9\u00e9"'] * 40) + "]"),
+    ("message cut", '"same_host_cpu": ["' + "\u20ac" * 100 + '"]'),  # at 511 bytes
+    ("message cut in a character", '"protocol": ["' + "\U0001f600" * 90 + '"]'),
+    ("long string", '"metadata_server": "' + "m\u00e9" * 600 + '"'),
+    ("long secret", '"auth_secret": "' + "s" * 1024 + '"'),
+    ("type before unknown", '"protocol": 5, "protcol": "tcp"'),
+    ("unknown before type", '"protcol": "tcp", "protocol": 5'),
+]
+
+
+def with_fields(fields):
+    """GOOD with fields (JSON text "key": value, ...) in place of its own."""
+    good = json.loads(GOOD)
+    given = json.loads("{" + fields + "}", object_pairs_hook=list)
+    for key, _ in given:
+        good.pop(key, None)
+    return json.dumps(good)[:-1] + ", " + fields + "}"
+
+
+@pytest.mark.parametrize("dirs", [("\u00e9" * 70, "\u00e9" * 70), ("\x01" * 100,)],
+                         ids=["long path", "control bytes in path"])  # C keeps the tail
+@pytest.mark.parametrize("fields", [c[1] for c in WRONG_TYPES], ids=[c[0] for c in WRONG_TYPES])
+def test_mooncake_json_wrong_value_type_as_the_c_parser_says(tmp_path, fields, dirs):
+    """The settings reader (scheduler process) took mooncake.json's values
+    as they came: "prefill_url": 13003 went on to "13003 is not host:port"
+    (engine_name), "protocol": 5 or a 2000-byte metadata_server to the
+    workers' C parser only.  It now refuses a value of the wrong JSON type
+    (or too long for the C parser) with the C parser's message, word for
+    word: the field, the value as cJSON prints it, its type, what is
+    expected and accepted; never the secret."""
+    from types import SimpleNamespace
+
+    from mooncake_connector.connector.settings import SettingsError, resolve
+    p = tmp_path.joinpath(*dirs, "mooncake.json")
+    p.parent.mkdir(parents=True)
+    p.write_text(with_fields(fields))
+    with pytest.raises(mc.ConfigError) as c_err:
+        mc.parse_config(p.read_text(), str(p))
+    with pytest.raises(SettingsError) as py_err:
+        resolve(SimpleNamespace(kv_role="kv_producer", kv_connector_extra_config={}),
+                env={"MOONCAKE_CONFIG_PATH": str(p)})
+    assert str(py_err.value) == str(c_err.value)
+    if "auth_secret" in fields:
+        assert "12345" not in str(py_err.value) and "s" * 20 not in str(py_err.value)
+
+
+@pytest.mark.parametrize("path", [False, True])
+@pytest.mark.parametrize("extra", [{"prefill_url": 13003}, {"protocol": ["tcp"]},
+                                   {"same_host_cpu": "false"}, {"metadata_server": "h" * 1024}])
+def test_extra_config_mooncake_field_wrong_type_as_the_worker_says(tmp_path, extra, path):
+    """mooncake.json's fields given in kv_connector_extra_config reach the
+    worker's C parser as json.dumps of the merged fields (lifecycle); the
+    settings reader refuses a wrong type there too, with that message."""
+    from types import SimpleNamespace
+
+    from mooncake_connector.connector.settings import SettingsError, resolve
+    env, origin, merged = {}, "kv_connector_extra_config", dict(extra)
+    if path:
+        p = tmp_path / "mooncake.json"
+        p.write_text(GOOD)
+        env, origin = {"MOONCAKE_CONFIG_PATH": str(p)}, str(p)
+        merged = {**json.loads(GOOD), **extra}
+    with pytest.raises(mc.ConfigError) as c_err:
+        mc.parse_config(json.dumps(merged), origin)
+    with pytest.raises(SettingsError) as py_err:
+        resolve(SimpleNamespace(kv_role="kv_producer", kv_connector_extra_config=dict(extra)),
+                env=env)
     assert str(py_err.value) == str(c_err.value)
 
 

@@ -167,6 +167,43 @@ def test_ttft_timeline_gpu_path_needs_cuda(capsys):
         assert says in capsys.readouterr().err
 
 
+def test_ttft_timeline_cpu_and_nice_of_a_process_group():
+    """ttft_timeline.py's per-thread CPU reading (cpu_ns, cpu_diff) and
+    renice reach every thread of every process of a server's process
+    group: a child with a busy second thread, in a group of its own."""
+    import time
+    import types
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import ttft_timeline as tt
+    finally:
+        sys.path.pop(0)
+    code = ("import threading, time, sys\n"
+            "def spin():\n    t = time.time()\n    while time.time() - t < 30: pass\n"
+            "threading.Thread(target=spin, name='spinner', daemon=True).start()\n"
+            "print('up', flush=True); sys.stdin.read()\n")
+    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert child.stdout.readline() == "up\n"
+        a = tt.cpu_ns({"srv": child.pid})
+        threads = {k for k in a["srv"] if not k.startswith("rq:")}
+        assert len(threads) >= 2 and all(k.startswith(f"{child.pid}:") for k in threads), a
+        assert {"rq:" + k for k in threads} <= set(a["srv"])
+        time.sleep(0.3)
+        ran = {k: ms for k, ms in tt.cpu_diff(a, tt.cpu_ns({"srv": child.pid}))["srv"].items()
+               if not k.startswith("rq:")}
+        assert ran and max(ran, key=ran.get).split(":")[1] != str(child.pid), ran  # the spinner
+        assert tt.renice(types.SimpleNamespace(proc=child), 5) == [child.pid]
+        for key in threads:
+            tid = int(key.split(":")[1])
+            assert os.getpriority(os.PRIO_PROCESS, tid) == 5, key
+    finally:
+        child.kill()
+        child.wait()
+
+
 def test_ttft_timeline_reads_a_trace():
     """benchmarks/ttft_timeline.py from a trace of one push request (the
     event names the connector and proxy write, two processes, 2 layers):

@@ -18,6 +18,7 @@ import urllib.error
 
 import pytest
 
+from conftest import outward_addr
 from test_metadata_backends import REDIS_PASSWORD, EtcdServer, HttpServer, RedisServer
 
 from mooncake_connector.serving import free_port
@@ -374,24 +375,13 @@ def test_serve_port_taken():
 
 # ------------------------------------------------------------ peer authentication
 
-def _outward_addr():
-    """This host's address towards the outside (not loopback), or None."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect(("10.255.255.254", 9))
-            a = s.getsockname()[0]
-        except OSError:
-            return None
-    return None if a.startswith("127.") else a
-
-
 def test_auth_off_on_loopback_is_ok(tmp_path):
     rc, rows = doctor("--config", write_cfg(tmp_path))
     assert "off" in row(rows, "auth", "peer authentication", "ok")["detail"]
 
 
 def test_auth_off_on_a_network_address_warns(tmp_path):
-    addr = _outward_addr()
+    addr = outward_addr()
     if not addr:
         pytest.skip("this host has no non-loopback IPv4 address")
     p, d = two_ports()

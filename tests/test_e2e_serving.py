@@ -229,6 +229,45 @@ def test_concurrent_requests_match(deployment, references):
             assert r.token_ids == references[cid].token_ids, cid
 
 
+SHARED_ID_CASES = ["cmpl-medium-full", "cmpl-long-stream", "cmpl-verylong-full",
+                   "cmpl-prefix3-stream", "chat-medium-full", "chat-long-stream"]
+
+
+def one_id_batch(proxy_url, refs, rid):
+    """refs' cases ({case id: reference answer}) sent through the proxy at
+    once, all with X-Request-Id rid: each answer must be 200 and equal its
+    own reference.  (Not whether the decode loaded their KV: six prefills at
+    once may keep the producer from answering flow A's lookup within
+    lookup_timeout_s, and the decode then computes the prompt, by design.)"""
+    cases = {cid: (path, base) for cid, path, base in CASES}
+    with concurrent.futures.ThreadPoolExecutor(len(refs)) as pool:
+        futs = {cid: pool.submit(request, proxy_url, cases[cid][0], _body(cases[cid][1]),
+                                 REQ_TIMEOUT, {"X-Request-Id": rid}) for cid in refs}
+        got = {cid: fut.result(timeout=REQ_TIMEOUT + 10) for cid, fut in futs.items()}
+    bad = [f"{cid}: {r.status} {r.error}" for cid, r in got.items()
+           if r.status != 200 or r.error is not None]
+    assert not bad, bad
+    mixed = [f"{cid}: reference {refs[cid].token_ids} vs {r.token_ids}"
+             for cid, r in got.items() if r.token_ids != refs[cid].token_ids]
+    assert not mixed, "answers differ from their own prompt's:\n" + "\n".join(mixed)
+
+
+@pytest.mark.parametrize("flow", ["a", "b", "push"])
+def test_concurrent_requests_sharing_one_x_request_id(deployment, references, flow):
+    """Clients that put one X-Request-Id on requests in flight together (a
+    fixed id, a retry sent while the first try still runs): six different
+    prompts at once, one id; each answer is its own prompt's, token-identical
+    to the colocated server's (tests/test_e2e_request_ids.py: vLLM servers
+    that keep ids as given)."""
+    if flow != "a" and deployment.connector == "example":
+        pytest.skip("flows b and push need this connector")
+    picked = [c for c in SHARED_ID_CASES if c in {x[0] for x in _cases_for(deployment,
+                                                                            references)}]
+    assert len(picked) >= 4
+    one_id_batch(deployment.proxies[flow].url,
+                 {c: references[c] for c in picked}, f"one-id-for-all-{flow}")
+
+
 def test_serving_demo_against_the_session_servers(deployment):
     """README command 1's request phase (mooncake_connector.demo.run_requests)."""
     from mooncake_connector.demo import run_requests

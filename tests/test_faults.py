@@ -18,14 +18,6 @@ from conftest import PEER, wait_until
 BLK = 64 << 10
 
 
-@pytest.fixture
-def engine():
-    e = mc.TransferEngine()
-    e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
-    yield e
-    e.close()
-
-
 def test_remote_address_out_of_range(peers):
     a = peers()
     b = peers(size=1 << 20)

@@ -15,7 +15,7 @@ import pytest
 import mooncake_connector as mc
 from mooncake_connector.metadata_server import MetadataServer, MetadataStore
 from mooncake_connector.serving import free_port
-from conftest import http, in_threads
+from conftest import drip_header, http, in_threads
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -519,21 +519,7 @@ def test_slow_header_client_is_disconnected(monkeypatch):
     from mooncake_connector import http_guard
     monkeypatch.setattr(http_guard, "HEADER_TIMEOUT_S", 1.0)
     with MetadataServer(port=0) as srv:
-        s = socket.create_connection(("127.0.0.1", srv.port))
-        s.sendall(b"GET /metadata?key=a HTTP/1.1\r\nHost: x\r\n")
-        s.settimeout(0.3)
-        t0, closed = time.monotonic(), None
-        while time.monotonic() - t0 < 10:
-            try:
-                if s.recv(100) == b"":
-                    closed = time.monotonic() - t0
-                    break
-            except socket.timeout:
-                s.sendall(b"X-a: b\r\n")
-            except ConnectionResetError:
-                closed = time.monotonic() - t0
-                break
-        s.close()
+        closed = drip_header(srv.port, b"GET /metadata?key=a HTTP/1.1\r\nHost: x\r\n")
         assert closed is not None and 0.8 <= closed <= 4, closed
         mc_client = mc.MetadataClient(srv.url)
         mc_client.put("k", b"v")

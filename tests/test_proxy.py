@@ -4,6 +4,7 @@ These upstreams stand in for vLLM instances only to check the proxy's own
 behaviour (routing, rewriting, streaming, errors); real vLLM servers behind
 the proxy are the end-to-end issue's tests."""
 import asyncio
+import collections
 import json
 import re
 import socket
@@ -18,21 +19,40 @@ import pytest
 from aiohttp import web
 
 from app_thread import AppThread
+from conftest import drip_header, in_threads, outward_addr, recv_to_eof, wait_until
 
 from mooncake_connector.serving import free_port
 
 
 class Upstream(AppThread):
-    def __init__(self, name, status=200, kv_params=True, error_body=None):
+    def __init__(self, name, status=200, kv_params=True, error_body=None, hold=0.0,
+                 unique_ids=False):
         self.name, self.status, self.kv_params = name, status, kv_params
         self.error_body = error_body  # bytes: a non-200 answer that is no OpenAI error
         self.seen = []
+        # As vLLM with VLLM_DISABLE_REQUEST_ID_RANDOMIZATION=1: a request
+        # whose X-Request-Id is in flight already fails (there: the engine
+        # dies); hold: seconds each request stays in flight.
+        self.hold, self.unique_ids = hold, unique_ids
+        self.in_flight, self.most_in_flight = collections.Counter(), 0
 
         async def complete(request):
-            body = await request.json()
-            self.seen.append({"path": request.path, "body": body,
-                              "auth": request.headers.get("Authorization"),
-                              "rid": request.headers.get("X-Request-Id")})
+            rid = request.headers.get("X-Request-Id")
+            self.in_flight[rid] += 1
+            self.most_in_flight = max(self.most_in_flight, sum(self.in_flight.values()))
+            try:
+                body = await request.json()
+                self.seen.append({"path": request.path, "body": body,
+                                  "auth": request.headers.get("Authorization"), "rid": rid})
+                if self.unique_ids and self.in_flight[rid] > 1:
+                    return web.json_response({"error": {"message": "duplicate request id"}},
+                                             status=500)
+                await asyncio.sleep(self.hold)
+                return await answer(request, body)
+            finally:
+                self.in_flight[rid] -= 1
+
+        async def answer(request, body):
             if self.status != 200 and self.error_body is not None:
                 return web.Response(status=self.status, body=self.error_body,
                                     content_type="text/html")
@@ -755,12 +775,7 @@ def _post_raw(port, rid, stream):
         c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
                   b"\r\nContent-Length: %d\r\nConnection: close\r\nX-Request-Id: %s\r\n\r\n"
                   % (len(body), rid) + body)
-        data = b""
-        while True:
-            chunk = c.recv(65536)
-            if not chunk:
-                break
-            data += chunk
+        data = recv_to_eof(c)
     head, _, rest = data.partition(b"\r\n\r\n")
     lines = head.decode("latin-1").split("\r\n")
     return lines[0], {k.lower(): v for k, _, v in (x.partition(": ") for x in lines[1:])}, rest
@@ -815,6 +830,48 @@ def test_unusable_request_ids_are_replaced(upstreams, tmp_path, flow):
     assert "\\udcff\\udcfe" in log  # escaped, not written as they are
 
 
+@pytest.mark.parametrize("flow", ["a", "b", "push"])
+def test_a_request_id_in_flight_twice_reaches_vllm_unique(upstreams, proxy, flow):
+    """vLLM takes a request's X-Request-Id into its own request id.  With
+    VLLM_DISABLE_REQUEST_ID_RANDOMIZATION=1 (vLLM 0.32 CPU servers through
+    this proxy, flow a), a second request carrying the id of one still
+    running killed the prefill's engine (AssertionError: duplicate request
+    id); the clients got 500s, later requests hung.  Now a client's id in
+    flight already reaches the upstreams as <id>-<8 hex>, on both legs of
+    that request, counted; each answer carries the client's own id; once
+    the others ended (flow push: their prefill legs too) the id goes as
+    it is again."""
+    p = upstreams("prefill", hold=0.4, unique_ids=True)
+    d = upstreams("decode", hold=0.0 if flow == "push" else 0.4, unique_ids=True)
+    url = proxy([p.url], [d.url], flow=flow)
+    got = {}
+
+    def one(i):
+        req = urllib.request.Request(
+            url + "/v1/completions", method="POST",
+            data=json.dumps({"model": "m", "prompt": f"prompt {i}", "max_tokens": 3}).encode(),
+            headers={"Content-Type": "application/json", "X-Request-Id": "one-id"})
+        with urllib.request.urlopen(req, timeout=20) as r:
+            got[i] = (r.status, r.headers.get("X-Request-Id"), json.loads(r.read()))
+
+    in_threads(one, 4)
+    assert p.most_in_flight >= 2, "the requests did not overlap"
+    assert [got[i][:2] for i in range(4)] == [(200, "one-id")] * 4, got
+    assert all(v[2]["by"] == "decode" for v in got.values()), got
+    assert wait_until(lambda: not +p.in_flight and len(p.seen) == 4, 5), p.in_flight
+    ids = {leg["body"]["prompt"]: leg["rid"] for leg in p.seen}
+    assert {leg["body"]["prompt"]: leg["rid"] for leg in d.seen} == ids  # one id per request
+    assert sorted(ids.values())[0] == "one-id" and len(set(ids.values())) == 4, ids
+    assert all(re.fullmatch(r"one-id-[0-9a-f]{8}", i) for i in sorted(ids.values())[1:]), ids
+    assert get_stats(url)["request_ids_suffixed"] == 3
+    p.seen.clear()
+    one(4)
+    assert got[4][:2] == (200, "one-id") and wait_until(lambda: len(p.seen) == 1, 5)
+    assert [leg["rid"] for leg in p.seen + d.seen[4:]] == ["one-id", "one-id"]
+    assert get_stats(url)["request_ids_suffixed"] == 3
+    assert wait_until(lambda: not +p.in_flight, 5)
+
+
 BAD_CLI = [
     (["--port", "70000"], "--port 70000 is out of range"),
     (["--port", "-1"], "--port -1 is out of range"),
@@ -855,18 +912,6 @@ def test_bad_command_lines_name_the_argument(extra, expect):
     assert expect in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
-def _outward_addr():
-    """This host's IPv4 address towards the outside (a UDP connect sends
-    nothing), or None."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            s.connect(("10.255.255.254", 9))
-            a = s.getsockname()[0]
-        except OSError:
-            return None
-    return None if a.startswith("127.") else a
-
-
 def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -891,7 +936,7 @@ def test_upstream_at_an_address_of_this_host_is_refused():
     this host's own (non-loopback) addresses at its port: a request loop,
     started before (only loopback names were caught).  An address that is
     not this host's, or a specific --host elsewhere, still starts."""
-    addr = _outward_addr()
+    addr = outward_addr()
     if not addr:
         pytest.skip("this host has no non-loopback IPv4 address")
     port = _free_port()
@@ -961,21 +1006,7 @@ def test_slow_header_clients_are_closed(vllm_like, proxy):
     p, d = vllm_like("prefill", slow=2.0), vllm_like("decode")
     url = proxy([p.url], [d.url], extra=("--header-timeout", "1"))
     port = int(url.rsplit(":", 1)[1])
-    s = socket.create_connection(("127.0.0.1", port))
-    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
-    s.settimeout(0.3)
-    t0, closed = time.monotonic(), None
-    while time.monotonic() - t0 < 10:
-        try:
-            if s.recv(100) == b"":
-                closed = time.monotonic() - t0
-                break
-        except socket.timeout:
-            s.sendall(b"X-a: b\r\n")
-        except ConnectionResetError:
-            closed = time.monotonic() - t0
-            break
-    s.close()
+    closed = drip_header(port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
     assert closed is not None and 0.8 <= closed <= 4, closed
     assert get_stats(url)["slow_header_closes"] == 1
     # A non-streamed answer that takes 2 s (the prefill leg): not cut.
@@ -991,12 +1022,7 @@ def test_slow_header_clients_are_closed(vllm_like, proxy):
         time.sleep(0.5)
         s.sendall(body[i:i + len(body) // 5 + 1])
     s.settimeout(20)
-    data = b""
-    while True:
-        chunk = s.recv(65536)
-        if not chunk:
-            break
-        data += chunk
+    data = recv_to_eof(s)
     s.close()
     assert data.startswith(b"HTTP/1.1 200"), data[:200]
     assert get_stats(url)["slow_header_closes"] == 1

@@ -8,9 +8,10 @@ plugin moves them there, since vLLM's own config has no such fields).
 
 Pure Python (no extension): the scheduler process uses it too.  The worker
 validates mooncake.json strictly with the C parser when it starts its engine;
-its keys are checked here already, with the C parser's messages (an unknown
-field, with the field it is a near miss of; a field given twice), so the
-scheduler process does not start on a file the workers refuse.
+its keys and their value types are checked here already, with the C parser's
+messages (an unknown field, with the field it is a near miss of; a field
+given twice; a value of the wrong JSON type, or longer than the C parser
+holds), so the scheduler process does not start on a file the workers refuse.
 """
 import difflib
 import json
@@ -35,6 +36,26 @@ VLLM_KEYS = ("kv_connector", "kv_role", "kv_rank", "kv_parallel_size", "kv_buffe
              "kv_ip", "kv_port")
 STORE_KEYS = ("local_hostname", "global_segment_size", "local_buffer_size",
               "master_server_address", "replica_num", "transfer_timeout")
+# The C parser's "accepted" text per field (k_accepted), for its messages on a
+# value of the wrong type; same_host_cpu is its one boolean field.
+_ACC_URL = '"host:port" with a port in 1..65535, e.g. "192.168.0.137:13003"'
+C_ACCEPTED = {
+    "prefill_url": _ACC_URL,
+    "decode_url": _ACC_URL,
+    "metadata_server": '"P2PHANDSHAKE", "etcd://h:p[,h:p...]", "redis://[:password@]h:p[/db]", '
+                       '"http(s)://h:p/path", or bare "h:p"',
+    "metadata_backend": '"etcd", "redis", "http" (deprecated: prefer a scheme in '
+                        'metadata_server)',
+    "protocol": '"tcp", "rdma"',
+    "device_name": 'comma-separated RDMA NIC names of [A-Za-z0-9_.-], e.g. "erdma_0" or '
+                   '"mlx5_0,mlx5_1"',
+    "auth_secret": 'the peer authentication secret, the same on every engine '
+                   '(docs/security.md); "" = off',
+    "same_host_cpu": "true (default: peers on this host use the same-host CPU path when the "
+                     "OS allows it) or false (they use protocol's path); a JSON boolean",
+}
+C_STR_MAX = 1024   # MC_CFG_STR_MAX: a string field's bytes, with its NUL
+C_MSG_MAX = 512    # MC_ERR_MSG_MAX: an error message's bytes, with its NUL
 KNOBS = {  # extra-config key: (type, default, meaning)
     "hold_timeout_s": (float, 120.0, "producer: how long a finished request's KV stays "
                        "available for a consumer before its blocks are freed"),
@@ -208,7 +229,7 @@ def _read_json(path, what):
 
     def pairs(kv):  # every object's keys; the top level's are the last to come
         top[:] = kv
-        return dict(kv)
+        return _JsonObject(kv)
 
     try:
         data = json.loads(text, object_pairs_hook=pairs)
@@ -236,23 +257,160 @@ def _edit_distance(a: bytes, b: bytes):
     return row[len(b)]
 
 
-def _show(text, limit):
+def _show(text, limit, quote=False):
     """As the C parser's show(): control characters as \\xNN, cut at limit
-    characters with "..."."""
-    out = "".join(f"\\x{ord(c):02x}" if ord(c) < 0x20 or ord(c) == 0x7f else
+    characters with "..."; with quote, in double quotes, inner quotes and
+    backslashes escaped."""
+    out = "".join("\\" + c if quote and c in '"\\' else
+                  f"\\x{ord(c):02x}" if ord(c) < 0x20 or ord(c) == 0x7f else
                   f"\\u{ord(c):04x}" if 0xd800 <= ord(c) < 0xe000 else c
                   for c in text[:limit])
-    return out + ("..." if len(text) > limit else "")
+    out += "..." if len(text) > limit else ""
+    return f'"{out}"' if quote else out
+
+
+class _JsonObject(dict):
+    """A JSON object as read, its pairs kept in file order (duplicates too),
+    so a value of the wrong type is shown as the C parser shows it."""
+
+    def __init__(self, pairs):
+        super().__init__(pairs)
+        self.pairs = list(pairs)
+
+
+def _cjson_string(text):
+    """cJSON's rendering of a string (print_string_ptr)."""
+    esc = {'"': '\\"', "\\": "\\\\", "\b": "\\b", "\f": "\\f", "\n": "\\n",
+           "\r": "\\r", "\t": "\\t"}
+    return '"' + "".join(esc.get(c) or (f"\\u{ord(c):04x}" if ord(c) < 0x20 else c)
+                         for c in text) + '"'
+
+
+def _cjson_number(value):
+    """cJSON's (1.7.15) rendering of a number (print_number): a double, with
+    15 significant digits unless that does not read back (within an
+    epsilon), then 17; NaN and infinities as null."""
+    try:
+        d = float(value)
+    except OverflowError:  # a Python int past the double range: strtod gives inf
+        return "null"
+    if not math.isfinite(d):
+        return "null"
+    short = "%1.15g" % d
+    if abs(float(short) - d) <= max(abs(float(short)), abs(d)) * 2.220446049250313e-16:
+        return short
+    return "%1.17g" % d
+
+
+def _cjson_text(value):
+    """cJSON_PrintUnformatted of a value, as the C parser shows a value of the
+    wrong type."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "null"
+    if isinstance(value, (int, float)):
+        return _cjson_number(value)
+    if isinstance(value, str):
+        return _cjson_string(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(map(_cjson_text, value)) + "]"
+    if isinstance(value, dict):
+        pairs = value.pairs if isinstance(value, _JsonObject) else value.items()
+        return "{" + ",".join(f"{_cjson_string(str(k))}:{_cjson_text(v)}"
+                              for k, v in pairs) + "}"
+    return "?"
+
+
+def _json_type_name(value):
+    """The C parser's json_type_name."""
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if value is None:
+        return "null"
+    if isinstance(value, (list, tuple)):
+        return "an array"
+    if isinstance(value, dict):
+        return "an object"
+    return "an unknown JSON type"
+
+
+def _c_line(msg):
+    """The message as the C parser's error buffer holds it: cut at
+    C_MSG_MAX - 1 bytes, a character cut short by that as one '?' per byte
+    (utf8_clean)."""
+    raw = msg.encode("utf-8", "surrogatepass")
+    if len(raw) < C_MSG_MAX:
+        return msg
+    raw = raw[:C_MSG_MAX - 1]
+    for cut in range(4):
+        try:
+            return raw[:len(raw) - cut].decode("utf-8") + "?" * cut
+        except UnicodeDecodeError:
+            continue
+    return raw.decode("utf-8", "replace")
+
+
+def _origin_shown(origin):
+    """The file's name as the C parser's messages show it (ctx_init): over 120
+    bytes, "..." and its last 117 bytes from a character's start; bytes that
+    are not UTF-8 as \\xNN."""
+    raw, head = os.fsencode(origin), ""
+    if len(raw) > 120:
+        raw, head = raw[len(raw) - 117:].lstrip(bytes(range(0x80, 0xc0))), "..."
+    return head + "".join(f"\\x{ord(c) - 0xdc00:02x}" if 0xdc80 <= ord(c) <= 0xdcff else
+                          _show(c, 1) for c in raw.decode("utf-8", "surrogateescape"))
+
+
+def _value_error(shown, key, value):
+    """The C parser's message (check_object) on mooncake.json field key's
+    value when its JSON type is wrong or it is too long; None when it is
+    fine."""
+    accepted = C_ACCEPTED[key]
+    if key == "same_host_cpu":
+        if isinstance(value, bool):
+            return None
+        return _c_line(f'{shown}: field "{key}": value {_show(_cjson_text(value), 80)} is '
+                       f"{_json_type_name(value)}; expected true or false; accepted: {accepted}")
+    if not isinstance(value, str):
+        # As the C parser, never the secret's text, even of the wrong type.
+        text = "?" if key == "auth_secret" else _show(_cjson_text(value), 80)
+        return _c_line(f'{shown}: field "{key}": value {text} is {_json_type_name(value)}; '
+                       f"expected a string; accepted: {accepted}")
+    size = len(value.encode("utf-8", "surrogatepass"))
+    if size >= C_STR_MAX:
+        text = "" if key == "auth_secret" else f"value {_show(value, 80, quote=True)} "
+        return _c_line(f'{shown}: field "{key}": {text}is {size} bytes long; at most '
+                       f"{C_STR_MAX - 1} are accepted; accepted: {accepted}")
+    return None
+
+
+def _check_values(items, origin):
+    """The mooncake fields' values as the worker's C parser gets them
+    (lifecycle.start_engine: the file's fields with kv_connector_extra_config's
+    on top, None dropped): one of the wrong type is refused with its
+    message."""
+    shown = _origin_shown(origin)
+    for key, value in items:
+        if value is not None and key in C_ACCEPTED:
+            msg = _value_error(shown, key, value)
+            if msg:
+                raise SettingsError(msg)
 
 
 def _check_fields(pairs, origin):
-    """mooncake.json's top-level keys, in file order, as the C parser checks
-    them: an unknown one (with the field it is closest to, within two
-    edits) or one given twice is a SettingsError with the C parser's
+    """mooncake.json's top-level fields, in file order, as the C parser checks
+    them: an unknown key (with the field it is closest to, within two
+    edits), one given twice, or a value of the wrong JSON type (or longer
+    than the C parser holds) is a SettingsError with the C parser's
     message."""
-    shown = _show(origin if len(origin) <= 120 else "..." + origin[-117:], 120)
+    shown = _origin_shown(origin)
     seen = set()
-    for key, _ in pairs:
+    for key, value in pairs:
         if key not in C_FIELDS:
             hint = ""
             dist = [_edit_distance(key.encode(), f.encode()) for f in C_FIELDS]
@@ -262,12 +420,15 @@ def _check_fields(pairs, origin):
                 hint = " (it belongs in vLLM's --kv-transfer-config, not mooncake.json)"
             if key in STORE_KEYS:
                 hint = " (a Mooncake Store setting; this connector does not use it: remove it)"
-            raise SettingsError(f'{shown}: field "{_show(key, 80)}": unknown field{hint}; '
-                                f'accepted: {", ".join(C_FIELDS)}')
+            raise SettingsError(_c_line(f'{shown}: field "{_show(key, 80)}": unknown '
+                                        f'field{hint}; accepted: {", ".join(C_FIELDS)}'))
         if key in seen:
             raise SettingsError(f'{shown}: field "{key}": appears more than once; accepted: '
                                 "each field once")
         seen.add(key)
+        msg = _value_error(shown, key, value)
+        if msg:
+            raise SettingsError(msg)
 
 
 def _coerce(key, typ, value):
@@ -352,6 +513,8 @@ def resolve(kv_transfer_config, env=None):
     for k in MOONCAKE_FIELDS:
         if k in extra:
             s.mooncake[k] = extra.pop(k)
+    _check_values(s.mooncake.items(),
+                  os.fspath(s.config_path) if s.config_path else "kv_connector_extra_config")
     s.kv_rank = _int_field("kv_rank", extra.pop("kv_rank", None), lo=0)
     s.kv_parallel_size = _int_field("kv_parallel_size", extra.pop("kv_parallel_size", None),
                                     lo=1)
