@@ -17,6 +17,9 @@ from mooncake_connector.connector.stats import recompute_reason
 
 logger = logging.getLogger("vllm.mooncake_connector")
 TRACE = os.environ.get("MC_PUSH_TRACE") == "1"  # log each push layer load's timeline
+# A release (Loads.release) holds a pull thread this long at most: a producer
+# that does not answer frees the prompt at hold_timeout_s anyway.
+RELEASE_TIMEOUT_S = 5.0
 
 
 def rows(spec):
@@ -93,7 +96,7 @@ class Loads:
             for name, _ in route:
                 try:
                     self.releasing.append(w.kv.pull_start(
-                        name, tokens, [], timeout=w.s.load_timeout_s,
+                        name, tokens, [], timeout=min(w.s.load_timeout_s, RELEASE_TIMEOUT_S),
                         extents_per_block=w.layout.extents_per_block,
                         skip_blocks=len(tokens) // w.block_size))
                 except (MooncakeError, ValueError) as e:
