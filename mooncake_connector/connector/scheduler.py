@@ -72,6 +72,8 @@ class SchedulerSide:
         self._push_dropped = []   # producer: push transfer ids that ended without KV
         self._push_gone = []      # consumer: push requests ended without a target sent
         self._releases = []       # consumer: (tokens, producer, producer_tp) not to be pulled
+        self._to_release = {}     # consumer: req_id -> full-block tokens, released once
+                                  # vLLM has allocated its blocks (update_state_after_alloc)
         self._published = {}      # req_id -> published tokens
         self._reqs = {}           # producer: req_id -> Request while it runs
         self._blocks = {}         # producer: req_id -> block ids (when no cache manager)
@@ -275,8 +277,7 @@ class SchedulerSide:
                 self._tried.add(request.request_id)
                 self._gone(request, src)
             else:
-                self._tried.add(request.request_id)
-                self._release(request, src, n_full)
+                self._to_release[request.request_id] = n_full  # once it is scheduled
             return 0, False
         if src[0] in ("B", "P") and src[1] is not None and not _is_hostport(src[1]):
             # vLLM's in-tree contract names the producer by its engine id; ours
@@ -326,8 +327,7 @@ class SchedulerSide:
         ext = held - num_computed_tokens
         if ext <= 0:
             if producer_holds:  # and this side reads none of it
-                self._tried.add(request.request_id)
-                self._release(request, src, n_full)
+                self._to_release[request.request_id] = n_full  # once it is scheduled
             return 0, False
         self._claims[request.request_id] = (held, sync)
         return ext, not sync
@@ -362,6 +362,15 @@ class SchedulerSide:
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens):
         self._probed.pop(request.request_id, None)
+        n_rel = self._to_release.pop(request.request_id, None)
+        if n_rel is not None and num_external_tokens <= 0:
+            # Scheduled on its local prefix-cache hit: the decision stands
+            # (were it not scheduled, e.g. no free blocks, the next step
+            # decides again, its hit maybe evicted meanwhile).
+            src = self._source(request)
+            if src is not None:
+                self._tried.add(request.request_id)
+                self._release(request, src, n_rel)
         if self.s.is_producer and request.request_id not in self._reqs:
             self._reqs[request.request_id] = request
         if num_external_tokens <= 0:
@@ -611,6 +620,7 @@ class SchedulerSide:
             if src is not None and src[0] == "P":
                 self._gone(request, src)
         self._claims.pop(rid, None)
+        self._to_release.pop(rid, None)
         self._probed.pop(rid, None)
         if self._asked.pop(rid, None) is not None:
             self._probe.forget(rid)
