@@ -154,7 +154,7 @@ class Deployment:
     def __init__(self, workdir, model, connector=None, flows=("a",), colocated=True,
                  max_model_len=2048, kv_cache_bytes=64 << 20, python=None, extra_vllm_args=(),
                  env=None, extra_proxies=None, colocated_proxy=False, side_args=None,
-                 decode_extra_config=None):
+                 decode_extra_config=None, prefix_caching=False):
         """flows: one proxy per flow, named by it (first token from prefill);
         side_args: {"prefill"|"decode"|"colocated": [vLLM args]} for one side
         only (e.g. --tensor-parallel-size; the colocated reference should
@@ -163,7 +163,10 @@ class Deployment:
         {"flow": "a", "first_token": "decode"}}; colocated_proxy: also a
         pass-through proxy in front of the colocated server
         (self.colocated_proxy); decode_extra_config: keys merged into the
-        decode side's kv_connector_extra_config (e.g. push_layer_load_max_batch)."""
+        decode side's kv_connector_extra_config (e.g. push_layer_load_max_batch);
+        prefix_caching: every vLLM server of this deployment keeps vLLM's
+        default (prefix caching on), as the seed's commands run them,
+        instead of serving.BASE_VLLM_ARGS's --no-enable-prefix-caching."""
         self.workdir = os.path.abspath(workdir)
         os.makedirs(self.workdir, exist_ok=True)
         self.model = model
@@ -174,7 +177,8 @@ class Deployment:
         # (--distributed-executor-backend uni would save a process, but vLLM's
         # CPU platform turns it back into "mp": docs/vllm-cpu.md.)
         common = dict(model=model, max_model_len=max_model_len, kv_cache_bytes=kv_cache_bytes,
-                      extra_args=list(extra_vllm_args), python=python)
+                      extra_args=list(extra_vllm_args), python=python,
+                      prefix_caching=prefix_caching)
         env = dict(env or {})
         side = {k: list(v) for k, v in (side_args or {}).items()}
         unknown = set(side) - {"prefill", "decode", "colocated"}

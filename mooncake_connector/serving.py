@@ -291,12 +291,17 @@ def _group_alive(pgid, timeout):
 
 
 def vllm_server(name, model, port, log_path, kv_transfer_config=None, env=None,
-                max_model_len=2048, kv_cache_bytes=64 << 20, extra_args=(), python=None):
-    """A vLLM OpenAI API server on the CPU backend (not started yet)."""
+                max_model_len=2048, kv_cache_bytes=64 << 20, extra_args=(), python=None,
+                prefix_caching=False):
+    """A vLLM OpenAI API server on the CPU backend (not started yet).
+    prefix_caching: vLLM's default (on) instead of BASE_VLLM_ARGS's
+    --no-enable-prefix-caching, as users run the seed's commands."""
+    base = [a for a in BASE_VLLM_ARGS if not (prefix_caching and
+                                               a == "--no-enable-prefix-caching")]
     cmd = [python or sys.executable, "-m", "vllm.entrypoints.openai.api_server",
            "--model", model, "--served-model-name", "tiny", "--host", "127.0.0.1",
            "--port", str(port), "--max-model-len", str(max_model_len),
-           "--kv-cache-memory-bytes", str(kv_cache_bytes), *BASE_VLLM_ARGS, *extra_args]
+           "--kv-cache-memory-bytes", str(kv_cache_bytes), *base, *extra_args]
     if kv_transfer_config is not None:
         cmd += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
     p = Process(name, cmd, log_path, env=dict(VLLM_ENV, **(env or {})),

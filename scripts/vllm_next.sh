@@ -25,7 +25,8 @@ ver="${MC_VLLM_NEXT:-0.34.0}"
 py="$repo/.venv/bin/python"
 overlay="$repo/.cache/vllm-$ver"
 tests=(tests/test_connector_vllm.py tests/test_connector_api.py tests/test_connector_v034.py
-       tests/test_intree_worker.py tests/test_push_layer_load.py tests/test_failed_load_prefix_cache.py)
+       tests/test_intree_worker.py tests/test_push_layer_load.py tests/test_failed_load_prefix_cache.py
+       tests/test_prefix_cache_release.py)
 
 if [ ! -f "$overlay/.complete" ]; then
     t0=$SECONDS

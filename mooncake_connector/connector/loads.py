@@ -17,6 +17,9 @@ from mooncake_connector.connector.stats import recompute_reason
 
 logger = logging.getLogger("vllm.mooncake_connector")
 TRACE = os.environ.get("MC_PUSH_TRACE") == "1"  # log each push layer load's timeline
+# A release (Loads.release) holds a pull thread this long at most: a producer
+# that does not answer frees the prompt at hold_timeout_s anyway.
+RELEASE_TIMEOUT_S = 5.0
 
 
 def rows(spec):
@@ -47,6 +50,7 @@ class Loads:
         self.layered = []     # this step's push layer loads (push_layer_load)
         self.waited = set()   # layer names wait_for_layer_load saw in this step
         self._shc_read = 0    # the engine's same-host CPU READ bytes, last seen
+        self.releasing = []   # pull ids of releases (pulls of no blocks), until polled
 
     def start(self, meta):
         """Queue each load on the engine's pull threads (C, no Python thread:
@@ -70,6 +74,43 @@ class Loads:
                 sync.append(spec.req_id)
         if sync:
             self._wait_sync(sync)
+
+    def release(self, specs):
+        """Prompts this consumer will not pull although a producer may hold
+        them for it (SchedulerSide._release: in the local prefix cache): a
+        pull of no blocks (skip_blocks = all of them) to each producer rank
+        the route names.  The producer matches and consumes its entry as for
+        a pull, leases nothing and frees the KV; nothing lands here and
+        nothing waits for the answer (polled by finished())."""
+        from mooncake_connector import MooncakeError
+
+        w = self.w
+        for tokens, producer, producer_tp in specs:
+            if w.kv is None or w.layout is None:
+                return
+            try:
+                route = w.routes.route(producer or w.default_producer, producer_tp=producer_tp)
+            except (SettingsError, MooncakeError, ValueError) as e:
+                logger.info("MooncakeConnector: no producer to release a prompt at (%s)", e)
+                continue
+            for name, _ in route:
+                try:
+                    self.releasing.append(w.kv.pull_start(
+                        name, tokens, [], timeout=min(w.s.load_timeout_s, RELEASE_TIMEOUT_S),
+                        extents_per_block=w.layout.extents_per_block,
+                        skip_blocks=len(tokens) // w.block_size))
+                except (MooncakeError, ValueError) as e:
+                    logger.info("MooncakeConnector: releasing a prompt at %s: %s", name, e)
+
+    def _poll_releases(self):
+        left = []
+        for pid in self.releasing:
+            try:
+                if self.w.kv.pull_poll(pid) is None:
+                    left.append(pid)
+            except Exception:  # noqa: BLE001 - unknown id (engine closed): nothing to free
+                pass
+        self.releasing = left
 
     def wait_layer(self, layer_name):
         """Push layer load: block (GIL released) until this layer's KV landed
@@ -296,6 +337,8 @@ class Loads:
     def finished(self, idle):
         """Loads over since the last call (finished_recving)."""
         w, done = self.w, set()
+        if self.releasing:
+            self._poll_releases()
         self._poll_all(done)
         if (idle and not done and self.loading and w.push_c is not None
                 and w.s.idle_wait_ms > 0
@@ -344,9 +387,10 @@ class Loads:
         keep its result for the next get_finished; no pull id outlives the
         engine."""
         w = self.w
-        ids = [i for ld in self.loading.values() for i in ld.running()]
+        ids = [i for ld in self.loading.values() for i in ld.running()] + self.releasing
         while ids and not w.kv.pull_wait(ids, timeout=w.s.load_timeout_s + 5):
             logger.warning("MooncakeConnector: KV loads still running before sleep")
+        self._poll_releases()
         for ld in self.loading.values():  # reported by the next get_finished
             for name, pid in ld.pulls.items():
                 if pid is None or name in ld.results:

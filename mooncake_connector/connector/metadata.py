@@ -49,6 +49,9 @@ class MooncakeConnectorMetadata(KVConnectorMetadata):
     # consumer: (transfer id, producer, producer_tp) of push requests that end
     # without a target sent (the producers are told: a cancel)
     push_gone: list = field(default_factory=list)
+    # consumer, flows A/B: (tokens, producer, producer_tp) of prompts it will
+    # not pull (in its prefix cache): the producers are told to free them
+    releases: list = field(default_factory=list)
     idle: bool = False  # the step schedules no tokens (producer: may wait for releases)
     load_errors: list = field(default_factory=list)  # consumer: block ids to report failed
                                                      # again (SchedulerSide.on_load_errors)

@@ -75,6 +75,9 @@ class SchedulerSide:
         self._unpublish = []
         self._push_dropped = []   # producer: push transfer ids that ended without KV
         self._push_gone = []      # consumer: push requests ended without a target sent
+        self._releases = []       # consumer: (tokens, producer, producer_tp) not to be pulled
+        self._to_release = {}     # consumer: req_id -> full-block tokens, released once
+                                  # vLLM has allocated its blocks (update_state_after_alloc)
         self._published = {}      # req_id -> published tokens
         self._reqs = {}           # producer: req_id -> Request while it runs
         self._blocks = {}         # producer: req_id -> block ids (when no cache manager)
@@ -191,6 +194,30 @@ class SchedulerSide:
             self._push_gone.append((transfer_id(params), src[1],
                                     _int_or_none(params.get("tp_size"))))
 
+    def _release(self, request, src, n_full):
+        """Flow A/B: this consumer will not pull a prompt its producer may
+        hold for it (every full block it would read is in the local prefix
+        cache, or only the block holding the last token is left, which this
+        step computes): the workers send each producer rank of its route a
+        pull of no blocks with the next metadata (Loads.release).  That
+        consumes the producer's entry as the pull would have, so it frees
+        the prompt's KV now instead of holding it until hold_timeout_s; a
+        producer holding nothing answers a miss."""
+        params = getattr(request, "kv_transfer_params", None) or {}
+        if n_full < self.block_size or (src[1] is not None and not _is_hostport(src[1])):
+            return
+        if src[0] == "B" and params.get("num_tokens") == 0:
+            return  # the producer published nothing
+        if src[0] == "A" and self._probe is not None:
+            why = getattr(self._probe, "last_unreachable", None)
+            done, held = self._probe.answer(request.request_id)  # taken: it is not needed
+            self._probe.last_unreachable = why
+            if done and held == 0:
+                return  # its probe found nothing there
+        self._releases.append((list(request.prompt_token_ids[:n_full]), src[1],
+                               _int_or_none(params.get("tp_size"))))
+        self.stats.add("load_releases")
+
     def _check_unloadable(self, request, src):
         """Counts requests a consumer was meant to load but cannot (decided
         before any load: no params, or the producer published nothing)."""
@@ -240,15 +267,22 @@ class SchedulerSide:
                 self._check_unloadable(request, src)
             return 0, False  # one load per request: after a miss or failure, compute
         n_full = self._full_tokens(request)
-        if n_full - num_computed_tokens <= 0:
+        # A local prefix-cache hit of every full block before the last
+        # token's block: the rest (nothing, or the block holding the last
+        # token of a block-aligned prompt) is computed here in this step
+        # rather than waited for (a push, or an async load: two more steps).
+        last = (len(request.prompt_token_ids or ()) - 1) // self.block_size * self.block_size
+        if n_full - num_computed_tokens <= 0 or 0 < last <= num_computed_tokens:
             if num_computed_tokens == 0:
                 self._check_unloadable(request, src)
             elif src[0] == "P":
-                # Every full block is in this side's prefix cache: nothing is
-                # pushed, so the producer is told now (it frees the prompt's
-                # KV instead of holding it for a target until hold_timeout_s).
+                # Nothing is pushed, so the producer is told now (it frees the
+                # prompt's KV instead of holding it for a target until
+                # hold_timeout_s).
                 self._tried.add(request.request_id)
                 self._gone(request, src)
+            else:
+                self._to_release[request.request_id] = n_full  # once it is scheduled
             return 0, False
         if src[0] in ("B", "P") and src[1] is not None and not _is_hostport(src[1]):
             # vLLM's in-tree contract names the producer by its engine id; ours
@@ -288,6 +322,7 @@ class SchedulerSide:
         nbytes = None if self.block_bytes is None else \
             (held - num_computed_tokens) // self.block_size * self.block_bytes
         sync = nbytes is not None and nbytes <= self.s.sync_load_max_bytes
+        producer_holds = held > 0
         if sync:
             # The step must compute >= 1 token: a block-aligned prompt leaves
             # its last block to local compute (an async load would recompute
@@ -296,6 +331,8 @@ class SchedulerSide:
             held = min(held, last // self.block_size * self.block_size)
         ext = held - num_computed_tokens
         if ext <= 0:
+            if producer_holds:  # and this side reads none of it
+                self._to_release[request.request_id] = n_full  # once it is scheduled
             return 0, False
         self._claims[request.request_id] = (held, sync)
         return ext, not sync
@@ -366,6 +403,15 @@ class SchedulerSide:
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens):
         self._probed.pop(request.request_id, None)
+        n_rel = self._to_release.pop(request.request_id, None)
+        if n_rel is not None and num_external_tokens <= 0:
+            # Scheduled on its local prefix-cache hit: the decision stands
+            # (were it not scheduled, e.g. no free blocks, the next step
+            # decides again, its hit maybe evicted meanwhile).
+            src = self._source(request)
+            if src is not None:
+                self._tried.add(request.request_id)
+                self._release(request, src, n_rel)
         if self.s.is_producer and request.request_id not in self._reqs:
             self._reqs[request.request_id] = request
         if num_external_tokens <= 0:
@@ -597,6 +643,7 @@ class SchedulerSide:
         meta.unpublish, self._unpublish = self._unpublish, []
         meta.push_dropped, self._push_dropped = self._push_dropped, []
         meta.push_gone, self._push_gone = self._push_gone, []
+        meta.releases, self._releases = self._releases, []
         meta.idle = not getattr(so, "total_num_scheduled_tokens", 1) and not meta.loads
         return meta
 
@@ -614,6 +661,7 @@ class SchedulerSide:
             if src is not None and src[0] == "P":
                 self._gone(request, src)
         self._claims.pop(rid, None)
+        self._to_release.pop(rid, None)
         self._probed.pop(rid, None)
         if self._asked.pop(rid, None) is not None:
             self._probe.forget(rid)

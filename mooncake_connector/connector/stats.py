@@ -30,7 +30,7 @@ COUNTERS = ("loads", "loads_in_step", "loads_failed", "load_bytes", "load_bytes_
             "push_target_resends", "push_fence_cuts", "push_untargeted_cancels",
             "push_bytes_same_host_cpu", "push_gate_host_batches", "malloc_trims",
             "malloc_trim_freed_bytes",
-            "load_error_blocks_uncached",
+            "load_error_blocks_uncached", "load_releases",
             *(f"recompute_{r}" for r in RECOMPUTE_REASONS))
 GAUGES = ("held_bytes", "lookup_entries", "loads_in_flight")
 
@@ -161,6 +161,9 @@ PROM_COUNTERS = {
     "push_target_resends": ("vllm:mooncake_push_target_resends_total",
                             "Consumer: push targets sent again after a send that may have "
                             "been lost (timed out, reset), within the lease"),
+    "load_releases": ("vllm:mooncake_load_releases_total",
+                      "Consumer: prompts a producer held for it that it did not pull (their "
+                      "blocks in its prefix cache): the producer ranks told to free the KV"),
     "push_untargeted_cancels": ("vllm:mooncake_push_untargeted_cancels_total",
                                 "Consumer: push requests that ended without sending their "
                                 "producer a target (aborted before their load, prompt all in "

