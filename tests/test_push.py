@@ -723,9 +723,12 @@ def _held_refs(d, ids):
     return [pool.blocks[b].ref_cnt for b in ids]
 
 
-@pytest.mark.parametrize("then", ["resumed", "killed"])
+@pytest.mark.parametrize("then,abort", [("resumed", False), ("killed", False),
+                                        ("resumed", True)],
+                         ids=["resumed", "killed", "aborted-resumed"])
 def test_stopped_same_host_producer_keeps_the_blocks_out_of_reuse(sides, model_dir, urls,
-                                                                   monkeypatch, then):  # noqa: F811
+                                                                   monkeypatch, then,
+                                                                   abort):  # noqa: F811
     """A producer process on this host (the same-host CPU path on: it would
     copy into the decode's blocks itself, process_vm_writev, no connection
     of ours to cut) took the target and is SIGSTOPped; it never answers the
@@ -737,7 +740,8 @@ def test_stopped_same_host_producer_keeps_the_blocks_out_of_reuse(sides, model_d
     blocks go back; SIGKILLed instead, its exit gives them back.  (Before:
     the blocks went back at the lease's end + grace, so a copy the stopped
     producer finished after SIGCONT landed in blocks vLLM may have given to
-    another request.)"""
+    another request.)  Aborted while waiting: vLLM frees the blocks when the
+    load is reported over (lease + grace); they stay held the same way."""
     import json
     import os
     import signal
@@ -765,11 +769,13 @@ def test_stopped_same_host_producer_keeps_the_blocks_out_of_reuse(sides, model_d
         ids = d.block_ids("q")[:3]
         assert child.stdout.readline().strip() == "target"
         os.kill(child.pid, signal.SIGSTOP)
+        if abort:
+            d.sched.finish_requests("q", RequestStatus.FINISHED_ABORTED)
         assert d.run_until(lambda: "q" not in d.sched.requests, steps=4000)
         took = time.monotonic() - t0
-        # The request ended in its bound, computed here (recompute), as before.
+        # The request ended in its bound (computed here, or aborted), as before.
         assert lt + push.PUSH_GRACE_S - 0.1 <= took < lt + push.PUSH_GRACE_S + 2.0, took
-        assert d.computed["q"] == len(t) + 1
+        assert d.computed.get("q") == (None if abort else len(t) + 1)
         # ... but the blocks lent to the stopped producer are not free.
         for _ in range(20):
             d.step()
@@ -791,3 +797,33 @@ def test_stopped_same_host_producer_keeps_the_blocks_out_of_reuse(sides, model_d
             os.kill(child.pid, signal.SIGCONT)
             child.kill()
         child.wait()
+
+
+def test_a_pid_is_watched_only_if_it_names_the_describing_engine():
+    """push._same_process: the pid a producer's descriptor gives is taken
+    for that producer only if the process under that number here holds the
+    descriptor's regions-version memfd with its token (a pid from another
+    pid namespace names another process here, or none)."""
+    import json
+    import os
+
+    from mooncake_connector import _core
+    from mooncake_connector.connector import push
+
+    from mooncake_connector import serving
+
+    e = _core.TransferEngine()
+    try:
+        e.initialize(f"127.0.0.1:{serving.free_port()}", "P2PHANDSHAKE", "tcp", "")
+        d = json.loads(e.get_metadata())
+        gen = d.get("gen")
+        assert gen and d["pid"] == os.getpid(), d
+        assert push._same_process(os.getpid(), gen)
+        wrong = dict(gen, token=f"{int(gen['token'], 16) ^ 1:016x}")
+        assert not push._same_process(os.getpid(), wrong)  # another engine's page
+        assert not push._same_process(1, gen)  # another process under that number
+        assert not push._same_process(os.getpid(), None)
+        assert not push.process_alive(2 ** 22 + 12345)  # no such process
+        assert push.process_alive(os.getpid(), push._pidfd(os.getpid()))
+    finally:
+        e.close()

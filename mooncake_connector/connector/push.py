@@ -48,6 +48,7 @@ import os
 import queue
 import functools
 import select
+import sys
 import threading
 import time
 from array import array
@@ -366,9 +367,14 @@ class Outbox:
 
     def forget_who(self, target):
         """`target`'s connection went: it may come back as another process
-        (a restart); learned again before the next message to it."""
+        (a restart); learned again before the next message to it.  Not while
+        the process known under that name still runs (a stopped one loses
+        its connections to our fence: it is still the same process)."""
         with self._lock:
-            w = self._who.pop(target, None)
+            w = self._who.get(target)
+            if w is not None and process_alive(*w):
+                return
+            self._who.pop(target, None)
             self._who_failed.pop(target, None)
         _close_fd(w)
 
@@ -388,7 +394,15 @@ class Outbox:
             pid = d.get("pid")
             same = self._host and _boot_id(d.get("host_id")) == self._host
             if same and isinstance(pid, int) and 0 < pid != os.getpid():
-                who = (pid, _pidfd(pid))
+                fd = _pidfd(pid)  # first: the process checked below is the one it watches
+                if _same_process(pid, d.get("gen")) and process_alive(pid, fd):
+                    who = (pid, fd)
+                else:  # another pid namespace (a container), gone, or not ours to read
+                    _close_fd((pid, fd))
+                    logger.info("MooncakeConnector push: producer %s runs on this host but "
+                                "its process cannot be watched from here (another pid "
+                                "namespace?); blocks it did not answer for go back at the "
+                                "lease's end", target)
         except Exception as e:  # noqa: BLE001 - not known: tried again at a later send
             logger.debug("MooncakeConnector push: could not describe %s: %s", target, e)
             with self._lock:
@@ -504,6 +518,24 @@ def _boot_id(host_id):
     """The boot id of a descriptor's host identity ("boot id/hostname"):
     one kernel, one host.  "" if not said."""
     return host_id.split("/", 1)[0] if isinstance(host_id, str) else ""
+
+
+def _same_process(pid, gen):
+    """Whether process `pid`, as numbered here, is the engine that described
+    itself: the descriptor's "gen" names a sealed memfd page of that engine
+    holding a random token (the same-host GPU path watches it), which must
+    be open in that process under that fd.  A number from another pid
+    namespace names another process here, or none."""
+    try:
+        path = f"/proc/{pid}/fd/{int(gen['fd'])}"
+        token = int(gen["token"], 16)
+        if not os.readlink(path).startswith("/memfd:mc-regions-gen"):
+            return False
+        with open(path, "rb") as f:
+            head = f.read(16)
+        return len(head) == 16 and int.from_bytes(head[8:16], sys.byteorder) == token
+    except (OSError, KeyError, TypeError, ValueError):
+        return False
 
 
 def _pidfd(pid):
