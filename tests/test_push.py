@@ -781,6 +781,17 @@ def test_stopped_same_host_producer_keeps_the_blocks_out_of_reuse(sides, model_d
             d.step()
         assert all(r >= 1 for r in _held_refs(d, ids)), _held_refs(d, ids)
         assert not d.is_empty()
+        # Another request scheduled now gets other blocks (vLLM hands out the
+        # blocks freed last first: before, these very ones).
+        d.add(make_request("other", toks(32, 3 * BS + 2), max_tokens=2))
+        got = []
+        for _ in range(50):
+            d.step()
+            if "other" in d.sched.requests and d.block_ids("other"):
+                got = d.block_ids("other")
+                break
+        assert got and not set(got) & set(ids), (got, ids)
+        assert d.run_until(lambda: "other" not in d.sched.requests, steps=200)
         assert counters(d).get("push_fence_holds") == 1, counters(d)
         assert counters(d).get("push_fence_cuts") == 1, counters(d)
         if then == "resumed":

@@ -188,13 +188,15 @@ class WorkerSide:
         (push.PushConsumer._hold): back once it answers or exits.  vLLM
         keeps stepping while any are held (has_pending_push_work); a step
         with nothing else to do waits for the answer asleep on the engine's
-        notifications, up to idle_wait_ms."""
+        notifications (its answer wakes it), up to idle_wait_max_ms: a
+        stopped producer may stay stopped for minutes."""
         pc = self.push_c
         pc.poll_holds()
+        wait_ms = max(self.s.idle_wait_ms, self.s.idle_wait_max_ms)
         if (self._idle and pc.held and not self.loads.loading and self.s.idle_wait_ms > 0
                 and self.engine is not None):
             try:
-                self.engine.wait_notifies(self.s.idle_wait_ms / 1000.0)
+                self.engine.wait_notifies(wait_ms / 1000.0)
             except Exception:  # noqa: BLE001 - closed meanwhile
                 return
             self.drain_notifies()
