@@ -835,6 +835,23 @@ def test_a_pid_is_watched_only_if_it_names_the_describing_engine():
         assert not push._same_process(1, gen)  # another process under that number
         assert not push._same_process(os.getpid(), None)
         assert not push.process_alive(2 ** 22 + 12345)  # no such process
-        assert push.process_alive(os.getpid(), push._pidfd(os.getpid()))
+        fd = push._pidfd(os.getpid())
+        assert push.process_alive(os.getpid(), fd)
+        os.close(fd)
     finally:
         e.close()
+
+
+def test_hold_events_cross_the_worker_process_boundary():
+    """holds.HoldEvents travels from a worker process to the scheduler the
+    way vLLM's multiprocess executor sends a step's output (pickle), and
+    the ranks' events aggregate into one list."""
+    import pickle
+
+    from mooncake_connector.connector.holds import HoldEvents
+
+    a = HoldEvents([("w0", "hold", "q", [[1, 2, 3]])])
+    b = pickle.loads(pickle.dumps(HoldEvents([("w1", "release", "q")]),
+                                  protocol=pickle.HIGHEST_PROTOCOL))
+    assert pickle.loads(pickle.dumps(a.aggregate(b))).events == [
+        ("w0", "hold", "q", [[1, 2, 3]]), ("w1", "release", "q")]
