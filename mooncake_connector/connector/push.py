@@ -366,16 +366,17 @@ class Outbox:
                 return pid, -1
 
     def forget_who(self, target):
-        """`target`'s connection went: it may come back as another process
-        (a restart); learned again before the next message to it.  Not while
-        the process known under that name still runs (a stopped one loses
-        its connections to our fence: it is still the same process)."""
+        """`target`'s connection went: a same-host process known under that
+        name that has exited may come back as another one (a restart),
+        learned again before the next message to it.  Kept while that
+        process still runs (a stopped one loses its connections to our
+        fence: still the same process), and for a peer on another host (no
+        describe on the way to a cut link)."""
         with self._lock:
             w = self._who.get(target)
-            if w is not None and process_alive(*w):
+            if w is None or process_alive(*w):
                 return
-            self._who.pop(target, None)
-            self._who_failed.pop(target, None)
+            del self._who[target]
         _close_fd(w)
 
     def _learn(self, target, timeout):
