@@ -34,16 +34,13 @@ DEFAULT_OK = {
     "get_transfer_results": "results come back through get_finished / load errors",
     "get_kv_connector_kv_cache_events": "publishes no KV cache events",
     "get_handshake_metadata": "peers find each other through the metadata service",
-    "build_connector_worker_meta": "no worker -> scheduler metadata besides get_finished",
     "bind_kv_cache_manager": "block ids come from the scheduler output / the manager getter",
     "bind_gpu_block_pool": "does not touch the block pool",
     "get_loaded_kv_cache_group_ids": "loads every KV cache group (no HMA split yet)",
     "get_external_cache_hit_sources": "one source (the producer); vLLM's default label",
-    "update_connector_output": "finished sets are per worker; nothing to aggregate",
     "register_finished_partial_tail": "partial tail blocks are never published",
     "take_events": "publishes no KV cache events",
     "has_pending_block_frees": "frees go through finished_sending",
-    "has_pending_push_work": "consumer pulls; the producer never pushes on its own",
     "get_required_kvcache_layout": "layout.py reads whatever layout vLLM gives; LBHNC not "
                                    "asked for (not measured yet, docs/connector.md)",
     "supports_lookahead_block_hashes": "vLLM >= 0.34: False (default); lookups hash the "

@@ -699,3 +699,159 @@ def test_decode_with_the_prompt_cached_tells_the_producer(sides):
     assert _frees_at_once(p), [(x, j.targets) for x, j in pp.jobs.items()]
     assert d.run_until(lambda: "q" not in d.sched.requests, steps=50) and not d.recvd
     assert counters(d).get("push_untargeted_cancels") == 1
+
+
+STOP_CHILD = """
+import json, sys, time
+sys.path.insert(0, sys.argv[1])
+from vllm_harness import Side
+p = Side(sys.argv[2], "kv_producer", json.loads(sys.argv[3]), block_size=int(sys.argv[5]))
+pp = p.worker._worker.push_p
+told = False
+print("ready", flush=True)
+while True:
+    p.step()
+    if not told and sys.argv[4] in pp.early:
+        print("target", flush=True)
+        told = True
+    time.sleep(0.001)
+"""
+
+
+def _held_refs(d, ids):
+    pool = d.sched.kv_cache_manager.block_pool
+    return [pool.blocks[b].ref_cnt for b in ids]
+
+
+@pytest.mark.parametrize("then,abort", [("resumed", False), ("killed", False),
+                                        ("resumed", True)],
+                         ids=["resumed", "killed", "aborted-resumed"])
+def test_stopped_same_host_producer_keeps_the_blocks_out_of_reuse(sides, model_dir, urls,
+                                                                   monkeypatch, then,
+                                                                   abort):  # noqa: F811
+    """A producer process on this host (the same-host CPU path on: it would
+    copy into the decode's blocks itself, process_vm_writev, no connection
+    of ours to cut) took the target and is SIGSTOPped; it never answers the
+    cancel.  The decode's request still ends within its bound (lease +
+    grace: recomputed, as before), but its load's blocks are not given back
+    to vLLM (a reference held in the block pool: no other request gets
+    them) while that process lives without answering; counted
+    push_fence_holds.  After SIGCONT the producer answers the cancel and the
+    blocks go back; SIGKILLed instead, its exit gives them back.  (Before:
+    the blocks went back at the lease's end + grace, so a copy the stopped
+    producer finished after SIGCONT landed in blocks vLLM may have given to
+    another request.)  Aborted while waiting: vLLM frees the blocks when the
+    load is reported over (lease + grace); they stay held the same way."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from mooncake_connector.connector import push
+
+    monkeypatch.setenv("MC_SAME_HOST_CPU", "1")
+    child = subprocess.Popen(
+        [sys.executable, "-c", STOP_CHILD, os.path.dirname(os.path.abspath(__file__)),
+         model_dir, json.dumps(urls), "S1", str(BS)], stdout=subprocess.PIPE, text=True)
+    try:
+        for line in child.stdout:  # vLLM may log to stdout before the child is ready
+            if line.strip() == "ready":
+                break
+        else:
+            raise AssertionError(f"the producer child exited before it was ready: {child.wait()}")
+        lt = 0.5
+        d = sides("kv_consumer", flow_a=False, load_timeout_s=lt)
+        t = toks(31, 3 * BS + 2)
+        d.add(make_request("q", t, max_tokens=2, params=push_params("S1", "d")))
+        t0 = time.monotonic()
+        d.step()
+        ids = d.block_ids("q")[:3]
+        assert child.stdout.readline().strip() == "target"
+        os.kill(child.pid, signal.SIGSTOP)
+        if abort:
+            d.sched.finish_requests("q", RequestStatus.FINISHED_ABORTED)
+        assert d.run_until(lambda: "q" not in d.sched.requests, steps=4000)
+        took = time.monotonic() - t0
+        # The request ended in its bound (computed here, or aborted), as before.
+        assert lt + push.PUSH_GRACE_S - 0.1 <= took < lt + push.PUSH_GRACE_S + 2.0, took
+        assert d.computed.get("q") == (None if abort else len(t) + 1)
+        # ... but the blocks lent to the stopped producer are not free.
+        for _ in range(20):
+            d.step()
+        assert all(r >= 1 for r in _held_refs(d, ids)), _held_refs(d, ids)
+        assert not d.is_empty()
+        # Another request scheduled now gets other blocks (vLLM hands out the
+        # blocks freed last first: before, these very ones).
+        d.add(make_request("other", toks(32, 3 * BS + 2), max_tokens=2))
+        got = []
+        for _ in range(50):
+            d.step()
+            if "other" in d.sched.requests and d.block_ids("other"):
+                got = d.block_ids("other")
+                break
+        assert got and not set(got) & set(ids), (got, ids)
+        assert d.run_until(lambda: "other" not in d.sched.requests, steps=200)
+        assert counters(d).get("push_fence_holds") == 1, counters(d)
+        assert counters(d).get("push_fence_cuts") == 1, counters(d)
+        if then == "resumed":
+            os.kill(child.pid, signal.SIGCONT)
+        else:
+            os.kill(child.pid, signal.SIGKILL)
+        t1 = time.monotonic()
+        assert d.run_until(d.is_empty, steps=3000), _held_refs(d, ids)
+        print(f"request ended {took:.2f} s after its load began; blocks back "
+              f"{time.monotonic() - t1:.2f} s after the producer was {then}")
+        assert _held_refs(d, ids) == [0, 0, 0]
+    finally:
+        if child.poll() is None:
+            os.kill(child.pid, signal.SIGCONT)
+            child.kill()
+        child.wait()
+
+
+def test_a_pid_is_watched_only_if_it_names_the_describing_engine():
+    """push._same_process: the pid a producer's descriptor gives is taken
+    for that producer only if the process under that number here holds the
+    descriptor's regions-version memfd with its token (a pid from another
+    pid namespace names another process here, or none)."""
+    import json
+    import os
+
+    from mooncake_connector import _core
+    from mooncake_connector.connector import push
+
+    from mooncake_connector import serving
+
+    e = _core.TransferEngine()
+    try:
+        e.initialize(f"127.0.0.1:{serving.free_port()}", "P2PHANDSHAKE", "tcp", "")
+        d = json.loads(e.get_metadata())
+        gen = d.get("gen")
+        assert gen and d["pid"] == os.getpid(), d
+        assert push._same_process(os.getpid(), gen)
+        wrong = dict(gen, token=f"{int(gen['token'], 16) ^ 1:016x}")
+        assert not push._same_process(os.getpid(), wrong)  # another engine's page
+        assert not push._same_process(1, gen)  # another process under that number
+        assert not push._same_process(os.getpid(), None)
+        assert not push.process_alive(2 ** 22 + 12345)  # no such process
+        fd = push._pidfd(os.getpid())
+        assert push.process_alive(os.getpid(), fd)
+        os.close(fd)
+    finally:
+        e.close()
+
+
+def test_hold_events_cross_the_worker_process_boundary():
+    """holds.HoldEvents travels from a worker process to the scheduler the
+    way vLLM's multiprocess executor sends a step's output (pickle), and
+    the ranks' events aggregate into one list."""
+    import pickle
+
+    from mooncake_connector.connector.holds import HoldEvents
+
+    a = HoldEvents([("w0", "hold", "q", [[1, 2, 3]])])
+    b = pickle.loads(pickle.dumps(HoldEvents([("w1", "release", "q")]),
+                                  protocol=pickle.HIGHEST_PROTOCOL))
+    assert pickle.loads(pickle.dumps(a.aggregate(b))).events == [
+        ("w0", "hold", "q", [[1, 2, 3]]), ("w1", "release", "q")]

@@ -68,6 +68,7 @@ def sizes(side):
               "_recomputed", "_batch", "_busy", "_in_step", "_unrecomputed", "_load_errors",
               "_readers"):
         out[f"sched.{k}"] = len(getattr(sch, k))
+    out["sched.holds"] = len(sch.holds)
     probe = sch._probe
     if probe is not None:
         for k in ("_whys", "_answers", "_asked", "_queue"):
@@ -81,6 +82,9 @@ def sizes(side):
         if w.push_c is not None:
             out[f"w{i}.push_c.loads"] = len(w.push_c.loads)
             out[f"w{i}.push_c.by_rid"] = len(w.push_c.by_rid)
+            for k in ("held", "held_rids", "hold_events"):
+                out[f"w{i}.push_c.{k}"] = len(getattr(w.push_c, k))
+        out[f"w{i}.hold_events"] = len(w.hold_events)
         if w.push_p is not None:
             for k in ("jobs", "by_rid", "early", "ended", "canceled"):
                 out[f"w{i}.push_p.{k}"] = len(getattr(w.push_p, k))

@@ -251,7 +251,7 @@ class Side:
         for w in self.workers:
             w.start_load_kv(None)
         self._forward(so)
-        sending, recving, invalid, stats = set(), set(), set(), None
+        sending, recving, invalid, stats, wmeta = set(), set(), set(), None, None
         for w in self.workers:
             w.wait_for_save()
             s_, r_ = w.get_finished(so.finished_req_ids)
@@ -261,6 +261,9 @@ class Side:
             st = w.get_kv_connector_stats()
             if st is not None:
                 stats = st if stats is None else stats.aggregate(st)
+            wm = w.build_connector_worker_meta()  # as vLLM's model runner, after get_finished
+            if wm is not None:
+                wmeta = wm if wmeta is None else wmeta.aggregate(wm)
             w.clear_connector_metadata()
         sending, recving = sending or None, recving or None
         if stats is not None:
@@ -273,8 +276,10 @@ class Side:
         for rid in ids:
             req = self.sched.requests[rid]
             sampled.append([7] if req.num_computed_tokens >= req.num_tokens else [])
+        extra_out = {"kv_connector_worker_meta": wmeta} if wmeta is not None else {}
         out = KVConnectorOutput(finished_sending=sending, finished_recving=recving,
-                                invalid_block_ids=invalid, kv_connector_stats=stats)
+                                invalid_block_ids=invalid, kv_connector_stats=stats,
+                                **extra_out)
         extra = {} if _MRO_NO_INDEX else {"req_id_to_index": {r: i for i, r in enumerate(ids)}}
         mro = ModelRunnerOutput(req_ids=ids, sampled_token_ids=sampled, kv_connector_output=out,
                                 **extra)

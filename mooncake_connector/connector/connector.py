@@ -265,10 +265,31 @@ class MooncakeConnector(KVConnectorBase_V1, SupportsHMA):
 
     def update_connector_output(self, connector_output):
         """The workers' step output: a failed load's blocks leave vLLM's
-        prefix cache (SchedulerSide.on_load_errors)."""
+        prefix cache (SchedulerSide.on_load_errors); blocks a same-host
+        producer may still copy into are held or let go (holds.py; before
+        vLLM frees this step's finished loads)."""
         if self._scheduler is not None:
+            meta = getattr(connector_output, "kv_connector_worker_meta", None)
+            if meta is not None:
+                self._scheduler.holds.on_events(meta)
             self._scheduler.on_load_errors(getattr(connector_output, "invalid_block_ids",
                                                    None))
+
+    def has_pending_push_work(self):
+        """vLLM keeps stepping while blocks are held for a same-host producer
+        that has not answered, so the workers see its answer or its exit."""
+        return self._scheduler is not None and len(self._scheduler.holds) > 0
+
+    def build_connector_worker_meta(self):
+        """Worker -> scheduler: this step's hold events (holds.py), or None."""
+        if self._worker is None:
+            return None
+        ev = self._worker.take_hold_events()
+        if not ev:
+            return None
+        from mooncake_connector.connector.holds import HoldEvents
+        name = self._worker.name
+        return HoldEvents([(name, *e) for e in ev])
 
     def request_finished_all_groups(self, request, block_ids):
         """SupportsHMA: block_ids has one list per KV-cache group; every

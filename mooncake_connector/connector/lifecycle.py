@@ -91,7 +91,7 @@ def _start(w, eng, cfg, _core):
                                   extents_per_block=w.layout.extents_per_block,
                                   track_freed=True)
     w.kv = _core.KVTransfer(eng, w.lb, workers=max(2, w.s.load_workers))
-    w.push_outbox = push.Outbox(eng)
+    w.push_outbox = push.Outbox(eng, describe=w.s.is_consumer)
     if w.s.is_consumer:
         w.push_c = push.PushConsumer(w)
     if w.s.role == "kv_producer":
@@ -119,6 +119,9 @@ def stop_engine(w):
     """Close the push flow, the KVTransfer, the engine and the metadata client."""
     if w.push_p is not None:
         w.push_p.close()
+    if w.push_c is not None:  # nothing of ours is written any more: held blocks go back
+        w.push_c.release_all_holds()
+        w.hold_events.extend(w.push_c.take_hold_events())
     if w.push_outbox is not None:
         w.push_outbox.close()
     w.push_outbox = w.push_c = w.push_p = None

@@ -44,8 +44,11 @@ heard from yet FIRST_CONTACT_SEND_S.
 import hashlib
 import json
 import logging
+import os
 import queue
 import functools
+import select
+import sys
 import threading
 import time
 from array import array
@@ -80,6 +83,14 @@ RESEND_TIMEOUT_S = 2.0
 # cut); FIRST_CONTACT_SEND_S for a producer not heard from yet (the metadata
 # lookup and the connection's set-up come first).
 FIRST_CONTACT_SEND_S = 5.0
+# Consumer, before its first message to a producer: who it is (its engine's
+# descriptor, Engine.describe_segment: host identity, pid), so that blocks a
+# same-host producer process may still copy into itself are not given back
+# to vLLM while that process lives and has not answered (PushConsumer's
+# holds, docs/connector.md "The lease").  The describe waits at most this.
+DESCRIBE_TIMEOUT_S = 1.0
+DESCRIBE_RETRY_S = 5.0  # a failed describe is tried again at a later send, not sooner
+HOLD_CANCEL_S = 1.0     # a held load's cancel is sent again this often until answered
 
 
 class PushError(ValueError):
@@ -284,8 +295,14 @@ class Outbox:
     MAX_QUEUED = 4096  # messages waiting for one peer (a peer that never answers)
     MAX_RESULTS = 65536  # results nobody took (a backstop: forget() drops them)
 
-    def __init__(self, engine):
+    def __init__(self, engine, describe=False):
         self.engine = engine
+        # describe: before the first message to a peer, learn whether it is
+        # another process on this host (who_is); a consumer's outbox does.
+        self.describe = describe
+        self._who = OrderedDict()  # peer -> (pid, pidfd or -1) | None (not such a process)
+        self._who_failed = {}      # peer -> monotonic time of a failed describe
+        self._host = None          # this engine's boot id (its descriptor's host_id)
         self.results = {}
         self._inflight = {}  # key -> sends queued or running whose result is not in yet
         self._dropped = {}   # key -> how many of those results to drop (forgotten)
@@ -334,6 +351,76 @@ class Outbox:
             if n:
                 self._dropped[key] = n
 
+    def who_is(self, target):
+        """(pid, pidfd dup or -1) of `target` if it is another process on
+        this host (learned before the first message to it), else None (on
+        another host, this process, or not known)."""
+        with self._lock:
+            w = self._who.get(target)
+            if w is None:
+                return None
+            pid, fd = w
+            try:
+                return pid, (os.dup(fd) if fd >= 0 else -1)
+            except OSError:
+                return pid, -1
+
+    def forget_who(self, target):
+        """`target`'s connection went: a same-host process known under that
+        name that has exited may come back as another one (a restart),
+        learned again before the next message to it.  Kept while that
+        process still runs (a stopped one loses its connections to our
+        fence: still the same process), and for a peer on another host (no
+        describe on the way to a cut link)."""
+        with self._lock:
+            w = self._who.get(target)
+            if w is None or process_alive(*w):
+                return
+            del self._who[target]
+        _close_fd(w)
+
+    def _learn(self, target, timeout):
+        with self._lock:
+            if target in self._who:
+                return
+            failed = self._who_failed.get(target)
+            if failed is not None and time.monotonic() - failed < DESCRIBE_RETRY_S:
+                return
+        who = None
+        try:
+            if self._host is None:
+                self._host = _boot_id(json.loads(self.engine.get_metadata()).get("host_id"))
+            d = json.loads(self.engine.describe_segment(
+                target, max(0.05, min(timeout, DESCRIBE_TIMEOUT_S))))
+            pid = d.get("pid")
+            same = self._host and _boot_id(d.get("host_id")) == self._host
+            if same and isinstance(pid, int) and 0 < pid != os.getpid():
+                fd = _pidfd(pid)  # first: the process checked below is the one it watches
+                if _same_process(pid, d.get("gen")) and process_alive(pid, fd):
+                    who = (pid, fd)
+                else:  # another pid namespace (a container), gone, or not ours to read
+                    _close_fd((pid, fd))
+                    logger.info("MooncakeConnector push: producer %s runs on this host but "
+                                "its process cannot be watched from here (another pid "
+                                "namespace?); blocks it did not answer for go back at the "
+                                "lease's end", target)
+        except Exception as e:  # noqa: BLE001 - not known: tried again at a later send
+            logger.debug("MooncakeConnector push: could not describe %s: %s", target, e)
+            with self._lock:
+                self._who_failed[target] = time.monotonic()
+            return
+        with self._lock:
+            self._who_failed.pop(target, None)
+            old = self._who.pop(target, None)
+            self._who[target] = who
+            while len(self._who) > self.MAX_PEERS:
+                old2 = self._who.popitem(last=False)[1]
+                _close_fd(old2)
+        _close_fd(old)
+        if who is not None:
+            logger.info("MooncakeConnector push: producer %s is process %d on this host",
+                        target, who[0])
+
     def delivered_to(self, target):
         """Whether a message to `target` was delivered (receipt) before."""
         with self._lock:
@@ -379,6 +466,8 @@ class Outbox:
             if item is None:
                 return
             target, msg, key, timeout, retry_until = item
+            if self.describe:
+                self._learn(target, timeout)
             while True:
                 res = None
                 try:
@@ -420,6 +509,75 @@ class Outbox:
             q.put(None)
         for _, t in peers:
             t.join(timeout=10)
+        with self._lock:
+            who, self._who = list(self._who.values()), OrderedDict()
+        for w in who:
+            _close_fd(w)
+
+
+def _boot_id(host_id):
+    """The boot id of a descriptor's host identity ("boot id/hostname"):
+    one kernel, one host.  "" if not said."""
+    return host_id.split("/", 1)[0] if isinstance(host_id, str) else ""
+
+
+def _same_process(pid, gen):
+    """Whether process `pid`, as numbered here, is the engine that described
+    itself: the descriptor's "gen" names a sealed memfd page of that engine
+    holding a random token (the same-host GPU path watches it), which must
+    be open in that process under that fd.  A number from another pid
+    namespace names another process here, or none."""
+    try:
+        path = f"/proc/{pid}/fd/{int(gen['fd'])}"
+        token = int(gen["token"], 16)
+        if not os.readlink(path).startswith("/memfd:mc-regions-gen"):
+            return False
+        with open(path, "rb") as f:
+            head = f.read(16)
+        return len(head) == 16 and int.from_bytes(head[8:16], sys.byteorder) == token
+    except (OSError, KeyError, TypeError, ValueError):
+        return False
+
+
+def _pidfd(pid):
+    """A pidfd of process `pid` (this one, not a later process given the
+    same number), or -1 where the kernel or Python has none."""
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return -1
+
+
+def _close_fd(who):
+    if who is not None and who[1] >= 0:
+        try:
+            os.close(who[1])
+        except OSError:
+            pass
+
+
+def process_alive(pid, pidfd=-1):
+    """Whether process `pid` still runs (stopped counts as running): its
+    pidfd is not readable yet (it becomes readable when the process exits,
+    a zombie included); without one, signal 0 reaches it and /proc does not
+    call it a zombie."""
+    if pidfd >= 0:
+        try:
+            return not select.select([pidfd], [], [], 0)[0]
+        except (OSError, ValueError):
+            pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            st = f.read()
+        return st[st.rindex(b")") + 2:st.rindex(b")") + 3] not in (b"Z", b"X")
+    except (OSError, ValueError):
+        return True
 
 
 # ---------------------------------------------------------------- consumer
@@ -451,11 +609,33 @@ class ConsumerLoad:
 TERMINAL = ("done", "nokv", "cancelled", "unsent")
 
 
+class _Held:
+    """A load's blocks kept from vLLM's reuse after the load ended: its
+    producer is another process on this host that may still copy into
+    them itself (same-host CPU / GPU paths: no connection of ours to cut)
+    and has not answered."""
+    __slots__ = ("rid", "pid", "pidfd", "t0", "next_cancel", "sending", "answer")
+
+    def __init__(self, rid, pid, pidfd, now):
+        self.rid, self.pid, self.pidfd, self.t0 = rid, pid, pidfd, now
+        self.next_cancel = now
+        self.sending = False  # a cancel to it is in the outbox
+        self.answer = None  # the producer's done / nokv / cancelled, once it came
+
+
 class PushConsumer:
     def __init__(self, worker):
         self.w = worker
         self.loads = {}   # tid -> ConsumerLoad (tid unique per load)
         self.by_rid = {}  # req_id -> tid
+        # Blocks kept from vLLM after their load ended (_hold): (tid, producer)
+        # -> _Held; req_id -> its held (tid, producer) keys; and what the
+        # scheduler side is to be told (take_hold_events): ("hold", rid,
+        # [block ids per KV-cache group]) / ("release", rid).  Bounded by the
+        # loads that were in flight with a producer when it stopped answering.
+        self.held = {}
+        self.held_rids = {}
+        self.hold_events = []
 
     def start(self, ld):
         """ld: the worker's loads.Load (spec.flow == "P"); sends the targets."""
@@ -537,6 +717,9 @@ class PushConsumer:
     def on_message(self, sender, head):
         cl = self.loads.get(head["tid"])
         if cl is None or sender not in cl.ranks:
+            h = self.held.get((head["tid"], sender)) if self.held else None
+            if h is not None and head["t"] in ("done", "nokv", "cancelled"):
+                h.answer = head["t"]  # over with it: no copy of it can still run
             return
         t = head["t"]
         if trace.ON:
@@ -565,6 +748,7 @@ class PushConsumer:
         answers the cancel, or its connect is refused: the process is gone,
         or at lease end + grace)."""
         now = time.monotonic()
+        self.w.push_outbox.forget_who(name)  # may come back as another process
         for cl in self.loads.values():
             if cl.ranks.get(name) in ("sending", "sent"):
                 if cl.deadline > now:
@@ -591,6 +775,86 @@ class PushConsumer:
         self.w.stats.add("push_fence_cuts")
         logger.warning("MooncakeConnector push: cut %d connection(s) from producer %s before "
                        "freeing its blocks: %s", n, name, why)
+
+    def _hold(self, ld, name, why):
+        """The load ends without producer `name`'s answer.  Over TCP the cut
+        (_fence) stops its bytes; but a producer on this host may copy into
+        our memory itself (same-host CPU: process_vm_writev; same-host GPU:
+        CUDA IPC), with no connection of ours in the path: stopped between
+        its lease check and the end of a copy, it would finish the copy
+        whenever it resumes.  So while that process lives and has not
+        answered, the load's blocks stay out of vLLM's reuse (the scheduler
+        side holds a reference on them: take_hold_events); the load itself
+        ends now, as before (its request recomputes or ends).  Its answer
+        (to the cancel, sent again every HOLD_CANCEL_S) comes only once none
+        of its copies for this target can run; its process ending does the
+        same.  Counted push_fence_holds, one WARN per request."""
+        spec, tid = ld.spec, ld.spec.push_tid
+        if (tid, name) in self.held:
+            return
+        who = self.w.push_outbox.who_is(name)
+        if who is None:
+            return  # another host (the cut fences it), this process, or not known
+        pid, fd = who
+        if not process_alive(pid, fd):
+            _close_fd(who)
+            return
+        now = time.monotonic()
+        self.held[(tid, name)] = _Held(spec.req_id, pid, fd, now)
+        keys = self.held_rids.setdefault(spec.req_id, set())
+        if not keys:
+            groups = [list(spec.block_ids)] + [list(g) for g in spec.more_groups]
+            self.hold_events.append(("hold", spec.req_id, groups))
+            self.w.stats.add("push_fence_holds")
+            logger.warning("MooncakeConnector push: request %s: producer %s (process %d on this "
+                           "host) %s; the load ends, but its %d block(s) are not given back to "
+                           "vLLM until that process answers or exits (it may still copy into "
+                           "them itself)", spec.req_id, name, pid, why, len(spec.block_ids))
+        keys.add((tid, name))
+
+    def poll_holds(self):
+        """Held blocks whose producer answered or whose process ended go
+        back (a "release" event); the others' cancel is sent again."""
+        if not self.held:
+            return
+        now = time.monotonic()
+        for key, h in list(self.held.items()):
+            tid, name = key
+            k = ("h", tid, name)
+            if h.answer is None and process_alive(h.pid, h.pidfd):
+                if h.sending and self.w.push_outbox.take(k) != "pending":
+                    h.sending = False  # the answer is a message, not this receipt
+                if not h.sending and now >= h.next_cancel:
+                    h.next_cancel, h.sending = now + HOLD_CANCEL_S, True
+                    self.w.push_outbox.send(name, encode({"t": "cancel", "tid": tid}), key=k,
+                                            timeout=HOLD_CANCEL_S)
+                continue
+            del self.held[key]
+            self.w.push_outbox.forget(k)
+            _close_fd((h.pid, h.pidfd))
+            keys = self.held_rids.get(h.rid)
+            if keys is not None:
+                keys.discard(key)
+                if not keys:
+                    del self.held_rids[h.rid]
+                    self.hold_events.append(("release", h.rid))
+            logger.warning("MooncakeConnector push: request %s: producer %s (process %d) %s "
+                           "after %.1f s; its blocks go back to vLLM", h.rid, name, h.pid,
+                           f"answered {h.answer}" if h.answer else "exited", now - h.t0)
+
+    def take_hold_events(self):
+        out, self.hold_events = self.hold_events, []
+        return out
+
+    def release_all_holds(self):
+        """The worker closes (shutdown, sleep): nothing of ours is written
+        any more; every hold goes back."""
+        for h in self.held.values():
+            _close_fd((h.pid, h.pidfd))
+        for rid in self.held_rids:
+            self.hold_events.append(("release", rid))
+        self.held.clear()
+        self.held_rids.clear()
 
     def abort(self, rid):
         tid = self.by_rid.get(rid)
@@ -658,6 +922,8 @@ class PushConsumer:
                     # still sends (an exited process's sockets drain) is cut.
                     cl.ranks[name] = "unsent"
                     self._fence(name, f"its cancel of {tid} was refused (producer gone)")
+                    self._hold(ld, name, "refused its cancel (its engine is not listening) "
+                               "while its process still runs")
                 elif r not in ("pending", None):  # may have arrived: the lease rules stay
                     logger.warning("MooncakeConnector push: cancel of %s to %s may not have "
                                    "arrived (%s); its blocks wait for the lease's end",
@@ -717,6 +983,8 @@ class PushConsumer:
             return None
         for name in live:  # lease over: the producer may not write any more
             self._fence(name, f"it did not answer {tid} by the lease's end + grace")
+            self._hold(ld, name, "did not answer by the lease's end + grace (stopped "
+                       "or unresponsive)")
             cl.ranks[name] = "nokv"
             cl.why[name] = (f"producer {name} did not answer within the lease "
                             f"(load_timeout_s={self.w.s.load_timeout_s} + {PUSH_GRACE_S} s) "

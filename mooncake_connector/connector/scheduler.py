@@ -65,6 +65,8 @@ class SchedulerSide:
         self.tp_size = tp_size
         self.block_bytes = block_bytes  # per worker; None = unknown (loads go async)
         self._kvm = kv_cache_manager_getter  # () -> KVCacheManager | None
+        from mooncake_connector.connector.holds import BlockHolds
+        self.holds = BlockHolds(kv_cache_manager_getter)  # blocks kept for a same-host producer
         self._probe = probe       # ProducerProbe (flow A consumers) or None
         self._claims = {}         # req_id -> (tokens claimed through, sync)
         self._probed = {}         # req_id -> (held tokens or None, monotonic time)

@@ -27,7 +27,8 @@ COUNTERS = ("loads", "loads_in_step", "loads_failed", "load_bytes", "load_bytes_
             "sends_finished", "sends_expired", "push_loads", "push_sends", "push_bytes",
             "push_failed", "push_layer_loads", "push_producer_lost", "push_layer_load_busy",
             "push_layer_load_cudagraph",
-            "push_target_resends", "push_fence_cuts", "push_untargeted_cancels",
+            "push_target_resends", "push_fence_cuts", "push_fence_holds",
+            "push_untargeted_cancels",
             "push_bytes_same_host_cpu", "push_gate_host_batches", "malloc_trims",
             "malloc_trim_freed_bytes",
             "load_error_blocks_uncached", "load_releases",
@@ -171,6 +172,11 @@ PROM_COUNTERS = {
     "push_fence_cuts": ("vllm:mooncake_push_fence_cuts_total",
                         "Consumer: producers whose connections were cut (Engine.cut_peer) "
                         "before blocks lent to them were freed without their answer"),
+    "push_fence_holds": ("vllm:mooncake_push_fence_holds_total",
+                         "Consumer: push loads whose blocks were kept from vLLM's reuse after "
+                         "the load ended, because their same-host producer process was alive "
+                         "and had not answered (stopped or unresponsive): returned once it "
+                         "answers or its process ends"),
     "load_error_blocks_uncached": ("vllm:mooncake_load_error_blocks_uncached_total",
                                    "Consumer: blocks of failed loads taken out of vLLM's "
                                    "prefix cache (in-step loads: cached before they ran)"),

@@ -43,6 +43,7 @@ class WorkerSide:
         self.name = self.default_producer = None
         self.cuda_sync = None     # CUDA KV cache: the stream's synchronize
         self.push_outbox = self.push_c = self.push_p = None  # push flow (push.py)
+        self.hold_events = []     # push: held blocks for the scheduler side (take_hold_events)
         self.loads = Loads(self)
         self.publishes = Publishes(self)
         self._idle = False        # this step schedules nothing (may wait for releases)
@@ -173,6 +174,8 @@ class WorkerSide:
             if self.push_p is not None:
                 self.push_p.poll()
         done_recv = self.loads.finished(self._idle)
+        if self.push_c is not None and self.push_c.held:
+            self._poll_holds()
         busy = bool(done_recv or self.loads.loading)
         done_send = self.publishes.finished(self._idle, busy)
         self._idle = False
@@ -180,6 +183,33 @@ class WorkerSide:
             self.idle_trim.step()
             self._count_trims()
         return (done_send or None), (done_recv or None)
+
+    def _poll_holds(self):
+        """Blocks held for a same-host producer that has not answered
+        (push.PushConsumer._hold): back once it answers or exits.  vLLM
+        keeps stepping while any are held (has_pending_push_work); a step
+        with nothing else to do waits for the answer asleep on the engine's
+        notifications (its answer wakes it), up to idle_wait_max_ms: a
+        stopped producer may stay stopped for minutes."""
+        pc = self.push_c
+        pc.poll_holds()
+        wait_ms = max(self.s.idle_wait_ms, self.s.idle_wait_max_ms)
+        if (self._idle and pc.held and not self.loads.loading and self.s.idle_wait_ms > 0
+                and self.engine is not None):
+            try:
+                self.engine.wait_notifies(wait_ms / 1000.0)
+            except Exception:  # noqa: BLE001 - closed meanwhile
+                return
+            self.drain_notifies()
+            pc.poll_holds()
+
+    def take_hold_events(self):
+        """("hold", req_id, [block ids per group]) / ("release", req_id)
+        since the last call, for the scheduler side (build_connector_worker_meta)."""
+        if self.push_c is not None:
+            self.hold_events.extend(self.push_c.take_hold_events())
+        out, self.hold_events = self.hold_events, []
+        return out
 
     def _count_trims(self):
         t = self.idle_trim
