@@ -570,8 +570,10 @@ sys.path.insert(0, sys.argv[3])
 from vllm_harness import make_config
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from mooncake_connector import MooncakeConnector
+# flow_a off: a flow-a consumer's probe (probe.py) imports the extension by
+# design, on its own thread at start-up (its warm-up), racing this check
 MooncakeConnector(make_config(sys.argv[2], "kv_consumer", {"prefill_url": "h:1",
-                  "decode_url": "h:100"}), KVConnectorRole.SCHEDULER, None)
+                  "decode_url": "h:100", "flow_a": False}), KVConnectorRole.SCHEDULER, None)
 out.append({"scheduler_side_core": "mooncake_connector._core" in sys.modules})
 print(json.dumps(out))
 '''
