@@ -702,14 +702,19 @@ def test_decode_with_the_prompt_cached_tells_the_producer(sides):
 
 
 STOP_CHILD = """
-import json, sys, time
+import json, signal, sys, threading, time
 sys.path.insert(0, sys.argv[1])
 from vllm_harness import Side
 p = Side(sys.argv[2], "kv_producer", json.loads(sys.argv[3]), block_size=int(sys.argv[5]))
 pp = p.worker._worker.push_p
 told = False
+idle = threading.Event()  # SIGUSR1: vLLM stops stepping this server (no requests)
+signal.signal(signal.SIGUSR1, lambda *_: idle.set())
 print("ready", flush=True)
 while True:
+    if idle.is_set():
+        time.sleep(0.05)
+        continue
     p.step()
     if not told and sys.argv[4] in pp.early:
         print("target", flush=True)
@@ -724,8 +729,8 @@ def _held_refs(d, ids):
 
 
 @pytest.mark.parametrize("then,abort", [("resumed", False), ("killed", False),
-                                        ("resumed", True)],
-                         ids=["resumed", "killed", "aborted-resumed"])
+                                        ("resumed", True), ("resumed-idle", False)],
+                         ids=["resumed", "killed", "aborted-resumed", "resumed-idle"])
 def test_stopped_same_host_producer_keeps_the_blocks_out_of_reuse(sides, model_dir, urls,
                                                                    monkeypatch, then,
                                                                    abort):  # noqa: F811
@@ -741,7 +746,11 @@ def test_stopped_same_host_producer_keeps_the_blocks_out_of_reuse(sides, model_d
     the blocks went back at the lease's end + grace, so a copy the stopped
     producer finished after SIGCONT landed in blocks vLLM may have given to
     another request.)  Aborted while waiting: vLLM frees the blocks when the
-    load is reported over (lease + grace); they stay held the same way."""
+    load is reported over (lease + grace); they stay held the same way.
+    Resumed but idle (vLLM no longer steps it, so it never drains the
+    cancel: the short soak's prefill after its load): seen running, not
+    stopped, for push.HOLD_RUNNING_S, it is over with any copy; the blocks
+    go back then (before: held until its next request)."""
     import json
     import os
     import signal
@@ -768,6 +777,8 @@ def test_stopped_same_host_producer_keeps_the_blocks_out_of_reuse(sides, model_d
         d.step()
         ids = d.block_ids("q")[:3]
         assert child.stdout.readline().strip() == "target"
+        if then == "resumed-idle":
+            os.kill(child.pid, signal.SIGUSR1)
         os.kill(child.pid, signal.SIGSTOP)
         if abort:
             d.sched.finish_requests("q", RequestStatus.FINISHED_ABORTED)
@@ -794,12 +805,15 @@ def test_stopped_same_host_producer_keeps_the_blocks_out_of_reuse(sides, model_d
         assert d.run_until(lambda: "other" not in d.sched.requests, steps=200)
         assert counters(d).get("push_fence_holds") == 1, counters(d)
         assert counters(d).get("push_fence_cuts") == 1, counters(d)
-        if then == "resumed":
+        if then.startswith("resumed"):
             os.kill(child.pid, signal.SIGCONT)
         else:
             os.kill(child.pid, signal.SIGKILL)
         t1 = time.monotonic()
-        assert d.run_until(d.is_empty, steps=3000), _held_refs(d, ids)
+        assert d.run_until(lambda: d.is_empty() or time.monotonic() - t1 > 6, steps=3000)
+        assert d.is_empty(), _held_refs(d, ids)
+        if then == "resumed-idle":  # not before it ran HOLD_RUNNING_S unstopped
+            assert time.monotonic() - t1 >= push.HOLD_RUNNING_S - 0.1
         print(f"request ended {took:.2f} s after its load began; blocks back "
               f"{time.monotonic() - t1:.2f} s after the producer was {then}")
         assert _held_refs(d, ids) == [0, 0, 0]

@@ -91,6 +91,10 @@ FIRST_CONTACT_SEND_S = 5.0
 DESCRIBE_TIMEOUT_S = 1.0
 DESCRIBE_RETRY_S = 5.0  # a failed describe is tried again at a later send, not sooner
 HOLD_CANCEL_S = 1.0     # a held load's cancel is sent again this often until answered
+# A held load's producer process seen running (not stopped: /proc state not
+# T or t) this long without answering (an idle producer drains its
+# notifications only when vLLM steps it) is over with its copies.
+HOLD_RUNNING_S = 2.0
 
 
 class PushError(ValueError):
@@ -556,6 +560,18 @@ def _close_fd(who):
             pass
 
 
+def process_stopped(pid):
+    """Whether process `pid` is stopped (SIGSTOP, a tracer): /proc state T
+    or t.  Unreadable: counted stopped (the hold stays until an answer or
+    the exit)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            st = f.read()
+        return st[st.rindex(b")") + 2:st.rindex(b")") + 3] in (b"T", b"t")
+    except (OSError, ValueError):
+        return True
+
+
 def process_alive(pid, pidfd=-1):
     """Whether process `pid` still runs (stopped counts as running): its
     pidfd is not readable yet (it becomes readable when the process exits,
@@ -614,10 +630,11 @@ class _Held:
     producer is another process on this host that may still copy into
     them itself (same-host CPU / GPU paths: no connection of ours to cut)
     and has not answered."""
-    __slots__ = ("rid", "pid", "pidfd", "t0", "next_cancel", "sending", "answer")
+    __slots__ = ("rid", "pid", "pidfd", "t0", "next_cancel", "sending", "answer", "running")
 
     def __init__(self, rid, pid, pidfd, now):
         self.rid, self.pid, self.pidfd, self.t0 = rid, pid, pidfd, now
+        self.running = None  # monotonic time since which its process is seen not stopped
         self.next_cancel = now
         self.sending = False  # a cancel to it is in the outbox
         self.answer = None  # the producer's done / nokv / cancelled, once it came
@@ -822,6 +839,17 @@ class PushConsumer:
             tid, name = key
             k = ("h", tid, name)
             if h.answer is None and process_alive(h.pid, h.pidfd):
+                # An idle producer answers only at its next vLLM step (its
+                # worker drains notifications there): a process seen not
+                # stopped for HOLD_RUNNING_S has finished or dropped any copy
+                # it was in (none starts past the lease: submit_by_ns).
+                if process_stopped(h.pid):
+                    h.running = None
+                elif h.running is None:
+                    h.running = now
+                elif now - h.running >= HOLD_RUNNING_S:
+                    h.answer = "running"
+            if h.answer is None and process_alive(h.pid, h.pidfd):
                 if h.sending and self.w.push_outbox.take(k) != "pending":
                     h.sending = False  # the answer is a message, not this receipt
                 if not h.sending and now >= h.next_cancel:
@@ -840,7 +868,9 @@ class PushConsumer:
                     self.hold_events.append(("release", h.rid))
             logger.warning("MooncakeConnector push: request %s: producer %s (process %d) %s "
                            "after %.1f s; its blocks go back to vLLM", h.rid, name, h.pid,
-                           f"answered {h.answer}" if h.answer else "exited", now - h.t0)
+                           ("ran " + f"{HOLD_RUNNING_S:g} s without being stopped"
+                            if h.answer == "running" else f"answered {h.answer}")
+                           if h.answer else "exited", now - h.t0)
 
     def take_hold_events(self):
         out, self.hold_events = self.hold_events, []
