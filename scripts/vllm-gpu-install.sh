@@ -32,6 +32,11 @@ install)
     echo "$sum  $stage/$f" | sha256sum -c --quiet - || die "$f: checksum mismatch"
   done <"$stage/MANIFEST"
   [ -z "$missing" ] || die "not staged yet:$(echo "$missing" | tr ' ' '\n' | sort -u | tr '\n' ' ')(the machine went back between calls? stage every part again)"
+  # Files the prepare script cut into NAME.split00, .split01, ... are joined.
+  for first in "$stage"/*.split00; do
+    [ -f "$first" ] || continue
+    cat "${first%.split00}".split[0-9][0-9] >"${first%.split00}" || die "joining ${first%.split00}"
+  done
   rm -rf "$target" && mkdir -p "$target"
   "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --disable-pip-version-check \
       --target "$target" "$stage"/*.whl || die "pip install of the dependency wheels failed"

@@ -17,14 +17,17 @@
 # needs FA2 or FA3; the servers use TRITON_ATTN for fp32), _moe_C (dense models only; vLLM imports it
 # optionally), FlashMLA, QuTLASS, the vllm-rs frontend binary, the C++
 # headers and prebuilt extensions under third_party/.  Needs python3 with pip, unzip, xz, sha256sum.
-# Env: MC_VLLM_GPU_PART_MB (54: each part, MiB; a call carries 64 MiB,
-# the checkout itself ~7 in 2026-12), MC_VLLM_GPU_CACHE (downloads, <repo>/.cache/vllm-gpu).
+# Env: MC_VLLM_GPU_PART_MB (40: each part, MiB; a call carries 64 MiB in
+# all and the checkout itself is ~20 MiB by 2026-12-05), MC_VLLM_GPU_CACHE
+# (downloads, <repo>/.cache/vllm-gpu).  A file over the part limit (vLLM's
+# kernels, 53 MiB compressed) is cut into NAME.splitNN pieces that pack like
+# any file; the installer joins them.
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 out="$(mkdir -p "${1:-$repo/.vllm-gpu}" && cd "${1:-$repo/.vllm-gpu}" && pwd)"
 cache="${MC_VLLM_GPU_CACHE:-$repo/.cache/vllm-gpu}"
 ver=0.26.0
-limit_mb="${MC_VLLM_GPU_PART_MB:-54}"
+limit_mb="${MC_VLLM_GPU_PART_MB:-40}"
 py="${PYTHON:-python3}"
 plat=(--only-binary=:all: --python-version 3.12 --implementation cp
       --platform manylinux_2_35_x86_64 --platform manylinux_2_34_x86_64
@@ -85,14 +88,26 @@ rm -rf "$out"/part* "$out/MANIFEST"
 "$py" - "$work" "$out" "$limit_mb" <<'PY'
 import hashlib, os, shutil, sys
 work, out, limit = sys.argv[1], sys.argv[2], int(sys.argv[3]) << 20
+room = limit - (64 << 10)
+if room < (1 << 20):
+    sys.exit(f"vllm-gpu-prepare: MC_VLLM_GPU_PART_MB={sys.argv[3]} is too small (1 or more MiB)")
+for f in sorted(os.listdir(work)):
+    path = os.path.join(work, f)
+    if os.path.getsize(path) > room:  # cut into pieces the installer joins
+        with open(path, "rb") as src:
+            k = 0
+            while chunk := src.read(room):
+                with open(f"{path}.split{k:02d}", "wb") as dst:
+                    dst.write(chunk)
+                k += 1
+        os.remove(path)
+        print(f"vllm-gpu-prepare: {f} cut into {k} pieces of at most {room >> 20} MiB")
 files = sorted(os.listdir(work), key=lambda f: -os.path.getsize(os.path.join(work, f)))
 parts = []
 for f in files:
     size = os.path.getsize(os.path.join(work, f))
-    if size > limit - (64 << 10):
-        sys.exit(f"vllm-gpu-prepare: {f} ({size >> 20} MiB) alone is over the part limit")
     for p in parts:
-        if p["size"] + size <= limit - (64 << 10):
+        if p["size"] + size <= room:
             break
     else:
         p = {"files": [], "size": 0}
