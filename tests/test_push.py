@@ -707,12 +707,15 @@ sys.path.insert(0, sys.argv[1])
 from vllm_harness import Side
 p = Side(sys.argv[2], "kv_producer", json.loads(sys.argv[3]), block_size=int(sys.argv[5]))
 pp = p.worker._worker.push_p
-told = False
+told = said_idle = False
 idle = threading.Event()  # SIGUSR1: vLLM stops stepping this server (no requests)
 signal.signal(signal.SIGUSR1, lambda *_: idle.set())
 print("ready", flush=True)
 while True:
     if idle.is_set():
+        if not said_idle:  # no step runs from here on (one under way when
+            print("idle", flush=True)  # the signal came has finished)
+            said_idle = True
         time.sleep(0.05)
         continue
     p.step()
@@ -778,7 +781,15 @@ def test_stopped_same_host_producer_keeps_the_blocks_out_of_reuse(sides, model_d
         ids = d.block_ids("q")[:3]
         assert child.stdout.readline().strip() == "target"
         if then == "resumed-idle":
+            # Stopped only once it stepped for the last time: a step under
+            # way when SIGUSR1 came would otherwise go on after SIGCONT and
+            # drain the cancel (an answer, not the idle case; seen in CI).
             os.kill(child.pid, signal.SIGUSR1)
+            for line in child.stdout:
+                if line.strip() == "idle":
+                    break
+            else:
+                raise AssertionError(f"the producer child exited: {child.wait()}")
         os.kill(child.pid, signal.SIGSTOP)
         if abort:
             d.sched.finish_requests("q", RequestStatus.FINISHED_ABORTED)
