@@ -14,6 +14,7 @@
  * (a null block of an HMA group: (addr, 0, 0)).
  *
  * The Python loops stay as the references (tests/test_push_gate_arrays.py). */
+#include <stdarg.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -46,19 +47,43 @@ static uint64_t at(const Py_buffer *v, Py_ssize_t i) {
   return x;
 }
 
+/* Every block id in ids below nblocks; 0, or -1 raised (ValueError). */
+static int check_ids(const Py_buffer *ids, unsigned long long nblocks) {
+  for (Py_ssize_t i = 0; i < ids->len / 8; i++)
+    if (at(ids, i) >= nblocks) {
+      PyErr_Format(PyExc_ValueError, "block id %llu is outside 0..%llu",
+                   (unsigned long long)at(ids, i), nblocks - 1);
+      return -1;
+    }
+  return 0;
+}
+
+/* A layer tuple o parsed by fmt (PyArg_ParseTuple's, the targets after
+ * it); TypeError `usage` when o is not a tuple, or one PyArg_ParseTuple
+ * refused without an exception of its own.  0, or -1 raised. */
+static int parse_layer(PyObject *o, const char *usage, const char *fmt, ...) {
+  int ok = 0;
+  if (PyTuple_Check(o)) {
+    va_list ap;
+    va_start(ap, fmt);
+    ok = PyArg_VaParse(o, fmt, ap);
+    va_end(ap);
+  }
+  if (!ok && !PyErr_Occurred())
+    PyErr_SetString(PyExc_TypeError, usage);
+  return ok ? 0 : -1;
+}
+
 static int parse_layers(PyObject *layers, gl_layer_t *L, Py_ssize_t nl, uint64_t epb,
                         uint64_t ng) {
   for (Py_ssize_t i = 0; i < nl; i++) {
     PyObject *o = PyTuple_GET_ITEM(layers, i), *outer;
     gl_layer_t *l = &L[i];
-    if (!PyTuple_Check(o) ||
-        !PyArg_ParseTuple(o, "KKKKKKO:gate_arrays layer", &l->k0, &l->nk, &l->base, &l->group,
-                          &l->stride, &l->bbytes, &outer)) {
-      if (!PyErr_Occurred())
-        PyErr_SetString(PyExc_TypeError, "gate_arrays: each layer must be a tuple (k0, nk, "
-                                         "base, group, block_stride, block_bytes, outer)");
+    if (parse_layer(o, "gate_arrays: each layer must be a tuple (k0, nk, base, group, "
+                       "block_stride, block_bytes, outer)",
+                    "KKKKKKO:gate_arrays layer", &l->k0, &l->nk, &l->base, &l->group,
+                    &l->stride, &l->bbytes, &outer) < 0)
       return -1;
-    }
     if (u64_view(outer, &l->outer, "gate_arrays: a layer's outer offsets") < 0)
       return -1;
     if ((uint64_t)(l->outer.len / 8) != l->nk || l->k0 + l->nk > epb || l->group >= ng) {
@@ -172,12 +197,8 @@ static PyObject *gate_arrays(PyObject *mod, PyObject *args) {
                  ids.len / 8, ng);
     goto out;
   }
-  for (Py_ssize_t i = 0; i < ids.len / 8; i++)
-    if (at(&ids, i) >= nblocks) {
-      PyErr_Format(PyExc_ValueError, "block id %llu is outside 0..%llu",
-                   (unsigned long long)at(&ids, i), nblocks - 1);
-      goto out;
-    }
+  if (check_ids(&ids, nblocks) < 0)
+    goto out;
   if (parse_layers(layers, L, nl, epb, ng) < 0)
     goto out;
   parsed = nl;
@@ -218,14 +239,11 @@ static int parse_te_layers(PyObject *layers, te_layer_t *L, Py_ssize_t nl, uint6
   for (Py_ssize_t i = 0; i < nl; i++) {
     PyObject *o = PyTuple_GET_ITEM(layers, i), *outer;
     te_layer_t *l = &L[i];
-    if (!PyTuple_Check(o) ||
-        !PyArg_ParseTuple(o, "KKKOKKK:target_extents layer", &l->base, &l->group, &l->stride,
-                          &outer, &l->dst_off, &l->len, &l->src_off)) {
-      if (!PyErr_Occurred())
-        PyErr_SetString(PyExc_TypeError, "target_extents: each layer must be a tuple (base, "
-                                         "group, block_stride, outer, dst_off, len, src_off)");
+    if (parse_layer(o, "target_extents: each layer must be a tuple (base, group, "
+                       "block_stride, outer, dst_off, len, src_off)",
+                    "KKKOKKK:target_extents layer", &l->base, &l->group, &l->stride, &outer,
+                    &l->dst_off, &l->len, &l->src_off) < 0)
       return -1;
-    }
     if (u64_view(outer, &l->outer, "target_extents: a layer's outer offsets") < 0)
       return -1;
     *parsed = i + 1;
@@ -262,12 +280,8 @@ static PyObject *target_extents(PyObject *mod, PyObject *args) {
                  (unsigned long long)nid, ng);
     goto out;
   }
-  for (uint64_t i = 0; i < nid; i++)
-    if (at(&ids, (Py_ssize_t)i) >= nblocks) {
-      PyErr_Format(PyExc_ValueError, "block id %llu is outside 0..%llu",
-                   (unsigned long long)at(&ids, (Py_ssize_t)i), nblocks - 1);
-      goto out;
-    }
+  if (check_ids(&ids, nblocks) < 0)
+    goto out;
   if (parse_te_layers(layers, L, nl, ng, &parsed) < 0)
     goto out;
   for (Py_ssize_t li = 0; li < nl; li++)
