@@ -21,10 +21,28 @@
 
 #include "py/py_common.h"
 
+/* One layer tuple of either call: gate_arrays's (k0, nk, base, group,
+ * stride, bbytes, outer) or target_extents's (base, group, stride, outer,
+ * dst_off, len, src_off). */
 typedef struct {
-  uint64_t k0, nk, base, group, stride, bbytes;
-  Py_buffer outer;
-} gl_layer_t;
+  uint64_t k0, nk, base, group, stride, bbytes, dst_off, len, src_off;
+  Py_buffer outer; /* obj NULL until taken */
+} layer_t;
+
+/* A zeroed layer per item of the layers tuple; NULL raised. */
+static layer_t *layers_new(Py_ssize_t nl) {
+  layer_t *L = PyMem_RawCalloc((size_t)(nl ? nl : 1), sizeof *L);
+  if (!L)
+    PyErr_NoMemory();
+  return L;
+}
+
+/* Releases every outer view taken (however far parsing got) and L. */
+static void layers_free(layer_t *L, Py_ssize_t nl) {
+  for (Py_ssize_t i = 0; i < nl; i++)
+    PyBuffer_Release(&L[i].outer); /* nothing when obj is NULL */
+  PyMem_RawFree(L);
+}
 
 /* An 8-byte unsigned buffer (array('Q') and the like); 0, or -1 raised. */
 static int u64_view(PyObject *o, Py_buffer *v, const char *what) {
@@ -74,11 +92,11 @@ static int parse_layer(PyObject *o, const char *usage, const char *fmt, ...) {
   return ok ? 0 : -1;
 }
 
-static int parse_layers(PyObject *layers, gl_layer_t *L, Py_ssize_t nl, uint64_t epb,
+static int parse_layers(PyObject *layers, layer_t *L, Py_ssize_t nl, uint64_t epb,
                         uint64_t ng) {
   for (Py_ssize_t i = 0; i < nl; i++) {
     PyObject *o = PyTuple_GET_ITEM(layers, i), *outer;
-    gl_layer_t *l = &L[i];
+    layer_t *l = &L[i];
     if (parse_layer(o, "gate_arrays: each layer must be a tuple (k0, nk, base, group, "
                        "block_stride, block_bytes, outer)",
                     "KKKKKKO:gate_arrays layer", &l->k0, &l->nk, &l->base, &l->group,
@@ -103,7 +121,7 @@ static int parse_layers(PyObject *layers, gl_layer_t *L, Py_ssize_t nl, uint64_t
 /* The first extent (block-major, then layer) asking more bytes than this
  * side's extent holds: (k, b, n, off, s_len) as push._extent_too_long
  * takes them, Py_None when none, NULL raised. */
-static PyObject *first_too_long(const Py_buffer *dest, const gl_layer_t *L, Py_ssize_t nl,
+static PyObject *first_too_long(const Py_buffer *dest, const layer_t *L, Py_ssize_t nl,
                                 uint64_t nb, uint64_t epb) {
   for (uint64_t b = 0; b < nb; b++)
     for (Py_ssize_t li = 0; li < nl; li++)
@@ -133,7 +151,7 @@ static PyObject *u64_array(const uint64_t *p, size_t n) {
 }
 
 /* One layer's (src, dst, len) arrays and its bytes into per / gbytes. */
-static int build_layer(const Py_buffer *ids, const Py_buffer *dest, const gl_layer_t *l,
+static int build_layer(const Py_buffer *ids, const Py_buffer *dest, const layer_t *l,
                        uint64_t nb, uint64_t epb, uint64_t ng, PyObject *per,
                        PyObject *gbytes) {
   size_t cap = (size_t)(nb * l->nk), n = 0;
@@ -182,10 +200,10 @@ static PyObject *gate_arrays(PyObject *mod, PyObject *args) {
     return NULL;
   }
   Py_buffer ids = {0}, dest = {0};
-  Py_ssize_t nl = PyTuple_GET_SIZE(layers), parsed = 0;
-  gl_layer_t *L = PyMem_RawCalloc((size_t)(nl ? nl : 1), sizeof *L);
+  Py_ssize_t nl = PyTuple_GET_SIZE(layers);
+  layer_t *L = layers_new(nl);
   if (!L)
-    return PyErr_NoMemory();
+    return NULL;
   if (u64_view(ids_o, &ids, "gate_arrays: ids") < 0)
     goto out;
   if (u64_view(dest_o, &dest, "gate_arrays: dest") < 0)
@@ -201,7 +219,6 @@ static PyObject *gate_arrays(PyObject *mod, PyObject *args) {
     goto out;
   if (parse_layers(layers, L, nl, epb, ng) < 0)
     goto out;
-  parsed = nl;
   PyObject *bad = first_too_long(&dest, L, nl, nb, epb);
   if (!bad || bad != Py_None) {
     res = bad ? Py_BuildValue("(ON)", Py_None, bad) : NULL;
@@ -215,9 +232,7 @@ static PyObject *gate_arrays(PyObject *mod, PyObject *args) {
       goto out;
   res = PyTuple_Pack(2, per, gbytes);
 out:
-  for (Py_ssize_t i = 0; i < parsed; i++)
-    PyBuffer_Release(&L[i].outer);
-  PyMem_RawFree(L);
+  layers_free(L, nl);
   if (ids.obj)
     PyBuffer_Release(&ids);
   if (dest.obj)
@@ -229,16 +244,10 @@ out:
 
 /* ---- the consumer's target extents ---- */
 
-typedef struct {
-  uint64_t base, group, stride, dst_off, len, src_off;
-  Py_buffer outer;
-} te_layer_t;
-
-static int parse_te_layers(PyObject *layers, te_layer_t *L, Py_ssize_t nl, uint64_t ng,
-                           Py_ssize_t *parsed) {
+static int parse_te_layers(PyObject *layers, layer_t *L, Py_ssize_t nl, uint64_t ng) {
   for (Py_ssize_t i = 0; i < nl; i++) {
     PyObject *o = PyTuple_GET_ITEM(layers, i), *outer;
-    te_layer_t *l = &L[i];
+    layer_t *l = &L[i];
     if (parse_layer(o, "target_extents: each layer must be a tuple (base, group, "
                        "block_stride, outer, dst_off, len, src_off)",
                     "KKKOKKK:target_extents layer", &l->base, &l->group, &l->stride, &outer,
@@ -246,7 +255,6 @@ static int parse_te_layers(PyObject *layers, te_layer_t *L, Py_ssize_t nl, uint6
       return -1;
     if (u64_view(outer, &l->outer, "target_extents: a layer's outer offsets") < 0)
       return -1;
-    *parsed = i + 1;
     if (l->group >= ng) {
       PyErr_Format(PyExc_ValueError, "target_extents: layer %zd's group %llu does not fit "
                    "%llu groups", i, (unsigned long long)l->group, (unsigned long long)ng);
@@ -268,10 +276,10 @@ static PyObject *target_extents(PyObject *mod, PyObject *args) {
     return NULL;
   }
   Py_buffer ids = {0};
-  Py_ssize_t nl = PyTuple_GET_SIZE(layers), parsed = 0;
-  te_layer_t *L = PyMem_RawCalloc((size_t)(nl ? nl : 1), sizeof *L);
+  Py_ssize_t nl = PyTuple_GET_SIZE(layers);
+  layer_t *L = layers_new(nl);
   if (!L)
-    return PyErr_NoMemory();
+    return NULL;
   if (u64_view(ids_o, &ids, "target_extents: ids") < 0)
     goto out;
   uint64_t nid = (uint64_t)(ids.len / 8), nb = nid / ng, per_block = 0;
@@ -282,7 +290,7 @@ static PyObject *target_extents(PyObject *mod, PyObject *args) {
   }
   if (check_ids(&ids, nblocks) < 0)
     goto out;
-  if (parse_te_layers(layers, L, nl, ng, &parsed) < 0)
+  if (parse_te_layers(layers, L, nl, ng) < 0)
     goto out;
   for (Py_ssize_t li = 0; li < nl; li++)
     per_block += (uint64_t)(L[li].outer.len / 8);
@@ -296,7 +304,7 @@ static PyObject *target_extents(PyObject *mod, PyObject *args) {
   uint64_t *w = (uint64_t *)(void *)PyBytes_AS_STRING(res);
   for (uint64_t b = 0; b < nb; b++)
     for (Py_ssize_t li = 0; li < nl; li++) {
-      const te_layer_t *l = &L[li];
+      const layer_t *l = &L[li];
       uint64_t id = at(&ids, (Py_ssize_t)(b * ng + l->group));
       uint64_t off = l->base + id * l->stride;
       int null = ng > 1 && id == 0; /* HMA: a group's null block is not moved */
@@ -310,9 +318,7 @@ static PyObject *target_extents(PyObject *mod, PyObject *args) {
       }
     }
 out:
-  for (Py_ssize_t i = 0; i < parsed; i++)
-    PyBuffer_Release(&L[i].outer);
-  PyMem_RawFree(L);
+  layers_free(L, nl);
   if (ids.obj)
     PyBuffer_Release(&ids);
   return res;
