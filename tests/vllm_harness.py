@@ -354,21 +354,6 @@ def counters(side):
     return out
 
 
-def closing_sides(new_side):
-    """Generator for a `sides` fixture: yields make(role, **kw), a side from
-    new_side(role, **kw), and closes every side made after the test."""
-    made = []
-
-    def make(*a, **kw):
-        s = new_side(*a, **kw)
-        made.append(s)
-        return s
-
-    yield make
-    for s in made:
-        s.close()
-
-
 def frees_at_once(side, limit_s=1.0):
     """The producer side gives every held block back within limit_s (not at
     hold_timeout_s): stepped until it holds none (5 s at most)."""
@@ -380,4 +365,4 @@ def frees_at_once(side, limit_s=1.0):
 
 
 __all__ = ["Side", "counters", "recomputes", "make_request", "tiny_model_dir", "status",
-           "RequestStatus", "kv_value", "frees_at_once", "closing_sides"]
+           "RequestStatus", "kv_value", "frees_at_once"]
