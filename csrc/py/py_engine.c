@@ -1428,6 +1428,20 @@ static PyObject *Engine_get_batch_status(EngineObject *self, PyObject *id) {
 
 /* ---- notifications ---- */
 
+#define PEER_NAME_MAX 512
+
+/* The preamble of a call on one peer (send_notify, describe_segment,
+ * cut_peer): its name copied into tbuf, which the call passes on without
+ * the GIL, the timeout checked (0 < timeout <= hi seconds), the engine
+ * entered; 0, or -1 raised. */
+static int peer_enter(EngineObject *self, const char *target, double timeout, double hi,
+                      char tbuf[PEER_NAME_MAX]) {
+  snprintf(tbuf, PEER_NAME_MAX, "%s", target);
+  if (mc_py_check_timeout(timeout, 0, 1, hi, "timeout") < 0 || enter(self) < 0)
+    return -1;
+  return 0;
+}
+
 static PyObject *Engine_send_notify(EngineObject *self, PyObject *args, PyObject *kw) {
   static char *kwlist[] = {"target_hostname", "message", "timeout", NULL};
   const char *target;
@@ -1436,9 +1450,8 @@ static PyObject *Engine_send_notify(EngineObject *self, PyObject *args, PyObject
   if (!PyArg_ParseTupleAndKeywords(args, kw, "ss*|d:send_notify", kwlist, &target, &msg,
                                    &timeout))
     return NULL;
-  char tbuf[512];
-  snprintf(tbuf, sizeof tbuf, "%s", target);
-  if (mc_py_check_timeout(timeout, 0, 1, 86400, "timeout") < 0 || enter(self) < 0) {
+  char tbuf[PEER_NAME_MAX];
+  if (peer_enter(self, target, timeout, 86400, tbuf) < 0) {
     PyBuffer_Release(&msg);
     return NULL;
   }
@@ -1463,9 +1476,8 @@ static PyObject *Engine_describe_segment(EngineObject *self, PyObject *args, PyO
     return NULL;
   if (!*target)
     return PyErr_Format(PyExc_ValueError, "describe_segment: segment_name is empty");
-  char tbuf[512];
-  snprintf(tbuf, sizeof tbuf, "%s", target);
-  if (mc_py_check_timeout(timeout, 0, 1, 86400, "timeout") < 0 || enter(self) < 0)
+  char tbuf[PEER_NAME_MAX];
+  if (peer_enter(self, target, timeout, 86400, tbuf) < 0)
     return NULL;
   mc_err_t err = {0};
   char *reply = NULL;
@@ -1559,12 +1571,11 @@ static PyObject *Engine_cut_peer(EngineObject *self, PyObject *args, PyObject *k
   double timeout = 5.0;
   if (!PyArg_ParseTupleAndKeywords(args, kw, "s|d:cut_peer", kwlist, &target, &timeout))
     return NULL;
-  char tbuf[512];
+  char tbuf[PEER_NAME_MAX];
   if (strlen(target) >= sizeof tbuf)
     return PyErr_Format(PyExc_ValueError, "cut_peer: segment_name is %zu bytes long; give the "
                         "peer's \"host:port\"", strlen(target));
-  snprintf(tbuf, sizeof tbuf, "%s", target);
-  if (mc_py_check_timeout(timeout, 0, 1, 600, "timeout") < 0 || enter(self) < 0)
+  if (peer_enter(self, target, timeout, 600, tbuf) < 0)
     return NULL;
   mc_err_t err = {0};
   int rc;
