@@ -15,13 +15,19 @@ import os
 import subprocess
 import sys
 
-# Both hammer scripts start with this: after close every call (f, args) of
-# `calls` raises the closed error; anything else goes to `unexpected`.
+# Both hammer scripts start with this: once closed, the hammering threads
+# `ts` are stopped and must end, and every call (f, args) of `calls` raises
+# the closed error; anything else goes to `unexpected`.
 AFTER_CLOSE = r"""
 import mooncake_connector as mc
 
 
-def all_closed(calls):
+def all_closed(stop, ts, calls):
+    stop.set()
+    for t in ts:
+        t.join(60)
+        if t.is_alive():
+            unexpected.append("a thread hung after close")
     for f, args in calls:
         try:
             f(*args)
@@ -137,14 +143,9 @@ def one_round(r):
         c.start()
         a.close()
         c.join(30)
-    stop.set()
-    for t in ts:
-        t.join(60)
-        if t.is_alive():
-            unexpected.append("a thread hung after close")
-    all_closed(((a.transfer_check_status, (1,)), (a.transfer_wait, (1, 0.0)),
-                (a.get_notifies, ()), (a.get_stats, ()), (a.get_batch_status, (1,)),
-                (a.get_batch_transfer_status, ([1],))))
+    all_closed(stop, ts, ((a.transfer_check_status, (1,)), (a.transfer_wait, (1, 0.0)),
+                          (a.get_notifies, ()), (a.get_stats, ()), (a.get_batch_status, (1,)),
+                          (a.get_batch_transfer_status, ([1],))))
     a.close()  # again: a no-op
     b.close()
 
@@ -250,12 +251,8 @@ def one_round(r):
         k2.start()
         kv.__exit__(None, None, None)
         k2.join(30)
-    stop.set()
-    for t in ts:
-        t.join(60)
-        if t.is_alive():
-            unexpected.append("a thread hung after close")
-    all_closed(((kv.recv_kv, (seg, toks, dest(0))), (kv.stats, ()), (kv.pull_poll, (1,))))
+    all_closed(stop, ts,
+               ((kv.recv_kv, (seg, toks, dest(0))), (kv.stats, ()), (kv.pull_poll, (1,))))
     kv.close()
 
 
