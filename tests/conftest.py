@@ -146,6 +146,21 @@ def metadata_server():
     srv.stop()
 
 
+def closing_maker(new):
+    """Generator for a fixture that makes things: yields make(*a, **kw),
+    new(*a, **kw) kept, and closes every one made after the test."""
+    made = []
+
+    def make(*a, **kw):
+        x = new(*a, **kw)
+        made.append(x)
+        return x
+
+    yield make
+    for x in made:
+        x.close()
+
+
 def wait_until(pred, timeout=5.0, step=0.02):
     end = time.time() + timeout
     while time.time() < end:

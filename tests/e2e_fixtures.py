@@ -19,6 +19,31 @@ import pytest
 START_TIMEOUT_S = float(os.environ.get("MC_E2E_START_TIMEOUT", "600"))
 
 
+# Push with push_layer_load (the decode's attention waits per layer): its own
+# proxy, asking for it per request.
+PUSH_LL = {"flow": "push", "extra_args": ("--push-layer-load", "on", "--push-layerwise", "on")}
+
+
+def start_deployment(prefix, model_dir, **kw):
+    """A Deployment of flows a, b and push plus the push-layer-load proxy
+    (kw: Deployment's other arguments), started (stopped again if its start
+    fails) and described.  Its workdir is a new /tmp/<prefix>* directory, not
+    under pytest's basetemp: a concurrent pytest run on the same host prunes
+    old /tmp/pytest-of-USER/pytest-N dirs, logs and configs included."""
+    from mooncake_connector.deployment import Deployment
+
+    workdir = tempfile.mkdtemp(prefix=prefix)
+    dep = Deployment(workdir, model_dir, flows=("a", "b", "push"),
+                     extra_proxies={"push-layer-load": PUSH_LL}, **kw)
+    try:
+        dep.start(timeout=START_TIMEOUT_S)
+    except Exception:
+        dep.stop()
+        raise
+    print("\n" + dep.describe())
+    return dep
+
+
 def have_vllm():
     return importlib.util.find_spec("vllm") is not None
 
@@ -34,21 +59,6 @@ def tiny_model_dir():
 
 @pytest.fixture(scope="session")
 def deployment(tiny_model_dir):
-    from mooncake_connector.deployment import Deployment
-
-    # Not under pytest's basetemp: a concurrent pytest run on the same host
-    # prunes old /tmp/pytest-of-USER/pytest-N dirs, logs and configs included.
-    workdir = tempfile.mkdtemp(prefix="mc-e2e-")
-    # push with push_layer_load (the decode's attention waits per layer):
-    # its own proxy, asking for it per request.
-    dep = Deployment(workdir, tiny_model_dir, flows=("a", "b", "push"), extra_proxies={
-        "push-layer-load": {"flow": "push", "extra_args": ("--push-layer-load", "on",
-                                                           "--push-layerwise", "on")}})
-    try:
-        dep.start(timeout=START_TIMEOUT_S)
-    except Exception:
-        dep.stop()
-        raise
-    print("\n" + dep.describe())
+    dep = start_deployment("mc-e2e-", tiny_model_dir)
     yield dep
     dep.stop()

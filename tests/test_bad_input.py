@@ -299,6 +299,22 @@ def test_mooncake_json_not_utf8_names_the_file(tmp_path):
                 env={"MOONCAKE_CONFIG_PATH": str(p)})
 
 
+def _both_refuse(p, role="kv_consumer", match=None):
+    """The workers' C parser (mc.parse_config) and the connector's settings
+    reader (resolve, MOONCAKE_CONFIG_PATH=p) both refuse the mooncake.json
+    at p, with one message, returned."""
+    from types import SimpleNamespace
+
+    from mooncake_connector.connector.settings import SettingsError, resolve
+    with pytest.raises(mc.ConfigError) as c_err:
+        mc.parse_config(p.read_text(), str(p))
+    with pytest.raises(SettingsError, match=match) as py_err:
+        resolve(SimpleNamespace(kv_role=role, kv_connector_extra_config={}),
+                env={"MOONCAKE_CONFIG_PATH": str(p)})
+    assert str(py_err.value) == str(c_err.value)
+    return str(py_err.value)
+
+
 MISSPELT = ["metadata_sever", "prefil_url", "decode-url", "protcol", "device", "kv_role",
             "local_hostname", "x" * 100, "a\x01b", "same_host_cpu_path", "kv_connector"]
 
@@ -310,36 +326,20 @@ def test_mooncake_json_unknown_field_as_the_c_parser_says(tmp_path, key):
     ignored there (the workers' C parser refused it later).  It now refuses
     it with the C parser's message, word for word: the field, the near miss
     (within two edits), vLLM's and Mooncake Store's keys named as such."""
-    from types import SimpleNamespace
-
-    from mooncake_connector.connector.settings import SettingsError, resolve
     p = tmp_path / "mooncake.json"
     p.write_text(GOOD.replace("}", ", " + json.dumps(key) + ': "v"}'))
-    with pytest.raises(mc.ConfigError) as c_err:
-        mc.parse_config(p.read_text(), str(p))
-    with pytest.raises(SettingsError) as py_err:
-        resolve(SimpleNamespace(kv_role="kv_consumer", kv_connector_extra_config={}),
-                env={"MOONCAKE_CONFIG_PATH": str(p)})
-    assert str(py_err.value) == str(c_err.value)
-    assert "unknown field" in str(py_err.value)
+    msg = _both_refuse(p)
+    assert "unknown field" in msg
     if key == "metadata_sever":
-        assert 'did you mean "metadata_server"?' in str(py_err.value)
+        assert 'did you mean "metadata_server"?' in msg
 
 
 def test_mooncake_json_field_twice_as_the_c_parser_says(tmp_path):
     """json.loads kept the last of two "protocol" fields; the C parser
     refuses the file: both refuse it now, with one message."""
-    from types import SimpleNamespace
-
-    from mooncake_connector.connector.settings import SettingsError, resolve
     p = tmp_path / "mooncake.json"
     p.write_text(GOOD.replace("{", '{"protocol": "rdma", "protocol": "tcp", '))
-    with pytest.raises(mc.ConfigError) as c_err:
-        mc.parse_config(p.read_text(), str(p))
-    with pytest.raises(SettingsError, match="appears more than once") as py_err:
-        resolve(SimpleNamespace(kv_role="kv_consumer", kv_connector_extra_config={}),
-                env={"MOONCAKE_CONFIG_PATH": str(p)})
-    assert str(py_err.value) == str(c_err.value)
+    _both_refuse(p, match="appears more than once")
 
 
 WRONG_TYPES = [  # (id, fields: each replaces GOOD's own or comes after them)
@@ -388,20 +388,12 @@ def test_mooncake_json_wrong_value_type_as_the_c_parser_says(tmp_path, fields, d
     (or too long for the C parser) with the C parser's message, word for
     word: the field, the value as cJSON prints it, its type, what is
     expected and accepted; never the secret."""
-    from types import SimpleNamespace
-
-    from mooncake_connector.connector.settings import SettingsError, resolve
     p = tmp_path.joinpath(*dirs, "mooncake.json")
     p.parent.mkdir(parents=True)
     p.write_text(with_fields(fields))
-    with pytest.raises(mc.ConfigError) as c_err:
-        mc.parse_config(p.read_text(), str(p))
-    with pytest.raises(SettingsError) as py_err:
-        resolve(SimpleNamespace(kv_role="kv_producer", kv_connector_extra_config={}),
-                env={"MOONCAKE_CONFIG_PATH": str(p)})
-    assert str(py_err.value) == str(c_err.value)
+    msg = _both_refuse(p, role="kv_producer")
     if "auth_secret" in fields:
-        assert "12345" not in str(py_err.value) and "s" * 20 not in str(py_err.value)
+        assert "12345" not in msg and "s" * 20 not in msg
 
 
 @pytest.mark.parametrize("path", [False, True])

@@ -15,9 +15,30 @@ import os
 import subprocess
 import sys
 
-HAMMER = r"""
-import json, os, random, sys, threading, time
+# Both hammer scripts start with this: once closed, the hammering threads
+# `ts` are stopped and must end, and every call (f, args) of `calls` raises
+# the closed error; anything else goes to `unexpected`.
+AFTER_CLOSE = r"""
 import mooncake_connector as mc
+
+
+def all_closed(stop, ts, calls):
+    stop.set()
+    for t in ts:
+        t.join(60)
+        if t.is_alive():
+            unexpected.append("a thread hung after close")
+    for f, args in calls:
+        try:
+            f(*args)
+            unexpected.append("%s worked after close" % f.__name__)
+        except mc.MooncakeError as e:
+            if "closed" not in str(e):
+                unexpected.append("%s after close: %s" % (f.__name__, e))
+"""
+
+HAMMER = AFTER_CLOSE + r"""
+import json, os, random, sys, threading, time
 
 rounds, seed = int(sys.argv[1]), int(sys.argv[2])
 rng = random.Random(seed)
@@ -122,22 +143,9 @@ def one_round(r):
         c.start()
         a.close()
         c.join(30)
-    stop.set()
-    for t in ts:
-        t.join(60)
-        if t.is_alive():
-            unexpected.append("a thread hung after close")
-    # After close every call raises the closed error.
-    for f, args in ((a.transfer_check_status, (1,)), (a.transfer_wait, (1, 0.0)),
-                    (a.get_notifies, ()),
-                    (a.get_stats, ()), (a.get_batch_status, (1,)),
-                    (a.get_batch_transfer_status, ([1],))):
-        try:
-            f(*args)
-            unexpected.append("%s worked after close" % f.__name__)
-        except mc.MooncakeError as e:
-            if "closed" not in str(e):
-                unexpected.append("%s after close: %s" % (f.__name__, e))
+    all_closed(stop, ts, ((a.transfer_check_status, (1,)), (a.transfer_wait, (1, 0.0)),
+                          (a.get_notifies, ()), (a.get_stats, ()), (a.get_batch_status, (1,)),
+                          (a.get_batch_transfer_status, ([1],))))
     a.close()  # again: a no-op
     b.close()
 
@@ -148,21 +156,25 @@ print(json.dumps({"unexpected": unexpected[:20], "counts": counts}), flush=True)
 """
 
 
-def test_close_races_every_engine_call():
+def _hammer(script, seed):
+    """Runs a hammer script in a child process; nothing unexpected, and both
+    outcomes happened: calls ran, and calls met the close."""
     rounds = os.environ.get("MC_CLOSE_RACE_ROUNDS", "12")
     env = {**os.environ, "MC_SAME_HOST_CPU": "0"}
-    r = subprocess.run([sys.executable, "-c", HAMMER, rounds, "1"], env=env,
+    r = subprocess.run([sys.executable, "-c", script, rounds, seed], env=env,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, (r.returncode, r.stderr[-3000:])
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["unexpected"] == [], out
-    # Both outcomes happened: calls ran, and calls met the close.
     assert out["counts"]["ok"] > 0 and out["counts"]["closed"] > 0, out
 
 
-KV_HAMMER = r"""
+def test_close_races_every_engine_call():
+    _hammer(HAMMER, "1")
+
+
+KV_HAMMER = AFTER_CLOSE + r"""
 import json, random, sys, threading, time
-import mooncake_connector as mc
 
 rounds, seed = int(sys.argv[1]), int(sys.argv[2])
 rng = random.Random(seed)
@@ -239,18 +251,8 @@ def one_round(r):
         k2.start()
         kv.__exit__(None, None, None)
         k2.join(30)
-    stop.set()
-    for t in ts:
-        t.join(60)
-        if t.is_alive():
-            unexpected.append("a thread hung after close")
-    for f, a in ((kv.recv_kv, (seg, toks, dest(0))), (kv.stats, ()), (kv.pull_poll, (1,))):
-        try:
-            f(*a)
-            unexpected.append("%s worked after close" % f.__name__)
-        except mc.MooncakeError as e:
-            if "closed" not in str(e):
-                unexpected.append("%s after close: %s" % (f.__name__, e))
+    all_closed(stop, ts,
+               ((kv.recv_kv, (seg, toks, dest(0))), (kv.stats, ()), (kv.pull_poll, (1,))))
     kv.close()
 
 
@@ -264,14 +266,7 @@ print(json.dumps({"unexpected": unexpected[:20], "counts": counts}), flush=True)
 
 
 def test_close_races_every_kv_call():
-    rounds = os.environ.get("MC_CLOSE_RACE_ROUNDS", "12")
-    env = {**os.environ, "MC_SAME_HOST_CPU": "0"}
-    r = subprocess.run([sys.executable, "-c", KV_HAMMER, rounds, "2"], env=env,
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, (r.returncode, r.stderr[-3000:])
-    out = json.loads(r.stdout.strip().splitlines()[-1])
-    assert out["unexpected"] == [], out
-    assert out["counts"]["ok"] > 0 and out["counts"]["closed"] > 0, out
+    _hammer(KV_HAMMER, "2")
 
 
 def test_close_wakes_a_waiting_wait_notifies():

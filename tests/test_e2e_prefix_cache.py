@@ -41,7 +41,6 @@ Runtime: ~2 min on 2 cores, most of it the servers' start.
 import concurrent.futures
 import os
 import re
-import tempfile
 import time
 import uuid
 
@@ -58,9 +57,6 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1200)]
 BLOCK = 32
 REQ_TIMEOUT = 120
 FLOWS = ("a", "b", "push", "push-layer-load")
-# Push with push_layer_load (the decode's attention waits per layer): its own
-# proxy, asking for it per request (as tests/e2e_fixtures.py's deployment).
-PUSH_LL = {"flow": "push", "extra_args": ("--push-layer-load", "on", "--push-layerwise", "on")}
 # The prefill's held KV and the decode's loads: back to 0 within this once
 # the requests are done (a hold that waits for hold_timeout_s, 120 s, fails).
 IDLE_WAIT_S = 30
@@ -68,18 +64,10 @@ IDLE_WAIT_S = 30
 
 @pytest.fixture(scope="module")
 def pc_dep(tiny_model_dir):
-    from mooncake_connector.deployment import Deployment
-    from e2e_fixtures import START_TIMEOUT_S
+    from e2e_fixtures import start_deployment
 
-    workdir = tempfile.mkdtemp(prefix="mc-e2e-pc-")
-    dep = Deployment(workdir, tiny_model_dir, flows=("a", "b", "push"),
-                     extra_proxies={"push-layer-load": PUSH_LL}, prefix_caching=True)
-    try:
-        dep.start(timeout=START_TIMEOUT_S)
-    except Exception:
-        dep.stop()
-        raise
-    print("\n" + dep.describe())
+    # Flows a, b, push and push-layer-load, as tests/e2e_fixtures.py's deployment.
+    dep = start_deployment("mc-e2e-pc-", tiny_model_dir, prefix_caching=True)
     for p in (dep.prefill, dep.decode, dep.colocated):
         assert "--no-enable-prefix-caching" not in p.cmd, p.cmd
     dep.log_starts = {p.name: log_size(p.log_path) for p in dep.processes}

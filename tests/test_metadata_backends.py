@@ -21,7 +21,7 @@ import urllib.request
 
 import pytest
 
-from conftest import Peer, wait_until
+from conftest import Peer, closing_maker, wait_until
 
 from mooncake_connector.serving import free_port
 
@@ -181,16 +181,10 @@ def redis_server(tmp_path):
 
 @pytest.fixture
 def mpeers():
-    made = []
-
     def make(url, **kw):
-        p = Peer(metadata=url, env={**PEER_ENV, **kw.pop("env", {})}, **kw)
-        made.append(p)
-        return p
+        return Peer(metadata=url, env={**PEER_ENV, **kw.pop("env", {})}, **kw)
 
-    yield make
-    for p in made:
-        p.close()
+    yield from closing_maker(make)
 
 
 def seg_key(name):
@@ -407,16 +401,7 @@ def http_answer(status, body, ctype="application/json"):
 
 @pytest.fixture
 def fake():
-    made = []
-
-    def make(handler):
-        s = FakeServer(handler)
-        made.append(s)
-        return s
-
-    yield make
-    for s in made:
-        s.close()
+    yield from closing_maker(FakeServer)
 
 
 def test_etcd_error_json(fake):

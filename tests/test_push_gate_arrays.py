@@ -266,3 +266,18 @@ def test_decode_target_costs_no_python_step_per_block():
     head, body = decode(sent[0])
     assert head["n"] == 8 * layout.extents_per_block and head["lnotify"] is True
     assert body == _body_loop(layout, list(range(1, 9)), pieces)
+
+
+def test_a_bad_layer_gives_back_the_earlier_layers_outer_arrays():
+    """A layer refused after others were parsed: the earlier layers' outer
+    offsets arrays are no longer exported (gate_arrays kept their views
+    before: an array('Q') that then could not grow), as target_extents."""
+    from mooncake_connector import _core
+    ids, dest = array("Q", [1]), array("Q", [0, 8, 0])
+    o1, o2 = array("Q", [0]), array("Q", [0])
+    with pytest.raises(ValueError, match="layer 1's extents"):
+        _core.gate_arrays(ids, dest, 1, 1, ((0, 1, 0, 0, 64, 64, o1), (0, 1, 0, 5, 64, 64, o2)), 4)
+    with pytest.raises(ValueError, match="layer 1's group"):
+        _core.target_extents(ids, 1, 4, ((0, 0, 64, o1, 0, 8, 0), (0, 5, 64, o2, 0, 8, 0)))
+    o1.append(1)  # BufferError while a view is held
+    o2.append(1)

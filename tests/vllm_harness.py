@@ -7,6 +7,7 @@ scenarios of vLLM's GPU-free connector tests, ported to MooncakeConnector.
 """
 import json
 import os
+import time
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -353,5 +354,15 @@ def counters(side):
     return out
 
 
+def frees_at_once(side, limit_s=1.0):
+    """The producer side gives every held block back within limit_s (not at
+    hold_timeout_s): stepped until it holds none (5 s at most)."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < max(5.0, limit_s) and not side.is_empty():
+        side.step()
+        time.sleep(0.001)
+    return side.is_empty() and time.monotonic() - t0 < limit_s
+
+
 __all__ = ["Side", "counters", "recomputes", "make_request", "tiny_model_dir", "status",
-           "RequestStatus", "kv_value"]
+           "RequestStatus", "kv_value", "frees_at_once"]

@@ -510,6 +510,13 @@ static size_t walk(mc_lookup_t *lb, const mc_block_hash_t *h, const uint32_t *ca
   return k;
 }
 
+/* walk over the live index: the expired entries dropped first (lb->mu held). */
+static size_t walk_live(mc_lookup_t *lb, const mc_block_hash_t *h, const uint32_t *canon,
+                        size_t n, lk_node_t **path) {
+  expire_locked(lb);
+  return walk(lb, h, canon, n, path);
+}
+
 /* An insert found its entry stored (keep mode): it becomes the newest. */
 static void refresh_entry(mc_lookup_t *lb, lk_entry_t *e, size_t n) {
   e->born_ns = now_ns(lb);
@@ -711,8 +718,7 @@ long mc_lookup_insert(mc_lookup_t *lb, const void *tokens, size_t ntok, int widt
 
   pthread_mutex_lock(&lb->mu);
   for (;;) {
-    expire_locked(lb);
-    size_t k = walk(lb, h, canon, n, path);
+    size_t k = walk_live(lb, h, canon, n, path);
     if (k == n && lb->mode == MC_LOOKUP_KEEP && path[n - 1]->entries) {
       refresh_entry(lb, path[n - 1]->entries, n); /* already stored */
       nre = n;
@@ -789,8 +795,7 @@ long mc_lookup_find(mc_lookup_t *lb, const void *tokens, size_t ntok, int width,
     return mc_err_set(err, MC_ENOMEM, "out of memory looking up %zu tokens", ntok);
   }
   pthread_mutex_lock(&lb->mu);
-  expire_locked(lb);
-  size_t k = walk(lb, h, canon, n, m->nodes);
+  size_t k = walk_live(lb, h, canon, n, m->nodes);
   lb->st.lookups++;
   if (k == 0) {
     lb->st.misses++;
@@ -831,8 +836,7 @@ long mc_lookup_count(mc_lookup_t *lb, const void *tokens, size_t ntok, int width
   if (rn <= 0)
     return rn;
   pthread_mutex_lock(&lb->mu);
-  expire_locked(lb);
-  size_t k = walk(lb, h, canon, (size_t)rn, NULL);
+  size_t k = walk_live(lb, h, canon, (size_t)rn, NULL);
   lb->st.probes++;
   pthread_mutex_unlock(&lb->mu);
   free(h);
@@ -886,8 +890,7 @@ long mc_lookup_remove(mc_lookup_t *lb, const void *tokens, size_t ntok, int widt
   }
   long removed = 0;
   pthread_mutex_lock(&lb->mu);
-  expire_locked(lb);
-  if (walk(lb, h, canon, n, path) == n) {
+  if (walk_live(lb, h, canon, n, path) == n) {
     lk_node_t *leaf = path[n - 1];
     /* Each removal may free the leaf; stop when it has no entries left
      * (an indexed leaf with no entries still has refs from longer ones). */

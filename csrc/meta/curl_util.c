@@ -47,6 +47,23 @@ void mc_curl_pool_drain(mc_curl_pool_t *p) {
   p->n_idle = 0;
 }
 
+CURLcode mc_curl_setup(CURL *c, const char *url, long connect_ms, long total_ms, char *errbuf,
+                       mc_curl_body_t *b, curl_off_t max_body, struct curl_slist *hdrs) {
+  CURLcode sc = CURLE_OK;
+#define SET(opt, val) MC_CURL_SET(sc, c, opt, val)
+  SET(CURLOPT_URL, url);
+  SET(CURLOPT_NOSIGNAL, 1L);
+  SET(CURLOPT_CONNECTTIMEOUT_MS, connect_ms);
+  SET(CURLOPT_TIMEOUT_MS, total_ms);
+  SET(CURLOPT_ERRORBUFFER, errbuf);
+  SET(CURLOPT_WRITEFUNCTION, mc_curl_body_write);
+  SET(CURLOPT_WRITEDATA, b);
+  SET(CURLOPT_MAXFILESIZE_LARGE, max_body);
+  SET(CURLOPT_HTTPHEADER, hdrs);
+#undef SET
+  return sc;
+}
+
 size_t mc_curl_body_write(char *ptr, size_t size, size_t nmemb, void *ud) {
   mc_curl_body_t *b = ud;
   size_t n = size * nmemb;

@@ -40,6 +40,21 @@ typedef struct mc_curl_body {
  * is cut off early. */
 size_t mc_curl_body_write(char *ptr, size_t size, size_t nmemb, void *ud);
 
+/* curl_easy_setopt(c, opt, val) into sc, unless an earlier one failed. */
+#define MC_CURL_SET(sc, c, opt, val)                                           \
+  do {                                                                         \
+    if ((sc) == CURLE_OK)                                                      \
+      (sc) = curl_easy_setopt((c), opt, (val));                                \
+  } while (0)
+
+/* The options every metadata request sets: url, no signals (no SIGALRM
+ * for DNS timeouts: we are a library), the connect and total timeouts in
+ * ms, errbuf, the body sink b, max_body (a larger announced Content-Length
+ * is refused before it is read) and the headers hdrs.  CURLE_OK, or the
+ * first setopt failure. */
+CURLcode mc_curl_setup(CURL *c, const char *url, long connect_ms, long total_ms, char *errbuf,
+                       mc_curl_body_t *b, curl_off_t max_body, struct curl_slist *hdrs);
+
 /* Up to `max` printable bytes of s[0..n) into out (others become spaces,
  * trailing spaces dropped). */
 void mc_curl_snippet(const char *s, size_t n, char *out, size_t outlen, size_t max);

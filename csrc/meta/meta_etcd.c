@@ -133,21 +133,9 @@ static CURLcode post_once(etcd_meta_t *e, CURL *c, const char *url,
     return CURLE_OUT_OF_MEMORY;
   }
   hdrs = h2;
-  CURLcode sc = CURLE_OK;
-#define SET(opt, val)                                                          \
-  do {                                                                         \
-    if (sc == CURLE_OK)                                                        \
-      sc = curl_easy_setopt(c, opt, val);                                      \
-  } while (0)
-  SET(CURLOPT_URL, url);
-  SET(CURLOPT_NOSIGNAL, 1L);
-  SET(CURLOPT_CONNECTTIMEOUT_MS, e->connect_timeout_ms);
-  SET(CURLOPT_TIMEOUT_MS, e->timeout_ms);
-  SET(CURLOPT_ERRORBUFFER, errbuf);
-  SET(CURLOPT_WRITEFUNCTION, mc_curl_body_write);
-  SET(CURLOPT_WRITEDATA, b);
-  SET(CURLOPT_MAXFILESIZE_LARGE, (curl_off_t)ETCD_BODY_MAX);
-  SET(CURLOPT_HTTPHEADER, hdrs);
+  CURLcode sc = mc_curl_setup(c, url, e->connect_timeout_ms, e->timeout_ms, errbuf, b,
+                              (curl_off_t)ETCD_BODY_MAX, hdrs);
+#define SET(opt, val) MC_CURL_SET(sc, c, opt, val)
   SET(CURLOPT_POST, 1L);
   SET(CURLOPT_POSTFIELDSIZE_LARGE, (curl_off_t)strlen(json));
   SET(CURLOPT_POSTFIELDS, json);

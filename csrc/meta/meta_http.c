@@ -123,22 +123,9 @@ static int transfer_error(const http_meta_t *h, const req_t *r, CURLcode rc,
 static CURLcode setup(CURL *c, const http_meta_t *h, const req_t *r,
                       const char *url, struct curl_slist *hdrs, body_t *b,
                       char *errbuf) {
-  CURLcode sc = CURLE_OK;
-#define SET(opt, val)                                                          \
-  do {                                                                         \
-    if (sc == CURLE_OK)                                                        \
-      sc = curl_easy_setopt(c, opt, val);                                      \
-  } while (0)
-  SET(CURLOPT_URL, url);
-  SET(CURLOPT_NOSIGNAL, 1L); /* no SIGALRM for DNS timeouts: we are a lib */
-  SET(CURLOPT_CONNECTTIMEOUT_MS, h->connect_timeout_ms);
-  SET(CURLOPT_TIMEOUT_MS, h->timeout_ms);
-  SET(CURLOPT_ERRORBUFFER, errbuf);
-  SET(CURLOPT_WRITEFUNCTION, mc_curl_body_write);
-  SET(CURLOPT_WRITEDATA, b);
-  /* Refuses a too-large announced Content-Length before reading it. */
-  SET(CURLOPT_MAXFILESIZE_LARGE, (curl_off_t)MC_META_MAX_VALUE);
-  SET(CURLOPT_HTTPHEADER, hdrs);
+  CURLcode sc = mc_curl_setup(c, url, h->connect_timeout_ms, h->timeout_ms, errbuf, b,
+                              (curl_off_t)MC_META_MAX_VALUE, hdrs);
+#define SET(opt, val) MC_CURL_SET(sc, c, opt, val)
   if (strcmp(r->method, "GET") == 0) {
     SET(CURLOPT_HTTPGET, 1L);
   } else if (strcmp(r->method, "PUT") == 0) {

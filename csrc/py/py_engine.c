@@ -58,33 +58,42 @@ static int get_u64(PyObject *o, uint64_t *out, const char *what) {
   return 0;
 }
 
+/* A view of seq when it is a C-contiguous buffer of 8-byte integers (numpy
+ * uint64/int64 array, array.array('Q')): 1 with *v held, else 0 (nothing
+ * held, no exception set: the caller takes the sequence path). */
+static int u64_buffer_view(PyObject *seq, Py_buffer *v) {
+  if (!PyObject_CheckBuffer(seq) || PyBytes_Check(seq) || PyByteArray_Check(seq))
+    return 0;
+  if (PyObject_GetBuffer(seq, v, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) == 0) {
+    const char *f = v->format ? v->format : "B";
+    if (*f == '@' || *f == '=' || *f == '<')
+      f++;
+    if (v->itemsize == 8 && f[0] && !f[1] && strchr("QqLlNn", f[0]))
+      return 1;
+    PyBuffer_Release(v);
+  }
+  PyErr_Clear();
+  return 0;
+}
+
 /* Parses a sequence of ints into a malloc'ed array. */
 static int get_u64_list(PyObject *seq, uint64_t **out, Py_ssize_t *n, const char *what) {
-  /* Fast path: a buffer of 8-byte integers (numpy uint64/int64 array,
-   * array.array('Q')): copied as is, no per-item Python work. */
-  if (PyObject_CheckBuffer(seq) && !PyBytes_Check(seq) && !PyByteArray_Check(seq)) {
-    Py_buffer v;
-    if (PyObject_GetBuffer(seq, &v, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) == 0) {
-      const char *f = v.format ? v.format : "B";
-      if (*f == '@' || *f == '=' || *f == '<')
-        f++;
-      if (v.itemsize == 8 && f[0] && !f[1] && strchr("QqLlNn", f[0])) {
-        Py_ssize_t k = v.len / 8;
-        uint64_t *a = PyMem_RawMalloc((size_t)(k ? k : 1) * sizeof *a);
-        if (!a) {
-          PyBuffer_Release(&v);
-          PyErr_NoMemory();
-          return -1;
-        }
-        memcpy(a, v.buf, (size_t)k * 8);
-        PyBuffer_Release(&v);
-        *out = a;
-        *n = k;
-        return 0;
-      }
-      PyBuffer_Release(&v);
+  /* Fast path: a buffer of 8-byte integers, copied as is, no per-item
+   * Python work. */
+  Py_buffer view;
+  if (u64_buffer_view(seq, &view)) {
+    Py_ssize_t k = view.len / 8;
+    uint64_t *a = PyMem_RawMalloc((size_t)(k ? k : 1) * sizeof *a);
+    if (!a) {
+      PyBuffer_Release(&view);
+      PyErr_NoMemory();
+      return -1;
     }
-    PyErr_Clear();
+    memcpy(a, view.buf, (size_t)k * 8);
+    PyBuffer_Release(&view);
+    *out = a;
+    *n = k;
+    return 0;
   }
   PyObject *fast = PySequence_Fast(seq, "expected a list of ints");
   if (!fast)
@@ -142,6 +151,15 @@ static int enter(EngineObject *self) {
   return 0;
 }
 static void leave(EngineObject *self) { pthread_rwlock_unlock(&self->life); }
+
+/* Leaves the engine after a call whose Python result is 0: that, or its
+ * error (rc < 0) raised. */
+static PyObject *leave_with(EngineObject *self, int rc, const mc_err_t *err) {
+  leave(self);
+  if (rc < 0)
+    return mc_py_raise(ST(self), err);
+  return PyLong_FromLong(0);
+}
 
 /* A batch handed to Python: the id table holds one reference and each call
  * using the batch without the GIL holds one (GIL-protected count), so a
@@ -401,10 +419,7 @@ static PyObject *Engine_register_memory(EngineObject *self, PyObject *args, PyOb
   Py_BEGIN_ALLOW_THREADS
   rc = mc_engine_register(self->eng, (void *)(uintptr_t)addr, len, locbuf, &err);
   Py_END_ALLOW_THREADS
-  leave(self);
-  if (rc < 0)
-    return mc_py_raise(ST(self), &err);
-  return PyLong_FromLong(0);
+  return leave_with(self, rc, &err);
 }
 
 static PyObject *Engine_batch_register_memory(EngineObject *self, PyObject *args, PyObject *kw) {
@@ -429,23 +444,18 @@ static PyObject *Engine_batch_register_memory(EngineObject *self, PyObject *args
   char locbuf[64];
   snprintf(locbuf, sizeof locbuf, "%s", loc);
   mc_err_t err = {0};
-  int rc = -1;
+  PyObject *r = NULL;
   if (enter(self) == 0) {
+    int rc;
     Py_BEGIN_ALLOW_THREADS
     rc = mc_engine_register_batch(self->eng, (void *const *)addrs, lens, (size_t)na, locbuf,
                                   &err);
     Py_END_ALLOW_THREADS
-    leave(self);
-  } else {
-    PyMem_RawFree(addrs);
-    PyMem_RawFree(lens);
-    return NULL;
+    r = leave_with(self, rc, &err);
   }
   PyMem_RawFree(addrs);
   PyMem_RawFree(lens);
-  if (rc < 0)
-    return mc_py_raise(ST(self), &err);
-  return PyLong_FromLong(0);
+  return r;
 }
 
 static PyObject *Engine_unregister_memory(EngineObject *self, PyObject *arg) {
@@ -459,10 +469,7 @@ static PyObject *Engine_unregister_memory(EngineObject *self, PyObject *arg) {
   Py_BEGIN_ALLOW_THREADS
   rc = mc_engine_unregister(self->eng, (void *)(uintptr_t)addr, &err);
   Py_END_ALLOW_THREADS
-  leave(self);
-  if (rc < 0)
-    return mc_py_raise(ST(self), &err);
-  return PyLong_FromLong(0);
+  return leave_with(self, rc, &err);
 }
 
 static PyObject *Engine_batch_unregister_memory(EngineObject *self, PyObject *arg) {
@@ -480,11 +487,8 @@ static PyObject *Engine_batch_unregister_memory(EngineObject *self, PyObject *ar
   for (Py_ssize_t i = 0; i < n && rc == 0; i++)
     rc = mc_engine_unregister(self->eng, (void *)(uintptr_t)addrs[i], &err);
   Py_END_ALLOW_THREADS
-  leave(self);
   PyMem_RawFree(addrs);
-  if (rc < 0)
-    return mc_py_raise(ST(self), &err);
-  return PyLong_FromLong(0);
+  return leave_with(self, rc, &err);
 }
 
 /* ---- managed buffers: registered host memory owned by the engine ---- */
@@ -612,20 +616,11 @@ typedef struct {
 
 static int u64_arg_get(PyObject *seq, u64_arg_t *a, const char *what) {
   memset(a, 0, sizeof *a);
-  if (PyObject_CheckBuffer(seq) && !PyBytes_Check(seq) && !PyByteArray_Check(seq)) {
-    if (PyObject_GetBuffer(seq, &a->view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) == 0) {
-      const char *f = a->view.format ? a->view.format : "B";
-      if (*f == '@' || *f == '=' || *f == '<')
-        f++;
-      if (a->view.itemsize == 8 && f[0] && !f[1] && strchr("QqLlNn", f[0])) {
-        a->has_view = 1;
-        a->p = a->view.buf;
-        a->n = a->view.len / 8;
-        return 0;
-      }
-      PyBuffer_Release(&a->view);
-    }
-    PyErr_Clear();
+  if (u64_buffer_view(seq, &a->view)) {
+    a->has_view = 1;
+    a->p = a->view.buf;
+    a->n = a->view.len / 8;
+    return 0;
   }
   if (get_u64_list(seq, &a->owned, &a->n, what) < 0)
     return -1;
@@ -735,11 +730,8 @@ static PyObject *run_sync(EngineObject *self, xfer_args_t *x) {
     mc_batch_free(self->eng, b);
   }
   Py_END_ALLOW_THREADS
-  leave(self);
   PyMem_RawFree(x->reqs);
-  if (rc < 0)
-    return mc_py_raise(ST(self), &err);
-  return PyLong_FromLong(0);
+  return leave_with(self, rc, &err);
 }
 
 static PyObject *sync_batch(EngineObject *self, PyObject *args, PyObject *kw, int opcode,
@@ -839,7 +831,12 @@ static int split_opcode(PyObject *args, PyObject *kw, Py_ssize_t nfixed, PyObjec
   return 0;
 }
 
-static PyObject *Engine_batch_transfer_sync(EngineObject *self, PyObject *args, PyObject *kw) {
+typedef PyObject *(*batch_fn_t)(EngineObject *self, PyObject *args, PyObject *kw, int opcode,
+                                const char *fmt);
+
+/* A batch call with a trailing `opcode` argument: fn on the other four. */
+static PyObject *batch_with_opcode(EngineObject *self, PyObject *args, PyObject *kw,
+                                   batch_fn_t fn, const char *fmt) {
   PyObject *rest;
   int opc;
   if (split_opcode(args, kw, 4, &rest, &opc) < 0)
@@ -847,24 +844,18 @@ static PyObject *Engine_batch_transfer_sync(EngineObject *self, PyObject *args, 
   PyObject *kw2 = kw ? PyDict_Copy(kw) : NULL;
   if (kw2)
     PyDict_DelItemString(kw2, "opcode"), PyErr_Clear();
-  PyObject *r = sync_batch(self, rest, kw2, opc, "OOOO:batch_transfer_sync");
+  PyObject *r = fn(self, rest, kw2, opc, fmt);
   Py_DECREF(rest);
   Py_XDECREF(kw2);
   return r;
 }
 
+static PyObject *Engine_batch_transfer_sync(EngineObject *self, PyObject *args, PyObject *kw) {
+  return batch_with_opcode(self, args, kw, sync_batch, "OOOO:batch_transfer_sync");
+}
+
 static PyObject *Engine_batch_transfer_async(EngineObject *self, PyObject *args, PyObject *kw) {
-  PyObject *rest;
-  int opc;
-  if (split_opcode(args, kw, 4, &rest, &opc) < 0)
-    return NULL;
-  PyObject *kw2 = kw ? PyDict_Copy(kw) : NULL;
-  if (kw2)
-    PyDict_DelItemString(kw2, "opcode"), PyErr_Clear();
-  PyObject *r = async_batch(self, rest, kw2, opc, "OOOO:batch_transfer_async");
-  Py_DECREF(rest);
-  Py_XDECREF(kw2);
-  return r;
+  return batch_with_opcode(self, args, kw, async_batch, "OOOO:batch_transfer_async");
 }
 
 /* transfer_submit_write(target, buffer, peer_buffer_address, length) -> batch id */
@@ -1437,6 +1428,20 @@ static PyObject *Engine_get_batch_status(EngineObject *self, PyObject *id) {
 
 /* ---- notifications ---- */
 
+#define PEER_NAME_MAX 512
+
+/* The preamble of a call on one peer (send_notify, describe_segment,
+ * cut_peer): its name copied into tbuf, which the call passes on without
+ * the GIL, the timeout checked (0 < timeout <= hi seconds), the engine
+ * entered; 0, or -1 raised. */
+static int peer_enter(EngineObject *self, const char *target, double timeout, double hi,
+                      char tbuf[PEER_NAME_MAX]) {
+  snprintf(tbuf, PEER_NAME_MAX, "%s", target);
+  if (mc_py_check_timeout(timeout, 0, 1, hi, "timeout") < 0 || enter(self) < 0)
+    return -1;
+  return 0;
+}
+
 static PyObject *Engine_send_notify(EngineObject *self, PyObject *args, PyObject *kw) {
   static char *kwlist[] = {"target_hostname", "message", "timeout", NULL};
   const char *target;
@@ -1445,9 +1450,8 @@ static PyObject *Engine_send_notify(EngineObject *self, PyObject *args, PyObject
   if (!PyArg_ParseTupleAndKeywords(args, kw, "ss*|d:send_notify", kwlist, &target, &msg,
                                    &timeout))
     return NULL;
-  char tbuf[512];
-  snprintf(tbuf, sizeof tbuf, "%s", target);
-  if (mc_py_check_timeout(timeout, 0, 1, 86400, "timeout") < 0 || enter(self) < 0) {
+  char tbuf[PEER_NAME_MAX];
+  if (peer_enter(self, target, timeout, 86400, tbuf) < 0) {
     PyBuffer_Release(&msg);
     return NULL;
   }
@@ -1457,11 +1461,9 @@ static PyObject *Engine_send_notify(EngineObject *self, PyObject *args, PyObject
   rc = mc_engine_notify(self->eng, tbuf, msg.buf, (size_t)msg.len, (int64_t)(timeout * 1000),
                         &err);
   Py_END_ALLOW_THREADS
-  leave(self);
+  PyObject *r = leave_with(self, rc, &err);
   PyBuffer_Release(&msg);
-  if (rc < 0)
-    return mc_py_raise(ST(self), &err);
-  return PyLong_FromLong(0);
+  return r;
 }
 
 /* A peer's segment descriptor (its registered buffers) asked from the peer
@@ -1474,9 +1476,8 @@ static PyObject *Engine_describe_segment(EngineObject *self, PyObject *args, PyO
     return NULL;
   if (!*target)
     return PyErr_Format(PyExc_ValueError, "describe_segment: segment_name is empty");
-  char tbuf[512];
-  snprintf(tbuf, sizeof tbuf, "%s", target);
-  if (mc_py_check_timeout(timeout, 0, 1, 86400, "timeout") < 0 || enter(self) < 0)
+  char tbuf[PEER_NAME_MAX];
+  if (peer_enter(self, target, timeout, 86400, tbuf) < 0)
     return NULL;
   mc_err_t err = {0};
   char *reply = NULL;
@@ -1570,12 +1571,11 @@ static PyObject *Engine_cut_peer(EngineObject *self, PyObject *args, PyObject *k
   double timeout = 5.0;
   if (!PyArg_ParseTupleAndKeywords(args, kw, "s|d:cut_peer", kwlist, &target, &timeout))
     return NULL;
-  char tbuf[512];
+  char tbuf[PEER_NAME_MAX];
   if (strlen(target) >= sizeof tbuf)
     return PyErr_Format(PyExc_ValueError, "cut_peer: segment_name is %zu bytes long; give the "
                         "peer's \"host:port\"", strlen(target));
-  snprintf(tbuf, sizeof tbuf, "%s", target);
-  if (mc_py_check_timeout(timeout, 0, 1, 600, "timeout") < 0 || enter(self) < 0)
+  if (peer_enter(self, target, timeout, 600, tbuf) < 0)
     return NULL;
   mc_err_t err = {0};
   int rc;
@@ -1630,11 +1630,9 @@ static PyObject *Engine_write_bytes_to_buffer(EngineObject *self, PyObject *args
   Py_BEGIN_ALLOW_THREADS
   rc = mc_cuda_memcpy_any((void *)(uintptr_t)addr, data.buf, (size_t)len, &err);
   Py_END_ALLOW_THREADS
-  leave(self);
+  PyObject *r = leave_with(self, rc, &err);
   PyBuffer_Release(&data);
-  if (rc < 0)
-    return mc_py_raise(ST(self), &err);
-  return PyLong_FromLong(0);
+  return r;
 }
 
 static PyObject *Engine_read_bytes_from_buffer(EngineObject *self, PyObject *args) {
@@ -1740,109 +1738,97 @@ static PyObject *Engine_get_stats(EngineObject *self, PyObject *unused) {
   return d;
 }
 
+/* A method entry whose Python name is its C function's without Engine_. */
+#define METHOD(name, flags, doc) {#name, (PyCFunction)(void (*)(void))Engine_##name, flags, doc}
+#define KWARGS (METH_VARARGS | METH_KEYWORDS)
+
 static PyMethodDef Engine_methods[] = {
-    {"initialize", (PyCFunction)(void (*)(void))Engine_initialize, METH_VARARGS | METH_KEYWORDS,
-     initialize_doc},
-    {"close", (PyCFunction)Engine_close, METH_NOARGS,
-     "Cancels transfers in flight, unpublishes the segment, stops the engine."},
+    METHOD(initialize, KWARGS, initialize_doc),
+    METHOD(close, METH_NOARGS,
+           "Cancels transfers in flight, unpublishes the segment, stops the engine."),
     {"__enter__", (PyCFunction)Engine_enter, METH_NOARGS, NULL},
     {"__exit__", (PyCFunction)Engine_exit, METH_VARARGS, NULL},
-    {"get_rpc_port", (PyCFunction)Engine_get_rpc_port, METH_NOARGS,
-     "The TCP port peers reach this engine on (the port of its segment name)."},
-    {"get_segment_name", (PyCFunction)Engine_get_segment_name, METH_NOARGS,
-     "This engine's segment name, 'host:port'."},
-    {"describe_segment", (PyCFunction)(void (*)(void))Engine_describe_segment,
-     METH_VARARGS | METH_KEYWORDS,
-     "describe_segment(segment_name, timeout=5.0) -> str\n\n"
-     "The segment descriptor (JSON: its registered buffers) of a peer, asked from the\n"
-     "peer itself over the control channel (also in P2P mode); the own segment's\n"
-     "without a request."},
-    {"get_metadata", (PyCFunction)Engine_get_metadata, METH_NOARGS,
-     "The segment descriptor JSON this engine publishes."},
-    {"register_memory", (PyCFunction)(void (*)(void))Engine_register_memory,
-     METH_VARARGS | METH_KEYWORDS, "register_memory(addr, length, location='cpu') -> 0"},
-    {"batch_register_memory", (PyCFunction)(void (*)(void))Engine_batch_register_memory,
-     METH_VARARGS | METH_KEYWORDS, "batch_register_memory(addrs, lengths, location='cpu') -> 0"},
-    {"unregister_memory", (PyCFunction)Engine_unregister_memory, METH_O,
-     "unregister_memory(addr) -> 0; waits for accesses in flight."},
-    {"batch_unregister_memory", (PyCFunction)Engine_batch_unregister_memory, METH_O,
-     "batch_unregister_memory(addrs) -> 0"},
-    {"transfer_sync_write", (PyCFunction)(void (*)(void))Engine_transfer_sync_write,
-     METH_VARARGS | METH_KEYWORDS,
-     "transfer_sync_write(target_hostname, buffer, peer_buffer_address, length) -> 0"},
-    {"transfer_sync_read", (PyCFunction)(void (*)(void))Engine_transfer_sync_read,
-     METH_VARARGS | METH_KEYWORDS,
-     "transfer_sync_read(target_hostname, buffer, peer_buffer_address, length) -> 0"},
-    {"transfer_sync", (PyCFunction)(void (*)(void))Engine_transfer_sync,
-     METH_VARARGS | METH_KEYWORDS,
-     "transfer_sync(target_hostname, buffer, peer_buffer_address, length, opcode) -> 0"},
-    {"batch_transfer_sync_write", (PyCFunction)(void (*)(void))Engine_batch_transfer_sync_write,
-     METH_VARARGS | METH_KEYWORDS,
-     "batch_transfer_sync_write(target_hostname, buffers, peer_buffer_addresses, lengths) -> 0"},
-    {"batch_transfer_sync_read", (PyCFunction)(void (*)(void))Engine_batch_transfer_sync_read,
-     METH_VARARGS | METH_KEYWORDS,
-     "batch_transfer_sync_read(target_hostname, buffers, peer_buffer_addresses, lengths) -> 0"},
-    {"batch_transfer_sync", (PyCFunction)(void (*)(void))Engine_batch_transfer_sync,
-     METH_VARARGS | METH_KEYWORDS,
-     "batch_transfer_sync(target_hostname, buffers, peer_buffer_addresses, lengths, opcode) -> 0"},
-    {"batch_transfer_async", (PyCFunction)(void (*)(void))Engine_batch_transfer_async,
-     METH_VARARGS | METH_KEYWORDS,
-     "batch_transfer_async(target_hostname, buffers, peer_buffer_addresses, lengths, opcode) "
-     "-> batch_id"},
-    {"transfer_submit_write", (PyCFunction)(void (*)(void))Engine_transfer_submit_write,
-     METH_VARARGS | METH_KEYWORDS,
-     "transfer_submit_write(target_hostname, buffer, peer_buffer_address, length) -> batch_id"},
-    {"batch_transfer_async_write",
-     (PyCFunction)(void (*)(void))Engine_batch_transfer_async_write, METH_VARARGS | METH_KEYWORDS,
-     "batch_transfer_async_write(...) -> batch_id"},
-    {"batch_transfer_async_read", (PyCFunction)(void (*)(void))Engine_batch_transfer_async_read,
-     METH_VARARGS | METH_KEYWORDS, "batch_transfer_async_read(...) -> batch_id"},
-    {"get_batch_transfer_status",
-     (PyCFunction)(void (*)(void))Engine_get_batch_transfer_status, METH_VARARGS | METH_KEYWORDS,
-     get_status_doc},
-    {"batch_transfer_async_write_gated",
-     (PyCFunction)(void (*)(void))Engine_batch_transfer_async_write_gated,
-     METH_VARARGS | METH_KEYWORDS, gated_doc},
-    {"gate_layer", (PyCFunction)Engine_gate_layer, METH_VARARGS, gate_layer_doc},
-    {"transfer_check_status", (PyCFunction)Engine_transfer_check_status, METH_O, check_doc},
-    {"transfer_wait", (PyCFunction)Engine_transfer_wait, METH_VARARGS, transfer_wait_doc},
-    {"get_batch_status", (PyCFunction)Engine_get_batch_status, METH_O,
-     "get_batch_status(batch_id) -> list of per-request dicts (non-blocking)."},
-    {"send_notify", (PyCFunction)(void (*)(void))Engine_send_notify, METH_VARARGS | METH_KEYWORDS,
-     "send_notify(target_hostname, message: bytes|str, timeout=5.0) -> 0"},
-    {"get_stats", (PyCFunction)Engine_get_stats, METH_NOARGS,
-     "get_stats() -> dict: current use of the engine's budgets (unread notifications,\n"
-     "queued replies, connections before their handshake) and their limits\n"
-     "(docs/connector.md, Budgets); open_batches: batches not yet seen ended;\n"
-     "gpu_jobs / gpu_jobs_direct: GPU copy jobs so far / launched by the submitting thread;\n"
-     "gate_notified / gate_event_failures: notifications sent for completed gated\n"
-     "batches / their CUDA event waits that failed; gate_host_batches: batches without\n"
-     "an event the gate thread submitted (gate_layer's same-host CPU copies)."},
-    {"get_notifies", (PyCFunction)Engine_get_notifies, METH_NOARGS,
-     "get_notifies() -> list of (from_segment, message_bytes); drains the queue."},
-    {"wait_notifies", (PyCFunction)Engine_wait_notifies, METH_VARARGS,
-     "wait_notifies(timeout) -> bool: waits (GIL released) up to timeout seconds (0..60)\n"
-     "for a notification get_notifies() would return, or a peer lost since it last\n"
-     "returned (take_lost_peers names it; a loss wakes it once); takes none."},
-    {"take_lost_peers", (PyCFunction)Engine_take_lost_peers, METH_NOARGS,
-     "take_lost_peers() -> list[str]: peers (segment names) whose connection to or from\n"
-     "this engine failed or closed since the last call, each once (at most 64 kept)."},
-    {"cut_peer", (PyCFunction)(void (*)(void))Engine_cut_peer, METH_VARARGS | METH_KEYWORDS,
-     "cut_peer(segment_name, timeout=5.0) -> int: the consumer's fence: resets every\n"
-     "incoming connection from that peer and returns (GIL released) once none of its\n"
-     "bytes can be written into our memory any more: how many were cut.  Its other\n"
-     "transfers in flight fail; raises (timed out) if the I/O threads did not confirm.\n"
-     "Same-host CPU / GPU copies the peer makes itself are not fenced (docs/connector.md)."},
-    {"allocate_managed_buffer", (PyCFunction)Engine_allocate_managed_buffer, METH_O,
-     "allocate_managed_buffer(length) -> addr: zeroed, page-aligned, registered host memory"},
-    {"free_managed_buffer", (PyCFunction)Engine_free_managed_buffer, METH_VARARGS,
-     "free_managed_buffer(addr, length) -> 0: unregisters (waits for accesses) and frees"},
-    {"write_bytes_to_buffer", (PyCFunction)Engine_write_bytes_to_buffer, METH_VARARGS,
-     "write_bytes_to_buffer(addr, data, length=-1) -> 0 (memcpy; the address is trusted)"},
-    {"read_bytes_from_buffer", (PyCFunction)Engine_read_bytes_from_buffer, METH_VARARGS,
-     "read_bytes_from_buffer(addr, length) -> bytes (the address is trusted)"},
+    METHOD(get_rpc_port, METH_NOARGS,
+           "The TCP port peers reach this engine on (the port of its segment name)."),
+    METHOD(get_segment_name, METH_NOARGS, "This engine's segment name, 'host:port'."),
+    METHOD(describe_segment, KWARGS, "describe_segment(segment_name, timeout=5.0) -> str\n\n"
+           "The segment descriptor (JSON: its registered buffers) of a peer, asked from the\n"
+           "peer itself over the control channel (also in P2P mode); the own segment's\n"
+           "without a request."),
+    METHOD(get_metadata, METH_NOARGS, "The segment descriptor JSON this engine publishes."),
+    METHOD(register_memory, KWARGS, "register_memory(addr, length, location='cpu') -> 0"),
+    METHOD(batch_register_memory, KWARGS,
+           "batch_register_memory(addrs, lengths, location='cpu') -> 0"),
+    METHOD(unregister_memory, METH_O,
+           "unregister_memory(addr) -> 0; waits for accesses in flight."),
+    METHOD(batch_unregister_memory, METH_O, "batch_unregister_memory(addrs) -> 0"),
+    METHOD(transfer_sync_write, KWARGS,
+           "transfer_sync_write(target_hostname, buffer, peer_buffer_address, length) -> 0"),
+    METHOD(transfer_sync_read, KWARGS,
+           "transfer_sync_read(target_hostname, buffer, peer_buffer_address, length) -> 0"),
+    METHOD(transfer_sync, KWARGS,
+           "transfer_sync(target_hostname, buffer, peer_buffer_address, length, opcode) -> 0"),
+    METHOD(batch_transfer_sync_write, KWARGS,
+           "batch_transfer_sync_write(target_hostname, buffers, peer_buffer_addresses, "
+           "lengths) -> 0"),
+    METHOD(batch_transfer_sync_read, KWARGS,
+           "batch_transfer_sync_read(target_hostname, buffers, peer_buffer_addresses, "
+           "lengths) -> 0"),
+    METHOD(batch_transfer_sync, KWARGS,
+           "batch_transfer_sync(target_hostname, buffers, peer_buffer_addresses, lengths, "
+           "opcode) -> 0"),
+    METHOD(batch_transfer_async, KWARGS,
+           "batch_transfer_async(target_hostname, buffers, peer_buffer_addresses, lengths, opcode) "
+           "-> batch_id"),
+    METHOD(transfer_submit_write, KWARGS,
+           "transfer_submit_write(target_hostname, buffer, peer_buffer_address, length) "
+           "-> batch_id"),
+    METHOD(batch_transfer_async_write, KWARGS, "batch_transfer_async_write(...) -> batch_id"),
+    METHOD(batch_transfer_async_read, KWARGS, "batch_transfer_async_read(...) -> batch_id"),
+    METHOD(get_batch_transfer_status, KWARGS, get_status_doc),
+    METHOD(batch_transfer_async_write_gated, KWARGS, gated_doc),
+    METHOD(gate_layer, METH_VARARGS, gate_layer_doc),
+    METHOD(transfer_check_status, METH_O, check_doc),
+    METHOD(transfer_wait, METH_VARARGS, transfer_wait_doc),
+    METHOD(get_batch_status, METH_O,
+           "get_batch_status(batch_id) -> list of per-request dicts (non-blocking)."),
+    METHOD(send_notify, KWARGS,
+           "send_notify(target_hostname, message: bytes|str, timeout=5.0) -> 0"),
+    METHOD(get_stats, METH_NOARGS,
+           "get_stats() -> dict: current use of the engine's budgets (unread notifications,\n"
+           "queued replies, connections before their handshake) and their limits\n"
+           "(docs/connector.md, Budgets); open_batches: batches not yet seen ended;\n"
+           "gpu_jobs / gpu_jobs_direct: GPU copy jobs so far / launched by the submitting thread;\n"
+           "gate_notified / gate_event_failures: notifications sent for completed gated\n"
+           "batches / their CUDA event waits that failed; gate_host_batches: batches without\n"
+           "an event the gate thread submitted (gate_layer's same-host CPU copies)."),
+    METHOD(get_notifies, METH_NOARGS,
+           "get_notifies() -> list of (from_segment, message_bytes); drains the queue."),
+    METHOD(wait_notifies, METH_VARARGS,
+           "wait_notifies(timeout) -> bool: waits (GIL released) up to timeout seconds (0..60)\n"
+           "for a notification get_notifies() would return, or a peer lost since it last\n"
+           "returned (take_lost_peers names it; a loss wakes it once); takes none."),
+    METHOD(take_lost_peers, METH_NOARGS,
+           "take_lost_peers() -> list[str]: peers (segment names) whose connection to or from\n"
+           "this engine failed or closed since the last call, each once (at most 64 kept)."),
+    METHOD(cut_peer, KWARGS,
+           "cut_peer(segment_name, timeout=5.0) -> int: the consumer's fence: resets every\n"
+           "incoming connection from that peer and returns (GIL released) once none of its\n"
+           "bytes can be written into our memory any more: how many were cut.  Its other\n"
+           "transfers in flight fail; raises (timed out) if the I/O threads did not confirm.\n"
+           "Same-host CPU / GPU copies the peer makes itself are not fenced (docs/connector.md)."),
+    METHOD(allocate_managed_buffer, METH_O,
+           "allocate_managed_buffer(length) -> addr: zeroed, page-aligned, registered host memory"),
+    METHOD(free_managed_buffer, METH_VARARGS,
+           "free_managed_buffer(addr, length) -> 0: unregisters (waits for accesses) and frees"),
+    METHOD(write_bytes_to_buffer, METH_VARARGS,
+           "write_bytes_to_buffer(addr, data, length=-1) -> 0 (memcpy; the address is trusted)"),
+    METHOD(read_bytes_from_buffer, METH_VARARGS,
+           "read_bytes_from_buffer(addr, length) -> bytes (the address is trusted)"),
     {NULL, NULL, 0, NULL},
 };
+#undef KWARGS
+#undef METHOD
 
 static PyType_Slot Engine_slots[] = {
     {Py_tp_new, Engine_new},

@@ -14,16 +14,35 @@
  * (a null block of an HMA group: (addr, 0, 0)).
  *
  * The Python loops stay as the references (tests/test_push_gate_arrays.py). */
+#include <stdarg.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "py/py_common.h"
 
+/* One layer tuple of either call: gate_arrays's (k0, nk, base, group,
+ * stride, bbytes, outer) or target_extents's (base, group, stride, outer,
+ * dst_off, len, src_off). */
 typedef struct {
-  uint64_t k0, nk, base, group, stride, bbytes;
-  Py_buffer outer;
-} gl_layer_t;
+  uint64_t k0, nk, base, group, stride, bbytes, dst_off, len, src_off;
+  Py_buffer outer; /* obj NULL until taken */
+} layer_t;
+
+/* A zeroed layer per item of the layers tuple; NULL raised. */
+static layer_t *layers_new(Py_ssize_t nl) {
+  layer_t *L = PyMem_RawCalloc((size_t)(nl ? nl : 1), sizeof *L);
+  if (!L)
+    PyErr_NoMemory();
+  return L;
+}
+
+/* Releases every outer view taken (however far parsing got) and L. */
+static void layers_free(layer_t *L, Py_ssize_t nl) {
+  for (Py_ssize_t i = 0; i < nl; i++)
+    PyBuffer_Release(&L[i].outer); /* nothing when obj is NULL */
+  PyMem_RawFree(L);
+}
 
 /* An 8-byte unsigned buffer (array('Q') and the like); 0, or -1 raised. */
 static int u64_view(PyObject *o, Py_buffer *v, const char *what) {
@@ -46,19 +65,43 @@ static uint64_t at(const Py_buffer *v, Py_ssize_t i) {
   return x;
 }
 
-static int parse_layers(PyObject *layers, gl_layer_t *L, Py_ssize_t nl, uint64_t epb,
+/* Every block id in ids below nblocks; 0, or -1 raised (ValueError). */
+static int check_ids(const Py_buffer *ids, unsigned long long nblocks) {
+  for (Py_ssize_t i = 0; i < ids->len / 8; i++)
+    if (at(ids, i) >= nblocks) {
+      PyErr_Format(PyExc_ValueError, "block id %llu is outside 0..%llu",
+                   (unsigned long long)at(ids, i), nblocks - 1);
+      return -1;
+    }
+  return 0;
+}
+
+/* A layer tuple o parsed by fmt (PyArg_ParseTuple's, the targets after
+ * it); TypeError `usage` when o is not a tuple, or one PyArg_ParseTuple
+ * refused without an exception of its own.  0, or -1 raised. */
+static int parse_layer(PyObject *o, const char *usage, const char *fmt, ...) {
+  int ok = 0;
+  if (PyTuple_Check(o)) {
+    va_list ap;
+    va_start(ap, fmt);
+    ok = PyArg_VaParse(o, fmt, ap);
+    va_end(ap);
+  }
+  if (!ok && !PyErr_Occurred())
+    PyErr_SetString(PyExc_TypeError, usage);
+  return ok ? 0 : -1;
+}
+
+static int parse_layers(PyObject *layers, layer_t *L, Py_ssize_t nl, uint64_t epb,
                         uint64_t ng) {
   for (Py_ssize_t i = 0; i < nl; i++) {
     PyObject *o = PyTuple_GET_ITEM(layers, i), *outer;
-    gl_layer_t *l = &L[i];
-    if (!PyTuple_Check(o) ||
-        !PyArg_ParseTuple(o, "KKKKKKO:gate_arrays layer", &l->k0, &l->nk, &l->base, &l->group,
-                          &l->stride, &l->bbytes, &outer)) {
-      if (!PyErr_Occurred())
-        PyErr_SetString(PyExc_TypeError, "gate_arrays: each layer must be a tuple (k0, nk, "
-                                         "base, group, block_stride, block_bytes, outer)");
+    layer_t *l = &L[i];
+    if (parse_layer(o, "gate_arrays: each layer must be a tuple (k0, nk, base, group, "
+                       "block_stride, block_bytes, outer)",
+                    "KKKKKKO:gate_arrays layer", &l->k0, &l->nk, &l->base, &l->group,
+                    &l->stride, &l->bbytes, &outer) < 0)
       return -1;
-    }
     if (u64_view(outer, &l->outer, "gate_arrays: a layer's outer offsets") < 0)
       return -1;
     if ((uint64_t)(l->outer.len / 8) != l->nk || l->k0 + l->nk > epb || l->group >= ng) {
@@ -78,7 +121,7 @@ static int parse_layers(PyObject *layers, gl_layer_t *L, Py_ssize_t nl, uint64_t
 /* The first extent (block-major, then layer) asking more bytes than this
  * side's extent holds: (k, b, n, off, s_len) as push._extent_too_long
  * takes them, Py_None when none, NULL raised. */
-static PyObject *first_too_long(const Py_buffer *dest, const gl_layer_t *L, Py_ssize_t nl,
+static PyObject *first_too_long(const Py_buffer *dest, const layer_t *L, Py_ssize_t nl,
                                 uint64_t nb, uint64_t epb) {
   for (uint64_t b = 0; b < nb; b++)
     for (Py_ssize_t li = 0; li < nl; li++)
@@ -108,7 +151,7 @@ static PyObject *u64_array(const uint64_t *p, size_t n) {
 }
 
 /* One layer's (src, dst, len) arrays and its bytes into per / gbytes. */
-static int build_layer(const Py_buffer *ids, const Py_buffer *dest, const gl_layer_t *l,
+static int build_layer(const Py_buffer *ids, const Py_buffer *dest, const layer_t *l,
                        uint64_t nb, uint64_t epb, uint64_t ng, PyObject *per,
                        PyObject *gbytes) {
   size_t cap = (size_t)(nb * l->nk), n = 0;
@@ -157,10 +200,10 @@ static PyObject *gate_arrays(PyObject *mod, PyObject *args) {
     return NULL;
   }
   Py_buffer ids = {0}, dest = {0};
-  Py_ssize_t nl = PyTuple_GET_SIZE(layers), parsed = 0;
-  gl_layer_t *L = PyMem_RawCalloc((size_t)(nl ? nl : 1), sizeof *L);
+  Py_ssize_t nl = PyTuple_GET_SIZE(layers);
+  layer_t *L = layers_new(nl);
   if (!L)
-    return PyErr_NoMemory();
+    return NULL;
   if (u64_view(ids_o, &ids, "gate_arrays: ids") < 0)
     goto out;
   if (u64_view(dest_o, &dest, "gate_arrays: dest") < 0)
@@ -172,15 +215,10 @@ static PyObject *gate_arrays(PyObject *mod, PyObject *args) {
                  ids.len / 8, ng);
     goto out;
   }
-  for (Py_ssize_t i = 0; i < ids.len / 8; i++)
-    if (at(&ids, i) >= nblocks) {
-      PyErr_Format(PyExc_ValueError, "block id %llu is outside 0..%llu",
-                   (unsigned long long)at(&ids, i), nblocks - 1);
-      goto out;
-    }
+  if (check_ids(&ids, nblocks) < 0)
+    goto out;
   if (parse_layers(layers, L, nl, epb, ng) < 0)
     goto out;
-  parsed = nl;
   PyObject *bad = first_too_long(&dest, L, nl, nb, epb);
   if (!bad || bad != Py_None) {
     res = bad ? Py_BuildValue("(ON)", Py_None, bad) : NULL;
@@ -194,9 +232,7 @@ static PyObject *gate_arrays(PyObject *mod, PyObject *args) {
       goto out;
   res = PyTuple_Pack(2, per, gbytes);
 out:
-  for (Py_ssize_t i = 0; i < parsed; i++)
-    PyBuffer_Release(&L[i].outer);
-  PyMem_RawFree(L);
+  layers_free(L, nl);
   if (ids.obj)
     PyBuffer_Release(&ids);
   if (dest.obj)
@@ -208,27 +244,17 @@ out:
 
 /* ---- the consumer's target extents ---- */
 
-typedef struct {
-  uint64_t base, group, stride, dst_off, len, src_off;
-  Py_buffer outer;
-} te_layer_t;
-
-static int parse_te_layers(PyObject *layers, te_layer_t *L, Py_ssize_t nl, uint64_t ng,
-                           Py_ssize_t *parsed) {
+static int parse_te_layers(PyObject *layers, layer_t *L, Py_ssize_t nl, uint64_t ng) {
   for (Py_ssize_t i = 0; i < nl; i++) {
     PyObject *o = PyTuple_GET_ITEM(layers, i), *outer;
-    te_layer_t *l = &L[i];
-    if (!PyTuple_Check(o) ||
-        !PyArg_ParseTuple(o, "KKKOKKK:target_extents layer", &l->base, &l->group, &l->stride,
-                          &outer, &l->dst_off, &l->len, &l->src_off)) {
-      if (!PyErr_Occurred())
-        PyErr_SetString(PyExc_TypeError, "target_extents: each layer must be a tuple (base, "
-                                         "group, block_stride, outer, dst_off, len, src_off)");
+    layer_t *l = &L[i];
+    if (parse_layer(o, "target_extents: each layer must be a tuple (base, group, "
+                       "block_stride, outer, dst_off, len, src_off)",
+                    "KKKOKKK:target_extents layer", &l->base, &l->group, &l->stride, &outer,
+                    &l->dst_off, &l->len, &l->src_off) < 0)
       return -1;
-    }
     if (u64_view(outer, &l->outer, "target_extents: a layer's outer offsets") < 0)
       return -1;
-    *parsed = i + 1;
     if (l->group >= ng) {
       PyErr_Format(PyExc_ValueError, "target_extents: layer %zd's group %llu does not fit "
                    "%llu groups", i, (unsigned long long)l->group, (unsigned long long)ng);
@@ -250,10 +276,10 @@ static PyObject *target_extents(PyObject *mod, PyObject *args) {
     return NULL;
   }
   Py_buffer ids = {0};
-  Py_ssize_t nl = PyTuple_GET_SIZE(layers), parsed = 0;
-  te_layer_t *L = PyMem_RawCalloc((size_t)(nl ? nl : 1), sizeof *L);
+  Py_ssize_t nl = PyTuple_GET_SIZE(layers);
+  layer_t *L = layers_new(nl);
   if (!L)
-    return PyErr_NoMemory();
+    return NULL;
   if (u64_view(ids_o, &ids, "target_extents: ids") < 0)
     goto out;
   uint64_t nid = (uint64_t)(ids.len / 8), nb = nid / ng, per_block = 0;
@@ -262,13 +288,9 @@ static PyObject *target_extents(PyObject *mod, PyObject *args) {
                  (unsigned long long)nid, ng);
     goto out;
   }
-  for (uint64_t i = 0; i < nid; i++)
-    if (at(&ids, (Py_ssize_t)i) >= nblocks) {
-      PyErr_Format(PyExc_ValueError, "block id %llu is outside 0..%llu",
-                   (unsigned long long)at(&ids, (Py_ssize_t)i), nblocks - 1);
-      goto out;
-    }
-  if (parse_te_layers(layers, L, nl, ng, &parsed) < 0)
+  if (check_ids(&ids, nblocks) < 0)
+    goto out;
+  if (parse_te_layers(layers, L, nl, ng) < 0)
     goto out;
   for (Py_ssize_t li = 0; li < nl; li++)
     per_block += (uint64_t)(L[li].outer.len / 8);
@@ -282,7 +304,7 @@ static PyObject *target_extents(PyObject *mod, PyObject *args) {
   uint64_t *w = (uint64_t *)(void *)PyBytes_AS_STRING(res);
   for (uint64_t b = 0; b < nb; b++)
     for (Py_ssize_t li = 0; li < nl; li++) {
-      const te_layer_t *l = &L[li];
+      const layer_t *l = &L[li];
       uint64_t id = at(&ids, (Py_ssize_t)(b * ng + l->group));
       uint64_t off = l->base + id * l->stride;
       int null = ng > 1 && id == 0; /* HMA: a group's null block is not moved */
@@ -296,9 +318,7 @@ static PyObject *target_extents(PyObject *mod, PyObject *args) {
       }
     }
 out:
-  for (Py_ssize_t i = 0; i < parsed; i++)
-    PyBuffer_Release(&L[i].outer);
-  PyMem_RawFree(L);
+  layers_free(L, nl);
   if (ids.obj)
     PyBuffer_Release(&ids);
   return res;

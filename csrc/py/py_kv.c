@@ -157,6 +157,49 @@ static mc_lookup_extent_t *extents_from(PyObject *obj, const char *what, Py_ssiz
   return x;
 }
 
+/* What recv_kv, pull_start and probe hold across their call: the token
+ * ids, the destination extents (dest, hidden_dest: either may be absent)
+ * and kv's life lock. */
+typedef struct {
+  mc_py_tokens_t t;
+  mc_lookup_extent_t *dest, *hid;
+  Py_ssize_t nd, nh;
+} kv_call_t;
+
+/* Converts dest_obj (NULL: none), hid_obj (NULL or None: none) and the
+ * tokens, in that order, then enters kv: 0, or -1 raised, nothing held. */
+static int kv_call_begin(KVObject *self, kv_call_t *c, PyObject *tok_obj, PyObject *dest_obj,
+                         PyObject *hid_obj) {
+  memset(c, 0, sizeof *c);
+  if (dest_obj && !(c->dest = extents_from(dest_obj, "dest", &c->nd)))
+    return -1;
+  if (hid_obj && hid_obj != Py_None &&
+      !(c->hid = extents_from(hid_obj, "hidden_dest", &c->nh))) {
+    PyMem_RawFree(c->dest);
+    return -1;
+  }
+  if (mc_py_tokens_get(tok_obj, &c->t) < 0) {
+    PyMem_RawFree(c->dest);
+    PyMem_RawFree(c->hid);
+    return -1;
+  }
+  if (kv_enter(self) < 0) {
+    mc_py_tokens_put(&c->t);
+    PyMem_RawFree(c->dest);
+    PyMem_RawFree(c->hid);
+    return -1;
+  }
+  return 0;
+}
+
+/* Leaves kv, then releases what kv_call_begin took. */
+static void kv_call_end(KVObject *self, kv_call_t *c) {
+  kv_leave(self);
+  mc_py_tokens_put(&c->t);
+  PyMem_RawFree(c->dest);
+  PyMem_RawFree(c->hid);
+}
+
 static PyObject *KV_recv_kv(KVObject *self, PyObject *args, PyObject *kw) {
   static char *kwlist[] = {"producer", "tokens", "dest", "timeout", "extents_per_block",
                            "hidden_dest", "pull", "skip_blocks", NULL};
@@ -178,43 +221,23 @@ static PyObject *KV_recv_kv(KVObject *self, PyObject *args, PyObject *kw) {
                         "leave hidden_dest out or use pull=False");
   if (skip && !pull)
     return PyErr_Format(PyExc_ValueError, "recv_kv: skip_blocks needs pull=True");
-  Py_ssize_t nd = 0, nh = 0;
-  mc_lookup_extent_t *dest = extents_from(dest_obj, "dest", &nd), *hid = NULL;
-  if (!dest)
-    return NULL;
-  if (hid_obj != Py_None && !(hid = extents_from(hid_obj, "hidden_dest", &nh))) {
-    PyMem_RawFree(dest);
-    return NULL;
-  }
-  mc_py_tokens_t t;
-  if (mc_py_tokens_get(tok_obj, &t) < 0) {
-    PyMem_RawFree(dest);
-    PyMem_RawFree(hid);
-    return NULL;
-  }
   char prod[512];
   snprintf(prod, sizeof prod, "%s", producer);
+  kv_call_t c;
+  if (kv_call_begin(self, &c, tok_obj, dest_obj, hid_obj) < 0)
+    return NULL;
   mc_err_t err = {0};
   long rc;
-  if (kv_enter(self) < 0) {
-    mc_py_tokens_put(&t);
-    PyMem_RawFree(dest);
-    PyMem_RawFree(hid);
-    return NULL;
-  }
   mc_kv_t *kv = self->kv;
   Py_BEGIN_ALLOW_THREADS
   if (pull)
-    rc = mc_kv_pull_ex(kv, prod, t.ptr, t.n, t.width, skip, dest, (size_t)nd, epb,
+    rc = mc_kv_pull_ex(kv, prod, c.t.ptr, c.t.n, c.t.width, skip, c.dest, (size_t)c.nd, epb,
                        (int)(timeout * 1000.0), &err);
   else
-    rc = mc_kv_recv_ex(kv, prod, t.ptr, t.n, t.width, dest, (size_t)nd, epb, hid, (size_t)nh,
-                       (int)(timeout * 1000.0), &err);
+    rc = mc_kv_recv_ex(kv, prod, c.t.ptr, c.t.n, c.t.width, c.dest, (size_t)c.nd, epb, c.hid,
+                       (size_t)c.nh, (int)(timeout * 1000.0), &err);
   Py_END_ALLOW_THREADS
-  kv_leave(self);
-  mc_py_tokens_put(&t);
-  PyMem_RawFree(dest);
-  PyMem_RawFree(hid);
+  kv_call_end(self, &c);
   if (rc < 0)
     return mc_py_raise(ST(self), &err);
   return PyLong_FromLong(rc);
@@ -236,27 +259,14 @@ static PyObject *KV_pull_start(KVObject *self, PyObject *args, PyObject *kw) {
     return NULL;
   if (epb == 0 || epb > 0xffff)
     return PyErr_Format(PyExc_ValueError, "extents_per_block must be 1..65535");
-  Py_ssize_t nd = 0;
-  mc_lookup_extent_t *dest = extents_from(dest_obj, "dest", &nd);
-  if (!dest)
+  kv_call_t c;
+  if (kv_call_begin(self, &c, tok_obj, dest_obj, NULL) < 0)
     return NULL;
-  mc_py_tokens_t t;
-  if (mc_py_tokens_get(tok_obj, &t) < 0) {
-    PyMem_RawFree(dest);
-    return NULL;
-  }
   mc_err_t err = {0};
   uint64_t id = 0;
-  if (kv_enter(self) < 0) {
-    mc_py_tokens_put(&t);
-    PyMem_RawFree(dest);
-    return NULL;
-  }
-  int rc = mc_kv_pull_start(self->kv, producer, t.ptr, t.n, t.width, skip, dest, (size_t)nd,
-                            epb, (int)(timeout * 1000.0), &id, &err);
-  kv_leave(self);
-  mc_py_tokens_put(&t);
-  PyMem_RawFree(dest);
+  int rc = mc_kv_pull_start(self->kv, producer, c.t.ptr, c.t.n, c.t.width, skip, c.dest,
+                            (size_t)c.nd, epb, (int)(timeout * 1000.0), &id, &err);
+  kv_call_end(self, &c);
   if (rc < 0)
     return mc_py_raise(ST(self), &err);
   return PyLong_FromUnsignedLongLong((unsigned long long)id);
@@ -344,24 +354,19 @@ static PyObject *KV_probe(KVObject *self, PyObject *args, PyObject *kw) {
     return NULL;
   if (epb > 0xffff)
     return PyErr_Format(PyExc_ValueError, "extents_per_block must be 0..65535");
-  mc_py_tokens_t t;
-  if (mc_py_tokens_get(tok_obj, &t) < 0)
-    return NULL;
   char prod[512];
   snprintf(prod, sizeof prod, "%s", producer);
+  kv_call_t c;
+  if (kv_call_begin(self, &c, tok_obj, NULL, NULL) < 0)
+    return NULL;
   mc_err_t err = {0};
   long rc;
-  if (kv_enter(self) < 0) {
-    mc_py_tokens_put(&t);
-    return NULL;
-  }
   mc_kv_t *kv = self->kv;
   int ms = (int)(timeout * 1000.0);
   Py_BEGIN_ALLOW_THREADS
-  rc = mc_kv_probe(kv, prod, t.ptr, t.n, t.width, epb, ms > 0 ? ms : 1, &err);
+  rc = mc_kv_probe(kv, prod, c.t.ptr, c.t.n, c.t.width, epb, ms > 0 ? ms : 1, &err);
   Py_END_ALLOW_THREADS
-  kv_leave(self);
-  mc_py_tokens_put(&t);
+  kv_call_end(self, &c);
   if (rc < 0)
     return mc_py_raise(ST(self), &err);
   return PyLong_FromLong(rc);

@@ -48,6 +48,18 @@ static void leave(meta_obj_t *self) {
     really_close(self);
 }
 
+/* The preamble of a call on one key (get, delete): the key parsed with fmt
+ * ("s:<method>"), *st found and the call marked in flight.  The client, or
+ * NULL with an exception set. */
+static mc_meta_t *key_call(PyObject *op, PyObject *args, PyObject *kw, const char *fmt,
+                           const char **key, mc_py_state_t **st) {
+  static char *kwlist[] = {"key", NULL};
+  if (!PyArg_ParseTupleAndKeywords(args, kw, fmt, kwlist, key))
+    return NULL;
+  *st = state_of(op);
+  return *st ? enter((meta_obj_t *)op, *st) : NULL;
+}
+
 static PyObject *meta_new(PyTypeObject *type, PyObject *args, PyObject *kw) {
   static char *kwlist[] = {"url", NULL};
   const char *url;
@@ -110,13 +122,10 @@ static PyObject *meta_put(PyObject *op, PyObject *args, PyObject *kw) {
 }
 
 static PyObject *meta_get(PyObject *op, PyObject *args, PyObject *kw) {
-  static char *kwlist[] = {"key", NULL};
   meta_obj_t *self = (meta_obj_t *)op;
   const char *key;
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "s:get", kwlist, &key))
-    return NULL;
-  mc_py_state_t *st = state_of(op);
-  mc_meta_t *m = st ? enter(self, st) : NULL;
+  mc_py_state_t *st;
+  mc_meta_t *m = key_call(op, args, kw, "s:get", &key, &st);
   if (!m)
     return NULL;
   mc_err_t err = {0};
@@ -137,13 +146,10 @@ static PyObject *meta_get(PyObject *op, PyObject *args, PyObject *kw) {
 }
 
 static PyObject *meta_delete(PyObject *op, PyObject *args, PyObject *kw) {
-  static char *kwlist[] = {"key", NULL};
   meta_obj_t *self = (meta_obj_t *)op;
   const char *key;
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "s:delete", kwlist, &key))
-    return NULL;
-  mc_py_state_t *st = state_of(op);
-  mc_meta_t *m = st ? enter(self, st) : NULL;
+  mc_py_state_t *st;
+  mc_meta_t *m = key_call(op, args, kw, "s:delete", &key, &st);
   if (!m)
     return NULL;
   mc_err_t err = {0};
