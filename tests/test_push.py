@@ -81,13 +81,13 @@ def _untouched(d, blocks, value=-7.0):
                for kv in d.kvs for t in kv.values() for b in blocks)
 
 
-def _child_ready(child):
-    """Reads a producer child's stdout up to its "ready" line (vLLM may log
+def _child_ready(child, word="ready"):
+    """Reads a producer child's stdout up to its `word` line (vLLM may log
     to stdout before it); AssertionError if the child exited first."""
     for line in child.stdout:
-        if line.strip() == "ready":
+        if line.strip() == word:
             return
-    raise AssertionError(f"the producer child exited before it was ready: {child.wait()}")
+    raise AssertionError(f"the producer child exited before it said {word!r}: {child.wait()}")
 
 
 @pytest.mark.parametrize("layer", [False, True], ids=["whole", "layerwise"])
@@ -798,11 +798,7 @@ def test_stopped_same_host_producer_keeps_the_blocks_out_of_reuse(sides, model_d
             # way when SIGUSR1 came would otherwise go on after SIGCONT and
             # drain the cancel (an answer, not the idle case; seen in CI).
             os.kill(child.pid, signal.SIGUSR1)
-            for line in child.stdout:
-                if line.strip() == "idle":
-                    break
-            else:
-                raise AssertionError(f"the producer child exited: {child.wait()}")
+            _child_ready(child, "idle")
         os.kill(child.pid, signal.SIGSTOP)
         if abort:
             d.sched.finish_requests("q", RequestStatus.FINISHED_ABORTED)
