@@ -364,7 +364,8 @@ def fmt(x, unit=""):
     return "n/a" if x is None else ("%.3f%s" % (x, unit))
 
 
-def main(argv=None):
+def parse_args(argv=None):
+    """The command line, with the defaults that depend on --quick applied."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=os.path.join(ROOT, "build", "tcp_bench.json"),
@@ -398,24 +399,28 @@ def main(argv=None):
     args.max_seconds = 20 if q else 60
     args.rtt_iters = 300 if q else 5000
     args.step_timeout = 300 if q else 900
-    iperf_seconds = 1 if q else 5
-    pp_iters = 2000 if q else 20000
-    stream_bytes = (64 << 20) if q else (1 << 30)
     if args.python is None:
         cand = venv_python(os.path.join(ROOT, ".venv"))
         args.python = cand if os.access(cand, os.X_OK) else sys.executable
+    return args
 
-    t0 = time.time()
-    summary = {"quick": q, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-               "host": {"uname": platform.uname()._asdict(), "cpus": os.cpu_count()}}
-    failures = []
 
+def measure_iperf3(args, summary, failures):
+    """(a) iperf3, one stream, loopback: summary["iperf3"]."""
+    iperf_seconds = 1 if args.quick else 5
     log("== (a) iperf3 single stream, loopback, %d s" % iperf_seconds)
     summary["iperf3"] = ip = bench_iperf3(iperf_seconds)
     log("   " + (("%.3f GB/s" % ip["gbps"]) if ip.get("ok") else "ERROR: " + ip["error"]))
     if not ip.get("ok"):
         failures.append("iperf3")
+    return ip
 
+
+def measure_raw_tcp(args, summary, failures):
+    """(b) the raw TCP ping-pong (4 KiB) and one-way streams:
+    summary["pingpong_4k"] and summary["raw_stream"]; the ping-pong's result."""
+    pp_iters = 2000 if args.quick else 20000
+    stream_bytes = (64 << 20) if args.quick else (1 << 30)
     log("== (b) raw TCP ping-pong 4 KiB x %d, blocking and --spin (%d runs each) + streams" % (
         pp_iters, args.repeats))
     pp, streams = bench_raw(pp_iters, args.repeats, stream_bytes)
@@ -432,7 +437,12 @@ def main(argv=None):
     for w, s in (streams or {}).items():
         log("   stream %7s B writes: %s" % (w, ("%.3f GB/s" % s["gbps"]) if "gbps" in s
                                             else "ERROR " + s.get("error", "")))
+    return pp
 
+
+def measure_ours(args, summary, failures):
+    """(c) our engine (skipped with --skip-ours; with --local-check-ab also
+    (c')): summary["ours"]."""
     if args.skip_ours:
         summary["ours"] = ours = {"ok": False, "skipped": "--skip-ours"}
         log("== (c) our engine: skipped (--skip-ours)")
@@ -454,21 +464,32 @@ def main(argv=None):
         if not ours["ok"]:
             failures.append("ours")
         if args.local_check_ab:
-            log("== (c') our engine with MC_LOCAL_CHECK=0 (the local-address check off)")
-            off = bench_engine("ours", args.python, args, dict(os.environ, MC_LOCAL_CHECK="0"),
-                               lowlat_env=dict(os.environ, MC_TCP_BUSY_POLL_US="50",
-                                               MC_LOCAL_CHECK="0"))
-            summary["ours_local_check_off"] = off
-            ab = {}
-            for k in ("write_64k_gbps", "read_64k_gbps", "rtt_4k_p50_us"):
-                if ours.get(k) and off.get(k):
-                    ab[k + "_on_over_off"] = round(ours[k] / off[k], 4)
-            summary["local_check_ab"] = ab
-            log("   check off: 64K write %s GB/s, read %s GB/s; 4K p50 %s us" % (
-                fmt(off.get("write_64k_gbps")), fmt(off.get("read_64k_gbps")),
-                fmt(off.get("rtt_4k_p50_us"))))
-            log("   check on / off: %s" % json.dumps(ab))
+            measure_local_check_off(args, summary, ours)
+    return ours
 
+
+def measure_local_check_off(args, summary, ours):
+    """(c') our engine with MC_LOCAL_CHECK=0: summary["ours_local_check_off"]
+    and the check-on / check-off ratios, summary["local_check_ab"]."""
+    log("== (c') our engine with MC_LOCAL_CHECK=0 (the local-address check off)")
+    off = bench_engine("ours", args.python, args, dict(os.environ, MC_LOCAL_CHECK="0"),
+                       lowlat_env=dict(os.environ, MC_TCP_BUSY_POLL_US="50",
+                                       MC_LOCAL_CHECK="0"))
+    summary["ours_local_check_off"] = off
+    ab = {}
+    for k in ("write_64k_gbps", "read_64k_gbps", "rtt_4k_p50_us"):
+        if ours.get(k) and off.get(k):
+            ab[k + "_on_over_off"] = round(ours[k] / off[k], 4)
+    summary["local_check_ab"] = ab
+    log("   check off: 64K write %s GB/s, read %s GB/s; 4K p50 %s us" % (
+        fmt(off.get("write_64k_gbps")), fmt(off.get("read_64k_gbps")),
+        fmt(off.get("rtt_4k_p50_us"))))
+    log("   check on / off: %s" % json.dumps(ab))
+
+
+def measure_mooncake(args, summary):
+    """(d) Mooncake's engine over TCP: summary["mooncake"] (skipped, with the
+    reason, when it cannot be prepared)."""
     log("== (d) Mooncake %s (TCP, MC_FORCE_TCP=1)" % MOONCAKE_PKG)
     mpy, mver, why = prepare_mooncake(args.mooncake)
     if mpy is None:
@@ -491,8 +512,12 @@ def main(argv=None):
             fmt(mc.get("rtt_4k_p50_us")),
             ", ".join("%.1f" % r["p50_us"] for r in mc.get("rtt_runs", [])),
             "" if mc["ok"] else "  (problems: %s)" % "; ".join(mc.get("errors", []))[:2000]))
+    return mc
 
-    ratios = [
+
+def bar_ratios(ip, pp, ours, mc):
+    """Every ratio against its bar (PASS / FAIL-BAR / N/A)."""
+    return [
         ratio("ours_64k_write_GBps / iperf3_GBps", ours.get("write_64k_gbps"),
               ip.get("gbps"), ">=", 0.9),
         ratio("ours_64k_write_8MiB_buffer_GBps / iperf3_GBps",
@@ -512,6 +537,19 @@ def main(argv=None):
         ratio("mooncake_4k_p50_us / ours_4k_p50_us", mc.get("rtt_4k_p50_us"),
               ours.get("rtt_4k_p50_us"), ">=", 2),
     ]
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    t0 = time.time()
+    summary = {"quick": args.quick, "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+               "host": {"uname": platform.uname()._asdict(), "cpus": os.cpu_count()}}
+    failures = []
+    ip = measure_iperf3(args, summary, failures)
+    pp = measure_raw_tcp(args, summary, failures)
+    ours = measure_ours(args, summary, failures)
+    mc = measure_mooncake(args, summary)
+    ratios = bar_ratios(ip, pp, ours, mc)
     summary["ratios"] = ratios
     summary["failures"] = failures
     summary["seconds"] = round(time.time() - t0, 1)

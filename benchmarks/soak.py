@@ -1419,7 +1419,8 @@ def at_baseline(row, base):
 
 # ---------------------------------------------------------------- main
 
-def main(argv=None):
+def build_parser():
+    """The command line: every flag and its default."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--duration", type=float, default=1800, help="seconds of load")
     ap.add_argument("--ci", action="store_true",
@@ -1503,6 +1504,13 @@ def main(argv=None):
     ap.add_argument("--workdir")
     ap.add_argument("--json", help="results file")
     ap.add_argument("--png", help="timeline image")
+    return ap
+
+
+def parse_args(argv=None):
+    """The command line parsed and checked (--flows, --server-env: args.flows
+    a list, args.env_of {server: {key: value}}), the defaults applied."""
+    ap = build_parser()
     args = ap.parse_args(argv)
     args.flows = [f for f in args.flows.split(",") if f]
     args.env_of = {}
@@ -1516,6 +1524,12 @@ def main(argv=None):
     bad = [f for f in args.flows if f not in FLOWS]
     if bad or not args.flows:
         ap.error(f"--flows {bad or 'empty'}: expected a subset of {','.join(FLOWS)}")
+    apply_defaults(args)
+    return args
+
+
+def apply_defaults(args):
+    """--ci's short schedule, then the limits whose default depends on --ci."""
     if args.ci:
         args.duration = min(args.duration, 130)
         args.clients = min(args.clients, 8)
@@ -1536,6 +1550,11 @@ def main(argv=None):
         if getattr(args, key) is None:
             setattr(args, key, ci if args.ci else full)
 
+
+def set_up(args):
+    """The work directory, memwatch's (args.memwatch_dir; None with
+    --no-memwatch), the network (up) and the cluster (not started yet), and
+    the results the run fills in: (workdir, net, cluster, results)."""
     from mooncake_connector import tiny_model
     tag = f"{os.getpid() % 100000}"
     workdir = args.workdir or tempfile.mkdtemp(prefix="mc-soak-")
@@ -1549,174 +1568,203 @@ def main(argv=None):
     model = tiny_model.build()
     net.up()
     cluster = Cluster(workdir, model, net, args)
-    t_start = time.monotonic()
-    try:
-        log(f"starting etcd, P1 P2 (netns {net.ns if use_netns else 'off'}), D1 D2, proxies; "
-            f"logs in {workdir}/logs")
-        cluster.start(args.start_timeout)
-        results["startup_s"] = round(time.monotonic() - t_start, 1)
-        log(f"all up in {results['startup_s']} s")
-        pool = make_pool(args.seed, max(2, args.prompts // 8), 8, 300)[:args.prompts]
-        refs = asyncio.run(references(cluster.servers["P1"].url, pool))
-        log(f"{len(refs)} reference answers (P1, computed locally)")
-        t0 = time.monotonic()
-        results["t0_unix"] = t0_unix = time.time()
-        mon = Monitor(cluster, t0)
-        base = {n: r for n, r in mon.sample().items()}
-        results["baseline"] = base
-        mon.start()
-        faults = Faults(cluster, net, args, t0)
-        load = Load({f: p.url for f, p in cluster.proxies.items()}, pool, refs, args, t0)
-        if "R" in cluster.servers:
-            load.reference = cluster.servers["R"].url
-        if args.burst > 0:
-            faults.load = load
-        faults.start()
-        last = [0]
+    return workdir, net, cluster, results
 
-        def progress():
-            el = time.monotonic() - t0
-            recs = load.records
-            bad = sum(1 for r in recs if r["outcome"] in ("wrong", "truncated", "hung",
-                                                            "unclear"))
-            frac = min(1.0, el / args.duration)
-            bar = "#" * int(30 * frac) + "-" * (30 - int(30 * frac))
-            line = (f"\r[{bar}] {el:6.0f}/{args.duration:.0f} s  {len(recs)} req  "
-                    f"ok {sum(1 for r in recs if r['outcome'] == 'ok')}  "
-                    f"err {sum(1 for r in recs if r['outcome'] == 'error')}  "
-                    f"violations {bad}  faults {len(faults.events)}")
-            if sys.stdout.isatty():
-                sys.stdout.write(line)
-                sys.stdout.flush()
-            elif el - last[0] >= 30:
-                last[0] = el
-                log(line.strip())
-        asyncio.run(load.run(args.duration, progress))
-        t_load_end = time.monotonic() - t0
-        print()
-        log(f"load stopped after {t_load_end:.0f} s; healing faults")
-        faults.heal_all()
-        # Back to baseline within hold_timeout_s (+ margin) of the heal.
-        t_heal = time.monotonic() - t0
-        deadline = time.monotonic() + args.hold_timeout_s + args.drain_margin_s
-        drained_at, left = None, {}
-        while True:
-            rows = mon.sample()
-            left = {n: at_baseline(rows[n], base.get(n, {})) for n in rows}
-            left = {n: v for n, v in left.items() if v}
-            missing = [n for n, r in rows.items() if r.get("vllm:kv_cache_usage_perc") is None]
-            if not left and not missing:
-                drained_at = time.monotonic() - t0
-                break
-            if time.monotonic() > deadline:
-                left.update({n: "no /metrics answer" for n in missing})
-                break
-            time.sleep(2)
-        mon.stop_evt.set()
-        mon.join(timeout=10)
-        server_of_pgid = {x["pid"]: x["server"] for x in mon.samples if x["pid"]}
-        if args.memwatch_dir:
-            try:
-                trim_memwatch(args.memwatch_dir, server_of_pgid, results)
-            except OSError as e:
-                log(f"malloc_trim round failed: {e!r}")
-        results["load_s"] = round(t_load_end, 1)
-        results["drain_s"] = None if drained_at is None else round(drained_at - t_heal, 1)
-        results["faults"] = faults.events
-        results["proxies"] = {f: " ".join(p.cmd[p.cmd.index("--flow"):])
-                              for f, p in cluster.proxies.items()}
-        results["fault_counts"] = {k: sum(1 for e in faults.events if e["fault"] == k)
-                                   for k in FAULTS}
-        results["fault_errors"] = faults.errors
-        results["harness_failures"] = faults.harness_failures
-        results["restarts"] = faults.restarts
-        results["fault_counts_by_target"], harness_v = fault_verdict(
-            faults.kinds, faults.events, faults.errors, faults.harness_failures)
-        results["summary"] = summarize(load, t_load_end)
-        results["final"] = {n: rows[n] for n in rows}
-        # Lifetimes serving when the load began (a restarted P1 warms up).
-        t_born = min((x["t"] for x in mon.samples), default=0.0) + 10
-        results["rss_slope_mib_per_min"] = {
-            n: rss_slope(mon.samples, n, t_load_end / 2, t_load_end, t_born)
-            for n in cluster.servers}
-        # Warm-up or leak: the slope in each quarter of the load (a warm-up
-        # flattens, a leak does not), and the samples themselves.
-        t_first = min((x["t"] for x in mon.samples), default=0.0)
-        results["rss_slope_by_quarter"] = {
-            n: [rss_slope(mon.samples, n, max(t_first, q * t_load_end / 4),
-                          (q + 1) * t_load_end / 4, t_born) for q in range(4)]
-            for n in cluster.servers}
-        results["rss_samples"] = [[x["t"], x["server"], x["pid"],
-                                   round(x["rss"] / 2**20, 1)]
-                                  for x in mon.samples if x["rss"]]
-        results["same_host_path"] = path_totals(mon.counters)
-        results["connector"] = {n: {k: v for k, v in (scrape(s.url) or {}).items()
-                                    if k.startswith("vllm:mooncake_") and "bucket" not in k}
-                                for n, s in cluster.servers.items()}
-        results["proxy_metrics"] = {f: {k: v for k, v in (scrape(p.url) or {}).items()
-                                        if k.startswith("mooncake_proxy_responses")
-                                        or k.endswith(("_errors_total", "_failovers_total"))}
-                                    for f, p in cluster.proxies.items()}
-        s = results["summary"]
-        v = results["violations"]
-        for k in ("hung", "wrong", "truncated", "unclear"):
-            if s[k]:
-                v.append(f"{s[k]} {k} requests")
-        if left:
-            v.append(f"not back at baseline within hold_timeout_s+{args.drain_margin_s:g} s: "
-                     f"{left}")
-        ref = results["rss_slope_mib_per_min"].get("R")
-        results["mirror"] = dict(load.mirror) if load.reference else None
-        if args.memwatch_dir:
-            try:
-                series = memory_series(read_memwatch(args.memwatch_dir), server_of_pgid)
-                table, mv = memory_verdict(
-                    series, t0_unix, t0_unix + t_load_end / 2, t0_unix + t_load_end,
-                    used_margin=args.mem_used_margin, blocks_margin=args.mem_blocks_margin,
-                    kept_margin=args.mem_kept_margin)
-            except (OSError, ValueError, KeyError, TypeError) as e:  # keep the run's results
-                table, mv = {}, [f"memory verdict failed: {e!r}"]
-            results["memory"] = table
-            v.extend(mv)
-            for n in cluster.servers:
-                if n not in ("P1", "P3") and table.get(n) is None:  # P1, P3: killed, restarted
-                    v.append(f"{n}: no memwatch samples over the load (memory not judged)")
-        for n, sl in results["rss_slope_mib_per_min"].items():
-            if sl is None or n == "R" or args.memwatch_dir:
-                continue  # with memwatch: reported, the memory verdict judges
-            if ref is not None:
-                if sl > ref + args.rss_over_reference:
-                    v.append(f"{n}: RSS grows {sl} MiB/min (> the reference server R's "
-                             f"{ref} + {args.rss_over_reference})")
-            elif sl > args.rss_slope_max:
-                v.append(f"{n}: RSS grows {sl} MiB/min (> {args.rss_slope_max})")
-        results["fds"] = {n: {"baseline": base.get(n, {}).get("fds"), "end": rows[n].get("fds")}
-                          for n in rows}
-        for n, fd in results["fds"].items():
-            if fd["baseline"] and fd["end"] and fd["end"] > fd["baseline"] + args.fd_growth_max:
-                v.append(f"{n}: {fd['end']} open files after the drain, baseline "
-                         f"{fd['baseline']} (+{args.fd_growth_max} allowed)")
-        for f in args.flows:
-            if not s["by_flow"].get(f, {}).get("ok"):
-                v.append(f"flow {f}: no request succeeded")
-        v.extend(same_host_verdict(results["same_host_path"], args.flows))
-        if args.reference and ref is None and not args.memwatch_dir:
-            v.append("the reference server R has no RSS slope (down during the load?)")
-        v.extend(harness_v)
-        if not s["ok"]:
-            v.append("no request succeeded")
-        results["examples"] = [r for r in load.records
-                               if r["outcome"] in ("wrong", "truncated", "hung", "unclear")][:20]
-        if args.png:
-            plot(args.png, load, mon, faults, t_load_end, drained_at)
-        if load.sink is not None:
-            load.sink.close()
-    finally:
-        cluster.stop()
-        net.down()
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1, default=str)
+
+def start_deployment(args, cluster, net, workdir, results):
+    """Start etcd, the servers and the proxies; the reference answers; the
+    baseline sample; the monitor and the fault schedule running, the load
+    built but not started: (t0, mon, base, faults, load)."""
+    t_start = time.monotonic()
+    log(f"starting etcd, P1 P2 (netns {net.ns if results['netns'] else 'off'}), D1 D2, "
+        f"proxies; logs in {workdir}/logs")
+    cluster.start(args.start_timeout)
+    results["startup_s"] = round(time.monotonic() - t_start, 1)
+    log(f"all up in {results['startup_s']} s")
+    pool = make_pool(args.seed, max(2, args.prompts // 8), 8, 300)[:args.prompts]
+    refs = asyncio.run(references(cluster.servers["P1"].url, pool))
+    log(f"{len(refs)} reference answers (P1, computed locally)")
+    t0 = time.monotonic()
+    results["t0_unix"] = time.time()
+    mon = Monitor(cluster, t0)
+    base = {n: r for n, r in mon.sample().items()}
+    results["baseline"] = base
+    mon.start()
+    faults = Faults(cluster, net, args, t0)
+    load = Load({f: p.url for f, p in cluster.proxies.items()}, pool, refs, args, t0)
+    if "R" in cluster.servers:
+        load.reference = cluster.servers["R"].url
+    if args.burst > 0:
+        faults.load = load
+    faults.start()
+    return t0, mon, base, faults, load
+
+
+def run_load(args, load, faults, t0):
+    """The clients for --duration while the faults happen, with a progress
+    line (redrawn on a terminal, logged every 30 s otherwise); when the load
+    stopped (s since t0)."""
+    last = [0]
+
+    def progress():
+        el = time.monotonic() - t0
+        recs = load.records
+        bad = sum(1 for r in recs if r["outcome"] in ("wrong", "truncated", "hung",
+                                                        "unclear"))
+        frac = min(1.0, el / args.duration)
+        bar = "#" * int(30 * frac) + "-" * (30 - int(30 * frac))
+        line = (f"\r[{bar}] {el:6.0f}/{args.duration:.0f} s  {len(recs)} req  "
+                f"ok {sum(1 for r in recs if r['outcome'] == 'ok')}  "
+                f"err {sum(1 for r in recs if r['outcome'] == 'error')}  "
+                f"violations {bad}  faults {len(faults.events)}")
+        if sys.stdout.isatty():
+            sys.stdout.write(line)
+            sys.stdout.flush()
+        elif el - last[0] >= 30:
+            last[0] = el
+            log(line.strip())
+    asyncio.run(load.run(args.duration, progress))
+    t_load_end = time.monotonic() - t0
+    print()
+    log(f"load stopped after {t_load_end:.0f} s; healing faults")
+    return t_load_end
+
+
+def heal_and_drain(args, faults, mon, base, t0):
+    """Heal every fault, then sample until every server is back at its
+    baseline or hold_timeout_s + drain_margin_s have passed: (t_heal,
+    drained_at (None: never), left {server: what is not back}, the last
+    sample's rows)."""
+    faults.heal_all()
+    # Back to baseline within hold_timeout_s (+ margin) of the heal.
+    t_heal = time.monotonic() - t0
+    deadline = time.monotonic() + args.hold_timeout_s + args.drain_margin_s
+    drained_at, left = None, {}
+    while True:
+        rows = mon.sample()
+        left = {n: at_baseline(rows[n], base.get(n, {})) for n in rows}
+        left = {n: v for n, v in left.items() if v}
+        missing = [n for n, r in rows.items() if r.get("vllm:kv_cache_usage_perc") is None]
+        if not left and not missing:
+            drained_at = time.monotonic() - t0
+            break
+        if time.monotonic() > deadline:
+            left.update({n: "no /metrics answer" for n in missing})
+            break
+        time.sleep(2)
+    return t_heal, drained_at, left, rows
+
+
+def collect_results(args, results, cluster, mon, faults, load, rows, t_load_end):
+    """The run's record in results: faults, requests, RSS slopes, paths,
+    counters; the harness's violations (fault_verdict's)."""
+    results["faults"] = faults.events
+    results["proxies"] = {f: " ".join(p.cmd[p.cmd.index("--flow"):])
+                          for f, p in cluster.proxies.items()}
+    results["fault_counts"] = {k: sum(1 for e in faults.events if e["fault"] == k)
+                               for k in FAULTS}
+    results["fault_errors"] = faults.errors
+    results["harness_failures"] = faults.harness_failures
+    results["restarts"] = faults.restarts
+    results["fault_counts_by_target"], harness_v = fault_verdict(
+        faults.kinds, faults.events, faults.errors, faults.harness_failures)
+    results["summary"] = summarize(load, t_load_end)
+    results["final"] = {n: rows[n] for n in rows}
+    # Lifetimes serving when the load began (a restarted P1 warms up).
+    t_born = min((x["t"] for x in mon.samples), default=0.0) + 10
+    results["rss_slope_mib_per_min"] = {
+        n: rss_slope(mon.samples, n, t_load_end / 2, t_load_end, t_born)
+        for n in cluster.servers}
+    # Warm-up or leak: the slope in each quarter of the load (a warm-up
+    # flattens, a leak does not), and the samples themselves.
+    t_first = min((x["t"] for x in mon.samples), default=0.0)
+    results["rss_slope_by_quarter"] = {
+        n: [rss_slope(mon.samples, n, max(t_first, q * t_load_end / 4),
+                      (q + 1) * t_load_end / 4, t_born) for q in range(4)]
+        for n in cluster.servers}
+    results["rss_samples"] = [[x["t"], x["server"], x["pid"],
+                               round(x["rss"] / 2**20, 1)]
+                              for x in mon.samples if x["rss"]]
+    results["same_host_path"] = path_totals(mon.counters)
+    results["connector"] = {n: {k: v for k, v in (scrape(s.url) or {}).items()
+                                if k.startswith("vllm:mooncake_") and "bucket" not in k}
+                            for n, s in cluster.servers.items()}
+    results["proxy_metrics"] = {f: {k: v for k, v in (scrape(p.url) or {}).items()
+                                    if k.startswith("mooncake_proxy_responses")
+                                    or k.endswith(("_errors_total", "_failovers_total"))}
+                                for f, p in cluster.proxies.items()}
+    return harness_v
+
+
+def memory_violations(args, results, servers, server_of_pgid, t_load_end, ref):
+    """The memory invariant: memwatch's verdict (results["memory"]) or,
+    without memwatch, each server's RSS slope against R's (ref) or
+    --rss-slope-max."""
+    v = []
+    t0_unix = results["t0_unix"]
+    if args.memwatch_dir:
+        try:
+            series = memory_series(read_memwatch(args.memwatch_dir), server_of_pgid)
+            table, mv = memory_verdict(
+                series, t0_unix, t0_unix + t_load_end / 2, t0_unix + t_load_end,
+                used_margin=args.mem_used_margin, blocks_margin=args.mem_blocks_margin,
+                kept_margin=args.mem_kept_margin)
+        except (OSError, ValueError, KeyError, TypeError) as e:  # keep the run's results
+            table, mv = {}, [f"memory verdict failed: {e!r}"]
+        results["memory"] = table
+        v.extend(mv)
+        for n in servers:
+            if n not in ("P1", "P3") and table.get(n) is None:  # P1, P3: killed, restarted
+                v.append(f"{n}: no memwatch samples over the load (memory not judged)")
+    for n, sl in results["rss_slope_mib_per_min"].items():
+        if sl is None or n == "R" or args.memwatch_dir:
+            continue  # with memwatch: reported, the memory verdict judges
+        if ref is not None:
+            if sl > ref + args.rss_over_reference:
+                v.append(f"{n}: RSS grows {sl} MiB/min (> the reference server R's "
+                         f"{ref} + {args.rss_over_reference})")
+        elif sl > args.rss_slope_max:
+            v.append(f"{n}: RSS grows {sl} MiB/min (> {args.rss_slope_max})")
+    return v
+
+
+def judge(args, results, cluster, load, base, rows, left, server_of_pgid, harness_v,
+          t_load_end):
+    """The invariants: results["violations"] filled in (and the mirror, memory,
+    fds and examples records)."""
+    s = results["summary"]
+    v = results["violations"]
+    for k in ("hung", "wrong", "truncated", "unclear"):
+        if s[k]:
+            v.append(f"{s[k]} {k} requests")
+    if left:
+        v.append(f"not back at baseline within hold_timeout_s+{args.drain_margin_s:g} s: "
+                 f"{left}")
+    ref = results["rss_slope_mib_per_min"].get("R")
+    results["mirror"] = dict(load.mirror) if load.reference else None
+    v.extend(memory_violations(args, results, cluster.servers, server_of_pgid, t_load_end,
+                               ref))
+    results["fds"] = {n: {"baseline": base.get(n, {}).get("fds"), "end": rows[n].get("fds")}
+                      for n in rows}
+    for n, fd in results["fds"].items():
+        if fd["baseline"] and fd["end"] and fd["end"] > fd["baseline"] + args.fd_growth_max:
+            v.append(f"{n}: {fd['end']} open files after the drain, baseline "
+                     f"{fd['baseline']} (+{args.fd_growth_max} allowed)")
+    for f in args.flows:
+        if not s["by_flow"].get(f, {}).get("ok"):
+            v.append(f"flow {f}: no request succeeded")
+    v.extend(same_host_verdict(results["same_host_path"], args.flows))
+    if args.reference and ref is None and not args.memwatch_dir:
+        v.append("the reference server R has no RSS slope (down during the load?)")
+    v.extend(harness_v)
+    if not s["ok"]:
+        v.append("no request succeeded")
+    results["examples"] = [r for r in load.records
+                           if r["outcome"] in ("wrong", "truncated", "hung", "unclear")][:20]
+
+
+def report(results):
+    """Log the run's summary and its violations: the exit code (1: a violation)."""
     s = results.get("summary", {})
     log(f"requests {s.get('requests')}  ok {s.get('ok')}  errors {s.get('error')}  client "
         f"aborts {s.get('client_abort')}  hung {s.get('hung')}  wrong {s.get('wrong')}  "
@@ -1738,6 +1786,39 @@ def main(argv=None):
         return 1
     log("all invariants hold")
     return 0
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    workdir, net, cluster, results = set_up(args)
+    try:
+        t0, mon, base, faults, load = start_deployment(args, cluster, net, workdir, results)
+        t_load_end = run_load(args, load, faults, t0)
+        t_heal, drained_at, left, rows = heal_and_drain(args, faults, mon, base, t0)
+        mon.stop_evt.set()
+        mon.join(timeout=10)
+        server_of_pgid = {x["pid"]: x["server"] for x in mon.samples if x["pid"]}
+        if args.memwatch_dir:
+            try:
+                trim_memwatch(args.memwatch_dir, server_of_pgid, results)
+            except OSError as e:
+                log(f"malloc_trim round failed: {e!r}")
+        results["load_s"] = round(t_load_end, 1)
+        results["drain_s"] = None if drained_at is None else round(drained_at - t_heal, 1)
+        harness_v = collect_results(args, results, cluster, mon, faults, load, rows, t_load_end)
+        judge(args, results, cluster, load, base, rows, left, server_of_pgid, harness_v,
+              t_load_end)
+        if args.png:
+            plot(args.png, load, mon, faults, t_load_end, drained_at)
+        if load.sink is not None:
+            load.sink.close()
+    finally:
+        cluster.stop()
+        net.down()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1, default=str)
+    return report(results)
 
 
 if __name__ == "__main__":
