@@ -20,6 +20,8 @@ import pytest
 from conftest import cuda_torch
 from line_peer import LinePeer
 
+from mooncake_connector.serving import free_port
+
 pytestmark = pytest.mark.gpu
 
 torch = cuda_torch()
