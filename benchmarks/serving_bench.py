@@ -695,6 +695,10 @@ def parse_args(argv=None):
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                     help="the servers' dtype (bfloat16 halves the KV per token; --device cuda "
                          "only: vLLM's CPU backend runs this model in float32)")
+    ap.add_argument("--attention-backend", default="TRITON_ATTN",
+                    help="--device cuda: vLLM's --attention-backend for every server "
+                         "(TRITON_ATTN: fp32 and exact comparisons; auto: vLLM's own choice, "
+                         "FlashAttention on Hopper, as users run it)")
     ap.add_argument("--mooncake-site", default=os.environ.get("MC_MOONCAKE_SITE"),
                     help="a pip --target dir holding mooncake-transfer-engine-non-cuda, for "
                          "the in-tree MooncakeConnector phase ($MC_MOONCAKE_SITE)")
@@ -712,8 +716,9 @@ def parse_args(argv=None):
         args.kv_cache_mib = 256 if args.kv32k else 64
     if args.cuda_graphs and args.device != "cuda":
         ap.error("--cuda-graphs needs --device cuda")
-    if args.device == "cpu" and (args.gpu_path != "on" or args.dtype != "float32"):
-        ap.error("--gpu-path and --dtype bfloat16 need --device cuda")
+    if args.device == "cpu" and (args.gpu_path != "on" or args.dtype != "float32"
+                                 or args.attention_backend != "TRITON_ATTN"):
+        ap.error("--gpu-path, --dtype bfloat16 and --attention-backend need --device cuda")
     from mooncake_connector import tiny_model
     overrides = dict(KV32K_SPEC if args.kv32k else BENCH_SPEC)
     for kv in filter(None, args.spec.split(",")):
@@ -738,7 +743,8 @@ def main(argv=None):
     # The servers' device: the GPU servers' environment and flags (three
     # servers share GPU 0), the engine's route between GPU KV caches, dtype.
     dev_env, dev_args = bench_settings(args.device, args.gpu_path, args.dtype, servers=3,
-                                      cuda_graphs=args.cuda_graphs)
+                                      cuda_graphs=args.cuda_graphs,
+                                      attention_backend=args.attention_backend)
     dtype_bytes = 2 if args.dtype == "bfloat16" else 4
     args.dev_env, args.dev_args = dev_env, dev_args  # the in-tree phase's servers too
     spec = tiny_model.spec_with(**overrides)
@@ -795,7 +801,7 @@ def main(argv=None):
         router.url = f"http://127.0.0.1:{rport}"
     kv_per_token = tiny_model.kv_bytes_per_token(spec, dtype_bytes)
     where = "vLLM CPU backend" if args.device == "cpu" else (
-        f"GPU 0, {args.dtype}, engine route: "
+        f"GPU 0, {args.dtype}, attention {args.attention_backend}, engine route: "
         + ("same-host GPU path" if args.gpu_path == "on" else "TCP with GPU staging"))
     print(f"model {model} ({kv_per_token} B of KV per token); {where}; "
           f"connector {dep.connector}; logs {dep.logs}", flush=True)

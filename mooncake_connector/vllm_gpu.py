@@ -32,12 +32,14 @@ def gpu_vllm_args(memory_fraction=0.2, attention_backend="TRITON_ATTN"):
     return args
 
 
-def device_settings(device, servers=3, environ=None):
+def device_settings(device, servers=3, environ=None, attention_backend="TRITON_ATTN"):
     """(env, extra vLLM args) for `device` ("cpu" or "cuda"), with `servers`
     vLLM servers sharing the one GPU.  VLLM_USE_V2_MODEL_RUNNER set in the
     caller's environment (`environ`, default os.environ) is kept: =1 runs
     vLLM's V2 GPU model runner, 0.26's default for Llama and 0.34's only
-    one (GPU_ENV's 0 otherwise)."""
+    one (GPU_ENV's 0 otherwise).  attention_backend: vLLM's
+    --attention-backend on cuda, None or "auto" to leave vLLM its own
+    choice (FlashAttention on Hopper, as users run it)."""
     if device == "cpu":
         return {}, []
     if device == "cuda":
@@ -47,23 +49,27 @@ def device_settings(device, servers=3, environ=None):
         mine = (os.environ if environ is None else environ).get("VLLM_USE_V2_MODEL_RUNNER")
         if mine is not None:
             env["VLLM_USE_V2_MODEL_RUNNER"] = mine
-        return env, gpu_vllm_args(min(0.9, 0.75 / servers))
+        if attention_backend == "auto":
+            attention_backend = None
+        return env, gpu_vllm_args(min(0.9, 0.75 / servers), attention_backend)
     raise ValueError(f"device must be 'cpu' or 'cuda', not {device!r}")
 
 
-def bench_settings(device, gpu_path="on", dtype="float32", servers=3, cuda_graphs=False):
+def bench_settings(device, gpu_path="on", dtype="float32", servers=3, cuda_graphs=False,
+                   attention_backend="TRITON_ATTN"):
     """(env, extra vLLM args) of the benchmarks' servers (serving_bench.py,
     ttft_timeline.py): device_settings, and on cuda the engine's route
     between the GPU KV caches (gpu_path "on": the same-host GPU path, "off":
     MC_GPU_IPC=0, TCP with GPU staging) and the servers' dtype (after
     serving.py's own --dtype: the later flag wins); cuda_graphs: vLLM's CUDA
     graphs as production runs them (--no-enforce-eager after serving.py's
-    --enforce-eager; start-up compiles and captures)."""
+    --enforce-eager; start-up compiles and captures); attention_backend as
+    device_settings."""
     if cuda_graphs and device != "cuda":
         raise ValueError("cuda_graphs needs device 'cuda'")
     if gpu_path not in ("on", "off"):
         raise ValueError(f"gpu_path must be 'on' or 'off', not {gpu_path!r}")
-    env, args = device_settings(device, servers=servers)
+    env, args = device_settings(device, servers=servers, attention_backend=attention_backend)
     if device == "cuda":
         env = dict(env, MC_GPU_IPC="1" if gpu_path == "on" else "0")
         args = args + ["--dtype", dtype] + (["--no-enforce-eager"] if cuda_graphs else [])

@@ -31,6 +31,20 @@ def test_bad_values_are_refused_with_the_reason():
     assert "--attention-backend" not in gpu_vllm_args(0.5, attention_backend=None)
 
 
+def test_attention_backend_is_the_callers_or_vllms_own():
+    """serving_bench.py --attention-backend: TRITON_ATTN by default (fp32,
+    exact comparisons), another named backend passed on, auto leaves
+    vLLM its own choice (no flag: FlashAttention on Hopper)."""
+    _, args = bench_settings("cuda")
+    assert args[args.index("--attention-backend") + 1] == "TRITON_ATTN"
+    _, args = bench_settings("cuda", attention_backend="FLASH_ATTN")
+    assert args[args.index("--attention-backend") + 1] == "FLASH_ATTN"
+    for own in ("auto", None):
+        _, args = bench_settings("cuda", "on", "bfloat16", attention_backend=own)
+        assert "--attention-backend" not in args and args[-2:] == ["--dtype", "bfloat16"]
+    assert bench_settings("cpu", attention_backend="auto") == ({}, [])
+
+
 def test_bench_settings_route_and_dtype():
     """The benchmarks' servers (serving_bench.py, ttft_timeline.py --device
     cuda): the engine's GPU route and the dtype on top of device_settings."""
