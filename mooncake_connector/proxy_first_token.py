@@ -105,6 +105,14 @@ def refusal(body, chat):
             return "batched or non-text prompt"
     if body.get("min_tokens") is not None and not isinstance(body["min_tokens"], int):
         return "min_tokens"
+    # Budgets vLLM refuses (its own 400 from the decode instance): the fast
+    # path would answer the prefill's one token (max_tokens 0 or -1) or
+    # send the decode a budget changed into one it accepts.
+    mt, mn = max_tokens_of(body, chat), body.get("min_tokens")
+    if mt is not None and mt < 1:
+        return "max_tokens below 1"
+    if mn is not None and (mn < 0 or mt is not None and mn > mt):
+        return "min_tokens below 0 or above max_tokens"
     return None
 
 

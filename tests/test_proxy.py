@@ -385,6 +385,30 @@ def test_unrepresentable_requests_and_opt_out_take_the_seeds_path(vllm_like, pro
     assert d.seen[-1]["body"] == body and get_stats(off)["first_token_from_prefill"] == 0
 
 
+def test_budgets_vllm_refuses_take_the_seeds_path(vllm_like, proxy):
+    """A streamed request whose token budget vLLM refuses (max_tokens or
+    max_completion_tokens below 1, min_tokens below 0 or above the budget)
+    reaches the decode instance as sent, which answers its own 400.  Before,
+    the fast path asked the prefill for one token and answered 200 with it
+    (max_tokens 0 or -1), or sent the decode a min_tokens of 0 (min_tokens
+    -3): invalid requests silently served."""
+    p, d = vllm_like("prefill"), vllm_like("decode")
+    url = proxy([p.url], [d.url])
+    bad = [("/v1/completions", {"prompt": "a b", "max_tokens": 0}),
+           ("/v1/completions", {"prompt": "a b", "max_tokens": -1}),
+           ("/v1/completions", {"prompt": "a b", "max_tokens": 4, "min_tokens": -3}),
+           ("/v1/completions", {"prompt": "a b", "max_tokens": 4, "min_tokens": 9}),
+           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                     "max_completion_tokens": 0})]
+    for path, extra in bad:
+        body = dict({"model": "m", "stream": True}, **extra)
+        assert post(url + path, body, raw=True)[0] == 200  # the stand-in takes anything
+        assert d.seen and d.seen[-1]["body"] == body, extra  # the original request
+    st = get_stats(url)
+    assert st["first_token_from_prefill"] == 0, st
+    assert sum(st["first_token_fallbacks"].values()) == len(bad), st
+
+
 @pytest.mark.parametrize("mode", ["status", "drop"])
 def test_decode_failure_after_first_chunk_is_an_error_event(vllm_like, proxy, mode):
     p, d = vllm_like("prefill"), vllm_like("decode", decode_fail=mode)
