@@ -161,6 +161,8 @@ class Plan:
             self.text, self.role, self.parsed = c.get("text") or "", None, False
         self.finish, self.stop_reason = c.get("finish_reason"), c.get("stop_reason")
         self.usage = pre.get("usage") or {}
+        if not isinstance(self.usage, dict):
+            raise TypeError(f"usage is {type(self.usage).__name__}, not an object")
         self.want_ids = bool(body.get("return_token_ids"))
         so = body.get("stream_options") or {}
         self.include_usage = bool(so.get("include_usage"))
@@ -272,6 +274,12 @@ class Plan:
         return self._chunk(choices, **extra)
 
 
+#: Largest decode-leg event read (a first chunk carries the prompt's token
+#: ids: a few MiB at the longest contexts); more without an event's end is
+#: no SSE stream, and is not buffered further.
+MAX_EVENT = 64 << 20
+
+
 class ClientGone(Exception):
     """Writing to the client failed: it disconnected."""
 
@@ -372,7 +380,13 @@ async def _relay_decode(proxy, resp, plan, dec_url, headers):
                     ev = json.loads(payload)
                 except ValueError:
                     return f"{where} sent an event that is not JSON: {payload[:200]!r}"
-                chunk = plan.rewrite(ev)
+                try:
+                    chunk = plan.rewrite(ev) if isinstance(ev, dict) else False
+                except (AttributeError, TypeError, KeyError, ValueError):
+                    chunk = False
+                if chunk is False:
+                    return (f"{where} sent an event that is not a completion chunk: "
+                            f"{payload[:200]!r}")
                 if chunk is None:
                     e = ev.get("error") or {}
                     msg = e.get("message") if isinstance(e, dict) else e
@@ -380,4 +394,7 @@ async def _relay_decode(proxy, resp, plan, dec_url, headers):
                 out.append(chunk)
             if out:
                 await _write(resp, b"".join(out))
+            if len(buf) > MAX_EVENT:
+                return (f"{where} sent over {MAX_EVENT >> 20} MiB without an event's end "
+                        "(a blank line): not a server-sent event stream")
         return f"{where} closed the stream before [DONE] (after the first token was sent)"

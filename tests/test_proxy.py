@@ -409,6 +409,74 @@ def test_budgets_vllm_refuses_take_the_seeds_path(vllm_like, proxy):
     assert sum(st["first_token_fallbacks"].values()) == len(bad), st
 
 
+BAD_EVENTS = [b"data: 5\n\n", b"data: [1]\n\n", b"data: null\n\n", b'data: {"choices": 5}\n\n',
+              b'data: {"choices": [5]}\n\n', b'data: {"usage": 5}\n\n',
+              b'data: {"usage": {"prompt_tokens": "x"}}\n\n']
+
+
+@pytest.mark.parametrize("event", BAD_EVENTS, ids=[e[6:-2].decode() for e in BAD_EVENTS])
+def test_decode_event_that_is_no_completion_chunk_ends_with_an_error_event(vllm_like, proxy,
+                                                                           event):
+    """A decode leg whose event (after the first token went out) is JSON but
+    no completion chunk ends the client's stream with an error event naming
+    the decode instance and the event, then [DONE].  Before, the rewrite's
+    TypeError / AttributeError escaped the handler: a traceback in the
+    proxy's log and the client's stream cut off without an end."""
+    p = vllm_like("prefill")
+
+    async def models(request):
+        return web.json_response({"data": [{"id": "m", "max_model_len": 100}]})
+
+    async def complete(request):
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(event)
+        return resp
+
+    d = AppThread([("POST", "/v1/completions", complete), ("GET", "/v1/models", models)])
+    try:
+        url = proxy([p.url], [d.url])
+        status, data = post(url + "/v1/completions", {"model": "m", "prompt": "a b",
+                                                      "max_tokens": 4, "stream": True}, raw=True)
+        ev = sse_events(data)
+        assert status == 200 and ev[0]["choices"][0]["text"] == "t102 ", ev
+        err = ev[-2]["error"]["message"]
+        assert f"decode instance {d.url}" in err and "not a completion chunk" in err, err
+        assert ev[-1] == "[DONE]", ev
+        assert get_stats(url)["stream_errors_after_first_token"] == 1
+    finally:
+        d.close()
+
+
+def test_prefill_usage_that_is_no_object_takes_the_seeds_path(vllm_like, proxy):
+    """A prefill answer whose usage is not an object cannot start the fast
+    path (it would be copied into the client's usage chunk): the decode
+    answers the original request.  Before, first_chunks' dict(usage) raised
+    after the client's 200 went out: a traceback and an empty stream."""
+    d = vllm_like("decode")
+
+    async def models(request):
+        return web.json_response({"data": [{"id": "m", "max_model_len": 100}]})
+
+    async def complete(request):
+        return web.json_response({"id": "x", "created": 1, "model": "m", "usage": 5,
+                                  "choices": [{"index": 0, "text": "t ", "token_ids": [5],
+                                               "finish_reason": "stop",
+                                               "prompt_token_ids": [1, 2]}]})
+
+    p = AppThread([("POST", "/v1/completions", complete), ("GET", "/v1/models", models)])
+    try:
+        url = proxy([p.url], [d.url])
+        body = {"model": "m", "prompt": "a b", "max_tokens": 3, "stream": True,
+                "stream_options": {"include_usage": True}}
+        status, data = post(url + "/v1/completions", body, raw=True)
+        assert status == 200 and sse_events(data)[-1] == "[DONE]", data
+        assert d.seen[-1]["body"] == body
+        assert get_stats(url)["first_token_from_prefill"] == 0
+    finally:
+        p.close()
+
+
 @pytest.mark.parametrize("mode", ["status", "drop"])
 def test_decode_failure_after_first_chunk_is_an_error_event(vllm_like, proxy, mode):
     p, d = vllm_like("prefill"), vllm_like("decode", decode_fail=mode)
