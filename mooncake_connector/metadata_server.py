@@ -255,9 +255,12 @@ def build_app(store: MetadataStore, path: str = DEFAULT_PATH,
             if length is not None and length > max_value_size:
                 return _too_big(key, length, max_value_size)
             try:
-                body = await request.read()
+                body = await http_guard.read_body(request, max_value_size)
             except web.HTTPRequestEntityTooLarge:
                 return _too_big(key, None, max_value_size)
+            except http_guard.BodyStalled as e:
+                log.warning("PUT of %r from %s: %s; connection closed", key, request.remote, e)
+                return await http_guard.answer_and_close(request, text(408, f"{e} (key {key!r})"))
             if not body:
                 return text(400, f"empty value for key {key!r}; PUT needs a JSON body")
             ttl = None

@@ -77,6 +77,7 @@ from mooncake_connector import request_check
 logger = logging.getLogger("mooncake_connector.proxy")
 
 ROUTES = ("/v1/completions", "/v1/chat/completions")
+MAX_BODY = 64 << 20  # a client request's body, bytes
 KEEPALIVE_S = 4.0
 
 
@@ -107,7 +108,8 @@ class Proxy:
     def __init__(self, prefill=(), decode=(), flow="a", timeout=6 * 3600, api_key=None,
                  first_token="prefill", passthrough=(), idle_timeout=300.0,
                  prefill_down_s=5.0, prefill_engines=(), push_layerwise=None,
-                 push_layer_load=None, push_layer_watch=None):
+                 push_layer_load=None, push_layer_watch=None,
+                 header_timeout=http_guard.HEADER_TIMEOUT_S):
         self.passthrough = [u.rstrip("/") for u in passthrough]
         if self.passthrough and (prefill or decode):
             raise ValueError("--passthrough takes no --prefill/--decode")
@@ -130,6 +132,9 @@ class Proxy:
         self.flow = flow
         self.first_token = first_token
         self.api_key = api_key
+        # A client that sends nothing of its request's body for this long is
+        # answered 408 and disconnected (as a stalled header: http_guard).
+        self.header_timeout = header_timeout
         self._p = itertools.cycle(range(len(self.prefill)))
         self.prefill_down_s = float(prefill_down_s)
         self._down_until = {}  # prefill URL -> time.monotonic() it is tried first again
@@ -147,6 +152,7 @@ class Proxy:
         self._max_model_len = {}  # decode URL -> max_model_len from its /v1/models
         self._ids_in_flight = collections.Counter()  # client request id -> requests in flight
         self.counts = {"requests": 0, "bad_requests": 0, "slow_header_closes": 0,
+                       "slow_body_closes": 0,
                        "request_ids_replaced": 0, "request_ids_suffixed": 0,
                        "prefill_errors": 0, "prefill_failovers": 0,
                        "prefill_retries": 0, "decode_retries": 0, "decode_errors": 0,
@@ -292,11 +298,21 @@ class Proxy:
         t_in = time.perf_counter()
         chat = request.path.endswith("/chat/completions")
         try:
-            body = request_check.parse(await request.read())
+            body = request_check.parse(await http_guard.read_body(request, MAX_BODY,
+                                                                  self.header_timeout))
             request_check.check(body, chat)
         except request_check.BadRequest as e:
             self.counts["bad_requests"] += 1
             return _error(400, str(e), "invalid_request_error")
+        except http_guard.BodyStalled as e:
+            self.counts["slow_body_closes"] += 1
+            logger.warning("closing a connection whose request body stalled (%s)", e)
+            return await http_guard.answer_and_close(request, _error(
+                408, f"{e} (the proxy's --header-timeout)", "invalid_request_error"))
+        except web.HTTPRequestEntityTooLarge:
+            self.counts["bad_requests"] += 1
+            return _error(413, f"request body is over {MAX_BODY} bytes, the proxy's limit",
+                          "invalid_request_error")
         rid = self._request_id(request)
         headers = self._headers(request, self._upstream_id(rid))
         try:
@@ -639,7 +655,7 @@ class Proxy:
             self.prom.observe(request.path, status, time.perf_counter() - t0)
 
     def app(self):
-        app = web.Application(client_max_size=64 << 20, middlewares=[self._observe])
+        app = web.Application(client_max_size=MAX_BODY, middlewares=[self._observe])
         for route in ROUTES:
             app.router.add_post(route, self.handle)
         app.router.add_get("/v1/models", self.models)
@@ -693,6 +709,10 @@ class PromCounters:
                          ("decode_retries", "Decode legs sent once more after the instance "
                           "dropped or reset the connection before answering"),
                          ("bad_requests", "Requests refused as malformed (400)"),
+                         ("slow_header_closes", "Connections closed because their request "
+                          "header stalled"),
+                         ("slow_body_closes", "Requests answered 408 and closed because their "
+                          "body stalled"),
                          ("request_ids_replaced", "Requests whose X-Request-Id could not be "
                           "used (too long, a space, non-ASCII) and got a new id"),
                          ("request_ids_suffixed", "Requests whose X-Request-Id was in flight "
@@ -885,7 +905,8 @@ def main(argv=None):
                          "the others for this long, s (each request still tries every one)")
     ap.add_argument("--header-timeout", type=float, default=http_guard.HEADER_TIMEOUT_S,
                     help="close a client connection that has sent part of a request but no "
-                         "complete header for this long, s (slow or stalled clients)")
+                         "complete header for this long, s, or no byte of its body for this "
+                         "long (answered 408) (slow or stalled clients)")
     args = ap.parse_args(argv)
     if args.passthrough and (args.prefill or args.decode):
         ap.error("--passthrough relays to one upstream; it takes no --prefill/--decode")
@@ -931,7 +952,8 @@ def main(argv=None):
                   args.idle_timeout, args.prefill_down_s, args.prefill_engine,
                   {"server": None, "on": True, "off": False}[args.push_layerwise],
                   {"server": None, "on": True, "off": False}[args.push_layer_load],
-                  {"server": None, "on": True, "off": False}[args.push_layer_watch])
+                  {"server": None, "on": True, "off": False}[args.push_layer_watch],
+                  args.header_timeout)
     run_loop, loop_name = _event_loop(args.loop)
 
     async def run():

@@ -524,3 +524,31 @@ def test_slow_header_client_is_disconnected(monkeypatch):
         mc_client = mc.MetadataClient(srv.url)
         mc_client.put("k", b"v")
         assert mc_client.get("k") == b"v"
+
+
+def test_stalled_put_body_is_answered_408_and_closed(monkeypatch):
+    """A PUT whose body stops coming after a complete header held its
+    connection and handler forever (the header deadline did not cover the
+    body): now it is answered 408 naming the stall and the key, and
+    disconnected, while the server keeps answering others."""
+    from mooncake_connector import http_guard
+    monkeypatch.setattr(http_guard, "HEADER_TIMEOUT_S", 1.0)
+    with MetadataServer(port=0) as srv:
+        s = socket.create_connection(("127.0.0.1", srv.port))
+        s.sendall(b"PUT /metadata?key=k HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
+        s.settimeout(10)
+        t = time.monotonic()
+        data = b""
+        while True:
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+        s.close()
+        assert data.startswith(b"HTTP/1.1 408"), data[:300]
+        assert 0.8 <= time.monotonic() - t <= 6
+        assert b"body stalled" in data and b"'k'" in data, data
+        assert srv.store.get("k") is None
+        mc_client = mc.MetadataClient(srv.url)
+        mc_client.put("k", b"v")
+        assert mc_client.get("k") == b"v"

@@ -1110,3 +1110,30 @@ def test_slow_header_clients_are_closed(vllm_like, proxy):
     s.close()
     assert data.startswith(b"HTTP/1.1 200"), data[:200]
     assert get_stats(url)["slow_header_closes"] == 1
+
+
+def test_stalled_body_is_answered_408_and_closed(vllm_like, proxy):
+    """A client that sends a complete header and then stops sending its
+    body (or drips it slower than one piece per --header-timeout) held its
+    connection and a handler forever: the header deadline did not cover
+    the body.  Now it is answered 408 naming the stall and disconnected,
+    counted; the proxy keeps serving."""
+    p, d = vllm_like("prefill"), vllm_like("decode")
+    url = proxy([p.url], [d.url], extra=("--header-timeout", "1"))
+    port = int(url.rsplit(":", 1)[1])
+    for head in (b"Content-Length: 100\r\n\r\n{", b"Transfer-Encoding: chunked\r\n\r\n1\r\n{\r\n"):
+        s = socket.create_connection(("127.0.0.1", port))
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                  b"Content-Type: application/json\r\n" + head)
+        s.settimeout(10)
+        t = time.monotonic()
+        data = recv_to_eof(s)
+        s.close()
+        assert data.startswith(b"HTTP/1.1 408"), data[:300]
+        assert 0.8 <= time.monotonic() - t <= 6
+        msg = json.loads(data.split(b"\r\n\r\n", 1)[1])["error"]["message"]
+        assert "body stalled" in msg and "--header-timeout" in msg, msg
+    assert get_stats(url)["slow_body_closes"] == 2
+    assert p.seen == [] and d.seen == []
+    status, _ = post(url + "/v1/completions", {"model": "m", "prompt": "a b", "max_tokens": 2})
+    assert status == 200
