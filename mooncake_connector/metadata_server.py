@@ -180,9 +180,21 @@ class MetadataStore:
         return isinstance(key, str) and self.get(key) is not None
 
 
+#: What a metadata path may contain: RFC 3986 path characters as the C
+#: client accepts them in metadata_server, less '%' (the server matches the
+#: decoded path: a %-escape in it matches no request).
+_PATH_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789"
+                        "-._~!$&'()*+,;=:@/")
+
+
 def _check_path(path: str) -> str:
     if not path.startswith("/"):
         raise ValueError(f"metadata path must start with '/', got {path!r}")
+    bad = next((ch for ch in path if ch not in _PATH_CHARS), None)
+    if bad is not None:
+        raise ValueError(f"metadata path {path!r} contains {bad!r}; use a URL path of "
+                         "letters, digits and -._~!$&'()*+,;=:@/ (no query, fragment, "
+                         "braces, spaces or %-escapes), e.g. /metadata")
     if path == HEALTH_PATH:
         raise ValueError(f"metadata path {HEALTH_PATH!r} is reserved for health checks")
     return path
@@ -534,6 +546,10 @@ def _parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
         p.error("--max-value-size must be at least 1")
     try:
         _check_path(args.path)
+    except ValueError as e:
+        p.error(f"--path {args.path!r}: {e}")
+    try:
+        _default_max_bytes()  # the store's budget: checked before anything starts
     except ValueError as e:
         p.error(str(e))
     try:

@@ -552,3 +552,37 @@ def test_stalled_put_body_is_answered_408_and_closed(monkeypatch):
         mc_client = mc.MetadataClient(srv.url)
         mc_client.put("k", b"v")
         assert mc_client.get("k") == b"v"
+
+
+BAD_SERVER_ARGS = [
+    (["--path", "/a{"], {}, "--path '/a{'"),          # was a traceback from aiohttp
+    (["--path", "/{x}"], {}, "--path '/{x}'"),        # was a route matching any path
+    (["--path", "/a%20b"], {}, "--path '/a%20b'"),    # was a server no URL reached
+    (["--path", "/a?b"], {}, "--path '/a?b'"),        # clients append ?key=
+    (["--path", "/a b"], {}, "--path '/a b'"),
+    ([], {"MC_METADATA_STORE_MB": "lots"}, "MC_METADATA_STORE_MB='lots'"),  # was a traceback
+    ([], {"MC_METADATA_STORE_MB": "0"}, "MC_METADATA_STORE_MB='0'"),
+]
+
+
+@pytest.mark.parametrize("args,env,expect", BAD_SERVER_ARGS,
+                         ids=[" ".join(a) or next(iter(e.items()))[1] for a, e, _ in
+                              BAD_SERVER_ARGS])
+def test_cli_bad_path_or_store_size_is_a_usage_error(args, env, expect):
+    """One line naming the argument or variable and what it must be, exit
+    2, no traceback, nothing listening."""
+    import os
+    r = subprocess.run([sys.executable, "-m", "mooncake_connector.metadata_server",
+                        "--host", "127.0.0.1", "--port", "0", *args],
+                       capture_output=True, text=True, timeout=30,
+                       env=dict(os.environ, **env))
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    assert expect in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert "listening" not in r.stdout
+
+
+def test_api_path_with_characters_clients_cannot_send_is_refused():
+    for path in ("/a{", "/{x}", "/a%20b", "/a?b", "/a#b", "/a b"):
+        with pytest.raises(ValueError, match="metadata path"):
+            MetadataServer(path=path)
+    MetadataServer(path="/x-y_z.1~/md").start().stop()
