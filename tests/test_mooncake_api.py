@@ -88,6 +88,27 @@ def test_first_buffer_probe_topology_engine(metadata_server):
         b.close()
 
 
+def test_probe_and_topology_arguments_are_checked():
+    """Arguments of the wrong type or range name the argument: before,
+    get_local_topology(5) was AttributeError 'int' object has no attribute
+    'split', send_probe's timeout -1 / nan were socket's "Timeout value out
+    of range" / "Invalid value NaN", and a port over 65535 an
+    OverflowError from getsockaddrarg."""
+    e = mc.TransferEngine()
+    try:
+        assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+        with pytest.raises(TypeError, match="device_name"):
+            e.get_local_topology(5)
+        for t in (-1, 0, float("nan"), float("inf"), "2", True):
+            with pytest.raises((TypeError, ValueError), match="timeout"):
+                e.send_probe("127.0.0.1:1", timeout=t)
+        for name in ("127.0.0.1:99999", "127.0.0.1:0"):
+            with pytest.raises(ValueError, match="1..65535"):
+                e.send_probe(name)
+    finally:
+        e.close()
+
+
 def test_initialize_ext_and_on_cuda(metadata_server):
     e = mc.TransferEngine()
     try:
