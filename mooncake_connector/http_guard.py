@@ -98,12 +98,19 @@ class BodyStalled(Exception):
                          f"{got}{of} bytes; send the whole body at once")
 
 
+class BodyUnreadable(Exception):
+    """The request's body does not decode as its headers say (a
+    Content-Encoding it is not in, a broken chunked encoding); str(e) says
+    what aiohttp found."""
+
+
 async def read_body(request, max_size, seconds=None):
     """request.read() that gives up on a client sending nothing of its body
     for `seconds` (None: HEADER_TIMEOUT_S when called): BodyStalled.  A body
     over max_size bytes raises aiohttp's HTTPRequestEntityTooLarge, as
     request.read() does with client_max_size (at once when the announced
-    length is over it).  Answer a stalled body with answer_and_close()."""
+    length is over it); one that does not decode, BodyUnreadable.  Answer
+    these two with answer_and_close()."""
     seconds = seconds or HEADER_TIMEOUT_S
     length = request.content_length
     if length is not None and length > max_size:  # refused before reading it
@@ -114,6 +121,11 @@ async def read_body(request, max_size, seconds=None):
             chunk = await asyncio.wait_for(request.content.readany(), seconds)
         except asyncio.TimeoutError:
             raise BodyStalled(seconds, len(body), request.content_length) from None
+        except web.RequestPayloadError as e:
+            why = " ".join(str(getattr(e.__cause__, "message", None) or e).split())
+            raise BodyUnreadable(f"the request's body could not be read: {why}; send a body "
+                                 "that matches its Content-Encoding and Transfer-Encoding "
+                                 "headers") from None
         if not chunk:
             return bytes(body)
         body += chunk

@@ -270,6 +270,8 @@ def build_app(store: MetadataStore, path: str = DEFAULT_PATH,
                 body = await http_guard.read_body(request, max_value_size)
             except web.HTTPRequestEntityTooLarge:
                 return _too_big(key, None, max_value_size)
+            except http_guard.BodyUnreadable as e:
+                return await http_guard.answer_and_close(request, text(400, f"{e} (key {key!r})"))
             except http_guard.BodyStalled as e:
                 log.warning("PUT of %r from %s: %s; connection closed", key, request.remote, e)
                 return await http_guard.answer_and_close(request, text(408, f"{e} (key {key!r})"))

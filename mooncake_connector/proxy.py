@@ -309,6 +309,10 @@ class Proxy:
             logger.warning("closing a connection whose request body stalled (%s)", e)
             return await http_guard.answer_and_close(request, _error(
                 408, f"{e} (the proxy's --header-timeout)", "invalid_request_error"))
+        except http_guard.BodyUnreadable as e:
+            self.counts["bad_requests"] += 1
+            return await http_guard.answer_and_close(request, _error(
+                400, str(e), "invalid_request_error"))
         except web.HTTPRequestEntityTooLarge:
             self.counts["bad_requests"] += 1
             return _error(413, f"request body is over {MAX_BODY} bytes, the proxy's limit",

@@ -586,3 +586,17 @@ def test_api_path_with_characters_clients_cannot_send_is_refused():
         with pytest.raises(ValueError, match="metadata path"):
             MetadataServer(path=path)
     MetadataServer(path="/x-y_z.1~/md").start().stop()
+
+
+def test_put_body_that_does_not_decode_is_a_400(server):
+    """A PUT body that does not match its Content-Encoding was a 500 and a
+    traceback in the server's log; now a 400 naming the encoding."""
+    import urllib.error
+    import urllib.request
+    req = urllib.request.Request(server.url + "?key=k", data=b"{}", method="PUT",
+                                 headers={"Content-Encoding": "gzip"})
+    with pytest.raises(urllib.error.HTTPError) as ei:
+        urllib.request.urlopen(req, timeout=20)
+    body = ei.value.read().decode()
+    assert ei.value.code == 400 and "content-encoding: gzip" in body.lower(), body
+    assert server.store.get("k") is None

@@ -1137,3 +1137,20 @@ def test_stalled_body_is_answered_408_and_closed(vllm_like, proxy):
     assert p.seen == [] and d.seen == []
     status, _ = post(url + "/v1/completions", {"model": "m", "prompt": "a b", "max_tokens": 2})
     assert status == 200
+
+
+def test_body_that_does_not_decode_is_a_400(upstreams, proxy):
+    """A body that does not match its Content-Encoding (gzip that is not
+    gzip) was a 500 "Server got itself in trouble" and a traceback in the
+    proxy's log; now a 400 naming the encoding."""
+    p, d = upstreams("prefill"), upstreams("decode")
+    url = proxy([p.url], [d.url])
+    req = urllib.request.Request(url + "/v1/completions", data=b'{"prompt": "x"}',
+                                 method="POST", headers={"Content-Type": "application/json",
+                                                         "Content-Encoding": "gzip"})
+    with pytest.raises(urllib.error.HTTPError) as ei:
+        urllib.request.urlopen(req, timeout=20)
+    msg = json.loads(ei.value.read())["error"]["message"]
+    assert ei.value.code == 400 and "content-encoding: gzip" in msg.lower(), msg
+    assert p.seen == [] and d.seen == []
+    assert post(url + "/v1/completions", {"model": "m", "prompt": "hi"})[0] == 200
