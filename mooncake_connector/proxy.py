@@ -949,6 +949,9 @@ def main(argv=None):
     for name in ("timeout", "idle_timeout", "prefill_down_s"):
         if math.isnan(getattr(args, name)):
             ap.error(f"--{name.replace('_', '-')} nan is not a number of seconds")
+    if math.isinf(args.timeout):
+        ap.error("--timeout inf is not a number of seconds aiohttp can wait; give a finite "
+                 f"one (default {6 * 3600})")
     if args.idle_timeout < 0 or args.timeout <= 0 or args.prefill_down_s < 0:
         ap.error("--timeout must be > 0, --idle-timeout and --prefill-down-s >= 0 (seconds)")
     proxy = Proxy(args.prefill, args.decode, args.flow, args.timeout,

@@ -970,6 +970,7 @@ BAD_CLI = [
     (["--port", "8100"], "this proxy's own address"),
     (["--timeout", "nan"], "--timeout nan"),
     (["--idle-timeout", "nan"], "--idle-timeout nan"),
+    (["--timeout", "inf"], "--timeout inf"),  # was a 500 and an OverflowError per request
 ]
 
 
