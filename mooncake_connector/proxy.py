@@ -403,6 +403,12 @@ class Proxy:
         except ValueError:
             pre = None
         params = pre.get("kv_transfer_params") if isinstance(pre, dict) else None
+        if self.flow == "b" and not isinstance(pre, dict):
+            self.counts["prefill_errors"] += 1
+            text = pre_text[:200].decode("utf-8", "replace")
+            return _error(502, f"prefill instance {pre_url} answered 200 with a body that is "
+                          f"not a JSON object: {text!r} (is that URL a vLLM server of this "
+                          "deployment?)", "upstream_error")
         if self.flow == "b" and params is None:
             self.counts["prefill_errors"] += 1
             return _error(502, f"prefill instance {pre_url} returned no kv_transfer_params "

@@ -1155,3 +1155,26 @@ def test_body_that_does_not_decode_is_a_400(upstreams, proxy):
     assert ei.value.code == 400 and "content-encoding: gzip" in msg.lower(), msg
     assert p.seen == [] and d.seen == []
     assert post(url + "/v1/completions", {"model": "m", "prompt": "hi"})[0] == 200
+
+
+@pytest.mark.parametrize("answer,expect", [
+    (b"<html>ok</html>", "answered 200 with a body that is not a JSON object: '<html>ok</html>'"),
+    (b"[1, 2]", "answered 200 with a body that is not a JSON object: '[1, 2]'"),
+    (b'{"choices": []}', "returned no kv_transfer_params (is it started with"),
+])
+def test_flow_b_prefill_answer_without_params_names_what_came(upstreams, proxy, answer, expect):
+    """Flow b needs the prefill answer's kv_transfer_params: an answer that
+    is not a JSON object was reported as "returned no kv_transfer_params (is
+    it started with ... kv_producer?)", a wrong lead; now it says what came."""
+    async def complete(request):
+        return web.Response(body=answer, content_type="application/json")
+
+    p = AppThread([("POST", "/v1/completions", complete)])
+    d = upstreams("decode")
+    try:
+        url = proxy([p.url], [d.url], flow="b")
+        status, ans = post(url + "/v1/completions", {"model": "m", "prompt": "hi"})
+        assert status == 502 and expect in ans["error"]["message"], ans
+        assert p.url in ans["error"]["message"] and d.seen == []
+    finally:
+        p.close()
