@@ -109,6 +109,12 @@ class MetadataStore:
         self._clock = clock
         self._lock = threading.Lock()
         self._entries: Dict[str, _Entry] = {}
+        if max_bytes is not None:
+            if isinstance(max_bytes, bool) or not isinstance(max_bytes, int):
+                raise TypeError(f"max_bytes must be an int (bytes), got "
+                                f"{type(max_bytes).__name__}")
+            if max_bytes < 1:
+                raise ValueError(f"max_bytes must be >= 1, got {max_bytes}")
         self.max_bytes = _default_max_bytes() if max_bytes is None else max_bytes
         self._bytes = 0
 
@@ -138,8 +144,12 @@ class MetadataStore:
     def put(self, key: str, value: bytes, ttl: Optional[float] = None) -> bool:
         """Stores value; with ttl (seconds) the entry vanishes afterwards.
         Returns whether the key was new (absent or expired)."""
-        if ttl is not None and ttl <= 0:
-            raise ValueError(f"ttl must be positive, got {ttl!r}")
+        if ttl is not None:
+            if isinstance(ttl, bool) or not isinstance(ttl, (int, float)):
+                raise TypeError(f"ttl must be a number of seconds or None, got "
+                                f"{type(ttl).__name__}")
+            if not 0 < ttl < float("inf"):  # nan too: it would never expire
+                raise ValueError(f"ttl must be positive and finite, got {ttl!r}")
         expires = None if ttl is None else self._clock() + ttl
         with self._lock:
             old = self._live(key)
@@ -188,6 +198,9 @@ _PATH_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz012
 
 
 def _check_path(path: str) -> str:
+    if not isinstance(path, str):
+        raise TypeError(f"metadata path must be a str like '/metadata', got "
+                        f"{type(path).__name__}")
     if not path.startswith("/"):
         raise ValueError(f"metadata path must start with '/', got {path!r}")
     bad = next((ch for ch in path if ch not in _PATH_CHARS), None)
@@ -206,6 +219,11 @@ MAX_TTL = 86400
 
 def _check_token(token: Optional[str]) -> Optional[str]:
     """'' and None mean no authentication; a token is printable ASCII."""
+    if token is None:
+        return None
+    if not isinstance(token, str):
+        raise TypeError(f"metadata token must be a str (or None: no authentication), got "
+                        f"{type(token).__name__}")
     if not token:
         return None
     if len(token) > 4096 or any(not 0x21 <= ord(ch) <= 0x7e for ch in token):
@@ -415,6 +433,15 @@ class MetadataServer:
                  store: Optional[MetadataStore] = None,
                  access_log: bool = False, token: Optional[str] = None) -> None:
         self.host = host
+        if isinstance(port, bool) or not isinstance(port, int):
+            raise TypeError(f"port must be an int (0: any free port), got {type(port).__name__}")
+        if not 0 <= port <= 65535:
+            raise ValueError(f"port {port} is out of range 0..65535 (0: any free port)")
+        if isinstance(max_value_size, bool) or not isinstance(max_value_size, int):
+            raise TypeError(f"max_value_size must be an int (bytes), got "
+                            f"{type(max_value_size).__name__}")
+        if max_value_size < 1:
+            raise ValueError(f"max_value_size must be >= 1, got {max_value_size}")
         #: Bearer token required on the metadata path (None: open).
         self.token = _check_token(token)
         self.path = _check_path(path)

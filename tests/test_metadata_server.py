@@ -600,3 +600,31 @@ def test_put_body_that_does_not_decode_is_a_400(server):
     body = ei.value.read().decode()
     assert ei.value.code == 400 and "content-encoding: gzip" in body.lower(), body
     assert server.store.get("k") is None
+
+
+def test_api_arguments_of_the_wrong_type_or_range_name_the_argument():
+    """MetadataServer / MetadataStore arguments: before, port="80" started a
+    server on port 80 (asyncio took the string as a service name), port -1
+    or 70000 was OverflowError "bind(): port must be 0-65535." at start(),
+    token=5 "object of type 'int' has no len()", path=5 an AttributeError,
+    max_value_size="x" a TypeError from a comparison, MetadataStore
+    max_bytes=-1 or "x" was accepted (every later PUT failing or raising),
+    and put(ttl=nan) stored an entry that never expired."""
+    for kw, msg in (({"port": "80"}, "port must be an int"),
+                    ({"port": -1}, "port -1 is out of range 0..65535"),
+                    ({"port": 70000}, "port 70000 is out of range 0..65535"),
+                    ({"port": True}, "port must be an int"),
+                    ({"token": 5}, "metadata token must be a str"),
+                    ({"path": 5}, "metadata path must be a str"),
+                    ({"max_value_size": "x"}, "max_value_size must be an int"),
+                    ({"max_value_size": 0}, "max_value_size must be >= 1")):
+        with pytest.raises((TypeError, ValueError), match=msg):
+            MetadataServer(**kw)
+    for mb, msg in ((-1, "max_bytes must be >= 1"), ("x", "max_bytes must be an int")):
+        with pytest.raises((TypeError, ValueError), match=msg):
+            MetadataStore(max_bytes=mb)
+    s = MetadataStore()
+    for ttl in (float("nan"), float("inf"), "5"):
+        with pytest.raises((TypeError, ValueError), match="ttl"):
+            s.put("k", b"v", ttl)
+    assert s.get("k") is None
