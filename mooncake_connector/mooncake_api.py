@@ -326,8 +326,15 @@ class TransferEngine(_core.TransferEngine):
             if raw is None:
                 raise _core.TransferError(f"probe of {name}: not registered on metadata "
                                           f"server {conn}")
-            d = json.loads(raw)
-            return d["ip_or_host_name"], int(d["rpc_port"])
+            try:
+                d = json.loads(raw)
+                return str(d["ip_or_host_name"]), int(d["rpc_port"])
+            except (ValueError, KeyError, TypeError) as e:
+                raise _core.MetadataError(
+                    f"probe of {name}: its rpc_meta record on metadata server {conn} is not "
+                    f"an object with ip_or_host_name and rpc_port ({type(e).__name__}: {e}): "
+                    f"{raw[:120]!r}; was it written by something other than a transfer "
+                    "engine?") from None
         host, sep, port = name.rpartition(":")
         if not sep or not port.isdigit():
             raise ValueError(f"send_probe: {name!r} is not \"host:port\" (P2P mode names a "
