@@ -641,6 +641,25 @@ class Proxy:
                             content_type="text/plain", charset="utf-8",
                             headers={"X-Prometheus-Format": "0.0.4"})
 
+    SERVED = ("POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, "
+              "GET /stats, GET /metrics")
+
+    @web.middleware
+    async def _routes(self, request, handler):
+        """aiohttp's plain-text 404 / 405 as JSON errors naming what is served."""
+        try:
+            return await handler(request)
+        except web.HTTPNotFound:
+            return _error(404, f"no such path {request.path[:200]!r}; this proxy serves "
+                          f"{self.SERVED} (is the client's base URL http://host:port/v1?)",
+                          "invalid_request_error")
+        except web.HTTPMethodNotAllowed as e:
+            allowed = ", ".join(sorted(e.allowed_methods - {"HEAD"}))
+            resp = _error(405, f"{request.method} is not allowed on {request.path}; use "
+                          f"{allowed}", "invalid_request_error")
+            resp.headers["Allow"] = ", ".join(sorted(e.allowed_methods))
+            return resp
+
     @web.middleware
     async def _observe(self, request, handler):
         """Counts every answer to a completion route by status (a streamed
@@ -665,7 +684,7 @@ class Proxy:
             self.prom.observe(request.path, status, time.perf_counter() - t0)
 
     def app(self):
-        app = web.Application(client_max_size=MAX_BODY, middlewares=[self._observe])
+        app = web.Application(client_max_size=MAX_BODY, middlewares=[self._routes, self._observe])
         for route in ROUTES:
             app.router.add_post(route, self.handle)
         app.router.add_get("/v1/models", self.models)

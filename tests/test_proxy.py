@@ -1178,3 +1178,24 @@ def test_flow_b_prefill_answer_without_params_names_what_came(upstreams, proxy, 
         assert p.url in ans["error"]["message"] and d.seen == []
     finally:
         p.close()
+
+
+def test_unknown_path_or_method_names_what_the_proxy_serves(upstreams, proxy):
+    """A wrong path (a doubled /v1, a typo) or method was aiohttp's plain
+    text "404: Not Found" / "405: Method Not Allowed", naming nothing; now
+    an OpenAI-style JSON error naming the routes or the allowed method."""
+    p, d = upstreams("prefill"), upstreams("decode")
+    url = proxy([p.url], [d.url])
+    for path, method, code, expect in (
+            ("/v1/v1/completions", "POST", 404, "POST /v1/completions"),
+            ("/v1/complete", "GET", 404, "GET /v1/models"),
+            ("/v1/completions", "GET", 405, "GET is not allowed on /v1/completions; use POST"),
+            ("/v1/models", "POST", 405, "use GET")):
+        req = urllib.request.Request(url + path, method=method,
+                                     data=b"{}" if method == "POST" else None)
+        with pytest.raises(urllib.error.HTTPError) as ei:
+            urllib.request.urlopen(req, timeout=20)
+        assert ei.value.code == code
+        msg = json.loads(ei.value.read())["error"]["message"]
+        assert expect in msg, (path, method, msg)
+    assert p.seen == [] and d.seen == []
