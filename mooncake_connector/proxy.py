@@ -946,9 +946,10 @@ def main(argv=None):
                  f"{len(args.prefill)} --prefill URLs: give one per URL, in the same order")
     for e in args.prefill_engine:
         host, sep, port = e.rpartition(":")
-        if not sep or not host or not port.isdigit() or "/" in e:
-            ap.error(f"--prefill-engine {e!r} is not host:port (the prefill's transfer-engine "
-                     "name: its mooncake.json prefill_url)")
+        if not sep or not host or not (port.isascii() and port.isdigit()) or "/" in e or \
+                not 0 < int(port) < 65536:
+            ap.error(f"--prefill-engine {e!r} is not host:port with a port in 1..65535 (the "
+                     "prefill's transfer-engine name: its mooncake.json prefill_url)")
     if args.prefill_engine and args.flow != "push":
         ap.error("--prefill-engine is for --flow push")
     if not 0 <= args.port <= 65535:

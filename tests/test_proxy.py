@@ -971,6 +971,10 @@ BAD_CLI = [
     (["--timeout", "nan"], "--timeout nan"),
     (["--idle-timeout", "nan"], "--idle-timeout nan"),
     (["--timeout", "inf"], "--timeout inf"),  # was a 500 and an OverflowError per request
+    # were accepted: every push request's decode then computed its prompt
+    (["--flow", "push", "--prefill-engine", "127.0.0.1:99999"], "is not host:port"),
+    (["--flow", "push", "--prefill-engine", "127.0.0.1:0"], "is not host:port"),
+    (["--flow", "push", "--prefill-engine", "h:\u00b2"], "is not host:port"),
 ]
 
 
