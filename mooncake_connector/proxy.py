@@ -247,8 +247,14 @@ class Proxy:
         return await self.session.post(url, **kw)
 
     def _fallback(self, reason, rid):
-        self.counts["first_token_fallbacks"][reason] += 1
-        logger.info("request %s: first token from decode: %s", rid, reason)
+        # Counted by kind: an unknown field's name and an upstream answer's
+        # error are the client's / upstream's text (unbounded: /stats and
+        # /metrics would grow a reason per name); the log names them.
+        kind = ("unknown field" if reason.startswith("field ") else
+                "prefill answer not understood"
+                if reason.startswith("prefill answer not understood") else reason)
+        self.counts["first_token_fallbacks"][kind] += 1
+        logger.info("request %s: first token from decode: %s", rid, reason[:300])
 
     def _request_id(self, request):
         """The client's X-Request-Id, or a new one when there is none or it

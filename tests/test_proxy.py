@@ -1203,3 +1203,22 @@ def test_unknown_path_or_method_names_what_the_proxy_serves(upstreams, proxy):
         msg = json.loads(ei.value.read())["error"]["message"]
         assert expect in msg, (path, method, msg)
     assert p.seen == [] and d.seen == []
+
+
+def test_fallback_counts_stay_bounded_under_random_field_names(vllm_like, proxy):
+    """Each streamed request with a field the proxy does not know was
+    counted under a reason naming that field: a client sending a new field
+    name with every request grew /stats and /metrics (a label per name, each
+    up to the body's size) without bound.  Now they share one reason; the
+    log still names the field."""
+    p, d = vllm_like("prefill"), vllm_like("decode")
+    url = proxy([p.url], [d.url])
+    for i in range(20):
+        body = {"model": "m", "prompt": "a b", "max_tokens": 2, "stream": True,
+                f"x{i}" * 50: 1}
+        assert post(url + "/v1/completions", body, raw=True)[0] == 200
+    fb = get_stats(url)["first_token_fallbacks"]
+    assert fb == {"unknown field": 20}, fb
+    with urllib.request.urlopen(url + "/metrics", timeout=20) as r:
+        text = r.read().decode()
+    assert 'reason="unknown field"} 20' in text and "x19" not in text
