@@ -224,11 +224,13 @@ def _read_json(path, what):
     if len(raw) > MAX_CONFIG_BYTES:
         raise SettingsError(f"{what} {path!r} is over {MAX_CONFIG_BYTES} bytes; refused (is "
                             "MOONCAKE_CONFIG_PATH really your mooncake.json?)")
+    bom = 3 if raw.startswith(b"\xef\xbb\xbf") else 0  # skipped, as the C parser does
     try:
-        text = raw.decode("utf-8")
+        text = raw[bom:].decode("utf-8")
     except UnicodeDecodeError as e:
-        raise SettingsError(f"{what} {path!r} is not UTF-8 text (byte 0x{raw[e.start]:02x} at "
-                            f"offset {e.start}); save it as UTF-8") from None
+        at = e.start + bom
+        raise SettingsError(f"{what} {path!r} is not UTF-8 text (byte 0x{raw[at]:02x} at "
+                            f"offset {at}); save it as UTF-8") from None
     top = []
 
     def pairs(kv):  # every object's keys; the top level's are the last to come
