@@ -344,3 +344,22 @@ def test_fifo_without_a_writer_does_not_hang(tmp_path):
                         f"<(echo '{good}')"], capture_output=True, text=True, timeout=30,
                        cwd=str(tmp_path))
     assert r.stdout.strip() == "13103", (r.stdout, r.stderr)
+
+
+@pytest.mark.parametrize("escape", ["\\ud800", "\\udc00", "a\\ud800b", "\\ud800\\u0041",
+                                    "\\udbff\\ud800"])
+def test_lone_surrogate_escape_is_a_config_error(escape):
+    """A \\u escape of half a UTF-16 surrogate pair passed the syntax check
+    (RFC 8259 allows it) but cJSON refuses it, which the parser took for
+    running out of memory: a bare MemoryError with no message, from
+    load_config / `mooncake-connector config` and in every worker."""
+    text = ('{"prefill_url": "127.0.0.1:13003", "decode_url": "127.0.0.1:13103", '
+            '"metadata_server": "P2PHANDSHAKE", "auth_secret": "' + escape + '"}')
+    with pytest.raises(ConfigError, match="surrogate"):
+        parse_config(text, "x.json")
+
+
+def test_surrogate_pair_escape_is_accepted():
+    text = ('{"prefill_url": "127.0.0.1:13003", "decode_url": "127.0.0.1:13103", '
+            '"metadata_server": "P2PHANDSHAKE", "auth_secret": "\\ud83d\\ude00xyz"}')
+    assert parse_config(text, "x.json")["auth_secret"] == "\U0001F600xyz"
