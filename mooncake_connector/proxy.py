@@ -945,6 +945,16 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.passthrough and (args.prefill or args.decode):
         ap.error("--passthrough relays to one upstream; it takes no --prefill/--decode")
+    if args.passthrough:
+        given = [f"--{k.replace('_', '-')} {v}" for k, v, d in (
+            ("flow", args.flow, "a"), ("first_token", args.first_token, "prefill"),
+            ("push_layerwise", args.push_layerwise, "server"),
+            ("push_layer_load", args.push_layer_load, "server"),
+            ("push_layer_watch", args.push_layer_watch, "server")) if v != d]
+        if given:
+            ap.error(f"{', '.join(given)}: --passthrough has no prefill step, so these "
+                     "prefill/decode options would do nothing; drop them (or use --prefill "
+                     "and --decode instead of --passthrough)")
     if not args.passthrough and not (args.prefill and args.decode):
         ap.error("give --prefill URL... and --decode URL... (or --passthrough URL...)")
     if args.prefill_engine and len(args.prefill_engine) != len(args.prefill):

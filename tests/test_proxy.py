@@ -1222,3 +1222,17 @@ def test_fallback_counts_stay_bounded_under_random_field_names(vllm_like, proxy)
     with urllib.request.urlopen(url + "/metrics", timeout=20) as r:
         text = r.read().decode()
     assert 'reason="unknown field"} 20' in text and "x19" not in text
+
+
+@pytest.mark.parametrize("extra", [["--flow", "push"], ["--flow", "b"],
+                                   ["--first-token", "decode"], ["--push-layerwise", "on"],
+                                   ["--push-layer-load", "off"], ["--push-layer-watch", "on"]])
+def test_passthrough_refuses_prefill_decode_options(extra):
+    """--passthrough has no prefill step: a --flow, --first-token or --push-*
+    given with it was ignored without a word (a benchmark "of flow push"
+    measured the colocated path)."""
+    r = subprocess.run([sys.executable, "-m", "mooncake_connector.proxy", "--passthrough",
+                        "http://127.0.0.1:8300", *extra], capture_output=True, text=True,
+                       timeout=30)
+    assert r.returncode == 2 and extra[0] in r.stderr and "--passthrough" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
