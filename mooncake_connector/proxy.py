@@ -968,6 +968,12 @@ def main(argv=None):
                      "prefill's transfer-engine name: its mooncake.json prefill_url)")
     if args.prefill_engine and args.flow != "push":
         ap.error("--prefill-engine is for --flow push")
+    pushed = [f"--{k.replace('_', '-')} {v}" for k, v in (
+        ("push_layerwise", args.push_layerwise), ("push_layer_load", args.push_layer_load),
+        ("push_layer_watch", args.push_layer_watch)) if v != "server"]
+    if pushed and args.flow != "push" and not args.passthrough:
+        ap.error(f"{', '.join(pushed)}: for --flow push only (flow {args.flow} sends no push "
+                 "legs); add --flow push or drop them")
     if not 0 <= args.port <= 65535:
         ap.error(f"--port {args.port} is out of range 0..65535 (0: any free port)")
     for u in args.prefill + args.decode + args.passthrough:

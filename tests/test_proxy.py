@@ -1236,3 +1236,15 @@ def test_passthrough_refuses_prefill_decode_options(extra):
                        timeout=30)
     assert r.returncode == 2 and extra[0] in r.stderr and "--passthrough" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("extra", [["--push-layerwise", "on"], ["--push-layer-load", "on"],
+                                   ["--flow", "b", "--push-layer-watch", "off"]])
+def test_push_options_need_flow_push(extra):
+    """--push-layerwise / --push-layer-load / --push-layer-watch only shape
+    flow push's legs: with flow a or b they were ignored without a word."""
+    r = subprocess.run([sys.executable, "-m", "mooncake_connector.proxy", "--prefill",
+                        "http://127.0.0.1:8100", "--decode", "http://127.0.0.1:8200", *extra],
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode == 2 and "--flow push" in r.stderr, r.stderr
+    assert [a for a in extra if a.startswith("--push")][0] in r.stderr, r.stderr
