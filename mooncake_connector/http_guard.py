@@ -109,8 +109,8 @@ async def read_body(request, max_size, seconds=None):
     for `seconds` (None: HEADER_TIMEOUT_S when called): BodyStalled.  A body
     over max_size bytes raises aiohttp's HTTPRequestEntityTooLarge, as
     request.read() does with client_max_size (at once when the announced
-    length is over it); one that does not decode, BodyUnreadable.  Answer
-    these two with answer_and_close()."""
+    length is over it); one that does not decode, BodyUnreadable.  Answer a
+    stalled or unreadable body with answer_and_close()."""
     seconds = seconds or HEADER_TIMEOUT_S
     length = request.content_length
     if length is not None and length > max_size:  # refused before reading it
