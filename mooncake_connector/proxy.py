@@ -790,6 +790,10 @@ def _bad_upstream(u):
         return f"{u!r} is not a valid URL ({e}); write http://host:port"
     if not parts.hostname:
         return f"{u!r} names no host; write http://host:port"
+    if parts.username is not None or parts.password is not None:
+        return (f"{parts.scheme}://...@{parts.hostname}: the URL has credentials (user:password@); "
+                "give http://host:port without them: the proxy passes the client's "
+                "Authorization header (else $OPENAI_API_KEY) to the vLLM servers (--api-key)")
     if port == 0:
         return f"{u!r}: port 0 is not a server's port; write http://host:port with a port in " \
                "1..65535"

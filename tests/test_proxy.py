@@ -975,6 +975,9 @@ BAD_CLI = [
     (["--flow", "push", "--prefill-engine", "127.0.0.1:99999"], "is not host:port"),
     (["--flow", "push", "--prefill-engine", "127.0.0.1:0"], "is not host:port"),
     (["--flow", "push", "--prefill-engine", "h:\u00b2"], "is not host:port"),
+    # was accepted: a client's Authorization header then made every request a 500
+    # (aiohttp refuses both), and error messages showed the password to clients
+    (["--decode", "http://user:secret@127.0.0.1:8200"], "has credentials"),
 ]
 
 
