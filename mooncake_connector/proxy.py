@@ -1006,8 +1006,14 @@ def main(argv=None):
                  f"one (default {6 * 3600})")
     if args.idle_timeout < 0 or args.timeout <= 0 or args.prefill_down_s < 0:
         ap.error("--timeout must be > 0, --idle-timeout and --prefill-down-s >= 0 (seconds)")
+    api_key = os.environ.get("OPENAI_API_KEY")
+    bad = next((i for i, ch in enumerate(api_key or "") if ord(ch) < 32 or ord(ch) == 127), None)
+    if bad is not None:
+        ap.error(f"$OPENAI_API_KEY has a control character ({ascii(api_key[bad])} at position "
+                 f"{bad} of {len(api_key)}); no HTTP header can carry it: strip it (a key file "
+                 "with Windows line ends?)")
     proxy = Proxy(args.prefill, args.decode, args.flow, args.timeout,
-                  os.environ.get("OPENAI_API_KEY"), args.first_token, args.passthrough,
+                  api_key, args.first_token, args.passthrough,
                   args.idle_timeout, args.prefill_down_s, args.prefill_engine,
                   {"server": None, "on": True, "off": False}[args.push_layerwise],
                   {"server": None, "on": True, "off": False}[args.push_layer_load],

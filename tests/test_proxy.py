@@ -1251,3 +1251,19 @@ def test_push_options_need_flow_push(extra):
                        capture_output=True, text=True, timeout=30)
     assert r.returncode == 2 and "--flow push" in r.stderr, r.stderr
     assert [a for a in extra if a.startswith("--push")][0] in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("key", ["sk-abc\r", "sk-abc\ndef", "sk-\x1b[0m"])
+def test_api_key_with_a_control_character_is_refused_at_start(key):
+    """$OPENAI_API_KEY with a control character (a key file with Windows
+    line ends read by $(cat ...) keeps its \\r) was accepted, and every
+    request was then a 500 with a ValueError traceback (aiohttp refuses the
+    header); now the proxy does not start and says why."""
+    import os
+    env = dict(os.environ, OPENAI_API_KEY=key)
+    r = subprocess.run([sys.executable, "-m", "mooncake_connector.proxy", "--prefill",
+                        "http://127.0.0.1:8100", "--decode", "http://127.0.0.1:8200"],
+                       capture_output=True, text=True, timeout=30, env=env)
+    assert r.returncode == 2 and "OPENAI_API_KEY" in r.stderr and "control character" in \
+        r.stderr, r.stderr
+    assert key not in r.stderr  # the key itself is not shown
