@@ -16,6 +16,12 @@ def main(argv=None):
     if argv and argv[0] in ("-h", "--help"):
         print(__doc__.strip())
         return 0
+    if len(argv) > 1 or argv and argv[0].startswith("-"):
+        what = (f"unknown option {argv[0]!r}" if argv[0].startswith("-")
+                else f"one PATH only, got {len(argv)} arguments")
+        print(f"usage: mooncake-connector config [PATH]\nerror: {what} (a path starting with "
+              "'-': write ./-NAME)", file=sys.stderr)
+        return 2
     try:
         cfg = load_config(argv[0] if argv else None)
     except ConfigError as e:

@@ -8,9 +8,15 @@ server's protocol factory: a connection that has sent part of a request
 but no complete header for `seconds`, and is serving no request, is
 closed.  It reads two attributes of aiohttp's RequestHandler
 (_request_count, _current_request); if an aiohttp version lacks them the
-guard does nothing."""
+guard does nothing.
+
+The same hold through a request's body (a complete header, then a body
+that never comes or comes a byte now and then): read_body() reads it with
+the same deadline between its pieces and raises BodyStalled."""
+import asyncio
 import logging
 
+from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
 logger = logging.getLogger("mooncake_connector.http_guard")
@@ -79,3 +85,64 @@ def guarded(server, loop, seconds=None, counts=None):
         return proto
 
     return factory
+
+
+class BodyStalled(Exception):
+    """The client sent no byte of its request's body for `seconds`;
+    str(e) says how much of it came."""
+
+    def __init__(self, seconds, got, length):
+        self.seconds = seconds
+        of = f" of {length}" if length is not None else ""
+        super().__init__(f"the request's body stalled: no byte for {seconds:g} s after "
+                         f"{got}{of} bytes; send the whole body at once")
+
+
+class BodyUnreadable(Exception):
+    """The request's body does not decode as its headers say (a
+    Content-Encoding it is not in, a broken chunked encoding); str(e) says
+    what aiohttp found."""
+
+
+async def read_body(request, max_size, seconds=None):
+    """request.read() that gives up on a client sending nothing of its body
+    for `seconds` (None: HEADER_TIMEOUT_S when called): BodyStalled.  A body
+    over max_size bytes raises aiohttp's HTTPRequestEntityTooLarge, as
+    request.read() does with client_max_size (at once when the announced
+    length is over it); one that does not decode, BodyUnreadable.  Answer a
+    stalled or unreadable body with answer_and_close()."""
+    seconds = seconds or HEADER_TIMEOUT_S
+    length = request.content_length
+    if length is not None and length > max_size:  # refused before reading it
+        raise web.HTTPRequestEntityTooLarge(max_size=max_size, actual_size=length)
+    body = bytearray()
+    while True:
+        try:
+            chunk = await asyncio.wait_for(request.content.readany(), seconds)
+        except asyncio.TimeoutError:
+            raise BodyStalled(seconds, len(body), request.content_length) from None
+        except web.RequestPayloadError as e:
+            why = " ".join(str(getattr(e.__cause__, "message", None) or e).split())
+            raise BodyUnreadable(f"the request's body could not be read: {why}; send a body "
+                                 "that matches its Content-Encoding and Transfer-Encoding "
+                                 "headers") from None
+        if not chunk:
+            return bytes(body)
+        body += chunk
+        if len(body) > max_size:
+            raise web.HTTPRequestEntityTooLarge(max_size=max_size, actual_size=len(body))
+
+
+async def answer_and_close(request, resp):
+    """Sends resp and closes the connection: the answer to a request whose
+    body was not read to its end (aiohttp would otherwise go on reading what
+    is left of it for up to 10 s before closing)."""
+    resp.force_close()
+    try:
+        await resp.prepare(request)
+        await resp.write_eof()
+    except (ConnectionError, RuntimeError):
+        pass  # the client left
+    if request.protocol is not None:
+        request.protocol.force_close()
+    return resp

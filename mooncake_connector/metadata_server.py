@@ -109,6 +109,12 @@ class MetadataStore:
         self._clock = clock
         self._lock = threading.Lock()
         self._entries: Dict[str, _Entry] = {}
+        if max_bytes is not None:
+            if isinstance(max_bytes, bool) or not isinstance(max_bytes, int):
+                raise TypeError(f"max_bytes must be an int (bytes), got "
+                                f"{type(max_bytes).__name__}")
+            if max_bytes < 1:
+                raise ValueError(f"max_bytes must be >= 1, got {max_bytes}")
         self.max_bytes = _default_max_bytes() if max_bytes is None else max_bytes
         self._bytes = 0
 
@@ -138,8 +144,12 @@ class MetadataStore:
     def put(self, key: str, value: bytes, ttl: Optional[float] = None) -> bool:
         """Stores value; with ttl (seconds) the entry vanishes afterwards.
         Returns whether the key was new (absent or expired)."""
-        if ttl is not None and ttl <= 0:
-            raise ValueError(f"ttl must be positive, got {ttl!r}")
+        if ttl is not None:
+            if isinstance(ttl, bool) or not isinstance(ttl, (int, float)):
+                raise TypeError(f"ttl must be a number of seconds or None, got "
+                                f"{type(ttl).__name__}")
+            if not 0 < ttl < float("inf"):  # nan too: it would never expire
+                raise ValueError(f"ttl must be positive and finite, got {ttl!r}")
         expires = None if ttl is None else self._clock() + ttl
         with self._lock:
             old = self._live(key)
@@ -180,9 +190,24 @@ class MetadataStore:
         return isinstance(key, str) and self.get(key) is not None
 
 
+#: What a metadata path may contain: RFC 3986 path characters as the C
+#: client accepts them in metadata_server, less '%' (the server matches the
+#: decoded path: a %-escape in it matches no request).
+_PATH_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789"
+                        "-._~!$&'()*+,;=:@/")
+
+
 def _check_path(path: str) -> str:
+    if not isinstance(path, str):
+        raise TypeError(f"metadata path must be a str like '/metadata', got "
+                        f"{type(path).__name__}")
     if not path.startswith("/"):
         raise ValueError(f"metadata path must start with '/', got {path!r}")
+    bad = next((ch for ch in path if ch not in _PATH_CHARS), None)
+    if bad is not None:
+        raise ValueError(f"metadata path {path!r} contains {bad!r}; use a URL path of "
+                         "letters, digits and -._~!$&'()*+,;=:@/ (no query, fragment, "
+                         "braces, spaces or %-escapes), e.g. /metadata")
     if path == HEALTH_PATH:
         raise ValueError(f"metadata path {HEALTH_PATH!r} is reserved for health checks")
     return path
@@ -194,6 +219,11 @@ MAX_TTL = 86400
 
 def _check_token(token: Optional[str]) -> Optional[str]:
     """'' and None mean no authentication; a token is printable ASCII."""
+    if token is None:
+        return None
+    if not isinstance(token, str):
+        raise TypeError(f"metadata token must be a str (or None: no authentication), got "
+                        f"{type(token).__name__}")
     if not token:
         return None
     if len(token) > 4096 or any(not 0x21 <= ord(ch) <= 0x7e for ch in token):
@@ -255,9 +285,14 @@ def build_app(store: MetadataStore, path: str = DEFAULT_PATH,
             if length is not None and length > max_value_size:
                 return _too_big(key, length, max_value_size)
             try:
-                body = await request.read()
+                body = await http_guard.read_body(request, max_value_size)
             except web.HTTPRequestEntityTooLarge:
                 return _too_big(key, None, max_value_size)
+            except http_guard.BodyUnreadable as e:
+                return await http_guard.answer_and_close(request, text(400, f"{e} (key {key!r})"))
+            except http_guard.BodyStalled as e:
+                log.warning("PUT of %r from %s: %s; connection closed", key, request.remote, e)
+                return await http_guard.answer_and_close(request, text(408, f"{e} (key {key!r})"))
             if not body:
                 return text(400, f"empty value for key {key!r}; PUT needs a JSON body")
             ttl = None
@@ -398,6 +433,15 @@ class MetadataServer:
                  store: Optional[MetadataStore] = None,
                  access_log: bool = False, token: Optional[str] = None) -> None:
         self.host = host
+        if isinstance(port, bool) or not isinstance(port, int):
+            raise TypeError(f"port must be an int (0: any free port), got {type(port).__name__}")
+        if not 0 <= port <= 65535:
+            raise ValueError(f"port {port} is out of range 0..65535 (0: any free port)")
+        if isinstance(max_value_size, bool) or not isinstance(max_value_size, int):
+            raise TypeError(f"max_value_size must be an int (bytes), got "
+                            f"{type(max_value_size).__name__}")
+        if max_value_size < 1:
+            raise ValueError(f"max_value_size must be >= 1, got {max_value_size}")
         #: Bearer token required on the metadata path (None: open).
         self.token = _check_token(token)
         self.path = _check_path(path)
@@ -531,6 +575,10 @@ def _parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
         p.error("--max-value-size must be at least 1")
     try:
         _check_path(args.path)
+    except ValueError as e:
+        p.error(f"--path {args.path!r}: {e}")
+    try:
+        _default_max_bytes()  # the store's budget: checked before anything starts
     except ValueError as e:
         p.error(str(e))
     try:

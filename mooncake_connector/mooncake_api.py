@@ -227,6 +227,9 @@ class TransferEngine(_core.TransferEngine):
         [other NICs]], ...}``.  RDMA NICs are those in /sys/class/infiniband
         (filtered by the comma-separated device_name); GPUs are not listed
         (ours moves GPU memory through the TCP/same-host paths)."""
+        if device_name is not None and not isinstance(device_name, str):
+            raise TypeError("get_local_topology: device_name must be a str of comma-separated "
+                            f"NIC names or None, got {type(device_name).__name__}")
         want = [d for d in (device_name or "").split(",") if d]
         try:
             nics = sorted(os.listdir("/sys/class/infiniband"))
@@ -297,7 +300,16 @@ class TransferEngine(_core.TransferEngine):
         port accepts a connection; raises TransferError (compat: -1)."""
         if not isinstance(peer_server_name, str) or not peer_server_name:
             raise ValueError("send_probe: peer_server_name must be a non-empty str")
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+            raise TypeError(f"send_probe: timeout must be a number of seconds, got "
+                            f"{type(timeout).__name__}")
+        if not 0 < timeout < float("inf"):
+            raise ValueError(f"send_probe: timeout must be a finite number of seconds > 0, "
+                             f"got {timeout}")
         host, port = self._peer_addr(peer_server_name)
+        if not 1 <= port <= 65535:
+            raise ValueError(f"send_probe: {peer_server_name!r} has port {port}; a peer's rpc "
+                             "port is in 1..65535")
         try:
             with socket.create_connection((host, port), timeout=timeout):
                 pass
@@ -314,8 +326,15 @@ class TransferEngine(_core.TransferEngine):
             if raw is None:
                 raise _core.TransferError(f"probe of {name}: not registered on metadata "
                                           f"server {conn}")
-            d = json.loads(raw)
-            return d["ip_or_host_name"], int(d["rpc_port"])
+            try:
+                d = json.loads(raw)
+                return str(d["ip_or_host_name"]), int(d["rpc_port"])
+            except (ValueError, KeyError, TypeError) as e:
+                raise _core.MetadataError(
+                    f"probe of {name}: its rpc_meta record on metadata server {conn} is not "
+                    f"an object with ip_or_host_name and rpc_port ({type(e).__name__}: {e}): "
+                    f"{raw[:120]!r}; was it written by something other than a transfer "
+                    "engine?") from None
         host, sep, port = name.rpartition(":")
         if not sep or not port.isdigit():
             raise ValueError(f"send_probe: {name!r} is not \"host:port\" (P2P mode names a "

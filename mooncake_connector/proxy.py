@@ -77,6 +77,7 @@ from mooncake_connector import request_check
 logger = logging.getLogger("mooncake_connector.proxy")
 
 ROUTES = ("/v1/completions", "/v1/chat/completions")
+MAX_BODY = 64 << 20  # a client request's body, bytes
 KEEPALIVE_S = 4.0
 
 
@@ -107,7 +108,8 @@ class Proxy:
     def __init__(self, prefill=(), decode=(), flow="a", timeout=6 * 3600, api_key=None,
                  first_token="prefill", passthrough=(), idle_timeout=300.0,
                  prefill_down_s=5.0, prefill_engines=(), push_layerwise=None,
-                 push_layer_load=None, push_layer_watch=None):
+                 push_layer_load=None, push_layer_watch=None,
+                 header_timeout=http_guard.HEADER_TIMEOUT_S):
         self.passthrough = [u.rstrip("/") for u in passthrough]
         if self.passthrough and (prefill or decode):
             raise ValueError("--passthrough takes no --prefill/--decode")
@@ -130,6 +132,9 @@ class Proxy:
         self.flow = flow
         self.first_token = first_token
         self.api_key = api_key
+        # A client that sends nothing of its request's body for this long is
+        # answered 408 and disconnected (as a stalled header: http_guard).
+        self.header_timeout = header_timeout
         self._p = itertools.cycle(range(len(self.prefill)))
         self.prefill_down_s = float(prefill_down_s)
         self._down_until = {}  # prefill URL -> time.monotonic() it is tried first again
@@ -147,6 +152,7 @@ class Proxy:
         self._max_model_len = {}  # decode URL -> max_model_len from its /v1/models
         self._ids_in_flight = collections.Counter()  # client request id -> requests in flight
         self.counts = {"requests": 0, "bad_requests": 0, "slow_header_closes": 0,
+                       "slow_body_closes": 0,
                        "request_ids_replaced": 0, "request_ids_suffixed": 0,
                        "prefill_errors": 0, "prefill_failovers": 0,
                        "prefill_retries": 0, "decode_retries": 0, "decode_errors": 0,
@@ -241,8 +247,14 @@ class Proxy:
         return await self.session.post(url, **kw)
 
     def _fallback(self, reason, rid):
-        self.counts["first_token_fallbacks"][reason] += 1
-        logger.info("request %s: first token from decode: %s", rid, reason)
+        # Counted by kind: an unknown field's name and an upstream answer's
+        # error are the client's / upstream's text (unbounded: /stats and
+        # /metrics would grow a reason per name); the log names them.
+        kind = ("unknown field" if reason.startswith("field ") else
+                "prefill answer not understood"
+                if reason.startswith("prefill answer not understood") else reason)
+        self.counts["first_token_fallbacks"][kind] += 1
+        logger.info("request %s: first token from decode: %s", rid, reason[:300])
 
     def _request_id(self, request):
         """The client's X-Request-Id, or a new one when there is none or it
@@ -292,11 +304,25 @@ class Proxy:
         t_in = time.perf_counter()
         chat = request.path.endswith("/chat/completions")
         try:
-            body = request_check.parse(await request.read())
+            body = request_check.parse(await http_guard.read_body(request, MAX_BODY,
+                                                                  self.header_timeout))
             request_check.check(body, chat)
         except request_check.BadRequest as e:
             self.counts["bad_requests"] += 1
             return _error(400, str(e), "invalid_request_error")
+        except http_guard.BodyStalled as e:
+            self.counts["slow_body_closes"] += 1
+            logger.warning("closing a connection whose request body stalled (%s)", e)
+            return await http_guard.answer_and_close(request, _error(
+                408, f"{e} (the proxy's --header-timeout)", "invalid_request_error"))
+        except http_guard.BodyUnreadable as e:
+            self.counts["bad_requests"] += 1
+            return await http_guard.answer_and_close(request, _error(
+                400, str(e), "invalid_request_error"))
+        except web.HTTPRequestEntityTooLarge:
+            self.counts["bad_requests"] += 1
+            return _error(413, f"request body is over {MAX_BODY} bytes, the proxy's limit",
+                          "invalid_request_error")
         rid = self._request_id(request)
         headers = self._headers(request, self._upstream_id(rid))
         try:
@@ -383,6 +409,12 @@ class Proxy:
         except ValueError:
             pre = None
         params = pre.get("kv_transfer_params") if isinstance(pre, dict) else None
+        if self.flow == "b" and not isinstance(pre, dict):
+            self.counts["prefill_errors"] += 1
+            text = pre_text[:200].decode("utf-8", "replace")
+            return _error(502, f"prefill instance {pre_url} answered 200 with a body that is "
+                          f"not a JSON object: {text!r} (is that URL a vLLM server of this "
+                          "deployment?)", "upstream_error")
         if self.flow == "b" and params is None:
             self.counts["prefill_errors"] += 1
             return _error(502, f"prefill instance {pre_url} returned no kv_transfer_params "
@@ -615,6 +647,25 @@ class Proxy:
                             content_type="text/plain", charset="utf-8",
                             headers={"X-Prometheus-Format": "0.0.4"})
 
+    SERVED = ("POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, "
+              "GET /stats, GET /metrics")
+
+    @web.middleware
+    async def _routes(self, request, handler):
+        """aiohttp's plain-text 404 / 405 as JSON errors naming what is served."""
+        try:
+            return await handler(request)
+        except web.HTTPNotFound:
+            return _error(404, f"no such path {request.path[:200]!r}; this proxy serves "
+                          f"{self.SERVED} (is the client's base URL http://host:port/v1?)",
+                          "invalid_request_error")
+        except web.HTTPMethodNotAllowed as e:
+            allowed = ", ".join(sorted(e.allowed_methods - {"HEAD"}))
+            resp = _error(405, f"{request.method} is not allowed on {request.path}; use "
+                          f"{allowed}", "invalid_request_error")
+            resp.headers["Allow"] = ", ".join(sorted(e.allowed_methods))
+            return resp
+
     @web.middleware
     async def _observe(self, request, handler):
         """Counts every answer to a completion route by status (a streamed
@@ -639,7 +690,7 @@ class Proxy:
             self.prom.observe(request.path, status, time.perf_counter() - t0)
 
     def app(self):
-        app = web.Application(client_max_size=64 << 20, middlewares=[self._observe])
+        app = web.Application(client_max_size=MAX_BODY, middlewares=[self._routes, self._observe])
         for route in ROUTES:
             app.router.add_post(route, self.handle)
         app.router.add_get("/v1/models", self.models)
@@ -693,6 +744,10 @@ class PromCounters:
                          ("decode_retries", "Decode legs sent once more after the instance "
                           "dropped or reset the connection before answering"),
                          ("bad_requests", "Requests refused as malformed (400)"),
+                         ("slow_header_closes", "Connections closed because their request "
+                          "header stalled"),
+                         ("slow_body_closes", "Requests answered 408 and closed because their "
+                          "body stalled"),
                          ("request_ids_replaced", "Requests whose X-Request-Id could not be "
                           "used (too long, a space, non-ASCII) and got a new id"),
                          ("request_ids_suffixed", "Requests whose X-Request-Id was in flight "
@@ -735,6 +790,10 @@ def _bad_upstream(u):
         return f"{u!r} is not a valid URL ({e}); write http://host:port"
     if not parts.hostname:
         return f"{u!r} names no host; write http://host:port"
+    if parts.username is not None or parts.password is not None:
+        return (f"{parts.scheme}://...@{parts.hostname}: the URL has credentials (user:password@); "
+                "give http://host:port without them: the proxy passes the client's "
+                "Authorization header (else $OPENAI_API_KEY) to the vLLM servers (--api-key)")
     if port == 0:
         return f"{u!r}: port 0 is not a server's port; write http://host:port with a port in " \
                "1..65535"
@@ -885,10 +944,21 @@ def main(argv=None):
                          "the others for this long, s (each request still tries every one)")
     ap.add_argument("--header-timeout", type=float, default=http_guard.HEADER_TIMEOUT_S,
                     help="close a client connection that has sent part of a request but no "
-                         "complete header for this long, s (slow or stalled clients)")
+                         "complete header for this long, s, or no byte of its body for this "
+                         "long (answered 408) (slow or stalled clients)")
     args = ap.parse_args(argv)
     if args.passthrough and (args.prefill or args.decode):
         ap.error("--passthrough relays to one upstream; it takes no --prefill/--decode")
+    if args.passthrough:
+        given = [f"--{k.replace('_', '-')} {v}" for k, v, d in (
+            ("flow", args.flow, "a"), ("first_token", args.first_token, "prefill"),
+            ("push_layerwise", args.push_layerwise, "server"),
+            ("push_layer_load", args.push_layer_load, "server"),
+            ("push_layer_watch", args.push_layer_watch, "server")) if v != d]
+        if given:
+            ap.error(f"{', '.join(given)}: --passthrough has no prefill step, so these "
+                     "prefill/decode options would do nothing; drop them (or use --prefill "
+                     "and --decode instead of --passthrough)")
     if not args.passthrough and not (args.prefill and args.decode):
         ap.error("give --prefill URL... and --decode URL... (or --passthrough URL...)")
     if args.prefill_engine and len(args.prefill_engine) != len(args.prefill):
@@ -896,11 +966,18 @@ def main(argv=None):
                  f"{len(args.prefill)} --prefill URLs: give one per URL, in the same order")
     for e in args.prefill_engine:
         host, sep, port = e.rpartition(":")
-        if not sep or not host or not port.isdigit() or "/" in e:
-            ap.error(f"--prefill-engine {e!r} is not host:port (the prefill's transfer-engine "
-                     "name: its mooncake.json prefill_url)")
+        if not sep or not host or not (port.isascii() and port.isdigit()) or "/" in e or \
+                not 0 < int(port) < 65536:
+            ap.error(f"--prefill-engine {e!r} is not host:port with a port in 1..65535 (the "
+                     "prefill's transfer-engine name: its mooncake.json prefill_url)")
     if args.prefill_engine and args.flow != "push":
         ap.error("--prefill-engine is for --flow push")
+    pushed = [f"--{k.replace('_', '-')} {v}" for k, v in (
+        ("push_layerwise", args.push_layerwise), ("push_layer_load", args.push_layer_load),
+        ("push_layer_watch", args.push_layer_watch)) if v != "server"]
+    if pushed and args.flow != "push" and not args.passthrough:
+        ap.error(f"{', '.join(pushed)}: for --flow push only (flow {args.flow} sends no push "
+                 "legs); add --flow push or drop them")
     if not 0 <= args.port <= 65535:
         ap.error(f"--port {args.port} is out of range 0..65535 (0: any free port)")
     for u in args.prefill + args.decode + args.passthrough:
@@ -924,14 +1001,24 @@ def main(argv=None):
     for name in ("timeout", "idle_timeout", "prefill_down_s"):
         if math.isnan(getattr(args, name)):
             ap.error(f"--{name.replace('_', '-')} nan is not a number of seconds")
+    if math.isinf(args.timeout):
+        ap.error("--timeout inf is not a number of seconds aiohttp can wait; give a finite "
+                 f"one (default {6 * 3600})")
     if args.idle_timeout < 0 or args.timeout <= 0 or args.prefill_down_s < 0:
         ap.error("--timeout must be > 0, --idle-timeout and --prefill-down-s >= 0 (seconds)")
+    api_key = os.environ.get("OPENAI_API_KEY")
+    bad = next((i for i, ch in enumerate(api_key or "") if ord(ch) < 32 or ord(ch) == 127), None)
+    if bad is not None:
+        ap.error(f"$OPENAI_API_KEY has a control character ({ascii(api_key[bad])} at position "
+                 f"{bad} of {len(api_key)}); no HTTP header can carry it: strip it (a key file "
+                 "with Windows line ends?)")
     proxy = Proxy(args.prefill, args.decode, args.flow, args.timeout,
-                  os.environ.get("OPENAI_API_KEY"), args.first_token, args.passthrough,
+                  api_key, args.first_token, args.passthrough,
                   args.idle_timeout, args.prefill_down_s, args.prefill_engine,
                   {"server": None, "on": True, "off": False}[args.push_layerwise],
                   {"server": None, "on": True, "off": False}[args.push_layer_load],
-                  {"server": None, "on": True, "off": False}[args.push_layer_watch])
+                  {"server": None, "on": True, "off": False}[args.push_layer_watch],
+                  args.header_timeout)
     run_loop, loop_name = _event_loop(args.loop)
 
     async def run():

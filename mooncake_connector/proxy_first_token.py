@@ -105,6 +105,14 @@ def refusal(body, chat):
             return "batched or non-text prompt"
     if body.get("min_tokens") is not None and not isinstance(body["min_tokens"], int):
         return "min_tokens"
+    # Budgets vLLM refuses (its own 400 from the decode instance): the fast
+    # path would answer the prefill's one token (max_tokens 0 or -1) or
+    # send the decode a budget changed into one it accepts.
+    mt, mn = max_tokens_of(body, chat), body.get("min_tokens")
+    if mt is not None and mt < 1:
+        return "max_tokens below 1"
+    if mn is not None and (mn < 0 or mt is not None and mn > mt):
+        return "min_tokens below 0 or above max_tokens"
     return None
 
 
@@ -153,6 +161,8 @@ class Plan:
             self.text, self.role, self.parsed = c.get("text") or "", None, False
         self.finish, self.stop_reason = c.get("finish_reason"), c.get("stop_reason")
         self.usage = pre.get("usage") or {}
+        if not isinstance(self.usage, dict):
+            raise TypeError(f"usage is {type(self.usage).__name__}, not an object")
         self.want_ids = bool(body.get("return_token_ids"))
         so = body.get("stream_options") or {}
         self.include_usage = bool(so.get("include_usage"))
@@ -264,6 +274,12 @@ class Plan:
         return self._chunk(choices, **extra)
 
 
+#: Largest decode-leg event read (a first chunk carries the prompt's token
+#: ids: a few MiB at the longest contexts); more without an event's end is
+#: no SSE stream, and is not buffered further.
+MAX_EVENT = 64 << 20
+
+
 class ClientGone(Exception):
     """Writing to the client failed: it disconnected."""
 
@@ -364,7 +380,13 @@ async def _relay_decode(proxy, resp, plan, dec_url, headers):
                     ev = json.loads(payload)
                 except ValueError:
                     return f"{where} sent an event that is not JSON: {payload[:200]!r}"
-                chunk = plan.rewrite(ev)
+                try:
+                    chunk = plan.rewrite(ev) if isinstance(ev, dict) else False
+                except (AttributeError, TypeError, KeyError, ValueError):
+                    chunk = False
+                if chunk is False:
+                    return (f"{where} sent an event that is not a completion chunk: "
+                            f"{payload[:200]!r}")
                 if chunk is None:
                     e = ev.get("error") or {}
                     msg = e.get("message") if isinstance(e, dict) else e
@@ -372,4 +394,7 @@ async def _relay_decode(proxy, resp, plan, dec_url, headers):
                 out.append(chunk)
             if out:
                 await _write(resp, b"".join(out))
+            if len(buf) > MAX_EVENT:
+                return (f"{where} sent over {MAX_EVENT >> 20} MiB without an event's end "
+                        "(a blank line): not a server-sent event stream")
         return f"{where} closed the stream before [DONE] (after the first token was sent)"

@@ -208,6 +208,12 @@ def main(argv=None):
     if argv and argv[0] in ("-h", "--help"):
         print(__doc__.split("\n\n")[0])
         return 0
+    if len(argv) > 1 or argv and argv[0].startswith("-"):
+        what = (f"unknown option {argv[0]!r}" if argv[0].startswith("-")
+                else f"one DIR only, got {len(argv)} arguments")
+        print(f"usage: python -m mooncake_connector.tiny_model [DIR]\nerror: {what}",
+              file=sys.stderr)
+        return 2
     print(build(argv[0] if argv else None))
     return 0
 

@@ -32,9 +32,9 @@ def _max_bytes():
     except ValueError:
         raise ValueError(f"MC_TRACE_MAX_MB={raw!r}: expected a number of MiB, e.g. 64") \
             from None
-    if mb <= 0:
-        raise ValueError(f"MC_TRACE_MAX_MB={raw!r}: must be > 0 (unset MC_TRACE to trace "
-                         "nothing)")
+    if not 0 < mb < float("inf"):  # nan and inf included
+        raise ValueError(f"MC_TRACE_MAX_MB={raw!r}: must be a finite number > 0 (unset "
+                         "MC_TRACE to trace nothing)")
     return int(mb * (1 << 20))
 
 

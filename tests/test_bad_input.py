@@ -299,6 +299,60 @@ def test_mooncake_json_not_utf8_names_the_file(tmp_path):
                 env={"MOONCAKE_CONFIG_PATH": str(p)})
 
 
+@pytest.mark.parametrize("text", ["[" * 100000 + "]" * 100000,
+                                  '{"a":' * 100000 + "1" + "}" * 100000])
+def test_mooncake_json_nested_too_deep_is_a_settings_error(tmp_path, text):
+    """A mooncake.json nesting arrays or objects thousands deep was a bare
+    RecursionError from json.loads in vLLM's scheduler process (the C
+    parser says "nesting too deep")."""
+    from types import SimpleNamespace
+
+    from mooncake_connector.connector.settings import SettingsError, resolve
+    p = tmp_path / "mooncake.json"
+    p.write_text(text)
+    with pytest.raises(SettingsError, match=r"mooncake.json' is not valid JSON: nesting too "
+                                            r"deep"):
+        resolve(SimpleNamespace(kv_role="kv_consumer", kv_connector_extra_config={}),
+                env={"MOONCAKE_CONFIG_PATH": str(p)})
+
+
+def test_mooncake_json_fifo_without_a_writer_does_not_hang(tmp_path):
+    """MOONCAKE_CONFIG_PATH naming a FIFO nothing writes to blocked the
+    scheduler's open() forever; now it reads as empty, named."""
+    import subprocess
+    import sys
+    fifo = tmp_path / "mooncake.json"
+    os.mkfifo(fifo)
+    code = ("import sys, types\n"
+            "from mooncake_connector.connector.settings import SettingsError, resolve\n"
+            "try:\n"
+            "    resolve(types.SimpleNamespace(kv_role='kv_consumer', "
+            "kv_connector_extra_config={}), env={'MOONCAKE_CONFIG_PATH': sys.argv[1]})\n"
+            "except SettingsError as e:\n"
+            "    print(e)\n")
+    r = subprocess.run([sys.executable, "-P", "-c", code, str(fifo)], capture_output=True,
+                       text=True, timeout=30, cwd=str(tmp_path))
+    assert "is not valid JSON" in r.stdout and str(fifo) in r.stdout, (r.stdout, r.stderr)
+
+
+def test_mooncake_json_with_a_utf8_bom_is_read_as_the_c_parser_reads_it(tmp_path):
+    """A mooncake.json saved with a UTF-8 byte order mark (Windows editors
+    write one): the workers' C parser and `mooncake-connector config` take
+    it, but the scheduler process refused it ("Unexpected UTF-8 BOM"), so
+    vLLM did not start on a file the checker called valid."""
+    from types import SimpleNamespace
+
+    from mooncake_connector.connector.settings import resolve
+    p = tmp_path / "mooncake.json"
+    p.write_bytes(b"\xef\xbb\xbf" + json.dumps({"prefill_url": "127.0.0.1:13003",
+                                                "decode_url": "127.0.0.1:13103",
+                                                "metadata_server": "P2PHANDSHAKE"}).encode())
+    assert mc.load_config(str(p))["decode_port"] == 13103
+    s = resolve(SimpleNamespace(kv_role="kv_consumer", kv_connector_extra_config={}),
+                env={"MOONCAKE_CONFIG_PATH": str(p)})
+    assert s.mooncake["decode_url"] == "127.0.0.1:13103"
+
+
 def _both_refuse(p, role="kv_consumer", match=None):
     """The workers' C parser (mc.parse_config) and the connector's settings
     reader (resolve, MOONCAKE_CONFIG_PATH=p) both refuse the mooncake.json

@@ -322,3 +322,44 @@ def test_config_cli_does_not_print_the_secret(write):
     assert r.returncode == 0, r.stderr
     assert "s3cr3t-value" not in r.stdout + r.stderr
     assert '"auth_secret": "(set, not shown)"' in r.stdout
+
+
+def test_fifo_without_a_writer_does_not_hang(tmp_path):
+    """MOONCAKE_CONFIG_PATH naming a FIFO nothing writes to: open() waited
+    for a writer forever (a process stuck at startup, no message).  Now the
+    open does not wait: nothing to read is an empty config, named.  A pipe
+    that has a writer (bash's <(...)) is still read."""
+    fifo = tmp_path / "mooncake.json"
+    os.mkfifo(fifo)
+    code = ("import sys\nfrom mooncake_connector import load_config, ConfigError\n"
+            "try:\n    load_config(sys.argv[1])\nexcept ConfigError as e:\n    print(e)\n")
+    r = subprocess.run([sys.executable, "-P", "-c", code, str(fifo)], capture_output=True,
+                       text=True, timeout=30, cwd=str(tmp_path))
+    assert "config is empty" in r.stdout and str(fifo) in r.stdout, (r.stdout, r.stderr)
+    good = json.dumps({"prefill_url": "127.0.0.1:13003", "decode_url": "127.0.0.1:13103",
+                       "metadata_server": "P2PHANDSHAKE"})
+    r = subprocess.run(["bash", "-c", f"{sys.executable} -P -c \"import sys; from "
+                        "mooncake_connector import load_config; "
+                        "print(load_config(sys.argv[1])['decode_port'])\" "
+                        f"<(echo '{good}')"], capture_output=True, text=True, timeout=30,
+                       cwd=str(tmp_path))
+    assert r.stdout.strip() == "13103", (r.stdout, r.stderr)
+
+
+@pytest.mark.parametrize("escape", ["\\ud800", "\\udc00", "a\\ud800b", "\\ud800\\u0041",
+                                    "\\udbff\\ud800"])
+def test_lone_surrogate_escape_is_a_config_error(escape):
+    """A \\u escape of half a UTF-16 surrogate pair passed the syntax check
+    (RFC 8259 allows it) but cJSON refuses it, which the parser took for
+    running out of memory: a bare MemoryError with no message, from
+    load_config / `mooncake-connector config` and in every worker."""
+    text = ('{"prefill_url": "127.0.0.1:13003", "decode_url": "127.0.0.1:13103", '
+            '"metadata_server": "P2PHANDSHAKE", "auth_secret": "' + escape + '"}')
+    with pytest.raises(ConfigError, match="surrogate"):
+        parse_config(text, "x.json")
+
+
+def test_surrogate_pair_escape_is_accepted():
+    text = ('{"prefill_url": "127.0.0.1:13003", "decode_url": "127.0.0.1:13103", '
+            '"metadata_server": "P2PHANDSHAKE", "auth_secret": "\\ud83d\\ude00xyz"}')
+    assert parse_config(text, "x.json")["auth_secret"] == "\U0001F600xyz"

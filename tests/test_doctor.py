@@ -539,3 +539,32 @@ def test_peer_host_that_does_not_resolve(tmp_path):
     rc, rows = doctor("--config", write_cfg(tmp_path), "--peer", "no-such-host.invalid:17000")
     r = failed(rows, "peer")
     assert rc == 1 and "does not resolve" in r["detail"] and "--peer" in r["fix"], r
+
+
+PLUGIN_STATE = ("from mooncake_connector.connector import plugin; plugin.register(); "
+                "from vllm.distributed.kv_transfer.kv_connector.factory import "
+                "KVConnectorFactory as F; "
+                "print(bool(getattr(F.get_connector_class, '_mooncake', False)))")
+
+
+@pytest.mark.parametrize("value,on", [("false", True), ("no", True), ("off", True),
+                                      ("0", True), ("1", False), ("true", False),
+                                      ("maybe", False)])
+def test_disable_plugin_variable_is_read_one_way_by_plugin_and_doctor(tmp_path, value, on):
+    """MOONCAKE_CONNECTOR_DISABLE_PLUGIN: the plugin took any value but "" and
+    "0" as on, so =false / =no turned it off, while the doctor checked for
+    "1" only and reported the plugin registered.  Now false/no/off/0 leave
+    it on, 1/true/yes/on turn it off, both read it alike, and a value that
+    is neither is named (and taken as on, as before)."""
+    pytest.importorskip("vllm")
+    env = dict(os.environ, MOONCAKE_CONNECTOR_DISABLE_PLUGIN=value)
+    r = subprocess.run([sys.executable, "-P", "-c", PLUGIN_STATE], capture_output=True,
+                       text=True, env=env, timeout=300, cwd="/")
+    assert r.stdout.strip().splitlines()[-1] == str(on), (r.stdout, r.stderr[-2000:])
+    rc, rows = doctor("--config", write_cfg(tmp_path),
+                      env={"MOONCAKE_CONNECTOR_DISABLE_PLUGIN": value}, timeout=300)
+    status = row(rows, "vllm", "plugin")["status"]
+    assert status == ("ok" if on else "warn"), rows
+    if value == "maybe":
+        assert "'maybe'" in row(rows, "vllm", "plugin")["detail"]
+        assert "'maybe'" in r.stderr, r.stderr[-2000:]

@@ -524,3 +524,107 @@ def test_slow_header_client_is_disconnected(monkeypatch):
         mc_client = mc.MetadataClient(srv.url)
         mc_client.put("k", b"v")
         assert mc_client.get("k") == b"v"
+
+
+def test_stalled_put_body_is_answered_408_and_closed(monkeypatch):
+    """A PUT whose body stops coming after a complete header held its
+    connection and handler forever (the header deadline did not cover the
+    body): now it is answered 408 naming the stall and the key, and
+    disconnected, while the server keeps answering others."""
+    from mooncake_connector import http_guard
+    monkeypatch.setattr(http_guard, "HEADER_TIMEOUT_S", 1.0)
+    with MetadataServer(port=0) as srv:
+        s = socket.create_connection(("127.0.0.1", srv.port))
+        s.sendall(b"PUT /metadata?key=k HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
+        s.settimeout(10)
+        t = time.monotonic()
+        data = b""
+        while True:
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+        s.close()
+        assert data.startswith(b"HTTP/1.1 408"), data[:300]
+        assert 0.8 <= time.monotonic() - t <= 6
+        assert b"body stalled" in data and b"'k'" in data, data
+        assert srv.store.get("k") is None
+        mc_client = mc.MetadataClient(srv.url)
+        mc_client.put("k", b"v")
+        assert mc_client.get("k") == b"v"
+
+
+BAD_SERVER_ARGS = [
+    (["--path", "/a{"], {}, "--path '/a{'"),          # was a traceback from aiohttp
+    (["--path", "/{x}"], {}, "--path '/{x}'"),        # was a route matching any path
+    (["--path", "/a%20b"], {}, "--path '/a%20b'"),    # was a server no URL reached
+    (["--path", "/a?b"], {}, "--path '/a?b'"),        # clients append ?key=
+    (["--path", "/a b"], {}, "--path '/a b'"),
+    ([], {"MC_METADATA_STORE_MB": "lots"}, "MC_METADATA_STORE_MB='lots'"),  # was a traceback
+    ([], {"MC_METADATA_STORE_MB": "0"}, "MC_METADATA_STORE_MB='0'"),
+]
+
+
+@pytest.mark.parametrize("args,env,expect", BAD_SERVER_ARGS,
+                         ids=[" ".join(a) or next(iter(e.items()))[1] for a, e, _ in
+                              BAD_SERVER_ARGS])
+def test_cli_bad_path_or_store_size_is_a_usage_error(args, env, expect):
+    """One line naming the argument or variable and what it must be, exit
+    2, no traceback, nothing listening."""
+    import os
+    r = subprocess.run([sys.executable, "-m", "mooncake_connector.metadata_server",
+                        "--host", "127.0.0.1", "--port", "0", *args],
+                       capture_output=True, text=True, timeout=30,
+                       env=dict(os.environ, **env))
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    assert expect in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert "listening" not in r.stdout
+
+
+def test_api_path_with_characters_clients_cannot_send_is_refused():
+    for path in ("/a{", "/{x}", "/a%20b", "/a?b", "/a#b", "/a b"):
+        with pytest.raises(ValueError, match="metadata path"):
+            MetadataServer(path=path)
+    MetadataServer(path="/x-y_z.1~/md").start().stop()
+
+
+def test_put_body_that_does_not_decode_is_a_400(server):
+    """A PUT body that does not match its Content-Encoding was a 500 and a
+    traceback in the server's log; now a 400 naming the encoding."""
+    import urllib.error
+    import urllib.request
+    req = urllib.request.Request(server.url + "?key=k", data=b"{}", method="PUT",
+                                 headers={"Content-Encoding": "gzip"})
+    with pytest.raises(urllib.error.HTTPError) as ei:
+        urllib.request.urlopen(req, timeout=20)
+    body = ei.value.read().decode()
+    assert ei.value.code == 400 and "content-encoding: gzip" in body.lower(), body
+    assert server.store.get("k") is None
+
+
+def test_api_arguments_of_the_wrong_type_or_range_name_the_argument():
+    """MetadataServer / MetadataStore arguments: before, port="80" started a
+    server on port 80 (asyncio took the string as a service name), port -1
+    or 70000 was OverflowError "bind(): port must be 0-65535." at start(),
+    token=5 "object of type 'int' has no len()", path=5 an AttributeError,
+    max_value_size="x" a TypeError from a comparison, MetadataStore
+    max_bytes=-1 or "x" was accepted (every later PUT failing or raising),
+    and put(ttl=nan) stored an entry that never expired."""
+    for kw, msg in (({"port": "80"}, "port must be an int"),
+                    ({"port": -1}, "port -1 is out of range 0..65535"),
+                    ({"port": 70000}, "port 70000 is out of range 0..65535"),
+                    ({"port": True}, "port must be an int"),
+                    ({"token": 5}, "metadata token must be a str"),
+                    ({"path": 5}, "metadata path must be a str"),
+                    ({"max_value_size": "x"}, "max_value_size must be an int"),
+                    ({"max_value_size": 0}, "max_value_size must be >= 1")):
+        with pytest.raises((TypeError, ValueError), match=msg):
+            MetadataServer(**kw)
+    for mb, msg in ((-1, "max_bytes must be >= 1"), ("x", "max_bytes must be an int")):
+        with pytest.raises((TypeError, ValueError), match=msg):
+            MetadataStore(max_bytes=mb)
+    s = MetadataStore()
+    for ttl in (float("nan"), float("inf"), "5"):
+        with pytest.raises((TypeError, ValueError), match="ttl"):
+            s.put("k", b"v", ttl)
+    assert s.get("k") is None

@@ -88,6 +88,44 @@ def test_first_buffer_probe_topology_engine(metadata_server):
         b.close()
 
 
+def test_probe_and_topology_arguments_are_checked():
+    """Arguments of the wrong type or range name the argument: before,
+    get_local_topology(5) was AttributeError 'int' object has no attribute
+    'split', send_probe's timeout -1 / nan were socket's "Timeout value out
+    of range" / "Invalid value NaN", and a port over 65535 an
+    OverflowError from getsockaddrarg."""
+    e = mc.TransferEngine()
+    try:
+        assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+        with pytest.raises(TypeError, match="device_name"):
+            e.get_local_topology(5)
+        for t in (-1, 0, float("nan"), float("inf"), "2", True):
+            with pytest.raises((TypeError, ValueError), match="timeout"):
+                e.send_probe("127.0.0.1:1", timeout=t)
+        for name in ("127.0.0.1:99999", "127.0.0.1:0"):
+            with pytest.raises(ValueError, match="1..65535"):
+                e.send_probe(name)
+    finally:
+        e.close()
+
+
+@pytest.mark.parametrize("record", [b"not json", b"[1]", b'{"rpc_port": 1}',
+                                    b'{"ip_or_host_name": "h", "rpc_port": "x"}'])
+def test_probe_of_a_peer_with_a_malformed_metadata_record_names_it(metadata_server, record):
+    """send_probe reads the peer's rpc_meta record from the metadata server:
+    one that is not JSON, not an object or lacks a field was a bare
+    JSONDecodeError / KeyError / AttributeError / ValueError."""
+    from mooncake_connector.mooncake_api import _key_prefix
+    e = mc.TransferEngine()
+    try:
+        assert e.initialize("127.0.0.1", metadata_server.url, "tcp", "") == 0
+        metadata_server.store.put(_key_prefix() + "rpc_meta/bad:1", record)
+        with pytest.raises(mc.MetadataError, match="bad:1.*rpc_meta record"):
+            e.send_probe("bad:1")
+    finally:
+        e.close()
+
+
 def test_initialize_ext_and_on_cuda(metadata_server):
     e = mc.TransferEngine()
     try:

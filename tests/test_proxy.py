@@ -385,6 +385,98 @@ def test_unrepresentable_requests_and_opt_out_take_the_seeds_path(vllm_like, pro
     assert d.seen[-1]["body"] == body and get_stats(off)["first_token_from_prefill"] == 0
 
 
+def test_budgets_vllm_refuses_take_the_seeds_path(vllm_like, proxy):
+    """A streamed request whose token budget vLLM refuses (max_tokens or
+    max_completion_tokens below 1, min_tokens below 0 or above the budget)
+    reaches the decode instance as sent, which answers its own 400.  Before,
+    the fast path asked the prefill for one token and answered 200 with it
+    (max_tokens 0 or -1), or sent the decode a min_tokens of 0 (min_tokens
+    -3): invalid requests silently served."""
+    p, d = vllm_like("prefill"), vllm_like("decode")
+    url = proxy([p.url], [d.url])
+    bad = [("/v1/completions", {"prompt": "a b", "max_tokens": 0}),
+           ("/v1/completions", {"prompt": "a b", "max_tokens": -1}),
+           ("/v1/completions", {"prompt": "a b", "max_tokens": 4, "min_tokens": -3}),
+           ("/v1/completions", {"prompt": "a b", "max_tokens": 4, "min_tokens": 9}),
+           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                     "max_completion_tokens": 0})]
+    for path, extra in bad:
+        body = dict({"model": "m", "stream": True}, **extra)
+        assert post(url + path, body, raw=True)[0] == 200  # the stand-in takes anything
+        assert d.seen and d.seen[-1]["body"] == body, extra  # the original request
+    st = get_stats(url)
+    assert st["first_token_from_prefill"] == 0, st
+    assert sum(st["first_token_fallbacks"].values()) == len(bad), st
+
+
+BAD_EVENTS = [b"data: 5\n\n", b"data: [1]\n\n", b"data: null\n\n", b'data: {"choices": 5}\n\n',
+              b'data: {"choices": [5]}\n\n', b'data: {"usage": 5}\n\n',
+              b'data: {"usage": {"prompt_tokens": "x"}}\n\n']
+
+
+@pytest.mark.parametrize("event", BAD_EVENTS, ids=[e[6:-2].decode() for e in BAD_EVENTS])
+def test_decode_event_that_is_no_completion_chunk_ends_with_an_error_event(vllm_like, proxy,
+                                                                           event):
+    """A decode leg whose event (after the first token went out) is JSON but
+    no completion chunk ends the client's stream with an error event naming
+    the decode instance and the event, then [DONE].  Before, the rewrite's
+    TypeError / AttributeError escaped the handler: a traceback in the
+    proxy's log and the client's stream cut off without an end."""
+    p = vllm_like("prefill")
+
+    async def models(request):
+        return web.json_response({"data": [{"id": "m", "max_model_len": 100}]})
+
+    async def complete(request):
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(event)
+        return resp
+
+    d = AppThread([("POST", "/v1/completions", complete), ("GET", "/v1/models", models)])
+    try:
+        url = proxy([p.url], [d.url])
+        status, data = post(url + "/v1/completions", {"model": "m", "prompt": "a b",
+                                                      "max_tokens": 4, "stream": True}, raw=True)
+        ev = sse_events(data)
+        assert status == 200 and ev[0]["choices"][0]["text"] == "t102 ", ev
+        err = ev[-2]["error"]["message"]
+        assert f"decode instance {d.url}" in err and "not a completion chunk" in err, err
+        assert ev[-1] == "[DONE]", ev
+        assert get_stats(url)["stream_errors_after_first_token"] == 1
+    finally:
+        d.close()
+
+
+def test_prefill_usage_that_is_no_object_takes_the_seeds_path(vllm_like, proxy):
+    """A prefill answer whose usage is not an object cannot start the fast
+    path (it would be copied into the client's usage chunk): the decode
+    answers the original request.  Before, first_chunks' dict(usage) raised
+    after the client's 200 went out: a traceback and an empty stream."""
+    d = vllm_like("decode")
+
+    async def models(request):
+        return web.json_response({"data": [{"id": "m", "max_model_len": 100}]})
+
+    async def complete(request):
+        return web.json_response({"id": "x", "created": 1, "model": "m", "usage": 5,
+                                  "choices": [{"index": 0, "text": "t ", "token_ids": [5],
+                                               "finish_reason": "stop",
+                                               "prompt_token_ids": [1, 2]}]})
+
+    p = AppThread([("POST", "/v1/completions", complete), ("GET", "/v1/models", models)])
+    try:
+        url = proxy([p.url], [d.url])
+        body = {"model": "m", "prompt": "a b", "max_tokens": 3, "stream": True,
+                "stream_options": {"include_usage": True}}
+        status, data = post(url + "/v1/completions", body, raw=True)
+        assert status == 200 and sse_events(data)[-1] == "[DONE]", data
+        assert d.seen[-1]["body"] == body
+        assert get_stats(url)["first_token_from_prefill"] == 0
+    finally:
+        p.close()
+
+
 @pytest.mark.parametrize("mode", ["status", "drop"])
 def test_decode_failure_after_first_chunk_is_an_error_event(vllm_like, proxy, mode):
     p, d = vllm_like("prefill"), vllm_like("decode", decode_fail=mode)
@@ -878,6 +970,14 @@ BAD_CLI = [
     (["--port", "8100"], "this proxy's own address"),
     (["--timeout", "nan"], "--timeout nan"),
     (["--idle-timeout", "nan"], "--idle-timeout nan"),
+    (["--timeout", "inf"], "--timeout inf"),  # was a 500 and an OverflowError per request
+    # were accepted: every push request's decode then computed its prompt
+    (["--flow", "push", "--prefill-engine", "127.0.0.1:99999"], "is not host:port"),
+    (["--flow", "push", "--prefill-engine", "127.0.0.1:0"], "is not host:port"),
+    (["--flow", "push", "--prefill-engine", "h:\u00b2"], "is not host:port"),
+    # was accepted: a client's Authorization header then made every request a 500
+    # (aiohttp refuses both), and error messages showed the password to clients
+    (["--decode", "http://user:secret@127.0.0.1:8200"], "has credentials"),
 ]
 
 
@@ -1018,3 +1118,152 @@ def test_slow_header_clients_are_closed(vllm_like, proxy):
     s.close()
     assert data.startswith(b"HTTP/1.1 200"), data[:200]
     assert get_stats(url)["slow_header_closes"] == 1
+
+
+def test_stalled_body_is_answered_408_and_closed(vllm_like, proxy):
+    """A client that sends a complete header and then stops sending its
+    body (or drips it slower than one piece per --header-timeout) held its
+    connection and a handler forever: the header deadline did not cover
+    the body.  Now it is answered 408 naming the stall and disconnected,
+    counted; the proxy keeps serving."""
+    p, d = vllm_like("prefill"), vllm_like("decode")
+    url = proxy([p.url], [d.url], extra=("--header-timeout", "1"))
+    port = int(url.rsplit(":", 1)[1])
+    for head in (b"Content-Length: 100\r\n\r\n{", b"Transfer-Encoding: chunked\r\n\r\n1\r\n{\r\n"):
+        s = socket.create_connection(("127.0.0.1", port))
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                  b"Content-Type: application/json\r\n" + head)
+        s.settimeout(10)
+        t = time.monotonic()
+        data = recv_to_eof(s)
+        s.close()
+        assert data.startswith(b"HTTP/1.1 408"), data[:300]
+        assert 0.8 <= time.monotonic() - t <= 6
+        msg = json.loads(data.split(b"\r\n\r\n", 1)[1])["error"]["message"]
+        assert "body stalled" in msg and "--header-timeout" in msg, msg
+    assert get_stats(url)["slow_body_closes"] == 2
+    assert p.seen == [] and d.seen == []
+    status, _ = post(url + "/v1/completions", {"model": "m", "prompt": "a b", "max_tokens": 2})
+    assert status == 200
+
+
+def test_body_that_does_not_decode_is_a_400(upstreams, proxy):
+    """A body that does not match its Content-Encoding (gzip that is not
+    gzip) was a 500 "Server got itself in trouble" and a traceback in the
+    proxy's log; now a 400 naming the encoding."""
+    p, d = upstreams("prefill"), upstreams("decode")
+    url = proxy([p.url], [d.url])
+    req = urllib.request.Request(url + "/v1/completions", data=b'{"prompt": "x"}',
+                                 method="POST", headers={"Content-Type": "application/json",
+                                                         "Content-Encoding": "gzip"})
+    with pytest.raises(urllib.error.HTTPError) as ei:
+        urllib.request.urlopen(req, timeout=20)
+    msg = json.loads(ei.value.read())["error"]["message"]
+    assert ei.value.code == 400 and "content-encoding: gzip" in msg.lower(), msg
+    assert p.seen == [] and d.seen == []
+    assert post(url + "/v1/completions", {"model": "m", "prompt": "hi"})[0] == 200
+
+
+@pytest.mark.parametrize("answer,expect", [
+    (b"<html>ok</html>", "answered 200 with a body that is not a JSON object: '<html>ok</html>'"),
+    (b"[1, 2]", "answered 200 with a body that is not a JSON object: '[1, 2]'"),
+    (b'{"choices": []}', "returned no kv_transfer_params (is it started with"),
+])
+def test_flow_b_prefill_answer_without_params_names_what_came(upstreams, proxy, answer, expect):
+    """Flow b needs the prefill answer's kv_transfer_params: an answer that
+    is not a JSON object was reported as "returned no kv_transfer_params (is
+    it started with ... kv_producer?)", a wrong lead; now it says what came."""
+    async def complete(request):
+        return web.Response(body=answer, content_type="application/json")
+
+    p = AppThread([("POST", "/v1/completions", complete)])
+    d = upstreams("decode")
+    try:
+        url = proxy([p.url], [d.url], flow="b")
+        status, ans = post(url + "/v1/completions", {"model": "m", "prompt": "hi"})
+        assert status == 502 and expect in ans["error"]["message"], ans
+        assert p.url in ans["error"]["message"] and d.seen == []
+    finally:
+        p.close()
+
+
+def test_unknown_path_or_method_names_what_the_proxy_serves(upstreams, proxy):
+    """A wrong path (a doubled /v1, a typo) or method was aiohttp's plain
+    text "404: Not Found" / "405: Method Not Allowed", naming nothing; now
+    an OpenAI-style JSON error naming the routes or the allowed method."""
+    p, d = upstreams("prefill"), upstreams("decode")
+    url = proxy([p.url], [d.url])
+    for path, method, code, expect in (
+            ("/v1/v1/completions", "POST", 404, "POST /v1/completions"),
+            ("/v1/complete", "GET", 404, "GET /v1/models"),
+            ("/v1/completions", "GET", 405, "GET is not allowed on /v1/completions; use POST"),
+            ("/v1/models", "POST", 405, "use GET")):
+        req = urllib.request.Request(url + path, method=method,
+                                     data=b"{}" if method == "POST" else None)
+        with pytest.raises(urllib.error.HTTPError) as ei:
+            urllib.request.urlopen(req, timeout=20)
+        assert ei.value.code == code
+        msg = json.loads(ei.value.read())["error"]["message"]
+        assert expect in msg, (path, method, msg)
+    assert p.seen == [] and d.seen == []
+
+
+def test_fallback_counts_stay_bounded_under_random_field_names(vllm_like, proxy):
+    """Each streamed request with a field the proxy does not know was
+    counted under a reason naming that field: a client sending a new field
+    name with every request grew /stats and /metrics (a label per name, each
+    up to the body's size) without bound.  Now they share one reason; the
+    log still names the field."""
+    p, d = vllm_like("prefill"), vllm_like("decode")
+    url = proxy([p.url], [d.url])
+    for i in range(20):
+        body = {"model": "m", "prompt": "a b", "max_tokens": 2, "stream": True,
+                f"x{i}" * 50: 1}
+        assert post(url + "/v1/completions", body, raw=True)[0] == 200
+    fb = get_stats(url)["first_token_fallbacks"]
+    assert fb == {"unknown field": 20}, fb
+    with urllib.request.urlopen(url + "/metrics", timeout=20) as r:
+        text = r.read().decode()
+    assert 'reason="unknown field"} 20' in text and "x19" not in text
+
+
+@pytest.mark.parametrize("extra", [["--flow", "push"], ["--flow", "b"],
+                                   ["--first-token", "decode"], ["--push-layerwise", "on"],
+                                   ["--push-layer-load", "off"], ["--push-layer-watch", "on"]])
+def test_passthrough_refuses_prefill_decode_options(extra):
+    """--passthrough has no prefill step: a --flow, --first-token or --push-*
+    given with it was ignored without a word (a benchmark "of flow push"
+    measured the colocated path)."""
+    r = subprocess.run([sys.executable, "-m", "mooncake_connector.proxy", "--passthrough",
+                        "http://127.0.0.1:8300", *extra], capture_output=True, text=True,
+                       timeout=30)
+    assert r.returncode == 2 and extra[0] in r.stderr and "--passthrough" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("extra", [["--push-layerwise", "on"], ["--push-layer-load", "on"],
+                                   ["--flow", "b", "--push-layer-watch", "off"]])
+def test_push_options_need_flow_push(extra):
+    """--push-layerwise / --push-layer-load / --push-layer-watch only shape
+    flow push's legs: with flow a or b they were ignored without a word."""
+    r = subprocess.run([sys.executable, "-m", "mooncake_connector.proxy", "--prefill",
+                        "http://127.0.0.1:8100", "--decode", "http://127.0.0.1:8200", *extra],
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode == 2 and "--flow push" in r.stderr, r.stderr
+    assert [a for a in extra if a.startswith("--push")][0] in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("key", ["sk-abc\r", "sk-abc\ndef", "sk-\x1b[0m"])
+def test_api_key_with_a_control_character_is_refused_at_start(key):
+    """$OPENAI_API_KEY with a control character (a key file with Windows
+    line ends read by $(cat ...) keeps its \\r) was accepted, and every
+    request was then a 500 with a ValueError traceback (aiohttp refuses the
+    header); now the proxy does not start and says why."""
+    import os
+    env = dict(os.environ, OPENAI_API_KEY=key)
+    r = subprocess.run([sys.executable, "-m", "mooncake_connector.proxy", "--prefill",
+                        "http://127.0.0.1:8100", "--decode", "http://127.0.0.1:8200"],
+                       capture_output=True, text=True, timeout=30, env=env)
+    assert r.returncode == 2 and "OPENAI_API_KEY" in r.stderr and "control character" in \
+        r.stderr, r.stderr
+    assert key not in r.stderr  # the key itself is not shown

@@ -75,3 +75,14 @@ def test_mla_build_is_deepseek_v2_shaped_for_vllms_cpu_mla(tmp_path):
     assert cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"] == 576
     assert cfg["first_k_dense_replace"] == cfg["num_hidden_layers"]  # no MoE layer
     assert os.path.exists(os.path.join(d, "tokenizer.json"))
+
+
+def test_cli_options_and_extra_arguments_are_usage_errors(tmp_path, monkeypatch, capsys):
+    """`python -m mooncake_connector.tiny_model --size 5` built a model into
+    a directory named --size (and ignored 5); nothing is built now."""
+    monkeypatch.chdir(tmp_path)
+    assert tiny_model.main(["--size", "5"]) == 2
+    assert "unknown option '--size'" in capsys.readouterr().err
+    assert tiny_model.main(["a", "b"]) == 2
+    assert "one DIR only" in capsys.readouterr().err
+    assert os.listdir(tmp_path) == []

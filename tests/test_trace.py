@@ -55,3 +55,11 @@ def test_bounded(tmp_path):
 def test_bad_bound_names_the_variable(tmp_path):
     r = _run({"MC_TRACE": str(tmp_path / "t"), "MC_TRACE_MAX_MB": "lots"}, 1, "a")
     assert r.returncode != 0 and "MC_TRACE_MAX_MB='lots'" in r.stderr
+
+
+def test_nan_or_infinite_bound_names_the_variable(tmp_path):
+    """nan and inf were a bare "cannot convert float NaN/infinity to
+    integer" not naming the variable."""
+    for raw in ("nan", "inf", "-inf"):
+        r = _run({"MC_TRACE": str(tmp_path / "t"), "MC_TRACE_MAX_MB": raw}, 1, "a")
+        assert r.returncode != 0 and f"MC_TRACE_MAX_MB={raw!r}" in r.stderr, r.stderr

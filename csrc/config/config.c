@@ -931,12 +931,18 @@ int mc_config_load_file(const char *path, mc_config_t *out, mc_err_t *err) {
                    "your mooncake.json");
   ctx_t c;
   ctx_init(&c, path, err);
-  int fd = open(path, O_RDONLY | O_CLOEXEC);
+  /* O_NONBLOCK: a FIFO nothing writes to would block open() forever; the
+   * reads below block again (a pipe with a writer is read to its end, one
+   * without is empty). */
+  int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0)
     return cfg_sys(err, MC_ECONFIG, errno,
                    "%s: cannot open config file (MOONCAKE_CONFIG_PATH must name a "
                    "readable mooncake.json)",
                    c.origin);
+  int fl = fcntl(fd, F_GETFL);
+  if (fl >= 0)
+    (void)fcntl(fd, F_SETFL, fl & ~O_NONBLOCK);
   struct stat sb;
   if (fstat(fd, &sb) < 0) {
     int e = errno;

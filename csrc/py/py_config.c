@@ -90,10 +90,15 @@ static PyObject *py_load_config(PyObject *self, PyObject *args, PyObject *kw) {
   char *path;
   if (path_obj == Py_None) {
     const char *env = getenv(ENV_CONFIG_PATH);
-    if (!env || !*env)
+    if (!env)
       return raise_config(st, MC_ECONFIG,
                           "no config path given and " ENV_CONFIG_PATH " is "
                           "not set; set " ENV_CONFIG_PATH " to the path of your "
+                          "mooncake.json, or pass load_config(path)");
+    if (!*env)
+      return raise_config(st, MC_ECONFIG,
+                          "no config path given and " ENV_CONFIG_PATH " is set "
+                          "but empty; set " ENV_CONFIG_PATH " to the path of your "
                           "mooncake.json, or pass load_config(path)");
     path = strdup(env);
   } else {

@@ -31,6 +31,23 @@ static void js_ws(jscan_t *j) {
 
 static bool js_value(jscan_t *j);
 
+static bool is_hex4(const char *p) {
+  for (int i = 0; i < 4; i++)
+    if (!isxdigit((unsigned char)p[i]))
+      return false;
+  return true;
+}
+
+/* The value of four hex digits (checked by the caller). */
+static unsigned hex4(const char *p) {
+  unsigned v = 0;
+  for (int i = 0; i < 4; i++) {
+    unsigned char c = (unsigned char)p[i];
+    v = v * 16 + (unsigned)(isdigit(c) ? c - '0' : (tolower(c) - 'a' + 10));
+  }
+  return v;
+}
+
 static bool js_string(jscan_t *j) {
   j->pos++; /* opening quote */
   for (;;) {
@@ -54,7 +71,26 @@ static bool js_string(jscan_t *j) {
             j->pos += (size_t)i;
             return js_fail(j, "\\u escape needs four hex digits");
           }
+        unsigned cp = hex4(j->s + j->pos + 1);
+        size_t esc = j->pos - 1; /* the backslash: where an error points */
         j->pos += 4;
+        /* Half a UTF-16 surrogate pair is valid JSON syntax, but no
+         * character: cJSON refuses it. */
+        if (cp >= 0xDC00 && cp <= 0xDFFF) {
+          j->pos = esc;
+          return js_fail(j, "\\u escape is a lone UTF-16 surrogate (\\uDC00-\\uDFFF only "
+                            "right after \\uD800-\\uDBFF)");
+        }
+        if (cp >= 0xD800 && cp <= 0xDBFF) {
+          const char *n = j->s + j->pos + 1;
+          if (j->len - (j->pos + 1) < 6 || n[0] != '\\' || n[1] != 'u' || !is_hex4(n + 2) ||
+              hex4(n + 2) < 0xDC00 || hex4(n + 2) > 0xDFFF) {
+            j->pos = esc;
+            return js_fail(j, "\\u escape is a lone UTF-16 surrogate (\\uD800-\\uDBFF must "
+                              "be followed by \\uDC00-\\uDFFF)");
+          }
+          j->pos += 6;
+        }
       }
     }
     j->pos++;

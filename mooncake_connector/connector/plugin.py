@@ -123,12 +123,32 @@ def _move_seed_fields(text):
     return json.dumps(d)
 
 
+DISABLE_VAR = "MOONCAKE_CONNECTOR_DISABLE_PLUGIN"
+
+
+def disabled(env=None):
+    """(whether DISABLE_VAR turns the plugin off, a warning or None): 1,
+    true, yes, on turn it off; unset, empty, 0, false, no, off leave it on;
+    any other value turns it off (as it always did) and is named."""
+    raw = (os.environ if env is None else env).get(DISABLE_VAR, "")
+    v = raw.strip().lower()
+    if v in ("", "0", "false", "no", "off"):
+        return False, None
+    if v in ("1", "true", "yes", "on"):
+        return True, None
+    return True, (f"{DISABLE_VAR}={raw[:40]!r} is neither on (1, true, yes, on) nor off (0, "
+                  "false, no, off); taken as on: the plugin is disabled")
+
+
 def register():
     global _done
     if _done:
         return
     _done = True
-    if os.environ.get("MOONCAKE_CONNECTOR_DISABLE_PLUGIN", "") not in ("", "0"):
+    off, why = disabled()
+    if why:
+        logger.warning("mooncake-connector: %s", why)
+    if off:
         logger.info("mooncake-connector: plugin disabled (MOONCAKE_CONNECTOR_DISABLE_PLUGIN); "
                     "\"MooncakeConnector\" is vLLM's in-tree connector")
         return

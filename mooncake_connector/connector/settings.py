@@ -212,7 +212,11 @@ def _read_json(path, what):
         raise SettingsError(f"{what} path must be a non-empty string (the path of your "
                             f"mooncake.json), not {path!r}")
     try:
-        with open(path, "rb") as f:
+        # O_NONBLOCK: a FIFO nothing writes to would block open() forever;
+        # reads block again (a pipe without a writer reads as empty).
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        with open(fd, "rb") as f:
+            os.set_blocking(fd, True)
             raw = f.read(MAX_CONFIG_BYTES + 1)
     except OSError as e:
         raise SettingsError(f"{what} {path!r} cannot be read ({e.strerror}); set "
@@ -220,11 +224,13 @@ def _read_json(path, what):
     if len(raw) > MAX_CONFIG_BYTES:
         raise SettingsError(f"{what} {path!r} is over {MAX_CONFIG_BYTES} bytes; refused (is "
                             "MOONCAKE_CONFIG_PATH really your mooncake.json?)")
+    bom = 3 if raw.startswith(b"\xef\xbb\xbf") else 0  # skipped, as the C parser does
     try:
-        text = raw.decode("utf-8")
+        text = raw[bom:].decode("utf-8")
     except UnicodeDecodeError as e:
-        raise SettingsError(f"{what} {path!r} is not UTF-8 text (byte 0x{raw[e.start]:02x} at "
-                            f"offset {e.start}); save it as UTF-8") from None
+        at = e.start + bom
+        raise SettingsError(f"{what} {path!r} is not UTF-8 text (byte 0x{raw[at]:02x} at "
+                            f"offset {at}); save it as UTF-8") from None
     top = []
 
     def pairs(kv):  # every object's keys; the top level's are the last to come
@@ -236,6 +242,9 @@ def _read_json(path, what):
     except json.JSONDecodeError as e:
         raise SettingsError(f"{what} {path!r} is not valid JSON: {e.msg} at line {e.lineno} "
                             f"column {e.colno}") from None
+    except RecursionError:
+        raise SettingsError(f"{what} {path!r} is not valid JSON: nesting too deep (a "
+                            "mooncake.json is one object of strings and booleans)") from None
     if not isinstance(data, dict):
         raise SettingsError(f"{what} {path!r} must hold a JSON object, not "
                             f"{type(data).__name__}")

@@ -6,6 +6,8 @@ import importlib.metadata as md
 import os
 import re
 
+from mooncake_connector.connector.plugin import disabled as plugin_disabled
+
 from .report import FAIL, OK, SKIP, WARN
 
 
@@ -70,8 +72,11 @@ def check_vllm(rep):
     if allowed is not None and "mooncake_connector" not in [p.strip() for p in allowed.split(",")]:
         rep.add("vllm", "plugin", FAIL, f"VLLM_PLUGINS={allowed!r} leaves mooncake_connector out",
                 "add mooncake_connector to VLLM_PLUGINS (comma-separated) or unset it")
-    elif os.environ.get("MOONCAKE_CONNECTOR_DISABLE_PLUGIN") == "1":
-        rep.add("vllm", "plugin", WARN, "MOONCAKE_CONNECTOR_DISABLE_PLUGIN=1: \"MooncakeConnector\" "
+    elif plugin_disabled()[0]:
+        why = plugin_disabled()[1]
+        value = os.environ.get("MOONCAKE_CONNECTOR_DISABLE_PLUGIN", "")
+        rep.add("vllm", "plugin", WARN, (why + ". " if why else "") +
+                f"MOONCAKE_CONNECTOR_DISABLE_PLUGIN={value[:40]!r}: \"MooncakeConnector\" "
                 "names vLLM's in-tree connector",
                 "unset MOONCAKE_CONNECTOR_DISABLE_PLUGIN, or pass kv_connector_module_path "
                 "\"mooncake_connector\"")
