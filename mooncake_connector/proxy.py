@@ -150,6 +150,8 @@ class Proxy:
         self.session = None
         self.log = logger
         self._max_model_len = {}  # decode URL -> max_model_len from its /v1/models
+        self._mml_asking = {}  # decode URL -> the one lookup in flight (a task)
+        self._mml_retry_at = {}  # decode URL -> monotonic time a failed lookup may be retried
         self._ids_in_flight = collections.Counter()  # client request id -> requests in flight
         self.counts = {"requests": 0, "bad_requests": 0, "slow_header_closes": 0,
                        "slow_body_closes": 0,
@@ -206,20 +208,40 @@ class Proxy:
                                        "remote_host": None, "remote_port": None}
         return p
 
+    #: A decode instance's /v1/models: how long one lookup may take, and how
+    #: long after a failed one its requests take the seed's path without
+    #: asking again (a hanging /v1/models must not add the wait to each).
+    MML_TIMEOUT_S = 5.0
+    MML_RETRY_S = 30.0
+
     async def max_model_len(self, url, headers):
-        """The instance's context length (its /v1/models), cached; None if unknown."""
-        if url not in self._max_model_len:
-            try:
-                async with self.session.get(url + "/v1/models", headers=headers,
-                                            timeout=aiohttp.ClientTimeout(total=10)) as r:
-                    data = (await r.json(content_type=None))["data"]
-                    self._max_model_len[url] = int(data[0]["max_model_len"])
-            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError,
-                    IndexError, TypeError) as e:
-                logger.warning("max_model_len of %s unknown (%r): first token from decode",
-                               url, e)
-                return None
-        return self._max_model_len[url]
+        """The instance's context length (its /v1/models), cached; None if
+        unknown.  Concurrent requests share one lookup; after a failed one
+        the next is tried only MML_RETRY_S later."""
+        if url in self._max_model_len:
+            return self._max_model_len[url]
+        if time.monotonic() < self._mml_retry_at.get(url, 0.0):
+            return None
+        task = self._mml_asking.get(url)
+        if task is None:
+            task = self._mml_asking[url] = asyncio.ensure_future(self._ask_mml(url, headers))
+            task.add_done_callback(lambda _t: self._mml_asking.pop(url, None))
+        return await asyncio.shield(task)
+
+    async def _ask_mml(self, url, headers):
+        try:
+            async with self.session.get(url + "/v1/models", headers=headers,
+                                        timeout=aiohttp.ClientTimeout(
+                                            total=self.MML_TIMEOUT_S)) as r:
+                data = (await r.json(content_type=None))["data"]
+                self._max_model_len[url] = int(data[0]["max_model_len"])
+                return self._max_model_len[url]
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError,
+                IndexError, TypeError) as e:
+            self._mml_retry_at[url] = time.monotonic() + self.MML_RETRY_S
+            logger.warning("max_model_len of %s unknown (%r): first token from decode; "
+                           "asked again in %g s", url, e, self.MML_RETRY_S)
+            return None
 
     def _prefill_order(self):
         """This request's prefill instance indexes in the order to try: the

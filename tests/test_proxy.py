@@ -448,6 +448,45 @@ def test_decode_event_that_is_no_completion_chunk_ends_with_an_error_event(vllm_
         d.close()
 
 
+def test_decode_models_failing_is_asked_once_not_per_request(vllm_like, proxy):
+    """A decode instance whose /v1/models fails (here: 0.5 s, then a 500) is
+    asked once by concurrent requests and not again for MML_RETRY_S: each
+    request takes the seed's path (first token from decode) without a
+    lookup of its own.  Before, every streamed request asked again, so a
+    hanging /v1/models added its 10 s timeout to each of them."""
+    p = vllm_like("prefill")
+    u = types.SimpleNamespace(name="decode", status=200, kv_params=False, seen=[],
+                              finish="length", decode_fail=None, slow=0, first_text=None)
+    _, complete = _vllm_app(u)
+    asked = []
+
+    async def models(request):
+        asked.append(request.path)
+        await asyncio.sleep(0.5)
+        return web.json_response({"error": "busy"}, status=500)
+
+    d = AppThread([("POST", "/v1/completions", complete), ("GET", "/v1/models", models)])
+    try:
+        url = proxy([p.url], [d.url])
+        out = {}
+
+        def one(i):
+            out[i] = post(url + "/v1/completions", {"model": "m", "prompt": f"a b {i}",
+                                                    "max_tokens": 3, "stream": True}, raw=True)
+
+        in_threads(one, 4)  # at once: one lookup shared
+        one(4)  # after it failed: none
+        for i in range(5):
+            status, data = out[i]
+            assert status == 200 and sse_events(data)[-1] == "[DONE]", (i, data)
+        assert len(u.seen) == 5  # every request went to the decode
+        assert asked == ["/v1/models"], asked
+        fb = get_stats(url)["first_token_fallbacks"]
+        assert fb.get("decode instance's max_model_len unknown") == 5, fb
+    finally:
+        d.close()
+
+
 def test_prefill_usage_that_is_no_object_takes_the_seeds_path(vllm_like, proxy):
     """A prefill answer whose usage is not an object cannot start the fast
     path (it would be copied into the client's usage chunk): the decode
