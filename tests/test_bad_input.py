@@ -450,6 +450,19 @@ def test_mooncake_json_wrong_value_type_as_the_c_parser_says(tmp_path, fields, d
         assert "12345" not in msg and "s" * 20 not in msg
 
 
+@pytest.mark.parametrize("number", ["1e400", "-1e400", "1" + "0" * 400])
+@pytest.mark.parametrize("key", ["device_name", "same_host_cpu", "protocol"])
+def test_a_number_out_of_range_is_named_not_shown_as_null(tmp_path, number, key):
+    """A number past the double range (cJSON prints it as null) is shown as
+    such by both readers; before: 'value null is a number', a value the
+    file does not hold."""
+    p = tmp_path / "mooncake.json"
+    p.write_text(with_fields(f'"{key}": {number}'))
+    msg = _both_refuse(p)
+    assert f'field "{key}": value <a number out of range> is a number; expected' in msg, msg
+    assert "null" not in msg
+
+
 @pytest.mark.parametrize("path", [False, True])
 @pytest.mark.parametrize("extra", [{"prefill_url": 13003}, {"protocol": ["tcp"]},
                                    {"same_host_cpu": "false"}, {"metadata_server": "h" * 1024}])

@@ -14,6 +14,7 @@
 #include <ctype.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -373,6 +374,19 @@ static int edit_distance(const char *a, const char *b) {
     }
   }
   return row[lb];
+}
+
+/* A wrong-typed value as its error shows it: cJSON's text of it, except a
+ * number past the double range (1e400), which cJSON prints as null. */
+#define OUT_OF_RANGE_NUMBER "<a number out of range>"
+static char *value_text(const cJSON *it) {
+  if (cJSON_IsNumber(it) && !isfinite(it->valuedouble)) {
+    char *t = cJSON_malloc(sizeof OUT_OF_RANGE_NUMBER);
+    if (t)
+      memcpy(t, OUT_OF_RANGE_NUMBER, sizeof OUT_OF_RANGE_NUMBER);
+    return t;
+  }
+  return cJSON_PrintUnformatted(it);
 }
 
 static const char *json_type_name(const cJSON *it) {
@@ -820,7 +834,7 @@ static int check_object(ctx_t *c, const cJSON *root, const char *val[F_COUNT]) {
       return ferr_acc(c, f, NULL, "each field once", "appears more than once");
     if (f == F_SHC) { /* the one boolean field */
       if (!cJSON_IsBool(it)) {
-        char *txt = cJSON_PrintUnformatted(it);
+        char *txt = value_text(it);
         int rc = ferr_raw(c, f, txt ? txt : "?", "is %s; expected true or false",
                           json_type_name(it));
         cJSON_free(txt);
@@ -832,7 +846,7 @@ static int check_object(ctx_t *c, const cJSON *root, const char *val[F_COUNT]) {
     if (!cJSON_IsString(it) || !it->valuestring) {
       /* Show the JSON text unquoted: quoting 5 as "5" would hide the bug
        * (never the secret's). */
-      char *txt = f == F_AUTH ? NULL : cJSON_PrintUnformatted(it);
+      char *txt = f == F_AUTH ? NULL : value_text(it);
       int rc = ferr_raw(c, f, txt ? txt : "?", "is %s; expected a string", json_type_name(it));
       cJSON_free(txt);
       return rc;

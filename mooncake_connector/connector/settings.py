@@ -331,6 +331,15 @@ def _cjson_text(value):
     return "?"
 
 
+def _value_text(value):
+    """A wrong-typed value as the C parser's error shows it (value_text):
+    cJSON's text, except a number past the double range (1e400)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) \
+            and _cjson_number(value) == "null":
+        return "<a number out of range>"
+    return _cjson_text(value)
+
+
 def _json_type_name(value):
     """The C parser's json_type_name."""
     if isinstance(value, bool):
@@ -383,11 +392,11 @@ def _value_error(shown, key, value):
     if key == "same_host_cpu":
         if isinstance(value, bool):
             return None
-        return _c_line(f'{shown}: field "{key}": value {_show(_cjson_text(value), 80)} is '
+        return _c_line(f'{shown}: field "{key}": value {_show(_value_text(value), 80)} is '
                        f"{_json_type_name(value)}; expected true or false; accepted: {accepted}")
     if not isinstance(value, str):
         # As the C parser, never the secret's text, even of the wrong type.
-        text = "?" if key == "auth_secret" else _show(_cjson_text(value), 80)
+        text = "?" if key == "auth_secret" else _show(_value_text(value), 80)
         return _c_line(f'{shown}: field "{key}": value {text} is {_json_type_name(value)}; '
                        f"expected a string; accepted: {accepted}")
     size = len(value.encode("utf-8", "surrogatepass"))
