@@ -214,14 +214,31 @@ static void test_fallback_only_when_asked(void) {
   mc_err_t err = {0};
   if (mc_rdma_list_devices(have, sizeof have, &err) > 0)
     return; /* a host with RDMA: nothing to fall back from */
-  setenv("MC_RDMA_FALLBACK_TCP", "1", 1);
-  mc_engine_t *e = mk("rdma", "mlx5_0", &err);
-  unsetenv("MC_RDMA_FALLBACK_TCP");
-  CHECK(e != NULL);
-  char *d = mc_engine_describe(e);
-  CHECK(d && strstr(d, "\"protocol\":\"tcp\""));
-  free(d);
-  mc_engine_destroy(e);
+  /* asked for in any of the boolean spellings the other knobs take */
+  static const char *const yes[] = {"1", "true", "yes", "ON"};
+  for (size_t i = 0; i < sizeof yes / sizeof yes[0]; i++) {
+    setenv("MC_RDMA_FALLBACK_TCP", yes[i], 1);
+    mc_engine_t *e = mk("rdma", "mlx5_0", &err);
+    unsetenv("MC_RDMA_FALLBACK_TCP");
+    CHECK(e != NULL);
+    char *d = e ? mc_engine_describe(e) : NULL;
+    CHECK(d && strstr(d, "\"protocol\":\"tcp\""));
+    free(d);
+    if (e)
+      mc_engine_destroy(e);
+    mc_err_clear(&err);
+  }
+  /* not asked for: 0 / off, or a value that is no boolean (warned) */
+  static const char *const no[] = {"0", "off", "maybe"};
+  for (size_t i = 0; i < sizeof no / sizeof no[0]; i++) {
+    setenv("MC_RDMA_FALLBACK_TCP", no[i], 1);
+    mc_engine_t *e = mk("rdma", "mlx5_0", &err);
+    unsetenv("MC_RDMA_FALLBACK_TCP");
+    CHECK(e == NULL);
+    if (e)
+      mc_engine_destroy(e);
+    mc_err_clear(&err);
+  }
 }
 
 /* The handshake travels as an RPC on the TCP control connection; a TCP

@@ -89,11 +89,10 @@ static int rdma_t_start(const mc_transport_env_t *env, void **impl, mc_err_t *er
   int rc = mc_rdma_start(&ro, &rh, &rdma, err);
   if (rc < 0) {
     /* Never a silent fallback: only when asked for, and logged. */
-    const char *fb = getenv("MC_RDMA_FALLBACK_TCP");
-    if (!fb || strcmp(fb, "1") != 0)
+    if (!mc_env_bool("MC_RDMA_FALLBACK_TCP", 0)) /* 1 / true / on / yes; else warned */
       return rc;
     mc_log_warn("protocol \"rdma\" is unavailable (%s); falling back to TCP because "
-                "MC_RDMA_FALLBACK_TCP=1", err ? err->msg : "");
+                "MC_RDMA_FALLBACK_TCP=%s", err ? err->msg : "", getenv("MC_RDMA_FALLBACK_TCP"));
     mc_err_clear(err);
     return 0;
   }
