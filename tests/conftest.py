@@ -170,6 +170,26 @@ def wait_until(pred, timeout=5.0, step=0.02):
     return False
 
 
+def sigstop(pid, timeout=5.0):
+    """SIGSTOPs process pid and returns once every thread of it is stopped
+    (/proc says "T"; a system call in progress, a long copy, ends first):
+    it runs no more code until SIGCONT, though its kernel still takes and
+    acknowledges TCP bytes."""
+    import signal
+    os.kill(pid, signal.SIGSTOP)
+
+    def stopped():
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    if f.read().rsplit(")", 1)[1].split()[0] not in ("T", "t"):
+                        return False
+            except FileNotFoundError:  # a thread that ended meanwhile
+                pass
+        return True
+    assert wait_until(stopped, timeout=timeout, step=0.001), f"process {pid} did not stop"
+
+
 def in_threads(fn, n):
     """fn(0) .. fn(n - 1), each in a thread of its own, all at once; returns
     when every one has ended."""

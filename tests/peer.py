@@ -10,6 +10,10 @@ First line printed: {"segment", "addr", "size", "pid"}.  Commands:
     {"cmd": "zero"}                                  -> {}
     {"cmd": "write"|"read", "target": SEG, "blocks": [[local_off, remote_addr, len], ...],
      "timeout": T}                                   -> {"ok": true} | {"error": ..., "type": ...}
+    "bg": true in a write, read or recv_kv: run it on a thread, answer {} at once
+    (the peer takes other commands meanwhile; one at a time)
+    {"cmd": "bg_result", "wait": T}                  -> its answer, or {"running": true} if it
+                                                        has not ended within T s (default 0)
     {"cmd": "notifies"}                              -> {"notifies": [[from, msg], ...]}
     {"cmd": "engine_stats"}                          -> TransferEngine.get_stats()
     {"cmd": "cut", "target": SEG}                    -> {"cut": n} | {"error": ..., "type": ...}
@@ -49,8 +53,55 @@ def main():
 
     out({"segment": eng.get_segment_name(), "addr": base, "size": args.size,
          "pid": os.getpid()})
+    bg = None  # [thread, answer] of the command running on a thread ("bg": true)
+
+    def xfer(req):
+        blocks = req["blocks"]
+        fn = (eng.batch_transfer_async_write if req["cmd"] == "write"
+              else eng.batch_transfer_async_read)
+        try:
+            bid = fn(req["target"], [base + b[0] for b in blocks],
+                     [b[1] for b in blocks], [b[2] for b in blocks])
+            eng.get_batch_transfer_status([bid], req.get("timeout", -1))
+            return {"ok": True}
+        except mc.MooncakeError as e:
+            return {"error": str(e), "type": type(e).__name__}
+
+    def recv(req):
+        bb = req["block_bytes"]
+        dest = [(base + s_ * bb, req.get("dest_len", bb)) for s_ in req["slots"]]
+        if "dest" in req:  # explicit [offset, length(, tag)] extents
+            dest = [(base + x[0], *x[1:]) for x in req["dest"]]
+        try:
+            hid = req.get("hidden_slots")
+            hb = req.get("hidden_bytes", 0)
+            return {"matched": kv.recv_kv(req["producer"], req["tokens"], dest,
+                                          timeout=req.get("timeout", 10.0),
+                                          pull=req.get("pull", False),
+                                          hidden_dest=None if hid is None else
+                                          [(base + s_ * bb, hb) for s_ in hid])}
+        except mc.MooncakeError as e:
+            return {"error": str(e), "type": type(e).__name__}
+
+    handlers = {"write": xfer, "read": xfer, "recv_kv": recv}
+
     for req in requests():
         cmd = req["cmd"]
+        if req.get("bg") and cmd in ("write", "read", "recv_kv"):
+            import threading
+            job = [None, None]
+
+            def one(req=req, job=job):
+                job[1] = handlers[req["cmd"]](req)
+            job[0] = threading.Thread(target=one, daemon=True)
+            bg = job
+            job[0].start()
+            out({})
+            continue
+        if cmd == "bg_result":
+            bg[0].join(req.get("wait", 0))
+            out({"running": True} if bg[0].is_alive() else bg[1])
+            continue
         if cmd == "fill":
             off, n = req.get("off", 0), req.get("len", args.size)
             rng = random.Random(req["seed"])
@@ -66,16 +117,7 @@ def main():
             ctypes.memset(base, 0, args.size)
             out({})
         elif cmd in ("write", "read"):
-            blocks = req["blocks"]
-            fn = (eng.batch_transfer_async_write if cmd == "write"
-                  else eng.batch_transfer_async_read)
-            try:
-                bid = fn(req["target"], [base + b[0] for b in blocks],
-                         [b[1] for b in blocks], [b[2] for b in blocks])
-                eng.get_batch_transfer_status([bid], req.get("timeout", -1))
-                out({"ok": True})
-            except mc.MooncakeError as e:
-                out({"error": str(e), "type": type(e).__name__})
+            out(xfer(req))
         elif cmd == "kv_init":
             lb = None
             if req.get("producer", True):
@@ -100,20 +142,7 @@ def main():
             except mc.MooncakeError as e:
                 out({"error": str(e), "type": type(e).__name__})
         elif cmd == "recv_kv":
-            bb = req["block_bytes"]
-            dest = [(base + s_ * bb, req.get("dest_len", bb)) for s_ in req["slots"]]
-            if "dest" in req:  # explicit [offset, length(, tag)] extents
-                dest = [(base + x[0], *x[1:]) for x in req["dest"]]
-            try:
-                hid = req.get("hidden_slots")
-                hb = req.get("hidden_bytes", 0)
-                out({"matched": kv.recv_kv(req["producer"], req["tokens"], dest,
-                                           timeout=req.get("timeout", 10.0),
-                                           pull=req.get("pull", False),
-                                           hidden_dest=None if hid is None else
-                                           [(base + s_ * bb, hb) for s_ in hid])})
-            except mc.MooncakeError as e:
-                out({"error": str(e), "type": type(e).__name__})
+            out(recv(req))
         elif cmd == "probe":
             try:
                 t0 = time.perf_counter()

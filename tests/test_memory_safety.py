@@ -208,32 +208,42 @@ def test_revoke_off_keeps_the_bounded_wait(monkeypatch):
 def test_same_host_cpu_free_waits_for_a_copy_in_flight(monkeypatch):
     # The same-host CPU path copies inside the submitting thread: a free from
     # another thread meanwhile waits for the copy (its region is pinned).
+    import ctypes
     import threading
     monkeypatch.setenv("MC_SAME_HOST_CPU", "1")
     with local_engines(2) as (a, b):
         n = 128 * MIB
         src = b.allocate_managed_buffer(n)
-        dst = a.allocate_managed_buffer(n)
         seg = b.get_segment_name()
-        assert a.transfer_sync_read(seg, dst, src, 4096) == 0  # path chosen
-        out = {}
+        b.write_bytes_to_buffer(src, b"\x01" * 4096, 4096)  # the copy's first page
+        # The free starts once the copy's first page landed (it slept 5 ms
+        # and skipped when the copy had ended by then); should the copy end
+        # before the free anyway, again with a new buffer (at most 5 times).
+        for _ in range(5):
+            dst = a.allocate_managed_buffer(n)
+            ctypes.memset(dst, 0, 4096)
+            assert a.transfer_sync_read(seg, dst, src + 4096, 4096) == 0  # path chosen
+            out = {}
 
-        def copy():
-            try:
-                out["rc"] = a.transfer_sync_read(seg, dst, src, n)
-            except Exception as e:  # noqa: BLE001
-                out["rc"] = repr(e)
-            out["end"] = time.monotonic()
+            def copy():
+                try:
+                    out["rc"] = a.transfer_sync_read(seg, dst, src, n)
+                except Exception as e:  # noqa: BLE001
+                    out["rc"] = repr(e)
+                out["end"] = time.monotonic()
 
-        t = threading.Thread(target=copy)
-        t.start()
-        time.sleep(0.005)
-        t0 = time.monotonic()
-        assert a.free_managed_buffer(dst, n) == 0
-        t1 = time.monotonic()
-        t.join()
-        if t0 >= out["end"]:
-            pytest.skip("the copy finished before the free started")
+            t = threading.Thread(target=copy)
+            t.start()
+            assert wait_until(lambda: ctypes.string_at(dst, 1) == b"\x01" or "end" in out,
+                              timeout=10, step=0.0002)
+            t0 = time.monotonic()
+            assert a.free_managed_buffer(dst, n) == 0
+            t1 = time.monotonic()
+            t.join()
+            if t0 < out["end"]:
+                break
+        else:
+            pytest.fail("the copy ended before the free started, 5 times")
         # the copy was not cut short (it saw unmapped pages before: EFAULT)
         assert out["rc"] == 0, out
         assert t1 - t0 < 5

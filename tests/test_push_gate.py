@@ -835,23 +835,35 @@ def test_gate_thread_writes_nothing_past_the_lease(monkeypatch):
         def plan(s, d, n, lease, note):
             return ((seg, lease, [(array("Q", [s]), array("Q", [d]), array("Q", [n]))],
                      None if note is None else [note]),)
-        for _ in range(3):  # the long copy first: the gate thread busy with it
-            _, ids_big = a.gate_layer(0, plan(src, dst, big, time.time() + 60, None), 0, -1,
-                                      margin, 2.0, True)
-            # queued while its lease still allows (5 ms of it left), turned
-            # to after the long copy
+        # The long copies first, four of them (each ~50 ms idle, more under
+        # load): the gate thread busy with them; the late layer queued while
+        # its lease still allows (50 ms of it left), turned to after them.
+        # (One long copy and 5 ms of lease: on a loaded host the queueing
+        # could come too late, or the copy end too soon, and after 3 tries
+        # the test skipped.)  Wanted: the first long copy still running when
+        # the late layer was queued (3 more queued ahead of it).
+        def settle(bids):
+            for x in bids:
+                if x is not None:
+                    try:
+                        a.transfer_wait(x, 30)
+                        a.transfer_check_status(x)
+                    except ValueError:  # taken by the check below: over
+                        pass
+        for _ in range(5):
+            ids_big = [a.gate_layer(0, plan(src, dst, big, time.time() + 60, None), 0, -1,
+                                    margin, 2.0, True)[1][0] for _k in range(4)]
             t_q = time.time()
-            _, ids = a.gate_layer(0, plan(s2, d2, small, t_q + margin + 0.005, b"late"), 0, -1,
+            _, ids = a.gate_layer(0, plan(s2, d2, small, t_q + margin + 0.05, b"late"), 0, -1,
                                   margin, 2.0, True)
             if ids[0] is not None and a.transfer_check_status(ids_big[0]) == 0:
                 break
-            a.transfer_wait(ids_big[0], 30)
-            if ids[0] is not None:
-                a.transfer_wait(ids[0], 10)
+            settle(ids_big + ids)
         else:
-            pytest.skip("the long copy never was still running when the late layer queued")
-        assert a.transfer_wait(ids_big[0], 60)
-        assert a.transfer_check_status(ids_big[0]) == 1
+            pytest.fail("the long copies were never still running when the late layer queued")
+        for x in ids_big:
+            assert a.transfer_wait(x, 60)
+            assert a.transfer_check_status(x) == 1
         a.transfer_wait(ids[0], 10)
         st = a.transfer_check_status(ids[0])
         assert st < 0, st                               # failed: not written

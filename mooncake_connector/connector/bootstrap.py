@@ -24,6 +24,8 @@ read-only.  Pure Python (stdlib http.server on a daemon thread).
 """
 import json
 import logging
+import selectors
+import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -127,9 +129,26 @@ class BootstrapServer:
         family_host = host
         self.httpd = Server((family_host, port), Handler)
         self.host, self.port = host, self.httpd.server_address[1]
-        self._thread = threading.Thread(target=self.httpd.serve_forever, kwargs={
-            "poll_interval": 0.5}, name="mooncake_bootstrap_server", daemon=True)
+        # serve_forever polls its stop flag every poll_interval: close() then
+        # waited up to that long (0.5 s per producer worker's shutdown).  Our
+        # loop sleeps in select until a connection or close()'s wake-up byte.
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._thread = threading.Thread(target=self._serve, name="mooncake_bootstrap_server",
+                                        daemon=True)
         self._thread.start()
+
+    def _serve(self):
+        httpd = self.httpd
+        with selectors.DefaultSelector() as sel:
+            sel.register(httpd, selectors.EVENT_READ)
+            sel.register(self._wake_r, selectors.EVENT_READ)
+            while True:
+                ready = sel.select()
+                if any(key.fileobj is self._wake_r for key, _ in ready):
+                    return
+                if ready:
+                    httpd._handle_request_noblock()  # serve_forever's own step
+                httpd.service_actions()
 
     @property
     def url(self):
@@ -139,9 +158,11 @@ class BootstrapServer:
     def close(self):
         if self.httpd is None:
             return
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        self._wake_w.send(b"x")
         self._thread.join(timeout=5)
+        self.httpd.server_close()
+        self._wake_r.close()
+        self._wake_w.close()
         self.httpd = None
 
 
