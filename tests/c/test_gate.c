@@ -19,6 +19,7 @@
 #define BUFSZ (8u << 20)
 static const mc_cuda_api_t *api;
 static void (*stream_hold)(void *stream, uint64_t ns);
+static int over_tcp; /* this round's engines move bytes over TCP (MC_SAME_HOST_CPU=0) */
 
 typedef struct {
   int n;
@@ -324,6 +325,15 @@ static void test_host_batches_canceled_leave_nothing(void) {
   CHECK_EQ_INT(mc_batch_wait(A, h, 5000, &err), 0);
   for (int i = 0; i < N / 2; i++)
     mc_batch_free(A, b[i]);
+  /* Over TCP the bytes B's kernel already took are B's to fence (tcp_loop.c:
+   * a free resets only what A's kernel still holds unacknowledged), as the
+   * consumer does before it reuses lent blocks: B cuts A's connections, so
+   * its I/O thread writes nothing more from them.  Without the cut, the
+   * check below failed under ASan on a loaded host (CI, 2026-12-06): B's
+   * thread was still applying acknowledged bytes.  Over the same-host CPU
+   * path A copies, so the free alone must be enough. */
+  if (over_tcp)
+    CHECK(mc_engine_cut_peer(B, mc_engine_segment_name(A), 5000, &err) >= 0);
   uint8_t *snap = malloc(N * per);
   CHECK(snap != NULL);
   memcpy(snap, bbuf, N * per);
@@ -483,6 +493,7 @@ int main(void) {
     if (round == 2 && (unsetenv("MC_WAKE_SPIN_US") != 0 || /* then over TCP */
                        setenv("MC_SAME_HOST_CPU", "0", 1) != 0))
       return 1;
+    over_tcp = round == 2;
     if (two_engines_up(BUFSZ) < 0)
       return 1;
     RUN(test_waits_for_the_event_then_notifies);
