@@ -113,6 +113,7 @@ def xfer_time(spec, n_tokens, repeat, python, device="cpu", dtype_bytes=4, env=N
 #: can start (--modes); "disaggregated" is flow a with the first token from
 #: prefill (the key older result files use).
 MODES = (("colocated", "colocated, direct"),
+         ("colocated_cached", "colocated, prefix cache hit (2nd send)"),
          ("colocated_proxy", "colocated via pass-through proxy"),
          ("disaggregated", "flow a, 1st token from prefill"),
          ("disaggregated_decode_first", "flow a, 1st token from decode"),
@@ -130,6 +131,8 @@ LABEL = dict(MODES)
 INTREE_MODES = ("intree", "intree_at_once")
 REFERENCE = dict.fromkeys(INTREE_MODES, "colocated_phase2")
 PUSH_MODES = ("push", "push_layerwise", "push_layer_load")
+#: Opt-in modes, not in --modes all: colocated_cached needs a fourth server.
+OPT_IN_MODES = ("colocated_cached",)
 
 
 def proxy_flows():
@@ -220,6 +223,8 @@ def measure(urls, lengths, n_requests, max_tokens, log, legs=None, extra_body=No
             order.shuffle(keys)
             got = {}
             for k in keys:
+                if k == "colocated_cached":  # its cache filled by a first, unmeasured send
+                    one(urls[k], p, k)
                 time.sleep(SETTLE_S)
                 got[k] = one(urls[k], p, k)
             for k, r in got.items():
@@ -227,8 +232,14 @@ def measure(urls, lengths, n_requests, max_tokens, log, legs=None, extra_body=No
                 row[f"itl_{k}"] += r.itl_s
                 row[f"gap12_{k}"] += r.itl_s[:1]
             ref = got[ref_key].token_ids
+            cached = got.get("colocated_cached")
             for k, r in got.items():
                 row["identical_by_mode"][k] += r.token_ids == ref
+                if cached is not None:
+                    # The same tail computed over the same cached KV (bf16:
+                    # where a decode over loaded KV may part from colocated).
+                    row.setdefault("identical_to_cached_by_mode", {}).setdefault(k, 0)
+                    row["identical_to_cached_by_mode"][k] += r.token_ids == cached.token_ids
                 # Prompt tokens the server did not compute (decode: loaded
                 # from the producer; 0 for a colocated server without a
                 # prefix cache).
@@ -317,6 +328,7 @@ def summarize(results, fixed, xfer, bars_factor=1.1, layers=1):
              "kv_transfer_failed": t.get("failed"),
              "identical": r["identical"], "requests": len(r["colocated"]),
              "identical_by_mode": r.get("identical_by_mode", {}),
+             "identical_to_cached_by_mode": r.get("identical_to_cached_by_mode", {}),
              "loaded_tokens_p50": pct(r["loaded_tokens"], 50) if r["loaded_tokens"] else None,
              "loaded_tokens_p50_by_mode": {k: pct([x or 0 for x in v], 50) for k, v in
                                            r.get("loaded_by_mode", {}).items() if v}}
@@ -418,7 +430,7 @@ COLORS = {"colocated": "tab:blue", "colocated_proxy": "tab:cyan",
           "flow_b": "tab:olive", "flow_b_decode_first": "tab:brown", "push": "tab:green",
           "push_layerwise": "lime", "push_layer_load": "darkgreen", "router": "tab:purple",
           "intree": "black", "intree_at_once": "tab:pink",
-          "colocated_phase2": "tab:gray"}
+          "colocated_phase2": "tab:gray", "colocated_cached": "slategray"}
 
 
 def plot(summary, path, title):
@@ -499,6 +511,11 @@ def report(summary):
                                   else f"{w} -" for w, leg in zip(
                                       ("at", "decode's 1st chunk at", "1st chunk - prefill "
                                        "answer"), PUSH_LEGS)))
+        if s.get("identical_to_cached_by_mode"):
+            print("  token-identical to the prefix-cached colocated answer (the same tail "
+                  "over the same cached KV): " + ", ".join(
+                      f"{k} {v}/{s['requests']}" for k, v in
+                      s["identical_to_cached_by_mode"].items()))
         if s.get("loaded_tokens_p50_by_mode"):
             print("  prompt tokens not computed by the answering server (p50; decode: loaded "
                   "remotely): " + ", ".join(f"{k} {v:.0f}" for k, v in
@@ -660,7 +677,9 @@ def parse_args(argv=None):
     ap.add_argument("--modes", default="all",
                     help="comma-separated subset of: " + ", ".join(
                         k for k, _ in MODES if k not in ("colocated_phase2", "intree_at_once"))
-                    + " (colocated is always measured; intree measures vLLM's in-tree "
+                    + " (colocated is always measured; colocated_cached: a fourth server with "
+                      "vLLM's prefix cache, each prompt sent twice, the second measured, not in "
+                      "all; intree measures vLLM's in-tree "
                       "connector behind vllm-router and behind intree_proxy.py; all = every "
                       "one that can start)")
     ap.add_argument("--push", action="store_true",
@@ -707,7 +726,8 @@ def parse_args(argv=None):
     if max(lengths) > 2000:
         ap.error("prompt lengths must stay below --max-model-len 2048")
     known = [k for k, _ in MODES if k not in ("colocated_phase2", "intree_at_once")]
-    want = set(known) if args.modes == "all" else set(filter(None, args.modes.split(",")))
+    want = (set(known) - set(OPT_IN_MODES) if args.modes == "all"
+            else set(filter(None, args.modes.split(","))))
     bad = want - set(known)
     if bad:
         ap.error(f"--modes: unknown {sorted(bad)}; known: {', '.join(known)}")
@@ -742,7 +762,8 @@ def main(argv=None):
 
     # The servers' device: the GPU servers' environment and flags (three
     # servers share GPU 0), the engine's route between GPU KV caches, dtype.
-    dev_env, dev_args = bench_settings(args.device, args.gpu_path, args.dtype, servers=3,
+    dev_env, dev_args = bench_settings(args.device, args.gpu_path, args.dtype,
+                                      servers=3 + ("colocated_cached" in want),
                                       cuda_graphs=args.cuda_graphs,
                                       attention_backend=args.attention_backend)
     dtype_bytes = 2 if args.dtype == "bfloat16" else 4
@@ -789,7 +810,7 @@ def main(argv=None):
                                  if k in want or f == "a"),
                      extra_proxies=extra_proxies, colocated_proxy=True,
                      kv_cache_bytes=args.kv_cache_mib << 20, env=dev_env,
-                     extra_vllm_args=dev_args)
+                     extra_vllm_args=dev_args, colocated_cached="colocated_cached" in want)
     router = None
     if "router" in want and router_site and dep.bootstrap_port:
         rport = serving.free_port()
@@ -810,6 +831,8 @@ def main(argv=None):
     t0 = time.monotonic()
     urls = {"colocated": dep.colocated.url, "colocated_proxy": dep.colocated_proxy.url,
             "disaggregated": dep.proxies["a"].url}
+    if dep.colocated_cached is not None:
+        urls["colocated_cached"] = dep.colocated_cached.url
     for k, name in (("disaggregated_decode_first", "a-decode-first"), ("flow_b", "b"),
                     ("flow_b_decode_first", "b-decode-first"), ("push", "push"),
                     ("push_layerwise", "push-layerwise"),

@@ -154,7 +154,7 @@ class Deployment:
     def __init__(self, workdir, model, connector=None, flows=("a",), colocated=True,
                  max_model_len=2048, kv_cache_bytes=64 << 20, python=None, extra_vllm_args=(),
                  env=None, extra_proxies=None, colocated_proxy=False, side_args=None,
-                 decode_extra_config=None, prefix_caching=False):
+                 decode_extra_config=None, prefix_caching=False, colocated_cached=False):
         """flows: one proxy per flow, named by it (first token from prefill);
         side_args: {"prefill"|"decode"|"colocated": [vLLM args]} for one side
         only (e.g. --tensor-parallel-size; the colocated reference should
@@ -166,7 +166,11 @@ class Deployment:
         decode side's kv_connector_extra_config (e.g. push_layer_load_max_batch);
         prefix_caching: every vLLM server of this deployment keeps vLLM's
         default (prefix caching on), as the seed's commands run them,
-        instead of serving.BASE_VLLM_ARGS's --no-enable-prefix-caching."""
+        instead of serving.BASE_VLLM_ARGS's --no-enable-prefix-caching.
+        colocated_cached: a second colocated server, the same as the first
+        but with vLLM's prefix cache on (self.colocated_cached): a prompt
+        sent to it twice computes only its tail over cached KV the second
+        time, as a decode server over loaded KV does."""
         self.workdir = os.path.abspath(workdir)
         os.makedirs(self.workdir, exist_ok=True)
         self.model = model
@@ -221,6 +225,12 @@ class Deployment:
             self.colocated = serving.vllm_server("colocated", port=serving.free_port(),
                                                  log_path=os.path.join(logs, "colocated.log"),
                                                  env=env, **args_for("colocated"))
+        self.colocated_cached = None
+        if colocated_cached:
+            self.colocated_cached = serving.vllm_server(
+                "colocated-cached", port=serving.free_port(),
+                log_path=os.path.join(logs, "colocated-cached.log"), env=env,
+                **dict(args_for("colocated"), prefix_caching=True))
         self.proxies = {f: serving.proxy([self.prefill.url], [self.decode.url],
                                          serving.free_port(),
                                          os.path.join(logs, f"proxy-{f}.log"), flow=f,
@@ -241,7 +251,7 @@ class Deployment:
     @property
     def processes(self):
         ps = [self.metadata, self.prefill, self.decode, self.colocated,
-              *self.proxies.values(), self.colocated_proxy]
+              self.colocated_cached, *self.proxies.values(), self.colocated_proxy]
         return [p for p in ps if p is not None]
 
     def start(self, timeout=600.0):

@@ -435,3 +435,25 @@ def test_gate_chain_splits_a_layer_hand_off(tmp_path):
     assert h[gc.HOPS[4]] == [near(0.2)]
     assert h[gc.HOPS[5]] == [near(0.14)] and h[gc.HOPS[6]] == [near(0.9)]
     assert len(res) == 1  # the other log's submit explains no save
+
+
+def test_serving_bench_prefix_cached_reference_is_opt_in():
+    """colocated_cached (a fourth server: vLLM's prefix cache, the prompt sent
+    twice) is asked for by name, not by --modes all, and its per-mode token
+    identity reaches the summary."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import serving_bench as sb
+    finally:
+        sys.path.pop(0)
+    assert "colocated_cached" not in sb.parse_args(["--modes", "all"])[2]
+    assert "colocated_cached" in sb.parse_args(["--modes", "colocated_cached,push"])[2]
+    n = 2
+    row = {"prompt_words": 128, "prompt_tokens": 130, "identical": 1, "loaded_tokens": [],
+           "colocated": [0.1] * n, "colocated_cached": [0.05] * n, "push": [0.12] * n,
+           "identical_to_cached_by_mode": {"colocated": 1, "colocated_cached": 2, "push": 2}}
+    for k, _ in sb.MODES:
+        row[f"itl_{k}"], row[f"gap12_{k}"] = [0.01] * n, [0.01] * n
+    s = sb.summarize([row], None, {128: {"seconds": 0.001, "bytes": 1 << 20}})["rows"][0]
+    assert s["identical_to_cached_by_mode"] == {"colocated": 1, "colocated_cached": 2, "push": 2}
+    assert "colocated_cached" in s["modes"]
