@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# The stopped-producer fault probe on the GPU machine (docs/vllm-gpu.md,
+# "Stopped-producer probe"): benchmarks/stopped_producer_probe.py with its
+# vLLM 0.26 prefill, decode and colocated servers on GPU 0, the producer
+# writing into the decode's KV cache over the engine's same-host GPU path
+# (ipc: CUDA IPC) or TCP with GPU staging (tcp).
+#   OUT=$OUT bash scripts/vllm-gpu-stopped-producer.sh ipc|tcp [probe args...]
+# Set up as scripts/vllm-gpu-serving.sh (the first call of a lease builds
+# _core, installs vLLM into /tmp/vllm-site and keeps the built copy in
+# /tmp/mc-gpu-serving; a later call while the machine is warm runs from that
+# copy, this script's probe copied in if the copy predates it).  Out:
+# stopped_producer_<path>/{stopped_producer_probe.json,.txt,logs.tar.xz} and
+# stopped_producer_<path>.txt (the printout).  Exit status: the probe's (0 all
+# checks passed, 1 a check failed, 2 the servers did not start).
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+path="${1:-}"
+case "$path" in
+  ipc) gpu_path=on ;;
+  tcp) gpu_path=off ;;
+  *) echo "usage: $0 ipc|tcp [stopped_producer_probe.py args...] (ipc: the same-host GPU" \
+          "path, tcp: MC_GPU_IPC=0, TCP with GPU staging)" >&2; exit 2 ;;
+esac
+shift
+out="${OUT:-/tmp/vllm-gpu-serving-out}"
+run=/tmp/mc-gpu-serving
+probe=benchmarks/stopped_producer_probe.py
+mkdir -p "$out"
+t0=$SECONDS
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+if [ ! -f "$run/.built" ] || [ "$PWD" != "$run" ]; then
+  if [ ! -f "$run/.built" ]; then
+    source scripts/device-lib.sh
+    mc_unpack_debs
+    mc_build_and_install_vllm "$out" || exit 1
+    rm -rf "$run" && mkdir -p "$run" && tar --exclude=./.debs -cf - . | tar -xf - -C "$run"
+    touch "$run/.built"
+  elif [ -f "$probe" ] && ! cmp -s "$probe" "$run/$probe"; then
+    cp "$probe" "$run/$probe"
+  fi
+  cd "$run"
+fi
+export CPATH=/opt/debs/usr/include LIBRARY_PATH=/opt/debs/usr/lib/x86_64-linux-gnu
+export LD_LIBRARY_PATH=/opt/debs/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
+export PYTHONPATH=/tmp/vllm-site:$PWD PYTHONUNBUFFERED=1
+python3 -c 'import mooncake_connector._core as c; print("_core", c.__file__)' || exit 1
+uptime | tee -a "$out/machine.txt"
+rm -rf "/tmp/sp-$path"
+timeout "${MC_PROBE_TIMEOUT:-420}" python3 -P "$probe" --device cuda --gpu-path "$gpu_path" \
+    --start-timeout 200 --workdir "/tmp/sp-$path" --out "$out/stopped_producer_$path" "$@" \
+    2>&1 | tee "$out/stopped_producer_$path.txt"
+rc=${PIPESTATUS[0]}
+uptime | tee -a "$out/machine.txt"
+echo "stopped_producer_probe ($path) rc=$rc after $((SECONDS - t0)) s"
+exit $rc
