@@ -512,6 +512,25 @@ def test_http_edges_match_mooncakes_server(server):
     assert server.store.get("blank") is None
 
 
+def test_repeated_query_parameter_is_a_400_naming_it(server):
+    """?key=a&key=b was served as key a (the second silently dropped); a
+    repeated key or ttl is now a 400 naming the parameter, and nothing is
+    stored or deleted."""
+    import json
+    base = f"http://127.0.0.1:{server.port}/metadata"
+    assert http("PUT", base + "?key=a", data=b"{}")[0] == 200
+    for method, q, name in (("GET", "?key=a&key=b", "key"), ("DELETE", "?key=a&key=a", "key"),
+                            ("PUT", "?key=b&key=c", "key"), ("PUT", "?key=b&ttl=5&ttl=9", "ttl"),
+                            ("GET", "?key=&key=a", "key")):
+        status, body = http(method, base + q, data=b"{}" if method == "PUT" else None)
+        err = json.loads(body)
+        assert status == 400 and err["status"] == 400, (q, body)
+        assert f"query parameter '{name}' is repeated (2 times)" in err["error"], err
+        assert "/metadata?key=" in err["error"], err
+    assert server.store.keys() == ["a"]
+    assert http("GET", base + "?key=a") == (200, b"{}")
+
+
 def test_slow_header_client_is_disconnected(monkeypatch):
     """A client dripping a request header (slow-loris) held a connection
     forever; now it is closed after the header deadline, while the server
