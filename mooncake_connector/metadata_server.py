@@ -291,14 +291,19 @@ def build_app(store: MetadataStore, path: str = DEFAULT_PATH,
                 return text(404, f"metadata not found: {key}")
             return web.Response(body=value, content_type="application/json")
         if request.method == "PUT":
-            # Refuse early on the announced length, before reading the body.
+            # Refused on the announced length before a byte of the body is
+            # read, or once a chunked body passes the cap; either way the
+            # connection is closed after the answer: aiohttp would otherwise
+            # read and drop up to 10 s more of the body first.
             length = request.content_length
             if length is not None and length > max_value_size:
-                return _too_big(key, length, max_value_size)
+                return await http_guard.answer_and_close(
+                    request, _too_big(key, length, max_value_size))
             try:
                 body = await http_guard.read_body(request, max_value_size)
             except web.HTTPRequestEntityTooLarge:
-                return _too_big(key, None, max_value_size)
+                return await http_guard.answer_and_close(
+                    request, _too_big(key, None, max_value_size))
             except http_guard.BodyUnreadable as e:
                 return await http_guard.answer_and_close(request, text(400, f"{e} (key {key!r})"))
             except http_guard.BodyStalled as e:

@@ -281,6 +281,24 @@ def drip_header(port, head, timeout=10.0):
     return None
 
 
+def send_head_only(port, head, timeout=20.0):
+    """A client announcing more body than it sends: sends head (a request's
+    whole header, and the first few bytes of its body) to 127.0.0.1:port,
+    then only reads.  Returns what came back until the server closed the
+    connection, and the seconds that took (past timeout: socket.timeout)."""
+    import socket
+
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.sendall(head)
+        s.settimeout(timeout)
+        t0 = time.monotonic()
+        try:
+            data = recv_to_eof(s)
+        except ConnectionResetError:
+            data = b""
+        return data, time.monotonic() - t0
+
+
 def outward_addr():
     """This host's IPv4 address towards the outside (a UDP connect sends
     nothing), or None where that is loopback or there is no route."""

@@ -15,7 +15,7 @@ import pytest
 import mooncake_connector as mc
 from mooncake_connector.metadata_server import MetadataServer, MetadataStore
 from mooncake_connector.serving import free_port
-from conftest import drip_header, http, in_threads
+from conftest import drip_header, http, in_threads, send_head_only
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -529,6 +529,25 @@ def test_repeated_query_parameter_is_a_400_naming_it(server):
         assert "/metadata?key=" in err["error"], err
     assert server.store.keys() == ["a"]
     assert http("GET", base + "?key=a") == (200, b"{}")
+
+
+def test_put_over_the_cap_is_answered_413_and_closed_at_once():
+    """A PUT announcing a body over the cap (Content-Length), or a chunked
+    one passing it, was answered 413 at once but then kept open while
+    aiohttp read and dropped up to 10 s more of the body; now the
+    connection closes with the answer.  The server keeps serving."""
+    with MetadataServer(max_value_size=1024) as srv:
+        head = b"PUT /metadata?key=k HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        for rest, says in ((b"Content-Length: 1000000000\r\n\r\n{\"a", b"(1000000000 bytes)"),
+                           (b"Transfer-Encoding: chunked\r\n\r\n800\r\n" + b"x" * 2048,
+                            b"(more)")):
+            data, took = send_head_only(srv.port, head + rest)
+            assert data.startswith(b"HTTP/1.1 413"), data[:300]
+            assert says in data and b"the limit is 1024 bytes" in data, data
+            assert took < 3, took  # was 10 s
+        assert srv.store.get("k") is None
+        assert http("PUT", srv.url + "?key=k", data=b"{}")[0] == 200
+        assert http("GET", srv.url + "?key=k") == (200, b"{}")
 
 
 def test_slow_header_client_is_disconnected(monkeypatch):

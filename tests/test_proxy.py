@@ -20,7 +20,7 @@ from aiohttp import web
 
 from app_thread import AppThread
 from conftest import (closing_maker, drip_header, in_threads, outward_addr, recv_to_eof,
-                      wait_until)
+                      send_head_only, wait_until)
 
 from mooncake_connector.serving import free_port
 
@@ -1181,6 +1181,28 @@ def test_stalled_body_is_answered_408_and_closed(vllm_like, proxy):
         msg = json.loads(data.split(b"\r\n\r\n", 1)[1])["error"]["message"]
         assert "body stalled" in msg and "--header-timeout" in msg, msg
     assert get_stats(url)["slow_body_closes"] == 2
+    assert p.seen == [] and d.seen == []
+    status, _ = post(url + "/v1/completions", {"model": "m", "prompt": "a b", "max_tokens": 2})
+    assert status == 200
+
+
+def test_body_over_the_cap_is_answered_413_and_closed_at_once(vllm_like, proxy):
+    """A request announcing a body over the proxy's 64 MiB cap
+    (Content-Length) was answered 413 at once but then kept open while
+    aiohttp read and dropped up to 10 s more of the body; now the
+    connection closes with the answer.  Nothing reaches the upstreams and
+    the proxy keeps serving."""
+    p, d = vllm_like("prefill"), vllm_like("decode")
+    url = proxy([p.url], [d.url])
+    port = int(url.rsplit(":", 1)[1])
+    data, took = send_head_only(port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                                      b"Content-Type: application/json\r\n"
+                                      b"Content-Length: 1000000000\r\n\r\n{\"prompt")
+    assert data.startswith(b"HTTP/1.1 413"), data[:300]
+    msg = json.loads(data.split(b"\r\n\r\n", 1)[1])["error"]["message"]
+    assert msg == f"request body is over {64 << 20} bytes, the proxy's limit", msg
+    assert took < 3, took  # was 10 s
+    assert get_stats(url)["bad_requests"] == 1
     assert p.seen == [] and d.seen == []
     status, _ = post(url + "/v1/completions", {"model": "m", "prompt": "a b", "max_tokens": 2})
     assert status == 200
