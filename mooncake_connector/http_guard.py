@@ -110,7 +110,7 @@ async def read_body(request, max_size, seconds=None):
     over max_size bytes raises aiohttp's HTTPRequestEntityTooLarge, as
     request.read() does with client_max_size (at once when the announced
     length is over it); one that does not decode, BodyUnreadable.  Answer a
-    stalled or unreadable body with answer_and_close()."""
+    body too large, stalled or unreadable with answer_and_close()."""
     seconds = seconds or HEADER_TIMEOUT_S
     length = request.content_length
     if length is not None and length > max_size:  # refused before reading it

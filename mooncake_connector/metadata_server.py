@@ -10,7 +10,9 @@ Protocol (what Mooncake's ``HTTPStoragePlugin`` and our C client send)::
     GET    /health                       200 "ok"
 
 Keys are stripped of surrounding whitespace and a blank key is refused (400),
-as Mooncake's ``mooncake_http_metadata_server`` does; every answer is
+as Mooncake's ``mooncake_http_metadata_server`` does; so is a repeated
+``key`` or ``ttl`` parameter (``?key=a&key=b``: 400 naming it, where it
+was read as its first value); every answer is
 ``application/json``, errors a JSON object ``{"error": "<why>", "status": N}``.
 PUT answers "metadata created" when the key did not exist (or had expired)
 and "metadata updated" otherwise; a client refreshing a TTL uses that to
@@ -266,6 +268,15 @@ def build_app(store: MetadataStore, path: str = DEFAULT_PATH,
                                  "'Authorization: Bearer <token>'; set MC_METADATA_TOKEN on the "
                                  "client to the server's token",
                             headers={"WWW-Authenticate": "Bearer"})
+        # One key (and at most one ttl) per request, as every client sends
+        # (Mooncake's HTTPStoragePlugin: <url>?key=<escaped key>): a repeated
+        # one is refused, not silently read as its first value.
+        for name in ("key", "ttl"):
+            n = len(request.query.getall(name, ()))
+            if n > 1:
+                return text(400, f"query parameter {name!r} is repeated ({n} times); send it "
+                                 f"once: {usage}[&ttl=<seconds>] (a client appends its own "
+                                 f"{name}= to the metadata URL: give the URL without one)")
         # Keys are stripped of surrounding whitespace, as Mooncake's server
         # does; a missing, empty or blank key is refused.
         raw = request.query.get("key")
@@ -280,14 +291,19 @@ def build_app(store: MetadataStore, path: str = DEFAULT_PATH,
                 return text(404, f"metadata not found: {key}")
             return web.Response(body=value, content_type="application/json")
         if request.method == "PUT":
-            # Refuse early on the announced length, before reading the body.
+            # Refused on the announced length before a byte of the body is
+            # read, or once a chunked body passes the cap; either way the
+            # connection is closed after the answer: aiohttp would otherwise
+            # read and drop up to 10 s more of the body first.
             length = request.content_length
             if length is not None and length > max_value_size:
-                return _too_big(key, length, max_value_size)
+                return await http_guard.answer_and_close(
+                    request, _too_big(key, length, max_value_size))
             try:
                 body = await http_guard.read_body(request, max_value_size)
             except web.HTTPRequestEntityTooLarge:
-                return _too_big(key, None, max_value_size)
+                return await http_guard.answer_and_close(
+                    request, _too_big(key, None, max_value_size))
             except http_guard.BodyUnreadable as e:
                 return await http_guard.answer_and_close(request, text(400, f"{e} (key {key!r})"))
             except http_guard.BodyStalled as e:

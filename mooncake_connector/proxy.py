@@ -342,9 +342,13 @@ class Proxy:
             return await http_guard.answer_and_close(request, _error(
                 400, str(e), "invalid_request_error"))
         except web.HTTPRequestEntityTooLarge:
+            # Refused on its Content-Length before a byte of it was read, or
+            # once a chunked body passed the cap: closed after the answer, as
+            # aiohttp would otherwise read and drop up to 10 s more of it.
             self.counts["bad_requests"] += 1
-            return _error(413, f"request body is over {MAX_BODY} bytes, the proxy's limit",
-                          "invalid_request_error")
+            return await http_guard.answer_and_close(request, _error(
+                413, f"request body is over {MAX_BODY} bytes, the proxy's limit",
+                "invalid_request_error"))
         rid = self._request_id(request)
         headers = self._headers(request, self._upstream_id(rid))
         try:

@@ -362,13 +362,22 @@ async def _relay_decode(proxy, resp, plan, dec_url, headers):
             except (ValueError, KeyError, TypeError):
                 pass
             return f"{where} answered {r.status} after the first token was sent: {text[:500]}"
-        buf = b""
+        # One pass over the bytes: each piece is appended, and only it (and
+        # the byte before it) is searched for an event's end.  (Re-joining
+        # and re-scanning the whole buffer per piece is quadratic: 4.5 s of
+        # the event loop's CPU for an event that never ends, up to the cap.)
+        buf = bytearray()
         async for data in r.content.iter_any():
+            scanned = max(len(buf) - 1, 0)  # buf holds no event's end before this
             buf += data
             out = []
-            while b"\n\n" in buf:
-                event, buf = buf.split(b"\n\n", 1)
-                line = event.strip()
+            start = 0
+            while True:
+                end = buf.find(b"\n\n", max(start, scanned))
+                if end < 0:
+                    break
+                line = bytes(buf[start:end]).strip()
+                start = end + 2
                 if not line.startswith(b"data:"):
                     continue
                 payload = line[5:].strip()
@@ -392,6 +401,7 @@ async def _relay_decode(proxy, resp, plan, dec_url, headers):
                     msg = e.get("message") if isinstance(e, dict) else e
                     return f"{where} failed after the first token was sent: {msg}"
                 out.append(chunk)
+            del buf[:start]
             if out:
                 await _write(resp, b"".join(out))
             if len(buf) > MAX_EVENT:

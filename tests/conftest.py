@@ -190,6 +190,28 @@ def sigstop(pid, timeout=5.0):
     assert wait_until(stopped, timeout=timeout, step=0.001), f"process {pid} did not stop"
 
 
+def stop_peer_mid_batch(waiter, victim, start, landed, finished, what, tries=5):
+    """Stops peer `victim` while a background batch on peer `waiter` is
+    under way: start() resets the landing area and starts the batch (bg=True),
+    landed() says its first block landed; victim is then SIGSTOPped and can
+    end the batch no more, only its death can.  Should the batch still have
+    ended before the stop (it raced ahead; a fixed sleep did on loaded
+    hosts), checks it ended as `finished` (waiter's bg_result), resumes
+    victim and tries again, `tries` times in all; then fails the test, never
+    skips it.  Returns with victim stopped and the batch running."""
+    import signal
+    for _ in range(tries):
+        start()
+        assert wait_until(landed, timeout=10, step=0.001), f"the {what}'s first block never landed"
+        sigstop(victim.pid)
+        r = waiter.call(cmd="bg_result", wait=0.3)
+        if r.get("running"):
+            return
+        assert r == finished, r
+        os.kill(victim.pid, signal.SIGCONT)
+    pytest.fail(f"the {what} ended before its peer stopped, {tries} times")
+
+
 def in_threads(fn, n):
     """fn(0) .. fn(n - 1), each in a thread of its own, all at once; returns
     when every one has ended."""
@@ -257,6 +279,24 @@ def drip_header(port, head, timeout=10.0):
             except ConnectionResetError:
                 return time.monotonic() - t0
     return None
+
+
+def send_head_only(port, head, timeout=20.0):
+    """A client announcing more body than it sends: sends head (a request's
+    whole header, and the first few bytes of its body) to 127.0.0.1:port,
+    then only reads.  Returns what came back until the server closed the
+    connection, and the seconds that took (past timeout: socket.timeout)."""
+    import socket
+
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.sendall(head)
+        s.settimeout(timeout)
+        t0 = time.monotonic()
+        try:
+            data = recv_to_eof(s)
+        except ConnectionResetError:
+            data = b""
+        return data, time.monotonic() - t0
 
 
 def outward_addr():

@@ -5,15 +5,13 @@ import random
 import signal
 import socket
 import struct
-import subprocess
-import sys
 import time
 
 import pytest
 
 import mooncake_connector as mc
 
-from conftest import PEER, sigstop, wait_until
+from conftest import stop_peer_mid_batch
 
 BLK = 64 << 10
 
@@ -185,19 +183,11 @@ def test_peer_killed_mid_batch(peers, op):
     # was: else b can stop before its HELLO_ACK is read, and the kill ends
     # the batch in a refused redial.
     assert a.call(cmd=op, target=b.segment, blocks=blocks[:16]) == {"ok": True}
-    for _ in range(5):
+    def start():
         dst.call(cmd="zero")
         a.call(cmd=op, bg=True, target=b.segment, blocks=blocks, timeout=30)
-        assert wait_until(lambda: dst.call(cmd="crc", off=0, len=BLK) == first,
-                          timeout=10, step=0.001)
-        sigstop(b.pid)
-        r = a.call(cmd="bg_result", wait=0.3)
-        if r.get("running"):
-            break
-        assert r == {"ok": True}, r
-        os.kill(b.pid, signal.SIGCONT)
-    else:
-        pytest.fail("the batch ended before its peer stopped, 5 times")
+    stop_peer_mid_batch(a, b, start, lambda: dst.call(cmd="crc", off=0, len=BLK) == first,
+                        {"ok": True}, "batch")
     os.kill(b.pid, signal.SIGKILL)
     t = time.time()
     r = a.call(cmd="bg_result", wait=30)

@@ -6,7 +6,7 @@ import signal
 import time
 
 import pytest
-from conftest import TRANSPORTS, sigstop, wait_until
+from conftest import TRANSPORTS, stop_peer_mid_batch
 
 on_every_transport = pytest.mark.parametrize("transport", TRANSPORTS, indirect=True)
 BB = 16 << 10  # bytes per KV block in these tests
@@ -234,20 +234,12 @@ def test_producer_killed_mid_recv(peers):
     # end the recv then, only its death can.  (A 50 ms sleep before the kill
     # let the recv finish first in 1 of 6 runs on an idle 2-core host: the
     # test skipped.)  Should the recv still end before the stop, again.
-    for _ in range(5):
+    def start():
         cons.call(cmd="zero")
         cons.call(cmd="recv_kv", bg=True, producer=prod.segment, tokens=t,
                   slots=list(range(n)), block_bytes=bb, timeout=30)
-        assert wait_until(lambda: cons.call(cmd="crc", off=0, len=bb) == first,
-                          timeout=10, step=0.001)
-        sigstop(prod.pid)
-        r = cons.call(cmd="bg_result", wait=0.3)
-        if r.get("running"):
-            break
-        assert r == {"matched": n * BS}, r
-        os.kill(prod.pid, signal.SIGCONT)
-    else:
-        pytest.fail("the recv ended before its producer stopped, 5 times")
+    stop_peer_mid_batch(cons, prod, start, lambda: cons.call(cmd="crc", off=0, len=bb) == first,
+                        {"matched": n * BS}, "recv")
     os.kill(prod.pid, signal.SIGKILL)
     t0 = time.time()
     r = cons.call(cmd="bg_result", wait=30)

@@ -15,7 +15,7 @@ import pytest
 import mooncake_connector as mc
 from mooncake_connector.metadata_server import MetadataServer, MetadataStore
 from mooncake_connector.serving import free_port
-from conftest import drip_header, http, in_threads
+from conftest import drip_header, http, in_threads, send_head_only
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -510,6 +510,44 @@ def test_http_edges_match_mooncakes_server(server):
         assert r.headers["Content-Type"].startswith("application/json")
     assert http("DELETE", base + "?key=%20blank")[0] == 200
     assert server.store.get("blank") is None
+
+
+def test_repeated_query_parameter_is_a_400_naming_it(server):
+    """?key=a&key=b was served as key a (the second silently dropped); a
+    repeated key or ttl is now a 400 naming the parameter, and nothing is
+    stored or deleted."""
+    import json
+    base = f"http://127.0.0.1:{server.port}/metadata"
+    assert http("PUT", base + "?key=a", data=b"{}")[0] == 200
+    for method, q, name in (("GET", "?key=a&key=b", "key"), ("DELETE", "?key=a&key=a", "key"),
+                            ("PUT", "?key=b&key=c", "key"), ("PUT", "?key=b&ttl=5&ttl=9", "ttl"),
+                            ("GET", "?key=&key=a", "key")):
+        status, body = http(method, base + q, data=b"{}" if method == "PUT" else None)
+        err = json.loads(body)
+        assert status == 400 and err["status"] == 400, (q, body)
+        assert f"query parameter '{name}' is repeated (2 times)" in err["error"], err
+        assert "/metadata?key=" in err["error"], err
+    assert server.store.keys() == ["a"]
+    assert http("GET", base + "?key=a") == (200, b"{}")
+
+
+def test_put_over_the_cap_is_answered_413_and_closed_at_once():
+    """A PUT announcing a body over the cap (Content-Length), or a chunked
+    one passing it, was answered 413 at once but then kept open while
+    aiohttp read and dropped up to 10 s more of the body; now the
+    connection closes with the answer.  The server keeps serving."""
+    with MetadataServer(max_value_size=1024) as srv:
+        head = b"PUT /metadata?key=k HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        for rest, says in ((b"Content-Length: 1000000000\r\n\r\n{\"a", b"(1000000000 bytes)"),
+                           (b"Transfer-Encoding: chunked\r\n\r\n800\r\n" + b"x" * 2048,
+                            b"(more)")):
+            data, took = send_head_only(srv.port, head + rest)
+            assert data.startswith(b"HTTP/1.1 413"), data[:300]
+            assert says in data and b"the limit is 1024 bytes" in data, data
+            assert took < 3, took  # was 10 s
+        assert srv.store.get("k") is None
+        assert http("PUT", srv.url + "?key=k", data=b"{}")[0] == 200
+        assert http("GET", srv.url + "?key=k") == (200, b"{}")
 
 
 def test_slow_header_client_is_disconnected(monkeypatch):

@@ -6,6 +6,7 @@ the proxy are the end-to-end issue's tests."""
 import asyncio
 import collections
 import json
+import os
 import re
 import socket
 import subprocess
@@ -20,7 +21,7 @@ from aiohttp import web
 
 from app_thread import AppThread
 from conftest import (closing_maker, drip_header, in_threads, outward_addr, recv_to_eof,
-                      wait_until)
+                      send_head_only, wait_until)
 
 from mooncake_connector.serving import free_port
 
@@ -106,6 +107,7 @@ def proxy():
         assert m, line + p.stderr.read()
         return f"http://127.0.0.1:{m.group(1)}"
 
+    start.procs = procs  # the proxies' processes, in start order
     yield start
     for p in procs:
         p.terminate()
@@ -254,23 +256,32 @@ def _vllm_app(u):
             return web.json_response({"error": {"message": "decode overloaded"}}, status=503)
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
+
+        async def write(data):
+            if not getattr(u, "split", False):
+                return await resp.write(data)
+            # Each event in three pieces, one of them between its two "\n".
+            for piece in (data[:len(data) // 2], data[len(data) // 2:-1], data[-1:]):
+                await resp.write(piece)
+                await asyncio.sleep(0.02)
+
         for i, t in enumerate(out):
             c = {"index": 0, "text": f"t{t} ", "token_ids": [t], "logprobs": None,
                  "finish_reason": "length" if i == mt - 1 else None, "stop_reason": None,
                  "prompt_token_ids": prompt if i == 0 else None}
-            await resp.write(b"data: " + json.dumps({"id": "dec", "object": "text_completion",
-                                                      "created": 9, "model": "m",
-                                                      "choices": [c]}).encode() + b"\n\n")
+            await write(b"data: " + json.dumps({"id": "dec", "object": "text_completion",
+                                                 "created": 9, "model": "m",
+                                                 "choices": [c]}).encode() + b"\n\n")
             if u.decode_fail == "drop":
                 request.transport.close()
                 return resp
             if u.decode_fail == "stall":
                 await asyncio.sleep(4)
         if (body.get("stream_options") or {}).get("include_usage"):
-            await resp.write(b"data: " + json.dumps({"id": "dec", "choices": [], "usage": {
+            await write(b"data: " + json.dumps({"id": "dec", "choices": [], "usage": {
                 "prompt_tokens": len(prompt), "completion_tokens": mt,
                 "total_tokens": len(prompt) + mt}}).encode() + b"\n\n")
-        await resp.write(b"data: [DONE]\n\n")
+        await write(b"data: [DONE]\n\n")
         return resp
 
     return models, complete
@@ -285,7 +296,8 @@ def vllm_like():
                                   finish=kw.get("finish", "length"),
                                   decode_fail=kw.get("decode_fail"),
                                   slow=kw.get("slow", 0),  # s before a non-streamed answer
-                                  first_text=kw.get("first_text"))  # a max_tokens=1 answer's
+                                  first_text=kw.get("first_text"),  # a max_tokens=1 answer's
+                                  split=kw.get("split", False))  # stream events in pieces
         models, complete = _vllm_app(u)
         u.app = AppThread([("POST", "/v1/completions", complete),
                            ("POST", "/v1/chat/completions", complete),
@@ -339,6 +351,31 @@ def test_first_token_from_prefill_completions(vllm_like, proxy):
     assert lat["to_prefill_answer_ms"]["n"] == 1 and lat["to_prefill_answer_ms"]["p50"] > 0
     step = lat["prefill_answer_to_first_chunk_ms"]
     assert step["n"] == 1 and 0 < step["p50"] < lat["to_prefill_answer_ms"]["p50"] + 1000
+
+
+def test_decode_events_split_across_reads_are_joined(vllm_like, proxy):
+    """The decode leg's events reach the proxy in pieces (one of them
+    between an event's two newlines): the client gets the same answer as
+    when each event comes whole."""
+    p, d = vllm_like("prefill"), vllm_like("decode", split=True)
+    url = proxy([p.url], [d.url])
+    for chat in (False, True):
+        body = {"model": "m", "max_tokens": 5, "stream": True,
+                "stream_options": {"include_usage": True}}
+        body.update({"messages": [{"role": "user", "content": "a b c"}]} if chat
+                    else {"prompt": "a b c"})
+        status, data = post(url + ("/v1/chat/completions" if chat else "/v1/completions"), body,
+                            raw=True)
+        ev = sse_events(data)
+        assert status == 200 and ev[-1] == "[DONE]", ev
+        assert all("error" not in e for e in ev[:-1]), ev
+        key = "delta" if chat else "text"
+        text = "".join((c[key].get("content") or "") if chat else c[key]
+                       for e in ev[:-1] for c in e["choices"])
+        n = 5 if chat else 3  # prompt tokens: chat adds two
+        assert text == "".join(f"t{100 + n + i} " for i in range(5)), ev
+        assert ev[-2]["usage"]["completion_tokens"] == 5, ev
+    assert get_stats(url)["stream_errors_after_first_token"] == 0
 
 
 def test_first_token_from_prefill_chat_is_rewrapped(vllm_like, proxy):
@@ -443,6 +480,75 @@ def test_decode_event_that_is_no_completion_chunk_ends_with_an_error_event(vllm_
         err = ev[-2]["error"]["message"]
         assert f"decode instance {d.url}" in err and "not a completion chunk" in err, err
         assert ev[-1] == "[DONE]", ev
+        assert get_stats(url)["stream_errors_after_first_token"] == 1
+    finally:
+        d.close()
+
+
+def _cpu_seconds(pid):
+    """CPU time (user + system) process pid has used, in seconds."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_decode_event_without_an_end_is_cut_at_the_cap(vllm_like, proxy):
+    """A decode leg that, after the first token went out, sends one event
+    that never ends (a data line, then no blank line: 1 MiB pieces until its
+    writes fail) ends the client's stream with an error event naming the
+    decode instance and the 64 MiB cap, then [DONE], in well under a
+    second's work: the proxy stops reading there (closes the connection),
+    so the decode side cannot write much past the cap, and the proxy's
+    memory stays bounded.  Before, the proxy re-joined and re-scanned its
+    whole buffer for each piece it read: seconds of its event loop's CPU to
+    reach the cap (quadratic in it), every other client stalled meanwhile."""
+    from mooncake_connector.proxy_first_token import MAX_EVENT
+    p = vllm_like("prefill")
+    piece = b"x" * (1 << 20)
+    sent = {"bytes": 0, "closed": False}
+
+    async def models(request):
+        return web.json_response({"data": [{"id": "m", "max_model_len": 100}]})
+
+    async def complete(request):
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b'data: {"choices": [{"index": 0, "text": "')
+        try:
+            while sent["bytes"] < 16 * MAX_EVENT:  # far past the cap: the proxy must stop it
+                await resp.write(piece)
+                sent["bytes"] += len(piece)
+        except (ConnectionError, RuntimeError):
+            sent["closed"] = True
+        return resp
+
+    d = AppThread([("POST", "/v1/completions", complete), ("GET", "/v1/models", models)])
+    try:
+        url = proxy([p.url], [d.url])
+        req = urllib.request.Request(
+            url + "/v1/completions", method="POST", headers={"Content-Type": "application/json"},
+            data=json.dumps({"model": "m", "prompt": "a b", "max_tokens": 4,
+                             "stream": True}).encode())
+        pid = proxy.procs[-1].pid
+        t, cpu = time.monotonic(), _cpu_seconds(pid)
+        with urllib.request.urlopen(req, timeout=120) as r:
+            status, data = r.status, r.read()
+        took, cpu = time.monotonic() - t, _cpu_seconds(pid) - cpu
+        ev = sse_events(data)
+        assert status == 200 and ev[0]["choices"][0]["text"] == "t102 ", ev
+        err = ev[-2]["error"]["message"]
+        assert f"decode instance {d.url}" in err, err
+        assert f"sent over {MAX_EVENT >> 20} MiB without an event's end" in err, err
+        assert ev[-1] == "[DONE]", ev
+        print(f"{took:.2f} s, {cpu:.2f} s of the proxy's CPU")
+        # Were 12 to 30 s, 4.3 to 4.5 s of CPU (a loaded 2-core host); now
+        # 1 to 2 s, 0.15 s of CPU there.
+        assert took < 10 and cpu < 1.5, (took, cpu)
+        assert wait_until(lambda: sent["closed"], 10), sent
+        assert sent["bytes"] < MAX_EVENT + (32 << 20), sent  # the cap and socket buffers
+        with open(f"/proc/{pid}/status") as f:
+            peak = int(f.read().split("VmHWM:")[1].split()[0]) << 10
+        assert peak < 6 * MAX_EVENT, peak  # ~110 MB; 1 GiB came had it read all that was sent
         assert get_stats(url)["stream_errors_after_first_token"] == 1
     finally:
         d.close()
@@ -1181,6 +1287,28 @@ def test_stalled_body_is_answered_408_and_closed(vllm_like, proxy):
         msg = json.loads(data.split(b"\r\n\r\n", 1)[1])["error"]["message"]
         assert "body stalled" in msg and "--header-timeout" in msg, msg
     assert get_stats(url)["slow_body_closes"] == 2
+    assert p.seen == [] and d.seen == []
+    status, _ = post(url + "/v1/completions", {"model": "m", "prompt": "a b", "max_tokens": 2})
+    assert status == 200
+
+
+def test_body_over_the_cap_is_answered_413_and_closed_at_once(vllm_like, proxy):
+    """A request announcing a body over the proxy's 64 MiB cap
+    (Content-Length) was answered 413 at once but then kept open while
+    aiohttp read and dropped up to 10 s more of the body; now the
+    connection closes with the answer.  Nothing reaches the upstreams and
+    the proxy keeps serving."""
+    p, d = vllm_like("prefill"), vllm_like("decode")
+    url = proxy([p.url], [d.url])
+    port = int(url.rsplit(":", 1)[1])
+    data, took = send_head_only(port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                                      b"Content-Type: application/json\r\n"
+                                      b"Content-Length: 1000000000\r\n\r\n{\"prompt")
+    assert data.startswith(b"HTTP/1.1 413"), data[:300]
+    msg = json.loads(data.split(b"\r\n\r\n", 1)[1])["error"]["message"]
+    assert msg == f"request body is over {64 << 20} bytes, the proxy's limit", msg
+    assert took < 3, took  # was 10 s
+    assert get_stats(url)["bad_requests"] == 1
     assert p.seen == [] and d.seen == []
     status, _ = post(url + "/v1/completions", {"model": "m", "prompt": "a b", "max_tokens": 2})
     assert status == 200
