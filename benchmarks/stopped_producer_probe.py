@@ -500,8 +500,20 @@ def pack_logs(logs, out):
         print(f"logs not packed: {e}", flush=True)
 
 
+class Interrupted(Exception):
+    pass
+
+
+def _on_sigterm(signum, frame):
+    # timeout(1) or a lease's end: the servers are stopped (a SIGSTOPped
+    # prefill continued first: it would not act on its parent-death SIGTERM)
+    # and what was measured is written, as for any failure.
+    raise Interrupted(f"signal {signum} (SIGTERM) during the run")
+
+
 def main(argv=None):
     args = parse_args(argv)
+    signal.signal(signal.SIGTERM, _on_sigterm)
     from mooncake_connector import tiny_model
     from mooncake_connector.deployment import Deployment
     from mooncake_connector.serving import StartError
@@ -559,6 +571,7 @@ def main(argv=None):
         probe.check("probe ran to its end", False, repr(e)[:2000])
         rc = rc or 1
     finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the stop below runs to its end
         if dep.prefill.proc is not None and dep.prefill.alive:
             from mooncake_connector import serving
             serving._killpg(dep.prefill.proc.pid, signal.SIGCONT)  # stop() needs it running
