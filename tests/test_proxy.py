@@ -1041,6 +1041,9 @@ def test_unusable_request_ids_are_replaced(upstreams, tmp_path, flow):
                     assert used == good.decode(), (used, stream)
                 else:
                     assert re.fullmatch(r"mc-[0-9a-f]{32}", used or ""), (rid[:20], used)
+                # Flow push sends both legs at once and answers from decode:
+                # the prefill leg may reach its upstream after the answer.
+                wait_until(lambda: len(p.seen) + len(d.seen) >= 2, 10)
                 legs = p.seen + d.seen
                 assert len(legs) == 2 and all(leg["rid"] == used for leg in legs), legs
                 if flow == "push":
