@@ -443,6 +443,38 @@ def test_idle_wait_zero_never_waits(sides):
     assert time.monotonic() - t0 < 0.3 and "z" not in p.sent
 
 
+def test_async_scheduling_loads_in_the_background(model_dir, urls):  # noqa: F811
+    """vLLM's asynchronous scheduling on (a GPU server's default): the same
+    remote hit as test_remote_hit_loads_in_the_step_without_extra_steps goes
+    in the background (WAITING_FOR_REMOTE_KVS), not inside the step: vLLM
+    cannot recover a failed in-step load under async scheduling (its
+    scheduler truncates the computed tokens the already scheduled next step
+    still counts; on an H100 the decode's engine died of a device-side
+    assert).  The bytes still arrive; loads_in_step 0."""
+    made = []
+
+    def side(role, **kw):
+        made.append(Side(model_dir, role, dict(urls), block_size=BS, **kw))
+        return made[-1]
+    try:
+        p, d = side("kv_producer"), side("kv_consumer", async_scheduling=True)
+        t = toks(52, 5 * BS + 3)
+        prefill(p, "i", t)
+        d.add(make_request("i", t, max_tokens=3))
+        d.step()
+        assert d.run_until(lambda: "i" in d.recvd or "i" in d.computed, steps=2000)
+        assert "i" in d.recvd, "not loaded in the background"
+        assert d.block_matches_pattern("i", t, 5)          # the producer's bytes
+        assert d.run_until(lambda: "i" not in d.sched.requests)
+        assert not d.invalid
+        st = _stats(d)
+        assert st["loads"] == 1 and st.get("loads_in_step", 0) == 0, st
+        assert st["load_tokens"] == 5 * BS, st
+    finally:
+        for s_ in made:
+            s_.close()
+
+
 @pytest.mark.parametrize("in_step", [True, False], ids=["in-step", "async"])
 def test_failed_load_recomputes(sides, urls, in_step):
     """The params name a producer that is gone (flow B: no probe first)."""

@@ -137,7 +137,7 @@ def side_maker(model_dir, urls, **side_kw):
     def make(role, **extra):
         hooks = {k: extra.pop(k) for k in ("die_after_layer", "pause_after_layer", "hold_at_end",
                                            "hold_after_layer",
-                                           "cudagraph_mode")
+                                           "cudagraph_mode", "async_scheduling")
                  if k in extra}
         return AttnSide(model_dir, role, {**urls, **extra}, block_size=BS, **hooks, **side_kw)
 
@@ -873,6 +873,35 @@ def test_full_graph_step_takes_the_whole_prompt_push(sides, mode, n):
         run.join()
     assert p.run_until(lambda: p.is_empty(), steps=500) and d.is_empty()
     assert recomputes(d) == {} and counted(d, "push_layer_load_cudagraph") == 1
+
+
+def test_async_scheduling_takes_the_whole_prompt_push(sides):
+    """vLLM's asynchronous scheduling on (a GPU server's default): vLLM cannot
+    recover a failed in-step load under it (the H100 run of
+    stopped_producer_probe.py: a layer load that timed out on a stopped
+    producer killed the decode's engine, a device-side assert in the next
+    step).  So a layer load asked for per request waits as a whole-prompt
+    push (WAITING_FOR_REMOTE_KVS: in the background, its failure is the
+    async load's, which vLLM recovers), counted push_layer_load_async_sched;
+    the KV lands whole, nothing recomputed, no in-step load."""
+    p = sides("kv_producer")
+    d = sides("kv_consumer", flow_a=False, async_scheduling=True)
+    t = toks(63, 4 * BS + 3)
+    run = _legs_layer_load(p, d, "A1", t, 2)
+    try:
+        so = d.step()
+        assert "q" not in so.num_scheduled_tokens, so.num_scheduled_tokens
+        assert status(d, "q") == RequestStatus.WAITING_FOR_REMOTE_KVS
+        assert d.run_until(lambda: "q" in d.recvd, steps=20000)
+        assert not d.invalid
+        assert d.run_until(lambda: "q" not in d.sched.requests, steps=50)
+    finally:
+        run.join()
+    assert p.run_until(lambda: p.is_empty(), steps=500) and d.is_empty()
+    assert recomputes(d) == {} and counted(d, "push_layer_load_async_sched") == 1
+    c = counters(d)
+    assert c.get("push_layer_loads", 0) == 0 and c.get("loads_in_step", 0) == 0, c
+    assert c.get("push_loads") == 1, c
 
 
 def test_a_step_whose_layer_waits_were_skipped_is_recomputed(sides):

@@ -104,7 +104,7 @@ class Side:
 
     def __init__(self, model_dir, role, extra, num_blocks=64, block_size=16, tp=1,
                  sliding_window=None, pp=1, prefix_caching=False, max_batched=512,
-                 long_prefill=0, cudagraph_mode=None):
+                 long_prefill=0, cudagraph_mode=None, async_scheduling=False):
         """sliding_window: layer 1 is a sliding-window layer in its own
         KV-cache group (vLLM's hybrid KV-cache manager, SupportsHMA).
         pp: pipeline stages; stage s holds layer s (LAYERS == 2).
@@ -113,13 +113,18 @@ class Side:
         long_prefill: long_prefill_token_threshold (a prefill's chunk cap).
         cudagraph_mode: vLLM's CUDAGraphMode as a CUDA server's config has it
         (no --enforce-eager) when its connector starts; the stand-in forward
-        is the same (the tests say which step a FULL replay would be)."""
+        is the same (the tests say which step a FULL replay would be).
+        async_scheduling: vLLM's asynchronous scheduling on in the config the
+        connector starts with, as on a GPU server (vLLM's CPU backend turns
+        it off); the stand-in steps stay synchronous."""
         self.cfg = make_config(model_dir, role, extra, block_size,
                                prefix_caching=prefix_caching, max_batched=max_batched,
                                long_prefill=long_prefill)
         if cudagraph_mode is not None:
             self.cfg.compilation_config.cudagraph_mode = cudagraph_mode
             self.cfg.model_config.enforce_eager = False
+        if async_scheduling:
+            self.cfg.scheduler_config.async_scheduling = True
         self.cfg.parallel_config.tensor_parallel_size = tp
         self.cfg.parallel_config.pipeline_parallel_size = pp
         self.tp = tp * pp  # workers that must all report a request finished

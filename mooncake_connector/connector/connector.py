@@ -130,6 +130,19 @@ def _dp(vllm_config):
     return rank if isinstance(rank, int) and rank >= 0 else 0
 
 
+def async_scheduling_on(vllm_config):
+    """Whether vLLM schedules this instance's steps asynchronously (the next
+    step scheduled before this one's output is back: vLLM >= 0.2x's default on
+    GPUs; its CPU backend turns it off).  vLLM cannot recover a failed
+    in-step load then: its scheduler truncates the request's computed tokens
+    while the next step, already scheduled, still counts them, and the
+    engine dies (seen on an H100: a device-side assert in the gather of the
+    next step; vLLM issue #34484).  So such a consumer loads in the background
+    only (scheduler.py)."""
+    sc = getattr(vllm_config, "scheduler_config", None)
+    return getattr(sc, "async_scheduling", False) is True
+
+
 def cudagraph_facts(vllm_config):
     """How vLLM will run this instance's forwards, as far as the connector's
     per-layer hooks care (docs/connector.md, "CUDA graphs"): (mixed batches
@@ -207,7 +220,8 @@ class MooncakeConnector(KVConnectorBase_V1, SupportsHMA):
                                             probe=probe,
                                             groups=len(getattr(kv_cache_config,
                                                                "kv_cache_groups", None) or [0]),
-                                            graphs=cudagraph_facts(vllm_config))
+                                            graphs=cudagraph_facts(vllm_config),
+                                            async_scheduling=async_scheduling_on(vllm_config))
         else:
             from mooncake_connector.connector.worker import WorkerSide
             nb = getattr(kv_cache_config, "num_blocks", None) if kv_cache_config else None

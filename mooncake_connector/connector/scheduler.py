@@ -42,6 +42,13 @@ PROBE_GRACE_S = 0.1  # a probe pending this much past lookup_timeout_s is a miss
 PENDING = object()   # _known_size: the producer's answer is not in yet
 TRACE = os.environ.get("MC_PUSH_TRACE") == "1"  # log push layer loads' timelines
 _GRAPH_WARNED = False  # _graph_safe's warning: once per process
+_ASYNC_SAID = set()  # async scheduling's notes: each once per process
+
+
+def _log_async_once(msg, level=logging.INFO):
+    if msg not in _ASYNC_SAID:
+        _ASYNC_SAID.add(msg)
+        logger.log(level, msg)
 
 
 def bytes_per_block(kv_cache_config):
@@ -55,8 +62,14 @@ def bytes_per_block(kv_cache_config):
 
 class SchedulerSide:
     def __init__(self, settings, block_size, tp_size, kv_cache_manager_getter,
-                 block_bytes=None, probe=None, groups=1, graphs=(False, False, 1)):
+                 block_bytes=None, probe=None, groups=1, graphs=(False, False, 1),
+                 async_scheduling=False):
         self.s = settings
+        # vLLM's async scheduling (connector.async_scheduling_on): no in-step
+        # loads, whose failure vLLM cannot recover then; every load goes in
+        # the background (WAITING_FOR_REMOTE_KVS) and a layer load is taken
+        # as a whole-prompt push.
+        self.async_scheduling = async_scheduling
         # connector.cudagraph_facts: (mixed batches replay FULL CUDA graphs,
         # uniform decode batches do, the uniform decode query length)
         self.graphs = graphs
@@ -324,6 +337,14 @@ class SchedulerSide:
         nbytes = None if self.block_bytes is None else \
             (held - num_computed_tokens) // self.block_size * self.block_bytes
         sync = nbytes is not None and nbytes <= self.s.sync_load_max_bytes
+        if sync and self.async_scheduling:
+            sync = False
+            _log_async_once("MooncakeConnector: loads go in the background "
+                            "(WAITING_FOR_REMOTE_KVS), not in the step that computes the "
+                            "prompt's rest: vLLM's asynchronous scheduling is on, and vLLM "
+                            "cannot recover a failed in-step load under it (its engine dies); "
+                            "--no-async-scheduling on this server brings in-step loads back "
+                            "(docs/connector.md, Asynchronous scheduling)")
         producer_holds = held > 0
         if sync:
             # The step must compute >= 1 token: a block-aligned prompt leaves
@@ -351,6 +372,21 @@ class SchedulerSide:
         if not (on if isinstance(on, bool) else self.s.push_layer_load) or self.groups != 1:
             return 0
         rid = request.request_id
+        if self.async_scheduling:
+            # A layer load is an in-step load: under vLLM's async scheduling
+            # its failure (a stopped or slow prefill, an abort) kills the
+            # engine.  The whole-prompt push instead; counted, logged once.
+            if rid not in self._busy:
+                self._busy.add(rid)
+                self.stats.add("push_layer_load_async_sched")
+                _log_async_once("MooncakeConnector: push_layer_load requests take the "
+                                "whole-prompt push on this server: vLLM's asynchronous "
+                                "scheduling is on, and vLLM cannot recover a failed in-step "
+                                "load under it (its engine dies); start the decode server "
+                                "with --no-async-scheduling for layer loads.  Counted "
+                                "vllm:mooncake_push_layer_load_async_sched_total",
+                                level=logging.WARNING)
+            return 0
         others = len(self._batch - {rid})
         if others > self.s.push_layer_load_max_batch:
             # Every request of the step would wait with this one, layer by

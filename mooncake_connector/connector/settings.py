@@ -119,7 +119,10 @@ KNOBS = {  # extra-config key: (type, default, meaning)
                         "request of that step waits with it (docs/connector.md, Layer load). "
                         "Per request: kv_transfer_params \"push_layer_load\". True here "
                         "also makes vLLM use PIECEWISE CUDA graphs, not FULL ones (a FULL "
-                        "replay calls no wait_for_layer_load)"),
+                        "replay calls no wait_for_layer_load).  Under vLLM's asynchronous "
+                        "scheduling (its GPU default) a layer load is taken as the "
+                        "whole-prompt push (counted): start the decode with "
+                        "--no-async-scheduling"),
     "push_layer_load_max_batch": (int, 0, "consumer, push_layer_load: schedule a layer load "
                                   "only while the decode's previous step ran at most this "
                                   "many other requests (each would stall with it, layer by "

@@ -26,7 +26,7 @@ COUNTERS = ("loads", "loads_in_step", "loads_failed", "load_bytes", "load_bytes_
             "load_tokens_missed", "publishes", "publish_failed", "publish_bytes",
             "sends_finished", "sends_expired", "push_loads", "push_sends", "push_bytes",
             "push_failed", "push_layer_loads", "push_producer_lost", "push_layer_load_busy",
-            "push_layer_load_cudagraph",
+            "push_layer_load_cudagraph", "push_layer_load_async_sched",
             "push_target_resends", "push_fence_cuts", "push_fence_holds",
             "push_untargeted_cancels",
             "push_bytes_same_host_cpu", "push_gate_host_batches", "malloc_trims",
@@ -156,6 +156,10 @@ PROM_COUNTERS = {
                                   "Consumer: push_layer_load requests taken as whole-prompt "
                                   "pushes because their step would replay a FULL CUDA graph, "
                                   "where vLLM skips wait_for_layer_load"),
+    "push_layer_load_async_sched": ("vllm:mooncake_push_layer_load_async_sched_total",
+                                    "Consumer: push_layer_load requests taken as whole-prompt "
+                                    "pushes because vLLM's asynchronous scheduling is on "
+                                    "(vLLM cannot recover a failed in-step load under it)"),
     "push_producer_lost": ("vllm:mooncake_push_producer_lost_total",
                            "Consumer: push loads that stopped waiting at once because the "
                            "producer's connection was lost"),
