@@ -772,6 +772,13 @@ def main(argv=None):
     model = tiny_model.build(**overrides)
     workdir = args.workdir or tempfile.mkdtemp(prefix="mc-serving-bench-")
 
+    # A CUDA decode takes layer loads only without vLLM's asynchronous
+    # scheduling (docs/connector.md, "Asynchronous scheduling"): with
+    # push_layer_load asked for, the decode starts with --no-async-scheduling,
+    # as a user who wants layer loads runs it (the colocated server keeps
+    # vLLM's default).
+    decode_args = ({"decode": ["--no-async-scheduling"]}
+                   if args.device == "cuda" and "push_layer_load" in want else None)
     flows = proxy_flows()
     skipped = {}
     extra_proxies, extra_body = {}, {}
@@ -810,7 +817,8 @@ def main(argv=None):
                                  if k in want or f == "a"),
                      extra_proxies=extra_proxies, colocated_proxy=True,
                      kv_cache_bytes=args.kv_cache_mib << 20, env=dev_env,
-                     extra_vllm_args=dev_args, colocated_cached="colocated_cached" in want)
+                     extra_vllm_args=dev_args, colocated_cached="colocated_cached" in want,
+                     side_args=decode_args)
     router = None
     if "router" in want and router_site and dep.bootstrap_port:
         rport = serving.free_port()
@@ -824,6 +832,8 @@ def main(argv=None):
     where = "vLLM CPU backend" if args.device == "cpu" else (
         f"GPU 0, {args.dtype}, attention {args.attention_backend}, engine route: "
         + ("same-host GPU path" if args.gpu_path == "on" else "TCP with GPU staging"))
+    if decode_args:
+        where += "; decode --no-async-scheduling (layer loads)"
     print(f"model {model} ({kv_per_token} B of KV per token); {where}; "
           f"connector {dep.connector}; logs {dep.logs}", flush=True)
     for k, why in skipped.items():
