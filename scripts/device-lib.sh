@@ -38,3 +38,34 @@ mc_build_and_install_vllm() {
   echo "build rc=$brc install rc=$irc after $((SECONDS - t0)) s"
   [ $brc = 0 ] && [ $irc = 0 ]
 }
+
+# The serving scripts on the GPU machine (vllm-gpu-serving.sh,
+# vllm-gpu-stopped-producer.sh): the first call of a lease builds _core,
+# installs vLLM into /tmp/vllm-site and keeps the built copy in
+# /tmp/mc-gpu-serving; a later call (from a fresh carry or from that copy)
+# runs from the copy, FILE... (repository paths) copied in first where the
+# caller's differ.  Leaves the caller's shell in the copy with the build's
+# and vLLM's paths set; nonzero when the build, the install or the import
+# failed.   mc_gpu_serving_enter OUT [FILE...]
+mc_gpu_serving_enter() {
+  local out="$1" run=/tmp/mc-gpu-serving f
+  shift
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+  if [ ! -f "$run/.built" ] || [ "$PWD" != "$run" ]; then
+    if [ ! -f "$run/.built" ]; then
+      mc_unpack_debs
+      mc_build_and_install_vllm "$out" || return 1
+      rm -rf "$run" && mkdir -p "$run" && tar --exclude=./.debs -cf - . | tar -xf - -C "$run"
+      touch "$run/.built"
+    else
+      for f in "$@"; do
+        if [ -f "$f" ] && ! cmp -s "$f" "$run/$f"; then cp "$f" "$run/$f"; fi
+      done
+    fi
+    cd "$run" || return 1
+  fi
+  export CPATH=/opt/debs/usr/include LIBRARY_PATH=/opt/debs/usr/lib/x86_64-linux-gnu
+  export LD_LIBRARY_PATH=/opt/debs/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
+  export PYTHONPATH=/tmp/vllm-site:$PWD PYTHONUNBUFFERED=1
+  python3 -c 'import mooncake_connector._core as c; print("_core", c.__file__)'
+}

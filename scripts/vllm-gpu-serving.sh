@@ -29,24 +29,10 @@ case "$path" in
 esac
 shift
 out="${OUT:-/tmp/vllm-gpu-serving-out}"
-run=/tmp/mc-gpu-serving
 mkdir -p "$out"
 t0=$SECONDS
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-if [ ! -f "$run/.built" ] || [ "$PWD" != "$run" ]; then
-  if [ ! -f "$run/.built" ]; then
-    source scripts/device-lib.sh
-    mc_unpack_debs
-    mc_build_and_install_vllm "$out" || exit 1
-    rm -rf "$run" && mkdir -p "$run" && tar --exclude=./.debs -cf - . | tar -xf - -C "$run"
-    touch "$run/.built"
-  fi
-  cd "$run"
-fi
-export CPATH=/opt/debs/usr/include LIBRARY_PATH=/opt/debs/usr/lib/x86_64-linux-gnu
-export LD_LIBRARY_PATH=/opt/debs/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
-export PYTHONPATH=/tmp/vllm-site:$PWD PYTHONUNBUFFERED=1
-python3 -c 'import mooncake_connector._core as c; print("_core", c.__file__)' || exit 1
+source scripts/device-lib.sh
+mc_gpu_serving_enter "$out" || exit 1
 uptime | tee -a "$out/machine.txt"
 timeout "${MC_SERVING_TIMEOUT:-420}" python3 -P benchmarks/serving_bench.py --device cuda \
     --gpu-path "$gpu_path" --kv32k --lengths 128,512,1024,1900 --requests 10 \

@@ -23,27 +23,11 @@ case "$path" in
 esac
 shift
 out="${OUT:-/tmp/vllm-gpu-serving-out}"
-run=/tmp/mc-gpu-serving
 probe=benchmarks/stopped_producer_probe.py
 mkdir -p "$out"
 t0=$SECONDS
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-if [ ! -f "$run/.built" ] || [ "$PWD" != "$run" ]; then
-  if [ ! -f "$run/.built" ]; then
-    source scripts/device-lib.sh
-    mc_unpack_debs
-    mc_build_and_install_vllm "$out" || exit 1
-    rm -rf "$run" && mkdir -p "$run" && tar --exclude=./.debs -cf - . | tar -xf - -C "$run"
-    touch "$run/.built"
-  elif [ -f "$probe" ] && ! cmp -s "$probe" "$run/$probe"; then
-    cp "$probe" "$run/$probe"
-  fi
-  cd "$run"
-fi
-export CPATH=/opt/debs/usr/include LIBRARY_PATH=/opt/debs/usr/lib/x86_64-linux-gnu
-export LD_LIBRARY_PATH=/opt/debs/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
-export PYTHONPATH=/tmp/vllm-site:$PWD PYTHONUNBUFFERED=1
-python3 -c 'import mooncake_connector._core as c; print("_core", c.__file__)' || exit 1
+source scripts/device-lib.sh
+mc_gpu_serving_enter "$out" "$probe" || exit 1
 uptime | tee -a "$out/machine.txt"
 rm -rf "/tmp/sp-$path"
 timeout "${MC_PROBE_TIMEOUT:-420}" python3 -P "$probe" --device cuda --gpu-path "$gpu_path" \
