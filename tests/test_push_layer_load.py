@@ -860,8 +860,14 @@ def test_full_graph_step_takes_the_whole_prompt_push(sides, mode, n):
     from vllm.config import CUDAGraphMode
     p = sides("kv_producer")
     d = sides("kv_consumer", flow_a=False, cudagraph_mode=getattr(CUDAGraphMode, mode))
-    t = toks(62, n)
-    run = _legs_layer_load(p, d, "G2", t, 2)
+    _takes_the_whole_prompt_push(p, d, "G2", toks(62, n), "push_layer_load_cudagraph")
+
+
+def _takes_the_whole_prompt_push(p, d, tid, t, counter):
+    """A layer load asked for per request waits as a whole-prompt push
+    (WAITING_FOR_REMOTE_KVS: no attention waits for it), counted under
+    counter; the KV lands whole; nothing recomputed."""
+    run = _legs_layer_load(p, d, tid, t, 2)
     try:
         so = d.step()
         assert "q" not in so.num_scheduled_tokens, so.num_scheduled_tokens
@@ -872,7 +878,7 @@ def test_full_graph_step_takes_the_whole_prompt_push(sides, mode, n):
     finally:
         run.join()
     assert p.run_until(lambda: p.is_empty(), steps=500) and d.is_empty()
-    assert recomputes(d) == {} and counted(d, "push_layer_load_cudagraph") == 1
+    assert recomputes(d) == {} and counted(d, counter) == 1
 
 
 def test_async_scheduling_takes_the_whole_prompt_push(sides):
@@ -886,19 +892,7 @@ def test_async_scheduling_takes_the_whole_prompt_push(sides):
     the KV lands whole, nothing recomputed, no in-step load."""
     p = sides("kv_producer")
     d = sides("kv_consumer", flow_a=False, async_scheduling=True)
-    t = toks(63, 4 * BS + 3)
-    run = _legs_layer_load(p, d, "A1", t, 2)
-    try:
-        so = d.step()
-        assert "q" not in so.num_scheduled_tokens, so.num_scheduled_tokens
-        assert status(d, "q") == RequestStatus.WAITING_FOR_REMOTE_KVS
-        assert d.run_until(lambda: "q" in d.recvd, steps=20000)
-        assert not d.invalid
-        assert d.run_until(lambda: "q" not in d.sched.requests, steps=50)
-    finally:
-        run.join()
-    assert p.run_until(lambda: p.is_empty(), steps=500) and d.is_empty()
-    assert recomputes(d) == {} and counted(d, "push_layer_load_async_sched") == 1
+    _takes_the_whole_prompt_push(p, d, "A1", toks(63, 4 * BS + 3), "push_layer_load_async_sched")
     c = counters(d)
     assert c.get("push_layer_loads", 0) == 0 and c.get("loads_in_step", 0) == 0, c
     assert c.get("push_loads") == 1, c
