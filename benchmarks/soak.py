@@ -107,7 +107,7 @@ import time
 import urllib.request
 
 from mooncake_connector import serving
-from mooncake_connector.deployment import _port_pair, parse_metrics
+from mooncake_connector.deployment import _port_pair, scrape_metrics
 
 FAULTS = ("kill_prefill", "stop_decode", "host_prefill", "etcd_restart", "link_cut", "netem")
 # The push flows of P3, the prefill on the host (outside the namespace): the
@@ -1017,18 +1017,7 @@ GAUGES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cac
           "vllm:mooncake_loads_in_flight")
 
 
-def scrape(url, timeout=3.0):
-    status, body = serving.http_get(url + "/metrics", timeout=timeout)
-    if status != 200:
-        return None
-    vals = {}
-    for (name, labels), v in parse_metrics(body).items():
-        key = name
-        reason = dict(labels).get("reason")
-        if reason:
-            key = f"{name}{{{reason}}}"
-        vals[key] = vals.get(key, 0) + v
-    return vals
+scrape = scrape_metrics  # (url, timeout=3.0): {metric or metric{reason}: value} or None
 
 
 class Monitor(threading.Thread):

@@ -159,19 +159,8 @@ def parse_args(argv=None):
 
 def scrape(url, timeout=10.0):
     """{metric name (reason label appended as name{reason}): summed value}, or None."""
-    from mooncake_connector import serving
-    from mooncake_connector.deployment import parse_metrics
-    status, body = serving.http_get(url + "/metrics", timeout=timeout)
-    if status != 200:
-        return None
-    out = {}
-    for (name, labels), v in parse_metrics(body).items():
-        key = name
-        reason = dict(labels).get("reason")
-        if reason:
-            key = f"{name}{{{reason}}}"
-        out[key] = out.get(key, 0) + v
-    return out
+    from mooncake_connector.deployment import scrape_metrics
+    return scrape_metrics(url, timeout)
 
 
 RECOMPUTE_PREFIX = RECOMPUTES + "{"

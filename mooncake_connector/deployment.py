@@ -76,6 +76,21 @@ def metric_value(url, metric):
     return sum(v for (name, _), v in parse_metrics(body).items() if name == metric)
 
 
+def scrape_metrics(url, timeout=3.0):
+    """A server's /metrics as {name: value summed over its labels}, a
+    recompute counter per reason as name{reason}; None if it did not answer
+    200 (soak.py, stopped_producer_probe.py)."""
+    status, body = serving.http_get(url + "/metrics", timeout=timeout)
+    if status != 200:
+        return None
+    vals = {}
+    for (name, labels), v in parse_metrics(body).items():
+        reason = dict(labels).get("reason")
+        key = f"{name}{{{reason}}}" if reason else name
+        vals[key] = vals.get(key, 0) + v
+    return vals
+
+
 def parse_metrics(text):
     """Prometheus text -> {(name, frozenset(labels)): value}."""
     out = {}
