@@ -276,7 +276,7 @@ def renice(proc, value):
 
 
 def make_sets(workdir, model, extra, common, tree_b=None, label_b="tb", noasync=False,
-              env_c=None):
+              env_c=None, decode_args=()):
     """{set name: Deployment} (not started): "a", this tree's (colocated, its
     pass-through proxy, the push proxies of `extra`); with tree_b, a second
     prefill + decode + push layer-load proxy whose processes import the
@@ -286,8 +286,10 @@ def make_sets(workdir, model, extra, common, tree_b=None, label_b="tb", noasync=
     layer-load proxy again with those environment variables ("c": an A/B of
     engine knobs, MC_*, in one lease)."""
     from mooncake_connector.deployment import Deployment
+    # decode_args: every set's decode server (not "na", which has its own).
+    dside = {"side_args": {"decode": list(decode_args)}} if decode_args else {}
     deps = {"a": Deployment(workdir, model, flows=(), extra_proxies=extra,
-                            colocated_proxy=True, **common)}
+                            colocated_proxy=True, **common, **dside)}
     if tree_b:
         # Every process of this set (metadata server, servers, proxy) copies
         # os.environ when it is made: the other tree first on its path, this
@@ -303,7 +305,7 @@ def make_sets(workdir, model, extra, common, tree_b=None, label_b="tb", noasync=
                                        flows=(), colocated=False,
                                        extra_proxies={k: extra[k] for k in ("push-ll",
                                                                             "push-whole")
-                                                      if k in extra}, **common)
+                                                      if k in extra}, **common, **dside)
         finally:
             if saved is None:
                 os.environ.pop("PYTHONPATH", None)
@@ -312,7 +314,8 @@ def make_sets(workdir, model, extra, common, tree_b=None, label_b="tb", noasync=
     if env_c:
         deps["c"] = Deployment(os.path.join(workdir, "env-c"), model, flows=(),
                                colocated=False, extra_proxies={"push-ll": extra["push-ll"]},
-                               **dict(common, env={**(common.get("env") or {}), **env_c}))
+                               **dict(common, env={**(common.get("env") or {}), **env_c}),
+                               **dside)
     if noasync:
         na = ["--no-async-scheduling"]
         deps["na"] = Deployment(os.path.join(workdir, "noasync"), model, flows=(),
@@ -487,8 +490,11 @@ def main(argv=None):
         extra["push-whole"] = {"flow": "push", "extra_args": ("--push-layerwise", "on",
                                                                "--push-layer-load", "off")}
     common = dict(kv_cache_bytes=256 << 20, env=dev_env, extra_vllm_args=dev_args)
+    # A CUDA decode takes layer loads only without vLLM's asynchronous
+    # scheduling (docs/connector.md, "Asynchronous scheduling").
     deps = make_sets(workdir, model, extra, common, tree_b=args.tree_b, label_b=args.label_b,
-                     noasync=args.noasync, env_c=env_c)
+                     noasync=args.noasync, env_c=env_c,
+                     decode_args=["--no-async-scheduling"] if args.device == "cuda" else ())
     dep = deps["a"]
     urls = {}
     srv_of = {}  # mode -> the vLLM server whose histograms it reads
