@@ -665,8 +665,11 @@ class Proxy:
         return out
 
     async def stats(self, request):
-        return web.json_response(dict(self.counts, latency_ms=self.latency_summary(
-            request.query.get("raw") == "1")))
+        # request_ids_in_flight: client X-Request-Ids held now (a flow push
+        # request's until its prefill leg ended, after the client's answer)
+        return web.json_response(dict(self.counts, request_ids_in_flight=len(self._ids_in_flight),
+                                      latency_ms=self.latency_summary(
+                                          request.query.get("raw") == "1")))
 
     async def metrics(self, request):
         return web.Response(text=self.prom.render(self.counts),

@@ -28,7 +28,7 @@ from mooncake_connector.serving import free_port
 
 class Upstream(AppThread):
     def __init__(self, name, status=200, kv_params=True, error_body=None, hold=0.0,
-                 unique_ids=False):
+                 unique_ids=False, gather=0):
         self.name, self.status, self.kv_params = name, status, kv_params
         self.error_body = error_body  # bytes: a non-200 answer that is no OpenAI error
         self.seen = []
@@ -37,6 +37,10 @@ class Upstream(AppThread):
         # dies); hold: seconds each request stays in flight.
         self.hold, self.unique_ids = hold, unique_ids
         self.in_flight, self.most_in_flight = collections.Counter(), 0
+        # gather: the first requests wait (at most 10 s) until this many are
+        # in flight at once, then hold; later ones only hold (an overlap
+        # that no scheduling delay on a loaded host can undo)
+        self.gather, self.gathered = gather, None
 
         async def complete(request):
             rid = request.headers.get("X-Request-Id")
@@ -49,6 +53,15 @@ class Upstream(AppThread):
                 if self.unique_ids and self.in_flight[rid] > 1:
                     return web.json_response({"error": {"message": "duplicate request id"}},
                                              status=500)
+                if self.gather:
+                    if self.gathered is None:
+                        self.gathered = asyncio.Event()
+                    if sum(self.in_flight.values()) >= self.gather:
+                        self.gathered.set()
+                    try:
+                        await asyncio.wait_for(self.gathered.wait(), 10)
+                    except asyncio.TimeoutError:
+                        pass  # the test's overlap check tells
                 await asyncio.sleep(self.hold)
                 return await answer(request, body)
             finally:
@@ -1073,7 +1086,7 @@ def test_a_request_id_in_flight_twice_reaches_vllm_unique(upstreams, proxy, flow
     that request, counted; each answer carries the client's own id; once
     the others ended (flow push: their prefill legs too) the id goes as
     it is again."""
-    p = upstreams("prefill", hold=0.4, unique_ids=True)
+    p = upstreams("prefill", hold=0.4, unique_ids=True, gather=4)
     d = upstreams("decode", hold=0.0 if flow == "push" else 0.4, unique_ids=True)
     url = proxy([p.url], [d.url], flow=flow)
     got = {}
@@ -1096,6 +1109,10 @@ def test_a_request_id_in_flight_twice_reaches_vllm_unique(upstreams, proxy, flow
     assert sorted(ids.values())[0] == "one-id" and len(set(ids.values())) == 4, ids
     assert all(re.fullmatch(r"one-id-[0-9a-f]{8}", i) for i in sorted(ids.values())[1:]), ids
     assert get_stats(url)["request_ids_suffixed"] == 3
+    # The upstream's count drops before its answer is sent; the proxy holds
+    # the id until it read that answer (flow push: the prefill leg ends after
+    # the client's answer), so wait for the proxy itself to let it go.
+    assert wait_until(lambda: get_stats(url)["request_ids_in_flight"] == 0, 5)
     p.seen.clear()
     one(4)
     assert got[4][:2] == (200, "one-id") and wait_until(lambda: len(p.seen) == 1, 5)

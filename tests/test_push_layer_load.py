@@ -744,8 +744,64 @@ def test_resend_stops_at_the_lease(sides):
     assert 2.0 <= took < 2.0 + push.PUSH_GRACE_S + 0.5, took
     assert d.invalid
     assert d.run_until(lambda: "q" not in d.sched.requests, steps=200)
-    assert recomputes(d) == {"producer_unreachable": 1}, recomputes(d)  # its sends failed
+    # its sends timed out (each may have arrived: nothing proves the producer
+    # gone), so the lease ran out: timed_out, as a stopped producer's
+    assert recomputes(d) == {"timed_out": 1}, recomputes(d)
     assert d.is_empty()
+
+
+STOP_CHILD = """
+import json, sys, time
+sys.path.insert(0, sys.argv[1])
+from test_push_layer_load import AttnSide, BS, pp, make_request, toks
+p = AttnSide(sys.argv[2], "kv_producer", json.loads(sys.argv[3]), block_size=BS)
+t = toks(int(sys.argv[4]), 3 * BS + 4)
+added = False
+print("ready", flush=True)
+while True:
+    if not added and "W1" in p.worker._worker.push_p.early:
+        p.add(make_request("pw", t, max_tokens=1, params=pp("W1")))
+        added = True
+    p.step()
+    time.sleep(0.001)
+"""
+
+
+def test_stopped_producer_layer_load_counts_timed_out(sides, model_dir, urls,
+                                                      monkeypatch):  # noqa: F811
+    """stopped_producer_probe.py's layer-load phase: a producer process on
+    this host that this decode pushed from before is SIGSTOPped (alive, its
+    connections open, never answering), then gets a layer load's target.
+    Its sends time out (push.RESEND_TIMEOUT_S, 2 s, within the 3 s lease as
+    the probe's: may have arrived, no proof the producer is gone),
+    the step ends at the lease + grace and the prompt is computed, counted
+    timed_out like the whole-prompt push in the same situation, not
+    producer_unreachable (was: the failed send's "unreachable" text)."""
+    monkeypatch.setenv("MC_SAME_HOST_CPU", "1")  # a same-host deployment's default
+    child = subprocess.Popen(
+        [sys.executable, "-c", STOP_CHILD, os.path.dirname(os.path.abspath(__file__)),
+         model_dir, json.dumps(urls), "48"], stdout=subprocess.PIPE, text=True)
+    try:
+        _child_ready(child)
+        d = sides("kv_consumer", flow_a=False, push_layer_load=True, push_layer_timeout_s=3.0)
+        d.add(make_request("w", toks(48, 3 * BS + 4), max_tokens=2, params=dp("W1")))
+        assert d.run_until(lambda: "w" not in d.sched.requests, steps=5000)
+        assert d.seen.get("w") == [True, True] and recomputes(d) == {}, recomputes(d)
+        os.kill(child.pid, signal.SIGSTOP)
+        t = toks(49, 3 * BS + 4)
+        d.add(make_request("q", t, max_tokens=2, params=dp("S2")))
+        assert d.run_until(lambda: "q" not in d.sched.requests, steps=5000)
+        assert d.computed["q"] == 4 + len(t) + 1  # the dropped step, the prompt, one more
+        assert recomputes(d) == {"timed_out": 1}, recomputes(d)
+        os.kill(child.pid, signal.SIGCONT)  # answers the cancel: the held blocks go back
+        t1 = time.monotonic()
+        assert d.run_until(lambda: d.is_empty() or time.monotonic() - t1 > 10, steps=5000)
+        assert d.is_empty()
+    finally:
+        if child.poll() is None:
+            os.kill(child.pid, signal.SIGCONT)
+            child.kill()
+        child.wait()
 
 
 class _CountingEngine:

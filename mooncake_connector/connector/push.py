@@ -909,11 +909,19 @@ class PushConsumer:
             if st in ("sending", "sent") and time.monotonic() < cl.deadline:
                 wait = True
                 continue
-            cl.failed = cl.why.get(name) or (
-                f"producer {name}: layer {li} did not land within push_layer_timeout_s="
-                f"{self.w.s.push_layer_timeout_s} (timed out)" if st in ("sending", "sent",
-                                                                         "cancelling")
-                else f"producer {name}: {st}")
+            if st in ("sending", "sent", "cancelling") and name not in cl.lost:
+                # No answer by the deadline, the connection not seen lost: a
+                # timeout (recompute reason timed_out), as the whole-prompt
+                # push's at its lease (poll).  A send that failed but may have
+                # arrived (timed out, reset: a stopped producer never sends
+                # its receipt) left cl.why "producer ... unreachable: ...",
+                # which proves nothing; only a target that provably never left
+                # (unsent) or a lost connection is producer_unreachable.
+                cl.failed = (f"producer {name}: layer {li} did not land within "
+                             f"push_layer_timeout_s={self.w.s.push_layer_timeout_s} "
+                             "(timed out)")
+            else:
+                cl.failed = cl.why.get(name) or f"producer {name}: {st}"
             self._progress(ld)  # at the deadline: the cancel goes out now
             return "failed"
         if wait:
