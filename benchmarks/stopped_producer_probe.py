@@ -86,6 +86,8 @@ HOLDS = "vllm:mooncake_push_fence_holds_total"
 CUTS = "vllm:mooncake_push_fence_cuts_total"
 RECOMPUTES = "vllm:mooncake_recomputes_total"
 USAGE = "vllm:kv_cache_usage_perc"
+LAYER_LOADS = "vllm:mooncake_push_layer_loads_total"
+LAYER_LOADS_ASYNC = "vllm:mooncake_push_layer_load_async_sched_total"
 
 
 def parse_phases(text):
@@ -143,6 +145,11 @@ def parse_args(argv=None):
     ap.add_argument("--http-timeout", type=float, default=120.0)
     ap.add_argument("--start-timeout", type=float, default=600.0)
     ap.add_argument("--workdir", default=None)
+    ap.add_argument("--decode-no-async-scheduling", action="store_true",
+                    help="--device cuda: the decode server with --no-async-scheduling (vLLM's "
+                         "GPU default is on, and under it the connector takes a layer load as "
+                         "the whole-prompt push; off, a push_layer_load target really waits per "
+                         "layer and its failure takes vLLM's in-step recovery)")
     ap.add_argument("--out", default=None, help="directory for the JSON, the summary and logs")
     args = ap.parse_args(argv)
     try:
@@ -154,6 +161,9 @@ def parse_args(argv=None):
     if args.device == "cpu" and (args.gpu_path != "on" or args.dtype != "float32"
                                  or args.attention_backend != "TRITON_ATTN"):
         ap.error("--gpu-path, --dtype and --attention-backend are for --device cuda")
+    if args.device == "cpu" and args.decode_no_async_scheduling:
+        ap.error("--decode-no-async-scheduling is for --device cuda (vLLM's CPU backend has "
+                 "asynchronous scheduling off already)")
     return args
 
 
@@ -372,8 +382,14 @@ class Probe:
         by_reason = {k[len(RECOMPUTE_PREFIX):-1]: v - m0.get(k, 0) for k, v in m1.items()
                      if k.startswith(RECOMPUTE_PREFIX) and k != PLAIN_REASON
                      and v - m0.get(k, 0)}
+        # How the decode took the targets: layer loads that waited per layer
+        # in the step, or (vLLM's asynchronous scheduling on) whole-prompt pushes.
         ph.update(target_seconds=took, bound_s=[lo, hi], holds=holds, recomputes=by_reason,
-                  fence_cuts=m1.get(CUTS, 0) - m0.get(CUTS, 0))
+                  fence_cuts=m1.get(CUTS, 0) - m0.get(CUTS, 0),
+                  layer_loads=m1.get(LAYER_LOADS, 0) - m0.get(LAYER_LOADS, 0),
+                  layer_loads_as_whole=m1.get(LAYER_LOADS_ASYNC, 0) - m0.get(LAYER_LOADS_ASYNC, 0))
+        self.log(f"  decode: in-step layer loads +{ph['layer_loads']:.0f}, layer loads taken as "
+                 f"the whole-prompt push (async scheduling) +{ph['layer_loads_as_whole']:.0f}")
         self.check(f"{name}: bound",
                    all(t["ok"] and lo <= t["seconds"] <= hi for t in targets)
                    and recs >= len(modes),
@@ -530,6 +546,8 @@ def main(argv=None):
     os.makedirs(out, exist_ok=True)
     dep = Deployment(workdir, model, connector="mooncake", flows=(),
                      extra_proxies={name: kw for name, kw in MODES.values()},
+                     side_args=({"decode": ["--no-async-scheduling"]}
+                                if args.decode_no_async_scheduling else None),
                      kv_cache_bytes=args.kv_cache_mib << 20, env=dev_env,
                      extra_vllm_args=dev_args,
                      decode_extra_config={"load_timeout_s": args.lease_s,
@@ -538,7 +556,8 @@ def main(argv=None):
     where = ("vLLM CPU backend, same-host CPU path" if args.device == "cpu" else
              f"GPU 0, {args.dtype}, attention {args.attention_backend}, "
              + ("same-host GPU path (CUDA IPC)" if args.gpu_path == "on"
-                else "TCP with GPU staging (MC_GPU_IPC=0)"))
+                else "TCP with GPU staging (MC_GPU_IPC=0)")
+             + ("; decode --no-async-scheduling" if args.decode_no_async_scheduling else ""))
     log(f"stopped-producer probe: {where}; model {model}; lease {args.lease_s} s; phases "
         f"{args.phases}; logs {dep.logs}")
     probe = Probe(args, dep, log)

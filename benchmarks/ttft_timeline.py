@@ -78,6 +78,14 @@ POINTS = (
     ("d_last_recv", "d", "c_recv", "last"),
     ("d_last_go", "d", "layer_go", "last"),
     ("d_fwd_end", "d", "fwd_end", None),
+    # a whole-prompt push (the decode computes once all KV is in): the
+    # producer's "done", the decode's worker counting the load over, vLLM's
+    # scheduler learning it (finished_recving), the request's first step
+    ("p_done_told", "p", "notify_sent", "done"),
+    ("d_done_recv", "d", "c_recv", "done"),
+    ("d_recv_done", "d", "recv_done", None),
+    ("d_sched_seen", "d", "sched_recv_seen", None),
+    ("d_sched_compute", "d", "sched_compute", None),
     ("d_api_first", "d", None, None),
     ("d_chunk_in", "x", "proxy_chunk_in", None),
     ("d_chunk_out", "x", "proxy_chunk_out", None),
@@ -100,6 +108,16 @@ STRETCHES = (
     ("(prefill forward: step bound -> forward end)", "p_step_bound", "p_fwd_end"),
     ("(last layer saved -> decode has it: write + tell)", "p_last_saved", "d_last_recv"),
     ("(prefill's forward thread in save_kv_layer, all layers)", None, "p_save_total"),
+    ("(whole push: prefill's \"done\" sent -> decode has it)", "p_done_told", "d_done_recv"),
+    ("(whole push: decode has \"done\" -> its worker counts the load over)", "d_done_recv",
+     "d_recv_done"),
+    ("(whole push: load over -> vLLM's scheduler learns it)", "d_recv_done", "d_sched_seen"),
+    ("(whole push: scheduler learns it -> the request's first step scheduled)", "d_sched_seen",
+     "d_sched_compute"),
+    ("(whole push: first step scheduled -> decode API server's first token)",
+     "d_sched_compute", "d_api_first"),
+    ("(whole push: prefill answer at the proxy -> decode's 1st chunk there)", "p_answer",
+     "d_chunk_in"),
 )
 
 
@@ -152,7 +170,7 @@ def timelines(events, nlayers):
                     continue
                 if side == "p" and ev == "notify_sent" and x["pid"] not in ppids:
                     continue
-                if flt == "target" and x.get("what") != "target":
+                if flt in ("target", "done") and x.get("what") != flt:
                     continue
                 if flt == "last":
                     ls = x.get("l") or ([x["li"]] if "li" in x else [])
@@ -358,6 +376,11 @@ def _parser():
                     help="A/B: a second prefill + decode + push layer-load proxy importing the "
                          "connector from this tree (its mode: push_ll_<--label-b>)")
     ap.add_argument("--label-b", default="tb", help="--tree-b's mode suffix (letters, digits)")
+    ap.add_argument("--decode-async-scheduling", action="store_true",
+                    help="--device cuda: this tree's decode keeps vLLM's asynchronous scheduling "
+                         "(its GPU default; the connector then takes every push as the "
+                         "whole-prompt push: with --whole, where the GPU default's time goes). "
+                         "Default on CUDA: --no-async-scheduling, so layer loads run")
     ap.add_argument("--noasync", action="store_true",
                     help="also a set from this tree with --no-async-scheduling on its decode "
                          "and its own colocated server (modes push_ll_na, colocated_na)")
@@ -460,6 +483,9 @@ def main(argv=None):
         ap.error("--cuda-graphs needs --device cuda")
     if args.device == "cpu" and args.gpu_path != "on":
         ap.error("--gpu-path needs --device cuda")
+    if args.decode_async_scheduling and args.device != "cuda":
+        ap.error("--decode-async-scheduling needs --device cuda (vLLM's CPU backend turns "
+                 "asynchronous scheduling off)")
     lengths = [int(x) for x in args.lengths.split(",")]
     pins = _server_map(ap, "--pin", args.pin, r"\d+", "CPU")
     nices = _server_map(ap, "--nice", args.nice, r"-?\d+", "N")
@@ -492,9 +518,10 @@ def main(argv=None):
     common = dict(kv_cache_bytes=256 << 20, env=dev_env, extra_vllm_args=dev_args)
     # A CUDA decode takes layer loads only without vLLM's asynchronous
     # scheduling (docs/connector.md, "Asynchronous scheduling").
+    no_async = args.device == "cuda" and not args.decode_async_scheduling
     deps = make_sets(workdir, model, extra, common, tree_b=args.tree_b, label_b=args.label_b,
                      noasync=args.noasync, env_c=env_c,
-                     decode_args=["--no-async-scheduling"] if args.device == "cuda" else ())
+                     decode_args=["--no-async-scheduling"] if no_async else ())
     dep = deps["a"]
     urls = {}
     srv_of = {}  # mode -> the vLLM server whose histograms it reads

@@ -286,6 +286,9 @@ class MooncakeConnector(KVConnectorBase_V1, SupportsHMA):
             meta = getattr(connector_output, "kv_connector_worker_meta", None)
             if meta is not None:
                 self._scheduler.holds.on_events(meta)
+            if self._scheduler._traced_bg:
+                self._scheduler.trace_recv_seen(getattr(connector_output, "finished_recving",
+                                                        None))
             self._scheduler.on_load_errors(getattr(connector_output, "invalid_block_ids",
                                                    None))
 

@@ -331,6 +331,10 @@ class Loads:
         for rid in list(self.loading):
             res = self._poll(rid)
             if res is not None:
+                if trace.ON:
+                    tid = getattr(self.loading[rid].spec, "push_tid", None)
+                    if tid:
+                        trace.event("recv_done", tid)
                 self._finish(rid, res)
                 done.add(rid)
 

@@ -108,6 +108,8 @@ class SchedulerSide:
         self._load_errors = []    # consumer: block ids to report failed again (next step)
         self._readers = set()     # consumer: requests that were scheduled on such blocks
         self.stats = MooncakeKVConnectorStats()
+        self._traced_bg = {}      # consumer, MC_TRACE only: req_id -> push transfer id of a
+                                  # background (whole-prompt) load until first computed
         self.producer_base = None
         if settings.is_producer:
             url = settings.local_hostname or settings.mooncake.get("prefill_url")
@@ -462,6 +464,8 @@ class SchedulerSide:
         end, sync = self._claims.pop(request.request_id, (self._full_tokens(request), False))
         if trace.ON and src[0] == "P":
             trace.event("sched_alloc", transfer_id(params), sync=sync, ext=num_external_tokens)
+            if not sync and transfer_id(params):
+                self._traced_bg[request.request_id] = transfer_id(params)
         if TRACE and src[0] == "P" and sync:
             arrived = getattr(request, "arrival_time", None)
             if isinstance(arrived, float):
@@ -479,6 +483,14 @@ class SchedulerSide:
             producer_tp=_int_or_none(params.get("tp_size")),
             push_tid=transfer_id(params) if src[0] == "P" else None,
             layer_load=src[0] == "P" and sync)
+
+    def trace_recv_seen(self, finished_recving):
+        """MC_TRACE: vLLM's scheduler has learnt that these whole-prompt
+        pushes' KV is in (update_connector_output)."""
+        for rid in finished_recving or ():
+            tid = self._traced_bg.get(rid)
+            if tid:
+                trace.event("sched_recv_seen", tid)
 
     def on_load_errors(self, invalid_block_ids):
         """vLLM's update_connector_output: take the blocks of a failed load
@@ -636,6 +648,10 @@ class SchedulerSide:
         self._batch = set(so.num_scheduled_tokens)
         if self.s.is_consumer:
             self._new = (self._new[1], {nr.req_id for nr in so.scheduled_new_reqs})
+            if self._traced_bg:
+                # a whole-prompt push's request, its KV received: its first step
+                for rid in self._new[1] & self._traced_bg.keys():
+                    trace.event("sched_compute", self._traced_bg.pop(rid))
             if self._unrecomputed:
                 for rid in getattr(so, "preempted_req_ids", None) or ():
                     self._forget_unrecomputed(rid, "was preempted")
@@ -704,6 +720,7 @@ class SchedulerSide:
         if self._asked.pop(rid, None) is not None:
             self._probe.forget(rid)
         self._tried.discard(rid)
+        self._traced_bg.pop(rid, None)
         self._batch.discard(rid)
         self._busy.discard(rid)
         self._graphed.discard(rid)
