@@ -32,7 +32,7 @@ def supported_vllm():
     """The range from this package's own metadata (pyproject's [vllm] extra)."""
     for req in md.requires("mooncake-connector") or []:
         m = re.match(r"vllm\s*\(?([^;)]*)\)?\s*;.*extra\s*==\s*['\"]vllm", req)
-        if m:  # lower bound first: ">=0.26,<0.34"
+        if m:  # lower bound first: ">=0.26,<0.35"
             parts = [x.strip() for x in m.group(1).split(",") if x.strip()]
             return ",".join(sorted(parts, key=lambda x: not x.startswith(">")))
     return ""
