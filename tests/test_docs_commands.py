@@ -332,7 +332,14 @@ def capture_parsers(programs):
     line = [ln for ln in r.stdout.splitlines() if ln.startswith("CAPTURED ")]
     assert line, f"parser capture failed:\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}"
     for k, v in json.loads(line[-1][len("CAPTURED "):]).items():
-        got[tuple(json.loads(k))] = v
+        p = tuple(json.loads(k))
+        if v.get("error", "").startswith("ModuleNotFoundError"):
+            # A program needing what this host lacks (torch without vLLM):
+            # the --flags its source spells.
+            mod = COMMANDS[p[1]][0] if p[0] == "cli" else p[1]
+            v = {"flags": sorted(_text_flags(_source(p[1] if p[0] == "file" else
+                                                     _module_path(mod))))}
+        got[p] = v
     return got
 
 
