@@ -1,13 +1,15 @@
 /* What the two-process GPU benchmarks share (gpu_fixed_cost.c,
- * gpu_small_bench.c): the CUDA driver on cuda:0 (api; cu_alloc: classic
- * cuMemAlloc memory), a microsecond clock, and one batch submitted and
- * waited for. */
+ * gpu_small_bench.c): the target process forked before CUDA starts, the
+ * CUDA driver on cuda:0 (api; cu_alloc: classic cuMemAlloc memory), a
+ * microsecond clock, and one batch submitted and waited for. */
 #ifndef MC_BENCH_GPU_BENCH_UTIL_H
 #define MC_BENCH_GPU_BENCH_UTIL_H
 #include <dlfcn.h>
 #include <stdint.h>
 #include <stdio.h>
+#include <sys/types.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "engine/engine.h"
 #include "gpu/cuda_driver.h"
@@ -15,6 +17,28 @@
 typedef int (*alloc_fn)(uint64_t *, size_t);
 static alloc_fn cu_alloc;
 static const mc_cuda_api_t *api;
+
+/* The target: target(wfd, rfd) in a child forked now (stdout flushed
+ * first), talking over two pipes; *to_c (write) and *from_c (read) are this
+ * side's ends, *pid the child's.  -1 when a pipe cannot be made. */
+static inline int fork_target(void (*target)(int wfd, int rfd), pid_t *pid, int *to_c,
+                              int *from_c) {
+  int a[2], b[2];
+  if (pipe(a) || pipe(b))
+    return -1;
+  fflush(stdout);
+  *pid = fork();
+  if (*pid == 0) {
+    close(a[1]);
+    close(b[0]);
+    target(b[1], a[0]);
+  }
+  close(a[0]);
+  close(b[1]);
+  *to_c = a[1];
+  *from_c = b[0];
+  return 0;
+}
 
 /* 1 when the driver, device 0 and cuMemAlloc_v2 are there. */
 static inline int gpu_up(void) {

@@ -686,23 +686,12 @@ int main(int argc, char **argv) {
   if (passes < 1)
     passes = 1;
   signal(SIGPIPE, SIG_IGN);
-  int a[2], b[2];
-  if (pipe(a) || pipe(b))
+  pid_t pid;
+  if (fork_target(child, &pid, &to_c, &from_c) < 0)
     return 1;
-  fflush(stdout);
-  pid_t pid = fork();
-  if (pid == 0) {
-    close(a[1]);
-    close(b[0]);
-    child(b[1], a[0]);
-  }
-  close(a[0]);
-  close(b[1]);
   g_child = pid;
   g_diag = getenv("MC_GPU_DIAG") && (getenv("MC_GPU_DIAG")[0] == '1' ||
                                      getenv("MC_GPU_DIAG")[0] == '2');
-  to_c = a[1];
-  from_c = b[0];
   if (read_full(from_c, &g_in, sizeof g_in) < 0 || !g_in.ok || !gpu_up()) {
     printf("{\"row\": \"skipped\", \"why\": \"no GPU visible\"}\n");
     return 0;

@@ -170,19 +170,11 @@ int main(int argc, char **argv) {
   if (iters < 20)
     iters = 20;
   signal(SIGPIPE, SIG_IGN);
-  int to_c[2], from_c[2];
-  if (pipe(to_c) || pipe(from_c))
+  int to_c, from_c;
+  pid_t pid;
+  if (fork_target(child, &pid, &to_c, &from_c) < 0)
     return 1;
-  fflush(stdout);
-  pid_t pid = fork();
-  if (pid == 0) {
-    close(to_c[1]);
-    close(from_c[0]);
-    child(from_c[1], to_c[0]);
-  }
-  close(to_c[0]);
-  close(from_c[1]);
-  if (read(from_c[0], &g_in, sizeof g_in) != (ssize_t)sizeof g_in || !g_in.ok || !gpu_up()) {
+  if (read(from_c, &g_in, sizeof g_in) != (ssize_t)sizeof g_in || !g_in.ok || !gpu_up()) {
     printf("gpu_small_bench: no GPU visible; nothing measured\n");
     return 0;
   }
@@ -195,11 +187,11 @@ int main(int argc, char **argv) {
   }
   rows("1 region", iters);
   char c = 'm';
-  if (write(to_c[1], &c, 1) != 1 || read(from_c[0], &c, 1) != 1)
+  if (write(to_c, &c, 1) != 1 || read(from_c, &c, 1) != 1)
     return 1;
   rows("64 regs", iters);
   mc_engine_destroy(A);
-  close(to_c[1]);
+  close(to_c);
   waitpid(pid, NULL, 0);
   return 0;
 }
