@@ -62,7 +62,7 @@ $(BUILD)/tests/obj/%.o: tests/c/%.c tests/c/%.h $(shell find csrc -name '*.h')
 	$(CC) $(CFLAGS) -Itests/c -c $< -o $@
 $(BUILD)/tests/test_engine $(BUILD)/tests/test_gate: $(BUILD)/tests/obj/two_engines.o
 
-$(BUILD)/bench/%: benchmarks/c/%.c $(BUILD)/libmcc.a
+$(BUILD)/bench/%: benchmarks/c/%.c $(wildcard benchmarks/c/*.h) $(BUILD)/libmcc.a
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) $< -o $@ $(BUILD)/libmcc.a $(LDLIBS) $(LDFLAGS_SAN)
 

@@ -753,6 +753,138 @@ def parse_args(argv=None):
     return args, lengths, want, overrides
 
 
+def _mode_proxies(want, flows):
+    """The first-token proxies the modes in want need beyond flow a's (name:
+    Deployment's extra_proxies entry), and the modes that cannot be measured
+    (mode: why)."""
+    skipped = {}
+    extra_proxies = {}
+    if want & {"disaggregated_decode_first"}:
+        extra_proxies["a-decode-first"] = {"flow": "a", "first_token": "decode"}
+    if want & {"flow_b", "flow_b_decode_first"}:
+        extra_proxies["b-decode-first"] = {"flow": "b", "first_token": "decode"}
+    if want & set(PUSH_MODES):
+        if "push" in flows:
+            # Whole prompt and layer by layer on the same servers: the proxy
+            # asks for either per request (--push-layerwise off|on).
+            if "push" in want:
+                extra_proxies["push"] = {"flow": "push", "extra_args": ("--push-layerwise", "off")}
+            if "push_layerwise" in want:
+                extra_proxies["push-layerwise"] = {"flow": "push",
+                                                   "extra_args": ("--push-layerwise", "on")}
+            if "push_layer_load" in want:  # the decode's attention waits per layer
+                extra_proxies["push-layer-load"] = {
+                    "flow": "push", "extra_args": ("--push-layerwise", "on",
+                                                   "--push-layer-load", "on")}
+        else:
+            for k in PUSH_MODES:
+                if k in want:
+                    skipped[k] = "our proxy has no --flow push (wip/push not merged)"
+    return extra_proxies, skipped
+
+
+def _find_router(want, skipped):
+    """vllm-router's site for the router and intree modes (None: not asked
+    for, or unavailable, those modes then in skipped with the reason)."""
+    if not want & {"router", "intree"}:
+        return None
+    sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
+    import vllm_router_pkg
+    router_site, why = vllm_router_pkg.find_router()
+    if router_site is None:
+        for k in ("router", "intree"):
+            if k in want:
+                skipped[k] = f"vllm-router unavailable: {why}"
+    return router_site
+
+
+def _router_process(dep, router_site):
+    """The router mode's vllm-router in front of dep's prefill and decode (not
+    started)."""
+    from mooncake_connector import serving
+    import vllm_router_pkg  # on sys.path since _find_router
+    rport = serving.free_port()
+    argv_r, renv = vllm_router_pkg.router_cmd(
+        router_site, [(dep.prefill.url, dep.bootstrap_port)], [dep.decode.url], rport)
+    router = serving.Process("vllm-router", argv_r,
+                             os.path.join(dep.logs, "vllm-router.log"), env=renv,
+                             health_url=f"http://127.0.0.1:{rport}/health")
+    router.url = f"http://127.0.0.1:{rport}"
+    return router
+
+
+def _mode_urls(dep, want, skipped):
+    """Where each measured mode sends its requests (mode: URL), the router's
+    added once it is up."""
+    urls = {"colocated": dep.colocated.url, "colocated_proxy": dep.colocated_proxy.url,
+            "disaggregated": dep.proxies["a"].url}
+    if dep.colocated_cached is not None:
+        urls["colocated_cached"] = dep.colocated_cached.url
+    for k, name in (("disaggregated_decode_first", "a-decode-first"), ("flow_b", "b"),
+                    ("flow_b_decode_first", "b-decode-first"), ("push", "push"),
+                    ("push_layerwise", "push-layerwise"),
+                    ("push_layer_load", "push-layer-load")):
+        if k in want and k not in skipped and name in dep.proxies:
+            urls[k] = dep.proxies[name].url
+    return urls
+
+
+def _merge_intree(results, intree_rows):
+    """The in-tree phase's rows (intree_rows, one per length) into results."""
+    for r, q in zip(results, intree_rows):
+        for k in ("colocated_phase2", *INTREE_MODES):
+            r[k], r[f"itl_{k}"], r[f"gap12_{k}"] = q[k], q[f"itl_{k}"], q[f"gap12_{k}"]
+        r["identical_by_mode"].update(q["identical_by_mode"])
+        # The in-tree answers against this run's first-phase colocated ones
+        # as well (same prompts, same server): a request counts as
+        # identical only if every mode of both phases gave the same tokens.
+        r["identical"] = sum(a and b and t2 == t1 for a, b, t2, t1 in zip(
+            r["all_same"], q["all_same"], q["ref_tokens"], r["ref_tokens"]))
+
+
+def _raw_transfers(results, spec, args, dtype_bytes, dev_env):
+    """The raw transfer of each length's KV (prompt words: seconds and
+    bytes; a failed measurement counted 0 and named)."""
+    xfer = {}
+    for r in results:
+        try:
+            secs, nbytes = xfer_time(spec, r["prompt_tokens"] - 1, args.xfer_repeat,
+                                     sys.executable, args.device, dtype_bytes,
+                                     {k: v for k, v in dev_env.items() if k.startswith("MC_")})
+            xfer[r["prompt_words"]] = {"seconds": secs, "bytes": nbytes}
+        except (RuntimeError, subprocess.TimeoutExpired, ValueError, KeyError) as e:
+            # The serving numbers stand without it: summarized with the
+            # transfer counted 0 (stricter bars) and the failure named.
+            print(f"raw transfer at {r['prompt_tokens']} tokens not measured: {e}", flush=True)
+            xfer[r["prompt_words"]] = {"seconds": 0.0, "bytes": 0, "failed": str(e)[-500:]}
+    return xfer
+
+
+def _print_verdict(summary, skipped, intree_status, intree_info, conn_stats, proxy_lat):
+    """The lines after the table: the fixed cost against its bar, what was
+    not measured, the in-tree phase, token identity, the connector's and the
+    proxy's own numbers."""
+    print(f"\nconnector fixed per-request cost (decode vs colocated TTFT, ~40-token prompt "
+          f"missing at the producer, p50): {summary['fixed_overhead_ms_p50']:.2f} ms "
+          f"({'ok' if summary['fixed_overhead_ok'] else 'FAIL'}, bar 1 ms); paired median "
+          f"{summary['fixed_overhead_paired_ms_p50']:.2f} ms "
+          f"({'ok' if summary['fixed_overhead_paired_ok'] else 'FAIL'})")
+    for k, why in skipped.items():
+        print(f"not measured: {LABEL[k]}: {why}")
+    print(f"vLLM in-tree MooncakeConnector: {intree_status}")
+    if intree_info:
+        print(f"  ({intree_info['cpu_workaround']}; 1st token from decode only: vllm-router "
+              f"and intree_proxy.py relay the decode leg's answer; Mooncake's engine on the "
+              f"prefill (its KV Transfer metrics): {intree_info['prefill_transfer_stats']})")
+    print(f"token-identical to colocated, every mode of the run: "
+          f"{sum(s['identical'] for s in summary['rows'])}/"
+          f"{sum(s['requests'] for s in summary['rows'])} requests")
+    if conn_stats:
+        print(f"connector's own stats on decode during the run: {conn_stats}")
+    if proxy_lat:
+        print(f"the first-token proxy's own timings (all lengths, ms): {proxy_lat}")
+
+
 def main(argv=None):
     args, lengths, want, overrides = parse_args(argv)
     from mooncake_connector import serving, tiny_model
@@ -779,39 +911,9 @@ def main(argv=None):
     # vLLM's default).
     decode_args = ({"decode": ["--no-async-scheduling"]}
                    if args.device == "cuda" and "push_layer_load" in want else None)
-    flows = proxy_flows()
-    skipped = {}
-    extra_proxies, extra_body = {}, {}
-    if want & {"disaggregated_decode_first"}:
-        extra_proxies["a-decode-first"] = {"flow": "a", "first_token": "decode"}
-    if want & {"flow_b", "flow_b_decode_first"}:
-        extra_proxies["b-decode-first"] = {"flow": "b", "first_token": "decode"}
-    if want & set(PUSH_MODES):
-        if "push" in flows:
-            # Whole prompt and layer by layer on the same servers: the proxy
-            # asks for either per request (--push-layerwise off|on).
-            if "push" in want:
-                extra_proxies["push"] = {"flow": "push", "extra_args": ("--push-layerwise", "off")}
-            if "push_layerwise" in want:
-                extra_proxies["push-layerwise"] = {"flow": "push",
-                                                   "extra_args": ("--push-layerwise", "on")}
-            if "push_layer_load" in want:  # the decode's attention waits per layer
-                extra_proxies["push-layer-load"] = {
-                    "flow": "push", "extra_args": ("--push-layerwise", "on",
-                                                   "--push-layer-load", "on")}
-        else:
-            for k in PUSH_MODES:
-                if k in want:
-                    skipped[k] = "our proxy has no --flow push (wip/push not merged)"
-    router_site = None
-    if want & {"router", "intree"}:
-        sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
-        import vllm_router_pkg
-        router_site, why = vllm_router_pkg.find_router()
-        if router_site is None:
-            for k in ("router", "intree"):
-                if k in want:
-                    skipped[k] = f"vllm-router unavailable: {why}"
+    extra_proxies, skipped = _mode_proxies(want, proxy_flows())
+    extra_body = {}
+    router_site = _find_router(want, skipped)
     dep = Deployment(workdir, model, connector=args.connector,
                      flows=tuple(f for f, k in (("a", "disaggregated"), ("b", "flow_b"))
                                  if k in want or f == "a"),
@@ -821,13 +923,7 @@ def main(argv=None):
                      side_args=decode_args)
     router = None
     if "router" in want and router_site and dep.bootstrap_port:
-        rport = serving.free_port()
-        argv_r, renv = vllm_router_pkg.router_cmd(
-            router_site, [(dep.prefill.url, dep.bootstrap_port)], [dep.decode.url], rport)
-        router = serving.Process("vllm-router", argv_r,
-                                 os.path.join(dep.logs, "vllm-router.log"), env=renv,
-                                 health_url=f"http://127.0.0.1:{rport}/health")
-        router.url = f"http://127.0.0.1:{rport}"
+        router = _router_process(dep, router_site)
     kv_per_token = tiny_model.kv_bytes_per_token(spec, dtype_bytes)
     where = "vLLM CPU backend" if args.device == "cpu" else (
         f"GPU 0, {args.dtype}, attention {args.attention_backend}, engine route: "
@@ -839,16 +935,7 @@ def main(argv=None):
     for k, why in skipped.items():
         print(f"mode {k} not measured: {why}", flush=True)
     t0 = time.monotonic()
-    urls = {"colocated": dep.colocated.url, "colocated_proxy": dep.colocated_proxy.url,
-            "disaggregated": dep.proxies["a"].url}
-    if dep.colocated_cached is not None:
-        urls["colocated_cached"] = dep.colocated_cached.url
-    for k, name in (("disaggregated_decode_first", "a-decode-first"), ("flow_b", "b"),
-                    ("flow_b_decode_first", "b-decode-first"), ("push", "push"),
-                    ("push_layerwise", "push-layerwise"),
-                    ("push_layer_load", "push-layer-load")):
-        if k in want and k not in skipped and name in dep.proxies:
-            urls[k] = dep.proxies[name].url
+    urls = _mode_urls(dep, want, skipped)
     intree_rows, intree_status, intree_info = None, skipped.get("intree", "not asked for"), {}
     try:
         dep.start(timeout=args.start_timeout)
@@ -882,33 +969,14 @@ def main(argv=None):
             serving.stop_all([router])
         dep.stop()
     if intree_rows:
-        for r, q in zip(results, intree_rows):
-            for k in ("colocated_phase2", *INTREE_MODES):
-                r[k], r[f"itl_{k}"], r[f"gap12_{k}"] = q[k], q[f"itl_{k}"], q[f"gap12_{k}"]
-            r["identical_by_mode"].update(q["identical_by_mode"])
-            # The in-tree answers against this run's first-phase colocated ones
-            # as well (same prompts, same server): a request counts as
-            # identical only if every mode of both phases gave the same tokens.
-            r["identical"] = sum(a and b and t2 == t1 for a, b, t2, t1 in zip(
-                r["all_same"], q["all_same"], q["ref_tokens"], r["ref_tokens"]))
+        _merge_intree(results, intree_rows)
     # The measured rows first: a failing transfer measurement below must not
     # lose them (the summary replaces this file).
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"partial": "the raw transfer measurement did not finish",
                    "results": results, "fixed": fixed}, f)
-    xfer = {}
-    for r in results:
-        try:
-            secs, nbytes = xfer_time(spec, r["prompt_tokens"] - 1, args.xfer_repeat,
-                                     sys.executable, args.device, dtype_bytes,
-                                     {k: v for k, v in dev_env.items() if k.startswith("MC_")})
-            xfer[r["prompt_words"]] = {"seconds": secs, "bytes": nbytes}
-        except (RuntimeError, subprocess.TimeoutExpired, ValueError, KeyError) as e:
-            # The serving numbers stand without it: summarized with the
-            # transfer counted 0 (stricter bars) and the failure named.
-            print(f"raw transfer at {r['prompt_tokens']} tokens not measured: {e}", flush=True)
-            xfer[r["prompt_words"]] = {"seconds": 0.0, "bytes": 0, "failed": str(e)[-500:]}
+    xfer = _raw_transfers(results, spec, args, dtype_bytes, dev_env)
     summary = summarize(results, fixed, xfer, layers=spec["layers"])
     summary.update({"connector": dep.connector, "model_spec": spec,
                     "connector_stats_decode": conn_stats, "proxy_latency_ms": proxy_lat,
@@ -922,25 +990,7 @@ def main(argv=None):
                     "cpus": os.cpu_count(), "load_avg": os.getloadavg(),
                     "command": " ".join(sys.argv)})
     report(summary)
-    print(f"\nconnector fixed per-request cost (decode vs colocated TTFT, ~40-token prompt "
-          f"missing at the producer, p50): {summary['fixed_overhead_ms_p50']:.2f} ms "
-          f"({'ok' if summary['fixed_overhead_ok'] else 'FAIL'}, bar 1 ms); paired median "
-          f"{summary['fixed_overhead_paired_ms_p50']:.2f} ms "
-          f"({'ok' if summary['fixed_overhead_paired_ok'] else 'FAIL'})")
-    for k, why in skipped.items():
-        print(f"not measured: {LABEL[k]}: {why}")
-    print(f"vLLM in-tree MooncakeConnector: {intree_status}")
-    if intree_info:
-        print(f"  ({intree_info['cpu_workaround']}; 1st token from decode only: vllm-router "
-              f"and intree_proxy.py relay the decode leg's answer; Mooncake's engine on the "
-              f"prefill (its KV Transfer metrics): {intree_info['prefill_transfer_stats']})")
-    print(f"token-identical to colocated, every mode of the run: "
-          f"{sum(s['identical'] for s in summary['rows'])}/"
-          f"{sum(s['requests'] for s in summary['rows'])} requests")
-    if conn_stats:
-        print(f"connector's own stats on decode during the run: {conn_stats}")
-    if proxy_lat:
-        print(f"the first-token proxy's own timings (all lengths, ms): {proxy_lat}")
+    _print_verdict(summary, skipped, intree_status, intree_info, conn_stats, proxy_lat)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(summary, f, indent=1)

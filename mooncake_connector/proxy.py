@@ -924,7 +924,8 @@ def _event_loop(kind):
     return asyncio.run, "asyncio"
 
 
-def main(argv=None):
+def _parser():
+    """The proxy's command line."""
     ap = argparse.ArgumentParser(prog="python -m mooncake_connector.proxy",
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--prefill", nargs="+", default=[], metavar="URL")
@@ -975,7 +976,13 @@ def main(argv=None):
                     help="close a client connection that has sent part of a request but no "
                          "complete header for this long, s, or no byte of its body for this "
                          "long (answered 408) (slow or stalled clients)")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def _check_upstreams(ap, args):
+    """The --prefill/--decode/--passthrough set, their push options, --port and
+    each upstream URL (well formed, no instance in both roles, not this proxy
+    itself): ap.error on the first that does not hold."""
     if args.passthrough and (args.prefill or args.decode):
         ap.error("--passthrough relays to one upstream; it takes no --prefill/--decode")
     if args.passthrough:
@@ -1024,7 +1031,12 @@ def main(argv=None):
             ap.error(f"{u!r} is this proxy's own address (--host {args.host} --port "
                      f"{args.port}; {why}): it would send requests to itself; give the vLLM "
                      "server's URL, or another --port for the proxy")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+
+
+def _check_times(ap, args):
+    """The timeouts (finite where they must be, none negative) and
+    $OPENAI_API_KEY (no control character): ap.error on the first that does not
+    hold.  Returns the key (None: not set)."""
     if not 0 < args.header_timeout < float("inf"):
         ap.error(f"--header-timeout must be a number of seconds > 0, not {args.header_timeout}")
     for name in ("timeout", "idle_timeout", "prefill_down_s"):
@@ -1041,6 +1053,45 @@ def main(argv=None):
         ap.error(f"$OPENAI_API_KEY has a control character ({ascii(api_key[bad])} at position "
                  f"{bad} of {len(api_key)}); no HTTP header can carry it: strip it (a key file "
                  "with Windows line ends?)")
+    return api_key
+
+
+async def _serve(proxy, args, prog, loop_name):
+    """Listens on --host:--port (SystemExit naming the address when it cannot)
+    and serves until SIGINT or SIGTERM."""
+    runner = web.AppRunner(proxy.app())
+    await runner.setup()
+    loop = asyncio.get_running_loop()
+    try:
+        server = await loop.create_server(
+            http_guard.guarded(runner.server, loop, args.header_timeout, proxy.counts),
+            args.host, args.port, reuse_address=True)
+    except OSError as e:  # gaierror included: a --host that does not resolve
+        await runner.cleanup()
+        raise SystemExit(f"{prog}: cannot listen on {args.host}:{args.port}: "
+                         f"{e.strerror or e}; pick another --port (or --host)") from None
+    port = server.sockets[0].getsockname()[1]
+    if proxy.passthrough:
+        what = f"pass-through to {' '.join(proxy.passthrough)}"
+    else:
+        what = (f"flow {args.flow}; first token from {args.first_token}; prefill "
+                f"{' '.join(proxy.prefill)}; decode {' '.join(proxy.decode)}")
+    print(f"proxy listening on http://{args.host}:{port} ({what}; {loop_name})", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    server.close()
+    await runner.cleanup()
+
+
+def main(argv=None):
+    ap = _parser()
+    args = ap.parse_args(argv)
+    _check_upstreams(ap, args)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    api_key = _check_times(ap, args)
     proxy = Proxy(args.prefill, args.decode, args.flow, args.timeout,
                   api_key, args.first_token, args.passthrough,
                   args.idle_timeout, args.prefill_down_s, args.prefill_engine,
@@ -1049,35 +1100,7 @@ def main(argv=None):
                   {"server": None, "on": True, "off": False}[args.push_layer_watch],
                   args.header_timeout)
     run_loop, loop_name = _event_loop(args.loop)
-
-    async def run():
-        runner = web.AppRunner(proxy.app())
-        await runner.setup()
-        loop = asyncio.get_running_loop()
-        try:
-            server = await loop.create_server(
-                http_guard.guarded(runner.server, loop, args.header_timeout, proxy.counts),
-                args.host, args.port, reuse_address=True)
-        except OSError as e:  # gaierror included: a --host that does not resolve
-            await runner.cleanup()
-            raise SystemExit(f"{ap.prog}: cannot listen on {args.host}:{args.port}: "
-                             f"{e.strerror or e}; pick another --port (or --host)") from None
-        port = server.sockets[0].getsockname()[1]
-        if proxy.passthrough:
-            what = f"pass-through to {' '.join(proxy.passthrough)}"
-        else:
-            what = (f"flow {args.flow}; first token from {args.first_token}; prefill "
-                    f"{' '.join(proxy.prefill)}; decode {' '.join(proxy.decode)}")
-        print(f"proxy listening on http://{args.host}:{port} ({what}; {loop_name})", flush=True)
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        await stop.wait()
-        server.close()
-        await runner.cleanup()
-
-    run_loop(run())
+    run_loop(_serve(proxy, args, ap.prog, loop_name))
     return 0
 
 

@@ -69,3 +69,17 @@ mc_gpu_serving_enter() {
   export PYTHONPATH=/tmp/vllm-site:$PWD PYTHONUNBUFFERED=1
   python3 -c 'import mooncake_connector._core as c; print("_core", c.__file__)'
 }
+
+# The serving scripts' first argument (vllm-gpu-serving.sh,
+# vllm-gpu-stopped-producer.sh): ipc (the same-host GPU path) prints the
+# --gpu-path value on, tcp (MC_GPU_IPC=0, TCP with GPU staging) off; anything
+# else writes "usage: USAGE (...)" to stderr and returns 2.
+#   gpu_path=$(mc_gpu_path_arg "$path" "$0 ipc|tcp [x.py args...]") || exit 2
+mc_gpu_path_arg() {
+  case "$1" in
+    ipc) echo on ;;
+    tcp) echo off ;;
+    *) echo "usage: $2 (ipc: the same-host GPU path, tcp: MC_GPU_IPC=0, TCP with GPU staging)" >&2
+       return 2 ;;
+  esac
+}

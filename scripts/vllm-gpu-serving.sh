@@ -20,18 +20,13 @@
 # MC_TRACE file capped at MC_TRACE_MAX_MB per process, 12, and server logs).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+source scripts/device-lib.sh
 path="${1:-}"
-case "$path" in
-  ipc) gpu_path=on ;;
-  tcp) gpu_path=off ;;
-  *) echo "usage: $0 ipc|tcp [serving_bench.py args...] (ipc: the same-host GPU path," \
-          "tcp: MC_GPU_IPC=0, TCP with GPU staging)" >&2; exit 2 ;;
-esac
+gpu_path=$(mc_gpu_path_arg "$path" "$0 ipc|tcp [serving_bench.py args...]") || exit 2
 shift
 out="${OUT:-/tmp/vllm-gpu-serving-out}"
 mkdir -p "$out"
 t0=$SECONDS
-source scripts/device-lib.sh
 mc_gpu_serving_enter "$out" || exit 1
 uptime | tee -a "$out/machine.txt"
 timeout "${MC_SERVING_TIMEOUT:-420}" python3 -P benchmarks/serving_bench.py --device cuda \

@@ -14,19 +14,14 @@
 # checks passed, 1 a check failed, 2 the servers did not start).
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+source scripts/device-lib.sh
 path="${1:-}"
-case "$path" in
-  ipc) gpu_path=on ;;
-  tcp) gpu_path=off ;;
-  *) echo "usage: $0 ipc|tcp [stopped_producer_probe.py args...] (ipc: the same-host GPU" \
-          "path, tcp: MC_GPU_IPC=0, TCP with GPU staging)" >&2; exit 2 ;;
-esac
+gpu_path=$(mc_gpu_path_arg "$path" "$0 ipc|tcp [stopped_producer_probe.py args...]") || exit 2
 shift
 out="${OUT:-/tmp/vllm-gpu-serving-out}"
 probe=benchmarks/stopped_producer_probe.py
 mkdir -p "$out"
 t0=$SECONDS
-source scripts/device-lib.sh
 mc_gpu_serving_enter "$out" "$probe" || exit 1
 uptime | tee -a "$out/machine.txt"
 rm -rf "/tmp/sp-$path"

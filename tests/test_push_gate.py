@@ -372,6 +372,175 @@ class FakeTorchEvent:
         self.f.lib.cuEventSynchronize(self.h)
 
 
+def _count_producer_wakes(w, f, wakes, fwd, cuda, gpu_lag_s, fast):
+    """_layer_load_rounds' producer worker w, instrumented: its collects,
+    layer-waiter and landing wake-ups, layer messages and (cuda) stream
+    synchronizes counted in wakes; CUDA stand-ins for its gate events, layer
+    events and the engine's stream (each completes gpu_lag_s later);
+    fast=False: the per-target Python path.  fwd[0]: the forward thread's id
+    (a landing check on another thread is a wake-up).  Returns the stream
+    stub (None without cuda)."""
+    if cuda:
+        def sync():  # CUDA KV caches (the stand-in forward writes them at once)
+            wakes["syncs"] += 1
+        w.cuda_sync = sync
+    pp_ = w.push_p
+    orig_collect = pp_._collect
+
+    def collect(tg, rows, layers, out):  # a Python loop over a target's blocks
+        if len(layers) == 1:
+            wakes["collects"] += 1  # ... for one layer (a layer's save)
+        else:
+            wakes["collects_all"] += 1  # a target that came after the saves
+        return orig_collect(tg, rows, layers, out)
+    pp_._collect = collect
+
+    def gate_event():
+        f.hold(gpu_lag_s)
+        return None, f.event(), 0
+
+    pp_._gate_event = gate_event
+    from mooncake_connector.connector.layer_events import LayerWaiter
+    orig_ready, orig_check = pp_._layer_ready, pp_._check_layer_writes
+
+    def layer_ready(li, jobs):
+        wakes["waiter"] += 1
+        return orig_ready(li, jobs)
+
+    def check(watched):
+        if threading.get_ident() != fwd[0] and watched:
+            wakes["landing"] += 1
+        return orig_check(watched)
+
+    pp_._layer_ready = layer_ready
+    pp_._check_layer_writes = check
+
+    def make_ev():
+        f.hold(gpu_lag_s)
+        return FakeTorchEvent(f)
+
+    if cuda:
+        pp_._waiter = LayerWaiter(pp_._layer_ready, make_event=make_ev)
+    ob = w.push_outbox
+    orig_send = ob.send
+
+    def send(target, msg, *a, **kw):
+        if b'"t":"layer"' in msg:
+            wakes["outbox_layer"] += 1
+        return orig_send(target, msg, *a, **kw)
+
+    ob.send = send
+    stream = None
+    if cuda:  # the engine's own event per layer (gate_layer), on the stand-in's stream
+        def stream(dev):
+            f.hold(gpu_lag_s)
+            return f.stream.value
+
+        pp_._stream, pp_._gdev = stream, 0
+    if not fast:  # the per-target Python path (_layer_gated; CPU: layer_done)
+        pp_._fast = False
+    return stream
+
+
+def _measure_saves(w, wakes, fwd, timings, profile, skip):
+    """_layer_load_rounds' producer save_kv_layer, wrapped: records the
+    forward thread in fwd[0]; each save of a prompt being computed counted in
+    wakes["saves"] and, with profile (and no timings), the calls it made
+    (the code objects in skip not counted) in wakes["py_calls"]; with
+    timings, its wall and thread CPU seconds."""
+    orig_save, pp_ = w.save_kv_layer, w.push_p
+
+    def save(name):
+        fwd[0] = threading.get_ident()
+        computing = any(not j.all_ready for j in list(pp_.jobs.values()))
+        if computing:
+            wakes["saves"] += 1  # a layer of a prompt being computed
+        if computing and timings is None and profile:
+            # Python functions and C functions called by the save (the
+            # stand-in's stream stub excluded: torch's raw stream getter)
+            n = [0]
+
+            def prof(frame, event, arg):
+                if event in ("call", "c_call") and frame.f_code not in skip:
+                    n[0] += 1
+
+            sys.setprofile(prof)
+            try:
+                orig_save(name)
+            finally:
+                sys.setprofile(None)
+            wakes["py_calls"].append(n[0] - 1)  # less setprofile(None) itself
+            return
+        if timings is None or not computing:
+            return orig_save(name)
+        t0, c0 = time.perf_counter(), time.thread_time()
+        orig_save(name)
+        timings["save_s"].append(time.perf_counter() - t0)
+        timings["save_cpu_s"].append(time.thread_time() - c0)
+
+    w.save_kv_layer = save
+
+
+def _time_forwards(p, timings):
+    """timings["forward_s"]: the producer side p's forward seconds per step
+    that computes the prompt "pq" (and the save lists started)."""
+    timings.setdefault("save_s", [])
+    timings.setdefault("forward_s", [])
+    timings.setdefault("save_cpu_s", [])
+    orig_fwd = p._forward
+
+    def forward(so):
+        t0 = time.perf_counter()
+        orig_fwd(so)
+        if "pq" in so.num_scheduled_tokens:
+            timings["forward_s"].append(time.perf_counter() - t0)
+
+    p._forward = forward
+
+
+def _start_round(p, d, w, f, wakes, tag, t, pause, late, early):
+    """One _layer_load_rounds round's requests for the tokens t (push params
+    tag): the producer's "pq" and the decode's "q", in the order pause, late,
+    early or neither ask for.  Returns (run: the producer's stepping thread,
+    decode_step: returns the decode's step that schedules "q", last_ev: with
+    late, the producer's last layer's event)."""
+    from test_push_layer_load import Stepper, both_legs, dp, make_request, pp as p_params
+    last_ev = None
+    decode_step = d.step
+    if pause:  # the decode's request only once the prefill paused after layer 0
+        p.pause_after_layer = 0
+        p.paused.clear()
+        p.add(make_request("pq", t, max_tokens=1, params=p_params(tag)))
+        run = Stepper(p)
+        assert p.paused.wait(10)
+        d.add(make_request("q", t, max_tokens=2, params=dp(tag)))
+    elif late:
+        pp_ = w.push_p
+        p.add(make_request("pq", t, max_tokens=1, params=p_params(tag)))
+        p.step()  # the whole forward queued before the decode's target exists
+        last_ev = [j.qev[1] for j in pp_.jobs.values()]  # its last layer's event
+        assert len(last_ev) == 1 and last_ev[0], pp_.jobs
+        wakes["late_unfinished"] += f.lib.cuEventQuery(last_ev[0]) != 0
+        d.add(make_request("q", t, max_tokens=2, params=dp(tag)))
+        run = Stepper(p)
+    elif early:
+        p.add(make_request("pq", t, max_tokens=1, params=p_params(tag)))
+        d.add(make_request("q", t, max_tokens=2, params=dp(tag)))
+        box = {}
+        dstep = threading.Thread(target=lambda: box.setdefault("so", d.step()))
+        dstep.start()  # sends the target, then waits for the layers
+        assert w.engine.wait_notifies(10)  # the target is there (not taken)
+        run = Stepper(p)
+
+        def joined():
+            dstep.join(30)
+            return box["so"]
+        decode_step = joined
+    else:
+        run = both_legs(p, d, tag, t, 2)
+    return run, decode_step, last_ev
+
+
 def _layer_load_rounds(model_dir, urls, gate, rounds=3, gpu_lag_s=0.002, blocks=4,
                        timings=None, cuda=True, fast=True, profile=False,
                        pause=False, late=False, early=False):  # noqa: F811
@@ -395,7 +564,7 @@ def _layer_load_rounds(model_dir, urls, gate, rounds=3, gpu_lag_s=0.002, blocks=
     queue before the producer's step starts (taken when the step binds,
     before the forward).  The counts' "syncs": the producer's stream synchronizes
     (the stand-in's cuda_sync only counts: it does not wait)."""
-    from test_push_layer_load import AttnSide, both_legs, BS, toks
+    from test_push_layer_load import AttnSide, BS, toks
     from vllm_harness import recomputes
 
     f = Fake() if cuda else None
@@ -408,151 +577,22 @@ def _layer_load_rounds(model_dir, urls, gate, rounds=3, gpu_lag_s=0.002, blocks=
         w = p.worker._worker
         wakes = {"waiter": 0, "landing": 0, "outbox_layer": 0, "saves": 0, "collects": 0,
                  "collects_all": 0, "syncs": 0, "late_unfinished": 0, "late_early_data": 0}
-        if cuda:
-            def sync():  # CUDA KV caches (the stand-in forward writes them at once)
-                wakes["syncs"] += 1
-            w.cuda_sync = sync
+        fwd = [threading.get_ident()]  # the forward thread (save_kv_layer's)
+        stream = _count_producer_wakes(w, f, wakes, fwd, cuda, gpu_lag_s, fast)
         pp_ = w.push_p
-        fwd = threading.get_ident()
-        orig_collect = pp_._collect
-
-        def collect(tg, rows, layers, out):  # a Python loop over a target's blocks
-            if len(layers) == 1:
-                wakes["collects"] += 1  # ... for one layer (a layer's save)
-            else:
-                wakes["collects_all"] += 1  # a target that came after the saves
-            return orig_collect(tg, rows, layers, out)
-        pp_._collect = collect
-
-        def gate_event():
-            f.hold(gpu_lag_s)
-            return None, f.event(), 0
-
-        pp_._gate_event = gate_event
-        from mooncake_connector.connector.layer_events import LayerWaiter
-        orig_ready, orig_check = pp_._layer_ready, pp_._check_layer_writes
-
-        def layer_ready(li, jobs):
-            wakes["waiter"] += 1
-            return orig_ready(li, jobs)
-
-        def check(watched):
-            if threading.get_ident() != fwd and watched:
-                wakes["landing"] += 1
-            return orig_check(watched)
-
-        pp_._layer_ready = layer_ready
-        pp_._check_layer_writes = check
-
-        def make_ev():
-            f.hold(gpu_lag_s)
-            return FakeTorchEvent(f)
-
-        if cuda:
-            pp_._waiter = LayerWaiter(pp_._layer_ready, make_event=make_ev)
-        ob = w.push_outbox
-        orig_send = ob.send
-
-        def send(target, msg, *a, **kw):
-            if b'"t":"layer"' in msg:
-                wakes["outbox_layer"] += 1
-            return orig_send(target, msg, *a, **kw)
-
-        ob.send = send
-        stream = None
-        if cuda:  # the engine's own event per layer (gate_layer), on the stand-in's stream
-            def stream(dev):
-                f.hold(gpu_lag_s)
-                return f.stream.value
-
-            pp_._stream, pp_._gdev = stream, 0
-        if not fast:  # the per-target Python path (_layer_gated; CPU: layer_done)
-            pp_._fast = False
-        orig_save = w.save_kv_layer
         wakes["py_calls"] = []  # per profiled save: the calls it made
         skip = {Fake.hold.__code__} | ({stream.__code__} if stream else set())
-
-        def save(name):
-            nonlocal fwd
-            fwd = threading.get_ident()
-            computing = any(not j.all_ready for j in list(pp_.jobs.values()))
-            if computing:
-                wakes["saves"] += 1  # a layer of a prompt being computed
-            if computing and timings is None and profile:
-                # Python functions and C functions called by the save (the
-                # stand-in's stream stub excluded: torch's raw stream getter)
-                n = [0]
-
-                def prof(frame, event, arg):
-                    if event in ("call", "c_call") and frame.f_code not in skip:
-                        n[0] += 1
-
-                sys.setprofile(prof)
-                try:
-                    orig_save(name)
-                finally:
-                    sys.setprofile(None)
-                wakes["py_calls"].append(n[0] - 1)  # less setprofile(None) itself
-                return
-            if timings is None or not computing:
-                return orig_save(name)
-            t0, c0 = time.perf_counter(), time.thread_time()
-            orig_save(name)
-            timings["save_s"].append(time.perf_counter() - t0)
-            timings["save_cpu_s"].append(time.thread_time() - c0)
-
-        w.save_kv_layer = save
+        _measure_saves(w, wakes, fwd, timings, profile, skip)
         if timings is not None:
-            timings.setdefault("save_s", [])
-            timings.setdefault("forward_s", [])
-            timings.setdefault("save_cpu_s", [])
-            orig_fwd = p._forward
-
-            def forward(so):
-                t0 = time.perf_counter()
-                orig_fwd(so)
-                if "pq" in so.num_scheduled_tokens:
-                    timings["forward_s"].append(time.perf_counter() - t0)
-
-            p._forward = forward
+            _time_forwards(p, timings)
         seen = []
         c0 = time.process_time()
         for r in range(rounds):
             t = toks(40 + r, blocks * BS + 5)
-            if pause:  # the decode's request only once the prefill paused after layer 0
-                from test_push_layer_load import Stepper, dp, make_request, pp as p_params
-                p.pause_after_layer = 0
-                p.paused.clear()
-                p.add(make_request("pq", t, max_tokens=1, params=p_params(f"G{gate}{r}")))
-                run = Stepper(p)
-                assert p.paused.wait(10)
-                d.add(make_request("q", t, max_tokens=2, params=dp(f"G{gate}{r}")))
-            elif late:
-                from test_push_layer_load import Stepper, dp, make_request, pp as p_params
-                p.add(make_request("pq", t, max_tokens=1, params=p_params(f"G{gate}{r}")))
-                p.step()  # the whole forward queued before the decode's target exists
-                last_ev = [j.qev[1] for j in pp_.jobs.values()]  # its last layer's event
-                assert len(last_ev) == 1 and last_ev[0], pp_.jobs
-                wakes["late_unfinished"] += f.lib.cuEventQuery(last_ev[0]) != 0
-                d.add(make_request("q", t, max_tokens=2, params=dp(f"G{gate}{r}")))
-                run = Stepper(p)
-            elif early:
-                from test_push_layer_load import Stepper, dp, make_request, pp as p_params
-                p.add(make_request("pq", t, max_tokens=1, params=p_params(f"G{gate}{r}")))
-                d.add(make_request("q", t, max_tokens=2, params=dp(f"G{gate}{r}")))
-                box = {}
-                dstep = threading.Thread(target=lambda: box.setdefault("so", d.step()))
-                dstep.start()  # sends the target, then waits for the layers
-                assert w.engine.wait_notifies(10)  # the target is there (not taken)
-                run = Stepper(p)
-            else:
-                run = both_legs(p, d, f"G{gate}{r}", t, 2)
+            run, decode_step, last_ev = _start_round(p, d, w, f, wakes, f"G{gate}{r}", t,
+                                                     pause, late, early)
             try:
-                if early:
-                    dstep.join(30)
-                    so = box["so"]
-                else:
-                    so = d.step()
+                so = decode_step()
                 if late:  # the layers are there: the "GPU" must have finished the forward
                     wakes["late_early_data"] += f.lib.cuEventQuery(last_ev[0]) != 0
                 assert so.num_scheduled_tokens.get("q") == 5

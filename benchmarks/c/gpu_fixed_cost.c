@@ -33,35 +33,11 @@
 #include "gpu/gpu_copy_kernel.h"
 #include "gpu/gpu_ipc.h"
 #include "gpu/gpu_staging.h"
+#include "gpu_bench_util.h"
 
 #define GIB (1ull << 30)
 #define NEXTRA 63
 #define EXTRA (16ull << 20)
-
-typedef int (*alloc_fn)(uint64_t *, size_t);
-static alloc_fn cu_alloc;
-static const mc_cuda_api_t *api;
-
-static int gpu_up(void) {
-  mc_err_t err = {0};
-  api = mc_cuda_api(&err);
-  if (!api || api->device_count < 1 || mc_cuda_use_device(0, &err) < 0)
-    return 0;
-  void *h = dlopen("libcuda.so.1", RTLD_NOW);
-  cu_alloc = h ? (alloc_fn)dlsym(h, "cuMemAlloc_v2") : NULL;
-  return cu_alloc != NULL;
-}
-
-static double now_us(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec * 1e6 + (double)ts.tv_nsec * 1e-3;
-}
-
-static int cmp_d(const void *a, const void *b) {
-  double x = *(const double *)a, y = *(const double *)b;
-  return x < y ? -1 : x > y;
-}
 
 static double pct(double *v, int n, double p) {
   qsort(v, (size_t)n, sizeof *v, cmp_d);
@@ -167,18 +143,7 @@ static int to_c, from_c;
 
 static int xfer1(int op, uint64_t loc, uint64_t rem, size_t len, double *t_submit) {
   mc_request_t r = {.opcode = op, .local = (void *)(uintptr_t)loc, .remote = rem, .len = len};
-  mc_err_t err = {0};
-  double t0 = now_us();
-  mc_batch_t *b = mc_batch_new(A, 1);
-  int rc = mc_batch_submit(A, b, g_in.segment, &r, 1, &err);
-  if (t_submit)
-    *t_submit = now_us() - t0;
-  if (rc == 0)
-    rc = mc_batch_wait(A, b, 10000, &err);
-  mc_batch_free(A, b);
-  if (rc)
-    fprintf(stderr, "transfer failed: %s\n", err.msg);
-  return rc;
+  return submit_wait(A, g_in.segment, &r, 1, t_submit);
 }
 
 /* GPU copy jobs submitted and launched by the submitting thread so far
@@ -721,23 +686,12 @@ int main(int argc, char **argv) {
   if (passes < 1)
     passes = 1;
   signal(SIGPIPE, SIG_IGN);
-  int a[2], b[2];
-  if (pipe(a) || pipe(b))
+  pid_t pid;
+  if (fork_target(child, &pid, &to_c, &from_c) < 0)
     return 1;
-  fflush(stdout);
-  pid_t pid = fork();
-  if (pid == 0) {
-    close(a[1]);
-    close(b[0]);
-    child(b[1], a[0]);
-  }
-  close(a[0]);
-  close(b[1]);
   g_child = pid;
   g_diag = getenv("MC_GPU_DIAG") && (getenv("MC_GPU_DIAG")[0] == '1' ||
                                      getenv("MC_GPU_DIAG")[0] == '2');
-  to_c = a[1];
-  from_c = b[0];
   if (read_full(from_c, &g_in, sizeof g_in) < 0 || !g_in.ok || !gpu_up()) {
     printf("{\"row\": \"skipped\", \"why\": \"no GPU visible\"}\n");
     return 0;

@@ -27,34 +27,10 @@
 #include "engine/engine_internal.h"
 #include "gpu/cuda_driver.h"
 #include "meta/segment_desc.h"
+#include "gpu_bench_util.h"
 
 #define REG (16u << 20)
 #define NREG_MAX 64
-
-typedef int (*alloc_fn)(uint64_t *, size_t);
-static alloc_fn cu_alloc;
-static const mc_cuda_api_t *api;
-
-static int gpu_up(void) {
-  mc_err_t err = {0};
-  api = mc_cuda_api(&err);
-  if (!api || api->device_count < 1 || mc_cuda_use_device(0, &err) < 0)
-    return 0;
-  void *h = dlopen("libcuda.so.1", RTLD_NOW);
-  cu_alloc = h ? (alloc_fn)dlsym(h, "cuMemAlloc_v2") : NULL;
-  return cu_alloc != NULL;
-}
-
-static double now_us(void) {
-  struct timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return (double)ts.tv_sec * 1e6 + (double)ts.tv_nsec * 1e-3;
-}
-
-static int cmp_d(const void *a, const void *b) {
-  double x = *(const double *)a, y = *(const double *)b;
-  return x < y ? -1 : x > y;
-}
 
 static double pct(double *v, int n, double p) {
   qsort(v, (size_t)n, sizeof *v, cmp_d);
@@ -105,18 +81,7 @@ static int xfer(int op, uint64_t *loc, uint64_t *rem, size_t n, size_t len, doub
   for (size_t i = 0; i < n; i++)
     r[i] = (mc_request_t){.opcode = op, .local = (void *)(uintptr_t)loc[i], .remote = rem[i],
                           .len = len};
-  mc_err_t err = {0};
-  double t0 = now_us();
-  mc_batch_t *b = mc_batch_new(A, n);
-  int rc = mc_batch_submit(A, b, g_in.segment, r, n, &err);
-  if (t_submit)
-    *t_submit = now_us() - t0;
-  if (rc == 0)
-    rc = mc_batch_wait(A, b, 10000, &err);
-  mc_batch_free(A, b);
-  if (rc)
-    fprintf(stderr, "transfer failed: %s\n", err.msg);
-  return rc;
+  return submit_wait(A, g_in.segment, r, n, t_submit);
 }
 
 static void rows(const char *tag, int iters) {
@@ -205,19 +170,11 @@ int main(int argc, char **argv) {
   if (iters < 20)
     iters = 20;
   signal(SIGPIPE, SIG_IGN);
-  int to_c[2], from_c[2];
-  if (pipe(to_c) || pipe(from_c))
+  int to_c, from_c;
+  pid_t pid;
+  if (fork_target(child, &pid, &to_c, &from_c) < 0)
     return 1;
-  fflush(stdout);
-  pid_t pid = fork();
-  if (pid == 0) {
-    close(to_c[1]);
-    close(from_c[0]);
-    child(from_c[1], to_c[0]);
-  }
-  close(to_c[0]);
-  close(from_c[1]);
-  if (read(from_c[0], &g_in, sizeof g_in) != (ssize_t)sizeof g_in || !g_in.ok || !gpu_up()) {
+  if (read(from_c, &g_in, sizeof g_in) != (ssize_t)sizeof g_in || !g_in.ok || !gpu_up()) {
     printf("gpu_small_bench: no GPU visible; nothing measured\n");
     return 0;
   }
@@ -230,11 +187,11 @@ int main(int argc, char **argv) {
   }
   rows("1 region", iters);
   char c = 'm';
-  if (write(to_c[1], &c, 1) != 1 || read(from_c[0], &c, 1) != 1)
+  if (write(to_c, &c, 1) != 1 || read(from_c, &c, 1) != 1)
     return 1;
   rows("64 regs", iters);
   mc_engine_destroy(A);
-  close(to_c[1]);
+  close(to_c);
   waitpid(pid, NULL, 0);
   return 0;
 }

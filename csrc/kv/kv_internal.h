@@ -120,5 +120,10 @@ void kv_waiter_unlink_locked(mc_kv_t *kv, kv_waiter_t *w);
 kv_waiter_t *kv_waiter_find_locked(mc_kv_t *kv, uint64_t id, const char *from);
 /* w->msg = a peer's text of len bytes (not NUL-terminated), cut to fit. */
 void kv_waiter_set_text(kv_waiter_t *w, const char *text, size_t len);
+/* kv_transfer.c: recv_kv's argument checks (mc_kv_recv_ex, mc_kv_pull_ex:
+ * producer named, 4- or 8-byte token ids, 1..65535 extents per block, counts
+ * that fit 32 bits): 0, or MC_EINVAL naming the first that fails. */
+int kv_recv_check_args(const char *producer, int width, uint32_t epb, size_t ntok,
+                       size_t ndest, size_t nhidden, mc_err_t *err);
 
 #endif

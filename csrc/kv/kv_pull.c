@@ -336,14 +336,9 @@ long mc_kv_pull(mc_kv_t *kv, const char *producer, const void *tokens, size_t nt
 long mc_kv_pull_ex(mc_kv_t *kv, const char *producer, const void *tokens, size_t ntok,
                    int width, uint32_t skip, const mc_lookup_extent_t *dest, size_t ndest,
                    uint32_t epb, int timeout_ms, mc_err_t *err) {
-  if (!producer || !*producer)
-    return mc_err_set(err, MC_EINVAL, "recv_kv: the producer segment name is empty");
-  if (width != 4 && width != 8)
-    return mc_err_set(err, MC_EINVAL, "recv_kv: token ids must be 4 or 8 bytes wide");
-  if (epb == 0 || epb > 0xffff)
-    return mc_err_set(err, MC_EINVAL, "recv_kv: extents per block must be 1..65535");
-  if (ntok > 0xffffffffu || ndest > 0xffffffffu)
-    return mc_err_set(err, MC_EINVAL, "recv_kv: too many tokens or extents");
+  int bad = kv_recv_check_args(producer, width, epb, ntok, ndest, 0, err);
+  if (bad < 0)
+    return bad;
   if (timeout_ms <= 0)
     timeout_ms = 30000;
   uint64_t deadline = mc_now_ns() + (uint64_t)timeout_ms * 1000000ull;

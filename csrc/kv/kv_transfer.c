@@ -542,10 +542,8 @@ long mc_kv_recv(mc_kv_t *kv, const char *producer, const void *tokens, size_t nt
                        err);
 }
 
-long mc_kv_recv_ex(mc_kv_t *kv, const char *producer, const void *tokens, size_t ntok,
-                   int width, const mc_lookup_extent_t *dest, size_t ndest, uint32_t epb,
-                   const mc_lookup_extent_t *hidden, size_t nhidden, int timeout_ms,
-                   mc_err_t *err) {
+int kv_recv_check_args(const char *producer, int width, uint32_t epb, size_t ntok,
+                       size_t ndest, size_t nhidden, mc_err_t *err) {
   if (!producer || !*producer)
     return mc_err_set(err, MC_EINVAL, "recv_kv: the producer segment name is empty");
   if (width != 4 && width != 8)
@@ -554,6 +552,16 @@ long mc_kv_recv_ex(mc_kv_t *kv, const char *producer, const void *tokens, size_t
     return mc_err_set(err, MC_EINVAL, "recv_kv: extents per block must be 1..65535");
   if (ntok > 0xffffffffu || ndest > 0xffffffffu || nhidden > 0xffffffffu)
     return mc_err_set(err, MC_EINVAL, "recv_kv: too many tokens or extents");
+  return 0;
+}
+
+long mc_kv_recv_ex(mc_kv_t *kv, const char *producer, const void *tokens, size_t ntok,
+                   int width, const mc_lookup_extent_t *dest, size_t ndest, uint32_t epb,
+                   const mc_lookup_extent_t *hidden, size_t nhidden, int timeout_ms,
+                   mc_err_t *err) {
+  int bad = kv_recv_check_args(producer, width, epb, ntok, ndest, nhidden, err);
+  if (bad < 0)
+    return bad;
   if (timeout_ms <= 0)
     timeout_ms = 30000;
   kv_msg_req_t q = {.width = (uint8_t)width, .epb = (uint16_t)epb,
