@@ -257,6 +257,47 @@ def test_ttft_timeline_reads_a_trace():
     assert abs(s["paired_push_ll"] - 2.0) < 1e-6
 
 
+def test_ttft_timeline_reads_a_whole_prompt_push():
+    """A whole-prompt push's decode side (the path a GPU decode on vLLM's
+    asynchronous scheduling takes): the producer's "done", the decode's
+    worker counting the load over, vLLM's scheduler learning it, the
+    request's first step, each a point, and the stretches between them."""
+    tt = _tt()
+    rid, tid, P, D, X = "tl-push_whole-128-0-1", "push-tl-w", 11, 22, 33
+
+    def ev(ms, pid, name, k, **kw):
+        return {"t": 100.0 + ms / 1e3, "w": 5000.0 + ms / 1e3, "pid": pid, "ev": name,
+                "k": k, **kw}
+    events = [ev(0, X, "proxy_in", rid), ev(0.1, X, "proxy_dispatch", tid, rid=rid),
+              ev(3, D, "sched_match", tid, arrival_w=5000.001),
+              ev(3.2, D, "sched_alloc", tid, sync=False), ev(4, D, "step_bound", tid),
+              ev(4.2, D, "target_queued", tid), ev(5, D, "notify_sent", tid, what="target"),
+              ev(3.5, P, "sched_publish", tid), ev(4.0, P, "step_bound", tid),
+              ev(5.5, P, "p_recv", tid, what="target"), ev(8, P, "layer_saved", tid, li=0),
+              ev(12, P, "layer_saved", tid, li=1), ev(15, P, "fwd_end", tid),
+              ev(15.5, P, "notify_sent", tid, what="done"),
+              ev(16, D, "c_recv", tid, what="done"), ev(16.1, D, "recv_done", tid),
+              ev(18, D, "sched_recv_seen", tid), ev(19.5, D, "sched_compute", tid),
+              ev(20, X, "proxy_prefill_answer", tid), ev(30, X, "proxy_chunk_in", rid),
+              ev(30.2, X, "proxy_chunk_out", rid)]
+    tl = tt.timelines(sorted(events, key=lambda e: e["t"]), nlayers=2)[rid]
+    want = {"p_done_told": 15.5, "d_done_recv": 16, "d_recv_done": 16.1,
+            "d_sched_seen": 18, "d_sched_compute": 19.5, "p_answer": 20, "d_chunk_in": 30}
+    for col, ms in want.items():
+        assert abs(tl[col] - ms) < 1e-6, (col, tl[col])
+    assert tl["d_last_recv"] is None  # no "layer" told: not a layer load
+    rows = {128: [{"mode": "push_whole", "n": 128, "rid": rid, "ttft_ms": 32.0,
+                   "identical": True, "time_to_first_token_seconds": 0.0285},
+                  {"mode": "colocated", "n": 128, "rid": "tl-colocated-128-0-1",
+                   "ttft_ms": 16.0, "identical": True}]}
+    st = tt.report(rows, {rid: tl}, ["colocated", "push_whole"])[128]["stretches_push_whole"]
+    assert abs(st["(whole push: load over -> vLLM's scheduler learns it)"] - 1.9) < 1e-6
+    assert abs(st["(whole push: scheduler learns it -> the request's first step scheduled)"]
+               - 1.5) < 1e-6
+    assert abs(st["(whole push: prefill answer at the proxy -> decode's 1st chunk there)"]
+               - 10.0) < 1e-6
+
+
 def _tt():
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     try:
