@@ -475,6 +475,106 @@ def test_async_scheduling_loads_in_the_background(model_dir, urls):  # noqa: F81
             s_.close()
 
 
+def test_async_scheduling_computes_a_load_in_the_step_after_it_ended(model_dir,  # noqa: F811
+                                                                    urls):
+    """vLLM's engine loop under asynchronous scheduling (step_with_batch_queue,
+    one GPU: the worker's hooks run inline) hands the scheduler step k-1's
+    output after it scheduled step k, so a load the worker reports over in
+    step k's get_finished reached vLLM's scheduler only after step k+1 was
+    scheduled: step k+1 ran empty (plus vLLM's 1 ms sleep after a step with
+    nothing computed) and the request was computed in step k+2.  The
+    connector's scheduler side now learns it with step k-1's output (the
+    worker in this process told it: early.py), so step k+1 computes it.
+    The bytes are the producer's; the report is not seen twice."""
+    made = []
+
+    def side(role, **kw):
+        made.append(Side(model_dir, role, dict(urls), block_size=BS, **kw))
+        return made[-1]
+    try:
+        p = side("kv_producer")
+        d = side("kv_consumer", async_scheduling=True, pipelined=True)
+        t = toks(54, 5 * BS + 3)
+        prefill(p, "i", t)
+        d.add(make_request("i", t, max_tokens=3))
+        assert d.run_until(lambda: "i" in d.recvd or "i" in d.computed, steps=2000)
+        assert "i" in d.recvd and "i" not in d.computed
+        so = d.step()  # the engine's next iteration
+        assert so is not None and "i" in so.num_scheduled_tokens, \
+            "the finished load was not computed in the next step"
+        assert so.num_scheduled_tokens["i"] == 3  # the prompt's last 3 tokens
+        assert d.block_matches_pattern("i", t, 5)
+        assert d.run_until(lambda: "i" not in d.sched.requests, steps=50)
+        assert not d.invalid and d.computed["i"] == 3 + 2
+        st = _stats(d)
+        assert st["loads"] == 1 and st["load_tokens"] == 5 * BS, st
+    finally:
+        for s_ in made:
+            s_.close()
+
+
+@pytest.mark.parametrize("how", ["failed", "aborted-while-loading", "aborted-once-told"])
+def test_async_scheduling_pipelined_loads_end_every_way(model_dir, urls, how):  # noqa: F811
+    """vLLM's engine loop with async scheduling (Side pipelined) and a load
+    that does not end cleanly: a failed load is not told early (its blocks
+    are load errors that must reach vLLM with its end: it is recomputed); a
+    request aborted while loading is reported as before; one aborted after
+    its end was told early (vLLM freed it then) is not reported again with
+    the later output that carries it (vLLM would fail an assertion on a
+    request it no longer has).  Every block goes back."""
+    made = []
+
+    def side(role, extra=None, **kw):
+        made.append(Side(model_dir, role, {**urls, **(extra or {})}, block_size=BS, **kw))
+        return made[-1]
+    try:
+        if how == "failed":
+            d = side("kv_consumer", {"load_timeout_s": 5, "flow_a": False},
+                     async_scheduling=True, pipelined=True)
+            dead = f"127.0.0.1:{free_port()}"   # nothing listens there
+            t = toks(55, 3 * BS)
+            d.add(make_request("f", t, max_tokens=2,
+                               params={"do_remote_prefill": True, "remote_engine_id": dead}))
+            d.step()
+            assert status(d, "f") == RequestStatus.WAITING_FOR_REMOTE_KVS
+            first = []  # the first step computing it: the whole prompt (nothing loaded)
+            for _ in range(2000):
+                so = d.step()
+                if so is not None and "f" in so.num_scheduled_tokens:
+                    first.append(so.num_scheduled_tokens["f"])
+                    break
+                time.sleep(0.002)
+            assert first == [len(t)], first
+            assert d.run_until(lambda: "f" not in d.sched.requests)
+            assert d.invalid and d.computed["f"] == len(t) + 1
+            assert sum(s_.data.get("loads_failed", 0) for s_ in d.stats) == 1
+        else:
+            p = side("kv_producer")
+            d = side("kv_consumer", async_scheduling=True, pipelined=True)
+            t = toks(56, 6 * BS)
+            prefill(p, "c", t)
+            d.add(make_request("c", t, max_tokens=2))
+            d.step()
+            assert status(d, "c") == RequestStatus.WAITING_FOR_REMOTE_KVS
+            ids = d.block_ids("c")
+            if how == "aborted-while-loading":
+                d.sched.finish_requests("c", RequestStatus.FINISHED_ABORTED)
+                assert "c" in d.sched.requests and d.block_ids("c") == ids  # kept: loading
+            assert d.run_until(lambda: "c" in d.recvd)
+            if how == "aborted-once-told":
+                assert "c" in d.sched.finished_recving_kv_req_ids  # told early
+                d.sched.finish_requests("c", RequestStatus.FINISHED_ABORTED)
+                assert "c" not in d.sched.requests  # vLLM freed it at once
+            assert "c" not in d.computed
+            assert p.run_until(lambda: p.is_empty())
+        for _ in range(3):
+            d.step()  # the outputs still queued reach vLLM's scheduler
+        assert d.is_empty() and not d._queue
+    finally:
+        for s_ in made:
+            s_.close()
+
+
 @pytest.mark.parametrize("in_step", [True, False], ids=["in-step", "async"])
 def test_failed_load_recomputes(sides, urls, in_step):
     """The params name a producer that is gone (flow B: no probe first)."""

@@ -137,7 +137,7 @@ def side_maker(model_dir, urls, **side_kw):
     def make(role, **extra):
         hooks = {k: extra.pop(k) for k in ("die_after_layer", "pause_after_layer", "hold_at_end",
                                            "hold_after_layer",
-                                           "cudagraph_mode", "async_scheduling")
+                                           "cudagraph_mode", "async_scheduling", "pipelined")
                  if k in extra}
         return AttnSide(model_dir, role, {**urls, **extra}, block_size=BS, **hooks, **side_kw)
 
@@ -952,6 +952,36 @@ def test_async_scheduling_takes_the_whole_prompt_push(sides):
     c = counters(d)
     assert c.get("push_layer_loads", 0) == 0 and c.get("loads_in_step", 0) == 0, c
     assert c.get("push_loads") == 1, c
+
+
+def test_async_scheduling_computes_a_whole_prompt_push_in_the_step_after_done(sides):
+    """The whole-prompt push under vLLM's engine loop with async scheduling
+    (Side pipelined: step_with_batch_queue, one GPU's UniProcExecutor): the
+    step whose get_finished reports the push over ("done" received) is
+    followed by the step that computes the request, not by an empty one
+    (vLLM hands its scheduler the previous step's output first; early.py
+    tells it the load's end with that output).  The KV is the producer's,
+    nothing recomputed, the request ends normally."""
+    p = sides("kv_producer")
+    d = sides("kv_consumer", flow_a=False, async_scheduling=True, pipelined=True)
+    t = toks(64, 4 * BS + 3)
+    p.add(make_request("pq", t, max_tokens=1, params=pp("AW")))
+    d.add(make_request("q", t, max_tokens=2, params=dp("AW")))
+    run = Stepper(p)
+    try:
+        so = d.step()
+        assert "q" not in so.num_scheduled_tokens
+        assert status(d, "q") == RequestStatus.WAITING_FOR_REMOTE_KVS
+        assert d.run_until(lambda: "q" in d.recvd, steps=20000)
+        so = d.step()  # the engine's next iteration
+        assert so is not None and so.num_scheduled_tokens.get("q") == 3, \
+            "the pushed request was not computed in the step after its load ended"
+        assert d.block_matches_pattern("q", t, 4) and not d.invalid
+        assert d.run_until(lambda: "q" not in d.sched.requests, steps=50)
+    finally:
+        run.join()
+    assert p.run_until(lambda: p.is_empty(), steps=500) and d.run_until(d.is_empty, steps=50)
+    assert recomputes(d) == {} and counters(d).get("push_loads") == 1
 
 
 def test_a_step_whose_layer_waits_were_skipped_is_recomputed(sides):
