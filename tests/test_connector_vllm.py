@@ -443,6 +443,44 @@ def test_idle_wait_zero_never_waits(sides):
     assert time.monotonic() - t0 < 0.3 and "z" not in p.sent
 
 
+def test_async_scheduling_idle_wait_does_not_hold_back_the_last_output(model_dir,  # noqa: F811
+                                                                       urls):
+    """Under vLLM's async scheduling (Side pipelined) the step after one that
+    computed runs while that step's output still waits in vLLM's batch
+    queue: an idle wait there (the producer waiting for a held prompt's
+    release) held back that output -- here the prefill's answer for the
+    request it just computed -- by up to idle_wait_max_ms (flows a/b: the
+    decode leg starts only with that answer).  The worker waits only in an
+    idle step that follows an idle step."""
+    made = []
+
+    def side(role, extra=None, **kw):
+        made.append(Side(model_dir, role, {**urls, **(extra or {})}, block_size=BS, **kw))
+        return made[-1]
+    try:
+        p = side("kv_producer", {"idle_wait_ms": 400, "idle_wait_max_ms": 400},
+                 async_scheduling=True, pipelined=True)
+        p.add(make_request("a", toks(57, 3 * BS), max_tokens=1))
+        assert p.run_until(lambda: status(p, "a") == RequestStatus.FINISHED_LENGTH_CAPPED,
+                           steps=10)
+        # "a" is held for a pull that does not come (yet); a second prompt
+        p.add(make_request("b", toks(58, 3 * BS), max_tokens=1))
+        so = p.step()
+        assert so.num_scheduled_tokens == {"b": 3 * BS}
+        t0 = time.monotonic()
+        so = p.step()  # nothing to compute; "b"'s output is taken in this iteration
+        took = time.monotonic() - t0
+        assert not so.num_scheduled_tokens
+        assert status(p, "b") == RequestStatus.FINISHED_LENGTH_CAPPED
+        assert took < 0.2, f"the prefill's answer was held back {took * 1e3:.0f} ms"
+        t0 = time.monotonic()
+        p.step()  # idle after idle: waits for a release as before
+        assert time.monotonic() - t0 >= 0.35
+    finally:
+        for s_ in made:
+            s_.close()
+
+
 def test_async_scheduling_loads_in_the_background(model_dir, urls):  # noqa: F811
     """vLLM's asynchronous scheduling on (a GPU server's default): the same
     remote hit as test_remote_hit_loads_in_the_step_without_extra_steps goes

@@ -254,7 +254,8 @@ class MooncakeConnector(KVConnectorBase_V1, SupportsHMA):
                                       facts=model_facts(vllm_config, kv_cache_config),
                                       layer_groups=layer_groups(kv_cache_config),
                                       pp_rank=_pp(vllm_config)[0], dp_rank=_dp(vllm_config),
-                                      early_key=_early_key(vllm_config))
+                                      early_key=_early_key(vllm_config),
+                                      async_scheduling=async_scheduling_on(vllm_config))
         if hook_times.ON:  # MC_HOOK_TIMES: every hook timed (issue 31)
             hook_times.install(self, "scheduler" if self._scheduler is not None else "worker",
                                s.role)

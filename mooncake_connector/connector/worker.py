@@ -26,8 +26,12 @@ logger = logging.getLogger("vllm.mooncake_connector")
 
 class WorkerSide:
     def __init__(self, settings, block_size, tp_rank, tp_size, num_blocks=None, facts=None,
-                 layer_groups=None, pp_rank=0, dp_rank=0, early_key=None):
+                 layer_groups=None, pp_rank=0, dp_rank=0, early_key=None,
+                 async_scheduling=False):
         self.s = settings
+        # vLLM's async scheduling: an idle step's get_finished runs while the
+        # previous step's output still waits in vLLM's batch queue
+        self.async_scheduling = async_scheduling
         self.early_key = early_key  # early.py: the key this worker's scheduler side uses
         self.dp_rank = dp_rank
         self.bootstrap = None     # producer TP 0 / PP 0: bootstrap.BootstrapServer
@@ -48,6 +52,7 @@ class WorkerSide:
         self.loads = Loads(self)
         self.publishes = Publishes(self)
         self._idle = False        # this step schedules nothing (may wait for releases)
+        self._prev_idle = True    # so did the step before it
         self._traced = ()         # MC_TRACE: this step's push transfer ids
         self.stats = MooncakeKVConnectorStats()
         self.idle_trim = None     # memory.IdleTrim (malloc_trim_idle_s), from register_kv_caches
@@ -174,6 +179,13 @@ class WorkerSide:
                 self.loads.abort_pushed(finished_req_ids)
             if self.push_p is not None:
                 self.push_p.poll()
+        # An idle step may wait (a "done", a release, a hold's answer).  Under
+        # async scheduling not right after a step that computed: vLLM takes
+        # that step's output (tokens, a prefill's answer) only once this
+        # get_finished returns; the wait would hold it back (the next idle
+        # step waits).
+        idle = self._idle and (self._prev_idle or not self.async_scheduling)
+        self._prev_idle, self._idle = self._idle, idle
         done_recv = self.loads.finished(self._idle)
         if self.early_key is not None:
             self._tell_early(done_recv)
