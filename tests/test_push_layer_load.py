@@ -984,6 +984,45 @@ def test_async_scheduling_computes_a_whole_prompt_push_in_the_step_after_done(si
     assert recomputes(d) == {} and counters(d).get("push_loads") == 1
 
 
+def test_whole_prompt_done_is_sent_by_the_engine_once_the_writes_land(sides):
+    """The whole-prompt push's "done" goes out when its writes complete, not
+    at the prefill's next poll of them: the write batch carries it and the
+    engine's notifier sends it.  Before, only PushProducer.poll (the next
+    get_finished, or an idle step's wait) sent it: under vLLM's async
+    scheduling the prefill's step after the forward polls once without
+    waiting (its output, the answer, is still queued) and the next poll
+    comes after that answer, vLLM's 1 ms sleep and a schedule.  Here the
+    prefill's polls in the forward's step are made to see nothing and it
+    does not step again: the decode gets "done" all the same, its KV
+    byte-exact; the poll's own "done" later is a duplicate it ignores."""
+    p = sides("kv_producer")
+    d = sides("kv_consumer", flow_a=False)
+    t = toks(65, 4 * BS + 3)
+    d.add(make_request("q", t, max_tokens=2, params=dp("WD")))
+    d.step()  # the target goes out
+    assert status(d, "q") == RequestStatus.WAITING_FOR_REMOTE_KVS
+    w = p.worker._worker
+    end = time.monotonic() + 5
+    while "WD" not in w.push_p.early and time.monotonic() < end:
+        w.drain_notifies()
+        time.sleep(0.001)
+    assert "WD" in w.push_p.early, "the target did not reach the prefill"
+    p.add(make_request("pq", t, max_tokens=1, params=pp("WD")))
+    polls = []
+    w.push_p.poll = lambda: polls.append(1) or set()  # this step's polls tell nothing
+    try:
+        p.step()  # the prompt's forward; every layer written after it
+    finally:
+        del w.push_p.poll
+    assert polls
+    assert d.run_until(lambda: "q" in d.recvd, steps=500), \
+        "the decode got no \"done\" before the prefill polled again"
+    assert d.block_matches_pattern("q", t, 4) and not d.invalid
+    assert d.run_until(lambda: "q" not in d.sched.requests, steps=50)
+    assert p.run_until(lambda: p.is_empty(), steps=500) and d.run_until(d.is_empty, steps=50)
+    assert recomputes(d) == {}
+
+
 def test_a_step_whose_layer_waits_were_skipped_is_recomputed(sides):
     """The safety net for a replay nobody foresaw: a step whose forward
     called no wait_for_layer_load (as in a FULL replay) may have read the
