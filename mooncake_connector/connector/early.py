@@ -17,9 +17,12 @@ in update_connector_output of the output it takes next, adds those loads to
 that output's finished_recving (vLLM reads finished_recving after calling
 update_connector_output) and takes them out of the later output that
 carries them (vLLM must not see a load over twice).  Nothing changes for
-the worker's fence: a load is put here only once get_finished returned it,
-i.e. once nothing more can land in its blocks.  Without async scheduling
-the next output taken is the one carrying the load: nothing is added.
+the worker's fence: a load is put here by the get_finished that reports it
+over, i.e. once nothing more can land in its blocks.  Without async
+scheduling the next output taken is the one carrying the load: nothing is
+added.  vLLM calls update_connector_output only for a step whose connector
+output is not empty, so while a load is in flight the worker's
+build_connector_worker_meta returns an empty HoldEvents (connector.py).
 
 Only where both halves live in one process under one key (the engine id and
 the data-parallel rank): with several workers (vLLM aggregates their
