@@ -443,6 +443,44 @@ def test_idle_wait_zero_never_waits(sides):
     assert time.monotonic() - t0 < 0.3 and "z" not in p.sent
 
 
+def test_async_scheduling_idle_wait_does_not_hold_back_the_last_output(model_dir,  # noqa: F811
+                                                                       urls):
+    """Under vLLM's async scheduling (Side pipelined) the step after one that
+    computed runs while that step's output still waits in vLLM's batch
+    queue: an idle wait there (the producer waiting for a held prompt's
+    release) held back that output -- here the prefill's answer for the
+    request it just computed -- by up to idle_wait_max_ms (flows a/b: the
+    decode leg starts only with that answer).  The worker waits only in an
+    idle step that follows an idle step."""
+    made = []
+
+    def side(role, extra=None, **kw):
+        made.append(Side(model_dir, role, {**urls, **(extra or {})}, block_size=BS, **kw))
+        return made[-1]
+    try:
+        p = side("kv_producer", {"idle_wait_ms": 400, "idle_wait_max_ms": 400},
+                 async_scheduling=True, pipelined=True)
+        p.add(make_request("a", toks(57, 3 * BS), max_tokens=1))
+        assert p.run_until(lambda: status(p, "a") == RequestStatus.FINISHED_LENGTH_CAPPED,
+                           steps=10)
+        # "a" is held for a pull that does not come (yet); a second prompt
+        p.add(make_request("b", toks(58, 3 * BS), max_tokens=1))
+        so = p.step()
+        assert so.num_scheduled_tokens == {"b": 3 * BS}
+        t0 = time.monotonic()
+        so = p.step()  # nothing to compute; "b"'s output is taken in this iteration
+        took = time.monotonic() - t0
+        assert not so.num_scheduled_tokens
+        assert status(p, "b") == RequestStatus.FINISHED_LENGTH_CAPPED
+        assert took < 0.2, f"the prefill's answer was held back {took * 1e3:.0f} ms"
+        t0 = time.monotonic()
+        p.step()  # idle after idle: waits for a release as before
+        assert time.monotonic() - t0 >= 0.35
+    finally:
+        for s_ in made:
+            s_.close()
+
+
 def test_async_scheduling_loads_in_the_background(model_dir, urls):  # noqa: F811
     """vLLM's asynchronous scheduling on (a GPU server's default): the same
     remote hit as test_remote_hit_loads_in_the_step_without_extra_steps goes
@@ -470,6 +508,106 @@ def test_async_scheduling_loads_in_the_background(model_dir, urls):  # noqa: F81
         st = _stats(d)
         assert st["loads"] == 1 and st.get("loads_in_step", 0) == 0, st
         assert st["load_tokens"] == 5 * BS, st
+    finally:
+        for s_ in made:
+            s_.close()
+
+
+def test_async_scheduling_computes_a_load_in_the_step_after_it_ended(model_dir,  # noqa: F811
+                                                                    urls):
+    """vLLM's engine loop under asynchronous scheduling (step_with_batch_queue,
+    one GPU: the worker's hooks run inline) hands the scheduler step k-1's
+    output after it scheduled step k, so a load the worker reports over in
+    step k's get_finished reached vLLM's scheduler only after step k+1 was
+    scheduled: step k+1 ran empty (plus vLLM's 1 ms sleep after a step with
+    nothing computed) and the request was computed in step k+2.  The
+    connector's scheduler side now learns it with step k-1's output (the
+    worker in this process told it: early.py), so step k+1 computes it.
+    The bytes are the producer's; the report is not seen twice."""
+    made = []
+
+    def side(role, **kw):
+        made.append(Side(model_dir, role, dict(urls), block_size=BS, **kw))
+        return made[-1]
+    try:
+        p = side("kv_producer")
+        d = side("kv_consumer", async_scheduling=True, pipelined=True)
+        t = toks(54, 5 * BS + 3)
+        prefill(p, "i", t)
+        d.add(make_request("i", t, max_tokens=3))
+        assert d.run_until(lambda: "i" in d.recvd or "i" in d.computed, steps=2000)
+        assert "i" in d.recvd and "i" not in d.computed
+        so = d.step()  # the engine's next iteration
+        assert so is not None and "i" in so.num_scheduled_tokens, \
+            "the finished load was not computed in the next step"
+        assert so.num_scheduled_tokens["i"] == 3  # the prompt's last 3 tokens
+        assert d.block_matches_pattern("i", t, 5)
+        assert d.run_until(lambda: "i" not in d.sched.requests, steps=50)
+        assert not d.invalid and d.computed["i"] == 3 + 2
+        st = _stats(d)
+        assert st["loads"] == 1 and st["load_tokens"] == 5 * BS, st
+    finally:
+        for s_ in made:
+            s_.close()
+
+
+@pytest.mark.parametrize("how", ["failed", "aborted-while-loading", "aborted-once-told"])
+def test_async_scheduling_pipelined_loads_end_every_way(model_dir, urls, how):  # noqa: F811
+    """vLLM's engine loop with async scheduling (Side pipelined) and a load
+    that does not end cleanly: a failed load is not told early (its blocks
+    are load errors that must reach vLLM with its end: it is recomputed); a
+    request aborted while loading is reported as before; one aborted after
+    its end was told early (vLLM freed it then) is not reported again with
+    the later output that carries it (vLLM would fail an assertion on a
+    request it no longer has).  Every block goes back."""
+    made = []
+
+    def side(role, extra=None, **kw):
+        made.append(Side(model_dir, role, {**urls, **(extra or {})}, block_size=BS, **kw))
+        return made[-1]
+    try:
+        if how == "failed":
+            d = side("kv_consumer", {"load_timeout_s": 5, "flow_a": False},
+                     async_scheduling=True, pipelined=True)
+            dead = f"127.0.0.1:{free_port()}"   # nothing listens there
+            t = toks(55, 3 * BS)
+            d.add(make_request("f", t, max_tokens=2,
+                               params={"do_remote_prefill": True, "remote_engine_id": dead}))
+            d.step()
+            assert status(d, "f") == RequestStatus.WAITING_FOR_REMOTE_KVS
+            first = []  # the first step computing it: the whole prompt (nothing loaded)
+            for _ in range(2000):
+                so = d.step()
+                if so is not None and "f" in so.num_scheduled_tokens:
+                    first.append(so.num_scheduled_tokens["f"])
+                    break
+                time.sleep(0.002)
+            assert first == [len(t)], first
+            assert d.run_until(lambda: "f" not in d.sched.requests)
+            assert d.invalid and d.computed["f"] == len(t) + 1
+            assert sum(s_.data.get("loads_failed", 0) for s_ in d.stats) == 1
+        else:
+            p = side("kv_producer")
+            d = side("kv_consumer", async_scheduling=True, pipelined=True)
+            t = toks(56, 6 * BS)
+            prefill(p, "c", t)
+            d.add(make_request("c", t, max_tokens=2))
+            d.step()
+            assert status(d, "c") == RequestStatus.WAITING_FOR_REMOTE_KVS
+            ids = d.block_ids("c")
+            if how == "aborted-while-loading":
+                d.sched.finish_requests("c", RequestStatus.FINISHED_ABORTED)
+                assert "c" in d.sched.requests and d.block_ids("c") == ids  # kept: loading
+            assert d.run_until(lambda: "c" in d.recvd)
+            if how == "aborted-once-told":
+                assert "c" in d.sched.finished_recving_kv_req_ids  # told early
+                d.sched.finish_requests("c", RequestStatus.FINISHED_ABORTED)
+                assert "c" not in d.sched.requests  # vLLM freed it at once
+            assert "c" not in d.computed
+            assert p.run_until(lambda: p.is_empty())
+        for _ in range(3):
+            d.step()  # the outputs still queued reach vLLM's scheduler
+        assert d.is_empty() and not d._queue
     finally:
         for s_ in made:
             s_.close()

@@ -606,6 +606,10 @@ def test_identical_duplicate_target_is_idempotent(sides):
             writes.append(a[0])
             return self.engine.batch_transfer_async_write(*a)
 
+        def batch_transfer_async_write_gated(self, *a, **kw):  # a whole prompt: with its "done"
+            writes.append(a[0])
+            return self.engine.batch_transfer_async_write_gated(*a, **kw)
+
         def __getattr__(self, k):
             return getattr(self.engine, k)
     pw.engine = CountWrites(pw.engine)

@@ -137,7 +137,7 @@ def side_maker(model_dir, urls, **side_kw):
     def make(role, **extra):
         hooks = {k: extra.pop(k) for k in ("die_after_layer", "pause_after_layer", "hold_at_end",
                                            "hold_after_layer",
-                                           "cudagraph_mode", "async_scheduling")
+                                           "cudagraph_mode", "async_scheduling", "pipelined")
                  if k in extra}
         return AttnSide(model_dir, role, {**urls, **extra}, block_size=BS, **hooks, **side_kw)
 
@@ -952,6 +952,75 @@ def test_async_scheduling_takes_the_whole_prompt_push(sides):
     c = counters(d)
     assert c.get("push_layer_loads", 0) == 0 and c.get("loads_in_step", 0) == 0, c
     assert c.get("push_loads") == 1, c
+
+
+def test_async_scheduling_computes_a_whole_prompt_push_in_the_step_after_done(sides):
+    """The whole-prompt push under vLLM's engine loop with async scheduling
+    (Side pipelined: step_with_batch_queue, one GPU's UniProcExecutor): the
+    step whose get_finished reports the push over ("done" received) is
+    followed by the step that computes the request, not by an empty one
+    (vLLM hands its scheduler the previous step's output first; early.py
+    tells it the load's end with that output).  The KV is the producer's,
+    nothing recomputed, the request ends normally."""
+    p = sides("kv_producer")
+    d = sides("kv_consumer", flow_a=False, async_scheduling=True, pipelined=True)
+    t = toks(64, 4 * BS + 3)
+    p.add(make_request("pq", t, max_tokens=1, params=pp("AW")))
+    d.add(make_request("q", t, max_tokens=2, params=dp("AW")))
+    run = Stepper(p)
+    try:
+        so = d.step()
+        assert "q" not in so.num_scheduled_tokens
+        assert status(d, "q") == RequestStatus.WAITING_FOR_REMOTE_KVS
+        assert d.run_until(lambda: "q" in d.recvd, steps=20000)
+        so = d.step()  # the engine's next iteration
+        assert so is not None and so.num_scheduled_tokens.get("q") == 3, \
+            "the pushed request was not computed in the step after its load ended"
+        assert d.block_matches_pattern("q", t, 4) and not d.invalid
+        assert d.run_until(lambda: "q" not in d.sched.requests, steps=50)
+    finally:
+        run.join()
+    assert p.run_until(lambda: p.is_empty(), steps=500) and d.run_until(d.is_empty, steps=50)
+    assert recomputes(d) == {} and counters(d).get("push_loads") == 1
+
+
+def test_whole_prompt_done_is_sent_by_the_engine_once_the_writes_land(sides):
+    """The whole-prompt push's "done" goes out when its writes complete, not
+    at the prefill's next poll of them: the write batch carries it and the
+    engine's notifier sends it.  Before, only PushProducer.poll (the next
+    get_finished, or an idle step's wait) sent it: under vLLM's async
+    scheduling the prefill's step after the forward polls once without
+    waiting (its output, the answer, is still queued) and the next poll
+    comes after that answer, vLLM's 1 ms sleep and a schedule.  Here the
+    prefill's polls in the forward's step are made to see nothing and it
+    does not step again: the decode gets "done" all the same, its KV
+    byte-exact; the poll's own "done" later is a duplicate it ignores."""
+    p = sides("kv_producer")
+    d = sides("kv_consumer", flow_a=False)
+    t = toks(65, 4 * BS + 3)
+    d.add(make_request("q", t, max_tokens=2, params=dp("WD")))
+    d.step()  # the target goes out
+    assert status(d, "q") == RequestStatus.WAITING_FOR_REMOTE_KVS
+    w = p.worker._worker
+    end = time.monotonic() + 5
+    while "WD" not in w.push_p.early and time.monotonic() < end:
+        w.drain_notifies()
+        time.sleep(0.001)
+    assert "WD" in w.push_p.early, "the target did not reach the prefill"
+    p.add(make_request("pq", t, max_tokens=1, params=pp("WD")))
+    polls = []
+    w.push_p.poll = lambda: polls.append(1) or set()  # this step's polls tell nothing
+    try:
+        p.step()  # the prompt's forward; every layer written after it
+    finally:
+        del w.push_p.poll
+    assert polls
+    assert d.run_until(lambda: "q" in d.recvd, steps=500), \
+        "the decode got no \"done\" before the prefill polled again"
+    assert d.block_matches_pattern("q", t, 4) and not d.invalid
+    assert d.run_until(lambda: "q" not in d.sched.requests, steps=50)
+    assert p.run_until(lambda: p.is_empty(), steps=500) and d.run_until(d.is_empty, steps=50)
+    assert recomputes(d) == {}
 
 
 def test_a_step_whose_layer_waits_were_skipped_is_recomputed(sides):

@@ -104,7 +104,8 @@ class Side:
 
     def __init__(self, model_dir, role, extra, num_blocks=64, block_size=16, tp=1,
                  sliding_window=None, pp=1, prefix_caching=False, max_batched=512,
-                 long_prefill=0, cudagraph_mode=None, async_scheduling=False):
+                 long_prefill=0, cudagraph_mode=None, async_scheduling=False,
+                 pipelined=False):
         """sliding_window: layer 1 is a sliding-window layer in its own
         KV-cache group (vLLM's hybrid KV-cache manager, SupportsHMA).
         pp: pipeline stages; stage s holds layer s (LAYERS == 2).
@@ -116,7 +117,15 @@ class Side:
         is the same (the tests say which step a FULL replay would be).
         async_scheduling: vLLM's asynchronous scheduling on in the config the
         connector starts with, as on a GPU server (vLLM's CPU backend turns
-        it off); the stand-in steps stay synchronous."""
+        it off); the stand-in steps stay synchronous unless pipelined.
+        pipelined (with async_scheduling): step() runs one iteration of
+        vLLM's EngineCore.step_with_batch_queue with its two-deep batch
+        queue and vLLM's AsyncScheduler, as a one-GPU server (UniProcExecutor)
+        under async scheduling: schedule step k, run its worker hooks (the
+        executor runs them inline), then hand the scheduler the output of
+        step k-1 -- not k's; an output with nothing in it reaches the
+        scheduler as vLLM's model runners give it (no KVConnectorOutput,
+        ModelRunnerOutput.with_kv_conn_output_only)."""
         self.cfg = make_config(model_dir, role, extra, block_size,
                                prefix_caching=prefix_caching, max_batched=max_batched,
                                long_prefill=long_prefill)
@@ -149,7 +158,14 @@ class Side:
         self.layer_group = {n: gi for gi, g in enumerate(groups) for n in g.layer_names}
         kcc = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
         self.cfg.cache_config.num_gpu_blocks = num_blocks
-        self.sched = Scheduler(vllm_config=self.cfg, kv_cache_config=kcc, log_stats=True,
+        assert not pipelined or async_scheduling, "pipelined is vLLM's async scheduling"
+        self.pipelined = pipelined
+        self._queue = []  # pipelined: (SchedulerOutput, ModelRunnerOutput), oldest first
+        sched_cls = Scheduler
+        if pipelined:
+            from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+            sched_cls = AsyncScheduler
+        self.sched = sched_cls(vllm_config=self.cfg, kv_cache_config=kcc, log_stats=True,
                                structured_output_manager=StructuredOutputManager(self.cfg),
                                block_size=block_size)
         # One worker connector per TP rank, each with its share of the KV heads
@@ -247,7 +263,33 @@ class Side:
         return out or None
 
     def step(self):
+        if self.pipelined:
+            return self._step_with_batch_queue()
         so = self.sched.schedule()
+        self._update(so, self._execute(so))
+        return so
+
+    def _step_with_batch_queue(self):
+        """One iteration of vLLM's EngineCore.step_with_batch_queue (batch
+        queue size 2, async scheduling, V1 model runner): returns the step it
+        scheduled (None if none)."""
+        so = None
+        if self.sched.has_requests():
+            so = self.sched.schedule()
+            mro = self._execute(so)
+            self._queue.append((so, mro))
+            if len(self._queue) < 2 and (so.total_num_scheduled_tokens > 0
+                                         or self.sched.has_requests()):
+                return so  # the queue is not full: no output is taken yet
+        elif not self._queue:
+            return None
+        self._update(*self._queue.pop(0))
+        return so
+
+    def _execute(self, so):
+        """The worker's part of a step (the executor's execute_model and
+        sample_tokens): the connector's hooks around the stand-in forward;
+        returns the ModelRunnerOutput."""
         meta = so.kv_connector_metadata
         for w in self.workers:
             w.handle_preemptions(meta)
@@ -287,8 +329,13 @@ class Side:
                                 invalid_block_ids=invalid, kv_connector_stats=stats,
                                 **extra_out)
         extra = {} if _MRO_NO_INDEX else {"req_id_to_index": {r: i for i, r in enumerate(ids)}}
-        mro = ModelRunnerOutput(req_ids=ids, sampled_token_ids=sampled, kv_connector_output=out,
-                                **extra)
+        if self.pipelined and not ids and out.is_empty():
+            out = None  # vLLM's runners: nothing scheduled, nothing to tell
+        return ModelRunnerOutput(req_ids=ids, sampled_token_ids=sampled, kv_connector_output=out,
+                                 **extra)
+
+    def _update(self, so, mro):
+        """vLLM's scheduler takes a step's output (update_from_output)."""
         res = self.sched.update_from_output(so, mro)
         for eco in (res or {}).values():
             ss = getattr(eco, "scheduler_stats", None)
@@ -297,7 +344,6 @@ class Side:
             for o in getattr(eco, "outputs", None) or ():
                 if getattr(o, "kv_transfer_params", None):
                     self.last_params[o.request_id] = o.kv_transfer_params
-        return so
 
     def run_until(self, cond, steps=2000, sleep=0.002):
         import time

@@ -59,6 +59,25 @@ def _tp(vllm_config):
     return _parallel(vllm_config, "tensor_parallel_size", rank_of)
 
 
+def _early_key(vllm_config):
+    """early.py: the key under which this instance's worker and scheduler
+    side meet in one process, or None where a load's end cannot be told
+    early (more than one worker: vLLM aggregates their reports)."""
+    pc = getattr(vllm_config, "parallel_config", None)
+    for attr in ("tensor_parallel_size", "pipeline_parallel_size",
+                 "decode_context_parallel_size", "prefill_context_parallel_size"):
+        n = getattr(pc, attr, 1)
+        if isinstance(n, int) and n > 1:
+            return None
+    ws = getattr(pc, "world_size", 1)
+    if isinstance(ws, int) and ws > 1:
+        return None
+    eid = getattr(getattr(vllm_config, "kv_transfer_config", None), "engine_id", None)
+    if not isinstance(eid, str) or not eid:
+        return None
+    return eid, _dp(vllm_config)
+
+
 def layer_groups(kv_cache_config):
     """{layer name: KV-cache group index} ({} with no config: one group)."""
     groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
@@ -214,6 +233,11 @@ class MooncakeConnector(KVConnectorBase_V1, SupportsHMA):
                 # Its engine and the first contact with prefill_url start now,
                 # in the background, before any request needs an answer.
                 probe.warm()
+            early = None
+            key = _early_key(vllm_config)
+            if key is not None and s.is_consumer and async_scheduling_on(vllm_config):
+                from mooncake_connector.connector.early import SchedulerEarly
+                early = SchedulerEarly(key)
             self._scheduler = SchedulerSide(s, self.block_size, self.tp_size,
                                             lambda: getattr(self, "_kv_cache_manager", None),
                                             block_bytes=bytes_per_block(kv_cache_config),
@@ -221,14 +245,17 @@ class MooncakeConnector(KVConnectorBase_V1, SupportsHMA):
                                             groups=len(getattr(kv_cache_config,
                                                                "kv_cache_groups", None) or [0]),
                                             graphs=cudagraph_facts(vllm_config),
-                                            async_scheduling=async_scheduling_on(vllm_config))
+                                            async_scheduling=async_scheduling_on(vllm_config),
+                                            early=early)
         else:
             from mooncake_connector.connector.worker import WorkerSide
             nb = getattr(kv_cache_config, "num_blocks", None) if kv_cache_config else None
             self._worker = WorkerSide(s, self.block_size, self.tp_rank, self.tp_size, nb,
                                       facts=model_facts(vllm_config, kv_cache_config),
                                       layer_groups=layer_groups(kv_cache_config),
-                                      pp_rank=_pp(vllm_config)[0], dp_rank=_dp(vllm_config))
+                                      pp_rank=_pp(vllm_config)[0], dp_rank=_dp(vllm_config),
+                                      early_key=_early_key(vllm_config),
+                                      async_scheduling=async_scheduling_on(vllm_config))
         if hook_times.ON:  # MC_HOOK_TIMES: every hook timed (issue 31)
             hook_times.install(self, "scheduler" if self._scheduler is not None else "worker",
                                s.role)
@@ -286,6 +313,10 @@ class MooncakeConnector(KVConnectorBase_V1, SupportsHMA):
             meta = getattr(connector_output, "kv_connector_worker_meta", None)
             if meta is not None:
                 self._scheduler.holds.on_events(meta)
+            if self._scheduler.early is not None:
+                # async scheduling, one worker: loads the worker reported over
+                # after this output was made, told now (early.py)
+                self._scheduler.early.on_output(connector_output)
             if self._scheduler._traced_bg:
                 self._scheduler.trace_recv_seen(getattr(connector_output, "finished_recving",
                                                         None))
@@ -303,6 +334,13 @@ class MooncakeConnector(KVConnectorBase_V1, SupportsHMA):
             return None
         ev = self._worker.take_hold_events()
         if not ev:
+            if self._worker.early_watched():
+                # no events, but an output: vLLM calls update_connector_output
+                # only for a step whose connector output is not empty, and a
+                # load this worker reports over in the next step is told to
+                # the scheduler with this step's output (early.py)
+                from mooncake_connector.connector.holds import HoldEvents
+                return HoldEvents([])
             return None
         from mooncake_connector.connector.holds import HoldEvents
         name = self._worker.name

@@ -51,6 +51,8 @@ class Loads:
         self.waited = set()   # layer names wait_for_layer_load saw in this step
         self._shc_read = 0    # the engine's same-host CPU READ bytes, last seen
         self.releasing = []   # pull ids of releases (pulls of no blocks), until polled
+        self.clean = {}       # req_id -> its block ids: over with every block landed
+                              # (worker._tell_early, get_finished)
 
     def start(self, meta):
         """Queue each load on the engine's pull threads (C, no Python thread:
@@ -290,6 +292,8 @@ class Loads:
         w.stats.add_time(secs)
         if loaded < len(spec.block_ids):
             self._missed(rid, spec, loaded, err)
+        elif getattr(w, "early_key", None) is not None:
+            self.clean[rid] = [b for g in (spec.block_ids, *spec.more_groups) for b in g]
 
     def _missed(self, rid, spec, loaded, err):
         """The blocks past `loaded` become load errors: counted, one warning."""

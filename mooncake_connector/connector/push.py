@@ -1872,6 +1872,18 @@ class PushProducer:
             out = (src, dst, lens)
             if not self._collect(tg, rows[tg.skip:tg.skip + tg.nblocks], todo, lambda li: out):
                 return
+        # The whole prompt in one batch (its forward done, nothing of it sent
+        # before): the batch carries this target's "done", which the engine's
+        # notifier sends the moment every write of it completed, not at this
+        # prefill's next poll (a step or more later: under vLLM's async
+        # scheduling one idle iteration and its 1 ms sleep; issue 31).  poll()
+        # still answers "done" when it sees the batch over (a duplicate the
+        # decode ignores; the reliable one, re-sent until the lease's end).
+        done_note = None
+        if not gate and not tg.lnotify and job.all_ready and not tg.layers_sent \
+                and len(todo) == len(self._layer_off) and \
+                hasattr(self.w.engine, "batch_transfer_async_write_gated"):
+            done_note = encode({"t": "done", "tid": job.tid, "ntok": tg.ntok})
         tg.layers_sent.update(todo)
         tg.state = "writing"
         if not src:
@@ -1879,7 +1891,20 @@ class PushProducer:
             return
         from mooncake_connector import MooncakeError
         try:
-            if gate:
+            if done_note is not None:
+                try:
+                    bid = self.w.engine.batch_transfer_async_write_gated(
+                        tg.name, src, dst, lens, notify=done_note,
+                        notify_timeout=max(0.1, min(RESEND_TIMEOUT_S,
+                                                    tg.lease_until - time.time())))
+                except (MooncakeError, ValueError) as e:  # no notifier: poll() tells it
+                    logger.info("MooncakeConnector push: %s -> %s: the engine cannot send "
+                                "\"done\" itself (%s); sent when the writes are seen over",
+                                job.rid, tg.name, e)
+                    done_note = None
+            if done_note is not None:
+                pass
+            elif gate:
                 bid = self.w.engine.batch_transfer_async_write_gated(
                     tg.name, src, dst, lens,
                     notify=tg.gnote[todo[0]] if len(todo) == 1 else
@@ -1892,7 +1917,8 @@ class PushProducer:
             tg.batches.append(bid)
             tg.blayers[bid] = todo
             if trace.ON:
-                trace.event("write_issued", job.tid, l=todo, bytes=sum(lens))
+                trace.event("write_issued", job.tid, l=todo, bytes=sum(lens),
+                            done=done_note is not None)
             if tg.lnotify and job.watch and not gate:
                 self._watch_landing()
         except (MooncakeError, ValueError) as e:

@@ -63,8 +63,11 @@ def bytes_per_block(kv_cache_config):
 class SchedulerSide:
     def __init__(self, settings, block_size, tp_size, kv_cache_manager_getter,
                  block_bytes=None, probe=None, groups=1, graphs=(False, False, 1),
-                 async_scheduling=False):
+                 async_scheduling=False, early=None):
         self.s = settings
+        # early.SchedulerEarly (async scheduling, one worker in this process):
+        # a background load's end told with the output vLLM takes next
+        self.early = early
         # vLLM's async scheduling (connector.async_scheduling_on): no in-step
         # loads, whose failure vLLM cannot recover then; every load goes in
         # the background (WAITING_FOR_REMOTE_KVS) and a layer load is taken
@@ -476,6 +479,8 @@ class SchedulerSide:
         groups = [list(g)[skip:end // self.block_size] for g in blocks.get_block_ids()]
         if sync:  # vLLM cached these blocks already: on_load_errors
             self._in_step.add(request.request_id)
+        elif self.early is not None:
+            self.early.waiting.add(request.request_id)
         self._loads[request.request_id] = LoadSpec(
             req_id=request.request_id, tokens=list(request.prompt_token_ids[:end]),
             block_ids=groups[0], skip_blocks=skip, producer=src[1], flow=src[0], sync=sync,
@@ -721,6 +726,8 @@ class SchedulerSide:
             self._probe.forget(rid)
         self._tried.discard(rid)
         self._traced_bg.pop(rid, None)
+        if self.early is not None:
+            self.early.waiting.discard(rid)  # aborted while loading: told as before
         self._batch.discard(rid)
         self._busy.discard(rid)
         self._graphed.discard(rid)
@@ -770,6 +777,8 @@ class SchedulerSide:
     def shutdown(self):
         if self._probe is not None:
             self._probe.close()
+        if self.early is not None:
+            self.early.close()
 
 
 def _is_hostport(name):

@@ -26,8 +26,13 @@ logger = logging.getLogger("vllm.mooncake_connector")
 
 class WorkerSide:
     def __init__(self, settings, block_size, tp_rank, tp_size, num_blocks=None, facts=None,
-                 layer_groups=None, pp_rank=0, dp_rank=0):
+                 layer_groups=None, pp_rank=0, dp_rank=0, early_key=None,
+                 async_scheduling=False):
         self.s = settings
+        # vLLM's async scheduling: an idle step's get_finished runs while the
+        # previous step's output still waits in vLLM's batch queue
+        self.async_scheduling = async_scheduling
+        self.early_key = early_key  # early.py: the key this worker's scheduler side uses
         self.dp_rank = dp_rank
         self.bootstrap = None     # producer TP 0 / PP 0: bootstrap.BootstrapServer
         # Pipeline parallel: stage s's TP rank r is engine port + s * tp_size + r
@@ -47,6 +52,7 @@ class WorkerSide:
         self.loads = Loads(self)
         self.publishes = Publishes(self)
         self._idle = False        # this step schedules nothing (may wait for releases)
+        self._prev_idle = True    # so did the step before it
         self._traced = ()         # MC_TRACE: this step's push transfer ids
         self.stats = MooncakeKVConnectorStats()
         self.idle_trim = None     # memory.IdleTrim (malloc_trim_idle_s), from register_kv_caches
@@ -173,7 +179,16 @@ class WorkerSide:
                 self.loads.abort_pushed(finished_req_ids)
             if self.push_p is not None:
                 self.push_p.poll()
+        # An idle step may wait (a "done", a release, a hold's answer).  Under
+        # async scheduling not right after a step that computed: vLLM takes
+        # that step's output (tokens, a prefill's answer) only once this
+        # get_finished returns; the wait would hold it back (the next idle
+        # step waits).
+        idle = self._idle and (self._prev_idle or not self.async_scheduling)
+        self._prev_idle, self._idle = self._idle, idle
         done_recv = self.loads.finished(self._idle)
+        if self.early_key is not None:
+            self._tell_early(done_recv)
         if self.push_c is not None and self.push_c.held:
             self._poll_holds()
         busy = bool(done_recv or self.loads.loading)
@@ -183,6 +198,37 @@ class WorkerSide:
             self.idle_trim.step()
             self._count_trims()
         return (done_send or None), (done_recv or None)
+
+    def _early_channel(self):
+        from mooncake_connector.connector import early
+        ch = early.channel(self.early_key)
+        return ch if ch.armed else None
+
+    def _tell_early(self, done_recv):
+        """Loads over cleanly (every block landed, none a load error) go to
+        this process's scheduler side as well, which tells vLLM with the
+        output it takes next: under async scheduling the previous step's
+        (early.py).  Only once get_finished returns them: nothing more can
+        land in their blocks."""
+        clean, self.loads.clean = self.loads.clean, {}
+        if not done_recv:
+            return
+        ch = self._early_channel()
+        if ch is None:
+            return
+        bad = self.loads.invalid
+        ok = [r for r in done_recv if r in clean and not (bad and bad.intersection(clean[r]))]
+        if ok:
+            ch.put(ok)
+
+    def early_watched(self):
+        """A load is in flight, or told early but not yet taken by the
+        scheduler side: this step's output must reach update_connector_output
+        (early.py)."""
+        if self.early_key is None:
+            return False
+        ch = self._early_channel()
+        return ch is not None and bool(self.loads.loading or ch.pending())
 
     def _poll_holds(self):
         """Blocks held for a same-host producer that has not answered
