@@ -513,8 +513,9 @@ def test_async_scheduling_loads_in_the_background(model_dir, urls):  # noqa: F81
             s_.close()
 
 
+@pytest.mark.parametrize("early", [True, False], ids=["early_recv", "default"])
 def test_async_scheduling_computes_a_load_in_the_step_after_it_ended(model_dir,  # noqa: F811
-                                                                    urls):
+                                                                    urls, early):
     """vLLM's engine loop under asynchronous scheduling (step_with_batch_queue,
     one GPU: the worker's hooks run inline) hands the scheduler step k-1's
     output after it scheduled step k, so a load the worker reports over in
@@ -526,18 +527,21 @@ def test_async_scheduling_computes_a_load_in_the_step_after_it_ended(model_dir, 
     The bytes are the producer's; the report is not seen twice."""
     made = []
 
-    def side(role, **kw):
-        made.append(Side(model_dir, role, dict(urls), block_size=BS, **kw))
+    def side(role, extra=None, **kw):
+        made.append(Side(model_dir, role, {**urls, **(extra or {})}, block_size=BS, **kw))
         return made[-1]
     try:
         p = side("kv_producer")
-        d = side("kv_consumer", async_scheduling=True, pipelined=True)
+        d = side("kv_consumer", {"early_recv": early}, async_scheduling=True, pipelined=True)
         t = toks(54, 5 * BS + 3)
         prefill(p, "i", t)
         d.add(make_request("i", t, max_tokens=3))
         assert d.run_until(lambda: "i" in d.recvd or "i" in d.computed, steps=2000)
         assert "i" in d.recvd and "i" not in d.computed
         so = d.step()  # the engine's next iteration
+        if not early:  # early_recv off (the default): vLLM learns it a step later
+            assert so is None or "i" not in so.num_scheduled_tokens
+            so = d.step()
         assert so is not None and "i" in so.num_scheduled_tokens, \
             "the finished load was not computed in the next step"
         assert so.num_scheduled_tokens["i"] == 3  # the prompt's last 3 tokens
@@ -567,7 +571,7 @@ def test_async_scheduling_pipelined_loads_end_every_way(model_dir, urls, how):  
         return made[-1]
     try:
         if how == "failed":
-            d = side("kv_consumer", {"load_timeout_s": 5, "flow_a": False},
+            d = side("kv_consumer", {"load_timeout_s": 5, "flow_a": False, "early_recv": True},
                      async_scheduling=True, pipelined=True)
             dead = f"127.0.0.1:{free_port()}"   # nothing listens there
             t = toks(55, 3 * BS)
@@ -588,7 +592,7 @@ def test_async_scheduling_pipelined_loads_end_every_way(model_dir, urls, how):  
             assert sum(s_.data.get("loads_failed", 0) for s_ in d.stats) == 1
         else:
             p = side("kv_producer")
-            d = side("kv_consumer", async_scheduling=True, pipelined=True)
+            d = side("kv_consumer", {"early_recv": True}, async_scheduling=True, pipelined=True)
             t = toks(56, 6 * BS)
             prefill(p, "c", t)
             d.add(make_request("c", t, max_tokens=2))

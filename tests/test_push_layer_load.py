@@ -963,7 +963,8 @@ def test_async_scheduling_computes_a_whole_prompt_push_in_the_step_after_done(si
     tells it the load's end with that output).  The KV is the producer's,
     nothing recomputed, the request ends normally."""
     p = sides("kv_producer")
-    d = sides("kv_consumer", flow_a=False, async_scheduling=True, pipelined=True)
+    d = sides("kv_consumer", flow_a=False, early_recv=True, async_scheduling=True,
+              pipelined=True)
     t = toks(64, 4 * BS + 3)
     p.add(make_request("pq", t, max_tokens=1, params=pp("AW")))
     d.add(make_request("q", t, max_tokens=2, params=dp("AW")))

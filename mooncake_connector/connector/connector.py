@@ -234,7 +234,7 @@ class MooncakeConnector(KVConnectorBase_V1, SupportsHMA):
                 # in the background, before any request needs an answer.
                 probe.warm()
             early = None
-            key = _early_key(vllm_config)
+            key = _early_key(vllm_config) if s.early_recv else None
             if key is not None and s.is_consumer and async_scheduling_on(vllm_config):
                 from mooncake_connector.connector.early import SchedulerEarly
                 early = SchedulerEarly(key)
@@ -254,7 +254,8 @@ class MooncakeConnector(KVConnectorBase_V1, SupportsHMA):
                                       facts=model_facts(vllm_config, kv_cache_config),
                                       layer_groups=layer_groups(kv_cache_config),
                                       pp_rank=_pp(vllm_config)[0], dp_rank=_dp(vllm_config),
-                                      early_key=_early_key(vllm_config),
+                                      early_key=_early_key(vllm_config) if s.early_recv
+                                      else None,
                                       async_scheduling=async_scheduling_on(vllm_config))
         if hook_times.ON:  # MC_HOOK_TIMES: every hook timed (issue 31)
             hook_times.install(self, "scheduler" if self._scheduler is not None else "worker",
