@@ -294,7 +294,7 @@ def renice(proc, value):
 
 
 def make_sets(workdir, model, extra, common, tree_b=None, label_b="tb", noasync=False,
-              env_c=None, decode_args=()):
+              env_c=None, decode_args=(), extra_c=None):
     """{set name: Deployment} (not started): "a", this tree's (colocated, its
     pass-through proxy, the push proxies of `extra`); with tree_b, a second
     prefill + decode + push layer-load proxy whose processes import the
@@ -329,11 +329,12 @@ def make_sets(workdir, model, extra, common, tree_b=None, label_b="tb", noasync=
                 os.environ.pop("PYTHONPATH", None)
             else:
                 os.environ["PYTHONPATH"] = saved
-    if env_c:
+    if env_c or extra_c:
+        # extra_c: keys merged into this set's decode kv_connector_extra_config
         deps["c"] = Deployment(os.path.join(workdir, "env-c"), model, flows=(),
                                colocated=False, extra_proxies={"push-ll": extra["push-ll"]},
-                               **dict(common, env={**(common.get("env") or {}), **env_c}),
-                               **dside)
+                               **dict(common, env={**(common.get("env") or {}), **(env_c or {})}),
+                               decode_extra_config=extra_c or None, **dside)
     if noasync:
         na = ["--no-async-scheduling"]
         deps["na"] = Deployment(os.path.join(workdir, "noasync"), model, flows=(),
@@ -394,6 +395,11 @@ def _parser():
                     help="a third set from this tree (prefill + decode + push layer-load "
                          "proxy, mode push_ll_c) whose servers get this environment variable "
                          "(repeatable): an engine knob's A/B in one lease")
+    ap.add_argument("--extra-c", action="append", default=[], metavar="KEY=VALUE",
+                    help="a third set from this tree as --env-c makes (mode push_ll_c), its "
+                         "decode's kv_connector_extra_config with KEY set to VALUE (JSON: true, "
+                         "5, \"x\"; a bare word is a string; repeatable): a connector knob's "
+                         "A/B in one lease, e.g. early_recv=true with --decode-async-scheduling")
     ap.add_argument("--no-trace", action="store_true",
                     help="MC_TRACE unset: TTFT, gap and bars only, no timeline")
     ap.add_argument("--one-layer-ms", type=float, default=0.0,
@@ -467,6 +473,16 @@ def _check_ab(ap, args):
     if args.tree_b and not os.path.isdir(os.path.join(args.tree_b, "mooncake_connector")):
         ap.error(f"--tree-b {args.tree_b!r}: no mooncake_connector/ there (a source tree with "
                  "_core built in place)")
+    extra_c = {}
+    for kv in args.extra_c:
+        k, eq, v = kv.partition("=")
+        if not eq or not re.fullmatch(r"[a-z_][a-z0-9_]*", k):
+            ap.error(f"--extra-c {kv!r}: expected KEY=VALUE (a kv_connector_extra_config key)")
+        try:
+            extra_c[k] = json.loads(v)
+        except ValueError:
+            extra_c[k] = v
+    args.extra_c_dict = extra_c
     return env_c
 
 
@@ -504,7 +520,9 @@ def main(argv=None):
 
     # The servers' device, as serving_bench.py sets it; on one GPU each of
     # the vLLM servers of every set gets its share of the memory.
-    nservers = 3 + (2 if args.tree_b else 0) + (3 if args.noasync else 0) + (2 if env_c else 0)
+    extra_c = args.extra_c_dict
+    nservers = (3 + (2 if args.tree_b else 0) + (3 if args.noasync else 0)
+                + (2 if env_c or extra_c else 0))
     dev_env, dev_args = bench_settings(args.device, args.gpu_path, servers=nservers,
                                       cuda_graphs=args.cuda_graphs)
     model = tiny_model.build(**KV32K_SPEC)
@@ -520,7 +538,7 @@ def main(argv=None):
     # scheduling (docs/connector.md, "Asynchronous scheduling").
     no_async = args.device == "cuda" and not args.decode_async_scheduling
     deps = make_sets(workdir, model, extra, common, tree_b=args.tree_b, label_b=args.label_b,
-                     noasync=args.noasync, env_c=env_c,
+                     noasync=args.noasync, env_c=env_c, extra_c=extra_c,
                      decode_args=["--no-async-scheduling"] if no_async else ())
     dep = deps["a"]
     urls = {}
@@ -532,6 +550,8 @@ def main(argv=None):
                      for name, d in deps.items()}}
     if env_c:
         meta["sets"]["c"]["env"] = env_c
+    if extra_c:
+        meta["sets"]["c"]["decode_extra_config"] = extra_c
     try:
         # the metadata servers first (the connectors register on start), then
         # every set's servers and proxies in parallel

@@ -338,6 +338,30 @@ def test_ttft_timeline_sets_for_an_ab_of_two_trees(tmp_path, monkeypatch):
     assert len(set(ports)) == len(ports)
 
 
+def test_ttft_timeline_extra_c_sets_the_decode_extra_config(tmp_path):
+    """ttft_timeline.py --extra-c KEY=VALUE (a connector knob's A/B in one
+    lease, e.g. early_recv): set "c"'s decode gets the key in its
+    kv_connector_extra_config, JSON values typed; set "a"'s does not; a
+    malformed item is a usage error."""
+    tt = _tt()
+    ap = tt._parser()
+    args = ap.parse_args(["--extra-c", "early_recv=true", "--extra-c", "idle_wait_ms=5"])
+    assert tt._check_ab(ap, args) == {}
+    assert args.extra_c_dict == {"early_recv": True, "idle_wait_ms": 5}
+    extra = {"push-ll": {"flow": "push", "extra_args": ("--push-layer-load", "on")}}
+    deps = tt.make_sets(str(tmp_path / "w"), "/no/model", extra, {"kv_cache_bytes": 1 << 20},
+                        extra_c=args.extra_c_dict)
+    assert set(deps) == {"a", "c"}
+
+    def cfg(d):
+        i = d.decode.cmd.index("--kv-transfer-config")
+        return json.loads(d.decode.cmd[i + 1]).get("kv_connector_extra_config") or {}
+    assert cfg(deps["c"])["early_recv"] is True and cfg(deps["c"])["idle_wait_ms"] == 5
+    assert "early_recv" not in cfg(deps["a"])
+    with pytest.raises(SystemExit):
+        tt._check_ab(ap, ap.parse_args(["--extra-c", "early_recv"]))
+
+
 def test_ttft_timeline_bars_per_variant(capsys):
     """Issue 31's bars per push mode against its own set's colocated server
     (push_ll_na: colocated_na), the hop from the first set's pass-through
