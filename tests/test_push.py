@@ -626,6 +626,65 @@ def test_identical_duplicate_target_is_idempotent(sides):
     assert ps.get("push_bytes") == 3 * p.worker._worker.layout.bytes_per_block(), ps
 
 
+class _GatedFails:
+    """The producer's real engine, but its whole-prompt submit with the
+    "done" note raises `error`; the plain writes after it are counted."""
+
+    def __init__(self, engine, error):
+        self.engine, self.error, self.gated, self.plain = engine, error, 0, 0
+
+    def batch_transfer_async_write_gated(self, *a, **kw):
+        self.gated += 1
+        raise self.error
+
+    def batch_transfer_async_write(self, *a):
+        self.plain += 1
+        return self.engine.batch_transfer_async_write(*a)
+
+    def __getattr__(self, k):
+        return getattr(self.engine, k)
+
+
+def test_whole_prompt_without_the_engines_done_note_is_still_done(sides):
+    """The engine cannot carry the "done" note (its notifier thread did not
+    start: MemoryError): the prompt is written with a plain write once, and
+    the decode still gets it whole (the "done" told by the producer's poll)."""
+    p = sides("kv_producer")
+    d = sides("kv_consumer", flow_a=False)
+    pw = p.worker._worker
+    pw.engine = eng = _GatedFails(pw.engine, MemoryError("cannot start the notifier thread"))
+    t = toks(28, 3 * BS + 2)
+    d.add(make_request("q", t, max_tokens=2, params=push_params("T15", "d")))
+    p.add(make_request("pq", t, max_tokens=1, params=push_params("T15", "p")))
+    try:
+        assert both(p, d, lambda: "q" in d.recvd)
+    finally:
+        pw.engine = eng.engine
+    assert (eng.gated, eng.plain) == (1, 1)
+    assert d.block_matches_pattern("q", t, 3) and not d.invalid and recomputes(d) == {}
+
+
+def test_whole_prompt_write_that_fails_is_not_tried_twice(sides):
+    """The whole-prompt submit itself fails (the target's segment is gone):
+    that is the write's failure, handled once (the decode told, it computes
+    the prompt itself), not tried again as a plain write."""
+    from mooncake_connector import MooncakeError
+
+    p = sides("kv_producer")
+    d = sides("kv_consumer", flow_a=False, load_timeout_s=5.0)
+    pw = p.worker._worker
+    pw.engine = eng = _GatedFails(pw.engine, MooncakeError("segment not found (by the test)"))
+    t = toks(29, 3 * BS + 2)
+    d.add(make_request("q", t, max_tokens=2, params=push_params("T16", "d")))
+    p.add(make_request("pq", t, max_tokens=1, params=push_params("T16", "p")))
+    try:
+        assert both(p, d, lambda: "q" not in d.sched.requests, steps=20000)
+    finally:
+        pw.engine = eng.engine
+    assert eng.gated >= 1 and eng.plain == 0, (eng.gated, eng.plain)
+    assert d.computed["q"] == len(t) + 1  # its blocks reported failed, computed here
+
+
 def test_whole_prompt_target_lost_to_a_timeout_is_sent_again(sides):
     """The same lost target on a whole-prompt push (WAITING_FOR_REMOTE_KVS,
     load_timeout_s 10 s): re-sent within the lease, the prompt's KV is

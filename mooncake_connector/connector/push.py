@@ -1891,19 +1891,11 @@ class PushProducer:
             return
         from mooncake_connector import MooncakeError
         try:
+            bid = None
             if done_note is not None:
-                try:
-                    bid = self.w.engine.batch_transfer_async_write_gated(
-                        tg.name, src, dst, lens, notify=done_note,
-                        notify_timeout=max(0.1, min(RESEND_TIMEOUT_S,
-                                                    tg.lease_until - time.time())))
-                except (MooncakeError, ValueError) as e:  # no notifier: poll() tells it
-                    logger.info("MooncakeConnector push: %s -> %s: the engine cannot send "
-                                "\"done\" itself (%s); sent when the writes are seen over",
-                                job.rid, tg.name, e)
+                bid = self._write_telling_done(job, tg, src, dst, lens, done_note)
+                if bid is None:  # the engine cannot send it: poll() tells "done"
                     done_note = None
-            if done_note is not None:
-                pass
             elif gate:
                 bid = self.w.engine.batch_transfer_async_write_gated(
                     tg.name, src, dst, lens,
@@ -1912,7 +1904,7 @@ class PushProducer:
                     notify_timeout=max(0.1, min(RESEND_TIMEOUT_S,
                                                 tg.lease_until - time.time())))
                 tg.told.update(todo)
-            else:
+            if bid is None:
                 bid = self.w.engine.batch_transfer_async_write(tg.name, src, dst, lens)
             tg.batches.append(bid)
             tg.blayers[bid] = todo
@@ -1925,6 +1917,23 @@ class PushProducer:
             tg.stop = f"write to {tg.name} failed to start: {e}"
             return
         job.bytes += sum(lens)
+
+    def _write_telling_done(self, job, tg, src, dst, lens, done_note):
+        """The whole prompt's writes, submitted with the "done" note the
+        engine's notifier sends at their completion: the batch id, or None
+        when only the note cannot be carried (the engine's notifier thread
+        could not start: out of memory or threads), for a plain write in its
+        place.  Any other error (the target gone, a bad address) is the
+        write's own and is raised as it is, not tried a second time."""
+        try:
+            return self.w.engine.batch_transfer_async_write_gated(
+                tg.name, src, dst, lens, notify=done_note,
+                notify_timeout=max(0.1, min(RESEND_TIMEOUT_S, tg.lease_until - time.time())))
+        except MemoryError as e:
+            logger.info("MooncakeConnector push: %s -> %s: the engine cannot send \"done\" "
+                        "itself (%s); sent when the writes are seen over", job.rid, tg.name,
+                        e or "its notifier thread did not start")
+            return None
 
     def _poll_batches(self, tg, job=None):
         """True once no batch of this target is in flight; failures noted;
