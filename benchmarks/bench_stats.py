@@ -10,3 +10,22 @@ def pct(xs, q):
     k = (len(xs) - 1) * q / 100.0
     lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
     return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def parse_extra_config(ap, items, flag="--extra-c"):
+    """KEY=VALUE strings (a kv_connector_extra_config key, VALUE read as
+    JSON: true, 5, "x"; a bare word is a string) as a dict; ap.error names
+    the bad one."""
+    import json
+    import re
+
+    out = {}
+    for kv in items:
+        k, eq, v = kv.partition("=")
+        if not eq or not re.fullmatch(r"[a-z_][a-z0-9_]*", k):
+            ap.error(f"{flag} {kv!r}: expected KEY=VALUE (a kv_connector_extra_config key)")
+        try:
+            out[k] = json.loads(v)
+        except ValueError:
+            out[k] = v
+    return out

@@ -150,8 +150,15 @@ def parse_args(argv=None):
                          "GPU default is on, and under it the connector takes a layer load as "
                          "the whole-prompt push; off, a push_layer_load target really waits per "
                          "layer and its failure takes vLLM's in-step recovery)")
+    ap.add_argument("--extra-c", action="append", default=[], metavar="KEY=VALUE",
+                    help="the decode's kv_connector_extra_config with KEY set to VALUE (JSON: "
+                         "true, 5, \"x\"; a bare word is a string; repeatable), e.g. "
+                         "early_recv=true")
     ap.add_argument("--out", default=None, help="directory for the JSON, the summary and logs")
     args = ap.parse_args(argv)
+    sys.path.insert(0, HERE)
+    from bench_stats import parse_extra_config
+    args.extra_config = parse_extra_config(ap, args.extra_c)
     try:
         args.phase_list = parse_phases(args.phases)
     except ValueError as e:
@@ -552,12 +559,14 @@ def main(argv=None):
                      extra_vllm_args=dev_args,
                      decode_extra_config={"load_timeout_s": args.lease_s,
                                           "push_layer_timeout_s": args.lease_s,
-                                          "flow_a": False})
+                                          "flow_a": False, **args.extra_config})
     where = ("vLLM CPU backend, same-host CPU path" if args.device == "cpu" else
              f"GPU 0, {args.dtype}, attention {args.attention_backend}, "
              + ("same-host GPU path (CUDA IPC)" if args.gpu_path == "on"
                 else "TCP with GPU staging (MC_GPU_IPC=0)")
              + ("; decode --no-async-scheduling" if args.decode_no_async_scheduling else ""))
+    if args.extra_config:
+        where += f"; decode extra config {json.dumps(args.extra_config)}"
     log(f"stopped-producer probe: {where}; model {model}; lease {args.lease_s} s; phases "
         f"{args.phases}; logs {dep.logs}")
     probe = Probe(args, dep, log)

@@ -52,6 +52,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+from bench_stats import parse_extra_config  # noqa: E402
 from serving_bench import KV32K_SPEC, prompt_of  # noqa: E402
 
 SETTLE_S = 0.05
@@ -473,15 +474,7 @@ def _check_ab(ap, args):
     if args.tree_b and not os.path.isdir(os.path.join(args.tree_b, "mooncake_connector")):
         ap.error(f"--tree-b {args.tree_b!r}: no mooncake_connector/ there (a source tree with "
                  "_core built in place)")
-    extra_c = {}
-    for kv in args.extra_c:
-        k, eq, v = kv.partition("=")
-        if not eq or not re.fullmatch(r"[a-z_][a-z0-9_]*", k):
-            ap.error(f"--extra-c {kv!r}: expected KEY=VALUE (a kv_connector_extra_config key)")
-        try:
-            extra_c[k] = json.loads(v)
-        except ValueError:
-            extra_c[k] = v
+    extra_c = parse_extra_config(ap, args.extra_c)
     args.extra_c_dict = extra_c
     return env_c
 

@@ -42,7 +42,10 @@ def test_probe_arguments():
     for bad in ("kill:push,cont:push", "stop:push", "cont:", "cont:flow_a", ""):
         with pytest.raises(ValueError):
             probe.parse_phases(bad)
-    for argv in (["--lease-s", "1"], ["--gpu-path", "off"], ["--phases", "kill:push,cont:push"]):
+    assert probe.parse_args(["--extra-c", "early_recv=true", "--extra-c", "x_y=a"]).extra_config \
+        == {"early_recv": True, "x_y": "a"}
+    for argv in (["--lease-s", "1"], ["--gpu-path", "off"], ["--phases", "kill:push,cont:push"],
+                 ["--extra-c", "early_recv"], ["--extra-c", "Early=1"]):
         with pytest.raises(SystemExit):
             probe.parse_args(argv)
 
