@@ -513,7 +513,7 @@ def test_async_scheduling_loads_in_the_background(model_dir, urls):  # noqa: F81
             s_.close()
 
 
-@pytest.mark.parametrize("early", [True, False], ids=["early_recv", "default"])
+@pytest.mark.parametrize("early", [None, True, False], ids=["default", "early_recv", "off"])
 def test_async_scheduling_computes_a_load_in_the_step_after_it_ended(model_dir,  # noqa: F811
                                                                     urls, early):
     """vLLM's engine loop under asynchronous scheduling (step_with_batch_queue,
@@ -532,14 +532,15 @@ def test_async_scheduling_computes_a_load_in_the_step_after_it_ended(model_dir, 
         return made[-1]
     try:
         p = side("kv_producer")
-        d = side("kv_consumer", {"early_recv": early}, async_scheduling=True, pipelined=True)
+        d = side("kv_consumer", {} if early is None else {"early_recv": early},
+                 async_scheduling=True, pipelined=True)
         t = toks(54, 5 * BS + 3)
         prefill(p, "i", t)
         d.add(make_request("i", t, max_tokens=3))
         assert d.run_until(lambda: "i" in d.recvd or "i" in d.computed, steps=2000)
         assert "i" in d.recvd and "i" not in d.computed
         so = d.step()  # the engine's next iteration
-        if not early:  # early_recv off (the default): vLLM learns it a step later
+        if early is False:  # early_recv off (on by default): vLLM learns it a step later
             assert so is None or "i" not in so.num_scheduled_tokens
             so = d.step()
         assert so is not None and "i" in so.num_scheduled_tokens, \

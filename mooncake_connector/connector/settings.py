@@ -129,10 +129,12 @@ KNOBS = {  # extra-config key: (type, default, meaning)
                                   "layer, for the prefill); a busier decode takes the request "
                                   "as a whole-prompt push instead (WAITING_FOR_REMOTE_KVS), "
                                   "counted push_layer_load_busy (docs/connector.md, Layer load)"),
-    "early_recv": (bool, False, "consumer under vLLM's asynchronous scheduling with one "
+    "early_recv": (bool, True, "consumer under vLLM's asynchronous scheduling with one "
                    "worker (TP 1, PP 1): tell vLLM's scheduler of a load that ended cleanly "
-                   "with the output it takes next, one engine step sooner (connector/early.py); "
-                   "off until measured on a GPU (docs/connector.md, Asynchronous scheduling)"),
+                   "with the output it takes next, one engine step sooner (connector/early.py; "
+                   "a whole-prompt push's TTFT 1.3-2.6 ms shorter on an H100); false: told "
+                   "with the output that carries it, a step later (docs/connector.md, "
+                   "Asynchronous scheduling)"),
     "push_layer_timeout_s": (float, 10.0, "consumer, push_layer_load: the lease of such a "
                              "load; a step waits at most this (+ 2 s when the producer does "
                              "not answer the cancel) for the prompt's KV, then the request "
@@ -195,7 +197,7 @@ class Settings:
     push_layer_load: bool = False
     push_layer_timeout_s: float = 10.0
     push_layer_load_max_batch: int = 0
-    early_recv: bool = False
+    early_recv: bool = True
     malloc_trim_idle_s: float = 30.0
 
     @property
