@@ -556,6 +556,16 @@ def test_async_scheduling_computes_a_load_in_the_step_after_it_ended(model_dir, 
             s_.close()
 
 
+def _loading_in_background(p, d, t):
+    """Request "c" (prompt t) prefilled on p, then sent to d, whose first
+    step leaves it loading in the background; its block ids."""
+    prefill(p, "c", t)
+    d.add(make_request("c", t, max_tokens=2))
+    d.step()
+    assert status(d, "c") == RequestStatus.WAITING_FOR_REMOTE_KVS
+    return d.block_ids("c")
+
+
 @pytest.mark.parametrize("how", ["failed", "aborted-while-loading", "aborted-once-told"])
 def test_async_scheduling_pipelined_loads_end_every_way(model_dir, urls, how):  # noqa: F811
     """vLLM's engine loop with async scheduling (Side pipelined) and a load
@@ -594,12 +604,7 @@ def test_async_scheduling_pipelined_loads_end_every_way(model_dir, urls, how):  
         else:
             p = side("kv_producer")
             d = side("kv_consumer", {"early_recv": True}, async_scheduling=True, pipelined=True)
-            t = toks(56, 6 * BS)
-            prefill(p, "c", t)
-            d.add(make_request("c", t, max_tokens=2))
-            d.step()
-            assert status(d, "c") == RequestStatus.WAITING_FOR_REMOTE_KVS
-            ids = d.block_ids("c")
+            ids = _loading_in_background(p, d, toks(56, 6 * BS))
             if how == "aborted-while-loading":
                 d.sched.finish_requests("c", RequestStatus.FINISHED_ABORTED)
                 assert "c" in d.sched.requests and d.block_ids("c") == ids  # kept: loading
@@ -657,12 +662,7 @@ def test_abort_before_load(sides):
 
 def test_abort_during_load_frees_blocks_only_after_the_load(sides):
     p, d = sides("kv_producer"), sides("kv_consumer", **ASYNC)
-    t = toks(7, 6 * BS)
-    prefill(p, "c", t)
-    d.add(make_request("c", t, max_tokens=2))
-    d.step()
-    assert status(d, "c") == RequestStatus.WAITING_FOR_REMOTE_KVS
-    ids = d.block_ids("c")
+    ids = _loading_in_background(p, d, toks(7, 6 * BS))
     d.sched.finish_requests("c", RequestStatus.FINISHED_ABORTED)
     # vLLM keeps the blocks until the worker reports the load finished.
     assert "c" in d.sched.requests and d.block_ids("c") == ids

@@ -645,17 +645,26 @@ class _GatedFails:
         return getattr(self.engine, k)
 
 
+def _push_with_gated_submit_failing(sides, error, seed, tag, **decode_kw):
+    """A whole-prompt push of request "q" (decode) / "pq" (prefill) whose
+    producer engine's gated submit raises `error` (_GatedFails, put on the
+    producer's worker: the caller puts the real engine back)."""
+    p = sides("kv_producer")
+    d = sides("kv_consumer", flow_a=False, **decode_kw)
+    pw = p.worker._worker
+    pw.engine = eng = _GatedFails(pw.engine, error)
+    t = toks(seed, 3 * BS + 2)
+    d.add(make_request("q", t, max_tokens=2, params=push_params(tag, "d")))
+    p.add(make_request("pq", t, max_tokens=1, params=push_params(tag, "p")))
+    return p, d, pw, eng, t
+
+
 def test_whole_prompt_without_the_engines_done_note_is_still_done(sides):
     """The engine cannot carry the "done" note (its notifier thread did not
     start: MemoryError): the prompt is written with a plain write once, and
     the decode still gets it whole (the "done" told by the producer's poll)."""
-    p = sides("kv_producer")
-    d = sides("kv_consumer", flow_a=False)
-    pw = p.worker._worker
-    pw.engine = eng = _GatedFails(pw.engine, MemoryError("cannot start the notifier thread"))
-    t = toks(28, 3 * BS + 2)
-    d.add(make_request("q", t, max_tokens=2, params=push_params("T15", "d")))
-    p.add(make_request("pq", t, max_tokens=1, params=push_params("T15", "p")))
+    p, d, pw, eng, t = _push_with_gated_submit_failing(
+        sides, MemoryError("cannot start the notifier thread"), 28, "T15")
     try:
         assert both(p, d, lambda: "q" in d.recvd)
     finally:
@@ -670,13 +679,8 @@ def test_whole_prompt_write_that_fails_is_not_tried_twice(sides):
     the prompt itself), not tried again as a plain write."""
     from mooncake_connector import MooncakeError
 
-    p = sides("kv_producer")
-    d = sides("kv_consumer", flow_a=False, load_timeout_s=5.0)
-    pw = p.worker._worker
-    pw.engine = eng = _GatedFails(pw.engine, MooncakeError("segment not found (by the test)"))
-    t = toks(29, 3 * BS + 2)
-    d.add(make_request("q", t, max_tokens=2, params=push_params("T16", "d")))
-    p.add(make_request("pq", t, max_tokens=1, params=push_params("T16", "p")))
+    p, d, pw, eng, t = _push_with_gated_submit_failing(
+        sides, MooncakeError("segment not found (by the test)"), 29, "T16", load_timeout_s=5.0)
     try:
         assert both(p, d, lambda: "q" not in d.sched.requests, steps=20000)
     finally:
