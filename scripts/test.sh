@@ -72,9 +72,9 @@ stage "fuzz (libFuzzer)" 0 "${MC_T_FUZZ:-600}" make -C "$repo" -j2 WERROR=1 \
 # ./mooncake_connector, which has no compiled _core in a fresh clone.
 if "$py" -P -c '' 2>/dev/null; then
     export PYTHONSAFEPATH=1
-    stage "pytest" 0 "${MC_T_PYTEST:-2700}" "$py" -P -m pytest -q tests "$@"
+    stage "pytest" 0 "${MC_T_PYTEST:-2700}" "$py" -P -m pytest -q --durations=25 tests "$@"
 else
-    stage "pytest" 0 "${MC_T_PYTEST:-2700}" "$repo/.venv/bin/pytest" -q tests "$@"
+    stage "pytest" 0 "${MC_T_PYTEST:-2700}" "$repo/.venv/bin/pytest" -q --durations=25 tests "$@"
 fi
 
 # The same connector tests against vLLM 0.34.0's Python code (no CUDA build
