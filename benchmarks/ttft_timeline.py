@@ -284,11 +284,17 @@ def pin(proc, cpu):
 
 def renice(proc, value):
     """Every thread of every process of this server's process group at nice
-    `value` (threads started later inherit their creator's)."""
+    `value` (threads started later inherit their creator's); value "idle":
+    Linux's SCHED_IDLE policy instead (the threads run only on a CPU nothing
+    else wants, and the scheduler counts a CPU running only such threads as
+    idle when it places a waking thread)."""
     pids = _group_pids(proc.proc.pid)
     for _pid, tid in _group_tids(pids):
         try:
-            os.setpriority(os.PRIO_PROCESS, int(tid), value)
+            if value == "idle":
+                os.sched_setscheduler(int(tid), os.SCHED_IDLE, os.sched_param(0))
+            else:
+                os.setpriority(os.PRIO_PROCESS, int(tid), value)
         except OSError:
             pass  # a thread that ended meanwhile
     return pids
@@ -354,7 +360,8 @@ def _parser():
     ap.add_argument("--nice", default="",
                     help="server=N,... e.g. prefill=5: every thread of that server's processes "
                          "at nice N once up (who wins the CPUs of a small host: the decode's "
-                         "steps or the prefill's tail)")
+                         "steps or the prefill's tail); N idle: SCHED_IDLE instead; servers "
+                         "prefill_c, decode_c: the --env-c set's (an A/B in one run)")
     ap.add_argument("--no-ab", action="store_true",
                     help="measure push layer load with the prefill server's settings only "
                          "(default: also with --push-layer-watch off, as mode push_ll_b, "
@@ -448,14 +455,24 @@ def _pool(paths, out, one_layer_ms):
 
 
 def _server_map(ap, flag, text, pattern, what):
-    """--pin / --nice: "server=value,..." for prefill, decode, colocated."""
+    """--pin / --nice: "server=value,..." for prefill, decode, colocated, and
+    prefill_c, decode_c (the --env-c / --extra-c set's); a value that is not
+    a number (--nice's "idle") stays a string."""
     out = {}
     for kv in filter(None, text.split(",")):
         k, _, v = kv.partition("=")
-        if k not in ("prefill", "decode", "colocated") or not re.fullmatch(pattern, v):
-            ap.error(f"{flag} {kv!r}: expected prefill|decode|colocated={what}")
-        out[k] = int(v)
+        if (k not in ("prefill", "decode", "colocated", "prefill_c", "decode_c")
+                or not re.fullmatch(pattern, v)):
+            ap.error(f"{flag} {kv!r}: expected prefill|decode|colocated|prefill_c|decode_c={what}")
+        out[k] = int(v) if re.fullmatch(r"-?\d+", v) else v
     return out
+
+
+def _server_of(deps, name):
+    """--pin / --nice's server name -> its server (prefill_c: set c's prefill)."""
+    if name.endswith("_c"):
+        return getattr(deps["c"], name[:-2])
+    return getattr(deps["a"], name)
 
 
 def _check_ab(ap, args):
@@ -497,9 +514,11 @@ def main(argv=None):
                  "asynchronous scheduling off)")
     lengths = [int(x) for x in args.lengths.split(",")]
     pins = _server_map(ap, "--pin", args.pin, r"\d+", "CPU")
-    nices = _server_map(ap, "--nice", args.nice, r"-?\d+", "N")
+    nices = _server_map(ap, "--nice", args.nice, r"-?\d+|idle", "N|idle")
 
     env_c = _check_ab(ap, args)
+    if any(k.endswith("_c") for k in (*pins, *nices)) and not (env_c or args.extra_c_dict):
+        ap.error("--pin / --nice prefill_c, decode_c: set c's servers need --env-c or --extra-c")
 
     workdir = args.workdir or tempfile.mkdtemp(prefix="mc-ttft-")
     tpath = os.path.join(workdir, "trace.jsonl")
@@ -558,9 +577,9 @@ def main(argv=None):
         print(f"{sum(1 for d in deps.values() for p in d.processes)} processes up in "
               f"{meta['servers_up_s']:.0f} s", flush=True)
         for name, cpu in pins.items():
-            meta.setdefault("pinned", {})[name] = (cpu, pin(getattr(dep, name), cpu))
+            meta.setdefault("pinned", {})[name] = (cpu, pin(_server_of(deps, name), cpu))
         for name, val in nices.items():
-            meta.setdefault("niced", {})[name] = (val, renice(getattr(dep, name), val))
+            meta.setdefault("niced", {})[name] = (val, renice(_server_of(deps, name), val))
         urls = {"colocated": dep.colocated.url, "colocated_proxy": dep.colocated_proxy.url,
                 "push_ll": dep.proxies["push-ll"].url}
         srv_of = {"colocated": dep.colocated.url, "colocated_proxy": dep.colocated.url,

@@ -158,8 +158,12 @@ def test_ttft_timeline_gpu_path_needs_cuda(capsys):
         sys.path.pop(0)
     for bad, says in ((["--gpu-path", "off"], "--gpu-path needs --device cuda"),
                       (["--cuda-graphs"], "--cuda-graphs needs --device cuda"),
-                      (["--pin", "prefill=x"], "expected prefill|decode|colocated=CPU"),
-                      (["--nice", "proxy=3"], "expected prefill|decode|colocated=N"),
+                      (["--pin", "prefill=x"],
+                       "expected prefill|decode|colocated|prefill_c|decode_c=CPU"),
+                      (["--nice", "proxy=3"],
+                       "expected prefill|decode|colocated|prefill_c|decode_c=N|idle"),
+                      (["--nice", "prefill=lazy"], "=N|idle"),
+                      (["--nice", "prefill_c=idle"], "set c's servers need --env-c or --extra-c"),
                       (["--env-c", "1X=2"], "expected NAME=VALUE")):
         with pytest.raises(SystemExit) as e:
             tt.main(bad)
@@ -199,6 +203,10 @@ def test_ttft_timeline_cpu_and_nice_of_a_process_group():
         for key in threads:
             tid = int(key.split(":")[1])
             assert os.getpriority(os.PRIO_PROCESS, tid) == 5, key
+        # "idle": SCHED_IDLE on every thread (--nice prefill=idle)
+        tt.renice(types.SimpleNamespace(proc=child), "idle")
+        for key in threads:
+            assert os.sched_getscheduler(int(key.split(":")[1])) == os.SCHED_IDLE, key
     finally:
         child.kill()
         child.wait()
