@@ -71,6 +71,9 @@ class Loads:
                     self.w.stats.add("push_layer_loads")
                     self.layered.append(ld)  # attention waits per layer; over in this step
                 continue
+            if trace.ON:
+                trace.event("pull_start", spec.req_id, sync=spec.sync, flow=spec.flow,
+                            blocks=len(spec.block_ids))
             self._start_pulls(ld)
             if spec.sync:
                 sync.append(spec.req_id)
@@ -210,7 +213,10 @@ class Loads:
                            w.s.sync_load_timeout_s + 5)
         for rid in rids:
             res = self._poll(rid)
-            self._finish(rid, res if res is not None else (0, "load did not finish"))
+            res = res if res is not None else (0, "load did not finish")
+            if trace.ON:
+                trace.event("recv_done", rid, matched=res[0], err=res[1], sync=True)
+            self._finish(rid, res)
 
     def _start_pulls(self, ld, only=None):
         """Start the load's pulls (or those to the engines in `only`)."""
@@ -335,10 +341,9 @@ class Loads:
         for rid in list(self.loading):
             res = self._poll(rid)
             if res is not None:
-                if trace.ON:
+                if trace.ON:  # a push by its transfer id, a pull by vLLM's request id
                     tid = getattr(self.loading[rid].spec, "push_tid", None)
-                    if tid:
-                        trace.event("recv_done", tid)
+                    trace.event("recv_done", tid or rid, matched=res[0], err=res[1])
                 self._finish(rid, res)
                 done.add(rid)
 

@@ -328,6 +328,10 @@ class SchedulerSide:
         held = self._known_size(request, src, n_full)
         if held is PENDING:
             return None, False  # vLLM skips the request this step and asks again
+        if trace.ON and src[0] != "P":  # a pull (flows a, b): keyed by vLLM's request id
+            trace.event("sched_match", request.request_id, held=held, flow=src[0],
+                        computed=num_computed_tokens,
+                        arrival_w=getattr(request, "arrival_time", None))
         if held == 0 and num_computed_tokens == 0:
             probe = self._probe
             if probe is not None and getattr(probe, "last_unreachable", None):
@@ -465,10 +469,12 @@ class SchedulerSide:
         self._tried.add(request.request_id)
         params = getattr(request, "kv_transfer_params", None) or {}
         end, sync = self._claims.pop(request.request_id, (self._full_tokens(request), False))
-        if trace.ON and src[0] == "P":
-            trace.event("sched_alloc", transfer_id(params), sync=sync, ext=num_external_tokens)
-            if not sync and transfer_id(params):
-                self._traced_bg[request.request_id] = transfer_id(params)
+        if trace.ON:
+            # a push by its transfer id, a pull (flows a, b) by vLLM's request id
+            key = transfer_id(params) if src[0] == "P" else request.request_id
+            trace.event("sched_alloc", key, sync=sync, ext=num_external_tokens, flow=src[0])
+            if not sync and key:
+                self._traced_bg[request.request_id] = key
         if TRACE and src[0] == "P" and sync:
             arrived = getattr(request, "arrival_time", None)
             if isinstance(arrived, float):
@@ -490,8 +496,8 @@ class SchedulerSide:
             layer_load=src[0] == "P" and sync)
 
     def trace_recv_seen(self, finished_recving):
-        """MC_TRACE: vLLM's scheduler has learnt that these whole-prompt
-        pushes' KV is in (update_connector_output)."""
+        """MC_TRACE: vLLM's scheduler has learnt that these background loads
+        (whole-prompt pushes, pulls) are in (update_connector_output)."""
         for rid in finished_recving or ():
             tid = self._traced_bg.get(rid)
             if tid:
@@ -654,7 +660,8 @@ class SchedulerSide:
         if self.s.is_consumer:
             self._new = (self._new[1], {nr.req_id for nr in so.scheduled_new_reqs})
             if self._traced_bg:
-                # a whole-prompt push's request, its KV received: its first step
+                # a background load's request (whole-prompt push, pull), its KV
+                # received: its first step
                 for rid in self._new[1] & self._traced_bg.keys():
                     trace.event("sched_compute", self._traced_bg.pop(rid))
             if self._unrecomputed:
