@@ -121,6 +121,39 @@ def test_loaded_bytes_are_the_producers(sides):
     assert d.computed["x"] == 1 + 4
 
 
+def test_pull_is_traced_point_by_point(sides, tmp_path, monkeypatch):
+    """MC_TRACE covers a pull (flow a, in the background): the decode's
+    scheduler and worker write each point under vLLM's request id, in order,
+    and benchmarks/pull_timeline.py reads the stretches back."""
+    from mooncake_connector import trace
+    path = tmp_path / "trace.jsonl"
+    for k, v in (("ON", True), ("PATH", str(path)), ("_limit", 1 << 24), ("_written", 0),
+                 ("_full", False), ("_fd", None)):
+        monkeypatch.setattr(trace, k, v)
+    p, d = sides("kv_producer"), sides("kv_consumer", **ASYNC)
+    t = toks(4, 3 * BS + 2)
+    prefill(p, "tr", t)
+    d.add(make_request("tr", t, max_tokens=2))
+    assert d.run_until(lambda: "tr" not in d.sched.requests)
+    if trace._fd is not None:
+        os.close(trace._fd)
+    mine = [e for e in trace.read(path) if e["k"] == "tr"]
+    order = [e["ev"] for e in mine if e["ev"] != "probe_wait"]
+    assert order == ["sched_match", "sched_alloc", "pull_start", "recv_done",
+                     "sched_recv_seen", "sched_compute"], order
+    byev = {e["ev"]: e for e in mine}
+    assert byev["sched_match"]["held"] == 3 * BS and byev["sched_match"]["flow"] == "A"
+    assert byev["pull_start"]["blocks"] == 3 and byev["recv_done"]["matched"] == 3 * BS
+    assert byev["recv_done"]["err"] is None
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    try:
+        import pull_timeline
+    finally:
+        sys.path.pop(0)
+    out = pull_timeline.table(pull_timeline.timelines(trace.read(path)))
+    assert "3 blocks, 1 pulls" in out and "pull_start -> recv_done" in out, out
+
+
 def test_miss_computes_locally(sides):
     p, d = sides("kv_producer"), sides("kv_consumer")
     t = toks(3, 3 * BS + 1)
