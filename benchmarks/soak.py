@@ -64,11 +64,13 @@ Invariants (each violation is listed in the JSON):
              malloc in-use bytes (mallinfo2 uordblks + hblkhd) grow at most
              --mem-used-margin MiB/min and its Python allocated blocks at
              most --mem-blocks-margin a minute faster than R's (least squares
-             over the second half of the load, summed over the processes
-             serving when the load began), and the RSS it keeps after one
-             malloc_trim(0) once the load is drained exceeds its RSS at the
-             load's start by at most --mem-kept-margin MiB more than R's
-             does.  The RSS slope is reported (rss_slope_mib_per_min): glibc
+             per lifetime of the server, a restart beginning a new one, over
+             the second half of the lifetime's time under load, summed over
+             its processes; a lifetime whose window is shorter than
+             --mem-min-window-s, 10 min, is printed as not judged), and the
+             RSS it keeps after one malloc_trim(0) once the load is drained
+             exceeds its RSS at the load's start by at most --mem-kept-margin
+             MiB more than R's does.  The RSS slope is reported (rss_slope_mib_per_min): glibc
              keeps freed memory inside its heaps, so RSS grows for tens of
              minutes without a leak (benchmarks/JOURNAL.md, issue 31).
              With --no-memwatch: the old rule, no server's RSS grows faster
@@ -1137,11 +1139,14 @@ def rss_slope(samples, server, t_from, t_to, born_by=None):
 # (benchmarks/memwatch/sitecustomize.py, on unless --no-memwatch) the soak
 # judges what a leak grows: the bytes malloc hands out (heap and mmapped
 # chunks: C and C++ objects, Python objects over 512 B, buffers) and the
-# Python objects pymalloc holds (allocated blocks), each as the server's
-# slope over the second half of the load against the reference R's; and
-# the RSS each server keeps after one malloc_trim(0) once the load is
-# drained, as growth since the load began against R's growth.  The RSS
-# slope is still reported (rss_slope_mib_per_min).
+# Python objects pymalloc holds (allocated blocks), each as a slope against
+# the reference R's, per lifetime of a server (a restart begins a new
+# series) over the second half of that lifetime's time under load (the
+# first half is its warm-up), judged only when that window is at least
+# --mem-min-window-s long (the lifetimes too short are printed as not
+# judged); and the RSS each server keeps after one malloc_trim(0) once the
+# load is drained, as growth since the load began against R's growth.  The
+# RSS slope is still reported (rss_slope_mib_per_min).
 
 MEMWATCH_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "memwatch")
 
@@ -1189,13 +1194,17 @@ def read_memwatch(d):
 
 
 def memory_series(recs_by_pid, server_of_pgid):
-    """{server: {pid: [{"t", "rss", "used", "blocks"}, ...]}} (MiB, MiB, blocks; t unix
-    time) for the processes whose group is a server's (server_of_pgid: {pgid: name});
-    "used" is malloc's in-use bytes (mallinfo2 uordblks + hblkhd).  A record with a
-    malloc_trim result adds {"trim_before", "trim_after"} (MiB) to that process."""
+    """{server: {pgid: {pid: [{"t", "rss", "used", "blocks"}, ...]}}} (MiB, MiB,
+    blocks; t unix time) for the processes whose group is a server's
+    (server_of_pgid: {pgid: name}).  A pgid is one lifetime of the server: the
+    processes of one start (the API process, its EngineCore); a restart's
+    processes are a new group.  "used" is malloc's in-use bytes (mallinfo2
+    uordblks + hblkhd).  A record with a malloc_trim result adds
+    {"trim_before", "trim_after"} (MiB) to that process."""
     out = {}
     for pid, recs in recs_by_pid.items():
-        srv = server_of_pgid.get(recs[0].get("pgid"))
+        pgid = recs[0].get("pgid")
+        srv = server_of_pgid.get(pgid)
         if srv is None:
             continue
         rows = []
@@ -1210,7 +1219,7 @@ def memory_series(recs_by_pid, server_of_pgid):
                 row["trim_after"] = r["trim"]["rss_after_kb"] / 1024
             rows.append(row)
         if rows:
-            out.setdefault(srv, {})[pid] = rows
+            out.setdefault(srv, {}).setdefault(pgid, {})[pid] = rows
     return out
 
 
@@ -1225,79 +1234,134 @@ def _per_min(pts):
     return None if den == 0 else 60 * sum((t - mt) * (v - mv) for t, v in pts) / den
 
 
-def memory_of_server(procs, t_load, t_from, t_to):
-    """One server's memory over the load: every process that was there when the
-    load began (t_load; a process a fault restarted is warming up, not judged)
-    and still sampled through [t_from, t_to] (at least 4 samples spanning a
-    quarter of it).  Slopes (per minute) are summed over those processes; the
-    trim row is the RSS after malloc_trim(0) minus the RSS of the last sample
-    before the load began, summed over them, when each has a trim record.  None: no such process."""
-    keep = {pid: rows for pid, rows in procs.items() if rows[0]["t"] <= t_load}
-    out = {"rss": 0.0, "used": 0.0, "blocks": 0.0}
+# The shortest window a lifetime is judged over (the second half of its time
+# under load), 10 minutes.  Under load the EngineCores' malloc in-use bytes
+# climb for 4-15 minutes before their plateau (session 29's 25-minute soak:
+# the prefills in 4-5 min to 577 MiB, the decodes in ~15 to 590; the
+# 10-minute run of 2026-12-06 08:08 was still climbing in its second half), and on
+# the plateau they step by up to ~13 MiB (that soak's P3: 577 -> 584-590 in
+# its last 2 minutes).  A step of A MiB in the middle of a window of W
+# minutes reads as a slope of 1.5 A / W MiB/min: that P3, SIGKILLed 16.2
+# minutes into the load, read +3.6 MiB/min over the 3.6 minutes of the
+# load's second half it lived (the old rule's window) and +1.3 over the
+# second half of its life (8.1 min); 10 minutes leaves such lifetimes out
+# (printed as not judged) and still judges every lifetime that spends 20
+# minutes under load (the 20-30-minute soaks' servers).  It bounds that
+# noise, it does not remove it: a 13 MiB step in the middle of a 10-minute
+# window still reads 2 MiB/min (1.3 over the 15 minutes of a 30-minute soak's
+# second half).  --ci (2 minutes, gross margins): 30 s.
+MEM_MIN_WINDOW_S = 600.0
+
+
+def memory_of_lifetime(procs, t_load, t_end, min_window_s=MEM_MIN_WINDOW_S):
+    """One lifetime of a server (procs: {pid: rows}, the processes of one start)
+    over the load [t_load, t_end] (unix times): its slopes (per minute, summed
+    over its processes) over the second half of its time under load, from
+    max(its birth, t_load) to min(its last sample, t_end), when that window is
+    at least min_window_s (the first half is its warm-up); each process
+    counted must have at least 4 samples spanning a quarter of the window.
+    Not judged (a "not_judged" reason in the row, no slopes) when the window
+    is shorter or no process spans it.  The trim row (a lifetime serving when
+    the load began and alive at the trim: each of its processes with a trim
+    record) is the RSS after malloc_trim(0) minus the RSS of the last sample
+    before the load began, summed over them."""
+    born = min(rows[0]["t"] for rows in procs.values())
+    start = max(born, t_load)
+    end = min(max(rows[-1]["t"] for rows in procs.values()), t_end)
+    t_from = (start + end) / 2
+    out = {"pids": sorted(procs), "born": round(born, 1), "window": [round(t_from, 1),
+                                                                    round(end, 1)],
+           "window_min": round(max(0.0, end - t_from) / 60, 1)}
+    if end - t_from < min_window_s:
+        out["not_judged"] = (f"the second half of its time under load is {out['window_min']} "
+                             f"min (< {min_window_s / 60:g})")
+        return out
+    slopes = {"rss": 0.0, "used": 0.0, "blocks": 0.0}
     judged = []
-    for pid, rows in keep.items():
-        win = [r for r in rows if t_from <= r["t"] <= t_to]
-        if len(win) < 4 or win[-1]["t"] - win[0]["t"] < (t_to - t_from) / 4:
+    for pid, rows in procs.items():
+        win = [r for r in rows if t_from <= r["t"] <= end]
+        if len(win) < 4 or win[-1]["t"] - win[0]["t"] < (end - t_from) / 4:
             continue
         judged.append(pid)
-        for k in out:
-            out[k] += _per_min([(r["t"], r[k]) for r in win]) or 0.0
+        for k in slopes:
+            slopes[k] += _per_min([(r["t"], r[k]) for r in win]) or 0.0
     if not judged:
-        return None
-    out = {k: round(v, 3 if k != "blocks" else 1) for k, v in out.items()}
-    out["pids"] = sorted(judged)
+        out["not_judged"] = "no process sampled through its window"
+        return out
+    out.update({k: round(v, 3 if k != "blocks" else 1) for k, v in slopes.items()})
+    if born > t_load:
+        return out  # a restart: its RSS at the load's start is not its own
     trims = []
     for pid in judged:
-        rows = keep[pid]
+        rows = procs[pid]
         tr = [r for r in rows if "trim_after" in r]
         # The last sample before the load began (RSS ramps fast in its first
         # minute: a sample 20 s in would hide that growth).
-        start = [r for r in rows if r["t"] <= t_load]
-        if not tr or not start:
-            trims = None
-            break
-        trims.append((start[-1]["rss"], tr[-1]["trim_before"], tr[-1]["trim_after"]))
-    if trims:
-        out["rss_load_start"] = round(sum(a for a, _, _ in trims), 1)
-        out["rss_before_trim"] = round(sum(b for _, b, _ in trims), 1)
-        out["rss_after_trim"] = round(sum(c for _, _, c in trims), 1)
-        out["kept_after_trim"] = round(out["rss_after_trim"] - out["rss_load_start"], 1)
+        before = [r for r in rows if r["t"] <= t_load]
+        if not tr or not before:
+            return out
+        trims.append((before[-1]["rss"], tr[-1]["trim_before"], tr[-1]["trim_after"]))
+    out["rss_load_start"] = round(sum(a for a, _, _ in trims), 1)
+    out["rss_before_trim"] = round(sum(b for _, b, _ in trims), 1)
+    out["rss_after_trim"] = round(sum(c for _, _, c in trims), 1)
+    out["kept_after_trim"] = round(out["rss_after_trim"] - out["rss_load_start"], 1)
     return out
 
 
-def memory_verdict(series, t_load, t_from, t_to, ref="R", used_margin=1.0,
-                   blocks_margin=3000.0, kept_margin=64.0):
-    """(table, violations) of the memory invariant (the comment above).  series:
-    memory_series' output; slopes over [t_from, t_to] (the second half of the
-    load), t_load its start (unix times).  A server fails when, beyond the
-    reference's (ref; absent: beyond zero), its malloc in-use bytes grow more
-    than used_margin MiB/min, its Python blocks more than blocks_margin per
-    minute, or it keeps more than kept_margin MiB of RSS after malloc_trim(0)
-    (growth since the load began; judged only against a reference: a server
-    warming up keeps hundreds of MiB)."""
-    table = {n: memory_of_server(p, t_load, t_from, t_to) for n, p in series.items()}
-    base = table.get(ref) or {}
-    v = []
+def lifetime_name(server, lives, i):
+    """How the verdict names lifetime i (0-based) of server's lives (rows in
+    order of birth): the server's name when it had one."""
+    if len(lives) == 1:
+        return server
+    born = time.strftime("%H:%M:%S", time.gmtime(lives[i]["born"]))
+    return f"{server} (lifetime {i + 1} of {len(lives)}, born {born} UTC)"
+
+
+def memory_verdict(series, t_load, t_end, ref="R", used_margin=1.0, blocks_margin=3000.0,
+                   kept_margin=64.0, min_window_s=MEM_MIN_WINDOW_S):
+    """(table, violations, not_judged) of the memory invariant (the comment
+    above).  series: memory_series' output; t_load and t_end the load's start
+    and end (unix times); table {server: [memory_of_lifetime's row per
+    lifetime, in order of birth]}; not_judged: a line per lifetime too short
+    to judge (printed: not judged is not "ok").  A judged lifetime fails when,
+    beyond the reference's (ref's first judged lifetime; none: beyond zero),
+    its malloc in-use bytes grow more than used_margin MiB/min, its Python
+    blocks more than blocks_margin per minute, or it keeps more than
+    kept_margin MiB of RSS after malloc_trim(0) (growth since the load began;
+    judged only against a reference: a server warming up keeps hundreds of
+    MiB)."""
+    table = {}
+    for n, lives in series.items():
+        by_birth = sorted(lives.values(), key=lambda p: min(r[0]["t"] for r in p.values()))
+        table[n] = [memory_of_lifetime(p, t_load, t_end, min_window_s) for p in by_birth]
+    base = next((r for r in table.get(ref, []) if "not_judged" not in r), {})
+    v, not_judged = [], []
 
     def limit(key, margin):
         if key in base:
             return base[key] + margin, f"{ref}'s {base[key]} + {margin:g}"
         return margin, f"0 + {margin:g}"
-    for n, row in sorted(table.items()):
-        if n == ref or row is None:
-            continue
-        for key, margin, what, unit in (("used", used_margin, "malloc in-use bytes grow",
-                                         "MiB/min"),
-                                        ("blocks", blocks_margin, "Python blocks grow", "/min")):
-            lim, why = limit(key, margin)
-            if row[key] > lim:
-                v.append(f"{n}: {what} {row[key]} {unit} (> {why})")
-        if "kept_after_trim" in row and "kept_after_trim" in base:  # warm-up: R's measure
-            lim, why = limit("kept_after_trim", kept_margin)
-            if row["kept_after_trim"] > lim:
-                v.append(f"{n}: RSS after malloc_trim(0) is {row['kept_after_trim']} MiB above "
-                         f"the load's start (> {why})")
-    return table, v
+    for n, lives in sorted(table.items()):
+        for i, row in enumerate(lives):
+            who = lifetime_name(n, lives, i)
+            if "not_judged" in row:
+                not_judged.append(f"{who}: not judged, {row['not_judged']}")
+                continue
+            if n == ref:
+                continue
+            for key, margin, what, unit in (("used", used_margin, "malloc in-use bytes grow",
+                                             "MiB/min"),
+                                            ("blocks", blocks_margin, "Python blocks grow",
+                                             "/min")):
+                lim, why = limit(key, margin)
+                if row[key] > lim:
+                    v.append(f"{who}: {what} {row[key]} {unit} (> {why})")
+            if "kept_after_trim" in row and "kept_after_trim" in base:  # warm-up: R's measure
+                lim, why = limit("kept_after_trim", kept_margin)
+                if row["kept_after_trim"] > lim:
+                    v.append(f"{who}: RSS after malloc_trim(0) is {row['kept_after_trim']} MiB "
+                             f"above the load's start (> {why})")
+    return table, v, not_judged
 
 
 # ---------------------------------------------------------------- report
@@ -1475,6 +1539,10 @@ def build_parser():
     ap.add_argument("--mem-blocks-margin", type=float, default=None,
                     help="Python allocated blocks per minute a server may grow beyond R's; "
                          "default 3000, 200000 with --ci")
+    ap.add_argument("--mem-min-window-s", type=float, default=None,
+                    help="the shortest window a server's lifetime is judged over by the memory "
+                         "verdict (the second half of its time under load; a shorter one is "
+                         "printed as not judged); default 600, 30 with --ci")
     ap.add_argument("--mem-kept-margin", type=float, default=None,
                     help="MiB of RSS a server may keep after malloc_trim(0) (growth since the "
                          "load began) beyond R's (judged with --reference only); default 64, "
@@ -1535,7 +1603,8 @@ def apply_defaults(args):
     if args.memwatch_s is None:
         args.memwatch_s = 5.0 if args.ci else 20.0
     for key, full, ci in (("mem_used_margin", 1.0, 100.0), ("mem_blocks_margin", 3000.0, 2e5),
-                          ("mem_kept_margin", 64.0, 1024.0)):
+                          ("mem_kept_margin", 64.0, 1024.0),
+                          ("mem_min_window_s", MEM_MIN_WINDOW_S, 30.0)):
         if getattr(args, key) is None:
             setattr(args, key, ci if args.ci else full)
 
@@ -1694,16 +1763,17 @@ def memory_violations(args, results, servers, server_of_pgid, t_load_end, ref):
     if args.memwatch_dir:
         try:
             series = memory_series(read_memwatch(args.memwatch_dir), server_of_pgid)
-            table, mv = memory_verdict(
-                series, t0_unix, t0_unix + t_load_end / 2, t0_unix + t_load_end,
-                used_margin=args.mem_used_margin, blocks_margin=args.mem_blocks_margin,
-                kept_margin=args.mem_kept_margin)
+            table, mv, not_judged = memory_verdict(
+                series, t0_unix, t0_unix + t_load_end, used_margin=args.mem_used_margin,
+                blocks_margin=args.mem_blocks_margin, kept_margin=args.mem_kept_margin,
+                min_window_s=args.mem_min_window_s)
         except (OSError, ValueError, KeyError, TypeError) as e:  # keep the run's results
-            table, mv = {}, [f"memory verdict failed: {e!r}"]
+            table, mv, not_judged = {}, [f"memory verdict failed: {e!r}"], []
         results["memory"] = table
+        results["memory_not_judged"] = not_judged
         v.extend(mv)
         for n in servers:
-            if n not in ("P1", "P3") and table.get(n) is None:  # P1, P3: killed, restarted
+            if not table.get(n):
                 v.append(f"{n}: no memwatch samples over the load (memory not judged)")
     for n, sl in results["rss_slope_mib_per_min"].items():
         if sl is None or n == "R" or args.memwatch_dir:
@@ -1764,12 +1834,17 @@ def report(results):
     log(f"push paths (per server, every lifetime) {results.get('same_host_path')}")
     log(f"RSS slope MiB/min {results.get('rss_slope_mib_per_min')}; drained in "
         f"{results.get('drain_s')} s")
-    for n, row in sorted((results.get("memory") or {}).items()):
-        if row:
-            log(f"memory {n}: second half MiB/min RSS {row['rss']}, malloc in use "
-                f"{row['used']}, Python blocks {row['blocks']}/min; RSS load start "
-                f"{row.get('rss_load_start')} -> before trim {row.get('rss_before_trim')} -> "
-                f"after trim {row.get('rss_after_trim')} MiB (kept {row.get('kept_after_trim')})")
+    for n, lives in sorted((results.get("memory") or {}).items()):
+        for i, row in enumerate(lives):
+            if "not_judged" not in row:
+                log(f"memory {lifetime_name(n, lives, i)}: the second half of its time under "
+                    f"load ({row['window_min']} min), MiB/min RSS {row['rss']}, malloc in use "
+                    f"{row['used']}, Python blocks {row['blocks']}/min; RSS load start "
+                    f"{row.get('rss_load_start')} -> before trim {row.get('rss_before_trim')} "
+                    f"-> after trim {row.get('rss_after_trim')} MiB (kept "
+                    f"{row.get('kept_after_trim')})")
+    for line in results.get("memory_not_judged") or ():
+        log(f"memory {line}")
     if results["violations"]:
         log("VIOLATIONS:\n  " + "\n  ".join(results["violations"]))
         return 1

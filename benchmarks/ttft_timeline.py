@@ -496,15 +496,12 @@ def _check_ab(ap, args):
     return env_c
 
 
-def main(argv=None):
+def _args(argv):
+    """The command line parsed and checked: (args, lengths, pins, nices, env_c)."""
     ap = _parser()
     args = ap.parse_args(argv)
-    if args.reread:
-        _reread(args.reread)
-        return 0
-    if args.pool:
-        _pool(args.pool, args.out, args.one_layer_ms)
-        return 0
+    if args.reread or args.pool:
+        return args, None, None, None, None
     if args.cuda_graphs and args.device != "cuda":
         ap.error("--cuda-graphs needs --device cuda")
     if args.device == "cpu" and args.gpu_path != "on":
@@ -519,15 +516,19 @@ def main(argv=None):
     env_c = _check_ab(ap, args)
     if any(k.endswith("_c") for k in (*pins, *nices)) and not (env_c or args.extra_c_dict):
         ap.error("--pin / --nice prefill_c, decode_c: set c's servers need --env-c or --extra-c")
+    return args, lengths, pins, nices, env_c
 
+
+def _sets(args, env_c):
+    """The sets of servers (not started; every process started later gets
+    MC_TRACE unless --no-trace): (deps, the trace's path, meta)."""
     workdir = args.workdir or tempfile.mkdtemp(prefix="mc-ttft-")
     tpath = os.path.join(workdir, "trace.jsonl")
     if args.no_trace:
         os.environ.pop("MC_TRACE", None)
     else:
         os.environ["MC_TRACE"] = tpath  # every process started below inherits it
-    from mooncake_connector import serving, tiny_model, trace
-    from mooncake_connector.openai_client import request
+    from mooncake_connector import tiny_model
     from mooncake_connector.vllm_gpu import bench_settings
 
     # The servers' device, as serving_bench.py sets it; on one GPU each of
@@ -552,11 +553,6 @@ def main(argv=None):
     deps = make_sets(workdir, model, extra, common, tree_b=args.tree_b, label_b=args.label_b,
                      noasync=args.noasync, env_c=env_c, extra_c=extra_c,
                      decode_args=["--no-async-scheduling"] if no_async else ())
-    dep = deps["a"]
-    urls = {}
-    srv_of = {}  # mode -> the vLLM server whose histograms it reads
-    pre_of = {}  # push mode -> its prefill server (histograms: the prefill's own times)
-    rows = {}
     meta = {"sets": {name: {"pythonpath": d.prefill.env.get("PYTHONPATH"),
                             "no_async_scheduling": "--no-async-scheduling" in d.decode.cmd}
                      for name, d in deps.items()}}
@@ -564,124 +560,158 @@ def main(argv=None):
         meta["sets"]["c"]["env"] = env_c
     if extra_c:
         meta["sets"]["c"]["decode_extra_config"] = extra_c
-    try:
-        # the metadata servers first (the connectors register on start), then
-        # every set's servers and proxies in parallel
-        for d in deps.values():
-            if d.metadata is not None:
-                serving.start_all([d.metadata], 30.0)
-        t_up = time.monotonic()
-        serving.start_all([p for d in deps.values() for p in d.processes
-                           if p is not d.metadata], 600)
-        meta["servers_up_s"] = time.monotonic() - t_up
-        print(f"{sum(1 for d in deps.values() for p in d.processes)} processes up in "
-              f"{meta['servers_up_s']:.0f} s", flush=True)
-        for name, cpu in pins.items():
-            meta.setdefault("pinned", {})[name] = (cpu, pin(_server_of(deps, name), cpu))
-        for name, val in nices.items():
-            meta.setdefault("niced", {})[name] = (val, renice(_server_of(deps, name), val))
-        urls = {"colocated": dep.colocated.url, "colocated_proxy": dep.colocated_proxy.url,
-                "push_ll": dep.proxies["push-ll"].url}
-        srv_of = {"colocated": dep.colocated.url, "colocated_proxy": dep.colocated.url,
-                  "push_ll": dep.decode.url}
-        pre_of = {"push_ll": dep.prefill.url}
-        if "push-ll-b" in dep.proxies:
-            urls["push_ll_b"] = dep.proxies["push-ll-b"].url
-            srv_of["push_ll_b"] = dep.decode.url
-        if "push-whole" in dep.proxies:
-            urls["push_whole"] = dep.proxies["push-whole"].url
-            srv_of["push_whole"] = dep.decode.url
-        if args.prefill_plain:
-            urls["prefill_plain"] = srv_of["prefill_plain"] = dep.prefill.url
-        for name, d in deps.items():
-            if name == "a":
-                continue
-            urls[f"push_ll_{name}"] = d.proxies["push-ll"].url
-            srv_of[f"push_ll_{name}"] = d.decode.url
-            pre_of[f"push_ll_{name}"] = d.prefill.url
+    return deps, tpath, meta
+
+
+def _start(deps, pins, nices, meta):
+    """Every set's servers up (the metadata servers first: the connectors
+    register on start; then the rest in parallel), pinned and niced as asked."""
+    from mooncake_connector import serving
+    for d in deps.values():
+        if d.metadata is not None:
+            serving.start_all([d.metadata], 30.0)
+    t_up = time.monotonic()
+    serving.start_all([p for d in deps.values() for p in d.processes
+                       if p is not d.metadata], 600)
+    meta["servers_up_s"] = time.monotonic() - t_up
+    print(f"{sum(1 for d in deps.values() for p in d.processes)} processes up in "
+          f"{meta['servers_up_s']:.0f} s", flush=True)
+    for name, cpu in pins.items():
+        meta.setdefault("pinned", {})[name] = (cpu, pin(_server_of(deps, name), cpu))
+    for name, val in nices.items():
+        meta.setdefault("niced", {})[name] = (val, renice(_server_of(deps, name), val))
+
+
+def _stop(deps):
+    """Every set's servers in parallel (SIGTERM to all first), the metadata
+    servers last (the connectors unregister on shutdown)."""
+    from mooncake_connector import serving
+    serving.stop_all([p for d in deps.values() for p in d.processes
+                      if p is not d.metadata])
+    serving.stop_all([d.metadata for d in deps.values() if d.metadata is not None])
+
+
+def _modes(args, deps):
+    """(urls, srv_of, pre_of): mode -> where its requests go; -> the vLLM
+    server whose histograms it reads; push mode -> its prefill server
+    (histograms: the prefill's own times)."""
+    dep = deps["a"]
+    urls = {"colocated": dep.colocated.url, "colocated_proxy": dep.colocated_proxy.url,
+            "push_ll": dep.proxies["push-ll"].url}
+    srv_of = {"colocated": dep.colocated.url, "colocated_proxy": dep.colocated.url,
+              "push_ll": dep.decode.url}
+    pre_of = {"push_ll": dep.prefill.url}
+    if "push-ll-b" in dep.proxies:
+        urls["push_ll_b"] = dep.proxies["push-ll-b"].url
+        srv_of["push_ll_b"] = dep.decode.url
+    if "push-whole" in dep.proxies:
+        urls["push_whole"] = dep.proxies["push-whole"].url
+        srv_of["push_whole"] = dep.decode.url
+    if args.prefill_plain:
+        urls["prefill_plain"] = srv_of["prefill_plain"] = dep.prefill.url
+    for name, d in deps.items():
+        if name == "a":
+            continue
+        urls[f"push_ll_{name}"] = d.proxies["push-ll"].url
+        srv_of[f"push_ll_{name}"] = d.decode.url
+        pre_of[f"push_ll_{name}"] = d.prefill.url
+        if "push-whole" in d.proxies:
+            urls[f"push_whole_{name}"] = d.proxies["push-whole"].url
+            srv_of[f"push_whole_{name}"] = d.decode.url
+        if d.colocated is not None:
+            urls[f"colocated_{name}"] = srv_of[f"colocated_{name}"] = d.colocated.url
+    return urls, srv_of, pre_of
+
+
+def _pgids(deps):
+    """{name: process group} of the servers and proxies whose threads' CPU
+    time is read around each request."""
+    dep = deps["a"]
+    pgids = {"prefill": dep.prefill.proc.pid, "decode": dep.decode.proc.pid,
+             "colocated": dep.colocated.proc.pid,
+             "proxy_push_ll": dep.proxies["push-ll"].proc.pid,
+             "proxy_colocated": dep.colocated_proxy.proc.pid}
+    if "push-whole" in dep.proxies:
+        pgids["proxy_push_whole"] = dep.proxies["push-whole"].proc.pid
+    for name, d in deps.items():
+        if name != "a":
+            pgids.update({f"prefill_{name}": d.prefill.proc.pid,
+                          f"decode_{name}": d.decode.proc.pid,
+                          f"proxy_push_ll_{name}": d.proxies["push-ll"].proc.pid})
             if "push-whole" in d.proxies:
-                urls[f"push_whole_{name}"] = d.proxies["push-whole"].url
-                srv_of[f"push_whole_{name}"] = d.decode.url
+                pgids[f"proxy_push_whole_{name}"] = d.proxies["push-whole"].proc.pid
             if d.colocated is not None:
-                urls[f"colocated_{name}"] = srv_of[f"colocated_{name}"] = d.colocated.url
-        body = {"model": "tiny", "temperature": 0.0, "max_tokens": args.max_tokens,
-                "ignore_eos": True, "return_token_ids": True, "stream": True,
-                "stream_options": {"include_usage": True}}
-        # prefill_plain: what the proxy sends the prefill, without the push
-        plain = dict(body, max_tokens=1, kv_transfer_params={"do_remote_decode": False})
-        for k, u in urls.items():  # warm-up
-            for i in range(3):
-                request(u, "/v1/completions", dict(plain if k == "prefill_plain" else body,
-                                                   prompt=prompt_of(max(lengths), 77 + i)),
-                        timeout=600)
-        meta["load_before"] = os.getloadavg()
-        pgids = {"prefill": dep.prefill.proc.pid, "decode": dep.decode.proc.pid,
-                 "colocated": dep.colocated.proc.pid,
-                 "proxy_push_ll": dep.proxies["push-ll"].proc.pid,
-                 "proxy_colocated": dep.colocated_proxy.proc.pid}
-        if "push-whole" in dep.proxies:
-            pgids["proxy_push_whole"] = dep.proxies["push-whole"].proc.pid
-        for name, d in deps.items():
-            if name != "a":
-                pgids.update({f"prefill_{name}": d.prefill.proc.pid,
-                              f"decode_{name}": d.decode.proc.pid,
-                              f"proxy_push_ll_{name}": d.proxies["push-ll"].proc.pid})
-                if "push-whole" in d.proxies:
-                    pgids[f"proxy_push_whole_{name}"] = d.proxies["push-whole"].proc.pid
-                if d.colocated is not None:
-                    pgids[f"colocated_{name}"] = d.colocated.proc.pid
-        order = random.Random(31)
-        t_meas = time.monotonic()
-        for n in lengths:
-            for i in range(args.requests):
-                p = prompt_of(n, 5000 * n + i)
-                keys = list(urls)
-                order.shuffle(keys)
-                ref = None
-                for k in keys:
-                    time.sleep(SETTLE_S)
-                    rid = f"tl-{k}-{n}-{i}-{os.getpid()}"
-                    srv = srv_of[k]
-                    before = scrape(srv)
-                    before_p = scrape(pre_of[k]) if k in pre_of else {}
-                    c0 = cpu_ns(pgids)
-                    t_send = time.monotonic()
-                    r = request(urls[k], "/v1/completions",
-                                dict(plain if k == "prefill_plain" else body, prompt=p),
-                                timeout=600, headers={"X-Request-Id": rid})
-                    if r.status != 200 or r.error:
-                        raise RuntimeError(f"{k}: {r.status} {r.error}")
-                    c1 = cpu_ns(pgids)
-                    after = scrape(srv)
-                    after_p = scrape(pre_of[k]) if k in pre_of else {}
-                    rec = {"cpu_ms": cpu_diff(c0, c1), "mode": k, "n": n, "rid": rid, "t_send": t_send,
-                           "ttft_ms": r.ttft_s * 1e3, "tokens": r.token_ids,
-                           "itl_ms": [x * 1e3 for x in r.itl_s],
-                           "cached_tokens": r.cached_tokens,
-                           "prompt_tokens": (r.usage or {}).get("prompt_tokens")}
-                    for m, v in after.items():
-                        rec[m.split(":")[1]] = (v - before.get(m, 0.0)) * 1e3
-                    for m, v in after_p.items():  # the prefill server's, push modes
-                        rec["prefill_" + m.split(":")[1]] = (v - before_p.get(m, 0.0)) * 1e3
-                    rows.setdefault(n, []).append(rec)
-                    if k == "colocated":
-                        ref = r.token_ids
-                for rec in rows[n][-len(keys):]:
-                    # prefill_plain has 1 token: colocated's first
-                    rec["identical"] = rec["tokens"] == ref[:len(rec["tokens"])] and \
-                        bool(rec["tokens"])
-            done = rows[n][-len(urls) * args.requests:]
-            print(f"  {n} words done ({time.monotonic() - t_meas:.0f} s): TTFT p50 " + ", ".join(
-                f"{k} {_pct([x['ttft_ms'] for x in done if x['mode'] == k], 50):.1f}"
-                for k in urls) + " ms", flush=True)
-        meta["load_after"] = os.getloadavg()
-    finally:
-        # every set's servers in parallel (SIGTERM to all first), the
-        # metadata servers last (the connectors unregister on shutdown)
-        serving.stop_all([p for d in deps.values() for p in d.processes
-                          if p is not d.metadata])
-        serving.stop_all([d.metadata for d in deps.values() if d.metadata is not None])
-    time.sleep(0.5)
+                pgids[f"colocated_{name}"] = d.colocated.proc.pid
+    return pgids
+
+
+def _measure(args, lengths, urls, srv_of, pre_of, pgids, meta):
+    """The warm-up (3 requests per mode), then each prompt through every mode,
+    one request at a time in a fresh random order: {length: [row, ...]}."""
+    from mooncake_connector.openai_client import request
+    body = {"model": "tiny", "temperature": 0.0, "max_tokens": args.max_tokens,
+            "ignore_eos": True, "return_token_ids": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    # prefill_plain: what the proxy sends the prefill, without the push
+    plain = dict(body, max_tokens=1, kv_transfer_params={"do_remote_decode": False})
+    for k, u in urls.items():  # warm-up
+        for i in range(3):
+            request(u, "/v1/completions", dict(plain if k == "prefill_plain" else body,
+                                               prompt=prompt_of(max(lengths), 77 + i)),
+                    timeout=600)
+    meta["load_before"] = os.getloadavg()
+    rows = {}
+    order = random.Random(31)
+    t_meas = time.monotonic()
+    for n in lengths:
+        for i in range(args.requests):
+            p = prompt_of(n, 5000 * n + i)
+            keys = list(urls)
+            order.shuffle(keys)
+            ref = None
+            for k in keys:
+                time.sleep(SETTLE_S)
+                rid = f"tl-{k}-{n}-{i}-{os.getpid()}"
+                srv = srv_of[k]
+                before = scrape(srv)
+                before_p = scrape(pre_of[k]) if k in pre_of else {}
+                c0 = cpu_ns(pgids)
+                t_send = time.monotonic()
+                r = request(urls[k], "/v1/completions",
+                            dict(plain if k == "prefill_plain" else body, prompt=p),
+                            timeout=600, headers={"X-Request-Id": rid})
+                if r.status != 200 or r.error:
+                    raise RuntimeError(f"{k}: {r.status} {r.error}")
+                c1 = cpu_ns(pgids)
+                after = scrape(srv)
+                after_p = scrape(pre_of[k]) if k in pre_of else {}
+                rec = {"cpu_ms": cpu_diff(c0, c1), "mode": k, "n": n, "rid": rid, "t_send": t_send,
+                       "ttft_ms": r.ttft_s * 1e3, "tokens": r.token_ids,
+                       "itl_ms": [x * 1e3 for x in r.itl_s],
+                       "cached_tokens": r.cached_tokens,
+                       "prompt_tokens": (r.usage or {}).get("prompt_tokens")}
+                for m, v in after.items():
+                    rec[m.split(":")[1]] = (v - before.get(m, 0.0)) * 1e3
+                for m, v in after_p.items():  # the prefill server's, push modes
+                    rec["prefill_" + m.split(":")[1]] = (v - before_p.get(m, 0.0)) * 1e3
+                rows.setdefault(n, []).append(rec)
+                if k == "colocated":
+                    ref = r.token_ids
+            for rec in rows[n][-len(keys):]:
+                # prefill_plain has 1 token: colocated's first
+                rec["identical"] = rec["tokens"] == ref[:len(rec["tokens"])] and \
+                    bool(rec["tokens"])
+        done = rows[n][-len(urls) * args.requests:]
+        print(f"  {n} words done ({time.monotonic() - t_meas:.0f} s): TTFT p50 " + ", ".join(
+            f"{k} {_pct([x['ttft_ms'] for x in done if x['mode'] == k], 50):.1f}"
+            for k in urls) + " ms", flush=True)
+    meta["load_after"] = os.getloadavg()
+    return rows
+
+
+def _write(args, rows, urls, meta, tpath):
+    """The report (the trace read back: the tables) and the --out JSON."""
+    from mooncake_connector import trace
     events = [] if args.no_trace else trace.read(tpath)
     tl = timelines(events, KV32K_SPEC["layers"])
     summary = {"rows": report(rows, tl, list(urls), one_layer_ms=args.one_layer_ms),
@@ -699,6 +729,25 @@ def main(argv=None):
                    "timelines": tl}, f, indent=1)
     print(f"load average before/after: {meta.get('load_before')} / {meta.get('load_after')}")
     print(f"wrote {args.out}" + ("" if args.no_trace else f" (trace {tpath})"))
+
+
+def main(argv=None):
+    args, lengths, pins, nices, env_c = _args(argv)
+    if args.reread:
+        _reread(args.reread)
+        return 0
+    if args.pool:
+        _pool(args.pool, args.out, args.one_layer_ms)
+        return 0
+    deps, tpath, meta = _sets(args, env_c)
+    try:
+        _start(deps, pins, nices, meta)
+        urls, srv_of, pre_of = _modes(args, deps)
+        rows = _measure(args, lengths, urls, srv_of, pre_of, _pgids(deps), meta)
+    finally:
+        _stop(deps)
+    time.sleep(0.5)
+    _write(args, rows, urls, meta, tpath)
     return 0
 
 

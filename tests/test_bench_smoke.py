@@ -530,3 +530,102 @@ def test_serving_bench_prefix_cached_reference_is_opt_in():
     s = sb.summarize([row], None, {128: {"seconds": 0.001, "bytes": 1 << 20}})["rows"][0]
     assert s["identical_to_cached_by_mode"] == {"colocated": 1, "colocated_cached": 2, "push": 2}
     assert "colocated_cached" in s["modes"]
+
+
+def test_ttft_timeline_main_with_stand_in_servers(tmp_path, monkeypatch):
+    """ttft_timeline.py's main end to end with stand-ins for the servers (no
+    vLLM): every set's processes started and stopped, the metadata servers
+    first and last; every mode warmed up 3 times, then each prompt sent
+    once through every mode in a seeded random order; each row with its
+    histogram differences (the decode's, and the prefill's for push modes),
+    its CPU reading and its tokens compared with colocated's; --pin and
+    --nice applied to the named servers; the JSON written."""
+    import types
+    from mooncake_connector import openai_client, serving, tiny_model
+    tt = _tt()
+    NS = types.SimpleNamespace
+    pid = iter(range(1000, 2000))
+
+    def proc(name):
+        return NS(name=name, url=f"http://{name}", proc=NS(pid=next(pid)),
+                  env={"PYTHONPATH": "/p"}, cmd=["--no-async-scheduling"] if "decode" in name
+                  else [])
+
+    def dep(name, colocated=True, whole=True):
+        d = NS(metadata=proc(f"{name}-meta"), prefill=proc(f"{name}-prefill"),
+               decode=proc(f"{name}-decode"),
+               colocated=proc(f"{name}-colocated") if colocated else None,
+               colocated_proxy=proc(f"{name}-colocated-proxy") if colocated else None,
+               proxies={k: proc(f"{name}-{k}") for k in ("push-ll", "push-ll-b", "push-whole")
+                        if k != "push-whole" or whole})
+        d.processes = [p for p in (d.metadata, d.prefill, d.decode, d.colocated,
+                                   d.colocated_proxy, *d.proxies.values()) if p is not None]
+        return d
+    made = {}
+
+    def make_sets(workdir, model, extra, common, **kw):
+        made.update(extra=sorted(extra), kw=kw)
+        return {"a": dep("a"), "c": dep("c", colocated=False, whole=False)}
+    started, stopped, sent = [], [], []
+    counters = {}
+
+    def scrape(url):
+        counters[url] = counters.get(url, 0.0) + 0.001
+        return {"vllm:request_queue_time_seconds": counters[url],
+                "vllm:request_prefill_time_seconds": 2 * counters[url]}
+
+    def request(url, path, body, timeout=None, headers=None):
+        sent.append((url, body["prompt"][:40], (headers or {}).get("X-Request-Id")))
+        toks = [1, 2, 3][:body["max_tokens"]]
+        return NS(status=200, error=None, ttft_s=0.02 if "colocated" in url else 0.03,
+                  token_ids=toks, itl_s=[0.001] * (len(toks) - 1), cached_tokens=0,
+                  usage={"prompt_tokens": 7})
+    monkeypatch.setattr(tt, "make_sets", make_sets)
+    monkeypatch.setattr(tt, "scrape", scrape)
+    monkeypatch.setattr(tt, "cpu_ns", lambda pgids: {"prefill": {"t": 1e6 * len(sent)}})
+    monkeypatch.setattr(tt, "pin", lambda p, cpu: [p.proc.pid])
+    monkeypatch.setattr(tt, "renice", lambda p, v: [p.proc.pid])
+    monkeypatch.setattr(tt, "SETTLE_S", 0.0)
+    monkeypatch.setattr(tt.time, "sleep", lambda s: None)
+    monkeypatch.setattr(serving, "start_all", lambda ps, t: started.append([p.name for p in ps]))
+    monkeypatch.setattr(serving, "stop_all", lambda ps: stopped.append([p.name for p in ps]))
+    monkeypatch.setattr(tiny_model, "build", lambda **kw: "/no/model")
+    monkeypatch.setattr(openai_client, "request", request)
+    monkeypatch.delenv("MC_TRACE", raising=False)
+    out = tmp_path / "tl.json"
+    assert tt.main(["--lengths", "16,32", "--requests", "2", "--no-trace", "--whole",
+                    "--prefill-plain", "--max-tokens", "3", "--env-c", "MC_X=1",
+                    "--pin", "decode=1", "--nice", "prefill_c=idle", "--workdir",
+                    str(tmp_path / "w"), "--out", str(out)]) == 0
+    assert made["extra"] == ["push-ll", "push-ll-b", "push-whole"]
+    assert made["kw"]["env_c"] == {"MC_X": "1"}
+    assert started[0] == ["a-meta"] and started[1] == ["c-meta"] and len(started) == 3
+    assert "a-meta" not in started[2] and len(started[2]) == 11
+    assert stopped[-1] == ["a-meta", "c-meta"] and len(stopped) == 2
+    modes = ["colocated", "colocated_proxy", "push_ll", "push_ll_b", "push_whole",
+             "prefill_plain", "push_ll_c"]
+    warm = len(modes) * 3
+    assert len(sent) == warm + 2 * 2 * len(modes)
+    res = json.loads(out.read_text())
+    rows = res["rows"]
+    assert sorted(rows) == ["16", "32"] and all(len(v) == 2 * len(modes) for v in rows.values())
+    # the seeded order: each prompt through every mode, shuffled per prompt
+    first = [r["mode"] for r in rows["16"][:len(modes)]]
+    assert sorted(first) == sorted(modes)
+    # random.Random(31) over the modes in their order of setting up
+    assert [r["mode"] for r in rows["16"] + rows["32"]][:10] == [
+        "colocated_proxy", "push_ll", "push_whole", "prefill_plain", "push_ll_c", "push_ll_b",
+        "colocated", "push_ll_b", "prefill_plain", "push_ll"]
+    assert [s[2] for s in sent[warm:warm + len(modes)]] == [r["rid"] for r in
+                                                           rows["16"][:len(modes)]]
+    for r in rows["16"] + rows["32"]:
+        assert r["identical"] is True, r
+        assert r["request_queue_time_seconds"] == pytest.approx(1.0)
+        assert ("prefill_request_queue_time_seconds" in r) == (r["mode"] in ("push_ll",
+                                                                          "push_ll_c"))
+        assert r["cpu_ms"] == {"prefill": {"t": 1.0}}
+    s = res["summary"]
+    assert s["pinned"] == {"decode": [1, [s["pinned"]["decode"][1][0]]]}
+    assert s["niced"]["prefill_c"][0] == "idle" and s["traced"] is False
+    assert s["sets"]["c"]["env"] == {"MC_X": "1"} and "servers_up_s" in s
+    assert s["sets"]["a"]["no_async_scheduling"] is True

@@ -1093,6 +1093,11 @@ class Target:
         self.stop = None         # why this side stops writing (lease, failure, timeout)
         self.why = None          # why it ended "nokv" (answered again to a duplicate)
 
+    def notify_timeout(self):
+        """Seconds the engine may try to deliver a gated batch's note: at most
+        RESEND_TIMEOUT_S and not past the lease, at least 0.1."""
+        return max(0.1, min(RESEND_TIMEOUT_S, self.lease_until - time.time()))
+
     def same(self, other):
         """An identical copy (the consumer re-sent it): same lease, same
         blocks, same prompt."""
@@ -1672,7 +1677,7 @@ class PushProducer:
         try:
             bid = self.w.engine.batch_transfer_async_write_gated(
                 tg.name, src, dst, lens, cuda_event=handle, cuda_device=dev, notify=note,
-                notify_timeout=max(0.1, min(RESEND_TIMEOUT_S, tg.lease_until - time.time())))
+                notify_timeout=tg.notify_timeout())
         except MooncakeError as e:
             if getattr(e, "code_name", None) == "MC_EBUSY":
                 return  # the gate is full: these layers go after the forward
@@ -1901,8 +1906,7 @@ class PushProducer:
                     tg.name, src, dst, lens,
                     notify=tg.gnote[todo[0]] if len(todo) == 1 else
                     encode({"t": "layer", "tid": job.tid, "l": todo}),
-                    notify_timeout=max(0.1, min(RESEND_TIMEOUT_S,
-                                                tg.lease_until - time.time())))
+                    notify_timeout=tg.notify_timeout())
                 tg.told.update(todo)
             if bid is None:
                 bid = self.w.engine.batch_transfer_async_write(tg.name, src, dst, lens)
@@ -1928,7 +1932,7 @@ class PushProducer:
         try:
             return self.w.engine.batch_transfer_async_write_gated(
                 tg.name, src, dst, lens, notify=done_note,
-                notify_timeout=max(0.1, min(RESEND_TIMEOUT_S, tg.lease_until - time.time())))
+                notify_timeout=tg.notify_timeout())
         except MemoryError as e:
             logger.info("MooncakeConnector push: %s -> %s: the engine cannot send \"done\" "
                         "itself (%s); sent when the writes are seen over", job.rid, tg.name,
