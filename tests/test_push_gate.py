@@ -833,8 +833,10 @@ def test_cpu_gate_layer_hands_the_same_host_copy_to_the_gate_thread(monkeypatch)
                 if at_return == 0:
                     assert a.transfer_wait(ids[0], 10)
                     assert a.transfer_check_status(ids[0]) == 1
-                if same_host == "1" and handover:
-                    assert at_return == 0, at_return  # queued, not copied in the call
+                # Handed over (same host): queued, the gate thread copies it;
+                # not asserted through at_return (a caller descheduled after
+                # the call may already see the gate thread's copy landed): the
+                # gate_host_batches count below says it was handed over.
                 if same_host == "1" and not handover:
                     assert at_return == 1, at_return  # copied in the call: landed
             st = a.get_stats()
