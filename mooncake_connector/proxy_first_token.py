@@ -35,8 +35,10 @@ text with the character at the step that completes it.  Such a stream is held
 (nothing sent, not even the response's status) until the decode leg's first
 text; that text is replaced by decode(prompt + held-back tokens) minus
 decode(prompt), both from the decode instance's POST /detokenize, where the
-check in `_settle()` shows it is what a colocated server streams.  Where it
-cannot, the decode leg is closed and the request takes the seed's path.
+check in `_settle()` shows it is what a colocated server streams (a ""
+token that is whole, a special token vLLM skips, leaves the text as it
+comes).  Where it cannot, the decode leg is closed and the request takes the
+seed's path, counted as "partial first token: ...".
 
 Requests the fast path cannot represent faithfully take the seed's path
 (decode gets the original request): see `refusal()`.
@@ -447,13 +449,20 @@ async def _settle(proxy, plan, ev, dec_url, headers):
     if not text:
         return False
     model = plan.decode.get("model")
-    prompt, whole = await asyncio.gather(
-        _detokenize(proxy, dec_url, headers, model, list(plan.prompt_ids)),
-        _detokenize(proxy, dec_url, headers, model, list(plan.prompt_ids) + plan.toks))
+    ids = list(plan.prompt_ids)
+    prompt, first, whole = await asyncio.gather(
+        _detokenize(proxy, dec_url, headers, model, ids),
+        _detokenize(proxy, dec_url, headers, model, ids + plan.toks[:1]),
+        _detokenize(proxy, dec_url, headers, model, ids + plan.toks))
     if prompt.endswith("\ufffd"):
         # vLLM's stream then shows the prompt's text too, colocated or not;
         # not modelled here.
         raise Unsettled("partial first token: the prompt ends inside a UTF-8 character")
+    if first.startswith(prompt) and not first.endswith("\ufffd"):
+        # Not inside a character: a token vLLM shows as "" (a special token
+        # it skips, e.g. <unk>).  The decode prompt ends on a whole
+        # character, so its stream is the colocated one as it comes.
+        return True
     own = whole[len(prompt):]
     n = len(plan.toks)
     while own.endswith("\ufffd") and n > 1 and whole.startswith(prompt):

@@ -178,10 +178,12 @@ def test_partial_utf8_first_token_takes_the_fast_path_byte_exact(deployment, flo
                   dict(_stream(body), max_tokens=6, return_token_ids=False)):
             got = _ok(request(url, path, b, timeout=REQ_TIMEOUT), "proxy")
             col = _ok(request(dep.colocated.url, path, b, timeout=REQ_TIMEOUT), "colocated")
-            # the same fields in each kind of chunk (vLLM groups tokens into
-            # chunks as its output loop keeps up: not compared)
-            assert {tuple(c) for c in _chunks(got)} == {tuple(c) for c in _chunks(col)}, (
-                _chunks(got), _chunks(col))
+            # the same fields in the first, last and other chunks (vLLM groups
+            # tokens into chunks as its output loop keeps up: not compared)
+            g, c = _chunks(got), _chunks(col)
+            assert [list(g[0]), list(g[-1])] == [list(c[0]), list(c[-1])], (g, c)
+            if len(c) > 2:
+                assert {tuple(x) for x in g[1:-1]} <= {tuple(x) for x in c[1:-1]}, (g, c)
             assert [c.get("finish_reason") for c in _chunks(got)][-1] == \
                 [c.get("finish_reason") for c in _chunks(col)][-1]
             if not b["return_token_ids"]:

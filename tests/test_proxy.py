@@ -313,7 +313,9 @@ def _vllm_app(u):
 
 
 def _detok(ids):
-    return "".join(f"w{i} " for i in ids)
+    """The stubs' tokenizer: tokens 102 and 104 (the first token of "a b",
+    and of a chat message "a b") end inside a character."""
+    return "".join(f"w{i} " for i in ids) + ("\ufffd" if ids and ids[-1] in (102, 104) else "")
 
 
 @pytest.fixture
@@ -788,6 +790,22 @@ def test_partial_first_token_text_settled_from_the_decode_tokenizer(vllm_like, p
     assert not st["first_token_fallbacks"], st
 
 
+def test_empty_first_token_not_inside_a_character_is_relayed_as_it_comes(vllm_like, proxy):
+    """A first token vLLM shows as "" that is whole (a special token it
+    skips): the decode's stream is not the prompt's text, and is relayed as
+    it comes after the held-back first chunk."""
+    p = vllm_like("prefill", first_text="")
+    d = vllm_like("decode", detokenize=True)
+    url = proxy([p.url], [d.url])
+    body = {"model": "m", "prompt": "a b c", "max_tokens": 3, "stream": True}
+    status, data = post(url + "/v1/completions", body, raw=True)
+    ev = sse_events(data)
+    assert status == 200 and ev[-1] == "[DONE]", ev
+    assert [c["text"] for e in ev[:-1] for c in e["choices"]] == ["", "t104 ", "t105 "]
+    st = get_stats(url)
+    assert st["first_token_partial"] == 1 and not st["first_token_fallbacks"], st
+
+
 @pytest.mark.parametrize("partial,detokenize,why", [
     ("other", True, "partial first token: decode text is not prompt text + the tokens' text"),
     ("whole", False, "partial first token: /detokenize answered 404")])
@@ -807,7 +825,7 @@ def test_partial_first_token_not_settled_takes_the_seeds_path(vllm_like, proxy, 
     dec = [s for s in d.seen if s["path"] == "/v1/completions"]
     assert len(dec) == 2 and dec[-1]["body"] == body
     assert [c["text"] for e in ev[:-1] for c in e["choices"]][0] == (
-        "something else" if partial == "other" else "w1 w2 w102 ")  # the decode's own stream
+        "something else" if partial == "other" else _detok([1, 2, 102]))  # decode's own stream
     assert all(e["id"] == "dec" for e in ev[:-1])
     st = get_stats(url)
     assert st["first_token_from_prefill"] == 0 and st["first_token_partial"] == 0, st
