@@ -278,15 +278,22 @@ def _vllm_app(u):
                 await resp.write(piece)
                 await asyncio.sleep(0.02)
 
+        grouped = getattr(u, "partial", None) == "grouped"
         for i, t in enumerate(out):
-            text = f"t{t} "
-            if i == 0 and getattr(u, "partial", None) == "whole":
+            text, ids = f"t{t} ", [t]
+            if grouped and i == 1:
+                continue
+            if grouped and i == 0:
+                # two tokens in one chunk, the second starting another
+                # character: the text stops before it
+                text, ids = _detok(prompt + [t]), out[:2]
+            elif i == 0 and getattr(u, "partial", None) == "whole":
                 # vLLM's detokenizer after a prompt that ends inside a UTF-8
                 # character: the prompt's whole text, then the token's.
                 text = _detok(prompt + [t])
             elif i == 0 and getattr(u, "partial", None) == "other":
                 text = "something else"
-            c = {"index": 0, "text": text, "token_ids": [t], "logprobs": None,
+            c = {"index": 0, "text": text, "token_ids": ids, "logprobs": None,
                  "finish_reason": "length" if i == mt - 1 else None, "stop_reason": None,
                  "prompt_token_ids": prompt if i == 0 else None}
             await write(b"data: " + json.dumps({"id": "dec", "object": "text_completion",
@@ -788,6 +795,45 @@ def test_partial_first_token_text_settled_from_the_decode_tokenizer(vllm_like, p
     st = get_stats(url)
     assert st["first_token_from_prefill"] == 1 and st["first_token_partial"] == 1, st
     assert not st["first_token_fallbacks"], st
+
+
+def test_partial_first_token_settled_in_a_chunk_of_two_tokens(vllm_like, proxy):
+    """The decode leg's first text comes in a chunk of two tokens, the second
+    starting another character: the text settled stops where the last whole
+    character does (decode(prompt + tokens) of all but that token)."""
+    p = vllm_like("prefill", first_text="")
+    d = vllm_like("decode", partial="grouped", detokenize=True)
+    url = proxy([p.url], [d.url])
+    body = {"model": "m", "prompt": "a b", "max_tokens": 4, "stream": True,
+            "return_token_ids": True}
+    status, data = post(url + "/v1/completions", body, raw=True)
+    ev = sse_events(data)
+    assert status == 200 and ev[-1] == "[DONE]", ev
+    got = [(c["text"], c["token_ids"]) for e in ev[:-1] for c in e["choices"]]
+    assert got == [("", [102]), ("w102 w103 ", [103, 104]), ("t105 ", [105])], got
+    asked = [s["body"]["tokens"] for s in d.seen if s["path"] == "/detokenize"]
+    assert [1, 2, 102, 103] in asked and [1, 2, 102, 103, 104] in asked, asked
+    st = get_stats(url)
+    assert st["first_token_partial"] == 1 and not st["first_token_fallbacks"], st
+
+
+@pytest.mark.parametrize("fail", ["status", "drop"])
+def test_partial_first_token_decode_failing_ends_the_stream_with_an_error(vllm_like, proxy,
+                                                                          fail):
+    """The decode leg fails while the partial first token's chunk is held:
+    the client gets that chunk (text "", as vLLM streams it), then the error
+    event naming the decode instance, as after any first chunk."""
+    p = vllm_like("prefill", first_text="")
+    d = vllm_like("decode", decode_fail=fail, partial="whole", detokenize=True)
+    url = proxy([p.url], [d.url])
+    body = {"model": "m", "prompt": "a b", "max_tokens": 4, "stream": True}
+    status, data = post(url + "/v1/completions", body, raw=True)
+    ev = sse_events(data)
+    assert status == 200 and ev[-1] == "[DONE]", ev
+    assert ev[0]["choices"][0]["text"] == "" and ev[0]["choices"][0]["token_ids"] is None
+    assert "error" in ev[-2] and d.url in ev[-2]["error"]["message"], ev
+    st = get_stats(url)
+    assert st["stream_errors_after_first_token"] == 1 and st["first_token_partial"] == 1, st
 
 
 def test_empty_first_token_not_inside_a_character_is_relayed_as_it_comes(vllm_like, proxy):
