@@ -158,7 +158,8 @@ class Proxy:
                        "request_ids_replaced": 0, "request_ids_suffixed": 0,
                        "prefill_errors": 0, "prefill_failovers": 0,
                        "prefill_retries": 0, "decode_retries": 0, "decode_errors": 0,
-                       "first_token_from_prefill": 0, "finished_at_prefill": 0,
+                       "first_token_from_prefill": 0, "first_token_partial": 0,
+                       "finished_at_prefill": 0,
                        "stream_errors_after_first_token": 0,
                        "first_token_fallbacks": collections.Counter()}
         # The proxy's own timings of recent fast-path requests (/stats):
@@ -462,11 +463,19 @@ class Proxy:
             if why is None:
                 t_pre = time.perf_counter()
                 self.note_latency("to_prefill_answer_ms", t_pre - t_in)
-                return await ft.stream(self, request, plan, dec_url, headers, rid, t_pre)
+                resp = await ft.stream(self, request, plan, dec_url, headers, rid, t_pre)
+                if resp is not None:
+                    return resp
+                # A partial first token whose text could not be settled:
+                # nothing was sent; the decode leg used the prefill's KV
+                # (flow b: its kv_transfer_params are spent), which the
+                # decode instance's prefix cache now holds.
+                why, params = plan.unsettled, None
             self._fallback(why, rid)
 
         # 2b. decode answers the original request, streamed through as it comes
-        dec_body = body if self.flow != "b" else dict(body, kv_transfer_params=params)
+        dec_body = (body if self.flow != "b" or params is None
+                    else dict(body, kv_transfer_params=params))
         return await self._relay(request, dec_url, dec_body, headers, rid, "decode")
 
     async def _push(self, request, body, chat, headers, rid, idx, dec_url, t_in):
@@ -786,6 +795,9 @@ class PromCounters:
                           "Streams that failed after their first token"),
                          ("first_token_from_prefill", "Streams whose first token came from the "
                           "prefill instance"),
+                         ("first_token_partial", "Of those, streams whose first token ends "
+                          "inside a UTF-8 character (its text settled at the decode's first "
+                          "text)"),
                          ("finished_at_prefill", "Requests the prefill instance finished")):
             metric(f"mooncake_proxy_{key}_total", "counter", doc, [((), counts.get(key, 0))])
         metric("mooncake_proxy_first_token_fallbacks_total", "counter",

@@ -28,6 +28,18 @@ never asked.  If the decode leg fails after the first chunk went out (the
 response already has status 200), the stream ends with an SSE error event
 naming the decode instance, then [DONE].
 
+A first token that ends inside a UTF-8 character (vLLM shows "" for it):
+the decode prompt then ends inside that character, and vLLM's detokenizer
+(tokenizers' DecodeStream primed with the prompt) emits the prompt's whole
+text with the character at the step that completes it.  Such a stream is held
+(nothing sent, not even the response's status) until the decode leg's first
+text; that text is replaced by decode(prompt + held-back tokens) minus
+decode(prompt), both from the decode instance's POST /detokenize, where the
+check in `_settle()` shows it is what a colocated server streams (a ""
+token that is whole, a special token vLLM skips, leaves the text as it
+comes).  Where it cannot, the decode leg is closed and the request takes the
+seed's path, counted as "partial first token: ...".
+
 Requests the fast path cannot represent faithfully take the seed's path
 (decode gets the original request): see `refusal()`.
 """
@@ -173,6 +185,11 @@ class Plan:
         self.done = self.finish not in (None, "length") or self.remaining <= 1
         if self.done and self.finish is None:
             self.finish = "length"
+        # A first token that ends inside a UTF-8 character: vLLM shows ""
+        # for it (see unusable() and _settle()).
+        self.partial = not self.text and not self.done
+        self.toks = list(self.first_ids)  # partial: the tokens whose text is held back
+        self.unsettled = None  # partial: why its text could not be settled
         self.decode = None
         if not self.done:
             d = {k: body[k] for k in SAMPLING if body.get(k) is not None}
@@ -184,6 +201,8 @@ class Plan:
                 d["stream_options"] = so
             if pre.get("kv_transfer_params") is not None:
                 d["kv_transfer_params"] = pre["kv_transfer_params"]
+            if self.partial:
+                d["return_token_ids"] = True  # _settle() needs the held-back tokens
             self.decode = d
 
     def unusable(self):
@@ -193,12 +212,11 @@ class Plan:
                     "vLLM >= 0.10)")
         if self.parsed:
             return "prefill answer has reasoning or tool calls (a server-side parser)"
-        if (not self.text or "\ufffd" in self.text) and not self.done:
-            # A token that ends inside a UTF-8 character (vLLM holds its text
-            # back: "", or shows U+FFFD): a decode prompt that ends with it
-            # makes vLLM's detokenizer (tokenizers' DecodeStream primed with
-            # the prompt) emit the whole prompt text again.
-            return "first token is an incomplete UTF-8 character"
+        if "\ufffd" in self.text and not self.done:
+            # A token whose text vLLM shows as U+FFFD (an invalid byte
+            # sequence; a partial character shows "": self.partial) leaves
+            # the decode's detokenizer in a state the proxy does not model.
+            return "first token's text has U+FFFD"
         return None
 
     # ---- chunks sent to the client ----
@@ -267,12 +285,17 @@ class Plan:
                 nc = dict(c)
                 if "prompt_token_ids" in nc:
                     nc["prompt_token_ids"] = None  # the client got the prompt's ids first
+            if not self.want_ids and nc.get("token_ids") is not None:
+                nc["token_ids"] = None  # asked for by the proxy (partial), not the client
             choices.append(nc)
         extra = {k: ev[k] for k in ("system_fingerprint",) if k in ev}
         if u:
             extra["usage"] = u
         return self._chunk(choices, **extra)
 
+
+#: Longest wait for the decode instance's /detokenize (partial first tokens).
+DETOKENIZE_TIMEOUT = aiohttp.ClientTimeout(total=30)
 
 #: Largest decode-leg event read (a first chunk carries the prompt's token
 #: ids: a few MiB at the longest contexts); more without an event's end is
@@ -300,44 +323,166 @@ def error_event(message, code=502):
                           "code": code}}) + b"data: [DONE]\n\n"
 
 
+class _Out:
+    """The client's stream.  While `hold` (a partial first token not settled
+    yet), chunks are kept and the response is not even started, so that the
+    request can still take the seed's path; the first write after that
+    starts it and sends what was kept first."""
+
+    def __init__(self, request, resp, hold):
+        self.request, self.resp, self.hold, self.kept = request, resp, hold, []
+        self.started = resp.prepared
+
+    async def write(self, data, release=False):
+        if release:
+            self.hold = False
+        if self.hold:
+            self.kept.append(data)
+            return
+        if not self.started:
+            self.started = True
+            try:
+                await self.resp.prepare(self.request)
+            except (ConnectionResetError, aiohttp.ClientConnectionError) as e:
+                raise ClientGone() from e
+        data, self.kept = b"".join(self.kept) + data, []
+        await _write(self.resp, data)
+
+
+class Unsettled(Exception):
+    """A partial first token's text could not be settled byte-exactly;
+    nothing was sent to the client (the request may take the seed's path)."""
+
+
 async def stream(proxy, request, plan, dec_url, headers, rid, t_pre=None):
     """Sends the first chunk(s) now, then relays the decode leg.  Always
-    returns a finished StreamResponse (an error event ends a failed one).
+    returns a finished StreamResponse (an error event ends a failed one),
+    except for a partial first token whose text could not be settled: then
+    None, nothing was sent, and plan.unsettled says why.
     t_pre: when the prefill answer was in (perf_counter), for /stats."""
     resp = web.StreamResponse(status=200, headers={
         "Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache",
         "X-Request-Id": rid})
-    try:
-        await resp.prepare(request)
-    except (ConnectionResetError, aiohttp.ClientConnectionError):
-        return resp  # the client left before its first byte
     counts = proxy.counts
-    counts["first_token_from_prefill"] += 1
+    if not plan.partial:
+        try:
+            await resp.prepare(request)
+        except (ConnectionResetError, aiohttp.ClientConnectionError):
+            return resp  # the client left before its first byte
+        counts["first_token_from_prefill"] += 1
+    out = _Out(request, resp, plan.partial)
     try:
-        await _write(resp, plan.first_chunks())
+        await out.write(plan.first_chunks())
     except ClientGone:
         return resp
-    if t_pre is not None:
+    if t_pre is not None and not plan.partial:
         proxy.note_latency("prefill_answer_to_first_chunk_ms", time.perf_counter() - t_pre)
     if plan.done:
         counts["finished_at_prefill"] += 1
         return await _eof(resp)
     where = f"decode instance {dec_url}"
     try:
-        err = await _relay_decode(proxy, resp, plan, dec_url, headers)
+        err = await _relay_decode(proxy, out, plan, dec_url, headers)
+    except Unsettled as e:
+        plan.unsettled = str(e)
+        return None
     except ClientGone:
         return resp  # the client left (leaving the block closed the decode request)
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
         err = proxy.upstream_failure(where, e, "failed after the first token was sent")
+    if plan.partial and out.hold:
+        # The decode leg failed before the partial token's text was settled:
+        # the client gets the first chunk(s) (text "", as vLLM's) and the error.
+        counts["first_token_from_prefill"] += 1
+        counts["first_token_partial"] += 1
     if err:
         counts["decode_errors"] += 1
         counts["stream_errors_after_first_token"] += 1
         proxy.log.warning("%s (request %s)", err, rid)
         try:
-            await _write(resp, error_event(err))
+            await out.write(error_event(err), release=True)
         except ClientGone:
             return resp
     return await _eof(resp)
+
+
+async def _detokenize(proxy, dec_url, headers, model, ids):
+    """The decode instance's text for token ids (vLLM's POST /detokenize:
+    its tokenizer's decode, special tokens kept)."""
+    try:
+        async with proxy.session.post(dec_url + "/detokenize",
+                                      json={"model": model, "tokens": ids}, headers=headers,
+                                      timeout=DETOKENIZE_TIMEOUT) as r:
+            if r.status != 200:
+                raise Unsettled(f"partial first token: /detokenize answered {r.status}")
+            answer = json.loads(await r.read())
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as e:
+        raise Unsettled(f"partial first token: /detokenize failed ({type(e).__name__})") from e
+    text = answer.get("prompt") if isinstance(answer, dict) else None
+    if not isinstance(text, str):
+        raise Unsettled("partial first token: /detokenize answer has no text")
+    return text
+
+
+async def _settle(proxy, plan, ev, dec_url, headers):
+    """A partial first token: the decode leg's prompt ends inside a UTF-8
+    character, so vLLM's detokenizer (tokenizers' DecodeStream primed with
+    that prompt) emits the prompt's whole text with the character that
+    completes it.  While the event's text is "" its tokens are noted; at the
+    first text, that text is replaced by the text of the held-back tokens
+    alone, as a colocated server streams it: decode(prompt + tokens) minus
+    decode(prompt), asked of the decode instance's own tokenizer, accepted
+    only if the event's text ends with it and what precedes it is the
+    prompt's text (special tokens left out).  Returns True once settled;
+    raises Unsettled where that cannot be shown."""
+    choices = ev.get("choices") or []
+    if "error" in ev:
+        return False  # the relay reports it
+    if len(choices) != 1 or not isinstance(choices[0], dict):
+        raise Unsettled("partial first token: decode chunk without one choice")
+    c = choices[0]
+    ids, text = c.get("token_ids"), c.get("text")
+    if not (isinstance(ids, list) and all(isinstance(i, int) for i in ids)) or (
+            text is not None and not isinstance(text, str)):
+        raise Unsettled("partial first token: decode chunk without token_ids or text")
+    plan.toks += ids
+    if not text:
+        return False
+    model = plan.decode.get("model")
+    ids = list(plan.prompt_ids)
+    prompt, first, whole = await asyncio.gather(
+        _detokenize(proxy, dec_url, headers, model, ids),
+        _detokenize(proxy, dec_url, headers, model, ids + plan.toks[:1]),
+        _detokenize(proxy, dec_url, headers, model, ids + plan.toks))
+    if prompt.endswith("\ufffd"):
+        # vLLM's stream then shows the prompt's text too, colocated or not;
+        # not modelled here.
+        raise Unsettled("partial first token: the prompt ends inside a UTF-8 character")
+    if first.startswith(prompt) and not first.endswith("\ufffd"):
+        # Not inside a character: a token vLLM shows as "" (a special token
+        # it skips, e.g. <unk>).  The decode prompt ends on a whole
+        # character, so its stream is the colocated one as it comes.
+        return True
+    own = whole[len(prompt):]
+    n = len(plan.toks)
+    while own.endswith("\ufffd") and n > 1 and whole.startswith(prompt):
+        # The chunk's last tokens start another character (vLLM grouped
+        # several tokens into this chunk): its text stops where the last
+        # whole character does, as DecodeStream emits it.
+        n -= 1
+        whole = await _detokenize(proxy, dec_url, headers, model,
+                                  list(plan.prompt_ids) + plan.toks[:n])
+        own = whole[len(prompt):]
+    rest = iter(prompt)
+    if not (whole.startswith(prompt) and own and text.endswith(own)
+            and all(ch in rest for ch in text[:len(text) - len(own)])):
+        proxy.log.info("partial first token not settled: decode text %r, tokens %s, their "
+                       "text %r, prompt's text ends %r", text[-200:], plan.toks, own[-200:],
+                       prompt[-100:])
+        raise Unsettled("partial first token: decode text is not prompt text + the "
+                        "tokens' text")
+    c["text"] = own
+    return True
 
 
 async def _eof(resp):
@@ -348,7 +493,7 @@ async def _eof(resp):
     return resp
 
 
-async def _relay_decode(proxy, resp, plan, dec_url, headers):
+async def _relay_decode(proxy, out, plan, dec_url, headers):
     """Relays the decode leg's SSE events; returns an error message or None."""
     where = f"decode instance {dec_url}"
     r = await proxy.post_once_more(dec_url + "/v1/completions", headers.get("X-Request-Id"),
@@ -370,7 +515,7 @@ async def _relay_decode(proxy, resp, plan, dec_url, headers):
         async for data in r.content.iter_any():
             scanned = max(len(buf) - 1, 0)  # buf holds no event's end before this
             buf += data
-            out = []
+            chunks = []
             start = 0
             while True:
                 end = buf.find(b"\n\n", max(start, scanned))
@@ -382,13 +527,15 @@ async def _relay_decode(proxy, resp, plan, dec_url, headers):
                     continue
                 payload = line[5:].strip()
                 if payload == b"[DONE]":
-                    out.append(b"data: [DONE]\n\n")
-                    await _write(resp, b"".join(out))
+                    chunks.append(b"data: [DONE]\n\n")
+                    await _release(proxy, out, plan, b"".join(chunks))
                     return None
                 try:
                     ev = json.loads(payload)
                 except ValueError:
                     return f"{where} sent an event that is not JSON: {payload[:200]!r}"
+                settled = (out.hold and isinstance(ev, dict)
+                           and await _settle(proxy, plan, ev, dec_url, headers))
                 try:
                     chunk = plan.rewrite(ev) if isinstance(ev, dict) else False
                 except (AttributeError, TypeError, KeyError, ValueError):
@@ -400,11 +547,23 @@ async def _relay_decode(proxy, resp, plan, dec_url, headers):
                     e = ev.get("error") or {}
                     msg = e.get("message") if isinstance(e, dict) else e
                     return f"{where} failed after the first token was sent: {msg}"
-                out.append(chunk)
+                chunks.append(chunk)
+                if settled:
+                    await _release(proxy, out, plan, b"".join(chunks))
+                    chunks = []
             del buf[:start]
-            if out:
-                await _write(resp, b"".join(out))
+            if chunks:
+                await out.write(b"".join(chunks))
             if len(buf) > MAX_EVENT:
                 return (f"{where} sent over {MAX_EVENT >> 20} MiB without an event's end "
                         "(a blank line): not a server-sent event stream")
         return f"{where} closed the stream before [DONE] (after the first token was sent)"
+
+
+async def _release(proxy, out, plan, data):
+    """Writes data, first releasing a held (partial) stream: it is the
+    client's from here on."""
+    if out.hold:
+        proxy.counts["first_token_from_prefill"] += 1
+        proxy.counts["first_token_partial"] += 1
+    await out.write(data, release=True)

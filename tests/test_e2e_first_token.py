@@ -11,6 +11,7 @@ chunk ends the stream with an error event naming the decode instance.
 """
 import json
 import time
+import urllib.request
 
 import pytest
 from aiohttp import web
@@ -42,9 +43,9 @@ def _ok(r, what):
 
 
 def _whole_char(text):
-    """The proxy streams the prefill's token first only when its text is a
-    whole UTF-8 character (vLLM shows "" or U+FFFD for a partial one; then
-    the proxy takes the seed's path: see proxy_first_token.Plan)."""
+    """The prefill's first token is a whole UTF-8 character (vLLM shows ""
+    for a partial one: the proxy then holds its chunk back until the decode
+    leg's first text, see proxy_first_token._settle)."""
     return bool(text) and "\ufffd" not in text
 
 
@@ -92,9 +93,9 @@ def test_sampled_request_continues_from_the_clients_first_token(deployment, flow
         assert prompt_ids == first.prompt_token_ids, "prompt ids sent to the client differ"
         whole = _ok(request(dep.colocated.url, path, _full(base), timeout=REQ_TIMEOUT),
                     "colocated seeded")
-        if not _whole_char(first.text):
-            # A partial UTF-8 first token takes the seed's path: the decode
-            # server answers the whole request, as the colocated one does.
+        if "\ufffd" in first.text:
+            # Such a first token takes the seed's path: the decode server
+            # answers the whole request, as the colocated one does.
             assert got.token_ids == whole.token_ids, (seed, got.token_ids, whole.token_ids)
             continue
         fast += 1
@@ -110,6 +111,120 @@ def test_sampled_request_continues_from_the_clients_first_token(deployment, flow
     assert fast, "no seed's first token was a whole character: the fast path went untested"
     assert told_apart, ("for every seed, continuing from the first token gave the same "
                         "tokens as a fresh seeded request: this test cannot tell the two apart")
+
+
+def _chunks(res):
+    """Each streamed choice as the client got it (ids and times aside)."""
+    return [c for e in res.events for c in e.get("choices") or []]
+
+
+def _partial_bodies(dep, path, greedy=2, seeded=4, tries=40):
+    """Requests whose first token ends inside a UTF-8 character (the tiny
+    random model's byte-level vocabulary often starts with one; its text is
+    ""), found on the colocated server: greedy ones over prompt variants,
+    sampled ones over seeds.  Returns (bodies, {kind: [found, tried]})."""
+    key = "messages" if "chat" in path else "prompt"
+
+    def variant(i):
+        text = f"{PROMPT} {i}{chr(0x4e00 + 97 * i)}{'xyzw'[i % 4] * (i % 3)}"
+        if key == "prompt":
+            return {"prompt": text}
+        # the chat template ends every prompt with "<s>assistant:"; an
+        # assistant message continued ends it with the varied text
+        return {"messages": CHAT + [{"role": "assistant", "content": text}],
+                "add_generation_prompt": False, "continue_final_message": True}
+
+    found, seen = [], {}
+    for kind, want, make in (
+            ("greedy", greedy, lambda i: dict(variant(i), temperature=0.0)),
+            ("seeded", seeded, lambda i: {key: CHAT if key == "messages" else PROMPT,
+                                          "temperature": 1.0, "seed": 100 + i})):
+        n = 0
+        for i in range(tries):
+            body = make(i)
+            r = _ok(request(dep.colocated.url, path, _full(dict(body, max_tokens=1)),
+                            timeout=REQ_TIMEOUT), "first token")
+            if not r.text and r.body["choices"][0].get("finish_reason") == "length":
+                found.append(body)
+                n += 1
+                if n == want:
+                    break
+        seen[kind] = [n, i + 1]
+    return found, seen
+
+
+@pytest.mark.parametrize("flow", ["a", "b"])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_partial_utf8_first_token_takes_the_fast_path_byte_exact(deployment, flow, path):
+    """A first token that ends inside a UTF-8 character (its text ""): the
+    decode leg's prompt ends inside that character, so vLLM's detokenizer
+    there emits the prompt's whole text with the character that completes
+    it.  The proxy holds the first chunk(s) back and replaces that text by
+    the tokens' own (from the decode instance's /detokenize): the client's
+    stream is the colocated server's, chunk by chunk, token ids and text.
+    Before, such requests took the seed's path (counted as a fallback)."""
+    dep = deployment
+    if flow == "b" and dep.connector == "example":
+        pytest.skip("vLLM's ExampleConnector returns no kv_transfer_params")
+    key = "messages" if "chat" in path else "prompt"
+    url = dep.proxies[flow].url
+    bodies, seen = _partial_bodies(dep, path)
+    assert bodies, f"no request's first token is a partial UTF-8 character: {seen}"
+    stats0 = proxy_stats(url)
+    held_back = []
+    for body in bodies:
+        for b in (dict(_stream(body), max_tokens=10),
+                  # a client that does not ask for token ids gets none
+                  dict(_stream(body), max_tokens=6, return_token_ids=False)):
+            got = _ok(request(url, path, b, timeout=REQ_TIMEOUT), "proxy")
+            col = _ok(request(dep.colocated.url, path, b, timeout=REQ_TIMEOUT), "colocated")
+            # the same fields in the first, last and other chunks (vLLM groups
+            # tokens into chunks as its output loop keeps up: not compared)
+            g, c = _chunks(got), _chunks(col)
+            assert [list(g[0]), list(g[-1])] == [list(c[0]), list(c[-1])], (g, c)
+            if len(c) > 2:
+                assert {tuple(x) for x in g[1:-1]} <= {tuple(x) for x in c[1:-1]}, (g, c)
+            assert [c.get("finish_reason") for c in _chunks(got)][-1] == \
+                [c.get("finish_reason") for c in _chunks(col)][-1]
+            if not b["return_token_ids"]:
+                assert all(c.get("token_ids") is None for c in _chunks(got)), _chunks(got)
+                got.token_ids = col.token_ids = None
+            if body["temperature"] == 0.0:
+                assert got.token_ids == col.token_ids, (b, got.token_ids, col.token_ids)
+                assert got.text == col.text, (b, got.text, col.text)
+                usage = {k: v for k, v in got.usage.items() if k != "prompt_tokens_details"}
+                assert usage == {k: v for k, v in col.usage.items()
+                                 if k != "prompt_tokens_details"}, (got.usage, col.usage)
+            elif got.token_ids is not None:
+                # seeded: the tokens after the first are the decode leg's own
+                # draw (test_sampled_...); the text must be theirs, as a
+                # colocated server streams any tokens: decode(prompt +
+                # tokens) minus decode(prompt)
+                ids = got.prompt_token_ids
+
+                def detok(tokens):
+                    req = urllib.request.Request(
+                        dep.colocated.url + "/detokenize", method="POST",
+                        data=json.dumps({"model": "tiny", "tokens": tokens}).encode(),
+                        headers={"Content-Type": "application/json"})
+                    with urllib.request.urlopen(req, timeout=REQ_TIMEOUT) as r:
+                        return json.loads(r.read())["prompt"]
+                whole, prompt = detok(ids + got.token_ids), detok(ids)
+                want = whole[len(prompt):]
+                # (a stream never shows the text of a last partial character)
+                assert whole.startswith(prompt) and want.startswith(got.text) and set(
+                    want[len(got.text):]) <= {"\ufffd"}, (got.text, want)
+            if b["return_token_ids"]:  # how many tokens showed "" before the first text
+                texts = [c.get("text") if key == "prompt" else c["delta"].get("content")
+                         for c in _chunks(got) for _ in c.get("token_ids") or []]
+                held_back.append(next((i for i, t in enumerate(texts) if t), len(texts)))
+    stats1 = proxy_stats(url)
+    n = 2 * len(bodies)
+    assert stats1["first_token_fallbacks"] == stats0["first_token_fallbacks"], stats1
+    assert stats1["first_token_partial"] - stats0.get("first_token_partial", 0) == n, stats1
+    assert stats1["first_token_from_prefill"] - stats0["first_token_from_prefill"] == n
+    print(json.dumps({"flow": flow, "path": path, "found/tried": seen,
+                      "tokens_before_text": held_back}))
 
 
 def test_answer_finished_by_prefill_never_reaches_decode(deployment):

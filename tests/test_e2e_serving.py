@@ -106,14 +106,21 @@ def _check_flow(dep, flow, references):
     loaded = 0
     cases = _cases_for(dep, references)
     assert len(cases) >= 20
-    utf8 = "first token is an incomplete UTF-8 character"
-    partial = 0  # streamed requests the proxy sent the seed's way for that reason
+    partial = 0  # streamed requests the proxy sent the seed's way for a first
+    # token's text (U+FFFD; or a partial character not settled: the decode
+    # leg ran, then the original request: proxy_first_token._settle)
+
+    def fallbacks():
+        fb = proxy_stats(dep.proxies[flow].url)["first_token_fallbacks"]
+        return (fb.get("first token's text has U+FFFD", 0),
+                sum(n for k, n in fb.items() if k.startswith("partial first token")))
+
     for cid, path, base in cases:
         ref = references[cid]
-        fb0 = proxy_stats(dep.proxies[flow].url)["first_token_fallbacks"].get(utf8, 0)
+        fb0 = fallbacks()
         r = request(dep.proxies[flow].url, path, _body(base), timeout=REQ_TIMEOUT)
-        fell_back = proxy_stats(dep.proxies[flow].url)["first_token_fallbacks"].get(
-            utf8, 0) - fb0
+        fell_back, unsettled = (a - b for a, b in zip(fallbacks(), fb0))
+        fell_back += unsettled
         partial += fell_back
         assert r.status == 200 and r.error is None, (
             f"{cid} via proxy flow {flow}: {r.status} {r.error}")
@@ -123,15 +130,19 @@ def _check_flow(dep, flow, references):
         before = after
         if r.token_ids != ref.token_ids:
             mismatches.append(f"{cid}: colocated {ref.token_ids} vs disaggregated {r.token_ids}")
+        if r.text != ref.text:
+            mismatches.append(f"{cid}: colocated text {ref.text!r} vs disaggregated "
+                              f"{r.text!r}")
         n = r.usage["prompt_tokens"]
         assert n == ref.usage["prompt_tokens"], cid
         # First token from prefill: a streamed request's decode leg is the
         # prompt plus the token the client already has (n + 1 prompt tokens
         # on the decode server); a non-streamed one is the original (n).
-        # (A first token that is a partial UTF-8 character takes the seed's
-        # path, proxy_first_token.Plan: the decode leg is the original n.)
+        # (A first token whose text is U+FFFD takes the seed's path: the
+        # decode leg is the original n; one inside a character that could
+        # not be settled: n + 1, then the original n.)
         want = n + 1 if base.get("stream") and not fell_back and \
-            not flow.startswith("push") else n
+            not flow.startswith("push") else n + unsettled * (n + 1)
         if seen != want:
             wrong_path.append(f"{cid}: decode server saw a {seen}-token prompt, expected "
                               f"{want} ({n} + the prefill's token)" if base.get("stream")
@@ -142,7 +153,7 @@ def _check_flow(dep, flow, references):
         # (A streamed request's decode prompt is n + 1 tokens: the first
         # token's slot may be claimed too and is then computed, docs/connector.md.)
         need = (n - 1) // BLOCK * BLOCK
-        if ext < need or ext > (n + 1 if base.get("stream") else n):
+        if ext < need or ext > (n + 1 if base.get("stream") else n) + unsettled * n:
             not_loaded.append(f"{cid}: {n} prompt tokens, {ext} loaded remotely "
                               f"(expected >= {need})")
         # Flow a: the answer's usage says the same.  (Flow b: vLLM reports

@@ -278,8 +278,22 @@ def _vllm_app(u):
                 await resp.write(piece)
                 await asyncio.sleep(0.02)
 
+        grouped = getattr(u, "partial", None) == "grouped"
         for i, t in enumerate(out):
-            c = {"index": 0, "text": f"t{t} ", "token_ids": [t], "logprobs": None,
+            text, ids = f"t{t} ", [t]
+            if grouped and i == 1:
+                continue
+            if grouped and i == 0:
+                # two tokens in one chunk, the second starting another
+                # character: the text stops before it
+                text, ids = _detok(prompt + [t]), out[:2]
+            elif i == 0 and getattr(u, "partial", None) == "whole":
+                # vLLM's detokenizer after a prompt that ends inside a UTF-8
+                # character: the prompt's whole text, then the token's.
+                text = _detok(prompt + [t])
+            elif i == 0 and getattr(u, "partial", None) == "other":
+                text = "something else"
+            c = {"index": 0, "text": text, "token_ids": ids, "logprobs": None,
                  "finish_reason": "length" if i == mt - 1 else None, "stop_reason": None,
                  "prompt_token_ids": prompt if i == 0 else None}
             await write(b"data: " + json.dumps({"id": "dec", "object": "text_completion",
@@ -297,7 +311,18 @@ def _vllm_app(u):
         await write(b"data: [DONE]\n\n")
         return resp
 
-    return models, complete
+    async def detokenize(request):
+        body = await request.json()
+        u.seen.append({"path": request.path, "body": body})
+        return web.json_response({"prompt": _detok(body["tokens"])})
+
+    return models, complete, detokenize
+
+
+def _detok(ids):
+    """The stubs' tokenizer: tokens 102 and 104 (the first token of "a b",
+    and of a chat message "a b") end inside a character."""
+    return "".join(f"w{i} " for i in ids) + ("\ufffd" if ids and ids[-1] in (102, 104) else "")
 
 
 @pytest.fixture
@@ -310,11 +335,14 @@ def vllm_like():
                                   decode_fail=kw.get("decode_fail"),
                                   slow=kw.get("slow", 0),  # s before a non-streamed answer
                                   first_text=kw.get("first_text"),  # a max_tokens=1 answer's
-                                  split=kw.get("split", False))  # stream events in pieces
-        models, complete = _vllm_app(u)
-        u.app = AppThread([("POST", "/v1/completions", complete),
-                           ("POST", "/v1/chat/completions", complete),
-                           ("GET", "/v1/models", models)])
+                                  split=kw.get("split", False),  # stream events in pieces
+                                  partial=kw.get("partial"))  # first decode text: see _vllm_app
+        models, complete, detokenize = _vllm_app(u)
+        routes = [("POST", "/v1/completions", complete),
+                  ("POST", "/v1/chat/completions", complete), ("GET", "/v1/models", models)]
+        if kw.get("detokenize"):
+            routes.append(("POST", "/detokenize", detokenize))
+        u.app = AppThread(routes)
         u.url, u.close = u.app.url, u.app.close
         made.append(u)
         return u
@@ -576,7 +604,7 @@ def test_decode_models_failing_is_asked_once_not_per_request(vllm_like, proxy):
     p = vllm_like("prefill")
     u = types.SimpleNamespace(name="decode", status=200, kv_params=False, seen=[],
                               finish="length", decode_fail=None, slow=0, first_text=None)
-    _, complete = _vllm_app(u)
+    _, complete, _ = _vllm_app(u)
     asked = []
 
     async def models(request):
@@ -715,16 +743,14 @@ def test_metrics_in_prometheus_text_format(upstreams, proxy):
     assert [s.value for s in fams["mooncake_proxy_requests_in_flight"].samples] == [0]
 
 
-@pytest.mark.parametrize("chat,text", [(False, "\ufffd"), (True, "\ufffd"), (False, ""),
-                                       (True, "")], ids=["completions", "chat",
-                                                         "completions-held-back",
-                                                         "chat-held-back"])
-def test_first_token_inside_a_utf8_character_takes_the_seeds_path(vllm_like, proxy, chat, text):
-    """Found by the soak: a first token that ends inside a UTF-8 character
-    (its text ends with U+FFFD) appended to the decode prompt made vLLM's
-    detokenizer stream the whole prompt text before the answer.  Such a
-    stream goes the seed's way: decode gets the original request."""
-    p, d = vllm_like("prefill", first_text=text), vllm_like("decode")
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_first_token_with_u_fffd_takes_the_seeds_path(vllm_like, proxy, chat):
+    """Found by the soak: a first token whose text is U+FFFD appended to the
+    decode prompt made vLLM's detokenizer stream the whole prompt text
+    before the answer.  Such a stream goes the seed's way: decode gets the
+    original request.  (A partial character's text "" is settled instead:
+    the tests below.)"""
+    p, d = vllm_like("prefill", first_text="\ufffd"), vllm_like("decode")
     url = proxy([p.url], [d.url])
     body = {"model": "m", "max_tokens": 4, "stream": True}
     body.update({"messages": [{"role": "user", "content": "a b"}]} if chat else {"prompt": "a b"})
@@ -734,7 +760,122 @@ def test_first_token_inside_a_utf8_character_takes_the_seeds_path(vllm_like, pro
     assert d.seen[-1]["body"] == body  # the original request, not prompt ids + first token
     st = get_stats(url)
     assert st["first_token_from_prefill"] == 0
-    assert st["first_token_fallbacks"] == {"first token is an incomplete UTF-8 character": 1}
+    assert st["first_token_fallbacks"] == {"first token's text has U+FFFD": 1}
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_partial_first_token_text_settled_from_the_decode_tokenizer(vllm_like, proxy, chat):
+    """The prefill's first token ends inside a UTF-8 character (text ""):
+    the decode leg's first text is the prompt's whole text plus the tokens'
+    (vLLM's detokenizer primed with a prompt that ends inside a character);
+    the client gets only the tokens' text: decode(prompt + tokens) minus
+    decode(prompt), from the decode instance's /detokenize."""
+    p = vllm_like("prefill", first_text="")
+    d = vllm_like("decode", partial="whole", detokenize=True)
+    url = proxy([p.url], [d.url])
+    body = {"model": "m", "max_tokens": 4, "stream": True,
+            "stream_options": {"include_usage": True}}
+    body.update({"messages": [{"role": "user", "content": "a b"}]} if chat else {"prompt": "a b"})
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    status, data = post(url + path, body, raw=True)
+    ev = sse_events(data)
+    assert status == 200 and ev[-1] == "[DONE]", ev
+    prompt = [1, 2, 3, 4] if chat else [1, 2]
+    t = 100 + len(prompt)
+    dec = [s for s in d.seen if s["path"] == "/v1/completions"]
+    assert len(dec) == 1 and dec[0]["body"]["prompt"] == prompt + [t]
+    assert dec[0]["body"]["return_token_ids"] is True  # asked for by the proxy
+    texts = [(c["delta"].get("content") if chat else c["text"]) for e in ev[:-1]
+             for c in e["choices"]]
+    want = ["", "", f"w{t} w{t + 1} ", f"t{t + 2} ", f"t{t + 3} "]
+    assert texts == (want if chat else want[1:]), texts
+    # the client did not ask for token ids: none in the chunks the decode leg gave
+    assert all(c.get("token_ids") is None for e in ev[1:-1] for c in e["choices"]), ev
+    assert ev[-2]["usage"]["completion_tokens"] == 4
+    st = get_stats(url)
+    assert st["first_token_from_prefill"] == 1 and st["first_token_partial"] == 1, st
+    assert not st["first_token_fallbacks"], st
+
+
+def test_partial_first_token_settled_in_a_chunk_of_two_tokens(vllm_like, proxy):
+    """The decode leg's first text comes in a chunk of two tokens, the second
+    starting another character: the text settled stops where the last whole
+    character does (decode(prompt + tokens) of all but that token)."""
+    p = vllm_like("prefill", first_text="")
+    d = vllm_like("decode", partial="grouped", detokenize=True)
+    url = proxy([p.url], [d.url])
+    body = {"model": "m", "prompt": "a b", "max_tokens": 4, "stream": True,
+            "return_token_ids": True}
+    status, data = post(url + "/v1/completions", body, raw=True)
+    ev = sse_events(data)
+    assert status == 200 and ev[-1] == "[DONE]", ev
+    got = [(c["text"], c["token_ids"]) for e in ev[:-1] for c in e["choices"]]
+    assert got == [("", [102]), ("w102 w103 ", [103, 104]), ("t105 ", [105])], got
+    asked = [s["body"]["tokens"] for s in d.seen if s["path"] == "/detokenize"]
+    assert [1, 2, 102, 103] in asked and [1, 2, 102, 103, 104] in asked, asked
+    st = get_stats(url)
+    assert st["first_token_partial"] == 1 and not st["first_token_fallbacks"], st
+
+
+@pytest.mark.parametrize("fail", ["status", "drop"])
+def test_partial_first_token_decode_failing_ends_the_stream_with_an_error(vllm_like, proxy,
+                                                                          fail):
+    """The decode leg fails while the partial first token's chunk is held:
+    the client gets that chunk (text "", as vLLM streams it), then the error
+    event naming the decode instance, as after any first chunk."""
+    p = vllm_like("prefill", first_text="")
+    d = vllm_like("decode", decode_fail=fail, partial="whole", detokenize=True)
+    url = proxy([p.url], [d.url])
+    body = {"model": "m", "prompt": "a b", "max_tokens": 4, "stream": True}
+    status, data = post(url + "/v1/completions", body, raw=True)
+    ev = sse_events(data)
+    assert status == 200 and ev[-1] == "[DONE]", ev
+    assert ev[0]["choices"][0]["text"] == "" and ev[0]["choices"][0]["token_ids"] is None
+    assert "error" in ev[-2] and d.url in ev[-2]["error"]["message"], ev
+    st = get_stats(url)
+    assert st["stream_errors_after_first_token"] == 1 and st["first_token_partial"] == 1, st
+
+
+def test_empty_first_token_not_inside_a_character_is_relayed_as_it_comes(vllm_like, proxy):
+    """A first token vLLM shows as "" that is whole (a special token it
+    skips): the decode's stream is not the prompt's text, and is relayed as
+    it comes after the held-back first chunk."""
+    p = vllm_like("prefill", first_text="")
+    d = vllm_like("decode", detokenize=True)
+    url = proxy([p.url], [d.url])
+    body = {"model": "m", "prompt": "a b c", "max_tokens": 3, "stream": True}
+    status, data = post(url + "/v1/completions", body, raw=True)
+    ev = sse_events(data)
+    assert status == 200 and ev[-1] == "[DONE]", ev
+    assert [c["text"] for e in ev[:-1] for c in e["choices"]] == ["", "t104 ", "t105 "]
+    st = get_stats(url)
+    assert st["first_token_partial"] == 1 and not st["first_token_fallbacks"], st
+
+
+@pytest.mark.parametrize("partial,detokenize,why", [
+    ("other", True, "partial first token: decode text is not prompt text + the tokens' text"),
+    ("whole", False, "partial first token: /detokenize answered 404")])
+def test_partial_first_token_not_settled_takes_the_seeds_path(vllm_like, proxy, partial,
+                                                                detokenize, why):
+    """The decode's first text is not prompt text + the tokens' text, or its
+    /detokenize is missing: nothing has been sent to the client, so the
+    request takes the seed's path (decode gets the original request),
+    counted by reason."""
+    p = vllm_like("prefill", first_text="")
+    d = vllm_like("decode", partial=partial, detokenize=detokenize)
+    url = proxy([p.url], [d.url])
+    body = {"model": "m", "prompt": "a b", "max_tokens": 4, "stream": True}
+    status, data = post(url + "/v1/completions", body, raw=True)
+    ev = sse_events(data)
+    assert status == 200 and ev[-1] == "[DONE]", ev
+    dec = [s for s in d.seen if s["path"] == "/v1/completions"]
+    assert len(dec) == 2 and dec[-1]["body"] == body
+    assert [c["text"] for e in ev[:-1] for c in e["choices"]][0] == (
+        "something else" if partial == "other" else _detok([1, 2, 102]))  # decode's own stream
+    assert all(e["id"] == "dec" for e in ev[:-1])
+    st = get_stats(url)
+    assert st["first_token_from_prefill"] == 0 and st["first_token_partial"] == 0, st
+    assert st["first_token_fallbacks"] == {why: 1}, st
 
 
 def test_dead_prefill_fails_over_to_a_live_one(upstreams, proxy):
