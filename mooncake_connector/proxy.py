@@ -159,9 +159,13 @@ class Proxy:
                        "prefill_errors": 0, "prefill_failovers": 0,
                        "prefill_retries": 0, "decode_retries": 0, "decode_errors": 0,
                        "first_token_from_prefill": 0, "first_token_partial": 0,
+                       "first_token_partial_unsettled": 0,
                        "finished_at_prefill": 0,
                        "stream_errors_after_first_token": 0,
                        "first_token_fallbacks": collections.Counter()}
+        # decode instances where a partial first token's text was settled
+        # (proxy_first_token: later ones are released before the decode's text)
+        self.partial_settled = set()
         # The proxy's own timings of recent fast-path requests (/stats):
         # client request in -> prefill answer parsed (mostly the prefill
         # server), and prefill answer parsed -> first chunk written (the
@@ -798,6 +802,9 @@ class PromCounters:
                          ("first_token_partial", "Of those, streams whose first token ends "
                           "inside a UTF-8 character (its text settled at the decode's first "
                           "text)"),
+                         ("first_token_partial_unsettled", "Of those, streams ended with an "
+                          "error because the decode's text did not match the first token's "
+                          "(after the first chunk was sent)"),
                          ("finished_at_prefill", "Requests the prefill instance finished")):
             metric(f"mooncake_proxy_{key}_total", "counter", doc, [((), counts.get(key, 0))])
         metric("mooncake_proxy_first_token_fallbacks_total", "counter",

@@ -190,6 +190,8 @@ class Plan:
         self.partial = not self.text and not self.done
         self.toks = list(self.first_ids)  # partial: the tokens whose text is held back
         self.unsettled = None  # partial: why its text could not be settled
+        self.settling = self.partial  # partial: the decode's first text not settled yet
+        self.pre_texts = None  # partial: (decode(prompt), decode(prompt + first)), checked
         self.decode = None
         if not self.done:
             d = {k: body[k] for k in SAMPLING if body.get(k) is not None}
@@ -332,21 +334,25 @@ class _Out:
     def __init__(self, request, resp, hold):
         self.request, self.resp, self.hold, self.kept = request, resp, hold, []
         self.started = resp.prepared
+        # the relay and the early release (_release_when_checked) both write
+        self.lock = asyncio.Lock()
 
     async def write(self, data, release=False):
-        if release:
-            self.hold = False
-        if self.hold:
-            self.kept.append(data)
-            return
-        if not self.started:
-            self.started = True
-            try:
-                await self.resp.prepare(self.request)
-            except (ConnectionResetError, aiohttp.ClientConnectionError) as e:
-                raise ClientGone() from e
-        data, self.kept = b"".join(self.kept) + data, []
-        await _write(self.resp, data)
+        async with self.lock:
+            if release:
+                self.hold = False
+            if self.hold:
+                self.kept.append(data)
+                return
+            if not self.started:
+                self.started = True
+                try:
+                    await self.resp.prepare(self.request)
+                except (ConnectionResetError, aiohttp.ClientConnectionError) as e:
+                    raise ClientGone() from e
+            data, self.kept = b"".join(self.kept) + data, []
+            if data:
+                await _write(self.resp, data)
 
 
 class Unsettled(Exception):
@@ -381,15 +387,32 @@ async def stream(proxy, request, plan, dec_url, headers, rid, t_pre=None):
         counts["finished_at_prefill"] += 1
         return await _eof(resp)
     where = f"decode instance {dec_url}"
+    # Released before the decode's first text only where this decode
+    # instance already settled one (its tokenizer shown to behave): a first
+    # request per instance, or one after a failure, stays held until its text
+    # is settled, so a mismatch there still takes the seed's path.
+    early = (asyncio.ensure_future(_release_when_checked(proxy, out, plan, dec_url, headers))
+             if plan.partial and dec_url in proxy.partial_settled else None)
     try:
         err = await _relay_decode(proxy, out, plan, dec_url, headers)
     except Unsettled as e:
-        plan.unsettled = str(e)
-        return None
+        proxy.partial_settled.discard(dec_url)
+        if out.hold:  # nothing sent: the request can take the seed's path
+            plan.unsettled = str(e)
+            return None
+        # Sent already (the boundary check passed, the decode's text did not
+        # match): never wrong bytes; the stream ends with an error.
+        proxy.counts["first_token_partial_unsettled"] += 1
+        err = (f"{where}: the first token ends inside a UTF-8 character and the decode's "
+               f"text could not be matched to it ({e}); the stream ends here rather than "
+               "send wrong text")
     except ClientGone:
         return resp  # the client left (leaving the block closed the decode request)
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
         err = proxy.upstream_failure(where, e, "failed after the first token was sent")
+    finally:
+        if early is not None and not early.done():
+            early.cancel()
     if plan.partial and out.hold:
         # The decode leg failed before the partial token's text was settled:
         # the client gets the first chunk(s) (text "", as vLLM's) and the error.
@@ -424,6 +447,42 @@ async def _detokenize(proxy, dec_url, headers, model, ids):
     return text
 
 
+async def _boundary(proxy, plan, dec_url, headers):
+    """(decode(prompt), decode(prompt + first token)) from the decode
+    instance's tokenizer, once; raises Unsettled where the prompt ends
+    inside a character or its text is not a prefix of the longer one."""
+    if plan.pre_texts is None:
+        model, ids = plan.decode.get("model"), list(plan.prompt_ids)
+        prompt, first = await asyncio.gather(
+            _detokenize(proxy, dec_url, headers, model, ids),
+            _detokenize(proxy, dec_url, headers, model, ids + plan.toks[:1]))
+        if prompt.endswith("\ufffd"):
+            # vLLM's stream then shows the prompt's text too, colocated or not;
+            # not modelled here.
+            raise Unsettled("partial first token: the prompt ends inside a UTF-8 character")
+        if not first.startswith(prompt):
+            raise Unsettled("partial first token: the tokenizer's text of the prompt is "
+                            "not a prefix of its text with the first token")
+        plan.pre_texts = (prompt, first)
+    return plan.pre_texts
+
+
+async def _release_when_checked(proxy, out, plan, dec_url, headers):
+    """A partial first token, on a decode instance that settled one before:
+    send the client its first chunk(s) (text "", as a colocated vLLM streams
+    them at once) as soon as the decode instance's tokenizer shows the
+    prompt's boundary behaves (`_boundary`), rather than at the decode's
+    first text; the text is still settled there (a mismatch then ends the
+    stream with an error, counted, never wrong text).  Where the check fails
+    the stream stays held (the seed's path remains)."""
+    try:
+        await _boundary(proxy, plan, dec_url, headers)
+        if out.hold and plan.settling:
+            await _release(proxy, out, plan, b"")
+    except (Unsettled, ClientGone):
+        pass  # held as before; the relay settles it or takes the seed's path
+
+
 async def _settle(proxy, plan, ev, dec_url, headers):
     """A partial first token: the decode leg's prompt ends inside a UTF-8
     character, so vLLM's detokenizer (tokenizers' DecodeStream primed with
@@ -450,15 +509,10 @@ async def _settle(proxy, plan, ev, dec_url, headers):
         return False
     model = plan.decode.get("model")
     ids = list(plan.prompt_ids)
-    prompt, first, whole = await asyncio.gather(
-        _detokenize(proxy, dec_url, headers, model, ids),
-        _detokenize(proxy, dec_url, headers, model, ids + plan.toks[:1]),
+    (prompt, first), whole = await asyncio.gather(
+        _boundary(proxy, plan, dec_url, headers),
         _detokenize(proxy, dec_url, headers, model, ids + plan.toks))
-    if prompt.endswith("\ufffd"):
-        # vLLM's stream then shows the prompt's text too, colocated or not;
-        # not modelled here.
-        raise Unsettled("partial first token: the prompt ends inside a UTF-8 character")
-    if first.startswith(prompt) and not first.endswith("\ufffd"):
+    if not first.endswith("\ufffd"):
         # Not inside a character: a token vLLM shows as "" (a special token
         # it skips, e.g. <unk>).  The decode prompt ends on a whole
         # character, so its stream is the colocated one as it comes.
@@ -534,8 +588,11 @@ async def _relay_decode(proxy, out, plan, dec_url, headers):
                     ev = json.loads(payload)
                 except ValueError:
                     return f"{where} sent an event that is not JSON: {payload[:200]!r}"
-                settled = (out.hold and isinstance(ev, dict)
+                settled = (plan.settling and isinstance(ev, dict)
                            and await _settle(proxy, plan, ev, dec_url, headers))
+                if settled:
+                    plan.settling = False
+                    proxy.partial_settled.add(dec_url)
                 try:
                     chunk = plan.rewrite(ev) if isinstance(ev, dict) else False
                 except (AttributeError, TypeError, KeyError, ValueError):

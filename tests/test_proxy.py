@@ -279,6 +279,7 @@ def _vllm_app(u):
                 await asyncio.sleep(0.02)
 
         grouped = getattr(u, "partial", None) == "grouped"
+        await asyncio.sleep(getattr(u, "first_delay", 0))  # the decode's first step
         for i, t in enumerate(out):
             text, ids = f"t{t} ", [t]
             if grouped and i == 1:
@@ -876,6 +877,54 @@ def test_partial_first_token_not_settled_takes_the_seeds_path(vllm_like, proxy, 
     st = get_stats(url)
     assert st["first_token_from_prefill"] == 0 and st["first_token_partial"] == 0, st
     assert st["first_token_fallbacks"] == {why: 1}, st
+
+
+def _first_chunk_s(url, body):
+    """Seconds to the proxy's first SSE event, and the whole stream's events."""
+    import http.client
+    import urllib.parse
+    u = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=30)
+    t0 = time.monotonic()
+    conn.request("POST", "/v1/completions", body=json.dumps(body),
+                 headers={"Content-Type": "application/json"})
+    r = conn.getresponse()
+    first = r.readline()
+    took = time.monotonic() - t0
+    data = first + r.read()
+    conn.close()
+    return took, sse_events(data)
+
+
+def test_partial_first_token_released_early_once_the_decode_settled_one(vllm_like, proxy):
+    """A decode instance whose tokenizer settled a partial first token once:
+    the next such stream's first chunk (text "", as colocated vLLM streams
+    it) goes out before the decode's first text, the text still settled;
+    if the decode's text then does not match, the stream ends with an error
+    (counted), never wrong text, and the instance goes back to holding (a
+    mismatch there takes the seed's path again)."""
+    p = vllm_like("prefill", first_text="")
+    d = vllm_like("decode", partial="whole", detokenize=True)
+    url = proxy([p.url], [d.url])
+    body = {"model": "m", "prompt": "a b", "max_tokens": 3, "stream": True}
+    d.first_delay = 1.0
+    held_s, ev1 = _first_chunk_s(url, body)           # first on this instance: held
+    early_s, ev2 = _first_chunk_s(url, body)          # settled one before: released early
+    assert held_s >= 1.0 > 0.8 > early_s, (held_s, early_s)
+    want = [c["text"] for e in ev1[:-1] for c in e["choices"]]
+    assert [c["text"] for e in ev2[:-1] for c in e["choices"]] == want, (want, ev2)
+    assert want[0] == "" and "a b" not in "".join(want), want   # the prompt not repeated
+    d.partial, d.first_delay = "other", 0.2
+    _, ev3 = _first_chunk_s(url, body)                 # released, then no match: error
+    assert ev3[0]["choices"][0]["text"] == "" and "error" in ev3[-2], ev3
+    assert "something else" not in json.dumps(ev3)
+    st = get_stats(url)
+    assert st["first_token_partial_unsettled"] == 1 and st["first_token_partial"] == 3, st
+    _, ev4 = _first_chunk_s(url, body)                 # held again: the seed's path
+    assert ev4[-1] == "[DONE]" and all(e["id"] == "dec" for e in ev4[:-1]), ev4
+    st = get_stats(url)
+    assert st["first_token_fallbacks"] == {
+        "partial first token: decode text is not prompt text + the tokens' text": 1}, st
 
 
 def test_dead_prefill_fails_over_to_a_live_one(upstreams, proxy):
