@@ -1059,7 +1059,11 @@ def _check_times(ap, args):
 async def _serve(proxy, args, prog, loop_name):
     """Listens on --host:--port (SystemExit naming the address when it cannot)
     and serves until SIGINT or SIGTERM."""
-    runner = web.AppRunner(proxy.app())
+    # handler_cancellation: a client that disconnects before its answer
+    # cancels its handler, which closes the upstream requests it started
+    # (vLLM aborts a request whose connection closes); else the proxy
+    # waited for whole answers nobody would read.
+    runner = web.AppRunner(proxy.app(), handler_cancellation=True)
     await runner.setup()
     loop = asyncio.get_running_loop()
     try:

@@ -1454,3 +1454,83 @@ def test_api_key_with_a_control_character_is_refused_at_start(key):
     assert r.returncode == 2 and "OPENAI_API_KEY" in r.stderr and "control character" in \
         r.stderr, r.stderr
     assert key not in r.stderr  # the key itself is not shown
+
+
+class Holding(AppThread):
+    """An upstream whose answers take long (a long generation): each request
+    is held until its client (the proxy) closes the connection, or 30 s.
+    .left: the paths of requests whose client left; .requests: how many came."""
+
+    def __init__(self, hold_s=30.0):
+        import asyncio as aio
+        self.requests, self.left, self.closing = 0, [], False
+
+        async def complete(request):
+            body = await request.json()
+            self.requests += 1
+            end = time.monotonic() + hold_s
+            while time.monotonic() < end and not self.closing:
+                if request.transport is None or request.transport.is_closing():
+                    self.left.append(request.path)
+                    return web.Response(status=499)
+                await aio.sleep(0.05)
+            out = {"choices": [{"text": "late"}]}
+            if (body.get("kv_transfer_params") or {}).get("do_remote_decode"):
+                out["kv_transfer_params"] = {"remote_block_ids": [1]}
+            return web.json_response(out)
+
+        super().__init__([("POST", "/v1/completions", complete),
+                          ("POST", "/v1/chat/completions", complete),
+                          ("GET", "/v1/models", self._models)])
+
+    async def _models(self, request):
+        return web.json_response({"data": [{"max_model_len": 100}]})
+
+    def close(self):
+        self.closing = True
+        super().close()
+
+
+def _send_and_leave(url, body, after_s=0.5, path="/v1/completions"):
+    """A client that sends body and disconnects after_s seconds later,
+    before any answer came."""
+    host, port = url.rsplit("/", 1)[-1].split(":")
+    raw = json.dumps(body).encode()
+    with socket.create_connection((host, int(port))) as s:
+        s.sendall(b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n" % (path.encode(), len(raw)) + raw)
+        time.sleep(after_s)
+
+
+@pytest.mark.parametrize("where", ["decode", "prefill", "push", "passthrough"])
+def test_a_client_that_leaves_ends_its_upstream_requests(upstreams, proxy, where):
+    """A client that disconnects before its answer (a client timeout, a
+    user's Ctrl-C, a retry) ends the upstream requests it started: the
+    proxy closes their connections, which vLLM takes as an abort (its own
+    API server does so for a client that leaves).  The proxy used to wait
+    for the whole answer of a request nobody would read: a client sending
+    long generations and leaving at once kept the servers busy with them.
+    Counted as 499 in /metrics; the proxy serves on."""
+    held, held2 = Holding(), Holding()
+    try:
+        if where == "decode":
+            url = proxy([upstreams("prefill").url], [held.url])
+        elif where == "prefill":
+            url = proxy([held.url], [upstreams("decode").url])
+        elif where == "push":  # both legs held: both end
+            url = proxy([held.url], [held2.url], flow="push")
+        else:
+            url = proxy([], [], extra=["--passthrough", held.url])
+        for stream in (False, True):
+            before = len(held.left) + len(held2.left)
+            _send_and_leave(url, {"prompt": "x", "max_tokens": 50, "stream": stream})
+            want = 2 if where == "push" else 1
+            assert wait_until(lambda: len(held.left) + len(held2.left) >= before + want,
+                              timeout=10), (where, stream, held.requests, held.left, held2.left)
+        with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+        assert 'mooncake_proxy_responses_total{route="/v1/completions",status="499"} 2' in text
+        assert get_stats(url)["decode_errors"] == 0
+    finally:
+        held.close()
+        held2.close()
