@@ -123,23 +123,35 @@ class BodyStalled(Exception):
                          f"{got}{of} bytes; send the whole body at once")
 
 
+class OverBudget(Exception):
+    """A body that would take the server past its budget for request bodies
+    held at once (raised by read_body's take); str(e) says which."""
+
+
 class BodyUnreadable(Exception):
     """The request's body does not decode as its headers say (a
     Content-Encoding it is not in, a broken chunked encoding); str(e) says
     what aiohttp found."""
 
 
-async def read_body(request, max_size, seconds=None):
+async def read_body(request, max_size, seconds=None, take=None):
     """request.read() that gives up on a client sending nothing of its body
     for `seconds` (None: HEADER_TIMEOUT_S when called): BodyStalled.  A body
     over max_size bytes raises aiohttp's HTTPRequestEntityTooLarge, as
     request.read() does with client_max_size (at once when the announced
     length is over it); one that does not decode, BodyUnreadable.  Answer a
-    body too large, stalled or unreadable with answer_and_close()."""
+    body too large, stalled or unreadable with answer_and_close().  take(n):
+    called with the announced length before reading, and with each n bytes
+    read beyond what was announced (a chunked body); it raises OverBudget to
+    refuse the body (the caller gives back what it took)."""
     seconds = seconds or HEADER_TIMEOUT_S
     length = request.content_length
     if length is not None and length > max_size:  # refused before reading it
         raise web.HTTPRequestEntityTooLarge(max_size=max_size, actual_size=length)
+    taken = 0
+    if take is not None and length:
+        take(length)
+        taken = length
     body = bytearray()
     while True:
         try:
@@ -156,6 +168,9 @@ async def read_body(request, max_size, seconds=None):
         body += chunk
         if len(body) > max_size:
             raise web.HTTPRequestEntityTooLarge(max_size=max_size, actual_size=len(body))
+        if take is not None and len(body) > taken:
+            take(len(body) - taken)
+            taken = len(body)
 
 
 async def answer_and_close(request, resp):

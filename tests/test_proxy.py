@@ -1569,3 +1569,47 @@ def test_malformed_http_is_one_log_line_not_a_traceback(upstreams, proxy):
     assert len(lines) == len(MALFORMED_HTTP), err[-3000:]
     for (_, why), line in zip(MALFORMED_HTTP, lines):
         assert why in line and "127.0.0.1" in line, line
+
+
+def test_request_bodies_in_flight_are_bounded(upstreams, proxy):
+    """Each request's body is capped (64 MiB) but not how many are held at
+    once, and a parsed request with its legs takes up to ~9x its body (one
+    60 MiB prompt of token ids: 550 MiB of the proxy's memory): a few
+    clients sending large bodies at once could take all of it.  Bodies
+    held by requests in flight are now within --body-budget-mb: one that
+    would pass it, announced (Content-Length) or chunked, is answered 503
+    naming the option, counted; the budget comes back when the request
+    ends."""
+    import threading
+    p, d = upstreams("prefill", hold=3.0), upstreams("decode")
+    url = proxy([p.url], [d.url], extra=("--body-budget-mb", "1"))
+    port = int(url.rsplit(":", 1)[1])
+    big = {"model": "m", "prompt": "x " * 300000, "max_tokens": 2}  # ~600 KB
+    first = []
+    t = threading.Thread(target=lambda: first.append(post(url + "/v1/completions", big)))
+    t.start()
+    try:
+        assert wait_until(lambda: sum(p.in_flight.values()) >= 1, timeout=10)
+        status, ans = post(url + "/v1/completions", big)
+        assert status == 503 and "--body-budget-mb" in ans["error"]["message"], (status, ans)
+        raw = json.dumps(big).encode()
+        with socket.create_connection(("127.0.0.1", port), timeout=20) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                      b"application/json\r\nTransfer-Encoding: chunked\r\n\r\n")
+            try:
+                for i in range(0, len(raw), 65536):
+                    piece = raw[i:i + 65536]
+                    s.sendall(b"%x\r\n%s\r\n" % (len(piece), piece))
+                s.sendall(b"0\r\n\r\n")
+            except OSError:
+                pass  # refused and closed mid-body
+            data = recv_to_eof(s)
+        assert data.split(b"\r\n", 1)[0].endswith(b" 503 Service Unavailable"), data[:300]
+        assert b"--body-budget-mb" in data
+    finally:
+        t.join(30)
+    assert first and first[0][0] == 200, first
+    st = get_stats(url)
+    assert st["body_budget_refusals"] == 2 and st["body_bytes_in_flight"] == 0, st
+    assert post(url + "/v1/completions", big)[0] == 200  # the budget came back
+    assert len(p.seen) == 2
