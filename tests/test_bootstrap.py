@@ -250,3 +250,34 @@ def test_connections_are_bounded_and_a_flood_does_not_keep_clients_out(monkeypat
         for c in idle:
             c.close()
         srv.close()
+
+
+def test_clients_that_leave_early_print_no_traceback(capfd, monkeypatch):
+    """socketserver's default handle_error prints a traceback to stderr (the
+    prefill vLLM's log) for each request whose client left before its
+    answer (BrokenPipeError, ConnectionResetError): a client could fill the
+    log at will.  Now a client that left is a debug line, and connections
+    the server closes itself (over MAX_CONNECTIONS, past the deadline) are
+    quiet too."""
+    import struct
+    import time
+    monkeypatch.setattr(bootstrap, "MAX_CONNECTIONS", 4, raising=False)
+    s = settings_mod.resolve(_cfg(bootstrap_port=free_port(), bootstrap_host="127.0.0.1"))
+    srv = _start(s)
+    try:
+        for _ in range(30):
+            c = socket.create_connection(("127.0.0.1", srv.port))
+            c.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            c.sendall(b"GET /query HTTP/1.1\r\nHost: x\r\n\r\n" * 3)
+            c.close()  # a reset: the server's answer finds no one
+        idle = [socket.create_connection(("127.0.0.1", srv.port)) for _ in range(12)]
+        for c in idle:
+            c.sendall(b"GET /query HTTP/1.1\r\n")
+        time.sleep(1.0)
+        for c in idle:
+            c.close()
+        assert _req(srv.port, "GET", "/query")[0] == 200
+    finally:
+        srv.close()
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "Exception occurred" not in err, err[-2000:]

@@ -28,6 +28,7 @@ import json
 import logging
 import selectors
 import socket
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -177,6 +178,18 @@ class BootstrapServer:
                     if not srv.conns:
                         return None
                     return max(0.05, min(end for _, end in srv.conns.values()) - now)
+
+            def handle_error(srv, request, client_address):
+                # socketserver's own prints a traceback to stderr (the
+                # prefill vLLM's log): for a client that left before its
+                # answer, at will.
+                exc = sys.exc_info()[1]
+                if isinstance(exc, OSError):
+                    logger.debug("bootstrap server: %s left before its answer (%r)",
+                                 client_address, exc)
+                else:
+                    logger.warning("bootstrap server: a request from %s failed: %r",
+                                   client_address, exc)
 
             def shutdown_request(srv, request):
                 with srv.lock:
