@@ -947,6 +947,13 @@ BAD_BODIES = [
                                     "kv_transfer_params": [1]}).encode(), "'kv_transfer_params'"),
     ("/v1/completions", b'"just a string"', "JSON object"),
     ("/v1/completions", b"\xff\xfe{}", "not valid JSON"),
+    # Python's parser takes these; no JSON has them (RFC 8259), and relayed
+    # they reached vLLM as a temperature or penalty of NaN / Infinity.
+    ("/v1/completions", b'{"model": "m", "prompt": "x", "temperature": NaN}',
+     "not valid JSON: NaN is not a JSON value"),
+    ("/v1/chat/completions", b'{"model": "m", "messages": [], "top_p": -Infinity}', "-Infinity"),
+    ("/v1/completions", b'{"model": "m", "prompt": "x", "logit_bias": {"5": Infinity}}',
+     "Infinity"),
 ]
 
 
