@@ -12,11 +12,16 @@ guard does nothing.
 
 The same hold through a request's body (a complete header, then a body
 that never comes or comes a byte now and then): read_body() reads it with
-the same deadline between its pieces and raises BodyStalled."""
+the same deadline between its pieces and raises BodyStalled.
+
+A request aiohttp's parser refuses (answered 400 and closed by aiohttp) is
+logged as one WARNING line naming what was wrong, not aiohttp's ERROR with
+a traceback (a client could fill the log ten lines a request)."""
 import asyncio
 import logging
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestHandler
 
 logger = logging.getLogger("mooncake_connector.http_guard")
@@ -72,9 +77,29 @@ def _check(h):
         h.transport.abort()
 
 
+class _MalformedOneLine(logging.Filter):
+    """aiohttp.server's "Error handling request" record for a request its
+    parser refused, as one WARNING line without the traceback."""
+
+    def filter(self, record):
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, HttpProcessingError):
+            why = " ".join(str(exc.message or type(exc).__name__).split())[:300]
+            record.args = (record.getMessage(), exc.code, why)
+            record.msg = "%s: a malformed HTTP request, answered %s and closed: %s"
+            record.exc_info = record.exc_text = None
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
+_ONE_LINE = _MalformedOneLine()
+
+
 def guarded(server, loop, seconds=None, counts=None):
     """A protocol factory for loop.create_server: server's, with the deadline
-    (seconds; None: HEADER_TIMEOUT_S when a connection is made)."""
+    (seconds; None: HEADER_TIMEOUT_S when a connection is made); aiohttp's
+    log of a request its parser refuses made one line."""
+    logging.getLogger("aiohttp.server").addFilter(_ONE_LINE)  # added once (a set)
     usable = all(hasattr(RequestHandler, a) for a in ("_request_count", "_current_request"))
 
     def factory():
@@ -98,23 +123,35 @@ class BodyStalled(Exception):
                          f"{got}{of} bytes; send the whole body at once")
 
 
+class OverBudget(Exception):
+    """A body that would take the server past its budget for request bodies
+    held at once (raised by read_body's take); str(e) says which."""
+
+
 class BodyUnreadable(Exception):
     """The request's body does not decode as its headers say (a
     Content-Encoding it is not in, a broken chunked encoding); str(e) says
     what aiohttp found."""
 
 
-async def read_body(request, max_size, seconds=None):
+async def read_body(request, max_size, seconds=None, take=None):
     """request.read() that gives up on a client sending nothing of its body
     for `seconds` (None: HEADER_TIMEOUT_S when called): BodyStalled.  A body
     over max_size bytes raises aiohttp's HTTPRequestEntityTooLarge, as
     request.read() does with client_max_size (at once when the announced
     length is over it); one that does not decode, BodyUnreadable.  Answer a
-    body too large, stalled or unreadable with answer_and_close()."""
+    body too large, stalled or unreadable with answer_and_close().  take(n):
+    called with the announced length before reading, and with each n bytes
+    read beyond what was announced (a chunked body); it raises OverBudget to
+    refuse the body (the caller gives back what it took)."""
     seconds = seconds or HEADER_TIMEOUT_S
     length = request.content_length
     if length is not None and length > max_size:  # refused before reading it
         raise web.HTTPRequestEntityTooLarge(max_size=max_size, actual_size=length)
+    taken = 0
+    if take is not None and length:
+        take(length)
+        taken = length
     body = bytearray()
     while True:
         try:
@@ -131,6 +168,9 @@ async def read_body(request, max_size, seconds=None):
         body += chunk
         if len(body) > max_size:
             raise web.HTTPRequestEntityTooLarge(max_size=max_size, actual_size=len(body))
+        if take is not None and len(body) > taken:
+            take(len(body) - taken)
+            taken = len(body)
 
 
 async def answer_and_close(request, resp):

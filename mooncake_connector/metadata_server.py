@@ -80,6 +80,17 @@ class _Entry:
     expires_at: Optional[float] = None  # store clock deadline; None = never
 
 
+#: What an entry costs beyond its value's bytes and its key object
+#: (sys.getsizeof): the _Entry and its attributes, the bytes object's header,
+#: the dict's slot (about 130 bytes measured on CPython 3.11, with a TTL).
+#: Charged to the budget so that many tiny entries cannot hold many times it.
+ENTRY_OVERHEAD = 160
+
+
+def _cost(key: str, value_len: int) -> int:
+    return sys.getsizeof(key) + value_len + ENTRY_OVERHEAD
+
+
 class StoreFull(Exception):
     """A PUT would take the store past its byte budget (HTTP 507)."""
 
@@ -103,7 +114,8 @@ class MetadataStore:
     embedding code may inspect it from other threads, hence the lock.
     Expiry is lazy (checked on access) plus :meth:`purge_expired`.
     Keys and values together hold at most ``max_bytes`` (a budget: a PUT
-    past it raises :class:`StoreFull`; :attr:`bytes_used` is the current use).
+    past it raises :class:`StoreFull`; :attr:`bytes_used` is the current use),
+    each entry charged its bookkeeping too (:data:`ENTRY_OVERHEAD`).
     """
 
     def __init__(self, clock: Callable[[], float] = time.monotonic,
@@ -128,7 +140,7 @@ class MetadataStore:
     def _pop(self, key: str) -> None:
         entry = self._entries.pop(key, None)
         if entry is not None:
-            self._bytes -= len(key) + len(entry.value)
+            self._bytes -= _cost(key, len(entry.value))
 
     def _live(self, key: str) -> Optional[_Entry]:
         entry = self._entries.get(key)
@@ -156,7 +168,7 @@ class MetadataStore:
         with self._lock:
             old = self._live(key)
             created = old is None
-            grow = len(value) - (len(old.value) if old else -len(key))
+            grow = len(value) - len(old.value) if old else _cost(key, len(value))
             if self._bytes + grow > self.max_bytes:
                 raise StoreFull(f"the store holds {self._bytes} bytes; storing {len(value)} "
                                 f"more for key {key!r} would pass its budget of "

@@ -78,6 +78,10 @@ logger = logging.getLogger("mooncake_connector.proxy")
 
 ROUTES = ("/v1/completions", "/v1/chat/completions")
 MAX_BODY = 64 << 20  # a client request's body, bytes
+#: Request bodies held at once, bytes (--body-budget-mb): a parsed request
+#: and its legs take up to ~9x its body (a 60 MiB prompt of token ids:
+#: 550 MiB), so many large bodies at once could take the proxy's memory.
+BODY_BUDGET = 1 << 30
 KEEPALIVE_S = 4.0
 
 
@@ -109,7 +113,7 @@ class Proxy:
                  first_token="prefill", passthrough=(), idle_timeout=300.0,
                  prefill_down_s=5.0, prefill_engines=(), push_layerwise=None,
                  push_layer_load=None, push_layer_watch=None,
-                 header_timeout=http_guard.HEADER_TIMEOUT_S):
+                 header_timeout=http_guard.HEADER_TIMEOUT_S, body_budget=BODY_BUDGET):
         self.passthrough = [u.rstrip("/") for u in passthrough]
         if self.passthrough and (prefill or decode):
             raise ValueError("--passthrough takes no --prefill/--decode")
@@ -135,6 +139,9 @@ class Proxy:
         # A client that sends nothing of its request's body for this long is
         # answered 408 and disconnected (as a stalled header: http_guard).
         self.header_timeout = header_timeout
+        # Bytes of request bodies held by requests in flight, and the most
+        # allowed: a body past it is answered 503 (counted).
+        self.body_budget, self._body_bytes = body_budget, 0
         self._p = itertools.cycle(range(len(self.prefill)))
         self.prefill_down_s = float(prefill_down_s)
         self._down_until = {}  # prefill URL -> time.monotonic() it is tried first again
@@ -154,7 +161,7 @@ class Proxy:
         self._mml_retry_at = {}  # decode URL -> monotonic time a failed lookup may be retried
         self._ids_in_flight = collections.Counter()  # client request id -> requests in flight
         self.counts = {"requests": 0, "bad_requests": 0, "slow_header_closes": 0,
-                       "slow_body_closes": 0,
+                       "slow_body_closes": 0, "body_budget_refusals": 0,
                        "request_ids_replaced": 0, "request_ids_suffixed": 0,
                        "prefill_errors": 0, "prefill_failovers": 0,
                        "prefill_retries": 0, "decode_retries": 0, "decode_errors": 0,
@@ -328,12 +335,32 @@ class Proxy:
 
     async def handle(self, request):
         self.counts["requests"] += 1
+        held = [0]  # this request's bytes of self.body_budget
+
+        def take(n):
+            if self._body_bytes + n > self.body_budget:
+                raise http_guard.OverBudget(
+                    f"the proxy holds {self._body_bytes} bytes of request bodies in flight; "
+                    f"{n} more for this one would pass its budget of {self.body_budget} "
+                    "bytes (--body-budget-mb): retry later, or send a smaller request")
+            self._body_bytes += n
+            held[0] += n
+        try:
+            return await self._handle(request, take)
+        finally:
+            self._body_bytes -= held[0]
+
+    async def _handle(self, request, take):
         t_in = time.perf_counter()
         chat = request.path.endswith("/chat/completions")
         try:
             body = request_check.parse(await http_guard.read_body(request, MAX_BODY,
-                                                                  self.header_timeout))
+                                                                  self.header_timeout, take))
             request_check.check(body, chat)
+        except http_guard.OverBudget as e:
+            self.counts["body_budget_refusals"] += 1
+            logger.warning("request refused: %s", e)
+            return await http_guard.answer_and_close(request, _error(503, str(e)))
         except request_check.BadRequest as e:
             self.counts["bad_requests"] += 1
             return _error(400, str(e), "invalid_request_error")
@@ -681,6 +708,7 @@ class Proxy:
         # request_ids_in_flight: client X-Request-Ids held now (a flow push
         # request's until its prefill leg ended, after the client's answer)
         return web.json_response(dict(self.counts, request_ids_in_flight=len(self._ids_in_flight),
+                                      body_bytes_in_flight=self._body_bytes,
                                       latency_ms=self.latency_summary(
                                           request.query.get("raw") == "1")))
 
@@ -790,6 +818,8 @@ class PromCounters:
                           "header stalled"),
                          ("slow_body_closes", "Requests answered 408 and closed because their "
                           "body stalled"),
+                         ("body_budget_refusals", "Requests answered 503 because their body "
+                          "would pass the proxy's budget for bodies in flight"),
                          ("request_ids_replaced", "Requests whose X-Request-Id could not be "
                           "used (too long, a space, non-ASCII) and got a new id"),
                          ("request_ids_suffixed", "Requests whose X-Request-Id was in flight "
@@ -995,6 +1025,10 @@ def _parser():
                     help="close a client connection that has sent part of a request but no "
                          "complete header for this long, s, or no byte of its body for this "
                          "long (answered 408) (slow or stalled clients)")
+    ap.add_argument("--body-budget-mb", type=float, default=BODY_BUDGET >> 20,
+                    help="request bodies held at once by requests in flight, MiB; a request "
+                         "whose body would pass it is answered 503 (a parsed request takes "
+                         "several times its body's bytes)")
     return ap
 
 
@@ -1056,6 +1090,8 @@ def _check_times(ap, args):
     """The timeouts (finite where they must be, none negative) and
     $OPENAI_API_KEY (no control character): ap.error on the first that does not
     hold.  Returns the key (None: not set)."""
+    if not 1 <= args.body_budget_mb < float("inf"):
+        ap.error(f"--body-budget-mb must be a number of MiB >= 1, not {args.body_budget_mb}")
     if not 0 < args.header_timeout < float("inf"):
         ap.error(f"--header-timeout must be a number of seconds > 0, not {args.header_timeout}")
     for name in ("timeout", "idle_timeout", "prefill_down_s"):
@@ -1078,7 +1114,11 @@ def _check_times(ap, args):
 async def _serve(proxy, args, prog, loop_name):
     """Listens on --host:--port (SystemExit naming the address when it cannot)
     and serves until SIGINT or SIGTERM."""
-    runner = web.AppRunner(proxy.app())
+    # handler_cancellation: a client that disconnects before its answer
+    # cancels its handler, which closes the upstream requests it started
+    # (vLLM aborts a request whose connection closes); else the proxy
+    # waited for whole answers nobody would read.
+    runner = web.AppRunner(proxy.app(), handler_cancellation=True)
     await runner.setup()
     loop = asyncio.get_running_loop()
     try:
@@ -1117,7 +1157,7 @@ def main(argv=None):
                   {"server": None, "on": True, "off": False}[args.push_layerwise],
                   {"server": None, "on": True, "off": False}[args.push_layer_load],
                   {"server": None, "on": True, "off": False}[args.push_layer_watch],
-                  args.header_timeout)
+                  args.header_timeout, int(args.body_budget_mb * (1 << 20)))
     run_loop, loop_name = _event_loop(args.loop)
     run_loop(_serve(proxy, args, ap.prog, loop_name))
     return 0

@@ -44,10 +44,19 @@ class BadRequest(ValueError):
     """The request is malformed; str(e) says what and how to fix it."""
 
 
+def _no_constant(name):
+    # Python's parser takes NaN, Infinity and -Infinity; JSON has none of
+    # them (RFC 8259), and relayed they reached vLLM as sampling values.
+    raise BadRequest(f"request body is not valid JSON: {name} is not a JSON value (write a "
+                     "number, or leave the field out)")
+
+
 def parse(raw: bytes):
     """The request body as a JSON object, or BadRequest."""
     try:
-        body = json.loads(raw)
+        body = json.loads(raw, parse_constant=_no_constant)
+    except BadRequest:
+        raise
     except RecursionError:
         raise BadRequest(f"request body nests JSON too deeply (more than {MAX_DEPTH} levels "
                          "of arrays/objects)") from None

@@ -176,3 +176,108 @@ def test_the_producer_worker_of_tp0_pp0_serves_it_naming_every_rank():
                 w.bootstrap.close()
     with pytest.raises(OSError):  # closed: nothing listens any more
         socket.create_connection(("127.0.0.1", port), timeout=2).close()
+
+
+def _drip(port, seconds):
+    """A slow-loris client: a request line, then a header value one byte
+    every 0.2 s, never its end; the seconds until the server closed the
+    connection, or None if it had not after `seconds`."""
+    import time
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.sendall(b"GET /query HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+        s.settimeout(0.2)
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < seconds:
+            try:
+                if s.recv(100) == b"":
+                    return time.monotonic() - t0
+            except socket.timeout:
+                try:
+                    s.sendall(b"a")
+                except OSError:
+                    return time.monotonic() - t0
+            except OSError:
+                return time.monotonic() - t0
+    return None
+
+
+def test_a_dripping_client_is_closed_at_the_request_deadline(monkeypatch):
+    """The server runs inside the prefill's vLLM process, on 0.0.0.0.  Its
+    socket timeout (10 s) is per read: a client dripping its header a byte
+    at a time held its connection and its thread forever.  Now a request
+    must arrive whole within REQUEST_DEADLINE_S of the connection (or of
+    the previous request on it)."""
+    monkeypatch.setattr(bootstrap, "REQUEST_DEADLINE_S", 2.0, raising=False)
+    s = settings_mod.resolve(_cfg(bootstrap_port=free_port(), bootstrap_host="127.0.0.1"))
+    srv = _start(s)
+    try:
+        took = _drip(srv.port, 12)
+        assert took is not None and 1.5 < took < 6, took
+        assert _req(srv.port, "GET", "/query")[0] == 200
+        # A keep-alive client's requests each get the deadline afresh.
+        import time
+        c = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=5)
+        for _ in range(3):
+            c.request("GET", "/health")
+            assert c.getresponse().read()
+            time.sleep(1.0)
+        c.close()
+    finally:
+        srv.close()
+
+
+def test_connections_are_bounded_and_a_flood_does_not_keep_clients_out(monkeypatch):
+    """Each connection is a thread of the vLLM process: a client opening
+    thousands of idle connections made thousands of threads.  At most
+    MAX_CONNECTIONS are served at once; a new one beyond that closes the
+    oldest (a flood of idle sockets cannot keep a router's /query out)."""
+    import threading
+    import time
+    monkeypatch.setattr(bootstrap, "MAX_CONNECTIONS", 8, raising=False)
+    s = settings_mod.resolve(_cfg(bootstrap_port=free_port(), bootstrap_host="127.0.0.1"))
+    srv = _start(s)
+    base = threading.active_count()
+    idle = []
+    try:
+        for _ in range(60):
+            idle.append(socket.create_connection(("127.0.0.1", srv.port)))
+            idle[-1].sendall(b"GET /query HTTP/1.1\r\n")
+        time.sleep(0.5)
+        assert threading.active_count() - base <= 8 + 2, threading.active_count() - base
+        assert _req(srv.port, "GET", "/query")[0] == 200
+        assert srv.evicted >= 50, srv.evicted
+    finally:
+        for c in idle:
+            c.close()
+        srv.close()
+
+
+def test_clients_that_leave_early_print_no_traceback(capfd, monkeypatch):
+    """socketserver's default handle_error prints a traceback to stderr (the
+    prefill vLLM's log) for each request whose client left before its
+    answer (BrokenPipeError, ConnectionResetError): a client could fill the
+    log at will.  Now a client that left is a debug line, and connections
+    the server closes itself (over MAX_CONNECTIONS, past the deadline) are
+    quiet too."""
+    import struct
+    import time
+    monkeypatch.setattr(bootstrap, "MAX_CONNECTIONS", 4, raising=False)
+    s = settings_mod.resolve(_cfg(bootstrap_port=free_port(), bootstrap_host="127.0.0.1"))
+    srv = _start(s)
+    try:
+        for _ in range(30):
+            c = socket.create_connection(("127.0.0.1", srv.port))
+            c.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            c.sendall(b"GET /query HTTP/1.1\r\nHost: x\r\n\r\n" * 3)
+            c.close()  # a reset: the server's answer finds no one
+        idle = [socket.create_connection(("127.0.0.1", srv.port)) for _ in range(12)]
+        for c in idle:
+            c.sendall(b"GET /query HTTP/1.1\r\n")
+        time.sleep(1.0)
+        for c in idle:
+            c.close()
+        assert _req(srv.port, "GET", "/query")[0] == 200
+    finally:
+        srv.close()
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "Exception occurred" not in err, err[-2000:]

@@ -13,7 +13,7 @@ import time
 import pytest
 
 import mooncake_connector as mc
-from mooncake_connector.metadata_server import MetadataServer, MetadataStore
+from mooncake_connector.metadata_server import MetadataServer, MetadataStore, StoreFull
 from mooncake_connector.serving import free_port
 from conftest import drip_header, http, in_threads, send_head_only
 
@@ -666,3 +666,47 @@ def test_api_arguments_of_the_wrong_type_or_range_name_the_argument():
         with pytest.raises((TypeError, ValueError), match="ttl"):
             s.put("k", b"v", ttl)
     assert s.get("k") is None
+
+
+def test_many_tiny_entries_stay_within_the_store_budget():
+    """The store's byte budget bounds its memory however small the entries:
+    each entry is charged its bookkeeping (the key object, the entry, its
+    dict slot: about 180 bytes beyond the key's and value's bytes) besides
+    them.  Before, only len(key) + len(value) was counted, so a client
+    PUTting one-byte values under short keys (about 7 bytes each) filled a
+    1 MiB budget with 150000 entries and 27 MiB of memory (the default
+    256 MiB budget: about 7 GiB)."""
+    import tracemalloc
+    budget = 1 << 20
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        store = MetadataStore(max_bytes=budget)
+        n = 0
+        with pytest.raises(StoreFull):
+            while n < 10 ** 6:
+                store.put(f"{n:x}", b"1", ttl=60)
+                n += 1
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert held <= budget * 1.25, (n, held)
+    assert store.bytes_used <= budget
+    # Over HTTP: a small budget is full after a few hundred tiny PUTs (507
+    # naming the budget); deleting makes room again.
+    store = MetadataStore(max_bytes=64 << 10)
+    with MetadataServer(store=store) as srv:
+        codes = []
+        while len(codes) < 5000:
+            status, body = http("PUT", f"{srv.url}?key=k{len(codes)}", b"1")
+            codes.append(status)
+            if status != 200:
+                break
+        assert codes[-1] == 507 and b"MC_METADATA_STORE_MB" in body, codes[-3:]
+        assert len(codes) < (64 << 10) // 150, len(codes)
+        assert http("DELETE", f"{srv.url}?key=k0")[0] == 200
+        assert http("PUT", f"{srv.url}?key=again", b"1")[0] == 200
+        for i in range(1, len(codes)):
+            http("DELETE", f"{srv.url}?key=k{i}")
+        http("DELETE", f"{srv.url}?key=again")
+        assert store.bytes_used == 0

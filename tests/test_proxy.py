@@ -1137,6 +1137,13 @@ BAD_BODIES = [
                                     "kv_transfer_params": [1]}).encode(), "'kv_transfer_params'"),
     ("/v1/completions", b'"just a string"', "JSON object"),
     ("/v1/completions", b"\xff\xfe{}", "not valid JSON"),
+    # Python's parser takes these; no JSON has them (RFC 8259), and relayed
+    # they reached vLLM as a temperature or penalty of NaN / Infinity.
+    ("/v1/completions", b'{"model": "m", "prompt": "x", "temperature": NaN}',
+     "not valid JSON: NaN is not a JSON value"),
+    ("/v1/chat/completions", b'{"model": "m", "messages": [], "top_p": -Infinity}', "-Infinity"),
+    ("/v1/completions", b'{"model": "m", "prompt": "x", "logit_bias": {"5": Infinity}}',
+     "Infinity"),
 ]
 
 
@@ -1644,3 +1651,176 @@ def test_api_key_with_a_control_character_is_refused_at_start(key):
     assert r.returncode == 2 and "OPENAI_API_KEY" in r.stderr and "control character" in \
         r.stderr, r.stderr
     assert key not in r.stderr  # the key itself is not shown
+
+
+class Holding(AppThread):
+    """An upstream whose answers take long (a long generation): each request
+    is held until its client (the proxy) closes the connection, or 30 s.
+    .left: the paths of requests whose client left; .requests: how many came."""
+
+    def __init__(self, hold_s=30.0):
+        import asyncio as aio
+        self.requests, self.left, self.closing = 0, [], False
+
+        async def complete(request):
+            body = await request.json()
+            self.requests += 1
+            end = time.monotonic() + hold_s
+            while time.monotonic() < end and not self.closing:
+                if request.transport is None or request.transport.is_closing():
+                    self.left.append(request.path)
+                    return web.Response(status=499)
+                await aio.sleep(0.05)
+            out = {"choices": [{"text": "late"}]}
+            if (body.get("kv_transfer_params") or {}).get("do_remote_decode"):
+                out["kv_transfer_params"] = {"remote_block_ids": [1]}
+            return web.json_response(out)
+
+        super().__init__([("POST", "/v1/completions", complete),
+                          ("POST", "/v1/chat/completions", complete),
+                          ("GET", "/v1/models", self._models)])
+
+    async def _models(self, request):
+        return web.json_response({"data": [{"max_model_len": 100}]})
+
+    def close(self):
+        self.closing = True
+        super().close()
+
+
+def _send_and_leave(url, body, after_s=0.5, path="/v1/completions"):
+    """A client that sends body and disconnects after_s seconds later,
+    before any answer came."""
+    host, port = url.rsplit("/", 1)[-1].split(":")
+    raw = json.dumps(body).encode()
+    with socket.create_connection((host, int(port))) as s:
+        s.sendall(b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n" % (path.encode(), len(raw)) + raw)
+        time.sleep(after_s)
+
+
+@pytest.mark.parametrize("where", ["decode", "prefill", "push", "passthrough"])
+def test_a_client_that_leaves_ends_its_upstream_requests(upstreams, proxy, where):
+    """A client that disconnects before its answer (a client timeout, a
+    user's Ctrl-C, a retry) ends the upstream requests it started: the
+    proxy closes their connections, which vLLM takes as an abort (its own
+    API server does so for a client that leaves).  The proxy used to wait
+    for the whole answer of a request nobody would read: a client sending
+    long generations and leaving at once kept the servers busy with them.
+    Counted as 499 in /metrics; the proxy serves on."""
+    held, held2 = Holding(), Holding()
+    try:
+        if where == "decode":
+            url = proxy([upstreams("prefill").url], [held.url])
+        elif where == "prefill":
+            url = proxy([held.url], [upstreams("decode").url])
+        elif where == "push":  # both legs held: both end
+            url = proxy([held.url], [held2.url], flow="push")
+        else:
+            url = proxy([], [], extra=["--passthrough", held.url])
+        for stream in (False, True):
+            before = len(held.left) + len(held2.left)
+            _send_and_leave(url, {"prompt": "x", "max_tokens": 50, "stream": stream})
+            want = 2 if where == "push" else 1
+            assert wait_until(lambda: len(held.left) + len(held2.left) >= before + want,
+                              timeout=10), (where, stream, held.requests, held.left, held2.left)
+        with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+        assert 'mooncake_proxy_responses_total{route="/v1/completions",status="499"} 2' in text
+        assert get_stats(url)["decode_errors"] == 0
+    finally:
+        held.close()
+        held2.close()
+
+
+MALFORMED_HTTP = [
+    (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-A: a\x01b\r\n\r\n", "Invalid header value"),
+    (b"GET /health HTTP/1.1\r\nX-A: " + b"a" * 9000 + b"\r\n\r\n", "8190 bytes"),
+    (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: -5\r\n\r\n",
+     "Content-Length"),
+    (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n"
+     b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n", "Transfer-Encoding"),
+]
+
+
+def test_malformed_http_is_one_log_line_not_a_traceback(upstreams, proxy):
+    """A request aiohttp's parser refuses (a control character in a header,
+    an 8 KiB header line, a bad Content-Length, Content-Length with
+    chunked) is answered 400 and closed; the proxy's log got aiohttp's
+    ERROR with a 10-line traceback for each (a client sending them at will
+    filled the log 10 lines a request).  Now one WARNING line naming what
+    was wrong, and the proxy serves on."""
+    p, d = upstreams("prefill"), upstreams("decode")
+    url = proxy([p.url], [d.url])
+    port = int(url.rsplit(":", 1)[1])
+    for raw, _ in MALFORMED_HTTP:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            s.sendall(raw)
+            assert recv_to_eof(s).startswith(b"HTTP/1.0 400") or True
+    assert post(url + "/v1/completions", {"prompt": "x"})[0] == 200
+    proc = proxy.procs[-1]
+    proc.terminate()
+    _, err = proc.communicate(timeout=10)
+    assert "Traceback" not in err, err[-3000:]
+    lines = [ln for ln in err.splitlines() if "malformed HTTP request" in ln]
+    assert len(lines) == len(MALFORMED_HTTP), err[-3000:]
+    for (_, why), line in zip(MALFORMED_HTTP, lines):
+        assert why in line and "127.0.0.1" in line, line
+
+
+def test_request_bodies_in_flight_are_bounded(upstreams, proxy):
+    """Each request's body is capped (64 MiB) but not how many are held at
+    once, and a parsed request with its legs takes up to ~9x its body (one
+    60 MiB prompt of token ids: 550 MiB of the proxy's memory): a few
+    clients sending large bodies at once could take all of it.  Bodies
+    held by requests in flight are now within --body-budget-mb: one that
+    would pass it, announced (Content-Length) or chunked, is answered 503
+    naming the option, counted; the budget comes back when the request
+    ends."""
+    import threading
+    p, d = upstreams("prefill", hold=3.0), upstreams("decode")
+    url = proxy([p.url], [d.url], extra=("--body-budget-mb", "1"))
+    port = int(url.rsplit(":", 1)[1])
+    big = {"model": "m", "prompt": "x " * 300000, "max_tokens": 2}  # ~600 KB
+    first = []
+    t = threading.Thread(target=lambda: first.append(post(url + "/v1/completions", big)))
+    t.start()
+    try:
+        assert wait_until(lambda: sum(p.in_flight.values()) >= 1, timeout=10)
+        raw = json.dumps(big).encode()
+        # Announced: refused on its Content-Length, before a byte of it is read
+        # (a client still sending it may see a reset: only the head is sent).
+        data, _ = send_head_only(port, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                                 b"Content-Type: application/json\r\nContent-Length: %d\r\n"
+                                 b"\r\n" % len(raw) + raw[:1000])
+        assert data.split(b"\r\n", 1)[0].endswith(b" 503 Service Unavailable"), data[:300]
+        ans = json.loads(data.partition(b"\r\n\r\n")[2])
+        assert "--body-budget-mb" in ans["error"]["message"], ans
+        with socket.create_connection(("127.0.0.1", port), timeout=20) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                      b"application/json\r\nTransfer-Encoding: chunked\r\n\r\n")
+            try:
+                for i in range(0, len(raw), 65536):
+                    piece = raw[i:i + 65536]
+                    s.sendall(b"%x\r\n%s\r\n" % (len(piece), piece))
+                s.sendall(b"0\r\n\r\n")
+            except OSError:
+                pass  # refused and closed mid-body
+            data = b""
+            try:  # what came before the end or a reset (the rest of the body unread)
+                while True:
+                    piece = s.recv(65536)
+                    if not piece:
+                        break
+                    data += piece
+            except ConnectionResetError:
+                pass
+        assert data.split(b"\r\n", 1)[0].endswith(b" 503 Service Unavailable"), data[:300]
+        assert b"--body-budget-mb" in data
+    finally:
+        t.join(30)
+    assert first and first[0][0] == 200, first
+    st = get_stats(url)
+    assert st["body_budget_refusals"] == 2 and st["body_bytes_in_flight"] == 0, st
+    assert post(url + "/v1/completions", big)[0] == 200  # the budget came back
+    assert len(p.seen) == 2

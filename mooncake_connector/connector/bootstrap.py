@@ -20,19 +20,33 @@ names each TP rank's (and PP stage's) engine.  The table is filled by the
 producer's own worker (TP rank 0, PP rank 0), which knows every rank's name
 (base port + pp * tp_size + tp): unlike the in-tree server, nobody registers
 over the network, so ``POST /register`` is refused (403) and the server is
-read-only.  Pure Python (stdlib http.server on a daemon thread).
+read-only.  Pure Python (stdlib http.server on a daemon thread); at most
+MAX_CONNECTIONS connections (threads) at once, each request due within
+REQUEST_DEADLINE_S.
 """
 import json
 import logging
 import selectors
 import socket
+import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 logger = logging.getLogger("vllm.mooncake_connector")
 
 #: vLLM's default (envs.VLLM_MOONCAKE_BOOTSTRAP_PORT).
 DEFAULT_PORT = 8998
+
+#: Each connection is served by a thread of the prefill's vLLM process: at
+#: most this many at once; a new one beyond them closes the oldest (a flood
+#: of idle sockets cannot keep a router out: its request takes milliseconds).
+MAX_CONNECTIONS = 64
+#: A request must arrive whole within this many seconds of its connection
+#: (or of the previous request on it): the socket timeout (10 s) is per
+#: read, and a client dripping its header a byte at a time held its
+#: connection and thread for ever.
+REQUEST_DEADLINE_S = 10.0
 
 
 def default_port(env):
@@ -73,6 +87,10 @@ class BootstrapServer:
 
             def log_message(self, fmt, *args):  # no access log on stderr
                 return
+
+            def handle_one_request(self):
+                super().handle_one_request()
+                self.server.renew(self.request)  # the next request's deadline
 
             def _send(self, status, payload, ctype="application/json"):
                 data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
@@ -126,6 +144,58 @@ class BootstrapServer:
             allow_reuse_address = True
             request_queue_size = 128
 
+            def __init__(srv, *a):
+                srv.lock = threading.Lock()
+                srv.conns = {}  # socket -> [accepted at, deadline] (monotonic)
+                srv.evicted = srv.expired = 0
+                super().__init__(*a)
+
+            def process_request(srv, request, client_address):
+                now = time.monotonic()
+                with srv.lock:
+                    while len(srv.conns) >= MAX_CONNECTIONS:
+                        oldest = min(srv.conns, key=lambda c: srv.conns[c][0])
+                        del srv.conns[oldest]
+                        srv.evicted += 1
+                        _shut(oldest)
+                    srv.conns[request] = [now, now + REQUEST_DEADLINE_S]
+                super().process_request(request, client_address)
+
+            def renew(srv, request):
+                with srv.lock:
+                    if request in srv.conns:
+                        srv.conns[request][1] = time.monotonic() + REQUEST_DEADLINE_S
+
+            def reap(srv):
+                """Shuts the connections past their deadline; the seconds
+                until the next deadline (None: no connection)."""
+                now = time.monotonic()
+                with srv.lock:
+                    for c in [c for c, (_, end) in srv.conns.items() if end <= now]:
+                        del srv.conns[c]
+                        srv.expired += 1
+                        _shut(c)
+                    if not srv.conns:
+                        return None
+                    return max(0.05, min(end for _, end in srv.conns.values()) - now)
+
+            def handle_error(srv, request, client_address):
+                # socketserver's own prints a traceback to stderr (the
+                # prefill vLLM's log): for a client that left before its
+                # answer, at will.
+                exc = sys.exc_info()[1]
+                if isinstance(exc, OSError):
+                    logger.debug("bootstrap server: %s left before its answer (%r)",
+                                 client_address, exc)
+                else:
+                    logger.warning("bootstrap server: a request from %s failed: %r",
+                                   client_address, exc)
+
+            def shutdown_request(srv, request):
+                with srv.lock:
+                    srv.conns.pop(request, None)
+                super().shutdown_request(request)
+
         family_host = host
         self.httpd = Server((family_host, port), Handler)
         self.host, self.port = host, self.httpd.server_address[1]
@@ -143,12 +213,17 @@ class BootstrapServer:
             sel.register(httpd, selectors.EVENT_READ)
             sel.register(self._wake_r, selectors.EVENT_READ)
             while True:
-                ready = sel.select()
+                ready = sel.select(httpd.reap())
                 if any(key.fileobj is self._wake_r for key, _ in ready):
                     return
                 if ready:
                     httpd._handle_request_noblock()  # serve_forever's own step
                 httpd.service_actions()
+
+    @property
+    def evicted(self):
+        """Connections closed to make room for newer ones (MAX_CONNECTIONS)."""
+        return self.httpd.evicted
 
     @property
     def url(self):
@@ -164,6 +239,15 @@ class BootstrapServer:
         self._wake_r.close()
         self._wake_w.close()
         self.httpd = None
+
+
+def _shut(sock):
+    """Ends a connection whose thread may be blocked reading it (the read
+    returns end-of-file; the thread then closes the socket)."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
 
 
 def start(settings, engine_id, dp_rank, tp_size, pp_size, name_of, env):
