@@ -497,6 +497,11 @@ async def _settle(proxy, plan, ev, dec_url, headers):
     choices = ev.get("choices") or []
     if "error" in ev:
         return False  # the relay reports it
+    if not choices:
+        # a usage-only event (stream_options): no text to settle; every
+        # token so far shows "" on both sides (a stream that ends inside a
+        # character shows "" for it colocated too)
+        return False
     if len(choices) != 1 or not isinstance(choices[0], dict):
         raise Unsettled("partial first token: decode chunk without one choice")
     c = choices[0]

@@ -294,6 +294,8 @@ def _vllm_app(u):
                 text = _detok(prompt + [t])
             elif i == 0 and getattr(u, "partial", None) == "other":
                 text = "something else"
+            if getattr(u, "partial", None) == "never":
+                text = ""  # the character never completes before the stream ends
             c = {"index": 0, "text": text, "token_ids": ids, "logprobs": None,
                  "finish_reason": "length" if i == mt - 1 else None, "stop_reason": None,
                  "prompt_token_ids": prompt if i == 0 else None}
@@ -925,6 +927,28 @@ def test_partial_first_token_released_early_once_the_decode_settled_one(vllm_lik
     st = get_stats(url)
     assert st["first_token_fallbacks"] == {
         "partial first token: decode text is not prompt text + the tokens' text": 1}, st
+
+
+def test_partial_first_token_stream_that_never_completes_the_character(vllm_like, proxy):
+    """A stream whose tokens all show "" (the character never completes
+    before max_tokens), with usage events: nothing to settle, the stream is
+    the decode's as it comes, held (first on the instance) or released early
+    (after one settled) alike, no error."""
+    p = vllm_like("prefill", first_text="")
+    d = vllm_like("decode", partial="whole", detokenize=True)
+    url = proxy([p.url], [d.url])
+    body = {"model": "m", "prompt": "a b", "max_tokens": 3, "stream": True,
+            "stream_options": {"include_usage": True}}
+    _first_chunk_s(url, body)                         # settles one: later ones released early
+    d.partial = "never"
+    for _ in range(2):
+        _, ev = _first_chunk_s(url, body)
+        assert ev[-1] == "[DONE]" and not any("error" in e for e in ev[:-1]), ev
+        assert [c["text"] for e in ev[:-1] for c in e["choices"]] == ["", "", ""], ev
+        assert ev[-2]["usage"]["completion_tokens"] == 3, ev
+    st = get_stats(url)
+    assert st["first_token_partial"] == 3 and not st["first_token_fallbacks"], st
+    assert st["first_token_partial_unsettled"] == 0, st
 
 
 def test_dead_prefill_fails_over_to_a_live_one(upstreams, proxy):
