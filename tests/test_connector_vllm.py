@@ -12,8 +12,6 @@ line.
 import gc
 import os
 import socket
-import subprocess
-import sys
 import time
 
 import pytest
