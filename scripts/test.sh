@@ -149,7 +149,7 @@ stage "env (scripts/env.sh --ci)" 1 "${MC_T_ENV:-1500}" bash "$repo/scripts/env.
 # Builds compile two files at a time (-j2: CI has two cores; -Otarget keeps
 # each command's messages together).  The C tests themselves run one after
 # the other (test-c is one recipe): some time their own timeouts.
-stage "make all" 1 "${MC_T_MAKE:-900}" make -C "$repo" -j2 -Otarget WERROR=1 all
+stage "make all" 1 "${MC_T_MAKE:-900}" make -C "$repo" -j2 -Otarget --no-print-directory WERROR=1 all
 stage "C tests" 0 "${MC_T_CTEST:-900}" make -C "$repo" WERROR=1 test-c
 # -j2 builds build-san two files at a time, then test-c's one recipe runs
 # the tests (no -O: their output streams as they run).
@@ -158,7 +158,7 @@ stage "C tests (ASan+UBSan)" 0 "${MC_T_SAN:-1200}" make -C "$repo" -j2 SAN=1 WER
 # any finding fails the stage (docs/fuzzing.md).  -j2: the instrumented
 # build, then two harnesses at a time, each on a core of its own for its
 # MC_FUZZ_SECONDS of wall time; -Otarget prints each harness's report whole.
-stage "fuzz (libFuzzer)" 0 "${MC_T_FUZZ:-600}" make -C "$repo" -j2 -Otarget WERROR=1 \
+stage "fuzz (libFuzzer)" 0 "${MC_T_FUZZ:-600}" make -C "$repo" -j2 -Otarget --no-print-directory WERROR=1 \
     FUZZ_SECONDS="${MC_FUZZ_SECONDS:-6}" fuzz-run
 # -P / PYTHONSAFEPATH=1 (Python >= 3.11) keep the current directory off
 # sys.path, here and in every Python the tests start (python -m ...): they
