@@ -37,7 +37,8 @@ TEST_BIN  := $(TEST_SRC:tests/c/%.c=$(BUILD)/tests/%)
 BENCH_SRC := $(wildcard benchmarks/c/*.c)
 BENCH_BIN := $(BENCH_SRC:benchmarks/c/%.c=$(BUILD)/bench/%)
 
-.PHONY: all lib tests bench test-c fakecuda clean softroce test-rdma bench-rdma ptx fuzz fuzz-run
+.PHONY: all lib tests bench test-c fakecuda clean softroce test-rdma bench-rdma ptx fuzz fuzz-run \
+        fuzz-run-start
 all: lib tests bench softroce
 lib: $(BUILD)/libmcc.a
 tests: $(TEST_BIN)
@@ -130,17 +131,32 @@ $(FUZZ_BUILD)/fuzz_%: tests/fuzz/fuzz_%.c tests/fuzz/fuzz_common.h $(FUZZ_BUILD)
 
 # Each harness runs FUZZ_SECONDS from its committed seeds (new inputs go to
 # build-fuzz/corpus/, findings to build-fuzz/artifacts/); any crash, leak,
-# sanitizer report or timeout fails the target.
-fuzz-run: $(FUZZ_BIN)
-	@mkdir -p $(FUZZ_BUILD)/artifacts; fail=0; for b in $(FUZZ_BIN); do \
-	  n=$${b#$(FUZZ_BUILD)/fuzz_}; mkdir -p $(FUZZ_BUILD)/corpus/$$n; \
-	  echo "== $$b ($(FUZZ_SECONDS) s)"; \
-	  $$b -max_total_time=$(FUZZ_SECONDS) -timeout=20 -rss_limit_mb=2048 -print_final_stats=1 \
+# sanitizer report or timeout fails the target.  One target per harness
+# (fuzz-run-NAME), so `make -jN fuzz-run` runs N harnesses at a time (CI:
+# -j2 on two cores, each harness a core of its own); every harness runs
+# even when one fails, and each reports in one piece when it ends.
+FUZZ_RUNS    := $(FUZZ_SRC:tests/fuzz/fuzz_%.c=fuzz-run-%)
+
+fuzz-run-start: $(FUZZ_BIN)
+	@mkdir -p $(FUZZ_BUILD)/artifacts; rm -f $(FUZZ_BUILD)/*.failed
+
+fuzz-run-%: fuzz-run-start
+	@b=$(FUZZ_BUILD)/fuzz_$*; n=$*; mkdir -p $(FUZZ_BUILD)/corpus/$$n; \
+	  if $$b -max_total_time=$(FUZZ_SECONDS) -timeout=20 -rss_limit_mb=2048 -print_final_stats=1 \
 	    -artifact_prefix=$(FUZZ_BUILD)/artifacts/$$n- $(FUZZ_BUILD)/corpus/$$n \
 	    tests/fuzz/corpus/$$n > $(FUZZ_BUILD)/$$n.log 2>&1 \
-	    && grep -h 'stat::number_of_executed_units' $(FUZZ_BUILD)/$$n.log \
-	    || { tail -60 $(FUZZ_BUILD)/$$n.log; echo "FUZZ FINDING: $$n (log $(FUZZ_BUILD)/$$n.log)"; fail=1; }; \
-	done; exit $$fail
+	    && grep -q 'stat::number_of_executed_units' $(FUZZ_BUILD)/$$n.log; then \
+	    printf '== %s (%s s)\n%s\n' $$b $(FUZZ_SECONDS) \
+	      "$$(grep -h 'stat::number_of_executed_units' $(FUZZ_BUILD)/$$n.log)"; \
+	  else \
+	    touch $(FUZZ_BUILD)/$$n.failed; \
+	    printf '== %s (%s s)\n%s\nFUZZ FINDING: %s (log %s)\n' $$b $(FUZZ_SECONDS) \
+	      "$$(tail -60 $(FUZZ_BUILD)/$$n.log)" $$n $(FUZZ_BUILD)/$$n.log; \
+	  fi
+
+fuzz-run: $(FUZZ_RUNS)
+	@fail=0; for b in $(FUZZ_BIN); do \
+	  [ ! -e $(FUZZ_BUILD)/$${b#$(FUZZ_BUILD)/fuzz_}.failed ] || fail=1; done; exit $$fail
 
 clean:
 	rm -rf build build-san build-fuzz

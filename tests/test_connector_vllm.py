@@ -12,8 +12,6 @@ line.
 import gc
 import os
 import socket
-import subprocess
-import sys
 import time
 
 import pytest
@@ -741,10 +739,17 @@ SEED = ('{"kv_connector":"MooncakeConnector","kv_role":"kv_producer","kv_rank":0
 PLAIN = '{"kv_connector":"MooncakeConnector","kv_role":"kv_producer"}'
 MODPATH = ('{"kv_connector":"MooncakeConnector","kv_connector_module_path":"mooncake_connector",'
            '"kv_role":"kv_consumer","kv_connector_extra_config":{"kv_rank":1}}')
-# One Python per plugin setting (importing vLLM is the slow part): parse each
-# --kv-transfer-config with vLLM's own argument parser, resolve the class with
-# vLLM's factory; then build a scheduler-side connector with the extension
-# made unimportable.
+# One process per plugin setting: parse each --kv-transfer-config with vLLM's
+# own argument parser, resolve the class with vLLM's factory; then build a
+# scheduler-side connector with the extension made unimportable.  Importing
+# vLLM is the slow part (~13 s here): the settings' processes are forked from
+# one Python that ran PROBE_PREAMBLE (tests/forked.py), each then runs PROBE
+# whole as a fresh `python -c` would, loading the plugins itself.
+PROBE_PREAMBLE = """
+from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+"""
 PROBE = r'''
 import builtins, json, sys
 from vllm.engine.arg_utils import AsyncEngineArgs
@@ -779,20 +784,16 @@ print(json.dumps(out))
 '''
 
 
-def _probe(model_dir, args, **env):
+def _probe(run):
+    """(PROBE's results, its log) of one of plugin_probes' runs."""
     import json
-    e = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", **env}
-    e.pop("_MOONCAKE_CONNECTOR_ANNOUNCED", None)
-    r = subprocess.run([sys.executable, "-c", PROBE, json.dumps(args), model_dir,
-                        os.path.dirname(os.path.abspath(__file__))],
-                       capture_output=True, text=True, env=e, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert run.returncode == 0, run.stderr[-3000:]
     # vLLM <= 0.26 logs to stdout (maybe on the result's own line): the log
     # handed back is both streams.
-    for line in reversed(r.stdout.splitlines()):
+    for line in reversed(run.stdout.splitlines()):
         if line.startswith("[{"):
-            return json.JSONDecoder().raw_decode(line)[0], r.stderr + "\n" + r.stdout
-    raise AssertionError(f"no result line in the probe's output: {r.stdout[-2000:]}")
+            return json.JSONDecoder().raw_decode(line)[0], run.stderr + "\n" + run.stdout
+    raise AssertionError(f"no result line in the probe's output: {run.stdout[-2000:]}")
 
 
 OURS = "mooncake_connector.connector.connector.MooncakeConnector"
@@ -800,13 +801,35 @@ INTREE = ('{"kv_connector":"MooncakeConnector","kv_role":"kv_producer",'
           '"kv_connector_extra_config":{"mooncake_protocol":"tcp"}}')
 OURS_KEY = ('{"kv_connector":"MooncakeConnector","kv_role":"kv_consumer",'
             '"kv_connector_extra_config":{"mooncake_config_path":"/x/mooncake.json"}}')
+# The plugin tests' PROBE runs: name -> (--kv-transfer-config values, the
+# environment; "{cfg}" is an empty mooncake.json).
+PROBE_RUNS = {
+    "seed": ([SEED, MODPATH, PLAIN, INTREE], {"MOONCAKE_CONFIG_PATH": "{cfg}"}),
+    "in-tree shape": ([INTREE, PLAIN, SEED, OURS_KEY], {"MOONCAKE_CONFIG_PATH": ""}),
+    "opt-out": ([SEED, PLAIN, MODPATH], {"MOONCAKE_CONNECTOR_DISABLE_PLUGIN": "1",
+                                        "MOONCAKE_CONFIG_PATH": "{cfg}"}),
+}
 
 
-def test_plugin_makes_the_seed_command_line_work(model_dir, tmp_path):
-    cfg = tmp_path / "mooncake.json"
+@pytest.fixture(scope="module")
+def plugin_probes(model_dir, tmp_path_factory):
+    """{name: PROBE's run} for PROBE_RUNS, all forked from one vLLM import."""
+    import json
+
+    from forked import run_forked
+    cfg = tmp_path_factory.mktemp("probe") / "mooncake.json"
     cfg.write_text("{}")
-    (seed, modpath, plain, intree, sched), err = _probe(
-        model_dir, [SEED, MODPATH, PLAIN, INTREE], MOONCAKE_CONFIG_PATH=str(cfg))
+    e = {**os.environ, "VLLM_TARGET_DEVICE": "cpu"}
+    e.pop("_MOONCAKE_CONNECTOR_ANNOUNCED", None)
+    jobs = [{"code": PROBE, "argv": [json.dumps(args), model_dir,
+                                     os.path.dirname(os.path.abspath(__file__))],
+             "env": {k: v.format(cfg=cfg) for k, v in env.items()}}
+            for args, env in PROBE_RUNS.values()]
+    return dict(zip(PROBE_RUNS, run_forked(PROBE_PREAMBLE, jobs, env=e, timeout=600)))
+
+
+def test_plugin_makes_the_seed_command_line_work(plugin_probes):
+    (seed, modpath, plain, intree, sched), err = _probe(plugin_probes["seed"])
     assert seed.get("cls") == OURS, seed
     assert seed["extra"] == {"kv_rank": 0, "kv_parallel_size": 2, "kv_buffer_size": 2e9}
     assert modpath["cls"] == OURS and modpath["extra"] == {"kv_rank": 1}
@@ -826,11 +849,10 @@ def test_plugin_makes_the_seed_command_line_work(model_dir, tmp_path):
     assert sched == {"scheduler_side_core": False}
 
 
-def test_plugin_keeps_vllms_connector_for_the_in_tree_shape(model_dir):
+def test_plugin_keeps_vllms_connector_for_the_in_tree_shape(plugin_probes):
     """Installing this package must not break a deployment of vLLM's in-tree
     MooncakeConnector (configured the in-tree way, no MOONCAKE_CONFIG_PATH)."""
-    (intree, plain, seed, ours_key, _), err = _probe(model_dir, [INTREE, PLAIN, SEED, OURS_KEY],
-                                                     MOONCAKE_CONFIG_PATH="")
+    (intree, plain, seed, ours_key, _), err = _probe(plugin_probes["in-tree shape"])
     assert intree["cls"].startswith("vllm.distributed.kv_transfer"), intree
     assert intree["extra"] == {"mooncake_protocol": "tcp"}
     assert plain["cls"].startswith("vllm.distributed.kv_transfer"), plain
@@ -841,12 +863,8 @@ def test_plugin_keeps_vllms_connector_for_the_in_tree_shape(model_dir):
     assert seed["cls"] == OURS and ours_key["cls"] == OURS, (seed, ours_key)
 
 
-def test_plugin_opt_out_restores_vllms_connector(model_dir, tmp_path):
-    cfg = tmp_path / "mooncake.json"
-    cfg.write_text("{}")
-    (seed, plain, modpath, _), _err = _probe(model_dir, [SEED, PLAIN, MODPATH],
-                                             MOONCAKE_CONNECTOR_DISABLE_PLUGIN="1",
-                                             MOONCAKE_CONFIG_PATH=str(cfg))
+def test_plugin_opt_out_restores_vllms_connector(plugin_probes):
+    (seed, plain, modpath, _), _err = _probe(plugin_probes["opt-out"])
     # vLLM's own config rejects the seed's extra fields (vLLM <= 0.26 still has
     # them, and its in-tree connector takes the line); the bare name is vLLM's
     # class; the module-path form still gives ours.

@@ -545,21 +545,40 @@ PLUGIN_STATE = ("from mooncake_connector.connector import plugin; plugin.registe
                 "from vllm.distributed.kv_transfer.kv_connector.factory import "
                 "KVConnectorFactory as F; "
                 "print(bool(getattr(F.get_connector_class, '_mooncake', False)))")
+DISABLE_VALUES = [("false", True), ("no", True), ("off", True), ("0", True), ("1", False),
+                  ("true", False), ("maybe", False)]
 
 
-@pytest.mark.parametrize("value,on", [("false", True), ("no", True), ("off", True),
-                                      ("0", True), ("1", False), ("true", False),
-                                      ("maybe", False)])
-def test_disable_plugin_variable_is_read_one_way_by_plugin_and_doctor(tmp_path, value, on):
+@pytest.fixture(scope="module")
+def plugin_states():
+    """{value: PLUGIN_STATE's run with MOONCAKE_CONNECTOR_DISABLE_PLUGIN=value}:
+    each run a process of its own that registers the plugin afresh, forked
+    from one Python that imported vLLM's factory once (tests/forked.py;
+    importing vLLM is ~13 s here, the rest milliseconds), not one Python per
+    value."""
+    pytest.importorskip("vllm")
+    from forked import run_forked
+
+    preamble = ("import vllm.distributed.kv_transfer.kv_connector.factory as f\n"
+                "assert not getattr(f.KVConnectorFactory.get_connector_class, '_mooncake', "
+                "False), 'the plugin registered before the jobs ran'\n")
+    runs = run_forked(preamble, [{"code": PLUGIN_STATE,
+                                  "env": {"MOONCAKE_CONNECTOR_DISABLE_PLUGIN": v}}
+                                 for v, _ in DISABLE_VALUES],
+                      env=dict(os.environ), timeout=300, cwd="/")
+    return {v: r for (v, _), r in zip(DISABLE_VALUES, runs)}
+
+
+@pytest.mark.parametrize("value,on", DISABLE_VALUES)
+def test_disable_plugin_variable_is_read_one_way_by_plugin_and_doctor(tmp_path, value, on,
+                                                                      plugin_states):
     """MOONCAKE_CONNECTOR_DISABLE_PLUGIN: the plugin took any value but "" and
     "0" as on, so =false / =no turned it off, while the doctor checked for
     "1" only and reported the plugin registered.  Now false/no/off/0 leave
     it on, 1/true/yes/on turn it off, both read it alike, and a value that
     is neither is named (and taken as on, as before)."""
-    pytest.importorskip("vllm")
-    env = dict(os.environ, MOONCAKE_CONNECTOR_DISABLE_PLUGIN=value)
-    r = subprocess.run([sys.executable, "-P", "-c", PLUGIN_STATE], capture_output=True,
-                       text=True, env=env, timeout=300, cwd="/")
+    r = plugin_states[value]
+    assert r.returncode == 0 and r.stdout.strip(), (r.returncode, r.stdout, r.stderr[-2000:])
     assert r.stdout.strip().splitlines()[-1] == str(on), (r.stdout, r.stderr[-2000:])
     rc, rows = doctor("--config", write_cfg(tmp_path),
                       env={"MOONCAKE_CONNECTOR_DISABLE_PLUGIN": value}, timeout=300)
