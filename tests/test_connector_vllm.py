@@ -12,6 +12,7 @@ line.
 import gc
 import os
 import socket
+import sys
 import time
 
 import pytest
