@@ -8,7 +8,14 @@ Serves POST /v1/completions and /v1/chat/completions (streaming or not),
 GET /v1/models, GET /health, GET /stats (the proxy's counters) and GET
 /metrics (the same in Prometheus text format, plus answers by status and a
 request-duration histogram).  Each request goes to one prefill instance
-and then one decode instance, each picked round-robin.
+and then one decode instance, each picked round-robin.  /health probes
+the upstreams once for the calls of a second (HEALTH_CACHE_S).
+
+Hostile or many clients: a request header must arrive within
+--header-timeout, a body must not stall as long and must arrive in full
+within --body-timeout (408); the soft open-file limit is raised to the hard
+one, client connections are kept to half of it (503 past that) and
+upstream connections in use to the other half less 64 (more requests wait).
 
 Flow a (the seed's): the prefill instance gets the request with
 max_tokens=1 (not streamed); the decode instance then gets the original
@@ -113,7 +120,8 @@ class Proxy:
                  first_token="prefill", passthrough=(), idle_timeout=300.0,
                  prefill_down_s=5.0, prefill_engines=(), push_layerwise=None,
                  push_layer_load=None, push_layer_watch=None,
-                 header_timeout=http_guard.HEADER_TIMEOUT_S, body_budget=BODY_BUDGET):
+                 header_timeout=http_guard.HEADER_TIMEOUT_S, body_budget=BODY_BUDGET,
+                 body_timeout=http_guard.BODY_TIMEOUT_S):
         self.passthrough = [u.rstrip("/") for u in passthrough]
         if self.passthrough and (prefill or decode):
             raise ValueError("--passthrough takes no --prefill/--decode")
@@ -139,6 +147,20 @@ class Proxy:
         # A client that sends nothing of its request's body for this long is
         # answered 408 and disconnected (as a stalled header: http_guard).
         self.header_timeout = header_timeout
+        # ... and one whose whole body has not come this long after its
+        # header (a few bytes at a time, each inside header_timeout).
+        self.body_timeout = body_timeout
+        # The soft open-file limit while serving (None: none or unknown), for
+        # messages; and how often running out of descriptors is logged.
+        self.nofile = None
+        # Upstream connections in use at once (0: no limit; set by _serve
+        # from the open-file limit): more requests wait for one.
+        self.upstream_limit = 0
+        self._open_conns = None  # [client connections open] (_serve's http_guard.guarded)
+        self._fd_warn = http_guard.Throttled()
+        # GET /health: (monotonic time started, task) of the last probe of
+        # the upstreams, whose answer serves the calls of HEALTH_CACHE_S.
+        self._health = None
         # Bytes of request bodies held by requests in flight, and the most
         # allowed: a body past it is answered 503 (counted).
         self.body_budget, self._body_bytes = body_budget, 0
@@ -162,6 +184,7 @@ class Proxy:
         self._ids_in_flight = collections.Counter()  # client request id -> requests in flight
         self.counts = {"requests": 0, "bad_requests": 0, "slow_header_closes": 0,
                        "slow_body_closes": 0, "body_budget_refusals": 0,
+                       "fd_limit_refusals": 0, "fd_limit_errors": 0,
                        "request_ids_replaced": 0, "request_ids_suffixed": 0,
                        "prefill_errors": 0, "prefill_failovers": 0,
                        "prefill_retries": 0, "decode_retries": 0, "decode_errors": 0,
@@ -193,7 +216,8 @@ class Proxy:
         # request sent on a connection the server is closing gets a reset.
         self.session = aiohttp.ClientSession(
             timeout=self._timeout,
-            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S))
+            connector=aiohttp.TCPConnector(limit=self.upstream_limit,
+                                           keepalive_timeout=KEEPALIVE_S))
 
     async def stop(self, app):
         await self.session.close()
@@ -354,8 +378,8 @@ class Proxy:
         t_in = time.perf_counter()
         chat = request.path.endswith("/chat/completions")
         try:
-            body = request_check.parse(await http_guard.read_body(request, MAX_BODY,
-                                                                  self.header_timeout, take))
+            body = request_check.parse(await http_guard.read_body(
+                request, MAX_BODY, self.header_timeout, take, self.body_timeout))
             request_check.check(body, chat)
         except http_guard.OverBudget as e:
             self.counts["body_budget_refusals"] += 1
@@ -365,10 +389,14 @@ class Proxy:
             self.counts["bad_requests"] += 1
             return _error(400, str(e), "invalid_request_error")
         except http_guard.BodyStalled as e:
+            # BodyTooSlow included: trickled, each piece inside the stall deadline
             self.counts["slow_body_closes"] += 1
-            logger.warning("closing a connection whose request body stalled (%s)", e)
+            slow = isinstance(e, http_guard.BodyTooSlow)
+            logger.warning("closing a connection whose request body %s (%s)",
+                           "came too slowly" if slow else "stalled", e)
             return await http_guard.answer_and_close(request, _error(
-                408, f"{e} (the proxy's --header-timeout)", "invalid_request_error"))
+                408, f"{e} (the proxy's {'--body-timeout' if slow else '--header-timeout'})",
+                "invalid_request_error"))
         except http_guard.BodyUnreadable as e:
             self.counts["bad_requests"] += 1
             return await http_guard.answer_and_close(request, _error(
@@ -429,6 +457,8 @@ class Proxy:
                 self._down_until.pop(pre_url, None)
                 break
             except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as e:
+                if http_guard.out_of_fds(e):  # the proxy's own limit, not the instance's
+                    return self.no_fds(f"prefill instance {pre_url}", e, rid)
                 # Not connected: nothing was sent, the next instance may take it.
                 self.counts["prefill_errors"] += 1
                 self._down_until[pre_url] = time.monotonic() + self.prefill_down_s
@@ -582,6 +612,9 @@ class Proxy:
         except asyncio.CancelledError:
             raise
         except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as e:
+            if http_guard.out_of_fds(e):  # the proxy's own limit: the instance is not down
+                self.no_fds(f"prefill instance {url}", e, rid)
+                return
             # Both legs are already sent (the decode side computes this
             # prompt), but the next requests pick the other instances first,
             # as in flows a and b: a prefill restarting for minutes would
@@ -648,12 +681,33 @@ class Proxy:
                     pass
                 return resp
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            if http_guard.out_of_fds(e):
+                return self.no_fds(f"{role} instance {url}", e, rid)
             self.counts["decode_errors"] += 1
             return _error(502, self.upstream_failure(f"{role} instance {url}", e, "unreachable"),
                           "upstream_error")
 
+    def _fds_message(self, where, exc):
+        limit = f"open-file limit {self.nofile}" if self.nofile else "open-file limit"
+        return (f"the proxy is out of file descriptors ({getattr(exc, 'strerror', None) or exc}; "
+                f"its {limit}) and could not connect to {where}: retry later (the operator "
+                "raises the hard open-file limit: ulimit -Hn, systemd LimitNOFILE=, docker "
+                "--ulimit nofile=)")
+
+    def no_fds(self, where, exc, rid):
+        """A 503 for a request whose upstream connect failed with EMFILE /
+        ENFILE (the proxy's limit, not the upstream's failure: it is not
+        marked down), counted; logged at most once per 10 s."""
+        self.counts["fd_limit_errors"] += 1
+        msg = self._fds_message(where, exc)
+        self._fd_warn.warn("request %s: %s", rid, msg)
+        return _error(503, msg, "overloaded")
+
     def upstream_failure(self, where, exc, what):
-        """The message for an upstream that failed: a stall names the idle timeout."""
+        """The message for an upstream that failed: a stall names the idle
+        timeout; running out of file descriptors says so."""
+        if http_guard.out_of_fds(exc):
+            return self._fds_message(where, exc)
         if isinstance(exc, asyncio.TimeoutError) and self.idle_timeout:
             return (f"{where} sent nothing for {self.idle_timeout:g} s (the proxy's "
                     "--idle-timeout; raise it if requests queue that long)")
@@ -669,7 +723,13 @@ class Proxy:
             return _error(502, f"decode instance {self.decode[0]} unreachable: {e!r}",
                           "upstream_error")
 
-    async def health(self, request):
+    #: GET /health: a probe of the upstreams answers the calls that come
+    #: within this many seconds of its start (and those waiting for it), so
+    #: a client calling /health in a loop, or many at once, costs the
+    #: upstreams one probe a second; a change of state shows within it.
+    HEALTH_CACHE_S = 1.0
+
+    async def _probe_upstreams(self):
         async def probe(url):
             try:
                 async with self.session.get(url + "/health",
@@ -679,7 +739,14 @@ class Proxy:
                 return False
         urls = self.prefill + self.decode
         ok = await asyncio.gather(*(probe(u) for u in urls))
-        state = dict(zip(urls, ok))
+        return dict(zip(urls, ok))
+
+    async def health(self, request):
+        now = time.monotonic()
+        if self._health is None or now - self._health[0] >= self.HEALTH_CACHE_S:
+            self._health = (now, asyncio.ensure_future(self._probe_upstreams()))
+        # shielded: a caller that leaves does not cancel the others' probe
+        state = dict(await asyncio.shield(self._health[1]))
         healthy = (not self.prefill or any(state[u] for u in self.prefill)) and any(
             state[u] for u in self.decode)
         return web.json_response({"status": "ok" if healthy else "degraded",
@@ -707,7 +774,9 @@ class Proxy:
     async def stats(self, request):
         # request_ids_in_flight: client X-Request-Ids held now (a flow push
         # request's until its prefill leg ended, after the client's answer)
+        # connections_open: client connections open now (None: not counted)
         return web.json_response(dict(self.counts, request_ids_in_flight=len(self._ids_in_flight),
+                                      connections_open=self._open_conns and self._open_conns[0],
                                       body_bytes_in_flight=self._body_bytes,
                                       latency_ms=self.latency_summary(
                                           request.query.get("raw") == "1")))
@@ -817,9 +886,13 @@ class PromCounters:
                          ("slow_header_closes", "Connections closed because their request "
                           "header stalled"),
                          ("slow_body_closes", "Requests answered 408 and closed because their "
-                          "body stalled"),
+                          "body stalled or took longer than --body-timeout"),
                          ("body_budget_refusals", "Requests answered 503 because their body "
                           "would pass the proxy's budget for bodies in flight"),
+                         ("fd_limit_refusals", "Client connections answered 503 and closed "
+                          "because as many as the open-file limit leaves room for were open"),
+                         ("fd_limit_errors", "Requests answered 503 because an upstream "
+                          "connection found the proxy out of file descriptors"),
                          ("request_ids_replaced", "Requests whose X-Request-Id could not be "
                           "used (too long, a space, non-ASCII) and got a new id"),
                          ("request_ids_suffixed", "Requests whose X-Request-Id was in flight "
@@ -1025,6 +1098,9 @@ def _parser():
                     help="close a client connection that has sent part of a request but no "
                          "complete header for this long, s, or no byte of its body for this "
                          "long (answered 408) (slow or stalled clients)")
+    ap.add_argument("--body-timeout", type=float, default=http_guard.BODY_TIMEOUT_S,
+                    help="answer 408 and close a request whose whole body has not arrived this "
+                         "long after its header, s (a client sending it a few bytes at a time)")
     ap.add_argument("--body-budget-mb", type=float, default=BODY_BUDGET >> 20,
                     help="request bodies held at once by requests in flight, MiB; a request "
                          "whose body would pass it is answered 503 (a parsed request takes "
@@ -1094,6 +1170,8 @@ def _check_times(ap, args):
         ap.error(f"--body-budget-mb must be a number of MiB >= 1, not {args.body_budget_mb}")
     if not 0 < args.header_timeout < float("inf"):
         ap.error(f"--header-timeout must be a number of seconds > 0, not {args.header_timeout}")
+    if not 0 < args.body_timeout < float("inf"):
+        ap.error(f"--body-timeout must be a number of seconds > 0, not {args.body_timeout}")
     for name in ("timeout", "idle_timeout", "prefill_down_s"):
         if math.isnan(getattr(args, name)):
             ap.error(f"--{name.replace('_', '-')} nan is not a number of seconds")
@@ -1118,13 +1196,30 @@ async def _serve(proxy, args, prog, loop_name):
     # cancels its handler, which closes the upstream requests it started
     # (vLLM aborts a request whose connection closes); else the proxy
     # waited for whole answers nobody would read.
+    # The shell's soft open-file limit (often 1024) ran out under many
+    # clients: accept() and upstream connects failed with EMFILE.  Raised
+    # to the hard limit; client connections are kept to half of it (those
+    # past it answered 503), upstream connections in use to the other half
+    # less 64 for the process's own files and idle kept-alive connections
+    # (more requests wait for one).
+    before, limit = http_guard.raise_nofile_limit()
+    proxy.nofile = limit
+    max_conns = max(16, limit // 2) if limit else None
+    proxy.upstream_limit = max(8, limit // 2 - 64) if limit else 0
+    if limit:
+        logger.info("open-file limit %s%d (the hard limit): up to %d client connections and %d "
+                    "upstream connections in use at once",
+                    f"raised from {before} to " if before != limit else "", limit, max_conns,
+                    proxy.upstream_limit)
     runner = web.AppRunner(proxy.app(), handler_cancellation=True)
     await runner.setup()
     loop = asyncio.get_running_loop()
+    http_guard.quiet_fd_errors(loop, "the proxy")
+    factory = http_guard.guarded(runner.server, loop, args.header_timeout, proxy.counts,
+                                 max_conns, f"half its open-file limit {limit}")
+    proxy._open_conns = factory.open_conns
     try:
-        server = await loop.create_server(
-            http_guard.guarded(runner.server, loop, args.header_timeout, proxy.counts),
-            args.host, args.port, reuse_address=True)
+        server = await loop.create_server(factory, args.host, args.port, reuse_address=True)
     except OSError as e:  # gaierror included: a --host that does not resolve
         await runner.cleanup()
         raise SystemExit(f"{prog}: cannot listen on {args.host}:{args.port}: "
@@ -1157,7 +1252,8 @@ def main(argv=None):
                   {"server": None, "on": True, "off": False}[args.push_layerwise],
                   {"server": None, "on": True, "off": False}[args.push_layer_load],
                   {"server": None, "on": True, "off": False}[args.push_layer_watch],
-                  args.header_timeout, int(args.body_budget_mb * (1 << 20)))
+                  args.header_timeout, int(args.body_budget_mb * (1 << 20)),
+                  args.body_timeout)
     run_loop, loop_name = _event_loop(args.loop)
     run_loop(_serve(proxy, args, ap.prog, loop_name))
     return 0

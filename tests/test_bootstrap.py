@@ -226,6 +226,42 @@ def test_a_dripping_client_is_closed_at_the_request_deadline(monkeypatch):
         srv.close()
 
 
+def test_a_dripped_post_body_is_closed_at_the_request_deadline(monkeypatch):
+    """The server reads a POST's body (up to 64 KiB of its Content-Length)
+    with the socket's per-read timeout: a body dripped a byte per second
+    is still cut at REQUEST_DEADLINE_S, which covers the whole request
+    (checked: no change was needed)."""
+    import socket
+    import time
+    monkeypatch.setattr(bootstrap, "REQUEST_DEADLINE_S", 2.0)
+    s = settings_mod.resolve(_cfg(bootstrap_port=free_port(), bootstrap_host="127.0.0.1"))
+    srv = _start(s)
+    try:
+        with socket.create_connection(("127.0.0.1", srv.port)) as c:
+            c.sendall(b"POST /register HTTP/1.1\r\nHost: x\r\nContent-Length: 60000\r\n\r\n")
+            c.settimeout(0.5)
+            t0 = time.monotonic()
+            took = None
+            while time.monotonic() - t0 < 12:
+                try:
+                    if c.recv(100) == b"":
+                        took = time.monotonic() - t0
+                        break
+                except socket.timeout:
+                    try:
+                        c.sendall(b"x")
+                    except OSError:
+                        took = time.monotonic() - t0
+                        break
+                except ConnectionResetError:
+                    took = time.monotonic() - t0
+                    break
+        assert took is not None and took < 6, took
+        assert _req(srv.port, "GET", "/query")[0] == 200
+    finally:
+        srv.close()
+
+
 def test_connections_are_bounded_and_a_flood_does_not_keep_clients_out(monkeypatch):
     """Each connection is a thread of the vLLM process: a client opening
     thousands of idle connections made thousands of threads.  At most

@@ -592,6 +592,49 @@ def test_stalled_put_body_is_answered_408_and_closed(monkeypatch):
         assert mc_client.get("k") == b"v"
 
 
+def test_trickled_put_body_is_cut_at_the_body_deadline(monkeypatch):
+    """A PUT whose body comes a byte at a time, each inside the stall
+    deadline (chunked, or short of its Content-Length), held its connection
+    and handler for as long as the client went on.  Now the whole body must
+    arrive within http_guard.BODY_TIMEOUT_S: 408 naming it and the key,
+    closed; the server keeps answering others."""
+    from mooncake_connector import http_guard
+    monkeypatch.setattr(http_guard, "HEADER_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(http_guard, "BODY_TIMEOUT_S", 2.0, raising=False)
+    with MetadataServer(port=0) as srv:
+        for rest, piece in ((b"Transfer-Encoding: chunked\r\n\r\n", b"1\r\n \r\n"),
+                            (b"Content-Length: 100000\r\n\r\n{", b" ")):
+            s = socket.create_connection(("127.0.0.1", srv.port))
+            s.sendall(b"PUT /metadata?key=k HTTP/1.1\r\nHost: x\r\n" + rest)
+            s.settimeout(0.4)
+            t = time.monotonic()
+            data, took = b"", None
+            while time.monotonic() - t < 15:
+                try:
+                    chunk = s.recv(65536)
+                except socket.timeout:
+                    try:
+                        s.sendall(piece)
+                    except OSError:
+                        pass
+                    continue
+                except ConnectionResetError:
+                    chunk = b""
+                if not chunk:
+                    took = time.monotonic() - t
+                    break
+                data += chunk
+            s.close()
+            assert took is not None, "still connected after 15 s: " + repr(data[:300])
+            assert 1.5 <= took <= 6, took
+            assert data.startswith(b"HTTP/1.1 408"), data[:300]
+            assert b"did not arrive in full within 2 s" in data and b"'k'" in data, data
+        assert srv.store.get("k") is None
+        mc_client = mc.MetadataClient(srv.url)
+        mc_client.put("k", b"v")
+        assert mc_client.get("k") == b"v"
+
+
 BAD_SERVER_ARGS = [
     (["--path", "/a{"], {}, "--path '/a{'"),          # was a traceback from aiohttp
     (["--path", "/{x}"], {}, "--path '/{x}'"),        # was a route matching any path

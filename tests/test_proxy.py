@@ -41,6 +41,8 @@ class Upstream(AppThread):
         # in flight at once, then hold; later ones only hold (an overlap
         # that no scheduling delay on a loaded host can undo)
         self.gather, self.gathered = gather, None
+        # GET /health: how many came, the status answered, how long each takes
+        self.health_calls, self.health_status, self.health_hold = 0, 200, 0.0
 
         async def complete(request):
             rid = request.headers.get("X-Request-Id")
@@ -88,7 +90,9 @@ class Upstream(AppThread):
             return web.json_response(out)
 
         async def health(request):
-            return web.Response(text="ok")
+            self.health_calls += 1
+            await asyncio.sleep(self.health_hold)
+            return web.Response(text="ok", status=self.health_status)
 
         async def models(request):
             return web.json_response({"data": [self.name]})
@@ -107,13 +111,13 @@ def upstreams():
 def proxy():
     procs = []
 
-    def start(prefill, decode, flow="a", env=None, extra=()):
+    def start(prefill, decode, flow="a", env=None, extra=(), preexec_fn=None):
         cmd = [sys.executable, "-m", "mooncake_connector.proxy", "--host", "127.0.0.1",
                "--port", "0", *extra]
         if prefill or decode:
             cmd += ["--flow", flow, "--prefill", *prefill, "--decode", *decode]
         p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             env=env)
+                             env=env, preexec_fn=preexec_fn)
         procs.append(p)
         line = p.stdout.readline()
         m = re.search(r"http://127\.0\.0\.1:(\d+)", line)
@@ -1357,6 +1361,8 @@ BAD_CLI = [
     (["--timeout", "nan"], "--timeout nan"),
     (["--idle-timeout", "nan"], "--idle-timeout nan"),
     (["--timeout", "inf"], "--timeout inf"),  # was a 500 and an OverflowError per request
+    (["--body-timeout", "0"], "--body-timeout must be a number of seconds > 0"),
+    (["--body-timeout", "nan"], "--body-timeout must be a number of seconds > 0"),
     # were accepted: every push request's decode then computed its prompt
     (["--flow", "push", "--prefill-engine", "127.0.0.1:99999"], "is not host:port"),
     (["--flow", "push", "--prefill-engine", "127.0.0.1:0"], "is not host:port"),
@@ -1848,3 +1854,215 @@ def test_request_bodies_in_flight_are_bounded(upstreams, proxy):
     assert st["body_budget_refusals"] == 2 and st["body_bytes_in_flight"] == 0, st
     assert post(url + "/v1/completions", big)[0] == 200  # the budget came back
     assert len(p.seen) == 2
+
+
+def _trickle(port, head, pieces, every_s, timeout=20.0):
+    """Sends head, then each of pieces every every_s seconds, reading the
+    while: (the answer's bytes, seconds from the head until the server
+    closed), or (bytes so far, None) if it had not closed after timeout."""
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.sendall(head)
+        t0 = time.monotonic()
+        data, k = b"", 0
+        s.settimeout(every_s)
+        while time.monotonic() - t0 < timeout:
+            try:
+                piece = s.recv(65536)
+                if not piece:
+                    return data, time.monotonic() - t0
+                data += piece
+            except socket.timeout:
+                try:
+                    s.sendall(pieces[k % len(pieces)])
+                except OSError:
+                    pass
+                k += 1
+            except ConnectionResetError:
+                return data, time.monotonic() - t0
+    return data, None
+
+
+def test_trickled_body_is_cut_at_the_body_deadline(vllm_like, proxy):
+    """A client sending its body a few bytes at a time, each piece inside
+    --header-timeout (chunked, or short of its Content-Length), held its
+    connection and its share of --body-budget-mb for as long as it went on:
+    the stall deadline restarts with every piece.  Now the whole body must
+    arrive within --body-timeout: answered 408 naming the option, closed,
+    counted; the proxy keeps serving, and a body sent over less than that
+    is not cut."""
+    p, d = vllm_like("prefill"), vllm_like("decode")
+    url = proxy([p.url], [d.url], extra=("--header-timeout", "1", "--body-timeout", "2.5"))
+    port = int(url.rsplit(":", 1)[1])
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+            b"Content-Type: application/json\r\n")
+    for rest, pieces in ((b"Transfer-Encoding: chunked\r\n\r\n", [b"1\r\n \r\n"]),
+                         (b"Content-Length: 100000\r\n\r\n{", [b" "])):
+        data, took = _trickle(port, head + rest, pieces, 0.4)
+        assert took is not None, "still connected after 20 s: " + repr(data[:300])
+        assert 2.0 <= took <= 7, took
+        assert data.startswith(b"HTTP/1.1 408"), data[:300]
+        msg = json.loads(data.split(b"\r\n\r\n", 1)[1])["error"]["message"]
+        assert "within 2.5 s" in msg and "--body-timeout" in msg, msg
+    st = get_stats(url)
+    assert st["slow_body_closes"] == 2 and st["body_bytes_in_flight"] == 0, st
+    assert p.seen == [] and d.seen == []
+    # A body sent over ~1.5 s (inside both deadlines): served.
+    body = json.dumps({"model": "m", "prompt": "a b c", "max_tokens": 2}).encode()
+    n = len(body) // 4 + 1
+    data, took = _trickle(port, head + b"Connection: close\r\nContent-Length: %d\r\n\r\n"
+                          % len(body), [body[i:i + n] for i in range(0, len(body), n)], 0.4)
+    assert data.startswith(b"HTTP/1.1 200"), data[:300]
+
+
+def test_health_probes_are_shared_and_cached(upstreams, proxy):
+    """GET /health probed every upstream's /health on every call: a client
+    calling it in a loop (or many at once) passed that load on to the vLLM
+    servers.  Now calls at once share one probe, and a probe's result
+    answers the calls of the next second (Proxy.HEALTH_CACHE_S); a change
+    of state shows after at most that."""
+    p, d = upstreams("prefill"), upstreams("decode")
+    p.health_hold = d.health_hold = 0.3
+    url = proxy([p.url], [d.url])
+    codes = []
+
+    def get(_):
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=20) as r:
+                codes.append(r.status)
+        except urllib.error.HTTPError as e:
+            codes.append(e.code)
+
+    t0 = time.monotonic()
+    in_threads(get, 20)
+    assert codes == [200] * 20, codes
+    # one probe (two if the host was slow enough to spread the calls over
+    # more than a second); was 20 each
+    assert p.health_calls == d.health_calls <= 2, (p.health_calls, d.health_calls)
+    n = p.health_calls
+    get(0)
+    if time.monotonic() - t0 < 0.9:  # within a second of that probe: its answer
+        assert (p.health_calls, d.health_calls) == (n, n)
+    time.sleep(1.2)
+    d.health_status = 500  # the decode goes down: seen within a second
+    t = time.monotonic()
+    while True:
+        get(0)
+        if codes[-1] == 503:
+            break
+        assert time.monotonic() - t < 2.0, "the decode's failure was hidden for 2 s"
+        time.sleep(0.05)
+    assert d.health_calls <= n + 2, d.health_calls
+
+
+@pytest.mark.parametrize("loop", ["uvloop", "asyncio"])
+def test_open_file_limit_is_raised_and_clients_past_it_get_a_clear_503(upstreams, proxy, loop):
+    """The proxy ran with the shell's soft open-file limit (often 1024):
+    many clients made accept() fail with EMFILE (asyncio: a traceback per
+    pending connection every second; uvloop: connections dropped without a
+    word) and upstream connects fail as "prefill unreachable".  Now the soft
+    limit is raised to the hard one at start (logged once), connections past
+    what it leaves room for are answered 503 naming the limit (logged once
+    per 10 s, counted), a request whose upstream connect finds no file
+    descriptor is a 503 saying so (the prefill is not marked down), and the
+    proxy serves again once connections close."""
+    import resource
+    p, d = upstreams("prefill", hold=1.0), upstreams("decode")
+
+    def low_limit():
+        resource.setrlimit(resource.RLIMIT_NOFILE, (40, 80))
+
+    url = proxy([p.url], [d.url], preexec_fn=low_limit, extra=("--loop", loop))
+    port = int(url.rsplit(":", 1)[1])
+    held = []
+    try:
+        refused = []
+        for _ in range(90):
+            s = socket.create_connection(("127.0.0.1", port), timeout=5)
+            s.settimeout(0.3)
+            try:
+                data = s.recv(65536)
+            except socket.timeout:
+                held.append(s)  # accepted and waiting for a request
+                continue
+            s.close()
+            refused.append(data)
+        assert refused and len(held) < 80, (len(held), len(refused))
+        assert all(r.startswith(b"HTTP/1.1 503") for r in refused), refused[:3]
+        msg = json.loads(refused[0].split(b"\r\n\r\n", 1)[1])["error"]["message"]
+        assert "open-file limit 80" in msg, msg
+        # A held connection still gets an answer.
+        s = held.pop()
+        s.settimeout(10)
+        s.sendall(b"GET /stats HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        data = recv_to_eof(s)
+        assert data.startswith(b"HTTP/1.1 200"), data[:300]
+        st = json.loads(data.split(b"\r\n\r\n", 1)[1])
+        assert st["fd_limit_refusals"] == len(refused), st
+    finally:
+        for s in held:
+            s.close()
+    assert wait_until(lambda: get_stats(url)["connections_open"] == 1, timeout=10)
+    # Requests held at the prefill (1 s) each take a client and an upstream
+    # connection: the clients past 40 are answered 503, the upstream
+    # connections past 8 (80 / 2 - 64, at least 8) wait for one: no EMFILE.
+    answers = []
+
+    def one(_):
+        try:
+            answers.append(post(url + "/v1/completions", {"prompt": "x", "max_tokens": 2}))
+        except OSError as e:
+            answers.append((repr(e), None))
+
+    in_threads(one, 45)
+    statuses = collections.Counter(a[0] for a in answers)
+    assert set(statuses) == {200, 503} and statuses[503] <= 5, answers
+    for st, ans in answers:
+        if st == 503:
+            assert "open-file limit 80" in ans["error"]["message"], ans
+    # Serving again once connections closed.
+    assert wait_until(lambda: post(url + "/v1/completions", {"prompt": "x"})[0] == 200,
+                      timeout=10)
+    assert get_stats(url)["prefill_failovers"] == 0
+    proc = proxy.procs[-1]
+    proc.terminate()
+    _, err = proc.communicate(timeout=10)
+    assert "Traceback" not in err, err[-3000:]
+    assert err.count("open-file limit raised from 40 to 80") == 1, err[-3000:]
+    assert "EMFILE" not in err and "Too many open files" not in err, err[-3000:]
+    assert "connection refused (503)" in err, err[-3000:]
+
+
+def test_running_out_of_file_descriptors_is_named_not_a_traceback(caplog):
+    """The backstops where the limits above are not enough (other files
+    open): an upstream connect failing with EMFILE is the proxy's own
+    limit, not the instance's failure (was "unreachable", a prefill marked
+    down and failed over); asyncio's accept() failing with EMFILE (was a
+    traceback per pending connection, every second) is one WARNING line
+    per 10 s."""
+    import errno
+    import aiohttp
+    from mooncake_connector import http_guard
+    from mooncake_connector.proxy import Proxy
+    emfile = OSError(errno.EMFILE, "Too many open files")
+    key = types.SimpleNamespace(host="127.0.0.1", port=8100, ssl=False)
+    exc = aiohttp.ClientConnectorError(key, emfile)
+    assert http_guard.out_of_fds(exc) and http_guard.out_of_fds(emfile)
+    assert not http_guard.out_of_fds(ConnectionRefusedError(errno.ECONNREFUSED, "refused"))
+    pr = Proxy(["http://127.0.0.1:8100"], ["http://127.0.0.1:8200"])
+    pr.nofile = 1024
+    msg = pr.upstream_failure("decode instance http://127.0.0.1:8200", exc, "unreachable")
+    assert "out of file descriptors" in msg and "open-file limit 1024" in msg, msg
+    resp = pr.no_fds("prefill instance http://127.0.0.1:8100", exc, "r1")
+    assert resp.status == 503 and pr.counts["fd_limit_errors"] == 1
+    loop = asyncio.new_event_loop()
+    try:
+        http_guard.quiet_fd_errors(loop, "the proxy")
+        with caplog.at_level("WARNING"):
+            for _ in range(100):
+                loop.call_exception_handler({"message": "socket.accept() out of system resource",
+                                             "exception": emfile})
+        lines = [r for r in caplog.records if "cannot accept connections" in r.getMessage()]
+        assert len(lines) == 1 and lines[0].exc_info is None, caplog.text
+        assert "Too many open files" in lines[0].getMessage()
+    finally:
+        loop.close()
