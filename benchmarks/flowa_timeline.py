@@ -125,6 +125,8 @@ def main(argv=None):
     ap.add_argument("--proxy-b", metavar="PATH",
                     help="a second flow a proxy importing mooncake_connector from PATH first")
     ap.add_argument("--label-b", default="b")
+    ap.add_argument("--warm-flowa", type=int, default=60,
+                    help="short warm-up requests per flow a proxy (partial first tokens settle)")
     ap.add_argument("--no-prefill-direct", action="store_true",
                     help="leave out the prefill_ns / prefill_s modes")
     ap.add_argument("--out", default="build/flowa_timeline.json")
@@ -184,6 +186,21 @@ def main(argv=None):
         for k, u in urls.items():  # warm-up
             for i in range(3):
                 one(u, body_of(k, prompt_of(max(lengths), 10_000 + i)), f"w{tag}-{k}-{i}")
+            # flow a: until the proxy has settled a partial first token on the
+            # decode instance (before that it holds such streams to the
+            # decode's first text: a start-up cost, counted apart below)
+            pid = next((p.proc.pid for p in [*dep.proxies.values(), *extra] if p.url == u), None)
+            for i in range(args.warm_flowa if k.startswith("flowa") else 0):
+                one(u, body_of(k, prompt_of(128, 20_000 + i)), f"w{tag}-{k}-s{i}")
+                if any(e["ev"] == "proxy_settled" and e["pid"] == pid
+                       for e in trace.read(tpath)):
+                    print(f"  {k}: a partial first token settled after {i + 1} warm-up "
+                          "requests", flush=True)
+                    break
+            else:
+                if k.startswith("flowa"):
+                    print(f"  {k}: no partial first token settled in {args.warm_flowa} "
+                          "warm-up requests (its partial streams are held)", flush=True)
         order = random.Random(43)
         for n in lengths:
             t0 = time.monotonic()
@@ -200,7 +217,7 @@ def main(argv=None):
                     after = scrape(srv[k], NAMES)
                     rec = {"mode": k, "n": n, "i": i, "rid": rid, "send": t_send,
                            "ttft_ms": r.ttft_s * 1e3, "first": t_send + r.ttft_s,
-                           "tokens": r.token_ids,
+                           "tokens": r.token_ids, "itl_ms": [x * 1e3 for x in r.itl_s],
                            "prompt_tokens": (r.usage or {}).get("prompt_tokens")}
                     for m in NAMES:
                         if m in after:
@@ -212,6 +229,17 @@ def main(argv=None):
                         rec["tokens"])]
                     rows.append(rec)
             print(f"  {n} words done ({time.monotonic() - t0:.0f} s)", flush=True)
+        from mooncake_connector.deployment import proxy_stats
+        meta["proxy_counts"] = {}
+        for k, u in urls.items():
+            if k.startswith("flowa"):
+                try:
+                    meta["proxy_counts"][k] = {
+                        c: v for c, v in proxy_stats(u).items()
+                        if c.startswith(("first_token", "finished_at", "decode_err"))}
+                except Exception as e:  # noqa: BLE001 - a report without them
+                    meta["proxy_counts"][k] = repr(e)
+                print(f"  {k} proxy counts: {meta['proxy_counts'][k]}", flush=True)
     finally:
         meta["load_after"] = os.getloadavg()
         serving.stop_all([p for p in dep.processes if p is not dep.metadata] + extra)
@@ -291,9 +319,16 @@ def report(rows, modes):
             groups["whole"] = [r for r in groups["all"]
                                if (r.get("points") or {}).get("partial") is False]
             groups["partial"] = [r for r in groups["all"]
-                                 if (r.get("points") or {}).get("partial")]
+                                 if (r.get("points") or {}).get("partial")
+                                 and "proxy_boundary_ask" in r["points"]]
+            # partial, held to the decode's first text (the decode instance
+            # has not settled one yet, or its last one failed)
+            groups["held"] = [r for r in groups["all"]
+                              if (r.get("points") or {}).get("partial")
+                              and "proxy_boundary_ask" not in r["points"]]
             print(f"  {k}: segments (per request, p50 ms), all / first token whole / "
-                  "partial (n " + " / ".join(str(len(v)) for v in groups.values()) + ")")
+                  "partial, released early / partial, held (n "
+                  + " / ".join(str(len(v)) for v in groups.values()) + ")")
             tot = dict.fromkeys(groups, 0.0)
             for label, a, b in SEGMENTS:
                 vals = {g: _pct([_seg(r, a, b) for r in xs]) for g, xs in groups.items()}
@@ -311,6 +346,10 @@ def report(rows, modes):
             print(f"    {'(TTFT p50)':<48} " + " ".join(_f(s[f'ttft_{g}_{k}']) for g in groups))
             print(f"    {'(paired TTFT - colocated, median)':<48} "
                   + " ".join(_f(s[f'paired_{g}_{k}']) for g in groups))
+            for g, xs in groups.items():
+                s[f"gap12_{g}_{k}"] = _pct([r["itl_ms"][0] for r in xs if r.get("itl_ms")])
+            print(f"    {'(gap token 1 -> 2 p50)':<48} "
+                  + " ".join(_f(s[f'gap12_{g}_{k}']) for g in groups))
         out[n] = s
     return out
 

@@ -405,6 +405,8 @@ async def stream(proxy, request, plan, dec_url, headers, rid, t_pre=None):
         err = await _relay_decode(proxy, out, plan, dec_url, headers)
     except Unsettled as e:
         proxy.partial_settled.discard(dec_url)
+        if trace.ON:
+            trace.event("proxy_unsettled", rid, dec=dec_url)
         if out.hold:  # nothing sent: the request can take the seed's path
             plan.unsettled = str(e)
             return None
@@ -610,6 +612,8 @@ async def _relay_decode(proxy, out, plan, dec_url, headers):
                 if settled:
                     plan.settling = False
                     proxy.partial_settled.add(dec_url)
+                    if trace.ON:
+                        trace.event("proxy_settled", headers.get("X-Request-Id"), dec=dec_url)
                 try:
                     chunk = plan.rewrite(ev) if isinstance(ev, dict) else False
                 except (AttributeError, TypeError, KeyError, ValueError):
