@@ -129,9 +129,15 @@ def main(argv=None):
                     help="short warm-up requests per flow a proxy (partial first tokens settle)")
     ap.add_argument("--no-prefill-direct", action="store_true",
                     help="leave out the prefill_ns / prefill_s modes")
+    ap.add_argument("--pool", nargs="+", metavar="JSON[:MODE]",
+                    help="no run: the tables over the requests of earlier runs' --out "
+                         "together; MODE: that run's flow a proxy to count as flowa (e.g. "
+                         "run.json:flowa_base), its other flow a proxies left out")
     ap.add_argument("--out", default="build/flowa_timeline.json")
     ap.add_argument("--workdir")
     args = ap.parse_args(argv)
+    if args.pool:
+        return pool(args.pool, args.out)
     lengths = [int(x) for x in args.lengths.split(",")]
     workdir = args.workdir or tempfile.mkdtemp(prefix="mc-flowa-")
     tpath = os.path.join(workdir, "trace.jsonl")
@@ -260,6 +266,34 @@ def main(argv=None):
         json.dump({"summary": summary, "rows": rows}, f, indent=1)
     print(f"load average before/after: {meta['load_before']} / {meta['load_after']}")
     print(f"wrote {args.out} (trace {tpath})")
+    return 0
+
+
+def pool(specs, out):
+    """--pool: several runs' rows as one run's tables (prompts paired within
+    their run: "i" made unique per run)."""
+    rows, modes, meta = [], [], []
+    for j, spec in enumerate(specs):
+        path, _, take = spec.partition(":")
+        take = take or "flowa"
+        with open(path) as f:
+            d = json.load(f)
+        meta.append({"path": path, "flowa": take, **{k: d["summary"].get(k) for k in (
+            "date", "command", "load_before", "load_after")}})
+        for r in d["rows"]:
+            m = r["mode"]
+            if m.startswith("flowa"):
+                if m != take:
+                    continue
+                m = "flowa"
+            rows.append(dict(r, mode=m, i=f"{j}x{r['i']}"))
+            if m not in modes:
+                modes.append(m)
+    summary = report(rows, modes)
+    summary["pooled_from"] = meta
+    with open(out, "w") as f:
+        json.dump({"summary": summary}, f, indent=1)
+    print(f"wrote {out}")
     return 0
 
 
