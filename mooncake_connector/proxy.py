@@ -445,10 +445,16 @@ class Proxy:
         while attempt < len(order):
             idx = order[attempt]
             pre_url = self.prefill[idx]
+            if trace.ON:
+                trace.event("proxy_pre_post", rid, up=headers["X-Request-Id"])
             try:
                 async with self.session.post(pre_url + request.path, json=pre_body,
                                              headers=headers) as r:
+                    if trace.ON:
+                        trace.event("proxy_pre_head", rid)
                     pre_text = await r.read()
+                    if trace.ON:
+                        trace.event("proxy_pre_body", rid)
                     if r.status != 200:
                         self.counts["prefill_errors"] += 1
                         logger.warning("prefill %s answered %d for %s", pre_url, r.status, rid)

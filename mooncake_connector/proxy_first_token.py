@@ -51,6 +51,8 @@ import time
 import aiohttp
 from aiohttp import web
 
+from mooncake_connector import trace
+
 #: Fields the fast path carries over, unchanged, to the decode leg.
 SAMPLING = ("model", "temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty",
             "stop_token_ids", "ignore_eos", "skip_special_tokens",
@@ -331,8 +333,9 @@ class _Out:
     request can still take the seed's path; the first write after that
     starts it and sends what was kept first."""
 
-    def __init__(self, request, resp, hold):
+    def __init__(self, request, resp, hold, rid=None):
         self.request, self.resp, self.hold, self.kept = request, resp, hold, []
+        self.rid = rid  # MC_TRACE: the first bytes written are traced
         self.started = resp.prepared
         # the relay and the early release (_release_when_checked) both write
         self.lock = asyncio.Lock()
@@ -353,6 +356,9 @@ class _Out:
             data, self.kept = b"".join(self.kept) + data, []
             if data:
                 await _write(self.resp, data)
+                if self.rid is not None and trace.ON:
+                    trace.event("proxy_first_out", self.rid)
+                    self.rid = None
 
 
 class Unsettled(Exception):
@@ -376,7 +382,9 @@ async def stream(proxy, request, plan, dec_url, headers, rid, t_pre=None):
         except (ConnectionResetError, aiohttp.ClientConnectionError):
             return resp  # the client left before its first byte
         counts["first_token_from_prefill"] += 1
-    out = _Out(request, resp, plan.partial)
+    out = _Out(request, resp, plan.partial, rid)
+    if trace.ON:
+        trace.event("proxy_plan", rid, partial=plan.partial, done=plan.done)
     try:
         await out.write(plan.first_chunks())
     except ClientGone:
@@ -397,6 +405,8 @@ async def stream(proxy, request, plan, dec_url, headers, rid, t_pre=None):
         err = await _relay_decode(proxy, out, plan, dec_url, headers)
     except Unsettled as e:
         proxy.partial_settled.discard(dec_url)
+        if trace.ON:
+            trace.event("proxy_unsettled", rid, dec=dec_url)
         if out.hold:  # nothing sent: the request can take the seed's path
             plan.unsettled = str(e)
             return None
@@ -476,7 +486,11 @@ async def _release_when_checked(proxy, out, plan, dec_url, headers):
     stream with an error, counted, never wrong text).  Where the check fails
     the stream stays held (the seed's path remains)."""
     try:
+        if trace.ON:
+            trace.event("proxy_boundary_ask", out.rid)
         await _boundary(proxy, plan, dec_url, headers)
+        if trace.ON:
+            trace.event("proxy_boundary_ok", out.rid)
         if out.hold and plan.settling:
             await _release(proxy, out, plan, b"")
     except (Unsettled, ClientGone):
@@ -598,6 +612,8 @@ async def _relay_decode(proxy, out, plan, dec_url, headers):
                 if settled:
                     plan.settling = False
                     proxy.partial_settled.add(dec_url)
+                    if trace.ON:
+                        trace.event("proxy_settled", headers.get("X-Request-Id"), dec=dec_url)
                 try:
                     chunk = plan.rewrite(ev) if isinstance(ev, dict) else False
                 except (AttributeError, TypeError, KeyError, ValueError):

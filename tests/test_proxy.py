@@ -2066,3 +2066,48 @@ def test_running_out_of_file_descriptors_is_named_not_a_traceback(caplog):
         assert "Too many open files" in lines[0].getMessage()
     finally:
         loop.close()
+
+def test_flow_a_fast_path_traced(vllm_like, proxy, tmp_path):
+    """MC_TRACE on the proxy: a fast-path request's points in order (read,
+    prefill POST with the upstream id, answer head and body, plan, first
+    bytes out), a partial first token's boundary check before its early
+    release, the decode instance settling one; and benchmarks/
+    flowa_timeline.py's points() reading them back by the request id."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__))), "benchmarks"))
+    try:
+        import flowa_timeline
+    finally:
+        sys.path.pop(0)
+    from mooncake_connector import trace
+    path = str(tmp_path / "t.jsonl")
+    p = vllm_like("prefill")
+    url = proxy([p.url], [vllm_like("decode").url], env={**os.environ, "MC_TRACE": path})
+    body = {"model": "m", "prompt": "a b c", "max_tokens": 3, "stream": True}
+    assert post(url + "/v1/completions", body, headers={"X-Request-Id": "whole-1"},
+                raw=True)[0] == 200
+    pts = flowa_timeline.points(trace.read(path), "whole-1")
+    order = ["proxy_in", "proxy_pre_post", "proxy_pre_head", "proxy_pre_body", "proxy_plan",
+             "proxy_first_out"]
+    assert all(k in pts for k in order), pts
+    assert [pts[k] for k in order] == sorted(pts[k] for k in order), pts
+    assert pts["partial"] is False and "proxy_boundary_ask" not in pts
+    up = [e for e in trace.read(path) if e["ev"] == "proxy_pre_post"]
+    assert up[0]["up"] == "whole-1", up
+
+    # a partial first token: held on the first request, released early on
+    # the next, after the boundary check
+    p2 = vllm_like("prefill", first_text="")
+    d2 = vllm_like("decode", partial="whole", detokenize=True)
+    path2 = str(tmp_path / "t2.jsonl")
+    url2 = proxy([p2.url], [d2.url], env={**os.environ, "MC_TRACE": path2})
+    body2 = {"model": "m", "prompt": "a b", "max_tokens": 3, "stream": True}
+    for rid in ("held-1", "early-1"):
+        assert post(url2 + "/v1/completions", body2, headers={"X-Request-Id": rid},
+                    raw=True)[0] == 200
+    ev = trace.read(path2)
+    held, early = (flowa_timeline.points(ev, r) for r in ("held-1", "early-1"))
+    assert held["partial"] and "proxy_boundary_ask" not in held, held
+    assert early["partial"] and early["proxy_plan"] < early["proxy_boundary_ask"] \
+        < early["proxy_boundary_ok"] <= early["proxy_first_out"], early
+    assert [e["ev"] for e in ev].count("proxy_settled") >= 1

@@ -693,9 +693,9 @@ class SchedulerSide:
                 # comes for it (docs/connector.md, Push flow).
                 push = _push_mode(self.s, params)
                 lw = params.get("push_layerwise")
-                if trace.ON and push:
-                    trace.event("sched_publish", transfer_id(params), n_sched=n_sched,
-                                arrival_w=getattr(req, "arrival_time", None))
+                if trace.ON:  # a pull's (flows a, b): keyed by vLLM's request id
+                    trace.event("sched_publish", transfer_id(params) if push else rid,
+                                n_sched=n_sched, arrival_w=getattr(req, "arrival_time", None))
                 self._publishes.append(PublishSpec(rid, list(req.prompt_token_ids[:n_full]),
                                                    groups[0], more_groups=groups[1:],
                                                    push_tid=transfer_id(params) if push else None,
@@ -748,6 +748,8 @@ class SchedulerSide:
         params = getattr(request, "kv_transfer_params", None) or {}
         if n is not None:
             self._held.append(rid)
+            if trace.ON and not _push_mode(self.s, params):
+                trace.event("sched_finished", rid)
         if not params.get("do_remote_decode"):
             return n is not None, None
         push = _push_mode(self.s, params)

@@ -78,6 +78,8 @@ class WorkerSide:
         if trace.ON:
             self._traced = [x.push_tid for x in (*meta.loads, *meta.publishes)
                             if getattr(x, "push_tid", None)]
+            # a prompt published for a pull (flows a, b): keyed by vLLM's id
+            self._traced += [p.req_id for p in meta.publishes if not p.push_tid]
             for tid in self._traced:
                 trace.event("step_bound", tid, rank=self.tp_rank)
         self.publishes.on_held(meta.held)
@@ -156,6 +158,9 @@ class WorkerSide:
         for tid in self._traced:
             trace.event("fwd_end", tid, rank=self.tp_rank)
         self.publishes.publish(meta)
+        if meta.publishes:
+            for tid in self._traced:
+                trace.event("published", tid, rank=self.tp_rank)
         if self.push_p is not None and self.push_p.jobs:
             self.push_p.flush_layers()  # decode attention waiting per layer: tell it now
             for tid in self._traced:
