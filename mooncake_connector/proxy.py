@@ -781,7 +781,10 @@ class Proxy:
         # request_ids_in_flight: client X-Request-Ids held now (a flow push
         # request's until its prefill leg ended, after the client's answer)
         # connections_open: client connections open now (None: not counted)
+        # partial_settled_decodes: decode instances whose partial first tokens
+        # are released before the decode's text (proxy_first_token)
         return web.json_response(dict(self.counts, request_ids_in_flight=len(self._ids_in_flight),
+                                      partial_settled_decodes=len(self.partial_settled),
                                       connections_open=self._open_conns and self._open_conns[0],
                                       body_bytes_in_flight=self._body_bytes,
                                       latency_ms=self.latency_summary(

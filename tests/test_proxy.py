@@ -914,7 +914,9 @@ def test_partial_first_token_released_early_once_the_decode_settled_one(vllm_lik
     url = proxy([p.url], [d.url])
     body = {"model": "m", "prompt": "a b", "max_tokens": 3, "stream": True}
     d.first_delay = 1.0
+    assert get_stats(url)["partial_settled_decodes"] == 0
     held_s, ev1 = _first_chunk_s(url, body)           # first on this instance: held
+    assert get_stats(url)["partial_settled_decodes"] == 1   # what serving_bench warms up to
     early_s, ev2 = _first_chunk_s(url, body)          # settled one before: released early
     assert held_s >= 1.0 > 0.8 > early_s, (held_s, early_s)
     want = [c["text"] for e in ev1[:-1] for c in e["choices"]]
@@ -926,6 +928,7 @@ def test_partial_first_token_released_early_once_the_decode_settled_one(vllm_lik
     assert "something else" not in json.dumps(ev3)
     st = get_stats(url)
     assert st["first_token_partial_unsettled"] == 1 and st["first_token_partial"] == 3, st
+    assert st["partial_settled_decodes"] == 0, st
     _, ev4 = _first_chunk_s(url, body)                 # held again: the seed's path
     assert ev4[-1] == "[DONE]" and all(e["id"] == "dec" for e in ev4[:-1]), ev4
     st = get_stats(url)
