@@ -59,3 +59,116 @@ def test_layer_read_lands_each_layer_before_its_attention(sides_both):
     assert counted(d, "push_layer_reads") == 1
     if os.environ["MC_SAME_HOST_CPU"] == "1":
         assert ds["same_host_cpu_bytes_read"] >= 4 * d.worker._worker.layout.bytes_per_block()
+
+
+# A producer process: serves W1 (the warm-up: the decode learns who it is)
+# and S2; in S2's forward, after layer 0's save (announced or written), it
+# stops itself (SIGSTOP); resumed, it steps 3 s more, then prints its
+# engine's write counters and exits.
+STOP_CHILD = """
+import json, os, signal, sys, time
+sys.path.insert(0, sys.argv[1])
+from test_push_layer_load import AttnSide, BS, pp, make_request, toks
+p = AttnSide(sys.argv[2], "kv_producer", json.loads(sys.argv[3]), block_size=BS)
+seed = int(sys.argv[4])
+w = p.workers[0]
+pw = p.worker._worker
+orig = w.save_kv_layer
+state = {}
+def save(name, kv, md, **kw):
+    orig(name, kv, md, **kw)
+    if "S2" in pw.push_p.jobs and "stopped" not in state:
+        state["stopped"] = True
+        pw.push_p.flush_layers()
+        time.sleep(0.2)  # layer 0 announced (read) / written and told (write)
+        print("stopping", flush=True)
+        os.kill(os.getpid(), signal.SIGSTOP)
+        state["resumed"] = time.monotonic()
+w.save_kv_layer = save
+added = set()
+print("ready", flush=True)
+while "resumed" not in state or time.monotonic() - state["resumed"] < 3.0:
+    for tid, s in (("W1", seed), ("S2", seed + 1)):
+        if tid not in added and tid in pw.push_p.early:
+            p.add(make_request("p" + tid, toks(s, 3 * BS + 4), max_tokens=1, params=pp(tid)))
+            added.add(tid)
+    p.step()
+    time.sleep(0.001)
+st = pw.engine.get_stats()
+print("stats " + json.dumps({"written": st["same_host_cpu_bytes_written"],
+                             "ops": st["same_host_cpu_ops"]}), flush=True)
+"""
+
+
+def _stopped_mid_request(sides, model_dir, urls, read, seed):  # noqa: F811
+    """The decode's step with a layer load whose same-host producer stops
+    after layer 0: (how long the step took, the decode, the prompt, the
+    producer's same-host CPU bytes written before / after its stop)."""
+    d = None
+    child = subprocess.Popen(
+        [sys.executable, "-c", STOP_CHILD, os.path.dirname(os.path.abspath(__file__)),
+         model_dir, json.dumps(urls), str(seed)], stdout=subprocess.PIPE, text=True)
+    try:
+        _child_ready(child)
+        d = sides("kv_consumer", flow_a=False, push_layer_load=True, push_layer_timeout_s=3.0,
+                  push_layer_read=read, push_layer_read_stall_s=0.5, push_layer_load_max_batch=1)
+        d.add(make_request("w", toks(seed, 3 * BS + 4), max_tokens=2, params=dp("W1")))
+        assert d.run_until(lambda: "w" not in d.sched.requests, steps=5000)
+        assert d.seen.get("w") == [True, True] and recomputes(d) == {}, recomputes(d)
+        before = eng_stats(d)
+        t = toks(seed + 1, 3 * BS + 4)
+        # a running stream the layer load's step stalls with it
+        d.add(make_request("r", toks(seed + 2, 2 * BS + 3), max_tokens=200))
+        d.step()
+        d.add(make_request("q", t, max_tokens=40, params=dp("S2")))
+        t0 = time.monotonic()
+        d.step()  # the layer load's step (layer 0 in, then the producer stops)
+        took = time.monotonic() - t0
+        _child_ready(child, "stopping")
+        assert d.invalid, "the layer load did not fail"
+        # the request recomputes its prompt and goes on (the producer stopped)
+        assert d.run_until(lambda: d.computed.get("q", 0) >= 4 + len(t) + 3, steps=500)
+        # ("r" has no kv_transfer_params: counted no_kv_transfer_params)
+        assert recomputes(d).get("timed_out") == 1, recomputes(d)
+        os.kill(child.pid, signal.SIGCONT)
+        for line in child.stdout:
+            if line.startswith("stats "):
+                written = json.loads(line[6:])["written"]
+                break
+        else:
+            raise AssertionError("the producer child ended without its stats")
+        assert child.wait(30) == 0
+        ok = d.block_matches_pattern("q", t, 3)
+        assert d.run_until(lambda: "q" not in d.sched.requests, steps=5000)
+        return took, d, ok, before, written
+    finally:
+        if d is not None:
+            d.close()  # the next mode's decode takes the same address
+        if child.poll() is None:
+            os.kill(child.pid, signal.SIGCONT)
+            child.kill()
+        child.wait()
+
+
+def test_stopped_producer_read_gives_up_fast_write_waits_the_lease(sides, model_dir, urls,
+                                                                     monkeypatch):  # noqa: F811
+    """A same-host producer SIGSTOPped after layer 0 of a layer load, with a
+    running stream in the decode's batch.  Write mode (the baseline, same
+    test): the step waits the lease + grace (3 + 2 s: the stopped process
+    might still copy into the blocks).  Read mode: the step ends
+    push_layer_read_stall_s (0.5 s) after layer 0 was announced; the prompt
+    is recomputed, its KV right, and the producer's engine wrote no byte
+    (before or after it resumed; write mode: it wrote layer 0)."""
+    monkeypatch.setenv("MC_SAME_HOST_CPU", "1")
+    res = {}
+    for mode, seed in (("write", 60), ("read", 70)):
+        res[mode] = _stopped_mid_request(sides, model_dir, urls, mode == "read", seed)
+        print(f"{mode}: the decode's step (a running stream in it) took "
+              f"{res[mode][0]:.3f} s; producer wrote {res[mode][4]} bytes")
+    wt, rt = res["write"][0], res["read"][0]
+    assert wt >= 3.0, wt  # the baseline stalls the lease + grace
+    assert rt < 1.5, rt   # 0.5 s of silence + a step on a loaded 2-core host
+    for mode in res:
+        assert res[mode][2], f"{mode}: the recomputed prompt's KV is wrong"
+    assert res["write"][4] > 0  # the baseline's producer copies into the decode's blocks
+    assert res["read"][4] == 0  # read mode: it never writes
