@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -18,8 +19,8 @@ vllm = pytest.importorskip("vllm", reason="vllm is not installed (scripts/env.sh
 
 from test_connector_vllm import BS, model_dir, toks, urls  # noqa: E402,F401
 from test_push import _child_ready  # noqa: E402
-from test_push_layer_load import (Stepper, both_legs, counted, dp,  # noqa: E402,F401
-                                  sides, sides_both)
+from test_push_layer_load import (Stepper, both_legs, counted, dp, pp,  # noqa: E402,F401
+                                  sides, sides_both, target_first)
 from vllm_harness import RequestStatus, counters, make_request, recomputes, status  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -61,6 +62,37 @@ def test_layer_read_lands_each_layer_before_its_attention(sides_both):
         assert ds["same_host_cpu_bytes_read"] >= 4 * d.worker._worker.layout.bytes_per_block()
 
 
+
+def test_each_layer_is_announced_before_the_prefill_forward_ends(sides):
+    """Layers are announced as they are computed, not after the producer's
+    forward: the decode's step reads every layer and ends while the
+    producer's forward is still held after its last layer's save (5 s).
+    Seen failing (took 5.0 s) when read targets were left out of the
+    forward's per-layer path (announced only at the forward's end)."""
+    hold = threading.Event()
+    p = sides("kv_producer", hold_at_end=hold)
+    d = sides("kv_consumer", flow_a=False, push_layer_load=True, push_layer_read=True,
+              push_layer_read_stall_s=10.0)
+    t = toks(41, 48 * BS + 3)
+    p.add(make_request("pq", t, max_tokens=1, params=pp("R10")))
+    d.add(make_request("q", t, max_tokens=2, params=dp("R10")))
+    run = Stepper(p, before=target_first(p, "R10"))
+    try:
+        t0 = time.monotonic()
+        so = d.step()
+        took = time.monotonic() - t0
+        hold.set()
+        assert so.num_scheduled_tokens.get("q") == 3
+        assert d.seen.get("q") == [True, True] and not d.invalid
+        assert took < 3.0, took
+        assert d.run_until(lambda: "q" not in d.sched.requests, steps=50)
+    finally:
+        hold.set()
+        run.join()
+    assert p.run_until(lambda: p.is_empty(), steps=500) and d.is_empty()
+    assert recomputes(d) == {} and counted(d, "push_layer_reads") == 1
+    assert eng_stats(p)["same_host_cpu_bytes_written"] == 0
+
 # A producer process: serves W1 (the warm-up: the decode learns who it is)
 # and S2; in S2's forward, after layer 0's save (announced or written), it
 # stops itself (SIGSTOP); resumed, it steps 3 s more, then prints its
@@ -82,7 +114,7 @@ def save(name, kv, md, **kw):
         pw.push_p.flush_layers()
         time.sleep(0.2)  # layer 0 announced (read) / written and told (write)
         print("stopping", flush=True)
-        os.kill(os.getpid(), signal.SIGSTOP)
+        os.kill(os.getpid(), signal.SIGKILL if sys.argv[5] == "kill" else signal.SIGSTOP)
         state["resumed"] = time.monotonic()
 w.save_kv_layer = save
 added = set()
@@ -107,7 +139,7 @@ def _stopped_mid_request(sides, model_dir, urls, read, seed):  # noqa: F811
     d = None
     child = subprocess.Popen(
         [sys.executable, "-c", STOP_CHILD, os.path.dirname(os.path.abspath(__file__)),
-         model_dir, json.dumps(urls), str(seed)], stdout=subprocess.PIPE, text=True)
+         model_dir, json.dumps(urls), str(seed), "stop"], stdout=subprocess.PIPE, text=True)
     try:
         _child_ready(child)
         d = sides("kv_consumer", flow_a=False, push_layer_load=True, push_layer_timeout_s=3.0,
@@ -172,3 +204,42 @@ def test_stopped_producer_read_gives_up_fast_write_waits_the_lease(sides, model_
         assert res[mode][2], f"{mode}: the recomputed prompt's KV is wrong"
     assert res["write"][4] > 0  # the baseline's producer copies into the decode's blocks
     assert res["read"][4] == 0  # read mode: it never writes
+
+
+@pytest.mark.parametrize("read", [False, True], ids=["write", "read"])
+def test_producer_sigkilled_mid_read_recomputes(sides, model_dir, urls, monkeypatch,
+                                                read):  # noqa: F811
+    """A same-host producer SIGKILLed after layer 0 of a layer load: the
+    step ends at once (its connections drop), the prompt is recomputed
+    (producer_unreachable), its KV right, nothing held or hanging; the
+    same for both modes."""
+    monkeypatch.setenv("MC_SAME_HOST_CPU", "1")
+    child = subprocess.Popen(
+        [sys.executable, "-c", STOP_CHILD, os.path.dirname(os.path.abspath(__file__)),
+         model_dir, json.dumps(urls), "80", "kill"], stdout=subprocess.PIPE, text=True)
+    try:
+        _child_ready(child)
+        d = sides("kv_consumer", flow_a=False, push_layer_load=True, push_layer_timeout_s=10.0,
+                  push_layer_read=read, push_layer_read_stall_s=5.0)
+        d.add(make_request("w", toks(80, 3 * BS + 4), max_tokens=2, params=dp("W1")))
+        assert d.run_until(lambda: "w" not in d.sched.requests, steps=5000)
+        assert d.seen.get("w") == [True, True] and recomputes(d) == {}, recomputes(d)
+        t = toks(81, 3 * BS + 4)
+        d.add(make_request("q", t, max_tokens=40, params=dp("S2")))
+        t0 = time.monotonic()
+        d.step()
+        took = time.monotonic() - t0
+        assert child.wait(10) == -signal.SIGKILL
+    finally:
+        child.kill()
+        child.wait()
+    print(f"{'read' if read else 'write'}: step ended {took:.3f} s after it began")
+    assert took < 2.0, took  # not the stall bound (5 s) nor the lease (10 s)
+    assert d.seen.get("q") == [True, False], d.seen
+    assert d.invalid
+    assert d.run_until(lambda: d.computed.get("q", 0) >= 4 + len(t) + 3, steps=500)
+    assert d.block_matches_pattern("q", t, 3)
+    assert d.run_until(lambda: "q" not in d.sched.requests, steps=5000)
+    assert recomputes(d) == {"producer_unreachable": 1}, recomputes(d)
+    assert counted(d, "push_layer_reads") == (2 if read else 0)
+    assert d.is_empty()

@@ -1099,6 +1099,9 @@ class PushConsumer:
         now = time.monotonic()
         if li in cl.rreq[name]:
             return "wait"  # our read of it is in flight (it completes: our own I/O)
+        if name in cl.lost:  # its connection went (peer_lost): gone, not merely silent
+            cl.failed = cl.why.get(name) or f"producer {name}: its connection was lost"
+            return "failed"
         stall = self.w.s.push_layer_read_stall_s
         if now - cl.last_note >= stall or now >= cl.deadline:
             cl.failed = (f"producer {name}: no layer announced for {now - cl.last_note:.2f} s "
@@ -1686,10 +1689,10 @@ class PushProducer:
             done = (job.ready if cpu else job.queued) - {li}
             tells = not cpu or self._engine_tells(job)
             for tg in job.targets.values():
-                if tg.state not in ("pending", "writing") or tg.cancel or tg.stop:
+                if getattr(tg, "read", False) and tg.state in ("pending", "lent"):
+                    rest = True  # layer read: announced by the per-target path (_submit)
                     continue
-                if tg.read:  # layer read: announced by the per-target path (_submit)
-                    rest = True
+                if tg.state not in ("pending", "writing") or tg.cancel or tg.stop:
                     continue
                 if tg.garr is None or li in tg.layers_sent or tg.layers_sent != done or \
                         (cpu and not (tells and tg.lnotify)):
