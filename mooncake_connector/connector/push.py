@@ -1097,12 +1097,12 @@ class PushConsumer:
         if cl.ranks[name] == "done" or li in cl.rok[name]:
             return "ok"
         now = time.monotonic()
-        if li in cl.rreq[name]:
-            return "wait"  # our read of it is in flight (it completes: our own I/O)
         if name in cl.lost:  # its connection went (peer_lost): gone, not merely silent
             cl.failed = cl.why.get(name) or f"producer {name}: its connection was lost"
             return "failed"
         stall = self.w.s.push_layer_read_stall_s
+        # (a read of ours still in flight that long, e.g. over TCP from a
+        # stopped producer, is given up too: poll() cancels our reads)
         if now - cl.last_note >= stall or now >= cl.deadline:
             cl.failed = (f"producer {name}: no layer announced for {now - cl.last_note:.2f} s "
                          f"(push_layer_read_stall_s={stall:g}) while waiting for layer {li} "
@@ -1319,6 +1319,7 @@ class _Served:
     state = "cancelled"
     batches = ()
     lnotify = False
+    read = False
 
 
 class ProducerJob:
