@@ -93,6 +93,47 @@ def test_each_layer_is_announced_before_the_prefill_forward_ends(sides):
     assert recomputes(d) == {} and counted(d, "push_layer_reads") == 1
     assert eng_stats(p)["same_host_cpu_bytes_written"] == 0
 
+
+def test_a_producer_that_writes_instead_keeps_the_write_rules(sides, monkeypatch):
+    """Version skew: a producer that ignores "rd" writes the layers and
+    tells them with plain "layer" notes.  The decode takes that rank under
+    the write rules (each layer landed as its note comes, not at the
+    producer's "done"; the fence and the hold if it went silent), reads
+    nothing, and the load lands.  The producer's forward is held 5 s after
+    its last save: without the write rules the decode waited for "done"
+    after it (seen failing: took 5.0 s)."""
+    from mooncake_connector.connector import push as push_mod
+    init = push_mod.Target.__init__
+
+    def old_producer(self, *a, **kw):
+        init(self, *a, **kw)
+        self.read = False  # what a producer without push_layer_read does
+    monkeypatch.setattr(push_mod.Target, "__init__", old_producer)
+    hold = threading.Event()
+    p = sides("kv_producer", hold_at_end=hold)
+    d = sides("kv_consumer", flow_a=False, push_layer_load=True, push_layer_read=True,
+              push_layer_read_stall_s=10.0)
+    t = toks(33, 48 * BS + 3)
+    p.add(make_request("pq", t, max_tokens=1, params=pp("R3")))
+    d.add(make_request("q", t, max_tokens=2, params=dp("R3")))
+    run = Stepper(p, before=target_first(p, "R3"))
+    try:
+        t0 = time.monotonic()
+        d.step()
+        took = time.monotonic() - t0
+        hold.set()
+        assert d.seen.get("q") == [True, True] and not d.invalid, d.seen
+        assert took < 3.0, took
+        assert d.run_until(lambda: "q" not in d.sched.requests, steps=50)
+    finally:
+        hold.set()
+        run.join()
+    assert p.run_until(lambda: p.is_empty(), steps=500)
+    assert d.is_empty() and recomputes(d) == {}
+    assert counted(d, "push_layer_reads") == 0
+    assert counters(p).get("push_bytes", 0) > 0  # it wrote
+
+
 # A producer process: serves W1 (the warm-up: the decode learns who it is)
 # and S2; in S2's forward, after layer 0's save (announced or written), it
 # stops itself (SIGSTOP); resumed, it steps 3 s more, then prints its
