@@ -284,3 +284,15 @@ def test_producer_sigkilled_mid_read_recomputes(sides, model_dir, urls, monkeypa
     assert recomputes(d) == {"producer_unreachable": 1}, recomputes(d)
     assert counted(d, "push_layer_reads") == (2 if read else 0)
     assert d.is_empty()
+
+
+def test_stopped_producer_read_over_tcp_gives_up_fast(sides, model_dir, urls,
+                                                      monkeypatch):  # noqa: F811
+    """Read mode over TCP (MC_SAME_HOST_CPU=0: the decode's READs go to the
+    producer's engine, which answers them): the same stop after layer 0
+    ends the step at the stall bound, the prompt recomputed, its KV right."""
+    monkeypatch.setenv("MC_SAME_HOST_CPU", "0")
+    took, d, ok, _, written = _stopped_mid_request(sides, model_dir, urls, True, 90)
+    print(f"read over TCP: the decode's step took {took:.3f} s")
+    assert took < 1.5, took
+    assert ok and written == 0
