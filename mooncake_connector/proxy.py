@@ -121,7 +121,7 @@ class Proxy:
                  prefill_down_s=5.0, prefill_engines=(), push_layerwise=None,
                  push_layer_load=None, push_layer_watch=None,
                  header_timeout=http_guard.HEADER_TIMEOUT_S, body_budget=BODY_BUDGET,
-                 body_timeout=http_guard.BODY_TIMEOUT_S):
+                 body_timeout=http_guard.BODY_TIMEOUT_S, push_layer_read=None):
         self.passthrough = [u.rstrip("/") for u in passthrough]
         if self.passthrough and (prefill or decode):
             raise ValueError("--passthrough takes no --prefill/--decode")
@@ -140,6 +140,7 @@ class Proxy:
         self.push_layerwise = push_layerwise
         self.push_layer_load = push_layer_load
         self.push_layer_watch = push_layer_watch
+        self.push_layer_read = push_layer_read
         self.decode = [u.rstrip("/") for u in decode] or self.passthrough
         self.flow = flow
         self.first_token = first_token
@@ -565,6 +566,8 @@ class Proxy:
             dp["remote_engine_id"] = self.prefill_engines[idx]
         if self.push_layer_load is not None:
             dp["push_layer_load"] = self.push_layer_load
+        if self.push_layer_read is not None:
+            dp["push_layer_read"] = self.push_layer_read
         dec_body = dict(body, kv_transfer_params=dp)
         marks = {"in": t_in}
         trace.event("proxy_dispatch", tid, rid=rid)
@@ -1085,6 +1088,12 @@ def _parser():
                          "request of the decode's step waits with it), waits for the whole "
                          "prompt before scheduling it (off), or the decode server's "
                          "push_layer_load setting (server); docs/connector.md, Layer load")
+    ap.add_argument("--push-layer-read", choices=["server", "on", "off"], default="server",
+                    help="flow push with layer load: the decode reads each layer from the "
+                         "prefill's blocks itself once told it is computed (on; a silent "
+                         "prefill is given up after the decode's push_layer_read_stall_s), "
+                         "the prefill writes it (off), or the decode server's "
+                         "push_layer_read setting (server); docs/connector.md, Layer read")
     ap.add_argument("--push-layer-watch", choices=["server", "on", "off"], default="server",
                     help="flow push with layer load: the prefill tells the decode each layer "
                          "as its writes land, from a thread (on), or from vLLM's forward "
@@ -1128,6 +1137,7 @@ def _check_upstreams(ap, args):
             ("flow", args.flow, "a"), ("first_token", args.first_token, "prefill"),
             ("push_layerwise", args.push_layerwise, "server"),
             ("push_layer_load", args.push_layer_load, "server"),
+            ("push_layer_read", args.push_layer_read, "server"),
             ("push_layer_watch", args.push_layer_watch, "server")) if v != d]
         if given:
             ap.error(f"{', '.join(given)}: --passthrough has no prefill step, so these "
@@ -1148,6 +1158,7 @@ def _check_upstreams(ap, args):
         ap.error("--prefill-engine is for --flow push")
     pushed = [f"--{k.replace('_', '-')} {v}" for k, v in (
         ("push_layerwise", args.push_layerwise), ("push_layer_load", args.push_layer_load),
+        ("push_layer_read", args.push_layer_read),
         ("push_layer_watch", args.push_layer_watch)) if v != "server"]
     if pushed and args.flow != "push" and not args.passthrough:
         ap.error(f"{', '.join(pushed)}: for --flow push only (flow {args.flow} sends no push "
@@ -1262,7 +1273,8 @@ def main(argv=None):
                   {"server": None, "on": True, "off": False}[args.push_layer_load],
                   {"server": None, "on": True, "off": False}[args.push_layer_watch],
                   args.header_timeout, int(args.body_budget_mb * (1 << 20)),
-                  args.body_timeout)
+                  args.body_timeout,
+                  {"server": None, "on": True, "off": False}[args.push_layer_read])
     run_loop, loop_name = _event_loop(args.loop)
     run_loop(_serve(proxy, args, ap.prog, loop_name))
     return 0

@@ -278,6 +278,9 @@ def test_closed_engine_and_double_close():
     ({"hold_timout_s": 5}, "unknown kv_connector_extra_config key(s) ['hold_timout_s']"),
     ({"hold_timout_s": 5}, "did you mean 'hold_timeout_s'?"),               # no hint before
     ({"push_layer_load_batch": 1}, "did you mean 'push_layer_load_max_batch'?"),
+    ({"push_layer_read_stall_s": 0}, "push_layer_read_stall_s must be 0.01-86400"),
+    ({"push_layer_read_stall_s": "nan"}, "push_layer_read_stall_s must be a finite number"),
+    ({"push_layer_read": "maybe"}, "push_layer_read must be true or false"),
 ])
 def test_extra_config_names_the_key(extra, msg):
     from types import SimpleNamespace

@@ -1646,7 +1646,8 @@ def test_fallback_counts_stay_bounded_under_random_field_names(vllm_like, proxy)
 
 @pytest.mark.parametrize("extra", [["--flow", "push"], ["--flow", "b"],
                                    ["--first-token", "decode"], ["--push-layerwise", "on"],
-                                   ["--push-layer-load", "off"], ["--push-layer-watch", "on"]])
+                                   ["--push-layer-load", "off"], ["--push-layer-watch", "on"],
+                                   ["--push-layer-read", "on"]])
 def test_passthrough_refuses_prefill_decode_options(extra):
     """--passthrough has no prefill step: a --flow, --first-token or --push-*
     given with it was ignored without a word (a benchmark "of flow push"
@@ -1659,7 +1660,8 @@ def test_passthrough_refuses_prefill_decode_options(extra):
 
 
 @pytest.mark.parametrize("extra", [["--push-layerwise", "on"], ["--push-layer-load", "on"],
-                                   ["--flow", "b", "--push-layer-watch", "off"]])
+                                   ["--flow", "b", "--push-layer-watch", "off"],
+                                   ["--push-layer-read", "on"]])
 def test_push_options_need_flow_push(extra):
     """--push-layerwise / --push-layer-load / --push-layer-watch only shape
     flow push's legs: with flow a or b they were ignored without a word."""

@@ -592,9 +592,9 @@ def test_identical_duplicate_target_is_idempotent(sides):
     replies = []
     on_message = dw.push_c.on_message
 
-    def seen(sender, head):
+    def seen(sender, head, body=b""):
         replies.append(head["t"])
-        return on_message(sender, head)
+        return on_message(sender, head, body)
     dw.push_c.on_message = seen
     pw, writes = p.worker._worker, []
 

@@ -74,12 +74,14 @@ def test_push_failed_prefill_leg_is_counted_not_fatal(upstreams, proxy):  # noqa
     try:
         url = proxy([p.url], [d.url], flow="push", extra=("--push-layerwise", "on",
                                                              "--push-layer-load", "on",
-                                                             "--push-layer-watch", "off"))
+                                                             "--push-layer-watch", "off",
+                                                             "--push-layer-read", "on"))
         status, out = post(url + "/v1/completions", {"model": "m", "prompt": "hi",
                                                      "max_tokens": 4})
         assert status == 200 and out["by"] == "decode"
         assert "remote_engine_id" not in d.seen[0]["body"]["kv_transfer_params"]
         assert d.seen[0]["body"]["kv_transfer_params"]["push_layer_load"] is True
+        assert d.seen[0]["body"]["kv_transfer_params"]["push_layer_read"] is True  # decode's
         for _ in range(50):
             import urllib.request
             stats = json.loads(urllib.request.urlopen(url + "/stats", timeout=5).read())
@@ -91,6 +93,7 @@ def test_push_failed_prefill_leg_is_counted_not_fatal(upstreams, proxy):  # noqa
         # after the decode answered (a loaded host), so it is looked at now.
         assert p.seen[0][1]["kv_transfer_params"]["push_layerwise"] is True
         assert "push_layer_load" not in p.seen[0][1]["kv_transfer_params"]
+        assert "push_layer_read" not in p.seen[0][1]["kv_transfer_params"]
         assert p.seen[0][1]["kv_transfer_params"]["push_layer_watch"] is False  # prefill's
         assert "push_layer_watch" not in d.seen[0]["body"]["kv_transfer_params"]
     finally:

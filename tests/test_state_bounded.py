@@ -2,7 +2,7 @@
 
 Many requests through the real connector (vLLM's real scheduler, real
 engines moving real bytes, tests/vllm_harness.py): push whole-prompt,
-layer by layer and with push_layer_load, flow b pulls, flow a lookups,
+layer by layer and with push_layer_load (writes, and reads: push_layer_read), flow b pulls, flow a lookups,
 and the ways they end badly (decode abort while waiting, prefill abort
 before its prompt, no prefill at all: the decode's lease, a prompt
 mismatch, a target lost to a timeout and sent again, a decode aborted
@@ -195,6 +195,16 @@ def one_round(p, d, i, drop):
         assert d.run_until(lambda: f"q{i}y" not in d.sched.requests, steps=3000)
     finally:
         run.join()
+    # the same in read mode (push_layer_read: the decode reads each layer)
+    t = toks(base + 11, 3 * BS + 4)
+    p.add(make_request(f"p{i}z", t, max_tokens=1, params=pp(f"T{i}z")))
+    d.add(make_request(f"q{i}z", t, max_tokens=2,
+                       params=dict(dp(f"T{i}z", layer_load=True), push_layer_read=True)))
+    run = Stepper(p)
+    try:
+        assert d.run_until(lambda: f"q{i}z" not in d.sched.requests, steps=3000)
+    finally:
+        run.join()
 
 
 def test_every_per_request_container_returns_to_idle(sides, urls, monkeypatch):
@@ -230,6 +240,7 @@ def test_every_per_request_container_returns_to_idle(sides, urls, monkeypatch):
     after = sizes(p), sizes(d), sizes(a)
     assert drop.dropped == 1  # the lost target of the last round
     assert counted(d, "push_target_resends") >= rounds + 1  # case "r"'s, each round
+    assert counted(d, "push_layer_reads") >= rounds  # case "z"'s: read, not taken as a push
     print("producer", after[0])
     print("decode", after[1])
     assert not grown(before[0], after[0]), grown(before[0], after[0])

@@ -190,12 +190,25 @@ class Loads:
         if eng is not None:
             now = time.monotonic()
             until = now + self.NAP_S
+            rbid = None
             for ld in self.layered:
                 cl = getattr(ld, "push", None)
                 if cl is None:
                     continue
                 until = min(until, cl.hard_end if end else cl.deadline,
                             *cl.resend_at.values())
+                if cl.read and cl.failed is None:
+                    # layer read: its give-up time; our own read in flight
+                    # is waited for on its batch (no notification ends it)
+                    until = min(until, cl.last_note + self.w.s.push_layer_read_stall_s)
+                    if rbid is None:
+                        rbid = self.w.push_c.read_wait(ld)
+            if rbid is not None:
+                try:
+                    eng.transfer_wait(rbid, min(max(until - now, 0.0005), self.NAP_S))
+                    return
+                except Exception:  # noqa: BLE001 - taken meanwhile: the next check sees it
+                    return
             try:
                 eng.wait_notifies(min(max(until - now, 0.0005), self.NAP_S))
                 return

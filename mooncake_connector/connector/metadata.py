@@ -23,6 +23,7 @@ class LoadSpec:
     more_groups: list = field(default_factory=list)  # HMA: block ids of KV-cache groups 1..
     push_tid: str | None = None  # flow "P" (push): the transfer id both legs carry
     layer_load: bool = False  # push, in this step: attention waits per layer (push_layer_load)
+    layer_read: bool = False  # layer load: the decode READs each announced layer (push_layer_read)
 
 
 @dataclass

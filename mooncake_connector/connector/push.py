@@ -95,6 +95,11 @@ HOLD_CANCEL_S = 1.0     # a held load's cancel is sent again this often until an
 # T or t) this long without answering (an idle producer drains its
 # notifications only when vLLM steps it) is over with its copies.
 HOLD_RUNNING_S = 2.0
+# Layer read: no read of the producer's blocks starts later than the
+# lease's end minus this (the producer keeps them at least the lease's
+# length from the target's arrival; a read started before this ends well
+# before: a layer is a few MiB of process_vm_readv).
+READ_MARGIN_S = 1.0
 
 
 class PushError(ValueError):
@@ -620,6 +625,17 @@ class ConsumerLoad:
         self.heard = set()   # producer engines that answered (layer, done, nokv, cancelled)
         self.aborted = False
         self.error = None  # could not start at all (no target sent)
+        # Layer read (push_layer_read): this side READs each layer the
+        # producer announces; the producer writes nothing into our blocks.
+        self.read = False
+        self.allowed = {}  # producer engine -> {(dst, len)} of the extents we sent it
+        self.rsrc = {}     # producer engine -> per layer (src, dst, len) arrays ("src")
+        self.rreq = {}     # producer engine -> layer indices whose read was started
+        self.rok = {}      # producer engine -> layer indices read (in our blocks)
+        self.rbat = {}     # producer engine -> {batch id: [layer indices]} in flight
+        self.wrote = set()  # producer engines that wrote after all (no "src": not a reader)
+        self.last_note = self.t0  # monotonic: the target's send, then the last layer announced
+        self.read_by = self.t0 + lease_s - READ_MARGIN_S  # no read starts later
 
 
 TERMINAL = ("done", "nokv", "cancelled", "unsent")
@@ -701,6 +717,15 @@ class PushConsumer:
             if layered:
                 head["lnotify"] = True
                 cl.landed[name] = set()
+                if getattr(spec, "layer_read", False):
+                    cl.read = True
+                    head["rd"] = True
+                    head["lease_s"] = w.s.push_layer_timeout_s
+                    ext = array("Q")
+                    ext.frombytes(body)
+                    cl.allowed[name] = {(ext[i], ext[i + 1]) for i in range(0, len(ext), 3)
+                                        if ext[i + 1]}
+                    cl.rreq[name], cl.rok[name], cl.rbat[name] = set(), set(), {}
             cl.ranks[name] = "sending"
             cl.msgs[name] = encode(head, body)
             trace.event("target_queued", tid, to=name)
@@ -731,7 +756,7 @@ class PushConsumer:
             ob.forget(key)  # its result is not waited for
         w.stats.add("push_untargeted_cancels")
 
-    def on_message(self, sender, head):
+    def on_message(self, sender, head, body=b""):
         cl = self.loads.get(head["tid"])
         if cl is None or sender not in cl.ranks:
             h = self.held.get((head["tid"], sender)) if self.held else None
@@ -742,6 +767,24 @@ class PushConsumer:
         if trace.ON:
             trace.event("c_recv", head["tid"], what=t, l=head.get("l"))
         cl.heard.add(sender)  # the target arrived: no re-send
+        if cl.read and sender in cl.allowed and sender not in cl.wrote:
+            if t == "src":
+                if sender not in cl.rsrc:
+                    self._read_src(cl, sender, head, body)
+                return
+            if t == "layer":
+                if head.get("rd") is not True or sender not in cl.rsrc:
+                    # A producer that does not read-lend wrote this layer:
+                    # the write rules (fence, hold) for it from now on.
+                    cl.wrote.add(sender)
+                else:
+                    got = head.get("l")
+                    if isinstance(got, list):
+                        cl.landed[sender].update(i for i in got if isinstance(i, int) and
+                                                 0 <= i < cl.nlayers)
+                        cl.last_note = time.monotonic()
+                    self._read_start(cl, head["tid"], sender)
+                    return
         if t == "layer" and sender in cl.landed:
             got = head.get("l")
             if isinstance(got, list):
@@ -756,6 +799,105 @@ class PushConsumer:
             cl.ranks[sender] = t
             if t != "done":
                 cl.why[sender] = str(head.get("why") or t)[:300]
+
+    def _read_src(self, cl, name, head, body):
+        """Layer read: the producer's "src" message, per layer the (src,
+        dst, len) arrays of its blocks; every (dst, len) must be one of the
+        extents we sent it (nothing outside this load's blocks is read
+        into), else the load fails here."""
+        cnt = head.get("cnt")
+        arr = array("Q")
+        ok = isinstance(cnt, list) and len(cnt) == cl.nlayers and \
+            all(isinstance(c, int) and c >= 0 for c in cnt) and len(body) % 8 == 0
+        if ok:
+            arr.frombytes(body)
+            ok = len(arr) == 3 * sum(cnt)
+        per, allowed, off = [], cl.allowed[name], 0
+        if ok:
+            for c in cnt:
+                src, dst, lens = arr[off:off + c], arr[off + c:off + 2 * c], \
+                    arr[off + 2 * c:off + 3 * c]
+                off += 3 * c
+                if any((d, n) not in allowed for d, n in zip(dst, lens)):
+                    ok = False
+                    break
+                per.append((src, dst, lens))
+        if not ok:
+            cl.why[name] = f"producer {name}: its read extents do not match our target"
+            cl.ranks[name] = "nokv"  # nothing of it is read; its blocks are its own
+            return
+        cl.rsrc[name] = per
+        cl.last_note = time.monotonic()
+        self.w.stats.add("push_layer_reads")
+
+    def _read_start(self, cl, tid, name):
+        """Layer read: READ the layers announced and not read yet (one batch;
+        this engine's own I/O: process_vm_readv on the same host); none
+        starts past read_by (the producer keeps its blocks until the lease)."""
+        per = cl.rsrc.get(name)
+        if per is None or cl.failed is not None or cl.aborted:
+            return
+        todo = sorted(cl.landed[name] - cl.rreq[name])
+        if not todo:
+            return
+        if time.monotonic() > cl.read_by:
+            cl.failed = (f"producer {name}: layer {todo[0]} was announced after the read "
+                         "lease's end (timed out)")
+            return
+        cl.rreq[name].update(todo)
+        src, dst, lens = _layers_of(per, todo)
+        if not src:
+            cl.rok[name].update(todo)
+            return
+        from mooncake_connector import MooncakeError
+        try:
+            bid = self.w.engine.batch_transfer_async_read(name, dst, src, lens)
+        except (MooncakeError, ValueError) as e:
+            cl.failed = f"producer {name}: a read of layer {todo[0]} failed to start: {e}"
+            return
+        cl.rbat[name][bid] = todo
+        if trace.ON:
+            trace.event("read_issued", tid, l=todo, bytes=sum(lens))
+
+    def _read_check(self, cl, tid, name):
+        """Layer read: reads over are noted; every layer read: "done", and
+        the producer is told (rdone) so it frees its blocks now."""
+        bat = cl.rbat.get(name)
+        for bid, lis in list(bat.items()):
+            r = self.w.engine.transfer_check_status(bid)
+            if r == 0:
+                continue
+            del bat[bid]
+            if r > 0:
+                cl.rok[name].update(lis)
+            elif cl.failed is None:
+                cl.failed = f"producer {name}: a read of layer {lis[0]} failed"
+        if len(cl.rok[name]) == cl.nlayers and cl.ranks.get(name) not in TERMINAL:
+            cl.ranks[name] = "done"
+            key = ("r", tid, name)
+            self.w.push_outbox.send(name, encode({"t": "rdone", "tid": tid}), key=key)
+            self.w.push_outbox.forget(key)
+
+    def read_wait(self, ld):
+        """A batch id of this load's reads in flight, or None."""
+        cl = ld.push
+        for bat in cl.rbat.values():
+            for bid in bat:
+                return bid
+        return None
+
+    def _read_end(self, cl):
+        """Layer read, the load over: our own reads still in flight are
+        cancelled (returns once no I/O thread of this engine touches them);
+        then nothing more can land in the blocks: no producer writes into
+        them in this mode."""
+        for bat in cl.rbat.values():
+            if bat:
+                try:
+                    self.w.engine.get_batch_transfer_status(list(bat), timeout=0)
+                except Exception:  # noqa: BLE001 - a cancelled batch raises; that is the point
+                    pass
+                bat.clear()
 
     def peer_lost(self, name):
         """The engine saw the connection to or from producer `name` fail or
@@ -904,6 +1046,13 @@ class PushConsumer:
         self._progress(ld)
         wait = False
         for name, st in cl.ranks.items():
+            if cl.read and name in cl.allowed and name not in cl.wrote:
+                r = self._read_state(ld, name, st, li)
+                if r == "failed":
+                    self._progress(ld)  # the cancel goes out now
+                    return r
+                wait = wait or r == "wait"
+                continue
             if st == "done" or li in cl.landed.get(name, ()):
                 continue
             if st in ("sending", "sent") and time.monotonic() < cl.deadline:
@@ -928,6 +1077,39 @@ class PushConsumer:
             return "wait"
         cl.t_ok.setdefault(li, time.monotonic())
         return "ok"
+
+    def _read_state(self, ld, name, st, li):
+        """Layer read, one producer rank: "ok" once layer li is in our
+        blocks, "wait", or "failed" (cl.failed says why): the producer
+        answered nokv, a read failed, or it announced no layer for
+        push_layer_read_stall_s (stopped, dead, queued: this side owns its
+        blocks, so it need not wait for the producer's answer)."""
+        cl, tid = ld.push, ld.spec.push_tid
+        if st == "done" or li in cl.rok[name]:
+            return "ok"
+        if st in ("nokv", "cancelled", "unsent"):
+            cl.failed = cl.why.get(name) or f"producer {name}: {st}"
+            return "failed"
+        self._read_start(cl, tid, name)
+        self._read_check(cl, tid, name)
+        if cl.failed is not None:
+            return "failed"
+        if cl.ranks[name] == "done" or li in cl.rok[name]:
+            return "ok"
+        now = time.monotonic()
+        if name in cl.lost:  # its connection went (peer_lost): gone, not merely silent
+            cl.failed = cl.why.get(name) or f"producer {name}: its connection was lost"
+            return "failed"
+        stall = self.w.s.push_layer_read_stall_s
+        # (a read of ours still in flight that long, e.g. over TCP from a
+        # stopped producer, is given up too: poll() cancels our reads)
+        if now - cl.last_note >= stall or now >= cl.deadline:
+            cl.failed = (f"producer {name}: no layer announced for {now - cl.last_note:.2f} s "
+                         f"(push_layer_read_stall_s={stall:g}) while waiting for layer {li} "
+                         "(timed out)")
+            self.w.stats.add("push_layer_read_gave_up")
+            return "failed"
+        return "wait"
 
     def _progress(self, ld):
         """Outbox results of the load's messages; cancels once aborted or
@@ -1017,8 +1199,25 @@ class PushConsumer:
         tid = spec.push_tid
         live = self._progress(ld)
         now = time.monotonic()
+        if cl.read and live and (cl.failed is not None or cl.aborted or now >= cl.deadline):
+            # Layer read: the producers that only lend their blocks write
+            # nothing here; once our own reads are over the load is over,
+            # whatever they answer (the cancel went out; they free their
+            # blocks at its arrival or at the lease's end).
+            self._read_end(cl)
+            for name in [n for n in live if n in cl.allowed and n not in cl.wrote]:
+                live.remove(name)
+                if cl.ranks[name] == "sending":  # the cancel follows the target (one queue)
+                    key = ("g", tid, name)
+                    self.w.push_outbox.send(name, encode({"t": "cancel", "tid": tid}),
+                                            key=key, timeout=RESEND_TIMEOUT_S)
+                    self.w.push_outbox.forget(key)
+                cl.ranks[name] = "cancelled"
+                cl.why.setdefault(name, f"producer {name}: given up")
         if live and now < cl.hard_end:
             return None
+        if cl.read:
+            self._read_end(cl)
         for name in live:  # lease over: the producer may not write any more
             self._fence(name, f"it did not answer {tid} by the lease's end + grace")
             self._hold(ld, name, "did not answer by the lease's end + grace (stopped "
@@ -1032,6 +1231,7 @@ class PushConsumer:
         for name in cl.ranks:  # results that sit in the outbox or are still to come
             self.w.push_outbox.forget(("t", tid, name))
             self.w.push_outbox.forget(("c", tid, name))
+
         if all(st == "done" for st in cl.ranks.values()) and cl.ranks and cl.failed is None:
             return (spec.skip_blocks + len(spec.block_ids)) * self.w.block_size, None
         errs = [cl.why.get(n) or st for n, st in cl.ranks.items() if st != "done"]
@@ -1080,6 +1280,15 @@ class Target:
         self.arrived = arrived
         self.layers_sent = set()
         self.lnotify = head.get("lnotify") is True  # "layer" messages as layers land
+        # Layer read (push_layer_read): the decode READs each layer from our
+        # blocks once told it is computed; nothing is written into its memory.
+        # Our blocks are kept until it says "rdone", cancels, or keep_until:
+        # our own clock's arrival + the lease's length (a duration, never
+        # shorter than the decode's own lease, whatever the clocks say).
+        self.read = self.lnotify and head.get("rd") is True
+        self.keep_until = arrived + min(max(float(head.get("lease_s") or 0.0), 0.0), 86400.0) \
+            if self.read else 0.0
+        self.rdone = False       # layer read: the decode read every layer
         self.landed = set()      # layer indices whose writes were acknowledged
         self.told = set()        # layer indices the consumer was told (or the engine tells
         #                          it: a gated batch's own notification)
@@ -1110,6 +1319,7 @@ class _Served:
     state = "cancelled"
     batches = ()
     lnotify = False
+    read = False
 
 
 class ProducerJob:
@@ -1211,6 +1421,11 @@ class PushProducer:
                     self._early_bytes -= 24 * len(prev.dest) // 3
                 self.early[tid][sender] = tg
                 self._early_bytes += len(body)
+        elif t == "rdone":  # layer read: the decode read every layer; our blocks are free
+            job = self.jobs.get(tid)
+            tg = job.targets.get(sender) if job is not None else None
+            if tg is not None and getattr(tg, "read", False):
+                tg.rdone = True
         elif t == "cancel":
             job = self.jobs.get(tid)
             tg = job.targets.get(sender) if job is not None else None
@@ -1238,11 +1453,11 @@ class PushProducer:
                 return
             tg.cancel = True
 
-    def _reply(self, sender, tid, t, why=None, retry_until=None, **kw):
+    def _reply(self, sender, tid, t, why=None, retry_until=None, body=b"", **kw):
         head = {"t": t, "tid": tid, **kw}
         if why:
             head["why"] = why
-        self.w.push_outbox.send(sender, encode(head), retry_until=retry_until)
+        self.w.push_outbox.send(sender, encode(head, body), retry_until=retry_until)
 
     # jobs
 
@@ -1329,6 +1544,10 @@ class PushProducer:
             self._reply(tg.name, job.tid, "done", ntok=tg.ntok)
         elif tg.state in ("nokv", "cancelled"):
             self._reply(tg.name, job.tid, tg.state, tg.why)
+        elif tg.read and tg.state == "lent":
+            self._send_src(job, tg)
+            if tg.layers_sent:
+                self._reply(tg.name, job.tid, "layer", l=sorted(tg.layers_sent), rd=True)
         elif tg.lnotify and tg.landed and not tg.stop:
             self._reply(tg.name, job.tid, "layer", l=sorted(tg.landed))
 
@@ -1471,6 +1690,9 @@ class PushProducer:
             done = (job.ready if cpu else job.queued) - {li}
             tells = not cpu or self._engine_tells(job)
             for tg in job.targets.values():
+                if getattr(tg, "read", False) and tg.state in ("pending", "lent"):
+                    rest = True  # layer read: announced by the per-target path (_submit)
+                    continue
                 if tg.state not in ("pending", "writing") or tg.cancel or tg.stop:
                     continue
                 if tg.garr is None or li in tg.layers_sent or tg.layers_sent != done or \
@@ -1835,6 +2057,9 @@ class PushProducer:
 
     def _submit(self, job, tg):
         """WRITE the layers that are ready and not sent yet to this target."""
+        if tg.read:
+            self._announce(job, tg)
+            return
         if tg.state not in ("pending", "writing") or tg.cancel or tg.stop:
             return
         todo = sorted(job.ready - tg.layers_sent)
@@ -1921,6 +2146,41 @@ class PushProducer:
             tg.stop = f"write to {tg.name} failed to start: {e}"
             return
         job.bytes += sum(lens)
+
+    def _send_src(self, job, tg):
+        """Layer read: where the target's layers are in this side's memory:
+        per layer the (src, dst, len) arrays _gate_arrays builds (the same
+        checks as a write's), in one "src" message; the decode checks every
+        (dst, len) against the extents it sent and READs them itself."""
+        per = self._gate_arrays(job, tg)
+        if per is None:
+            return False
+        body = bytearray()
+        for src, dst, lens in per:
+            body += src.tobytes() + dst.tobytes() + lens.tobytes()
+        self._reply(tg.name, job.tid, "src", cnt=[len(x[0]) for x in per],
+                    keep_s=round(tg.keep_until - time.monotonic(), 3), body=bytes(body))
+        return True
+
+    def _announce(self, job, tg):
+        """Layer read: the first time, the "src" message; then each layer
+        computed and not announced yet, in one "layer" note (rd: nothing of
+        it is written, the decode reads it).  Nothing is announced in the
+        lease's last PUSH_MARGIN_S (the decode starts no read then)."""
+        if tg.cancel or tg.stop or tg.rdone or tg.state not in ("pending", "lent"):
+            return
+        if tg.state == "pending":
+            if not self._send_src(job, tg):
+                return  # tg.stop says why; poll() answers nokv
+            tg.state = "lent"
+        todo = sorted(job.ready - tg.layers_sent)
+        if not todo or time.monotonic() > tg.keep_until - PUSH_MARGIN_S:
+            return
+        tg.layers_sent.update(todo)
+        tg.told.update(todo)
+        self._reply(tg.name, job.tid, "layer", l=todo, rd=True)
+        if trace.ON:
+            trace.event("layer_announced", job.tid, l=todo)
 
     def _write_telling_done(self, job, tg, src, dst, lens, done_note):
         """The whole prompt's writes, submitted with the "done" note the
@@ -2034,6 +2294,18 @@ class PushProducer:
             timed_out = now - job.t0 > self.w.s.hold_timeout_s
             for tg in job.targets.values():
                 if tg.state in ("done", "nokv", "cancelled"):
+                    continue
+                if getattr(tg, "read", False) and not tg.batches:
+                    # Layer read: our blocks are lent (nothing is written by us)
+                    # until the decode read them all, cancels, or keep_until.
+                    if tg.cancel:
+                        self._end(job, tg, "cancelled")
+                    elif tg.rdone:
+                        self._end(job, tg, "done")
+                    elif tg.stop:
+                        self._end(job, tg, "nokv", tg.stop)
+                    elif now >= tg.keep_until:
+                        self._end(job, tg, "nokv", "the decode side's read lease ended")
                     continue
                 if tg.batches and (tg.cancel or timed_out or
                                    wall > tg.lease_until - PUSH_MARGIN_S / 2):

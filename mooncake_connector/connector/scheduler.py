@@ -369,6 +369,12 @@ class SchedulerSide:
         self._claims[request.request_id] = (held, sync)
         return ext, not sync
 
+    def _layer_read(self, params):
+        """A layer load the decode READs itself (push_layer_read; per request
+        kv_transfer_params "push_layer_read" wins)."""
+        on = params.get("push_layer_read")
+        return on if isinstance(on, bool) else bool(self.s.push_layer_read)
+
     def _layer_load_claim(self, request, n_full):
         """Push with push_layer_load (docs/connector.md, "Layer load"): the
         full blocks before the prompt's last token, or 0 (the regular async
@@ -493,7 +499,8 @@ class SchedulerSide:
             more_groups=groups[1:],
             producer_tp=_int_or_none(params.get("tp_size")),
             push_tid=transfer_id(params) if src[0] == "P" else None,
-            layer_load=src[0] == "P" and sync)
+            layer_load=src[0] == "P" and sync,
+            layer_read=src[0] == "P" and sync and self._layer_read(params))
 
     def trace_recv_seen(self, finished_recving):
         """MC_TRACE: vLLM's scheduler has learnt that these background loads

@@ -123,6 +123,16 @@ KNOBS = {  # extra-config key: (type, default, meaning)
                         "scheduling (its GPU default) a layer load is taken as the "
                         "whole-prompt push (counted): start the decode with "
                         "--no-async-scheduling"),
+    "push_layer_read": (bool, False, "consumer, push_layer_load: the decode READs each layer "
+                        "from the producer's blocks itself once the producer says it is "
+                        "computed (the producer writes nothing into the decode's blocks), so a "
+                        "silent producer is given up after push_layer_read_stall_s and the "
+                        "request recomputed at once (docs/connector.md, Layer read).  Per "
+                        "request: kv_transfer_params \"push_layer_read\" on the decode leg"),
+    "push_layer_read_stall_s": (float, 0.5, "consumer, push_layer_read: give up a layer load "
+                                "(its request recomputes) when no layer of it was announced "
+                                "for this long (from the target's send, then from the last "
+                                "layer announced)"),
     "push_layer_load_max_batch": (int, 0, "consumer, push_layer_load: schedule a layer load "
                                   "only while the decode's previous step ran at most this "
                                   "many other requests (each would stall with it, layer by "
@@ -197,6 +207,8 @@ class Settings:
     push_layer_load: bool = False
     push_layer_timeout_s: float = 10.0
     push_layer_load_max_batch: int = 0
+    push_layer_read: bool = False
+    push_layer_read_stall_s: float = 0.5
     early_recv: bool = True
     malloc_trim_idle_s: float = 30.0
 
@@ -571,6 +583,9 @@ def resolve(kv_transfer_config, env=None):
     if not 1 <= s.load_workers <= 64:
         raise SettingsError("kv_connector_extra_config.load_workers must be 1-64 (concurrent "
                             f"KV loads per worker), not {s.load_workers!r}")
+    if not 0.01 <= s.push_layer_read_stall_s <= 86_400:  # also refuses NaN
+        raise SettingsError("kv_connector_extra_config.push_layer_read_stall_s must be "
+                            f"0.01-86400 seconds, not {s.push_layer_read_stall_s!r}")
     if s.push_layer_timeout_s <= 1.0:
         raise SettingsError("kv_connector_extra_config.push_layer_timeout_s must be > 1 s (the "
                             "producer starts no write in the last second of the lease), not "

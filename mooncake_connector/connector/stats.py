@@ -28,7 +28,7 @@ COUNTERS = ("loads", "loads_in_step", "loads_failed", "load_bytes", "load_bytes_
             "push_failed", "push_layer_loads", "push_producer_lost", "push_layer_load_busy",
             "push_layer_load_cudagraph", "push_layer_load_async_sched",
             "push_target_resends", "push_fence_cuts", "push_fence_holds",
-            "push_untargeted_cancels",
+            "push_untargeted_cancels", "push_layer_reads", "push_layer_read_gave_up",
             "push_bytes_same_host_cpu", "push_gate_host_batches", "malloc_trims",
             "malloc_trim_freed_bytes",
             "load_error_blocks_uncached", "load_releases",
@@ -145,6 +145,12 @@ PROM_COUNTERS = {
     "push_gate_host_batches": ("vllm:mooncake_push_gate_host_batches_total",
                                "Producer: layer writes on the same-host CPU path that the "
                                "engine's gate thread copied (off vLLM's forward thread)"),
+    "push_layer_reads": ("vllm:mooncake_push_layer_reads_total",
+                         "Consumer: layer loads whose layers this decode READ from the "
+                         "producer's blocks (push_layer_read)"),
+    "push_layer_read_gave_up": ("vllm:mooncake_push_layer_read_gave_up_total",
+                                "Consumer: layer reads given up after "
+                                "push_layer_read_stall_s without a layer announced"),
     "push_layer_loads": ("vllm:mooncake_push_layer_loads_total",
                          "Consumer: push loads whose attention waited per layer "
                          "(push_layer_load)"),

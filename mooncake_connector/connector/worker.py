@@ -112,11 +112,11 @@ class WorkerSide:
             except push_mod.PushError as e:
                 logger.warning("MooncakeConnector: notification from %s ignored: %s", sender, e)
                 continue
-            if head["t"] in ("target", "cancel"):
+            if head["t"] in ("target", "cancel", "rdone"):
                 if self.push_p is not None:
                     self.push_p.on_message(sender, head, body)
             elif self.push_c is not None:
-                self.push_c.on_message(sender, head)
+                self.push_c.on_message(sender, head, body)
         lost = eng.take_lost_peers()  # after the messages sent before the loss
         if lost and self.push_c is not None:
             for name in lost:

