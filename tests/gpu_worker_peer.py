@@ -15,6 +15,11 @@ First line printed: {"ready": true, "extents_per_block": n}.  Commands:
     {"cmd": "load", "req_id", "tokens", "block_ids"}           (consumer)
         -> {"secs", "invalid": [...], "stats": {...}}
     {"cmd": "push_load", "req_id", "tokens", "block_ids", "tid"}  (consumer: push target)
+        ["layer_read": true: a layer load in read mode (push_layer_read): the
+         decode READs each layer the producer announces]
+    {"cmd": "layer_wait"} -> {"waited": {layer: s}}   (consumer: wait_for_layer_load
+        for each layer in order, as the decode's forward does)
+    {"cmd": "engine_stats"} -> the engine's counters
     {"cmd": "push_forward", "req_id", "tokens", "block_ids", "tid", "seed"}  (producer)
         -> {"queued", "landed": {layer: s}, "gpu_done_at_save", "gate", "bytes"}
     {"cmd": "exit"}
@@ -178,6 +183,8 @@ def main():
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--head-size", type=int, default=128)
+    ap.add_argument("--settings", default="{}",
+                    help="more connector settings as JSON (kv_connector_extra_config keys)")
     ap.add_argument("--alloc", default="torch", choices=["torch", "vllm034-fd", "vllm034-none"],
                     help="vllm034-*: vLLM 0.34's extensible KV cache allocator (its wheel's "
                          "Python files under $VLLM034_SRC), with POSIX fd handles (what "
@@ -194,7 +201,7 @@ def main():
     else:
         keep, kv = vllm034_kv(a, dev, shape, 1 if a.alloc == "vllm034-fd" else 0)
     s = Settings(role=a.role, mooncake=json.loads(a.urls), hold_timeout_s=60.0,
-                 load_timeout_s=60.0)
+                 load_timeout_s=60.0, **json.loads(a.settings))
     w = WorkerSide(s, a.block_size, tp_rank=0, tp_size=1, num_blocks=a.blocks)
     w.register_kv_caches(kv)
 
@@ -249,12 +256,21 @@ def main():
             out({"secs": time.monotonic() - t0, "invalid": sorted(w.take_invalid_blocks()),
                  "stats": stats.data if stats is not None and hasattr(stats, "data") else {}})
         elif cmd == "push_load":
+            rd = bool(req.get("layer_read"))
             meta = MooncakeConnectorMetadata(loads=[LoadSpec(
                 req["req_id"], req["tokens"], req["block_ids"], 0, None, flow="P",
-                push_tid=req["tid"])])
+                push_tid=req["tid"], sync=rd, layer_load=rd, layer_read=rd)])
             w.on_metadata(meta)
             w.start_load(meta)  # sends the target (our blocks) to the producer
             out({})
+        elif cmd == "layer_wait":
+            t0, waited = time.monotonic(), {}
+            for i, name in enumerate(kv):
+                w.wait_for_layer_load(name)
+                waited[i] = time.monotonic() - t0
+            out({"waited": waited})
+        elif cmd == "engine_stats":
+            out(w.engine.get_stats())
         elif cmd == "load_errors":
             out({"invalid": sorted(w.take_invalid_blocks())})
         elif cmd == "push_forward":

@@ -32,11 +32,11 @@ BS, NB, LAYERS = 16, 256, 8
 
 
 class WorkerPeer(LinePeer):
-    def __init__(self, role, device, urls, env, alloc="torch"):
+    def __init__(self, role, device, urls, env, alloc="torch", settings=None):
         super().__init__(os.path.join(HERE, "gpu_worker_peer.py"),
                          ["--role", role, "--device", device, "--urls", json.dumps(urls),
                           "--layers", str(LAYERS), "--blocks", str(NB), "--block-size", str(BS),
-                          "--alloc", alloc],
+                          "--alloc", alloc, "--settings", json.dumps(settings or {})],
                          env, f"{role} worker")
 
 
@@ -169,6 +169,57 @@ def test_push_layerwise_streams_cuda_layers_before_wait_for_save(ipc):
             assert not f["gpu_done_at_save"], f
             if n:  # one by one, not at once
                 assert landed[LAYERS - 1] - landed[0] > 0.05, landed
+            deadline, recving = time.monotonic() + 20, []
+            while time.monotonic() < deadline and rid not in recving:
+                prod.call(cmd="finished", req_ids=[])
+                recving = cons.call(cmd="finished", req_ids=[])["recving"]
+                time.sleep(0.005)
+            assert rid in recving
+            assert cons.call(cmd="load_errors")["invalid"] == []
+            sp, sc = prod.call(cmd="sums")["sums"], cons.call(cmd="sums")["sums"]
+            bad = [(li, kv, i) for li in range(LAYERS) for kv in (0, 1) for i in range(nblk)
+                   if sc[li][kv][dst[i]] != sp[li][kv][src[i]]]
+            assert not bad, f"{rid}: {len(bad)} K/V blocks differ, first {bad[:5]}"
+    finally:
+        for m in made:
+            sys.stderr.write(m.close())
+
+
+@pytest.mark.parametrize("ipc", ["1", "0"], ids=["same-host", "tcp"])
+def test_layer_read_reads_cuda_layers_byte_exact_and_the_producer_writes_nothing(ipc):
+    """push_layer_read with CUDA KV caches (docs/connector.md, "Layer
+    read"): the decode READs each layer the producer announced; a layer is
+    announced only once its kernels completed (the producer queues 8 slow
+    layers, ~15 ms of GPU each, and returns from save_kv_layer at once), so
+    every K and V block read is the layer's new KV (a read of a layer still
+    being computed would carry the old values), and the producer writes no
+    byte into the decode's blocks."""
+    urls, env = pair_settings(ipc)
+    made = []
+    try:
+        prod = WorkerPeer("kv_producer", "cuda:0", urls, env)
+        made.append(prod)
+        cons = WorkerPeer("kv_consumer", "cuda:1" if NGPU > 1 else "cuda:0", urls, env,
+                          settings={"push_layer_load": True, "push_layer_read": True,
+                                    "push_layer_read_stall_s": 10.0})
+        made.append(cons)
+        prod.call(cmd="fill", seed=3)
+        rng = random.Random(9)
+        nblk = 40
+        for n, rid in enumerate(("r1", "r2")):
+            tokens = [rng.randrange(32000) for _ in range(nblk * BS)]
+            src, dst = rng.sample(range(NB), nblk), rng.sample(range(NB), nblk)
+            assert "error" not in cons.call(cmd="push_load", req_id=rid, tokens=tokens,
+                                            block_ids=dst, tid="t" + rid, layer_read=True)
+            f = prod.call(cmd="push_forward", req_id=rid, tokens=tokens, block_ids=src,
+                          tid="t" + rid, seed=21 + n, watch_s=0.0)
+            assert "error" not in f, f
+            assert f["bytes"] == 0, f    # nothing written: the decode reads
+            w = cons.call(cmd="layer_wait")
+            assert "error" not in w, w
+            sys.stderr.write(f"layer read on CUDA, {rid}: queued in {f['queued'] * 1e3:.1f} ms "
+                             f"(GPU done at save: {f['gpu_done_at_save']}), layers waited "
+                             f"{[round(v * 1e3, 1) for v in w['waited'].values()]} ms\n")
             deadline, recving = time.monotonic() + 20, []
             while time.monotonic() < deadline and rid not in recving:
                 prod.call(cmd="finished", req_ids=[])

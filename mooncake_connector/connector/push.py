@@ -2058,6 +2058,14 @@ class PushProducer:
     def _submit(self, job, tg):
         """WRITE the layers that are ready and not sent yet to this target."""
         if tg.read:
+            if job.unsynced and tg.state in ("pending", "lent") and not (tg.cancel or tg.stop):
+                # prompt_done without a synchronize (gated_through): the last
+                # layers' kernels may still run, and the decode would READ
+                # them at once; the write path gates its writes on the
+                # layer's event, a read has no such gate: wait for the GPU
+                # here (as the write path does when its gate is full).
+                self.w.cuda_sync()
+                job.unsynced = False
             self._announce(job, tg)
             return
         if tg.state not in ("pending", "writing") or tg.cancel or tg.stop:
