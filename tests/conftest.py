@@ -146,6 +146,65 @@ def metadata_server():
     srv.stop()
 
 
+# What tests/vllm_harness.py imports of vLLM (the slow part of a producer
+# child's start: ~9 s on the 2-core CI host), for the vllm_forks server; not
+# mooncake_connector, which each child imports itself, in its own
+# environment (MC_SAME_HOST_CPU and the like).
+VLLM_PREAMBLE = """
+import torch
+import vllm
+import vllm.config
+import vllm.distributed.kv_transfer.kv_connector.v1.base
+import vllm.v1.core.sched.scheduler
+import vllm.v1.kv_cache_interface
+import vllm.v1.outputs
+import vllm.v1.request
+import vllm.v1.structured_output
+"""
+# The vllm_forks server, started by its first user and closed after its
+# last one (pytest_runtest_teardown below): its ~1 GB is not held through
+# the rest of the run.
+_vllm_forks = {"server": None, "users_left": 0}
+
+
+@pytest.fixture
+def vllm_forks():
+    """A forked.ForkServer that has imported VLLM_PREAMBLE: its start(code,
+    argv) is a fresh `python -c code argv...` child (a producer process the
+    test stops, kills, reads) without a vLLM import of its own.  One server
+    for every test that uses it (test_push's and test_push_layer_load's
+    producer processes)."""
+    pytest.importorskip("vllm")
+    from forked import ForkServer
+
+    if _vllm_forks["server"] is None:
+        _vllm_forks["server"] = ForkServer(VLLM_PREAMBLE, timeout=600)
+    return _vllm_forks["server"]
+
+
+def pytest_collection_finish(session):
+    _vllm_forks["users_left"] = sum("vllm_forks" in getattr(i, "fixturenames", ())
+                                    for i in session.items)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    if "vllm_forks" in getattr(item, "fixturenames", ()):
+        _vllm_forks["users_left"] -= 1
+        if _vllm_forks["users_left"] <= 0:
+            _close_vllm_forks()
+
+
+def pytest_sessionfinish(session):
+    _close_vllm_forks()
+
+
+def _close_vllm_forks():
+    srv, _vllm_forks["server"] = _vllm_forks["server"], None
+    if srv is not None:
+        srv.close()
+
+
 def closing_maker(new):
     """Generator for a fixture that makes things: yields make(*a, **kw),
     new(*a, **kw) kept, and closes every one made after the test."""

@@ -100,3 +100,217 @@ def _read(path):
             return f.read()
     except FileNotFoundError:  # the job's child died before it opened its files
         return ""
+
+
+SERVER = r'''
+import json, os, selectors, signal, socket, sys, traceback
+ctl = socket.socket(fileno=int(sys.argv[1]))
+spec = json.loads(ctl.recv(1 << 20))
+exec(compile(spec["preamble"], "<preamble>", "exec"), {"__name__": "__preamble__"})
+bad = sorted(m for m in sys.modules if m.split(".")[0] in spec["fresh"])
+if bad:
+    sys.exit(f"forked: the preamble imported {bad[:5]}; the jobs must import them themselves")
+sel = selectors.DefaultSelector()
+sel.register(ctl, selectors.EVENT_READ)
+kids = {}  # pidfd -> pid
+
+
+def child(job, fds):
+    code = 1
+    try:
+        sel.close()
+        for pfd in kids:
+            os.close(pfd)
+        ctl.close()
+        os.environ.clear()
+        os.environ.update(job["env"])
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.close(null)
+        for fd, theirs in zip((1, 2), fds):
+            if theirs != fd:
+                os.dup2(theirs, fd)
+                os.close(theirs)
+        sys.argv = ["-c"] + job["argv"]
+        try:
+            exec(compile(job["code"], "<string>", "exec"), {"__name__": "__main__"})
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+            if e.code is not None and not isinstance(e.code, int):
+                print(e.code, file=sys.stderr)
+        except BaseException:
+            traceback.print_exc()
+    finally:
+        try:
+            sys.stdout.flush(); sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+ctl.send(b'{"ready": true}')
+while True:
+    for key, _ in sel.select():
+        if key.fileobj is ctl:
+            msg, fds, _, _ = socket.recv_fds(ctl, 1 << 20, 2)
+            if not msg:  # the test closed its end (or died): its children go too
+                for pfd, pid in kids.items():
+                    os.kill(pid, signal.SIGCONT)
+                    os.kill(pid, signal.SIGKILL)
+                    os.waitpid(pid, 0)
+                sys.exit(0)
+            job = json.loads(msg)
+            sys.stdout.flush(); sys.stderr.flush()
+            pid = os.fork()
+            if pid == 0:
+                child(job, fds)
+            for fd in fds:
+                os.close(fd)
+            pfd = os.pidfd_open(pid)
+            kids[pfd] = pid
+            sel.register(pfd, selectors.EVENT_READ)
+            ctl.send(json.dumps({"pid": pid}).encode())
+        else:  # a child exited
+            pfd = key.fileobj
+            pid = kids.pop(pfd)
+            sel.unregister(pfd)
+            os.close(pfd)
+            code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+            ctl.send(json.dumps({"exit": pid, "code": code}).encode())
+'''
+
+
+class ForkServer:
+    """run_forked's way for processes a test talks to while they run: one
+    Python runs `preamble` once (the slow import), then start() forks a
+    child of it per call, at once, and returns a Popen-like handle (pid,
+    stdout, poll, wait, kill, send_signal, returncode) of a process that
+    runs `code` as __main__ with sys.argv = ["-c", *argv] in the
+    environment `env` (default: os.environ as it is at the call), its
+    stdin /dev/null, its stdout a pipe the handle reads (text), its stderr
+    this process's: what subprocess.Popen([python, "-c", code, *argv],
+    stdout=PIPE, text=True) gives, less the import.  Each child is forked
+    from the server as it was after the preamble, so none sees another's
+    state.  close() (or this process's exit: the server's control socket
+    closes) kills the server and any child still running.  `fresh`: as
+    run_forked's."""
+
+    def __init__(self, preamble, env=None, fresh=("mooncake_connector",), cwd=None,
+                 timeout=600):
+        import socket
+        self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self._exits = {}  # pid -> exit status, as the server reported them
+        self.proc = subprocess.Popen(
+            [sys.executable, "-P", "-c", SERVER, str(theirs.fileno())],
+            pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, cwd=cwd,
+            env=os.environ if env is None else env)
+        theirs.close()
+        try:
+            self._sock.send(json.dumps({"preamble": preamble, "fresh": list(fresh)}).encode())
+            got = self._read(timeout)
+            if got != {"ready": True}:
+                raise RuntimeError(f"fork server failed (exit {self.proc.poll()}; its "
+                                   f"stderr is this process's): {got}")
+        except BaseException:
+            self.close()
+            raise
+
+    def _read(self, timeout):
+        """The server's next message (None: none came in timeout s; 0:
+        none waiting), an exit it reports noted in self._exits."""
+        import socket
+        self._sock.settimeout(timeout)
+        try:
+            msg = self._sock.recv(1 << 16)
+        except (socket.timeout, BlockingIOError):
+            return None
+        if not msg:
+            raise RuntimeError(f"the fork server exited ({self.proc.wait()})")
+        got = json.loads(msg)
+        if "exit" in got:
+            self._exits[got["exit"]] = got["code"]
+        return got
+
+    def start(self, code, argv=(), env=None, timeout=60):
+        import socket
+        rfd, wfd = os.pipe()
+        try:
+            job = {"code": code, "argv": list(argv),
+                   "env": dict(os.environ if env is None else env)}
+            socket.send_fds(self._sock, [json.dumps(job).encode()], [wfd])
+        except BaseException:
+            os.close(rfd)
+            raise
+        finally:
+            os.close(wfd)
+        while True:
+            got = self._read(timeout)
+            if got is None:
+                os.close(rfd)
+                raise subprocess.TimeoutExpired("fork server start", timeout)
+            if "pid" in got:
+                return ForkedChild(self, got["pid"], os.fdopen(rfd, "r"))
+
+    def _poll(self, pid, timeout):
+        """pid's exit status, waiting up to timeout s (None: still running)."""
+        import time
+        end = None if timeout is None else time.monotonic() + timeout
+        while pid not in self._exits:
+            left = None if end is None else end - time.monotonic()
+            if left is not None and left <= 0:
+                while self._read(0.0) is not None:  # what already came
+                    pass
+                break
+            self._read(left)
+        return self._exits.get(pid)
+
+    def close(self):
+        if self._sock.fileno() >= 0:
+            self._sock.close()  # the server kills its children and exits
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+class ForkedChild:
+    """A ForkServer child: the parts of subprocess.Popen tests use.  Its
+    signals go through a pidfd opened at once, not its number (the server
+    reaps it when it exits: the number may be another process's then)."""
+
+    def __init__(self, server, pid, stdout):
+        self._server, self.pid, self.stdout, self.returncode = server, pid, stdout, None
+        try:
+            self._pidfd = os.pidfd_open(pid)
+        except ProcessLookupError:  # exited and reaped already
+            self._pidfd = -1
+
+    def poll(self):
+        if self.returncode is None:
+            self.returncode = self._server._poll(self.pid, 0)
+        return self.returncode
+
+    def wait(self, timeout=None):
+        if self.returncode is None:
+            self.returncode = self._server._poll(self.pid, timeout)
+            if self.returncode is None:
+                raise subprocess.TimeoutExpired(f"forked child {self.pid}", timeout)
+        return self.returncode
+
+    def send_signal(self, sig):
+        import signal
+        if self._pidfd >= 0 and self.poll() is None:
+            try:
+                signal.pidfd_send_signal(self._pidfd, sig)
+            except ProcessLookupError:
+                pass
+
+    def kill(self):
+        import signal
+        self.send_signal(signal.SIGKILL)
+
+    def __del__(self):
+        if getattr(self, "_pidfd", -1) >= 0:
+            os.close(self._pidfd)
+            self._pidfd = -1

@@ -1,10 +1,11 @@
 """tests/forked.py, the runner that forks several fresh-process jobs from one
 slow import (test_doctor's and test_connector_vllm's plugin checks use it):
 each job sees the preamble's imports and none of another job's state, gets
-its own environment, streams and exit status."""
+its own environment, streams and exit status.  Its ForkServer does the same
+for processes a test talks to while they run (test_push's producers)."""
 import pytest
 
-from forked import run_forked
+from forked import ForkServer, run_forked
 
 PREAMBLE = "import json\nSHARED = {'n': 0}\nimport sys; sys.modules['json'].seen_by_preamble = 1\n"
 JOB = r'''
@@ -46,3 +47,69 @@ def test_a_preamble_that_imports_a_fresh_package_is_refused():
         run_forked("import email.message", [{"code": "pass"}], fresh=("email",))
     ok, = run_forked("import json", [{"code": "import email"}], fresh=("email",))
     assert ok.returncode == 0, ok.stderr
+
+
+LIVE = r'''
+import json, os, sys, time
+import email.message
+state = sys.modules.setdefault("job_state", type(sys)("job_state"))
+state.count = getattr(state, "count", 0) + 1
+os.environ["LEAK"] = "set by a child"
+print(json.dumps({"argv": sys.argv, "var": os.environ.get("VAR"), "leak": os.environ.get("LEAK"),
+                  "count": state.count, "preamble": getattr(json, "seen_by_preamble", 0),
+                  "stdin": sys.stdin.read()}), flush=True)
+print("to stderr", sys.argv[1], file=sys.stderr, flush=True)
+if sys.argv[2] == "wait":
+    assert sys.stdin.read() == ""
+    print("ready", flush=True)
+    while True:
+        time.sleep(1)
+if sys.argv[2] == "raise":
+    raise RuntimeError("boom")
+sys.exit(int(sys.argv[2]))
+'''
+
+
+def test_fork_server_children_run_live_each_fresh(capfd):
+    import json
+    import os
+    import signal
+    import subprocess
+
+    srv = ForkServer(PREAMBLE, env={"VAR": "server", "PATH": "/usr/bin:/bin"}, fresh=("email",))
+    try:
+        a = srv.start(LIVE, ["a", "wait"], env={"VAR": "1", "LEAK": "parent"})
+        got = json.loads(a.stdout.readline())
+        assert got == {"argv": ["-c", "a", "wait"], "var": "1", "leak": "set by a child",
+                       "count": 1, "preamble": 1, "stdin": ""}
+        assert a.stdout.readline() == "ready\n"  # read while it runs
+        assert a.poll() is None and a.pid not in (os.getpid(), srv.proc.pid)
+        with pytest.raises(subprocess.TimeoutExpired):
+            a.wait(0.2)
+        b = srv.start(LIVE, ["b", "3"], env={})
+        c = srv.start(LIVE, ["c", "raise"], env={"VAR": "3"})
+        assert b.wait(30) == 3 and c.wait(30) == 1
+        assert [json.loads(x.stdout.readline())["var"] for x in (b, c)] == [None, "3"]
+        assert json.loads(b.stdout.readline() or "{}") == {}  # its stdout closed at its exit
+        os.kill(a.pid, signal.SIGSTOP)
+        a.kill()  # stopped or not
+        assert a.wait(30) == -signal.SIGKILL and a.poll() == -signal.SIGKILL
+        a.kill()  # gone: nothing happens
+        err = capfd.readouterr().err
+        assert "to stderr a" in err and "to stderr b" in err and "RuntimeError: boom" in err
+        d = srv.start(LIVE, ["d", "wait"])
+        assert json.loads(d.stdout.readline())["var"] == os.environ.get("VAR")  # ours, at start
+        assert d.stdout.readline() == "ready\n"
+    finally:
+        srv.close()
+    assert srv.proc.returncode == 0
+    assert d.stdout.read() == ""  # killed with the server
+    for x in (a, b, c, d):
+        x.stdout.close()
+    with pytest.raises(ProcessLookupError):
+        os.kill(d.pid, 0)
+
+
+def test_a_fork_server_whose_preamble_imports_a_fresh_package_is_refused():
+    with pytest.raises(RuntimeError, match="fork server exited"):
+        ForkServer("import email.message", fresh=("email",))
