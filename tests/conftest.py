@@ -151,6 +151,9 @@ def metadata_server():
 # mooncake_connector, which each child imports itself, in its own
 # environment (MC_SAME_HOST_CPU and the like).
 VLLM_PREAMBLE = """
+import os
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # as vllm_harness does first
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
 import vllm
 import vllm.config
