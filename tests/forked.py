@@ -24,44 +24,63 @@ import sys
 import tempfile
 import types
 
-RUNNER = r'''
+# What the runner and the server share: the preamble's run and check, and a
+# forked child's run of its job.
+_COMMON = r'''
 import json, os, sys, traceback
+
+
+def run_preamble(spec):
+    exec(compile(spec["preamble"], "<preamble>", "exec"), {"__name__": "__preamble__"})
+    bad = sorted(m for m in sys.modules if m.split(".")[0] in spec["fresh"])
+    if bad:
+        sys.exit(f"forked: the preamble imported {bad[:5]}; the jobs must import them themselves")
+
+
+# In a forked child: setup() (the job's environment and streams), then the
+# job's code as __main__; exits with its status, never returns.
+def run_job(job, setup):
+    code = 1
+    try:
+        setup()
+        sys.argv = ["-c"] + job["argv"]
+        try:
+            exec(compile(job["code"], "<string>", "exec"), {"__name__": "__main__"})
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+            if e.code is not None and not isinstance(e.code, int):
+                print(e.code, file=sys.stderr)
+        except BaseException:
+            traceback.print_exc()
+    finally:
+        try:
+            sys.stdout.flush(); sys.stderr.flush()
+        finally:
+            os._exit(code)
+'''
+
+RUNNER = _COMMON + r'''
+def setup(job):
+    for k, v in job["env"].items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    for fd, path in ((1, job["stdout"]), (2, job["stderr"])):
+        f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(f, fd)
+        os.close(f)
+
+
 spec = json.load(open(sys.argv[1]))
-exec(compile(spec["preamble"], "<preamble>", "exec"), {"__name__": "__preamble__"})
-bad = sorted(m for m in sys.modules if m.split(".")[0] in spec["fresh"])
-if bad:
-    sys.exit(f"forked: the preamble imported {bad[:5]}; the jobs must import them themselves")
+run_preamble(spec)
 codes = []
 for job in spec["jobs"]:
     sys.stdout.flush(); sys.stderr.flush()   # nothing of the parent's doubles into a job's files
     pid = os.fork()
     if pid == 0:
-        code = 1
-        try:
-            for k, v in job["env"].items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
-            for fd, path in ((1, job["stdout"]), (2, job["stderr"])):
-                f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-                os.dup2(f, fd)
-                os.close(f)
-            sys.argv = ["-c"] + job["argv"]
-            try:
-                exec(compile(job["code"], "<string>", "exec"), {"__name__": "__main__"})
-                code = 0
-            except SystemExit as e:
-                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-                if e.code is not None and not isinstance(e.code, int):
-                    print(e.code, file=sys.stderr)
-            except BaseException:
-                traceback.print_exc()
-        finally:
-            try:
-                sys.stdout.flush(); sys.stderr.flush()
-            finally:
-                os._exit(code)
+        run_job(job, lambda: setup(job))
     codes.append(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
 json.dump(codes, open(spec["codes"], "w"))
 '''
@@ -102,50 +121,29 @@ def _read(path):
         return ""
 
 
-SERVER = r'''
-import json, os, selectors, signal, socket, sys, traceback
+SERVER = _COMMON + r'''
+import selectors, signal, socket
 ctl = socket.socket(fileno=int(sys.argv[1]))
-spec = json.loads(ctl.recv(1 << 20))
-exec(compile(spec["preamble"], "<preamble>", "exec"), {"__name__": "__preamble__"})
-bad = sorted(m for m in sys.modules if m.split(".")[0] in spec["fresh"])
-if bad:
-    sys.exit(f"forked: the preamble imported {bad[:5]}; the jobs must import them themselves")
+run_preamble(json.loads(ctl.recv(1 << 20)))
 sel = selectors.DefaultSelector()
 sel.register(ctl, selectors.EVENT_READ)
 kids = {}  # pidfd -> pid
 
 
-def child(job, fds):
-    code = 1
-    try:
-        sel.close()
-        for pfd in kids:
-            os.close(pfd)
-        ctl.close()
-        os.environ.clear()
-        os.environ.update(job["env"])
-        null = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(null, 0)
-        os.close(null)
-        for fd, theirs in zip((1, 2), fds):
-            if theirs != fd:
-                os.dup2(theirs, fd)
-                os.close(theirs)
-        sys.argv = ["-c"] + job["argv"]
-        try:
-            exec(compile(job["code"], "<string>", "exec"), {"__name__": "__main__"})
-            code = 0
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-            if e.code is not None and not isinstance(e.code, int):
-                print(e.code, file=sys.stderr)
-        except BaseException:
-            traceback.print_exc()
-    finally:
-        try:
-            sys.stdout.flush(); sys.stderr.flush()
-        finally:
-            os._exit(code)
+def setup(job, fds):
+    sel.close()
+    for pfd in kids:
+        os.close(pfd)
+    ctl.close()
+    os.environ.clear()
+    os.environ.update(job["env"])
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    for fd, theirs in zip((1, 2), fds):
+        if theirs != fd:
+            os.dup2(theirs, fd)
+            os.close(theirs)
 
 
 ctl.send(b'{"ready": true}')
@@ -163,7 +161,7 @@ while True:
             sys.stdout.flush(); sys.stderr.flush()
             pid = os.fork()
             if pid == 0:
-                child(job, fds)
+                run_job(job, lambda: setup(job, fds))
             for fd in fds:
                 os.close(fd)
             pfd = os.pidfd_open(pid)
