@@ -321,24 +321,29 @@ def recv_to_eof(sock):
         data += chunk
 
 
-def drip_header(port, head, timeout=10.0):
+def drip_header(port, head, timeout=10.0, drip=b"X-a: b\r\n", every=0.3):
     """A slow-loris client: sends head (a request line and header lines,
-    never the blank line that ends them) to 127.0.0.1:port, then one more
-    header line every 0.3 s; the seconds until the server closed the
-    connection, or None when it had not after timeout."""
+    never the blank line that ends them) to 127.0.0.1:port, then `drip`
+    every `every` s (one more header line; or a byte of an unfinished
+    header value); the seconds until the server closed the connection (a
+    read saw its end, or a read or send was reset or refused), or None when
+    it had not after timeout."""
     import socket
 
     with socket.create_connection(("127.0.0.1", port)) as s:
         s.sendall(head)
-        s.settimeout(0.3)
+        s.settimeout(every)
         t0 = time.monotonic()
         while time.monotonic() - t0 < timeout:
             try:
                 if s.recv(100) == b"":
                     return time.monotonic() - t0
             except socket.timeout:
-                s.sendall(b"X-a: b\r\n")
-            except ConnectionResetError:
+                try:
+                    s.sendall(drip)
+                except ConnectionError:  # reset, or a broken pipe: closed
+                    return time.monotonic() - t0
+            except ConnectionError:
                 return time.monotonic() - t0
     return None
 
