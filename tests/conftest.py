@@ -164,46 +164,95 @@ import vllm.v1.outputs
 import vllm.v1.request
 import vllm.v1.structured_output
 """
-# The vllm_forks server, started by its first user and closed after its
-# last one (pytest_runtest_teardown below): its ~1 GB is not held through
-# the rest of the run.
-_vllm_forks = {"server": None, "users_left": 0}
+# What test_connector_vllm's and test_doctor's plugin checks import of vLLM
+# before each check's fresh process registers the plugin (the plugin_forks
+# server): vLLM's CLI parser and its connector factory, the plugin not
+# registered yet.
+PLUGIN_PREAMBLE = """
+from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+assert not getattr(KVConnectorFactory.get_connector_class, '_mooncake', False), \\
+    'the plugin registered before the jobs ran'
+"""
+# Fork servers by fixture name: each started by its first user and closed
+# after its last one (pytest_runtest_teardown below), so that its ~1 GB is
+# not held through the rest of the run.
+_FORKS = {"vllm_forks": {"server": None, "users_left": 0},
+          "plugin_forks": {"server": None, "users_left": 0}}
 
 
-@pytest.fixture
+class _Forks:
+    """A fixture's fork server, started at its first start() or run() (its
+    preamble in `env`, default this process's environment then)."""
+
+    def __init__(self, name, preamble, env=None):
+        self.name, self.preamble, self.env = name, preamble, env
+
+    def server(self):
+        from forked import ForkServer
+
+        f = _FORKS[self.name]
+        if f["server"] is None:
+            f["server"] = ForkServer(self.preamble, env=self.env() if self.env else None,
+                                     cwd="/", timeout=600)
+        return f["server"]
+
+    def start(self, *a, **kw):
+        return self.server().start(*a, **kw)
+
+    def run(self, *a, **kw):
+        return self.server().run(*a, **kw)
+
+
+@pytest.fixture(scope="session")
 def vllm_forks():
-    """A forked.ForkServer that has imported VLLM_PREAMBLE: its start(code,
-    argv) is a fresh `python -c code argv...` child (a producer process the
-    test stops, kills, reads) without a vLLM import of its own.  One server
-    for every test that uses it (test_push's and test_push_layer_load's
-    producer processes)."""
+    """forked.ForkServer's start(code, argv) and run(...) from a server that
+    has imported VLLM_PREAMBLE: a fresh `python -c code argv...` child (a
+    producer process the test stops, kills, reads) without a vLLM import of
+    its own.  One server for every test that uses it (test_push's and
+    test_push_layer_load's producer processes)."""
     pytest.importorskip("vllm")
-    from forked import ForkServer
+    return _Forks("vllm_forks", VLLM_PREAMBLE)
 
-    if _vllm_forks["server"] is None:
-        _vllm_forks["server"] = ForkServer(VLLM_PREAMBLE, timeout=600)
-    return _vllm_forks["server"]
+
+def _plugin_env():
+    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu"}  # as vllm_harness sets it
+    env.pop("_MOONCAKE_CONNECTOR_ANNOUNCED", None)
+    return env
+
+
+@pytest.fixture(scope="session")
+def plugin_forks():
+    """The same for the plugin checks' fresh processes (test_connector_vllm's
+    and test_doctor's: one vLLM import for both), from a server that has
+    imported PLUGIN_PREAMBLE (in this environment, VLLM_TARGET_DEVICE=cpu,
+    no _MOONCAKE_CONNECTOR_ANNOUNCED)."""
+    pytest.importorskip("vllm")
+    return _Forks("plugin_forks", PLUGIN_PREAMBLE, _plugin_env)
 
 
 def pytest_collection_finish(session):
-    _vllm_forks["users_left"] = sum("vllm_forks" in getattr(i, "fixturenames", ())
-                                    for i in session.items)
+    for name, f in _FORKS.items():
+        f["users_left"] = sum(name in getattr(i, "fixturenames", ()) for i in session.items)
 
 
 @pytest.hookimpl(trylast=True)
 def pytest_runtest_teardown(item, nextitem):
-    if "vllm_forks" in getattr(item, "fixturenames", ()):
-        _vllm_forks["users_left"] -= 1
-        if _vllm_forks["users_left"] <= 0:
-            _close_vllm_forks()
+    for name, f in _FORKS.items():
+        if name in getattr(item, "fixturenames", ()):
+            f["users_left"] -= 1
+            if f["users_left"] <= 0:
+                _close_fork_server(name)
 
 
 def pytest_sessionfinish(session):
-    _close_vllm_forks()
+    for name in _FORKS:
+        _close_fork_server(name)
 
 
-def _close_vllm_forks():
-    srv, _vllm_forks["server"] = _vllm_forks["server"], None
+def _close_fork_server(name):
+    srv, _FORKS[name]["server"] = _FORKS[name]["server"], None
     if srv is not None:
         srv.close()
 

@@ -137,6 +137,7 @@ def setup(job, fds):
     ctl.close()
     os.environ.clear()
     os.environ.update(job["env"])
+    os.chdir(job["cwd"])
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
@@ -156,7 +157,8 @@ while True:
                     os.kill(pid, signal.SIGCONT)
                     os.kill(pid, signal.SIGKILL)
                     os.waitpid(pid, 0)
-                sys.exit(0)
+                sys.stdout.flush(); sys.stderr.flush()
+                os._exit(0)  # not the preamble's atexit work and teardown: seconds
             job = json.loads(msg)
             sys.stdout.flush(); sys.stderr.flush()
             pid = os.fork()
@@ -184,14 +186,17 @@ class ForkServer:
     child of it per call, at once, and returns a Popen-like handle (pid,
     stdout, poll, wait, kill, send_signal, returncode) of a process that
     runs `code` as __main__ with sys.argv = ["-c", *argv] in the
-    environment `env` (default: os.environ as it is at the call), its
-    stdin /dev/null, its stdout a pipe the handle reads (text), its stderr
-    this process's: what subprocess.Popen([python, "-c", code, *argv],
-    stdout=PIPE, text=True) gives, less the import.  Each child is forked
-    from the server as it was after the preamble, so none sees another's
-    state.  close() (or this process's exit: the server's control socket
-    closes) kills the server and any child still running.  `fresh`: as
-    run_forked's."""
+    environment `env` and directory `cwd` (default: this process's, as
+    they are at the call), its stdin /dev/null, its stdout a pipe the
+    handle reads (text), its stderr this process's or (stderr=True)
+    another pipe: what subprocess.Popen([python, "-c", code, *argv],
+    stdout=PIPE, text=True) gives, less the import.  run() runs one to its
+    end, as subprocess.run(..., capture_output=True, text=True) would.
+    Each child is forked from the server as it was after the preamble, so
+    none sees another's state.  close() (or this process's exit: the
+    server's control socket closes) kills the server and any child still
+    running.  `fresh`: as run_forked's; `env`: the server's (the
+    preamble's) environment."""
 
     def __init__(self, preamble, env=None, fresh=("mooncake_connector",), cwd=None,
                  timeout=600):
@@ -229,25 +234,56 @@ class ForkServer:
             self._exits[got["exit"]] = got["code"]
         return got
 
-    def start(self, code, argv=(), env=None, timeout=60):
+    def start(self, code, argv=(), env=None, cwd=None, stderr=False, timeout=60):
         import socket
-        rfd, wfd = os.pipe()
+        pipes = [os.pipe() for _ in range(2 if stderr else 1)]
         try:
-            job = {"code": code, "argv": list(argv),
+            job = {"code": code, "argv": list(argv), "cwd": cwd or os.getcwd(),
                    "env": dict(os.environ if env is None else env)}
-            socket.send_fds(self._sock, [json.dumps(job).encode()], [wfd])
+            socket.send_fds(self._sock, [json.dumps(job).encode()], [w for _, w in pipes])
         except BaseException:
-            os.close(rfd)
+            for r, _ in pipes:
+                os.close(r)
             raise
         finally:
-            os.close(wfd)
+            for _, w in pipes:
+                os.close(w)
         while True:
             got = self._read(timeout)
             if got is None:
-                os.close(rfd)
+                for r, _ in pipes:
+                    os.close(r)
                 raise subprocess.TimeoutExpired("fork server start", timeout)
             if "pid" in got:
-                return ForkedChild(self, got["pid"], os.fdopen(rfd, "r"))
+                return ForkedChild(self, got["pid"], *(os.fdopen(r, "r") for r, _ in pipes))
+
+    def run(self, code, argv=(), env=None, cwd=None, timeout=600):
+        """start() with both streams piped, to the child's end: its
+        (returncode, stdout, stderr); subprocess.TimeoutExpired (the child
+        killed) past timeout s."""
+        import threading
+        child = self.start(code, argv, env, cwd, stderr=True)
+        fired = []
+        late = threading.Timer(timeout, lambda: (fired.append(1), child.kill()))  # no socket use
+        err = []
+        t = threading.Thread(target=lambda: err.append(child.stderr.read()), daemon=True)
+        late.start()
+        t.start()
+        try:
+            out = child.stdout.read()  # to its end: the child exited (or closed it)
+            t.join()
+            child.wait()
+        except BaseException:
+            child.kill()
+            child.wait()
+            raise
+        finally:
+            late.cancel()
+            child.stdout.close()
+            child.stderr.close()
+        if fired:
+            raise subprocess.TimeoutExpired("forked child", timeout, out, err[0])
+        return types.SimpleNamespace(returncode=child.returncode, stdout=out, stderr=err[0])
 
     def _poll(self, pid, timeout):
         """pid's exit status, waiting up to timeout s (None: still running)."""
@@ -277,8 +313,9 @@ class ForkedChild:
     signals go through a pidfd opened at once, not its number (the server
     reaps it when it exits: the number may be another process's then)."""
 
-    def __init__(self, server, pid, stdout):
-        self._server, self.pid, self.stdout, self.returncode = server, pid, stdout, None
+    def __init__(self, server, pid, stdout, stderr=None):
+        self._server, self.pid, self.returncode = server, pid, None
+        self.stdout, self.stderr = stdout, stderr
         try:
             self._pidfd = os.pidfd_open(pid)
         except ProcessLookupError:  # exited and reaped already
@@ -298,8 +335,8 @@ class ForkedChild:
 
     def send_signal(self, sig):
         import signal
-        if self._pidfd >= 0 and self.poll() is None:
-            try:
+        if self._pidfd >= 0 and self.returncode is None:
+            try:  # the pidfd names this process: once reaped, ProcessLookupError
                 signal.pidfd_send_signal(self._pidfd, sig)
             except ProcessLookupError:
                 pass

@@ -113,3 +113,24 @@ def test_fork_server_children_run_live_each_fresh(capfd):
 def test_a_fork_server_whose_preamble_imports_a_fresh_package_is_refused():
     with pytest.raises(RuntimeError, match="fork server exited"):
         ForkServer("import email.message", fresh=("email",))
+
+
+def test_fork_server_run_gives_both_streams_the_status_and_honours_cwd_and_timeout(tmp_path):
+    import os
+    import subprocess
+    import time
+
+    code = ("import os, sys; print(os.getcwd(), sys.argv[1]); "
+            "print('x' * 200000, file=sys.stderr); sys.exit(int(sys.argv[2]))")
+    srv = ForkServer("import json")
+    try:
+        r = srv.run(code, ["a", "4"], cwd=str(tmp_path))
+        assert r.returncode == 4 and r.stdout == f"{tmp_path} a\n", r
+        assert r.stderr == "x" * 200000 + "\n"  # more than a pipe holds: read as it came
+        assert srv.run(code, ["b", "0"]).stdout == f"{os.getcwd()} b\n"  # ours by default
+        t0 = time.monotonic()
+        with pytest.raises(subprocess.TimeoutExpired):
+            srv.run("import time; print('started', flush=True); time.sleep(60)", timeout=1)
+        assert time.monotonic() - t0 < 10
+    finally:
+        srv.close()
