@@ -1,48 +1,62 @@
-"""Several fresh-process runs of Python code that all begin with the same
-slow import, for the price of one import.
+"""Fresh-process runs of Python code that all begin with the same slow
+import, for the price of one import.
 
-run_forked(preamble, jobs) starts one Python, which runs `preamble` (e.g.
-`import vllm...`: 10-15 s on the 2-core CI host) once, then forks one child
-per job: the child sets the job's environment, points its stdout and stderr
-at files of its own, runs the job's code as __main__ (sys.argv = the job's
-argv) and exits; the next job forks from the parent again, so no job sees
-another's state, only the preamble's imports.  Each job's result is a
+ForkServer(preamble) starts one Python, which runs `preamble` (e.g. `import
+vllm...`: 10-15 s on the 2-core CI host) once; each start(code, argv) then
+forks a child of it that sets its environment and directory, points its
+stdout (and stderr, if asked) at pipes of the caller's, runs `code` as
+__main__ (sys.argv = ["-c", *argv]) and exits; the next child forks from the
+server again, so none sees another's state, only the preamble's imports.
+start() returns a Popen-like handle of the child, running (a producer
+process a test stops and kills); run() runs one to its end and gives a
 CompletedProcess-like (returncode, stdout, stderr), as subprocess.run would
-give for `python -P -c code argv...` with that environment, less what the
-preamble's imports printed (the parent's streams).
+for `python -P -c code argv...` with that environment, less what the
+preamble's imports printed (the server's streams: the caller's).
 
 `fresh` names packages the preamble must not import (a test of what
-importing them does needs them imported in the job): the runner exits with
-an error if it did.  A job that raises, or exits non-zero, gives its exit
-status (1 for an exception, its traceback in its stderr); one that runs past
-`timeout` fails the whole run (subprocess.TimeoutExpired).
+importing them does needs them imported in the job): the server exits with
+an error if it did.  A child that raises, or exits non-zero, gives its exit
+status (1 for an exception, its traceback in its stderr); a signal's, as
+Popen does (-9 for SIGKILL).
 """
 import json
 import os
 import subprocess
 import sys
-import tempfile
 import types
 
-# What the runner and the server share: the preamble's run and check, and a
-# forked child's run of its job.
-_COMMON = r'''
-import json, os, sys, traceback
+SERVER = r'''
+import json, os, selectors, signal, socket, sys, traceback
+ctl = socket.socket(fileno=int(sys.argv[1]))
+spec = json.loads(ctl.recv(1 << 20))
+exec(compile(spec["preamble"], "<preamble>", "exec"), {"__name__": "__preamble__"})
+bad = sorted(m for m in sys.modules if m.split(".")[0] in spec["fresh"])
+if bad:
+    sys.exit(f"forked: the preamble imported {bad[:5]}; the jobs must import them themselves")
+sel = selectors.DefaultSelector()
+sel.register(ctl, selectors.EVENT_READ)
+kids = {}  # pidfd -> pid
 
 
-def run_preamble(spec):
-    exec(compile(spec["preamble"], "<preamble>", "exec"), {"__name__": "__preamble__"})
-    bad = sorted(m for m in sys.modules if m.split(".")[0] in spec["fresh"])
-    if bad:
-        sys.exit(f"forked: the preamble imported {bad[:5]}; the jobs must import them themselves")
-
-
-# In a forked child: setup() (the job's environment and streams), then the
-# job's code as __main__; exits with its status, never returns.
-def run_job(job, setup):
+# In a forked child: the job's environment, directory and streams, then its
+# code as __main__; exits with its status, never returns.
+def run_job(job, fds):
     code = 1
     try:
-        setup()
+        sel.close()
+        for pfd in kids:
+            os.close(pfd)
+        ctl.close()
+        os.environ.clear()
+        os.environ.update(job["env"])
+        os.chdir(job["cwd"])
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.close(null)
+        for fd, theirs in zip((1, 2), fds):
+            if theirs != fd:
+                os.dup2(theirs, fd)
+                os.close(theirs)
         sys.argv = ["-c"] + job["argv"]
         try:
             exec(compile(job["code"], "<string>", "exec"), {"__name__": "__main__"})
@@ -58,93 +72,6 @@ def run_job(job, setup):
             sys.stdout.flush(); sys.stderr.flush()
         finally:
             os._exit(code)
-'''
-
-RUNNER = _COMMON + r'''
-def setup(job):
-    for k, v in job["env"].items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-    for fd, path in ((1, job["stdout"]), (2, job["stderr"])):
-        f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.dup2(f, fd)
-        os.close(f)
-
-
-spec = json.load(open(sys.argv[1]))
-run_preamble(spec)
-codes = []
-for job in spec["jobs"]:
-    sys.stdout.flush(); sys.stderr.flush()   # nothing of the parent's doubles into a job's files
-    pid = os.fork()
-    if pid == 0:
-        run_job(job, lambda: setup(job))
-    codes.append(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
-json.dump(codes, open(spec["codes"], "w"))
-'''
-
-
-def run_forked(preamble, jobs, env=None, fresh=("mooncake_connector",), timeout=600, cwd=None):
-    """jobs: dicts with "code" and optionally "argv" (list of str) and "env"
-    (variables to set; None unsets one).  env: the parent's environment
-    (default os.environ).  Returns one result per job, in order."""
-    with tempfile.TemporaryDirectory(prefix="mc-forked-") as d:
-        spec = {"preamble": preamble, "fresh": list(fresh), "jobs": [],
-                "codes": os.path.join(d, "codes.json")}
-        for i, job in enumerate(jobs):
-            spec["jobs"].append({"code": job["code"], "argv": list(job.get("argv", ())),
-                                 "env": dict(job.get("env") or {}),
-                                 "stdout": os.path.join(d, f"{i}.out"),
-                                 "stderr": os.path.join(d, f"{i}.err")})
-        with open(os.path.join(d, "spec.json"), "w") as f:
-            json.dump(spec, f)
-        r = subprocess.run([sys.executable, "-P", "-c", RUNNER, os.path.join(d, "spec.json")],
-                           capture_output=True, text=True, timeout=timeout, cwd=cwd,
-                           env=os.environ if env is None else env)
-        if r.returncode != 0 or not os.path.exists(spec["codes"]):
-            raise RuntimeError(f"forked runner failed (exit {r.returncode}):\n"
-                               f"{r.stdout[-2000:]}\n{r.stderr[-3000:]}")
-        with open(spec["codes"]) as f:
-            codes = json.load(f)
-        return [types.SimpleNamespace(returncode=code, stdout=_read(job["stdout"]),
-                                      stderr=_read(job["stderr"]))
-                for code, job in zip(codes, spec["jobs"])]
-
-
-def _read(path):
-    try:
-        with open(path) as f:
-            return f.read()
-    except FileNotFoundError:  # the job's child died before it opened its files
-        return ""
-
-
-SERVER = _COMMON + r'''
-import selectors, signal, socket
-ctl = socket.socket(fileno=int(sys.argv[1]))
-run_preamble(json.loads(ctl.recv(1 << 20)))
-sel = selectors.DefaultSelector()
-sel.register(ctl, selectors.EVENT_READ)
-kids = {}  # pidfd -> pid
-
-
-def setup(job, fds):
-    sel.close()
-    for pfd in kids:
-        os.close(pfd)
-    ctl.close()
-    os.environ.clear()
-    os.environ.update(job["env"])
-    os.chdir(job["cwd"])
-    null = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(null, 0)
-    os.close(null)
-    for fd, theirs in zip((1, 2), fds):
-        if theirs != fd:
-            os.dup2(theirs, fd)
-            os.close(theirs)
 
 
 ctl.send(b'{"ready": true}')
@@ -160,10 +87,10 @@ while True:
                 sys.stdout.flush(); sys.stderr.flush()
                 os._exit(0)  # not the preamble's atexit work and teardown: seconds
             job = json.loads(msg)
-            sys.stdout.flush(); sys.stderr.flush()
+            sys.stdout.flush(); sys.stderr.flush()  # nothing of ours doubles into a child's
             pid = os.fork()
             if pid == 0:
-                run_job(job, lambda: setup(job, fds))
+                run_job(job, fds)
             for fd in fds:
                 os.close(fd)
             pfd = os.pidfd_open(pid)
@@ -181,8 +108,7 @@ while True:
 
 
 class ForkServer:
-    """run_forked's way for processes a test talks to while they run: one
-    Python runs `preamble` once (the slow import), then start() forks a
+    """One Python that ran `preamble` once (the slow import); start() forks a
     child of it per call, at once, and returns a Popen-like handle (pid,
     stdout, poll, wait, kill, send_signal, returncode) of a process that
     runs `code` as __main__ with sys.argv = ["-c", *argv] in the
@@ -195,7 +121,7 @@ class ForkServer:
     Each child is forked from the server as it was after the preamble, so
     none sees another's state.  close() (or this process's exit: the
     server's control socket closes) kills the server and any child still
-    running.  `fresh`: as run_forked's; `env`: the server's (the
+    running.  `fresh`: the module docstring's; `env`: the server's (the
     preamble's) environment."""
 
     def __init__(self, preamble, env=None, fresh=("mooncake_connector",), cwd=None,

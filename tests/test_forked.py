@@ -1,11 +1,12 @@
-"""tests/forked.py, the runner that forks several fresh-process jobs from one
-slow import (test_doctor's and test_connector_vllm's plugin checks use it):
-each job sees the preamble's imports and none of another job's state, gets
-its own environment, streams and exit status.  Its ForkServer does the same
-for processes a test talks to while they run (test_push's producers)."""
+"""tests/forked.py's ForkServer, which forks fresh-process jobs from one slow
+import (test_doctor's and test_connector_vllm's plugin checks, test_push's
+and test_push_layer_load's producer processes use it): each job sees the
+preamble's imports and none of another job's state, gets its own
+environment, directory, streams and exit status, and can be read, signalled
+and killed while it runs."""
 import pytest
 
-from forked import ForkServer, run_forked
+from forked import ForkServer
 
 PREAMBLE = "import json\nSHARED = {'n': 0}\nimport sys; sys.modules['json'].seen_by_preamble = 1\n"
 JOB = r'''
@@ -27,11 +28,14 @@ sys.exit(code)
 def test_jobs_are_isolated_and_each_has_its_own_result():
     import json
 
-    runs = run_forked(PREAMBLE, [
-        {"code": JOB, "argv": ["a", "0"], "env": {"VAR": "1"}},
-        {"code": JOB, "argv": ["b", "3"], "env": {"VAR": None}},
-        {"code": JOB, "argv": ["c", "99"], "env": {"VAR": "3", "LEAK": None}},
-    ], env={"VAR": "parent", "LEAK": "parent", "PATH": "/usr/bin:/bin"})
+    srv = ForkServer(PREAMBLE, env={"VAR": "parent", "LEAK": "parent", "PATH": "/usr/bin:/bin"})
+    try:
+        parent = {"VAR": "parent", "LEAK": "parent", "PATH": "/usr/bin:/bin"}
+        runs = [srv.run(JOB, ["a", "0"], env=dict(parent, VAR="1")),
+                srv.run(JOB, ["b", "3"], env={k: v for k, v in parent.items() if k != "VAR"}),
+                srv.run(JOB, ["c", "99"], env={"VAR": "3", "PATH": "/usr/bin:/bin"})]
+    finally:
+        srv.close()
     got = [json.loads(r.stdout.splitlines()[0]) for r in runs]
     assert [g["argv"] for g in got] == [["a", "0"], ["b", "3"], ["c", "99"]]
     assert [g["var"] for g in got] == ["1", None, "3"]
@@ -42,10 +46,15 @@ def test_jobs_are_isolated_and_each_has_its_own_result():
     assert "to stderr c" in runs[2].stderr and "to stderr a" not in runs[1].stderr
 
 
-def test_a_preamble_that_imports_a_fresh_package_is_refused():
-    with pytest.raises(RuntimeError, match=r"the preamble imported \['email"):
-        run_forked("import email.message", [{"code": "pass"}], fresh=("email",))
-    ok, = run_forked("import json", [{"code": "import email"}], fresh=("email",))
+def test_a_preamble_that_imports_a_fresh_package_is_refused(capfd):
+    with pytest.raises(RuntimeError, match="fork server exited"):
+        ForkServer("import email.message", fresh=("email",))
+    assert "the preamble imported ['email" in capfd.readouterr().err
+    srv = ForkServer("import json", fresh=("email",))
+    try:
+        ok = srv.run("import email")
+    finally:
+        srv.close()
     assert ok.returncode == 0, ok.stderr
 
 
@@ -108,11 +117,6 @@ def test_fork_server_children_run_live_each_fresh(capfd):
         x.stdout.close()
     with pytest.raises(ProcessLookupError):
         os.kill(d.pid, 0)
-
-
-def test_a_fork_server_whose_preamble_imports_a_fresh_package_is_refused():
-    with pytest.raises(RuntimeError, match="fork server exited"):
-        ForkServer("import email.message", fresh=("email",))
 
 
 def test_fork_server_run_gives_both_streams_the_status_and_honours_cwd_and_timeout(tmp_path):
