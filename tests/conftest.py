@@ -146,6 +146,117 @@ def metadata_server():
     srv.stop()
 
 
+# What tests/vllm_harness.py imports of vLLM (the slow part of a producer
+# child's start: ~9 s on the 2-core CI host), for the vllm_forks server; not
+# mooncake_connector, which each child imports itself, in its own
+# environment (MC_SAME_HOST_CPU and the like).
+VLLM_PREAMBLE = """
+import os
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # as vllm_harness does first
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+import torch
+import vllm
+import vllm.config
+import vllm.distributed.kv_transfer.kv_connector.v1.base
+import vllm.v1.core.sched.scheduler
+import vllm.v1.kv_cache_interface
+import vllm.v1.outputs
+import vllm.v1.request
+import vllm.v1.structured_output
+"""
+# What test_connector_vllm's and test_doctor's plugin checks import of vLLM
+# before each check's fresh process registers the plugin (the plugin_forks
+# server): vLLM's CLI parser and its connector factory, the plugin not
+# registered yet.
+PLUGIN_PREAMBLE = """
+from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+assert not getattr(KVConnectorFactory.get_connector_class, '_mooncake', False), \\
+    'the plugin registered before the jobs ran'
+"""
+# Fork servers by fixture name: each started by its first user and closed
+# after its last one (pytest_runtest_teardown below), so that its ~1 GB is
+# not held through the rest of the run.
+_FORKS = {"vllm_forks": {"server": None, "users_left": 0},
+          "plugin_forks": {"server": None, "users_left": 0}}
+
+
+class _Forks:
+    """A fixture's fork server, started at its first start() or run() (its
+    preamble in `env`, default this process's environment then)."""
+
+    def __init__(self, name, preamble, env=None):
+        self.name, self.preamble, self.env = name, preamble, env
+
+    def server(self):
+        from forked import ForkServer
+
+        f = _FORKS[self.name]
+        if f["server"] is None:
+            f["server"] = ForkServer(self.preamble, env=self.env() if self.env else None,
+                                     cwd="/", timeout=600)
+        return f["server"]
+
+    def start(self, *a, **kw):
+        return self.server().start(*a, **kw)
+
+    def run(self, *a, **kw):
+        return self.server().run(*a, **kw)
+
+
+@pytest.fixture(scope="session")
+def vllm_forks():
+    """forked.ForkServer's start(code, argv) and run(...) from a server that
+    has imported VLLM_PREAMBLE: a fresh `python -c code argv...` child (a
+    producer process the test stops, kills, reads) without a vLLM import of
+    its own.  One server for every test that uses it (test_push's and
+    test_push_layer_load's producer processes)."""
+    pytest.importorskip("vllm")
+    return _Forks("vllm_forks", VLLM_PREAMBLE)
+
+
+def _plugin_env():
+    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu"}  # as vllm_harness sets it
+    env.pop("_MOONCAKE_CONNECTOR_ANNOUNCED", None)
+    return env
+
+
+@pytest.fixture(scope="session")
+def plugin_forks():
+    """The same for the plugin checks' fresh processes (test_connector_vllm's
+    and test_doctor's: one vLLM import for both), from a server that has
+    imported PLUGIN_PREAMBLE (in this environment, VLLM_TARGET_DEVICE=cpu,
+    no _MOONCAKE_CONNECTOR_ANNOUNCED)."""
+    pytest.importorskip("vllm")
+    return _Forks("plugin_forks", PLUGIN_PREAMBLE, _plugin_env)
+
+
+def pytest_collection_finish(session):
+    for name, f in _FORKS.items():
+        f["users_left"] = sum(name in getattr(i, "fixturenames", ()) for i in session.items)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    for name, f in _FORKS.items():
+        if name in getattr(item, "fixturenames", ()):
+            f["users_left"] -= 1
+            if f["users_left"] <= 0:
+                _close_fork_server(name)
+
+
+def pytest_sessionfinish(session):
+    for name in _FORKS:
+        _close_fork_server(name)
+
+
+def _close_fork_server(name):
+    srv, _FORKS[name]["server"] = _FORKS[name]["server"], None
+    if srv is not None:
+        srv.close()
+
+
 def closing_maker(new):
     """Generator for a fixture that makes things: yields make(*a, **kw),
     new(*a, **kw) kept, and closes every one made after the test."""
@@ -259,24 +370,29 @@ def recv_to_eof(sock):
         data += chunk
 
 
-def drip_header(port, head, timeout=10.0):
+def drip_header(port, head, timeout=10.0, drip=b"X-a: b\r\n", every=0.3):
     """A slow-loris client: sends head (a request line and header lines,
-    never the blank line that ends them) to 127.0.0.1:port, then one more
-    header line every 0.3 s; the seconds until the server closed the
-    connection, or None when it had not after timeout."""
+    never the blank line that ends them) to 127.0.0.1:port, then `drip`
+    every `every` s (one more header line; or a byte of an unfinished
+    header value); the seconds until the server closed the connection (a
+    read saw its end, or a read or send was reset or refused), or None when
+    it had not after timeout."""
     import socket
 
     with socket.create_connection(("127.0.0.1", port)) as s:
         s.sendall(head)
-        s.settimeout(0.3)
+        s.settimeout(every)
         t0 = time.monotonic()
         while time.monotonic() - t0 < timeout:
             try:
                 if s.recv(100) == b"":
                     return time.monotonic() - t0
             except socket.timeout:
-                s.sendall(b"X-a: b\r\n")
-            except ConnectionResetError:
+                try:
+                    s.sendall(drip)
+                except ConnectionError:  # reset, or a broken pipe: closed
+                    return time.monotonic() - t0
+            except ConnectionError:
                 return time.monotonic() - t0
     return None
 

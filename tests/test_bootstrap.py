@@ -13,6 +13,7 @@ from mooncake_connector.connector import bootstrap
 from mooncake_connector.connector import settings as settings_mod
 from mooncake_connector.connector.settings import SettingsError, shift_port
 from mooncake_connector.serving import free_port
+from conftest import drip_header
 
 
 def _cfg(**extra):
@@ -178,29 +179,6 @@ def test_the_producer_worker_of_tp0_pp0_serves_it_naming_every_rank():
         socket.create_connection(("127.0.0.1", port), timeout=2).close()
 
 
-def _drip(port, seconds):
-    """A slow-loris client: a request line, then a header value one byte
-    every 0.2 s, never its end; the seconds until the server closed the
-    connection, or None if it had not after `seconds`."""
-    import time
-    with socket.create_connection(("127.0.0.1", port)) as s:
-        s.sendall(b"GET /query HTTP/1.1\r\nHost: x\r\nX-Slow: ")
-        s.settimeout(0.2)
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < seconds:
-            try:
-                if s.recv(100) == b"":
-                    return time.monotonic() - t0
-            except socket.timeout:
-                try:
-                    s.sendall(b"a")
-                except OSError:
-                    return time.monotonic() - t0
-            except OSError:
-                return time.monotonic() - t0
-    return None
-
-
 def test_a_dripping_client_is_closed_at_the_request_deadline(monkeypatch):
     """The server runs inside the prefill's vLLM process, on 0.0.0.0.  Its
     socket timeout (10 s) is per read: a client dripping its header a byte
@@ -211,7 +189,9 @@ def test_a_dripping_client_is_closed_at_the_request_deadline(monkeypatch):
     s = settings_mod.resolve(_cfg(bootstrap_port=free_port(), bootstrap_host="127.0.0.1"))
     srv = _start(s)
     try:
-        took = _drip(srv.port, 12)
+        # a request line, then a header value one byte every 0.2 s, never its end
+        took = drip_header(srv.port, b"GET /query HTTP/1.1\r\nHost: x\r\nX-Slow: ", 12,
+                           drip=b"a", every=0.2)
         assert took is not None and 1.5 < took < 6, took
         assert _req(srv.port, "GET", "/query")[0] == 200
         # A keep-alive client's requests each get the deadline afresh.

@@ -744,13 +744,9 @@ MODPATH = ('{"kv_connector":"MooncakeConnector","kv_connector_module_path":"moon
 # own argument parser, resolve the class with vLLM's factory; then build a
 # scheduler-side connector with the extension made unimportable.  Importing
 # vLLM is the slow part (~13 s here): the settings' processes are forked from
-# one Python that ran PROBE_PREAMBLE (tests/forked.py), each then runs PROBE
-# whole as a fresh `python -c` would, loading the plugins itself.
-PROBE_PREAMBLE = """
-from vllm.engine.arg_utils import AsyncEngineArgs
-from vllm.utils.argparse_utils import FlexibleArgumentParser
-from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-"""
+# one Python that imported vLLM's parser and factory (conftest.plugin_forks,
+# shared with test_doctor's plugin checks), each then runs PROBE whole as a
+# fresh `python -c` would, loading the plugins itself.
 PROBE = r'''
 import builtins, json, sys
 from vllm.engine.arg_utils import AsyncEngineArgs
@@ -813,20 +809,18 @@ PROBE_RUNS = {
 
 
 @pytest.fixture(scope="module")
-def plugin_probes(model_dir, tmp_path_factory):
+def plugin_probes(model_dir, tmp_path_factory, plugin_forks):
     """{name: PROBE's run} for PROBE_RUNS, all forked from one vLLM import."""
     import json
 
-    from forked import run_forked
     cfg = tmp_path_factory.mktemp("probe") / "mooncake.json"
     cfg.write_text("{}")
     e = {**os.environ, "VLLM_TARGET_DEVICE": "cpu"}
     e.pop("_MOONCAKE_CONNECTOR_ANNOUNCED", None)
-    jobs = [{"code": PROBE, "argv": [json.dumps(args), model_dir,
-                                     os.path.dirname(os.path.abspath(__file__))],
-             "env": {k: v.format(cfg=cfg) for k, v in env.items()}}
-            for args, env in PROBE_RUNS.values()]
-    return dict(zip(PROBE_RUNS, run_forked(PROBE_PREAMBLE, jobs, env=e, timeout=600)))
+    return {name: plugin_forks.run(PROBE, [json.dumps(args), model_dir,
+                                           os.path.dirname(os.path.abspath(__file__))],
+                                   env={**e, **{k: v.format(cfg=cfg) for k, v in env.items()}})
+            for name, (args, env) in PROBE_RUNS.items()}
 
 
 def test_plugin_makes_the_seed_command_line_work(plugin_probes):

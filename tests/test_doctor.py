@@ -550,23 +550,15 @@ DISABLE_VALUES = [("false", True), ("no", True), ("off", True), ("0", True), ("1
 
 
 @pytest.fixture(scope="module")
-def plugin_states():
+def plugin_states(plugin_forks):
     """{value: PLUGIN_STATE's run with MOONCAKE_CONNECTOR_DISABLE_PLUGIN=value}:
     each run a process of its own that registers the plugin afresh, forked
-    from one Python that imported vLLM's factory once (tests/forked.py;
-    importing vLLM is ~13 s here, the rest milliseconds), not one Python per
-    value."""
-    pytest.importorskip("vllm")
-    from forked import run_forked
-
-    preamble = ("import vllm.distributed.kv_transfer.kv_connector.factory as f\n"
-                "assert not getattr(f.KVConnectorFactory.get_connector_class, '_mooncake', "
-                "False), 'the plugin registered before the jobs ran'\n")
-    runs = run_forked(preamble, [{"code": PLUGIN_STATE,
-                                  "env": {"MOONCAKE_CONNECTOR_DISABLE_PLUGIN": v}}
-                                 for v, _ in DISABLE_VALUES],
-                      env=dict(os.environ), timeout=300, cwd="/")
-    return {v: r for (v, _), r in zip(DISABLE_VALUES, runs)}
+    from one Python that imported vLLM's factory once (conftest.plugin_forks,
+    shared with test_connector_vllm's plugin checks; importing vLLM is ~13 s
+    here, the rest milliseconds), not one Python per value."""
+    return {v: plugin_forks.run(PLUGIN_STATE, cwd="/", timeout=300,
+                                env={**os.environ, "MOONCAKE_CONNECTOR_DISABLE_PLUGIN": v})
+            for v, _ in DISABLE_VALUES}
 
 
 @pytest.mark.parametrize("value,on", DISABLE_VALUES)

@@ -1,10 +1,12 @@
-"""tests/forked.py, the runner that forks several fresh-process jobs from one
-slow import (test_doctor's and test_connector_vllm's plugin checks use it):
-each job sees the preamble's imports and none of another job's state, gets
-its own environment, streams and exit status."""
+"""tests/forked.py's ForkServer, which forks fresh-process jobs from one slow
+import (test_doctor's and test_connector_vllm's plugin checks, test_push's
+and test_push_layer_load's producer processes use it): each job sees the
+preamble's imports and none of another job's state, gets its own
+environment, directory, streams and exit status, and can be read, signalled
+and killed while it runs."""
 import pytest
 
-from forked import run_forked
+from forked import ForkServer
 
 PREAMBLE = "import json\nSHARED = {'n': 0}\nimport sys; sys.modules['json'].seen_by_preamble = 1\n"
 JOB = r'''
@@ -26,11 +28,14 @@ sys.exit(code)
 def test_jobs_are_isolated_and_each_has_its_own_result():
     import json
 
-    runs = run_forked(PREAMBLE, [
-        {"code": JOB, "argv": ["a", "0"], "env": {"VAR": "1"}},
-        {"code": JOB, "argv": ["b", "3"], "env": {"VAR": None}},
-        {"code": JOB, "argv": ["c", "99"], "env": {"VAR": "3", "LEAK": None}},
-    ], env={"VAR": "parent", "LEAK": "parent", "PATH": "/usr/bin:/bin"})
+    srv = ForkServer(PREAMBLE, env={"VAR": "parent", "LEAK": "parent", "PATH": "/usr/bin:/bin"})
+    try:
+        parent = {"VAR": "parent", "LEAK": "parent", "PATH": "/usr/bin:/bin"}
+        runs = [srv.run(JOB, ["a", "0"], env=dict(parent, VAR="1")),
+                srv.run(JOB, ["b", "3"], env={k: v for k, v in parent.items() if k != "VAR"}),
+                srv.run(JOB, ["c", "99"], env={"VAR": "3", "PATH": "/usr/bin:/bin"})]
+    finally:
+        srv.close()
     got = [json.loads(r.stdout.splitlines()[0]) for r in runs]
     assert [g["argv"] for g in got] == [["a", "0"], ["b", "3"], ["c", "99"]]
     assert [g["var"] for g in got] == ["1", None, "3"]
@@ -41,8 +46,95 @@ def test_jobs_are_isolated_and_each_has_its_own_result():
     assert "to stderr c" in runs[2].stderr and "to stderr a" not in runs[1].stderr
 
 
-def test_a_preamble_that_imports_a_fresh_package_is_refused():
-    with pytest.raises(RuntimeError, match=r"the preamble imported \['email"):
-        run_forked("import email.message", [{"code": "pass"}], fresh=("email",))
-    ok, = run_forked("import json", [{"code": "import email"}], fresh=("email",))
+def test_a_preamble_that_imports_a_fresh_package_is_refused(capfd):
+    with pytest.raises(RuntimeError, match="fork server exited"):
+        ForkServer("import email.message", fresh=("email",))
+    assert "the preamble imported ['email" in capfd.readouterr().err
+    srv = ForkServer("import json", fresh=("email",))
+    try:
+        ok = srv.run("import email")
+    finally:
+        srv.close()
     assert ok.returncode == 0, ok.stderr
+
+
+LIVE = r'''
+import json, os, sys, time
+import email.message
+state = sys.modules.setdefault("job_state", type(sys)("job_state"))
+state.count = getattr(state, "count", 0) + 1
+os.environ["LEAK"] = "set by a child"
+print(json.dumps({"argv": sys.argv, "var": os.environ.get("VAR"), "leak": os.environ.get("LEAK"),
+                  "count": state.count, "preamble": getattr(json, "seen_by_preamble", 0),
+                  "stdin": sys.stdin.read()}), flush=True)
+print("to stderr", sys.argv[1], file=sys.stderr, flush=True)
+if sys.argv[2] == "wait":
+    assert sys.stdin.read() == ""
+    print("ready", flush=True)
+    while True:
+        time.sleep(1)
+if sys.argv[2] == "raise":
+    raise RuntimeError("boom")
+sys.exit(int(sys.argv[2]))
+'''
+
+
+def test_fork_server_children_run_live_each_fresh(capfd):
+    import json
+    import os
+    import signal
+    import subprocess
+
+    srv = ForkServer(PREAMBLE, env={"VAR": "server", "PATH": "/usr/bin:/bin"}, fresh=("email",))
+    try:
+        a = srv.start(LIVE, ["a", "wait"], env={"VAR": "1", "LEAK": "parent"})
+        got = json.loads(a.stdout.readline())
+        assert got == {"argv": ["-c", "a", "wait"], "var": "1", "leak": "set by a child",
+                       "count": 1, "preamble": 1, "stdin": ""}
+        assert a.stdout.readline() == "ready\n"  # read while it runs
+        assert a.poll() is None and a.pid not in (os.getpid(), srv.proc.pid)
+        with pytest.raises(subprocess.TimeoutExpired):
+            a.wait(0.2)
+        b = srv.start(LIVE, ["b", "3"], env={})
+        c = srv.start(LIVE, ["c", "raise"], env={"VAR": "3"})
+        assert b.wait(30) == 3 and c.wait(30) == 1
+        assert [json.loads(x.stdout.readline())["var"] for x in (b, c)] == [None, "3"]
+        assert json.loads(b.stdout.readline() or "{}") == {}  # its stdout closed at its exit
+        os.kill(a.pid, signal.SIGSTOP)
+        a.kill()  # stopped or not
+        assert a.wait(30) == -signal.SIGKILL and a.poll() == -signal.SIGKILL
+        a.kill()  # gone: nothing happens
+        err = capfd.readouterr().err
+        assert "to stderr a" in err and "to stderr b" in err and "RuntimeError: boom" in err
+        d = srv.start(LIVE, ["d", "wait"])
+        assert json.loads(d.stdout.readline())["var"] == os.environ.get("VAR")  # ours, at start
+        assert d.stdout.readline() == "ready\n"
+    finally:
+        srv.close()
+    assert srv.proc.returncode == 0
+    assert d.stdout.read() == ""  # killed with the server
+    for x in (a, b, c, d):
+        x.stdout.close()
+    with pytest.raises(ProcessLookupError):
+        os.kill(d.pid, 0)
+
+
+def test_fork_server_run_gives_both_streams_the_status_and_honours_cwd_and_timeout(tmp_path):
+    import os
+    import subprocess
+    import time
+
+    code = ("import os, sys; print(os.getcwd(), sys.argv[1]); "
+            "print('x' * 200000, file=sys.stderr); sys.exit(int(sys.argv[2]))")
+    srv = ForkServer("import json")
+    try:
+        r = srv.run(code, ["a", "4"], cwd=str(tmp_path))
+        assert r.returncode == 4 and r.stdout == f"{tmp_path} a\n", r
+        assert r.stderr == "x" * 200000 + "\n"  # more than a pipe holds: read as it came
+        assert srv.run(code, ["b", "0"]).stdout == f"{os.getcwd()} b\n"  # ours by default
+        t0 = time.monotonic()
+        with pytest.raises(subprocess.TimeoutExpired):
+            srv.run("import time; print('started', flush=True); time.sleep(60)", timeout=1)
+        assert time.monotonic() - t0 < 10
+    finally:
+        srv.close()

@@ -819,8 +819,8 @@ def _held_refs(d, ids):
                                         ("resumed", True), ("resumed-idle", False)],
                          ids=["resumed", "killed", "aborted-resumed", "resumed-idle"])
 def test_stopped_same_host_producer_keeps_the_blocks_out_of_reuse(sides, model_dir, urls,
-                                                                   monkeypatch, then,
-                                                                   abort):  # noqa: F811
+                                                                   monkeypatch, then, abort,
+                                                                   vllm_forks):  # noqa: F811
     """A producer process on this host (the same-host CPU path on: it would
     copy into the decode's blocks itself, process_vm_writev, no connection
     of ours to cut) took the target and is SIGSTOPped; it never answers the
@@ -841,15 +841,13 @@ def test_stopped_same_host_producer_keeps_the_blocks_out_of_reuse(sides, model_d
     import json
     import os
     import signal
-    import subprocess
-    import sys
 
     from mooncake_connector.connector import push
 
     monkeypatch.setenv("MC_SAME_HOST_CPU", "1")
-    child = subprocess.Popen(
-        [sys.executable, "-c", STOP_CHILD, os.path.dirname(os.path.abspath(__file__)),
-         model_dir, json.dumps(urls), "S1", str(BS)], stdout=subprocess.PIPE, text=True)
+    # a fresh process, forked from one that imported vLLM once for all four
+    child = vllm_forks.start(STOP_CHILD, [os.path.dirname(os.path.abspath(__file__)),
+                                          model_dir, json.dumps(urls), "S1", str(BS)])
     try:
         _child_ready(child)
         lt = 0.5
@@ -906,9 +904,10 @@ def test_stopped_same_host_producer_keeps_the_blocks_out_of_reuse(sides, model_d
         assert _held_refs(d, ids) == [0, 0, 0]
     finally:
         if child.poll() is None:
-            os.kill(child.pid, signal.SIGCONT)
+            child.send_signal(signal.SIGCONT)
             child.kill()
         child.wait()
+        child.stdout.close()
 
 
 def test_a_pid_is_watched_only_if_it_names_the_describing_engine():

@@ -10,8 +10,6 @@ the blocks after the step."""
 import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 
@@ -492,13 +490,13 @@ while True:
 """
 
 
-def test_producer_process_sigkilled_mid_layers(sides, model_dir, urls):  # noqa: F811
+def test_producer_process_sigkilled_mid_layers(sides, model_dir, urls, vllm_forks):  # noqa: F811
     """A real producer process pushes layer 0 and is SIGKILLed: the decode's
     step ends at once (its connections drop), not at push_layer_timeout_s;
     load error, prompt computed, counted producer_unreachable."""
-    child = subprocess.Popen(
-        [sys.executable, "-c", KILL_CHILD, os.path.dirname(__file__), model_dir,
-         json.dumps(urls), "42"], stdout=subprocess.PIPE, text=True)
+    # a fresh process, forked from one that imported vLLM (conftest.vllm_forks)
+    child = vllm_forks.start(KILL_CHILD, [os.path.dirname(__file__), model_dir,
+                                          json.dumps(urls), "42"])
     try:
         _child_ready(child)
         d = sides("kv_consumer", flow_a=False, push_layer_load=True, push_layer_timeout_s=10.0)
@@ -511,6 +509,7 @@ def test_producer_process_sigkilled_mid_layers(sides, model_dir, urls):  # noqa:
     finally:
         child.kill()
         child.wait()
+        child.stdout.close()
     print(f"step/load ended {took:.3f} s after it began")
     assert took < 2.0, took
     assert d.seen.get("q") == [True, False], d.seen
@@ -767,8 +766,8 @@ while True:
 """
 
 
-def test_stopped_producer_layer_load_counts_timed_out(sides, model_dir, urls,
-                                                      monkeypatch):  # noqa: F811
+def test_stopped_producer_layer_load_counts_timed_out(sides, model_dir, urls, monkeypatch,
+                                                      vllm_forks):  # noqa: F811
     """stopped_producer_probe.py's layer-load phase: a producer process on
     this host that this decode pushed from before is SIGSTOPped (alive, its
     connections open, never answering), then gets a layer load's target.
@@ -778,9 +777,8 @@ def test_stopped_producer_layer_load_counts_timed_out(sides, model_dir, urls,
     timed_out like the whole-prompt push in the same situation, not
     producer_unreachable (was: the failed send's "unreachable" text)."""
     monkeypatch.setenv("MC_SAME_HOST_CPU", "1")  # a same-host deployment's default
-    child = subprocess.Popen(
-        [sys.executable, "-c", STOP_CHILD, os.path.dirname(os.path.abspath(__file__)),
-         model_dir, json.dumps(urls), "48"], stdout=subprocess.PIPE, text=True)
+    child = vllm_forks.start(STOP_CHILD, [os.path.dirname(os.path.abspath(__file__)),
+                                          model_dir, json.dumps(urls), "48"])
     try:
         _child_ready(child)
         d = sides("kv_consumer", flow_a=False, push_layer_load=True, push_layer_timeout_s=3.0)
@@ -799,9 +797,10 @@ def test_stopped_producer_layer_load_counts_timed_out(sides, model_dir, urls,
         assert d.is_empty()
     finally:
         if child.poll() is None:
-            os.kill(child.pid, signal.SIGCONT)
+            child.send_signal(signal.SIGCONT)
             child.kill()
         child.wait()
+        child.stdout.close()
 
 
 class _CountingEngine:
