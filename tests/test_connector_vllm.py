@@ -131,7 +131,7 @@ def test_pull_is_traced_point_by_point(sides, tmp_path, monkeypatch):
         monkeypatch.setattr(trace, k, v)
     p, d = sides("kv_producer"), sides("kv_consumer", **ASYNC)
     t = toks(4, 3 * BS + 2)
-    prefill(p, "tr", t)
+    prefill(p, "tr-prefill", t)  # (the prefill's own points are keyed by its id)
     d.add(make_request("tr", t, max_tokens=2))
     assert d.run_until(lambda: "tr" not in d.sched.requests)
     if trace._fd is not None:
