@@ -296,3 +296,28 @@ def test_stopped_producer_read_over_tcp_gives_up_fast(sides, model_dir, urls,
     print(f"read over TCP: the decode's step took {took:.3f} s")
     assert took < 1.5, took
     assert ok and written == 0
+
+
+def test_cuda_kv_caches_take_the_write_based_layer_load(sides, monkeypatch):
+    """Read mode is not taken with CUDA KV caches yet (its GPU test has not
+    passed on a GPU): the decode's worker with a CUDA stream (stood in: a
+    synchronize that does nothing) sends a plain layer-load target, counted
+    push_layer_read_cuda_refused; the prompt still loads by the producer's
+    writes, token-exact; MC_LAYER_READ_CUDA=1 would take read mode."""
+    monkeypatch.delenv("MC_LAYER_READ_CUDA", raising=False)
+    p = sides("kv_producer")
+    d = sides("kv_consumer", flow_a=False, push_layer_load=True, push_layer_read=True)
+    d.worker._worker.cuda_sync = lambda: None
+    t = toks(37, 4 * BS + 5)
+    run = both_legs(p, d, "R1", t, 3)
+    try:
+        d.step()
+        assert d.block_matches_pattern("q", t, 4) and not d.invalid
+        assert d.run_until(lambda: "q" not in d.sched.requests, steps=50)
+    finally:
+        run.join()
+    assert p.run_until(lambda: p.is_empty(), steps=500)
+    assert counted(d, "push_layer_read_cuda_refused") == 1
+    assert counted(d, "push_layer_reads") == 0
+    assert counted(d, "push_layer_loads") == 1
+    assert recomputes(d) == {}
