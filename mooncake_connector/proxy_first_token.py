@@ -393,6 +393,7 @@ async def stream(proxy, request, plan, dec_url, headers, rid, t_pre=None):
     # is settled, so a mismatch there still takes the seed's path.
     early = (asyncio.ensure_future(_release_when_checked(proxy, out, plan, dec_url, headers))
              if plan.partial and dec_url in proxy.partial_settled else None)
+    request["mc_leg"] = "decode"
     try:
         err = await _relay_decode(proxy, out, plan, dec_url, headers)
     except Unsettled as e:
