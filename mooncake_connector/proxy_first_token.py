@@ -559,6 +559,7 @@ async def _relay_decode(proxy, out, plan, dec_url, headers):
     r = await proxy.post_once_more(dec_url + "/v1/completions", headers.get("X-Request-Id"),
                                    "decode_retries", json=plan.decode, headers=headers,
                                    timeout=proxy.stream_timeout)
+    out.request["mc_leg"] = "decode_answered"
     async with r:
         if r.status != 200:
             text = (await r.read()).decode("utf-8", "replace")

@@ -90,3 +90,48 @@ def test_an_identical_prompt_still_loads(sides, flow):
     assert counters(d).get("loads", 0) == 1 and not recomputes(d) and not d.invalid
     assert frees_at_once(p, 2.0), "the prefill still holds the prompt"
 
+
+
+def _release_req(rid, rel):
+    """The proxy's release (proxy._release_at_prefill): a one-token request
+    whose kv_transfer_params name the prefill leg no decode leg follows."""
+    return make_request(rid, [7], max_tokens=1, params={"mc_release": rel})
+
+
+@pytest.mark.parametrize("by", ["request_id", "prompt_token_ids", "x_request_id"])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_proxy_release_frees_the_prefill(sides, by, tp):
+    """No decode leg followed the prefill leg (the client left, or the first
+    token ended the request): the proxy's release frees the prompt now."""
+    p = sides("kv_producer", tp=tp)
+    t = toks(54, 4 * BS + 5)
+    params = {"do_remote_decode": True} if by == "request_id" else None
+    # vLLM's request id holds the leg's X-Request-Id: "cmpl-<id>-0-<random>"
+    got = _prefill(p, "cmpl-mc-77-0-1a2b3c4d", t, params)
+    assert not p.is_empty()
+    rel = ({"request_id": got["remote_request_id"]} if by == "request_id" else
+           {"prompt_token_ids": list(t)} if by == "prompt_token_ids" else
+           {"x_request_id": "mc-77"})
+    p.add(_release_req("r1", rel))
+    assert frees_at_once(p, 2.0), "the prefill still holds the released prompt"
+    assert counters(p).get("prefill_releases", 0) == tp, counters(p)
+
+
+def test_proxy_release_leaves_an_identical_prompt(sides):
+    """Two prefill legs of one prompt; the first one's client left: released
+    by its tokens, one pull's worth goes and the second one's decode still
+    loads the whole prompt."""
+    p, d = sides("kv_producer"), sides("kv_consumer")
+    t = toks(55, 4 * BS + 5)
+    _prefill(p, "p1", t)
+    _prefill(p, "p2", t)
+    p.add(_release_req("r1", {"prompt_token_ids": list(t)}))
+    p.step()
+    p.step()
+    assert counters(p).get("prefill_releases", 0) == 1, counters(p)
+    assert not p.is_empty()  # p2's entry is still there for its decode
+    d.add(make_request("d2", t, max_tokens=2))
+    assert d.run_until(lambda: "d2" not in d.sched.requests, steps=500)
+    assert d.computed.get("d2", 0) == 5 + 1, d.computed
+    assert counters(d).get("loads", 0) == 1 and not recomputes(d) and not d.invalid
+    assert frees_at_once(p, 2.0), "the prefill still holds the prompt"

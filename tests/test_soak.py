@@ -166,6 +166,9 @@ def test_short_soak_on_the_session_servers(deployment, tmp_path):
                         if k.startswith(("vllm:mooncake_load_releases",
                                          "vllm:mooncake_recompute")) and
                         v - before["decode"].get(k, 0)},
+             "prefill_releases": at_end["prefill"].get("vllm:mooncake_prefill_releases_total",
+                                                       0) -
+             before["prefill"].get("vllm:mooncake_prefill_releases_total", 0),
              "proxies": {}}
     from mooncake_connector.deployment import proxy_stats
     for f in SOAK_FLOWS:
@@ -176,7 +179,9 @@ def test_short_soak_on_the_session_servers(deployment, tmp_path):
                 c = {"error": repr(e)}
             paths["proxies"][f] = {k: c.get(k) for k in (
                 "requests", "clients_gone_in_prefill", "clients_gone_before_decode",
-                "finished_at_prefill", "first_token_from_prefill")}
+                "clients_gone_before_decode_answer", "prefill_releases_sent",
+                "prefill_retries", "decode_retries", "finished_at_prefill",
+                "first_token_from_prefill")}
     print(f"\nshort soak, hold sources: {json.dumps(paths)}")
     # Back at the baseline within hold_timeout_s (+ margin) of the load's end.
     deadline, left = time.monotonic() + HOLD_TIMEOUT_S + 30, None

@@ -94,6 +94,7 @@ class SchedulerSide:
         self._push_dropped = []   # producer: push transfer ids that ended without KV
         self._push_gone = []      # consumer: push requests ended without a target sent
         self._releases = []       # consumer: (tokens, producer, producer_tp) not to be pulled
+        self._drops = []          # producer: (req id, tokens, X-Request-Id) the proxy released
         self._to_release = {}     # consumer: req_id -> full-block tokens, released once
                                   # vLLM has allocated its blocks (update_state_after_alloc)
         self._published = {}      # req_id -> published tokens
@@ -747,6 +748,7 @@ class SchedulerSide:
         meta.push_dropped, self._push_dropped = self._push_dropped, []
         meta.push_gone, self._push_gone = self._push_gone, []
         meta.releases, self._releases = self._releases, []
+        meta.drops, self._drops = self._drops, []
         meta.idle = not getattr(so, "total_num_scheduled_tokens", 1) and not meta.loads
         return meta
 
@@ -785,6 +787,8 @@ class SchedulerSide:
         self._recomputed.discard(rid)
         n = self._published.pop(rid, None)
         params = getattr(request, "kv_transfer_params", None) or {}
+        if self.s.is_producer and isinstance(params.get("mc_release"), dict):
+            self._proxy_release(params["mc_release"])
         if n is not None:
             self._held.append(rid)
         if not params.get("do_remote_decode"):
@@ -813,6 +817,26 @@ class SchedulerSide:
         if params.get("transfer_id") is not None:
             out["transfer_id"] = params["transfer_id"]
         return n is not None, out
+
+    def _proxy_release(self, rel):
+        """A request carrying kv_transfer_params {"mc_release": {"request_id",
+        "prompt_token_ids"}} (our proxy's, a one-token prompt): the prefill
+        leg it names was answered but no decode leg follows (the client
+        left, or the first token ended the request), so the workers drop
+        that prompt's entries now (Publishes.drop) instead of holding them
+        for a pull until hold_timeout_s."""
+        rid = rel.get("request_id")
+        ids = rel.get("prompt_token_ids")
+        tokens = None
+        if isinstance(ids, list) and all(isinstance(t, int) for t in ids):
+            n_full = len(ids) // self.block_size * self.block_size
+            tokens = list(ids[:n_full]) or None
+        if not isinstance(rid, str):
+            rid = None
+        xid = rel.get("x_request_id")
+        xid = xid if isinstance(xid, str) and xid else None
+        if rid is not None or tokens is not None or xid is not None:
+            self._drops.append((rid, tokens, xid))
 
     def take_stats(self):
         if self.stats.is_empty():

@@ -81,6 +81,7 @@ class WorkerSide:
             for tid in self._traced:
                 trace.event("step_bound", tid, rank=self.tp_rank)
         self.publishes.on_held(meta.held)
+        self.publishes.drop(getattr(meta, "drops", None) or ())
         self.loads.invalid.update(getattr(meta, "load_errors", None) or ())
         if self.push_p is not None:
             self.drain_notifies()
