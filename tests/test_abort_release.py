@@ -135,3 +135,17 @@ def test_proxy_release_leaves_an_identical_prompt(sides):
     assert d.computed.get("d2", 0) == 5 + 1, d.computed
     assert counters(d).get("loads", 0) == 1 and not recomputes(d) and not d.invalid
     assert frees_at_once(p, 2.0), "the prefill still holds the prompt"
+
+
+def test_proxy_release_before_the_leg_published(sides):
+    """A client gone in the prefill leg: the proxy's release (by the leg's
+    X-Request-Id) can reach the prefill before the leg's last step has
+    published; it is looked for in the next steps and frees the prompt."""
+    p = sides("kv_producer")
+    t = toks(56, 4 * BS + 5)
+    p.add(_release_req("r1", {"x_request_id": "mc-88"}))
+    p.step()
+    assert p.is_empty()
+    _prefill(p, "cmpl-mc-88-0-5e6f7a8b", t)
+    assert frees_at_once(p, 2.0), "the prefill still holds the released prompt"
+    assert counters(p).get("prefill_releases", 0) == 1, counters(p)

@@ -16,6 +16,11 @@ from mooncake_connector.connector.loads import rows
 logger = logging.getLogger("vllm.mooncake_connector")
 
 
+#: The proxy's release naming a prefill leg by its X-Request-Id is looked
+#: for this long (each step) when the leg has not published yet.
+DROP_WAIT_S = 5.0
+
+
 class Publishes:
     def __init__(self, worker):
         self.w = worker
@@ -27,6 +32,7 @@ class Publishes:
         self.held = {}          # req_id -> monotonic time vLLM started holding it for us
         self.finished_seen = set()
         self.dropped = set()    # req_ids the proxy released (drop), until finished
+        self.pending_drops = []  # (drop spec, monotonic deadline) not matched yet
         self.idle_streak = 0    # consecutive idle steps that freed nothing
 
     def on_held(self, rids):
@@ -136,9 +142,12 @@ class Publishes:
         was sent with (the latest held request whose id holds it), or by the
         prompt's tokens."""
         lb = self.w.lb
-        if lb is None or not specs:
+        if lb is None or not (specs or self.pending_drops):
             return
-        for spec in specs:
+        now = time.monotonic()
+        todo = [(s, now + DROP_WAIT_S) for s in specs] + self.pending_drops
+        self.pending_drops = []
+        for spec, until in todo:
             rid, tokens = spec[0], spec[1]
             xid = spec[2] if len(spec) > 2 else None
             if rid not in self.pub_tokens and xid:
@@ -148,6 +157,12 @@ class Publishes:
                             if (f"-{xid}-" in r or r.endswith(f"-{xid}"))
                             and r not in self.dropped), None)
                 if rid is None and not tokens:
+                    # A leg its client left: the release may come before the
+                    # leg's last step published (a step runs both, or the
+                    # leg's prompt is computed after): looked for again in
+                    # the next steps, DROP_WAIT_S at most.
+                    if now < until:
+                        self.pending_drops.append((spec, until))
                     continue
             if rid in self.pub_tokens:
                 tokens = self.pub_tokens[rid]

@@ -157,6 +157,8 @@ class WorkerSide:
         for tid in self._traced:
             trace.event("fwd_end", tid, rank=self.tp_rank)
         self.publishes.publish(meta)
+        if self.publishes.pending_drops:  # a release that came before this publish
+            self.publishes.drop(())
         if self.push_p is not None and self.push_p.jobs:
             self.push_p.flush_layers()  # decode attention waiting per layer: tell it now
             for tid in self._traced:
