@@ -192,6 +192,8 @@ class Proxy:
                        "first_token_from_prefill": 0, "first_token_partial": 0,
                        "first_token_partial_unsettled": 0,
                        "finished_at_prefill": 0,
+                       "clients_gone_in_prefill": 0, "clients_gone_before_decode": 0,
+                       "prefill_releases_sent": 0, "clients_gone_before_decode_answer": 0,
                        "stream_errors_after_first_token": 0,
                        "first_token_fallbacks": collections.Counter()}
         # decode instances where a partial first token's text was settled
@@ -209,6 +211,7 @@ class Proxy:
                                "push_to_prefill_answer_ms", "push_to_first_chunk_ms",
                                "push_first_chunk_after_prefill_answer_ms")}
         self._lat_total = collections.Counter()
+        self._bg = set()  # background tasks (releases at the prefill)
         self.prom = PromCounters()
 
     async def start(self, app):
@@ -414,6 +417,24 @@ class Proxy:
         headers = self._headers(request, self._upstream_id(rid))
         try:
             return await self._route(request, body, chat, headers, rid, t_in)
+        except asyncio.CancelledError:
+            # The client left (handler cancellation): in the prefill leg, or
+            # after the prefill answered and before the decode leg was sent
+            # (flows a, b: the prefill holds the prompt's KV for a pull that
+            # will not come, until hold_timeout_s).
+            leg = request.get("mc_leg")
+            if leg == "prefill":
+                self.counts["clients_gone_in_prefill"] += 1
+                self._release_at_prefill(request)
+            elif leg == "answered":
+                self.counts["clients_gone_before_decode"] += 1
+                self._release_at_prefill(request)
+            elif leg == "decode":
+                # The decode leg was sent (or was being sent) but had not
+                # answered: whether its vLLM took the request is not known
+                # here (if it did, its connector releases or pulls).
+                self.counts["clients_gone_before_decode_answer"] += 1
+            raise
         finally:
             if not request.get("mc_release_id_later"):
                 self._release_id(rid)
@@ -443,11 +464,15 @@ class Proxy:
                     else self._prefill_body(body, chat))
         retried = False
         attempt = 0
+        request["mc_leg"] = "prefill"
         while attempt < len(order):
             idx = order[attempt]
             pre_url = self.prefill[idx]
             if trace.ON:
                 trace.event("proxy_pre_post", rid, up=headers["X-Request-Id"])
+            # A client leaving now may leave the prompt computed and held
+            # there (its answer lost): released by this leg's request id.
+            request["mc_prefill"] = (pre_url, body.get("model"), None, None, headers)
             try:
                 async with self.session.post(pre_url + request.path, json=pre_body,
                                              headers=headers) as r:
@@ -499,11 +524,13 @@ class Proxy:
             # Flow a: the decode paired with this prefill by index (what the two
             # round robins give anyway, and after a failover still the pair).
             dec_url = self.decode[idx]
+        request["mc_leg"] = "answered"
         try:
             pre = json.loads(pre_text)
         except ValueError:
             pre = None
         params = pre.get("kv_transfer_params") if isinstance(pre, dict) else None
+        request["mc_prefill"] = (pre_url, body.get("model"), pre, params, headers)
         if self.flow == "b" and not isinstance(pre, dict):
             self.counts["prefill_errors"] += 1
             text = pre_text[:200].decode("utf-8", "replace")
@@ -533,6 +560,10 @@ class Proxy:
                 self.note_latency("to_prefill_answer_ms", t_pre - t_in)
                 resp = await ft.stream(self, request, plan, dec_url, headers, rid, t_pre)
                 if resp is not None:
+                    if request.get("mc_leg") == "answered":
+                        if not plan.done:
+                            self.counts["clients_gone_before_decode"] += 1
+                        self._release_at_prefill(request)
                     return resp
                 # A partial first token whose text could not be settled:
                 # nothing was sent; the decode leg used the prefill's KV
@@ -544,7 +575,60 @@ class Proxy:
         # 2b. decode answers the original request, streamed through as it comes
         dec_body = (body if self.flow != "b" or params is None
                     else dict(body, kv_transfer_params=params))
+        request["mc_leg"] = "decode"
         return await self._relay(request, dec_url, dec_body, headers, rid, "decode")
+
+    def _release_at_prefill(self, request):
+        """Flows a, b: the prefill answered but no decode leg follows (the
+        client left, or the first token from the prefill ended the request):
+        the prefill holds the prompt's KV for a pull that will not come, until
+        hold_timeout_s.  Tells it now, in the background: a one-token request
+        whose kv_transfer_params {"mc_release": ...} name the prefill leg (the
+        X-Request-Id it was sent with, which vLLM's request id contains; flow
+        b: its request id; the prompt's token ids where the answer has them,
+        as the first-token path's does), which the prefill's connector turns
+        into a release of that prompt's entries (docs/connector.md, "Holds
+        and releases").  Also for a client that left during the prefill leg:
+        its prompt may have been computed, its answer lost.  Counted
+        prefill_releases_sent."""
+        got = request.get("mc_prefill")
+        if not got:
+            return
+        request["mc_prefill"] = None  # once
+        pre_url, model, pre, params, headers = got
+        rel = {}
+        if headers.get("X-Request-Id"):
+            rel["x_request_id"] = headers["X-Request-Id"]
+        if isinstance(params, dict) and isinstance(params.get("remote_request_id"), str):
+            rel["request_id"] = params["remote_request_id"]
+        if isinstance(pre, dict):
+            choices = pre.get("choices") or [{}]
+            ids = pre.get("prompt_token_ids") or (choices[0].get("prompt_token_ids")
+                                                  if isinstance(choices[0], dict) else None)
+            if isinstance(ids, list) and ids and all(isinstance(t, int) for t in ids):
+                rel["prompt_token_ids"] = ids
+        if not rel:
+            return
+        first = rel.get("prompt_token_ids", [0])[0]
+        body = {"model": model, "prompt": [first], "max_tokens": 1,
+                "kv_transfer_params": {"mc_release": rel}}
+        h = dict(headers, **{"X-Request-Id": f"{headers.get('X-Request-Id', 'mc')}-release"})
+        task = asyncio.ensure_future(self._post_release(pre_url, body, h))
+        self._bg.add(task)
+        task.add_done_callback(self._bg.discard)
+
+    async def _post_release(self, pre_url, body, headers):
+        self.counts["prefill_releases_sent"] += 1
+        try:
+            async with self.session.post(pre_url + "/v1/completions", json=body,
+                                         headers=headers,
+                                         timeout=aiohttp.ClientTimeout(total=30)) as r:
+                await r.read()
+                if r.status != 200:
+                    logger.info("prefill %s answered %d to a release", pre_url, r.status)
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            logger.info("prefill %s: a release failed (%r); it frees the prompt at "
+                        "hold_timeout_s", pre_url, e)
 
     async def _push(self, request, body, chat, headers, rid, idx, dec_url, t_in):
         """Flow push: the prefill leg runs beside the decode leg, whose answer
@@ -646,6 +730,8 @@ class Proxy:
             r = await self.post_once_more(
                 url + request.path, rid, "decode_retries", json=body, headers=headers,
                 timeout=self.stream_timeout if body.get("stream") else self._timeout)
+            if role == "decode":
+                request["mc_leg"] = "decode_answered"
             async with r:
                 if r.status != 200:
                     self.counts["decode_errors"] += 1

@@ -401,6 +401,7 @@ async def stream(proxy, request, plan, dec_url, headers, rid, t_pre=None):
     # is settled, so a mismatch there still takes the seed's path.
     early = (asyncio.ensure_future(_release_when_checked(proxy, out, plan, dec_url, headers))
              if plan.partial and dec_url in proxy.partial_settled else None)
+    request["mc_leg"] = "decode"
     try:
         err = await _relay_decode(proxy, out, plan, dec_url, headers)
     except Unsettled as e:
@@ -572,6 +573,7 @@ async def _relay_decode(proxy, out, plan, dec_url, headers):
     r = await proxy.post_once_more(dec_url + "/v1/completions", headers.get("X-Request-Id"),
                                    "decode_retries", json=plan.decode, headers=headers,
                                    timeout=proxy.stream_timeout)
+    out.request["mc_leg"] = "decode_answered"
     async with r:
         if r.status != 200:
             text = (await r.read()).decode("utf-8", "replace")

@@ -192,3 +192,22 @@ def test_torch_cpu_tensors_are_read_in_place():
         mc.hash_token_blocks(torch.tensor(ids, dtype=torch.float32))
     with pytest.raises(TypeError, match="contiguous"):
         mc.hash_token_blocks(torch.tensor(ids + ids, dtype=torch.int64)[::2])
+
+
+
+def test_remove_at_most_n_entries_of_exactly_that_prompt():
+    """remove(tokens, max=n): n pulls' worth of one prompt's entries (each
+    insert of the same prompt is its own entry in consume mode), never a
+    longer prompt's through the same blocks."""
+    b = mc.LookupBuffer(1 << 20, block_size=16, mode="consume")
+    a = list(range(32))
+    for _ in range(3):
+        assert b.insert(a, ext(2, 1)) == 32
+    assert b.insert(a + list(range(100, 116)), ext(3, 2)) == 48
+    assert b.stats()["entries"] == 4
+    assert b.remove(a, max=2) == 2 and b.stats()["entries"] == 2
+    assert b.remove(a, max=5) == 1 and b.stats()["entries"] == 1
+    assert b.remove(a, max=1) == 0 and b.stats()["entries"] == 1  # the longer one stays
+    assert b.lookup(a + list(range(100, 116))).matched_tokens == 48
+    with pytest.raises(ValueError):
+        b.remove(a, max=-1)

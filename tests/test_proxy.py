@@ -452,6 +452,19 @@ def test_prefill_finished_answer_skips_decode(vllm_like, proxy):
         assert status == 200 and ev[-1] == "[DONE]"
         assert ev[-2]["choices"][0]["finish_reason"] in ("stop", "length")
     assert d.seen == [] and get_stats(url)["finished_at_prefill"] == 2
+    # No decode leg: the proxy tells the prefill to release each prompt's KV
+    # (a one-token request naming the leg: its X-Request-Id, the prompt's ids)
+    deadline = time.monotonic() + 10
+    while len(p.seen) < 4 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    rel = [x["body"] for x in p.seen if "mc_release" in (x["body"].get("kv_transfer_params")
+                                                          or {})]
+    assert len(rel) == 2, p.seen
+    for b in rel:
+        r = b["kv_transfer_params"]["mc_release"]
+        assert b["max_tokens"] == 1 and len(b["prompt"]) == 1
+        assert r["x_request_id"] and r["prompt_token_ids"] == [1, 2], r  # the fake's ids
+    assert get_stats(url)["prefill_releases_sent"] == 2
 
 
 def test_unrepresentable_requests_and_opt_out_take_the_seeds_path(vllm_like, proxy):

@@ -154,6 +154,35 @@ def test_short_soak_on_the_session_servers(deployment, tmp_path):
         for s in servers.values():
             serving._killpg(s.proc.pid, signal.SIGCONT)
     t_load = time.monotonic() - t0
+    # Where the prefill's holds come from (each entry left here drains only
+    # at hold_timeout_s unless a release comes): the prefill's entries at the
+    # load's end, the decode's releases and recomputes, the proxies' clients
+    # that left in the prefill leg or between the legs.
+    at_end = {n: sk.scrape(s.url) or {} for n, s in servers.items()}
+    paths = {"prefill_entries_at_load_end":
+             at_end["prefill"].get("vllm:mooncake_lookup_entries"),
+             "decode": {k.split("vllm:mooncake_")[-1]: v - before["decode"].get(k, 0)
+                        for k, v in at_end["decode"].items()
+                        if k.startswith(("vllm:mooncake_load_releases",
+                                         "vllm:mooncake_recompute")) and
+                        v - before["decode"].get(k, 0)},
+             "prefill_releases": at_end["prefill"].get("vllm:mooncake_prefill_releases_total",
+                                                       0) -
+             before["prefill"].get("vllm:mooncake_prefill_releases_total", 0),
+             "proxies": {}}
+    from mooncake_connector.deployment import proxy_stats
+    for f in SOAK_FLOWS:
+        if f in dep.proxies:
+            try:
+                c = proxy_stats(dep.proxies[f].url)
+            except Exception as e:  # noqa: BLE001 - instrumentation only
+                c = {"error": repr(e)}
+            paths["proxies"][f] = {k: c.get(k) for k in (
+                "requests", "clients_gone_in_prefill", "clients_gone_before_decode",
+                "clients_gone_before_decode_answer", "prefill_releases_sent",
+                "prefill_retries", "decode_retries", "finished_at_prefill",
+                "first_token_from_prefill")}
+    print(f"\nshort soak, hold sources: {json.dumps(paths)}")
     # Back at the baseline within hold_timeout_s (+ margin) of the load's end.
     deadline, left = time.monotonic() + HOLD_TIMEOUT_S + 30, None
     while True:
@@ -174,7 +203,7 @@ def test_short_soak_on_the_session_servers(deployment, tmp_path):
     # prefill at 263 MiB/min over the whole 90 s); the whole load's slope and
     # each quarter's are reported beside it.
     rss, rss_whole, rss_quarters = _short_soak_rss(sk, mon.samples, servers, t_load)
-    report = {"summary": summ, "faults": faults, "drain_s": round(drain_s, 1),
+    report = {"summary": summ, "faults": faults, "drain_s": round(drain_s, 1), "paths": paths,
               "rss_slope_mib_per_min": rss, "rss_slope_whole_load": rss_whole,
               "rss_slope_by_quarter": rss_quarters, "load_s": round(t_load, 1),
               "examples": [r for r in load.records

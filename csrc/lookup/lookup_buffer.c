@@ -877,6 +877,11 @@ void mc_lookup_release(mc_lookup_t *lb, mc_lookup_match_t *m) {
 
 long mc_lookup_remove(mc_lookup_t *lb, const void *tokens, size_t ntok, int width,
                       mc_err_t *err) {
+  return mc_lookup_remove_n(lb, tokens, ntok, width, 0, err);
+}
+
+long mc_lookup_remove_n(mc_lookup_t *lb, const void *tokens, size_t ntok, int width,
+                        size_t max, mc_err_t *err) {
   mc_block_hash_t *h;
   uint32_t *canon;
   long rn = hash_query(lb, tokens, ntok, width, &h, &canon, err);
@@ -894,7 +899,7 @@ long mc_lookup_remove(mc_lookup_t *lb, const void *tokens, size_t ntok, int widt
     lk_node_t *leaf = path[n - 1];
     /* Each removal may free the leaf; stop when it has no entries left
      * (an indexed leaf with no entries still has refs from longer ones). */
-    while (leaf->indexed && leaf->entries) {
+    while (leaf->indexed && leaf->entries && (!max || (size_t)removed < max)) {
       lk_entry_t *e = leaf->entries;
       int last = leaf->refs == 1;
       entry_remove(lb, e);

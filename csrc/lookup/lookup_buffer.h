@@ -147,6 +147,11 @@ void mc_lookup_release(mc_lookup_t *lb, mc_lookup_match_t *m);
  * Returns the number removed (0 if none) or a negative code. */
 long mc_lookup_remove(mc_lookup_t *lb, const void *tokens, size_t ntok, int width,
                       mc_err_t *err);
+/* The same, at most `max` entries (0 = every one): entries of one prompt
+ * are interchangeable, so this gives back `max` pulls' worth of them.  Never
+ * an entry of a longer prompt through these blocks. */
+long mc_lookup_remove_n(mc_lookup_t *lb, const void *tokens, size_t ntok, int width,
+                        size_t max, mc_err_t *err);
 
 /* Drops expired entries now (also done by every call); returns how many. */
 size_t mc_lookup_expire(mc_lookup_t *lb);

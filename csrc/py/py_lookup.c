@@ -331,14 +331,21 @@ static PyObject *Lookup_release(LookupObject *self, PyObject *lease) {
   Py_RETURN_NONE;
 }
 
-static PyObject *Lookup_remove(LookupObject *self, PyObject *to) {
+static PyObject *Lookup_remove(LookupObject *self, PyObject *args, PyObject *kw) {
+  static char *kwlist[] = {"tokens", "max", NULL};
+  PyObject *to;
+  Py_ssize_t max = 0;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "O|n:remove", kwlist, &to, &max))
+    return NULL;
+  if (max < 0)
+    return PyErr_Format(PyExc_ValueError, "max must be >= 0, not %zd", max);
   tokens_t t;
   if (tokens_get(to, &t) < 0)
     return NULL;
   mc_err_t err = {0};
   long rc;
   Py_BEGIN_ALLOW_THREADS
-  rc = mc_lookup_remove(self->lb, t.ptr, t.n, t.width, &err);
+  rc = mc_lookup_remove_n(self->lb, t.ptr, t.n, t.width, (size_t)max, &err);
   Py_END_ALLOW_THREADS
   tokens_put(&t);
   if (rc < 0)
@@ -425,8 +432,9 @@ static PyMethodDef Lookup_methods[] = {
      lookup_doc},
     {"release", (PyCFunction)Lookup_release, METH_O,
      "release(lease): unpins the blocks of a lookup(..., hold=True)."},
-    {"remove", (PyCFunction)Lookup_remove, METH_O,
-     "remove(tokens) -> int: drops the entries stored for exactly these full blocks."},
+    {"remove", (PyCFunction)(void (*)(void))Lookup_remove, METH_VARARGS | METH_KEYWORDS,
+     "remove(tokens, max=0) -> int: drops the entries stored for exactly these full blocks\n"
+     "(at most max of them; 0 = every one)."},
     {"expire", (PyCFunction)Lookup_expire, METH_NOARGS,
      "expire() -> int: drops entries older than ttl_s now (every call also does)."},
     {"stats", (PyCFunction)Lookup_stats, METH_NOARGS, "stats() -> dict of counters."},

@@ -53,6 +53,10 @@ class MooncakeConnectorMetadata(KVConnectorMetadata):
     # consumer, flows A/B: (tokens, producer, producer_tp) of prompts it will
     # not pull (in its prefix cache): the producers are told to free them
     releases: list = field(default_factory=list)
+    # producer: (req id, full-block tokens, X-Request-Id; each or None) of prompts no
+    # consumer will pull (the proxy's release: no decode leg followed):
+    # one pull's worth of their lookup entries consumed on every rank
+    drops: list = field(default_factory=list)
     idle: bool = False  # the step schedules no tokens (producer: may wait for releases)
     load_errors: list = field(default_factory=list)  # consumer: block ids to report failed
                                                      # again (SchedulerSide.on_load_errors)

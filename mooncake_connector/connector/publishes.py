@@ -16,6 +16,11 @@ from mooncake_connector.connector.loads import rows
 logger = logging.getLogger("vllm.mooncake_connector")
 
 
+#: The proxy's release naming a prefill leg by its X-Request-Id is looked
+#: for this long (each step) when the leg has not published yet.
+DROP_WAIT_S = 5.0
+
+
 class Publishes:
     def __init__(self, worker):
         self.w = worker
@@ -26,6 +31,8 @@ class Publishes:
         self.pub_tokens = {}    # req_id -> published tokens (for unpublish)
         self.held = {}          # req_id -> monotonic time vLLM started holding it for us
         self.finished_seen = set()
+        self.dropped = set()    # req_ids the proxy released (drop), until finished
+        self.pending_drops = []  # (drop spec, monotonic deadline) not matched yet
         self.idle_streak = 0    # consecutive idle steps that freed nothing
 
     def on_held(self, rids):
@@ -121,6 +128,56 @@ class Publishes:
             self.outstanding.pop(rid, None)
             self.held.pop(rid, None)
 
+    def drop(self, specs):
+        """The proxy's release (SchedulerSide, kv_transfer_params
+        "mc_release"): no decode leg follows the prefill leg that published
+        this prompt (its client left, or its first token ended it), so the
+        pull it was held for will not come.  Removes one pull's worth of the
+        entries stored for exactly that prompt (one per consumer rank reading
+        this rank, as the pulls would; never a longer prompt's), so the
+        blocks come back through take_freed now instead of at hold_timeout_s.
+        Entries of one prompt are interchangeable: another request of the
+        same prompt keeps its own.  Named by the prefill's request id (flow
+        b's remote_request_id, released once), by the X-Request-Id the leg
+        was sent with (the latest held request whose id holds it), or by the
+        prompt's tokens."""
+        lb = self.w.lb
+        if lb is None or not (specs or self.pending_drops):
+            return
+        now = time.monotonic()
+        todo = [(s, now + DROP_WAIT_S) for s in specs] + self.pending_drops
+        self.pending_drops = []
+        for spec, until in todo:
+            rid, tokens = spec[0], spec[1]
+            xid = spec[2] if len(spec) > 2 else None
+            if rid not in self.pub_tokens and xid:
+                # vLLM's request id holds the X-Request-Id the leg was sent
+                # with ("cmpl-<id>-0-<random>"): its latest held request
+                rid = next((r for r in reversed(list(self.pub_tokens))
+                            if (f"-{xid}-" in r or r.endswith(f"-{xid}"))
+                            and r not in self.dropped), None)
+                if rid is None and not tokens:
+                    # A leg its client left: the release may come before the
+                    # leg's last step published (a step runs both, or the
+                    # leg's prompt is computed after): looked for again in
+                    # the next steps, DROP_WAIT_S at most.
+                    if now < until:
+                        self.pending_drops.append((spec, until))
+                    continue
+            if rid in self.pub_tokens:
+                tokens = self.pub_tokens[rid]
+            if not tokens or (rid is not None and rid in self.dropped):
+                continue
+            if rid is not None:
+                self.dropped.add(rid)
+            try:
+                n = lb.remove(tokens, max=max(1, self.w.routes.fanout()))
+            except Exception as e:  # noqa: BLE001 - freed at hold_timeout_s then
+                logger.info("MooncakeConnector: releasing request %s: %s", rid, e)
+                continue
+            if n:
+                self.w.stats.add("prefill_releases")
+
     def withdraw(self, rid):
         """Push took over a prompt published for a pull: its lookup entries
         go (leased ones when their lease ends), so the blocks are not held
@@ -150,6 +207,7 @@ class Publishes:
                     not (w.push_p is not None and w.push_p.holds(rid)):
                 del self.held[rid]
                 self.finished_seen.discard(rid)
+                self.dropped.discard(rid)
                 self.forget_tags(rid)
                 self.outstanding.pop(rid, None)
                 self.pub_tokens.pop(rid, None)

