@@ -77,7 +77,8 @@ def sizes(side):
         w = wc._worker
         for k in ("loading", "invalid", "layered", "waited"):
             out[f"w{i}.loads.{k}"] = len(getattr(w.loads, k))
-        for k in ("tag_req", "req_tags", "outstanding", "pub_tokens", "held", "finished_seen"):
+        for k in ("tag_req", "req_tags", "outstanding", "pub_tokens", "held", "finished_seen",
+                  "dropped", "pending_drops"):
             out[f"w{i}.publishes.{k}"] = len(getattr(w.publishes, k))
         if w.push_c is not None:
             out[f"w{i}.push_c.loads"] = len(w.push_c.loads)

@@ -111,6 +111,7 @@ class Publishes:
             return
         for rid in meta.unpublish:
             tokens = self.pub_tokens.pop(rid, None)
+            self.dropped.discard(rid)
             if tokens is None:
                 continue
             w.lb.remove(tokens)
@@ -168,8 +169,8 @@ class Publishes:
                 tokens = self.pub_tokens[rid]
             if not tokens or (rid is not None and rid in self.dropped):
                 continue
-            if rid is not None:
-                self.dropped.add(rid)
+            if rid is not None and rid in self.pub_tokens:
+                self.dropped.add(rid)  # (discarded with its pub_tokens: bounded by them)
             try:
                 n = lb.remove(tokens, max=max(1, self.w.routes.fanout()))
             except Exception as e:  # noqa: BLE001 - freed at hold_timeout_s then
@@ -289,4 +290,5 @@ class Publishes:
         for rid in list(self.outstanding):
             self.forget_tags(rid)
         self.pub_tokens.clear()
+        self.dropped.clear()
         return dropped
