@@ -51,20 +51,24 @@ def _held(url):
     return (m.get("vllm:mooncake_lookup_entries", 0), m.get("vllm:mooncake_held_bytes", 0))
 
 
-def _drained(url, limit_s=DRAIN_S):
+def _drained(url, limit_s=DRAIN_S, base=(0, 0)):
+    """The prefill's (lookup entries, held bytes) once at most base (or
+    after limit_s), and the seconds it took."""
     t0 = time.monotonic()
     while True:
         held = _held(url)
-        if held == (0, 0) or time.monotonic() - t0 > limit_s:
+        if (held[0] <= base[0] and held[1] <= base[1]) or time.monotonic() - t0 > limit_s:
             return held, time.monotonic() - t0
         time.sleep(0.25)
 
 
 def _check(dep):
+    """The prefill's holds before the test: what an earlier test's clients
+    left held (the one path not covered, below, until hold_timeout_s) is the
+    baseline, not waited for (up to 2 minutes of CI)."""
     if dep.connector != "mooncake":
         pytest.skip("the prefill's holds (lookup entries, held bytes) are our connector's")
-    held, _ = _drained(dep.prefill.url, 150)
-    assert held == (0, 0), f"the prefill holds KV before the test: {held}"
+    return _drained(dep.prefill.url, 2.0)[0]
 
 
 async def _one(url, body, leave):
@@ -91,7 +95,7 @@ def test_first_token_ending_the_request_frees_the_prefill(deployment, flow):  # 
     """Streamed, max_tokens 1: the proxy's first token from the prefill ends
     it and no decode leg is sent; the prefill must not hold the prompt."""
     dep = deployment
-    _check(dep)
+    base = _check(dep)
     url = dep.proxies[flow].url
     before = proxy_stats(url)["finished_at_prefill"]
 
@@ -102,9 +106,10 @@ def test_first_token_ending_the_request_frees_the_prefill(deployment, flow):  # 
     for st, raw in asyncio.run(run()):
         assert st == 200 and b"[DONE]" in raw, raw[:300]
     assert proxy_stats(url)["finished_at_prefill"] - before == 4
-    held, secs = _drained(dep.prefill.url)
-    assert held == (0, 0), (f"the prefill still holds {held} (lookup entries, bytes) "
-                            f"{secs:.1f} s after the requests ended")
+    held, secs = _drained(dep.prefill.url, base=base)
+    assert held[0] <= base[0] and held[1] <= base[1], (
+        f"the prefill still holds {held} (lookup entries, bytes; {base} before) "
+        f"{secs:.1f} s after the requests ended")
 
 
 @pytest.mark.parametrize("flow", FLOWS)
@@ -115,7 +120,7 @@ def test_clients_leaving_free_the_prefill(deployment, flow):  # noqa: F811
     nothing within seconds, and every staying client's prompt is loaded
     (not recomputed) on the decode."""
     dep = deployment
-    _check(dep)
+    base = _check(dep)
     url = dep.proxies[flow].url
     rec0 = metric_value(dep.decode.url, "vllm:mooncake_recomputes_total")
     in_flight0 = proxy_stats(url).get("clients_gone_before_decode_answer") or 0
@@ -133,15 +138,16 @@ def test_clients_leaving_free_the_prefill(deployment, flow):  # noqa: F811
     stayed = got[1::2]
     for st, raw in stayed:
         assert st == 200 and b"[DONE]" in raw, raw[:300]
-    held, secs = _drained(dep.prefill.url)
+    held, secs = _drained(dep.prefill.url, base=base)
     stats = proxy_stats(url)
     # Not covered (docs/connector.md, "Holds and releases"): a client gone
     # while its decode leg was on its way, before the decode answered (the
     # decode's vLLM may have dropped it before its connector saw it): at
     # most one prompt held per such client.
     in_flight = (stats.get("clients_gone_before_decode_answer") or 0) - in_flight0
-    assert held[0] <= in_flight, (
-        f"the prefill still holds {held} (lookup entries, bytes) {secs:.1f} s after the "
+    assert held[0] - base[0] <= in_flight, (
+        f"the prefill still holds {held} (lookup entries, bytes; {base} before) {secs:.1f} s "
+        "after the "
         f"clients left, {in_flight} of them gone while the decode leg was on its way; "
         "proxy: " + json.dumps({k: stats.get(k) for k in (
             "clients_gone_in_prefill", "clients_gone_before_decode",
