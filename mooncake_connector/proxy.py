@@ -1144,6 +1144,12 @@ def _event_loop(kind):
     return asyncio.run, "asyncio"
 
 
+# Flow push's per-request switches, each given as --push-... server|on|off:
+# "server" sends no field (the instance's own setting), on/off send True/False.
+_PUSH_SWITCHES = ("push_layerwise", "push_layer_load", "push_layer_read", "push_layer_watch")
+_SWITCH = {"server": None, "on": True, "off": False}
+
+
 def _parser():
     """The proxy's command line."""
     ap = argparse.ArgumentParser(prog="python -m mooncake_connector.proxy",
@@ -1164,27 +1170,31 @@ def _parser():
                     help="flow push: the transfer-engine name (prefill_url / local_hostname) "
                          "of each --prefill instance, same order (default: the decode's "
                          "configured prefill_url)")
-    ap.add_argument("--push-layerwise", choices=["server", "on", "off"], default="server",
-                    help="flow push: write the KV layer by layer as the prefill computes it "
-                         "(on), after the forward (off), or the prefill server's "
-                         "push_layerwise setting (server)")
-    ap.add_argument("--push-layer-load", choices=["server", "on", "off"], default="server",
-                    help="flow push: the decode schedules the request at once and each "
-                         "attention layer waits for that layer's pushed KV (on; every other "
-                         "request of the decode's step waits with it), waits for the whole "
-                         "prompt before scheduling it (off), or the decode server's "
-                         "push_layer_load setting (server); docs/connector.md, Layer load")
-    ap.add_argument("--push-layer-read", choices=["server", "on", "off"], default="server",
-                    help="flow push with layer load: the decode reads each layer from the "
-                         "prefill's blocks itself once told it is computed (on; a silent "
-                         "prefill is given up after the decode's push_layer_read_stall_s), "
-                         "the prefill writes it (off), or the decode server's "
-                         "push_layer_read setting (server); docs/connector.md, Layer read")
-    ap.add_argument("--push-layer-watch", choices=["server", "on", "off"], default="server",
-                    help="flow push with layer load: the prefill tells the decode each layer "
-                         "as its writes land, from a thread (on), or from vLLM's forward "
-                         "thread only, the last layer after the rest of the forward (off), "
-                         "or the prefill server's push_layer_watch setting (server)")
+
+    def switch(flag, help):  # one of _PUSH_SWITCHES: "server" sends no field
+        ap.add_argument(flag, choices=list(_SWITCH), default="server", help=help)
+
+    switch("--push-layerwise",
+           "flow push: write the KV layer by layer as the prefill computes it "
+           "(on), after the forward (off), or the prefill server's "
+           "push_layerwise setting (server)")
+    switch("--push-layer-load",
+           "flow push: the decode schedules the request at once and each "
+           "attention layer waits for that layer's pushed KV (on; every other "
+           "request of the decode's step waits with it), waits for the whole "
+           "prompt before scheduling it (off), or the decode server's "
+           "push_layer_load setting (server); docs/connector.md, Layer load")
+    switch("--push-layer-read",
+           "flow push with layer load: the decode reads each layer from the "
+           "prefill's blocks itself once told it is computed (on; a silent "
+           "prefill is given up after the decode's push_layer_read_stall_s), "
+           "the prefill writes it (off), or the decode server's "
+           "push_layer_read setting (server); docs/connector.md, Layer read")
+    switch("--push-layer-watch",
+           "flow push with layer load: the prefill tells the decode each layer "
+           "as its writes land, from a thread (on), or from vLLM's forward "
+           "thread only, the last layer after the rest of the forward (off), "
+           "or the prefill server's push_layer_watch setting (server)")
     ap.add_argument("--first-token", choices=["prefill", "decode"], default="prefill",
                     help="streamed requests: prefill (default) streams the prefill's token at "
                          "once and decode continues from it; decode waits for the decode "
@@ -1218,13 +1228,12 @@ def _check_upstreams(ap, args):
     itself): ap.error on the first that does not hold."""
     if args.passthrough and (args.prefill or args.decode):
         ap.error("--passthrough relays to one upstream; it takes no --prefill/--decode")
+    pushed = [f"--{k.replace('_', '-')} {getattr(args, k)}" for k in _PUSH_SWITCHES
+              if getattr(args, k) != "server"]
     if args.passthrough:
         given = [f"--{k.replace('_', '-')} {v}" for k, v, d in (
-            ("flow", args.flow, "a"), ("first_token", args.first_token, "prefill"),
-            ("push_layerwise", args.push_layerwise, "server"),
-            ("push_layer_load", args.push_layer_load, "server"),
-            ("push_layer_read", args.push_layer_read, "server"),
-            ("push_layer_watch", args.push_layer_watch, "server")) if v != d]
+            ("flow", args.flow, "a"), ("first_token", args.first_token, "prefill"))
+            if v != d] + pushed
         if given:
             ap.error(f"{', '.join(given)}: --passthrough has no prefill step, so these "
                      "prefill/decode options would do nothing; drop them (or use --prefill "
@@ -1242,10 +1251,6 @@ def _check_upstreams(ap, args):
                      "prefill's transfer-engine name: its mooncake.json prefill_url)")
     if args.prefill_engine and args.flow != "push":
         ap.error("--prefill-engine is for --flow push")
-    pushed = [f"--{k.replace('_', '-')} {v}" for k, v in (
-        ("push_layerwise", args.push_layerwise), ("push_layer_load", args.push_layer_load),
-        ("push_layer_read", args.push_layer_read),
-        ("push_layer_watch", args.push_layer_watch)) if v != "server"]
     if pushed and args.flow != "push" and not args.passthrough:
         ap.error(f"{', '.join(pushed)}: for --flow push only (flow {args.flow} sends no push "
                  "legs); add --flow push or drop them")
@@ -1355,12 +1360,10 @@ def main(argv=None):
     proxy = Proxy(args.prefill, args.decode, args.flow, args.timeout,
                   api_key, args.first_token, args.passthrough,
                   args.idle_timeout, args.prefill_down_s, args.prefill_engine,
-                  {"server": None, "on": True, "off": False}[args.push_layerwise],
-                  {"server": None, "on": True, "off": False}[args.push_layer_load],
-                  {"server": None, "on": True, "off": False}[args.push_layer_watch],
-                  args.header_timeout, int(args.body_budget_mb * (1 << 20)),
-                  args.body_timeout,
-                  {"server": None, "on": True, "off": False}[args.push_layer_read])
+                  header_timeout=args.header_timeout,
+                  body_budget=int(args.body_budget_mb * (1 << 20)),
+                  body_timeout=args.body_timeout,
+                  **{k: _SWITCH[getattr(args, k)] for k in _PUSH_SWITCHES})
     run_loop, loop_name = _event_loop(args.loop)
     run_loop(_serve(proxy, args, ap.prog, loop_name))
     return 0
