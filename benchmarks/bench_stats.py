@@ -12,6 +12,12 @@ def pct(xs, q):
     return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
+def pct_known(xs, q=50):
+    """pct of the values of xs that are not None (the timelines' requests
+    that lack a point); None for none."""
+    return pct([x for x in xs if x is not None], q)
+
+
 def parse_extra_config(ap, items, flag="--extra-c"):
     """KEY=VALUE strings (a kv_connector_extra_config key, VALUE read as
     JSON: true, 5, "x"; a bare word is a string) as a dict; ap.error names

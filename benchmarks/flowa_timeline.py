@@ -44,6 +44,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+from bench_stats import pct_known as _pct  # noqa: E402
 from serving_bench import KV32K_SPEC, prompt_of  # noqa: E402
 from ttft_timeline import scrape  # noqa: E402
 
@@ -77,16 +78,6 @@ SERVER_SEGMENTS = (
     ("  of which engine queue", None, None),
     ("  of which scheduled -> first token", None, None),
 )
-
-
-def _pct(xs, q=50):
-    xs = sorted(x for x in xs if x is not None)
-    if not xs:
-        return None
-    k = (len(xs) - 1) * q / 100
-    lo = int(k)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
 def points(events, rid, arrival_w=None):

@@ -52,7 +52,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from bench_stats import parse_extra_config  # noqa: E402
+from bench_stats import parse_extra_config, pct_known as _pct  # noqa: E402
 from serving_bench import KV32K_SPEC, prompt_of  # noqa: E402
 
 SETTLE_S = 0.05
@@ -120,16 +120,6 @@ STRETCHES = (
     ("(whole push: prefill answer at the proxy -> decode's 1st chunk there)", "p_answer",
      "d_chunk_in"),
 )
-
-
-def _pct(xs, q):
-    xs = sorted(x for x in xs if x is not None)
-    if not xs:
-        return None
-    k = (len(xs) - 1) * q / 100
-    lo = int(k)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
 def timelines(events, nlayers):
