@@ -182,6 +182,13 @@ def _layer_notes(tid, nl):
     return [pre + b"%d]}\n" % li for li in range(nl)]
 
 
+def _layer_note(job, tg, todo):
+    """The "layer" message telling these layers of the job to target tg:
+    the one built for that layer (tg.gnote, _layer_notes) when one."""
+    return tg.gnote[todo[0]] if len(todo) == 1 else \
+        encode({"t": "layer", "tid": job.tid, "l": todo})
+
+
 def _no_stream(dev):
     """gate_layer's stream for CPU KV caches: none (no event is recorded)."""
     return 0
@@ -1524,19 +1531,18 @@ class PushProducer:
             return
         spec = job.spec
         n_full = len(spec.tokens)
+        mismatch = None
         if tg.ntok > n_full or tg.ntok != (tg.skip + tg.nblocks) * self.w.block_size or \
                 token_hash(spec.tokens[:tg.ntok]) != tg.head.get("h"):
+            mismatch = (f"prompt mismatch: the decode side's {tg.ntok} tokens are not this "
+                        f"prefill's first tokens ({n_full} held)")
+        elif tg.epb != self.w.layout.extents_per_block:
+            mismatch = (f"layout mismatch: {tg.epb} extents per block vs "
+                        f"{self.w.layout.extents_per_block} here")
+        if mismatch:
             job.targets[tg.name] = tg
             tg.state = "nokv"
-            tg.why = (f"prompt mismatch: the decode side's {tg.ntok} tokens are not this "
-                      f"prefill's first tokens ({n_full} held)")
-            self._reply(tg.name, job.tid, "nokv", tg.why)
-            return
-        if tg.epb != self.w.layout.extents_per_block:
-            job.targets[tg.name] = tg
-            tg.state = "nokv"
-            tg.why = (f"layout mismatch: {tg.epb} extents per block vs "
-                      f"{self.w.layout.extents_per_block} here")
+            tg.why = mismatch
             self._reply(tg.name, job.tid, "nokv", tg.why)
             return
         if job.optional and not job.targets and job.all_ready:
@@ -1885,6 +1891,16 @@ class PushProducer:
                     lens.append(n)
         return True
 
+    @staticmethod
+    def _unsent(tg, layers):
+        """The layers of `layers` not sent to tg yet, in order; none also when
+        tg's lease ends within PUSH_MARGIN_S (tg.stop then says so)."""
+        todo = sorted(layers - tg.layers_sent)
+        if todo and time.time() > tg.lease_until - PUSH_MARGIN_S:
+            tg.stop = "the decode side's lease expired before the KV was written"
+            return []
+        return todo
+
     def _submit_gated(self, job, tg):
         """Hand the queued layers not sent yet to this target to the engine,
         gated on the latest layer's event (one stream: it covers the earlier
@@ -1892,11 +1908,8 @@ class PushProducer:
         prompt after the forward (prompt_done)."""
         if tg.state not in ("pending", "writing") or tg.cancel or tg.stop or job.qev is None:
             return
-        todo = sorted(job.queued - tg.layers_sent)
+        todo = self._unsent(tg, job.queued)
         if not todo:
-            return
-        if time.time() > tg.lease_until - PUSH_MARGIN_S:
-            tg.stop = "the decode side's lease expired before the KV was written"
             return
         per = self._gate_arrays(job, tg)
         if per is None:
@@ -1908,10 +1921,7 @@ class PushProducer:
             tg.landed.update(todo)  # nothing to write (HMA null blocks): landed as is
             return
         _, handle, dev = job.qev
-        note = None
-        if tg.lnotify:
-            note = tg.gnote[todo[0]] if len(todo) == 1 else \
-                encode({"t": "layer", "tid": job.tid, "l": todo})
+        note = _layer_note(job, tg, todo) if tg.lnotify else None
         from mooncake_connector import MooncakeError
         try:
             bid = self.w.engine.batch_transfer_async_write_gated(
@@ -2087,11 +2097,8 @@ class PushProducer:
             return
         if tg.state not in ("pending", "writing") or tg.cancel or tg.stop:
             return
-        todo = sorted(job.ready - tg.layers_sent)
+        todo = self._unsent(tg, job.ready)
         if not todo:
-            return
-        if time.time() > tg.lease_until - PUSH_MARGIN_S:
-            tg.stop = "the decode side's lease expired before the KV was written"
             return
         if job.unsynced:
             # No synchronize after the forward (gated_through): the KV is
@@ -2154,8 +2161,7 @@ class PushProducer:
             elif gate:
                 bid = self.w.engine.batch_transfer_async_write_gated(
                     tg.name, src, dst, lens,
-                    notify=tg.gnote[todo[0]] if len(todo) == 1 else
-                    encode({"t": "layer", "tid": job.tid, "l": todo}),
+                    notify=_layer_note(job, tg, todo),
                     notify_timeout=tg.notify_timeout())
                 tg.told.update(todo)
             if bid is None:
