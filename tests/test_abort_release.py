@@ -28,9 +28,11 @@ HOLD_S = 120.0
 
 @pytest.fixture
 def sides(model_dir, urls):  # noqa: F811
-    def make(role, tp=1, **extra):
+    """Side(role) with the producer's hold at HOLD_S (also
+    test_prefix_cache_release's)."""
+    def make(role, tp=1, prefix_caching=False, **extra):
         return Side(model_dir, role, {**urls, "hold_timeout_s": HOLD_S, **extra}, block_size=BS,
-                    tp=tp)
+                    tp=tp, prefix_caching=prefix_caching)
 
     yield from closing_maker(make)
 

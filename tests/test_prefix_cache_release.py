@@ -24,44 +24,17 @@ vllm = pytest.importorskip("vllm", reason="vllm is not installed (scripts/env.sh
 
 from test_connector_vllm import BS, model_dir, toks, urls  # noqa: E402,F401
 from test_push import push_params  # noqa: E402
-from conftest import closing_maker  # noqa: E402
-from vllm_harness import (RequestStatus, Side, counters, frees_at_once,  # noqa: E402
-                          make_request, recomputes)
+# the producer's hold (120 s), _prefill and the counts: test_abort_release's
+from test_abort_release import _entries, _prefill, _sched_count, sides  # noqa: E402,F401
+from vllm_harness import counters, frees_at_once, make_request, recomputes  # noqa: E402
 
 pytestmark = pytest.mark.vllm
-
-HOLD_S = 120.0
-
-
-@pytest.fixture
-def sides(model_dir, urls):  # noqa: F811
-    def make(role, prefix_caching=False, **extra):
-        return Side(model_dir, role, {**urls, "hold_timeout_s": HOLD_S, **extra}, block_size=BS,
-                    prefix_caching=prefix_caching)
-
-    yield from closing_maker(make)
-
-
-def _prefill(p, rid, t, params=None):
-    p.add(make_request(rid, t, max_tokens=1, params=params))
-    p.step()
-    r = p.sched.requests.get(rid)
-    assert r is not None and r.status == RequestStatus.FINISHED_LENGTH_CAPPED, r
-    return p.last_params.get(rid)
 
 
 def _decode(d, rid, t, params=None):
     d.add(make_request(rid, t, max_tokens=2, params=params, block_hasher=d.block_hasher))
     assert d.run_until(lambda: rid not in d.sched.requests, steps=500), "never finished"
     return d.computed.get(rid, 0)
-
-
-def _entries(p):
-    return p.worker._worker.lb.stats().get("entries", 0)
-
-
-def _sched_count(d, key):
-    return sum(x.get(key, 0) for x in d.sched_stats)
 
 
 def _loads(d):
