@@ -80,15 +80,42 @@ def pair_settings(ipc):
     return urls, {"MC_GPU_IPC": ipc, "MC_LOG_LEVEL": "info"}
 
 
+def start_pair(urls, env, made, alloc="torch", settings=None):
+    """The producer's and the consumer's WorkerPeer (the consumer on the
+    second GPU where there is one, with `settings`), each put in `made` as
+    it starts (close_all closes them)."""
+    prod = WorkerPeer("kv_producer", "cuda:0", urls, env, alloc)
+    made.append(prod)
+    cons = WorkerPeer("kv_consumer", "cuda:1" if NGPU > 1 else "cuda:0", urls, env, alloc,
+                      settings)
+    made.append(cons)
+    return prod, cons
+
+
+def close_all(made):
+    """Closes each peer, its log written to stderr; returns the logs."""
+    logs = ""
+    for m in made:
+        err = m.close()
+        logs += err
+        sys.stderr.write(err)
+    return logs
+
+
+def block_sums(prod, cons, src, dst):
+    """Both sides' per-layer K/V block sums, and the (layer, K/V, i) of each
+    block src[i] of the producer whose copy dst[i] on the consumer differs."""
+    sp, sc = prod.call(cmd="sums")["sums"], cons.call(cmd="sums")["sums"]
+    bad = [(li, kv, i) for li in range(LAYERS) for kv in (0, 1) for i in range(len(src))
+           if sc[li][kv][dst[i]] != sp[li][kv][src[i]]]
+    return sp, sc, bad
+
+
 def run_worker_pair(ipc, alloc="torch"):
     urls, env = pair_settings(ipc)
     made = []
-    logs = ""
     try:
-        prod = WorkerPeer("kv_producer", "cuda:0", urls, env, alloc)
-        made.append(prod)
-        cons = WorkerPeer("kv_consumer", "cuda:1" if NGPU > 1 else "cuda:0", urls, env, alloc)
-        made.append(cons)
+        prod, cons = start_pair(urls, env, made, alloc)
         assert prod.info["extents_per_block"] == 2 * LAYERS  # K and V of every layer
         prod.call(cmd="fill", seed=7)
         rng = random.Random(3)
@@ -100,9 +127,7 @@ def run_worker_pair(ipc, alloc="torch"):
         assert prod.call(cmd="finished", req_ids=[])["sending"] == []
         r = cons.call(cmd="load", req_id="r1", tokens=tokens, block_ids=dst)
         assert r["invalid"] == [], r
-        sp, sc = prod.call(cmd="sums")["sums"], cons.call(cmd="sums")["sums"]
-        bad = [(li, kv, i) for li in range(LAYERS) for kv in (0, 1) for i in range(nblk)
-               if sc[li][kv][dst[i]] != sp[li][kv][src[i]]]
+        sp, sc, bad = block_sums(prod, cons, src, dst)
         assert not bad, f"{len(bad)} K/V blocks differ, first {bad[:5]}"
         assert all(sp[li][kv][src[0]] != 0 for li in range(LAYERS) for kv in (0, 1))
         others = set(range(NB)) - set(dst)
@@ -120,10 +145,7 @@ def run_worker_pair(ipc, alloc="torch"):
         sys.stderr.write(f"worker load ({'same-host' if ipc == '1' else 'TCP'}, {alloc}): "
                          f"{mb:.1f} MB in {r['secs'] * 1e3:.1f} ms\n")
     finally:
-        for m in made:
-            err = m.close()
-            logs += err
-            sys.stderr.write(err)
+        logs = close_all(made)
     return logs
 
 
@@ -139,10 +161,7 @@ def test_push_layerwise_streams_cuda_layers_before_wait_for_save(ipc):
     urls, env = pair_settings(ipc)
     made = []
     try:
-        prod = WorkerPeer("kv_producer", "cuda:0", urls, env)
-        made.append(prod)
-        cons = WorkerPeer("kv_consumer", "cuda:1" if NGPU > 1 else "cuda:0", urls, env)
-        made.append(cons)
+        prod, cons = start_pair(urls, env, made)
         prod.call(cmd="fill", seed=7)
         rng = random.Random(5)
         nblk = 40
@@ -176,13 +195,10 @@ def test_push_layerwise_streams_cuda_layers_before_wait_for_save(ipc):
                 time.sleep(0.005)
             assert rid in recving
             assert cons.call(cmd="load_errors")["invalid"] == []
-            sp, sc = prod.call(cmd="sums")["sums"], cons.call(cmd="sums")["sums"]
-            bad = [(li, kv, i) for li in range(LAYERS) for kv in (0, 1) for i in range(nblk)
-                   if sc[li][kv][dst[i]] != sp[li][kv][src[i]]]
+            bad = block_sums(prod, cons, src, dst)[2]
             assert not bad, f"{rid}: {len(bad)} K/V blocks differ, first {bad[:5]}"
     finally:
-        for m in made:
-            sys.stderr.write(m.close())
+        close_all(made)
 
 
 @pytest.mark.parametrize("ipc", ["1", "0"], ids=["same-host", "tcp"])
@@ -198,12 +214,9 @@ def test_layer_read_reads_cuda_layers_byte_exact_and_the_producer_writes_nothing
     env["MC_LAYER_READ_CUDA"] = "1"  # (without it CUDA KV caches take the write-based load)
     made = []
     try:
-        prod = WorkerPeer("kv_producer", "cuda:0", urls, env)
-        made.append(prod)
-        cons = WorkerPeer("kv_consumer", "cuda:1" if NGPU > 1 else "cuda:0", urls, env,
-                          settings={"push_layer_load": True, "push_layer_read": True,
-                                    "push_layer_read_stall_s": 10.0})
-        made.append(cons)
+        prod, cons = start_pair(urls, env, made,
+                                settings={"push_layer_load": True, "push_layer_read": True,
+                                          "push_layer_read_stall_s": 10.0})
         prod.call(cmd="fill", seed=3)
         rng = random.Random(9)
         nblk = 40
@@ -226,10 +239,7 @@ def test_layer_read_reads_cuda_layers_byte_exact_and_the_producer_writes_nothing
             cons.call(cmd="finished", req_ids=[])
             assert cons.call(cmd="load_errors")["invalid"] == []
             prod.call(cmd="finished", req_ids=[])
-            sp, sc = prod.call(cmd="sums")["sums"], cons.call(cmd="sums")["sums"]
-            bad = [(li, kv, i) for li in range(LAYERS) for kv in (0, 1) for i in range(nblk)
-                   if sc[li][kv][dst[i]] != sp[li][kv][src[i]]]
+            bad = block_sums(prod, cons, src, dst)[2]
             assert not bad, f"{rid}: {len(bad)} K/V blocks differ, first {bad[:5]}"
     finally:
-        for m in made:
-            sys.stderr.write(m.close())
+        close_all(made)
