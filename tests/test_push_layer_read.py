@@ -63,33 +63,44 @@ def test_layer_read_lands_each_layer_before_its_attention(sides_both):
 
 
 
+def _step_while_the_forward_is_held(sides, seed, tid):
+    """A read-mode layer load of a 48-block prompt (toks(seed), transfer id
+    tid) whose producer's forward is held 5 s after its last layer's save:
+    the decode's first step lands both layers within 3 s (before the
+    producer's forward ends), then its request runs to its end and the
+    producer frees it.  (The producer, the decode, that step's output.)"""
+    hold = threading.Event()
+    p = sides("kv_producer", hold_at_end=hold)
+    d = sides("kv_consumer", flow_a=False, push_layer_load=True, push_layer_read=True,
+              push_layer_read_stall_s=10.0)
+    t = toks(seed, 48 * BS + 3)
+    p.add(make_request("pq", t, max_tokens=1, params=pp(tid)))
+    d.add(make_request("q", t, max_tokens=2, params=dp(tid)))
+    run = Stepper(p, before=target_first(p, tid))
+    try:
+        t0 = time.monotonic()
+        so = d.step()
+        took = time.monotonic() - t0
+        hold.set()
+        assert d.seen.get("q") == [True, True] and not d.invalid, d.seen
+        assert took < 3.0, took
+        assert d.run_until(lambda: "q" not in d.sched.requests, steps=50)
+    finally:
+        hold.set()
+        run.join()
+    assert p.run_until(lambda: p.is_empty(), steps=500)
+    return p, d, so
+
+
 def test_each_layer_is_announced_before_the_prefill_forward_ends(sides):
     """Layers are announced as they are computed, not after the producer's
     forward: the decode's step reads every layer and ends while the
     producer's forward is still held after its last layer's save (5 s).
     Seen failing (took 5.0 s) when read targets were left out of the
     forward's per-layer path (announced only at the forward's end)."""
-    hold = threading.Event()
-    p = sides("kv_producer", hold_at_end=hold)
-    d = sides("kv_consumer", flow_a=False, push_layer_load=True, push_layer_read=True,
-              push_layer_read_stall_s=10.0)
-    t = toks(41, 48 * BS + 3)
-    p.add(make_request("pq", t, max_tokens=1, params=pp("R10")))
-    d.add(make_request("q", t, max_tokens=2, params=dp("R10")))
-    run = Stepper(p, before=target_first(p, "R10"))
-    try:
-        t0 = time.monotonic()
-        so = d.step()
-        took = time.monotonic() - t0
-        hold.set()
-        assert so.num_scheduled_tokens.get("q") == 3
-        assert d.seen.get("q") == [True, True] and not d.invalid
-        assert took < 3.0, took
-        assert d.run_until(lambda: "q" not in d.sched.requests, steps=50)
-    finally:
-        hold.set()
-        run.join()
-    assert p.run_until(lambda: p.is_empty(), steps=500) and d.is_empty()
+    p, d, so = _step_while_the_forward_is_held(sides, 41, "R10")
+    assert so.num_scheduled_tokens.get("q") == 3
+    assert d.is_empty()
     assert recomputes(d) == {} and counted(d, "push_layer_reads") == 1
     assert eng_stats(p)["same_host_cpu_bytes_written"] == 0
 
@@ -109,26 +120,7 @@ def test_a_producer_that_writes_instead_keeps_the_write_rules(sides, monkeypatch
         init(self, *a, **kw)
         self.read = False  # what a producer without push_layer_read does
     monkeypatch.setattr(push_mod.Target, "__init__", old_producer)
-    hold = threading.Event()
-    p = sides("kv_producer", hold_at_end=hold)
-    d = sides("kv_consumer", flow_a=False, push_layer_load=True, push_layer_read=True,
-              push_layer_read_stall_s=10.0)
-    t = toks(33, 48 * BS + 3)
-    p.add(make_request("pq", t, max_tokens=1, params=pp("R3")))
-    d.add(make_request("q", t, max_tokens=2, params=dp("R3")))
-    run = Stepper(p, before=target_first(p, "R3"))
-    try:
-        t0 = time.monotonic()
-        d.step()
-        took = time.monotonic() - t0
-        hold.set()
-        assert d.seen.get("q") == [True, True] and not d.invalid, d.seen
-        assert took < 3.0, took
-        assert d.run_until(lambda: "q" not in d.sched.requests, steps=50)
-    finally:
-        hold.set()
-        run.join()
-    assert p.run_until(lambda: p.is_empty(), steps=500)
+    p, d, _ = _step_while_the_forward_is_held(sides, 33, "R3")
     assert d.is_empty() and recomputes(d) == {}
     assert counted(d, "push_layer_reads") == 0
     assert counters(p).get("push_bytes", 0) > 0  # it wrote
