@@ -210,8 +210,8 @@ def vllm_forks():
     """forked.ForkServer's start(code, argv) and run(...) from a server that
     has imported VLLM_PREAMBLE: a fresh `python -c code argv...` child (a
     producer process the test stops, kills, reads) without a vLLM import of
-    its own.  One server for every test that uses it (test_push's and
-    test_push_layer_load's producer processes)."""
+    its own.  One server for every test that uses it (test_push's,
+    test_push_layer_load's and test_push_layer_read's producer processes)."""
     pytest.importorskip("vllm")
     return _Forks("vllm_forks", VLLM_PREAMBLE)
 

@@ -490,18 +490,14 @@ while True:
 """
 
 
-def test_producer_process_sigkilled_mid_layers(sides, model_dir, urls, vllm_forks):  # noqa: F811
-    """A real producer process pushes layer 0 and is SIGKILLed: the decode's
-    step ends at once (its connections drop), not at push_layer_timeout_s;
-    load error, prompt computed, counted producer_unreachable."""
-    # a fresh process, forked from one that imported vLLM (conftest.vllm_forks)
-    child = vllm_forks.start(KILL_CHILD, [os.path.dirname(__file__), model_dir,
-                                          json.dumps(urls), "42"])
+def _killed_mid_step(child, start):
+    """Once the producer process `child` is ready, start() (the decode, its
+    request added); then the decode's step, in which the child SIGKILLs
+    itself after a layer: (the decode, how long the step took), the child
+    reaped either way (test_push_layer_read's SIGKILL test too)."""
     try:
         _child_ready(child)
-        d = sides("kv_consumer", flow_a=False, push_layer_load=True, push_layer_timeout_s=10.0)
-        t = toks(42, 3 * BS + 4)
-        d.add(make_request("q", t, max_tokens=2, params=dp("K1")))
+        d = start()
         t0 = time.monotonic()
         d.step()
         took = time.monotonic() - t0
@@ -510,6 +506,24 @@ def test_producer_process_sigkilled_mid_layers(sides, model_dir, urls, vllm_fork
         child.kill()
         child.wait()
         child.stdout.close()
+    return d, took
+
+
+def test_producer_process_sigkilled_mid_layers(sides, model_dir, urls, vllm_forks):  # noqa: F811
+    """A real producer process pushes layer 0 and is SIGKILLed: the decode's
+    step ends at once (its connections drop), not at push_layer_timeout_s;
+    load error, prompt computed, counted producer_unreachable."""
+    # a fresh process, forked from one that imported vLLM (conftest.vllm_forks)
+    child = vllm_forks.start(KILL_CHILD, [os.path.dirname(__file__), model_dir,
+                                          json.dumps(urls), "42"])
+    t = toks(42, 3 * BS + 4)
+
+    def start():
+        d = sides("kv_consumer", flow_a=False, push_layer_load=True, push_layer_timeout_s=10.0)
+        d.add(make_request("q", t, max_tokens=2, params=dp("K1")))
+        return d
+
+    d, took = _killed_mid_step(child, start)
     print(f"step/load ended {took:.3f} s after it began")
     assert took < 2.0, took
     assert d.seen.get("q") == [True, False], d.seen

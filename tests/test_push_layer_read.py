@@ -7,8 +7,6 @@ push_layer_read_stall_s and recomputes at once (no lease + grace wait)."""
 import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 
@@ -19,8 +17,8 @@ vllm = pytest.importorskip("vllm", reason="vllm is not installed (scripts/env.sh
 
 from test_connector_vllm import BS, model_dir, toks, urls  # noqa: E402,F401
 from test_push import _child_ready  # noqa: E402
-from test_push_layer_load import (Stepper, both_legs, counted, dp, pp,  # noqa: E402,F401
-                                  sides, sides_both, target_first)
+from test_push_layer_load import (Stepper, _killed_mid_step, both_legs, counted,  # noqa: E402,F401
+                                  dp, pp, sides, sides_both, target_first)
 from vllm_harness import RequestStatus, counters, make_request, recomputes, status  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -165,14 +163,15 @@ print("stats " + json.dumps({"written": st["same_host_cpu_bytes_written"],
 """
 
 
-def _stopped_mid_request(sides, model_dir, urls, read, seed):  # noqa: F811
+def _stopped_mid_request(sides, model_dir, urls, read, seed, vllm_forks):  # noqa: F811
     """The decode's step with a layer load whose same-host producer stops
     after layer 0: (how long the step took, the decode, the prompt, the
-    producer's same-host CPU bytes written before / after its stop)."""
+    producer's same-host CPU bytes written before / after its stop).  The
+    producer: a fresh process forked from one that imported vLLM
+    (conftest.vllm_forks), in this process's environment."""
     d = None
-    child = subprocess.Popen(
-        [sys.executable, "-c", STOP_CHILD, os.path.dirname(os.path.abspath(__file__)),
-         model_dir, json.dumps(urls), str(seed), "stop"], stdout=subprocess.PIPE, text=True)
+    child = vllm_forks.start(STOP_CHILD, [os.path.dirname(os.path.abspath(__file__)),
+                                          model_dir, json.dumps(urls), str(seed), "stop"])
     try:
         _child_ready(child)
         d = sides("kv_consumer", flow_a=False, push_layer_load=True, push_layer_timeout_s=3.0,
@@ -195,7 +194,7 @@ def _stopped_mid_request(sides, model_dir, urls, read, seed):  # noqa: F811
         assert d.run_until(lambda: d.computed.get("q", 0) >= 4 + len(t) + 3, steps=500)
         # ("r" has no kv_transfer_params: counted no_kv_transfer_params)
         assert recomputes(d).get("timed_out") == 1, recomputes(d)
-        os.kill(child.pid, signal.SIGCONT)
+        child.send_signal(signal.SIGCONT)
         for line in child.stdout:
             if line.startswith("stats "):
                 written = json.loads(line[6:])["written"]
@@ -210,13 +209,15 @@ def _stopped_mid_request(sides, model_dir, urls, read, seed):  # noqa: F811
         if d is not None:
             d.close()  # the next mode's decode takes the same address
         if child.poll() is None:
-            os.kill(child.pid, signal.SIGCONT)
+            child.send_signal(signal.SIGCONT)
             child.kill()
         child.wait()
+        child.stdout.close()
 
 
 def test_stopped_producer_read_gives_up_fast_write_waits_the_lease(sides, model_dir, urls,
-                                                                     monkeypatch):  # noqa: F811
+                                                                     monkeypatch,
+                                                                     vllm_forks):  # noqa: F811
     """A same-host producer SIGSTOPped after layer 0 of a layer load, with a
     running stream in the decode's batch.  Write mode (the baseline, same
     test): the step waits the lease + grace (3 + 2 s: the stopped process
@@ -227,7 +228,8 @@ def test_stopped_producer_read_gives_up_fast_write_waits_the_lease(sides, model_
     monkeypatch.setenv("MC_SAME_HOST_CPU", "1")
     res = {}
     for mode, seed in (("write", 60), ("read", 70)):
-        res[mode] = _stopped_mid_request(sides, model_dir, urls, mode == "read", seed)
+        res[mode] = _stopped_mid_request(sides, model_dir, urls, mode == "read", seed,
+                                         vllm_forks)
         print(f"{mode}: the decode's step (a running stream in it) took "
               f"{res[mode][0]:.3f} s; producer wrote {res[mode][4]} bytes")
     wt, rt = res["write"][0], res["read"][0]
@@ -241,31 +243,26 @@ def test_stopped_producer_read_gives_up_fast_write_waits_the_lease(sides, model_
 
 @pytest.mark.parametrize("read", [False, True], ids=["write", "read"])
 def test_producer_sigkilled_mid_read_recomputes(sides, model_dir, urls, monkeypatch,
-                                                read):  # noqa: F811
+                                                read, vllm_forks):  # noqa: F811
     """A same-host producer SIGKILLed after layer 0 of a layer load: the
     step ends at once (its connections drop), the prompt is recomputed
     (producer_unreachable), its KV right, nothing held or hanging; the
     same for both modes."""
     monkeypatch.setenv("MC_SAME_HOST_CPU", "1")
-    child = subprocess.Popen(
-        [sys.executable, "-c", STOP_CHILD, os.path.dirname(os.path.abspath(__file__)),
-         model_dir, json.dumps(urls), "80", "kill"], stdout=subprocess.PIPE, text=True)
-    try:
-        _child_ready(child)
+    child = vllm_forks.start(STOP_CHILD, [os.path.dirname(os.path.abspath(__file__)),
+                                          model_dir, json.dumps(urls), "80", "kill"])
+    t = toks(81, 3 * BS + 4)
+
+    def start():
         d = sides("kv_consumer", flow_a=False, push_layer_load=True, push_layer_timeout_s=10.0,
                   push_layer_read=read, push_layer_read_stall_s=5.0)
         d.add(make_request("w", toks(80, 3 * BS + 4), max_tokens=2, params=dp("W1")))
         assert d.run_until(lambda: "w" not in d.sched.requests, steps=5000)
         assert d.seen.get("w") == [True, True] and recomputes(d) == {}, recomputes(d)
-        t = toks(81, 3 * BS + 4)
         d.add(make_request("q", t, max_tokens=40, params=dp("S2")))
-        t0 = time.monotonic()
-        d.step()
-        took = time.monotonic() - t0
-        assert child.wait(10) == -signal.SIGKILL
-    finally:
-        child.kill()
-        child.wait()
+        return d
+
+    d, took = _killed_mid_step(child, start)
     print(f"{'read' if read else 'write'}: step ended {took:.3f} s after it began")
     assert took < 2.0, took  # not the stall bound (5 s) nor the lease (10 s)
     assert d.seen.get("q") == [True, False], d.seen
@@ -278,13 +275,14 @@ def test_producer_sigkilled_mid_read_recomputes(sides, model_dir, urls, monkeypa
     assert d.is_empty()
 
 
-def test_stopped_producer_read_over_tcp_gives_up_fast(sides, model_dir, urls,
-                                                      monkeypatch):  # noqa: F811
+def test_stopped_producer_read_over_tcp_gives_up_fast(sides, model_dir, urls, monkeypatch,
+                                                      vllm_forks):  # noqa: F811
     """Read mode over TCP (MC_SAME_HOST_CPU=0: the decode's READs go to the
     producer's engine, which answers them): the same stop after layer 0
     ends the step at the stall bound, the prompt recomputed, its KV right."""
     monkeypatch.setenv("MC_SAME_HOST_CPU", "0")
-    took, d, ok, _, written = _stopped_mid_request(sides, model_dir, urls, True, 90)
+    took, d, ok, _, written = _stopped_mid_request(sides, model_dir, urls, True, 90,
+                                                   vllm_forks)
     print(f"read over TCP: the decode's step took {took:.3f} s")
     assert took < 1.5, took
     assert ok and written == 0
