@@ -227,6 +227,24 @@ def both_legs(p, d, tid, t, max_tokens):
     return Stepper(p)
 
 
+def lands_in_the_first_step(p, d, tid, t):
+    """Prompt t (4 full blocks and 5 tokens) pushed by both legs (transfer
+    id tid): the decode schedules it in its first step, the partial block
+    only to compute, both layers' attention seeing their KV, the 4 blocks
+    right; then its request runs to its end."""
+    run = both_legs(p, d, tid, t, 3)
+    try:
+        so = d.step()
+        assert so.num_scheduled_tokens.get("q") == 5  # the partial block only, now
+        assert d.seen.get("q") == [True, True], d.seen
+        assert status(d, "q") == RequestStatus.RUNNING
+        assert d.block_matches_pattern("q", t, 4) and not d.invalid
+        assert d.run_until(lambda: "q" not in d.sched.requests, steps=50)
+        assert d.computed["q"] == 5 + 2
+    finally:
+        run.join()
+
+
 def test_layer_load_lands_each_layer_before_its_attention(sides_both):
     """Scheduled in the first step (no WAITING_FOR_REMOTE_KVS); each layer's
     attention sees that layer's pushed KV complete; the step that loads also
@@ -238,17 +256,7 @@ def test_layer_load_lands_each_layer_before_its_attention(sides_both):
     p = sides("kv_producer")
     d = sides("kv_consumer", flow_a=False, push_layer_load=True)
     t = toks(31, 4 * BS + 5)
-    run = both_legs(p, d, "L1", t, 3)
-    try:
-        so = d.step()
-        assert so.num_scheduled_tokens.get("q") == 5  # the partial block only, now
-        assert d.seen.get("q") == [True, True], d.seen
-        assert status(d, "q") == RequestStatus.RUNNING
-        assert d.block_matches_pattern("q", t, 4) and not d.invalid
-        assert d.run_until(lambda: "q" not in d.sched.requests, steps=50)
-        assert d.computed["q"] == 5 + 2
-    finally:
-        run.join()
+    lands_in_the_first_step(p, d, "L1", t)
     assert p.run_until(lambda: p.is_empty(), steps=500)
     assert d.is_empty() and recomputes(d) == {}
     # The producer's counters say which path the writes took (what the soak

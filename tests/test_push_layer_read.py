@@ -18,8 +18,9 @@ vllm = pytest.importorskip("vllm", reason="vllm is not installed (scripts/env.sh
 from test_connector_vllm import BS, model_dir, toks, urls  # noqa: E402,F401
 from test_push import _child_ready  # noqa: E402
 from test_push_layer_load import (Stepper, _killed_mid_step, both_legs, counted,  # noqa: E402,F401
-                                  dp, pp, sides, sides_both, target_first)
-from vllm_harness import RequestStatus, counters, make_request, recomputes, status  # noqa: E402
+                                  dp, lands_in_the_first_step, pp, sides, sides_both,
+                                  target_first)
+from vllm_harness import counters, make_request, recomputes  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -37,17 +38,7 @@ def test_layer_read_lands_each_layer_before_its_attention(sides_both):
     p = sides("kv_producer")
     d = sides("kv_consumer", flow_a=False, push_layer_load=True, push_layer_read=True)
     t = toks(31, 4 * BS + 5)
-    run = both_legs(p, d, "R1", t, 3)
-    try:
-        so = d.step()
-        assert so.num_scheduled_tokens.get("q") == 5
-        assert d.seen.get("q") == [True, True], d.seen
-        assert status(d, "q") == RequestStatus.RUNNING
-        assert d.block_matches_pattern("q", t, 4) and not d.invalid
-        assert d.run_until(lambda: "q" not in d.sched.requests, steps=50)
-        assert d.computed["q"] == 5 + 2
-    finally:
-        run.join()
+    lands_in_the_first_step(p, d, "R1", t)
     t0 = time.monotonic()
     assert p.run_until(lambda: p.is_empty(), steps=500)
     assert time.monotonic() - t0 < 2.0  # freed at the decode's rdone, not the 10 s lease
