@@ -90,6 +90,18 @@ def _child_ready(child, word="ready"):
     raise AssertionError(f"the producer child exited before it said {word!r}: {child.wait()}")
 
 
+def _reap(child):
+    """A producer child, stopped or not: killed if still running, waited
+    for, its stdout closed."""
+    import signal
+
+    if child.poll() is None:
+        child.send_signal(signal.SIGCONT)
+        child.kill()
+    child.wait()
+    child.stdout.close()
+
+
 @pytest.mark.parametrize("layer", [False, True], ids=["whole", "layerwise"])
 def test_push_writes_the_prompt_into_the_admitted_blocks(sides, layer):
     p = sides("kv_producer", layer=layer, push_layerwise=layer)
@@ -903,11 +915,7 @@ def test_stopped_same_host_producer_keeps_the_blocks_out_of_reuse(sides, model_d
               f"{time.monotonic() - t1:.2f} s after the producer was {then}")
         assert _held_refs(d, ids) == [0, 0, 0]
     finally:
-        if child.poll() is None:
-            child.send_signal(signal.SIGCONT)
-            child.kill()
-        child.wait()
-        child.stdout.close()
+        _reap(child)
 
 
 def test_a_pid_is_watched_only_if_it_names_the_describing_engine():

