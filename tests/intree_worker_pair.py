@@ -139,8 +139,11 @@ def main():
             s, r = w.get_finished(set())
             box |= (s or set()) | (r or set())
 
-    for i, (src, dst) in enumerate(MOVES):
-        xfer, p_id, d_id = f"xfer-{i}", f"p-{i}", f"d-{i}"
+    def move(tag, src, dst):
+        """One request's legs (p-<tag>, d-<tag>, transfer xfer-<tag>) as
+        vLLM's schedulers send them: the producer's src blocks to the
+        consumer's dst blocks.  (Its ids.)"""
+        xfer, p_id, d_id = f"xfer-{tag}", f"p-{tag}", f"d-{tag}"
         p_params = {"do_remote_decode": True, "transfer_id": xfer}
         d_params = {"do_remote_prefill": True, "transfer_id": xfer,
                     "remote_engine_id": pe, "remote_bootstrap_addr": boot}
@@ -156,6 +159,10 @@ def main():
         m = mc.MooncakeConnectorMetadata()
         m.add_new_req(p_id, [list(src)], p_params, load_remote_cache=False)
         step(prod, m)
+        return p_id, d_id
+
+    for i, (src, dst) in enumerate(MOVES):
+        p_id, d_id = move(i, src, dst)
         wait(lambda: (poll(), p_id in sent and d_id in recvd)[1], f"request {i} to finish")
 
     assert not cons.get_block_ids_with_load_errors()
@@ -182,18 +189,7 @@ def main():
         cons.unregister_kv_caches()
         cons.restore_kv_caches()
         src, dst = [11, 12], [44, 45]
-        m = mc.MooncakeConnectorMetadata()
-        m.add_new_req("p-s", [], {"do_remote_decode": True, "transfer_id": "xfer-s"},
-                      load_remote_cache=False)
-        step(prod, m)
-        m = mc.MooncakeConnectorMetadata()
-        m.add_new_req("d-s", [list(dst)], {"do_remote_prefill": True, "transfer_id": "xfer-s",
-                                           "remote_engine_id": pe, "remote_bootstrap_addr": boot})
-        step(cons, m)
-        m = mc.MooncakeConnectorMetadata()
-        m.add_new_req("p-s", [list(src)], {"do_remote_decode": True, "transfer_id": "xfer-s"},
-                      load_remote_cache=False)
-        step(prod, m)
+        move("s", src, dst)
         wait(lambda: (poll(), "p-s" in sent and "d-s" in recvd)[1], "the move after restore")
         assert not cons.get_block_ids_with_load_errors()
         for s, d in zip(src, dst):
@@ -210,18 +206,7 @@ def main():
     else:
         assert cw.engine.batch_unregister_memory(cw.seen_base_addresses) == 0
     src, dst = [13, 14], [46, 47]
-    m = mc.MooncakeConnectorMetadata()
-    m.add_new_req("p-f", [], {"do_remote_decode": True, "transfer_id": "xfer-f"},
-                  load_remote_cache=False)
-    step(prod, m)
-    m = mc.MooncakeConnectorMetadata()
-    m.add_new_req("d-f", [list(dst)], {"do_remote_prefill": True, "transfer_id": "xfer-f",
-                                       "remote_engine_id": pe, "remote_bootstrap_addr": boot})
-    step(cons, m)
-    m = mc.MooncakeConnectorMetadata()
-    m.add_new_req("p-f", [list(src)], {"do_remote_decode": True, "transfer_id": "xfer-f"},
-                  load_remote_cache=False)
-    step(prod, m)
+    move("f", src, dst)
     wait(lambda: (poll(), "d-f" in recvd)[1], "the refused push to be reported")
     errs = cons.get_block_ids_with_load_errors()
     assert errs == set(dst), errs
