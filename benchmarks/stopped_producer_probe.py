@@ -59,7 +59,9 @@ never starts a copy; a copy stopped midway (the case the holds exist for)
 is what benchmarks/soak.py's host_prefill fault aims at, by timing.  Results:
 --out DIR/stopped_producer_probe.json and .txt (the summary), DIR/logs.tar.xz
 (the servers' logs).  docs/vllm-gpu.md, "Stopped-producer probe", has the
-GPU machine's command; tests/test_stopped_producer_probe.py runs it on CPU.
+GPU machine's command; tests/test_stopped_producer_probe.py runs it on CPU
+(benchmarks/fault_probes.py: with benchmarks/layer_read_probe.py, one server
+set for both).
 """
 import argparse
 import concurrent.futures
@@ -666,7 +668,7 @@ def main(argv=None):
             rc = 2
         else:
             probe.run()
-    except Exception as e:  # noqa: BLE001 - recorded as a failed check, then re-raised below
+    except Exception as e:  # noqa: BLE001 - recorded as a failed check, then the summary
         probe.check("probe ran to its end", False, repr(e)[:2000])
         rc = rc or 1
     finally:
