@@ -218,3 +218,33 @@ def test_a_leg_that_came_is_seen(sides, flow):
     assert counters(d).get("loads", 0) == 2 and not recomputes(d)
     assert _sched_count(d, "legs_forget_seen") == 3
     assert frees_at_once(p, 2.0), "the prefill still holds the prompt"
+
+
+@pytest.mark.parametrize("by", ["x_request_id", "request_id"])
+def test_proxy_release_of_a_leg_whose_entry_another_request_pulled(sides, by):
+    """Two prefill legs of one prompt; the second leg's decode pulls the
+    first leg's entry (entries of one prompt are interchangeable), so the
+    first leg's held request ends, while the second leg's entry stays.  The
+    first leg's client had left: the proxy's release naming it (by its
+    X-Request-Id, or flow b's request id, without the prompt's ids) must
+    still remove one entry of its prompt.  It found nothing before (the
+    leg was no longer held), and the prompt stayed held until
+    hold_timeout_s (test_e2e_abort_release, flow b: 1 held)."""
+    p, d = sides("kv_producer"), sides("kv_consumer", flow_a=True)
+    t = toks(59, 4 * BS + 5)
+    params = {"do_remote_decode": True} if by == "request_id" else None
+    g = {"93": _prefill(p, "cmpl-mc-93-0-7a7b7c7d", t, params),
+         "94": _prefill(p, "cmpl-mc-94-0-8a8b8c8d", t, params)}
+    # the other leg's decode (flow a: by the prompt) takes one of the entries
+    d.add(make_request("cmpl-mc-95-0-9a9b9c9d", t, max_tokens=2))
+    assert d.run_until(lambda: "cmpl-mc-95-0-9a9b9c9d" not in d.sched.requests, steps=500)
+    assert counters(d).get("loads", 0) == 1
+    assert p.run_until(lambda: p.sent & {"cmpl-mc-93-0-7a7b7c7d", "cmpl-mc-94-0-8a8b8c8d"},
+                       steps=200)
+    ended = next(k for k in g if f"cmpl-mc-{k}-0-" in " ".join(p.sent))
+    assert not p.is_empty()  # the other one's entry
+    rel = {"request_id": g[ended]["remote_request_id"]} if by == "request_id" else \
+        {"x_request_id": f"mc-{ended}"}
+    p.add(_release_req("r1", rel))  # the leg whose held request ended
+    assert frees_at_once(p, 2.0), "the prefill still holds the prompt"
+    assert counters(p).get("prefill_releases", 0) == 1, counters(p)
