@@ -97,6 +97,18 @@ def _error(status, message, kind="proxy_error"):
                              status=status)
 
 
+def _prompt_ids(pre):
+    """The prompt's token ids in a prefill answer (pre: its JSON), or None."""
+    if not isinstance(pre, dict):
+        return None
+    choices = pre.get("choices") or [{}]
+    ids = pre.get("prompt_token_ids") or (choices[0].get("prompt_token_ids")
+                                          if isinstance(choices[0], dict) else None)
+    if isinstance(ids, list) and ids and all(isinstance(t, int) for t in ids):
+        return ids
+    return None
+
+
 def _upstream_error(role, url, status, raw, content_type):
     """An upstream's non-200 answer for the client: passed through when it is
     an OpenAI-style JSON error with a message, else (an empty body, HTML, a
@@ -194,6 +206,7 @@ class Proxy:
                        "finished_at_prefill": 0,
                        "clients_gone_in_prefill": 0, "clients_gone_before_decode": 0,
                        "prefill_releases_sent": 0, "clients_gone_before_decode_answer": 0,
+                       "decode_forgets_sent": 0, "decode_forgets_unseen": 0,
                        "stream_errors_after_first_token": 0,
                        "first_token_fallbacks": collections.Counter()}
         # decode instances where a partial first token's text was settled
@@ -432,10 +445,13 @@ class Proxy:
             elif leg == "decode":
                 # The decode leg was sent (or was being sent) but had not
                 # answered: whether its vLLM took the request is not known
-                # here (if it did, its connector releases or pulls).
+                # here (_forget_at_decode asks).
                 self.counts["clients_gone_before_decode_answer"] += 1
             raise
         finally:
+            if request.get("mc_leg") in ("decode", "decode_answered") and \
+                    not request.get("mc_dec_data"):
+                self._forget_at_decode(request)
             if not request.get("mc_release_id_later"):
                 self._release_id(rid)
 
@@ -576,6 +592,7 @@ class Proxy:
         dec_body = (body if self.flow != "b" or params is None
                     else dict(body, kv_transfer_params=params))
         request["mc_leg"] = "decode"
+        request["mc_dec_url"] = dec_url
         return await self._relay(request, dec_url, dec_body, headers, rid, "decode")
 
     def _release_at_prefill(self, request):
@@ -601,12 +618,9 @@ class Proxy:
             rel["x_request_id"] = headers["X-Request-Id"]
         if isinstance(params, dict) and isinstance(params.get("remote_request_id"), str):
             rel["request_id"] = params["remote_request_id"]
-        if isinstance(pre, dict):
-            choices = pre.get("choices") or [{}]
-            ids = pre.get("prompt_token_ids") or (choices[0].get("prompt_token_ids")
-                                                  if isinstance(choices[0], dict) else None)
-            if isinstance(ids, list) and ids and all(isinstance(t, int) for t in ids):
-                rel["prompt_token_ids"] = ids
+        ids = _prompt_ids(pre)
+        if ids:
+            rel["prompt_token_ids"] = ids
         if not rel:
             return
         first = rel.get("prompt_token_ids", [0])[0]
@@ -616,6 +630,53 @@ class Proxy:
         task = asyncio.ensure_future(self._post_release(pre_url, body, h))
         self._bg.add(task)
         task.add_done_callback(self._bg.discard)
+
+    def _forget_at_decode(self, request):
+        """Flows a, b: the decode leg was sent, but its answer ended (the
+        client left, an error) before any of its output came: whether the
+        decode's connector saw the request (and pulled or released the
+        prompt) is not known here; if it did not, the prefill holds the
+        prompt until hold_timeout_s.  Asks that decode instance, in the
+        background, with a one-token request whose kv_transfer_params
+        {"mc_forget": {"x_request_id"}} name the leg (connector/legs.py);
+        its answer "unseen" (never there, or ended owing its pull; a request
+        of it arriving later will neither load nor release) sends the
+        prefill its release (_release_at_prefill).  Counted
+        decode_forgets_sent / decode_forgets_unseen."""
+        got, dec_url = request.get("mc_prefill"), request.get("mc_dec_url")
+        if not got or not dec_url or self.flow not in ("a", "b"):
+            return
+        xid = got[4].get("X-Request-Id")
+        if not xid:
+            return
+        task = asyncio.ensure_future(self._post_forget(request, dec_url, xid))
+        self._bg.add(task)
+        task.add_done_callback(self._bg.discard)
+
+    async def _post_forget(self, request, dec_url, xid):
+        _pre_url, model, pre, _params, headers = request["mc_prefill"]
+        ids = _prompt_ids(pre)
+        body = {"model": model, "prompt": [ids[0] if ids else 0], "max_tokens": 1,
+                "kv_transfer_params": {"mc_forget": {"x_request_id": xid}}}
+        # A fresh id: one holding xid would be taken for a request of that leg.
+        h = dict(headers, **{"X-Request-Id": f"mc-forget-{uuid.uuid4().hex}"})
+        self.counts["decode_forgets_sent"] += 1
+        try:
+            async with self.session.post(dec_url + "/v1/completions", json=body, headers=h,
+                                         timeout=aiohttp.ClientTimeout(total=30)) as r:
+                got = await r.read()
+                if r.status != 200:
+                    logger.info("decode %s answered %d to a forget", dec_url, r.status)
+                    return
+            verdict = ((json.loads(got) or {}).get("kv_transfer_params") or {}).get("mc_forget")
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError,
+                AttributeError) as e:
+            logger.info("decode %s: a forget failed (%r); the prefill frees the prompt at "
+                        "hold_timeout_s", dec_url, e)
+            return
+        if verdict == "unseen":
+            self.counts["decode_forgets_unseen"] += 1
+            self._release_at_prefill(request)
 
     async def _post_release(self, pre_url, body, headers):
         self.counts["prefill_releases_sent"] += 1
@@ -739,7 +800,10 @@ class Proxy:
                     return _upstream_error(role, url, r.status, await r.read(),
                                            r.content_type)
                 if not body.get("stream"):
-                    return web.Response(status=200, body=await r.read(),
+                    got = await r.read()
+                    if role == "decode":
+                        request["mc_dec_data"] = True
+                    return web.Response(status=200, body=got,
                                         content_type=r.content_type or "application/json",
                                         headers={"X-Request-Id": rid})
                 resp = web.StreamResponse(status=200, headers={
@@ -752,6 +816,8 @@ class Proxy:
                 try:
                     first = trace.ON
                     async for chunk in r.content.iter_any():
+                        if role == "decode":
+                            request["mc_dec_data"] = True  # its engine had it (legs.py)
                         if first:
                             trace.event("proxy_chunk_in", rid, role=role)
                         await ft._write(resp, chunk)

@@ -402,6 +402,7 @@ async def stream(proxy, request, plan, dec_url, headers, rid, t_pre=None):
     early = (asyncio.ensure_future(_release_when_checked(proxy, out, plan, dec_url, headers))
              if plan.partial and dec_url in proxy.partial_settled else None)
     request["mc_leg"] = "decode"
+    request["mc_dec_url"] = dec_url
     try:
         err = await _relay_decode(proxy, out, plan, dec_url, headers)
     except Unsettled as e:
@@ -609,6 +610,7 @@ async def _relay_decode(proxy, out, plan, dec_url, headers):
                     ev = json.loads(payload)
                 except ValueError:
                     return f"{where} sent an event that is not JSON: {payload[:200]!r}"
+                out.request["mc_dec_data"] = True  # its engine had it (legs.py)
                 settled = (plan.settling and isinstance(ev, dict)
                            and await _settle(proxy, plan, ev, dec_url, headers))
                 if settled:

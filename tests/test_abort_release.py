@@ -151,3 +151,102 @@ def test_proxy_release_before_the_leg_published(sides):
     _prefill(p, "cmpl-mc-88-0-5e6f7a8b", t)
     assert frees_at_once(p, 2.0), "the prefill still holds the released prompt"
     assert counters(p).get("prefill_releases", 0) == 1, counters(p)
+
+
+def _forget(d, rid, xid):
+    """The proxy's question (proxy._forget_at_decode) about the decode leg
+    sent with X-Request-Id xid, whose answer ended before any output: the
+    decode's verdict, "seen" or "unseen" (connector/legs.py)."""
+    d.add(make_request(rid, [7], max_tokens=1, params={"mc_forget": {"x_request_id": xid}}))
+    assert d.run_until(lambda: rid in d.last_params, steps=50), "no answer to the forget"
+    return (d.last_params[rid] or {}).get("mc_forget")
+
+
+@pytest.mark.parametrize("flow", ["a", "b"])
+def test_a_leg_that_never_came_is_released_once(sides, flow):
+    """Two clients, one prompt, both prefilled; the first one's decode leg
+    never reached the decode (its client left while it was on its way and
+    the decode's vLLM dropped it).  The decode answers the proxy "unseen",
+    the proxy's release frees one pull's worth at the prefill, and the
+    first leg's request, if it comes late after all, neither loads nor
+    releases: the second client's decode still loads the whole prompt (one
+    release, not two) and the prefill ends holding nothing."""
+    p, d = sides("kv_producer"), sides("kv_consumer", flow_a=flow == "a")
+    t = toks(57, 4 * BS + 5)
+    params = {"do_remote_decode": True} if flow == "b" else None
+    g1 = _prefill(p, "cmpl-mc-91-0-0a0b0c0d", t, params)
+    g2 = _prefill(p, "cmpl-mc-92-0-1a1b1c1d", t, params)
+    assert _forget(d, "cmpl-mc-forget-1-0-aa", "mc-91") == "unseen"
+    p.add(_release_req("r1", {"x_request_id": "mc-91"}))  # the proxy's, on "unseen"
+    p.step()
+    p.step()
+    assert counters(p).get("prefill_releases", 0) == 1, counters(p)
+    assert not p.is_empty()  # the second leg's entry
+    d.add(make_request("cmpl-mc-91-0-2a2b2c2d", t, max_tokens=2, params=g1))  # late
+    assert d.run_until(lambda: "cmpl-mc-91-0-2a2b2c2d" not in d.sched.requests, steps=500)
+    assert counters(d).get("loads", 0) == 0 and _sched_count(d, "load_releases") == 0
+    assert _sched_count(d, "legs_late") == 1
+    d.add(make_request("cmpl-mc-92-0-3a3b3c3d", t, max_tokens=2, params=g2))
+    assert d.run_until(lambda: "cmpl-mc-92-0-3a3b3c3d" not in d.sched.requests, steps=500)
+    assert d.computed.get("cmpl-mc-92-0-3a3b3c3d", 0) == 5 + 1, d.computed
+    assert counters(d).get("loads", 0) == 1 and not recomputes(d) and not d.invalid
+    assert frees_at_once(p, 2.0), "the prefill still holds the prompt"
+    assert _forget(d, "cmpl-mc-forget-2-0-bb", "mc-91") == "seen"  # asked again: paid
+
+
+@pytest.mark.parametrize("flow", ["a", "b"])
+def test_a_leg_that_came_is_seen(sides, flow):
+    """A leg whose request is here (waiting or running), pulled, or was
+    released at its abort: "seen", and nothing more is released (a release
+    then would take another request's entry of the same prompt)."""
+    p, d = sides("kv_producer"), sides("kv_consumer", flow_a=flow == "a")
+    t = toks(58, 4 * BS + 5)
+    params = {"do_remote_decode": True} if flow == "b" else None
+    g = [_prefill(p, f"cmpl-mc-{90 + i}-0-4a4b4c4d", t, params) for i in range(3)]
+    # pulled and finished
+    d.add(make_request("cmpl-mc-90-0-5a5b5c5d", t, max_tokens=2, params=g[0]))
+    assert d.run_until(lambda: "cmpl-mc-90-0-5a5b5c5d" not in d.sched.requests, steps=500)
+    assert _forget(d, "cmpl-mc-forget-3-0-cc", "mc-90") == "seen"
+    # aborted before its pull: the decode released it
+    d.add(make_request("cmpl-mc-91-0-6a6b6c6d", t, max_tokens=2, params=g[1]))
+    _abort(d, "cmpl-mc-91-0-6a6b6c6d")
+    assert _forget(d, "cmpl-mc-forget-4-0-dd", "mc-91") == "seen"
+    # here, not scheduled yet
+    d.add(make_request("chatcmpl-mc-92-6a6b6c6d", t, max_tokens=2, params=g[2]))
+    d.sched.connector._scheduler.get_num_new_matched_tokens(
+        d.sched.requests["chatcmpl-mc-92-6a6b6c6d"], 0)
+    assert _forget(d, "cmpl-mc-forget-5-0-ee", "mc-92") == "seen"
+    assert d.run_until(lambda: "chatcmpl-mc-92-6a6b6c6d" not in d.sched.requests, steps=500)
+    assert counters(d).get("loads", 0) == 2 and not recomputes(d)
+    assert _sched_count(d, "legs_forget_seen") == 3
+    assert frees_at_once(p, 2.0), "the prefill still holds the prompt"
+
+
+@pytest.mark.parametrize("by", ["x_request_id", "request_id"])
+def test_proxy_release_of_a_leg_whose_entry_another_request_pulled(sides, by):
+    """Two prefill legs of one prompt; the second leg's decode pulls the
+    first leg's entry (entries of one prompt are interchangeable), so the
+    first leg's held request ends, while the second leg's entry stays.  The
+    first leg's client had left: the proxy's release naming it (by its
+    X-Request-Id, or flow b's request id, without the prompt's ids) must
+    still remove one entry of its prompt.  It found nothing before (the
+    leg was no longer held), and the prompt stayed held until
+    hold_timeout_s (test_e2e_abort_release, flow b: 1 held)."""
+    p, d = sides("kv_producer"), sides("kv_consumer", flow_a=True)
+    t = toks(59, 4 * BS + 5)
+    params = {"do_remote_decode": True} if by == "request_id" else None
+    g = {"93": _prefill(p, "cmpl-mc-93-0-7a7b7c7d", t, params),
+         "94": _prefill(p, "cmpl-mc-94-0-8a8b8c8d", t, params)}
+    # the other leg's decode (flow a: by the prompt) takes one of the entries
+    d.add(make_request("cmpl-mc-95-0-9a9b9c9d", t, max_tokens=2))
+    assert d.run_until(lambda: "cmpl-mc-95-0-9a9b9c9d" not in d.sched.requests, steps=500)
+    assert counters(d).get("loads", 0) == 1
+    assert p.run_until(lambda: p.sent & {"cmpl-mc-93-0-7a7b7c7d", "cmpl-mc-94-0-8a8b8c8d"},
+                       steps=200)
+    ended = next(k for k in g if f"cmpl-mc-{k}-0-" in " ".join(p.sent))
+    assert not p.is_empty()  # the other one's entry
+    rel = {"request_id": g[ended]["remote_request_id"]} if by == "request_id" else \
+        {"x_request_id": f"mc-{ended}"}
+    p.add(_release_req("r1", rel))  # the leg whose held request ended
+    assert frees_at_once(p, 2.0), "the prefill still holds the prompt"
+    assert counters(p).get("prefill_releases", 0) == 1, counters(p)

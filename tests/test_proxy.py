@@ -240,7 +240,8 @@ def _vllm_app(u):
 
     async def complete(request):
         body = await request.json()
-        u.seen.append({"path": request.path, "body": body})
+        u.seen.append({"path": request.path, "body": body,
+                       "x_request_id": request.headers.get("X-Request-Id")})
         if "messages" in body:
             prompt = list(range(1, 3 + sum(len(m["content"].split()) for m in body["messages"])))
         elif isinstance(body["prompt"], list):
@@ -268,6 +269,11 @@ def _vllm_app(u):
                              "total_tokens": len(prompt) + mt}}
             if chat:
                 ans["prompt_token_ids"] = prompt
+            if (body.get("kv_transfer_params") or {}).get("do_remote_decode"):  # flow b
+                ans["kv_transfer_params"] = {"do_remote_prefill": True, "num_tokens": 16,
+                                             "remote_request_id": "cmpl-pre-1-0-ab"}
+            if "mc_forget" in (body.get("kv_transfer_params") or {}):
+                ans["kv_transfer_params"] = {"mc_forget": getattr(u, "forget", "unseen")}
             return web.json_response(ans)
         if u.decode_fail == "status":
             return web.json_response({"error": {"message": "decode overloaded"}}, status=503)
@@ -465,6 +471,66 @@ def test_prefill_finished_answer_skips_decode(vllm_like, proxy):
         assert b["max_tokens"] == 1 and len(b["prompt"]) == 1
         assert r["x_request_id"] and r["prompt_token_ids"] == [1, 2], r  # the fake's ids
     assert get_stats(url)["prefill_releases_sent"] == 2
+
+
+def _forgets(u):
+    return [x["body"] for x in u.seen
+            if "mc_forget" in (x["body"].get("kv_transfer_params") or {})]
+
+
+def _releases(u):
+    return [x["body"] for x in u.seen
+            if "mc_release" in (x["body"].get("kv_transfer_params") or {})]
+
+
+@pytest.mark.parametrize("flow", ["a", "b"])
+@pytest.mark.parametrize("verdict", ["unseen", "seen"])
+def test_a_decode_leg_gone_before_its_output_is_asked_about(vllm_like, proxy, flow, verdict):
+    """The client leaves after its first token (from the prefill) while the
+    decode leg is on its way: whether the decode's connector saw it is not
+    known here, so the proxy asks that decode ("mc_forget", naming the
+    leg's X-Request-Id, under an id of its own) and releases the prompt at
+    the prefill only on "unseen".  A client that reads its whole answer
+    (decode output came) costs no forget."""
+    p, d = vllm_like("prefill"), vllm_like("decode")
+    d.first_delay, d.forget = 2.0, verdict
+    url = proxy([p.url], [d.url], flow=flow)
+    host, port = url.rsplit("/", 1)[-1].split(":")
+    raw = json.dumps({"model": "m", "prompt": "a b c", "max_tokens": 5,
+                      "stream": True}).encode()
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                  b"application/json\r\nContent-Length: %d\r\n\r\n" % len(raw) + raw)
+        got, end = b"", time.monotonic() + 10
+        while b"data:" not in got and time.monotonic() < end:
+            got += s.recv(65536)  # the first token, from the prefill
+        assert b"data:" in got, got
+        assert wait_until(lambda: any(x["body"].get("stream") for x in d.seen), timeout=10)
+    assert wait_until(lambda: _forgets(d), timeout=10), d.seen
+    f = _forgets(d)
+    assert len(f) == 1 and f[0]["max_tokens"] == 1 and len(f[0]["prompt"]) == 1
+    leg = next(x for x in d.seen if x["body"].get("stream"))
+    xid = f[0]["kv_transfer_params"]["mc_forget"]["x_request_id"]
+    asked = next(x for x in d.seen if "mc_forget" in (x["body"].get("kv_transfer_params") or {}))
+    assert xid and xid == leg["x_request_id"] and xid not in asked["x_request_id"]
+    if verdict == "unseen":
+        assert wait_until(lambda: _releases(p), timeout=10), p.seen
+        r = _releases(p)[0]["kv_transfer_params"]["mc_release"]
+        assert r["x_request_id"] == xid and r["prompt_token_ids"] == [1, 2, 3], r
+        if flow == "b":
+            assert r["request_id"] == "cmpl-pre-1-0-ab", r
+    else:
+        time.sleep(1.0)
+        assert _releases(p) == [], p.seen
+    st = get_stats(url)
+    assert st["decode_forgets_sent"] == 1, st
+    assert st["decode_forgets_unseen"] == (verdict == "unseen"), st
+    d.first_delay = 0
+    status, data = post(url + "/v1/completions", {"model": "m", "prompt": "a b c",
+                                                  "max_tokens": 5, "stream": True}, raw=True)
+    assert status == 200 and sse_events(data)[-1] == "[DONE]"
+    time.sleep(0.3)
+    assert get_stats(url)["decode_forgets_sent"] == 1 and len(_forgets(d)) == 1
 
 
 def test_unrepresentable_requests_and_opt_out_take_the_seeds_path(vllm_like, proxy):

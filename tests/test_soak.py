@@ -180,6 +180,7 @@ def test_short_soak_on_the_session_servers(deployment, tmp_path):
             paths["proxies"][f] = {k: c.get(k) for k in (
                 "requests", "clients_gone_in_prefill", "clients_gone_before_decode",
                 "clients_gone_before_decode_answer", "prefill_releases_sent",
+                "decode_forgets_sent", "decode_forgets_unseen",
                 "prefill_retries", "decode_retries", "finished_at_prefill",
                 "first_token_from_prefill")}
     print(f"\nshort soak, hold sources: {json.dumps(paths)}")

@@ -10,7 +10,9 @@ get_finished reports the request in finished_sending and vLLM frees them.
 """
 import logging
 import time
+from collections import OrderedDict
 
+from mooncake_connector.connector.legs import carries
 from mooncake_connector.connector.loads import rows
 
 logger = logging.getLogger("vllm.mooncake_connector")
@@ -19,6 +21,12 @@ logger = logging.getLogger("vllm.mooncake_connector")
 #: The proxy's release naming a prefill leg by its X-Request-Id is looked
 #: for this long (each step) when the leg has not published yet.
 DROP_WAIT_S = 5.0
+#: A leg whose held request ended because another request of its prompt
+#: pulled its entries (entries of one prompt are interchangeable) still owes
+#: a pull: remembered this long (at most ENDED_MAX of them) for the proxy's
+#: release, which then removes one entry of its prompt.
+ENDED_S = 60.0
+ENDED_MAX = 4096
 
 
 class Publishes:
@@ -33,6 +41,8 @@ class Publishes:
         self.finished_seen = set()
         self.dropped = set()    # req_ids the proxy released (drop), until finished
         self.pending_drops = []  # (drop spec, monotonic deadline) not matched yet
+        self.ended = OrderedDict()  # req_id -> (tokens, monotonic end): held, ended, not
+                                    # released (ENDED_S)
         self.idle_streak = 0    # consecutive idle steps that freed nothing
 
     def on_held(self, rids):
@@ -151,12 +161,14 @@ class Publishes:
         for spec, until in todo:
             rid, tokens = spec[0], spec[1]
             xid = spec[2] if len(spec) > 2 else None
-            if rid not in self.pub_tokens and xid:
+            if rid not in self.pub_tokens and rid not in self.ended and xid:
                 # vLLM's request id holds the X-Request-Id the leg was sent
-                # with ("cmpl-<id>-0-<random>"): its latest held request
+                # with ("cmpl-<id>-0-<random>"): its latest held request, or
+                # one that ended since (another request of its prompt pulled
+                # its entries: it still owes one)
                 rid = next((r for r in reversed(list(self.pub_tokens))
-                            if (f"-{xid}-" in r or r.endswith(f"-{xid}"))
-                            and r not in self.dropped), None)
+                            if carries(r, xid) and r not in self.dropped), None) or \
+                    next((r for r in reversed(self.ended) if carries(r, xid)), None)
                 if rid is None and not tokens:
                     # A leg its client left: the release may come before the
                     # leg's last step published (a step runs both, or the
@@ -167,6 +179,8 @@ class Publishes:
                     continue
             if rid in self.pub_tokens:
                 tokens = self.pub_tokens[rid]
+            elif rid in self.ended:
+                tokens = self.ended.pop(rid)[0]  # released once
             if not tokens or (rid is not None and rid in self.dropped):
                 continue
             if rid is not None and rid in self.pub_tokens:
@@ -184,6 +198,7 @@ class Publishes:
         go (leased ones when their lease ends), so the blocks are not held
         for a pull that will not come."""
         tokens = self.pub_tokens.get(rid)
+        self.dropped.add(rid)  # its entries are gone: never released (Publishes.drop)
         if tokens is not None and self.w.lb is not None:
             self.w.lb.remove(tokens)
 
@@ -197,6 +212,17 @@ class Publishes:
             if rid is not None and rid in self.outstanding:
                 self.outstanding[rid] -= 1
 
+    def _ended(self, rid):
+        """A held request ends (its entries pulled, released or expired):
+        its prompt kept ENDED_S for a release naming it (drop)."""
+        now = time.monotonic()
+        ended = self.ended
+        while ended and (len(ended) >= ENDED_MAX or now - next(iter(ended.values()))[1] > ENDED_S):
+            ended.popitem(last=False)
+        tokens = self.pub_tokens.get(rid)
+        if tokens and rid not in self.dropped:
+            ended[rid] = (tokens, now)
+
     def _finished_sends(self):
         """Held requests whose blocks no consumer references any more."""
         w, done = self.w, set()
@@ -208,6 +234,7 @@ class Publishes:
                     not (w.push_p is not None and w.push_p.holds(rid)):
                 del self.held[rid]
                 self.finished_seen.discard(rid)
+                self._ended(rid)
                 self.dropped.discard(rid)
                 self.forget_tags(rid)
                 self.outstanding.pop(rid, None)
@@ -291,4 +318,5 @@ class Publishes:
             self.forget_tags(rid)
         self.pub_tokens.clear()
         self.dropped.clear()
+        self.ended.clear()  # their entries are gone with the KV
         return dropped

@@ -28,6 +28,7 @@ import logging
 import os
 import time
 
+from mooncake_connector.connector.legs import LegLedger
 from mooncake_connector.connector.metadata import (LoadSpec, MooncakeConnectorMetadata,
                                                    PublishSpec)
 from mooncake_connector.connector.push import is_push, transfer_id
@@ -114,6 +115,9 @@ class SchedulerSide:
         self.stats = MooncakeKVConnectorStats()
         self._traced_bg = {}      # consumer, MC_TRACE only: req_id -> push transfer id of a
                                   # background (whole-prompt) load until first computed
+        # consumer: which decode legs (flows a, b) paid for their prompt's
+        # hold at the producer (legs.py: the proxy's "mc_forget")
+        self._legs = LegLedger() if settings.is_consumer else None
         self.producer_base = None
         if settings.is_producer:
             url = settings.local_hostname or settings.mooncake.get("prefill_url")
@@ -296,13 +300,33 @@ class SchedulerSide:
         self._asked[request.request_id] = now
         self._probe.ask(request.request_id, src[1], request.prompt_token_ids[:n_full])
 
+    def _arrived(self, request, src):
+        """A flow A/B request is here (legs.py).  False for one whose leg
+        the proxy was told "unseen" for before it came (its client left,
+        the prefill released the prompt): it neither loads nor releases."""
+        rid = request.request_id
+        if src is None or src[0] not in ("A", "B") or \
+                len(request.prompt_token_ids or ()) < self.block_size:
+            return True
+        if self._legs.arrived(rid):
+            return True
+        if rid in self._tried:
+            return False  # said once
+        self._tried.add(rid)
+        self.stats.add("legs_late")
+        logger.info("MooncakeConnector: request %s came after the proxy was told its decode leg "
+                    "was not here (its client left; the prefill released the prompt): computed "
+                    "here if it runs at all", rid)
+        return False
+
     def on_new_request(self, request):
         """vLLM calls this when a request arrives: a flow-A probe starts now,
         so its answer is usually in when the scheduler first asks."""
         if self._probe is None:
             return
         src = self._source(request)
-        if src is None or src[0] != "A" or request.request_id in self._tried:
+        if not self._arrived(request, src) or src is None or src[0] != "A" or \
+                request.request_id in self._tried:
             return
         n_full = self._full_tokens(request)
         if n_full > 0 and request.request_id not in self._asked:
@@ -320,6 +344,8 @@ class SchedulerSide:
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
         src = self._source(request)
+        if src is not None:
+            self._arrived(request, src)
         if src is None or request.request_id in self._tried:
             if src is None and self.s.is_consumer:
                 self._check_unloadable(request, src)
@@ -768,12 +794,16 @@ class SchedulerSide:
         self._reqs.pop(rid, None)
         self._blocks.pop(rid, None)
         unstarted = self._loads.pop(rid, None)
+        if self._legs is not None:
+            self._arrived(request, self._source(request))  # aborted before it was scheduled
         if self.s.is_consumer and (rid not in self._tried or unstarted is not None):
             src = self._source(request)  # ended before its load started: no target sent
             if src is not None and src[0] == "P":
                 self._gone(request, src)
             elif src is not None:
                 self._release_unpulled(request, src, unstarted)
+        if self._legs is not None:
+            self._legs.finished(rid, rid in self._tried)
         self._claims.pop(rid, None)
         self._to_release.pop(rid, None)
         self._probed.pop(rid, None)
@@ -796,6 +826,12 @@ class SchedulerSide:
         params = getattr(request, "kv_transfer_params", None) or {}
         if self.s.is_producer and isinstance(params.get("mc_release"), dict):
             self._proxy_release(params["mc_release"])
+        forget = params.get("mc_forget")
+        if self._legs is not None and isinstance(forget, dict) and \
+                isinstance(forget.get("x_request_id"), str) and forget["x_request_id"]:
+            verdict = self._legs.forget(forget["x_request_id"])
+            self.stats.add(f"legs_forget_{verdict}")
+            return False, {"mc_forget": verdict}
         if n is not None:
             self._held.append(rid)
             if trace.ON and not _push_mode(self.s, params):

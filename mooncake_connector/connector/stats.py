@@ -32,7 +32,7 @@ COUNTERS = ("loads", "loads_in_step", "loads_failed", "load_bytes", "load_bytes_
             "push_layer_read_cuda_refused", "push_bytes_same_host_cpu", "push_gate_host_batches", "malloc_trims",
             "malloc_trim_freed_bytes",
             "load_error_blocks_uncached", "load_releases", "load_releases_aborted",
-            "prefill_releases",
+            "prefill_releases", "legs_forget_seen", "legs_forget_unseen", "legs_late",
             *(f"recompute_{r}" for r in RECOMPUTE_REASONS))
 GAUGES = ("held_bytes", "lookup_entries", "loads_in_flight")
 
@@ -187,6 +187,16 @@ PROM_COUNTERS = {
                          "Producer: prompts released at the proxy's word (no decode leg "
                          "followed the prefill leg: the client left, or the first token "
                          "ended the request): their KV freed at once"),
+    "legs_forget_seen": ("vllm:mooncake_legs_forget_seen_total",
+                         "Consumer: the proxy asked about a decode leg whose client left "
+                         "before its answer; it was here or had pulled / released its prompt"),
+    "legs_forget_unseen": ("vllm:mooncake_legs_forget_unseen_total",
+                           "Consumer: the same, for a decode leg that never reached this "
+                           "connector (or ended owing its pull): the proxy released the "
+                           "prompt at the prefill"),
+    "legs_late": ("vllm:mooncake_legs_late_total",
+                  "Consumer: decode-leg requests that came after their leg was answered "
+                  "unseen: neither loaded nor released (the prefill released the prompt)"),
     "push_untargeted_cancels": ("vllm:mooncake_push_untargeted_cancels_total",
                                 "Consumer: push requests that ended without sending their "
                                 "producer a target (aborted before their load, prompt all in "

@@ -1,0 +1,112 @@
+"""Which decode legs (flows a, b) this consumer has accounted for.
+
+A prefill that published a prompt holds it (vLLM's blocks under it) for
+one pull.  The decode leg's request pays that debt: its pull consumes the
+producer's entry, or a release does (a pull of no blocks: a local prefix
+hit, or the request aborted before its pull).  A decode leg that never
+reaches this connector (its client left while it was on its way and the
+decode's vLLM dropped it first; the decode's API server refused it) pays
+nothing, and the prompt stays held until hold_timeout_s.
+
+The proxy cannot tell those apart (a response's headers leave the decode's
+API server before its engine sees the request), so it asks this side: a
+one-token request carrying kv_transfer_params {"mc_forget": {"x_request_id":
+X}} (the X-Request-Id both legs were sent with, which vLLM's request id
+contains).  This ledger answers "seen" (a request of that leg is here or
+has paid: nothing to do) or "unseen" (nothing has paid: the proxy releases
+the prompt at the prefill).  After "unseen" a request of that leg arriving
+late neither loads nor releases, so each published prompt is paid for once:
+never twice (which would take another request's entry of the same prompt),
+and not never.
+
+Bounded: records older than MEMORY_S, or past MAX_RECORDS, are dropped
+(a forget comes within seconds of its leg).
+"""
+import time
+from collections import OrderedDict
+
+#: How long a leg's record is kept (a forget follows its leg by seconds).
+MEMORY_S = 120.0
+#: At most this many records (~10 MB); the oldest go first.
+MAX_RECORDS = 65536
+
+#: a request of the leg is here (it pays at its end), it paid (pulled or
+#: released), it ended without paying, or it came after its leg was
+#: forgotten (the proxy's release paid: it neither loads nor releases)
+LIVE, PAID, UNPAID, LATE = "live", "paid", "unpaid", "late"
+
+
+def carries(rid, xid):
+    """Whether vLLM's request id `rid` was made from the X-Request-Id `xid`
+    ("cmpl-<xid>-0-<random>", "chatcmpl-<xid>-<random>", ...)."""
+    return f"-{xid}-" in rid or rid.endswith(f"-{xid}") or rid == xid
+
+
+class LegLedger:
+    def __init__(self, clock=time.monotonic):
+        self._clock = clock
+        self._legs = OrderedDict()       # vLLM request id -> [state, monotonic time]
+        self._forgotten = OrderedDict()  # X-Request-Id -> monotonic time
+
+    def __len__(self):
+        return len(self._legs) + len(self._forgotten)
+
+    def _prune(self, now):
+        legs, gone = self._legs, self._forgotten
+        while len(legs) >= MAX_RECORDS:  # room for the one being added
+            legs.popitem(last=False)
+        for _ in range(len(legs)):
+            rid, rec = next(iter(legs.items()))
+            if now - rec[1] <= MEMORY_S:
+                break
+            if rec[0] == LIVE:  # still running: it pays at its end
+                rec[1] = now
+                legs.move_to_end(rid)
+            else:
+                legs.popitem(last=False)
+        while gone and (len(gone) >= MAX_RECORDS or now - next(iter(gone.values())) > MEMORY_S):
+            gone.popitem(last=False)
+
+    def arrived(self, rid):
+        """A decode leg's request reached this connector (called once or
+        more).  False when its leg was forgotten first: it must neither
+        load nor release (the proxy's release paid for it)."""
+        rec = self._legs.get(rid)
+        if rec is not None:
+            return rec[0] != LATE
+        now = self._clock()
+        self._prune(now)
+        for xid in self._forgotten:
+            if carries(rid, xid):
+                del self._forgotten[xid]
+                self._legs[rid] = [LATE, now]
+                return False
+        self._legs[rid] = [LIVE, now]
+        return True
+
+    def finished(self, rid, paid):
+        """The request ended; paid: it pulled or released its prompt."""
+        rec = self._legs.get(rid)
+        if rec is not None and rec[0] == LIVE:
+            rec[0] = PAID if paid else UNPAID
+            rec[1] = self._clock()
+            self._legs.move_to_end(rid)
+
+    def forget(self, xid):
+        """The proxy's question about the leg sent with X-Request-Id xid:
+        "seen" (a request of it is here, or it paid) or "unseen" (nothing
+        paid: the proxy releases the prompt at the prefill; a request of
+        that leg arriving later is told by arrived())."""
+        now = self._clock()
+        self._prune(now)
+        if xid in self._forgotten:
+            return "seen"  # asked twice: paid by the first answer
+        for rid in reversed(self._legs):  # the newest request of that id
+            if carries(rid, xid):
+                rec = self._legs[rid]
+                if rec[0] == UNPAID:
+                    rec[0] = PAID  # by the proxy's release, once
+                    return "unseen"
+                return "seen"
+        self._forgotten[xid] = now
+        return "unseen"

@@ -1,0 +1,60 @@
+"""connector/legs.py: the decode side's ledger of flow a/b decode legs,
+which answers the proxy's "mc_forget" (harness with vLLM's scheduler:
+tests/test_abort_release.py; real servers: tests/test_e2e_abort_release.py).
+Here: its verdicts, and that it stays bounded (a record lives MEMORY_S after
+its request ended; a running request's record is kept; MAX_RECORDS caps it)."""
+from mooncake_connector.connector import legs
+from mooncake_connector.connector.legs import LegLedger, carries
+
+
+class Clock:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self):
+        return self.t
+
+
+def test_carries_matches_vllms_request_ids_only_on_whole_dashes():
+    assert carries("cmpl-mc-7-0-1a2b3c4d", "mc-7")
+    assert carries("chatcmpl-mc-7-1a2b3c4d", "mc-7")
+    assert carries("cmpl-mc-7", "mc-7") and carries("mc-7", "mc-7")
+    assert not carries("cmpl-mc-70-0-1a2b3c4d", "mc-7")
+    assert not carries("cmpl-xmc-7-0-1a2b3c4d", "mc-7")
+
+
+def test_verdicts():
+    lg = LegLedger(Clock())
+    assert lg.arrived("cmpl-a-0-1")
+    assert lg.forget("a") == "seen"          # here: it pays at its end
+    lg.finished("cmpl-a-0-1", paid=False)    # ended owing its pull
+    assert lg.forget("a") == "unseen"
+    assert lg.forget("a") == "seen"          # paid by the first answer
+    assert lg.forget("b") == "unseen"        # never came
+    assert lg.forget("b") == "seen"
+    assert not lg.arrived("cmpl-b-0-2")      # came late: neither loads nor releases
+    assert not lg.arrived("cmpl-b-0-2")      # asked again: the same
+    lg.finished("cmpl-b-0-2", paid=False)
+    assert lg.forget("b") == "seen"
+    assert lg.arrived("cmpl-c-0-3")
+    lg.finished("cmpl-c-0-3", paid=True)
+    assert lg.forget("c") == "seen"
+
+
+def test_bounded_by_time_and_size(monkeypatch):
+    clk = Clock()
+    lg = LegLedger(clk)
+    lg.arrived("cmpl-run-0-1")               # still running after MEMORY_S
+    for i in range(100):
+        lg.arrived(f"cmpl-r{i}-0-x")
+        lg.finished(f"cmpl-r{i}-0-x", paid=True)
+        lg.forget(f"gone{i}")
+    assert len(lg) == 201
+    clk.t += legs.MEMORY_S + 1
+    assert lg.forget("run") == "seen"        # the running one is kept
+    assert len(lg) == 1                      # only it: the others are older than MEMORY_S
+    monkeypatch.setattr(legs, "MAX_RECORDS", 50)
+    for i in range(200):
+        lg.arrived(f"cmpl-s{i}-0-x")
+        lg.forget(f"t{i}")
+    assert len(lg) <= 100
