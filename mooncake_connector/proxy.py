@@ -97,6 +97,23 @@ def _error(status, message, kind="proxy_error"):
                              status=status)
 
 
+#: The most of a release's / forget's answer read (a one-token completion:
+#: ~1 KB); a longer one is not read further (memory bounded against a
+#: decode or prefill answering with anything else).
+CONTROL_ANSWER_MAX = 64 << 10
+
+
+async def _read_capped(resp, cap):
+    """resp's body up to cap + 1 bytes (more than cap: not read further)."""
+    buf = bytearray()
+    while len(buf) <= cap:
+        chunk = await resp.content.read(cap + 1 - len(buf))
+        if not chunk:
+            break
+        buf += chunk
+    return bytes(buf)
+
+
 def _prompt_ids(pre):
     """The prompt's token ids in a prefill answer (pre: its JSON), or None."""
     if not isinstance(pre, dict):
@@ -664,9 +681,11 @@ class Proxy:
         try:
             async with self.session.post(dec_url + "/v1/completions", json=body, headers=h,
                                          timeout=aiohttp.ClientTimeout(total=30)) as r:
-                got = await r.read()
-                if r.status != 200:
-                    logger.info("decode %s answered %d to a forget", dec_url, r.status)
+                got = await _read_capped(r, CONTROL_ANSWER_MAX)
+                if r.status != 200 or len(got) > CONTROL_ANSWER_MAX:
+                    logger.info("decode %s answered %d (%s bytes) to a forget", dec_url,
+                                r.status, len(got) if len(got) <= CONTROL_ANSWER_MAX else
+                                f"over {CONTROL_ANSWER_MAX}")
                     return
             verdict = ((json.loads(got) or {}).get("kv_transfer_params") or {}).get("mc_forget")
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError,
@@ -684,7 +703,7 @@ class Proxy:
             async with self.session.post(pre_url + "/v1/completions", json=body,
                                          headers=headers,
                                          timeout=aiohttp.ClientTimeout(total=30)) as r:
-                await r.read()
+                await _read_capped(r, CONTROL_ANSWER_MAX)  # the rest is dropped with it
                 if r.status != 200:
                     logger.info("prefill %s answered %d to a release", pre_url, r.status)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:

@@ -589,6 +589,7 @@ async def _relay_decode(proxy, out, plan, dec_url, headers):
         # the event loop's CPU for an event that never ends, up to the cap.)
         buf = bytearray()
         async for data in r.content.iter_any():
+            out.request["mc_dec_data"] = True  # its engine had it (connector/legs.py)
             scanned = max(len(buf) - 1, 0)  # buf holds no event's end before this
             buf += data
             chunks = []
@@ -610,7 +611,6 @@ async def _relay_decode(proxy, out, plan, dec_url, headers):
                     ev = json.loads(payload)
                 except ValueError:
                     return f"{where} sent an event that is not JSON: {payload[:200]!r}"
-                out.request["mc_dec_data"] = True  # its engine had it (legs.py)
                 settled = (plan.settling and isinstance(ev, dict)
                            and await _settle(proxy, plan, ev, dec_url, headers))
                 if settled:

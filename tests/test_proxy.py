@@ -533,6 +533,52 @@ def test_a_decode_leg_gone_before_its_output_is_asked_about(vllm_like, proxy, fl
     assert get_stats(url)["decode_forgets_sent"] == 1 and len(_forgets(d)) == 1
 
 
+def test_a_forgets_answer_is_read_up_to_a_cap(vllm_like, proxy):
+    """A decode instance answering the forget with an endless body (not
+    vLLM: a misconfigured URL, a hostile server): the proxy reads at most
+    CONTROL_ANSWER_MAX of it, then drops the connection, and releases
+    nothing at the prefill (no verdict)."""
+    from mooncake_connector.proxy import CONTROL_ANSWER_MAX
+    p = vllm_like("prefill")
+    sent, stop = {"bytes": 0}, []
+
+    async def models(request):
+        return web.json_response({"data": [{"id": "m", "max_model_len": 100}]})
+
+    async def complete(request):
+        body = await request.json()
+        resp = web.StreamResponse(headers={"Content-Type": "application/json"})
+        await resp.prepare(request)
+        if "mc_forget" not in (body.get("kv_transfer_params") or {}):
+            for _ in range(300):  # the decode leg: no output before the client leaves
+                if stop:
+                    break
+                await asyncio.sleep(0.1)
+            return resp
+        try:
+            while sent["bytes"] < 256 << 20:
+                await resp.write(b"x" * (1 << 20))
+                sent["bytes"] += 1 << 20
+        except (ConnectionError, RuntimeError):
+            pass
+        return resp
+
+    d = AppThread([("POST", "/v1/completions", complete), ("GET", "/v1/models", models)])
+    try:
+        url = proxy([p.url], [d.url])
+        _send_and_leave(url, {"model": "m", "prompt": "a b c", "max_tokens": 5,
+                              "stream": True}, after_s=1.0)
+        assert wait_until(lambda: get_stats(url)["decode_forgets_sent"] == 1, timeout=10)
+        time.sleep(2.0)
+        assert sent["bytes"] < 64 << 20, sent  # stopped near the cap (plus socket buffers)
+        assert CONTROL_ANSWER_MAX < 1 << 20
+        st = get_stats(url)
+        assert st["decode_forgets_unseen"] == 0 and _releases(p) == [], (st, p.seen)
+    finally:
+        stop.append(1)
+        d.close()
+
+
 def test_unrepresentable_requests_and_opt_out_take_the_seeds_path(vllm_like, proxy):
     p, d = vllm_like("prefill"), vllm_like("decode")
     url = proxy([p.url], [d.url])
