@@ -86,12 +86,13 @@ while True:
             msg, fds, _, _ = socket.recv_fds(ctl, 1 << 20, 2)
             if not msg:  # the test closed its end (or died): its children go too
                 for pfd, pid in kids.items():
-                    kill = os.killpg if pid in groups else os.kill  # its whole group
                     for sig in (signal.SIGCONT, signal.SIGKILL):
                         try:
-                            kill(pid, sig)
-                        except ProcessLookupError:
+                            if pid in groups:  # its whole group
+                                os.killpg(pid, sig)
+                        except ProcessLookupError:  # no longer its group's leader
                             pass
+                        os.kill(pid, sig)  # not reaped yet: still ours to signal
                     os.waitpid(pid, 0)
                 sys.stdout.flush(); sys.stderr.flush()
                 os._exit(0)  # not the preamble's atexit work and teardown: seconds
