@@ -171,6 +171,18 @@ def http_get(url, timeout=5.0):
         return 0, str(e)
 
 
+#: vLLM API servers' module (vllm_server's command: python -m VLLM_MAIN ...).
+VLLM_MAIN = "vllm.entrypoints.openai.api_server"
+
+#: None, or launch(cmd, env, cwd, log_fd) that Process.start() asks first for
+#: a vLLM server (vllm_server's): a handle like subprocess.Popen's (pid,
+#: poll, wait, returncode) of a process running cmd in a session of its own
+#: (its group is the one stop() signals), stdout and stderr on log_fd; or
+#: None, and Popen starts it.  The tests set it (tests/e2e_fixtures.py: a
+#: fork server that has imported vLLM once for all their servers).
+vllm_launcher = None
+
+
 class Process:
     """One server process (and its children) with a log file."""
 
@@ -186,6 +198,7 @@ class Process:
         self.proc = None
         self.started_at = None
         self.ready_s = None
+        self.vllm = False  # a vLLM server (vllm_server): vllm_launcher may start it
 
     def start(self):
         if self.proc is not None and self.proc.poll() is None:
@@ -196,9 +209,13 @@ class Process:
                   f"{' '.join(self.cmd)}\n".encode())
         log.flush()
         try:
-            self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, env=self.env, cwd=self.cwd,
-                                         start_new_session=True, preexec_fn=_die_with_parent)
+            launch = vllm_launcher if self.vllm else None
+            self.proc = launch(self.cmd, self.env, self.cwd, log.fileno()) if launch else None
+            if self.proc is None:
+                self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT,
+                                             stdin=subprocess.DEVNULL, env=self.env,
+                                             cwd=self.cwd, start_new_session=True,
+                                             preexec_fn=_die_with_parent)
         finally:
             log.close()
         self.started_at = time.monotonic()
@@ -298,7 +315,7 @@ def vllm_server(name, model, port, log_path, kv_transfer_config=None, env=None,
     --no-enable-prefix-caching, as users run the seed's commands."""
     base = [a for a in BASE_VLLM_ARGS if not (prefix_caching and
                                                a == "--no-enable-prefix-caching")]
-    cmd = [python or sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+    cmd = [python or sys.executable, "-m", VLLM_MAIN,
            "--model", model, "--served-model-name", "tiny", "--host", "127.0.0.1",
            "--port", str(port), "--max-model-len", str(max_model_len),
            "--kv-cache-memory-bytes", str(kv_cache_bytes), *base, *extra_args]
@@ -307,6 +324,7 @@ def vllm_server(name, model, port, log_path, kv_transfer_config=None, env=None,
     p = Process(name, cmd, log_path, env=dict(VLLM_ENV, **(env or {})),
                 health_url=f"http://127.0.0.1:{port}/health")
     p.url = f"http://127.0.0.1:{port}"
+    p.vllm = True
     return p
 
 

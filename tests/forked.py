@@ -36,6 +36,7 @@ if bad:
 sel = selectors.DefaultSelector()
 sel.register(ctl, selectors.EVENT_READ)
 kids = {}  # pidfd -> pid
+groups = set()  # pids of children that lead a session (job["session"])
 
 
 # In a forked child: the job's environment, directory and streams, then its
@@ -47,6 +48,10 @@ def run_job(job, fds):
         for pfd in kids:
             os.close(pfd)
         ctl.close()
+        if job.get("session"):  # as Popen(start_new_session=True) and serving's
+            os.setsid()         # PR_SET_PDEATHSIG: SIGTERM when the server dies
+            import ctypes
+            ctypes.CDLL(None).prctl(1, signal.SIGTERM, 0, 0, 0)
         os.environ.clear()
         os.environ.update(job["env"])
         os.chdir(job["cwd"])
@@ -81,8 +86,13 @@ while True:
             msg, fds, _, _ = socket.recv_fds(ctl, 1 << 20, 2)
             if not msg:  # the test closed its end (or died): its children go too
                 for pfd, pid in kids.items():
-                    os.kill(pid, signal.SIGCONT)
-                    os.kill(pid, signal.SIGKILL)
+                    for sig in (signal.SIGCONT, signal.SIGKILL):
+                        try:
+                            if pid in groups:  # its whole group
+                                os.killpg(pid, sig)
+                        except ProcessLookupError:  # no longer its group's leader
+                            pass
+                        os.kill(pid, sig)  # not reaped yet: still ours to signal
                     os.waitpid(pid, 0)
                 sys.stdout.flush(); sys.stderr.flush()
                 os._exit(0)  # not the preamble's atexit work and teardown: seconds
@@ -95,11 +105,14 @@ while True:
                 os.close(fd)
             pfd = os.pidfd_open(pid)
             kids[pfd] = pid
+            if job.get("session"):
+                groups.add(pid)
             sel.register(pfd, selectors.EVENT_READ)
             ctl.send(json.dumps({"pid": pid}).encode())
         else:  # a child exited
             pfd = key.fileobj
             pid = kids.pop(pfd)
+            groups.discard(pid)
             sel.unregister(pfd)
             os.close(pfd)
             code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
@@ -160,13 +173,20 @@ class ForkServer:
             self._exits[got["exit"]] = got["code"]
         return got
 
-    def start(self, code, argv=(), env=None, cwd=None, stderr=False, timeout=60):
+    def start(self, code, argv=(), env=None, cwd=None, stderr=False, timeout=60, fds=None,
+              session=False):
+        """fds: (stdout fd, stderr fd) of the caller's for the child's (a log
+        file), no pipes then; session: the child leads a new session and
+        process group (os.setsid, as Popen's start_new_session) and gets
+        SIGTERM when the server dies (PR_SET_PDEATHSIG); at close() the
+        server SIGKILLs its whole group."""
         import socket
-        pipes = [os.pipe() for _ in range(2 if stderr else 1)]
+        pipes = [] if fds else [os.pipe() for _ in range(2 if stderr else 1)]
         try:
             job = {"code": code, "argv": list(argv), "cwd": cwd or os.getcwd(),
-                   "env": dict(os.environ if env is None else env)}
-            socket.send_fds(self._sock, [json.dumps(job).encode()], [w for _, w in pipes])
+                   "env": dict(os.environ if env is None else env), "session": session}
+            socket.send_fds(self._sock, [json.dumps(job).encode()],
+                            list(fds) if fds else [w for _, w in pipes])
         except BaseException:
             for r, _ in pipes:
                 os.close(r)
@@ -239,7 +259,7 @@ class ForkedChild:
     signals go through a pidfd opened at once, not its number (the server
     reaps it when it exits: the number may be another process's then)."""
 
-    def __init__(self, server, pid, stdout, stderr=None):
+    def __init__(self, server, pid, stdout=None, stderr=None):
         self._server, self.pid, self.returncode = server, pid, None
         self.stdout, self.stderr = stdout, stderr
         try:

@@ -138,3 +138,50 @@ def test_fork_server_run_gives_both_streams_the_status_and_honours_cwd_and_timeo
         assert time.monotonic() - t0 < 10
     finally:
         srv.close()
+
+
+SESSION_JOB = r'''
+import os, subprocess, sys, time
+kid = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+print("leader", os.getpid(), os.getsid(0), os.getpgrp(), "kid", kid.pid, flush=True)
+print("to stderr", flush=True, file=sys.stderr)
+time.sleep(600)
+'''
+
+
+def test_session_child_writes_to_given_fds_and_its_group_goes_with_the_server(tmp_path):
+    """start(fds=, session=True), as serving's vLLM servers are forked
+    (tests/e2e_fixtures.py): the child leads a session and group of its own
+    (what serving's stop() signals), writes stdout and stderr to the fds
+    given, and the server's close() kills its whole group (its children
+    too), as a SIGKILLed test run's would be."""
+    import os
+    import time
+
+    from conftest import wait_until
+
+    log = tmp_path / "log"
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    srv = ForkServer("import json")
+    try:
+        child = srv.start(SESSION_JOB, env=dict(os.environ), fds=(fd, fd), session=True)
+        assert child.stdout is None
+        assert wait_until(lambda: "to stderr" in log.read_text(), timeout=30)
+        words = log.read_text().split()
+        leader, sid, pgrp, kid = (int(words[i]) for i in (1, 2, 3, 5))
+        assert leader == sid == pgrp == child.pid != os.getpgrp()
+        os.killpg(child.pid, 0)  # its group exists
+        assert child.poll() is None
+    finally:
+        os.close(fd)
+        srv.close()
+
+    def gone(pid):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        return False
+    assert wait_until(lambda: gone(kid), timeout=30), "the child's own child outlived the server"
+    t0 = time.monotonic()
+    assert wait_until(lambda: gone(child.pid), timeout=10) and time.monotonic() - t0 < 10
