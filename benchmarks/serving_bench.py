@@ -15,7 +15,10 @@ path:
   from decode (--first-token decode, the seed's way);
 * push (when the proxy has --flow push): both legs at once, the producer
   writes the KV into blocks the decode side allocated (whole prompt, and
-  layer by layer when the connector has it);
+  layer by layer when the connector has it; push_layer_load: the decode's
+  attention waits per layer; push_layer_read: the same with the decode
+  reading each announced layer from the producer's blocks, its TTFT paired
+  with push_layer_load's per request in the summary);
 * vllm-router (PyPI, --vllm-pd-disaggregation --kv-connector mooncake) in
   front of our servers: vLLM's in-tree contract (bootstrap server, sequential
   legs), when it can be had (tests/vllm_router_pkg.py);
