@@ -15,7 +15,10 @@ path:
   from decode (--first-token decode, the seed's way);
 * push (when the proxy has --flow push): both legs at once, the producer
   writes the KV into blocks the decode side allocated (whole prompt, and
-  layer by layer when the connector has it);
+  layer by layer when the connector has it; push_layer_load: the decode's
+  attention waits per layer; push_layer_read: the same with the decode
+  reading each announced layer from the producer's blocks, its TTFT paired
+  with push_layer_load's per request in the summary);
 * vllm-router (PyPI, --vllm-pd-disaggregation --kv-connector mooncake) in
   front of our servers: vLLM's in-tree contract (bootstrap server, sequential
   legs), when it can be had (tests/vllm_router_pkg.py);
@@ -122,6 +125,7 @@ MODES = (("colocated", "colocated, direct"),
          ("push", "push, whole prompt"),
          ("push_layerwise", "push, layer by layer"),
          ("push_layer_load", "push, layer by layer, decode waits per layer"),
+         ("push_layer_read", "push, layer by layer, decode reads each layer"),
          ("router", "vllm-router (mooncake mode) -> ours"),
          ("intree", "vLLM in-tree MooncakeConnector (Mooncake engine)"),
          ("intree_at_once", "in-tree, both legs at once (intree_proxy.py)"),
@@ -130,7 +134,10 @@ LABEL = dict(MODES)
 #: The reference each mode's paired difference is taken against.
 INTREE_MODES = ("intree", "intree_at_once")
 REFERENCE = dict.fromkeys(INTREE_MODES, "colocated_phase2")
-PUSH_MODES = ("push", "push_layerwise", "push_layer_load")
+PUSH_MODES = ("push", "push_layerwise", "push_layer_load", "push_layer_read")
+#: The modes whose decode waits per layer (a CUDA decode needs
+#: --no-async-scheduling for them).
+LAYER_LOAD_MODES = ("push_layer_load", "push_layer_read")
 #: Opt-in modes, not in --modes all: colocated_cached needs a fourth server.
 OPT_IN_MODES = ("colocated_cached",)
 
@@ -434,6 +441,16 @@ def summarize(results, fixed, xfer, bars_factor=1.1, layers=1):
                 xs = (r.get(f"proxy_{k}") or {}).get(leg)
                 if xs:
                     s[f"{k}_{leg}_p50"] = statistics.median(xs)
+        # Layer read against the write-based layer load (same bytes, same
+        # servers, the same prompt through both in the same random order):
+        # the median of the per-request ratios, and the ratio of the p50s.
+        if "push_layer_read" in modes and "push_layer_load" in modes:
+            s["read_vs_load_ttft_ratio_paired_p50"] = statistics.median(
+                x / y for x, y in zip(r["push_layer_read"], r["push_layer_load"]))
+            s["read_vs_load_ttft_ratio_of_p50"] = (s["ttft_push_layer_read_ms_p50"]
+                                                   / s["ttft_push_layer_load_ms_p50"])
+            s["read_vs_load_ttft_paired_diff_ms_p50"] = statistics.median(
+                (x - y) * 1e3 for x, y in zip(r["push_layer_read"], r["push_layer_load"]))
         s["ttft_ms_per_request"] = {k: [round(x * 1e3, 3) for x in r[k]] for k in modes}
         rows.append(s)
     out = {"rows": rows}
@@ -454,7 +471,8 @@ def summarize(results, fixed, xfer, bars_factor=1.1, layers=1):
 COLORS = {"colocated": "tab:blue", "colocated_proxy": "tab:cyan",
           "disaggregated": "tab:orange", "disaggregated_decode_first": "tab:red",
           "flow_b": "tab:olive", "flow_b_decode_first": "tab:brown", "push": "tab:green",
-          "push_layerwise": "lime", "push_layer_load": "darkgreen", "router": "tab:purple",
+          "push_layerwise": "lime", "push_layer_load": "darkgreen",
+          "push_layer_read": "teal", "router": "tab:purple",
           "intree": "black", "intree_at_once": "tab:pink",
           "colocated_phase2": "tab:gray", "colocated_cached": "slategray"}
 
@@ -537,6 +555,11 @@ def report(summary):
                                   else f"{w} -" for w, leg in zip(
                                       ("at", "decode's 1st chunk at", "1st chunk - prefill "
                                        "answer"), PUSH_LEGS)))
+        if "read_vs_load_ttft_ratio_paired_p50" in s:
+            print(f"  layer read vs layer load TTFT (paired, same requests): ratio p50 "
+                  f"{s['read_vs_load_ttft_ratio_paired_p50']:.3f}x (p50 over p50 "
+                  f"{s['read_vs_load_ttft_ratio_of_p50']:.3f}x), difference p50 "
+                  f"{s['read_vs_load_ttft_paired_diff_ms_p50']:+.2f} ms")
         if s.get("identical_to_cached_by_mode"):
             print("  token-identical to the prefix-cached colocated answer (the same tail "
                   "over the same cached KV): " + ", ".join(
@@ -705,7 +728,8 @@ def parse_args(argv=None):
                         k for k, _ in MODES if k not in ("colocated_phase2", "intree_at_once"))
                     + " (colocated is always measured; colocated_cached: a fourth server with "
                       "vLLM's prefix cache, each prompt sent twice, the second measured, not in "
-                      "all; intree measures vLLM's in-tree "
+                      "all; push_layer_read: layer loads the decode reads, paired with "
+                      "push_layer_load in the summary; intree measures vLLM's in-tree "
                       "connector behind vllm-router and behind intree_proxy.py; all = every "
                       "one that can start)")
     ap.add_argument("--push", action="store_true",
@@ -802,6 +826,11 @@ def _mode_proxies(want, flows):
                 extra_proxies["push-layer-load"] = {
                     "flow": "push", "extra_args": ("--push-layerwise", "on",
                                                    "--push-layer-load", "on")}
+            if "push_layer_read" in want:  # the same, the decode reading each layer
+                extra_proxies["push-layer-read"] = {
+                    "flow": "push", "extra_args": ("--push-layerwise", "on",
+                                                   "--push-layer-load", "on",
+                                                   "--push-layer-read", "on")}
         else:
             for k in PUSH_MODES:
                 if k in want:
@@ -849,7 +878,8 @@ def _mode_urls(dep, want, skipped):
     for k, name in (("disaggregated_decode_first", "a-decode-first"), ("flow_b", "b"),
                     ("flow_b_decode_first", "b-decode-first"), ("push", "push"),
                     ("push_layerwise", "push-layerwise"),
-                    ("push_layer_load", "push-layer-load")):
+                    ("push_layer_load", "push-layer-load"),
+                    ("push_layer_read", "push-layer-read")):
         if k in want and k not in skipped and name in dep.proxies:
             urls[k] = dep.proxies[name].url
     return urls
@@ -932,11 +962,11 @@ def main(argv=None):
 
     # A CUDA decode takes layer loads only without vLLM's asynchronous
     # scheduling (docs/connector.md, "Asynchronous scheduling"): with
-    # push_layer_load asked for, the decode starts with --no-async-scheduling,
-    # as a user who wants layer loads runs it (the colocated server keeps
-    # vLLM's default).
+    # push_layer_load or push_layer_read asked for, the decode starts with
+    # --no-async-scheduling, as a user who wants layer loads runs it (the
+    # colocated server keeps vLLM's default).
     decode_args = ({"decode": ["--no-async-scheduling"]}
-                   if args.device == "cuda" and "push_layer_load" in want else None)
+                   if args.device == "cuda" and want & set(LAYER_LOAD_MODES) else None)
     extra_proxies, skipped = _mode_proxies(want, proxy_flows())
     extra_body = {}
     router_site = _find_router(want, skipped)
@@ -956,6 +986,12 @@ def main(argv=None):
         + ("same-host GPU path" if args.gpu_path == "on" else "TCP with GPU staging"))
     if decode_args:
         where += "; decode --no-async-scheduling (layer loads)"
+    if args.device == "cuda" and "push_layer_read" in want:
+        # docs/connector.md, Layer read: a CUDA decode refuses read mode (the
+        # write-based layer load instead, ..._push_layer_read_cuda_refused_total).
+        where += ("; push_layer_read: a CUDA decode takes the write-based layer load"
+                  if os.environ.get("MC_LAYER_READ_CUDA") != "1"
+                  else "; push_layer_read on CUDA (MC_LAYER_READ_CUDA=1)")
     print(f"model {model} ({kv_per_token} B of KV per token); {where}; "
           f"connector {dep.connector}; logs {dep.logs}", flush=True)
     for k, why in skipped.items():

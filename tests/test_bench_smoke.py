@@ -629,3 +629,45 @@ def test_ttft_timeline_main_with_stand_in_servers(tmp_path, monkeypatch):
     assert s["niced"]["prefill_c"][0] == "idle" and s["traced"] is False
     assert s["sets"]["c"]["env"] == {"MC_X": "1"} and "servers_up_s" in s
     assert s["sets"]["a"]["no_async_scheduling"] is True
+
+
+def test_serving_bench_layer_read_mode():
+    """push_layer_read: in --modes all, its own proxy asks for layer loads read
+    by the decode (--push-layerwise on --push-layer-load on --push-layer-read
+    on), it gets that proxy's URL, and the summary pairs its TTFT with
+    push_layer_load's per request."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import serving_bench as sb
+    finally:
+        sys.path.pop(0)
+    assert {"push_layer_load", "push_layer_read"} <= sb.parse_args(["--modes", "all"])[2]
+    want = sb.parse_args(["--modes", "push_layer_load,push_layer_read"])[2]
+    extra, skipped = sb._mode_proxies(want, ("a", "b", "push"))
+    assert not skipped
+    assert extra["push-layer-read"] == {"flow": "push", "extra_args": (
+        "--push-layerwise", "on", "--push-layer-load", "on", "--push-layer-read", "on")}
+    assert "--push-layer-read" not in extra["push-layer-load"]["extra_args"]
+
+    class P:
+        def __init__(self, url):
+            self.url = url
+
+    class Dep:
+        colocated, colocated_proxy, colocated_cached = P("c"), P("cp"), None
+        proxies = {"a": P("a"), "push-layer-load": P("ll"), "push-layer-read": P("lr")}
+    urls = sb._mode_urls(Dep, want, skipped)
+    assert urls["push_layer_read"] == "lr" and urls["push_layer_load"] == "ll"
+    _, skipped = sb._mode_proxies(want, ("a", "b"))
+    assert "push_layer_read" in skipped
+    n = 3
+    row = {"prompt_words": 128, "prompt_tokens": 130, "identical": n, "loaded_tokens": [],
+           "colocated": [0.1] * n, "push_layer_load": [0.100, 0.200, 0.400],
+           "push_layer_read": [0.110, 0.180, 0.480]}                # ratios 1.1, 0.9, 1.2
+    for k, _ in sb.MODES:
+        row[f"itl_{k}"], row[f"gap12_{k}"] = [0.01] * n, [0.01] * n
+    s = sb.summarize([row], None, {128: {"seconds": 0.001, "bytes": 1 << 20}})["rows"][0]
+    assert abs(s["read_vs_load_ttft_ratio_paired_p50"] - 1.1) < 1e-9
+    assert abs(s["read_vs_load_ttft_ratio_of_p50"] - 0.9) < 1e-9   # 180 / 200
+    assert abs(s["read_vs_load_ttft_paired_diff_ms_p50"] - 10.0) < 1e-6
+    assert "push_layer_read" in s["modes"] and "push_layer_read" in sb.COLORS
