@@ -58,3 +58,39 @@ def test_bounded_by_time_and_size(monkeypatch):
         lg.arrived(f"cmpl-s{i}-0-x")
         lg.forget(f"t{i}")
     assert len(lg) <= 100
+
+
+def _consumer(**kw):
+    import types
+    from mooncake_connector.connector import settings as settings_mod
+    from mooncake_connector.connector.scheduler import SchedulerSide
+    cfg = types.SimpleNamespace(kv_role="kv_consumer", kv_connector_extra_config={
+        "prefill_url": "127.0.0.1:13003", "decode_url": "127.0.0.1:13103", "flow_a": False})
+    return SchedulerSide(settings_mod.resolve(cfg), 32, 1, lambda: None, block_bytes=32768, **kw)
+
+
+def _forget_req(xid):
+    import types
+    return types.SimpleNamespace(request_id="cmpl-mc-forget-1-0-aa", prompt_token_ids=[7],
+                                 kv_transfer_params={"mc_forget": {"x_request_id": xid}})
+
+
+def test_the_scheduler_answers_the_forget_in_its_params():
+    """The forget's answer rides in request_finished's kv_transfer_params
+    (vLLM puts them in the response); its blocks are not held."""
+    sch = _consumer()
+    assert sch.request_finished(_forget_req("mc-1"), []) == (False, {"mc_forget": "unseen"})
+    assert sch.request_finished(_forget_req("mc-1"), []) == (False, {"mc_forget": "seen"})
+    for bad in (None, 7, "", {"x_request_id": 7}):
+        r = _forget_req("x")
+        r.kv_transfer_params = {"mc_forget": bad}
+        assert sch.request_finished(r, [])[1] is None
+
+
+def test_a_data_parallel_server_never_answers_unseen():
+    """With vLLM's data parallelism inside the decode server the forget may
+    reach another engine than its leg's: "unseen" there could release a
+    prompt the leg's engine pulls (another request would compute it), so
+    such a server answers "seen" (held until hold_timeout_s, as before)."""
+    sch = _consumer(dp_size=2)
+    assert sch.request_finished(_forget_req("mc-2"), []) == (False, {"mc_forget": "seen"})

@@ -149,6 +149,13 @@ def _dp(vllm_config):
     return rank if isinstance(rank, int) and rank >= 0 else 0
 
 
+def _dp_size(vllm_config):
+    """vLLM's data-parallel size (engines behind this server's API)."""
+    pc = getattr(vllm_config, "parallel_config", None)
+    size = getattr(pc, "data_parallel_size", 1)
+    return size if isinstance(size, int) and size > 0 else 1
+
+
 def async_scheduling_on(vllm_config):
     """Whether vLLM schedules this instance's steps asynchronously (the next
     step scheduled before this one's output is back: vLLM >= 0.2x's default on
@@ -246,7 +253,7 @@ class MooncakeConnector(KVConnectorBase_V1, SupportsHMA):
                                                                "kv_cache_groups", None) or [0]),
                                             graphs=cudagraph_facts(vllm_config),
                                             async_scheduling=async_scheduling_on(vllm_config),
-                                            early=early)
+                                            early=early, dp_size=_dp_size(vllm_config))
         else:
             from mooncake_connector.connector.worker import WorkerSide
             nb = getattr(kv_cache_config, "num_blocks", None) if kv_cache_config else None

@@ -64,8 +64,12 @@ def bytes_per_block(kv_cache_config):
 class SchedulerSide:
     def __init__(self, settings, block_size, tp_size, kv_cache_manager_getter,
                  block_bytes=None, probe=None, groups=1, graphs=(False, False, 1),
-                 async_scheduling=False, early=None):
+                 async_scheduling=False, early=None, dp_size=1):
         self.s = settings
+        # vLLM's data parallelism inside this server: a forget (legs.py) may
+        # reach another engine than its leg's, which would answer "unseen"
+        # for a leg its sibling pulls; such a server always answers "seen"
+        self.dp_size = dp_size
         # early.SchedulerEarly (async scheduling, one worker in this process):
         # a background load's end told with the output vLLM takes next
         self.early = early
@@ -829,7 +833,10 @@ class SchedulerSide:
         forget = params.get("mc_forget")
         if self._legs is not None and isinstance(forget, dict) and \
                 isinstance(forget.get("x_request_id"), str) and forget["x_request_id"]:
-            verdict = self._legs.forget(forget["x_request_id"])
+            if self.dp_size > 1:
+                verdict = "seen"  # another engine may hold it: never released twice
+            else:
+                verdict = self._legs.forget(forget["x_request_id"])
             self.stats.add(f"legs_forget_{verdict}")
             return False, {"mc_forget": verdict}
         if n is not None:
