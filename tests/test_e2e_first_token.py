@@ -277,10 +277,12 @@ def test_requests_the_fast_path_cannot_represent_take_the_seeds_path(deployment)
 
 class BrokenDecode(AppThread):
     """A decode instance that knows its max_model_len but fails its request:
-    mode "drop" streams one chunk then closes the connection; "status" answers 503."""
+    mode "drop" streams one chunk then closes the connection; "status" answers 503.
+    calls: the decode legs it got; forgets: the proxy's questions about a leg
+    that ended before any output (proxy._forget_at_decode)."""
 
     def __init__(self, mode):
-        self.mode, self.calls = mode, 0
+        self.mode, self.calls, self.forgets = mode, 0, 0
 
         async def models(request):
             return web.json_response({"data": [{"id": "tiny", "max_model_len": 2048}]})
@@ -289,8 +291,11 @@ class BrokenDecode(AppThread):
             return web.Response(text="ok")
 
         async def complete(request):
-            self.calls += 1
-            await request.read()
+            body = await request.json()
+            if "mc_forget" in (body.get("kv_transfer_params") or {}):
+                self.forgets += 1
+            else:
+                self.calls += 1
             if self.mode == "status":
                 return web.json_response({"error": {"message": "decode overloaded"}},
                                          status=503)
@@ -327,6 +332,14 @@ def test_decode_failing_after_the_first_chunk_ends_the_stream_with_an_error(depl
         assert took < 30, f"stream took {took:.0f} s to end after the decode failure"
         assert got.status == 200, (got.status, got.error)
         assert broken.calls == 1
+        # a 503 carries no output: whether the decode's connector saw the leg
+        # is asked (its 503 to that too releases nothing); a dropped stream
+        # sent output first
+        want = 1 if mode == "status" else 0
+        end = time.monotonic() + 10
+        while broken.forgets < want and time.monotonic() < end:
+            time.sleep(0.05)
+        assert broken.forgets == want, broken.forgets
         assert got.token_ids[:1] == ref.token_ids[:1], "first chunk is not the prefill's token"
         assert got.error and f"decode instance {broken.url}" in got.error, got.error
         assert ("503" in got.error and "decode overloaded" in got.error) if mode == "status" \
