@@ -11,6 +11,8 @@ releases nothing).  Each producer entry serves one pull, so a second
 request of the same prompt, published again by its own prefill leg, still
 loads its KV; every TP rank of the producer is released.
 """
+import threading
+
 import pytest
 
 vllm = pytest.importorskip("vllm", reason="vllm is not installed (scripts/env.sh installs "
@@ -219,6 +221,46 @@ def test_a_leg_that_came_is_seen(sides, flow):
     assert d.run_until(lambda: "chatcmpl-mc-92-6a6b6c6d" not in d.sched.requests, steps=500)
     assert counters(d).get("loads", 0) == 2 and not recomputes(d)
     assert _sched_count(d, "legs_forget_seen") == 3
+    assert frees_at_once(p, 2.0), "the prefill still holds the prompt"
+
+
+def _hold_probe(d, monkeypatch):
+    """The decode's probes stay in flight (as to a slow producer) until the
+    returned event is set."""
+    gate, probe = threading.Event(), d.probe()
+    real = probe.held_tokens
+    monkeypatch.setattr(probe, "held_tokens", lambda *a: gate.wait(30) and real(*a))
+    return gate
+
+
+def test_a_leg_asked_about_while_its_probe_is_out_pays_at_its_end(sides, monkeypatch):
+    """The forget reaches the decode while the leg's flow-a request waits
+    for its probe's answer (it does not know yet that the producer holds
+    its prompt): "seen", so the proxy releases nothing; the request is then
+    aborted and releases the prompt itself, once: a second leg of the same
+    prompt still loads it whole, and the prefill ends holding nothing.
+    Before, nobody paid (a probe in flight releases nothing at an abort)
+    and the prefill held the prompt until hold_timeout_s."""
+    p = sides("kv_producer")
+    d = sides("kv_consumer", lookup_timeout_s=60)
+    t = toks(60, 4 * BS + 5)
+    _prefill(p, "cmpl-mc-96-0-0a0b0c0d", t)
+    _prefill(p, "cmpl-mc-97-0-1a1b1c1d", t)
+    gate = _hold_probe(d, monkeypatch)
+    d.add(make_request("cmpl-mc-96-0-2a2b2c2d", t, max_tokens=2), settle=False)
+    assert _forget(d, "cmpl-mc-forget-6-0-aa", "mc-96") == "seen"
+    assert d.probe().pending("cmpl-mc-96-0-2a2b2c2d"), "the probe answered: no race"
+    _abort(d, "cmpl-mc-96-0-2a2b2c2d")
+    gate.set()
+    assert _sched_count(d, "load_releases_aborted") == 1
+    assert _forget(d, "cmpl-mc-forget-7-0-bb", "mc-96") == "seen"  # paid: nothing more
+    p.step()
+    p.step()
+    assert not p.is_empty()  # the second leg's entry
+    d.add(make_request("cmpl-mc-97-0-3a3b3c3d", t, max_tokens=2))
+    assert d.run_until(lambda: "cmpl-mc-97-0-3a3b3c3d" not in d.sched.requests, steps=500)
+    assert d.computed.get("cmpl-mc-97-0-3a3b3c3d", 0) == 5 + 1, d.computed
+    assert counters(d).get("loads", 0) == 1 and not recomputes(d) and not d.invalid
     assert frees_at_once(p, 2.0), "the prefill still holds the prompt"
 
 

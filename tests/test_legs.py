@@ -26,8 +26,7 @@ def test_carries_matches_vllms_request_ids_only_on_whole_dashes():
 def test_verdicts():
     lg = LegLedger(Clock())
     assert lg.arrived("cmpl-a-0-1")
-    assert lg.forget("a") == "seen"          # here: it pays at its end
-    lg.finished("cmpl-a-0-1", paid=False)    # ended owing its pull
+    lg.finished("cmpl-a-0-1", paid=False)    # ended owing its pull (here: below)
     assert lg.forget("a") == "unseen"
     assert lg.forget("a") == "seen"          # paid by the first answer
     assert lg.forget("b") == "unseen"        # never came
@@ -39,6 +38,27 @@ def test_verdicts():
     assert lg.arrived("cmpl-c-0-3")
     lg.finished("cmpl-c-0-3", paid=True)
     assert lg.forget("c") == "seen"
+
+
+def test_seen_while_here_pays_at_its_end():
+    """A forget answered "seen" about a request still here (its flow-a
+    probe out, say): the proxy releases nothing, so that request, ending
+    without a pull or a release, must release itself (finished() True),
+    once; kept past MEMORY_S while it runs."""
+    clk = Clock()
+    lg = LegLedger(clk)
+    assert lg.arrived("cmpl-a-0-1") and lg.arrived("cmpl-b-0-2")
+    assert lg.forget("a") == "seen" and lg.forget("b") == "seen"
+    assert lg.forget("a") == "seen"          # asked twice while here: the same
+    clk.t += legs.MEMORY_S + 1
+    assert lg.forget("other") == "unseen"    # prunes: the asked ones still run
+    assert lg.finished("cmpl-a-0-1", paid=False) is True
+    assert lg.finished("cmpl-a-0-1", paid=False) is False   # once
+    assert lg.finished("cmpl-b-0-2", paid=True) is False    # its pull paid
+    assert lg.forget("a") == "seen" and lg.forget("b") == "seen"
+    assert lg.arrived("cmpl-c-0-3")
+    assert lg.finished("cmpl-c-0-3", paid=False) is False   # not asked: "unseen" pays
+    assert lg.forget("c") == "unseen"
 
 
 def test_bounded_by_time_and_size(monkeypatch):
@@ -94,3 +114,29 @@ def test_a_data_parallel_server_never_answers_unseen():
     such a server answers "seen" (held until hold_timeout_s, as before)."""
     sch = _consumer(dp_size=2)
     assert sch.request_finished(_forget_req("mc-2"), []) == (False, {"mc_forget": "seen"})
+
+
+def test_ended_legs_are_bounded_by_time_and_size(monkeypatch):
+    """Publishes.ended (a prefill's held requests that ended owing a pull,
+    kept for the proxy's release naming them): ENDED_S after their end, at
+    most ENDED_MAX, the oldest going first."""
+    import types
+    from mooncake_connector.connector import publishes
+    clk = Clock()
+    monkeypatch.setattr(publishes, "time", types.SimpleNamespace(monotonic=clk))
+    pub = publishes.Publishes(worker=None)
+
+    def end(rid):
+        pub.pub_tokens[rid] = [1, 2]
+        pub._ended(rid)
+
+    for i in range(publishes.ENDED_MAX + 10):
+        end(f"r{i}")
+    assert len(pub.ended) == publishes.ENDED_MAX
+    assert "r9" not in pub.ended and "r10" in pub.ended
+    clk.t += publishes.ENDED_S / 2
+    end("late")
+    assert len(pub.ended) == publishes.ENDED_MAX  # the oldest made room
+    clk.t += publishes.ENDED_S / 2 + 1
+    end("last")
+    assert list(pub.ended) == ["late", "last"]    # the rest ended over ENDED_S ago

@@ -15,9 +15,12 @@ X}} (the X-Request-Id both legs were sent with, which vLLM's request id
 contains).  This ledger answers "seen" (a request of that leg is here or
 has paid: nothing to do) or "unseen" (nothing has paid: the proxy releases
 the prompt at the prefill).  After "unseen" a request of that leg arriving
-late neither loads nor releases, so each published prompt is paid for once:
-never twice (which would take another request's entry of the same prompt),
-and not never.
+late neither loads nor releases; after "seen" about a request still here
+(its flow-a probe not answered yet, say), that request pays at its end: by
+its pull or release, or, if it ends with neither, by the release it sends
+then (finished() says so; the proxy releases nothing after "seen").  So
+each published prompt is paid for once: never twice (which would take
+another request's entry of the same prompt), and not never.
 
 Bounded: records older than MEMORY_S, or past MAX_RECORDS, are dropped
 (a forget comes within seconds of its leg).
@@ -30,10 +33,13 @@ MEMORY_S = 120.0
 #: At most this many records (~10 MB); the oldest go first.
 MAX_RECORDS = 65536
 
-#: a request of the leg is here (it pays at its end), it paid (pulled or
-#: released), it ended without paying, or it came after its leg was
-#: forgotten (the proxy's release paid: it neither loads nor releases)
-LIVE, PAID, UNPAID, LATE = "live", "paid", "unpaid", "late"
+#: a request of the leg is here (it pays at its end), the same after the
+#: proxy was told "seen" about it (it must pay at its end: its own release
+#: if it pulled nothing), it paid (pulled or released), it ended without
+#: paying, or it came after its leg was forgotten (the proxy's release
+#: paid: it neither loads nor releases)
+LIVE, ASKED, PAID, UNPAID, LATE = "live", "asked", "paid", "unpaid", "late"
+HERE = (LIVE, ASKED)
 
 
 def carries(rid, xid):
@@ -59,7 +65,7 @@ class LegLedger:
             rid, rec = next(iter(legs.items()))
             if now - rec[1] <= MEMORY_S:
                 break
-            if rec[0] == LIVE:  # still running: it pays at its end
+            if rec[0] in HERE:  # still running: it pays at its end
                 rec[1] = now
                 legs.move_to_end(rid)
             else:
@@ -85,18 +91,24 @@ class LegLedger:
         return True
 
     def finished(self, rid, paid):
-        """The request ended; paid: it pulled or released its prompt."""
+        """The request ended; paid: it pulled or released its prompt.  True
+        when it must release its prompt now: the proxy was told "seen"
+        about it (so the proxy releases nothing) and it did not pay."""
         rec = self._legs.get(rid)
-        if rec is not None and rec[0] == LIVE:
-            rec[0] = PAID if paid else UNPAID
-            rec[1] = self._clock()
-            self._legs.move_to_end(rid)
+        if rec is None or rec[0] not in HERE:
+            return False
+        owes = rec[0] == ASKED and not paid
+        rec[0] = PAID if paid or owes else UNPAID  # owes: paid by the caller's release
+        rec[1] = self._clock()
+        self._legs.move_to_end(rid)
+        return owes
 
     def forget(self, xid):
         """The proxy's question about the leg sent with X-Request-Id xid:
-        "seen" (a request of it is here, or it paid) or "unseen" (nothing
-        paid: the proxy releases the prompt at the prefill; a request of
-        that leg arriving later is told by arrived())."""
+        "seen" (a request of it is here: it pays at its end, finished(); or
+        it paid) or "unseen" (nothing paid: the proxy releases the prompt at
+        the prefill; a request of that leg arriving later is told by
+        arrived())."""
         now = self._clock()
         self._prune(now)
         if xid in self._forgotten:
@@ -107,6 +119,8 @@ class LegLedger:
                 if rec[0] == UNPAID:
                     rec[0] = PAID  # by the proxy's release, once
                     return "unseen"
+                if rec[0] == LIVE:
+                    rec[0] = ASKED  # the proxy releases nothing: it pays at its end
                 return "seen"
         self._forgotten[xid] = now
         return "unseen"

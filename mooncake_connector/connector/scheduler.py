@@ -284,6 +284,17 @@ class SchedulerSide:
         if self._release(request, src, n_full):
             self.stats.add("load_releases_aborted")
 
+    def _release_asked(self, request):
+        """Flow A/B, legs.py: the proxy's forget found this request here and
+        was answered "seen", so the proxy releases nothing; the request
+        ended without pulling or releasing (aborted while its flow-a probe
+        was in flight, which alone releases nothing): it releases now, as
+        the proxy would have on "unseen".  The proxy asks only after the
+        leg's prefill answered, i.e. published the prompt for this leg."""
+        src = self._source(request)
+        if src is not None and self._release(request, src, self._full_tokens(request)):
+            self.stats.add("load_releases_aborted")
+
     def _check_unloadable(self, request, src):
         """Counts requests a consumer was meant to load but cannot (decided
         before any load: no params, or the producer published nothing)."""
@@ -806,8 +817,8 @@ class SchedulerSide:
                 self._gone(request, src)
             elif src is not None:
                 self._release_unpulled(request, src, unstarted)
-        if self._legs is not None:
-            self._legs.finished(rid, rid in self._tried)
+        if self._legs is not None and self._legs.finished(rid, rid in self._tried):
+            self._release_asked(request)
         self._claims.pop(rid, None)
         self._to_release.pop(rid, None)
         self._probed.pop(rid, None)
