@@ -226,10 +226,10 @@ def test_a_leg_that_came_is_seen(sides, flow):
 
 def _hold_probe(d, monkeypatch):
     """The decode's probes stay in flight (as to a slow producer) until the
-    returned event is set."""
+    returned event is set (10 s at most: then a miss)."""
     gate, probe = threading.Event(), d.probe()
     real = probe.held_tokens
-    monkeypatch.setattr(probe, "held_tokens", lambda *a: gate.wait(30) and real(*a))
+    monkeypatch.setattr(probe, "held_tokens", lambda *a: gate.wait(10) and real(*a))
     return gate
 
 
