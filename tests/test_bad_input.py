@@ -281,6 +281,19 @@ def test_closed_engine_and_double_close():
     ({"push_layer_read_stall_s": 0}, "push_layer_read_stall_s must be 0.01-86400"),
     ({"push_layer_read_stall_s": "nan"}, "push_layer_read_stall_s must be a finite number"),
     ({"push_layer_read": "maybe"}, "push_layer_read must be true or false"),
+    # were accepted as 1.0 (float(True)): a number knob given a boolean
+    ({"hold_timeout_s": True}, "hold_timeout_s must be a number, not True"),
+    ({"push_layer_read_stall_s": True}, "push_layer_read_stall_s must be a number, not True"),
+    ({"probe_wait_ms": False}, "probe_wait_ms must be a number, not False"),
+    # were an OverflowError traceback (a JSON integer past the double range)
+    ({"hold_timeout_s": 10 ** 400}, "hold_timeout_s must be a finite number, not an integer "
+                                    "of 401 digits"),
+    ({"push_layer_read_stall_s": -10 ** 400}, "push_layer_read_stall_s must be a finite number"),
+    # was accepted: the pull path's lookup buffer took ttl 0 as never (a
+    # prompt held until evicted), the push path as at once
+    ({"hold_timeout_s": 0}, "hold_timeout_s must be > 0 seconds, not 0.0"),
+    # was a TypeError from sorting the unknown keys (a Python caller's int key)
+    ({1: "x", "hold_timout_s": 5}, "unknown kv_connector_extra_config key(s) [1, 'hold_timout_s']"),
 ])
 def test_extra_config_names_the_key(extra, msg):
     from types import SimpleNamespace
