@@ -1339,6 +1339,16 @@ def _check_upstreams(ap, args):
     if pushed and args.flow != "push" and not args.passthrough:
         ap.error(f"{', '.join(pushed)}: for --flow push only (flow {args.flow} sends no push "
                  "legs); add --flow push or drop them")
+    if args.push_layer_load == "off":
+        # per request push_layer_load false wins at the decode: no layer
+        # load, so reading (or watching) its layers would never happen
+        moot = [f"--push-layer-{k} on" for k in ("read", "watch")
+                if getattr(args, f"push_layer_{k}") == "on"]
+        if moot:
+            ap.error(f"{' and '.join(moot)} with --push-layer-load off: reading or watching "
+                     "a request's layers is part of a layer load, which --push-layer-load off "
+                     f"turns off for every request; drop {' and '.join(moot)}, or give "
+                     "--push-layer-load on (or server)")
     if not 0 <= args.port <= 65535:
         ap.error(f"--port {args.port} is out of range 0..65535 (0: any free port)")
     for u in args.prefill + args.decode + args.passthrough:

@@ -1797,6 +1797,60 @@ def test_push_options_need_flow_push(extra):
     assert [a for a in extra if a.startswith("--push")][0] in r.stderr, r.stderr
 
 
+@pytest.mark.parametrize("extra", [["--push-layer-read", "on"], ["--push-layer-watch", "on"],
+                                   ["--push-layer-read", "on", "--push-layer-watch", "on"]])
+def test_layer_read_or_watch_with_layer_load_off_is_refused(extra):
+    """--push-layer-read on / --push-layer-watch on act inside a layer load
+    only, which --push-layer-load off turns off for every request: the
+    proxy started, and the read or watch never happened (not a word)."""
+    r = subprocess.run([sys.executable, "-m", "mooncake_connector.proxy", "--flow", "push",
+                        "--prefill", "http://127.0.0.1:8100", "--decode", "http://127.0.0.1:8200",
+                        "--push-layer-load", "off", *extra],
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert "with --push-layer-load off" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    for flag in extra[::2]:
+        assert f"{flag} on" in r.stderr, r.stderr
+    # Off, or left to the server: no contradiction.
+    for ok in (["--push-layer-read", "off"], ["--push-layer-watch", "server"]):
+        rc, err = _start(["--host", "127.0.0.1", "--port", "0", "--flow", "push", "--prefill",
+                          "http://127.0.0.1:8100", "--decode", "http://127.0.0.1:8200",
+                          "--push-layer-load", "off", *ok])
+        assert rc is None, err
+
+
+PROXY_FIELDS = [({"mc_release": {"request_id": "cmpl-x-0"}}, "'mc_release' is the proxy's own"),
+                ({"mc_forget": {"x_request_id": "x"}}, "'mc_forget' is the proxy's own"),
+                ({"mc_release": None}, "'mc_release' is the proxy's own"),
+                ({"vllm_xargs": {"kv_transfer_params": "x"}},
+                 "'vllm_xargs.kv_transfer_params' is set by the proxy")]
+
+
+@pytest.mark.parametrize("flow", ["a", "push", "passthrough"])
+def test_client_mc_release_mc_forget_and_xargs_params_are_refused(upstreams, proxy, flow):
+    """The proxy's own mc_release / mc_forget at a request's top level were
+    relayed to vLLM, which ignores fields it does not know (the client was
+    told nothing); vllm_xargs {"kv_transfer_params": ...} reached the
+    decode leg of flow a (vLLM reads kv_transfer_params from those extra
+    args).  Each is a 400 naming the field; nothing reaches an upstream;
+    other vllm_xargs still pass."""
+    p, d = upstreams("prefill"), upstreams("decode")
+    url = proxy([], [], extra=["--passthrough", d.url]) if flow == "passthrough" else \
+        proxy([p.url], [d.url], flow=flow)
+    for field, expect in PROXY_FIELDS:
+        for path, body in (("/v1/completions", {"model": "m", "prompt": "hi"}),
+                           ("/v1/chat/completions",
+                            {"model": "m", "messages": [{"role": "user", "content": "hi"}]})):
+            status, ans = post(url + path, {**body, "max_tokens": 3, **field})
+            assert status == 400, (field, status, ans)
+            assert expect in ans["error"]["message"] and "remove it" in ans["error"]["message"]
+    assert p.seen == [] and d.seen == []
+    status, _ = post(url + "/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 3,
+                                               "vllm_xargs": {"my_knob": 1}})
+    assert status == 200
+    assert any(leg["body"].get("vllm_xargs") == {"my_knob": 1} for leg in d.seen), d.seen
+
+
 @pytest.mark.parametrize("key", ["sk-abc\r", "sk-abc\ndef", "sk-\x1b[0m"])
 def test_api_key_with_a_control_character_is_refused_at_start(key):
     """$OPENAI_API_KEY with a control character (a key file with Windows
