@@ -517,3 +517,39 @@ def test_mooncake_json_every_accepted_field_still_reads(tmp_path):
     s = resolve(SimpleNamespace(kv_role="kv_consumer", kv_connector_extra_config={}),
                 env={"MOONCAKE_CONFIG_PATH": str(p)})
     assert set(s.mooncake) == set(C_FIELDS)
+
+
+# ---- per-request kv_transfer_params switches (a client at the server directly)
+
+@pytest.mark.parametrize("bad", ["true", "yes", 1, 0, [True], {"on": True}, 1.5])
+def test_request_switch_of_another_type_is_said_not_taken_silently(caplog, bad):
+    """kv_transfer_params "push_layer_read" / "push_layer_load" (decode leg)
+    and "push_layerwise" / "push_layer_watch" (prefill leg) other than a JSON
+    boolean: the server's own setting, as before, but said in one WARNING per
+    key naming the value and the fix (was silent: "push_layer_read": "true"
+    read nothing and nobody was told)."""
+    import logging
+    import types
+
+    from mooncake_connector.connector import scheduler as sched_mod
+    from mooncake_connector.connector import settings as settings_mod
+    from mooncake_connector.connector.scheduler import SchedulerSide
+    getattr(sched_mod, "_BAD_FLAGS", set()).clear()
+    cfg = types.SimpleNamespace(kv_role="kv_consumer", kv_connector_extra_config={
+        "prefill_url": "127.0.0.1:13003", "decode_url": "127.0.0.1:13103", "flow_a": False,
+        "push_layer_read": True})
+    sch = SchedulerSide(settings_mod.resolve(cfg, env={}), 32, 1, lambda: None,
+                        block_bytes=32768)
+    with caplog.at_level(logging.WARNING, logger="vllm.mooncake_connector"):
+        assert sch._layer_read({"push_layer_read": bad}) is True   # the server's setting
+        assert sch._layer_read({"push_layer_read": bad}) is True
+        assert sch._layer_read({"push_layer_read": False}) is False
+        assert sch._layer_read({"push_layer_read": None}) is True
+        said = [r.getMessage() for r in caplog.records if "not true or false" in r.getMessage()]
+        assert len(said) == 1, said  # said, once
+        for key in ("push_layer_load", "push_layerwise", "push_layer_watch"):
+            assert sched_mod._flag({key: bad}, key) is None
+            assert sched_mod._flag({key: True}, key) is True
+    said = [r.getMessage() for r in caplog.records if "not true or false" in r.getMessage()]
+    assert len(said) == 4, said  # once per key
+    assert f"'push_layer_read' is {bad!r}"[:60] in said[0] and "send a JSON boolean" in said[0]
