@@ -404,6 +404,26 @@ def test_mooncake_json_unknown_field_as_the_c_parser_says(tmp_path, key):
         assert 'did you mean "metadata_server"?' in msg
 
 
+def _knob_keys():
+    from mooncake_connector.connector.settings import KNOBS, STORE_KEYS
+    return [k for k in ("mooncake_config_path", *KNOBS) if k not in STORE_KEYS]
+
+
+@pytest.mark.parametrize("key", _knob_keys())
+def test_a_connector_setting_in_mooncake_json_is_pointed_to_the_extra_config(tmp_path, key):
+    """A connector setting (hold_timeout_s, push_layer_read, ...) put in
+    mooncake.json: refused as before, and now the message says where it
+    belongs (kv_connector_extra_config), by both parsers, word for word;
+    before, "unknown field; accepted: prefill_url, ..." and no pointer (a
+    near miss of none of mooncake.json's fields).  Also keeps the C
+    parser's list of these keys in step with settings.KNOBS."""
+    p = tmp_path / "mooncake.json"
+    p.write_text(GOOD.replace("}", ", " + json.dumps(key) + ": 1}"))
+    msg = _both_refuse(p)
+    assert f'field "{key}": unknown field (a connector setting: it belongs in ' \
+           "kv_connector_extra_config of vLLM's --kv-transfer-config, not mooncake.json)" in msg
+
+
 def test_mooncake_json_field_twice_as_the_c_parser_says(tmp_path):
     """json.loads kept the last of two "protocol" fields; the C parser
     refuses the file: both refuse it now, with one message."""

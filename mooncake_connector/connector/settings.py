@@ -458,6 +458,9 @@ def _check_fields(pairs, origin):
                 hint = f'; did you mean "{C_FIELDS[dist.index(min(dist))]}"?'
             if key in VLLM_KEYS:
                 hint = " (it belongs in vLLM's --kv-transfer-config, not mooncake.json)"
+            if key in KNOBS or key == "mooncake_config_path":  # the C parser's k_knob_keys
+                hint = (" (a connector setting: it belongs in kv_connector_extra_config of "
+                        "vLLM's --kv-transfer-config, not mooncake.json)")
             if key in STORE_KEYS:
                 hint = " (a Mooncake Store setting; this connector does not use it: remove it)"
             raise SettingsError(_c_line(f'{shown}: field "{_show(key, 80)}": unknown '
