@@ -92,6 +92,11 @@ BODY_BUDGET = 1 << 30
 KEEPALIVE_S = 4.0
 
 
+# aiohttp's sock_read timeout (--idle-timeout); before aiohttp 3.10 a
+# ServerTimeoutError
+_SOCK_READ_TIMEOUT = getattr(aiohttp, "SocketTimeoutError", aiohttp.ServerTimeoutError)
+
+
 def _error(status, message, kind="proxy_error"):
     return web.json_response({"error": {"message": message, "type": kind, "code": status}},
                              status=status)
@@ -551,8 +556,8 @@ class Proxy:
                                pre_url, rid, e)
             except (aiohttp.ClientError, asyncio.TimeoutError) as e:
                 self.counts["prefill_errors"] += 1
-                return _error(502, f"prefill instance {pre_url} unreachable: {e!r}",
-                              "upstream_error")
+                return _error(502, self.upstream_failure(f"prefill instance {pre_url}", e,
+                                                         "unreachable"), "upstream_error")
         if self.flow == "a" and len(self.decode) == len(self.prefill):
             # Flow a: the decode paired with this prefill by index (what the two
             # round robins give anyway, and after a failover still the pair).
@@ -888,9 +893,15 @@ class Proxy:
         timeout; running out of file descriptors says so."""
         if http_guard.out_of_fds(exc):
             return self._fds_message(where, exc)
-        if isinstance(exc, asyncio.TimeoutError) and self.idle_timeout:
+        if isinstance(exc, _SOCK_READ_TIMEOUT) and self.idle_timeout:
             return (f"{where} sent nothing for {self.idle_timeout:g} s (the proxy's "
                     "--idle-timeout; raise it if requests queue that long)")
+        if isinstance(exc, asyncio.TimeoutError) and \
+                not isinstance(exc, aiohttp.ServerTimeoutError):
+            # aiohttp's whole-request deadline (was told as the idle timeout,
+            # or as "unreachable: TimeoutError()")
+            return (f"{where} did not answer in full within {self._timeout.total:g} s (the "
+                    "proxy's --timeout, per upstream request; raise it for longer requests)")
         return f"{where} {what}: {exc!r}"
 
     async def models(self, request):

@@ -849,6 +849,27 @@ def test_idle_timeout_spares_non_streamed_answers(vllm_like, proxy):
     assert status == 200 and out["choices"][0]["text"] == "t102 t103 t104 ", out
 
 
+@pytest.mark.parametrize("where", ["prefill", "decode"])
+def test_a_request_past_timeout_names_timeout_not_idle_timeout(upstreams, proxy, where):
+    """An upstream answer longer than --timeout (a careless --timeout 2 for
+    long generations): the 502 names --timeout and its value.  It said
+    "decode instance ... sent nothing for 300 s (the proxy's --idle-timeout)"
+    after 2 s, and for the prefill "unreachable: TimeoutError()"."""
+    held = Holding()
+    try:
+        url = proxy([held.url], [upstreams("decode").url], extra=["--timeout", "2"]) \
+            if where == "prefill" else \
+            proxy([upstreams("prefill").url], [held.url], extra=["--timeout", "2"])
+        for stream in (False, True):
+            status, ans = post(url + "/v1/completions", {"model": "m", "prompt": "x",
+                                                         "max_tokens": 5, "stream": stream})
+            msg = ans["error"]["message"]
+            assert status == 502 and f"{where} instance {held.url}" in msg, (status, ans)
+            assert "within 2 s (the proxy's --timeout" in msg and "idle" not in msg, msg
+    finally:
+        held.close()
+
+
 def test_metrics_in_prometheus_text_format(upstreams, proxy):
     from prometheus_client.parser import text_string_to_metric_families
 
