@@ -1360,6 +1360,10 @@ def _check_upstreams(ap, args):
                      "a request's layers is part of a layer load, which --push-layer-load off "
                      f"turns off for every request; drop {' and '.join(moot)}, or give "
                      "--push-layer-load on (or server)")
+    if not args.host.strip():  # the event loop takes "" as every address
+        ap.error(f"--host {args.host!r} is empty, which would listen on every address of this "
+                 "host; give one: 0.0.0.0 (every IPv4 address, said as such) or 127.0.0.1 "
+                 "(this host only)")
     if not 0 <= args.port <= 65535:
         ap.error(f"--port {args.port} is out of range 0..65535 (0: any free port)")
     for u in args.prefill + args.decode + args.passthrough:

@@ -1507,6 +1507,9 @@ BAD_CLI = [
     (["--decode", "http://localhost:8100/"], "both --prefill and --decode"),
     (["--port", "8200", "--host", "127.0.0.1"], "this proxy's own address"),
     (["--port", "8100"], "this proxy's own address"),
+    # was accepted: listened on every address, "proxy listening on http://:PORT"
+    (["--host", ""], "--host '' is empty"),
+    (["--host", " "], "--host ' ' is empty"),
     (["--timeout", "nan"], "--timeout nan"),
     (["--idle-timeout", "nan"], "--idle-timeout nan"),
     (["--timeout", "inf"], "--timeout inf"),  # was a 500 and an OverflowError per request
