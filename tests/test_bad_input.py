@@ -273,6 +273,8 @@ def test_closed_engine_and_double_close():
     ({"kv_rank": float("inf")}, "kv_rank must be an integer, not inf"),      # was OverflowError
     ({"kv_buffer_size": 1e30}, "kv_buffer_size must be <="),
     ({"mooncake_config_path": 5}, "path must be a non-empty string"),
+    # was the environment's MOONCAKE_CONFIG_PATH instead, without a word
+    ({"mooncake_config_path": ""}, "path must be a non-empty string"),
     ({"mooncake_config_path": "/dev/zero"}, "is over 1048576 bytes"),        # was read forever
     ({"flow_a": "maybe"}, "flow_a must be true or false"),
     ({"hold_timout_s": 5}, "unknown kv_connector_extra_config key(s) ['hold_timout_s']"),
@@ -573,3 +575,29 @@ def test_request_switch_of_another_type_is_said_not_taken_silently(caplog, bad):
     said = [r.getMessage() for r in caplog.records if "not true or false" in r.getMessage()]
     assert len(said) == 4, said  # once per key
     assert f"'push_layer_read' is {bad!r}"[:60] in said[0] and "send a JSON boolean" in said[0]
+
+
+# ---- the plugin's choice of a bare "MooncakeConnector"
+
+@pytest.mark.parametrize("typo", ["push_layer_rad", "hold_timout_s", "push-layer-load",
+                                  "Push_layer_read", "kv_rnak", "mooncake_config"])
+@pytest.mark.parametrize("env", [{}, {"MOONCAKE_CONFIG_PATH": "/x/mooncake.json"}])
+def test_a_typo_of_our_key_chooses_ours_so_its_start_names_it(typo, env):
+    """kv_connector_extra_config with only a misspelt key of ours: the
+    plugin took it for the in-tree connector's configuration ("only keys
+    this package does not know") and vLLM's class was used in ours' place.
+    Now ours is chosen, and resolve() refuses the key with its near miss.
+    The in-tree connector's own keys still choose vLLM's class."""
+    from types import SimpleNamespace
+
+    from mooncake_connector.connector.plugin import choose
+    from mooncake_connector.connector.settings import SettingsError, resolve
+    ours, why = choose({typo: True}, env=env)
+    assert ours, why
+    assert "near misses" in why and typo in why
+    with pytest.raises(SettingsError, match="did you mean"):
+        resolve(SimpleNamespace(kv_role="kv_consumer", kv_connector_extra_config={typo: True}),
+                env={})
+    for intree in ("mooncake_protocol", "num_workers", "bootstrap_server_address",
+                   "enable_lookup", "store_tp_size", "preferred_segment", "load_async"):
+        assert not choose({intree: 1}, env=env)[0], intree

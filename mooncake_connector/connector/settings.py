@@ -556,8 +556,10 @@ def resolve(kv_transfer_config, env=None):
                             f"{', '.join(ROLES)} in --kv-transfer-config")
     extra = dict(getattr(kv_transfer_config, "kv_connector_extra_config", None) or {})
     s = Settings(role=role)
-    s.config_path = extra.pop("mooncake_config_path", None) or env.get("MOONCAKE_CONFIG_PATH")
-    if s.config_path:
+    s.config_path = extra.pop("mooncake_config_path", None)
+    if s.config_path is None:  # given, "" is refused by _read_json (was: the environment's)
+        s.config_path = env.get("MOONCAKE_CONFIG_PATH") or None
+    if s.config_path is not None:
         s.mooncake = {k: v for k, v in _read_json(s.config_path, "mooncake config").items()}
     for k in MOONCAKE_FIELDS:
         if k in extra:
