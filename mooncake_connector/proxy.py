@@ -192,6 +192,7 @@ class Proxy:
         # from the open-file limit): more requests wait for one.
         self.upstream_limit = 0
         self._open_conns = None  # [client connections open] (_serve's http_guard.guarded)
+        self._reading = set()  # handlers reading a request's body (stop_reading)
         self._fd_warn = http_guard.Throttled()
         # GET /health: (monotonic time started, task) of the last probe of
         # the upstreams, whose answer serves the calls of HEALTH_CACHE_S.
@@ -413,12 +414,30 @@ class Proxy:
         finally:
             self._body_bytes -= held[0]
 
+    async def _read_body(self, request, take):
+        me = asyncio.current_task()
+        self._reading.add(me)
+        try:
+            return await http_guard.read_body(request, MAX_BODY, self.header_timeout, take,
+                                              self.body_timeout)
+        finally:
+            self._reading.discard(me)
+
+    def stop_reading(self):
+        """SIGTERM/SIGINT: requests whose body has not come in full are
+        dropped (their connections closed), not waited for: a client that
+        stalls its upload held the proxy's stop for --header-timeout (30 s),
+        or aiohttp's 60 s shutdown bound with a longer one.  Requests being
+        answered are still waited for."""
+        for task in list(self._reading):
+            task.cancel()
+        return len(self._reading)
+
     async def _handle(self, request, take):
         t_in = time.perf_counter()
         chat = request.path.endswith("/chat/completions")
         try:
-            body = request_check.parse(await http_guard.read_body(
-                request, MAX_BODY, self.header_timeout, take, self.body_timeout))
+            body = request_check.parse(await self._read_body(request, take))
             request_check.check(body, chat)
         except http_guard.OverBudget as e:
             self.counts["body_budget_refusals"] += 1
@@ -1458,6 +1477,9 @@ async def _serve(proxy, args, prog, loop_name):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     server.close()
+    if proxy.stop_reading():
+        logger.info("stopping: closed the connections of requests whose body had not come "
+                    "in full")
     await runner.cleanup()
 
 

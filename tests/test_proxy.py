@@ -1691,6 +1691,38 @@ def test_stalled_body_is_answered_408_and_closed(vllm_like, proxy):
     assert status == 200
 
 
+def test_a_stalled_upload_does_not_hold_the_proxys_stop(vllm_like, proxy):
+    """SIGTERM while a client has sent a header and part of its body, then
+    nothing: the proxy waited for that body until --header-timeout (30 s by
+    default; aiohttp's 60 s shutdown bound with a longer one) before it
+    exited.  Now that connection is closed at once and the proxy exits
+    cleanly; a request being answered is still waited for (the other
+    connection's answer is whole)."""
+    import signal
+    p, d = vllm_like("prefill"), vllm_like("decode", slow=1.5)
+    url = proxy([p.url], [d.url], extra=("--header-timeout", "300"))
+    port = int(url.rsplit(":", 1)[1])
+    stalled = socket.create_connection(("127.0.0.1", port))
+    stalled.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                    b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{")
+    answered = {}
+    threading = __import__("threading")
+    th = threading.Thread(target=lambda: answered.update(r=post(
+        url + "/v1/completions", {"model": "m", "prompt": "a b", "max_tokens": 2})))
+    th.start()
+    time.sleep(0.8)  # the second request is with the decode (1.5 s)
+    proc = proxy.procs[-1]
+    t = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    try:
+        rc = proc.wait(20)
+    finally:
+        stalled.close()
+    th.join(20)
+    assert rc == 0 and time.monotonic() - t < 10, (rc, time.monotonic() - t)
+    assert answered.get("r", (None,))[0] == 200, answered
+
+
 def test_body_over_the_cap_is_answered_413_and_closed_at_once(vllm_like, proxy):
     """A request announcing a body over the proxy's 64 MiB cap
     (Content-Length) was answered 413 at once but then kept open while
