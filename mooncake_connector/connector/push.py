@@ -833,14 +833,18 @@ class PushConsumer:
         load instead, counted push_layer_read_cuda_refused, one WARNING):
         its GPU test has not yet passed on a GPU (docs/connector.md, "Layer
         read").  MC_LAYER_READ_CUDA=1 takes it (that test sets it)."""
-        if w.cuda_sync is None or os.environ.get("MC_LAYER_READ_CUDA") == "1":
+        raw = os.environ.get("MC_LAYER_READ_CUDA", "")
+        if w.cuda_sync is None or raw == "1":
             return False
         w.stats.add("push_layer_read_cuda_refused")
         if not PushConsumer._read_cuda_warned:
             PushConsumer._read_cuda_warned = True
+            # a value other than 1 ("true", "yes") was not taken, without a word
+            other = f" (MC_LAYER_READ_CUDA={raw[:40]!r} is not 1: ignored)" if raw else ""
             logger.warning("MooncakeConnector: push_layer_read is not taken with CUDA KV caches "
                            "(not yet validated on a GPU); these requests take the write-based "
-                           "layer load (push_layer_load). MC_LAYER_READ_CUDA=1 takes it anyway")
+                           "layer load (push_layer_load). MC_LAYER_READ_CUDA=1 takes it "
+                           "anyway%s", other)
         return True
 
     def _read_src(self, cl, name, head, body):
