@@ -92,6 +92,11 @@ BODY_BUDGET = 1 << 30
 KEEPALIVE_S = 4.0
 
 
+# aiohttp's sock_read timeout (--idle-timeout); before aiohttp 3.10 a
+# ServerTimeoutError
+_SOCK_READ_TIMEOUT = getattr(aiohttp, "SocketTimeoutError", aiohttp.ServerTimeoutError)
+
+
 def _error(status, message, kind="proxy_error"):
     return web.json_response({"error": {"message": message, "type": kind, "code": status}},
                              status=status)
@@ -187,6 +192,7 @@ class Proxy:
         # from the open-file limit): more requests wait for one.
         self.upstream_limit = 0
         self._open_conns = None  # [client connections open] (_serve's http_guard.guarded)
+        self._reading = set()  # handlers reading a request's body (stop_reading)
         self._fd_warn = http_guard.Throttled()
         # GET /health: (monotonic time started, task) of the last probe of
         # the upstreams, whose answer serves the calls of HEALTH_CACHE_S.
@@ -408,12 +414,30 @@ class Proxy:
         finally:
             self._body_bytes -= held[0]
 
+    async def _read_body(self, request, take):
+        me = asyncio.current_task()
+        self._reading.add(me)
+        try:
+            return await http_guard.read_body(request, MAX_BODY, self.header_timeout, take,
+                                              self.body_timeout)
+        finally:
+            self._reading.discard(me)
+
+    def stop_reading(self):
+        """SIGTERM/SIGINT: requests whose body has not come in full are
+        dropped (their connections closed), not waited for: a client that
+        stalls its upload held the proxy's stop for --header-timeout (30 s),
+        or aiohttp's 60 s shutdown bound with a longer one.  Requests being
+        answered are still waited for."""
+        for task in list(self._reading):
+            task.cancel()
+        return len(self._reading)
+
     async def _handle(self, request, take):
         t_in = time.perf_counter()
         chat = request.path.endswith("/chat/completions")
         try:
-            body = request_check.parse(await http_guard.read_body(
-                request, MAX_BODY, self.header_timeout, take, self.body_timeout))
+            body = request_check.parse(await self._read_body(request, take))
             request_check.check(body, chat)
         except http_guard.OverBudget as e:
             self.counts["body_budget_refusals"] += 1
@@ -551,8 +575,8 @@ class Proxy:
                                pre_url, rid, e)
             except (aiohttp.ClientError, asyncio.TimeoutError) as e:
                 self.counts["prefill_errors"] += 1
-                return _error(502, f"prefill instance {pre_url} unreachable: {e!r}",
-                              "upstream_error")
+                return _error(502, self.upstream_failure(f"prefill instance {pre_url}", e,
+                                                         "unreachable"), "upstream_error")
         if self.flow == "a" and len(self.decode) == len(self.prefill):
             # Flow a: the decode paired with this prefill by index (what the two
             # round robins give anyway, and after a failover still the pair).
@@ -888,9 +912,15 @@ class Proxy:
         timeout; running out of file descriptors says so."""
         if http_guard.out_of_fds(exc):
             return self._fds_message(where, exc)
-        if isinstance(exc, asyncio.TimeoutError) and self.idle_timeout:
+        if isinstance(exc, _SOCK_READ_TIMEOUT) and self.idle_timeout:
             return (f"{where} sent nothing for {self.idle_timeout:g} s (the proxy's "
                     "--idle-timeout; raise it if requests queue that long)")
+        if isinstance(exc, asyncio.TimeoutError) and \
+                not isinstance(exc, aiohttp.ServerTimeoutError):
+            # aiohttp's whole-request deadline (was told as the idle timeout,
+            # or as "unreachable: TimeoutError()")
+            return (f"{where} did not answer in full within {self._timeout.total:g} s (the "
+                    "proxy's --timeout, per upstream request; raise it for longer requests)")
         return f"{where} {what}: {exc!r}"
 
     async def models(self, request):
@@ -1339,6 +1369,20 @@ def _check_upstreams(ap, args):
     if pushed and args.flow != "push" and not args.passthrough:
         ap.error(f"{', '.join(pushed)}: for --flow push only (flow {args.flow} sends no push "
                  "legs); add --flow push or drop them")
+    if args.push_layer_load == "off":
+        # per request push_layer_load false wins at the decode: no layer
+        # load, so reading (or watching) its layers would never happen
+        moot = [f"--push-layer-{k} on" for k in ("read", "watch")
+                if getattr(args, f"push_layer_{k}") == "on"]
+        if moot:
+            ap.error(f"{' and '.join(moot)} with --push-layer-load off: reading or watching "
+                     "a request's layers is part of a layer load, which --push-layer-load off "
+                     f"turns off for every request; drop {' and '.join(moot)}, or give "
+                     "--push-layer-load on (or server)")
+    if not args.host.strip():  # the event loop takes "" as every address
+        ap.error(f"--host {args.host!r} is empty, which would listen on every address of this "
+                 "host; give one: 0.0.0.0 (every IPv4 address, said as such) or 127.0.0.1 "
+                 "(this host only)")
     if not 0 <= args.port <= 65535:
         ap.error(f"--port {args.port} is out of range 0..65535 (0: any free port)")
     for u in args.prefill + args.decode + args.passthrough:
@@ -1433,6 +1477,9 @@ async def _serve(proxy, args, prog, loop_name):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     server.close()
+    if proxy.stop_reading():
+        logger.info("stopping: closed the connections of requests whose body had not come "
+                    "in full")
     await runner.cleanup()
 
 

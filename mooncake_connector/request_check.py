@@ -122,6 +122,30 @@ def _check_kv_transfer_params(body):
                      "directly, not through the proxy)")
 
 
+# The proxy's own kv_transfer_params fields (per leg: the release of a
+# prefill leg, the question about a decode leg).  A client's copy at the top
+# level reached vLLM, which ignores fields it does not know: the client
+# thought it had released or forgotten something.
+_PROXY_FIELDS = ("mc_release", "mc_forget")
+
+
+def _check_proxy_fields(body):
+    for key in _PROXY_FIELDS:
+        if key in body:
+            raise BadRequest(f"field {key!r} is the proxy's own (it sends it inside "
+                             "kv_transfer_params, to release a leg's KV itself): clients do not "
+                             "send it; remove it from the request")
+    xargs = body.get("vllm_xargs")
+    if isinstance(xargs, dict) and "kv_transfer_params" in xargs:
+        # vLLM puts vllm_xargs into the request's extra args, where its
+        # kv_transfer_params are read from: the same hole as the top-level
+        # field (a non-object there was a 500 from the decode's vLLM)
+        raise BadRequest("field 'vllm_xargs.kv_transfer_params' is set by the proxy for each "
+                         "leg, not by clients; remove it from vllm_xargs (to drive the KV "
+                         "connector yourself, send requests to the vLLM servers directly, not "
+                         "through the proxy)")
+
+
 def _is_int(v):
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -175,12 +199,14 @@ _FIELDS = {
 
 def check(body, chat):
     """BadRequest if a field the proxy reads has a type it cannot handle,
-    or if the client sent kv_transfer_params of its own."""
+    or if the client sent kv_transfer_params (or the proxy's mc_release /
+    mc_forget) of its own."""
     for key, (ok, what) in _FIELDS.items():
         v = body.get(key)
         if v is not None and not ok(v):
             raise BadRequest(f"field {key!r} must be {what} or null, got {_kind(v)}")
     _check_kv_transfer_params(body)
+    _check_proxy_fields(body)
     if chat:
         _check_messages(body.get("messages"))
     else:

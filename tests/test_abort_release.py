@@ -292,3 +292,47 @@ def test_proxy_release_of_a_leg_whose_entry_another_request_pulled(sides, by):
     p.add(_release_req("r1", rel))  # the leg whose held request ended
     assert frees_at_once(p, 2.0), "the prefill still holds the prompt"
     assert counters(p).get("prefill_releases", 0) == 1, counters(p)
+
+
+BIG = 2 ** 70
+BAD_RELEASES = ["x", ["a"], 7, {"request_id": ["x"]}, {"request_id": 5},
+                {"prompt_token_ids": "abc"}, {"prompt_token_ids": [BIG] * (4 * BS)},
+                {"prompt_token_ids": [-1] * (4 * BS)}, {"prompt_token_ids": [[1, 2]] * (4 * BS)},
+                {"prompt_token_ids": [1.5] * (4 * BS)}, {"prompt_token_ids": list(range(100000))},
+                {"x_request_id": "x" * 100000}, {"x_request_id": 5}, {"x_request_id": ""},
+                {"request_id": "r" * 100000, "x_request_id": ["a"]}, {}]
+BAD_FORGETS = ["x", 7, [{"x_request_id": "a"}], {"x_request_id": ["x"]},
+               {"x_request_id": {"a": 1}}, {"x_request_id": ""}, {}]
+
+
+def test_malformed_mc_release_and_mc_forget_at_the_servers_directly(sides):
+    """mc_release / mc_forget of other shapes than the proxy's (strings,
+    arrays, nested, huge lists, tokens that are no int64, a 100000-character
+    id) sent to the servers directly: each request is served and its field
+    ignored: the engines keep stepping (no exception in the scheduler or the
+    workers), nothing is released by them, and a well-formed release and a
+    well-formed forget still work after them."""
+    p, d = sides("kv_producer"), sides("kv_consumer")
+    t = toks(60, 4 * BS + 5)
+    _prefill(p, "cmpl-mc-96-0-aaaa", t)
+    for i, rel in enumerate(BAD_RELEASES):
+        p.add(make_request(f"bad-rel-{i}", [7], max_tokens=1, params={"mc_release": rel}))
+        p.step()
+        # the consumer too: mc_release is the producer's; a consumer ignores it
+        d.add(make_request(f"bad-rel-{i}", [7], max_tokens=1, params={"mc_release": rel}))
+        d.step()
+    for i, fg in enumerate(BAD_FORGETS):
+        d.add(make_request(f"bad-fg-{i}", [7], max_tokens=1, params={"mc_forget": fg}))
+        d.step()
+        assert (d.last_params.get(f"bad-fg-{i}") or {}).get("mc_forget") is None
+        p.add(make_request(f"bad-fg-{i}", [7], max_tokens=1, params={"mc_forget": fg}))
+        p.step()
+    for s in (p, d):
+        assert s.run_until(lambda: not any(r.startswith("bad-") for r in s.sched.requests),
+                           steps=200)
+    assert counters(p).get("prefill_releases", 0) == 0, counters(p)
+    assert not p.is_empty()  # the prompt is still held for its decode
+    assert _forget(d, "cmpl-mc-forget-9-0-ff", "mc-97") == "unseen"
+    p.add(_release_req("r-ok", {"x_request_id": "mc-96"}))
+    assert frees_at_once(p, 2.0), "the prefill still holds the released prompt"
+    assert counters(p).get("prefill_releases", 0) == 1, counters(p)

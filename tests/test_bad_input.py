@@ -273,6 +273,8 @@ def test_closed_engine_and_double_close():
     ({"kv_rank": float("inf")}, "kv_rank must be an integer, not inf"),      # was OverflowError
     ({"kv_buffer_size": 1e30}, "kv_buffer_size must be <="),
     ({"mooncake_config_path": 5}, "path must be a non-empty string"),
+    # was the environment's MOONCAKE_CONFIG_PATH instead, without a word
+    ({"mooncake_config_path": ""}, "path must be a non-empty string"),
     ({"mooncake_config_path": "/dev/zero"}, "is over 1048576 bytes"),        # was read forever
     ({"flow_a": "maybe"}, "flow_a must be true or false"),
     ({"hold_timout_s": 5}, "unknown kv_connector_extra_config key(s) ['hold_timout_s']"),
@@ -281,6 +283,19 @@ def test_closed_engine_and_double_close():
     ({"push_layer_read_stall_s": 0}, "push_layer_read_stall_s must be 0.01-86400"),
     ({"push_layer_read_stall_s": "nan"}, "push_layer_read_stall_s must be a finite number"),
     ({"push_layer_read": "maybe"}, "push_layer_read must be true or false"),
+    # were accepted as 1.0 (float(True)): a number knob given a boolean
+    ({"hold_timeout_s": True}, "hold_timeout_s must be a number, not True"),
+    ({"push_layer_read_stall_s": True}, "push_layer_read_stall_s must be a number, not True"),
+    ({"probe_wait_ms": False}, "probe_wait_ms must be a number, not False"),
+    # were an OverflowError traceback (a JSON integer past the double range)
+    ({"hold_timeout_s": 10 ** 400}, "hold_timeout_s must be a finite number, not an integer "
+                                    "of 401 digits"),
+    ({"push_layer_read_stall_s": -10 ** 400}, "push_layer_read_stall_s must be a finite number"),
+    # was accepted: the pull path's lookup buffer took ttl 0 as never (a
+    # prompt held until evicted), the push path as at once
+    ({"hold_timeout_s": 0}, "hold_timeout_s must be > 0 seconds, not 0.0"),
+    # was a TypeError from sorting the unknown keys (a Python caller's int key)
+    ({1: "x", "hold_timout_s": 5}, "unknown kv_connector_extra_config key(s) [1, 'hold_timout_s']"),
 ])
 def test_extra_config_names_the_key(extra, msg):
     from types import SimpleNamespace
@@ -389,6 +404,26 @@ def test_mooncake_json_unknown_field_as_the_c_parser_says(tmp_path, key):
     assert "unknown field" in msg
     if key == "metadata_sever":
         assert 'did you mean "metadata_server"?' in msg
+
+
+def _knob_keys():
+    from mooncake_connector.connector.settings import KNOBS, STORE_KEYS
+    return [k for k in ("mooncake_config_path", *KNOBS) if k not in STORE_KEYS]
+
+
+@pytest.mark.parametrize("key", _knob_keys())
+def test_a_connector_setting_in_mooncake_json_is_pointed_to_the_extra_config(tmp_path, key):
+    """A connector setting (hold_timeout_s, push_layer_read, ...) put in
+    mooncake.json: refused as before, and now the message says where it
+    belongs (kv_connector_extra_config), by both parsers, word for word;
+    before, "unknown field; accepted: prefill_url, ..." and no pointer (a
+    near miss of none of mooncake.json's fields).  Also keeps the C
+    parser's list of these keys in step with settings.KNOBS."""
+    p = tmp_path / "mooncake.json"
+    p.write_text(GOOD.replace("}", ", " + json.dumps(key) + ": 1}"))
+    msg = _both_refuse(p)
+    assert f'field "{key}": unknown field (a connector setting: it belongs in ' \
+           "kv_connector_extra_config of vLLM's --kv-transfer-config, not mooncake.json)" in msg
 
 
 def test_mooncake_json_field_twice_as_the_c_parser_says(tmp_path):
@@ -504,3 +539,86 @@ def test_mooncake_json_every_accepted_field_still_reads(tmp_path):
     s = resolve(SimpleNamespace(kv_role="kv_consumer", kv_connector_extra_config={}),
                 env={"MOONCAKE_CONFIG_PATH": str(p)})
     assert set(s.mooncake) == set(C_FIELDS)
+
+
+# ---- per-request kv_transfer_params switches (a client at the server directly)
+
+@pytest.mark.parametrize("bad", ["true", "yes", 1, 0, [True], {"on": True}, 1.5])
+def test_request_switch_of_another_type_is_said_not_taken_silently(caplog, bad):
+    """kv_transfer_params "push_layer_read" / "push_layer_load" (decode leg)
+    and "push_layerwise" / "push_layer_watch" (prefill leg) other than a JSON
+    boolean: the server's own setting, as before, but said in one WARNING per
+    key naming the value and the fix (was silent: "push_layer_read": "true"
+    read nothing and nobody was told)."""
+    import logging
+    import types
+
+    from mooncake_connector.connector import scheduler as sched_mod
+    from mooncake_connector.connector import settings as settings_mod
+    from mooncake_connector.connector.scheduler import SchedulerSide
+    getattr(sched_mod, "_BAD_FLAGS", set()).clear()
+    cfg = types.SimpleNamespace(kv_role="kv_consumer", kv_connector_extra_config={
+        "prefill_url": "127.0.0.1:13003", "decode_url": "127.0.0.1:13103", "flow_a": False,
+        "push_layer_read": True})
+    sch = SchedulerSide(settings_mod.resolve(cfg, env={}), 32, 1, lambda: None,
+                        block_bytes=32768)
+    with caplog.at_level(logging.WARNING, logger="vllm.mooncake_connector"):
+        assert sch._layer_read({"push_layer_read": bad}) is True   # the server's setting
+        assert sch._layer_read({"push_layer_read": bad}) is True
+        assert sch._layer_read({"push_layer_read": False}) is False
+        assert sch._layer_read({"push_layer_read": None}) is True
+        said = [r.getMessage() for r in caplog.records if "not true or false" in r.getMessage()]
+        assert len(said) == 1, said  # said, once
+        for key in ("push_layer_load", "push_layerwise", "push_layer_watch"):
+            assert sched_mod._flag({key: bad}, key) is None
+            assert sched_mod._flag({key: True}, key) is True
+    said = [r.getMessage() for r in caplog.records if "not true or false" in r.getMessage()]
+    assert len(said) == 4, said  # once per key
+    assert f"'push_layer_read' is {bad!r}"[:60] in said[0] and "send a JSON boolean" in said[0]
+
+
+# ---- the plugin's choice of a bare "MooncakeConnector"
+
+@pytest.mark.parametrize("typo", ["push_layer_rad", "hold_timout_s", "push-layer-load",
+                                  "Push_layer_read", "kv_rnak", "mooncake_config"])
+@pytest.mark.parametrize("env", [{}, {"MOONCAKE_CONFIG_PATH": "/x/mooncake.json"}])
+def test_a_typo_of_our_key_chooses_ours_so_its_start_names_it(typo, env):
+    """kv_connector_extra_config with only a misspelt key of ours: the
+    plugin took it for the in-tree connector's configuration ("only keys
+    this package does not know") and vLLM's class was used in ours' place.
+    Now ours is chosen, and resolve() refuses the key with its near miss.
+    The in-tree connector's own keys still choose vLLM's class."""
+    from types import SimpleNamespace
+
+    from mooncake_connector.connector.plugin import choose
+    from mooncake_connector.connector.settings import SettingsError, resolve
+    ours, why = choose({typo: True}, env=env)
+    assert ours, why
+    assert "near misses" in why and typo in why
+    with pytest.raises(SettingsError, match="did you mean"):
+        resolve(SimpleNamespace(kv_role="kv_consumer", kv_connector_extra_config={typo: True}),
+                env={})
+    for intree in ("mooncake_protocol", "num_workers", "bootstrap_server_address",
+                   "enable_lookup", "store_tp_size", "preferred_segment", "load_async"):
+        assert not choose({intree: 1}, env=env)[0], intree
+
+
+def test_layer_read_cuda_variable_other_than_1_is_named(caplog, monkeypatch):
+    """MC_LAYER_READ_CUDA=true (or yes, on) was not taken, and the one
+    warning said only "MC_LAYER_READ_CUDA=1 takes it anyway": now it names
+    the value it ignored."""
+    import logging
+    import types
+
+    from mooncake_connector.connector import push
+    monkeypatch.setattr(push.PushConsumer, "_read_cuda_warned", False)
+    monkeypatch.setenv("MC_LAYER_READ_CUDA", "true")
+    counted = []
+    w = types.SimpleNamespace(cuda_sync=object(), stats=types.SimpleNamespace(
+        add=counted.append))
+    with caplog.at_level(logging.WARNING, logger="vllm.mooncake_connector"):
+        assert push.PushConsumer._read_refused(None, w) is True
+    assert counted == ["push_layer_read_cuda_refused"]
+    assert "MC_LAYER_READ_CUDA='true' is not 1: ignored" in caplog.text, caplog.text
+    monkeypatch.setenv("MC_LAYER_READ_CUDA", "1")
+    assert push.PushConsumer._read_refused(None, w) is False

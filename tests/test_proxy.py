@@ -849,6 +849,27 @@ def test_idle_timeout_spares_non_streamed_answers(vllm_like, proxy):
     assert status == 200 and out["choices"][0]["text"] == "t102 t103 t104 ", out
 
 
+@pytest.mark.parametrize("where", ["prefill", "decode"])
+def test_a_request_past_timeout_names_timeout_not_idle_timeout(upstreams, proxy, where):
+    """An upstream answer longer than --timeout (a careless --timeout 2 for
+    long generations): the 502 names --timeout and its value.  It said
+    "decode instance ... sent nothing for 300 s (the proxy's --idle-timeout)"
+    after 2 s, and for the prefill "unreachable: TimeoutError()"."""
+    held = Holding()
+    try:
+        url = proxy([held.url], [upstreams("decode").url], extra=["--timeout", "2"]) \
+            if where == "prefill" else \
+            proxy([upstreams("prefill").url], [held.url], extra=["--timeout", "2"])
+        for stream in (False, True):
+            status, ans = post(url + "/v1/completions", {"model": "m", "prompt": "x",
+                                                         "max_tokens": 5, "stream": stream})
+            msg = ans["error"]["message"]
+            assert status == 502 and f"{where} instance {held.url}" in msg, (status, ans)
+            assert "within 2 s (the proxy's --timeout" in msg and "idle" not in msg, msg
+    finally:
+        held.close()
+
+
 def test_metrics_in_prometheus_text_format(upstreams, proxy):
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -1486,6 +1507,9 @@ BAD_CLI = [
     (["--decode", "http://localhost:8100/"], "both --prefill and --decode"),
     (["--port", "8200", "--host", "127.0.0.1"], "this proxy's own address"),
     (["--port", "8100"], "this proxy's own address"),
+    # was accepted: listened on every address, "proxy listening on http://:PORT"
+    (["--host", ""], "--host '' is empty"),
+    (["--host", " "], "--host ' ' is empty"),
     (["--timeout", "nan"], "--timeout nan"),
     (["--idle-timeout", "nan"], "--idle-timeout nan"),
     (["--timeout", "inf"], "--timeout inf"),  # was a 500 and an OverflowError per request
@@ -1667,6 +1691,38 @@ def test_stalled_body_is_answered_408_and_closed(vllm_like, proxy):
     assert status == 200
 
 
+def test_a_stalled_upload_does_not_hold_the_proxys_stop(vllm_like, proxy):
+    """SIGTERM while a client has sent a header and part of its body, then
+    nothing: the proxy waited for that body until --header-timeout (30 s by
+    default; aiohttp's 60 s shutdown bound with a longer one) before it
+    exited.  Now that connection is closed at once and the proxy exits
+    cleanly; a request being answered is still waited for (the other
+    connection's answer is whole)."""
+    import signal
+    p, d = vllm_like("prefill"), vllm_like("decode", slow=1.5)
+    url = proxy([p.url], [d.url], extra=("--header-timeout", "300"))
+    port = int(url.rsplit(":", 1)[1])
+    stalled = socket.create_connection(("127.0.0.1", port))
+    stalled.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+                    b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{")
+    answered = {}
+    threading = __import__("threading")
+    th = threading.Thread(target=lambda: answered.update(r=post(
+        url + "/v1/completions", {"model": "m", "prompt": "a b", "max_tokens": 2})))
+    th.start()
+    time.sleep(0.8)  # the second request is with the decode (1.5 s)
+    proc = proxy.procs[-1]
+    t = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    try:
+        rc = proc.wait(20)
+    finally:
+        stalled.close()
+    th.join(20)
+    assert rc == 0 and time.monotonic() - t < 10, (rc, time.monotonic() - t)
+    assert answered.get("r", (None,))[0] == 200, answered
+
+
 def test_body_over_the_cap_is_answered_413_and_closed_at_once(vllm_like, proxy):
     """A request announcing a body over the proxy's 64 MiB cap
     (Content-Length) was answered 413 at once but then kept open while
@@ -1795,6 +1851,60 @@ def test_push_options_need_flow_push(extra):
                        capture_output=True, text=True, timeout=30)
     assert r.returncode == 2 and "--flow push" in r.stderr, r.stderr
     assert [a for a in extra if a.startswith("--push")][0] in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("extra", [["--push-layer-read", "on"], ["--push-layer-watch", "on"],
+                                   ["--push-layer-read", "on", "--push-layer-watch", "on"]])
+def test_layer_read_or_watch_with_layer_load_off_is_refused(extra):
+    """--push-layer-read on / --push-layer-watch on act inside a layer load
+    only, which --push-layer-load off turns off for every request: the
+    proxy started, and the read or watch never happened (not a word)."""
+    r = subprocess.run([sys.executable, "-m", "mooncake_connector.proxy", "--flow", "push",
+                        "--prefill", "http://127.0.0.1:8100", "--decode", "http://127.0.0.1:8200",
+                        "--push-layer-load", "off", *extra],
+                       capture_output=True, text=True, timeout=30)
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert "with --push-layer-load off" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    for flag in extra[::2]:
+        assert f"{flag} on" in r.stderr, r.stderr
+    # Off, or left to the server: no contradiction.
+    for ok in (["--push-layer-read", "off"], ["--push-layer-watch", "server"]):
+        rc, err = _start(["--host", "127.0.0.1", "--port", "0", "--flow", "push", "--prefill",
+                          "http://127.0.0.1:8100", "--decode", "http://127.0.0.1:8200",
+                          "--push-layer-load", "off", *ok])
+        assert rc is None, err
+
+
+PROXY_FIELDS = [({"mc_release": {"request_id": "cmpl-x-0"}}, "'mc_release' is the proxy's own"),
+                ({"mc_forget": {"x_request_id": "x"}}, "'mc_forget' is the proxy's own"),
+                ({"mc_release": None}, "'mc_release' is the proxy's own"),
+                ({"vllm_xargs": {"kv_transfer_params": "x"}},
+                 "'vllm_xargs.kv_transfer_params' is set by the proxy")]
+
+
+@pytest.mark.parametrize("flow", ["a", "push", "passthrough"])
+def test_client_mc_release_mc_forget_and_xargs_params_are_refused(upstreams, proxy, flow):
+    """The proxy's own mc_release / mc_forget at a request's top level were
+    relayed to vLLM, which ignores fields it does not know (the client was
+    told nothing); vllm_xargs {"kv_transfer_params": ...} reached the
+    decode leg of flow a (vLLM reads kv_transfer_params from those extra
+    args).  Each is a 400 naming the field; nothing reaches an upstream;
+    other vllm_xargs still pass."""
+    p, d = upstreams("prefill"), upstreams("decode")
+    url = proxy([], [], extra=["--passthrough", d.url]) if flow == "passthrough" else \
+        proxy([p.url], [d.url], flow=flow)
+    for field, expect in PROXY_FIELDS:
+        for path, body in (("/v1/completions", {"model": "m", "prompt": "hi"}),
+                           ("/v1/chat/completions",
+                            {"model": "m", "messages": [{"role": "user", "content": "hi"}]})):
+            status, ans = post(url + path, {**body, "max_tokens": 3, **field})
+            assert status == 400, (field, status, ans)
+            assert expect in ans["error"]["message"] and "remove it" in ans["error"]["message"]
+    assert p.seen == [] and d.seen == []
+    status, _ = post(url + "/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": 3,
+                                               "vllm_xargs": {"my_knob": 1}})
+    assert status == 200
+    assert any(leg["body"].get("vllm_xargs") == {"my_knob": 1} for leg in d.seen), d.seen
 
 
 @pytest.mark.parametrize("key", ["sk-abc\r", "sk-abc\ndef", "sk-\x1b[0m"])

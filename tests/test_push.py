@@ -963,3 +963,41 @@ def test_hold_events_cross_the_worker_process_boundary():
                                   protocol=pickle.HIGHEST_PROTOCOL))
     assert pickle.loads(pickle.dumps(a.aggregate(b))).events == [
         ("w0", "hold", "q", [[1, 2, 3]]), ("w1", "release", "q")]
+
+
+@pytest.mark.parametrize("over", [{"lease_until": "soon"}, {"lease_until": None},
+                                  {"lease_until": 10 ** 400},
+                                  {"lnotify": True, "rd": True, "lease_s": [3]},
+                                  {"lnotify": True, "rd": True, "lease_s": float("nan")}],
+                         ids=lambda o: repr(o)[:40])
+def test_a_target_with_a_malformed_lease_does_not_stop_the_producer(sides, over):
+    """A decode side's (or any peer's) target whose lease is no finite number,
+    over the real engines: the producer's step goes on (it raised
+    ValueError / TypeError / OverflowError out of its worker's notification
+    drain: vLLM's engine died on one malformed message), the sender is
+    answered nokv naming the field, and a well-formed push of the same
+    prompt after it still loads."""
+    from mooncake_connector.connector import push
+
+    p, d = sides("kv_producer"), sides("kv_consumer", flow_a=False)
+    t = toks(26, 3 * BS + 2)
+    dw, pw = d.worker._worker, p.worker._worker
+    replies = []
+    on_message = dw.push_c.on_message
+
+    def seen(sender, head, body=b""):
+        replies.append(head)
+        return on_message(sender, head, body)
+    dw.push_c.on_message = seen
+    head = {"t": "target", "tid": "T-bad", "rank": 0, "lease_until": time.time() + 30,
+            "ntok": len(t), "h": "x", "skip": 0, "nblocks": 1, "epb": 1, "n": 1, **over}
+    dw.engine.send_notify(pw.name, push.encode(head, bytes(24)), 5.0)
+    assert both(p, d, lambda: any(r.get("tid") == "T-bad" for r in replies), steps=500), \
+        "no answer to the malformed target"
+    bad = next(r for r in replies if r.get("tid") == "T-bad")
+    key = next(iter(k for k in over if k in ("lease_until", "lease_s")))
+    assert bad["t"] == "nokv" and f"'{key}' must be a finite number" in bad["why"], bad
+    p.add(make_request("pq", t, max_tokens=1, params=push_params("T13", "p")))
+    d.add(make_request("q", t, max_tokens=2, params=push_params("T13", "d")))
+    assert both(p, d, lambda: "q" not in d.sched.requests)
+    assert counters(d).get("push_loads", 0) == 1 and not d.invalid, counters(d)

@@ -56,6 +56,32 @@ def test_bad_targets_are_refused(over, why):
         push.Target("peer:1", head, body, 0.0)
 
 
+BAD_SECONDS = ["x", "1e3", None, [1], {"a": 1}, True, float("nan"), float("inf"), 10 ** 400]
+
+
+@pytest.mark.parametrize("key", ["lease_until", "lease_s"])
+@pytest.mark.parametrize("bad", BAD_SECONDS + ["missing"], ids=repr)
+def test_a_targets_times_must_be_finite_numbers(key, bad):
+    """A peer's target whose lease_until (any target) or lease_s (a layer
+    read's) is no finite number is a PushError (answered nokv, the worker
+    goes on).  A str, list, dict, null or missing lease_until, or an integer
+    past the double range, raised ValueError / TypeError / KeyError /
+    OverflowError out of Target(), through the worker's notification drain
+    into vLLM's worker (the engine died); a NaN lease_s gave a read target
+    keep_until NaN (its blocks lent for ever).  lease_s null or absent is
+    0 as before."""
+    head, body = _target(lnotify=True, rd=True, lease_s=3.0)
+    if bad == "missing":
+        del head[key]
+    else:
+        head[key] = bad
+    if key == "lease_s" and bad in (None, "missing"):
+        assert push.Target("peer:1", head, body, 100.0).keep_until == 100.0
+        return
+    with pytest.raises(push.PushError, match=f"'{key}' must be a finite number"):
+        push.Target("peer:1", head, body, 100.0)
+
+
 def test_good_target_parses():
     head, body = _target()
     tg = push.Target("peer:1", head, body, 0.0)

@@ -63,6 +63,20 @@ static const char *const k_vllm_keys[] = {
     "kv_connector", "kv_role", "kv_rank", "kv_parallel_size", "kv_buffer_size", "kv_ip", "kv_port",
 };
 
+/* The connector's own settings (mooncake_connector/connector/settings.py
+ * KNOBS and mooncake_config_path), which users put here: they belong in
+ * kv_connector_extra_config.  tests/test_bad_input.py checks this list
+ * against KNOBS. */
+static const char *const k_knob_keys[] = {
+    "mooncake_config_path", "hold_timeout_s", "load_timeout_s", "flow_a",
+    "load_failure_policy", "load_workers", "lookup_timeout_s", "probe_wait_ms",
+    "sync_load_max_bytes", "sync_load_timeout_s", "idle_wait_ms", "push_layerwise",
+    "push_layerwise_cuda", "push_layer_gate", "push_layer_watch", "push_layer_load",
+    "push_layer_read", "push_layer_read_stall_s", "push_layer_load_max_batch", "early_recv",
+    "push_layer_timeout_s", "kv_cache_access", "bootstrap_port", "bootstrap_host",
+    "idle_wait_max_ms", "malloc_trim_idle_s",
+};
+
 typedef struct {
   char origin[SHOW_ORIGIN_MAX * 4 + 8]; /* shortened, escaped for messages */
   mc_err_t *err;
@@ -807,7 +821,7 @@ static int check_object(ctx_t *c, const cJSON *root, const char *val[F_COUNT]) {
       if (strcmp(key, k_field[i]) == 0)
         f = i;
     if (f < 0) {
-      char kshown[SHOW_VALUE_MAX * 4 + 8], hint[96] = "";
+      char kshown[SHOW_VALUE_MAX * 4 + 8], hint[160] = "";
       show(key, false, kshown, sizeof kshown, SHOW_VALUE_MAX);
       int best = 3, bi = -1;
       for (int i = 0; i < F_COUNT; i++) {
@@ -823,6 +837,11 @@ static int check_object(ctx_t *c, const cJSON *root, const char *val[F_COUNT]) {
         if (strcmp(key, k_vllm_keys[i]) == 0)
           snprintf(hint, sizeof hint,
                    " (it belongs in vLLM's --kv-transfer-config, not mooncake.json)");
+      for (size_t i = 0; i < sizeof k_knob_keys / sizeof k_knob_keys[0]; i++)
+        if (strcmp(key, k_knob_keys[i]) == 0)
+          snprintf(hint, sizeof hint,
+                   " (a connector setting: it belongs in kv_connector_extra_config of vLLM's "
+                   "--kv-transfer-config, not mooncake.json)");
       for (size_t i = 0; i < sizeof k_store_keys / sizeof k_store_keys[0]; i++)
         if (strcmp(key, k_store_keys[i]) == 0)
           snprintf(hint, sizeof hint,

@@ -6,7 +6,8 @@ without breaking deployments of vLLM's in-tree connector of the same name:
     resolves to this package's connector only for OUR shape of configuration
     (``choose()``): ``MOONCAKE_CONFIG_PATH`` set, or the seed's ``kv_rank`` /
     ``kv_parallel_size`` / ``kv_buffer_size``, or ``mooncake_config_path`` or
-    another key only this connector knows in ``kv_connector_extra_config``.
+    another key only this connector knows (or a near miss of one: a typo,
+    which its start then names) in ``kv_connector_extra_config``.
     A configuration in the in-tree connector's shape (e.g.
     ``{"mooncake_protocol": "tcp"}``, or nothing at all) keeps vLLM's class.
     One log line per process says which class was chosen and why;
@@ -16,6 +17,7 @@ without breaking deployments of vLLM's in-tree connector of the same name:
 Set MOONCAKE_CONNECTOR_DISABLE_PLUGIN=1 to keep vLLM's in-tree connector.
 The plugin never raises: vLLM's start-up must not fail because of it.
 """
+import difflib
 import json
 import logging
 import os
@@ -43,6 +45,15 @@ def choose(extra, env=None):
     ours = sorted(set(extra) & _our_keys())
     if ours:
         return True, f"kv_connector_extra_config has {ours}"
+    # A typo of one of our keys ("push_layer_rad", "hold_timout_s") made the
+    # configuration look like the in-tree connector's, which was taken in
+    # its place: ours, whose start then names the key and its near miss.
+    # (No in-tree connector key is this close to one of ours.)
+    near = sorted(str(k) for k in extra
+                  if difflib.get_close_matches(str(k), _our_keys(), n=1, cutoff=0.8))
+    if near:
+        return True, (f"kv_connector_extra_config has {near}, near misses of this package's "
+                      "keys (a typo?)")
     if env.get("MOONCAKE_CONFIG_PATH"):
         others = sorted(extra)
         if others:  # only keys we do not know: the in-tree connector's config

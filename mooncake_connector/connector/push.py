@@ -293,6 +293,25 @@ def _int(head, key, lo=0, hi=1 << 62):
     return v
 
 
+def _seconds(head, key, default=None):
+    """A finite number of head (a time or a duration); default when the
+    key is absent or null and a default is given.  Anything else is a
+    PushError: a str, list or an integer past the double range raised
+    ValueError/TypeError/OverflowError out of the worker's notification
+    drain (the engine died), NaN kept a read target's blocks for ever."""
+    v = head.get(key)
+    if v is None and default is not None:
+        return default
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        try:
+            f = float(v)
+        except OverflowError:
+            f = float("inf")
+        if f == f and abs(f) != float("inf"):
+            return f
+    raise PushError(f"push target field {key!r} must be a finite number, not {str(v)[:40]!r}")
+
+
 class Outbox:
     """Sends notifications off the vLLM step: one thread per peer engine
     (send_notify waits for the peer engine's receipt, GIL released), so a
@@ -814,14 +833,18 @@ class PushConsumer:
         load instead, counted push_layer_read_cuda_refused, one WARNING):
         its GPU test has not yet passed on a GPU (docs/connector.md, "Layer
         read").  MC_LAYER_READ_CUDA=1 takes it (that test sets it)."""
-        if w.cuda_sync is None or os.environ.get("MC_LAYER_READ_CUDA") == "1":
+        raw = os.environ.get("MC_LAYER_READ_CUDA", "")
+        if w.cuda_sync is None or raw == "1":
             return False
         w.stats.add("push_layer_read_cuda_refused")
         if not PushConsumer._read_cuda_warned:
             PushConsumer._read_cuda_warned = True
+            # a value other than 1 ("true", "yes") was not taken, without a word
+            other = f" (MC_LAYER_READ_CUDA={raw[:40]!r} is not 1: ignored)" if raw else ""
             logger.warning("MooncakeConnector: push_layer_read is not taken with CUDA KV caches "
                            "(not yet validated on a GPU); these requests take the write-based "
-                           "layer load (push_layer_load). MC_LAYER_READ_CUDA=1 takes it anyway")
+                           "layer load (push_layer_load). MC_LAYER_READ_CUDA=1 takes it "
+                           "anyway%s", other)
         return True
 
     def _read_src(self, cl, name, head, body):
@@ -1287,7 +1310,7 @@ class Target:
     def __init__(self, sender, head, body, arrived):
         self.name = sender
         self.head = head
-        self.lease_until = float(head["lease_until"])
+        self.lease_until = _seconds(head, "lease_until")
         self.skip = _int(head, "skip", 0, 1 << 24)
         self.nblocks = _int(head, "nblocks", 0, 1 << 24)
         self.epb = _int(head, "epb", 1, 1 << 16)
@@ -1310,7 +1333,7 @@ class Target:
         # our own clock's arrival + the lease's length (a duration, never
         # shorter than the decode's own lease, whatever the clocks say).
         self.read = self.lnotify and head.get("rd") is True
-        self.keep_until = arrived + min(max(float(head.get("lease_s") or 0.0), 0.0), 86400.0) \
+        self.keep_until = arrived + min(max(_seconds(head, "lease_s", 0.0), 0.0), 86400.0) \
             if self.read else 0.0
         self.rdone = False       # layer read: the decode read every layer
         self.landed = set()      # layer indices whose writes were acknowledged

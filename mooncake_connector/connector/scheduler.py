@@ -52,6 +52,27 @@ def _log_async_once(msg, level=logging.INFO):
         logger.log(level, msg)
 
 
+_BAD_FLAGS = set()  # kv_transfer_params keys already warned about (once per key)
+
+
+def _flag(params, key):
+    """A per-request switch of kv_transfer_params (push_layer_load,
+    push_layer_read, push_layerwise, push_layer_watch): True or False, None
+    when absent or null (the server's setting).  Any other value (a client
+    sending "true", 1 or "yes" to the server directly; our proxy sends JSON
+    booleans) is the server's setting too, said once per key in a WARNING
+    naming the value and the fix, never taken silently."""
+    v = params.get(key)
+    if v is None or isinstance(v, bool):
+        return v
+    if key not in _BAD_FLAGS:
+        _BAD_FLAGS.add(key)
+        logger.warning("MooncakeConnector: kv_transfer_params %r is %s, not true or false: "
+                       "ignored, this server's %s setting is used; send a JSON boolean (said "
+                       "once per key)", key, repr(v)[:80], key)
+    return None
+
+
 def bytes_per_block(kv_cache_config):
     """KV bytes one block holds on one worker (all layers), or None."""
     try:
@@ -451,8 +472,8 @@ class SchedulerSide:
     def _layer_read(self, params):
         """A layer load the decode READs itself (push_layer_read; per request
         kv_transfer_params "push_layer_read" wins)."""
-        on = params.get("push_layer_read")
-        return on if isinstance(on, bool) else bool(self.s.push_layer_read)
+        on = _flag(params, "push_layer_read")
+        return on if on is not None else bool(self.s.push_layer_read)
 
     def _layer_load_claim(self, request, n_full):
         """Push with push_layer_load (docs/connector.md, "Layer load"): the
@@ -462,8 +483,8 @@ class SchedulerSide:
         One KV-cache group only: vLLM maps in-step load errors (invalid block
         ids) back to requests for a single group only."""
         params = getattr(request, "kv_transfer_params", None) or {}
-        on = params.get("push_layer_load")
-        if not (on if isinstance(on, bool) else self.s.push_layer_load) or self.groups != 1:
+        on = _flag(params, "push_layer_load")
+        if not (on if on is not None else self.s.push_layer_load) or self.groups != 1:
             return 0
         rid = request.request_id
         if self.async_scheduling:
@@ -778,16 +799,15 @@ class SchedulerSide:
                 # published for a pull AND pushed if a decode side's target
                 # comes for it (docs/connector.md, Push flow).
                 push = _push_mode(self.s, params)
-                lw = params.get("push_layerwise")
+                lw = _flag(params, "push_layerwise")
                 if trace.ON:  # a pull's (flows a, b): keyed by vLLM's request id
                     trace.event("sched_publish", transfer_id(params) if push else rid,
                                 n_sched=n_sched, arrival_w=getattr(req, "arrival_time", None))
                 self._publishes.append(PublishSpec(rid, list(req.prompt_token_ids[:n_full]),
                                                    groups[0], more_groups=groups[1:],
                                                    push_tid=transfer_id(params) if push else None,
-                                                   layerwise=lw if isinstance(lw, bool) else None,
-                                                   watch=_bool_or_none(params.get(
-                                                       "push_layer_watch")),
+                                                   layerwise=lw,
+                                                   watch=_flag(params, "push_layer_watch"),
                                                    push_optional=push == "optional"))
                 self._published[rid] = n_full
         meta.publishes, self._publishes = self._publishes, []
@@ -926,10 +946,6 @@ def _push_mode(settings, params):
             not transfer_id(params) or params.get("push") is False:
         return None
     return "push" if params.get("push") is True else "optional"
-
-
-def _bool_or_none(v):
-    return v if isinstance(v, bool) else None
 
 
 def _int_or_none(v):

@@ -458,6 +458,9 @@ def _check_fields(pairs, origin):
                 hint = f'; did you mean "{C_FIELDS[dist.index(min(dist))]}"?'
             if key in VLLM_KEYS:
                 hint = " (it belongs in vLLM's --kv-transfer-config, not mooncake.json)"
+            if key in KNOBS or key == "mooncake_config_path":  # the C parser's k_knob_keys
+                hint = (" (a connector setting: it belongs in kv_connector_extra_config of "
+                        "vLLM's --kv-transfer-config, not mooncake.json)")
             if key in STORE_KEYS:
                 hint = " (a Mooncake Store setting; this connector does not use it: remove it)"
             raise SettingsError(_c_line(f'{shown}: field "{_show(key, 80)}": unknown '
@@ -481,6 +484,9 @@ def _coerce(key, typ, value):
             not math.isfinite(value) or value != int(value))):
         raise SettingsError(f"kv_connector_extra_config.{key} must be an integer, not "
                             f"{value!r}")
+    if typ is float and isinstance(value, bool):  # float(True) is 1.0: never meant
+        raise SettingsError(f"kv_connector_extra_config.{key} must be a number, not "
+                            f"{value!r}")
     if typ is bool:
         if isinstance(value, bool):
             return value
@@ -490,6 +496,9 @@ def _coerce(key, typ, value):
                             f"{value!r}")
     try:
         out = typ(value)
+    except OverflowError:  # an integer past the double range (a JSON 1 and 400 zeros)
+        raise SettingsError(f"kv_connector_extra_config.{key} must be a finite number, not "
+                            f"an integer of {len(str(value))} digits") from None
     except (TypeError, ValueError):
         what = {int: "an integer", float: "a number"}.get(typ, f"a {typ.__name__}")
         raise SettingsError(f"kv_connector_extra_config.{key} must be {what}, not "
@@ -547,8 +556,10 @@ def resolve(kv_transfer_config, env=None):
                             f"{', '.join(ROLES)} in --kv-transfer-config")
     extra = dict(getattr(kv_transfer_config, "kv_connector_extra_config", None) or {})
     s = Settings(role=role)
-    s.config_path = extra.pop("mooncake_config_path", None) or env.get("MOONCAKE_CONFIG_PATH")
-    if s.config_path:
+    s.config_path = extra.pop("mooncake_config_path", None)
+    if s.config_path is None:  # given, "" is refused by _read_json (was: the environment's)
+        s.config_path = env.get("MOONCAKE_CONFIG_PATH") or None
+    if s.config_path is not None:
         s.mooncake = {k: v for k, v in _read_json(s.config_path, "mooncake config").items()}
     for k in MOONCAKE_FIELDS:
         if k in extra:
@@ -572,9 +583,12 @@ def resolve(kv_transfer_config, env=None):
         if key in extra:
             setattr(s, key, _coerce(key, typ, extra.pop(key)))
     for key in ("lookup_timeout_s", "sync_load_timeout_s", "load_timeout_s",
-                "push_layer_timeout_s"):
+                "push_layer_timeout_s", "hold_timeout_s"):
         if getattr(s, key) <= 0:
-            raise SettingsError(f"kv_connector_extra_config.{key} must be > 0 seconds")
+            # hold_timeout_s 0 was taken: the lookup buffer's ttl 0 means never
+            # (a pulled prompt held until evicted), a push job's 0 at once
+            raise SettingsError(f"kv_connector_extra_config.{key} must be > 0 seconds, not "
+                                f"{getattr(s, key)!r}")
     for key in ("lookup_timeout_s", "sync_load_timeout_s", "load_timeout_s",
                 "push_layer_timeout_s", "hold_timeout_s"):
         if getattr(s, key) > 86_400:  # the engine's bound on a transfer's timeout
@@ -614,9 +628,10 @@ def resolve(kv_transfer_config, env=None):
     if extra:
         known = sorted(set(KNOBS) | set(MOONCAKE_FIELDS) |
                        {"kv_rank", "kv_parallel_size", "kv_buffer_size", "mooncake_config_path"})
-        hints = [f"{k!r}: did you mean {close[0]!r}?" for k in sorted(extra)
+        unknown = sorted(extra, key=str)  # keys of other types (Python callers): no TypeError
+        hints = [f"{k!r}: did you mean {close[0]!r}?" for k in unknown
                  for close in [difflib.get_close_matches(str(k), known, n=1)] if close]
-        raise SettingsError(f"unknown kv_connector_extra_config key(s) {sorted(extra)}"
+        raise SettingsError(f"unknown kv_connector_extra_config key(s) {unknown}"
                             f"{' (' + '; '.join(hints) + ')' if hints else ''}; known: "
                             f"{', '.join(known)}")
     return s
