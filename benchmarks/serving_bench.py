@@ -986,12 +986,6 @@ def main(argv=None):
         + ("same-host GPU path" if args.gpu_path == "on" else "TCP with GPU staging"))
     if decode_args:
         where += "; decode --no-async-scheduling (layer loads)"
-    if args.device == "cuda" and "push_layer_read" in want:
-        # docs/connector.md, Layer read: a CUDA decode refuses read mode (the
-        # write-based layer load instead, ..._push_layer_read_cuda_refused_total).
-        where += ("; push_layer_read: a CUDA decode takes the write-based layer load"
-                  if os.environ.get("MC_LAYER_READ_CUDA") != "1"
-                  else "; push_layer_read on CUDA (MC_LAYER_READ_CUDA=1)")
     print(f"model {model} ({kv_per_token} B of KV per token); {where}; "
           f"connector {dep.connector}; logs {dep.logs}", flush=True)
     for k, why in skipped.items():

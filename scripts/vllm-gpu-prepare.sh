@@ -17,8 +17,8 @@
 # needs FA2 or FA3; the servers use TRITON_ATTN for fp32), _moe_C (dense models only; vLLM imports it
 # optionally), FlashMLA, QuTLASS, the vllm-rs frontend binary, the C++
 # headers and prebuilt extensions under third_party/.  Needs python3 with pip, unzip, xz, sha256sum.
-# Env: MC_VLLM_GPU_PART_MB (40: each part, MiB; a call carries 64 MiB in
-# all and the checkout itself is ~20 MiB by 2026-12-05), MC_VLLM_GPU_CACHE
+# Env: MC_VLLM_GPU_PART_MB (31: each part, MiB; a call carries 64 MiB in
+# all and the checkout itself is ~26 MiB by 2026-12-06: 4 parts), MC_VLLM_GPU_CACHE
 # (downloads, <repo>/.cache/vllm-gpu).  A file over the part limit (vLLM's
 # kernels, 53 MiB compressed) is cut into NAME.splitNN pieces that pack like
 # any file; the installer joins them.
@@ -27,7 +27,7 @@ repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 out="$(mkdir -p "${1:-$repo/.vllm-gpu}" && cd "${1:-$repo/.vllm-gpu}" && pwd)"
 cache="${MC_VLLM_GPU_CACHE:-$repo/.cache/vllm-gpu}"
 ver=0.26.0
-limit_mb="${MC_VLLM_GPU_PART_MB:-40}"
+limit_mb="${MC_VLLM_GPU_PART_MB:-31}"
 py="${PYTHON:-python3}"
 plat=(--only-binary=:all: --python-version 3.12 --implementation cp
       --platform manylinux_2_35_x86_64 --platform manylinux_2_34_x86_64

@@ -601,24 +601,3 @@ def test_a_typo_of_our_key_chooses_ours_so_its_start_names_it(typo, env):
     for intree in ("mooncake_protocol", "num_workers", "bootstrap_server_address",
                    "enable_lookup", "store_tp_size", "preferred_segment", "load_async"):
         assert not choose({intree: 1}, env=env)[0], intree
-
-
-def test_layer_read_cuda_variable_other_than_1_is_named(caplog, monkeypatch):
-    """MC_LAYER_READ_CUDA=true (or yes, on) was not taken, and the one
-    warning said only "MC_LAYER_READ_CUDA=1 takes it anyway": now it names
-    the value it ignored."""
-    import logging
-    import types
-
-    from mooncake_connector.connector import push
-    monkeypatch.setattr(push.PushConsumer, "_read_cuda_warned", False)
-    monkeypatch.setenv("MC_LAYER_READ_CUDA", "true")
-    counted = []
-    w = types.SimpleNamespace(cuda_sync=object(), stats=types.SimpleNamespace(
-        add=counted.append))
-    with caplog.at_level(logging.WARNING, logger="vllm.mooncake_connector"):
-        assert push.PushConsumer._read_refused(None, w) is True
-    assert counted == ["push_layer_read_cuda_refused"]
-    assert "MC_LAYER_READ_CUDA='true' is not 1: ignored" in caplog.text, caplog.text
-    monkeypatch.setenv("MC_LAYER_READ_CUDA", "1")
-    assert push.PushConsumer._read_refused(None, w) is False

@@ -211,7 +211,6 @@ def test_layer_read_reads_cuda_layers_byte_exact_and_the_producer_writes_nothing
     being computed would carry the old values), and the producer writes no
     byte into the decode's blocks."""
     urls, env = pair_settings(ipc)
-    env["MC_LAYER_READ_CUDA"] = "1"  # (without it CUDA KV caches take the write-based load)
     made = []
     try:
         prod, cons = start_pair(urls, env, made,

@@ -269,13 +269,12 @@ def test_stopped_producer_read_over_tcp_gives_up_fast(sides, model_dir, urls, mo
     assert ok and written == 0
 
 
-def test_cuda_kv_caches_take_the_write_based_layer_load(sides, monkeypatch):
-    """Read mode is not taken with CUDA KV caches yet (its GPU test has not
-    passed on a GPU): the decode's worker with a CUDA stream (stood in: a
-    synchronize that does nothing) sends a plain layer-load target, counted
-    push_layer_read_cuda_refused; the prompt still loads by the producer's
-    writes, token-exact; MC_LAYER_READ_CUDA=1 would take read mode."""
-    monkeypatch.delenv("MC_LAYER_READ_CUDA", raising=False)
+def test_cuda_kv_caches_take_read_mode(sides):
+    """Read mode with CUDA KV caches (the decode's worker has a CUDA stream,
+    stood in here by a synchronize that does nothing) is taken like any
+    other: the decode READs, the producer writes nothing, token-exact (its
+    GPU test, tests/test_gpu_worker.py, passed on an H100 in session 33;
+    read mode was refused on CUDA before that)."""
     p = sides("kv_producer")
     d = sides("kv_consumer", flow_a=False, push_layer_load=True, push_layer_read=True)
     d.worker._worker.cuda_sync = lambda: None
@@ -288,7 +287,8 @@ def test_cuda_kv_caches_take_the_write_based_layer_load(sides, monkeypatch):
     finally:
         run.join()
     assert p.run_until(lambda: p.is_empty(), steps=500)
-    assert counted(d, "push_layer_read_cuda_refused") == 1
-    assert counted(d, "push_layer_reads") == 0
+    assert counted(d, "push_layer_reads") == 1
     assert counted(d, "push_layer_loads") == 1
+    assert eng_stats(p)["same_host_cpu_bytes_written"] == 0  # the decode read
+    assert counters(p).get("push_bytes_same_host_cpu", 0) == 0
     assert recomputes(d) == {}

@@ -743,7 +743,7 @@ class PushConsumer:
             if layered:
                 head["lnotify"] = True
                 cl.landed[name] = set()
-                if getattr(spec, "layer_read", False) and not self._read_refused(w):
+                if getattr(spec, "layer_read", False):
                     cl.read = True
                     head["rd"] = True
                     head["lease_s"] = w.s.push_layer_timeout_s
@@ -825,27 +825,6 @@ class PushConsumer:
             cl.ranks[sender] = t
             if t != "done":
                 cl.why[sender] = str(head.get("why") or t)[:300]
-
-    _read_cuda_warned = False
-
-    def _read_refused(self, w):
-        """Layer read with CUDA KV caches: not taken (the write-based layer
-        load instead, counted push_layer_read_cuda_refused, one WARNING):
-        its GPU test has not yet passed on a GPU (docs/connector.md, "Layer
-        read").  MC_LAYER_READ_CUDA=1 takes it (that test sets it)."""
-        raw = os.environ.get("MC_LAYER_READ_CUDA", "")
-        if w.cuda_sync is None or raw == "1":
-            return False
-        w.stats.add("push_layer_read_cuda_refused")
-        if not PushConsumer._read_cuda_warned:
-            PushConsumer._read_cuda_warned = True
-            # a value other than 1 ("true", "yes") was not taken, without a word
-            other = f" (MC_LAYER_READ_CUDA={raw[:40]!r} is not 1: ignored)" if raw else ""
-            logger.warning("MooncakeConnector: push_layer_read is not taken with CUDA KV caches "
-                           "(not yet validated on a GPU); these requests take the write-based "
-                           "layer load (push_layer_load). MC_LAYER_READ_CUDA=1 takes it "
-                           "anyway%s", other)
-        return True
 
     def _read_src(self, cl, name, head, body):
         """Layer read: the producer's "src" message, per layer the (src,

@@ -29,7 +29,7 @@ COUNTERS = ("loads", "loads_in_step", "loads_failed", "load_bytes", "load_bytes_
             "push_layer_load_cudagraph", "push_layer_load_async_sched",
             "push_target_resends", "push_fence_cuts", "push_fence_holds",
             "push_untargeted_cancels", "push_layer_reads", "push_layer_read_gave_up",
-            "push_layer_read_cuda_refused", "push_bytes_same_host_cpu", "push_gate_host_batches", "malloc_trims",
+            "push_bytes_same_host_cpu", "push_gate_host_batches", "malloc_trims",
             "malloc_trim_freed_bytes",
             "load_error_blocks_uncached", "load_releases", "load_releases_aborted",
             "prefill_releases", "legs_forget_seen", "legs_forget_unseen", "legs_late",
@@ -152,10 +152,6 @@ PROM_COUNTERS = {
     "push_layer_read_gave_up": ("vllm:mooncake_push_layer_read_gave_up_total",
                                 "Consumer: layer reads given up after "
                                 "push_layer_read_stall_s without a layer announced"),
-    "push_layer_read_cuda_refused": ("vllm:mooncake_push_layer_read_cuda_refused_total",
-                                     "Consumer: push_layer_read asked with CUDA KV caches, "
-                                     "taken as the write-based layer load (not yet validated "
-                                     "on a GPU; MC_LAYER_READ_CUDA=1 takes it)"),
     "push_layer_loads": ("vllm:mooncake_push_layer_loads_total",
                          "Consumer: push loads whose attention waited per layer "
                          "(push_layer_load)"),
