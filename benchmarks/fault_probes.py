@@ -2,7 +2,7 @@
 (vLLM's CPU backend, the same-host CPU path).
 
     python3 -P benchmarks/fault_probes.py [--lease-s 3] [--sp "ARGS"] [--lr "ARGS"]
-        [--start-timeout S] [--workdir DIR] [--out DIR]
+        [--start-timeout S] [--workdir DIR] [--out DIR] [--reference-url URL]
 
 Each probe alone starts its own metadata server, prefill, decode and
 colocated vLLM server; this runs both on one such set (the server start-up,
@@ -22,6 +22,11 @@ push-layer-load; write, read).  The order:
 4. the layer read's "killed": one request through the read proxy with the
    prefill killed (here in step 3, not just before it, and after the push
    proxies' requests of that phase: the read proxy's first request since).
+
+--reference-url: a colocated vLLM server already running (the tiny model,
+the arguments mooncake_connector.deployment gives a colocated server, 64 MiB
+of KV cache: e.g. the tests' session deployment's) as both probes' reference,
+instead of a colocated server of their own (one vLLM server's start less).
 
 --sp and --lr: more arguments for each probe (its own options; --device,
 --lease-s, --start-timeout, --workdir and --out are this script's).  Writes
@@ -60,6 +65,8 @@ def parse_args(argv=None):
     ap.add_argument("--start-timeout", type=float, default=600.0)
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--reference-url", default=None,
+                    help="a running colocated server as the reference (none started)")
     args = ap.parse_args(argv)
     own = ("--device", "--lease-s", "--start-timeout", "--workdir", "--out")
     for name in ("sp", "lr"):
@@ -69,6 +76,8 @@ def parse_args(argv=None):
         setattr(args, name + "_argv", extra)
     lease = ["--lease-s", str(args.lease_s)]
     args.sp_args = sp.parse_args(["--device", "cpu"] + lease + args.sp_argv)
+    if args.reference_url and args.sp_args.kv32k:
+        ap.error("--reference-url: the reference must serve the probes' model (not with --kv32k)")
     args.lr_args = lr.parse_args(lease + args.lr_argv)
     cfg = lr.decode_config(args.lr_args)
     for k, v in sp.decode_config(args.sp_args).items():
@@ -108,11 +117,13 @@ def main(argv=None):
     a = args.sp_args
     dep, model = sp.deployment(workdir, dict({n: kw for n, kw in sp.MODES.values()},
                                              **lr.PROXIES),
-                               args.decode_config, kv32k=a.kv32k, kv_cache_mib=a.kv_cache_mib)
+                               args.decode_config, kv32k=a.kv32k, kv_cache_mib=a.kv_cache_mib,
+                               reference_url=args.reference_url)
     where = sp.describe(a)
     sp_log(f"stopped-producer probe: {where}; model {model}; lease {a.lease_s} s; phases "
            f"{a.phases}; logs {dep.logs}; with the layer-read probe on these servers (decode "
-           f"extra config {json.dumps(args.decode_config)})")
+           f"extra config {json.dumps(args.decode_config)}); reference {dep.reference_url}"
+           + (" (running already)" if args.reference_url else ""))
     probe, run = sp.Probe(a, dep, sp_log), lr.Run(args.lr_args, dep, lr_log)
     rc = {"stopped_producer_probe": 0, "layer_read_probe": 0}
     steps = [("layer_read_probe", run, run.before_kill),

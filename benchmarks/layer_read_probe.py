@@ -91,7 +91,7 @@ class Run:
     def same(self, r, p, max_tokens=None):
         key = (p, max_tokens)
         if key not in self.ref:
-            c = self.ask(self.dep.colocated.url, p, max_tokens)
+            c = self.ask(self.dep.reference_url, p, max_tokens)
             self.ref[key] = c.token_ids if c.status == 200 and not c.error else None
         return r.status == 200 and not r.error and self.ref[key] is not None and \
             r.token_ids == self.ref[key]

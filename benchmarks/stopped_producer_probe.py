@@ -271,7 +271,7 @@ class Probe:
         rec["in_bound"] = bound is None or rec["seconds"] <= bound
         rec["ok"] = rec["status"] == 200 and not rec["error"]
         if p not in self.ref:
-            c = request(self.dep.colocated.url, "/v1/completions", self.body(p),
+            c = request(self.dep.reference_url, "/v1/completions", self.body(p),
                         timeout=self.args.http_timeout)
             self.ref[p] = c.token_ids if c.status == 200 and not c.error else None
         rec["identical"] = rec["ok"] and self.ref[p] is not None and rec["tokens"] == self.ref[p]
@@ -540,14 +540,17 @@ def decode_config(args):
 
 def deployment(workdir, proxies, decode_extra_config, device="cpu", gpu_path="on",
                dtype="float32", attention_backend="TRITON_ATTN", kv32k=False, kv_cache_mib=64,
-               decode_args=()):
+               decode_args=(), reference_url=None):
     """The probes' servers, not started (mooncake_connector.deployment): the
     metadata server, a prefill, a decode and a colocated vLLM server on one
     host (--device cpu: the same-host CPU path, MC_SAME_HOST_CPU=1), the push
     proxies {name: serving.proxy keyword arguments} in front of prefill and
     decode; decode_extra_config merged into the decode's
-    kv_connector_extra_config, decode_args its extra vLLM arguments.
-    (Deployment, the model's description.)  benchmarks/layer_read_probe.py
+    kv_connector_extra_config, decode_args its extra vLLM arguments;
+    reference_url: a colocated server already running (the same model and
+    vLLM arguments as this one's would have) as the reference instead of a
+    colocated server of its own.  dep.reference_url is the reference's URL
+    either way.  (Deployment, the model's description.)  benchmarks/layer_read_probe.py
     and benchmarks/fault_probes.py start theirs here too."""
     from mooncake_connector import tiny_model
     from mooncake_connector.deployment import Deployment
@@ -565,7 +568,9 @@ def deployment(workdir, proxies, decode_extra_config, device="cpu", gpu_path="on
     dep = Deployment(workdir, model, connector="mooncake", flows=(), extra_proxies=proxies,
                      side_args={"decode": list(decode_args)} if decode_args else None,
                      kv_cache_bytes=kv_cache_mib << 20, env=dev_env,
-                     extra_vllm_args=dev_args, decode_extra_config=decode_extra_config)
+                     extra_vllm_args=dev_args, decode_extra_config=decode_extra_config,
+                     colocated=reference_url is None)
+    dep.reference_url = reference_url or dep.colocated.url
     return dep, model
 
 

