@@ -735,8 +735,15 @@ class Proxy:
         dec_body = dict(body, kv_transfer_params=dp)
         marks = {"in": t_in}
         trace.event("proxy_dispatch", tid, rid=rid)
+        # The decode leg names the prefill's first engine (the named one, or
+        # the decode's prefill_url): a prefill server with vLLM data
+        # parallelism runs the leg there (vLLM's API server routes a request
+        # with X-data-parallel-rank to that engine; 0 is valid on every
+        # server), not on the engine its load balancer picks, whose push job
+        # the decode's target would never reach (docs/connector.md).
+        pre_headers = dict(headers, **{"X-data-parallel-rank": "0"})
         task = asyncio.ensure_future(self._push_prefill(request.path, pre_url, pre_body,
-                                                        headers, rid, marks))
+                                                        pre_headers, rid, marks))
         # The prefill's forward is the request's critical path (the decode
         # waits for its layers; its target may reach the prefill during the
         # forward, which then sends the layers computed so far at once): let

@@ -32,7 +32,7 @@ from mooncake_connector.connector.legs import LegLedger
 from mooncake_connector.connector.metadata import (LoadSpec, MooncakeConnectorMetadata,
                                                    PublishSpec)
 from mooncake_connector.connector.push import is_push, transfer_id
-from mooncake_connector.connector.settings import shift_port
+from mooncake_connector.connector.settings import dp_base, shift_port
 from mooncake_connector.connector.stats import MooncakeKVConnectorStats, recompute_reason
 from mooncake_connector import trace
 
@@ -64,7 +64,7 @@ def bytes_per_block(kv_cache_config):
 class SchedulerSide:
     def __init__(self, settings, block_size, tp_size, kv_cache_manager_getter,
                  block_bytes=None, probe=None, groups=1, graphs=(False, False, 1),
-                 async_scheduling=False, early=None, dp_size=1):
+                 async_scheduling=False, early=None, dp_size=1, dp_local=0, pp_size=1):
         self.s = settings
         # vLLM's data parallelism inside this server: a forget (legs.py) may
         # reach another engine than its leg's, which would answer "unseen"
@@ -91,6 +91,7 @@ class SchedulerSide:
         self._probe = probe       # ProducerProbe (flow A consumers) or None
         self._claims = {}         # req_id -> (tokens claimed through, sync)
         self._probed = {}         # req_id -> (held tokens or None, monotonic time)
+        self._found_at = {}       # flow A: req_id -> producer DP engine holding it (probe)
         self._asked = {}          # req_id -> monotonic time its probe was asked
         self._loads = {}          # req_id -> LoadSpec, sent with the next metadata
         self._publishes = []      # PublishSpec, sent with the next metadata
@@ -125,7 +126,8 @@ class SchedulerSide:
         self.producer_base = None
         if settings.is_producer:
             url = settings.local_hostname or settings.mooncake.get("prefill_url")
-            self.producer_base = url or None
+            # this engine's own names (vLLM data parallelism: lifecycle._name)
+            self.producer_base = dp_base(url, dp_local, tp_size, pp_size) if url else None
 
     # ---- consumer ----
 
@@ -142,7 +144,9 @@ class SchedulerSide:
                 return "P", producer or None  # push: the producer writes into our blocks
             return "B", producer or None
         if self.s.role == "kv_consumer" and self.s.flow_a:
-            return "A", None
+            # the producer's data-parallel engine its probe found the prompt
+            # in (probe.dp_engines); None: the configured one
+            return "A", self._found_at.get(request.request_id)
         return None
 
     def _full_tokens(self, request):
@@ -177,6 +181,12 @@ class SchedulerSide:
             t0 = time.monotonic()
             if self._probe.wait(rid, self.s.probe_wait_ms / 1000.0):
                 done, held = self._probe.answer(rid)
+        if done:
+            where = getattr(self._probe, "last_where", None)
+            if where is not None:
+                self._found_at[rid] = where
+            else:
+                self._found_at.pop(rid, None)
             if trace.ON:
                 trace.event("probe_wait", rid, ms=(time.monotonic() - t0) * 1e3, got=done)
         if not done:
@@ -811,6 +821,7 @@ class SchedulerSide:
         self._claims.pop(rid, None)
         self._to_release.pop(rid, None)
         self._probed.pop(rid, None)
+        self._found_at.pop(rid, None)
         if self._asked.pop(rid, None) is not None:
             self._probe.forget(rid)
         self._tried.discard(rid)
