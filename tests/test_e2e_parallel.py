@@ -313,3 +313,46 @@ def test_dp_cell_both_engines_of_each_side_served(cells, name):
     with open(dep.decode.log_path, encoding="utf-8", errors="replace") as f:
         log = f.read()
     assert "the producer has 2 data-parallel engine(s)" in log
+    # The bootstrap server (vLLM's in-tree contract) names both engines by DP rank.
+    from mooncake_connector import serving
+    import json
+    status, body = serving.http_get(f"http://127.0.0.1:{dep.bootstrap_port}/query", timeout=10)
+    table = json.loads(body)
+    assert status == 200 and sorted(table) == ["0", "1"], table
+    assert table["0"]["engine_id"] != table["1"]["engine_id"], table
+
+
+@pytest.mark.parametrize("name", [n for n in _selected() if n.startswith("dp")])
+def test_dp_cell_decode_answers_a_forget_per_engine(cells, name):
+    """The proxy's forget asks each engine of a data-parallel decode
+    (proxy._post_forget): vLLM's API server routes X-data-parallel-rank r to
+    engine r, which answers for itself (a leg it never saw: "unseen") and
+    says it has siblings (mc_dp); a rank past the last is refused with
+    vLLM's "out of range"."""
+    import json
+    import urllib.error
+    import urllib.request
+    dep, _ = cells[name]
+
+    def ask(rank):
+        body = {"model": "tiny", "prompt": [1], "max_tokens": 1,
+                "kv_transfer_params": {"mc_forget": {"x_request_id": f"never-{name}",
+                                                     "dp_rank": rank}}}
+        req = urllib.request.Request(dep.decode.url + "/v1/completions",
+                                     json.dumps(body).encode(),
+                                     {"Content-Type": "application/json",
+                                      "X-data-parallel-rank": str(rank)})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return r.status, json.loads(r.read()).get("kv_transfer_params")
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode(errors="replace")
+
+    # Each engine its own ledger: the first ask of each is "unseen", the
+    # second "seen" (asked twice), so each ask reached the engine it named.
+    for rank, want in ((0, "unseen"), (1, "unseen"), (0, "seen"), (1, "seen")):
+        status, params = ask(rank)
+        assert status == 200 and params["mc_dp"] is True, (rank, status, params)
+        assert params["mc_forget"] == want, (rank, params)
+    status, text = ask(2)
+    assert status == 400 and "out of range" in text, (status, text)

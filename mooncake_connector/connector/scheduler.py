@@ -70,6 +70,7 @@ class SchedulerSide:
         # reach another engine than its leg's, which would answer "unseen"
         # for a leg its sibling pulls; such a server always answers "seen"
         self.dp_size = dp_size
+        self.dp_local = dp_local  # this engine's index in its server (connector.dp_local)
         # early.SchedulerEarly (async scheduling, one worker in this process):
         # a background load's end told with the output vLLM takes next
         self.early = early
@@ -844,12 +845,24 @@ class SchedulerSide:
         forget = params.get("mc_forget")
         if self._legs is not None and isinstance(forget, dict) and \
                 isinstance(forget.get("x_request_id"), str) and forget["x_request_id"]:
+            out = {}
             if self.dp_size > 1:
-                verdict = "seen"  # another engine may hold it: never released twice
+                # Another engine may hold the leg: this one answers for
+                # itself only when the forget was sent to it (the proxy asks
+                # each engine with X-data-parallel-rank and names the rank as
+                # dp_rank), else "seen" (never released twice); mc_dp tells
+                # the proxy to ask every engine.
+                rank = forget.get("dp_rank")
+                if isinstance(rank, int) and not isinstance(rank, bool) and \
+                        rank == self.dp_local:
+                    verdict = self._legs.forget(forget["x_request_id"])
+                else:
+                    verdict = "seen"
+                out["mc_dp"] = True
             else:
                 verdict = self._legs.forget(forget["x_request_id"])
             self.stats.add(f"legs_forget_{verdict}")
-            return False, {"mc_forget": verdict}
+            return False, dict(out, mc_forget=verdict)
         if n is not None:
             self._held.append(rid)
             if trace.ON and not _push_mode(self.s, params):
