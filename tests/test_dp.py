@@ -37,10 +37,21 @@ def test_engine_k_moves_past_the_ranks_of_the_engines_before_it():
 
 
 def test_what_is_read_of_vllms_parallel_config():
-    # No data parallelism: engine 0, no siblings.
-    none = _pc(data_parallel_size=1, data_parallel_size_local=1, data_parallel_rank=0,
-               data_parallel_rank_local=None, data_parallel_index=0)
-    assert (dp_local(none), dp_count(none), _dp(none), _dp_size(none)) == (0, 1, 0, 1)
+    # No data parallelism: engine 0, no siblings (vLLM sets the local rank to
+    # 0 then, from VLLM_DP_RANK_LOCAL's default, or leaves it None).
+    for rl in (None, 0):
+        none = _pc(data_parallel_size=1, data_parallel_size_local=1, data_parallel_rank=0,
+                   data_parallel_rank_local=rl, data_parallel_index=0)
+        assert (dp_local(none), dp_count(none), _dp(none), _dp_size(none)) == (0, 1, 0, 1)
+    # A dense model's engine 0 of --data-parallel-size 2: only its process's
+    # name (vLLM's EngineCore_DP0) tells.
+    import multiprocessing
+    name = multiprocessing.current_process().name
+    multiprocessing.current_process().name = "EngineCore_DP0"
+    try:
+        assert _dp_size(none) == 2 and dp_local(none) == 0
+    finally:
+        multiprocessing.current_process().name = name
     # A dense model's engine 1 of --data-parallel-size 2: vLLM resets it to
     # DP 1 (reconfigure_for_independent_dp_rank) but keeps the local rank and
     # the global index.

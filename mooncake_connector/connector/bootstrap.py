@@ -303,12 +303,9 @@ def start(settings, engine_id, dp_rank, tp_size, pp_size, name_of, env, dp_count
     table = query_table(engine_id, dp_rank, tp_size, pp_size, name_of, dp_count)
     host = settings.bootstrap_host or "0.0.0.0"
     try:
-        refresh = None
-        if dp_found is not None:  # () -> how many DP engines the metadata server knows
-            def refresh():
-                return query_table(engine_id, dp_rank, tp_size, pp_size, name_of,
-                                   max(dp_count, dp_found()))
-        srv = BootstrapServer(host, port, table, refresh)
+        srv = BootstrapServer(host, port, table, None if dp_found is None else (
+            lambda: query_table(engine_id, dp_rank, tp_size, pp_size, name_of,
+                                max(dp_count, dp_found()))))
     except OSError as e:
         msg = (f"bootstrap server (vLLM's in-tree MooncakeConnector contract, for vllm-router "
                f"--kv-connector mooncake) cannot listen on {host}:{port}: {e.strerror or e}")

@@ -181,17 +181,24 @@ def _dp_size(vllm_config):
     """More than 1 where this engine may have data-parallel siblings behind
     the same API server (vLLM's internal or hybrid load balancing).  vLLM
     resets a dense model's engines to data_parallel_size 1
-    (reconfigure_for_independent_dp_rank) but keeps data_parallel_rank_local,
-    set only for an engine started as one of several."""
+    (reconfigure_for_independent_dp_rank; data_parallel_rank_local is 0
+    without data parallelism too), but keeps the global rank in
+    data_parallel_index and names the engine's process EngineCore_DP<rank>."""
     pc = getattr(vllm_config, "parallel_config", None)
+    if getattr(pc, "data_parallel_external_lb", False) is True:
+        return 1  # one engine per server: the server's forget reaches its leg's engine
     size = getattr(pc, "data_parallel_size", 1)
     size = size if isinstance(size, int) and size > 0 else 1
     local = getattr(pc, "data_parallel_size_local", 1)
-    if getattr(pc, "data_parallel_external_lb", False) is True:
-        return 1  # one engine per server: the server's forget reaches its leg's engine
-    if isinstance(getattr(pc, "data_parallel_rank_local", None), int) and size == 1:
+    if size > 1:
+        return max(min(size, local) if isinstance(local, int) and local >= 1 else size, 1)
+    index = getattr(pc, "data_parallel_index", 0)
+    if isinstance(index, int) and index > 0:
         return 2  # a dense model's DP engine: the sibling count is gone, more than one
-    return max(size if not isinstance(local, int) or local < 1 else min(size, local), 1)
+    import multiprocessing
+    if multiprocessing.current_process().name.startswith("EngineCore_DP"):
+        return 2  # engine 0 of a dense model's DP server
+    return 1
 
 
 def async_scheduling_on(vllm_config):
