@@ -318,8 +318,9 @@ def start(settings, engine_id, dp_rank, tp_size, pp_size, name_of, env, dp_count
                        "silence this)", msg)
         return None
     logger.info("MooncakeConnector: bootstrap server on %s:%d (GET /query: engine %s, dp rank %d, "
-                "TP %d, PP %d, %d DP engine(s))", host, srv.port, engine_id, dp_rank, tp_size,
-                pp_size, max(1, dp_count))
+                "TP %d, PP %d, %d DP engine(s)%s)", host, srv.port, engine_id, dp_rank, tp_size,
+                pp_size, max(1, dp_count), "" if dp_found is None else
+                "; more as the metadata server names them")
     return srv
 
 
