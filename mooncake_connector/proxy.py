@@ -102,6 +102,9 @@ def _error(status, message, kind="proxy_error"):
                              status=status)
 
 
+#: A forget asks at most this many engines of a decode with vLLM data parallelism.
+MAX_DP_FORGET = 64
+PAST_LAST_ENGINE = object()  # _ask_forget: the decode has no engine of that DP rank
 #: The most of a release's / forget's answer read (a one-token completion:
 #: ~1 KB); a longer one is not read further (memory bounded against a
 #: decode or prefill answering with anything else).
@@ -695,31 +698,62 @@ class Proxy:
         task.add_done_callback(self._bg.discard)
 
     async def _post_forget(self, request, dec_url, xid):
+        """Asks the decode about the leg, engine by engine: the first ask goes
+        to vLLM's DP rank 0 (X-data-parallel-rank, every server has one);
+        a decode with vLLM data parallelism says so (mc_dp) and answers for
+        the asked engine only, so the next ranks are asked until one says
+        "seen" (nothing to release) or the server refuses the rank (past its
+        last engine).  The prefill releases the prompt only when every engine
+        said "unseen"."""
+        for rank in range(MAX_DP_FORGET):
+            got = await self._ask_forget(request, dec_url, xid, rank)
+            if got is PAST_LAST_ENGINE and rank > 0:
+                break
+            if got is None or got is PAST_LAST_ENGINE:
+                return  # not known: the prefill frees the prompt at hold_timeout_s
+            verdict, dp = got
+            if verdict != "unseen":
+                return
+            if not dp:
+                break
+        else:
+            logger.info("decode %s: a forget asked %d engines, all 'unseen', and found no "
+                        "last one: the prefill frees the prompt at hold_timeout_s", dec_url,
+                        MAX_DP_FORGET)
+            return
+        self.counts["decode_forgets_unseen"] += 1
+        self._release_at_prefill(request)
+
+    async def _ask_forget(self, request, dec_url, xid, rank):
+        """(verdict, the decode has data-parallel engines) from DP rank
+        `rank`; PAST_LAST_ENGINE where vLLM has no engine of that rank; None
+        (an error answer, or the request failed)."""
         _pre_url, model, pre, _params, headers = request["mc_prefill"]
         ids = _prompt_ids(pre)
         body = {"model": model, "prompt": [ids[0] if ids else 0], "max_tokens": 1,
-                "kv_transfer_params": {"mc_forget": {"x_request_id": xid}}}
+                "kv_transfer_params": {"mc_forget": {"x_request_id": xid, "dp_rank": rank}}}
         # A fresh id: one holding xid would be taken for a request of that leg.
-        h = dict(headers, **{"X-Request-Id": f"mc-forget-{uuid.uuid4().hex}"})
+        h = dict(headers, **{"X-Request-Id": f"mc-forget-{uuid.uuid4().hex}",
+                             "X-data-parallel-rank": str(rank)})
         self.counts["decode_forgets_sent"] += 1
         try:
             async with self.session.post(dec_url + "/v1/completions", json=body, headers=h,
                                          timeout=aiohttp.ClientTimeout(total=30)) as r:
                 got = await _read_capped(r, CONTROL_ANSWER_MAX)
+                if r.status == 400 and b"out of range" in got:
+                    return PAST_LAST_ENGINE  # vLLM: "data_parallel_rank N is out of range"
                 if r.status != 200 or len(got) > CONTROL_ANSWER_MAX:
                     logger.info("decode %s answered %d (%s bytes) to a forget", dec_url,
                                 r.status, len(got) if len(got) <= CONTROL_ANSWER_MAX else
                                 f"over {CONTROL_ANSWER_MAX}")
-                    return
-            verdict = ((json.loads(got) or {}).get("kv_transfer_params") or {}).get("mc_forget")
+                    return None
+            params = (json.loads(got) or {}).get("kv_transfer_params") or {}
+            return params.get("mc_forget"), params.get("mc_dp") is True
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError,
                 AttributeError) as e:
             logger.info("decode %s: a forget failed (%r); the prefill frees the prompt at "
                         "hold_timeout_s", dec_url, e)
-            return
-        if verdict == "unseen":
-            self.counts["decode_forgets_unseen"] += 1
-            self._release_at_prefill(request)
+            return None
 
     async def _post_release(self, pre_url, body, headers):
         self.counts["prefill_releases_sent"] += 1
@@ -759,8 +793,15 @@ class Proxy:
         dec_body = dict(body, kv_transfer_params=dp)
         marks = {"in": t_in}
         trace.event("proxy_dispatch", tid, rid=rid)
+        # The decode leg names the prefill's first engine (the named one, or
+        # the decode's prefill_url): a prefill server with vLLM data
+        # parallelism runs the leg there (vLLM's API server routes a request
+        # with X-data-parallel-rank to that engine; 0 is valid on every
+        # server), not on the engine its load balancer picks, whose push job
+        # the decode's target would never reach (docs/connector.md).
+        pre_headers = dict(headers, **{"X-data-parallel-rank": "0"})
         task = asyncio.ensure_future(self._push_prefill(request.path, pre_url, pre_body,
-                                                        headers, rid, marks))
+                                                        pre_headers, rid, marks))
         # The prefill's forward is the request's critical path (the decode
         # waits for its layers; its target may reach the prefill during the
         # forward, which then sends the layers computed so far at once): let

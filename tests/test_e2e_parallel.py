@@ -18,6 +18,9 @@ The cells:
             token and layer; vLLM's CPU MLA backend forces 16-token blocks)  opt-in
   mla-tp1-tp2  the same, decode TP 2 (each decode rank reads whole latent
             blocks from prefill rank 0)                                  opt-in
+  dp2-dp2   prefill and decode each --data-parallel-size 2 (vLLM's internal
+            load balancing: one API server, two engines, each with its own
+            transfer-engine names); both engines of each side must serve  CI
   tp1-tp1   is tests/test_e2e_serving.py's session deployment.
 
 The reference is the cell's own decode server: before any request goes
@@ -62,13 +65,15 @@ SW = 64  # the hybrid model's sliding window (tokens): 2 blocks of 32
 # float16, int8 ..." at start-up with --dtype float32): the MLA cells run in
 # bfloat16 on every host (the reference is the cell's own decode server).
 BF16 = ["--dtype", "bfloat16"]
+DP2 = ["--data-parallel-size", "2"]
 CELLS = {"tp2-tp1": {"prefill": TP2},
+         "dp2-dp2": {"prefill": DP2, "decode": DP2},
          "hma-sw": {"model": {"sliding_window": SW}},
          "tp1-tp2": {"decode": TP2},
          "tp2-tp2": {"prefill": TP2, "decode": TP2},
          "mla": {"model": {"attention": "mla"}, "prefill": BF16, "decode": BF16},
          "mla-tp1-tp2": {"model": {"attention": "mla"}, "prefill": BF16, "decode": TP2 + BF16}}
-CI_CELLS = ("tp2-tp1", "hma-sw")
+CI_CELLS = ("tp2-tp1", "hma-sw", "dp2-dp2")
 
 
 def _selected():
@@ -267,3 +272,87 @@ def test_cell_logs_its_tp_map_and_no_load_failures(cells, name):
         stats = connector_log_stats(dep.decode.log_path)
     if stats:  # a fast cell may have no line at all yet
         assert stats.get("loads", 0) > 0 and stats.get("loads_failed", 0) == 0, stats
+
+
+def _per_engine(url, metric):
+    """{engine label: value} of a counter in a server's /metrics."""
+    from mooncake_connector import serving
+    from mooncake_connector.deployment import parse_metrics
+    status, body = serving.http_get(url + "/metrics", timeout=10)
+    assert status == 200, (url, status)
+    out = {}
+    for (name, labels), v in parse_metrics(body).items():
+        if name == metric:
+            eng = dict(labels).get("engine")
+            out[eng] = out.get(eng, 0) + v
+    return out
+
+
+@pytest.mark.parametrize("name", [n for n in _selected() if n.startswith("dp")])
+def test_dp_cell_both_engines_of_each_side_served(cells, name):
+    """vLLM data parallelism: every engine of the prefill published prompts
+    and every engine of the decode loaded some (vLLM's load balancer spread
+    the requests; a prompt published on the prefill's engine 1 was found
+    there by flow A's probe and pulled from that engine's names), and no
+    prompt was computed on the decode for want of its KV."""
+    dep, _ = cells[name]
+    # (its reference requests, sent to the decode directly, were computed there)
+    recomputed0 = metric_value(dep.decode.url, "vllm:mooncake_recomputes_total")
+    for flow in ("a", "b"):  # requests of its own: not ordered after the cell's flows
+        for i in range(4):
+            prompt = _prompt(80, 300 + i) + f" {flow}"
+            r = request(dep.proxies[flow].url, "/v1/completions", _body(prompt),
+                        timeout=REQ_TIMEOUT)
+            assert r.status == 200 and r.error is None, (name, flow, r.status, r.error)
+    pub = _per_engine(dep.prefill.url, "vllm:mooncake_publishes_total")
+    loads = _per_engine(dep.decode.url, "vllm:mooncake_loads_total")
+    assert len(pub) == 2 and all(v > 0 for v in pub.values()), f"prefill publishes {pub}"
+    assert len(loads) == 2 and all(v > 0 for v in loads.values()), f"decode loads {loads}"
+    recomputed = metric_value(dep.decode.url, "vllm:mooncake_recomputes_total") - recomputed0
+    assert recomputed == 0, f"{recomputed} prompt(s) computed on the decode instead of loaded"
+    with open(dep.decode.log_path, encoding="utf-8", errors="replace") as f:
+        log = f.read()
+    assert "the producer has 2 data-parallel engine(s)" in log
+    # The bootstrap server (vLLM's in-tree contract) names both engines by DP rank.
+    from mooncake_connector import serving
+    import json
+    status, body = serving.http_get(f"http://127.0.0.1:{dep.bootstrap_port}/query", timeout=10)
+    table = json.loads(body)
+    assert status == 200 and sorted(table) == ["0", "1"], table
+    assert table["0"]["engine_id"] != table["1"]["engine_id"], table
+
+
+@pytest.mark.parametrize("name", [n for n in _selected() if n.startswith("dp")])
+def test_dp_cell_decode_answers_a_forget_per_engine(cells, name):
+    """The proxy's forget asks each engine of a data-parallel decode
+    (proxy._post_forget): vLLM's API server routes X-data-parallel-rank r to
+    engine r, which answers for itself (a leg it never saw: "unseen") and
+    says it has siblings (mc_dp); a rank past the last is refused with
+    vLLM's "out of range"."""
+    import json
+    import urllib.error
+    import urllib.request
+    dep, _ = cells[name]
+
+    def ask(rank):
+        body = {"model": "tiny", "prompt": [1], "max_tokens": 1,
+                "kv_transfer_params": {"mc_forget": {"x_request_id": f"never-{name}",
+                                                     "dp_rank": rank}}}
+        req = urllib.request.Request(dep.decode.url + "/v1/completions",
+                                     json.dumps(body).encode(),
+                                     {"Content-Type": "application/json",
+                                      "X-data-parallel-rank": str(rank)})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return r.status, json.loads(r.read()).get("kv_transfer_params")
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode(errors="replace")
+
+    # Each engine its own ledger: the first ask of each is "unseen", the
+    # second "seen" (asked twice), so each ask reached the engine it named.
+    for rank, want in ((0, "unseen"), (1, "unseen"), (0, "seen"), (1, "seen")):
+        status, params = ask(rank)
+        assert status == 200 and params["mc_dp"] is True, (rank, status, params)
+        assert params["mc_forget"] == want, (rank, params)
+    status, text = ask(2)
+    assert status == 400 and "out of range" in text, (status, text)

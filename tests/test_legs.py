@@ -113,7 +113,28 @@ def test_a_data_parallel_server_never_answers_unseen():
     prompt the leg's engine pulls (another request would compute it), so
     such a server answers "seen" (held until hold_timeout_s, as before)."""
     sch = _consumer(dp_size=2)
-    assert sch.request_finished(_forget_req("mc-2"), []) == (False, {"mc_forget": "seen"})
+    assert sch.request_finished(_forget_req("mc-2"), []) == \
+        (False, {"mc_forget": "seen", "mc_dp": True})
+
+
+def test_a_data_parallel_engine_answers_a_forget_sent_to_it():
+    """The proxy asks each engine of a data-parallel decode (its
+    X-data-parallel-rank header, and the rank named as dp_rank): the engine
+    of that rank answers for itself; another (the header not honoured)
+    answers "seen"; mc_dp tells the proxy to ask the other engines."""
+    sch = _consumer(dp_size=2, dp_local=1)
+    r = _forget_req("mc-3")
+    r.kv_transfer_params["mc_forget"]["dp_rank"] = 1
+    assert sch.request_finished(r, []) == (False, {"mc_forget": "unseen", "mc_dp": True})
+    for other in (0, True, "1", None):
+        r = _forget_req("mc-4")
+        r.kv_transfer_params["mc_forget"]["dp_rank"] = other
+        assert sch.request_finished(r, []) == (False, {"mc_forget": "seen", "mc_dp": True})
+    # Without data parallelism dp_rank changes nothing (one engine answers).
+    sch = _consumer()
+    r = _forget_req("mc-5")
+    r.kv_transfer_params["mc_forget"]["dp_rank"] = 0
+    assert sch.request_finished(r, []) == (False, {"mc_forget": "unseen"})
 
 
 def test_ended_legs_are_bounded_by_time_and_size(monkeypatch):

@@ -241,7 +241,18 @@ def _vllm_app(u):
     async def complete(request):
         body = await request.json()
         u.seen.append({"path": request.path, "body": body,
-                       "x_request_id": request.headers.get("X-Request-Id")})
+                       "x_request_id": request.headers.get("X-Request-Id"),
+                       "dp_rank": request.headers.get("X-data-parallel-rank")})
+        dp = getattr(u, "dp", None)  # vLLM data parallelism: a verdict per engine
+        if dp is not None and "mc_forget" in (body.get("kv_transfer_params") or {}):
+            r = int(request.headers.get("X-data-parallel-rank") or 0)
+            if r >= len(dp):
+                return web.json_response({"error": {"message": f"data_parallel_rank {r} is "
+                                                    f"out of range [0, {len(dp)})."}},
+                                         status=400)
+            return web.json_response({"id": "f", "choices": [{"index": 0, "text": "x"}],
+                                      "kv_transfer_params": {"mc_forget": dp[r],
+                                                             "mc_dp": True}})
         if "messages" in body:
             prompt = list(range(1, 3 + sum(len(m["content"].split()) for m in body["messages"])))
         elif isinstance(body["prompt"], list):
@@ -531,6 +542,42 @@ def test_a_decode_leg_gone_before_its_output_is_asked_about(vllm_like, proxy, fl
     assert status == 200 and sse_events(data)[-1] == "[DONE]"
     time.sleep(0.3)
     assert get_stats(url)["decode_forgets_sent"] == 1 and len(_forgets(d)) == 1
+
+
+@pytest.mark.parametrize("dp,asked,released", [
+    (["unseen", "unseen"], 3, True),   # every engine unseen; rank 2 refused: released
+    (["unseen", "seen"], 2, False),    # engine 1 holds the leg: nothing released
+    (["seen", "unseen"], 1, False)])
+def test_a_data_parallel_decode_is_asked_engine_by_engine(vllm_like, proxy, dp, asked,
+                                                          released):
+    """A decode with vLLM data parallelism answers a forget for the engine
+    it was sent to (X-data-parallel-rank) and says so (mc_dp): the proxy
+    asks rank after rank until one says "seen" or the server refuses the
+    rank, and releases the prompt at the prefill only if every engine said
+    "unseen"."""
+    p, d = vllm_like("prefill"), vllm_like("decode")
+    d.first_delay, d.dp = 2.0, dp
+    url = proxy([p.url], [d.url], flow="a")
+    host, port = url.rsplit("/", 1)[-1].split(":")
+    raw = json.dumps({"model": "m", "prompt": "a b c", "max_tokens": 5,
+                      "stream": True}).encode()
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                  b"application/json\r\nContent-Length: %d\r\n\r\n" % len(raw) + raw)
+        got, end = b"", time.monotonic() + 10
+        while b"data:" not in got and time.monotonic() < end:
+            got += s.recv(65536)
+        assert b"data:" in got, got
+        assert wait_until(lambda: any(x["body"].get("stream") for x in d.seen), timeout=10)
+    assert wait_until(lambda: get_stats(url)["decode_forgets_sent"] >= asked, timeout=10)
+    time.sleep(1.0)
+    f = [x for x in d.seen if "mc_forget" in (x["body"].get("kv_transfer_params") or {})]
+    assert [x["dp_rank"] for x in f] == [str(i) for i in range(asked)], f
+    assert [x["body"]["kv_transfer_params"]["mc_forget"]["dp_rank"] for x in f] == \
+        list(range(asked))
+    assert bool(_releases(p)) == released, p.seen
+    st = get_stats(url)
+    assert st["decode_forgets_sent"] == asked and st["decode_forgets_unseen"] == released, st
 
 
 def test_a_forgets_answer_is_read_up_to_a_cap(vllm_like, proxy):

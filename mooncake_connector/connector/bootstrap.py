@@ -63,22 +63,43 @@ def default_port(env):
     return port
 
 
-def query_table(engine_id, dp_rank, tp_size, pp_size, name_of):
+def query_table(engine_id, dp_rank, tp_size, pp_size, name_of, dp_count=1):
     """The /query answer: {dp_rank: {"engine_id", "worker_addr": {tp: {pp: name}}}}
     (JSON object keys are strings, as the in-tree server's are).  name_of(tp,
-    pp) gives a rank's engine name."""
-    return {str(dp_rank): {"engine_id": engine_id,
-                           "worker_addr": {str(t): {str(p): name_of(t, p) for p in range(pp_size)}
-                                           for t in range(tp_size)}}}
+    pp) gives a rank's engine name.  dp_count: the data-parallel engines of
+    this server, from dp_rank on; engine k's names are engine 0's moved by
+    k * tp_size * pp_size (settings.dp_base)."""
+    from mooncake_connector.connector.settings import shift_port
+    out = {}
+    for k in range(max(1, dp_count)):
+        d = k * tp_size * pp_size
+        out[str(dp_rank + k)] = {
+            "engine_id": shift_port(engine_id, d),
+            "worker_addr": {str(t): {str(p): shift_port(name_of(t, p), d)
+                                     for p in range(pp_size)} for t in range(tp_size)}}
+    return out
+
+
+#: A /query looks up the server's data-parallel engines again at most this often.
+REFRESH_S = 5.0
 
 
 class BootstrapServer:
     """GET /query (the table), GET /health; anything else 403/404/405."""
 
-    def __init__(self, host, port, table):
+    def __init__(self, host, port, table, refresh=None):
+        """refresh: None, or () -> the table now (vLLM data parallelism: the
+        server's engines found in the metadata server), called at most every
+        REFRESH_S by a /query; a failing one keeps the table it had."""
         self.table = table
         self._body = json.dumps(table, sort_keys=True).encode()
-        body = self._body
+        self._refresh = refresh
+        self._refreshed = time.monotonic() if refresh is None else float("-inf")
+        self._refresh_lock = threading.Lock()
+        outer = self
+
+        def body():
+            return outer.body()
 
         class Handler(BaseHTTPRequestHandler):
             server_version = "mooncake-connector-bootstrap"
@@ -104,7 +125,7 @@ class BootstrapServer:
             def do_GET(self):
                 path = self.path.split("?", 1)[0]
                 if path == "/query":
-                    self._send(200, body)
+                    self._send(200, body())
                 elif path == "/health":
                     self._send(200, {"status": "ok"})
                 else:
@@ -230,6 +251,21 @@ class BootstrapServer:
         host = "127.0.0.1" if self.host in ("", "0.0.0.0") else self.host
         return f"http://{host}:{self.port}"
 
+    def body(self):
+        """The /query answer's bytes, the table looked up again where due."""
+        if self._refresh is not None and time.monotonic() - self._refreshed >= REFRESH_S:
+            with self._refresh_lock:
+                if time.monotonic() - self._refreshed >= REFRESH_S:
+                    try:
+                        table = self._refresh()
+                        if table:
+                            self.table = table
+                            self._body = json.dumps(table, sort_keys=True).encode()
+                    except Exception as e:  # noqa: BLE001 - keep the table it had
+                        logger.debug("MooncakeConnector: bootstrap table not refreshed: %s", e)
+                    self._refreshed = time.monotonic()
+        return self._body
+
     def close(self):
         if self.httpd is None:
             return
@@ -250,7 +286,8 @@ def _shut(sock):
         pass
 
 
-def start(settings, engine_id, dp_rank, tp_size, pp_size, name_of, env):
+def start(settings, engine_id, dp_rank, tp_size, pp_size, name_of, env, dp_count=1,
+          dp_found=None):
     """Starts the producer's bootstrap server as settings say (None if off).
 
     settings.bootstrap_port: None = the default (VLLM_MOONCAKE_BOOTSTRAP_PORT,
@@ -263,10 +300,12 @@ def start(settings, engine_id, dp_rank, tp_size, pp_size, name_of, env):
     port = settings.bootstrap_port if explicit else default_port(env)
     if port == 0:
         return None
-    table = query_table(engine_id, dp_rank, tp_size, pp_size, name_of)
+    table = query_table(engine_id, dp_rank, tp_size, pp_size, name_of, dp_count)
     host = settings.bootstrap_host or "0.0.0.0"
     try:
-        srv = BootstrapServer(host, port, table)
+        srv = BootstrapServer(host, port, table, None if dp_found is None else (
+            lambda: query_table(engine_id, dp_rank, tp_size, pp_size, name_of,
+                                max(dp_count, dp_found()))))
     except OSError as e:
         msg = (f"bootstrap server (vLLM's in-tree MooncakeConnector contract, for vllm-router "
                f"--kv-connector mooncake) cannot listen on {host}:{port}: {e.strerror or e}")
@@ -279,7 +318,9 @@ def start(settings, engine_id, dp_rank, tp_size, pp_size, name_of, env):
                        "silence this)", msg)
         return None
     logger.info("MooncakeConnector: bootstrap server on %s:%d (GET /query: engine %s, dp rank %d, "
-                "TP %d, PP %d)", host, srv.port, engine_id, dp_rank, tp_size, pp_size)
+                "TP %d, PP %d, %d DP engine(s)%s)", host, srv.port, engine_id, dp_rank, tp_size,
+                pp_size, max(1, dp_count), "" if dp_found is None else
+                "; more as the metadata server names them")
     return srv
 
 

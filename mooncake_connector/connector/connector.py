@@ -143,17 +143,62 @@ def _pp(vllm_config):
 
 
 def _dp(vllm_config):
-    """This engine's data-parallel rank (the bootstrap server's key)."""
+    """This engine's global data-parallel rank (the bootstrap server's key).
+    vLLM runs a dense model's DP engines as independent DP=1 engines
+    (data_parallel_rank 0) but keeps the rank in data_parallel_index."""
     pc = getattr(vllm_config, "parallel_config", None)
-    rank = getattr(pc, "data_parallel_rank", 0)
+    rank = getattr(pc, "data_parallel_index", None)
+    if not isinstance(rank, int) or rank < 0:
+        rank = getattr(pc, "data_parallel_rank", 0)
     return rank if isinstance(rank, int) and rank >= 0 else 0
 
 
-def _dp_size(vllm_config):
-    """vLLM's data-parallel size (engines behind this server's API)."""
+def dp_local(vllm_config):
+    """This engine's index among the data-parallel engines one vLLM server
+    starts (vLLM's data_parallel_rank_local: 0..--data-parallel-size-local - 1);
+    0 without data parallelism, and 0 in external load-balancing mode
+    (--data-parallel-rank: each server one engine with its own config).  The
+    engine's names move by this index times tp_size * pp_size
+    (settings.dp_base)."""
     pc = getattr(vllm_config, "parallel_config", None)
+    idx = getattr(pc, "data_parallel_rank_local", None)
+    return idx if isinstance(idx, int) and idx > 0 else 0
+
+
+def dp_count(vllm_config):
+    """The data-parallel engines this server starts, where vLLM still says
+    (data_parallel_size_local: MoE models); 1 where it does not (a dense
+    model's engines are reset to DP 1 each): then the bootstrap server names
+    its own engine only."""
+    pc = getattr(vllm_config, "parallel_config", None)
+    size, local = (getattr(pc, "data_parallel_size", 1), getattr(pc, "data_parallel_size_local", 1))
+    if isinstance(size, int) and isinstance(local, int) and size > 1 and local > 1:
+        return min(size, local)
+    return 1
+
+
+def _dp_size(vllm_config):
+    """More than 1 where this engine may have data-parallel siblings behind
+    the same API server (vLLM's internal or hybrid load balancing).  vLLM
+    resets a dense model's engines to data_parallel_size 1
+    (reconfigure_for_independent_dp_rank; data_parallel_rank_local is 0
+    without data parallelism too), but keeps the global rank in
+    data_parallel_index and names the engine's process EngineCore_DP<rank>."""
+    pc = getattr(vllm_config, "parallel_config", None)
+    if getattr(pc, "data_parallel_external_lb", False) is True:
+        return 1  # one engine per server: the server's forget reaches its leg's engine
     size = getattr(pc, "data_parallel_size", 1)
-    return size if isinstance(size, int) and size > 0 else 1
+    size = size if isinstance(size, int) and size > 0 else 1
+    local = getattr(pc, "data_parallel_size_local", 1)
+    if size > 1:
+        return max(min(size, local) if isinstance(local, int) and local >= 1 else size, 1)
+    index = getattr(pc, "data_parallel_index", 0)
+    if isinstance(index, int) and index > 0:
+        return 2  # a dense model's DP engine: the sibling count is gone, more than one
+    import multiprocessing
+    if multiprocessing.current_process().name.startswith("EngineCore_DP"):
+        return 2  # engine 0 of a dense model's DP server
+    return 1
 
 
 def async_scheduling_on(vllm_config):
@@ -253,7 +298,9 @@ class MooncakeConnector(KVConnectorBase_V1, SupportsHMA):
                                                                "kv_cache_groups", None) or [0]),
                                             graphs=cudagraph_facts(vllm_config),
                                             async_scheduling=async_scheduling_on(vllm_config),
-                                            early=early, dp_size=_dp_size(vllm_config))
+                                            early=early, dp_size=_dp_size(vllm_config),
+                                            dp_local=dp_local(vllm_config),
+                                            pp_size=_pp(vllm_config)[1])
         else:
             from mooncake_connector.connector.worker import WorkerSide
             nb = getattr(kv_cache_config, "num_blocks", None) if kv_cache_config else None
@@ -261,6 +308,8 @@ class MooncakeConnector(KVConnectorBase_V1, SupportsHMA):
                                       facts=model_facts(vllm_config, kv_cache_config),
                                       layer_groups=layer_groups(kv_cache_config),
                                       pp_rank=_pp(vllm_config)[0], dp_rank=_dp(vllm_config),
+                                      dp_local=dp_local(vllm_config),
+                                      dp_count=dp_count(vllm_config),
                                       early_key=_early_key(vllm_config) if s.early_recv
                                       else None,
                                       async_scheduling=async_scheduling_on(vllm_config))

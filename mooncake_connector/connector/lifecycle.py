@@ -10,7 +10,7 @@ import os
 
 from mooncake_connector.connector import tp_map
 from mooncake_connector.connector.layout import KVLayout
-from mooncake_connector.connector.settings import shift_port
+from mooncake_connector.connector.settings import dp_base, shift_port
 
 logger = logging.getLogger("vllm.mooncake_connector")
 
@@ -23,12 +23,37 @@ def start_bootstrap(w):
     if (not w.s.is_producer or w.tp_rank != 0 or w.pp_rank != 0
             or w.bootstrap is not None):
         return
+    if w.dp_local:
+        # vLLM data parallelism: the server's first engine serves the port
+        # (vLLM's in-tree connector does the same); it names this engine too
+        # where vLLM tells it how many there are (dp_count)
+        return
     from mooncake_connector.connector import bootstrap
     base = w._base
     pp_size = int(w.facts.get("pp_size") or 1)
     w.bootstrap = bootstrap.start(
         w.s, shift_port(base, 0), w.dp_rank, w.tp_size, pp_size,
-        lambda t, p: shift_port(base, p * w.tp_size + t), os.environ)
+        lambda t, p: shift_port(base, p * w.tp_size + t), os.environ,
+        dp_count=w.dp_count, dp_found=_dp_found(w, base))
+
+
+def _dp_found(w, base):
+    """() -> how many data-parallel engines of this server the metadata
+    server knows (peer_record.dp_engines); None without one (P2P).  Its own
+    metadata client, made at the first call (the bootstrap server calls it
+    from its threads, one at a time)."""
+    url = getattr(w, "_meta_url", None)
+    if not url:
+        return None
+    from mooncake_connector.connector import peer_record
+    client = []
+
+    def found():
+        if not client:
+            from mooncake_connector import _core
+            client.append(_core.MetadataClient(url))
+        return len(peer_record.dp_engines(client[0], base))
+    return found
 
 
 def _layout(w):
@@ -40,13 +65,17 @@ def _layout(w):
 
 
 def _name(w, cfg):
-    """This instance's base address and this rank's engine name in it."""
+    """This engine's base address and this rank's engine name in it: the
+    configured address, moved past the ranks of the server's previous
+    data-parallel engines (settings.dp_base)."""
     if w.s.local_hostname:
         base = w.s.local_hostname
     elif w.s.role == "kv_consumer":
         base = f"{cfg['decode_host']}:{cfg['decode_port']}"
     else:
         base = f"{cfg['prefill_host']}:{cfg['prefill_port']}"
+    # vLLM data parallelism inside one server: each engine its own ports
+    base = dp_base(base, w.dp_local, w.tp_size, int(w.facts.get("pp_size") or 1))
     return base, shift_port(base, w.pp_rank * w.tp_size + w.tp_rank)
 
 
@@ -59,6 +88,7 @@ def start_engine(w):
     text = json.dumps({k: v for k, v in w.s.mooncake.items() if v is not None})
     cfg = _core.parse_config(text, w.s.config_path or "kv_connector_extra_config")
     w._base, w.name = _name(w, cfg)
+    w._meta_url = cfg["metadata_server"] if cfg.get("metadata_backend") != "p2p" else None
     w.default_producer = f"{cfg['prefill_host']}:{cfg['prefill_port']}"
     w.engine = eng = _core.TransferEngine()
     try:
@@ -104,6 +134,9 @@ def _start(w, eng, cfg, _core):
 
 
 def _log_start(w, cfg):
+    if w.dp_local or w.dp_rank:
+        logger.info("MooncakeConnector worker: vLLM data-parallel engine %d of this server (DP "
+                    "rank %d): its engines from %s", w.dp_local, w.dp_rank, w._base)
     logger.info("MooncakeConnector worker: engine %s (%s, metadata %s), %d layers, %d "
                 "extents x %d bytes per block, %d blocks on %s", w.name,
                 cfg["protocol"], cfg["metadata_server"], len(w.layout.layers),

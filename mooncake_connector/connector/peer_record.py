@@ -30,11 +30,14 @@ _SAME = {
 }
 
 
-def make(role, tp_rank, tp_size, layout, block_size, facts=None):
+def make(role, tp_rank, tp_size, layout, block_size, facts=None, dp_local=0):
     """This worker's record.  facts: model facts from the vLLM config
-    (connector.model_facts), None in tools that have none."""
+    (connector.model_facts), None in tools that have none.  dp_local: the
+    engine's index among its server's vLLM data-parallel engines (a flow-A
+    consumer's probe finds a producer's engines by it: probe.py)."""
     f = dict(facts or {})
     return {"version": VERSION, "role": role, "tp_rank": tp_rank, "tp_size": tp_size,
+            "dp_local": dp_local,
             "block_size": block_size, "extents_per_block": layout.extents_per_block,
             "bytes_per_block": layout.bytes_per_block(), "layers": len(layout.layers),
             "extent_bytes": [L.block_bytes for L in layout.layers],
@@ -110,3 +113,28 @@ def fetch(client, name):
         return json.loads(raw)
     except ValueError:
         return None
+
+
+def dp_engines(client, base, max_dp=64):
+    """Base names of the vLLM data-parallel engines of the server whose first
+    engine is `base` (itself first): engine k's rank-0 record, at base +
+    k * tp_size * pp_size (settings.dp_base), says dp_local k.  [base] when
+    base publishes no record (not up yet, or P2P handshake: nothing is
+    published).  Raises the client's errors."""
+    from mooncake_connector.connector.settings import shift_port
+    found = [base]
+    rec = fetch(client, base)
+    if not rec:
+        return found
+    stride = int(rec.get("tp_size") or 1) * int(rec.get("pp_size") or 1)
+    role = rec.get("role")
+    for k in range(1, max_dp):
+        try:
+            b = shift_port(base, k * stride)
+        except ValueError:  # past the last port
+            break
+        r = fetch(client, b)
+        if not r or r.get("dp_local") != k or r.get("role") != role:
+            break
+        found.append(b)
+    return found

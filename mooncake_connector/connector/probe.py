@@ -36,6 +36,12 @@ RESTART_S = 10.0  # after the probe engine failed to start, try again this much 
 # answered.  A warm-up probe at start-up usually pays it before any request.
 FIRST_CONTACT_S = 3.0
 WARM = object()  # the warm-up question's key
+# vLLM data parallelism on the producer (one server, several engines, each
+# with its own names: settings.dp_base): which engines the configured
+# producer has is looked up in the metadata server (each engine's rank-0
+# record, peer_record.make's dp_local) at most this often, and up to MAX_DP.
+DISCOVER_S = 5.0
+MAX_DP = 64
 
 
 class ProducerProbe:
@@ -50,6 +56,9 @@ class ProducerProbe:
         # Why the last answer handed to the scheduler (answer()) was 0 without
         # asking the producer (unreachable lately / did not answer), else None.
         self.last_unreachable = None
+        # The producer engine (base name) of the last answer handed to the
+        # scheduler, None for the configured one (vLLM data parallelism there).
+        self.last_where = None
         self._why = None           # the probe thread's: why held_tokens just said 0
         self._whys = {}            # key -> _why for that answer
         self._cv = threading.Condition()
@@ -59,6 +68,11 @@ class ProducerProbe:
         self._thread = None
         self._closing = False
         self._answered = set()     # producers (base names) that answered a probe
+        self._meta = None          # metadata client: the producer's DP engines (dp_engines)
+        self._engines = None       # the configured producer's DP engines' base names
+        self._discovered_at = None
+        self._where = None         # the probe thread's: the DP engine holding the last answer
+        self._wheres = {}          # key -> that engine's base name (None: the configured one)
 
     def _start(self):
         from mooncake_connector import _core  # first probe only
@@ -75,6 +89,12 @@ class ProducerProbe:
                        auth_secret=cfg["auth_secret"] or None)
         self.engine = eng
         self.kv = _core.KVTransfer(eng, None, workers=1)
+        if cfg.get("metadata_backend") != "p2p":
+            try:
+                self._meta = _core.MetadataClient(cfg["metadata_server"])
+            except Exception as e:  # noqa: BLE001 - only the configured engine is probed then
+                logger.warning("MooncakeConnector scheduler: no metadata client (%s): only the "
+                               "producer's first data-parallel engine is probed", e)
         logger.info("MooncakeConnector scheduler: probing producers from %s",
                     eng.get_segment_name())
 
@@ -96,7 +116,57 @@ class ProducerProbe:
                            RESTART_S)
             return False
 
+    def dp_engines(self, now=None):
+        """Base names of the configured producer's vLLM data-parallel engines
+        (the configured one first): those whose rank-0 record in the metadata
+        server says dp_local k at the configured base + k * tp_size * pp_size.
+        Looked up again after DISCOVER_S (engines start and stop); only the
+        configured one without a metadata server (P2P handshake)."""
+        now = time.monotonic() if now is None else now
+        base = self.default_producer
+        if self._meta is None or base is None:
+            return [base]
+        if self._engines is not None and now - self._discovered_at < DISCOVER_S:
+            return self._engines
+        from mooncake_connector.connector import peer_record
+        self._discovered_at = now
+        try:
+            found = peer_record.dp_engines(self._meta, base, MAX_DP)
+        except Exception as e:  # noqa: BLE001 - keep what was known
+            logger.debug("MooncakeConnector scheduler: producer engines not looked up: %s", e)
+            return self._engines or [base]
+        if found != (self._engines or [base]):
+            logger.info("MooncakeConnector scheduler: the producer has %d data-parallel "
+                        "engine(s) (%s): flow-A prompts are looked up in each", len(found),
+                        ", ".join(found))
+        self._engines = found
+        return found
+
     def held_tokens(self, producer, tokens):
+        """As _held_tokens, for the configured producer (producer None) in
+        each of its data-parallel engines (dp_engines) until one holds the
+        whole prompt; the most held wins, its engine in self._where (None:
+        the configured one)."""
+        self._where = None
+        if producer is not None or not tokens:
+            return self._held_tokens(producer, tokens)
+        if not self._ensure_engine(time.monotonic()):
+            return None
+        best, where, best_why = None, None, None
+        engines = self.dp_engines()
+        for i, b in enumerate(engines):
+            held = self._held_tokens(b if i else None, tokens)
+            if held is None:
+                return None
+            why = self._why
+            if best is None or held > best:
+                best, where, best_why = held, (b if i else None), why
+            if held >= len(tokens):
+                break
+        self._where, self._why = where, best_why
+        return best
+
+    def _held_tokens(self, producer, tokens):
         """Tokens of the longest block-aligned prefix `producer` (base name,
         None = configured prefill_url) holds now; 0 when it cannot say in
         time; None if this process cannot probe at all (then the caller
@@ -188,6 +258,7 @@ class ProducerProbe:
         with self._cv:
             if key in self._answers:
                 self.last_unreachable = self._whys.pop(key, None)
+                self.last_where = self._wheres.pop(key, None)
                 return True, self._answers.pop(key)
             return False, None
 
@@ -207,6 +278,7 @@ class ProducerProbe:
         with self._cv:
             self._answers.pop(key, None)
             self._whys.pop(key, None)
+            self._wheres.pop(key, None)
             if key in self._asked:
                 self._asked.discard(key)
                 self._queue = collections.deque(q for q in self._queue if q[0] != key)
@@ -239,6 +311,7 @@ class ProducerProbe:
                     self._asked.discard(key)
                     self._answers[key] = held
                     self._whys[key] = self._why
+                    self._wheres[key] = self._where
                     self._cv.notify_all()  # a scheduler may wait for it (wait())
 
     def close(self):
@@ -253,10 +326,10 @@ class ProducerProbe:
         self._close_engine()
 
     def _close_engine(self):
-        for obj in (self.kv, self.engine):
+        for obj in (self.kv, self.engine, self._meta):
             if obj is not None:
                 try:
                     obj.close()
                 except Exception:  # noqa: BLE001 - already closed
                     pass
-        self.kv = self.engine = None
+        self.kv = self.engine = self._meta = None

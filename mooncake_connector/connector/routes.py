@@ -16,7 +16,8 @@ class Routes:
     def __init__(self, worker, cfg):
         w = self.w = worker
         self.record = peer_record.make(w.s.role, w.tp_rank, w.tp_size, w.layout,
-                                       w.block_size, w.facts)
+                                       w.block_size, w.facts,
+                                       dp_local=getattr(w, "dp_local", 0))
         self.meta = None
         self._routes = {}         # producer base -> [(engine name, [Piece per layer])]
         self._consumer = None     # producer: (consumer record or None, checked at, fanout)

@@ -32,7 +32,7 @@ from mooncake_connector.connector.legs import LegLedger
 from mooncake_connector.connector.metadata import (LoadSpec, MooncakeConnectorMetadata,
                                                    PublishSpec)
 from mooncake_connector.connector.push import is_push, transfer_id
-from mooncake_connector.connector.settings import shift_port
+from mooncake_connector.connector.settings import dp_base, shift_port
 from mooncake_connector.connector.stats import MooncakeKVConnectorStats, recompute_reason
 from mooncake_connector import trace
 
@@ -85,12 +85,13 @@ def bytes_per_block(kv_cache_config):
 class SchedulerSide:
     def __init__(self, settings, block_size, tp_size, kv_cache_manager_getter,
                  block_bytes=None, probe=None, groups=1, graphs=(False, False, 1),
-                 async_scheduling=False, early=None, dp_size=1):
+                 async_scheduling=False, early=None, dp_size=1, dp_local=0, pp_size=1):
         self.s = settings
         # vLLM's data parallelism inside this server: a forget (legs.py) may
         # reach another engine than its leg's, which would answer "unseen"
         # for a leg its sibling pulls; such a server always answers "seen"
         self.dp_size = dp_size
+        self.dp_local = dp_local  # this engine's index in its server (connector.dp_local)
         # early.SchedulerEarly (async scheduling, one worker in this process):
         # a background load's end told with the output vLLM takes next
         self.early = early
@@ -112,6 +113,7 @@ class SchedulerSide:
         self._probe = probe       # ProducerProbe (flow A consumers) or None
         self._claims = {}         # req_id -> (tokens claimed through, sync)
         self._probed = {}         # req_id -> (held tokens or None, monotonic time)
+        self._found_at = {}       # flow A: req_id -> producer DP engine holding it (probe)
         self._asked = {}          # req_id -> monotonic time its probe was asked
         self._loads = {}          # req_id -> LoadSpec, sent with the next metadata
         self._publishes = []      # PublishSpec, sent with the next metadata
@@ -146,7 +148,8 @@ class SchedulerSide:
         self.producer_base = None
         if settings.is_producer:
             url = settings.local_hostname or settings.mooncake.get("prefill_url")
-            self.producer_base = url or None
+            # this engine's own names (vLLM data parallelism: lifecycle._name)
+            self.producer_base = dp_base(url, dp_local, tp_size, pp_size) if url else None
 
     # ---- consumer ----
 
@@ -163,7 +166,9 @@ class SchedulerSide:
                 return "P", producer or None  # push: the producer writes into our blocks
             return "B", producer or None
         if self.s.role == "kv_consumer" and self.s.flow_a:
-            return "A", None
+            # the producer's data-parallel engine its probe found the prompt
+            # in (probe.dp_engines); None: the configured one
+            return "A", self._found_at.get(request.request_id)
         return None
 
     def _full_tokens(self, request):
@@ -198,6 +203,12 @@ class SchedulerSide:
             t0 = time.monotonic()
             if self._probe.wait(rid, self.s.probe_wait_ms / 1000.0):
                 done, held = self._probe.answer(rid)
+        if done:
+            where = getattr(self._probe, "last_where", None)
+            if where is not None:
+                self._found_at[rid] = where
+            else:
+                self._found_at.pop(rid, None)
             if trace.ON:
                 trace.event("probe_wait", rid, ms=(time.monotonic() - t0) * 1e3, got=done)
         if not done:
@@ -842,6 +853,7 @@ class SchedulerSide:
         self._claims.pop(rid, None)
         self._to_release.pop(rid, None)
         self._probed.pop(rid, None)
+        self._found_at.pop(rid, None)
         if self._asked.pop(rid, None) is not None:
             self._probe.forget(rid)
         self._tried.discard(rid)
@@ -864,12 +876,24 @@ class SchedulerSide:
         forget = params.get("mc_forget")
         if self._legs is not None and isinstance(forget, dict) and \
                 isinstance(forget.get("x_request_id"), str) and forget["x_request_id"]:
+            out = {}
             if self.dp_size > 1:
-                verdict = "seen"  # another engine may hold it: never released twice
+                # Another engine may hold the leg: this one answers for
+                # itself only when the forget was sent to it (the proxy asks
+                # each engine with X-data-parallel-rank and names the rank as
+                # dp_rank), else "seen" (never released twice); mc_dp tells
+                # the proxy to ask every engine.
+                rank = forget.get("dp_rank")
+                if isinstance(rank, int) and not isinstance(rank, bool) and \
+                        rank == self.dp_local:
+                    verdict = self._legs.forget(forget["x_request_id"])
+                else:
+                    verdict = "seen"
+                out["mc_dp"] = True
             else:
                 verdict = self._legs.forget(forget["x_request_id"])
             self.stats.add(f"legs_forget_{verdict}")
-            return False, {"mc_forget": verdict}
+            return False, dict(out, mc_forget=verdict)
         if n is not None:
             self._held.append(rid)
             if trace.ON and not _push_mode(self.s, params):

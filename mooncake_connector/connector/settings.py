@@ -649,6 +649,17 @@ def engine_name(s, tp_rank):
     return shift_port(base, tp_rank)
 
 
+def dp_base(base, dp_local, tp_size, pp_size):
+    """The base name (host:port) of a server's data-parallel engine number
+    `dp_local` (connector.dp_local): the configured base for engine 0 (and
+    without data parallelism), moved by dp_local * tp_size * pp_size, past
+    the previous engine's ranks (base + pp * tp_size + tp).  A server with D
+    DP engines of TP t and PP p uses ports base .. base + D*t*p - 1."""
+    if not dp_local:
+        return base
+    return shift_port(base, dp_local * tp_size * pp_size)
+
+
 def shift_port(hostport, delta):
     host, sep, port = str(hostport).rpartition(":")
     if not sep or not port.isdigit():

@@ -27,13 +27,15 @@ logger = logging.getLogger("vllm.mooncake_connector")
 class WorkerSide:
     def __init__(self, settings, block_size, tp_rank, tp_size, num_blocks=None, facts=None,
                  layer_groups=None, pp_rank=0, dp_rank=0, early_key=None,
-                 async_scheduling=False):
+                 async_scheduling=False, dp_local=0, dp_count=1):
         self.s = settings
         # vLLM's async scheduling: an idle step's get_finished runs while the
         # previous step's output still waits in vLLM's batch queue
         self.async_scheduling = async_scheduling
         self.early_key = early_key  # early.py: the key this worker's scheduler side uses
         self.dp_rank = dp_rank
+        self.dp_local = dp_local  # this engine's index in its server (connector.dp_local)
+        self.dp_count = dp_count  # the server's DP engines where vLLM says (connector.dp_count)
         self.bootstrap = None     # producer TP 0 / PP 0: bootstrap.BootstrapServer
         # Pipeline parallel: stage s's TP rank r is engine port + s * tp_size + r
         # on both sides (equal PP sizes: the fingerprint checks it).
