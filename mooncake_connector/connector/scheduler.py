@@ -203,14 +203,14 @@ class SchedulerSide:
             t0 = time.monotonic()
             if self._probe.wait(rid, self.s.probe_wait_ms / 1000.0):
                 done, held = self._probe.answer(rid)
+            if trace.ON:
+                trace.event("probe_wait", rid, ms=(time.monotonic() - t0) * 1e3, got=done)
         if done:
             where = getattr(self._probe, "last_where", None)
             if where is not None:
                 self._found_at[rid] = where
             else:
                 self._found_at.pop(rid, None)
-            if trace.ON:
-                trace.event("probe_wait", rid, ms=(time.monotonic() - t0) * 1e3, got=done)
         if not done:
             asked = self._asked.get(rid, now)
             patience = self._probe.timeout_for(src[1])  # longer for a first contact
