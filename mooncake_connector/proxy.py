@@ -567,11 +567,20 @@ class Proxy:
                 # idle timeout, a restart, a SIGSTOPped server resuming):
                 # sent once more, once per request (the prefill leg computes
                 # one token; at worst it runs twice, and in flow b the first
-                # run's KV is held until hold_timeout_s).
+                # run's KV is held until hold_timeout_s).  Reset again (the
+                # pool's other stale connections to an instance that just
+                # died): that instance is taken as down, the next one tried.
                 self.counts["prefill_errors"] += 1
                 if retried:
-                    return _error(502, f"prefill instance {pre_url} unreachable: {e!r}",
-                                  "upstream_error")
+                    self._down_until[pre_url] = time.monotonic() + self.prefill_down_s
+                    if attempt + 1 == len(order):
+                        return _error(502, f"prefill instance {pre_url} unreachable: {e!r}",
+                                      "upstream_error")
+                    self.counts["prefill_failovers"] += 1
+                    logger.warning("prefill %s reset the connection twice for %s (%r): trying "
+                                   "%s", pre_url, rid, e, self.prefill[order[attempt + 1]])
+                    attempt, retried = attempt + 1, False  # that one may be sent once more too
+                    continue
                 retried = True
                 self.counts["prefill_retries"] += 1
                 logger.warning("prefill %s dropped the connection for %s (%r): once more",

@@ -1189,10 +1189,12 @@ def test_dead_prefill_fails_over_to_a_live_one(upstreams, proxy):
 class ResetOnce:
     """A prefill stand-in on a raw socket: it resets the first request's
     connection (what a kept-alive connection closed by the server meets),
-    then answers each request with a small completion."""
+    then answers each request with a small completion; resets=n: the first
+    n requests' connections."""
 
-    def __init__(self):
+    def __init__(self, resets=1):
         import threading
+        self.resets = resets
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
         self.sock.listen(16)
@@ -1214,7 +1216,7 @@ class ResetOnce:
                     break
                 data += chunk
             self.requests += 1
-            if self.requests == 1:
+            if self.requests <= self.resets:
                 c.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
                 c.close()  # RST
                 continue
@@ -1240,6 +1242,24 @@ def test_prefill_connection_reset_is_sent_once_more(upstreams, proxy):
         assert st["prefill_retries"] == 1 and p.requests == 2, (st, p.requests)
     finally:
         p.close()
+
+
+def test_prefill_reset_twice_fails_over_to_the_next_instance(upstreams, proxy):
+    """A prefill leg reset twice (two stale kept-alive connections to a
+    prefill that just died: the soak's SIGKILL met it, 1 of 14,079
+    requests) goes to the next prefill instance instead of a 502; the reset
+    instance is marked down like an unreachable one."""
+    bad, good, d = ResetOnce(resets=10**9), upstreams("prefill"), upstreams("decode")
+    try:
+        url = proxy([bad.url, good.url], [d.url])
+        for _ in range(2):
+            status, out = post(url + "/v1/completions", {"prompt": "x"})
+            assert status == 200 and out["by"] == "decode", out
+        st = get_stats(url)
+        assert st["prefill_retries"] == 1 and st["prefill_failovers"] == 1, st
+        assert bad.requests == 2, bad.requests  # marked down: the 2nd request went to good
+    finally:
+        bad.close()
 
 
 def test_client_leaving_a_relayed_stream_is_not_a_decode_error(upstreams, proxy):
