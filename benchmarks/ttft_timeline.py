@@ -291,7 +291,7 @@ def renice(proc, value):
 
 
 def make_sets(workdir, model, extra, common, tree_b=None, label_b="tb", noasync=False,
-              env_c=None, decode_args=(), extra_c=None):
+              env_c=None, decode_args=(), extra_c=None, flows=()):
     """{set name: Deployment} (not started): "a", this tree's (colocated, its
     pass-through proxy, the push proxies of `extra`); with tree_b, a second
     prefill + decode + push layer-load proxy whose processes import the
@@ -299,11 +299,12 @@ def make_sets(workdir, model, extra, common, tree_b=None, label_b="tb", noasync=
     with --no-async-scheduling on its decode and its own colocated ("na");
     with env_c ({name: value}), this tree's prefill + decode + push
     layer-load proxy again with those environment variables ("c": an A/B of
-    engine knobs, MC_*, in one lease)."""
+    engine knobs, MC_*, in one lease); flows: set "a"'s plain flow proxies
+    (deployment.Deployment's, named by flow)."""
     from mooncake_connector.deployment import Deployment
     # decode_args: every set's decode server (not "na", which has its own).
     dside = {"side_args": {"decode": list(decode_args)}} if decode_args else {}
-    deps = {"a": Deployment(workdir, model, flows=(), extra_proxies=extra,
+    deps = {"a": Deployment(workdir, model, flows=tuple(flows), extra_proxies=extra,
                             colocated_proxy=True, **common, **dside)}
     if tree_b:
         # Every process of this set (metadata server, servers, proxy) copies
@@ -389,6 +390,13 @@ def _parser():
                          "the connector does nothing for it), mode prefill_plain: the same "
                          "server's forward with and without the push's per-layer work "
                          "(vLLM's scheduled -> first token and the server's CPU, paired)")
+    ap.add_argument("--flow-a", action="store_true",
+                    help="also flow a's proxy (first token from the prefill; its decode "
+                         "pulls), mode flow_a, with the prefill server's own histograms: "
+                         "with --prefill-plain, where flow a's first token spends its time "
+                         "over colocated (the connector's presence: prefill_plain - "
+                         "colocated; publishing: flow_a - prefill_plain inside the server; "
+                         "the HTTP path: client TTFT - server TTFT, against colocated's)")
     ap.add_argument("--env-c", action="append", default=[], metavar="NAME=VALUE",
                     help="a third set from this tree (prefill + decode + push layer-load "
                          "proxy, mode push_ll_c) whose servers get this environment variable "
@@ -542,7 +550,8 @@ def _sets(args, env_c):
     no_async = args.device == "cuda" and not args.decode_async_scheduling
     deps = make_sets(workdir, model, extra, common, tree_b=args.tree_b, label_b=args.label_b,
                      noasync=args.noasync, env_c=env_c, extra_c=extra_c,
-                     decode_args=["--no-async-scheduling"] if no_async else ())
+                     decode_args=["--no-async-scheduling"] if no_async else (),
+                     flows=("a",) if args.flow_a else ())
     meta = {"sets": {name: {"pythonpath": d.prefill.env.get("PYTHONPATH"),
                             "no_async_scheduling": "--no-async-scheduling" in d.decode.cmd}
                      for name, d in deps.items()}}
@@ -599,6 +608,10 @@ def _modes(args, deps):
         srv_of["push_whole"] = dep.decode.url
     if args.prefill_plain:
         urls["prefill_plain"] = srv_of["prefill_plain"] = dep.prefill.url
+    if args.flow_a:
+        # its first token is the prefill's: the prefill server's histograms
+        urls["flow_a"] = dep.proxies["a"].url
+        srv_of["flow_a"] = dep.prefill.url
     for name, d in deps.items():
         if name == "a":
             continue
@@ -621,6 +634,8 @@ def _pgids(deps):
              "colocated": dep.colocated.proc.pid,
              "proxy_push_ll": dep.proxies["push-ll"].proc.pid,
              "proxy_colocated": dep.colocated_proxy.proc.pid}
+    if "a" in dep.proxies:
+        pgids["proxy_flow_a"] = dep.proxies["a"].proc.pid
     if "push-whole" in dep.proxies:
         pgids["proxy_push_whole"] = dep.proxies["push-whole"].proc.pid
     for name, d in deps.items():
@@ -792,6 +807,40 @@ def _prefill_with_without(s, recs):
         s[f"paired_{name}_push_minus_plain"] = statistics.median(d) if d else None
 
 
+#: flow a's first token over colocated, taken apart (--flow-a): name ->
+#: (mode, its minus the other's; each "mode:server" (vLLM's arrival -> first
+#: token of the server that answered it) or "mode:client")
+FLOW_A_SPLIT = (
+    ("connector's presence (prefill_plain - colocated, server)",
+     ("prefill_plain:server", "colocated:server")),
+    ("publishing (flow_a - prefill_plain, server)", ("flow_a:server", "prefill_plain:server")),
+    ("HTTP path: flow_a (client - server) - colocated_proxy (client - server)",
+     ("flow_a:client-server", "colocated_proxy:client-server")),
+    ("flow_a - colocated_proxy (client)", ("flow_a:client", "colocated_proxy:client")),
+    ("flow_a - colocated (client)", ("flow_a:client", "colocated:client")),
+)
+
+
+def _flow_a_split(s, recs):
+    """Paired medians (per prompt) of FLOW_A_SPLIT into s["flow_a_split"]."""
+    per = {}
+    for r in recs:
+        srv = r.get("time_to_first_token_seconds")
+        v = {"client": r["ttft_ms"], "server": srv,
+             "client-server": None if srv is None else r["ttft_ms"] - srv}
+        per.setdefault(r["rid"].rsplit("-", 2)[1], {})[r["mode"]] = v
+
+    def val(d, key):
+        mode, what = key.split(":")
+        return (d.get(mode) or {}).get(what)
+    out = {}
+    for label, (a, b) in FLOW_A_SPLIT:
+        d = [val(v, a) - val(v, b) for v in per.values()
+             if val(v, a) is not None and val(v, b) is not None]
+        out[label] = statistics.median(d) if d else None
+    s["flow_a_split"] = out
+
+
 def report(rows, tl, urls, one_layer_ms=0.0, nlayers=KV32K_SPEC["layers"]):
     out = {}
     pushes = [k for k in urls if k.startswith("push")]
@@ -858,6 +907,8 @@ def report(rows, tl, urls, one_layer_ms=0.0, nlayers=KV32K_SPEC["layers"]):
         s["paired_ab"] = statistics.median(d) if d else None
         if "prefill_plain" in urls:
             _prefill_with_without(s, recs)
+        if "flow_a" in urls:
+            _flow_a_split(s, recs)
         # Issue 31's bars (serving_bench.py summarize's): TTFT p50 <= colocated
         # TTFT p50 + the proxy hop + 2 ms + one layer's transfer; gap 1->2
         # p50 <= colocated ITL p50 + 2 ms.
@@ -931,6 +982,10 @@ def report(rows, tl, urls, one_layer_ms=0.0, nlayers=KV32K_SPEC["layers"]):
                   f"thread {_fmt(s['push_ll_prefill_cpu_top'], '.1f')} / "
                   f"{_fmt(s['prefill_plain_prefill_cpu_top'], '.1f')} ms (paired "
                   f"{_fmt(s['paired_prefill_cpu_top_push_minus_plain'], '+.2f')})")
+        if s.get("flow_a_split"):
+            print("  flow a's first token over colocated, paired medians (ms; server: vLLM's "
+                  "arrival -> first token histogram): " + "; ".join(
+                      f"{label} {_fmt(v, '+.2f')}" for label, v in s["flow_a_split"].items()))
         traced = [k for k in pushes if s.get(f"stretches_{k}")]
         if traced:
             print("  where the time to first token goes (per request, p50 ms): "

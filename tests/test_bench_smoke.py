@@ -306,6 +306,28 @@ def test_ttft_timeline_reads_a_whole_prompt_push():
                - 10.0) < 1e-6
 
 
+def test_ttft_timeline_takes_flow_a_apart():
+    """--flow-a's split of flow a's first token over colocated, paired per
+    prompt: the connector's presence and publishing inside the servers
+    (vLLM's arrival -> first token), the HTTP path outside them."""
+    tt = _tt()
+
+    def rec(mode, i, client, server):
+        return {"mode": mode, "n": 128, "rid": f"tl-{mode}-128-{i}-1", "ttft_ms": client,
+                "identical": True, "time_to_first_token_seconds": server}
+    recs = []
+    for i, k in enumerate((0.0, 10.0, 20.0)):  # per-prompt drift cancels
+        recs += [rec("colocated", i, 10 + k, 8 + k), rec("colocated_proxy", i, 12 + k, 8 + k),
+                 rec("prefill_plain", i, 11 + k, 9 + k), rec("flow_a", i, 16 + k, 9.5 + k)]
+    s = tt.report({128: recs}, {}, ["colocated", "colocated_proxy", "prefill_plain",
+                                    "flow_a"])[128]["flow_a_split"]
+    want = {"connector's presence (prefill_plain - colocated, server)": 1.0,
+            "publishing (flow_a - prefill_plain, server)": 0.5,
+            "HTTP path: flow_a (client - server) - colocated_proxy (client - server)": 2.5,
+            "flow_a - colocated_proxy (client)": 4.0, "flow_a - colocated (client)": 6.0}
+    assert s == pytest.approx(want)
+
+
 def _tt():
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     try:
