@@ -75,8 +75,12 @@ POINTS = (
     ("p_fwd_end", "p", "fwd_end", None),
     ("p_last_landed", "p", "write_seen_landed", "last"),
     ("p_last_told", "p", "notify_sent", "last"),
+    # layer read (push_layer_read): the producer announces a layer once its
+    # kernels completed (its waiter thread), the decode READs it
+    ("p_last_announced", "p", "layer_announced", "last"),
     ("d_last_wait", "d", "layer_wait", "last"),
     ("d_last_recv", "d", "c_recv", "last"),
+    ("d_last_read", "d", "read_issued", "last"),
     ("d_last_go", "d", "layer_go", "last"),
     ("d_fwd_end", "d", "fwd_end", None),
     # a whole-prompt push (the decode computes once all KV is in): the
@@ -109,6 +113,13 @@ STRETCHES = (
     ("(prefill forward: step bound -> forward end)", "p_step_bound", "p_fwd_end"),
     ("(last layer saved -> decode has it: write + tell)", "p_last_saved", "d_last_recv"),
     ("(prefill's forward thread in save_kv_layer, all layers)", None, "p_save_total"),
+    ("(read: last layer saved -> announced, the producer's waiter thread)", "p_last_saved",
+     "p_last_announced"),
+    ("(read: announced -> sent, the producer's outbox thread)", "p_last_announced",
+     "p_last_told"),
+    ("(read: sent -> the decode has it)", "p_last_told", "d_last_recv"),
+    ("(read: the decode has it -> its READ issued)", "d_last_recv", "d_last_read"),
+    ("(read: READ issued -> the layer's wait ends)", "d_last_read", "d_last_go"),
     ("(whole push: prefill's \"done\" sent -> decode has it)", "p_done_told", "d_done_recv"),
     ("(whole push: decode has \"done\" -> its worker counts the load over)", "d_done_recv",
      "d_recv_done"),
