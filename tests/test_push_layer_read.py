@@ -61,7 +61,7 @@ def _step_while_the_forward_is_held(sides, seed, tid):
     hold = threading.Event()
     p = sides("kv_producer", hold_at_end=hold)
     d = sides("kv_consumer", flow_a=False, push_layer_load=True, push_layer_read=True,
-              push_layer_read_stall_s=10.0)
+              push_layer_read_stall_s=10.0, push_layer_timeout_s=20.0)
     t = toks(seed, 48 * BS + 3)
     p.add(make_request("pq", t, max_tokens=1, params=pp(tid)))
     d.add(make_request("q", t, max_tokens=2, params=dp(tid)))
