@@ -456,8 +456,9 @@ class Proxy:
         why = _content_type_problem(request.headers.get("Content-Type"))
         if why is not None:
             # vLLM's API server takes only application/json (its
-            # validate_json_request: 400) and the proxy answers as it would,
-            # before reading the body (closed after the answer).
+            # validate_json_request: a 400); the proxy refuses the same
+            # requests, as a 415 naming the header, before reading the body
+            # (closed after the answer).
             self.counts["bad_requests"] += 1
             return await http_guard.answer_and_close(request, _error(
                 415, why, "invalid_request_error"))
