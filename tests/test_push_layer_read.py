@@ -326,3 +326,43 @@ def test_a_silent_reader_holds_the_prefill_no_longer_than_its_hold_timeout(sides
     assert d.run_until(lambda: d.computed.get("q", 0) >= len(t), steps=500)
     assert d.block_matches_pattern("q", t, 4)  # recomputed, right
     assert d.run_until(lambda: "q" not in d.sched.requests, steps=500)
+
+
+def test_the_decode_reads_nothing_past_the_producers_keep_s(sides, monkeypatch):
+    """The producer's "src" message says how long it still lends its blocks
+    (keep_s: its hold_timeout_s may be shorter than the decode's lease).
+    The decode ignored it and read until its own lease's end - 1 s, so a
+    layer announced later was read from blocks the producer may have freed.
+    Here the producer says keep_s 1.2 and announces layer 1 after 2 s (its
+    forward held after layer 0): the decode reads no layer past src's
+    arrival + 0.2 s, the load fails and the prompt is recomputed, right.
+    Seen failing on the old decode (the load succeeded)."""
+    from mooncake_connector.connector import push as push_mod
+    orig = push_mod.PushProducer._reply
+
+    def reply(self, sender, tid, t, *a, **kw):
+        if t == "src":
+            kw["keep_s"] = 1.2
+        return orig(self, sender, tid, t, *a, **kw)
+    monkeypatch.setattr(push_mod.PushProducer, "_reply", reply)
+    go = threading.Event()
+    p = sides("kv_producer", hold_after_layer=(0, go))
+    d = sides("kv_consumer", flow_a=False, push_layer_load=True, push_layer_read=True,
+              push_layer_timeout_s=30.0, push_layer_read_stall_s=10.0)
+    t = toks(93, 4 * BS + 5)
+    p.add(make_request("pq", t, max_tokens=1, params=pp("R93")))
+    d.add(make_request("q", t, max_tokens=2, params=dp("R93")))
+    run = Stepper(p, before=target_first(p, "R93"))
+    timer = threading.Timer(2.0, go.set)
+    timer.start()
+    try:
+        d.step()  # the layer load's step
+    finally:
+        timer.cancel()
+        go.set()
+        run.join()
+    assert d.invalid and recomputes(d), (d.seen, recomputes(d))
+    assert d.run_until(lambda: d.computed.get("q", 0) >= len(t), steps=500)
+    assert d.block_matches_pattern("q", t, 4)  # recomputed, right
+    assert d.run_until(lambda: "q" not in d.sched.requests, steps=500)
+    assert p.run_until(lambda: p.is_empty(), steps=500)
