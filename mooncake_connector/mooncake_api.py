@@ -13,6 +13,7 @@ import ctypes.util
 import enum
 import json
 import logging
+import operator
 import os
 import socket
 import struct
@@ -165,6 +166,20 @@ def _cuda():
     except OSError:
         return None
     return lib if lib.cuInit(0) == 0 else None
+
+
+def _opcode(opcode) -> int:
+    """TransferOpcode.Read / .Write (0 / 1), or an integer 0 / 1, as an int;
+    anything else is refused naming the argument (int() took 1.9 and "1" as
+    WRITE, and answered "write" with "invalid literal for int()")."""
+    try:
+        v = None if isinstance(opcode, bool) else operator.index(opcode)
+    except TypeError:
+        v = None
+    if v in (0, 1):
+        return v
+    raise (TypeError if v is None else ValueError)(
+        f"opcode must be TransferOpcode.Read (0) or TransferOpcode.Write (1), not {opcode!r}")
 
 
 def _check_notify(notify) -> Optional[bytes]:
@@ -354,7 +369,7 @@ class TransferEngine(_core.TransferEngine):
                              opcode, transport_hint=""):
         _check_hint(transport_hint)
         return super().batch_transfer_async(target_hostname, buffers, peer_buffer_addresses,
-                                            lengths, int(opcode))
+                                            lengths, _opcode(opcode))
 
     def _notify_after(self, target_hostname, envelope) -> None:
         if envelope is not None:
@@ -368,7 +383,7 @@ class TransferEngine(_core.TransferEngine):
         _check_hint(transport_hint)
         envelope = _check_notify(notify)
         rc = super().transfer_sync(target_hostname, buffer, peer_buffer_address, length,
-                                   int(opcode))
+                                   _opcode(opcode))
         self._notify_after(target_hostname, envelope)
         return rc
 
@@ -377,7 +392,7 @@ class TransferEngine(_core.TransferEngine):
         _check_hint(transport_hint)
         envelope = _check_notify(notify)
         rc = super().batch_transfer_sync(target_hostname, buffers, peer_buffer_addresses,
-                                         lengths, int(opcode))
+                                         lengths, _opcode(opcode))
         self._notify_after(target_hostname, envelope)
         return rc
 
@@ -406,7 +421,7 @@ class TransferEngine(_core.TransferEngine):
             raise _core.TransferError(f"{what}: cuStreamSynchronize(0x{stream_ptr:x}) failed "
                                       f"with CUDA error {rc}")
         super().batch_transfer_sync(target_hostname, buffers, peer_buffer_addresses, lengths,
-                                    int(opcode))
+                                    _opcode(opcode))
 
     def transfer_write_on_cuda(self, target_hostname, buffer, peer_buffer_address, length,
                                stream_ptr=0, transport_hint="") -> None:

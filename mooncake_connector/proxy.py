@@ -97,6 +97,20 @@ KEEPALIVE_S = 4.0
 _SOCK_READ_TIMEOUT = getattr(aiohttp, "SocketTimeoutError", aiohttp.ServerTimeoutError)
 
 
+def _content_type_problem(value):
+    """Why a request with this Content-Type header is refused (None: taken):
+    as vLLM's API server, only application/json, in any case, with any
+    parameters (charset=utf-8); no header at all is refused there too."""
+    if value is None:
+        return ("no Content-Type header: the request body must be JSON sent with "
+                "'Content-Type: application/json' (vLLM's API server refuses it without)")
+    if value.split(";", 1)[0].strip().lower() == "application/json":
+        return None
+    shown = ascii(value[:100]) + ("..." if len(value) > 100 else "")
+    return (f"Content-Type {shown} is not application/json: send the JSON body with "
+            "'Content-Type: application/json' (vLLM's API server refuses any other)")
+
+
 def _error(status, message, kind="proxy_error"):
     return web.json_response({"error": {"message": message, "type": kind, "code": status}},
                              status=status)
@@ -439,6 +453,15 @@ class Proxy:
     async def _handle(self, request, take):
         t_in = time.perf_counter()
         chat = request.path.endswith("/chat/completions")
+        why = _content_type_problem(request.headers.get("Content-Type"))
+        if why is not None:
+            # vLLM's API server takes only application/json (its
+            # validate_json_request: a 400); the proxy refuses the same
+            # requests, as a 415 naming the header, before reading the body
+            # (closed after the answer).
+            self.counts["bad_requests"] += 1
+            return await http_guard.answer_and_close(request, _error(
+                415, why, "invalid_request_error"))
         try:
             body = request_check.parse(await self._read_body(request, take))
             request_check.check(body, chat)

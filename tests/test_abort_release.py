@@ -155,6 +155,27 @@ def test_proxy_release_before_the_leg_published(sides):
     assert counters(p).get("prefill_releases", 0) == 1, counters(p)
 
 
+def test_a_release_by_a_client_id_inside_another_s_releases_nothing_of_it(sides):
+    """A client chooses its X-Request-Id: with "0" (inside every completion's
+    vLLM request id, "cmpl-<id>-0-<random>"), leaving before its decode
+    leg (its prompt under a block: nothing published), the proxy's release
+    named "0" and the prefill dropped ANOTHER client's held prompt (a
+    substring test), whose decode then recomputed it.  Now only vLLM's whole
+    forms of the id name a request: the other prompt stays held and loads."""
+    p, d = sides("kv_producer"), sides("kv_consumer")
+    t = toks(57, 4 * BS + 5)
+    _prefill(p, "cmpl-victim-0-1a2b3c4d", t)
+    p.add(_release_req("r1", {"x_request_id": "0"}))
+    for _ in range(4):
+        p.step()
+    assert counters(p).get("prefill_releases", 0) == 0, counters(p)
+    assert not p.is_empty(), "another client's X-Request-Id released this prompt"
+    d.add(make_request("cmpl-victim-0-5e6f7a8b", t, max_tokens=2))
+    assert d.run_until(lambda: "cmpl-victim-0-5e6f7a8b" not in d.sched.requests, steps=500)
+    assert counters(d).get("loads", 0) == 1 and not recomputes(d) and not d.invalid
+    assert frees_at_once(p, 2.0), "the prefill still holds the prompt"
+
+
 def _forget(d, rid, xid):
     """The proxy's question (proxy._forget_at_decode) about the decode leg
     sent with X-Request-Id xid, whose answer ended before any output: the
@@ -314,7 +335,7 @@ def test_malformed_mc_release_and_mc_forget_at_the_servers_directly(sides):
     well-formed forget still work after them."""
     p, d = sides("kv_producer"), sides("kv_consumer")
     t = toks(60, 4 * BS + 5)
-    _prefill(p, "cmpl-mc-96-0-aaaa", t)
+    _prefill(p, "cmpl-mc-96-0-aaaaaaaa", t)
     for i, rel in enumerate(BAD_RELEASES):
         p.add(make_request(f"bad-rel-{i}", [7], max_tokens=1, params={"mc_release": rel}))
         p.step()

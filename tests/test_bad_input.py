@@ -283,6 +283,11 @@ def test_closed_engine_and_double_close():
     ({"push_layer_read_stall_s": 0}, "push_layer_read_stall_s must be 0.01-86400"),
     ({"push_layer_read_stall_s": "nan"}, "push_layer_read_stall_s must be a finite number"),
     ({"push_layer_read": "maybe"}, "push_layer_read must be true or false"),
+    # were accepted: a stall never noticed before the lease ends
+    ({"push_layer_read_stall_s": 10}, "push_layer_read_stall_s=10 is not below "
+                                      "push_layer_timeout_s=10"),
+    ({"push_layer_read_stall_s": 30, "push_layer_timeout_s": 20},
+     "set push_layer_read_stall_s below push_layer_timeout_s"),
     # were accepted as 1.0 (float(True)): a number knob given a boolean
     ({"hold_timeout_s": True}, "hold_timeout_s must be a number, not True"),
     ({"push_layer_read_stall_s": True}, "push_layer_read_stall_s must be a number, not True"),

@@ -238,6 +238,16 @@ def test_tp_rank_port_in_use(tmp_path):
     assert rc == 1 and "TP ranks" in failed(rows, "engine", f"prefill port {port} (TP rank 1)")["fix"]
 
 
+def test_tp_ranks_past_the_last_port(tmp_path):
+    """prefill_url's port + --tp - 1 past 65535: one row naming it and the
+    fix (was "the check itself failed: OverflowError", "report this")."""
+    rc, rows = doctor("--tp", "1000", "--role", "prefill", "--config",
+                      write_cfg(tmp_path, prefill_url="127.0.0.1:65000"))
+    r = failed(rows, "engine", "prefill ports")
+    assert rc == 1 and "passes 65535" in r["detail"] and "at most 64536" in r["fix"], r
+    assert not [x for x in rows if "the check itself failed" in x["detail"]], rows
+
+
 def not_local(n):
     """n documentation addresses (RFC 5737) that are not on this host;
     nothing is ever sent to them."""
@@ -501,8 +511,15 @@ def test_serve_without_listen_takes_a_free_port():
 
 
 @pytest.mark.parametrize("args,expect", [
-    (["--timeout", "-1"], "--timeout must be a number of seconds > 0"),
-    (["--timeout", "nan"], "--timeout must be a number of seconds > 0"),
+    (["--timeout", "-1"], "--timeout must be a number of seconds in (0, 86400]"),
+    (["--timeout", "nan"], "--timeout must be a number of seconds in (0, 86400]"),
+    # was "the check itself failed: ValueError", "fix: report this"
+    (["--peer", "127.0.0.1:1", "--timeout", "1e308"],
+     "--timeout must be a number of seconds in (0, 86400], not 1e+308"),
+    # was 65,535 ports bound one by one, a row each, then an OverflowError
+    (["--tp", "100000"], "--tp must be 1-1024 (the TP ranks' ports are port..port+tp-1), "
+                         "not 100000"),
+    (["--tp", "0"], "--tp must be 1-1024"),
     (["--serve", "--seconds", "-1"], "--seconds must be a number of seconds >= 0"),
     (["--serve", "--seconds", "nan"], "--seconds must be a number of seconds >= 0"),
 ])

@@ -153,3 +153,43 @@ def test_clients_leaving_free_the_prefill(deployment, flow):  # noqa: F811
             "decode_forgets_sent", "decode_forgets_unseen")}))
     rec = metric_value(dep.decode.url, "vllm:mooncake_recomputes_total") - rec0
     assert rec == 0, f"{rec} staying requests' prompts were recomputed on the decode"
+
+
+def test_a_client_id_inside_another_s_request_id_releases_nothing_of_it(deployment):  # noqa: F811
+    """A client's X-Request-Id "0" is inside every completion's vLLM request
+    id ("cmpl-<id>-0-<random>").  Its streamed one-token request ends at the
+    prefill's first token, its prompt under a block (nothing published): the
+    proxy's release names its leg by "0", and the prefill dropped ANOTHER
+    client's held prompt (its decode then recomputed it).  Now only vLLM's
+    whole forms of an id name a request: the other prompt stays held and its
+    decode leg loads it."""
+    from mooncake_connector.openai_client import request
+    dep = deployment
+    base = _check(dep)
+    url = dep.proxies["b"].url
+    rec0 = metric_value(dep.decode.url, "vllm:mooncake_recomputes_total")
+    # The other client's prefill leg, straight to the prefill (flow b): held.
+    body = {"model": "tiny", "prompt": _prompt(300), "max_tokens": 1, "temperature": 0}
+    pre = request(dep.prefill.url, "/v1/completions",
+                  dict(body, kv_transfer_params={"do_remote_decode": True}), 120,
+                  headers={"X-Request-Id": "held-7f3e"})
+    assert pre.status == 200 and (pre.kv_transfer_params or {}).get("num_tokens"), pre.error
+    held = _held(dep.prefill.url)
+    assert held[0] > base[0], (held, base)
+    sent0 = proxy_stats(url)["prefill_releases_sent"]
+    got = request(url, "/v1/completions", dict(body, prompt="hi", stream=True), 120,
+                  headers={"X-Request-Id": "0"})
+    assert got.status == 200, got.error
+    deadline = time.monotonic() + 10
+    while proxy_stats(url)["prefill_releases_sent"] == sent0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert proxy_stats(url)["prefill_releases_sent"] > sent0
+    time.sleep(2.0)  # the release's request ran and the prefill's next steps did
+    assert _held(dep.prefill.url)[0] == held[0], (
+        "a release named by X-Request-Id '0' dropped another client's held prompt")
+    dec = request(dep.decode.url, "/v1/completions",
+                  dict(body, max_tokens=4, kv_transfer_params=pre.kv_transfer_params), 120)
+    assert dec.status == 200, dec.error
+    assert metric_value(dep.decode.url, "vllm:mooncake_recomputes_total") - rec0 == 0
+    held, secs = _drained(dep.prefill.url, base=base)
+    assert held[0] <= base[0] and held[1] <= base[1], (held, base, secs)

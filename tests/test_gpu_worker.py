@@ -215,7 +215,8 @@ def test_layer_read_reads_cuda_layers_byte_exact_and_the_producer_writes_nothing
     try:
         prod, cons = start_pair(urls, env, made,
                                 settings={"push_layer_load": True, "push_layer_read": True,
-                                          "push_layer_read_stall_s": 10.0})
+                                          "push_layer_read_stall_s": 10.0,
+                                          "push_layer_timeout_s": 20.0})
         prod.call(cmd="fill", seed=3)
         rng = random.Random(9)
         nblk = 40

@@ -18,25 +18,52 @@ class Clock:
 def test_carries_matches_vllms_request_ids_only_on_whole_dashes():
     assert carries("cmpl-mc-7-0-1a2b3c4d", "mc-7")
     assert carries("chatcmpl-mc-7-1a2b3c4d", "mc-7")
-    assert carries("cmpl-mc-7", "mc-7") and carries("mc-7", "mc-7")
+    assert carries("3_cmpl-mc-7-0-1a2b3c4d", "mc-7")   # a parallel-sampling child
     assert not carries("cmpl-mc-70-0-1a2b3c4d", "mc-7")
     assert not carries("cmpl-xmc-7-0-1a2b3c4d", "mc-7")
+    # vLLM with VLLM_DISABLE_REQUEST_ID_RANDOMIZATION=1: no random part
+    assert carries("cmpl-mc-7-0", "mc-7", False) and carries("chatcmpl-mc-7", "mc-7", False)
+    assert not carries("cmpl-mc-7-0", "mc-7", True)
+
+
+def test_a_client_id_inside_another_request_id_names_only_its_own():
+    """A client picks its X-Request-Id: "0" is inside every completion's
+    vLLM request id ("cmpl-<id>-0-<random>"), "victim" inside "victim-2"'s.
+    Only vLLM's whole forms of an id name a request: the substring test
+    released (prefill) or answered for (decode) other clients' requests."""
+    other = "cmpl-4f1e9c2ab-0-1a2b3c4d"
+    # The decode's ledger: a forget about "0" finds nothing of the other's.
+    lg = LegLedger(Clock())
+    assert lg.arrived(other)
+    assert lg.forget("0") == "unseen"                   # "0"'s leg never came
+    assert lg.finished(other, paid=False) is False      # not asked about: nothing owed
+    assert lg.forget("4f1e9c2ab") == "unseen"           # its own: ended owing its pull
+    assert lg.arrived("cmpl-0-0-5e6f7a8b") is False     # "0"'s own, late: forgotten
+    for mode in (True, None):
+        assert not carries(other, "0", mode) and not carries(other, "1a2b3c4d", mode)
+        assert not carries(other, "4f1e9c2ab-0", mode)
+        assert not carries("cmpl-victim-2-0-1a2b3c4d", "victim", mode)
+        assert not carries("chatcmpl-victim-2-1a2b3c4d", "victim", mode)
+        assert not carries("cmpl-a-release-0-1a2b3c4d", "a", mode)  # the proxy's release
+    # The proxy's own "<id>-<8 hex>" (an id already in flight) where vLLM
+    # keeps ids as given: another request than "<id>"'s.
+    assert not carries("chatcmpl-foo-0a1b2c3d", "foo", False)
 
 
 def test_verdicts():
     lg = LegLedger(Clock())
-    assert lg.arrived("cmpl-a-0-1")
-    lg.finished("cmpl-a-0-1", paid=False)    # ended owing its pull (here: below)
+    assert lg.arrived("cmpl-a-0-1a2b3c4d")
+    lg.finished("cmpl-a-0-1a2b3c4d", paid=False)    # ended owing its pull (here: below)
     assert lg.forget("a") == "unseen"
     assert lg.forget("a") == "seen"          # paid by the first answer
     assert lg.forget("b") == "unseen"        # never came
     assert lg.forget("b") == "seen"
-    assert not lg.arrived("cmpl-b-0-2")      # came late: neither loads nor releases
-    assert not lg.arrived("cmpl-b-0-2")      # asked again: the same
-    lg.finished("cmpl-b-0-2", paid=False)
+    assert not lg.arrived("cmpl-b-0-1a2b3c4d")      # came late: neither loads nor releases
+    assert not lg.arrived("cmpl-b-0-1a2b3c4d")      # asked again: the same
+    lg.finished("cmpl-b-0-1a2b3c4d", paid=False)
     assert lg.forget("b") == "seen"
-    assert lg.arrived("cmpl-c-0-3")
-    lg.finished("cmpl-c-0-3", paid=True)
+    assert lg.arrived("cmpl-c-0-1a2b3c4d")
+    lg.finished("cmpl-c-0-1a2b3c4d", paid=True)
     assert lg.forget("c") == "seen"
 
 
@@ -47,27 +74,27 @@ def test_seen_while_here_pays_at_its_end():
     once; kept past MEMORY_S while it runs."""
     clk = Clock()
     lg = LegLedger(clk)
-    assert lg.arrived("cmpl-a-0-1") and lg.arrived("cmpl-b-0-2")
+    assert lg.arrived("cmpl-a-0-1a2b3c4d") and lg.arrived("cmpl-b-0-1a2b3c4d")
     assert lg.forget("a") == "seen" and lg.forget("b") == "seen"
     assert lg.forget("a") == "seen"          # asked twice while here: the same
     clk.t += legs.MEMORY_S + 1
     assert lg.forget("other") == "unseen"    # prunes: the asked ones still run
-    assert lg.finished("cmpl-a-0-1", paid=False) is True
-    assert lg.finished("cmpl-a-0-1", paid=False) is False   # once
-    assert lg.finished("cmpl-b-0-2", paid=True) is False    # its pull paid
+    assert lg.finished("cmpl-a-0-1a2b3c4d", paid=False) is True
+    assert lg.finished("cmpl-a-0-1a2b3c4d", paid=False) is False   # once
+    assert lg.finished("cmpl-b-0-1a2b3c4d", paid=True) is False    # its pull paid
     assert lg.forget("a") == "seen" and lg.forget("b") == "seen"
-    assert lg.arrived("cmpl-c-0-3")
-    assert lg.finished("cmpl-c-0-3", paid=False) is False   # not asked: "unseen" pays
+    assert lg.arrived("cmpl-c-0-1a2b3c4d")
+    assert lg.finished("cmpl-c-0-1a2b3c4d", paid=False) is False   # not asked: "unseen" pays
     assert lg.forget("c") == "unseen"
 
 
 def test_bounded_by_time_and_size(monkeypatch):
     clk = Clock()
     lg = LegLedger(clk)
-    lg.arrived("cmpl-run-0-1")               # still running after MEMORY_S
+    lg.arrived("cmpl-run-0-1a2b3c4d")               # still running after MEMORY_S
     for i in range(100):
-        lg.arrived(f"cmpl-r{i}-0-x")
-        lg.finished(f"cmpl-r{i}-0-x", paid=True)
+        lg.arrived(f"cmpl-r{i}-0-5e6f7a8b")
+        lg.finished(f"cmpl-r{i}-0-5e6f7a8b", paid=True)
         lg.forget(f"gone{i}")
     assert len(lg) == 201
     clk.t += legs.MEMORY_S + 1
@@ -75,7 +102,7 @@ def test_bounded_by_time_and_size(monkeypatch):
     assert len(lg) == 1                      # only it: the others are older than MEMORY_S
     monkeypatch.setattr(legs, "MAX_RECORDS", 50)
     for i in range(200):
-        lg.arrived(f"cmpl-s{i}-0-x")
+        lg.arrived(f"cmpl-s{i}-0-5e6f7a8b")
         lg.forget(f"t{i}")
     assert len(lg) <= 100
 
@@ -91,7 +118,7 @@ def _consumer(**kw):
 
 def _forget_req(xid):
     import types
-    return types.SimpleNamespace(request_id="cmpl-mc-forget-1-0-aa", prompt_token_ids=[7],
+    return types.SimpleNamespace(request_id="cmpl-mc-forget-1-0-aaaaaaaa", prompt_token_ids=[7],
                                  kv_transfer_params={"mc_forget": {"x_request_id": xid}})
 
 

@@ -206,3 +206,38 @@ def test_notify_envelope_parser_takes_any_bytes(caplog):
         assert n.msg == body or body.startswith(m.NOTIFY_MAGIC)
     with pytest.raises(ValueError, match="at most 65535"):
         m._notify_envelope(TransferNotify("x" * 65536, ""))
+
+
+def test_an_opcode_or_a_write_length_that_is_wrong_names_it():
+    """opcode went through int(): 1.9 and "1" were a WRITE, "write" raised
+    "invalid literal for int() with base 10".  write_bytes_to_buffer with a
+    length past its data copied len(data) bytes without a word (Mooncake's
+    memcpy reads past the end).  Both now raise naming the argument; nothing
+    is moved."""
+    a, b = _pair()
+    try:
+        src, dst = a.allocate_managed_buffer(4096), b.allocate_managed_buffer(4096)
+        seg = b.get_segment_name()
+        b.write_bytes_to_buffer(dst, b"\0" * 16)
+        a.write_bytes_to_buffer(src, b"abcd" * 4)
+        for bad, exc in ((1.9, TypeError), ("1", TypeError), ("write", TypeError),
+                         (True, TypeError), (None, TypeError), (2, ValueError),
+                         (-1, ValueError)):
+            for call in (lambda: a.transfer_sync(seg, src, dst, 16, bad),
+                         lambda: a.batch_transfer_sync(seg, [src], [dst], [16], bad),
+                         lambda: a.batch_transfer_async(seg, [src], [dst], [16], bad)):
+                with pytest.raises(exc, match=r"opcode must be TransferOpcode.Read \(0\) or "
+                                              r"TransferOpcode.Write \(1\), not " +
+                                              repr(bad).replace(".", r"\.")):
+                    call()
+        assert b.read_bytes_from_buffer(dst, 16) == b"\0" * 16  # nothing was written
+        assert a.transfer_sync(seg, src, dst, 16, TransferOpcode.Write) == 0
+        assert a.transfer_sync(seg, src, dst, 16, 1) == 0
+        with pytest.raises(ValueError, match=r"length 1000 is more than the 3 bytes of data"):
+            a.write_bytes_to_buffer(src, b"xyz", 1000)
+        assert a.read_bytes_from_buffer(src, 4) == b"abcd"
+        assert a.write_bytes_to_buffer(src, b"xyz", 2) == 0
+        assert a.read_bytes_from_buffer(src, 4) == b"xycd"
+    finally:
+        a.close()
+        b.close()

@@ -219,11 +219,46 @@ def test_dead_instance_gives_502_naming_it(upstreams, proxy):
 def test_bad_request_body(upstreams, proxy):
     p, d = upstreams("prefill"), upstreams("decode")
     url = proxy([p.url], [d.url])
-    req = urllib.request.Request(url + "/v1/completions", data=b"{not json", method="POST")
+    req = urllib.request.Request(url + "/v1/completions", data=b"{not json", method="POST",
+                                 headers={"Content-Type": "application/json"})
     with pytest.raises(urllib.error.HTTPError) as ei:
         urllib.request.urlopen(req, timeout=10)
     assert ei.value.code == 400 and "not valid JSON" in json.loads(ei.value.read())["error"]["message"]
     assert p.seen == [] and d.seen == []
+
+
+def test_a_body_not_declared_json_is_a_415_as_vllm_refuses_it(upstreams, proxy):
+    """vLLM's API server takes a completion only as application/json (its
+    validate_json_request; 400 "Unsupported Media Type" otherwise, a
+    missing header too).  The proxy took any Content-Type (a form-encoded
+    or text/plain body that parsed as JSON went upstream as JSON).  Now a
+    415 naming the header and the fix, the body unread and nothing sent
+    upstream; application/json in any case and with parameters is taken."""
+    p, d = upstreams("prefill"), upstreams("decode")
+    url = proxy([p.url], [d.url])
+    port = int(url.rsplit(":", 1)[1])
+    body = json.dumps({"model": "m", "prompt": "hi", "max_tokens": 2}).encode()
+    for ctype in ("application/x-www-form-urlencoded", "text/plain", "application/jsonx",
+                  "multipart/form-data; boundary=x", None):
+        head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+        if ctype is not None:
+            head += b"Content-Type: %s\r\n" % ctype.encode()
+        with socket.create_connection(("127.0.0.1", port), timeout=20) as c:
+            c.sendall(head + b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body)
+                      + body)
+            data = recv_to_eof(c)
+        assert data.startswith(b"HTTP/1.1 415"), (ctype, data[:300])
+        msg = json.loads(data.partition(b"\r\n\r\n")[2])["error"]["message"]
+        assert "Content-Type" in msg and "'Content-Type: application/json'" in msg, msg
+        if ctype is not None:
+            assert repr(ctype[:100]) in msg, msg
+    assert p.seen == [] and d.seen == []
+    for ctype in ("application/json; charset=utf-8", "Application/JSON"):
+        req = urllib.request.Request(url + "/v1/completions", data=body, method="POST",
+                                     headers={"Content-Type": ctype})
+        with urllib.request.urlopen(req, timeout=20) as r:
+            assert r.status == 200, ctype
+    assert get_stats(url)["bad_requests"] == 5
 
 
 def test_bad_arguments_are_refused():

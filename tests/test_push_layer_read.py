@@ -61,7 +61,7 @@ def _step_while_the_forward_is_held(sides, seed, tid):
     hold = threading.Event()
     p = sides("kv_producer", hold_at_end=hold)
     d = sides("kv_consumer", flow_a=False, push_layer_load=True, push_layer_read=True,
-              push_layer_read_stall_s=10.0)
+              push_layer_read_stall_s=10.0, push_layer_timeout_s=20.0)
     t = toks(seed, 48 * BS + 3)
     p.add(make_request("pq", t, max_tokens=1, params=pp(tid)))
     d.add(make_request("q", t, max_tokens=2, params=dp(tid)))
@@ -292,3 +292,77 @@ def test_cuda_kv_caches_take_read_mode(sides):
     assert eng_stats(p)["same_host_cpu_bytes_written"] == 0  # the decode read
     assert counters(p).get("push_bytes_same_host_cpu", 0) == 0
     assert recomputes(d) == {}
+
+
+def test_a_silent_reader_holds_the_prefill_no_longer_than_its_hold_timeout(sides, monkeypatch):
+    """A layer read's lease is the decode's push_layer_timeout_s (up to
+    86,400 s): the producer lent its blocks that long to a decode that read
+    nothing and said nothing (as one stopped right after its target went
+    out; here its reads never start), past the producer's own hold_timeout_s.
+    Now it lends them at most hold_timeout_s (2 s here; the lease 30 s),
+    answers nokv naming it, and the decode gives up visibly (the prompt is
+    recomputed).  Seen failing: the producer held them until the decode's
+    stall (6 s) cancelled."""
+    from mooncake_connector.connector import push as push_mod
+    monkeypatch.setattr(push_mod.PushConsumer, "_read_start", lambda self, cl, tid, name: None)
+    p = sides("kv_producer", hold_timeout_s=2.0)
+    d = sides("kv_consumer", flow_a=False, push_layer_load=True, push_layer_read=True,
+              push_layer_timeout_s=30.0, push_layer_read_stall_s=6.0)
+    t = toks(91, 4 * BS + 5)
+    p.add(make_request("pq", t, max_tokens=1, params=pp("R91")))
+    d.add(make_request("q", t, max_tokens=2, params=dp("R91")))
+    run = Stepper(p, before=target_first(p, "R91"))
+    try:
+        t0 = time.monotonic()
+        d.step()  # the layer load's step: no layer is read; it ends at the producer's nokv
+        took = time.monotonic() - t0
+    finally:
+        run.join()
+    assert p.run_until(lambda: p.is_empty(), steps=500)
+    freed = time.monotonic() - t0
+    print(f"the decode's step took {took:.2f} s; the producer freed its blocks at {freed:.2f} s")
+    assert took < 4.5 and freed < 5.0, (took, freed)  # 2 s, not the 6 s stall nor the lease
+    assert d.invalid and recomputes(d), recomputes(d)
+    assert d.run_until(lambda: d.computed.get("q", 0) >= len(t), steps=500)
+    assert d.block_matches_pattern("q", t, 4)  # recomputed, right
+    assert d.run_until(lambda: "q" not in d.sched.requests, steps=500)
+
+
+def test_the_decode_reads_nothing_past_the_producers_keep_s(sides, monkeypatch):
+    """The producer's "src" message says how long it still lends its blocks
+    (keep_s: its hold_timeout_s may be shorter than the decode's lease).
+    The decode ignored it and read until its own lease's end - 1 s, so a
+    layer announced later was read from blocks the producer may have freed.
+    Here the producer says keep_s 1.2 and announces layer 1 after 2 s (its
+    forward held after layer 0): the decode reads no layer past src's
+    arrival + 0.2 s, the load fails and the prompt is recomputed, right.
+    Seen failing on the old decode (the load succeeded)."""
+    from mooncake_connector.connector import push as push_mod
+    orig = push_mod.PushProducer._reply
+
+    def reply(self, sender, tid, t, *a, **kw):
+        if t == "src":
+            kw["keep_s"] = 1.2
+        return orig(self, sender, tid, t, *a, **kw)
+    monkeypatch.setattr(push_mod.PushProducer, "_reply", reply)
+    go = threading.Event()
+    p = sides("kv_producer", hold_after_layer=(0, go))
+    d = sides("kv_consumer", flow_a=False, push_layer_load=True, push_layer_read=True,
+              push_layer_timeout_s=30.0, push_layer_read_stall_s=10.0)
+    t = toks(93, 4 * BS + 5)
+    p.add(make_request("pq", t, max_tokens=1, params=pp("R93")))
+    d.add(make_request("q", t, max_tokens=2, params=dp("R93")))
+    run = Stepper(p, before=target_first(p, "R93"))
+    timer = threading.Timer(2.0, go.set)
+    timer.start()
+    try:
+        d.step()  # the layer load's step
+    finally:
+        timer.cancel()
+        go.set()
+        run.join()
+    assert d.invalid and recomputes(d), (d.seen, recomputes(d))
+    assert d.run_until(lambda: d.computed.get("q", 0) >= len(t), steps=500)
+    assert d.block_matches_pattern("q", t, 4)  # recomputed, right
+    assert d.run_until(lambda: "q" not in d.sched.requests, steps=500)
+    assert p.run_until(lambda: p.is_empty(), steps=500)

@@ -1619,7 +1619,16 @@ static PyObject *Engine_write_bytes_to_buffer(EngineObject *self, PyObject *args
       PyErr_SetString(PyExc_ValueError, "buffer address is 0");
     return NULL;
   }
-  if (len < 0 || len > data.len)
+  if (len > data.len) {
+    /* Was copied as data's length without a word (Mooncake's memcpy reads
+     * past the end of data). */
+    Py_ssize_t have = data.len;
+    PyBuffer_Release(&data);
+    return PyErr_Format(PyExc_ValueError, "write_bytes_to_buffer: length %zd is more than "
+                        "the %zd bytes of data; pass at most len(data) (or leave length out)",
+                        len, have);
+  }
+  if (len < 0)
     len = data.len;
   if (raw_enter(self, addr, (uint64_t)len) < 0) {
     PyBuffer_Release(&data);

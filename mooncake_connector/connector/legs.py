@@ -11,10 +11,11 @@ nothing, and the prompt stays held until hold_timeout_s.
 The proxy cannot tell those apart (a response's headers leave the decode's
 API server before its engine sees the request), so it asks this side: a
 one-token request carrying kv_transfer_params {"mc_forget": {"x_request_id":
-X}} (the X-Request-Id both legs were sent with, which vLLM's request id
-contains).  This ledger answers "seen" (a request of that leg is here or
-has paid: nothing to do) or "unseen" (nothing has paid: the proxy releases
-the prompt at the prefill).  After "unseen" a request of that leg arriving
+X}} (the X-Request-Id both legs were sent with, from which vLLM made its
+request id: carries() matches vLLM's whole forms of it, never a part).
+This ledger answers "seen" (a request of that leg is here or has paid:
+nothing to do) or "unseen" (nothing has paid: the proxy releases the prompt
+at the prefill).  After "unseen" a request of that leg arriving
 late neither loads nor releases; after "seen" about a request still here
 (its flow-a probe not answered yet, say), that request pays at its end: by
 its pull or release, or, if it ends with neither, by the release it sends
@@ -25,6 +26,8 @@ another request's entry of the same prompt), and not never.
 Bounded: records older than MEMORY_S, or past MAX_RECORDS, are dropped
 (a forget comes within seconds of its leg).
 """
+import os
+import re
 import time
 from collections import OrderedDict
 
@@ -42,10 +45,66 @@ LIVE, ASKED, PAID, UNPAID, LATE = "live", "asked", "paid", "unpaid", "late"
 HERE = (LIVE, ASKED)
 
 
-def carries(rid, xid):
+_RANDOM = "VLLM_DISABLE_REQUEST_ID_RANDOMIZATION"
+_randomized = []  # [True / False / None], found once
+
+
+def randomized():
+    """Whether this vLLM adds "-<8 random hex>" to each request id (vLLM
+    0.32's InputProcessor.assign_request_id): True; False where the
+    variable turns that off (VLLM_DISABLE_REQUEST_ID_RANDOMIZATION=1); None
+    where not known (a vLLM that does not know the variable: an older one
+    adds nothing, a later one may always add it): both forms are taken."""
+    if not _randomized:
+        try:
+            from vllm import envs
+            known = _RANDOM in getattr(envs, "environment_variables", {})
+        except Exception:  # noqa: BLE001 - no vLLM here: not known
+            known = False
+        if not known:
+            _randomized.append(None)
+        else:
+            try:
+                off = bool(int(os.environ.get(_RANDOM, "0")))
+            except ValueError:
+                off = None  # vLLM itself refuses such a value
+            _randomized.append(None if off is None else not off)
+    return _randomized[0]
+
+
+_HEX8 = r"-[0-9a-f]{8}"
+#: vLLM's request ids made from X-Request-Id X: completions "cmpl-X-<prompt
+#: index>", chat "chatcmpl-X", each then "-<8 random hex>" where vLLM
+#: randomizes; a parallel-sampling child's "<i>_" before it.
+_FORMS = {True: (r"cmpl-(.+)-\d+" + _HEX8, r"chatcmpl-(.+)" + _HEX8),
+          False: (r"cmpl-(.+)-\d+", r"chatcmpl-(.+)")}
+_FORMS[None] = _FORMS[True] + _FORMS[False]
+_COMPILED = {k: [re.compile(r"(?:\d+_)?" + f, re.S) for f in v] for k, v in _FORMS.items()}
+
+
+def x_request_ids(rid, mode=...):
+    """The X-Request-Ids vLLM could have made its request id `rid` from, by
+    vLLM's forms of the whole id (mode: randomized(), or True / False /
+    None)."""
+    mode = randomized() if mode is ... else mode
+    out = set()
+    if isinstance(rid, str):
+        for form in _COMPILED[mode]:
+            m = form.fullmatch(rid)
+            if m:
+                out.add(m.group(1))
+    return out
+
+
+def carries(rid, xid, mode=...):
     """Whether vLLM's request id `rid` was made from the X-Request-Id `xid`
-    ("cmpl-<xid>-0-<random>", "chatcmpl-<xid>-<random>", ...)."""
-    return f"-{xid}-" in rid or rid.endswith(f"-{xid}") or rid == xid
+    ("cmpl-<xid>-0-<random>", "chatcmpl-<xid>-<random>", ...; where vLLM
+    keeps ids as made, "cmpl-<xid>-0", "chatcmpl-<xid>"): the whole id, not
+    a part of it.  A substring test let a client's X-Request-Id name another
+    client's request: "0" is in every "cmpl-<id>-0-<random>"."""
+    if not isinstance(xid, str) or not xid or not isinstance(rid, str) or xid not in rid:
+        return False
+    return xid in x_request_ids(rid, mode)
 
 
 class LegLedger:
@@ -82,8 +141,8 @@ class LegLedger:
             return rec[0] != LATE
         now = self._clock()
         self._prune(now)
-        for xid in self._forgotten:
-            if carries(rid, xid):
+        for xid in x_request_ids(rid):
+            if xid in self._forgotten:
                 del self._forgotten[xid]
                 self._legs[rid] = [LATE, now]
                 return False

@@ -854,6 +854,12 @@ class PushConsumer:
             return
         cl.rsrc[name] = per
         cl.last_note = time.monotonic()
+        # The producer lends its blocks keep_s more (its hold_timeout_s may
+        # be shorter than our lease): no read starts after that, less the
+        # margin (a producer without keep_s keeps them our lease's length).
+        keep = head.get("keep_s")
+        if isinstance(keep, (int, float)) and not isinstance(keep, bool) and keep == keep:
+            cl.read_by = min(cl.read_by, cl.last_note + keep - READ_MARGIN_S)
         self.w.stats.add("push_layer_reads")
 
     def _read_start(self, cl, tid, name):
@@ -1286,7 +1292,7 @@ def _locked(fn):
 
 
 class Target:
-    def __init__(self, sender, head, body, arrived):
+    def __init__(self, sender, head, body, arrived, keep_max_s=86400.0):
         self.name = sender
         self.head = head
         self.lease_until = _seconds(head, "lease_until")
@@ -1310,10 +1316,17 @@ class Target:
         # blocks once told it is computed; nothing is written into its memory.
         # Our blocks are kept until it says "rdone", cancels, or keep_until:
         # our own clock's arrival + the lease's length (a duration, never
-        # shorter than the decode's own lease, whatever the clocks say).
+        # shorter than the decode's own lease, whatever the clocks say), but
+        # never longer than our own hold_timeout_s (keep_max_s): a decode's
+        # push_layer_timeout_s (up to 86400 s) does not pin our blocks past
+        # it.  The "src" message tells the decode (keep_s), which starts no
+        # read after it (PushConsumer._read_src).
         self.read = self.lnotify and head.get("rd") is True
-        self.keep_until = arrived + min(max(_seconds(head, "lease_s", 0.0), 0.0), 86400.0) \
-            if self.read else 0.0
+        lease = min(max(_seconds(head, "lease_s", 0.0), 0.0), 86400.0) if self.read else 0.0
+        self.keep_until = arrived + min(lease, keep_max_s) if self.read else 0.0
+        self.keep_why = ("the decode side's read lease ended" if lease <= keep_max_s else
+                         f"the prefill's hold_timeout_s ({keep_max_s:g} s, shorter than the "
+                         f"decode's push_layer_timeout_s {lease:g} s) ended the read lease")
         self.rdone = False       # layer read: the decode read every layer
         self.landed = set()      # layer indices whose writes were acknowledged
         self.told = set()        # layer indices the consumer was told (or the engine tells
@@ -1418,7 +1431,7 @@ class PushProducer:
             trace.event("p_recv", tid, what=t, job=tid in self.jobs)
         if t == "target":
             try:
-                tg = Target(sender, head, body, time.monotonic())
+                tg = Target(sender, head, body, time.monotonic(), self.w.s.hold_timeout_s)
             except PushError as e:
                 logger.warning("MooncakeConnector push: refused a target from %s for %s: %s",
                                sender, tid, e)
@@ -2338,7 +2351,7 @@ class PushProducer:
                     elif tg.stop:
                         self._end(job, tg, "nokv", tg.stop)
                     elif now >= tg.keep_until:
-                        self._end(job, tg, "nokv", "the decode side's read lease ended")
+                        self._end(job, tg, "nokv", tg.keep_why)
                     continue
                 if tg.batches and (tg.cancel or timed_out or
                                    wall > tg.lease_until - PUSH_MARGIN_S / 2):

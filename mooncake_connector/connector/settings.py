@@ -604,6 +604,14 @@ def resolve(kv_transfer_config, env=None):
         raise SettingsError("kv_connector_extra_config.push_layer_timeout_s must be > 1 s (the "
                             "producer starts no write in the last second of the lease), not "
                             f"{s.push_layer_timeout_s!r}")
+    if s.push_layer_read_stall_s >= s.push_layer_timeout_s:
+        # A layer read gives up a silent producer after the stall; at or past
+        # the lease it never would (the lease's end and its cancel come first).
+        raise SettingsError(
+            f"kv_connector_extra_config.push_layer_read_stall_s={s.push_layer_read_stall_s:g} "
+            f"is not below push_layer_timeout_s={s.push_layer_timeout_s:g}: a layer read's "
+            "stall would never be noticed before its lease ends; set push_layer_read_stall_s "
+            "below push_layer_timeout_s (defaults 0.5 and 10)")
     if not 0 <= s.malloc_trim_idle_s <= 86_400:  # also refuses NaN
         raise SettingsError("kv_connector_extra_config.malloc_trim_idle_s must be 0 (off) to "
                             f"86400 seconds, not {s.malloc_trim_idle_s!r}")

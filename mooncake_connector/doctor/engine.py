@@ -63,6 +63,12 @@ def check_engine(rep, cfg, role, tp):
                        "unless the other interface is meant (routing may be asymmetric)")
             detail += f"; route to {other} host {other_host} from {src or '?'}"
         rep.add("engine", f"{side}_url", status, detail, fix)
+        if port + tp - 1 > 65535:
+            rep.add("engine", f"{side} ports", FAIL,
+                    f"{side}_url's port {port} + TP ranks 0..{tp - 1} passes 65535",
+                    f"pick a port in {side}_url of at most {65536 - tp} (TP ranks use "
+                    "port + rank), or check --tp")
+            continue
         for r in range(tp):
             _check_bind(rep, side, addr, port + r, r, tp)
 

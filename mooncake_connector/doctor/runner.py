@@ -78,14 +78,24 @@ def _listen_host_problem(listen):
     return None
 
 
+#: --tp at most (vLLM's tensor-parallel sizes are far below; ports port..port+tp-1)
+MAX_TP = 1024
+#: --timeout at most: the engine's bound on a handshake's timeout
+MAX_TIMEOUT_S = 86400
+
+
 def run(argv=None, out=sys.stdout):
     args = build_parser().parse_args(argv)
-    if args.tp < 1:
-        print("doctor: --tp must be >= 1", file=sys.stderr)
+    if not 1 <= args.tp <= MAX_TP:
+        # 100000 bound-checked 65,535 ports, printed a line each, then failed
+        # with "the check itself failed: OverflowError" past the last port
+        print(f"doctor: --tp must be 1-{MAX_TP} (the TP ranks' ports are port..port+tp-1), "
+              f"not {args.tp}", file=sys.stderr)
         return 2
-    if not args.timeout > 0 or args.timeout == float("inf"):  # also NaN
-        print(f"doctor: --timeout must be a number of seconds > 0, not {args.timeout}",
-              file=sys.stderr)
+    if not 0 < args.timeout <= MAX_TIMEOUT_S:  # also NaN
+        # 1e308 was "the check itself failed: ValueError", "report this"
+        print(f"doctor: --timeout must be a number of seconds in (0, {MAX_TIMEOUT_S}], not "
+              f"{args.timeout}", file=sys.stderr)
         return 2
     if not 0 <= args.seconds < float("inf"):
         print(f"doctor: --seconds must be a number of seconds >= 0 (0: until Ctrl-C), not "
