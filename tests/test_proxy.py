@@ -494,6 +494,24 @@ def _releases(u):
             if "mc_release" in (x["body"].get("kv_transfer_params") or {})]
 
 
+def _leave_after_the_first_token(url, decode):
+    """A streaming client (raw socket) that reads its first token (from the
+    prefill) and leaves once `decode` got the decode leg, before any of
+    its output."""
+    host, port = url.rsplit("/", 1)[-1].split(":")
+    raw = json.dumps({"model": "m", "prompt": "a b c", "max_tokens": 5,
+                      "stream": True}).encode()
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                  b"application/json\r\nContent-Length: %d\r\n\r\n" % len(raw) + raw)
+        got, end = b"", time.monotonic() + 10
+        while b"data:" not in got and time.monotonic() < end:
+            got += s.recv(65536)
+        assert b"data:" in got, got
+        assert wait_until(lambda: any(x["body"].get("stream") for x in decode.seen),
+                          timeout=10)
+
+
 @pytest.mark.parametrize("flow", ["a", "b"])
 @pytest.mark.parametrize("verdict", ["unseen", "seen"])
 def test_a_decode_leg_gone_before_its_output_is_asked_about(vllm_like, proxy, flow, verdict):
@@ -506,17 +524,7 @@ def test_a_decode_leg_gone_before_its_output_is_asked_about(vllm_like, proxy, fl
     p, d = vllm_like("prefill"), vllm_like("decode")
     d.first_delay, d.forget = 2.0, verdict
     url = proxy([p.url], [d.url], flow=flow)
-    host, port = url.rsplit("/", 1)[-1].split(":")
-    raw = json.dumps({"model": "m", "prompt": "a b c", "max_tokens": 5,
-                      "stream": True}).encode()
-    with socket.create_connection((host, int(port)), timeout=10) as s:
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
-                  b"application/json\r\nContent-Length: %d\r\n\r\n" % len(raw) + raw)
-        got, end = b"", time.monotonic() + 10
-        while b"data:" not in got and time.monotonic() < end:
-            got += s.recv(65536)  # the first token, from the prefill
-        assert b"data:" in got, got
-        assert wait_until(lambda: any(x["body"].get("stream") for x in d.seen), timeout=10)
+    _leave_after_the_first_token(url, d)
     assert wait_until(lambda: _forgets(d), timeout=10), d.seen
     f = _forgets(d)
     assert len(f) == 1 and f[0]["max_tokens"] == 1 and len(f[0]["prompt"]) == 1
@@ -558,17 +566,7 @@ def test_a_data_parallel_decode_is_asked_engine_by_engine(vllm_like, proxy, dp, 
     p, d = vllm_like("prefill"), vllm_like("decode")
     d.first_delay, d.dp = 2.0, dp
     url = proxy([p.url], [d.url], flow="a")
-    host, port = url.rsplit("/", 1)[-1].split(":")
-    raw = json.dumps({"model": "m", "prompt": "a b c", "max_tokens": 5,
-                      "stream": True}).encode()
-    with socket.create_connection((host, int(port)), timeout=10) as s:
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
-                  b"application/json\r\nContent-Length: %d\r\n\r\n" % len(raw) + raw)
-        got, end = b"", time.monotonic() + 10
-        while b"data:" not in got and time.monotonic() < end:
-            got += s.recv(65536)
-        assert b"data:" in got, got
-        assert wait_until(lambda: any(x["body"].get("stream") for x in d.seen), timeout=10)
+    _leave_after_the_first_token(url, d)
     assert wait_until(lambda: get_stats(url)["decode_forgets_sent"] >= asked, timeout=10)
     time.sleep(1.0)
     f = [x for x in d.seen if "mc_forget" in (x["body"].get("kv_transfer_params") or {})]
