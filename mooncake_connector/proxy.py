@@ -111,6 +111,27 @@ PAST_LAST_ENGINE = object()  # _ask_forget: the decode has no engine of that DP 
 CONTROL_ANSWER_MAX = 64 << 10
 
 
+def _forget_keeps(got):
+    """An engine's forget answer (_ask_forget's) that keeps the prompt held
+    whatever the others say: not known (None), or a verdict other than
+    "unseen"."""
+    return got is None or (got is not PAST_LAST_ENGINE and got[0] != "unseen")
+
+
+def _forget_engines(answers, first_rank):
+    """The decode's engine count once `answers` (ranks first_rank on, in
+    order, none of them _forget_keeps) end the list: the first rank vLLM
+    refused, or the rank after one answering without mc_dp (no data
+    parallelism); False where rank 0 is refused (no verdict); None where
+    every rank asked was an engine that said "unseen" (ask further)."""
+    for rank, got in enumerate(answers, first_rank):
+        if got is PAST_LAST_ENGINE:
+            return rank if rank > 0 else False
+        if not got[1]:
+            return rank + 1
+    return None
+
+
 async def _read_capped(resp, cap):
     """resp's body up to cap + 1 bytes (more than cap: not read further)."""
     buf = bytearray()
@@ -251,6 +272,9 @@ class Proxy:
                                "push_first_chunk_after_prefill_answer_ms")}
         self._lat_total = collections.Counter()
         self._bg = set()  # background tasks (releases at the prefill)
+        # decode URL -> its engines (vLLM data parallelism) as its last
+        # forget's answers counted them (_post_forget)
+        self._decode_engines = {}
         self.prom = PromCounters()
 
     async def start(self, app):
@@ -707,24 +731,28 @@ class Proxy:
         task.add_done_callback(self._bg.discard)
 
     async def _post_forget(self, request, dec_url, xid):
-        """Asks the decode about the leg, engine by engine: the first ask goes
-        to vLLM's DP rank 0 (X-data-parallel-rank, every server has one);
-        a decode with vLLM data parallelism says so (mc_dp) and answers for
-        the asked engine only, so the next ranks are asked until one says
-        "seen" (nothing to release) or the server refuses the rank (past its
-        last engine).  The prefill releases the prompt only when every engine
-        said "unseen"."""
-        for rank in range(MAX_DP_FORGET):
-            got = await self._ask_forget(request, dec_url, xid, rank)
-            if got is PAST_LAST_ENGINE and rank > 0:
+        """Asks the decode about the leg, engine by engine (X-data-parallel-
+        rank, vLLM's DP rank; every server has rank 0).  A decode with vLLM
+        data parallelism says so (mc_dp) and answers for the asked engine
+        only, so every rank is asked, until one says "seen" (nothing to
+        release) or the server refuses the rank (past its last engine); the
+        prefill releases the prompt only when every engine said "unseen".
+        The ranks are asked at once, in waves: rank 0 alone first (a server
+        without data parallelism: one question), then twice as many each
+        wave; a decode whose engines were counted before (_decode_engines)
+        gets all of them and the first rank past them in one wave."""
+        known = self._decode_engines.get(dec_url, 1)
+        lo, hi = 0, (known + 1 if known > 1 else 1)  # this wave's ranks: lo .. hi - 1
+        while lo < MAX_DP_FORGET:
+            answers = await self._ask_forgets(request, dec_url, xid,
+                                              range(lo, min(hi, MAX_DP_FORGET)))
+            engines = None if answers is None else _forget_engines(answers, lo)
+            if answers is None or engines is False:
+                return  # seen, or not known: the prefill frees it at hold_timeout_s
+            if engines is not None:
+                self._decode_engines[dec_url] = engines
                 break
-            if got is None or got is PAST_LAST_ENGINE:
-                return  # not known: the prefill frees the prompt at hold_timeout_s
-            verdict, dp = got
-            if verdict != "unseen":
-                return
-            if not dp:
-                break
+            lo, hi = hi, hi + 2 * (hi - lo)
         else:
             logger.info("decode %s: a forget asked %d engines, all 'unseen', and found no "
                         "last one: the prefill frees the prompt at hold_timeout_s", dec_url,
@@ -732,6 +760,21 @@ class Proxy:
             return
         self.counts["decode_forgets_unseen"] += 1
         self._release_at_prefill(request)
+
+    async def _ask_forgets(self, request, dec_url, xid, ranks):
+        """_ask_forget's answers from `ranks`, asked at once, in rank order;
+        None as soon as one says the prompt stays (_forget_keeps): the
+        questions still out are cancelled."""
+        tasks = [asyncio.ensure_future(self._ask_forget(request, dec_url, xid, r))
+                 for r in ranks]
+        try:
+            for done in asyncio.as_completed(tasks):
+                if _forget_keeps(await done):
+                    return None
+            return [t.result() for t in tasks]
+        finally:
+            for t in tasks:
+                t.cancel()  # those done: no-op
 
     async def _ask_forget(self, request, dec_url, xid, rank):
         """(verdict, the decode has data-parallel engines) from DP rank
