@@ -33,8 +33,9 @@ Prefill failover: a prefill instance that cannot be connected to (refused,
 or no connection within 10 s; nothing was sent, so nothing is held there)
 is marked down for --prefill-down-s seconds and the request goes to the
 next instance, each instance tried at most once per request; instances
-marked down are tried last.  Counted in /stats and /metrics
-(prefill_failovers).  In flow a, with as many decode as prefill instances,
+marked down are tried last.  So does one whose kept-alive connection was
+reset twice (sent once more after the first reset: prefill_retries).
+Counted in /stats and /metrics (prefill_failovers).  In flow a, with as many decode as prefill instances,
 the decode instance follows the prefill's index (the round robins pair
 them: each decode's mooncake.json names its prefill), so the KV is found.
 
