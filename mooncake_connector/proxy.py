@@ -1184,7 +1184,8 @@ class PromCounters:
                 for (r, st), n in sorted(self.answers.items())])
         for key, doc in (("prefill_errors", "Prefill instances that failed or were unreachable"),
                          ("prefill_failovers", "Requests sent on to the next prefill instance "
-                          "because one could not be connected to"),
+                          "because one could not be connected to or reset the connection "
+                          "twice"),
                          ("prefill_retries", "Prefill legs sent once more after the instance "
                           "dropped or reset the connection"),
                          ("decode_retries", "Decode legs sent once more after the instance "
