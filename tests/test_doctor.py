@@ -238,6 +238,38 @@ def test_tp_rank_port_in_use(tmp_path):
     assert rc == 1 and "TP ranks" in failed(rows, "engine", f"prefill port {port} (TP rank 1)")["fix"]
 
 
+@pytest.mark.parametrize("sizes", [("--tp", "2", "--dp", "2"),
+                                   ("--data-parallel-size", "2", "-tp", "2")])  # vLLM's spelling
+def test_data_parallel_engine_port_in_use(tmp_path, sizes):
+    """vLLM data parallelism inside one server: engine k's ranks take the
+    ports from prefill_url's + k x TP x PP.  Doctor names them (a row with
+    the range and each engine's first port) and binds each; engine 1's TP
+    rank 0 (base + 2 with TP 2) taken here fails, naming that engine."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        port = s.getsockname()[1]
+        rc, rows = doctor(*sizes, "--config",
+                          write_cfg(tmp_path, prefill_url=f"127.0.0.1:{port - 2}"))
+    r = failed(rows, "engine", f"prefill port {port} (DP engine 1, TP rank 0)")
+    assert rc == 1 and "data-parallel engine k" in r["fix"] and f"sport = :{port}" in r["fix"]
+    dp = row(rows, "engine", "prefill DP ports", "ok")
+    assert f"ports {port - 2}-{port + 1}" in dp["detail"], dp
+    assert f"engine 1 from {port}" in dp["detail"], dp
+    assert [x["item"] for x in rows if x["item"].startswith("prefill port ")] == [
+        f"prefill port {port - 2} (DP engine 0, TP rank 0)",
+        f"prefill port {port - 1} (DP engine 0, TP rank 1)",
+        f"prefill port {port} (DP engine 1, TP rank 0)",
+        f"prefill port {port + 1} (DP engine 1, TP rank 1)"]
+
+
+def test_data_parallel_ports_past_65535(tmp_path):
+    rc, rows = doctor("--dp", "4", "--config", write_cfg(tmp_path, prefill_url="127.0.0.1:65534",
+                                                          decode_url="127.0.0.1:65000"))
+    r = failed(rows, "engine", "prefill DP ports")
+    assert rc == 1 and "65534-65537" in r["detail"] and "at most 65532" in r["fix"]
+
+
 def not_local(n):
     """n documentation addresses (RFC 5737) that are not on this host;
     nothing is ever sent to them."""

@@ -29,7 +29,15 @@ def build_parser():
     ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
     ap.add_argument("--role", choices=("prefill", "decode"),
                     help="which engine runs here (default: whichever URL is an address here)")
-    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size: ports port..port+tp-1")
+    # vLLM's own spellings too, so its serve arguments can be given as they are.
+    ap.add_argument("--tp", "-tp", "--tensor-parallel-size", dest="tp", type=int, default=1,
+                    help="tensor-parallel size: ports port..port+tp-1")
+    ap.add_argument("--pp", "-pp", "--pipeline-parallel-size", dest="pp", type=int, default=1,
+                    help="pipeline-parallel size: stage s's ranks from port + s*tp")
+    ap.add_argument("--dp", "-dp", "--data-parallel-size", dest="dp", type=int, default=1,
+                    help="vLLM data-parallel engines of this server (its --data-parallel-size, "
+                         "or --data-parallel-size-local where set): engine k's ports from "
+                         "port + k*tp*pp")
     ap.add_argument("--timeout", type=float, default=10.0, help="seconds for the peer handshake")
     ap.add_argument("--serve", action="store_true",
                     help="be the peer for another host's `doctor --peer`")
@@ -80,9 +88,10 @@ def _listen_host_problem(listen):
 
 def run(argv=None, out=sys.stdout):
     args = build_parser().parse_args(argv)
-    if args.tp < 1:
-        print("doctor: --tp must be >= 1", file=sys.stderr)
-        return 2
+    for flag in ("tp", "pp", "dp"):
+        if getattr(args, flag) < 1:
+            print(f"doctor: --{flag} must be >= 1", file=sys.stderr)
+            return 2
     if not args.timeout > 0 or args.timeout == float("inf"):  # also NaN
         print(f"doctor: --timeout must be a number of seconds > 0, not {args.timeout}",
               file=sys.stderr)
@@ -115,7 +124,8 @@ def run(argv=None, out=sys.stdout):
     if cfg:
         checks += [("auth", lambda: check_auth(rep, cfg)),
                    ("metadata", lambda: check_metadata(rep, cfg, origin)),
-                   ("engine", lambda: check_engine(rep, cfg, args.role, args.tp)),
+                   ("engine", lambda: check_engine(rep, cfg, args.role, args.tp, args.pp,
+                                                   args.dp)),
                    ("rdma", lambda: check_rdma(rep, cfg))]
     checks += [("gpu", lambda: check_gpu(rep, cfg)),
                ("same-host", lambda: check_same_host(rep, cfg)),
