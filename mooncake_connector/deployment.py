@@ -249,8 +249,11 @@ class Deployment:
         self.proxies = {f: serving.proxy([self.prefill.url], [self.decode.url],
                                          serving.free_port(),
                                          os.path.join(logs, f"proxy-{f}.log"), flow=f,
-                                         python=python) for f in flows}
+                                         python=python, extra_args=self._push_args(f))
+                        for f in flows}
         for name, kw in (extra_proxies or {}).items():
+            kw = dict(kw, extra_args=tuple(kw.get("extra_args", ())) +
+                      self._push_args(kw.get("flow", "a")))
             self.proxies[name] = serving.proxy([self.prefill.url], [self.decode.url],
                                                serving.free_port(),
                                                os.path.join(logs, f"proxy-{name}.log"),
@@ -262,6 +265,13 @@ class Deployment:
             self.colocated_proxy = serving.proxy(
                 [], [], serving.free_port(), os.path.join(logs, "proxy-colocated.log"),
                 python=python, passthrough=[self.colocated.url])
+
+    def _push_args(self, flow):
+        """A push proxy's --prefill-bootstrap (the prefill's bootstrap server:
+        push prefills spread over a data-parallel prefill's engines)."""
+        if flow != "push" or not self.bootstrap_port:
+            return ()
+        return ("--prefill-bootstrap", f"http://127.0.0.1:{self.bootstrap_port}")
 
     @property
     def processes(self):

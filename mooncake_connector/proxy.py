@@ -33,8 +33,9 @@ Prefill failover: a prefill instance that cannot be connected to (refused,
 or no connection within 10 s; nothing was sent, so nothing is held there)
 is marked down for --prefill-down-s seconds and the request goes to the
 next instance, each instance tried at most once per request; instances
-marked down are tried last.  Counted in /stats and /metrics
-(prefill_failovers).  In flow a, with as many decode as prefill instances,
+marked down are tried last.  So does one whose kept-alive connection was
+reset twice (sent once more after the first reset: prefill_retries).
+Counted in /stats and /metrics (prefill_failovers).  In flow a, with as many decode as prefill instances,
 the decode instance follows the prefill's index (the round robins pair
 them: each decode's mooncake.json names its prefill), so the KV is found.
 
@@ -49,7 +50,9 @@ the request (blocks allocated, waiting for remote KV) and tells the prefill
 instance where its blocks are; the prefill instance WRITEs the prompt's KV
 into them (docs/connector.md, "Push flow").  The legs are joined by a
 transfer_id; the decode leg names the prefill engine (--prefill-engine,
-else the decode's configured prefill_url).  The first token comes from the
+else the decode's configured prefill_url; with --prefill-bootstrap, a
+data-parallel prefill's engine per request, the prefill leg pinned to it:
+proxy_engines).  The first token comes from the
 decode instance; the prefill's answer is discarded (errors counted).
 
 Pass-through mode (--passthrough URL ...): no prefill step, every request
@@ -77,6 +80,7 @@ import aiohttp
 from aiohttp import web
 
 from mooncake_connector import http_guard
+from mooncake_connector.proxy_engines import PrefillEngines
 from mooncake_connector import proxy_first_token as ft
 from mooncake_connector import trace
 from mooncake_connector import request_check
@@ -123,6 +127,33 @@ PAST_LAST_ENGINE = object()  # _ask_forget: the decode has no engine of that DP 
 #: ~1 KB); a longer one is not read further (memory bounded against a
 #: decode or prefill answering with anything else).
 CONTROL_ANSWER_MAX = 64 << 10
+
+
+def _leg_ok(task):
+    """A push prefill leg's task (_push_prefill) did not fail (cancelled: the
+    client left, not the prefill's fault)."""
+    return task.cancelled() or (task.exception() is None and task.result() is not False)
+
+
+def _forget_keeps(got):
+    """An engine's forget answer (_ask_forget's) that keeps the prompt held
+    whatever the others say: not known (None), or a verdict other than
+    "unseen"."""
+    return got is None or (got is not PAST_LAST_ENGINE and got[0] != "unseen")
+
+
+def _forget_engines(answers, first_rank):
+    """The decode's engine count once `answers` (ranks first_rank on, in
+    order, none of them _forget_keeps) end the list: the first rank vLLM
+    refused, or the rank after one answering without mc_dp (no data
+    parallelism); False where rank 0 is refused (no verdict); None where
+    every rank asked was an engine that said "unseen" (ask further)."""
+    for rank, got in enumerate(answers, first_rank):
+        if got is PAST_LAST_ENGINE:
+            return rank if rank > 0 else False
+        if not got[1]:
+            return rank + 1
+    return None
 
 
 async def _read_capped(resp, cap):
@@ -172,7 +203,8 @@ class Proxy:
                  prefill_down_s=5.0, prefill_engines=(), push_layerwise=None,
                  push_layer_load=None, push_layer_watch=None,
                  header_timeout=http_guard.HEADER_TIMEOUT_S, body_budget=BODY_BUDGET,
-                 body_timeout=http_guard.BODY_TIMEOUT_S, push_layer_read=None):
+                 body_timeout=http_guard.BODY_TIMEOUT_S, push_layer_read=None,
+                 prefill_bootstraps=()):
         self.passthrough = [u.rstrip("/") for u in passthrough]
         if self.passthrough and (prefill or decode):
             raise ValueError("--passthrough takes no --prefill/--decode")
@@ -187,6 +219,9 @@ class Proxy:
         self.prefill_engines = list(prefill_engines or ())
         if self.prefill_engines and len(self.prefill_engines) != len(self.prefill):
             raise ValueError(f"--prefill-engine names {len(self.prefill_engines)} engines for "
+                             f"{len(self.prefill)} --prefill URLs: give one per URL, same order")
+        if prefill_bootstraps and len(prefill_bootstraps) != len(self.prefill):
+            raise ValueError(f"--prefill-bootstrap names {len(prefill_bootstraps)} servers for "
                              f"{len(self.prefill)} --prefill URLs: give one per URL, same order")
         self.push_layerwise = push_layerwise
         self.push_layer_load = push_layer_load
@@ -265,6 +300,12 @@ class Proxy:
                                "push_first_chunk_after_prefill_answer_ms")}
         self._lat_total = collections.Counter()
         self._bg = set()  # background tasks (releases at the prefill)
+        # decode URL -> its engines (vLLM data parallelism) as its last
+        # forget's answers counted them (_post_forget)
+        self._decode_engines = {}
+        # flow push: a data-parallel prefill's engines, from its bootstrap server
+        self.prefill_dp = (PrefillEngines(prefill_bootstraps, self.counts)
+                           if prefill_bootstraps else None)
         self.prom = PromCounters()
 
     async def start(self, app):
@@ -730,24 +771,28 @@ class Proxy:
         task.add_done_callback(self._bg.discard)
 
     async def _post_forget(self, request, dec_url, xid):
-        """Asks the decode about the leg, engine by engine: the first ask goes
-        to vLLM's DP rank 0 (X-data-parallel-rank, every server has one);
-        a decode with vLLM data parallelism says so (mc_dp) and answers for
-        the asked engine only, so the next ranks are asked until one says
-        "seen" (nothing to release) or the server refuses the rank (past its
-        last engine).  The prefill releases the prompt only when every engine
-        said "unseen"."""
-        for rank in range(MAX_DP_FORGET):
-            got = await self._ask_forget(request, dec_url, xid, rank)
-            if got is PAST_LAST_ENGINE and rank > 0:
+        """Asks the decode about the leg, engine by engine (X-data-parallel-
+        rank, vLLM's DP rank; every server has rank 0).  A decode with vLLM
+        data parallelism says so (mc_dp) and answers for the asked engine
+        only, so every rank is asked, until one says "seen" (nothing to
+        release) or the server refuses the rank (past its last engine); the
+        prefill releases the prompt only when every engine said "unseen".
+        The ranks are asked at once, in waves: rank 0 alone first (a server
+        without data parallelism: one question), then twice as many each
+        wave; a decode whose engines were counted before (_decode_engines)
+        gets all of them and the first rank past them in one wave."""
+        known = self._decode_engines.get(dec_url, 1)
+        lo, hi = 0, (known + 1 if known > 1 else 1)  # this wave's ranks: lo .. hi - 1
+        while lo < MAX_DP_FORGET:
+            answers = await self._ask_forgets(request, dec_url, xid,
+                                              range(lo, min(hi, MAX_DP_FORGET)))
+            engines = None if answers is None else _forget_engines(answers, lo)
+            if answers is None or engines is False:
+                return  # seen, or not known: the prefill frees it at hold_timeout_s
+            if engines is not None:
+                self._decode_engines[dec_url] = engines
                 break
-            if got is None or got is PAST_LAST_ENGINE:
-                return  # not known: the prefill frees the prompt at hold_timeout_s
-            verdict, dp = got
-            if verdict != "unseen":
-                return
-            if not dp:
-                break
+            lo, hi = hi, hi + 2 * (hi - lo)
         else:
             logger.info("decode %s: a forget asked %d engines, all 'unseen', and found no "
                         "last one: the prefill frees the prompt at hold_timeout_s", dec_url,
@@ -755,6 +800,21 @@ class Proxy:
             return
         self.counts["decode_forgets_unseen"] += 1
         self._release_at_prefill(request)
+
+    async def _ask_forgets(self, request, dec_url, xid, ranks):
+        """_ask_forget's answers from `ranks`, asked at once, in rank order;
+        None as soon as one says the prompt stays (_forget_keeps): the
+        questions still out are cancelled."""
+        tasks = [asyncio.ensure_future(self._ask_forget(request, dec_url, xid, r))
+                 for r in ranks]
+        try:
+            for done in asyncio.as_completed(tasks):
+                if _forget_keeps(await done):
+                    return None
+            return [t.result() for t in tasks]
+        finally:
+            for t in tasks:
+                t.cancel()  # those done: no-op
 
     async def _ask_forget(self, request, dec_url, xid, rank):
         """(verdict, the decode has data-parallel engines) from DP rank
@@ -816,7 +876,10 @@ class Proxy:
         pre_body["kv_transfer_params"] = pp
         dp = {"do_remote_decode": False, "do_remote_prefill": True, "push": True,
               "transfer_id": tid}
-        if self.prefill_engines:
+        picked = self.prefill_dp.pick(idx, self.session) if self.prefill_dp else None
+        if picked:
+            dp["remote_engine_id"] = picked[1]
+        elif self.prefill_engines:
             dp["remote_engine_id"] = self.prefill_engines[idx]
         if self.push_layer_load is not None:
             dp["push_layer_load"] = self.push_layer_load
@@ -825,15 +888,18 @@ class Proxy:
         dec_body = dict(body, kv_transfer_params=dp)
         marks = {"in": t_in}
         trace.event("proxy_dispatch", tid, rid=rid)
-        # The decode leg names the prefill's first engine (the named one, or
-        # the decode's prefill_url): a prefill server with vLLM data
-        # parallelism runs the leg there (vLLM's API server routes a request
-        # with X-data-parallel-rank to that engine; 0 is valid on every
-        # server), not on the engine its load balancer picks, whose push job
-        # the decode's target would never reach (docs/connector.md).
-        pre_headers = dict(headers, **{"X-data-parallel-rank": "0"})
+        # The decode leg names the prefill engine that runs the prefill leg:
+        # vLLM's API server routes a request with X-data-parallel-rank to
+        # that engine, not to the one its load balancer picks, whose push
+        # job the decode's target would never reach (docs/connector.md).  A
+        # data-parallel prefill's rank is picked from its engine table
+        # (proxy_engines); else its first engine (the named one, or the
+        # decode's prefill_url; rank 0 is valid on every server).
+        pre_headers = dict(headers, **{"X-data-parallel-rank": picked[0] if picked else "0"})
         task = asyncio.ensure_future(self._push_prefill(request.path, pre_url, pre_body,
                                                         pre_headers, rid, marks))
+        if picked:
+            task.add_done_callback(lambda t: self.prefill_dp.done(idx, picked[0], _leg_ok(t)))
         # The prefill's forward is the request's critical path (the decode
         # waits for its layers; its target may reach the prefill during the
         # forward, which then sends the layers computed so far at once): let
@@ -866,6 +932,8 @@ class Proxy:
                               marks["first"] - marks["prefill"])
 
     async def _push_prefill(self, path, url, body, headers, rid, marks=None):
+        """Flow push's prefill leg; False where it failed (a non-200 answer,
+        unreachable)."""
         try:
             tid = (body.get("kv_transfer_params") or {}).get("transfer_id")
             trace.event("proxy_prefill_post", tid, rid=rid)
@@ -878,13 +946,15 @@ class Proxy:
                     self.counts["prefill_errors"] += 1
                     logger.warning("prefill %s answered %d for %s (push: the decode side "
                                    "computes the prompt)", url, r.status, rid)
+                    return False
             self._down_until.pop(url, None)
+            return True
         except asyncio.CancelledError:
             raise
         except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as e:
             if http_guard.out_of_fds(e):  # the proxy's own limit: the instance is not down
                 self.no_fds(f"prefill instance {url}", e, rid)
-                return
+                return None
             # Both legs are already sent (the decode side computes this
             # prompt), but the next requests pick the other instances first,
             # as in flows a and b: a prefill restarting for minutes would
@@ -894,10 +964,12 @@ class Proxy:
             logger.warning("prefill %s unreachable for %s (%r; push: the decode side computes "
                            "the prompt; tried after the others for %g s)", url, rid, e,
                            self.prefill_down_s)
+            return False
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             self.counts["prefill_errors"] += 1
             logger.warning("prefill %s unreachable for %s (%r; push: the decode side computes "
                            "the prompt)", url, rid, e)
+            return False
 
     async def _relay(self, request, url, body, headers, rid, role="upstream", marks=None):
         """Sends body to url and relays its answer (streamed through when
@@ -1163,7 +1235,8 @@ class PromCounters:
                 for (r, st), n in sorted(self.answers.items())])
         for key, doc in (("prefill_errors", "Prefill instances that failed or were unreachable"),
                          ("prefill_failovers", "Requests sent on to the next prefill instance "
-                          "because one could not be connected to"),
+                          "because one could not be connected to or reset the connection "
+                          "twice"),
                          ("prefill_retries", "Prefill legs sent once more after the instance "
                           "dropped or reset the connection"),
                          ("decode_retries", "Decode legs sent once more after the instance "
@@ -1354,6 +1427,11 @@ def _parser():
                          "b: kv_transfer_params relayed from prefill to decode; "
                          "push: both at once, the prefill writes the KV into the decode's "
                          "blocks (first token from decode)")
+    ap.add_argument("--prefill-bootstrap", nargs="+", default=[], metavar="URL",
+                    help="flow push: each --prefill instance's bootstrap server "
+                         "(http://HOST:PORT, its VLLM_MOONCAKE_BOOTSTRAP_PORT or "
+                         "bootstrap_port), same order: push prefills are spread over a "
+                         "data-parallel prefill's engines (default: each one's rank 0)")
     ap.add_argument("--prefill-engine", nargs="+", default=[], metavar="HOST:PORT",
                     help="flow push: the transfer-engine name (prefill_url / local_hostname) "
                          "of each --prefill instance, same order (default: the decode's "
@@ -1410,6 +1488,22 @@ def _parser():
     return ap
 
 
+def _check_bootstraps(ap, args):
+    """--prefill-bootstrap: flow push only, one well-formed URL per --prefill."""
+    if not args.prefill_bootstrap:
+        return
+    if args.flow != "push":
+        ap.error("--prefill-bootstrap is for --flow push (flows a and b leave the prefill "
+                 "leg to vLLM's own data-parallel balancing)")
+    if len(args.prefill_bootstrap) != len(args.prefill):
+        ap.error(f"--prefill-bootstrap names {len(args.prefill_bootstrap)} servers for "
+                 f"{len(args.prefill)} --prefill URLs: give one per URL, in the same order")
+    for u in args.prefill_bootstrap:
+        why = _bad_upstream(u)
+        if why:
+            ap.error(f"--prefill-bootstrap: {why}")
+
+
 def _check_upstreams(ap, args):
     """The --prefill/--decode/--passthrough set, their push options, --port and
     each upstream URL (well formed, no instance in both roles, not this proxy
@@ -1439,6 +1533,7 @@ def _check_upstreams(ap, args):
                      "prefill's transfer-engine name: its mooncake.json prefill_url)")
     if args.prefill_engine and args.flow != "push":
         ap.error("--prefill-engine is for --flow push")
+    _check_bootstraps(ap, args)
     if pushed and args.flow != "push" and not args.passthrough:
         ap.error(f"{', '.join(pushed)}: for --flow push only (flow {args.flow} sends no push "
                  "legs); add --flow push or drop them")
@@ -1567,7 +1662,7 @@ def main(argv=None):
                   args.idle_timeout, args.prefill_down_s, args.prefill_engine,
                   header_timeout=args.header_timeout,
                   body_budget=int(args.body_budget_mb * (1 << 20)),
-                  body_timeout=args.body_timeout,
+                  body_timeout=args.body_timeout, prefill_bootstraps=args.prefill_bootstrap,
                   **{k: _SWITCH[getattr(args, k)] for k in _PUSH_SWITCHES})
     run_loop, loop_name = _event_loop(args.loop)
     run_loop(_serve(proxy, args, ap.prog, loop_name))

@@ -244,8 +244,40 @@ def test_tp_ranks_past_the_last_port(tmp_path):
     rc, rows = doctor("--tp", "1000", "--role", "prefill", "--config",
                       write_cfg(tmp_path, prefill_url="127.0.0.1:65000"))
     r = failed(rows, "engine", "prefill ports")
-    assert rc == 1 and "passes 65535" in r["detail"] and "at most 64536" in r["fix"], r
+    assert rc == 1 and "past 65535" in r["detail"] and "at most 64536" in r["fix"], r
     assert not [x for x in rows if "the check itself failed" in x["detail"]], rows
+
+
+@pytest.mark.parametrize("sizes", [("--tp", "2", "--dp", "2"),
+                                   ("--data-parallel-size", "2", "-tp", "2")])  # vLLM's spelling
+def test_data_parallel_engine_port_in_use(tmp_path, sizes):
+    """vLLM data parallelism inside one server: engine k's ranks take the
+    ports from prefill_url's + k x TP x PP.  Doctor names them (a row with
+    the range and each engine's first port) and binds each; engine 1's TP
+    rank 0 (base + 2 with TP 2) taken here fails, naming that engine."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        port = s.getsockname()[1]
+        rc, rows = doctor(*sizes, "--config",
+                          write_cfg(tmp_path, prefill_url=f"127.0.0.1:{port - 2}"))
+    r = failed(rows, "engine", f"prefill port {port} (DP engine 1, TP rank 0)")
+    assert rc == 1 and "data-parallel engine k" in r["fix"] and f"sport = :{port}" in r["fix"]
+    dp = row(rows, "engine", "prefill DP ports", "ok")
+    assert f"ports {port - 2}-{port + 1}" in dp["detail"], dp
+    assert f"engine 1 from {port}" in dp["detail"], dp
+    assert [x["item"] for x in rows if x["item"].startswith("prefill port ")] == [
+        f"prefill port {port - 2} (DP engine 0, TP rank 0)",
+        f"prefill port {port - 1} (DP engine 0, TP rank 1)",
+        f"prefill port {port} (DP engine 1, TP rank 0)",
+        f"prefill port {port + 1} (DP engine 1, TP rank 1)"]
+
+
+def test_data_parallel_ports_past_65535(tmp_path):
+    rc, rows = doctor("--dp", "4", "--config", write_cfg(tmp_path, prefill_url="127.0.0.1:65534",
+                                                          decode_url="127.0.0.1:65000"))
+    r = failed(rows, "engine", "prefill DP ports")
+    assert rc == 1 and "65534-65537" in r["detail"] and "at most 65532" in r["fix"]
 
 
 def not_local(n):
@@ -517,9 +549,10 @@ def test_serve_without_listen_takes_a_free_port():
     (["--peer", "127.0.0.1:1", "--timeout", "1e308"],
      "--timeout must be a number of seconds in (0, 86400], not 1e+308"),
     # was 65,535 ports bound one by one, a row each, then an OverflowError
-    (["--tp", "100000"], "--tp must be 1-1024 (the TP ranks' ports are port..port+tp-1), "
-                         "not 100000"),
-    (["--tp", "0"], "--tp must be 1-1024"),
+    (["--tp", "100000"], "--tp x --pp x --dp must be at most 1024 (one port each), not 100000"),
+    (["--tp", "64", "--dp", "32"], "--tp x --pp x --dp must be at most 1024"),
+    (["--tp", "0"], "--tp must be >= 1"),
+    (["--dp", "0"], "--dp must be >= 1"),
     (["--serve", "--seconds", "-1"], "--seconds must be a number of seconds >= 0"),
     (["--serve", "--seconds", "nan"], "--seconds must be a number of seconds >= 0"),
 ])

@@ -207,3 +207,83 @@ def test_flow_a_probe_looks_in_each_producer_engine():
     gets = p._meta.gets
     p.held_tokens(None, toks)
     assert p._meta.gets == gets
+
+
+class _SlowMetadata:
+    """A metadata server stand-in (Mooncake's HTTP protocol, GET only) that
+    takes `delay` s over each answer: peer_record's records by engine name."""
+    def __init__(self, records, delay):
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+        from urllib.parse import parse_qs, urlparse
+        self.gets = 0
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def do_GET(self):
+                import time
+                outer.gets += 1
+                time.sleep(delay)
+                key = parse_qs(urlparse(self.path).query)["key"][0]
+                name = key.rpartition("/")[2]
+                body = json.dumps(records[name]).encode() if name in records else b"{}"
+                self.send_response(200 if name in records else 404)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/metadata"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def test_a_probe_does_not_wait_for_a_slow_metadata_server(monkeypatch):
+    """The producer's engines are looked up by the warm-up, then in the
+    background: a probe answers from the list it has (a prompt on engine 1
+    is found) without waiting for a metadata server that answers slowly."""
+    import ctypes
+    import time
+
+    import mooncake_connector as mc
+    from conftest import wait_until
+    delay, bs = 1.0, 16
+    port = free_port(span=2)
+    names = [f"127.0.0.1:{port}", f"127.0.0.1:{port + 1}"]
+    slow = _SlowMetadata({names[0]: _rec(0), names[1]: _rec(1)}, delay)
+    buf = ctypes.create_string_buffer(4 * 4096)
+    ktc = types.SimpleNamespace(kv_role="kv_consumer", kv_connector_extra_config={
+        "decode_url": "127.0.0.1:400", "prefill_url": names[0], "protocol": "tcp",
+        "metadata_server": "P2PHANDSHAKE"})
+    engines = [mc.TransferEngine(), mc.TransferEngine()]
+    p = probe_mod.ProducerProbe(settings_mod.resolve(ktc, env={}))
+    try:
+        for e, n in zip(engines, names):
+            e.initialize(n, "P2PHANDSHAKE", "tcp", "")
+        engines[1].register_memory(ctypes.addressof(buf), len(buf))
+        with mc.KVTransfer(engines[1], mc.LookupBuffer(1 << 20, block_size=bs)) as kv1, \
+                mc.KVTransfer(engines[0], mc.LookupBuffer(1 << 20, block_size=bs)):
+            toks = list(range(4 * bs))
+            kv1.send_kv(toks, [(ctypes.addressof(buf) + i * 4096, 4096, i) for i in range(4)])
+            assert p._ensure_engine(time.monotonic())
+            p._meta = mc.MetadataClient(slow.url)  # P2P probe engine, engines from the slow server
+            p.warm()
+            assert wait_until(lambda: not p.pending(probe_mod.WARM), timeout=30)
+            monkeypatch.setattr(probe_mod, "DISCOVER_S", 0.0)  # every probe finds the list stale
+            for _ in range(3):
+                t0 = time.monotonic()
+                assert p.held_tokens(None, toks) == 4 * bs and p._where == names[1]
+                assert time.monotonic() - t0 < delay / 2  # no metadata round trip waited for
+            gets = slow.gets
+            assert wait_until(lambda: slow.gets > gets)  # looked up again, in the background
+    finally:
+        p.close()
+        for e in engines:
+            e.close()
+        slow.close()

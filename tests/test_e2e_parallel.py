@@ -293,12 +293,14 @@ def test_dp_cell_both_engines_of_each_side_served(cells, name):
     """vLLM data parallelism: every engine of the prefill published prompts
     and every engine of the decode loaded some (vLLM's load balancer spread
     the requests; a prompt published on the prefill's engine 1 was found
-    there by flow A's probe and pulled from that engine's names), and no
-    prompt was computed on the decode for want of its KV."""
+    there by flow A's probe and pulled from that engine's names), every
+    engine of the prefill pushed some (the push proxy spreads its prefill
+    legs over the engines of the prefill's bootstrap table), and no prompt
+    was computed on the decode for want of its KV."""
     dep, _ = cells[name]
     # (its reference requests, sent to the decode directly, were computed there)
     recomputed0 = metric_value(dep.decode.url, "vllm:mooncake_recomputes_total")
-    for flow in ("a", "b"):  # requests of its own: not ordered after the cell's flows
+    for flow in ("a", "b", "push"):  # requests of its own: not ordered after the cell's flows
         for i in range(4):
             prompt = _prompt(80, 300 + i) + f" {flow}"
             r = request(dep.proxies[flow].url, "/v1/completions", _body(prompt),
@@ -308,6 +310,8 @@ def test_dp_cell_both_engines_of_each_side_served(cells, name):
     loads = _per_engine(dep.decode.url, "vllm:mooncake_loads_total")
     assert len(pub) == 2 and all(v > 0 for v in pub.values()), f"prefill publishes {pub}"
     assert len(loads) == 2 and all(v > 0 for v in loads.values()), f"decode loads {loads}"
+    pushed = _per_engine(dep.prefill.url, "vllm:mooncake_push_sends_total")
+    assert len(pushed) == 2 and all(v > 0 for v in pushed.values()), f"prefill pushes {pushed}"
     recomputed = metric_value(dep.decode.url, "vllm:mooncake_recomputes_total") - recomputed0
     assert recomputed == 0, f"{recomputed} prompt(s) computed on the decode instead of loaded"
     with open(dep.decode.log_path, encoding="utf-8", errors="replace") as f:

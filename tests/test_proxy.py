@@ -281,6 +281,12 @@ def _vllm_app(u):
         dp = getattr(u, "dp", None)  # vLLM data parallelism: a verdict per engine
         if dp is not None and "mc_forget" in (body.get("kv_transfer_params") or {}):
             r = int(request.headers.get("X-data-parallel-rank") or 0)
+            u.forgets_out = getattr(u, "forgets_out", 0) + 1  # forgets answered at once
+            u.forgets_most = max(getattr(u, "forgets_most", 0), u.forgets_out)
+            try:
+                await asyncio.sleep(getattr(u, "forget_delay", 0))
+            finally:
+                u.forgets_out -= 1
             if r >= len(dp):
                 return web.json_response({"error": {"message": f"data_parallel_rank {r} is "
                                                     f"out of range [0, {len(dp)})."}},
@@ -529,6 +535,27 @@ def _releases(u):
             if "mc_release" in (x["body"].get("kv_transfer_params") or {})]
 
 
+def _leave_after_the_first_token(url, decode):
+    """A streaming client (raw socket) that reads its first token (from the
+    prefill) and leaves once `decode` got the decode leg, before any of
+    its output."""
+    host, port = url.rsplit("/", 1)[-1].split(":")
+    raw = json.dumps({"model": "m", "prompt": "a b c", "max_tokens": 5,
+                      "stream": True}).encode()
+
+    def legs():
+        return sum(1 for x in decode.seen if x["body"].get("stream"))
+    before = legs()
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                  b"application/json\r\nContent-Length: %d\r\n\r\n" % len(raw) + raw)
+        got, end = b"", time.monotonic() + 10
+        while b"data:" not in got and time.monotonic() < end:
+            got += s.recv(65536)
+        assert b"data:" in got, got
+        assert wait_until(lambda: legs() > before, timeout=10)
+
+
 @pytest.mark.parametrize("flow", ["a", "b"])
 @pytest.mark.parametrize("verdict", ["unseen", "seen"])
 def test_a_decode_leg_gone_before_its_output_is_asked_about(vllm_like, proxy, flow, verdict):
@@ -541,17 +568,7 @@ def test_a_decode_leg_gone_before_its_output_is_asked_about(vllm_like, proxy, fl
     p, d = vllm_like("prefill"), vllm_like("decode")
     d.first_delay, d.forget = 2.0, verdict
     url = proxy([p.url], [d.url], flow=flow)
-    host, port = url.rsplit("/", 1)[-1].split(":")
-    raw = json.dumps({"model": "m", "prompt": "a b c", "max_tokens": 5,
-                      "stream": True}).encode()
-    with socket.create_connection((host, int(port)), timeout=10) as s:
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
-                  b"application/json\r\nContent-Length: %d\r\n\r\n" % len(raw) + raw)
-        got, end = b"", time.monotonic() + 10
-        while b"data:" not in got and time.monotonic() < end:
-            got += s.recv(65536)  # the first token, from the prefill
-        assert b"data:" in got, got
-        assert wait_until(lambda: any(x["body"].get("stream") for x in d.seen), timeout=10)
+    _leave_after_the_first_token(url, d)
     assert wait_until(lambda: _forgets(d), timeout=10), d.seen
     f = _forgets(d)
     assert len(f) == 1 and f[0]["max_tokens"] == 1 and len(f[0]["prompt"]) == 1
@@ -581,38 +598,52 @@ def test_a_decode_leg_gone_before_its_output_is_asked_about(vllm_like, proxy, fl
 
 @pytest.mark.parametrize("dp,asked,released", [
     (["unseen", "unseen"], 3, True),   # every engine unseen; rank 2 refused: released
-    (["unseen", "seen"], 2, False),    # engine 1 holds the leg: nothing released
+    (["unseen", "seen"], 3, False),    # engine 1 holds the leg: nothing released
     (["seen", "unseen"], 1, False)])
 def test_a_data_parallel_decode_is_asked_engine_by_engine(vllm_like, proxy, dp, asked,
                                                           released):
     """A decode with vLLM data parallelism answers a forget for the engine
     it was sent to (X-data-parallel-rank) and says so (mc_dp): the proxy
-    asks rank after rank until one says "seen" or the server refuses the
-    rank, and releases the prompt at the prefill only if every engine said
-    "unseen"."""
+    asks every rank (rank 0 first, then 1 and 2 at once) until one says
+    "seen" or the server refuses the rank, and releases the prompt at the
+    prefill only if every engine said "unseen"."""
     p, d = vllm_like("prefill"), vllm_like("decode")
     d.first_delay, d.dp = 2.0, dp
     url = proxy([p.url], [d.url], flow="a")
-    host, port = url.rsplit("/", 1)[-1].split(":")
-    raw = json.dumps({"model": "m", "prompt": "a b c", "max_tokens": 5,
-                      "stream": True}).encode()
-    with socket.create_connection((host, int(port)), timeout=10) as s:
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
-                  b"application/json\r\nContent-Length: %d\r\n\r\n" % len(raw) + raw)
-        got, end = b"", time.monotonic() + 10
-        while b"data:" not in got and time.monotonic() < end:
-            got += s.recv(65536)
-        assert b"data:" in got, got
-        assert wait_until(lambda: any(x["body"].get("stream") for x in d.seen), timeout=10)
+    _leave_after_the_first_token(url, d)
     assert wait_until(lambda: get_stats(url)["decode_forgets_sent"] >= asked, timeout=10)
     time.sleep(1.0)
     f = [x for x in d.seen if "mc_forget" in (x["body"].get("kv_transfer_params") or {})]
-    assert [x["dp_rank"] for x in f] == [str(i) for i in range(asked)], f
-    assert [x["body"]["kv_transfer_params"]["mc_forget"]["dp_rank"] for x in f] == \
-        list(range(asked))
+    assert f[0]["dp_rank"] == "0" and f[0]["body"]["kv_transfer_params"]["mc_forget"][
+        "dp_rank"] == 0, f
+    ranks = [int(x["dp_rank"]) for x in f]
+    assert ranks == [x["body"]["kv_transfer_params"]["mc_forget"]["dp_rank"] for x in f]
+    # A rank asked beside one answering "seen" may be cancelled before it is sent.
+    must = range(asked if released else dp.index("seen") + 1)
+    assert set(must) <= set(ranks) <= set(range(asked)) and len(ranks) == len(set(ranks)), f
     assert bool(_releases(p)) == released, p.seen
     st = get_stats(url)
     assert st["decode_forgets_sent"] == asked and st["decode_forgets_unseen"] == released, st
+
+
+def test_a_data_parallel_decodes_engines_are_asked_at_once(vllm_like, proxy):
+    """The ranks of a data-parallel decode are asked concurrently: rank 0,
+    then waves (1-2, 3-6) at once; once the proxy has counted the engines
+    (rank 4 refused), the next forget asks ranks 0-4 in one wave.  Every
+    engine said "unseen": released, each time."""
+    p, d = vllm_like("prefill"), vllm_like("decode")
+    d.first_delay, d.dp, d.forget_delay = 2.0, ["unseen"] * 4, 0.5
+    url = proxy([p.url], [d.url], flow="a")
+    _leave_after_the_first_token(url, d)
+    assert wait_until(lambda: get_stats(url)["decode_forgets_unseen"] == 1, timeout=15)
+    assert get_stats(url)["decode_forgets_sent"] == 7  # ranks 0, 1-2, 3-6
+    assert d.forgets_most == 4, d.forgets_most          # ranks 3-6 at once
+    d.forgets_most = 0
+    _leave_after_the_first_token(url, d)
+    assert wait_until(lambda: get_stats(url)["decode_forgets_unseen"] == 2, timeout=15)
+    assert get_stats(url)["decode_forgets_sent"] == 7 + 5
+    assert d.forgets_most == 5, d.forgets_most          # ranks 0-4 at once
+    assert len(_releases(p)) == 2, p.seen
 
 
 def test_a_forgets_answer_is_read_up_to_a_cap(vllm_like, proxy):

@@ -9,7 +9,8 @@ import time
 from aiohttp import web
 
 from app_thread import AppThread
-from test_proxy import post, proxy, upstreams  # noqa: F401
+from conftest import wait_until
+from test_proxy import get_stats, post, proxy, upstreams  # noqa: F401
 
 from mooncake_connector.serving import free_port
 
@@ -214,3 +215,133 @@ def test_push_prefill_leg_is_sent_before_the_decode_leg(upstreams, proxy, tmp_pa
     finally:
         p.close()
         d.close()
+
+
+class DPPrefill(AppThread):
+    """A prefill server with `engines` vLLM data-parallel engines: records
+    each leg's X-data-parallel-rank and refuses a rank past the last, as
+    vLLM's API server does."""
+
+    def __init__(self, engines):
+        self.engines, self.ranks = engines, []
+
+        async def complete(request):
+            body = await request.json()
+            r = int(request.headers.get("X-data-parallel-rank") or 0)
+            self.ranks.append((r, body["kv_transfer_params"]["transfer_id"]))
+            if r >= self.engines:
+                return web.json_response({"error": {"message": f"data_parallel_rank {r} is "
+                                                    "out of range"}}, status=400)
+            return web.json_response({"choices": [{"text": "x"}]})
+
+        super().__init__([("POST", "/v1/completions", complete)])
+
+
+def _bootstrap(engines):
+    """The real bootstrap server of a producer with `engines` DP engines
+    (TP 1, PP 1) at 127.0.0.1:13003..., counting its /query answers."""
+    from mooncake_connector.connector import bootstrap
+    from mooncake_connector.connector.settings import shift_port
+    table = bootstrap.query_table("127.0.0.1:13003", 0, 1, 1,
+                                  lambda t, p: shift_port("127.0.0.1:13003", t), engines)
+    srv = bootstrap.BootstrapServer("127.0.0.1", 0, table)
+    srv.queries = 0
+    body = srv.body
+
+    def counted():
+        srv.queries += 1
+        return body()
+    srv.body = counted
+    return srv
+
+
+def _push_legs(url, p, d, n):
+    """n push requests, one after another, each prefill leg waited for:
+    [(the prefill leg's rank, the decode leg's remote_engine_id)]."""
+    out, first = [], len(p.ranks)
+    for i in range(first, first + n):
+        status, _ = post(url + "/v1/completions", {"model": "m", "prompt": "hi",
+                                                   "max_tokens": 4})
+        assert status == 200
+        for _ in range(200):
+            if len(p.ranks) > i:
+                break
+            time.sleep(0.02)
+        rank, tid = p.ranks[i]
+        dec = next(x["body"]["kv_transfer_params"] for x in d.seen
+                   if x["body"]["kv_transfer_params"]["transfer_id"] == tid)
+        out.append((rank, dec.get("remote_engine_id")))
+    return out
+
+
+def test_push_prefills_are_spread_over_a_data_parallel_prefills_engines(upstreams,  # noqa: F811
+                                                                         proxy):
+    """With --prefill-bootstrap the proxy learns a data-parallel prefill's
+    engines from its bootstrap server (/query, in the background: the first
+    request goes to rank 0 as before) and spreads push prefills over them:
+    each prefill leg pinned to a rank (X-data-parallel-rank), its decode leg
+    naming that rank's engine.  The table is cached, not asked per request."""
+    p, d, boot = DPPrefill(2), upstreams("decode"), _bootstrap(2)
+    try:
+        url = proxy([p.url], [d.url], flow="push",
+                    extra=("--prefill-bootstrap", boot.url))
+        assert _push_legs(url, p, d, 1) == [(0, None)]  # the table is not known yet
+        assert wait_until(lambda: get_stats(url)["prefill_table_lookups"] == 1)
+        legs = _push_legs(url, p, d, 6)
+        names = {0: "127.0.0.1:13003", 1: "127.0.0.1:13004"}
+        assert all(e == names[r] for r, e in legs), legs
+        assert sorted(r for r, _ in legs) == [0, 0, 0, 1, 1, 1], legs  # taking turns
+        assert boot.queries == 1
+    finally:
+        p.close()
+        boot.close()
+
+
+def test_push_over_a_prefill_with_one_engine_is_as_before(upstreams, proxy):  # noqa: F811
+    """A prefill without data parallelism (one engine in its table): every
+    push prefill to rank 0, the decode leg naming no engine (the decode's
+    prefill_url), one table lookup for all requests."""
+    p, d, boot = DPPrefill(1), upstreams("decode"), _bootstrap(1)
+    try:
+        url = proxy([p.url], [d.url], flow="push",
+                    extra=("--prefill-bootstrap", boot.url))
+        assert _push_legs(url, p, d, 4) == [(0, None)] * 4
+        assert boot.queries == 1
+    finally:
+        p.close()
+        boot.close()
+
+
+def test_a_failed_push_prefill_looks_the_table_up_again(upstreams, proxy):  # noqa: F811
+    """The prefill came back with one engine (vLLM refuses rank 1): the
+    failed leg makes the proxy look its table up again at once, and the
+    next requests go to rank 0 only."""
+    p, d, boot = DPPrefill(2), upstreams("decode"), _bootstrap(2)
+    try:
+        url = proxy([p.url], [d.url], flow="push",
+                    extra=("--prefill-bootstrap", boot.url))
+        _push_legs(url, p, d, 1)
+        assert wait_until(lambda: get_stats(url)["prefill_table_lookups"] == 1)
+        one = _bootstrap(1)
+        boot._body, p.engines = one._body, 1  # restarted with one engine
+        one.close()
+        legs = _push_legs(url, p, d, 2)  # one of them on rank 1: refused
+        assert sorted(r for r, _ in legs) == [0, 1], legs
+        assert wait_until(lambda: get_stats(url)["prefill_table_lookups"] == 2)
+        assert _push_legs(url, p, d, 4) == [(0, None)] * 4
+        assert boot.queries == 2 and get_stats(url)["prefill_table_lookup_failures"] == 0
+    finally:
+        p.close()
+        boot.close()
+
+
+def test_prefill_bootstrap_is_checked():
+    base = [sys.executable, "-m", "mooncake_connector.proxy", "--prefill", "http://p:1",
+            "--decode", "http://d:2"]
+    for extra, why in ((["--flow", "push", "--prefill-bootstrap", "http://a:1", "http://b:2"],
+                        "one per URL"),
+                       (["--flow", "push", "--prefill-bootstrap", "a:1"], "is not a URL"),
+                       (["--flow", "a", "--prefill-bootstrap", "http://a:1"],
+                        "for --flow push")):
+        r = subprocess.run(base + extra, capture_output=True, text=True)
+        assert r.returncode == 2 and why in r.stderr, (extra, r.stderr)

@@ -39,7 +39,8 @@ WARM = object()  # the warm-up question's key
 # vLLM data parallelism on the producer (one server, several engines, each
 # with its own names: settings.dp_base): which engines the configured
 # producer has is looked up in the metadata server (each engine's rank-0
-# record, peer_record.make's dp_local) at most this often, and up to MAX_DP.
+# record, peer_record.make's dp_local) at most this often, off the probe's
+# path (dp_engines), and up to MAX_DP.
 DISCOVER_S = 5.0
 MAX_DP = 64
 
@@ -71,6 +72,7 @@ class ProducerProbe:
         self._meta = None          # metadata client: the producer's DP engines (dp_engines)
         self._engines = None       # the configured producer's DP engines' base names
         self._discovered_at = None
+        self._refreshing = False   # a background lookup of those engines is out
         self._where = None         # the probe thread's: the DP engine holding the last answer
         self._wheres = {}          # key -> that engine's base name (None: the configured one)
 
@@ -120,27 +122,55 @@ class ProducerProbe:
         """Base names of the configured producer's vLLM data-parallel engines
         (the configured one first): those whose rank-0 record in the metadata
         server says dp_local k at the configured base + k * tp_size * pp_size.
-        Looked up again after DISCOVER_S (engines start and stop); only the
-        configured one without a metadata server (P2P handshake)."""
+        Only the configured one without a metadata server (P2P handshake).
+        The last known list, so a probe does not wait for the metadata
+        server: the first call looks them up (the warm-up does, before any
+        request), later ones start a lookup in the background once the list
+        is DISCOVER_S old (engines start and stop)."""
         now = time.monotonic() if now is None else now
         base = self.default_producer
         if self._meta is None or base is None:
             return [base]
-        if self._engines is not None and now - self._discovered_at < DISCOVER_S:
-            return self._engines
+        if self._engines is None:
+            self._look_up_engines(self._meta, base, now)
+        elif now - self._discovered_at >= DISCOVER_S:
+            self._refresh_engines(base, now)
+        return self._engines
+
+    def _refresh_engines(self, base, now):
+        """Looks the producer's engines up again on a thread of its own (one
+        at a time); dp_engines keeps answering with the list it has."""
+        with self._cv:
+            if self._refreshing or self._closing:
+                return
+            self._refreshing = True
+        meta = self._meta  # close() may clear it; the client outlives a call in flight
+
+        def run():
+            try:
+                self._look_up_engines(meta, base, now)
+            finally:
+                with self._cv:
+                    self._refreshing = False
+                    self._cv.notify_all()
+        threading.Thread(target=run, daemon=True, name="mooncake-probe-engines").start()
+
+    def _look_up_engines(self, meta, base, now):
+        """One lookup (peer_record.dp_engines) into self._engines; a failure
+        keeps what was known ([base] at first) until the next DISCOVER_S."""
         from mooncake_connector.connector import peer_record
         self._discovered_at = now
+        known = self._engines or [base]
         try:
-            found = peer_record.dp_engines(self._meta, base, MAX_DP)
+            found = peer_record.dp_engines(meta, base, MAX_DP)
         except Exception as e:  # noqa: BLE001 - keep what was known
             logger.debug("MooncakeConnector scheduler: producer engines not looked up: %s", e)
-            return self._engines or [base]
-        if found != (self._engines or [base]):
+            found = known
+        if found != known:
             logger.info("MooncakeConnector scheduler: the producer has %d data-parallel "
                         "engine(s) (%s): flow-A prompts are looked up in each", len(found),
                         ", ".join(found))
         self._engines = found
-        return found
 
     def held_tokens(self, producer, tokens):
         """As _held_tokens, for the configured producer (producer None) in
@@ -212,6 +242,7 @@ class ProducerProbe:
         from mooncake_connector import MooncakeError
         if not self._ensure_engine(time.monotonic()):
             return
+        self.dp_engines()  # the first lookup of the producer's engines, off a request's path
         name = shift_port(self.default_producer, 0)
         if name in self._answered:
             return

@@ -1,7 +1,8 @@
 """mooncake-connector doctor: checks a host's setup before the first request does.
 
     mooncake-connector doctor [--config mooncake.json] [--peer HOST:PORT] [--json]
-                              [--role prefill|decode] [--tp N] [--timeout S]
+                              [--role prefill|decode] [--tp N] [--pp N] [--dp N]
+                              [--timeout S]
     mooncake-connector doctor --serve [--listen HOST:PORT] [--config mooncake.json]
     python -m mooncake_connector doctor ...            (the same)
 
@@ -15,7 +16,8 @@ Checks, in order (docs/doctor.md lists what each catches and the fix):
             engines on non-loopback addresses without a secret
   engine    this host's engine address (prefill_url or decode_url, whichever is
             an address here): an address of this host, on which interface, the
-            port (and the next --tp - 1 ports) free to bind, reachable by the peer
+            port (and the next --tp x --pp x --dp - 1 ports: TP ranks, PP stages,
+            vLLM data-parallel engines) free to bind, reachable by the peer
   rdma      (protocol rdma) libibverbs, each device of device_name present, its
             ports ACTIVE, a usable GID, the MTU
   gpu       CUDA GPUs and their GPUDirect capability (DMA-BUF, nvidia_peermem)

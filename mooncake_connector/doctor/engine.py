@@ -11,7 +11,25 @@ from .hosts import _hp, _is_loopback, _local_addrs, _resolve, _route_src, _split
 from .report import FAIL, OK, WARN
 
 
-def check_engine(rep, cfg, role, tp):
+def engine_ports(port, tp, pp=1, dp=1):
+    """[(port, (dp engine, pp stage, tp rank))] of a server whose engine URL
+    has `port`: vLLM data-parallel engine k's ranks start at port + k * tp *
+    pp (the connector's settings.dp_base), stage s's at + s * tp, rank r at
+    + r."""
+    return [(port + k * tp * pp + s * tp + r, (k, s, r))
+            for k in range(dp) for s in range(pp) for r in range(tp)]
+
+
+def _rank_label(where, tp, pp, dp):
+    """" (DP engine k, PP stage s, TP rank r)", naming only the sizes over 1."""
+    k, s, r = where
+    parts = [f"DP engine {k}" if dp > 1 else "", f"PP stage {s}" if pp > 1 else "",
+             f"TP rank {r}" if tp > 1 else ""]
+    parts = [p for p in parts if p]
+    return f" ({', '.join(parts)})" if parts else ""
+
+
+def check_engine(rep, cfg, role, tp, pp=1, dp=1):
     local = _local_addrs()
     sides = {"prefill": cfg["prefill_url"], "decode": cfg["decode_url"]}
     resolved = {k: _resolve(_split_hp(v)[0]) for k, v in sides.items()}
@@ -63,20 +81,42 @@ def check_engine(rep, cfg, role, tp):
                        "unless the other interface is meant (routing may be asymmetric)")
             detail += f"; route to {other} host {other_host} from {src or '?'}"
         rep.add("engine", f"{side}_url", status, detail, fix)
-        if port + tp - 1 > 65535:
-            rep.add("engine", f"{side} ports", FAIL,
-                    f"{side}_url's port {port} + TP ranks 0..{tp - 1} passes 65535",
-                    f"pick a port in {side}_url of at most {65536 - tp} (TP ranks use "
-                    "port + rank), or check --tp")
-            continue
-        for r in range(tp):
-            _check_bind(rep, side, addr, port + r, r, tp)
+        _check_ports(rep, side, addr, port, tp, pp, dp)
 
 
-def _check_bind(rep, side, addr, port, rank, tp):
+def _check_ports(rep, side, addr, port, tp, pp, dp):
+    """Every port of the server's engines (engine_ports) free to bind; with
+    data parallelism first a row naming them."""
+    ports = engine_ports(port, tp, pp, dp)
+    last = ports[-1][0]
+    item = f"{side} DP ports" if dp > 1 else f"{side} ports"
+    sizes = f"vLLM data parallelism {dp} x TP {tp} x PP {pp}" if dp > 1 else f"TP {tp} x PP {pp}"
+    if last > 65535:
+        rep.add("engine", item, FAIL, f"{sizes}: ports {port}-{last}, past 65535",
+                f"pick a port of at most {65536 - len(ports)} in {side}_url")
+    elif dp > 1:
+        firsts = ", ".join(f"engine {k} from {port + k * tp * pp}" for k in range(1, dp))
+        rep.add("engine", item, OK, f"{sizes}: ports {port}-{last} (engine 0 from {port}, "
+                f"{firsts})")
+    hint = ("(data-parallel engine k's ranks use port + k x TP x PP + stage x TP + rank)"
+            if dp > 1 else "(PP stages and TP ranks use port + stage x TP + rank)" if pp > 1
+            else "(TP ranks use port + rank)" if tp > 1 else "")
+    for p, where in ports:
+        if p > 65535:
+            return
+        _check_bind(rep, side, addr, p, where[2], tp, _rank_label(where, tp, pp, dp), hint)
+
+
+def _check_bind(rep, side, addr, port, rank, tp, label=None, hint=None):
     """Binds the way the engine's TCP transport will: MC_TCP_BIND_ADDRESS, else
-    "::" for an IPv6 engine address, else 0.0.0.0 (every interface)."""
-    item = f"{side} port {port}" + (f" (TP rank {rank})" if tp > 1 else "")
+    "::" for an IPv6 engine address, else 0.0.0.0 (every interface).  label:
+    the port's ranks after its number; hint: how the server's ports are
+    laid out, for the fix (defaults: TP only)."""
+    if label is None:
+        label = f" (TP rank {rank})" if tp > 1 else ""
+    if hint is None:
+        hint = "(TP ranks use port + rank)" if tp > 1 else ""
+    item = f"{side} port {port}{label}"
     bind = os.environ.get("MC_TCP_BIND_ADDRESS") or ("::" if ":" in addr else "0.0.0.0")
     fam = socket.AF_INET6 if ":" in bind else socket.AF_INET
     addr = bind
@@ -89,7 +129,7 @@ def _check_bind(rep, side, addr, port, rank, tp):
         if e.errno == errno.EADDRINUSE:
             fix = (f"another process listens on {port} (a running vLLM or engine? "
                    f"`ss -ltnp 'sport = :{port}'`): stop it, or pick a free port in {side}_url "
-                   + ("(TP ranks use port + rank)" if tp > 1 else ""))
+                   + hint)
         elif e.errno == errno.EACCES:
             fix = f"ports below 1024 need root: use a port of 1024 or more in {side}_url"
         else:

@@ -29,7 +29,15 @@ def build_parser():
     ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
     ap.add_argument("--role", choices=("prefill", "decode"),
                     help="which engine runs here (default: whichever URL is an address here)")
-    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size: ports port..port+tp-1")
+    # vLLM's own spellings too, so its serve arguments can be given as they are.
+    ap.add_argument("--tp", "-tp", "--tensor-parallel-size", dest="tp", type=int, default=1,
+                    help="tensor-parallel size: ports port..port+tp-1")
+    ap.add_argument("--pp", "-pp", "--pipeline-parallel-size", dest="pp", type=int, default=1,
+                    help="pipeline-parallel size: stage s's ranks from port + s*tp")
+    ap.add_argument("--dp", "-dp", "--data-parallel-size", dest="dp", type=int, default=1,
+                    help="vLLM data-parallel engines of this server (its --data-parallel-size, "
+                         "or --data-parallel-size-local where set): engine k's ports from "
+                         "port + k*tp*pp")
     ap.add_argument("--timeout", type=float, default=10.0, help="seconds for the peer handshake")
     ap.add_argument("--serve", action="store_true",
                     help="be the peer for another host's `doctor --peer`")
@@ -86,11 +94,15 @@ MAX_TIMEOUT_S = 86400
 
 def run(argv=None, out=sys.stdout):
     args = build_parser().parse_args(argv)
-    if not 1 <= args.tp <= MAX_TP:
-        # 100000 bound-checked 65,535 ports, printed a line each, then failed
-        # with "the check itself failed: OverflowError" past the last port
-        print(f"doctor: --tp must be 1-{MAX_TP} (the TP ranks' ports are port..port+tp-1), "
-              f"not {args.tp}", file=sys.stderr)
+    for flag in ("tp", "pp", "dp"):
+        if getattr(args, flag) < 1:
+            print(f"doctor: --{flag} must be >= 1", file=sys.stderr)
+            return 2
+    if args.tp * args.pp * args.dp > MAX_TP:
+        # --tp 100000 bound-checked 65,535 ports, printed a line each, then
+        # failed with "the check itself failed: OverflowError" past the last
+        print(f"doctor: --tp x --pp x --dp must be at most {MAX_TP} (one port each), not "
+              f"{args.tp * args.pp * args.dp}", file=sys.stderr)
         return 2
     if not 0 < args.timeout <= MAX_TIMEOUT_S:  # also NaN
         # 1e308 was "the check itself failed: ValueError", "report this"
@@ -125,7 +137,8 @@ def run(argv=None, out=sys.stdout):
     if cfg:
         checks += [("auth", lambda: check_auth(rep, cfg)),
                    ("metadata", lambda: check_metadata(rep, cfg, origin)),
-                   ("engine", lambda: check_engine(rep, cfg, args.role, args.tp)),
+                   ("engine", lambda: check_engine(rep, cfg, args.role, args.tp, args.pp,
+                                                   args.dp)),
                    ("rdma", lambda: check_rdma(rep, cfg))]
     checks += [("gpu", lambda: check_gpu(rep, cfg)),
                ("same-host", lambda: check_same_host(rep, cfg)),

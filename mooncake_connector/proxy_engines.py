@@ -1,0 +1,139 @@
+"""Flow push over a prefill server with vLLM data parallelism: which engine
+runs a request's prefill leg (the proxy's).
+
+A push's decode leg names the prefill engine that writes the KV
+(`remote_engine_id`), so the prefill leg must run on that engine: vLLM's
+API server routes a request with `X-data-parallel-rank: r` to its engine r.
+Without this table every push prefill went to rank 0.  The prefill's
+bootstrap server (connector/bootstrap.py, the proxy's
+`--prefill-bootstrap`) lists every rank with its engine name (`GET
+/query`); the table is looked up in the background (never on a request's
+path): at a prefill's first push request, every TABLE_REFRESH_S after,
+and at once when a prefill leg on a picked rank failed (an engine gone, a
+rank vLLM no longer has).  A server with one engine, a table not known
+yet, or none to ask: no rank is picked (the leg goes as before).  Each
+request takes the rank with the fewest legs out, the next in turn on a
+tie.
+"""
+import asyncio
+import logging
+import time
+
+import aiohttp
+
+logger = logging.getLogger("mooncake_connector.proxy")
+
+#: A known table is looked up again this often (engines that came up late).
+TABLE_REFRESH_S = 30.0
+#: A lookup that failed is tried again after this long.
+RETRY_S = 5.0
+#: The most of a /query answer read.
+TABLE_MAX = 1 << 20
+LOOKUP_TIMEOUT_S = 5.0
+
+
+def parse_table(body):
+    """[(rank, engine name)] in rank order from a /query answer's JSON
+    (bootstrap.query_table's shape); ValueError if it is not one."""
+    import json
+    table = json.loads(body)
+    if not isinstance(table, dict) or not table:
+        raise ValueError("not a non-empty JSON object")
+    out = []
+    for rank, entry in table.items():
+        engine = entry.get("engine_id") if isinstance(entry, dict) else None
+        if not (rank.isascii() and rank.isdigit()) or not _is_hostport(engine):
+            raise ValueError(f"rank {rank[:20]!r}: no host:port engine_id")
+        out.append((rank, engine))
+    return sorted(out, key=lambda e: int(e[0]))
+
+
+def _is_hostport(s):
+    if not isinstance(s, str):
+        return False
+    host, sep, port = s.rpartition(":")
+    return bool(sep and host and port.isascii() and port.isdigit() and 0 < int(port) < 65536)
+
+
+class PrefillEngines:
+    """The engine tables of the proxy's prefill servers (index = --prefill's)."""
+
+    def __init__(self, bootstrap_urls, counts):
+        """counts: the proxy's counters (/stats): prefill_table_lookups,
+        prefill_table_lookup_failures are added."""
+        self.counts = counts
+        counts.update(prefill_table_lookups=0, prefill_table_lookup_failures=0)
+        self.urls = [u.rstrip("/") if u else None for u in bootstrap_urls]
+        self._tables = [None] * len(self.urls)  # [(rank, engine)], 2 or more; else None
+        self._due = [0.0] * len(self.urls)      # monotonic time of the next lookup
+        self._looking = set()                   # indexes with a lookup out
+        self._out = {}                          # (index, rank) -> legs out
+        self._turn = [0] * len(self.urls)
+        self._bg = set()
+        self._session = None  # the proxy's client session (given by pick)
+
+    def pick(self, idx, session):
+        """(rank, engine name) for a push to prefill `idx`, counted out until
+        done(); None: no rank to pick (one engine, or the table not known)."""
+        self._session = session
+        self._refresh_if_due(idx)
+        table = self._tables[idx]
+        if not table:
+            return None
+        n = len(table)
+        start = self._turn[idx] % n
+        self._turn[idx] += 1
+        rank, engine = min((table[(start + i) % n] for i in range(n)),
+                           key=lambda e: self._out.get((idx, e[0]), 0))
+        self._out[(idx, rank)] = self._out.get((idx, rank), 0) + 1
+        return rank, engine
+
+    def done(self, idx, rank, ok=True):
+        """The prefill leg on `rank` ended; not ok: look the table up again now."""
+        left = self._out.get((idx, rank), 0) - 1
+        if left > 0:
+            self._out[(idx, rank)] = left
+        else:
+            self._out.pop((idx, rank), None)
+        if not ok:
+            self._due[idx] = 0.0
+            self._refresh_if_due(idx)
+
+    def _refresh_if_due(self, idx):
+        if self.urls[idx] is None or idx in self._looking or \
+                time.monotonic() < self._due[idx]:
+            return
+        self._looking.add(idx)
+        task = asyncio.ensure_future(self._look_up(idx, self._session))
+        self._bg.add(task)
+        task.add_done_callback(self._bg.discard)
+
+    async def _look_up(self, idx, session):
+        url = self.urls[idx] + "/query"
+        try:
+            async with session.get(url, timeout=aiohttp.ClientTimeout(
+                    total=LOOKUP_TIMEOUT_S)) as r:
+                body = await r.content.read(TABLE_MAX + 1)
+                if r.status != 200 or len(body) > TABLE_MAX:
+                    raise ValueError(f"answered {r.status} ({len(body)} bytes)")
+            table = parse_table(body)
+            self._set(idx, table)
+            self._due[idx] = time.monotonic() + TABLE_REFRESH_S
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as e:
+            self.counts["prefill_table_lookup_failures"] += 1
+            self._due[idx] = time.monotonic() + RETRY_S
+            logger.info("prefill bootstrap %s: no engine table (%r); push prefills go to "
+                        "its rank 0 meanwhile%s", url, e,
+                        "" if self._tables[idx] is None else " (keeping the known table)")
+        finally:
+            self._looking.discard(idx)
+            self.counts["prefill_table_lookups"] += 1  # once its outcome is in
+
+    def _set(self, idx, table):
+        table = table if len(table) > 1 else None
+        if table != self._tables[idx]:
+            logger.info("prefill bootstrap %s: %s", self.urls[idx],
+                        f"push prefills spread over DP ranks "
+                        f"{', '.join(f'{r} ({e})' for r, e in table)}" if table else
+                        "one engine: push prefills go to rank 0")
+        self._tables[idx] = table
