@@ -50,7 +50,7 @@ BOUND_S = 90.0        # the stated bound: no request may take longer (hung)
 # 90 s (120 s until 2026-12-06: CI's budget): the four faults 21 s apart,
 # each followed by 16 s of load at least (30 s and 15 s before).
 LOAD_S = 90.0
-# The session prefill's hold_timeout_s (45 s: tests/e2e_fixtures.py; the
+# The session prefill's hold_timeout_s (60 s: tests/e2e_fixtures.py; the
 # default 120 s until 2026-12-07): the holds the first decode SIGSTOP leaks
 # (legs on their way to the stopped decode) expire during the load, not ~40 s
 # into the drain.  The drain's bound follows it.
