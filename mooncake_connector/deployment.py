@@ -169,7 +169,8 @@ class Deployment:
     def __init__(self, workdir, model, connector=None, flows=("a",), colocated=True,
                  max_model_len=2048, kv_cache_bytes=64 << 20, python=None, extra_vllm_args=(),
                  env=None, extra_proxies=None, colocated_proxy=False, side_args=None,
-                 decode_extra_config=None, prefix_caching=False, colocated_cached=False):
+                 decode_extra_config=None, prefix_caching=False, colocated_cached=False,
+                 prefill_extra_config=None):
         """flows: one proxy per flow, named by it (first token from prefill);
         side_args: {"prefill"|"decode"|"colocated": [vLLM args]} for one side
         only (e.g. --tensor-parallel-size; the colocated reference should
@@ -179,6 +180,8 @@ class Deployment:
         pass-through proxy in front of the colocated server
         (self.colocated_proxy); decode_extra_config: keys merged into the
         decode side's kv_connector_extra_config (e.g. push_layer_load_max_batch);
+        prefill_extra_config: the same for the prefill side (e.g.
+        hold_timeout_s);
         prefix_caching: every vLLM server of this deployment keeps vLLM's
         default (prefix caching on), as the seed's commands run them,
         instead of serving.BASE_VLLM_ARGS's --no-enable-prefix-caching.
@@ -217,6 +220,9 @@ class Deployment:
         if decode_extra_config:
             dec_cfg = dict(dec_cfg, kv_connector_extra_config=dict(
                 dec_cfg.get("kv_connector_extra_config") or {}, **decode_extra_config))
+        if prefill_extra_config:
+            pre_cfg = dict(pre_cfg, kv_connector_extra_config=dict(
+                pre_cfg.get("kv_connector_extra_config") or {}, **prefill_extra_config))
         self.kv_configs = {"prefill": pre_cfg, "decode": dec_cfg}
         # Our producer's bootstrap server (vLLM's in-tree contract: routers
         # such as vllm-router --kv-connector mooncake ask it): a free port,

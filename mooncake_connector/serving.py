@@ -186,8 +186,11 @@ vllm_launcher = None
 class Process:
     """One server process (and its children) with a log file."""
 
-    def __init__(self, name, cmd, log_path, env=None, health_url=None, cwd=None):
+    def __init__(self, name, cmd, log_path, env=None, health_url=None, cwd=None,
+                 stop_grace=15.0):
+        """stop_grace: stop()'s default seconds between SIGTERM and SIGKILL."""
         self.name, self.cmd, self.log_path = name, list(cmd), log_path
+        self.stop_grace = stop_grace
         self.health_url = health_url
         self.env = dict(os.environ, **(env or {}))
         self.env.setdefault("PYTHONSAFEPATH", "1")
@@ -248,11 +251,14 @@ class Process:
                                  f"{self.log_path}:\n{log_tail(self.log_path)}")
             time.sleep(0.5)
 
-    def stop(self, grace=15.0, sig=signal.SIGTERM):
-        """Signals the process group, waits up to grace s for every member to
-        exit, then SIGKILLs what is left and waits for that too."""
+    def stop(self, grace=None, sig=signal.SIGTERM):
+        """Signals the process group, waits up to grace s (None: stop_grace)
+        for every member to exit, then SIGKILLs what is left and waits for
+        that too."""
         if self.proc is None:
             return
+        if grace is None:
+            grace = self.stop_grace
         pgid = self.proc.pid  # start_new_session: the group id is the pid
         deadline = time.monotonic() + grace
         _killpg(pgid, sig)

@@ -144,11 +144,27 @@ def tiny_model_dir():
 # the last of them to end stops it.
 _SESSION = {"dep": None, "users": 0}
 
+#: The session prefill's hold_timeout_s (the default is 120 s): how long a
+#: prompt no decode pulled or released stays held.  Shorter than the default
+#: for the short soak (tests/test_soak.py), whose drain waits until the holds
+#: its faults leak (a decode SIGSTOPped while its leg was on the way) expire:
+#: ~40 s of CI's time at 120 s.  Still well above what the other e2e tests
+#: give a hold to end by a release (test_e2e_abort_release's 10 s; 30 s), so
+#: a release that does not come still fails them, and above load_timeout_s
+#: (30 s).  Not 45 s: with the proxy's releases broken, test_e2e_abort_release's
+#: first three cases leaked, and their holds expired during the fourth's 10 s
+#: wait (~36-46 s in), which then passed; at 60 s (and 120 s) all four fail.
+SESSION_HOLD_TIMEOUT_S = 60.0
+
 
 @pytest.fixture(scope="session")
 def deployment(tiny_model_dir):
     if _SESSION["dep"] is None:
-        _SESSION["dep"] = start_deployment("mc-e2e-", tiny_model_dir)
+        from mooncake_connector.deployment import default_connector
+        kw = {}
+        if default_connector() == "mooncake":
+            kw["prefill_extra_config"] = {"hold_timeout_s": SESSION_HOLD_TIMEOUT_S}
+        _SESSION["dep"] = start_deployment("mc-e2e-", tiny_model_dir, **kw)
     _SESSION["users"] += 1
     try:
         yield _SESSION["dep"]

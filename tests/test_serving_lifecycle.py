@@ -29,11 +29,16 @@ http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
 
 
 def _server(tmp_path, delay=0.0, script=SERVER):
+    """A toy server whose stop() (its own, start_all's, wait_ready's on a
+    timeout) waits 1 s for SIGTERM before its SIGKILL, not 15 s: the child
+    ignores SIGTERM, so the whole grace passed (~15 s of CI in each of two
+    tests)."""
     port = serving.free_port()
     path = tmp_path / "srv.py"
     path.write_text(script)
     return serving.Process("toy", [sys.executable, str(path), str(port), str(delay)],
-                           str(tmp_path / "toy.log"), health_url=f"http://127.0.0.1:{port}/health")
+                           str(tmp_path / "toy.log"), health_url=f"http://127.0.0.1:{port}/health",
+                           stop_grace=1.0)
 
 
 def _child_pid(log):
