@@ -61,7 +61,8 @@ $(BUILD)/tests/%: tests/c/%.c tests/c/testlib.h $(BUILD)/libmcc.a
 $(BUILD)/tests/obj/%.o: tests/c/%.c tests/c/%.h $(shell find csrc -name '*.h')
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS) -Itests/c -c $< -o $@
-$(BUILD)/tests/test_engine $(BUILD)/tests/test_gate: $(BUILD)/tests/obj/two_engines.o
+$(BUILD)/tests/test_engine $(BUILD)/tests/test_gate $(BUILD)/tests/test_gate_notes: \
+  $(BUILD)/tests/obj/two_engines.o
 
 $(BUILD)/bench/%: benchmarks/c/%.c $(wildcard benchmarks/c/*.h) $(BUILD)/libmcc.a
 	@mkdir -p $(dir $@)
@@ -80,7 +81,7 @@ bench-rdma: $(SOFTROCE_BIN)
 	TIMEOUT=600 MC_GUEST_PERFTEST=1 tests/softroce/run-in-guest.sh $(SOFTROCE_BIN) bench
 
 # A host-memory stand-in for libcuda.so.1 (tests/c/fakecuda.c): the tests of
-# CUDA-event paths that run without a GPU load it (test_gate; pytest), and
+# CUDA-event paths that run without a GPU load it (test_gate, test_gate_notes; pytest), and
 # the same-host GPU path between two processes (test_gpu_ipc_procs; also
 # build/bench/gpu_fixed_cost under callgrind: its CUDA IPC handles open).
 FAKECUDA := $(BUILD)/fakecuda/libcuda.so.1
@@ -92,7 +93,7 @@ $(FAKECUDA): tests/c/fakecuda.c
 
 test-c: tests $(FAKECUDA)
 	@fail=0; for t in $(TEST_BIN); do \
-	  env=; case $$t in */test_gate|*/test_gpu_ipc_procs) env="LD_LIBRARY_PATH=$(abspath $(dir $(FAKECUDA)))$${LD_LIBRARY_PATH:+:$$LD_LIBRARY_PATH}";; esac; \
+	  env=; case $$t in */test_gate|*/test_gate_notes|*/test_gpu_ipc_procs) env="LD_LIBRARY_PATH=$(abspath $(dir $(FAKECUDA)))$${LD_LIBRARY_PATH:+:$$LD_LIBRARY_PATH}";; esac; \
 	  echo "== $$t"; env $$env ASAN_OPTIONS=detect_leaks=1 $$t || { echo "FAILED: $$t"; fail=1; }; \
 	done; exit $$fail
 

@@ -76,7 +76,8 @@ POINTS = (
     ("p_last_landed", "p", "write_seen_landed", "last"),
     ("p_last_told", "p", "notify_sent", "last"),
     # layer read (push_layer_read): the producer announces a layer once its
-    # kernels completed (its waiter thread), the decode READs it
+    # kernels completed (queued in its engine's gate, or its waiter thread),
+    # the decode READs it
     ("p_last_announced", "p", "layer_announced", "last"),
     ("d_last_wait", "d", "layer_wait", "last"),
     ("d_last_recv", "d", "c_recv", "last"),
@@ -118,6 +119,8 @@ STRETCHES = (
     ("(read: announced -> sent, the producer's outbox thread)", "p_last_announced",
      "p_last_told"),
     ("(read: sent -> the decode has it)", "p_last_told", "d_last_recv"),
+    ("(read: announced -> the decode has it; the engine sends it, no outbox thread)",
+     "p_last_announced", "d_last_recv"),
     ("(read: the decode has it -> its READ issued)", "d_last_recv", "d_last_read"),
     ("(read: READ issued -> the layer's wait ends)", "d_last_read", "d_last_go"),
     ("(whole push: prefill's \"done\" sent -> decode has it)", "p_done_told", "d_done_recv"),

@@ -543,7 +543,7 @@ def _start_round(p, d, w, f, wakes, tag, t, pause, late, early):
 
 def _layer_load_rounds(model_dir, urls, gate, rounds=3, gpu_lag_s=0.002, blocks=4,
                        timings=None, cuda=True, fast=True, profile=False,
-                       pause=False, late=False, early=False):  # noqa: F811
+                       pause=False, late=False, early=False, read=False):  # noqa: F811
     """push_layer_load rounds with a CUDA-like producer (its layers' events
     complete gpu_lag_s after each save; cuda=False: CPU KV caches, no
     event); returns (wake-ups per layer, the counts, the producer engine's
@@ -562,7 +562,8 @@ def _layer_load_rounds(model_dir, urls, gate, rounds=3, gpu_lag_s=0.002, blocks=
     (the decode had the layers before it completed: a write not gated on the
     forward).  early: the decode's target is in the producer engine's
     queue before the producer's step starts (taken when the step binds,
-    before the forward).  The counts' "syncs": the producer's stream synchronizes
+    before the forward).  read: the decode READs each announced layer
+    (push_layer_read).  The counts' "syncs": the producer's stream synchronizes
     (the stand-in's cuda_sync only counts: it does not wait)."""
     from test_push_layer_load import AttnSide, BS, toks
     from vllm_harness import recomputes
@@ -571,7 +572,8 @@ def _layer_load_rounds(model_dir, urls, gate, rounds=3, gpu_lag_s=0.002, blocks=
     nb = max(64, 2 * blocks + 8)
     p = AttnSide(model_dir, "kv_producer", {**urls, "push_layer_gate": gate}, block_size=BS,
                  num_blocks=nb)
-    d = AttnSide(model_dir, "kv_consumer", {**urls, "flow_a": False, "push_layer_load": True},
+    d = AttnSide(model_dir, "kv_consumer", {**urls, "flow_a": False, "push_layer_load": True,
+                                            "push_layer_read": read},
                  block_size=BS, num_blocks=nb)
     try:
         w = p.worker._worker
@@ -709,6 +711,36 @@ def test_fake_gated_push_needs_no_stream_synchronize(tmp_path):
     for w_ in (wl, wp):
         assert w_["late_unfinished"] == 3, w_  # the targets came while the forward ran
         assert w_["late_early_data"] == 0, w_
+
+
+@needs_fake
+def test_fake_layer_read_announced_by_the_engine_on_each_layers_event(tmp_path):
+    """Layer read (push_layer_read) with CUDA KV caches through the gate:
+    each layer's "layer" note is queued in the producer engine's gate FIFO
+    gated on that layer's CUDA event (Engine.notify_gated), so no Python
+    thread wakes per layer (no layer-event thread, no outbox send), the
+    forward needs no stream synchronize, and a target arriving while the
+    GPU still computes the forward (late: events 0.15 s away) hears of
+    the layers only once the last layer's event completed: the decode
+    never reads a layer still being computed.  Seen failing on the outbox
+    path: read layers were announced after the forward's synchronize
+    through the outbox (outbox_layer 3, syncs 3 in 3 prompts), a late
+    target's before the forward's last event completed (late_early_data
+    3: the stand-in's synchronize does not wait)."""
+    pytest.importorskip("vllm", reason="vllm is not installed")
+    from vllm_harness import tiny_model_dir
+    md = tiny_model_dir(str(tmp_path))
+    per, wa, stats, seen_a = _layer_load_rounds(md, _urls(), gate=True, read=True)
+    _, wl, _, seen_l = _layer_load_rounds(md, _urls(), gate=True, read=True, late=True,
+                                          gpu_lag_s=0.15)
+    print(f"layer read through the gate: {wa}; late targets: {wl}; engine {stats}")
+    assert all(all(s) for x in (seen_a, seen_l) for s in x), (seen_a, seen_l)
+    assert wa["saves"] == 3 * 2 and per == 0, wa
+    assert wa["syncs"] == 0 and wl["syncs"] == 0, (wa, wl)
+    assert wl["outbox_layer"] == 0, wl
+    assert wl["late_unfinished"] == 3, wl  # the targets came while the forward ran
+    assert wl["late_early_data"] == 0, wl
+    assert stats["gate_notified"] >= 3 and stats["gate_notes_dropped"] == 0, stats
 
 
 def test_cpu_layer_load_wakes_no_python_thread_per_layer(tmp_path, monkeypatch):

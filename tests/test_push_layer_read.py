@@ -269,6 +269,106 @@ def test_stopped_producer_read_over_tcp_gives_up_fast(sides, model_dir, urls, mo
     assert ok and written == 0
 
 
+# A producer process that serves W1 (the warm-up) and S2; in S2's forward,
+# right after the last layer's save_kv_layer, its Python thread holds the
+# GIL in a busy loop for 0.4 s, the switch interval 5 s from S2's first
+# save on, so no other Python thread of it (the push outbox's) can run
+# meanwhile; it prints the
+# loop's start and end (time.time()), steps until S2 is served, and exits.
+BUSY_CHILD = """
+import json, sys, time
+sys.path.insert(0, sys.argv[1])
+from test_push_layer_load import AttnSide, BS, pp, make_request, toks
+p = AttnSide(sys.argv[2], "kv_producer", json.loads(sys.argv[3]), block_size=BS)
+seed = int(sys.argv[4])
+w = p.workers[0]
+pw = p.worker._worker
+orig = w.save_kv_layer
+last = len(pw.layout.layers) - 1
+state = {}
+def save(name, kv, md, **kw):
+    s2 = "S2" in pw.push_p.jobs and "busy" not in state
+    if s2:  # from S2's first save on: a thread waiting for the GIL waits 5 s
+        sys.setswitchinterval(5.0)
+    orig(name, kv, md, **kw)
+    if s2 and pw.push_p._layer_index.get(name) == last:
+        t0 = time.time()
+        while time.time() < t0 + 0.4:
+            pass
+        state["busy"] = (t0, time.time())
+        sys.setswitchinterval(0.005)
+        print("busy %.6f %.6f" % state["busy"], flush=True)
+w.save_kv_layer = save
+added = set()
+print("ready", flush=True)
+until = None
+while until is None or time.monotonic() < until:
+    for tid, s in (("W1", seed), ("S2", seed + 1)):
+        if tid not in added and tid in pw.push_p.early:
+            p.add(make_request("p" + tid, toks(s, 3 * BS + 4), max_tokens=1, params=pp(tid)))
+            added.add(tid)
+    p.step()
+    if until is None and "busy" in state and not pw.push_p.jobs:
+        until = time.monotonic() + 0.5
+    time.sleep(0.001)
+"""
+
+
+@pytest.mark.parametrize("same_host", ["1", "0"], ids=["same_host", "tcp"])
+def test_layers_announced_while_the_producers_python_is_busy(sides, model_dir, urls,
+                                                              monkeypatch, same_host,
+                                                              vllm_forks):  # noqa: F811
+    """The producer's announcements ("src", each "layer" note) are sent by
+    its engine (the gate FIFO and its notifier thread), not by a Python
+    thread: while the producer's Python thread holds the GIL in a busy
+    loop right after its last layer's save (0.4 s, switch interval 5 s:
+    no other thread of it runs), the decode receives every "layer" note
+    and READs every layer, its step ending before the loop ends (an
+    ordering fact, not a speed bar).  Seen failing on the outbox path: the
+    last layer's note left the producer only after the loop."""
+    monkeypatch.setenv("MC_SAME_HOST_CPU", same_host)
+    child = vllm_forks.start(BUSY_CHILD, [os.path.dirname(os.path.abspath(__file__)),
+                                          model_dir, json.dumps(urls), "100"])
+    d = None
+    try:
+        _child_ready(child)
+        d = warmed_decode(sides, 100, push_layer_read=True, push_layer_read_stall_s=5.0,
+                          push_layer_timeout_s=10.0)
+        pc = d.worker._worker.push_c
+        got, orig = [], pc.on_message
+
+        def on_message(sender, head, body=b""):
+            if head.get("t") == "layer" and head.get("tid") == "S2":
+                got.append((time.time(), head.get("l")))
+            return orig(sender, head, body)
+        pc.on_message = on_message
+        t = toks(101, 3 * BS + 4)
+        d.add(make_request("q", t, max_tokens=2, params=dp("S2")))
+        d.step()
+        step_end = time.time()
+        for line in child.stdout:
+            if line.startswith("busy "):
+                t0, t1 = map(float, line.split()[1:])
+                break
+        else:
+            raise AssertionError("the producer child ended without its busy loop")
+        print(f"busy loop {t0:.3f}..{t1:.3f}; layer notes at "
+              f"{[(round(x - t0, 4), l) for x, l in got]} s after its start; the decode's "
+              f"step ended {step_end - t0:.4f} s after it")
+        assert d.seen.get("q") == [True, True] and not d.invalid, d.seen
+        nl = len(d.worker._worker.layout.layers)
+        assert sorted(i for _, l in got for i in l) == list(range(nl)), got
+        assert all(x < t1 for x, _ in got), (got, t1)
+        assert step_end < t1, (step_end, t1)
+        assert d.run_until(lambda: "q" not in d.sched.requests, steps=500)
+        assert recomputes(d) == {} and counted(d, "push_layer_reads") == 2
+        assert child.wait(30) == 0
+    finally:
+        if d is not None:
+            d.close()
+        _reap(child)
+
+
 def test_cuda_kv_caches_take_read_mode(sides):
     """Read mode with CUDA KV caches (the decode's worker has a CUDA stream,
     stood in here by a synchronize that does nothing) is taken like any
@@ -338,13 +438,15 @@ def test_the_decode_reads_nothing_past_the_producers_keep_s(sides, monkeypatch):
     arrival + 0.2 s, the load fails and the prompt is recomputed, right.
     Seen failing on the old decode (the load succeeded)."""
     from mooncake_connector.connector import push as push_mod
-    orig = push_mod.PushProducer._reply
+    orig = push_mod.PushProducer._src_msg
 
-    def reply(self, sender, tid, t, *a, **kw):
-        if t == "src":
-            kw["keep_s"] = 1.2
-        return orig(self, sender, tid, t, *a, **kw)
-    monkeypatch.setattr(push_mod.PushProducer, "_reply", reply)
+    def src_msg(job, tg, per):  # the "src" message says keep_s 1.2
+        keep, tg.keep_until = tg.keep_until, time.monotonic() + 1.2
+        try:
+            return orig(job, tg, per)
+        finally:
+            tg.keep_until = keep
+    monkeypatch.setattr(push_mod.PushProducer, "_src_msg", staticmethod(src_msg))
     go = threading.Event()
     p = sides("kv_producer", hold_after_layer=(0, go))
     d = sides("kv_consumer", flow_a=False, push_layer_load=True, push_layer_read=True,

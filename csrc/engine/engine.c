@@ -204,5 +204,6 @@ void mc_engine_get_stats(mc_engine_t *e, mc_engine_stats_t *out) {
   pthread_mutex_unlock(&e->det_mu);
   mc_transports_stats(e, &out->transport);
   mc_gpu_stager_counts(e->gpu, &out->gpu_jobs, &out->gpu_jobs_direct);
-  mc_gate_counts(e, &out->gate_notified, &out->gate_event_failures, &out->gate_host_batches);
+  mc_gate_counts(e, &out->gate_notified, &out->gate_event_failures, &out->gate_host_batches,
+                 &out->gate_notes_dropped);
 }

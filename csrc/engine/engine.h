@@ -170,6 +170,25 @@ int mc_batch_submit_gated(mc_engine_t *e, mc_batch_t *b, const char *segment,
                           const mc_request_t *reqs, size_t n, const mc_gate_opts_t *o,
                           mc_err_t *err);
 
+/* A gated note (gate.c): `msg` (at most MC_ENGINE_MAX_MSG bytes, copied)
+ * queued in the gate thread's FIFO like a gated batch, carrying no
+ * request: in its turn, once `cuda_event` (0: none) completed, the
+ * engine's notifier thread sends it to `segment` (detached, as a gated
+ * batch's notification).  One FIFO for batches and notes: notes to a peer
+ * go out in the order they were queued, evented or not.  Its event
+ * failing, the engine stopping, or `send_by_ns` (wall clock, 0: none)
+ * passing before its turn drop it (counted gate_notes_dropped, logged).
+ * The caller only queues (no I/O, no wait); MC_EBUSY past MC_GATE_MAX
+ * entries.  The caller keeps the event alive until the note is sent. */
+typedef struct mc_note_opts {
+  uint64_t cuda_event; /* CUevent or 0 */
+  int cuda_device;     /* the event's device ordinal */
+  int64_t timeout_ms;  /* the note's receipt; <= 0: MC_TRANSFER_TIMEOUT */
+  int64_t send_by_ns;  /* 0: none; else CLOCK_REALTIME ns (mc_wall_ns) */
+} mc_note_opts_t;
+int mc_engine_notify_gated(mc_engine_t *e, const char *segment, const void *msg, size_t len,
+                           const mc_note_opts_t *o, mc_err_t *err);
+
 /* Records the next of the engine's own gate events (a ring of
  * MC_GATE_EVENTS blocking-sync CUevents, made at first use in the device's
  * primary context) on `stream` (a CUstream of that context; 0: the legacy
@@ -280,6 +299,9 @@ typedef struct mc_engine_stats {
   /* Gated batches without an event the gate thread submitted
    * (mc_gate_opts_t.on_gate_thread: the caller only queued them). */
   uint64_t gate_host_batches;
+  /* Gated notes (mc_engine_notify_gated) dropped: their event failed, the
+   * engine stopped or their send_by passed before their turn. */
+  uint64_t gate_notes_dropped;
 } mc_engine_stats_t;
 void mc_engine_get_stats(mc_engine_t *e, mc_engine_stats_t *out);
 

@@ -217,7 +217,7 @@ void mc_batch_gate_release(mc_batch_t *b, const mc_request_t *reqs, size_t n, in
 void mc_gate_sweep(mc_engine_t *e);
 void mc_gate_post(mc_engine_t *e, mc_gate_msg_t *m);
 void mc_gate_counts(mc_engine_t *e, uint64_t *notified, uint64_t *event_failures,
-                    uint64_t *host_batches);
+                    uint64_t *host_batches, uint64_t *notes_dropped);
 void mc_gate_destroy(mc_engine_t *e);
 
 /* publish.c: our entries on the metadata server. */

@@ -13,7 +13,11 @@
  * so no I/O or copy thread ever sends or waits).  A batch waiting for its
  * event holds one pseudo-request (pending) and one pseudo-op (in flight):
  * status polls see it running and a cancel (a wait's timeout, a free)
- * drains it like any op (mc_gate_sweep from the transports' cancel sweep). */
+ * drains it like any op (mc_gate_sweep from the transports' cancel sweep).
+ * A gated note (mc_engine_notify_gated) is an entry with a message and no
+ * batch: in its FIFO turn, once its event (if any) completed, the message
+ * goes to the notifier thread; its event failing, the engine stopping or
+ * its send_by passing drop it (counted gate_notes_dropped, logged). */
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -34,11 +38,13 @@ typedef struct gate_ent {
   size_t n;
   uint64_t event;
   int dev;
-  int64_t submit_by_ns; /* mc_gate_opts_t.submit_by_ns */
+  int64_t submit_by_ns; /* mc_gate_opts_t.submit_by_ns; a note's send_by_ns */
+  mc_gate_msg_t *note;  /* a gated note (b NULL): posted in its turn */
 } gate_ent_t;
 
 struct mc_gate_msg {
   struct mc_gate_msg *next;
+  const char *what; /* for the log: what the message tells */
   char segment[320];
   int64_t timeout_ms;
   size_t len;
@@ -58,14 +64,17 @@ struct mc_gate {
   pthread_mutex_t nmu;
   pthread_cond_t ncv;
   mc_gate_msg_t *mhead, *mtail;
-  uint64_t sent, failed_events, host; /* stats (nmu / mu / mu) */
+  uint64_t sent, failed_events, host, dropped; /* stats (nmu / mu / mu / mu) */
   pthread_t thr, nthr;
   int started;
 };
 
+static void post(mc_gate_t *gt, mc_gate_msg_t *m);
+
 static void ent_free(gate_ent_t *g) {
   if (g) {
     free(g->reqs);
+    free(g->note);
     free(g);
   }
 }
@@ -124,6 +133,28 @@ static void dispatch(mc_gate_t *gt, gate_ent_t *g, int rc, const mc_err_t *ev_er
     mc_transports_cancel_sweep(gt->e);
 }
 
+/* A gated note's turn (gate mu not held): posted to the notifier, or
+ * dropped when its event failed (rc < 0), the engine stops or its
+ * send_by passed. */
+static void note_turn(mc_gate_t *gt, gate_ent_t *g, int rc, const mc_err_t *ev_err) {
+  mc_gate_msg_t *m = g->note;
+  const char *why = rc < 0 ? ev_err->msg : NULL;
+  if (!why && g->submit_by_ns && mc_wall_ns() > g->submit_by_ns)
+    why = "its time to be sent ended before its turn";
+  pthread_mutex_lock(&gt->mu);
+  if (!why && gt->stop)
+    why = "the engine stops";
+  if (why)
+    gt->dropped++;
+  pthread_mutex_unlock(&gt->mu);
+  if (why) {
+    mc_log_warn("gated notification to %s dropped: %s", m->segment, why);
+    return; /* ent_free frees it */
+  }
+  g->note = NULL;
+  post(gt, m); /* not mc_gate_post: a destroy clears e->gate first */
+}
+
 static int gate_ready(const mc_gate_t *gt) { return gt->head || gt->stop; }
 static int notifier_ready(const mc_gate_t *gt) { return gt->mhead || gt->stop; }
 
@@ -166,7 +197,11 @@ static void *gate_main(void *arg) {
     gt->cur = NULL;
     if (rc < 0)
       gt->failed_events++;
-    if (g->b && !gt->stop) {
+    if (g->note) {
+      pthread_mutex_unlock(&gt->mu);
+      note_turn(gt, g, rc, &err);
+      pthread_mutex_lock(&gt->mu);
+    } else if (g->b && !gt->stop) {
       if (!g->event)
         gt->host++;
       gt->dispatching = g;
@@ -202,10 +237,9 @@ static void *notifier_main(void *arg) {
     /* Detached: the receipt is the transport's business (a failure is
      * logged); back-pressure past the engine's bound waits here only. */
     int rc = mc_engine_notify_detached(gt->e, m->segment, m->msg, m->len, m->timeout_ms,
-                                       "notification of a completed write batch", &err);
+                                       m->what, &err);
     if (rc < 0)
-      mc_log_warn("notification of a completed write batch to %s not sent: %s", m->segment,
-                  err.msg);
+      mc_log_warn("%s to %s not sent: %s", m->what, m->segment, err.msg);
     free(m);
     pthread_mutex_lock(&gt->nmu);
     if (rc == 0)
@@ -291,6 +325,33 @@ static int check_args(mc_engine_t *e, mc_batch_t *b, const char *segment,
   return 0;
 }
 
+/* A message for the notifier thread (NULL: out of memory). */
+static mc_gate_msg_t *msg_new(const char *segment, const void *msg, size_t len,
+                              int64_t timeout_ms, const char *what) {
+  mc_gate_msg_t *m = malloc(sizeof *m + (len ? len : 1));
+  if (!m)
+    return NULL;
+  m->next = NULL;
+  m->what = what;
+  snprintf(m->segment, sizeof m->segment, "%s", segment);
+  m->timeout_ms = timeout_ms > 0 ? timeout_ms : -1;
+  m->len = len;
+  if (len)
+    memcpy(m->msg, msg, len);
+  return m;
+}
+
+/* Appends g to the gate's FIFO (mu held). */
+static void enqueue_locked(mc_gate_t *gt, gate_ent_t *g) {
+  if (gt->tail)
+    gt->tail->next = g;
+  else
+    gt->head = g;
+  gt->tail = g;
+  gt->n++;
+  pthread_cond_broadcast(&gt->cv);
+}
+
 int mc_batch_submit_gated(mc_engine_t *e, mc_batch_t *b, const char *segment,
                           const mc_request_t *reqs, size_t n, const mc_gate_opts_t *o,
                           mc_err_t *err) {
@@ -299,14 +360,10 @@ int mc_batch_submit_gated(mc_engine_t *e, mc_batch_t *b, const char *segment,
     return rc;
   mc_gate_msg_t *m = NULL;
   if (o->notify) {
-    m = malloc(sizeof *m + (o->notify_len ? o->notify_len : 1));
+    m = msg_new(segment, o->notify, o->notify_len, o->notify_timeout_ms,
+                "notification of a completed write batch");
     if (!m)
       return mc_err_set(err, MC_ENOMEM, "out of memory");
-    m->next = NULL;
-    snprintf(m->segment, sizeof m->segment, "%s", segment);
-    m->timeout_ms = o->notify_timeout_ms > 0 ? o->notify_timeout_ms : -1;
-    m->len = o->notify_len;
-    memcpy(m->msg, o->notify, o->notify_len);
   }
   if (!o->cuda_event && !o->on_gate_thread) { /* submitted here, told at completion */
     if (m && !gate_get(e, err)) {
@@ -349,13 +406,60 @@ int mc_batch_submit_gated(mc_engine_t *e, mc_batch_t *b, const char *segment,
                       "or submit without an event", q, MC_GATE_MAX);
   }
   mc_batch_gate_hold(b, m); /* under gt->mu: lock order gate, batch */
-  if (gt->tail)
-    gt->tail->next = g;
-  else
-    gt->head = g;
-  gt->tail = g;
-  gt->n++;
-  pthread_cond_broadcast(&gt->cv);
+  enqueue_locked(gt, g);
+  pthread_mutex_unlock(&gt->mu);
+  return 0;
+}
+
+static int check_note(const char *segment, const void *msg, size_t len, uint64_t cuda_event,
+                      int cuda_device, mc_err_t *err) {
+  if (!segment || !*segment)
+    return mc_err_set(err, MC_EINVAL, "target segment name is empty");
+  if (strlen(segment) >= sizeof(((mc_gate_msg_t *)0)->segment))
+    return mc_err_set(err, MC_EINVAL, "target segment name is too long");
+  if (!msg && len)
+    return mc_err_set(err, MC_EINVAL, "no message");
+  if (len > MC_ENGINE_MAX_MSG)
+    return mc_err_set(err, MC_ETOOBIG, "notification of %zu bytes exceeds %u", len,
+                      MC_ENGINE_MAX_MSG);
+  if (cuda_event && !mc_cuda_api_if_loaded())
+    return mc_err_set(err, MC_EUNAVAIL, "a CUDA event was given but the CUDA driver is not "
+                      "loaded in this process; pass no event (0) for host memory");
+  if (cuda_event && cuda_device < 0)
+    return mc_err_set(err, MC_EINVAL, "cuda_device %d: give the event's device ordinal (>= 0)",
+                      cuda_device);
+  return 0;
+}
+
+int mc_engine_notify_gated(mc_engine_t *e, const char *segment, const void *msg, size_t len,
+                           const mc_note_opts_t *o, mc_err_t *err) {
+  int rc = check_note(segment, msg, len, o->cuda_event, o->cuda_device, err);
+  if (rc < 0)
+    return rc;
+  mc_gate_t *gt = gate_get(e, err);
+  if (!gt)
+    return err->code;
+  gate_ent_t *g = calloc(1, sizeof *g);
+  if (g)
+    g->note = msg_new(segment, msg, len, o->timeout_ms, "gated notification");
+  if (!g || !g->note) {
+    ent_free(g);
+    return mc_err_set(err, MC_ENOMEM, "out of memory");
+  }
+  g->e = e;
+  g->event = o->cuda_event;
+  g->dev = o->cuda_device;
+  g->submit_by_ns = o->send_by_ns;
+  snprintf(g->segment, sizeof g->segment, "%s", segment);
+  pthread_mutex_lock(&gt->mu);
+  if (gt->n >= MC_GATE_MAX) {
+    size_t q = gt->n;
+    pthread_mutex_unlock(&gt->mu);
+    ent_free(g);
+    return mc_err_set(err, MC_EBUSY, "%zu entries already wait for the engine's gate thread "
+                      "(at most %d): send the note another way", q, MC_GATE_MAX);
+  }
+  enqueue_locked(gt, g);
   pthread_mutex_unlock(&gt->mu);
   return 0;
 }
@@ -398,7 +502,10 @@ void mc_gate_sweep(mc_engine_t *e) {
 
 /* Called under b->mu once a batch with a notification went idle. */
 void mc_gate_post(mc_engine_t *e, mc_gate_msg_t *m) {
-  mc_gate_t *gt = e->gate; /* set before any batch carried a message */
+  post(e->gate, m); /* set before any batch carried a message */
+}
+
+static void post(mc_gate_t *gt, mc_gate_msg_t *m) {
   pthread_mutex_lock(&gt->nmu);
   m->next = NULL;
   if (gt->mtail)
@@ -411,8 +518,8 @@ void mc_gate_post(mc_engine_t *e, mc_gate_msg_t *m) {
 }
 
 void mc_gate_counts(mc_engine_t *e, uint64_t *notified, uint64_t *event_failures,
-                    uint64_t *host_batches) {
-  *notified = *event_failures = *host_batches = 0;
+                    uint64_t *host_batches, uint64_t *notes_dropped) {
+  *notified = *event_failures = *host_batches = *notes_dropped = 0;
   pthread_mutex_lock(&e->gate_mu);
   mc_gate_t *gt = e->gate;
   pthread_mutex_unlock(&e->gate_mu);
@@ -424,6 +531,7 @@ void mc_gate_counts(mc_engine_t *e, uint64_t *notified, uint64_t *event_failures
   pthread_mutex_lock(&gt->mu);
   *event_failures = gt->failed_events;
   *host_batches = gt->host;
+  *notes_dropped = gt->dropped;
   pthread_mutex_unlock(&gt->mu);
 }
 

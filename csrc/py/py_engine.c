@@ -1466,6 +1466,45 @@ static PyObject *Engine_send_notify(EngineObject *self, PyObject *args, PyObject
   return r;
 }
 
+PyDoc_STRVAR(notify_gated_doc,
+"notify_gated(target_hostname, message, cuda_event=0, cuda_device=0, timeout=0,\n"
+"    send_by=0) -> 0\n\n"
+"Queues message (bytes) in the engine's gate FIFO, behind the gated batches and\n"
+"notes queued before it: in its turn, once cuda_event (a CUevent handle; 0: none)\n"
+"completed, the engine's notifier thread sends it to target_hostname (as\n"
+"send_notify's message); no Python thread is woken.  Notes to a peer keep their\n"
+"order.  Dropped (counted gate_notes_dropped) when the event fails, the engine\n"
+"stops or send_by (time.time() seconds; 0: none) passed before its turn.\n"
+"timeout: its receipt's limit in seconds (0: the engine's).  Only queues (the GIL\n"
+"is kept); MooncakeError MC_EBUSY when the gate holds MC_GATE_MAX entries.");
+
+static PyObject *Engine_notify_gated(EngineObject *self, PyObject *args, PyObject *kw) {
+  static char *kwlist[] = {"target_hostname", "message", "cuda_event", "cuda_device", "timeout",
+                           "send_by", NULL};
+  const char *target;
+  Py_buffer msg;
+  unsigned long long ev = 0;
+  int dev = 0;
+  double timeout = 0, send_by = 0;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "sy*|Kidd:notify_gated", kwlist, &target, &msg,
+                                   &ev, &dev, &timeout, &send_by))
+    return NULL;
+  PyObject *r = NULL;
+  if (dev < 0 || !(send_by >= 0 && send_by < 1e11))
+    PyErr_Format(PyExc_ValueError, "notify_gated: cuda_device must be >= 0 and send_by a "
+                 "time.time() value or 0");
+  else if (mc_py_check_timeout(timeout, 0, 0, 3600, "timeout") == 0 && enter(self) == 0) {
+    mc_note_opts_t o = {.cuda_event = ev, .cuda_device = dev,
+                        .timeout_ms = (int64_t)(timeout * 1000.0),
+                        .send_by_ns = (int64_t)(send_by * 1e9)};
+    mc_err_t err = {0};
+    int rc = mc_engine_notify_gated(self->eng, target, msg.buf, (size_t)msg.len, &o, &err);
+    r = leave_with(self, rc, &err);
+  }
+  PyBuffer_Release(&msg);
+  return r;
+}
+
 /* A peer's segment descriptor (its registered buffers) asked from the peer
  * itself over the control channel (also in P2P mode). */
 static PyObject *Engine_describe_segment(EngineObject *self, PyObject *args, PyObject *kw) {
@@ -1690,6 +1729,7 @@ static PyObject *add_more_stats(PyObject *d, const mc_engine_stats_t *s) {
               {"gate_notified", s->gate_notified},
               {"gate_event_failures", s->gate_event_failures},
               {"gate_host_batches", s->gate_host_batches},
+              {"gate_notes_dropped", s->gate_notes_dropped},
               {"same_host_gpu_peers", s->same_host_gpu_peers},
               {"same_host_gpu_cached_blocks", s->same_host_gpu_cached_blocks},
               {"same_host_gpu_block_reuses", s->same_host_gpu_block_reuses},
@@ -1803,6 +1843,7 @@ static PyMethodDef Engine_methods[] = {
            "get_batch_status(batch_id) -> list of per-request dicts (non-blocking)."),
     METHOD(send_notify, KWARGS,
            "send_notify(target_hostname, message: bytes|str, timeout=5.0) -> 0"),
+    METHOD(notify_gated, KWARGS, notify_gated_doc),
     METHOD(get_stats, METH_NOARGS,
            "get_stats() -> dict: current use of the engine's budgets (unread notifications,\n"
            "queued replies, connections before their handshake) and their limits\n"
@@ -1810,7 +1851,9 @@ static PyMethodDef Engine_methods[] = {
            "gpu_jobs / gpu_jobs_direct: GPU copy jobs so far / launched by the submitting thread;\n"
            "gate_notified / gate_event_failures: notifications sent for completed gated\n"
            "batches / their CUDA event waits that failed; gate_host_batches: batches without\n"
-           "an event the gate thread submitted (gate_layer's same-host CPU copies)."),
+           "an event the gate thread submitted (gate_layer's same-host CPU copies);\n"
+           "gate_notes_dropped: notify_gated notes dropped (event failed, engine stopped,\n"
+           "send_by passed)."),
     METHOD(get_notifies, METH_NOARGS,
            "get_notifies() -> list of (from_segment, message_bytes); drains the queue."),
     METHOD(wait_notifies, METH_VARARGS,

@@ -77,6 +77,11 @@ NEVER_SENT = ("MC_ENOTFOUND", "MC_EMETADATA", "MC_ECONNECT")
 # producer takes an identical duplicate as a no-op.
 RESEND_S = 0.5
 RESEND_TIMEOUT_S = 2.0
+# Layer read: announcements the engine's gate sent (Engine.notify_gated) are
+# sent again through the outbox when the decode has not said "rdone" this
+# long after the last one (a note the engine dropped or could not deliver;
+# the decode ignores duplicates), below push_layer_read_stall_s's default.
+READ_REANNOUNCE_S = 0.2
 # The first send of a target waits this long for the receipt when its
 # producer took a message from us before (a connection, or a quick connect,
 # is there: a longer wait only delays the re-send of a target lost to a link
@@ -1328,6 +1333,11 @@ class Target:
                          f"the prefill's hold_timeout_s ({keep_max_s:g} s, shorter than the "
                          f"decode's push_layer_timeout_s {lease:g} s) ended the read lease")
         self.rdone = False       # layer read: the decode read every layer
+        # Layer read: announcements through the engine's gate FIFO
+        # (Engine.notify_gated; None: none yet, True: some, False: the
+        # outbox from now on) and when the last one was queued (monotonic)
+        self.rgate = None
+        self.rtold_at = 0.0
         self.landed = set()      # layer indices whose writes were acknowledged
         self.told = set()        # layer indices the consumer was told (or the engine tells
         #                          it: a gated batch's own notification)
@@ -1583,9 +1593,7 @@ class PushProducer:
         elif tg.state in ("nokv", "cancelled"):
             self._reply(tg.name, job.tid, tg.state, tg.why)
         elif tg.read and tg.state == "lent":
-            self._send_src(job, tg)
-            if tg.layers_sent:
-                self._reply(tg.name, job.tid, "layer", l=sorted(tg.layers_sent), rd=True)
+            self._reannounce(job, tg, time.monotonic())
         elif tg.lnotify and tg.landed and not tg.stop:
             self._reply(tg.name, job.tid, "layer", l=sorted(tg.landed))
 
@@ -1921,6 +1929,10 @@ class PushProducer:
         gated on the latest layer's event (one stream: it covers the earlier
         layers).  A layer the gate does not take (busy) goes with the whole
         prompt after the forward (prompt_done)."""
+        if tg.read:  # layer read: announced gated on the layer's event, nothing written
+            if job.qev is not None:
+                self._announce(job, tg, job.qev)
+            return
         if tg.state not in ("pending", "writing") or tg.cancel or tg.stop or job.qev is None:
             return
         todo = self._unsent(tg, job.queued)
@@ -2100,12 +2112,15 @@ class PushProducer:
     def _submit(self, job, tg):
         """WRITE the layers that are ready and not sent yet to this target."""
         if tg.read:
-            if job.unsynced and tg.state in ("pending", "lent") and not (tg.cancel or tg.stop):
+            if job.unsynced and job.qev is not None:
                 # prompt_done without a synchronize (gated_through): the last
-                # layers' kernels may still run, and the decode would READ
-                # them at once; the write path gates its writes on the
-                # layer's event, a read has no such gate: wait for the GPU
-                # here (as the write path does when its gate is full).
+                # layers' kernels may still run; their announcements go
+                # gated on the last layer's event (the engine's gate) ...
+                self._announce(job, tg, job.qev)
+            if job.unsynced and tg.state in ("pending", "lent") and not (tg.cancel or tg.stop) \
+                    and job.ready - tg.layers_sent:
+                # ... or, not taken, the decode would READ them at once: wait
+                # for the GPU here (as the write path does when its gate is full).
                 self.w.cuda_sync()
                 job.unsynced = False
             self._announce(job, tg)
@@ -2201,32 +2216,99 @@ class PushProducer:
         per = self._gate_arrays(job, tg)
         if per is None:
             return False
+        self._read_send(job, tg, self._src_msg(job, tg, per))
+        return True
+
+    @staticmethod
+    def _src_msg(job, tg, per):
         body = bytearray()
         for src, dst, lens in per:
             body += src.tobytes() + dst.tobytes() + lens.tobytes()
-        self._reply(tg.name, job.tid, "src", cnt=[len(x[0]) for x in per],
-                    keep_s=round(tg.keep_until - time.monotonic(), 3), body=bytes(body))
-        return True
+        return encode({"t": "src", "tid": job.tid, "cnt": [len(x[0]) for x in per],
+                       "keep_s": round(tg.keep_until - time.monotonic(), 3)}, bytes(body))
 
-    def _announce(self, job, tg):
+    def _announce(self, job, tg, qev=None):
         """Layer read: the first time, the "src" message; then each layer
         computed and not announced yet, in one "layer" note (rd: nothing of
-        it is written, the decode reads it).  Nothing is announced in the
-        lease's last PUSH_MARGIN_S (the decode starts no read then)."""
+        it is written, the decode reads it).  qev (CUDA, the gate: the
+        latest queued layer's event): the layers queued, announced by the
+        engine once that event completed; not taken, they wait for
+        prompt_done (after a synchronize).  Nothing is announced in the
+        lease's last PUSH_MARGIN_S (the decode starts no read then; a note
+        the engine still holds then is dropped, send_by)."""
         if tg.cancel or tg.stop or tg.rdone or tg.state not in ("pending", "lent"):
             return
         if tg.state == "pending":
             if not self._send_src(job, tg):
                 return  # tg.stop says why; poll() answers nokv
             tg.state = "lent"
-        todo = sorted(job.ready - tg.layers_sent)
+        todo = sorted((job.ready if qev is None else job.queued) - tg.layers_sent)
         if not todo or time.monotonic() > tg.keep_until - PUSH_MARGIN_S:
             return
+        msg = encode({"t": "layer", "tid": job.tid, "l": todo, "rd": True})
+        if not self._read_send(job, tg, msg, qev):
+            return  # kernels maybe still running: not through the outbox
         tg.layers_sent.update(todo)
         tg.told.update(todo)
-        self._reply(tg.name, job.tid, "layer", l=todo, rd=True)
         if trace.ON:
-            trace.event("layer_announced", job.tid, l=todo)
+            trace.event("layer_announced", job.tid, l=todo, gated=bool(tg.rgate))
+
+    def _read_gate_on(self):
+        """Layer read: announcements go through the engine's gate FIFO
+        (Engine.notify_gated: the engine's notifier thread sends them, no
+        Python thread is woken, so vLLM's busy forward thread does not
+        delay them by the interpreter's switch interval): the same switch
+        and conditions as the write path's gate (push_layer_gate; CUDA:
+        _gate_on)."""
+        return (self._gate_failed is None and bool(getattr(self.w.s, "push_layer_gate", True))
+                and hasattr(self.w.engine, "notify_gated")
+                and (self.w.cuda_sync is None or self._gate_on()))
+
+    def _read_send(self, job, tg, msg, qev=None):
+        """One layer-read announcement to tg, in order with the earlier
+        ones: through the engine's gate FIFO when it takes it (gated on
+        qev's CUDA event if given), else the outbox.  After a refusal every
+        later one goes through the outbox, and if some went through the
+        gate the "src" message goes first again (a "layer" note before
+        "src" would make the decode treat this side as a writer; it
+        ignores the duplicate).  False: qev given and the gate did not
+        take it (the caller announces it later, synchronized)."""
+        if tg.rgate is not False and self._read_gate_on():
+            from mooncake_connector import MooncakeError
+            handle, dev = (qev[1], qev[2]) if qev is not None else (0, 0)
+            send_by = time.time() + (tg.keep_until - PUSH_MARGIN_S - time.monotonic())
+            try:
+                self.w.engine.notify_gated(tg.name, msg, cuda_event=handle, cuda_device=dev,
+                                           timeout=tg.notify_timeout(), send_by=send_by)
+                tg.rgate = True
+                tg.rtold_at = time.monotonic()
+                return True
+            except (MooncakeError, ValueError) as e:
+                logger.info("MooncakeConnector push: layer read to %s: announcements through "
+                            "the outbox from now on (the engine's gate: %s)", tg.name, e)
+                if tg.rgate:
+                    self.w.push_outbox.send(tg.name, self._src_msg(job, tg, tg.garr))
+                tg.rgate = False
+        if qev is not None:
+            return False
+        self.w.push_outbox.send(tg.name, msg)
+        return True
+
+    def _reannounce(self, job, tg, now):
+        """Layer read: "src" and the layers computed and told (not those
+        the engine's gate still holds for their CUDA event) again, both
+        through the outbox, "src" first (a "layer" note before it makes the
+        decode take this side as a writer; it ignores duplicates).  poll():
+        no "rdone" READ_REANNOUNCE_S after the last announcement the gate
+        took; _repeat: the decode sent its target again."""
+        tg.rtold_at = now
+        lis = sorted(tg.layers_sent & job.ready) if not job.unsynced else []
+        self.w.push_outbox.send(tg.name, self._src_msg(job, tg, tg.garr))
+        if lis:
+            self.w.push_outbox.send(tg.name, encode({"t": "layer", "tid": job.tid, "l": lis,
+                                                     "rd": True}))
+        if trace.ON:
+            trace.event("layer_reannounced", job.tid, l=lis)
 
     def _write_telling_done(self, job, tg, src, dst, lens, done_note):
         """The whole prompt's writes, submitted with the "done" note the
@@ -2352,6 +2434,10 @@ class PushProducer:
                         self._end(job, tg, "nokv", tg.stop)
                     elif now >= tg.keep_until:
                         self._end(job, tg, "nokv", tg.keep_why)
+                    elif tg.rgate and tg.garr is not None and \
+                            now - tg.rtold_at > READ_REANNOUNCE_S and \
+                            now < tg.keep_until - PUSH_MARGIN_S:
+                        self._reannounce(job, tg, now)
                     continue
                 if tg.batches and (tg.cancel or timed_out or
                                    wall > tg.lease_until - PUSH_MARGIN_S / 2):

@@ -49,7 +49,7 @@ static alloc_t allocs[1024];
 static int nallocs;
 static uint64_t now(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec * 1000000000ull + t.tv_nsec; }
 typedef struct { uint64_t ready; } stream_t;
-typedef struct { uint64_t ready; } event_t;
+typedef struct { uint64_t ready; int fail; } event_t; /* fail: fakecuda_event_fail */
 static stream_t null_stream;
 #define ST(s) ((s) ? (stream_t *)(s) : &null_stream)
 static uint64_t lat_ns = LAT_NS;
@@ -222,13 +222,15 @@ CUresult cuStreamQuery(void *s) { return now() < __atomic_load_n(&ST(s)->ready, 
 CUresult cuEventCreate(void **e, unsigned f) { (void)f; *e = calloc(1, sizeof(event_t)); return 0; }
 CUresult cuEventDestroy_v2(void *e) { free(e); return 0; }
 CUresult cuEventRecord(void *e, void *s) { __atomic_store_n(&((event_t *)e)->ready, __atomic_load_n(&ST(s)->ready, __ATOMIC_SEQ_CST), __ATOMIC_SEQ_CST); return 0; }
-CUresult cuEventQuery(void *e) { return now() < ((event_t *)e)->ready ? 600 : 0; }
+CUresult cuEventQuery(void *e) { return now() < ((event_t *)e)->ready ? 600 : ((event_t *)e)->fail ? 999 : 0; }
 CUresult cuEventSynchronize(void *e) {
   struct timespec ts = {0, 50000};
   while (now() < __atomic_load_n(&((event_t *)e)->ready, __ATOMIC_SEQ_CST))
     nanosleep(&ts, NULL);
-  return 0;
+  return __atomic_load_n(&((event_t *)e)->fail, __ATOMIC_SEQ_CST) ? 999 : 0;
 }
+/* The event's wait fails (999, CUDA_ERROR_UNKNOWN) once it completes. */
+void fakecuda_event_fail(void *e) { __atomic_store_n(&((event_t *)e)->fail, 1, __ATOMIC_SEQ_CST); }
 CUresult cuEventElapsedTime(float *ms, void *a, void *b) {
   *ms = (float)((double)(int64_t)(((event_t *)b)->ready - ((event_t *)a)->ready) / 1e6);
   return 0;
