@@ -463,3 +463,45 @@ def test_the_decode_reads_nothing_past_the_producers_keep_s(sides, monkeypatch):
     assert d.block_matches_pattern("q", t, 4)  # recomputed, right
     assert d.run_until(lambda: "q" not in d.sched.requests, steps=500)
     assert p.run_until(lambda: p.is_empty(), steps=500)
+
+
+def test_reannounces_to_a_silent_reader_send_src_once(sides, monkeypatch):
+    """While the decode says nothing (no "rdone": here its reads never
+    start) the producer re-announces every READ_REANNOUNCE_S until its
+    lease ends: the "layer" note each time (a few bytes; the decode's
+    stall bound counts from it), but the "src" message (every layer's
+    extents: tens of KB for a long prompt) only until one re-sent was
+    delivered.  Seen failing on the old producer: "src" re-sent with
+    every re-announce (11 times, 3,311 bytes for a 4-block prompt, in the
+    3 s lease here)."""
+    from mooncake_connector.connector import push as push_mod
+    monkeypatch.setattr(push_mod.PushConsumer, "_read_start", lambda self, cl, tid, name: None)
+    p = sides("kv_producer", hold_timeout_s=3.0)
+    d = sides("kv_consumer", flow_a=False, push_layer_load=True, push_layer_read=True,
+              push_layer_timeout_s=30.0, push_layer_read_stall_s=10.0)
+    sent = {"src": [], "layer": []}
+    ob = p.worker._worker.push_outbox
+    send = ob.send
+
+    def counting_send(target, msg, *a, **kw):
+        t = push_mod.decode(msg)[0].get("t")
+        if t in sent:
+            sent[t].append(len(msg))
+        return send(target, msg, *a, **kw)
+    monkeypatch.setattr(ob, "send", counting_send)
+    t = toks(95, 4 * BS + 5)
+    p.add(make_request("pq", t, max_tokens=1, params=pp("R95")))
+    d.add(make_request("q", t, max_tokens=2, params=dp("R95")))
+    run = Stepper(p, before=target_first(p, "R95"))
+    try:
+        d.step()  # the layer load's step: nothing is read; it ends at the producer's nokv
+    finally:
+        run.join()
+    assert p.run_until(lambda: p.is_empty(), steps=500)
+    print(f"re-announced through the outbox: {len(sent['src'])} src "
+          f"({sum(sent['src'])} bytes), {len(sent['layer'])} layer notes "
+          f"({sum(sent['layer'])} bytes)")
+    assert d.invalid and recomputes(d), recomputes(d)
+    assert len(sent["layer"]) >= 3, sent  # re-announced all along the lease
+    assert len(sent["src"]) == 1, sent    # "src" once: delivered, not sent again
+    assert d.run_until(lambda: "q" not in d.sched.requests, steps=500)
