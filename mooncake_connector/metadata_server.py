@@ -360,9 +360,11 @@ def build_app(store: MetadataStore, path: str = DEFAULT_PATH,
     # client_max_size bounds request.read() even without a Content-Length
     # (chunked uploads); +1 so a body of exactly the cap still fits.
     app = web.Application(client_max_size=max_value_size + 1)
-    app.router.add_route("*", path, metadata)
+    # "Expect: 100-continue" answered only once a PUT's body is read
+    # (http_guard.expect_later): a value too large is refused uninvited
+    app.router.add_route("*", path, metadata, expect_handler=http_guard.expect_later)
     app.router.add_get(HEALTH_PATH, health)
-    app.router.add_route("*", "/{tail:.*}", unknown)
+    app.router.add_route("*", "/{tail:.*}", unknown, expect_handler=http_guard.expect_later)
     return app
 
 

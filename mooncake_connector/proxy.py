@@ -1189,7 +1189,7 @@ class Proxy:
     def app(self):
         app = web.Application(client_max_size=MAX_BODY, middlewares=[self._routes, self._observe])
         for route in ROUTES:
-            app.router.add_post(route, self.handle)
+            app.router.add_post(route, self.handle, expect_handler=http_guard.expect_later)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/stats", self.stats)
