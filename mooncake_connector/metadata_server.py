@@ -599,6 +599,10 @@ def _parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     p.add_argument("--log-level", default="info",
                    choices=["debug", "info", "warning", "error"])
     args = p.parse_args(argv)
+    if not args.host.strip():  # the event loop takes "" as every address
+        p.error(f"--host {args.host!r} is empty, which would listen on every address of this "
+                "host (and print the URL http://:PORT); give one: 0.0.0.0 (every IPv4 "
+                "address, said as such) or 127.0.0.1 (this host only)")
     if not 0 <= args.port <= 65535:
         p.error(f"--port {args.port} is out of range 0..65535")
     if args.max_value_size < 1:

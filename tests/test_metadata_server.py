@@ -664,6 +664,10 @@ BAD_SERVER_ARGS = [
     (["--path", "/a b"], {}, "--path '/a b'"),
     ([], {"MC_METADATA_STORE_MB": "lots"}, "MC_METADATA_STORE_MB='lots'"),  # was a traceback
     ([], {"MC_METADATA_STORE_MB": "0"}, "MC_METADATA_STORE_MB='0'"),
+    # were taken: listened on every address, "listening on http://:PORT/metadata"
+    # ("' '": "cannot listen on  :0: Name or service not known", exit 1)
+    (["--host", ""], {}, "--host '' is empty"),
+    (["--host", " "], {}, "--host ' ' is empty"),
 ]
 
 
