@@ -1678,6 +1678,9 @@ BAD_CLI = [
     (["--decode", "http://127.0.0.1:0"], "port 0"),
     (["--decode", "http://127.0.0.1:8200/v1"], "ends with /v1"),
     (["--decode", "http://127.0.0.1:8200/?x=1"], "query"),
+    # were taken: every request then went to "http://127.0.0.1:8200/%20/v1/..." (a 404)
+    (["--decode", "http://127.0.0.1:8200/ "], "has a space or control character"),
+    (["--decode", "http://127.0.0.1:8200/\t"], "has a space or control character"),
     (["--decode", "http://localhost:8100/"], "both --prefill and --decode"),
     (["--port", "8200", "--host", "127.0.0.1"], "this proxy's own address"),
     (["--port", "8100"], "this proxy's own address"),
