@@ -26,6 +26,12 @@ quiet_fd_errors(loop) makes asyncio's "socket.accept() out of system
 resource" (a traceback per pending connection, each time it retries) one
 WARNING line every 10 s.
 
+A request with "Expect: 100-continue": aiohttp's default answers "100
+Continue" before the handler runs, so a body the handler then refuses on
+its headers alone (413 too large, 415 not JSON, 503 over a budget) was
+invited first.  expect_later, a route's expect_handler, leaves the "100
+Continue" to read_body(), once the body is read after all.
+
 A request aiohttp's parser refuses (answered 400 and closed by aiohttp) is
 logged as one WARNING line naming what was wrong, not aiohttp's ERROR with
 a traceback (a client could fill the log ten lines a request)."""
@@ -35,7 +41,8 @@ import json
 import logging
 import time
 
-from aiohttp import web
+from aiohttp import hdrs, web
+from aiohttp.http import HttpVersion11
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestHandler
 
@@ -282,6 +289,25 @@ class BodyUnreadable(Exception):
     what aiohttp found."""
 
 
+def _wants_continue(request):
+    return (request.version == HttpVersion11 and
+            request.headers.get(hdrs.EXPECT, "").strip().lower() == "100-continue")
+
+
+async def expect_later(request):
+    """An aiohttp route's expect_handler (add_route(..., expect_handler=)):
+    "Expect: 100-continue" is answered by read_body(), when the handler
+    reads the body, not before the handler ran (aiohttp's default), so a
+    request refused on its headers is answered without inviting its body.
+    Any other expectation is refused (417) naming the header and the fix,
+    as aiohttp's default refuses it."""
+    expect = request.headers.get(hdrs.EXPECT, "")
+    if request.version == HttpVersion11 and not _wants_continue(request):
+        raise web.HTTPExpectationFailed(
+            text=f"Expect: {expect[:100]!r} is not supported: send no Expect header, or "
+                 "'Expect: 100-continue'")
+
+
 async def read_body(request, max_size, seconds=None, take=None, total=None):
     """request.read() that gives up on a client sending nothing of its body
     for `seconds` (None: HEADER_TIMEOUT_S when called): BodyStalled; or
@@ -293,7 +319,9 @@ async def read_body(request, max_size, seconds=None, take=None, total=None):
     body too large, stalled or unreadable with answer_and_close().  take(n):
     called with the announced length before reading, and with each n bytes
     read beyond what was announced (a chunked body); it raises OverBudget to
-    refuse the body (the caller gives back what it took)."""
+    refuse the body (the caller gives back what it took).  A client that
+    sent "Expect: 100-continue" (the route's expect_handler expect_later)
+    is told "100 Continue" once the announced length and take passed."""
     seconds = seconds or HEADER_TIMEOUT_S
     total = total or BODY_TIMEOUT_S
     loop = asyncio.get_running_loop()
@@ -305,6 +333,9 @@ async def read_body(request, max_size, seconds=None, take=None, total=None):
     if take is not None and length:
         take(length)
         taken = length
+    if _wants_continue(request) and length != 0:
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        request.writer.output_size = 0  # the answer's own bytes start after it
     body = bytearray()
     while True:
         left = deadline - loop.time()

@@ -360,9 +360,11 @@ def build_app(store: MetadataStore, path: str = DEFAULT_PATH,
     # client_max_size bounds request.read() even without a Content-Length
     # (chunked uploads); +1 so a body of exactly the cap still fits.
     app = web.Application(client_max_size=max_value_size + 1)
-    app.router.add_route("*", path, metadata)
+    # "Expect: 100-continue" answered only once a PUT's body is read
+    # (http_guard.expect_later): a value too large is refused uninvited
+    app.router.add_route("*", path, metadata, expect_handler=http_guard.expect_later)
     app.router.add_get(HEALTH_PATH, health)
-    app.router.add_route("*", "/{tail:.*}", unknown)
+    app.router.add_route("*", "/{tail:.*}", unknown, expect_handler=http_guard.expect_later)
     return app
 
 
@@ -597,6 +599,10 @@ def _parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     p.add_argument("--log-level", default="info",
                    choices=["debug", "info", "warning", "error"])
     args = p.parse_args(argv)
+    if not args.host.strip():  # the event loop takes "" as every address
+        p.error(f"--host {args.host!r} is empty, which would listen on every address of this "
+                "host (and print the URL http://:PORT); give one: 0.0.0.0 (every IPv4 "
+                "address, said as such) or 127.0.0.1 (this host only)")
     if not 0 <= args.port <= 65535:
         p.error(f"--port {args.port} is out of range 0..65535")
     if args.max_value_size < 1:

@@ -1189,7 +1189,7 @@ class Proxy:
     def app(self):
         app = web.Application(client_max_size=MAX_BODY, middlewares=[self._routes, self._observe])
         for route in ROUTES:
-            app.router.add_post(route, self.handle)
+            app.router.add_post(route, self.handle, expect_handler=http_guard.expect_later)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/stats", self.stats)
@@ -1291,6 +1291,10 @@ def _esc(v):
 
 def _bad_upstream(u):
     """Why the upstream URL u cannot be used (None if it can)."""
+    if any(c.isspace() or ord(c) < 32 or ord(c) == 127 for c in u):
+        # "http://h:8100/ " (a stray space in a shell variable) was taken:
+        # every request then went to "http://h:8100/%20/v1/completions" (a 404)
+        return f"{u!r} has a space or control character; write http://host:port"
     if not u.startswith(("http://", "https://")):
         return f"{u!r} is not a URL; write http://host:port"
     try:

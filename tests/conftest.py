@@ -468,3 +468,15 @@ def have_netns():
 
 # Session fixtures of the end-to-end serving tests (tests/test_e2e_*.py).
 from e2e_fixtures import deployment, tiny_model_dir  # noqa: E402,F401
+
+
+def recv_head(sock):
+    """Bytes sock receives up to and including the first blank line (one
+    response's status line and headers; an interim "100 Continue" is one)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(1)
+        if not chunk:
+            return data
+        data += chunk
+    return data

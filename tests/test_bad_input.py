@@ -233,6 +233,70 @@ def test_api_misuse_table(engine):
             f()
 
 
+def test_batch_id_arguments_name_the_argument_and_the_value(engine):
+    """get_batch_transfer_status("abc") said "unknown batch id 'a'" (the
+    str read as a list of one-character ids); transfer_check_status,
+    get_batch_status and transfer_wait said "unknown batch id" naming
+    nothing, and a float or bool equal to a batch id found that batch (the
+    float 1.0 polled batch 1).  Each now names the argument, what it must be
+    and the value; a refused call leaves the batch to a right one."""
+    buf = engine.allocate_managed_buffer(1 << 16)
+    seg = engine.get_segment_name()
+    bid = engine.batch_transfer_async_write(seg, [buf], [buf + 4096], [64])
+    must = r"must be a batch id \(the int batch_transfer_async_\* returned\)"
+    cases = [
+        (lambda: engine.get_batch_transfer_status("abc"), TypeError,
+         r"batch_ids must be a list of batch ids .*one batch: \[batch_id\]\), not str 'abc'"),
+        (lambda: engine.get_batch_transfer_status(bid), TypeError,
+         rf"batch_ids must be a list of batch ids .*, not int {bid}"),
+        (lambda: engine.get_batch_transfer_status(["x"]), TypeError,
+         rf"batch_ids\[0\] {must}, not str 'x'"),
+        (lambda: engine.transfer_check_status(float(bid)), TypeError,
+         rf"batch_id {must}, not float {float(bid)}"),
+        (lambda: engine.transfer_check_status(True), TypeError, rf"batch_id {must}, not bool True"),
+        (lambda: engine.get_batch_status(None), TypeError, rf"batch_id {must}, not NoneType None"),
+        (lambda: engine.transfer_wait("abc", 1.0), TypeError, rf"batch_id {must}, not str 'abc'"),
+        (lambda: engine.transfer_check_status(-1), ValueError, r"unknown batch id -1 \("),
+    ]
+    for f, exc, expect in cases:
+        with pytest.raises(exc, match=expect):
+            f()
+    assert engine.get_batch_transfer_status([bid]) == 0
+
+
+def test_address_and_length_arguments_refuse_bools_and_name_the_value(engine):
+    """A bool was taken as an int: register_memory(buf, True) registered 1
+    byte, allocate_managed_buffer(True) gave a buffer, and
+    transfer_sync_write(..., True) moved one byte; a str where a list of
+    ints goes was read character by character ("lengths[i] must be an
+    int"), and no error said which item or what value.  Now each names
+    the argument (a list's item by its index), what it must be and the
+    value."""
+    buf = engine.allocate_managed_buffer(1 << 16)
+    seg = engine.get_segment_name()
+    cases = [
+        (lambda: engine.register_memory(buf, True), TypeError,
+         r"length must be an int \(.*not a bool\), not bool True"),
+        (lambda: engine.allocate_managed_buffer(True), TypeError, r"length must be an int.*True"),
+        (lambda: engine.transfer_sync_write(seg, buf, buf + 4096, True), TypeError,
+         r"length must be an int.*not bool True"),
+        (lambda: engine.batch_transfer_sync_write(seg, [buf], [buf + 4096], "abc"), TypeError,
+         r"lengths must be a list of ints .*, not str 'abc'"),
+        (lambda: engine.batch_transfer_sync_write(seg, [buf, "x"], [buf, buf], [1, 1]),
+         TypeError, r"buffers\[1\] must be an int .*, not str 'x'"),
+        (lambda: engine.batch_register_memory([buf], [-5]), ValueError,
+         r"lengths\[0\] must be a non-negative 64-bit integer .*, not int -5"),
+        (lambda: engine.register_memory(-1, 4096), ValueError,
+         r"addr must be a non-negative 64-bit integer .*, not int -1"),
+        (lambda: engine.register_memory(None, 4096), TypeError,
+         r"addr must be an int .*, not NoneType None"),
+    ]
+    for f, exc, expect in cases:
+        with pytest.raises(exc, match=expect):
+            f()
+    assert engine.transfer_sync_write(seg, buf, buf + 4096, 1) == 0
+
+
 def test_closed_engine_and_double_close():
     e = mc.TransferEngine()
     e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")

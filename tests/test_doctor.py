@@ -404,6 +404,34 @@ def test_peer_not_serving(tmp_path):
     assert rc == 1 and "doctor --serve" in failed(rows, "peer")["fix"]
 
 
+@pytest.mark.parametrize("port", ["0", "99999", "+80", "8_0"])
+def test_peer_port_that_is_no_port_is_named(tmp_path, port):
+    """--peer 127.0.0.1:0, :99999, :+80 or :8_0 started a local engine and
+    failed the handshake ("segment ... is not host:port") with the fix
+    "run doctor --serve --listen 127.0.0.1:0 ... and open TCP port 0".  Now
+    the row says the port is not a number in 1..65535 (nothing started)."""
+    rc, rows = doctor("--config", write_cfg(tmp_path), "--peer", f"127.0.0.1:{port}",
+                      "--timeout", "2")
+    r = failed(rows, "peer")
+    assert rc == 1 and f"not HOST:PORT (port '{port}' is not a number in 1..65535)" in \
+        r["detail"], r
+
+
+def test_serve_at_an_address_of_another_host_is_warned_of():
+    """doctor --serve --listen 192.0.2.1:PORT (TEST-NET-1: no host's
+    address) served, telling peers to connect to a machine that is not
+    this one, without a word.  Now a warning says so (and why it may be
+    right: a NAT); serving goes on."""
+    port = free_port()
+    r = subprocess.run([sys.executable, "-m", "mooncake_connector", "doctor", "--serve",
+                        "--listen", f"192.0.2.1:{port}", "--seconds", "1"],
+                       capture_output=True, text=True, timeout=60, cwd="/")
+    assert r.returncode == 0, r.stderr
+    assert f"warning: --listen 192.0.2.1:{port}: host \"192.0.2.1\" (192.0.2.1) is no " \
+        "address of this host" in r.stderr, r.stderr
+    assert "serving at 192.0.2.1" in r.stdout
+
+
 def test_serve_port_taken():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

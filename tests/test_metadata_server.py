@@ -15,7 +15,7 @@ import pytest
 import mooncake_connector as mc
 from mooncake_connector.metadata_server import MetadataServer, MetadataStore, StoreFull
 from mooncake_connector.serving import free_port
-from conftest import drip_header, http, in_threads, send_head_only
+from conftest import drip_header, http, in_threads, recv_head, send_head_only
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -550,6 +550,27 @@ def test_put_over_the_cap_is_answered_413_and_closed_at_once():
         assert http("GET", srv.url + "?key=k") == (200, b"{}")
 
 
+def test_expect_100_continue_is_not_answered_before_a_413():
+    """A PUT with "Expect: 100-continue" whose Content-Length is over the
+    cap was told "100 Continue" (aiohttp's default, before the handler)
+    and only then 413: the client was invited to send the body the server
+    refused (seen failing).  Now the 413 is the first answer; a PUT the
+    server takes gets "100 Continue" and then 200."""
+    with MetadataServer(max_value_size=1024) as srv:
+        head = (b"PUT /metadata?key=k HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                b"\r\nExpect: 100-continue\r\nContent-Length: %d\r\n\r\n")
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as c:
+            c.sendall(head % 1000000)
+            first = recv_head(c)
+        assert first.startswith(b"HTTP/1.1 413"), first
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as c:
+            c.sendall(head % 2)
+            assert recv_head(c) == b"HTTP/1.1 100 Continue\r\n\r\n"
+            c.sendall(b"{}")
+            assert recv_head(c).startswith(b"HTTP/1.1 200")
+        assert srv.store.get("k") == b"{}"
+
+
 def test_slow_header_client_is_disconnected(monkeypatch):
     """A client dripping a request header (slow-loris) held a connection
     forever; now it is closed after the header deadline, while the server
@@ -643,6 +664,10 @@ BAD_SERVER_ARGS = [
     (["--path", "/a b"], {}, "--path '/a b'"),
     ([], {"MC_METADATA_STORE_MB": "lots"}, "MC_METADATA_STORE_MB='lots'"),  # was a traceback
     ([], {"MC_METADATA_STORE_MB": "0"}, "MC_METADATA_STORE_MB='0'"),
+    # were taken: listened on every address, "listening on http://:PORT/metadata"
+    # ("' '": "cannot listen on  :0: Name or service not known", exit 1)
+    (["--host", ""], {}, "--host '' is empty"),
+    (["--host", " "], {}, "--host ' ' is empty"),
 ]
 
 

@@ -20,8 +20,8 @@ import pytest
 from aiohttp import web
 
 from app_thread import AppThread
-from conftest import (closing_maker, drip_header, in_threads, outward_addr, recv_to_eof,
-                      send_head_only, wait_until)
+from conftest import (closing_maker, drip_header, in_threads, outward_addr, recv_head,
+                      recv_to_eof, send_head_only, wait_until)
 
 from mooncake_connector.serving import free_port
 
@@ -259,6 +259,44 @@ def test_a_body_not_declared_json_is_a_415_as_vllm_refuses_it(upstreams, proxy):
         with urllib.request.urlopen(req, timeout=20) as r:
             assert r.status == 200, ctype
     assert get_stats(url)["bad_requests"] == 5
+
+
+def test_expect_100_continue_is_not_answered_before_a_refusal(upstreams, proxy):
+    """A client that sends "Expect: 100-continue" waits for "100 Continue"
+    before sending its body.  aiohttp's default expect handler sent it
+    before the proxy's handler ran, so a request the proxy then refused on
+    its headers alone (413: Content-Length over its limit; 415: not JSON)
+    invited the body first (seen failing: "HTTP/1.1 100 Continue" came
+    first).  Now the refusal is the first and only answer; a request whose
+    body the proxy reads gets "100 Continue", then its answer; another
+    expectation is a 417 naming the header and the fix."""
+    from mooncake_connector.proxy import MAX_BODY
+    p, d = upstreams("prefill"), upstreams("decode")
+    url = proxy([p.url], [d.url])
+    port = int(url.rsplit(":", 1)[1])
+    body = json.dumps({"model": "m", "prompt": "hi", "max_tokens": 2}).encode()
+
+    def ask(ctype, length, expect=b"100-continue"):
+        c = socket.create_connection(("127.0.0.1", port), timeout=20)
+        c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: %s\r\n"
+                  b"Content-Length: %d\r\nExpect: %s\r\n\r\n" % (ctype, length, expect))
+        return c
+
+    for ctype, length, code in ((b"application/json", MAX_BODY + 1, b"413"),
+                                (b"text/plain", len(body), b"415")):
+        with ask(ctype, length) as c:
+            first = recv_head(c)
+            assert first.startswith(b"HTTP/1.1 " + code), (ctype, first)
+            assert b"100 Continue" not in recv_to_eof(c)  # closed after the answer
+    with ask(b"application/json", len(body)) as c:
+        first = recv_head(c)
+        assert first == b"HTTP/1.1 100 Continue\r\n\r\n", first
+        c.sendall(body)
+        assert recv_head(c).startswith(b"HTTP/1.1 200")
+    with ask(b"application/json", len(body), b"something-else") as c:
+        data = recv_head(c)
+        assert data.startswith(b"HTTP/1.1 417"), data
+    assert len(p.seen) == 1 and len(d.seen) == 1
 
 
 def test_bad_arguments_are_refused():
@@ -1640,6 +1678,9 @@ BAD_CLI = [
     (["--decode", "http://127.0.0.1:0"], "port 0"),
     (["--decode", "http://127.0.0.1:8200/v1"], "ends with /v1"),
     (["--decode", "http://127.0.0.1:8200/?x=1"], "query"),
+    # were taken: every request then went to "http://127.0.0.1:8200/%20/v1/..." (a 404)
+    (["--decode", "http://127.0.0.1:8200/ "], "has a space or control character"),
+    (["--decode", "http://127.0.0.1:8200/\t"], "has a space or control character"),
     (["--decode", "http://localhost:8100/"], "both --prefill and --decode"),
     (["--port", "8200", "--host", "127.0.0.1"], "this proxy's own address"),
     (["--port", "8100"], "this proxy's own address"),

@@ -115,11 +115,13 @@ def test_a_producer_that_writes_instead_keeps_the_write_rules(sides, monkeypatch
     assert counters(p).get("push_bytes", 0) > 0  # it wrote
 
 
-# A producer process: serves W1 (the warm-up: the decode learns who it is)
-# and S2; in S2's forward, after layer 0's save (announced or written), it
-# stops itself (SIGSTOP); resumed, it steps 3 s more, then prints its
-# engine's write counters and exits.
-STOP_CHILD = """
+# The set-up of a producer process (argv: this directory, the model, the
+# urls as JSON, the seed, then the script's own): its AttnSide p, worker w
+# (whose save_kv_layer the script wraps: orig is the real one), pw, and
+# serve(), one step of a loop that adds W1 (the warm-up: the decode learns
+# who it is; toks(seed)) and S2 (toks(seed + 1)) once their decode
+# announced them.
+PRODUCER_CHILD = """
 import json, os, signal, sys, time
 sys.path.insert(0, sys.argv[1])
 from test_push_layer_load import AttnSide, BS, pp, make_request, toks
@@ -129,6 +131,20 @@ w = p.workers[0]
 pw = p.worker._worker
 orig = w.save_kv_layer
 state = {}
+added = set()
+def serve():
+    for tid, s in (("W1", seed), ("S2", seed + 1)):
+        if tid not in added and tid in pw.push_p.early:
+            p.add(make_request("p" + tid, toks(s, 3 * BS + 4), max_tokens=1, params=pp(tid)))
+            added.add(tid)
+    p.step()
+    time.sleep(0.001)
+"""
+
+# A producer process: serves W1 and S2; in S2's forward, after layer 0's
+# save (announced or written), it stops itself (SIGSTOP); resumed, it steps
+# 3 s more, then prints its engine's write counters and exits.
+STOP_CHILD = PRODUCER_CHILD + """
 def save(name, kv, md, **kw):
     orig(name, kv, md, **kw)
     if "S2" in pw.push_p.jobs and "stopped" not in state:
@@ -139,15 +155,9 @@ def save(name, kv, md, **kw):
         os.kill(os.getpid(), signal.SIGKILL if sys.argv[5] == "kill" else signal.SIGSTOP)
         state["resumed"] = time.monotonic()
 w.save_kv_layer = save
-added = set()
 print("ready", flush=True)
 while "resumed" not in state or time.monotonic() - state["resumed"] < 3.0:
-    for tid, s in (("W1", seed), ("S2", seed + 1)):
-        if tid not in added and tid in pw.push_p.early:
-            p.add(make_request("p" + tid, toks(s, 3 * BS + 4), max_tokens=1, params=pp(tid)))
-            added.add(tid)
-    p.step()
-    time.sleep(0.001)
+    serve()
 st = pw.engine.get_stats()
 print("stats " + json.dumps({"written": st["same_host_cpu_bytes_written"],
                              "ops": st["same_host_cpu_ops"]}), flush=True)
@@ -269,23 +279,14 @@ def test_stopped_producer_read_over_tcp_gives_up_fast(sides, model_dir, urls, mo
     assert ok and written == 0
 
 
-# A producer process that serves W1 (the warm-up) and S2; in S2's forward,
-# right after the last layer's save_kv_layer, its Python thread holds the
-# GIL in a busy loop for 0.4 s, the switch interval 5 s from S2's first
-# save on, so no other Python thread of it (the push outbox's) can run
-# meanwhile; it prints the
-# loop's start and end (time.time()), steps until S2 is served, and exits.
-BUSY_CHILD = """
-import json, sys, time
-sys.path.insert(0, sys.argv[1])
-from test_push_layer_load import AttnSide, BS, pp, make_request, toks
-p = AttnSide(sys.argv[2], "kv_producer", json.loads(sys.argv[3]), block_size=BS)
-seed = int(sys.argv[4])
-w = p.workers[0]
-pw = p.worker._worker
-orig = w.save_kv_layer
+# A producer process that serves W1 and S2; in S2's forward, right after
+# the last layer's save_kv_layer, its Python thread holds the GIL in a busy
+# loop for 0.4 s, the switch interval 5 s from S2's first save on, so no
+# other Python thread of it (the push outbox's) can run meanwhile; it
+# prints the loop's start and end (time.time()), steps until S2 is served,
+# and exits.
+BUSY_CHILD = PRODUCER_CHILD + """
 last = len(pw.layout.layers) - 1
-state = {}
 def save(name, kv, md, **kw):
     s2 = "S2" in pw.push_p.jobs and "busy" not in state
     if s2:  # from S2's first save on: a thread waiting for the GIL waits 5 s
@@ -299,18 +300,12 @@ def save(name, kv, md, **kw):
         sys.setswitchinterval(0.005)
         print("busy %.6f %.6f" % state["busy"], flush=True)
 w.save_kv_layer = save
-added = set()
 print("ready", flush=True)
 until = None
 while until is None or time.monotonic() < until:
-    for tid, s in (("W1", seed), ("S2", seed + 1)):
-        if tid not in added and tid in pw.push_p.early:
-            p.add(make_request("p" + tid, toks(s, 3 * BS + 4), max_tokens=1, params=pp(tid)))
-            added.add(tid)
-    p.step()
+    serve()
     if until is None and "busy" in state and not pw.push_p.jobs:
         until = time.monotonic() + 0.5
-    time.sleep(0.001)
 """
 
 
@@ -468,3 +463,45 @@ def test_the_decode_reads_nothing_past_the_producers_keep_s(sides, monkeypatch):
     assert d.block_matches_pattern("q", t, 4)  # recomputed, right
     assert d.run_until(lambda: "q" not in d.sched.requests, steps=500)
     assert p.run_until(lambda: p.is_empty(), steps=500)
+
+
+def test_reannounces_to_a_silent_reader_send_src_once(sides, monkeypatch):
+    """While the decode says nothing (no "rdone": here its reads never
+    start) the producer re-announces every READ_REANNOUNCE_S until its
+    lease ends: the "layer" note each time (a few bytes; the decode's
+    stall bound counts from it), but the "src" message (every layer's
+    extents: tens of KB for a long prompt) only until one re-sent was
+    delivered.  Seen failing on the old producer: "src" re-sent with
+    every re-announce (11 times, 3,311 bytes for a 4-block prompt, in the
+    3 s lease here)."""
+    from mooncake_connector.connector import push as push_mod
+    monkeypatch.setattr(push_mod.PushConsumer, "_read_start", lambda self, cl, tid, name: None)
+    p = sides("kv_producer", hold_timeout_s=3.0)
+    d = sides("kv_consumer", flow_a=False, push_layer_load=True, push_layer_read=True,
+              push_layer_timeout_s=30.0, push_layer_read_stall_s=10.0)
+    sent = {"src": [], "layer": []}
+    ob = p.worker._worker.push_outbox
+    send = ob.send
+
+    def counting_send(target, msg, *a, **kw):
+        t = push_mod.decode(msg)[0].get("t")
+        if t in sent:
+            sent[t].append(len(msg))
+        return send(target, msg, *a, **kw)
+    monkeypatch.setattr(ob, "send", counting_send)
+    t = toks(95, 4 * BS + 5)
+    p.add(make_request("pq", t, max_tokens=1, params=pp("R95")))
+    d.add(make_request("q", t, max_tokens=2, params=dp("R95")))
+    run = Stepper(p, before=target_first(p, "R95"))
+    try:
+        d.step()  # the layer load's step: nothing is read; it ends at the producer's nokv
+    finally:
+        run.join()
+    assert p.run_until(lambda: p.is_empty(), steps=500)
+    print(f"re-announced through the outbox: {len(sent['src'])} src "
+          f"({sum(sent['src'])} bytes), {len(sent['layer'])} layer notes "
+          f"({sum(sent['layer'])} bytes)")
+    assert d.invalid and recomputes(d), recomputes(d)
+    assert len(sent["layer"]) >= 3, sent  # re-announced all along the lease
+    assert len(sent["src"]) == 1, sent    # "src" once: delivered, not sent again
+    assert d.run_until(lambda: "q" not in d.sched.requests, steps=500)

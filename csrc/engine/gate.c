@@ -290,6 +290,19 @@ static mc_gate_t *gate_get(mc_engine_t *e, mc_err_t *err) {
   return gt;
 }
 
+/* An entry's CUDA event (0: none) can be waited for. */
+static int check_cuda(uint64_t cuda_event, int cuda_device, mc_err_t *err) {
+  if (!cuda_event)
+    return 0;
+  if (!mc_cuda_api_if_loaded())
+    return mc_err_set(err, MC_EUNAVAIL, "a CUDA event was given but the CUDA driver is not "
+                      "loaded in this process; pass no event (0) for host memory");
+  if (cuda_device < 0)
+    return mc_err_set(err, MC_EINVAL, "cuda_device %d: give the event's device ordinal (>= 0)",
+                      cuda_device);
+  return 0;
+}
+
 static int check_args(mc_engine_t *e, mc_batch_t *b, const char *segment,
                       const mc_request_t *reqs, size_t n, const mc_gate_opts_t *o,
                       mc_err_t *err) {
@@ -313,16 +326,8 @@ static int check_args(mc_engine_t *e, mc_batch_t *b, const char *segment,
   if (o->notify_len > MC_ENGINE_MAX_MSG)
     return mc_err_set(err, MC_ETOOBIG, "notification of %zu bytes exceeds %u", o->notify_len,
                       MC_ENGINE_MAX_MSG);
-  if (o->cuda_event) {
-    if (!mc_cuda_api_if_loaded())
-      return mc_err_set(err, MC_EUNAVAIL, "a CUDA event was given but the CUDA driver is not "
-                        "loaded in this process; pass no event (0) for host memory");
-    if (o->cuda_device < 0)
-      return mc_err_set(err, MC_EINVAL, "cuda_device %d: give the event's device ordinal (>= 0)",
-                        o->cuda_device);
-  }
   (void)e;
-  return 0;
+  return check_cuda(o->cuda_event, o->cuda_device, err);
 }
 
 /* A message for the notifier thread (NULL: out of memory). */
@@ -341,15 +346,42 @@ static mc_gate_msg_t *msg_new(const char *segment, const void *msg, size_t len,
   return m;
 }
 
-/* Appends g to the gate's FIFO (mu held). */
-static void enqueue_locked(mc_gate_t *gt, gate_ent_t *g) {
-  if (gt->tail)
-    gt->tail->next = g;
-  else
-    gt->head = g;
-  gt->tail = g;
-  gt->n++;
-  pthread_cond_broadcast(&gt->cv);
+/* A new gate entry for segment with its CUDA event (0: none) and its
+ * deadline (0: none); NULL when out of memory. */
+static gate_ent_t *ent_new(mc_engine_t *e, const char *segment, uint64_t event, int dev,
+                           int64_t by_ns) {
+  gate_ent_t *g = calloc(1, sizeof *g);
+  if (!g)
+    return NULL;
+  g->e = e;
+  g->event = event;
+  g->dev = dev;
+  g->submit_by_ns = by_ns;
+  snprintf(g->segment, sizeof g->segment, "%s", segment);
+  return g;
+}
+
+/* Appends g to the gate's FIFO; a batch entry's batch is held for it
+ * (with m, its notification) under gt->mu: lock order gate, batch.
+ * Returns 0, or the count of entries waiting when MC_GATE_MAX already
+ * wait: g is not queued then (the caller's to free). */
+static size_t gate_push(mc_gate_t *gt, gate_ent_t *g, mc_gate_msg_t *m) {
+  pthread_mutex_lock(&gt->mu);
+  size_t q = gt->n;
+  if (q < MC_GATE_MAX) {
+    if (g->b)
+      mc_batch_gate_hold(g->b, m);
+    if (gt->tail)
+      gt->tail->next = g;
+    else
+      gt->head = g;
+    gt->tail = g;
+    gt->n++;
+    pthread_cond_broadcast(&gt->cv);
+    q = 0;
+  }
+  pthread_mutex_unlock(&gt->mu);
+  return q;
 }
 
 int mc_batch_submit_gated(mc_engine_t *e, mc_batch_t *b, const char *segment,
@@ -379,7 +411,8 @@ int mc_batch_submit_gated(mc_engine_t *e, mc_batch_t *b, const char *segment,
     return rc;
   }
   mc_gate_t *gt = gate_get(e, err);
-  gate_ent_t *g = gt ? calloc(1, sizeof *g) : NULL;
+  gate_ent_t *g = gt ? ent_new(e, segment, o->cuda_event, o->cuda_device, o->submit_by_ns)
+                     : NULL;
   if (g)
     g->reqs = malloc(n * sizeof *g->reqs);
   if (!g || !g->reqs) {
@@ -390,24 +423,14 @@ int mc_batch_submit_gated(mc_engine_t *e, mc_batch_t *b, const char *segment,
   memcpy(g->reqs, reqs, n * sizeof *reqs);
   g->n = n;
   g->b = b;
-  g->e = e;
-  g->event = o->cuda_event;
-  g->dev = o->cuda_device;
-  g->submit_by_ns = o->submit_by_ns;
-  snprintf(g->segment, sizeof g->segment, "%s", segment);
-  pthread_mutex_lock(&gt->mu);
-  if (gt->n >= MC_GATE_MAX) {
-    size_t q = gt->n;
-    pthread_mutex_unlock(&gt->mu);
+  size_t q = gate_push(gt, g, m);
+  if (q) {
     ent_free(g);
     free(m);
     return mc_err_set(err, MC_EBUSY, "%zu gated batches already wait for the engine's gate "
                       "thread (their CUDA events, or their submit; at most %d): wait for some, "
                       "or submit without an event", q, MC_GATE_MAX);
   }
-  mc_batch_gate_hold(b, m); /* under gt->mu: lock order gate, batch */
-  enqueue_locked(gt, g);
-  pthread_mutex_unlock(&gt->mu);
   return 0;
 }
 
@@ -422,13 +445,7 @@ static int check_note(const char *segment, const void *msg, size_t len, uint64_t
   if (len > MC_ENGINE_MAX_MSG)
     return mc_err_set(err, MC_ETOOBIG, "notification of %zu bytes exceeds %u", len,
                       MC_ENGINE_MAX_MSG);
-  if (cuda_event && !mc_cuda_api_if_loaded())
-    return mc_err_set(err, MC_EUNAVAIL, "a CUDA event was given but the CUDA driver is not "
-                      "loaded in this process; pass no event (0) for host memory");
-  if (cuda_event && cuda_device < 0)
-    return mc_err_set(err, MC_EINVAL, "cuda_device %d: give the event's device ordinal (>= 0)",
-                      cuda_device);
-  return 0;
+  return check_cuda(cuda_event, cuda_device, err);
 }
 
 int mc_engine_notify_gated(mc_engine_t *e, const char *segment, const void *msg, size_t len,
@@ -439,28 +456,19 @@ int mc_engine_notify_gated(mc_engine_t *e, const char *segment, const void *msg,
   mc_gate_t *gt = gate_get(e, err);
   if (!gt)
     return err->code;
-  gate_ent_t *g = calloc(1, sizeof *g);
+  gate_ent_t *g = ent_new(e, segment, o->cuda_event, o->cuda_device, o->send_by_ns);
   if (g)
     g->note = msg_new(segment, msg, len, o->timeout_ms, "gated notification");
   if (!g || !g->note) {
     ent_free(g);
     return mc_err_set(err, MC_ENOMEM, "out of memory");
   }
-  g->e = e;
-  g->event = o->cuda_event;
-  g->dev = o->cuda_device;
-  g->submit_by_ns = o->send_by_ns;
-  snprintf(g->segment, sizeof g->segment, "%s", segment);
-  pthread_mutex_lock(&gt->mu);
-  if (gt->n >= MC_GATE_MAX) {
-    size_t q = gt->n;
-    pthread_mutex_unlock(&gt->mu);
+  size_t q = gate_push(gt, g, NULL);
+  if (q) {
     ent_free(g);
     return mc_err_set(err, MC_EBUSY, "%zu entries already wait for the engine's gate thread "
                       "(at most %d): send the note another way", q, MC_GATE_MAX);
   }
-  enqueue_locked(gt, g);
-  pthread_mutex_unlock(&gt->mu);
   return 0;
 }
 

@@ -31,7 +31,42 @@ typedef struct {
 
 /* ---- helpers ---- */
 
-static int get_u64(PyObject *o, uint64_t *out, const char *what) {
+/* Raises exc for an argument that is not what it must be, naming it (what,
+ * "what[idx]" for a list's item when idx >= 0), what it must be and the
+ * value given (its type and repr, cut at 80 characters): "length must be
+ * an int (...), not bool True".  Returns -1. */
+static int bad_arg(PyObject *exc, const char *what, Py_ssize_t idx, PyObject *o,
+                   const char *must) {
+  char name[96];
+  if (idx >= 0)
+    snprintf(name, sizeof name, "%s[%zd]", what, idx);
+  else
+    snprintf(name, sizeof name, "%s", what);
+  PyObject *r = PyObject_Repr(o);
+  if (r && PyUnicode_GET_LENGTH(r) > 80) {
+    PyObject *cut = PyUnicode_Substring(r, 0, 77);
+    Py_DECREF(r);
+    r = cut ? PyUnicode_FromFormat("%U...", cut) : NULL;
+    Py_XDECREF(cut);
+  }
+  if (!r) {
+    PyErr_Clear();
+    r = PyUnicode_FromString("(no repr)");
+    if (!r)
+      return -1;
+  }
+  PyErr_Format(exc, "%s must be %s, not %.80s %U", name, must, Py_TYPE(o)->tp_name, r);
+  Py_DECREF(r);
+  return -1;
+}
+
+#define U64_MUST_INT "an int (an address or a byte count: 0 .. 2**64-1; not a bool)"
+#define U64_MUST_RANGE "a non-negative 64-bit integer (0 .. 2**64-1)"
+
+/* An address, length or opcode argument (idx >= 0: item idx of the list
+ * named what): an int (or a tensor, standing for its data_ptr()), not a
+ * bool (True is not a length of 1). */
+static int get_u64_at(PyObject *o, uint64_t *out, const char *what, Py_ssize_t idx) {
   if (PyLong_CheckExact(o)) { /* the common case, without PyNumber_Index */
     unsigned long long v = PyLong_AsUnsignedLongLong(o);
     if (!(v == (unsigned long long)-1 && PyErr_Occurred())) {
@@ -40,22 +75,39 @@ static int get_u64(PyObject *o, uint64_t *out, const char *what) {
     }
     PyErr_Clear();
   }
+  if (PyBool_Check(o))
+    return bad_arg(PyExc_TypeError, what, idx, o, U64_MUST_INT);
   /* A tensor (CPU or CUDA) stands for its address: data_ptr(). */
-  PyObject *idx = !PyLong_Check(o) && PyObject_HasAttrString(o, "data_ptr")
-                      ? PyObject_CallMethod(o, "data_ptr", NULL)
-                      : PyNumber_Index(o);
-  if (!idx) {
-    PyErr_Format(PyExc_TypeError, "%s must be an int, not %.80s", what, Py_TYPE(o)->tp_name);
-    return -1;
+  PyObject *idxo = !PyLong_Check(o) && PyObject_HasAttrString(o, "data_ptr")
+                       ? PyObject_CallMethod(o, "data_ptr", NULL)
+                       : PyNumber_Index(o);
+  if (!idxo) {
+    PyErr_Clear();
+    return bad_arg(PyExc_TypeError, what, idx, o, U64_MUST_INT);
   }
-  unsigned long long v = PyLong_AsUnsignedLongLong(idx);
-  Py_DECREF(idx);
+  unsigned long long v = PyLong_AsUnsignedLongLong(idxo);
+  Py_DECREF(idxo);
   if (v == (unsigned long long)-1 && PyErr_Occurred()) {
-    PyErr_Format(PyExc_ValueError, "%s must be a non-negative 64-bit integer", what);
-    return -1;
+    PyErr_Clear();
+    return bad_arg(PyExc_ValueError, what, idx, o, U64_MUST_RANGE);
   }
   *out = v;
   return 0;
+}
+
+static int get_u64(PyObject *o, uint64_t *out, const char *what) {
+  return get_u64_at(o, out, what, -1);
+}
+
+/* seq as a list of items (a str or bytes is not one: each character would
+ * be an item), or NULL raised naming what and the value. */
+static PyObject *list_arg(PyObject *seq, const char *what, const char *must) {
+  if (PyUnicode_Check(seq) || PyBytes_Check(seq) || PyByteArray_Check(seq) ||
+      !PySequence_Check(seq)) {
+    bad_arg(PyExc_TypeError, what, -1, seq, must);
+    return NULL;
+  }
+  return PySequence_Fast(seq, "not a sequence");
 }
 
 /* A view of seq when it is a C-contiguous buffer of 8-byte integers (numpy
@@ -76,7 +128,7 @@ static int u64_buffer_view(PyObject *seq, Py_buffer *v) {
   return 0;
 }
 
-/* Parses a sequence of ints into a malloc'ed array. */
+/* Parses a sequence of ints (the list named what) into a malloc'ed array. */
 static int get_u64_list(PyObject *seq, uint64_t **out, Py_ssize_t *n, const char *what) {
   /* Fast path: a buffer of 8-byte integers, copied as is, no per-item
    * Python work. */
@@ -95,7 +147,7 @@ static int get_u64_list(PyObject *seq, uint64_t **out, Py_ssize_t *n, const char
     *n = k;
     return 0;
   }
-  PyObject *fast = PySequence_Fast(seq, "expected a list of ints");
+  PyObject *fast = list_arg(seq, what, "a list of ints (addresses or byte counts)");
   if (!fast)
     return -1;
   Py_ssize_t k = PySequence_Fast_GET_SIZE(fast);
@@ -107,7 +159,7 @@ static int get_u64_list(PyObject *seq, uint64_t **out, Py_ssize_t *n, const char
   }
   PyObject **items = PySequence_Fast_ITEMS(fast);
   for (Py_ssize_t i = 0; i < k; i++) {
-    if (get_u64(items[i], &v[i], what) < 0) {
+    if (get_u64_at(items[i], &v[i], what, i) < 0) {
       PyMem_RawFree(v);
       Py_DECREF(fast);
       return -1;
@@ -430,9 +482,9 @@ static PyObject *Engine_batch_register_memory(EngineObject *self, PyObject *args
     return NULL;
   uint64_t *addrs = NULL, *lens = NULL;
   Py_ssize_t na, nl;
-  if (get_u64_list(a, &addrs, &na, "addrs[i]") < 0)
+  if (get_u64_list(a, &addrs, &na, "addrs") < 0)
     return NULL;
-  if (get_u64_list(l, &lens, &nl, "lengths[i]") < 0) {
+  if (get_u64_list(l, &lens, &nl, "lengths") < 0) {
     PyMem_RawFree(addrs);
     return NULL;
   }
@@ -475,7 +527,7 @@ static PyObject *Engine_unregister_memory(EngineObject *self, PyObject *arg) {
 static PyObject *Engine_batch_unregister_memory(EngineObject *self, PyObject *arg) {
   uint64_t *addrs;
   Py_ssize_t n;
-  if (get_u64_list(arg, &addrs, &n, "addrs[i]") < 0)
+  if (get_u64_list(arg, &addrs, &n, "addrs") < 0)
     return NULL;
   if (enter(self) < 0) {
     PyMem_RawFree(addrs);
@@ -647,13 +699,13 @@ static uint64_t u64_at(const u64_arg_t *a, Py_ssize_t i) {
 static int reqs_from(PyObject *lo, PyObject *ro, PyObject *no, int opcode, mc_request_t **reqs,
                      Py_ssize_t *count) {
   u64_arg_t l, r, n;
-  if (u64_arg_get(lo, &l, "buffers[i]") < 0)
+  if (u64_arg_get(lo, &l, "buffers") < 0)
     return -1;
-  if (u64_arg_get(ro, &r, "peer_buffer_addresses[i]") < 0) {
+  if (u64_arg_get(ro, &r, "peer_buffer_addresses") < 0) {
     u64_arg_release(&l);
     return -1;
   }
-  if (u64_arg_get(no, &n, "lengths[i]") < 0) {
+  if (u64_arg_get(no, &n, "lengths") < 0) {
     u64_arg_release(&l);
     u64_arg_release(&r);
     return -1;
@@ -1195,21 +1247,32 @@ static PyObject *Engine_batch_transfer_async_read(EngineObject *self, PyObject *
   return async_batch(self, a, k, MC_OP_READ, "OOOO:batch_transfer_async_read");
 }
 
-/* Removes a batch id from the table (caller holds the life lock); returns
- * the table's reference to the batch, or NULL (raised). */
-static py_batch_t *take_batch(EngineObject *self, PyObject *id) {
-  PyObject *cap = PyDict_GetItemWithError(self->batches, id);
-  if (!cap) {
-    if (!PyErr_Occurred()) {
-      PyObject *r = PyObject_Repr(id);
-      PyErr_Format(PyExc_ValueError,
-                   "unknown batch id %U (already waited for, or never returned by "
-                   "batch_transfer_async_*)",
-                   r ? r : id);
-      Py_XDECREF(r);
-    }
+#define BATCH_ID_MUST "a batch id (the int batch_transfer_async_* returned)"
+
+/* The table's entry for a batch id (what: the argument's name, idx >= 0 an
+ * item of that list), borrowed, or NULL raised: an id that is no int (a
+ * bool or 1.0 would find batch 1) or none the table holds (taken). */
+static PyObject *batch_cap(EngineObject *self, PyObject *id, const char *what,
+                           Py_ssize_t idx) {
+  if (!PyLong_Check(id) || PyBool_Check(id)) {
+    bad_arg(PyExc_TypeError, what, idx, id, BATCH_ID_MUST);
     return NULL;
   }
+  PyObject *cap = PyDict_GetItemWithError(self->batches, id);
+  if (!cap && !PyErr_Occurred())
+    PyErr_Format(PyExc_ValueError,
+                 "unknown batch id %S (already waited for, or never returned by "
+                 "batch_transfer_async_*)",
+                 id);
+  return cap;
+}
+
+/* Removes a batch id from the table (caller holds the life lock); returns
+ * the table's reference to the batch, or NULL (raised). */
+static py_batch_t *take_batch(EngineObject *self, PyObject *id, Py_ssize_t idx) {
+  PyObject *cap = batch_cap(self, id, idx >= 0 ? "batch_ids" : "batch_id", idx);
+  if (!cap)
+    return NULL;
   py_batch_t *pb = PyCapsule_GetPointer(cap, "mc_batch");
   if (!pb || PyDict_DelItem(self->batches, id) < 0)
     return NULL;
@@ -1219,12 +1282,9 @@ static py_batch_t *take_batch(EngineObject *self, PyObject *id) {
 /* The table's entry for id with a reference taken for the caller (who
  * holds the life lock), or NULL (raised). */
 static py_batch_t *get_batch(EngineObject *self, PyObject *id) {
-  PyObject *cap = PyDict_GetItemWithError(self->batches, id);
-  if (!cap) {
-    if (!PyErr_Occurred())
-      PyErr_Format(PyExc_ValueError, "unknown batch id");
+  PyObject *cap = batch_cap(self, id, "batch_id", -1);
+  if (!cap)
     return NULL;
-  }
   py_batch_t *pb = PyCapsule_GetPointer(cap, "mc_batch");
   if (pb)
     pb->refs++;
@@ -1266,7 +1326,8 @@ static PyObject *Engine_get_batch_transfer_status(EngineObject *self, PyObject *
     timeout = -1; /* any negative: the engine default */
   if (mc_py_check_timeout(timeout, -1, 0, 86400, "timeout") < 0)
     return NULL;
-  PyObject *fast = PySequence_Fast(ids, "batch_ids must be a list of batch ids");
+  PyObject *fast = list_arg(ids, "batch_ids", "a list of batch ids (the ints "
+                            "batch_transfer_async_* returned; one batch: [batch_id])");
   if (!fast)
     return NULL;
   Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
@@ -1281,7 +1342,7 @@ static PyObject *Engine_get_batch_transfer_status(EngineObject *self, PyObject *
     return NULL;
   }
   for (Py_ssize_t i = 0; i < n; i++) {
-    bs[i] = take_batch(self, PySequence_Fast_GET_ITEM(fast, i));
+    bs[i] = take_batch(self, PySequence_Fast_GET_ITEM(fast, i), i);
     if (!bs[i]) {
       /* Put nothing back: ids taken so far are still waited for below. */
       n = i;
@@ -1369,7 +1430,7 @@ static PyObject *Engine_transfer_check_status(EngineObject *self, PyObject *id) 
      * or an id object raised in comparison). */
     PyObject *cap = PyDict_GetItemWithError(self->batches, id);
     if (cap && PyCapsule_GetPointer(cap, "mc_batch") == pb) {
-      py_batch_t *t = take_batch(self, id);
+      py_batch_t *t = take_batch(self, id, -1);
       if (t)
         batch_unref(t); /* not the last: we hold one */
     }

@@ -80,7 +80,11 @@ RESEND_TIMEOUT_S = 2.0
 # Layer read: announcements the engine's gate sent (Engine.notify_gated) are
 # sent again through the outbox when the decode has not said "rdone" this
 # long after the last one (a note the engine dropped or could not deliver;
-# the decode ignores duplicates), below push_layer_read_stall_s's default.
+# the decode ignores duplicates), below push_layer_read_stall_s's default:
+# the "layer" note (a few bytes) each time, also the decode's sign that we
+# still lend (its stall bound counts from the last note); the "src" message
+# (tens of KB) only until one sent so was delivered (the decode's engine
+# took it), one at a time.
 READ_REANNOUNCE_S = 0.2
 # The first send of a target waits this long for the receipt when its
 # producer took a message from us before (a connection, or a quick connect,
@@ -1338,6 +1342,10 @@ class Target:
         # outbox from now on) and when the last one was queued (monotonic)
         self.rgate = None
         self.rtold_at = 0.0
+        # Layer read: "src" re-sent through the outbox (_reannounce): None
+        # not (or its send failed), "sent" its receipt not in yet, "ok"
+        # delivered (the decode has it: not sent again)
+        self.rsrc_sent = None
         self.landed = set()      # layer indices whose writes were acknowledged
         self.told = set()        # layer indices the consumer was told (or the engine tells
         #                          it: a gated batch's own notification)
@@ -2298,12 +2306,23 @@ class PushProducer:
         """Layer read: "src" and the layers computed and told (not those
         the engine's gate still holds for their CUDA event) again, both
         through the outbox, "src" first (a "layer" note before it makes the
-        decode take this side as a writer; it ignores duplicates).  poll():
-        no "rdone" READ_REANNOUNCE_S after the last announcement the gate
-        took; _repeat: the decode sent its target again."""
+        decode take this side as a writer; it ignores duplicates).  "src"
+        only while none sent so was delivered and none is on its way (its
+        receipt: the decode's engine took it, so the decode has it); the
+        "layer" note every time (the decode's stall bound counts from its
+        last one).  poll(): no "rdone" READ_REANNOUNCE_S after the last
+        announcement the gate took; _repeat: the decode sent its target
+        again."""
         tg.rtold_at = now
         lis = sorted(tg.layers_sent & job.ready) if not job.unsynced else []
-        self.w.push_outbox.send(tg.name, self._src_msg(job, tg, tg.garr))
+        key = ("rsrc", job.tid, tg.name)
+        if tg.rsrc_sent == "sent":
+            res = self.w.push_outbox.take(key)
+            if res != "pending":
+                tg.rsrc_sent = "ok" if res is None else None
+        if tg.rsrc_sent is None:
+            tg.rsrc_sent = "sent"
+            self.w.push_outbox.send(tg.name, self._src_msg(job, tg, tg.garr), key=key)
         if lis:
             self.w.push_outbox.send(tg.name, encode({"t": "layer", "tid": job.tid, "l": lis,
                                                      "rd": True}))
@@ -2381,6 +2400,7 @@ class PushProducer:
 
     def _end(self, job, tg, state, why=None):
         tg.state, tg.why = state, why
+        self._forget_rsrc(job, tg)
         until = tg.lease_until + PUSH_GRACE_S
         self._count_engine_paths()
         if state == "done":
@@ -2393,6 +2413,12 @@ class PushProducer:
                                "written (%s)", job.rid, tg.name, why)
                 self.w.stats.add("push_failed")
             self._reply(tg.name, job.tid, state, why, retry_until=until)
+
+    def _forget_rsrc(self, job, tg):
+        """A re-sent "src" still on its way: nobody takes its receipt."""
+        if getattr(tg, "rsrc_sent", None) == "sent":
+            tg.rsrc_sent = None
+            self.w.push_outbox.forget(("rsrc", job.tid, tg.name))
 
     def _ended_due(self, now=None):
         """The oldest ended transfer id is to be forgotten (ENDED_KEEP_S), or
@@ -2499,7 +2525,10 @@ class PushProducer:
     def forget(self, rid):
         """The worker freed the request's blocks (pulled, expired)."""
         tid = self.by_rid.pop(rid, None)
-        if tid is not None and self.jobs.pop(tid, None) is not None:
+        job = self.jobs.pop(tid, None) if tid is not None else None
+        if job is not None:
+            for tg in job.targets.values():
+                self._forget_rsrc(job, tg)
             self._end_tid(tid, time.monotonic())
 
     def close(self):

@@ -16,10 +16,15 @@ def _hp(host, port):
 
 
 def _split_hp(s):
+    """(host, port) of "host:port" / "[v6]:port"; ValueError naming what is
+    wrong unless the port is 1..65535 in ASCII digits (int() took "+80",
+    " 80", "8_0" and non-ASCII digits)."""
     if s.startswith("["):
         host, _, port = s[1:].partition("]:")
     else:
         host, _, port = s.rpartition(":")
+    if not (port.isascii() and port.isdigit() and 1 <= int(port) <= 65535):
+        raise ValueError(f"port {port!r} is not a number in 1..65535")
     return host, int(port)
 
 

@@ -64,9 +64,9 @@ def check_peer(rep, peer, cfg, timeout):
 
     try:
         host, _ = _split_hp(peer)
-    except ValueError:
-        rep.add("peer", peer, FAIL, "not HOST:PORT", "give --peer the address `doctor --serve` "
-                "printed on the other host")
+    except ValueError as e:
+        rep.add("peer", peer, FAIL, f"not HOST:PORT ({e})", "give --peer the address `doctor "
+                "--serve` printed on the other host")
         return
     try:
         local = _route_src(host) or "127.0.0.1"

@@ -86,6 +86,26 @@ def _listen_host_problem(listen):
     return None
 
 
+def _listen_not_here(listen):
+    """A note when --listen's host resolves to no address of this host
+    (the engine listens on every address of this host but tells peers that
+    name: "serving at 8.8.8.8" went on without a word, and every peer then
+    reached another machine), else None.  A note, not a refusal: behind a
+    1:1 NAT the address peers reach is not on any interface here."""
+    host = listen[1:].partition("]")[0] if listen.startswith("[") else listen.partition(":")[0]
+    if not host or listen.count(":") > 1 and not listen.startswith("["):
+        return None
+    addrs = set(_resolve(host))
+    local = _local_addrs()
+    if not addrs or addrs & set(local) or any(_is_loopback(a) for a in addrs):
+        return None
+    mine = [a for a in local if not _is_loopback(a) and ":" not in a][:4]
+    return (f'host "{host}" ({", ".join(sorted(addrs))}) is no address of this host '
+            f"(it has {', '.join(mine) or 'only loopback addresses'}); the peer is told to "
+            "connect there: right only behind a NAT that forwards it here, else give "
+            "--listen an address of this host")
+
+
 #: --tp at most (vLLM's tensor-parallel sizes are far below; ports port..port+tp-1)
 MAX_TP = 1024
 #: --timeout at most: the engine's bound on a handshake's timeout
@@ -126,6 +146,9 @@ def run(argv=None, out=sys.stdout):
             if problem:
                 print(f"doctor: --listen {args.listen}: {problem}", file=sys.stderr)
                 return 2
+            note = _listen_not_here(args.listen)
+            if note:
+                print(f"doctor: warning: --listen {args.listen}: {note}", file=sys.stderr)
         listen = args.listen or _default_listen(cfg, args.role)
         try:
             return serve(listen, cfg, args.seconds, out)
