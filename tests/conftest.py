@@ -1,4 +1,5 @@
 import contextlib
+import importlib.util
 import json
 import os
 import shutil
@@ -175,28 +176,35 @@ from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 assert not getattr(KVConnectorFactory.get_connector_class, '_mooncake', False), \\
     'the plugin registered before the jobs ran'
 """
-# Fork servers by fixture name: each started by its first user and closed
-# after its last one (pytest_runtest_teardown below), so that its ~1 GB is
-# not held through the rest of the run.
+# Fork servers by fixture name: each started (in the background: its
+# preamble's import runs beside the tests) when the module before its first
+# user begins, or by its first user, and closed after its last one
+# (pytest_runtest_teardown below), so that its ~1 GB is not held through the
+# rest of the run.
 _FORKS = {"vllm_forks": {"server": None, "users_left": 0},
           "plugin_forks": {"server": None, "users_left": 0}}
 
 
+def _start_forks(name, preamble, env=None, wait=True):
+    from forked import ForkServer
+
+    f = _FORKS[name]
+    if f["server"] is None:
+        f["server"] = ForkServer(preamble, env=env() if env else None, cwd="/", timeout=600,
+                                 wait=wait)
+    return f["server"]
+
+
 class _Forks:
-    """A fixture's fork server, started at its first start() or run() (its
-    preamble in `env`, default this process's environment then)."""
+    """A fixture's fork server, started at its first start() or run() if
+    not before (its preamble in `env`, default this process's environment
+    then)."""
 
     def __init__(self, name, preamble, env=None):
         self.name, self.preamble, self.env = name, preamble, env
 
     def server(self):
-        from forked import ForkServer
-
-        f = _FORKS[self.name]
-        if f["server"] is None:
-            f["server"] = ForkServer(self.preamble, env=self.env() if self.env else None,
-                                     cwd="/", timeout=600)
-        return f["server"]
+        return _start_forks(self.name, self.preamble, self.env)
 
     def start(self, *a, **kw):
         return self.server().start(*a, **kw)
@@ -222,6 +230,11 @@ def _plugin_env():
     return env
 
 
+_FORK_SPECS = {"vllm_forks": (VLLM_PREAMBLE, None),
+               "plugin_forks": (PLUGIN_PREAMBLE, _plugin_env)}
+_HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+
+
 @pytest.fixture(scope="session")
 def plugin_forks():
     """The same for the plugin checks' fresh processes (test_connector_vllm's
@@ -232,9 +245,43 @@ def plugin_forks():
     return _Forks("plugin_forks", PLUGIN_PREAMBLE, _plugin_env)
 
 
+# For each test module (in run order), the fork servers its tests use.
+_MODULE_FORKS = []
+_MODULES_BEGUN = set()
+
+
 def pytest_collection_finish(session):
     for name, f in _FORKS.items():
         f["users_left"] = sum(name in getattr(i, "fixturenames", ()) for i in session.items)
+    for i in session.items:
+        names = {n for n in _FORKS if n in getattr(i, "fixturenames", ())}
+        if not _MODULE_FORKS or _MODULE_FORKS[-1][0] != i.nodeid.split("::")[0]:
+            _MODULE_FORKS.append((i.nodeid.split("::")[0], set()))
+        _MODULE_FORKS[-1][1].update(names)
+    # The e2e tests' vLLM fork server (tests/e2e_fixtures.py) imports in the
+    # background from now on, beside the tests before the first e2e module.
+    if any("tiny_model_dir" in getattr(i, "fixturenames", ()) for i in session.items):
+        from e2e_fixtures import prestart_vllm_forks
+        prestart_vllm_forks()
+
+
+def pytest_runtest_setup(item):
+    """At a module's first test: the fork servers this module or the next
+    one uses start in the background (their ~10-30 s imports then overlap
+    this module's tests instead of delaying the first user's)."""
+    mod = item.nodeid.split("::")[0]
+    mods = [m for m, _ in _MODULE_FORKS]
+    if mod not in mods or mod in _MODULES_BEGUN:
+        return
+    _MODULES_BEGUN.add(mod)
+    k = mods.index(mod)
+    for name in sorted(set().union(*(names for _, names in _MODULE_FORKS[k:k + 2]))):
+        if _FORKS[name]["server"] is None and _FORKS[name]["users_left"] > 0 and _HAVE_VLLM:
+            preamble, env = _FORK_SPECS[name]
+            try:
+                _start_forks(name, preamble, env, wait=False)
+            except Exception:  # its first user starts it again, and says why
+                pass
 
 
 @pytest.hookimpl(trylast=True)
@@ -244,6 +291,13 @@ def pytest_runtest_teardown(item, nextitem):
             f["users_left"] -= 1
             if f["users_left"] <= 0:
                 _close_fork_server(name)
+
+
+def pytest_terminal_summary(terminalreporter):
+    from e2e_fixtures import vllm_forks_summary
+    line = vllm_forks_summary()
+    if line:
+        terminalreporter.write_line(line)
 
 
 def pytest_sessionfinish(session):

@@ -57,7 +57,9 @@ def start_deployment(prefix, model_dir, **kw):
 # differs from the fork server's in keys read at run time (below) are
 # forked; any other (the in-tree cell's PYTHONPATH and MC_MOONCAKE_SHIM,
 # read at interpreter start) gets its own interpreter, as before.
-# MC_E2E_FORK_SERVER=0 starts every one with its own interpreter.
+# MC_E2E_FORK_SERVER=0 starts every one with its own interpreter.  The fork
+# server starts in the background once pytest collected an e2e test
+# (prestart_vllm_forks, from conftest.py), not at the first server.
 VLLM_FORK_PREAMBLE = """
 import ast, importlib, importlib.util
 spec = importlib.util.find_spec("vllm.entrypoints.openai.api_server")
@@ -76,14 +78,65 @@ runpy.run_module("vllm.entrypoints.openai.api_server", run_name="__main__", alte
 """
 #: Environment variables a forked server may have apart from the fork
 #: server's: read only once the server runs, never at import.
+#: Tests that build a model or a vLLM config in this process (vllm_harness)
+#: set some of them here midway through the run, after the fork server may
+#: have started (prestart_vllm_forks): TORCHINDUCTOR_CACHE_DIR (torch's
+#: cache_dir() reads it when it needs the directory and, unset, sets it to
+#: its default); what vLLM's CPU platform sets in every server process
+#: itself, after its imports (CpuPlatform.check_and_update_config, the CPU
+#: worker: a server started from a shell has them unset while it imports);
+#: _MOONCAKE_CONNECTOR_ANNOUNCED (our plugin's, and the preamble never
+#: imports our package).
 FORK_RUNTIME_ENV = ("MOONCAKE_CONFIG_PATH", "VLLM_MOONCAKE_BOOTSTRAP_PORT",
-                    "VLLM_DISABLE_REQUEST_ID_RANDOMIZATION", "PYTEST_CURRENT_TEST")
-_VLLM_FORKS = {"server": None, "env": None, "failed": None}
+                    "VLLM_DISABLE_REQUEST_ID_RANDOMIZATION", "PYTEST_CURRENT_TEST",
+                    "TORCHINDUCTOR_CACHE_DIR", "VLLM_WORKER_MULTIPROC_METHOD",
+                    "NUMEXPR_MAX_THREADS", "TORCHINDUCTOR_COMPILE_THREADS",
+                    "VLLM_DISABLE_SHARED_EXPERTS_STREAM", "TORCHINDUCTOR_CPP_DYNAMIC_THREADS",
+                    "LOCAL_WORLD_SIZE", "VLLM_DIST_IDENT", "_MOONCAKE_CONNECTOR_ANNOUNCED")
+#: server, its env, failed (why none), and for the run's summary (conftest.py):
+#: prestarted (bool), restarted (the keys that changed), waited (s the first
+#: server waited for its imports)
+_VLLM_FORKS = {"server": None, "env": None, "failed": None, "prestarted": False,
+               "restarted": None, "waited": None}
 
 
 def _runtime_only(key):
     return key in FORK_RUNTIME_ENV or (key.startswith("MC_")
                                        and not key.startswith("MC_MOONCAKE_SHIM"))
+
+
+def _fork_env():
+    from mooncake_connector import serving
+    env = dict(os.environ, **serving.VLLM_ENV)
+    env.setdefault("PYTHONSAFEPATH", "1")
+    return {k: v for k, v in env.items() if not _runtime_only(k)}
+
+
+def _env_differs(env, fork_env):
+    keys = set(env) | set(fork_env)
+    return sorted(k for k in keys if not _runtime_only(k) and env.get(k) != fork_env.get(k))
+
+
+def prestart_vllm_forks():
+    """Starts the vLLM fork server now, in the background (conftest.py calls
+    it once pytest collected a test that uses the tiny_model_dir fixture):
+    its preamble (~25 s of one core on the 2-core CI host) then runs beside
+    the tests before the first e2e module, which otherwise waited for it
+    with every server of its deployment.  launch_vllm waits for it at the
+    first server; if this process's environment changed since in a key the
+    preamble may read, that server replaces it with a fresh one (as without
+    this)."""
+    if (os.environ.get("MC_E2E_FORK_SERVER") == "0" or _VLLM_FORKS["server"] is not None
+            or _VLLM_FORKS["failed"] or not have_vllm()):
+        return
+    from forked import ForkServer
+    _VLLM_FORKS["env"] = _fork_env()
+    try:
+        _VLLM_FORKS["server"] = ForkServer(VLLM_FORK_PREAMBLE, env=_VLLM_FORKS["env"], cwd="/",
+                                           timeout=600, wait=False)
+        _VLLM_FORKS["prestarted"] = True
+    except Exception as e:
+        _VLLM_FORKS["failed"] = repr(e)
 
 
 def launch_vllm(cmd, env, cwd, log_fd):
@@ -95,24 +148,52 @@ def launch_vllm(cmd, env, cwd, log_fd):
     if (os.environ.get("MC_E2E_FORK_SERVER") == "0" or _VLLM_FORKS["failed"]
             or cmd[:3] != [sys.executable, "-m", serving.VLLM_MAIN]):
         return None
+    import time
+    t0 = time.monotonic()
     f = _VLLM_FORKS
+    if f["server"] is not None and not f["server"].used and _env_differs(_fork_env(), f["env"]):
+        # prestarted with an environment this process no longer has
+        f["restarted"] = _env_differs(_fork_env(), f["env"])
+        print(f"vLLM fork server: restarted (the environment changed in "
+              f"{f['restarted'][:5]} since it started)", file=sys.stderr)
+        close_vllm_forks()
     if f["server"] is None:
         from forked import ForkServer
-        f["env"] = dict(os.environ, **serving.VLLM_ENV)
-        f["env"].setdefault("PYTHONSAFEPATH", "1")
-        f["env"] = {k: v for k, v in f["env"].items() if not _runtime_only(k)}
+        f["env"] = _fork_env()
         try:
             f["server"] = ForkServer(VLLM_FORK_PREAMBLE, env=f["env"], cwd="/", timeout=600)
         except Exception as e:  # e.g. another vLLM's layout: each its own interpreter
             f["failed"] = repr(e)
             return None
-    keys = set(env) | set(f["env"])
-    if any(env.get(k) != f["env"].get(k) for k in keys if not _runtime_only(k)):
+    try:
+        f["server"].ready()
+    except Exception as e:  # a prestarted server whose preamble failed
+        f["server"], f["failed"] = None, repr(e)
+        return None
+    waited = time.monotonic() - t0
+    if f["waited"] is None:
+        f["waited"] = waited
+    if _env_differs(env, f["env"]):
         return None
     os.write(log_fd, (f"(forked from the tests' vLLM fork server, pid {f['server'].proc.pid}, "
-                      "which imported its modules once: tests/e2e_fixtures.py)\n").encode())
+                      "which imported its modules once: tests/e2e_fixtures.py"
+                      + (f"; waited {waited:.1f} s for its imports" if waited >= 0.1 else "")
+                      + ")\n").encode())
     return f["server"].start(VLLM_FORK_JOB, cmd[3:], env=env, cwd=cwd, fds=(log_fd, log_fd),
                              session=True)
+
+
+def vllm_forks_summary():
+    """One line for the run's summary (conftest.py), or None: no vLLM server
+    forked."""
+    f = _VLLM_FORKS
+    if f["waited"] is None:
+        return None
+    how = "prestarted at collection" if f["prestarted"] else "started at the first server"
+    if f["restarted"]:
+        how += f", replaced at the first server (environment changed: {f['restarted'][:5]})"
+    return (f"vLLM fork server (tests/e2e_fixtures.py): {how}; the first server waited "
+            f"{f['waited']:.1f} s for its imports")
 
 
 def close_vllm_forks():

@@ -138,10 +138,15 @@ class ForkServer:
     preamble's) environment."""
 
     def __init__(self, preamble, env=None, fresh=("mooncake_connector",), cwd=None,
-                 timeout=600):
+                 timeout=600, wait=True):
+        """wait=False: returns while the server still runs the preamble (it
+        imports in the background); the first start() or ready() waits for
+        it, up to `timeout` s from then."""
         import socket
         self._sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self._exits = {}  # pid -> exit status, as the server reported them
+        self._timeout, self._pending = timeout, True
+        self.used = False  # a child was started
         self.proc = subprocess.Popen(
             [sys.executable, "-P", "-c", SERVER, str(theirs.fileno())],
             pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, cwd=cwd,
@@ -149,13 +154,27 @@ class ForkServer:
         theirs.close()
         try:
             self._sock.send(json.dumps({"preamble": preamble, "fresh": list(fresh)}).encode())
-            got = self._read(timeout)
+        except BaseException:
+            self.close()
+            raise
+        if wait:
+            self.ready()
+
+    def ready(self, timeout=None):
+        """Waits until the server ran its preamble (timeout: the
+        constructor's); raises (the server closed) if it failed."""
+        if not self._pending:
+            return self
+        try:
+            got = self._read(self._timeout if timeout is None else timeout)
             if got != {"ready": True}:
                 raise RuntimeError(f"fork server failed (exit {self.proc.poll()}; its "
                                    f"stderr is this process's): {got}")
         except BaseException:
             self.close()
             raise
+        self._pending = False
+        return self
 
     def _read(self, timeout):
         """The server's next message (None: none came in timeout s; 0:
@@ -181,6 +200,8 @@ class ForkServer:
         SIGTERM when the server dies (PR_SET_PDEATHSIG); at close() the
         server SIGKILLs its whole group."""
         import socket
+        self.ready()
+        self.used = True
         pipes = [] if fds else [os.pipe() for _ in range(2 if stderr else 1)]
         try:
             job = {"code": code, "argv": list(argv), "cwd": cwd or os.getcwd(),

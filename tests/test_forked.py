@@ -185,3 +185,72 @@ def test_session_child_writes_to_given_fds_and_its_group_goes_with_the_server(tm
     assert wait_until(lambda: gone(kid), timeout=30), "the child's own child outlived the server"
     t0 = time.monotonic()
     assert wait_until(lambda: gone(child.pid), timeout=10) and time.monotonic() - t0 < 10
+
+
+def test_a_server_started_without_waiting_imports_in_the_background(tmp_path):
+    """wait=False: the constructor returns while the preamble still runs
+    (here it waits for a file the test writes only afterwards: a server
+    that waited would never return); the first start() waits for it.  A
+    preamble that fails raises at ready()."""
+    gate = tmp_path / "go"
+    pre = (f"import json, os, time\nwhile not os.path.exists({str(gate)!r}):\n"
+           "    time.sleep(0.01)\njson.X = 7\n")
+    srv = ForkServer(pre, wait=False)
+    try:
+        gate.write_text("")
+        got = srv.run("import json\nprint(json.X)")
+    finally:
+        srv.close()
+    assert (got.returncode, got.stdout) == (0, "7\n"), got.stderr
+    bad = ForkServer("raise SystemExit('no such module')", wait=False)
+    with pytest.raises(RuntimeError, match="fork server exited"):
+        bad.ready()
+
+
+def test_the_e2e_fork_server_prestarts_and_is_replaced_if_the_environment_changed(
+        monkeypatch, tmp_path):
+    """tests/e2e_fixtures.py: prestart_vllm_forks() starts the vLLM fork
+    server before the first server (conftest.py: at collection); the first
+    vLLM server forks from it, or, if this process's environment changed
+    since in a key its imports may read, from a fresh one; a key read only
+    at run time (TORCHINDUCTOR_CACHE_DIR: torch sets it itself) changes
+    nothing.  Stand-in preamble and job (not vLLM's)."""
+    import os
+    import sys
+    import e2e_fixtures as ef
+    from mooncake_connector import serving
+
+    monkeypatch.setattr(ef, "VLLM_FORK_PREAMBLE", "import os\nPID = os.getpid()\n")
+    monkeypatch.setattr(ef, "VLLM_FORK_JOB", "import os, sys\nprint(os.getppid(), sys.argv[1:])\n")
+    monkeypatch.setattr(ef, "have_vllm", lambda: True)
+    monkeypatch.delenv("MC_E2E_FORK_SERVER", raising=False)
+    monkeypatch.setattr(ef, "_VLLM_FORKS",
+                        dict(ef._VLLM_FORKS, server=None, env=None, failed=None, waited=None))
+    cmd = [sys.executable, "-m", serving.VLLM_MAIN]
+
+    def launch(tag):
+        log = tmp_path / f"{tag}.log"
+        fd = os.open(log, os.O_WRONLY | os.O_CREAT)
+        try:
+            child = ef.launch_vllm(cmd + [tag], ef._fork_env(), str(tmp_path), fd)
+        finally:
+            os.close(fd)
+        assert child is not None and child.wait(30) == 0
+        return int(log.read_text().splitlines()[-1].split()[0])
+
+    try:
+        monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+        ef.prestart_vllm_forks()
+        first = ef._VLLM_FORKS["server"]
+        assert first is not None and not first.used
+        monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+        assert launch("one") == first.proc.pid            # the prestarted one
+        ef.close_vllm_forks()
+        ef.prestart_vllm_forks()
+        second = ef._VLLM_FORKS["server"]
+        monkeypatch.setenv("PYTHONWARNINGS_TEST_KEY", "changed")
+        pid = launch("two")
+        assert ef._VLLM_FORKS["server"] is not second and pid == ef._VLLM_FORKS["server"].proc.pid
+        assert second.proc.poll() is not None             # closed
+    finally:
+        ef.close_vllm_forks()
