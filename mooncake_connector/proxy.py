@@ -1783,6 +1783,13 @@ async def _serve(proxy, args, prog, loop_name):
                     "upstream connections in use at once",
                     f"raised from {before} to " if before != limit else "", limit, max_conns,
                     proxy.upstream_limit)
+    if proxy.upstream_limit and proxy.forget_max > proxy.upstream_limit // 4:
+        # Each forget in flight may hold an upstream connection (to a
+        # stopped decode: up to --forget-timeout-s): forgets never take
+        # more than a quarter of them from the requests.
+        proxy.forget_max = max(1, proxy.upstream_limit // 4)
+        logger.info("--forget-max %d: a quarter of the upstream connections (%d)",
+                    proxy.forget_max, proxy.upstream_limit)
     runner = web.AppRunner(proxy.app(), handler_cancellation=True)
     await runner.setup()
     loop = asyncio.get_running_loop()

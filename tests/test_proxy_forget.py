@@ -63,12 +63,13 @@ def proxy(tmp_path):
     requests)."""
     procs = []
 
-    def start(prefill, decode, flow="a", extra=()):
+    def start(prefill, decode, flow="a", extra=(), preexec_fn=None):
         log = tmp_path / f"proxy{len(procs)}.log"
         p = subprocess.Popen([sys.executable, "-m", "mooncake_connector.proxy", "--host",
                               "127.0.0.1", "--port", "0", *extra, "--flow", flow,
                               "--prefill", *prefill, "--decode", *decode],
-                             stdout=subprocess.PIPE, stderr=open(log, "w"), text=True)
+                             stdout=subprocess.PIPE, stderr=open(log, "w"), text=True,
+                             preexec_fn=preexec_fn)
         procs.append(p)
         line = p.stdout.readline()
         m = re.search(r"http://127\.0\.0\.1:(\d+)", line)
@@ -229,6 +230,20 @@ def test_forgets_in_flight_are_capped_with_a_dead_decode(vllm_like, proxy):
     st = get_stats(url)
     assert st["decode_forgets_in_flight"] == 50 and st["decode_forgets_gave_up"] == 0, st
     assert _releases(p) == []
+
+
+def test_forgets_take_at_most_a_quarter_of_the_upstream_connections(vllm_like, proxy):
+    """A question to a stopped decode holds an upstream connection for up
+    to --forget-timeout-s: under an open-file limit of 1,024 (448 upstream
+    connections) --forget-max is cut to 112, so forgets never starve the
+    requests of connections."""
+    import resource
+
+    def low():
+        resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 1024))
+    p = vllm_like("prefill")
+    proxy([p.url], [f"http://127.0.0.1:{free_port()}"], preexec_fn=low)
+    assert "--forget-max 112: a quarter of the upstream connections (448)" in proxy.log()
 
 
 @pytest.mark.parametrize("args,says", [
