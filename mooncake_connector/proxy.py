@@ -348,7 +348,7 @@ class Proxy:
         self._lat_total = collections.Counter()
         self._bg = set()  # background tasks (releases at the prefill)
         # decode URL -> its engines (vLLM data parallelism) as its last
-        # forget's answers counted them (_post_forget)
+        # forget's answers counted them (_forget_round)
         self._decode_engines = {}
         # flow push: a data-parallel prefill's engines, from its bootstrap server
         self.prefill_dp = (PrefillEngines(prefill_bootstraps, self.counts)
