@@ -110,6 +110,7 @@ import urllib.request
 
 from mooncake_connector import serving
 from mooncake_connector.deployment import _port_pair, scrape_metrics
+from mooncake_connector.proxy import forget_retry_for
 
 FAULTS = ("kill_prefill", "stop_decode", "host_prefill", "etcd_restart", "link_cut", "netem")
 # The push flows of P3, the prefill on the host (outside the namespace): the
@@ -363,15 +364,18 @@ class Cluster:
             srv.role = "reference"
             self.servers["R"] = srv
         pre = [self.servers["P1"].url, self.servers["P2"].url]
+        # a decode that does not answer a forget is asked again only while
+        # the prefills still hold the prompt (proxy.forget_retry_for)
+        forget = ("--forget-retry-s", f"{forget_retry_for(args.hold_timeout_s):g}")
         self.proxies = {
             # flow a: the proxy's two round robins move together: P1+D1, P2+D2
             # (each decode's prefill_url); flow b crosses them: P1+D2, P2+D1.
             "a": serving.proxy(pre, [self.servers["D1"].url, self.servers["D2"].url],
                                serving.free_port(), os.path.join(logs, "proxy-a.log"), flow="a",
-                               timeout_s=args.proxy_timeout_s),
+                               timeout_s=args.proxy_timeout_s, extra_args=forget),
             "b": serving.proxy(pre, [self.servers["D2"].url, self.servers["D1"].url],
                                serving.free_port(), os.path.join(logs, "proxy-b.log"), flow="b",
-                               timeout_s=args.proxy_timeout_s),
+                               timeout_s=args.proxy_timeout_s, extra_args=forget),
         }
         # The push flows: both legs at once, the prefill (in the namespace)
         # writes the KV into the decode's blocks over the veth link.  Each

@@ -190,6 +190,7 @@ class Deployment:
         sent to it twice computes only its tail over cached KV the second
         time, as a decode server over loaded KV does."""
         self.workdir = os.path.abspath(workdir)
+        self._prefill_extra = prefill_extra_config
         os.makedirs(self.workdir, exist_ok=True)
         self.model = model
         self.connector = connector or default_connector()
@@ -255,11 +256,13 @@ class Deployment:
         self.proxies = {f: serving.proxy([self.prefill.url], [self.decode.url],
                                          serving.free_port(),
                                          os.path.join(logs, f"proxy-{f}.log"), flow=f,
-                                         python=python, extra_args=self._push_args(f))
+                                         python=python,
+                                         extra_args=self._push_args(f) + self._forget_args(f))
                         for f in flows}
         for name, kw in (extra_proxies or {}).items():
             kw = dict(kw, extra_args=tuple(kw.get("extra_args", ())) +
-                      self._push_args(kw.get("flow", "a")))
+                      self._push_args(kw.get("flow", "a")) +
+                      self._forget_args(kw.get("flow", "a")))
             self.proxies[name] = serving.proxy([self.prefill.url], [self.decode.url],
                                                serving.free_port(),
                                                os.path.join(logs, f"proxy-{name}.log"),
@@ -271,6 +274,15 @@ class Deployment:
             self.colocated_proxy = serving.proxy(
                 [], [], serving.free_port(), os.path.join(logs, "proxy-colocated.log"),
                 python=python, passthrough=[self.colocated.url])
+
+    def _forget_args(self, flow):
+        """Flows a, b over a prefill with its own hold_timeout_s: the
+        proxy's --forget-retry-s below it (proxy.forget_retry_for)."""
+        hold = (self._prefill_extra or {}).get("hold_timeout_s")
+        if flow not in ("a", "b") or hold is None:
+            return ()
+        from mooncake_connector.proxy import forget_retry_for
+        return ("--forget-retry-s", f"{forget_retry_for(float(hold)):g}")
 
     def _push_args(self, flow):
         """A push proxy's --prefill-bootstrap (the prefill's bootstrap server:

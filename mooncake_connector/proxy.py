@@ -39,6 +39,14 @@ Counted in /stats and /metrics (prefill_failovers).  In flow a, with as many dec
 the decode instance follows the prefill's index (the round robins pair
 them: each decode's mooncake.json names its prefill), so the KV is found.
 
+Flows a, b: a decode leg whose answer ended before any output (the client
+left, an error) leaves the prefill holding the prompt unless the decode's
+connector says it never saw the leg ("mc_forget"); a decode that does not
+answer (stopped, overloaded, restarting, gone: a timeout, a 5xx, a reset,
+a refused connection) is asked again, 0.5 s then doubling to 8 s, until
+--forget-retry-s after the prefill's answer, at most --forget-max such
+forgets at once (docs/connector.md, "Holds and releases").
+
 First token from prefill (default for streamed requests; --first-token
 decode turns it off): the client gets the prefill's token as the first
 chunk at once and the decode instance continues from it
@@ -123,6 +131,18 @@ def _error(status, message, kind="proxy_error"):
 #: A forget asks at most this many engines of a decode with vLLM data parallelism.
 MAX_DP_FORGET = 64
 PAST_LAST_ENGINE = object()  # _ask_forget: the decode has no engine of that DP rank
+NO_ANSWER = object()  # _ask_forget: the decode did not answer (timeout, 5xx, reset, refused)
+#: A forget the decode did not answer is asked again this long after, the
+#: gap doubling up to FORGET_RETRY_MAX_GAP_S (proxy: --forget-retry-s).
+FORGET_RETRY_FIRST_S = 0.5
+FORGET_RETRY_MAX_GAP_S = 8.0
+#: Defaults of --forget-retry-s (how long after the prefill's answer a
+#: decode is asked again: below the prefill's default hold_timeout_s, 120 s,
+#: by more than a release takes to reach it), --forget-timeout-s (one
+#: question) and --forget-max (forgets in flight at once).
+FORGET_RETRY_S = 90.0
+FORGET_TIMEOUT_S = 10.0
+FORGET_MAX = 2048
 #: The most of a release's / forget's answer read (a one-token completion:
 #: ~1 KB); a longer one is not read further (memory bounded against a
 #: decode or prefill answering with anything else).
@@ -135,11 +155,20 @@ def _leg_ok(task):
     return task.cancelled() or (task.exception() is None and task.result() is not False)
 
 
+def forget_retry_for(hold_timeout_s):
+    """A --forget-retry-s for prefills that hold prompts hold_timeout_s: a
+    quarter of it, at least 10 s, below it (the prefill's answer, the
+    release's way there and its wait for a step); 90 for the default 120;
+    0 (never asked again) from 10 s down."""
+    return max(0.0, hold_timeout_s - max(10.0, hold_timeout_s / 4))
+
+
 def _forget_keeps(got):
     """An engine's forget answer (_ask_forget's) that keeps the prompt held
-    whatever the others say: not known (None), or a verdict other than
-    "unseen"."""
-    return got is None or (got is not PAST_LAST_ENGINE and got[0] != "unseen")
+    whatever the others say: not known (None, NO_ANSWER), or a verdict other
+    than "unseen"."""
+    return got is None or got is NO_ANSWER or (got is not PAST_LAST_ENGINE and
+                                               got[0] != "unseen")
 
 
 def _forget_engines(answers, first_rank):
@@ -204,7 +233,8 @@ class Proxy:
                  push_layer_load=None, push_layer_watch=None,
                  header_timeout=http_guard.HEADER_TIMEOUT_S, body_budget=BODY_BUDGET,
                  body_timeout=http_guard.BODY_TIMEOUT_S, push_layer_read=None,
-                 prefill_bootstraps=()):
+                 prefill_bootstraps=(), forget_retry_s=FORGET_RETRY_S,
+                 forget_timeout_s=FORGET_TIMEOUT_S, forget_max=FORGET_MAX):
         self.passthrough = [u.rstrip("/") for u in passthrough]
         if self.passthrough and (prefill or decode):
             raise ValueError("--passthrough takes no --prefill/--decode")
@@ -231,6 +261,20 @@ class Proxy:
         self.flow = flow
         self.first_token = first_token
         self.api_key = api_key
+        # Flows a, b: a decode that does not answer a forget (_post_forget)
+        # is asked again until forget_retry_s after the prefill's answer (0:
+        # never); one question waits forget_timeout_s; at most forget_max
+        # forgets in flight (asked or waiting to be asked again), a forget
+        # past them is not sent (counted decode_forgets_dropped).
+        if not 0 <= forget_retry_s < float("inf"):
+            raise ValueError(f"forget_retry_s={forget_retry_s!r}: expected seconds >= 0")
+        if not 0 < forget_timeout_s < float("inf"):
+            raise ValueError(f"forget_timeout_s={forget_timeout_s!r}: expected seconds > 0")
+        if not (isinstance(forget_max, int) and forget_max >= 1):
+            raise ValueError(f"forget_max={forget_max!r}: expected an integer >= 1")
+        self.forget_retry_s, self.forget_timeout_s = float(forget_retry_s), float(forget_timeout_s)
+        self.forget_max, self._forgets_out = forget_max, 0
+        self._forget_warn = http_guard.Throttled()
         # A client that sends nothing of its request's body for this long is
         # answered 408 and disconnected (as a stalled header: http_guard).
         self.header_timeout = header_timeout
@@ -282,6 +326,9 @@ class Proxy:
                        "clients_gone_in_prefill": 0, "clients_gone_before_decode": 0,
                        "prefill_releases_sent": 0, "clients_gone_before_decode_answer": 0,
                        "decode_forgets_sent": 0, "decode_forgets_unseen": 0,
+                       "decode_forgets_retried": 0, "decode_forgets_unseen_late": 0,
+                       "decode_forgets_seen_late": 0, "decode_forgets_gave_up": 0,
+                       "decode_forgets_dropped": 0,
                        "stream_errors_after_first_token": 0,
                        "first_token_fallbacks": collections.Counter()}
         # decode instances where a partial first token's text was settled
@@ -301,7 +348,7 @@ class Proxy:
         self._lat_total = collections.Counter()
         self._bg = set()  # background tasks (releases at the prefill)
         # decode URL -> its engines (vLLM data parallelism) as its last
-        # forget's answers counted them (_post_forget)
+        # forget's answers counted them (_forget_round)
         self._decode_engines = {}
         # flow push: a data-parallel prefill's engines, from its bootstrap server
         self.prefill_dp = (PrefillEngines(prefill_bootstraps, self.counts)
@@ -664,6 +711,7 @@ class Proxy:
             pre = None
         params = pre.get("kv_transfer_params") if isinstance(pre, dict) else None
         request["mc_prefill"] = (pre_url, body.get("model"), pre, params, headers)
+        request["mc_pre_t"] = time.monotonic()  # the prefill holds the prompt from about now
         if self.flow == "b" and not isinstance(pre, dict):
             self.counts["prefill_errors"] += 1
             text = pre_text[:200].decode("utf-8", "replace")
@@ -755,22 +803,93 @@ class Proxy:
         prompt) is not known here; if it did not, the prefill holds the
         prompt until hold_timeout_s.  Asks that decode instance, in the
         background, with a one-token request whose kv_transfer_params
-        {"mc_forget": {"x_request_id"}} name the leg (connector/legs.py);
-        its answer "unseen" (never there, or ended owing its pull; a request
-        of it arriving later will neither load nor release) sends the
-        prefill its release (_release_at_prefill).  Counted
-        decode_forgets_sent / decode_forgets_unseen."""
+        {"mc_forget": {"x_request_id", "ask"}} name the leg (connector/legs.py;
+        ask: this forget's id, the same when asked again); its answer
+        "unseen" (never there, or ended owing its pull; a request of it
+        arriving later will neither load nor release) sends the prefill its
+        release (_release_at_prefill).  A decode that does not answer is
+        asked again (_post_forget).  Counted decode_forgets_sent /
+        decode_forgets_unseen; at most forget_max at once (else
+        decode_forgets_dropped)."""
         got, dec_url = request.get("mc_prefill"), request.get("mc_dec_url")
         if not got or not dec_url or self.flow not in ("a", "b"):
             return
         xid = got[4].get("X-Request-Id")
         if not xid:
             return
-        task = asyncio.ensure_future(self._post_forget(request, dec_url, xid))
+        if self._forgets_out >= self.forget_max:
+            self.counts["decode_forgets_dropped"] += 1
+            self._forget_warn.warn(
+                "%d forgets in flight (--forget-max): decode %s is not asked about leg %s; "
+                "the prefill %s holds its prompt until its hold_timeout_s", self._forgets_out,
+                dec_url, xid, got[0])
+            return
+        # What the questions and the release need, not the request (a
+        # forget may outlive it by --forget-retry-s): the prefill answer
+        # only as the prompt's ids.
+        pre_url, model, pre, params, headers = got
+        ids = _prompt_ids(pre)
+        leg = {"mc_prefill": (pre_url, model, {"prompt_token_ids": ids} if ids else None,
+                              params, headers),
+               "t": request.get("mc_pre_t") or time.monotonic(), "ask": uuid.uuid4().hex}
+        self._forgets_out += 1
+        task = asyncio.ensure_future(self._post_forget(leg, dec_url, xid))
         self._bg.add(task)
         task.add_done_callback(self._bg.discard)
 
-    async def _post_forget(self, request, dec_url, xid):
+    async def _post_forget(self, leg, dec_url, xid):
+        """_forget_round, asked again while the decode does not answer (a
+        timeout, a 5xx, a reset, a refused connection: stopped, overloaded,
+        restarting or gone), FORGET_RETRY_FIRST_S after, the gap doubling up
+        to FORGET_RETRY_MAX_GAP_S, until forget_retry_s after the prefill's
+        answer (leg["t"]): past that the prefill's hold may have ended
+        (hold_timeout_s), and a release then could take another request's
+        entry of the prompt.  Every question of one forget carries the same
+        ask id, so an "unseen" whose answer was lost is "unseen" again
+        (legs.LegLedger.forget).  A refused connection is asked again too,
+        never taken for "gone, release": docs/architecture.md, "The proxy"."""
+        try:
+            got = await self._forget_round(leg, dec_url, xid)
+            if got != "retry":
+                return
+            pre_url = leg["mc_prefill"][0]
+            if self.forget_retry_s <= 0:
+                logger.info("decode %s did not answer a forget about leg %s: the prefill %s "
+                            "holds the prompt until its hold_timeout_s (--forget-retry-s 0)",
+                            dec_url, xid, pre_url)
+                return
+            until = leg["t"] + self.forget_retry_s
+            logger.info("decode %s did not answer a forget about leg %s: asked again (%g s, "
+                        "doubling) for %.0f s more; the prefill %s holds the prompt meanwhile",
+                        dec_url, xid, FORGET_RETRY_FIRST_S, until - time.monotonic(), pre_url)
+            gap, tries = FORGET_RETRY_FIRST_S, 0
+            while got == "retry":
+                if time.monotonic() + gap > until:
+                    self.counts["decode_forgets_gave_up"] += 1
+                    logger.info("decode %s did not answer %d forgets about leg %s: given up "
+                                "(--forget-retry-s %g); the prefill %s holds the prompt until "
+                                "its hold_timeout_s", dec_url, tries + 1, xid,
+                                self.forget_retry_s, pre_url)
+                    return
+                await asyncio.sleep(gap)
+                gap = min(2 * gap, FORGET_RETRY_MAX_GAP_S)
+                tries += 1
+                self.counts["decode_forgets_retried"] += 1
+                got = await self._forget_round(leg, dec_url, xid)
+            if got == "released":
+                self.counts["decode_forgets_unseen_late"] += 1
+                logger.info("decode %s answered the forget about leg %s after %d more tries: "
+                            "'unseen'; the prefill %s releases the prompt now", dec_url, xid,
+                            tries, pre_url)
+            else:
+                self.counts["decode_forgets_seen_late"] += 1
+                logger.info("decode %s answered the forget about leg %s after %d more tries: "
+                            "the prompt stays held at the prefill %s (its decode request pays "
+                            "for it, or hold_timeout_s)", dec_url, xid, tries, pre_url)
+        finally:
+            self._forgets_out -= 1
+
+    async def _forget_round(self, leg, dec_url, xid):
         """Asks the decode about the leg, engine by engine (X-data-parallel-
         rank, vLLM's DP rank; every server has rank 0).  A decode with vLLM
         data parallelism says so (mc_dp) and answers for the asked engine
@@ -780,15 +899,19 @@ class Proxy:
         The ranks are asked at once, in waves: rank 0 alone first (a server
         without data parallelism: one question), then twice as many each
         wave; a decode whose engines were counted before (_decode_engines)
-        gets all of them and the first rank past them in one wave."""
+        gets all of them and the first rank past them in one wave.
+        "released", "kept" (seen, or no verdict: not asked again) or
+        "retry" (an engine did not answer)."""
         known = self._decode_engines.get(dec_url, 1)
         lo, hi = 0, (known + 1 if known > 1 else 1)  # this wave's ranks: lo .. hi - 1
         while lo < MAX_DP_FORGET:
-            answers = await self._ask_forgets(request, dec_url, xid,
+            answers = await self._ask_forgets(leg, dec_url, xid,
                                               range(lo, min(hi, MAX_DP_FORGET)))
+            if answers is NO_ANSWER:
+                return "retry"
             engines = None if answers is None else _forget_engines(answers, lo)
             if answers is None or engines is False:
-                return  # seen, or not known: the prefill frees it at hold_timeout_s
+                return "kept"  # seen, or not known: the prefill frees it at hold_timeout_s
             if engines is not None:
                 self._decode_engines[dec_url] = engines
                 break
@@ -797,40 +920,49 @@ class Proxy:
             logger.info("decode %s: a forget asked %d engines, all 'unseen', and found no "
                         "last one: the prefill frees the prompt at hold_timeout_s", dec_url,
                         MAX_DP_FORGET)
-            return
+            return "kept"
         self.counts["decode_forgets_unseen"] += 1
-        self._release_at_prefill(request)
+        self._release_at_prefill(leg)
+        return "released"
 
-    async def _ask_forgets(self, request, dec_url, xid, ranks):
+    async def _ask_forgets(self, leg, dec_url, xid, ranks):
         """_ask_forget's answers from `ranks`, asked at once, in rank order;
-        None as soon as one says the prompt stays (_forget_keeps): the
-        questions still out are cancelled."""
-        tasks = [asyncio.ensure_future(self._ask_forget(request, dec_url, xid, r))
+        None as soon as one says the prompt stays (_forget_keeps), NO_ANSWER
+        as soon as one did not answer: the questions still out are
+        cancelled."""
+        tasks = [asyncio.ensure_future(self._ask_forget(leg, dec_url, xid, r))
                  for r in ranks]
         try:
             for done in asyncio.as_completed(tasks):
-                if _forget_keeps(await done):
+                got = await done
+                if got is NO_ANSWER:
+                    return NO_ANSWER
+                if _forget_keeps(got):
                     return None
             return [t.result() for t in tasks]
         finally:
             for t in tasks:
                 t.cancel()  # those done: no-op
 
-    async def _ask_forget(self, request, dec_url, xid, rank):
+    async def _ask_forget(self, leg, dec_url, xid, rank):
         """(verdict, the decode has data-parallel engines) from DP rank
-        `rank`; PAST_LAST_ENGINE where vLLM has no engine of that rank; None
-        (an error answer, or the request failed)."""
-        _pre_url, model, pre, _params, headers = request["mc_prefill"]
+        `rank`; PAST_LAST_ENGINE where vLLM has no engine of that rank;
+        NO_ANSWER where the question got no answer (not connected, reset,
+        timed out, a 5xx: asked again); None (an answer that is no verdict:
+        not asked again)."""
+        _pre_url, model, pre, _params, headers = leg["mc_prefill"]
         ids = _prompt_ids(pre)
         body = {"model": model, "prompt": [ids[0] if ids else 0], "max_tokens": 1,
-                "kv_transfer_params": {"mc_forget": {"x_request_id": xid, "dp_rank": rank}}}
+                "kv_transfer_params": {"mc_forget": {"x_request_id": xid, "dp_rank": rank,
+                                                     "ask": leg["ask"]}}}
         # A fresh id: one holding xid would be taken for a request of that leg.
         h = dict(headers, **{"X-Request-Id": f"mc-forget-{uuid.uuid4().hex}",
                              "X-data-parallel-rank": str(rank)})
         self.counts["decode_forgets_sent"] += 1
         try:
             async with self.session.post(dec_url + "/v1/completions", json=body, headers=h,
-                                         timeout=aiohttp.ClientTimeout(total=30)) as r:
+                                         timeout=aiohttp.ClientTimeout(
+                                             total=self.forget_timeout_s)) as r:
                 got = await _read_capped(r, CONTROL_ANSWER_MAX)
                 if r.status == 400 and b"out of range" in got:
                     return PAST_LAST_ENGINE  # vLLM: "data_parallel_rank N is out of range"
@@ -838,13 +970,18 @@ class Proxy:
                     logger.info("decode %s answered %d (%s bytes) to a forget", dec_url,
                                 r.status, len(got) if len(got) <= CONTROL_ANSWER_MAX else
                                 f"over {CONTROL_ANSWER_MAX}")
-                    return None
+                    # A 5xx: overloaded, starting, a gateway without its
+                    # upstream: no verdict yet
+                    return NO_ANSWER if r.status >= 500 and len(got) <= CONTROL_ANSWER_MAX \
+                        else None
             params = (json.loads(got) or {}).get("kv_transfer_params") or {}
             return params.get("mc_forget"), params.get("mc_dp") is True
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError,
-                AttributeError) as e:
-            logger.info("decode %s: a forget failed (%r); the prefill frees the prompt at "
-                        "hold_timeout_s", dec_url, e)
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            logger.debug("decode %s: a forget got no answer (%r)", dec_url, e)
+            return NO_ANSWER
+        except (ValueError, AttributeError) as e:
+            logger.info("decode %s: a forget's answer is no verdict (%r); the prefill frees "
+                        "the prompt at hold_timeout_s", dec_url, e)
             return None
 
     async def _post_release(self, pre_url, body, headers):
@@ -1132,7 +1269,9 @@ class Proxy:
         # connections_open: client connections open now (None: not counted)
         # partial_settled_decodes: decode instances whose partial first tokens
         # are released before the decode's text (proxy_first_token)
+        # decode_forgets_in_flight: forgets asked or waiting to be asked again
         return web.json_response(dict(self.counts, request_ids_in_flight=len(self._ids_in_flight),
+                                      decode_forgets_in_flight=self._forgets_out,
                                       partial_settled_decodes=len(self.partial_settled),
                                       connections_open=self._open_conns and self._open_conns[0],
                                       body_bytes_in_flight=self._body_bytes,
@@ -1485,6 +1624,22 @@ def _parser():
     ap.add_argument("--body-timeout", type=float, default=http_guard.BODY_TIMEOUT_S,
                     help="answer 408 and close a request whose whole body has not arrived this "
                          "long after its header, s (a client sending it a few bytes at a time)")
+    ap.add_argument("--forget-retry-s", type=float, default=FORGET_RETRY_S,
+                    help="flows a, b: a decode that does not answer the proxy's question about "
+                         "a leg it may not have seen (stopped, overloaded, restarting, gone) "
+                         "is asked again (0.5 s, doubling to 8 s) until this long after the "
+                         "prefill's answer, s; keep it below the prefill's hold_timeout_s "
+                         "(default 120) by more than a release takes to reach the prefill; 0: "
+                         "never asked again (the prefill frees such a prompt at its "
+                         "hold_timeout_s)")
+    ap.add_argument("--forget-timeout-s", type=float, default=FORGET_TIMEOUT_S,
+                    help="flows a, b: how long one such question waits for the decode's "
+                         "answer, s (then it is asked again)")
+    ap.add_argument("--forget-max", type=int, default=FORGET_MAX,
+                    help="flows a, b: such questions in flight at once (asked, or waiting to "
+                         "be asked again); one past it is not sent (counted "
+                         "decode_forgets_dropped: the prefill frees its prompt at its "
+                         "hold_timeout_s)")
     ap.add_argument("--body-budget-mb", type=float, default=BODY_BUDGET >> 20,
                     help="request bodies held at once by requests in flight, MiB; a request "
                          "whose body would pass it is answered 503 (a parsed request takes "
@@ -1584,6 +1739,15 @@ def _check_times(ap, args):
         ap.error(f"--header-timeout must be a number of seconds > 0, not {args.header_timeout}")
     if not 0 < args.body_timeout < float("inf"):
         ap.error(f"--body-timeout must be a number of seconds > 0, not {args.body_timeout}")
+    if not 0 <= args.forget_retry_s < float("inf"):
+        ap.error(f"--forget-retry-s must be a number of seconds >= 0 (0: never ask a decode "
+                 f"again), not {args.forget_retry_s}")
+    if not 0 < args.forget_timeout_s < float("inf"):
+        ap.error(f"--forget-timeout-s must be a number of seconds > 0, not "
+                 f"{args.forget_timeout_s}")
+    if args.forget_max < 1:
+        ap.error(f"--forget-max must be an integer >= 1 (forgets in flight), not "
+                 f"{args.forget_max}")
     for name in ("timeout", "idle_timeout", "prefill_down_s"):
         if math.isnan(getattr(args, name)):
             ap.error(f"--{name.replace('_', '-')} nan is not a number of seconds")
@@ -1623,6 +1787,13 @@ async def _serve(proxy, args, prog, loop_name):
                     "upstream connections in use at once",
                     f"raised from {before} to " if before != limit else "", limit, max_conns,
                     proxy.upstream_limit)
+    if proxy.upstream_limit and proxy.forget_max > proxy.upstream_limit // 4:
+        # Each forget in flight may hold an upstream connection (to a
+        # stopped decode: up to --forget-timeout-s): forgets never take
+        # more than a quarter of them from the requests.
+        proxy.forget_max = max(1, proxy.upstream_limit // 4)
+        logger.info("--forget-max %d: a quarter of the upstream connections (%d)",
+                    proxy.forget_max, proxy.upstream_limit)
     runner = web.AppRunner(proxy.app(), handler_cancellation=True)
     await runner.setup()
     loop = asyncio.get_running_loop()
@@ -1667,6 +1838,8 @@ def main(argv=None):
                   header_timeout=args.header_timeout,
                   body_budget=int(args.body_budget_mb * (1 << 20)),
                   body_timeout=args.body_timeout, prefill_bootstraps=args.prefill_bootstrap,
+                  forget_retry_s=args.forget_retry_s, forget_timeout_s=args.forget_timeout_s,
+                  forget_max=args.forget_max,
                   **{k: _SWITCH[getattr(args, k)] for k in _PUSH_SWITCHES})
     run_loop, loop_name = _event_loop(args.loop)
     run_loop(_serve(proxy, args, ap.prog, loop_name))

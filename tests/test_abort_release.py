@@ -12,6 +12,7 @@ request of the same prompt, published again by its own prefill leg, still
 loads its KV; every TP rank of the producer is released.
 """
 import threading
+import time
 
 import pytest
 
@@ -176,11 +177,13 @@ def test_a_release_by_a_client_id_inside_another_s_releases_nothing_of_it(sides)
     assert frees_at_once(p, 2.0), "the prefill still holds the prompt"
 
 
-def _forget(d, rid, xid):
+def _forget(d, rid, xid, ask=None):
     """The proxy's question (proxy._forget_at_decode) about the decode leg
     sent with X-Request-Id xid, whose answer ended before any output: the
-    decode's verdict, "seen" or "unseen" (connector/legs.py)."""
-    d.add(make_request(rid, [7], max_tokens=1, params={"mc_forget": {"x_request_id": xid}}))
+    decode's verdict, "seen" or "unseen" (connector/legs.py); ask: the
+    proxy's id of the question (the same when it asks again)."""
+    q = {"x_request_id": xid, **({"ask": ask} if ask else {})}
+    d.add(make_request(rid, [7], max_tokens=1, params={"mc_forget": q}))
     assert d.run_until(lambda: rid in d.last_params, steps=50), "no answer to the forget"
     return (d.last_params[rid] or {}).get("mc_forget")
 
@@ -215,6 +218,52 @@ def test_a_leg_that_never_came_is_released_once(sides, flow):
     assert counters(d).get("loads", 0) == 1 and not recomputes(d) and not d.invalid
     assert frees_at_once(p, 2.0), "the prefill still holds the prompt"
     assert _forget(d, "cmpl-mc-forget-2-0-bb", "mc-91") == "seen"  # asked again: paid
+
+
+def test_a_forget_asked_again_after_a_lost_answer_still_releases_once(sides):
+    """The proxy asks a decode again when the answer never reached it (the
+    decode was stopped past the proxy's wait, then ran the question): with
+    the same ask id the decode answers "unseen" again (before: "seen",
+    and the prompt stayed held until hold_timeout_s), the proxy's one
+    release frees the prompt at the prefill, and a new question about that
+    leg is "seen" (released once)."""
+    p, d = sides("kv_producer"), sides("kv_consumer", flow_a=True)
+    t = toks(59, 4 * BS + 5)
+    _prefill(p, "cmpl-mc-95-0-0a0b0c0d", t)
+    assert _forget(d, "cmpl-mc-forget-6-0-aa", "mc-95", ask="q1") == "unseen"  # lost
+    assert _forget(d, "cmpl-mc-forget-7-0-bb", "mc-95", ask="q1") == "unseen"  # asked again
+    p.add(_release_req("r1", {"x_request_id": "mc-95"}))  # the proxy's, once
+    p.step()
+    p.step()
+    assert counters(p).get("prefill_releases", 0) == 1, counters(p)
+    assert frees_at_once(p, 2.0), "the prefill still holds the prompt"
+    assert _forget(d, "cmpl-mc-forget-8-0-cc", "mc-95", ask="q2") == "seen"
+    assert _sched_count(d, "legs_forget_unseen") == 2
+
+
+def test_a_release_after_the_legs_hold_ended_removes_nothing(sides):
+    """The proxy asks a silent decode again for a while (--forget-retry-s),
+    so its release may come after the leg's hold ended (its entries
+    expired at hold_timeout_s).  The entry of that prompt left is then
+    another leg's (published later): the late release removes nothing
+    (counted prefill_releases_late); before, it took that entry, and that
+    leg's decode computed the prompt."""
+    hold = 6.0
+    p = sides("kv_producer", hold_timeout_s=hold)
+    t = toks(60, 4 * BS + 5)
+    t0 = time.monotonic()
+    _prefill(p, "cmpl-mc-96-0-0a0b0c0d", t)
+    time.sleep(3.0)
+    _prefill(p, "cmpl-mc-97-0-1a1b1c1d", t)  # held until ~3 s after the first's end
+    time.sleep(max(0.0, t0 + hold + 0.3 - time.monotonic()))
+    p.step()  # the first one's entries expired
+    p.add(_release_req("r1", {"x_request_id": "mc-96", "prompt_token_ids": list(t)}))
+    p.step()
+    p.step()
+    assert time.monotonic() < t0 + hold + 2.5, "too slow to tell: the second hold ended too"
+    assert counters(p).get("prefill_releases", 0) == 0, counters(p)
+    assert counters(p).get("prefill_releases_late", 0) == 1, counters(p)
+    assert _entries(p) >= 1, "the late release took the second leg's entry"
 
 
 @pytest.mark.parametrize("flow", ["a", "b"])

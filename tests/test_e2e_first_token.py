@@ -333,13 +333,13 @@ def test_decode_failing_after_the_first_chunk_ends_the_stream_with_an_error(depl
         assert got.status == 200, (got.status, got.error)
         assert broken.calls == 1
         # a 503 carries no output: whether the decode's connector saw the leg
-        # is asked (its 503 to that too releases nothing); a dropped stream
-        # sent output first
+        # is asked (its 503 to that too releases nothing: asked again, 0.5 s
+        # later, doubling); a dropped stream sent output first
         want = 1 if mode == "status" else 0
         end = time.monotonic() + 10
         while broken.forgets < want and time.monotonic() < end:
             time.sleep(0.05)
-        assert broken.forgets == want, broken.forgets
+        assert broken.forgets >= want if want else broken.forgets == 0, broken.forgets
         assert got.token_ids[:1] == ref.token_ids[:1], "first chunk is not the prefill's token"
         assert got.error and f"decode instance {broken.url}" in got.error, got.error
         assert ("503" in got.error and "decode overloaded" in got.error) if mode == "status" \

@@ -329,7 +329,7 @@ def test_dp_cell_both_engines_of_each_side_served(cells, name):
 @pytest.mark.parametrize("name", [n for n in _selected() if n.startswith("dp")])
 def test_dp_cell_decode_answers_a_forget_per_engine(cells, name):
     """The proxy's forget asks each engine of a data-parallel decode
-    (proxy._post_forget): vLLM's API server routes X-data-parallel-rank r to
+    (proxy._forget_round): vLLM's API server routes X-data-parallel-rank r to
     engine r, which answers for itself (a leg it never saw: "unseen") and
     says it has siblings (mc_dp); a rank past the last is refused with
     vLLM's "out of range"."""

@@ -188,3 +188,37 @@ def test_ended_legs_are_bounded_by_time_and_size(monkeypatch):
     clk.t += publishes.ENDED_S / 2 + 1
     end("last")
     assert list(pub.ended) == ["late", "last"]    # the rest ended over ENDED_S ago
+
+
+def test_a_question_asked_again_gets_the_answer_it_missed():
+    """The proxy asks again when a forget's answer never reached it (a
+    stopped or overloaded decode, its own timeout, a reset), with the same
+    ask id: the ledger gives the first answer again.  Without the id the
+    second question was "seen" (paid by the first answer), and the proxy,
+    which never got that "unseen", left the prompt held until
+    hold_timeout_s.  A new question (another ask id, or none) about a leg
+    already answered is still "seen": the prompt is released once."""
+    clk = Clock()
+    lg = LegLedger(clk)
+    assert lg.forget("a", "q1") == "unseen"          # never came
+    assert lg.forget("a", "q1") == "unseen"          # the answer was lost: the same again
+    assert lg.forget("a", "q2") == "seen" and lg.forget("a") == "seen"
+    assert lg.arrived("cmpl-b-0-1a2b3c4d")
+    lg.finished("cmpl-b-0-1a2b3c4d", paid=False)     # ended owing its pull
+    assert lg.forget("b", "q3") == "unseen" and lg.forget("b", "q3") == "unseen"
+    assert lg.forget("b", "q4") == "seen"
+    assert lg.arrived("cmpl-c-0-1a2b3c4d")           # here: it pays at its end
+    assert lg.forget("c", "q5") == "seen" and lg.forget("c", "q5") == "seen"
+    assert lg.finished("cmpl-c-0-1a2b3c4d", paid=False) is True  # asked: its own release
+    clk.t += legs.MEMORY_S + 1                       # answers are kept as long as records
+    assert lg.forget("zz") == "unseen" and len(lg) == 1
+
+
+def test_the_scheduler_passes_the_ask_id():
+    sch = _consumer()
+    r = _forget_req("mc-6")
+    r.kv_transfer_params["mc_forget"]["ask"] = "k1"
+    assert sch.request_finished(r, []) == (False, {"mc_forget": "unseen"})
+    assert sch.request_finished(r, []) == (False, {"mc_forget": "unseen"})
+    r.kv_transfer_params["mc_forget"]["ask"] = "k2"
+    assert sch.request_finished(r, []) == (False, {"mc_forget": "seen"})

@@ -112,9 +112,13 @@ class LegLedger:
         self._clock = clock
         self._legs = OrderedDict()       # vLLM request id -> [state, monotonic time]
         self._forgotten = OrderedDict()  # X-Request-Id -> monotonic time
+        # (X-Request-Id, the proxy's ask id) -> [verdict, monotonic time]: a
+        # forget the proxy sends again (it never got the answer: timed out,
+        # the connection reset) gets the answer it missed, not "seen"
+        self._answers = OrderedDict()
 
     def __len__(self):
-        return len(self._legs) + len(self._forgotten)
+        return len(self._legs) + len(self._forgotten) + len(self._answers)
 
     def _prune(self, now):
         legs, gone = self._legs, self._forgotten
@@ -131,6 +135,9 @@ class LegLedger:
                 legs.popitem(last=False)
         while gone and (len(gone) >= MAX_RECORDS or now - next(iter(gone.values())) > MEMORY_S):
             gone.popitem(last=False)
+        ans = self._answers
+        while ans and (len(ans) >= MAX_RECORDS or now - next(iter(ans.values()))[1] > MEMORY_S):
+            ans.popitem(last=False)
 
     def arrived(self, rid):
         """A decode leg's request reached this connector (called once or
@@ -162,14 +169,27 @@ class LegLedger:
         self._legs.move_to_end(rid)
         return owes
 
-    def forget(self, xid):
+    def forget(self, xid, ask=None):
         """The proxy's question about the leg sent with X-Request-Id xid:
         "seen" (a request of it is here: it pays at its end, finished(); or
         it paid) or "unseen" (nothing paid: the proxy releases the prompt at
         the prefill; a request of that leg arriving later is told by
-        arrived())."""
+        arrived()).  ask: the proxy's id of this question, the same when it
+        asks again because the answer never reached it (a stopped or
+        overloaded decode, a reset): that gets the first answer again --
+        "unseen" stays "unseen", so the prompt is still released, once (the
+        proxy releases once per question)."""
         now = self._clock()
         self._prune(now)
+        key = (xid, ask) if isinstance(ask, str) and ask else None
+        if key is not None and key in self._answers:
+            return self._answers[key][0]
+        verdict = self._verdict(xid, now)
+        if key is not None:
+            self._answers[key] = [verdict, now]
+        return verdict
+
+    def _verdict(self, xid, now):
         if xid in self._forgotten:
             return "seen"  # asked twice: paid by the first answer
         for rid in reversed(self._legs):  # the newest request of that id

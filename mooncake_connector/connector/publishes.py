@@ -27,6 +27,9 @@ DROP_WAIT_S = 5.0
 #: release, which then removes one entry of its prompt.
 ENDED_S = 60.0
 ENDED_MAX = 4096
+#: A release that comes when its leg's entries may have expired
+#: (hold_timeout_s after it published, less this) removes nothing.
+LATE_MARGIN_S = 1.0
 
 
 class Publishes:
@@ -37,12 +40,13 @@ class Publishes:
         self.req_tags = {}      # req_id -> its tags
         self.outstanding = {}   # req_id -> extents the lookup buffer still references
         self.pub_tokens = {}    # req_id -> published tokens (for unpublish)
+        self.pub_t = {}         # req_id -> monotonic time just before it published
         self.held = {}          # req_id -> monotonic time vLLM started holding it for us
         self.finished_seen = set()
         self.dropped = set()    # req_ids the proxy released (drop), until finished
         self.pending_drops = []  # (drop spec, monotonic deadline) not matched yet
-        self.ended = OrderedDict()  # req_id -> (tokens, monotonic end): held, ended, not
-                                    # released (ENDED_S)
+        self.ended = OrderedDict()  # req_id -> (tokens, monotonic end, publish time):
+                                    # held, ended, not released (ENDED_S)
         self.idle_streak = 0    # consecutive idle steps that freed nothing
 
     def on_held(self, rids):
@@ -88,6 +92,7 @@ class Publishes:
         for t in tags:
             self.tag_req[t] = p.req_id
         self.req_tags[p.req_id] = tags
+        t_pub = time.monotonic()  # no entry of it can expire before t_pub + hold_timeout_s
         # One entry per pull it will serve (consume mode: each pull takes
         # one); the blocks are shared, so their extents come back from
         # take_freed once per extra copy at once, and once at the end.
@@ -106,6 +111,7 @@ class Publishes:
             return
         self.outstanding[p.req_id] = len(ext) * done
         self.pub_tokens[p.req_id] = p.tokens
+        self.pub_t[p.req_id] = t_pub
         w.stats.add("publishes")
         w.stats.add("publish_bytes", len(p.block_ids) * w.layout.bytes_per_block())
 
@@ -121,6 +127,7 @@ class Publishes:
             return
         for rid in meta.unpublish:
             tokens = self.pub_tokens.pop(rid, None)
+            self.pub_t.pop(rid, None)
             self.dropped.discard(rid)
             if tokens is None:
                 continue
@@ -151,7 +158,11 @@ class Publishes:
         same prompt keeps its own.  Named by the prefill's request id (flow
         b's remote_request_id, released once), by the X-Request-Id the leg
         was sent with (the latest held request whose id holds it), or by the
-        prompt's tokens."""
+        prompt's tokens.  One that comes when the leg's own entries may
+        have expired (hold_timeout_s after it published) removes nothing:
+        the leg owes nothing then, and an entry of that prompt left is
+        another request's (counted prefill_releases_late; the proxy asks a
+        silent decode again for a while, docs/connector.md)."""
         lb = self.w.lb
         if lb is None or not (specs or self.pending_drops):
             return
@@ -177,10 +188,18 @@ class Publishes:
                     if now < until:
                         self.pending_drops.append((spec, until))
                     continue
+            t_pub = None
             if rid in self.pub_tokens:
-                tokens = self.pub_tokens[rid]
+                tokens, t_pub = self.pub_tokens[rid], self.pub_t.get(rid)
             elif rid in self.ended:
-                tokens = self.ended.pop(rid)[0]  # released once
+                tokens, _end, t_pub = self.ended.pop(rid)  # released once
+            if t_pub is not None and now - t_pub >= self.w.s.hold_timeout_s - LATE_MARGIN_S:
+                self.w.stats.add("prefill_releases_late")
+                logger.info("MooncakeConnector: the proxy's release of request %s came %.1f s "
+                            "after it published (hold_timeout_s %g): nothing released (its "
+                            "entries expired; one left of that prompt is another request's)",
+                            rid, now - t_pub, self.w.s.hold_timeout_s)
+                continue
             if not tokens or (rid is not None and rid in self.dropped):
                 continue
             if rid is not None and rid in self.pub_tokens:
@@ -221,7 +240,7 @@ class Publishes:
             ended.popitem(last=False)
         tokens = self.pub_tokens.get(rid)
         if tokens and rid not in self.dropped:
-            ended[rid] = (tokens, now)
+            ended[rid] = (tokens, now, self.pub_t.get(rid))
 
     def _finished_sends(self):
         """Held requests whose blocks no consumer references any more."""
@@ -239,6 +258,7 @@ class Publishes:
                 self.forget_tags(rid)
                 self.outstanding.pop(rid, None)
                 self.pub_tokens.pop(rid, None)
+                self.pub_t.pop(rid, None)
                 if w.push_p is not None:
                     w.push_p.forget(rid)
                 done.add(rid)
@@ -317,6 +337,7 @@ class Publishes:
         for rid in list(self.outstanding):
             self.forget_tags(rid)
         self.pub_tokens.clear()
+        self.pub_t.clear()
         self.dropped.clear()
         self.ended.clear()  # their entries are gone with the KV
         return dropped

@@ -886,12 +886,12 @@ class SchedulerSide:
                 rank = forget.get("dp_rank")
                 if isinstance(rank, int) and not isinstance(rank, bool) and \
                         rank == self.dp_local:
-                    verdict = self._legs.forget(forget["x_request_id"])
+                    verdict = self._legs.forget(forget["x_request_id"], forget.get("ask"))
                 else:
                     verdict = "seen"
                 out["mc_dp"] = True
             else:
-                verdict = self._legs.forget(forget["x_request_id"])
+                verdict = self._legs.forget(forget["x_request_id"], forget.get("ask"))
             self.stats.add(f"legs_forget_{verdict}")
             return False, dict(out, mc_forget=verdict)
         if n is not None:

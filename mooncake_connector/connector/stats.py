@@ -32,7 +32,7 @@ COUNTERS = ("loads", "loads_in_step", "loads_failed", "load_bytes", "load_bytes_
             "push_bytes_same_host_cpu", "push_gate_host_batches", "malloc_trims",
             "malloc_trim_freed_bytes",
             "load_error_blocks_uncached", "load_releases", "load_releases_aborted",
-            "prefill_releases", "legs_forget_seen", "legs_forget_unseen", "legs_late",
+            "prefill_releases", "prefill_releases_late", "legs_forget_seen", "legs_forget_unseen", "legs_late",
             *(f"recompute_{r}" for r in RECOMPUTE_REASONS))
 GAUGES = ("held_bytes", "lookup_entries", "loads_in_flight")
 
@@ -183,6 +183,9 @@ PROM_COUNTERS = {
                          "Producer: prompts released at the proxy's word (no decode leg "
                          "followed the prefill leg: the client left, or the first token "
                          "ended the request): their KV freed at once"),
+    "prefill_releases_late": ("vllm:mooncake_prefill_releases_late_total",
+                              "Producer: the proxy's releases that came hold_timeout_s after "
+                              "their leg published (its entries expired): nothing released"),
     "legs_forget_seen": ("vllm:mooncake_legs_forget_seen_total",
                          "Consumer: the proxy asked about a decode leg whose client left "
                          "before its answer; it was here or had pulled / released its prompt"),
