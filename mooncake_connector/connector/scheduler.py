@@ -150,6 +150,12 @@ class SchedulerSide:
             url = settings.local_hostname or settings.mooncake.get("prefill_url")
             # this engine's own names (vLLM data parallelism: lifecycle._name)
             self.producer_base = dp_base(url, dp_local, tp_size, pp_size) if url else None
+        # producer: the port of this server's bootstrap server as configured
+        # (bootstrap.py; None: none), named in push answers so that our
+        # proxy can find the server's engine table without
+        # --prefill-bootstrap (proxy_engines.PrefillEngines.hint checks that
+        # the table found there names the engine that answered)
+        self.bootstrap_port = _bootstrap_port(settings) if settings.is_producer else None
 
     # ---- consumer ----
 
@@ -904,8 +910,12 @@ class SchedulerSide:
         if push and n is None:  # aborted or failed before its prompt was computed
             self._push_dropped.append(transfer_id(params))
         if push == "push":
-            return n is not None, {"push": True, "transfer_id": transfer_id(params),
-                                   "num_tokens": n or 0}
+            out = {"push": True, "transfer_id": transfer_id(params), "num_tokens": n or 0}
+            if self.producer_base:
+                out["remote_engine_id"] = self.producer_base
+            if self.bootstrap_port:
+                out["bootstrap_port"] = self.bootstrap_port
+            return n is not None, out
         # Flow B: always answer with params, so the proxy can go on to decode;
         # num_tokens 0 (prompt shorter than a block, or aborted before its
         # prompt completed) tells the decode side to compute the prompt.
@@ -956,6 +966,19 @@ class SchedulerSide:
             self._probe.close()
         if self.early is not None:
             self.early.close()
+
+
+def _bootstrap_port(settings):
+    """The bootstrap server's port as configured (bootstrap.start's choice:
+    bootstrap_port, else VLLM_MOONCAKE_BOOTSTRAP_PORT, else 8998); None for
+    0 (none) or an unreadable environment value."""
+    from mooncake_connector.connector.bootstrap import default_port
+    if settings.bootstrap_port is not None:
+        return settings.bootstrap_port or None
+    try:
+        return default_port(os.environ) or None
+    except ValueError:
+        return None
 
 
 def _is_hostport(name):
