@@ -21,6 +21,9 @@ The cells:
   dp2-dp2   prefill and decode each --data-parallel-size 2 (vLLM's internal
             load balancing: one API server, two engines, each with its own
             transfer-engine names); both engines of each side must serve  CI
+  dp2-dp1   prefill --data-parallel-size 2, decode 1 (the vllm-router tests
+            below; vllm-router's --intra-node-data-parallel-size applies to
+            the decode too, so only its plain mode fits)                 opt-in
   tp1-tp1   is tests/test_e2e_serving.py's session deployment.
 
 The reference is the cell's own decode server: before any request goes
@@ -68,6 +71,7 @@ BF16 = ["--dtype", "bfloat16"]
 DP2 = ["--data-parallel-size", "2"]
 CELLS = {"tp2-tp1": {"prefill": TP2},
          "dp2-dp2": {"prefill": DP2, "decode": DP2},
+         "dp2-dp1": {"prefill": DP2},
          "hma-sw": {"model": {"sliding_window": SW}},
          "tp1-tp2": {"decode": TP2},
          "tp2-tp2": {"prefill": TP2, "decode": TP2},
@@ -294,7 +298,11 @@ def _per_engine(url, metric):
     return out
 
 
-@pytest.mark.parametrize("name", [n for n in _selected() if n.startswith("dp")])
+def _dp_decode(name):
+    return CELLS.get(name, {}).get("decode") == DP2
+
+
+@pytest.mark.parametrize("name", [n for n in _selected() if n.startswith("dp") and _dp_decode(n)])
 def test_dp_cell_both_engines_of_each_side_served(cells, name):
     """vLLM data parallelism: every engine of the prefill published prompts
     and every engine of the decode loaded some (vLLM's load balancer spread
@@ -342,7 +350,7 @@ def test_dp_cell_both_engines_of_each_side_served(cells, name):
     assert table["0"]["engine_id"] != table["1"]["engine_id"], table
 
 
-@pytest.mark.parametrize("name", [n for n in _selected() if n.startswith("dp")])
+@pytest.mark.parametrize("name", [n for n in _selected() if n.startswith("dp") and _dp_decode(n)])
 def test_dp_cell_decode_answers_a_forget_per_engine(cells, name):
     """The proxy's forget asks each engine of a data-parallel decode
     (proxy._post_forget): vLLM's API server routes X-data-parallel-rank r to
@@ -416,6 +424,9 @@ def test_dp_cell_vllm_router(cells, name, dp_aware):
     on the decode for want of it."""
     import concurrent.futures
     from mooncake_connector import serving
+    if dp_aware and not _dp_decode(name):
+        pytest.skip("vllm-router's --intra-node-data-parallel-size pins the decode legs to "
+                    "ranks too: a decode with one engine refuses rank 1")
     dep, refs = cells[name]
     extra = ("--intra-node-data-parallel-size", "2") if dp_aware else ()
     router = _start_router(dep, name, extra)
@@ -430,6 +441,8 @@ def test_dp_cell_vllm_router(cells, name, dp_aware):
         recomputed0 = metric_value(dep.decode.url, "vllm:mooncake_recomputes_total")
         pushed0 = _per_engine(dep.prefill.url, "vllm:mooncake_push_sends_total")
         failed0 = _per_engine(dep.prefill.url, "vllm:mooncake_push_failures_total")
+        pub0 = _per_engine(dep.prefill.url, "vllm:mooncake_publishes_total")
+        mark = os.path.getsize(dep.decode.log_path)
         before = prompt_tokens_by_source(dep.decode.url)
         mismatches, need = [], 0
 
@@ -465,9 +478,16 @@ def test_dp_cell_vllm_router(cells, name, dp_aware):
         per_rank = {e: pushed.get(e, 0) - pushed0.get(e, 0) for e in pushed}
         fails = {e: failed.get(e, 0) - failed0.get(e, 0) for e in failed}
         recomputed = metric_value(dep.decode.url, "vllm:mooncake_recomputes_total") - recomputed0
+        pub = {e: v - pub0.get(e, 0) for e, v in
+               _per_engine(dep.prefill.url, "vllm:mooncake_publishes_total").items()}
+        with open(dep.decode.log_path, "rb") as f:
+            f.seek(mark)
+            located = f.read().count(b"its push leg names producer engine")
         print(f"{name} vllm-router {'dp-aware' if dp_aware else 'plain'}: "
               f"{verdicts.count('identical')} of {len(verdicts)} token-identical "
-              f"({verdicts.count('tie')} ties), pushes per prefill engine {per_rank}, "
+              f"({verdicts.count('tie')} ties), prompts per prefill engine {pub}, "
+              f"{located} target(s) sent to another engine than the leg named, "
+              f"pushes per prefill engine {per_rank}, "
               f"push failures {fails}, {ext} of >= {need} prompt tokens loaded remotely, "
               f"{recomputed:g} recomputed")
         assert not mismatches, "router output differs from the reference:\n" + \
