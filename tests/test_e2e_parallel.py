@@ -21,9 +21,8 @@ The cells:
   dp2-dp2   prefill and decode each --data-parallel-size 2 (vLLM's internal
             load balancing: one API server, two engines, each with its own
             transfer-engine names); both engines of each side must serve  CI
-  dp2-dp1   prefill --data-parallel-size 2, decode 1 (the vllm-router tests
-            below; vllm-router's --intra-node-data-parallel-size applies to
-            the decode too, so only its plain mode fits)                 opt-in
+  dp2-dp1   prefill --data-parallel-size 2, decode 1 (for the vllm-router
+            tests and the by-hand in-tree legs below)                    opt-in
   tp1-tp1   is tests/test_e2e_serving.py's session deployment.
 
 The reference is the cell's own decode server: before any request goes
@@ -414,19 +413,14 @@ def _start_router(dep, name, extra):
 def test_dp_cell_vllm_router(cells, name, dp_aware):
     """vllm-router --kv-connector mooncake in front of a data-parallel
     prefill: at start-up it reads the prefill's bootstrap table (an engine id
-    per DP rank), per request it names one engine in the decode leg.  Plain
-    (no --intra-node-data-parallel-size): no X-data-parallel-rank on the
-    prefill leg, vLLM's own balancing picks the prefill engine, and the
-    router names rank 0's engine.  DP-aware (--intra-node-data-parallel-size
-    2): the router pins each leg to a rank (X-data-parallel-rank) and names
-    that rank's engine.  Either way: token-identical to the reference, the
+    per DP rank) and asks each server how many engines it has; per request
+    it pins the prefill leg to a rank (X-data-parallel-rank) and names that
+    rank's engine in the decode leg.  Plain: the engine counts the servers
+    report; dp-aware: --intra-node-data-parallel-size 2.  Either way: token-identical to the reference, the
     prompt's KV pushed by the prefill's engines (both serve), none computed
     on the decode for want of it."""
     import concurrent.futures
     from mooncake_connector import serving
-    if dp_aware and not _dp_decode(name):
-        pytest.skip("vllm-router's --intra-node-data-parallel-size pins the decode legs to "
-                    "ranks too: a decode with one engine refuses rank 1")
     dep, refs = cells[name]
     extra = ("--intra-node-data-parallel-size", "2") if dp_aware else ()
     router = _start_router(dep, name, extra)
@@ -462,10 +456,13 @@ def test_dp_cell_vllm_router(cells, name, dp_aware):
             n, v = one(pid, s)
             need += n
             verdicts.append(v)
-        with concurrent.futures.ThreadPoolExecutor(4) as ex:  # and four at once, twice
-            for n, v in ex.map(lambda j: one(*j), jobs):
-                need += n
-                verdicts.append(v)
+        # and four at once, twice (four different prompts in flight: two
+        # identical prompts at once on one prefill engine are another matter)
+        for stream in (False, True):
+            with concurrent.futures.ThreadPoolExecutor(4) as ex:
+                for n, v in ex.map(lambda pid: one(pid, stream), [p for p, _ in PROMPTS]):
+                    need += n
+                    verdicts.append(v)
         end = time.monotonic() + 10
         while True:
             after = prompt_tokens_by_source(dep.decode.url)
@@ -503,10 +500,10 @@ def test_dp_cell_vllm_router(cells, name, dp_aware):
 
 @pytest.mark.parametrize("name", [n for n in _selected() if n.startswith("dp")])
 def test_dp_cell_intree_legs_naming_another_engine(cells, name):
-    """The legs a plain vllm-router sends a data-parallel prefill (no
-    --intra-node-data-parallel-size): the prefill leg carries no rank, so
-    vLLM's balancing may run it on engine 1, while the decode leg names the
-    engine of rank 0.  Sent here by hand, the prefill leg pinned to rank 1:
+    """The legs of a router that does not pin a data-parallel prefill's
+    legs to ranks but names rank 0's engine (vllm-router 0.1.17 pins them
+    itself where the server reports its engine count): the prefill leg may
+    run on engine 1 while the decode leg names the engine of rank 0.  Sent here by hand, the prefill leg pinned to rank 1:
     the output must still be the reference's and the prompt's KV loaded
     through the connector."""
     import json

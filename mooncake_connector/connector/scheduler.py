@@ -357,11 +357,10 @@ class SchedulerSide:
         """An in-tree push leg (vLLM's router: a transfer_id, no "push" key)
         naming the first engine of the configured producer while that
         producer has several data-parallel engines.  A router that does not
-        pin the prefill leg to a rank (vllm-router without
-        --intra-node-data-parallel-size) names rank 0's engine while vLLM's
-        own balancing may have run the prefill leg on another engine: its
-        target would wait there for a prompt that never comes (the lease,
-        then the prompt computed here)."""
+        pin the prefill leg to a rank (no X-data-parallel-rank) but names
+        rank 0's engine, while vLLM's own balancing may have run the leg on
+        another engine: its target would wait there for a prompt that never
+        comes (the lease, then the prompt computed here)."""
         probe = self._probe
         if src is None or src[0] != "P" or probe is None or src[1] is None or \
                 request.request_id in self._located:
