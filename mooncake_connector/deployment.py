@@ -260,9 +260,13 @@ class Deployment:
                                          extra_args=self._push_args(f) + self._forget_args(f))
                         for f in flows}
         for name, kw in (extra_proxies or {}).items():
-            kw = dict(kw, extra_args=tuple(kw.get("extra_args", ())) +
-                      self._push_args(kw.get("flow", "a")) +
-                      self._forget_args(kw.get("flow", "a")))
+            kw = dict(kw)
+            # "prefill_bootstrap": False: a push proxy without
+            # --prefill-bootstrap (it finds the table from the push answers)
+            boot = kw.pop("prefill_bootstrap", True)
+            kw["extra_args"] = tuple(kw.get("extra_args", ())) + (
+                self._push_args(kw.get("flow", "a")) if boot else ()) + \
+                self._forget_args(kw.get("flow", "a"))
             self.proxies[name] = serving.proxy([self.prefill.url], [self.decode.url],
                                                serving.free_port(),
                                                os.path.join(logs, f"proxy-{name}.log"),

@@ -58,8 +58,9 @@ the request (blocks allocated, waiting for remote KV) and tells the prefill
 instance where its blocks are; the prefill instance WRITEs the prompt's KV
 into them (docs/connector.md, "Push flow").  The legs are joined by a
 transfer_id; the decode leg names the prefill engine (--prefill-engine,
-else the decode's configured prefill_url; with --prefill-bootstrap, a
-data-parallel prefill's engine per request, the prefill leg pinned to it:
+else the decode's configured prefill_url; with a data-parallel prefill's
+bootstrap table, from --prefill-bootstrap or found from its push answers,
+that prefill's engine per request, the prefill leg pinned to it:
 proxy_engines).  The first token comes from the
 decode instance; the prefill's answer is discarded (errors counted).
 
@@ -351,8 +352,10 @@ class Proxy:
         # forget's answers counted them (_forget_round)
         self._decode_engines = {}
         # flow push: a data-parallel prefill's engines, from its bootstrap server
-        self.prefill_dp = (PrefillEngines(prefill_bootstraps, self.counts)
-                           if prefill_bootstraps else None)
+        # (without --prefill-bootstrap: found from the prefill's push answers)
+        self.prefill_dp = (PrefillEngines(list(prefill_bootstraps) or [None] * len(self.prefill),
+                                          self.counts)
+                           if flow == "push" and self.prefill else None)
         self.prom = PromCounters()
 
     async def start(self, app):
@@ -1056,6 +1059,22 @@ class Proxy:
                 request["mc_release_id_later"] = True
                 task.add_done_callback(lambda _t: self._release_id(rid))
 
+    def _bootstrap_hint(self, url, raw):
+        """A push prefill's answer may name its bootstrap server's port
+        (proxy_engines.PrefillEngines.hint), read while none is known."""
+        dp = self.prefill_dp
+        try:
+            idx = self.prefill.index(url)
+        except ValueError:
+            return
+        if dp is None or not dp.wants_hint(idx):
+            return
+        try:
+            params = json.loads(raw).get("kv_transfer_params")
+        except (ValueError, AttributeError):
+            return
+        dp.hint(idx, url, params)
+
     def _push_mark(self, marks, key):
         """Flow push's timings: key "prefill" (its answer read) or "first"
         (the decode's first chunk written), each noted once per request."""
@@ -1075,8 +1094,10 @@ class Proxy:
             tid = (body.get("kv_transfer_params") or {}).get("transfer_id")
             trace.event("proxy_prefill_post", tid, rid=rid)
             async with self.session.post(url + path, json=body, headers=headers) as r:
-                await r.read()
+                raw = await r.read()
                 trace.event("proxy_prefill_answer", tid, rid=rid)
+                if r.status == 200:
+                    self._bootstrap_hint(url, raw)
                 if r.status == 200:
                     self._push_mark(marks, "prefill")
                 if r.status != 200:
@@ -1574,7 +1595,9 @@ def _parser():
                     help="flow push: each --prefill instance's bootstrap server "
                          "(http://HOST:PORT, its VLLM_MOONCAKE_BOOTSTRAP_PORT or "
                          "bootstrap_port), same order: push prefills are spread over a "
-                         "data-parallel prefill's engines (default: each one's rank 0)")
+                         "data-parallel prefill's engines (default: found from each "
+                         "prefill's push answers, which name its engine and bootstrap port; "
+                         "a table not naming the answering engine is not taken)")
     ap.add_argument("--prefill-engine", nargs="+", default=[], metavar="HOST:PORT",
                     help="flow push: the transfer-engine name (prefill_url / local_hostname) "
                          "of each --prefill instance, same order (default: the decode's "

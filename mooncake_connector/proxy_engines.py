@@ -14,6 +14,14 @@ rank vLLM no longer has).  A server with one engine, a table not known
 yet, or none to ask: no rank is picked (the leg goes as before).  Each
 request takes the rank with the fewest legs out, the next in turn on a
 tie.
+
+Without --prefill-bootstrap for a prefill, its bootstrap server is found
+from the prefill's own push answers (hint): our producer names its engine
+(`remote_engine_id`) and its bootstrap server's port (`bootstrap_port`);
+the proxy asks http://<the --prefill URL's host>:<that port>/query and
+takes the table only if it names the engine that answered (a port held by
+another server on that host names other engines: not taken, said once in
+the log, tried again after HINT_RETRY_S).
 """
 import asyncio
 import logging
@@ -30,6 +38,9 @@ RETRY_S = 5.0
 #: The most of a /query answer read.
 TABLE_MAX = 1 << 20
 LOOKUP_TIMEOUT_S = 5.0
+#: A bootstrap URL found from a push answer whose table did not name the
+#: answering engine is not asked again for this long.
+HINT_RETRY_S = 60.0
 
 
 def parse_table(body):
@@ -55,6 +66,10 @@ def _is_hostport(s):
     return bool(sep and host and port.isascii() and port.isdigit() and 0 < int(port) < 65536)
 
 
+class _NotOurs(ValueError):
+    """A table found from a push answer that does not name the answering engine."""
+
+
 class PrefillEngines:
     """The engine tables of the proxy's prefill servers (index = --prefill's)."""
 
@@ -64,6 +79,11 @@ class PrefillEngines:
         self.counts = counts
         counts.update(prefill_table_lookups=0, prefill_table_lookup_failures=0)
         self.urls = [u.rstrip("/") if u else None for u in bootstrap_urls]
+        # a prefill without --prefill-bootstrap: its URL is found from its
+        # push answers (hint); _expect: the engine its table must name
+        self.auto = [u is None for u in self.urls]
+        self._expect = [None] * len(self.urls)
+        self._refused = {}                      # index -> (URL, monotonic time)
         self._tables = [None] * len(self.urls)  # [(rank, engine)], 2 or more; else None
         self._due = [0.0] * len(self.urls)      # monotonic time of the next lookup
         self._looking = set()                   # indexes with a lookup out
@@ -99,6 +119,38 @@ class PrefillEngines:
             self._due[idx] = 0.0
             self._refresh_if_due(idx)
 
+    def wants_hint(self, idx):
+        """Whether prefill `idx`'s push answers may name its bootstrap server
+        (no --prefill-bootstrap for it, none found yet)."""
+        return self.auto[idx] and self.urls[idx] is None
+
+    def hint(self, idx, prefill_url, params):
+        """A push answer of prefill `idx` (its kv_transfer_params): where it
+        names its engine and its bootstrap server's port, that server's
+        table is looked up (in the background); it is taken only if it
+        names the engine that answered (_look_up)."""
+        if not self.wants_hint(idx) or not isinstance(params, dict):
+            return
+        port, engine = params.get("bootstrap_port"), params.get("remote_engine_id")
+        if not (isinstance(port, int) and not isinstance(port, bool) and 0 < port < 65536
+                and _is_hostport(engine)):
+            return
+        from urllib.parse import urlsplit
+        try:
+            host = urlsplit(prefill_url).hostname
+        except ValueError:
+            return
+        if not host:
+            return
+        url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
+        refused = self._refused.get(idx)
+        if refused and refused[0] == url and time.monotonic() - refused[1] < HINT_RETRY_S:
+            return
+        self.urls[idx], self._expect[idx], self._due[idx] = url, engine, 0.0
+        logger.info("prefill %s: its engine %s names bootstrap port %d: looking up its "
+                    "engine table at %s", prefill_url, engine, port, url)
+        self._refresh_if_due(idx)
+
     def _refresh_if_due(self, idx):
         if self.urls[idx] is None or idx in self._looking or \
                 time.monotonic() < self._due[idx]:
@@ -117,8 +169,19 @@ class PrefillEngines:
                 if r.status != 200 or len(body) > TABLE_MAX:
                     raise ValueError(f"answered {r.status} ({len(body)} bytes)")
             table = parse_table(body)
+            want = self._expect[idx]
+            if want is not None and want not in (e for _, e in table):
+                raise _NotOurs(f"its table names engines {', '.join(e for _, e in table)}, "
+                               f"not {want}, the engine that answered the push: another "
+                               "server's bootstrap server")
             self._set(idx, table)
             self._due[idx] = time.monotonic() + TABLE_REFRESH_S
+        except _NotOurs as e:
+            self.counts["prefill_table_lookup_failures"] += 1
+            logger.warning("prefill bootstrap %s: not taken (%s); push prefills go to its "
+                           "rank 0 (give --prefill-bootstrap to name it)", url, e)
+            self._refused[idx] = (self.urls[idx], time.monotonic())
+            self.urls[idx], self._expect[idx], self._tables[idx] = None, None, None
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as e:
             self.counts["prefill_table_lookup_failures"] += 1
             self._due[idx] = time.monotonic() + RETRY_S

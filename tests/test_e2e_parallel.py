@@ -21,6 +21,8 @@ The cells:
   dp2-dp2   prefill and decode each --data-parallel-size 2 (vLLM's internal
             load balancing: one API server, two engines, each with its own
             transfer-engine names); both engines of each side must serve  CI
+  dp2-dp1   prefill --data-parallel-size 2, decode 1 (for the vllm-router
+            tests and the by-hand in-tree legs below)                    opt-in
   tp1-tp1   is tests/test_e2e_serving.py's session deployment.
 
 The reference is the cell's own decode server: before any request goes
@@ -68,6 +70,7 @@ BF16 = ["--dtype", "bfloat16"]
 DP2 = ["--data-parallel-size", "2"]
 CELLS = {"tp2-tp1": {"prefill": TP2},
          "dp2-dp2": {"prefill": DP2, "decode": DP2},
+         "dp2-dp1": {"prefill": DP2},
          "hma-sw": {"model": {"sliding_window": SW}},
          "tp1-tp2": {"decode": TP2},
          "tp2-tp2": {"prefill": TP2, "decode": TP2},
@@ -157,8 +160,11 @@ def cells(tiny_model_dir):
         args = dict(CELLS[name])
         model = tiny_model.build(**args.pop("model")) if "model" in args else tiny_model_dir
         workdir = tempfile.mkdtemp(prefix=f"mc-e2e-{name}-")
+        extra = {"push_ll": PUSH_LL}
+        if name.startswith("dp"):
+            extra["push_auto"] = PUSH_AUTO
         deps[name] = Deployment(workdir, model, flows=("a", "b", "push"), colocated=False,
-                                side_args=args, extra_proxies={"push_ll": PUSH_LL})
+                                side_args=args, extra_proxies=extra)
         key = (model, tuple(args.get("decode", ())))
         if own_reference and key not in colocated:
             colocated[key] = serving.vllm_server(
@@ -195,6 +201,9 @@ def cells(tiny_model_dir):
 # Push with push_layer_load (the decode's attention waits per layer), asked for
 # per request by the proxy: no server of its own.
 PUSH_LL = {"flow": "push", "extra_args": ("--push-layerwise", "on", "--push-layer-load", "on")}
+# A push proxy without --prefill-bootstrap (data-parallel cells): it finds the
+# prefill's bootstrap server from the prefill's push answers.
+PUSH_AUTO = {"flow": "push", "prefill_bootstrap": False}
 
 
 @pytest.mark.parametrize("flow", ["a", "b", "push", "push_ll"])
@@ -288,7 +297,11 @@ def _per_engine(url, metric):
     return out
 
 
-@pytest.mark.parametrize("name", [n for n in _selected() if n.startswith("dp")])
+def _dp_decode(name):
+    return CELLS.get(name, {}).get("decode") == DP2
+
+
+@pytest.mark.parametrize("name", [n for n in _selected() if n.startswith("dp") and _dp_decode(n)])
 def test_dp_cell_both_engines_of_each_side_served(cells, name):
     """vLLM data parallelism: every engine of the prefill published prompts
     and every engine of the decode loaded some (vLLM's load balancer spread
@@ -312,6 +325,16 @@ def test_dp_cell_both_engines_of_each_side_served(cells, name):
     assert len(loads) == 2 and all(v > 0 for v in loads.values()), f"decode loads {loads}"
     pushed = _per_engine(dep.prefill.url, "vllm:mooncake_push_sends_total")
     assert len(pushed) == 2 and all(v > 0 for v in pushed.values()), f"prefill pushes {pushed}"
+    # Without --prefill-bootstrap: the proxy found the table from the
+    # prefill's push answers (its first request on rank 0, the rest spread).
+    for i in range(6):
+        r = request(dep.proxies["push_auto"].url, "/v1/completions",
+                    _body(_prompt(80, 400 + i) + " auto"), timeout=REQ_TIMEOUT)
+        assert r.status == 200 and r.error is None, (name, "push_auto", r.status, r.error)
+    auto = {e: v - pushed.get(e, 0) for e, v in
+            _per_engine(dep.prefill.url, "vllm:mooncake_push_sends_total").items()}
+    assert len(auto) == 2 and all(v > 0 for v in auto.values()), \
+        f"prefill pushes through the proxy without --prefill-bootstrap {auto}"
     recomputed = metric_value(dep.decode.url, "vllm:mooncake_recomputes_total") - recomputed0
     assert recomputed == 0, f"{recomputed} prompt(s) computed on the decode instead of loaded"
     with open(dep.decode.log_path, encoding="utf-8", errors="replace") as f:
@@ -326,7 +349,7 @@ def test_dp_cell_both_engines_of_each_side_served(cells, name):
     assert table["0"]["engine_id"] != table["1"]["engine_id"], table
 
 
-@pytest.mark.parametrize("name", [n for n in _selected() if n.startswith("dp")])
+@pytest.mark.parametrize("name", [n for n in _selected() if n.startswith("dp") and _dp_decode(n)])
 def test_dp_cell_decode_answers_a_forget_per_engine(cells, name):
     """The proxy's forget asks each engine of a data-parallel decode
     (proxy._forget_round): vLLM's API server routes X-data-parallel-rank r to
@@ -360,3 +383,162 @@ def test_dp_cell_decode_answers_a_forget_per_engine(cells, name):
         assert params["mc_forget"] == want, (rank, params)
     status, text = ask(2)
     assert status == 400 and "out of range" in text, (status, text)
+
+
+def _start_router(dep, name, extra):
+    """vLLM's Rust router (--kv-connector mooncake, tests/vllm_router_pkg.py)
+    in front of a cell's prefill (its bootstrap port) and decode; skips,
+    saying why, when it cannot be had."""
+    import sys
+    from mooncake_connector import serving
+    sys.path.insert(0, os.path.dirname(__file__))
+    import vllm_router_pkg
+    site, why = vllm_router_pkg.find_router()
+    if site is None:
+        pytest.skip(f"vllm-router unavailable: {why}")
+    port = serving.free_port()
+    argv, env = vllm_router_pkg.router_cmd(
+        site, [(dep.prefill.url, dep.bootstrap_port)], [dep.decode.url], port, extra=extra)
+    tag = "dp-aware" if extra else "plain"
+    proc = serving.Process(f"vllm-router {name} {tag}", argv,
+                           os.path.join(dep.workdir, "logs", f"vllm-router-{tag}.log"), env=env,
+                           health_url=f"http://127.0.0.1:{port}/health")
+    proc.url = f"http://127.0.0.1:{port}"
+    serving.start_all([proc], 240)
+    return proc
+
+
+@pytest.mark.parametrize("dp_aware", [False, True], ids=["plain", "dp-aware"])
+@pytest.mark.parametrize("name", [n for n in _selected() if n.startswith("dp")])
+def test_dp_cell_vllm_router(cells, name, dp_aware):
+    """vllm-router --kv-connector mooncake in front of a data-parallel
+    prefill: at start-up it reads the prefill's bootstrap table (an engine id
+    per DP rank) and asks each server how many engines it has; per request
+    it pins the prefill leg to a rank (X-data-parallel-rank) and names that
+    rank's engine in the decode leg.  Plain: the engine counts the servers
+    report; dp-aware: --intra-node-data-parallel-size 2.  Either way: token-identical to the reference, the
+    prompt's KV pushed by the prefill's engines (both serve), none computed
+    on the decode for want of it."""
+    import concurrent.futures
+    from mooncake_connector import serving
+    dep, refs = cells[name]
+    extra = ("--intra-node-data-parallel-size", "2") if dp_aware else ()
+    router = _start_router(dep, name, extra)
+    try:
+        with open(router.log_path, encoding="utf-8", errors="replace") as f:
+            log = f.read()
+        assert "Got Mooncake engine_ids" in log, log[-2000:]
+        status, body = serving.http_get(f"http://127.0.0.1:{dep.bootstrap_port}/query", timeout=10)
+        import json
+        table = json.loads(body)
+        assert sorted(table) == ["0", "1"], table
+        recomputed0 = metric_value(dep.decode.url, "vllm:mooncake_recomputes_total")
+        pushed0 = _per_engine(dep.prefill.url, "vllm:mooncake_push_sends_total")
+        failed0 = _per_engine(dep.prefill.url, "vllm:mooncake_push_failures_total")
+        pub0 = _per_engine(dep.prefill.url, "vllm:mooncake_publishes_total")
+        mark = os.path.getsize(dep.decode.log_path)
+        before = prompt_tokens_by_source(dep.decode.url)
+        mismatches, need = [], 0
+
+        def one(pid, stream):
+            r = request(router.url, "/v1/completions", _body(dict(PROMPTS)[pid], stream),
+                        timeout=REQ_TIMEOUT)
+            assert r.status == 200 and r.error is None, (name, pid, r.status, r.error,
+                                                        str(r.body)[:300])
+            verdict, note = judge(refs[pid][0], refs[pid][1], r.token_ids)
+            if verdict not in ("identical", "tie"):
+                mismatches.append(f"{pid} stream={stream}: {note}")
+            return (r.usage["prompt_tokens"] - 1) // BLOCK * BLOCK, verdict
+
+        jobs = [(pid, s) for pid, _ in PROMPTS for s in (False, True)]
+        verdicts = []
+        for pid, s in jobs:  # one at a time
+            n, v = one(pid, s)
+            need += n
+            verdicts.append(v)
+        # and four at once, twice (four different prompts in flight: two
+        # identical prompts at once on one prefill engine are another matter)
+        for stream in (False, True):
+            with concurrent.futures.ThreadPoolExecutor(4) as ex:
+                for n, v in ex.map(lambda pid: one(pid, stream), [p for p, _ in PROMPTS]):
+                    need += n
+                    verdicts.append(v)
+        end = time.monotonic() + 10
+        while True:
+            after = prompt_tokens_by_source(dep.decode.url)
+            ext = after.get("external_kv_transfer", 0) - before.get("external_kv_transfer", 0)
+            if ext >= need or time.monotonic() > end:
+                break
+            time.sleep(0.2)
+        pushed = _per_engine(dep.prefill.url, "vllm:mooncake_push_sends_total")
+        failed = _per_engine(dep.prefill.url, "vllm:mooncake_push_failures_total")
+        per_rank = {e: pushed.get(e, 0) - pushed0.get(e, 0) for e in pushed}
+        fails = {e: failed.get(e, 0) - failed0.get(e, 0) for e in failed}
+        recomputed = metric_value(dep.decode.url, "vllm:mooncake_recomputes_total") - recomputed0
+        pub = {e: v - pub0.get(e, 0) for e, v in
+               _per_engine(dep.prefill.url, "vllm:mooncake_publishes_total").items()}
+        with open(dep.decode.log_path, "rb") as f:
+            f.seek(mark)
+            located = f.read().count(b"its push leg names producer engine")
+        print(f"{name} vllm-router {'dp-aware' if dp_aware else 'plain'}: "
+              f"{verdicts.count('identical')} of {len(verdicts)} token-identical "
+              f"({verdicts.count('tie')} ties), prompts per prefill engine {pub}, "
+              f"{located} target(s) sent to another engine than the leg named, "
+              f"pushes per prefill engine {per_rank}, "
+              f"push failures {fails}, {ext} of >= {need} prompt tokens loaded remotely, "
+              f"{recomputed:g} recomputed")
+        assert not mismatches, "router output differs from the reference:\n" + \
+            "\n".join(mismatches)
+        assert recomputed == 0, f"{recomputed} prompt(s) computed on the decode, not loaded"
+        assert ext >= need, f"{ext} prompt tokens loaded remotely, expected >= {need}"
+        assert not any(fails.values()), fails
+        assert len(per_rank) == 2 and all(v > 0 for v in per_rank.values()), \
+            f"pushes per prefill engine {per_rank}: both engines should serve"
+    finally:
+        serving.stop_all([router])
+
+
+@pytest.mark.parametrize("name", [n for n in _selected() if n.startswith("dp")])
+def test_dp_cell_intree_legs_naming_another_engine(cells, name):
+    """The legs of a router that does not pin a data-parallel prefill's
+    legs to ranks but names rank 0's engine (vllm-router 0.1.17 pins them
+    itself where the server reports its engine count): the prefill leg may
+    run on engine 1 while the decode leg names the engine of rank 0.  Sent here by hand, the prefill leg pinned to rank 1:
+    the output must still be the reference's and the prompt's KV loaded
+    through the connector."""
+    import json
+    import urllib.request
+    from mooncake_connector import serving
+    from mooncake_connector.connector.bootstrap import intree_legs
+    dep, refs = cells[name]
+    status, body = serving.http_get(f"http://127.0.0.1:{dep.bootstrap_port}/query", timeout=10)
+    table = json.loads(body)
+    boot = f"http://127.0.0.1:{dep.bootstrap_port}"
+    recomputed0 = metric_value(dep.decode.url, "vllm:mooncake_recomputes_total")
+    pushed0 = _per_engine(dep.prefill.url, "vllm:mooncake_push_sends_total")
+    results = []
+    for pid in ("long", "long2"):
+        before = prompt_tokens_by_source(dep.decode.url)
+        _, pre, dec = intree_legs(_body(dict(PROMPTS)[pid]), boot, table["0"]["engine_id"])
+        req = urllib.request.Request(dep.prefill.url + "/v1/completions", json.dumps(pre).encode(),
+                                     {"Content-Type": "application/json",
+                                      "X-data-parallel-rank": "1"})
+        with urllib.request.urlopen(req, timeout=REQ_TIMEOUT) as r:
+            assert r.status == 200
+        t0 = time.monotonic()
+        r = request(dep.decode.url, "/v1/completions", dec, timeout=REQ_TIMEOUT)
+        took = time.monotonic() - t0
+        assert r.status == 200 and r.error is None, (pid, r.status, r.error)
+        verdict, note = judge(refs[pid][0], refs[pid][1], r.token_ids)
+        after = prompt_tokens_by_source(dep.decode.url)
+        ext = after.get("external_kv_transfer", 0) - before.get("external_kv_transfer", 0)
+        results.append((pid, verdict, ext, (r.usage["prompt_tokens"] - 1) // BLOCK * BLOCK,
+                        round(took, 2)))
+    pushed = _per_engine(dep.prefill.url, "vllm:mooncake_push_sends_total")
+    recomputed = metric_value(dep.decode.url, "vllm:mooncake_recomputes_total") - recomputed0
+    print(f"{name} in-tree legs, prefill on rank 1, decode naming rank 0's engine: "
+          f"(prompt, verdict, loaded, expected, decode s) {results}; pushes per prefill engine "
+          f"{ {e: v - pushed0.get(e, 0) for e, v in pushed.items()} }, {recomputed:g} recomputed")
+    assert all(v in ("identical", "tie") for _, v, _, _, _ in results), results
+    assert all(ext >= need for _, _, ext, need, _ in results), results
+    assert recomputed == 0, results

@@ -232,9 +232,12 @@ class DPPrefill(AppThread):
             if r >= self.engines:
                 return web.json_response({"error": {"message": f"data_parallel_rank {r} is "
                                                     "out of range"}}, status=400)
-            return web.json_response({"choices": [{"text": "x"}]})
+            return web.json_response(self._answer(r, body))
 
         super().__init__([("POST", "/v1/completions", complete)])
+
+    def _answer(self, rank, body):
+        return {"choices": [{"text": "x"}]}
 
 
 def _bootstrap(engines):
@@ -330,6 +333,66 @@ def test_a_failed_push_prefill_looks_the_table_up_again(upstreams, proxy):  # no
         assert wait_until(lambda: get_stats(url)["prefill_table_lookups"] == 2)
         assert _push_legs(url, p, d, 4) == [(0, None)] * 4
         assert boot.queries == 2 and get_stats(url)["prefill_table_lookup_failures"] == 0
+    finally:
+        p.close()
+        boot.close()
+
+
+class AnsweringDPPrefill(DPPrefill):
+    """A DPPrefill whose answers carry what our producer's push answer does
+    (scheduler.request_finished): the answering engine's name (`engines`,
+    by rank) and its server's bootstrap port."""
+
+    def __init__(self, names, bootstrap_port):
+        self.names = names
+        super().__init__(len(names))
+        self.bootstrap_port = bootstrap_port
+
+    def _answer(self, rank, body):
+        p = body["kv_transfer_params"]
+        return {"choices": [{"text": "x"}],
+                "kv_transfer_params": {"push": True, "transfer_id": p["transfer_id"],
+                                       "num_tokens": 32, "remote_engine_id": self.names[rank],
+                                       "bootstrap_port": self.bootstrap_port}}
+
+
+def test_push_finds_a_data_parallel_prefills_bootstrap_from_its_answers(upstreams,  # noqa: F811
+                                                                        proxy):
+    """No --prefill-bootstrap: the prefill's push answer names its engine and
+    its bootstrap port; the proxy asks http://<--prefill host>:<port>/query
+    (in the background), finds the answering engine in that table and from
+    then on spreads push prefills over the engines, each decode leg naming
+    its leg's engine."""
+    boot = _bootstrap(2)
+    names = {0: "127.0.0.1:13003", 1: "127.0.0.1:13004"}
+    p, d = AnsweringDPPrefill(names, boot.port), upstreams("decode")
+    try:
+        url = proxy([p.url], [d.url], flow="push")
+        assert _push_legs(url, p, d, 1) == [(0, None)]  # nothing known yet: rank 0
+        assert wait_until(lambda: get_stats(url)["prefill_table_lookups"] == 1)
+        legs = _push_legs(url, p, d, 6)
+        assert all(e == names[r] for r, e in legs), legs
+        assert sorted(r for r, _ in legs) == [0, 0, 0, 1, 1, 1], legs
+        assert boot.queries == 1 and get_stats(url)["prefill_table_lookup_failures"] == 0
+    finally:
+        p.close()
+        boot.close()
+
+
+def test_push_does_not_take_another_servers_bootstrap(upstreams, proxy):  # noqa: F811
+    """The port a prefill's answer names is served by another server (its
+    table names other engines: e.g. the default port taken by another
+    prefill on that host): not taken, every push prefill stays on rank 0
+    and the decode leg names no engine; it is not asked again per request."""
+    boot = _bootstrap(2)  # engines 127.0.0.1:13003, :13004
+    names = {0: "127.0.0.1:23003", 1: "127.0.0.1:23004"}
+    p, d = AnsweringDPPrefill(names, boot.port), upstreams("decode")
+    try:
+        url = proxy([p.url], [d.url], flow="push")
+        _push_legs(url, p, d, 1)
+        assert wait_until(lambda: get_stats(url)["prefill_table_lookup_failures"] == 1)
+        assert _push_legs(url, p, d, 5) == [(0, None)] * 5
+        assert boot.queries == 1
     finally:
         p.close()
         boot.close()

@@ -53,12 +53,13 @@ def find_router(download=True, timeout=300):
 
 
 def router_cmd(site, prefill, decode, port, python=None, kv_connector="mooncake",
-               host="127.0.0.1"):
+               host="127.0.0.1", extra=()):
     """(argv, env additions) to run vllm-router in PD mode: prefill is a list of
-    (url, bootstrap port or None), decode a list of urls."""
+    (url, bootstrap port or None), decode a list of urls; extra: more router
+    arguments (e.g. --intra-node-data-parallel-size 2)."""
     argv = [python or sys.executable, "-m", "vllm_router.launch_router",
             "--vllm-pd-disaggregation", "--kv-connector", kv_connector,
-            "--host", host, "--port", str(port), "--policy", "round_robin"]
+            "--host", host, "--port", str(port), "--policy", "round_robin", *extra]
     for url, bport in prefill:
         argv += ["--prefill", url] + ([str(bport)] if bport is not None else [])
     for url in decode:

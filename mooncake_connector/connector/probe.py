@@ -137,6 +137,11 @@ class ProducerProbe:
             self._refresh_engines(base, now)
         return self._engines
 
+    def known_engines(self):
+        """The configured producer's data-parallel engines as last looked up
+        (dp_engines), without looking them up: [] before the first lookup."""
+        return list(self._engines or ())
+
     def _refresh_engines(self, base, now):
         """Looks the producer's engines up again on a thread of its own (one
         at a time); dp_engines keeps answering with the list it has."""

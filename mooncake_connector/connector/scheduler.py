@@ -114,6 +114,8 @@ class SchedulerSide:
         self._claims = {}         # req_id -> (tokens claimed through, sync)
         self._probed = {}         # req_id -> (held tokens or None, monotonic time)
         self._found_at = {}       # flow A: req_id -> producer DP engine holding it (probe)
+        self._located = {}        # in-tree push leg: req_id -> producer DP engine holding
+                                  # its prompt, None: the named one (_locate)
         self._asked = {}          # req_id -> monotonic time its probe was asked
         self._loads = {}          # req_id -> LoadSpec, sent with the next metadata
         self._publishes = []      # PublishSpec, sent with the next metadata
@@ -150,6 +152,12 @@ class SchedulerSide:
             url = settings.local_hostname or settings.mooncake.get("prefill_url")
             # this engine's own names (vLLM data parallelism: lifecycle._name)
             self.producer_base = dp_base(url, dp_local, tp_size, pp_size) if url else None
+        # producer: the port of this server's bootstrap server as configured
+        # (bootstrap.py; None: none), named in push answers so that our
+        # proxy can find the server's engine table without
+        # --prefill-bootstrap (proxy_engines.PrefillEngines.hint checks that
+        # the table found there names the engine that answered)
+        self.bootstrap_port = _bootstrap_port(settings) if settings.is_producer else None
 
     # ---- consumer ----
 
@@ -163,7 +171,9 @@ class SchedulerSide:
             if not producer and params.get("remote_host") and params.get("remote_port"):
                 producer = f"{params['remote_host']}:{params['remote_port']}"
             if is_push(params) and transfer_id(params):
-                return "P", producer or None  # push: the producer writes into our blocks
+                # push: the producer writes into our blocks (an in-tree leg:
+                # the engine found holding its prompt, _locate)
+                return "P", self._located.get(request.request_id) or producer or None
             return "B", producer or None
         if self.s.role == "kv_consumer" and self.s.flow_a:
             # the producer's data-parallel engine its probe found the prompt
@@ -343,6 +353,52 @@ class SchedulerSide:
             self._recompute(request, "not_held", f"producer {src[1]} published no KV for it "
                             "(aborted or failed there)")
 
+    def _locatable(self, request, src):
+        """An in-tree push leg (vLLM's router: a transfer_id, no "push" key)
+        naming the first engine of the configured producer while that
+        producer has several data-parallel engines.  A router that does not
+        pin the prefill leg to a rank (no X-data-parallel-rank) but names
+        rank 0's engine, while vLLM's own balancing may have run the leg on
+        another engine: its target would wait there for a prompt that never
+        comes (the lease, then the prompt computed here)."""
+        probe = self._probe
+        if src is None or src[0] != "P" or probe is None or src[1] is None or \
+                request.request_id in self._located:
+            return False
+        params = getattr(request, "kv_transfer_params", None) or {}
+        known = getattr(probe, "known_engines", None)
+        return ("push" not in params and known is not None
+                and src[1] == getattr(probe, "default_producer", None) and len(known()) > 1)
+
+    def _locate(self, request, src, n_full):
+        """For a _locatable leg: looks its prompt up in each of the
+        producer's engines (the probe, as flow A) and sends the target to
+        the one holding it (_source); held nowhere yet (a router sending
+        both legs at once) or no answer in time: the named engine.  PENDING
+        while the answer is not in, else None."""
+        if not self._locatable(request, src):
+            return None
+        rid, probe = request.request_id, self._probe
+        now = time.monotonic()
+        if rid not in self._asked:
+            self._ask(request, (src[0], None), n_full, now)
+        done, held = probe.answer(rid)
+        if not done and self._may_wait(rid):
+            if probe.wait(rid, self.s.probe_wait_ms / 1000.0):
+                done, held = probe.answer(rid)
+        if not done:
+            if now - self._asked.get(rid, now) < probe.timeout_for(None) + PROBE_GRACE_S:
+                return PENDING
+            probe.forget(rid)
+        where = getattr(probe, "last_where", None) if done and held else None
+        self._asked.pop(rid, None)
+        self._located[rid] = where
+        if where is not None:
+            logger.info("MooncakeConnector: request %s: its push leg names producer engine %s, "
+                        "its prompt is held by %s (another data-parallel engine of that "
+                        "server): the target goes there", rid, src[1], where)
+        return None
+
     def _ask(self, request, src, n_full, now):
         self._asked[request.request_id] = now
         self._probe.ask(request.request_id, src[1], request.prompt_token_ids[:n_full])
@@ -372,6 +428,11 @@ class SchedulerSide:
         if self._probe is None:
             return
         src = self._source(request)
+        if self._locatable(request, src) and request.request_id not in self._asked:
+            n_full = self._full_tokens(request)
+            if n_full > 0:  # an in-tree push leg's lookup (_locate) starts now
+                self._ask(request, (src[0], None), n_full, time.monotonic())
+            return
         if not self._arrived(request, src) or src is None or src[0] != "A" or \
                 request.request_id in self._tried:
             return
@@ -427,7 +488,10 @@ class SchedulerSide:
                 "connector (e.g. vLLM's in-tree MooncakeConnector): serve both sides with "
                 "this package's MooncakeConnector"))
             return 0, False
+        if src[0] == "P" and self._locate(request, src, n_full) is PENDING:
+            return None, False  # vLLM skips the request this step and asks again
         if src[0] == "P":
+            src = self._source(request)
             held = self._layer_load_claim(request, n_full)
             if trace.ON:
                 trace.event("sched_match", transfer_id(request.kv_transfer_params or {}),
@@ -854,6 +918,7 @@ class SchedulerSide:
         self._to_release.pop(rid, None)
         self._probed.pop(rid, None)
         self._found_at.pop(rid, None)
+        self._located.pop(rid, None)
         if self._asked.pop(rid, None) is not None:
             self._probe.forget(rid)
         self._tried.discard(rid)
@@ -904,8 +969,12 @@ class SchedulerSide:
         if push and n is None:  # aborted or failed before its prompt was computed
             self._push_dropped.append(transfer_id(params))
         if push == "push":
-            return n is not None, {"push": True, "transfer_id": transfer_id(params),
-                                   "num_tokens": n or 0}
+            out = {"push": True, "transfer_id": transfer_id(params), "num_tokens": n or 0}
+            if self.producer_base:
+                out["remote_engine_id"] = self.producer_base
+            if self.bootstrap_port:
+                out["bootstrap_port"] = self.bootstrap_port
+            return n is not None, out
         # Flow B: always answer with params, so the proxy can go on to decode;
         # num_tokens 0 (prompt shorter than a block, or aborted before its
         # prompt completed) tells the decode side to compute the prompt.
@@ -956,6 +1025,19 @@ class SchedulerSide:
             self._probe.close()
         if self.early is not None:
             self.early.close()
+
+
+def _bootstrap_port(settings):
+    """The bootstrap server's port as configured (bootstrap.start's choice:
+    bootstrap_port, else VLLM_MOONCAKE_BOOTSTRAP_PORT, else 8998); None for
+    0 (none) or an unreadable environment value."""
+    from mooncake_connector.connector.bootstrap import default_port
+    if settings.bootstrap_port is not None:
+        return settings.bootstrap_port or None
+    try:
+        return default_port(os.environ) or None
+    except ValueError:
+        return None
 
 
 def _is_hostport(name):
