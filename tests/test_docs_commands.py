@@ -466,7 +466,7 @@ def flags_our_code_passes_on(parsers_flags):
 
 # Text that gives the span after it to another project: "vLLM's `x`", "a
 # plain vLLM `--x`", "vLLM's `--a` / `--b`".
-PEER_PROJECT = re.compile(r"\b(vLLM|vllm|Mooncake|SGLang|sglang)(?:'s)?\s*\(?"
+PEER_PROJECT = re.compile(r"\b(vllm-router|vLLM|vllm|Mooncake|SGLang|sglang)(?:'s)?\s*\(?"
                           r"(?:`[^`]*`\s*(?:/|,|or|and)\s*)*$")
 HISTORICAL = "not in main"  # a reference the doc itself says is not in main
 
