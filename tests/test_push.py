@@ -1001,3 +1001,53 @@ def test_a_target_with_a_malformed_lease_does_not_stop_the_producer(sides, over)
     d.add(make_request("q", t, max_tokens=2, params=push_params("T13", "d")))
     assert both(p, d, lambda: "q" not in d.sched.requests)
     assert counters(d).get("push_loads", 0) == 1 and not d.invalid, counters(d)
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True], ids=["no-cache", "prefix-cache"])
+@pytest.mark.parametrize("order", ["both-published", "second-later"])
+@pytest.mark.parametrize("first", ["1", "2"], ids=["first-decode-first", "second-decode-first"])
+def test_in_tree_same_prompt_two_transfer_ids_both_pushed(sides, prefix_caching, order, first):
+    """Two prefill legs of the SAME prompt under different transfer ids
+    (vLLM's router, the in-tree contract: published for a pull, pushed when
+    the decode's target comes).  The first decode's target withdrew the
+    prompt's lookup entries by its tokens, which are the second leg's too:
+    the second leg's entries went with them, its request ended as if
+    pulled, its push job with it, and its decode's target was answered
+    nokv ("ended before the decode side's target arrived"): recomputed
+    (not_held).  Worse, the second leg's blocks were never referenced by
+    the buffer (it keeps the first's copy of identical blocks), so its job
+    ended with vLLM's finish of it whatever came.  Each transfer id gets
+    its own KV pushed, whichever decode comes first."""
+    p = sides("kv_producer", prefix_caching=prefix_caching)
+    d = sides("kv_consumer", flow_a=False)
+    t = toks(31, 3 * BS + 7)
+    url = p.worker.settings.mooncake["prefill_url"]
+
+    def pre(x):
+        return {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": x}
+
+    def dec(x):
+        return {"do_remote_decode": False, "do_remote_prefill": True, "transfer_id": x,
+                "remote_engine_id": url}
+
+    bh = {"block_hasher": p.block_hasher} if prefix_caching else {}
+    p.add(make_request("pq1", t, max_tokens=1, params=pre("D1"), **bh))
+    if order == "both-published":
+        p.add(make_request("pq2", t, max_tokens=1, params=pre("D2"), **bh))
+    p.step()
+    if order == "second-later":
+        p.add(make_request("pq2", t, max_tokens=1, params=pre("D2"), **bh))
+        p.step()
+        if prefix_caching:  # its full blocks are the first's, from the prefill's cache
+            assert p.block_ids("pq2")[:3] == p.block_ids("pq1")[:3]
+    assert p.worker._worker.lb.stats()["entries"] == 2  # both published for a pull
+    qa, qb = ("q1", "q2") if first == "1" else ("q2", "q1")
+    for q in (qa, qb):
+        d.add(make_request(q, t, max_tokens=2, params=dec("D" + q[1])))
+        assert both(p, d, lambda: q in d.recvd or q in d.computed)
+        assert q in d.recvd and d.block_matches_pattern(q, t, 3), (q, counters(d))
+    assert both(p, d, lambda: not d.sched.requests and p.is_empty())
+    for q in ("q1", "q2"):
+        assert d.computed[q] == 7 + 1, (q, d.computed, counters(d))
+    assert counters(p).get("push_sends", 0) == 2, counters(p)
+    assert p.worker._worker.lb.stats()["entries"] == 0

@@ -41,6 +41,7 @@ class Publishes:
         self.outstanding = {}   # req_id -> extents the lookup buffer still references
         self.pub_tokens = {}    # req_id -> published tokens (for unpublish)
         self.pub_t = {}         # req_id -> monotonic time just before it published
+        self.pub_n = {}         # req_id -> lookup entries it inserted (one per pull)
         self.held = {}          # req_id -> monotonic time vLLM started holding it for us
         self.finished_seen = set()
         self.dropped = set()    # req_ids the proxy released (drop), until finished
@@ -112,6 +113,18 @@ class Publishes:
         self.outstanding[p.req_id] = len(ext) * done
         self.pub_tokens[p.req_id] = p.tokens
         self.pub_t[p.req_id] = t_pub
+        self.pub_n[p.req_id] = done
+        if p.push_tid and w.push_p is not None:
+            # Another held request of the same prompt is in the buffer: its
+            # blocks (nodes) were kept and ours came back at once (the
+            # buffer stores one copy of a block): our entry counts on its
+            # blocks, none of ours is referenced, so our outstanding is 0
+            # now.  Our push job must not end with that (nothing would
+            # hold our blocks for our decode's target): it waits for its
+            # target as a push-only job does (PushProducer.shared).
+            self._drain_freed()
+            if self.outstanding.get(p.req_id, 0) <= 0:
+                w.push_p.shared(p.push_tid)
         w.stats.add("publishes")
         w.stats.add("publish_bytes", len(p.block_ids) * w.layout.bytes_per_block())
 
@@ -144,6 +157,7 @@ class Publishes:
                                self.outstanding[rid])
             self.forget_tags(rid)
             self.outstanding.pop(rid, None)
+            self.pub_n.pop(rid, None)
             self.held.pop(rid, None)
 
     def drop(self, specs):
@@ -218,8 +232,14 @@ class Publishes:
         for a pull that will not come."""
         tokens = self.pub_tokens.get(rid)
         self.dropped.add(rid)  # its entries are gone: never released (Publishes.drop)
-        if tokens is not None and self.w.lb is not None:
-            self.w.lb.remove(tokens)
+        n = self.pub_n.pop(rid, 0)
+        if tokens is not None and n and self.w.lb is not None:
+            # Only its own entries' worth (one per pull it was published
+            # for): another request of the same prompt, published under
+            # another transfer id, keeps its own; removing every entry of
+            # the prompt ended that one as if pulled, and its decode's
+            # target then found no job (recomputed, not_held).
+            self.w.lb.remove(tokens, max=n)
 
     def _drain_freed(self):
         lb = self.w.lb
@@ -259,6 +279,7 @@ class Publishes:
                 self.outstanding.pop(rid, None)
                 self.pub_tokens.pop(rid, None)
                 self.pub_t.pop(rid, None)
+                self.pub_n.pop(rid, None)
                 if w.push_p is not None:
                     w.push_p.forget(rid)
                 done.add(rid)
@@ -338,6 +359,7 @@ class Publishes:
             self.forget_tags(rid)
         self.pub_tokens.clear()
         self.pub_t.clear()
+        self.pub_n.clear()
         self.dropped.clear()
         self.ended.clear()  # their entries are gone with the KV
         return dropped

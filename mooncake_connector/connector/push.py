@@ -1399,6 +1399,9 @@ class ProducerJob:
         self.targets = {}      # consumer engine -> Target
         self.t0 = time.monotonic()
         self.bytes = 0
+        # optional: published for a pull on another request's blocks (the
+        # same prompt, held): held for its target like a push-only job
+        self.shared = False
 
 
 class PushProducer:
@@ -2514,7 +2517,23 @@ class PushProducer:
         """The request's blocks are held for a push (not only for a pull)."""
         tid = self.by_rid.get(rid)
         job = self.jobs.get(tid)
-        return job is not None and (not job.optional or bool(job.targets))
+        if job is None:
+            return False
+        if not job.optional or job.targets:
+            return True
+        # Published for a pull on another request's blocks (Publishes:
+        # none of its own is referenced by the lookup buffer): its end is
+        # not its entries' end, so it waits for a target, or a pull that
+        # may take any entry of its prompt, until hold_timeout_s.
+        return job.shared and time.monotonic() - job.t0 <= self.w.s.hold_timeout_s
+
+    @_locked
+    def shared(self, tid):
+        """The optional job's lookup entry counts on another held request's
+        blocks (the same prompt published before it): see holds()."""
+        job = self.jobs.get(tid)
+        if job is not None and job.optional:
+            job.shared = True
 
     @_locked
     def has_targets(self, tid):
