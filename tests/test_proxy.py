@@ -573,25 +573,30 @@ def _releases(u):
             if "mc_release" in (x["body"].get("kv_transfer_params") or {})]
 
 
-def _leave_after_the_first_token(url, decode):
+def stream_to_the_decode_leg(url, legs):
     """A streaming client (raw socket) that reads its first token (from the
-    prefill) and leaves once `decode` got the decode leg, before any of
-    its output."""
+    prefill) and waits until legs() (the decode legs its decode got) grew;
+    returns its socket, open (test_proxy_forget.py's clients leave later)."""
     host, port = url.rsplit("/", 1)[-1].split(":")
     raw = json.dumps({"model": "m", "prompt": "a b c", "max_tokens": 5,
                       "stream": True}).encode()
-
-    def legs():
-        return sum(1 for x in decode.seen if x["body"].get("stream"))
     before = legs()
-    with socket.create_connection((host, int(port)), timeout=10) as s:
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
-                  b"application/json\r\nContent-Length: %d\r\n\r\n" % len(raw) + raw)
-        got, end = b"", time.monotonic() + 10
-        while b"data:" not in got and time.monotonic() < end:
-            got += s.recv(65536)
-        assert b"data:" in got, got
-        assert wait_until(lambda: legs() > before, timeout=10)
+    s = socket.create_connection((host, int(port)), timeout=10)
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+              b"application/json\r\nContent-Length: %d\r\n\r\n" % len(raw) + raw)
+    got, end = b"", time.monotonic() + 10
+    while b"data:" not in got and time.monotonic() < end:
+        got += s.recv(65536)
+    assert b"data:" in got, got
+    assert wait_until(lambda: legs() > before, timeout=10)
+    return s
+
+
+def _leave_after_the_first_token(url, decode):
+    """A streaming client that reads its first token (from the prefill) and
+    leaves once `decode` got the decode leg, before any of its output."""
+    stream_to_the_decode_leg(
+        url, lambda: sum(1 for x in decode.seen if x["body"].get("stream"))).close()
 
 
 @pytest.mark.parametrize("flow", ["a", "b"])

@@ -11,7 +11,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,7 +19,8 @@ import urllib.request
 import pytest
 
 from conftest import in_threads, sigstop, wait_until
-from test_proxy import _releases, get_stats, post, vllm_like  # noqa: F401 (a fixture)
+from test_proxy import (_releases, get_stats, post, stream_to_the_decode_leg,  # noqa: F401
+                        vllm_like)  # (a fixture)
 
 from mooncake_connector.serving import free_port
 
@@ -96,39 +96,24 @@ def decode():
         d.close()
 
 
-def _stream_until_the_decode_leg(url, dec):
-    """A streaming client that reads its first token (from the prefill) and
-    waits until the decode leg reached `dec`; returns its socket (open)."""
-    host, port = url.rsplit("/", 1)[-1].split(":")
-    raw = json.dumps({"model": "m", "prompt": "a b c", "max_tokens": 5,
-                      "stream": True}).encode()
-    before = dec.legs()
-    s = socket.create_connection((host, int(port)), timeout=10)
-    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
-              b"application/json\r\nContent-Length: %d\r\n\r\n" % len(raw) + raw)
-    got, end = b"", time.monotonic() + 10
-    while b"data:" not in got and time.monotonic() < end:
-        got += s.recv(65536)
-    assert b"data:" in got, got
-    assert wait_until(lambda: dec.legs() > before, timeout=10)
-    return s
-
-
 def test_a_decode_stopped_past_a_forgets_wait_is_asked_again(vllm_like, proxy, decode):
     """The client leaves while its decode is SIGSTOPped, for longer than one
-    question waits (--forget-timeout-s, 10 s; the old proxy's only question
-    waited 30 s, then the prompt stayed held until the prefill's
-    hold_timeout_s).  The proxy asks again (0.5 s, doubling) with the same
-    ask id; once the decode runs again, its ledger answers "unseen" (the
-    leg never reached its connector) to every copy of the question, and
-    the prefill gets its release."""
+    question waits (--forget-timeout-s: 1 s here, 10 s by default; the old
+    proxy's only question waited 30 s, then the prompt stayed held until
+    the prefill's hold_timeout_s).  The proxy asks again (0.5 s, doubling)
+    with the same ask id: two questions go unanswered while the decode is
+    stopped, and nothing is released; once the decode runs again, its
+    ledger answers "unseen" (the leg never reached its connector) to every
+    copy of the question, and the prefill gets its release."""
     p, d = vllm_like("prefill"), decode("drop")
-    url = proxy([p.url], [d.url])
-    s = _stream_until_the_decode_leg(url, d)
+    url = proxy([p.url], [d.url], extra=["--forget-timeout-s", "1"])
+    s = stream_to_the_decode_leg(url, d.legs)
     sigstop(d.p.pid)
     s.close()  # the client leaves: the proxy asks the stopped decode
     assert wait_until(lambda: get_stats(url)["decode_forgets_sent"] >= 1, timeout=10)
-    time.sleep(32)  # past the old proxy's 30 s wait for its one question
+    # the first question and its first repeat waited their 1 s out; a third is asked
+    assert wait_until(lambda: get_stats(url)["decode_forgets_retried"] >= 2, timeout=20), \
+        get_stats(url)
     assert _releases(p) == []
     os.kill(d.p.pid, signal.SIGCONT)
     assert wait_until(lambda: _releases(p), timeout=20), get_stats(url)
@@ -150,7 +135,7 @@ def test_a_killed_decode_is_asked_until_it_is_back(vllm_like, proxy, decode, flo
     gets its release."""
     p, d = vllm_like("prefill"), decode("drop")
     url = proxy([p.url], [d.url], flow=flow)
-    s = _stream_until_the_decode_leg(url, d)
+    s = stream_to_the_decode_leg(url, d.legs)
     d.kill()  # the leg's stream breaks: the proxy asks the dead decode
     assert wait_until(lambda: get_stats(url)["decode_forgets_sent"] >= 1, timeout=10)
     time.sleep(3)  # refused, again and again: nothing released
@@ -175,7 +160,7 @@ def test_a_decode_gone_for_good_is_given_up_at_forget_retry_s(vllm_like, proxy, 
     until the prefill's hold_timeout_s, nothing released."""
     p, d = vllm_like("prefill"), decode("drop")
     url = proxy([p.url], [d.url], extra=["--forget-retry-s", "3"])
-    s = _stream_until_the_decode_leg(url, d)
+    s = stream_to_the_decode_leg(url, d.legs)
     d.kill()
     assert wait_until(lambda: get_stats(url)["decode_forgets_gave_up"] == 1, timeout=20)
     st = get_stats(url)
@@ -195,7 +180,7 @@ def test_a_decode_answering_seen_late_is_never_released(vllm_like, proxy, decode
     nothing, and asks no more."""
     p, d = vllm_like("prefill"), decode("arrive", n503=3)
     url = proxy([p.url], [d.url])
-    s = _stream_until_the_decode_leg(url, d)
+    s = stream_to_the_decode_leg(url, d.legs)
     s.close()
     assert wait_until(lambda: get_stats(url)["decode_forgets_seen_late"] == 1, timeout=20), \
         get_stats(url)
