@@ -71,6 +71,11 @@ for py in "${pythons[@]}"; do
         || fail "auditwheel repair failed for $tag"
     fixed=$(ls "$out"/mooncake_connector-*-"$tag"-"$tag"-manylinux*.whl 2>/dev/null | head -n1)
     [ -n "$fixed" ] || fail "auditwheel wrote no $tag wheel to $out"
-    "$bpy" -m auditwheel show "$fixed" >>"$log" 2>&1 || true
+    # The libraries grafted, into the log (repair's lines above give the tag;
+    # `auditwheel show` analysed the repaired wheel again only to log it:
+    # ~5 s of CPU, a sixth of the whole build).
+    "$bpy" -c 'import sys, zipfile; print("grafted:", *sorted(n.split("/")[-1] for n in
+        zipfile.ZipFile(sys.argv[1]).namelist() if ".libs/" in n and n[-1] != "/"))' \
+        "$fixed" >>"$log" 2>&1 || true
     echo "$fixed"
 done
