@@ -16,6 +16,7 @@ import time
 
 import pytest
 
+from conftest import wait_until
 from mooncake_connector.demo import _prompt
 from mooncake_connector.deployment import metric_value, prompt_tokens_by_source, proxy_stats
 from mooncake_connector.openai_client import request
@@ -321,10 +322,14 @@ def test_prefill_killed_mid_run_then_restarted(deployment, references):
     threads = [threading.Thread(target=client, daemon=True) for _ in range(2)]
     for t in threads:
         t.start()
-    time.sleep(3)
+    # the kill lands while requests flow: once two have been answered
+    wait_until(lambda: len(results) >= 2, timeout=REQ_TIMEOUT)
     dep.prefill.kill()
     killed_at = len(results)
-    time.sleep(5)
+    # and they keep flowing until one sent after the kill has failed (at
+    # most two were in flight at the kill: three failures)
+    wait_until(lambda: sum(r.status != 200 for _, r, _ in results[killed_at:]) >= 3,
+               timeout=REQ_TIMEOUT)
     stop.set()
     for t in threads:
         t.join(timeout=REQ_TIMEOUT + 10)
