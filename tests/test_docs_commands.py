@@ -57,6 +57,7 @@ import json
 import os
 import re
 import shlex
+import functools
 import subprocess
 import sys
 from collections import namedtuple
@@ -343,9 +344,10 @@ def capture_parsers(programs):
     return got
 
 
+@functools.lru_cache(maxsize=None)  # the walks below reach a script ~40 times
 def _script_refs(path):
     """The Python programs of ours (modules run with -m, .py files) and the
-    shell scripts a shell script runs."""
+    shell scripts a shell script runs (frozensets: cached)."""
     text = _source(path)
     mods = {("module", m) for m in re.findall(r"-m\s+(mooncake_connector(?:\.\w+)+)", text)}
     files = set()
@@ -353,7 +355,7 @@ def _script_refs(path):
         p = _resolve_file(os.path.basename(name))
         if p and p != path:
             files.add(p)
-    return mods, files
+    return frozenset(mods), frozenset(files)
 
 
 def script_flags(path, parsers, seen=()):
@@ -518,10 +520,14 @@ def problems(spans, checked=None):
         if "error" in got:
             bad.append(f"{prog[1]}: cannot read its options: {got['error']}")
 
+    known = {}  # prog: its options (asked once per command in the docs: ~450 times)
+
     def options(prog):
-        if prog[0] == "file" and prog[1].endswith(".sh"):
-            return script_flags(prog[1], parsers)
-        return set(parsers.get(prog, {}).get("flags", ()))
+        if prog not in known:
+            known[prog] = frozenset(script_flags(prog[1], parsers) if prog[0] == "file" and
+                                    prog[1].endswith(".sh") else
+                                    parsers.get(prog, {}).get("flags", ()))
+        return known[prog]
 
     ours = set().union(*(options(p) for p in python_progs | {("file", x) for x in scripts}))
     passed_on = flags_our_code_passes_on(ours)
