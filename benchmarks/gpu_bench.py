@@ -27,12 +27,10 @@ import subprocess
 import sys
 import time
 
-import torch
-
 HERE = os.path.dirname(os.path.abspath(__file__))
 PEER = os.path.join(HERE, "..", "tests", "gpu_peer.py")
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
-from gpu_peer import block_pairs  # noqa: E402
+torch = block_pairs = None  # imported by main() once the options are read (--help: no torch)
 
 GiB = 1 << 30
 REF = "torch peer copy 1 GiB cuda:0->cuda:1"
@@ -148,6 +146,9 @@ def main():
     ap.add_argument("--env", action="append", default=[], metavar="K=V",
                     help="environment of the engine processes (repeatable)")
     args = ap.parse_args()
+    global torch, block_pairs
+    import torch
+    from gpu_peer import block_pairs
     extra = dict(kv.split("=", 1) for kv in args.env)
     ngpu = torch.cuda.device_count()
     res = {"gpu": torch.cuda.get_device_name(0), "gpus": ngpu, "torch": torch.__version__,

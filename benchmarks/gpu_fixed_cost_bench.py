@@ -27,7 +27,7 @@ import sys
 import tempfile
 import time
 
-import torch
+torch = None  # imported by main() once the options are read (--help: no torch)
 
 GiB = 1 << 30
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -107,6 +107,8 @@ def main():
     ap.add_argument("--passes", type=int, default=5)
     ap.add_argument("--out", default="")
     args = ap.parse_args()
+    global torch
+    import torch
     tmp = tempfile.mkdtemp(prefix="gpu_fixed_cost")
     # Ours first writes the permutations the reference uses.
     p = subprocess.run([args.bin, tmp, str(args.iters), str(args.passes)], capture_output=True,
