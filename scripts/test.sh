@@ -192,9 +192,9 @@ if [ "$workers" -gt 1 ] 2>/dev/null && "$py" -c 'import xdist' 2>/dev/null; then
 fi
 if "$py" -P -c '' 2>/dev/null; then
     export PYTHONSAFEPATH=1
-    stage "pytest" 0 "${MC_T_PYTEST:-2700}" "$py" -P -m pytest -q --durations=25 "${xdist[@]}" tests "$@"
+    stage "pytest" 0 "${MC_T_PYTEST:-2700}" "$py" -P -m pytest -q -rfEs --durations=25 "${xdist[@]}" tests "$@"
 else
-    stage "pytest" 0 "${MC_T_PYTEST:-2700}" "$repo/.venv/bin/pytest" -q --durations=25 "${xdist[@]}" tests "$@"
+    stage "pytest" 0 "${MC_T_PYTEST:-2700}" "$repo/.venv/bin/pytest" -q -rfEs --durations=25 "${xdist[@]}" tests "$@"
 fi
 
 # The same connector tests against vLLM 0.34.0's Python code (no CUDA build

@@ -352,9 +352,22 @@ def pytest_runtest_teardown(item, nextitem):
 _MODULE_SECONDS = {}
 
 
+# pytest-xdist's controller: when each worker's last report came (seconds
+# since the first report), to show how evenly the files were shared.
+_WORKER_LAST = {}
+_FIRST_REPORT = []
+
+
 def pytest_runtest_logreport(report):
     mod = report.nodeid.split("::")[0]
     _MODULE_SECONDS[mod] = _MODULE_SECONDS.get(mod, 0.0) + (report.duration or 0.0)
+    node = getattr(report, "node", None)
+    gw = getattr(getattr(node, "gateway", None), "id", None)
+    if gw:
+        now = time.monotonic()
+        if not _FIRST_REPORT:
+            _FIRST_REPORT.append(now)
+        _WORKER_LAST[gw] = now - _FIRST_REPORT[0]
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -364,7 +377,8 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line(line)
     if _MODULE_SECONDS and not XDIST_WORKER:
         top = sorted(_MODULE_SECONDS.items(), key=lambda kv: -kv[1])
-        n = int(os.environ.get("MC_MODULE_TIMES", "30"))
+        n = os.environ.get("MC_MODULE_TIMES", "30")
+        n = int(n) if n.isdigit() else 30
         if n > 0:
             total = sum(_MODULE_SECONDS.values())
             terminalreporter.write_sep("=", f"slowest {min(n, len(top))} test files "
@@ -372,6 +386,10 @@ def pytest_terminal_summary(terminalreporter):
                                        f"{total:.0f} s)")
             for mod, secs in top[:n]:
                 terminalreporter.write_line(f"{secs:8.1f}s  {mod}")
+        if _WORKER_LAST:
+            terminalreporter.write_line(
+                "pytest-xdist workers' last report (s after the first): " + ", ".join(
+                    f"{gw} {t:.0f}" for gw, t in sorted(_WORKER_LAST.items())))
 
 
 def pytest_sessionfinish(session):
