@@ -375,6 +375,8 @@ def pytest_terminal_summary(terminalreporter):
     line = vllm_forks_summary()
     if line:
         terminalreporter.write_line(line)
+    for gw, line in sorted(_WORKER_FORK_LINES.items()):
+        terminalreporter.write_line(f"{gw}: {line}")
     if _MODULE_SECONDS and not XDIST_WORKER:
         top = sorted(_MODULE_SECONDS.items(), key=lambda kv: -kv[1])
         n = os.environ.get("MC_MODULE_TIMES", "30")
@@ -395,8 +397,23 @@ def pytest_terminal_summary(terminalreporter):
 def pytest_sessionfinish(session):
     for name in _FORKS:
         _close_fork_server(name)
-    from e2e_fixtures import close_vllm_forks
+    from e2e_fixtures import close_vllm_forks, vllm_forks_summary
     close_vllm_forks()
+    if XDIST_WORKER and hasattr(session.config, "workeroutput"):
+        # for the controller's summary (pytest_testnodedown below)
+        session.config.workeroutput["mc_vllm_forks"] = vllm_forks_summary() or ""
+
+
+# pytest-xdist's controller: each worker's fork-server line, for the summary
+# (a worker's own terminal summary is not shown).
+_WORKER_FORK_LINES = {}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    line = getattr(node, "workeroutput", {}).get("mc_vllm_forks")
+    if line:
+        _WORKER_FORK_LINES[getattr(getattr(node, "gateway", None), "id", "?")] = line
 
 
 def _close_fork_server(name):
