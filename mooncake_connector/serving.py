@@ -46,7 +46,7 @@ class StartError(RuntimeError):
     """A server did not become healthy; the message has its log's tail."""
 
 
-def _ephemeral_low():
+def ephemeral_low():
     """The lowest port the kernel hands out to unbound sockets (connect(),
     bind to 0): /proc/sys/net/ipv4/ip_local_port_range, else Linux's 32768."""
     try:
@@ -54,6 +54,16 @@ def _ephemeral_low():
             return int(f.read().split()[0])
     except (OSError, ValueError, IndexError):
         return 32768
+
+
+def default_port_range(eph=None):
+    """(LO, HI): the range free_port() picks from without MC_PORT_RANGE, the
+    11,800 ports just below the kernel's ephemeral range that starts at
+    `eph` (default: ephemeral_low()).  tests/conftest.py splits it among
+    pytest-xdist workers."""
+    if eph is None:
+        eph = ephemeral_low()
+    return max(1024, eph - 12000), eph - 200
 
 
 #: mooncake.json's rule for two engine ports on one host: at least this far
@@ -90,9 +100,9 @@ def free_port(span=1, away=()):
                                + (f" (a run of {span})" if span > 1 else "")
                                + (f" {PORT_DISTANCE} away from {away}" if away else ""))
         return port
-    eph = _ephemeral_low()
+    eph = ephemeral_low()
     if eph > 3000:
-        port = _free_in(max(1024, eph - 12000), eph - 200, span, away)
+        port = _free_in(*default_port_range(eph), span, away)
         if port is not None:
             return port
     for _ in range(200):

@@ -9,6 +9,8 @@ import time
 
 import pytest
 
+from mooncake_connector.serving import default_port_range
+
 # Third-party test programs (tests/third_party/), vendored unmodified: never
 # collected in-process (Mooncake's test_import_structure.py would run here);
 # tests/test_mooncake_own_tests.py runs them as subprocesses.  Declared here,
@@ -39,16 +41,12 @@ XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
 
 def _worker_port_share(worker, count, rng=None):
     """LO-HI: worker `worker` (0-based) of `count`'s equal share of `rng`
-    (LO-HI) or of the 11,800 ports just below the kernel's ephemeral range."""
+    (LO-HI) or of free_port()'s default range (the 11,800 ports just below
+    the kernel's ephemeral range: serving.default_port_range())."""
     if rng:
         lo, hi = (int(x) for x in rng.split("-"))
     else:
-        try:
-            with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-                eph = int(f.read().split()[0])
-        except (OSError, ValueError, IndexError):
-            eph = 32768
-        lo, hi = max(1024, eph - 12000), eph - 200
+        lo, hi = default_port_range()
     span = (hi - lo + 1) // count
     if span < 64:
         raise ValueError(f"port range {lo}-{hi} too small for {count} pytest-xdist workers")

@@ -62,3 +62,18 @@ def test_port_range_holds_whole_spans(monkeypatch):
         serving.free_port(span=13)
     with pytest.raises(ValueError, match="span"):
         serving.free_port(span=0)
+
+
+def test_xdist_worker_shares_split_free_ports_default_range():
+    """Without MC_PORT_RANGE each pytest-xdist worker's share (tests/conftest.py)
+    is a disjoint part of the range free_port() itself would pick from."""
+    from conftest import _worker_port_share
+
+    lo, hi = serving.default_port_range()
+    assert (lo, hi) == (max(1024, serving.ephemeral_low() - 12000), serving.ephemeral_low() - 200)
+    shares = [tuple(int(x) for x in _worker_port_share(w, 3).split("-")) for w in range(3)]
+    assert shares[0][0] == lo and shares[-1][1] <= hi
+    assert all(a[1] + 1 == b[0] for a, b in zip(shares, shares[1:]))
+    assert _worker_port_share(1, 2, "40000-40999") == "40500-40999"
+    with pytest.raises(ValueError, match="too small for 2 pytest-xdist workers"):
+        _worker_port_share(0, 2, "40000-40099")
