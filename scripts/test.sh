@@ -10,14 +10,24 @@
 # test stages all run and the exit status is non-zero if any of them failed.
 # Every stage has a time limit (seconds; CI as a whole gets 90 min), which
 # can be changed with MC_T_ENV, MC_T_MAKE, MC_T_CTEST, MC_T_SAN, MC_T_FUZZ, MC_T_PYTEST,
-# MC_T_NEXT, MC_T_LOW.  MC_PYTEST_WORKERS=1 runs pytest in one process (default 2
-# pytest-xdist workers).  MC_SERIAL_OVERLAYS=1 runs the two overlay stages one
-# after the other (as before 2026-12-06), MC_SERIAL_CTESTS=1 the two C test
-# stages.
+# MC_T_NEXT, MC_T_LOW.  MC_PYTEST_WORKERS=N runs pytest on N pytest-xdist
+# workers (a whole number >= 1, default 2; 1: one process; anything else is
+# refused, exit status 2, before any stage starts).  MC_SERIAL_OVERLAYS=1
+# runs the two overlay stages one after the other (as before 2026-12-06),
+# MC_SERIAL_CTESTS=1 the two C test stages.
 set -uo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$repo" || exit 1
 export MC_WERROR=1
+
+# Settings are checked before the first (slow) stage starts.
+workers="${MC_PYTEST_WORKERS:-2}"
+if ! [[ $workers =~ ^[0-9]+$ ]] || [ "$((10#$workers))" -lt 1 ]; then
+    echo "scripts/test.sh: MC_PYTEST_WORKERS must be a whole number >= 1" \
+        "(1: one process; unset: 2 pytest-xdist workers), not '$workers'" >&2
+    exit 2
+fi
+workers=$((10#$workers))
 
 names=() times=() results=()
 overall=0
@@ -179,15 +189,14 @@ stage "fuzz (libFuzzer)" 0 "${MC_T_FUZZ:-600}" make -C "$repo" -j2 -Otarget --no
 # sys.path, here and in every Python the tests start (python -m ...): they
 # import the installed package (the one env.sh built with pip), not
 # ./mooncake_connector, which has no compiled _core in a fresh clone.
-# Two pytest-xdist workers (MC_PYTEST_WORKERS, 0 or 1: one process as
-# before 2026-12-07), each taking whole test files (--dist loadfile: a
-# file's deployment of vLLM servers is started once), its own share of the
-# free-port range (tests/conftest.py) and its own fork servers: most of the
-# suite waits on servers, timeouts and peers, so two files at a time use the
-# two cores that one left half idle.
-workers="${MC_PYTEST_WORKERS:-2}"
+# Two pytest-xdist workers (MC_PYTEST_WORKERS, checked at the top; 1: one
+# process as before 2026-12-07), each taking whole test files (--dist
+# loadfile: a file's deployment of vLLM servers is started once), its own
+# share of the free-port range (tests/conftest.py) and its own fork servers:
+# most of the suite waits on servers, timeouts and peers, so two files at a
+# time use the two cores that one left half idle.
 xdist=()
-if [ "$workers" -gt 1 ] 2>/dev/null && "$py" -c 'import xdist' 2>/dev/null; then
+if [ "$workers" -gt 1 ] && "$py" -c 'import xdist' 2>/dev/null; then
     xdist=(-n "$workers" --dist loadfile)
 fi
 if "$py" -P -c '' 2>/dev/null; then

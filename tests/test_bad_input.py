@@ -148,6 +148,38 @@ def test_garbage_log_level_is_named():
     assert "error, warn, info or debug" in r.stderr
 
 
+# ---- scripts/test.sh's settings: refused before its first (slow) stage.  A
+# copy of the script whose first stage (scripts/env.sh) only says it started.
+TEST_SH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts", "test.sh")
+
+
+def run_test_sh(tmp_path, env):
+    (tmp_path / "scripts").mkdir()
+    script = tmp_path / "scripts" / "test.sh"
+    with open(TEST_SH) as f:
+        script.write_text(f.read())
+    (tmp_path / "scripts" / "env.sh").write_text("echo FIRST-STAGE-STARTED\nexit 1\n")
+    e = {k: v for k, v in os.environ.items() if not k.startswith("MC_")}
+    return subprocess.run(["bash", str(script)], capture_output=True, text=True,
+                          env={**e, **env}, timeout=60, stdin=subprocess.DEVNULL)
+
+
+@pytest.mark.parametrize("value", ["x", "0", "-1", "2.5", " 2", "two"])
+def test_test_sh_refuses_a_bad_worker_count_before_starting(tmp_path, value):
+    r = run_test_sh(tmp_path, {"MC_PYTEST_WORKERS": value})
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    assert "FIRST-STAGE-STARTED" not in r.stdout and "===" not in r.stdout, r.stdout
+    assert (f"MC_PYTEST_WORKERS must be a whole number >= 1 (1: one process; "
+            f"unset: 2 pytest-xdist workers), not '{value}'") in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("env", [{}, {"MC_PYTEST_WORKERS": "1"}, {"MC_PYTEST_WORKERS": "3"},
+                                 {"MC_PYTEST_WORKERS": ""}])
+def test_test_sh_takes_a_good_worker_count(tmp_path, env):
+    r = run_test_sh(tmp_path, env)
+    assert "FIRST-STAGE-STARTED" in r.stdout and "MC_PYTEST_WORKERS" not in r.stderr, r
+
+
 @pytest.mark.parametrize("value,why", [("not-an-ip", "is not a numeric IP"),
                                        ("192.0.2.77", "Cannot assign requested address")])
 def test_bad_bind_address_names_the_variable(value, why):
