@@ -30,7 +30,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 PEER = os.path.join(HERE, "..", "tests", "gpu_peer.py")
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
-torch = block_pairs = None  # imported by main() once the options are read (--help: no torch)
+# torch, and tests/gpu_peer.py (which imports it), are imported inside the
+# functions that use them: --help does not load torch.
 
 GiB = 1 << 30
 REF = "torch peer copy 1 GiB cuda:0->cuda:1"
@@ -65,6 +66,7 @@ class PeerCopy:
     y.copy_(x) cuda:0 -> cuda:1 plus synchronize of both devices."""
 
     def __init__(self, src="cuda:0", dst="cuda:1"):
+        import torch
         self.x = torch.randint(0, 255, (GiB,), dtype=torch.uint8, device=src)
         self.y = torch.empty(GiB, dtype=torch.uint8, device=dst)
         self.devs = (src, dst)
@@ -73,6 +75,7 @@ class PeerCopy:
         assert torch.equal(self.x[:1 << 20].cpu(), self.y[:1 << 20].cpu())
 
     def once(self):
+        import torch
         t0 = time.perf_counter()
         self.y.copy_(self.x)
         for d in self.devs:
@@ -83,6 +86,7 @@ class PeerCopy:
         return GiB / min(self.once() for _ in range(reps)) / 1e9
 
     def close(self):
+        import torch
         del self.x, self.y
         torch.cuda.empty_cache()
 
@@ -100,6 +104,7 @@ def engine_cases(da, db, bb, reps, cases, env=None, ref=None):
     (a PeerCopy) each timed transfer is paired with a reference copy right
     before it and {name: (GB/s, [per-pair ratios])} comes back instead, so
     a drift of the machine between measurements cancels out."""
+    from gpu_peer import block_pairs
     layers = 32
     blocks = GiB // (layers * bb)
     a = Peer(da, layers, blocks, bb, env)
@@ -146,9 +151,7 @@ def main():
     ap.add_argument("--env", action="append", default=[], metavar="K=V",
                     help="environment of the engine processes (repeatable)")
     args = ap.parse_args()
-    global torch, block_pairs
     import torch
-    from gpu_peer import block_pairs
     extra = dict(kv.split("=", 1) for kv in args.env)
     ngpu = torch.cuda.device_count()
     res = {"gpu": torch.cuda.get_device_name(0), "gpus": ngpu, "torch": torch.__version__,
