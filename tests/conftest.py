@@ -249,7 +249,8 @@ def vllm_forks():
     has imported VLLM_PREAMBLE: a fresh `python -c code argv...` child (a
     producer process the test stops, kills, reads) without a vLLM import of
     its own.  One server for every test that uses it (test_push's,
-    test_push_layer_load's and test_push_layer_read's producer processes)."""
+    test_push_layer_load's and test_push_layer_read's producer processes,
+    test_push_gate's child pytest with the libcuda stand-in)."""
     pytest.importorskip("vllm")
     return _Forks("vllm_forks", VLLM_PREAMBLE)
 

@@ -12,8 +12,12 @@ per-layer load still sees every layer land.
 
 CUDA does not run here: the CUDA tests load the host-memory libcuda
 stand-in (tests/c/fakecuda.c, built into a temporary directory) in a
-child pytest (LD_LIBRARY_PATH; the engine loads libcuda.so.1 by name once
-per process), whose stream can be held busy so an event completes later."""
+child pytest, whose stream can be held busy so an event completes later.
+The engine loads libcuda.so.1 by name once per process, so the child loads
+the stand-in by its path before anything looks for it (a library already
+loaded is found by its soname).  Where vLLM is installed the child is
+forked from conftest's vllm_forks server, which imported vLLM once for
+every test that uses it, instead of importing it again (~20 s of CPU)."""
 import ctypes
 import importlib.util
 import os
@@ -137,21 +141,36 @@ def _build_fake(tmp):
     return tmp
 
 
+# The child: the stand-in (argv[1]) loaded by its path first, then pytest
+# (argv[2:]).
+FAKE_CHILD = """
+import ctypes, sys
+ctypes.CDLL(sys.argv[1], mode=ctypes.RTLD_GLOBAL)
+import pytest
+sys.exit(pytest.main(sys.argv[2:]))
+"""
+
+
 @pytest.mark.skipif(bool(FAKE), reason="the child itself")
-def test_cuda_paths_with_the_libcuda_stand_in(tmp_path):
+def test_cuda_paths_with_the_libcuda_stand_in(tmp_path, request):
     d = _build_fake(str(tmp_path))
     env = dict(os.environ, MC_TEST_FAKECUDA="1",
                LD_LIBRARY_PATH=d + os.pathsep + os.environ.get("LD_LIBRARY_PATH", ""))
-    r = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
-                        "-s", os.path.join(HERE, "test_push_gate.py"), "-k", "fake_"],
-                       env=env, cwd=os.path.dirname(HERE), capture_output=True, text=True,
-                       timeout=600)
+    argv = [os.path.join(d, "libcuda.so.1"), "-x", "-q", "-p", "no:cacheprovider", "-s",
+            os.path.join(HERE, "test_push_gate.py"), "-k", "fake_"]
+    have_vllm = importlib.util.find_spec("vllm") is not None
+    if have_vllm:
+        r = request.getfixturevalue("vllm_forks").run(FAKE_CHILD, argv, env=env,
+                                                       cwd=os.path.dirname(HERE), timeout=600)
+    else:
+        r = subprocess.run([sys.executable, "-c", FAKE_CHILD, *argv], env=env,
+                           cwd=os.path.dirname(HERE), capture_output=True, text=True,
+                           timeout=600)
     print(r.stdout[-6000:], r.stderr[-3000:])
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-3000:]
     tail = r.stdout.split("\n")[-2]
     # every fake_ test ran (the vLLM ones skip only where vllm is not installed)
-    assert " passed" in r.stdout and ("skipped" not in tail or
-                                      importlib.util.find_spec("vllm") is None), tail
+    assert " passed" in r.stdout and ("skipped" not in tail or not have_vllm), tail
 
 
 class Fake:
