@@ -723,6 +723,20 @@ def intree_failure_hint(device, text):
     return ""
 
 
+def intree_engine_import_problem(env, python=None):
+    """Why `import mooncake.engine` fails in the in-tree servers' environment
+    (env on top of ours), or None: vLLM's connector only logs "Please install
+    mooncake" and drops the ImportError's reason (a missing libcudart.so.12,
+    a Python version the engine was not built for)."""
+    out = subprocess.run([python or sys.executable, "-P", "-c", "import mooncake.engine"],
+                         capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, **env))
+    if out.returncode == 0:
+        return None
+    last = (out.stderr.strip().splitlines() or [f"exit status {out.returncode}"])[-1]
+    return f"mooncake.engine does not import from --mooncake-site: {last}"
+
+
 def intree_phase(args, model, workdir, lengths, colocated, router_site, log):
     """vLLM's in-tree MooncakeConnector on Mooncake's engine, behind
     vllm-router, with the colocated server as the reference.  Returns
@@ -746,6 +760,10 @@ def intree_phase(args, model, workdir, lengths, colocated, router_site, log):
     env, note = intree_settings(device, getattr(args, "dev_env", {}), site, bport,
                                 os.environ.get("PYTHONPATH", ""))
     log(f"in-tree phase: {note}")
+    if device == "cuda":  # the engine's own reason, which vLLM would not show
+        problem = intree_engine_import_problem(env)
+        if problem:
+            return None, f"not run: {problem}", {}
     extra = {"mooncake_protocol": "tcp"}
     servers = []
     for role, name in (("kv_producer", "intree-prefill"), ("kv_consumer", "intree-decode")):

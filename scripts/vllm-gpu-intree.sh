@@ -169,13 +169,10 @@ run)
   out="${OUT:-/tmp/vllm-gpu-intree-out}"
   mkdir -p "$out"
   t0=$SECONDS
-  if ! intree_staged; then
-    if [ -d .intree-gpu ]; then
-      intree_stage .intree-gpu
-    else
-      die "Mooncake's engine and vllm-router are not staged in $stage_dir (the machine went back?): carry .intree-gpu (made by '$0 prepare') and run '$0 stage' or this again"
-    fi
+  if ! intree_staged && [ -d .intree-gpu ]; then
+    intree_stage .intree-gpu
   fi
+  intree_staged || die "Mooncake's engine and vllm-router are not both staged in $stage_dir (the machine went back, or a part was not carried?): carry .intree-gpu (made by '$0 prepare') and run '$0 stage', or this again"
   mc_gpu_serving_enter "$out" benchmarks/serving_bench.py benchmarks/intree_proxy.py \
       mooncake_connector/vllm_gpu.py scripts/vllm-gpu-intree.sh || exit 1
   uptime | tee -a "$out/machine.txt"

@@ -151,6 +151,7 @@ def test_serving_bench_intree_phase_per_device(tmp_path):
     assert "pip install --target" in sb.intree_site_problem("cpu", site)
     assert "vllm-gpu-intree.sh stage" in sb.intree_site_problem("cuda", None)
     os.makedirs(os.path.join(site, "mooncake"))
+    open(os.path.join(site, "mooncake", "__init__.py"), "w").close()
     assert sb.intree_site_problem("cpu", site) is None
     assert "engine" in sb.intree_site_problem("cuda", site)
     open(os.path.join(site, "mooncake", "engine.cpython-312-x86_64-linux-gnu.so"), "w").close()
@@ -164,6 +165,14 @@ def test_serving_bench_intree_phase_per_device(tmp_path):
     assert "libcudart.so.12" in sb.intree_failure_hint(
         "cuda", "ImportError: libcudart.so.12: cannot open shared object file")
     assert sb.intree_failure_hint("cuda", "ValueError: something else") == ""
+
+    # The engine's own import error, which vLLM's connector does not show.
+    env, _ = sb.intree_settings("cuda", {}, site, 1)
+    why = sb.intree_engine_import_problem(env)
+    assert "mooncake.engine does not import" in why and "ModuleNotFoundError" in why
+    with open(os.path.join(site, "mooncake", "engine.py"), "w") as f:
+        f.write("class TransferEngine:\n    pass\n")
+    assert sb.intree_engine_import_problem(env) is None
 
 
 def test_serving_bench_device_flags_and_transfer_size(capsys):
