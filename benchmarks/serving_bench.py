@@ -22,18 +22,22 @@ path:
 * vllm-router (PyPI, --vllm-pd-disaggregation --kv-connector mooncake) in
   front of our servers: vLLM's in-tree contract (bootstrap server, sequential
   legs), when it can be had (tests/vllm_router_pkg.py);
-* vLLM's in-tree MooncakeConnector on Mooncake's own engine
-  (mooncake-transfer-engine-non-cuda, --mooncake-site: a pip --target dir;
+* vLLM's in-tree MooncakeConnector on Mooncake's own engine over its TCP
+  transport (--mooncake-site: a dir holding Mooncake's `mooncake` package;
   MC_MOONCAKE_SHIM=0), behind vllm-router (which sends the decode leg after
   the prefill's answer) and behind benchmarks/intree_proxy.py (both legs at
   once, as the connector's own proxy): a second phase of the same run (our
   prefill and decode servers stopped, the in-tree pair started, the
   colocated server kept and measured again as that phase's reference).  On
-  vLLM's CPU backend its worker needs a benchmark-only workaround
-  (INTREE_CPU_NOTE: tests/intree_cpu/sitecustomize.py); where the servers
-  still fail, the phase records where.  Checked: token identity with both
-  phases' colocated answers, and the decode server's /metrics (every prompt
-  token loaded from the prefill, none computed).
+  vLLM's CPU backend (mooncake-transfer-engine-non-cuda, a pip --target
+  dir) its worker needs a benchmark-only workaround (INTREE_CPU_NOTE:
+  tests/intree_cpu/sitecustomize.py); with --device cuda (Mooncake's CUDA
+  engine, trimmed, with libcudart 12: scripts/vllm-gpu-intree.sh) none, the
+  pair with our servers' GPU share and flags (INTREE_CUDA_NOTE).  Where the
+  servers fail, the phase records where (on CUDA with the likely cause).
+  Checked: token identity with both phases' colocated answers, and the
+  decode server's /metrics (every prompt token loaded from the prefill,
+  none computed).
 
 For each prompt length it sends the same streamed greedy requests one at a
 time through every path (a fresh random order per prompt, a short pause
@@ -60,6 +64,7 @@ compute — minus the colocated TTFT of the same prompt, p50) <= 1 ms.  Results
 go to --out (JSON) and --plot (PNG).
 """
 import argparse
+import glob
 import json
 import os
 import random
@@ -633,29 +638,132 @@ def intree_xfer_stats(log_path):
             "avg_xfer_ms": round(ms / n, 2) if n else None}
 
 
+#: On vLLM's CUDA backend the in-tree connector starts as it is: what its
+#: servers get there instead of the CPU workaround (intree_settings).
+INTREE_CUDA_NOTE = (
+    "CUDA: no workaround; Mooncake's CUDA engine (libcudart 12 beside it) over its TCP "
+    "transport (mooncake_protocol tcp: GPU memory staged through host buffers), the same "
+    "share of GPU 0 and vLLM flags as our servers, vLLM's default asynchronous scheduling "
+    "on both in-tree servers, the KV cache in the HND layout the connector asks for")
+
+
+def intree_settings(device, dev_env, site, bootstrap_port, pythonpath=""):
+    """(environment, note) of the in-tree MooncakeConnector's two servers on
+    `device`: Mooncake's package from `site` first on PYTHONPATH (its
+    mooncake.engine, not our shim: MC_MOONCAKE_SHIM=0), our connector's
+    plugin off, vLLM's bootstrap server on bootstrap_port, dev_env (the
+    servers' device environment) underneath.  On "cpu" the benchmark-only
+    workaround comes too (INTREE_CPU_SITE on PYTHONPATH,
+    MC_INTREE_CPU_ACCEL_INDEX=1; note INTREE_CPU_NOTE); on "cuda" it does
+    not (note INTREE_CUDA_NOTE)."""
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', not {device!r}")
+    cpu = device == "cpu"
+    pypath = os.pathsep.join([site] + [INTREE_CPU_SITE] * cpu + [
+        p for p in (pythonpath or "").split(os.pathsep) if p])
+    env = {**dev_env, "PYTHONPATH": pypath, "VLLM_HOST_IP": "127.0.0.1",
+           "VLLM_MOONCAKE_BOOTSTRAP_PORT": str(bootstrap_port),
+           "MOONCAKE_CONNECTOR_DISABLE_PLUGIN": "1", "MC_MOONCAKE_SHIM": "0"}
+    if cpu:
+        env["MC_INTREE_CPU_ACCEL_INDEX"] = "1"
+    return env, INTREE_CPU_NOTE if cpu else INTREE_CUDA_NOTE
+
+
+def intree_site_problem(device, site):
+    """Why `site` (--mooncake-site) cannot serve the in-tree phase on
+    `device`, or None: it must hold Mooncake's `mooncake` package; on cuda
+    its CUDA build (the non-CUDA wheel's engine cannot move GPU memory)."""
+    if not site or not os.path.isdir(os.path.join(site, "mooncake")):
+        fix = ("scripts/vllm-gpu-intree.sh stage: Mooncake's CUDA engine, trimmed, unpacked"
+               if device == "cuda" else
+               "pip install --target DIR mooncake-transfer-engine-non-cuda")
+        return f"no Mooncake package at --mooncake-site {site!r} ({fix})"
+    if device == "cuda":
+        if glob.glob(os.path.join(site, "mooncake_transfer_engine_non_cuda-*.dist-info")):
+            return (f"--mooncake-site {site} holds mooncake-transfer-engine-non-cuda, whose "
+                    "engine cannot register GPU memory; on --device cuda give the CUDA build "
+                    "(scripts/vllm-gpu-intree.sh stage)")
+        if not glob.glob(os.path.join(site, "mooncake", "engine*.so")):
+            return f"--mooncake-site {site} has no mooncake/engine*.so (Mooncake's engine)"
+    return None
+
+
+#: What an in-tree server's failure on CUDA most likely means (a pattern of
+#: its log -> the hint), checked in order (intree_failure_hint).
+INTREE_CUDA_HINTS = (
+    (r"libcudart\.so\.12|No module named 'mooncake|Mooncake is not available",
+     "mooncake.engine did not import: --mooncake-site must hold the trimmed CUDA engine with "
+     "libcudart.so.12 in mooncake_transfer_engine.libs/ (the machine has CUDA 13 only)"),
+    (r"Transfer Engine initialization failed",
+     "Mooncake's TransferEngine.initialize(127.0.0.1, P2PHANDSHAKE, tcp) failed (its log "
+     "lines above say why)"),
+    (r"batch memory registration failed",
+     "Mooncake's engine refused to register the GPU KV cache (batch_register_memory): the "
+     "engine's CUDA build is needed for GPU memory"),
+    (r"[Ff]ree memory on device|GPU memory utilization|CUDA out of memory|OutOfMemoryError",
+     "GPU memory: the in-tree pair takes the share each of our servers had (their "
+     "--gpu-memory-utilization) beside the colocated server; was our pair's memory freed?"),
+    (r"HND|get_kv_cache_stride_order|Unknown cache layout",
+     "the connector asks vLLM for the HND KV layout; the attention backend "
+     "(--attention-backend) must support it (TRITON_ATTN does in vLLM 0.26)"),
+    (r"async.?scheduling",
+     "vLLM's asynchronous scheduling (on by default on CUDA) and the in-tree connector"),
+)
+
+
+def intree_failure_hint(device, text):
+    """A hint for where an in-tree server's failure text (its log's root
+    exception) points on `device`, or "" (cpu: none; the CPU backend's
+    known failure is the workaround's)."""
+    if device != "cuda":
+        return ""
+    for pattern, hint in INTREE_CUDA_HINTS:
+        if re.search(pattern, text):
+            return f"likely cause: {hint}"
+    return ""
+
+
+def intree_engine_import_problem(env, python=None):
+    """Why `import mooncake.engine` fails in the in-tree servers' environment
+    (env on top of ours), or None: vLLM's connector only logs "Please install
+    mooncake" and drops the ImportError's reason (a missing libcudart.so.12,
+    a Python version the engine was not built for)."""
+    out = subprocess.run([python or sys.executable, "-P", "-c", "import mooncake.engine"],
+                         capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, **env))
+    if out.returncode == 0:
+        return None
+    last = (out.stderr.strip().splitlines() or [f"exit status {out.returncode}"])[-1]
+    return f"mooncake.engine does not import from --mooncake-site: {last}"
+
+
 def intree_phase(args, model, workdir, lengths, colocated, router_site, log):
     """vLLM's in-tree MooncakeConnector on Mooncake's engine, behind
     vllm-router, with the colocated server as the reference.  Returns
-    (rows of the in-tree phase or None, status text)."""
+    (rows of the in-tree phase or None, status text, info).  On --device
+    cuda its servers get the same GPU settings and share as ours
+    (args.dev_env, args.dev_args: 0.75 / servers of GPU 0 each; the pair
+    starts after our prefill and decode stopped, beside the colocated one)
+    and no CPU workaround (intree_settings)."""
     from mooncake_connector import serving
     from mooncake_connector.deployment import prompt_tokens_by_source
 
+    device = getattr(args, "device", "cpu")
     if not router_site:
         return None, "not run: vllm-router (its proxy) unavailable", {}
     site = args.mooncake_site
-    if not site or not os.path.isdir(os.path.join(site, "mooncake")):
-        return None, (f"not run: no Mooncake wheel installed at --mooncake-site {site!r} "
-                      "(pip install --target DIR mooncake-transfer-engine-non-cuda)"), {}
+    problem = intree_site_problem(device, site)
+    if problem:
+        return None, f"not run: {problem}", {}
     logs = os.path.join(workdir, "logs")
     bport = serving.free_port()
-    # Mooncake's wheel first (its mooncake.engine, not ours: MC_MOONCAKE_SHIM=0),
-    # then INTREE_CPU_SITE, the benchmark-only workaround (see INTREE_CPU_NOTE).
-    pypath = os.pathsep.join([site, INTREE_CPU_SITE] + [
-        p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
-    env = {**getattr(args, "dev_env", {}), "PYTHONPATH": pypath, "VLLM_HOST_IP": "127.0.0.1",
-           "VLLM_MOONCAKE_BOOTSTRAP_PORT": str(bport), "MOONCAKE_CONNECTOR_DISABLE_PLUGIN": "1",
-           "MC_MOONCAKE_SHIM": "0", "MC_INTREE_CPU_ACCEL_INDEX": "1"}
-    log(f"in-tree phase: {INTREE_CPU_NOTE}")
+    env, note = intree_settings(device, getattr(args, "dev_env", {}), site, bport,
+                                os.environ.get("PYTHONPATH", ""))
+    log(f"in-tree phase: {note}")
+    if device == "cuda":  # the engine's own reason, which vLLM would not show
+        problem = intree_engine_import_problem(env)
+        if problem:
+            return None, f"not run: {problem}", {}
     extra = {"mooncake_protocol": "tcp"}
     servers = []
     for role, name in (("kv_producer", "intree-prefill"), ("kv_consumer", "intree-decode")):
@@ -670,8 +778,12 @@ def intree_phase(args, model, workdir, lengths, colocated, router_site, log):
     except serving.StartError as e:
         first = str(e).splitlines()[0]
         died = next((p for p in servers if not p.alive), servers[0])
-        return None, (f"vLLM's CPU backend cannot run it: {first}\n"
-                      f"{died.name} ({died.log_path}):\n{_failure_of(died)}"), {}
+        failure = _failure_of(died)
+        hint = intree_failure_hint(device, failure)
+        who = ("vLLM's CPU backend cannot run it" if device == "cpu" else
+               "vLLM's in-tree MooncakeConnector did not start on CUDA")
+        return None, (f"{who}: {first}\n{died.name} ({died.log_path}):\n{failure}"
+                      + (f"\n{hint}" if hint else "")), {}
     import vllm_router_pkg
     rport = serving.free_port()
     argv, renv = vllm_router_pkg.router_cmd(router_site, [(servers[0].url, bport)],
@@ -698,7 +810,14 @@ def intree_phase(args, model, workdir, lengths, colocated, router_site, log):
         after = prompt_tokens_by_source(servers[1].url)
         time.sleep(11)  # vLLM logs the connector's stats every 10 s
     except Exception as e:  # noqa: BLE001 - record why, keep phase 1's results
-        return None, f"started, but failed while measuring: {e!r}", {}
+        why = f"started, but failed while measuring: {e!r}"
+        died = next((p for p in servers if not p.alive), None)
+        if died is not None:  # where a server died (a transfer's fault, say)
+            failure = _failure_of(died)
+            hint = intree_failure_hint(device, failure)
+            why += f"\n{died.name} died ({died.log_path}):\n{failure}" + (
+                f"\n{hint}" if hint else "")
+        return None, why, {}
     finally:
         serving.stop_all([router, at_once, *servers])
     # Every request the decode server saw came through the router with
@@ -710,9 +829,14 @@ def intree_phase(args, model, workdir, lengths, colocated, router_site, log):
               f"the prefill (external_kv_transfer), {local} computed (local_compute)")
     if not ext or local > ext // 100:
         status += " -- NOT LOADED REMOTELY: the in-tree numbers are not a disaggregated path"
+    xfer = intree_xfer_stats(servers[0].log_path)
+    if xfer.get("failed_or_expired"):
+        status += (f"; the prefill's Mooncake engine counted {xfer['failed_or_expired']} "
+                   "failed or expired transfers (its log)")
     return rows, status, {"decode_prompt_tokens_by_source": src,
-                          "prefill_transfer_stats": intree_xfer_stats(servers[0].log_path),
-                          "cpu_workaround": INTREE_CPU_NOTE}
+                          "prefill_transfer_stats": xfer,
+                          "setting": note,
+                          "cpu_workaround": INTREE_CPU_NOTE if device == "cpu" else None}
 
 
 def parse_args(argv=None):
@@ -769,8 +893,11 @@ def parse_args(argv=None):
                          "(TRITON_ATTN: fp32 and exact comparisons; auto: vLLM's own choice, "
                          "FlashAttention on Hopper, as users run it)")
     ap.add_argument("--mooncake-site", default=os.environ.get("MC_MOONCAKE_SITE"),
-                    help="a pip --target dir holding mooncake-transfer-engine-non-cuda, for "
-                         "the in-tree MooncakeConnector phase ($MC_MOONCAKE_SITE)")
+                    help="for the in-tree MooncakeConnector phase: a pip --target dir holding "
+                         "mooncake-transfer-engine-non-cuda (--device cpu), or the unpacked "
+                         "trimmed CUDA engine of scripts/vllm-gpu-intree.sh (--device cuda) "
+                         "($MC_MOONCAKE_SITE); vllm-router: $MC_VLLM_ROUTER_SITE "
+                         "(tests/vllm_router_pkg.py)")
     args = ap.parse_args(argv)
     lengths = [int(x) for x in args.lengths.split(",")]
     if max(lengths) > 2000:
@@ -929,7 +1056,7 @@ def _print_verdict(summary, skipped, intree_status, intree_info, conn_stats, pro
         print(f"not measured: {LABEL[k]}: {why}")
     print(f"vLLM in-tree MooncakeConnector: {intree_status}")
     if intree_info:
-        print(f"  ({intree_info['cpu_workaround']}; 1st token from decode only: vllm-router "
+        print(f"  ({intree_info['setting']}; 1st token from decode only: vllm-router "
               f"and intree_proxy.py relay the decode leg's answer; Mooncake's engine on the "
               f"prefill (its KV Transfer metrics): {intree_info['prefill_transfer_stats']})")
     print(f"token-identical to colocated, every mode of the run: "

@@ -122,6 +122,59 @@ def test_serving_bench_push_vs_intree(tmp_path):
                                               "MB": 60.0, "avg_xfer_ms": 60.0}
 
 
+def test_serving_bench_intree_phase_per_device(tmp_path):
+    """The in-tree phase's servers: on CPU the benchmark-only workaround
+    (tests/intree_cpu on PYTHONPATH, MC_INTREE_CPU_ACCEL_INDEX=1); on CUDA
+    none of it, the GPU servers' environment kept; the Mooncake site checked
+    per device, and a CUDA failure named with its likely cause."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import serving_bench as sb
+    finally:
+        sys.path.pop(0)
+    from mooncake_connector.vllm_gpu import bench_settings
+
+    site = str(tmp_path / "site")
+    env, note = sb.intree_settings("cpu", {}, site, 4242, "/a" + os.pathsep + "/b")
+    assert env["PYTHONPATH"].split(os.pathsep) == [site, sb.INTREE_CPU_SITE, "/a", "/b"]
+    assert env["MC_INTREE_CPU_ACCEL_INDEX"] == "1" and note == sb.INTREE_CPU_NOTE
+    assert env["MC_MOONCAKE_SHIM"] == "0" and env["VLLM_MOONCAKE_BOOTSTRAP_PORT"] == "4242"
+    gpu_env, _ = bench_settings("cuda")
+    env, note = sb.intree_settings("cuda", gpu_env, site, 4243, "/tmp/vllm-site")
+    assert env["PYTHONPATH"].split(os.pathsep) == [site, "/tmp/vllm-site"]
+    assert "MC_INTREE_CPU_ACCEL_INDEX" not in env and note == sb.INTREE_CUDA_NOTE
+    assert {k: env[k] for k in gpu_env} == gpu_env
+    assert env["MOONCAKE_CONNECTOR_DISABLE_PLUGIN"] == "1"
+    with pytest.raises(ValueError, match="'xpu'"):
+        sb.intree_settings("xpu", {}, site, 1)
+
+    assert "pip install --target" in sb.intree_site_problem("cpu", site)
+    assert "vllm-gpu-intree.sh stage" in sb.intree_site_problem("cuda", None)
+    os.makedirs(os.path.join(site, "mooncake"))
+    open(os.path.join(site, "mooncake", "__init__.py"), "w").close()
+    assert sb.intree_site_problem("cpu", site) is None
+    assert "engine" in sb.intree_site_problem("cuda", site)
+    open(os.path.join(site, "mooncake", "engine.cpython-312-x86_64-linux-gnu.so"), "w").close()
+    assert sb.intree_site_problem("cuda", site) is None
+    os.makedirs(os.path.join(site, "mooncake_transfer_engine_non_cuda-0.3.13.dist-info"))
+    assert "non-cuda" in sb.intree_site_problem("cuda", site)
+
+    died = "RuntimeError: Mooncake batch memory registration failed."
+    assert "batch_register_memory" in sb.intree_failure_hint("cuda", died)
+    assert sb.intree_failure_hint("cpu", died) == ""
+    assert "libcudart.so.12" in sb.intree_failure_hint(
+        "cuda", "ImportError: libcudart.so.12: cannot open shared object file")
+    assert sb.intree_failure_hint("cuda", "ValueError: something else") == ""
+
+    # The engine's own import error, which vLLM's connector does not show.
+    env, _ = sb.intree_settings("cuda", {}, site, 1)
+    why = sb.intree_engine_import_problem(env)
+    assert "mooncake.engine does not import" in why and "ModuleNotFoundError" in why
+    with open(os.path.join(site, "mooncake", "engine.py"), "w") as f:
+        f.write("class TransferEngine:\n    pass\n")
+    assert sb.intree_engine_import_problem(env) is None
+
+
 def test_serving_bench_device_flags_and_transfer_size(capsys):
     """--gpu-path / bfloat16 are GPU-only flags (a clear error on CPU), and the
     measured transfer moves the KV of the dtype the servers run (bf16: half)."""
