@@ -49,6 +49,10 @@ exit status 1 if any failed, 2 if the servers did not start):
 * released: after SIGCONT / SIGKILL the decode logged "its blocks go back to
   vLLM" once per hold and vllm:kv_cache_usage_perc went back to 0 (idle),
   within --release-s;
+* retaken (only with --extra-c load_failure_policy=fail, under which vLLM
+  fails a request whose load failed instead of computing its prompt): the
+  proxies counted a decode_retakes per target (mooncake_connector.
+  proxy_retake: the proxy sends such a leg once more, so "identical" holds);
 * no hang: every request answered 200 within its HTTP timeout, the phase's
   plain requests within --other-bound-s, and at the end the decode (and a
   resumed prefill) answer /health with no request running or waiting.
@@ -285,6 +289,12 @@ class Probe:
     def proxy_url(self, mode):
         return self.dep.proxies[MODES[mode][0]].url
 
+    def retakes(self, modes):
+        """The proxies' decode_retakes (a decode leg taken again after it
+        failed before its first token), summed over modes' proxies."""
+        from mooncake_connector.deployment import proxy_stats
+        return sum(proxy_stats(self.proxy_url(m)).get("decode_retakes", 0) for m in modes)
+
     def check(self, name, ok, detail):
         self.checks.append({"check": name, "ok": bool(ok), "detail": detail})
         self.log(f"{'PASS' if ok else 'FAIL'} {name}: {detail}")
@@ -369,6 +379,7 @@ class Probe:
         hi = a.lease_s + PUSH_GRACE_S + a.slack_s
         mark = log_size(dep.decode.log_path)
         m0 = self.metrics()
+        r0 = self.retakes(modes)
         states = self.stop_prefill()
         ph["stopped_pids"] = sorted(states)
         t_stop = time.monotonic()
@@ -399,6 +410,14 @@ class Probe:
                   layer_loads_as_whole=m1.get(LAYER_LOADS_ASYNC, 0) - m0.get(LAYER_LOADS_ASYNC, 0))
         self.log(f"  decode: in-step layer loads +{ph['layer_loads']:.0f}, layer loads taken as "
                  f"the whole-prompt push (async scheduling) +{ph['layer_loads_as_whole']:.0f}")
+        if self.args.extra_config.get("load_failure_policy") == "fail":
+            # vLLM fails a request whose load failed (no recompute there):
+            # the proxy takes each target again (proxy_retake)
+            got = self.retakes(modes) - r0
+            ph["decode_retakes"] = got
+            self.check(f"{name}: retaken", got >= len(modes),
+                       f"the proxies' decode_retakes +{got} (targets {len(modes)}; the "
+                       "decode's load_failure_policy is 'fail')")
         self.check(f"{name}: bound",
                    all(t["ok"] and lo <= t["seconds"] <= hi for t in targets)
                    and recs >= len(modes),

@@ -91,6 +91,7 @@ from aiohttp import web
 from mooncake_connector import http_guard
 from mooncake_connector.proxy_engines import PrefillEngines
 from mooncake_connector import proxy_first_token as ft
+from mooncake_connector import proxy_retake
 from mooncake_connector import trace
 from mooncake_connector import request_check
 
@@ -209,6 +210,14 @@ def _prompt_ids(pre):
     return None
 
 
+def _error_message(resp):
+    """The message of an error answer made by _error or _upstream_error."""
+    try:
+        return str(json.loads(resp.body)["error"]["message"])
+    except (ValueError, KeyError, TypeError, IndexError):
+        return f"upstream answered {resp.status}"
+
+
 def _upstream_error(role, url, status, raw, content_type):
     """An upstream's non-200 answer for the client: passed through when it is
     an OpenAI-style JSON error with a message, else (an empty body, HTML, a
@@ -235,7 +244,7 @@ class Proxy:
                  header_timeout=http_guard.HEADER_TIMEOUT_S, body_budget=BODY_BUDGET,
                  body_timeout=http_guard.BODY_TIMEOUT_S, push_layer_read=None,
                  prefill_bootstraps=(), forget_retry_s=FORGET_RETRY_S,
-                 forget_timeout_s=FORGET_TIMEOUT_S, forget_max=FORGET_MAX):
+                 forget_timeout_s=FORGET_TIMEOUT_S, forget_max=FORGET_MAX, decode_retake=True):
         self.passthrough = [u.rstrip("/") for u in passthrough]
         if self.passthrough and (prefill or decode):
             raise ValueError("--passthrough takes no --prefill/--decode")
@@ -261,6 +270,10 @@ class Proxy:
         self.decode = [u.rstrip("/") for u in decode] or self.passthrough
         self.flow = flow
         self.first_token = first_token
+        # A decode leg that fails before its first token (vLLM's
+        # kv_load_failure_policy "fail": its KV load failed) is sent once
+        # more without kv_transfer_params (proxy_retake)
+        self.decode_retake = bool(decode_retake)
         self.api_key = api_key
         # Flows a, b: a decode that does not answer a forget (_post_forget)
         # is asked again until forget_retry_s after the prefill's answer (0:
@@ -321,6 +334,7 @@ class Proxy:
                        "request_ids_replaced": 0, "request_ids_suffixed": 0,
                        "prefill_errors": 0, "prefill_failovers": 0,
                        "prefill_retries": 0, "decode_retries": 0, "decode_errors": 0,
+                       "decode_retakes": 0,
                        "first_token_from_prefill": 0, "first_token_partial": 0,
                        "first_token_partial_unsettled": 0,
                        "finished_at_prefill": 0,
@@ -761,7 +775,8 @@ class Proxy:
                     else dict(body, kv_transfer_params=params))
         request["mc_leg"] = "decode"
         request["mc_dec_url"] = dec_url
-        return await self._relay(request, dec_url, dec_body, headers, rid, "decode")
+        return await self._relay(request, dec_url, dec_body, headers, rid, "decode",
+                                 retake=self._retake_body(body))
 
     def _release_at_prefill(self, request):
         """Flows a, b: the prefill answered but no decode leg follows (the
@@ -1048,7 +1063,7 @@ class Proxy:
         await asyncio.sleep(0)
         try:
             return await self._relay(request, dec_url, dec_body, headers, rid, "decode",
-                                     marks)
+                                     marks, retake=self._retake_body(body))
         finally:
             if not task.done():
                 # The decode answer is complete (or the client left): the
@@ -1129,70 +1144,137 @@ class Proxy:
                            "the prompt)", url, rid, e)
             return False
 
-    async def _relay(self, request, url, body, headers, rid, role="upstream", marks=None):
+    async def _relay(self, request, url, body, headers, rid, role="upstream", marks=None,
+                     retake=None):
         """Sends body to url and relays its answer (streamed through when
-        the request streams); marks: flow push's timings (_push_mark)."""
+        the request streams); marks: flow push's timings (_push_mark);
+        retake: the body sent once more when the decode fails the request
+        before its first token (proxy_retake), None: never."""
         trace.event("proxy_post", rid, role=role)
+        resp = None  # the client's stream, once started
         try:
-            r = await self.post_once_more(
-                url + request.path, rid, "decode_retries", json=body, headers=headers,
-                timeout=self.stream_timeout if body.get("stream") else self._timeout)
-            if role == "decode":
-                request["mc_leg"] = "decode_answered"
-            async with r:
-                if r.status != 200:
-                    self.counts["decode_errors"] += 1
-                    logger.warning("%s %s answered %d for %s", role, url, r.status, rid)
-                    return _upstream_error(role, url, r.status, await r.read(),
-                                           r.content_type)
-                if not body.get("stream"):
-                    got = await r.read()
-                    if role == "decode":
-                        request["mc_dec_data"] = True
-                    return web.Response(status=200, body=got,
-                                        content_type=r.content_type or "application/json",
-                                        headers={"X-Request-Id": rid})
-                resp = web.StreamResponse(status=200, headers={
-                    "Content-Type": r.headers.get("Content-Type", "text/event-stream"),
-                    "Cache-Control": "no-cache", "X-Request-Id": rid})
-                try:
-                    await resp.prepare(request)
-                except (ConnectionResetError, aiohttp.ClientConnectionError):
-                    return resp  # the client left before its first byte
-                try:
-                    first = trace.ON
-                    async for chunk in r.content.iter_any():
-                        if role == "decode":
-                            request["mc_dec_data"] = True  # its engine had it (legs.py)
-                        if first:
-                            trace.event("proxy_chunk_in", rid, role=role)
-                        await ft._write(resp, chunk)
-                        self._push_mark(marks, "first")
-                        if first:
-                            first = False
-                            trace.event("proxy_chunk_out", rid, role=role)
-                except ft.ClientGone:
-                    return resp  # the client left: not the decode instance's failure
-                except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-                    # Status 200 is out: end the stream with an error event.
-                    self.counts["decode_errors"] += 1
-                    msg = self.upstream_failure(f"{role} instance {url}", e, "mid-stream")
-                    logger.warning("%s (request %s)", msg, rid)
-                    try:
-                        await resp.write(ft.error_event(msg))
-                    except (ConnectionResetError, aiohttp.ClientConnectionError):
-                        return resp  # the client left too
-                try:
-                    await resp.write_eof()
-                except (ConnectionResetError, aiohttp.ClientConnectionError):
-                    pass
-                return resp
+            while True:
+                r = await self.post_once_more(
+                    url + request.path, rid, "decode_retries", json=body, headers=headers,
+                    timeout=self.stream_timeout if body.get("stream") else self._timeout)
+                if role == "decode":
+                    request["mc_leg"] = "decode_answered"
+                async with r:
+                    if r.status != 200 or not body.get("stream"):
+                        raw = await r.read()
+                        if role == "decode" and r.status == 200:
+                            request["mc_dec_data"] = True
+                        if retake is not None and proxy_retake.failed_answer(r.status, raw):
+                            request["mc_dec_data"] = True  # its engine had it
+                            body, retake = self._retake(url, rid, body, retake), None
+                            continue
+                        if r.status != 200:
+                            self.counts["decode_errors"] += 1
+                            logger.warning("%s %s answered %d for %s", role, url, r.status, rid)
+                            err = _upstream_error(role, url, r.status, raw, r.content_type)
+                            if resp is None:
+                                return err
+                            # A retaken stream (its status 200 is out):
+                            # the error as an event.
+                            await self._end_stream(resp, ft.error_event(
+                                _error_message(err), r.status))
+                            return resp
+                        return web.Response(status=200, body=raw,
+                                            content_type=r.content_type or "application/json",
+                                            headers={"X-Request-Id": rid})
+                    if resp is None:
+                        resp = web.StreamResponse(status=200, headers={
+                            "Content-Type": r.headers.get("Content-Type",
+                                                          "text/event-stream"),
+                            "Cache-Control": "no-cache", "X-Request-Id": rid})
+                        try:
+                            await resp.prepare(request)
+                        except (ConnectionResetError, aiohttp.ClientConnectionError):
+                            return resp  # the client left before its first byte
+                    got = await self._pump(request, resp, r, url, rid, role, marks,
+                                           retake is not None)
+                if got != proxy_retake.FAILED:
+                    return resp
+                body, retake = self._retake(url, rid, body, retake), None
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             if http_guard.out_of_fds(e):
-                return self.no_fds(f"{role} instance {url}", e, rid)
+                err = self.no_fds(f"{role} instance {url}", e, rid)
+            else:
+                self.counts["decode_errors"] += 1
+                err = _error(502, self.upstream_failure(f"{role} instance {url}", e,
+                                                        "unreachable"), "upstream_error")
+            if resp is None:
+                return err
+            await self._end_stream(resp, ft.error_event(_error_message(err), err.status))
+            return resp
+
+    def _retake_body(self, body):
+        """The decode leg taken again (proxy_retake): the client's request
+        without kv_transfer_params, or None with --decode-retake off."""
+        if not self.decode_retake:
+            return None
+        return {k: v for k, v in body.items() if k != "kv_transfer_params"}
+
+    def _retake(self, url, rid, body, retake):
+        """A decode leg that failed before its first token (proxy_retake):
+        counted, logged; returns the body to send once more."""
+        self.counts["decode_retakes"] += 1
+        logger.warning("decode %s failed request %s before its first token (under vLLM's "
+                       "kv_load_failure_policy 'fail': its KV load failed): sent once more%s",
+                       url, rid, " without kv_transfer_params (the decode finds the prompt "
+                       "by its tokens or computes it)" if "kv_transfer_params" in body else "")
+        return retake
+
+    async def _end_stream(self, resp, data):
+        try:
+            await resp.write(data)
+            await resp.write_eof()
+        except (ConnectionResetError, aiohttp.ClientConnectionError):
+            pass  # the client left
+
+    async def _pump(self, request, resp, r, url, rid, role, marks, judge):
+        """Relays upstream answer r's stream into resp.  judge: its first
+        events are held until they show a token (proxy_retake.StreamHead);
+        returns proxy_retake.FAILED, nothing written, where they show the
+        decode failed the request before its first token, else None."""
+        head = proxy_retake.StreamHead() if judge else None
+        try:
+            first = trace.ON
+            async for chunk in r.content.iter_any():
+                if role == "decode":
+                    request["mc_dec_data"] = True  # its engine had it (legs.py)
+                if first:
+                    trace.event("proxy_chunk_in", rid, role=role)
+                if head is not None:
+                    verdict = head.feed(chunk)
+                    if verdict is None:
+                        continue
+                    if verdict == proxy_retake.FAILED:
+                        return verdict
+                    chunk, head = head.held(), None
+                await ft._write(resp, chunk)
+                self._push_mark(marks, "first")
+                if first:
+                    first = False
+                    trace.event("proxy_chunk_out", rid, role=role)
+            if head is not None and head.held():
+                await ft._write(resp, head.held())  # ended undecided: as it came
+        except ft.ClientGone:
+            return None  # the client left: not the decode instance's failure
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            # Status 200 is out: end the stream with an error event.
             self.counts["decode_errors"] += 1
-            return _error(502, self.upstream_failure(f"{role} instance {url}", e, "unreachable"),
-                          "upstream_error")
+            msg = self.upstream_failure(f"{role} instance {url}", e, "mid-stream")
+            logger.warning("%s (request %s)", msg, rid)
+            try:
+                await resp.write(ft.error_event(msg))
+            except (ConnectionResetError, aiohttp.ClientConnectionError):
+                return None  # the client left too
+        try:
+            await resp.write_eof()
+        except (ConnectionResetError, aiohttp.ClientConnectionError):
+            pass
+        return None
 
     def _fds_message(self, where, exc):
         limit = f"open-file limit {self.nofile}" if self.nofile else "open-file limit"
@@ -1417,6 +1499,9 @@ class PromCounters:
                          ("request_ids_suffixed", "Requests whose X-Request-Id was in flight "
                           "already: the vLLM servers got it with a unique suffix"),
                          ("decode_errors", "Decode instances that failed or were unreachable"),
+                         ("decode_retakes", "Decode legs that failed before their first token "
+                          "(a failed KV load under load_failure_policy 'fail'), sent once more "
+                          "without kv_transfer_params"),
                          ("stream_errors_after_first_token",
                           "Streams that failed after their first token"),
                          ("first_token_from_prefill", "Streams whose first token came from the "
@@ -1627,6 +1712,11 @@ def _parser():
            "as its writes land, from a thread (on), or from vLLM's forward "
            "thread only, the last layer after the rest of the forward (off), "
            "or the prefill server's push_layer_watch setting (server)")
+    ap.add_argument("--decode-retake", choices=["on", "off"], default="on",
+                    help="a decode leg that fails before its first token (a decode server "
+                         "with load_failure_policy 'fail' whose KV load failed) is sent once "
+                         "more without kv_transfer_params, counted decode_retakes (on), or "
+                         "its error is the client's answer (off)")
     ap.add_argument("--first-token", choices=["prefill", "decode"], default="prefill",
                     help="streamed requests: prefill (default) streams the prefill's token at "
                          "once and decode continues from it; decode waits for the decode "
@@ -1862,7 +1952,7 @@ def main(argv=None):
                   body_budget=int(args.body_budget_mb * (1 << 20)),
                   body_timeout=args.body_timeout, prefill_bootstraps=args.prefill_bootstrap,
                   forget_retry_s=args.forget_retry_s, forget_timeout_s=args.forget_timeout_s,
-                  forget_max=args.forget_max,
+                  forget_max=args.forget_max, decode_retake=args.decode_retake == "on",
                   **{k: _SWITCH[getattr(args, k)] for k in _PUSH_SWITCHES})
     run_loop, loop_name = _event_loop(args.loop)
     run_loop(_serve(proxy, args, ap.prog, loop_name))

@@ -51,6 +51,7 @@ import time
 import aiohttp
 from aiohttp import web
 
+from mooncake_connector import proxy_retake
 from mooncake_connector import trace
 
 #: Fields the fast path carries over, unchanged, to the decode leg.
@@ -405,6 +406,12 @@ async def stream(proxy, request, plan, dec_url, headers, rid, t_pre=None):
     request["mc_dec_url"] = dec_url
     try:
         err = await _relay_decode(proxy, out, plan, dec_url, headers)
+        if err is RETAKE:
+            # The decode failed before its first token (proxy_retake): once
+            # more without kv_transfer_params, its error then the client's.
+            plan.decode = proxy._retake(dec_url, rid, plan.decode,
+                                        proxy._retake_body(plan.decode))
+            err = await _relay_decode(proxy, out, plan, dec_url, headers, judge=False)
     except Unsettled as e:
         proxy.partial_settled.discard(dec_url)
         if trace.ON:
@@ -568,16 +575,23 @@ async def _eof(resp):
     return resp
 
 
-async def _relay_decode(proxy, out, plan, dec_url, headers):
-    """Relays the decode leg's SSE events; returns an error message or None."""
+async def _relay_decode(proxy, out, plan, dec_url, headers, judge=True):
+    """Relays the decode leg's SSE events; returns an error message, None,
+    or RETAKE: the decode failed the request before its first token
+    (proxy_retake; nothing of its answer sent; judge and the proxy's
+    decode_retake on)."""
     where = f"decode instance {dec_url}"
+    judge = judge and proxy.decode_retake
     r = await proxy.post_once_more(dec_url + "/v1/completions", headers.get("X-Request-Id"),
                                    "decode_retries", json=plan.decode, headers=headers,
                                    timeout=proxy.stream_timeout)
     out.request["mc_leg"] = "decode_answered"
     async with r:
         if r.status != 200:
-            text = (await r.read()).decode("utf-8", "replace")
+            raw = await r.read()
+            if judge and proxy_retake.failed_answer(r.status, raw):
+                return RETAKE
+            text = raw.decode("utf-8", "replace")
             try:
                 text = json.loads(text)["error"]["message"]
             except (ValueError, KeyError, TypeError):
@@ -627,9 +641,12 @@ async def _relay_decode(proxy, out, plan, dec_url, headers):
                             f"{payload[:200]!r}")
                 if chunk is None:
                     e = ev.get("error") or {}
+                    if judge and not chunks and proxy_retake.engine_error(e):
+                        return RETAKE  # nothing of this leg sent (judge: see below)
                     msg = e.get("message") if isinstance(e, dict) else e
                     return f"{where} failed after the first token was sent: {msg}"
                 chunks.append(chunk)
+                judge = False  # a token of this leg is out or on its way
                 if settled:
                     await _release(proxy, out, plan, b"".join(chunks))
                     chunks = []
@@ -640,6 +657,10 @@ async def _relay_decode(proxy, out, plan, dec_url, headers):
                 return (f"{where} sent over {MAX_EVENT >> 20} MiB without an event's end "
                         "(a blank line): not a server-sent event stream")
         return f"{where} closed the stream before [DONE] (after the first token was sent)"
+
+
+#: _relay_decode's answer for a decode leg that failed before its first token.
+RETAKE = object()
 
 
 async def _release(proxy, out, plan, data):

@@ -332,6 +332,24 @@ def _vllm_app(u):
             return web.json_response({"id": "f", "choices": [{"index": 0, "text": "x"}],
                                       "kv_transfer_params": {"mc_forget": dp[r],
                                                              "mc_dp": True}})
+        if u.decode_fail == "engine" and u.engine_fails > 0:
+            # vLLM's answer to a request its engine ended with finish reason
+            # "error" before any token (kv_load_failure_policy "fail", a
+            # failed KV load): 500, or a stream's error event (a chat stream
+            # has its role chunk first)
+            u.engine_fails -= 1
+            err = {"error": {"message": "Internal server error", "type": "InternalServerError",
+                             "param": None, "code": 500}}
+            if not body.get("stream"):
+                return web.json_response(err, status=500)
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            if request.path.endswith("chat/completions"):
+                await resp.write(b"data: " + json.dumps({"id": "dec", "choices": [{
+                    "index": 0, "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None, "finish_reason": None}]}).encode() + b"\n\n")
+            await resp.write(b"data: " + json.dumps(err).encode() + b"\n\ndata: [DONE]\n\n")
+            return resp
         if "messages" in body:
             prompt = list(range(1, 3 + sum(len(m["content"].split()) for m in body["messages"])))
         elif isinstance(body["prompt"], list):
@@ -436,6 +454,7 @@ def vllm_like():
         u = types.SimpleNamespace(name=name, status=200, kv_params=False, seen=[],
                                   finish=kw.get("finish", "length"),
                                   decode_fail=kw.get("decode_fail"),
+                                  engine_fails=kw.get("engine_fails", 1),  # "engine": how many
                                   slow=kw.get("slow", 0),  # s before a non-streamed answer
                                   first_text=kw.get("first_text"),  # a max_tokens=1 answer's
                                   split=kw.get("split", False),  # stream events in pieces

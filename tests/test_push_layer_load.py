@@ -978,6 +978,48 @@ def test_async_scheduling_takes_the_whole_prompt_push(sides):
     assert c.get("push_loads") == 1, c
 
 
+def test_async_scheduling_loads_in_the_step_with_push_layer_load_async(sides):
+    """push_layer_load_async with load_failure_policy "fail": under vLLM's
+    asynchronous scheduling the layer load is taken in the step after all
+    (no WAITING_FOR_REMOTE_KVS), each layer's attention sees its KV, not
+    counted as the whole-prompt push."""
+    p = sides("kv_producer")
+    d = sides("kv_consumer", flow_a=False, async_scheduling=True, push_layer_load=True,
+              push_layer_load_async=True, load_failure_policy="fail")
+    lands_in_the_first_step(p, d, "A3", toks(65, 4 * BS + 5))
+    assert p.run_until(lambda: p.is_empty(), steps=500) and d.is_empty()
+    assert recomputes(d) == {} and counted(d, "push_layer_load_async_sched") == 0
+    assert counters(d).get("push_layer_loads") == 1, counters(d)
+
+
+def test_async_scheduling_failed_in_step_load_fails_the_request_only(sides):
+    """push_layer_load_async, the producer silent past the lease: vLLM's
+    "fail" policy ends the request with an error (no token, no truncation of
+    a request the step counted computed), and the decode goes on: the next
+    request is computed and ends normally."""
+    from vllm.v1.engine import FinishReason
+    p = sides("kv_producer")
+    d = sides("kv_consumer", flow_a=False, async_scheduling=True, push_layer_load=True,
+              push_layer_load_async=True, load_failure_policy="fail",
+              push_layer_timeout_s=1.2)
+    t = toks(66, 3 * BS + 4)
+    d.add(make_request("q", t, max_tokens=2, params=dp("A4")))
+    run = Stepper(p)
+    try:
+        t0 = time.monotonic()
+        d.step()
+        assert 1.2 <= time.monotonic() - t0 < 2.2
+        assert d.invalid
+        assert d.run_until(lambda: "q" not in d.sched.requests, steps=50)
+        assert d.finish_reasons.get("q") == FinishReason.ERROR, d.finish_reasons
+        d.add(make_request("r", toks(67, 2 * BS + 3), max_tokens=2))
+        assert d.run_until(lambda: "r" not in d.sched.requests, steps=50)
+        assert d.finish_reasons.get("r") == FinishReason.LENGTH, d.finish_reasons
+    finally:
+        run.join()
+    assert d.is_empty()
+
+
 def test_async_scheduling_computes_a_whole_prompt_push_in_the_step_after_done(sides):
     """The whole-prompt push under vLLM's engine loop with async scheduling
     (Side pipelined: step_with_batch_queue, one GPU's UniProcExecutor): the

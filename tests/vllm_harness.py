@@ -196,6 +196,7 @@ class Side:
         self.sched_stats = []  # kv_connector_stats in the scheduler's stats (both halves)
         self.sent, self.recvd, self.invalid = set(), set(), set()
         self.last_params = {}  # req_id -> kv_transfer_params the engine returned
+        self.finish_reasons = {}  # req_id -> vLLM FinishReason of its last output
         self.before_load = None  # called with the SchedulerOutput before start_load_kv
 
     def add(self, req, settle=True):
@@ -344,6 +345,8 @@ class Side:
             for o in getattr(eco, "outputs", None) or ():
                 if getattr(o, "kv_transfer_params", None):
                     self.last_params[o.request_id] = o.kv_transfer_params
+                if getattr(o, "finish_reason", None) is not None:
+                    self.finish_reasons[o.request_id] = o.finish_reason
 
     def run_until(self, cond, steps=2000, sleep=0.002):
         import time

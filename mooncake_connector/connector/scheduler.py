@@ -562,10 +562,12 @@ class SchedulerSide:
         if not (on if on is not None else self.s.push_layer_load) or self.groups != 1:
             return 0
         rid = request.request_id
-        if self.async_scheduling:
+        if self.async_scheduling and not self.s.push_layer_load_async:
             # A layer load is an in-step load: under vLLM's async scheduling
             # its failure (a stopped or slow prefill, an abort) kills the
-            # engine.  The whole-prompt push instead; counted, logged once.
+            # engine unless vLLM fails the request instead (settings:
+            # push_layer_load_async needs load_failure_policy "fail").  The
+            # whole-prompt push instead; counted, logged once.
             if rid not in self._busy:
                 self._busy.add(rid)
                 self.stats.add("push_layer_load_async_sched")
@@ -573,7 +575,9 @@ class SchedulerSide:
                                 "whole-prompt push on this server: vLLM's asynchronous "
                                 "scheduling is on, and vLLM cannot recover a failed in-step "
                                 "load under it (its engine dies); start the decode server "
-                                "with --no-async-scheduling for layer loads.  Counted "
+                                "with --no-async-scheduling for layer loads (or set "
+                                "push_layer_load_async with load_failure_policy 'fail').  "
+                                "Counted "
                                 "vllm:mooncake_push_layer_load_async_sched_total",
                                 level=logging.WARNING)
             return 0

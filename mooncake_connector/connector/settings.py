@@ -122,7 +122,13 @@ KNOBS = {  # extra-config key: (type, default, meaning)
                         "replay calls no wait_for_layer_load).  Under vLLM's asynchronous "
                         "scheduling (its GPU default) a layer load is taken as the "
                         "whole-prompt push (counted): start the decode with "
-                        "--no-async-scheduling"),
+                        "--no-async-scheduling, or see push_layer_load_async"),
+    "push_layer_load_async": (bool, False, "consumer, push_layer_load under vLLM's "
+                              "asynchronous scheduling: load in the step anyway instead of "
+                              "taking the whole-prompt push; needs load_failure_policy 'fail' "
+                              "(vLLM's engine dies recovering a failed in-step load under "
+                              "asynchronous scheduling; under 'fail' the request ends with an "
+                              "error the proxy sends once more: --decode-retake)"),
     "push_layer_read": (bool, False, "consumer, push_layer_load: the decode READs each layer "
                         "from the producer's blocks itself once the producer says it is "
                         "computed (the producer writes nothing into the decode's blocks), so a "
@@ -207,6 +213,7 @@ class Settings:
     push_layer_load: bool = False
     push_layer_timeout_s: float = 10.0
     push_layer_load_max_batch: int = 0
+    push_layer_load_async: bool = False
     push_layer_read: bool = False
     push_layer_read_stall_s: float = 0.5
     early_recv: bool = True
@@ -629,6 +636,17 @@ def resolve(kv_transfer_config, env=None):
     if s.load_failure_policy not in ("recompute", "fail"):
         raise SettingsError("kv_connector_extra_config.load_failure_policy must be 'recompute' "
                             f"or 'fail', not {s.load_failure_policy!r}")
+    if s.push_layer_load_async and s.load_failure_policy != "fail":
+        # vLLM recovers ("recompute") a failed in-step load under async
+        # scheduling by truncating a request the step already scheduled
+        # counts computed: the next step's device-side assert kills the
+        # engine (benchmarks/JOURNAL.md, runs 36 and 49).
+        raise SettingsError(
+            "kv_connector_extra_config.push_layer_load_async is true but load_failure_policy "
+            f"is {s.load_failure_policy!r}: vLLM's engine dies recovering a failed in-step "
+            "load under asynchronous scheduling; set load_failure_policy to 'fail' (the proxy "
+            "sends a request that failed so once more without kv_transfer_params: "
+            "--decode-retake on, its default), or leave push_layer_load_async false")
     from mooncake_connector.connector.access import MODES as ACCESS_MODES
     if s.kv_cache_access not in ACCESS_MODES:
         raise SettingsError("kv_connector_extra_config.kv_cache_access must be one of "
