@@ -1257,8 +1257,8 @@ class Proxy:
                 if first:
                     first = False
                     trace.event("proxy_chunk_out", rid, role=role)
-            if head is not None and head.held():
-                await ft._write(resp, head.held())  # ended undecided: as it came
+            if head is not None:
+                return head.ended()  # ended before any token: failed
         except ft.ClientGone:
             return None  # the client left: not the decode instance's failure
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:

@@ -602,6 +602,7 @@ async def _relay_decode(proxy, out, plan, dec_url, headers, judge=True):
         # and re-scanning the whole buffer per piece is quadratic: 4.5 s of
         # the event loop's CPU for an event that never ends, up to the cap.)
         buf = bytearray()
+        usage = []  # usage-only events held while judging (dropped by a retake)
         async for data in r.content.iter_any():
             out.request["mc_dec_data"] = True  # its engine had it (connector/legs.py)
             scanned = max(len(buf) - 1, 0)  # buf holds no event's end before this
@@ -618,6 +619,10 @@ async def _relay_decode(proxy, out, plan, dec_url, headers, judge=True):
                     continue
                 payload = line[5:].strip()
                 if payload == b"[DONE]":
+                    if judge:
+                        # no token before the end: vLLM 0.26's failed request
+                        # (its error output skipped as an empty chunk)
+                        return RETAKE
                     chunks.append(b"data: [DONE]\n\n")
                     await _release(proxy, out, plan, b"".join(chunks))
                     return None
@@ -641,12 +646,15 @@ async def _relay_decode(proxy, out, plan, dec_url, headers, judge=True):
                             f"{payload[:200]!r}")
                 if chunk is None:
                     e = ev.get("error") or {}
-                    if judge and not chunks and proxy_retake.engine_error(e):
-                        return RETAKE  # nothing of this leg sent (judge: see below)
+                    if judge and proxy_retake.engine_error(e):
+                        return RETAKE  # nothing of this leg sent yet (judge)
                     msg = e.get("message") if isinstance(e, dict) else e
                     return f"{where} failed after the first token was sent: {msg}"
-                chunks.append(chunk)
-                judge = False  # a token of this leg is out or on its way
+                if judge and isinstance(ev, dict) and ev.get("choices") == []:
+                    usage.append(chunk)  # a usage-only event: no token yet
+                    continue
+                chunks += usage + [chunk]
+                usage, judge = [], False  # a token of this leg is out or on its way
                 if settled:
                     await _release(proxy, out, plan, b"".join(chunks))
                     chunks = []
@@ -656,6 +664,8 @@ async def _relay_decode(proxy, out, plan, dec_url, headers, judge=True):
             if len(buf) > MAX_EVENT:
                 return (f"{where} sent over {MAX_EVENT >> 20} MiB without an event's end "
                         "(a blank line): not a server-sent event stream")
+        if judge:
+            return RETAKE  # closed before any token of this leg
         return f"{where} closed the stream before [DONE] (after the first token was sent)"
 
 

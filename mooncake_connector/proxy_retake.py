@@ -6,7 +6,12 @@ prefill, a lease run out) ends in the decode's engine with finish reason
 "error" and no token.  vLLM's API server then answers 500 ("Internal server
 error", type InternalServerError) to a non-streamed request, and a streamed
 one gets status 200 and one error event (after a chat stream's role-only
-first chunk) before ``[DONE]``: nothing a client could continue from.
+first chunk) before ``[DONE]`` (vLLM 0.32); vLLM 0.26 skips that output as
+an empty chunk, so its stream is ``[DONE]`` alone (after the role chunk, or
+a usage-only chunk when asked for): a stream that ends before any choice
+chunk.  Nothing a client could continue from either way (a decode leg asks
+for at least one token, and vLLM ends every answer that has one with a
+chunk carrying its finish reason).
 
 The proxy recognises such an answer before anything of it reached the
 client and sends the request to the same decode instance once more without
@@ -80,7 +85,7 @@ def _event_verdict(payload):
     """None (undecided: hold it, read on), FAILED or RELAY for one SSE
     event's data."""
     if payload == b"[DONE]":
-        return RELAY
+        return FAILED  # ended before any token or finish reason (vLLM 0.26's error)
     try:
         ev = json.loads(payload)
     except (ValueError, UnicodeDecodeError):
@@ -129,6 +134,11 @@ class StreamHead:
         if len(self._buf) > HOLD_MAX:
             return RELAY
         return None
+
+    def ended(self):
+        """The verdict when the stream ended (EOF) while undecided: nothing
+        but a role or usage chunk came, or nothing: FAILED."""
+        return FAILED
 
     def held(self):
         """Every byte fed so far (what the client gets on RELAY)."""

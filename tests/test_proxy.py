@@ -348,6 +348,14 @@ def _vllm_app(u):
                 await resp.write(b"data: " + json.dumps({"id": "dec", "choices": [{
                     "index": 0, "delta": {"role": "assistant", "content": ""},
                     "logprobs": None, "finish_reason": None}]}).encode() + b"\n\n")
+            if u.engine_shape == "0.26":
+                # vLLM 0.26 skips the error output as an empty chunk: the
+                # stream ends with no choice chunk (a usage-only one if asked)
+                if (body.get("stream_options") or {}).get("include_usage"):
+                    await resp.write(b'data: {"id": "dec", "choices": [], "usage": '
+                                     b'{"prompt_tokens": 3, "completion_tokens": 0}}\n\n')
+                await resp.write(b"data: [DONE]\n\n")
+                return resp
             await resp.write(b"data: " + json.dumps(err).encode() + b"\n\ndata: [DONE]\n\n")
             return resp
         if "messages" in body:
@@ -455,6 +463,7 @@ def vllm_like():
                                   finish=kw.get("finish", "length"),
                                   decode_fail=kw.get("decode_fail"),
                                   engine_fails=kw.get("engine_fails", 1),  # "engine": how many
+                                  engine_shape=kw.get("engine_shape", "0.32"),  # its stream
                                   slow=kw.get("slow", 0),  # s before a non-streamed answer
                                   first_text=kw.get("first_text"),  # a max_tokens=1 answer's
                                   split=kw.get("split", False),  # stream events in pieces

@@ -37,15 +37,20 @@ def _tokens(events):
             for c in e.get("choices") or () for t in c.get("token_ids") or ()]
 
 
+@pytest.mark.parametrize("shape", ["0.32", "0.26"])
 @pytest.mark.parametrize("first_token", ["decode", "prefill"])
 def test_a_stream_that_failed_before_its_first_token_is_taken_again(vllm_like, proxy,  # noqa: F811
-                                                                    first_token):
-    """Flow b, streamed: the decode leg's error event before any token is
-    not the client's; the leg is sent once more without kv_transfer_params
-    and the client gets the whole answer, no error; counted."""
-    p, d = vllm_like("prefill"), vllm_like("decode", decode_fail="engine", detokenize=True)
+                                                                    first_token, shape):
+    """Flow b, streamed: the decode leg's error event before any token
+    (vLLM 0.32), or its end with no choice chunk (vLLM 0.26, a usage chunk
+    before it), is not the client's; the leg is sent once more without
+    kv_transfer_params and the client gets the whole answer, no error;
+    counted."""
+    p = vllm_like("prefill")
+    d = vllm_like("decode", decode_fail="engine", detokenize=True, engine_shape=shape)
     url = proxy([p.url], [d.url], flow="b", extra=("--first-token", first_token))
-    body = {"model": "m", "prompt": "a b c d e", "max_tokens": 4}
+    body = {"model": "m", "prompt": "a b c d e", "max_tokens": 4,
+            "stream_options": {"include_usage": True}}
     status, events = _stream(url, "/v1/completions", body)
     assert status == 200
     assert not [e for e in events if isinstance(e, dict) and "error" in e], events
@@ -58,10 +63,13 @@ def test_a_stream_that_failed_before_its_first_token_is_taken_again(vllm_like, p
     assert get_stats(url)["decode_retakes"] == 1
 
 
-def test_a_chat_stream_role_chunk_then_error_is_taken_again(vllm_like, proxy):  # noqa: F811
+@pytest.mark.parametrize("shape", ["0.32", "0.26"])
+def test_a_chat_stream_role_chunk_then_error_is_taken_again(vllm_like, proxy,  # noqa: F811
+                                                            shape):
     """A chat stream's role-only first chunk is held (it carries no token):
     the client sees one role chunk, the retake's, and no error."""
-    p, d = vllm_like("prefill"), vllm_like("decode", decode_fail="engine")
+    p = vllm_like("prefill")
+    d = vllm_like("decode", decode_fail="engine", engine_shape=shape)
     url = proxy([p.url], [d.url], flow="b", extra=("--first-token", "decode"))
     body = {"model": "m", "messages": [{"role": "user", "content": "a b"}], "max_tokens": 3}
     status, events = _stream(url, "/v1/chat/completions", body)
@@ -159,7 +167,9 @@ def test_stream_head_verdicts(piece):
              (b'data: {"choices": [{"text": "", "finish_reason": "error"}]}\n\n',
               proxy_retake.FAILED),
              (tok + err, proxy_retake.RELAY), (role + tok, proxy_retake.RELAY),
-             (b"data: [DONE]\n\n", proxy_retake.RELAY),
+             (b"data: [DONE]\n\n", proxy_retake.FAILED),
+             (role + b"data: [DONE]\n\n", proxy_retake.FAILED),
+             (b'data: {"choices": [], "usage": {}}\n\ndata: [DONE]\n\n', proxy_retake.FAILED),
              (b'data: {"error": {"message": "bad", "code": 400}}\n\n', proxy_retake.RELAY),
              (b"data: not json\n\n", proxy_retake.RELAY),
              (b": a comment\n\n" + err, proxy_retake.FAILED),
