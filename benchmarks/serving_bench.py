@@ -873,6 +873,12 @@ def parse_args(argv=None):
     ap.add_argument("--kv32k", action="store_true",
                     help=f"the KV-heavy model: {KV32K_SPEC} (32 KiB of KV per token); "
                          "also raises --kv-cache-mib to 256 unless given")
+    ap.add_argument("--decode-async-scheduling", action="store_true",
+                    help="--device cuda: the decode keeps vLLM's asynchronous scheduling (its "
+                         "default) and takes layer loads in the step anyway "
+                         "(push_layer_load_async with load_failure_policy 'fail'; the proxies "
+                         "take a failed load's request again) instead of starting with "
+                         "--no-async-scheduling for the layer-load modes")
     ap.add_argument("--kv-cache-mib", type=int, default=None,
                     help="each vLLM server's KV cache (default 64, 256 with --kv32k)")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
@@ -913,6 +919,9 @@ def parse_args(argv=None):
         args.kv_cache_mib = 256 if args.kv32k else 64
     if args.cuda_graphs and args.device != "cuda":
         ap.error("--cuda-graphs needs --device cuda")
+    if args.decode_async_scheduling and args.device != "cuda":
+        ap.error("--decode-async-scheduling needs --device cuda (vLLM's CPU backend turns "
+                 "asynchronous scheduling off)")
     if args.device == "cpu" and (args.gpu_path != "on" or args.dtype != "float32"
                                  or args.attention_backend != "TRITON_ATTN"):
         ap.error("--gpu-path, --dtype bfloat16 and --attention-backend need --device cuda")
@@ -1092,8 +1101,13 @@ def main(argv=None):
     # push_layer_load or push_layer_read asked for, the decode starts with
     # --no-async-scheduling, as a user who wants layer loads runs it (the
     # colocated server keeps vLLM's default).
+    layer_loads = args.device == "cuda" and bool(want & set(LAYER_LOAD_MODES))
     decode_args = ({"decode": ["--no-async-scheduling"]}
-                   if args.device == "cuda" and want & set(LAYER_LOAD_MODES) else None)
+                   if layer_loads and not args.decode_async_scheduling else None)
+    # --decode-async-scheduling: vLLM's defaults on the decode too, layer
+    # loads in the step anyway (docs/connector.md, push_layer_load_async).
+    decode_extra = ({"push_layer_load_async": True, "load_failure_policy": "fail"}
+                    if args.decode_async_scheduling else None)
     extra_proxies, skipped = _mode_proxies(want, proxy_flows())
     extra_body = {}
     router_site = _find_router(want, skipped)
@@ -1103,7 +1117,7 @@ def main(argv=None):
                      extra_proxies=extra_proxies, colocated_proxy=True,
                      kv_cache_bytes=args.kv_cache_mib << 20, env=dev_env,
                      extra_vllm_args=dev_args, colocated_cached="colocated_cached" in want,
-                     side_args=decode_args)
+                     side_args=decode_args, decode_extra_config=decode_extra)
     router = None
     if "router" in want and router_site and dep.bootstrap_port:
         router = _router_process(dep, router_site)
@@ -1113,6 +1127,9 @@ def main(argv=None):
         + ("same-host GPU path" if args.gpu_path == "on" else "TCP with GPU staging"))
     if decode_args:
         where += "; decode --no-async-scheduling (layer loads)"
+    if decode_extra:
+        where += ("; decode on vLLM's asynchronous scheduling, push_layer_load_async, "
+                  "load_failure_policy 'fail'")
     print(f"model {model} ({kv_per_token} B of KV per token); {where}; "
           f"connector {dep.connector}; logs {dep.logs}", flush=True)
     for k, why in skipped.items():
