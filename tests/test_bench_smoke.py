@@ -186,6 +186,8 @@ def test_serving_bench_device_flags_and_transfer_size(capsys):
     for bad, says in ((["--gpu-path", "off"], "need --device cuda"),
                       (["--dtype", "bfloat16"], "need --device cuda"),
                       (["--cuda-graphs"], "--cuda-graphs needs --device cuda"),
+                      (["--decode-async-scheduling"],
+                       "--decode-async-scheduling needs --device cuda"),
                       (["--spec", "layers=x"], "is not key=integer")):
         with pytest.raises(SystemExit) as e:
             sb.parse_args(bad)
