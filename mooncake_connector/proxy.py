@@ -47,6 +47,11 @@ a refused connection) is asked again, 0.5 s then doubling to 8 s, until
 --forget-retry-s after the prefill's answer, at most --forget-max such
 forgets at once (docs/connector.md, "Holds and releases").
 
+Every flow: a decode leg that failed before its first token (a decode on
+load_failure_policy "fail" whose KV load failed) is sent once more without
+kv_transfer_params, once per request (mooncake_connector.proxy_retake;
+counted decode_retakes; --decode-retake off).
+
 First token from prefill (default for streamed requests; --first-token
 decode turns it off): the client gets the prefill's token as the first
 chunk at once and the decode instance continues from it
