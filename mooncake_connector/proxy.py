@@ -1157,6 +1157,7 @@ class Proxy:
         before its first token (proxy_retake), None: never."""
         trace.event("proxy_post", rid, role=role)
         resp = None  # the client's stream, once started
+        retaken = False
         try:
             while True:
                 r = await self.post_once_more(
@@ -1169,9 +1170,11 @@ class Proxy:
                         raw = await r.read()
                         if role == "decode" and r.status == 200:
                             request["mc_dec_data"] = True
-                        if retake is not None and proxy_retake.failed_answer(r.status, raw):
+                        if retake is not None and role == "decode" and \
+                                proxy_retake.failed_answer(r.status, raw):
                             request["mc_dec_data"] = True  # its engine had it
                             body, retake = self._retake(url, rid, body, retake), None
+                            retaken = True
                             continue
                         if r.status != 200:
                             self.counts["decode_errors"] += 1
@@ -1197,10 +1200,19 @@ class Proxy:
                         except (ConnectionResetError, aiohttp.ClientConnectionError):
                             return resp  # the client left before its first byte
                     got = await self._pump(request, resp, r, url, rid, role, marks,
-                                           retake is not None)
+                                           role == "decode")
                 if got != proxy_retake.FAILED:
                     return resp
+                if retake is None:
+                    # Not taken (again): the client's error, never an empty
+                    # answer (vLLM 0.26's stream is [DONE] alone).
+                    self.counts["decode_errors"] += 1
+                    msg = proxy_retake.failure_message(f"{role} instance {url}", retaken)
+                    logger.warning("%s (request %s)", msg, rid)
+                    await self._end_stream(resp, ft.error_event(msg, 500))
+                    return resp
                 body, retake = self._retake(url, rid, body, retake), None
+                retaken = True
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             if http_guard.out_of_fds(e):
                 err = self.no_fds(f"{role} instance {url}", e, rid)

@@ -406,12 +406,15 @@ async def stream(proxy, request, plan, dec_url, headers, rid, t_pre=None):
     request["mc_dec_url"] = dec_url
     try:
         err = await _relay_decode(proxy, out, plan, dec_url, headers)
-        if err is RETAKE:
+        retaken = err is RETAKE and proxy.decode_retake
+        if retaken:
             # The decode failed before its first token (proxy_retake): once
             # more without kv_transfer_params, its error then the client's.
             plan.decode = proxy._retake(dec_url, rid, plan.decode,
                                         proxy._retake_body(plan.decode))
-            err = await _relay_decode(proxy, out, plan, dec_url, headers, judge=False)
+            err = await _relay_decode(proxy, out, plan, dec_url, headers)
+        if err is RETAKE:
+            err = proxy_retake.failure_message(where, retaken)
     except Unsettled as e:
         proxy.partial_settled.discard(dec_url)
         if trace.ON:
@@ -575,13 +578,12 @@ async def _eof(resp):
     return resp
 
 
-async def _relay_decode(proxy, out, plan, dec_url, headers, judge=True):
+async def _relay_decode(proxy, out, plan, dec_url, headers):
     """Relays the decode leg's SSE events; returns an error message, None,
     or RETAKE: the decode failed the request before its first token
-    (proxy_retake; nothing of its answer sent; judge and the proxy's
-    decode_retake on)."""
+    (proxy_retake; nothing of its answer sent)."""
     where = f"decode instance {dec_url}"
-    judge = judge and proxy.decode_retake
+    judge = True  # until a token of this leg is out
     r = await proxy.post_once_more(dec_url + "/v1/completions", headers.get("X-Request-Id"),
                                    "decode_retries", json=plan.decode, headers=headers,
                                    timeout=proxy.stream_timeout)

@@ -42,6 +42,16 @@ def engine_error(err):
     return err.get("code") == 500 or err.get("type") == "InternalServerError"
 
 
+def failure_message(where, retaken):
+    """The client's error for a decode leg that failed before its first
+    token and is not taken (again)."""
+    return (f"{where} failed the request before its first token"
+            + (" again after it was sent once more without kv_transfer_params"
+               if retaken else "")
+            + " (vLLM ends a request so when its KV load failed under "
+              "kv_load_failure_policy 'fail'; see the decode's log)")
+
+
 def _choice_failed(c):
     """A choice that ended with finish reason "error" and no text."""
     if not isinstance(c, dict) or c.get("finish_reason") != "error":

@@ -332,7 +332,8 @@ def _vllm_app(u):
             return web.json_response({"id": "f", "choices": [{"index": 0, "text": "x"}],
                                       "kv_transfer_params": {"mc_forget": dp[r],
                                                              "mc_dp": True}})
-        if u.decode_fail == "engine" and u.engine_fails > 0:
+        if u.decode_fail == "engine" and u.engine_fails > 0 and \
+                "mc_forget" not in (body.get("kv_transfer_params") or {}):
             # vLLM's answer to a request its engine ended with finish reason
             # "error" before any token (kv_load_failure_policy "fail", a
             # failed KV load): 500, or a stream's error event (a chat stream

@@ -19,7 +19,8 @@ ERR = {"error": {"message": "Internal server error", "type": "InternalServerErro
 
 
 def _decode_legs(d):
-    return [s["body"] for s in d.seen if s["path"].startswith("/v1/")]
+    return [s["body"] for s in d.seen if s["path"].startswith("/v1/")
+            and "mc_forget" not in (s["body"].get("kv_transfer_params") or {})]
 
 
 def _stream(url, path, body):
@@ -94,29 +95,48 @@ def test_a_non_streamed_500_is_taken_again(vllm_like, proxy, flow):  # noqa: F81
     assert get_stats(url)["decode_retakes"] == 1
 
 
-@pytest.mark.parametrize("stream", [False, True])
-def test_failed_twice_is_the_clients_answer(vllm_like, proxy, stream):  # noqa: F811
-    """Once only: a retake that fails too is the client's error (500, or an
-    error event in the stream), counted once."""
-    p, d = vllm_like("prefill"), vllm_like("decode", decode_fail="engine", engine_fails=5)
-    url = proxy([p.url], [d.url], flow="b", extra=("--first-token", "decode"))
-    body = {"model": "m", "prompt": "a b c", "max_tokens": 2, "stream": stream}
+@pytest.mark.parametrize("first_token", ["decode", "prefill"])
+@pytest.mark.parametrize("stream,shape", [(False, "0.32"), (True, "0.32"), (True, "0.26")])
+def test_failed_twice_is_the_clients_answer(vllm_like, proxy, stream, shape,  # noqa: F811
+                                            first_token):
+    """Once only: a retake that fails too is the client's error (vLLM's 500,
+    or an error event in the stream saying so: never vLLM 0.26's empty
+    stream), counted once."""
+    p = vllm_like("prefill")
+    d = vllm_like("decode", decode_fail="engine", engine_fails=5, engine_shape=shape,
+                  detokenize=True)
+    url = proxy([p.url], [d.url], flow="b", extra=("--first-token", first_token))
+    body = {"model": "m", "prompt": "a b c d e", "max_tokens": 2, "stream": stream}
     if stream:
         status, events = _stream(url, "/v1/completions", body)
-        assert status == 200 and events[0] == ERR and events[-1] == "[DONE]", events
+        errs = [e["error"] for e in events if isinstance(e, dict) and "error" in e]
+        assert status == 200 and len(errs) == 1 and events[-1] == "[DONE]", events
+        assert "before its first token again after it was sent once more" in errs[0]["message"]
+        # from the prefill: its first token, then the error; from the decode: the error alone
+        assert _text(events) == ("t105 " if first_token == "prefill" else ""), events
     else:
         status, out = post(url + "/v1/completions", body)
         assert status == 500 and out == ERR
     assert len(_decode_legs(d)) == 2 and get_stats(url)["decode_retakes"] == 1
 
 
-def test_decode_retake_off_passes_the_error_through(vllm_like, proxy):  # noqa: F811
-    p, d = vllm_like("prefill"), vllm_like("decode", decode_fail="engine")
-    url = proxy([p.url], [d.url], flow="b", extra=("--decode-retake", "off"))
+@pytest.mark.parametrize("shape", ["0.32", "0.26"])
+def test_decode_retake_off_passes_the_error_through(vllm_like, proxy, shape):  # noqa: F811
+    """--decode-retake off: vLLM's 500 as it is; a stream's failure before its
+    first token an error event saying so (vLLM 0.26's empty stream too)."""
+    p = vllm_like("prefill")
+    d = vllm_like("decode", decode_fail="engine", engine_fails=2, engine_shape=shape)
+    url = proxy([p.url], [d.url], flow="b", extra=("--decode-retake", "off",
+                                                   "--first-token", "decode"))
     status, out = post(url + "/v1/completions", {"model": "m", "prompt": "a b", "max_tokens": 2,
                                                  "stream": False})
     assert status == 500 and out == ERR
-    assert len(_decode_legs(d)) == 1 and get_stats(url)["decode_retakes"] == 0
+    status, events = _stream(url, "/v1/completions", {"model": "m", "prompt": "a b",
+                                                     "max_tokens": 2})
+    errs = [e["error"] for e in events if isinstance(e, dict) and "error" in e]
+    assert status == 200 and len(errs) == 1 and errs[0]["code"] == 500, events
+    assert "failed the request before its first token (" in errs[0]["message"]
+    assert len(_decode_legs(d)) == 2 and get_stats(url)["decode_retakes"] == 0
 
 
 def test_other_decode_errors_are_not_taken_again(vllm_like, proxy):  # noqa: F811
