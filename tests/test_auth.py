@@ -149,8 +149,12 @@ def test_handshake_cost_is_negligible():
           f"without {m_off * 1e3:.3f} ms (ratio {m_on / m_off:.2f}); steady state "
           f"{statistics.median(steady_on) * 1e6:.0f} us vs "
           f"{statistics.median(steady_off) * 1e6:.0f} us")
-    # One more round trip on loopback plus two HMACs: well under a millisecond.
-    assert m_on - m_off < 2e-3, (on, off)
+    # One more round trip on loopback plus two HMACs: well under a
+    # millisecond.  Judged on each side's fastest pair: on a shared 2-core
+    # host a busy neighbour adds milliseconds to any pair, and moved the
+    # medians apart by more than 2 ms once (a CI run beside vLLM tests);
+    # the fastest pair is the handshake's own cost.
+    assert min(on) - min(off) < 2e-3, (on, off)
 
 
 # ---- metadata server bearer token ----
