@@ -334,8 +334,9 @@ class Cluster:
                 json.dump({"prefill_url": pre, "decode_url": dec, "metadata_server": meta,
                            "protocol": "tcp", "device_name": ""}, f, indent=1)
             buf = args.small_kv_buffer if name == "P2" else 2e9
+            extra = dict(knobs, **(args.decode_extra if role == "decode" else {}))
             ktc = dict(common, kv_role="kv_producer" if role == "prefill" else "kv_consumer",
-                       kv_buffer_size=buf, kv_connector_extra_config=dict(knobs))
+                       kv_buffer_size=buf, kv_connector_extra_config=extra)
             port = serving.free_port()
             host = net.ns_ip if role == "prefill" and i < 3 else "127.0.0.1"
             srv = serving.vllm_server(name, model, port, os.path.join(logs, f"{name}.log"),
@@ -1562,6 +1563,11 @@ def build_parser():
                     help="extra environment of one server (P1, P2, P3, D1, D2, R), e.g. "
                     "D2:MALLOC_ARENA_MAX=2 or D1:PYTHONTRACEMALLOC=4 (diagnosis runs; "
                     "repeatable)")
+    ap.add_argument("--decode-extra-c", action="append", default=[], metavar="KEY=VALUE",
+                    help="the decode servers' (D1, D2) kv_connector_extra_config with KEY set to "
+                    "VALUE (JSON), e.g. load_failure_policy=fail: vLLM then fails a request "
+                    "whose KV load failed and the proxies take it again (decode_retakes in "
+                    "the summary; repeatable)")
     ap.add_argument("--workdir")
     ap.add_argument("--json", help="results file")
     ap.add_argument("--png", help="timeline image")
@@ -1582,6 +1588,12 @@ def parse_args(argv=None):
             ap.error(f"--server-env {item!r}: expected NAME:KEY=VALUE with NAME one of "
                      "P1, P2, P3, D1, D2, R (e.g. D2:MALLOC_ARENA_MAX=2)")
         args.env_of.setdefault(name, {})[key] = val
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    try:
+        from bench_stats import parse_extra_config
+    finally:
+        sys.path.pop(0)
+    args.decode_extra = parse_extra_config(ap, args.decode_extra_c, "--decode-extra-c")
     bad = [f for f in args.flows if f not in FLOWS]
     if bad or not args.flows:
         ap.error(f"--flows {bad or 'empty'}: expected a subset of {','.join(FLOWS)}")
@@ -1721,6 +1733,7 @@ def collect_results(args, results, cluster, mon, faults, load, rows, t_load_end)
     """The run's record in results: faults, requests, RSS slopes, paths,
     counters; the harness's violations (fault_verdict's)."""
     results["faults"] = faults.events
+    results["decode_extra_config"] = args.decode_extra
     results["proxies"] = {f: " ".join(p.cmd[p.cmd.index("--flow"):])
                           for f, p in cluster.proxies.items()}
     results["fault_counts"] = {k: sum(1 for e in faults.events if e["fault"] == k)
@@ -1753,7 +1766,8 @@ def collect_results(args, results, cluster, mon, faults, load, rows, t_load_end)
                             for n, s in cluster.servers.items()}
     results["proxy_metrics"] = {f: {k: v for k, v in (scrape(p.url) or {}).items()
                                     if k.startswith("mooncake_proxy_responses")
-                                    or k.endswith(("_errors_total", "_failovers_total"))}
+                                    or k.endswith(("_errors_total", "_failovers_total",
+                                                   "_retakes_total"))}
                                 for f, p in cluster.proxies.items()}
     return harness_v
 
@@ -1836,6 +1850,10 @@ def report(results):
         f"{results.get('restarts')}")
     log(f"by flow {s.get('by_flow')}; mid-push bursts {s.get('bursts')}")
     log(f"push paths (per server, every lifetime) {results.get('same_host_path')}")
+    retakes = {f: m.get("mooncake_proxy_decode_retakes_total")
+               for f, m in (results.get("proxy_metrics") or {}).items()}
+    log(f"decode legs taken again per flow's proxy (decode_retakes) {retakes}; the decodes' "
+        f"extra config {results.get('decode_extra_config')}")
     log(f"RSS slope MiB/min {results.get('rss_slope_mib_per_min')}; drained in "
         f"{results.get('drain_s')} s")
     for n, lives in sorted((results.get("memory") or {}).items()):

@@ -13,6 +13,8 @@ import textwrap
 import time
 import types
 
+import pytest
+
 from mooncake_connector import serving
 from soak_util import load_soak
 
@@ -104,11 +106,11 @@ def test_monitor_keeps_each_lifetimes_path_counters(tmp_path):
     assert t["push_gate_host_batches"] == 6 and t["lifetimes"] == 2, t
 
 
-def _cluster(tmp_path, flows):
+def _cluster(tmp_path, flows, decode_extra=None):
     args = types.SimpleNamespace(
         flows=flows, hold_timeout_s=30.0, load_timeout_s=10.0, small_kv_buffer=1 << 20,
         kv_cache_bytes=64 << 20, reference=False, env_of={}, memwatch_dir=None,
-        proxy_timeout_s=120.0, proxy_idle_timeout_s=60.0)
+        proxy_timeout_s=120.0, proxy_idle_timeout_s=60.0, decode_extra=decode_extra or {})
     net = sk.Net("t1", enabled=True)   # commands only: nothing is started or set up
     return sk.Cluster(str(tmp_path), "/nonexistent-model", net, args), net
 
@@ -150,3 +152,28 @@ def test_host_prefill_runs_outside_the_namespace_and_serves_the_host_flows(tmp_p
                                                             "push-ll"}
     finally:
         c.launcher.close()
+
+
+def test_decode_extra_config_reaches_the_decodes_only(tmp_path):
+    """--decode-extra-c load_failure_policy=fail (the soak with the proxies'
+    retake in play): the decodes' kv_connector_extra_config has it, the
+    prefills' not; a bad item is a usage error naming it."""
+    import json
+    args = sk.parse_args(["--decode-extra-c", "load_failure_policy=fail",
+                          "--decode-extra-c", "load_timeout_s=4"])
+    assert args.decode_extra == {"load_failure_policy": "fail", "load_timeout_s": 4}
+    c, _ = _cluster(tmp_path, list(sk.FLOWS), args.decode_extra)
+    try:
+        for n, srv in c.servers.items():
+            cmd = srv.cmd
+            ktc = json.loads(cmd[cmd.index("--kv-transfer-config") + 1])
+            extra = ktc["kv_connector_extra_config"]
+            if n.startswith("D"):
+                assert extra["load_failure_policy"] == "fail" and extra["load_timeout_s"] == 4, n
+                assert extra["hold_timeout_s"] == 30.0, n
+            else:
+                assert "load_failure_policy" not in extra and extra["load_timeout_s"] == 10.0, n
+    finally:
+        c.launcher.close()
+    with pytest.raises(SystemExit):
+        sk.parse_args(["--decode-extra-c", "load_failure_policy"])
