@@ -404,6 +404,7 @@ async def stream(proxy, request, plan, dec_url, headers, rid, t_pre=None):
              if plan.partial and dec_url in proxy.partial_settled else None)
     request["mc_leg"] = "decode"
     request["mc_dec_url"] = dec_url
+    code = 502  # the error event's code: the decode leg failed as an upstream
     try:
         err = await _relay_decode(proxy, out, plan, dec_url, headers)
         retaken = err is RETAKE and proxy.decode_retake
@@ -414,7 +415,10 @@ async def stream(proxy, request, plan, dec_url, headers, rid, t_pre=None):
                                         proxy._retake_body(plan.decode))
             err = await _relay_decode(proxy, out, plan, dec_url, headers)
         if err is RETAKE:
-            err = proxy_retake.failure_message(where, retaken)
+            # vLLM's own code for a request its engine ended with an error,
+            # as the seed's path sends this failure (Proxy._relay): the
+            # client's error does not depend on where its first token came from
+            err, code = proxy_retake.failure_message(where, retaken), 500
     except Unsettled as e:
         proxy.partial_settled.discard(dec_url)
         if trace.ON:
@@ -445,7 +449,7 @@ async def stream(proxy, request, plan, dec_url, headers, rid, t_pre=None):
         counts["stream_errors_after_first_token"] += 1
         proxy.log.warning("%s (request %s)", err, rid)
         try:
-            await out.write(error_event(err), release=True)
+            await out.write(error_event(err, code), release=True)
         except ClientGone:
             return resp
     return await _eof(resp)

@@ -100,8 +100,9 @@ def test_a_non_streamed_500_is_taken_again(vllm_like, proxy, flow):  # noqa: F81
 def test_failed_twice_is_the_clients_answer(vllm_like, proxy, stream, shape,  # noqa: F811
                                             first_token):
     """Once only: a retake that fails too is the client's error (vLLM's 500,
-    or an error event in the stream saying so: never vLLM 0.26's empty
-    stream), counted once."""
+    or an error event in the stream saying so, code 500 whether the first
+    token came from the prefill or not: never vLLM 0.26's empty stream),
+    counted once."""
     p = vllm_like("prefill")
     d = vllm_like("decode", decode_fail="engine", engine_fails=5, engine_shape=shape,
                   detokenize=True)
@@ -112,6 +113,7 @@ def test_failed_twice_is_the_clients_answer(vllm_like, proxy, stream, shape,  # 
         errs = [e["error"] for e in events if isinstance(e, dict) and "error" in e]
         assert status == 200 and len(errs) == 1 and events[-1] == "[DONE]", events
         assert "before its first token again after it was sent once more" in errs[0]["message"]
+        assert errs[0]["code"] == 500, errs
         # from the prefill: its first token, then the error; from the decode: the error alone
         assert _text(events) == ("t105 " if first_token == "prefill" else ""), events
     else:
