@@ -38,7 +38,8 @@ def delta(i=0, finish=None, **d):
 class Scripted(AppThread):
     """A decode whose answers are scripted: each request takes the next
     script (the last one repeats): dict(status=200, ctype, pieces=[bytes],
-    gap=seconds between pieces, gzip=False, stream=True)."""
+    gap=seconds between pieces, delay=seconds before the answer, gzip=False,
+    stream=True)."""
 
     def __init__(self, *scripts):
         self.scripts, self.seen = list(scripts), []
