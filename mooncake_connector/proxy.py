@@ -1275,7 +1275,11 @@ class Proxy:
                     first = False
                     trace.event("proxy_chunk_out", rid, role=role)
             if head is not None:
-                return head.ended()  # ended before any token: failed
+                if head.ended() == proxy_retake.FAILED:
+                    return proxy_retake.FAILED  # ended before any token
+                # its last event without the blank line after it, or no SSE
+                await ft._write(resp, head.held())
+                self._push_mark(marks, "first")
         except ft.ClientGone:
             return None  # the client left: not the decode instance's failure
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:

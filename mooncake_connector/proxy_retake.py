@@ -22,7 +22,9 @@ second failure is the client's answer.
 
 This module only reads answers: ``failed_answer`` for a non-streamed
 answer, ``StreamHead`` for a stream's first events (held until one carries
-a token or decides otherwise, at most HOLD_MAX bytes).
+output -- a token, a reasoning or tool-call delta -- or decides otherwise,
+at most HOLD_MAX bytes; what it cannot read as server-sent events is
+relayed as sent).
 """
 import json
 
@@ -52,24 +54,29 @@ def failure_message(where, retaken):
               "kv_load_failure_policy 'fail'; see the decode's log)")
 
 
+def _carries_output(c):
+    """A choice (a stream's chunk's or an answer's) that carries anything of
+    an answer: text, token ids, logprobs, or any field of its delta or
+    message but the role (content, vLLM 0.32's "reasoning", 0.26's
+    "reasoning_content", tool_calls, whatever a later vLLM adds)."""
+    if c.get("text") or c.get("token_ids") or c.get("logprobs"):
+        return True
+    return any(isinstance(m, dict) and any(v for k, v in m.items() if k != "role")
+               for m in (c.get("delta"), c.get("message")))
+
+
 def _choice_failed(c):
-    """A choice that ended with finish reason "error" and no text."""
-    if not isinstance(c, dict) or c.get("finish_reason") != "error":
-        return False
-    delta = c.get("delta") if isinstance(c.get("delta"), dict) else {}
-    msg = c.get("message") if isinstance(c.get("message"), dict) else {}
-    return not (c.get("text") or delta.get("content") or msg.get("content")
-                or c.get("token_ids"))
+    """A choice that ended with finish reason "error" and nothing else."""
+    return (isinstance(c, dict) and c.get("finish_reason") == "error"
+            and not _carries_output(c))
 
 
 def _role_only(c):
-    """A chat stream's first chunk: the role, no content, no finish."""
-    if not isinstance(c, dict) or c.get("finish_reason") is not None:
-        return False
-    delta = c.get("delta")
-    return (isinstance(delta, dict) and not delta.get("content")
-            and not delta.get("tool_calls") and not delta.get("reasoning_content")
-            and not c.get("token_ids"))
+    """A chat stream's first chunk: the role, nothing else, no finish.  (A
+    reasoning model's reasoning deltas carry no "content": they are output,
+    relayed as they come.)"""
+    return (isinstance(c, dict) and c.get("finish_reason") is None
+            and isinstance(c.get("delta"), dict) and not _carries_output(c))
 
 
 def failed_answer(status, raw):
@@ -116,29 +123,66 @@ def _event_verdict(payload):
     return RELAY
 
 
+#: The fields of a server-sent event (a line naming another is no SSE).
+_SSE_FIELDS = (b"data", b"event", b"id", b"retry")
+
+#: _event_payload's answer for an event that is no SSE (a JSON body, a page).
+_NOT_SSE = object()
+
+
+def _event_payload(event):
+    """The data of one event (its lines, "\n"-ended ones joined): None where
+    it has none (comments, other fields, blank), _NOT_SSE where a line is no
+    SSE field."""
+    payloads = []
+    for ln in event.split(b"\n"):
+        if not ln or ln.startswith(b":"):
+            continue
+        name, _, value = ln.partition(b":")
+        if name not in _SSE_FIELDS:
+            return _NOT_SSE
+        if name == b"data":
+            payloads.append(value.strip())
+    return b"\n".join(payloads) if payloads else None
+
+
+def _verdict_of(event):
+    payload = _event_payload(event)
+    if payload is _NOT_SSE:
+        return RELAY  # not ours to judge: the client gets it as sent
+    return None if payload is None else _event_verdict(payload)
+
+
 class StreamHead:
     """A decode stream's first events, held until it is known whether the
     decode failed before its first token.  feed(data) -> None (undecided),
     FAILED (drop what is held, take the request again) or RELAY (send
-    held() on, then relay the rest as it comes)."""
+    held() on, then relay the rest as it comes).  Lines may end in "\r\n"
+    or "\r" too (SSE's); each byte is searched for an event's end once."""
 
     def __init__(self):
-        self._buf = bytearray()
-        self._scanned = 0  # self._buf[:_scanned] holds only whole, undecided events
+        self._buf = bytearray()  # every byte fed
+        self._text = bytearray()  # the same, each line's end made "\n"
+        self._cr = False  # the last byte fed was "\r": a "\n" next ends the same line
+        self._scanned = 0  # self._text[:_scanned] holds only whole, undecided events
+        self._searched = 0  # no event ends in self._text[:_searched + 1] past _scanned
 
     def feed(self, data):
+        if not data:
+            return None
         self._buf += data
+        if self._cr and data[:1] == b"\n":
+            data = data[1:]
+        self._cr = data[-1:] == b"\r"
+        self._text += data.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
         while True:
-            end = self._buf.find(b"\n\n", self._scanned)
+            end = self._text.find(b"\n\n", max(self._scanned, self._searched))
             if end < 0:
+                self._searched = max(len(self._text) - 1, 0)
                 break
-            event = bytes(self._buf[self._scanned:end])
+            event = bytes(self._text[self._scanned:end])
             self._scanned = end + 2
-            payloads = [ln[5:].strip() for ln in event.replace(b"\r", b"").split(b"\n")
-                        if ln.startswith(b"data:")]
-            if not payloads:
-                continue  # a comment or another field: nothing to judge
-            verdict = _event_verdict(b"\n".join(payloads))
+            verdict = _verdict_of(event)
             if verdict is not None:
                 return verdict
         if len(self._buf) > HOLD_MAX:
@@ -146,9 +190,13 @@ class StreamHead:
         return None
 
     def ended(self):
-        """The verdict when the stream ended (EOF) while undecided: nothing
-        but a role or usage chunk came, or nothing: FAILED."""
-        return FAILED
+        """The verdict when the stream ended (EOF) while undecided: its last
+        event without the blank line after it is judged as one (a token, or
+        no SSE at all: RELAY); else nothing but a role or usage chunk came,
+        or nothing: FAILED."""
+        rest = bytes(self._text[self._scanned:])
+        verdict = _verdict_of(rest) if rest.strip() else None
+        return FAILED if verdict is None else verdict
 
     def held(self):
         """Every byte fed so far (what the client gets on RELAY)."""

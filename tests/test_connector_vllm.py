@@ -881,6 +881,15 @@ def test_plugin_opt_out_restores_vllms_connector(plugin_probes):
     ({"hold_timeout": 3}, "unknown kv_connector_extra_config key(s) ['hold_timeout']"),
     ({"load_failure_policy": "retry"}, "must be 'recompute' or 'fail'"),
     ({"push_layer_load_async": True}, "set load_failure_policy to 'fail'"),
+    # vLLM's own kv_load_failure_policy "fail" does not count: the message says so
+    ({"push_layer_load_async": True}, "'fail' in kv_connector_extra_config (the connector sets "
+     "vLLM's kv_load_failure_policy from it, whatever --kv-transfer-config's own"),
+    ({"push_layer_load_async": "yes", "load_failure_policy": "Fail"},
+     "load_failure_policy must be 'recompute' or 'fail', not 'Fail'"),
+    ({"push_layer_load_async": 1, "load_failure_policy": "fail"},
+     "push_layer_load_async must be true or false, not 1"),
+    ({"push_layer_load_async": None, "load_failure_policy": "fail"},
+     "push_layer_load_async must be true or false, not None"),
     ({"push_layer_load_async": True, "load_failure_policy": "recompute"},
      "push_layer_load_async is true but load_failure_policy is 'recompute'"),
     ({"mooncake_config_path": "/nonexistent/mooncake.json"}, "cannot be read"),

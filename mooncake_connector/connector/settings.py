@@ -644,7 +644,9 @@ def resolve(kv_transfer_config, env=None):
         raise SettingsError(
             "kv_connector_extra_config.push_layer_load_async is true but load_failure_policy "
             f"is {s.load_failure_policy!r}: vLLM's engine dies recovering a failed in-step "
-            "load under asynchronous scheduling; set load_failure_policy to 'fail' (the proxy "
+            "load under asynchronous scheduling; set load_failure_policy to 'fail' in "
+            "kv_connector_extra_config (the connector sets vLLM's kv_load_failure_policy from "
+            "it, whatever --kv-transfer-config's own kv_load_failure_policy says; the proxy "
             "sends a request that failed so once more without kv_transfer_params: "
             "--decode-retake on, its default), or leave push_layer_load_async false")
     from mooncake_connector.connector.access import MODES as ACCESS_MODES
