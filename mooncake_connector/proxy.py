@@ -1157,7 +1157,7 @@ class Proxy:
         before its first token (proxy_retake), None: never."""
         trace.event("proxy_post", rid, role=role)
         resp = None  # the client's stream, once started
-        retaken = False
+        retaken = failed = False
         try:
             while True:
                 r = await self.post_once_more(
@@ -1170,8 +1170,9 @@ class Proxy:
                         raw = await r.read()
                         if role == "decode" and r.status == 200:
                             request["mc_dec_data"] = True
-                        if retake is not None and role == "decode" and \
-                                proxy_retake.failed_answer(r.status, raw):
+                        if role == "decode" and proxy_retake.failed_answer(r.status, raw):
+                            failed = True
+                        if retake is not None and failed:
                             request["mc_dec_data"] = True  # its engine had it
                             body, retake = self._retake(url, rid, body, retake), None
                             retaken = True
@@ -1203,6 +1204,7 @@ class Proxy:
                                            role == "decode")
                 if got != proxy_retake.FAILED:
                     return resp
+                failed = True
                 if retake is None:
                     # Not taken (again): the client's error, never an empty
                     # answer (vLLM 0.26's stream is [DONE] alone).
@@ -1224,6 +1226,19 @@ class Proxy:
                 return err
             await self._end_stream(resp, ft.error_event(_error_message(err), err.status))
             return resp
+        finally:
+            if failed:
+                self._release_after_failed_load(request)
+
+    def _release_after_failed_load(self, request):
+        """Flows a, b: the decode failed the leg before its first token (its
+        KV load failed under kv_load_failure_policy 'fail'), so the pull the
+        prefill holds the prompt for will not come; once that leg and any
+        retake are over (a retake may find the prompt at that prefill by its
+        tokens and pull it), the prefill is told to release it
+        (_release_at_prefill) instead of holding it to hold_timeout_s."""
+        if self.flow in ("a", "b"):
+            self._release_at_prefill(request)
 
     def _retake_body(self, body):
         """The decode leg taken again (proxy_retake): the client's request

@@ -405,9 +405,11 @@ async def stream(proxy, request, plan, dec_url, headers, rid, t_pre=None):
     request["mc_leg"] = "decode"
     request["mc_dec_url"] = dec_url
     code = 502  # the error event's code: the decode leg failed as an upstream
+    failed = False
     try:
         err = await _relay_decode(proxy, out, plan, dec_url, headers)
-        retaken = err is RETAKE and proxy.decode_retake
+        failed = err is RETAKE  # the decode's load failed: it will not pull
+        retaken = failed and proxy.decode_retake
         if retaken:
             # The decode failed before its first token (proxy_retake): once
             # more without kv_transfer_params, its error then the client's.
@@ -439,6 +441,8 @@ async def stream(proxy, request, plan, dec_url, headers, rid, t_pre=None):
     finally:
         if early is not None and not early.done():
             early.cancel()
+        if failed:  # once the retake is over, whatever its end
+            proxy._release_after_failed_load(request)
     if plan.partial and out.hold:
         # The decode leg failed before the partial token's text was settled:
         # the client gets the first chunk(s) (text "", as vLLM's) and the error.

@@ -48,7 +48,7 @@ import urllib.request
 import pytest
 
 from mooncake_connector import proxy_retake, serving
-from mooncake_connector.deployment import kv_transfer_configs, proxy_stats
+from mooncake_connector.deployment import kv_transfer_configs, proxy_stats, scrape_metrics
 
 from e2e_fixtures import tiny_model_dir  # noqa: F401
 
@@ -143,6 +143,24 @@ def servers(tiny_model_dir):  # noqa: F811
         serving.stop_all(procs)
 
 
+def _held(server):
+    """The prefill's (lookup entries, held bytes)."""
+    m = scrape_metrics(server.url) or {}
+    return (m.get("vllm:mooncake_lookup_entries", 0), m.get("vllm:mooncake_held_bytes", 0))
+
+
+def _released(prefill, base, within_s=10.0):
+    """Whether the prefill's holds are back at base within within_s: the
+    proxy told it to release the prompt whose pull failed (its
+    hold_timeout_s is 120 s)."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        if _held(prefill) <= base:
+            return True
+        time.sleep(0.2)
+    return False
+
+
 def _load_failures(decode, why="due to KV load failure"):
     with open(decode.log_path, encoding="utf-8", errors="replace") as f:
         return f.read().count(why)
@@ -188,6 +206,7 @@ def test_first_token_from_prefill_then_a_failed_load_is_taken_again(servers):
     # the pull of the prefill's prompt, not found on the decode's metadata server
     unregistered = f"segment {prefill.engine} is not registered"
     before, failed = proxy_stats(url), _load_failures(decode, unregistered)
+    base = _held(prefill)
     st, got, errs = _answer(url, FT_PROMPTS[0], True)
     after = proxy_stats(url)
     assert st == 200 and not errs, (st, errs)
@@ -196,6 +215,10 @@ def test_first_token_from_prefill_then_a_failed_load_is_taken_again(servers):
     assert after["decode_retakes"] == before["decode_retakes"] + 1, after
     assert _load_failures(decode, unregistered) > failed, \
         "the decode's pull did not fail as meant: the test tests nothing"
+    # the pull the prefill held the prompt for will not come: released once
+    # the retake ended, not held to its hold_timeout_s
+    assert _released(prefill, base), (_held(prefill), base)
+    assert proxy_stats(url)["prefill_releases_sent"] == before["prefill_releases_sent"] + 1
 
 
 def test_first_token_from_prefill_retake_off_ends_with_an_error_event(servers):
@@ -203,7 +226,7 @@ def test_first_token_from_prefill_retake_off_ends_with_an_error_event(servers):
     url = ft_proxies["off"].url
     st, ref, errs = _answer(decode.url, FT_PROMPTS[1], True)
     assert st == 200 and len(ref) == 8 and not errs, (st, errs)
-    before = proxy_stats(url)
+    before, base = proxy_stats(url), _held(prefill)
     st, got, errs = _answer(url, FT_PROMPTS[1], True)
     after = proxy_stats(url)
     # the prefill's token, then the decode's failure as an error event
@@ -213,3 +236,4 @@ def test_first_token_from_prefill_retake_off_ends_with_an_error_event(servers):
         f"decode instance {decode.url}", False), errs
     assert after["first_token_from_prefill"] == before["first_token_from_prefill"] + 1, after
     assert after["decode_retakes"] == before["decode_retakes"] == 0, after
+    assert _released(prefill, base), (_held(prefill), base)
