@@ -613,10 +613,11 @@ async def _relay_decode(proxy, out, plan, dec_url, headers):
         # the event loop's CPU for an event that never ends, up to the cap.)
         buf = bytearray()
         usage = []  # usage-only events held while judging (dropped by a retake)
+        ends = proxy_retake.LineEnds()  # SSE lets lines end in "\r\n" or "\r" too
         async for data in r.content.iter_any():
             out.request["mc_dec_data"] = True  # its engine had it (connector/legs.py)
             scanned = max(len(buf) - 1, 0)  # buf holds no event's end before this
-            buf += data
+            buf += ends.feed(data)
             chunks = []
             start = 0
             while True:

@@ -153,6 +153,22 @@ def _verdict_of(event):
     return None if payload is None else _event_verdict(payload)
 
 
+class LineEnds:
+    """SSE's line ends ("\r\n", "\r", "\n") made "\n", piece by piece (a
+    "\r\n" may be cut between two pieces)."""
+
+    def __init__(self):
+        self._cr = False  # the last piece ended in "\r": a "\n" next ends the same line
+
+    def feed(self, data):
+        if not data:
+            return data
+        if self._cr and data[:1] == b"\n":
+            data = data[1:]
+        self._cr = data[-1:] == b"\r"
+        return data.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+
+
 class StreamHead:
     """A decode stream's first events, held until it is known whether the
     decode failed before its first token.  feed(data) -> None (undecided),
@@ -163,7 +179,7 @@ class StreamHead:
     def __init__(self):
         self._buf = bytearray()  # every byte fed
         self._text = bytearray()  # the same, each line's end made "\n"
-        self._cr = False  # the last byte fed was "\r": a "\n" next ends the same line
+        self._ends = LineEnds()
         self._scanned = 0  # self._text[:_scanned] holds only whole, undecided events
         self._searched = 0  # no event ends in self._text[:_searched + 1] past _scanned
 
@@ -171,10 +187,7 @@ class StreamHead:
         if not data:
             return None
         self._buf += data
-        if self._cr and data[:1] == b"\n":
-            data = data[1:]
-        self._cr = data[-1:] == b"\r"
-        self._text += data.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+        self._text += self._ends.feed(data)
         while True:
             end = self._text.find(b"\n\n", max(self._scanned, self._searched))
             if end < 0:

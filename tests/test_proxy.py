@@ -398,6 +398,7 @@ def _vllm_app(u):
         await resp.prepare(request)
 
         async def write(data):
+            data = data.replace(b"\n", getattr(u, "eol", b"\n"))
             if not getattr(u, "split", False):
                 return await resp.write(data)
             # Each event in three pieces, one of them between its two "\n".

@@ -346,3 +346,44 @@ def test_stream_head_searches_each_byte_once():
     (small, _), (big, verdict) = run(HOLD_MAX // 4), run(HOLD_MAX)
     assert verdict == RELAY
     assert big < 8 * small, (small, big)
+
+
+@pytest.mark.parametrize("eol", [b"\r\n", b"\r"], ids=["crlf", "cr"])
+@pytest.mark.parametrize("split", [False, True], ids=["whole", "split"])
+def test_first_token_from_prefill_reads_cr_line_ends(vllm_like, proxy, eol, split):  # noqa: F811
+    """The leg that continues from the prefill's first token
+    (proxy_first_token._relay_decode) parses the decode's events itself: it
+    looked for "\\n\\n" only, so a decode stream whose lines end in "\\r\\n"
+    or "\\r" (SSE allows both) had no event to it, was taken for a failure
+    before its first token, sent once more and ended with an error (seen
+    failing: two decode legs, an error event).  Events cut into pieces (a
+    "\\r\\n" between two of them) too."""
+    p = vllm_like("prefill")
+    d = vllm_like("decode", detokenize=True, split=split)
+    d.eol = eol
+    url = proxy([p.url], [d.url], flow="b", extra=("--first-token", "prefill"))
+    status, data = _stream(url, "/v1/completions", dict(CMPL, max_tokens=4))
+    assert status == 200 and b'"error"' not in data, data
+    events = [json.loads(e[6:]) for e in data.decode().split("\n\n")
+              if e.startswith("data: {")]
+    text = "".join(c.get("text") or "" for e in events for c in e.get("choices") or ())
+    assert text == "t103 t104 t105 t106 ", data
+    assert data.rstrip().endswith(b"data: [DONE]"), data
+    legs = [s for s in d.seen if s["path"] == "/v1/completions"
+            and "mc_forget" not in (s["body"].get("kv_transfer_params") or {})]
+    assert len(legs) == 1, legs
+    st = get_stats(url)
+    assert st["decode_retakes"] == 0 and st["first_token_from_prefill"] == 1, st
+
+
+def test_line_ends_across_pieces():
+    """proxy_retake.LineEnds: "\\r\\n" cut between pieces is one line end;
+    "\\r" alone is one; a piece of "\\n" alone after a "\\r" is that same end."""
+    from mooncake_connector.proxy_retake import LineEnds
+    for pieces, want in (([b"a\r", b"\nb\r\n"], b"a\nb\n"),
+                         ([b"a\r", b"\n", b"\n"], b"a\n\n"),
+                         ([b"a\r\r", b"b"], b"a\n\nb"),
+                         ([b"a\r", b"", b"\nb"], b"a\nb"),
+                         ([b"a\n", b"\n"], b"a\n\n")):
+        e = LineEnds()
+        assert b"".join(e.feed(p) for p in pieces) == want, pieces
