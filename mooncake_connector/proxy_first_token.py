@@ -641,6 +641,8 @@ async def _relay_decode(proxy, out, plan, dec_url, headers):
                     ev = json.loads(payload)
                 except ValueError:
                     return f"{where} sent an event that is not JSON: {payload[:200]!r}"
+                if judge and isinstance(ev, dict) and proxy_retake.event_failed(ev):
+                    return RETAKE  # nothing of this leg sent yet (judge)
                 settled = (plan.settling and isinstance(ev, dict)
                            and await _settle(proxy, plan, ev, dec_url, headers))
                 if settled:
@@ -657,8 +659,6 @@ async def _relay_decode(proxy, out, plan, dec_url, headers):
                             f"{payload[:200]!r}")
                 if chunk is None:
                     e = ev.get("error") or {}
-                    if judge and proxy_retake.engine_error(e):
-                        return RETAKE  # nothing of this leg sent yet (judge)
                     msg = e.get("message") if isinstance(e, dict) else e
                     return f"{where} failed after the first token was sent: {msg}"
                 if judge and isinstance(ev, dict) and ev.get("choices") == []:

@@ -98,6 +98,16 @@ def failed_answer(status, raw):
             and all(_choice_failed(c) for c in choices))
 
 
+def event_failed(ev):
+    """A stream's event (parsed) saying the decode failed the request before
+    its first token: vLLM's engine error, or a choice that ended with
+    finish reason "error" and nothing else."""
+    if "error" in ev:
+        return engine_error(ev["error"])
+    choices = ev.get("choices")
+    return isinstance(choices, list) and any(_choice_failed(c) for c in choices)
+
+
 def _event_verdict(payload):
     """None (undecided: hold it, read on), FAILED or RELAY for one SSE
     event's data."""
@@ -109,15 +119,13 @@ def _event_verdict(payload):
         return RELAY  # not ours to judge: the client sees it as sent
     if not isinstance(ev, dict):
         return RELAY
-    if "error" in ev:
-        return FAILED if engine_error(ev["error"]) else RELAY
+    if event_failed(ev):
+        return FAILED
     choices = ev.get("choices")
-    if not isinstance(choices, list):
+    if "error" in ev or not isinstance(choices, list):
         return RELAY
     if not choices:
         return None  # a usage-only event: no token either way
-    if any(_choice_failed(c) for c in choices):
-        return FAILED
     if all(_role_only(c) for c in choices):
         return None
     return RELAY

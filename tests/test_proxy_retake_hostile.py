@@ -387,3 +387,22 @@ def test_line_ends_across_pieces():
                          ([b"a\n", b"\n"], b"a\n\n")):
         e = LineEnds()
         assert b"".join(e.feed(p) for p in pieces) == want, pieces
+
+
+def test_first_token_from_prefill_takes_a_failed_choice_again(vllm_like, proxy,  # noqa: F811
+                                                              scripted):
+    """The leg that continues from the prefill's first token judges its
+    events as StreamHead does (proxy_retake.event_failed): a first chunk
+    whose choice ended with finish reason "error" and nothing else is a
+    failure before the first token, taken again (the old code relayed it
+    as the answer's end: one decode leg, finish reason "error")."""
+    failed = ev({"id": "d", "choices": [{"index": 0, "text": "", "token_ids": [],
+                                         "finish_reason": "error"}]})
+    p = vllm_like("prefill")
+    d = scripted(dict(pieces=[failed, DONE]), RETAKEN)
+    url = proxy([p.url], [d.url], flow="b", extra=("--first-token", "prefill"))
+    status, data = _stream(url, "/v1/completions", CMPL)
+    assert status == 200 and b"RETAKEN" in data and b'"error"' not in data, data
+    assert len(d.seen) == 2 and "kv_transfer_params" not in d.seen[1], d.seen
+    st = get_stats(url)
+    assert st["decode_retakes"] == 1 and st["first_token_from_prefill"] == 1, st
