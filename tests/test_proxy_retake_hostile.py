@@ -406,3 +406,59 @@ def test_first_token_from_prefill_takes_a_failed_choice_again(vllm_like, proxy, 
     assert len(d.seen) == 2 and "kv_transfer_params" not in d.seen[1], d.seen
     st = get_stats(url)
     assert st["decode_retakes"] == 1 and st["first_token_from_prefill"] == 1, st
+
+
+def _random_stream(rng):
+    """Bytes a decode might send (or a broken one): vLLM's events, comments,
+    other SSE fields, JSON that is no chunk, random bytes, each line ended
+    in "\\n", "\\r\\n" or "\\r" at random."""
+    parts = [tok("x"), tok("y", finish="length"), ROLE, delta(reasoning="r"), ERR_EVENT, DONE,
+             ev({"id": "d", "choices": [], "usage": {"prompt_tokens": 3}}),
+             ev({"id": "d", "choices": [{"index": 0, "text": "", "finish_reason": "error"}]}),
+             ev({"error": "a string"}), ev([1, 2]), b": keep-alive\n\n", b"event: ping\n\n",
+             b"data: {not json\n\n", b"<html>oops</html>", b"\n", b"\n\n", b"data:",
+             b'{"choices": []}']
+    out = []
+    for _ in range(rng.randrange(0, 8)):
+        if rng.random() < 0.15:
+            out.append(bytes(rng.randrange(256) for _ in range(rng.randrange(1, 40))))
+            continue
+        p = rng.choice(parts)
+        eol = rng.choice([b"\n", b"\n", b"\r\n", b"\r"])
+        out.append(p.replace(b"\n", eol))
+    return b"".join(out)
+
+
+def _head_verdict(pieces):
+    """(verdict, held bytes, bytes fed until the verdict) of StreamHead over pieces."""
+    from mooncake_connector.proxy_retake import StreamHead
+    h, fed = StreamHead(), 0
+    for p in pieces:
+        fed += len(p)
+        v = h.feed(p)
+        if v is not None:
+            return v, h.held(), fed
+    return h.ended(), h.held(), fed
+
+
+def test_stream_head_and_line_ends_on_random_streams():
+    """A fuzz run over the proxy's parsers of the decode's bytes
+    (proxy_retake.StreamHead, LineEnds; 3,000 seeded random streams, each
+    cut into random pieces, "\\r\\n" split anywhere): never an exception,
+    the same verdict and the same bytes whatever the cuts, the bytes held
+    exactly those fed, and LineEnds' output independent of the cuts."""
+    import random
+    from mooncake_connector.proxy_retake import LineEnds
+    rng = random.Random(31)
+    for i in range(3000):
+        data = _random_stream(rng)
+        whole = _head_verdict([data])
+        cuts = sorted(rng.sample(range(1, len(data)), min(len(data) - 1, rng.randrange(0, 12)))) \
+            if len(data) > 1 else []
+        pieces = [data[a:b] for a, b in zip([0] + cuts, cuts + [len(data)])]
+        pieces = [p for q in pieces for p in (q, b"") if rng.random() < 0.9 or p]  # empty ones
+        cut = _head_verdict(pieces)
+        assert cut[0] == whole[0], (i, data, pieces, whole, cut)
+        assert cut[1] == data[:cut[2]], (i, data, pieces, cut)
+        e1, e2 = LineEnds(), LineEnds()
+        assert b"".join(e1.feed(p) for p in pieces) == e2.feed(data), (i, data, pieces)
