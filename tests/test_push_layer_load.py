@@ -1008,7 +1008,9 @@ def test_async_scheduling_failed_in_step_load_fails_the_request_only(sides):
     try:
         t0 = time.monotonic()
         d.step()
-        assert 1.2 <= time.monotonic() - t0 < 2.2
+        # the lease, then at most the cancel's round trip (2 s; slack for
+        # a loaded host)
+        assert 1.2 <= time.monotonic() - t0 < 5.0
         assert d.invalid
         assert d.run_until(lambda: "q" not in d.sched.requests, steps=50)
         assert d.finish_reasons.get("q") == FinishReason.ERROR, d.finish_reasons
