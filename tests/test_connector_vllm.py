@@ -907,6 +907,23 @@ def test_bad_settings_say_what_is_wrong(extra, msg):
     assert msg in str(ei.value)
 
 
+def test_push_layer_load_async_is_checked_where_kv_is_loaded():
+    """push_layer_load_async's "fail" requirement binds the roles that load
+    KV (kv_consumer, kv_both); a producer loads nothing, so the decode's
+    kv_connector_extra_config pasted into the prefill's command starts."""
+    from types import SimpleNamespace
+    from mooncake_connector.connector.settings import SettingsError, resolve
+    extra = {"push_layer_load_async": True, "load_failure_policy": "recompute"}
+    s = resolve(SimpleNamespace(kv_role="kv_producer", kv_connector_extra_config=extra), env={})
+    assert s.push_layer_load_async and not s.is_consumer
+    for role in ("kv_consumer", "kv_both"):
+        with pytest.raises(SettingsError, match="push_layer_load_async is true but"):
+            resolve(SimpleNamespace(kv_role=role, kv_connector_extra_config=extra), env={})
+    s = resolve(SimpleNamespace(kv_role="kv_both", kv_connector_extra_config={
+        "push_layer_load_async": True, "load_failure_policy": "fail"}), env={})
+    assert s.push_layer_load_async and s.load_failure_policy == "fail"
+
+
 def test_bad_role_and_bad_json(tmp_path):
     from types import SimpleNamespace
     from mooncake_connector.connector.settings import SettingsError, resolve

@@ -24,7 +24,8 @@ Layer read: a write-based and a read-based (push_layer_read) layer-load
 proxy.  Every check of the probe must pass: answers token-identical to
 colocated in both modes (the read mode's producer writing 0 bytes), a
 running stream's stall with the prefill SIGSTOPped at least the lease in
-write mode and at most the stall bound + slack in read mode (same run), and
+write mode and, in read mode, the decode's read given up at its stall bound
+(push_layer_read_gave_up +1) with the gap below the lease (same run), and
 a clean recompute with the prefill SIGKILLed.  (It was
 tests/test_layer_read_probe.py, with servers of its own.)
 """
@@ -182,3 +183,4 @@ def test_layer_read_probe(probes):
                                                         "killed"]
     info = summary["info"]
     assert info["stall_write"]["stream_max_gap_s"] > info["stall_read"]["stream_max_gap_s"]
+    assert info["stall_read"]["read_gave_up"] >= 1, info["stall_read"]

@@ -636,8 +636,9 @@ def resolve(kv_transfer_config, env=None):
     if s.load_failure_policy not in ("recompute", "fail"):
         raise SettingsError("kv_connector_extra_config.load_failure_policy must be 'recompute' "
                             f"or 'fail', not {s.load_failure_policy!r}")
-    if s.push_layer_load_async and s.load_failure_policy != "fail":
-        # vLLM recovers ("recompute") a failed in-step load under async
+    if s.push_layer_load_async and s.is_consumer and s.load_failure_policy != "fail":
+        # A producer (kv_producer) loads nothing: the setting is inert there,
+        # so one kv_connector_extra_config can serve both sides.  vLLM recovers ("recompute") a failed in-step load under async
         # scheduling by truncating a request the step already scheduled
         # counts computed: the next step's device-side assert kills the
         # engine (benchmarks/JOURNAL.md, runs 36 and 49).
