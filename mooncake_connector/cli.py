@@ -1,7 +1,10 @@
 """The mooncake-connector command.
 
     mooncake-connector doctor [...]     check this host's setup (mooncake_connector.doctor)
-    mooncake-connector config [PATH]    validate a mooncake.json and print what it yields
+    mooncake-connector config [--kv-transfer-config JSON] [PATH]
+                                        validate a mooncake.json (and vLLM's
+                                        --kv-transfer-config with it) and print
+                                        what they yield
     python -m mooncake_connector ...    the same
 """
 import sys
@@ -9,7 +12,8 @@ import sys
 COMMANDS = {
     "doctor": ("mooncake_connector.doctor", "run",
                "check config, metadata server, engine address, RDMA, GPUs, vLLM, a peer"),
-    "config": ("mooncake_connector.config", "main", "validate a mooncake.json"),
+    "config": ("mooncake_connector.config", "main",
+               "validate a mooncake.json and vLLM's --kv-transfer-config"),
 }
 
 

@@ -2,6 +2,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 
 def run(*args, env=None):
     return subprocess.run([sys.executable, "-m", "mooncake_connector.config", *args],
@@ -44,3 +46,134 @@ def test_options_and_extra_arguments_are_usage_errors(tmp_path):
     assert r.returncode == 2 and "one PATH only, got 2" in r.stderr, r.stderr
     r = run(env=dict(os.environ, MOONCAKE_CONFIG_PATH=""))
     assert r.returncode == 2 and "MOONCAKE_CONFIG_PATH is set but empty" in r.stderr, r.stderr
+
+
+# ---- --kv-transfer-config: vLLM's flag checked as a server's start would take it
+
+SEED_C = ('{"kv_connector":"MooncakeConnector","kv_role":"kv_consumer","kv_rank":1,'
+          '"kv_parallel_size":2,"kv_buffer_size":2e9}')  # the seed's decode, verbatim
+
+
+def _mooncake_json(tmp_path, **over):
+    import os
+    p = tmp_path / "mooncake.json"
+    p.write_text(json.dumps({"prefill_url": "127.0.0.1:13003", "decode_url": "127.0.0.1:13103",
+                             "metadata_server": "P2PHANDSHAKE", "protocol": "tcp",
+                             "device_name": "", **over}))
+    env = {k: v for k, v in os.environ.items() if k != "MOONCAKE_CONFIG_PATH"}
+    return p, env
+
+
+def test_kv_transfer_config_of_the_seed_yields_the_connectors_settings(tmp_path):
+    p, env = _mooncake_json(tmp_path, auth_secret="a-secret-of-sixteen-bytes")
+    r = run("--kv-transfer-config", SEED_C, str(p), env=env)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["role"] == "kv_consumer" and out["kv_rank"] == 1 and out["kv_parallel_size"] == 2
+    assert out["kv_buffer_size"] == 2_000_000_000 and out["engine"] == "127.0.0.1:13103"
+    assert out["config_path"] == str(p) and out["load_failure_policy"] == "recompute"
+    assert "a-secret" not in r.stdout and out["mooncake"]["auth_secret"] == "(set, not shown)"
+    assert "resolves to this package's connector" in r.stderr
+    assert "moved into kv_connector_extra_config" in r.stderr
+    # The same through MOONCAKE_CONFIG_PATH, as the seed's command sets it,
+    # and with = between the option and its value
+    r2 = run(f"--kv-transfer-config={SEED_C}", env=dict(env, MOONCAKE_CONFIG_PATH=str(p)))
+    assert r2.returncode == 0 and json.loads(r2.stdout) == out, r2.stderr
+
+
+@pytest.mark.parametrize("ktc, path, msg", [
+    # what the server's start says, seconds after the model loaded
+    ('{"kv_connector":"MooncakeConnector","kv_role":"kv_consumer",'
+     '"kv_connector_extra_config":{"push_layer_load_async":true}}', True,
+     "push_layer_load_async is true but load_failure_policy is 'recompute'"),
+    ('{"kv_connector":"MooncakeConnector","kv_role":"kv_producer",'
+     '"kv_connector_extra_config":{"hold_timout_s":3}}', True,
+     "'hold_timout_s': did you mean 'hold_timeout_s'?"),
+    ('{"kv_connector":"MooncakeConnector","kv_role":"kv_prod","kv_rank":0}', True,
+     "kv_role is 'kv_prod'"),
+    ('{"kv_connector":"MooncakeConnector","kv_role":"kv_consumer","kv_rank":2,'
+     '"kv_parallel_size":2}', True, "kv_rank 2 must be below kv_parallel_size 2"),
+    ('{"kv_connector":"MooncakeConnector","kv_role":"kv_consumer",'
+     '"kv_connector_extra_config":{"load_timeout_s":0}}', True, "load_timeout_s must be > 0"),
+    # no mooncake.json: no address for the engine (the seed's fields make it ours)
+    (SEED_C, False, "no engine address: set decode_url in mooncake.json"),
+    # the plugin's choice: the in-tree connector's shape keeps vLLM's class
+    ('{"kv_connector":"MooncakeConnector","kv_role":"kv_consumer",'
+     '"kv_connector_extra_config":{"mooncake_protocol":"tcp"}}', True,
+     "resolves to vLLM's in-tree connector here"),
+    ('{"kv_connector":"MooncakeConnector","kv_role":"kv_consumer"}', False,
+     "set MOONCAKE_CONFIG_PATH (or give PATH), or add \"kv_connector_module_path\""),
+    ('{"kv_connector":"NixlConnector","kv_role":"kv_consumer"}', True,
+     "kv_connector is 'NixlConnector'"),
+    ('{"kv_connector":"MooncakeConnector","kv_role":"kv_consumer",'
+     '"kv_connector_module_path":"vllm.distributed"}', True,
+     "kv_connector_module_path is 'vllm.distributed'"),
+    ('{"kv_connector":"MooncakeConnector","kv_role":"kv_consumer",'
+     '"kv_connector_extra_config":[1]}', True, "kv_connector_extra_config is a JSON list"),
+    ("{kv_connector: 1}", True, "--kv-transfer-config is not valid JSON: Expecting property"),
+    ("[]", True, "--kv-transfer-config is a JSON list, not an object"),
+    ("", True, "--kv-transfer-config is not valid JSON"),
+    ("[" * 100_000, True, "nests JSON arrays or objects too deeply"),
+    ('{"kv_connector":"MooncakeConnector","kv_role":"kv_consumer",'
+     '"kv_connector_extra_config":{"hold_timeout_s":NaN}}', True,
+     "hold_timeout_s must be a finite number, not nan"),
+    ('{"kv_connector":"MooncakeConnector","kv_role":"kv_consumer",'
+     '"kv_connector_extra_config":{"mooncake_config_path":"/dev/zero"}}', False,
+     "is over 1048576 bytes; refused"),
+])
+def test_kv_transfer_config_mistakes_are_named(tmp_path, ktc, path, msg):
+    p, env = _mooncake_json(tmp_path)
+    r = run("--kv-transfer-config", ktc, *([str(p)] if path else []), env=env)
+    assert r.returncode == 2 and msg in r.stderr, r.stderr
+    assert r.stdout == "" and "Traceback" not in r.stderr
+
+
+def test_kv_transfer_config_checks_the_mooncake_json_too(tmp_path):
+    """The file through the workers' parser and the settings reader: a bad
+    field is the same error `config PATH` gives; the one named in the extra
+    config (mooncake_config_path) is the one read."""
+    p, env = _mooncake_json(tmp_path, protocol="udp")
+    r = run("--kv-transfer-config", SEED_C, str(p), env=env)
+    assert r.returncode == 2 and "protocol" in r.stderr and "udp" in r.stderr, r.stderr
+    (tmp_path / "good").mkdir()
+    good, _ = _mooncake_json(tmp_path / "good", protocol="tcp")
+    ktc = json.dumps({"kv_connector": "MooncakeConnector", "kv_role": "kv_producer",
+                      "kv_connector_extra_config": {"mooncake_config_path": str(good)}})
+    r = run("--kv-transfer-config", ktc, env=env)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["engine"] == "127.0.0.1:13003"
+    ktc = json.dumps({"kv_connector": "MooncakeConnector", "kv_role": "kv_producer",
+                      "kv_connector_extra_config": {"mooncake_config_path": str(p)}})
+    r = run("--kv-transfer-config", ktc, env=env)
+    assert r.returncode == 2 and "udp" in r.stderr, r.stderr
+
+
+def test_kv_transfer_config_roles_and_vllms_own_policy(tmp_path):
+    """push_layer_load_async binds the roles that load KV only; vLLM's own
+    kv_load_failure_policy is replaced by the connector's (said)."""
+    p, env = _mooncake_json(tmp_path)
+    extra = {"push_layer_load_async": True}
+    for role, code in (("kv_producer", 0), ("kv_consumer", 2), ("kv_both", 2)):
+        ktc = json.dumps({"kv_connector": "MooncakeConnector", "kv_role": role,
+                          "kv_connector_extra_config": extra})
+        assert run("--kv-transfer-config", ktc, str(p), env=env).returncode == code, role
+    ktc = json.dumps({"kv_connector": "MooncakeConnector", "kv_role": "kv_consumer",
+                      "kv_load_failure_policy": "fail",
+                      "kv_connector_extra_config": dict(extra, load_failure_policy="fail")})
+    r = run("--kv-transfer-config", ktc, str(p), env=env)
+    assert r.returncode == 0 and json.loads(r.stdout)["push_layer_load_async"] is True, r.stderr
+    ktc = json.dumps({"kv_connector": "MooncakeConnector", "kv_role": "kv_consumer",
+                      "kv_load_failure_policy": "fail", "kv_connector_extra_config": {}})
+    r = run("--kv-transfer-config", ktc, str(p), env=env)
+    assert r.returncode == 0 and "kv_load_failure_policy 'fail' (vLLM's) is replaced by the " \
+        "connector's load_failure_policy 'recompute'" in r.stderr, r.stderr
+
+
+def test_kv_transfer_config_usage_errors(tmp_path):
+    p, env = _mooncake_json(tmp_path)
+    r = run("--kv-transfer-config", env=env)
+    assert r.returncode == 2 and "--kv-transfer-config needs a value" in r.stderr
+    r = run("--kv-transfer-config", SEED_C, "--kv-transfer-config", SEED_C, env=env)
+    assert r.returncode == 2 and "given twice" in r.stderr
+    r = run("--kv-transfer-config", SEED_C, str(p), str(p), env=env)
+    assert r.returncode == 2 and "one PATH only, got 2" in r.stderr
