@@ -143,6 +143,30 @@ def test_vllm_kv_transfer_config_pasted(tmp_path):
     assert 'remove "kv_connector"' in r["fix"] and "prefill_url" in r["fix"], r
 
 
+def test_kv_transfer_config_checked_with_the_file(tmp_path):
+    """--kv-transfer-config: the flag vLLM is to get, with the file, as the
+    server's start takes them; its kv_role picks the engine check's side."""
+    cfg = write_cfg(tmp_path)
+    ktc = json.dumps({"kv_connector": "MooncakeConnector", "kv_role": "kv_consumer",
+                      "kv_load_failure_policy": "fail",
+                      "kv_connector_extra_config": {"push_layer_load": True}})
+    rc, rows = doctor("--config", cfg, "--kv-transfer-config", ktc)
+    r = row(rows, "config", "kv-transfer-config", "ok")
+    assert "kv_consumer" in r["detail"] and "push_layer_load" in r["detail"], r
+    assert "replaced by the connector's" in row(rows, "config", "kv_load_failure_policy",
+                                                "warn")["detail"]
+    assert row(rows, "engine", "decode_url") and \
+        not [x for x in rows if x["check"] == "engine" and "prefill" in x["item"]], rows
+    assert rc == 0, rows
+    ktc = json.dumps({"kv_connector": "MooncakeConnector", "kv_role": "kv_consumer",
+                      "kv_connector_extra_config": {"push_layer_load_async": True}})
+    rc, rows = doctor("--config", cfg, "--kv-transfer-config", ktc)
+    r = failed(rows, "config", "kv-transfer-config")
+    assert rc == 1 and "set load_failure_policy to 'fail'" in r["detail"], r
+    rc, rows = doctor("--config", cfg, "--kv-transfer-config", "{not json")
+    assert rc == 1 and "not valid JSON" in failed(rows, "config", "kv-transfer-config")["detail"]
+
+
 # ------------------------------------------------------------ 4-8: metadata
 
 @pytest.mark.parametrize("kind", ["etcd", "redis", "http"])

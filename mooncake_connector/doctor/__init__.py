@@ -2,12 +2,14 @@
 
     mooncake-connector doctor [--config mooncake.json] [--peer HOST:PORT] [--json]
                               [--role prefill|decode] [--tp N] [--pp N] [--dp N]
-                              [--timeout S]
+                              [--kv-transfer-config JSON] [--timeout S]
     mooncake-connector doctor --serve [--listen HOST:PORT] [--config mooncake.json]
     python -m mooncake_connector doctor ...            (the same)
 
 Checks, in order (docs/doctor.md lists what each catches and the fix):
-  config    each field of mooncake.json, through the package's own parser
+  config    each field of mooncake.json, through the package's own parser; with
+            --kv-transfer-config, vLLM's flag with that file as a server's start
+            takes them (mooncake_connector.config; its kv_role is --role's default)
   metadata  the metadata server: reach, put/get/delete of a scratch key, latency;
             on failure, what actually listens there (etcd, Redis, an HTTP
             metadata server, nothing) and the URL that would work

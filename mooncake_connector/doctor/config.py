@@ -67,3 +67,33 @@ def _raw_field(path, name):
 
 def _mask(url):
     return re.sub(r"(redis://[^:@/]*:)[^@]*@", r"\1***@", url)
+
+
+def check_kv_transfer_config(rep, text, path):
+    """vLLM's --kv-transfer-config with the mooncake.json (`path`, else
+    MOONCAKE_CONFIG_PATH) as a server's start takes them
+    (mooncake_connector.config.check_kv_transfer_config): one row, OK with
+    what they yield or FAIL with the start's own message.  Returns the
+    effective settings or None."""
+    from mooncake_connector.config import CheckError
+    from mooncake_connector.config import check_kv_transfer_config as check
+
+    try:
+        s, notes = check(text, path)
+    except CheckError as e:
+        rep.add("config", "kv-transfer-config", FAIL, str(e),
+                "fix --kv-transfer-config (or the mooncake.json it reads) as the message says; "
+                "`mooncake-connector config --kv-transfer-config JSON PATH` prints what they "
+                "yield (docs/connector.md, \"Starting the servers\")")
+        return None
+    pushed = [k for k in ("push_layerwise", "push_layer_load", "push_layer_read",
+                          "push_layer_load_async") if s.get(k)]
+    rep.add("config", "kv-transfer-config", OK,
+            f"{s['role']}, engine {s['engine']}, load_failure_policy "
+            f"{s['load_failure_policy']}" + (f", {', '.join(pushed)}" if pushed else ""))
+    for n in notes:
+        if "replaced by" in n:
+            rep.add("config", "kv_load_failure_policy", WARN, n,
+                    "set load_failure_policy in kv_connector_extra_config and drop vLLM's "
+                    "kv_load_failure_policy")
+    return s

@@ -8,7 +8,7 @@ import socket
 import sys
 
 from .auth import check_auth
-from .config import check_config
+from .config import check_config, check_kv_transfer_config
 from .engine import check_engine
 from .gpu import check_gpu
 from .hosts import _hp, _is_loopback, _local_addrs, _resolve, _split_hp
@@ -20,10 +20,17 @@ from .same_host import check_same_host
 from .vllm_plugin import check_vllm
 
 
+ROLE_SIDES = {"kv_producer": "prefill", "kv_consumer": "decode"}  # kv_role -> --role
+
+
 def build_parser():
     ap = argparse.ArgumentParser(prog="mooncake-connector doctor",
                                  description="Checks this host's mooncake-connector setup.")
     ap.add_argument("--config", help="mooncake.json (default: $MOONCAKE_CONFIG_PATH)")
+    ap.add_argument("--kv-transfer-config", metavar="JSON", default=None,
+                    help="the JSON given to vLLM's --kv-transfer-config: checked with the "
+                    "mooncake.json as the server's start takes them; its kv_role is --role's "
+                    "default")
     ap.add_argument("--peer", metavar="HOST:PORT",
                     help="run a 64 MiB transfer each way against `doctor --serve` there")
     ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
@@ -155,12 +162,17 @@ def run(argv=None, out=sys.stdout):
         except Exception as e:  # MooncakeError: bad --listen, port taken, no NIC...
             print(f"doctor --serve: cannot serve at {listen}: {e}", file=sys.stderr)
             return 1
+    role = args.role
+    if args.kv_transfer_config is not None:
+        ktc = check_kv_transfer_config(rep, args.kv_transfer_config, args.config)
+        if ktc and role is None and ktc["role"] in ROLE_SIDES:
+            role = ROLE_SIDES[ktc["role"]]
     origin = cfg["origin"] if cfg else ""
     checks = []
     if cfg:
         checks += [("auth", lambda: check_auth(rep, cfg)),
                    ("metadata", lambda: check_metadata(rep, cfg, origin)),
-                   ("engine", lambda: check_engine(rep, cfg, args.role, args.tp, args.pp,
+                   ("engine", lambda: check_engine(rep, cfg, role, args.tp, args.pp,
                                                    args.dp)),
                    ("rdma", lambda: check_rdma(rep, cfg))]
     checks += [("gpu", lambda: check_gpu(rep, cfg)),
