@@ -1174,7 +1174,7 @@ class Proxy:
                             failed = True
                         if retake is not None and failed:
                             request["mc_dec_data"] = True  # its engine had it
-                            body, retake = self._retake(url, rid, body, retake), None
+                            body, retake = self._retake(url, rid, retake), None
                             retaken = True
                             continue
                         if r.status != 200:
@@ -1213,7 +1213,7 @@ class Proxy:
                     logger.warning("%s (request %s)", msg, rid)
                     await self._end_stream(resp, ft.error_event(msg, 500))
                     return resp
-                body, retake = self._retake(url, rid, body, retake), None
+                body, retake = self._retake(url, rid, retake), None
                 retaken = True
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             if http_guard.out_of_fds(e):
@@ -1234,27 +1234,33 @@ class Proxy:
         """Flows a, b: the decode failed the leg before its first token (its
         KV load failed under kv_load_failure_policy 'fail'), so the pull the
         prefill holds the prompt for will not come; once that leg and any
-        retake are over (a retake may find the prompt at that prefill by its
-        tokens and pull it), the prefill is told to release it
-        (_release_at_prefill) instead of holding it to hold_timeout_s."""
+        retake are over (a retake computes its prompt, but a decode that
+        predates {"mc_retake": true} may find it at that prefill by its tokens
+        and pull it), the prefill is told to release it (_release_at_prefill)
+        instead of holding it to hold_timeout_s."""
         if self.flow in ("a", "b"):
             self._release_at_prefill(request)
 
     def _retake_body(self, body):
         """The decode leg taken again (proxy_retake): the client's request
-        without kv_transfer_params, or None with --decode-retake off."""
+        with kv_transfer_params {"mc_retake": true} in place of the leg's,
+        or None with --decode-retake off.  The decode's connector computes a
+        retake's prompt instead of loading it once more (a load that failed
+        may fail again, a flow-a probe of a stalled prefill costs its
+        timeout first); a decode that does not know the key takes it as a
+        request without kv_transfer_params."""
         if not self.decode_retake:
             return None
-        return {k: v for k, v in body.items() if k != "kv_transfer_params"}
+        return dict({k: v for k, v in body.items() if k != "kv_transfer_params"},
+                    kv_transfer_params={"mc_retake": True})
 
-    def _retake(self, url, rid, body, retake):
+    def _retake(self, url, rid, retake):
         """A decode leg that failed before its first token (proxy_retake):
         counted, logged; returns the body to send once more."""
         self.counts["decode_retakes"] += 1
         logger.warning("decode %s failed request %s before its first token (under vLLM's "
-                       "kv_load_failure_policy 'fail': its KV load failed): sent once more%s",
-                       url, rid, " without kv_transfer_params (the decode finds the prompt "
-                       "by its tokens or computes it)" if "kv_transfer_params" in body else "")
+                       "kv_load_failure_policy 'fail': its KV load failed): sent once more, "
+                       "its prompt to be computed there, not loaded", url, rid)
         return retake
 
     async def _end_stream(self, resp, data):

@@ -412,9 +412,8 @@ async def stream(proxy, request, plan, dec_url, headers, rid, t_pre=None):
         retaken = failed and proxy.decode_retake
         if retaken:
             # The decode failed before its first token (proxy_retake): once
-            # more without kv_transfer_params, its error then the client's.
-            plan.decode = proxy._retake(dec_url, rid, plan.decode,
-                                        proxy._retake_body(plan.decode))
+            # more, its prompt computed there, its error then the client's.
+            plan.decode = proxy._retake(dec_url, rid, proxy._retake_body(plan.decode))
             err = await _relay_decode(proxy, out, plan, dec_url, headers)
         if err is RETAKE:
             # vLLM's own code for a request its engine ended with an error,

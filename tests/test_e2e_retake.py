@@ -12,7 +12,10 @@ before any token ("Failing 1 request(s) due to KV load failure" in the
 decode's log): a 500 for a non-streamed request, an error event for a
 streamed one.  Checked: through the proxy (--decode-retake on, its default)
 both come back 200 and token-identical to the same prompts sent straight to
-the decode (computed there), one retake counted per request; with
+the decode (computed there), one retake counted per request, and the decode
+counted each as a recompute of reason "retake" (the retake's
+kv_transfer_params {"mc_retake": true}: computed, neither loaded again nor
+probed at the configured producer); with
 --decode-retake off the client gets vLLM's error, as before the retake
 existed (the same test against the proxy without it fails the first part).
 
@@ -27,17 +30,16 @@ pointed at two metadata servers, or a metadata server restarted and emptied
 under them), so the flow-b pull of the prompt it names cannot find its peer
 ("key ... not found on metadata server" in the decode's log) and fails at
 once, while the prefill computes and answers normally; no timing (a lease
-racing the prefill, a SIGSTOP after its answer) decides it.  The retake,
-without kv_transfer_params, finds no prompt at the decode's configured
-producer (nothing listens there) and computes it.  Checked through a flow-b
+racing the prefill, a SIGSTOP after its answer) decides it.  The retake
+({"mc_retake": true}) is computed at the decode.  Checked through a flow-b
 proxy: HTTP 200, no error event, token ids identical to the same greedy
 prompt computed by the decode alone, first_token_from_prefill and
 decode_retakes each up by one; with --decode-retake off the client gets the
 first token, then an error event (code 500, proxy_retake.failure_message),
-never a stream that ends with no error.  Flow a's decode leg carries no
-kv_transfer_params (the decode probes its configured producer, and a miss
-there is computed, not failed), so its retake is the same request again:
-not exercised here.
+never a stream that ends with no error.  Flow a (the decode probes its
+configured producer; a miss there is computed, not failed) fails a load only
+when a probe's hit is followed by a failed pull, a race: not exercised here;
+its retake is the same {"mc_retake": true} request (tests/test_proxy_retake.py).
 """
 import json
 import os
@@ -166,8 +168,15 @@ def _load_failures(decode, why="due to KV load failure"):
         return f.read().count(why)
 
 
+def _recomputes(decode, reason):
+    """The decode's vllm:mooncake_recomputes_total for one reason."""
+    return (scrape_metrics(decode.url) or {}).get(f"vllm:mooncake_recomputes_total{{{reason}}}",
+                                                  0)
+
+
 def test_a_failed_push_load_is_taken_again_and_answered(servers):
     decode, proxies = servers[:2]
+    retakes0 = _recomputes(decode, "retake")
     for prompt, stream in zip(PROMPTS, (True, False)):
         st, ref, errs = _answer(decode.url, prompt, stream)  # computed at the decode
         assert st == 200 and len(ref) == 8 and not errs, (st, errs)
@@ -181,6 +190,13 @@ def test_a_failed_push_load_is_taken_again_and_answered(servers):
         assert took < LEASE_S + 15, took
     assert proxy_stats(proxies["on"].url)["decode_retakes"] == 2
     assert _load_failures(decode) >= 2, "the decode's vLLM did not fail the loads: the test tests nothing"
+    # each retake was computed as one ({"mc_retake": true}), not probed at the
+    # decode's configured producer (nothing listens there: that would count
+    # producer_unreachable) nor loaded again
+    deadline = time.monotonic() + 15
+    while _recomputes(decode, "retake") < retakes0 + 2 and time.monotonic() < deadline:
+        time.sleep(0.5)  # the counters come with the decode's next stats
+    assert _recomputes(decode, "retake") == retakes0 + 2, scrape_metrics(decode.url)
 
 
 def test_with_decode_retake_off_the_client_gets_vllms_error(servers):

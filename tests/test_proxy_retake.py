@@ -45,8 +45,9 @@ def test_a_stream_that_failed_before_its_first_token_is_taken_again(vllm_like, p
     """Flow b, streamed: the decode leg's error event before any token
     (vLLM 0.32), or its end with no choice chunk (vLLM 0.26, a usage chunk
     before it), is not the client's; the leg is sent once more without
-    kv_transfer_params and the client gets the whole answer, no error;
-    counted."""
+    the leg's kv_transfer_params, {"mc_retake": true} in their place (the
+    decode computes the prompt), and the client gets the whole answer, no
+    error; counted."""
     p = vllm_like("prefill")
     d = vllm_like("decode", decode_fail="engine", detokenize=True, engine_shape=shape)
     url = proxy([p.url], [d.url], flow="b", extra=("--first-token", first_token))
@@ -59,8 +60,9 @@ def test_a_stream_that_failed_before_its_first_token_is_taken_again(vllm_like, p
     assert events[-1] == "[DONE]"
     legs = _decode_legs(d)
     assert len(legs) == 2, legs
-    assert "kv_transfer_params" in legs[0] and "kv_transfer_params" not in legs[1]
-    assert {k: v for k, v in legs[0].items() if k != "kv_transfer_params"} == legs[1]
+    assert legs[0]["kv_transfer_params"].get("do_remote_prefill") is True
+    assert legs[1]["kv_transfer_params"] == {"mc_retake": True}, legs[1]
+    assert dict(legs[0], kv_transfer_params=None) == dict(legs[1], kv_transfer_params=None)
     assert get_stats(url)["decode_retakes"] == 1
 
 
@@ -90,7 +92,7 @@ def test_a_non_streamed_500_is_taken_again(vllm_like, proxy, flow):  # noqa: F81
                                                  "max_tokens": 2, "stream": False})
     assert status == 200 and out["choices"][0]["token_ids"] == [103, 104], out
     legs = _decode_legs(d)
-    assert len(legs) == 2 and "kv_transfer_params" not in legs[1]
+    assert len(legs) == 2 and legs[1]["kv_transfer_params"] == {"mc_retake": True}, legs
     assert ("kv_transfer_params" in legs[0]) == (flow == "b")
     assert get_stats(url)["decode_retakes"] == 1
 
@@ -153,7 +155,8 @@ def test_other_decode_errors_are_not_taken_again(vllm_like, proxy):  # noqa: F81
 
 def test_push_decode_leg_is_taken_again_without_its_push_params(vllm_like, proxy):  # noqa: F811
     """Flow push: the decode leg (both legs at once) failed before its first
-    token: sent once more as the client's request, no kv_transfer_params."""
+    token: sent once more as the client's request, kv_transfer_params
+    {"mc_retake": true} in place of the push's."""
     p, d = SlowPrefill(0.0), vllm_like("decode", decode_fail="engine")
     try:
         url = proxy([p.url], [d.url], flow="push", extra=("--prefill-engine", "127.0.0.1:1"))
@@ -162,7 +165,7 @@ def test_push_decode_leg_is_taken_again_without_its_push_params(vllm_like, proxy
         assert status == 200 and _tokens(events) == [103, 104, 105], events
         legs = _decode_legs(d)
         assert legs[0]["kv_transfer_params"]["push"] is True
-        assert legs[1] == dict(body, stream=True)
+        assert legs[1] == dict(body, stream=True, kv_transfer_params={"mc_retake": True})
         assert get_stats(url)["decode_retakes"] == 1
     finally:
         p.close()

@@ -411,7 +411,7 @@ def test_first_token_from_prefill_takes_a_failed_choice_again(vllm_like, proxy, 
     url = proxy([p.url], [d.url], flow="b", extra=("--first-token", "prefill"))
     status, data = _stream(url, "/v1/completions", CMPL)
     assert status == 200 and b"RETAKEN" in data and b'"error"' not in data, data
-    assert len(d.seen) == 2 and "kv_transfer_params" not in d.seen[1], d.seen
+    assert len(d.seen) == 2 and d.seen[1]["kv_transfer_params"] == {"mc_retake": True}, d.seen
     st = get_stats(url)
     assert st["decode_retakes"] == 1 and st["first_token_from_prefill"] == 1, st
 

@@ -42,6 +42,31 @@ def test_no_kv_transfer_params(sides, warnings):
     assert recomputes(d) == {"no_kv_transfer_params": 1} and not warnings("short")
 
 
+def test_a_proxys_retake_is_computed_not_loaded_again(sides, warnings):
+    """kv_transfer_params {"mc_retake": true} (the proxy's second sending of
+    a decode leg whose load failed): computed at once, counted "retake";
+    no flow-a probe, no load, even with the prompt held at the producer."""
+    p, d = sides("kv_producer"), sides("kv_consumer")
+    t = toks(78, 3 * BS + 1)
+    prefill(p, "held", t)  # a probe would hit it, a load would take it
+    def probes():  # the producer's engine answers every flow-a probe
+        return p.worker._worker.kv.stats()["probes_served"]
+
+    p0 = probes()
+    d.add(make_request("rt", t, max_tokens=2, params={"mc_retake": True}))
+    assert d.run_until(lambda: "rt" not in d.sched.requests)
+    assert recomputes(d) == {"retake": 1} and probes() == p0, (recomputes(d), probes(), p0)
+    assert d.computed.get("rt", 0) >= len(t), "the retake loaded"  # every token computed
+    (msg,) = warnings("rt")
+    assert "retake" in msg and "not loaded again" in msg
+    # Without the key, the same prompt is probed and loaded (flow a)
+    d.add(make_request("again", t, max_tokens=2))
+    assert d.run_until(lambda: "again" not in d.sched.requests)
+    assert d.computed.get("again", 0) < len(t) and recomputes(d) == {"retake": 1}, \
+        (d.computed, recomputes(d))
+    assert probes() > p0
+
+
 def test_flow_a_probe_miss_is_not_held(sides, warnings):
     p, d = sides("kv_producer"), sides("kv_consumer")
     d.add(make_request("miss", toks(72, 2 * BS + 1), max_tokens=2))

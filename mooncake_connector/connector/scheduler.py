@@ -166,6 +166,8 @@ class SchedulerSide:
         if not self.s.is_consumer:
             return None
         params = getattr(request, "kv_transfer_params", None) or {}
+        if _is_retake(params):
+            return None  # the proxy's retake of a leg whose load failed: computed here
         if params.get("do_remote_prefill"):
             producer = params.get("remote_engine_id")
             if not producer and params.get("remote_host") and params.get("remote_port"):
@@ -343,7 +345,11 @@ class SchedulerSide:
         if len(request.prompt_token_ids or ()) < self.block_size:
             return  # no full block: nothing to load anyway
         if src is None:
-            if self.s.role == "kv_consumer" and not self.s.flow_a:
+            if _is_retake(getattr(request, "kv_transfer_params", None) or {}):
+                self._recompute(request, "retake",
+                                "the proxy sent it once more after its KV load failed here "
+                                "(load_failure_policy 'fail'): computed, not loaded again")
+            elif self.s.role == "kv_consumer" and not self.s.flow_a:
                 self._recompute(request, "no_kv_transfer_params",
                                 "the request came without kv_transfer_params (flow A is off: "
                                 "send it through the proxy with --flow b)")
@@ -1042,6 +1048,15 @@ def _bootstrap_port(settings):
         return default_port(os.environ) or None
     except ValueError:
         return None
+
+
+def _is_retake(params):
+    """kv_transfer_params {"mc_retake": true}: the proxy's second sending of
+    a decode leg whose KV load failed (mooncake_connector.proxy_retake); the
+    consumer computes its prompt instead of loading it again.  A decode
+    without this key's meaning (an older one) loads as for a request
+    without kv_transfer_params (flow A's probe)."""
+    return isinstance(params, dict) and params.get("mc_retake") is True
 
 
 def _is_hostport(name):

@@ -20,7 +20,7 @@ except ImportError:  # vLLM absent
 
 #: Why a consumer computed a prompt it was meant to load (docs/connector.md).
 RECOMPUTE_REASONS = ("producer_unreachable", "not_held", "timed_out", "layout_mismatch",
-                     "no_kv_transfer_params", "layer_wait_skipped")
+                     "no_kv_transfer_params", "layer_wait_skipped", "retake")
 COUNTERS = ("loads", "loads_in_step", "loads_failed", "load_bytes", "load_bytes_same_host_cpu",
             "load_tokens",
             "load_tokens_missed", "publishes", "publish_failed", "publish_bytes",
