@@ -120,6 +120,30 @@ def test_kv_transfer_config_of_the_seed_yields_the_connectors_settings(tmp_path)
     ('{"kv_connector":"MooncakeConnector","kv_role":"kv_consumer",'
      '"kv_connector_extra_config":{"mooncake_config_path":"/dev/zero"}}', False,
      "is over 1048576 bytes; refused"),
+    # mooncake.json's fields given in the extra config: the workers' C parser
+    # reads them with the file's (was: exit 0, the start refused them)
+    ('{"kv_connector":"MooncakeConnector","kv_role":"kv_consumer",'
+     '"kv_connector_extra_config":{"protocol":"udp"}}', True,
+     'field "protocol": value "udp" is not a supported protocol'),
+    ('{"kv_connector":"MooncakeConnector","kv_role":"kv_producer",'
+     '"kv_connector_extra_config":{"prefill_url":"127.0.0.1:13003"}}', False,
+     'kv_connector_extra_config: field "decode_url": is missing (required)'),
+    # the engine's name through the engine's own address parser
+    ('{"kv_connector":"MooncakeConnector","kv_role":"kv_consumer",'
+     '"kv_connector_extra_config":{"local_hostname":"bad host:13200"}}', True,
+     'field "local_hostname": value "bad host:13200" is not a valid address'),
+    ('{"kv_connector":"MooncakeConnector","kv_role":"kv_consumer","kv_connector_extra_config":'
+     '{"prefill_url":"[::1]:13003","decode_url":"[::1]:13103"}}', True,
+     "decode_url '[::1]:13103' is '::1:13103', which the engine refuses"),
+    # what vLLM's own KVTransferConfig refuses (was: exit 0)
+    ('{"kv_connector":"MooncakeConnector","kv_role":"kv_consumer","push_layer_load":true}', True,
+     "'push_layer_load' is a setting of this package's connector, not a field of vLLM's"),
+    ('{"kv_connector":"MooncakeConnector","kv_role":"kv_consumer","kv_rank":1,'
+     '"kv_conector_extra_config":{"push_layer_load":true}}', True,
+     "did you mean 'kv_connector_extra_config'?"),
+    ('{"kv_connector":"MooncakeConnector","kv_role":"kv_consumer","kv_rank":1,'
+     '"kv_load_failure_policy":"retry"}', True,
+     "kv_load_failure_policy is 'retry': vLLM takes 'recompute' or 'fail'"),
 ])
 def test_kv_transfer_config_mistakes_are_named(tmp_path, ktc, path, msg):
     p, env = _mooncake_json(tmp_path)
@@ -177,3 +201,59 @@ def test_kv_transfer_config_usage_errors(tmp_path):
     assert r.returncode == 2 and "given twice" in r.stderr
     r = run("--kv-transfer-config", SEED_C, str(p), str(p), env=env)
     assert r.returncode == 2 and "one PATH only, got 2" in r.stderr
+
+
+def test_kv_transfer_config_engine_and_secrets_as_the_start_has_them(tmp_path):
+    """The engine name after the C parser's port rule (decode_url equal to
+    prefill_url: decode port + 100; was: the unmoved port), the seed's field
+    given twice named, the metadata server's password masked (the
+    auth_secret already was)."""
+    p, env = _mooncake_json(tmp_path, decode_url="127.0.0.1:13003",
+                            metadata_server="redis://:hunter2pw@127.0.0.1:6379",
+                            auth_secret="a-secret-of-sixteen-bytes")
+    ktc = ('{"kv_connector":"MooncakeConnector","kv_role":"kv_consumer","kv_rank":1,'
+           '"kv_parallel_size":4,"kv_connector_extra_config":{"kv_rank":3}}')
+    r = run("--kv-transfer-config", ktc, str(p), env=env)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["engine"] == "127.0.0.1:13103" and out["kv_rank"] == 3, out
+    assert "kv_rank is given twice: 1 at the top level is ignored, " \
+        "kv_connector_extra_config's 3 is used" in r.stderr, r.stderr
+    assert "hunter2pw" not in r.stdout + r.stderr and "a-secret" not in r.stdout + r.stderr
+    assert out["mooncake"]["metadata_server"] == "redis://:***@127.0.0.1:6379"
+
+
+def test_connector_settings_log_line_hides_the_secrets(tmp_path):
+    """The "effective config" line the connector logs at start
+    (Settings.summary) carried auth_secret and the Redis password."""
+    from types import SimpleNamespace
+
+    from mooncake_connector.connector.settings import resolve
+    p, _ = _mooncake_json(tmp_path, metadata_server="redis://:hunter2pw@127.0.0.1:6379",
+                          auth_secret="a-secret-of-sixteen-bytes")
+    s = resolve(SimpleNamespace(kv_role="kv_producer",
+                                kv_connector_extra_config={"mooncake_config_path": str(p)}))
+    line = s.summary()
+    assert "hunter2pw" not in line and "a-secret" not in line, line
+    assert json.loads(line)["mooncake"]["auth_secret"] == "(set, not shown)"
+    # the engine still gets them
+    assert s.mooncake["auth_secret"] == "a-secret-of-sixteen-bytes"
+    assert s.mooncake["metadata_server"] == "redis://:hunter2pw@127.0.0.1:6379"
+
+
+def test_kv_transfer_config_human_readable_numbers_as_vllm_reads_them(tmp_path):
+    """vLLM expands a bare 2G in --kv-transfer-config (its own code, imported
+    only for such a text): the seed's kv_buffer_size 2G is 2 GiB, not
+    "not valid JSON"."""
+    pytest.importorskip("vllm")
+    p, env = _mooncake_json(tmp_path)
+    ktc = '{"kv_connector":"MooncakeConnector","kv_role":"kv_consumer","kv_buffer_size":2G}'
+    r = run("--kv-transfer-config", ktc, str(p), env=env)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["kv_buffer_size"] == 2 << 30
+
+
+def test_kv_transfer_config_empty_path_is_a_usage_error(tmp_path):
+    _, env = _mooncake_json(tmp_path)
+    r = run("--kv-transfer-config", SEED_C, "", env=env)
+    assert r.returncode == 2 and "PATH is empty" in r.stderr and r.stdout == "", r.stderr

@@ -229,7 +229,28 @@ class Settings:
 
     def summary(self):
         d = asdict(self)
+        d["mooncake"] = shown_mooncake(d["mooncake"])
         return json.dumps(d, sort_keys=True, default=str)
+
+
+HIDDEN = "(set, not shown)"
+
+
+def shown_mooncake(fields):
+    """mooncake.json's fields as they may be logged or printed: auth_secret
+    hidden, a metadata_server URL's password as *** (the C parser's
+    mask_password)."""
+    out = dict(fields)
+    if out.get("auth_secret"):
+        out["auth_secret"] = HIDDEN
+    meta = out.get("metadata_server")
+    if isinstance(meta, str):
+        sep = meta.find("://")
+        start = sep + 3 if sep >= 0 else 0
+        at = meta.rfind("@", start)
+        if at >= 0:
+            out["metadata_server"] = f"{meta[:start]}:***{meta[at:]}"
+    return out
 
 
 # As the C parser (csrc/config): a mooncake.json is a few hundred bytes.
