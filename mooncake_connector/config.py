@@ -206,6 +206,9 @@ def check_kv_transfer_config(text, path=None, env=None):
                          f"is \"{plugin.NAME}\" (with MOONCAKE_CONFIG_PATH set or "
                          "\"kv_connector_module_path\": \"mooncake_connector\")")
     module = d.get("kv_connector_module_path")
+    if module == "":
+        raise CheckError("kv_connector_module_path is empty: give \"mooncake_connector\", or "
+                         "leave it out")
     if module not in plugin.OUR_MODULES:
         raise CheckError(f"kv_connector_module_path is {module!r}: vLLM loads "
                          f"{plugin.NAME} from that module, not from this package (use "
@@ -252,6 +255,9 @@ def check_kv_transfer_config(text, path=None, env=None):
         raise CheckError(str(e)) from None
     if cfg.get("notes"):
         notes.append(cfg["notes"])
+    if path is not None and s.config_path != path:
+        notes.append(f"PATH {path} is not read: the server reads kv_connector_extra_config's "
+                     f"mooncake_config_path {s.config_path} (checked here)")
     if s.config_path is None and "MOONCAKE_CONFIG_PATH" in env:
         notes.append("MOONCAKE_CONFIG_PATH is set but empty: the connector reads no "
                      "mooncake.json")

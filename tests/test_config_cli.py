@@ -109,6 +109,8 @@ def test_kv_transfer_config_of_the_seed_yields_the_connectors_settings(tmp_path)
      '"kv_connector_module_path":"vllm.distributed"}', True,
      "kv_connector_module_path is 'vllm.distributed'"),
     ('{"kv_connector":"MooncakeConnector","kv_role":"kv_consumer",'
+     '"kv_connector_module_path":""}', True, "kv_connector_module_path is empty"),
+    ('{"kv_connector":"MooncakeConnector","kv_role":"kv_consumer",'
      '"kv_connector_extra_config":[1]}', True, "kv_connector_extra_config is a JSON list"),
     ("{kv_connector: 1}", True, "--kv-transfer-config is not valid JSON: Expecting property"),
     ("[]", True, "--kv-transfer-config is a JSON list, not an object"),
@@ -166,6 +168,9 @@ def test_kv_transfer_config_checks_the_mooncake_json_too(tmp_path):
     r = run("--kv-transfer-config", ktc, env=env)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["engine"] == "127.0.0.1:13003"
+    # a PATH beside it is not what the server reads: said (was silent)
+    r = run("--kv-transfer-config", ktc, str(p), env=env)
+    assert r.returncode == 0 and f"PATH {p} is not read" in r.stderr, r.stderr
     ktc = json.dumps({"kv_connector": "MooncakeConnector", "kv_role": "kv_producer",
                       "kv_connector_extra_config": {"mooncake_config_path": str(p)}})
     r = run("--kv-transfer-config", ktc, env=env)
