@@ -130,6 +130,10 @@ def test_kv_transfer_config_of_the_seed_yields_the_connectors_settings(tmp_path)
     ('{"kv_connector":"MooncakeConnector","kv_role":"kv_producer",'
      '"kv_connector_extra_config":{"prefill_url":"127.0.0.1:13003"}}', False,
      'kv_connector_extra_config: field "decode_url": is missing (required)'),
+    # a value nested deeper than Python's stack renders (was: RecursionError)
+    ('{"kv_connector":"MooncakeConnector","kv_role":"kv_consumer","kv_connector_extra_config":'
+     '{"protocol":' + "[" * 600 + "]" * 600 + "}}", True,
+     'field "protocol": value ' + "[" * 80 + "... is an array; expected a string"),
     # the engine's name through the engine's own address parser
     ('{"kv_connector":"MooncakeConnector","kv_role":"kv_consumer",'
      '"kv_connector_extra_config":{"local_hostname":"bad host:13200"}}', True,
@@ -262,3 +266,20 @@ def test_kv_transfer_config_empty_path_is_a_usage_error(tmp_path):
     _, env = _mooncake_json(tmp_path)
     r = run("--kv-transfer-config", SEED_C, "", env=env)
     assert r.returncode == 2 and "PATH is empty" in r.stderr and r.stdout == "", r.stderr
+
+
+def test_kv_transfer_config_mooncake_json_nested_as_the_c_parser_takes_it(tmp_path):
+    """The settings reader refuses a file nested past the C parser's 64
+    levels as that parser does (was: accepted to 63 levels inside a value
+    too, and a value some 600 deep a RecursionError traceback)."""
+    _, env = _mooncake_json(tmp_path)
+    for depth, msg in ((63, 'field "protocol": value [[[['), (64, "nesting too deep"),
+                       (600, "nesting too deep")):
+        p = tmp_path / f"deep{depth}.json"
+        p.write_text('{"prefill_url": "127.0.0.1:13003", "decode_url": "127.0.0.1:13103", '
+                     '"metadata_server": "P2PHANDSHAKE", "protocol": '
+                     + "[" * depth + "]" * depth + "}")
+        for args in (("--kv-transfer-config", SEED_C, str(p)), (str(p),)):
+            r = run(*args, env=env)
+            assert r.returncode == 2 and msg in r.stderr, (depth, args, r.stderr)
+            assert "Traceback" not in r.stderr and r.stdout == ""
