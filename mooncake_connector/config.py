@@ -116,6 +116,33 @@ def _check_vllm_fields(d, plugin):
                          "load_failure_policy: set that, and leave kv_load_failure_policy out)")
 
 
+# The fields whose values are checked here; another's (kv_port, engine_id...)
+# only vLLM's own validation judges (pydantic's lax rules: "123" is a port).
+CHECKED_HERE = ("kv_connector", "kv_role", "kv_connector_extra_config",
+                "kv_connector_module_path", "kv_load_failure_policy")
+
+
+def _vllm_refusal(d):
+    """The installed vLLM's own validation of --kv-transfer-config d (as its
+    argument parser runs it): what it refuses, or None (accepted, or no
+    vLLM here)."""
+    import contextlib
+    with contextlib.redirect_stdout(sys.stderr):  # vLLM's log lines
+        try:
+            from pydantic import TypeAdapter, ValidationError
+            from vllm.config.kv_transfer import KVTransferConfig
+        except Exception:  # noqa: BLE001  no (usable) vLLM here
+            return None
+        try:
+            TypeAdapter(KVTransferConfig).validate_json(json.dumps(d))
+        except ValidationError as e:
+            return "; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg']} (given "
+                             f"{x.get('input')!r})" for x in e.errors())
+        except Exception as e:  # noqa: BLE001  its own checks (__post_init__)
+            return str(e)
+    return None
+
+
 def _check_engine_name(s, engine, parse_config):
     """The engine name the start gives its engine, through the C address
     parser the engine's start uses (as prefill_url's): local_hostname as
@@ -221,6 +248,11 @@ def check_kv_transfer_config(text, path=None, env=None):
     moved = sorted(k for k in plugin.SEED_FIELDS if k in d)
     both = [(k, d[k], extra[k]) for k in moved if extra and k in extra]
     d = json.loads(plugin._move_seed_fields(json.dumps(d)))
+    others = sorted(k for k in d if k not in CHECKED_HERE)
+    why = _vllm_refusal(d) if others else None  # slow (vLLM's import): only then
+    if why:
+        raise CheckError(f"vLLM refuses --kv-transfer-config: {why} (this connector uses none "
+                         f"of {others}: fix the value, or leave it out)")
     if module is None:
         ours, why = plugin.choose(d.get("kv_connector_extra_config"), env)
         if not ours:

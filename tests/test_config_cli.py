@@ -250,18 +250,6 @@ def test_connector_settings_log_line_hides_the_secrets(tmp_path):
     assert s.mooncake["metadata_server"] == "redis://:hunter2pw@127.0.0.1:6379"
 
 
-def test_kv_transfer_config_human_readable_numbers_as_vllm_reads_them(tmp_path):
-    """vLLM expands a bare 2G in --kv-transfer-config (its own code, imported
-    only for such a text): the seed's kv_buffer_size 2G is 2 GiB, not
-    "not valid JSON"."""
-    pytest.importorskip("vllm")
-    p, env = _mooncake_json(tmp_path)
-    ktc = '{"kv_connector":"MooncakeConnector","kv_role":"kv_consumer","kv_buffer_size":2G}'
-    r = run("--kv-transfer-config", ktc, str(p), env=env)
-    assert r.returncode == 0, r.stderr
-    assert json.loads(r.stdout)["kv_buffer_size"] == 2 << 30
-
-
 def test_kv_transfer_config_empty_path_is_a_usage_error(tmp_path):
     _, env = _mooncake_json(tmp_path)
     r = run("--kv-transfer-config", SEED_C, "", env=env)
@@ -283,3 +271,38 @@ def test_kv_transfer_config_mooncake_json_nested_as_the_c_parser_takes_it(tmp_pa
             r = run(*args, env=env)
             assert r.returncode == 2 and msg in r.stderr, (depth, args, r.stderr)
             assert "Traceback" not in r.stderr and r.stdout == ""
+
+
+VLLM_JUDGES = r"""
+import json, sys
+from mooncake_connector.config import CheckError, check_kv_transfer_config
+out = []
+for ktc in json.loads(sys.argv[1]):
+    try:
+        out.append(check_kv_transfer_config(ktc, sys.argv[2])[0]["kv_buffer_size"])
+    except CheckError as e:
+        out.append("error: " + str(e))
+print("RESULT " + json.dumps(out))
+"""
+
+
+def test_kv_transfer_config_what_only_vllm_judges(tmp_path):
+    """vLLM's own code, imported only for such a flag (one process here:
+    the import is the slow part): a bare 2G, which vLLM expands, is 2 GiB
+    (was "not valid JSON"); a value of one of vLLM's own fields this
+    connector does not use (kv_port "x") is vLLM's refusal (was: never
+    judged, vLLM refused the flag), a port as a string ("123") its lax
+    acceptance."""
+    pytest.importorskip("vllm")
+    import os
+    p, env = _mooncake_json(tmp_path)
+    base = '{"kv_connector":"MooncakeConnector","kv_role":"kv_consumer","kv_rank":1,'
+    cases = [base + '"kv_buffer_size":2G}', base + '"kv_port":"x"}', base + '"kv_port":"123"}']
+    r = subprocess.run([sys.executable, "-c", VLLM_JUDGES, json.dumps(cases), str(p)],
+                       capture_output=True, text=True, env=env, cwd=os.path.dirname(p))
+    line = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert r.returncode == 0 and line, r.stderr[-3000:]
+    hr, port, lax = json.loads(line[-1][len("RESULT "):])
+    assert hr == 2 << 30, hr
+    assert port.startswith("error: vLLM refuses --kv-transfer-config: kv_port: "), port
+    assert lax == 2_000_000_000, lax
