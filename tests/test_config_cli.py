@@ -109,6 +109,8 @@ def test_kv_transfer_config_of_the_seed_yields_the_connectors_settings(tmp_path)
      '"kv_connector_module_path":"vllm.distributed"}', True,
      "kv_connector_module_path is 'vllm.distributed'"),
     ('{"kv_connector":"MooncakeConnector","kv_role":"kv_consumer",'
+     '"kv_connector_module_path":""}', True, "kv_connector_module_path is empty"),
+    ('{"kv_connector":"MooncakeConnector","kv_role":"kv_consumer",'
      '"kv_connector_extra_config":[1]}', True, "kv_connector_extra_config is a JSON list"),
     ("{kv_connector: 1}", True, "--kv-transfer-config is not valid JSON: Expecting property"),
     ("[]", True, "--kv-transfer-config is a JSON list, not an object"),
@@ -120,6 +122,34 @@ def test_kv_transfer_config_of_the_seed_yields_the_connectors_settings(tmp_path)
     ('{"kv_connector":"MooncakeConnector","kv_role":"kv_consumer",'
      '"kv_connector_extra_config":{"mooncake_config_path":"/dev/zero"}}', False,
      "is over 1048576 bytes; refused"),
+    # mooncake.json's fields given in the extra config: the workers' C parser
+    # reads them with the file's (was: exit 0, the start refused them)
+    ('{"kv_connector":"MooncakeConnector","kv_role":"kv_consumer",'
+     '"kv_connector_extra_config":{"protocol":"udp"}}', True,
+     'field "protocol": value "udp" is not a supported protocol'),
+    ('{"kv_connector":"MooncakeConnector","kv_role":"kv_producer",'
+     '"kv_connector_extra_config":{"prefill_url":"127.0.0.1:13003"}}', False,
+     'kv_connector_extra_config: field "decode_url": is missing (required)'),
+    # a value nested deeper than Python's stack renders (was: RecursionError)
+    ('{"kv_connector":"MooncakeConnector","kv_role":"kv_consumer","kv_connector_extra_config":'
+     '{"protocol":' + "[" * 600 + "]" * 600 + "}}", True,
+     'field "protocol": value ' + "[" * 80 + "... is an array; expected a string"),
+    # the engine's name through the engine's own address parser
+    ('{"kv_connector":"MooncakeConnector","kv_role":"kv_consumer",'
+     '"kv_connector_extra_config":{"local_hostname":"bad host:13200"}}', True,
+     'field "local_hostname": value "bad host:13200" is not a valid address'),
+    ('{"kv_connector":"MooncakeConnector","kv_role":"kv_consumer","kv_connector_extra_config":'
+     '{"prefill_url":"[::1]:13003","decode_url":"[::1]:13103"}}', True,
+     "decode_url '[::1]:13103' is '::1:13103', which the engine refuses"),
+    # what vLLM's own KVTransferConfig refuses (was: exit 0)
+    ('{"kv_connector":"MooncakeConnector","kv_role":"kv_consumer","push_layer_load":true}', True,
+     "'push_layer_load' is a setting of this package's connector, not a field of vLLM's"),
+    ('{"kv_connector":"MooncakeConnector","kv_role":"kv_consumer","kv_rank":1,'
+     '"kv_conector_extra_config":{"push_layer_load":true}}', True,
+     "did you mean 'kv_connector_extra_config'?"),
+    ('{"kv_connector":"MooncakeConnector","kv_role":"kv_consumer","kv_rank":1,'
+     '"kv_load_failure_policy":"retry"}', True,
+     "kv_load_failure_policy is 'retry': vLLM takes 'recompute' or 'fail'"),
 ])
 def test_kv_transfer_config_mistakes_are_named(tmp_path, ktc, path, msg):
     p, env = _mooncake_json(tmp_path)
@@ -142,6 +172,9 @@ def test_kv_transfer_config_checks_the_mooncake_json_too(tmp_path):
     r = run("--kv-transfer-config", ktc, env=env)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["engine"] == "127.0.0.1:13003"
+    # a PATH beside it is not what the server reads: said (was silent)
+    r = run("--kv-transfer-config", ktc, str(p), env=env)
+    assert r.returncode == 0 and f"PATH {p} is not read" in r.stderr, r.stderr
     ktc = json.dumps({"kv_connector": "MooncakeConnector", "kv_role": "kv_producer",
                       "kv_connector_extra_config": {"mooncake_config_path": str(p)}})
     r = run("--kv-transfer-config", ktc, env=env)
@@ -177,3 +210,99 @@ def test_kv_transfer_config_usage_errors(tmp_path):
     assert r.returncode == 2 and "given twice" in r.stderr
     r = run("--kv-transfer-config", SEED_C, str(p), str(p), env=env)
     assert r.returncode == 2 and "one PATH only, got 2" in r.stderr
+
+
+def test_kv_transfer_config_engine_and_secrets_as_the_start_has_them(tmp_path):
+    """The engine name after the C parser's port rule (decode_url equal to
+    prefill_url: decode port + 100; was: the unmoved port), the seed's field
+    given twice named, the metadata server's password masked (the
+    auth_secret already was)."""
+    p, env = _mooncake_json(tmp_path, decode_url="127.0.0.1:13003",
+                            metadata_server="redis://:hunter2pw@127.0.0.1:6379",
+                            auth_secret="a-secret-of-sixteen-bytes")
+    ktc = ('{"kv_connector":"MooncakeConnector","kv_role":"kv_consumer","kv_rank":1,'
+           '"kv_parallel_size":4,"kv_connector_extra_config":{"kv_rank":3}}')
+    r = run("--kv-transfer-config", ktc, str(p), env=env)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["engine"] == "127.0.0.1:13103" and out["kv_rank"] == 3, out
+    assert "kv_rank is given twice: 1 at the top level is ignored, " \
+        "kv_connector_extra_config's 3 is used" in r.stderr, r.stderr
+    assert "hunter2pw" not in r.stdout + r.stderr and "a-secret" not in r.stdout + r.stderr
+    assert out["mooncake"]["metadata_server"] == "redis://:***@127.0.0.1:6379"
+
+
+def test_connector_settings_log_line_hides_the_secrets(tmp_path):
+    """The "effective config" line the connector logs at start
+    (Settings.summary) carried auth_secret and the Redis password."""
+    from types import SimpleNamespace
+
+    from mooncake_connector.connector.settings import resolve
+    p, _ = _mooncake_json(tmp_path, metadata_server="redis://:hunter2pw@127.0.0.1:6379",
+                          auth_secret="a-secret-of-sixteen-bytes")
+    s = resolve(SimpleNamespace(kv_role="kv_producer",
+                                kv_connector_extra_config={"mooncake_config_path": str(p)}))
+    line = s.summary()
+    assert "hunter2pw" not in line and "a-secret" not in line, line
+    assert json.loads(line)["mooncake"]["auth_secret"] == "(set, not shown)"
+    # the engine still gets them
+    assert s.mooncake["auth_secret"] == "a-secret-of-sixteen-bytes"
+    assert s.mooncake["metadata_server"] == "redis://:hunter2pw@127.0.0.1:6379"
+
+
+def test_kv_transfer_config_empty_path_is_a_usage_error(tmp_path):
+    _, env = _mooncake_json(tmp_path)
+    r = run("--kv-transfer-config", SEED_C, "", env=env)
+    assert r.returncode == 2 and "PATH is empty" in r.stderr and r.stdout == "", r.stderr
+
+
+def test_kv_transfer_config_mooncake_json_nested_as_the_c_parser_takes_it(tmp_path):
+    """The settings reader refuses a file nested past the C parser's 64
+    levels as that parser does (was: accepted to 63 levels inside a value
+    too, and a value some 600 deep a RecursionError traceback)."""
+    _, env = _mooncake_json(tmp_path)
+    for depth, msg in ((63, 'field "protocol": value [[[['), (64, "nesting too deep"),
+                       (600, "nesting too deep")):
+        p = tmp_path / f"deep{depth}.json"
+        p.write_text('{"prefill_url": "127.0.0.1:13003", "decode_url": "127.0.0.1:13103", '
+                     '"metadata_server": "P2PHANDSHAKE", "protocol": '
+                     + "[" * depth + "]" * depth + "}")
+        for args in (("--kv-transfer-config", SEED_C, str(p)), (str(p),)):
+            r = run(*args, env=env)
+            assert r.returncode == 2 and msg in r.stderr, (depth, args, r.stderr)
+            assert "Traceback" not in r.stderr and r.stdout == ""
+
+
+VLLM_JUDGES = r"""
+import json, sys
+from mooncake_connector.config import CheckError, check_kv_transfer_config
+out = []
+for ktc in json.loads(sys.argv[1]):
+    try:
+        out.append(check_kv_transfer_config(ktc, sys.argv[2])[0]["kv_buffer_size"])
+    except CheckError as e:
+        out.append("error: " + str(e))
+print("RESULT " + json.dumps(out))
+"""
+
+
+def test_kv_transfer_config_what_only_vllm_judges(tmp_path):
+    """vLLM's own code, imported only for such a flag (one process here:
+    the import is the slow part): a bare 2G, which vLLM expands, is 2 GiB
+    (was "not valid JSON"); a value of one of vLLM's own fields this
+    connector does not use (kv_port "x") is vLLM's refusal (was: never
+    judged, vLLM refused the flag), a port as a string ("123") its lax
+    acceptance."""
+    pytest.importorskip("vllm")
+    import os
+    p, env = _mooncake_json(tmp_path)
+    base = '{"kv_connector":"MooncakeConnector","kv_role":"kv_consumer","kv_rank":1,'
+    cases = [base + '"kv_buffer_size":2G}', base + '"kv_port":"x"}', base + '"kv_port":"123"}']
+    r = subprocess.run([sys.executable, "-c", VLLM_JUDGES, json.dumps(cases), str(p)],
+                       capture_output=True, text=True, env=env, cwd=os.path.dirname(p))
+    line = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert r.returncode == 0 and line, r.stderr[-3000:]
+    hr, port, lax = json.loads(line[-1][len("RESULT "):])
+    assert hr == 2 << 30, hr
+    assert port.startswith("error: vLLM refuses --kv-transfer-config: kv_port: "), port
+    assert lax == 2_000_000_000, lax

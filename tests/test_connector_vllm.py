@@ -743,6 +743,8 @@ def test_flow_b_kv_transfer_params(sides, in_step):
 SEED = ('{"kv_connector":"MooncakeConnector","kv_role":"kv_producer","kv_rank":0,'
         '"kv_parallel_size":2,"kv_buffer_size":2e9}')
 PLAIN = '{"kv_connector":"MooncakeConnector","kv_role":"kv_producer"}'
+# vLLM's human-readable number (its own expansion): moved once expanded
+SEED_HR = '{"kv_connector":"MooncakeConnector","kv_role":"kv_producer","kv_buffer_size":2G}'
 MODPATH = ('{"kv_connector":"MooncakeConnector","kv_connector_module_path":"mooncake_connector",'
            '"kv_role":"kv_consumer","kv_connector_extra_config":{"kv_rank":1}}')
 # One process per plugin setting: parse each --kv-transfer-config with vLLM's
@@ -806,7 +808,7 @@ OURS_KEY = ('{"kv_connector":"MooncakeConnector","kv_role":"kv_consumer",'
 # The plugin tests' PROBE runs: name -> (--kv-transfer-config values, the
 # environment; "{cfg}" is an empty mooncake.json).
 PROBE_RUNS = {
-    "seed": ([SEED, MODPATH, PLAIN, INTREE], {"MOONCAKE_CONFIG_PATH": "{cfg}"}),
+    "seed": ([SEED, MODPATH, PLAIN, INTREE, SEED_HR], {"MOONCAKE_CONFIG_PATH": "{cfg}"}),
     "in-tree shape": ([INTREE, PLAIN, SEED, OURS_KEY], {"MOONCAKE_CONFIG_PATH": ""}),
     "opt-out": ([SEED, PLAIN, MODPATH], {"MOONCAKE_CONNECTOR_DISABLE_PLUGIN": "1",
                                         "MOONCAKE_CONFIG_PATH": "{cfg}"}),
@@ -829,9 +831,10 @@ def plugin_probes(model_dir, tmp_path_factory, plugin_forks):
 
 
 def test_plugin_makes_the_seed_command_line_work(plugin_probes):
-    (seed, modpath, plain, intree, sched), err = _probe(plugin_probes["seed"])
+    (seed, modpath, plain, intree, seed_hr, sched), err = _probe(plugin_probes["seed"])
     assert seed.get("cls") == OURS, seed
     assert seed["extra"] == {"kv_rank": 0, "kv_parallel_size": 2, "kv_buffer_size": 2e9}
+    assert seed_hr.get("extra") == {"kv_buffer_size": 2 << 30}, seed_hr
     assert modpath["cls"] == OURS and modpath["extra"] == {"kv_rank": 1}
     assert plain["cls"] == OURS, plain  # MOONCAKE_CONFIG_PATH set: ours
     # Keys only the in-tree connector knows keep vLLM's class, env or not.

@@ -165,6 +165,22 @@ def test_kv_transfer_config_checked_with_the_file(tmp_path):
     assert rc == 1 and "set load_failure_policy to 'fail'" in r["detail"], r
     rc, rows = doctor("--config", cfg, "--kv-transfer-config", "{not json")
     assert rc == 1 and "not valid JSON" in failed(rows, "config", "kv-transfer-config")["detail"]
+    # the seed's field twice, another file named in the extra config: said
+    (tmp_path / "other").mkdir()
+    other = write_cfg(tmp_path / "other")
+    ktc = json.dumps({"kv_connector": "MooncakeConnector", "kv_role": "kv_consumer",
+                      "kv_rank": 1, "kv_connector_extra_config": {
+                          "kv_rank": 0, "mooncake_config_path": other}})
+    rc, rows = doctor("--config", cfg, "--kv-transfer-config", ktc)
+    assert "1 at the top level is ignored" in row(rows, "config", "kv_rank", "warn")["detail"]
+    r = row(rows, "config", "mooncake_config_path", "warn")
+    assert f"the server reads {other}" in r["detail"] and f"--config {other}" in r["fix"], r
+    # a mooncake.json field given in the extra config: the workers' parser reads it
+    ktc = json.dumps({"kv_connector": "MooncakeConnector", "kv_role": "kv_consumer",
+                      "kv_connector_extra_config": {"protocol": "udp"}})
+    rc, rows = doctor("--config", cfg, "--kv-transfer-config", ktc)
+    r = failed(rows, "config", "kv-transfer-config")
+    assert rc == 1 and '"protocol": value "udp"' in r["detail"], r
 
 
 # ------------------------------------------------------------ 4-8: metadata

@@ -175,7 +175,9 @@ def register():
         orig = getattr(au, "_expand_json_human_readable_numbers", None)
         if orig is not None and not getattr(orig, "_mooncake", False):
             def expand(val, _orig=orig):
-                return _orig(_move_seed_fields(val))
+                # vLLM's expansion first: the seed's "kv_buffer_size": 2G is
+                # JSON (to move) only once expanded
+                return _move_seed_fields(_orig(val))
             expand._mooncake = True
             au._expand_json_human_readable_numbers = expand
     except Exception as e:

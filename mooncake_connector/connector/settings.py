@@ -229,7 +229,28 @@ class Settings:
 
     def summary(self):
         d = asdict(self)
+        d["mooncake"] = shown_mooncake(d["mooncake"])
         return json.dumps(d, sort_keys=True, default=str)
+
+
+HIDDEN = "(set, not shown)"
+
+
+def shown_mooncake(fields):
+    """mooncake.json's fields as they may be logged or printed: auth_secret
+    hidden, a metadata_server URL's password as *** (the C parser's
+    mask_password)."""
+    out = dict(fields)
+    if out.get("auth_secret"):
+        out["auth_secret"] = HIDDEN
+    meta = out.get("metadata_server")
+    if isinstance(meta, str):
+        sep = meta.find("://")
+        start = sep + 3 if sep >= 0 else 0
+        at = meta.rfind("@", start)
+        if at >= 0:
+            out["metadata_server"] = f"{meta[:start]}:***{meta[at:]}"
+    return out
 
 
 # As the C parser (csrc/config): a mooncake.json is a few hundred bytes.
@@ -266,19 +287,36 @@ def _read_json(path, what):
         top[:] = kv
         return _JsonObject(kv)
 
+    deep = False
     try:
         data = json.loads(text, object_pairs_hook=pairs)
     except json.JSONDecodeError as e:
         raise SettingsError(f"{what} {path!r} is not valid JSON: {e.msg} at line {e.lineno} "
                             f"column {e.colno}") from None
     except RecursionError:
+        data = deep = None
+    if deep is None or _nesting(data) > C_JSON_DEPTH_MAX:  # deeper: as the C parser
         raise SettingsError(f"{what} {path!r} is not valid JSON: nesting too deep (a "
-                            "mooncake.json is one object of strings and booleans)") from None
+                            "mooncake.json is one object of strings and booleans)")
     if not isinstance(data, dict):
         raise SettingsError(f"{what} {path!r} must hold a JSON object, not "
                             f"{type(data).__name__}")
     _check_fields(top, os.fspath(path))
     return data
+
+
+C_JSON_DEPTH_MAX = 64  # the C parser's JSON_DEPTH_MAX (csrc/util/json_check.c)
+
+
+def _nesting(value):
+    """How deep arrays and objects nest in value (a top-level object: 1)."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        v, d = todo.pop()
+        if isinstance(v, (dict, list)):
+            deepest = max(deepest, d)
+            todo += [(c, d + 1) for c in (v.values() if isinstance(v, dict) else v)]
+    return deepest
 
 
 def _edit_distance(a: bytes, b: bytes):
@@ -340,9 +378,13 @@ def _cjson_number(value):
     return "%1.17g" % d
 
 
-def _cjson_text(value):
+def _cjson_text(value, depth=0):
     """cJSON_PrintUnformatted of a value, as the C parser shows a value of the
-    wrong type."""
+    wrong type.  Past 100 levels "...": messages show its first 80
+    characters, and a level starts one character in at least (a value nested
+    some 600 deep, which json.loads takes, overflowed Python's stack)."""
+    if depth > 100:
+        return "..."
     if isinstance(value, bool):
         return "true" if value else "false"
     if value is None:
@@ -352,10 +394,10 @@ def _cjson_text(value):
     if isinstance(value, str):
         return _cjson_string(value)
     if isinstance(value, (list, tuple)):
-        return "[" + ",".join(map(_cjson_text, value)) + "]"
+        return "[" + ",".join(_cjson_text(v, depth + 1) for v in value) + "]"
     if isinstance(value, dict):
         pairs = value.pairs if isinstance(value, _JsonObject) else value.items()
-        return "{" + ",".join(f"{_cjson_string(str(k))}:{_cjson_text(v)}"
+        return "{" + ",".join(f"{_cjson_string(str(k))}:{_cjson_text(v, depth + 1)}"
                               for k, v in pairs) + "}"
     return "?"
 

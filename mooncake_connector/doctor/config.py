@@ -96,4 +96,20 @@ def check_kv_transfer_config(rep, text, path):
             rep.add("config", "kv_load_failure_policy", WARN, n,
                     "set load_failure_policy in kv_connector_extra_config and drop vLLM's "
                     "kv_load_failure_policy")
+        elif " is given twice: " in n:  # a seed field at the top level and in the extra config
+            rep.add("config", n.split()[0], WARN, n,
+                    "give it once, in kv_connector_extra_config")
+    where = path or os.environ.get("MOONCAKE_CONFIG_PATH")
+    if s["config_path"] and where and not _same_file(s["config_path"], where):
+        rep.add("config", "mooncake_config_path", WARN,
+                f"the server reads {s['config_path']} (kv_connector_extra_config's "
+                f"mooncake_config_path); the other checks here read {where}",
+                f"pass --config {s['config_path']} to check the file the server reads")
     return s
+
+
+def _same_file(a, b):
+    try:
+        return os.path.samefile(a, b)
+    except (OSError, ValueError):
+        return os.path.abspath(a) == os.path.abspath(b)
