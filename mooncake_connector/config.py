@@ -333,6 +333,10 @@ def main(argv=None):
         print(f"note: {cfg['notes']}", file=sys.stderr)
     if cfg.get("auth_secret"):
         cfg["auth_secret"] = HIDDEN
+    from mooncake_connector.connector.settings import shown_mooncake
+    for key in ("metadata_server", "metadata_server_raw"):  # a Redis password: ***
+        if isinstance(cfg.get(key), str):
+            cfg[key] = shown_mooncake({"metadata_server": cfg[key]})["metadata_server"]
     print(json.dumps(cfg, indent=2, sort_keys=True))
     return 0
 

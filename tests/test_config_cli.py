@@ -22,6 +22,22 @@ def test_valid_config_prints_effective_values(tmp_path):
     assert "13103" in r.stderr  # ...and it says so
 
 
+def test_printed_config_hides_the_secrets(tmp_path):
+    """auth_secret and a Redis metadata URL's password are not printed (the
+    password was, in metadata_server and metadata_server_raw)."""
+    p = tmp_path / "mooncake.json"
+    p.write_text(json.dumps({"prefill_url": "127.0.0.1:13003", "decode_url": "127.0.0.1:13103",
+                             "metadata_server": "redis://:hunter2pw@127.0.0.1:6379/0",
+                             "auth_secret": "a-secret-of-sixteen-bytes"}))
+    r = run(str(p))
+    assert r.returncode == 0, r.stderr
+    assert "hunter2pw" not in r.stdout + r.stderr and "a-secret" not in r.stdout + r.stderr
+    cfg = json.loads(r.stdout)
+    assert cfg["metadata_server"] == cfg["metadata_server_raw"] == \
+        "redis://:***@127.0.0.1:6379/0", cfg
+    assert cfg["metadata_backend"] == "redis"
+
+
 def test_invalid_config_names_file_field_and_value(tmp_path):
     p = tmp_path / "mooncake.json"
     p.write_text('{"prefill_url": "a:1", "decode_url": "b:2", "metadata_server": "P2PHANDSHAKE",'
@@ -200,6 +216,24 @@ def test_kv_transfer_config_roles_and_vllms_own_policy(tmp_path):
     r = run("--kv-transfer-config", ktc, str(p), env=env)
     assert r.returncode == 0 and "kv_load_failure_policy 'fail' (vLLM's) is replaced by the " \
         "connector's load_failure_policy 'recompute'" in r.stderr, r.stderr
+
+
+def test_an_unreadable_mooncake_config_path_names_where_it_came_from(tmp_path):
+    """The fix names the setting the path came from: the extra config's
+    mooncake_config_path, or MOONCAKE_CONFIG_PATH (the message named the
+    variable either way)."""
+    import os
+    env = {k: v for k, v in os.environ.items() if k != "MOONCAKE_CONFIG_PATH"}
+    gone = str(tmp_path / "nope.json")
+    ktc = json.dumps({"kv_connector": "MooncakeConnector", "kv_role": "kv_consumer",
+                      "kv_connector_extra_config": {"mooncake_config_path": gone}})
+    r = run("--kv-transfer-config", ktc, env=env)
+    assert r.returncode == 2 and "cannot be read" in r.stderr, r.stderr
+    assert "set kv_connector_extra_config.mooncake_config_path to a readable" in r.stderr
+    ktc = json.dumps({"kv_connector": "MooncakeConnector", "kv_role": "kv_consumer",
+                      "kv_rank": 1})
+    r = run("--kv-transfer-config", ktc, env=dict(env, MOONCAKE_CONFIG_PATH=gone))
+    assert r.returncode == 2 and "set MOONCAKE_CONFIG_PATH to a readable" in r.stderr, r.stderr
 
 
 def test_kv_transfer_config_usage_errors(tmp_path):

@@ -257,7 +257,7 @@ def shown_mooncake(fields):
 MAX_CONFIG_BYTES = 1 << 20
 
 
-def _read_json(path, what):
+def _read_json(path, what, source="MOONCAKE_CONFIG_PATH"):
     if not isinstance(path, (str, os.PathLike)) or not str(path):
         raise SettingsError(f"{what} path must be a non-empty string (the path of your "
                             f"mooncake.json), not {path!r}")
@@ -270,10 +270,10 @@ def _read_json(path, what):
             raw = f.read(MAX_CONFIG_BYTES + 1)
     except OSError as e:
         raise SettingsError(f"{what} {path!r} cannot be read ({e.strerror}); set "
-                            "MOONCAKE_CONFIG_PATH to a readable mooncake.json") from None
+                            f"{source} to a readable mooncake.json") from None
     if len(raw) > MAX_CONFIG_BYTES:
         raise SettingsError(f"{what} {path!r} is over {MAX_CONFIG_BYTES} bytes; refused (is "
-                            "MOONCAKE_CONFIG_PATH really your mooncake.json?)")
+                            f"{source} really your mooncake.json?)")
     bom = 3 if raw.startswith(b"\xef\xbb\xbf") else 0  # skipped, as the C parser does
     try:
         text = raw[bom:].decode("utf-8")
@@ -606,10 +606,13 @@ def resolve(kv_transfer_config, env=None):
     extra = dict(getattr(kv_transfer_config, "kv_connector_extra_config", None) or {})
     s = Settings(role=role)
     s.config_path = extra.pop("mooncake_config_path", None)
+    source = "kv_connector_extra_config.mooncake_config_path"
     if s.config_path is None:  # given, "" is refused by _read_json (was: the environment's)
         s.config_path = env.get("MOONCAKE_CONFIG_PATH") or None
+        source = "MOONCAKE_CONFIG_PATH"
     if s.config_path is not None:
-        s.mooncake = {k: v for k, v in _read_json(s.config_path, "mooncake config").items()}
+        s.mooncake = {k: v for k, v in _read_json(s.config_path, "mooncake config",
+                                                  source).items()}
     for k in MOONCAKE_FIELDS:
         if k in extra:
             s.mooncake[k] = extra.pop(k)
