@@ -27,9 +27,9 @@ from dataclasses import asdict
 from types import SimpleNamespace
 
 from mooncake_connector import ConfigError, load_config
+from mooncake_connector.connector.settings import HIDDEN, mask_url
 
 USAGE = "usage: mooncake-connector config [--kv-transfer-config JSON] [PATH]"
-HIDDEN = "(set, not shown)"
 
 
 class CheckError(Exception):
@@ -73,16 +73,23 @@ VLLM_FIELDS = ("kv_connector", "engine_id", "kv_buffer_device", "kv_role", "kv_p
                "enable_permute_local_kv", "kv_load_failure_policy")
 
 
-def _installed_vllm_fields():
-    """The installed vLLM's KVTransferConfig field names, or None without one."""
+def _vllm_kv_transfer_config():
+    """The installed vLLM's KVTransferConfig class (its import is slow: only
+    when needed), or None without a usable vLLM here."""
     import contextlib
-    import dataclasses
     try:
         with contextlib.redirect_stdout(sys.stderr):  # its import's log lines
             from vllm.config.kv_transfer import KVTransferConfig
-        return {f.name for f in dataclasses.fields(KVTransferConfig)}
+        return KVTransferConfig
     except Exception:  # noqa: BLE001  no (usable) vLLM here
         return None
+
+
+def _installed_vllm_fields():
+    """The installed vLLM's KVTransferConfig field names, or None without one."""
+    import dataclasses
+    cls = _vllm_kv_transfer_config()
+    return None if cls is None else {f.name for f in dataclasses.fields(cls)}
 
 
 def _check_vllm_fields(d, plugin):
@@ -127,14 +134,13 @@ def _vllm_refusal(d):
     argument parser runs it): what it refuses, or None (accepted, or no
     vLLM here)."""
     import contextlib
+    cls = _vllm_kv_transfer_config()
+    if cls is None:
+        return None
+    from pydantic import TypeAdapter, ValidationError  # vLLM's own dependency
     with contextlib.redirect_stdout(sys.stderr):  # vLLM's log lines
         try:
-            from pydantic import TypeAdapter, ValidationError
-            from vllm.config.kv_transfer import KVTransferConfig
-        except Exception:  # noqa: BLE001  no (usable) vLLM here
-            return None
-        try:
-            TypeAdapter(KVTransferConfig).validate_json(json.dumps(d))
+            TypeAdapter(cls).validate_json(json.dumps(d))
         except ValidationError as e:
             return "; ".join(f"{'.'.join(map(str, x['loc']))}: {x['msg']} (given "
                              f"{x.get('input')!r})" for x in e.errors())
@@ -333,10 +339,9 @@ def main(argv=None):
         print(f"note: {cfg['notes']}", file=sys.stderr)
     if cfg.get("auth_secret"):
         cfg["auth_secret"] = HIDDEN
-    from mooncake_connector.connector.settings import shown_mooncake
     for key in ("metadata_server", "metadata_server_raw"):  # a Redis password: ***
         if isinstance(cfg.get(key), str):
-            cfg[key] = shown_mooncake({"metadata_server": cfg[key]})["metadata_server"]
+            cfg[key] = mask_url(cfg[key])
     print(json.dumps(cfg, indent=2, sort_keys=True))
     return 0
 

@@ -243,14 +243,18 @@ def shown_mooncake(fields):
     out = dict(fields)
     if out.get("auth_secret"):
         out["auth_secret"] = HIDDEN
-    meta = out.get("metadata_server")
-    if isinstance(meta, str):
-        sep = meta.find("://")
-        start = sep + 3 if sep >= 0 else 0
-        at = meta.rfind("@", start)
-        if at >= 0:
-            out["metadata_server"] = f"{meta[:start]}:***{meta[at:]}"
+    if isinstance(out.get("metadata_server"), str):
+        out["metadata_server"] = mask_url(out["metadata_server"])
     return out
+
+
+def mask_url(url):
+    """A metadata server URL with what precedes its host's "@" (a password,
+    a user) shown as ":***", as the C parser's mask_password shows it."""
+    sep = url.find("://")
+    start = sep + 3 if sep >= 0 else 0
+    at = url.rfind("@", start)
+    return url if at < 0 else f"{url[:start]}:***{url[at:]}"
 
 
 # As the C parser (csrc/config): a mooncake.json is a few hundred bytes.
@@ -683,7 +687,8 @@ def resolve(kv_transfer_config, env=None):
                             f"or 'fail', not {s.load_failure_policy!r}")
     if s.push_layer_load_async and s.is_consumer and s.load_failure_policy != "fail":
         # A producer (kv_producer) loads nothing: the setting is inert there,
-        # so one kv_connector_extra_config can serve both sides.  vLLM recovers ("recompute") a failed in-step load under async
+        # so one kv_connector_extra_config can serve both sides.  vLLM
+        # recovers ("recompute") a failed in-step load under async
         # scheduling by truncating a request the step already scheduled
         # counts computed: the next step's device-side assert kills the
         # engine (benchmarks/JOURNAL.md, runs 36 and 49).

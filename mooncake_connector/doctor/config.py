@@ -66,7 +66,9 @@ def _raw_field(path, name):
 
 
 def _mask(url):
-    return re.sub(r"(redis://[^:@/]*:)[^@]*@", r"\1***@", url)
+    """A metadata URL as shown: its password (any scheme's) as ***."""
+    from mooncake_connector.connector.settings import mask_url
+    return mask_url(url)
 
 
 def check_kv_transfer_config(rep, text, path):
