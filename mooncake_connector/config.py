@@ -174,9 +174,8 @@ def _check_engine_name(s, engine, parse_config):
                 from None
         why = re.search(r"is not a valid address \((.*)\); accepted", str(e))
         raise CheckError(f"{what} is {engine!r}, which the engine refuses "
-                         f"({why.group(1) if why else e}): the start fails; give a host name "
-                         "or an IPv4 address there (the start writes an IPv6 address without "
-                         "its brackets)") from None
+                         f"({why.group(1) if why else e}): the start fails; give host:port there "
+                         "(a host name, an IPv4 address or [IPv6])") from None
 
 
 def _vllm_expanded(text):

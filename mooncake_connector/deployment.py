@@ -44,13 +44,15 @@ def _port_pair(span=4):
     return p, serving.free_port(span, away=[p])
 
 
-def kv_transfer_configs(kind, workdir, metadata_url=None):
-    """(prefill config, decode config, extra env) for connector `kind`."""
+def kv_transfer_configs(kind, workdir, metadata_url=None, engine_host="127.0.0.1"):
+    """(prefill config, decode config, extra env) for connector `kind`;
+    engine_host: the engines' address in mooncake.json (IPv6 in brackets)."""
     if kind == "mooncake":
         p, d = _port_pair()
         cfg_path = os.path.join(workdir, "mooncake.json")
+        at = f"[{engine_host}]" if ":" in engine_host else engine_host
         with open(cfg_path, "w") as f:
-            json.dump({"prefill_url": f"127.0.0.1:{p}", "decode_url": f"127.0.0.1:{d}",
+            json.dump({"prefill_url": f"{at}:{p}", "decode_url": f"{at}:{d}",
                        "metadata_server": metadata_url, "protocol": "tcp",
                        "device_name": ""}, f, indent=1)
         common = {"kv_connector": "MooncakeConnector",
@@ -170,7 +172,7 @@ class Deployment:
                  max_model_len=2048, kv_cache_bytes=64 << 20, python=None, extra_vllm_args=(),
                  env=None, extra_proxies=None, colocated_proxy=False, side_args=None,
                  decode_extra_config=None, prefix_caching=False, colocated_cached=False,
-                 prefill_extra_config=None):
+                 prefill_extra_config=None, engine_host="127.0.0.1"):
         """flows: one proxy per flow, named by it (first token from prefill);
         side_args: {"prefill"|"decode"|"colocated": [vLLM args]} for one side
         only (e.g. --tensor-parallel-size; the colocated reference should
@@ -185,6 +187,8 @@ class Deployment:
         prefix_caching: every vLLM server of this deployment keeps vLLM's
         default (prefix caching on), as the seed's commands run them,
         instead of serving.BASE_VLLM_ARGS's --no-enable-prefix-caching.
+        engine_host: the address of the engines and of the metadata server
+        (e.g. "::1": an IPv6 deployment's mooncake.json, "[::1]:port");
         colocated_cached: a second colocated server, the same as the first
         but with vLLM's prefix cache on (self.colocated_cached): a prompt
         sent to it twice computes only its tail over cached KV the second
@@ -215,9 +219,11 @@ class Deployment:
         meta_url = None
         if self.connector == "mooncake":
             self.metadata = serving.metadata_server(serving.free_port(),
-                                                    os.path.join(logs, "metadata.log"), python)
+                                                    os.path.join(logs, "metadata.log"), python,
+                                                    host=engine_host)
             meta_url = self.metadata.url
-        pre_cfg, dec_cfg, kv_env = kv_transfer_configs(self.connector, self.workdir, meta_url)
+        pre_cfg, dec_cfg, kv_env = kv_transfer_configs(self.connector, self.workdir, meta_url,
+                                                       engine_host)
         if decode_extra_config:
             dec_cfg = dict(dec_cfg, kv_connector_extra_config=dict(
                 dec_cfg.get("kv_connector_extra_config") or {}, **decode_extra_config))

@@ -344,12 +344,13 @@ def vllm_server(name, model, port, log_path, kv_transfer_config=None, env=None,
     return p
 
 
-def metadata_server(port, log_path, python=None):
+def metadata_server(port, log_path, python=None, host="127.0.0.1"):
+    at = f"[{host}]" if ":" in host else host
     p = Process("metadata server", [python or sys.executable, "-m",
-                                    "mooncake_connector.metadata_server", "--host", "127.0.0.1",
+                                    "mooncake_connector.metadata_server", "--host", host,
                                     "--port", str(port)],
-                log_path, health_url=f"http://127.0.0.1:{port}/health")
-    p.url = f"http://127.0.0.1:{port}/metadata"
+                log_path, health_url=f"http://{at}:{port}/health")
+    p.url = f"http://{at}:{port}/metadata"
     return p
 
 

@@ -297,3 +297,44 @@ def test_clients_that_leave_early_print_no_traceback(capfd, monkeypatch):
         srv.close()
     err = capfd.readouterr().err
     assert "Traceback" not in err and "Exception occurred" not in err, err[-2000:]
+
+
+def _has_ipv6_loopback():
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _has_ipv6_loopback(), reason="no IPv6 loopback (::1) here")
+@pytest.mark.parametrize("host", ["::1", "[::1]"])
+def test_an_ipv6_bootstrap_host_listens_and_names_ipv6_engines(host):
+    """bootstrap_host "::1" (or "[::1]"): the server listens on IPv6 (was:
+    socket.gaierror from an AF_INET socket, a WARNING and no server) and its
+    url brackets the address; an IPv6 engine's names keep their brackets."""
+    s = settings_mod.resolve(_cfg(bootstrap_port=free_port(), bootstrap_host=host))
+    srv = _start(s, tp=2, base="[::1]:13003")
+    try:
+        assert srv is not None and srv.url == f"http://[::1]:{srv.port}"
+        c = http.client.HTTPConnection("::1", srv.port, timeout=5)
+        try:
+            c.request("GET", "/query")
+            r = c.getresponse()
+            got = json.loads(r.read())
+        finally:
+            c.close()
+        assert r.status == 200
+        assert got == {"0": {"engine_id": "[::1]:13003", "worker_addr": {
+            "0": {"0": "[::1]:13003"}, "1": {"0": "[::1]:13004"}}}}
+    finally:
+        srv.close()
+
+
+def test_join_hostport_brackets_ipv6_only():
+    assert settings_mod.join_hostport("::1", 13003) == "[::1]:13003"
+    assert settings_mod.join_hostport("[fd00::1]", 5) == "[fd00::1]:5"
+    assert settings_mod.join_hostport("10.0.0.1", 13003) == "10.0.0.1:13003"
+    assert settings_mod.join_hostport("node-1.example", 80) == "node-1.example:80"
+    assert shift_port(settings_mod.join_hostport("::1", 13003), 2) == "[::1]:13005"

@@ -154,9 +154,6 @@ def test_kv_transfer_config_of_the_seed_yields_the_connectors_settings(tmp_path)
     ('{"kv_connector":"MooncakeConnector","kv_role":"kv_consumer",'
      '"kv_connector_extra_config":{"local_hostname":"bad host:13200"}}', True,
      'field "local_hostname": value "bad host:13200" is not a valid address'),
-    ('{"kv_connector":"MooncakeConnector","kv_role":"kv_consumer","kv_connector_extra_config":'
-     '{"prefill_url":"[::1]:13003","decode_url":"[::1]:13103"}}', True,
-     "decode_url '[::1]:13103' is '::1:13103', which the engine refuses"),
     # what vLLM's own KVTransferConfig refuses (was: exit 0)
     ('{"kv_connector":"MooncakeConnector","kv_role":"kv_consumer","push_layer_load":true}', True,
      "'push_layer_load' is a setting of this package's connector, not a field of vLLM's"),
@@ -244,6 +241,20 @@ def test_kv_transfer_config_usage_errors(tmp_path):
     assert r.returncode == 2 and "given twice" in r.stderr
     r = run("--kv-transfer-config", SEED_C, str(p), str(p), env=env)
     assert r.returncode == 2 and "one PATH only, got 2" in r.stderr
+
+
+@pytest.mark.parametrize("role, name", [("kv_consumer", "[::1]:13103"),
+                                         ("kv_producer", "[::1]:13003")])
+def test_kv_transfer_config_ipv6_engine_names_keep_their_brackets(tmp_path, role, name):
+    """IPv6 prefill_url / decode_url: the engine's name as the start makes
+    it, brackets kept (was: exit 2, '::1:13103', which the engine refuses:
+    the start wrote the C parser's bare host before the port)."""
+    p, env = _mooncake_json(tmp_path)
+    ktc = ('{"kv_connector":"MooncakeConnector","kv_role":"%s","kv_connector_extra_config":'
+           '{"prefill_url":"[::1]:13003","decode_url":"[::1]:13103"}}' % role)
+    r = run("--kv-transfer-config", ktc, str(p), env=env)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["engine"] == name
 
 
 def test_kv_transfer_config_engine_and_secrets_as_the_start_has_them(tmp_path):

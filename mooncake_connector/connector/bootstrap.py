@@ -217,8 +217,10 @@ class BootstrapServer:
                     srv.conns.pop(request, None)
                 super().shutdown_request(request)
 
-        family_host = host
-        self.httpd = Server((family_host, port), Handler)
+        if ":" in host:  # an IPv6 bootstrap_host ("::", "::1", "[::1]")
+            Server.address_family = socket.AF_INET6
+            host = host.strip("[]")
+        self.httpd = Server((host, port), Handler)
         self.host, self.port = host, self.httpd.server_address[1]
         # serve_forever polls its stop flag every poll_interval: close() then
         # waited up to that long (0.5 s per producer worker's shutdown).  Our
@@ -248,8 +250,9 @@ class BootstrapServer:
 
     @property
     def url(self):
-        host = "127.0.0.1" if self.host in ("", "0.0.0.0") else self.host
-        return f"http://{host}:{self.port}"
+        from mooncake_connector.connector.settings import join_hostport
+        host = {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1"}.get(self.host, self.host)
+        return f"http://{join_hostport(host, self.port)}"
 
     def body(self):
         """The /query answer's bytes, the table looked up again where due."""

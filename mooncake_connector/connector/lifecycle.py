@@ -10,7 +10,7 @@ import os
 
 from mooncake_connector.connector import tp_map
 from mooncake_connector.connector.layout import KVLayout
-from mooncake_connector.connector.settings import dp_base, shift_port
+from mooncake_connector.connector.settings import dp_base, join_hostport, shift_port
 
 logger = logging.getLogger("vllm.mooncake_connector")
 
@@ -71,9 +71,9 @@ def _name(w, cfg):
     if w.s.local_hostname:
         base = w.s.local_hostname
     elif w.s.role == "kv_consumer":
-        base = f"{cfg['decode_host']}:{cfg['decode_port']}"
+        base = join_hostport(cfg['decode_host'], cfg['decode_port'])
     else:
-        base = f"{cfg['prefill_host']}:{cfg['prefill_port']}"
+        base = join_hostport(cfg['prefill_host'], cfg['prefill_port'])
     # vLLM data parallelism inside one server: each engine its own ports
     base = dp_base(base, w.dp_local, w.tp_size, int(w.facts.get("pp_size") or 1))
     return base, shift_port(base, w.pp_rank * w.tp_size + w.tp_rank)
@@ -89,7 +89,7 @@ def start_engine(w):
     cfg = _core.parse_config(text, w.s.config_path or "kv_connector_extra_config")
     w._base, w.name = _name(w, cfg)
     w._meta_url = cfg["metadata_server"] if cfg.get("metadata_backend") != "p2p" else None
-    w.default_producer = f"{cfg['prefill_host']}:{cfg['prefill_port']}"
+    w.default_producer = join_hostport(cfg['prefill_host'], cfg['prefill_port'])
     w.engine = eng = _core.TransferEngine()
     try:
         _start(w, eng, cfg, _core)

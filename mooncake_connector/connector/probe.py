@@ -24,7 +24,7 @@ import logging
 import threading
 import time
 
-from mooncake_connector.connector.settings import shift_port
+from mooncake_connector.connector.settings import bracket_host, join_hostport, shift_port
 
 logger = logging.getLogger("vllm.mooncake_connector")
 
@@ -81,9 +81,9 @@ class ProducerProbe:
 
         text = json.dumps({k: v for k, v in self.s.mooncake.items() if v is not None})
         cfg = _core.parse_config(text, self.s.config_path or "kv_connector_extra_config")
-        host = (self.s.local_hostname.rpartition(":")[0] if self.s.local_hostname
-                else cfg["decode_host"])
-        self.default_producer = f"{cfg['prefill_host']}:{cfg['prefill_port']}"
+        host = bracket_host(self.s.local_hostname.rpartition(":")[0] if self.s.local_hostname
+                            else cfg["decode_host"])
+        self.default_producer = join_hostport(cfg['prefill_host'], cfg['prefill_port'])
         eng = _core.TransferEngine()
         # No port: any free one; the control channel is TCP whatever the
         # workers' protocol, and no memory is registered here.

@@ -7,7 +7,7 @@ import logging
 import time
 
 from mooncake_connector.connector import peer_record, tp_map
-from mooncake_connector.connector.settings import SettingsError, shift_port
+from mooncake_connector.connector.settings import SettingsError, join_hostport, shift_port
 
 logger = logging.getLogger("vllm.mooncake_connector")
 
@@ -21,7 +21,7 @@ class Routes:
         self.meta = None
         self._routes = {}         # producer base -> [(engine name, [Piece per layer])]
         self._consumer = None     # producer: (consumer record or None, checked at, fanout)
-        self.consumer_base = f"{cfg['decode_host']}:{cfg['decode_port']}"
+        self.consumer_base = join_hostport(cfg['decode_host'], cfg['decode_port'])
 
     def check_at_start(self, core, cfg):
         """Publish this worker's fingerprint; a consumer checks its producer's

@@ -32,7 +32,7 @@ from mooncake_connector.connector.legs import LegLedger
 from mooncake_connector.connector.metadata import (LoadSpec, MooncakeConnectorMetadata,
                                                    PublishSpec)
 from mooncake_connector.connector.push import is_push, transfer_id
-from mooncake_connector.connector.settings import dp_base, shift_port
+from mooncake_connector.connector.settings import dp_base, join_hostport, shift_port
 from mooncake_connector.connector.stats import MooncakeKVConnectorStats, recompute_reason
 from mooncake_connector import trace
 
@@ -171,7 +171,7 @@ class SchedulerSide:
         if params.get("do_remote_prefill"):
             producer = params.get("remote_engine_id")
             if not producer and params.get("remote_host") and params.get("remote_port"):
-                producer = f"{params['remote_host']}:{params['remote_port']}"
+                producer = join_hostport(params['remote_host'], params['remote_port'])
             if is_push(params) and transfer_id(params):
                 # push: the producer writes into our blocks (an in-tree leg:
                 # the engine found holding its prompt, _locate)
