@@ -172,7 +172,7 @@ class Deployment:
                  max_model_len=2048, kv_cache_bytes=64 << 20, python=None, extra_vllm_args=(),
                  env=None, extra_proxies=None, colocated_proxy=False, side_args=None,
                  decode_extra_config=None, prefix_caching=False, colocated_cached=False,
-                 prefill_extra_config=None, engine_host="127.0.0.1"):
+                 prefill_extra_config=None, host="127.0.0.1"):
         """flows: one proxy per flow, named by it (first token from prefill);
         side_args: {"prefill"|"decode"|"colocated": [vLLM args]} for one side
         only (e.g. --tensor-parallel-size; the colocated reference should
@@ -187,13 +187,14 @@ class Deployment:
         prefix_caching: every vLLM server of this deployment keeps vLLM's
         default (prefix caching on), as the seed's commands run them,
         instead of serving.BASE_VLLM_ARGS's --no-enable-prefix-caching.
-        engine_host: the address of the engines and of the metadata server
-        (e.g. "::1": an IPv6 deployment's mooncake.json, "[::1]:port");
+        host: the address every server listens on and the engines' address
+        in mooncake.json (e.g. "::1": an IPv6 deployment, "[::1]:port");
         colocated_cached: a second colocated server, the same as the first
         but with vLLM's prefix cache on (self.colocated_cached): a prompt
         sent to it twice computes only its tail over cached KV the second
         time, as a decode server over loaded KV does."""
         self.workdir = os.path.abspath(workdir)
+        self.host = host
         self._prefill_extra = prefill_extra_config
         os.makedirs(self.workdir, exist_ok=True)
         self.model = model
@@ -205,7 +206,7 @@ class Deployment:
         # CPU platform turns it back into "mp": docs/vllm-cpu.md.)
         common = dict(model=model, max_model_len=max_model_len, kv_cache_bytes=kv_cache_bytes,
                       extra_args=list(extra_vllm_args), python=python,
-                      prefix_caching=prefix_caching)
+                      prefix_caching=prefix_caching, host=host)
         env = dict(env or {})
         side = {k: list(v) for k, v in (side_args or {}).items()}
         unknown = set(side) - {"prefill", "decode", "colocated"}
@@ -220,10 +221,10 @@ class Deployment:
         if self.connector == "mooncake":
             self.metadata = serving.metadata_server(serving.free_port(),
                                                     os.path.join(logs, "metadata.log"), python,
-                                                    host=engine_host)
+                                                    host=host)
             meta_url = self.metadata.url
         pre_cfg, dec_cfg, kv_env = kv_transfer_configs(self.connector, self.workdir, meta_url,
-                                                       engine_host)
+                                                       host)
         if decode_extra_config:
             dec_cfg = dict(dec_cfg, kv_connector_extra_config=dict(
                 dec_cfg.get("kv_connector_extra_config") or {}, **decode_extra_config))
@@ -262,7 +263,7 @@ class Deployment:
         self.proxies = {f: serving.proxy([self.prefill.url], [self.decode.url],
                                          serving.free_port(),
                                          os.path.join(logs, f"proxy-{f}.log"), flow=f,
-                                         python=python,
+                                         python=python, host=host,
                                          extra_args=self._push_args(f) + self._forget_args(f))
                         for f in flows}
         for name, kw in (extra_proxies or {}).items():
@@ -276,14 +277,15 @@ class Deployment:
             self.proxies[name] = serving.proxy([self.prefill.url], [self.decode.url],
                                                serving.free_port(),
                                                os.path.join(logs, f"proxy-{name}.log"),
-                                               python=python, name=f"proxy {name}", **kw)
+                                               python=python, name=f"proxy {name}",
+                                               **dict({"host": host}, **kw))
         self.colocated_proxy = None
         if colocated_proxy:
             if self.colocated is None:
                 raise ValueError("colocated_proxy needs colocated=True")
             self.colocated_proxy = serving.proxy(
                 [], [], serving.free_port(), os.path.join(logs, "proxy-colocated.log"),
-                python=python, passthrough=[self.colocated.url])
+                python=python, passthrough=[self.colocated.url], host=host)
 
     def _forget_args(self, flow):
         """Flows a, b over a prefill with its own hold_timeout_s: the
@@ -299,7 +301,7 @@ class Deployment:
         push prefills spread over a data-parallel prefill's engines)."""
         if flow != "push" or not self.bootstrap_port:
             return ()
-        return ("--prefill-bootstrap", f"http://127.0.0.1:{self.bootstrap_port}")
+        return ("--prefill-bootstrap", serving.url_of(self.host, self.bootstrap_port))
 
     @property
     def processes(self):

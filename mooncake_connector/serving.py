@@ -325,39 +325,45 @@ def _group_alive(pgid, timeout):
 
 def vllm_server(name, model, port, log_path, kv_transfer_config=None, env=None,
                 max_model_len=2048, kv_cache_bytes=64 << 20, extra_args=(), python=None,
-                prefix_caching=False):
+                prefix_caching=False, host="127.0.0.1"):
     """A vLLM OpenAI API server on the CPU backend (not started yet).
     prefix_caching: vLLM's default (on) instead of BASE_VLLM_ARGS's
-    --no-enable-prefix-caching, as users run the seed's commands."""
+    --no-enable-prefix-caching, as users run the seed's commands.
+    host: the address it listens on (e.g. "::1")."""
     base = [a for a in BASE_VLLM_ARGS if not (prefix_caching and
                                                a == "--no-enable-prefix-caching")]
     cmd = [python or sys.executable, "-m", VLLM_MAIN,
-           "--model", model, "--served-model-name", "tiny", "--host", "127.0.0.1",
+           "--model", model, "--served-model-name", "tiny", "--host", host,
            "--port", str(port), "--max-model-len", str(max_model_len),
            "--kv-cache-memory-bytes", str(kv_cache_bytes), *base, *extra_args]
     if kv_transfer_config is not None:
         cmd += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
     p = Process(name, cmd, log_path, env=dict(VLLM_ENV, **(env or {})),
-                health_url=f"http://127.0.0.1:{port}/health")
-    p.url = f"http://127.0.0.1:{port}"
+                health_url=f"{url_of(host, port)}/health")
+    p.url = url_of(host, port)
     p.vllm = True
     return p
 
 
+def url_of(host, port):
+    """http://host:port (an IPv6 host in brackets)."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 def metadata_server(port, log_path, python=None, host="127.0.0.1"):
-    at = f"[{host}]" if ":" in host else host
     p = Process("metadata server", [python or sys.executable, "-m",
                                     "mooncake_connector.metadata_server", "--host", host,
                                     "--port", str(port)],
-                log_path, health_url=f"http://{at}:{port}/health")
-    p.url = f"http://{at}:{port}/metadata"
+                log_path, health_url=f"{url_of(host, port)}/health")
+    p.url = f"{url_of(host, port)}/metadata"
     return p
 
 
 def proxy(prefill_urls, decode_urls, port, log_path, flow="a", timeout_s=600, python=None,
-          first_token="prefill", passthrough=None, name=None, extra_args=()):
+          first_token="prefill", passthrough=None, name=None, extra_args=(), host="127.0.0.1"):
     """Our proxy in front of prefill/decode servers, or (passthrough: a list
-    of URLs) in front of one upstream with no prefill step."""
+    of URLs) in front of one upstream with no prefill step; listening on
+    host."""
     if passthrough:
         args, name = ["--passthrough", *passthrough], name or "proxy (pass-through)"
     else:
@@ -365,9 +371,9 @@ def proxy(prefill_urls, decode_urls, port, log_path, flow="a", timeout_s=600, py
                 "--decode", *decode_urls, *extra_args]
         name = name or f"proxy (flow {flow})"
     p = Process(name, [python or sys.executable, "-m", "mooncake_connector.proxy", "--host",
-                       "127.0.0.1", "--port", str(port), "--timeout", str(timeout_s), *args],
-                log_path, health_url=f"http://127.0.0.1:{port}/health")
-    p.url = f"http://127.0.0.1:{port}"
+                       host, "--port", str(port), "--timeout", str(timeout_s), *args],
+                log_path, health_url=f"{url_of(host, port)}/health")
+    p.url = url_of(host, port)
     return p
 
 

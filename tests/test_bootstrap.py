@@ -332,6 +332,27 @@ def test_an_ipv6_bootstrap_host_listens_and_names_ipv6_engines(host):
         srv.close()
 
 
+@pytest.mark.skipif(not _has_ipv6_loopback(), reason="no IPv6 loopback (::1) here")
+def test_the_default_host_serves_ipv4_and_ipv6_clients():
+    """No bootstrap_host: one socket on "::" that takes IPv4 clients too
+    (was: 0.0.0.0, so a router on an IPv6-only network could not reach it)."""
+    s = settings_mod.resolve(_cfg(bootstrap_port=free_port()))
+    srv = _start(s, tp=1)
+    try:
+        assert srv.host == "::" and srv.url == f"http://127.0.0.1:{srv.port}"
+        for addr in ("127.0.0.1", "::1"):
+            c = http.client.HTTPConnection(addr, srv.port, timeout=5)
+            try:
+                c.request("GET", "/query")
+                r = c.getresponse()
+                assert r.status == 200 and json.loads(r.read())["0"]["engine_id"] == \
+                    "127.0.0.1:13003", addr
+            finally:
+                c.close()
+    finally:
+        srv.close()
+
+
 def test_join_hostport_brackets_ipv6_only():
     assert settings_mod.join_hostport("::1", 13003) == "[::1]:13003"
     assert settings_mod.join_hostport("[fd00::1]", 5) == "[fd00::1]:5"

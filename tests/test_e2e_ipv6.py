@@ -1,7 +1,8 @@
-"""An IPv6 deployment (pytest -m e2e, real vLLM CPU servers): mooncake.json's
-prefill_url and decode_url are "[::1]:port" and the metadata server listens
-on ::1 (http://[::1]:port/metadata), as on a host or cluster that has only
-IPv6 addresses.  Before, the connector's start wrote its engine name from the
+"""An IPv6 deployment (pytest -m e2e, real vLLM CPU servers): every server
+listens on ::1 (vLLM's --host ::1, the proxies' --host ::1, the metadata
+server at http://[::1]:port/metadata, the proxies' --prefill / --decode
+http://[::1]:port), mooncake.json's prefill_url and decode_url are
+"[::1]:port", as on a host or cluster that has only IPv6 addresses.  Before, the connector's start wrote its engine name from the
 C parser's bare host ("::1:port", which the engine refuses) and no server
 started: the workers' engine (connector/lifecycle._name), the producer's
 consumer lookup (routes.consumer_base), the flow-a probe's engine and default
@@ -12,8 +13,10 @@ Checked through the proxy's flows a, b and push and the push proxy with
 push_layer_load: every answer token-identical to the colocated server's, the
 decode loaded each prompt's full blocks through the connector (its
 vllm:prompt_tokens_by_source external_kv_transfer grew by them), both
-sides' logs name their engine "[::1]:port", and the push proxy's table from
-the prefill's bootstrap server holds that name too.
+sides' logs name their engine "[::1]:port", and the push proxies' table from
+the prefill's bootstrap server (on its default address, now "::" taking IPv6
+and IPv4 clients; was 0.0.0.0, which a push proxy given
+--prefill-bootstrap http://[::1]:port could not reach) holds that name too.
 """
 import json
 import os
@@ -22,7 +25,7 @@ import socket
 import pytest
 
 from mooncake_connector.openai_client import request
-from mooncake_connector.serving import http_get
+from mooncake_connector.serving import http_get, url_of
 
 from e2e_fixtures import start_deployment, tiny_model_dir  # noqa: F401
 
@@ -52,12 +55,14 @@ def _body(prompt, stream):
 
 @pytest.mark.skipif(not _has_ipv6_loopback(), reason="no IPv6 loopback (::1) here")
 def test_ipv6_engine_addresses_serve_every_flow(tiny_model_dir):  # noqa: F811
-    dep = start_deployment("mc-e2e-v6-", tiny_model_dir, engine_host="::1")
+    dep = start_deployment("mc-e2e-v6-", tiny_model_dir, host="::1")
     try:
         with open(os.path.join(dep.workdir, "mooncake.json")) as f:
             cfg = json.load(f)
         assert cfg["prefill_url"].startswith("[::1]:") and cfg["decode_url"].startswith("[::1]:")
         assert dep.metadata.url.startswith("http://[::1]:")
+        assert all(p.url.startswith("http://[::1]:") for p in
+                   [dep.prefill, dep.decode, dep.colocated, *dep.proxies.values()])
         refs = {}
         for p in PROMPTS:
             r = request(dep.colocated.url, "/v1/completions", _body(p, False), timeout=120)
@@ -79,7 +84,7 @@ def test_ipv6_engine_addresses_serve_every_flow(tiny_model_dir):  # noqa: F811
             assert url in logs[side], f"{side}'s log does not name its engine {url}"
             assert "which the engine refuses" not in logs[side]
         # the push proxies find the prefill's engine by its bootstrap server
-        code, body = http_get(f"http://127.0.0.1:{dep.bootstrap_port}/query", timeout=10)
+        code, body = http_get(url_of("::1", dep.bootstrap_port) + "/query", timeout=10)
         assert code == 200 and cfg["prefill_url"] in body, body
     finally:
         dep.stop()

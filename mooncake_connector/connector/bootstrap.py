@@ -24,6 +24,7 @@ read-only.  Pure Python (stdlib http.server on a daemon thread); at most
 MAX_CONNECTIONS connections (threads) at once, each request due within
 REQUEST_DEADLINE_S.
 """
+import errno
 import json
 import logging
 import selectors
@@ -217,10 +218,26 @@ class BootstrapServer:
                     srv.conns.pop(request, None)
                 super().shutdown_request(request)
 
-        if ":" in host:  # an IPv6 bootstrap_host ("::", "::1", "[::1]")
-            Server.address_family = socket.AF_INET6
-            host = host.strip("[]")
-        self.httpd = Server((host, port), Handler)
+            def server_bind(srv):
+                if srv.address_family == socket.AF_INET6:  # "::" takes IPv4 clients too
+                    srv.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+                super().server_bind()
+
+        class Server6(Server):
+            address_family = socket.AF_INET6
+
+        if not host:  # the default: every address, IPv6 (where this host has it) and IPv4
+            try:
+                self.httpd = Server6(("::", port), Handler)
+                host = "::"
+            except OSError as e:
+                if e.errno not in (errno.EAFNOSUPPORT, errno.EADDRNOTAVAIL, errno.EPROTONOSUPPORT):
+                    raise
+                host = "0.0.0.0"
+                self.httpd = Server((host, port), Handler)
+        else:
+            host = host.strip("[]") if host.startswith("[") else host
+            self.httpd = (Server6 if ":" in host else Server)((host, port), Handler)
         self.host, self.port = host, self.httpd.server_address[1]
         # serve_forever polls its stop flag every poll_interval: close() then
         # waited up to that long (0.5 s per producer worker's shutdown).  Our
@@ -251,7 +268,7 @@ class BootstrapServer:
     @property
     def url(self):
         from mooncake_connector.connector.settings import join_hostport
-        host = {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1"}.get(self.host, self.host)
+        host = {"0.0.0.0": "127.0.0.1", "::": "127.0.0.1"}.get(self.host, self.host)
         return f"http://{join_hostport(host, self.port)}"
 
     def body(self):
@@ -304,14 +321,15 @@ def start(settings, engine_id, dp_rank, tp_size, pp_size, name_of, env, dp_count
     if port == 0:
         return None
     table = query_table(engine_id, dp_rank, tp_size, pp_size, name_of, dp_count)
-    host = settings.bootstrap_host or "0.0.0.0"
+    host = settings.bootstrap_host  # "": every address (IPv6 and IPv4)
     try:
         srv = BootstrapServer(host, port, table, None if dp_found is None else (
             lambda: query_table(engine_id, dp_rank, tp_size, pp_size, name_of,
                                 max(dp_count, dp_found()))))
     except OSError as e:
         msg = (f"bootstrap server (vLLM's in-tree MooncakeConnector contract, for vllm-router "
-               f"--kv-connector mooncake) cannot listen on {host}:{port}: {e.strerror or e}")
+               f"--kv-connector mooncake) cannot listen on {host or '::'}:{port}: "
+               f"{e.strerror or e}")
         if explicit:
             from mooncake_connector.connector.settings import SettingsError
             raise SettingsError(msg + "; choose another kv_connector_extra_config.bootstrap_port "
@@ -321,7 +339,7 @@ def start(settings, engine_id, dp_rank, tp_size, pp_size, name_of, env, dp_count
                        "silence this)", msg)
         return None
     logger.info("MooncakeConnector: bootstrap server on %s:%d (GET /query: engine %s, dp rank %d, "
-                "TP %d, PP %d, %d DP engine(s)%s)", host, srv.port, engine_id, dp_rank, tp_size,
+                "TP %d, PP %d, %d DP engine(s)%s)", srv.host, srv.port, engine_id, dp_rank, tp_size,
                 pp_size, max(1, dp_count), "" if dp_found is None else
                 "; more as the metadata server names them")
     return srv

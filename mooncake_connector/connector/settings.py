@@ -164,7 +164,8 @@ KNOBS = {  # extra-config key: (type, default, meaning)
                        "MooncakeConnector contract asks (GET /query; vllm-router --kv-connector "
                        "mooncake); default VLLM_MOONCAKE_BOOTSTRAP_PORT, else 8998; 0: none"),
     "bootstrap_host": (str, "", "producer: address the bootstrap server listens on "
-                       "(default 0.0.0.0, all)"),
+                       "(default: every address, IPv6 and IPv4; 0.0.0.0 where the host "
+                       "has no IPv6)"),
     "idle_wait_max_ms": (float, 50.0, "producer: consecutive such steps that free nothing "
                          "wait twice as long each time, from idle_wait_ms up to this (every "
                          "step resets vLLM's 1 s busy-poll of its worker queues: with TP > 1 "
