@@ -79,11 +79,21 @@ def run_job(job, fds):
             os._exit(code)
 
 
-ctl.send(b'{"ready": true}')
+def tell(obj):
+    try:
+        ctl.send(json.dumps(obj).encode())
+    except (BrokenPipeError, ConnectionResetError):  # the test is gone: the next read ends us
+        pass
+
+
+tell({"ready": True})
 while True:
     for key, _ in sel.select():
         if key.fileobj is ctl:
-            msg, fds, _, _ = socket.recv_fds(ctl, 1 << 20, 2)
+            try:
+                msg, fds, _, _ = socket.recv_fds(ctl, 1 << 20, 2)
+            except ConnectionResetError:  # the test closed its end with our answer unread
+                msg, fds = b"", []
             if not msg:  # the test closed its end (or died): its children go too
                 for pfd, pid in kids.items():
                     for sig in (signal.SIGCONT, signal.SIGKILL):
@@ -108,7 +118,7 @@ while True:
             if job.get("session"):
                 groups.add(pid)
             sel.register(pfd, selectors.EVENT_READ)
-            ctl.send(json.dumps({"pid": pid}).encode())
+            tell({"pid": pid})
         else:  # a child exited
             pfd = key.fileobj
             pid = kids.pop(pfd)
@@ -116,7 +126,7 @@ while True:
             sel.unregister(pfd)
             os.close(pfd)
             code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
-            ctl.send(json.dumps({"exit": pid, "code": code}).encode())
+            tell({"exit": pid, "code": code})
 '''
 
 
