@@ -117,6 +117,20 @@ def test_a_taken_port_is_an_error_only_when_asked_for(caplog):
         assert any("bootstrap_port" in r.getMessage() for r in caplog.records)
 
 
+@pytest.mark.parametrize("host, why", [("not a host", "Name or service not known"),
+                                       ("192.0.2.77", "Cannot assign requested address"),
+                                       ("[::1", "")])
+def test_a_bootstrap_host_not_of_this_host_is_an_error(host, why):
+    """bootstrap_host set to an address this host does not have (or no
+    address at all): a start-up error naming the setting (was: one WARNING
+    and no bootstrap server, whatever the default port)."""
+    s = settings_mod.resolve(_cfg(bootstrap_host=host))
+    with pytest.raises(SettingsError, match="bootstrap_host .* must be an address of this host") \
+            as e:
+        _start(s, env={"VLLM_MOONCAKE_BOOTSTRAP_PORT": str(free_port())})
+    assert why in str(e.value)
+
+
 def _consumer(**extra):
     from mooncake_connector.connector.scheduler import SchedulerSide
     cfg = types.SimpleNamespace(kv_role="kv_consumer", kv_connector_extra_config=dict(

@@ -236,7 +236,8 @@ class BootstrapServer:
                 host = "0.0.0.0"
                 self.httpd = Server((host, port), Handler)
         else:
-            host = host.strip("[]") if host.startswith("[") else host
+            if host.startswith("[") and host.endswith("]"):
+                host = host[1:-1]
             self.httpd = (Server6 if ":" in host else Server)((host, port), Handler)
         self.host, self.port = host, self.httpd.server_address[1]
         # serve_forever polls its stop flag every poll_interval: close() then
@@ -327,11 +328,15 @@ def start(settings, engine_id, dp_rank, tp_size, pp_size, name_of, env, dp_count
             lambda: query_table(engine_id, dp_rank, tp_size, pp_size, name_of,
                                 max(dp_count, dp_found()))))
     except OSError as e:
+        from mooncake_connector.connector.settings import SettingsError, join_hostport
         msg = (f"bootstrap server (vLLM's in-tree MooncakeConnector contract, for vllm-router "
-               f"--kv-connector mooncake) cannot listen on {host or '::'}:{port}: "
+               f"--kv-connector mooncake) cannot listen on {join_hostport(host or '::', port)}: "
                f"{e.strerror or e}")
+        if host and e.errno != errno.EADDRINUSE:  # the address given is not one of this host's
+            raise SettingsError(msg + f"; kv_connector_extra_config.bootstrap_host {host!r} must "
+                                "be an address of this host (IPv6 as ::1 or [::1]), or leave it "
+                                "unset: every address") from None
         if explicit:
-            from mooncake_connector.connector.settings import SettingsError
             raise SettingsError(msg + "; choose another kv_connector_extra_config.bootstrap_port "
                                 "(0 = no bootstrap server)") from None
         logger.warning("MooncakeConnector: %s; not serving one (set "
