@@ -534,6 +534,17 @@ def recv_to_eof(sock):
         data += chunk
 
 
+def has_ipv6_loopback():
+    """This host can listen on ::1 (IPv6 tests skip without it)."""
+    import socket
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
 def drip_header(port, head, timeout=10.0, drip=b"X-a: b\r\n", every=0.3):
     """A slow-loris client: sends head (a request line and header lines,
     never the blank line that ends them) to 127.0.0.1:port, then `drip`

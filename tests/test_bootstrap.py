@@ -13,7 +13,7 @@ from mooncake_connector.connector import bootstrap
 from mooncake_connector.connector import settings as settings_mod
 from mooncake_connector.connector.settings import SettingsError, shift_port
 from mooncake_connector.serving import free_port
-from conftest import drip_header
+from conftest import drip_header, has_ipv6_loopback
 
 
 def _cfg(**extra):
@@ -313,16 +313,7 @@ def test_clients_that_leave_early_print_no_traceback(capfd, monkeypatch):
     assert "Traceback" not in err and "Exception occurred" not in err, err[-2000:]
 
 
-def _has_ipv6_loopback():
-    try:
-        with socket.socket(socket.AF_INET6) as s:
-            s.bind(("::1", 0))
-        return True
-    except OSError:
-        return False
-
-
-@pytest.mark.skipif(not _has_ipv6_loopback(), reason="no IPv6 loopback (::1) here")
+@pytest.mark.skipif(not has_ipv6_loopback(), reason="no IPv6 loopback (::1) here")
 @pytest.mark.parametrize("host", ["::1", "[::1]"])
 def test_an_ipv6_bootstrap_host_listens_and_names_ipv6_engines(host):
     """bootstrap_host "::1" (or "[::1]"): the server listens on IPv6 (was:
@@ -346,7 +337,7 @@ def test_an_ipv6_bootstrap_host_listens_and_names_ipv6_engines(host):
         srv.close()
 
 
-@pytest.mark.skipif(not _has_ipv6_loopback(), reason="no IPv6 loopback (::1) here")
+@pytest.mark.skipif(not has_ipv6_loopback(), reason="no IPv6 loopback (::1) here")
 def test_the_default_host_serves_ipv4_and_ipv6_clients():
     """No bootstrap_host: one socket on "::" that takes IPv4 clients too
     (was: 0.0.0.0, so a router on an IPv6-only network could not reach it)."""

@@ -20,13 +20,13 @@ and IPv4 clients; was 0.0.0.0, which a push proxy given
 """
 import json
 import os
-import socket
 
 import pytest
 
 from mooncake_connector.openai_client import request
 from mooncake_connector.serving import http_get, url_of
 
+from conftest import has_ipv6_loopback
 from e2e_fixtures import start_deployment, tiny_model_dir  # noqa: F401
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
@@ -34,15 +34,6 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 BLOCK = 32  # serving.BASE_VLLM_ARGS' --block-size
 PROMPTS = ["an address with colons in it still names one engine " * 5,
            "every flow of the proxy over engines named in brackets " * 7]
-
-
-def _has_ipv6_loopback():
-    try:
-        with socket.socket(socket.AF_INET6) as s:
-            s.bind(("::1", 0))
-        return True
-    except OSError:
-        return False
 
 
 def _body(prompt, stream):
@@ -53,7 +44,7 @@ def _body(prompt, stream):
     return b
 
 
-@pytest.mark.skipif(not _has_ipv6_loopback(), reason="no IPv6 loopback (::1) here")
+@pytest.mark.skipif(not has_ipv6_loopback(), reason="no IPv6 loopback (::1) here")
 def test_ipv6_engine_addresses_serve_every_flow(tiny_model_dir):  # noqa: F811
     dep = start_deployment("mc-e2e-v6-", tiny_model_dir, host="::1")
     try:

@@ -1,13 +1,10 @@
 """Peers that die, restart or live on IPv6."""
 import os
 import signal
-import socket
-import subprocess
-import time
 
 import pytest
 
-from conftest import wait_until
+from conftest import has_ipv6_loopback, wait_until
 
 from mooncake_connector.serving import free_port
 
@@ -48,17 +45,7 @@ def test_dead_peer_is_forgotten_and_reported_as_expired(peers, metadata_server):
     assert wait_until(expired, timeout=10, step=0.5)
 
 
-def _has_ipv6_loopback():
-    try:
-        s = socket.socket(socket.AF_INET6)
-        s.bind(("::1", 0))
-        s.close()
-        return True
-    except OSError:
-        return False
-
-
-@pytest.mark.skipif(not _has_ipv6_loopback(), reason="no IPv6 loopback (::1) here")
+@pytest.mark.skipif(not has_ipv6_loopback(), reason="no IPv6 loopback (::1) here")
 def test_ipv6_segments(peers):
     a = peers(hostname="[::1]")
     b = peers(hostname="[::1]", size=8 << 20)
