@@ -7,6 +7,7 @@ WorkerSide (worker.py), which holds what they start.
 import json
 import logging
 import os
+import sys
 
 from mooncake_connector.connector import tp_map
 from mooncake_connector.connector.layout import KVLayout
@@ -79,10 +80,28 @@ def _name(w, cfg):
     return base, shift_port(base, w.pp_rank * w.tp_size + w.tp_rank)
 
 
+def _gil_switch_interval():
+    """MC_GIL_SWITCH_US (experiment, issue 31): this worker process's GIL
+    switch interval (Python's default 5000 us).  A thread of ours woken by
+    the engine (the push outbox's sender, a pull's completion) waits for
+    vLLM's forward thread to hand over the GIL up to that long."""
+    v = os.environ.get("MC_GIL_SWITCH_US", "").strip()
+    if not v:
+        return
+    if not v.isdigit() or not 50 <= int(v) <= 100000:
+        logger.warning("MooncakeConnector worker: MC_GIL_SWITCH_US=%r is not a number of "
+                       "microseconds in 50..100000; Python's switch interval kept", v)
+        return
+    sys.setswitchinterval(int(v) / 1e6)
+    logger.info("MooncakeConnector worker: GIL switch interval %d us (MC_GIL_SWITCH_US)", int(v))
+
+
 def start_engine(w):
     """Engine, registered KV regions, lookup buffer (producer), KVTransfer,
     for the addresses the KV cache tensors have now."""
     from mooncake_connector import _core  # the extension: workers only
+
+    _gil_switch_interval()
 
     w.layout = _layout(w)
     text = json.dumps({k: v for k, v in w.s.mooncake.items() if v is not None})
