@@ -4,6 +4,7 @@ kv_transfer_params.  No vLLM needed: fast unit tests.  The router in front
 of real servers is tests/test_router_mooncake.py."""
 import http.client
 import json
+import logging
 import socket
 import types
 
@@ -364,3 +365,78 @@ def test_join_hostport_brackets_ipv6_only():
     assert settings_mod.join_hostport("10.0.0.1", 13003) == "10.0.0.1:13003"
     assert settings_mod.join_hostport("node-1.example", 80) == "node-1.example:80"
     assert shift_port(settings_mod.join_hostport("::1", 13003), 2) == "[::1]:13005"
+
+
+def test_an_ipv6_producers_flow_b_answer_names_a_bare_remote_host():
+    """A producer whose engine is "[::1]:13003": its flow-b answer's
+    remote_host is "::1", bare as vLLM's own connectors send it (a consumer
+    brackets it to connect; was "[::1]", which such a consumer bracketed
+    again); remote_engine_id keeps the engine's name, and a consumer given
+    only remote_host / remote_port finds that same engine."""
+    from mooncake_connector.connector.scheduler import SchedulerSide
+    cfg = types.SimpleNamespace(kv_role="kv_producer", kv_connector_extra_config={
+        "prefill_url": "[::1]:13003", "decode_url": "[::1]:13103", "bootstrap_port": 0})
+    sch = SchedulerSide(settings_mod.resolve(cfg), 32, 1, lambda: None, block_bytes=32768)
+    _, out = sch.request_finished(_request({"do_remote_decode": True}), [[0, 1, 2]])
+    assert (out["remote_host"], out["remote_port"], out["remote_engine_id"]) == \
+        ("::1", 13003, "[::1]:13003")
+    params = {k: out[k] for k in ("do_remote_prefill", "remote_host", "remote_port")}
+    cons = _consumer(prefill_url="[::1]:13003", decode_url="[::1]:13103")
+    assert cons._source(_request(params)) == ("B", "[::1]:13003")
+
+
+@pytest.mark.skipif(not has_ipv6_loopback(), reason="no IPv6 loopback (::1) here")
+def test_the_bootstrap_servers_address_is_logged_in_brackets(caplog):
+    """The default address "::": logged as [::]:port (was ":::port")."""
+    port = free_port()
+    s = settings_mod.resolve(_cfg(bootstrap_port=port))
+    with caplog.at_level(logging.INFO, logger="vllm.mooncake_connector"):
+        srv = _start(s, tp=1)
+    try:
+        assert srv.host == "::"
+        said = [r.getMessage() for r in caplog.records if "bootstrap server on" in r.getMessage()]
+        assert said and f"bootstrap server on [::]:{port} " in said[0], said
+    finally:
+        srv.close()
+
+
+_V6_NAME_CHILD = r"""
+import http.client, json, sys, types
+from mooncake_connector.connector import bootstrap, settings
+from mooncake_connector.connector.settings import shift_port
+cfg = types.SimpleNamespace(kv_role="kv_producer", kv_connector_extra_config={
+    "prefill_url": "127.0.0.1:13003", "decode_url": "127.0.0.1:13103",
+    "bootstrap_port": int(sys.argv[1]), "bootstrap_host": "mc-v6-only-name"})
+base = "127.0.0.1:13003"
+srv = bootstrap.start(settings.resolve(cfg), base, 0, 1, 1, lambda t, p: base, {})
+c = http.client.HTTPConnection("::1", srv.port, timeout=5)
+c.request("GET", "/query")
+print(json.dumps([srv.host, c.getresponse().status]))
+srv.close()
+"""
+
+
+def test_a_bootstrap_host_name_with_only_ipv6_addresses_listens_there(tmp_path):
+    """bootstrap_host a host name that resolves to IPv6 addresses only (here
+    "mc-v6-only-name" -> ::1 in a private mount namespace's /etc/hosts):
+    the server listens on its IPv6 address.  Was an AF_INET socket: here
+    glibc gave it ::1 as 127.0.0.1, so IPv6 clients were refused (seen);
+    a name with a non-loopback IPv6 address only did not resolve at all: a
+    start-up error calling it no address of this host."""
+    import subprocess
+    import sys
+    if not has_ipv6_loopback():
+        pytest.skip("no IPv6 loopback (::1) here")
+    hosts = tmp_path / "hosts"
+    hosts.write_text("127.0.0.1 localhost\n::1 mc-v6-only-name\n")
+    probe = subprocess.run(["unshare", "-m", "sh", "-c",
+                            f"mount --bind {hosts} /etc/hosts && getent ahosts mc-v6-only-name"],
+                           capture_output=True, text=True, timeout=30)
+    if probe.returncode != 0 or "::1" not in probe.stdout:
+        pytest.skip(f"no private mount namespace here (unshare -m: {probe.stderr.strip()!r})")
+    r = subprocess.run(["unshare", "-m", "sh", "-c",
+                        f'mount --bind {hosts} /etc/hosts && exec "$0" -P -c "$1" "$2"',
+                        sys.executable, _V6_NAME_CHILD, str(free_port())],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads(r.stdout.strip().splitlines()[-1]) == ["mc-v6-only-name", 200]

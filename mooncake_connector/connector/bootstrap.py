@@ -238,7 +238,8 @@ class BootstrapServer:
         else:
             if host.startswith("[") and host.endswith("]"):
                 host = host[1:-1]
-            self.httpd = (Server6 if ":" in host else Server)((host, port), Handler)
+            self.httpd = (Server6 if ":" in host or _ipv6_only_name(host) else Server)(
+                (host, port), Handler)
         self.host, self.port = host, self.httpd.server_address[1]
         # serve_forever polls its stop flag every poll_interval: close() then
         # waited up to that long (0.5 s per producer worker's shutdown).  Our
@@ -298,6 +299,16 @@ class BootstrapServer:
         self.httpd = None
 
 
+def _ipv6_only_name(host):
+    """A host name that resolves to IPv6 addresses only (no IPv4 one): its
+    server listens on AF_INET6 (an AF_INET socket cannot resolve it)."""
+    try:
+        families = {ai[0] for ai in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)}
+    except (OSError, UnicodeError):
+        return False  # the bind's own resolution says why
+    return socket.AF_INET6 in families and socket.AF_INET not in families
+
+
 def _shut(sock):
     """Ends a connection whose thread may be blocked reading it (the read
     returns end-of-file; the thread then closes the socket)."""
@@ -343,9 +354,10 @@ def start(settings, engine_id, dp_rank, tp_size, pp_size, name_of, env, dp_count
                        "kv_connector_extra_config.bootstrap_port to a free port, or 0 to "
                        "silence this)", msg)
         return None
-    logger.info("MooncakeConnector: bootstrap server on %s:%d (GET /query: engine %s, dp rank %d, "
-                "TP %d, PP %d, %d DP engine(s)%s)", srv.host, srv.port, engine_id, dp_rank, tp_size,
-                pp_size, max(1, dp_count), "" if dp_found is None else
+    from mooncake_connector.connector.settings import join_hostport
+    logger.info("MooncakeConnector: bootstrap server on %s (GET /query: engine %s, dp rank %d, "
+                "TP %d, PP %d, %d DP engine(s)%s)", join_hostport(srv.host, srv.port), engine_id,
+                dp_rank, tp_size, pp_size, max(1, dp_count), "" if dp_found is None else
                 "; more as the metadata server names them")
     return srv
 
