@@ -1655,6 +1655,11 @@ def _delivered_here(sa):
         return False
 
 
+def _hostport(host, port):
+    """host:port as a URL writes it (an IPv6 address in brackets)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def _is_self(u, host, port):
     """Why the upstream u is this proxy itself (None if it is not): its
     port, and its bound address or (bound to a wildcard or loopback
@@ -1845,6 +1850,9 @@ def _check_upstreams(ap, args):
                 not 0 < int(port) < 65536:
             ap.error(f"--prefill-engine {e!r} is not host:port with a port in 1..65535 (the "
                      "prefill's transfer-engine name: its mooncake.json prefill_url)")
+        if ":" in host and not (host.startswith("[") and host.endswith("]")):
+            ap.error(f"--prefill-engine {e!r}: an IPv6 address goes in brackets, as the "
+                     f"prefill's engine is named: --prefill-engine [{host}]:{port}")
     if args.prefill_engine and args.flow != "push":
         ap.error("--prefill-engine is for --flow push")
     _check_bootstraps(ap, args)
@@ -1861,6 +1869,8 @@ def _check_upstreams(ap, args):
                      "a request's layers is part of a layer load, which --push-layer-load off "
                      f"turns off for every request; drop {' and '.join(moot)}, or give "
                      "--push-layer-load on (or server)")
+    if args.host.startswith("[") and args.host.endswith("]"):
+        args.host = args.host[1:-1]  # "[::1]", as in a URL: the address is ::1
     if not args.host.strip():  # the event loop takes "" as every address
         ap.error(f"--host {args.host!r} is empty, which would listen on every address of this "
                  "host; give one: 0.0.0.0 (every IPv4 address, said as such) or 127.0.0.1 "
@@ -1960,7 +1970,7 @@ async def _serve(proxy, args, prog, loop_name):
         server = await loop.create_server(factory, args.host, args.port, reuse_address=True)
     except OSError as e:  # gaierror included: a --host that does not resolve
         await runner.cleanup()
-        raise SystemExit(f"{prog}: cannot listen on {args.host}:{args.port}: "
+        raise SystemExit(f"{prog}: cannot listen on {_hostport(args.host, args.port)}: "
                          f"{e.strerror or e}; pick another --port (or --host)") from None
     port = server.sockets[0].getsockname()[1]
     if proxy.passthrough:
@@ -1968,7 +1978,8 @@ async def _serve(proxy, args, prog, loop_name):
     else:
         what = (f"flow {args.flow}; first token from {args.first_token}; prefill "
                 f"{' '.join(proxy.prefill)}; decode {' '.join(proxy.decode)}")
-    print(f"proxy listening on http://{args.host}:{port} ({what}; {loop_name})", flush=True)
+    print(f"proxy listening on http://{_hostport(args.host, port)} ({what}; {loop_name})",
+          flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
