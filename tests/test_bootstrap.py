@@ -400,43 +400,79 @@ def test_the_bootstrap_servers_address_is_logged_in_brackets(caplog):
         srv.close()
 
 
-_V6_NAME_CHILD = r"""
+_NS_CHILD = r"""
 import http.client, json, sys, types
 from mooncake_connector.connector import bootstrap, settings
-from mooncake_connector.connector.settings import shift_port
+host, client = sys.argv[1:]
 cfg = types.SimpleNamespace(kv_role="kv_producer", kv_connector_extra_config={
     "prefill_url": "127.0.0.1:13003", "decode_url": "127.0.0.1:13103",
-    "bootstrap_port": int(sys.argv[1]), "bootstrap_host": "mc-v6-only-name"})
+    "bootstrap_port": 8998, "bootstrap_host": host})
 base = "127.0.0.1:13003"
-srv = bootstrap.start(settings.resolve(cfg), base, 0, 1, 1, lambda t, p: base, {})
-c = http.client.HTTPConnection("::1", srv.port, timeout=5)
+try:
+    srv = bootstrap.start(settings.resolve(cfg), base, 0, 1, 1, lambda t, p: base, {})
+except settings.SettingsError as e:
+    sys.exit(f"SettingsError: {e}")
+c = http.client.HTTPConnection(client, 8998, timeout=5)
 c.request("GET", "/query")
 print(json.dumps([srv.host, c.getresponse().status]))
 srv.close()
 """
 
 
-def test_a_bootstrap_host_name_with_only_ipv6_addresses_listens_there(tmp_path):
-    """bootstrap_host a host name that resolves to IPv6 addresses only (here
-    "mc-v6-only-name" -> ::1 in a private mount namespace's /etc/hosts):
-    the server listens on its IPv6 address.  Was an AF_INET socket: here
-    glibc gave it ::1 as 127.0.0.1, so IPv6 clients were refused (seen);
-    a name with a non-loopback IPv6 address only did not resolve at all: a
-    start-up error calling it no address of this host."""
+def _in_own_namespaces(tmp_path, host, client):
+    """The bootstrap server given bootstrap_host `host`, asked GET /query at
+    `client`, in a network namespace of its own (lo up, with fe80::1 on it
+    too) and a mount namespace whose /etc/hosts says mc-v6-only-name is
+    ::1: [server host, HTTP status]."""
     import subprocess
     import sys
-    if not has_ipv6_loopback():
-        pytest.skip("no IPv6 loopback (::1) here")
     hosts = tmp_path / "hosts"
     hosts.write_text("127.0.0.1 localhost\n::1 mc-v6-only-name\n")
-    probe = subprocess.run(["unshare", "-m", "sh", "-c",
-                            f"mount --bind {hosts} /etc/hosts && getent ahosts mc-v6-only-name"],
+    setup = (f"ip link set lo up && ip -6 addr add fe80::1/64 dev lo nodad && "
+             f"mount --bind {hosts} /etc/hosts")
+    probe = subprocess.run(["unshare", "-m", "-n", "sh", "-c",
+                            f"{setup} && getent ahosts mc-v6-only-name"],
                            capture_output=True, text=True, timeout=30)
     if probe.returncode != 0 or "::1" not in probe.stdout:
-        pytest.skip(f"no private mount namespace here (unshare -m: {probe.stderr.strip()!r})")
-    r = subprocess.run(["unshare", "-m", "sh", "-c",
-                        f'mount --bind {hosts} /etc/hosts && exec "$0" -P -c "$1" "$2"',
-                        sys.executable, _V6_NAME_CHILD, str(free_port())],
+        pytest.skip(f"no network and mount namespace of the test's own here (unshare -m -n: "
+                    f"{probe.stderr.strip()!r})")
+    r = subprocess.run(["unshare", "-m", "-n", "sh", "-c", f'{setup} && exec "$0" -P -c "$@"',
+                        sys.executable, _NS_CHILD, host, client],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert json.loads(r.stdout.strip().splitlines()[-1]) == ["mc-v6-only-name", 200]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_a_bootstrap_host_name_with_only_ipv6_addresses_listens_there(tmp_path):
+    """bootstrap_host a host name that resolves to IPv6 addresses only (here
+    "mc-v6-only-name" -> ::1 in the test's own /etc/hosts): the server
+    listens on its IPv6 address.  Was an AF_INET socket: here glibc gave it
+    ::1 as 127.0.0.1, so IPv6 clients were refused (seen); a name with a
+    non-loopback IPv6 address only did not resolve at all: a start-up error
+    calling it no address of this host."""
+    assert _in_own_namespaces(tmp_path, "mc-v6-only-name", "::1") == ["mc-v6-only-name", 200]
+
+
+@pytest.mark.parametrize("host", ["fe80::1%lo", "[fe80::1%lo]"])
+def test_a_link_local_bootstrap_host_with_its_zone_listens_there(tmp_path, host):
+    """bootstrap_host "fe80::1%lo" (a link-local address and its interface):
+    the server listens there (was: a start-up error, "Invalid argument ...
+    must be an address of this host": bound as (host, port), Python drops
+    the zone)."""
+    assert _in_own_namespaces(tmp_path, host, "fe80::1%lo") == ["fe80::1%lo", 200]
+
+
+@pytest.mark.parametrize("host, hint", [
+    ("fe80::1", "a link-local address needs its interface after a %, e.g. fe80::1%eth0"),
+    ("[::1]:8998", "it has a port: give the address alone, the port as bootstrap_port"),
+    ("127.0.0.1:8998", "it has a port: give the address alone, the port as bootstrap_port"),
+    ("a\x00b", "bootstrap_host 'a\\x00b' must be an address of this host"),
+    ("\ud800", "bootstrap_host '\\ud800' must be an address of this host")])
+def test_a_bootstrap_host_of_a_wrong_form_says_what_is_wrong(host, hint):
+    """A link-local address without its interface, an address with a port
+    (were: only "must be an address of this host"), a NUL or a lone
+    surrogate (were: TypeError from the bind, a crash of the start)."""
+    s = settings_mod.resolve(_cfg(bootstrap_host=host))
+    with pytest.raises(SettingsError, match="must be an address of this host") as e:
+        _start(s, env={"VLLM_MOONCAKE_BOOTSTRAP_PORT": str(free_port())})
+    assert hint in str(e.value), str(e.value)
