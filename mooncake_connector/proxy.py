@@ -1584,6 +1584,16 @@ def _bad_upstream(u):
         return f"{u!r} has a space or control character; write http://host:port"
     if not u.startswith(("http://", "https://")):
         return f"{u!r} is not a URL; write http://host:port"
+    scheme, _, rest = u.partition("://")
+    authority = rest.partition("/")[0].rpartition("@")[2]
+    if authority.count(":") > 1 and "[" not in authority:
+        host, _, port = authority.rpartition(":")
+        return f"{u!r}: an IPv6 address goes in brackets: {scheme}://[{host}]:{port}"
+    if "%25" in authority.partition("]")[0]:
+        # RFC 6874's form; the proxy's HTTP client looks the host up with
+        # "%25" in it: every request failed, "Name or service not known"
+        return (f"{u!r}: write the IPv6 zone after a bare %: "
+                f"{u.replace('%25', '%', 1)}")
     try:
         parts = urllib.parse.urlsplit(u)
         port = parts.port

@@ -1735,6 +1735,10 @@ BAD_CLI = [
     (["--flow", "push", "--prefill-engine", "127.0.0.1:99999"], "is not host:port"),
     (["--flow", "push", "--prefill-engine", "127.0.0.1:0"], "is not host:port"),
     (["--flow", "push", "--prefill-engine", "h:\u00b2"], "is not host:port"),
+    # was "is not a valid URL (Port could not be cast to integer value as ':1:8200')"
+    (["--decode", "http://::1:8200"], "an IPv6 address goes in brackets: http://[::1]:8200"),
+    # was accepted: every request then failed, "Cannot connect to host fe80::1%25lo:8200"
+    (["--decode", "http://[fe80::1%25lo]:8200"], "bare %: http://[fe80::1%lo]:8200"),
     # was accepted: the decode legs then named an engine "::1:13003", which no engine has
     (["--flow", "push", "--prefill-engine", "::1:13003"], "--prefill-engine [::1]:13003"),
     # was accepted: a client's Authorization header then made every request a 500
