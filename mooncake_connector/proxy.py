@@ -1589,11 +1589,11 @@ def _bad_upstream(u):
     if authority.count(":") > 1 and "[" not in authority:
         host, _, port = authority.rpartition(":")
         return f"{u!r}: an IPv6 address goes in brackets: {scheme}://[{host}]:{port}"
-    if "%25" in authority.partition("]")[0]:
+    if authority.startswith("[") and "%25" in authority.partition("]")[0]:
         # RFC 6874's form; the proxy's HTTP client looks the host up with
         # "%25" in it: every request failed, "Name or service not known"
         return (f"{u!r}: write the IPv6 zone after a bare %: "
-                f"{u.replace('%25', '%', 1)}")
+                f"{u.replace(authority, authority.replace('%25', '%', 1), 1)}")
     try:
         parts = urllib.parse.urlsplit(u)
         port = parts.port
