@@ -118,6 +118,28 @@ def test_a_taken_port_is_an_error_only_when_asked_for(caplog):
         assert any("bootstrap_port" in r.getMessage() for r in caplog.records)
 
 
+@pytest.mark.skipif(not has_ipv6_loopback(), reason="no IPv6 loopback (::1) here")
+@pytest.mark.parametrize("held_on", ["127.0.0.1", "0.0.0.0"])
+def test_the_default_address_on_a_port_taken_on_ipv4_only_warns_unless_asked_for(caplog,
+                                                                                 held_on):
+    """No bootstrap_host (the server on "::", IPv4 clients too) and the port
+    held on IPv4 only by another server: the default port is one WARNING
+    naming bootstrap_port and no server, as with 0.0.0.0 before; the port
+    set explicitly is a start-up error naming it."""
+    with socket.socket() as holder:
+        holder.bind((held_on, 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        with caplog.at_level("WARNING", logger="vllm.mooncake_connector"):
+            assert _start(settings_mod.resolve(_cfg()),
+                          env={"VLLM_MOONCAKE_BOOTSTRAP_PORT": str(port)}) is None
+        said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        assert any(f"cannot listen on [::]:{port}" in m and "bootstrap_port" in m
+                   for m in said), said
+        with pytest.raises(SettingsError, match="choose another .*bootstrap_port"):
+            _start(settings_mod.resolve(_cfg(bootstrap_port=port)))
+
+
 @pytest.mark.parametrize("host, why", [("not a host", "Name or service not known"),
                                        ("192.0.2.77", "Cannot assign requested address"),
                                        ("[::1", "")])
