@@ -448,6 +448,9 @@ def _in_own_namespaces(tmp_path, host, client):
     ::1: [server host, HTTP status]."""
     import subprocess
     import sys
+    import shutil
+    if not (shutil.which("unshare") and shutil.which("ip")):
+        pytest.skip("no unshare or ip command here")
     hosts = tmp_path / "hosts"
     hosts.write_text("127.0.0.1 localhost\n::1 mc-v6-only-name\n")
     setup = (f"ip link set lo up && ip -6 addr add fe80::1/64 dev lo nodad && "
