@@ -599,6 +599,8 @@ def _parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     p.add_argument("--log-level", default="info",
                    choices=["debug", "info", "warning", "error"])
     args = p.parse_args(argv)
+    if args.host.startswith("[") and args.host.endswith("]"):
+        args.host = args.host[1:-1]  # "[::1]", as in a URL: the address is ::1
     if not args.host.strip():  # the event loop takes "" as every address
         p.error(f"--host {args.host!r} is empty, which would listen on every address of this "
                 "host (and print the URL http://:PORT); give one: 0.0.0.0 (every IPv4 "
@@ -635,7 +637,8 @@ async def _serve_cli(args: argparse.Namespace) -> int:
         running = await _start(app, args.host, args.port, args.access_log)
     except OSError as e:
         print(f"mooncake-metadata-server: cannot listen on "
-              f"{args.host}:{args.port}: {e}", file=sys.stderr, flush=True)
+              f"{_format_url(args.host, args.port, '')[len('http://'):]}: {e}", file=sys.stderr,
+              flush=True)
         return 1
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -329,7 +329,8 @@ class TransferEngine(_core.TransferEngine):
             with socket.create_connection((host, port), timeout=timeout):
                 pass
         except OSError as e:
-            raise _core.TransferError(f"probe of {peer_server_name} ({host}:{port}) failed: "
+            at = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+            raise _core.TransferError(f"probe of {peer_server_name} ({at}) failed: "
                                       f"{e}; is its engine running?") from None
         return 0
 

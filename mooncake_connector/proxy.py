@@ -1584,6 +1584,16 @@ def _bad_upstream(u):
         return f"{u!r} has a space or control character; write http://host:port"
     if not u.startswith(("http://", "https://")):
         return f"{u!r} is not a URL; write http://host:port"
+    scheme, _, rest = u.partition("://")
+    authority = rest.partition("/")[0].rpartition("@")[2]
+    if authority.count(":") > 1 and "[" not in authority:
+        host, _, port = authority.rpartition(":")
+        return f"{u!r}: an IPv6 address goes in brackets: {scheme}://[{host}]:{port}"
+    if authority.startswith("[") and "%25" in authority.partition("]")[0]:
+        # RFC 6874's form; the proxy's HTTP client looks the host up with
+        # "%25" in it: every request failed, "Name or service not known"
+        return (f"{u!r}: write the IPv6 zone after a bare %: "
+                f"{u.replace(authority, authority.replace('%25', '%', 1), 1)}")
     try:
         parts = urllib.parse.urlsplit(u)
         port = parts.port
@@ -1653,6 +1663,11 @@ def _delivered_here(sa):
         return True
     except OSError:  # EADDRNOTAVAIL: not an address of this host
         return False
+
+
+def _hostport(host, port):
+    """host:port as a URL writes it (an IPv6 address in brackets)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def _is_self(u, host, port):
@@ -1845,6 +1860,9 @@ def _check_upstreams(ap, args):
                 not 0 < int(port) < 65536:
             ap.error(f"--prefill-engine {e!r} is not host:port with a port in 1..65535 (the "
                      "prefill's transfer-engine name: its mooncake.json prefill_url)")
+        if ":" in host and not (host.startswith("[") and host.endswith("]")):
+            ap.error(f"--prefill-engine {e!r}: an IPv6 address goes in brackets, as the "
+                     f"prefill's engine is named: --prefill-engine [{host}]:{port}")
     if args.prefill_engine and args.flow != "push":
         ap.error("--prefill-engine is for --flow push")
     _check_bootstraps(ap, args)
@@ -1861,6 +1879,8 @@ def _check_upstreams(ap, args):
                      "a request's layers is part of a layer load, which --push-layer-load off "
                      f"turns off for every request; drop {' and '.join(moot)}, or give "
                      "--push-layer-load on (or server)")
+    if args.host.startswith("[") and args.host.endswith("]"):
+        args.host = args.host[1:-1]  # "[::1]", as in a URL: the address is ::1
     if not args.host.strip():  # the event loop takes "" as every address
         ap.error(f"--host {args.host!r} is empty, which would listen on every address of this "
                  "host; give one: 0.0.0.0 (every IPv4 address, said as such) or 127.0.0.1 "
@@ -1960,7 +1980,7 @@ async def _serve(proxy, args, prog, loop_name):
         server = await loop.create_server(factory, args.host, args.port, reuse_address=True)
     except OSError as e:  # gaierror included: a --host that does not resolve
         await runner.cleanup()
-        raise SystemExit(f"{prog}: cannot listen on {args.host}:{args.port}: "
+        raise SystemExit(f"{prog}: cannot listen on {_hostport(args.host, args.port)}: "
                          f"{e.strerror or e}; pick another --port (or --host)") from None
     port = server.sockets[0].getsockname()[1]
     if proxy.passthrough:
@@ -1968,7 +1988,8 @@ async def _serve(proxy, args, prog, loop_name):
     else:
         what = (f"flow {args.flow}; first token from {args.first_token}; prefill "
                 f"{' '.join(proxy.prefill)}; decode {' '.join(proxy.decode)}")
-    print(f"proxy listening on http://{args.host}:{port} ({what}; {loop_name})", flush=True)
+    print(f"proxy listening on http://{_hostport(args.host, port)} ({what}; {loop_name})",
+          flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

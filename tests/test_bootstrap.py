@@ -4,6 +4,7 @@ kv_transfer_params.  No vLLM needed: fast unit tests.  The router in front
 of real servers is tests/test_router_mooncake.py."""
 import http.client
 import json
+import logging
 import socket
 import types
 
@@ -115,6 +116,28 @@ def test_a_taken_port_is_an_error_only_when_asked_for(caplog):
         with caplog.at_level("WARNING", logger="vllm.mooncake_connector"):
             assert _start(default, env={"VLLM_MOONCAKE_BOOTSTRAP_PORT": str(port)}) is None
         assert any("bootstrap_port" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.skipif(not has_ipv6_loopback(), reason="no IPv6 loopback (::1) here")
+@pytest.mark.parametrize("held_on", ["127.0.0.1", "0.0.0.0"])
+def test_the_default_address_on_a_port_taken_on_ipv4_only_warns_unless_asked_for(caplog,
+                                                                                 held_on):
+    """No bootstrap_host (the server on "::", IPv4 clients too) and the port
+    held on IPv4 only by another server: the default port is one WARNING
+    naming bootstrap_port and no server, as with 0.0.0.0 before; the port
+    set explicitly is a start-up error naming it."""
+    with socket.socket() as holder:
+        holder.bind((held_on, 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        with caplog.at_level("WARNING", logger="vllm.mooncake_connector"):
+            assert _start(settings_mod.resolve(_cfg()),
+                          env={"VLLM_MOONCAKE_BOOTSTRAP_PORT": str(port)}) is None
+        said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        assert any(f"cannot listen on [::]:{port}" in m and "bootstrap_port" in m
+                   for m in said), said
+        with pytest.raises(SettingsError, match="choose another .*bootstrap_port"):
+            _start(settings_mod.resolve(_cfg(bootstrap_port=port)))
 
 
 @pytest.mark.parametrize("host, why", [("not a host", "Name or service not known"),
@@ -364,3 +387,117 @@ def test_join_hostport_brackets_ipv6_only():
     assert settings_mod.join_hostport("10.0.0.1", 13003) == "10.0.0.1:13003"
     assert settings_mod.join_hostport("node-1.example", 80) == "node-1.example:80"
     assert shift_port(settings_mod.join_hostport("::1", 13003), 2) == "[::1]:13005"
+
+
+def test_an_ipv6_producers_flow_b_answer_names_a_bare_remote_host():
+    """A producer whose engine is "[::1]:13003": its flow-b answer's
+    remote_host is "::1", bare as vLLM's own connectors send it (a consumer
+    brackets it to connect; was "[::1]", which such a consumer bracketed
+    again); remote_engine_id keeps the engine's name, and a consumer given
+    only remote_host / remote_port finds that same engine."""
+    from mooncake_connector.connector.scheduler import SchedulerSide
+    cfg = types.SimpleNamespace(kv_role="kv_producer", kv_connector_extra_config={
+        "prefill_url": "[::1]:13003", "decode_url": "[::1]:13103", "bootstrap_port": 0})
+    sch = SchedulerSide(settings_mod.resolve(cfg), 32, 1, lambda: None, block_bytes=32768)
+    _, out = sch.request_finished(_request({"do_remote_decode": True}), [[0, 1, 2]])
+    assert (out["remote_host"], out["remote_port"], out["remote_engine_id"]) == \
+        ("::1", 13003, "[::1]:13003")
+    params = {k: out[k] for k in ("do_remote_prefill", "remote_host", "remote_port")}
+    cons = _consumer(prefill_url="[::1]:13003", decode_url="[::1]:13103")
+    assert cons._source(_request(params)) == ("B", "[::1]:13003")
+
+
+@pytest.mark.skipif(not has_ipv6_loopback(), reason="no IPv6 loopback (::1) here")
+def test_the_bootstrap_servers_address_is_logged_in_brackets(caplog):
+    """The default address "::": logged as [::]:port (was ":::port")."""
+    port = free_port()
+    s = settings_mod.resolve(_cfg(bootstrap_port=port))
+    with caplog.at_level(logging.INFO, logger="vllm.mooncake_connector"):
+        srv = _start(s, tp=1)
+    try:
+        assert srv.host == "::"
+        said = [r.getMessage() for r in caplog.records if "bootstrap server on" in r.getMessage()]
+        assert said and f"bootstrap server on [::]:{port} " in said[0], said
+    finally:
+        srv.close()
+
+
+_NS_CHILD = r"""
+import http.client, json, sys, types
+from mooncake_connector.connector import bootstrap, settings
+host, client = sys.argv[1:]
+cfg = types.SimpleNamespace(kv_role="kv_producer", kv_connector_extra_config={
+    "prefill_url": "127.0.0.1:13003", "decode_url": "127.0.0.1:13103",
+    "bootstrap_port": 8998, "bootstrap_host": host})
+base = "127.0.0.1:13003"
+try:
+    srv = bootstrap.start(settings.resolve(cfg), base, 0, 1, 1, lambda t, p: base, {})
+except settings.SettingsError as e:
+    sys.exit(f"SettingsError: {e}")
+c = http.client.HTTPConnection(client, 8998, timeout=5)
+c.request("GET", "/query")
+print(json.dumps([srv.host, c.getresponse().status]))
+srv.close()
+"""
+
+
+def _in_own_namespaces(tmp_path, host, client):
+    """The bootstrap server given bootstrap_host `host`, asked GET /query at
+    `client`, in a network namespace of its own (lo up, with fe80::1 on it
+    too) and a mount namespace whose /etc/hosts says mc-v6-only-name is
+    ::1: [server host, HTTP status]."""
+    import subprocess
+    import sys
+    import shutil
+    if not (shutil.which("unshare") and shutil.which("ip")):
+        pytest.skip("no unshare or ip command here")
+    hosts = tmp_path / "hosts"
+    hosts.write_text("127.0.0.1 localhost\n::1 mc-v6-only-name\n")
+    setup = (f"ip link set lo up && ip -6 addr add fe80::1/64 dev lo nodad && "
+             f"mount --bind {hosts} /etc/hosts")
+    probe = subprocess.run(["unshare", "-m", "-n", "sh", "-c",
+                            f"{setup} && getent ahosts mc-v6-only-name"],
+                           capture_output=True, text=True, timeout=30)
+    if probe.returncode != 0 or "::1" not in probe.stdout:
+        pytest.skip(f"no network and mount namespace of the test's own here (unshare -m -n: "
+                    f"{probe.stderr.strip()!r})")
+    r = subprocess.run(["unshare", "-m", "-n", "sh", "-c", f'{setup} && exec "$0" -P -c "$@"',
+                        sys.executable, _NS_CHILD, host, client],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_a_bootstrap_host_name_with_only_ipv6_addresses_listens_there(tmp_path):
+    """bootstrap_host a host name that resolves to IPv6 addresses only (here
+    "mc-v6-only-name" -> ::1 in the test's own /etc/hosts): the server
+    listens on its IPv6 address.  Was an AF_INET socket: here glibc gave it
+    ::1 as 127.0.0.1, so IPv6 clients were refused (seen); a name with a
+    non-loopback IPv6 address only did not resolve at all: a start-up error
+    calling it no address of this host."""
+    assert _in_own_namespaces(tmp_path, "mc-v6-only-name", "::1") == ["mc-v6-only-name", 200]
+
+
+@pytest.mark.parametrize("host", ["fe80::1%lo", "[fe80::1%lo]"])
+def test_a_link_local_bootstrap_host_with_its_zone_listens_there(tmp_path, host):
+    """bootstrap_host "fe80::1%lo" (a link-local address and its interface):
+    the server listens there (was: a start-up error, "Invalid argument ...
+    must be an address of this host": bound as (host, port), Python drops
+    the zone)."""
+    assert _in_own_namespaces(tmp_path, host, "fe80::1%lo") == ["fe80::1%lo", 200]
+
+
+@pytest.mark.parametrize("host, hint", [
+    ("fe80::1", "a link-local address needs its interface after a %, e.g. fe80::1%eth0"),
+    ("[::1]:8998", "it has a port: give the address alone, the port as bootstrap_port"),
+    ("127.0.0.1:8998", "it has a port: give the address alone, the port as bootstrap_port"),
+    ("a\x00b", "bootstrap_host 'a\\x00b' must be an address of this host"),
+    ("\ud800", "bootstrap_host '\\ud800' must be an address of this host")])
+def test_a_bootstrap_host_of_a_wrong_form_says_what_is_wrong(host, hint):
+    """A link-local address without its interface, an address with a port
+    (were: only "must be an address of this host"), a NUL or a lone
+    surrogate (were: TypeError from the bind, a crash of the start)."""
+    s = settings_mod.resolve(_cfg(bootstrap_host=host))
+    with pytest.raises(SettingsError, match="must be an address of this host") as e:
+        _start(s, env={"VLLM_MOONCAKE_BOOTSTRAP_PORT": str(free_port())})
+    assert hint in str(e.value), str(e.value)

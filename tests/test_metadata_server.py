@@ -15,7 +15,8 @@ import pytest
 import mooncake_connector as mc
 from mooncake_connector.metadata_server import MetadataServer, MetadataStore, StoreFull
 from mooncake_connector.serving import free_port
-from conftest import drip_header, http, in_threads, recv_head, send_head_only
+from conftest import (drip_header, has_ipv6_loopback, http, in_threads, recv_head,
+                      send_head_only)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -778,3 +779,20 @@ def test_many_tiny_entries_stay_within_the_store_budget():
             http("DELETE", f"{srv.url}?key=k{i}")
         http("DELETE", f"{srv.url}?key=again")
         assert store.bytes_used == 0
+
+
+@pytest.mark.skipif(not has_ipv6_loopback(), reason="no IPv6 loopback (::1) here")
+def test_cli_ipv6_host_in_brackets_listens_and_a_taken_port_is_named_in_brackets():
+    """--host [::1] (as a URL writes it) listens on ::1 (was "cannot listen
+    on [::1]:0: Name or service not known"); a port taken on ::1 is named
+    [::1]:PORT (was "::1:PORT")."""
+    srv = CliServer("--host", "[::1]")
+    try:
+        assert srv.url.startswith("http://[::1]:") and srv.url.endswith("/metadata"), srv.url
+        port = int(srv.url.rsplit(":", 1)[1].split("/")[0])
+        r = subprocess.run([sys.executable, "-m", "mooncake_connector.metadata_server",
+                            "--host", "::1", "--port", str(port)],
+                           capture_output=True, text=True, timeout=30)
+        assert r.returncode == 1 and f"cannot listen on [::1]:{port}: " in r.stderr, r.stderr
+    finally:
+        srv.close()

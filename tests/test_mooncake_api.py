@@ -241,3 +241,18 @@ def test_an_opcode_or_a_write_length_that_is_wrong_names_it():
     finally:
         a.close()
         b.close()
+
+
+def test_a_failed_probe_of_an_ipv6_peer_names_it_in_brackets():
+    """P2P send_probe of "[::1]:1" (nothing listens): the message names the
+    address it tried as [::1]:1 (was "::1:1")."""
+    from conftest import has_ipv6_loopback
+    if not has_ipv6_loopback():
+        pytest.skip("no IPv6 loopback (::1) here")
+    e = mc.TransferEngine()
+    try:
+        assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+        with pytest.raises(mc.TransferError, match=r"probe of \[::1\]:1 \(\[::1\]:1\) failed"):
+            e.send_probe("[::1]:1")
+    finally:
+        e.close()

@@ -20,8 +20,8 @@ import pytest
 from aiohttp import web
 
 from app_thread import AppThread
-from conftest import (closing_maker, drip_header, in_threads, outward_addr, recv_head,
-                      recv_to_eof, send_head_only, wait_until)
+from conftest import (closing_maker, drip_header, has_ipv6_loopback, in_threads, outward_addr,
+                      recv_head, recv_to_eof, send_head_only, wait_until)
 
 from mooncake_connector.serving import free_port
 
@@ -1735,6 +1735,12 @@ BAD_CLI = [
     (["--flow", "push", "--prefill-engine", "127.0.0.1:99999"], "is not host:port"),
     (["--flow", "push", "--prefill-engine", "127.0.0.1:0"], "is not host:port"),
     (["--flow", "push", "--prefill-engine", "h:\u00b2"], "is not host:port"),
+    # was "is not a valid URL (Port could not be cast to integer value as ':1:8200')"
+    (["--decode", "http://::1:8200"], "an IPv6 address goes in brackets: http://[::1]:8200"),
+    # was accepted: every request then failed, "Cannot connect to host fe80::1%25lo:8200"
+    (["--decode", "http://[fe80::1%25lo]:8200"], "bare %: http://[fe80::1%lo]:8200"),
+    # was accepted: the decode legs then named an engine "::1:13003", which no engine has
+    (["--flow", "push", "--prefill-engine", "::1:13003"], "--prefill-engine [::1]:13003"),
     # was accepted: a client's Authorization header then made every request a 500
     # (aiohttp refuses both), and error messages showed the password to clients
     (["--decode", "http://user:secret@127.0.0.1:8200"], "has credentials"),
@@ -2589,3 +2595,29 @@ def test_flow_a_fast_path_traced(vllm_like, proxy, tmp_path):
     assert early["partial"] and early["proxy_plan"] < early["proxy_boundary_ask"] \
         < early["proxy_boundary_ok"] <= early["proxy_first_out"], early
     assert [e["ev"] for e in ev].count("proxy_settled") >= 1
+
+
+@pytest.mark.skipif(not has_ipv6_loopback(), reason="no IPv6 loopback (::1) here")
+@pytest.mark.parametrize("host", ["::1", "[::1]"])
+def test_an_ipv6_host_is_listened_on_and_printed_in_brackets(host):
+    """--host ::1 (or [::1], as a URL writes it): the proxy prints its URL
+    http://[::1]:PORT (was "http://::1:PORT", no URL; and --host [::1] was
+    "cannot listen on [::1]:0: Name or service not known"); a port taken
+    there is named [::1]:PORT (was "::1:PORT")."""
+    p = subprocess.Popen([sys.executable, "-m", "mooncake_connector.proxy", "--host", host,
+                          "--port", "0", "--prefill", "http://[::1]:8100", "--decode",
+                          "http://[::1]:8200"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
+    try:
+        line = p.stdout.readline()
+        m = re.match(r"proxy listening on http://\[::1\]:(\d+) ", line)
+        assert m, (line, p.stderr.read() if p.poll() is not None else "")
+        port = int(m.group(1))
+        rc, err = _start(["--host", host, "--port", str(port), "--prefill", "http://[::1]:8100",
+                          "--decode", "http://[::1]:8200"])
+        assert rc == 1 and f"cannot listen on [::1]:{port}: " in err, (rc, err)
+    finally:
+        p.terminate()
+        p.wait(10)
+        p.stdout.close()
+        p.stderr.close()

@@ -238,7 +238,8 @@ class BootstrapServer:
         else:
             if host.startswith("[") and host.endswith("]"):
                 host = host[1:-1]
-            self.httpd = (Server6 if ":" in host else Server)((host, port), Handler)
+            family, addr = _listen_addr(host, port)
+            self.httpd = (Server6 if family == socket.AF_INET6 else Server)(addr, Handler)
         self.host, self.port = host, self.httpd.server_address[1]
         # serve_forever polls its stop flag every poll_interval: close() then
         # waited up to that long (0.5 s per producer worker's shutdown).  Our
@@ -298,6 +299,37 @@ class BootstrapServer:
         self.httpd = None
 
 
+def _host_hint(host):
+    """What is wrong with a bootstrap_host that could not be listened on,
+    where its form says ("" if not)."""
+    import ipaddress
+    import re
+    if re.fullmatch(r"(\[[^]]*\]|[^:]+):[0-9]+", host):
+        return "; it has a port: give the address alone, the port as bootstrap_port"
+    bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    try:
+        ip = ipaddress.ip_address(bare)
+    except ValueError:
+        return ""
+    if ip.version == 6 and ip.is_link_local and "%" not in bare:
+        return (f"; a link-local address needs its interface after a %, e.g. "
+                f"{bare}%eth0")
+    return ""
+
+
+def _listen_addr(host, port):
+    """(family, socket address) of host to listen on: its IPv4 address where
+    it has one, else its IPv6 one, zone (scope id) included: a name with
+    IPv6 addresses only, a link-local "fe80::1%eth0" (a (host, port) pair
+    loses the zone: EINVAL).  OSError where host is no address or name."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (UnicodeError, ValueError, TypeError) as e:  # "a\0b", a lone surrogate
+        raise OSError(errno.EINVAL, f"not a host name ({e})") from None
+    ai = min(infos, key=lambda ai: ai[0] != socket.AF_INET)
+    return ai[0], ai[4]
+
+
 def _shut(sock):
     """Ends a connection whose thread may be blocked reading it (the read
     returns end-of-file; the thread then closes the socket)."""
@@ -335,7 +367,7 @@ def start(settings, engine_id, dp_rank, tp_size, pp_size, name_of, env, dp_count
         if host and e.errno != errno.EADDRINUSE:  # the address given is not one of this host's
             raise SettingsError(msg + f"; kv_connector_extra_config.bootstrap_host {host!r} must "
                                 "be an address of this host (IPv6 as ::1 or [::1]), or leave it "
-                                "unset: every address") from None
+                                f"unset: every address{_host_hint(host)}") from None
         if explicit:
             raise SettingsError(msg + "; choose another kv_connector_extra_config.bootstrap_port "
                                 "(0 = no bootstrap server)") from None
@@ -343,9 +375,10 @@ def start(settings, engine_id, dp_rank, tp_size, pp_size, name_of, env, dp_count
                        "kv_connector_extra_config.bootstrap_port to a free port, or 0 to "
                        "silence this)", msg)
         return None
-    logger.info("MooncakeConnector: bootstrap server on %s:%d (GET /query: engine %s, dp rank %d, "
-                "TP %d, PP %d, %d DP engine(s)%s)", srv.host, srv.port, engine_id, dp_rank, tp_size,
-                pp_size, max(1, dp_count), "" if dp_found is None else
+    from mooncake_connector.connector.settings import join_hostport
+    logger.info("MooncakeConnector: bootstrap server on %s (GET /query: engine %s, dp rank %d, "
+                "TP %d, PP %d, %d DP engine(s)%s)", join_hostport(srv.host, srv.port), engine_id,
+                dp_rank, tp_size, pp_size, max(1, dp_count), "" if dp_found is None else
                 "; more as the metadata server names them")
     return srv
 

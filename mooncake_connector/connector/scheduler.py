@@ -989,6 +989,8 @@ class SchedulerSide:
         # num_tokens 0 (prompt shorter than a block, or aborted before its
         # prompt completed) tells the decode side to compute the prompt.
         host, _, port = (self.producer_base or ":").rpartition(":")
+        if host.startswith("[") and host.endswith("]"):
+            host = host[1:-1]  # remote_host is a bare host, as vLLM's connectors send it
         out = {
             "do_remote_prefill": True,
             "do_remote_decode": False,
