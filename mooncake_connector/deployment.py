@@ -23,6 +23,7 @@ import os
 import re
 
 from mooncake_connector import serving
+from mooncake_connector.hostport import join_hostport, url_of
 
 CONNECTORS = ("mooncake", "example")
 #: The connector used when nothing else is asked for ($MC_E2E_CONNECTOR overrides).
@@ -50,9 +51,9 @@ def kv_transfer_configs(kind, workdir, metadata_url=None, engine_host="127.0.0.1
     if kind == "mooncake":
         p, d = _port_pair()
         cfg_path = os.path.join(workdir, "mooncake.json")
-        at = f"[{engine_host}]" if ":" in engine_host else engine_host
         with open(cfg_path, "w") as f:
-            json.dump({"prefill_url": f"{at}:{p}", "decode_url": f"{at}:{d}",
+            json.dump({"prefill_url": join_hostport(engine_host, p),
+                       "decode_url": join_hostport(engine_host, d),
                        "metadata_server": metadata_url, "protocol": "tcp",
                        "device_name": ""}, f, indent=1)
         common = {"kv_connector": "MooncakeConnector",
@@ -301,7 +302,7 @@ class Deployment:
         push prefills spread over a data-parallel prefill's engines)."""
         if flow != "push" or not self.bootstrap_port:
             return ()
-        return ("--prefill-bootstrap", serving.url_of(self.host, self.bootstrap_port))
+        return ("--prefill-bootstrap", url_of(self.host, self.bootstrap_port))
 
     @property
     def processes(self):

@@ -20,6 +20,7 @@ import struct
 from typing import Any, List, Optional, Sequence
 
 from mooncake_connector import _core
+from mooncake_connector.hostport import join_hostport
 
 P2PHANDSHAKE = "P2PHANDSHAKE"
 _log = logging.getLogger("mooncake_connector")
@@ -329,8 +330,8 @@ class TransferEngine(_core.TransferEngine):
             with socket.create_connection((host, port), timeout=timeout):
                 pass
         except OSError as e:
-            at = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-            raise _core.TransferError(f"probe of {peer_server_name} ({at}) failed: "
+            raise _core.TransferError(f"probe of {peer_server_name} "
+                                      f"({join_hostport(host, port)}) failed: "
                                       f"{e}; is its engine running?") from None
         return 0
 

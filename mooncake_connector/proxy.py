@@ -94,6 +94,7 @@ import aiohttp
 from aiohttp import web
 
 from mooncake_connector import http_guard
+from mooncake_connector.hostport import join_hostport
 from mooncake_connector.proxy_engines import PrefillEngines
 from mooncake_connector import proxy_first_token as ft
 from mooncake_connector import proxy_retake
@@ -1665,11 +1666,6 @@ def _delivered_here(sa):
         return False
 
 
-def _hostport(host, port):
-    """host:port as a URL writes it (an IPv6 address in brackets)."""
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
 def _is_self(u, host, port):
     """Why the upstream u is this proxy itself (None if it is not): its
     port, and its bound address or (bound to a wildcard or loopback
@@ -1980,7 +1976,7 @@ async def _serve(proxy, args, prog, loop_name):
         server = await loop.create_server(factory, args.host, args.port, reuse_address=True)
     except OSError as e:  # gaierror included: a --host that does not resolve
         await runner.cleanup()
-        raise SystemExit(f"{prog}: cannot listen on {_hostport(args.host, args.port)}: "
+        raise SystemExit(f"{prog}: cannot listen on {join_hostport(args.host, args.port)}: "
                          f"{e.strerror or e}; pick another --port (or --host)") from None
     port = server.sockets[0].getsockname()[1]
     if proxy.passthrough:
@@ -1988,7 +1984,7 @@ async def _serve(proxy, args, prog, loop_name):
     else:
         what = (f"flow {args.flow}; first token from {args.first_token}; prefill "
                 f"{' '.join(proxy.prefill)}; decode {' '.join(proxy.decode)}")
-    print(f"proxy listening on http://{_hostport(args.host, port)} ({what}; {loop_name})",
+    print(f"proxy listening on http://{join_hostport(args.host, port)} ({what}; {loop_name})",
           flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -29,6 +29,8 @@ import time
 
 import aiohttp
 
+from mooncake_connector.hostport import url_of
+
 logger = logging.getLogger("mooncake_connector.proxy")
 
 #: A known table is looked up again this often (engines that came up late).
@@ -142,7 +144,7 @@ class PrefillEngines:
             return
         if not host:
             return
-        url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
+        url = url_of(host, port)
         refused = self._refused.get(idx)
         if refused and refused[0] == url and time.monotonic() - refused[1] < HINT_RETRY_S:
             return

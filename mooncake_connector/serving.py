@@ -19,6 +19,8 @@ import time
 import urllib.error
 import urllib.request
 
+from mooncake_connector.hostport import url_of
+
 #: vLLM flags every server here gets (docs/vllm-cpu.md): fp32 (exact
 #: comparisons), eager mode (30-100 s start-up instead of minutes), KV block
 #: size 32 (the CPU backend needs a multiple of 32), an explicit KV cache size,
@@ -343,11 +345,6 @@ def vllm_server(name, model, port, log_path, kv_transfer_config=None, env=None,
     p.url = url_of(host, port)
     p.vllm = True
     return p
-
-
-def url_of(host, port):
-    """http://host:port (an IPv6 host in brackets)."""
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 def metadata_server(port, log_path, python=None, host="127.0.0.1"):

@@ -14,6 +14,7 @@ from mooncake_connector.connector import bootstrap
 from mooncake_connector.connector import settings as settings_mod
 from mooncake_connector.connector.settings import SettingsError, shift_port
 from mooncake_connector.serving import free_port
+from mooncake_connector.hostport import join_hostport
 from conftest import drip_header, has_ipv6_loopback
 
 
@@ -382,11 +383,11 @@ def test_the_default_host_serves_ipv4_and_ipv6_clients():
 
 
 def test_join_hostport_brackets_ipv6_only():
-    assert settings_mod.join_hostport("::1", 13003) == "[::1]:13003"
-    assert settings_mod.join_hostport("[fd00::1]", 5) == "[fd00::1]:5"
-    assert settings_mod.join_hostport("10.0.0.1", 13003) == "10.0.0.1:13003"
-    assert settings_mod.join_hostport("node-1.example", 80) == "node-1.example:80"
-    assert shift_port(settings_mod.join_hostport("::1", 13003), 2) == "[::1]:13005"
+    assert join_hostport("::1", 13003) == "[::1]:13003"
+    assert join_hostport("[fd00::1]", 5) == "[fd00::1]:5"
+    assert join_hostport("10.0.0.1", 13003) == "10.0.0.1:13003"
+    assert join_hostport("node-1.example", 80) == "node-1.example:80"
+    assert shift_port(join_hostport("::1", 13003), 2) == "[::1]:13005"
 
 
 def test_an_ipv6_producers_flow_b_answer_names_a_bare_remote_host():

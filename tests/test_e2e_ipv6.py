@@ -7,7 +7,7 @@ C parser's bare host ("::1:port", which the engine refuses) and no server
 started: the workers' engine (connector/lifecycle._name), the producer's
 consumer lookup (routes.consumer_base), the flow-a probe's engine and default
 producer (probe._start) and a leg's remote_host (scheduler._source) each
-built host:port without brackets; now settings.join_hostport.
+built host:port without brackets; now hostport.join_hostport.
 
 Checked through the proxy's flows a, b and push and the push proxy with
 push_layer_load: every answer token-identical to the colocated server's, the

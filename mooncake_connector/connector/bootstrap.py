@@ -34,6 +34,8 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from mooncake_connector.hostport import join_hostport
+
 logger = logging.getLogger("vllm.mooncake_connector")
 
 #: vLLM's default (envs.VLLM_MOONCAKE_BOOTSTRAP_PORT).
@@ -269,7 +271,6 @@ class BootstrapServer:
 
     @property
     def url(self):
-        from mooncake_connector.connector.settings import join_hostport
         host = {"0.0.0.0": "127.0.0.1", "::": "127.0.0.1"}.get(self.host, self.host)
         return f"http://{join_hostport(host, self.port)}"
 
@@ -360,7 +361,7 @@ def start(settings, engine_id, dp_rank, tp_size, pp_size, name_of, env, dp_count
             lambda: query_table(engine_id, dp_rank, tp_size, pp_size, name_of,
                                 max(dp_count, dp_found()))))
     except OSError as e:
-        from mooncake_connector.connector.settings import SettingsError, join_hostport
+        from mooncake_connector.connector.settings import SettingsError
         msg = (f"bootstrap server (vLLM's in-tree MooncakeConnector contract, for vllm-router "
                f"--kv-connector mooncake) cannot listen on {join_hostport(host or '::', port)}: "
                f"{e.strerror or e}")
@@ -375,7 +376,6 @@ def start(settings, engine_id, dp_rank, tp_size, pp_size, name_of, env, dp_count
                        "kv_connector_extra_config.bootstrap_port to a free port, or 0 to "
                        "silence this)", msg)
         return None
-    from mooncake_connector.connector.settings import join_hostport
     logger.info("MooncakeConnector: bootstrap server on %s (GET /query: engine %s, dp rank %d, "
                 "TP %d, PP %d, %d DP engine(s)%s)", join_hostport(srv.host, srv.port), engine_id,
                 dp_rank, tp_size, pp_size, max(1, dp_count), "" if dp_found is None else

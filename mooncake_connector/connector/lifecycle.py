@@ -11,7 +11,8 @@ import sys
 
 from mooncake_connector.connector import tp_map
 from mooncake_connector.connector.layout import KVLayout
-from mooncake_connector.connector.settings import dp_base, join_hostport, shift_port
+from mooncake_connector.connector.settings import dp_base, shift_port
+from mooncake_connector.hostport import join_hostport
 
 logger = logging.getLogger("vllm.mooncake_connector")
 

@@ -24,7 +24,8 @@ import logging
 import threading
 import time
 
-from mooncake_connector.connector.settings import bracket_host, join_hostport, shift_port
+from mooncake_connector.connector.settings import shift_port
+from mooncake_connector.hostport import bracket_host, join_hostport
 
 logger = logging.getLogger("vllm.mooncake_connector")
 

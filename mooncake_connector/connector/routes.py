@@ -7,7 +7,8 @@ import logging
 import time
 
 from mooncake_connector.connector import peer_record, tp_map
-from mooncake_connector.connector.settings import SettingsError, join_hostport, shift_port
+from mooncake_connector.connector.settings import SettingsError, shift_port
+from mooncake_connector.hostport import join_hostport
 
 logger = logging.getLogger("vllm.mooncake_connector")
 

@@ -32,7 +32,8 @@ from mooncake_connector.connector.legs import LegLedger
 from mooncake_connector.connector.metadata import (LoadSpec, MooncakeConnectorMetadata,
                                                    PublishSpec)
 from mooncake_connector.connector.push import is_push, transfer_id
-from mooncake_connector.connector.settings import dp_base, join_hostport, shift_port
+from mooncake_connector.connector.settings import dp_base, shift_port
+from mooncake_connector.hostport import join_hostport
 from mooncake_connector.connector.stats import MooncakeKVConnectorStats, recompute_reason
 from mooncake_connector import trace
 

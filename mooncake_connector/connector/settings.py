@@ -20,6 +20,7 @@ import math
 import os
 from dataclasses import asdict, dataclass, field
 
+
 logger = logging.getLogger("vllm.mooncake_connector")
 
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
@@ -738,19 +739,6 @@ def dp_base(base, dp_local, tp_size, pp_size):
     if not dp_local:
         return base
     return shift_port(base, dp_local * tp_size * pp_size)
-
-
-def bracket_host(host):
-    """A host as the engine's "host:port" names take it: an IPv6 address in
-    brackets ("::1" -> "[::1]"), anything else as it is.  The C config
-    parser hands prefill_host / decode_host back without them."""
-    host = str(host)
-    return f"[{host}]" if ":" in host and not host.startswith("[") else host
-
-
-def join_hostport(host, port):
-    """host:port (an engine name, a URL's authority): IPv6 in brackets."""
-    return f"{bracket_host(host)}:{port}"
 
 
 def shift_port(hostport, delta):

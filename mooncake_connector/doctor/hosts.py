@@ -10,9 +10,10 @@ import socket
 import struct
 import subprocess
 
+from mooncake_connector.hostport import join_hostport
 
-def _hp(host, port):
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+_hp = join_hostport
 
 
 def _split_hp(s):
