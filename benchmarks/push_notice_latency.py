@@ -12,6 +12,11 @@ For every request whose decode waited per layer (layer_wait events):
   prefill engine's receipt (notify_sent);
 * lag: the decode's forward end - the prefill's forward end.
 
+Requests are grouped by the timeline's mode and prompt length where the
+proxy's dispatch names them (ttft_timeline.py's request ids
+"tl-<mode>-<tokens>-<i>-<pid>": push_ll against push_ll_c, an --env-c or
+--extra-c A/B in one trace); others fall under "-".
+
     python3 benchmarks/push_notice_latency.py TRACE.jsonl[.xz] [...]
 """
 import collections
@@ -30,15 +35,30 @@ def quantile(xs, f):
     return sorted(xs)[min(len(xs) - 1, int(len(xs) * f))] if xs else float("nan")
 
 
+def group_of(events):
+    """{transfer key: (mode, prompt tokens)} from the proxy's dispatch events
+    (rid "tl-<mode>-<tokens>-<i>-<pid>")."""
+    out = {}
+    for e in events:
+        if e.get("ev") == "proxy_dispatch" and str(e.get("rid", "")).startswith("tl-"):
+            parts = e["rid"].split("-")
+            if len(parts) >= 5:
+                out[e["k"]] = ("-".join(parts[1:-3]), parts[-3])
+    return out
+
+
 def measure(events):
+    """{(mode, tokens): (notice, target, lag)} lists of ms (module doc)."""
     by = collections.defaultdict(list)
     for e in events:
         by[e.get("k")].append(e)
-    notice, target, lag = [], [], []
-    for v in by.values():
+    groups = group_of(events)
+    out = collections.defaultdict(lambda: ([], [], []))
+    for k, v in by.items():
         waits = [e for e in v if e["ev"] == "layer_wait"]
         if not waits:
             continue
+        notice, target, lag = out[groups.get(k, ("-", "-"))]
         v.sort(key=lambda e: e["t"])
         saved = {e["li"]: e["t"] for e in v if e["ev"] == "layer_saved"}
         recv = {}
@@ -56,7 +76,7 @@ def measure(events):
         ends = {e["pid"]: e["t"] for e in v if e["ev"] == "fwd_end"}
         if ppids and dpid in ends and ppids[0] in ends:
             lag.append((ends[dpid] - ends[ppids[0]]) * 1e3)
-    return notice, target, lag
+    return dict(out)
 
 
 def main(paths):
@@ -64,14 +84,23 @@ def main(paths):
         print(__doc__.strip().splitlines()[-1].strip(), file=sys.stderr)
         return 2
     for path in paths:
-        notice, target, lag = measure(load(path))
+        groups = measure(load(path))
         print(path)
-        for name, xs in (("layer notice, saved -> decode has it", notice),
-                         ("target, queued -> the producer's receipt", target),
-                         ("decode forward end - prefill forward end", lag)):
-            print(f"  {name}: n={len(xs)} p50 {quantile(xs, .5):.2f} p90 {quantile(xs, .9):.2f} "
-                  f"max {max(xs, default=float('nan')):.2f} ms; over 2 ms: "
-                  f"{sum(x > 2 for x in xs)}")
+        modes = sorted({m for m, _ in groups})
+        for mode in modes:
+            keys = sorted((g for g in groups if g[0] == mode),
+                          key=lambda g: int(g[1]) if g[1].isdigit() else -1)
+            rows = [(f"{mode} all", [sum((groups[g][i] for g in keys), []) for i in range(3)])]
+            if len(keys) > 1:
+                rows += [(f"{mode} {g[1]} tokens", groups[g]) for g in keys]
+            for label, (notice, target, lag) in rows:
+                print(f" {label}:")
+                for name, xs in (("layer notice, saved -> decode has it", notice),
+                                 ("target, queued -> the producer's receipt", target),
+                                 ("decode forward end - prefill forward end", lag)):
+                    print(f"  {name}: n={len(xs)} p50 {quantile(xs, .5):.2f} "
+                          f"p90 {quantile(xs, .9):.2f} max {max(xs, default=float('nan')):.2f} "
+                          f"ms; over 2 ms: {sum(x > 2 for x in xs)}")
     return 0
 
 

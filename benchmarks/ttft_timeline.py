@@ -305,7 +305,7 @@ def renice(proc, value):
 
 
 def make_sets(workdir, model, extra, common, tree_b=None, label_b="tb", noasync=False,
-              env_c=None, decode_args=(), extra_c=None, flows=()):
+              env_c=None, decode_args=(), extra_c=None, flows=(), decode_extra=None):
     """{set name: Deployment} (not started): "a", this tree's (colocated, its
     pass-through proxy, the push proxies of `extra`); with tree_b, a second
     prefill + decode + push layer-load proxy whose processes import the
@@ -314,10 +314,13 @@ def make_sets(workdir, model, extra, common, tree_b=None, label_b="tb", noasync=
     with env_c ({name: value}), this tree's prefill + decode + push
     layer-load proxy again with those environment variables ("c": an A/B of
     engine knobs, MC_*, in one lease); flows: set "a"'s plain flow proxies
-    (deployment.Deployment's, named by flow)."""
+    (deployment.Deployment's, named by flow); decode_extra: keys merged into
+    every set's decode kv_connector_extra_config (set c's extra_c over them)."""
     from mooncake_connector.deployment import Deployment
     # decode_args: every set's decode server (not "na", which has its own).
     dside = {"side_args": {"decode": list(decode_args)}} if decode_args else {}
+    if decode_extra:
+        dside["decode_extra_config"] = dict(decode_extra)
     deps = {"a": Deployment(workdir, model, flows=tuple(flows), extra_proxies=extra,
                             colocated_proxy=True, **common, **dside)}
     if tree_b:
@@ -346,12 +349,14 @@ def make_sets(workdir, model, extra, common, tree_b=None, label_b="tb", noasync=
         deps["c"] = Deployment(os.path.join(workdir, "env-c"), model, flows=(),
                                colocated=False, extra_proxies={"push-ll": extra["push-ll"]},
                                **dict(common, env={**(common.get("env") or {}), **(env_c or {})}),
-                               decode_extra_config=extra_c or None, **dside)
+                               **dict(dside, decode_extra_config={**(decode_extra or {}),
+                                                                  **(extra_c or {})} or None))
     if noasync:
         na = ["--no-async-scheduling"]
         deps["na"] = Deployment(os.path.join(workdir, "noasync"), model, flows=(),
                                 extra_proxies={"push-ll": extra["push-ll"]},
-                                side_args={"decode": na, "colocated": na}, **common)
+                                side_args={"decode": na, "colocated": na},
+                                decode_extra_config=dict(decode_extra or {}) or None, **common)
     return deps
 
 
@@ -420,6 +425,11 @@ def _parser():
                          "decode's kv_connector_extra_config with KEY set to VALUE (JSON: true, "
                          "5, \"x\"; a bare word is a string; repeatable): a connector knob's "
                          "A/B in one lease, e.g. early_recv=true with --decode-async-scheduling")
+    ap.add_argument("--decode-extra", action="append", default=[], metavar="KEY=VALUE",
+                    help="every set's decode kv_connector_extra_config with KEY set to VALUE "
+                         "(as --extra-c reads it; repeatable; --extra-c over it in set c): "
+                         "e.g. push_layer_load_async=true, so that an --env-c A/B differs "
+                         "in the environment variable only")
     ap.add_argument("--no-trace", action="store_true",
                     help="MC_TRACE unset: TTFT, gap and bars only, no timeline")
     ap.add_argument("--one-layer-ms", type=float, default=0.0,
@@ -505,6 +515,7 @@ def _check_ab(ap, args):
                  "_core built in place)")
     extra_c = parse_extra_config(ap, args.extra_c)
     args.extra_c_dict = extra_c
+    args.decode_extra_dict = parse_extra_config(ap, args.decode_extra, "--decode-extra")
     return env_c
 
 
@@ -565,14 +576,17 @@ def _sets(args, env_c):
     deps = make_sets(workdir, model, extra, common, tree_b=args.tree_b, label_b=args.label_b,
                      noasync=args.noasync, env_c=env_c, extra_c=extra_c,
                      decode_args=["--no-async-scheduling"] if no_async else (),
-                     flows=("a",) if args.flow_a else ())
+                     flows=("a",) if args.flow_a else (),
+                     decode_extra=args.decode_extra_dict)
     meta = {"sets": {name: {"pythonpath": d.prefill.env.get("PYTHONPATH"),
                             "no_async_scheduling": "--no-async-scheduling" in d.decode.cmd}
                      for name, d in deps.items()}}
     if env_c:
         meta["sets"]["c"]["env"] = env_c
-    if extra_c:
-        meta["sets"]["c"]["decode_extra_config"] = extra_c
+    for name in deps:  # every set's decode: --decode-extra, then set c's --extra-c
+        merged = {**args.decode_extra_dict, **(extra_c if name == "c" else {})}
+        if merged:
+            meta["sets"][name]["decode_extra_config"] = merged
     return deps, tpath, meta
 
 

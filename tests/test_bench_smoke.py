@@ -219,7 +219,8 @@ def test_ttft_timeline_gpu_path_needs_cuda(capsys):
                        "expected prefill|decode|colocated|prefill_c|decode_c=N|idle"),
                       (["--nice", "prefill=lazy"], "=N|idle"),
                       (["--nice", "prefill_c=idle"], "set c's servers need --env-c or --extra-c"),
-                      (["--env-c", "1X=2"], "expected NAME=VALUE")):
+                      (["--env-c", "1X=2"], "expected NAME=VALUE"),
+                      (["--decode-extra", "Push=1"], "--decode-extra 'Push=1': expected KEY=VALUE")):
         with pytest.raises(SystemExit) as e:
             tt.main(bad)
         assert e.value.code == 2
@@ -381,6 +382,64 @@ def test_ttft_timeline_takes_flow_a_apart():
             "HTTP path: flow_a (client - server) - colocated_proxy (client - server)": 2.5,
             "flow_a - colocated_proxy (client)": 4.0, "flow_a - colocated (client)": 6.0}
     assert s == pytest.approx(want)
+
+
+def test_ttft_timeline_decode_extra_reaches_every_set(tmp_path):
+    """--decode-extra: every set's decode gets the keys (so an --env-c A/B
+    differs in the environment only); set c's --extra-c goes over them; the
+    prefills get none of them.  Servers are made, not started."""
+    tt = _tt()
+    from mooncake_connector import tiny_model
+    model = tiny_model.build(**tt.KV32K_SPEC)
+    extra = {"push-ll": {"flow": "push", "extra_args": ("--push-layerwise", "on")}}
+    deps = tt.make_sets(str(tmp_path / "w"), model, extra, dict(kv_cache_bytes=64 << 20),
+                        env_c={"MC_GIL_SWITCH_US": "500"}, noasync=True,
+                        extra_c={"load_failure_policy": "recompute"},
+                        decode_extra={"push_layer_load_async": True,
+                                      "load_failure_policy": "fail"})
+    assert set(deps) == {"a", "c", "na"}
+    for name, want in (("a", "fail"), ("na", "fail"), ("c", "recompute")):
+        dec = deps[name].kv_configs["decode"]["kv_connector_extra_config"]
+        assert dec["push_layer_load_async"] is True, name
+        assert dec["load_failure_policy"] == want, name
+        pre = deps[name].kv_configs["prefill"].get("kv_connector_extra_config") or {}
+        assert "push_layer_load_async" not in pre, name
+    assert deps["c"].prefill.env.get("MC_GIL_SWITCH_US") == "500"
+    assert deps["a"].prefill.env.get("MC_GIL_SWITCH_US") is None
+
+
+def test_push_notice_latency_by_mode():
+    """benchmarks/push_notice_latency.py splits a trace by the timeline's
+    mode and prompt length (the proxy's dispatch names the request): an
+    A/B's two sets are read apart, each latency from its own events."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        import push_notice_latency as pn
+    finally:
+        sys.path.pop(0)
+    P, D = 11, 22
+
+    def req(k, rid, late_ms):
+        t = 100.0
+        return [{"t": t, "pid": 9, "ev": "proxy_dispatch", "k": k, "rid": rid},
+                {"t": t + 0.001, "pid": D, "ev": "target_queued", "k": k},
+                {"t": t + 0.002, "pid": D, "ev": "notify_sent", "k": k, "what": "target"},
+                {"t": t + 0.003, "pid": P, "ev": "layer_saved", "k": k, "li": 0},
+                {"t": t + 0.0031, "pid": D, "ev": "layer_wait", "k": k, "li": 0},
+                {"t": t + 0.003 + late_ms / 1e3, "pid": D, "ev": "c_recv", "k": k,
+                 "what": "layer", "l": [0]},
+                {"t": t + 0.010, "pid": P, "ev": "fwd_end", "k": k},
+                {"t": t + 0.012, "pid": D, "ev": "fwd_end", "k": k}]
+    events = (req("x1", "tl-push_ll-128-0-5", 5.0) + req("x2", "tl-push_ll_c-128-0-5", 0.5)
+              + req("x3", "tl-push_ll_c-1900-0-5", 1.5) + req("x4", "other", 3.0))
+    got = pn.measure(events)
+    assert set(got) == {("push_ll", "128"), ("push_ll_c", "128"), ("push_ll_c", "1900"),
+                        ("-", "-")}
+    notice, target, lag = got[("push_ll", "128")]
+    assert [round(x, 3) for x in notice] == [5.0]
+    assert [round(x, 3) for x in target] == [1.0] and [round(x, 3) for x in lag] == [2.0]
+    assert [round(x, 3) for x in got[("push_ll_c", "128")][0]] == [0.5]
+    assert [round(x, 3) for x in got[("push_ll_c", "1900")][0]] == [1.5]
 
 
 def _tt():
