@@ -29,7 +29,7 @@ import time
 
 import aiohttp
 
-from mooncake_connector.hostport import url_of
+from mooncake_connector.hostport import engine_name_problem, is_engine_name, url_of
 
 logger = logging.getLogger("mooncake_connector.proxy")
 
@@ -55,17 +55,13 @@ def parse_table(body):
     out = []
     for rank, entry in table.items():
         engine = entry.get("engine_id") if isinstance(entry, dict) else None
-        if not (rank.isascii() and rank.isdigit()) or not _is_hostport(engine):
-            raise ValueError(f"rank {rank[:20]!r}: no host:port engine_id")
+        if not (rank.isascii() and rank.isdigit()):
+            raise ValueError(f"rank {rank[:20]!r}: not a rank number")
+        problem = engine_name_problem(engine)
+        if problem:
+            raise ValueError(f"rank {rank[:20]!r}: engine_id {str(engine)[:80]!r}: {problem}")
         out.append((rank, engine))
     return sorted(out, key=lambda e: int(e[0]))
-
-
-def _is_hostport(s):
-    if not isinstance(s, str):
-        return False
-    host, sep, port = s.rpartition(":")
-    return bool(sep and host and port.isascii() and port.isdigit() and 0 < int(port) < 65536)
 
 
 class _NotOurs(ValueError):
@@ -135,7 +131,7 @@ class PrefillEngines:
             return
         port, engine = params.get("bootstrap_port"), params.get("remote_engine_id")
         if not (isinstance(port, int) and not isinstance(port, bool) and 0 < port < 65536
-                and _is_hostport(engine)):
+                and is_engine_name(engine)):
             return
         from urllib.parse import urlsplit
         try:

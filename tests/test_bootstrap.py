@@ -190,6 +190,45 @@ def test_consumer_refuses_an_in_tree_engine_id_by_name():
     assert sch.stats.data["recompute_producer_unreachable"] == 1
 
 
+def test_consumer_takes_a_bracketed_ipv6_engine_and_names_an_unbracketed_one(caplog):
+    """A third-party router's remote_engine_id "[::1]:13003" is loaded from;
+    "::1:13003" (brackets left out) is not taken for host "::1" port 13003
+    (the engine refuses that name: the load then failed unclearly): the
+    prompt is computed, counted once, and the log says to bracket it."""
+    sch = _consumer()
+    req = _request({"do_remote_prefill": True, "transfer_id": "xfer-1",
+                    "remote_bootstrap_addr": "http://[::1]:8998",
+                    "remote_engine_id": "[::1]:13003"})
+    assert sch.get_num_new_matched_tokens(req, 0) == (96, True)
+    sch = _consumer()
+    req = _request({"do_remote_prefill": True, "transfer_id": "xfer-2",
+                    "remote_bootstrap_addr": "http://[::1]:8998",
+                    "remote_engine_id": "::1:13003"})
+    with caplog.at_level(logging.WARNING):
+        assert sch.get_num_new_matched_tokens(req, 0) == (0, False)
+        assert sch.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert sch.stats.data["recompute_producer_unreachable"] == 1
+    assert "an IPv6 address without brackets (write [::1]:13003)" in caplog.text
+
+
+def test_engine_name_problem():
+    from mooncake_connector.hostport import engine_name_problem, is_engine_name
+    for ok in ("127.0.0.1:13003", "host-a:1", "[::1]:65535", "[fe80::1%lo]:5"):
+        assert engine_name_problem(ok) is None, ok
+    for bad, says in (("::1:13003", "without brackets (write [::1]:13003)"),
+                      ("fe80::1:80", "without brackets"),
+                      ("[::1:13003", "unbalanced brackets"), ("::1]:13003", "without brackets"),
+                      ("a]:1", "unbalanced brackets"), ("[]:1", "unbalanced brackets"),
+                      ("[[::1]]:1", "unbalanced brackets"),
+                      ("h:0", "is not 1-65535"), ("h:65536", "is not 1-65535"),
+                      ("h:\u0661", "is not 1-65535"), (":80", "no host:port"),
+                      ("nocolon", "no host:port"), (None, "not a string"),
+                      (13003, "not a string")):
+        got = engine_name_problem(bad)
+        assert got is not None and says in got, (bad, got)
+        assert not is_engine_name(bad)
+
+
 def test_the_producer_worker_of_tp0_pp0_serves_it_naming_every_rank():
     from mooncake_connector.connector.worker import WorkerSide
     port = free_port()

@@ -33,7 +33,7 @@ from mooncake_connector.connector.metadata import (LoadSpec, MooncakeConnectorMe
                                                    PublishSpec)
 from mooncake_connector.connector.push import is_push, transfer_id
 from mooncake_connector.connector.settings import dp_base, shift_port
-from mooncake_connector.hostport import join_hostport
+from mooncake_connector.hostport import engine_name_problem, is_engine_name, join_hostport
 from mooncake_connector.connector.stats import MooncakeKVConnectorStats, recompute_reason
 from mooncake_connector import trace
 
@@ -264,7 +264,7 @@ class SchedulerSide:
         workers send each producer rank a cancel with the next metadata."""
         params = getattr(request, "kv_transfer_params", None) or {}
         if len(request.prompt_token_ids or ()) >= self.block_size and \
-                (src[1] is None or _is_hostport(src[1])):
+                (src[1] is None or is_engine_name(src[1])):
             self._push_gone.append((transfer_id(params), src[1],
                                     _int_or_none(params.get("tp_size"))))
 
@@ -278,7 +278,7 @@ class SchedulerSide:
         the prompt's KV now instead of holding it until hold_timeout_s; a
         producer holding nothing answers a miss."""
         params = getattr(request, "kv_transfer_params", None) or {}
-        if n_full < self.block_size or (src[1] is not None and not _is_hostport(src[1])):
+        if n_full < self.block_size or (src[1] is not None and not is_engine_name(src[1])):
             return False
         if src[0] == "B" and params.get("num_tokens") == 0:
             return False  # the producer published nothing
@@ -483,11 +483,17 @@ class SchedulerSide:
             else:
                 self._to_release[request.request_id] = n_full  # once it is scheduled
             return 0, False
-        if src[0] in ("B", "P") and src[1] is not None and not _is_hostport(src[1]):
+        if src[0] in ("B", "P") and src[1] is not None and not is_engine_name(src[1]):
             # vLLM's in-tree contract names the producer by its engine id; ours
             # (our bootstrap server's /query) is the engine's host:port.
             self._tried.add(request.request_id)
             params = getattr(request, "kv_transfer_params", None) or {}
+            if ":" in str(src[1]).rpartition(":")[0] and "[" not in str(src[1]):
+                self._recompute(request, "producer_unreachable", (
+                    f"kv_transfer_params remote_engine_id {str(src[1])[:80]!r}: "
+                    f"{engine_name_problem(src[1])}; the router or proxy that sent it "
+                    "must bracket an IPv6 engine address"))
+                return 0, False
             self._recompute(request, "producer_unreachable", (
                 f"kv_transfer_params remote_engine_id {str(src[1])[:80]!r} is not a "
                 "mooncake-connector engine address (host:port); the prefill server at "
@@ -1060,11 +1066,6 @@ def _is_retake(params):
     without this key's meaning (an older one) loads as for a request
     without kv_transfer_params (flow A's probe)."""
     return isinstance(params, dict) and params.get("mc_retake") is True
-
-
-def _is_hostport(name):
-    host, sep, port = str(name).rpartition(":")
-    return bool(sep and host and port.isdigit() and 0 < int(port) < 65536)
 
 
 def _push_mode(settings, params):
