@@ -42,3 +42,34 @@ def engine_name_problem(name):
 def is_engine_name(name):
     """host:port as engine names are written (engine_name_problem)."""
     return engine_name_problem(name) is None
+
+
+def listen_host_problem(host):
+    """None if host has the form of an address or name to listen on ("::1",
+    "[::1]", "10.0.0.2", "fe80::1%eth0", "prefill-a"), else what is wrong
+    with it and the fix, in a few words.  Whether it is one of this host's
+    addresses is the bind's to say."""
+    import ipaddress
+    import re
+    if not isinstance(host, str) or not host:
+        return "not a non-empty string"
+    try:
+        host.encode("utf-8")
+    except UnicodeError:
+        return "not UTF-8 text (a lone surrogate)"
+    if any(c.isspace() or ord(c) < 32 or ord(c) == 127 for c in host):
+        return "it has spaces or control characters"
+    if re.fullmatch(r"(\[[^]]*\]|[^:]+):[0-9]*", host):
+        return "it has a port: give the address alone, the port as bootstrap_port"
+    bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if "[" in bare or "]" in bare:
+        return "unbalanced brackets (IPv6 as ::1 or [::1])"
+    try:
+        ip = ipaddress.ip_address(bare)
+    except ValueError:
+        if ":" in bare:
+            return "not an IPv6 address"
+        return None  # a name: the bind looks it up
+    if ip.version == 6 and ip.is_link_local and "%" not in bare:
+        return f"a link-local address needs its interface after a %, e.g. {bare}%eth0"
+    return None

@@ -154,6 +154,13 @@ def test_kv_transfer_config_of_the_seed_yields_the_connectors_settings(tmp_path)
     ('{"kv_connector":"MooncakeConnector","kv_role":"kv_consumer",'
      '"kv_connector_extra_config":{"local_hostname":"bad host:13200"}}', True,
      'field "local_hostname": value "bad host:13200" is not a valid address'),
+    # bootstrap_host's form (was: exit 0; the start refused it)
+    ('{"kv_connector":"MooncakeConnector","kv_role":"kv_producer",'
+     '"kv_connector_extra_config":{"bootstrap_host":"[::1]:8998"}}', True,
+     "kv_connector_extra_config.bootstrap_host '[::1]:8998': it has a port"),
+    ('{"kv_connector":"MooncakeConnector","kv_role":"kv_producer",'
+     '"kv_connector_extra_config":{"bootstrap_host":"[::1"}}', True,
+     "kv_connector_extra_config.bootstrap_host '[::1': unbalanced brackets"),
     # what vLLM's own KVTransferConfig refuses (was: exit 0)
     ('{"kv_connector":"MooncakeConnector","kv_role":"kv_consumer","push_layer_load":true}', True,
      "'push_layer_load' is a setting of this package's connector, not a field of vLLM's"),

@@ -300,24 +300,6 @@ class BootstrapServer:
         self.httpd = None
 
 
-def _host_hint(host):
-    """What is wrong with a bootstrap_host that could not be listened on,
-    where its form says ("" if not)."""
-    import ipaddress
-    import re
-    if re.fullmatch(r"(\[[^]]*\]|[^:]+):[0-9]+", host):
-        return "; it has a port: give the address alone, the port as bootstrap_port"
-    bare = host[1:-1] if host.startswith("[") and host.endswith("]") else host
-    try:
-        ip = ipaddress.ip_address(bare)
-    except ValueError:
-        return ""
-    if ip.version == 6 and ip.is_link_local and "%" not in bare:
-        return (f"; a link-local address needs its interface after a %, e.g. "
-                f"{bare}%eth0")
-    return ""
-
-
 def _listen_addr(host, port):
     """(family, socket address) of host to listen on: its IPv4 address where
     it has one, else its IPv6 one, zone (scope id) included: a name with
@@ -368,7 +350,7 @@ def start(settings, engine_id, dp_rank, tp_size, pp_size, name_of, env, dp_count
         if host and e.errno != errno.EADDRINUSE:  # the address given is not one of this host's
             raise SettingsError(msg + f"; kv_connector_extra_config.bootstrap_host {host!r} must "
                                 "be an address of this host (IPv6 as ::1 or [::1]), or leave it "
-                                f"unset: every address{_host_hint(host)}") from None
+                                "unset: every address") from None
         if explicit:
             raise SettingsError(msg + "; choose another kv_connector_extra_config.bootstrap_port "
                                 "(0 = no bootstrap server)") from None

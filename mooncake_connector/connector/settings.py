@@ -684,6 +684,13 @@ def resolve(kv_transfer_config, env=None):
     if s.bootstrap_port is not None and s.bootstrap_port > 65535:
         raise SettingsError("kv_connector_extra_config.bootstrap_port must be a port number "
                             f"(0-65535; 0 = no bootstrap server), not {s.bootstrap_port}")
+    if s.bootstrap_host:
+        from mooncake_connector.hostport import listen_host_problem
+        problem = listen_host_problem(s.bootstrap_host)
+        if problem:
+            raise SettingsError(f"kv_connector_extra_config.bootstrap_host "
+                                f"{s.bootstrap_host[:80]!r}: {problem}; or leave it unset "
+                                "(the bootstrap server listens on every address)")
     if s.load_failure_policy not in ("recompute", "fail"):
         raise SettingsError("kv_connector_extra_config.load_failure_policy must be 'recompute' "
                             f"or 'fail', not {s.load_failure_policy!r}")
