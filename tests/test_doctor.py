@@ -697,3 +697,17 @@ def test_disable_plugin_variable_is_read_one_way_by_plugin_and_doctor(tmp_path, 
     if value == "maybe":
         assert "'maybe'" in row(rows, "vllm", "plugin")["detail"]
         assert "'maybe'" in r.stderr, r.stderr[-2000:]
+
+
+def test_serve_listen_example_is_an_address_this_host_has():
+    """--listen's example in the "does not resolve" message: a routable
+    IPv4 address, else a routable IPv6 one in brackets (was: 127.0.0.1
+    on an IPv6-only host, which has no such address), never link-local."""
+    from mooncake_connector.doctor import runner
+    ex = runner._example_addr
+    assert ex({"127.0.0.1": "lo", "::1": "lo", "10.1.2.3": "eth0"}) == "10.1.2.3"
+    assert ex({"::1": "lo", "fe80::5": "eth0", "2001:db8::7": "eth0"}) == "2001:db8::7"
+    assert ex({"::1": "lo", "fe80::5": "eth0"}) == "::1"
+    assert ex({"127.0.0.1": "lo", "::1": "lo"}) == "127.0.0.1"
+    assert ex({}) == "127.0.0.1"
+    assert runner._hp(ex({"::1": "lo"}), 17000) == "[::1]:17000"

@@ -69,6 +69,24 @@ def _default_listen(cfg, role):
     return addrs[0] if addrs else "127.0.0.1"
 
 
+def _example_addr(addrs):
+    """An address of this host for an example: a routable IPv4 one, else a
+    routable IPv6 one (not link-local: it would need its interface), else
+    loopback (127.0.0.1, or ::1 on an IPv6-only host)."""
+    import ipaddress
+    ips = []
+    for a in addrs:
+        try:
+            ips.append(ipaddress.ip_address(a))
+        except ValueError:
+            pass
+    for want in ((4, False), (6, False), (4, True), (6, True)):
+        for ip in ips:
+            if ip.version == want[0] and ip.is_loopback == want[1] and not ip.is_link_local:
+                return str(ip)
+    return "127.0.0.1"
+
+
 def _listen_host_problem(listen):
     """Why --listen's host cannot be served at (it does not resolve), or
     None.  The engine listens on 0.0.0.0 and advertises the name as given,
@@ -86,8 +104,7 @@ def _listen_host_problem(listen):
         socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
     except (socket.gaierror, UnicodeError) as e:
         why = e.strerror if isinstance(e, socket.gaierror) else str(e)
-        addrs = [a for a in _local_addrs() if not _is_loopback(a) and ":" not in a]
-        example = f"{addrs[0]}:17000" if addrs else "127.0.0.1:17000"
+        example = _hp(_example_addr(_local_addrs()), 17000)
         return (f'host "{host}" does not resolve ({why}); give an address of this host '
                 f"(e.g. --listen {example}) or add the name to /etc/hosts / DNS")
     return None
