@@ -34,3 +34,28 @@ def test_ended_ids_are_forgotten_oldest_first(monkeypatch):
         p.ended[f"u{i}"] = now
     p.poll()
     assert len(p.ended) == 65536 and "u0" not in p.ended and "u65999" in p.ended
+
+
+def test_a_target_after_its_consumers_cancel_is_not_kept():
+    """A consumer's cancel that reaches the producer before the prompt is
+    computed, then a copy of its target (a duplicate, or one that took
+    another path than the cancel): not kept as an early target, so the
+    prompt's job, when it begins, writes nothing there (the decode's blocks
+    may be another request's by then); answered "cancelled".  Another
+    consumer's target for the same transfer id is still kept."""
+    from array import array
+    p = _producer()
+    sent = []
+    p.w.push_outbox = SimpleNamespace(send=lambda to, msg, **kw: sent.append(
+        (to, push.decode(msg)[0])))
+    body = array("Q", [4096, 8192, 64]).tobytes()
+    head = {"t": "target", "tid": "x1", "rank": 0, "lease_until": time.time() + 30,
+            "ntok": 16, "h": "0", "skip": 0, "nblocks": 1, "epb": 1, "n": 1}
+    p.on_message("D1:1", {"t": "cancel", "tid": "x1"}, b"")
+    assert sent[-1] == ("D1:1", {"t": "cancelled", "tid": "x1",
+                                 "why": "canceled before any write"})
+    p.on_message("D1:1", head, body)
+    assert "x1" not in p.early, p.early
+    assert sent[-1][0] == "D1:1" and sent[-1][1]["t"] == "cancelled"
+    p.on_message("D2:1", head, body)  # another decode rank's target: kept
+    assert set(p.early.get("x1", {})) == {"D2:1"}

@@ -1461,6 +1461,11 @@ class PushProducer:
             job = self.jobs.get(tid)
             if job is not None:
                 self._add_target(job, tg)
+            elif sender in self.canceled.get(tid, (0, ()))[1]:
+                # This consumer canceled first: a copy that came after its
+                # cancel (another path, a duplicate) is not kept for the
+                # prompt, whose blocks there may be another request's now.
+                self._reply(sender, tid, "cancelled", "canceled before any write")
             elif tid in self.ended:
                 self._reply(sender, tid, "nokv", "the prefill request ended before the decode "
                             "side's target arrived (aborted, failed, or its KV held past "
