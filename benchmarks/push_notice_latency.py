@@ -10,6 +10,9 @@ For every request whose decode waited per layer (layer_wait events):
 * target: the decode queued its "target" (where its blocks are) on the push
   outbox (target_queued, forward thread) -> the outbox's thread had the
   prefill engine's receipt (notify_sent);
+* target taken: the same start -> the prefill's Python took it (p_recv,
+  its first copy: the forward thread's drain in save_kv_layer, or the
+  producer's waiter);
 * lag: the decode's forward end - the prefill's forward end.
 
 Requests are grouped by the timeline's mode and prompt length where the
@@ -48,17 +51,18 @@ def group_of(events):
 
 
 def measure(events):
-    """{(mode, tokens): (notice, target, lag)} lists of ms (module doc)."""
+    """{(mode, tokens): (notice, target, lag, target taken)} lists of ms
+    (module doc)."""
     by = collections.defaultdict(list)
     for e in events:
         by[e.get("k")].append(e)
     groups = group_of(events)
-    out = collections.defaultdict(lambda: ([], [], []))
+    out = collections.defaultdict(lambda: ([], [], [], []))
     for k, v in by.items():
         waits = [e for e in v if e["ev"] == "layer_wait"]
         if not waits:
             continue
-        notice, target, lag = out[groups.get(k, ("-", "-"))]
+        notice, target, lag, taken = out[groups.get(k, ("-", "-"))]
         v.sort(key=lambda e: e["t"])
         saved = {e["li"]: e["t"] for e in v if e["ev"] == "layer_saved"}
         recv = {}
@@ -71,6 +75,9 @@ def measure(events):
         s = [e["t"] for e in v if e["ev"] == "notify_sent" and e.get("what") == "target"]
         if q and s:
             target.append((s[0] - q[0]) * 1e3)
+        pr = [e["t"] for e in v if e["ev"] == "p_recv" and e.get("what") == "target"]
+        if q and pr:
+            taken.append((pr[0] - q[0]) * 1e3)
         dpid = waits[0]["pid"]
         ppids = [e["pid"] for e in v if e["ev"] == "layer_saved"]
         ends = {e["pid"]: e["t"] for e in v if e["ev"] == "fwd_end"}
@@ -90,13 +97,14 @@ def main(paths):
         for mode in modes:
             keys = sorted((g for g in groups if g[0] == mode),
                           key=lambda g: int(g[1]) if g[1].isdigit() else -1)
-            rows = [(f"{mode} all", [sum((groups[g][i] for g in keys), []) for i in range(3)])]
+            rows = [(f"{mode} all", [sum((groups[g][i] for g in keys), []) for i in range(4)])]
             if len(keys) > 1:
                 rows += [(f"{mode} {g[1]} tokens", groups[g]) for g in keys]
-            for label, (notice, target, lag) in rows:
+            for label, (notice, target, lag, taken) in rows:
                 print(f" {label}:")
                 for name, xs in (("layer notice, saved -> decode has it", notice),
                                  ("target, queued -> the producer's receipt", target),
+                                 ("target, queued -> the producer's Python took it", taken),
                                  ("decode forward end - prefill forward end", lag)):
                     print(f"  {name}: n={len(xs)} p50 {quantile(xs, .5):.2f} "
                           f"p90 {quantile(xs, .9):.2f} max {max(xs, default=float('nan')):.2f} "

@@ -424,6 +424,7 @@ def test_push_notice_latency_by_mode():
         return [{"t": t, "pid": 9, "ev": "proxy_dispatch", "k": k, "rid": rid},
                 {"t": t + 0.001, "pid": D, "ev": "target_queued", "k": k},
                 {"t": t + 0.002, "pid": D, "ev": "notify_sent", "k": k, "what": "target"},
+                {"t": t + 0.0025, "pid": P, "ev": "p_recv", "k": k, "what": "target"},
                 {"t": t + 0.003, "pid": P, "ev": "layer_saved", "k": k, "li": 0},
                 {"t": t + 0.0031, "pid": D, "ev": "layer_wait", "k": k, "li": 0},
                 {"t": t + 0.003 + late_ms / 1e3, "pid": D, "ev": "c_recv", "k": k,
@@ -435,8 +436,8 @@ def test_push_notice_latency_by_mode():
     got = pn.measure(events)
     assert set(got) == {("push_ll", "128"), ("push_ll_c", "128"), ("push_ll_c", "1900"),
                         ("-", "-")}
-    notice, target, lag = got[("push_ll", "128")]
-    assert [round(x, 3) for x in notice] == [5.0]
+    notice, target, lag, taken = got[("push_ll", "128")]
+    assert [round(x, 3) for x in notice] == [5.0] and [round(x, 3) for x in taken] == [1.5]
     assert [round(x, 3) for x in target] == [1.0] and [round(x, 3) for x in lag] == [2.0]
     assert [round(x, 3) for x in got[("push_ll_c", "128")][0]] == [0.5]
     assert [round(x, 3) for x in got[("push_ll_c", "1900")][0]] == [1.5]
