@@ -710,7 +710,10 @@ def test_first_target_to_a_known_producer_waits_the_resend_timeout(sides):
     from mooncake_connector.connector import push
 
     p = sides("kv_producer")
-    d = sides("kv_consumer", flow_a=False, push_layer_load=True, push_layer_timeout_s=10.0)
+    # the outbox's wait is what is measured: the forward thread's own send
+    # (push_target_direct) would take the second target
+    d = sides("kv_consumer", flow_a=False, push_layer_load=True, push_layer_timeout_s=10.0,
+              push_target_direct=False)
     ob = d.worker._worker.push_outbox
     ob.engine = cut = CutFirstTarget(ob.engine)
     run = both_legs(p, d, "L22a", toks(46, 2 * BS + 3), 2)  # first contact: delivered
@@ -733,6 +736,91 @@ def test_first_target_to_a_known_producer_waits_the_resend_timeout(sides):
     assert cut.dropped == 1 and cut.waited == push.RESEND_TIMEOUT_S, cut.waited
     assert took < push.RESEND_TIMEOUT_S + push.RESEND_S + 1.5, took
     _landed_after_one_resend(p, d, t, 3)
+
+
+class Recorder:
+    """Between a push outbox and its engine: the transfer ids of the
+    targets it sent."""
+
+    def __init__(self, engine):
+        self.engine, self.targets = engine, []
+
+    def send_notify(self, target, msg, timeout):
+        from mooncake_connector.connector import push
+        head = push.decode(msg)[0]
+        if head["t"] == "target":
+            self.targets.append(head["tid"])
+        return self.engine.send_notify(target, msg, timeout)
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "outbox"])
+def test_a_known_producer_gets_the_target_from_the_forward_thread(sides, direct):
+    """push_target_direct (the default): the first target to a producer
+    goes through the push outbox (its first contact: the producer's lookup,
+    same-host description); once that producer has taken a message, a
+    layer load's target is sent by the thread that runs the step itself
+    (no outbox thread to wake, which waits for the GIL while another
+    thread runs Python: JOURNAL runs 52-53), counted, and the load lands
+    byte-exact, no recompute.  Off: every target through the outbox."""
+    p = sides("kv_producer")
+    d = sides("kv_consumer", flow_a=False, push_layer_load=True,
+              push_target_direct=direct)
+    ob = d.worker._worker.push_outbox
+    ob.engine = rec = Recorder(ob.engine)
+    lands_in_the_first_step(p, d, f"LD1{direct}", toks(48, 4 * BS + 5))
+    assert p.run_until(lambda: p.is_empty(), steps=500)
+    t = toks(49, 4 * BS + 5)
+    d.seen = {}
+    d.add(make_request("q2", t, max_tokens=2, params=dp(f"LD2{direct}")))
+    run = Stepper(p, before=None)
+    p.add(make_request("pq2", t, max_tokens=1, params=pp(f"LD2{direct}")))
+    try:
+        so = d.step()
+        assert so.num_scheduled_tokens.get("q2") == 5
+    finally:
+        run.join()
+    assert d.seen.get("q2") == [True, True], d.seen
+    assert d.block_matches_pattern("q2", t, 4) and not d.invalid
+    assert d.run_until(lambda: "q2" not in d.sched.requests, steps=50)
+    assert p.run_until(lambda: p.is_empty(), steps=500)
+    assert d.is_empty() and recomputes(d) == {}, recomputes(d)
+    if direct:
+        assert rec.targets == [f"LD1{direct}"], rec.targets
+        assert counted(d, "push_targets_direct") == 1
+    else:
+        assert rec.targets == [f"LD1{direct}", f"LD2{direct}"], rec.targets
+        assert counted(d, "push_targets_direct") == 0
+
+
+def test_a_direct_target_send_that_fails_goes_through_the_outbox(sides):
+    """The forward thread's own target send times out (a link cut: it may
+    have arrived): the outbox sends the same bytes (the producer keeps one
+    copy), the load lands, nothing counted direct, no recompute."""
+    p = sides("kv_producer")
+    d = sides("kv_consumer", flow_a=False, push_layer_load=True)
+    lands_in_the_first_step(p, d, "LF1", toks(50, 4 * BS + 5))
+    assert p.run_until(lambda: p.is_empty(), steps=500)
+    w = d.worker._worker
+    w.engine = drop = DropFirstTarget(w.engine, wait_s=0.0)  # the worker's, not the outbox's
+    t = toks(51, 4 * BS + 5)
+    d.seen = {}
+    run = both_legs(p, d, "LF2", t, 3)
+    try:
+        so = d.step()
+        assert so.num_scheduled_tokens.get("q") == 5
+    finally:
+        run.join()
+        w.engine = drop.engine
+    assert drop.dropped == 1
+    assert d.seen.get("q") == [True, True], d.seen
+    assert d.block_matches_pattern("q", t, 4) and not d.invalid
+    assert counted(d, "push_targets_direct") == 0
+    assert d.run_until(lambda: "q" not in d.sched.requests, steps=50)
+    assert p.run_until(lambda: p.is_empty(), steps=500)
+    assert d.is_empty() and recomputes(d) == {}, recomputes(d)
 
 
 def test_resend_stops_at_the_lease(sides):

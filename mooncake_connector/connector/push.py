@@ -321,6 +321,16 @@ def _seconds(head, key, default=None):
     raise PushError(f"push target field {key!r} must be a finite number, not {str(v)[:40]!r}")
 
 
+def never_sent(e):
+    """Whether a failed send_notify proves its message did not arrive: only
+    a connection that never came up does; anything else (a timeout, a reset
+    after sending) may have delivered it."""
+    text = str(e)
+    return (getattr(e, "code_name", None) in NEVER_SENT or
+            any(w in text for w in ("refused", "not found", "no such segment", "resolve",
+                                    "unreachable")))
+
+
 class Outbox:
     """Sends notifications off the vLLM step: one thread per peer engine
     (send_notify waits for the peer engine's receipt, GIL released), so a
@@ -470,6 +480,13 @@ class Outbox:
         with self._lock:
             return target in self._ok
 
+    def known(self, target):
+        """Delivered to before, and (describe) what process it is learned
+        since its last connection loss (forget_who): a message to it may go
+        another way than this outbox's thread (PushConsumer._send_direct)."""
+        with self._lock:
+            return target in self._ok and (not self.describe or target in self._who)
+
     def _store(self, key, res):
         with self._lock:
             n = self._inflight.pop(key, 1) - 1
@@ -520,14 +537,7 @@ class Outbox:
                         h = decode(msg)[0]
                         trace.event("notify_sent", h.get("tid"), what=h.get("t"), l=h.get("l"))
                 except (MooncakeError, ValueError, RuntimeError) as e:
-                    text = str(e)
-                    # Only a connection that never came up proves the message
-                    # did not arrive; anything else (timeout, reset after
-                    # sending) may have delivered it.
-                    never = (getattr(e, "code_name", None) in NEVER_SENT or
-                             any(w in text for w in ("refused", "not found", "no such segment",
-                                                     "resolve", "unreachable")))
-                    res = (not never, text)
+                    res = (not never_sent(e), str(e))
                 if res is not None and res[0] and retry_until is not None and \
                         time.time() + timeout < retry_until and not self._closed:
                     time.sleep(0.05)  # not a busy loop against a peer that resets at once
@@ -764,9 +774,46 @@ class PushConsumer:
             cl.ranks[name] = "sending"
             cl.msgs[name] = encode(head, body)
             trace.event("target_queued", tid, to=name)
+            if layered and self._send_direct(name, cl, tid):
+                continue
             ob = w.push_outbox
             ob.send(name, cl.msgs[name], key=("t", tid, name),
                     timeout=RESEND_TIMEOUT_S if ob.delivered_to(name) else FIRST_CONTACT_SEND_S)
+
+    DIRECT_TIMEOUT_S = 0.05  # the forward thread's wait for the producer's receipt
+
+    def _send_direct(self, name, cl, tid):
+        """A layer load's target sent by vLLM's forward thread itself (the
+        engine's send_notify: one round trip, GIL released) to a producer
+        this decode has reached before (push_target_direct): the outbox's
+        thread would first have to take the GIL, which another thread of
+        this process running Python keeps up to the switch interval (5 ms;
+        benchmarks/JOURNAL.md, run 52).  The forward waits for the layers
+        next anyway.  Nothing else for this transfer id was sent before, and
+        whatever follows (a cancel) is sent after this returns: the order the
+        producer sees stays the outbox's.  A failed send goes to the outbox
+        as before, the same bytes (a producer that got the first copy keeps
+        it: Target.same); one that may have arrived (a timeout) keeps the
+        lease rules.  True: delivered."""
+        w = self.w
+        if not getattr(w.s, "push_target_direct", False) or not w.push_outbox.known(name) or \
+                not hasattr(w.engine, "send_notify"):
+            return False
+        from mooncake_connector import MooncakeError
+        try:
+            w.engine.send_notify(name, cl.msgs[name], self.DIRECT_TIMEOUT_S)
+        except (MooncakeError, ValueError, RuntimeError) as e:
+            if not never_sent(e):
+                cl.maybe.add(name)
+            logger.info("MooncakeConnector push: target of %s to %s through the outbox (its "
+                        "direct send: %s)", tid, name, e)
+            return False
+        if trace.ON:
+            trace.event("notify_sent", tid, what="target", direct=True)
+        cl.ranks[name] = "sent"
+        cl.maybe.add(name)
+        w.stats.add("push_targets_direct")
+        return True
 
     def gone(self, tid, producer, producer_tp):
         """A push request that ends here without a target sent (aborted

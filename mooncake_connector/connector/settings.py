@@ -152,6 +152,12 @@ KNOBS = {  # extra-config key: (type, default, meaning)
                    "a whole-prompt push's TTFT 1.3-2.6 ms shorter on an H100); false: told "
                    "with the output that carries it, a step later (docs/connector.md, "
                    "Asynchronous scheduling)"),
+    "push_target_direct": (bool, True, "consumer, push_layer_load: vLLM's forward thread "
+                           "sends a layer load's target itself (one round trip to a producer "
+                           "reached before, at most 50 ms, GIL released) instead of the push "
+                           "outbox's thread, which first waits for the GIL (up to Python's 5 "
+                           "ms switch interval); a failed send goes through the outbox as "
+                           "before; false: always the outbox"),
     "push_layer_timeout_s": (float, 10.0, "consumer, push_layer_load: the lease of such a "
                              "load; a step waits at most this (+ 2 s when the producer does "
                              "not answer the cancel) for the prompt's KV, then the request "
@@ -219,6 +225,7 @@ class Settings:
     push_layer_read: bool = False
     push_layer_read_stall_s: float = 0.5
     early_recv: bool = True
+    push_target_direct: bool = True
     malloc_trim_idle_s: float = 30.0
 
     @property

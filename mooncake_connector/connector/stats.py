@@ -27,7 +27,7 @@ COUNTERS = ("loads", "loads_in_step", "loads_failed", "load_bytes", "load_bytes_
             "sends_finished", "sends_expired", "push_loads", "push_sends", "push_bytes",
             "push_failed", "push_layer_loads", "push_producer_lost", "push_layer_load_busy",
             "push_layer_load_cudagraph", "push_layer_load_async_sched",
-            "push_target_resends", "push_fence_cuts", "push_fence_holds",
+            "push_target_resends", "push_targets_direct", "push_fence_cuts", "push_fence_holds",
             "push_untargeted_cancels", "push_layer_reads", "push_layer_read_gave_up",
             "push_bytes_same_host_cpu", "push_gate_host_batches", "malloc_trims",
             "malloc_trim_freed_bytes",
@@ -173,6 +173,9 @@ PROM_COUNTERS = {
     "push_target_resends": ("vllm:mooncake_push_target_resends_total",
                             "Consumer: push targets sent again after a send that may have "
                             "been lost (timed out, reset), within the lease"),
+    "push_targets_direct": ("vllm:mooncake_push_targets_direct_total",
+                            "Consumer: layer-load targets the decode's forward thread sent "
+                            "itself (push_target_direct), not through the push outbox"),
     "load_releases": ("vllm:mooncake_load_releases_total",
                       "Consumer: prompts a producer held for it that it did not pull (their "
                       "blocks in its prefix cache): the producer ranks told to free the KV"),
