@@ -774,7 +774,9 @@ class PushConsumer:
             cl.ranks[name] = "sending"
             cl.msgs[name] = encode(head, body)
             trace.event("target_queued", tid, to=name)
-            if layered and self._send_direct(name, cl, tid):
+            # one producer rank (equal TP): a wider route's round trips would
+            # add up on the forward thread; the outbox sends those in parallel
+            if layered and len(route) == 1 and self._send_direct(name, cl, tid):
                 continue
             ob = w.push_outbox
             ob.send(name, cl.msgs[name], key=("t", tid, name),
@@ -785,7 +787,8 @@ class PushConsumer:
     def _send_direct(self, name, cl, tid):
         """A layer load's target sent by vLLM's forward thread itself (the
         engine's send_notify: one round trip, GIL released) to a producer
-        this decode has reached before (push_target_direct): the outbox's
+        this decode has reached before, the one rank of its route
+        (push_target_direct): the outbox's
         thread would first have to take the GIL, which another thread of
         this process running Python keeps up to the switch interval (5 ms;
         benchmarks/JOURNAL.md, run 52).  The forward waits for the layers

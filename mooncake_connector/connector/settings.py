@@ -154,10 +154,10 @@ KNOBS = {  # extra-config key: (type, default, meaning)
                    "Asynchronous scheduling)"),
     "push_target_direct": (bool, True, "consumer, push_layer_load: vLLM's forward thread "
                            "sends a layer load's target itself (one round trip to a producer "
-                           "reached before, at most 50 ms, GIL released) instead of the push "
-                           "outbox's thread, which first waits for the GIL (up to Python's 5 "
-                           "ms switch interval); a failed send goes through the outbox as "
-                           "before; false: always the outbox"),
+                           "reached before, the one rank of its route, at most 50 ms, GIL "
+                           "released) instead of the push outbox's thread, which first waits "
+                           "for the GIL (up to Python's 5 ms switch interval); a failed send "
+                           "goes through the outbox as before; false: always the outbox"),
     "push_layer_timeout_s": (float, 10.0, "consumer, push_layer_load: the lease of such a "
                              "load; a step waits at most this (+ 2 s when the producer does "
                              "not answer the cancel) for the prompt's KV, then the request "
