@@ -49,7 +49,10 @@ def parse_table(body):
     """[(rank, engine name)] in rank order from a /query answer's JSON
     (bootstrap.query_table's shape); ValueError if it is not one."""
     import json
-    table = json.loads(body)
+    try:
+        table = json.loads(body)
+    except RecursionError:  # a hostile answer nested deeper than Python's stack
+        raise ValueError("not a JSON object (nested too deep)") from None
     if not isinstance(table, dict) or not table:
         raise ValueError("not a non-empty JSON object")
     out = []

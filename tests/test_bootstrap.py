@@ -548,3 +548,25 @@ def test_a_bootstrap_host_of_a_wrong_form_says_what_is_wrong(host, hint):
         settings_mod.resolve(_cfg(bootstrap_host=host))
     assert "kv_connector_extra_config.bootstrap_host" in str(e.value), str(e.value)
     assert hint in str(e.value), str(e.value)
+
+
+def test_the_proxys_reading_of_a_bootstrap_table_refuses_hostile_answers():
+    """proxy_engines.parse_table reads a /query answer from another server
+    (outside bytes, at most TABLE_MAX): every malformed one is a ValueError
+    naming what is wrong, which the proxy's lookup logs and survives (a
+    nesting deeper than Python's stack was a RecursionError that escaped
+    the lookup); a good table parses in rank order, IPv6 engines in
+    brackets only."""
+    from mooncake_connector.proxy_engines import TABLE_MAX, parse_table
+    deep = b"[" * (TABLE_MAX // 2) + b"]" * (TABLE_MAX // 2)
+    for body, says in ((deep, "nested too deep"), (b"\xff", "utf-8"), (b"[]", "non-empty"),
+                       (b"{}", "non-empty"), (b'{"0": 5}', "not a string"),
+                       (b'{"x": {"engine_id": "a:1"}}', "not a rank number"),
+                       (b'{"0": {"engine_id": "::1:13003"}}', "write [::1]:13003"),
+                       (b'{"0": {"engine_id": "a:0"}}', "is not 1-65535"),
+                       (b'{"0": {"engine_id": ["a:1"]}}', "not a string")):
+        with pytest.raises(ValueError) as e:
+            parse_table(body)
+        assert says in str(e.value), (body[:40], str(e.value))
+    got = parse_table(b'{"1": {"engine_id": "[::1]:13004"}, "0": {"engine_id": "h:13003"}}')
+    assert got == [("0", "h:13003"), ("1", "[::1]:13004")]
