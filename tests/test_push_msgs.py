@@ -32,6 +32,9 @@ def test_round_trip():
     (push.MAGIC + b'{"t":"done","tid":""}\n', "lacks t / tid"),
     (push.MAGIC + b'{"t":"done","tid":"' + b"x" * 300 + b'"}\n', "lacks t / tid"),
     (push.MAGIC + b"[1,2]\n", "lacks t / tid"),
+    # a peer's header nested deeper than Python's stack (was a RecursionError
+    # out of drain_notifies, on vLLM's forward thread)
+    (push.MAGIC + b"[" * 100000 + b"\n", "nested too deep"),
 ])
 def test_bad_messages_are_refused_naming_why(msg, why):
     with pytest.raises(push.PushError, match=why):
@@ -172,3 +175,15 @@ def test_outbox_threads_of_peers_gone_quiet_end():
         assert ("10.9.0.0:7000", b"again") in sent and ob.delivered_to("10.9.0.0:7000")
     finally:
         ob.close()
+
+
+def test_a_peer_record_nested_too_deep_is_no_record():
+    """A metadata server's value for a peer's record (outside bytes) that is
+    not a record, nested deeper than Python's stack included, reads as no
+    record (was a RecursionError out of the route lookup)."""
+    from types import SimpleNamespace
+    from mooncake_connector.connector import peer_record
+    for raw in (b"[" * 100000, b"{nope", b"\xff"):
+        assert peer_record.fetch(SimpleNamespace(get=lambda k, raw=raw: raw), "e:1") is None
+    good = SimpleNamespace(get=lambda k: b'{"tp_size": 1}')
+    assert peer_record.fetch(good, "e:1") == {"tp_size": 1}

@@ -111,7 +111,7 @@ def fetch(client, name):
         return None
     try:
         return json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):  # not a record (RecursionError: nested too deep)
         return None
 
 

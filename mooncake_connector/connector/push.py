@@ -288,6 +288,8 @@ def decode(msg):
         head = json.loads(msg[len(MAGIC):nl])
     except ValueError as e:
         raise PushError(f"push message header is not JSON ({e})") from None
+    except RecursionError:  # a peer's header nested deeper than Python's stack
+        raise PushError("push message header is not JSON (nested too deep)") from None
     if not isinstance(head, dict) or not isinstance(head.get("t"), str) or \
             not isinstance(head.get("tid"), str) or not 0 < len(head["tid"]) <= MAX_TID:
         raise PushError("push message header lacks t / tid")
