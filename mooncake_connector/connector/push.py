@@ -790,10 +790,9 @@ class PushConsumer:
         """A layer load's target sent by vLLM's forward thread itself (the
         engine's send_notify: one round trip, GIL released) to a producer
         this decode has reached before, the one rank of its route
-        (push_target_direct): the outbox's
-        thread would first have to take the GIL, which another thread of
-        this process running Python keeps up to the switch interval (5 ms;
-        benchmarks/JOURNAL.md, run 52).  The forward waits for the layers
+        (push_target_direct): the outbox's thread would first have to take
+        the GIL, which another thread of this process running Python keeps
+        up to the switch interval (5 ms; benchmarks/JOURNAL.md, run 52).  The forward waits for the layers
         next anyway.  Nothing else for this transfer id was sent before, and
         whatever follows (a cancel) is sent after this returns: the order the
         producer sees stays the outbox's.  A failed send goes to the outbox

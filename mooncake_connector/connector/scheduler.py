@@ -488,11 +488,11 @@ class SchedulerSide:
             # (our bootstrap server's /query) is the engine's host:port.
             self._tried.add(request.request_id)
             params = getattr(request, "kv_transfer_params", None) or {}
-            if ":" in str(src[1]).rpartition(":")[0] and "[" not in str(src[1]):
+            problem = engine_name_problem(src[1])
+            if "IPv6" in problem:  # ours, brackets left out by whatever sent it
                 self._recompute(request, "producer_unreachable", (
-                    f"kv_transfer_params remote_engine_id {str(src[1])[:80]!r}: "
-                    f"{engine_name_problem(src[1])}; the router or proxy that sent it "
-                    "must bracket an IPv6 engine address"))
+                    f"kv_transfer_params remote_engine_id {str(src[1])[:80]!r}: {problem}; "
+                    "the router or proxy that sent it must bracket an IPv6 engine address"))
                 return 0, False
             self._recompute(request, "producer_unreachable", (
                 f"kv_transfer_params remote_engine_id {str(src[1])[:80]!r} is not a "
