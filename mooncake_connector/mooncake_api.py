@@ -19,6 +19,7 @@ import socket
 import struct
 from typing import Any, List, Optional, Sequence
 
+from mooncake_connector import json_in
 from mooncake_connector import _core
 from mooncake_connector.hostport import join_hostport
 
@@ -289,7 +290,7 @@ class TransferEngine(_core.TransferEngine):
             # P2P: asked from the peer itself over the control channel.
             raw = self.describe_segment(segment_name)
             try:
-                return json.loads(raw)
+                return json_in.loads(raw)
             except ValueError as e:
                 raise _core.TransferError(f"segment {segment_name!r} answered a descriptor "
                                           f"that is not JSON ({e})") from None
@@ -300,7 +301,7 @@ class TransferEngine(_core.TransferEngine):
             raise _core.MetadataError(f"segment {segment_name!r} is not registered on metadata "
                                       f"server {conn} (no key {key!r})")
         try:
-            return json.loads(raw)
+            return json_in.loads(raw)
         except ValueError as e:
             raise _core.MetadataError(f"segment {segment_name!r}: its descriptor on {conn} is "
                                       f"not JSON ({e})") from None
@@ -344,7 +345,7 @@ class TransferEngine(_core.TransferEngine):
                 raise _core.TransferError(f"probe of {name}: not registered on metadata "
                                           f"server {conn}")
             try:
-                d = json.loads(raw)
+                d = json_in.loads(raw)
                 return str(d["ip_or_host_name"]), int(d["rpc_port"])
             except (ValueError, KeyError, TypeError) as e:
                 raise _core.MetadataError(

@@ -79,7 +79,6 @@ import collections
 import copy
 import ipaddress
 import itertools
-import json
 import logging
 import math
 import os
@@ -93,6 +92,7 @@ import uuid
 import aiohttp
 from aiohttp import web
 
+from mooncake_connector import json_in
 from mooncake_connector import http_guard
 from mooncake_connector.hostport import join_hostport
 from mooncake_connector.proxy_engines import PrefillEngines
@@ -219,7 +219,7 @@ def _prompt_ids(pre):
 def _error_message(resp):
     """The message of an error answer made by _error or _upstream_error."""
     try:
-        return str(json.loads(resp.body)["error"]["message"])
+        return str(json_in.loads(resp.body)["error"]["message"])
     except (ValueError, KeyError, TypeError, IndexError):
         return f"upstream answered {resp.status}"
 
@@ -230,7 +230,7 @@ def _upstream_error(role, url, status, raw, content_type):
     router's or another proxy's page) our own JSON error naming the upstream,
     its status and the start of what it sent, with the same status."""
     try:
-        msg = json.loads(raw)["error"]["message"]
+        msg = json_in.loads(raw)["error"]["message"]
         if isinstance(msg, str) and msg.strip():
             return web.Response(status=status, body=raw,
                                 content_type=content_type or "application/json")
@@ -729,7 +729,7 @@ class Proxy:
             dec_url = self.decode[idx]
         request["mc_leg"] = "answered"
         try:
-            pre = json.loads(pre_text)
+            pre = json_in.loads(pre_text)
         except ValueError:
             pre = None
         params = pre.get("kv_transfer_params") if isinstance(pre, dict) else None
@@ -998,7 +998,7 @@ class Proxy:
                     # upstream: no verdict yet
                     return NO_ANSWER if r.status >= 500 and len(got) <= CONTROL_ANSWER_MAX \
                         else None
-            params = (json.loads(got) or {}).get("kv_transfer_params") or {}
+            params = (json_in.loads(got) or {}).get("kv_transfer_params") or {}
             return params.get("mc_forget"), params.get("mc_dp") is True
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
             logger.debug("decode %s: a forget got no answer (%r)", dec_url, e)
@@ -1091,7 +1091,7 @@ class Proxy:
         if dp is None or not dp.wants_hint(idx):
             return
         try:
-            params = json.loads(raw).get("kv_transfer_params")
+            params = json_in.loads(raw).get("kv_transfer_params")
         except (ValueError, AttributeError):
             return
         dp.hint(idx, url, params)

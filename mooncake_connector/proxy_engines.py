@@ -29,6 +29,7 @@ import time
 
 import aiohttp
 
+from mooncake_connector import json_in
 from mooncake_connector.hostport import engine_name_problem, is_engine_name, url_of
 
 logger = logging.getLogger("mooncake_connector.proxy")
@@ -48,11 +49,10 @@ HINT_RETRY_S = 60.0
 def parse_table(body):
     """[(rank, engine name)] in rank order from a /query answer's JSON
     (bootstrap.query_table's shape); ValueError if it is not one."""
-    import json
     try:
-        table = json.loads(body)
-    except RecursionError:  # a hostile answer nested deeper than Python's stack
-        raise ValueError("not a JSON object (nested too deep)") from None
+        table = json_in.loads(body)
+    except ValueError as e:
+        raise ValueError(f"not a JSON object ({e})") from None
     if not isinstance(table, dict) or not table:
         raise ValueError("not a non-empty JSON object")
     out = []

@@ -51,6 +51,7 @@ import time
 import aiohttp
 from aiohttp import web
 
+from mooncake_connector import json_in
 from mooncake_connector import proxy_retake
 from mooncake_connector import trace
 
@@ -467,7 +468,7 @@ async def _detokenize(proxy, dec_url, headers, model, ids):
                                       timeout=DETOKENIZE_TIMEOUT) as r:
             if r.status != 200:
                 raise Unsettled(f"partial first token: /detokenize answered {r.status}")
-            answer = json.loads(await r.read())
+            answer = json_in.loads(await r.read())
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as e:
         raise Unsettled(f"partial first token: /detokenize failed ({type(e).__name__})") from e
     text = answer.get("prompt") if isinstance(answer, dict) else None
@@ -602,7 +603,7 @@ async def _relay_decode(proxy, out, plan, dec_url, headers):
                 return RETAKE
             text = raw.decode("utf-8", "replace")
             try:
-                text = json.loads(text)["error"]["message"]
+                text = json_in.loads(text)["error"]["message"]
             except (ValueError, KeyError, TypeError):
                 pass
             return f"{where} answered {r.status} after the first token was sent: {text[:500]}"
@@ -637,7 +638,7 @@ async def _relay_decode(proxy, out, plan, dec_url, headers):
                     await _release(proxy, out, plan, b"".join(chunks))
                     return None
                 try:
-                    ev = json.loads(payload)
+                    ev = json_in.loads(payload)
                 except ValueError:
                     return f"{where} sent an event that is not JSON: {payload[:200]!r}"
                 if judge and isinstance(ev, dict) and proxy_retake.event_failed(ev):

@@ -26,7 +26,8 @@ output -- a token, a reasoning or tool-call delta -- or decides otherwise,
 at most HOLD_MAX bytes; what it cannot read as server-sent events is
 relayed as sent).
 """
-import json
+
+from mooncake_connector import json_in
 
 #: Bytes of a stream's first events held while it is not yet known whether
 #: the decode failed before its first token; past it the stream is relayed.
@@ -86,7 +87,7 @@ def failed_answer(status, raw):
     if status not in (200, 500):
         return False
     try:
-        body = json.loads(raw)
+        body = json_in.loads(raw)
     except (ValueError, UnicodeDecodeError):
         return False
     if not isinstance(body, dict):
@@ -114,7 +115,7 @@ def _event_verdict(payload):
     if payload == b"[DONE]":
         return FAILED  # ended before any token or finish reason (vLLM 0.26's error)
     try:
-        ev = json.loads(payload)
+        ev = json_in.loads(payload)
     except (ValueError, UnicodeDecodeError):
         return RELAY  # not ours to judge: the client sees it as sent
     if not isinstance(ev, dict):

@@ -11,6 +11,7 @@ check() returns the consumer rank's read plan then.
 """
 import json
 
+from mooncake_connector import json_in
 from mooncake_connector.connector import tp_map
 
 KEY = "mooncake/kvconnector/{name}"
@@ -110,8 +111,8 @@ def fetch(client, name):
     if not raw:
         return None
     try:
-        return json.loads(raw)
-    except (ValueError, RecursionError):  # not a record (RecursionError: nested too deep)
+        return json_in.loads(raw)
+    except ValueError:
         return None
 
 

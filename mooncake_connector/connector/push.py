@@ -54,6 +54,7 @@ import time
 from array import array
 from collections import OrderedDict
 
+from mooncake_connector import json_in
 from mooncake_connector import trace
 
 logger = logging.getLogger("vllm.mooncake_connector")
@@ -285,11 +286,9 @@ def decode(msg):
     if nl < 0:
         raise PushError("push message without a header line")
     try:
-        head = json.loads(msg[len(MAGIC):nl])
+        head = json_in.loads(msg[len(MAGIC):nl])
     except ValueError as e:
         raise PushError(f"push message header is not JSON ({e})") from None
-    except RecursionError:  # a peer's header nested deeper than Python's stack
-        raise PushError("push message header is not JSON (nested too deep)") from None
     if not isinstance(head, dict) or not isinstance(head.get("t"), str) or \
             not isinstance(head.get("tid"), str) or not 0 < len(head["tid"]) <= MAX_TID:
         raise PushError("push message header lacks t / tid")
@@ -445,8 +444,8 @@ class Outbox:
         who = None
         try:
             if self._host is None:
-                self._host = _boot_id(json.loads(self.engine.get_metadata()).get("host_id"))
-            d = json.loads(self.engine.describe_segment(
+                self._host = _boot_id(json_in.loads(self.engine.get_metadata()).get("host_id"))
+            d = json_in.loads(self.engine.describe_segment(
                 target, max(0.05, min(timeout, DESCRIBE_TIMEOUT_S))))
             pid = d.get("pid")
             same = self._host and _boot_id(d.get("host_id")) == self._host
