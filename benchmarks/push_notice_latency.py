@@ -109,7 +109,29 @@ def main(paths):
                     print(f"  {name}: n={len(xs)} p50 {quantile(xs, .5):.2f} "
                           f"p90 {quantile(xs, .9):.2f} max {max(xs, default=float('nan')):.2f} "
                           f"ms; over 2 ms: {sum(x > 2 for x in xs)}")
+        for line in ratios(groups):
+            print(line)
     return 0
+
+
+def ratios(groups):
+    """An A/B's two sets in one trace (push_ll and push_ll_c): per prompt
+    length, each latency's p50 in set c over set a (below 1: c sooner)."""
+    out = []
+    for mode in sorted({m for m, _ in groups}):
+        other = mode + "_c"
+        for (m, n) in sorted(g for g in groups if g[0] == mode):
+            if (other, n) not in groups:
+                continue
+            a, c = groups[(m, n)], groups[(other, n)]
+            parts = []
+            for name, i in (("layer notice", 0), ("target receipt", 1), ("target taken", 3)):
+                pa, pc = quantile(a[i], .5), quantile(c[i], .5)
+                if a[i] and c[i] and pa > 0:
+                    parts.append(f"{name} {pc / pa:.2f}x")
+            if parts:
+                out.append(f" p50 {other} / {mode} at {n} tokens: {', '.join(parts)}")
+    return out
 
 
 if __name__ == "__main__":

@@ -441,6 +441,9 @@ def test_push_notice_latency_by_mode():
     assert [round(x, 3) for x in target] == [1.0] and [round(x, 3) for x in lag] == [2.0]
     assert [round(x, 3) for x in got[("push_ll_c", "128")][0]] == [0.5]
     assert [round(x, 3) for x in got[("push_ll_c", "1900")][0]] == [1.5]
+    # the A/B's ratio, set c over set a, at the length both have
+    assert pn.ratios(got) == [" p50 push_ll_c / push_ll at 128 tokens: layer notice 0.10x, "
+                              "target receipt 1.00x, target taken 1.00x"]
 
 
 def _tt():
