@@ -24,3 +24,52 @@ def test_the_proxys_reading_of_a_decode_answer_survives_deep_nesting():
     RecursionError out of the proxy's relay)."""
     assert proxy_retake.failed_answer(500, DEEP) is False
     assert proxy_retake._event_verdict(DEEP) == proxy_retake.RELAY
+
+
+def _random_json_bytes(rng):
+    """Seeded hostile JSON-ish bytes: deep or unbalanced nesting, junk,
+    truncation, huge numbers, invalid UTF-8, and well-formed values."""
+    kind = rng.randrange(6)
+    if kind == 0:
+        d = rng.choice([10, 999, 1001, 5000, 200000])
+        return rng.choice([b"[", b"{\"a\":"]) * d + rng.choice([b"", b"]" * d, b"1"])
+    if kind == 1:
+        return bytes(rng.randrange(256) for _ in range(rng.randrange(0, 64)))
+    if kind == 2:
+        return b'{"0": {"engine_id": "' + rng.choice([b"::1:5", b"[::1]:5", b"h:99999", b"a:1",
+                                                       b"\xff:1", b"[]:1"]) + b'"}}'
+    if kind == 3:
+        return b"9" * rng.randrange(1, 5000)
+    if kind == 4:
+        good = b'{"t":"target","tid":"x","n":0}'
+        return good[:rng.randrange(len(good) + 1)]
+    return rng.choice([b'{"0":{"engine_id":"a:1"}}', b'{"choices":[{"finish_reason":"error"}]}',
+                       b'{"error":{"message":"x"}}', b"[]", b"null", b'"s"', b"NaN", b"1e999"])
+
+
+def test_parsers_of_outside_json_on_random_bytes():
+    """A seeded fuzz run (3,000 inputs) over the readers that take JSON from
+    outside through json_in: a push message's header (push.decode), a
+    bootstrap table (proxy_engines.parse_table), a peer record
+    (peer_record.fetch), a decode's answer and stream event
+    (proxy_retake.failed_answer, _event_verdict): each either parses or
+    refuses with its own error, never another exception."""
+    import random
+    from types import SimpleNamespace
+    from mooncake_connector.connector import peer_record, push
+    from mooncake_connector.proxy_engines import parse_table
+    rng = random.Random(41)
+    for i in range(3000):
+        raw = _random_json_bytes(rng)
+        try:
+            push.decode(push.MAGIC + raw.replace(b"\n", b" ") + b"\n")
+        except push.PushError:
+            pass
+        try:
+            parse_table(raw)
+        except ValueError:
+            pass
+        peer_record.fetch(SimpleNamespace(get=lambda k, raw=raw: raw), "e:1")
+        assert proxy_retake.failed_answer(rng.choice([200, 500]), raw) in (True, False), i
+        assert proxy_retake._event_verdict(raw) in (None, proxy_retake.FAILED,
+                                                   proxy_retake.RELAY), i
