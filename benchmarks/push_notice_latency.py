@@ -13,7 +13,12 @@ For every request whose decode waited per layer (layer_wait events):
 * target taken: the same start -> the prefill's Python took it (p_recv,
   its first copy: the forward thread's drain in save_kv_layer, or the
   producer's waiter);
-* lag: the decode's forward end - the prefill's forward end.
+* lag: the decode's forward end - the prefill's forward end;
+* GIL after the wake: where the decode's forward thread took a "layer"
+  notice right after its wait for it ended (a "woke" event, the engine's
+  last_wake()), how long it then waited for the GIL (another thread of the
+  decode's process running Python keeps it up to the switch interval:
+  push_layer_wait_switch_us shortens it during the wait).
 
 Requests are grouped by the timeline's mode and prompt length where the
 proxy's dispatch names them (ttft_timeline.py's request ids
@@ -51,25 +56,31 @@ def group_of(events):
 
 
 def measure(events):
-    """{(mode, tokens): (notice, target, lag, target taken)} lists of ms
-    (module doc)."""
+    """{(mode, tokens): (notice, target, lag, target taken, GIL after the
+    wake)} lists of ms (module doc)."""
     by = collections.defaultdict(list)
     for e in events:
         by[e.get("k")].append(e)
     groups = group_of(events)
-    out = collections.defaultdict(lambda: ([], [], [], []))
+    out = collections.defaultdict(lambda: ([], [], [], [], []))
     for k, v in by.items():
         waits = [e for e in v if e["ev"] == "layer_wait"]
         if not waits:
             continue
-        notice, target, lag, taken = out[groups.get(k, ("-", "-"))]
+        notice, target, lag, taken, gil = out[groups.get(k, ("-", "-"))]
         v.sort(key=lambda e: e["t"])
         saved = {e["li"]: e["t"] for e in v if e["ev"] == "layer_saved"}
         recv = {}
+        last = {}  # (pid, thread) -> that thread's previous event
         for e in v:
+            th = (e.get("pid"), e.get("tid"))
             if e["ev"] == "c_recv" and e.get("what") == "layer":
                 for li in e["l"]:
                     recv.setdefault(li, e["t"])
+                prev = last.get(th)
+                if prev is not None and prev["ev"] == "woke" and "gil_ms" in prev:
+                    gil.append(float(prev["gil_ms"]))
+            last[th] = e
         notice += [(recv[li] - saved[li]) * 1e3 for li in saved if li in recv]
         q = [e["t"] for e in v if e["ev"] == "target_queued"]
         s = [e["t"] for e in v if e["ev"] == "notify_sent" and e.get("what") == "target"]
@@ -97,15 +108,18 @@ def main(paths):
         for mode in modes:
             keys = sorted((g for g in groups if g[0] == mode),
                           key=lambda g: int(g[1]) if g[1].isdigit() else -1)
-            rows = [(f"{mode} all", [sum((groups[g][i] for g in keys), []) for i in range(4)])]
+            rows = [(f"{mode} all", [sum((groups[g][i] for g in keys), []) for i in range(5)])]
             if len(keys) > 1:
                 rows += [(f"{mode} {g[1]} tokens", groups[g]) for g in keys]
-            for label, (notice, target, lag, taken) in rows:
+            for label, (notice, target, lag, taken, gil) in rows:
                 print(f" {label}:")
                 for name, xs in (("layer notice, saved -> decode has it", notice),
                                  ("target, queued -> the producer's receipt", target),
                                  ("target, queued -> the producer's Python took it", taken),
-                                 ("decode forward end - prefill forward end", lag)):
+                                 ("decode forward end - prefill forward end", lag),
+                                 ("decode's GIL after the notice's wake", gil)):
+                    if not xs and name.startswith("decode's GIL"):
+                        continue  # a trace from before the "woke" events
                     print(f"  {name}: n={len(xs)} p50 {quantile(xs, .5):.2f} "
                           f"p90 {quantile(xs, .9):.2f} max {max(xs, default=float('nan')):.2f} "
                           f"ms; over 2 ms: {sum(x > 2 for x in xs)}")
@@ -125,7 +139,8 @@ def ratios(groups):
                 continue
             a, c = groups[(m, n)], groups[(other, n)]
             parts = []
-            for name, i in (("layer notice", 0), ("target receipt", 1), ("target taken", 3)):
+            for name, i in (("layer notice", 0), ("target receipt", 1), ("target taken", 3),
+                            ("GIL after the wake", 4)):
                 pa, pc = quantile(a[i], .5), quantile(c[i], .5)
                 if a[i] and c[i] and pa > 0:
                     parts.append(f"{name} {pc / pa:.2f}x")

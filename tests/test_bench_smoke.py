@@ -419,31 +419,40 @@ def test_push_notice_latency_by_mode():
         sys.path.pop(0)
     P, D = 11, 22
 
-    def req(k, rid, late_ms):
+    def req(k, rid, late_ms, gil_ms=None):
         t = 100.0
+        # the decode's forward thread (tid 1): its wait ended, then the GIL
+        woke = [] if gil_ms is None else [
+            {"t": t + 0.0029 + late_ms / 1e3, "pid": D, "tid": 1, "ev": "woke", "k": k,
+             "gil_ms": gil_ms},
+            {"t": t + 0.00295 + late_ms / 1e3, "pid": P, "tid": 1, "ev": "fwd_mid", "k": k}]
         return [{"t": t, "pid": 9, "ev": "proxy_dispatch", "k": k, "rid": rid},
                 {"t": t + 0.001, "pid": D, "ev": "target_queued", "k": k},
                 {"t": t + 0.002, "pid": D, "ev": "notify_sent", "k": k, "what": "target"},
                 {"t": t + 0.0025, "pid": P, "ev": "p_recv", "k": k, "what": "target"},
                 {"t": t + 0.003, "pid": P, "ev": "layer_saved", "k": k, "li": 0},
-                {"t": t + 0.0031, "pid": D, "ev": "layer_wait", "k": k, "li": 0},
-                {"t": t + 0.003 + late_ms / 1e3, "pid": D, "ev": "c_recv", "k": k,
+                {"t": t + 0.0031, "pid": D, "tid": 1, "ev": "layer_wait", "k": k, "li": 0}] + woke + [
+                {"t": t + 0.003 + late_ms / 1e3, "pid": D, "tid": 1, "ev": "c_recv", "k": k,
                  "what": "layer", "l": [0]},
                 {"t": t + 0.010, "pid": P, "ev": "fwd_end", "k": k},
                 {"t": t + 0.012, "pid": D, "ev": "fwd_end", "k": k}]
-    events = (req("x1", "tl-push_ll-128-0-5", 5.0) + req("x2", "tl-push_ll_c-128-0-5", 0.5)
+    events = (req("x1", "tl-push_ll-128-0-5", 5.0, gil_ms=4.0)
+              + req("x2", "tl-push_ll_c-128-0-5", 0.5, gil_ms=0.2)
               + req("x3", "tl-push_ll_c-1900-0-5", 1.5) + req("x4", "other", 3.0))
     got = pn.measure(events)
     assert set(got) == {("push_ll", "128"), ("push_ll_c", "128"), ("push_ll_c", "1900"),
                         ("-", "-")}
-    notice, target, lag, taken = got[("push_ll", "128")]
+    notice, target, lag, taken, gil = got[("push_ll", "128")]
+    assert gil == [4.0] and got[("push_ll_c", "128")][4] == [0.2]
+    assert got[("push_ll_c", "1900")][4] == []  # no wait ended just before its notice
     assert [round(x, 3) for x in notice] == [5.0] and [round(x, 3) for x in taken] == [1.5]
     assert [round(x, 3) for x in target] == [1.0] and [round(x, 3) for x in lag] == [2.0]
     assert [round(x, 3) for x in got[("push_ll_c", "128")][0]] == [0.5]
     assert [round(x, 3) for x in got[("push_ll_c", "1900")][0]] == [1.5]
     # the A/B's ratio, set c over set a, at the length both have
     assert pn.ratios(got) == [" p50 push_ll_c / push_ll at 128 tokens: layer notice 0.10x, "
-                              "target receipt 1.00x, target taken 1.00x"]
+                              "target receipt 1.00x, target taken 1.00x, "
+                              "GIL after the wake 0.05x"]
 
 
 def _tt():

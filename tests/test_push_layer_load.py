@@ -10,6 +10,7 @@ the blocks after the step."""
 import json
 import os
 import signal
+import sys
 import threading
 import time
 
@@ -1223,3 +1224,55 @@ def test_producer_replay_writes_its_layers_after_the_forward(sides_both):
     assert not p.replay  # the prompt's step ran as the replay
     assert p.run_until(lambda: p.is_empty(), steps=500) and d.is_empty()
     assert recomputes(d) == {}
+
+
+class SwitchSpy:
+    """Between a decode's worker and its engine: the GIL switch interval
+    each wait_notifies call ran under."""
+
+    def __init__(self, engine):
+        self.engine, self.seen = engine, []
+
+    def wait_notifies(self, timeout):
+        self.seen.append(sys.getswitchinterval())
+        return self.engine.wait_notifies(timeout)
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+
+@pytest.mark.parametrize("us", [200, 0], ids=["200us", "off"])
+def test_layer_wait_shortens_the_switch_interval_only_while_it_waits(sides, us):
+    """push_layer_wait_switch_us: while vLLM's forward thread waits for a
+    layer (GIL released), the process's switch interval is that short, so
+    the thread running Python when the notice wakes it hands the GIL over
+    sooner; Python's own again once the forward runs (the rest of the
+    process is not switched more often).  0 (the default): untouched."""
+    before = sys.getswitchinterval()
+    p = sides("kv_producer")
+    d = sides("kv_consumer", flow_a=False, push_layer_load=True,
+              push_layer_wait_switch_us=us)
+    w = d.worker._worker
+    w.engine = spy = SwitchSpy(w.engine)
+    lands_in_the_first_step(p, d, f"LS{us}", toks(51, 4 * BS + 5))
+    assert p.run_until(lambda: p.is_empty(), steps=500) and d.is_empty()
+    assert spy.seen, "the forward thread never waited for a layer"
+    want = us / 1e6 if us else before
+    assert any(abs(x - want) < 1e-7 for x in spy.seen), spy.seen
+    assert sys.getswitchinterval() == before
+    if not us:
+        assert all(x == before for x in spy.seen), spy.seen
+
+
+def test_layer_wait_switch_us_is_checked():
+    from types import SimpleNamespace
+
+    from mooncake_connector.connector.settings import SettingsError, resolve
+    for bad in (20, 6000, -1):
+        with pytest.raises(SettingsError, match="push_layer_wait_switch_us must be"):
+            resolve(SimpleNamespace(kv_role="kv_consumer", kv_connector_extra_config={
+                "push_layer_wait_switch_us": bad}), env={})
+    for good in (0, 50, 5000):
+        s = resolve(SimpleNamespace(kv_role="kv_consumer", kv_connector_extra_config={
+            "push_layer_wait_switch_us": good}), env={})
+        assert s.push_layer_wait_switch_us == good

@@ -8,6 +8,7 @@
 #include <time.h>
 
 #include "engine/engine.h"
+#include "util/clock.h"
 #include "gpu/cuda_driver.h"
 #include "py/py_common.h"
 
@@ -1440,6 +1441,31 @@ static PyObject *Engine_transfer_check_status(EngineObject *self, PyObject *id) 
   return failed ? NULL : PyLong_FromLong(res);
 }
 
+/* The calling thread's last wait_notifies / transfer_wait: when the wait
+ * ended in C (CLOCK_MONOTONIC ns, time.monotonic()'s clock) and how long the
+ * thread then waited to hold the GIL again (another thread of the process
+ * running Python keeps it up to the switch interval).  Thread-local: each
+ * thread reads its own (last_wake). */
+static _Thread_local uint64_t wake_ns, wake_gil_ns;
+
+#define WAIT_RELEASED(call)  \
+  do {                       \
+    uint64_t woke_;          \
+    Py_BEGIN_ALLOW_THREADS   \
+    call;                    \
+    woke_ = mc_now_ns();     \
+    Py_END_ALLOW_THREADS     \
+    wake_ns = woke_;         \
+    wake_gil_ns = mc_now_ns() - woke_; \
+  } while (0)
+
+static PyObject *Engine_last_wake(EngineObject *self, PyObject *Py_UNUSED(ignored)) {
+  (void)self;
+  if (!wake_ns)
+    Py_RETURN_NONE;
+  return Py_BuildValue("(dd)", (double)wake_ns / 1e9, (double)wake_gil_ns / 1e9);
+}
+
 PyDoc_STRVAR(transfer_wait_doc,
 "transfer_wait(batch_id, timeout) -> bool\n\n"
 "Waits (GIL released, on the batch's condition variable: no polling) until no\n"
@@ -1458,9 +1484,7 @@ static PyObject *Engine_transfer_wait(EngineObject *self, PyObject *args) {
   if (!pb)
     return NULL;
   int idle;
-  Py_BEGIN_ALLOW_THREADS
-  idle = mc_batch_wait_idle(pb->b, (uint64_t)(timeout * 1e9));
-  Py_END_ALLOW_THREADS
+  WAIT_RELEASED(idle = mc_batch_wait_idle(pb->b, (uint64_t)(timeout * 1e9)));
   batch_leave(self, pb); /* freed here if another thread took it meanwhile */
   return PyBool_FromLong(idle);
 }
@@ -1488,6 +1512,7 @@ static PyObject *Engine_get_batch_status(EngineObject *self, PyObject *id) {
 }
 
 /* ---- notifications ---- */
+
 
 #define PEER_NAME_MAX 512
 
@@ -1637,9 +1662,7 @@ static PyObject *Engine_wait_notifies(EngineObject *self, PyObject *args) {
   if (mc_py_check_timeout(timeout, 0, 0, 60, "timeout") < 0 || enter(self) < 0)
     return NULL;
   int have;
-  Py_BEGIN_ALLOW_THREADS
-  have = mc_engine_wait_notifies(self->eng, (int64_t)(timeout * 1e6));
-  Py_END_ALLOW_THREADS
+  WAIT_RELEASED(have = mc_engine_wait_notifies(self->eng, (int64_t)(timeout * 1e6)));
   leave(self);
   return PyBool_FromLong(have);
 }
@@ -1921,6 +1944,11 @@ static PyMethodDef Engine_methods[] = {
            "wait_notifies(timeout) -> bool: waits (GIL released) up to timeout seconds (0..60)\n"
            "for a notification get_notifies() would return, or a peer lost since it last\n"
            "returned (take_lost_peers names it; a loss wakes it once); takes none."),
+    METHOD(last_wake, METH_NOARGS,
+           "last_wake() -> (woke, gil_wait) | None: this thread's last wait_notifies or\n"
+           "transfer_wait: when its wait ended (time.monotonic() seconds) and the seconds it\n"
+           "then waited to hold the GIL again (another thread running Python keeps it up to\n"
+           "sys.getswitchinterval()); None before the thread's first such wait."),
     METHOD(take_lost_peers, METH_NOARGS,
            "take_lost_peers() -> list[str]: peers (segment names) whose connection to or from\n"
            "this engine failed or closed since the last call, each once (at most 64 kept)."),
