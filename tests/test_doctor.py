@@ -437,6 +437,50 @@ def test_peer_transfer_each_way(tmp_path):
         srv.wait(10)
 
 
+HOSTILE_SERVER = r"""
+import sys, time
+import mooncake_connector as mc
+port, answer = sys.argv[1], open(sys.argv[2], "rb").read()
+e = mc.TransferEngine()
+e.initialize("127.0.0.1:" + port, "P2PHANDSHAKE", "tcp", "")
+print("up", flush=True)
+end = time.monotonic() + 60
+while time.monotonic() < end:
+    for sender, msg in e.get_notifies():
+        e.send_notify(sender, answer)
+    time.sleep(0.01)
+"""
+
+
+@pytest.mark.parametrize("answer,said", [
+    (b"{not json", "not JSON"),
+    (b"[" * 100_000, "not JSON"),  # deeper than Python's stack: was RecursionError
+    (b'{"addr": "4096", "size": 67108864}', "not a doctor's answer"),
+    (b'{"addr": 4096}', "not a doctor's answer"),
+    (b"\xff\xfe", "not JSON"),
+], ids=["broken", "deep", "addr-string", "no-size", "not-utf8"])
+def test_peer_that_answers_something_else_is_named(tmp_path, answer, said):
+    """--peer at a program that answers the hello with something other
+    than `doctor --serve`'s answer: a traceback (JSONDecodeError,
+    RecursionError, KeyError, TypeError) or a write to whatever "addr"
+    said.  Now the row says what came and the fix; nothing is written."""
+    port = free_port()
+    (tmp_path / "answer").write_bytes(answer)
+    srv = subprocess.Popen([sys.executable, "-c", HOSTILE_SERVER, str(port),
+                            str(tmp_path / "answer")],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd="/")
+    try:
+        assert srv.stdout.readline().strip() == "up", srv.stderr.read()
+        rc, rows = doctor("--config", write_cfg(tmp_path), "--peer", f"127.0.0.1:{port}",
+                          "--timeout", "3")
+        r = failed(rows, "peer")
+        assert rc == 1 and said in r["detail"] and "doctor --serve" in r["fix"], r
+        assert not [x for x in rows if x["item"].endswith("64 MiB")], rows
+    finally:
+        srv.terminate()
+        srv.wait(10)
+
+
 def test_peer_not_serving(tmp_path):
     port = free_port()
     rc, rows = doctor("--config", write_cfg(tmp_path), "--peer", f"127.0.0.1:{port}",

@@ -2,6 +2,8 @@
 ValueError.  json.loads raised RecursionError for a value nested deeper
 than Python's stack, which every `except ValueError` around a peer's
 message, a metadata record or an upstream answer let through."""
+import json
+
 import pytest
 
 from mooncake_connector import json_in, proxy_retake
@@ -73,3 +75,19 @@ def test_parsers_of_outside_json_on_random_bytes():
         assert proxy_retake.failed_answer(rng.choice([200, 500]), raw) in (True, False), i
         assert proxy_retake._event_verdict(raw) in (None, proxy_retake.FAILED,
                                                    proxy_retake.RELAY), i
+
+
+def test_the_plugins_reading_of_kv_transfer_config_takes_any_text():
+    """vLLM's --kv-transfer-config text passes through the plugin (the
+    seed's kv_rank/kv_parallel_size/kv_buffer_size moved into
+    kv_connector_extra_config) before vLLM parses it: text nested deeper
+    than Python's stack raised RecursionError out of vLLM's argument
+    parsing (the plugin never raises); now it is left to vLLM, whose own
+    parse names the problem."""
+    from mooncake_connector.connector import plugin
+    for text in ("[" * 100_000, '{"a":' * 50_000, "{not json", ""):
+        assert plugin._move_seed_fields(text) == text
+    seed = ('{"kv_connector": "MooncakeConnector", "kv_role": "kv_producer", '
+            '"kv_connector_module_path": "mooncake_connector", "kv_rank": 0}')
+    moved = json.loads(plugin._move_seed_fields(seed))
+    assert moved["kv_connector_extra_config"] == {"kv_rank": 0} and "kv_rank" not in moved

@@ -23,6 +23,8 @@ import logging
 import os
 import sys
 
+from mooncake_connector import json_in
+
 logger = logging.getLogger("vllm.mooncake_connector")
 NAME = "MooncakeConnector"
 SEED_FIELDS = ("kv_rank", "kv_parallel_size", "kv_buffer_size")
@@ -117,9 +119,9 @@ def _move_seed_fields(text):
     """JSON text of --kv-transfer-config -> the same with the seed's extra
     fields moved into kv_connector_extra_config (only for our connector)."""
     try:
-        d = json.loads(text)
+        d = json_in.loads(text)
     except (TypeError, ValueError):
-        return text
+        return text  # vLLM's own parse says what is wrong with it
     if not isinstance(d, dict) or d.get("kv_connector") != NAME:
         return text
     if d.get("kv_connector_module_path") not in OUR_MODULES:

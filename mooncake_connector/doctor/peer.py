@@ -59,6 +59,21 @@ def serve(listen, cfg, seconds, out=sys.stdout):
     return 0
 
 
+def _answer(msg):
+    """The buffer address in `doctor --serve`'s answer to the hello
+    ({"addr": A, "size": 67108864}), or ValueError saying what came."""
+    from mooncake_connector import json_in
+
+    try:
+        reply = json_in.loads(msg)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"not JSON ({e})") from None
+    if not isinstance(reply, dict) or type(reply.get("addr")) is not int or \
+            reply.get("size") != PEER_BYTES or not 0 < reply["addr"] < 1 << 64:
+        raise ValueError(f"not a doctor's answer: {msg[:80]!r}")
+    return reply["addr"]
+
+
 def check_peer(rep, peer, cfg, timeout):
     import mooncake_connector as mc
 
@@ -87,13 +102,21 @@ def check_peer(rep, peer, cfg, timeout):
     try:
         try:
             eng.send_notify(peer, HELLO, timeout)
-            reply, end = None, time.monotonic() + timeout
-            while reply is None and time.monotonic() < end:
+            addr, bad, end = None, None, time.monotonic() + timeout
+            while addr is None and time.monotonic() < end:
                 for _, msg in eng.get_notifies():
-                    if msg.startswith(b"{"):
-                        reply = json.loads(msg)
+                    try:
+                        addr = _answer(msg)
+                    except ValueError as e:
+                        bad = e
                 time.sleep(0.01)
-            if reply is None:
+            if addr is None and bad is not None:
+                rep.add("peer", peer, FAIL, f"handshake: {peer} answered {bad}",
+                        f"give --peer the address `mooncake-connector doctor --serve` printed "
+                        f"on {host} (another program listens there), with the same package "
+                        "version on both hosts")
+                return
+            if addr is None:
                 raise mc.TransferTimeout(f"no answer from {peer} within {timeout:.0f} s")
         except mc.MooncakeError as e:
             if getattr(e, "code_name", "") == "MC_EAUTH" or "authenticat" in str(e).lower():
@@ -114,7 +137,7 @@ def check_peer(rep, peer, cfg, timeout):
             t0 = time.perf_counter()
             try:
                 getattr(eng, f"transfer_sync_{op}")(peer, ctypes.addressof(local_buf),
-                                                    reply["addr"], PEER_BYTES)
+                                                    addr, PEER_BYTES)
             except mc.MooncakeError as e:
                 rep.add("peer", f"{op} 64 MiB", FAIL, str(e),
                         "the handshake worked but the data path did not: check the RDMA/TCP "
