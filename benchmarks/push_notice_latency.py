@@ -17,8 +17,7 @@ For every request whose decode waited per layer (layer_wait events):
 * GIL after the wake: where the decode's forward thread took a "layer"
   notice right after its wait for it ended (a "woke" event, the engine's
   last_wake()), how long it then waited for the GIL (another thread of the
-  decode's process running Python keeps it up to the switch interval:
-  push_layer_wait_switch_us shortens it during the wait).
+  decode's process running Python keeps it up to the switch interval).
 
 Requests are grouped by the timeline's mode and prompt length where the
 proxy's dispatch names them (ttft_timeline.py's request ids

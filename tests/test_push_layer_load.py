@@ -1226,53 +1226,30 @@ def test_producer_replay_writes_its_layers_after_the_forward(sides_both):
     assert recomputes(d) == {}
 
 
-class SwitchSpy:
-    """Between a decode's worker and its engine: the GIL switch interval
-    each wait_notifies call ran under."""
 
-    def __init__(self, engine):
-        self.engine, self.seen = engine, []
-
-    def wait_notifies(self, timeout):
-        self.seen.append(sys.getswitchinterval())
-        return self.engine.wait_notifies(timeout)
-
-    def __getattr__(self, name):
-        return getattr(self.engine, name)
-
-
-@pytest.mark.parametrize("us", [200, 0], ids=["200us", "off"])
-def test_layer_wait_shortens_the_switch_interval_only_while_it_waits(sides, us):
-    """push_layer_wait_switch_us: while vLLM's forward thread waits for a
-    layer (GIL released), the process's switch interval is that short, so
-    the thread running Python when the notice wakes it hands the GIL over
-    sooner; Python's own again once the forward runs (the rest of the
-    process is not switched more often).  0 (the default): untouched."""
-    before = sys.getswitchinterval()
+def test_a_layer_wait_traces_its_wake_and_the_gil_wait(sides, tmp_path, monkeypatch):
+    """With MC_TRACE, each wait of the decode's forward thread that a
+    notification ended is traced "woke": when the wait ended in C and how
+    long the thread then waited for the GIL (TransferEngine.last_wake();
+    benchmarks/push_notice_latency.py reads it after a layer notice)."""
+    from mooncake_connector import trace
+    path = tmp_path / "trace.jsonl"
+    monkeypatch.setattr(trace, "ON", True)
+    monkeypatch.setattr(trace, "PATH", str(path))
+    monkeypatch.setattr(trace, "_fd", None)
+    monkeypatch.setattr(trace, "_limit", 1 << 30)
+    monkeypatch.setattr(trace, "_written", 0)
+    monkeypatch.setattr(trace, "_full", False)
     p = sides("kv_producer")
-    d = sides("kv_consumer", flow_a=False, push_layer_load=True,
-              push_layer_wait_switch_us=us)
-    w = d.worker._worker
-    w.engine = spy = SwitchSpy(w.engine)
-    lands_in_the_first_step(p, d, f"LS{us}", toks(51, 4 * BS + 5))
+    d = sides("kv_consumer", flow_a=False, push_layer_load=True)
+    t0 = time.monotonic()
+    lands_in_the_first_step(p, d, "LW1", toks(51, 4 * BS + 5))
     assert p.run_until(lambda: p.is_empty(), steps=500) and d.is_empty()
-    assert spy.seen, "the forward thread never waited for a layer"
-    want = us / 1e6 if us else before
-    assert any(abs(x - want) < 1e-7 for x in spy.seen), spy.seen
-    assert sys.getswitchinterval() == before
-    if not us:
-        assert all(x == before for x in spy.seen), spy.seen
-
-
-def test_layer_wait_switch_us_is_checked():
-    from types import SimpleNamespace
-
-    from mooncake_connector.connector.settings import SettingsError, resolve
-    for bad in (20, 6000, -1):
-        with pytest.raises(SettingsError, match="push_layer_wait_switch_us must be"):
-            resolve(SimpleNamespace(kv_role="kv_consumer", kv_connector_extra_config={
-                "push_layer_wait_switch_us": bad}), env={})
-    for good in (0, 50, 5000):
-        s = resolve(SimpleNamespace(kv_role="kv_consumer", kv_connector_extra_config={
-            "push_layer_wait_switch_us": good}), env={})
-        assert s.push_layer_wait_switch_us == good
+    monkeypatch.setattr(trace, "ON", False)
+    if trace._fd is not None:
+        os.close(trace._fd)
+    events = [json.loads(x) for x in path.read_text().splitlines()]
+    woke = [e for e in events if e["ev"] == "woke" and e["k"] == "LW1"]
+    assert woke, sorted({e["ev"] for e in events})
+    for e in woke:
+        assert t0 <= e["cw"] <= e["t"] and 0 <= e["gil_ms"] < 1000, e

@@ -73,7 +73,7 @@ static const char *const k_knob_keys[] = {
     "sync_load_max_bytes", "sync_load_timeout_s", "idle_wait_ms", "push_layerwise",
     "push_layerwise_cuda", "push_layer_gate", "push_layer_watch", "push_layer_load",
     "push_layer_read", "push_layer_read_stall_s", "push_layer_load_max_batch", "early_recv",
-    "push_layer_load_async", "push_target_direct", "push_layer_wait_switch_us",
+    "push_layer_load_async", "push_target_direct",
     "push_layer_timeout_s", "kv_cache_access", "bootstrap_port", "bootstrap_host",
     "idle_wait_max_ms", "malloc_trim_idle_s",
 };

@@ -8,7 +8,6 @@ completed or were cancelled); blocks it did not fill become load errors
 """
 import logging
 import os
-import sys
 import time
 
 from mooncake_connector import trace
@@ -205,14 +204,6 @@ class Loads:
                     if rbid is None:
                         rbid = self.w.push_c.read_wait(ld)
             timeout = min(max(until - now, 0.0005), self.NAP_S)
-            # a layer's wait (push_layer_wait_switch_us): the thread running
-            # Python when the notice wakes this one hands over the GIL sooner
-            sw = 0 if end else getattr(self.w.s, "push_layer_wait_switch_us", 0) / 1e6
-            prev = sys.getswitchinterval()
-            if sw >= prev:
-                sw = 0
-            if sw:
-                sys.setswitchinterval(sw)
             try:
                 if rbid is not None:
                     eng.transfer_wait(rbid, timeout)
@@ -222,16 +213,11 @@ class Loads:
             except Exception:  # noqa: BLE001 - a read taken meanwhile: the next check
                 # sees it; the engine closed meanwhile (sleep mode, shutdown): a nap
                 have = None
-            finally:
-                # Python's own once this thread runs again (unless another
-                # setter changed it meanwhile)
-                if sw and abs(sys.getswitchinterval() - sw) < 1e-7:
-                    sys.setswitchinterval(prev)
             if have and trace.ON and hasattr(eng, "last_wake"):
                 wake = eng.last_wake()
                 if wake is not None:  # when the wait ended in C, then the GIL's wait
                     trace.event("woke", self.layered[0].spec.push_tid if self.layered else "",
-                                cw=wake[0], gil_ms=round(wake[1] * 1e3, 3), sw=sw or prev)
+                                cw=wake[0], gil_ms=round(wake[1] * 1e3, 3))
             if have is not None or rbid is not None:
                 return
         time.sleep(0.0005)

@@ -152,13 +152,6 @@ KNOBS = {  # extra-config key: (type, default, meaning)
                    "a whole-prompt push's TTFT 1.3-2.6 ms shorter on an H100); false: told "
                    "with the output that carries it, a step later (docs/connector.md, "
                    "Asynchronous scheduling)"),
-    "push_layer_wait_switch_us": (int, 0, "consumer, push_layer_load: while vLLM's forward "
-                                  "thread waits for a layer's KV (GIL released), the "
-                                  "process's GIL switch interval is this many microseconds "
-                                  "(50-5000), Python's own again once the thread runs: woken "
-                                  "by the layer's notice, it waits for whichever thread runs "
-                                  "Python that long at most, not Python's 5 ms; 0: Python's "
-                                  "interval throughout (docs/connector.md, Layer load)"),
     "push_target_direct": (bool, True, "consumer, push_layer_load: vLLM's forward thread "
                            "sends a layer load's target itself (one round trip to a producer "
                            "reached before, the one rank of its route, at most 50 ms, GIL "
@@ -233,7 +226,6 @@ class Settings:
     push_layer_read_stall_s: float = 0.5
     early_recv: bool = True
     push_target_direct: bool = True
-    push_layer_wait_switch_us: int = 0
     malloc_trim_idle_s: float = 30.0
 
     @property
@@ -688,10 +680,6 @@ def resolve(kv_transfer_config, env=None):
     if not 0 <= s.malloc_trim_idle_s <= 86_400:  # also refuses NaN
         raise SettingsError("kv_connector_extra_config.malloc_trim_idle_s must be 0 (off) to "
                             f"86400 seconds, not {s.malloc_trim_idle_s!r}")
-    if s.push_layer_wait_switch_us and not 50 <= s.push_layer_wait_switch_us <= 5000:
-        raise SettingsError("kv_connector_extra_config.push_layer_wait_switch_us must be 0 "
-                            "(Python's switch interval throughout) or 50-5000 microseconds, "
-                            f"not {s.push_layer_wait_switch_us!r}")
     if not 0 <= s.probe_wait_ms <= 10_000:  # also refuses NaN
         raise SettingsError("kv_connector_extra_config.probe_wait_ms must be 0-10000 (a new "
                             f"request's first step may wait as long), not {s.probe_wait_ms!r}")
