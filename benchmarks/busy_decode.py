@@ -16,8 +16,13 @@ decode's push_layer_load_max_batch: the default 64 lets layer loads stall
 the streams (what the knob protects against); 0 (the connector's default)
 turns them into whole-prompt pushes on a busy decode (counted).
 
-  PYTHONPATH=$PWD .venv/bin/python -P benchmarks/busy_decode.py \
+  .venv/bin/python -P benchmarks/busy_decode.py \
       [--streams 4] [--arrivals 6] [--prompt-words 700] [--max-batch 64]
+
+(the installed package: `pip install .` first; PYTHONPATH=$PWD would
+import the source tree, whose _core is not built there, and the servers
+would fail to start).  With MC_TRACE=FILE the servers trace each request
+(benchmarks/push_notice_latency.py FILE reads the layer loads).
 """
 import argparse
 import concurrent.futures
