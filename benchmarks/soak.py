@@ -722,9 +722,14 @@ class Faults(threading.Thread):
         try:
             with self.gate.restart(name, self._wait_s()):
                 started.set()
-                k, errs = restart_with_retries(
-                    lambda: self.c.launcher.start_all([srv], self.args.start_timeout),
-                    self.args.restart_attempts, failed)
+                try:
+                    k, errs = restart_with_retries(
+                        lambda: self.c.launcher.start_all([srv], self.args.start_timeout),
+                        self.args.restart_attempts, failed)
+                finally:
+                    # stamped before the gate lets a waiting link cut or
+                    # etcd restart begin: the report's order is the gate's
+                    ev["end"] = round(self.now(), 2)
             if k is None:
                 rec["failed"] += 1
                 self.harness_failures.append(
@@ -740,7 +745,8 @@ class Faults(threading.Thread):
             self.harness_failures.append(f"{name} restart: {e!r}")
         finally:
             started.set()
-            ev["end"] = round(self.now(), 2)
+            if ev["end"] is None:  # the gate's wait failed
+                ev["end"] = round(self.now(), 2)
             self.c.restarting.discard(name)
 
     def stop_decode(self):
