@@ -1513,7 +1513,6 @@ static PyObject *Engine_get_batch_status(EngineObject *self, PyObject *id) {
 
 /* ---- notifications ---- */
 
-
 #define PEER_NAME_MAX 512
 
 /* The preamble of a call on one peer (send_notify, describe_segment,

@@ -10,6 +10,8 @@ import socket
 import sys
 import time
 
+from mooncake_connector import json_in
+
 from .auth import _secret
 from .hosts import _route_src, _split_hp
 from .report import FAIL, OK
@@ -62,11 +64,9 @@ def serve(listen, cfg, seconds, out=sys.stdout):
 def _answer(msg):
     """The buffer address in `doctor --serve`'s answer to the hello
     ({"addr": A, "size": 67108864}), or ValueError saying what came."""
-    from mooncake_connector import json_in
-
     try:
         reply = json_in.loads(msg)
-    except (ValueError, UnicodeDecodeError) as e:
+    except ValueError as e:  # UnicodeDecodeError too
         raise ValueError(f"not JSON ({e})") from None
     if not isinstance(reply, dict) or type(reply.get("addr")) is not int or \
             reply.get("size") != PEER_BYTES or not 0 < reply["addr"] < 1 << 64:
@@ -103,7 +103,7 @@ def check_peer(rep, peer, cfg, timeout):
         try:
             eng.send_notify(peer, HELLO, timeout)
             addr, bad, end = None, None, time.monotonic() + timeout
-            while addr is None and time.monotonic() < end:
+            while addr is None and bad is None and time.monotonic() < end:
                 for _, msg in eng.get_notifies():
                     try:
                         addr = _answer(msg)
