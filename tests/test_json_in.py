@@ -59,6 +59,7 @@ def test_parsers_of_outside_json_on_random_bytes():
     import random
     from types import SimpleNamespace
     from mooncake_connector.connector import peer_record, push
+    from mooncake_connector.doctor.peer import _answer
     from mooncake_connector.proxy_engines import parse_table
     rng = random.Random(41)
     for i in range(3000):
@@ -72,6 +73,10 @@ def test_parsers_of_outside_json_on_random_bytes():
         except ValueError:
             pass
         peer_record.fetch(SimpleNamespace(get=lambda k, raw=raw: raw), "e:1")
+        try:  # doctor --peer's reading of the answer to its hello
+            assert type(_answer(raw)) is int, i
+        except ValueError:
+            pass
         assert proxy_retake.failed_answer(rng.choice([200, 500]), raw) in (True, False), i
         assert proxy_retake._event_verdict(raw) in (None, proxy_retake.FAILED,
                                                    proxy_retake.RELAY), i
