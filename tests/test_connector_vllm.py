@@ -548,6 +548,47 @@ def test_async_scheduling_loads_in_the_background(model_dir, urls):  # noqa: F81
             s_.close()
 
 
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_v2_runner_on_a_gpu_loads_in_the_background(model_dir, urls, device):  # noqa: F811
+    """vLLM's V2 model runner (the default runner of vLLM 0.2x on GPUs,
+    0.34's only one) on a GPU, vLLM's "recompute" policy: a failed in-step
+    load would be recomputed at stale positions, a wrong answer
+    (connector.stale_recompute_runner; vLLM issue #49250).  So the remote hit
+    that test_remote_hit_loads_in_the_step_without_extra_steps loads inside
+    the step goes in the background (WAITING_FOR_REMOTE_KVS); the bytes
+    arrive, loads_in_step 0.  The same V2 runner on the CPU backend (its
+    count in one memory) keeps the in-step load."""
+    made = []
+
+    def side(role, **kw):
+        made.append(Side(model_dir, role, dict(urls), block_size=BS, **kw))
+        return made[-1]
+    try:
+        p = side("kv_producer")
+        d = side("kv_consumer", v2_runner_on=device)
+        t = toks(53, 5 * BS + 3)
+        prefill(p, "i", t)
+        d.add(make_request("i", t, max_tokens=3))
+        so = d.step()
+        if device == "cpu":  # in the step, as with vLLM's V1 runner
+            assert so.num_scheduled_tokens.get("i") == 3 and "i" not in d.recvd
+        else:
+            assert "i" not in so.num_scheduled_tokens, so.num_scheduled_tokens
+            assert status(d, "i") == RequestStatus.WAITING_FOR_REMOTE_KVS
+            assert d.run_until(lambda: "i" in d.recvd, steps=2000), "not loaded"
+        assert d.block_matches_pattern("i", t, 5)          # the producer's bytes
+        assert d.run_until(lambda: "i" not in d.sched.requests)
+        assert not d.invalid
+        st = _stats(d)
+        assert st["loads"] == 1 and st["load_tokens"] == 5 * BS, st
+        assert st.get("loads_in_step", 0) == (1 if device == "cpu" else 0), st
+        assert getattr(d.sched.connector._scheduler, "stale_recompute", None) == (
+            "vLLM's V2 model runner on cuda" if device == "cuda" else None)
+    finally:
+        for s_ in made:
+            s_.close()
+
+
 @pytest.mark.parametrize("early", [None, True, False], ids=["default", "early_recv", "off"])
 def test_async_scheduling_computes_a_load_in_the_step_after_it_ended(model_dir,  # noqa: F811
                                                                     urls, early):

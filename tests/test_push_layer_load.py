@@ -136,7 +136,8 @@ def side_maker(model_dir, urls, **side_kw):
     def make(role, **extra):
         hooks = {k: extra.pop(k) for k in ("die_after_layer", "pause_after_layer", "hold_at_end",
                                            "hold_after_layer",
-                                           "cudagraph_mode", "async_scheduling", "pipelined")
+                                           "cudagraph_mode", "async_scheduling", "pipelined",
+                                           "v2_runner_on")
                  if k in extra}
         return AttnSide(model_dir, role, {**urls, **extra}, block_size=BS, **hooks, **side_kw)
 
@@ -1065,6 +1066,36 @@ def test_async_scheduling_takes_the_whole_prompt_push(sides):
     c = counters(d)
     assert c.get("push_layer_loads", 0) == 0 and c.get("loads_in_step", 0) == 0, c
     assert c.get("push_loads") == 1, c
+
+
+def test_v2_runner_on_a_gpu_takes_the_whole_prompt_push(sides):
+    """vLLM's V2 model runner on a GPU (the default runner of vLLM 0.2x on
+    GPUs, 0.34's only one), the decode on --no-async-scheduling, vLLM's
+    "recompute" policy (ours by default): that runner recomputes a failed
+    in-step load at stale positions (connector.stale_recompute_runner; vLLM
+    issue #49250): a wrong answer.  So a layer load asked for per request
+    waits as a whole-prompt push (its failure is an async load's, which the
+    V2 runner recomputes from the right count), counted
+    push_layer_load_runner; the KV lands whole, nothing recomputed."""
+    p = sides("kv_producer")
+    d = sides("kv_consumer", flow_a=False, v2_runner_on="cuda")
+    _takes_the_whole_prompt_push(p, d, "A7", toks(68, 4 * BS + 3), "push_layer_load_runner")
+    c = counters(d)
+    assert c.get("push_layer_loads", 0) == 0 and c.get("loads_in_step", 0) == 0, c
+    assert c.get("push_loads") == 1 and c.get("push_layer_load_async_sched", 0) == 0, c
+
+
+def test_v2_runner_on_a_gpu_loads_in_the_step_with_the_fail_policy(sides):
+    """The same V2 runner on a GPU with load_failure_policy "fail" (a failed
+    in-step load ends its request with an error, nothing recomputed; our
+    proxy sends it once more): the layer load is taken in the step."""
+    p = sides("kv_producer")
+    d = sides("kv_consumer", flow_a=False, v2_runner_on="cuda", push_layer_load=True,
+              load_failure_policy="fail")
+    lands_in_the_first_step(p, d, "A8", toks(69, 4 * BS + 5))
+    assert p.run_until(lambda: p.is_empty(), steps=500) and d.is_empty()
+    assert recomputes(d) == {} and counted(d, "push_layer_load_runner") == 0
+    assert counters(d).get("push_layer_loads") == 1, counters(d)
 
 
 def test_async_scheduling_loads_in_the_step_with_push_layer_load_async(sides):

@@ -105,7 +105,7 @@ class Side:
     def __init__(self, model_dir, role, extra, num_blocks=64, block_size=16, tp=1,
                  sliding_window=None, pp=1, prefix_caching=False, max_batched=512,
                  long_prefill=0, cudagraph_mode=None, async_scheduling=False,
-                 pipelined=False):
+                 pipelined=False, v2_runner_on=None):
         """sliding_window: layer 1 is a sliding-window layer in its own
         KV-cache group (vLLM's hybrid KV-cache manager, SupportsHMA).
         pp: pipeline stages; stage s holds layer s (LAYERS == 2).
@@ -125,7 +125,11 @@ class Side:
         executor runs them inline), then hand the scheduler the output of
         step k-1 -- not k's; an output with nothing in it reaches the
         scheduler as vLLM's model runners give it (no KVConnectorOutput,
-        ModelRunnerOutput.with_kv_conn_output_only)."""
+        ModelRunnerOutput.with_kv_conn_output_only).
+        v2_runner_on: a device ("cuda", "cpu"): the config a server on that
+        device starts its connector with where vLLM runs its V2 model runner
+        (VLLM_USE_V2_MODEL_RUNNER=1 while the scheduler and the connectors
+        are made; the stand-in forward is the same)."""
         self.cfg = make_config(model_dir, role, extra, block_size,
                                prefix_caching=prefix_caching, max_batched=max_batched,
                                long_prefill=long_prefill)
@@ -134,6 +138,22 @@ class Side:
             self.cfg.model_config.enforce_eager = False
         if async_scheduling:
             self.cfg.scheduler_config.async_scheduling = True
+        v2_env = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
+        if v2_runner_on:
+            self.cfg.device_config.device_type = v2_runner_on
+            os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
+        try:
+            self._make(model_dir, role, num_blocks, block_size, tp, pp, sliding_window,
+                       prefix_caching, pipelined, async_scheduling)
+        finally:
+            if v2_runner_on:
+                if v2_env is None:
+                    os.environ.pop("VLLM_USE_V2_MODEL_RUNNER", None)
+                else:
+                    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = v2_env
+
+    def _make(self, model_dir, role, num_blocks, block_size, tp, pp, sliding_window,
+              prefix_caching, pipelined, async_scheduling):
         self.cfg.parallel_config.tensor_parallel_size = tp
         self.cfg.parallel_config.pipeline_parallel_size = pp
         self.tp = tp * pp  # workers that must all report a request finished

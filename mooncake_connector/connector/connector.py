@@ -214,6 +214,52 @@ def async_scheduling_on(vllm_config):
     return getattr(sc, "async_scheduling", False) is True
 
 
+def stale_recompute_runner(vllm_config):
+    """Where vLLM recomputes a failed in-step load wrongly: its V2 model
+    runner on a GPU (vLLM 0.2x's default for most models on a GPU, 0.34's
+    only one), or None.  After an in-step load fails, vLLM's scheduler
+    truncates the request's computed tokens to its first failed block; the
+    V2 runner writes that count into its CPU mirror only, while the copy on
+    the GPU -- from which the next step gathers the recompute's tokens and
+    positions -- keeps the count the failed step advanced it to.  The
+    recompute then runs the wrong tokens at the wrong positions and the
+    request's answer is wrong (vLLM issue #49250, read in vLLM 0.26's and
+    0.34's gpu/model_runner.py update_requests; the fix, PR #49252, is not
+    in 0.34).  vLLM's V1 runner sends the count with every step and its CPU
+    backend's V2 runner keeps both in one memory: they recompute correctly.
+    The answer names what runs here, for the log."""
+    device = getattr(getattr(vllm_config, "device_config", None), "device_type", None)
+    if device is None:
+        try:
+            from vllm.platforms import current_platform
+            device = current_platform.device_type
+        except Exception:  # noqa: BLE001  no platform: nothing runs a GPU runner here
+            device = None
+    if not device or str(device) == "cpu" or not _v2_model_runner(vllm_config):
+        return None
+    return f"vLLM's V2 model runner on {device}"
+
+
+def _v2_model_runner(vllm_config):
+    """Whether vLLM runs its V2 model runner: the config's own answer where
+    vLLM has both runners (0.2x-0.33: the property use_v2_model_runner),
+    else whether only the V2 runner's module is there (0.34 removed V1)."""
+    try:
+        v2 = vllm_config.use_v2_model_runner
+    except AttributeError:
+        v2 = None
+    except Exception:  # noqa: BLE001  the property refused its own config: say V2 (the safe side)
+        return True
+    if isinstance(v2, bool):
+        return v2
+    import importlib.util
+    try:
+        return (importlib.util.find_spec("vllm.v1.worker.gpu.model_runner") is not None
+                and importlib.util.find_spec("vllm.v1.worker.gpu_model_runner") is None)
+    except (ImportError, ValueError):
+        return False
+
+
 def cudagraph_facts(vllm_config):
     """How vLLM will run this instance's forwards, as far as the connector's
     per-layer hooks care (docs/connector.md, "CUDA graphs"): (mixed batches
@@ -298,6 +344,9 @@ class MooncakeConnector(KVConnectorBase_V1, SupportsHMA):
                                                                "kv_cache_groups", None) or [0]),
                                             graphs=cudagraph_facts(vllm_config),
                                             async_scheduling=async_scheduling_on(vllm_config),
+                                            stale_recompute=stale_recompute_runner(vllm_config)
+                                            if s.is_consumer
+                                            and s.load_failure_policy == "recompute" else None,
                                             early=early, dp_size=_dp_size(vllm_config),
                                             dp_local=dp_local(vllm_config),
                                             pp_size=_pp(vllm_config)[1])

@@ -86,7 +86,8 @@ def bytes_per_block(kv_cache_config):
 class SchedulerSide:
     def __init__(self, settings, block_size, tp_size, kv_cache_manager_getter,
                  block_bytes=None, probe=None, groups=1, graphs=(False, False, 1),
-                 async_scheduling=False, early=None, dp_size=1, dp_local=0, pp_size=1):
+                 async_scheduling=False, early=None, dp_size=1, dp_local=0, pp_size=1,
+                 stale_recompute=None):
         self.s = settings
         # vLLM's data parallelism inside this server: a forget (legs.py) may
         # reach another engine than its leg's, which would answer "unseen"
@@ -101,6 +102,12 @@ class SchedulerSide:
         # the background (WAITING_FOR_REMOTE_KVS) and a layer load is taken
         # as a whole-prompt push.
         self.async_scheduling = async_scheduling
+        # connector.stale_recompute_runner under load_failure_policy
+        # "recompute" (what runs here, else None): vLLM would recompute a
+        # failed in-step load at stale positions (a wrong answer), so no
+        # in-step loads either; "fail" lifts it (the request ends with an
+        # error, which our proxy takes again).
+        self.stale_recompute = stale_recompute
         # connector.cudagraph_facts: (mixed batches replay FULL CUDA graphs,
         # uniform decode batches do, the uniform decode query length)
         self.graphs = graphs
@@ -534,6 +541,17 @@ class SchedulerSide:
         nbytes = None if self.block_bytes is None else \
             (held - num_computed_tokens) // self.block_size * self.block_bytes
         sync = nbytes is not None and nbytes <= self.s.sync_load_max_bytes
+        if sync and self.stale_recompute and not self.async_scheduling:
+            sync = False
+            _log_async_once("MooncakeConnector: loads go in the background "
+                            "(WAITING_FOR_REMOTE_KVS), not in the step that computes the "
+                            f"prompt's rest: {self.stale_recompute} would recompute a failed "
+                            "in-step load at stale positions (a wrong answer; vLLM issue "
+                            "#49250) under load_failure_policy 'recompute'; "
+                            "load_failure_policy 'fail' brings in-step loads back (a failed "
+                            "one then ends its request with an error, which our proxy sends "
+                            "once more) (docs/connector.md, The V2 model runner)",
+                            level=logging.WARNING)
         if sync and self.async_scheduling:
             sync = False
             _log_async_once("MooncakeConnector: loads go in the background "
@@ -592,6 +610,24 @@ class SchedulerSide:
                                 "push_layer_load_async with load_failure_policy 'fail').  "
                                 "Counted "
                                 "vllm:mooncake_push_layer_load_async_sched_total",
+                                level=logging.WARNING)
+            return 0
+        if self.stale_recompute:
+            # An in-step load whose failure (a stopped or dead prefill, a
+            # lease run out) vLLM's runner here would recompute into a wrong
+            # answer: the whole-prompt push instead (its failure is an async
+            # load's, recomputed correctly); counted, logged once.
+            if rid not in self._busy:
+                self._busy.add(rid)
+                self.stats.add("push_layer_load_runner")
+                _log_async_once("MooncakeConnector: push_layer_load requests take the "
+                                f"whole-prompt push on this server: {self.stale_recompute} "
+                                "would recompute a failed in-step load at stale positions (a "
+                                "wrong answer; vLLM issue #49250) under load_failure_policy "
+                                "'recompute'; set load_failure_policy 'fail' for layer loads "
+                                "(a failed one ends its request with an error, which our proxy "
+                                "sends once more).  Counted "
+                                "vllm:mooncake_push_layer_load_runner_total",
                                 level=logging.WARNING)
             return 0
         others = len(self._batch - {rid})

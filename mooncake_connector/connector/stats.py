@@ -27,6 +27,7 @@ COUNTERS = ("loads", "loads_in_step", "loads_failed", "load_bytes", "load_bytes_
             "sends_finished", "sends_expired", "push_loads", "push_sends", "push_bytes",
             "push_failed", "push_layer_loads", "push_producer_lost", "push_layer_load_busy",
             "push_layer_load_cudagraph", "push_layer_load_async_sched",
+            "push_layer_load_runner",
             "push_target_resends", "push_targets_direct", "push_fence_cuts", "push_fence_holds",
             "push_untargeted_cancels", "push_layer_reads", "push_layer_read_gave_up",
             "push_bytes_same_host_cpu", "push_gate_host_batches", "malloc_trims",
@@ -167,6 +168,11 @@ PROM_COUNTERS = {
                                     "Consumer: push_layer_load requests taken as whole-prompt "
                                     "pushes because vLLM's asynchronous scheduling is on "
                                     "(vLLM cannot recover a failed in-step load under it)"),
+    "push_layer_load_runner": ("vllm:mooncake_push_layer_load_runner_total",
+                               "Consumer: push_layer_load requests taken as whole-prompt "
+                               "pushes because vLLM's model runner here (V2 on a GPU) would "
+                               "recompute a failed in-step load wrongly under "
+                               "load_failure_policy recompute"),
     "push_producer_lost": ("vllm:mooncake_push_producer_lost_total",
                            "Consumer: push loads that stopped waiting at once because the "
                            "producer's connection was lost"),
