@@ -415,6 +415,35 @@ def test_vllm_version_in_range_and_plugin_registered(tmp_path):
     assert v["status"] in ("ok", "skip"), v
     if v["status"] == "ok":  # vLLM < 0.34 (no KVCacheAccess): said so, not a failure
         assert row(rows, "vllm", "kv cache access")["status"] in ("ok", "skip")
+    if v["status"] == "ok":  # no NVIDIA device on this host: the runner row says so
+        m = row(rows, "vllm", "model runner")
+        assert m["status"] == ("skip" if not os.path.exists("/dev/nvidiactl") else "ok"), m
+
+
+@pytest.mark.parametrize("version,is_cuda,env,want", [
+    ("0.34.0", True, {}, "V2, vLLM's only GPU runner"),
+    ("0.34.0", True, {"VLLM_USE_V2_MODEL_RUNNER": "0"}, "V2, vLLM's only GPU runner"),
+    ("0.26.0", True, {}, "V2, vLLM's default"),
+    ("0.32.0", True, {"VLLM_USE_V2_MODEL_RUNNER": "1"}, "V2 (VLLM_USE_V2_MODEL_RUNNER=1)"),
+    ("0.32.0", True, {"VLLM_USE_V2_MODEL_RUNNER": "0"}, "V1"),
+    ("0.34.0", False, {}, None),
+])
+def test_model_runner_row(version, is_cuda, env, want):
+    """Which model runner a GPU server here runs: on the V2 runner the row
+    says a consumer under "recompute" makes no in-step load (vLLM issue
+    #49250) and names the fix; V1 and the CPU backend keep in-step loads."""
+    from mooncake_connector.doctor import Report, check_model_runner
+    rep = Report()
+    check_model_runner(rep, version, is_cuda=is_cuda, environ=env)
+    (r,) = rep.rows
+    assert (r.check, r.item) == ("vllm", "model runner"), r
+    if want is None:
+        assert r.status == "skip" and "in-step loads stay on" in r.detail, r
+    elif want == "V1":
+        assert r.status == "ok" and r.detail.startswith("V1") and "stay on" in r.detail, r
+    else:
+        assert r.status == "ok" and r.detail.startswith(want), r
+        assert "#49250" in r.detail and '"fail"' in r.detail and "background" in r.detail, r
 
 
 # ------------------------------------------------------------ 18-19: peer

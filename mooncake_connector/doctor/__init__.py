@@ -23,7 +23,9 @@ Checks, in order (docs/doctor.md lists what each catches and the fix):
   rdma      (protocol rdma) libibverbs, each device of device_name present, its
             ports ACTIVE, a usable GID, the MTU
   gpu       CUDA GPUs and their GPUDirect capability (DMA-BUF, nvidia_peermem)
-  vllm      the installed vLLM against the supported range, the plugin registered
+  vllm      the installed vLLM against the supported range, the plugin registered,
+            the KV-cache access flags declared (>= 0.34), the model runner a GPU
+            server runs (V2: no in-step loads under "recompute")
   peer      (--peer) a 64 MiB WRITE and READ against `doctor --serve` on the
             other host, byte-checked, with GB/s each way
 
@@ -48,10 +50,12 @@ from .rdma import check_rdma, rdma_devices
 from .report import FAIL, OK, SKIP, WARN, Report, Row
 from .runner import _default_listen, build_parser, main, run
 from .same_host import _ptrace_scope, check_same_host
-from .vllm_plugin import _in_range, _vtuple, check_kv_cache_access, check_vllm, supported_vllm
+from .vllm_plugin import (_in_range, _vtuple, check_kv_cache_access, check_model_runner,
+                          check_vllm, supported_vllm)
 
 __all__ = ["OK", "WARN", "FAIL", "SKIP", "Row", "Report", "PEER_BYTES", "HELLO", "SLOW_METADATA_MS",
            "MIN_SECRET_BYTES", "check_config", "check_metadata", "diagnose_metadata", "curl_proxy",
            "sniff", "check_auth", "check_engine", "check_rdma", "rdma_devices", "check_gpu",
-           "check_same_host", "check_vllm", "check_kv_cache_access", "supported_vllm",
+           "check_same_host", "check_vllm", "check_kv_cache_access", "check_model_runner",
+           "supported_vllm",
            "check_peer", "serve", "build_parser", "run", "main"]

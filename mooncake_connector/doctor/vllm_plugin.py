@@ -85,6 +85,7 @@ def check_vllm(rep):
             " (vLLM loads it)" if version else ""))
     if version is not None:
         check_kv_cache_access(rep, version)
+        check_model_runner(rep, version)
 
 
 def check_kv_cache_access(rep, version, is_cuda=None):
@@ -106,3 +107,35 @@ def check_kv_cache_access(rep, version, is_cuda=None):
     got, why = access.kv_cache_access_for(flags, is_cuda)
     names = "|".join(f.name for f in flags if f in got)
     rep.add("vllm", "kv cache access", OK, f"declares {names}: {why}")
+
+
+def check_model_runner(rep, version, is_cuda=None, environ=None):
+    """Which of vLLM's model runners a GPU server here runs, as far as the
+    connector's in-step loads care (connector.stale_recompute_runner): the V2
+    runner recomputes a failed in-step load wrongly (vLLM issue #49250), so a
+    consumer under load_failure_policy "recompute" loads in the background
+    there.  Decided without importing vLLM: its version (0.34 has only V2;
+    before, V2 unless VLLM_USE_V2_MODEL_RUNNER=0, for most models), CUDA as
+    in check_kv_cache_access."""
+    env = os.environ if environ is None else environ
+    if is_cuda is None:
+        is_cuda = os.path.exists("/dev/nvidiactl")
+    if not is_cuda:
+        rep.add("vllm", "model runner", SKIP, "no NVIDIA GPU here: vLLM's CPU backend recomputes "
+                "a failed in-step load correctly (in-step loads stay on)")
+        return
+    choice = (env.get("VLLM_USE_V2_MODEL_RUNNER") or "").strip().lower()
+    if _vtuple(version) < (0, 34) and choice in ("0", "false"):
+        rep.add("vllm", "model runner", OK, "V1 (VLLM_USE_V2_MODEL_RUNNER=0): a failed in-step "
+                "load is recomputed correctly; in-step loads stay on")
+        return
+    which = ("V2, vLLM's only GPU runner from 0.34" if _vtuple(version) >= (0, 34) else
+             "V2 (VLLM_USE_V2_MODEL_RUNNER=1)" if choice in ("1", "true") else
+             "V2, vLLM's default for most models (VLLM_USE_V2_MODEL_RUNNER=0 for V1)")
+    rep.add("vllm", "model runner", OK,
+            f"{which}: it recomputes a failed in-step load at stale positions (vLLM issue "
+            "#49250), so a consumer under load_failure_policy \"recompute\" loads in the "
+            "background and takes push_layer_load as the whole-prompt push; \"fail\" keeps "
+            "in-step loads, a failed one ending its request with an error our proxy takes "
+            "again (docs/connector.md, \"The V2 model runner\")")
+
