@@ -224,8 +224,8 @@ def stale_recompute_runner(vllm_config):
     positions -- keeps the count the failed step advanced it to.  The
     recompute then runs the wrong tokens at the wrong positions and the
     request's answer is wrong (vLLM issue #49250, read in vLLM 0.26's and
-    0.34's gpu/model_runner.py update_requests; fixes proposed: PRs #49252, #53298, neither
-    in 0.34).  vLLM's V1 runner sends the count with every step and its CPU
+    0.34's gpu/model_runner.py update_requests; fixes proposed in PRs #49252
+    and #53298, neither in 0.34).  vLLM's V1 runner sends the count with every step and its CPU
     backend's V2 runner keeps both in one memory: they recompute correctly.
     The answer names what runs here, for the log."""
     device = getattr(getattr(vllm_config, "device_config", None), "device_type", None)

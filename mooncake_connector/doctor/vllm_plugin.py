@@ -138,4 +138,3 @@ def check_model_runner(rep, version, is_cuda=None, environ=None):
             "background and takes push_layer_load as the whole-prompt push; \"fail\" keeps "
             "in-step loads, a failed one ending its request with an error our proxy takes "
             "again (docs/connector.md, \"The V2 model runner\")")
-
