@@ -94,6 +94,7 @@ RECOMPUTES = "vllm:mooncake_recomputes_total"
 USAGE = "vllm:kv_cache_usage_perc"
 LAYER_LOADS = "vllm:mooncake_push_layer_loads_total"
 LAYER_LOADS_ASYNC = "vllm:mooncake_push_layer_load_async_sched_total"
+LAYER_LOADS_RUNNER = "vllm:mooncake_push_layer_load_runner_total"
 
 
 def parse_phases(text):
@@ -403,13 +404,17 @@ class Probe:
                      if k.startswith(RECOMPUTE_PREFIX) and k != PLAIN_REASON
                      and v - m0.get(k, 0)}
         # How the decode took the targets: layer loads that waited per layer
-        # in the step, or (vLLM's asynchronous scheduling on) whole-prompt pushes.
+        # in the step, or whole-prompt pushes (vLLM's asynchronous scheduling
+        # on; vLLM's V2 model runner on a GPU under "recompute").
         ph.update(target_seconds=took, bound_s=[lo, hi], holds=holds, recomputes=by_reason,
                   fence_cuts=m1.get(CUTS, 0) - m0.get(CUTS, 0),
                   layer_loads=m1.get(LAYER_LOADS, 0) - m0.get(LAYER_LOADS, 0),
-                  layer_loads_as_whole=m1.get(LAYER_LOADS_ASYNC, 0) - m0.get(LAYER_LOADS_ASYNC, 0))
+                  layer_loads_as_whole=m1.get(LAYER_LOADS_ASYNC, 0) - m0.get(LAYER_LOADS_ASYNC, 0),
+                  layer_loads_as_whole_runner=m1.get(LAYER_LOADS_RUNNER, 0)
+                  - m0.get(LAYER_LOADS_RUNNER, 0))
         self.log(f"  decode: in-step layer loads +{ph['layer_loads']:.0f}, layer loads taken as "
-                 f"the whole-prompt push (async scheduling) +{ph['layer_loads_as_whole']:.0f}")
+                 f"the whole-prompt push (async scheduling) +{ph['layer_loads_as_whole']:.0f}, "
+                 f"(the V2 runner on a GPU) +{ph['layer_loads_as_whole_runner']:.0f}")
         if self.args.extra_config.get("load_failure_policy") == "fail":
             # vLLM fails a request whose load failed (no recompute there):
             # the proxy takes each target again (proxy_retake)
