@@ -15,7 +15,9 @@ import os
 #: VLLM_USE_FLASHINFER_SAMPLER=0: vLLM 0.26 otherwise imports FlashInfer
 #: (not carried) when it builds the sampler; VLLM_USE_V2_MODEL_RUNNER=0: the
 #: V1 GPU model runner, whose KV-connector path is the one vLLM's CPU
-#: backend (the CPU end-to-end tests) also runs.
+#: backend (the CPU end-to-end tests) also runs.  On the V2 runner (=1) a
+#: decode under load_failure_policy "recompute" makes no in-step load
+#: (connector.stale_recompute_runner): layer loads there need "fail".
 GPU_ENV = {"VLLM_TARGET_DEVICE": "cuda", "VLLM_USE_FLASHINFER_SAMPLER": "0",
            "VLLM_USE_V2_MODEL_RUNNER": "0"}
 
